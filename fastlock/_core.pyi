@@ -1,0 +1,161 @@
+"""Type stub for the compiled lock table (``fastlock/_core.pyx``).
+
+The core is sans-IO: it never reads a clock, a socket or a file.  Every method
+that can change state takes ``now``: the caller's monotonic clock in integer
+**milliseconds**.  Every such method first expires whatever is due at ``now``
+(exactly as :meth:`LockTable.expire` would), then does its own work.
+
+Outcomes that concern other parties (a waiter granted, a lease expired, a
+wait that timed out or was cancelled) are queued as :class:`Event` objects and
+collected with :meth:`LockTable.drain_events`.  The immediate answer of a call
+is its return value.
+"""
+
+from typing import Any, Optional
+
+# acquire() statuses
+GRANTED: int  # the lock was granted: an EV_GRANTED event carries the lease
+QUEUED: int  # the request waits in the lock's FIFO queue
+NOT_ACQUIRED: int  # wait_ms == 0 and the lock was not free
+
+# Event kinds
+EV_GRANTED: int  # a lease was granted (immediately or to a waiter)
+EV_EXPIRED: int  # a lease reached its deadline
+EV_WAIT_TIMEOUT: int  # a waiter's wait_ms ran out; it left the queue
+EV_WAIT_CANCELLED: int  # a waiter was cancelled or superseded by a retry
+
+#: Bits of a fencing token below the epoch: token = (epoch << TOKEN_EPOCH_SHIFT) | counter
+TOKEN_EPOCH_SHIFT: int  # 40
+MAX_EPOCH: int  # (1 << 23) - 1, so tokens stay below 2**63
+MAX_LOCK_DELAY_MS: int  # 60_000
+
+
+class NotHolder(LookupError):
+    """release/extend named a lease that is not the current, unexpired holder."""
+
+
+class Event:
+    kind: int
+    name: str
+    token: int  # EV_GRANTED / EV_EXPIRED: the lease's fencing token; else 0
+    owner: bytes  # the acquire's owner key
+    session: int  # session of the waiter (or of the holder when granted)
+    request: Any  # opaque object given to acquire() (None for EV_EXPIRED)
+    ttl_ms: int  # EV_GRANTED: the lease's TTL
+    deadline_ms: int  # EV_GRANTED: lease deadline (now + ttl_ms)
+    meta: Any  # opaque object given to acquire()
+    lock_delay_ms: int  # EV_GRANTED / EV_EXPIRED: the lease's lock-delay
+    fresh: bool  # EV_GRANTED: False when an idempotent retry re-delivers an existing lease
+
+
+class Holder:
+    name: str
+    token: int
+    owner: bytes
+    session: int
+    ttl_ms: int
+    deadline_ms: int
+    lock_delay_ms: int
+    meta: Any
+
+
+class LockTable:
+    def __init__(self) -> None: ...
+
+    # -- fencing counter ---------------------------------------------------
+    epoch: int  # read-only; set with set_epoch()
+    last_token: int  # read-only: (epoch << 40) | last counter issued (0 if none)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Raise the epoch (ValueError if lower than the current one or > MAX_EPOCH)."""
+
+    def advance_counter(self, counter: int) -> None:
+        """Make the counter at least ``counter`` (never lowers it)."""
+
+    @property
+    def counter(self) -> int: ...
+
+    # -- lock operations ------------------------------------------------------
+    def acquire(
+        self,
+        name: str,
+        owner: bytes,
+        session: int,
+        request: Any,
+        ttl_ms: int,
+        wait_ms: int,
+        lock_delay_ms: int,
+        meta: Any,
+        now: int,
+    ) -> int:
+        """Grant ``name`` to ``owner`` or queue the request.
+
+        wait_ms: -1 waits forever, 0 tries once, > 0 waits that many ms.
+        Returns GRANTED (an EV_GRANTED event is queued), QUEUED or NOT_ACQUIRED.
+        Idempotent by owner: if ``owner`` already holds ``name`` the existing
+        lease is re-delivered (EV_GRANTED with fresh=False, no new token); if
+        ``owner`` already waits on ``name`` the waiter keeps its place and takes
+        the new session/request, and the old request gets EV_WAIT_CANCELLED.
+        Not re-entrant otherwise: another owner on the same session queues.
+        """
+
+    def release(self, name: str, token: int, owner: bytes, now: int) -> None:
+        """Release the lease; the next waiter (if any) is granted.
+
+        Raises NotHolder if (token, owner) is not the unexpired holder of name.
+        A clean release never applies lock-delay.
+        """
+
+    def extend(self, name: str, token: int, owner: bytes, ttl_ms: int, now: int) -> int:
+        """Set the lease's deadline to now + ttl_ms (and its TTL to ttl_ms).
+
+        Returns the new deadline. Raises NotHolder as release() does; an expired
+        lease is never revived.
+        """
+
+    def cancel(self, name: str, owner: bytes, now: int) -> bool:
+        """Remove the waiter ``owner`` from ``name``'s queue (EV_WAIT_CANCELLED).
+
+        Returns False if no such waiter (it may have been granted already).
+        """
+
+    def drop_session(self, session: int, now: int) -> int:
+        """Remove every waiter of ``session`` at once (no events). Holders stay."""
+
+    def expire(self, now: int) -> None:
+        """Process every deadline <= now, in (deadline, scheduling order)."""
+
+    def next_deadline(self) -> int:
+        """Earliest pending deadline in ms, or -1 when nothing is scheduled."""
+
+    def drain_events(self) -> list[Event]: ...
+
+    # -- queries ---------------------------------------------------------------
+    def holder(self, name: str, now: int) -> Optional[Holder]: ...
+    def check(self, name: str, token: int, now: int) -> bool:
+        """True iff ``token`` is the current unexpired holder's token (Chubby's sequencer check)."""
+    def waiters(self, name: str) -> list[bytes]:
+        """Owners waiting on ``name`` in FIFO order."""
+    def session_waiters(self, session: int) -> int: ...
+    def holders(self) -> list[Holder]:
+        """Every current holder (for snapshots), any order."""
+    def stats(self) -> dict[str, int]: ...
+    def __len__(self) -> int:
+        """Number of locks currently held."""
+
+    # -- replication / recovery ------------------------------------------------
+    def install_holder(
+        self, name: str, token: int, owner: bytes, ttl_ms: int, lock_delay_ms: int, meta: Any, now: int
+    ) -> None:
+        """Make (token, owner) the holder of ``name`` with deadline now + ttl_ms.
+
+        Used by WAL replay and by a standby; replaces any current holder, never
+        queues, raises the counter to at least the token's counter and the
+        epoch to at least the token's epoch.
+        """
+
+    def remove_holder(self, name: str, token: int, now: int) -> bool:
+        """Replay of a release/expiry: drop the holder if its token is ``token``."""
+
+    def hold_grants_until(self, until_ms: int) -> None:
+        """Grant no lock before ``until_ms`` (promotion grace period, as Chubby)."""

@@ -1,0 +1,146 @@
+"""Exception hierarchy and the wire error-code registry.
+
+Every error fastlock raises derives from :class:`FastlockError`.  Where an
+error resembles a builtin it also subclasses that builtin (as asyncpg does), so
+``except TimeoutError`` catches a lock that was not acquired in time and
+``except ConnectionError`` catches a lost connection.
+
+Errors that travel over the wire carry a stable integer ``code``.  Each class
+that can be sent registers its code once; :func:`error_from_wire` maps a code
+back to its class.  Registering the same code twice fails at import time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "FastlockError",
+    "LockNotAcquired",
+    "LeaseLost",
+    "NotPrimary",
+    "ConnectionLost",
+    "ProtocolError",
+    "AuthError",
+    "InvalidArgument",
+    "WrongArgumentType",
+    "LimitExceeded",
+    "Cancelled",
+    "Unavailable",
+    "StaleFencingToken",
+    "error_from_wire",
+]
+
+_REGISTRY: dict[int, type["FastlockError"]] = {}
+
+
+def _register(code: int):
+    def deco(cls: type["FastlockError"]) -> type["FastlockError"]:
+        if code in _REGISTRY:
+            raise RuntimeError(
+                f"error code {code} registered twice: {_REGISTRY[code].__name__} and {cls.__name__}"
+            )
+        cls.code = code
+        _REGISTRY[code] = cls
+        return cls
+
+    return deco
+
+
+class FastlockError(Exception):
+    """Base class of every fastlock error.
+
+    ``code`` is the stable wire code (0 for errors that never travel).
+    """
+
+    code: int = 0
+
+
+@_register(1)
+class ProtocolError(FastlockError):
+    """A peer broke the protocol: malformed frame, unknown operation, wrong types,
+    an oversized frame, or a version mismatch.  The server closes the
+    connection after sending it when it cannot resynchronise."""
+
+
+@_register(2)
+class AuthError(FastlockError, PermissionError):
+    """The handshake's shared secret was missing or wrong."""
+
+
+@_register(3)
+class LockNotAcquired(FastlockError, TimeoutError):
+    """The lock was not granted within ``wait`` seconds (``wait=0``: it was held)."""
+
+
+@_register(4)
+class LeaseLost(FastlockError):
+    """The lease is not the lock's current holder any more: it expired, was
+    released, or never existed.  Nothing was changed on the server."""
+
+
+@_register(5)
+class NotPrimary(FastlockError):
+    """The server is a standby (or a deposed primary).
+
+    ``primary`` is the ``host:port`` it believes is the primary, or None.
+    """
+
+    def __init__(self, message: str = "not primary", primary: str | None = None):
+        super().__init__(message)
+        self.primary = primary
+
+
+@_register(6)
+class InvalidArgument(FastlockError, ValueError):
+    """An argument is out of range or of the wrong type (raised by the client
+    before sending, or by the server if a client did not check)."""
+
+
+class WrongArgumentType(InvalidArgument, TypeError):
+    """An argument has the wrong type (e.g. a float where an int of
+    milliseconds is due, a bool where a number is due).  Travels as
+    InvalidArgument's code."""
+
+
+@_register(7)
+class LimitExceeded(FastlockError):
+    """A server limit was reached (e.g. waiters per connection)."""
+
+
+@_register(8)
+class Cancelled(FastlockError):
+    """A waiting acquire was cancelled (by the client, or superseded by a retry
+    carrying the same acquire id)."""
+
+
+@_register(9)
+class Unavailable(FastlockError):
+    """The server cannot serve this request now: it is shutting down, or it is
+    a primary that stopped granting because it lost contact with its standby."""
+
+
+class ConnectionLost(FastlockError, ConnectionError):
+    """The connection to the server was lost (or could not be made) and the
+    request's outcome is unknown or could not be delivered."""
+
+
+class StaleFencingToken(FastlockError):
+    """A fenced write was refused: the caller's fencing token is lower than the
+    highest token already recorded for the resource (the writer's side of
+    Kleppmann's fencing contract, as Chubby's sequencer check on the server)."""
+
+    def __init__(self, message: str, token: int | None = None, highest: int | None = None):
+        super().__init__(message)
+        self.token = token
+        self.highest = highest
+
+
+def error_from_wire(code: int, message: str, extra: Any = None) -> FastlockError:
+    """Build the exception for a wire error reply; unknown codes give a ProtocolError."""
+    cls = _REGISTRY.get(code)
+    if cls is None:
+        return ProtocolError(f"unknown error code {code}: {message}")
+    if cls is NotPrimary:
+        return NotPrimary(message, extra if isinstance(extra, str) else None)
+    return cls(message)

@@ -1,0 +1,246 @@
+"""The wire protocol: msgpack frames over TCP, sans-IO.
+
+Nothing here touches a socket, a loop or a clock (the h11 pattern): a
+:class:`FrameDecoder` turns received bytes into decoded messages, and the
+``encode_*`` functions turn messages into bytes.  Both the server and the
+client use the validators below, so a bad argument is refused by the client
+before anything is sent and, should a client not check, by the server with the
+same message.
+
+Framing
+-------
+The stream is a plain sequence of msgpack objects (msgpack's own streaming
+format, as its ``Unpacker`` reads it).  A frame larger than ``max_frame``
+bytes (default 1 MiB) - or a declared string/array length that would need
+more - is a :class:`~fastlock.errors.ProtocolError` and the connection is
+closed: after garbage there is no way to find the next frame boundary.
+
+Messages (all positional arrays, for speed)
+-------------------------------------------
+request   ``[req_id, op, arg...]``   req_id: int >= 1, unique per connection while in flight
+response  ``[req_id, 0, value]``      success
+error     ``[req_id, code, message, extra]``  code from :mod:`fastlock.errors`
+push      ``[0, kind, payload]``      server-initiated (watch events, notices)
+
+Times on the wire are integer **milliseconds**; the Python API speaks float
+seconds, like asyncio.
+
+Operations and their arguments:
+
+=========  ==  =====================================================  ======================
+op         #   arguments                                              value
+=========  ==  =====================================================  ======================
+HELLO      1   version, client_name|None, secret|None                 dict (session, role...)
+ACQUIRE    2   name, owner, ttl_ms, wait_ms, lock_delay_ms, corr_id   [token, ttl_ms]
+RELEASE    3   name, token, owner                                     None
+EXTEND     4   name, token, owner, ttl_ms                             ttl_ms
+CANCEL     5   name, owner                                            "cancelled"|"released"|None
+CHECK      6   name, token                                            bool
+STATUS     7   -                                                      dict
+PING       8   -                                                      None
+=========  ==  =====================================================  ======================
+
+``wait_ms`` is -1 to wait forever, 0 to try once.  ``owner`` is a random
+16-byte key the client makes per acquire; a retry of the same acquire (after a
+lost reply) sends the same owner and finds its existing lease or waiter, as
+ZooKeeper's lock recipe finds its own sequential node again.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgpack
+
+from .errors import InvalidArgument, ProtocolError, WrongArgumentType
+
+PROTOCOL_VERSION = 1
+
+# operations
+OP_HELLO = 1
+OP_ACQUIRE = 2
+OP_RELEASE = 3
+OP_EXTEND = 4
+OP_CANCEL = 5
+OP_CHECK = 6
+OP_STATUS = 7
+OP_PING = 8
+
+OP_NAMES = {
+    OP_HELLO: "hello",
+    OP_ACQUIRE: "acquire",
+    OP_RELEASE: "release",
+    OP_EXTEND: "extend",
+    OP_CANCEL: "cancel",
+    OP_CHECK: "check",
+    OP_STATUS: "status",
+    OP_PING: "ping",
+}
+
+STATUS_OK = 0
+
+# limits (units in the names)
+DEFAULT_MAX_FRAME_BYTES = 1 << 20
+MAX_NAME_BYTES = 512
+MIN_TTL_MS = 1
+MAX_TTL_MS = 24 * 3600 * 1000
+MAX_WAIT_MS = 24 * 3600 * 1000
+MAX_LOCK_DELAY_MS = 60_000
+MAX_OWNER_BYTES = 64
+MAX_CORRELATION_ID_CHARS = 256
+MAX_CLIENT_NAME_CHARS = 128
+
+_packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+packb = _packer.pack
+
+
+class FrameDecoder:
+    """Incremental decoder: ``feed(data)`` then iterate to get whole messages.
+
+    ``max_frame`` (bytes, default 1 MiB) bounds the buffered, not yet decoded
+    data; exceeding it raises :class:`ProtocolError`.  A byte sequence that is
+    not msgpack raises :class:`ProtocolError` too.  After either, the decoder is
+    unusable and the connection must be closed.
+    """
+
+    __slots__ = ("_unpacker",)
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME_BYTES):
+        self._unpacker = msgpack.Unpacker(
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_buffer_size=max_frame,
+        )
+
+    def feed(self, data: bytes) -> list[Any]:
+        """Add received bytes; return every message now complete (maybe none).
+
+        Raises ProtocolError on malformed msgpack or an oversized frame.
+        """
+        up = self._unpacker
+        try:
+            up.feed(data)
+            return list(up)
+        except msgpack.BufferFull:
+            raise ProtocolError("frame exceeds the maximum frame size") from None
+        except (ValueError, msgpack.UnpackException, TypeError) as exc:
+            # ExtraData/FormatError/StackError are ValueError subclasses;
+            # invalid UTF-8 in a str raises UnicodeDecodeError (a ValueError).
+            raise ProtocolError(f"malformed msgpack: {exc.__class__.__name__}") from None
+
+
+# -- encoders ------------------------------------------------------------------
+
+
+def encode_request(req_id: int, op: int, *args: Any) -> bytes:
+    return packb([req_id, op, *args])
+
+
+def encode_ok(req_id: int, value: Any) -> bytes:
+    return packb([req_id, STATUS_OK, value])
+
+
+def encode_error(req_id: int, code: int, message: str, extra: Any = None) -> bytes:
+    return packb([req_id, code, message, extra])
+
+
+def encode_push(kind: str, payload: Any) -> bytes:
+    return packb([0, kind, payload])
+
+
+# -- validators: shared by client (InvalidArgument before sending) and server ---
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int  # bool is refused on purpose
+
+
+def check_name(name: Any) -> str:
+    """A lock name: non-empty str, at most 512 bytes of UTF-8, no NUL."""
+    if type(name) is not str:
+        raise WrongArgumentType(f"lock name must be str, not {type(name).__name__}")
+    if not name:
+        raise InvalidArgument("lock name must not be empty")
+    try:
+        n = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidArgument("lock name must be valid UTF-8 (no lone surrogates)") from None
+    if n > MAX_NAME_BYTES:
+        raise InvalidArgument(f"lock name is {n} bytes of UTF-8; the limit is {MAX_NAME_BYTES}")
+    if "\x00" in name:
+        raise InvalidArgument("lock name must not contain NUL")
+    return name
+
+
+def check_ttl_ms(ttl_ms: Any) -> int:
+    if not _is_int(ttl_ms):
+        raise WrongArgumentType(f"ttl must be an integer number of milliseconds, not {type(ttl_ms).__name__}")
+    if not MIN_TTL_MS <= ttl_ms <= MAX_TTL_MS:
+        raise InvalidArgument(f"ttl must be between {MIN_TTL_MS} ms and {MAX_TTL_MS} ms (24 h), got {ttl_ms} ms")
+    return ttl_ms
+
+
+def check_wait_ms(wait_ms: Any) -> int:
+    if not _is_int(wait_ms):
+        raise WrongArgumentType(f"wait must be an integer number of milliseconds, not {type(wait_ms).__name__}")
+    if not (wait_ms == -1 or 0 <= wait_ms <= MAX_WAIT_MS):
+        raise InvalidArgument(f"wait must be -1 (forever) or 0..{MAX_WAIT_MS} ms, got {wait_ms}")
+    return wait_ms
+
+
+def check_lock_delay_ms(delay_ms: Any) -> int:
+    if not _is_int(delay_ms):
+        raise WrongArgumentType(f"lock_delay must be an integer number of milliseconds, not {type(delay_ms).__name__}")
+    if not 0 <= delay_ms <= MAX_LOCK_DELAY_MS:
+        raise InvalidArgument(f"lock_delay must be 0..{MAX_LOCK_DELAY_MS} ms, got {delay_ms}")
+    return delay_ms
+
+
+def check_owner(owner: Any) -> bytes:
+    if type(owner) is not bytes:
+        raise WrongArgumentType(f"owner key must be bytes, not {type(owner).__name__}")
+    if not 1 <= len(owner) <= MAX_OWNER_BYTES:
+        raise InvalidArgument(f"owner key must be 1..{MAX_OWNER_BYTES} bytes")
+    return owner
+
+
+def check_token(token: Any) -> int:
+    if not _is_int(token):
+        raise WrongArgumentType(f"fencing token must be int, not {type(token).__name__}")
+    if not 0 < token < (1 << 63):
+        raise InvalidArgument("fencing token out of range (1 .. 2**63-1)")
+    return token
+
+
+def check_optional_str(value: Any, what: str, limit: int) -> str | None:
+    if value is None:
+        return None
+    if type(value) is not str:
+        raise WrongArgumentType(f"{what} must be str or None, not {type(value).__name__}")
+    if len(value) > limit:
+        raise InvalidArgument(f"{what} is longer than {limit} characters")
+    return value
+
+
+def seconds_to_ms(value: Any, what: str, *, allow_none: bool = False, allow_zero: bool = False) -> int:
+    """Convert a float/int number of seconds from the Python API to wire milliseconds.
+
+    ``None`` becomes -1 (forever) when ``allow_none``.  NaN, infinities, bools,
+    negatives and (unless ``allow_zero``) zero raise InvalidArgument; a
+    positive value below 1 ms rounds up to 1 ms rather than to 0.
+    """
+    if value is None:
+        if allow_none:
+            return -1
+        raise WrongArgumentType(f"{what} must be a number of seconds, not None")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise WrongArgumentType(f"{what} must be a number of seconds, not {type(value).__name__}")
+    if math.isnan(value) or math.isinf(value):
+        raise InvalidArgument(f"{what} must be finite, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise InvalidArgument(f"{what} must be {'>= 0' if allow_zero else '> 0'} seconds, got {value!r}")
+    if value == 0:
+        return 0
+    return max(1, math.ceil(value * 1000))

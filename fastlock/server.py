@@ -1,0 +1,567 @@
+"""The fastlock daemon: connections, sessions, one expiry timer, group-committed grants.
+
+This module only moves bytes and time around.  Lock semantics live in the
+compiled :class:`fastlock._core.LockTable` (sans-IO), framing in
+:mod:`fastlock.protocol`, durability in :mod:`fastlock.wal`.
+
+Request flow (one turn of the event loop)::
+
+    data_received -> FrameDecoder -> handler -> LockTable (returns status, queues events)
+                  -> _after_batch: drain events -> WAL records -> when_durable(deliver grants)
+                                   -> re-arm the ONE expiry timer at table.next_deadline()
+                                   -> flush every connection's output buffer once
+
+What waits for the disk (``--fsync always``): a grant is acknowledged only
+after its WAL record is fsynced, together with everything else logged in the
+same loop turn (group commit).  Releases and extensions are acknowledged at
+once: losing one in a crash can only leave the lock held until its TTL runs out
+after recovery - never give it to two holders.
+
+Sessions: each connection is a session.  Waiting goes by connection (a waiter
+whose connection drops is removed at once); ownership goes by lease (a held
+lease outlives its connection until its TTL).  A grant that cannot be
+delivered because its connection has already closed is released at once, so
+a client that died while queued never becomes a ghost holder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import __version__
+from . import protocol as P
+from ._core import (
+    EV_EXPIRED,
+    EV_GRANTED,
+    EV_WAIT_CANCELLED,
+    EV_WAIT_TIMEOUT,
+    NOT_ACQUIRED,
+    LockTable,
+    NotHolder,
+)
+from .errors import (
+    AuthError,
+    Cancelled,
+    FastlockError,
+    InvalidArgument,
+    LeaseLost,
+    LimitExceeded,
+    LockNotAcquired,
+    ProtocolError,
+)
+try:
+    from .wal import HolderRecord, WriteAheadLog
+except ImportError:  # TEMPORARY until wal.py lands
+    from collections import namedtuple
+
+    HolderRecord = namedtuple("HolderRecord", "name token owner ttl_ms lock_delay_ms client_name correlation_id granted_wall_ms")
+    _RS = namedtuple("_RS", "epoch counter holders records_replayed torn_bytes next_lsn snapshot_lsn")
+
+    class WriteAheadLog:  # type: ignore[no-redef]
+        def __init__(self, *a, **k): pass
+        def open(self): return _RS(0, 0, [], 0, 0, 0, 0)
+        def start(self, loop): self._loop = loop
+        def log_grant(self, *a): pass
+        def log_release(self, *a): pass
+        def log_expire(self, *a): pass
+        def log_extend(self, *a): pass
+        def when_durable(self, cb): self._loop.call_soon(cb)
+        def maybe_snapshot(self, f): pass
+        async def close(self): pass
+        def stats(self): return {}
+
+log = logging.getLogger(__name__)
+
+_monotonic_ns = time.monotonic_ns
+
+
+def now_ms() -> int:
+    """The server's clock: monotonic milliseconds (never the wall clock)."""
+    return _monotonic_ns() // 1_000_000
+
+
+@dataclass
+class ServerConfig:
+    """Settings of one server process (units in the names)."""
+
+    host: str = "127.0.0.1"
+    port: int = 7420
+    data_dir: str = "fastlock-data"
+    fsync: str = "always"
+    fsync_interval_ms: int = 1000
+    snapshot_every: int = 200_000
+    auth_secret: str | None = None
+    max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES
+    max_waiters_per_connection: int = 10_000
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection = one session."""
+
+    __slots__ = ("server", "transport", "session", "decoder", "out", "ready", "client_name", "peer", "closed")
+
+    def __init__(self, server: "LockServer", session: int):
+        self.server = server
+        self.session = session
+        self.decoder = P.FrameDecoder(server.config.max_frame_bytes)
+        self.transport: asyncio.Transport | None = None
+        self.out: list[bytes] = []
+        self.ready = False  # handshake done
+        self.client_name: str | None = None
+        self.peer = "?"
+        self.closed = False
+
+    # -- asyncio callbacks ------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self.server._sessions[self.session] = self
+
+    def data_received(self, data: bytes) -> None:
+        server = self.server
+        try:
+            messages = self.decoder.feed(data)
+        except ProtocolError as exc:
+            self.fatal(exc)
+            server._after_batch()
+            return
+        handle = server._handle
+        for msg in messages:
+            if self.closed:
+                break
+            handle(self, msg)
+        server._after_batch()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server._connection_lost(self)
+
+    # -- output -----------------------------------------------------------------
+    def send(self, data: bytes) -> None:
+        if not self.closed:
+            if not self.out:
+                self.server._dirty.append(self)
+            self.out.append(data)
+
+    def flush(self) -> None:
+        out = self.out
+        if out and not self.closed:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        out.clear()
+
+    def fatal(self, exc: FastlockError) -> None:
+        """Send a protocol error (request id 0) and close this connection only."""
+        log.warning("closing connection %s (session %d): %s", self.peer, self.session, exc)
+        self.send(P.encode_error(0, exc.code, str(exc)))
+        self.flush()
+        self.closed = True
+        self.transport.close()
+
+
+class LockServer:
+    """The daemon.  ``await server.start()`` then ``await server.wait_closed()``."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.table = LockTable()
+        self.wal = WriteAheadLog(
+            config.data_dir,
+            fsync=config.fsync,
+            fsync_interval_ms=config.fsync_interval_ms,
+            snapshot_every=config.snapshot_every,
+            on_fatal=self._wal_fatal,
+        )
+        self.role = "primary"
+        self._sessions: dict[int, _Connection] = {}
+        self._next_session = 1
+        self._dirty: list[_Connection] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = -1
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._closed = asyncio.Event()
+        self._started_ms = now_ms()
+        self.address: tuple[str, int] | None = None
+        self._handlers = {
+            P.OP_HELLO: self._op_hello,
+            P.OP_ACQUIRE: self._op_acquire,
+            P.OP_RELEASE: self._op_release,
+            P.OP_EXTEND: self._op_extend,
+            P.OP_CANCEL: self._op_cancel,
+            P.OP_CHECK: self._op_check,
+            P.OP_STATUS: self._op_status,
+            P.OP_PING: self._op_ping,
+        }
+
+    # -- life cycle -----------------------------------------------------------------
+    async def start(self) -> None:
+        loop = self._loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        state = self.wal.open()
+        table = self.table
+        table.set_epoch(state.epoch)
+        table.advance_counter(state.counter)
+        now = now_ms()
+        for h in state.holders:
+            # A fresh full TTL from recovery: we cannot know how long we were down.
+            table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
+                                 (h.client_name, h.correlation_id), now)
+        table.drain_events()
+        log.info(
+            "recovered %d leases, epoch %d, counter %d (%d records replayed, %d torn bytes cut) in %.1f ms",
+            len(state.holders), state.epoch, table.counter, state.records_replayed, state.torn_bytes,
+            (time.perf_counter() - t0) * 1000,
+        )
+        self.wal.start(loop)
+        self._rearm()
+        self._server = await loop.create_server(
+            self._make_connection, self.config.host, self.config.port, reuse_address=True,
+            backlog=1024,
+        )
+        sockname = self._server.sockets[0].getsockname()
+        self.address = (sockname[0], sockname[1])
+        log.info(
+            "listening on %s:%d (fastlock %s, fsync=%s, data dir %s)",
+            sockname[0], sockname[1], __version__, self.config.fsync, os.path.abspath(self.config.data_dir),
+        )
+
+    async def close(self) -> None:
+        """Stop accepting, close every connection, flush and close the WAL."""
+        if self._closed.is_set():
+            return
+        log.info("shutting down: %d sessions, %d locks held", len(self._sessions), len(self.table))
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._sessions.values()):
+            conn.flush()
+            conn.closed = True
+            conn.transport.close()
+        if self._timer is not None:
+            self._timer.cancel()
+        await self.wal.close()
+        self._closed.set()
+        log.info("stopped")
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    def _wal_fatal(self, exc: BaseException) -> None:
+        # As PostgreSQL after a failed fsync: we cannot know what reached the
+        # disk, so we must not acknowledge anything more.  Stop serving.
+        log.critical("write-ahead log failed (%s); stopping without acknowledging further grants", exc)
+        for conn in list(self._sessions.values()):
+            conn.out.clear()
+            conn.closed = True
+            conn.transport.abort()
+        if self._server is not None:
+            self._server.close()
+        self._closed.set()
+
+    def _make_connection(self) -> _Connection:
+        sid = self._next_session
+        self._next_session = sid + 1
+        return _Connection(self, sid)
+
+    def _connection_lost(self, conn: _Connection) -> None:
+        self._sessions.pop(conn.session, None)
+        dropped = self.table.drop_session(conn.session, now_ms())
+        if dropped:
+            log.debug("session %d closed; %d waiters removed", conn.session, dropped)
+        self._after_batch()
+
+    # -- the batch end: events, WAL, timer, output ------------------------------------
+    def _after_batch(self) -> None:
+        table = self.table
+        events = table.drain_events()
+        if events:
+            self._process_events(events)
+        nd = table.next_deadline()
+        if nd >= 0 and (self._timer is None or nd < self._timer_at):
+            self._rearm()
+        dirty = self._dirty
+        if dirty:
+            for conn in dirty:
+                conn.flush()
+            dirty.clear()
+
+    def _process_events(self, events: list) -> None:
+        wal = self.wal
+        grants = None
+        sessions = self._sessions
+        for ev in events:
+            kind = ev.kind
+            if kind == EV_GRANTED:
+                if ev.fresh:
+                    meta = ev.meta
+                    wal.log_grant(ev.name, ev.token, ev.owner, ev.ttl_ms, ev.lock_delay_ms if hasattr(ev, "lock_delay_ms") else 0,
+                                  meta[0], meta[1])
+                if grants is None:
+                    grants = []
+                grants.append(ev)
+            elif kind == EV_EXPIRED:
+                wal.log_expire(ev.name, ev.token)
+                log.info("lease expired: %s token %d (holder %s)", ev.name, ev.token, ev.meta[0] if ev.meta else None)
+            elif kind == EV_WAIT_TIMEOUT:
+                conn = sessions.get(ev.session)
+                if conn is not None:
+                    conn.send(P.encode_error(ev.request, LockNotAcquired.code, f"{ev.name!r}: wait ran out"))
+            elif kind == EV_WAIT_CANCELLED:
+                conn = sessions.get(ev.session)
+                if conn is not None:
+                    conn.send(P.encode_error(ev.request, Cancelled.code, f"{ev.name!r}: acquire cancelled"))
+        if grants is not None:
+            wal.when_durable(lambda: self._deliver_grants(grants))
+
+    def _deliver_grants(self, grants: list) -> None:
+        sessions = self._sessions
+        table = self.table
+        undelivered = False
+        for ev in grants:
+            conn = sessions.get(ev.session)
+            if conn is None or conn.closed:
+                # Nobody can learn this token any more: release it now rather
+                # than leave a ghost holder until its TTL runs out.
+                try:
+                    table.release(ev.name, ev.token, ev.owner, now_ms())
+                except NotHolder:
+                    continue
+                self.wal.log_release(ev.name, ev.token)
+                undelivered = True
+                log.info("released undeliverable grant %s token %d (session %d gone)", ev.name, ev.token, ev.session)
+                continue
+            conn.send(P.packb([ev.request, 0, [ev.token, ev.ttl_ms]]))
+        if undelivered:
+            table.expire(now_ms())
+        self._after_batch()
+
+    def _rearm(self) -> None:
+        nd = self.table.next_deadline()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if nd < 0:
+            return
+        delay = max(0, nd - now_ms()) / 1000.0
+        self._timer = self._loop.call_later(delay, self._on_timer)
+        self._timer_at = nd
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self.table.expire(now_ms())
+        self._after_batch()
+        if self._timer is None:
+            self._rearm()
+        self.wal.maybe_snapshot(self._snapshot_state)
+
+    def _snapshot_state(self):
+        t = self.table
+        return (
+            t.epoch,
+            t.counter,
+            [
+                HolderRecord(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
+                             h.meta[0] if h.meta else None, h.meta[1] if h.meta else None, 0)
+                for h in t.holders()
+            ],
+        )
+
+    # -- dispatch -----------------------------------------------------------------
+    def _handle(self, conn: _Connection, msg: Any) -> None:
+        if type(msg) is not list or len(msg) < 2 or type(msg[0]) is not int or type(msg[1]) is not int or msg[0] < 1:
+            conn.fatal(ProtocolError("a request must be an array [request_id >= 1, op, args...]"))
+            return
+        req_id = msg[0]
+        op = msg[1]
+        if not conn.ready and op != P.OP_HELLO:
+            conn.fatal(ProtocolError("the first request must be HELLO"))
+            return
+        handler = self._handlers.get(op)
+        try:
+            if handler is None:
+                raise ProtocolError(f"unknown operation {op}")
+            handler(conn, req_id, msg)
+        except FastlockError as exc:
+            conn.send(P.packb([req_id, exc.code, str(exc), getattr(exc, "primary", None)]))
+            if isinstance(exc, AuthError):
+                conn.flush()
+                conn.closed = True
+                conn.transport.close()
+        except Exception:  # a bug: answer, log, keep serving everyone else
+            log.exception("internal error handling %s from %s", P.OP_NAMES.get(op, op), conn.peer)
+            conn.send(P.packb([req_id, ProtocolError.code, "internal server error", None]))
+
+    @staticmethod
+    def _arity(msg: list, n: int, op: str) -> None:
+        if len(msg) != n + 2:
+            raise ProtocolError(f"{op} takes {n} arguments, got {len(msg) - 2}")
+
+    def _op_hello(self, conn: _Connection, req_id: int, msg: list) -> None:
+        self._arity(msg, 3, "hello")
+        version, client_name, secret = msg[2], msg[3], msg[4]
+        if version != P.PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {version!r} not supported (server speaks {P.PROTOCOL_VERSION})")
+        conn.client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
+        expected = self.config.auth_secret
+        if expected is not None:
+            if type(secret) is not str or not hmac.compare_digest(secret.encode(), expected.encode()):
+                log.warning("auth refused for %s (%s)", conn.peer, conn.client_name)
+                raise AuthError("authentication failed")
+        conn.ready = True
+        log.debug("session %d hello from %s (%s)", conn.session, conn.peer, conn.client_name)
+        conn.send(P.encode_ok(req_id, self._hello_info(conn)))
+
+    def _hello_info(self, conn: _Connection) -> dict:
+        return {
+            "server": "fastlock",
+            "version": __version__,
+            "protocol": P.PROTOCOL_VERSION,
+            "session": conn.session,
+            "role": self.role,
+            "epoch": self.table.epoch,
+            "primary": None,
+            "max_frame_bytes": self.config.max_frame_bytes,
+        }
+
+    def _op_acquire(self, conn: _Connection, req_id: int, msg: list) -> None:
+        if len(msg) != 8:
+            raise ProtocolError(f"acquire takes 6 arguments, got {len(msg) - 2}")
+        name = P.check_name(msg[2])
+        owner = P.check_owner(msg[3])
+        ttl_ms = P.check_ttl_ms(msg[4])
+        wait_ms = P.check_wait_ms(msg[5])
+        delay_ms = P.check_lock_delay_ms(msg[6])
+        corr = P.check_optional_str(msg[7], "correlation id", P.MAX_CORRELATION_ID_CHARS)
+        table = self.table
+        if wait_ms != 0 and table.session_waiters(conn.session) >= self.config.max_waiters_per_connection:
+            raise LimitExceeded(
+                f"this connection already has {self.config.max_waiters_per_connection} waiting acquires"
+            )
+        status = table.acquire(name, owner, conn.session, req_id, ttl_ms, wait_ms, delay_ms,
+                               (conn.client_name, corr), now_ms())
+        if status == NOT_ACQUIRED:
+            raise LockNotAcquired(f"{name!r} is held")
+
+    def _op_release(self, conn: _Connection, req_id: int, msg: list) -> None:
+        self._arity(msg, 3, "release")
+        name = P.check_name(msg[2])
+        token = P.check_token(msg[3])
+        owner = P.check_owner(msg[4])
+        try:
+            self.table.release(name, token, owner, now_ms())
+        except NotHolder:
+            raise LeaseLost(f"{name!r}: token {token} is not the current holder (expired, released or never held)") from None
+        self.wal.log_release(name, token)
+        conn.send(P.encode_ok(req_id, None))
+
+    def _op_extend(self, conn: _Connection, req_id: int, msg: list) -> None:
+        self._arity(msg, 4, "extend")
+        name = P.check_name(msg[2])
+        token = P.check_token(msg[3])
+        owner = P.check_owner(msg[4])
+        ttl_ms = P.check_ttl_ms(msg[5])
+        table = self.table
+        now = now_ms()
+        holder = table.holder(name, now)
+        try:
+            table.extend(name, token, owner, ttl_ms, now)
+        except NotHolder:
+            raise LeaseLost(f"{name!r}: token {token} is not the current holder (expired, released or never held)") from None
+        if holder.ttl_ms != ttl_ms:
+            self.wal.log_extend(name, token, ttl_ms)
+        conn.send(P.encode_ok(req_id, ttl_ms))
+
+    def _op_cancel(self, conn: _Connection, req_id: int, msg: list) -> None:
+        self._arity(msg, 2, "cancel")
+        name = P.check_name(msg[2])
+        owner = P.check_owner(msg[3])
+        table = self.table
+        now = now_ms()
+        result = None
+        if table.cancel(name, owner, now):
+            result = "cancelled"
+        else:
+            holder = table.holder(name, now)
+            if holder is not None and holder.owner == owner:
+                # The grant raced with the cancel: release it, never leak it.
+                table.release(name, holder.token, owner, now)
+                self.wal.log_release(name, holder.token)
+                result = "released"
+        conn.send(P.encode_ok(req_id, result))
+
+    def _op_check(self, conn: _Connection, req_id: int, msg: list) -> None:
+        self._arity(msg, 2, "check")
+        name = P.check_name(msg[2])
+        token = P.check_token(msg[3])
+        conn.send(P.encode_ok(req_id, self.table.check(name, token, now_ms())))
+
+    def _op_status(self, conn: _Connection, req_id: int, msg: list) -> None:
+        conn.send(P.encode_ok(req_id, self.status()))
+
+    def _op_ping(self, conn: _Connection, req_id: int, msg: list) -> None:
+        conn.send(P.encode_ok(req_id, None))
+
+    def status(self) -> dict:
+        t = self.table
+        st = dict(t.stats())
+        st.update(
+            role=self.role,
+            epoch=t.epoch,
+            last_token=t.last_token,
+            counter=t.counter,
+            sessions=len(self._sessions),
+            uptime_ms=now_ms() - self._started_ms,
+            fsync=self.config.fsync,
+            wal=self.wal.stats(),
+            version=__version__,
+        )
+        return st
+
+
+def _install_loop_policy() -> str:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency where available
+        return "asyncio"
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return "uvloop"
+
+
+async def _serve(config: ServerConfig) -> int:
+    server = LockServer(config)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    waiter = asyncio.ensure_future(stop.wait())
+    closed = asyncio.ensure_future(server.wait_closed())
+    await asyncio.wait([waiter, closed], return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        log.info("signal received")
+    await server.close()
+    waiter.cancel()
+    closed.cancel()
+    return 0
+
+
+def serve(config: ServerConfig, *, use_uvloop: bool = True) -> int:
+    """Run a server until SIGTERM/SIGINT.  Returns the process exit status."""
+    loop_name = _install_loop_policy() if use_uvloop else "asyncio"
+    log.info("event loop: %s", loop_name)
+    return asyncio.run(_serve(config))

@@ -1,0 +1,38 @@
+"""Build the compiled core.  Everything else lives in pyproject.toml.
+
+Switches (environment variables):
+  FASTLOCK_DEBUG=1     build without optimisation, with Cython's bounds checks on
+  FASTLOCK_ANNOTATE=1  write fastlock/_core.html (``cython -a``) to find Python calls on hot paths
+"""
+
+import os
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+debug = os.environ.get("FASTLOCK_DEBUG") == "1"
+
+directives = {
+    "language_level": 3,
+    "boundscheck": debug,
+    "wraparound": debug,
+    "initializedcheck": debug,
+    "cdivision": True,
+    "embedsignature": True,
+}
+
+extensions = [
+    Extension(
+        "fastlock._core",
+        ["fastlock/_core.pyx"],
+        extra_compile_args=["-O0", "-g"] if debug else ["-O2"],
+    )
+]
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        compiler_directives=directives,
+        annotate=os.environ.get("FASTLOCK_ANNOTATE") == "1",
+    ),
+)
