@@ -99,7 +99,7 @@ class EchoClientProtocol(asyncio.Protocol):
                 fut.set_exception(self.lost)
         self.pending.clear()
 
-    def request(self, op: str, *args) -> asyncio.Future:
+    def request(self, op: int, *args) -> asyncio.Future:
         if self.lost is not None:
             raise self.lost
         self.next_id += 1
@@ -132,14 +132,14 @@ class EchoSession(harness.Session):
 
     async def acquire(self, name: str) -> int | None:
         self.round_trips += 1
-        # [id, "acquire", name, ttl_ms, wait_ms, client-chosen acquire id]
-        await self.proto.request("acquire", name, 10_000, 5_000, self.acquire_id)
+        # shaped like a lock acquire: [id, op, name, owner key, ttl_ms, wait_ms, lock_delay_ms, tag]
+        await self.proto.request(1, name, self.acquire_id, 10_000, 5_000, 0, None)
         return None
 
     async def release(self, name: str) -> None:
         self.round_trips += 1
-        # [id, "release", name, lease id, fencing token]
-        await self.proto.request("release", name, 123456789, 1 << 40)
+        # shaped like a release: [id, op, name, fencing token, owner key]
+        await self.proto.request(2, name, (1 << 40) + self.round_trips, self.acquire_id)
 
     async def close(self) -> None:
         if self.proto.transport is not None:
@@ -190,7 +190,7 @@ async def _pipelined(port: int, duration: float, window: int) -> float:
         for _ in range(harness.MAX_OPS):
             if time.perf_counter() >= end:
                 return
-            await proto.request("acquire", "bench/lock-000", 10_000, 5_000, b"0123456789abcdef")
+            await proto.request(1, "bench/lock-000", b"0123456789abcdef", 10_000, 5_000, 0, None)
             done += 1
 
     t0 = time.perf_counter()

@@ -331,7 +331,8 @@ class Target:
 
     def describe(self) -> dict[str, Any]:
         return {"target": self.name, "system": self.system, "fencing": self.fencing,
-                "polling": self.polling, "threaded": self.threaded, "notes": self.notes}
+                "polling": self.polling, "threaded": self.threaded, "notes": self.notes,
+                "is_floor": self.is_floor}
 
     # sessions ---------------------------------------------------------------
     async def open(self, idx: int) -> Session:  # pragma: no cover - interface
