@@ -1,0 +1,109 @@
+"""Shared fixtures: real server processes on free loopback ports, both event loops.
+
+Every async test runs twice, on the stdlib asyncio loop and on uvloop (the
+uvloop project's own pattern), with a loop exception handler that fails the
+test if any callback or task raised unseen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from fastlock._testbase import ServerProcess
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover
+    uvloop = None
+
+def pytest_asyncio_loop_factories(config, item):
+    """Run every async test on each available loop (pytest-asyncio >= 1.5 hook)."""
+    factories = {"asyncio": asyncio.new_event_loop}
+    if uvloop is not None:
+        factories["uvloop"] = uvloop.new_event_loop
+    return factories
+
+
+@pytest.fixture
+async def loop_errors():
+    """Install a loop exception handler that fails the test on any unseen error."""
+    errors: list[dict] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    yield errors
+    # let callbacks scheduled by the test's last steps run before judging
+    await asyncio.sleep(0)
+    if errors:
+        msgs = [str(c.get("exception") or c.get("message")) for c in errors]
+        pytest.fail("unhandled errors reported to the event loop: " + "; ".join(msgs))
+
+
+@pytest.fixture
+async def connect(server, loop_errors):
+    """Factory: ``client = await connect(name)``; every client is closed after the test."""
+    import fastlock
+
+    clients = []
+
+    async def make(client_name: str = "test", address: str | None = None, **kwargs):
+        c = await fastlock.connect(address or server.address, client_name=client_name, **kwargs)
+        clients.append(c)
+        return c
+
+    yield make
+    for c in clients:
+        await c.close()
+
+
+@pytest.fixture
+async def client(connect):
+    return await connect("test-client")
+
+
+@pytest.fixture
+def server(tmp_path):
+    """A real `fastlock serve` process on 127.0.0.1 with a free port; always stopped."""
+    srv = ServerProcess(tmp_path / "data")
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def server_factory(tmp_path):
+    """Start more servers (e.g. with other flags); every one is stopped after the test."""
+    started: list[ServerProcess] = []
+
+    def make(name: str = "data", **kwargs) -> ServerProcess:
+        srv = ServerProcess(tmp_path / name, **kwargs)
+        started.append(srv)
+        return srv.start()
+
+    yield make
+    for srv in started:
+        srv.stop()
+
+
+async def wait_until(predicate, timeout: float = 5.0, what: str = "condition"):
+    """Await ``predicate()`` (sync or async) until true; fail after ``timeout`` s.
+
+    For conditions only observable by asking the server (e.g. "the waiter is
+    queued"), with a bounded deadline - never a fixed sleep.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.02)
