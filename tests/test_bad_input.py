@@ -1,0 +1,248 @@
+"""Invariant 8: bad input gets a clear error or a closed connection; the server
+keeps serving everyone else and its state is unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+
+import msgpack
+import pytest
+
+import fastlock
+from fastlock import protocol as P
+from fastlock.errors import InvalidArgument, LeaseLost, ProtocolError
+
+
+class RawConnection:
+    """A hand-driven client: raw msgpack frames on a plain stream."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader = reader
+        self.writer = writer
+        self.unpacker = msgpack.Unpacker(raw=False)
+
+    @classmethod
+    async def open(cls, address: str, hello: bool = True) -> "RawConnection":
+        host, port = address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        conn = cls(reader, writer)
+        if hello:
+            reply = await conn.call([1, P.OP_HELLO, P.PROTOCOL_VERSION, "raw", None])
+            assert reply[1] == 0, reply
+        return conn
+
+    async def send(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def recv(self, timeout: float = 5.0):
+        while True:
+            for msg in self.unpacker:
+                return msg
+            data = await asyncio.wait_for(self.reader.read(65536), timeout)
+            if not data:
+                return None  # closed by the server
+            self.unpacker.feed(data)
+
+    async def call(self, msg) -> list:
+        await self.send(msgpack.packb(msg, use_bin_type=True))
+        return await self.recv()
+
+    async def closed_by_server(self, timeout: float = 10.0) -> bool:
+        """Drain until EOF; True if the server closed the connection."""
+        async def drain():
+            while await self.reader.read(1 << 20):
+                pass
+        try:
+            await asyncio.wait_for(drain(), timeout)
+        except ConnectionResetError:
+            pass
+        return True
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def _state(client) -> tuple:
+    st = await client.status()
+    return st["locks_held"], st["waiters"], st["last_token"]
+
+
+async def test_garbage_stream_closes_only_that_connection(client, server, loop_errors):
+    lease = await client.acquire("survivor", ttl=60.0)
+    before = await _state(client)
+    rng = random.Random(1234)
+    raw = await RawConnection.open(server.address)
+    chunk = 1 << 20
+    sent = 0
+    try:
+        while sent < 50 * chunk:  # 50 MiB of random bytes
+            raw.writer.write(rng.randbytes(chunk))
+            sent += chunk
+            await raw.writer.drain()
+            if sent % (8 * chunk) == 0:
+                assert await client.check("survivor", lease.fencing_token)  # others keep working
+    except (ConnectionResetError, BrokenPipeError):
+        pass  # the server closed us mid-stream: expected
+    finally:
+        raw.close()
+    assert await client.check("survivor", lease.fencing_token)
+    assert await _state(client) == before
+    other = await fastlock.connect(server.address)
+    try:
+        l2 = await other.acquire("fresh", ttl=5.0, wait=0)
+        await other.release(l2)
+    finally:
+        await other.close()
+    await client.release(lease)
+
+
+@pytest.mark.parametrize(
+    "message, needle",
+    [
+        ([1, P.OP_ACQUIRE, 123, os.urandom(16), 1000, 0, 0, None], "lock name must be str"),
+        ([1, P.OP_ACQUIRE, "", os.urandom(16), 1000, 0, 0, None], "must not be empty"),
+        ([1, P.OP_ACQUIRE, "x" * 513, os.urandom(16), 1000, 0, 0, None], "limit is 512"),
+        ([1, P.OP_ACQUIRE, "x", "not-bytes", 1000, 0, 0, None], "owner key must be bytes"),
+        ([1, P.OP_ACQUIRE, "x", os.urandom(16), 0, 0, 0, None], "ttl must be between"),
+        ([1, P.OP_ACQUIRE, "x", os.urandom(16), -5, 0, 0, None], "ttl must be between"),
+        ([1, P.OP_ACQUIRE, "x", os.urandom(16), 1.5, 0, 0, None], "ttl must be an integer"),
+        ([1, P.OP_ACQUIRE, "x", os.urandom(16), float("nan"), 0, 0, None], "ttl must be an integer"),
+        ([1, P.OP_ACQUIRE, "x", os.urandom(16), True, 0, 0, None], "ttl must be an integer"),
+        ([1, P.OP_ACQUIRE, "x", os.urandom(16), 10**12, 0, 0, None], "ttl must be between"),
+        ([1, P.OP_ACQUIRE, "x", os.urandom(16), 1000, -2, 0, None], "wait must be"),
+        ([1, P.OP_ACQUIRE, "x", os.urandom(16), 1000, 0, 60_001, None], "lock_delay must be"),
+        ([1, P.OP_ACQUIRE, "x", os.urandom(16), 1000, 0, 0, 5], "correlation id must be str"),
+        ([1, P.OP_ACQUIRE, "x"], "acquire takes 6 arguments"),
+        ([1, P.OP_RELEASE, "x", "1", os.urandom(16)], "fencing token must be int"),
+        ([1, P.OP_RELEASE, "x", -1, os.urandom(16)], "fencing token out of range"),
+        ([1, P.OP_EXTEND, "x", 1, os.urandom(16), 0], "ttl must be between"),
+        ([1, P.OP_CHECK, {"a": 1}, 1], "lock name must be str"),
+        ([1, 99], "unknown operation 99"),
+        ([1, P.OP_PING, "extra"], None),
+    ],
+)
+async def test_wrong_types_get_an_error_reply_and_change_nothing(client, server, message, needle):
+    before = await _state(client)
+    raw = await RawConnection.open(server.address)
+    try:
+        reply = await raw.call(message)
+        if needle is None:
+            assert reply[1] == 0  # ping ignores nothing harmful... but must answer
+        else:
+            assert reply[0] == 1 and reply[1] != 0, reply
+            assert needle in reply[2], reply
+        # the connection stays usable after a well-framed bad request
+        pong = await raw.call([2, P.OP_PING])
+        assert pong == [2, 0, None]
+    finally:
+        raw.close()
+    assert await _state(client) == before
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        msgpack.packb({"not": "an array"}),
+        msgpack.packb([0, P.OP_PING]),  # request id 0 is reserved for pushes
+        msgpack.packb(["1", P.OP_PING]),
+        msgpack.packb(42),
+        b"\xc1",  # never-used msgpack byte
+    ],
+)
+async def test_malformed_frames_close_the_connection_with_a_reason(client, server, payload):
+    before = await _state(client)
+    raw = await RawConnection.open(server.address)
+    try:
+        await raw.send(payload)
+        reply = await raw.recv()
+        assert reply is not None and reply[0] == 0 and reply[1] == ProtocolError.code, reply
+        assert await raw.closed_by_server()
+    finally:
+        raw.close()
+    assert await _state(client) == before
+    assert await client.ping() >= 0
+
+
+async def test_oversized_frame_is_refused(client, server):
+    raw = await RawConnection.open(server.address)
+    try:
+        # a str header declaring 4 GiB, then data that keeps coming
+        await raw.send(b"\x92\x01\xdb\xff\xff\xff\xff" + b"a" * (2 << 20))
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    try:
+        reply = await raw.recv()
+        assert reply is None or (reply[0] == 0 and "maximum frame size" in reply[2])
+        assert await raw.closed_by_server()
+    finally:
+        raw.close()
+    assert await client.ping() >= 0
+
+
+async def test_requests_before_hello_are_refused(server, client):
+    raw = await RawConnection.open(server.address, hello=False)
+    try:
+        reply = await raw.call([1, P.OP_ACQUIRE, "x", os.urandom(16), 1000, 0, 0, None])
+        assert reply[0] == 0 and "HELLO" in reply[2]
+        assert await raw.closed_by_server()
+    finally:
+        raw.close()
+    assert (await client.status())["grants"] == 0
+
+
+async def test_wrong_protocol_version_is_refused(server):
+    raw = await RawConnection.open(server.address, hello=False)
+    try:
+        reply = await raw.call([1, P.OP_HELLO, 999, "x", None])
+        assert reply[1] == ProtocolError.code and "version" in reply[2]
+    finally:
+        raw.close()
+
+
+async def test_auth_secret(server_factory, tmp_path, loop_errors):
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    srv = server_factory("authdata", args=["--auth-secret-file", str(secret)])
+    with pytest.raises(fastlock.AuthError):
+        await fastlock.connect(srv.address, auth="wrong")
+    with pytest.raises(fastlock.AuthError):
+        await fastlock.connect(srv.address)
+    async with fastlock.connect(srv.address, auth="s3cret") as c:
+        lease = await c.acquire("a", ttl=1.0)
+        await c.release(lease)
+
+
+async def test_release_of_a_released_lease_is_lease_lost_and_changes_nothing(client, connect):
+    lease = await client.acquire("twice", ttl=30.0)
+    await client.release(lease)
+    other = await connect("other")
+    lease2 = await other.acquire("twice", ttl=30.0, wait=0)
+    with pytest.raises(LeaseLost):
+        await client.release(lease)  # must never free someone else's lock
+    assert await other.check("twice", lease2.fencing_token)
+    await other.release(lease2)
+
+
+def test_frame_decoder_is_sans_io_and_streams():
+    dec = P.FrameDecoder(max_frame=1024)
+    data = P.encode_request(1, P.OP_PING) + P.encode_request(2, P.OP_STATUS)
+    assert dec.feed(data[:2]) == []
+    assert dec.feed(data[2:5]) == [[1, P.OP_PING]]
+    assert dec.feed(data[5:]) == [[2, P.OP_STATUS]]
+    with pytest.raises(ProtocolError):
+        P.FrameDecoder(max_frame=1024).feed(b"\xdb\x00\x00\x10\x00" + b"x" * 2000)
+    with pytest.raises(ProtocolError):
+        P.FrameDecoder().feed(b"\xc1")
+
+
+def test_seconds_to_ms_rounds_up_and_refuses_nonsense():
+    assert P.seconds_to_ms(0.0001, "ttl") == 1
+    assert P.seconds_to_ms(1.5, "ttl") == 1500
+    assert P.seconds_to_ms(None, "wait", allow_none=True) == -1
+    assert P.seconds_to_ms(0, "wait", allow_zero=True) == 0
+    for bad in (0, -1, float("nan"), float("-inf"), True, "1", None):
+        with pytest.raises((InvalidArgument, TypeError)):
+            P.seconds_to_ms(bad, "ttl")
