@@ -1,0 +1,720 @@
+"""Tests of fastlock.wal on real files in tmp_path (no sleeps).
+
+Each async test runs with both group-commit writers (dedicated thread and inline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import io
+import logging
+import os
+import threading
+
+import pytest
+
+from fastlock import wal as W
+from fastlock.wal import (
+    GRANT,
+    RESERVE,
+    HolderRecord,
+    WalCompacted,
+    WalCorruption,
+    WalFatal,
+    WriteAheadLog,
+    decode_frames,
+    dump,
+)
+
+E1 = 1 << 40  # epoch 1
+
+
+def tok(counter: int, epoch: int = 1) -> int:
+    return (epoch << 40) | counter
+
+
+@pytest.fixture(params=["thread", "inline"])
+def writer(request):
+    return request.param
+
+
+def make(path, writer="thread", **kw) -> WriteAheadLog:
+    return WriteAheadLog(str(path), writer=writer, **kw)
+
+
+async def started(path, writer="thread", **kw):
+    wal = make(path, writer, **kw)
+    state = wal.open()
+    wal.start(asyncio.get_running_loop())
+    return wal, state
+
+
+async def durable(wal: WriteAheadLog) -> None:
+    fut = asyncio.get_running_loop().create_future()
+    wal.when_durable(lambda: fut.set_result(None))
+    await fut
+
+
+def reopen(path, **kw):
+    wal = make(path, **kw)
+    st = wal.open()
+    wal.abort()
+    return st
+
+
+def grant(wal, name, counter, owner=b"o", ttl=10_000, epoch=1, client="c1", corr=None):
+    wal.log_grant(name, tok(counter, epoch), owner, ttl, 0, client, corr)
+
+
+async def write_batches(wal, nbatches, per_batch=3, start=1):
+    """Log grants in separate loop turns (one batch each); return the last counter."""
+    c = start
+    for _ in range(nbatches):
+        for _ in range(per_batch):
+            grant(wal, f"l{c % 4}", c)
+            c += 1
+        await durable(wal)
+    return c - 1
+
+
+def segments(path):
+    return sorted(f for f in os.listdir(path) if f.startswith("wal-"))
+
+
+def last_segment(path):
+    return os.path.join(str(path), segments(path)[-1])
+
+
+# -- recovery of state ------------------------------------------------------------------
+async def test_recover_holders_counter_epoch(tmp_path, writer):
+    wal, st = await started(tmp_path, writer)
+    assert st.next_lsn == 1 and st.counter == 0 and st.holders == [] and st.snapshot_lsn == 0
+    grant(wal, "a", 1, owner=b"A", client="api-1", corr="req-1")
+    grant(wal, "b", 2, owner=b"B")
+    grant(wal, "c", 3)
+    await durable(wal)
+    wal.log_release("a", tok(1))
+    wal.log_expire("b", tok(99))  # wrong token: no effect
+    wal.log_extend("c", tok(3), 55_000)
+    wal.log_extend("b", tok(7), 1)  # wrong token: no effect
+    wal.log_epoch(2)
+    grant(wal, "a", 4, epoch=2, owner=b"A2")
+    wal.log_expire("c", tok(3))
+    grant(wal, "c", 5, epoch=2, ttl=30_000)
+    wal.log_extend("c", tok(5, 2), 31_000)
+    await wal.close()
+
+    st = reopen(tmp_path)
+    assert st.epoch == 2
+    assert st.counter == 5
+    assert st.records_replayed == 12 and st.next_lsn == 13 and st.torn_bytes == 0
+    by = {h.name: h for h in st.holders}
+    assert set(by) == {"a", "b", "c"}
+    assert by["a"][:7] == ("a", tok(4, 2), b"A2", 10_000, 0, "c1", None)
+    assert by["b"].token == tok(2) and by["b"].owner == b"B"
+    assert by["c"].ttl_ms == 31_000 and by["c"].token == tok(5, 2)
+    assert isinstance(by["a"], HolderRecord) and by["a"].granted_wall_ms > 0
+
+
+async def test_epoch_of_token_raises_epoch(tmp_path, writer):
+    wal, _ = await started(tmp_path, writer)
+    grant(wal, "a", 9, epoch=3)
+    await wal.close()
+    st = reopen(tmp_path)
+    assert st.epoch == 3 and st.counter == 9
+
+
+async def test_log_before_start_is_flushed(tmp_path, writer):
+    wal = make(tmp_path, writer)
+    wal.open()
+    wal.log_epoch(1)
+    grant(wal, "a", 1)
+    calls = []
+    wal.when_durable(lambda: calls.append(1))
+    wal.start(asyncio.get_running_loop())
+    await wal.close()
+    assert calls == [1]
+    assert reopen(tmp_path).counter == 1
+
+
+async def test_close_without_start(tmp_path):
+    wal = make(tmp_path)
+    wal.open()
+    grant(wal, "a", 1)
+    await wal.close()
+    assert reopen(tmp_path).holders[0].name == "a"
+
+
+async def test_reopen_continues_lsns_in_a_new_segment(tmp_path, writer):
+    for i in range(3):
+        wal, st = await started(tmp_path, writer)
+        assert st.next_lsn == 1 + 2 * i
+        grant(wal, "a", 2 * i + 1)
+        wal.log_release("a", tok(2 * i + 1))
+        await wal.close()
+    assert segments(tmp_path) == [W._seg_name(1), W._seg_name(3), W._seg_name(5)]
+    assert reopen(tmp_path).counter == 5
+
+
+# -- group commit -------------------------------------------------------------------------
+async def test_one_turn_one_fsync(tmp_path, writer):
+    wal, _ = await started(tmp_path, writer)
+    s0 = wal.stats()
+    for i in range(1, 201):
+        grant(wal, f"n{i}", i)
+    await durable(wal)
+    s1 = wal.stats()
+    assert s1["fsyncs"] - s0["fsyncs"] == 1
+    assert s1["batches"] - s0["batches"] == 1
+    assert s1["durable_lsn"] == s1["last_lsn"] == 200
+    # 32 producer tasks each logging once per turn: one fsync per turn
+    s0 = s1
+
+    async def producer(k):
+        for j in range(10):
+            grant(wal, f"p{k}", 1000 + k * 100 + j)
+            await durable(wal)
+
+    await asyncio.gather(*(producer(k) for k in range(32)))
+    s1 = wal.stats()
+    assert s1["records"] - s0["records"] == 320
+    assert s1["fsyncs"] - s0["fsyncs"] == s1["batches"] - s0["batches"] <= 20
+    await wal.close()
+
+
+async def test_when_durable_order_and_not_synchronous(tmp_path, writer):
+    wal, _ = await started(tmp_path, writer)
+    seen = []
+
+    def cb(tag, lsn):
+        def f():
+            st = wal.stats()
+            assert st["durable_lsn"] >= lsn
+            seen.append(tag)
+        return f
+
+    wal.when_durable(cb("empty", 0))  # nothing logged: still asynchronous
+    assert seen == []
+    for i in range(1, 6):
+        grant(wal, "x", i)
+        wal.when_durable(cb(f"r{i}", i))
+        assert f"r{i}" not in seen
+        if i == 3:
+            await asyncio.sleep(0)  # next loop turn: a new batch
+    await durable(wal)
+    assert seen == ["empty", "r1", "r2", "r3", "r4", "r5"]
+    await wal.close()
+
+
+async def test_one_fsync_in_flight_and_next_batch_accumulates(tmp_path, monkeypatch):
+    """Thread writer: while an fsync runs, records go into the next batch."""
+    wal, _ = await started(tmp_path, "thread")
+    real_fsync = os.fsync
+    entered = threading.Event()
+    release = threading.Event()
+    lock = threading.Lock()
+    active = [0, 0]  # current, max
+
+    def slow_fsync(fd):
+        with lock:
+            active[0] += 1
+            active[1] = max(active[1], active[0])
+        entered.set()
+        release.wait(10)
+        with lock:
+            active[0] -= 1
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    loop = asyncio.get_running_loop()
+    s0 = wal.stats()
+    grant(wal, "a", 1)
+    first = loop.create_future()
+    wal.when_durable(lambda: first.set_result(None))
+    await loop.run_in_executor(None, entered.wait, 10)  # fsync of batch 1 in progress
+    entered.clear()
+    for i in range(2, 12):
+        grant(wal, "b", i)
+        await asyncio.sleep(0)  # several loop turns while the fsync runs
+    second = loop.create_future()
+    wal.when_durable(lambda: second.set_result(None))
+    assert not first.done()
+    release.set()
+    await first
+    await second
+    s1 = wal.stats()
+    assert s1["fsyncs"] - s0["fsyncs"] == 2
+    assert s1["batches"] - s0["batches"] == 2
+    assert active[1] == 1
+    await wal.close()
+
+
+async def test_listener_gets_written_batches(tmp_path, writer):
+    wal, _ = await started(tmp_path, writer)
+    got = []
+    wal.add_listener(lambda first, last, data: got.append((first, last, data)))
+    await write_batches(wal, 3, per_batch=2)
+    assert [(f, l) for f, l, _ in got] == [(1, 2), (3, 4), (5, 6)]
+    decoded = [r for f, _l, d in got for r in decode_frames(d, f)]
+    assert decoded == list(wal.read_from(1))
+    assert [lsn for lsn, _ in wal.read_from(4)] == [4, 5, 6]
+    assert decoded[0][1][0] == GRANT
+    await wal.close()
+
+
+# -- fsync modes, reservations, lost tails ----------------------------------------------------
+async def test_always_mode_writes_no_reservations(tmp_path, writer):
+    wal, _ = await started(tmp_path, writer)
+    grant(wal, "a", 1)
+    await durable(wal)
+    assert [r[0] for _, r in wal.read_from(1)] == [GRANT]
+    await wal.close()
+
+
+@pytest.mark.parametrize("mode", ["interval", "never"])
+async def test_reservation_fsynced_before_ack(tmp_path, writer, mode):
+    wal, _ = await started(tmp_path, writer, fsync=mode, fsync_interval_ms=3_600_000, reserve_block=10)
+    s0 = wal.stats()
+    grant(wal, "a", 1)
+    await durable(wal)
+    s1 = wal.stats()
+    assert s1["fsyncs"] - s0["fsyncs"] == 1 and s1["durable_lsn"] == 2
+    assert [r[:2] for _, r in wal.read_from(1)][0] == [RESERVE, 11]
+    for c in range(2, 12):  # within the reservation: written, not fsynced
+        grant(wal, "a", c)
+        await durable(wal)
+    s2 = wal.stats()
+    assert s2["fsyncs"] == s1["fsyncs"] and s2["durable_lsn"] == 2 and s2["ack_lsn"] == s2["last_lsn"]
+    grant(wal, "a", 12)  # beyond: new reservation, fsynced
+    await durable(wal)
+    assert wal.stats()["fsyncs"] == s1["fsyncs"] + 1
+    await wal.close()
+
+
+async def test_epoch_fsynced_in_never_mode(tmp_path, writer):
+    wal, _ = await started(tmp_path, writer, fsync="never")
+    wal.log_epoch(4)
+    await durable(wal)
+    assert wal.stats()["durable_lsn"] == 1
+    await wal.close()
+
+
+async def test_interval_timer_fsyncs(tmp_path, writer):
+    wal, _ = await started(tmp_path, writer, fsync="interval", fsync_interval_ms=5, reserve_block=10**6)
+    grant(wal, "a", 1)
+    await durable(wal)
+    for c in range(2, 20):
+        grant(wal, "a", c)
+    await durable(wal)
+    assert wal.stats()["durable_lsn"] < wal.stats()["last_lsn"]
+    await asyncio.wait_for(wal.wait_synced(), 10)  # the timer does it
+    assert wal.stats()["durable_lsn"] == wal.stats()["last_lsn"]
+    await wal.close()
+
+
+def _crash_to_durable(wal: WriteAheadLog) -> int:
+    """Simulate an OS crash: stop without flushing and cut the active segment back to
+    its last fsynced size.  Returns the number of bytes lost."""
+    st = wal.stats()
+    wal.abort()
+    path = st["active_segment"]
+    size = os.path.getsize(path)
+    os.truncate(path, st["durable_offset"])
+    return size - st["durable_offset"]
+
+
+@pytest.mark.parametrize("mode", ["interval", "never"])
+async def test_lost_unsynced_tail_never_reuses_a_token(tmp_path, writer, mode):
+    acked = []
+    counter = 0
+    for _round in range(3):
+        wal, st = await started(tmp_path, writer, fsync=mode, fsync_interval_ms=3_600_000, reserve_block=7)
+        assert st.counter >= max(acked, default=0)  # the invariant, at every restart
+        counter = st.counter
+        for _ in range(20):
+            counter += 1
+            grant(wal, f"n{counter % 3}", counter)
+            await durable(wal)
+            acked.append(counter)
+        wal.log_release("n0", tok(counter))
+        lost = _crash_to_durable(wal)
+        assert lost > 0  # something acknowledged really was lost
+    st = reopen(tmp_path)
+    assert st.counter >= max(acked)
+    # records were lost, yet the reserved counter covers every acknowledged token
+    assert st.records_replayed < len(acked) + 2 * 3
+
+
+async def test_always_mode_loses_nothing_acknowledged(tmp_path, writer):
+    wal, _ = await started(tmp_path, writer)
+    for c in range(1, 31):
+        grant(wal, f"n{c}", c)
+        await durable(wal)
+    grant(wal, "unacked", 31)  # logged but not yet durable
+    assert _crash_to_durable(wal) == 0 or True
+    st = reopen(tmp_path)
+    assert {f"n{c}" for c in range(1, 31)} <= {h.name for h in st.holders}
+    assert st.counter >= 30
+
+
+# -- torn tails and corruption -------------------------------------------------------------------
+async def _log_some(tmp_path, writer, nbatches=5, per_batch=3):
+    wal, _ = await started(tmp_path, writer)
+    last = await write_batches(wal, nbatches, per_batch)
+    await wal.close()
+    return last
+
+
+async def test_torn_tail_truncated_mid_record(tmp_path, writer, caplog):
+    n = await _log_some(tmp_path, writer)
+    seg = last_segment(tmp_path)
+    size = os.path.getsize(seg)
+    os.truncate(seg, size - 5)
+    with caplog.at_level(logging.WARNING, logger="fastlock.wal"):
+        st = reopen(tmp_path)
+    assert st.records_replayed == n - 1 and st.counter == n - 1
+    assert st.torn_bytes > 0 and st.next_lsn == n
+    msg = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "torn tail" in msg and os.path.basename(seg) in msg and "offset" in msg and "bytes" in msg
+    assert os.path.getsize(seg) == size - 5 - (st.torn_bytes)  # really cut
+    st2 = reopen(tmp_path)  # idempotent, clean now
+    assert st2.torn_bytes == 0 and st2.counter == n - 1
+
+
+@pytest.mark.parametrize("tail", [b"\x00" * 4096, os.urandom(777), b"\xff" * 9, b"\x01"])
+async def test_torn_tail_garbage_or_zeros(tmp_path, writer, tail):
+    n = await _log_some(tmp_path, writer)
+    with open(last_segment(tmp_path), "ab") as f:
+        f.write(tail)
+    st = reopen(tmp_path)
+    assert st.torn_bytes == len(tail)
+    assert st.records_replayed == n and st.counter == n
+    # logging continues after the cut
+    wal, st = await started(tmp_path, writer)
+    grant(wal, "z", n + 1)
+    await wal.close()
+    assert reopen(tmp_path).counter == n + 1
+
+
+async def test_torn_final_batch_with_a_hole(tmp_path, writer):
+    """The pages of the last (unacknowledged) batch written out of order: a zeroed
+    record in its middle followed by the rest of that batch is still a torn tail."""
+    wal, _ = await started(tmp_path, writer)
+    await write_batches(wal, 3, per_batch=2)
+    off = wal.stats()["written_offset"]
+    for c in range(100, 110):  # one final batch of 10 records
+        grant(wal, "big", c)
+    await durable(wal)
+    await wal.close()
+    seg = last_segment(tmp_path)
+    with open(seg, "r+b") as f:
+        f.seek(off + 40)
+        f.write(b"\x00" * 60)
+    st = reopen(tmp_path)
+    assert st.counter == 6 and st.torn_bytes > 0
+
+
+async def test_mid_log_corruption_refused(tmp_path, writer):
+    await _log_some(tmp_path, writer)
+    seg = last_segment(tmp_path)
+    with open(seg, "r+b") as f:
+        f.seek(W._SEG_HEADER.size + 12)  # inside the first record's body
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x40]))
+    with pytest.raises(WalCorruption) as ei:
+        reopen(tmp_path)
+    e = ei.value
+    assert e.path == seg and e.offset == W._SEG_HEADER.size and e.lsn == 1
+    assert "mid-log corruption" in str(e) and seg in str(e) and "offset 24" in str(e) and "LSN 1" in str(e)
+    # the operator may accept the loss explicitly
+    st = make(tmp_path)
+    state = st.open(repair=True)
+    st.abort()
+    assert state.records_replayed == 0 and state.torn_bytes > 0
+
+
+async def test_corruption_in_non_last_segment_refused(tmp_path, writer):
+    wal, _ = await started(tmp_path, writer, segment_bytes=200)
+    await write_batches(wal, 10, per_batch=3)
+    await wal.close()
+    segs = segments(tmp_path)
+    assert len(segs) >= 3
+    path = os.path.join(str(tmp_path), segs[0])
+    os.truncate(path, os.path.getsize(path) - 3)
+    with pytest.raises(WalCorruption, match="non-last segment"):
+        reopen(tmp_path)
+
+
+async def test_bad_segment_header(tmp_path, writer):
+    await _log_some(tmp_path, writer)
+    seg = last_segment(tmp_path)
+    with open(seg, "r+b") as f:
+        f.write(b"NOTAWAL!")
+    with pytest.raises(WalCorruption, match="bad segment header"):
+        reopen(tmp_path)
+
+
+async def test_missing_segment_refused(tmp_path, writer):
+    wal, _ = await started(tmp_path, writer, segment_bytes=200)
+    await write_batches(wal, 10, per_batch=3)
+    await wal.close()
+    segs = segments(tmp_path)
+    os.unlink(os.path.join(str(tmp_path), segs[1]))
+    with pytest.raises(WalCorruption, match="previous one ends"):
+        reopen(tmp_path)
+    os.unlink(os.path.join(str(tmp_path), segs[0]))
+    with pytest.raises(WalCorruption, match="LSN 1"):
+        reopen(tmp_path)
+
+
+async def test_zero_filled_empty_segment(tmp_path, writer):
+    n = await _log_some(tmp_path, writer)
+    path = os.path.join(str(tmp_path), W._seg_name(n + 1))
+    with open(path, "wb") as f:
+        f.write(b"\x00" * 8192)  # created + preallocated, header never written
+    st = reopen(tmp_path)
+    assert st.counter == n and st.torn_bytes == 8192
+
+
+# -- rotation, snapshots, compaction ---------------------------------------------------------
+def model_state(holders: dict, epoch: int, counter: int):
+    return lambda: (epoch, counter, [HolderRecord(*h) for h in holders.values()])
+
+
+async def test_rotation_and_snapshot_deletes_covered_segments(tmp_path, writer):
+    wal, _ = await started(tmp_path, writer, segment_bytes=300, keep_snapshots=1)
+    holders = {}
+    c = 0
+    for _ in range(12):
+        for _ in range(3):
+            c += 1
+            name = f"l{c % 5}"
+            grant(wal, name, c)
+            holders[name] = (name, tok(c), b"o", 10_000, 0, "c1", None, 0)
+        await durable(wal)
+    nseg = len(segments(tmp_path))
+    assert nseg >= 4 and wal.stats()["segments"] == nseg
+    assert wal.maybe_snapshot(model_state(holders, 1, c)) is False  # not due yet
+    assert wal.maybe_snapshot(model_state(holders, 1, c), force=True) is True
+    await wal.wait_snapshot()
+    assert wal.stats()["snapshot_lsn"] == c
+    assert segments(tmp_path) == [os.path.basename(wal.stats()["active_segment"])]
+    assert os.listdir(tmp_path).count(W._snap_name(c)) == 1
+    with pytest.raises(WalCompacted):
+        list(wal.read_from(1))
+    grant(wal, "after", c + 1)
+    wal.log_release("l1", tok(c - 3 if (c - 3) % 5 == 1 else 0))
+    await wal.close()
+    st = reopen(tmp_path)
+    assert st.snapshot_lsn == c and st.counter == c + 1
+    expect = {h[0]: h[:7] for h in holders.values()}
+    got = {h.name: tuple(h[:7]) for h in st.holders}
+    assert got.pop("after")[1] == tok(c + 1)
+    assert got == expect
+
+
+async def test_snapshot_every_triggers(tmp_path, writer):
+    wal, _ = await started(tmp_path, writer, snapshot_every=10)
+    calls = []
+
+    def get_state():
+        calls.append(1)
+        return (1, 9, [])
+
+    for c in range(1, 10):
+        grant(wal, "a", c)
+        assert wal.maybe_snapshot(get_state) is False
+    wal.log_release("a", tok(9))
+    assert wal.maybe_snapshot(get_state) is True
+    assert wal.maybe_snapshot(get_state) is False  # one at a time
+    await wal.wait_snapshot()
+    assert calls == [1] and wal.stats()["snapshot_lsn"] == 10
+    await wal.close()
+    st = reopen(tmp_path)
+    assert st.snapshot_lsn == 10 and st.records_replayed == 0 and st.holders == []
+
+
+async def test_corrupt_newest_snapshot_falls_back(tmp_path, writer, caplog):
+    wal, _ = await started(tmp_path, writer, segment_bytes=200, keep_snapshots=2)
+    h = {}
+    c = 0
+    for round_ in range(3):
+        for _ in range(4):
+            c += 1
+            grant(wal, f"l{c % 3}", c)
+            h[f"l{c % 3}"] = (f"l{c % 3}", tok(c), b"o", 10_000, 0, "c1", None, 0)
+            await durable(wal)
+        wal.maybe_snapshot(model_state(h, 1, c), force=True)
+        await wal.wait_snapshot()
+    await wal.close()
+    snaps = sorted(f for f in os.listdir(tmp_path) if f.startswith("snap-"))
+    assert len(snaps) == 2
+    newest = os.path.join(str(tmp_path), snaps[-1])
+    with open(newest, "r+b") as f:
+        f.seek(60)
+        f.write(b"\x99\x99")
+    with caplog.at_level(logging.ERROR, logger="fastlock.wal"):
+        st = reopen(tmp_path)
+    assert st.snapshot_lsn == 8 and st.counter == 12
+    assert {x.name: x.token for x in st.holders} == {k: v[1] for k, v in h.items()}
+    assert "falling back" in caplog.text and "CRC" in caplog.text
+    # with the older snapshot gone too, the compacted log cannot be replayed: clear error
+    os.unlink(os.path.join(str(tmp_path), snaps[0]))
+    with pytest.raises(WalCorruption, match="compacted"):
+        reopen(tmp_path)
+
+
+async def test_snapshot_lsn_beyond_lost_tail(tmp_path, writer):
+    """interval mode: a snapshot newer than the records that reached the disk."""
+    wal, _ = await started(tmp_path, writer, fsync="interval", fsync_interval_ms=3_600_000,
+                           reserve_block=1000, keep_snapshots=1)
+    for c in range(1, 6):
+        grant(wal, "a", c)
+        await durable(wal)
+    wal.maybe_snapshot(lambda: (1, 5, [HolderRecord("a", tok(5), b"o", 10_000, 0, None, None, 0)]), force=True)
+    await wal.wait_snapshot()
+    _crash_to_durable(wal)  # only the reservation batch survives in the segment
+    st = reopen(tmp_path)
+    assert st.next_lsn == 7 and st.snapshot_lsn == 6 and st.counter >= 5
+    wal, st = await started(tmp_path, writer)
+    grant(wal, "b", 1001)
+    await wal.close()
+    st = reopen(tmp_path)
+    assert st.next_lsn == 8 and {h.name for h in st.holders} == {"a", "b"}
+
+
+async def test_failed_snapshot_is_not_fatal(tmp_path, writer, monkeypatch, caplog):
+    wal, _ = await started(tmp_path, writer)
+    grant(wal, "a", 1)
+
+    def boom(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(W, "_encode_snapshot", boom)
+    wal.maybe_snapshot(lambda: (1, 1, []), force=True)
+    await wal.wait_snapshot()
+    assert "snapshot at LSN 1 failed" in caplog.text
+    assert wal.stats()["snapshot_lsn"] == 0
+    grant(wal, "b", 2)
+    await durable(wal)
+    await wal.close()
+
+
+# -- fatal I/O errors ---------------------------------------------------------------------------
+@pytest.mark.parametrize("fn", ["fsync", "write"])
+async def test_failed_io_is_fatal_and_never_acknowledges(tmp_path, writer, monkeypatch, fn):
+    loop = asyncio.get_running_loop()
+    fatal = loop.create_future()
+    wal = make(tmp_path, writer, on_fatal=lambda exc: fatal.set_result(exc))
+    wal.open()
+    wal.start(loop)
+    grant(wal, "a", 1)
+    await durable(wal)
+    acked = []
+
+    def broken(*a):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, fn, broken)
+    grant(wal, "a", 2)
+    wal.when_durable(lambda: acked.append(2))
+    exc = await fatal
+    assert isinstance(exc, OSError) and exc.errno == errno.EIO
+    monkeypatch.undo()  # even if the disk "recovers", nothing more is acknowledged
+    await asyncio.sleep(0)
+    assert acked == []
+    with pytest.raises(WalFatal):
+        grant(wal, "a", 3)
+    with pytest.raises(WalFatal):
+        wal.when_durable(lambda: acked.append(3))
+    with pytest.raises(WalFatal):
+        await wal.close()
+    assert acked == []
+
+
+async def test_default_on_fatal_logs_critical(tmp_path, monkeypatch, caplog):
+    loop = asyncio.get_running_loop()
+    handled = loop.create_future()
+    loop.set_exception_handler(lambda lp, ctx: handled.done() or handled.set_result(ctx))
+    try:
+        wal, _ = await started(tmp_path, "inline")
+        monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "EIO")))
+        grant(wal, "a", 1)
+        ctx = await handled
+        assert isinstance(ctx["exception"], OSError)
+        assert any(r.levelno == logging.CRITICAL for r in caplog.records)
+        wal.abort()
+    finally:
+        loop.set_exception_handler(None)
+
+
+# -- audit dump -----------------------------------------------------------------------------------
+async def test_dump(tmp_path, writer):
+    wal, _ = await started(tmp_path, writer, keep_snapshots=1, segment_bytes=100)
+    grant(wal, "orders/1", 1, client="api-1", corr="req-1")
+    grant(wal, "orders/2", 2, client="api-2", corr="req-2")
+    await durable(wal)
+    out = io.StringIO()
+    assert dump(str(tmp_path), file=out) == 2  # whole history on disk: no snapshot needed
+    assert [ln.split()[0] for ln in out.getvalue().splitlines()] == ["%020d" % 1, "%020d" % 2]
+    wal.log_release("orders/3", tok(99))  # rotates: the first segment becomes compactable
+    await durable(wal)
+    wal.maybe_snapshot(lambda: (1, 2, [
+        HolderRecord("orders/1", tok(1), b"o", 10_000, 0, "api-1", "req-1", 1_700_000_000_000),
+        HolderRecord("orders/2", tok(2), b"o", 10_000, 0, "api-2", "req-2", 0)]), force=True)
+    await wal.wait_snapshot()
+    assert len(segments(tmp_path)) == 1
+    wal.log_release("orders/1", tok(1))
+    wal.log_extend("orders/2", tok(2), 20_000)
+    wal.log_epoch(2)
+    grant(wal, "orders/1", 3, epoch=2, client="api-3", corr="req-3")
+    await wal.close()
+    out = io.StringIO()
+    n = dump(str(tmp_path), file=out)
+    lines = out.getvalue().splitlines()
+    assert n == len(lines) == 7
+    assert lines[0].startswith("00000000000000000003 - snapshot-state")
+    assert "snapshot-holder lock=orders/1" in lines[1] and "2023-11-14T22:13:20.000Z" in lines[1]
+    assert "token=1099511627777 (1/1)" in lines[1] and "client=api-1 corr=req-1 ttl_ms=10000" in lines[1]
+    assert lines[3].split()[0] == "00000000000000000004" and " release lock=orders/1 " in lines[3]
+    assert " extend lock=orders/2 " in lines[4] and "ttl_ms=20000" in lines[4]
+    assert " epoch " in lines[5] and "epoch=2" in lines[5]
+    assert " grant lock=orders/1 token=2199023255555 (2/3) client=api-3 corr=req-3" in lines[6]
+    assert lines[6].split()[1].endswith("Z")
+    out = io.StringIO()
+    dump(str(tmp_path), lock="orders/1", file=out)
+    kinds = [ln.split()[2] for ln in out.getvalue().splitlines()]
+    assert kinds == ["snapshot-holder", "release", "grant"]
+
+
+async def test_dump_is_read_only_and_reports_torn_tail(tmp_path, writer):
+    n = await _log_some(tmp_path, writer)
+    seg = last_segment(tmp_path)
+    with open(seg, "ab") as f:
+        f.write(b"\x00" * 100)
+    size = os.path.getsize(seg)
+    out = io.StringIO()
+    assert dump(str(tmp_path), file=out) == n
+    assert "torn tail" in out.getvalue().splitlines()[-1]
+    assert os.path.getsize(seg) == size
+    assert W.main(["dump", str(tmp_path)]) == 0
+
+
+# -- arguments -----------------------------------------------------------------------------------
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError):
+        WriteAheadLog(str(tmp_path), fsync="sometimes")
+    with pytest.raises(ValueError):
+        WriteAheadLog(str(tmp_path), segment_bytes=0)
+    wal = WriteAheadLog(str(tmp_path))
+    with pytest.raises(RuntimeError):
+        wal.log_release("a", 1)
+    wal.open()
+    with pytest.raises(ValueError):
+        wal.log_grant("a", 1, b"x" * (W.MAX_RECORD_BYTES + 1), 1, 0, None, None)
+    with pytest.raises(TypeError):
+        wal.log_grant("a", 1, object(), 1, 0, None, None)
+    assert wal.stats()["last_lsn"] == 0  # nothing half-logged
+    wal.abort()
