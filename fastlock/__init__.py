@@ -20,7 +20,7 @@ from .errors import (  # noqa: E402
     Unavailable,
     WrongArgumentType,
 )
-from .client import Client, Lease, LockContext, connect  # noqa: E402
+from .client import Client, Lease, LockContext, WatchEvent, connect  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -28,6 +28,7 @@ __all__ = [
     "Client",
     "Lease",
     "LockContext",
+    "WatchEvent",
     "FastlockError",
     "LockNotAcquired",
     "LeaseLost",

@@ -60,7 +60,7 @@ class ServerProcess:
         return [
             sys.executable, "-m", "fastlock", "serve",
             "--listen", f"127.0.0.1:{self.port}",
-            "--data-dir", str(self.data_dir),
+            "--data-dir", str(self.data_dir.resolve()),
             "--fsync", self.fsync,
             "--log-level", self.log_level,
             *self.args,
@@ -76,9 +76,11 @@ class ServerProcess:
             env.update(self.env)
         with self._cond:
             self.lines = []
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        # cwd outside any source tree, so `-m fastlock` imports the installed package
         self.proc = subprocess.Popen(
             self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            env=env, text=True, errors="replace",
+            env=env, text=True, errors="replace", cwd=str(self.data_dir.parent),
         )
         self._reader = threading.Thread(target=self._read, args=(self.proc,), daemon=True)
         self._reader.start()

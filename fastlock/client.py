@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 7420
 
-__all__ = ["connect", "Client", "Lease", "LockContext"]
+__all__ = ["connect", "Client", "Lease", "LockContext", "WatchEvent"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,6 +76,22 @@ class Lease:
         return self.fencing_token >> 40
 
 
+@dataclass(frozen=True)
+class WatchEvent:
+    """A change of a lock's holder, pushed by the server (see :meth:`Client.watch`).
+
+    ``kind`` is ``"granted"``, ``"released"``, ``"expired"``, or, for the
+    first event of a watch, ``"held"``/``"free"`` (the state when it began).
+    ``token`` is the fencing token concerned (None for ``"free"``);
+    ``client`` the holder's client name, if it gave one.
+    """
+
+    name: str
+    kind: str
+    token: int | None
+    client: str | None
+
+
 def _parse_address(addr: Any) -> tuple[str, int]:
     if isinstance(addr, tuple) and len(addr) == 2:
         return str(addr[0]), int(addr[1])
@@ -91,7 +107,7 @@ def _parse_address(addr: Any) -> tuple[str, int]:
 
 
 class _ClientProtocol(asyncio.Protocol):
-    __slots__ = ("decoder", "pending", "transport", "closed", "on_lost")
+    __slots__ = ("decoder", "pending", "transport", "closed", "on_lost", "watches")
 
     def __init__(self, on_lost):
         self.decoder = P.FrameDecoder(64 << 20)
@@ -99,6 +115,7 @@ class _ClientProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.on_lost = on_lost
+        self.watches: dict[str, set[asyncio.Queue]] = {}
 
     def connection_made(self, transport):
         self.transport = transport
@@ -114,7 +131,11 @@ class _ClientProtocol(asyncio.Protocol):
         for msg in messages:
             req_id = msg[0]
             if req_id == 0:
-                if len(msg) >= 3 and isinstance(msg[1], int) and msg[1] != 0:
+                if len(msg) >= 3 and msg[1] == P.PUSH_WATCH:
+                    event = WatchEvent(*msg[2])
+                    for queue in self.watches.get(event.name, ()):
+                        queue.put_nowait(event)
+                elif len(msg) >= 3 and isinstance(msg[1], int) and msg[1] != 0:
                     log.error("server closed the connection: %s", msg[2])
                 continue
             fut = pending.pop(req_id, None)
@@ -132,6 +153,10 @@ class _ClientProtocol(asyncio.Protocol):
         for fut in pending:
             if not fut.done():
                 fut.set_exception(ConnectionLost("connection to the fastlock server lost"))
+        for queues in self.watches.values():
+            for queue in queues:
+                queue.put_nowait(None)  # end of this watch
+        self.watches.clear()
         self.on_lost(self)
 
 
@@ -403,6 +428,52 @@ class Client:
         t0 = loop.time()
         await self._request(P.OP_PING)
         return loop.time() - t0
+
+    async def holder(self, name: str) -> dict | None:
+        """The current holder of ``name``: ``{"token", "client", "ttl_ms", "remaining_ms"}`` or None."""
+        P.check_name(name)
+        return await self._request(P.OP_HOLDER, name)
+
+    async def watch(self, name: str):
+        """Yield :class:`WatchEvent` for every change of ``name``'s holder.
+
+        Pushed by the server (no polling), in the order it applied them.  The
+        first event is the state when the watch began (``"held"`` with the
+        token, or ``"free"``).  A grant is reported once it is durable.  If the
+        connection drops the iterator raises :class:`ConnectionLost` (events
+        may have been missed: start a new watch, which begins with the state).
+        Breaking out of the loop unsubscribes.
+
+        Example::
+
+            async for event in client.watch("leader"):
+                print(event.kind, event.token, event.client)
+        """
+        P.check_name(name)
+        proto = self._proto
+        if proto is None or proto.closed:
+            proto = await self._ensure_connected()
+        queue: asyncio.Queue = asyncio.Queue()
+        proto.watches.setdefault(name, set()).add(queue)
+        try:
+            info = await self._call(proto, P.OP_WATCH, name)
+            if info is None:
+                yield WatchEvent(name, "free", None, None)
+            else:
+                yield WatchEvent(name, "held", info["token"], info["client"])
+            while True:
+                event = await queue.get()
+                if event is None:
+                    raise ConnectionLost(f"connection lost while watching {name!r}")
+                yield event
+        finally:
+            group = proto.watches.get(name)
+            if group is not None:
+                group.discard(queue)
+                if not group:
+                    del proto.watches[name]
+                    if not proto.closed:
+                        self._send_nowait(proto, P.OP_UNWATCH, name)
 
     def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
              correlation_id: str | None = None, renew: bool = True) -> "LockContext":

@@ -38,7 +38,16 @@ CANCEL     5   name, owner                                            "cancelled
 CHECK      6   name, token                                            bool
 STATUS     7   -                                                      dict
 PING       8   -                                                      None
+WATCH      9   name                                                   holder info|None
+UNWATCH    10  name                                                   bool
+HOLDER     11  name                                                   holder info|None
 =========  ==  =====================================================  ======================
+
+holder info is ``{"token": int, "client": str|None, "ttl_ms": int, "remaining_ms": int}``.
+After WATCH, every change of the lock's holder is pushed to the watching
+connection, in the order the server applied them, as
+``[0, "watch", [name, "granted"|"released"|"expired", token, client_name|None]]``.
+A grant is pushed when it is durable (when its holder is told), never before.
 
 ``wait_ms`` is -1 to wait forever, 0 to try once.  ``owner`` is a random
 16-byte key the client makes per acquire; a retry of the same acquire (after a
@@ -66,6 +75,12 @@ OP_CANCEL = 5
 OP_CHECK = 6
 OP_STATUS = 7
 OP_PING = 8
+OP_WATCH = 9
+OP_UNWATCH = 10
+OP_HOLDER = 11
+
+# push kinds
+PUSH_WATCH = "watch"
 
 OP_NAMES = {
     OP_HELLO: "hello",
@@ -76,6 +91,9 @@ OP_NAMES = {
     OP_CHECK: "check",
     OP_STATUS: "status",
     OP_PING: "ping",
+    OP_WATCH: "watch",
+    OP_UNWATCH: "unwatch",
+    OP_HOLDER: "holder",
 }
 
 STATUS_OK = 0

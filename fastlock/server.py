@@ -107,7 +107,8 @@ class ServerConfig:
 class _Connection(asyncio.Protocol):
     """One client connection = one session."""
 
-    __slots__ = ("server", "transport", "session", "decoder", "out", "ready", "client_name", "peer", "closed")
+    __slots__ = ("server", "transport", "session", "decoder", "out", "ready", "client_name", "peer", "closed",
+                 "watching")
 
     def __init__(self, server: "LockServer", session: int):
         self.server = server
@@ -119,6 +120,7 @@ class _Connection(asyncio.Protocol):
         self.client_name: str | None = None
         self.peer = "?"
         self.closed = False
+        self.watching: set[str] | None = None
 
     # -- asyncio callbacks ------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -191,6 +193,7 @@ class LockServer:
         self._sessions: dict[int, _Connection] = {}
         self._next_session = 1
         self._dirty: list[_Connection] = []
+        self._watchers: dict[str, set[_Connection]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = -1
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -207,6 +210,9 @@ class LockServer:
             P.OP_CHECK: self._op_check,
             P.OP_STATUS: self._op_status,
             P.OP_PING: self._op_ping,
+            P.OP_WATCH: self._op_watch,
+            P.OP_UNWATCH: self._op_unwatch,
+            P.OP_HOLDER: self._op_holder,
         }
 
     # -- life cycle -----------------------------------------------------------------
@@ -280,6 +286,9 @@ class LockServer:
 
     def _connection_lost(self, conn: _Connection) -> None:
         self._sessions.pop(conn.session, None)
+        if conn.watching:
+            for name in conn.watching:
+                self._unwatch(conn, name)
         dropped = self.table.drop_session(conn.session, now_ms())
         if dropped:
             log.debug("session %d closed; %d waiters removed", conn.session, dropped)
@@ -316,6 +325,8 @@ class LockServer:
                 grants.append(ev)
             elif kind == EV_EXPIRED:
                 wal.log_expire(ev.name, ev.token)
+                if ev.name in self._watchers:
+                    self._notify(ev.name, "expired", ev.token, ev.meta[0] if ev.meta else None)
                 log.info("lease expired: %s token %d (holder %s)", ev.name, ev.token, ev.meta[0] if ev.meta else None)
             elif kind == EV_WAIT_TIMEOUT:
                 conn = sessions.get(ev.session)
@@ -332,7 +343,10 @@ class LockServer:
         sessions = self._sessions
         table = self.table
         undelivered = False
+        watchers = self._watchers
         for ev in grants:
+            if watchers and ev.name in watchers and ev.fresh:
+                self._notify(ev.name, "granted", ev.token, ev.meta[0] if ev.meta else None)
             conn = sessions.get(ev.session)
             if conn is None or conn.closed:
                 # Nobody can learn this token any more: release it now rather
@@ -341,7 +355,7 @@ class LockServer:
                     table.release(ev.name, ev.token, ev.owner, now_ms())
                 except NotHolder:
                     continue
-                self.wal.log_release(ev.name, ev.token)
+                self._released(ev.name, ev.token, ev.meta[0] if ev.meta else None)
                 undelivered = True
                 log.info("released undeliverable grant %s token %d (session %d gone)", ev.name, ev.token, ev.session)
                 continue
@@ -466,7 +480,7 @@ class LockServer:
             self.table.release(name, token, owner, now_ms())
         except NotHolder:
             raise LeaseLost(f"{name!r}: token {token} is not the current holder (expired, released or never held)") from None
-        self.wal.log_release(name, token)
+        self._released(name, token, conn.client_name)
         conn.send(P.encode_ok(req_id, None))
 
     def _op_extend(self, conn: _Connection, req_id: int, msg: list) -> None:
@@ -500,7 +514,7 @@ class LockServer:
             if holder is not None and holder.owner == owner:
                 # The grant raced with the cancel: release it, never leak it.
                 table.release(name, holder.token, owner, now)
-                self.wal.log_release(name, holder.token)
+                self._released(name, holder.token, holder.meta[0] if holder.meta else None)
                 result = "released"
         conn.send(P.encode_ok(req_id, result))
 
@@ -509,6 +523,56 @@ class LockServer:
         name = P.check_name(msg[2])
         token = P.check_token(msg[3])
         conn.send(P.encode_ok(req_id, self.table.check(name, token, now_ms())))
+
+    def _released(self, name: str, token: int, client_name: str | None) -> None:
+        """Log a release and tell the lock's watchers."""
+        self.wal.log_release(name, token)
+        if name in self._watchers:
+            self._notify(name, "released", token, client_name)
+
+    def _notify(self, name: str, what: str, token: int, client_name: str | None) -> None:
+        data = P.encode_push(P.PUSH_WATCH, [name, what, token, client_name])
+        for conn in self._watchers[name]:
+            conn.send(data)
+
+    def _holder_info(self, name: str) -> dict | None:
+        now = now_ms()
+        h = self.table.holder(name, now)
+        if h is None:
+            return None
+        return {"token": h.token, "client": h.meta[0] if h.meta else None, "ttl_ms": h.ttl_ms,
+                "remaining_ms": h.deadline_ms - now}
+
+    def _op_watch(self, conn: _Connection, req_id: int, msg: list) -> None:
+        self._arity(msg, 1, "watch")
+        name = P.check_name(msg[2])
+        if conn.watching is None:
+            conn.watching = set()
+        if name not in conn.watching and len(conn.watching) >= self.config.max_waiters_per_connection:
+            raise LimitExceeded(f"this connection already watches {len(conn.watching)} locks")
+        conn.watching.add(name)
+        self._watchers.setdefault(name, set()).add(conn)
+        conn.send(P.encode_ok(req_id, self._holder_info(name)))
+
+    def _op_unwatch(self, conn: _Connection, req_id: int, msg: list) -> None:
+        self._arity(msg, 1, "unwatch")
+        name = P.check_name(msg[2])
+        was = conn.watching is not None and name in conn.watching
+        if was:
+            conn.watching.discard(name)
+            self._unwatch(conn, name)
+        conn.send(P.encode_ok(req_id, was))
+
+    def _unwatch(self, conn: _Connection, name: str) -> None:
+        group = self._watchers.get(name)
+        if group is not None:
+            group.discard(conn)
+            if not group:
+                del self._watchers[name]
+
+    def _op_holder(self, conn: _Connection, req_id: int, msg: list) -> None:
+        self._arity(msg, 1, "holder")
+        conn.send(P.encode_ok(req_id, self._holder_info(P.check_name(msg[2]))))
 
     def _op_status(self, conn: _Connection, req_id: int, msg: list) -> None:
         conn.send(P.encode_ok(req_id, self.status()))

@@ -216,7 +216,7 @@ async def test_disconnect_removes_waiters_but_keeps_leases(client, connect, serv
     await client.release(blocker)
 
 
-async def test_killed_client_process_waiter_removed(client, server):
+async def test_killed_client_process_waiter_removed(client, server, tmp_path):
     lease = await client.acquire("kill", ttl=30.0)
     code = (
         "import asyncio, fastlock\n"
@@ -225,7 +225,7 @@ async def test_killed_client_process_waiter_removed(client, server):
         "    await c.acquire('kill', ttl=30.0)\n"
         "asyncio.run(main())\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code])
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path)
     try:
         await wait_until(lambda: queued(client, 1), timeout=15, what="child waiting")
         os.kill(proc.pid, signal.SIGKILL)
@@ -308,3 +308,45 @@ async def test_bad_arguments_raise_before_sending(client, kwargs, exc):
     assert isinstance(info.value, fastlock.FastlockError)
     st = await client.status()
     assert st["grants"] == 0 and st["waiters"] == 0
+
+
+async def test_watch_delivers_every_holder_change_in_order(client, connect):
+    watcher = await connect("watcher")
+    worker = await connect("worker")
+    events = []
+    seen = asyncio.Event()
+    expected = 1 + 3 * 2 + 2  # initial state, 3 grant/release pairs, one grant + expiry
+
+    async def watch():
+        async for ev in watcher.watch("w"):
+            events.append(ev)
+            if len(events) == expected:
+                seen.set()
+                return
+
+    task = asyncio.ensure_future(watch())
+    await wait_until(lambda: len(events) == 1, what="watch started")
+    tokens = []
+    for _ in range(3):
+        lease = await worker.acquire("w", ttl=10.0)
+        tokens.append(lease.fencing_token)
+        await worker.release(lease)
+    short = await worker.acquire("w", ttl=0.1)
+    await asyncio.wait_for(seen.wait(), 5)
+    await task
+    assert events[0].kind == "free"
+    assert [(e.kind, e.token) for e in events[1:7]] == [
+        (k, t) for t in tokens for k in ("granted", "released")
+    ]
+    assert [(e.kind, e.token) for e in events[7:]] == [("granted", short.fencing_token), ("expired", short.fencing_token)]
+    assert all(e.client == "worker" for e in events[1:])
+    assert await watcher.holder("w") is None
+
+
+async def test_holder_reports_the_current_holder(client):
+    assert await client.holder("h") is None
+    lease = await client.acquire("h", ttl=10.0)
+    info = await client.holder("h")
+    assert info["token"] == lease.fencing_token and info["client"] == "test-client"
+    assert 0 < info["remaining_ms"] <= 10_000
+    await client.release(lease)

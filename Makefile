@@ -1,0 +1,30 @@
+# Two entry points that work on a fresh machine (Python 3.10+, a C compiler):
+#   make demo   - build fastlock into .venv, start a server and worker processes writing a fenced ledger
+#   make test   - build fastlock into .venv and run the test suite against the installed package
+PYTHON ?= python3
+VENV ?= .venv
+STAMP := $(VENV)/.fastlock-installed
+SOURCES := $(wildcard fastlock/*.py fastlock/*.pyx fastlock/*.pxd fastlock/*.pyi) setup.py pyproject.toml
+
+.PHONY: demo test serve bench clean
+
+$(STAMP): $(SOURCES)
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q -U pip
+	$(VENV)/bin/python -m pip install -q ".[test,postgres]"
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/fastlock demo
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q
+
+serve: $(STAMP)
+	$(VENV)/bin/fastlock serve
+
+bench: $(STAMP)
+	$(VENV)/bin/python -m benches.load --quick
+
+clean:
+	rm -rf build $(VENV) fastlock/_core.c fastlock/*.so fastlock/*.html *.egg-info
