@@ -693,6 +693,8 @@ def machine_info() -> dict[str, Any]:
                 if line.startswith("model name"):
                     info["cpu"] = line.split(":", 1)[1].strip()
                     break
+    with contextlib.suppress(OSError):
+        info["loadavg_1m"] = round(os.getloadavg()[0], 2)
     if psutil:
         info["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
     with contextlib.suppress(ImportError):

@@ -1,0 +1,148 @@
+"""fastlock against Redis, etcd, ZooKeeper and PostgreSQL advisory locks (issue 6).
+
+    python -m benches.peers --all [--quick] [--no-install] [--out DIR]
+    python -m benches.peers --only redis,postgres --quick
+
+Installs what is missing (Debian packages and Python clients, see
+``benches/peers/install.py``), starts every server itself on 127.0.0.1 with a
+throwaway data dir and a free port, runs the same closed-loop workloads
+(``benches/harness.py``) from ONE client process, stops the servers, and writes
+``benches/results/<timestamp>/`` with results.md, results.json and PNG plots.
+
+Rows (systems): echo floor (calibration), fastlock (fsync=always, the default;
+fsync=never), redis SET NX and redis-py Lock (no persistence), etcd with a lease
+per acquisition and with one lease per client, ZooKeeper via kazoo's Lock
+(threads), PostgreSQL advisory locks.  W4 (durability-matched, W1+W2): fastlock
+fsync=always vs Redis appendfsync=always vs etcd; fastlock fsync=interval (1 s)
+vs Redis appendfsync=everysec.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import logging
+import os
+import sys
+import time
+
+from benches import harness
+from benches.echo import EchoTarget
+from benches.load import FastlockTarget, fastlock_available
+from benches.peers import install, report
+
+SYSTEMS = ("fastlock", "redis", "etcd", "zookeeper", "postgres")
+
+
+def _targets(systems: list[str], args) -> tuple[list[harness.Target], list[harness.Target]]:
+    """(main targets for W1-W3, extra targets for W4 only)."""
+    from benches.peers.etcd_peer import EtcdTarget
+    from benches.peers.postgres_peer import PostgresTarget
+    from benches.peers.redis_peer import RedisTarget
+    from benches.peers.zookeeper_peer import ZookeeperTarget
+
+    retry = args.redis_retry_ms / 1e3
+    main: list[harness.Target] = []
+    w4: list[harness.Target] = []
+    if "fastlock" in systems:
+        main += [FastlockTarget(fsync="always"), FastlockTarget(fsync="never")]
+        w4 += [FastlockTarget(fsync="interval")]
+    if "redis" in systems:
+        main += [RedisTarget(recipe="setnx", retry=retry), RedisTarget(recipe="redis-py", retry=retry)]
+        w4 += [RedisTarget(recipe="setnx", persistence="always", retry=retry),
+               RedisTarget(recipe="setnx", persistence="everysec", retry=retry)]
+    if "etcd" in systems:
+        main += [EtcdTarget(per_client_lease=False), EtcdTarget(per_client_lease=True)]
+    if "zookeeper" in systems:
+        main += [ZookeeperTarget()]
+    if "postgres" in systems:
+        main += [PostgresTarget()]
+    return main, w4
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benches.peers", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sel = ap.add_mutually_exclusive_group(required=True)
+    sel.add_argument("--all", action="store_true", help="fastlock and all four peers")
+    sel.add_argument("--only", help=f"comma list of {','.join(SYSTEMS)} (the echo floor always runs)")
+    ap.add_argument("--quick", action="store_true", help="3 s per workload after 1 s warmup (total ~4-5 min)")
+    ap.add_argument("--duration", type=float, default=None, help="seconds measured per workload (default 10; "
+                    "--quick 3)")
+    ap.add_argument("--warmup", type=float, default=None, help="seconds before measuring (default 2; --quick 1)")
+    ap.add_argument("--concurrency", type=int, default=32, help="W2 clients (default 32); W3 uses 16")
+    ap.add_argument("--w3-clients", type=int, default=16)
+    ap.add_argument("--hold", type=float, default=1.0, help="W3 hold in ms (default 1)")
+    ap.add_argument("--redis-retry-ms", type=float, default=1.0,
+                    help="retry sleep of the Redis recipes while waiting (default 1 ms)")
+    ap.add_argument("--no-w4", dest="w4", action="store_false", help="skip the durability-matched runs")
+    ap.add_argument("--no-install", dest="install", action="store_false",
+                    help="do not apt-get/pip install anything; skip what is missing")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--uvloop", dest="uvloop", action="store_true", default=True)
+    g.add_argument("--no-uvloop", dest="uvloop", action="store_false")
+    ap.add_argument("--out", help="results folder (default benches/results/<timestamp>)")
+    ap.add_argument("--json", metavar="PATH", help="also write results.json to PATH")
+    args = ap.parse_args(argv)
+
+    systems = list(SYSTEMS) if args.all else [s.strip() for s in args.only.split(",") if s.strip()]
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad:
+        ap.error(f"unknown system(s) {bad}; choose from {SYSTEMS}")
+    duration = args.duration if args.duration is not None else (3.0 if args.quick else 10.0)
+    warmup = args.warmup if args.warmup is not None else (1.0 if args.quick else 2.0)
+    out = args.out or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
+                                   _dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(out, exist_ok=True)
+    say = lambda s: print(s, flush=True)  # noqa: E731
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("kazoo").setLevel(logging.ERROR)   # it logs every reconnect during server start-up
+
+    t0 = time.monotonic()
+    skipped: dict[str, str] = {}
+    peer_systems = [s for s in systems if s != "fastlock"]
+    skipped.update(install.ensure(peer_systems, log=say, allow_install=args.install))
+    if "fastlock" in systems:
+        why = fastlock_available()
+        if why:
+            skipped["fastlock"] = why
+    for s, why in skipped.items():
+        say(f"skipping {s}: {why}")
+    systems = [s for s in systems if s not in skipped]
+
+    wls = harness.standard_workloads(duration, warmup, w2_clients=args.concurrency, w3_clients=args.w3_clients,
+                                     hold=args.hold / 1e3)
+    main_targets, w4_targets = _targets(systems, args)
+    rows: list[dict] = []
+    say(f"W1/W2/W3: {duration:g} s each after {warmup:g} s warmup; uvloop={args.uvloop}; results -> {out}")
+    rows += harness.run_target(EchoTarget(use_uvloop=args.uvloop), [wls["W1"], wls["W2"]],
+                               use_uvloop=args.uvloop, log=say)
+    for t in main_targets:
+        rows += harness.run_target(t, wls.values(), use_uvloop=args.uvloop, log=say)
+    if args.w4 and w4_targets:
+        say("W4 (durability-matched): W1 and W2")
+        for t in w4_targets:
+            rows += harness.run_target(t, [wls["W1"], wls["W2"]], use_uvloop=args.uvloop, log=say)
+    elapsed = time.monotonic() - t0
+    payload = {
+        "machine": harness.machine_info(), "started": _dt.datetime.now().isoformat(timespec="seconds"),
+        "elapsed_s": round(elapsed, 1), "duration_s": duration, "warmup_s": warmup, "hold_ms": args.hold,
+        "w2_clients": args.concurrency, "w3_clients": args.w3_clients, "redis_retry_ms": args.redis_retry_ms,
+        "uvloop": args.uvloop, "skipped": skipped, "rows": rows,
+    }
+    harness.write_json(os.path.join(out, "results.json"), payload)
+    if args.json:
+        harness.write_json(args.json, payload)
+    md = report.markdown(payload)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(md)
+    pngs = report.plots(payload, out)
+    print()
+    print(md)
+    say(f"\nwrote {out}/results.md, results.json{', ' + ', '.join(os.path.basename(p) for p in pngs) if pngs else ''}"
+        f" in {elapsed:.0f} s")
+    return 0 if not any(r.get("workload") == "start" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
