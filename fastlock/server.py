@@ -57,26 +57,7 @@ from .errors import (
     LockNotAcquired,
     ProtocolError,
 )
-try:
-    from .wal import HolderRecord, WriteAheadLog
-except ImportError:  # TEMPORARY until wal.py lands
-    from collections import namedtuple
-
-    HolderRecord = namedtuple("HolderRecord", "name token owner ttl_ms lock_delay_ms client_name correlation_id granted_wall_ms")
-    _RS = namedtuple("_RS", "epoch counter holders records_replayed torn_bytes next_lsn snapshot_lsn")
-
-    class WriteAheadLog:  # type: ignore[no-redef]
-        def __init__(self, *a, **k): pass
-        def open(self): return _RS(0, 0, [], 0, 0, 0, 0)
-        def start(self, loop): self._loop = loop
-        def log_grant(self, *a): pass
-        def log_release(self, *a): pass
-        def log_expire(self, *a): pass
-        def log_extend(self, *a): pass
-        def when_durable(self, cb): self._loop.call_soon(cb)
-        def maybe_snapshot(self, f): pass
-        async def close(self): pass
-        def stats(self): return {}
+from .wal import HolderRecord, WriteAheadLog
 
 log = logging.getLogger(__name__)
 
@@ -318,8 +299,7 @@ class LockServer:
             if kind == EV_GRANTED:
                 if ev.fresh:
                     meta = ev.meta
-                    wal.log_grant(ev.name, ev.token, ev.owner, ev.ttl_ms, ev.lock_delay_ms if hasattr(ev, "lock_delay_ms") else 0,
-                                  meta[0], meta[1])
+                    wal.log_grant(ev.name, ev.token, ev.owner, ev.ttl_ms, ev.lock_delay_ms, meta[0], meta[1])
                 if grants is None:
                     grants = []
                 grants.append(ev)
@@ -338,6 +318,7 @@ class LockServer:
                     conn.send(P.encode_error(ev.request, Cancelled.code, f"{ev.name!r}: acquire cancelled"))
         if grants is not None:
             wal.when_durable(lambda: self._deliver_grants(grants))
+        wal.maybe_snapshot(self._snapshot_state)
 
     def _deliver_grants(self, grants: list) -> None:
         sessions = self._sessions
@@ -381,7 +362,6 @@ class LockServer:
         self._after_batch()
         if self._timer is None:
             self._rearm()
-        self.wal.maybe_snapshot(self._snapshot_state)
 
     def _snapshot_state(self):
         t = self.table
