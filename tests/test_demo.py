@@ -26,8 +26,9 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
 DEMO_TIMEOUT = 90  # seconds; a normal run takes 2-3 s
 
 
-def _env(marker: str) -> dict[str, str]:
+def _env(marker: str, tmp_path) -> dict[str, str]:
     env = dict(os.environ)
+    env["TMPDIR"] = str(tmp_path)  # the demo's temporary directory too, even if it is killed
     # Run the demo (and through it the server and workers) on the same fastlock
     # this test imported, whether installed or built in place.
     root = os.path.dirname(os.path.dirname(os.path.abspath(fastlock.__file__)))
@@ -65,7 +66,7 @@ def _run_demo(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, str]:
     marker = uuid.uuid4().hex
     proc = subprocess.run(
         [sys.executable, "-m", "fastlock.demo", *args],
-        cwd=tmp_path, env=_env(marker), stdin=subprocess.DEVNULL,
+        cwd=tmp_path, env=_env(marker, tmp_path), stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=DEMO_TIMEOUT,
     )
     return proc, marker
@@ -113,7 +114,7 @@ def test_demo_children_die_with_it(tmp_path):
     marker = uuid.uuid4().hex
     proc = subprocess.Popen(
         [sys.executable, "-m", "fastlock.demo"],
-        cwd=tmp_path, env=_env(marker), stdin=subprocess.DEVNULL,
+        cwd=tmp_path, env=_env(marker, tmp_path), stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     froze = threading.Event()

@@ -14,6 +14,7 @@ import random
 import sqlite3
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -459,3 +460,89 @@ def test_postgres_async_fence(pg_server):
             await conn.commit()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_postgres_autocommit_connection(pg_server):
+    import psycopg
+
+    table = "fence_" + uuid.uuid4().hex[:12]
+    with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE TABLE w_{table} (token BIGINT)")
+        fence = PostgresFence(conn, table)
+        fence.ensure_schema()
+        with fence.fenced("r", 8) as cur:
+            cur.execute(f"INSERT INTO w_{table} VALUES (%s)", (8,))
+        with pytest.raises(StaleFencingToken):
+            fence.execute("r", 7, f"INSERT INTO w_{table} VALUES (%s)", (7,))
+        assert [r[0] for r in conn.execute(f"SELECT token FROM w_{table}")] == [8]
+
+
+@pytest.mark.parametrize("late_token, accepted", [(3, False), (5, True), (9, True)])
+def test_postgres_writer_waits_for_the_holder_of_the_fence_row(pg_server, late_token, accepted):
+    """READ COMMITTED: a writer whose upsert meets a row locked by an open
+    fenced transaction (token 5) waits for it, then re-checks against the
+    committed token: a lower token is refused, an equal or higher one applies
+    after it.  Waiting is observed in pg_stat_activity, not guessed with sleeps."""
+    import psycopg
+
+    table = "fence_" + uuid.uuid4().hex[:12]
+    first, second, observer = (psycopg.connect(pg_server.dsn) for _ in range(3))
+    try:
+        first.execute(f"CREATE TABLE w_{table} (seq BIGSERIAL PRIMARY KEY, token BIGINT)")
+        first.commit()
+        PostgresFence(first, table).ensure_schema()
+        PostgresFence(first, table).execute("r", 1, "SELECT 1")
+        second_pid = second.info.backend_pid
+        inside, finish = threading.Event(), threading.Event()
+        outcome: dict[str, Any] = {}
+
+        def holder():
+            try:
+                with PostgresFence(first, table).fenced("r", 5) as cur:
+                    cur.execute(f"INSERT INTO w_{table} (token) VALUES (5)")
+                    inside.set()
+                    if not finish.wait(30):
+                        raise RuntimeError("test did not let the holder finish")
+            except BaseException as exc:
+                outcome["holder"] = exc
+
+        def late():
+            try:
+                PostgresFence(second, table).execute("r", late_token, f"INSERT INTO w_{table} (token) VALUES (%s)",
+                                                    (late_token,))
+                outcome["late"] = "applied"
+            except BaseException as exc:
+                outcome["late"] = exc
+
+        t1 = threading.Thread(target=holder)
+        t1.start()
+        assert inside.wait(30)
+        t2 = threading.Thread(target=late)
+        t2.start()
+        deadline = time.monotonic() + 30
+        while True:  # bounded wait until the late writer is blocked on the row lock
+            row = observer.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
+                                   (second_pid,)).fetchone()
+            observer.commit()
+            if row and row[0] == "Lock":
+                break
+            assert "late" not in outcome, f"the late writer did not wait: {outcome['late']!r}"
+            assert time.monotonic() < deadline, "the late writer never blocked on the fence row"
+            time.sleep(0.01)
+        finish.set()
+        t1.join(30)
+        t2.join(30)
+        assert "holder" not in outcome
+        tokens = [r[0] for r in observer.execute(f"SELECT token FROM w_{table} ORDER BY seq")]
+        if accepted:
+            assert outcome["late"] == "applied"
+            assert tokens == [5, late_token]
+            assert PostgresFence(observer, table).highest("r") == late_token
+        else:
+            assert isinstance(outcome["late"], StaleFencingToken)
+            assert outcome["late"].highest == 5
+            assert tokens == [5]
+            assert PostgresFence(observer, table).highest("r") == 5
+    finally:
+        for c in (first, second, observer):
+            c.close()
