@@ -233,10 +233,18 @@ class CpuMeter:
         t = os.times()
         return t.user + t.system
 
+    @staticmethod
+    def _machine_busy() -> float:
+        if psutil is None:
+            return float("nan")
+        t = psutil.cpu_times()
+        return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
     def start(self) -> None:
         self._t0 = time.monotonic()
         self._c0 = self._self_time()
         self._s0 = self._tree_times(self._server_pids())
+        self._m0 = self._machine_busy()
 
     def stop(self) -> dict[str, float]:
         wall = time.monotonic() - self._t0
@@ -244,8 +252,12 @@ class CpuMeter:
         s1 = self._tree_times(self._server_pids())
         # processes that appeared during the window count from 0
         server = sum(v - self._s0.get(pid, 0.0) for pid, v in s1.items())
+        machine = self._machine_busy() - self._m0
+        pct = lambda x: 100.0 * x / wall if wall > 0 and psutil else float("nan")  # noqa: E731
+        # other_cpu_pct: what the rest of the machine burnt meanwhile (another
+        # benchmark or test suite running beside this one makes the figures noisy)
         return {"client_cpu_pct": 100.0 * client / wall if wall > 0 else float("nan"),
-                "server_cpu_pct": 100.0 * server / wall if wall > 0 and psutil else float("nan")}
+                "server_cpu_pct": pct(server), "other_cpu_pct": max(0.0, pct(machine - client - server))}
 
 
 # --------------------------------------------------------------------------- #
@@ -646,9 +658,37 @@ def one_line(row: dict[str, Any]) -> str:
               f"tta p99={row['time_to_acquire_us']['p99']:.0f}us jain={row['jain']:.3f}")
         if row.get("wasted_round_trips_per_acquire"):
             s += f" wasted/acq={row['wasted_round_trips_per_acquire']:.1f}"
+    if row.get("other_cpu_pct", 0) > 20:
+        s += f" [busy machine: other processes used {row['other_cpu_pct']:.0f}% CPU]"
     if row.get("error_count"):
         s += f" errors={row['error_count']} {row['errors'][:1]}"
     return s
+
+
+def machine_busy_pct(sample: float = 1.0) -> float:
+    """CPU % (of one core) the whole machine burns over ``sample`` seconds (nan without psutil)."""
+    if psutil is None:
+        return float("nan")
+    a = CpuMeter._machine_busy()
+    time.sleep(sample)
+    return 100.0 * (CpuMeter._machine_busy() - a) / sample
+
+
+def wait_for_quiet(max_wait: float, threshold: float = 25.0, log: Callable[[str], None] = print) -> float:
+    """Wait up to ``max_wait`` s for the machine to idle below ``threshold`` % of a core.
+
+    Benchmarks on a 2-core machine shared with test suites are noise; this
+    returns the last busy figure so the report can say how quiet it was.
+    """
+    deadline = time.monotonic() + max_wait
+    busy = machine_busy_pct()
+    while busy > threshold and time.monotonic() < deadline:
+        log(f"machine busy ({busy:.0f}% of a core used by other processes); waiting for it to settle ...")
+        time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+        busy = machine_busy_pct()
+    if busy > threshold:
+        log(f"warning: machine still busy ({busy:.0f}% of a core); figures will be noisy")
+    return busy
 
 
 # --------------------------------------------------------------------------- #
@@ -667,6 +707,8 @@ def add_common_args(ap) -> None:
     g.add_argument("--no-uvloop", dest="uvloop", action="store_false", help="use the stdlib asyncio loop")
     ap.add_argument("--workloads", default="W1,W2,W3", help="comma list (default W1,W2,W3)")
     ap.add_argument("--json", metavar="PATH", help="also write all rows as JSON to PATH")
+    ap.add_argument("--quiet-wait", type=float, default=0.0, metavar="S",
+                    help="wait up to S seconds for other processes to go idle before starting (default 0)")
 
 
 def workloads_from_args(args) -> list[Workload]:

@@ -238,6 +238,11 @@ def format_report(rows: list[dict], hold_s: float) -> str:
                      f"{(r.get('wasted_round_trips_per_acquire') or 0):>10.2f} "
                      f"{r['client_cpu_pct']:>6.0f}/{r['server_cpu_pct']:<6.0f}")
     L.append("  (tta = time to acquire, us; chg/s = owner changes/s; x bnd(meas) uses the measured hold)")
+    busy = [r for r in rows if r.get("other_cpu_pct", 0) > 20]
+    if busy:
+        L.append("")
+        L.append("Noise: other processes used > 20 % of a core during " +
+                 ", ".join(f"{r['target']} {r['workload']} ({r['other_cpu_pct']:.0f} %)" for r in busy))
     errs = [r for r in rows if r.get("error_count")]
     if errs:
         L.append("")
@@ -270,8 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     wls = harness.workloads_from_args(args)
     rows: list[dict] = []
+    busy = harness.wait_for_quiet(args.quiet_wait, log=lambda s: print(s, flush=True))
     print(f"benches.load: {', '.join(w.name for w in wls)}; {args.duration:g} s each after {args.warmup:g} s "
-          f"warmup; uvloop={args.uvloop}", flush=True)
+          f"warmup; uvloop={args.uvloop}; machine busy before start: {busy:.0f}% of a core", flush=True)
     if args.floor:
         rows += harness.run_target(EchoTarget(use_uvloop=args.uvloop), [w for w in wls if w.name != "W3"],
                                    use_uvloop=args.uvloop, log=lambda s: print(s, flush=True))
@@ -287,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_report(rows, hold_s))
     if args.json:
-        harness.write_json(args.json, {"machine": harness.machine_info(), "args": vars(args), "rows": rows,
+        harness.write_json(args.json, {"machine": harness.machine_info(), "busy_before_pct": busy,
+                                       "args": vars(args), "rows": rows,
                                        "floor": floor_figures(rows, hold_s), "verdicts": compare(rows, hold_s)})
         print(f"\nwrote {args.json}")
     return 1 if any(r.get("workload") == "start" for r in rows) else 0

@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--uvloop", dest="uvloop", action="store_true", default=True)
     g.add_argument("--no-uvloop", dest="uvloop", action="store_false")
+    ap.add_argument("--quiet-wait", type=float, default=0.0, metavar="S",
+                    help="wait up to S seconds for other processes to go idle before starting (default 0)")
     ap.add_argument("--out", help="results folder (default benches/results/<timestamp>)")
     ap.add_argument("--json", metavar="PATH", help="also write results.json to PATH")
     args = ap.parse_args(argv)
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                                      hold=args.hold / 1e3)
     main_targets, w4_targets = _targets(systems, args)
     rows: list[dict] = []
+    busy = harness.wait_for_quiet(args.quiet_wait, log=say)
     say(f"W1/W2/W3: {duration:g} s each after {warmup:g} s warmup; uvloop={args.uvloop}; results -> {out}")
     rows += harness.run_target(EchoTarget(use_uvloop=args.uvloop), [wls["W1"], wls["W2"]],
                                use_uvloop=args.uvloop, log=say)
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": harness.machine_info(), "started": _dt.datetime.now().isoformat(timespec="seconds"),
         "elapsed_s": round(elapsed, 1), "duration_s": duration, "warmup_s": warmup, "hold_ms": args.hold,
         "w2_clients": args.concurrency, "w3_clients": args.w3_clients, "redis_retry_ms": args.redis_retry_ms,
-        "uvloop": args.uvloop, "skipped": skipped, "rows": rows,
+        "uvloop": args.uvloop, "skipped": skipped, "busy_before_pct": busy, "rows": rows,
     }
     harness.write_json(os.path.join(out, "results.json"), payload)
     if args.json:

@@ -93,7 +93,8 @@ def markdown(payload: dict) -> str:
     L.append(f"Machine: {m.get('cpu', '?')}, {m.get('cpus')} CPUs, {m.get('memory_gib', '?')} GiB, "
              f"{m.get('platform')}, Python {m.get('python')}, uvloop {m.get('uvloop', '-')}. "
              f"{payload['duration_s']:g} s per workload after {payload['warmup_s']:g} s warmup; one client "
-             f"process (asyncio tasks; kazoo in threads); loopback only; total run {payload['elapsed_s']:g} s.\n")
+             f"process (asyncio tasks; kazoo in threads); loopback only; total run {payload['elapsed_s']:g} s; "
+             f"other processes before start: {_f(payload.get('busy_before_pct'), '{:.0f}')} % of a core.\n")
     if payload.get("skipped"):
         L.append("Skipped: " + "; ".join(f"{k} ({v})" for k, v in payload["skipped"].items()) + "\n")
     L.append("A *pair* is one acquire + one release; latencies exclude the hold. "
@@ -163,6 +164,12 @@ def markdown(payload: dict) -> str:
         seen.add(r["target"])
         L.append(f"| {r['target']} | {_yes(r['fencing'])} | {'polling' if r['polling'] else 'server-side queue'} "
                  f"| {r.get('notes', '')} |")
+
+    busy = [r for r in payload["rows"] if r.get("other_cpu_pct", 0) > 20]
+    if busy:
+        L.append("\n## Noise warning\n")
+        L.append("Other processes used more than 20 % of a core during these runs (figures less reliable): "
+                 + ", ".join(f"{r['target']} {r['workload']} ({r['other_cpu_pct']:.0f} %)" for r in busy) + "\n")
 
     errs = [r for r in payload["rows"] if r.get("error_count")]
     if errs:
