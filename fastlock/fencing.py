@@ -72,7 +72,7 @@ import sqlite3
 from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Sequence
 
-from .errors import StaleFencingToken
+from .errors import InvalidArgument, StaleFencingToken, WrongArgumentType
 
 if TYPE_CHECKING:  # pragma: no cover
     import psycopg
@@ -103,33 +103,35 @@ def validate_token(token: Any) -> int:
     :param token: an ``int`` in ``[0, MAX_TOKEN]``, or an object with a
         ``fencing_token`` attribute holding one (such as a
         :class:`fastlock.Lease`).
-    :raises TypeError: ``token`` is not an ``int`` (``bool`` and ``float`` are refused).
-    :raises ValueError: ``token`` is negative or larger than ``MAX_TOKEN``.
+    :raises WrongArgumentType: (a ``TypeError``) ``token`` is not an ``int``
+        (``bool`` and ``float`` are refused).
+    :raises InvalidArgument: (a ``ValueError``) ``token`` is negative or
+        larger than ``MAX_TOKEN``.
     """
     if not isinstance(token, int) and hasattr(token, "fencing_token"):
         token = token.fencing_token
     if isinstance(token, bool) or not isinstance(token, int):
-        raise TypeError(f"fencing token must be an int, not {type(token).__name__}")
+        raise WrongArgumentType(f"fencing token must be an int, not {type(token).__name__}")
     if token < 0 or token > MAX_TOKEN:
-        raise ValueError(f"fencing token must be in [0, 2**63 - 1], got {token}")
+        raise InvalidArgument(f"fencing token must be in [0, 2**63 - 1], got {token}")
     return int(token)
 
 
 def _validate_resource(resource: Any) -> str:
     if not isinstance(resource, str):
-        raise TypeError(f"resource must be a str, not {type(resource).__name__}")
+        raise WrongArgumentType(f"resource must be a str, not {type(resource).__name__}")
     if not resource:
-        raise ValueError("resource must be a non-empty string")
+        raise InvalidArgument("resource must be a non-empty string")
     return resource
 
 
 def _split_table(table: Any) -> tuple[str, ...]:
     """Check a table name (optionally ``schema.table``) and return its parts."""
     if not isinstance(table, str):
-        raise TypeError(f"table must be a str, not {type(table).__name__}")
+        raise WrongArgumentType(f"table must be a str, not {type(table).__name__}")
     parts = tuple(table.split("."))
     if len(parts) > 2 or not all(_IDENT.match(p) for p in parts):
-        raise ValueError(
+        raise InvalidArgument(
             f"table must be an SQL identifier (letters, digits, '_'; optionally schema.table), got {table!r}"
         )
     return parts
@@ -164,10 +166,10 @@ class SQLiteFence:
 
     def __init__(self, conn: sqlite3.Connection, table: str = DEFAULT_TABLE) -> None:
         if not isinstance(conn, sqlite3.Connection):
-            raise TypeError(f"conn must be a sqlite3.Connection, not {type(conn).__name__}")
+            raise WrongArgumentType(f"conn must be a sqlite3.Connection, not {type(conn).__name__}")
         parts = _split_table(table)
         if len(parts) != 1:
-            raise ValueError(f"SQLite fence table must be a plain identifier, got {table!r}")
+            raise InvalidArgument(f"SQLite fence table must be a plain identifier, got {table!r}")
         name = parts[0]
         self.conn = conn
         self.table = name

@@ -259,9 +259,11 @@ def test_bad_arguments(backend):
             with fence.fenced("r", bad):
                 pass
     for bad in (-1, -(1 << 70), MAX_TOKEN + 1, 1 << 64):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError) as info:
             with fence.fenced("r", bad):
                 pass
+        assert not isinstance(info.value, TypeError)
+        assert isinstance(info.value, FastlockError)
     with pytest.raises(ValueError):
         fence.execute("", 1, backend.sql("SELECT 1"))
     with pytest.raises(TypeError):
