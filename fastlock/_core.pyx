@@ -1,0 +1,1085 @@
+# cython: language_level=3
+"""The compiled lock table of fastlock (sans-IO).
+
+A :class:`LockTable` holds, per lock name, the current holder (owner key,
+session, fencing token, TTL, deadline, lock-delay) and a FIFO queue of waiters.
+It never reads a clock and never does I/O: every state-changing call takes
+``now``, the caller's monotonic clock in integer **milliseconds**, first
+processes everything that is due at ``now`` (exactly as :meth:`LockTable.expire`
+does) and then does its own work.  Outcomes that concern other parties are
+queued as :class:`Event` objects and collected with
+:meth:`LockTable.drain_events`.
+
+Data structures
+---------------
+* ``dict`` name -> ``_Lock``.  A lock with no holder, no waiters and no pending
+  block is deleted at once, so memory does not grow with the number of names
+  ever used.
+* Per lock, a doubly linked list of ``_Waiter`` in arrival order (as ZooKeeper's
+  sequential nodes) plus a ``dict`` owner -> waiter, so cancel is O(1).
+* Per session, an insertion-ordered ``dict`` of its waiters, so
+  :meth:`LockTable.drop_session` is O(waiters of that session).
+* ONE indexed binary min-heap for every deadline: lease deadlines, waiter
+  timeouts and "lock blocked until" ends (lock-delay and the promotion grace
+  period).  Entries are keyed by ``(deadline_ms, seq)`` where ``seq`` comes
+  from one shared counter each time a deadline is (re)scheduled, and carry
+  their own heap index, so reschedule and removal are O(log n) (the idea of
+  etcd's lease heap) and :meth:`LockTable.next_deadline` is O(1).  A lock is
+  its own heap entry: it is scheduled either for its lease deadline (held) or
+  for the end of its block (not held), never both.
+
+Processing order
+----------------
+:meth:`LockTable.expire` pops due entries in ``(deadline, seq)`` order and
+handles each at its *logical* time ``tau`` (its deadline): a lease expiring at
+``tau`` hands the lock to the next waiter at ``tau`` unless the lock is blocked
+at ``tau``; a waiter whose timeout entry comes later in that order is still
+queued at ``tau`` and can be granted.  A lease granted while processing gets
+the deadline ``now + ttl_ms`` (a TTL counts from the moment the grant is
+made), so it is never processed in the same pass.
+"""
+
+cimport cython
+from libc.stdint cimport int64_t
+from cpython.long cimport PyLong_Check, PyLong_CheckExact
+from cpython.bool cimport PyBool_Check
+
+
+cdef extern from "Python.h":
+    long long PyLong_AsLongLongAndOverflow(object obj, int* overflow) except? -1
+
+
+cdef enum:
+    # acquire() statuses
+    _GRANTED = 0
+    _QUEUED = 1
+    _NOT_ACQUIRED = 2
+    # event kinds
+    _EV_GRANTED = 1
+    _EV_EXPIRED = 2
+    _EV_WAIT_TIMEOUT = 3
+    _EV_WAIT_CANCELLED = 4
+
+#: acquire() status: the lock was granted; an EV_GRANTED event carries the lease.
+GRANTED = _GRANTED
+#: acquire() status: the request waits in the lock's FIFO queue.
+QUEUED = _QUEUED
+#: acquire() status: wait_ms == 0 and the lock was not free.
+NOT_ACQUIRED = _NOT_ACQUIRED
+
+#: Event kind: a lease was granted (immediately or to a waiter), or re-delivered.
+EV_GRANTED = _EV_GRANTED
+#: Event kind: a lease reached its deadline.
+EV_EXPIRED = _EV_EXPIRED
+#: Event kind: a waiter's wait_ms ran out; it left the queue.
+EV_WAIT_TIMEOUT = _EV_WAIT_TIMEOUT
+#: Event kind: a waiter was cancelled or superseded by a retry.
+EV_WAIT_CANCELLED = _EV_WAIT_CANCELLED
+
+cdef extern from *:
+    """
+    #define FL_SHIFT 40
+    #define FL_MAX_COUNTER ((((long long)1) << 40) - 1)
+    #define FL_MAX_EPOCH ((((long long)1) << 23) - 1)
+    #define FL_MAX_LOCK_DELAY_MS 60000LL
+    #define FL_MAX_MS ((((long long)1) << 53) - 1)
+    """
+    const int64_t _SHIFT "FL_SHIFT"
+    const int64_t _MAX_COUNTER "FL_MAX_COUNTER"
+    const int64_t _MAX_EPOCH "FL_MAX_EPOCH"
+    const int64_t _MAX_LOCK_DELAY_MS "FL_MAX_LOCK_DELAY_MS"
+    const int64_t _MAX_MS "FL_MAX_MS"
+
+#: Bits of a fencing token below the epoch: token = (epoch << TOKEN_EPOCH_SHIFT) | counter
+TOKEN_EPOCH_SHIFT = _SHIFT
+#: Largest epoch, so that every token stays below 2**63.
+MAX_EPOCH = _MAX_EPOCH
+#: Largest counter value; a grant that would need a larger one raises OverflowError.
+MAX_COUNTER = _MAX_COUNTER
+#: Largest lock-delay in milliseconds (Chubby's lock-delay is capped at one minute).
+MAX_LOCK_DELAY_MS = _MAX_LOCK_DELAY_MS
+#: Largest ``now``, TTL, wait or hold time in milliseconds (2**53 - 1: exact in
+#: a float, ~285 000 years), so that deadline arithmetic never overflows.
+MAX_MS = _MAX_MS
+
+cdef enum:
+    K_LEASE = 1   # a lock's lease deadline
+    K_BLOCK = 2   # end of a lock's lock-delay / grant hold
+    K_WAIT = 3    # a waiter's wait timeout
+
+
+class NotHolder(LookupError):
+    """release/extend named a lease that is not the current, unexpired holder."""
+
+
+# ---------------------------------------------------------------------------
+# argument checks (defense in depth: the protocol layer validates first)
+# ---------------------------------------------------------------------------
+
+cdef inline int64_t _int(object v, str what) except? -1:
+    """``v`` as a C int64; TypeError unless a real int (bool refused), ValueError if huge."""
+    cdef int overflow = 0
+    cdef long long r
+    if not PyLong_CheckExact(v):
+        if PyBool_Check(v) or not PyLong_Check(v):
+            raise TypeError(f"{what} must be an int, not {type(v).__name__}")
+    r = PyLong_AsLongLongAndOverflow(v, &overflow)
+    if overflow:
+        raise ValueError(f"{what} out of range: {v!r}")
+    return r
+
+
+cdef inline int64_t _ms(object v, str what, int64_t lo) except? -1:
+    """An integer millisecond value in ``lo..MAX_MS``."""
+    cdef int64_t r = _int(v, what)
+    if r < lo or r > _MAX_MS:
+        raise ValueError(f"{what} must be in {lo}..{_MAX_MS} ms, got {r}")
+    return r
+
+
+cdef inline int64_t _token(object v) except? -1:
+    cdef int64_t r = _int(v, "token")
+    if r < 0:
+        raise ValueError(f"token must be >= 0, got {r}")
+    return r
+
+
+cdef inline str _name(object v):
+    if type(v) is not str:
+        raise TypeError(f"name must be a str, not {type(v).__name__}")
+    if not (<str>v):
+        raise ValueError("name must not be empty")
+    return <str>v
+
+
+cdef inline bytes _owner(object v):
+    if type(v) is not bytes:
+        raise TypeError(f"owner must be bytes, not {type(v).__name__}")
+    return <bytes>v
+
+
+cdef inline int64_t _session(object v) except? -1:
+    cdef int64_t r = _int(v, "session")
+    if r < 0:
+        raise ValueError(f"session must be >= 0, got {r}")
+    return r
+
+
+cdef inline int64_t _lock_delay(object v) except? -1:
+    cdef int64_t r = _int(v, "lock_delay_ms")
+    if r < 0 or r > _MAX_LOCK_DELAY_MS:
+        raise ValueError(f"lock_delay_ms must be in 0..{_MAX_LOCK_DELAY_MS}, got {r}")
+    return r
+
+
+# ---------------------------------------------------------------------------
+# public value objects
+# ---------------------------------------------------------------------------
+
+@cython.freelist(256)
+@cython.final
+cdef class Event:
+    """Something that happened to a party other than the caller.
+
+    Attributes (all read-only):
+      kind: EV_GRANTED, EV_EXPIRED, EV_WAIT_TIMEOUT or EV_WAIT_CANCELLED.
+      name: the lock name.
+      token: EV_GRANTED / EV_EXPIRED: the lease's fencing token; else 0.
+      owner: the owner key given to acquire().
+      session: session of the waiter, or of the holder (EV_EXPIRED), or of the
+        request a lease is (re-)delivered to (EV_GRANTED).
+      request: the opaque object given to acquire() (None for EV_EXPIRED).
+      ttl_ms: lease TTL in ms (EV_GRANTED/EV_EXPIRED) or the TTL the waiter asked for.
+      deadline_ms: EV_GRANTED: lease deadline (grant time + ttl_ms);
+        EV_EXPIRED: the deadline that was reached; else 0.
+      meta: the opaque object given to acquire() (the lease's for EV_GRANTED/EV_EXPIRED).
+      fresh: EV_GRANTED: False when an idempotent retry re-delivers an existing lease.
+      lock_delay_ms: the lock-delay stored with the lease / asked by the waiter
+        (extra field, so a WAL record of a grant can be replayed with install_holder()).
+    """
+    cdef readonly int kind
+    cdef readonly str name
+    cdef readonly int64_t token
+    cdef readonly bytes owner
+    cdef readonly int64_t session
+    cdef readonly object request
+    cdef readonly int64_t ttl_ms
+    cdef readonly int64_t deadline_ms
+    cdef readonly object meta
+    cdef readonly bint fresh
+    cdef readonly int64_t lock_delay_ms
+
+    def __repr__(self):
+        kinds = {1: "GRANTED", 2: "EXPIRED", 3: "WAIT_TIMEOUT", 4: "WAIT_CANCELLED"}
+        return (f"<Event {kinds.get(self.kind, self.kind)} name={self.name!r} token={self.token} "
+                f"owner={self.owner!r} session={self.session} ttl_ms={self.ttl_ms} "
+                f"deadline_ms={self.deadline_ms} fresh={self.fresh}>")
+
+
+@cython.final
+cdef class Holder:
+    """A snapshot of a lock's holder (read-only; later calls do not change it).
+
+    Attributes: name (str), token (int), owner (bytes), session (int; 0 for a
+    holder installed by install_holder()), ttl_ms (ms), deadline_ms (monotonic
+    ms), lock_delay_ms (ms), meta (opaque).
+    """
+    cdef readonly str name
+    cdef readonly int64_t token
+    cdef readonly bytes owner
+    cdef readonly int64_t session
+    cdef readonly int64_t ttl_ms
+    cdef readonly int64_t deadline_ms
+    cdef readonly int64_t lock_delay_ms
+    cdef readonly object meta
+
+    def __repr__(self):
+        return (f"<Holder name={self.name!r} token={self.token} owner={self.owner!r} "
+                f"session={self.session} ttl_ms={self.ttl_ms} deadline_ms={self.deadline_ms}>")
+
+
+# ---------------------------------------------------------------------------
+# internal entries
+# ---------------------------------------------------------------------------
+
+cdef class _Entry:
+    """A heap entry: keyed by (deadline, seq); ``index`` is its heap slot or -1."""
+    cdef int64_t deadline
+    cdef int64_t seq
+    cdef Py_ssize_t index
+    cdef int kind
+
+
+@cython.freelist(128)
+@cython.final
+cdef class _Waiter(_Entry):
+    cdef _Lock lock
+    cdef bytes owner
+    cdef int64_t session
+    cdef object request
+    cdef int64_t ttl_ms
+    cdef int64_t lock_delay_ms
+    cdef object meta
+    cdef _Waiter prev
+    cdef _Waiter next
+
+
+@cython.freelist(128)
+@cython.final
+cdef class _Lock(_Entry):
+    cdef str name
+    # holder (valid while held)
+    cdef bint held
+    cdef int64_t token
+    cdef bytes owner
+    cdef int64_t session
+    cdef int64_t ttl_ms
+    cdef int64_t lock_delay_ms
+    cdef object meta
+    # no grant before this (lock-delay after an expiry); 0 when none
+    cdef int64_t delay_until
+    # FIFO queue
+    cdef _Waiter head
+    cdef _Waiter tail
+    cdef dict by_owner   # owner -> _Waiter; None until the first waiter
+
+
+cdef inline bint _before(_Entry a, _Entry b):
+    return a.deadline < b.deadline or (a.deadline == b.deadline and a.seq < b.seq)
+
+
+cdef inline int64_t _max(int64_t a, int64_t b):
+    return a if a > b else b
+
+
+# ---------------------------------------------------------------------------
+# the table
+# ---------------------------------------------------------------------------
+
+cdef class LockTable:
+    """Leased locks with fencing tokens and FIFO waiters, sans-IO.
+
+    All times are monotonic integer milliseconds given by the caller.  A lease
+    is valid while ``now < deadline`` and expired at ``now >= deadline``; a
+    waiter has timed out at ``now >= its wait deadline``.
+
+    Fencing tokens are ``(epoch << 40) | counter`` (see :attr:`last_token`):
+    the counter grows by one per fresh grant and never goes down, and the
+    epoch (raised on promotion) puts every later token above every earlier one.
+    """
+    cdef dict _locks
+    cdef list _heap
+    cdef list _events
+    cdef dict _sessions          # session -> {_Waiter: None} in arrival order
+    cdef int64_t _seq
+    cdef int64_t _epoch
+    cdef int64_t _counter
+    cdef int64_t _hold_until
+    cdef int64_t _n_held
+    cdef int64_t _n_waiters
+    cdef int64_t _grants
+    cdef int64_t _releases
+    cdef int64_t _expiries
+    cdef int64_t _wait_timeouts
+    cdef int64_t _cancels
+
+    def __cinit__(self):
+        self._locks = {}
+        self._heap = []
+        self._events = []
+        self._sessions = {}
+
+    def __init__(self):
+        """An empty table at epoch 0, counter 0, with no grant hold."""
+
+    # -- heap ------------------------------------------------------------------
+
+    cdef inline void _sift_up(self, Py_ssize_t i, _Entry e):
+        cdef list heap = self._heap
+        cdef Py_ssize_t p
+        cdef _Entry pe
+        while i > 0:
+            p = (i - 1) >> 1
+            pe = <_Entry>heap[p]
+            if not _before(e, pe):
+                break
+            heap[i] = pe
+            pe.index = i
+            i = p
+        heap[i] = e
+        e.index = i
+
+    cdef inline void _sift_down(self, Py_ssize_t i, _Entry e):
+        cdef list heap = self._heap
+        cdef Py_ssize_t n = len(heap)
+        cdef Py_ssize_t c
+        cdef _Entry ce, re
+        while True:
+            c = 2 * i + 1
+            if c >= n:
+                break
+            ce = <_Entry>heap[c]
+            if c + 1 < n:
+                re = <_Entry>heap[c + 1]
+                if _before(re, ce):
+                    c += 1
+                    ce = re
+            if not _before(ce, e):
+                break
+            heap[i] = ce
+            ce.index = i
+            i = c
+        heap[i] = e
+        e.index = i
+
+    cdef inline void _schedule(self, _Entry e, int64_t deadline):
+        """(Re)schedule ``e`` at ``deadline`` with a fresh seq: O(log n)."""
+        cdef Py_ssize_t i = e.index
+        self._seq += 1
+        e.seq = self._seq
+        if i < 0:
+            e.deadline = deadline
+            self._heap.append(e)
+            self._sift_up(len(self._heap) - 1, e)
+        elif deadline < e.deadline:
+            e.deadline = deadline
+            self._sift_up(i, e)
+        else:
+            e.deadline = deadline
+            self._sift_down(i, e)
+
+    cdef inline void _unschedule(self, _Entry e):
+        """Remove ``e`` from the heap (no-op if not scheduled): O(log n)."""
+        cdef Py_ssize_t i = e.index
+        cdef list heap = self._heap
+        cdef _Entry last
+        if i < 0:
+            return
+        e.index = -1
+        last = <_Entry>heap.pop()
+        if last is e:
+            return
+        if i > 0 and _before(last, <_Entry>heap[(i - 1) >> 1]):
+            self._sift_up(i, last)
+        else:
+            self._sift_down(i, last)
+
+    cdef inline _Entry _pop_top(self):
+        cdef list heap = self._heap
+        cdef _Entry top = <_Entry>heap[0]
+        cdef _Entry last = <_Entry>heap.pop()
+        top.index = -1
+        if last is not top:
+            self._sift_down(0, last)
+        return top
+
+    # -- events ----------------------------------------------------------------
+
+    cdef inline void _event(self, int kind, str name, int64_t token, bytes owner, int64_t session,
+                            object request, int64_t ttl_ms, int64_t deadline_ms, object meta,
+                            bint fresh, int64_t lock_delay_ms):
+        cdef Event ev = Event.__new__(Event)
+        ev.kind = kind
+        ev.name = name
+        ev.token = token
+        ev.owner = owner
+        ev.session = session
+        ev.request = request
+        ev.ttl_ms = ttl_ms
+        ev.deadline_ms = deadline_ms
+        ev.meta = meta
+        ev.fresh = fresh
+        ev.lock_delay_ms = lock_delay_ms
+        self._events.append(ev)
+
+    # -- internal transitions ------------------------------------------------------
+
+    cdef inline int _advance(self, int64_t now) except -1:
+        """Fast check before every operation: expire only if something is due."""
+        cdef list heap = self._heap
+        if len(heap) > 0 and (<_Entry>heap[0]).deadline <= now:
+            self._expire(now)
+        return 0
+
+    cdef int _expire(self, int64_t now) except -1:
+        cdef list heap = self._heap
+        cdef _Entry e
+        cdef _Lock lock
+        cdef _Waiter w
+        cdef int64_t tau
+        while len(heap) > 0:
+            e = <_Entry>heap[0]
+            if e.deadline > now:
+                break
+            tau = e.deadline
+            self._pop_top()
+            if e.kind == K_LEASE:
+                lock = <_Lock>e
+                lock.held = False
+                self._n_held -= 1
+                self._expiries += 1
+                self._event(_EV_EXPIRED, lock.name, lock.token, lock.owner, lock.session, None,
+                            lock.ttl_ms, tau, lock.meta, False, lock.lock_delay_ms)
+                if lock.lock_delay_ms > 0:
+                    lock.delay_until = _max(lock.delay_until, tau + lock.lock_delay_ms)
+                lock.owner = None
+                lock.meta = None
+                self._settle(lock, tau, now)
+            elif e.kind == K_WAIT:
+                w = <_Waiter>e
+                lock = w.lock
+                self._unlink(w)
+                self._wait_timeouts += 1
+                self._event(_EV_WAIT_TIMEOUT, lock.name, 0, w.owner, w.session, w.request,
+                            w.ttl_ms, 0, w.meta, False, w.lock_delay_ms)
+                self._settle(lock, tau, now)
+            else:
+                self._settle(<_Lock>e, tau, now)
+        return 0
+
+    cdef inline int _grant(self, _Lock lock, bytes owner, int64_t session, object request,
+                           int64_t ttl_ms, int64_t lock_delay_ms, object meta, int64_t now) except -1:
+        """Make a fresh grant (caller checked the counter has room)."""
+        cdef int64_t token
+        self._counter += 1
+        token = (self._epoch << _SHIFT) | self._counter
+        lock.held = True
+        lock.token = token
+        lock.owner = owner
+        lock.session = session
+        lock.ttl_ms = ttl_ms
+        lock.lock_delay_ms = lock_delay_ms
+        lock.meta = meta
+        lock.delay_until = 0
+        lock.kind = K_LEASE
+        self._schedule(lock, now + ttl_ms)
+        self._n_held += 1
+        self._grants += 1
+        self._event(_EV_GRANTED, lock.name, token, owner, session, request, ttl_ms,
+                    now + ttl_ms, meta, True, lock_delay_ms)
+        return 0
+
+    cdef inline int _check_counter(self) except -1:
+        if self._counter >= _MAX_COUNTER:
+            raise OverflowError(
+                "fencing counter exhausted (2**40 - 1 grants); tokens never wrap")
+        return 0
+
+    cdef void _unlink(self, _Waiter w):
+        """Take ``w`` out of its lock's queue, its session index and the heap."""
+        cdef _Lock lock = w.lock
+        cdef dict sess
+        if w.prev is None:
+            lock.head = w.next
+        else:
+            w.prev.next = w.next
+        if w.next is None:
+            lock.tail = w.prev
+        else:
+            w.next.prev = w.prev
+        w.prev = None
+        w.next = None
+        del lock.by_owner[w.owner]
+        self._unschedule(w)
+        sess = self._sessions.get(w.session)
+        if sess is not None:
+            sess.pop(w, None)
+            if not sess:
+                del self._sessions[w.session]
+        self._n_waiters -= 1
+        w.lock = None
+
+    cdef inline void _schedule_block(self, _Lock lock, int64_t at):
+        if lock.index >= 0 and lock.deadline == at:
+            return
+        lock.kind = K_BLOCK
+        self._schedule(lock, at)
+
+    cdef int _settle(self, _Lock lock, int64_t tau, int64_t now) except -1:
+        """Bring an unheld lock to rest at logical time ``tau``.
+
+        Hand it to the head waiter unless blocked at ``tau`` (then schedule the
+        block's end), keep it while a lock-delay runs, else delete it.
+        """
+        cdef _Waiter w
+        cdef int64_t until
+        if lock.held:
+            return 0
+        if lock.delay_until <= tau:
+            lock.delay_until = 0
+        if lock.head is not None:
+            until = _max(lock.delay_until, self._hold_until)
+            if tau >= until:
+                self._check_counter()
+                w = lock.head
+                self._unlink(w)
+                self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms,
+                            w.meta, now)
+            else:
+                self._schedule_block(lock, until)
+        elif lock.delay_until > tau:
+            self._schedule_block(lock, lock.delay_until)
+        else:
+            self._unschedule(lock)
+            del self._locks[lock.name]
+        return 0
+
+    cdef inline _Lock _new_lock(self, str name):
+        cdef _Lock lock = _Lock.__new__(_Lock)
+        lock.name = name
+        lock.index = -1
+        self._locks[name] = lock
+        return lock
+
+    cdef inline void _drop_holder(self, _Lock lock):
+        lock.held = False
+        lock.owner = None
+        lock.meta = None
+        self._n_held -= 1
+        self._unschedule(lock)
+
+    # -- fencing counter ---------------------------------------------------------
+
+    @property
+    def epoch(self):
+        """Current epoch (int, read-only; raise it with :meth:`set_epoch`)."""
+        return self._epoch
+
+    @property
+    def last_token(self):
+        """``(epoch << 40) | counter`` (int): every token issued so far is <= it, every
+        later one is > it; 0 on a new table."""
+        return (self._epoch << _SHIFT) | self._counter
+
+    @property
+    def counter(self):
+        """The last counter value issued (int, 0..MAX_COUNTER)."""
+        return self._counter
+
+    def set_epoch(self, epoch):
+        """Raise the epoch to ``epoch`` (a promotion starts a new epoch, like a Raft term).
+
+        Setting the current epoch again is a no-op.
+
+        Raises:
+          TypeError: epoch is not an int.
+          ValueError: epoch < current epoch, or epoch > MAX_EPOCH.
+        """
+        cdef int64_t e = _int(epoch, "epoch")
+        if e < self._epoch:
+            raise ValueError(f"epoch can only go up: {e} < current {self._epoch}")
+        if e > _MAX_EPOCH:
+            raise ValueError(f"epoch {e} > MAX_EPOCH ({_MAX_EPOCH})")
+        self._epoch = e
+
+    def advance_counter(self, counter):
+        """Make the counter at least ``counter`` (never lowers it).
+
+        Used on recovery and with counter ranges reserved ahead in the WAL (as
+        databases cache sequences), so a lost log tail never causes reuse.
+
+        Raises:
+          TypeError: counter is not an int.
+          ValueError: counter < 0.
+          OverflowError: counter > MAX_COUNTER (2**40 - 1).
+        """
+        if not PyLong_Check(counter) or PyBool_Check(counter):
+            raise TypeError(f"counter must be an int, not {type(counter).__name__}")
+        if counter < 0:
+            raise ValueError(f"counter must be >= 0, got {counter}")
+        if counter > _MAX_COUNTER:
+            raise OverflowError(f"counter {counter} > MAX_COUNTER ({_MAX_COUNTER})")
+        if <int64_t>counter > self._counter:
+            self._counter = <int64_t>counter
+
+    # -- lock operations -----------------------------------------------------------
+
+    def acquire(self, name, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now):
+        """Grant ``name`` to ``owner`` or queue the request (FIFO, as ZooKeeper's
+        sequential nodes).
+
+        Args:
+          name (str): lock name, not empty.
+          owner (bytes): the client-chosen owner key (request id); a retry with the
+            same key finds its existing lease or waiter.
+          session (int >= 0): the caller's session (connection); waiting goes by
+            session (see drop_session()), ownership by lease.
+          request: opaque, handed back in events about this request.
+          ttl_ms (int): lease TTL in ms, 1..MAX_MS, counted from the grant.
+          wait_ms (int): -1 waits forever, 0 tries once, > 0 waits that many ms.
+          lock_delay_ms (int): 0..MAX_LOCK_DELAY_MS ms; if this lease *expires*,
+            nobody gets the lock before expiry + lock_delay_ms (Chubby's lock-delay);
+            a clean release never applies it.
+          meta: opaque, stored with the lease.
+          now (int): monotonic ms, 0..MAX_MS.
+
+        Returns GRANTED (an EV_GRANTED event is queued), QUEUED or NOT_ACQUIRED
+        (wait_ms == 0 and the lock is held, has waiters, or is blocked).
+
+        Idempotent by owner: if ``owner`` already holds ``name`` the existing lease
+        is re-delivered (EV_GRANTED with fresh=False, same token and deadline, to
+        the new session/request; nothing changes).  If ``owner`` already waits on
+        ``name`` the old request gets EV_WAIT_CANCELLED and the waiter keeps its
+        place, taking the new session, request, ttl, lock-delay, meta and a wait
+        deadline counted from ``now`` (with wait_ms == 0 it leaves the queue and
+        NOT_ACQUIRED is returned).  Not re-entrant otherwise: another owner on the
+        same session queues.
+
+        Raises:
+          TypeError / ValueError: a bad argument (state unchanged).
+          OverflowError: the fencing counter is exhausted.
+        """
+        cdef str n = _name(name)
+        cdef bytes o = _owner(owner)
+        cdef int64_t s = _session(session)
+        cdef int64_t ttl = _ms(ttl_ms, "ttl_ms", 1)
+        cdef int64_t wait = _ms(wait_ms, "wait_ms", -1)
+        cdef int64_t delay = _lock_delay(lock_delay_ms)
+        cdef int64_t t = _ms(now, "now", 0)
+        cdef _Lock lock
+        cdef _Waiter w
+        cdef dict sess
+        self._advance(t)
+        lock = <_Lock>self._locks.get(n)
+        if lock is None:
+            if t >= self._hold_until:
+                self._check_counter()
+                lock = self._new_lock(n)
+                self._grant(lock, o, s, request, ttl, delay, meta, t)
+                return _GRANTED
+        else:
+            if lock.held and lock.owner == o:
+                self._event(_EV_GRANTED, n, lock.token, o, s, request, lock.ttl_ms, lock.deadline,
+                            lock.meta, False, lock.lock_delay_ms)
+                return _GRANTED
+            if lock.head is not None:
+                w = lock.by_owner.get(o)
+                if w is not None:
+                    return self._retry_waiter(lock, w, s, request, ttl, wait, delay, meta, t)
+            elif not lock.held and t >= _max(lock.delay_until, self._hold_until):
+                self._check_counter()
+                self._grant(lock, o, s, request, ttl, delay, meta, t)
+                return _GRANTED
+        if wait == 0:
+            return _NOT_ACQUIRED
+        if lock is None:
+            lock = self._new_lock(n)
+        w = _Waiter.__new__(_Waiter)
+        w.index = -1
+        w.kind = K_WAIT
+        w.lock = lock
+        w.owner = o
+        w.session = s
+        w.request = request
+        w.ttl_ms = ttl
+        w.lock_delay_ms = delay
+        w.meta = meta
+        if lock.tail is None:
+            lock.head = w
+        else:
+            lock.tail.next = w
+            w.prev = lock.tail
+        lock.tail = w
+        if lock.by_owner is None:
+            lock.by_owner = {}
+        lock.by_owner[o] = w
+        sess = self._sessions.get(s)
+        if sess is None:
+            sess = {}
+            self._sessions[s] = sess
+        sess[w] = None
+        self._n_waiters += 1
+        if wait > 0:
+            self._schedule(w, t + wait)
+        self._settle(lock, t, t)
+        return _QUEUED
+
+    cdef object _retry_waiter(self, _Lock lock, _Waiter w, int64_t s, object request, int64_t ttl,
+                              int64_t wait, int64_t delay, object meta, int64_t t):
+        cdef dict sess
+        self._cancels += 1
+        self._event(_EV_WAIT_CANCELLED, lock.name, 0, w.owner, w.session, w.request, w.ttl_ms, 0,
+                    w.meta, False, w.lock_delay_ms)
+        if wait == 0:
+            self._unlink(w)
+            self._settle(lock, t, t)
+            return _NOT_ACQUIRED
+        if s != w.session:
+            sess = self._sessions.get(w.session)
+            del sess[w]
+            if not sess:
+                del self._sessions[w.session]
+            sess = self._sessions.get(s)
+            if sess is None:
+                sess = {}
+                self._sessions[s] = sess
+            sess[w] = None
+            w.session = s
+        w.request = request
+        w.ttl_ms = ttl
+        w.lock_delay_ms = delay
+        w.meta = meta
+        if wait > 0:
+            self._schedule(w, t + wait)
+        else:
+            self._unschedule(w)
+        return _QUEUED
+
+    def release(self, name, token, owner, now):
+        """Release the lease (``token``, ``owner``) on ``name``; the next waiter (if any)
+        is granted (EV_GRANTED), unless grants are held (hold_grants_until()).
+
+        A clean release never applies lock-delay.  Any session may release: ownership
+        goes by lease, not by connection.
+
+        Raises:
+          NotHolder: (token, owner) is not the unexpired holder of ``name`` (already
+            released, expired, or someone else's); nothing changes.
+          TypeError / ValueError: a bad argument (state unchanged).
+        """
+        cdef str n = _name(name)
+        cdef int64_t tok = _token(token)
+        cdef bytes o = _owner(owner)
+        cdef int64_t t = _ms(now, "now", 0)
+        cdef _Lock lock
+        self._advance(t)
+        lock = <_Lock>self._locks.get(n)
+        if lock is None or not lock.held or lock.token != tok or lock.owner != o:
+            raise NotHolder(f"lease {tok} of {o!r} does not hold {n!r}")
+        self._drop_holder(lock)
+        self._releases += 1
+        self._settle(lock, t, t)
+
+    def extend(self, name, token, owner, ttl_ms, now):
+        """Set the lease's deadline to ``now + ttl_ms`` (ms) and its TTL to ``ttl_ms``.
+
+        The deadline may move earlier (a shorter TTL).  Returns the new deadline (int ms).
+
+        Raises:
+          NotHolder: as release(); an expired lease is never revived.
+          TypeError / ValueError: a bad argument (ttl_ms must be 1..MAX_MS); state unchanged.
+        """
+        cdef str n = _name(name)
+        cdef int64_t tok = _token(token)
+        cdef bytes o = _owner(owner)
+        cdef int64_t ttl = _ms(ttl_ms, "ttl_ms", 1)
+        cdef int64_t t = _ms(now, "now", 0)
+        cdef _Lock lock
+        self._advance(t)
+        lock = <_Lock>self._locks.get(n)
+        if lock is None or not lock.held or lock.token != tok or lock.owner != o:
+            raise NotHolder(f"lease {tok} of {o!r} does not hold {n!r}")
+        lock.ttl_ms = ttl
+        self._schedule(lock, t + ttl)
+        return t + ttl
+
+    def cancel(self, name, owner, now):
+        """Remove the waiter ``owner`` from ``name``'s queue (EV_WAIT_CANCELLED for its request).
+
+        Returns True if a waiter was removed, False if there is none (it may have
+        been granted already: the caller must then release that lease, never leak it).
+
+        Raises TypeError / ValueError for a bad argument (state unchanged).
+        """
+        cdef str n = _name(name)
+        cdef bytes o = _owner(owner)
+        cdef int64_t t = _ms(now, "now", 0)
+        cdef _Lock lock
+        cdef _Waiter w
+        self._advance(t)
+        lock = <_Lock>self._locks.get(n)
+        if lock is None or lock.head is None:
+            return False
+        w = <_Waiter>lock.by_owner.get(o)
+        if w is None:
+            return False
+        self._unlink(w)
+        self._cancels += 1
+        self._event(_EV_WAIT_CANCELLED, n, 0, w.owner, w.session, w.request, w.ttl_ms, 0, w.meta,
+                    False, w.lock_delay_ms)
+        self._settle(lock, t, t)
+        return True
+
+    def drop_session(self, session, now):
+        """Remove every waiter of ``session`` at once, with no events (its connection is
+        gone).  Holders stay: a lease outlives its connection until its TTL.
+
+        O(waiters of that session).  Returns the number of waiters removed.
+        Raises TypeError / ValueError for a bad argument (state unchanged).
+        """
+        cdef int64_t s = _session(session)
+        cdef int64_t t = _ms(now, "now", 0)
+        cdef dict sess
+        cdef _Waiter w
+        cdef _Lock lock
+        cdef int count = 0
+        self._advance(t)
+        sess = self._sessions.pop(s, None)
+        if sess is None:
+            return 0
+        for w in list(sess):
+            lock = w.lock
+            self._unlink(w)
+            self._cancels += 1
+            count += 1
+            self._settle(lock, t, t)
+        return count
+
+    def expire(self, now):
+        """Process every deadline <= ``now`` (ms), in (deadline, scheduling order).
+
+        Leases expire (EV_EXPIRED) and hand off to the next waiter (EV_GRANTED) unless
+        the lock is blocked; waits time out (EV_WAIT_TIMEOUT); blocks end and grant.
+        Raises TypeError / ValueError for a bad ``now``.
+        """
+        cdef int64_t t = _ms(now, "now", 0)
+        self._advance(t)
+
+    def next_deadline(self):
+        """Earliest pending deadline in ms (int), or -1 when nothing is scheduled: O(1).
+
+        The server arms ONE timer for it and calls expire() when it fires.
+        """
+        if len(self._heap) == 0:
+            return -1
+        return (<_Entry>self._heap[0]).deadline
+
+    def drain_events(self):
+        """Return (and forget) the events queued since the last call, oldest first."""
+        cdef list evs = self._events
+        self._events = []
+        return evs
+
+    # -- queries (pure: they never process deadlines) ------------------------------
+
+    def holder(self, name, now):
+        """The unexpired holder of ``name`` at ``now`` as a :class:`Holder` snapshot, or None.
+
+        Pure query: a lease whose deadline is <= now counts as gone even if expire()
+        has not processed it yet (call expire(now) first to see hand-offs).
+        """
+        cdef str n = _name(name)
+        cdef int64_t t = _ms(now, "now", 0)
+        cdef _Lock lock = <_Lock>self._locks.get(n)
+        if lock is None or not lock.held or lock.deadline <= t:
+            return None
+        return self._snapshot(lock)
+
+    cdef Holder _snapshot(self, _Lock lock):
+        cdef Holder h = Holder.__new__(Holder)
+        h.name = lock.name
+        h.token = lock.token
+        h.owner = lock.owner
+        h.session = lock.session
+        h.ttl_ms = lock.ttl_ms
+        h.deadline_ms = lock.deadline
+        h.lock_delay_ms = lock.lock_delay_ms
+        h.meta = lock.meta
+        return h
+
+    def check(self, name, token, now):
+        """True iff ``token`` is the current unexpired holder's token at ``now``
+        (Chubby's sequencer check).  Pure query."""
+        cdef str n = _name(name)
+        cdef int64_t tok = _token(token)
+        cdef int64_t t = _ms(now, "now", 0)
+        cdef _Lock lock = <_Lock>self._locks.get(n)
+        return lock is not None and lock.held and lock.token == tok and t < lock.deadline
+
+    def waiters(self, name):
+        """Owners (bytes) waiting on ``name``, in FIFO order."""
+        cdef str n = _name(name)
+        cdef _Lock lock = <_Lock>self._locks.get(n)
+        cdef list out = []
+        cdef _Waiter w
+        if lock is not None:
+            w = lock.head
+            while w is not None:
+                out.append(w.owner)
+                w = w.next
+        return out
+
+    def session_waiters(self, session):
+        """Number of waiters of ``session`` (int)."""
+        cdef int64_t s = _session(session)
+        cdef dict sess = self._sessions.get(s)
+        return 0 if sess is None else len(sess)
+
+    def holders(self):
+        """Every current holder as :class:`Holder` snapshots (for snapshots/replication),
+        in no particular order; includes leases past their deadline that expire() has
+        not processed yet."""
+        cdef list out = []
+        cdef _Lock lock
+        for lock in self._locks.values():
+            if lock.held:
+                out.append(self._snapshot(lock))
+        return out
+
+    def stats(self):
+        """Counters (dict str -> int): locks_held, waiters, grants (fresh grants),
+        releases, expiries, wait_timeouts, cancels (waiters removed by cancel(), by a
+        retry, or by drop_session()), plus locks (table entries) and deadlines
+        (heap size)."""
+        return {
+            "locks_held": self._n_held,
+            "waiters": self._n_waiters,
+            "grants": self._grants,
+            "releases": self._releases,
+            "expiries": self._expiries,
+            "wait_timeouts": self._wait_timeouts,
+            "cancels": self._cancels,
+            "locks": len(self._locks),
+            "deadlines": len(self._heap),
+        }
+
+    def __len__(self):
+        """Number of locks currently held."""
+        return self._n_held
+
+    # -- replication / recovery ------------------------------------------------------
+
+    def install_holder(self, name, token, owner, ttl_ms, lock_delay_ms, meta, now):
+        """Make (token, owner) the holder of ``name`` with deadline ``now + ttl_ms``.
+
+        Used by WAL replay and by a standby: replaces any current holder silently,
+        never queues, ignores any block (lock-delay or grant hold), raises the counter
+        to at least the token's counter and the epoch to at least the token's epoch.
+        The session of an installed holder is 0.  Queued waiters stay queued, except a
+        waiter with the same owner key, which gets EV_WAIT_CANCELLED.
+
+        Raises:
+          TypeError / ValueError: a bad argument, e.g. a token outside 1..2**63-1 or
+            whose counter part is 0 (state unchanged).
+        """
+        cdef str n = _name(name)
+        cdef int64_t tok = _token(token)
+        cdef bytes o
+        cdef int64_t ttl, delay, t, ctr
+        cdef _Lock lock
+        cdef _Waiter w
+        if tok & _MAX_COUNTER == 0:
+            raise ValueError(f"token {tok} has a zero counter part; no such token is issued")
+        o = _owner(owner)
+        ttl = _ms(ttl_ms, "ttl_ms", 1)
+        delay = _lock_delay(lock_delay_ms)
+        t = _ms(now, "now", 0)
+        self._advance(t)
+        lock = <_Lock>self._locks.get(n)
+        if lock is None:
+            lock = self._new_lock(n)
+        elif lock.head is not None:
+            w = lock.by_owner.get(o)
+            if w is not None:
+                self._unlink(w)
+                self._cancels += 1
+                self._event(_EV_WAIT_CANCELLED, n, 0, w.owner, w.session, w.request, w.ttl_ms, 0,
+                            w.meta, False, w.lock_delay_ms)
+        if not lock.held:
+            self._n_held += 1
+        lock.held = True
+        lock.token = tok
+        lock.owner = o
+        lock.session = 0
+        lock.ttl_ms = ttl
+        lock.lock_delay_ms = delay
+        lock.meta = meta
+        lock.delay_until = 0
+        lock.kind = K_LEASE
+        self._schedule(lock, t + ttl)
+        ctr = tok & _MAX_COUNTER
+        if ctr > self._counter:
+            self._counter = ctr
+        if (tok >> _SHIFT) > self._epoch:
+            self._epoch = tok >> _SHIFT
+
+    def remove_holder(self, name, token, now):
+        """Replay of a release or expiry: drop the holder of ``name`` if its token is
+        ``token`` (no event, no lock-delay), then hand the lock to the next waiter as a
+        release would.  Returns True if a holder was dropped, else False.
+
+        Raises TypeError / ValueError for a bad argument (state unchanged).
+        """
+        cdef str n = _name(name)
+        cdef int64_t tok = _token(token)
+        cdef int64_t t = _ms(now, "now", 0)
+        cdef _Lock lock
+        self._advance(t)
+        lock = <_Lock>self._locks.get(n)
+        if lock is None or not lock.held or lock.token != tok:
+            return False
+        self._drop_holder(lock)
+        self._settle(lock, t, t)
+        return True
+
+    def hold_grants_until(self, until_ms):
+        """Grant no lock before ``until_ms`` (monotonic ms): the promotion grace period,
+        as Chubby's new master waits before granting locks that may have been held.
+
+        While ``now < until_ms`` acquire() never grants (wait_ms=0 gets NOT_ACQUIRED,
+        other requests queue) and releases/expiries do not hand off; at ``until_ms``
+        each blocked lock grants its head waiter, in (deadline, scheduling) order.
+        The value replaces the previous one, so an operator can also shorten the hold.
+        Existing holders are untouched.
+
+        Raises TypeError / ValueError if until_ms is not an int in 0..MAX_MS.
+        """
+        cdef int64_t until = _ms(until_ms, "until_ms", 0)
+        cdef list blocked = []
+        cdef _Entry e
+        cdef _Lock lock
+        cdef int64_t at
+        self._hold_until = until
+        for e in self._heap:
+            if e.kind == K_BLOCK and (<_Lock>e).head is not None:
+                blocked.append(e)
+        blocked.sort(key=_entry_key)
+        for e in blocked:
+            lock = <_Lock>e
+            at = _max(lock.delay_until, until)
+            if lock.deadline != at:
+                self._schedule(lock, at)
+
+
+def _entry_key(_Entry e):
+    return (e.deadline, e.seq)

@@ -1,0 +1,554 @@
+"""Plain-Python reference model of ``fastlock._core.LockTable``.
+
+Same API, same semantics, same event order -- written for obviousness, not
+speed: lists, dicts, and a linear scan for the earliest deadline.  The property
+tests (tests/test_core_properties.py) drive this model and the compiled table
+with the same random operations and require identical results.
+
+Semantics in one place (the compiled table must match every line):
+
+* Times are integer monotonic milliseconds.  A lease is valid while
+  ``now < deadline``; a waiter has timed out at ``now >= wait deadline``.
+* Every state-changing call validates its arguments first (in signature order),
+  then processes every deadline ``<= now`` (:meth:`expire`), then does its work.
+* Deadlines (lease ends, wait timeouts, "blocked until" ends) are scheduled
+  entries ``(deadline, seq)``; ``seq`` comes from one shared counter and is
+  taken anew on every (re)schedule.  ``expire(now)`` handles due entries in
+  ``(deadline, seq)`` order, each at its logical time ``tau`` = its deadline.
+  A grant made while handling an entry gets the deadline ``now + ttl``.
+* A lock is *blocked* at time ``tau`` while ``tau < max(delay_until,
+  hold_until)``: ``delay_until`` is set to ``expiry + lock_delay_ms`` when a
+  lease with a lock-delay expires (not on release); ``hold_until`` is the
+  global grant hold.  An unheld lock with waiters is always blocked and has
+  one "block" entry at the end of the block; an unheld lock without waiters
+  is kept only while its lock-delay runs (entry at ``delay_until``); otherwise
+  it is deleted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+GRANTED = 0
+QUEUED = 1
+NOT_ACQUIRED = 2
+
+EV_GRANTED = 1
+EV_EXPIRED = 2
+EV_WAIT_TIMEOUT = 3
+EV_WAIT_CANCELLED = 4
+
+TOKEN_EPOCH_SHIFT = 40
+MAX_EPOCH = (1 << 23) - 1
+MAX_COUNTER = (1 << 40) - 1
+MAX_LOCK_DELAY_MS = 60_000
+MAX_MS = (1 << 53) - 1
+_INT64_MAX = (1 << 63) - 1
+_INT64_MIN = -(1 << 63)
+
+LEASE = "lease"
+WAIT = "wait"
+BLOCK = "block"
+
+
+class NotHolder(LookupError):
+    """release/extend named a lease that is not the current, unexpired holder."""
+
+
+@dataclass
+class Event:
+    kind: int
+    name: str
+    token: int
+    owner: bytes
+    session: int
+    request: Any
+    ttl_ms: int
+    deadline_ms: int
+    meta: Any
+    fresh: bool
+    lock_delay_ms: int
+
+
+@dataclass
+class Holder:
+    name: str
+    token: int
+    owner: bytes
+    session: int
+    ttl_ms: int
+    deadline_ms: int
+    lock_delay_ms: int
+    meta: Any
+
+
+@dataclass(eq=False)
+class _Entry:
+    deadline: int
+    seq: int
+    kind: str
+    lock: "_Lock"
+    waiter: Optional["_Waiter"] = None
+
+
+@dataclass(eq=False)
+class _Lease:
+    token: int
+    owner: bytes
+    session: int
+    ttl_ms: int
+    lock_delay_ms: int
+    meta: Any
+    entry: _Entry
+
+
+@dataclass(eq=False)
+class _Waiter:
+    owner: bytes
+    session: int
+    request: Any
+    ttl_ms: int
+    lock_delay_ms: int
+    meta: Any
+    entry: Optional[_Entry]  # None: waits forever
+
+
+class _Lock:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.holder: Optional[_Lease] = None
+        self.waiters: list[_Waiter] = []  # FIFO
+        self.delay_until = 0
+        self.block: Optional[_Entry] = None
+
+
+# -- argument checks (same order and exception types as the compiled core) --------
+
+
+def _int(v, what):
+    if type(v) is bool or not isinstance(v, int):
+        raise TypeError(f"{what} must be an int, not {type(v).__name__}")
+    if v < _INT64_MIN or v > _INT64_MAX:
+        raise ValueError(f"{what} out of range")
+    return v
+
+
+def _ms(v, what, lo):
+    v = _int(v, what)
+    if v < lo or v > MAX_MS:
+        raise ValueError(f"{what} out of range")
+    return v
+
+
+def _name(v):
+    if type(v) is not str:
+        raise TypeError("name must be a str")
+    if not v:
+        raise ValueError("name must not be empty")
+    return v
+
+
+def _owner(v):
+    if type(v) is not bytes:
+        raise TypeError("owner must be bytes")
+    return v
+
+
+def _nonneg(v, what):
+    v = _int(v, what)
+    if v < 0:
+        raise ValueError(f"{what} must be >= 0")
+    return v
+
+
+def _lock_delay(v):
+    v = _int(v, "lock_delay_ms")
+    if v < 0 or v > MAX_LOCK_DELAY_MS:
+        raise ValueError("lock_delay_ms out of range")
+    return v
+
+
+class RefLockTable:
+    """The reference model.  See the module docstring for the semantics."""
+
+    def __init__(self) -> None:
+        self.locks: dict[str, _Lock] = {}
+        self.entries: list[_Entry] = []  # every scheduled deadline, unordered
+        self.events: list[Event] = []
+        self.sessions: dict[int, list[tuple[str, bytes]]] = {}  # session -> waiters in arrival order
+        self.seq = 0
+        self.epoch = 0
+        self._counter = 0
+        self.hold_until = 0
+        self.n = dict(grants=0, releases=0, expiries=0, wait_timeouts=0, cancels=0)
+
+    # -- deadlines -----------------------------------------------------------
+
+    def _schedule(self, kind, lock, deadline, waiter=None) -> _Entry:
+        self.seq += 1
+        e = _Entry(deadline, self.seq, kind, lock, waiter)
+        self.entries.append(e)
+        return e
+
+    def _unschedule(self, e: Optional[_Entry]) -> None:
+        if e is not None:
+            self.entries.remove(e)
+
+    def _earliest(self) -> Optional[_Entry]:
+        best = None
+        for e in self.entries:
+            if best is None or (e.deadline, e.seq) < (best.deadline, best.seq):
+                best = e
+        return best
+
+    # -- fencing -----------------------------------------------------------------
+
+    @property
+    def counter(self) -> int:
+        return self._counter
+
+    @property
+    def last_token(self) -> int:
+        return (self.epoch << TOKEN_EPOCH_SHIFT) | self._counter
+
+    def set_epoch(self, epoch) -> None:
+        e = _int(epoch, "epoch")
+        if e < self.epoch or e > MAX_EPOCH:
+            raise ValueError("bad epoch")
+        self.epoch = e
+
+    def advance_counter(self, counter) -> None:
+        if type(counter) is bool or not isinstance(counter, int):
+            raise TypeError("counter must be an int")
+        if counter < 0:
+            raise ValueError("counter must be >= 0")
+        if counter > MAX_COUNTER:
+            raise OverflowError("counter too large")
+        self._counter = max(self._counter, counter)
+
+    # -- internal transitions ---------------------------------------------------------
+
+    def _expire(self, now: int) -> None:
+        while True:
+            e = self._earliest()
+            if e is None or e.deadline > now:
+                return
+            self.entries.remove(e)
+            tau = e.deadline
+            lock = e.lock
+            if e.kind == LEASE:
+                lease = lock.holder
+                lock.holder = None
+                self.n["expiries"] += 1
+                self.events.append(
+                    Event(EV_EXPIRED, lock.name, lease.token, lease.owner, lease.session, None,
+                          lease.ttl_ms, tau, lease.meta, False, lease.lock_delay_ms))
+                if lease.lock_delay_ms > 0:
+                    lock.delay_until = max(lock.delay_until, tau + lease.lock_delay_ms)
+            elif e.kind == WAIT:
+                w = e.waiter
+                w.entry = None
+                self._remove_waiter(lock, w)
+                self.n["wait_timeouts"] += 1
+                self.events.append(
+                    Event(EV_WAIT_TIMEOUT, lock.name, 0, w.owner, w.session, w.request, w.ttl_ms, 0,
+                          w.meta, False, w.lock_delay_ms))
+            else:
+                lock.block = None
+            self._settle(lock, tau, now)
+
+    def _grant(self, lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now) -> None:
+        if self._counter >= MAX_COUNTER:
+            raise OverflowError("fencing counter exhausted")
+        self._counter += 1
+        token = (self.epoch << TOKEN_EPOCH_SHIFT) | self._counter
+        self._unschedule(lock.block)
+        lock.block = None
+        lock.delay_until = 0
+        entry = self._schedule(LEASE, lock, now + ttl_ms)
+        lock.holder = _Lease(token, owner, session, ttl_ms, lock_delay_ms, meta, entry)
+        self.n["grants"] += 1
+        self.events.append(
+            Event(EV_GRANTED, lock.name, token, owner, session, request, ttl_ms, now + ttl_ms, meta,
+                  True, lock_delay_ms))
+
+    def _remove_waiter(self, lock, w) -> None:
+        lock.waiters.remove(w)
+        self._unschedule(w.entry)
+        w.entry = None
+        order = self.sessions[w.session]
+        order.remove((lock.name, w.owner))
+        if not order:
+            del self.sessions[w.session]
+
+    def _set_block(self, lock, at) -> None:
+        if lock.block is not None and lock.block.deadline == at:
+            return
+        self._unschedule(lock.block)
+        lock.block = self._schedule(BLOCK, lock, at)
+
+    def _settle(self, lock, tau, now) -> None:
+        """An unheld lock at logical time tau: hand off, stay blocked, or go away."""
+        if lock.holder is not None:
+            return
+        if lock.delay_until <= tau:
+            lock.delay_until = 0
+        if lock.waiters:
+            until = max(lock.delay_until, self.hold_until)
+            if tau >= until:
+                if self._counter >= MAX_COUNTER:
+                    raise OverflowError("fencing counter exhausted")
+                w = lock.waiters[0]
+                self._remove_waiter(lock, w)
+                self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms, w.meta, now)
+            else:
+                self._set_block(lock, until)
+        elif lock.delay_until > tau:
+            self._set_block(lock, lock.delay_until)
+        else:
+            self._unschedule(lock.block)
+            lock.block = None
+            del self.locks[lock.name]
+
+    def _find_waiter(self, lock, owner) -> Optional[_Waiter]:
+        for w in lock.waiters:
+            if w.owner == owner:
+                return w
+        return None
+
+    def _blocked(self, lock, now) -> bool:
+        return now < max(lock.delay_until if lock else 0, self.hold_until)
+
+    # -- lock operations -----------------------------------------------------------
+
+    def acquire(self, name, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now) -> int:
+        name = _name(name)
+        owner = _owner(owner)
+        session = _nonneg(session, "session")
+        ttl_ms = _ms(ttl_ms, "ttl_ms", 1)
+        wait_ms = _ms(wait_ms, "wait_ms", -1)
+        lock_delay_ms = _lock_delay(lock_delay_ms)
+        now = _ms(now, "now", 0)
+        self._expire(now)
+        lock = self.locks.get(name)
+        if lock is not None and lock.holder is not None and lock.holder.owner == owner:
+            h = lock.holder
+            self.events.append(
+                Event(EV_GRANTED, name, h.token, owner, session, request, h.ttl_ms, h.entry.deadline,
+                      h.meta, False, h.lock_delay_ms))
+            return GRANTED
+        w = self._find_waiter(lock, owner) if lock is not None else None
+        if w is not None:
+            self.n["cancels"] += 1
+            self.events.append(
+                Event(EV_WAIT_CANCELLED, name, 0, w.owner, w.session, w.request, w.ttl_ms, 0, w.meta,
+                      False, w.lock_delay_ms))
+            if wait_ms == 0:
+                self._remove_waiter(lock, w)
+                self._settle(lock, now, now)
+                return NOT_ACQUIRED
+            if session != w.session:
+                order = self.sessions[w.session]
+                order.remove((name, owner))
+                if not order:
+                    del self.sessions[w.session]
+                self.sessions.setdefault(session, []).append((name, owner))
+                w.session = session
+            w.request, w.ttl_ms, w.lock_delay_ms, w.meta = request, ttl_ms, lock_delay_ms, meta
+            self._unschedule(w.entry)
+            w.entry = self._schedule(WAIT, lock, now + wait_ms, w) if wait_ms > 0 else None
+            return QUEUED
+        free = lock is None or (lock.holder is None and not lock.waiters)
+        if free and not self._blocked(lock, now):
+            if lock is None:
+                if self._counter >= MAX_COUNTER:
+                    raise OverflowError("fencing counter exhausted")
+                lock = self.locks[name] = _Lock(name)
+            self._grant(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now)
+            return GRANTED
+        if wait_ms == 0:
+            return NOT_ACQUIRED
+        if lock is None:
+            lock = self.locks[name] = _Lock(name)
+        w = _Waiter(owner, session, request, ttl_ms, lock_delay_ms, meta, None)
+        lock.waiters.append(w)
+        self.sessions.setdefault(session, []).append((name, owner))
+        if wait_ms > 0:
+            w.entry = self._schedule(WAIT, lock, now + wait_ms, w)
+        self._settle(lock, now, now)
+        return QUEUED
+
+    def _check_holder(self, name, token, owner):
+        lock = self.locks.get(name)
+        if lock is None or lock.holder is None or lock.holder.token != token or lock.holder.owner != owner:
+            raise NotHolder(name)
+        return lock
+
+    def release(self, name, token, owner, now) -> None:
+        name = _name(name)
+        token = _nonneg(token, "token")
+        owner = _owner(owner)
+        now = _ms(now, "now", 0)
+        self._expire(now)
+        lock = self._check_holder(name, token, owner)
+        self._unschedule(lock.holder.entry)
+        lock.holder = None
+        self.n["releases"] += 1
+        self._settle(lock, now, now)
+
+    def extend(self, name, token, owner, ttl_ms, now) -> int:
+        name = _name(name)
+        token = _nonneg(token, "token")
+        owner = _owner(owner)
+        ttl_ms = _ms(ttl_ms, "ttl_ms", 1)
+        now = _ms(now, "now", 0)
+        self._expire(now)
+        lock = self._check_holder(name, token, owner)
+        h = lock.holder
+        h.ttl_ms = ttl_ms
+        self._unschedule(h.entry)
+        h.entry = self._schedule(LEASE, lock, now + ttl_ms)
+        return now + ttl_ms
+
+    def cancel(self, name, owner, now) -> bool:
+        name = _name(name)
+        owner = _owner(owner)
+        now = _ms(now, "now", 0)
+        self._expire(now)
+        lock = self.locks.get(name)
+        w = self._find_waiter(lock, owner) if lock is not None else None
+        if w is None:
+            return False
+        self._remove_waiter(lock, w)
+        self.n["cancels"] += 1
+        self.events.append(
+            Event(EV_WAIT_CANCELLED, name, 0, w.owner, w.session, w.request, w.ttl_ms, 0, w.meta, False,
+                  w.lock_delay_ms))
+        self._settle(lock, now, now)
+        return True
+
+    def drop_session(self, session, now) -> int:
+        session = _nonneg(session, "session")
+        now = _ms(now, "now", 0)
+        self._expire(now)
+        count = 0
+        for name, owner in list(self.sessions.get(session, [])):
+            lock = self.locks[name]
+            self._remove_waiter(lock, self._find_waiter(lock, owner))
+            self.n["cancels"] += 1
+            count += 1
+            self._settle(lock, now, now)
+        return count
+
+    def expire(self, now) -> None:
+        self._expire(_ms(now, "now", 0))
+
+    def next_deadline(self) -> int:
+        e = self._earliest()
+        return -1 if e is None else e.deadline
+
+    def drain_events(self) -> list[Event]:
+        events, self.events = self.events, []
+        return events
+
+    # -- queries ---------------------------------------------------------------------
+
+    def _snapshot(self, lock) -> Holder:
+        h = lock.holder
+        return Holder(lock.name, h.token, h.owner, h.session, h.ttl_ms, h.entry.deadline, h.lock_delay_ms,
+                      h.meta)
+
+    def holder(self, name, now) -> Optional[Holder]:
+        name = _name(name)
+        now = _ms(now, "now", 0)
+        lock = self.locks.get(name)
+        if lock is None or lock.holder is None or lock.holder.entry.deadline <= now:
+            return None
+        return self._snapshot(lock)
+
+    def check(self, name, token, now) -> bool:
+        name = _name(name)
+        token = _nonneg(token, "token")
+        now = _ms(now, "now", 0)
+        lock = self.locks.get(name)
+        return (lock is not None and lock.holder is not None and lock.holder.token == token
+                and now < lock.holder.entry.deadline)
+
+    def waiters(self, name) -> list[bytes]:
+        lock = self.locks.get(_name(name))
+        return [] if lock is None else [w.owner for w in lock.waiters]
+
+    def session_waiters(self, session) -> int:
+        return len(self.sessions.get(_nonneg(session, "session"), []))
+
+    def holders(self) -> list[Holder]:
+        return [self._snapshot(lock) for lock in self.locks.values() if lock.holder is not None]
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "locks_held": len(self),
+            "waiters": sum(len(lock.waiters) for lock in self.locks.values()),
+            **self.n,
+            "locks": len(self.locks),
+            "deadlines": len(self.entries),
+        }
+
+    def __len__(self) -> int:
+        return sum(1 for lock in self.locks.values() if lock.holder is not None)
+
+    # -- replication / recovery ----------------------------------------------------------
+
+    def install_holder(self, name, token, owner, ttl_ms, lock_delay_ms, meta, now) -> None:
+        name = _name(name)
+        token = _nonneg(token, "token")
+        if token & MAX_COUNTER == 0:
+            raise ValueError("token with a zero counter part")
+        owner = _owner(owner)
+        ttl_ms = _ms(ttl_ms, "ttl_ms", 1)
+        lock_delay_ms = _lock_delay(lock_delay_ms)
+        now = _ms(now, "now", 0)
+        self._expire(now)
+        lock = self.locks.get(name)
+        if lock is None:
+            lock = self.locks[name] = _Lock(name)
+        w = self._find_waiter(lock, owner)
+        if w is not None:
+            self._remove_waiter(lock, w)
+            self.n["cancels"] += 1
+            self.events.append(
+                Event(EV_WAIT_CANCELLED, name, 0, w.owner, w.session, w.request, w.ttl_ms, 0, w.meta,
+                      False, w.lock_delay_ms))
+        if lock.holder is not None:
+            self._unschedule(lock.holder.entry)
+        self._unschedule(lock.block)
+        lock.block = None
+        lock.delay_until = 0
+        entry = self._schedule(LEASE, lock, now + ttl_ms)
+        lock.holder = _Lease(token, owner, 0, ttl_ms, lock_delay_ms, meta, entry)
+        self._counter = max(self._counter, token & MAX_COUNTER)
+        self.epoch = max(self.epoch, token >> TOKEN_EPOCH_SHIFT)
+
+    def remove_holder(self, name, token, now) -> bool:
+        name = _name(name)
+        token = _nonneg(token, "token")
+        now = _ms(now, "now", 0)
+        self._expire(now)
+        lock = self.locks.get(name)
+        if lock is None or lock.holder is None or lock.holder.token != token:
+            return False
+        self._unschedule(lock.holder.entry)
+        lock.holder = None
+        self._settle(lock, now, now)
+        return True
+
+    def hold_grants_until(self, until_ms) -> None:
+        self.hold_until = _ms(until_ms, "until_ms", 0)
+        blocked = sorted((e for e in self.entries if e.kind == BLOCK and e.lock.waiters),
+                         key=lambda e: (e.deadline, e.seq))
+        for e in blocked:
+            lock = e.lock
+            at = max(lock.delay_until, self.hold_until)
+            if e.deadline != at:
+                self._unschedule(e)
+                lock.block = self._schedule(BLOCK, lock, at)
