@@ -6,6 +6,8 @@ Subcommands::
     fastlock demo                     a server + worker processes writing a fenced ledger
     fastlock status [--server HOST:PORT]
     fastlock wal dump [--lock NAME] DIR
+    fastlock promote --server HOST:PORT [--force]
+    fastlock serve-alone --server HOST:PORT
 """
 
 from __future__ import annotations
@@ -43,6 +45,16 @@ def _positive_int(value: str) -> int:
     return v
 
 
+def _seconds(value: str) -> float:
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+    if not (v >= 0 and v < 86400 * 365):
+        raise argparse.ArgumentTypeError(f"expected 0 <= seconds < 1 year, got {value!r}")
+    return v
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastlock", description="fastlock lock server and tools")
     parser.add_argument("--version", action="version", version=f"fastlock {__version__}")
@@ -63,6 +75,18 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="file holding a shared secret clients must present (or env FASTLOCK_AUTH_SECRET)")
     s.add_argument("--max-frame-bytes", type=_positive_int, default=1 << 20, metavar="BYTES")
     s.add_argument("--max-waiters-per-connection", type=_positive_int, default=10_000, metavar="N")
+    s.add_argument("--standby-of", type=_listen, metavar="HOST:PORT",
+                   help="run as a standby of this primary: follow its log, answer clients NotPrimary")
+    s.add_argument("--failover-after", type=_seconds, default=0.0, metavar="SECONDS",
+                   help="standby: promote itself after the primary has been silent this long (default: "
+                        "only on `fastlock promote`); the primary then fences itself earlier (see --fence-margin)")
+    s.add_argument("--promotion-grace", type=_seconds, default=None, metavar="SECONDS",
+                   help="after promotion, grant nothing new for this long (default: the longest TTL seen); "
+                        "shorten only when every writer enforces fencing tokens")
+    s.add_argument("--fence-margin", type=_seconds, default=None, metavar="SECONDS",
+                   help="primary: stop granting this long before a silent standby may promote "
+                        "(default: a quarter of its failover window)")
+    s.add_argument("--name", metavar="NAME", help="this node's name in logs and replication status")
     s.add_argument("--no-uvloop", action="store_true", help="use the stdlib asyncio loop")
     s.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
@@ -72,6 +96,16 @@ def _build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="show a server's role, epoch and counters")
     st.add_argument("--server", default="127.0.0.1:7420", metavar="HOST:PORT")
     st.add_argument("--auth-secret-file", metavar="FILE")
+
+    pr = sub.add_parser("promote", help="promote a standby to primary (new epoch, grace period)")
+    pr.add_argument("--server", required=True, metavar="HOST:PORT", help="the standby")
+    pr.add_argument("--force", action="store_true",
+                    help="promote even a standby that never synchronised (its data dir must be current)")
+    pr.add_argument("--auth-secret-file", metavar="FILE")
+
+    sa = sub.add_parser("serve-alone", help="tell a primary its standby is gone: stop fencing itself")
+    sa.add_argument("--server", required=True, metavar="HOST:PORT", help="the primary")
+    sa.add_argument("--auth-secret-file", metavar="FILE")
 
     w = sub.add_parser("wal", help="inspect a write-ahead log")
     wsub = w.add_subparsers(dest="wal_command", required=True)
@@ -110,6 +144,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         auth_secret=_read_secret(args.auth_secret_file),
         max_frame_bytes=args.max_frame_bytes,
         max_waiters_per_connection=args.max_waiters_per_connection,
+        standby_of=args.standby_of,
+        failover_after_ms=int(args.failover_after * 1000),
+        promotion_grace_ms=None if args.promotion_grace is None else int(args.promotion_grace * 1000),
+        fence_margin_ms=None if args.fence_margin is None else int(args.fence_margin * 1000),
+        name=args.name,
     )
     return serve(config, use_uvloop=not args.no_uvloop)
 
@@ -125,6 +164,37 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _admin(server: str, secret_file: str | None, op: int, *args) -> object:
+    """Send one admin request straight to ``server`` (no redirects: it targets a node)."""
+    from . import protocol as P
+    from .errors import error_from_wire
+
+    async def run():
+        host, port = _listen(server)
+        reader, writer = await asyncio.open_connection(host, port)
+        dec = P.FrameDecoder()
+        try:
+            writer.write(P.encode_request(1, P.OP_HELLO, P.PROTOCOL_VERSION, "fastlock-admin",
+                                          _read_secret(secret_file)))
+            writer.write(P.encode_request(2, op, *args))
+            replies = {}
+            while 2 not in replies:
+                data = await asyncio.wait_for(reader.read(65536), 30)
+                if not data:
+                    raise ConnectionError(f"{server} closed the connection")
+                for msg in dec.feed(data):
+                    replies[msg[0]] = msg
+            for rid in (1, 2):
+                msg = replies.get(rid) or replies.get(0)
+                if msg is not None and msg[1] != 0:
+                    raise error_from_wire(msg[1], msg[2], msg[3] if len(msg) > 3 else None)
+            return replies[2][2]
+        finally:
+            writer.close()
+
+    return asyncio.run(run())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     if args.command == "serve":
@@ -135,6 +205,20 @@ def main(argv: list[str] | None = None) -> int:
         return demo_main(args.args)
     if args.command == "status":
         return _cmd_status(args)
+    if args.command in ("promote", "serve-alone"):
+        from . import protocol as P
+        from .errors import FastlockError
+
+        try:
+            if args.command == "promote":
+                result = _admin(args.server, args.auth_secret_file, P.OP_PROMOTE, bool(args.force))
+            else:
+                result = _admin(args.server, args.auth_secret_file, P.OP_SERVE_ALONE)
+        except (FastlockError, OSError) as exc:
+            print(f"fastlock {args.command}: {exc}", file=sys.stderr)
+            return 1
+        print(json.dumps(result, indent=2, sort_keys=True))
+        return 0
     if args.command == "wal":
         from .wal import dump
 

@@ -30,7 +30,7 @@ Operations and their arguments:
 =========  ==  =====================================================  ======================
 op         #   arguments                                              value
 =========  ==  =====================================================  ======================
-HELLO      1   version, client_name|None, secret|None                 dict (session, role...)
+HELLO      1   version, client_name|None, secret|None[, known_epoch]  dict (session, role...)
 ACQUIRE    2   name, owner, ttl_ms, wait_ms, lock_delay_ms, corr_id   [token, ttl_ms]
 RELEASE    3   name, token, owner                                     None
 EXTEND     4   name, token, owner, ttl_ms                             ttl_ms
@@ -41,6 +41,10 @@ PING       8   -                                                      None
 WATCH      9   name                                                   holder info|None
 UNWATCH    10  name                                                   bool
 HOLDER     11  name                                                   holder info|None
+REPLICATE  12  from_lsn, incarnation, failover_after_ms, name         dict (see replication.py)
+REPL_ACK   13  echoed_primary_ms, applied_lsn                         (no reply)
+PROMOTE    14  force                                                  dict (new epoch...)
+SERVE_ALONE 15 -                                                      None
 =========  ==  =====================================================  ======================
 
 holder info is ``{"token": int, "client": str|None, "ttl_ms": int, "remaining_ms": int}``.
@@ -78,6 +82,10 @@ OP_PING = 8
 OP_WATCH = 9
 OP_UNWATCH = 10
 OP_HOLDER = 11
+OP_REPLICATE = 12
+OP_REPL_ACK = 13
+OP_PROMOTE = 14
+OP_SERVE_ALONE = 15
 
 # push kinds
 PUSH_WATCH = "watch"
@@ -94,6 +102,10 @@ OP_NAMES = {
     OP_WATCH: "watch",
     OP_UNWATCH: "unwatch",
     OP_HOLDER: "holder",
+    OP_REPLICATE: "replicate",
+    OP_REPL_ACK: "repl_ack",
+    OP_PROMOTE: "promote",
+    OP_SERVE_ALONE: "serve_alone",
 }
 
 STATUS_OK = 0

@@ -55,8 +55,11 @@ from .errors import (
     LeaseLost,
     LimitExceeded,
     LockNotAcquired,
+    NotPrimary,
     ProtocolError,
+    Unavailable,
 )
+from .replication import ReplicationSource, StandbyFollower
 from .wal import HolderRecord, WriteAheadLog
 
 log = logging.getLogger(__name__)
@@ -82,6 +85,11 @@ class ServerConfig:
     auth_secret: str | None = None
     max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES
     max_waiters_per_connection: int = 10_000
+    standby_of: tuple[str, int] | None = None  # run as a standby of this primary
+    failover_after_ms: int = 0  # standby: promote after this much primary silence (0: on command only)
+    promotion_grace_ms: int | None = None  # after promotion, no grants for this long (None: longest TTL seen)
+    fence_margin_ms: int | None = None  # primary: stop granting this long before a standby may promote
+    name: str | None = None  # this node's name in logs and replication status
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -170,7 +178,13 @@ class LockServer:
             snapshot_every=config.snapshot_every,
             on_fatal=self._wal_fatal,
         )
-        self.role = "primary"
+        self.role = "standby" if config.standby_of else "primary"
+        self.grace_until_ms = 0
+        self.source = ReplicationSource(self, fence_margin_ms=config.fence_margin_ms)
+        self.follower: StandbyFollower | None = None
+        if config.standby_of:
+            self.follower = StandbyFollower(self, config.standby_of, config.failover_after_ms,
+                                            auth=config.auth_secret, name=config.name)
         self._sessions: dict[int, _Connection] = {}
         self._next_session = 1
         self._dirty: list[_Connection] = []
@@ -194,6 +208,10 @@ class LockServer:
             P.OP_WATCH: self._op_watch,
             P.OP_UNWATCH: self._op_unwatch,
             P.OP_HOLDER: self._op_holder,
+            P.OP_REPLICATE: self._op_replicate,
+            P.OP_REPL_ACK: self._op_repl_ack,
+            P.OP_PROMOTE: self._op_promote,
+            P.OP_SERVE_ALONE: self._op_serve_alone,
         }
 
     # -- life cycle -----------------------------------------------------------------
@@ -210,6 +228,10 @@ class LockServer:
             table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
                                  (h.client_name, h.correlation_id), now)
         table.drain_events()
+        if self.role == "standby":
+            # a standby runs its table on frozen time: only a primary expires leases
+            for h in table.holders():
+                table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, h.meta, 0)
         log.info(
             "recovered %d leases, epoch %d, counter %d (%d records replayed, %d torn bytes cut) in %.1f ms",
             len(state.holders), state.epoch, table.counter, state.records_replayed, state.torn_bytes,
@@ -224,9 +246,12 @@ class LockServer:
         sockname = self._server.sockets[0].getsockname()
         self.address = (sockname[0], sockname[1])
         log.info(
-            "listening on %s:%d (fastlock %s, fsync=%s, data dir %s)",
-            sockname[0], sockname[1], __version__, self.config.fsync, os.path.abspath(self.config.data_dir),
+            "listening on %s:%d (fastlock %s, %s, fsync=%s, data dir %s)",
+            sockname[0], sockname[1], __version__, self.role, self.config.fsync,
+            os.path.abspath(self.config.data_dir),
         )
+        if self.follower is not None:
+            self.follower.start()
 
     async def close(self) -> None:
         """Stop accepting, close every connection, flush and close the WAL."""
@@ -235,6 +260,9 @@ class LockServer:
         log.info("shutting down: %d sessions, %d locks held", len(self._sessions), len(self.table))
         if self._server is not None:
             self._server.close()
+        self.source.close()
+        if self.follower is not None:
+            self.follower.stop()
         for conn in list(self._sessions.values()):
             conn.flush()
             conn.closed = True
@@ -267,10 +295,12 @@ class LockServer:
 
     def _connection_lost(self, conn: _Connection) -> None:
         self._sessions.pop(conn.session, None)
+        if conn.session in self.source.replicas:
+            self.source.detach(conn)
         if conn.watching:
             for name in conn.watching:
                 self._unwatch(conn, name)
-        dropped = self.table.drop_session(conn.session, now_ms())
+        dropped = self.table.drop_session(conn.session, self._table_now())
         if dropped:
             log.debug("session %d closed; %d waiters removed", conn.session, dropped)
         self._after_batch()
@@ -282,7 +312,7 @@ class LockServer:
         if events:
             self._process_events(events)
         nd = table.next_deadline()
-        if nd >= 0 and (self._timer is None or nd < self._timer_at):
+        if nd >= 0 and (self._timer is None or nd < self._timer_at) and self.role == "primary":
             self._rearm()
         dirty = self._dirty
         if dirty:
@@ -345,12 +375,17 @@ class LockServer:
             table.expire(now_ms())
         self._after_batch()
 
+    def _table_now(self) -> int:
+        """The time to give the lock table: a standby's table runs on frozen time
+        (0) so that it never expires a lease itself; only a primary expires."""
+        return now_ms() if self.role == "primary" else 0
+
     def _rearm(self) -> None:
         nd = self.table.next_deadline()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if nd < 0:
+        if nd < 0 or self.role != "primary":
             return
         delay = max(0, nd - now_ms()) / 1000.0
         self._timer = self._loop.call_later(delay, self._on_timer)
@@ -358,6 +393,8 @@ class LockServer:
 
     def _on_timer(self) -> None:
         self._timer = None
+        if self.role != "primary":
+            return
         self.table.expire(now_ms())
         self._after_batch()
         if self._timer is None:
@@ -406,8 +443,10 @@ class LockServer:
             raise ProtocolError(f"{op} takes {n} arguments, got {len(msg) - 2}")
 
     def _op_hello(self, conn: _Connection, req_id: int, msg: list) -> None:
-        self._arity(msg, 3, "hello")
+        if len(msg) not in (5, 6):
+            raise ProtocolError(f"hello takes 3 or 4 arguments, got {len(msg) - 2}")
         version, client_name, secret = msg[2], msg[3], msg[4]
+        known_epoch = msg[5] if len(msg) == 6 else None
         if version != P.PROTOCOL_VERSION:
             raise ProtocolError(f"protocol version {version!r} not supported (server speaks {P.PROTOCOL_VERSION})")
         conn.client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
@@ -417,6 +456,8 @@ class LockServer:
                 log.warning("auth refused for %s (%s)", conn.peer, conn.client_name)
                 raise AuthError("authentication failed")
         conn.ready = True
+        if type(known_epoch) is int and known_epoch > self.table.epoch and self.role == "primary":
+            self._step_down(f"client {conn.client_name or conn.peer} has seen epoch {known_epoch}")
         log.debug("session %d hello from %s (%s)", conn.session, conn.peer, conn.client_name)
         conn.send(P.encode_ok(req_id, self._hello_info(conn)))
 
@@ -428,7 +469,7 @@ class LockServer:
             "session": conn.session,
             "role": self.role,
             "epoch": self.table.epoch,
-            "primary": None,
+            "primary": self.follower.primary_address if self.follower is not None and self.role == "standby" else None,
             "max_frame_bytes": self.config.max_frame_bytes,
         }
 
@@ -442,13 +483,20 @@ class LockServer:
         delay_ms = P.check_lock_delay_ms(msg[6])
         corr = P.check_optional_str(msg[7], "correlation id", P.MAX_CORRELATION_ID_CHARS)
         table = self.table
+        now = now_ms()
+        self._must_be_primary()
+        if not self.source.may_act(now):
+            raise Unavailable("this primary lost contact with its standby and is not granting")
         if wait_ms != 0 and table.session_waiters(conn.session) >= self.config.max_waiters_per_connection:
             raise LimitExceeded(
                 f"this connection already has {self.config.max_waiters_per_connection} waiting acquires"
             )
         status = table.acquire(name, owner, conn.session, req_id, ttl_ms, wait_ms, delay_ms,
-                               (conn.client_name, corr), now_ms())
+                               (conn.client_name, corr), now)
         if status == NOT_ACQUIRED:
+            if now < self.grace_until_ms:
+                raise LockNotAcquired(f"{name!r}: no grants during the promotion grace period "
+                                      f"({self.grace_until_ms - now} ms left)")
             raise LockNotAcquired(f"{name!r} is held")
 
     def _op_release(self, conn: _Connection, req_id: int, msg: list) -> None:
@@ -456,6 +504,7 @@ class LockServer:
         name = P.check_name(msg[2])
         token = P.check_token(msg[3])
         owner = P.check_owner(msg[4])
+        self._must_be_primary()
         try:
             self.table.release(name, token, owner, now_ms())
         except NotHolder:
@@ -471,6 +520,9 @@ class LockServer:
         ttl_ms = P.check_ttl_ms(msg[5])
         table = self.table
         now = now_ms()
+        self._must_be_primary()
+        if not self.source.may_act(now):
+            raise Unavailable("this primary lost contact with its standby and is not extending leases")
         holder = table.holder(name, now)
         try:
             table.extend(name, token, owner, ttl_ms, now)
@@ -484,6 +536,7 @@ class LockServer:
         self._arity(msg, 2, "cancel")
         name = P.check_name(msg[2])
         owner = P.check_owner(msg[3])
+        self._must_be_primary()
         table = self.table
         now = now_ms()
         result = None
@@ -502,6 +555,7 @@ class LockServer:
         self._arity(msg, 2, "check")
         name = P.check_name(msg[2])
         token = P.check_token(msg[3])
+        self._must_be_primary()
         conn.send(P.encode_ok(req_id, self.table.check(name, token, now_ms())))
 
     def _released(self, name: str, token: int, client_name: str | None) -> None:
@@ -526,6 +580,7 @@ class LockServer:
     def _op_watch(self, conn: _Connection, req_id: int, msg: list) -> None:
         self._arity(msg, 1, "watch")
         name = P.check_name(msg[2])
+        self._must_be_primary()
         if conn.watching is None:
             conn.watching = set()
         if name not in conn.watching and len(conn.watching) >= self.config.max_waiters_per_connection:
@@ -552,7 +607,97 @@ class LockServer:
 
     def _op_holder(self, conn: _Connection, req_id: int, msg: list) -> None:
         self._arity(msg, 1, "holder")
+        self._must_be_primary()
         conn.send(P.encode_ok(req_id, self._holder_info(P.check_name(msg[2]))))
+
+    # -- roles: replication, promotion, stepping down ---------------------------------------
+    def _must_be_primary(self) -> None:
+        if self.role != "primary":
+            primary = self.follower.primary_address if self.follower is not None and self.role == "standby" else None
+            raise NotPrimary(f"this node is a {self.role}", primary)
+
+    def _op_replicate(self, conn: _Connection, req_id: int, msg: list) -> None:
+        self._arity(msg, 4, "replicate")
+        from_lsn, incarnation, failover_after_ms, name = msg[2], msg[3], msg[4], msg[5]
+        if type(from_lsn) is not int or type(failover_after_ms) is not int or failover_after_ms < 0:
+            raise InvalidArgument("replicate takes from_lsn:int, incarnation, failover_after_ms:int >= 0, name")
+        self._must_be_primary()
+        self.source.attach(conn, req_id, from_lsn, incarnation, failover_after_ms,
+                           P.check_optional_str(name, "standby name", P.MAX_CLIENT_NAME_CHARS))
+
+    def _op_repl_ack(self, conn: _Connection, req_id: int, msg: list) -> None:
+        self._arity(msg, 2, "repl_ack")
+        self.source.on_ack(conn, msg[2], msg[3])  # no reply: acks stream continuously
+
+    def _op_promote(self, conn: _Connection, req_id: int, msg: list) -> None:
+        self._arity(msg, 1, "promote")
+        force = msg[2] is True
+        if self.role == "primary":
+            raise InvalidArgument("this node is already the primary")
+        if self.role != "standby":
+            raise NotPrimary(f"this node is {self.role} and cannot be promoted")
+        if not self.follower.synced and not force:
+            raise Unavailable("this standby has never synchronised with a primary; promote with force "
+                              "only if its data directory is known to be current")
+
+        async def run():
+            try:
+                info = await self.promote(reason="operator command")
+            except Exception as exc:  # report, keep serving
+                log.exception("promotion failed")
+                conn.send(P.packb([req_id, Unavailable.code, f"promotion failed: {exc}", None]))
+            else:
+                conn.send(P.encode_ok(req_id, info))
+            conn.flush()
+
+        asyncio.ensure_future(run())
+
+    def _op_serve_alone(self, conn: _Connection, req_id: int, msg: list) -> None:
+        self._must_be_primary()
+        self.source.serve_alone()
+        conn.send(P.encode_ok(req_id, None))
+
+    async def promote(self, reason: str) -> dict:
+        """Turn this standby into the primary (see :mod:`fastlock.replication`).
+
+        Raises the epoch above every epoch seen and fsyncs it, gives every
+        replicated lease a fresh full TTL, and holds new grants for the grace
+        period.  Returns ``{"epoch", "grace_ms", "leases"}``.
+        """
+        if self.role != "standby":
+            raise NotPrimary(f"this node is {self.role}")
+        follower = self.follower
+        follower.stop()
+        self.role = "promoting"
+        table = self.table
+        epoch = max(table.epoch, follower.primary_epoch) + 1
+        table.set_epoch(epoch)
+        self.wal.log_epoch(epoch)
+        durable = self._loop.create_future()
+        self.wal.when_durable(lambda: durable.done() or durable.set_result(None))
+        await durable
+        now = now_ms()
+        holders = table.holders()
+        longest = follower.max_ttl_ms
+        for h in holders:
+            table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, h.meta, now)
+            longest = max(longest, h.ttl_ms)
+        grace = self.config.promotion_grace_ms if self.config.promotion_grace_ms is not None else longest
+        self.grace_until_ms = now + grace
+        table.hold_grants_until(self.grace_until_ms)
+        table.drain_events()
+        self.role = "primary"
+        self._rearm()
+        log.warning(
+            "PROMOTED to primary (%s): epoch %d, %d replicated leases kept for their TTL, "
+            "no new grants for %d ms (grace)", reason, epoch, len(holders), grace,
+        )
+        return {"epoch": epoch, "grace_ms": grace, "leases": len(holders)}
+
+    def _step_down(self, why: str) -> None:
+        log.critical("stepping down: %s (own epoch %d); refusing every lock operation", why, self.table.epoch)
+        self.role = "deposed"
+        self.table.hold_grants_until(now_ms() + 10 * 365 * 24 * 3600 * 1000)
 
     def _op_status(self, conn: _Connection, req_id: int, msg: list) -> None:
         conn.send(P.encode_ok(req_id, self.status()))
@@ -573,7 +718,12 @@ class LockServer:
             fsync=self.config.fsync,
             wal=self.wal.stats(),
             version=__version__,
+            grace_remaining_ms=max(0, self.grace_until_ms - now_ms()),
         )
+        if self.role == "standby" and self.follower is not None:
+            st["replication"] = self.follower.status()
+        else:
+            st["replication"] = self.source.status()
         return st
 
 

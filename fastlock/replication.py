@@ -1,0 +1,558 @@
+"""Log shipping to a standby, standby apply, promotion, and the primary's self-fencing.
+
+Roles
+-----
+primary
+    Serves clients.  Each standby that connects gets a snapshot (when it is
+    new, or its position is no longer in the log) and then every WAL batch as
+    it is written - *after* its fsync in ``--fsync always`` mode, so a standby
+    never holds a record the primary could still lose.  Replication is
+    asynchronous: the primary never waits for a standby.
+standby
+    Applies the stream to its own lock table and its own WAL, and answers
+    clients with ``NotPrimary`` naming the primary.  Its table runs on frozen
+    time (``now = 0``): only a primary expires leases (as in etcd, where only
+    the leader revokes leases); expiries arrive as records.
+promotion
+    On ``fastlock promote`` or, with ``--failover-after S``, after the primary
+    has been silent for S seconds, the standby: raises the epoch above every
+    epoch it has seen and fsyncs it; gives every replicated lease a fresh full
+    TTL from now (holders reconnect and keep renewing with the lease they
+    have); and grants nothing new for a grace period (default: the longest TTL
+    it has seen), because the old primary may have granted locks whose records
+    never arrived - as Chubby's new master waits out the old master's leases.
+    Every token it issues is ``(epoch << 40) | counter`` with a higher epoch,
+    so it is greater than every token the old primary issued, replicated or not.
+
+No split brain: the primary fences itself
+-----------------------------------------
+A standby started with ``--failover-after F`` tells the primary F when it
+connects.  The primary sends heartbeats carrying its own monotonic send time;
+the standby echoes the newest one it has received.  The primary may grant and
+extend only while ``now < echoed_send_time + F - margin`` (margin defaults to
+F/4): past that the standby may be promoting, so the primary holds every grant
+and refuses extends (``Unavailable``) until a fresh echo arrives, or until an
+operator runs ``fastlock serve-alone`` (declaring the standby gone).  Because
+the echoed time was taken on the primary's clock *before* the heartbeat was
+sent, a heartbeat delayed or queued during a pause (SIGSTOP, a VM stall) can
+only make the primary stop earlier, never later.
+
+The timing assumption: the two clocks run at rates that differ by at most a
+factor (1 + rho), with ``margin >= 2 * rho * F`` (F/4 allows rho up to 12 %);
+clocks need not be synchronised, since each node only compares times on its
+own clock.  The standby also sees F of silence only after the primary's last
+heartbeat, which was sent after the echoed time - so the standby promotes
+after the primary has stopped.
+
+A node that learns of a higher epoch than its own (a client's HELLO carries
+the highest epoch it has seen) steps down: it refuses every lock operation
+from then on.
+
+Wire messages (see :mod:`fastlock.protocol` for the framing)::
+
+    standby -> primary  [id, REPLICATE, from_lsn, incarnation|None, failover_after_ms, standby_name|None]
+                        [id, REPL_ACK, echoed_primary_ms, applied_lsn]          (no reply)
+    primary -> standby  [0, "snap", [lsn, epoch, counter, holders, incarnation]]
+                        [0, "repl", [first_lsn, last_lsn, frames]]               (WAL batch bytes)
+                        [0, "hb",   [primary_ms, last_lsn, epoch]]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from . import protocol as P
+from .errors import FastlockError, ProtocolError
+from .wal import EPOCH, EXPIRE, EXTEND, GRANT, RELEASE, RESERVE, WalCompacted, decode_frames
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .server import LockServer, _Connection
+
+log = logging.getLogger(__name__)
+
+PUSH_SNAPSHOT = "snap"
+PUSH_RECORDS = "repl"
+PUSH_HEARTBEAT = "hb"
+
+#: A standby whose unsent output exceeds this many bytes is disconnected (it resyncs).
+MAX_STANDBY_BACKLOG_BYTES = 64 << 20
+
+_FOREVER_MS = 10 * 365 * 24 * 3600 * 1000
+
+
+def _now_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
+
+
+def heartbeat_interval_ms(failover_after_ms: int) -> int:
+    """Heartbeats 8 per failover window, between 10 ms and 500 ms."""
+    if failover_after_ms <= 0:
+        return 500
+    return max(10, min(500, failover_after_ms // 8))
+
+
+class _Replica:
+    __slots__ = ("conn", "name", "failover_after_ms", "acked_lsn", "contact_ms", "sent", "attached_ms")
+
+    def __init__(self, conn: "_Connection", name: str | None, failover_after_ms: int):
+        self.conn = conn
+        self.name = name or conn.peer
+        self.failover_after_ms = failover_after_ms
+        self.acked_lsn = 0
+        self.contact_ms = _now_ms()  # primary time echoed by the standby
+        self.sent: deque[tuple[int, int]] = deque()  # (last_lsn of a batch, primary ms when sent)
+        self.attached_ms = _now_ms()
+
+
+class ReplicationSource:
+    """The primary's side: streams the WAL to standbys and fences the primary.
+
+    ``fence_margin_ms``: how long before a standby could promote the primary
+    stops granting (default: a quarter of the standby's failover window).
+    """
+
+    def __init__(self, server: "LockServer", *, fence_margin_ms: int | None = None):
+        self.server = server
+        self.incarnation = os.urandom(8).hex()  # changes on every start: a standby resyncs
+        self.replicas: dict[int, _Replica] = {}  # by session
+        self.fence_margin_ms = fence_margin_ms
+        self.serving_alone = False
+        self.fenced = False
+        # the strictest failover window of any standby that ever attached (ms, 0 = none)
+        self._paired_window_ms = 0
+        self._contact_ms = 0
+        self._hb_timer: asyncio.TimerHandle | None = None
+        self._listening = False
+
+    # -- attach / detach ------------------------------------------------------------------
+    def attach(self, conn: "_Connection", req_id: int, from_lsn: int, incarnation: Any,
+               failover_after_ms: int, name: str | None) -> None:
+        server = self.server
+        wal = server.wal
+        replica = _Replica(conn, name, failover_after_ms)
+        self.replicas[conn.session] = replica
+        if failover_after_ms > 0:
+            if self._paired_window_ms == 0 or failover_after_ms < self._paired_window_ms:
+                self._paired_window_ms = failover_after_ms
+            self.serving_alone = False
+        self._contact_ms = max(self._contact_ms, replica.contact_ms)
+        mode = "stream"
+        backlog: list[tuple[int, list]] = []
+        if incarnation != self.incarnation or from_lsn < 1:
+            mode = "snapshot"
+        else:
+            try:
+                backlog = list(wal.read_from(from_lsn))
+            except WalCompacted:
+                mode = "snapshot"
+        conn.send(P.encode_ok(req_id, {"incarnation": self.incarnation, "mode": mode,
+                                       "epoch": server.table.epoch}))
+        if mode == "snapshot":
+            lsn = wal.stats()["last_lsn"]
+            epoch, counter, holders = server._snapshot_state()
+            conn.send(P.encode_push(PUSH_SNAPSHOT, [lsn, epoch, counter, [list(h) for h in holders],
+                                                    self.incarnation]))
+            replica.acked_lsn = 0
+        else:
+            for lsn, rec in backlog:
+                conn.send(P.encode_push("rec", [lsn, rec]))
+        if not self._listening:
+            wal.add_listener(self._on_batch)
+            self._listening = True
+        log.info("standby %s attached (%s from LSN %d, failover window %d ms)",
+                 replica.name, mode, from_lsn, failover_after_ms)
+        self._heartbeat()
+
+    def detach(self, conn: "_Connection") -> None:
+        replica = self.replicas.pop(conn.session, None)
+        if replica is not None:
+            log.warning("standby %s detached (acked LSN %d)", replica.name, replica.acked_lsn)
+
+    # -- streaming ------------------------------------------------------------------------
+    def _on_batch(self, first_lsn: int, last_lsn: int, data: bytes) -> None:
+        if not self.replicas:
+            return
+        msg = P.encode_push(PUSH_RECORDS, [first_lsn, last_lsn, data])
+        now = _now_ms()
+        for replica in list(self.replicas.values()):
+            conn = replica.conn
+            if conn.closed:
+                continue
+            transport = conn.transport
+            if transport.get_write_buffer_size() > MAX_STANDBY_BACKLOG_BYTES:
+                log.error("standby %s is too far behind; disconnecting it (it will resync)", replica.name)
+                conn.closed = True
+                transport.abort()
+                continue
+            conn.send(msg)
+            conn.flush()
+            replica.sent.append((last_lsn, now))
+
+    def _heartbeat(self) -> None:
+        self._hb_timer = None
+        if not self.replicas:
+            return
+        server = self.server
+        now = _now_ms()
+        msg = P.encode_push(PUSH_HEARTBEAT, [now, server.wal.stats()["last_lsn"], server.table.epoch])
+        interval = 500
+        for replica in self.replicas.values():
+            if not replica.conn.closed:
+                replica.conn.send(msg)
+                replica.conn.flush()
+            interval = min(interval, heartbeat_interval_ms(replica.failover_after_ms))
+        self._check_fence(now)
+        self._hb_timer = server._loop.call_later(interval / 1000.0, self._heartbeat)
+
+    def on_ack(self, conn: "_Connection", echoed_ms: Any, applied_lsn: Any) -> None:
+        replica = self.replicas.get(conn.session)
+        if replica is None:
+            raise ProtocolError("REPL_ACK before REPLICATE")
+        if type(echoed_ms) is not int or type(applied_lsn) is not int:
+            raise ProtocolError("REPL_ACK takes two integers")
+        now = _now_ms()
+        if replica.contact_ms < echoed_ms <= now:
+            replica.contact_ms = echoed_ms
+            if echoed_ms > self._contact_ms:
+                self._contact_ms = echoed_ms
+        if applied_lsn > replica.acked_lsn:
+            replica.acked_lsn = applied_lsn
+            sent = replica.sent
+            while sent and sent[0][0] <= applied_lsn:
+                sent.popleft()
+        self._check_fence(now)
+
+    # -- fencing ----------------------------------------------------------------------------
+    def may_act(self, now: int) -> bool:
+        """May the primary grant and extend at ``now``?  Updates the fence."""
+        if self._paired_window_ms == 0 or self.serving_alone:
+            return True
+        return self._check_fence(now)
+
+    def _check_fence(self, now: int) -> bool:
+        window = self._paired_window_ms
+        if window == 0 or self.serving_alone:
+            if self.fenced:
+                self._unfence()
+            return True
+        margin = self.fence_margin_ms if self.fence_margin_ms is not None else window // 4
+        ok = now < self._contact_ms + window - margin
+        if ok and self.fenced:
+            self._unfence()
+        elif not ok and not self.fenced:
+            self.fenced = True
+            self.server.table.hold_grants_until(now + _FOREVER_MS)
+            log.warning(
+                "no word from the standby for %d ms (failover window %d ms, margin %d ms): "
+                "holding all grants and refusing extends until it is back or `fastlock serve-alone`",
+                now - self._contact_ms, window, margin,
+            )
+        return ok
+
+    def _unfence(self) -> None:
+        self.fenced = False
+        server = self.server
+        server.table.hold_grants_until(max(_now_ms(), server.grace_until_ms))
+        server.table.expire(_now_ms())
+        log.warning("standby contact restored: granting again")
+        server._after_batch()
+
+    def serve_alone(self) -> None:
+        """Operator's word that the standby is gone for good: stop fencing."""
+        self.serving_alone = True
+        self._paired_window_ms = 0
+        self._check_fence(_now_ms())
+        log.warning("operator: serving alone (standby fencing off until a standby attaches again)")
+
+    def status(self) -> dict:
+        now = _now_ms()
+        last_lsn = self.server.wal.stats()["last_lsn"]
+        standbys = []
+        for r in self.replicas.values():
+            standbys.append({
+                "name": r.name,
+                "acked_lsn": r.acked_lsn,
+                "lag_records": max(0, last_lsn - r.acked_lsn),
+                "lag_ms": (now - r.sent[0][1]) if r.sent else 0,
+                "contact_age_ms": now - r.contact_ms,
+                "failover_after_ms": r.failover_after_ms,
+            })
+        return {
+            "standbys": standbys,
+            "fenced": self.fenced,
+            "serving_alone": self.serving_alone,
+            "paired_window_ms": self._paired_window_ms,
+            "incarnation": self.incarnation,
+        }
+
+    def close(self) -> None:
+        if self._hb_timer is not None:
+            self._hb_timer.cancel()
+            self._hb_timer = None
+
+
+class _FollowerProtocol(asyncio.Protocol):
+    def __init__(self, follower: "StandbyFollower"):
+        self.follower = follower
+        self.decoder = P.FrameDecoder(256 << 20)
+        self.transport: asyncio.Transport | None = None
+        self.replies: dict[int, asyncio.Future] = {}
+        self.lost = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            messages = self.decoder.feed(data)
+            for msg in messages:
+                self.follower._on_message(self, msg)
+        except FastlockError as exc:
+            log.error("replication stream error: %s", exc)
+            self.transport.abort()
+        except Exception:
+            log.exception("failed to apply the replication stream; reconnecting")
+            self.transport.abort()
+
+    def connection_lost(self, exc):
+        for fut in self.replies.values():
+            if not fut.done():
+                fut.set_exception(ConnectionError("replication connection lost"))
+        if not self.lost.done():
+            self.lost.set_result(None)
+
+    def request(self, req_id: int, op: int, *args) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self.replies[req_id] = fut
+        self.transport.write(P.packb([req_id, op, *args]))
+        return fut
+
+
+class StandbyFollower:
+    """The standby's side: follow a primary, apply its log, promote when told or when it is silent.
+
+    Args:
+        server: the standby's :class:`~fastlock.server.LockServer`.
+        primary: ``(host, port)`` of the primary.
+        failover_after_ms: promote after this much silence (0: only on command).
+    """
+
+    def __init__(self, server: "LockServer", primary: tuple[str, int], failover_after_ms: int = 0,
+                 auth: str | None = None, name: str | None = None):
+        self.server = server
+        self.primary = primary
+        self.failover_after_ms = failover_after_ms
+        self.auth = auth
+        self.name = name
+        self.applied_lsn = 0
+        self.incarnation: str | None = None
+        self.primary_epoch = 0
+        self.primary_last_lsn = 0
+        self.last_heard_ms = 0
+        self.last_hb_primary_ms = 0
+        self.synced = False  # has applied at least one snapshot or stream from this primary
+        self.max_ttl_ms = 0
+        self.connected = False
+        self._task: asyncio.Task | None = None
+        self._proto: _FollowerProtocol | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._stopping = False
+
+    @property
+    def primary_address(self) -> str:
+        return f"{self.primary[0]}:{self.primary[1]}"
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+        if self.failover_after_ms > 0:
+            self._arm_watchdog()
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        if self._proto is not None and self._proto.transport is not None:
+            self._proto.transport.close()
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        loop = asyncio.get_running_loop()
+        while not self._stopping:
+            try:
+                _, proto = await asyncio.wait_for(
+                    loop.create_connection(lambda: _FollowerProtocol(self), *self.primary), 5.0)
+            except (OSError, asyncio.TimeoutError) as exc:
+                log.debug("cannot reach primary %s: %s", self.primary_address, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            self._proto = proto
+            try:
+                await asyncio.wait_for(proto.request(1, P.OP_HELLO, P.PROTOCOL_VERSION,
+                                                     f"standby:{self.name or os.getpid()}", self.auth), 5.0)
+                info = await asyncio.wait_for(
+                    proto.request(2, P.OP_REPLICATE, self.applied_lsn + 1 if self.synced else 0,
+                                  self.incarnation, self.failover_after_ms, self.name), 5.0)
+                self.connected = True
+                backoff = 0.05
+                log.info("replicating from %s (%s)", self.primary_address, info.get("mode"))
+                await proto.lost
+            except (ConnectionError, asyncio.TimeoutError, FastlockError) as exc:
+                log.warning("replication from %s failed: %s", self.primary_address, exc)
+                proto.transport.close()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+            finally:
+                self.connected = False
+                self._proto = None
+            if not self._stopping:
+                log.warning("lost the replication connection to %s", self.primary_address)
+
+    # -- the stream -------------------------------------------------------------------------
+    def _on_message(self, proto: _FollowerProtocol, msg: list) -> None:
+        req_id = msg[0]
+        if req_id != 0:
+            fut = proto.replies.pop(req_id, None)
+            if fut is not None and not fut.done():
+                if msg[1] == 0:
+                    fut.set_result(msg[2])
+                else:
+                    from .errors import error_from_wire
+
+                    fut.set_exception(error_from_wire(msg[1], msg[2], msg[3] if len(msg) > 3 else None))
+            return
+        kind, payload = msg[1], msg[2]
+        self.last_heard_ms = _now_ms()
+        if kind == PUSH_HEARTBEAT:
+            primary_ms, last_lsn, epoch = payload
+            self.last_hb_primary_ms = primary_ms
+            self.primary_last_lsn = last_lsn
+            self.primary_epoch = max(self.primary_epoch, epoch)
+        elif kind == PUSH_RECORDS:
+            first, last, data = payload
+            self._apply_records(decode_frames(data, first))
+            self.primary_last_lsn = max(self.primary_last_lsn, last)
+        elif kind == "rec":
+            lsn, rec = payload
+            self._apply_records([(lsn, rec)])
+        elif kind == PUSH_SNAPSHOT:
+            self._apply_snapshot(*payload)
+        else:
+            return
+        self._ack(proto)
+
+    def _ack(self, proto: _FollowerProtocol) -> None:
+        if self.last_hb_primary_ms and proto.transport is not None and not proto.transport.is_closing():
+            proto.transport.write(P.packb([3, P.OP_REPL_ACK, self.last_hb_primary_ms, self.applied_lsn]))
+
+    def _apply_snapshot(self, lsn: int, epoch: int, counter: int, holders: list, incarnation: str) -> None:
+        server = self.server
+        table = server.table
+        wal = server.wal
+        if epoch > table.epoch:
+            table.set_epoch(epoch)
+            wal.log_epoch(epoch)
+        table.advance_counter(counter)
+        wanted = {h[0]: h for h in holders}
+        for h in table.holders():
+            w = wanted.get(h.name)
+            if w is None or w[1] != h.token:
+                table.remove_holder(h.name, h.token, 0)
+                wal.log_release(h.name, h.token)
+        for name, token, owner, ttl_ms, delay_ms, client, corr, _wall in holders:
+            current = table.holder(name, 0)
+            if current is None or current.token != token or current.ttl_ms != ttl_ms:
+                self._install(name, token, owner, ttl_ms, delay_ms, client, corr)
+        table.drain_events()
+        self.applied_lsn = lsn
+        self.incarnation = incarnation
+        self.primary_epoch = max(self.primary_epoch, epoch)
+        self.synced = True
+        log.info("applied snapshot at primary LSN %d: %d leases, epoch %d", lsn, len(holders), epoch)
+
+    def _install(self, name, token, owner, ttl_ms, delay_ms, client, corr) -> None:
+        server = self.server
+        server.table.install_holder(name, token, owner, ttl_ms, delay_ms, (client, corr), 0)
+        server.wal.log_grant(name, token, owner, ttl_ms, delay_ms, client, corr)
+        if ttl_ms > self.max_ttl_ms:
+            self.max_ttl_ms = ttl_ms
+
+    def _apply_records(self, records) -> None:
+        server = self.server
+        table = server.table
+        wal = server.wal
+        applied = self.applied_lsn
+        for lsn, rec in records:
+            if lsn <= applied:
+                continue  # already in the snapshot
+            if lsn != applied + 1:
+                raise ProtocolError(f"replication gap: expected LSN {applied + 1}, got {lsn}")
+            kind = rec[0]
+            if kind == GRANT:
+                _, name, token, owner, ttl_ms, delay_ms, client, corr, _wall = rec
+                self._install(name, token, owner, ttl_ms, delay_ms, client, corr)
+            elif kind == RELEASE or kind == EXPIRE:
+                name, token = rec[1], rec[2]
+                if table.remove_holder(name, token, 0):
+                    if kind == RELEASE:
+                        wal.log_release(name, token)
+                    else:
+                        wal.log_expire(name, token)
+            elif kind == EXTEND:
+                _, name, token, ttl_ms, _wall = rec
+                h = table.holder(name, 0)
+                if h is not None and h.token == token:
+                    table.install_holder(name, token, h.owner, ttl_ms, h.lock_delay_ms, h.meta, 0)
+                    wal.log_extend(name, token, ttl_ms)
+                    self.max_ttl_ms = max(self.max_ttl_ms, ttl_ms)
+            elif kind == EPOCH:
+                epoch = rec[1]
+                if epoch > table.epoch:
+                    table.set_epoch(epoch)
+                    wal.log_epoch(epoch)
+                self.primary_epoch = max(self.primary_epoch, epoch)
+            elif kind == RESERVE:
+                table.advance_counter(rec[1])
+            applied = lsn
+        table.drain_events()
+        self.applied_lsn = applied
+        self.synced = True
+
+    # -- failover ---------------------------------------------------------------------------
+    def _arm_watchdog(self) -> None:
+        interval = heartbeat_interval_ms(self.failover_after_ms) / 1000.0
+        self._watchdog = self.server._loop.call_later(interval, self._check_silence)
+
+    def _check_silence(self) -> None:
+        self._watchdog = None
+        if self._stopping or self.server.role != "standby":
+            return
+        now = _now_ms()
+        if self.synced and self.last_heard_ms and now - self.last_heard_ms >= self.failover_after_ms:
+            log.warning("primary %s silent for %d ms (failover after %d ms): promoting",
+                        self.primary_address, now - self.last_heard_ms, self.failover_after_ms)
+            asyncio.ensure_future(self.server.promote(reason="primary silent"))
+            return
+        self._arm_watchdog()
+
+    def status(self) -> dict:
+        now = _now_ms()
+        return {
+            "primary": self.primary_address,
+            "connected": self.connected,
+            "synced": self.synced,
+            "applied_lsn": self.applied_lsn,
+            "primary_last_lsn": self.primary_last_lsn,
+            "lag_records": max(0, self.primary_last_lsn - self.applied_lsn),
+            "last_heard_ms_ago": (now - self.last_heard_ms) if self.last_heard_ms else None,
+            "failover_after_ms": self.failover_after_ms,
+            "primary_epoch": self.primary_epoch,
+        }
