@@ -20,7 +20,17 @@ from .errors import (  # noqa: E402
     Unavailable,
     WrongArgumentType,
 )
-from .client import Client, Lease, LockContext, WatchEvent, connect  # noqa: E402
+from .client import (  # noqa: E402
+    Client,
+    Lease,
+    LeaseHealth,
+    LockContext,
+    LockManyContext,
+    MultiLease,
+    WatchEvent,
+    connect,
+)
+from .election import Election, Leader, Term  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -28,7 +38,13 @@ __all__ = [
     "Client",
     "Lease",
     "LockContext",
+    "LockManyContext",
+    "MultiLease",
+    "LeaseHealth",
     "WatchEvent",
+    "Election",
+    "Term",
+    "Leader",
     "FastlockError",
     "LockNotAcquired",
     "LeaseLost",

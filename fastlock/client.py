@@ -23,7 +23,7 @@ import logging
 import os
 import random
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from . import protocol as P
 from .errors import (
@@ -41,7 +41,136 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 7420
 
-__all__ = ["connect", "Client", "Lease", "LockContext", "WatchEvent"]
+__all__ = ["connect", "Client", "Lease", "LeaseHealth", "LockContext", "MultiLease", "LockManyContext",
+           "WatchEvent"]
+
+SAFE = "safe"
+IN_JEOPARDY = "in_jeopardy"
+LOST = "lost"
+
+
+class _LostEvent(asyncio.Event):
+    """The ``lost`` event of leases made by this client: an ``asyncio.Event``
+    that also tells the lease's :class:`LeaseHealth` (if anyone asked for it)
+    when it is set, so health listeners hear of a loss however it was found."""
+
+    _health: "LeaseHealth | None" = None
+
+    def set(self) -> None:
+        if not self.is_set():
+            super().set()
+            health = self._health
+            if health is not None:
+                health._on_lost()
+
+
+class LeaseHealth:
+    """The health of a held lease: ``"safe"``, ``"in_jeopardy"`` or ``"lost"``.
+
+    After Chubby's session events (jeopardy / safe / expired) and the DynamoDB
+    lock client's "danger zone": a lease goes **in jeopardy** when no renewal
+    has succeeded and less than ``jeopardy_fraction`` of its TTL is left before
+    the client's conservative expiry estimate; it is **safe** again as soon as a
+    renewal succeeds; it is **lost** when ``lease.lost`` is set (a renewal was
+    refused, or the TTL passed without one).  Jeopardy is a warning (finish or
+    checkpoint the current write, stop starting new ones); lost is final.
+
+    States are computed by the auto-renewal of :meth:`Client.lock` /
+    :meth:`Client.lock_many` and of election terms; a lease renewed by hand
+    stays ``"safe"`` until it is lost.  Shared by every copy of a lease that
+    :meth:`Client.extend` returns (it hangs off the shared ``lost`` event).
+
+    Attributes:
+        state (str): the current state.
+        safe (asyncio.Event): set while the state is ``"safe"``.
+        jeopardy (asyncio.Event): set while the state is ``"in_jeopardy"``.
+        lost (asyncio.Event): the lease's ``lost`` event (set once, for good).
+        jeopardy_fraction (float): in (0, 1); default 0.5.
+
+    Listeners (:meth:`add_listener`) are called with the new state, on the
+    event loop's thread, at every transition.
+    """
+
+    __slots__ = ("lost", "safe", "jeopardy", "jeopardy_fraction", "_state", "_listeners", "_timer")
+
+    def __init__(self, lost: asyncio.Event, jeopardy_fraction: float = 0.5):
+        self.lost = lost
+        self.safe = asyncio.Event()
+        self.jeopardy = asyncio.Event()
+        self.jeopardy_fraction = _check_fraction(jeopardy_fraction)
+        self._listeners: list[Callable[[str], Any]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        if lost.is_set():
+            self._state = LOST
+        else:
+            self._state = SAFE
+            self.safe.set()
+
+    @property
+    def state(self) -> str:
+        if self._state != LOST and self.lost.is_set():  # a plain Event set by hand
+            self._on_lost()
+        return self._state
+
+    def add_listener(self, callback: Callable[[str], Any]) -> Callable[[], None]:
+        """Call ``callback(state)`` at each transition; returns a function that
+        removes it.  Exceptions from callbacks are logged, not raised."""
+        self._listeners.append(callback)
+
+        def remove() -> None:
+            try:
+                self._listeners.remove(callback)
+            except ValueError:
+                pass
+
+        return remove
+
+    def _transition(self, state: str) -> None:
+        if state == self._state or self._state == LOST:
+            return
+        self._state = state
+        if state == SAFE:
+            self.jeopardy.clear()
+            self.safe.set()
+        else:
+            self.safe.clear()
+            if state == IN_JEOPARDY:
+                self.jeopardy.set()
+        for callback in list(self._listeners):
+            try:
+                callback(state)
+            except Exception:  # a listener must not break renewal
+                log.exception("lease health listener %r failed", callback)
+
+    def _on_lost(self) -> None:
+        self._disarm()
+        self._transition(LOST)
+
+    # Driven by renewal loops: ``deadline`` is the loop.time() by which the
+    # lease must be renewed, ``window`` the full span (TTL or renew deadline).
+    def _renewed(self, deadline: float, window: float) -> None:
+        if self._state == LOST:
+            return
+        self._transition(SAFE)
+        self._disarm()
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_at(deadline - self.jeopardy_fraction * window, self._transition, IN_JEOPARDY)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def __repr__(self) -> str:
+        return f"<LeaseHealth {self.state}>"
+
+
+def _check_fraction(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise WrongArgumentType(f"jeopardy_fraction must be a number, not {type(value).__name__}")
+    if not 0.0 < value < 1.0:
+        raise InvalidArgument(f"jeopardy_fraction must be in (0, 1), got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,6 +204,28 @@ class Lease:
         """The fencing epoch (the token's high bits; raised by each promotion)."""
         return self.fencing_token >> 40
 
+    @property
+    def health(self) -> LeaseHealth:
+        """The lease's :class:`LeaseHealth` (made on first use; shared by the
+        copies :meth:`Client.extend` returns)."""
+        lost = self.lost
+        health = getattr(lost, "_health", None)
+        if health is None:
+            health = lost._health = LeaseHealth(lost)
+        return health
+
+    @property
+    def in_jeopardy(self) -> bool:
+        """True while renewals are failing and little of the TTL is left (see :class:`LeaseHealth`)."""
+        return self.health.state == IN_JEOPARDY
+
+    def time_left(self) -> float:
+        """Seconds until the client's conservative estimate of the server's
+        expiry (``expires_at - loop.time()``; negative once passed).  Unlike
+        ``lost``, this needs no task to have run: a process that was frozen
+        sees at once, on its own clock, that its lease may be gone."""
+        return self.expires_at - asyncio.get_running_loop().time()
+
 
 @dataclass(frozen=True)
 class WatchEvent:
@@ -83,13 +234,15 @@ class WatchEvent:
     ``kind`` is ``"granted"``, ``"released"``, ``"expired"``, or, for the
     first event of a watch, ``"held"``/``"free"`` (the state when it began).
     ``token`` is the fencing token concerned (None for ``"free"``);
-    ``client`` the holder's client name, if it gave one.
+    ``client`` the holder's client name, if it gave one; ``correlation_id``
+    the acquire's correlation id, if the server reports it (None otherwise).
     """
 
     name: str
     kind: str
     token: int | None
     client: str | None
+    correlation_id: str | None = None
 
 
 def _parse_address(addr: Any) -> tuple[str, int]:
@@ -355,7 +508,7 @@ class Client:
         # and before we received; for a queued grant, back off one RTT.
         start = sent if received - sent <= 2 * self._rtt + 0.002 else received - self._rtt
         self._observe_rtt(received - sent, queued=wait_ms != 0)
-        return Lease(name, token, granted_ttl, owner, asyncio.Event(), start + granted_ttl)
+        return Lease(name, token, granted_ttl, owner, _LostEvent(), start + granted_ttl)
 
     def _abandon(self, proto: _ClientProtocol, name: str, owner: bytes) -> None:
         if not proto.closed:
@@ -460,7 +613,7 @@ class Client:
             if info is None:
                 yield WatchEvent(name, "free", None, None)
             else:
-                yield WatchEvent(name, "held", info["token"], info["client"])
+                yield WatchEvent(name, "held", info["token"], info["client"], info.get("correlation_id"))
             while True:
                 event = await queue.get()
                 if event is None:
@@ -476,7 +629,8 @@ class Client:
                         self._send_nowait(proto, P.OP_UNWATCH, name)
 
     def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
-             correlation_id: str | None = None, renew: bool = True) -> "LockContext":
+             correlation_id: str | None = None, renew: bool = True,
+             jeopardy_fraction: float = 0.5) -> "LockContext":
         """Acquire ``name`` and keep renewing it.
 
         ``async with client.lock(...) as lease:`` acquires, renews at about a
@@ -487,13 +641,160 @@ class Client:
         renewal stops; the body is not interrupted - check ``lease.lost``
         (or pass the fencing token to your writes) before acting.
 
+        ``lease.health`` (:class:`LeaseHealth`) turns ``"in_jeopardy"`` when
+        renewals have failed and less than ``jeopardy_fraction`` (0 < f < 1,
+        default 0.5) of the TTL is left, and ``"safe"`` again when one succeeds.
+
         Arguments and errors are those of :meth:`acquire`.
         """
         P.check_name(name)
+        _check_fraction(jeopardy_fraction)
         return LockContext(self, name, dict(ttl=ttl, wait=wait, lock_delay=lock_delay,
-                                            correlation_id=correlation_id), renew)
+                                            correlation_id=correlation_id), renew, jeopardy_fraction)
 
-    def _start_renewing(self, lease: Lease) -> None:
+    # -- several locks at once --------------------------------------------------------
+    async def acquire_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None,
+                           lock_delay: float = 0.0, correlation_id: str | None = None) -> "MultiLease":
+        """Acquire every lock in ``names``, or none of them.
+
+        The locks are taken one after the other in one global order - sorted
+        by the UTF-8 bytes of their names - whatever order ``names`` lists them
+        in.  Every multi-lock takes its locks in that same total order, so no
+        set of them can wait on each other in a cycle (the waits-for graph
+        stays acyclic: ordered two-phase locking), and a single-lock holder
+        waits for nothing while it holds.  The price is one round trip per
+        name (plus queueing), and a lock taken early is held while later ones
+        are awaited.
+
+        Args:
+            names: distinct lock names (at least one; each checked as in
+                :meth:`acquire`).
+            ttl: each lease's time to live in seconds, counted from *its* grant
+                (:meth:`acquire_many` does not renew: with a long ``wait`` and
+                a short ``ttl``, use :meth:`lock_many`).
+            wait: one overall deadline in seconds for all of them; ``0`` tries
+                each once; ``None`` waits forever.
+            lock_delay, correlation_id: as :meth:`acquire`, for every lease.
+
+        Returns:
+            a :class:`MultiLease`.
+
+        Raises:
+            LockNotAcquired: the deadline passed; the locks taken so far are
+                released before this is raised.
+            InvalidArgument / WrongArgumentType: no names, a duplicate name, or
+                a bad argument (nothing sent).
+            ConnectionLost: the connection dropped; partial grants are released
+                (cancelled by owner on the next connection, else they expire).
+
+        Cancelling the awaiting task releases whatever was taken.
+        """
+        return await self._acquire_many(names, dict(ttl=ttl, lock_delay=lock_delay,
+                                                    correlation_id=correlation_id), wait, None)
+
+    def lock_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
+                  correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> "LockManyContext":
+        """:meth:`acquire_many` plus auto-renewal of every lease, as :meth:`lock`.
+
+        ``async with client.lock_many(["a", "b"], ttl=10.0) as locks:`` holds
+        all of them in the body and releases them on exit; ``await
+        client.lock_many(...)`` holds them until :meth:`release_many`.  Each
+        lease is renewed from the moment it is granted (so waiting for the
+        later ones cannot let the early ones expire).  ``locks.lost`` is set as
+        soon as any one of them is lost.
+        """
+        checked = _sorted_names(names)
+        _check_fraction(jeopardy_fraction)
+        return LockManyContext(self, checked, dict(ttl=ttl, lock_delay=lock_delay, correlation_id=correlation_id),
+                               wait, jeopardy_fraction)
+
+    async def _acquire_many(self, names: Iterable[str], kwargs: dict, wait: float | None,
+                            renew_fraction: float | None) -> "MultiLease":
+        ordered = names if isinstance(names, _SortedNames) else _sorted_names(names)
+        # Validate everything before the first request goes out.
+        P.check_ttl_ms(P.seconds_to_ms(kwargs["ttl"], "ttl"))
+        P.seconds_to_ms(wait, "wait", allow_none=True, allow_zero=True)
+        P.check_lock_delay_ms(P.seconds_to_ms(kwargs["lock_delay"], "lock_delay", allow_zero=True))
+        P.check_optional_str(kwargs["correlation_id"], "correlation_id", P.MAX_CORRELATION_ID_CHARS)
+        loop = asyncio.get_running_loop()
+        deadline = None if wait is None else loop.time() + wait
+        leases: list[Lease] = []
+        multi_lost = asyncio.Event()
+        try:
+            for name in ordered:
+                left = None if deadline is None else max(0.0, deadline - loop.time())
+                lease = await self.acquire(name, wait=left, **kwargs)
+                leases.append(lease)
+                if renew_fraction is not None:
+                    self._start_renewing(lease, renew_fraction)
+            multi = MultiLease(tuple(leases), multi_lost)
+            if multi.lost.is_set():
+                raise LeaseLost(f"a lease was lost while acquiring the others: {multi.lost_names()}")
+            return multi
+        except asyncio.CancelledError:
+            for lease in leases:
+                self._drop(lease)
+            raise
+        except BaseException:
+            if leases:
+                await asyncio.gather(*(self._release_quietly(lease) for lease in leases))
+            raise
+
+    def _drop(self, lease: Lease) -> None:
+        """Release ``lease`` without waiting (for cancellation paths)."""
+        task = self._renewers.pop(id(lease.lost), None)
+        if task is not None:
+            task.cancel()
+        proto = self._proto
+        if proto is not None and not proto.closed:
+            self._send_nowait(proto, P.OP_RELEASE, lease.name, lease.fencing_token, lease.owner)
+        else:
+            self._orphans.append((lease.name, lease.owner))
+
+    async def _release_quietly(self, lease: Lease) -> None:
+        try:
+            await self.release(lease)
+        except (LeaseLost, ConnectionLost):
+            pass
+        except asyncio.CancelledError:
+            self._drop(lease)
+            raise
+
+    async def release_many(self, multi: "MultiLease") -> None:
+        """Release every lease of ``multi`` (all of them, even if one fails).
+
+        Raises:
+            LeaseLost: at least one lease was no longer held (after trying to
+                release the others); ``multi.lost`` is set.
+        """
+        if not isinstance(multi, MultiLease):
+            raise WrongArgumentType(f"expected a fastlock MultiLease, not {type(multi).__name__}")
+        results = await asyncio.gather(*(self.release(lease) for lease in reversed(multi.leases)),
+                                       return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        for err in errors:
+            if not isinstance(err, LeaseLost):
+                raise err
+        if errors:
+            multi.lost.set()
+            raise errors[0]
+
+    # -- leader election --------------------------------------------------------------
+    def election(self, name: str, candidate_id: str, *, lease_duration: float = 15.0, renew_deadline: float = 10.0,
+                 retry_period: float = 2.0, jeopardy_fraction: float = 0.5) -> "Election":
+        """A leader election on lock ``name`` for candidate ``candidate_id``.
+
+        See :class:`fastlock.election.Election` (Kubernetes' leaderelection
+        semantics and defaults: 15 s lease, 10 s renew deadline, 2 s retry).
+        """
+        from .election import Election
+
+        return Election(self, name, candidate_id, lease_duration=lease_duration, renew_deadline=renew_deadline,
+                        retry_period=retry_period, jeopardy_fraction=jeopardy_fraction)
+
+    def _start_renewing(self, lease: Lease, jeopardy_fraction: float | None = None) -> None:
+        if jeopardy_fraction is not None:
+            lease.health.jeopardy_fraction = jeopardy_fraction
         task = asyncio.ensure_future(self._renew_loop(lease))
         self._renewers[id(lease.lost)] = task
 
@@ -501,9 +802,13 @@ class Client:
         loop = asyncio.get_running_loop()
         key = id(lease.lost)
         current = lease
+        health = lease.health
+        health._renewed(lease.expires_at, lease.ttl)
         try:
             while True:
                 interval = current.ttl / 3.0 * (1.0 - random.uniform(0.10, 0.20))
+                # renew well before the jeopardy threshold, however high it is set
+                interval = min(interval, current.ttl * (1.0 - health.jeopardy_fraction) * 0.6)
                 await asyncio.sleep(max(0.0, min(interval, current.expires_at - loop.time())))
                 while True:
                     remaining = current.expires_at - loop.time()
@@ -524,7 +829,9 @@ class Client:
                         log.info("renewal of %s failed (%s); retrying", current.name, exc or type(exc).__name__)
                         await asyncio.sleep(min(current.ttl / 10.0, max(0.0, current.expires_at - loop.time()) / 2))
                 object.__setattr__(lease, "expires_at", current.expires_at)
+                health._renewed(current.expires_at, current.ttl)
         finally:
+            health._disarm()
             if self._renewers.get(key) is asyncio.current_task():
                 del self._renewers[key]
 
@@ -533,19 +840,20 @@ class LockContext:
     """Returned by :meth:`Client.lock`: awaitable and an async context manager
     (as asyncpg's ``pool.acquire()``)."""
 
-    __slots__ = ("_client", "_name", "_kwargs", "_renew", "_lease")
+    __slots__ = ("_client", "_name", "_kwargs", "_renew", "_lease", "_jeopardy_fraction")
 
-    def __init__(self, client: Client, name: str, kwargs: dict, renew: bool):
+    def __init__(self, client: Client, name: str, kwargs: dict, renew: bool, jeopardy_fraction: float = 0.5):
         self._client = client
         self._name = name
         self._kwargs = kwargs
         self._renew = renew
         self._lease: Lease | None = None
+        self._jeopardy_fraction = jeopardy_fraction
 
     async def _acquire(self) -> Lease:
         lease = await self._client.acquire(self._name, **self._kwargs)
         if self._renew:
-            self._client._start_renewing(lease)
+            self._client._start_renewing(lease, self._jeopardy_fraction)
         return lease
 
     def __await__(self):
@@ -565,6 +873,113 @@ class LockContext:
             if not lease.lost.is_set():
                 log.warning("could not release %s token %d: %s", lease.name, lease.fencing_token, err)
             lease.lost.set()
+
+
+class _SortedNames(tuple):
+    """Names already checked, deduplicated and put in the global lock order."""
+
+
+def _sorted_names(names: Iterable[str]) -> _SortedNames:
+    if isinstance(names, (str, bytes)):
+        raise WrongArgumentType("names must be an iterable of lock names, not a single string")
+    try:
+        checked = [P.check_name(n) for n in names]
+    except TypeError:
+        raise WrongArgumentType(f"names must be an iterable of lock names, not {type(names).__name__}") from None
+    if not checked:
+        raise InvalidArgument("at least one lock name is needed")
+    keyed = sorted((n.encode("utf-8"), n) for n in checked)
+    for (a, name), (b, _) in zip(keyed, keyed[1:]):
+        if a == b:
+            raise InvalidArgument(f"lock name {name!r} is listed twice (locks are not re-entrant)")
+    return _SortedNames(n for _, n in keyed)
+
+
+class MultiLease:
+    """The leases of :meth:`Client.acquire_many` / :meth:`Client.lock_many`.
+
+    Attributes:
+        leases (tuple[Lease, ...]): in acquisition order (UTF-8 byte order of
+            the names).
+        lost (asyncio.Event): set as soon as any one of the leases is lost.
+
+    ``multi["orders/42"]`` is that name's :class:`Lease`;
+    ``multi.fencing_tokens`` maps each name to its token.
+    """
+
+    __slots__ = ("leases", "lost", "_by_name", "__weakref__")
+
+    def __init__(self, leases: tuple[Lease, ...], lost: asyncio.Event | None = None):
+        self.leases = leases
+        self.lost = lost if lost is not None else asyncio.Event()
+        self._by_name = {lease.name: lease for lease in leases}
+        for lease in leases:
+            if lease.lost.is_set():
+                self.lost.set()
+            lease.health.add_listener(self._on_change)
+
+    def _on_change(self, state: str) -> None:
+        if state == LOST:
+            self.lost.set()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(lease.name for lease in self.leases)
+
+    @property
+    def fencing_tokens(self) -> dict[str, int]:
+        return {lease.name: lease.fencing_token for lease in self.leases}
+
+    def lost_names(self) -> list[str]:
+        """The names whose lease is lost."""
+        return [lease.name for lease in self.leases if lease.lost.is_set()]
+
+    def __getitem__(self, name: str) -> Lease:
+        return self._by_name[name]
+
+    def __iter__(self):
+        return iter(self.leases)
+
+    def __len__(self) -> int:
+        return len(self.leases)
+
+    def __repr__(self) -> str:
+        return f"<MultiLease {self.fencing_tokens}{' lost' if self.lost.is_set() else ''}>"
+
+
+class LockManyContext:
+    """Returned by :meth:`Client.lock_many`: awaitable and an async context manager."""
+
+    __slots__ = ("_client", "_names", "_kwargs", "_wait", "_fraction", "_multi")
+
+    def __init__(self, client: Client, names: _SortedNames, kwargs: dict, wait: float | None, fraction: float):
+        self._client = client
+        self._names = names
+        self._kwargs = kwargs
+        self._wait = wait
+        self._fraction = fraction
+        self._multi: MultiLease | None = None
+
+    def _acquire(self):
+        return self._client._acquire_many(self._names, self._kwargs, self._wait, self._fraction)
+
+    def __await__(self):
+        return self._acquire().__await__()
+
+    async def __aenter__(self) -> MultiLease:
+        self._multi = await self._acquire()
+        return self._multi
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        multi, self._multi = self._multi, None
+        if multi is None:
+            return
+        try:
+            await self._client.release_many(multi)
+        except (LeaseLost, ConnectionLost) as err:
+            if not multi.lost.is_set():
+                log.warning("could not release all of %s: %s", multi.names, err)
+            multi.lost.set()
 
 
 def _check_lease(lease: Any) -> None:

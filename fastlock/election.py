@@ -1,0 +1,412 @@
+"""Leader election on fastlock leases, with Kubernetes' leaderelection semantics.
+
+One lock per election; the leader is its holder.  Candidates wait for it in the
+server's FIFO queue (no polling: the next candidate is granted the moment the
+leader's lease is released or expires), and the leader renews its lease::
+
+    async with fastlock.connect(address, client_name="node-a") as client:
+        election = client.election("scheduler", "node-a")
+        async with election.leadership() as term:      # blocks until elected
+            while term.is_leader():
+                await do_leader_work(fencing_token=term.fencing_token)
+
+The three durations are those of Kubernetes' ``leaderelection`` package (and
+its defaults):
+
+``lease_duration`` (15 s)
+    the lease's TTL on the server: how long the other candidates wait after the
+    leader stops renewing (crash, freeze, partition) before one of them takes
+    over.
+``renew_deadline`` (10 s)
+    how long the leader keeps trying to renew before it gives up and steps
+    down, measured on its own clock from the *sending* of its last successful
+    renewal.  Being shorter than ``lease_duration``, the leader always stops
+    (``term.lost``) before the server can hand the lease to someone else -
+    even if it was frozen and has not run a single line since.
+``retry_period`` (2 s)
+    the interval between renewals (and between campaign retries after a lost
+    connection).
+
+Unlike Kubernetes, fastlock gives every term a fencing token that strictly
+increases across terms (and server restarts and failovers): pass
+``term.fencing_token`` to every side effect so that a deposed leader's late
+writes are refused (see :mod:`fastlock.fencing`).
+
+Running this module starts one candidate that prints JSON lines (used by the
+tests and ``benches/election_failover.py``)::
+
+    python -m fastlock.election --server 127.0.0.1:7420 --name leader --id node-a
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import TYPE_CHECKING, Any, AsyncIterator, NamedTuple
+
+from . import protocol as P
+from .client import IN_JEOPARDY, LOST, SAFE, Lease, LeaseHealth, _LostEvent
+from .errors import ConnectionLost, InvalidArgument, LeaseLost, NotPrimary, WrongArgumentType
+
+if TYPE_CHECKING:
+    from .client import Client
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Election", "Term", "Leader"]
+
+
+class Leader(NamedTuple):
+    """Who leads: the candidate id and the fencing token of its term."""
+
+    candidate_id: str | None
+    fencing_token: int
+
+
+def _seconds(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise WrongArgumentType(f"{what} must be a number of seconds, not {type(value).__name__}")
+    if not value > 0 or value != value or value == float("inf"):
+        raise InvalidArgument(f"{what} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+class Election:
+    """A leader election on lock ``name`` (make it with :meth:`Client.election`).
+
+    Args:
+        client: the :class:`~fastlock.client.Client` to campaign through.
+        name: the election's lock name.
+        candidate_id: this candidate's id (<= 256 characters), recorded with
+            the grant.  Others learn it through :meth:`leader` and
+            :meth:`observe` - see the note there.
+        lease_duration: seconds; the lease TTL (Kubernetes' LeaseDuration).
+        renew_deadline: seconds; the leader steps down when it has not renewed
+            for this long (Kubernetes' RenewDeadline).  Must be less than
+            ``lease_duration``.
+        retry_period: seconds between renewals (Kubernetes' RetryPeriod).
+            Must be less than ``renew_deadline``.
+        jeopardy_fraction: a term's health turns ``"in_jeopardy"`` when less
+            than this fraction of ``renew_deadline`` is left without a
+            successful renewal (see :class:`~fastlock.client.LeaseHealth`).
+
+    Raises:
+        InvalidArgument / WrongArgumentType: bad durations or names.
+    """
+
+    def __init__(self, client: "Client", name: str, candidate_id: str, *, lease_duration: float = 15.0,
+                 renew_deadline: float = 10.0, retry_period: float = 2.0, jeopardy_fraction: float = 0.5):
+        self.client = client
+        self.name = P.check_name(name)
+        if not isinstance(candidate_id, str) or not candidate_id:
+            raise WrongArgumentType("candidate_id must be a non-empty string")
+        self.candidate_id = P.check_optional_str(candidate_id, "candidate_id", P.MAX_CORRELATION_ID_CHARS)
+        self.lease_duration = _seconds(lease_duration, "lease_duration")
+        self.renew_deadline = _seconds(renew_deadline, "renew_deadline")
+        self.retry_period = _seconds(retry_period, "retry_period")
+        # As Kubernetes' NewLeaderElector: LeaseDuration > RenewDeadline > RetryPeriod.
+        if not self.renew_deadline < self.lease_duration:
+            raise InvalidArgument("renew_deadline must be less than lease_duration")
+        if not self.retry_period < self.renew_deadline:
+            raise InvalidArgument("retry_period must be less than renew_deadline")
+        P.check_ttl_ms(P.seconds_to_ms(self.lease_duration, "lease_duration"))
+        self.jeopardy_fraction = LeaseHealth(asyncio.Event(), jeopardy_fraction).jeopardy_fraction
+
+    def __repr__(self) -> str:
+        return f"<Election {self.name!r} candidate {self.candidate_id!r}>"
+
+    # -- campaigning ----------------------------------------------------------------
+    async def campaign(self, *, wait: float | None = None) -> "Term":
+        """Wait in line until elected; return the :class:`Term` (renewing).
+
+        Args:
+            wait: seconds to wait at most; ``None`` (default) waits forever,
+                ``0`` tries once.
+
+        A dropped connection does not end the campaign: it retries every
+        ``retry_period`` (reconnecting) until elected or ``wait`` runs out.
+
+        Raises:
+            LockNotAcquired: not elected within ``wait``.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = None if wait is None else loop.time() + wait
+        while True:
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            sent = loop.time()
+            try:
+                lease = await self.client.acquire(self.name, ttl=self.lease_duration, wait=left,
+                                                  correlation_id=self.candidate_id)
+            except (ConnectionLost, NotPrimary, OSError) as exc:
+                if deadline is not None and loop.time() + self.retry_period >= deadline:
+                    raise
+                log.info("election %s: campaign interrupted (%s); retrying", self.name, exc)
+                await asyncio.sleep(self.retry_period)
+                continue
+            # The grant happened after we sent; when we queued, estimate it by
+            # the lease's own conservative start (expires_at - ttl).
+            granted_at = max(sent, lease.expires_at - lease.ttl)
+            term = Term(self, lease, granted_at)
+            log.info("election %s: %s elected (token %d)", self.name, self.candidate_id, lease.fencing_token)
+            return term
+
+    def leadership(self, *, wait: float | None = None) -> "_Leadership":
+        """``async with election.leadership() as term:`` - campaign, lead in the
+        body, resign on exit.  The body is not interrupted when leadership is
+        lost: check ``term.is_leader()`` / ``term.lost`` before acting."""
+        return _Leadership(self, wait)
+
+    # -- observing --------------------------------------------------------------------
+    async def leader(self) -> Leader | None:
+        """The current leader, or None when nobody leads.
+
+        The candidate id is the holder's correlation id when the server
+        reports it, else the holder's client name: until the server exposes
+        correlation ids, connect each candidate's client with
+        ``client_name=candidate_id``.
+        """
+        info = await self.client.holder(self.name)
+        if info is None:
+            return None
+        return Leader(info.get("correlation_id") or info.get("client"), info["token"])
+
+    async def observe(self) -> AsyncIterator[Leader | None]:
+        """Yield the leader (a :class:`Leader`, or None) each time it changes,
+        starting with the current one.  Pushed by the server through
+        :meth:`Client.watch` (no polling).  A dropped connection is retried
+        every ``retry_period``; the new watch starts with the state then, so a
+        change that happened meanwhile is still reported (intermediate terms
+        may be skipped).  Break out of the loop to stop."""
+        last: Any = object()  # nothing yielded yet
+        while True:
+            current: Leader | None = None
+            try:
+                async for event in self.client.watch(self.name):
+                    if event.kind in ("held", "granted"):
+                        current = Leader(event.correlation_id or event.client, event.token)
+                    elif event.kind == "free" or (current is not None and event.token == current.fencing_token):
+                        current = None
+                    else:
+                        continue
+                    if current != last:
+                        last = current
+                        yield current
+            except (ConnectionLost, NotPrimary, OSError) as exc:
+                log.info("election %s: watch interrupted (%s); retrying", self.name, exc)
+                await asyncio.sleep(self.retry_period)
+
+
+class _Leadership:
+    __slots__ = ("_election", "_wait", "_term")
+
+    def __init__(self, election: Election, wait: float | None):
+        self._election = election
+        self._wait = wait
+        self._term: Term | None = None
+
+    async def __aenter__(self) -> "Term":
+        self._term = await self._election.campaign(wait=self._wait)
+        return self._term
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        term, self._term = self._term, None
+        if term is not None:
+            await term.resign()
+
+
+class Term:
+    """One candidate's term as leader (from :meth:`Election.campaign`).
+
+    Renews the lease every ``retry_period`` (with up to 10 % jitter); steps
+    down - sets ``lost`` and releases the lease - when a renewal is refused or
+    none has succeeded within ``renew_deadline`` (Kubernetes' leaderelection;
+    the deadline runs on this process's monotonic clock from the sending of
+    the last successful renewal, so it passes before the server's lease can).
+
+    Attributes:
+        election (Election): the election.
+        lease (Lease): the underlying lease.
+        fencing_token (int): this term's token; strictly greater than every
+            earlier term's.
+        lost (asyncio.Event): set when this candidate is no longer leader
+            (stepped down, resigned, or the lease was lost).
+        health (LeaseHealth): ``"safe"`` / ``"in_jeopardy"`` (less than
+            ``jeopardy_fraction`` of ``renew_deadline`` left without a renewal)
+            / ``"lost"``.
+        deadline (float): ``loop.time()`` until which this process may act as
+            leader unless it renews.
+    """
+
+    def __init__(self, election: Election, lease: Lease, granted_at: float):
+        self.election = election
+        self.lease = lease
+        self.fencing_token = lease.fencing_token
+        self.lost: asyncio.Event = _LostEvent()
+        self.health = LeaseHealth(self.lost, election.jeopardy_fraction)
+        self.lost._health = self.health
+        self.deadline = granted_at + election.renew_deadline
+        self.resigned = False
+        self._loop = asyncio.get_running_loop()
+        self._deadline_timer = self._loop.call_at(self.deadline, self._check_deadline)
+        self.health._renewed(self.deadline, election.renew_deadline)
+        client = election.client
+        self._task = asyncio.ensure_future(self._renew())
+        client._renewers[id(lease.lost)] = self._task  # client.close() stops it
+
+    def __repr__(self) -> str:
+        return (f"<Term {self.election.name!r} {self.election.candidate_id!r} token {self.fencing_token} "
+                f"{self.health.state}>")
+
+    @property
+    def candidate_id(self) -> str:
+        return self.election.candidate_id
+
+    def is_leader(self) -> bool:
+        """True while this process may act as leader: not lost, and its own
+        renew deadline not passed.  Checks the clock itself, so a process that
+        was frozen past its deadline sees False at once on resuming, before any
+        task (or the server) has told it."""
+        if self.lost.is_set():
+            return False
+        if self._loop.time() >= self.deadline:
+            self._step_down("renew deadline passed")
+            return False
+        return True
+
+    def time_left(self) -> float:
+        """Seconds of leadership left unless a renewal succeeds (negative once passed)."""
+        return self.deadline - self._loop.time()
+
+    async def resign(self) -> None:
+        """Step down now: stop renewing and release the lease (next candidate
+        elected at once).  Idempotent; never raises for a lease already lost
+        or a dropped connection."""
+        self.resigned = True
+        self._stop()
+        if not self.lost.is_set():
+            self.lost.set()
+            try:
+                await self.election.client.release(self.lease)
+            except (LeaseLost, ConnectionLost, NotPrimary):
+                pass
+
+    def _check_deadline(self) -> None:
+        self._deadline_timer = None
+        if self.lost.is_set():
+            return
+        if self._loop.time() >= self.deadline:
+            self._step_down("renew deadline passed")
+        else:  # timers may fire a little early (uvloop rounds to ms): look again
+            self._deadline_timer = self._loop.call_at(self.deadline, self._check_deadline)
+
+    def _step_down(self, why: str) -> None:
+        if self.lost.is_set():
+            return
+        log.warning("election %s: %s steps down (token %d): %s", self.election.name, self.candidate_id,
+                    self.fencing_token, why)
+        self.lost.set()  # first: nobody may act as leader from here on
+        self._stop()
+        # Release so the next candidate need not wait for the TTL; the
+        # server refuses it harmlessly if the lease already expired.
+        self.election.client._drop(self.lease)
+
+    def _stop(self) -> None:
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
+        task = self._task
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        self.election.client._renewers.pop(id(self.lease.lost), None)
+
+    async def _renew(self) -> None:
+        election = self.election
+        client = election.client
+        loop = self._loop
+        lease = self.lease
+        try:
+            while not self.lost.is_set():
+                await asyncio.sleep(election.retry_period * (1.0 - random.uniform(0.0, 0.1)))
+                left = self.deadline - loop.time()
+                if left <= 0:
+                    self._step_down("renew deadline passed")
+                    return
+                sent = loop.time()
+                try:
+                    lease = await asyncio.wait_for(client.extend(lease, ttl=election.lease_duration), left)
+                except LeaseLost:
+                    self._step_down("the server refused the renewal (lease expired or taken)")
+                    return
+                except (ConnectionLost, NotPrimary, asyncio.TimeoutError, OSError) as exc:
+                    log.info("election %s: renewal failed (%s); %.3f s left", election.name,
+                             exc or type(exc).__name__, self.deadline - loop.time())
+                    continue
+                if self.lost.is_set():
+                    return
+                self.deadline = sent + election.renew_deadline
+                if self._deadline_timer is not None:
+                    self._deadline_timer.cancel()
+                self._deadline_timer = loop.call_at(self.deadline, self._check_deadline)
+                self.health._renewed(self.deadline, election.renew_deadline)
+        finally:
+            self.health._disarm()
+
+
+def _candidate_main(argv: list[str] | None = None) -> int:
+    """``python -m fastlock.election``: one candidate printing JSON lines
+    (``elected``, ``act``, ``health``, ``lost``) until killed."""
+    import argparse
+    import json
+    import sys
+    import time
+
+    from .client import connect
+
+    parser = argparse.ArgumentParser(prog="python -m fastlock.election", description=_candidate_main.__doc__)
+    parser.add_argument("--server", action="append", required=True, metavar="HOST:PORT")
+    parser.add_argument("--name", default="leader")
+    parser.add_argument("--id", required=True, dest="candidate_id")
+    parser.add_argument("--lease-duration", type=float, default=15.0)
+    parser.add_argument("--renew-deadline", type=float, default=10.0)
+    parser.add_argument("--retry-period", type=float, default=2.0)
+    parser.add_argument("--act-every", type=float, default=0.05, help="seconds between 'act' lines while leading")
+    parser.add_argument("--terms", type=int, default=0, help="stop after this many terms (0: never)")
+    parser.add_argument("--hold", type=float, default=0.0, help="resign after leading this long (0: never)")
+    args = parser.parse_args(argv)
+
+    def emit(kind: str, t: float | None = None, **fields: Any) -> None:
+        t = time.monotonic() if t is None else t
+        sys.stdout.write(json.dumps({"event": kind, "id": args.candidate_id, "t": t, **fields}) + "\n")
+        sys.stdout.flush()
+
+    async def run() -> None:
+        async with connect(*args.server, client_name=args.candidate_id) as client:
+            election = client.election(args.name, args.candidate_id, lease_duration=args.lease_duration,
+                                       renew_deadline=args.renew_deadline, retry_period=args.retry_period)
+            emit("ready")
+            terms = 0
+            while not args.terms or terms < args.terms:
+                async with election.leadership() as term:
+                    terms += 1
+                    emit("elected", token=term.fencing_token)
+                    term.health.add_listener(lambda state, t=term: emit("health", state=state, token=t.fencing_token))
+                    until = None if not args.hold else time.monotonic() + args.hold
+                    while True:
+                        now = time.monotonic()  # taken before the check: an act is stamped no later than its check
+                        if not term.is_leader() or (until is not None and now >= until):
+                            break
+                        emit("act", t=now, token=term.fencing_token)
+                        await asyncio.sleep(args.act_every)
+                    if term.lost.is_set() and not term.resigned:
+                        emit("lost", token=term.fencing_token)
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_candidate_main())

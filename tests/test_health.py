@@ -1,0 +1,91 @@
+"""Lease health events (Chubby's jeopardy/safe/expired) against a real server that we freeze with SIGSTOP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import fastlock
+
+TIMEOUT = 5.0
+
+
+async def test_jeopardy_then_safe_when_the_server_comes_back(client, connect, server):
+    other = await connect("other")
+    states: list[str] = []
+    async with client.lock("health", ttl=1.0, jeopardy_fraction=0.5) as lease:
+        lease.health.add_listener(states.append)
+        assert lease.health.state == "safe" and lease.health.safe.is_set()
+        assert not lease.in_jeopardy
+        server.pause()
+        try:
+            await asyncio.wait_for(lease.health.jeopardy.wait(), TIMEOUT)
+            assert lease.in_jeopardy
+            assert not lease.health.safe.is_set()
+            # less than half the TTL is left on our conservative estimate
+            assert 0 < lease.time_left() <= 0.5
+            assert not lease.lost.is_set()
+        finally:
+            server.resume()
+        await asyncio.wait_for(lease.health.safe.wait(), TIMEOUT)
+        assert lease.health.state == "safe"
+        assert not lease.health.jeopardy.is_set()
+        assert not lease.lost.is_set()
+        with pytest.raises(fastlock.LockNotAcquired):
+            await other.acquire("health", ttl=1.0, wait=0)
+        assert await other.check("health", lease.fencing_token)
+    assert states == ["in_jeopardy", "safe"]
+
+
+async def test_jeopardy_then_lost_when_the_server_stays_frozen(client, connect, server):
+    other = await connect("other")
+    states: list[str] = []
+    async with client.lock("health", ttl=0.6) as lease:
+        lease.health.add_listener(states.append)
+        server.pause()
+        try:
+            await asyncio.wait_for(lease.lost.wait(), TIMEOUT)
+            # the client gives up on its own clock, while the server is still frozen
+            assert lease.time_left() <= 0
+        finally:
+            server.resume()
+        assert lease.health.state == "lost"
+        assert not lease.health.safe.is_set()
+    assert states == ["in_jeopardy", "lost"]
+    # once the server has expired it, the lock is free again with a higher token
+    fresh = await other.acquire("health", ttl=1.0, wait=TIMEOUT)
+    assert fresh.fencing_token > lease.fencing_token
+    await other.release(fresh)
+
+
+async def test_lost_when_the_lease_is_taken_over(client, connect):
+    # A holder whose renewal is refused goes straight to lost.
+    other = await connect("other")
+    lease = await client.acquire("taken", ttl=0.3)
+    states: list[str] = []
+    lease.health.add_listener(states.append)
+    successor = await other.acquire("taken", ttl=5.0, wait=TIMEOUT)  # after our TTL ran out
+    with pytest.raises(fastlock.LeaseLost):
+        await client.extend(lease)
+    assert states == ["lost"]
+    assert lease.health.state == "lost" and lease.lost.is_set()
+    await other.release(successor)
+
+
+async def test_health_is_shared_by_extended_copies_and_manual_leases_stay_safe(client):
+    lease = await client.acquire("copies", ttl=1.0)
+    longer = await client.extend(lease, ttl=2.0)
+    assert longer is not lease and longer.health is lease.health
+    assert lease.health.state == "safe"
+    await client.release(longer)
+    assert lease.health.state == "safe"  # a clean release is not a loss
+
+
+@pytest.mark.parametrize("fraction", [0, 1, 1.5, -0.1, float("nan"), True, "0.5"])
+def test_bad_jeopardy_fraction_is_refused(fraction):
+    client = fastlock.Client(["127.0.0.1:1"])  # never connects: refused before anything is sent
+    with pytest.raises((fastlock.InvalidArgument, fastlock.WrongArgumentType)):
+        client.lock("x", ttl=1.0, jeopardy_fraction=fraction)
+    with pytest.raises((fastlock.InvalidArgument, fastlock.WrongArgumentType)):
+        client.lock_many(["x", "y"], ttl=1.0, jeopardy_fraction=fraction)
