@@ -1,0 +1,148 @@
+"""The blocking client (fastlock.sync) against a real server process, from many threads."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import fastlock
+from fastlock._testbase import HistoryChecker
+from fastlock.sync import SyncClient, SyncLease
+
+TIMEOUT = 10.0
+
+
+@pytest.fixture
+def sync_client(server):
+    with SyncClient(server.address, client_name="sync") as c:
+        yield c
+
+
+def test_16_threads_keep_mutual_exclusion(server):
+    clients = [SyncClient(server.address, client_name=f"s{i}") for i in range(2)]  # 8 threads share each
+    history = HistoryChecker()
+    guard = threading.Lock()  # protects the checker's bookkeeping, not the critical section
+    inside = 0
+    max_inside = 0
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        nonlocal inside, max_inside
+        client = clients[i % 2]
+        try:
+            for _ in range(10):
+                with client.lock("shared", ttl=5.0, wait=TIMEOUT * 3) as lease:
+                    with guard:
+                        inside += 1
+                        max_inside = max(max_inside, inside)
+                        history.held("shared", lease.fencing_token, time.monotonic())
+                    time.sleep(0.001)  # hold
+                    with guard:
+                        inside -= 1
+                        history.released("shared", lease.fencing_token, time.monotonic())
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a thread is stuck"
+    finally:
+        for c in clients:
+            c.close()
+    assert not errors, errors
+    assert max_inside == 1
+    assert history.check() == 160
+
+
+def test_lock_renews_in_the_background_while_the_thread_blocks(sync_client, server):
+    with SyncClient(server.address, client_name="other") as other:
+        with sync_client.lock("renew", ttl=0.3) as lease:
+            assert isinstance(lease, SyncLease)
+            time.sleep(1.0)  # a blocking call of > 3 TTLs
+            assert not lease.lost.is_set()
+            assert lease.health_state == "safe"
+            assert other.check("renew", lease.fencing_token)
+            with pytest.raises(fastlock.LockNotAcquired):
+                other.acquire("renew", ttl=1.0, wait=0)
+        assert not other.check("renew", lease.fencing_token)
+
+
+def test_lost_is_a_threading_event(sync_client, server):
+    lease = sync_client.lock("lost", ttl=0.5).acquire()
+    server.pause()
+    try:
+        assert lease.lost.wait(TIMEOUT)
+        assert lease.health_state == "lost" and lease.time_left() <= 0
+    finally:
+        server.resume()
+    with pytest.raises(fastlock.LeaseLost):
+        sync_client.release(lease)
+
+
+def test_acquire_extend_release_and_errors(sync_client):
+    lease = sync_client.acquire("plain", ttl=1.0)
+    assert sync_client.check("plain", lease.fencing_token)
+    assert sync_client.extend(lease, ttl=3.0).ttl == 3.0
+    assert sync_client.holder("plain")["token"] == lease.fencing_token
+    t0 = time.monotonic()
+    with pytest.raises(fastlock.LockNotAcquired):
+        sync_client.acquire("plain", ttl=1.0, wait=0.2)  # not re-entrant: it queues, then times out
+    assert time.monotonic() - t0 >= 0.19
+    sync_client.release(lease)
+    with pytest.raises(fastlock.LeaseLost):
+        sync_client.release(lease)
+    assert lease.lost.is_set()
+    with pytest.raises(fastlock.InvalidArgument):
+        sync_client.acquire("", ttl=1.0)
+    assert sync_client.status()["waiters"] == 0
+    assert sync_client.ping() >= 0
+
+
+def test_lock_many_and_watch(sync_client, server):
+    events = sync_client.watch("w1", timeout=TIMEOUT)
+    assert next(events).kind == "free"
+    with sync_client.lock_many(["w2", "w1"], ttl=2.0) as multi:
+        assert multi.names == ("w1", "w2")
+        granted = next(events)
+        assert (granted.kind, granted.token) == ("granted", multi["w1"].fencing_token)
+    released = next(events)
+    assert (released.kind, released.token) == ("released", multi["w1"].fencing_token)
+    events.close()  # unsubscribes
+    assert sync_client.holder("w2") is None
+
+
+def test_election_from_threads(server):
+    with SyncClient(server.address, client_name="a") as a, SyncClient(server.address, client_name="b") as b:
+        ea = a.election("sync-leader", "a", lease_duration=1.0, renew_deadline=0.7, retry_period=0.2)
+        eb = b.election("sync-leader", "b", lease_duration=1.0, renew_deadline=0.7, retry_period=0.2)
+        with ea.leadership() as term:
+            assert term.is_leader()
+            assert eb.leader() == ("a", term.fencing_token)
+            with pytest.raises(fastlock.LockNotAcquired):
+                eb.campaign(wait=0.1)
+        assert term.lost.is_set() and not term.is_leader()
+        with eb.leadership(wait=TIMEOUT) as term_b:
+            assert term_b.fencing_token > term.fencing_token
+
+
+def test_close_stops_the_thread_and_refuses_calls(server):
+    client = SyncClient(server.address)
+    thread = client._thread
+    client.close()
+    client.close()  # idempotent
+    assert not thread.is_alive()
+    with pytest.raises(fastlock.ConnectionLost):
+        client.status()
+
+
+def test_connect_failure_raises_and_leaves_no_thread():
+    before = threading.active_count()
+    with pytest.raises(fastlock.ConnectionLost):
+        SyncClient("127.0.0.1:1", connect_timeout=1.0)
+    assert threading.active_count() == before
