@@ -301,8 +301,9 @@ class _Child:
                  stdin: bool, stdout_json: bool):
         self.label = label
         self.tail: deque[str] = deque(maxlen=40)
+        # cwd outside any source tree: `-m fastlock` must import the installed package
         self.proc = subprocess.Popen(
-            cmd, env=_child_env(),
+            cmd, env=_child_env(), cwd=tempfile.gettempdir(),
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             stdout=subprocess.PIPE if stdout_json else subprocess.DEVNULL,
             stderr=subprocess.PIPE,
