@@ -250,7 +250,6 @@ cdef class _Entry:
     cdef int kind
 
 
-@cython.freelist(128)
 @cython.final
 cdef class _Waiter(_Entry):
     cdef _Lock lock
@@ -264,7 +263,6 @@ cdef class _Waiter(_Entry):
     cdef _Waiter next
 
 
-@cython.freelist(128)
 @cython.final
 cdef class _Lock(_Entry):
     cdef str name
