@@ -1,0 +1,420 @@
+"""Loopback tools for the replication and failover tests.
+
+:class:`TcpProxy`
+    A small TCP proxy on 127.0.0.1 that runs its own event loop in a thread
+    (so it keeps forwarding while a test blocks, and a test's loop cannot
+    partition it by accident).  Start a standby with ``--standby-of
+    <proxy.address>`` and the replication link goes through it:
+
+    - :meth:`TcpProxy.pause` - a partition: stop forwarding in both
+      directions but keep every socket open (nothing is closed, nothing is
+      refused; bytes pile up in kernel buffers).  New connections are
+      accepted and held, not forwarded.
+    - :meth:`TcpProxy.resume` - heal the partition: forward again,
+      including anything held.
+    - :meth:`TcpProxy.cut` - close both sides of every current connection
+      (a reset link).  New connections are forwarded as usual afterwards.
+
+:class:`RawNode`
+    A protocol connection to exactly ONE node: no redirects, no reconnects,
+    no epoch bookkeeping - what a test needs to ask "what does THIS address
+    answer?".  Errors come back as the :mod:`fastlock.errors` exception the
+    server sent.
+
+:class:`Cluster`
+    Starts primaries, standbys and proxies for one test and stops all of them
+    (use it from a fixture's ``finally``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from fastlock import protocol as P
+from fastlock._testbase import ServerProcess
+from fastlock.errors import ConnectionLost, error_from_wire
+
+
+class _Side(asyncio.Protocol):
+    """One socket of a proxied connection; forwards what it reads to its peer."""
+
+    def __init__(self, link: "_Link"):
+        self.link = link
+        self.transport: asyncio.Transport | None = None
+        self.peer: _Side | None = None
+        self.pending: list[bytes] = []  # read before the peer side existed
+
+    def connection_made(self, transport):
+        self.transport = transport
+        if self.link.proxy._paused:
+            transport.pause_reading()
+
+    def data_received(self, data: bytes) -> None:
+        peer = self.peer
+        if peer is None or peer.transport is None:
+            self.pending.append(data)
+        else:
+            peer.transport.write(data)
+
+    def connection_lost(self, exc):
+        self.link.close()
+
+
+class _Link:
+    def __init__(self, proxy: "TcpProxy"):
+        self.proxy = proxy
+        self.down = _Side(self)  # towards the connecting client
+        self.up: _Side | None = None  # towards the target
+        self.closed = False
+
+    async def connect_up(self) -> None:
+        proxy = self.proxy
+        await proxy._resumed.wait()  # a new connection during a partition is held
+        if self.closed:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            _, up = await loop.create_connection(lambda: _Side(self), proxy.target[0], proxy.target[1])
+        except OSError:
+            self.close()
+            return
+        if self.closed:
+            up.transport.close()
+            return
+        self.up = up
+        up.peer, self.down.peer = self.down, up
+        for chunk in self.down.pending:
+            up.transport.write(chunk)
+        self.down.pending.clear()
+
+    def sides(self):
+        return [s for s in (self.down, self.up) if s is not None and s.transport is not None]
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.proxy._links.discard(self)
+        for side in self.sides():
+            side.transport.close()
+
+
+class TcpProxy:
+    """Forward 127.0.0.1:<free port> to ``target`` (``"host:port"`` or a tuple).
+
+    Use as a context manager, or call :meth:`start` and :meth:`close`.
+    """
+
+    def __init__(self, target: str | tuple[str, int]):
+        if isinstance(target, str):
+            host, _, port = target.rpartition(":")
+            target = (host, int(port))
+        self.target = target
+        self.port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._links: set[_Link] = set()
+        self._paused = False
+        self._resumed: asyncio.Event | None = None
+        self.connections = 0  # accepted so far
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> "TcpProxy":
+        loop = self._loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            loop.run_until_complete(self._open())
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="tcpproxy", daemon=True)
+        self._thread.start()
+        if not ready.wait(10):
+            raise RuntimeError("proxy did not start")
+        return self
+
+    async def _open(self) -> None:
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._server = await asyncio.get_running_loop().create_server(self._accept, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    def _accept(self) -> _Side:
+        link = _Link(self)
+        self._links.add(link)
+        self.connections += 1
+        asyncio.ensure_future(link.connect_up())
+        return link.down
+
+    def _run(self, fn) -> Any:
+        """Run ``fn()`` on the proxy's loop and return its result (thread-safe)."""
+        done = threading.Event()
+        box: list = []
+
+        def call() -> None:
+            try:
+                box.append(fn())
+            finally:
+                done.set()
+
+        self._loop.call_soon_threadsafe(call)
+        if not done.wait(10):
+            raise RuntimeError("proxy loop did not answer")
+        return box[0] if box else None
+
+    def pause(self) -> None:
+        """Stop forwarding (both directions, every connection); keep sockets open."""
+        def do() -> None:
+            self._paused = True
+            self._resumed.clear()
+            for link in list(self._links):
+                for side in link.sides():
+                    side.transport.pause_reading()
+
+        self._run(do)
+
+    def resume(self) -> None:
+        """Forward again."""
+        def do() -> None:
+            self._paused = False
+            self._resumed.set()
+            for link in list(self._links):
+                for side in link.sides():
+                    side.transport.resume_reading()
+
+        self._run(do)
+
+    def cut(self) -> int:
+        """Close both sides of every current connection; returns how many."""
+        def do() -> int:
+            links = list(self._links)
+            for link in links:
+                link.close()
+            return len(links)
+
+        return self._run(do)
+
+    def close(self) -> None:
+        if self._loop is None or self._loop.is_closed():
+            return
+
+        def do() -> None:
+            for link in list(self._links):
+                link.close()
+            if self._server is not None:
+                self._server.close()
+            self._loop.call_later(0.05, self._loop.stop)
+
+        try:
+            self._run(do)
+        except RuntimeError:
+            pass
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def __enter__(self) -> "TcpProxy":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RawNode:
+    """A protocol connection to one node only (no redirects, no reconnects).
+
+    ``await RawNode.open(address, known_epoch=None)`` sends HELLO (with
+    ``known_epoch`` as its optional fourth argument when given) and keeps the
+    server's answer in :attr:`hello`.  :meth:`request` pipelines requests and
+    raises the server's error as a :mod:`fastlock.errors` exception, or
+    :class:`~fastlock.errors.ConnectionLost` when the connection drops.
+    """
+
+    def __init__(self, address: str):
+        host, _, port = address.rpartition(":")
+        self.address = address
+        self.host, self.port = host, int(port)
+        self.hello: dict = {}
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self._next = 1
+        self._task: asyncio.Task | None = None
+
+    @classmethod
+    async def open(cls, address: str, *, known_epoch: int | None = None, name: str = "raw",
+                   timeout: float = 5.0) -> "RawNode":
+        node = cls(address)
+        node._reader, node._writer = await asyncio.wait_for(asyncio.open_connection(node.host, node.port), timeout)
+        node._task = asyncio.ensure_future(node._read())
+        args: list[Any] = [P.PROTOCOL_VERSION, name, None]
+        if known_epoch is not None:
+            args.append(known_epoch)
+        try:
+            node.hello = await asyncio.wait_for(node.request(P.OP_HELLO, *args), timeout)
+        except BaseException:
+            await node.close()
+            raise
+        return node
+
+    async def _read(self) -> None:
+        dec = P.FrameDecoder(64 << 20)
+        try:
+            while True:
+                data = await self._reader.read(65536)
+                if not data:
+                    break
+                for msg in dec.feed(data):
+                    if msg[0] == 0:
+                        if msg[1] != 0 and type(msg[1]) is int:  # a connection-level error: it closes
+                            break
+                        continue  # pushes are not used here
+                    fut = self._pending.pop(msg[0], None)
+                    if fut is None or fut.done():
+                        continue
+                    if msg[1] == 0:
+                        fut.set_result(msg[2])
+                    else:
+                        fut.set_exception(error_from_wire(msg[1], msg[2], msg[3] if len(msg) > 3 else None))
+        except (OSError, asyncio.CancelledError):
+            pass
+        finally:
+            pending, self._pending = self._pending, {}
+            for fut in pending.values():
+                if not fut.done():
+                    fut.set_exception(ConnectionLost(f"connection to {self.address} lost"))
+
+    def request(self, op: int, *args: Any) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        if self._task is None or self._task.done():
+            fut.set_exception(ConnectionLost(f"connection to {self.address} is closed"))
+            return fut
+        req_id = self._next
+        self._next += 1
+        self._pending[req_id] = fut
+        self._writer.write(P.packb([req_id, op, *args]))
+        return fut
+
+    # -- lock operations in wire units (ms) -----------------------------------------------
+    async def acquire(self, name: str, ttl_ms: int, wait_ms: int = 0, owner: bytes | None = None) -> tuple[int, int, bytes]:
+        """Returns ``(token, ttl_ms, owner)``."""
+        owner = owner or os.urandom(16)
+        token, ttl = await self.request(P.OP_ACQUIRE, name, owner, ttl_ms, wait_ms, 0, None)
+        return token, ttl, owner
+
+    async def release(self, name: str, token: int, owner: bytes) -> None:
+        await self.request(P.OP_RELEASE, name, token, owner)
+
+    async def extend(self, name: str, token: int, owner: bytes, ttl_ms: int) -> int:
+        return await self.request(P.OP_EXTEND, name, token, owner, ttl_ms)
+
+    async def status(self) -> dict:
+        return await self.request(P.OP_STATUS)
+
+    async def holder(self, name: str) -> dict | None:
+        return await self.request(P.OP_HOLDER, name)
+
+    @property
+    def closed(self) -> bool:
+        return self._task is None or self._task.done()
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            try:
+                await asyncio.wait_for(self._writer.wait_closed(), 2)
+            except (OSError, asyncio.TimeoutError):
+                pass
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except BaseException:
+                pass
+
+
+class Cluster:
+    """Real ``fastlock serve`` processes and proxies for one test; :meth:`stop_all` ends them."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.servers: list[ServerProcess] = []
+        self.proxies: list[TcpProxy] = []
+
+    def primary(self, name: str = "primary", *, args: Sequence[str] = (), **kw) -> ServerProcess:
+        return self._start(ServerProcess(self.root / name, args=["--name", name, *args], **kw))
+
+    def standby(self, of: str, name: str = "standby", *, failover_after: float | None = None,
+                grace: float | None = None, args: Sequence[str] = (), wait_sync: bool = True,
+                **kw) -> ServerProcess:
+        """Start a standby of ``of`` (an address: a primary's or a proxy's); by default
+        wait until it has attached (its "replicating from" log line)."""
+        argv = ["--standby-of", of, "--name", name]
+        if failover_after is not None:
+            argv += ["--failover-after", str(failover_after)]
+        if grace is not None:
+            argv += ["--promotion-grace", str(grace)]
+        srv = self._start(ServerProcess(self.root / name, args=[*argv, *args], **kw))
+        if wait_sync:
+            srv.wait_for_log(r"replicating from", 10)
+        return srv
+
+    def restart(self, srv: ServerProcess) -> ServerProcess:
+        """Start a stopped server again on the same data dir (on a new free port)."""
+        fresh = ServerProcess(srv.data_dir, fsync=srv.fsync, args=srv.args, log_level=srv.log_level, env=srv.env)
+        return self._start(fresh)
+
+    def proxy(self, target: str) -> TcpProxy:
+        px = TcpProxy(target).start()
+        self.proxies.append(px)
+        return px
+
+    def _start(self, srv: ServerProcess) -> ServerProcess:
+        self.servers.append(srv)
+        return srv.start()
+
+    def stop_all(self) -> None:
+        for px in self.proxies:
+            px.close()
+        for srv in self.servers:
+            try:
+                srv.stop(5)
+            except Exception:  # keep stopping the others
+                pass
+
+
+async def poll(fn, pred=bool, *, timeout: float, what: str, interval: float = 0.01):
+    """Call ``await fn()`` until ``pred(value)``; return the value, or fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = await fn()
+            if pred(last):
+                return last
+        except (ConnectionLost, OSError) as exc:
+            last = exc
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}; last value: {last!r}")
+        await asyncio.sleep(interval)
+
+
+async def status_of(address: str) -> dict:
+    """One STATUS round trip to exactly ``address``."""
+    node = await RawNode.open(address, name="status")
+    try:
+        return await asyncio.wait_for(node.status(), 5)
+    finally:
+        await node.close()
