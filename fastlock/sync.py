@@ -336,7 +336,8 @@ class SyncClient:
                     raise item
                 yield item
         finally:
-            fut.cancel()
+            if not self._loop.is_closed():  # a generator closed after the client is a no-op
+                fut.cancel()
 
     def election(self, name: str, candidate_id: str, *, lease_duration: float = 15.0, renew_deadline: float = 10.0,
                  retry_period: float = 2.0, jeopardy_fraction: float = 0.5) -> "SyncElection":

@@ -1,0 +1,266 @@
+"""``fastlock run``: run a command while holding a lock (as ``etcdctl lock`` and ``consul lock``).
+
+::
+
+    fastlock run NAME [--ttl S] [--wait S] [--server HOST:PORT ...] [--grace S] -- CMD [ARG ...]
+
+Acquires ``NAME`` (waiting in the lock's FIFO queue at most ``--wait``
+seconds; forever by default), starts ``CMD`` with the lease's fencing token in
+its environment, renews the lease in the background (about every ttl/3, with
+jitter) while ``CMD`` runs, and releases it when ``CMD`` exits.
+
+Environment given to the command:
+    ``FASTLOCK_FENCING_TOKEN``  the lease's fencing token (decimal); pass it to every
+                                write the lock protects (see :mod:`fastlock.fencing`)
+    ``FASTLOCK_LOCK_NAME``      the lock's name
+    ``FASTLOCK_SERVER``         the server address(es) used, comma-separated
+
+Exit status:
+    the command's own     when it exits normally (128 + N if it was killed by signal N)
+    75 (EX_TEMPFAIL)      the lease was lost while the command ran (a renewal was refused, or
+                          none succeeded within the TTL): the command was sent SIGTERM, then
+                          SIGKILL after ``--grace`` seconds.  Reported even if the command exited
+                          on its own meanwhile, since part of its work may have run unprotected.
+    73                    not acquired within ``--wait`` (``--conflict-exit-code`` changes it,
+                          as flock(1)'s ``-E``); the command was not started
+    69 (EX_UNAVAILABLE)   no server could be reached (or the connection was lost while waiting)
+    127 / 126             the command was not found / could not be executed (as a shell)
+    128 + N               ``fastlock run`` got signal N before the command started
+    2                     bad arguments
+
+Signals: SIGINT, SIGTERM and SIGHUP received by ``fastlock run`` are forwarded
+to the command, which runs in its own process group (so a terminal's Ctrl-C
+reaches it once, through us; and the SIGTERM/SIGKILL of a lost lease reaches
+its children too); ``fastlock run`` then waits for it, releases the lock and
+exits with its status.  If ``fastlock run`` itself is SIGKILLed the command
+keeps running without renewal; the lease expires after its TTL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import Sequence
+
+log = logging.getLogger("fastlock.run")
+
+EXIT_LOST = 75  # EX_TEMPFAIL
+EXIT_NOT_ACQUIRED = 73
+EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE
+EXIT_NOT_FOUND = 127
+EXIT_NOT_EXECUTABLE = 126
+
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+__all__ = ["main", "add_run_parser", "run_from_args", "EXIT_LOST", "EXIT_NOT_ACQUIRED", "EXIT_UNAVAILABLE"]
+
+
+def _seconds(value: str) -> float:
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {value!r}")
+    return v
+
+
+def _exit_code(value: str) -> int:
+    try:
+        v = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an exit code, got {value!r}") from None
+    if not 0 <= v <= 255:
+        raise argparse.ArgumentTypeError(f"exit codes are 0..255, got {v}")
+    return v
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", metavar="NAME", help="the lock to hold while the command runs")
+    p.add_argument("--ttl", type=_seconds, default=10.0, metavar="S",
+                   help="lease TTL in seconds, renewed about every ttl/3 (default 10)")
+    p.add_argument("--wait", type=_seconds, default=None, metavar="S",
+                   help="give up if not acquired within S seconds (default: wait forever; 0: try once)")
+    p.add_argument("--server", action="append", metavar="HOST:PORT",
+                   help="server address; repeat for a primary and standbys "
+                        "(default: $FASTLOCK_SERVER or 127.0.0.1:7420)")
+    p.add_argument("--auth-secret-file", metavar="FILE",
+                   help="file holding the server's shared secret (or env FASTLOCK_AUTH_SECRET)")
+    p.add_argument("--client-name", metavar="NAME", help="client name shown by the server (default fastlock-run@HOST:PID)")
+    p.add_argument("--grace", type=_seconds, default=10.0, metavar="S",
+                   help="after the lease is lost: seconds between SIGTERM and SIGKILL to the command (default 10)")
+    p.add_argument("--conflict-exit-code", type=_exit_code, default=EXIT_NOT_ACQUIRED, metavar="N",
+                   help=f"exit status when not acquired within --wait (default {EXIT_NOT_ACQUIRED})")
+    p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+_DESCRIPTION = "run a command while holding a lock (exit codes: see `pydoc fastlock.runner`)"
+_USAGE = "fastlock run NAME [--ttl S] [--wait S] [--server HOST:PORT ...] [options] -- CMD [ARG ...]"
+
+
+def add_run_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``run`` subcommand to ``fastlock``'s argparse subparsers.
+
+    Every argument after ``run`` is collected verbatim into ``args.args``
+    (the command's own options must not be parsed by ``fastlock``); dispatch
+    with ``return runner.main(args.args)``, which parses them (and ``-h``)."""
+    p = subparsers.add_parser("run", help=_DESCRIPTION, add_help=False, prefix_chars="\0")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``fastlock run``'s own options (everything before ``--``)."""
+    p = argparse.ArgumentParser(prog="fastlock run", usage=_USAGE, description=_DESCRIPTION,
+                                epilog="The command and its arguments follow `--`.")
+    _add_arguments(p)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``fastlock run`` with ``argv`` (the arguments after ``run``); returns the exit status.
+
+    Everything after the first ``--`` is the command, passed on untouched.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if "--" in argv:
+        i = argv.index("--")
+        argv, command = argv[:i], argv[i + 1:]
+    else:
+        command = []
+    args = parser.parse_args(argv)
+    if not command:
+        parser.error("a command is needed after --")  # exits 2
+    return run_from_args(args, command)
+
+
+def run_from_args(args: argparse.Namespace, command: list[str]) -> int:
+    """Run ``command`` with parsed options (see :func:`build_parser`); returns the exit status."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stderr,
+                            format="fastlock run: %(levelname)s %(message)s")
+    servers = args.server or [s for s in os.environ.get("FASTLOCK_SERVER", "").split(",") if s] or ["127.0.0.1:7420"]
+    secret = None
+    if args.auth_secret_file:
+        with open(args.auth_secret_file, encoding="utf-8") as f:
+            secret = f.read().strip()
+    else:
+        secret = os.environ.get("FASTLOCK_AUTH_SECRET") or None
+    client_name = args.client_name or f"fastlock-run@{socket.gethostname()}:{os.getpid()}"
+    return asyncio.run(_run(args, command, servers, secret, client_name))
+
+
+async def _run(args: argparse.Namespace, command: list[str], servers: list[str], secret: str | None,
+               client_name: str) -> int:
+    from .client import connect
+    from .errors import ConnectionLost, FastlockError, LeaseLost, LockNotAcquired
+
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    state: dict = {"proc": None, "signal": None}
+
+    def on_signal(signum: int) -> None:
+        proc = state["proc"]
+        if proc is not None and proc.returncode is None:
+            log.info("forwarding signal %d to the command", signum)
+            _signal_group(proc.pid, signum)
+        elif state["signal"] is None:
+            state["signal"] = signum
+            main_task.cancel()  # still connecting or waiting for the lock: give up
+
+    for sig in FORWARDED_SIGNALS:
+        loop.add_signal_handler(sig, on_signal, sig)
+    client = None
+    try:
+        try:
+            client = await connect(*servers, auth=secret, client_name=client_name)
+            lease = await client.lock(args.name, ttl=args.ttl, wait=args.wait,
+                                      correlation_id=f"fastlock run: {' '.join(command)}"[:256])
+        except asyncio.CancelledError:
+            return 128 + (state["signal"] or signal.SIGINT)
+        except LockNotAcquired:
+            log.warning("%r not acquired within %s s", args.name, args.wait)
+            return args.conflict_exit_code
+        except ConnectionLost as exc:
+            log.error("%s", exc)
+            return EXIT_UNAVAILABLE
+        except FastlockError as exc:
+            log.error("could not acquire %r: %s", args.name, exc)
+            return EXIT_UNAVAILABLE
+        log.info("acquired %r, fencing token %d", args.name, lease.fencing_token)
+        env = dict(os.environ)
+        env.update(FASTLOCK_FENCING_TOKEN=str(lease.fencing_token), FASTLOCK_LOCK_NAME=args.name,
+                   FASTLOCK_SERVER=",".join(servers))
+        group = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+        try:
+            proc = await asyncio.create_subprocess_exec(*command, env=env, **group)
+        except FileNotFoundError:
+            log.error("command not found: %s", command[0])
+            code = EXIT_NOT_FOUND
+        except PermissionError:
+            log.error("cannot execute: %s", command[0])
+            code = EXIT_NOT_EXECUTABLE
+        else:
+            state["proc"] = proc
+            code = await _supervise(proc, lease, args.grace)
+        try:
+            # bounded: a lost lease may be lost because the server is unreachable
+            await asyncio.wait_for(client.release(lease), max(1.0, min(args.ttl, 10.0)))
+        except (LeaseLost, ConnectionLost, asyncio.TimeoutError) as exc:
+            if code != EXIT_LOST:
+                log.warning("releasing %r: %s", args.name, exc or type(exc).__name__)
+                if isinstance(exc, LeaseLost):
+                    code = EXIT_LOST
+        return code
+    finally:
+        for sig in FORWARDED_SIGNALS:
+            loop.remove_signal_handler(sig)
+        if client is not None:
+            await client.close()
+
+
+async def _supervise(proc: asyncio.subprocess.Process, lease, grace: float) -> int:
+    waiting = asyncio.ensure_future(proc.wait())
+    lost = asyncio.ensure_future(lease.lost.wait())
+    try:
+        await asyncio.wait({waiting, lost}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        lost.cancel()
+    if not lease.lost.is_set():
+        return _status(await waiting)
+    log.error("lease on %r (token %d) lost; stopping the command", lease.name, lease.fencing_token)
+    if not waiting.done():
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiting), grace)
+        except asyncio.TimeoutError:
+            log.error("the command did not exit within %s s of SIGTERM; SIGKILL", grace)
+            _signal_group(proc.pid, signal.SIGKILL)
+            await waiting
+    return EXIT_LOST
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    try:
+        os.killpg(pid, signum)  # the command leads its own process group
+    except ProcessLookupError:
+        pass
+    except PermissionError:  # pragma: no cover - group changed under us
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""`fastlock run` (fastlock.runner) as a real process against a real server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fastlock.runner import EXIT_LOST, EXIT_NOT_ACQUIRED
+from fastlock.sync import SyncClient
+
+TIMEOUT = 15.0
+
+
+def run_cmd(server, *args: str, command: list[str], tmp_path: Path) -> list[str]:
+    return [sys.executable, "-m", "fastlock.runner", *args, "--server", server.address, "--", *command]
+
+
+def py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen, timeout: float = TIMEOUT) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        if path.exists() and path.read_text().endswith("\n"):
+            return path.read_text()
+        if proc.poll() is not None:
+            raise AssertionError(f"runner exited with {proc.returncode} before {path.name} appeared")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path.name} did not appear within {timeout} s")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def sync(server):
+    with SyncClient(server.address, client_name="observer") as c:
+        yield c
+
+
+def test_passes_the_token_and_propagates_the_exit_status(server, sync, tmp_path):
+    before = sync.acquire("job", ttl=5.0)
+    sync.release(before)
+    events = sync.watch("job", timeout=TIMEOUT)
+    assert next(events).kind == "free"
+    child = "import os, sys; print(os.environ['FASTLOCK_FENCING_TOKEN'], os.environ['FASTLOCK_LOCK_NAME']); sys.exit(7)"
+    out = subprocess.run(run_cmd(server, "job", "--ttl", "2", command=py(child), tmp_path=tmp_path),
+                         capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+    assert out.returncode == 7, out.stderr
+    token_text, name = out.stdout.split()
+    token = int(token_text)
+    assert name == "job" and token > before.fencing_token
+    granted, released = next(events), next(events)
+    assert (granted.kind, granted.token) == ("granted", token)  # the command ran under that grant
+    assert (released.kind, released.token) == ("released", token)  # and it was released after
+    events.close()
+    assert sync.holder("job") is None
+
+
+def test_command_killed_by_a_signal_gives_128_plus_n(server, tmp_path):
+    child = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    out = subprocess.run(run_cmd(server, "sig", command=py(child), tmp_path=tmp_path),
+                         capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+    assert out.returncode == 128 + signal.SIGKILL
+
+
+def test_not_acquired_within_wait(server, sync, tmp_path):
+    held = sync.acquire("busy", ttl=10.0)
+    marker = tmp_path / "ran"
+    t0 = time.monotonic()
+    out = subprocess.run(run_cmd(server, "busy", "--wait", "0.2", command=["touch", str(marker)], tmp_path=tmp_path),
+                         capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+    assert out.returncode == EXIT_NOT_ACQUIRED, out.stderr
+    assert time.monotonic() - t0 >= 0.2
+    assert not marker.exists()
+    assert sync.status()["waiters"] == 0
+    out = subprocess.run(run_cmd(server, "busy", "--wait", "0", "--conflict-exit-code", "1",
+                                 command=["true"], tmp_path=tmp_path), timeout=TIMEOUT, cwd=tmp_path)
+    assert out.returncode == 1
+    sync.release(held)
+
+
+def test_unknown_command_and_unreachable_server(server, tmp_path):
+    out = subprocess.run(run_cmd(server, "nf", command=["/nonexistent/command"], tmp_path=tmp_path),
+                         capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+    assert out.returncode == 127
+    out = subprocess.run([sys.executable, "-m", "fastlock.runner", "x", "--server", "127.0.0.1:1", "--", "true"],
+                         capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+    assert out.returncode == 69
+    out = subprocess.run([sys.executable, "-m", "fastlock.runner", "x"], capture_output=True, text=True,
+                         timeout=TIMEOUT, cwd=tmp_path)
+    assert out.returncode == 2 and "command" in out.stderr
+
+
+CHILD = """
+import os, signal, sys, time
+ignore = sys.argv[2] == "ignore"
+def on_term(signum, frame):
+    with open(sys.argv[1] + ".term", "w") as f:
+        f.write("terminated\\n")
+    sys.exit(3)
+signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore else on_term)
+with open(sys.argv[1], "w") as f:
+    f.write(f"{os.getpid()} {os.environ['FASTLOCK_FENCING_TOKEN']}\\n")
+while True:
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("child_mode", ["obey", "ignore"])
+def test_lost_lease_stops_the_command_and_exits_75(server, sync, tmp_path, child_mode):
+    started = tmp_path / "started"
+    proc = subprocess.Popen(
+        run_cmd(server, "lose", "--ttl", "0.6", "--grace", "0.3",
+                command=[sys.executable, "-c", CHILD, str(started), child_mode], tmp_path=tmp_path),
+        cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        pid_text, token_text = wait_for_file(started, proc).split()
+        # Freeze the runner past its TTL; meanwhile another client takes the lock.
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            taker = sync.acquire("lose", ttl=10.0, wait=TIMEOUT)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert taker.fencing_token > int(token_text)
+        code = proc.wait(TIMEOUT)
+        assert code == EXIT_LOST, proc.stderr.read()
+        assert "lost" in proc.stderr.read()
+        if child_mode == "obey":
+            assert (tmp_path / "started.term").read_text() == "terminated\n"
+        with pytest.raises(ProcessLookupError):  # SIGKILLed after the grace if it ignored SIGTERM
+            os.kill(int(pid_text), 0)
+        assert sync.check("lose", taker.fencing_token)  # the new holder was not disturbed
+        sync.release(taker)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_sigterm_is_forwarded_and_the_lock_released(server, sync, tmp_path):
+    started = tmp_path / "started"
+    proc = subprocess.Popen(
+        run_cmd(server, "fwd", "--ttl", "5", command=[sys.executable, "-c", CHILD, str(started), "obey"],
+                tmp_path=tmp_path), cwd=tmp_path)
+    try:
+        wait_for_file(started, proc)
+        assert sync.holder("fwd") is not None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(TIMEOUT) == 3  # the command's own status
+        assert (tmp_path / "started.term").exists()
+        assert sync.holder("fwd") is None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_signal_while_waiting_for_the_lock_withdraws_the_waiter(server, sync, tmp_path):
+    held = sync.acquire("queue", ttl=10.0)
+    proc = subprocess.Popen(run_cmd(server, "queue", command=["true"], tmp_path=tmp_path), cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while sync.status()["waiters"] != 1:
+            assert time.monotonic() < deadline, "runner never queued"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(TIMEOUT) == 128 + signal.SIGINT
+        assert sync.status()["waiters"] == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    sync.release(held)
