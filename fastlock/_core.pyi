@@ -28,6 +28,8 @@ EV_WAIT_CANCELLED: int  # a waiter was cancelled or superseded by a retry
 TOKEN_EPOCH_SHIFT: int  # 40
 MAX_EPOCH: int  # (1 << 23) - 1, so tokens stay below 2**63
 MAX_LOCK_DELAY_MS: int  # 60_000
+MAX_COUNTER: int  # (1 << 40) - 1: a grant needing a larger counter raises OverflowError
+MAX_MS: int  # (1 << 53) - 1: largest now / ttl_ms / wait_ms / until_ms accepted (ValueError above)
 
 
 class NotHolder(LookupError):
@@ -46,6 +48,7 @@ class Event:
     meta: Any  # opaque object given to acquire()
     lock_delay_ms: int  # EV_GRANTED / EV_EXPIRED: the lease's lock-delay
     fresh: bool  # EV_GRANTED: False when an idempotent retry re-delivers an existing lease
+    lock_delay_ms: int  # the lease's lock-delay (or the waiter's requested one); for WAL grant records
 
 
 class Holder:

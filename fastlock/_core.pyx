@@ -774,6 +774,8 @@ cdef class LockTable:
           NotHolder: (token, owner) is not the unexpired holder of ``name`` (already
             released, expired, or someone else's); nothing changes.
           TypeError / ValueError: a bad argument (state unchanged).
+          OverflowError: the fencing counter is exhausted, so the next waiter cannot
+            be granted; the release itself took effect and the waiter stays queued.
         """
         cdef str n = _name(name)
         cdef int64_t tok = _token(token)
@@ -868,7 +870,12 @@ cdef class LockTable:
 
         Leases expire (EV_EXPIRED) and hand off to the next waiter (EV_GRANTED) unless
         the lock is blocked; waits time out (EV_WAIT_TIMEOUT); blocks end and grant.
-        Raises TypeError / ValueError for a bad ``now``.
+        Every other state-changing method starts with this same step.
+
+        Raises:
+          TypeError / ValueError: a bad ``now``.
+          OverflowError: a hand-off needs a token and the fencing counter is exhausted
+            (2**40 - 1 grants in the table's life); processing stops at that entry.
         """
         cdef int64_t t = _ms(now, "now", 0)
         self._advance(t)

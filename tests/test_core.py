@@ -460,6 +460,16 @@ def test_counter_overflow_refused_not_wrapped(impl):
         impl.acq(b"B", 2)
 
 
+def test_counter_exhausted_on_handoff_release_still_takes_effect(impl):
+    impl.t.advance_counter(impl.mod.MAX_COUNTER - 1)
+    tok = impl.grant(b"A", 0)
+    impl.acq(b"B", 1)
+    with pytest.raises(OverflowError):
+        impl.t.release(NAME, tok, b"A", 2)  # no token left for B
+    assert impl.t.holder(NAME, 2) is None and impl.t.waiters(NAME) == [b"B"]
+    assert impl.t.drain_events() == [] and impl.t.last_token == impl.mod.MAX_COUNTER
+
+
 def test_install_holder_and_remove_holder(impl):
     tok = (2 << 40) | 77
     impl.acq(b"W", 0, name="a")  # an unrelated lease
