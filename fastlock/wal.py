@@ -124,19 +124,30 @@ Two implementations exist (``writer="thread"`` or ``"inline"``):
 * ``inline``: the batch is written and fsynced in a ``loop.call_soon`` callback
   on the loop thread, which blocks the loop for the fsync.
 
-Measured on this machine (2 vCPUs, fsync about 0.2-0.5 ms) by
-``python benches/bench_wal.py --compare-writers`` (32 producer tasks, each
-logging a grant and awaiting ``when_durable``, ``always`` mode; "+work" adds
-50 us of CPU per operation on the loop, standing in for request parsing and
-replies)::
+Measured on this machine (2 vCPUs shared with other jobs; a 64-byte append +
+fsync costs 0.13-0.5 ms, 1-3 ms when the disk is busy) with
+``python benches/bench_wal.py --compare-writers --repeat 7 --duration 1 [--uvloop]``:
+32 producer tasks each log a grant and await ``when_durable`` (``always``
+mode); median of 7 interleaved runs, records/s::
 
-    writer   plain (records/s, fsyncs/s)   +work (records/s)
-    thread   see WRITER_BENCH below
-    inline
+                                         uvloop    asyncio (disk busy)
+    all producers in one turn, no work
+        thread                           85,288    51,376
+        inline                          104,599    56,262
+    arrivals over 4 turns, 20 us CPU each
+        thread                           25,998    11,775
+        inline                           23,906     5,490
+    1 ms timer lateness p99 (asyncio)      --      thread 3.5-4.5 ms, inline 7-18 ms
 
-.. WRITER_BENCH
-
-The default is ``thread``: see the numbers above (filled in from the bench).
+Inline wins only the synthetic case where every producer logs in the same
+loop turn, by 10-20% (handing a batch to a thread costs a wake-up and a
+``call_soon_threadsafe`` on a CPU-bound 2-vCPU box).  When requests arrive
+over several loop turns with real work per request -- what a server reading
+many sockets does -- the thread is as fast or faster, because the loop keeps
+parsing, replying and expiring leases during the fsync; and when fsync is slow
+(it varied 25x here within minutes) inline stalls every client and every timer
+for the whole fsync.  So the default is ``writer="thread"``; ``"inline"`` is
+kept for benchmarks and for platforms where threads are undesirable.
 
 Replication hooks
 -----------------
@@ -679,6 +690,7 @@ class WriteAheadLog:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._opened = False
         self._closed = False
+        self._stopped = False  # the I/O side is shut down (close/abort)
         self._fatal: Optional[BaseException] = None
         self._buf = bytearray()
         self._buf_first = 1  # LSN of the first record in _buf
@@ -746,7 +758,7 @@ class WriteAheadLog:
         d = self.directory
         os.makedirs(d, exist_ok=True)
         for fn in os.listdir(d):
-            if fn.endswith(".tmp"):
+            if fn.startswith("snap-") and fn.endswith(".tmp"):
                 os.unlink(os.path.join(d, fn))
         rec = _Recovery(d)
         base, snap = rec.choose_base()
@@ -867,7 +879,7 @@ class WriteAheadLog:
     def _kick(self) -> None:
         """Hand the pending batch to the writer (at most one in flight)."""
         self._scheduled = False
-        if self._inflight is not None or self._fatal is not None:
+        if self._inflight is not None or self._fatal is not None or self._stopped:
             return
         buf = self._buf
         if not buf and not self._sync_requested:
@@ -958,7 +970,7 @@ class WriteAheadLog:
 
     def _io_done(self, job: _Job) -> None:
         self._inflight = None
-        if self._fatal is not None:
+        if self._fatal is not None or self._stopped:
             return
         last = job.last_lsn
         self._written_lsn = last
@@ -996,7 +1008,7 @@ class WriteAheadLog:
         self._loop.call_exception_handler({"message": message, "exception": exc})
 
     def _io_failed(self, exc: BaseException) -> None:
-        if self._fatal is not None:
+        if self._fatal is not None or self._stopped:
             return
         self._fatal = exc
         self._inflight = None
@@ -1319,6 +1331,7 @@ class WriteAheadLog:
         self._stop_io()
 
     def _stop_io(self) -> None:
+        self._stopped = True
         if self._queue is not None:
             self._queue.put(None)
             if self._thread is not None and self._thread is not threading.current_thread():

@@ -650,6 +650,26 @@ async def test_default_on_fatal_logs_critical(tmp_path, monkeypatch, caplog):
         loop.set_exception_handler(None)
 
 
+async def test_abort_with_a_batch_in_flight(tmp_path, writer):
+    loop = asyncio.get_running_loop()
+    fatal = []
+    wal = make(tmp_path, writer, on_fatal=fatal.append)
+    wal.open()
+    wal.start(loop)
+    grant(wal, "a", 1)
+    await durable(wal)
+    grant(wal, "a", 2)
+    called = []
+    wal.when_durable(lambda: called.append(1))
+    await asyncio.sleep(0)  # batch handed to the writer thread (inline: already done)
+    wal.abort()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert fatal == []
+    assert called == ([] if writer == "thread" else [1])
+    assert reopen(tmp_path).counter >= 1
+
+
 # -- audit dump -----------------------------------------------------------------------------------
 async def test_dump(tmp_path, writer):
     wal, _ = await started(tmp_path, writer, keep_snapshots=1, segment_bytes=100)
