@@ -48,7 +48,6 @@ class Event:
     meta: Any  # opaque object given to acquire()
     lock_delay_ms: int  # EV_GRANTED / EV_EXPIRED: the lease's lock-delay
     fresh: bool  # EV_GRANTED: False when an idempotent retry re-delivers an existing lease
-    lock_delay_ms: int  # the lease's lock-delay (or the waiter's requested one); for WAL grant records
 
 
 class Holder:
