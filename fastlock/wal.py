@@ -363,8 +363,6 @@ class _FrameReader:
                 if count < skip:
                     off = end
                     count += 1
-                    self.end = off
-                    self.count = count
                     continue
                 try:
                     rec = unpackb(mv[off + 8:end])
@@ -378,10 +376,10 @@ class _FrameReader:
                         self.path, off, self.first_lsn + count)
                 off = end
                 count += 1
-                self.end = off
-                self.count = count
                 yield rec
         finally:
+            self.end = off  # just past the last good frame
+            self.count = count
             mv.release()
 
     def _bad(self, mv, off, count, why):
