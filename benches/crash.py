@@ -1,0 +1,426 @@
+"""Crash run: SIGKILL the server at random moments under load and check durability.
+
+    python -m benches.crash [--kills 100] [--workers 8] [--locks 6] [--seed N]
+                            [--min-delay 0.02] [--max-delay 0.3] [--json PATH]
+
+What runs
+---------
+One real ``fastlock serve --fsync always`` process on 127.0.0.1 and, in this
+process, ``--workers`` asyncio tasks, each with its own client connection.
+Each worker loops: pick one of ``--locks`` lock names at random,
+``acquire(ttl=30 s, wait=5 s)``, hold a few random milliseconds, write one row
+to a shared SQLite ledger through :class:`fastlock.fencing.SQLiteFence` with
+its fencing token, hold a little more, ``release``.
+
+A controller sleeps a random delay drawn from a seeded RNG (the experiment,
+not a wait), sends the server SIGKILL, waits (bounded) for every worker to
+notice the dead connection, restarts the server on the SAME data dir and the
+SAME port, and checks, before any worker touches the new server:
+
+* **no acknowledged grant forgotten**: every lease whose acquire was
+  acknowledged and whose release was not yet sent is still held, with the
+  same token (``client.check(name, token)``);
+* the server's fencing counter is at least every acknowledged token's counter.
+
+Then the workers resume: a worker that was holding a lease at the kill
+extends it with its lease (a recovered lease must accept that), does its
+fenced write if it had not yet, and releases it (must succeed).  Every grant
+acknowledged after a restart must carry a token strictly greater than every
+token acknowledged before the kill.  A release that was acknowledged but lost
+in the crash is allowed (``fastlock.server``: releases are acknowledged before
+their record is durable; the lock then stays held by that lease until its TTL
+or until the holder releases it again); they are counted, and the holder
+releases them again.
+
+At the end the fenced ledger must be consistent: its rows are exactly the
+writes whose transaction committed, no lock's token ever goes down from one
+row to the next, no fenced write was refused as stale (a refusal would mean
+someone else wrote with a newer lease while the writer still believed it held
+the lock), and :class:`fastlock._testbase.HistoryChecker` finds no two
+client-side holdings of one lock overlapping and no token that does not grow.
+
+``tests/test_crash.py`` runs this with a small count; this module's ``main``
+runs the bigger one and prints kills, grants, violations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import re
+import shutil
+import sqlite3
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+import fastlock
+from fastlock._testbase import HistoryChecker, ServerProcess
+from fastlock.errors import ConnectionLost, LeaseLost, LockNotAcquired, StaleFencingToken
+from fastlock.fencing import SQLiteFence
+
+COUNTER_MASK = (1 << 40) - 1
+_RECOVERED = re.compile(r"recovered (\d+) leases.* in ([0-9.]+) ms")
+
+IDLE, ACQUIRING, HELD, RELEASING = "idle", "acquiring", "held", "releasing"
+
+
+@dataclasses.dataclass
+class CrashConfig:
+    kills: int = 20
+    workers: int = 8
+    locks: int = 6
+    seed: int = 20251130
+    min_delay: float = 0.02     # s of load before a kill (uniform in [min, max])
+    max_delay: float = 0.3
+    max_hold: float = 0.004     # s, each of the two random holds around the write
+    ttl: float = 30.0           # s: far longer than any restart + check
+    wait: float = 5.0           # s a worker waits in a lock's queue
+    fsync: str = "always"
+    extra_args: tuple = ()
+    worker_exit_timeout: float = 10.0  # s for all workers to notice a kill
+
+
+@dataclasses.dataclass
+class CrashReport:
+    seed: int = 0
+    kills: int = 0
+    grants: int = 0                 # acquires acknowledged
+    releases: int = 0               # releases acknowledged
+    writes: int = 0                 # fenced ledger rows committed
+    held_at_kill: int = 0           # leases held across a kill, each checked after restart
+    resumed_writes: int = 0         # fenced writes done after a restart with a pre-crash lease
+    lost_releases: int = 0          # acknowledged releases undone by a crash (allowed, see docstring)
+    ambiguous_releases: int = 0     # release sent, connection died before the reply
+    unacked_acquires: int = 0       # acquire sent, connection died before the reply
+    acquire_timeouts: int = 0       # wait ran out (a lock held over a crash until its holder resumed)
+    ledger_rows: int = 0
+    worker_exit_s_max: float = 0.0  # kill -> every worker saw its connection drop, seconds
+    restart_s_max: float = 0.0      # process start -> "listening on", seconds
+    restart_s_mean: float = 0.0
+    recover_ms_max: float = 0.0     # the server's own "recovered ... in X ms"
+    elapsed_s: float = 0.0
+    violations: list = dataclasses.field(default_factory=list)
+
+    def summary(self) -> str:
+        return (f"kills={self.kills} grants={self.grants} releases={self.releases} writes={self.writes} "
+                f"ledger_rows={self.ledger_rows} held_at_kill={self.held_at_kill} "
+                f"resumed_writes={self.resumed_writes} lost_acked_releases={self.lost_releases} "
+                f"ambiguous_releases={self.ambiguous_releases} unacked_acquires={self.unacked_acquires} "
+                f"acquire_timeouts={self.acquire_timeouts} worker_exit_max={self.worker_exit_s_max * 1000:.0f}ms "
+                f"restart_max={self.restart_s_max * 1000:.0f}ms "
+                f"restart_mean={self.restart_s_mean * 1000:.0f}ms recover_max={self.recover_ms_max:.1f}ms "
+                f"elapsed={self.elapsed_s:.1f}s seed={self.seed} violations={len(self.violations)}")
+
+
+class _Run:
+    """Shared state of the whole run (the test process is single-threaded asyncio)."""
+
+    def __init__(self, cfg: CrashConfig, report: CrashReport):
+        self.cfg = cfg
+        self.report = report
+        self.stopped = False
+        self.round = 0
+        self.max_acked_before = -1  # highest token acknowledged before the last kill
+        self.max_acked = -1
+        self.acked_writes: list[tuple] = []
+        self.history = HistoryChecker()
+
+    def violation(self, what: str) -> None:
+        self.report.violations.append(f"round {self.round}: {what}")
+
+    def granted(self, lease) -> None:
+        self.report.grants += 1
+        tok = lease.fencing_token
+        if tok <= self.max_acked_before:
+            self.violation(f"{lease.name}: token {tok} granted after a restart is not above "
+                           f"{self.max_acked_before}, acknowledged before the kill")
+        self.max_acked = max(self.max_acked, tok)
+        try:
+            self.history.held(lease.name, tok, time.monotonic())
+        except AssertionError as exc:
+            self.violation(str(exc))
+
+    def stops_holding(self, lease) -> None:
+        try:
+            self.history.released(lease.name, lease.fencing_token, time.monotonic())
+        except (AssertionError, KeyError) as exc:
+            self.violation(f"history: {exc!r}")
+
+
+class _Worker:
+    def __init__(self, idx: int, client, db_path: str, run: _Run, rng: random.Random):
+        self.idx = idx
+        self.client = client
+        self.run = run
+        self.rng = rng
+        self.db = sqlite3.connect(db_path, timeout=10, isolation_level=None)
+        self.db.execute("PRAGMA synchronous=OFF")
+        self.fence = SQLiteFence(self.db)
+        self.phase = IDLE
+        self.lease = None
+        self.wrote = False
+        self.seq = 0
+        self.relapsed = None  # an acknowledged release the crash undid: release it again
+        self.last_released = None  # the last lease this worker released (checked after a kill)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def _write(self) -> None:
+        lease = self.lease
+        self.seq += 1
+        try:
+            with self.fence.fenced(lease.name, lease.fencing_token) as cur:
+                cur.execute("INSERT INTO ledger (lock, token, worker, seq) VALUES (?, ?, ?, ?)",
+                            (lease.name, lease.fencing_token, self.idx, self.seq))
+        except StaleFencingToken as exc:
+            self.run.violation(f"worker {self.idx}: fenced write refused while holding {lease.name} "
+                               f"token {lease.fencing_token}: {exc}")
+            return
+        self.wrote = True
+        self.run.acked_writes.append((lease.name, lease.fencing_token, self.idx, self.seq))
+        self.run.report.writes += 1
+
+    async def _release(self) -> None:
+        lease = self.lease
+        self.run.stops_holding(lease)
+        self.phase = RELEASING
+        await self.client.release(lease)
+        self.run.report.releases += 1
+        self.phase = IDLE
+        self.lease = None
+
+    async def resume(self) -> None:
+        """After a restart: finish what the crash interrupted."""
+        run = self.run
+        if self.relapsed is not None:
+            try:
+                await self.client.release(self.relapsed)
+            except LeaseLost:
+                run.violation(f"worker {self.idx}: lease {self.relapsed.name} token "
+                              f"{self.relapsed.fencing_token} was held after the restart, "
+                              f"but releasing it failed")
+            self.relapsed = None
+        if self.phase == HELD:
+            try:
+                self.lease = await self.client.extend(self.lease)
+            except LeaseLost:
+                run.violation(f"worker {self.idx}: recovered lease {self.lease.name} token "
+                              f"{self.lease.fencing_token} could not be extended")
+                run.stops_holding(self.lease)
+                self.phase, self.lease = IDLE, None
+                return
+            if not self.wrote:
+                self._write()
+                run.report.resumed_writes += 1
+            try:
+                await self._release()
+            except LeaseLost:
+                run.violation(f"worker {self.idx}: recovered lease {self.lease.name} token "
+                              f"{self.lease.fencing_token} could not be released")
+                self.phase, self.lease = IDLE, None
+        elif self.phase == RELEASING:
+            # outcome unknown: the server may or may not have seen it; either is fine
+            try:
+                await self.client.release(self.lease)
+            except LeaseLost:
+                pass
+            self.phase, self.lease = IDLE, None
+
+    async def work(self) -> None:
+        """One round: resume, then acquire/write/release until the controller kills the server."""
+        run, cfg, rng = self.run, self.run.cfg, self.rng
+        try:
+            await self.resume()
+            while not run.stopped:
+                name = f"crash/lock-{rng.randrange(cfg.locks)}"
+                self.phase = ACQUIRING
+                try:
+                    lease = await self.client.acquire(
+                        name, ttl=cfg.ttl, wait=cfg.wait, correlation_id=f"w{self.idx}-{self.seq + 1}")
+                except LockNotAcquired:
+                    self.phase = IDLE
+                    run.report.acquire_timeouts += 1
+                    continue
+                self.phase, self.lease, self.wrote = HELD, lease, False
+                run.granted(lease)
+                await asyncio.sleep(rng.uniform(0, cfg.max_hold))
+                if run.stopped:
+                    return
+                self._write()
+                await asyncio.sleep(rng.uniform(0, cfg.max_hold))
+                if run.stopped:
+                    return
+                last = self.lease
+                await self._release()
+                self.last_released = last
+        except ConnectionLost:
+            if self.phase == ACQUIRING:
+                self.phase = IDLE  # the client cancels it (by owner) when it reconnects
+                run.report.unacked_acquires += 1
+            elif self.phase == RELEASING:
+                run.report.ambiguous_releases += 1
+
+
+def _recovery_ms(srv: ServerProcess) -> float:
+    for line in srv.lines:
+        m = _RECOVERED.search(line)
+        if m:
+            return float(m.group(2))
+    return float("nan")
+
+
+async def run_crash(cfg: CrashConfig, workdir: str, *, log=None) -> CrashReport:
+    """Run ``cfg.kills`` kill/restart rounds in ``workdir``; return the report (never raises on a
+    violation: they are listed in ``report.violations``)."""
+    report = CrashReport(seed=cfg.seed)
+    run = _Run(cfg, report)
+    rng = random.Random(cfg.seed)
+    db_path = os.path.join(workdir, "ledger.sqlite")
+    db = sqlite3.connect(db_path, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("CREATE TABLE IF NOT EXISTS ledger (id INTEGER PRIMARY KEY AUTOINCREMENT, lock TEXT NOT NULL, "
+               "token INTEGER NOT NULL, worker INTEGER NOT NULL, seq INTEGER NOT NULL)")
+    SQLiteFence(db).ensure_schema()
+    srv = ServerProcess(os.path.join(workdir, "data"), fsync=cfg.fsync, args=cfg.extra_args)
+    t_start = time.monotonic()
+    workers: list[_Worker] = []
+    restarts: list[float] = []
+    try:
+        await asyncio.to_thread(srv.start)
+        for i in range(cfg.workers):
+            client = await fastlock.connect(srv.address, client_name=f"crash-w{i}")
+            workers.append(_Worker(i, client, db_path, run, random.Random(cfg.seed * 1000 + i)))
+        for r in range(cfg.kills + 1):
+            run.round = r
+            run.stopped = False
+            tasks = [asyncio.ensure_future(w.work()) for w in workers]
+            if r == cfg.kills:
+                # last round: only let the workers finish what the last crash interrupted
+                run.stopped = True
+                await asyncio.wait_for(asyncio.gather(*tasks), cfg.worker_exit_timeout + cfg.wait)
+                break
+            await asyncio.sleep(rng.uniform(cfg.min_delay, cfg.max_delay))  # the experiment
+            run.stopped = True
+            t_kill = time.monotonic()
+            srv.kill()  # SIGKILL, no chance to flush anything
+            report.kills += 1
+            done, pending = await asyncio.wait(tasks, timeout=cfg.worker_exit_timeout)
+            for t in pending:
+                t.cancel()
+                run.violation("a worker did not notice the kill in time")
+            for t in done:
+                if t.exception() is not None:
+                    run.violation(f"worker failed: {t.exception()!r}")
+            # every token acknowledged up to now (replies read after the kill included)
+            run.max_acked_before = run.max_acked
+            t_exit = time.monotonic()
+            report.worker_exit_s_max = max(report.worker_exit_s_max, t_exit - t_kill)
+            await asyncio.to_thread(srv.start)  # same data dir, same port
+            restarts.append(time.monotonic() - t_exit)
+            report.recover_ms_max = max(report.recover_ms_max, _recovery_ms(srv))
+            await _check_recovered(srv, workers, run)
+            if log is not None and (r + 1) % 10 == 0:
+                log(f"  {r + 1} kills: {report.grants} grants, {len(report.violations)} violations")
+        await asyncio.to_thread(srv.stop)
+        _check_ledger(db, run)
+        try:
+            run.history.check()
+        except AssertionError as exc:
+            run.violation(f"history: {exc}")
+    finally:
+        for w in workers:
+            await w.client.close()
+            w.close()
+        db.close()
+        await asyncio.to_thread(srv.stop)
+    report.elapsed_s = time.monotonic() - t_start
+    if restarts:
+        report.restart_s_max = max(restarts)
+        report.restart_s_mean = sum(restarts) / len(restarts)
+    return report
+
+
+async def _check_recovered(srv: ServerProcess, workers: list, run: _Run) -> None:
+    """Right after a restart, before any worker acts: the recovered state must cover what
+    was acknowledged."""
+    async with fastlock.connect(srv.address, client_name="crash-checker") as chk:
+        for w in workers:
+            if w.phase == HELD:
+                run.report.held_at_kill += 1
+                lease = w.lease
+                if not await chk.check(lease.name, lease.fencing_token):
+                    holder = await chk.holder(lease.name)
+                    run.violation(f"acknowledged grant forgotten: {lease.name} token {lease.fencing_token} "
+                                  f"(worker {w.idx}) not held after the restart; holder now {holder}")
+                else:
+                    h = await chk.holder(lease.name)
+                    # a fresh full TTL from recovery (minus the time this check took)
+                    if h is None or h["remaining_ms"] < lease.ttl * 1000 - 5000:
+                        run.violation(f"{lease.name}: recovered lease has {h} left, not a fresh TTL")
+            last = w.last_released
+            if w.phase != HELD and last is not None and await chk.check(last.name, last.fencing_token):
+                run.report.lost_releases += 1  # allowed: releases are acked before they are durable
+                w.relapsed = last
+            w.last_released = None
+        st = await chk.status()
+        if run.max_acked >= 0 and st["counter"] < (run.max_acked & COUNTER_MASK):
+            run.violation(f"server counter {st['counter']} below acknowledged token {run.max_acked}")
+        if st["waiters"] != 0:
+            run.violation(f"{st['waiters']} waiters survived the restart")
+
+
+def _check_ledger(db: sqlite3.Connection, run: _Run) -> None:
+    rows = db.execute("SELECT lock, token, worker, seq FROM ledger ORDER BY id").fetchall()
+    run.report.ledger_rows = len(rows)
+    if sorted(rows) != sorted(run.acked_writes):
+        run.violation(f"ledger rows ({len(rows)}) differ from committed writes ({len(run.acked_writes)})")
+    last: dict[str, int] = {}
+    for lock, token, worker, seq in rows:
+        if token < last.get(lock, -1):
+            run.violation(f"ledger: {lock} write with token {token} (worker {worker}) after token {last[lock]}")
+        last[lock] = max(token, last.get(lock, -1))
+    fence = SQLiteFence(db)
+    for lock, top in last.items():
+        if fence.highest(lock) != top:
+            run.violation(f"fence table: {lock} highest {fence.highest(lock)} != ledger max {top}")
+
+
+def main(argv: Optional[list] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benches.crash", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kills", type=int, default=100)
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--locks", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=CrashConfig.seed)
+    ap.add_argument("--min-delay", type=float, default=0.02, help="s of load before a kill (min)")
+    ap.add_argument("--max-delay", type=float, default=0.3, help="s of load before a kill (max)")
+    ap.add_argument("--keep", action="store_true", help="keep the work dir (data dir, ledger)")
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args(argv)
+    cfg = CrashConfig(kills=args.kills, workers=args.workers, locks=args.locks, seed=args.seed,
+                      min_delay=args.min_delay, max_delay=args.max_delay)
+    workdir = tempfile.mkdtemp(prefix="fastlock-crash-")
+    print(f"crash run: {cfg.kills} SIGKILLs, {cfg.workers} workers on {cfg.locks} locks, fsync={cfg.fsync}, "
+          f"seed {cfg.seed}, work dir {workdir}")
+    try:
+        report = asyncio.run(run_crash(cfg, workdir, log=print))
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(report.summary())
+    for v in report.violations[:50]:
+        print("VIOLATION:", v)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dataclasses.asdict(report), f, indent=2)
+    return 1 if report.violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
