@@ -347,7 +347,10 @@ class LockServer:
                 if conn is not None:
                     conn.send(P.encode_error(ev.request, Cancelled.code, f"{ev.name!r}: acquire cancelled"))
         if grants is not None:
-            wal.when_durable(lambda: self._deliver_grants(grants))
+            if wal.flush_now():  # relaxed fsync modes: written to the OS now, ack in this turn
+                self._deliver_grants(grants)
+            else:
+                wal.when_durable(lambda: self._deliver_grants(grants))
         wal.maybe_snapshot(self._snapshot_state)
 
     def _deliver_grants(self, grants: list) -> None:

@@ -350,3 +350,20 @@ async def test_holder_reports_the_current_holder(client):
     assert info["token"] == lease.fencing_token and info["client"] == "test-client"
     assert 0 < info["remaining_ms"] <= 10_000
     await client.release(lease)
+
+
+@pytest.mark.parametrize("mode", ["never", "interval"])
+async def test_relaxed_fsync_modes_grant_and_hand_off(server_factory, loop_errors, mode):
+    srv = server_factory(f"data-{mode}", fsync=mode)
+    async with fastlock.connect(srv.address) as a, fastlock.connect(srv.address) as b:
+        tokens = []
+        for _ in range(50):
+            lease = await a.acquire("relaxed", ttl=5.0)
+            tokens.append(lease.fencing_token)
+            waiter = asyncio.ensure_future(b.acquire("relaxed", ttl=5.0, wait=5.0))
+            await wait_until(lambda: queued(a, 1), what="waiter queued")
+            await a.release(lease)
+            handed = await waiter
+            tokens.append(handed.fencing_token)
+            await b.release(handed)
+        assert tokens == sorted(set(tokens))

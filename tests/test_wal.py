@@ -738,3 +738,25 @@ def test_bad_arguments(tmp_path):
         wal.log_grant("a", 1, object(), 1, 0, None, None)
     assert wal.stats()["last_lsn"] == 0  # nothing half-logged
     wal.abort()
+
+
+async def test_flush_now_writes_inline_in_relaxed_modes_only(tmp_path):
+    """flush_now(): relaxed modes write and acknowledge in the calling turn; `always` defers to fsync."""
+    from fastlock.wal import WriteAheadLog
+
+    for mode, expect in (("never", True), ("interval", True), ("always", False)):
+        wal = WriteAheadLog(str(tmp_path / mode), fsync=mode, fsync_interval_ms=60_000)
+        wal.open()
+        wal.start(asyncio.get_running_loop())
+        try:
+            wal.log_grant("a", 1, b"o" * 16, 1000, 0, None, None)  # first grant: reservation -> fsync batch
+            done = asyncio.Event()
+            wal.when_durable(done.set)
+            await asyncio.wait_for(done.wait(), 5)
+            wal.log_release("a", 1)
+            wal.log_grant("a", 2, b"p" * 16, 1000, 0, None, None)
+            assert wal.flush_now() is expect
+            if expect:
+                assert wal.stats()["written_lsn"] == wal.stats()["last_lsn"]
+        finally:
+            await wal.close()
