@@ -82,6 +82,7 @@ class CrashConfig:
     ttl: float = 30.0           # s: far longer than any restart + check
     wait: float = 5.0           # s a worker waits in a lock's queue
     fsync: str = "always"
+    snapshot_every: Optional[int] = None  # --snapshot-every: kills also land in snapshots/compaction
     extra_args: tuple = ()
     worker_exit_timeout: float = 10.0  # s for all workers to notice a kill
 
@@ -100,6 +101,8 @@ class CrashReport:
     unacked_acquires: int = 0       # acquire sent, connection died before the reply
     acquire_timeouts: int = 0       # wait ran out (a lock held over a crash until its holder resumed)
     ledger_rows: int = 0
+    snapshots: int = 0              # snapshots the server wrote (each may be cut short by a kill)
+    segments_deleted: int = 0       # WAL segments removed by compaction
     worker_exit_s_max: float = 0.0  # kill -> every worker saw its connection drop, seconds
     restart_s_max: float = 0.0      # process start -> "listening on", seconds
     restart_s_mean: float = 0.0
@@ -109,7 +112,8 @@ class CrashReport:
 
     def summary(self) -> str:
         return (f"kills={self.kills} grants={self.grants} releases={self.releases} writes={self.writes} "
-                f"ledger_rows={self.ledger_rows} held_at_kill={self.held_at_kill} "
+                f"ledger_rows={self.ledger_rows} snapshots={self.snapshots} "
+                f"segments_deleted={self.segments_deleted} held_at_kill={self.held_at_kill} "
                 f"resumed_writes={self.resumed_writes} lost_acked_releases={self.lost_releases} "
                 f"ambiguous_releases={self.ambiguous_releases} unacked_acquires={self.unacked_acquires} "
                 f"acquire_timeouts={self.acquire_timeouts} worker_exit_max={self.worker_exit_s_max * 1000:.0f}ms "
@@ -268,6 +272,17 @@ class _Worker:
                 run.report.ambiguous_releases += 1
 
 
+_SNAPSHOT = re.compile(r"snapshot \S+ written: .* (\d+) segments deleted")
+
+
+def _count_snapshots(srv: ServerProcess, report: CrashReport) -> None:
+    for line in list(srv.lines):
+        m = _SNAPSHOT.search(line)
+        if m:
+            report.snapshots += 1
+            report.segments_deleted += int(m.group(1))
+
+
 def _recovery_ms(srv: ServerProcess) -> float:
     for line in srv.lines:
         m = _RECOVERED.search(line)
@@ -288,7 +303,10 @@ async def run_crash(cfg: CrashConfig, workdir: str, *, log=None) -> CrashReport:
     db.execute("CREATE TABLE IF NOT EXISTS ledger (id INTEGER PRIMARY KEY AUTOINCREMENT, lock TEXT NOT NULL, "
                "token INTEGER NOT NULL, worker INTEGER NOT NULL, seq INTEGER NOT NULL)")
     SQLiteFence(db).ensure_schema()
-    srv = ServerProcess(os.path.join(workdir, "data"), fsync=cfg.fsync, args=cfg.extra_args)
+    extra = list(cfg.extra_args)
+    if cfg.snapshot_every:
+        extra += ["--snapshot-every", str(cfg.snapshot_every)]
+    srv = ServerProcess(os.path.join(workdir, "data"), fsync=cfg.fsync, args=extra)
     t_start = time.monotonic()
     workers: list[_Worker] = []
     restarts: list[float] = []
@@ -311,6 +329,7 @@ async def run_crash(cfg: CrashConfig, workdir: str, *, log=None) -> CrashReport:
             t_kill = time.monotonic()
             srv.kill()  # SIGKILL, no chance to flush anything
             report.kills += 1
+            _count_snapshots(srv, report)
             done, pending = await asyncio.wait(tasks, timeout=cfg.worker_exit_timeout)
             for t in pending:
                 t.cancel()
@@ -329,6 +348,7 @@ async def run_crash(cfg: CrashConfig, workdir: str, *, log=None) -> CrashReport:
             if log is not None and (r + 1) % 10 == 0:
                 log(f"  {r + 1} kills: {report.grants} grants, {len(report.violations)} violations")
         await asyncio.to_thread(srv.stop)
+        _count_snapshots(srv, report)
         _check_ledger(db, run)
         try:
             run.history.check()
@@ -400,14 +420,19 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--seed", type=int, default=CrashConfig.seed)
     ap.add_argument("--min-delay", type=float, default=0.02, help="s of load before a kill (min)")
     ap.add_argument("--max-delay", type=float, default=0.3, help="s of load before a kill (max)")
+    ap.add_argument("--fsync", choices=("always", "interval", "never"), default="always",
+                    help="server fsync mode (SIGKILL keeps the page cache: relaxed modes lose nothing here)")
+    ap.add_argument("--snapshot-every", type=int, default=None, metavar="RECORDS",
+                    help="the server's --snapshot-every (small: kills also hit snapshots and compaction)")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (data dir, ledger)")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     cfg = CrashConfig(kills=args.kills, workers=args.workers, locks=args.locks, seed=args.seed,
-                      min_delay=args.min_delay, max_delay=args.max_delay)
+                      min_delay=args.min_delay, max_delay=args.max_delay, snapshot_every=args.snapshot_every,
+                      fsync=args.fsync)
     workdir = tempfile.mkdtemp(prefix="fastlock-crash-")
     print(f"crash run: {cfg.kills} SIGKILLs, {cfg.workers} workers on {cfg.locks} locks, fsync={cfg.fsync}, "
-          f"seed {cfg.seed}, work dir {workdir}")
+          f"snapshot every {cfg.snapshot_every or 'default'} records, seed {cfg.seed}, work dir {workdir}")
     try:
         report = asyncio.run(run_crash(cfg, workdir, log=print))
     finally:

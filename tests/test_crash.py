@@ -9,6 +9,8 @@ acknowledged is lost), issue 3's "Done when".
   the same data dir and port, and after each restart: every acknowledged,
   unreleased grant still held with the same token, every later token above
   every token acknowledged before, the fenced ledger consistent.
+* ``test_sigkill_during_snapshots_and_compaction``: the same with frequent
+  snapshots, so that kills also hit snapshot writes and segment deletion.
 * ``test_lost_unsynced_tail_never_reuses_a_token``: ``--fsync interval`` and
   ``never`` acknowledge grants before they are on disk.  SIGKILL alone loses
   nothing (the page cache survives the process), so after the kill the active
@@ -63,6 +65,18 @@ def test_sigkill_under_load(tmp_path):
     assert report.ledger_rows == report.writes
     assert report.held_at_kill >= 5, "too few leases were held at a kill to mean anything"
     assert report.elapsed_s < 60
+
+
+@pytest.mark.timeout(90)
+def test_sigkill_during_snapshots_and_compaction(tmp_path):
+    """The same run with a snapshot every 100 records: kills also land while a snapshot is
+    written or covered segments are deleted, and recovery starts from snapshots."""
+    cfg = CrashConfig(kills=10, workers=8, locks=6, seed=7, snapshot_every=100)
+    report = _run(run_crash(cfg, str(tmp_path)))
+    print("\ncrash run with snapshots:", report.summary())
+    assert report.violations == [], "\n".join(report.violations[:20])
+    assert report.kills == 10 and report.grants >= 100
+    assert report.snapshots >= 5 and report.segments_deleted >= 1
 
 
 async def _lose_tail_round(srv: ServerProcess, rnd: int, acked: list[int], fence: SQLiteFence):
