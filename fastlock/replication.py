@@ -127,6 +127,8 @@ class ReplicationSource:
         self._paired_window_ms = 0
         self._contact_ms = 0
         self._hb_timer: asyncio.TimerHandle | None = None
+        self._fence_timer: asyncio.TimerHandle | None = None
+        self._fence_timer_at = 0
         self._listening = False
 
     # -- attach / detach ------------------------------------------------------------------
@@ -136,11 +138,17 @@ class ReplicationSource:
         wal = server.wal
         replica = _Replica(conn, name, failover_after_ms)
         self.replicas[conn.session] = replica
+        if self._paired_window_ms == 0:
+            # The first standby with a failover window: none can have promoted from this stream yet.
+            self._contact_ms = max(self._contact_ms, replica.contact_ms)
+        else:
+            # Contact comes only from echoes of heartbeats sent from now on: this REPLICATE may have
+            # been delayed in the network and come from a standby that has promoted since.
+            replica.contact_ms = self._contact_ms
         if failover_after_ms > 0:
             if self._paired_window_ms == 0 or failover_after_ms < self._paired_window_ms:
                 self._paired_window_ms = failover_after_ms
             self.serving_alone = False
-        self._contact_ms = max(self._contact_ms, replica.contact_ms)
         mode = "stream"
         backlog: list[tuple[int, list]] = []
         if incarnation != self.incarnation or from_lsn < 1:
@@ -234,25 +242,65 @@ class ReplicationSource:
             return True
         return self._check_fence(now)
 
+    @property
+    def fencing(self) -> bool:
+        """Is a standby with a failover window paired (so the fence applies)?"""
+        return self._paired_window_ms != 0 and not self.serving_alone
+
+    def fence_if_due(self, now: int) -> None:
+        """Fence now if the deadline has passed; never unfences (acks and timers do that).
+
+        The server calls this before anything that can make the lock table
+        grant (a release or an expiry hands the lock to a waiter), so that
+        after a stall - SIGSTOP, a VM pause - no callback that runs before the
+        fence timer can grant past the deadline.  It only raises the table's
+        hold, which produces no events, so it is safe anywhere.
+        """
+        if self.fencing and not self.fenced and now >= self._fence_deadline():
+            self._fence(now)
+
+    def _margin(self) -> int:
+        return self.fence_margin_ms if self.fence_margin_ms is not None else self._paired_window_ms // 4
+
+    def _fence_deadline(self) -> int:
+        return self._contact_ms + self._paired_window_ms - self._margin()
+
     def _check_fence(self, now: int) -> bool:
         window = self._paired_window_ms
         if window == 0 or self.serving_alone:
             if self.fenced:
                 self._unfence()
             return True
-        margin = self.fence_margin_ms if self.fence_margin_ms is not None else window // 4
-        ok = now < self._contact_ms + window - margin
-        if ok and self.fenced:
-            self._unfence()
-        elif not ok and not self.fenced:
-            self.fenced = True
-            self.server.table.hold_grants_until(now + _FOREVER_MS)
-            log.warning(
-                "no word from the standby for %d ms (failover window %d ms, margin %d ms): "
-                "holding all grants and refusing extends until it is back or `fastlock serve-alone`",
-                now - self._contact_ms, window, margin,
-            )
+        deadline = self._fence_deadline()
+        ok = now < deadline
+        if ok:
+            if self.fenced:
+                self._unfence()
+            if self._fence_timer is None or self._fence_timer_at > deadline:
+                # Fence on time even when no heartbeat, ack or request comes (no standby attached).
+                # An earlier deadline re-arms it; a later one is picked up when it fires.
+                if self._fence_timer is not None:
+                    self._fence_timer.cancel()
+                self._fence_timer_at = deadline
+                self._fence_timer = self.server._loop.call_later((deadline - now + 1) / 1000.0,
+                                                                 self._on_fence_timer)
+        elif not self.fenced:
+            self._fence(now)
         return ok
+
+    def _on_fence_timer(self) -> None:
+        self._fence_timer = None
+        self._check_fence(_now_ms())
+
+    def _fence(self, now: int) -> None:
+        window = self._paired_window_ms
+        self.fenced = True
+        self.server.table.hold_grants_until(now + _FOREVER_MS)
+        log.warning(
+            "no word from the standby for %d ms (failover window %d ms, margin %d ms): "
+            "holding all grants and refusing extends until it is back or `fastlock serve-alone`",
+            now - self._contact_ms, window, self._margin(),
+        )
 
     def _unfence(self) -> None:
         self.fenced = False
@@ -294,6 +342,9 @@ class ReplicationSource:
         if self._hb_timer is not None:
             self._hb_timer.cancel()
             self._hb_timer = None
+        if self._fence_timer is not None:
+            self._fence_timer.cancel()
+            self._fence_timer = None
 
 
 class _FollowerProtocol(asyncio.Protocol):

@@ -126,6 +126,9 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         server = self.server
+        if server.source.fencing:
+            # after a stall, see the clock before a request can make the table grant
+            server.source.fence_if_due(now_ms())
         try:
             messages = self.decoder.feed(data)
         except ProtocolError as exc:
@@ -295,6 +298,7 @@ class LockServer:
 
     def _connection_lost(self, conn: _Connection) -> None:
         self._sessions.pop(conn.session, None)
+        self.source.fence_if_due(now_ms())
         if conn.session in self.source.replicas:
             self.source.detach(conn)
         if conn.watching:
@@ -365,6 +369,7 @@ class LockServer:
             if conn is None or conn.closed:
                 # Nobody can learn this token any more: release it now rather
                 # than leave a ghost holder until its TTL runs out.
+                self.source.fence_if_due(now_ms())
                 try:
                     table.release(ev.name, ev.token, ev.owner, now_ms())
                 except NotHolder:
@@ -398,7 +403,9 @@ class LockServer:
         self._timer = None
         if self.role != "primary":
             return
-        self.table.expire(now_ms())
+        now = now_ms()
+        self.source.fence_if_due(now)  # an expiry hands the lock to a waiter: not past the fence
+        self.table.expire(now)
         self._after_batch()
         if self._timer is None:
             self._rearm()
