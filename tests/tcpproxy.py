@@ -214,6 +214,7 @@ class TcpProxy:
         def do() -> None:
             for link in list(self._links):
                 link.close()
+            self._resumed.set()  # held connections' tasks see they are closed and end
             if self._server is not None:
                 self._server.close()
             self._loop.call_later(0.05, self._loop.stop)
