@@ -193,6 +193,13 @@ def plots(payload: dict, out: str) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    def logx(ax):
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+
     files = []
     fig, axes = plt.subplots(1, 3, figsize=(18, 6))
 
@@ -205,7 +212,7 @@ def plots(payload: dict, out: str) -> list[str]:
     ax.barh([r["target"] for r in r1], [r["pair_us"]["p50"] for r in r1], color=[color(r) for r in r1])
     ax.scatter([r["pair_us"]["p99"] for r in r1], [r["target"] for r in r1], marker="|", color="black", s=200,
                label="p99", zorder=3)
-    ax.set_xscale("log")
+    logx(ax)
     ax.set_xlabel("µs per acquire+release (log; bar p50, tick p99) — lower is better")
     ax.set_title("W1 uncontended latency")
     ax.invert_yaxis()
@@ -214,7 +221,7 @@ def plots(payload: dict, out: str) -> list[str]:
     r2 = _rows(payload, "W2")
     ax = axes[1]
     ax.barh([r["target"] for r in r2], [r["pairs_per_s"] for r in r2], color=[color(r) for r in r2])
-    ax.set_xscale("log")
+    logx(ax)
     ax.set_xlabel(f"pairs/s, {payload['w2_clients']} clients on distinct locks (log) — higher is better")
     ax.set_title("W2 parallel throughput")
     ax.invert_yaxis()
@@ -233,7 +240,7 @@ def plots(payload: dict, out: str) -> list[str]:
     ax.set_xlabel(f"per second, {payload['w3_clients']} clients on one lock, hold {payload['hold_ms']:g} ms")
     ax.set_title("W3 contended hand-off")
     ax.invert_yaxis()
-    ax.legend(loc="upper right")
+    ax.legend(loc="center right")
     fig.suptitle(f"fastlock vs peers — {payload['machine'].get('cpus')} CPUs, one Python client process")
     fig.tight_layout()
     p = os.path.join(out, "summary.png")
@@ -249,13 +256,13 @@ def plots(payload: dict, out: str) -> list[str]:
         axes[0].barh(labels, [a["pair_us"]["p50"] if a else 0 for _, _, a, _ in w4],
                      color=["tab:green" if n.startswith("fastlock") else "tab:red" if n.startswith("redis")
                             else "tab:blue" for _, n, _, _ in w4])
-        axes[0].set_xscale("log")
+        logx(axes[0])
         axes[0].set_xlabel("W1 pair p50 µs (log) — lower is better")
         axes[0].invert_yaxis()
         axes[1].barh(labels, [b["pairs_per_s"] if b else 0 for _, _, _, b in w4],
                      color=["tab:green" if n.startswith("fastlock") else "tab:red" if n.startswith("redis")
                             else "tab:blue" for _, n, _, _ in w4])
-        axes[1].set_xscale("log")
+        logx(axes[1])
         axes[1].set_xlabel("W2 pairs/s (log) — higher is better")
         axes[1].invert_yaxis()
         fig.suptitle("W4 durability-matched")
