@@ -39,6 +39,14 @@ someone else wrote with a newer lease while the writer still believed it held
 the lock), and :class:`fastlock._testbase.HistoryChecker` finds no two
 client-side holdings of one lock overlapping and no token that does not grow.
 
+Options: ``--snapshot-every N`` makes the server snapshot often, so kills also
+land in snapshot writes and segment deletion; ``--startup-kill-every N`` kills
+the restarting server a second time at a random moment of its start-up (often
+before it listens) after every Nth kill; ``--fsync interval|never`` runs the
+same checks in a relaxed mode (SIGKILL keeps the page cache, so those modes
+must lose nothing acknowledged here either; a power cut is another matter,
+see ``tests/test_crash.py``).
+
 ``tests/test_crash.py`` runs this with a small count; this module's ``main``
 runs the bigger one and prints kills, grants, violations.
 """
@@ -85,6 +93,8 @@ class CrashConfig:
     snapshot_every: Optional[int] = None  # --snapshot-every: kills also land in snapshots/compaction
     extra_args: tuple = ()
     worker_exit_timeout: float = 10.0  # s for all workers to notice a kill
+    startup_kill_every: int = 0  # every Nth kill is followed by a second one during the restart
+    startup_kill_max_delay: float = 0.15  # s after starting the process (uniform in [0, max])
 
 
 @dataclasses.dataclass
@@ -94,6 +104,8 @@ class CrashReport:
     grants: int = 0                 # acquires acknowledged
     releases: int = 0               # releases acknowledged
     writes: int = 0                 # fenced ledger rows committed
+    startup_kills: int = 0          # kills of a restarting server before it listened (in recovery)
+    startup_kills_after_listening: int = 0
     held_at_kill: int = 0           # leases held across a kill, each checked after restart
     resumed_writes: int = 0         # fenced writes done after a restart with a pre-crash lease
     lost_releases: int = 0          # acknowledged releases undone by a crash (allowed, see docstring)
@@ -113,7 +125,8 @@ class CrashReport:
     def summary(self) -> str:
         return (f"kills={self.kills} grants={self.grants} releases={self.releases} writes={self.writes} "
                 f"ledger_rows={self.ledger_rows} snapshots={self.snapshots} "
-                f"segments_deleted={self.segments_deleted} held_at_kill={self.held_at_kill} "
+                f"segments_deleted={self.segments_deleted} startup_kills={self.startup_kills} "
+                f"(+{self.startup_kills_after_listening} after listening) held_at_kill={self.held_at_kill} "
                 f"resumed_writes={self.resumed_writes} lost_acked_releases={self.lost_releases} "
                 f"ambiguous_releases={self.ambiguous_releases} unacked_acquires={self.unacked_acquires} "
                 f"acquire_timeouts={self.acquire_timeouts} worker_exit_max={self.worker_exit_s_max * 1000:.0f}ms "
@@ -283,6 +296,32 @@ def _count_snapshots(srv: ServerProcess, report: CrashReport) -> None:
             report.segments_deleted += int(m.group(1))
 
 
+async def _kill_during_startup(srv: ServerProcess, rng: random.Random, cfg: CrashConfig,
+                               report: CrashReport) -> None:
+    """Start the server and SIGKILL it again after a random delay, often before it
+    listens: in the middle of recovery (torn-tail cut, new segment, directory fsync)."""
+    old = srv.proc
+    starting = asyncio.ensure_future(asyncio.to_thread(srv.start))
+    deadline = time.monotonic() + 10
+    while srv.proc is old and not starting.done() and time.monotonic() < deadline:
+        await asyncio.sleep(0.001)  # until the new process exists (bounded)
+    await asyncio.sleep(rng.uniform(0.0, cfg.startup_kill_max_delay))  # the experiment
+    listening = starting.done() and starting.exception() is None
+    if srv.proc is not old:  # the new process exists: kill it wherever it is
+        srv.kill()
+        report.kills += 1
+        if listening:
+            report.startup_kills_after_listening += 1
+        else:
+            report.startup_kills += 1
+    try:
+        await asyncio.wait_for(starting, 30)
+    except RuntimeError:
+        pass  # "server exited with -9 before logging 'listening on'": that was the point
+    if srv.proc is not old and srv.proc.poll() is None:
+        srv.kill()  # it got to listen after all, between the kill decision and now
+
+
 def _recovery_ms(srv: ServerProcess) -> float:
     for line in srv.lines:
         m = _RECOVERED.search(line)
@@ -341,6 +380,9 @@ async def run_crash(cfg: CrashConfig, workdir: str, *, log=None) -> CrashReport:
             run.max_acked_before = run.max_acked
             t_exit = time.monotonic()
             report.worker_exit_s_max = max(report.worker_exit_s_max, t_exit - t_kill)
+            if cfg.startup_kill_every and r % cfg.startup_kill_every == cfg.startup_kill_every - 1:
+                await _kill_during_startup(srv, rng, cfg, report)
+                t_exit = time.monotonic()
             await asyncio.to_thread(srv.start)  # same data dir, same port
             restarts.append(time.monotonic() - t_exit)
             report.recover_ms_max = max(report.recover_ms_max, _recovery_ms(srv))
@@ -424,12 +466,15 @@ def main(argv: Optional[list] = None) -> int:
                     help="server fsync mode (SIGKILL keeps the page cache: relaxed modes lose nothing here)")
     ap.add_argument("--snapshot-every", type=int, default=None, metavar="RECORDS",
                     help="the server's --snapshot-every (small: kills also hit snapshots and compaction)")
+    ap.add_argument("--startup-kill-every", type=int, default=0, metavar="N",
+                    help="after every Nth kill, kill the restarting server again at a random moment of its "
+                         "start-up (recovery) before restarting it for good")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (data dir, ledger)")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     cfg = CrashConfig(kills=args.kills, workers=args.workers, locks=args.locks, seed=args.seed,
                       min_delay=args.min_delay, max_delay=args.max_delay, snapshot_every=args.snapshot_every,
-                      fsync=args.fsync)
+                      fsync=args.fsync, startup_kill_every=args.startup_kill_every)
     workdir = tempfile.mkdtemp(prefix="fastlock-crash-")
     print(f"crash run: {cfg.kills} SIGKILLs, {cfg.workers} workers on {cfg.locks} locks, fsync={cfg.fsync}, "
           f"snapshot every {cfg.snapshot_every or 'default'} records, seed {cfg.seed}, work dir {workdir}")

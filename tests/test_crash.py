@@ -55,11 +55,12 @@ def _run(coro):
 
 @pytest.mark.timeout(90)
 def test_sigkill_under_load(tmp_path):
-    cfg = CrashConfig(kills=20, workers=8, locks=6, seed=20251130)
+    # 20 kills under load, and after every 4th one a second kill while the server restarts
+    cfg = CrashConfig(kills=20, workers=8, locks=6, seed=20251130, startup_kill_every=4)
     report = _run(run_crash(cfg, str(tmp_path)))
     print("\ncrash run:", report.summary())
     assert report.violations == [], "\n".join(report.violations[:20])
-    assert report.kills == 20
+    assert report.kills >= 20
     # the run really exercised what it claims to check
     assert report.grants >= 200 and report.writes >= 200
     assert report.ledger_rows == report.writes
