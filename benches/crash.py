@@ -391,6 +391,15 @@ async def run_crash(cfg: CrashConfig, workdir: str, *, log=None) -> CrashReport:
                 log(f"  {r + 1} kills: {report.grants} grants, {len(report.violations)} violations")
         await asyncio.to_thread(srv.stop)
         _count_snapshots(srv, report)
+        # a clean stop flushes everything, releases included: nothing is held after it
+        await asyncio.to_thread(srv.start)
+        async with fastlock.connect(srv.address, client_name="crash-checker") as chk:
+            st = await chk.status()
+        if st["locks_held"] != 0:
+            run.violation(f"{st['locks_held']} locks held after every lease was released and a clean stop")
+        if st["counter"] < (run.max_acked & COUNTER_MASK):
+            run.violation(f"server counter {st['counter']} below acknowledged token {run.max_acked}")
+        await asyncio.to_thread(srv.stop)
         _check_ledger(db, run)
         try:
             run.history.check()

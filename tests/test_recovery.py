@@ -228,14 +228,18 @@ async def test_torn_tail_is_cut_and_logged(tmp_path, servers, loop_errors):
     assert not any("torn tail" in line for line in srv.lines)
 
 
-async def test_mid_log_corruption_refuses_to_start(tmp_path, servers, loop_errors):
+@pytest.mark.parametrize("where", ["last", "older"])
+async def test_mid_log_corruption_refuses_to_start(tmp_path, servers, loop_errors, where):
     data = tmp_path / "data"
     srv = await start(servers(data))
-    async with fastlock.connect(srv.address, client_name="t") as c:
-        for i in range(10):  # ten round trips: ten batches in the segment
-            await c.release(await c.acquire(f"mid/{i}", ttl=30.0))
-    await down(srv, "stop")
-    seg = segments(data)[-1]
+    for life in range(2 if where == "older" else 1):
+        if life:
+            await start(srv)  # a second segment after the first
+        async with fastlock.connect(srv.address, client_name="t") as c:
+            for i in range(10):  # ten round trips: ten batches in the segment
+                await c.release(await c.acquire(f"mid/{i}", ttl=30.0))
+        await down(srv, "stop")
+    seg = segments(data)[0 if where == "older" else -1]
     with open(seg, "r+b") as f:  # flip a byte in the first record's body (valid batches follow)
         f.seek(24 + 12)
         b = f.read(1)
@@ -247,8 +251,11 @@ async def test_mid_log_corruption_refuses_to_start(tmp_path, servers, loop_error
         await start(srv)
     assert srv.proc.returncode not in (0, None)
     out = str(err.value)
-    assert "mid-log corruption" in out and "refusing to start" in out
-    assert seg in out and "offset 24" in out
+    if where == "last":
+        assert "mid-log corruption" in out and "refusing to start" in out
+    else:
+        assert "corrupt record in a non-last segment" in out
+    assert f"{seg}: CRC mismatch at offset 24" in out
     assert open(seg, "rb").read() == damaged  # nothing was cut or "repaired" behind our back
     assert not any("listening on" in line for line in srv.lines)
 
