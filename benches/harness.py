@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -74,7 +75,7 @@ def percentile(sorted_values: list[float], p: float) -> float:
     """Nearest-rank percentile of an already sorted list (``p`` in 0..100)."""
     if not sorted_values:
         return float("nan")
-    k = max(0, min(len(sorted_values) - 1, int(round(p / 100.0 * len(sorted_values) + 0.5)) - 1))
+    k = min(len(sorted_values), max(1, math.ceil(p / 100.0 * len(sorted_values)))) - 1
     return sorted_values[k]
 
 

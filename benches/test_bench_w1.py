@@ -84,3 +84,34 @@ def test_w1_acquire_release(benchmark, session, loop):
     if benchmark.stats is not None:
         benchmark.extra_info["us_per_pair"] = benchmark.stats.stats.median / PAIRS_PER_ROUND * 1e6
     assert all(a < b for a, b in zip(tokens, tokens[1:])), "fencing tokens must strictly increase"
+
+
+# -- sanity checks of the harness itself (no timing asserted; skipped by --benchmark-only) --
+
+def test_statistics_helpers():
+    from benches import harness
+    s = list(range(1, 101))
+    assert harness.percentile(s, 50) == 50
+    assert harness.percentile(s, 99) == 99
+    assert harness.percentile(s, 100) == 100
+    assert harness.jain_index([5, 5, 5, 5]) == 1.0
+    assert abs(harness.jain_index([1, 0, 0, 0]) - 0.25) < 1e-12
+
+
+def test_harness_runs_each_workload_against_the_echo_floor():
+    from benches import harness
+    target = EchoTarget()
+    wls = harness.standard_workloads(0.3, 0.1, w2_clients=4, w3_clients=3)
+    with harness.running(target):
+        pid = target.servers[0].pid
+        rows = [harness.run_workload(target, wl) for wl in wls.values()]
+    for row in rows:
+        assert row["error_count"] == 0, row["errors"]
+        assert row["pairs"] > 0
+        assert row["round_trips_per_pair"] >= 2
+    w3 = rows[2]
+    assert sum(w3["per_client_acquisitions"]) == w3["handoffs"]
+    import os
+    import pytest as _pytest
+    with _pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the server is gone after running()

@@ -148,4 +148,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # servers were stopped by the finally blocks on the way out
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
