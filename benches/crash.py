@@ -389,6 +389,10 @@ async def run_crash(cfg: CrashConfig, workdir: str, *, log=None) -> CrashReport:
             await _check_recovered(srv, workers, run)
             if log is not None and (r + 1) % 10 == 0:
                 log(f"  {r + 1} kills: {report.grants} grants, {len(report.violations)} violations")
+        # a client whose acquire was cut off by a kill cancels it (by owner) when it next
+        # connects: make every client reconnect, so that no unacknowledged grant is left
+        for w in workers:
+            await w.client.ping()
         await asyncio.to_thread(srv.stop)
         _count_snapshots(srv, report)
         # a clean stop flushes everything, releases included: nothing is held after it
