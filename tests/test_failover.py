@@ -568,6 +568,162 @@ def test_delayed_replicate_from_a_promoted_standby_does_not_unfence_the_primary(
     run(main())
 
 
+def test_old_primary_rejoins_as_standby_of_the_new_one_and_fails_back(cluster):
+    """kill -9, promotion, then the old primary's data dir restarted with
+    ``--standby-of`` the new primary: it resyncs (epoch 1, the new primary's
+    leases), and when the new primary dies in turn it takes over with epoch 2."""
+    p = cluster.primary()
+    s = cluster.standby(p.address, failover_after=FAILOVER, grace=GRACE)
+
+    async def main():
+        a = await RawNode.open(p.address)
+        try:
+            t0, _, o0 = await a.acquire("kept", 5000)
+            await a.acquire("orphan", 5000)  # nobody will renew it: replicated all the same
+            await poll(lambda: status_of(s.address), lambda st: st["locks_held"] == 2, timeout=5,
+                       what="standby caught up")
+        finally:
+            await a.close()
+        promoted = asyncio.ensure_future(log_line(s, r"PROMOTED", 10))
+        await asyncio.to_thread(p.kill)
+        await promoted
+        b = await RawNode.open(s.address)
+        try:
+            t1, _, o1 = await asyncio.wait_for(b.acquire("new", 5000, wait_ms=3000), 5)
+            assert epoch(t1) == 1 and t1 > t0
+            assert await b.extend("kept", t0, o0, 5000) == 5000
+        finally:
+            await b.close()
+
+        # the old primary comes back as a standby of the new one
+        old = await asyncio.to_thread(
+            lambda: cluster._start(type(p)(p.data_dir, args=["--standby-of", s.address, "--name", "old",
+                                                             "--failover-after", str(FAILOVER),
+                                                             "--promotion-grace", str(GRACE)])))
+        await asyncio.to_thread(old.wait_for_log, r"applied snapshot at primary LSN \d+: 3 leases, epoch 1", 10)
+        st = await poll(lambda: status_of(old.address),
+                        lambda st: st["replication"]["lag_records"] == 0 and st["locks_held"] == 3,
+                        timeout=5, what="old primary resynced as a standby")
+        assert st["role"] == "standby" and st["epoch"] == 1
+        with pytest.raises(NotPrimary) as info:
+            n = await RawNode.open(old.address)
+            try:
+                await n.acquire("x", 1000)
+            finally:
+                await n.close()
+        assert info.value.primary == s.address
+
+        # fail back
+        promoted = asyncio.ensure_future(log_line(old, r"PROMOTED", 10))
+        await asyncio.to_thread(s.kill)
+        await promoted
+        c = await RawNode.open(old.address)
+        try:
+            assert c.hello["epoch"] == 2
+            assert await c.extend("kept", t0, o0, 5000) == 5000
+            assert await c.extend("new", t1, o1, 5000) == 5000
+            t2, _, _ = await asyncio.wait_for(c.acquire("after", 5000, wait_ms=3000), 5)
+            assert epoch(t2) == 2 and t2 > t1
+        finally:
+            await c.close()
+
+    run(main())
+
+
+def test_short_partition_fences_then_unfences_without_promotion(cluster):
+    """A partition shorter than the failover window: the primary stops granting
+    (a new acquire queues), the link heals before the standby may promote, the
+    primary resumes and grants the queued acquire; the standby stays a standby."""
+    p = cluster.primary(args=["--fence-margin", "1.0"])
+    px = cluster.proxy(p.address)
+    s = cluster.standby(px.address, failover_after=2.0, grace=GRACE)
+
+    async def main():
+        a = await RawNode.open(p.address)
+        b = await RawNode.open(p.address)
+        try:
+            token, _, owner = await a.acquire("y", 10_000)
+            queued = asyncio.ensure_future(b.acquire("y", 5000, wait_ms=10_000))
+            await poll(lambda: a.status(), lambda st: st["waiters"] == 1, timeout=5, what="waiter queued")
+            px.pause()
+            paused_at = time.monotonic()
+            await poll(lambda: a.status(), lambda st: st["replication"]["fenced"], timeout=2.0,
+                       what="the primary to fence itself")
+            with pytest.raises(Unavailable):
+                await a.acquire("x", 1000)
+            await a.release("y", token, owner)  # the queued acquire is held, not granted
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(queued), 0.1)
+            await asyncio.sleep(max(0.0, paused_at + 1.3 - time.monotonic()))
+            assert not queued.done()
+            px.resume()
+            await poll(lambda: a.status(), lambda st: not st["replication"]["fenced"], timeout=2.0,
+                       what="the primary to unfence")
+            t2, _, _ = await asyncio.wait_for(queued, 2)
+            assert epoch(t2) == 0 and t2 > token
+            t3, _, _ = await a.acquire("x", 1000)
+            st = await status_of(s.address)
+            assert st["role"] == "standby" and st["epoch"] == 0
+        finally:
+            await a.close()
+            await b.close()
+        assert not any("PROMOTED" in line for line in s.lines)
+
+    run(main())
+
+
+def test_standby_gone_primary_fences_until_serve_alone(cluster):
+    """The standby dies (no promotion): the primary fences itself by its own
+    timer; ``fastlock serve-alone`` is the operator's override; a standby
+    attaching again turns the fence back on."""
+    import subprocess
+    import sys
+
+    p = cluster.primary()
+    s = cluster.standby(p.address, failover_after=FAILOVER)
+
+    async def main():
+        a = await RawNode.open(p.address)
+        try:
+            token, _, owner = await a.acquire("k", 10_000)
+            queued = asyncio.ensure_future(a.acquire("k", 10_000, wait_ms=10_000))
+            await asyncio.to_thread(s.kill)
+            killed_at = time.monotonic()
+            await poll(lambda: a.status(), lambda st: st["replication"]["fenced"], timeout=FAILOVER + 1,
+                       what="the primary to fence itself")
+            assert time.monotonic() - killed_at < FAILOVER
+            with pytest.raises(Unavailable):
+                await a.extend("k", token, owner, 10_000)
+            with pytest.raises(Unavailable):
+                await a.acquire("other", 1000)
+            await a.release("k", token, owner)  # allowed; but the queued acquire is not granted
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(queued), 0.3)
+
+            res = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "fastlock", "serve-alone",
+                                                           "--server", p.address],
+                                          capture_output=True, text=True, timeout=20)
+            assert res.returncode == 0, res.stderr
+            t2, _, o2 = await asyncio.wait_for(queued, 2)  # granted at once
+            assert t2 > token
+            st = await a.status()
+            assert st["replication"]["serving_alone"] and not st["replication"]["fenced"]
+            assert await a.extend("k", t2, o2, 10_000) == 10_000
+
+            s2 = await asyncio.to_thread(cluster.standby, p.address, "standby2", failover_after=FAILOVER)
+            st = await poll(lambda: a.status(), lambda st: len(st["replication"]["standbys"]) == 1, timeout=5,
+                            what="the new standby attached")
+            assert not st["replication"]["serving_alone"]
+            assert st["replication"]["paired_window_ms"] == int(FAILOVER * 1000)
+            await asyncio.to_thread(s2.kill)
+            await poll(lambda: a.status(), lambda st: st["replication"]["fenced"], timeout=FAILOVER + 1,
+                       what="the fence to apply again")
+        finally:
+            await a.close()
+
+    run(main())
+
+
 # --------------------------------------------------------------------------- the client's part
 
 
