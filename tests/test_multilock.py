@@ -24,16 +24,18 @@ async def test_acquire_many_takes_all_in_byte_order_and_releases_all(client, con
     watcher = await connect("watcher")
     names = ["b", "é", "a", "Z", "aa"]  # code point / UTF-8 byte order: Z a aa b é
     granted: list[str] = []
+    ready = [asyncio.Event() for _ in names]
 
-    async def watch(name):
+    async def watch(name, ready):
         async for event in watcher.watch(name):
-            if event.kind == "granted":
+            if event.kind == "free":
+                ready.set()  # subscribed: every later change will be pushed
+            elif event.kind == "granted":
                 granted.append(name)
                 return
 
-    watchers = [asyncio.ensure_future(watch(n)) for n in names]
-    await wait_until(lambda: watcher._proto is not None and len(watcher._proto.watches) == len(names),
-                     what="watches registered")
+    watchers = [asyncio.ensure_future(watch(n, r)) for n, r in zip(names, ready)]
+    await asyncio.wait_for(asyncio.gather(*(r.wait() for r in ready)), TIMEOUT)
     multi = await client.acquire_many(names, ttl=5.0)
     await asyncio.wait_for(asyncio.gather(*watchers), TIMEOUT)
     assert multi.names == ("Z", "a", "aa", "b", "é")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -89,8 +90,11 @@ def test_unknown_command_and_unreachable_server(server, tmp_path):
     out = subprocess.run(run_cmd(server, "nf", command=["/nonexistent/command"], tmp_path=tmp_path),
                          capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
     assert out.returncode == 127
-    out = subprocess.run([sys.executable, "-m", "fastlock.runner", "x", "--server", "127.0.0.1:1", "--", "true"],
-                         capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+    with socket.socket() as unused:  # bound, never listening: connections are refused
+        unused.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{unused.getsockname()[1]}"
+        out = subprocess.run([sys.executable, "-m", "fastlock.runner", "x", "--server", dead, "--", "true"],
+                             capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
     assert out.returncode == 69
     out = subprocess.run([sys.executable, "-m", "fastlock.runner", "x"], capture_output=True, text=True,
                          timeout=TIMEOUT, cwd=tmp_path)

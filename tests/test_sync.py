@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -143,6 +144,8 @@ def test_close_stops_the_thread_and_refuses_calls(server):
 
 def test_connect_failure_raises_and_leaves_no_thread():
     before = threading.active_count()
-    with pytest.raises(fastlock.ConnectionLost):
-        SyncClient("127.0.0.1:1", connect_timeout=1.0)
+    with socket.socket() as unused:  # bound, never listening: connections are refused
+        unused.bind(("127.0.0.1", 0))
+        with pytest.raises(fastlock.ConnectionLost):
+            SyncClient(f"127.0.0.1:{unused.getsockname()[1]}", connect_timeout=1.0)
     assert threading.active_count() == before
