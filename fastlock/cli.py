@@ -87,6 +87,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="primary: stop granting this long before a silent standby may promote "
                         "(default: a quarter of its failover window)")
     s.add_argument("--name", metavar="NAME", help="this node's name in logs and replication status")
+    s.add_argument("--repair-wal", action="store_true",
+                   help="start even if the WAL's last segment has a damaged record in the middle: cut it "
+                        "there (records after it are lost; logged at ERROR). Without it the server refuses.")
     s.add_argument("--no-uvloop", action="store_true", help="use the stdlib asyncio loop")
     s.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
@@ -149,6 +152,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         promotion_grace_ms=None if args.promotion_grace is None else int(args.promotion_grace * 1000),
         fence_margin_ms=None if args.fence_margin is None else int(args.fence_margin * 1000),
         name=args.name,
+        repair_wal=args.repair_wal,
     )
     return serve(config, use_uvloop=not args.no_uvloop)
 

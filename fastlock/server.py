@@ -60,7 +60,7 @@ from .errors import (
     Unavailable,
 )
 from .replication import ReplicationSource, StandbyFollower
-from .wal import HolderRecord, WriteAheadLog
+from .wal import HolderRecord, WalCorruption, WriteAheadLog
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ class ServerConfig:
     promotion_grace_ms: int | None = None  # after promotion, no grants for this long (None: longest TTL seen)
     fence_margin_ms: int | None = None  # primary: stop granting this long before a standby may promote
     name: str | None = None  # this node's name in logs and replication status
+    repair_wal: bool = False  # cut a damaged last WAL segment instead of refusing to start
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -221,7 +222,7 @@ class LockServer:
     async def start(self) -> None:
         loop = self._loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        state = self.wal.open()
+        state = self.wal.open(repair=self.config.repair_wal)
         table = self.table
         table.set_epoch(state.epoch)
         table.advance_counter(state.counter)
@@ -768,4 +769,12 @@ def serve(config: ServerConfig, *, use_uvloop: bool = True) -> int:
     """Run a server until SIGTERM/SIGINT.  Returns the process exit status."""
     loop_name = _install_loop_policy() if use_uvloop else "asyncio"
     log.info("event loop: %s", loop_name)
-    return asyncio.run(_serve(config))
+    try:
+        return asyncio.run(_serve(config))
+    except WalCorruption as exc:
+        log.critical("refusing to start: %s (start with --repair-wal to cut the damaged tail and "
+                     "lose the records after it)", exc)
+        return 2
+    except OSError as exc:
+        log.critical("cannot start: %s", exc)
+        return 1
