@@ -6,6 +6,7 @@ Subcommands::
     fastlock demo                     a server + worker processes writing a fenced ledger
     fastlock status [--server HOST:PORT]
     fastlock wal dump [--lock NAME] DIR
+    fastlock run NAME --ttl S [--wait S] [--server HOST:PORT] -- CMD ...
     fastlock promote --server HOST:PORT [--force]
     fastlock serve-alone --server HOST:PORT
 """
@@ -110,6 +111,10 @@ def _build_parser() -> argparse.ArgumentParser:
     sa.add_argument("--server", required=True, metavar="HOST:PORT", help="the primary")
     sa.add_argument("--auth-secret-file", metavar="FILE")
 
+    from . import runner
+
+    runner.add_run_parser(sub)
+
     w = sub.add_parser("wal", help="inspect a write-ahead log")
     wsub = w.add_subparsers(dest="wal_command", required=True)
     wd = wsub.add_parser("dump", help="print the grant/release/expiry history")
@@ -209,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         return demo_main(args.args)
     if args.command == "status":
         return _cmd_status(args)
+    if args.command == "run":
+        from . import runner
+
+        return runner.main(args.args)
     if args.command in ("promote", "serve-alone"):
         from . import protocol as P
         from .errors import FastlockError

@@ -340,6 +340,9 @@ class Client:
         self._orphans: list[tuple[str, bytes]] = []  # acquires whose reply was lost with a connection
         self._rtt = 0.001  # smoothed round-trip estimate, seconds
         self.server_info: dict = {}
+        #: the highest fencing epoch this client has seen; sent in every HELLO so
+        #: that a deposed primary that still runs learns it and steps down
+        self.max_epoch = 0
 
     # -- connection management ------------------------------------------------------
     async def _ensure_connected(self) -> _ClientProtocol:
@@ -377,7 +380,8 @@ class Client:
                 continue
             try:
                 info = await asyncio.wait_for(
-                    self._call(proto, P.OP_HELLO, P.PROTOCOL_VERSION, self._client_name, self._auth),
+                    self._call(proto, P.OP_HELLO, P.PROTOCOL_VERSION, self._client_name, self._auth,
+                               self.max_epoch),
                     self._connect_timeout,
                 )
             except NotPrimary as exc:
@@ -401,6 +405,7 @@ class Client:
                     candidates.insert(0, _parse_address(primary))
                 continue
             self.server_info = info
+            self.max_epoch = max(self.max_epoch, info.get("epoch", 0))
             self._proto = proto
             log.debug("connected to %s:%d (session %s)", addr[0], addr[1], info.get("session"))
             if self._orphans:
@@ -508,6 +513,9 @@ class Client:
         # and before we received; for a queued grant, back off one RTT.
         start = sent if received - sent <= 2 * self._rtt + 0.002 else received - self._rtt
         self._observe_rtt(received - sent, queued=wait_ms != 0)
+        epoch = token >> 40
+        if epoch > self.max_epoch:
+            self.max_epoch = epoch
         return Lease(name, token, granted_ttl, owner, _LostEvent(), start + granted_ttl)
 
     def _abandon(self, proto: _ClientProtocol, name: str, owner: bytes) -> None:

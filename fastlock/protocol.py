@@ -47,10 +47,12 @@ PROMOTE    14  force                                                  dict (new 
 SERVE_ALONE 15 -                                                      None
 =========  ==  =====================================================  ======================
 
-holder info is ``{"token": int, "client": str|None, "ttl_ms": int, "remaining_ms": int}``.
+holder info is ``{"token": int, "client": str|None, "correlation_id": str|None, "ttl_ms": int,
+"remaining_ms": int}``.
 After WATCH, every change of the lock's holder is pushed to the watching
 connection, in the order the server applied them, as
-``[0, "watch", [name, "granted"|"released"|"expired", token, client_name|None]]``.
+``[0, "watch", [name, "granted"|"released"|"expired", token, client_name|None, correlation_id|None]]``
+(client name and correlation id are the lease's, as given by the acquire that got it).
 A grant is pushed when it is durable (when its holder is told), never before.
 
 ``wait_ms`` is -1 to wait forever, 0 to try once.  ``owner`` is a random

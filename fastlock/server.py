@@ -341,7 +341,7 @@ class LockServer:
             elif kind == EV_EXPIRED:
                 wal.log_expire(ev.name, ev.token)
                 if ev.name in self._watchers:
-                    self._notify(ev.name, "expired", ev.token, ev.meta[0] if ev.meta else None)
+                    self._notify(ev.name, "expired", ev.token, ev.meta)
                 log.info("lease expired: %s token %d (holder %s)", ev.name, ev.token, ev.meta[0] if ev.meta else None)
             elif kind == EV_WAIT_TIMEOUT:
                 conn = sessions.get(ev.session)
@@ -365,7 +365,7 @@ class LockServer:
         watchers = self._watchers
         for ev in grants:
             if watchers and ev.name in watchers and ev.fresh:
-                self._notify(ev.name, "granted", ev.token, ev.meta[0] if ev.meta else None)
+                self._notify(ev.name, "granted", ev.token, ev.meta)
             conn = sessions.get(ev.session)
             if conn is None or conn.closed:
                 # Nobody can learn this token any more: release it now rather
@@ -375,7 +375,7 @@ class LockServer:
                     table.release(ev.name, ev.token, ev.owner, now_ms())
                 except NotHolder:
                     continue
-                self._released(ev.name, ev.token, ev.meta[0] if ev.meta else None)
+                self._released(ev.name, ev.token, ev.meta)
                 undelivered = True
                 log.info("released undeliverable grant %s token %d (session %d gone)", ev.name, ev.token, ev.session)
                 continue
@@ -516,11 +516,17 @@ class LockServer:
         token = P.check_token(msg[3])
         owner = P.check_owner(msg[4])
         self._must_be_primary()
+        table = self.table
+        now = now_ms()
+        meta = None
+        if name in self._watchers:  # watchers are told whose lease it was
+            holder = table.holder(name, now)
+            meta = holder.meta if holder is not None else None
         try:
-            self.table.release(name, token, owner, now_ms())
+            table.release(name, token, owner, now)
         except NotHolder:
             raise LeaseLost(f"{name!r}: token {token} is not the current holder (expired, released or never held)") from None
-        self._released(name, token, conn.client_name)
+        self._released(name, token, meta)
         conn.send(P.encode_ok(req_id, None))
 
     def _op_extend(self, conn: _Connection, req_id: int, msg: list) -> None:
@@ -558,7 +564,7 @@ class LockServer:
             if holder is not None and holder.owner == owner:
                 # The grant raced with the cancel: release it, never leak it.
                 table.release(name, holder.token, owner, now)
-                self._released(name, holder.token, holder.meta[0] if holder.meta else None)
+                self._released(name, holder.token, holder.meta)
                 result = "released"
         conn.send(P.encode_ok(req_id, result))
 
@@ -569,14 +575,15 @@ class LockServer:
         self._must_be_primary()
         conn.send(P.encode_ok(req_id, self.table.check(name, token, now_ms())))
 
-    def _released(self, name: str, token: int, client_name: str | None) -> None:
-        """Log a release and tell the lock's watchers."""
+    def _released(self, name: str, token: int, meta: tuple | None) -> None:
+        """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id))."""
         self.wal.log_release(name, token)
         if name in self._watchers:
-            self._notify(name, "released", token, client_name)
+            self._notify(name, "released", token, meta)
 
-    def _notify(self, name: str, what: str, token: int, client_name: str | None) -> None:
-        data = P.encode_push(P.PUSH_WATCH, [name, what, token, client_name])
+    def _notify(self, name: str, what: str, token: int, meta: tuple | None) -> None:
+        client, corr = meta if meta else (None, None)
+        data = P.encode_push(P.PUSH_WATCH, [name, what, token, client, corr])
         for conn in self._watchers[name]:
             conn.send(data)
 
@@ -585,7 +592,8 @@ class LockServer:
         h = self.table.holder(name, now)
         if h is None:
             return None
-        return {"token": h.token, "client": h.meta[0] if h.meta else None, "ttl_ms": h.ttl_ms,
+        client, corr = h.meta if h.meta else (None, None)
+        return {"token": h.token, "client": client, "correlation_id": corr, "ttl_ms": h.ttl_ms,
                 "remaining_ms": h.deadline_ms - now}
 
     def _op_watch(self, conn: _Connection, req_id: int, msg: list) -> None:

@@ -727,9 +727,6 @@ def test_standby_gone_primary_fences_until_serve_alone(cluster):
 # --------------------------------------------------------------------------- the client's part
 
 
-@pytest.mark.xfail(strict=True, reason="client.py does not send the highest epoch it has seen in HELLO "
-                                       "(protocol: HELLO's optional 4th argument known_epoch), so a "
-                                       "reconnect to a deposed-but-alive old primary does not make it step down")
 def test_client_that_saw_the_new_epoch_deposes_the_old_primary(cluster):
     p = cluster.primary()
     s = cluster.standby(p.address, failover_after=FAILOVER, grace=GRACE)

@@ -367,3 +367,37 @@ async def test_relaxed_fsync_modes_grant_and_hand_off(server_factory, loop_error
             tokens.append(handed.fencing_token)
             await b.release(handed)
         assert tokens == sorted(set(tokens))
+
+
+async def test_holder_and_watch_carry_the_lease_owners_names(client, connect):
+    other = await connect("releaser")
+    events = []
+    got = asyncio.Event()
+
+    async def watch():
+        async for ev in client.watch("names"):
+            events.append(ev)
+            if len(events) == 3:
+                got.set()
+                return
+
+    task = asyncio.ensure_future(watch())
+    await wait_until(lambda: len(events) == 1, what="watch started")
+    lease = await client.acquire("names", ttl=10.0, correlation_id="req-7")
+    info = await client.holder("names")
+    assert (info["client"], info["correlation_id"]) == ("test-client", "req-7")
+    await other.release(lease)  # released by another connection: still the holder's names
+    await asyncio.wait_for(got.wait(), 5)
+    await task
+    assert [(e.kind, e.client, e.correlation_id) for e in events[1:]] == [
+        ("granted", "test-client", "req-7"), ("released", "test-client", "req-7")]
+
+
+def test_cli_run_is_wired(tmp_path, server):
+    out = subprocess.run(
+        [sys.executable, "-m", "fastlock", "run", "cli-run", "--ttl", "5", "--server", server.address, "--",
+         sys.executable, "-c", "import os; print(os.environ['FASTLOCK_FENCING_TOKEN'])"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) > 0
