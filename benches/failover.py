@@ -25,7 +25,10 @@ w2
     W2 of :mod:`benches.harness` (``--concurrency`` client tasks, each on its
     own lock, acquire+release in a closed loop) against a primary alone and
     against a primary with a standby attached (``--failover-after F``), in one
-    run, alternating ``--rounds`` times (ABBA...), medians reported.  The
+    run, alternating ``--rounds`` times (ABBA...), medians reported.  Each row
+    shows the CPU % of the client, of the server processes (primary, and
+    standby when attached) and of other processes; on a shared 2-core machine
+    rows with other processes above 20 % are marked NOISY (``--quiet-wait``).  The
     ratio with/without is the figure (target: >= 80 %).  While the standby is
     attached a thread samples the primary's ``status`` every 50 ms: its
     ``replication.standbys[0]`` ``lag_records`` (records written but not yet
@@ -174,6 +177,8 @@ def run_w2(args: argparse.Namespace, log) -> dict[str, Any]:
     for r in range(args.rounds):
         order += ["alone", "standby"] if r % 2 == 0 else ["standby", "alone"]
     for kind in order:
+        if args.quiet_wait > 0:
+            harness.wait_for_quiet(args.quiet_wait, log=log)
         target = (FastlockTarget(fsync=args.fsync) if kind == "alone"
                   else FastlockWithStandby(fsync=args.fsync, failover_after=args.failover_after))
         sampler = None
@@ -189,7 +194,11 @@ def run_w2(args: argparse.Namespace, log) -> dict[str, Any]:
                     sampler.join(5)
         rows[kind].append(row)
         msg = f"  W2 {kind:<8} {row.get('pairs_per_s', float('nan')):>9.0f} pairs/s  p99 " \
-              f"{row.get('pair_us', {}).get('p99', float('nan')):.0f} us  errors {row.get('error_count')}"
+              f"{row.get('pair_us', {}).get('p99', float('nan')):.0f} us  errors {row.get('error_count')}  " \
+              f"cpu % client/servers/other {row.get('client_cpu_pct', float('nan')):.0f}/" \
+              f"{row.get('server_cpu_pct', float('nan')):.0f}/{row.get('other_cpu_pct', float('nan')):.0f}"
+        if row.get("other_cpu_pct", 0) > 20:
+            msg += "  (NOISY: other processes)"
         if sampler is not None:
             lag = sampler.summary()
             lags.append(lag)
@@ -318,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="W2 runs per configuration, alternating (median)")
     ap.add_argument("--fsync", choices=("always", "interval", "never"), default="always")
     ap.add_argument("--only", default="failover,w2", help="comma list of failover, w2")
+    ap.add_argument("--quiet-wait", type=float, default=0.0, metavar="S",
+                    help="before each W2 run, wait up to S seconds for other processes to go quiet")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--uvloop", dest="uvloop", action="store_true", default=True)
     g.add_argument("--no-uvloop", dest="uvloop", action="store_false")
