@@ -123,8 +123,9 @@ async def open_client(host: str, port: int) -> EchoClientProtocol:
 class EchoSession(harness.Session):
     """acquire = one echo of an acquire-sized request; release = one echo of a release-sized one."""
 
-    def __init__(self, proto: EchoClientProtocol, idx: int) -> None:
+    def __init__(self, proto: EchoClientProtocol, idx: int, handoff_chain: bool = False) -> None:
         self.proto = proto
+        self.handoff_chain = handoff_chain
         self.acquire_id = os.urandom(16)
         self.round_trips = 0
         self.wasted = 0
@@ -137,6 +138,8 @@ class EchoSession(harness.Session):
         return None
 
     async def release(self, name: str) -> None:
+        if self.handoff_chain:
+            return  # see EchoTarget: the release is not on a hand-off's critical path
         self.round_trips += 1
         # shaped like a release: [id, op, name, fencing token, owner key]
         await self.proto.request(2, name, (1 << 40) + self.round_trips, self.acquire_id)
@@ -157,6 +160,7 @@ class EchoTarget(harness.Target):
     def __init__(self, *, use_uvloop: bool = True) -> None:
         super().__init__()
         self.use_uvloop = use_uvloop
+        self.handoff_chain = False
         self.port: int | None = None
 
     def start(self) -> None:
@@ -168,7 +172,23 @@ class EchoTarget(harness.Target):
         self.port = srv.start(ready_regex=r"listening on 127\.0\.0\.1:(\d+)")
 
     async def open(self, idx: int) -> harness.Session:
-        return EchoSession(await open_client(harness.LOOPBACK, self.port), idx)
+        return EchoSession(await open_client(harness.LOOPBACK, self.port), idx, self.handoff_chain)
+
+    def handoff_floor(self, hold: float, duration: float, warmup: float, *, use_uvloop: bool = True) -> dict:
+        """The W3 floor: ONE client that holds ``hold`` s, then does one echo round trip.
+
+        A FIFO lock hand-off costs, on its critical path, the hold plus one
+        round trip's worth of messages (release to the server, grant to the
+        next waiter) and the wake-up of an idle process: exactly this loop, with
+        a server that does nothing.  Its rate is what no lock server on this
+        machine can beat; the row is reported as W3 of the echo floor.
+        """
+        self.handoff_chain = True
+        try:
+            wl = harness.Workload("W3", 1, True, hold, duration, warmup)
+            return harness.run_workload(self, wl, use_uvloop=use_uvloop)
+        finally:
+            self.handoff_chain = False
 
 
 def _repo_root() -> str:

@@ -629,11 +629,21 @@ def run_async(coro, *, use_uvloop: bool = True):
 
 def run_target(target: Target, workloads: Iterable[Workload], *, use_uvloop: bool = True,
                log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Start a target, run each workload on it, stop it; failures become error rows."""
+    """Start a target, run each workload on it, stop it; failures become error rows.
+
+    The echo floor runs W1 and W2 as given, and W3 as its hand-off floor
+    (one client: hold, then one round trip; see ``EchoTarget.handoff_floor``).
+    """
     rows: list[dict[str, Any]] = []
     try:
         with running(target):
             for wl in workloads:
+                if target.is_floor and wl.shared_lock:
+                    log(f"  {target.name:<28} W3 floor (1 client: hold {wl.hold * 1e3:g} ms + 1 round trip) ...")
+                    row = target.handoff_floor(wl.hold, wl.duration, wl.warmup, use_uvloop=use_uvloop)
+                    rows.append(row)
+                    log("    " + one_line(row))
+                    continue
                 log(f"  {target.name:<28} {wl.name} ({wl.clients} clients, {wl.duration:g}+{wl.warmup:g} s) ...")
                 try:
                     row = run_workload(target, wl, use_uvloop=use_uvloop)

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     busy = harness.wait_for_quiet(args.quiet_wait, log=say)
     say(f"W1/W2/W3: {duration:g} s each after {warmup:g} s warmup; uvloop={args.uvloop}; results -> {out}")
-    rows += harness.run_target(EchoTarget(use_uvloop=args.uvloop), [wls["W1"], wls["W2"]],
+    rows += harness.run_target(EchoTarget(use_uvloop=args.uvloop), wls.values(),
                                use_uvloop=args.uvloop, log=say)
     for t in main_targets:
         rows += harness.run_target(t, wls.values(), use_uvloop=args.uvloop, log=say)

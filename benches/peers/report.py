@@ -126,14 +126,20 @@ def markdown(payload: dict) -> str:
                  f"{r['client_cpu_pct']:.0f} / {r['server_cpu_pct']:.0f} |")
 
     bound = 1.0 / (hold + rtt / 1e6) if not math.isnan(rtt) else float("nan")
+    echo3 = _row(payload, "echo floor", "W3")
+    cold = (1e6 / echo3["handoffs_per_s"] - echo3["hold_measured_us"]["mean"]) if echo3 else float("nan")
     L.append(f"\n## W3 — {payload['w3_clients']} clients on ONE lock, each holding it {payload['hold_ms']:g} ms\n")
-    L.append(f"Bound: 1 / (hold + echo round trip) = {_f(bound)}/s. Owner changes count grants whose holder "
-             "differs from the previous holder; wasted round trips are failed polling attempts.\n")
+    L.append(f"Bound: 1 / (hold + echo round trip) = {_f(bound)}/s. The echo floor row is ONE client that holds, "
+             f"then does one echo round trip: the hand-off chain with a server that does nothing; its cycle minus "
+             f"its hold is the *cold* round trip ({_f(cold)} µs), since processes idle during the hold must wake "
+             "up. Owner changes count grants whose holder differs from the previous holder; wasted round trips "
+             "are failed polling attempts.\n")
     L.append("| target | hand-offs/s | owner changes/s | time-to-acquire p50 µs | p99 µs | Jain | "
              "wasted RT/acquire | measured hold ms | × bound | fastlock ÷ this | CPU client/server % |")
     L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in _rows(payload, "W3"):
-        L.append(f"| {r['target']} | {r['handoffs_per_s']:,.0f} | {r['owner_changes_per_s']:,.0f} | "
+        chg = "– (1 client)" if r.get("is_floor") else f"{r['owner_changes_per_s']:,.0f}"
+        L.append(f"| {r['target']} | {r['handoffs_per_s']:,.0f} | {chg} | "
                  f"{r['time_to_acquire_us']['p50']:,.0f} | {r['time_to_acquire_us']['p99']:,.0f} | "
                  f"{r['jain']:.3f} | {_f(r.get('wasted_round_trips_per_acquire'), '{:.1f}')} | "
                  f"{r['hold_measured_us']['mean'] / 1e3:.2f} | {_f(_div(r['handoffs_per_s'], bound), '{:.2f}')} | "
