@@ -46,7 +46,8 @@ def _positive_int(value: str) -> int:
     return v
 
 
-def _seconds(value: str) -> float:
+def seconds_arg(value: str) -> float:
+    """argparse type: a finite number of seconds, 0 <= s < 1 year."""
     try:
         v = float(value)
     except ValueError:
@@ -78,13 +79,13 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiters-per-connection", type=_positive_int, default=10_000, metavar="N")
     s.add_argument("--standby-of", type=_listen, metavar="HOST:PORT",
                    help="run as a standby of this primary: follow its log, answer clients NotPrimary")
-    s.add_argument("--failover-after", type=_seconds, default=0.0, metavar="SECONDS",
+    s.add_argument("--failover-after", type=seconds_arg, default=0.0, metavar="SECONDS",
                    help="standby: promote itself after the primary has been silent this long (default: "
                         "only on `fastlock promote`); the primary then fences itself earlier (see --fence-margin)")
-    s.add_argument("--promotion-grace", type=_seconds, default=None, metavar="SECONDS",
+    s.add_argument("--promotion-grace", type=seconds_arg, default=None, metavar="SECONDS",
                    help="after promotion, grant nothing new for this long (default: the longest TTL seen); "
                         "shorten only when every writer enforces fencing tokens")
-    s.add_argument("--fence-margin", type=_seconds, default=None, metavar="SECONDS",
+    s.add_argument("--fence-margin", type=seconds_arg, default=None, metavar="SECONDS",
                    help="primary: stop granting this long before a silent standby may promote "
                         "(default: a quarter of its failover window)")
     s.add_argument("--name", metavar="NAME", help="this node's name in logs and replication status")

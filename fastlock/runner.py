@@ -47,6 +47,8 @@ import socket
 import sys
 from typing import Sequence
 
+from .cli import seconds_arg as _seconds
+
 log = logging.getLogger("fastlock.run")
 
 EXIT_LOST = 75  # EX_TEMPFAIL
@@ -58,16 +60,6 @@ EXIT_NOT_EXECUTABLE = 126
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 __all__ = ["main", "add_run_parser", "run_from_args", "EXIT_LOST", "EXIT_NOT_ACQUIRED", "EXIT_UNAVAILABLE"]
-
-
-def _seconds(value: str) -> float:
-    try:
-        v = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
-    if not v >= 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {value!r}")
-    return v
 
 
 def _exit_code(value: str) -> int:
