@@ -17,8 +17,10 @@ $(STAMP): $(SOURCES)
 demo: $(STAMP)
 	$(VENV)/bin/fastlock demo
 
+# run from tests/: subprocesses (`python -m fastlock ...`) then import the installed
+# package, never the uncompiled source tree
 test: $(STAMP)
-	$(VENV)/bin/pytest -q
+	cd tests && $(CURDIR)/$(VENV)/bin/pytest -q
 
 serve: $(STAMP)
 	$(VENV)/bin/fastlock serve

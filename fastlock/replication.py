@@ -54,7 +54,7 @@ Wire messages (see :mod:`fastlock.protocol` for the framing)::
                         [id, REPL_ACK, echoed_primary_ms, applied_lsn]          (no reply)
     primary -> standby  [0, "snap", [lsn, epoch, counter, holders, incarnation]]
                         [0, "repl", [first_lsn, last_lsn, frames]]               (WAL batch bytes)
-                        [0, "hb",   [primary_ms, last_lsn, epoch]]
+                        [0, "hb",   [primary_ms, last_lsn, epoch, longest_ttl_ms]]
 """
 
 from __future__ import annotations
@@ -207,7 +207,8 @@ class ReplicationSource:
             return
         server = self.server
         now = _now_ms()
-        msg = P.encode_push(PUSH_HEARTBEAT, [now, server.wal.stats()["last_lsn"], server.table.epoch])
+        msg = P.encode_push(PUSH_HEARTBEAT, [now, server.wal.stats()["last_lsn"], server.table.epoch,
+                                              server.max_ttl_ms])
         interval = 500
         for replica in self.replicas.values():
             if not replica.conn.closed:
@@ -361,8 +362,11 @@ class _FollowerProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             messages = self.decoder.feed(data)
+            ack = False
             for msg in messages:
-                self.follower._on_message(self, msg)
+                ack = self.follower._on_message(self, msg) or ack
+            if ack:  # one acknowledgement per read, however many batches it held
+                self.follower._ack(self)
         except FastlockError as exc:
             log.error("replication stream error: %s", exc)
             self.transport.abort()
@@ -468,7 +472,8 @@ class StandbyFollower:
                 log.warning("lost the replication connection to %s", self.primary_address)
 
     # -- the stream -------------------------------------------------------------------------
-    def _on_message(self, proto: _FollowerProtocol, msg: list) -> None:
+    def _on_message(self, proto: _FollowerProtocol, msg: list) -> bool:
+        """Apply one message; True if the primary should hear an acknowledgement."""
         req_id = msg[0]
         if req_id != 0:
             fut = proto.replies.pop(req_id, None)
@@ -479,14 +484,16 @@ class StandbyFollower:
                     from .errors import error_from_wire
 
                     fut.set_exception(error_from_wire(msg[1], msg[2], msg[3] if len(msg) > 3 else None))
-            return
+            return False
         kind, payload = msg[1], msg[2]
         self.last_heard_ms = _now_ms()
         if kind == PUSH_HEARTBEAT:
-            primary_ms, last_lsn, epoch = payload
+            primary_ms, last_lsn, epoch, max_ttl_ms = payload
             self.last_hb_primary_ms = primary_ms
             self.primary_last_lsn = last_lsn
             self.primary_epoch = max(self.primary_epoch, epoch)
+            # the longest TTL the primary has granted: the default promotion grace
+            self.max_ttl_ms = max(self.max_ttl_ms, max_ttl_ms)
         elif kind == PUSH_RECORDS:
             first, last, data = payload
             self._apply_records(decode_frames(data, first))
@@ -497,8 +504,8 @@ class StandbyFollower:
         elif kind == PUSH_SNAPSHOT:
             self._apply_snapshot(*payload)
         else:
-            return
-        self._ack(proto)
+            return False
+        return True
 
     def _ack(self, proto: _FollowerProtocol) -> None:
         if self.last_hb_primary_ms and proto.transport is not None and not proto.transport.is_closing():

@@ -184,6 +184,9 @@ class LockServer:
         )
         self.role = "standby" if config.standby_of else "primary"
         self.grace_until_ms = 0
+        #: the longest TTL this node has granted, extended or recovered (ms): a
+        #: standby's default promotion grace (sent in heartbeats)
+        self.max_ttl_ms = 0
         self.source = ReplicationSource(self, fence_margin_ms=config.fence_margin_ms)
         self.follower: StandbyFollower | None = None
         if config.standby_of:
@@ -228,6 +231,7 @@ class LockServer:
         table.advance_counter(state.counter)
         now = now_ms()
         for h in state.holders:
+            self.max_ttl_ms = max(self.max_ttl_ms, h.ttl_ms)
             # A fresh full TTL from recovery: we cannot know how long we were down.
             table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
                                  (h.client_name, h.correlation_id), now)
@@ -502,6 +506,8 @@ class LockServer:
             raise LimitExceeded(
                 f"this connection already has {self.config.max_waiters_per_connection} waiting acquires"
             )
+        if ttl_ms > self.max_ttl_ms:
+            self.max_ttl_ms = ttl_ms
         status = table.acquire(name, owner, conn.session, req_id, ttl_ms, wait_ms, delay_ms,
                                (conn.client_name, corr), now)
         if status == NOT_ACQUIRED:
@@ -541,6 +547,8 @@ class LockServer:
         if not self.source.may_act(now):
             raise Unavailable("this primary lost contact with its standby and is not extending leases")
         holder = table.holder(name, now)
+        if ttl_ms > self.max_ttl_ms:
+            self.max_ttl_ms = ttl_ms
         try:
             table.extend(name, token, owner, ttl_ms, now)
         except NotHolder:
@@ -697,7 +705,7 @@ class LockServer:
         await durable
         now = now_ms()
         holders = table.holders()
-        longest = follower.max_ttl_ms
+        longest = max(follower.max_ttl_ms, self.max_ttl_ms)
         for h in holders:
             table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, h.meta, now)
             longest = max(longest, h.ttl_ms)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sqlite3
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -702,7 +703,8 @@ def test_standby_gone_primary_fences_until_serve_alone(cluster):
 
             res = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "fastlock", "serve-alone",
                                                            "--server", p.address],
-                                          capture_output=True, text=True, timeout=20)
+                                          capture_output=True, text=True, timeout=20,
+                                          cwd=tempfile.gettempdir())
             assert res.returncode == 0, res.stderr
             t2, _, o2 = await asyncio.wait_for(queued, 2)  # granted at once
             assert t2 > token

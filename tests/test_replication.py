@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -44,7 +45,7 @@ def run(coro, timeout: float = 30.0):
 
 def cli(*args: str, timeout: float = 20.0) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fastlock", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=os.path.dirname(os.path.abspath(__file__)) + "/..")
+                          timeout=timeout, cwd=tempfile.gettempdir())  # outside the source tree
 
 
 async def caught_up(standby: str, primary: str, timeout: float = 5.0) -> tuple[dict, dict]:
