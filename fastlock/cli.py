@@ -89,6 +89,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="primary: stop granting this long before a silent standby may promote "
                         "(default: a quarter of its failover window)")
     s.add_argument("--name", metavar="NAME", help="this node's name in logs and replication status")
+    s.add_argument("--wal-writer", choices=("thread", "inline"), default="thread",
+                   help="thread (default): write+fsync on a writer thread while the loop keeps serving; "
+                        "inline: on the loop itself (lower latency when idle, stalls everyone during an fsync)")
     s.add_argument("--repair-wal", action="store_true",
                    help="start even if the WAL's last segment has a damaged record in the middle: cut it "
                         "there (records after it are lost; logged at ERROR). Without it the server refuses.")
@@ -159,6 +162,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         fence_margin_ms=None if args.fence_margin is None else int(args.fence_margin * 1000),
         name=args.name,
         repair_wal=args.repair_wal,
+        wal_writer=args.wal_writer,
     )
     return serve(config, use_uvloop=not args.no_uvloop)
 

@@ -91,6 +91,7 @@ class ServerConfig:
     fence_margin_ms: int | None = None  # primary: stop granting this long before a standby may promote
     name: str | None = None  # this node's name in logs and replication status
     repair_wal: bool = False  # cut a damaged last WAL segment instead of refusing to start
+    wal_writer: str = "thread"  # group commit on a writer thread, or "inline" on the loop (see wal.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -181,6 +182,7 @@ class LockServer:
             fsync_interval_ms=config.fsync_interval_ms,
             snapshot_every=config.snapshot_every,
             on_fatal=self._wal_fatal,
+            writer=config.wal_writer,
         )
         self.role = "standby" if config.standby_of else "primary"
         self.grace_until_ms = 0

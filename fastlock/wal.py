@@ -78,7 +78,11 @@ fsync modes and what each can lose
     written with one ``os.write`` and made durable with ONE ``os.fsync``; only
     then do their :meth:`~WriteAheadLog.when_durable` callbacks run.  At most
     one fsync is in flight; everything logged meanwhile forms the next batch.
-    Loses nothing that was acknowledged.  A crash may leave records that were
+    A batch that nobody waits for (only releases and expiries, which the
+    server acknowledges without the disk) is written but not fsynced: the next
+    waited-for batch's fsync covers it, or the ``fsync_interval_ms`` timer does.
+    So a grant that follows a release pays one fsync, not two.
+    Loses nothing that was acknowledged after a durability wait.  A crash may leave records that were
     written but never acknowledged (the in-flight batch); replay keeps them if
     they are intact, which is harmless (a grant nobody heard of expires after
     its TTL; its token is simply never used).  No reservation records are
@@ -867,7 +871,9 @@ class WriteAheadLog:
             self._queue = queue.SimpleQueue()
             self._thread = threading.Thread(target=self._writer_main, name="fastlock-wal", daemon=True)
             self._thread.start()
-        if self.fsync_mode == "interval":
+        if self.fsync_mode in ("interval", "always"):
+            # `always`: records nobody waited for (releases, expiries) are fsynced
+            # by the next grant's batch, or by this timer at the latest
             self._timer = self._loop.call_later(self.fsync_interval_ms / 1000.0, self._on_interval)
         if self._buf or self._waiters:
             self._schedule()
@@ -885,7 +891,12 @@ class WriteAheadLog:
         buf = self._buf
         if not buf and not self._sync_requested:
             return
-        sync = self._buf_sync or self._sync_requested or (self._always and bool(buf))
+        # In `always` mode a batch is fsynced when someone waits on it; a batch
+        # nobody waits for (releases, expiries: acknowledged without the disk)
+        # is only written, and rides on the next fsync (or the interval timer).
+        # So an acquire after a release costs one fsync, not two.
+        sync = (self._buf_sync or self._sync_requested
+                or (self._always and bool(buf) and (bool(self._waiters) or bool(self._sync_waiters))))
         if buf:
             # batch marks on the first and last frames (recompute their CRCs)
             off = self._buf_last_frame
@@ -1113,6 +1124,9 @@ class WriteAheadLog:
             self._loop.call_soon(callback)
         else:
             self._waiters.append((lsn, callback))
+            if self._always and lsn > self._synced_lsn:
+                self._sync_requested = True  # the records may be written already, unsynced
+                self._schedule()
 
     def flush_now(self) -> bool:
         """``interval``/``never`` only: write the pending batch now, on the calling thread.

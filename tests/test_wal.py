@@ -760,3 +760,47 @@ async def test_flush_now_writes_inline_in_relaxed_modes_only(tmp_path):
                 assert wal.stats()["written_lsn"] == wal.stats()["last_lsn"]
         finally:
             await wal.close()
+
+
+async def test_always_mode_fsyncs_only_batches_someone_waits_for(tmp_path):
+    """A release-only batch is written, not fsynced; the next grant's single fsync covers both."""
+    from fastlock.wal import WriteAheadLog
+
+    wal = WriteAheadLog(str(tmp_path / "w"), fsync="always", fsync_interval_ms=60_000)
+    wal.open()
+    wal.start(asyncio.get_running_loop())
+    try:
+        wal.log_grant("a", 1, b"o" * 16, 1000, 0, None, None)
+        done = asyncio.Event()
+        wal.when_durable(done.set)
+        await asyncio.wait_for(done.wait(), 5)
+        before = wal.stats()
+        wal.log_release("a", 1)
+        await wal_written(wal, before["last_lsn"] + 1)
+        after_release = wal.stats()
+        assert after_release["fsyncs"] == before["fsyncs"]  # nobody waited: no fsync
+        assert after_release["durable_lsn"] < after_release["written_lsn"]
+        wal.log_grant("a", 2, b"p" * 16, 1000, 0, None, None)
+        done = asyncio.Event()
+        wal.when_durable(done.set)
+        await asyncio.wait_for(done.wait(), 5)
+        final = wal.stats()
+        assert final["fsyncs"] == before["fsyncs"] + 1
+        assert final["durable_lsn"] == final["last_lsn"]
+        # a waiter on records already written (unsynced) still gets its fsync
+        wal.log_release("a", 2)
+        await wal_written(wal, final["last_lsn"] + 1)
+        done = asyncio.Event()
+        wal.when_durable(done.set)
+        await asyncio.wait_for(done.wait(), 5)
+        assert wal.stats()["durable_lsn"] == wal.stats()["last_lsn"]
+    finally:
+        await wal.close()
+
+
+async def wal_written(wal, lsn: int, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while wal.stats()["written_lsn"] < lsn:
+        assert loop.time() < deadline, "batch never written"
+        await asyncio.sleep(0)
