@@ -60,7 +60,7 @@ from .errors import (
     Unavailable,
 )
 from .replication import ReplicationSource, StandbyFollower
-from .wal import HolderRecord, WalCorruption, WriteAheadLog
+from .wal import DataDirInUse, HolderRecord, WalCorruption, WriteAheadLog
 
 log = logging.getLogger(__name__)
 
@@ -793,6 +793,6 @@ def serve(config: ServerConfig, *, use_uvloop: bool = True) -> int:
         log.critical("refusing to start: %s (start with --repair-wal to cut the damaged tail and "
                      "lose the records after it)", exc)
         return 2
-    except OSError as exc:
+    except (OSError, DataDirInUse) as exc:
         log.critical("cannot start: %s", exc)
         return 1

@@ -170,6 +170,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import fcntl
 import datetime
 import gc
 import logging
@@ -192,6 +193,7 @@ __all__ = [
     "WalCorruption",
     "WalFatal",
     "WalCompacted",
+    "DataDirInUse",
     "dump",
     "decode_frames",
     "GRANT",
@@ -262,6 +264,13 @@ class WalCorruption(Exception):
 
 class WalFatal(RuntimeError):
     """A write or fsync failed earlier: the log accepts nothing more (see ``on_fatal``)."""
+
+
+class DataDirInUse(RuntimeError):
+    """Another process holds the data directory's lock: two servers must never
+    append to one log (they would overwrite each other's records and hand out
+    the same tokens).  As etcd and ZooKeeper, the directory is locked with
+    ``flock`` on its ``LOCK`` file for as long as the log is open."""
 
 
 class WalCompacted(LookupError):
@@ -723,6 +732,7 @@ class WriteAheadLog:
 
         # I/O-side state (touched only by whoever runs _do_io: the writer thread or the loop)
         self._fd = -1
+        self._lock_fd = -1  # flock on <dir>/LOCK while open
         self._seg_first = 0
         self._seg_path = ""
         self._seg_size = 0
@@ -746,6 +756,7 @@ class WriteAheadLog:
         :raises WalCorruption: mid-log corruption, a damaged non-last segment, or
             no usable snapshot for a compacted log.
         :raises OSError: the directory cannot be read or written.
+        :raises DataDirInUse: another process has this directory open.
         """
         if self._opened:
             raise RuntimeError("WriteAheadLog.open() called twice")
@@ -755,13 +766,36 @@ class WriteAheadLog:
         gc.disable()
         try:
             return self._open(repair)
+        except BaseException:
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
+            raise
         finally:
             if was_enabled:
                 gc.enable()
 
+    def _lock_directory(self) -> None:
+        path = os.path.join(self.directory, "LOCK")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = os.read(fd, 64).decode("ascii", "replace").strip() or "?"
+            finally:
+                os.close(fd)
+            raise DataDirInUse(
+                f"data directory {self.directory} is in use by another fastlock process (pid {holder})"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
     def _open(self, repair: bool) -> RecoveredState:
         d = self.directory
         os.makedirs(d, exist_ok=True)
+        self._lock_directory()
         for fn in os.listdir(d):
             if fn.startswith("snap-") and fn.endswith(".tmp"):
                 os.unlink(os.path.join(d, fn))
@@ -1384,6 +1418,9 @@ class WriteAheadLog:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
 
     # -- introspection --------------------------------------------------------------------
     def stats(self) -> dict:

@@ -367,3 +367,22 @@ async def test_wal_dump_audit_trail(tmp_path, servers, loop_errors):
     assert all("lock=audit/b " in line for line in only_b)
     only_a = _wal_dump(data, "--lock", "audit/a")
     assert [line.split()[2] for line in only_a] == ["grant", "release", "grant"]
+
+
+def test_second_server_on_the_same_data_dir_refuses_to_start(tmp_path):
+    """Two servers appending to one log would overwrite each other and reuse tokens."""
+    data = tmp_path / "shared"
+    first = ServerProcess(data).start()
+    try:
+        second = ServerProcess(data)
+        with pytest.raises(RuntimeError, match="in use by another fastlock process"):
+            second.start(timeout=20)
+        assert second.proc.wait(10) != 0
+        second.stop()
+        # the first keeps serving
+        assert "listening on" in first.wait_for_log("listening on")
+    finally:
+        first.stop()
+    # once the first has stopped, the directory is free again
+    again = ServerProcess(data).start()
+    again.stop()
