@@ -66,6 +66,9 @@ log = logging.getLogger(__name__)
 
 _monotonic_ns = time.monotonic_ns
 
+#: replies (and watch events) a connection may leave unread before it is dropped
+MAX_OUTPUT_BUFFER_BYTES = 32 << 20
+
 
 def now_ms() -> int:
     """The server's clock: monotonic milliseconds (never the wall clock)."""
@@ -158,8 +161,26 @@ class _Connection(asyncio.Protocol):
     def flush(self) -> None:
         out = self.out
         if out and not self.closed:
-            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+            transport = self.transport
+            transport.write(out[0] if len(out) == 1 else b"".join(out))
+            if transport.get_write_buffer_size() > MAX_OUTPUT_BUFFER_BYTES and self.session not in self.server.source.replicas:
+                # a peer that does not read (a stuck watcher): drop it, as Redis's
+                # client-output-buffer-limit does, rather than grow without bound
+                log.warning("closing connection %s (session %d): %d bytes of replies unread",
+                            self.peer, self.session, transport.get_write_buffer_size())
+                self.closed = True
+                transport.abort()
         out.clear()
+
+    # Flow control: while the peer does not read our replies, stop reading its
+    # requests, so a pipelining client that never reads cannot grow our memory.
+    def pause_writing(self) -> None:
+        if self.session not in self.server.source.replicas:  # a standby's acks must keep flowing
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if not self.closed and self.session not in self.server.source.replicas:
+            self.transport.resume_reading()
 
     def fatal(self, exc: FastlockError) -> None:
         """Send a protocol error (request id 0) and close this connection only."""

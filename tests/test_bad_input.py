@@ -246,3 +246,40 @@ def test_seconds_to_ms_rounds_up_and_refuses_nonsense():
     for bad in (0, -1, float("nan"), float("-inf"), True, "1", None):
         with pytest.raises((InvalidArgument, TypeError)):
             P.seconds_to_ms(bad, "ttl")
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_pipelining_client_that_never_reads_cannot_grow_server_memory(server):
+    """Flow control: the server stops reading a connection whose replies pile up unread
+    (each STATUS reply is ~1 KiB, so 9-byte requests would otherwise make it buffer
+    ~100x what the client sends)."""
+    import socket
+    import time
+
+    before = _rss_kib(server.pid)
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(0.2)
+    try:
+        sock.sendall(msgpack.packb([1, P.OP_HELLO, P.PROTOCOL_VERSION, "no-reader", None]))
+        chunk = msgpack.packb([2, P.OP_STATUS]) * 1000
+        sent = 0
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline and sent < 1_500_000:  # bounded: ~13 MB of requests
+            try:
+                sock.sendall(chunk)
+                sent += 1000
+            except (socket.timeout, TimeoutError):
+                continue  # blocked for now; keep pushing until the deadline
+        grown_mib = (_rss_kib(server.pid) - before) / 1024
+        assert grown_mib < 100, f"server RSS grew by {grown_mib:.0f} MiB after {sent} unread requests"
+        assert sent < 1_500_000, "the server read every request of a client that never reads"
+    finally:
+        sock.close()
