@@ -60,6 +60,7 @@ Wire messages (see :mod:`fastlock.protocol` for the framing)::
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -67,7 +68,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from . import protocol as P
-from .errors import FastlockError, ProtocolError
+from .errors import FastlockError, InvalidArgument, ProtocolError, Unavailable
 from .wal import EPOCH, EXPIRE, EXTEND, GRANT, RELEASE, RESERVE, WalCompacted, decode_frames
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -109,8 +110,57 @@ class _Replica:
         self.attached_ms = _now_ms()
 
 
+PAIRING_FILE = "pairing.json"
+NODE_ID_FILE = "node-id"
+
+
+def _write_atomically(directory: str, name: str, data: bytes) -> None:
+    path = os.path.join(directory, name)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def node_id(directory: str) -> str:
+    """This node's permanent identity, kept in ``<data dir>/node-id`` (made on first use).
+
+    A primary pairs with exactly one standby and knows it by this id.
+    """
+    path = os.path.join(directory, NODE_ID_FILE)
+    try:
+        with open(path, encoding="ascii") as f:
+            value = f.read().strip()
+        if value:
+            return value
+    except FileNotFoundError:
+        pass
+    os.makedirs(directory, exist_ok=True)
+    value = os.urandom(8).hex()
+    _write_atomically(directory, NODE_ID_FILE, value.encode() + b"\n")
+    return value
+
+
 class ReplicationSource:
-    """The primary's side: streams the WAL to standbys and fences the primary.
+    """The primary's side: streams the WAL to its standby and fences the primary.
+
+    One standby per primary.  The first standby that acknowledges a heartbeat
+    is *paired*: its id and failover window are written to
+    ``<data dir>/pairing.json`` (atomically), another standby is refused until
+    an operator unpairs with ``fastlock serve-alone``, and a primary restarted
+    while paired with a failover window starts fenced - its standby may have
+    promoted while it was down - until that standby attaches again.
 
     ``fence_margin_ms``: how long before a standby could promote the primary
     stops granting (default: a quarter of the standby's failover window).
@@ -123,6 +173,7 @@ class ReplicationSource:
         self.fence_margin_ms = fence_margin_ms
         self.serving_alone = False
         self.fenced = False
+        self.paired_id: str | None = None
         # the strictest failover window of any standby that ever attached (ms, 0 = none)
         self._paired_window_ms = 0
         self._contact_ms = 0
@@ -131,24 +182,67 @@ class ReplicationSource:
         self._fence_timer_at = 0
         self._listening = False
 
+    # -- pairing ---------------------------------------------------------------------------
+    def load_pairing(self) -> None:
+        """At start: restore the pairing; a primary paired with a failover window starts fenced."""
+        path = os.path.join(self.server.config.data_dir, PAIRING_FILE)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return
+        self.paired_id = data["standby"]
+        self._paired_window_ms = int(data["failover_after_ms"])
+        if self._paired_window_ms > 0:
+            log.warning(
+                "restarted while paired with standby %s (failover window %d ms): not granting until it "
+                "attaches again - it may have been promoted meanwhile - or `fastlock serve-alone`",
+                self.paired_id, self._paired_window_ms,
+            )
+            self._fence(_now_ms())
+
+    def _pair(self, replica: _Replica) -> None:
+        self.paired_id = replica.name
+        self._paired_window_ms = replica.failover_after_ms
+        self.serving_alone = False
+        _write_atomically(self.server.config.data_dir, PAIRING_FILE, json.dumps(
+            {"standby": replica.name, "failover_after_ms": replica.failover_after_ms}).encode())
+        log.info("paired with standby %s (failover window %d ms)", replica.name, replica.failover_after_ms)
+
+    def _unpair(self) -> None:
+        path = os.path.join(self.server.config.data_dir, PAIRING_FILE)
+        try:
+            os.unlink(path)
+            _fsync_dir(self.server.config.data_dir)
+        except FileNotFoundError:
+            pass
+        self.paired_id = None
+        self._paired_window_ms = 0
+
     # -- attach / detach ------------------------------------------------------------------
     def attach(self, conn: "_Connection", req_id: int, from_lsn: int, incarnation: Any,
                failover_after_ms: int, name: str | None) -> None:
         server = self.server
         wal = server.wal
+        if not name:
+            raise InvalidArgument("a standby must name itself (its node id)")
+        if self.paired_id is not None and name != self.paired_id:
+            raise Unavailable(
+                f"this primary is paired with standby {self.paired_id!r}; fastlock supports one standby. "
+                f"Run `fastlock serve-alone` on the primary to unpair it first")
+        for other in list(self.replicas.values()):
+            if other.name != name:
+                raise Unavailable(f"standby {other.name!r} is attached; fastlock supports one standby")
+            # the same standby reconnecting: its old connection is dead or half-open
+            log.warning("standby %s reconnected; dropping its previous connection", name)
+            self.replicas.pop(other.conn.session, None)
+            other.conn.closed = True
+            other.conn.transport.abort()
         replica = _Replica(conn, name, failover_after_ms)
+        # Contact comes only from echoes of heartbeats sent from now on: this REPLICATE may have
+        # been delayed in the network and come from a standby that has promoted since.
+        replica.contact_ms = self._contact_ms
         self.replicas[conn.session] = replica
-        if self._paired_window_ms == 0:
-            # The first standby with a failover window: none can have promoted from this stream yet.
-            self._contact_ms = max(self._contact_ms, replica.contact_ms)
-        else:
-            # Contact comes only from echoes of heartbeats sent from now on: this REPLICATE may have
-            # been delayed in the network and come from a standby that has promoted since.
-            replica.contact_ms = self._contact_ms
-        if failover_after_ms > 0:
-            if self._paired_window_ms == 0 or failover_after_ms < self._paired_window_ms:
-                self._paired_window_ms = failover_after_ms
-            self.serving_alone = False
         mode = "stream"
         backlog: list[tuple[int, list]] = []
         if incarnation != self.incarnation or from_lsn < 1:
@@ -229,6 +323,9 @@ class ReplicationSource:
             replica.contact_ms = echoed_ms
             if echoed_ms > self._contact_ms:
                 self._contact_ms = echoed_ms
+            if self.paired_id is None or self._paired_window_ms != replica.failover_after_ms:
+                # a standby that echoed our heartbeat is real: pair with it (persisted)
+                self._pair(replica)
         if applied_lsn > replica.acked_lsn:
             replica.acked_lsn = applied_lsn
             sent = replica.sent
@@ -308,15 +405,23 @@ class ReplicationSource:
         server = self.server
         server.table.hold_grants_until(max(_now_ms(), server.grace_until_ms))
         server.table.expire(_now_ms())
-        log.warning("standby contact restored: granting again")
+        log.warning("fence lifted: granting again")
         server._after_batch()
 
-    def serve_alone(self) -> None:
-        """Operator's word that the standby is gone for good: stop fencing."""
+    def serve_alone(self) -> dict:
+        """Operator's word that the standby is gone for good: unpair and stop fencing.
+
+        If that standby was in fact promoted, this makes two primaries: it is
+        the operator's call.  A standby that attaches and acknowledges later
+        pairs again.
+        """
+        was = self.paired_id
         self.serving_alone = True
-        self._paired_window_ms = 0
+        self._unpair()
         self._check_fence(_now_ms())
-        log.warning("operator: serving alone (standby fencing off until a standby attaches again)")
+        log.warning("operator: serving alone (unpaired from standby %s); a standby that attaches later "
+                    "pairs again", was)
+        return {"serving_alone": True, "unpaired": was}
 
     def status(self) -> dict:
         now = _now_ms()
@@ -336,6 +441,7 @@ class ReplicationSource:
             "fenced": self.fenced,
             "serving_alone": self.serving_alone,
             "paired_window_ms": self._paired_window_ms,
+            "paired_standby": self.paired_id,
             "incarnation": self.incarnation,
         }
 
@@ -427,13 +533,23 @@ class StandbyFollower:
         if self.failover_after_ms > 0:
             self._arm_watchdog()
 
-    def stop(self) -> None:
+    def stop(self, depose_epoch: int | None = None) -> None:
+        """Stop following.  With ``depose_epoch``, first tell the primary (if it is
+        still connected) that this epoch exists: a HELLO carrying a higher epoch
+        makes it step down, so a manual promotion while it runs cannot leave two
+        primaries granting."""
         self._stopping = True
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
         if self._proto is not None and self._proto.transport is not None:
-            self._proto.transport.close()
+            transport = self._proto.transport
+            if depose_epoch is not None and not transport.is_closing():
+                transport.write(P.packb([4, P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{self.name}",
+                                         self.auth, depose_epoch]))
+                log.warning("told primary %s that epoch %d begins (it steps down)",
+                            self.primary_address, depose_epoch)
+            transport.close()
         if self._task is not None:
             self._task.cancel()
 

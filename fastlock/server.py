@@ -59,7 +59,7 @@ from .errors import (
     ProtocolError,
     Unavailable,
 )
-from .replication import ReplicationSource, StandbyFollower
+from .replication import ReplicationSource, StandbyFollower, node_id
 from .wal import DataDirInUse, HolderRecord, WalCorruption, WriteAheadLog
 
 log = logging.getLogger(__name__)
@@ -213,8 +213,10 @@ class LockServer:
         self.source = ReplicationSource(self, fence_margin_ms=config.fence_margin_ms)
         self.follower: StandbyFollower | None = None
         if config.standby_of:
+            ident = node_id(config.data_dir)
             self.follower = StandbyFollower(self, config.standby_of, config.failover_after_ms,
-                                            auth=config.auth_secret, name=config.name)
+                                            auth=config.auth_secret,
+                                            name=f"{config.name}@{ident}" if config.name else ident)
         self._sessions: dict[int, _Connection] = {}
         self._next_session = 1
         self._dirty: list[_Connection] = []
@@ -269,6 +271,8 @@ class LockServer:
             (time.perf_counter() - t0) * 1000,
         )
         self.wal.start(loop)
+        if self.role == "primary":
+            self.source.load_pairing()
         self._rearm()
         self._server = await loop.create_server(
             self._make_connection, self.config.host, self.config.port, reuse_address=True,
@@ -508,6 +512,7 @@ class LockServer:
             "role": self.role,
             "epoch": self.table.epoch,
             "primary": self.follower.primary_address if self.follower is not None and self.role == "standby" else None,
+            "fenced": self.source.fenced,
             "max_frame_bytes": self.config.max_frame_bytes,
         }
 
@@ -704,8 +709,7 @@ class LockServer:
 
     def _op_serve_alone(self, conn: _Connection, req_id: int, msg: list) -> None:
         self._must_be_primary()
-        self.source.serve_alone()
-        conn.send(P.encode_ok(req_id, None))
+        conn.send(P.encode_ok(req_id, self.source.serve_alone()))
 
     async def promote(self, reason: str) -> dict:
         """Turn this standby into the primary (see :mod:`fastlock.replication`).
@@ -717,10 +721,10 @@ class LockServer:
         if self.role != "standby":
             raise NotPrimary(f"this node is {self.role}")
         follower = self.follower
-        follower.stop()
-        self.role = "promoting"
         table = self.table
         epoch = max(table.epoch, follower.primary_epoch) + 1
+        follower.stop(depose_epoch=epoch)
+        self.role = "promoting"
         table.set_epoch(epoch)
         self.wal.log_epoch(epoch)
         durable = self._loop.create_future()

@@ -552,10 +552,12 @@ def test_delayed_replicate_from_a_promoted_standby_does_not_unfence_the_primary(
         await poll(lambda: status_of(p.address), lambda st: st["replication"]["fenced"], timeout=FAILOVER + 1,
                    what="the primary to fence itself")
         await promoted
-        last_token = (await status_of(p.address))["last_token"]
+        st = await status_of(p.address)
+        last_token = st["last_token"]
+        standby_id = st["replication"]["paired_standby"]  # the real standby's identity
         # the late message: [id, REPLICATE, from_lsn, incarnation, failover_after_ms, name], then gone
         ghost = await RawNode.open(p.address, name="standby:standby")
-        await ghost.request(P.OP_REPLICATE, 0, None, int(FAILOVER * 1000), "standby")
+        await ghost.request(P.OP_REPLICATE, 0, None, int(FAILOVER * 1000), standby_id)
         await ghost.close()
         probe = await RawNode.open(p.address)
         try:
