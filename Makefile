@@ -11,7 +11,7 @@ SOURCES := $(wildcard fastlock/*.py fastlock/*.pyx fastlock/*.pxd fastlock/*.pyi
 $(STAMP): $(SOURCES)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q -U pip
-	$(VENV)/bin/python -m pip install -q ".[test,postgres]"
+	$(VENV)/bin/python -m pip install -q ".[test,postgres,metrics]"
 	touch $@
 
 demo: $(STAMP)

@@ -89,6 +89,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="primary: stop granting this long before a silent standby may promote "
                         "(default: a quarter of its failover window)")
     s.add_argument("--name", metavar="NAME", help="this node's name in logs and replication status")
+    s.add_argument("--metrics", type=_listen, metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (needs prometheus_client)")
     s.add_argument("--wal-writer", choices=("thread", "inline"), default="thread",
                    help="thread (default): write+fsync on a writer thread while the loop keeps serving; "
                         "inline: on the loop itself (lower latency when idle, stalls everyone during an fsync)")
@@ -163,6 +165,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         name=args.name,
         repair_wal=args.repair_wal,
         wal_writer=args.wal_writer,
+        metrics=args.metrics,
     )
     return serve(config, use_uvloop=not args.no_uvloop)
 

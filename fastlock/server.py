@@ -95,6 +95,7 @@ class ServerConfig:
     name: str | None = None  # this node's name in logs and replication status
     repair_wal: bool = False  # cut a damaged last WAL segment instead of refusing to start
     wal_writer: str = "thread"  # group commit on a writer thread, or "inline" on the loop (see wal.py)
+    metrics: tuple[str, int] | None = None  # serve Prometheus metrics on this address
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -228,6 +229,7 @@ class LockServer:
         self._closed = asyncio.Event()
         self._started_ms = now_ms()
         self.address: tuple[str, int] | None = None
+        self._metrics = None
         self._handlers = {
             P.OP_HELLO: self._op_hello,
             P.OP_ACQUIRE: self._op_acquire,
@@ -287,6 +289,10 @@ class LockServer:
         )
         if self.follower is not None:
             self.follower.start()
+        if self.config.metrics is not None:
+            from .metrics import MetricsExporter
+
+            self._metrics = MetricsExporter(self, *self.config.metrics)
 
     async def close(self) -> None:
         """Stop accepting, close every connection, flush and close the WAL."""
@@ -298,6 +304,8 @@ class LockServer:
         self.source.close()
         if self.follower is not None:
             self.follower.stop()
+        if self._metrics is not None:
+            self._metrics.close()
         for conn in list(self._sessions.values()):
             conn.flush()
             conn.closed = True
@@ -818,6 +826,6 @@ def serve(config: ServerConfig, *, use_uvloop: bool = True) -> int:
         log.critical("refusing to start: %s (start with --repair-wal to cut the damaged tail and "
                      "lose the records after it)", exc)
         return 2
-    except (OSError, DataDirInUse) as exc:
+    except (OSError, DataDirInUse, ImportError) as exc:
         log.critical("cannot start: %s", exc)
         return 1

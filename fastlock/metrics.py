@@ -1,0 +1,123 @@
+"""Prometheus metrics (``fastlock serve --metrics HOST:PORT``), through prometheus_client.
+
+The exporter's HTTP server runs on prometheus_client's own thread.  It never
+touches the lock table: the event loop copies :meth:`LockServer.status` into a
+plain dict once per ``refresh_s`` seconds (default 1.0), and a scrape reads that
+copy - so a scrape can never race with the loop, and costs the loop nothing.
+
+Metric names follow Prometheus conventions (``_total`` counters, base units:
+seconds, bytes)::
+
+    fastlock_up, fastlock_role{role}, fastlock_epoch, fastlock_fenced
+    fastlock_locks_held, fastlock_waiters, fastlock_sessions
+    fastlock_grants_total, fastlock_releases_total, fastlock_expiries_total,
+    fastlock_wait_timeouts_total, fastlock_cancels_total
+    fastlock_wal_records_total, fastlock_wal_bytes_total, fastlock_wal_fsyncs_total
+    fastlock_replication_lag_records, fastlock_replication_lag_seconds
+    fastlock_promotion_grace_remaining_seconds
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .server import LockServer
+
+log = logging.getLogger(__name__)
+
+_COUNTERS = {
+    "grants": "Leases granted (fresh grants, not idempotent re-deliveries)",
+    "releases": "Leases released by their holder",
+    "expiries": "Leases that reached their TTL",
+    "wait_timeouts": "Waiting acquires whose wait ran out",
+    "cancels": "Waiting acquires cancelled or dropped with their connection",
+}
+_GAUGES = {
+    "locks_held": "Locks with a current holder",
+    "waiters": "Acquires waiting in FIFO queues",
+    "sessions": "Client connections",
+    "epoch": "Fencing epoch (the high bits of every token; rises on promotion)",
+}
+ROLES = ("primary", "standby", "promoting", "deposed")
+
+
+class _Collector:
+    """A prometheus_client collector over the last status snapshot."""
+
+    def __init__(self) -> None:
+        self.snapshot: dict = {}
+
+    def collect(self) -> Iterator:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        st = self.snapshot
+        yield GaugeMetricFamily("fastlock_up", "1 while the server's loop refreshes these metrics",
+                                value=1 if st else 0)
+        if not st:
+            return
+        role = GaugeMetricFamily("fastlock_role", "The node's role (1 for the current one)", labels=["role"])
+        for r in ROLES:
+            role.add_metric([r], 1 if st.get("role") == r else 0)
+        yield role
+        for key, doc in _GAUGES.items():
+            yield GaugeMetricFamily(f"fastlock_{key}", doc, value=st.get(key, 0))
+        for key, doc in _COUNTERS.items():
+            yield CounterMetricFamily(f"fastlock_{key}", doc, value=st.get(key, 0))
+        repl = st.get("replication") or {}
+        yield GaugeMetricFamily("fastlock_fenced", "1 while a primary holds grants for lack of standby contact",
+                                value=1 if repl.get("fenced") else 0)
+        wal = st.get("wal") or {}
+        yield CounterMetricFamily("fastlock_wal_records", "WAL records logged since start", value=wal.get("records", 0))
+        yield CounterMetricFamily("fastlock_wal_bytes", "WAL bytes written since start", value=wal.get("bytes", 0))
+        yield CounterMetricFamily("fastlock_wal_fsyncs", "WAL fsyncs since start", value=wal.get("fsyncs", 0))
+        if "lag_records" in repl:  # a standby's own view
+            lag_records, lag_ms = repl.get("lag_records", 0), 0
+        else:  # a primary: its (single) standby's lag
+            standbys = repl.get("standbys") or []
+            lag_records = max((s["lag_records"] for s in standbys), default=0)
+            lag_ms = max((s["lag_ms"] for s in standbys), default=0)
+        yield GaugeMetricFamily("fastlock_replication_lag_records", "Records not yet applied by the standby",
+                                value=lag_records)
+        yield GaugeMetricFamily("fastlock_replication_lag_seconds",
+                                "Age of the oldest batch the standby has not acknowledged", value=lag_ms / 1000.0)
+        yield GaugeMetricFamily("fastlock_promotion_grace_remaining_seconds",
+                                "Time left in the post-promotion grace period (no new grants)",
+                                value=st.get("grace_remaining_ms", 0) / 1000.0)
+
+
+class MetricsExporter:
+    """Serve Prometheus metrics for ``server`` on ``host:port``.
+
+    Raises ImportError with an install hint if prometheus_client is missing,
+    OSError if the address cannot be bound.
+    """
+
+    def __init__(self, server: "LockServer", host: str, port: int, refresh_s: float = 1.0):
+        try:
+            from prometheus_client import CollectorRegistry, start_http_server
+        except ImportError:
+            raise ImportError("--metrics needs prometheus_client: pip install 'fastlock[metrics]'") from None
+        self.server = server
+        self.refresh_s = refresh_s
+        self.collector = _Collector()
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self.collector)
+        self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.address = self._httpd.server_address[:2]
+        self._timer: asyncio.TimerHandle | None = None
+        self._refresh()
+        log.info("metrics on http://%s:%d/metrics", self.address[0], self.address[1])
+
+    def _refresh(self) -> None:
+        self.collector.snapshot = self.server.status()
+        self._timer = asyncio.get_running_loop().call_later(self.refresh_s, self._refresh)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._httpd.shutdown()
+        self._httpd.server_close()
