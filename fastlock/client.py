@@ -165,6 +165,17 @@ class LeaseHealth:
         return f"<LeaseHealth {self.state}>"
 
 
+def _check_timeout(value: Any, what: str, allow_none: bool) -> float | None:
+    """A timeout in seconds: a finite number > 0 (or None where allowed)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise WrongArgumentType(f"{what} must be a number of seconds, not {type(value).__name__}")
+    if not 0.0 < value < float("inf"):
+        raise InvalidArgument(f"{what} must be > 0 seconds, got {value!r}")
+    return float(value)
+
+
 def _check_fraction(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise WrongArgumentType(f"jeopardy_fraction must be a number, not {type(value).__name__}")
@@ -253,32 +264,54 @@ def _parse_address(addr: Any) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep:
         return addr, DEFAULT_PORT
+    if addr.startswith("[") and addr.endswith("]"):  # "[::1]": IPv6, default port
+        return addr[1:-1], DEFAULT_PORT
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise InvalidArgument(f"an IPv6 address needs brackets: '[{addr}]:{DEFAULT_PORT}', not {addr!r}")
     try:
-        return host.strip("[]") or "127.0.0.1", int(port)
+        p = int(port)
     except ValueError:
         raise InvalidArgument(f"bad port in address {addr!r}") from None
+    if not 0 < p <= 65535:
+        raise InvalidArgument(f"port out of range (1-65535) in address {addr!r}")
+    return host.strip("[]") or "127.0.0.1", p
 
 
 class _ClientProtocol(asyncio.Protocol):
-    __slots__ = ("decoder", "pending", "transport", "closed", "on_lost", "watches")
+    """One connection.  ``last_recv`` (``loop.time()`` seconds) is when bytes
+    last arrived, ``armed_at`` when the liveness watchdog (see
+    :meth:`Client._watchdog`) was last armed by a request on an idle connection."""
 
-    def __init__(self, on_lost):
+    __slots__ = ("decoder", "pending", "transport", "closed", "on_lost", "watches", "address", "loop",
+                 "last_recv", "armed_at", "ping_sent", "pinged", "pings", "watchdog")
+
+    def __init__(self, on_lost, address: tuple[str, int] = ("", 0)):
         self.decoder = P.FrameDecoder(64 << 20)
         self.pending: dict[int, asyncio.Future] = {}
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.on_lost = on_lost
         self.watches: dict[str, set[asyncio.Queue]] = {}
+        self.address = address
+        self.loop = asyncio.get_running_loop()
+        self.last_recv = self.armed_at = self.loop.time()
+        self.ping_sent = float("-inf")  # loop.time() of the last liveness ping
+        self.pinged = False  # a liveness ping went out and no byte has come in since
+        self.pings = 0  # liveness pings sent
+        self.watchdog: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        # (a flag, not a timestamp comparison: uvloop's clock ticks in ms)
+        self.last_recv = self.loop.time()
+        self.pinged = False
         try:
             messages = self.decoder.feed(data)
         except ProtocolError as exc:
             log.error("bad data from server: %s", exc)
-            self.transport.abort()
+            self.abort(ConnectionLost(f"bad data from the fastlock server: {exc}"))
             return
         pending = self.pending
         for msg in messages:
@@ -300,17 +333,35 @@ class _ClientProtocol(asyncio.Protocol):
                 fut.set_exception(error_from_wire(msg[1], msg[2], msg[3] if len(msg) > 3 else None))
 
     def connection_lost(self, exc):
+        self.fail(ConnectionLost("connection to the fastlock server lost"))
+
+    def fail(self, error: ConnectionLost) -> None:
+        """Mark the connection dead now: every pending request raises ``error``,
+        every watch on it ends, and the client forgets it (so the next request
+        reconnects).  Idempotent; the transport itself is not touched."""
+        if self.closed:
+            return
         self.closed = True
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+            self.watchdog = None
         pending = list(self.pending.values())
         self.pending.clear()
         for fut in pending:
             if not fut.done():
-                fut.set_exception(ConnectionLost("connection to the fastlock server lost"))
+                fut.set_exception(error)
         for queues in self.watches.values():
             for queue in queues:
                 queue.put_nowait(None)  # end of this watch
         self.watches.clear()
         self.on_lost(self)
+
+    def abort(self, error: ConnectionLost) -> None:
+        """:meth:`fail` with ``error``, then drop the TCP connection without
+        flushing (the server removes this connection's waiters when it sees it go)."""
+        self.fail(error)
+        if self.transport is not None:
+            self.transport.abort()
 
 
 class Client:
@@ -322,18 +373,36 @@ class Client:
     address, following ``NotPrimary`` redirects).  Held leases survive a
     dropped connection until their TTL; :meth:`lock` keeps renewing across a
     reconnect.
+
+    **Liveness.**  A server that stops answering while its TCP connection
+    stays open (a frozen process, a stalled VM, a black-holed network) is
+    detected by a per-connection watchdog, not by per-request timers: while
+    any request (including a waiting acquire) or watch is outstanding, a
+    ``PING`` is sent after ``request_timeout / 3`` seconds without a byte
+    from the server, and after ``request_timeout`` seconds of silence the
+    connection is aborted: everything pending on it raises
+    :class:`ConnectionLost` (the server drops the connection's waiters when it
+    sees it go; an acquire cut off this way is cancelled by owner on the next
+    connection), and the next request reconnects, trying the silent address
+    last.  An idle connection (nothing outstanding) is never pinged nor
+    aborted.  A waiting acquire is therefore never failed by its own ``wait``
+    being long: only by the server going silent.
     """
 
     def __init__(self, addresses: Iterable[Any], *, auth: str | None = None, client_name: str | None = None,
-                 connect_timeout: float = 5.0):
+                 connect_timeout: float = 5.0, request_timeout: float | None = 5.0):
         self._addresses = [_parse_address(a) for a in addresses]
         if not self._addresses:
             raise InvalidArgument("connect() needs at least one address")
         self._auth = P.check_optional_str(auth, "auth secret", 1024)
         self._client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
-        self._connect_timeout = connect_timeout
+        self._connect_timeout = _check_timeout(connect_timeout, "connect_timeout", allow_none=False)
+        self._request_timeout = _check_timeout(request_timeout, "request_timeout", allow_none=True)
         self._proto: _ClientProtocol | None = None
-        self._connecting: asyncio.Future | None = None
+        self._connecting: asyncio.Future | None = None  # result of the connection attempt in progress
+        self._connect_task: asyncio.Task | None = None
+        self._attempt: dict = {}  # {"addr": the address the attempt in progress is trying}
+        self._suspects: set[tuple[str, int]] = set()  # addresses that went silent: tried last
         self._next_id = 1
         self._closed = False
         self._renewers: dict[int, asyncio.Task] = {}
@@ -344,6 +413,17 @@ class Client:
         #: that a deposed primary that still runs learns it and steps down
         self.max_epoch = 0
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed
+
+    @property
+    def request_timeout(self) -> float | None:
+        """Seconds of server silence, while something is outstanding, after
+        which the connection is declared dead (None: never)."""
+        return self._request_timeout
+
     # -- connection management ------------------------------------------------------
     async def _ensure_connected(self) -> _ClientProtocol:
         proto = self._proto
@@ -351,31 +431,88 @@ class Client:
             return proto
         if self._closed:
             raise ConnectionLost("client is closed")
-        if self._connecting is None:
-            self._connecting = asyncio.ensure_future(self._connect())
         fut = self._connecting
-        try:
-            return await asyncio.shield(fut)
-        finally:
-            if fut.done() and self._connecting is fut:
-                self._connecting = None
+        if fut is None or fut.done():
+            fut = self._connecting = asyncio.get_running_loop().create_future()
+            self._attempt = {}
+            self._connect_task = asyncio.ensure_future(self._connect_into(fut, self._attempt))
+        # shielded: one caller's cancellation must not abandon everyone's attempt
+        return await asyncio.shield(fut)
 
-    async def _connect(self) -> _ClientProtocol:
+    async def _connect_into(self, fut: asyncio.Future, attempt: dict) -> None:
+        """Run one connection attempt and hand its outcome to ``fut`` - unless
+        ``fut`` was settled meanwhile (:meth:`_reset_connection`, :meth:`close`),
+        in which case a connection it made is closed, not used."""
+        try:
+            proto, info = await self._connect(attempt)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiters
+            if not fut.done():
+                if isinstance(exc, asyncio.CancelledError):
+                    exc = ConnectionLost("client is closed" if self._closed else "connection attempt abandoned")
+                fut.set_exception(exc)
+                fut.add_done_callback(_ignore_result)  # no waiter left is fine
+            if not isinstance(exc, Exception):
+                raise
+            return
+        finally:
+            if self._connecting is fut and fut.done():
+                self._connecting = None
+        if fut.done() or self._closed:  # abandoned while the handshake was in flight
+            proto.fail(ConnectionLost("connection attempt abandoned"))
+            proto.transport.close()
+            if self._connecting is fut:
+                self._connecting = None
+            return
+        self.server_info = info
+        self.max_epoch = max(self.max_epoch, info.get("epoch", 0))
+        self._proto = proto
+        self._suspects.discard(proto.address)
+        if self._orphans:
+            orphans, self._orphans = self._orphans, []
+            for name, owner in orphans:
+                self._send_nowait(proto, P.OP_CANCEL, name, owner)
+        fut.set_result(proto)
+        if self._connecting is fut:
+            self._connecting = None
+
+    async def _connect(self, attempt: dict) -> tuple[_ClientProtocol, dict]:
+        """Try every address (following redirects) until one is a primary and
+        accepts the handshake; ``attempt["addr"]`` says which one is being tried."""
         loop = asyncio.get_running_loop()
         errors = []
-        candidates = list(self._addresses)
+        # addresses that went silent on us are tried last (a frozen primary
+        # still accepts TCP connections, then never answers the handshake)
+        candidates = [a for a in self._addresses if a not in self._suspects]
+        candidates += [a for a in self._addresses if a in self._suspects]
         tried: set[tuple[str, int]] = set()
+
+        def redirect(primary: Any) -> None:
+            try:
+                target = _parse_address(primary)
+            except FastlockError:
+                return
+            if target in self._suspects:
+                candidates.append(target)
+            else:
+                candidates.insert(0, target)
+
         while candidates:
             addr = candidates.pop(0)
             if addr in tried:
                 continue
             tried.add(addr)
+            attempt["addr"] = addr
             try:
                 _, proto = await asyncio.wait_for(
-                    loop.create_connection(lambda: _ClientProtocol(self._on_connection_lost), addr[0], addr[1]),
+                    loop.create_connection(lambda: _ClientProtocol(self._on_connection_lost, addr),
+                                           addr[0], addr[1]),
                     self._connect_timeout,
                 )
-            except (OSError, asyncio.TimeoutError) as exc:
+            except asyncio.TimeoutError:
+                self._suspects.add(addr)
+                errors.append(f"{addr[0]}:{addr[1]}: connect timed out after {self._connect_timeout} s")
+                continue
+            except (OSError, OverflowError) as exc:
                 errors.append(f"{addr[0]}:{addr[1]}: {exc or type(exc).__name__}")
                 continue
             try:
@@ -388,44 +525,138 @@ class Client:
                 proto.transport.close()
                 errors.append(f"{addr[0]}:{addr[1]}: not primary (primary: {exc.primary})")
                 if exc.primary:
-                    candidates.insert(0, _parse_address(exc.primary))
+                    redirect(exc.primary)
                 continue
-            except (ConnectionLost, asyncio.TimeoutError) as exc:
-                proto.transport.close()
-                errors.append(f"{addr[0]}:{addr[1]}: handshake failed: {exc or type(exc).__name__}")
+            except asyncio.TimeoutError:
+                proto.abort(ConnectionLost("handshake timed out"))
+                self._suspects.add(addr)
+                errors.append(f"{addr[0]}:{addr[1]}: no handshake reply within {self._connect_timeout} s")
                 continue
-            except FastlockError:
-                proto.transport.close()
+            except ConnectionLost as exc:
+                proto.abort(exc)
+                errors.append(f"{addr[0]}:{addr[1]}: handshake failed: {exc}")
+                continue
+            except BaseException:
+                proto.abort(ConnectionLost("handshake failed"))
                 raise
             if info.get("role") != "primary":
                 proto.transport.close()
                 primary = info.get("primary")
                 errors.append(f"{addr[0]}:{addr[1]}: is a {info.get('role')} (primary: {primary})")
                 if primary:
-                    candidates.insert(0, _parse_address(primary))
+                    redirect(primary)
                 continue
-            self.server_info = info
-            self.max_epoch = max(self.max_epoch, info.get("epoch", 0))
-            self._proto = proto
             log.debug("connected to %s:%d (session %s)", addr[0], addr[1], info.get("session"))
-            if self._orphans:
-                orphans, self._orphans = self._orphans, []
-                for name, owner in orphans:
-                    self._send_nowait(proto, P.OP_CANCEL, name, owner)
-            return proto
+            return proto, info
         raise ConnectionLost("could not connect to a fastlock primary: " + "; ".join(errors))
 
     def _on_connection_lost(self, proto: _ClientProtocol) -> None:
         if self._proto is proto:
             self._proto = None
 
+    def _reset_connection(self, reason: str) -> None:
+        """Give up on the current connection and on any connection attempt in
+        progress: their requests raise :class:`ConnectionLost` (``reason``), the
+        address concerned is tried last next time, and the next request
+        reconnects.  For callers with their own deadline that found the server
+        silent (a renewal that must not keep waiting on a frozen socket)."""
+        proto = self._proto
+        if proto is not None and not proto.closed:
+            self._suspects.add(proto.address)
+            log.warning("resetting the connection to %s:%d: %s", proto.address[0], proto.address[1], reason)
+            proto.abort(ConnectionLost(reason))
+        fut = self._connecting
+        if fut is not None and not fut.done():
+            addr = self._attempt.get("addr")
+            if addr is not None:
+                self._suspects.add(addr)
+                log.warning("abandoning the connection attempt to %s:%d: %s", addr[0], addr[1], reason)
+            fut.set_exception(ConnectionLost(reason))
+            fut.add_done_callback(_ignore_result)
+            task = self._connect_task
+            if task is not None and not task.done():
+                task.cancel()
+        self._connecting = None
+
+    def _reset_if_silent_since(self, started: float, reason: str) -> None:
+        """A request sent at ``started`` (``loop.time()``) timed out: reset the
+        connection (:meth:`_reset_connection`) unless the server has sent us
+        something since - then it is alive, only slow, and the connection (with
+        everyone else's requests on it) is kept.  A connection attempt still in
+        progress is reset too."""
+        proto = self._proto
+        if proto is not None and not proto.closed and proto.last_recv > started:
+            return
+        self._reset_connection(reason)
+
     def _call(self, proto: _ClientProtocol, op: int, *args: Any) -> asyncio.Future:
         req_id = self._next_id
         self._next_id = req_id + 1
-        fut = asyncio.get_running_loop().create_future()
+        fut = proto.loop.create_future()
+        if proto.closed:  # failed before we got here (e.g. reset by a watchdog)
+            fut.set_exception(ConnectionLost("connection to the fastlock server lost"))
+            return fut
         proto.pending[req_id] = fut
         proto.transport.write(P.packb([req_id, op, *args]))
+        if proto.watchdog is None and self._request_timeout is not None:
+            self._arm_watchdog(proto)
         return fut
+
+    def _arm_watchdog(self, proto: _ClientProtocol) -> None:
+        # Silence is counted from when something became outstanding: an idle
+        # connection's silence is expected and says nothing about the server.
+        now = proto.armed_at = proto.loop.time()
+        proto.pinged = False
+        due = now + self._request_timeout / 3.0
+        proto.watchdog = proto.loop.call_at(due, self._watchdog, proto, due)
+
+    def _watchdog(self, proto: _ClientProtocol, due: float | None) -> None:
+        """Runs about every ``request_timeout / 3`` s while ``proto`` has
+        requests or watches outstanding: pings a silent server, aborts a
+        connection silent for ``request_timeout`` s despite a ping.  ``due`` is
+        the ``loop.time()`` it was scheduled for (None: do not judge lateness)."""
+        proto.watchdog = None
+        if proto.closed or (not proto.pending and not proto.watches):
+            return  # idle: re-armed by the next request
+        loop = proto.loop
+        now = loop.time()
+        timeout = self._request_timeout
+        interval = timeout / 3.0
+        if due is not None and now - due > interval / 2:
+            # We ran late: this process itself was stalled (SIGSTOP, a loop
+            # hog), and replies may be sitting unread in the socket.  Look again
+            # once the loop has read them (a timer one tick later runs after
+            # the next I/O poll, on asyncio and on uvloop) - once: a loop that
+            # is always this late must not postpone the verdict for ever.
+            proto.watchdog = loop.call_at(now + min(interval, 0.05), self._watchdog, proto, None)
+            return
+        since = max(proto.last_recv, proto.armed_at)
+        silent = now - since
+        pinged = proto.pinged  # a ping went out after the last bytes came in
+        if silent >= timeout and pinged:
+            host, port = proto.address
+            log.warning("no reply from %s:%d for %.1f s (request_timeout %s s); dropping the connection",
+                        host, port, silent, timeout)
+            self._suspects.add(proto.address)
+            proto.abort(ConnectionLost(f"no reply from the fastlock server at {host}:{port} for {silent:.1f} s "
+                                       f"(request_timeout {timeout} s)"))
+            return
+        if silent >= interval and not pinged:
+            proto.ping_sent = now
+            proto.pinged = pinged = True
+            proto.pings += 1
+            req_id = self._next_id  # not through _call: that would re-arm (and restart the silence)
+            self._next_id = req_id + 1
+            fut = loop.create_future()
+            fut.add_done_callback(_ignore_result)
+            proto.pending[req_id] = fut
+            proto.transport.write(P.packb([req_id, P.OP_PING]))
+        if pinged:
+            nxt = max(since + timeout, proto.ping_sent + interval)
+        else:
+            nxt = since + interval
+        nxt = max(nxt, now + 0.001)
+        proto.watchdog = loop.call_at(nxt, self._watchdog, proto, nxt)
 
     def _send_nowait(self, proto: _ClientProtocol, op: int, *args: Any) -> None:
         fut = self._call(proto, op, *args)
@@ -438,18 +669,29 @@ class Client:
         return await self._call(proto, op, *args)
 
     async def close(self) -> None:
-        """Stop auto-renewals and close the connection.  Held leases stay held
-        on the server until their TTL (release them first if you want them
-        freed now)."""
+        """Stop auto-renewals and close the connection.
+
+        Every request still pending (a waiting acquire included) raises
+        :class:`ConnectionLost` ("client is closed") at once, and so does any
+        later call.  Held leases stay held on the server until their TTL
+        (release them first if you want them freed now)."""
         self._closed = True
         for task in list(self._renewers.values()):
             task.cancel()
         self._renewers.clear()
-        if self._connecting is not None:
-            self._connecting.cancel()
+        closed = ConnectionLost("client is closed")
+        fut = self._connecting
+        self._connecting = None
+        if fut is not None and not fut.done():
+            fut.set_exception(closed)
+            fut.add_done_callback(_ignore_result)
+        task = self._connect_task
+        if task is not None and not task.done():
+            task.cancel()
         proto = self._proto
         self._proto = None
         if proto is not None and not proto.closed:
+            proto.fail(closed)
             proto.transport.close()
 
     async def __aenter__(self) -> "Client":
@@ -477,7 +719,8 @@ class Client:
 
         Raises:
             LockNotAcquired: the wait ran out (or ``wait=0`` and it was held).
-            ConnectionLost: the connection dropped while waiting.
+            ConnectionLost: the connection dropped while waiting, or the server
+                went silent for ``request_timeout`` seconds (see :class:`Client`).
             LimitExceeded: too many waiting acquires on this connection.
             InvalidArgument / WrongArgumentType: bad arguments (nothing sent).
 
@@ -825,15 +1068,24 @@ class Client:
                                     current.name, current.fencing_token)
                         lease.lost.set()
                         return
+                    # Each attempt is bounded well inside the TTL, so that a
+                    # silent server leaves time to reconnect elsewhere and retry.
+                    attempt = min(remaining, current.ttl / 3.0)
+                    started = loop.time()
                     try:
-                        current = await asyncio.wait_for(self.extend(current), remaining)
+                        current = await asyncio.wait_for(self.extend(current), attempt)
                         break
                     except LeaseLost:
                         log.warning("lease %s token %d lost (server refused renewal)",
                                     current.name, current.fencing_token)
                         lease.lost.set()
                         return
-                    except (ConnectionLost, NotPrimary, asyncio.TimeoutError, OSError) as exc:
+                    except asyncio.TimeoutError:
+                        log.info("renewal of %s got no reply within %.3f s; retrying", current.name, attempt)
+                        self._reset_if_silent_since(started, f"renewal of {current.name!r} got no reply "
+                                                             f"within {attempt:.3f} s")
+                        await asyncio.sleep(min(current.ttl / 10.0, max(0.0, current.expires_at - loop.time()) / 2))
+                    except (ConnectionLost, NotPrimary, OSError) as exc:
                         log.info("renewal of %s failed (%s); retrying", current.name, exc or type(exc).__name__)
                         await asyncio.sleep(min(current.ttl / 10.0, max(0.0, current.expires_at - loop.time()) / 2))
                 object.__setattr__(lease, "expires_at", current.expires_at)
@@ -1024,7 +1276,7 @@ class _ConnectContext:
 
 
 def connect(*addresses: Any, auth: str | None = None, client_name: str | None = None,
-            connect_timeout: float = 5.0) -> _ConnectContext:
+            connect_timeout: float = 5.0, request_timeout: float | None = 5.0) -> _ConnectContext:
     """Connect to a fastlock primary.
 
     Args:
@@ -1034,6 +1286,11 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
         auth: the server's shared secret, if it has one.
         client_name: shown in server logs and recorded with grants in the WAL.
         connect_timeout: seconds for each TCP connect and handshake.
+        request_timeout: seconds (> 0) of silence from the server, while any
+            request or watch is outstanding, after which the connection is
+            dropped and everything pending on it raises ``ConnectionLost``
+            (a ``PING`` goes out after a third of it; an idle connection is
+            left alone).  ``None`` disables the check.  See :class:`Client`.
 
     Raises (when awaited):
         ConnectionLost: no address accepted a connection as primary.
@@ -1042,5 +1299,5 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
     if not addresses:
         addresses = ("127.0.0.1:7420",)
     return _ConnectContext(Client(addresses, auth=auth, client_name=client_name,
-                                  connect_timeout=connect_timeout))
+                                  connect_timeout=connect_timeout, request_timeout=request_timeout))
 

@@ -126,6 +126,7 @@ class Election:
 
         A dropped connection does not end the campaign: it retries every
         ``retry_period`` (reconnecting) until elected or ``wait`` runs out.
+        Closing the client does (``ConnectionLost``).
 
         Raises:
             LockNotAcquired: not elected within ``wait``.
@@ -139,7 +140,7 @@ class Election:
                 lease = await self.client.acquire(self.name, ttl=self.lease_duration, wait=left,
                                                   correlation_id=self.candidate_id)
             except (ConnectionLost, NotPrimary, OSError) as exc:
-                if deadline is not None and loop.time() + self.retry_period >= deadline:
+                if self.client.closed or (deadline is not None and loop.time() + self.retry_period >= deadline):
                     raise
                 log.info("election %s: campaign interrupted (%s); retrying", self.name, exc)
                 await asyncio.sleep(self.retry_period)
@@ -333,12 +334,21 @@ class Term:
                     self._step_down("renew deadline passed")
                     return
                 sent = loop.time()
+                # bounded well inside the renew deadline, so that a silent server
+                # leaves time to reconnect (to a promoted standby) and retry
+                attempt = min(left, election.renew_deadline / 3.0)
                 try:
-                    lease = await asyncio.wait_for(client.extend(lease, ttl=election.lease_duration), left)
+                    lease = await asyncio.wait_for(client.extend(lease, ttl=election.lease_duration), attempt)
                 except LeaseLost:
                     self._step_down("the server refused the renewal (lease expired or taken)")
                     return
-                except (ConnectionLost, NotPrimary, asyncio.TimeoutError, OSError) as exc:
+                except asyncio.TimeoutError:
+                    log.info("election %s: renewal got no reply within %.3f s; %.3f s left", election.name,
+                             attempt, self.deadline - loop.time())
+                    client._reset_if_silent_since(sent, f"election {election.name!r}: renewal got no reply "
+                                                        f"within {attempt:.3f} s")
+                    continue
+                except (ConnectionLost, NotPrimary, OSError) as exc:
                     log.info("election %s: renewal failed (%s); %.3f s left", election.name,
                              exc or type(exc).__name__, self.deadline - loop.time())
                     continue
