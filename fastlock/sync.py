@@ -25,6 +25,7 @@ task does: a waiting acquire is removed and a grant that raced is released.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
 import time
@@ -143,6 +144,13 @@ class SyncClient:
         *addresses: ``"host:port"`` strings or ``(host, port)`` tuples (as
             :func:`fastlock.connect`; default ``127.0.0.1:7420``).
         auth, client_name, connect_timeout: as :func:`fastlock.connect`.
+        request_timeout: seconds of server silence, while any call is
+            outstanding, after which the connection is dropped and the calls
+            raise ``ConnectionLost`` (the next call reconnects); ``None``
+            disables it.  As :func:`fastlock.connect`.
+
+    :meth:`close` wakes every thread blocked in a call (it raises
+    ``ConnectionLost``); calls after it raise ``ConnectionLost`` at once.
 
     Connects at once.  The background loop is the stdlib selector loop (its
     ``loop.time()`` is ``time.monotonic()``, so threads can compare deadlines).
@@ -153,7 +161,7 @@ class SyncClient:
     """
 
     def __init__(self, *addresses: Any, auth: str | None = None, client_name: str | None = None,
-                 connect_timeout: float = 5.0):
+                 connect_timeout: float = 5.0, request_timeout: float | None = 5.0):
         if not addresses:
             addresses = ("127.0.0.1:7420",)
         # The stdlib loop, whatever the policy: its loop.time() is
@@ -161,9 +169,17 @@ class SyncClient:
         self._loop = asyncio.SelectorEventLoop()
         self._thread = threading.Thread(target=self._run_loop, name="fastlock-sync", daemon=True)
         self._closed = False
-        self._close_lock = threading.Lock()
+        self._close_lock = threading.Lock()  # guards _closed and _inflight
+        self._inflight: set[concurrent.futures.Future] = set()  # calls submitted and not finished
+        self._watch_queues: set[queue.Queue] = set()  # of the watch() generators being iterated
+        try:
+            self._client = Client(addresses, auth=auth, client_name=client_name, connect_timeout=connect_timeout,
+                                  request_timeout=request_timeout)
+        except BaseException:  # bad arguments: no thread started
+            self._closed = True
+            self._loop.close()
+            raise
         self._thread.start()
-        self._client = Client(addresses, auth=auth, client_name=client_name, connect_timeout=connect_timeout)
         try:
             self._call(self._client._ensure_connected())
         except BaseException:
@@ -174,17 +190,33 @@ class SyncClient:
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
 
+    def _submit(self, coro) -> concurrent.futures.Future:
+        """Schedule ``coro`` on the client's loop; raise ConnectionLost once closed."""
+        with self._close_lock:
+            if self._closed:
+                coro.close()
+                raise ConnectionLost("client is closed")
+            fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._inflight.add(fut)
+        fut.add_done_callback(self._forget)
+        return fut
+
+    def _forget(self, fut: concurrent.futures.Future) -> None:
+        with self._close_lock:
+            self._inflight.discard(fut)
+
     def _call(self, coro) -> Any:
         """Run ``coro`` on the client's loop and block for its result."""
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("a SyncClient cannot be called from its own event loop thread (callbacks)")
-        if self._closed:
-            coro.close()
-            raise ConnectionLost("client is closed")
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        fut = self._submit(coro)
         try:
             return fut.result()
+        except concurrent.futures.CancelledError:
+            if self._closed:  # cancelled by close()
+                raise ConnectionLost("client is closed") from None
+            raise
         except BaseException:
             fut.cancel()  # e.g. KeyboardInterrupt: the task is cancelled, its request withdrawn
             raise
@@ -201,20 +233,43 @@ class SyncClient:
     # -- lifecycle -----------------------------------------------------------------
     def close(self) -> None:
         """Stop renewals, close the connection and stop the background thread.
-        Idempotent.  Held leases stay held on the server until their TTL."""
+
+        Every thread blocked in a call (an acquire waiting in a queue, a
+        watch) raises ``ConnectionLost`` ("client is closed"); later calls raise
+        it at once.  Idempotent.  Held leases stay held on the server until
+        their TTL.  Blocks for at most about 15 s (only a wedged loop takes that long).
+        """
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
+            inflight = list(self._inflight)
+        closed = ConnectionLost("client is closed")
         if self._thread.is_alive():
             try:
+                # fails every pending request on the connection at once
                 asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result(10)
             except Exception:  # closing anyway
                 pass
+            # Let the calls' tasks run to deliver those errors before the loop
+            # stops; cancel any that still wait for something else (a sleep
+            # between retries).
+            _, not_done = concurrent.futures.wait(inflight, timeout=2)
+            for fut in not_done:
+                fut.cancel()
+            concurrent.futures.wait(not_done, timeout=2)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
         if not self._thread.is_alive():
             self._loop.close()
+        for fut in inflight:  # belt and braces: nobody stays blocked on a stopped loop
+            if not fut.done():
+                try:
+                    fut.set_exception(closed)
+                except concurrent.futures.InvalidStateError:
+                    pass
+        for events in list(self._watch_queues):
+            events.put(closed)
 
     def __enter__(self) -> "SyncClient":
         return self
@@ -321,7 +376,8 @@ class SyncClient:
             else:
                 events.put(done)
 
-        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        fut = self._submit(pump())
+        self._watch_queues.add(events)
         try:
             while True:
                 try:
@@ -336,6 +392,7 @@ class SyncClient:
                     raise item
                 yield item
         finally:
+            self._watch_queues.discard(events)
             if not self._loop.is_closed():  # a generator closed after the client is a no-op
                 fut.cancel()
 

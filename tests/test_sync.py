@@ -149,3 +149,56 @@ def test_connect_failure_raises_and_leaves_no_thread():
         with pytest.raises(fastlock.ConnectionLost):
             SyncClient(f"127.0.0.1:{unused.getsockname()[1]}", connect_timeout=1.0)
     assert threading.active_count() == before
+
+
+def test_close_wakes_every_thread_blocked_in_a_call(server):
+    """close() fails what is pending at once and lets it reach the blocked
+    threads before stopping its loop (it used to strand some of them)."""
+    with SyncClient(server.address, client_name="observer") as observer:
+        held = observer.acquire("busy", ttl=30.0)
+        for _ in range(5):  # the race was timing-dependent: close at several points
+            client = SyncClient(server.address, client_name="closing")
+            outcomes: list[str] = []
+            guard = threading.Lock()
+
+            def record(fn) -> None:
+                try:
+                    fn()
+                    outcome = "returned"
+                except BaseException as exc:  # reported below
+                    outcome = type(exc).__name__
+                with guard:
+                    outcomes.append(outcome)
+
+            def watch() -> None:
+                for _event in client.watch("busy"):
+                    pass
+
+            election = client.election("busy", "candidate", retry_period=0.05)
+            targets = [lambda: client.acquire("busy", ttl=5.0, wait=None) for _ in range(6)]
+            targets += [watch, lambda: election.campaign(wait=None)]
+            threads = [threading.Thread(target=record, args=(fn,), daemon=True) for fn in targets]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + TIMEOUT
+            while observer.status()["waiters"] < 7:  # 6 acquires + the campaign, queued on the server
+                assert time.monotonic() < deadline, "the acquires did not queue"
+                time.sleep(0.01)
+            client.close()
+            for t in threads:
+                t.join(TIMEOUT)
+            assert not any(t.is_alive() for t in threads), f"threads still blocked after close(): {outcomes}"
+            assert outcomes == ["ConnectionLost"] * len(targets)
+            # and everything after close() refuses at once
+            t0 = time.monotonic()
+            for call in (lambda: client.acquire("other", ttl=1.0, wait=None), client.ping,
+                         lambda: client.lock("other", ttl=1.0).acquire(),
+                         lambda: next(client.watch("other")), lambda: election.campaign(wait=None)):
+                with pytest.raises(fastlock.ConnectionLost):
+                    call()
+            assert time.monotonic() - t0 < 1.0
+            deadline = time.monotonic() + TIMEOUT
+            while observer.status()["waiters"] != 0:  # the server dropped the closed connection's waiters
+                assert time.monotonic() < deadline, "waiters of the closed client remain"
+                time.sleep(0.01)
+        observer.release(held)
