@@ -18,22 +18,58 @@ import asyncio
 import json
 import logging
 import os
+import re
 import sys
 
 from . import __version__
 
 
-def _listen(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep:
-        raise argparse.ArgumentTypeError("expected HOST:PORT")
+DEFAULT_PORT = 7420
+
+
+def _host_port(value: str, default_port: int | None) -> tuple[str, int]:
+    """Parse ``HOST:PORT``, ``[IPv6]:PORT`` (and, with ``default_port``, a bare
+    ``HOST`` or ``[IPv6]``); raise argparse.ArgumentTypeError with the reason."""
+    value = value.strip()
+    if value.startswith("[") and value.endswith("]") and default_port is not None:
+        host, port = value, str(default_port)
+    else:
+        host, sep, port = value.rpartition(":")
+        if not sep:
+            if default_port is None:
+                raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+            host, port = value, str(default_port)
+    if host.startswith("[") != host.endswith("]"):
+        raise argparse.ArgumentTypeError(f"unbalanced brackets in {value!r}")
+    if host.startswith("["):
+        host = host[1:-1]
+    elif ":" in host:
+        raise argparse.ArgumentTypeError(f"an IPv6 address needs brackets, as [::1]:{DEFAULT_PORT}; got {value!r}")
     try:
         p = int(port)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"bad port {port!r}") from None
+        raise argparse.ArgumentTypeError(f"bad port {port!r} in {value!r}") from None
     if not 0 <= p <= 65535:
-        raise argparse.ArgumentTypeError(f"port out of range: {p}")
-    return host.strip("[]") or "127.0.0.1", p
+        raise argparse.ArgumentTypeError(f"port out of range (0-65535): {p}")
+    return host or "127.0.0.1", p
+
+
+def _listen(value: str) -> tuple[str, int]:
+    """argparse type: ``HOST:PORT`` or ``[IPv6]:PORT`` to listen on (port 0: any free port)."""
+    return _host_port(value, None)
+
+
+def _server(value: str) -> tuple[str, int]:
+    """argparse type: a server to talk to, ``HOST[:PORT]`` or ``[IPv6][:PORT]`` (default port 7420)."""
+    host, port = _host_port(value, DEFAULT_PORT)
+    if port == 0:
+        raise argparse.ArgumentTypeError(f"port 0 is not a server's port: {value!r}")
+    return host, port
+
+
+def _fmt_addr(addr: tuple[str, int]) -> str:
+    host, port = addr
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _positive_int(value: str) -> int:
@@ -63,6 +99,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run a server")
+    s.set_defaults(subparser=s)
     s.add_argument("--listen", type=_listen, default=("127.0.0.1", 7420), metavar="HOST:PORT",
                    help="address to listen on (default 127.0.0.1:7420; port 0 picks a free port)")
     s.add_argument("--data-dir", default="fastlock-data", metavar="DIR",
@@ -103,18 +140,20 @@ def _build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="start a server and workers that write a fenced SQLite ledger")
     d.add_argument("args", nargs=argparse.REMAINDER)
 
-    st = sub.add_parser("status", help="show a server's role, epoch and counters")
-    st.add_argument("--server", default="127.0.0.1:7420", metavar="HOST:PORT")
+    st = sub.add_parser("status", help="show one node's role, epoch, counters and replication state")
+    st.add_argument("--server", type=_server, default=("127.0.0.1", DEFAULT_PORT), metavar="HOST:PORT",
+                    help="the node to ask (default 127.0.0.1:7420); a standby answers for itself, "
+                         "no redirect to its primary")
     st.add_argument("--auth-secret-file", metavar="FILE")
 
     pr = sub.add_parser("promote", help="promote a standby to primary (new epoch, grace period)")
-    pr.add_argument("--server", required=True, metavar="HOST:PORT", help="the standby")
+    pr.add_argument("--server", type=_server, required=True, metavar="HOST:PORT", help="the standby")
     pr.add_argument("--force", action="store_true",
                     help="promote even a standby that never synchronised (its data dir must be current)")
     pr.add_argument("--auth-secret-file", metavar="FILE")
 
     sa = sub.add_parser("serve-alone", help="tell a primary its standby is gone: stop fencing itself")
-    sa.add_argument("--server", required=True, metavar="HOST:PORT", help="the primary")
+    sa.add_argument("--server", type=_server, required=True, metavar="HOST:PORT", help="the primary")
     sa.add_argument("--auth-secret-file", metavar="FILE")
 
     from . import runner
@@ -123,9 +162,14 @@ def _build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("wal", help="inspect a write-ahead log")
     wsub = w.add_subparsers(dest="wal_command", required=True)
-    wd = wsub.add_parser("dump", help="print the grant/release/expiry history")
+    wd = wsub.add_parser("dump", help="print the grant/release/expiry history",
+                         description="Print a data directory's WAL as audit lines. Exits 1 with a one-line "
+                                     "message if DIR is missing, is not a directory, holds no WAL segment or "
+                                     "snapshot at all (most likely the wrong directory), or is corrupt "
+                                     "(after printing what precedes the damage). A WAL with no records prints "
+                                     "nothing and exits 0.")
     wd.add_argument("--lock", metavar="NAME", help="only this lock")
-    wd.add_argument("directory", metavar="DIR")
+    wd.add_argument("directory", metavar="DIR", help="the server's --data-dir")
     return parser
 
 
@@ -148,6 +192,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from .server import ServerConfig, serve
 
     _setup_logging(args.log_level)
+    try:
+        secret = _read_secret(args.auth_secret_file)
+    except (OSError, ValueError) as exc:
+        print(f"fastlock serve: cannot read the auth secret: {exc}", file=sys.stderr)
+        return 1
     config = ServerConfig(
         host=args.listen[0],
         port=args.listen[1],
@@ -155,7 +204,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         fsync=args.fsync,
         fsync_interval_ms=args.fsync_interval_ms,
         snapshot_every=args.snapshot_every,
-        auth_secret=_read_secret(args.auth_secret_file),
+        auth_secret=secret,
         max_frame_bytes=args.max_frame_bytes,
         max_waiters_per_connection=args.max_waiters_per_connection,
         standby_of=args.standby_of,
@@ -171,34 +220,51 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from .client import connect
+    """Print the status of exactly the node named by ``--server`` (a direct
+    request: a standby reports itself, not its primary)."""
+    from . import protocol as P
 
-    async def run() -> dict:
-        async with connect(args.server, auth=_read_secret(args.auth_secret_file), client_name="fastlock-status") as c:
-            return await c.status()
-
-    print(json.dumps(asyncio.run(run()), indent=2, sort_keys=True, default=str))
+    result = _admin(args.server, args.auth_secret_file, P.OP_STATUS)
+    print(json.dumps(result, indent=2, sort_keys=True, default=str))
     return 0
 
 
-def _admin(server: str, secret_file: str | None, op: int, *args) -> object:
-    """Send one admin request straight to ``server`` (no redirects: it targets a node)."""
+ADMIN_TIMEOUT = 10.0  # seconds for the TCP connect, and again for the replies
+
+
+def _admin(server: tuple[str, int], secret_file: str | None, op: int, *args) -> object:
+    """Send one request straight to ``server`` (no redirects: it targets a node).
+
+    Raises FastlockError (the server's refusal), OSError (connect/read
+    failures, an unreadable secret file) or TimeoutError (no answer within
+    ``ADMIN_TIMEOUT`` seconds).
+    """
     from . import protocol as P
     from .errors import error_from_wire
 
+    secret = _read_secret(secret_file)
+    host, port = server
+
     async def run():
-        host, port = _listen(server)
-        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), ADMIN_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no connection within {ADMIN_TIMEOUT:g} s") from None
         dec = P.FrameDecoder()
         try:
-            writer.write(P.encode_request(1, P.OP_HELLO, P.PROTOCOL_VERSION, "fastlock-admin",
-                                          _read_secret(secret_file)))
+            writer.write(P.encode_request(1, P.OP_HELLO, P.PROTOCOL_VERSION, "fastlock-admin", secret))
             writer.write(P.encode_request(2, op, *args))
             replies = {}
             while 2 not in replies:
-                data = await asyncio.wait_for(reader.read(65536), 30)
+                try:
+                    data = await asyncio.wait_for(reader.read(65536), ADMIN_TIMEOUT)
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"no reply within {ADMIN_TIMEOUT:g} s") from None
                 if not data:
-                    raise ConnectionError(f"{server} closed the connection")
+                    msg = replies.get(0) or replies.get(1)
+                    if msg is not None and msg[1] != 0:
+                        raise error_from_wire(msg[1], msg[2], msg[3] if len(msg) > 3 else None)
+                    raise ConnectionError("the server closed the connection")
                 for msg in dec.feed(data):
                     replies[msg[0]] = msg
             for rid in (1, 2):
@@ -212,37 +278,91 @@ def _admin(server: str, secret_file: str | None, op: int, *args) -> object:
     return asyncio.run(run())
 
 
+def _cmd_wal_dump(args: argparse.Namespace) -> int:
+    from .wal import dump
+
+    d = args.directory
+    if not os.path.exists(d):
+        raise FileNotFoundError(f"{d}: no such directory")
+    if not os.path.isdir(d):
+        raise NotADirectoryError(f"{d}: not a directory")
+    names = os.listdir(d)
+    if not any(_WAL_FILE.match(n) for n in names):
+        raise FileNotFoundError(f"{d}: no WAL segment (wal-*.log) or snapshot (snap-*.snap) here; "
+                                f"is it a fastlock --data-dir?")
+    dump(d, lock=args.lock, file=sys.stdout)
+    return 0
+
+
+_WAL_FILE = re.compile(r"^(wal-\d{20}\.log|snap-\d{20}\.snap)$")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
-    if args.command == "serve":
-        return _cmd_serve(args)
+    """Run the ``fastlock`` command; returns the exit status.
+
+    Usage errors (bad arguments) exit 2 with argparse's message; runtime
+    errors (unreachable server, refused request, missing or damaged WAL)
+    print one line, ``fastlock <command>: <reason>``, to stderr and exit 1.
+    """
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve" and args.failover_after and args.standby_of is None:
+        args.subparser.error("--failover-after only applies to a standby (it needs --standby-of): a primary "
+                             "learns its standby's failover window from the standby itself")
     if args.command == "demo":
         from .demo import main as demo_main
 
         return demo_main(args.args)
-    if args.command == "status":
-        return _cmd_status(args)
     if args.command == "run":
         from . import runner
 
         return runner.main(args.args)
+    if args.command == "serve":
+        return _cmd_serve(args)  # logs its own errors (bad WAL, address in use) and exits non-zero
+    command = "wal dump" if args.command == "wal" else args.command
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # e.g. `fastlock wal dump DIR | head`
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
+        return 1
+    except Exception as exc:  # noqa: BLE001 - one clear line, not a traceback
+        from .errors import FastlockError
+        from .wal import WalCorruption
+
+        if not isinstance(exc, (FastlockError, WalCorruption, OSError, TimeoutError, ValueError)):
+            raise  # a bug: keep the traceback
+        print(f"fastlock {command}: {_describe(args, exc)}", file=sys.stderr)
+        return 1
+
+
+def _describe(args: argparse.Namespace, exc: BaseException) -> str:
+    """One line for a runtime error: the node concerned (if any) and the reason."""
+    server = getattr(args, "server", None)
+    where = f"{_fmt_addr(server)}: " if isinstance(server, tuple) else ""
+    if isinstance(exc, OSError) and exc.strerror:
+        reason = os.strerror(exc.errno) if exc.errno else exc.strerror  # asyncio's text repeats the address
+        what = f"{exc.filename}: {reason}" if exc.filename else reason
+        return f"{where}{'cannot connect: ' if where and not exc.filename else ''}{what}"
+    if isinstance(exc, OSError) or isinstance(exc, TimeoutError):
+        return f"{where}{exc or type(exc).__name__}"
+    return f"{where}{type(exc).__name__}: {exc}"
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "status":
+        return _cmd_status(args)
     if args.command in ("promote", "serve-alone"):
         from . import protocol as P
-        from .errors import FastlockError
 
-        try:
-            if args.command == "promote":
-                result = _admin(args.server, args.auth_secret_file, P.OP_PROMOTE, bool(args.force))
-            else:
-                result = _admin(args.server, args.auth_secret_file, P.OP_SERVE_ALONE)
-        except (FastlockError, OSError) as exc:
-            print(f"fastlock {args.command}: {exc}", file=sys.stderr)
-            return 1
+        if args.command == "promote":
+            result = _admin(args.server, args.auth_secret_file, P.OP_PROMOTE, bool(args.force))
+        else:
+            result = _admin(args.server, args.auth_secret_file, P.OP_SERVE_ALONE)
         print(json.dumps(result, indent=2, sort_keys=True))
         return 0
     if args.command == "wal":
-        from .wal import dump
-
-        dump(args.directory, lock=args.lock, file=sys.stdout)
-        return 0
+        return _cmd_wal_dump(args)
     raise AssertionError(args.command)  # argparse enforces the choices

@@ -1,0 +1,115 @@
+"""The `fastlock` command line as a real process: status of exactly the named
+node, and one clear line (never a traceback) with exit 1 for runtime errors,
+exit 2 for usage errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastlock import cli
+from fastlock._testbase import ServerProcess
+
+TIMEOUT = 30.0
+
+
+def fastlock(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fastlock", *args], capture_output=True, text=True,
+                          timeout=TIMEOUT, cwd=cwd)
+
+
+def one_clear_line(out: subprocess.CompletedProcess, code: int, *needles: str) -> str:
+    assert out.returncode == code, (out.returncode, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    last = lines[-1]
+    if code == 1:
+        assert len(lines) == 1, out.stderr
+    for needle in needles:
+        assert needle in last, last
+    return last
+
+
+def test_status_reports_the_named_node_itself(tmp_path):
+    a = ServerProcess(tmp_path / "a").start()
+    b = ServerProcess(tmp_path / "b", args=["--standby-of", a.address])
+    try:
+        b.start()
+        b.wait_for_log("applied snapshot", timeout=TIMEOUT)
+        standby = fastlock("status", "--server", b.address, cwd=tmp_path)
+        assert standby.returncode == 0, standby.stderr
+        assert json.loads(standby.stdout)["role"] == "standby"  # not redirected to the primary
+        primary = fastlock("status", "--server", a.address, cwd=tmp_path)
+        assert primary.returncode == 0, primary.stderr
+        assert json.loads(primary.stdout)["role"] == "primary"
+    finally:
+        b.stop()
+        a.stop()
+
+
+@pytest.fixture
+def refused() -> str:
+    """An address whose connections are refused (bound, never listening)."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{unused.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("command", [["status"], ["promote"], ["serve-alone"]])
+def test_unreachable_server_is_one_line_and_exit_1(tmp_path, refused, command):
+    line = one_clear_line(fastlock(*command, "--server", refused, cwd=tmp_path), 1, refused, "Connection refused")
+    assert line.startswith(f"fastlock {command[0]}: ")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["status", "--server", "127.0.0.1:99999"], "port out of range"),
+    (["status", "--server", "::1"], "brackets"),
+    (["status", "--server", "127.0.0.1:http"], "bad port"),
+    (["serve", "--listen", "127.0.0.1:65536"], "port out of range"),
+    (["serve", "--listen", "::1:7420"], "brackets"),
+    (["serve", "--failover-after", "2"], "--standby-of"),
+])
+def test_usage_errors_exit_2(tmp_path, args, needle):
+    one_clear_line(fastlock(*args, cwd=tmp_path), 2, needle)
+
+
+def test_addresses_parse_ipv6_in_brackets_and_check_ports():
+    assert cli._listen("[::1]:7420") == ("::1", 7420)
+    assert cli._listen("127.0.0.1:0") == ("127.0.0.1", 0)
+    assert cli._listen(":7420") == ("127.0.0.1", 7420)
+    assert cli._server("[::1]") == ("::1", 7420)
+    assert cli._server("db-1") == ("db-1", 7420)
+    for bad in ("127.0.0.1:-1", "127.0.0.1:65536", "::1", "[::1:7420", "7420"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cli._listen(bad)
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli._server("127.0.0.1:0")
+
+
+def test_wal_dump_errors_are_one_line_and_exit_1(tmp_path):
+    missing = tmp_path / "missing"
+    one_clear_line(fastlock("wal", "dump", str(missing), cwd=tmp_path), 1, str(missing), "no such directory")
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    one_clear_line(fastlock("wal", "dump", str(a_file), cwd=tmp_path), 1, "not a directory")
+    no_wal = tmp_path / "no-wal"
+    no_wal.mkdir()
+    (no_wal / "notes.txt").write_text("not a WAL")
+    one_clear_line(fastlock("wal", "dump", str(no_wal), cwd=tmp_path), 1, "no WAL segment")
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "wal-00000000000000000001.log").write_bytes(b"\x00garbage" * 100)
+    one_clear_line(fastlock("wal", "dump", str(garbage), cwd=tmp_path), 1, "WalCorruption")
+
+
+def test_wal_dump_of_a_wal_with_no_records_prints_nothing_and_exits_0(tmp_path):
+    srv = ServerProcess(tmp_path / "data").start()
+    srv.stop()
+    out = fastlock("wal", "dump", "--lock", "nothing-here", str(tmp_path / "data"), cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout == "" and out.stderr == "", out
