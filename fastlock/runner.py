@@ -26,7 +26,8 @@ Exit status:
     69 (EX_UNAVAILABLE)   no server could be reached (or the connection was lost while waiting)
     127 / 126             the command was not found / could not be executed (as a shell)
     128 + N               ``fastlock run`` got signal N before the command started
-    2                     bad arguments
+    2                     bad arguments (an empty or too long NAME, ``--ttl`` not > 0, ...),
+                          reported before anything is sent
 
 Signals: SIGINT, SIGTERM and SIGHUP received by ``fastlock run`` are forwarded
 to the command, which runs in its own process group (so a terminal's Ctrl-C
@@ -47,7 +48,9 @@ import socket
 import sys
 from typing import Sequence
 
+from . import protocol as P
 from .cli import seconds_arg as _seconds
+from .errors import FastlockError
 
 log = logging.getLogger("fastlock.run")
 
@@ -56,6 +59,7 @@ EXIT_NOT_ACQUIRED = 73
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE
 EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
+EXIT_USAGE = 2
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -72,12 +76,33 @@ def _exit_code(value: str) -> int:
     return v
 
 
+def _ttl(value: str) -> float:
+    """argparse type: a lease TTL in seconds, > 0 and at most 24 h (the server's limits)."""
+    v = _seconds(value)
+    try:
+        P.check_ttl_ms(P.seconds_to_ms(v, "ttl"))
+    except FastlockError:
+        raise argparse.ArgumentTypeError(f"a TTL must be > 0 and at most 86400 seconds, got {value!r}") from None
+    return v
+
+
+def _wait(value: str) -> float:
+    """argparse type: seconds to wait for the lock, 0 (try once) to 24 h."""
+    v = _seconds(value)
+    try:
+        P.check_wait_ms(P.seconds_to_ms(v, "wait", allow_zero=True))
+    except FastlockError:
+        raise argparse.ArgumentTypeError(f"a wait must be 0 to 86400 seconds, got {value!r}") from None
+    return v
+
+
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", metavar="NAME", help="the lock to hold while the command runs")
-    p.add_argument("--ttl", type=_seconds, default=10.0, metavar="S",
-                   help="lease TTL in seconds, renewed about every ttl/3 (default 10)")
-    p.add_argument("--wait", type=_seconds, default=None, metavar="S",
-                   help="give up if not acquired within S seconds (default: wait forever; 0: try once)")
+    p.add_argument("name", metavar="NAME", help="the lock to hold while the command runs (1-512 bytes of UTF-8)")
+    p.add_argument("--ttl", type=_ttl, default=10.0, metavar="S",
+                   help="lease TTL in seconds, > 0 and at most 86400, renewed about every ttl/3 (default 10)")
+    p.add_argument("--wait", type=_wait, default=None, metavar="S",
+                   help="give up if not acquired within S seconds, at most 86400 (default: wait forever; "
+                        "0: try once)")
     p.add_argument("--server", action="append", metavar="HOST:PORT",
                    help="server address; repeat for a primary and standbys "
                         "(default: $FASTLOCK_SERVER or 127.0.0.1:7420)")
@@ -129,6 +154,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not command:
         parser.error("a command is needed after --")  # exits 2
+    try:
+        P.check_name(args.name)
+        P.check_optional_str(args.client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
+    except FastlockError as exc:
+        parser.error(str(exc))  # exits 2
     return run_from_args(args, command)
 
 
@@ -151,7 +181,7 @@ def run_from_args(args: argparse.Namespace, command: list[str]) -> int:
 async def _run(args: argparse.Namespace, command: list[str], servers: list[str], secret: str | None,
                client_name: str) -> int:
     from .client import connect
-    from .errors import ConnectionLost, FastlockError, LeaseLost, LockNotAcquired
+    from .errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost, LockNotAcquired, WrongArgumentType
 
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
@@ -182,6 +212,9 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
         except ConnectionLost as exc:
             log.error("%s", exc)
             return EXIT_UNAVAILABLE
+        except (InvalidArgument, WrongArgumentType) as exc:  # main() checks first; for direct callers
+            log.error("bad arguments: %s", exc)
+            return EXIT_USAGE
         except FastlockError as exc:
             log.error("could not acquire %r: %s", args.name, exc)
             return EXIT_UNAVAILABLE

@@ -181,3 +181,26 @@ def test_signal_while_waiting_for_the_lock_withdraws_the_waiter(server, sync, tm
             proc.kill()
             proc.wait(10)
     sync.release(held)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["", "--ttl", "1"], "lock name"),
+    (["job", "--ttl", "0"], "--ttl"),
+    (["job", "--ttl", "-1"], "--ttl"),
+    (["job", "--ttl", "90000"], "--ttl"),
+    (["job", "--wait", "90000"], "--wait"),
+    (["x" * 513], "lock name"),
+])
+def test_bad_arguments_exit_2_before_anything_is_sent(server, sync, tmp_path, argv, message):
+    grants = sync.status()["grants"]
+    out = subprocess.run([sys.executable, "-m", "fastlock", "run", *argv, "--server", server.address, "--", "true"],
+                         capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr
+    assert sync.status()["grants"] == grants
+
+
+def test_ttl_help_says_it_must_be_positive(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "fastlock.runner", "-h"], capture_output=True, text=True,
+                         timeout=TIMEOUT, cwd=tmp_path)
+    assert out.returncode == 0 and "> 0" in " ".join(out.stdout.split())
