@@ -496,6 +496,7 @@ class Client:
             else:
                 candidates.insert(0, target)
 
+        deferred: set[tuple[str, int]] = set()
         while candidates:
             addr = candidates.pop(0)
             if addr in tried:
@@ -545,6 +546,15 @@ class Client:
                 errors.append(f"{addr[0]}:{addr[1]}: is a {info.get('role')} (primary: {primary})")
                 if primary:
                     redirect(primary)
+                continue
+            if info.get("fenced") and addr not in deferred and any(c not in tried for c in candidates):
+                # a primary that is not granting (its standby may have taken over): try the
+                # other addresses first, and come back to it only if none is a primary
+                proto.transport.close()
+                errors.append(f"{addr[0]}:{addr[1]}: primary is fenced (not granting)")
+                deferred.add(addr)
+                tried.discard(addr)
+                candidates.append(addr)
                 continue
             log.debug("connected to %s:%d (session %s)", addr[0], addr[1], info.get("session"))
             return proto, info
