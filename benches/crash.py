@@ -65,7 +65,7 @@ import sqlite3
 import sys
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import fastlock
 from fastlock._testbase import HistoryChecker, ServerProcess

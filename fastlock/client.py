@@ -23,7 +23,7 @@ import logging
 import os
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from . import protocol as P
 from .errors import (
@@ -36,6 +36,9 @@ from .errors import (
     WrongArgumentType,
     error_from_wire,
 )
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .election import Election
 
 log = logging.getLogger(__name__)
 

@@ -69,7 +69,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import protocol as P
 from .errors import FastlockError, InvalidArgument, ProtocolError, Unavailable
-from .wal import EPOCH, EXPIRE, EXTEND, GRANT, RELEASE, RESERVE, WalCompacted, decode_frames
+from .wal import EPOCH, EXPIRE, EXTEND, GRANT, RELEASE, RESERVE, WalCompacted, _fsync_dir, decode_frames
 
 if TYPE_CHECKING:  # pragma: no cover
     from .server import LockServer, _Connection
@@ -123,14 +123,6 @@ def _write_atomically(directory: str, name: str, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(directory)
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def node_id(directory: str) -> str:

@@ -75,6 +75,18 @@ def server(tmp_path):
 
 
 @pytest.fixture
+def cluster(tmp_path):
+    """Primaries, standbys and TCP proxies for replication tests; all stopped after the test."""
+    from tcpproxy import Cluster
+
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.stop_all()
+
+
+@pytest.fixture
 def server_factory(tmp_path):
     """Start more servers (e.g. with other flags); every one is stopped after the test."""
     started: list[ServerProcess] = []

@@ -396,6 +396,11 @@ class Cluster:
                 pass
 
 
+def run(coro, timeout: float = 40.0):
+    """Run ``coro`` on a fresh loop, failing after ``timeout`` seconds."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
 async def poll(fn, pred=bool, *, timeout: float, what: str, interval: float = 0.01):
     """Call ``await fn()`` until ``pred(value)``; return the value, or fail after ``timeout`` s."""
     deadline = time.monotonic() + timeout

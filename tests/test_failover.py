@@ -22,7 +22,6 @@ clients' tasks keep running.  Every wait has a deadline.
 from __future__ import annotations
 
 import asyncio
-import os
 import sqlite3
 import tempfile
 import time
@@ -41,24 +40,13 @@ from fastlock.errors import (
     Unavailable,
 )
 from fastlock.fencing import SQLiteFence
-from tcpproxy import Cluster, RawNode, poll, status_of
+from tcpproxy import RawNode, poll, run, status_of
 
 EPOCH_SHIFT = 40
 FAILOVER = 1.0  # --failover-after, seconds
 GRACE = 0.2  # --promotion-grace where the test is not about the grace period
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.stop_all()
-
-
-def run(coro, timeout: float = 40.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
 def epoch(token: int) -> int:

@@ -18,23 +18,12 @@ import tempfile
 import pytest
 
 from fastlock.errors import NotPrimary, Unavailable
-from tcpproxy import Cluster, RawNode, poll, status_of
+from tcpproxy import RawNode, poll, run, status_of
 
 FAILOVER = 1.0
 GRACE = 0.2
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.stop_all()
-
-
-def run(coro, timeout: float = 40.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

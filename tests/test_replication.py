@@ -23,24 +23,13 @@ import tempfile
 import pytest
 
 import fastlock
-from fastlock.errors import InvalidArgument, LockNotAcquired, NotPrimary, Unavailable
-from tcpproxy import Cluster, RawNode, poll, status_of
+from fastlock.errors import LockNotAcquired, NotPrimary
+from tcpproxy import RawNode, poll, run, status_of
 
 EPOCH_SHIFT = 40
 LONG = 30_000  # ms: a TTL that does not run out during a test
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.stop_all()
-
-
-def run(coro, timeout: float = 30.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
 def cli(*args: str, timeout: float = 20.0) -> subprocess.CompletedProcess:
