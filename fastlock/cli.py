@@ -149,7 +149,12 @@ def _build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("promote", help="promote a standby to primary (new epoch, grace period)")
     pr.add_argument("--server", type=_server, required=True, metavar="HOST:PORT", help="the standby")
     pr.add_argument("--force", action="store_true",
-                    help="promote even a standby that never synchronised (its data dir must be current)")
+                    help="the operator's word that the old primary is dead: promote even if it cannot "
+                         "confirm stepping down and does not fence itself, or if this standby never "
+                         "synchronised (its data dir must then be current)")
+    pr.add_argument("--timeout", type=seconds_arg, default=300.0, metavar="SECONDS",
+                    help="how long to wait for the promotion, which may wait out the old primary's "
+                         "fence (default 300)")
     pr.add_argument("--auth-secret-file", metavar="FILE")
 
     sa = sub.add_parser("serve-alone", help="tell a primary its standby is gone: stop fencing itself")
@@ -232,7 +237,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
 ADMIN_TIMEOUT = 10.0  # seconds for the TCP connect, and again for the replies
 
 
-def _admin(server: tuple[str, int], secret_file: str | None, op: int, *args) -> object:
+def _admin(server: tuple[str, int], secret_file: str | None, op: int, *args,
+           reply_timeout: float = ADMIN_TIMEOUT) -> object:
     """Send one request straight to ``server`` (no redirects: it targets a node).
 
     Raises FastlockError (the server's refusal), OSError (connect/read
@@ -257,9 +263,9 @@ def _admin(server: tuple[str, int], secret_file: str | None, op: int, *args) -> 
             replies = {}
             while 2 not in replies:
                 try:
-                    data = await asyncio.wait_for(reader.read(65536), ADMIN_TIMEOUT)
+                    data = await asyncio.wait_for(reader.read(65536), reply_timeout)
                 except asyncio.TimeoutError:
-                    raise TimeoutError(f"no reply within {ADMIN_TIMEOUT:g} s") from None
+                    raise TimeoutError(f"no reply within {reply_timeout:g} s") from None
                 if not data:
                     msg = replies.get(0) or replies.get(1)
                     if msg is not None and msg[1] != 0:
@@ -358,7 +364,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         from . import protocol as P
 
         if args.command == "promote":
-            result = _admin(args.server, args.auth_secret_file, P.OP_PROMOTE, bool(args.force))
+            # a promotion may wait out the old primary's fence (up to --failover-after)
+            result = _admin(args.server, args.auth_secret_file, P.OP_PROMOTE, bool(args.force),
+                            reply_timeout=args.timeout)
         else:
             result = _admin(args.server, args.auth_secret_file, P.OP_SERVE_ALONE)
         print(json.dumps(result, indent=2, sort_keys=True))

@@ -97,12 +97,20 @@ def heartbeat_interval_ms(failover_after_ms: int) -> int:
     return max(10, min(500, failover_after_ms // 8))
 
 
+def standby_identity(name: str) -> str:
+    """A standby names itself ``[display@]node-id``; only the node id identifies it."""
+    return name.rpartition("@")[2]
+
+
 class _Replica:
-    __slots__ = ("conn", "name", "failover_after_ms", "acked_lsn", "contact_ms", "sent", "attached_ms")
+    __slots__ = ("conn", "name", "ident", "failover_after_ms", "acked_lsn", "contact_ms", "sent", "attached_ms",
+                 "last_ack_ms")
 
     def __init__(self, conn: "_Connection", name: str | None, failover_after_ms: int):
         self.conn = conn
         self.name = name or conn.peer
+        self.ident = standby_identity(self.name)
+        self.last_ack_ms = 0  # primary time of the last acknowledgement received
         self.failover_after_ms = failover_after_ms
         self.acked_lsn = 0
         self.contact_ms = _now_ms()  # primary time echoed by the standby
@@ -218,13 +226,21 @@ class ReplicationSource:
         wal = server.wal
         if not name:
             raise InvalidArgument("a standby must name itself (its node id)")
-        if self.paired_id is not None and name != self.paired_id:
+        ident = standby_identity(name)
+        if self.paired_id is not None and ident != standby_identity(self.paired_id):
             raise Unavailable(
                 f"this primary is paired with standby {self.paired_id!r}; fastlock supports one standby. "
                 f"Run `fastlock serve-alone` on the primary to unpair it first")
+        now = _now_ms()
         for other in list(self.replicas.values()):
-            if other.name != name:
+            if other.ident != ident:
                 raise Unavailable(f"standby {other.name!r} is attached; fastlock supports one standby")
+            alive_ms = 4 * heartbeat_interval_ms(other.failover_after_ms)
+            if other.last_ack_ms and now - other.last_ack_ms < alive_ms and not other.conn.closed:
+                # not a reconnect: a live standby with this node id is attached
+                raise Unavailable(
+                    f"a live standby with node id {ident} is already attached (a copied data directory? "
+                    f"delete the copy's node-id file so it gets its own identity)")
             # the same standby reconnecting: its old connection is dead or half-open
             log.warning("standby %s reconnected; dropping its previous connection", name)
             self.replicas.pop(other.conn.session, None)
@@ -311,11 +327,13 @@ class ReplicationSource:
         if type(echoed_ms) is not int or type(applied_lsn) is not int:
             raise ProtocolError("REPL_ACK takes two integers")
         now = _now_ms()
+        replica.last_ack_ms = now
         if replica.contact_ms < echoed_ms <= now:
             replica.contact_ms = echoed_ms
             if echoed_ms > self._contact_ms:
                 self._contact_ms = echoed_ms
-            if self.paired_id is None or self._paired_window_ms != replica.failover_after_ms:
+            if (self.paired_id is None or self._paired_window_ms != replica.failover_after_ms
+                    or self.paired_id != replica.name):
                 # a standby that echoed our heartbeat is real: pair with it (persisted)
                 self._pair(replica)
         if applied_lsn > replica.acked_lsn:
@@ -509,6 +527,7 @@ class StandbyFollower:
         self.last_heard_ms = 0
         self.last_hb_primary_ms = 0
         self.synced = False  # has applied at least one snapshot or stream from this primary
+        self.refused: str | None = None  # why this node refuses to follow its primary
         self.max_ttl_ms = 0
         self.connected = False
         self._task: asyncio.Task | None = None
@@ -525,23 +544,32 @@ class StandbyFollower:
         if self.failover_after_ms > 0:
             self._arm_watchdog()
 
-    def stop(self, depose_epoch: int | None = None) -> None:
-        """Stop following.  With ``depose_epoch``, first tell the primary (if it is
-        still connected) that this epoch exists: a HELLO carrying a higher epoch
-        makes it step down, so a manual promotion while it runs cannot leave two
-        primaries granting."""
+    async def depose(self, epoch: int, timeout_s: float = 2.0) -> bool:
+        """Tell the primary that ``epoch`` begins and wait for its answer.
+
+        A HELLO carrying a higher epoch makes the primary step down before it
+        replies, so True means it has stopped granting.  False: not connected,
+        or no answer within ``timeout_s`` seconds (frozen, partitioned, dead).
+        """
+        proto = self._proto
+        if proto is None or proto.transport is None or proto.transport.is_closing():
+            return False
+        try:
+            info = await asyncio.wait_for(
+                proto.request(4, P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{self.name}", self.auth, epoch),
+                timeout_s)
+        except (ConnectionError, asyncio.TimeoutError, FastlockError):
+            return False
+        return info.get("role") != "primary" or info.get("epoch", 0) >= epoch
+
+    def stop(self) -> None:
+        """Stop following (the connection is closed)."""
         self._stopping = True
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
         if self._proto is not None and self._proto.transport is not None:
-            transport = self._proto.transport
-            if depose_epoch is not None and not transport.is_closing():
-                transport.write(P.packb([4, P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{self.name}",
-                                         self.auth, depose_epoch]))
-                log.warning("told primary %s that epoch %d begins (it steps down)",
-                            self.primary_address, depose_epoch)
-            transport.close()
+            self._proto.transport.close()
         if self._task is not None:
             self._task.cancel()
 
@@ -559,8 +587,18 @@ class StandbyFollower:
                 continue
             self._proto = proto
             try:
-                await asyncio.wait_for(proto.request(1, P.OP_HELLO, P.PROTOCOL_VERSION,
-                                                     f"standby:{self.name or os.getpid()}", self.auth), 5.0)
+                # our epoch travels in the HELLO: a primary with a lower one steps down
+                # (this node was promoted since it last followed it) and refuses REPLICATE
+                hello = await asyncio.wait_for(
+                    proto.request(1, P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{self.name or os.getpid()}",
+                                  self.auth, self.server.table.epoch), 5.0)
+                if hello.get("epoch", 0) < self.server.table.epoch:
+                    self.refused = (f"{self.primary_address} is at epoch {hello.get('epoch')}, below this "
+                                    f"node's epoch {self.server.table.epoch}: it is a deposed primary")
+                    log.critical("refusing to follow: %s; restart this node as the primary, or point it "
+                                 "at the current primary", self.refused)
+                    proto.transport.close()
+                    return
                 info = await asyncio.wait_for(
                     proto.request(2, P.OP_REPLICATE, self.applied_lsn + 1 if self.synced else 0,
                                   self.incarnation, self.failover_after_ms, self.name), 5.0)
@@ -623,6 +661,9 @@ class StandbyFollower:
         server = self.server
         table = server.table
         wal = server.wal
+        if epoch < table.epoch:
+            # never replace a newer epoch's leases with an older primary's state
+            raise ProtocolError(f"snapshot at epoch {epoch} is below this node's epoch {table.epoch}")
         if epoch > table.epoch:
             table.set_epoch(epoch)
             wal.log_epoch(epoch)
@@ -705,7 +746,7 @@ class StandbyFollower:
         if self.synced and self.last_heard_ms and now - self.last_heard_ms >= self.failover_after_ms:
             log.warning("primary %s silent for %d ms (failover after %d ms): promoting",
                         self.primary_address, now - self.last_heard_ms, self.failover_after_ms)
-            asyncio.ensure_future(self.server.promote(reason="primary silent"))
+            asyncio.ensure_future(self.server.promote(reason="primary silent", automatic=True))
             return
         self._arm_watchdog()
 
@@ -721,4 +762,5 @@ class StandbyFollower:
             "last_heard_ms_ago": (now - self.last_heard_ms) if self.last_heard_ms else None,
             "failover_after_ms": self.failover_after_ms,
             "primary_epoch": self.primary_epoch,
+            "refused": self.refused,
         }

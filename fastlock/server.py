@@ -273,6 +273,10 @@ class LockServer:
             (time.perf_counter() - t0) * 1000,
         )
         self.wal.start(loop)
+        if self.config.metrics is not None:  # before "listening on": a bad address fails the start
+            from .metrics import MetricsExporter
+
+            self._metrics = MetricsExporter(self, *self.config.metrics)
         if self.role == "primary":
             self.source.load_pairing()
         self._rearm()
@@ -289,10 +293,6 @@ class LockServer:
         )
         if self.follower is not None:
             self.follower.start()
-        if self.config.metrics is not None:
-            from .metrics import MetricsExporter
-
-            self._metrics = MetricsExporter(self, *self.config.metrics)
 
     async def close(self) -> None:
         """Stop accepting, close every connection, flush and close the WAL."""
@@ -705,7 +705,9 @@ class LockServer:
 
         async def run():
             try:
-                info = await self.promote(reason="operator command")
+                info = await self.promote(reason="operator command", force=force)
+            except FastlockError as exc:  # refused: nothing changed
+                conn.send(P.packb([req_id, exc.code, str(exc), None]))
             except Exception as exc:  # report, keep serving
                 log.exception("promotion failed")
                 conn.send(P.packb([req_id, Unavailable.code, f"promotion failed: {exc}", None]))
@@ -719,20 +721,49 @@ class LockServer:
         self._must_be_primary()
         conn.send(P.encode_ok(req_id, self.source.serve_alone()))
 
-    async def promote(self, reason: str) -> dict:
+    async def promote(self, reason: str, *, force: bool = False, automatic: bool = False) -> dict:
         """Turn this standby into the primary (see :mod:`fastlock.replication`).
 
-        Raises the epoch above every epoch seen and fsyncs it, gives every
-        replicated lease a fresh full TTL, and holds new grants for the grace
-        period.  Returns ``{"epoch", "grace_ms", "leases"}``.
+        First makes sure the old primary cannot grant any more: on command, it
+        is told the new epoch and must confirm that it stepped down; if it does
+        not answer (frozen, partitioned, dead), promotion waits until the
+        primary's own fence has certainly closed (``--failover-after`` since it
+        was last heard), or - when the primary does not fence itself - refuses
+        unless ``force`` (the operator's word that it is dead).  Automatic
+        promotion happens only after that much silence already.  Then raises
+        the epoch above every epoch seen and fsyncs it, gives every replicated
+        lease a fresh full TTL, and holds new grants for the grace period.
+        Returns ``{"epoch", "grace_ms", "leases", "primary_confirmed"}``.
+
+        Raises Unavailable if the old primary may still be granting.
         """
         if self.role != "standby":
             raise NotPrimary(f"this node is {self.role}")
         follower = self.follower
         table = self.table
         epoch = max(table.epoch, follower.primary_epoch) + 1
-        follower.stop(depose_epoch=epoch)
-        self.role = "promoting"
+        self.role = "promoting"  # stops the failover watchdog and any concurrent promotion
+        confirmed = False
+        try:
+            if not automatic:
+                confirmed = await follower.depose(epoch)
+                if confirmed:
+                    log.warning("primary %s confirmed it stepped down for epoch %d", follower.primary_address, epoch)
+                elif follower.failover_after_ms > 0:
+                    wait_ms = follower.last_heard_ms + follower.failover_after_ms - now_ms()
+                    if wait_ms > 0:
+                        log.warning("primary %s did not confirm stepping down: waiting %d ms until its own "
+                                    "fence has closed", follower.primary_address, wait_ms)
+                        await asyncio.sleep(wait_ms / 1000.0)
+                elif not force:
+                    raise Unavailable(
+                        f"primary {follower.primary_address} did not confirm that it stepped down, and it does "
+                        f"not fence itself (this standby has no --failover-after): make sure it is dead, then "
+                        f"promote with --force")
+        except BaseException:
+            self.role = "standby"
+            raise
+        follower.stop()
         table.set_epoch(epoch)
         self.wal.log_epoch(epoch)
         durable = self._loop.create_future()
@@ -754,7 +785,7 @@ class LockServer:
             "PROMOTED to primary (%s): epoch %d, %d replicated leases kept for their TTL, "
             "no new grants for %d ms (grace)", reason, epoch, len(holders), grace,
         )
-        return {"epoch": epoch, "grace_ms": grace, "leases": len(holders)}
+        return {"epoch": epoch, "grace_ms": grace, "leases": len(holders), "primary_confirmed": confirmed}
 
     def _step_down(self, why: str) -> None:
         log.critical("stepping down: %s (own epoch %d); refusing every lock operation", why, self.table.epoch)

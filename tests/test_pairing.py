@@ -17,6 +17,7 @@ import tempfile
 
 import pytest
 
+from fastlock import protocol as P
 from fastlock.errors import NotPrimary, Unavailable
 from tcpproxy import RawNode, poll, run, status_of
 
@@ -152,3 +153,163 @@ def test_a_stray_replicate_does_not_pair_or_fence(cluster):
             await node.close()
 
     run(main())
+
+
+# --------------------------------------------------------------------------- second round
+
+
+def test_manual_promote_of_a_frozen_primary_is_refused_without_a_fence_or_force(cluster):
+    """No --failover-after: the frozen primary cannot confirm and does not fence itself."""
+    p = cluster.primary()
+    s = cluster.standby(p.address)
+
+    async def main():
+        a = await RawNode.open(p.address)
+        await a.acquire("x", 30_000)
+        await a.close()
+        await poll(lambda: status_of(s.address), lambda st: st["replication"]["applied_lsn"] >= 1,
+                   timeout=5, what="standby caught up")
+        p.pause()
+        try:
+            res = await asyncio.to_thread(cli, "promote", "--server", s.address)
+            assert res.returncode == 1 and "did not confirm" in res.stderr, res.stderr
+            assert (await status_of(s.address))["role"] == "standby"
+        finally:
+            p.resume()
+        # once the primary answers again, the same command deposes it and promotes
+        res = await asyncio.to_thread(cli, "promote", "--server", s.address)
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["primary_confirmed"] is True
+        assert (await status_of(p.address))["role"] == "deposed"
+
+    run(main())
+
+
+def test_manual_promote_of_an_unreachable_primary_waits_for_its_fence(cluster):
+    """With --failover-after, a partitioned primary fences itself; promotion waits for that,
+    so a release on the old node afterwards hands the lock to nobody."""
+    p = cluster.primary()
+    px = cluster.proxy(p.address)
+    s = cluster.standby(px.address, failover_after=3.0, grace=GRACE)
+
+    async def main():
+        holder = await RawNode.open(p.address)
+        token, _, owner = await holder.acquire("x", 30_000)
+        waiter = await RawNode.open(p.address)
+        queued = asyncio.ensure_future(waiter.acquire("x", 1000, wait_ms=60_000))
+        await poll(lambda: status_of(p.address), lambda st: st["waiters"] == 1, timeout=5, what="queued")
+        await poll(lambda: status_of(p.address), lambda st: st["replication"]["paired_standby"], timeout=5,
+                   what="pairing")
+        px.pause()  # partition: the deposing HELLO cannot get through
+        res = await asyncio.to_thread(cli, "promote", "--server", s.address)
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["primary_confirmed"] is False
+        assert any("did not confirm stepping down" in line for line in s.lines)
+        # by the time the standby serves, the old primary has fenced itself
+        assert (await status_of(p.address))["replication"]["fenced"]
+        await holder.request(P.OP_RELEASE, "x", token, owner)  # releasing is always allowed...
+        st = await status_of(p.address)
+        assert st["waiters"] == 1 and st["locks_held"] == 0  # ...but it hands the lock to nobody
+        assert not queued.done()
+        queued.cancel()
+        await holder.close()
+        await waiter.close()
+
+    run(main(), timeout=60)
+
+
+def test_promoted_standby_restarted_as_standby_of_the_old_primary_refuses_and_deposes_it(cluster):
+    """Both nodes restarted with their usual command lines after a failover: the old
+    primary must not resume granting, and the promoted node must keep its leases."""
+    p = cluster.primary()
+    s = cluster.standby(p.address, failover_after=FAILOVER, grace=GRACE)
+
+    async def main():
+        await poll(lambda: status_of(p.address), lambda st: st["replication"]["paired_standby"],
+                   timeout=5, what="pairing")
+        p.kill()
+        s.wait_for_log(r"PROMOTED", 10)
+        b = await RawNode.open(s.address)
+        token, _, _ = await poll(lambda: b.acquire("y", 60_000), timeout=5, what="grant after grace")
+        await b.close()
+        assert token >> 40 == 1
+        s.stop()
+        old = cluster.restart(p)  # fenced: paired, and its standby may have been promoted
+        s2 = cluster.restart(s)   # its unit file still says --standby-of <old primary address>
+        # (the restarted old primary has a new port: point the standby at it explicitly)
+        s2.stop()
+        s3 = cluster._start(type(s)(s.data_dir, args=["--standby-of", old.address, "--name", "standby",
+                                                      "--failover-after", str(FAILOVER)]))
+        s3.wait_for_log(r"refusing to follow", 10)
+        st_old = await poll(lambda: status_of(old.address), lambda st: st["role"] == "deposed", timeout=5,
+                            what="the old primary to step down")
+        assert st_old["locks_held"] == 0
+        st_b = await status_of(s3.address)
+        assert st_b["role"] == "standby" and st_b["epoch"] == 1 and st_b["locks_held"] == 1
+        assert "deposed primary" in st_b["replication"]["refused"]
+
+    run(main(), timeout=60)
+
+
+def test_a_copied_standby_data_dir_is_refused_while_the_original_is_alive(cluster):
+    import shutil
+
+    p = cluster.primary()
+    s1 = cluster.standby(p.address, "standby1", failover_after=FAILOVER, grace=GRACE)
+    shutil.copytree(s1.data_dir, cluster.root / "clone", ignore=shutil.ignore_patterns("LOCK"))
+    clone = cluster._start(type(s1)(cluster.root / "clone",
+                                    args=["--standby-of", p.address, "--name", "clone",
+                                          "--failover-after", str(FAILOVER)]))
+    clone.wait_for_log(r"copied data directory", 10)
+
+    async def main():
+        st = await status_of(p.address)
+        assert [sb["name"] for sb in st["replication"]["standbys"]] == [st["replication"]["paired_standby"]]
+        assert st["replication"]["paired_standby"].startswith("standby1@")
+        assert not st["replication"]["fenced"]
+
+    run(main())
+    assert sum("reconnected" in line for line in p.lines) < 5
+
+
+def test_a_standby_renamed_on_restart_is_the_same_standby(cluster):
+    p = cluster.primary()
+    s = cluster.standby(p.address, "east", failover_after=FAILOVER, grace=GRACE)
+
+    async def main():
+        await poll(lambda: status_of(p.address), lambda st: st["replication"]["paired_standby"],
+                   timeout=5, what="pairing")
+        s.stop()
+        renamed = cluster._start(type(s)(s.data_dir, args=["--standby-of", p.address, "--name", "east-1",
+                                                           "--failover-after", str(FAILOVER)]))
+        renamed.wait_for_log(r"replicating from", 10)
+        st = await poll(lambda: status_of(p.address),
+                        lambda st: st["replication"]["paired_standby"].startswith("east-1@")
+                        and not st["replication"]["fenced"], timeout=5, what="re-paired under the new name")
+        node = await RawNode.open(p.address)
+        try:
+            token, _, _ = await node.acquire("z", 1000)
+            assert token > 0
+        finally:
+            await node.close()
+
+    run(main())
+
+
+def test_metrics_address_in_use_fails_the_start(cluster, tmp_path):
+    import socket
+
+    from fastlock._testbase import ServerProcess
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    try:
+        srv = ServerProcess(tmp_path / "m", args=["--metrics", f"127.0.0.1:{busy.getsockname()[1]}"])
+        with pytest.raises(RuntimeError, match="exited"):
+            srv.start(timeout=20)
+        assert not any("listening on" in line for line in srv.lines)
+        assert any("cannot start" in line for line in srv.lines)
+        srv.stop()
+    finally:
+        busy.close()

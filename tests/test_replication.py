@@ -202,7 +202,7 @@ def test_manual_promotion_new_epoch_holders_keep_their_leases(cluster):
         res = await asyncio.to_thread(cli, "promote", "--server", s.address)
         assert res.returncode == 0, res.stderr
         info = json.loads(res.stdout)
-        assert info == {"epoch": 1, "grace_ms": 1000, "leases": 3}
+        assert info == {"epoch": 1, "grace_ms": 1000, "leases": 3, "primary_confirmed": True}
         b = await RawNode.open(s.address)
         try:
             assert b.hello["role"] == "primary" and b.hello["epoch"] == 1
