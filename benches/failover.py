@@ -237,6 +237,7 @@ async def _one_failover(run: int, root: str, args: argparse.Namespace) -> dict[s
                   "--promotion-grace", str(args.promotion_grace)]
         await asyncio.to_thread(s.start)
         await asyncio.to_thread(s.wait_for_log, r"replicating from", 10)
+        await asyncio.to_thread(s.wait_for_log, r"paired: primary", 10)  # automatic failover armed
         killed = asyncio.Event()
         killed_at = 0.0
         first: list[tuple[float, int]] = []

@@ -54,7 +54,7 @@ Wire messages (see :mod:`fastlock.protocol` for the framing)::
                         [id, REPL_ACK, echoed_primary_ms, applied_lsn]          (no reply)
     primary -> standby  [0, "snap", [lsn, epoch, counter, holders, incarnation]]
                         [0, "repl", [first_lsn, last_lsn, frames]]               (WAL batch bytes)
-                        [0, "hb",   [primary_ms, last_lsn, epoch, longest_ttl_ms]]
+                        [0, "hb",   [primary_ms, last_lsn, epoch, longest_ttl_ms, paired_id, paired_window_ms]]
 """
 
 from __future__ import annotations
@@ -131,6 +131,22 @@ def _write_atomically(directory: str, name: str, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(directory)
+
+
+DEPOSED_FILE = "deposed.json"
+
+
+def write_deposed(directory: str, epoch: int, why: str) -> None:
+    """Remember (durably) that this node stepped down for ``epoch``."""
+    _write_atomically(directory, DEPOSED_FILE, json.dumps({"epoch": epoch, "why": why}).encode())
+
+
+def read_deposed(directory: str) -> dict | None:
+    try:
+        with open(os.path.join(directory, DEPOSED_FILE), encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
 
 
 def node_id(directory: str) -> str:
@@ -310,7 +326,7 @@ class ReplicationSource:
         server = self.server
         now = _now_ms()
         msg = P.encode_push(PUSH_HEARTBEAT, [now, server.wal.stats()["last_lsn"], server.table.epoch,
-                                              server.max_ttl_ms])
+                                              server.max_ttl_ms, self.paired_id, self._paired_window_ms])
         interval = 500
         for replica in self.replicas.values():
             if not replica.conn.closed:
@@ -528,6 +544,8 @@ class StandbyFollower:
         self.last_hb_primary_ms = 0
         self.synced = False  # has applied at least one snapshot or stream from this primary
         self.refused: str | None = None  # why this node refuses to follow its primary
+        self.pair_confirmed = False  # the primary's heartbeats say it fences itself for this node
+        self.ident = standby_identity(name or "")
         self.max_ttl_ms = 0
         self.connected = False
         self._task: asyncio.Task | None = None
@@ -634,7 +652,19 @@ class StandbyFollower:
         kind, payload = msg[1], msg[2]
         self.last_heard_ms = _now_ms()
         if kind == PUSH_HEARTBEAT:
-            primary_ms, last_lsn, epoch, max_ttl_ms = payload
+            primary_ms, last_lsn, epoch, max_ttl_ms, paired_id, paired_window_ms = payload
+            # Automatic promotion is safe only once the primary fences itself for us: it has
+            # paired with this node's id and this failover window (it says so in heartbeats).
+            confirmed = (paired_id is not None and standby_identity(paired_id) == self.ident
+                         and paired_window_ms == self.failover_after_ms)
+            if confirmed != self.pair_confirmed:
+                self.pair_confirmed = confirmed
+                if confirmed:
+                    log.info("paired: primary %s fences itself for this standby (failover window %d ms)",
+                             self.primary_address, paired_window_ms)
+                else:
+                    log.warning("primary %s no longer reports this standby as paired: no automatic failover",
+                                self.primary_address)
             self.last_hb_primary_ms = primary_ms
             self.primary_last_lsn = last_lsn
             self.primary_epoch = max(self.primary_epoch, epoch)
@@ -740,10 +770,14 @@ class StandbyFollower:
 
     def _check_silence(self) -> None:
         self._watchdog = None
-        if self._stopping or self.server.role != "standby":
+        if self._stopping:
+            return
+        if self.server.role != "standby":  # a manual promotion in progress: it may yet be refused
+            self._arm_watchdog()
             return
         now = _now_ms()
-        if self.synced and self.last_heard_ms and now - self.last_heard_ms >= self.failover_after_ms:
+        if (self.synced and self.pair_confirmed and self.last_heard_ms
+                and now - self.last_heard_ms >= self.failover_after_ms):
             log.warning("primary %s silent for %d ms (failover after %d ms): promoting",
                         self.primary_address, now - self.last_heard_ms, self.failover_after_ms)
             asyncio.ensure_future(self.server.promote(reason="primary silent", automatic=True))
@@ -763,4 +797,5 @@ class StandbyFollower:
             "failover_after_ms": self.failover_after_ms,
             "primary_epoch": self.primary_epoch,
             "refused": self.refused,
+            "pair_confirmed": self.pair_confirmed,
         }

@@ -59,7 +59,7 @@ from .errors import (
     ProtocolError,
     Unavailable,
 )
-from .replication import ReplicationSource, StandbyFollower, node_id
+from .replication import DEPOSED_FILE, ReplicationSource, StandbyFollower, node_id, read_deposed, write_deposed
 from .wal import DataDirInUse, HolderRecord, WalCorruption, WriteAheadLog
 
 log = logging.getLogger(__name__)
@@ -278,7 +278,15 @@ class LockServer:
 
             self._metrics = MetricsExporter(self, *self.config.metrics)
         if self.role == "primary":
-            self.source.load_pairing()
+            marker = read_deposed(self.config.data_dir)
+            if marker is not None and marker.get("epoch", 0) > table.epoch:
+                self.role = "deposed"
+                table.hold_grants_until(now_ms() + 10 * 365 * 24 * 3600 * 1000)
+                log.critical("this node stepped down for epoch %s (%s) and stays deposed: restart it with "
+                             "--standby-of the current primary (or delete %s to override)",
+                             marker.get("epoch"), marker.get("why"), DEPOSED_FILE)
+            else:
+                self.source.load_pairing()
         self._rearm()
         self._server = await loop.create_server(
             self._make_connection, self.config.host, self.config.port, reuse_address=True,
@@ -507,7 +515,7 @@ class LockServer:
                 raise AuthError("authentication failed")
         conn.ready = True
         if type(known_epoch) is int and known_epoch > self.table.epoch and self.role == "primary":
-            self._step_down(f"client {conn.client_name or conn.peer} has seen epoch {known_epoch}")
+            self._step_down(f"client {conn.client_name or conn.peer} has seen epoch {known_epoch}", known_epoch)
         log.debug("session %d hello from %s (%s)", conn.session, conn.peer, conn.client_name)
         conn.send(P.encode_ok(req_id, self._hello_info(conn)))
 
@@ -744,26 +752,29 @@ class LockServer:
         epoch = max(table.epoch, follower.primary_epoch) + 1
         self.role = "promoting"  # stops the failover watchdog and any concurrent promotion
         confirmed = False
-        try:
-            if not automatic:
+        if not automatic:
+            try:
                 confirmed = await follower.depose(epoch)
-                if confirmed:
-                    log.warning("primary %s confirmed it stepped down for epoch %d", follower.primary_address, epoch)
-                elif follower.failover_after_ms > 0:
-                    wait_ms = follower.last_heard_ms + follower.failover_after_ms - now_ms()
-                    if wait_ms > 0:
-                        log.warning("primary %s did not confirm stepping down: waiting %d ms until its own "
-                                    "fence has closed", follower.primary_address, wait_ms)
-                        await asyncio.sleep(wait_ms / 1000.0)
-                elif not force:
-                    raise Unavailable(
-                        f"primary {follower.primary_address} did not confirm that it stepped down, and it does "
-                        f"not fence itself (this standby has no --failover-after): make sure it is dead, then "
-                        f"promote with --force")
-        except BaseException:
-            self.role = "standby"
-            raise
+            except BaseException:
+                self.role = "standby"
+                raise
+            if confirmed:
+                log.warning("primary %s confirmed it stepped down for epoch %d", follower.primary_address, epoch)
+            elif not (force or (follower.failover_after_ms > 0 and follower.pair_confirmed)):
+                self.role = "standby"
+                raise Unavailable(
+                    f"primary {follower.primary_address} did not confirm that it stepped down, and it is not "
+                    f"known to fence itself for this standby (no --failover-after, or not paired yet): make "
+                    f"sure it is dead, then promote with --force")
+        # From here on this node acknowledges nothing more to the old primary, so its
+        # fence (if any) can only close: stop following before waiting for it.
         follower.stop()
+        if not confirmed and not force and not automatic:
+            wait_ms = follower.last_heard_ms + follower.failover_after_ms - now_ms()
+            if wait_ms > 0:
+                log.warning("primary %s did not confirm stepping down: waiting %d ms until its own "
+                            "fence has closed", follower.primary_address, wait_ms)
+                await asyncio.sleep(wait_ms / 1000.0)
         table.set_epoch(epoch)
         self.wal.log_epoch(epoch)
         durable = self._loop.create_future()
@@ -787,10 +798,13 @@ class LockServer:
         )
         return {"epoch": epoch, "grace_ms": grace, "leases": len(holders), "primary_confirmed": confirmed}
 
-    def _step_down(self, why: str) -> None:
+    def _step_down(self, why: str, known_epoch: int) -> None:
+        """Refuse every lock operation from now on - and after a restart: the step-down is
+        written to ``<data dir>/deposed.json`` (fsynced) before anyone hears of it."""
         log.critical("stepping down: %s (own epoch %d); refusing every lock operation", why, self.table.epoch)
         self.role = "deposed"
         self.table.hold_grants_until(now_ms() + 10 * 365 * 24 * 3600 * 1000)
+        write_deposed(self.config.data_dir, known_epoch, why)
 
     def _op_status(self, conn: _Connection, req_id: int, msg: list) -> None:
         conn.send(P.encode_ok(req_id, self.status()))

@@ -370,6 +370,8 @@ class Cluster:
         srv = self._start(ServerProcess(self.root / name, args=[*argv, *args], **kw))
         if wait_sync:
             srv.wait_for_log(r"replicating from", 10)
+            if failover_after:  # automatic failover is armed only once the primary has paired
+                srv.wait_for_log(r"paired: primary", 10)
         return srv
 
     def restart(self, srv: ServerProcess) -> ServerProcess:

@@ -132,6 +132,7 @@ def pair(tmp_path):
         b.start()
         a.wait_for_log("standby .* attached", timeout=TIMEOUT)
         b.wait_for_log("applied snapshot", timeout=TIMEOUT)
+        b.wait_for_log("paired: primary", timeout=TIMEOUT)  # automatic failover is armed
         yield a, b
     finally:
         if a.proc is not None and a.proc.poll() is None:

@@ -592,6 +592,7 @@ def test_old_primary_rejoins_as_standby_of_the_new_one_and_fails_back(cluster):
                                                              "--failover-after", str(FAILOVER),
                                                              "--promotion-grace", str(GRACE)])))
         await asyncio.to_thread(old.wait_for_log, r"applied snapshot at primary LSN \d+: 3 leases, epoch 1", 10)
+        await asyncio.to_thread(old.wait_for_log, r"paired: primary", 10)
         st = await poll(lambda: status_of(old.address),
                         lambda st: st["replication"]["lag_records"] == 0 and st["locks_held"] == 3,
                         timeout=5, what="old primary resynced as a standby")

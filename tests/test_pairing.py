@@ -313,3 +313,85 @@ def test_metrics_address_in_use_fails_the_start(cluster, tmp_path):
         srv.stop()
     finally:
         busy.close()
+
+
+# --------------------------------------------------------------------------- third round
+
+
+def test_a_waiting_promotion_is_not_undone_by_the_old_primary_coming_back(cluster):
+    """The standby stops following before it waits out the old primary's fence: a primary
+    restarted during the wait stays fenced, and grants nothing after the promotion."""
+    from fastlock._testbase import ServerProcess
+
+    p = cluster.primary()
+    s = cluster.standby(p.address, failover_after=4.0, grace=GRACE)
+
+    async def main():
+        port, args = p.port, p.args
+        p.kill()
+        promote = asyncio.ensure_future(asyncio.to_thread(cli, "promote", "--server", s.address))
+        await asyncio.to_thread(s.wait_for_log, r"did not confirm stepping down", 10)
+        old = cluster._start(ServerProcess(p.data_dir, port=port, args=args))  # same address as before
+        res = await promote
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["primary_confirmed"] is False
+        node = await RawNode.open(old.address)
+        try:
+            with pytest.raises(Unavailable):
+                await node.acquire("L", 1000)
+            assert (await node.status())["replication"]["fenced"]
+        finally:
+            await node.close()
+
+    run(main(), timeout=60)
+
+
+def test_a_deposed_primary_stays_deposed_after_a_restart(cluster):
+    p = cluster.primary()
+    s = cluster.standby(p.address)  # no --failover-after: the old primary never fences itself
+
+    async def main():
+        res = await asyncio.to_thread(cli, "promote", "--server", s.address)
+        assert res.returncode == 0 and json.loads(res.stdout)["primary_confirmed"] is True, res.stderr
+        p.kill()
+        old = cluster.restart(p)  # its usual command line
+        assert any("stays deposed" in line for line in old.lines)
+        node = await RawNode.open(old.address)
+        try:
+            assert node.hello["role"] == "deposed"
+            with pytest.raises(NotPrimary):
+                await node.acquire("L", 1000)
+        finally:
+            await node.close()
+
+    run(main())
+
+
+async def test_no_automatic_failover_before_the_primary_confirms_the_pairing():
+    """The standby's decision rule: silence alone is not enough; the primary's heartbeats
+    must have said it fences itself for this standby (node id and window)."""
+    from fastlock._core import LockTable
+    from fastlock.replication import StandbyFollower, _now_ms
+
+    promoted: list[str] = []
+
+    class Node:  # the parts of LockServer the follower uses
+        role = "standby"
+        _loop = asyncio.get_running_loop()
+        table = LockTable()
+
+        async def promote(self, reason, automatic=False):
+            promoted.append(reason)
+
+    follower = StandbyFollower(Node(), ("127.0.0.1", 9), failover_after_ms=50, name="east@id-1")
+    follower.synced = True
+    try:
+        for paired, window, expect in ((None, 0, False), ("west@id-2", 50, False), ("east@id-1", 99, False),
+                                       ("renamed@id-1", 50, True)):
+            follower._on_message(None, [0, "hb", [1, 0, 0, 0, paired, window]])
+            follower.last_heard_ms = _now_ms() - 1000  # the primary has been silent for 1 s
+            follower._check_silence()
+            await asyncio.sleep(0)
+            assert bool(promoted) is expect, (paired, window)
+    finally:
+        follower.stop()
