@@ -44,9 +44,23 @@ own clock.  The standby also sees F of silence only after the primary's last
 heartbeat, which was sent after the echoed time - so the standby promotes
 after the primary has stopped.
 
-A node that learns of a higher epoch than its own (a client's HELLO carries
-the highest epoch it has seen) steps down: it refuses every lock operation
-from then on.
+A node that learns of a higher epoch than its own (a client's or a standby's
+HELLO carries the highest epoch it has seen) steps down: it refuses every lock
+operation from then on, and records it in ``deposed.json`` (fsynced before it
+answers) so that a restart does not bring it back as a primary.
+
+Pairing and promotion rules (each one closes a split brain found by testing):
+
+* one standby per primary, identified by its ``node-id`` file; the primary pairs
+  with it on its first echoed heartbeat and persists that in ``pairing.json``;
+  a second standby, or a live clone with the same id, is refused;
+* the primary's heartbeats say whom it is paired with and with which window;
+  a standby fails over automatically only once that confirms the pairing;
+* a manual promotion asks the primary to step down and waits for the answer;
+  without one it stops following (no more acknowledgements that could reopen
+  the primary's fence), waits until the fence has closed, and only then
+  promotes - or, with no confirmed fence, refuses without ``--force``;
+* a standby refuses to follow, or to take a snapshot from, a lower epoch.
 
 Wire messages (see :mod:`fastlock.protocol` for the framing)::
 
