@@ -148,6 +148,64 @@ def _write_atomically(directory: str, name: str, data: bytes) -> None:
 
 
 DEPOSED_FILE = "deposed.json"
+STATE_FILE = "node-state.json"
+
+
+class NodeState:
+    """What a node must remember about the cluster beyond its WAL, in
+    ``<data dir>/node-state.json`` (written atomically and fsynced, only when a
+    value changes - rarely):
+
+    ``max_epoch_seen``
+        the highest epoch this node has heard of (its primary's, a deposing
+        HELLO's): a promotion starts above it, so a node whose WAL never
+        received a newer primary's epoch still never reuses it;
+    ``max_ttl_ms``
+        the longest lease TTL granted in the cluster as far as this node knows:
+        the default promotion grace, which must survive a restart;
+    ``standby_of``
+        set while the node is a standby: started without ``--standby-of`` it
+        would otherwise come up as a second primary at the old epoch, so it
+        refuses until it is promoted (or the file is deleted).
+    """
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        try:
+            with open(os.path.join(directory, STATE_FILE), encoding="utf-8") as f:
+                self._data = json.load(f)
+        except FileNotFoundError:
+            self._data = {}
+
+    @property
+    def max_epoch_seen(self) -> int:
+        return int(self._data.get("max_epoch_seen", 0))
+
+    @property
+    def max_ttl_ms(self) -> int:
+        return int(self._data.get("max_ttl_ms", 0))
+
+    @property
+    def standby_of(self) -> str | None:
+        return self._data.get("standby_of")
+
+    def raise_epoch(self, epoch: int) -> None:
+        if epoch > self.max_epoch_seen:
+            self._set(max_epoch_seen=epoch)
+
+    def raise_ttl(self, ttl_ms: int) -> None:
+        if ttl_ms > self.max_ttl_ms:
+            self._set(max_ttl_ms=ttl_ms)
+
+    def set_standby_of(self, address: str | None) -> None:
+        if address != self.standby_of:
+            self._set(standby_of=address)
+
+    def _set(self, **changes) -> None:
+        data = dict(self._data, **changes)
+        os.makedirs(self.directory, exist_ok=True)
+        _write_atomically(self.directory, STATE_FILE, json.dumps(data, sort_keys=True).encode())
+        self._data = data
 
 
 def write_deposed(directory: str, epoch: int, why: str) -> None:
@@ -624,6 +682,8 @@ class StandbyFollower:
                 hello = await asyncio.wait_for(
                     proto.request(1, P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{self.name or os.getpid()}",
                                   self.auth, self.server.table.epoch), 5.0)
+                self.primary_epoch = max(self.primary_epoch, hello.get("epoch", 0))
+                self.server.node_state.raise_epoch(self.primary_epoch)
                 if hello.get("epoch", 0) < self.server.table.epoch:
                     self.refused = (f"{self.primary_address} is at epoch {hello.get('epoch')}, below this "
                                     f"node's epoch {self.server.table.epoch}: it is a deposed primary")
@@ -683,7 +743,10 @@ class StandbyFollower:
             self.primary_last_lsn = last_lsn
             self.primary_epoch = max(self.primary_epoch, epoch)
             # the longest TTL the primary has granted: the default promotion grace
-            self.max_ttl_ms = max(self.max_ttl_ms, max_ttl_ms)
+            if max_ttl_ms > self.max_ttl_ms:
+                self.max_ttl_ms = max_ttl_ms
+                self.server.node_state.raise_ttl(max_ttl_ms)
+            self.server.node_state.raise_epoch(epoch)
         elif kind == PUSH_RECORDS:
             first, last, data = payload
             self._apply_records(decode_frames(data, first))
@@ -735,6 +798,7 @@ class StandbyFollower:
         server.wal.log_grant(name, token, owner, ttl_ms, delay_ms, client, corr)
         if ttl_ms > self.max_ttl_ms:
             self.max_ttl_ms = ttl_ms
+            self.server.node_state.raise_ttl(ttl_ms)
 
     def _apply_records(self, records) -> None:
         server = self.server

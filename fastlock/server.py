@@ -59,7 +59,16 @@ from .errors import (
     ProtocolError,
     Unavailable,
 )
-from .replication import DEPOSED_FILE, ReplicationSource, StandbyFollower, node_id, read_deposed, write_deposed
+from .replication import (
+    DEPOSED_FILE,
+    STATE_FILE,
+    NodeState,
+    ReplicationSource,
+    StandbyFollower,
+    node_id,
+    read_deposed,
+    write_deposed,
+)
 from .wal import DataDirInUse, HolderRecord, WalCorruption, WriteAheadLog
 
 log = logging.getLogger(__name__)
@@ -211,9 +220,11 @@ class LockServer:
         #: the longest TTL this node has granted, extended or recovered (ms): a
         #: standby's default promotion grace (sent in heartbeats)
         self.max_ttl_ms = 0
+        self.node_state = NodeState(config.data_dir)
         self.source = ReplicationSource(self, fence_margin_ms=config.fence_margin_ms)
         self.follower: StandbyFollower | None = None
         if config.standby_of:
+            self.node_state.set_standby_of(f"{config.standby_of[0]}:{config.standby_of[1]}")
             ident = node_id(config.data_dir)
             self.follower = StandbyFollower(self, config.standby_of, config.failover_after_ms,
                                             auth=config.auth_secret,
@@ -251,12 +262,19 @@ class LockServer:
     # -- life cycle -----------------------------------------------------------------
     async def start(self) -> None:
         loop = self._loop = asyncio.get_running_loop()
+        if self.role == "primary" and self.node_state.standby_of:
+            raise DataDirInUse(
+                f"{self.config.data_dir} belongs to a standby of {self.node_state.standby_of}: start it with "
+                f"--standby-of, or promote it with `fastlock promote`; starting it as a primary would make "
+                f"a second primary at the old epoch (delete {STATE_FILE} only if you know the old primary "
+                f"is gone for good)")
         t0 = time.perf_counter()
         state = self.wal.open(repair=self.config.repair_wal)
         table = self.table
         table.set_epoch(state.epoch)
         table.advance_counter(state.counter)
         now = now_ms()
+        self.max_ttl_ms = self.node_state.max_ttl_ms
         for h in state.holders:
             self.max_ttl_ms = max(self.max_ttl_ms, h.ttl_ms)
             # A fresh full TTL from recovery: we cannot know how long we were down.
@@ -552,6 +570,7 @@ class LockServer:
             )
         if ttl_ms > self.max_ttl_ms:
             self.max_ttl_ms = ttl_ms
+            self.node_state.raise_ttl(ttl_ms)  # rare: only a new longest TTL writes
         status = table.acquire(name, owner, conn.session, req_id, ttl_ms, wait_ms, delay_ms,
                                (conn.client_name, corr), now)
         if status == NOT_ACQUIRED:
@@ -593,6 +612,7 @@ class LockServer:
         holder = table.holder(name, now)
         if ttl_ms > self.max_ttl_ms:
             self.max_ttl_ms = ttl_ms
+            self.node_state.raise_ttl(ttl_ms)
         try:
             table.extend(name, token, owner, ttl_ms, now)
         except NotHolder:
@@ -749,7 +769,9 @@ class LockServer:
             raise NotPrimary(f"this node is {self.role}")
         follower = self.follower
         table = self.table
-        epoch = max(table.epoch, follower.primary_epoch) + 1
+        deposed = read_deposed(self.config.data_dir) or {}
+        epoch = max(table.epoch, follower.primary_epoch, self.node_state.max_epoch_seen,
+                    int(deposed.get("epoch", 0))) + 1
         self.role = "promoting"  # stops the failover watchdog and any concurrent promotion
         confirmed = False
         if not automatic:
@@ -780,9 +802,11 @@ class LockServer:
         durable = self._loop.create_future()
         self.wal.when_durable(lambda: durable.done() or durable.set_result(None))
         await durable
+        self.node_state.raise_epoch(epoch)
+        self.node_state.set_standby_of(None)  # a primary now: it may start as one
         now = now_ms()
         holders = table.holders()
-        longest = max(follower.max_ttl_ms, self.max_ttl_ms)
+        longest = max(follower.max_ttl_ms, self.max_ttl_ms, self.node_state.max_ttl_ms)
         for h in holders:
             table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, h.meta, now)
             longest = max(longest, h.ttl_ms)
@@ -805,6 +829,7 @@ class LockServer:
         self.role = "deposed"
         self.table.hold_grants_until(now_ms() + 10 * 365 * 24 * 3600 * 1000)
         write_deposed(self.config.data_dir, known_epoch, why)
+        self.node_state.raise_epoch(known_epoch)
 
     def _op_status(self, conn: _Connection, req_id: int, msg: list) -> None:
         conn.send(P.encode_ok(req_id, self.status()))

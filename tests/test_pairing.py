@@ -367,11 +367,11 @@ def test_a_deposed_primary_stays_deposed_after_a_restart(cluster):
     run(main())
 
 
-async def test_no_automatic_failover_before_the_primary_confirms_the_pairing():
+async def test_no_automatic_failover_before_the_primary_confirms_the_pairing(tmp_path):
     """The standby's decision rule: silence alone is not enough; the primary's heartbeats
     must have said it fences itself for this standby (node id and window)."""
     from fastlock._core import LockTable
-    from fastlock.replication import StandbyFollower, _now_ms
+    from fastlock.replication import NodeState, StandbyFollower, _now_ms
 
     promoted: list[str] = []
 
@@ -379,6 +379,7 @@ async def test_no_automatic_failover_before_the_primary_confirms_the_pairing():
         role = "standby"
         _loop = asyncio.get_running_loop()
         table = LockTable()
+        node_state = NodeState(str(tmp_path))
 
         async def promote(self, reason, automatic=False):
             promoted.append(reason)
@@ -395,3 +396,69 @@ async def test_no_automatic_failover_before_the_primary_confirms_the_pairing():
             assert bool(promoted) is expect, (paired, window)
     finally:
         follower.stop()
+
+
+# --------------------------------------------------------------------------- fourth round
+
+
+def test_fail_back_with_force_after_the_new_primary_died_uses_a_higher_epoch(cluster):
+    """The old primary never received the new epoch in its WAL; its step-down record and
+    node state remember it, so a forced promotion goes above it, never reusing it."""
+    p = cluster.primary()
+    s = cluster.standby(p.address)
+
+    async def main():
+        res = await asyncio.to_thread(cli, "promote", "--server", s.address)
+        assert res.returncode == 0 and json.loads(res.stdout)["epoch"] == 1, res.stderr
+        b = await RawNode.open(s.address)
+        token_b, _, _ = await poll(lambda: b.acquire("k0", 60_000), timeout=5, what="grant on the new primary")
+        await b.close()
+        s.kill()  # really dead
+        p.stop()
+        rejoin = cluster._start(type(p)(p.data_dir, args=["--standby-of", s.address, "--name", "old"]))
+        res = await asyncio.to_thread(cli, "promote", "--server", rejoin.address, "--force")
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["epoch"] == 2
+        node = await RawNode.open(rejoin.address)
+        try:
+            token_a, _, _ = await poll(lambda: node.acquire("k0", 1000), timeout=10, what="grant after grace")
+        finally:
+            await node.close()
+        assert token_a >> 40 == 2 and token_a > token_b
+
+    run(main())
+
+
+def test_a_standby_data_dir_started_without_standby_of_refuses_to_be_a_second_primary(cluster):
+    from fastlock._testbase import ServerProcess
+
+    p = cluster.primary()
+    s = cluster.standby(p.address)
+    s.stop()
+    alone = ServerProcess(s.data_dir, args=["--name", "standby"])
+    with pytest.raises(RuntimeError, match="exited"):
+        alone.start(timeout=20)
+    assert any("belongs to a standby of" in line for line in alone.lines)
+    alone.stop()
+
+
+def test_the_default_grace_survives_a_standby_restart(cluster):
+    """The longest TTL seen is persisted: a forced promotion after a restart still waits it out."""
+    p = cluster.primary()
+    s = cluster.standby(p.address)
+
+    async def main():
+        a = await RawNode.open(p.address)
+        token, _, owner = await a.acquire("x", 60_000)
+        await a.request(P.OP_RELEASE, "x", token, owner)
+        await a.close()
+        await poll(lambda: status_of(s.address), lambda st: st["replication"]["applied_lsn"] >= 2,
+                   timeout=5, what="standby caught up")
+        s.stop()
+        p.kill()
+        again = cluster.restart(s)
+        res = await asyncio.to_thread(cli, "promote", "--server", again.address, "--force")
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["grace_ms"] >= 60_000
+
+    run(main())
