@@ -291,6 +291,15 @@ class LockServer:
             (time.perf_counter() - t0) * 1000,
         )
         self.wal.start(loop)
+        if self.wal.repaired:
+            # The cut may have removed acknowledged grants, so the counter may be below
+            # tokens already handed out: a new epoch puts every future token above them.
+            epoch = max(table.epoch, self.node_state.max_epoch_seen) + 1
+            table.set_epoch(epoch)
+            self.wal.log_epoch(epoch)
+            self.node_state.raise_epoch(epoch)
+            log.critical("the WAL was repaired (records cut): starting epoch %d so that no fencing token "
+                         "is issued twice; leases in the cut records are forgotten", epoch)
         if self.config.metrics is not None:  # before "listening on": a bad address fails the start
             from .metrics import MetricsExporter
 
@@ -617,9 +626,19 @@ class LockServer:
             table.extend(name, token, owner, ttl_ms, now)
         except NotHolder:
             raise LeaseLost(f"{name!r}: token {token} is not the current holder (expired, released or never held)") from None
+        reply = P.encode_ok(req_id, ttl_ms)
         if holder.ttl_ms != ttl_ms:
             self.wal.log_extend(name, token, ttl_ms)
-        conn.send(P.encode_ok(req_id, ttl_ms))
+            if ttl_ms > holder.ttl_ms and not self.wal.flush_now():
+                # recovery restores the recorded TTL: a longer one must be durable
+                # before the holder relies on it (a shorter or equal one need not be)
+                def ack() -> None:
+                    conn.send(reply)
+                    self._after_batch()
+
+                self.wal.when_durable(ack)
+                return
+        conn.send(reply)
 
     def _op_cancel(self, conn: _Connection, req_id: int, msg: list) -> None:
         self._arity(msg, 2, "cancel")

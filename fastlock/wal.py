@@ -733,6 +733,9 @@ class WriteAheadLog:
         # I/O-side state (touched only by whoever runs _do_io: the writer thread or the loop)
         self._fd = -1
         self._lock_fd = -1  # flock on <dir>/LOCK while open
+        #: open(repair=True) cut records: acknowledged grants may be gone, and with
+        #: them the evidence of the tokens they used (the server raises the epoch)
+        self.repaired = False
         self._seg_first = 0
         self._seg_path = ""
         self._seg_size = 0
@@ -839,6 +842,8 @@ class WriteAheadLog:
                 cut = len(data) - reader.torn_at
                 torn += cut
                 lvl = logging.ERROR if (repair and reader.reason) else logging.WARNING
+                if repair and reader.reason:
+                    self.repaired = True  # records (maybe acknowledged ones) were cut
                 log.log(lvl, "WAL torn tail cut: segment %s offset %d, %d bytes removed (%s, LSN %d)",
                         path, reader.torn_at, cut, reader.reason, first + reader.count)
                 with open(path, "r+b") as f:

@@ -386,3 +386,60 @@ def test_second_server_on_the_same_data_dir_refuses_to_start(tmp_path):
     # once the first has stopped, the directory is free again
     again = ServerProcess(data).start()
     again.stop()
+
+
+async def test_an_extend_that_lengthens_the_ttl_is_acknowledged_only_when_durable(server_factory, loop_errors):
+    """Recovery restores the recorded TTL, so a longer TTL must be on disk before the holder
+    is told (with the interval timer out of the way, only the extend's own fsync can do it)."""
+    srv = server_factory("ext", args=["--fsync-interval-ms", "600000"])
+    async with fastlock.connect(srv.address) as client:
+        lease = await client.acquire("L", ttl=1.0)
+        longer = await client.extend(lease, ttl=60.0)
+        wal = (await client.status())["wal"]
+        assert wal["durable_lsn"] == wal["last_lsn"]  # the EXTEND record was fsynced before the reply
+        same = await client.extend(longer, ttl=60.0)  # no TTL change: no record, no wait
+        assert same.ttl == 60.0
+
+
+def test_repair_wal_never_reissues_a_token(tmp_path):
+    """Cutting mid-log corruption may drop acknowledged grants; the repaired server starts a
+    new epoch so that every token it issues is above every token issued before."""
+    data = tmp_path / "data"
+    srv = ServerProcess(data).start()
+    tokens = []
+
+    async def grants():
+        async with fastlock.connect(srv.address) as client:
+            for _ in range(20):
+                lease = await client.acquire("L", ttl=5.0)
+                tokens.append(lease.fencing_token)
+                await client.release(lease)
+
+    try:
+        asyncio.run(grants())
+    finally:
+        srv.kill()
+    seg = sorted(glob.glob(str(data / "wal-*.log")))[-1]
+    with open(seg, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        f.seek(size // 3)
+        byte = f.read(1)
+        f.seek(size // 3)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    refused = ServerProcess(data)
+    with pytest.raises(RuntimeError):
+        refused.start(timeout=20)
+    refused.stop()
+    repaired = ServerProcess(data, args=["--repair-wal"]).start()
+    try:
+        assert any("WAL was repaired" in line for line in repaired.lines)
+
+        async def after():
+            async with fastlock.connect(repaired.address) as client:
+                lease = await client.acquire("L", ttl=5.0)
+                return lease.fencing_token
+
+        token = asyncio.run(after())
+        assert token > max(tokens) and token >> 40 == 1
+    finally:
+        repaired.stop()
