@@ -619,13 +619,13 @@ class LockServer:
         if not self.source.may_act(now):
             raise Unavailable("this primary lost contact with its standby and is not extending leases")
         holder = table.holder(name, now)
-        if ttl_ms > self.max_ttl_ms:
-            self.max_ttl_ms = ttl_ms
-            self.node_state.raise_ttl(ttl_ms)
         try:
             table.extend(name, token, owner, ttl_ms, now)
         except NotHolder:
             raise LeaseLost(f"{name!r}: token {token} is not the current holder (expired, released or never held)") from None
+        if ttl_ms > self.max_ttl_ms:  # only the holder's extend counts towards the grace period
+            self.max_ttl_ms = ttl_ms
+            self.node_state.raise_ttl(ttl_ms)
         reply = P.encode_ok(req_id, ttl_ms)
         if holder.ttl_ms != ttl_ms:
             self.wal.log_extend(name, token, ttl_ms)
