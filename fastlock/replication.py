@@ -194,8 +194,11 @@ class NodeState:
             self._set(max_epoch_seen=epoch)
 
     def raise_ttl(self, ttl_ms: int) -> None:
+        # Stored rounded up to whole seconds: a client stepping its TTL up by 1 ms at a
+        # time then costs at most one fsynced write per second of TTL, not one per
+        # acquire; the grace it feeds may only be up to 1 s longer (the safe side).
         if ttl_ms > self.max_ttl_ms:
-            self._set(max_ttl_ms=ttl_ms)
+            self._set(max_ttl_ms=-(-ttl_ms // 1000) * 1000)
 
     def set_standby_of(self, address: str | None) -> None:
         if address != self.standby_of:
