@@ -289,7 +289,7 @@ class _ClientProtocol(asyncio.Protocol):
                  "last_recv", "armed_at", "ping_sent", "pinged", "pings", "watchdog")
 
     def __init__(self, on_lost, address: tuple[str, int] = ("", 0)):
-        self.decoder = P.FrameDecoder(64 << 20)
+        self.decoder = P.FrameDecoder(limits=P.REPLY_LIMITS)
         self.pending: dict[int, asyncio.Future] = {}
         self.transport: asyncio.Transport | None = None
         self.closed = False

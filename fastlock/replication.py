@@ -83,7 +83,21 @@ from typing import TYPE_CHECKING, Any
 
 from . import protocol as P
 from .errors import FastlockError, InvalidArgument, ProtocolError, Unavailable
-from .wal import EPOCH, EXPIRE, EXTEND, GRANT, RELEASE, RESERVE, WalCompacted, _fsync_dir, decode_frames
+from .logsafe import quote
+from .wal import (
+    DIR_MODE,
+    EPOCH,
+    EXPIRE,
+    EXTEND,
+    FILE_MODE,
+    GRANT,
+    RELEASE,
+    RESERVE,
+    BacklogReader,
+    WalCompacted,
+    _fsync_dir,
+    decode_frames,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .server import LockServer, _Connection
@@ -94,8 +108,8 @@ PUSH_SNAPSHOT = "snap"
 PUSH_RECORDS = "repl"
 PUSH_HEARTBEAT = "hb"
 
-#: A standby whose unsent output exceeds this many bytes is disconnected (it resyncs).
-MAX_STANDBY_BACKLOG_BYTES = 64 << 20
+#: bytes of log read per step when a standby catches up from a position
+BACKLOG_CHUNK_BYTES = 256 << 10
 
 _FOREVER_MS = 10 * 365 * 24 * 3600 * 1000
 
@@ -118,7 +132,7 @@ def standby_identity(name: str) -> str:
 
 class _Replica:
     __slots__ = ("conn", "name", "ident", "failover_after_ms", "acked_lsn", "contact_ms", "sent", "attached_ms",
-                 "last_ack_ms")
+                 "last_ack_ms", "catching_up", "task")
 
     def __init__(self, conn: "_Connection", name: str | None, failover_after_ms: int):
         self.conn = conn
@@ -130,6 +144,8 @@ class _Replica:
         self.contact_ms = _now_ms()  # primary time echoed by the standby
         self.sent: deque[tuple[int, int]] = deque()  # (last_lsn of a batch, primary ms when sent)
         self.attached_ms = _now_ms()
+        self.catching_up = False  # the backlog is being streamed; live batches wait
+        self.task: asyncio.Future | None = None
 
 
 PAIRING_FILE = "pairing.json"
@@ -139,7 +155,9 @@ NODE_ID_FILE = "node-id"
 def _write_atomically(directory: str, name: str, data: bytes) -> None:
     path = os.path.join(directory, name)
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), FILE_MODE)
+    with open(fd, "wb") as f:
+        os.fchmod(fd, FILE_MODE)  # a leftover .tmp may have had another mode
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -206,7 +224,7 @@ class NodeState:
 
     def _set(self, **changes) -> None:
         data = dict(self._data, **changes)
-        os.makedirs(self.directory, exist_ok=True)
+        os.makedirs(self.directory, mode=DIR_MODE, exist_ok=True)
         _write_atomically(self.directory, STATE_FILE, json.dumps(data, sort_keys=True).encode())
         self._data = data
 
@@ -237,7 +255,7 @@ def node_id(directory: str) -> str:
             return value
     except FileNotFoundError:
         pass
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(directory, mode=DIR_MODE, exist_ok=True)
     value = os.urandom(8).hex()
     _write_atomically(directory, NODE_ID_FILE, value.encode() + b"\n")
     return value
@@ -288,7 +306,7 @@ class ReplicationSource:
             log.warning(
                 "restarted while paired with standby %s (failover window %d ms): not granting until it "
                 "attaches again - it may have been promoted meanwhile - or `fastlock serve-alone`",
-                self.paired_id, self._paired_window_ms,
+                quote(self.paired_id), self._paired_window_ms,
             )
             self._fence(_now_ms())
 
@@ -298,7 +316,7 @@ class ReplicationSource:
         self.serving_alone = False
         _write_atomically(self.server.config.data_dir, PAIRING_FILE, json.dumps(
             {"standby": replica.name, "failover_after_ms": replica.failover_after_ms}).encode())
-        log.info("paired with standby %s (failover window %d ms)", replica.name, replica.failover_after_ms)
+        log.info("paired with standby %s (failover window %d ms)", quote(replica.name), replica.failover_after_ms)
 
     def _unpair(self) -> None:
         path = os.path.join(self.server.config.data_dir, PAIRING_FILE)
@@ -333,7 +351,7 @@ class ReplicationSource:
                     f"a live standby with node id {ident} is already attached (a copied data directory? "
                     f"delete the copy's node-id file so it gets its own identity)")
             # the same standby reconnecting: its old connection is dead or half-open
-            log.warning("standby %s reconnected; dropping its previous connection", name)
+            log.warning("standby %s reconnected; dropping its previous connection", quote(name))
             self.replicas.pop(other.conn.session, None)
             other.conn.closed = True
             other.conn.transport.abort()
@@ -343,36 +361,84 @@ class ReplicationSource:
         replica.contact_ms = self._contact_ms
         self.replicas[conn.session] = replica
         mode = "stream"
-        backlog: list[tuple[int, list]] = []
-        if incarnation != self.incarnation or from_lsn < 1:
+        if incarnation != self.incarnation or from_lsn < 1 or not wal.has_lsn(from_lsn):
             mode = "snapshot"
-        else:
-            try:
-                backlog = list(wal.read_from(from_lsn))
-            except WalCompacted:
-                mode = "snapshot"
         conn.send(P.encode_ok(req_id, {"incarnation": self.incarnation, "mode": mode,
                                        "epoch": server.table.epoch}))
         if mode == "snapshot":
-            lsn = wal.stats()["last_lsn"]
-            epoch, counter, holders = server._snapshot_state()
-            conn.send(P.encode_push(PUSH_SNAPSHOT, [lsn, epoch, counter, [list(h) for h in holders],
-                                                    self.incarnation]))
-            replica.acked_lsn = 0
+            self._send_snapshot(replica)
         else:
-            for lsn, rec in backlog:
-                conn.send(P.encode_push("rec", [lsn, rec]))
+            # the backlog is read off the loop and streamed in chunks; live batches
+            # follow once it has caught up (see _catch_up)
+            replica.catching_up = True
+            replica.task = asyncio.ensure_future(self._catch_up(replica, from_lsn))
         if not self._listening:
             wal.add_listener(self._on_batch)
             self._listening = True
         log.info("standby %s attached (%s from LSN %d, failover window %d ms)",
-                 replica.name, mode, from_lsn, failover_after_ms)
+                 quote(replica.name), mode, from_lsn, failover_after_ms)
         self._heartbeat()
+
+    def _send_snapshot(self, replica: _Replica) -> None:
+        server = self.server
+        lsn = server.wal.stats()["last_lsn"]
+        epoch, counter, holders = server._snapshot_state()
+        replica.conn.send(P.encode_push(PUSH_SNAPSHOT, [lsn, epoch, counter, [list(h) for h in holders],
+                                                        self.incarnation]))
+        replica.conn.flush()
+        replica.acked_lsn = 0
+
+    async def _catch_up(self, replica: _Replica, from_lsn: int) -> None:
+        """Stream the log from ``from_lsn`` to a standby that asked for it, then
+        hand it to the live stream (:meth:`_on_batch`).
+
+        Reading happens on a worker thread, a chunk (:data:`BACKLOG_CHUNK_BYTES`)
+        at a time, and the next chunk is read only once the standby has taken
+        the previous one (the connection's write buffer drained): a long backlog
+        neither blocks the event loop nor piles up in memory.  If compaction
+        deletes the records meanwhile, the standby gets a snapshot instead.
+        """
+        server = self.server
+        wal = server.wal
+        conn = replica.conn
+        loop = asyncio.get_running_loop()
+        reader = BacklogReader(wal, from_lsn)
+        records = 0
+        try:
+            while not conn.closed:
+                upto = wal.written_lsn
+                if reader.next_lsn > upto:
+                    break
+                chunk = await loop.run_in_executor(None, reader.read, BACKLOG_CHUNK_BYTES, upto)
+                if conn.closed or chunk is None:
+                    continue
+                first, last, data = chunk
+                conn.send(P.encode_push(PUSH_RECORDS, [first, last, data]))
+                conn.flush()
+                replica.sent.append((last, _now_ms()))
+                records += last - first + 1
+                await conn.drained()
+        except WalCompacted as exc:
+            if conn.closed:
+                return
+            log.warning("standby %s: %s; sending a snapshot instead", quote(replica.name), exc)
+            self._send_snapshot(replica)
+        except Exception:
+            log.exception("reading the log for standby %s failed; disconnecting it", quote(replica.name))
+            conn.closed = True
+            conn.transport.abort()
+            return
+        if conn.closed:
+            return
+        replica.catching_up = False  # same loop step as the last check: no batch falls between
+        log.info("standby %s caught up: %d records from LSN %d", quote(replica.name), records, from_lsn)
 
     def detach(self, conn: "_Connection") -> None:
         replica = self.replicas.pop(conn.session, None)
         if replica is not None:
-            log.warning("standby %s detached (acked LSN %d)", replica.name, replica.acked_lsn)
+            if replica.task is not None:
+                replica.task.cancel()
+            log.warning("standby %s detached (acked LSN %d)", quote(replica.name), replica.acked_lsn)
 
     # -- streaming ------------------------------------------------------------------------
     def _on_batch(self, first_lsn: int, last_lsn: int, data: bytes) -> None:
@@ -382,16 +448,10 @@ class ReplicationSource:
         now = _now_ms()
         for replica in list(self.replicas.values()):
             conn = replica.conn
-            if conn.closed:
-                continue
-            transport = conn.transport
-            if transport.get_write_buffer_size() > MAX_STANDBY_BACKLOG_BYTES:
-                log.error("standby %s is too far behind; disconnecting it (it will resync)", replica.name)
-                conn.closed = True
-                transport.abort()
+            if conn.closed or replica.catching_up:
                 continue
             conn.send(msg)
-            conn.flush()
+            conn.flush()  # drops a standby too far behind (it resyncs): see the server's output caps
             replica.sent.append((last_lsn, now))
 
     def _heartbeat(self) -> None:
@@ -521,7 +581,7 @@ class ReplicationSource:
         self._unpair()
         self._check_fence(_now_ms())
         log.warning("operator: serving alone (unpaired from standby %s); a standby that attaches later "
-                    "pairs again", was)
+                    "pairs again", quote(was))
         return {"serving_alone": True, "unpaired": was}
 
     def status(self) -> dict:
@@ -558,7 +618,9 @@ class ReplicationSource:
 class _FollowerProtocol(asyncio.Protocol):
     def __init__(self, follower: "StandbyFollower"):
         self.follower = follower
-        self.decoder = P.FrameDecoder(256 << 20)
+        config = follower.server.config
+        # the primary's stream: a snapshot is one frame holding every lease
+        self.decoder = P.FrameDecoder(limits=P.stream_limits(config.max_stream_frame_bytes, config.max_leases))
         self.transport: asyncio.Transport | None = None
         self.replies: dict[int, asyncio.Future] = {}
         self.lost = asyncio.get_running_loop().create_future()
@@ -575,7 +637,7 @@ class _FollowerProtocol(asyncio.Protocol):
             if ack:  # one acknowledgement per read, however many batches it held
                 self.follower._ack(self)
         except FastlockError as exc:
-            log.error("replication stream error: %s", exc)
+            log.error("replication stream error: %s", quote(str(exc)))
             self.transport.abort()
         except Exception:
             log.exception("failed to apply the replication stream; reconnecting")
@@ -702,7 +764,7 @@ class StandbyFollower:
                 log.info("replicating from %s (%s)", self.primary_address, info.get("mode"))
                 await proto.lost
             except (ConnectionError, asyncio.TimeoutError, FastlockError) as exc:
-                log.warning("replication from %s failed: %s", self.primary_address, exc)
+                log.warning("replication from %s failed: %s", self.primary_address, quote(str(exc)))
                 proto.transport.close()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)

@@ -271,7 +271,7 @@ class RawNode:
         return node
 
     async def _read(self) -> None:
-        dec = P.FrameDecoder(64 << 20)
+        dec = P.FrameDecoder(limits=P.REPLY_LIMITS)
         try:
             while True:
                 data = await self._reader.read(65536)

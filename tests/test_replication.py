@@ -69,7 +69,7 @@ def test_grants_releases_and_expiries_reach_the_standby(cluster):
                 await a.release(name, token, owner)
             mark = len(p.lines)
             await a.acquire("short", 300)  # expires on the primary; the expiry is a record
-            await asyncio.to_thread(p.wait_for_log, r"lease expired: short", 5, mark)
+            await asyncio.to_thread(p.wait_for_log, r"lease expired: 'short'", 5, mark)
             pst, sst = await caught_up(s.address, p.address)
             assert pst["locks_held"] == 4
             assert sst["locks_held"] == 4
