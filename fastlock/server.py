@@ -82,6 +82,8 @@ _monotonic_ns = time.monotonic_ns
 RESERVED_FDS = 64
 #: default connection cap when the open-files limit allows it (as Redis's maxclients)
 DEFAULT_MAX_CONNECTIONS = 10_000
+#: replies queued in one loop turn beyond which they go to the transport at once
+FLUSH_EARLY_BYTES = 256 << 10
 #: exit status after a write-ahead log failure (so a supervisor restarts the server)
 EXIT_WAL_FAILED = 3
 
@@ -138,8 +140,8 @@ class _Connection(asyncio.Protocol):
     """
 
     __slots__ = ("server", "transport", "session", "decoder", "out", "ready", "client_name", "peer", "closed",
-                 "watching", "principal", "address", "accepted_ms", "last_read_ms", "out_cap", "waiting",
-                 "_drain")
+                 "watching", "principal", "address", "accepted_ms", "last_read_ms", "out_cap", "out_bytes",
+                 "waiting", "_drain")
 
     def __init__(self, server: "LockServer", session: int):
         self.server = server
@@ -148,6 +150,7 @@ class _Connection(asyncio.Protocol):
         self.decoder = P.FrameDecoder(server.config.max_frame_bytes, shape_all=True)
         self.transport: asyncio.Transport | None = None
         self.out: list[bytes] = []
+        self.out_bytes = 0  # bytes in out
         self.ready = False  # handshake done
         self.client_name: str | None = None
         self.principal = "anonymous"
@@ -209,9 +212,15 @@ class _Connection(asyncio.Protocol):
             if not self.out:
                 self.server._dirty.append(self)
             self.out.append(data)
+            self.out_bytes += len(data)
+            if self.out_bytes > FLUSH_EARLY_BYTES:
+                # one read of small requests can ask for far larger replies: hand them to
+                # the transport now, so the output cap applies within the batch too
+                self.flush()
 
     def flush(self) -> None:
         out = self.out
+        self.out_bytes = 0
         if out and not self.closed:
             transport = self.transport
             transport.write(out[0] if len(out) == 1 else b"".join(out))
@@ -769,15 +778,21 @@ class LockServer:
             if type(secret) is not str or not hmac.compare_digest(secret.encode(), expected.encode()):
                 log.warning("auth refused for %s (%s)", conn.peer, quote(conn.client_name))
                 raise AuthError("authentication failed")
-        conn.ready = True
-        self._unready.pop(conn.session, None)
-        if conn.decoder is not None:
-            conn.decoder.shape_all = False
+        self._handshake_done(conn)
         if type(known_epoch) is int and known_epoch > self.table.epoch and self.role == "primary":
             self._step_down(f"client {quote(conn.client_name)} at {conn.peer} has seen epoch {known_epoch}",
                             known_epoch)
         log.debug("session %d hello from %s (%s)", conn.session, conn.peer, quote(conn.client_name))
         conn.send(P.encode_ok(req_id, self._hello_info(conn)))
+
+    def _handshake_done(self, conn: _Connection) -> None:
+        """HELLO succeeded: the connection leaves the HELLO deadline and the
+        handshake reserve (see :meth:`_admit`), and its frames are no longer walked
+        before decoding."""
+        conn.ready = True
+        self._unready.pop(conn.session, None)
+        if conn.decoder is not None:
+            conn.decoder.shape_all = False
 
     def _hello_info(self, conn: _Connection) -> dict:
         return {
