@@ -145,6 +145,9 @@ class DecodeLimits(NamedTuple):
     / ``max_bin_len``: bytes of one str / bin.  ``max_depth``: containers
     nested in one frame (a request ``[id, op, args...]`` is depth 1).
     ``max_items``: elements and pairs of all containers of one frame together.
+    ``walk``: check ``max_depth`` and ``max_items`` on frames that arrive in
+    pieces (see :class:`FrameDecoder`); without it only msgpack's own limits
+    and ``max_frame_bytes`` apply.
     Exceeding any of them raises :class:`~fastlock.errors.ProtocolError`.
     """
 
@@ -155,6 +158,7 @@ class DecodeLimits(NamedTuple):
     max_bin_len: int
     max_depth: int
     max_items: int
+    walk: bool = True
 
 
 #: What a server accepts from a client (sized to the protocol): a request is a
@@ -187,7 +191,12 @@ REPLY_LIMITS = DecodeLimits(
 
 def stream_limits(max_frame_bytes: int, max_leases: int) -> DecodeLimits:
     """Limits for a standby reading its primary's stream: a snapshot is one frame
-    holding every lease (``max_leases`` arrays of 8), a record batch is one bin."""
+    holding every lease (``max_leases`` arrays of 8), a record batch is one bin.
+
+    Frames are not walked header by header: a snapshot of a million leases
+    would cost seconds of loop time, and the primary is a peer the standby
+    chose (and authenticates); its frames stay bounded by ``max_frame_bytes``
+    and msgpack's limits."""
     return DecodeLimits(
         max_frame_bytes=max_frame_bytes,
         max_array_len=max(1024, max_leases),
@@ -196,6 +205,7 @@ def stream_limits(max_frame_bytes: int, max_leases: int) -> DecodeLimits:
         max_bin_len=max_frame_bytes,
         max_depth=6,
         max_items=9 * max(1024, max_leases) + 1024,
+        walk=False,
     )
 
 
@@ -360,7 +370,7 @@ class FrameDecoder:
         up = self._unpacker
         limits = self._limits
         base = self._fed
-        if self._shape is not None or self.shape_all:
+        if self._shape is not None or (self.shape_all and limits.walk):
             self._check_shape(data)
         try:
             up.feed(data)
@@ -380,7 +390,7 @@ class FrameDecoder:
         if pending:
             if pending > limits.max_frame_bytes:
                 raise ProtocolError(f"frame exceeds the maximum frame size ({limits.max_frame_bytes} bytes)")
-            if self._shape is None:
+            if self._shape is None and limits.walk:
                 # a frame began in this piece and is not complete: walk what arrived of it
                 shape = self._shape = _FrameShape(limits)
                 shape.walk(memoryview(data)[self._frame_start - base:])

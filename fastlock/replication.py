@@ -383,8 +383,10 @@ class ReplicationSource:
         server = self.server
         lsn = server.wal.stats()["last_lsn"]
         epoch, counter, holders = server._snapshot_state()
-        replica.conn.send(P.encode_push(PUSH_SNAPSHOT, [lsn, epoch, counter, [list(h) for h in holders],
-                                                        self.incarnation]))
+        frame = P.encode_push(PUSH_SNAPSHOT, [lsn, epoch, counter, [list(h) for h in holders], self.incarnation])
+        # a standby may leave its snapshot unread plus the output cap (not just the cap)
+        replica.conn.out_cap = server.config.max_replica_output_bytes + len(frame)
+        replica.conn.send(frame)
         replica.conn.flush()
         replica.acked_lsn = 0
 

@@ -1038,9 +1038,13 @@ class LockServer:
         if type(from_lsn) is not int or type(failover_after_ms) is not int or failover_after_ms < 0:
             raise InvalidArgument("replicate takes from_lsn:int, incarnation, failover_after_ms:int >= 0, name")
         self._must_be_primary()
-        self.source.attach(conn, req_id, from_lsn, incarnation, failover_after_ms,
-                           P.check_optional_str(name, "standby name", P.MAX_CLIENT_NAME_CHARS))
-        conn.out_cap = self.config.max_replica_output_bytes
+        name = P.check_optional_str(name, "standby name", P.MAX_CLIENT_NAME_CHARS)
+        conn.out_cap = self.config.max_replica_output_bytes  # (plus its snapshot: see ReplicationSource)
+        try:
+            self.source.attach(conn, req_id, from_lsn, incarnation, failover_after_ms, name)
+        except BaseException:
+            conn.out_cap = self.config.max_output_bytes
+            raise
 
     def _op_repl_ack(self, conn: _Connection, req_id: int, msg: list) -> None:
         self._arity(msg, 2, "repl_ack")
