@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from . import protocol as P
+from .logsafe import quote
 from .errors import (
     ConnectionLost,
     FastlockError,
@@ -325,7 +326,7 @@ class _ClientProtocol(asyncio.Protocol):
                     for queue in self.watches.get(event.name, ()):
                         queue.put_nowait(event)
                 elif len(msg) >= 3 and isinstance(msg[1], int) and msg[1] != 0:
-                    log.error("server closed the connection: %s", msg[2])
+                    log.error("server closed the connection: %s", quote(msg[2]))
                 continue
             fut = pending.pop(req_id, None)
             if fut is None or fut.done():
@@ -1078,7 +1079,7 @@ class Client:
                     remaining = current.expires_at - loop.time()
                     if remaining <= 0:
                         log.warning("lease %s token %d: TTL passed without a renewal; lost",
-                                    current.name, current.fencing_token)
+                                    quote(current.name), current.fencing_token)
                         lease.lost.set()
                         return
                     # Each attempt is bounded well inside the TTL, so that a
@@ -1090,16 +1091,16 @@ class Client:
                         break
                     except LeaseLost:
                         log.warning("lease %s token %d lost (server refused renewal)",
-                                    current.name, current.fencing_token)
+                                    quote(current.name), current.fencing_token)
                         lease.lost.set()
                         return
                     except asyncio.TimeoutError:
-                        log.info("renewal of %s got no reply within %.3f s; retrying", current.name, attempt)
+                        log.info("renewal of %s got no reply within %.3f s; retrying", quote(current.name), attempt)
                         self._reset_if_silent_since(started, f"renewal of {current.name!r} got no reply "
                                                              f"within {attempt:.3f} s")
                         await asyncio.sleep(min(current.ttl / 10.0, max(0.0, current.expires_at - loop.time()) / 2))
                     except (ConnectionLost, NotPrimary, OSError) as exc:
-                        log.info("renewal of %s failed (%s); retrying", current.name, exc or type(exc).__name__)
+                        log.info("renewal of %s failed (%s); retrying", quote(current.name), exc or type(exc).__name__)
                         await asyncio.sleep(min(current.ttl / 10.0, max(0.0, current.expires_at - loop.time()) / 2))
                 object.__setattr__(lease, "expires_at", current.expires_at)
                 health._renewed(current.expires_at, current.ttl)
@@ -1144,7 +1145,7 @@ class LockContext:
             await self._client.release(lease)
         except (LeaseLost, ConnectionLost) as err:
             if not lease.lost.is_set():
-                log.warning("could not release %s token %d: %s", lease.name, lease.fencing_token, err)
+                log.warning("could not release %s token %d: %s", quote(lease.name), lease.fencing_token, err)
             lease.lost.set()
 
 
@@ -1251,7 +1252,7 @@ class LockManyContext:
             await self._client.release_many(multi)
         except (LeaseLost, ConnectionLost) as err:
             if not multi.lost.is_set():
-                log.warning("could not release all of %s: %s", multi.names, err)
+                log.warning("could not release all of %s: %s", [quote(n) for n in multi.names], err)
             multi.lost.set()
 
 

@@ -763,7 +763,7 @@ class StandbyFollower:
                                   self.incarnation, self.failover_after_ms, self.name), 5.0)
                 self.connected = True
                 backoff = 0.05
-                log.info("replicating from %s (%s)", self.primary_address, info.get("mode"))
+                log.info("replicating from %s (%s)", self.primary_address, quote(info.get("mode")))
                 await proto.lost
             except (ConnectionError, asyncio.TimeoutError, FastlockError) as exc:
                 log.warning("replication from %s failed: %s", self.primary_address, quote(str(exc)))
