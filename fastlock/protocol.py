@@ -147,7 +147,9 @@ class DecodeLimits(NamedTuple):
     ``max_items``: elements and pairs of all containers of one frame together.
     ``walk``: check ``max_depth`` and ``max_items`` on frames that arrive in
     pieces (see :class:`FrameDecoder`); without it only msgpack's own limits
-    and ``max_frame_bytes`` apply.
+    and ``max_frame_bytes`` apply.  ``max_depth`` and ``max_items`` bound what a
+    frame can make the decoder *hold*: a frame that arrives whole in one read
+    is decoded at once and freed with the request, bounded by the other limits.
     Exceeding any of them raises :class:`~fastlock.errors.ProtocolError`.
     """
 

@@ -17,6 +17,8 @@ import time
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fastlock import protocol as P
 from fastlock.errors import LimitExceeded, ProtocolError, Unavailable
@@ -718,3 +720,38 @@ def test_disk_full_gives_waiting_clients_an_error_and_a_non_zero_exit(server_fac
     with Raw(again.address) as raw:
         for name, token in granted.items():
             assert raw.call(P.OP_CHECK, name, token)[2] is True, f"acknowledged grant {name[:12]} lost"
+
+
+# ---------------------------------------------------------------------------------------------
+# the frame walker, sans-IO
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=False),
+                     st.text(max_size=300), st.binary(max_size=300))
+_values = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=6),
+                                                         st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                       max_leaves=30)
+_LIMITS = P.REQUEST_LIMITS._replace(max_depth=6, max_items=10_000, max_frame_bytes=1 << 20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(_values, min_size=1, max_size=4), min_size=1, max_size=5), st.data())
+def test_frame_decoder_decodes_any_split_as_msgpack_does(messages, data):
+    """Walking partial frames never changes what is decoded, wherever the pieces split."""
+    stream = b"".join(msgpack.packb(m, use_bin_type=True) for m in messages)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=8)))
+    for shape_all in (False, True):
+        dec = P.FrameDecoder(limits=_LIMITS, shape_all=shape_all)
+        out = []
+        for a, b in zip([0, *cuts], [*cuts, len(stream)]):
+            out += dec.feed(stream[a:b])
+        assert out == messages
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(4, 40), st.integers(1, 7), st.sampled_from([b"\x91", b"\x9f", b"\x81\xa1k", b"\xdc\x00\x01"]))
+def test_frame_decoder_refuses_deep_partial_frames_in_any_pieces(depth, piece, header):
+    stream = header * depth
+    dec = P.FrameDecoder()
+    with pytest.raises(ProtocolError, match="deeper than 3"):
+        for i in range(0, len(stream), piece):
+            dec.feed(stream[i:i + piece])
