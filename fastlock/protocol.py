@@ -392,10 +392,11 @@ class FrameDecoder:
         if pending:
             if pending > limits.max_frame_bytes:
                 raise ProtocolError(f"frame exceeds the maximum frame size ({limits.max_frame_bytes} bytes)")
-            if self._shape is None and limits.walk:
+            start = self._frame_start - base
+            if self._shape is None and limits.walk and start >= 0:
                 # a frame began in this piece and is not complete: walk what arrived of it
                 shape = self._shape = _FrameShape(limits)
-                shape.walk(memoryview(data)[self._frame_start - base:])
+                shape.walk(memoryview(data)[start:])
         else:
             self._shape = None
         return out
