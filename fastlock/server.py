@@ -95,7 +95,16 @@ def now_ms() -> int:
 
 @dataclass
 class ServerConfig:
-    """Settings of one server process (units in the names)."""
+    """Settings of one server process.
+
+    Units are in the names (``_ms``: milliseconds, ``_bytes``: bytes; other
+    limits are counts).  The limits (from ``max_frame_bytes`` to
+    ``max_watches_per_principal``) bound what peers can make the server hold;
+    README "Limits" gives each one's flag, default and what happens beyond it.
+    A per-principal quota of 0 means none beyond the global cap.
+    :raises ValueError: (from :class:`LockServer`) a limit that is not a
+        positive integer (>= 0 for timeouts and quotas).
+    """
 
     host: str = "127.0.0.1"
     port: int = 7420
