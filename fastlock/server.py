@@ -1191,6 +1191,8 @@ class LockServer:
             version=__version__,
             grace_remaining_ms=max(0, self.grace_until_ms - now_ms()),
         )
+        st["limits"] = {"connections": len(self._sessions), "connections_without_hello": len(self._unready),
+                        "max_connections": self.max_connections, "watches": self._watch_count}
         if self.role == "standby" and self.follower is not None:
             st["replication"] = self.follower.status()
         else:
