@@ -252,6 +252,24 @@ def test_five_thousand_connections_without_hello_are_closed_at_the_deadline(serv
             s.close()
 
 
+def test_the_open_files_limit_is_raised_at_start(server_factory):
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard <= 256:
+        pytest.skip("needs a finite hard open-files limit above 256")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # the server inherits it
+    try:
+        srv = server_factory("nofile")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    srv.wait_for_log(rf"open-files limit raised from 256 to {hard}", timeout=5)
+    with open(f"/proc/{srv.pid}/limits") as f:
+        line = next(line for line in f if line.startswith("Max open files"))
+    assert line.split()[3:5] == [str(hard), str(hard)], line
+    srv.wait_for_log(rf"connection limits: {min(10_000, hard - 64)} in all", timeout=5)
+
+
 def test_a_client_gets_in_at_the_connection_limit_and_the_standby_keeps_replicating(server_factory, tmp_path):
     """At --max-connections, the oldest connection without HELLO makes room for a
     new one (a handshake reserve); the standby's connection, past HELLO, stays."""
