@@ -81,6 +81,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+import msgpack
+
 from . import protocol as P
 from .errors import FastlockError, InvalidArgument, ProtocolError, Unavailable
 from .logsafe import quote
@@ -146,6 +148,22 @@ class _Replica:
         self.attached_ms = _now_ms()
         self.catching_up = False  # the backlog is being streamed; live batches wait
         self.task: asyncio.Future | None = None
+
+
+def _encode_snapshot(lsn: int, epoch: int, counter: int, holders: list, incarnation: str) -> bytes:
+    """The snapshot push ``[0, "snap", [lsn, epoch, counter, holders, incarnation]]``,
+    encoded a holder at a time (so that, on a worker thread, it lets the event
+    loop run between holders); ``holders``: :class:`~fastlock._core.Holder`."""
+    packer = msgpack.Packer(use_bin_type=True)
+    pack = packer.pack
+    parts = [packer.pack_array_header(3), pack(0), pack(PUSH_SNAPSHOT), packer.pack_array_header(5),
+             pack(lsn), pack(epoch), pack(counter), packer.pack_array_header(len(holders))]
+    append = parts.append
+    for h in holders:
+        client, corr = h.meta if h.meta else (None, None)
+        append(pack([h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, client, corr, 0]))
+    append(pack(incarnation))
+    return b"".join(parts)
 
 
 PAIRING_FILE = "pairing.json"
@@ -365,13 +383,10 @@ class ReplicationSource:
             mode = "snapshot"
         conn.send(P.encode_ok(req_id, {"incarnation": self.incarnation, "mode": mode,
                                        "epoch": server.table.epoch}))
-        if mode == "snapshot":
-            self._send_snapshot(replica)
-        else:
-            # the backlog is read off the loop and streamed in chunks; live batches
-            # follow once it has caught up (see _catch_up)
-            replica.catching_up = True
-            replica.task = asyncio.ensure_future(self._catch_up(replica, from_lsn))
+        # the snapshot (if any) and the backlog are prepared off the loop and streamed;
+        # live batches follow once the standby has caught up (see _bring_up_to_date)
+        replica.catching_up = True
+        replica.task = asyncio.ensure_future(self._bring_up_to_date(replica, from_lsn, mode == "snapshot"))
         if not self._listening:
             wal.add_listener(self._on_batch)
             self._listening = True
@@ -379,54 +394,33 @@ class ReplicationSource:
                  quote(replica.name), mode, from_lsn, failover_after_ms)
         self._heartbeat()
 
-    def _send_snapshot(self, replica: _Replica) -> None:
-        server = self.server
-        lsn = server.wal.stats()["last_lsn"]
-        epoch, counter, holders = server._snapshot_state()
-        frame = P.encode_push(PUSH_SNAPSHOT, [lsn, epoch, counter, [list(h) for h in holders], self.incarnation])
-        # a standby may leave its snapshot unread plus the output cap (not just the cap)
-        replica.conn.out_cap = server.config.max_replica_output_bytes + len(frame)
-        replica.conn.send(frame)
-        replica.conn.flush()
-        replica.acked_lsn = 0
+    async def _bring_up_to_date(self, replica: _Replica, from_lsn: int, snapshot: bool) -> None:
+        """Send a standby what it lacks - a snapshot if it needs one, then the log
+        after it - and hand it to the live stream (:meth:`_on_batch`).
 
-    async def _catch_up(self, replica: _Replica, from_lsn: int) -> None:
-        """Stream the log from ``from_lsn`` to a standby that asked for it, then
-        hand it to the live stream (:meth:`_on_batch`).
-
-        Reading happens on a worker thread, a chunk (:data:`BACKLOG_CHUNK_BYTES`)
-        at a time, and the next chunk is read only once the standby has taken
-        the previous one (the connection's write buffer drained): a long backlog
-        neither blocks the event loop nor piles up in memory.  If compaction
-        deletes the records meanwhile, the standby gets a snapshot instead.
+        Neither blocks the event loop for long: the snapshot is encoded on a
+        worker thread from the table's holders (taken on the loop, with the LSN
+        they match), and the log is read on a worker thread, a chunk
+        (:data:`BACKLOG_CHUNK_BYTES`) at a time, each chunk only once the standby
+        has taken the previous one (the connection's write buffer drained).  If
+        compaction deletes records meanwhile, the standby gets a snapshot instead.
         """
-        server = self.server
-        wal = server.wal
         conn = replica.conn
-        loop = asyncio.get_running_loop()
-        reader = BacklogReader(wal, from_lsn)
         records = 0
         try:
-            while not conn.closed:
-                upto = wal.written_lsn
-                if reader.next_lsn > upto:
+            if snapshot:
+                from_lsn = await self._send_snapshot(replica) + 1
+            while True:
+                try:
+                    records += await self._stream_log(replica, from_lsn)
                     break
-                chunk = await loop.run_in_executor(None, reader.read, BACKLOG_CHUNK_BYTES, upto)
-                if conn.closed or chunk is None:
-                    continue
-                first, last, data = chunk
-                conn.send(P.encode_push(PUSH_RECORDS, [first, last, data]))
-                conn.flush()
-                replica.sent.append((last, _now_ms()))
-                records += last - first + 1
-                await conn.drained()
-        except WalCompacted as exc:
-            if conn.closed:
-                return
-            log.warning("standby %s: %s; sending a snapshot instead", quote(replica.name), exc)
-            self._send_snapshot(replica)
+                except WalCompacted as exc:
+                    if conn.closed:
+                        return
+                    log.warning("standby %s: %s; sending a snapshot instead", quote(replica.name), exc)
+                    from_lsn = await self._send_snapshot(replica) + 1
         except Exception:
-            log.exception("reading the log for standby %s failed; disconnecting it", quote(replica.name))
+            log.exception("preparing the stream for standby %s failed; disconnecting it", quote(replica.name))
             conn.closed = True
             conn.transport.abort()
             return
@@ -434,6 +428,47 @@ class ReplicationSource:
             return
         replica.catching_up = False  # same loop step as the last check: no batch falls between
         log.info("standby %s caught up: %d records from LSN %d", quote(replica.name), records, from_lsn)
+
+    async def _send_snapshot(self, replica: _Replica) -> int:
+        """Send the lock table as a snapshot; return the LSN it matches."""
+        server = self.server
+        table = server.table
+        lsn = server.wal.stats()["last_lsn"]
+        holders = table.holders()
+        frame = await asyncio.get_running_loop().run_in_executor(
+            None, _encode_snapshot, lsn, table.epoch, table.counter, holders, self.incarnation)
+        conn = replica.conn
+        # a standby may leave its snapshot unread plus the output cap (not just the cap)
+        conn.out_cap = server.config.max_replica_output_bytes + len(frame)
+        conn.send(frame)
+        conn.flush()
+        replica.acked_lsn = 0
+        log.info("standby %s: sent a snapshot at LSN %d (%d leases, %d bytes)", quote(replica.name), lsn,
+                 len(holders), len(frame))
+        return lsn
+
+    async def _stream_log(self, replica: _Replica, from_lsn: int) -> int:
+        """Stream the log from ``from_lsn`` up to the last record written; return
+        the number of records sent.  Raises WalCompacted."""
+        wal = self.server.wal
+        conn = replica.conn
+        loop = asyncio.get_running_loop()
+        reader = BacklogReader(wal, from_lsn)
+        records = 0
+        while not conn.closed:
+            upto = wal.written_lsn
+            if reader.next_lsn > upto:
+                break
+            chunk = await loop.run_in_executor(None, reader.read, BACKLOG_CHUNK_BYTES, upto)
+            if conn.closed or chunk is None:
+                continue
+            first, last, data = chunk
+            conn.send(P.encode_push(PUSH_RECORDS, [first, last, data]))
+            conn.flush()
+            replica.sent.append((last, _now_ms()))
+            records += last - first + 1
+            await conn.drained()
+        return records
 
     def detach(self, conn: "_Connection") -> None:
         replica = self.replicas.pop(conn.session, None)

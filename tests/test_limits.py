@@ -386,7 +386,7 @@ def test_a_replica_that_never_reads_is_disconnected_and_memory_stays_bounded(ser
             except (socket.timeout, TimeoutError):
                 pass
             disconnected = disconnected or any("too far behind" in line for line in srv.lines)
-        srv.wait_for_log(r"standby on .* is too far behind \(\d+ bytes unsent, limit 10486\d\d\)", timeout=5)
+        srv.wait_for_log(r"standby on .* is too far behind \(\d+ bytes unsent, limit \d+\)", timeout=5)
         grown_mib = (rss_kib(srv.pid) - before) / 1024
         print(f"\nnever-reading replica: server RSS {before} KiB -> {rss_kib(srv.pid)} KiB")
         assert grown_mib < 40, f"a never-reading replica grew the server by {grown_mib:.0f} MiB"
