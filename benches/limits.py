@@ -4,7 +4,7 @@ Runs against real ``fastlock serve`` processes (the fastlock installed for the
 Python that runs this script), every probe bounded in count and time::
 
     python -m benches.limits            # all probes
-    python -m benches.limits nested     # one of: nested, replica, backlog
+    python -m benches.limits nested     # one of: nested, replica, backlog, snapshot
 
 nested
     30 connections each send 1,024 nested ``array16(65535)`` headers (3 KiB,
@@ -17,6 +17,9 @@ backlog
     a WAL of 600,000 records built through the WAL API; a peer sends REPLICATE
     from LSN 1 and reads the stream while another client PINGs in a loop; the
     worst PING round trip and the time to stream the backlog.
+snapshot
+    200,000 held leases; a peer sends REPLICATE with no position (it needs a
+    snapshot) while another client PINGs; the worst PING round trip.
 
 Prints one JSON object per probe.
 """
@@ -201,7 +204,65 @@ def probe_backlog(root: Path, records: int = 600_000) -> dict:
                 "ping_p50_ms": round(sorted(during)[len(during) // 2] * 1000, 3)}
 
 
-PROBES = {"nested": probe_nested, "replica": probe_replica, "backlog": probe_backlog}
+def probe_snapshot(root: Path, leases: int = 200_000) -> dict:
+    from fastlock.wal import WriteAheadLog
+
+    async def write() -> None:
+        wal = WriteAheadLog(root / "snapshot", fsync="never")
+        wal.open()
+        wal.start()
+        for i in range(leases):
+            wal.log_grant(f"held/{i}", i + 1, os.urandom(16), 3_600_000, 0, "builder", None)
+            if i % 10_000 == 0:
+                await asyncio.sleep(0)
+        await wal.sync()
+        await wal.close()
+
+    asyncio.run(write())
+    with ServerProcess(root / "snapshot", args=["--snapshot-every", "10000000"]) as srv:
+        latencies: list[float] = []
+        stop = threading.Event()
+
+        def pinger() -> None:
+            p = _Peer(srv.address)
+            p.call(P.OP_HELLO, P.PROTOCOL_VERSION, "pinger", None)
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                if p.call(P.OP_PING) is None:
+                    break
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.0005)
+            p.sock.close()
+
+        thread = threading.Thread(target=pinger, daemon=True)
+        thread.start()
+        while len(latencies) < 10:
+            time.sleep(0.001)
+        mark = len(latencies)
+        peer = _Peer(srv.address, rcvbuf=1 << 20)
+        peer.call(P.OP_HELLO, P.PROTOCOL_VERSION, "standby:fake", None)
+        t0 = time.perf_counter()
+        peer.call(P.OP_REPLICATE, 0, None, 0, "fake@0123456789abcdef")
+        received = 0
+        last_data = time.perf_counter()
+        peer.sock.settimeout(0.2)
+        while time.perf_counter() - last_data < 1.0:  # until only heartbeats come
+            try:
+                chunk = peer.sock.recv(1 << 20)
+            except (socket.timeout, TimeoutError):
+                continue
+            received += len(chunk)
+            if len(chunk) > 4096:
+                last_data = time.perf_counter()
+        stop.set()
+        thread.join(10)
+        peer.sock.close()
+        during = latencies[mark:]
+        return {"probe": "snapshot", "leases": leases, "bytes": received, "seconds": round(last_data - t0, 2),
+                "pings": len(during), "ping_worst_ms": round(max(during) * 1000, 1)}
+
+
+PROBES = {"nested": probe_nested, "replica": probe_replica, "backlog": probe_backlog, "snapshot": probe_snapshot}
 
 
 def main(argv: list[str]) -> int:
