@@ -326,7 +326,10 @@ class _ClientProtocol(asyncio.Protocol):
                     for queue in self.watches.get(event.name, ()):
                         queue.put_nowait(event)
                 elif len(msg) >= 3 and isinstance(msg[1], int) and msg[1] != 0:
+                    # the server says why it is closing (bad input, its WAL failed...): what is
+                    # pending fails with that reason rather than a bare "connection lost"
                     log.error("server closed the connection: %s", quote(msg[2]))
+                    self.fail(ConnectionLost(f"the fastlock server closed the connection: {msg[2]}"))
                 continue
             fut = pending.pop(req_id, None)
             if fut is None or fut.done():

@@ -715,6 +715,10 @@ def test_disk_full_gives_waiting_clients_an_error_and_a_non_zero_exit(server_fac
         srv = server_factory("small/data")
         granted = {}
         closing = None
+        holder, waiter = Raw(srv.address), Raw(srv.address)
+        assert holder.call(P.OP_ACQUIRE, *acquire_args("full/held"))[1] == 0
+        waiter.send(P.OP_ACQUIRE, *acquire_args("full/held", wait_ms=-1))  # queued: a waiting client
+        assert waiter.call(P.OP_STATUS)[2]["waiters"] == 1
         with Raw(srv.address) as raw:
             for i in range(2000):
                 name = f"full/{i:04d}/" + "x" * 400
@@ -732,6 +736,10 @@ def test_disk_full_gives_waiting_clients_an_error_and_a_non_zero_exit(server_fac
                 closing = raw.recv()
         assert closing is not None, "the client saw a bare EOF"
         assert closing[0] == 0 and closing[1] == Unavailable.code and "write-ahead log failed" in closing[2], closing
+        told = waiter.recv()
+        assert told is not None and told[0] == 0 and "write-ahead log failed" in told[2], told
+        waiter.close()
+        holder.close()
         assert srv.proc.wait(10) == 3
         print(f"\n{len(granted)} grants acknowledged before the disk was full; client got {closing}")
         print("\n".join(srv.lines[-8:]))
