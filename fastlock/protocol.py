@@ -379,9 +379,15 @@ class FrameDecoder:
             self._fed = base + len(data)
             out = []
             append = out.append
+            start = self._frame_start
+            max_frame = limits.max_frame_bytes
             for msg in up:
+                end = up.tell()
+                if end - start > max_frame:  # a whole frame in one read, still too big
+                    raise ProtocolError(f"frame exceeds the maximum frame size ({max_frame} bytes)")
                 append(msg)
-                self._frame_start = up.tell()
+                start = end
+            self._frame_start = start
         except msgpack.BufferFull:
             raise ProtocolError("frame exceeds the maximum frame size") from None
         except (ValueError, msgpack.UnpackException, TypeError) as exc:

@@ -787,3 +787,10 @@ def test_frame_decoder_refuses_deep_partial_frames_in_any_pieces(depth, piece, h
     with pytest.raises(ProtocolError, match="deeper than 3"):
         for i in range(0, len(stream), piece):
             dec.feed(stream[i:i + piece])
+
+
+def test_a_whole_frame_in_one_piece_is_bounded_too():
+    dec = P.FrameDecoder(max_frame=1024)
+    assert dec.feed(msgpack.packb([1, P.OP_PING, "x" * 900])) == [[1, P.OP_PING, "x" * 900]]
+    with pytest.raises(ProtocolError, match="maximum frame size"):
+        P.FrameDecoder(max_frame=1024).feed(msgpack.packb([1, P.OP_PING, "x" * 2000]))
