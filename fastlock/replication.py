@@ -79,25 +79,27 @@ import logging
 import os
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import protocol as P
 from .errors import FastlockError, InvalidArgument, ProtocolError, Unavailable
+from .roles import Role
 from .wal import EPOCH, EXPIRE, EXTEND, GRANT, RELEASE, RESERVE, WalCompacted, _fsync_dir, decode_frames
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .server import LockServer, _Connection
+    from .replication_host import ReplicationHost
+    from .server import _Connection
 
 log = logging.getLogger(__name__)
 
-PUSH_SNAPSHOT = "snap"
-PUSH_RECORDS = "repl"
-PUSH_HEARTBEAT = "hb"
+# the push kinds are declared with the op codes
+PUSH_SNAPSHOT = P.PUSH_SNAPSHOT
+PUSH_RECORDS = P.PUSH_RECORDS
+PUSH_RECORD = P.PUSH_RECORD
+PUSH_HEARTBEAT = P.PUSH_HEARTBEAT
 
 #: A standby whose unsent output exceeds this many bytes is disconnected (it resyncs).
 MAX_STANDBY_BACKLOG_BYTES = 64 << 20
-
-_FOREVER_MS = 10 * 365 * 24 * 3600 * 1000
 
 
 def _now_ms() -> int:
@@ -257,13 +259,12 @@ class ReplicationSource:
     stops granting (default: a quarter of the standby's failover window).
     """
 
-    def __init__(self, server: "LockServer", *, fence_margin_ms: int | None = None):
-        self.server = server
+    def __init__(self, host: "ReplicationHost", *, fence_margin_ms: int | None = None):
+        self.host = host
         self.incarnation = os.urandom(8).hex()  # changes on every start: a standby resyncs
         self.replicas: dict[int, _Replica] = {}  # by session
         self.fence_margin_ms = fence_margin_ms
         self.serving_alone = False
-        self.fenced = False
         self.paired_id: str | None = None
         # the strictest failover window of any standby that ever attached (ms, 0 = none)
         self._paired_window_ms = 0
@@ -276,7 +277,7 @@ class ReplicationSource:
     # -- pairing ---------------------------------------------------------------------------
     def load_pairing(self) -> None:
         """At start: restore the pairing; a primary paired with a failover window starts fenced."""
-        path = os.path.join(self.server.config.data_dir, PAIRING_FILE)
+        path = os.path.join(self.host.data_dir, PAIRING_FILE)
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
@@ -296,15 +297,15 @@ class ReplicationSource:
         self.paired_id = replica.name
         self._paired_window_ms = replica.failover_after_ms
         self.serving_alone = False
-        _write_atomically(self.server.config.data_dir, PAIRING_FILE, json.dumps(
+        _write_atomically(self.host.data_dir, PAIRING_FILE, json.dumps(
             {"standby": replica.name, "failover_after_ms": replica.failover_after_ms}).encode())
         log.info("paired with standby %s (failover window %d ms)", replica.name, replica.failover_after_ms)
 
     def _unpair(self) -> None:
-        path = os.path.join(self.server.config.data_dir, PAIRING_FILE)
+        path = os.path.join(self.host.data_dir, PAIRING_FILE)
         try:
             os.unlink(path)
-            _fsync_dir(self.server.config.data_dir)
+            _fsync_dir(self.host.data_dir)
         except FileNotFoundError:
             pass
         self.paired_id = None
@@ -313,8 +314,8 @@ class ReplicationSource:
     # -- attach / detach ------------------------------------------------------------------
     def attach(self, conn: "_Connection", req_id: int, from_lsn: int, incarnation: Any,
                failover_after_ms: int, name: str | None) -> None:
-        server = self.server
-        wal = server.wal
+        host = self.host
+        wal = host.wal
         if not name:
             raise InvalidArgument("a standby must name itself (its node id)")
         ident = standby_identity(name)
@@ -352,16 +353,16 @@ class ReplicationSource:
             except WalCompacted:
                 mode = "snapshot"
         conn.send(P.encode_ok(req_id, {"incarnation": self.incarnation, "mode": mode,
-                                       "epoch": server.table.epoch}))
+                                       "epoch": host.table.epoch}))
         if mode == "snapshot":
             lsn = wal.stats()["last_lsn"]
-            epoch, counter, holders = server._snapshot_state()
+            epoch, counter, holders = host.snapshot_state()
             conn.send(P.encode_push(PUSH_SNAPSHOT, [lsn, epoch, counter, [list(h) for h in holders],
                                                     self.incarnation]))
             replica.acked_lsn = 0
         else:
             for lsn, rec in backlog:
-                conn.send(P.encode_push("rec", [lsn, rec]))
+                conn.send(P.encode_push(PUSH_RECORD, [lsn, rec]))
         if not self._listening:
             wal.add_listener(self._on_batch)
             self._listening = True
@@ -398,10 +399,10 @@ class ReplicationSource:
         self._hb_timer = None
         if not self.replicas:
             return
-        server = self.server
+        host = self.host
         now = _now_ms()
-        msg = P.encode_push(PUSH_HEARTBEAT, [now, server.wal.stats()["last_lsn"], server.table.epoch,
-                                              server.max_ttl_ms, self.paired_id, self._paired_window_ms])
+        msg = P.encode_push(PUSH_HEARTBEAT, [now, host.wal.stats()["last_lsn"], host.table.epoch,
+                                              host.max_ttl_ms, self.paired_id, self._paired_window_ms])
         interval = 500
         for replica in self.replicas.values():
             if not replica.conn.closed:
@@ -409,7 +410,7 @@ class ReplicationSource:
                 replica.conn.flush()
             interval = min(interval, heartbeat_interval_ms(replica.failover_after_ms))
         self._check_fence(now)
-        self._hb_timer = server._loop.call_later(interval / 1000.0, self._heartbeat)
+        self._hb_timer = host.loop.call_later(interval / 1000.0, self._heartbeat)
 
     def on_ack(self, conn: "_Connection", echoed_ms: Any, applied_lsn: Any) -> None:
         replica = self.replicas.get(conn.session)
@@ -435,11 +436,10 @@ class ReplicationSource:
         self._check_fence(now)
 
     # -- fencing ----------------------------------------------------------------------------
-    def may_act(self, now: int) -> bool:
-        """May the primary grant and extend at ``now``?  Updates the fence."""
-        if self._paired_window_ms == 0 or self.serving_alone:
-            return True
-        return self._check_fence(now)
+    @property
+    def fenced(self) -> bool:
+        """Is this primary fenced (as the node's role says)?"""
+        return self.host.roles.fenced
 
     @property
     def fencing(self) -> bool:
@@ -455,7 +455,7 @@ class ReplicationSource:
         fence timer can grant past the deadline.  It only raises the table's
         hold, which produces no events, so it is safe anywhere.
         """
-        if self.fencing and not self.fenced and now >= self._fence_deadline():
+        if self.fencing and not self.host.roles.fenced and now >= self._fence_deadline():
             self._fence(now)
 
     def _margin(self) -> int:
@@ -465,15 +465,17 @@ class ReplicationSource:
         return self._contact_ms + self._paired_window_ms - self._margin()
 
     def _check_fence(self, now: int) -> bool:
+        """Fence or unfence by the contact deadline; True if the primary may act at ``now``."""
+        fenced = self.host.roles.fenced
         window = self._paired_window_ms
         if window == 0 or self.serving_alone:
-            if self.fenced:
+            if fenced:
                 self._unfence()
             return True
         deadline = self._fence_deadline()
         ok = now < deadline
         if ok:
-            if self.fenced:
+            if fenced:
                 self._unfence()
             if self._fence_timer is None or self._fence_timer_at > deadline:
                 # Fence on time even when no heartbeat, ack or request comes (no standby attached).
@@ -481,9 +483,9 @@ class ReplicationSource:
                 if self._fence_timer is not None:
                     self._fence_timer.cancel()
                 self._fence_timer_at = deadline
-                self._fence_timer = self.server._loop.call_later((deadline - now + 1) / 1000.0,
-                                                                 self._on_fence_timer)
-        elif not self.fenced:
+                self._fence_timer = self.host.loop.call_later((deadline - now + 1) / 1000.0,
+                                                              self._on_fence_timer)
+        elif not fenced:
             self._fence(now)
         return ok
 
@@ -492,9 +494,11 @@ class ReplicationSource:
         self._check_fence(_now_ms())
 
     def _fence(self, now: int) -> None:
+        roles = self.host.roles
+        if roles.role is not Role.PRIMARY:
+            return  # a standby, promoting or deposed node grants nothing anyway
         window = self._paired_window_ms
-        self.fenced = True
-        self.server.table.hold_grants_until(now + _FOREVER_MS)
+        roles.set_fenced(True)  # holds every grant (the role decides the table's hold)
         log.warning(
             "no word from the standby for %d ms (failover window %d ms, margin %d ms): "
             "holding all grants and refusing extends until it is back or `fastlock serve-alone`",
@@ -502,12 +506,12 @@ class ReplicationSource:
         )
 
     def _unfence(self) -> None:
-        self.fenced = False
-        server = self.server
-        server.table.hold_grants_until(max(_now_ms(), server.grace_until_ms))
-        server.table.expire(_now_ms())
+        host = self.host
+        host.roles.set_fenced(False)  # the hold falls back to the grace period, if any
+        if host.roles.expires_leases:
+            host.table.expire(_now_ms())  # hand blocked locks to their waiters
         log.warning("fence lifted: granting again")
-        server._after_batch()
+        host.after_batch()
 
     def serve_alone(self) -> dict:
         """Operator's word that the standby is gone for good: unpair and stop fencing.
@@ -526,7 +530,7 @@ class ReplicationSource:
 
     def status(self) -> dict:
         now = _now_ms()
-        last_lsn = self.server.wal.stats()["last_lsn"]
+        last_lsn = self.host.wal.stats()["last_lsn"]
         standbys = []
         for r in self.replicas.values():
             standbys.append({
@@ -599,14 +603,20 @@ class StandbyFollower:
     """The standby's side: follow a primary, apply its log, promote when told or when it is silent.
 
     Args:
-        server: the standby's :class:`~fastlock.server.LockServer`.
+        host: the standby's server, as :class:`~fastlock.replication_host.ReplicationHost`.
         primary: ``(host, port)`` of the primary.
         failover_after_ms: promote after this much silence (0: only on command).
+        auth: the secret sent in HELLO, or None.
+        name: ``[label@]node-id`` this standby announces.
+        on_primary_silent: called (on the loop) when the paired primary has been
+            silent for ``failover_after_ms``; the failover policy promotes.
     """
 
-    def __init__(self, server: "LockServer", primary: tuple[str, int], failover_after_ms: int = 0,
-                 auth: str | None = None, name: str | None = None):
-        self.server = server
+    def __init__(self, host: "ReplicationHost", primary: tuple[str, int], failover_after_ms: int = 0,
+                 auth: str | None = None, name: str | None = None,
+                 on_primary_silent: Callable[[], None] | None = None):
+        self.host = host
+        self.on_primary_silent = on_primary_silent
         self.primary = primary
         self.failover_after_ms = failover_after_ms
         self.auth = auth
@@ -632,28 +642,34 @@ class StandbyFollower:
     def primary_address(self) -> str:
         return f"{self.primary[0]}:{self.primary[1]}"
 
+    @property
+    def stopped(self) -> bool:
+        """Is this follower not following (never started, or stopped)?"""
+        return self._task is None or self._task.done() or self._stopping
+
     def start(self) -> None:
+        """Start (or, after :meth:`stop`, resume) following the primary."""
+        self._stopping = False
         self._task = asyncio.ensure_future(self._run())
-        if self.failover_after_ms > 0:
+        if self.failover_after_ms > 0 and self._watchdog is None:
             self._arm_watchdog()
 
     async def depose(self, epoch: int, timeout_s: float = 2.0) -> bool:
-        """Tell the primary that ``epoch`` begins and wait for its answer.
+        """Ask the primary to step down for ``epoch`` (``STEP_DOWN``) and wait for its answer.
 
-        A HELLO carrying a higher epoch makes the primary step down before it
-        replies, so True means it has stopped granting.  False: not connected,
-        or no answer within ``timeout_s`` seconds (frozen, partitioned, dead).
+        The primary steps down (durably) before it replies, so True means it
+        has stopped granting.  False: not connected, refused, or no answer
+        within ``timeout_s`` seconds (frozen, partitioned, dead).
         """
         proto = self._proto
         if proto is None or proto.transport is None or proto.transport.is_closing():
             return False
         try:
-            info = await asyncio.wait_for(
-                proto.request(4, P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{self.name}", self.auth, epoch),
-                timeout_s)
-        except (ConnectionError, asyncio.TimeoutError, FastlockError):
+            info = await asyncio.wait_for(proto.request(4, P.OP_STEP_DOWN, epoch), timeout_s)
+        except (ConnectionError, asyncio.TimeoutError, FastlockError) as exc:
+            log.warning("primary %s did not step down for epoch %d: %s", self.primary_address, epoch, exc)
             return False
-        return info.get("role") != "primary" or info.get("epoch", 0) >= epoch
+        return type(info) is dict and info.get("role") != "primary"
 
     def stop(self) -> None:
         """Stop following (the connection is closed)."""
@@ -679,19 +695,27 @@ class StandbyFollower:
                 backoff = min(backoff * 2, 1.0)
                 continue
             self._proto = proto
+            host = self.host
             try:
-                # our epoch travels in the HELLO: a primary with a lower one steps down
-                # (this node was promoted since it last followed it) and refuses REPLICATE
                 hello = await asyncio.wait_for(
                     proto.request(1, P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{self.name or os.getpid()}",
-                                  self.auth, self.server.table.epoch), 5.0)
-                self.primary_epoch = max(self.primary_epoch, hello.get("epoch", 0))
-                self.server.node_state.raise_epoch(self.primary_epoch)
-                if hello.get("epoch", 0) < self.server.table.epoch:
-                    self.refused = (f"{self.primary_address} is at epoch {hello.get('epoch')}, below this "
-                                    f"node's epoch {self.server.table.epoch}: it is a deposed primary")
+                                  self.auth, host.table.epoch), 5.0)
+                their_epoch = P.check_epoch(hello.get("epoch", 0), "primary's epoch")
+                self.primary_epoch = max(self.primary_epoch, their_epoch)
+                host.node_state.raise_epoch(self.primary_epoch)
+                if their_epoch < host.table.epoch:
+                    # this node was promoted since it last followed that node: never follow
+                    # a lower epoch, and ask it to step down (it may still think it is primary)
+                    self.refused = (f"{self.primary_address} is at epoch {their_epoch}, below this "
+                                    f"node's epoch {host.table.epoch}: it is a deposed primary")
                     log.critical("refusing to follow: %s; restart this node as the primary, or point it "
                                  "at the current primary", self.refused)
+                    if hello.get("role") == "primary":
+                        try:
+                            await asyncio.wait_for(proto.request(4, P.OP_STEP_DOWN, host.table.epoch), 5.0)
+                        except (ConnectionError, asyncio.TimeoutError, FastlockError) as exc:
+                            log.error("%s did not step down for epoch %d: %s", self.primary_address,
+                                      host.table.epoch, exc)
                     proto.transport.close()
                     return
                 info = await asyncio.wait_for(
@@ -730,6 +754,7 @@ class StandbyFollower:
         self.last_heard_ms = _now_ms()
         if kind == PUSH_HEARTBEAT:
             primary_ms, last_lsn, epoch, max_ttl_ms, paired_id, paired_window_ms = payload
+            P.check_epoch(epoch, "heartbeat epoch")
             # Automatic promotion is safe only once the primary fences itself for us: it has
             # paired with this node's id and this failover window (it says so in heartbeats).
             confirmed = (paired_id is not None and standby_identity(paired_id) == self.ident
@@ -748,13 +773,13 @@ class StandbyFollower:
             # the longest TTL the primary has granted: the default promotion grace
             if max_ttl_ms > self.max_ttl_ms:
                 self.max_ttl_ms = max_ttl_ms
-                self.server.node_state.raise_ttl(max_ttl_ms)
-            self.server.node_state.raise_epoch(epoch)
+                self.host.node_state.raise_ttl(max_ttl_ms)
+            self.host.node_state.raise_epoch(epoch)
         elif kind == PUSH_RECORDS:
             first, last, data = payload
             self._apply_records(decode_frames(data, first))
             self.primary_last_lsn = max(self.primary_last_lsn, last)
-        elif kind == "rec":
+        elif kind == PUSH_RECORD:
             lsn, rec = payload
             self._apply_records([(lsn, rec)])
         elif kind == PUSH_SNAPSHOT:
@@ -768,9 +793,10 @@ class StandbyFollower:
             proto.transport.write(P.packb([3, P.OP_REPL_ACK, self.last_hb_primary_ms, self.applied_lsn]))
 
     def _apply_snapshot(self, lsn: int, epoch: int, counter: int, holders: list, incarnation: str) -> None:
-        server = self.server
-        table = server.table
-        wal = server.wal
+        host = self.host
+        table = host.table
+        wal = host.wal
+        P.check_epoch(epoch, "snapshot epoch")
         if epoch < table.epoch:
             # never replace a newer epoch's leases with an older primary's state
             raise ProtocolError(f"snapshot at epoch {epoch} is below this node's epoch {table.epoch}")
@@ -796,17 +822,17 @@ class StandbyFollower:
         log.info("applied snapshot at primary LSN %d: %d leases, epoch %d", lsn, len(holders), epoch)
 
     def _install(self, name, token, owner, ttl_ms, delay_ms, client, corr) -> None:
-        server = self.server
-        server.table.install_holder(name, token, owner, ttl_ms, delay_ms, (client, corr), 0)
-        server.wal.log_grant(name, token, owner, ttl_ms, delay_ms, client, corr)
+        host = self.host
+        host.table.install_holder(name, token, owner, ttl_ms, delay_ms, (client, corr), 0)
+        host.wal.log_grant(name, token, owner, ttl_ms, delay_ms, client, corr)
         if ttl_ms > self.max_ttl_ms:
             self.max_ttl_ms = ttl_ms
-            self.server.node_state.raise_ttl(ttl_ms)
+            host.node_state.raise_ttl(ttl_ms)
 
     def _apply_records(self, records) -> None:
-        server = self.server
-        table = server.table
-        wal = server.wal
+        host = self.host
+        table = host.table
+        wal = host.wal
         applied = self.applied_lsn
         for lsn, rec in records:
             if lsn <= applied:
@@ -832,7 +858,7 @@ class StandbyFollower:
                     wal.log_extend(name, token, ttl_ms)
                     self.max_ttl_ms = max(self.max_ttl_ms, ttl_ms)
             elif kind == EPOCH:
-                epoch = rec[1]
+                epoch = P.check_epoch(rec[1], "epoch record")
                 if epoch > table.epoch:
                     table.set_epoch(epoch)
                     wal.log_epoch(epoch)
@@ -847,13 +873,13 @@ class StandbyFollower:
     # -- failover ---------------------------------------------------------------------------
     def _arm_watchdog(self) -> None:
         interval = heartbeat_interval_ms(self.failover_after_ms) / 1000.0
-        self._watchdog = self.server._loop.call_later(interval, self._check_silence)
+        self._watchdog = self.host.loop.call_later(interval, self._check_silence)
 
     def _check_silence(self) -> None:
         self._watchdog = None
         if self._stopping:
             return
-        if self.server.role != "standby":  # a manual promotion in progress: it may yet be refused
+        if self.host.roles.role is not Role.STANDBY:  # a manual promotion in progress: it may yet be refused
             self._arm_watchdog()
             return
         now = _now_ms()
@@ -861,9 +887,9 @@ class StandbyFollower:
                 and now - self.last_heard_ms >= self.failover_after_ms):
             log.warning("primary %s silent for %d ms (failover after %d ms): promoting",
                         self.primary_address, now - self.last_heard_ms, self.failover_after_ms)
-            asyncio.ensure_future(self.server.promote(reason="primary silent", automatic=True))
-            return
-        self._arm_watchdog()
+            if self.on_primary_silent is not None:
+                self.on_primary_silent()
+        self._arm_watchdog()  # a refused or failed promotion leaves a standby that keeps watching
 
     def status(self) -> dict:
         now = _now_ms()
