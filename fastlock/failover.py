@@ -101,16 +101,21 @@ class FailoverPolicy:
             self.source.load_pairing()
 
     # -- stepping down ------------------------------------------------------------------------
-    def on_step_down_request(self, epoch: Any, requester: str) -> dict:
+    def on_step_down_request(self, epoch: Any, seen_primary_ms: Any, requester: str) -> dict:
         """A peer's ``STEP_DOWN``: a standby promoting to ``epoch`` asks this primary to stop.
+
+        ``seen_primary_ms`` is the newest time of this node's monotonic clock
+        (ms) the standby had heard when it asked; a request older than
+        ``protocol.STEP_DOWN_FRESH_MS`` by this node's clock is refused, since
+        the standby no longer waits for its answer (it may have stayed a standby).
 
         Returns ``{"role", "epoch"}`` (the confirmation the standby waits for).
         A node that is already deposed confirms again without changing anything.
 
         Raises:
             NotPrimary: this node is a standby or promoting (it grants nothing anyway).
-            InvalidArgument: ``epoch`` out of bounds (see :func:`check_step_down_epoch`);
-                nothing changes.
+            InvalidArgument: ``epoch`` out of bounds (see :func:`check_step_down_epoch`),
+                or ``seen_primary_ms`` not an int, in the future or stale; nothing changes.
         """
         host = self.host
         role = host.roles.role
@@ -120,6 +125,12 @@ class FailoverPolicy:
         if role is not Role.PRIMARY:
             raise NotPrimary(f"this node is {role.value}: it has nothing to step down from", None)
         epoch = check_step_down_epoch(epoch, host.table.epoch)
+        if type(seen_primary_ms) is not int:
+            raise InvalidArgument(f"step-down seen_primary_ms must be int, not {type(seen_primary_ms).__name__}")
+        age_ms = _now_ms() - seen_primary_ms
+        if not 0 <= age_ms <= P.STEP_DOWN_FRESH_MS:
+            raise InvalidArgument(f"step-down request echoes this node's clock from {age_ms} ms ago (must be "
+                                  f"0..{P.STEP_DOWN_FRESH_MS} ms): too old or not this node's; refused")
         self.step_down(f"{requester} is promoting to epoch {epoch}", epoch)
         return {"role": host.roles.role.value, "epoch": host.table.epoch}
 

@@ -45,7 +45,7 @@ REPLICATE  12  from_lsn, incarnation, failover_after_ms, name         dict (see 
 REPL_ACK   13  echoed_primary_ms, applied_lsn                         (no reply)
 PROMOTE    14  force                                                  dict (new epoch...)
 SERVE_ALONE 15 -                                                      None
-STEP_DOWN  16  epoch                                                  {"role", "epoch"}
+STEP_DOWN  16  epoch, seen_primary_ms                                 {"role", "epoch"}
 =========  ==  =====================================================  ======================
 
 The number of arguments of every op is declared once in :data:`OP_ARITY`; the
@@ -86,7 +86,12 @@ trying the other addresses and repeating the request with the same owner key):
   promoting standby asks its old primary to step down with STEP_DOWN, whose
   epoch must be exactly above the node's own (at most its epoch + 1, and at
   most ``MAX_EPOCH`` so that tokens stay below 2**63); any other epoch is
-  refused with ``InvalidArgument`` and changes nothing.
+  refused with ``InvalidArgument`` and changes nothing.  ``seen_primary_ms``
+  is the newest time of the primary's own monotonic clock the standby has
+  heard (a heartbeat's, or HELLO's ``clock_ms``): the primary steps down only
+  while that is at most ``STEP_DOWN_FRESH_MS`` old, so a request delayed past
+  the standby's wait for the answer (a frozen primary) cannot depose it after
+  the standby has given up and stayed a standby.
 
 ``wait_ms`` is -1 to wait forever, 0 to try once.  ``owner`` is a random
 16-byte key the client makes per acquire; a retry of the same acquire (after a
@@ -140,7 +145,7 @@ OP_ARITY: dict[int, tuple[int, int]] = {
     OP_REPL_ACK: (2, 2),
     OP_PROMOTE: (1, 1),
     OP_SERVE_ALONE: (0, 0),
-    OP_STEP_DOWN: (1, 1),
+    OP_STEP_DOWN: (2, 2),
 }
 
 # push kinds
@@ -149,6 +154,10 @@ PUSH_SNAPSHOT = "snap"  # replication: [lsn, epoch, counter, holders, incarnatio
 PUSH_RECORDS = "repl"  # replication: [first_lsn, last_lsn, frames] (a WAL batch's bytes)
 PUSH_RECORD = "rec"  # replication: [lsn, record] (one record of a backlog read from the log)
 PUSH_HEARTBEAT = "hb"  # replication: [primary_ms, last_lsn, epoch, longest_ttl_ms, paired_id, paired_window_ms]
+#: a STEP_DOWN is honoured only this long (ms, primary's clock) after the primary time it echoes;
+#: the standby waits a little longer than this for the answer
+STEP_DOWN_FRESH_MS = 2000
+
 REPLICATION_PUSH_KINDS = frozenset({PUSH_SNAPSHOT, PUSH_RECORDS, PUSH_RECORD, PUSH_HEARTBEAT})
 
 OP_NAMES = {

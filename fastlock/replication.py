@@ -654,18 +654,24 @@ class StandbyFollower:
         if self.failover_after_ms > 0 and self._watchdog is None:
             self._arm_watchdog()
 
-    async def depose(self, epoch: int, timeout_s: float = 2.0) -> bool:
+    async def depose(self, epoch: int) -> bool:
         """Ask the primary to step down for ``epoch`` (``STEP_DOWN``) and wait for its answer.
 
         The primary steps down (durably) before it replies, so True means it
-        has stopped granting.  False: not connected, refused, or no answer
-        within ``timeout_s`` seconds (frozen, partitioned, dead).
+        has stopped granting.  False: not connected, refused, or no answer in
+        time (frozen, partitioned, dead).  The request echoes the primary's
+        newest heartbeat time, and the primary honours it only within
+        ``STEP_DOWN_FRESH_MS`` of that on its own clock; this side waits that
+        long plus half a second for the answer, so a request that arrives after
+        the wait was given up is refused by the primary instead of deposing it.
         """
         proto = self._proto
-        if proto is None or proto.transport is None or proto.transport.is_closing():
+        if proto is None or proto.transport is None or proto.transport.is_closing() or not self.last_hb_primary_ms:
             return False
+        timeout_s = P.STEP_DOWN_FRESH_MS / 1000.0 + 0.5
         try:
-            info = await asyncio.wait_for(proto.request(4, P.OP_STEP_DOWN, epoch), timeout_s)
+            info = await asyncio.wait_for(proto.request(4, P.OP_STEP_DOWN, epoch, self.last_hb_primary_ms),
+                                          timeout_s)
         except (ConnectionError, asyncio.TimeoutError, FastlockError) as exc:
             log.warning("primary %s did not step down for epoch %d: %s", self.primary_address, epoch, exc)
             return False
@@ -712,7 +718,8 @@ class StandbyFollower:
                                  "at the current primary", self.refused)
                     if hello.get("role") == "primary":
                         try:
-                            await asyncio.wait_for(proto.request(4, P.OP_STEP_DOWN, host.table.epoch), 5.0)
+                            await asyncio.wait_for(proto.request(4, P.OP_STEP_DOWN, host.table.epoch,
+                                                                 hello.get("clock_ms")), 5.0)
                         except (ConnectionError, asyncio.TimeoutError, FastlockError) as exc:
                             log.error("%s did not step down for epoch %d: %s", self.primary_address,
                                       host.table.epoch, exc)

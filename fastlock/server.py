@@ -580,6 +580,7 @@ class LockServer:
             "epoch": self.table.epoch,
             "primary": self.roles.primary_address if self.roles.role is Role.STANDBY else None,
             "fenced": self.roles.fenced,
+            "clock_ms": now_ms(),  # this node's monotonic clock: a standby echoes it in STEP_DOWN
             "max_frame_bytes": self.config.max_frame_bytes,
         }
 
@@ -750,7 +751,7 @@ class LockServer:
         self.source.on_ack(conn, msg[2], msg[3])  # no reply: acks stream continuously
 
     def _op_step_down(self, conn: _Connection, req_id: int, msg: list) -> None:
-        info = self.failover.on_step_down_request(msg[2], f"{conn.client_name or 'a peer'} at {conn.peer}")
+        info = self.failover.on_step_down_request(msg[2], msg[3], f"{conn.client_name or 'a peer'} at {conn.peer}")
         conn.send(P.encode_ok(req_id, info))
 
     def _op_promote(self, conn: _Connection, req_id: int, msg: list) -> None:

@@ -156,6 +156,7 @@ class FakeHost:
         self.roles = NodeRole(role, hold_grants_until=self.table.hold_grants_until, now_ms=self.clock,
                               primary_address=primary_address)
         self.batches = 0
+        self.events: list = []  # every table event drained at a batch end
         self.closed_clients: list[str] = []
 
     def snapshot_state(self) -> tuple[int, int, list[HolderRecord]]:
@@ -165,7 +166,7 @@ class FakeHost:
 
     def after_batch(self) -> None:
         self.batches += 1
-        self.table.drain_events()
+        self.events.extend(self.table.drain_events())
 
     def close_client_connections(self, why: str) -> None:
         self.closed_clients.append(why)

@@ -278,7 +278,7 @@ def test_a_primary_steps_down_on_step_down_for_the_next_epoch_only(cluster):
                 await hinted.close()
         peer = await RawNode.open(p.address, name="standby:b")
         try:
-            assert await peer.request(P.OP_STEP_DOWN, 1) == {"role": "deposed", "epoch": 0}
+            assert await peer.request(P.OP_STEP_DOWN, 1, peer.hello["clock_ms"]) == {"role": "deposed", "epoch": 0}
         finally:
             await peer.close()
         await asyncio.to_thread(p.wait_for_log, r"stepping down: standby:b at .* is promoting to epoch 1", 5)
@@ -293,7 +293,7 @@ def test_a_primary_steps_down_on_step_down_for_the_next_epoch_only(cluster):
                 assert info.value.primary is None
             assert (await again.status())["role"] == "deposed"
             # asking again confirms without changing anything
-            assert await again.request(P.OP_STEP_DOWN, 1) == {"role": "deposed", "epoch": 0}
+            assert await again.request(P.OP_STEP_DOWN, 1, 0) == {"role": "deposed", "epoch": 0}
         finally:
             await again.close()
         # and the client does not take it for a primary
