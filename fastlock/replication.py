@@ -1,4 +1,10 @@
-"""Log shipping to a standby, standby apply, promotion, and the primary's self-fencing.
+"""Log shipping to a standby, standby apply, and the primary's self-fencing.
+
+This module sees the server only through
+:class:`~fastlock.replication_host.ReplicationHost` (the table, the WAL, a
+snapshot, the batch end, the loop, the node state and the role object).  The
+node's role is declared in :mod:`fastlock.roles` and changes only there; the
+decisions to promote, step down or serve alone are in :mod:`fastlock.failover`.
 
 Roles
 -----
@@ -44,10 +50,14 @@ own clock.  The standby also sees F of silence only after the primary's last
 heartbeat, which was sent after the echoed time - so the standby promotes
 after the primary has stopped.
 
-A node that learns of a higher epoch than its own (a client's or a standby's
-HELLO carries the highest epoch it has seen) steps down: it refuses every lock
-operation from then on, and records it in ``deposed.json`` (fsynced before it
-answers) so that a restart does not bring it back as a primary.
+A primary steps down only when a standby that promotes asks it to, with
+``STEP_DOWN`` for exactly the next epoch (its own + 1) echoing a recent time
+of the primary's own clock; a client's HELLO epoch is a hint that never
+deposes a node (anyone could send 2**63-1 and wedge the pair).  A node that
+steps down refuses every lock operation from then on, records it in
+``deposed.json`` (fsynced before it answers) so that a restart does not bring
+it back as a primary, and closes its client connections so that their waiters
+and renewals look for the new primary at once.
 
 Pairing and promotion rules (each one closes a split brain found by testing):
 
@@ -56,18 +66,23 @@ Pairing and promotion rules (each one closes a split brain found by testing):
   a second standby, or a live clone with the same id, is refused;
 * the primary's heartbeats say whom it is paired with and with which window;
   a standby fails over automatically only once that confirms the pairing;
-* a manual promotion asks the primary to step down and waits for the answer;
+* a manual promotion asks the primary to step down (``STEP_DOWN``) and waits for the answer;
   without one it stops following (no more acknowledgements that could reopen
   the primary's fence), waits until the fence has closed, and only then
   promotes - or, with no confirmed fence, refuses without ``--force``;
-* a standby refuses to follow, or to take a snapshot from, a lower epoch.
+* a standby refuses to follow, or to take a snapshot from, a lower epoch, and asks
+  such a node (a primary deposed while it was away) to step down;
+* every epoch a peer announces must be encodable (at most ``MAX_EPOCH``), or the
+  message is refused and the connection dropped.
 
 Wire messages (see :mod:`fastlock.protocol` for the framing)::
 
     standby -> primary  [id, REPLICATE, from_lsn, incarnation|None, failover_after_ms, standby_name|None]
                         [id, REPL_ACK, echoed_primary_ms, applied_lsn]          (no reply)
+                        [id, STEP_DOWN, new_epoch, echoed_primary_ms]           -> {"role", "epoch"}
     primary -> standby  [0, "snap", [lsn, epoch, counter, holders, incarnation]]
                         [0, "repl", [first_lsn, last_lsn, frames]]               (WAL batch bytes)
+                        [0, "rec",  [lsn, record]]                               (backlog, one record)
                         [0, "hb",   [primary_ms, last_lsn, epoch, longest_ttl_ms, paired_id, paired_window_ms]]
 """
 

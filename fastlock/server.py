@@ -1,8 +1,13 @@
 """The fastlock daemon: connections, sessions, one expiry timer, group-committed grants.
 
 This module only moves bytes and time around.  Lock semantics live in the
-compiled :class:`fastlock._core.LockTable` (sans-IO), framing in
-:mod:`fastlock.protocol`, durability in :mod:`fastlock.wal`.
+compiled :class:`fastlock._core.LockTable` (sans-IO), framing and the op
+table (with each op's arity) in :mod:`fastlock.protocol`, durability in
+:mod:`fastlock.wal`.  Whether this node may serve a request - its role,
+fence and grace - is asked of :class:`fastlock.roles.NodeRole` (one
+``admit(action)`` per handler); promotion and stepping down are
+:mod:`fastlock.failover`'s; replication sees this server through
+:class:`fastlock.replication_host.ReplicationHost`, which it implements.
 
 Request flow (one turn of the event loop)::
 
@@ -55,7 +60,6 @@ from .errors import (
     LeaseLost,
     LimitExceeded,
     LockNotAcquired,
-    NotPrimary,
     ProtocolError,
     Unavailable,
 )
