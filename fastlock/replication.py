@@ -97,6 +97,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import protocol as P
+from . import rpc
 from .errors import FastlockError, InvalidArgument, ProtocolError, Unavailable
 from .roles import Role
 from .wal import EPOCH, EXPIRE, EXTEND, GRANT, RELEASE, RESERVE, WalCompacted, _fsync_dir, decode_frames
@@ -574,46 +575,6 @@ class ReplicationSource:
             self._fence_timer = None
 
 
-class _FollowerProtocol(asyncio.Protocol):
-    def __init__(self, follower: "StandbyFollower"):
-        self.follower = follower
-        self.decoder = P.FrameDecoder(256 << 20)
-        self.transport: asyncio.Transport | None = None
-        self.replies: dict[int, asyncio.Future] = {}
-        self.lost = asyncio.get_running_loop().create_future()
-
-    def connection_made(self, transport):
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            messages = self.decoder.feed(data)
-            ack = False
-            for msg in messages:
-                ack = self.follower._on_message(self, msg) or ack
-            if ack:  # one acknowledgement per read, however many batches it held
-                self.follower._ack(self)
-        except FastlockError as exc:
-            log.error("replication stream error: %s", exc)
-            self.transport.abort()
-        except Exception:
-            log.exception("failed to apply the replication stream; reconnecting")
-            self.transport.abort()
-
-    def connection_lost(self, exc):
-        for fut in self.replies.values():
-            if not fut.done():
-                fut.set_exception(ConnectionError("replication connection lost"))
-        if not self.lost.done():
-            self.lost.set_result(None)
-
-    def request(self, req_id: int, op: int, *args) -> asyncio.Future:
-        fut = asyncio.get_running_loop().create_future()
-        self.replies[req_id] = fut
-        self.transport.write(P.packb([req_id, op, *args]))
-        return fut
-
-
 class StandbyFollower:
     """The standby's side: follow a primary, apply its log, promote when told or when it is silent.
 
@@ -649,7 +610,9 @@ class StandbyFollower:
         self.max_ttl_ms = 0
         self.connected = False
         self._task: asyncio.Task | None = None
-        self._proto: _FollowerProtocol | None = None
+        self._link: rpc.RpcConnection | None = None  # the connection to the primary
+        self._ack_id = 0  # the request id every REPL_ACK on the link carries (acks get no reply)
+        self._ack_due = False
         self._watchdog: asyncio.TimerHandle | None = None
         self._stopping = False
 
@@ -680,13 +643,12 @@ class StandbyFollower:
         long plus half a second for the answer, so a request that arrives after
         the wait was given up is refused by the primary instead of deposing it.
         """
-        proto = self._proto
-        if proto is None or proto.transport is None or proto.transport.is_closing() or not self.last_hb_primary_ms:
+        link = self._link
+        if link is None or link.closed or not self.last_hb_primary_ms:
             return False
         timeout_s = P.STEP_DOWN_FRESH_MS / 1000.0 + 0.5
         try:
-            info = await asyncio.wait_for(proto.request(4, P.OP_STEP_DOWN, epoch, self.last_hb_primary_ms),
-                                          timeout_s)
+            info = await asyncio.wait_for(link.request(P.OP_STEP_DOWN, epoch, self.last_hb_primary_ms), timeout_s)
         except (ConnectionError, asyncio.TimeoutError, FastlockError) as exc:
             log.warning("primary %s did not step down for epoch %d: %s", self.primary_address, epoch, exc)
             return False
@@ -698,8 +660,8 @@ class StandbyFollower:
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
-        if self._proto is not None and self._proto.transport is not None:
-            self._proto.transport.close()
+        if self._link is not None:
+            self._link.close()
         if self._task is not None:
             self._task.cancel()
 
@@ -707,19 +669,27 @@ class StandbyFollower:
         backoff = 0.05
         loop = asyncio.get_running_loop()
         while not self._stopping:
+            lost = loop.create_future()
+
+            def on_close(_conn: rpc.RpcConnection, error: Exception, lost: asyncio.Future = lost) -> None:
+                if not lost.done():
+                    lost.set_result(error)
+
             try:
-                _, proto = await asyncio.wait_for(
-                    loop.create_connection(lambda: _FollowerProtocol(self), *self.primary), 5.0)
+                link = await rpc.open_connection(*self.primary, timeout=5.0, max_frame=256 << 20,
+                                                 on_push=self._on_push, on_read_end=self._on_read_end,
+                                                 on_close=on_close)
             except (OSError, asyncio.TimeoutError) as exc:
                 log.debug("cannot reach primary %s: %s", self.primary_address, exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
                 continue
-            self._proto = proto
+            self._link = link
+            self._ack_id = link.next_id()
             host = self.host
             try:
                 hello = await asyncio.wait_for(
-                    proto.request(1, P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{self.name or os.getpid()}",
+                    link.request(P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{self.name or os.getpid()}",
                                   self.auth, host.table.epoch), 5.0)
                 their_epoch = P.check_epoch(hello.get("epoch", 0), "primary's epoch")
                 self.primary_epoch = max(self.primary_epoch, their_epoch)
@@ -733,47 +703,42 @@ class StandbyFollower:
                                  "at the current primary", self.refused)
                     if hello.get("role") == "primary":
                         try:
-                            await asyncio.wait_for(proto.request(4, P.OP_STEP_DOWN, host.table.epoch,
-                                                                 hello.get("clock_ms")), 5.0)
+                            await asyncio.wait_for(link.request(P.OP_STEP_DOWN, host.table.epoch,
+                                                                hello.get("clock_ms")), 5.0)
                         except (ConnectionError, asyncio.TimeoutError, FastlockError) as exc:
                             log.error("%s did not step down for epoch %d: %s", self.primary_address,
                                       host.table.epoch, exc)
-                    proto.transport.close()
+                    link.close()
                     return
                 info = await asyncio.wait_for(
-                    proto.request(2, P.OP_REPLICATE, self.applied_lsn + 1 if self.synced else 0,
+                    link.request(P.OP_REPLICATE, self.applied_lsn + 1 if self.synced else 0,
                                   self.incarnation, self.failover_after_ms, self.name), 5.0)
                 self.connected = True
                 backoff = 0.05
                 log.info("replicating from %s (%s)", self.primary_address, info.get("mode"))
-                await proto.lost
+                await lost
             except (ConnectionError, asyncio.TimeoutError, FastlockError) as exc:
                 log.warning("replication from %s failed: %s", self.primary_address, exc)
-                proto.transport.close()
+                link.close()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
             finally:
                 self.connected = False
-                self._proto = None
+                self._link = None
             if not self._stopping:
                 log.warning("lost the replication connection to %s", self.primary_address)
 
     # -- the stream -------------------------------------------------------------------------
-    def _on_message(self, proto: _FollowerProtocol, msg: list) -> bool:
-        """Apply one message; True if the primary should hear an acknowledgement."""
-        req_id = msg[0]
-        if req_id != 0:
-            fut = proto.replies.pop(req_id, None)
-            if fut is not None and not fut.done():
-                if msg[1] == 0:
-                    fut.set_result(msg[2])
-                else:
-                    from .errors import error_from_wire
+    def _on_push(self, kind: Any, payload: Any) -> None:
+        """Apply one push of the primary's stream (the link calls this in order).
 
-                    fut.set_exception(error_from_wire(msg[1], msg[2], msg[3] if len(msg) > 3 else None))
-            return False
-        kind, payload = msg[1], msg[2]
+        An error raised here (a gap, a lower epoch, a malformed payload) makes
+        the link drop the connection; the follower reconnects and resyncs.
+        """
+        if kind not in P.REPLICATION_PUSH_KINDS:
+            return
         self.last_heard_ms = _now_ms()
+        self._ack_due = True
         if kind == PUSH_HEARTBEAT:
             primary_ms, last_lsn, epoch, max_ttl_ms, paired_id, paired_window_ms = payload
             P.check_epoch(epoch, "heartbeat epoch")
@@ -806,13 +771,14 @@ class StandbyFollower:
             self._apply_records([(lsn, rec)])
         elif kind == PUSH_SNAPSHOT:
             self._apply_snapshot(*payload)
-        else:
-            return False
-        return True
 
-    def _ack(self, proto: _FollowerProtocol) -> None:
-        if self.last_hb_primary_ms and proto.transport is not None and not proto.transport.is_closing():
-            proto.transport.write(P.packb([3, P.OP_REPL_ACK, self.last_hb_primary_ms, self.applied_lsn]))
+    def _on_read_end(self) -> None:
+        """One acknowledgement per read, however many batches it held."""
+        link = self._link
+        if self._ack_due and self.last_hb_primary_ms and link is not None and not link.closed:
+            self._ack_due = False
+            link.write_raw(P.encode_request(self._ack_id, P.OP_REPL_ACK, self.last_hb_primary_ms,
+                                            self.applied_lsn))
 
     def _apply_snapshot(self, lsn: int, epoch: int, counter: int, holders: list, incarnation: str) -> None:
         host = self.host

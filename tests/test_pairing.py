@@ -384,7 +384,7 @@ def test_no_automatic_failover_before_the_primary_confirms_the_pairing(tmp_path)
     try:
         for paired, window, expect in ((None, 0, False), ("west@id-2", 50, False), ("east@id-1", 99, False),
                                        ("renamed@id-1", 50, True)):
-            follower._on_message(None, [0, "hb", [1, 0, 0, 0, paired, window]])
+            follower._on_push("hb", [1, 0, 0, 0, paired, window])
             follower.last_heard_ms = _now_ms() - 1000  # the primary has been silent for 1 s
             follower._check_silence()
             assert bool(promoted) is expect, (paired, window)
