@@ -103,8 +103,7 @@ from .roles import Role
 from .wal import EPOCH, EXPIRE, EXTEND, GRANT, RELEASE, RESERVE, WalCompacted, _fsync_dir, decode_frames
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .replication_host import ReplicationHost
-    from .server import _Connection
+    from .replication_host import ReplicaConnection, ReplicationHost
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +137,7 @@ class _Replica:
     __slots__ = ("conn", "name", "ident", "failover_after_ms", "acked_lsn", "contact_ms", "sent", "attached_ms",
                  "last_ack_ms")
 
-    def __init__(self, conn: "_Connection", name: str | None, failover_after_ms: int):
+    def __init__(self, conn: "ReplicaConnection", name: str | None, failover_after_ms: int):
         self.conn = conn
         self.name = name or conn.peer
         self.ident = standby_identity(self.name)
@@ -328,7 +327,7 @@ class ReplicationSource:
         self._paired_window_ms = 0
 
     # -- attach / detach ------------------------------------------------------------------
-    def attach(self, conn: "_Connection", req_id: int, from_lsn: int, incarnation: Any,
+    def attach(self, conn: "ReplicaConnection", req_id: int, from_lsn: int, incarnation: Any,
                failover_after_ms: int, name: str | None) -> None:
         host = self.host
         wal = host.wal
@@ -386,7 +385,7 @@ class ReplicationSource:
                  replica.name, mode, from_lsn, failover_after_ms)
         self._heartbeat()
 
-    def detach(self, conn: "_Connection") -> None:
+    def detach(self, conn: "ReplicaConnection") -> None:
         replica = self.replicas.pop(conn.session, None)
         if replica is not None:
             log.warning("standby %s detached (acked LSN %d)", replica.name, replica.acked_lsn)
@@ -428,7 +427,7 @@ class ReplicationSource:
         self._check_fence(now)
         self._hb_timer = host.loop.call_later(interval / 1000.0, self._heartbeat)
 
-    def on_ack(self, conn: "_Connection", echoed_ms: Any, applied_lsn: Any) -> None:
+    def on_ack(self, conn: "ReplicaConnection", echoed_ms: Any, applied_lsn: Any) -> None:
         replica = self.replicas.get(conn.session)
         if replica is None:
             raise ProtocolError("REPL_ACK before REPLICATE")

@@ -21,6 +21,30 @@ if TYPE_CHECKING:  # pragma: no cover
     from .wal import HolderRecord, WriteAheadLog
 
 
+class ReplicaConnection(Protocol):
+    """A standby's connection on the primary, as the replication source uses it.
+
+    Attributes:
+        session: the server's session id of the connection.
+        peer: ``host:port`` of the standby, for logs.
+        closed: set once the connection is closing; nothing more is sent.
+        transport: the asyncio transport (``get_write_buffer_size``, ``abort``).
+    """
+
+    session: int
+    peer: str
+    closed: bool
+    transport: asyncio.Transport
+
+    def send(self, data: bytes) -> None:
+        """Queue encoded frames for this connection."""
+        ...
+
+    def flush(self) -> None:
+        """Write what is queued now."""
+        ...
+
+
 class ReplicationHost(Protocol):
     """The server as replication and failover see it.
 

@@ -152,3 +152,47 @@ def test_a_deposed_node_is_never_fenced(host):
     source.fence_if_due(host.clock())
     host.loop.run_due()
     assert not host.roles.fenced and host.roles.role is Role.DEPOSED
+
+
+# -- the interface is the only way in -------------------------------------------------------------
+
+def _host_members() -> set[str]:
+    from fastlock.replication_host import ReplicationHost
+
+    return {name for name in vars(ReplicationHost) if not name.startswith("_")} | set(
+        ReplicationHost.__annotations__)
+
+
+@pytest.mark.parametrize("module", ["replication", "failover"])
+def test_replication_and_failover_see_the_server_only_through_the_host_interface(module):
+    """Every ``host.X`` / ``self.host.X`` they use is a member of ReplicationHost, and
+    neither imports the server module."""
+    import ast
+    import importlib
+    import inspect
+
+    source = inspect.getsource(importlib.import_module(f"fastlock.{module}"))
+    tree = ast.parse(source)
+    members = _host_members()
+    used = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            base = node.value
+            if (isinstance(base, ast.Name) and base.id == "host") or (
+                    isinstance(base, ast.Attribute) and base.attr == "host"
+                    and isinstance(base.value, ast.Name) and base.value.id == "self"):
+                used.add(node.attr)
+        if isinstance(node, ast.ImportFrom):
+            assert node.module not in ("server", "fastlock.server"), f"{module} imports the server"
+    assert used, "the scan found no use of the host at all"
+    assert used <= members, f"{module} reaches past ReplicationHost: {sorted(used - members)}"
+
+
+def test_the_server_and_the_fake_both_implement_the_host_interface(tmp_path):
+    from fastlock.server import LockServer, ServerConfig
+
+    server = LockServer(ServerConfig(data_dir=str(tmp_path / "server")))
+    fake = FakeHost(str(tmp_path / "fake"))
+    for member in _host_members():
+        assert hasattr(server, member), f"LockServer lacks {member}"
+        assert hasattr(fake, member), f"FakeHost lacks {member}"
