@@ -80,8 +80,11 @@ trying the other addresses and repeating the request with the same owner key):
   primary never sees; CHECK and HOLDER are refused because their answer may
   already be false on the new primary.  A CANCEL that only withdraws a queued
   waiter is served (it is local); a CANCEL that would release a grant that
-  raced it is refused like a release.  Queued waiters stay queued while it is
-  fenced (granted in order if the fence lifts, timed out otherwise).
+  raced it is refused like a release.  Queued waiters stay queued while the
+  fence may still lift; once a whole failover window has passed since the
+  standby's last echo (it may have been promoted), the connections that have
+  a queued acquire or a watch are closed, so those clients look for the
+  primary (leases are not affected).
 * HELLO's ``known_epoch`` is a hint only: it never changes a node's role.  A
   promoting standby asks its old primary to step down with STEP_DOWN, whose
   epoch must be exactly above the node's own (at most its epoch + 1, and at
