@@ -159,7 +159,7 @@ PUSH_RECORD = "rec"  # replication: [lsn, record] (one record of a backlog read 
 PUSH_HEARTBEAT = "hb"  # replication: [primary_ms, last_lsn, epoch, longest_ttl_ms, paired_id, paired_window_ms]
 #: a STEP_DOWN is honoured only this long (ms, primary's clock) after the primary time it echoes;
 #: the standby waits a little longer than this for the answer
-STEP_DOWN_FRESH_MS = 2000
+STEP_DOWN_FRESH_MS = 1500
 
 REPLICATION_PUSH_KINDS = frozenset({PUSH_SNAPSHOT, PUSH_RECORDS, PUSH_RECORD, PUSH_HEARTBEAT})
 
