@@ -114,7 +114,7 @@ class NodeRole:
             in the ``NotPrimary`` redirect.
     """
 
-    __slots__ = ("_role", "_fenced", "_grace_until_ms", "_hold", "_now_ms", "primary_address")
+    __slots__ = ("_role", "_fenced", "_grace_until_ms", "_hold", "_now_ms", "_admitted", "primary_address")
 
     def __init__(self, initial: Role, *, hold_grants_until: Callable[[int], None],
                  now_ms: Callable[[], int], primary_address: str | None = None):
@@ -126,7 +126,7 @@ class NodeRole:
         self._hold = hold_grants_until
         self._now_ms = now_ms
         self.primary_address = primary_address
-        self._apply_hold()
+        self._changed()
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -162,7 +162,7 @@ class NodeRole:
         if grace_until_ms is not None:
             self._grace_until_ms = grace_until_ms
         log.warning("role: %s -> %s (%s)", frm.value, to.value, why)
-        self._apply_hold()
+        self._changed()
 
     def set_fenced(self, fenced: bool) -> None:
         """Fence or unfence this primary (the replication source decides when).
@@ -176,7 +176,7 @@ class NodeRole:
             raise IllegalTransition(f"only a primary can be fenced (this node is {self._role.value})")
         self._fenced = fenced
         log.info("role: primary %s", "fenced" if fenced else "unfenced")
-        self._apply_hold()
+        self._changed()
 
     # -- the answers ---------------------------------------------------------------------------
     def grants_held_until(self) -> int:
@@ -191,7 +191,7 @@ class NodeRole:
 
     def may(self, action: Action) -> bool:
         """Is ``action`` admitted in the current role and fence?"""
-        return action in ADMITTED[(self._role, self._fenced)]
+        return action in self._admitted
 
     @property
     def expires_leases(self) -> bool:
@@ -208,7 +208,7 @@ class NodeRole:
             Unavailable: a fenced primary - the client tries the other nodes and
                 repeats the request at whichever is primary.
         """
-        if action in ADMITTED[(self._role, self._fenced)]:
+        if action in self._admitted:  # a tuple: members compare by identity, no Enum hashing
             return
         role = self._role
         if role is Role.STANDBY:
@@ -218,7 +218,9 @@ class NodeRole:
         raise Unavailable(f"this primary lost contact with its standby (fenced): {action.value} refused, "
                           f"nothing changed; the standby may have been promoted")
 
-    def _apply_hold(self) -> None:
+    def _changed(self) -> None:
+        admitted = ADMITTED[(self._role, self._fenced)]
+        self._admitted = tuple(action for action in Action if action in admitted)
         self._hold(self.grants_held_until())
 
     def __repr__(self) -> str:

@@ -250,8 +250,7 @@ class LockServer:
         self._started_ms = now_ms()
         self.address: tuple[str, int] | None = None
         self._metrics = None
-        # every op's arity is checked in _handle against protocol.OP_ARITY
-        self._handlers = {
+        handlers = {
             P.OP_HELLO: self._op_hello,
             P.OP_ACQUIRE: self._op_acquire,
             P.OP_RELEASE: self._op_release,
@@ -269,6 +268,8 @@ class LockServer:
             P.OP_SERVE_ALONE: self._op_serve_alone,
             P.OP_STEP_DOWN: self._op_step_down,
         }
+        #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
+        self._handlers = {op: (handler, *P.OP_ARITY[op]) for op, handler in handlers.items()}
 
     # -- what replication and failover see (fastlock.replication_host.ReplicationHost) -----------
     @property
@@ -542,11 +543,11 @@ class LockServer:
         if not conn.ready and op != P.OP_HELLO:
             conn.fatal(ProtocolError("the first request must be HELLO"))
             return
-        handler = self._handlers.get(op)
+        entry = self._handlers.get(op)
         try:
-            if handler is None:
+            if entry is None:
                 raise ProtocolError(f"unknown operation {op}")
-            fewest, most = P.OP_ARITY[op]
+            handler, fewest, most = entry
             if not fewest <= len(msg) - 2 <= most:
                 expected = fewest if fewest == most else f"{fewest} or {most}"
                 raise ProtocolError(f"{P.OP_NAMES[op]} takes {expected} arguments, got {len(msg) - 2}")
