@@ -115,9 +115,15 @@ class NodeRole:
         now_ms: the server's monotonic clock in milliseconds.
         primary_address: for a standby, the ``host:port`` of its primary, named
             in the ``NotPrimary`` redirect.
+
+    Attributes:
+        expires_leases (bool): does this node expire leases itself?  Only a
+            primary does (fenced or not: it extends nothing while fenced, so its
+            leases run out as the standby's would).  Read at every batch end.
     """
 
-    __slots__ = ("_role", "_fenced", "_grace_until_ms", "_hold", "_now_ms", "_admitted", "primary_address")
+    __slots__ = ("_role", "_fenced", "_grace_until_ms", "_hold", "_now_ms", "_admitted", "primary_address",
+                 "expires_leases")
 
     def __init__(self, initial: Role, *, hold_grants_until: Callable[[int], None],
                  now_ms: Callable[[], int], primary_address: str | None = None):
@@ -196,11 +202,6 @@ class NodeRole:
         """Is ``action`` admitted in the current role and fence?"""
         return action in self._admitted
 
-    @property
-    def expires_leases(self) -> bool:
-        """Does this node expire leases itself?  Only a primary does (fenced or not: it
-        extends nothing while fenced, so its leases run out as the standby's would)."""
-        return self._role is Role.PRIMARY
 
     def admit(self, action: Action) -> None:
         """Raise the error a client gets if ``action`` is refused now; return if admitted.
@@ -223,6 +224,7 @@ class NodeRole:
 
     def _changed(self) -> None:
         self._admitted = ADMITTED[(self._role, self._fenced)]
+        self.expires_leases = self._role is Role.PRIMARY
         self._hold(self.grants_held_until())
 
     def __repr__(self) -> str:
