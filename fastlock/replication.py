@@ -77,6 +77,7 @@ import asyncio
 import json
 import logging
 import os
+import ssl
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -582,9 +583,10 @@ class _FollowerProtocol(asyncio.Protocol):
             self.transport.abort()
 
     def connection_lost(self, exc):
+        why = f"replication connection lost: {exc}" if exc else "replication connection lost"
         for fut in self.replies.values():
             if not fut.done():
-                fut.set_exception(ConnectionError("replication connection lost"))
+                fut.set_exception(ConnectionError(why))
         if not self.lost.done():
             self.lost.set_result(None)
 
@@ -602,12 +604,19 @@ class StandbyFollower:
         server: the standby's :class:`~fastlock.server.LockServer`.
         primary: ``(host, port)`` of the primary.
         failover_after_ms: promote after this much silence (0: only on command).
+        tls: connect to the primary over TLS with this client context (it
+            verifies the primary's certificate against the primary's host
+            name, and carries this node's certificate for mutual TLS); None:
+            plain TCP.  Replaced on a certificate reload; used from the next
+            connection on.
     """
 
     def __init__(self, server: "LockServer", primary: tuple[str, int], failover_after_ms: int = 0,
-                 auth: str | None = None, name: str | None = None):
+                 auth: str | None = None, name: str | None = None, tls: ssl.SSLContext | None = None):
         self.server = server
         self.primary = primary
+        self.tls = tls
+        self._connect_error: str | None = None  # the last connection failure logged
         self.failover_after_ms = failover_after_ms
         self.auth = auth
         self.name = name
@@ -670,10 +679,17 @@ class StandbyFollower:
         backoff = 0.05
         loop = asyncio.get_running_loop()
         while not self._stopping:
+            tls = self.tls
             try:
                 _, proto = await asyncio.wait_for(
-                    loop.create_connection(lambda: _FollowerProtocol(self), *self.primary), 5.0)
+                    loop.create_connection(lambda: _FollowerProtocol(self), *self.primary, ssl=tls,
+                                           server_hostname=self.primary[0] if tls else None,
+                                           ssl_handshake_timeout=5.0 if tls else None), 5.0)
             except (OSError, asyncio.TimeoutError) as exc:
+                if isinstance(exc, ssl.SSLError) and str(exc) != self._connect_error:
+                    # a certificate problem does not fix itself: say it once, not every retry
+                    self._connect_error = str(exc)
+                    log.error("TLS handshake with primary %s failed: %s", self.primary_address, exc)
                 log.debug("cannot reach primary %s: %s", self.primary_address, exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
@@ -698,6 +714,7 @@ class StandbyFollower:
                     proto.request(2, P.OP_REPLICATE, self.applied_lsn + 1 if self.synced else 0,
                                   self.incarnation, self.failover_after_ms, self.name), 5.0)
                 self.connected = True
+                self._connect_error = None
                 backoff = 0.05
                 log.info("replicating from %s (%s)", self.primary_address, info.get("mode"))
                 await proto.lost
