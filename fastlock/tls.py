@@ -261,14 +261,11 @@ class ServerTLS:
 
     async def _handshake(self, sock: socket.socket, addr: Any, make_connection: Callable[[], asyncio.Protocol]) -> None:
         peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else "?"
+        # (on any failure the loop closes the transport, and the socket with it)
         try:
             await asyncio.get_running_loop().connect_accepted_socket(
                 make_connection, sock, ssl=self.context, ssl_handshake_timeout=self.handshake_timeout)
-        except asyncio.CancelledError:
-            sock.close()
-            raise
-        except (OSError, EOFError, asyncio.TimeoutError) as exc:
-            sock.close()
+        except Exception as exc:  # noqa: BLE001 - whatever the peer did, count it and go on
             self._failed(peer, exc)
             return
         self.handshakes += 1

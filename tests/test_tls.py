@@ -145,6 +145,7 @@ def _closed_after(sock: socket.socket) -> float:
     return time.monotonic() - t0
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
 def test_plaintext_and_silence_on_a_tls_port_fail_cleanly(server_factory, certs):
     srv = server_factory(args=serve_args(certs.node1, None, "none", "--tls-handshake-timeout", "1"))
     host, port = srv.address.split(":")
@@ -163,10 +164,18 @@ def test_plaintext_and_silence_on_a_tls_port_fail_cleanly(server_factory, certs)
         async with fastlock.connect(srv.address, tls_ca=certs.ca) as client:
             lease = await client.acquire("after/garbage", ttl=5.0)
             await client.release(lease)
+            # failed handshakes leave no descriptor behind
+            fds = os.listdir(f"/proc/{srv.pid}/fd")
+            for _ in range(20):
+                with socket.create_connection((host, int(port)), timeout=5) as sock:
+                    sock.sendall(b"\x16\x03\x01\x00\x05hello")  # a TLS record that is no handshake
+            await poll(client.status, lambda st: st["tls"]["handshake_failures"] == 23, timeout=5,
+                       what="20 more failed handshakes")
+            assert len(os.listdir(f"/proc/{srv.pid}/fd")) == len(fds)
             return await client.status()
 
     st = run(main())
-    assert st["tls"]["handshake_failures"] == 3
+    assert st["tls"]["handshake_failures"] == 23
     assert st["tls"]["handshakes_in_progress"] == 0
     assert srv.proc.poll() is None
     # one log line for the burst, not one per failure
