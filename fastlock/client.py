@@ -408,8 +408,11 @@ class Client:
         self._connect_timeout = _check_timeout(connect_timeout, "connect_timeout", allow_none=False)
         self._request_timeout = _check_timeout(request_timeout, "request_timeout", allow_none=True)
         self._ssl = client_ssl_context(tls, tls_ca, tls_cert, tls_key)
-        if server_hostname is not None and (self._ssl is None or type(server_hostname) is not str):
-            raise InvalidArgument("server_hostname is a str, and only meaningful with TLS")
+        if server_hostname is not None:
+            if type(server_hostname) is not str or not server_hostname:
+                raise WrongArgumentType(f"server_hostname must be a non-empty str, not {server_hostname!r}")
+            if self._ssl is None:
+                raise InvalidArgument("server_hostname is only meaningful with TLS")
         self._server_hostname = server_hostname
         self._proto: _ClientProtocol | None = None
         self._connecting: asyncio.Future | None = None  # result of the connection attempt in progress

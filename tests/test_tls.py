@@ -213,6 +213,8 @@ def test_client_tls_arguments_are_checked_before_connecting(certs):
         fastlock.Client(["127.0.0.1:1"], tls="yes")
     with pytest.raises(InvalidArgument):
         fastlock.Client(["127.0.0.1:1"], server_hostname="db.example")  # without TLS
+    with pytest.raises(WrongArgumentType):
+        fastlock.Client(["127.0.0.1:1"], tls=True, server_hostname=b"db.example")
     with pytest.raises(FileNotFoundError):
         fastlock.Client(["127.0.0.1:1"], tls_ca=str(certs.dir / "missing.pem"))
     with pytest.raises(ssl.SSLError):  # a key that does not belong to the certificate
