@@ -64,7 +64,9 @@ A grant is pushed when it is durable (when its holder is told), never before.
 
 Replication pushes (primary -> standby, kinds in :data:`REPLICATION_PUSH_KINDS`;
 payloads described in :mod:`fastlock.replication`): ``"snap"`` a snapshot,
-``"repl"`` a batch of WAL frames, ``"rec"`` one backlog record, ``"hb"`` a heartbeat.
+``"repl"`` a run of WAL frames (a live batch, or a chunk of the backlog a
+standby catches up on), ``"rec"`` one record (sent by older primaries; still
+applied), ``"hb"`` a heartbeat.
 
 Roles and what a client gets from a node that is not the serving primary
 (decided in one place, :mod:`fastlock.roles`; a client rides through by
@@ -157,8 +159,8 @@ OP_ARITY: dict[int, tuple[int, int]] = {
 # push kinds
 PUSH_WATCH = "watch"
 PUSH_SNAPSHOT = "snap"  # replication: [lsn, epoch, counter, holders, incarnation]
-PUSH_RECORDS = "repl"  # replication: [first_lsn, last_lsn, frames] (a WAL batch's bytes)
-PUSH_RECORD = "rec"  # replication: [lsn, record] (one record of a backlog read from the log)
+PUSH_RECORDS = "repl"  # replication: [first_lsn, last_lsn, frames] (a WAL batch's or a backlog chunk's bytes)
+PUSH_RECORD = "rec"  # replication: [lsn, record] (one record: older primaries' backlog; still applied)
 PUSH_HEARTBEAT = "hb"  # replication: [primary_ms, last_lsn, epoch, longest_ttl_ms, paired_id, paired_window_ms]
 #: a STEP_DOWN is honoured only this long (ms, primary's clock) after the primary time it echoes;
 #: the standby waits a little longer than this for the answer

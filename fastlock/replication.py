@@ -10,10 +10,13 @@ Roles
 -----
 primary
     Serves clients.  Each standby that connects gets a snapshot (when it is
-    new, or its position is no longer in the log) and then every WAL batch as
-    it is written - *after* its fsync in ``--fsync always`` mode, so a standby
-    never holds a record the primary could still lose.  Replication is
-    asynchronous: the primary never waits for a standby.
+    new, or its position is no longer in the log) or the log from its
+    position, both prepared off the event loop and sent only as fast as the
+    standby reads them, and then every WAL batch as it is written - *after*
+    its fsync in ``--fsync always`` mode, so a standby never holds a record
+    the primary could still lose.  Replication is asynchronous: the primary
+    never waits for a standby, and drops one that leaves more than
+    ``--max-replica-output-bytes`` unread (it reconnects and resyncs).
 standby
     Applies the stream to its own lock table and its own WAL, and answers
     clients with ``NotPrimary`` naming the primary.  Its table runs on frozen
