@@ -1129,7 +1129,8 @@ class LockServer:
         self.source.on_ack(conn, msg[2], msg[3])  # no reply: acks stream continuously
 
     def _op_step_down(self, conn: _Connection, req_id: int, msg: list) -> None:
-        info = self.failover.on_step_down_request(msg[2], msg[3], f"{conn.client_name or 'a peer'} at {conn.peer}")
+        requester = f"{quote(conn.client_name) if conn.client_name else 'a peer'} at {conn.peer}"  # reaches logs
+        info = self.failover.on_step_down_request(msg[2], msg[3], requester)
         conn.send(P.encode_ok(req_id, info))
 
     def _op_promote(self, conn: _Connection, req_id: int, msg: list) -> None:
