@@ -1079,14 +1079,27 @@ class Client:
                 print(event.kind, event.token, event.client)
         """
         P.check_name(name)
-        proto = self._proto
-        if proto is None or proto.closed:
-            proto = await _RideThrough(self, asyncio.get_running_loop().time() + self._op_timeout).connection(False)
-        queue: asyncio.Queue = asyncio.Queue()
-        proto.watches.setdefault(name, set()).add(queue)
+        pacing = _RideThrough(self, asyncio.get_running_loop().time() + self._op_timeout)
+        pause = False
+        while True:  # starting rides through a failover, as every call does
+            proto = await pacing.connection(pause)
+            queue: asyncio.Queue = asyncio.Queue()
+            proto.watches.setdefault(name, set()).add(queue)
+            try:
+                info = await proto.request(P.OP_WATCH, name)
+                break
+            except _RETRYABLE as exc:
+                group = proto.watches.get(name)
+                if group is not None:
+                    group.discard(queue)
+                    if not group:
+                        del proto.watches[name]
+                if self._closed:
+                    raise
+                pause = pacing.failed(proto, exc)
         proto.subscriptions += 1
+        proto.rearm()  # the watch keeps the liveness watchdog armed
         try:
-            info = await proto.request(P.OP_WATCH, name)
             if info is None:
                 yield WatchEvent(name, "free", None, None)
             else:
