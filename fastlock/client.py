@@ -1527,12 +1527,15 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
             port 7420.
         auth: the server's shared secret, if it has one.
         client_name: shown in server logs and recorded with grants in the WAL.
-        connect_timeout: seconds for each TCP connect and handshake.
+        connect_timeout: seconds for each TCP connect and handshake; also
+            added to an acquire's ``wait`` to make its deadline.
         request_timeout: seconds (> 0) of silence from the server, while any
             request or watch is outstanding, after which the connection is
-            dropped and everything pending on it raises ``ConnectionLost``
-            (a ``PING`` goes out after a third of it; an idle connection is
-            left alone).  ``None`` disables the check.  See :class:`Client`.
+            dropped (a ``PING`` goes out after a third of it; an idle
+            connection is left alone) and what was pending on it rides
+            through to the primary; also the deadline of every call but
+            acquire and renewals.  ``None`` disables the check (the deadline
+            is then ``connect_timeout``).  See :class:`Client`.
 
     Raises (when awaited):
         ConnectionLost: no address accepted a connection as primary.

@@ -418,3 +418,42 @@ async def test_a_grant_read_late_is_verified_not_trusted(server, connect, caplog
     assert lease.time_left() > 0.5
     assert not any("verifying" in r.getMessage() for r in caplog.records)
     await waiter.release(lease)
+
+
+async def test_a_server_without_waited_ms_is_still_understood(loop_errors):
+    """A server from before ``waited_ms`` answers ACQUIRE with ``[token, ttl_ms]``: the
+    client takes ``waited_ms`` as 0 (the grant dated from the send, as conservative),
+    and a reply that took most of the TTL to come is verified, not trusted."""
+    from fastlock import protocol as P
+
+    seen: list[int] = []
+
+    async def handle(reader, writer):
+        dec = P.FrameDecoder()
+        while data := await reader.read(65536):
+            for req_id, op, *args in dec.feed(data):
+                seen.append(op)
+                if op == P.OP_HELLO:
+                    writer.write(P.encode_ok(req_id, {"role": "primary", "epoch": 0, "session": 1}))
+                elif op == P.OP_ACQUIRE:
+                    if args[0] == "slow":
+                        await asyncio.sleep(0.7)  # of a 1 s TTL: verified by an EXTEND
+                    writer.write(P.encode_ok(req_id, [7, args[2]]))
+                elif op == P.OP_EXTEND:
+                    writer.write(P.encode_ok(req_id, args[3]))
+                else:
+                    writer.write(P.encode_ok(req_id, None))
+        writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        async with fastlock.connect(f"127.0.0.1:{port}") as client:
+            lease = await client.acquire("fast", ttl=1.0)
+            assert lease.fencing_token == 7 and 0.9 < lease.time_left() <= 1.0
+            assert P.OP_EXTEND not in seen
+            lease = await client.acquire("slow", ttl=1.0, wait=5.0)
+            assert P.OP_EXTEND in seen and 0.9 < lease.time_left() <= 1.0
+    finally:
+        srv.close()
+        await srv.wait_closed()
