@@ -926,8 +926,8 @@ class Client:
                 proto = await pacing.connection(pause)
             except BaseException:
                 # the grant may have been made before the failure: cancel by owner
-                # on the next connection so that it is released, not left to its TTL
-                self._orphans.append((name, owner))
+                # (now, or on the next connection) so that it is released, not left to its TTL
+                self._abandon(self._proto, name, owner)
                 raise
             if wait_end is None:
                 left_ms = -1
@@ -946,11 +946,29 @@ class Client:
                     raise
                 pause = pacing.failed(proto, err)
 
-    def _abandon(self, proto: _ClientConnection, name: str, owner: bytes) -> None:
-        if not proto.closed:
-            proto.send(P.OP_CANCEL, name, owner)
-        else:
+    def _abandon(self, proto: _ClientConnection | None, name: str, owner: bytes,
+                 op: int = P.OP_CANCEL, *args: Any) -> None:
+        """Withdraw the acquire (``name``, ``owner``) without waiting: CANCEL
+        by owner (or ``op`` with ``args``, e.g. a RELEASE) on ``proto``.  If
+        that connection is, or turns out to be, dead before it answers, the
+        client cancels by owner on its next connection (CANCEL releases a
+        grant that raced), so a grant is never left to run out its TTL."""
+        if proto is None or proto.closed:
             self._orphans.append((name, owner))
+            return
+        fut = proto.request(op, name, *(args or (owner,)))
+
+        def done(f: asyncio.Future) -> None:
+            if f.cancelled():
+                return
+            if isinstance(f.exception(), ConnectionLost) and not self._closed:
+                current = self._proto
+                if current is not None and not current.closed and current is not proto:
+                    self._abandon(current, name, owner)
+                else:
+                    self._orphans.append((name, owner))
+
+        fut.add_done_callback(done)
 
     async def release(self, lease: Lease) -> None:
         """Release ``lease``; the next waiter (if any) is granted at once.
@@ -1236,11 +1254,7 @@ class Client:
         task = self._renewers.pop(id(lease.lost), None)
         if task is not None:
             task.cancel()
-        proto = self._proto
-        if proto is not None and not proto.closed:
-            proto.send(P.OP_RELEASE, lease.name, lease.fencing_token, lease.owner)
-        else:
-            self._orphans.append((lease.name, lease.owner))
+        self._abandon(self._proto, lease.name, lease.owner, P.OP_RELEASE, lease.fencing_token, lease.owner)
 
     async def _release_quietly(self, lease: Lease) -> None:
         try:
