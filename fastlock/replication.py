@@ -92,6 +92,7 @@ import asyncio
 import json
 import logging
 import os
+import ssl
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
@@ -286,6 +287,7 @@ class ReplicationSource:
         self._contact_ms = 0
         self._hb_timer: asyncio.TimerHandle | None = None
         self._fence_timer: asyncio.TimerHandle | None = None
+        self._takeover_timer: asyncio.TimerHandle | None = None  # fenced: when the standby may promote
         self._fence_timer_at = 0
         self._listening = False
 
@@ -519,10 +521,26 @@ class ReplicationSource:
             "holding all grants and refusing extends until it is back or `fastlock serve-alone`",
             now - self._contact_ms, window, self._margin(),
         )
+        if self._takeover_timer is None:
+            at = self._contact_ms + window  # from then on the standby may have promoted
+            self._takeover_timer = self.host.loop.call_later(max(0, at - now + 1) / 1000.0,
+                                                             self._on_standby_may_have_promoted)
+
+    def _on_standby_may_have_promoted(self) -> None:
+        """Still fenced a whole failover window after the last contact: waiters queued
+        here and watchers would wait on a node that may no longer be the primary.
+        Close their connections so that they look for the primary (leases stay)."""
+        self._takeover_timer = None
+        if self.host.roles.fenced:
+            self.host.close_client_connections(
+                "fenced for a whole failover window: the standby may have been promoted", waiting_only=True)
 
     def _unfence(self) -> None:
         host = self.host
         host.roles.set_fenced(False)  # the hold falls back to the grace period, if any
+        if self._takeover_timer is not None:
+            self._takeover_timer.cancel()
+            self._takeover_timer = None
         if host.roles.expires_leases:
             host.table.expire(_now_ms())  # hand blocked locks to their waiters
         log.warning("fence lifted: granting again")
@@ -569,6 +587,9 @@ class ReplicationSource:
         if self._hb_timer is not None:
             self._hb_timer.cancel()
             self._hb_timer = None
+        if self._takeover_timer is not None:
+            self._takeover_timer.cancel()
+            self._takeover_timer = None
         if self._fence_timer is not None:
             self._fence_timer.cancel()
             self._fence_timer = None
@@ -585,14 +606,21 @@ class StandbyFollower:
         name: ``[label@]node-id`` this standby announces.
         on_primary_silent: called (on the loop) when the paired primary has been
             silent for ``failover_after_ms``; the failover policy promotes.
+        tls: connect to the primary over TLS with this client context (it
+            verifies the primary's certificate against the primary's host
+            name, and carries this node's certificate for mutual TLS); None:
+            plain TCP.  Replaced on a certificate reload; used from the next
+            connection on.
     """
 
     def __init__(self, host: "ReplicationHost", primary: tuple[str, int], failover_after_ms: int = 0,
                  auth: str | None = None, name: str | None = None,
-                 on_primary_silent: Callable[[], None] | None = None):
+                 on_primary_silent: Callable[[], None] | None = None, tls: ssl.SSLContext | None = None):
         self.host = host
         self.on_primary_silent = on_primary_silent
         self.primary = primary
+        self.tls = tls
+        self._connect_error: str | None = None  # the last connection failure logged
         self.failover_after_ms = failover_after_ms
         self.auth = auth
         self.name = name
@@ -674,11 +702,19 @@ class StandbyFollower:
                 if not lost.done():
                     lost.set_result(error)
 
+            tls = self.tls
+            address = self.primary
             try:
-                link = await rpc.open_connection(*self.primary, timeout=5.0, max_frame=256 << 20,
-                                                 on_push=self._on_push, on_read_end=self._on_read_end,
-                                                 on_close=on_close)
+                _, link = await asyncio.wait_for(loop.create_connection(
+                    lambda: rpc.RpcConnection(address, max_frame=256 << 20, on_push=self._on_push,
+                                              on_read_end=self._on_read_end, on_close=on_close),
+                    *address, ssl=tls, server_hostname=address[0] if tls else None,
+                    ssl_handshake_timeout=5.0 if tls else None), 5.0)
             except (OSError, asyncio.TimeoutError) as exc:
+                if isinstance(exc, ssl.SSLError) and str(exc) != self._connect_error:
+                    # a certificate problem does not fix itself: say it once, not every retry
+                    self._connect_error = str(exc)
+                    log.error("TLS handshake with primary %s failed: %s", self.primary_address, exc)
                 log.debug("cannot reach primary %s: %s", self.primary_address, exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
@@ -713,6 +749,7 @@ class StandbyFollower:
                     link.request(P.OP_REPLICATE, self.applied_lsn + 1 if self.synced else 0,
                                   self.incarnation, self.failover_after_ms, self.name), 5.0)
                 self.connected = True
+                self._connect_error = None
                 backoff = 0.05
                 log.info("replicating from %s (%s)", self.primary_address, info.get("mode"))
                 await lost
