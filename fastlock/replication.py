@@ -34,11 +34,14 @@ No split brain: the primary fences itself
 -----------------------------------------
 A standby started with ``--failover-after F`` tells the primary F when it
 connects.  The primary sends heartbeats carrying its own monotonic send time;
-the standby echoes the newest one it has received.  The primary may grant and
-extend only while ``now < echoed_send_time + F - margin`` (margin defaults to
-F/4): past that the standby may be promoting, so the primary holds every grant
-and refuses extends (``Unavailable``) until a fresh echo arrives, or until an
-operator runs ``fastlock serve-alone`` (declaring the standby gone).  Because
+the standby echoes the newest one it has received.  The primary may grant,
+extend and release only while ``now < echoed_send_time + F - margin`` (margin
+defaults to F/4): past that the standby may be promoting, so the primary is
+*fenced* (:mod:`fastlock.roles`): it holds every grant and refuses extends and
+releases (``Unavailable``) until a fresh echo arrives, or until an operator
+runs ``fastlock serve-alone`` (declaring the standby gone); a whole window
+after the last echo it closes the client connections that wait or watch, so
+they look for the (maybe promoted) standby.  Because
 the echoed time was taken on the primary's clock *before* the heartbeat was
 sent, a heartbeat delayed or queued during a pause (SIGSTOP, a VM stall) can
 only make the primary stop earlier, never later.
@@ -518,7 +521,7 @@ class ReplicationSource:
         roles.set_fenced(True)  # holds every grant (the role decides the table's hold)
         log.warning(
             "no word from the standby for %d ms (failover window %d ms, margin %d ms): "
-            "holding all grants and refusing extends until it is back or `fastlock serve-alone`",
+            "holding all grants, refusing extends and releases until it is back or `fastlock serve-alone`",
             now - self._contact_ms, window, self._margin(),
         )
         if self._takeover_timer is None:
