@@ -1055,10 +1055,13 @@ class Client:
             return lease
         return Lease(lease.name, lease.fencing_token, new_ttl, lease.owner, lease.lost, sent + new_ttl)
 
-    async def _renew(self, lease: Lease, deadline: float, *, ttl: float | None = None) -> Lease:
+    async def _renew(self, lease: Lease, deadline: float, *, ttl: float | None = None,
+                     attempt_timeout: float | None = None) -> Lease:
         """One renewal that must succeed before ``deadline`` (``loop.time()``):
-        EXTEND through the ride-through path, each attempt bounded by a third
-        of the TTL so a silent server leaves time to find the next primary.
+        EXTEND (for ``ttl`` seconds, default the lease's) through the
+        ride-through path, each attempt bounded by ``attempt_timeout`` seconds
+        (default a third of the TTL) so a silent server leaves time to find the
+        next primary.
 
         Raises:
             LeaseLost: the server refused the renewal, or none succeeded
@@ -1070,7 +1073,7 @@ class Client:
         sent = loop.time()
         try:
             granted = await self._retry(P.OP_EXTEND, (lease.name, lease.fencing_token, lease.owner, ttl_ms),
-                                        deadline, attempt_timeout=ttl_s / 3.0,
+                                        deadline, attempt_timeout=attempt_timeout or ttl_s / 3.0,
                                         max_backoff=min(_BACKOFF_MAX, ttl_s / 10.0))
         except ConnectionLost as exc:
             if self._closed:
