@@ -229,7 +229,12 @@ class NodeState:
     ``standby_of``
         set while the node is a standby: started without ``--standby-of`` it
         would otherwise come up as a second primary at the old epoch, so it
-        refuses until it is promoted (or the file is deleted).
+        refuses until it is promoted (or the file is deleted);
+    ``grace_ms``
+        the promotion grace (ms) of a primary whose grace has not yet run out:
+        a restart during it cannot know how long it was down, so it holds new
+        grants for the whole grace again (as recovered leases get a fresh full
+        TTL); 0 once the grace has ended.
     """
 
     def __init__(self, directory: str):
@@ -251,6 +256,18 @@ class NodeState:
     @property
     def standby_of(self) -> str | None:
         return self._data.get("standby_of")
+
+    @property
+    def grace_ms(self) -> int:
+        return int(self._data.get("grace_ms", 0))
+
+    def promoted(self, grace_ms: int) -> None:
+        """Record a promotion: no longer a standby, ``grace_ms`` of grace pending."""
+        self._set(standby_of=None, grace_ms=grace_ms)
+
+    def grace_ended(self) -> None:
+        if self.grace_ms:
+            self._set(grace_ms=0)
 
     def raise_epoch(self, epoch: int) -> None:
         if epoch > self.max_epoch_seen:

@@ -22,6 +22,7 @@ clients' tasks keep running.  Every wait has a deadline.
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 import tempfile
 import time
@@ -633,6 +634,41 @@ def test_old_primary_rejoins_as_standby_of_the_new_one_and_fails_back(cluster):
             assert epoch(t2) == 2 and t2 > t1
         finally:
             await c.close()
+
+    run(main())
+
+
+def test_new_primary_restarted_during_its_promotion_grace_holds_grants_again(cluster):
+    """kill -9 of the primary, promotion with a 3 s grace, then kill -9 of the new
+    primary during that grace and a restart of its data dir: the old primary may
+    have granted locks that never reached it, so the restarted node grants no free
+    lock for a whole grace again (it cannot know how long it was down), and
+    forgets the grace once it has run out."""
+    p = cluster.primary()
+    s = cluster.standby(p.address, failover_after=FAILOVER, grace=3.0)
+
+    async def main():
+        promoted = asyncio.ensure_future(log_line(s, r"PROMOTED", 10))
+        await asyncio.to_thread(p.kill)
+        await promoted
+        await asyncio.to_thread(s.kill)
+        again = await asyncio.to_thread(lambda: cluster._start(type(s)(s.data_dir, args=["--name", "again"])))
+        await asyncio.to_thread(again.wait_for_log, r"restarted during its promotion grace", 5)
+        st = await status_of(again.address)
+        assert st["role"] == "primary" and st["epoch"] == 1
+        assert 2000 < st["grace_remaining_ms"] <= 3000
+        n = await RawNode.open(again.address)
+        try:
+            with pytest.raises(LockNotAcquired, match="promotion grace"):
+                await n.acquire("free", 1000)
+            token, _, _ = await asyncio.wait_for(n.acquire("free", 1000, wait_ms=5000), 6)
+            assert epoch(token) == 1
+        finally:
+            await n.close()
+        state = await poll(lambda: asyncio.to_thread(
+            lambda: json.loads((again.data_dir / "node-state.json").read_text())),
+            lambda st: st.get("grace_ms") == 0, timeout=2, what="grace forgotten once it ended")
+        assert state["standby_of"] is None
 
     run(main())
 
