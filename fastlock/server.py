@@ -289,8 +289,9 @@ class _Connection(asyncio.Protocol):
         return fut
 
     def fatal(self, exc: FastlockError) -> None:
-        """Send a protocol error (request id 0) and close this connection only."""
-        log.warning("closing connection %s (session %d): %s", self.peer, self.session, exc)
+        """Send a protocol error (request id 0) and close this connection only
+        (logged at most once per 10 s, with the number of others)."""
+        self.server._fatal_log("closing connection %s (session %d): %s", self.peer, self.session, exc)
         self.send(P.encode_error(0, exc.code, str(exc)))
         self.flush()
         self.close()
@@ -358,6 +359,7 @@ class LockServer:
         self._evicted_log = RateLimitedLog(log)
         self._hello_log = RateLimitedLog(log)
         self._idle_log = RateLimitedLog(log, logging.INFO)
+        self._fatal_log = RateLimitedLog(log)  # one line per 10 s however fast peers send garbage
         self._watch_count = 0
         # per-principal quotas (kept only when the quota is set)
         self._lease_principal: dict[str, str] = {}  # lock name -> principal of its holder
