@@ -1036,10 +1036,18 @@ class StandbyFollower:
 
     # -- failover ---------------------------------------------------------------------------
     def _arm_watchdog(self) -> None:
-        interval = heartbeat_interval_ms(self.failover_after_ms) / 1000.0
-        self._watchdog = self.host.loop.call_later(interval, self._check_silence)
+        interval_ms = heartbeat_interval_ms(self.failover_after_ms)
+        due_ms = _now_ms() + interval_ms
+        self._watchdog = self.host.loop.call_later(interval_ms / 1000.0,
+                                                   lambda: self._check_silence(late_ms=_now_ms() - due_ms))
 
-    def _check_silence(self) -> None:
+    def _check_silence(self, late_ms: int = 0) -> None:
+        """The watchdog: promote (through ``on_primary_silent``) once the paired
+        primary has been silent for the failover window.  ``late_ms`` is how late
+        the watchdog ran: more than a heartbeat interval means this process was
+        stalled itself (SIGSTOP, a VM pause) and has not yet read what the
+        primary sent meanwhile, so it checks again one interval later instead of
+        promoting over a primary that only this node failed to hear."""
         self._watchdog = None
         if self._stopping:
             return
@@ -1049,6 +1057,12 @@ class StandbyFollower:
         now = _now_ms()
         if (self.synced and self.pair_confirmed and self.last_heard_ms
                 and now - self.last_heard_ms >= self.failover_after_ms):
+            if late_ms > heartbeat_interval_ms(self.failover_after_ms):
+                log.warning("primary %s silent for %d ms, but this standby was stalled itself (its watchdog "
+                            "ran %d ms late): reading what the primary sent before deciding",
+                            self.primary_address, now - self.last_heard_ms, late_ms)
+                self._arm_watchdog()
+                return
             log.warning("primary %s silent for %d ms (failover after %d ms): promoting",
                         self.primary_address, now - self.last_heard_ms, self.failover_after_ms)
             if self.on_primary_silent is not None:

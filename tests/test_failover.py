@@ -673,6 +673,33 @@ def test_new_primary_restarted_during_its_promotion_grace_holds_grants_again(clu
     run(main())
 
 
+def test_a_standby_paused_past_its_window_does_not_promote_over_a_live_primary(cluster):
+    """SIGSTOP of the standby for 2.5 failover windows, then SIGCONT: the primary
+    fenced itself meanwhile (it heard no echo), but it kept sending heartbeats.
+    The standby's watchdog runs late on resume, before the heartbeats queued in
+    its socket are read: it must read them rather than promote, so the pair
+    comes back as it was (the primary unfenced, the standby following)."""
+    p = cluster.primary()
+    s = cluster.standby(p.address, failover_after=FAILOVER, grace=GRACE)
+    s.wait_for_log(r"paired: primary", 10)
+    start_p, start_s = len(p.lines), len(s.lines)
+    s.pause()
+    p.wait_for_log(r"no word from the standby", 5, start_p)
+    time.sleep(2.5 * FAILOVER)  # the fault itself: the standby stays frozen past its window
+    s.resume()
+    s.wait_for_log(r"stalled itself", 5, start_s)
+    p.wait_for_log(r"fence lifted", 5, start_p)
+
+    async def main():
+        st = await status_of(s.address)
+        assert st["role"] == "standby" and st["epoch"] == 0
+        st = await status_of(p.address)
+        assert st["role"] == "primary" and not st["replication"]["fenced"]
+
+    run(main())
+    assert not any("PROMOTED" in line for line in s.lines[start_s:])
+
+
 def test_short_partition_fences_then_unfences_without_promotion(cluster):
     """A partition shorter than the failover window: the primary stops granting
     and releasing (the holder's release is refused, to be repeated), the link
