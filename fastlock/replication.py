@@ -214,6 +214,38 @@ DEPOSED_FILE = "deposed.json"
 STATE_FILE = "node-state.json"
 
 
+class NodeFileDamaged(RuntimeError):
+    """A node state file (``node-state.json``, ``pairing.json``, ``deposed.json``)
+    is not the JSON object, with the field types, this node writes: the server
+    refuses to start rather than guess its epoch, pairing or role."""
+
+
+def _load_json(directory: str, name: str, fields: dict[str, tuple[type, ...]]) -> dict | None:
+    """The JSON object in ``<directory>/<name>``, or None if the file does not exist.
+
+    ``fields`` maps each key to the types its value may have (a missing key is
+    fine: it has its default).
+
+    Raises:
+        NodeFileDamaged: unreadable JSON, not an object, or a field of another type.
+    """
+    path = os.path.join(directory, name)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise NodeFileDamaged(f"{path} is damaged ({exc}): restore it or repair it by hand") from None
+    if type(data) is not dict:
+        raise NodeFileDamaged(f"{path} is damaged (not a JSON object): restore it or repair it by hand")
+    for key, types in fields.items():
+        if key in data and type(data[key]) not in types:
+            raise NodeFileDamaged(f"{path} is damaged ({key!r} is {type(data[key]).__name__}, not "
+                                  f"{' or '.join(t.__name__ for t in types)}): restore it or repair it by hand")
+    return data
+
+
 class NodeState:
     """What a node must remember about the cluster beyond its WAL, in
     ``<data dir>/node-state.json`` (written atomically and fsynced, only when a
@@ -238,12 +270,11 @@ class NodeState:
     """
 
     def __init__(self, directory: str):
+        """Raises NodeFileDamaged: the file exists but is not what this class writes."""
         self.directory = directory
-        try:
-            with open(os.path.join(directory, STATE_FILE), encoding="utf-8") as f:
-                self._data = json.load(f)
-        except FileNotFoundError:
-            self._data = {}
+        self._data = _load_json(directory, STATE_FILE, {
+            "max_epoch_seen": (int,), "max_ttl_ms": (int,), "grace_ms": (int,), "standby_of": (str, type(None)),
+        }) or {}
 
     @property
     def max_epoch_seen(self) -> int:
@@ -297,11 +328,8 @@ def write_deposed(directory: str, epoch: int, why: str) -> None:
 
 
 def read_deposed(directory: str) -> dict | None:
-    try:
-        with open(os.path.join(directory, DEPOSED_FILE), encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
+    """Raises NodeFileDamaged: the file exists but is not what :func:`write_deposed` writes."""
+    return _load_json(directory, DEPOSED_FILE, {"epoch": (int,), "why": (str,)})
 
 
 def node_id(directory: str) -> str:
@@ -356,12 +384,12 @@ class ReplicationSource:
     # -- pairing ---------------------------------------------------------------------------
     def load_pairing(self) -> None:
         """At start: restore the pairing; a primary paired with a failover window starts fenced."""
-        path = os.path.join(self.host.data_dir, PAIRING_FILE)
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except FileNotFoundError:
+        data = _load_json(self.host.data_dir, PAIRING_FILE, {"standby": (str,), "failover_after_ms": (int,)})
+        if data is None:
             return
+        if "standby" not in data or "failover_after_ms" not in data:
+            raise NodeFileDamaged(f"{os.path.join(self.host.data_dir, PAIRING_FILE)} is damaged (it must name "
+                                  f"'standby' and 'failover_after_ms'): restore it or repair it by hand")
         self.paired_id = data["standby"]
         self._paired_window_ms = int(data["failover_after_ms"])
         if self._paired_window_ms > 0:

@@ -68,6 +68,7 @@ from .errors import (
 from .failover import FailoverPolicy
 from .replication import (
     STATE_FILE,
+    NodeFileDamaged,
     NodeState,
     ReplicationSource,
     StandbyFollower,
@@ -1267,6 +1268,6 @@ def serve(config: ServerConfig, *, use_uvloop: bool = True) -> int:
         log.critical("refusing to start: %s (start with --repair-wal to cut the damaged tail and "
                      "lose the records after it)", exc)
         return 2
-    except (OSError, DataDirInUse, ImportError, InvalidArgument) as exc:
+    except (OSError, DataDirInUse, ImportError, InvalidArgument, NodeFileDamaged) as exc:
         log.critical("cannot start: %s", exc)
         return 1
