@@ -407,6 +407,12 @@ class ReplicationSource:
         _write_atomically(self.host.data_dir, PAIRING_FILE, json.dumps(
             {"standby": replica.name, "failover_after_ms": replica.failover_after_ms}).encode())
         log.info("paired with standby %s (failover window %d ms)", quote(replica.name), replica.failover_after_ms)
+        window = replica.failover_after_ms
+        if window and self.fence_margin_ms is not None and self.fence_margin_ms > window - 2 * heartbeat_interval_ms(window):
+            log.critical("--fence-margin %d ms leaves less than two heartbeat intervals (%d ms each) of the standby's "
+                         "failover window (%d ms): this primary fences itself between heartbeats (at a margin >= "
+                         "the window, always) and refuses grants; restart it with a smaller --fence-margin",
+                         self.fence_margin_ms, heartbeat_interval_ms(window), window)
 
     def _unpair(self) -> None:
         path = os.path.join(self.host.data_dir, PAIRING_FILE)

@@ -700,6 +700,17 @@ def test_a_standby_paused_past_its_window_does_not_promote_over_a_live_primary(c
     assert not any("PROMOTED" in line for line in s.lines[start_s:])
 
 
+def test_a_fence_margin_not_below_the_failover_window_is_reported_at_pairing(cluster):
+    """--fence-margin 5 s on a primary whose standby has a 1 s window: the fence
+    closes at once on every heartbeat, so the primary never grants; it says so,
+    naming the flag, when it pairs, rather than only 'no word from the standby
+    for 0 ms' lines."""
+    p = cluster.primary(args=["--fence-margin", "5"])
+    cluster.standby(p.address, failover_after=FAILOVER, grace=GRACE)
+    line = p.wait_for_log(r"--fence-margin 5000 ms", 10)
+    assert "failover window (1000 ms)" in line and "CRITICAL" in line
+
+
 def test_short_partition_fences_then_unfences_without_promotion(cluster):
     """A partition shorter than the failover window: the primary stops granting
     and releasing (the holder's release is refused, to be repeated), the link
