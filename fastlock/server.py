@@ -1223,6 +1223,9 @@ def check_limits(config: ServerConfig) -> None:
         value = getattr(config, field_name)
         if type(value) is not int or value < 0:
             raise ValueError(f"{field_name} must be an integer >= 0, not {value!r}")
+    if config.max_frame_bytes < P.MIN_MAX_FRAME_BYTES:
+        raise ValueError(f"max_frame_bytes must be at least {P.MIN_MAX_FRAME_BYTES} (a request with its names, "
+                         f"owner key and ids at their limits), not {config.max_frame_bytes}")
     if config.max_connections is not None and (type(config.max_connections) is not int
                                                or config.max_connections <= 0):
         raise ValueError(f"max_connections must be a positive integer or None, not {config.max_connections!r}")
