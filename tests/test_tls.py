@@ -151,7 +151,7 @@ def test_plaintext_and_silence_on_a_tls_port_fail_cleanly(server_factory, certs)
     host, port = srv.address.split(":")
 
     async def main():
-        with pytest.raises(ConnectionLost):  # a fastlock client without TLS
+        with pytest.raises(ConnectionLost, match="pass tls_ca"):  # a fastlock client without TLS: told why
             await fastlock.connect(srv.address, connect_timeout=3)
         # a connection that starts a TLS record and stalls is closed at the handshake deadline
         with socket.create_connection((host, int(port)), timeout=5) as sock:
