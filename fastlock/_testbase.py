@@ -173,6 +173,46 @@ class ServerProcess:
         self.stop()
 
 
+class CredentialsDir:
+    """A credentials directory for tests (made with :func:`fastlock.auth.generate`).
+
+    Principals: ``app`` (client, every name), ``admin``, replicas ``node-1`` ..
+    ``node-<replicas>``, and the anonymous client with every name (so code that
+    connects without a token keeps working).  :attr:`file` is the credentials
+    file for ``--credentials``; :meth:`token_file` and :meth:`token` give a
+    principal's token.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, replicas: int = 8, anonymous: bool = True):
+        from .auth import generate
+
+        self.directory = Path(directory)
+        self.paths = generate(self.directory, clients=[("app", "")],
+                              replicas=[f"node-{i}" for i in range(1, replicas + 1)], admins=["admin"],
+                              anonymous_prefix="" if anonymous else None)
+        self.file = str(self.directory / "credentials.toml")
+        self._next_replica = 1
+        self.replicas = replicas
+
+    def token_file(self, principal: str) -> str:
+        return self.paths[principal]
+
+    def server_args(self, replica: str) -> list[str]:
+        """``fastlock serve`` arguments: this credentials file, and ``replica``'s token to follow with."""
+        return ["--credentials", self.file, "--standby-token-file", self.token_file(replica)]
+
+    def token(self, principal: str) -> str:
+        return Path(self.paths[principal]).read_text().strip()
+
+    def next_replica(self) -> str:
+        """A replica principal not handed out yet."""
+        if self._next_replica > self.replicas:
+            raise RuntimeError("no replica principal left: make CredentialsDir with more replicas")
+        name = f"node-{self._next_replica}"
+        self._next_replica += 1
+        return name
+
+
 class HistoryChecker:
     """Records lock holdings as seen by clients and checks the safety properties.
 

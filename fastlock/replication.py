@@ -74,6 +74,7 @@ Wire messages (see :mod:`fastlock.protocol` for the framing)::
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -82,6 +83,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from . import protocol as P
+from .auth import primary_proof, primary_proof_key, token_principal
 from .errors import FastlockError, InvalidArgument, ProtocolError, Unavailable
 from .wal import EPOCH, EXPIRE, EXTEND, GRANT, RELEASE, RESERVE, WalCompacted, _fsync_dir, decode_frames
 
@@ -299,6 +301,13 @@ class ReplicationSource:
         _write_atomically(self.server.config.data_dir, PAIRING_FILE, json.dumps(
             {"standby": replica.name, "failover_after_ms": replica.failover_after_ms}).encode())
         log.info("paired with standby %s (failover window %d ms)", replica.name, replica.failover_after_ms)
+
+    def may_announce_epoch(self, principal: str) -> bool:
+        """May replica ``principal`` depose this primary with a higher epoch?  Only the
+        paired standby's principal (any replica principal while unpaired)."""
+        if self.paired_id is None:
+            return True
+        return standby_identity(self.paired_id).partition("/")[0] == principal
 
     def _unpair(self) -> None:
         path = os.path.join(self.server.config.data_dir, PAIRING_FILE)
@@ -605,11 +614,13 @@ class StandbyFollower:
     """
 
     def __init__(self, server: "LockServer", primary: tuple[str, int], failover_after_ms: int = 0,
-                 auth: str | None = None, name: str | None = None):
+                 token: str | None = None, name: str | None = None):
         self.server = server
         self.primary = primary
         self.failover_after_ms = failover_after_ms
-        self.auth = auth
+        self.token = token
+        #: the replica principal this standby authenticates as (from its token)
+        self.principal = token_principal(token) if token else None
         self.name = name
         self.applied_lsn = 0
         self.incarnation: str | None = None
@@ -620,7 +631,8 @@ class StandbyFollower:
         self.synced = False  # has applied at least one snapshot or stream from this primary
         self.refused: str | None = None  # why this node refuses to follow its primary
         self.pair_confirmed = False  # the primary's heartbeats say it fences itself for this node
-        self.ident = standby_identity(name or "")
+        # the identity the primary pairs with: the replica principal and this node's id
+        self.ident = f"{self.principal}/{standby_identity(name or '')}"
         self.max_ttl_ms = 0
         self.connected = False
         self._task: asyncio.Task | None = None
@@ -649,7 +661,7 @@ class StandbyFollower:
             return False
         try:
             info = await asyncio.wait_for(
-                proto.request(4, P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{self.name}", self.auth, epoch),
+                proto.request(4, P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{self.name}", self.token, epoch),
                 timeout_s)
         except (ConnectionError, asyncio.TimeoutError, FastlockError):
             return False
@@ -680,11 +692,16 @@ class StandbyFollower:
                 continue
             self._proto = proto
             try:
+                if not await self._primary_proves_itself(proto):
+                    proto.transport.close()
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
                 # our epoch travels in the HELLO: a primary with a lower one steps down
                 # (this node was promoted since it last followed it) and refuses REPLICATE
                 hello = await asyncio.wait_for(
                     proto.request(1, P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{self.name or os.getpid()}",
-                                  self.auth, self.server.table.epoch), 5.0)
+                                  self.token, self.server.table.epoch), 5.0)
                 self.primary_epoch = max(self.primary_epoch, hello.get("epoch", 0))
                 self.server.node_state.raise_epoch(self.primary_epoch)
                 if hello.get("epoch", 0) < self.server.table.epoch:
@@ -711,6 +728,31 @@ class StandbyFollower:
                 self._proto = None
             if not self._stopping:
                 log.warning("lost the replication connection to %s", self.primary_address)
+
+    async def _primary_proves_itself(self, proto: "_FollowerProtocol") -> bool:
+        """Before our token goes out: the primary must answer our random challenge with
+        the proof only a holder of our credential can make (see :mod:`fastlock.auth`).
+
+        Raises what the request raises (AuthError if the primary does not know our
+        principal); returns False if the proof is wrong.
+        """
+        if self.principal is None:
+            return True  # no replica token: the primary refuses REPLICATE, nothing to protect
+        challenge = os.urandom(32)
+        answer = await asyncio.wait_for(
+            proto.request(5, P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{self.name or os.getpid()}",
+                          {"principal": self.principal, "challenge": challenge}), 5.0)
+        expected = primary_proof(primary_proof_key(self.token), self.principal, challenge)
+        proof = answer.get("proof") if isinstance(answer, dict) else None
+        if type(proof) is bytes and hmac.compare_digest(proof, expected):
+            if self.refused is not None and "could not prove" in self.refused:
+                self.refused = None
+            return True
+        self.refused = f"{self.primary_address} could not prove that it holds this standby's credential"
+        log.critical("not following %s: it could not prove that it holds this standby's credential "
+                     "(replica principal %s): an impostor, or a different credentials file", self.primary_address,
+                     self.principal)
+        return False
 
     # -- the stream -------------------------------------------------------------------------
     def _on_message(self, proto: _FollowerProtocol, msg: list) -> bool:

@@ -27,7 +27,6 @@ a client that died while queued never becomes a ghost holder.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import signal
@@ -38,6 +37,17 @@ from typing import Any
 
 from . import __version__
 from . import protocol as P
+from .auth import (
+    ANONYMOUS,
+    AuthFailures,
+    Credentials,
+    Principal,
+    hash_owner,
+    is_loopback,
+    primary_proof,
+    MAX_CHALLENGE_BYTES,
+    MIN_CHALLENGE_BYTES,
+)
 from ._core import (
     EV_EXPIRED,
     EV_GRANTED,
@@ -56,6 +66,7 @@ from .errors import (
     LimitExceeded,
     LockNotAcquired,
     NotPrimary,
+    PermissionDenied,
     ProtocolError,
     Unavailable,
 )
@@ -94,7 +105,10 @@ class ServerConfig:
     fsync: str = "always"
     fsync_interval_ms: int = 1000
     snapshot_every: int = 200_000
-    auth_secret: str | None = None
+    auth_secret: str | None = None  # legacy shared secret: the client principal "shared-secret", every name
+    credentials: Credentials | None = None  # principals (None: open mode, or only the shared secret)
+    allow_unauthenticated: bool = False  # open mode on a non-loopback address (protected mode off)
+    standby_token: str | None = None  # this node's replica token, to follow a primary
     max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES
     max_waiters_per_connection: int = 10_000
     standby_of: tuple[str, int] | None = None  # run as a standby of this primary
@@ -112,7 +126,7 @@ class _Connection(asyncio.Protocol):
     """One client connection = one session."""
 
     __slots__ = ("server", "transport", "session", "decoder", "out", "ready", "client_name", "peer", "closed",
-                 "watching")
+                 "watching", "principal", "kind", "grant", "peer_cert_identity", "peer_host")
 
     def __init__(self, server: "LockServer", session: int):
         self.server = server
@@ -121,10 +135,18 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.out: list[bytes] = []
         self.ready = False  # handshake done
-        self.client_name: str | None = None
+        self.client_name: str | None = None  # self-declared: shown beside the principal, never trusted
         self.peer = "?"
+        self.peer_host = "?"  # the source address failed authentications are counted by
         self.closed = False
         self.watching: set[str] | None = None
+        #: the authenticated principal's name ("anonymous" until HELLO) and kind
+        #: (client | replica | admin); quotas and logs key on the name
+        self.principal = ANONYMOUS
+        self.kind = "client"
+        self.grant: Principal | None = None  # its permissions (None until HELLO)
+        #: the verified client certificate's subject CN over mutual TLS, else None
+        self.peer_cert_identity: str | None = None
 
     # -- asyncio callbacks ------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -137,6 +159,7 @@ class _Connection(asyncio.Protocol):
                 pass
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self.peer_host = str(peer[0]) if peer else "?"
         self.server._sessions[self.session] = self
 
     def data_received(self, data: bytes) -> None:
@@ -201,6 +224,42 @@ class _Connection(asyncio.Protocol):
         self.transport.close()
 
 
+_ARTICLE = {"client": "a", "replica": "a", "admin": "an"}
+
+#: epochs must fit a fencing token: (epoch << 40) | counter below 2**63
+_EPOCH_LIMIT = 1 << 23
+
+
+def _split_recorded_client(recorded: Any) -> tuple[str | None, str | None]:
+    """``(principal, client name)`` from a grant's recorded client (see ``_recorded_client``)."""
+    if type(recorded) is not str:
+        return None, None
+    principal, sep, name = recorded.partition(":")
+    return principal, (name if sep else None)
+
+
+#: what each operation needs: a client ACL operation (checked on the lock name; admins may
+#: do it on any name), "replica", "admin", or None (every authenticated principal).
+#: An operation missing here needs an admin: new operations are refused by default.
+_PERMISSION: dict[int, str | None] = {
+    P.OP_HELLO: None,
+    P.OP_PING: None,
+    P.OP_STATUS: None,  # details (replication, pairing) for admins and replicas only
+    P.OP_UNWATCH: None,  # only ever removes the connection's own watch
+    P.OP_ACQUIRE: "acquire",
+    P.OP_RELEASE: "release",
+    P.OP_EXTEND: "extend",
+    P.OP_CANCEL: "cancel",
+    P.OP_CHECK: "check",
+    P.OP_HOLDER: "holder",
+    P.OP_WATCH: "watch",
+    P.OP_REPLICATE: "replica",
+    P.OP_REPL_ACK: "replica",
+    P.OP_PROMOTE: "admin",
+    P.OP_SERVE_ALONE: "admin",
+}
+
+
 class LockServer:
     """The daemon.  ``await server.start()`` then ``await server.wait_closed()``."""
 
@@ -216,6 +275,11 @@ class LockServer:
             writer=config.wal_writer,
         )
         self.role = "standby" if config.standby_of else "primary"
+        credentials = config.credentials if config.credentials is not None else Credentials.open_mode()
+        if config.auth_secret is not None:
+            credentials = credentials.with_shared_secret(config.auth_secret)
+        self.credentials = credentials
+        self.auth_failures = AuthFailures()
         self.grace_until_ms = 0
         #: the longest TTL this node has granted, extended or recovered (ms): a
         #: standby's default promotion grace (sent in heartbeats)
@@ -227,7 +291,7 @@ class LockServer:
             self.node_state.set_standby_of(f"{config.standby_of[0]}:{config.standby_of[1]}")
             ident = node_id(config.data_dir)
             self.follower = StandbyFollower(self, config.standby_of, config.failover_after_ms,
-                                            auth=config.auth_secret,
+                                            token=config.standby_token,
                                             name=f"{config.name}@{ident}" if config.name else ident)
         self._sessions: dict[int, _Connection] = {}
         self._next_session = 1
@@ -262,6 +326,12 @@ class LockServer:
     # -- life cycle -----------------------------------------------------------------
     async def start(self) -> None:
         loop = self._loop = asyncio.get_running_loop()
+        if self.credentials.open and not is_loopback(self.config.host) and not self.config.allow_unauthenticated:
+            # as Redis's protected mode: no credentials, so listen on loopback only
+            raise PermissionError(
+                f"refusing to listen on {self.config.host} without credentials: anyone who can reach it could "
+                f"take every lock. Give --credentials FILE (see `fastlock credentials init`), listen on "
+                f"127.0.0.1, or pass --allow-unauthenticated")
         if self.role == "primary" and self.node_state.standby_of:
             raise DataDirInUse(
                 f"{self.config.data_dir} belongs to a standby of {self.node_state.standby_of}: start it with "
@@ -326,6 +396,14 @@ class LockServer:
             sockname[0], sockname[1], __version__, self.role, self.config.fsync,
             os.path.abspath(self.config.data_dir),
         )
+        creds = self.credentials
+        if creds.open:
+            log.warning("open mode (no --credentials): every connection is the anonymous client with every "
+                        "lock name; replica and admin operations are refused")
+        else:
+            log.info("credentials: %d principals from %s%s%s", len(creds.principals), creds.source,
+                     ", shared secret accepted" if creds.shared_secret_hash is not None else "",
+                     ", anonymous clients allowed" if creds.anonymous is not None else "")
         if self.follower is not None:
             self.follower.start()
 
@@ -511,6 +589,9 @@ class LockServer:
         try:
             if handler is None:
                 raise ProtocolError(f"unknown operation {op}")
+            need = _PERMISSION.get(op, "admin")
+            if need is not None and (conn.kind != "admin" or need == "replica"):
+                self._authorize(conn, op, need, msg)
             handler(conn, req_id, msg)
         except FastlockError as exc:
             conn.send(P.packb([req_id, exc.code, str(exc), getattr(exc, "primary", None)]))
@@ -523,28 +604,101 @@ class LockServer:
             conn.send(P.packb([req_id, ProtocolError.code, "internal server error", None]))
 
     @staticmethod
+    def _authorize(conn: _Connection, op: int, need: str, msg: list) -> None:
+        """Refuse (PermissionDenied) what ``conn``'s principal is not granted (admins come here
+        only for replica operations, which they are not granted either)."""
+        if need == "replica" or need == "admin":
+            if conn.kind != need:
+                raise PermissionDenied(f"{P.OP_NAMES[op]} needs {_ARTICLE[need]} {need} principal; "
+                                       f"{conn.principal!r} is {_ARTICLE[conn.kind]} {conn.kind}")
+            return
+        if conn.kind != "client":
+            raise PermissionDenied(f"{P.OP_NAMES[op]} needs a client principal; "
+                                   f"{conn.principal!r} is {_ARTICLE[conn.kind]} {conn.kind}")
+        name = msg[2] if len(msg) > 2 else None
+        if type(name) is str and not conn.grant.allows(need, name):
+            # a name of the wrong type is left to the handler's validation (no state change either way)
+            raise PermissionDenied(f"principal {conn.principal!r} may not {need} {name!r}")
+
+    @staticmethod
     def _arity(msg: list, n: int, op: str) -> None:
         if len(msg) != n + 2:
             raise ProtocolError(f"{op} takes {n} arguments, got {len(msg) - 2}")
 
     def _op_hello(self, conn: _Connection, req_id: int, msg: list) -> None:
+        """HELLO: version, client name, credentials, and (from a standby) its epoch.
+
+        Credentials are a token (str: a principal's token or the legacy shared
+        secret), None (the verified mTLS certificate's identity if the
+        credentials map it, else the anonymous principal if allowed), or a
+        standby's ``{"principal", "challenge"}``: the primary then answers with
+        its proof (see :mod:`fastlock.auth`) and the connection stays
+        unauthenticated until a HELLO with the token follows.
+        """
         if len(msg) not in (5, 6):
             raise ProtocolError(f"hello takes 3 or 4 arguments, got {len(msg) - 2}")
-        version, client_name, secret = msg[2], msg[3], msg[4]
+        version, client_name, credential = msg[2], msg[3], msg[4]
         known_epoch = msg[5] if len(msg) == 6 else None
         if version != P.PROTOCOL_VERSION:
             raise ProtocolError(f"protocol version {version!r} not supported (server speaks {P.PROTOCOL_VERSION})")
-        conn.client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
-        expected = self.config.auth_secret
-        if expected is not None:
-            if type(secret) is not str or not hmac.compare_digest(secret.encode(), expected.encode()):
-                log.warning("auth refused for %s (%s)", conn.peer, conn.client_name)
-                raise AuthError("authentication failed")
+        client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
+        failures = self.auth_failures
+        banned = failures.banned_for(conn.peer_host)
+        if banned > 0:
+            failures.refused_while_banned(conn.peer_host)
+            raise AuthError(f"too many failed authentications from this address: retry in {banned:.0f} s")
+        if type(credential) is dict:
+            conn.send(P.encode_ok(req_id, self._primary_proof(conn, credential, client_name)))
+            return
+        principal = self._authenticate(conn, credential, client_name)
+        if conn.ready and principal.name != conn.principal:
+            raise ProtocolError(f"this connection is authenticated as {conn.principal!r}; "
+                                f"open a new one to act as {principal.name!r}")
+        conn.client_name = client_name
+        conn.principal = principal.name
+        conn.kind = principal.kind
+        conn.grant = principal
         conn.ready = True
-        if type(known_epoch) is int and known_epoch > self.table.epoch and self.role == "primary":
-            self._step_down(f"client {conn.client_name or conn.peer} has seen epoch {known_epoch}", known_epoch)
-        log.debug("session %d hello from %s (%s)", conn.session, conn.peer, conn.client_name)
+        if (conn.kind == "replica" and type(known_epoch) is int and self.table.epoch < known_epoch < _EPOCH_LIMIT
+                and self.role == "primary" and self.source.may_announce_epoch(conn.principal)):
+            self._step_down(f"replica {conn.principal} announced epoch {known_epoch}", known_epoch)
+        log.debug("session %d hello from %s: principal %s (%s), client name %r", conn.session, conn.peer,
+                  conn.principal, conn.kind, conn.client_name)
         conn.send(P.encode_ok(req_id, self._hello_info(conn)))
+
+    def _authenticate(self, conn: _Connection, credential: Any, client_name: str | None) -> Principal:
+        creds = self.credentials
+        principal = None
+        if credential is None:
+            if conn.peer_cert_identity is not None:
+                principal = creds.by_cert_identity(conn.peer_cert_identity)
+            if principal is None:
+                principal = creds.anonymous
+            reason = "no token, and anonymous connections are not allowed"
+        elif type(credential) is str and 0 < len(credential) <= 1024:
+            principal = creds.authenticate(credential)
+            if principal is None and creds.open:
+                principal = creds.anonymous  # open mode: a token cannot be checked, and is not needed
+            reason = "unknown token"
+        else:
+            reason = "the credential must be a token string (1..1024 characters) or None"
+        if principal is None:
+            self.auth_failures.failed(conn.peer_host, f"client name {client_name!r}", reason)
+            raise AuthError(f"authentication failed: {reason}")
+        return principal
+
+    def _primary_proof(self, conn: _Connection, credential: dict, client_name: str | None) -> dict:
+        """A standby's challenge: prove that this node holds the standby's credential."""
+        name = credential.get("principal")
+        challenge = credential.get("challenge")
+        replica = self.credentials.replica(name)
+        if (replica is None or type(challenge) is not bytes
+                or not MIN_CHALLENGE_BYTES <= len(challenge) <= MAX_CHALLENGE_BYTES):
+            self.auth_failures.failed(conn.peer_host, f"client name {client_name!r}",
+                                      "challenge for an unknown replica principal, or a malformed challenge")
+            raise AuthError("authentication failed: no replica principal of that name, or a malformed challenge "
+                            f"({MIN_CHALLENGE_BYTES}..{MAX_CHALLENGE_BYTES} bytes)")
+        return {"principal": replica.name, "proof": primary_proof(replica.proof_key, replica.name, challenge)}
 
     def _hello_info(self, conn: _Connection) -> dict:
         return {
@@ -557,13 +711,15 @@ class LockServer:
             "primary": self.follower.primary_address if self.follower is not None and self.role == "standby" else None,
             "fenced": self.source.fenced,
             "max_frame_bytes": self.config.max_frame_bytes,
+            "principal": conn.principal,
+            "kind": conn.kind,
         }
 
     def _op_acquire(self, conn: _Connection, req_id: int, msg: list) -> None:
         if len(msg) != 8:
             raise ProtocolError(f"acquire takes 6 arguments, got {len(msg) - 2}")
         name = P.check_name(msg[2])
-        owner = P.check_owner(msg[3])
+        owner = hash_owner(P.check_owner(msg[3]))  # only the hash is kept, logged and replicated
         ttl_ms = P.check_ttl_ms(msg[4])
         wait_ms = P.check_wait_ms(msg[5])
         delay_ms = P.check_lock_delay_ms(msg[6])
@@ -581,7 +737,7 @@ class LockServer:
             self.max_ttl_ms = ttl_ms
             self.node_state.raise_ttl(ttl_ms)  # rare: only a new longest TTL writes
         status = table.acquire(name, owner, conn.session, req_id, ttl_ms, wait_ms, delay_ms,
-                               (conn.client_name, corr), now)
+                               (self._recorded_client(conn), corr), now)
         if status == NOT_ACQUIRED:
             if now < self.grace_until_ms:
                 raise LockNotAcquired(f"{name!r}: no grants during the promotion grace period "
@@ -592,7 +748,7 @@ class LockServer:
         self._arity(msg, 3, "release")
         name = P.check_name(msg[2])
         token = P.check_token(msg[3])
-        owner = P.check_owner(msg[4])
+        owner = hash_owner(P.check_owner(msg[4]))
         self._must_be_primary()
         table = self.table
         now = now_ms()
@@ -611,7 +767,7 @@ class LockServer:
         self._arity(msg, 4, "extend")
         name = P.check_name(msg[2])
         token = P.check_token(msg[3])
-        owner = P.check_owner(msg[4])
+        owner = hash_owner(P.check_owner(msg[4]))
         ttl_ms = P.check_ttl_ms(msg[5])
         table = self.table
         now = now_ms()
@@ -643,7 +799,9 @@ class LockServer:
     def _op_cancel(self, conn: _Connection, req_id: int, msg: list) -> None:
         self._arity(msg, 2, "cancel")
         name = P.check_name(msg[2])
-        owner = P.check_owner(msg[3])
+        # The owner key is the proof of ownership: only its hash is stored, so only the client
+        # that made the key can match it (a hash read from a replica's stream is hashed again).
+        owner = hash_owner(P.check_owner(msg[3]))
         self._must_be_primary()
         table = self.table
         now = now_ms()
@@ -674,9 +832,16 @@ class LockServer:
 
     def _notify(self, name: str, what: str, token: int, meta: tuple | None) -> None:
         client, corr = meta if meta else (None, None)
-        data = P.encode_push(P.PUSH_WATCH, [name, what, token, client, corr])
+        principal, client = _split_recorded_client(client)
+        data = P.encode_push(P.PUSH_WATCH, [name, what, token, client, corr, principal])
         for conn in self._watchers[name]:
             conn.send(data)
+
+    @staticmethod
+    def _recorded_client(conn: _Connection) -> str:
+        """What grants record as their client: ``principal:client name`` - the authenticated
+        principal first, so the self-declared name is never mistaken for it."""
+        return conn.principal if conn.client_name is None else f"{conn.principal}:{conn.client_name}"
 
     def _holder_info(self, name: str) -> dict | None:
         now = now_ms()
@@ -684,8 +849,9 @@ class LockServer:
         if h is None:
             return None
         client, corr = h.meta if h.meta else (None, None)
-        return {"token": h.token, "client": client, "correlation_id": corr, "ttl_ms": h.ttl_ms,
-                "remaining_ms": h.deadline_ms - now}
+        principal, client = _split_recorded_client(client)
+        return {"token": h.token, "principal": principal, "client": client, "correlation_id": corr,
+                "ttl_ms": h.ttl_ms, "remaining_ms": h.deadline_ms - now}
 
     def _op_watch(self, conn: _Connection, req_id: int, msg: list) -> None:
         self._arity(msg, 1, "watch")
@@ -731,9 +897,18 @@ class LockServer:
         from_lsn, incarnation, failover_after_ms, name = msg[2], msg[3], msg[4], msg[5]
         if type(from_lsn) is not int or type(failover_after_ms) is not int or failover_after_ms < 0:
             raise InvalidArgument("replicate takes from_lsn:int, incarnation, failover_after_ms:int >= 0, name")
+        name = P.check_optional_str(name, "standby name", P.MAX_CLIENT_NAME_CHARS)
+        if not name:
+            raise InvalidArgument("a standby must name itself ([label@]node id)")
         self._must_be_primary()
-        self.source.attach(conn, req_id, from_lsn, incarnation, failover_after_ms,
-                           P.check_optional_str(name, "standby name", P.MAX_CLIENT_NAME_CHARS))
+        # Pairing goes by the authenticated replica principal, plus the node id it declares
+        # (which the credentials may pin): one replica credential cannot pose as another standby.
+        label, _, node = name.rpartition("@")
+        pinned = conn.grant.node_id
+        if pinned is not None and node != pinned:
+            raise PermissionDenied(f"replica principal {conn.principal!r} may only attach as node {pinned!r}")
+        identity = f"{label}@{conn.principal}/{node}" if label else f"{conn.principal}/{node}"
+        self.source.attach(conn, req_id, from_lsn, incarnation, failover_after_ms, identity)
 
     def _op_repl_ack(self, conn: _Connection, req_id: int, msg: list) -> None:
         self._arity(msg, 2, "repl_ack")
@@ -851,7 +1026,12 @@ class LockServer:
         self.node_state.raise_epoch(known_epoch)
 
     def _op_status(self, conn: _Connection, req_id: int, msg: list) -> None:
-        conn.send(P.encode_ok(req_id, self.status()))
+        st = self.status()
+        if conn.kind == "client":
+            # who the standby is and how it pairs is for operators and peers only
+            repl = st.pop("replication")
+            st["replication"] = {"fenced": repl.get("fenced", False)} if "fenced" in repl else {}
+        conn.send(P.encode_ok(req_id, st))
 
     def _op_ping(self, conn: _Connection, req_id: int, msg: list) -> None:
         conn.send(P.encode_ok(req_id, None))

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fastlock import protocol as P
-from fastlock._testbase import ServerProcess
+from fastlock._testbase import CredentialsDir, ServerProcess
 from fastlock.errors import ConnectionLost, error_from_wire
 
 
@@ -256,11 +256,16 @@ class RawNode:
 
     @classmethod
     async def open(cls, address: str, *, known_epoch: int | None = None, name: str = "raw",
-                   timeout: float = 5.0) -> "RawNode":
+                   timeout: float = 5.0, token: str | None | type = ...) -> "RawNode":
+        """``token``: the credential for HELLO (default: the token in the file named by
+        ``FASTLOCK_TOKEN_FILE`` - a :class:`Cluster` sets it to its admin's - else None)."""
+        if token is ...:
+            path = os.environ.get("FASTLOCK_TOKEN_FILE")
+            token = Path(path).read_text().strip() if path else None
         node = cls(address)
         node._reader, node._writer = await asyncio.wait_for(asyncio.open_connection(node.host, node.port), timeout)
         node._task = asyncio.ensure_future(node._read())
-        args: list[Any] = [P.PROTOCOL_VERSION, name, None]
+        args: list[Any] = [P.PROTOCOL_VERSION, name, token]
         if known_epoch is not None:
             args.append(known_epoch)
         try:
@@ -347,22 +352,42 @@ class RawNode:
 
 
 class Cluster:
-    """Real ``fastlock serve`` processes and proxies for one test; :meth:`stop_all` ends them."""
+    """Real ``fastlock serve`` processes and proxies for one test; :meth:`stop_all` ends them.
+
+    Every server gets the same credentials file (:attr:`creds`) and its own replica
+    principal (by server name: :meth:`replica_of`); while the cluster runs,
+    ``FASTLOCK_TOKEN_FILE`` names the admin's token, so ``fastlock`` commands,
+    clients and :class:`RawNode` act as the admin unless told otherwise.
+    """
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self.servers: list[ServerProcess] = []
         self.proxies: list[TcpProxy] = []
+        self.creds = CredentialsDir(self.root / "credentials")
+        self._replicas: dict[str, str] = {}
+        self._saved_env = os.environ.get("FASTLOCK_TOKEN_FILE")
+        os.environ["FASTLOCK_TOKEN_FILE"] = self.creds.token_file("admin")
+
+    def replica_of(self, name: str) -> str:
+        """The replica principal of the server called ``name``."""
+        if name not in self._replicas:
+            self._replicas[name] = self.creds.next_replica()
+        return self._replicas[name]
+
+    def auth_args(self, name: str) -> list[str]:
+        return self.creds.server_args(self.replica_of(name))
 
     def primary(self, name: str = "primary", *, args: Sequence[str] = (), **kw) -> ServerProcess:
-        return self._start(ServerProcess(self.root / name, args=["--name", name, *args], **kw))
+        return self._start(ServerProcess(self.root / name, args=["--name", name, *self.auth_args(name), *args],
+                                         **kw))
 
     def standby(self, of: str, name: str = "standby", *, failover_after: float | None = None,
                 grace: float | None = None, args: Sequence[str] = (), wait_sync: bool = True,
                 **kw) -> ServerProcess:
         """Start a standby of ``of`` (an address: a primary's or a proxy's); by default
         wait until it has attached (its "replicating from" log line)."""
-        argv = ["--standby-of", of, "--name", name]
+        argv = ["--standby-of", of, "--name", name, *self.auth_args(name)]
         if failover_after is not None:
             argv += ["--failover-after", str(failover_after)]
         if grace is not None:
@@ -389,6 +414,10 @@ class Cluster:
         return srv.start()
 
     def stop_all(self) -> None:
+        if self._saved_env is None:
+            os.environ.pop("FASTLOCK_TOKEN_FILE", None)
+        else:
+            os.environ["FASTLOCK_TOKEN_FILE"] = self._saved_env
         for px in self.proxies:
             px.close()
         for srv in self.servers:

@@ -545,10 +545,13 @@ def test_delayed_replicate_from_a_promoted_standby_does_not_unfence_the_primary(
         await promoted
         st = await status_of(p.address)
         last_token = st["last_token"]
-        standby_id = st["replication"]["paired_standby"]  # the real standby's identity
-        # the late message: [id, REPLICATE, from_lsn, incarnation, failover_after_ms, name], then gone
-        ghost = await RawNode.open(p.address, name="standby:standby")
-        await ghost.request(P.OP_REPLICATE, 0, None, int(FAILOVER * 1000), standby_id)
+        paired = st["replication"]["paired_standby"]  # "label@replica principal/node id"
+        # the late message: [id, REPLICATE, from_lsn, incarnation, failover_after_ms, name], then gone,
+        # over a connection authenticated with the real standby's credential
+        ghost = await RawNode.open(p.address, name="standby:standby",
+                                   token=cluster.creds.token(cluster.replica_of("standby")))
+        await ghost.request(P.OP_REPLICATE, 0, None, int(FAILOVER * 1000),
+                            f"standby@{paired.rpartition('/')[2]}")
         await ghost.close()
         probe = await RawNode.open(p.address)
         try:
@@ -591,7 +594,7 @@ def test_old_primary_rejoins_as_standby_of_the_new_one_and_fails_back(cluster):
 
         # the old primary comes back as a standby of the new one
         old = await asyncio.to_thread(
-            lambda: cluster._start(type(p)(p.data_dir, args=["--standby-of", s.address, "--name", "old",
+            lambda: cluster._start(type(p)(p.data_dir, args=["--standby-of", s.address, "--name", "old", *cluster.auth_args("primary"),
                                                              "--failover-after", str(FAILOVER),
                                                              "--promotion-grace", str(GRACE)])))
         await asyncio.to_thread(old.wait_for_log, r"applied snapshot at primary LSN \d+: 3 leases, epoch 1", 10)
@@ -723,7 +726,10 @@ def test_standby_gone_primary_fences_until_serve_alone(cluster):
 # --------------------------------------------------------------------------- the client's part
 
 
-def test_client_that_saw_the_new_epoch_deposes_the_old_primary(cluster):
+def test_client_that_saw_the_new_epoch_does_not_depose_the_old_primary_which_stays_fenced(cluster):
+    """A client's epoch hint is never trusted to depose a node (issue 9: one HELLO with a
+    high epoch deposed a primary for good); the old primary is kept from granting by its
+    own fence instead - it is paired and its standby went silent."""
     p = cluster.primary()
     s = cluster.standby(p.address, failover_after=FAILOVER, grace=GRACE)
 
@@ -740,6 +746,6 @@ def test_client_that_saw_the_new_epoch_deposes_the_old_primary(cluster):
             with pytest.raises((ConnectionLost, Unavailable, NotPrimary)):
                 await c.acquire("y", ttl=2.0, wait=0)
         st = await status_of(p.address)
-        assert st["role"] == "deposed", f"old primary still acts as {st['role']} at epoch {st['epoch']}"
+        assert st["role"] == "primary" and st["epoch"] == 0 and st["replication"]["fenced"], st
 
     run(main())

@@ -274,18 +274,30 @@ def test_a_primary_that_sees_a_higher_epoch_steps_down(cluster):
             await same.acquire("other", LONG)
         finally:
             await same.close()
-        # a raw HELLO [1, HELLO, version, name, secret, known_epoch] with epoch 1 > 0
-        newer = await RawNode.open(p.address, known_epoch=1)
+        # an epoch hint from a client or an admin deposes nothing (issue 9: one HELLO deposed a primary)
+        for credential in (None, cluster.creds.token("app"), cluster.creds.token("admin")):
+            hint = await RawNode.open(p.address, known_epoch=2**63 - 1, token=credential)
+            try:
+                assert hint.hello["role"] == "primary"
+                await hint.acquire(f"hint-{hint.hello['principal']}", LONG)
+            finally:
+                await hint.close()
+        # a raw HELLO [1, HELLO, version, name, token, known_epoch] from a replica with epoch 1 > 0
+        newer = await RawNode.open(p.address, known_epoch=1, token=cluster.creds.token(cluster.replica_of("peer")))
         try:
             assert newer.hello["role"] == "deposed"
-            for op in (newer.acquire("x", LONG), newer.extend("held", token, owner, LONG),
-                       newer.release("held", token, owner)):
+        finally:
+            await newer.close()
+        holder = await RawNode.open(p.address, token=None)
+        try:
+            for op in (holder.acquire("x", LONG), holder.extend("held", token, owner, LONG),
+                       holder.release("held", token, owner)):
                 with pytest.raises(NotPrimary) as info:
                     await op
                 assert info.value.primary is None
         finally:
-            await newer.close()
-        await asyncio.to_thread(p.wait_for_log, r"stepping down: client .* has seen epoch 1", 5)
+            await holder.close()
+        await asyncio.to_thread(p.wait_for_log, r"stepping down: replica node-\d+ announced epoch 1", 5)
         # for good: every later connection finds it deposed
         again = await RawNode.open(p.address)
         try:
