@@ -493,7 +493,7 @@ def _write_private(path: str, text: str) -> None:
 class AuthFailures:
     """Per source address: ban after repeated failed authentications; flood-proof logging.
 
-    After ``max_failures`` failures from one address within ``window_s``
+    After ``max_failures`` failures (0: never ban) from one address within ``window_s``
     seconds, that address is banned for ``ban_s`` seconds (doubling with each
     further ban, up to ``max_ban_s``): its HELLOs are refused without looking
     at the token, so guessing is bounded to ``max_failures`` tries per ban.  At
@@ -544,7 +544,7 @@ class AuthFailures:
         if entry[1] == 1:
             log.warning("authentication failed from %s (%s): %s; further failures from it are summarised",
                         address, who, reason)
-        elif entry[1] >= self.max_failures and entry[2] <= now:
+        elif self.max_failures and entry[1] >= self.max_failures and entry[2] <= now:
             ban = min(self.max_ban_s, self.ban_s * (2 ** entry[3]))
             entry[2] = now + ban
             entry[3] += 1

@@ -120,6 +120,9 @@ def _build_parser() -> argparse.ArgumentParser:
                         "--standby-of; keep it for a primary too, for when it is restarted as a standby)")
     s.add_argument("--allow-unauthenticated", action="store_true",
                    help="allow open mode (no --credentials) on a non-loopback address (protected mode off)")
+    s.add_argument("--auth-failures-before-ban", type=int, default=5, metavar="N",
+                   help="after N failed authentications within 60 s, refuse every HELLO from that address for "
+                        "1 s, doubling with each ban up to 300 s (default 5; 0: never ban)")
     s.add_argument("--auth-secret-file", metavar="FILE",
                    help="legacy: a shared secret (or env FASTLOCK_AUTH_SECRET) that makes a client of every "
                         "lock; not a replica nor an admin. Prefer --credentials")
@@ -267,6 +270,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         credentials=credentials,
         standby_token=standby_token,
         allow_unauthenticated=args.allow_unauthenticated,
+        auth_failures_before_ban=max(0, args.auth_failures_before_ban),
         max_frame_bytes=args.max_frame_bytes,
         max_waiters_per_connection=args.max_waiters_per_connection,
         standby_of=args.standby_of,

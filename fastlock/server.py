@@ -109,6 +109,7 @@ class ServerConfig:
     credentials: Credentials | None = None  # principals (None: open mode, or only the shared secret)
     allow_unauthenticated: bool = False  # open mode on a non-loopback address (protected mode off)
     standby_token: str | None = None  # this node's replica token, to follow a primary
+    auth_failures_before_ban: int = 5  # failed HELLOs from one address before it is banned (0: never)
     max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES
     max_waiters_per_connection: int = 10_000
     standby_of: tuple[str, int] | None = None  # run as a standby of this primary
@@ -279,7 +280,7 @@ class LockServer:
         if config.auth_secret is not None:
             credentials = credentials.with_shared_secret(config.auth_secret)
         self.credentials = credentials
-        self.auth_failures = AuthFailures()
+        self.auth_failures = AuthFailures(max_failures=config.auth_failures_before_ban)
         self.grace_until_ms = 0
         #: the longest TTL this node has granted, extended or recovered (ms): a
         #: standby's default promotion grace (sent in heartbeats)
