@@ -187,7 +187,7 @@ class Generator:
                 out.append(rng.choice([0, 1, 2, 2**22, 2**63 - 1, -1, None, "9"]))
             return out
         if op == P.OP_ACQUIRE:
-            wait = rng.choice([0, 0, 0, -1]) if rng.random() < 0.9 else rng.choice([10, -2, 1 << 40, None])
+            wait = rng.choice([0, 0, 0, -1]) if rng.random() < 0.9 else rng.choice([-2, 86_400_001, 1 << 40, None, 1.5])
             delay = 0 if rng.random() < 0.9 else rng.choice([-1, 60_001, 1.0])
             return [name, self.owner(), ttl, wait, delay, rng.choice([None, "corr", 7])]
         if op == P.OP_RELEASE:

@@ -44,16 +44,23 @@ own clock.  The standby also sees F of silence only after the primary's last
 heartbeat, which was sent after the echoed time - so the standby promotes
 after the primary has stopped.
 
-A node that learns of a higher epoch than its own (a client's or a standby's
-HELLO carries the highest epoch it has seen) steps down: it refuses every lock
+A node that learns of a higher epoch than its own from its paired standby's
+replica principal (a standby's HELLO carries the highest epoch it has seen;
+clients' and admins' epoch hints are ignored) steps down: it refuses every lock
 operation from then on, and records it in ``deposed.json`` (fsynced before it
 answers) so that a restart does not bring it back as a primary.
 
 Pairing and promotion rules (each one closes a split brain found by testing):
 
-* one standby per primary, identified by its ``node-id`` file; the primary pairs
-  with it on its first echoed heartbeat and persists that in ``pairing.json``;
-  a second standby, or a live clone with the same id, is refused;
+* only an authenticated replica principal may attach, acknowledge or announce
+  an epoch (see :mod:`fastlock.auth`); before the standby sends its token, the
+  primary proves it holds the standby's credential (a challenge-response), so
+  a standby never follows, nor takes a snapshot from, an impostor;
+* one standby per primary, identified by its replica principal and its
+  ``node-id`` file (``label@principal/node-id``, composed by the primary); the
+  primary pairs with it on its first echoed heartbeat and persists that in
+  ``pairing.json``; a second standby, or a live clone with the same identity, is
+  refused;
 * the primary's heartbeats say whom it is paired with and with which window;
   a standby fails over automatically only once that confirms the pairing;
 * a manual promotion asks the primary to step down and waits for the answer;
@@ -64,9 +71,11 @@ Pairing and promotion rules (each one closes a split brain found by testing):
 
 Wire messages (see :mod:`fastlock.protocol` for the framing)::
 
-    standby -> primary  [id, REPLICATE, from_lsn, incarnation|None, failover_after_ms, standby_name|None]
+    standby -> primary  [id, HELLO, version, name, {"principal", "challenge"}]      -> {"principal", "proof"}
+                        [id, HELLO, version, name, replica_token, epoch]          -> hello info
+                        [id, REPLICATE, from_lsn, incarnation|None, failover_after_ms, "[label@]node_id"]
                         [id, REPL_ACK, echoed_primary_ms, applied_lsn]          (no reply)
-    primary -> standby  [0, "snap", [lsn, epoch, counter, holders, incarnation]]
+    primary -> standby  [0, "snap", [lsn, epoch, counter, holders, incarnation]]   (owner keys as hashes)
                         [0, "repl", [first_lsn, last_lsn, frames]]               (WAL batch bytes)
                         [0, "hb",   [primary_ms, last_lsn, epoch, longest_ttl_ms, paired_id, paired_window_ms]]
 """
