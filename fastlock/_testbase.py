@@ -180,16 +180,18 @@ class CredentialsDir:
     ``node-<replicas>``, and the anonymous client with every name (so code that
     connects without a token keeps working).  :attr:`file` is the credentials
     file for ``--credentials``; :meth:`token_file` and :meth:`token` give a
-    principal's token.
+    principal's token.  ``cert_identities`` maps principals to mutual-TLS
+    certificate CNs.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, replicas: int = 8, anonymous: bool = True):
+    def __init__(self, directory: str | os.PathLike, *, replicas: int = 8, anonymous: bool = True,
+                 cert_identities: dict | None = None):
         from .auth import generate
 
         self.directory = Path(directory)
         self.paths = generate(self.directory, clients=[("app", "")],
                               replicas=[f"node-{i}" for i in range(1, replicas + 1)], admins=["admin"],
-                              anonymous_prefix="" if anonymous else None)
+                              anonymous_prefix="" if anonymous else None, cert_identities=cert_identities)
         self.file = str(self.directory / "credentials.toml")
         self._next_replica = 1
         self.replicas = replicas

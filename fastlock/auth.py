@@ -427,12 +427,15 @@ def _toml_str(value: str) -> str:
 
 def generate(directory: str | os.PathLike, *, clients: Iterable[tuple[str, str]] = (("app", ""),),
              replicas: Iterable[str] = ("node-a", "node-b"), admins: Iterable[str] = ("admin",),
-             anonymous_prefix: str | None = None) -> dict[str, str]:
+             anonymous_prefix: str | None = None,
+             cert_identities: dict[str, Iterable[str]] | None = None) -> dict[str, str]:
     """Make ``DIR/credentials.toml`` and one ``DIR/<principal>.token`` per principal.
 
     ``clients`` are ``(name, prefix)`` pairs (the client may do every client
     operation on names starting with ``prefix``); ``anonymous_prefix``, when
     not None, lets connections without a token act as a client on that prefix.
+    ``cert_identities`` maps principals to the subject CNs of mutual-TLS client
+    certificates that authenticate as them (no token needed).
     The directory is made 0700 and every file 0600; existing files are never
     overwritten (CredentialsError).  Returns ``{principal: token file path}``.
     """
@@ -442,11 +445,15 @@ def generate(directory: str | os.PathLike, *, clients: Iterable[tuple[str, str]]
     entries: list[tuple[str, str, str | None]] = [(n, "client", p) for n, p in clients]
     entries += [(n, "replica", None) for n in replicas]
     entries += [(n, "admin", None) for n in admins]
+    certs = {k: list(v) for k, v in (cert_identities or {}).items()}
     seen = set()
     for name, _, _ in entries:
         if not _PRINCIPAL_NAME.match(name) or name == ANONYMOUS or name in seen:
             raise CredentialsError(f"bad or repeated principal name {name!r}")
         seen.add(name)
+    unknown = set(certs) - seen
+    if unknown:
+        raise CredentialsError(f"certificate identities for unknown principals {sorted(unknown)}")
     targets = [os.path.join(directory, "credentials.toml")] + [os.path.join(directory, f"{n}.token")
                                                                 for n, _, _ in entries]
     for path in targets:
@@ -466,6 +473,8 @@ def generate(directory: str | os.PathLike, *, clients: Iterable[tuple[str, str]]
             lines.append(f'acl = [{{prefix = {_toml_str(prefix or "")}, ops = ["*"]}}]')
         if kind == "replica":
             lines.append(f'primary_proof_key = "{primary_proof_key(token).hex()}"')
+        if certs.get(name):
+            lines.append(f"cert_identities = [{', '.join(_toml_str(cn) for cn in certs[name])}]")
         lines.append("")
     if anonymous_prefix is not None:
         lines += [f"[principals.{ANONYMOUS}]", 'kind = "client"',

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import os
 import random
+import ssl
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -36,6 +37,7 @@ from .errors import (
     WrongArgumentType,
     error_from_wire,
 )
+from .tls import client_ssl_context
 
 if TYPE_CHECKING:  # pragma: no cover
     from .election import Election
@@ -339,7 +341,9 @@ class _ClientProtocol(asyncio.Protocol):
                 fut.set_exception(error_from_wire(msg[1], msg[2], msg[3] if len(msg) > 3 else None))
 
     def connection_lost(self, exc):
-        self.fail(ConnectionLost("connection to the fastlock server lost"))
+        # exc tells e.g. that a TLS server refused this client's certificate
+        self.fail(ConnectionLost(f"connection to the fastlock server lost: {exc}" if exc else
+                                 "connection to the fastlock server lost"))
 
     def fail(self, error: ConnectionLost) -> None:
         """Mark the connection dead now: every pending request raises ``error``,
@@ -397,7 +401,9 @@ class Client:
 
     def __init__(self, addresses: Iterable[Any], *, auth: str | None = None, client_name: str | None = None,
                  connect_timeout: float = 5.0, request_timeout: float | None = 5.0, token: str | None = None,
-                 token_file: str | os.PathLike | None = None):
+                 token_file: str | os.PathLike | None = None,
+                 tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, server_hostname: str | None = None):
         self._addresses = [_parse_address(a) for a in addresses]
         if not self._addresses:
             raise InvalidArgument("connect() needs at least one address")
@@ -405,6 +411,13 @@ class Client:
         self._client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
         self._connect_timeout = _check_timeout(connect_timeout, "connect_timeout", allow_none=False)
         self._request_timeout = _check_timeout(request_timeout, "request_timeout", allow_none=True)
+        self._ssl = client_ssl_context(tls, tls_ca, tls_cert, tls_key)
+        if server_hostname is not None:
+            if type(server_hostname) is not str or not server_hostname:
+                raise WrongArgumentType(f"server_hostname must be a non-empty str, not {server_hostname!r}")
+            if self._ssl is None:
+                raise InvalidArgument("server_hostname is only meaningful with TLS")
+        self._server_hostname = server_hostname
         self._proto: _ClientProtocol | None = None
         self._connecting: asyncio.Future | None = None  # result of the connection attempt in progress
         self._connect_task: asyncio.Task | None = None
@@ -513,7 +526,7 @@ class Client:
             try:
                 _, proto = await asyncio.wait_for(
                     loop.create_connection(lambda: _ClientProtocol(self._on_connection_lost, addr),
-                                           addr[0], addr[1]),
+                                           addr[0], addr[1], **self._tls_arguments(addr)),
                     self._connect_timeout,
                 )
             except asyncio.TimeoutError:
@@ -542,7 +555,9 @@ class Client:
                 continue
             except ConnectionLost as exc:
                 proto.abort(exc)
-                errors.append(f"{addr[0]}:{addr[1]}: handshake failed: {exc}")
+                hint = " (a TLS server that requires client certificates closes the connection when it " \
+                       "refuses this client's)" if self._ssl is not None else ""
+                errors.append(f"{addr[0]}:{addr[1]}: handshake failed: {exc}{hint}")
                 continue
             except BaseException:
                 proto.abort(ConnectionLost("handshake failed"))
@@ -566,6 +581,13 @@ class Client:
             log.debug("connected to %s:%d (session %s)", addr[0], addr[1], info.get("session"))
             return proto, info
         raise ConnectionLost("could not connect to a fastlock primary: " + "; ".join(errors))
+
+    def _tls_arguments(self, addr: tuple[str, int]) -> dict:
+        """``create_connection`` arguments for TLS to ``addr`` (none for plain TCP): the
+        certificate must name ``server_hostname``, or else the address's host."""
+        if self._ssl is None:
+            return {}
+        return {"ssl": self._ssl, "server_hostname": self._server_hostname or addr[0]}
 
     def _on_connection_lost(self, proto: _ClientProtocol) -> None:
         if self._proto is proto:
@@ -1323,7 +1345,9 @@ def resolve_credential(*, token: str | None = None, token_file: str | os.PathLik
 
 def connect(*addresses: Any, auth: str | None = None, client_name: str | None = None,
             connect_timeout: float = 5.0, request_timeout: float | None = 5.0, token: str | None = None,
-            token_file: str | os.PathLike | None = None) -> _ConnectContext:
+            token_file: str | os.PathLike | None = None,
+            tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+            tls_key: str | None = None, server_hostname: str | None = None) -> _ConnectContext:
     """Connect to a fastlock primary.
 
     Args:
@@ -1344,11 +1368,34 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
             dropped and everything pending on it raises ``ConnectionLost``
             (a ``PING`` goes out after a third of it; an idle connection is
             left alone).  ``None`` disables the check.  See :class:`Client`.
+        tls: ``True`` to connect over TLS, verifying the server's certificate
+            (against ``tls_ca``, or the system's trust store) and its host
+            name; an ``ssl.SSLContext`` to use as it is; ``False`` for plain
+            TCP.  Default ``None``: TLS if any ``tls_*`` file is given.
+        tls_ca: PEM file of the CA(s) that sign the servers' certificates.
+        tls_cert: PEM file of this client's certificate, for servers that
+            require one (mutual TLS); the key may be in the same file.
+        tls_key: PEM file of that certificate's private key.
+        server_hostname: the name the server certificates must carry (default:
+            the host of each address, so an IP address must be in the
+            certificate's subjectAltName).
+
+    Example::
+
+        async with fastlock.connect("10.0.0.5:7420", tls_ca="ca.pem",
+                                    tls_cert="app.pem", tls_key="app-key.pem") as client:
+            ...
 
     Raises (when awaited):
-        ConnectionLost: no address accepted a connection as primary.
+        ConnectionLost: no address accepted a connection as primary (an
+            untrusted server certificate, or one refusing this client's, is
+            named in the message).
         AuthError: the token or secret was refused (or needed and missing).
-        CredentialsError: ``token_file`` cannot be read or is empty (at once).
+
+    Raises at once: ``InvalidArgument`` for contradictory TLS arguments;
+    ``OSError`` (``ssl.SSLError`` included) when a TLS file cannot be read
+    or is not a matching PEM certificate/key; ``CredentialsError`` when
+    ``token_file`` cannot be read or is empty.
 
     Operations the principal is not granted raise :class:`PermissionDenied`.
     """
@@ -1356,5 +1403,7 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
         addresses = ("127.0.0.1:7420",)
     return _ConnectContext(Client(addresses, auth=auth, client_name=client_name,
                                   connect_timeout=connect_timeout, request_timeout=request_timeout,
-                                  token=token, token_file=token_file))
+                                  token=token, token_file=token_file,
+                                  tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+                                  server_hostname=server_hostname))
 

@@ -87,6 +87,7 @@ import hmac
 import json
 import logging
 import os
+import ssl
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -600,9 +601,10 @@ class _FollowerProtocol(asyncio.Protocol):
             self.transport.abort()
 
     def connection_lost(self, exc):
+        why = f"replication connection lost: {exc}" if exc else "replication connection lost"
         for fut in self.replies.values():
             if not fut.done():
-                fut.set_exception(ConnectionError("replication connection lost"))
+                fut.set_exception(ConnectionError(why))
         if not self.lost.done():
             self.lost.set_result(None)
 
@@ -620,12 +622,19 @@ class StandbyFollower:
         server: the standby's :class:`~fastlock.server.LockServer`.
         primary: ``(host, port)`` of the primary.
         failover_after_ms: promote after this much silence (0: only on command).
+        tls: connect to the primary over TLS with this client context (it
+            verifies the primary's certificate against the primary's host
+            name, and carries this node's certificate for mutual TLS); None:
+            plain TCP.  Replaced on a certificate reload; used from the next
+            connection on.
     """
 
     def __init__(self, server: "LockServer", primary: tuple[str, int], failover_after_ms: int = 0,
-                 token: str | None = None, name: str | None = None):
+                 token: str | None = None, name: str | None = None, tls: ssl.SSLContext | None = None):
         self.server = server
         self.primary = primary
+        self.tls = tls
+        self._connect_error: str | None = None  # the last connection failure logged
         self.failover_after_ms = failover_after_ms
         self.token = token
         #: the replica principal this standby authenticates as (from its token)
@@ -640,14 +649,19 @@ class StandbyFollower:
         self.synced = False  # has applied at least one snapshot or stream from this primary
         self.refused: str | None = None  # why this node refuses to follow its primary
         self.pair_confirmed = False  # the primary's heartbeats say it fences itself for this node
-        # the identity the primary pairs with: the replica principal and this node's id
-        self.ident = f"{self.principal}/{standby_identity(name or '')}"
+        self._node = standby_identity(name or "")
         self.max_ttl_ms = 0
         self.connected = False
         self._task: asyncio.Task | None = None
         self._proto: _FollowerProtocol | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self._stopping = False
+
+    @property
+    def ident(self) -> str:
+        """The identity the primary pairs with: ``replica principal/node id`` (the principal
+        comes from the token, or - over mutual TLS without one - from the primary's HELLO answer)."""
+        return f"{self.principal}/{self._node}"
 
     @property
     def primary_address(self) -> str:
@@ -691,10 +705,17 @@ class StandbyFollower:
         backoff = 0.05
         loop = asyncio.get_running_loop()
         while not self._stopping:
+            tls = self.tls
             try:
                 _, proto = await asyncio.wait_for(
-                    loop.create_connection(lambda: _FollowerProtocol(self), *self.primary), 5.0)
+                    loop.create_connection(lambda: _FollowerProtocol(self), *self.primary, ssl=tls,
+                                           server_hostname=self.primary[0] if tls else None,
+                                           ssl_handshake_timeout=5.0 if tls else None), 5.0)
             except (OSError, asyncio.TimeoutError) as exc:
+                if isinstance(exc, ssl.SSLError) and str(exc) != self._connect_error:
+                    # a certificate problem does not fix itself: say it once, not every retry
+                    self._connect_error = str(exc)
+                    log.error("TLS handshake with primary %s failed: %s", self.primary_address, exc)
                 log.debug("cannot reach primary %s: %s", self.primary_address, exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
@@ -711,6 +732,8 @@ class StandbyFollower:
                 hello = await asyncio.wait_for(
                     proto.request(1, P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{self.name or os.getpid()}",
                                   self.token, self.server.table.epoch), 5.0)
+                if self.principal is None and type(hello.get("principal")) is str:
+                    self.principal = hello["principal"]  # authenticated by our certificate
                 self.primary_epoch = max(self.primary_epoch, hello.get("epoch", 0))
                 self.server.node_state.raise_epoch(self.primary_epoch)
                 if hello.get("epoch", 0) < self.server.table.epoch:
@@ -724,6 +747,7 @@ class StandbyFollower:
                     proto.request(2, P.OP_REPLICATE, self.applied_lsn + 1 if self.synced else 0,
                                   self.incarnation, self.failover_after_ms, self.name), 5.0)
                 self.connected = True
+                self._connect_error = None
                 backoff = 0.05
                 log.info("replicating from %s (%s)", self.primary_address, info.get("mode"))
                 await proto.lost

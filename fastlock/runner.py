@@ -28,10 +28,12 @@ Exit status:
     73                    not acquired within ``--wait`` (``--conflict-exit-code`` changes it,
                           as flock(1)'s ``-E``); the command was not started
     69 (EX_UNAVAILABLE)   no server could be reached (or the connection was lost while waiting)
+    77 (EX_NOPERM)        the server refused this client's credentials, or its principal may not
+                          lock NAME; the command was not started
     127 / 126             the command was not found / could not be executed (as a shell)
     128 + N               ``fastlock run`` got signal N before the command started
     2                     bad arguments (an empty or too long NAME, ``--ttl`` not > 0, ...),
-                          reported before anything is sent
+                          reported before anything is sent; a TLS file that cannot be loaded
 
 Signals: SIGINT, SIGTERM and SIGHUP received by ``fastlock run`` are forwarded
 to the command, which runs in its own process group (so a terminal's Ctrl-C
@@ -53,6 +55,7 @@ import sys
 from typing import Sequence
 
 from . import protocol as P
+from .cli import add_client_tls_arguments, client_tls_options
 from .cli import seconds_arg as _seconds
 from .errors import FastlockError, InvalidArgument
 
@@ -64,6 +67,7 @@ EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE
 EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
 EXIT_USAGE = 2
+EXIT_NOPERM = 77  # EX_NOPERM
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -126,6 +130,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conflict-exit-code", type=_exit_code, default=EXIT_NOT_ACQUIRED, metavar="N",
                    help=f"exit status when not acquired within --wait (default {EXIT_NOT_ACQUIRED})")
     p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_client_tls_arguments(p)
 
 
 _DESCRIPTION = "run a command while holding a lock (exit codes: see `pydoc fastlock.runner`)"
@@ -200,7 +205,8 @@ def run_from_args(args: argparse.Namespace, command: list[str]) -> int:
 async def _run(args: argparse.Namespace, command: list[str], servers: list[str], secret: str | None,
                client_name: str) -> int:
     from .client import connect
-    from .errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost, LockNotAcquired, WrongArgumentType
+    from .errors import (AuthError, ConnectionLost, FastlockError, InvalidArgument, LeaseLost, LockNotAcquired,
+                         PermissionDenied, WrongArgumentType)
 
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
@@ -220,7 +226,7 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
     client = None
     try:
         try:
-            client = await connect(*servers, auth=secret, client_name=client_name)
+            client = await connect(*servers, auth=secret, client_name=client_name, **client_tls_options(args))
             lease = await client.lock(args.name, ttl=args.ttl, wait=args.wait,
                                       correlation_id=f"fastlock run: {' '.join(command)}"[:256])
         except asyncio.CancelledError:
@@ -233,6 +239,12 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
             return EXIT_UNAVAILABLE
         except (InvalidArgument, WrongArgumentType) as exc:  # main() checks first; for direct callers
             log.error("bad arguments: %s", exc)
+            return EXIT_USAGE
+        except (AuthError, PermissionDenied) as exc:  # PermissionErrors, so before OSError
+            log.error("refused: %s", exc)
+            return EXIT_NOPERM
+        except OSError as exc:  # a TLS file that cannot be read or is not a PEM certificate/key
+            log.error("cannot load the TLS files: %s", exc)
             return EXIT_USAGE
         except FastlockError as exc:
             log.error("could not acquire %r: %s", args.name, exc)

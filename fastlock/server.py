@@ -80,6 +80,7 @@ from .replication import (
     read_deposed,
     write_deposed,
 )
+from .tls import DEFAULT_HANDSHAKE_TIMEOUT, ServerTLS, client_context, peer_identity
 from .wal import DataDirInUse, HolderRecord, WalCorruption, WriteAheadLog
 
 log = logging.getLogger(__name__)
@@ -120,11 +121,22 @@ class ServerConfig:
     repair_wal: bool = False  # cut a damaged last WAL segment instead of refusing to start
     wal_writer: str = "thread"  # group commit on a writer thread, or "inline" on the loop (see wal.py)
     metrics: tuple[str, int] | None = None  # serve Prometheus metrics on this address
+    # TLS (see fastlock.tls): this node's certificate and key serve clients and, on a standby,
+    # are presented to the primary; the CA verifies client certificates and the primary's
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    tls_client_auth: str = "none"  # none | optional | required (mutual TLS)
+    tls_handshake_timeout_ms: int = int(DEFAULT_HANDSHAKE_TIMEOUT * 1000)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 class _Connection(asyncio.Protocol):
-    """One client connection = one session."""
+    """One client connection = one session.
+
+    ``peer_cert_identity``: the subject CN of the client certificate verified
+    in this connection's TLS handshake (mutual TLS), else None.
+    """
 
     __slots__ = ("server", "transport", "session", "decoder", "out", "ready", "client_name", "peer", "closed",
                  "watching", "principal", "kind", "grant", "peer_cert_identity", "peer_host")
@@ -152,6 +164,7 @@ class _Connection(asyncio.Protocol):
     # -- asyncio callbacks ------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.peer_cert_identity = peer_identity(transport.get_extra_info("ssl_object"))
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
@@ -286,6 +299,10 @@ class LockServer:
         #: standby's default promotion grace (sent in heartbeats)
         self.max_ttl_ms = 0
         self.node_state = NodeState(config.data_dir)
+        self.tls: ServerTLS | None = None
+        if config.tls_cert:
+            self.tls = ServerTLS(config.tls_cert, config.tls_key, config.tls_ca, config.tls_client_auth,
+                                 config.tls_handshake_timeout_ms / 1000.0)
         self.source = ReplicationSource(self, fence_margin_ms=config.fence_margin_ms)
         self.follower: StandbyFollower | None = None
         if config.standby_of:
@@ -293,7 +310,8 @@ class LockServer:
             ident = node_id(config.data_dir)
             self.follower = StandbyFollower(self, config.standby_of, config.failover_after_ms,
                                             token=config.standby_token,
-                                            name=f"{config.name}@{ident}" if config.name else ident)
+                                            name=f"{config.name}@{ident}" if config.name else ident,
+                                            tls=self._standby_tls_context())
         self._sessions: dict[int, _Connection] = {}
         self._next_session = 1
         self._dirty: list[_Connection] = []
@@ -386,16 +404,20 @@ class LockServer:
             else:
                 self.source.load_pairing()
         self._rearm()
-        self._server = await loop.create_server(
-            self._make_connection, self.config.host, self.config.port, reuse_address=True,
-            backlog=1024,
-        )
-        sockname = self._server.sockets[0].getsockname()
+        if self.tls is None:
+            self._server = await loop.create_server(
+                self._make_connection, self.config.host, self.config.port, reuse_address=True,
+                backlog=1024,
+            )
+            sockname = self._server.sockets[0].getsockname()
+        else:
+            sockname = await self.tls.listen(self.config.host, self.config.port, self._make_connection, backlog=1024)
         self.address = (sockname[0], sockname[1])
         log.info(
-            "listening on %s:%d (fastlock %s, %s, fsync=%s, data dir %s)",
+            "listening on %s:%d (fastlock %s, %s, fsync=%s, data dir %s, %s)",
             sockname[0], sockname[1], __version__, self.role, self.config.fsync,
             os.path.abspath(self.config.data_dir),
+            "plain TCP" if self.tls is None else f"TLS, client certificates {self.config.tls_client_auth}",
         )
         creds = self.credentials
         if creds.open:
@@ -415,6 +437,8 @@ class LockServer:
         log.info("shutting down: %d sessions, %d locks held", len(self._sessions), len(self.table))
         if self._server is not None:
             self._server.close()
+        if self.tls is not None:
+            self.tls.close()
         self.source.close()
         if self.follower is not None:
             self.follower.stop()
@@ -433,6 +457,29 @@ class LockServer:
     async def wait_closed(self) -> None:
         await self._closed.wait()
 
+    def _standby_tls_context(self):
+        """A standby's context for its connection to the primary: the node's own
+        certificate as the client certificate, the CA (or the system's trust
+        store) to verify the primary.  None without TLS."""
+        c = self.config
+        return client_context(c.tls_ca, c.tls_cert, c.tls_key) if c.tls_cert else None
+
+    def reload_tls(self) -> bool:
+        """Reload the TLS certificate, key and CA files (on SIGHUP): new
+        connections use them, established ones keep theirs.  On an error the
+        old ones stay in use (logged).  Returns True if everything reloaded."""
+        if self.tls is None:
+            log.info("nothing to reload: TLS is off")
+            return False
+        ok = self.tls.reload()
+        if ok and self.follower is not None:
+            try:
+                self.follower.tls = self._standby_tls_context()
+            except OSError as exc:
+                log.error("TLS reload failed for the connection to the primary: %s", exc)
+                ok = False
+        return ok
+
     def _wal_fatal(self, exc: BaseException) -> None:
         # As PostgreSQL after a failed fsync: we cannot know what reached the
         # disk, so we must not acknowledge anything more.  Stop serving.
@@ -443,6 +490,8 @@ class LockServer:
             conn.transport.abort()
         if self._server is not None:
             self._server.close()
+        if self.tls is not None:
+            self.tls.close()
         self._closed.set()
 
     def _make_connection(self) -> _Connection:
@@ -1028,10 +1077,10 @@ class LockServer:
 
     def _op_status(self, conn: _Connection, req_id: int, msg: list) -> None:
         st = self.status()
-        if conn.kind == "client":
-            # who the standby is and how it pairs is for operators and peers only
-            repl = st.pop("replication")
-            st["replication"] = {"fenced": repl.get("fenced", False)} if "fenced" in repl else {}
+        repl = st["replication"]
+        if conn.kind == "client" and "standbys" in repl:
+            # a primary's standby, its identity and pairing are for operators and peers only
+            st["replication"] = {"fenced": repl["fenced"], "serving_alone": repl["serving_alone"]}
         conn.send(P.encode_ok(req_id, st))
 
     def _op_ping(self, conn: _Connection, req_id: int, msg: list) -> None:
@@ -1052,6 +1101,8 @@ class LockServer:
             version=__version__,
             grace_remaining_ms=max(0, self.grace_until_ms - now_ms()),
         )
+        if self.tls is not None:
+            st["tls"] = self.tls.status()
         if self.role == "standby" and self.follower is not None:
             st["replication"] = self.follower.status()
         else:
@@ -1074,6 +1125,8 @@ async def _serve(config: ServerConfig) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if server.tls is not None:  # SIGHUP keeps its default (exit) without TLS
+        loop.add_signal_handler(signal.SIGHUP, server.reload_tls)
     await server.start()
     waiter = asyncio.ensure_future(stop.wait())
     closed = asyncio.ensure_future(server.wait_closed())
@@ -1096,6 +1149,6 @@ def serve(config: ServerConfig, *, use_uvloop: bool = True) -> int:
         log.critical("refusing to start: %s (start with --repair-wal to cut the damaged tail and "
                      "lose the records after it)", exc)
         return 2
-    except (OSError, DataDirInUse, ImportError) as exc:
+    except (OSError, DataDirInUse, ImportError, InvalidArgument) as exc:
         log.critical("cannot start: %s", exc)
         return 1

@@ -364,7 +364,8 @@ class Cluster:
         self.root = Path(root)
         self.servers: list[ServerProcess] = []
         self.proxies: list[TcpProxy] = []
-        self.creds = CredentialsDir(self.root / "credentials")
+        # a mutual-TLS certificate with CN "admin" is the admin (as in test_tls.py)
+        self.creds = CredentialsDir(self.root / "credentials", cert_identities={"admin": ["admin"]})
         self._replicas: dict[str, str] = {}
         self._saved_env = os.environ.get("FASTLOCK_TOKEN_FILE")
         os.environ["FASTLOCK_TOKEN_FILE"] = self.creds.token_file("admin")

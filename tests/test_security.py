@@ -432,7 +432,7 @@ def test_fastlock_run_keeps_credentials_out_of_the_command_environment(secured, 
     # and without a token the secured server refuses it
     out = cli("run", "job", "--server", secured.address, "--", *show, env={k: v for k, v in env.items()
                                                                          if k != "FASTLOCK_TOKEN_FILE"})
-    assert out.returncode == 69 and "authentication failed" in out.stderr
+    assert out.returncode == 77 and "authentication failed" in out.stderr
 
 
 def test_the_sync_client_and_the_cli_present_tokens(secured, creds):
@@ -446,3 +446,50 @@ def test_the_sync_client_and_the_cli_present_tokens(secured, creds):
     assert "paired_standby" in json.loads(out.stdout)["replication"]
     out = cli("serve-alone", "--server", secured.address, "--token-file", creds.token_file("app"))
     assert out.returncode == 1 and "serve_alone needs an admin principal; 'app' is a client" in out.stderr
+
+
+# --------------------------------------------------------------------------- mutual TLS principals
+
+
+def test_mutual_tls_certificates_authenticate_principals(tmp_path, server_factory):
+    """With mutual TLS a verified certificate's CN maps to a principal (``cert_identities``),
+    as etcd's --client-cert-auth with the CN as user: a client and a standby need no token."""
+    trustme = pytest.importorskip("trustme")
+    from fastlock.auth import generate
+
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+
+    def issue(cn, *names):
+        leaf = ca.issue_cert(*(names or (cn,)), common_name=cn)
+        leaf.cert_chain_pems[0].write_to_path(str(tmp_path / f"{cn}.pem"))
+        leaf.private_key_pem.write_to_path(str(tmp_path / f"{cn}-key.pem"))
+        return {"tls_cert": str(tmp_path / f"{cn}.pem"), "tls_key": str(tmp_path / f"{cn}-key.pem")}
+
+    node1, node2 = issue("node1", "127.0.0.1"), issue("node2", "127.0.0.1")
+    billing, admin, nobody = issue("billing"), issue("admin"), issue("nobody")
+    generate(tmp_path / "creds", clients=[("billing", "billing/")], replicas=["node-1", "node-2"], admins=["admin"],
+             cert_identities={"billing": ["billing"], "node-2": ["node2"], "admin": ["admin"]})
+    tls = ["--tls-ca", str(tmp_path / "ca.pem"), "--tls-client-auth", "required",
+           "--credentials", str(tmp_path / "creds" / "credentials.toml")]
+    p = server_factory("p", args=["--tls-cert", node1["tls_cert"], "--tls-key", node1["tls_key"], *tls])
+    s = server_factory("s", args=["--tls-cert", node2["tls_cert"], "--tls-key", node2["tls_key"], *tls,
+                                  "--standby-of", p.address])  # no token: its certificate is its credential
+    s.wait_for_log(r"replicating from", 10)
+    ca_file = str(tmp_path / "ca.pem")
+
+    async def main():
+        async with fastlock.connect(p.address, tls_ca=ca_file, **billing) as c:
+            assert c.server_info["principal"] == "billing" and c.server_info["kind"] == "client"
+            lease = await c.acquire("billing/1", ttl=10.0)
+            with pytest.raises(PermissionDenied):
+                await c.acquire("orders/1", ttl=10.0)
+            await c.release(lease)
+        async with fastlock.connect(p.address, tls_ca=ca_file, **admin) as c:
+            st = await poll(c.status, lambda st: st["replication"]["paired_standby"], timeout=5, what="pairing")
+            # paired by the principal its certificate maps to
+            assert st["replication"]["paired_standby"].rpartition("@")[2].startswith("node-2/")
+        with pytest.raises(AuthError, match="anonymous"):  # a valid certificate that maps to no principal
+            await fastlock.connect(p.address, tls_ca=ca_file, connect_timeout=2.0, **nobody)
+
+    run(main())
