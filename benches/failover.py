@@ -151,13 +151,19 @@ class FastlockWithStandby(FastlockTarget):
         self.name = f"fastlock fsync={fsync} + standby"
 
     def start(self) -> None:
+        from fastlock._testbase import CredentialsDir
+
+        # a standby authenticates as a replica principal; clients stay anonymous
+        self._creds_dir = tempfile.mkdtemp(prefix="bench-fastlock-credentials-")
+        creds = CredentialsDir(os.path.join(self._creds_dir, "c"), replicas=2)
+        self.extra_args = (*self.extra_args, *creds.server_args("node-1"))
         super().start()
         d = os.path.join(self.tmpdir, "standby")
         os.makedirs(d)
         argv = [self.python, "-m", "fastlock", "serve", "--listen", "127.0.0.1:0",
                 "--data-dir", os.path.join(d, "data"), "--fsync", self.fsync,
                 "--standby-of", f"127.0.0.1:{self.port}", "--failover-after", str(self.failover_after),
-                "--name", "bench-standby"]
+                "--name", "bench-standby", *creds.server_args("node-2")]
         srv = harness.ServerProcess("fastlock-standby", argv, log_path=os.path.join(d, "server.log"), cwd=d,
                                     env=_env_with_fastlock())
         self.servers.append(srv)
@@ -167,6 +173,10 @@ class FastlockWithStandby(FastlockTarget):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"standby did not attach: {srv.tail()}")
             time.sleep(0.02)
+
+    def stop(self) -> None:
+        super().stop()
+        shutil.rmtree(self._creds_dir, ignore_errors=True)
 
 
 def run_w2(args: argparse.Namespace, log) -> dict[str, Any]:
@@ -227,14 +237,18 @@ async def _one_failover(run: int, root: str, args: argparse.Namespace) -> dict[s
     from fastlock._testbase import ServerProcess
     from fastlock.errors import ConnectionLost, FastlockError
 
-    p = ServerProcess(os.path.join(root, f"p{run}"), fsync=args.fsync, env=_env_with_fastlock())
+    from fastlock._testbase import CredentialsDir
+
+    creds = CredentialsDir(os.path.join(root, f"credentials{run}"), replicas=2)
+    p = ServerProcess(os.path.join(root, f"p{run}"), fsync=args.fsync, env=_env_with_fastlock(),
+                      args=creds.server_args("node-1"))
     s = ServerProcess(os.path.join(root, f"s{run}"), fsync=args.fsync, env=_env_with_fastlock())
     clients = []
     tasks: list[asyncio.Task] = []
     try:
         await asyncio.to_thread(p.start)
         s.args = ["--standby-of", p.address, "--failover-after", str(args.failover_after),
-                  "--promotion-grace", str(args.promotion_grace)]
+                  "--promotion-grace", str(args.promotion_grace), *creds.server_args("node-2")]
         await asyncio.to_thread(s.start)
         await asyncio.to_thread(s.wait_for_log, r"replicating from", 10)
         await asyncio.to_thread(s.wait_for_log, r"paired: primary", 10)  # automatic failover armed
