@@ -693,7 +693,9 @@ class LockServer:
             raise ProtocolError(f"protocol version {version!r} not supported (server speaks {P.PROTOCOL_VERSION})")
         client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
         failures = self.auth_failures
-        banned = failures.banned_for(conn.peer_host)
+        # a ban refuses new connections only: a peer authenticated before it (a standby's
+        # replication link, saying HELLO again to depose) is not cut off by someone else's failures
+        banned = 0.0 if conn.ready else failures.banned_for(conn.peer_host)
         if banned > 0:
             failures.refused_while_banned(conn.peer_host)
             raise AuthError(f"too many failed authentications from this address: retry in {banned:.0f} s")
