@@ -68,7 +68,7 @@ def _pct(values: list[float], p: float) -> float:
 class _StatusPoller:
     """A blocking STATUS client on one socket (no fastlock client: it must not redirect)."""
 
-    def __init__(self, address: str, timeout: float = 2.0):
+    def __init__(self, address: str, timeout: float = 2.0, token: str | None = None):
         from fastlock import protocol as P
 
         self.P = P
@@ -77,7 +77,7 @@ class _StatusPoller:
         self.sock.settimeout(timeout)
         self.dec = P.FrameDecoder(16 << 20)
         self.next_id = 1
-        self._call(P.OP_HELLO, P.PROTOCOL_VERSION, "bench-status", None)
+        self._call(P.OP_HELLO, P.PROTOCOL_VERSION, "bench-status", token)  # an admin sees the standbys
 
     def _call(self, op: int, *args: Any) -> Any:
         rid = self.next_id
@@ -101,8 +101,9 @@ class _StatusPoller:
 
 
 class _LagSampler(threading.Thread):
-    def __init__(self, primary: str, standby: str, every: float = 0.05):
+    def __init__(self, primary: str, standby: str, every: float = 0.05, token: str | None = None):
         super().__init__(daemon=True, name="lag-sampler")
+        self.token = token
         self.primary, self.standby, self.every = primary, standby, every
         self.stop_event = threading.Event()
         self.lag_records: list[int] = []
@@ -112,7 +113,7 @@ class _LagSampler(threading.Thread):
 
     def run(self) -> None:
         try:
-            p, s = _StatusPoller(self.primary), _StatusPoller(self.standby)
+            p, s = _StatusPoller(self.primary, token=self.token), _StatusPoller(self.standby, token=self.token)
         except OSError as exc:
             self.errors.append(str(exc))
             return
@@ -157,6 +158,7 @@ class FastlockWithStandby(FastlockTarget):
         self._creds_dir = tempfile.mkdtemp(prefix="bench-fastlock-credentials-")
         creds = CredentialsDir(os.path.join(self._creds_dir, "c"), replicas=2)
         self.extra_args = (*self.extra_args, *creds.server_args("node-1"))
+        self.admin_token = creds.token("admin")
         super().start()
         d = os.path.join(self.tmpdir, "standby")
         os.makedirs(d)
@@ -194,7 +196,8 @@ def run_w2(args: argparse.Namespace, log) -> dict[str, Any]:
         sampler = None
         with harness.running(target):
             if kind == "standby":
-                sampler = _LagSampler(f"127.0.0.1:{target.port}", f"127.0.0.1:{target.standby_port}")
+                sampler = _LagSampler(f"127.0.0.1:{target.port}", f"127.0.0.1:{target.standby_port}",
+                                      token=target.admin_token)
                 sampler.start()
             try:
                 row = harness.run_workload(target, wl, use_uvloop=args.uvloop)
