@@ -17,6 +17,12 @@ same loop turn (group commit).  Releases and extensions are acknowledged at
 once: losing one in a crash can only leave the lock held until its TTL runs out
 after recovery - never give it to two holders.
 
+Who may do what: HELLO authenticates the connection as a principal (a token,
+a mutual-TLS certificate identity, or the anonymous principal - see
+:mod:`fastlock.auth`); ``_handle`` then checks every request against
+``_PERMISSION`` before its handler runs, so a refused request changes nothing.
+Owner keys are hashed as they arrive (:func:`fastlock.auth.hash_owner`).
+
 Sessions: each connection is a session.  Waiting goes by connection (a waiter
 whose connection drops is removed at once); ownership goes by lease (a held
 lease outlives its connection until its TTL).  A grant that cannot be
