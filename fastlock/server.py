@@ -255,7 +255,9 @@ def _split_recorded_client(recorded: Any) -> tuple[str | None, str | None]:
     if type(recorded) is not str:
         return None, None
     principal, sep, name = recorded.partition(":")
-    return principal, (name if sep else None)
+    if not sep:
+        return None, recorded  # a log written before principals: the name alone
+    return principal, name or None
 
 
 #: what each operation needs: a client ACL operation (checked on the lock name; admins may
@@ -897,9 +899,10 @@ class LockServer:
 
     @staticmethod
     def _recorded_client(conn: _Connection) -> str:
-        """What grants record as their client: ``principal:client name`` - the authenticated
-        principal first, so the self-declared name is never mistaken for it."""
-        return conn.principal if conn.client_name is None else f"{conn.principal}:{conn.client_name}"
+        """What grants record as their client: ``principal:client name`` (the name may be
+        empty) - the authenticated principal first, so the self-declared name is never
+        mistaken for it.  A record without ``:`` is a bare client name from an older log."""
+        return f"{conn.principal}:{conn.client_name or ''}"
 
     def _holder_info(self, name: str) -> dict | None:
         now = now_ms()

@@ -47,8 +47,8 @@ the key never reaches the disk, a snapshot or a standby.  A log written by a fas
 before owner hashing (same format version) holds raw keys instead; it recovers, but its
 leases' holders cannot extend or release them any more (their keys hash to something
 else), so those leases end at their TTL.  ``client`` is ``principal:client_name`` (the
-authenticated principal, then the client's self-declared name) or just ``principal``;
-older logs hold the bare client name.
+authenticated principal, then the client's self-declared name, which may be empty);
+older logs hold the bare client name (no ``:``).
 
 Replay rules: GRANT installs the holder (replacing any); RELEASE/EXPIRE remove
 the holder when its token matches; EXTEND sets the holder's ``ttl_ms`` when its
