@@ -94,7 +94,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import protocol as P
 from .auth import primary_proof, primary_proof_key, token_principal
-from .errors import FastlockError, InvalidArgument, ProtocolError, Unavailable
+from .errors import AuthError, FastlockError, InvalidArgument, PermissionDenied, ProtocolError, Unavailable
 from .wal import EPOCH, EXPIRE, EXTEND, GRANT, RELEASE, RESERVE, WalCompacted, _fsync_dir, decode_frames
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -648,6 +648,7 @@ class StandbyFollower:
         self.last_hb_primary_ms = 0
         self.synced = False  # has applied at least one snapshot or stream from this primary
         self.refused: str | None = None  # why this node refuses to follow its primary
+        self._refused_credentials: str | None = None  # the primary's last refusal, logged once
         self.pair_confirmed = False  # the primary's heartbeats say it fences itself for this node
         self._node = standby_identity(name or "")
         self.max_ttl_ms = 0
@@ -747,12 +748,20 @@ class StandbyFollower:
                     proto.request(2, P.OP_REPLICATE, self.applied_lsn + 1 if self.synced else 0,
                                   self.incarnation, self.failover_after_ms, self.name), 5.0)
                 self.connected = True
+                self._refused_credentials = None
                 self._connect_error = None
                 backoff = 0.05
                 log.info("replicating from %s (%s)", self.primary_address, info.get("mode"))
                 await proto.lost
             except (ConnectionError, asyncio.TimeoutError, FastlockError) as exc:
-                log.warning("replication from %s failed: %s", self.primary_address, exc)
+                if isinstance(exc, (AuthError, PermissionDenied)):
+                    # credentials do not fix themselves: say it once, not on every retry
+                    if str(exc) != self._refused_credentials:
+                        self._refused_credentials = str(exc)
+                        log.error("primary %s refused this standby's credentials: %s (retrying)",
+                                  self.primary_address, exc)
+                else:
+                    log.warning("replication from %s failed: %s", self.primary_address, exc)
                 proto.transport.close()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
