@@ -384,7 +384,11 @@ def _admin(server: tuple[str, int], token: str | None, op: int, *args,
                              tls.pop("tls_key", None))
     ssl_args = {"ssl": ctx, "server_hostname": server_hostname or host} if ctx is not None else {}
 
-    async def run():
+    # what a server closing or resetting the connection most likely means
+    hint = (" (it may require TLS: --tls-ca)" if ctx is None else
+            " (it may have refused this client's certificate, or its lack of one: --tls-cert)")
+
+    async def exchange():
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, **ssl_args),
                                                     ADMIN_TIMEOUT)
@@ -404,9 +408,7 @@ def _admin(server: tuple[str, int], token: str | None, op: int, *args,
                     msg = replies.get(0) or replies.get(1)
                     if msg is not None and msg[1] != 0:
                         raise error_from_wire(msg[1], msg[2], msg[3] if len(msg) > 3 else None)
-                    raise ConnectionError(
-                        "the server closed the connection" + (" (it may require TLS: --tls-ca)" if ctx is None else
-                                                              " (it may have refused this client's certificate, or its lack of one: --tls-cert)"))
+                    raise ConnectionError("the server closed the connection" + hint)
                 for msg in dec.feed(data):
                     replies[msg[0]] = msg
             for rid in (1, 2):
@@ -416,6 +418,14 @@ def _admin(server: tuple[str, int], token: str | None, op: int, *args,
             return replies[2][2]
         finally:
             writer.close()
+
+    async def run():
+        try:
+            return await exchange()
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            # a TLS server that refuses a client certificate may reset rather than close
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise ConnectionError(f"{reason}{hint}") from None
 
     return asyncio.run(run())
 

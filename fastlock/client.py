@@ -264,6 +264,11 @@ class WatchEvent:
     principal: str | None = None
 
 
+#: why a TLS server most likely closed or reset a connection during the handshake
+_REFUSED_CERT_HINT = (" (a TLS server that requires client certificates drops the connection when it refuses "
+                      "this client's, or its lack of one)")
+
+
 def _parse_address(addr: Any) -> tuple[str, int]:
     if isinstance(addr, tuple) and len(addr) == 2:
         return str(addr[0]), int(addr[1])
@@ -534,7 +539,8 @@ class Client:
                 errors.append(f"{addr[0]}:{addr[1]}: connect timed out after {self._connect_timeout} s")
                 continue
             except (OSError, OverflowError) as exc:
-                errors.append(f"{addr[0]}:{addr[1]}: {exc or type(exc).__name__}")
+                hint = _REFUSED_CERT_HINT if self._ssl is not None and isinstance(exc, ConnectionResetError) else ""
+                errors.append(f"{addr[0]}:{addr[1]}: {exc or type(exc).__name__}{hint}")
                 continue
             try:
                 info = await asyncio.wait_for(
@@ -555,8 +561,7 @@ class Client:
                 continue
             except ConnectionLost as exc:
                 proto.abort(exc)
-                hint = " (a TLS server that requires client certificates closes the connection when it " \
-                       "refuses this client's)" if self._ssl is not None else ""
+                hint = _REFUSED_CERT_HINT if self._ssl is not None else ""
                 errors.append(f"{addr[0]}:{addr[1]}: handshake failed: {exc}{hint}")
                 continue
             except BaseException:

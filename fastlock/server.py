@@ -37,6 +37,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -465,7 +466,7 @@ class LockServer:
     async def wait_closed(self) -> None:
         await self._closed.wait()
 
-    def _standby_tls_context(self):
+    def _standby_tls_context(self) -> ssl.SSLContext | None:
         """A standby's context for its connection to the primary: the node's own
         certificate as the client certificate, the CA (or the system's trust
         store) to verify the primary.  None without TLS."""
