@@ -350,6 +350,16 @@ async def snapshot(admin: Conn) -> dict:
     return keep
 
 
+async def settle(admin: Conn, timeout: float = 5.0) -> None:
+    """Wait until the admin's is the server's only session: connections closed earlier
+    (and the waiters they drop) are gone before a snapshot is compared."""
+    deadline = time.monotonic() + timeout
+    while (await admin.batch([[P.OP_STATUS, []]]))[0][2]["sessions"] > 1:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the server still has other sessions")
+        await asyncio.sleep(0.005)
+
+
 async def fuzz_rounds(address: str, specs: list[Spec], rng: random.Random, rounds: int, batch: int,
                       figures: Figures, owners: list[bytes], server: ServerProcess | None = None,
                       deadline: float | None = None) -> None:
@@ -360,6 +370,7 @@ async def fuzz_rounds(address: str, specs: list[Spec], rng: random.Random, round
     if not await admin.open(address):
         raise RuntimeError("the admin connection was refused")
     legit = {s.name: Conn(s) for s in specs}
+    await settle(admin)  # a previous run's connections may still be closing
     try:
         for _ in range(rounds):
             if deadline is not None and time.monotonic() > deadline:
