@@ -7,6 +7,9 @@ that want to test their locking code against a real server::
         async with fastlock.connect(srv.address) as client:
             ...
 
+Servers that need principals (a standby, operator commands) get a
+:class:`CredentialsDir`: ``ServerProcess(dir, args=creds.server_args("node-1"))``.
+
 Servers are started as ``python -m fastlock serve --listen 127.0.0.1:0`` so
 the kernel picks a free port; the port is read from the server's "listening on"
 log line.  Crash tests use :meth:`ServerProcess.kill` (SIGKILL) and
