@@ -14,7 +14,7 @@ principal     kind     granted
 orders        client   every client operation on ``orders/``
 reader        client   check, holder, watch on every name
 anonymous     client   every client operation on ``public/`` (no token)
-node-2        replica  replicate, repl_ack, epoch news
+node-2        replica  replicate, repl_ack, step_down
 admin         admin    everything but replica operations
 ============  =======  ============================================================
 
@@ -73,6 +73,7 @@ OPS = sorted(P.OP_NAMES) + [0, 16, 17, 99, -1, 1 << 40]
 LOCK_OPS = {P.OP_ACQUIRE: "acquire", P.OP_RELEASE: "release", P.OP_EXTEND: "extend", P.OP_CANCEL: "cancel",
             P.OP_CHECK: "check", P.OP_HOLDER: "holder", P.OP_WATCH: "watch"}
 ALL_CLIENT_OPS = set(LOCK_OPS.values())
+REPLICA_OPS = {P.OP_REPLICATE, P.OP_REPL_ACK, P.OP_STEP_DOWN}
 
 
 @dataclass
@@ -92,7 +93,7 @@ class Spec:
             return True
         if op == P.OP_HELLO:
             return self.kind == "replica"  # from anyone else, HELLO must change nothing
-        if op in (P.OP_REPLICATE, P.OP_REPL_ACK):
+        if op in REPLICA_OPS:
             return self.kind == "replica"
         if op in (P.OP_PROMOTE, P.OP_SERVE_ALONE):
             return self.kind == "admin"

@@ -489,8 +489,9 @@ def test_replication_link_down_no_two_nodes_grant_at_once(cluster, how):
 def test_reset_link_primary_fences_itself_without_client_traffic(cluster):
     """With the replication connection reset and no standby attached, the
     primary must still fence itself on time: no request arrives to make it
-    look at its clock, and a release must not hand the lock to a waiter once
-    the standby may have promoted."""
+    look at its clock, and once the standby may have promoted a release is
+    refused (the new primary would never see it) and hands the lock to nobody;
+    the waiter is sent away (its connection closed) to look for the new primary."""
     p = cluster.primary()
     px = cluster.proxy(p.address)
     s = cluster.standby(px.address, failover_after=FAILOVER, grace=GRACE)
@@ -514,9 +515,11 @@ def test_reset_link_primary_fences_itself_without_client_traffic(cluster):
             fenced_at = time.monotonic()
             promoted_at = await promoted
             assert fenced_at < promoted_at
-            await holder.release("k", token, owner)
-            with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(queued), 1.0)
+            with pytest.raises(Unavailable):
+                await holder.release("k", token, owner)
+            with pytest.raises(ConnectionLost):
+                await asyncio.wait_for(queued, 2.0)
+            assert (await watcher.status())["locks_held"] == 1
             assert (await watcher.status())["last_token"] == last_token
             print(f"\nreset: fenced {fenced_at - down_at:.3f} s, promoted {promoted_at - down_at:.3f} s")
         finally:
@@ -630,8 +633,9 @@ def test_old_primary_rejoins_as_standby_of_the_new_one_and_fails_back(cluster):
 
 def test_short_partition_fences_then_unfences_without_promotion(cluster):
     """A partition shorter than the failover window: the primary stops granting
-    (a new acquire queues), the link heals before the standby may promote, the
-    primary resumes and grants the queued acquire; the standby stays a standby."""
+    and releasing (the holder's release is refused, to be repeated), the link
+    heals before the standby may promote, the primary resumes, the repeated
+    release hands the lock to the queued acquire; the standby stays a standby."""
     p = cluster.primary(args=["--fence-margin", "1.0"])
     px = cluster.proxy(p.address)
     s = cluster.standby(px.address, failover_after=2.0, grace=GRACE)
@@ -649,7 +653,8 @@ def test_short_partition_fences_then_unfences_without_promotion(cluster):
                        what="the primary to fence itself")
             with pytest.raises(Unavailable):
                 await a.acquire("x", 1000)
-            await a.release("y", token, owner)  # the queued acquire is held, not granted
+            with pytest.raises(Unavailable):
+                await a.release("y", token, owner)
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(queued), 0.1)
             await asyncio.sleep(max(0.0, paused_at + 1.3 - time.monotonic()))
@@ -657,6 +662,8 @@ def test_short_partition_fences_then_unfences_without_promotion(cluster):
             px.resume()
             await poll(lambda: a.status(), lambda st: not st["replication"]["fenced"], timeout=2.0,
                        what="the primary to unfence")
+            assert not queued.done()
+            await a.release("y", token, owner)  # repeated: now it takes effect
             t2, _, _ = await asyncio.wait_for(queued, 2)
             assert epoch(t2) == 0 and t2 > token
             t3, _, _ = await a.acquire("x", 1000)
@@ -672,8 +679,9 @@ def test_short_partition_fences_then_unfences_without_promotion(cluster):
 
 def test_standby_gone_primary_fences_until_serve_alone(cluster):
     """The standby dies (no promotion): the primary fences itself by its own
-    timer; ``fastlock serve-alone`` is the operator's override; a standby
-    attaching again turns the fence back on."""
+    timer, and a whole window later sends its waiter away (it may be needed at a
+    promoted standby); ``fastlock serve-alone`` is the operator's override; a
+    standby attaching again turns the fence back on."""
     import subprocess
     import sys
 
@@ -682,9 +690,11 @@ def test_standby_gone_primary_fences_until_serve_alone(cluster):
 
     async def main():
         a = await RawNode.open(p.address)
+        b = await RawNode.open(p.address)
         try:
             token, _, owner = await a.acquire("k", 10_000)
-            queued = asyncio.ensure_future(a.acquire("k", 10_000, wait_ms=10_000))
+            queued = asyncio.ensure_future(b.acquire("k", 10_000, wait_ms=10_000))
+            await poll(lambda: a.status(), lambda st: st["waiters"] == 1, timeout=5, what="queued")
             await asyncio.to_thread(s.kill)
             killed_at = time.monotonic()
             await poll(lambda: a.status(), lambda st: st["replication"]["fenced"], timeout=FAILOVER + 1,
@@ -694,16 +704,19 @@ def test_standby_gone_primary_fences_until_serve_alone(cluster):
                 await a.extend("k", token, owner, 10_000)
             with pytest.raises(Unavailable):
                 await a.acquire("other", 1000)
-            await a.release("k", token, owner)  # allowed; but the queued acquire is not granted
-            with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(queued), 0.3)
+            with pytest.raises(Unavailable):
+                await a.release("k", token, owner)
+            with pytest.raises(ConnectionLost):  # never granted: sent away a window after the last echo
+                await asyncio.wait_for(queued, FAILOVER + 1)
+            assert (await a.status())["last_token"] == token
 
             res = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "fastlock", "serve-alone",
                                                            "--server", p.address],
                                           capture_output=True, text=True, timeout=20,
                                           cwd=tempfile.gettempdir())
             assert res.returncode == 0, res.stderr
-            t2, _, o2 = await asyncio.wait_for(queued, 2)  # granted at once
+            await a.release("k", token, owner)  # repeated after serve-alone: takes effect
+            t2, _, o2 = await a.acquire("k", 10_000)  # granted at once
             assert t2 > token
             st = await a.status()
             assert st["replication"]["serving_alone"] and not st["replication"]["fenced"]
@@ -719,6 +732,7 @@ def test_standby_gone_primary_fences_until_serve_alone(cluster):
                        what="the fence to apply again")
         finally:
             await a.close()
+            await b.close()
 
     run(main())
 
@@ -726,10 +740,9 @@ def test_standby_gone_primary_fences_until_serve_alone(cluster):
 # --------------------------------------------------------------------------- the client's part
 
 
-def test_client_that_saw_the_new_epoch_does_not_depose_the_old_primary_which_stays_fenced(cluster):
-    """A client's epoch hint is never trusted to depose a node (issue 9: one HELLO with a
-    high epoch deposed a primary for good); the old primary is kept from granting by its
-    own fence instead - it is paired and its standby went silent."""
+def test_a_client_that_saw_the_new_epoch_does_not_depose_the_fenced_old_primary(cluster):
+    """A client's HELLO epoch is a hint only (any client could send any epoch); the old
+    primary stays safe because it stays fenced: its standby, now primary, never echoes again."""
     p = cluster.primary()
     s = cluster.standby(p.address, failover_after=FAILOVER, grace=GRACE)
 
@@ -747,5 +760,11 @@ def test_client_that_saw_the_new_epoch_does_not_depose_the_old_primary_which_sta
                 await c.acquire("y", ttl=2.0, wait=0)
         st = await status_of(p.address)
         assert st["role"] == "primary" and st["epoch"] == 0 and st["replication"]["fenced"], st
+        node = await RawNode.open(p.address, known_epoch=1)
+        try:
+            with pytest.raises(Unavailable):
+                await node.acquire("y", 1000)
+        finally:
+            await node.close()
 
     run(main())

@@ -23,7 +23,8 @@ import tempfile
 import pytest
 
 import fastlock
-from fastlock.errors import LockNotAcquired, NotPrimary
+from fastlock import protocol as P
+from fastlock.errors import LockNotAcquired, NotPrimary, PermissionDenied
 from tcpproxy import RawNode, poll, run, status_of
 
 EPOCH_SHIFT = 40
@@ -258,8 +259,11 @@ def test_promote_refuses_a_never_synced_standby_without_force(cluster, tmp_path)
 # --------------------------------------------------------------------------- stepping down
 
 
-def test_a_primary_that_sees_a_higher_epoch_steps_down(cluster):
+def test_a_primary_steps_down_on_step_down_for_the_next_epoch_only(cluster):
+    """A client's HELLO epoch is a hint that never deposes; STEP_DOWN for epoch + 1 does -
+    from a replica principal only (issue 9: one HELLO deposed a primary)."""
     p = cluster.primary()
+    replica = cluster.creds.token(cluster.replica_of("peer"))
 
     async def main():
         a = await RawNode.open(p.address)
@@ -267,46 +271,44 @@ def test_a_primary_that_sees_a_higher_epoch_steps_down(cluster):
             token, _, owner = await a.acquire("held", LONG)
         finally:
             await a.close()
-        # the same epoch, or a lower one, changes nothing
-        same = await RawNode.open(p.address, known_epoch=0)
-        try:
-            assert same.hello["role"] == "primary"
-            await same.acquire("other", LONG)
-        finally:
-            await same.close()
-        # an epoch hint from a client or an admin deposes nothing (issue 9: one HELLO deposed a primary)
-        for credential in (None, cluster.creds.token("app"), cluster.creds.token("admin")):
-            hint = await RawNode.open(p.address, known_epoch=2**63 - 1, token=credential)
+        for hint in (0, 1, 5, 2**63 - 1):
+            hinted = await RawNode.open(p.address, known_epoch=hint)
             try:
-                assert hint.hello["role"] == "primary"
-                await hint.acquire(f"hint-{hint.hello['principal']}", LONG)
+                assert hinted.hello["role"] == "primary"
+                await hinted.acquire(f"after-hint-{hint}", LONG)
             finally:
-                await hint.close()
-        # a raw HELLO [1, HELLO, version, name, token, known_epoch] from a replica with epoch 1 > 0
-        newer = await RawNode.open(p.address, known_epoch=1, token=cluster.creds.token(cluster.replica_of("peer")))
+                await hinted.close()
+        for credential in (None, cluster.creds.token("app"), cluster.creds.token("admin")):
+            other = await RawNode.open(p.address, token=credential)
+            try:
+                with pytest.raises(PermissionDenied):
+                    await other.request(P.OP_STEP_DOWN, 1, other.hello["clock_ms"])
+                assert (await other.request(P.OP_PING)) is None
+            finally:
+                await other.close()
+        peer = await RawNode.open(p.address, name="standby:b", token=replica)
         try:
-            assert newer.hello["role"] == "deposed"
+            assert await peer.request(P.OP_STEP_DOWN, 1, peer.hello["clock_ms"]) == {"role": "deposed", "epoch": 0}
         finally:
-            await newer.close()
-        holder = await RawNode.open(p.address, token=None)
-        try:
-            for op in (holder.acquire("x", LONG), holder.extend("held", token, owner, LONG),
-                       holder.release("held", token, owner)):
-                with pytest.raises(NotPrimary) as info:
-                    await op
-                assert info.value.primary is None
-        finally:
-            await holder.close()
-        await asyncio.to_thread(p.wait_for_log, r"stepping down: replica node-\d+ announced epoch 1", 5)
-        # for good: every later connection finds it deposed
+            await peer.close()
+        await asyncio.to_thread(p.wait_for_log, r"stepping down: replica node-\d+ \(standby:b at .*\) is promoting to epoch 1", 5)
+        # for good: every later connection finds it deposed, and no lock op names a primary
         again = await RawNode.open(p.address)
         try:
             assert again.hello["role"] == "deposed"
-            with pytest.raises(NotPrimary):
-                await again.acquire("y", LONG)
+            for op in (again.acquire("x", LONG), again.extend("held", token, owner, LONG),
+                       again.release("held", token, owner)):
+                with pytest.raises(NotPrimary) as info:
+                    await op
+                assert info.value.primary is None
             assert (await again.status())["role"] == "deposed"
         finally:
             await again.close()
+        peer = await RawNode.open(p.address, name="standby:b", token=replica)
+        try:  # asking again confirms without changing anything
+            assert await peer.request(P.OP_STEP_DOWN, 1, 0) == {"role": "deposed", "epoch": 0}
+        finally:
+            await peer.close()
         # and the client does not take it for a primary
         with pytest.raises(fastlock.ConnectionLost):
             await fastlock.connect(p.address, connect_timeout=2.0)
