@@ -11,9 +11,10 @@ Every connection acts for one *principal*, fixed by its HELLO:
     ``""`` covers every name.  Anything no rule grants is refused
     (:class:`~fastlock.errors.PermissionDenied`).
 ``replica``
-    A standby: attach (REPLICATE), acknowledge heartbeats (REPL_ACK) and
-    announce an epoch.  Pairing goes by the replica principal (plus the node id
-    it declares, which the credentials file may pin with ``node_id``), so one
+    A standby: attach (REPLICATE), acknowledge heartbeats (REPL_ACK) and ask
+    its primary to step down for a new epoch (STEP_DOWN; only the paired
+    standby's principal).  Pairing goes by the replica principal (plus the node
+    id it declares, which the credentials file may pin with ``node_id``), so one
     replica credential cannot pose as another standby.
 ``admin``
     Operator operations (promote, serve-alone, STATUS details and every
