@@ -373,7 +373,7 @@ def _admin(server: tuple[str, int], token: str | None, op: int, *args,
     ``token`` is the admin principal's token (or None).
     """
     from . import protocol as P
-    from .errors import error_from_wire
+    from .errors import ConnectionLost
     from .tls import client_ssl_context
 
     secret = token
@@ -389,35 +389,27 @@ def _admin(server: tuple[str, int], token: str | None, op: int, *args,
             " (it may have refused this client's certificate, or its lack of one: --tls-cert)")
 
     async def exchange():
+        from . import rpc
+
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, **ssl_args),
-                                                    ADMIN_TIMEOUT)
+            conn = await rpc.open_connection(host, port, timeout=ADMIN_TIMEOUT, **ssl_args)
         except asyncio.TimeoutError:
             raise TimeoutError(f"no connection within {ADMIN_TIMEOUT:g} s") from None
-        dec = P.FrameDecoder()
         try:
-            writer.write(P.encode_request(1, P.OP_HELLO, P.PROTOCOL_VERSION, "fastlock-admin", secret))
-            writer.write(P.encode_request(2, op, *args))
-            replies = {}
-            while 2 not in replies:
-                try:
-                    data = await asyncio.wait_for(reader.read(65536), reply_timeout)
-                except asyncio.TimeoutError:
-                    raise TimeoutError(f"no reply within {reply_timeout:g} s") from None
-                if not data:
-                    msg = replies.get(0) or replies.get(1)
-                    if msg is not None and msg[1] != 0:
-                        raise error_from_wire(msg[1], msg[2], msg[3] if len(msg) > 3 else None)
-                    raise ConnectionError("the server closed the connection" + hint)
-                for msg in dec.feed(data):
-                    replies[msg[0]] = msg
-            for rid in (1, 2):
-                msg = replies.get(rid) or replies.get(0)
-                if msg is not None and msg[1] != 0:
-                    raise error_from_wire(msg[1], msg[2], msg[3] if len(msg) > 3 else None)
-            return replies[2][2]
+            hello = conn.request(P.OP_HELLO, P.PROTOCOL_VERSION, "fastlock-admin", secret)
+            reply = conn.request(op, *args)
+            try:
+                await asyncio.wait_for(hello, reply_timeout)
+                return await asyncio.wait_for(reply, reply_timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"no reply within {reply_timeout:g} s") from None
+            except ConnectionLost:
+                if conn.close_error is not None:  # the server said why it closed
+                    raise conn.close_error from None
+                raise ConnectionError("the server closed the connection" + hint) from None
         finally:
-            writer.close()
+            reply.add_done_callback(lambda f: f.cancelled() or f.exception())
+            conn.close()
 
     async def run():
         try:

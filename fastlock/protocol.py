@@ -31,7 +31,7 @@ Operations and their arguments:
 op         #   arguments                                              value
 =========  ==  =====================================================  ======================
 HELLO      1   version, client_name|None, credential[, known_epoch]   dict (session, role, principal...)
-ACQUIRE    2   name, owner, ttl_ms, wait_ms, lock_delay_ms, corr_id   [token, ttl_ms]
+ACQUIRE    2   name, owner, ttl_ms, wait_ms, lock_delay_ms, corr_id   [token, ttl_ms, waited_ms]
 RELEASE    3   name, token, owner                                     None
 EXTEND     4   name, token, owner, ttl_ms                             ttl_ms
 CANCEL     5   name, owner                                            "cancelled"|"released"|None
@@ -67,6 +67,15 @@ asking the primary to prove itself (answered with ``{"principal", "proof"}``; th
 connection stays unauthenticated): see :mod:`fastlock.auth`.  Operations the
 principal is not granted get ``PermissionDenied``; a failed HELLO gets
 ``AuthError`` and the connection is closed.
+
+``waited_ms`` in an ACQUIRE reply is the grant's time minus the time the
+server received that request, on the server's monotonic clock: 0 for an
+immediate grant, the time spent in the queue for a queued one, and <= 0 for a
+lease re-delivered to a retry (it was granted, or last extended, before the
+retry arrived).  The client dates the grant no earlier than its own send time
+plus ``waited_ms``, so it never mistakes a lease that ran out while the reply
+sat unread for a live one (servers before this field sent ``[token, ttl_ms]``;
+the client then assumes ``waited_ms`` = 0, which is as conservative).
 
 Replication pushes (primary -> standby, kinds in :data:`REPLICATION_PUSH_KINDS`;
 payloads described in :mod:`fastlock.replication`): ``"snap"`` a snapshot,

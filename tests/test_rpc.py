@@ -55,7 +55,7 @@ async def test_pushes_reach_the_callback_in_order(server, loop_errors):
     tokens = []
     for _ in range(3):
         owner = os.urandom(16)
-        token, _ttl = await other.request(P.OP_ACQUIRE, "rpc/w", owner, 5000, 0, 0, None)
+        token, _ttl, _waited = await other.request(P.OP_ACQUIRE, "rpc/w", owner, 5000, 0, 0, None)
         await other.request(P.OP_RELEASE, "rpc/w", token, owner)
         tokens.append(token)
     await conn.request(P.OP_PING)  # the pushes were sent before this reply
