@@ -217,9 +217,16 @@ async def test_auth_secret(server_factory, tmp_path, loop_errors):
         await c.release(lease)
         # the legacy secret is a client of every lock, never an operator or a replica
         assert c.server_info["principal"] == "shared-secret" and c.server_info["kind"] == "client"
-        for op, args in ((P.OP_SERVE_ALONE, ()), (P.OP_PROMOTE, (True,)), (P.OP_REPLICATE, (0, None, 0, "x@y"))):
+    from tcpproxy import RawNode
+
+    raw = await RawNode.open(srv.address, token="s3cret")
+    try:
+        for op, args in ((P.OP_SERVE_ALONE, ()), (P.OP_PROMOTE, (True,)), (P.OP_REPLICATE, (0, None, 0, "x@y")),
+                         (P.OP_STEP_DOWN, (1, raw.hello["clock_ms"]))):
             with pytest.raises(fastlock.PermissionDenied):
-                await c._call(await c._ensure_connected(), op, *args)
+                await raw.request(op, *args)
+    finally:
+        await raw.close()
 
 
 async def test_release_of_a_released_lease_is_lease_lost_and_changes_nothing(client, connect):
