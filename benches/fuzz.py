@@ -258,14 +258,14 @@ class Conn:
     def __init__(self, spec: Spec):
         self.spec = spec
         self.reader = self.writer = None
-        self.decoder = P.FrameDecoder(64 << 20)
+        self.decoder = P.FrameDecoder(64 << 20, limits=P.REPLY_LIMITS)
         self.next_id = 1
         self.closed = True
 
     async def open(self, address: str) -> bool:
         host, _, port = address.rpartition(":")
         self.reader, self.writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5)
-        self.decoder = P.FrameDecoder(64 << 20)
+        self.decoder = P.FrameDecoder(64 << 20, limits=P.REPLY_LIMITS)
         self.closed = False
         replies = await self.batch([[P.OP_HELLO, [P.PROTOCOL_VERSION, f"fuzz-{self.spec.name}", self.spec.token]]])
         ok = bool(replies) and replies[0] is not None and replies[0][1] == 0
