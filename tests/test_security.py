@@ -496,3 +496,29 @@ def test_mutual_tls_certificates_authenticate_principals(tmp_path, server_factor
             await fastlock.connect(p.address, tls_ca=ca_file, connect_timeout=2.0, **nobody)
 
     run(main())
+
+
+def test_per_principal_quotas_count_authenticated_principals(server_factory, tmp_path):
+    """The limits' per-principal quotas key on the authenticated principal (conn.principal),
+    not on the self-declared client name."""
+    from fastlock.auth import generate
+    from fastlock.errors import LimitExceeded
+
+    paths = generate(tmp_path / "creds", clients=[("team-a", ""), ("team-b", "")], replicas=[], admins=["admin"])
+    srv = server_factory("quota", args=["--credentials", str(tmp_path / "creds" / "credentials.toml"),
+                                        "--max-leases-per-principal", "1"])
+
+    async def main():
+        a1 = await fastlock.connect(srv.address, token_file=paths["team-a"], client_name="same-name")
+        a2 = await fastlock.connect(srv.address, token_file=paths["team-a"], client_name="other-name")
+        b = await fastlock.connect(srv.address, token_file=paths["team-b"], client_name="same-name")
+        try:
+            await a1.acquire("q/1", ttl=10.0)
+            with pytest.raises(LimitExceeded, match="team-a"):  # the principal's quota, over its connections
+                await a2.acquire("q/2", ttl=10.0)
+            await b.acquire("q/3", ttl=10.0)  # another principal, whatever name it claims
+        finally:
+            for c in (a1, a2, b):
+                await c.close()
+
+    run(main())
