@@ -768,6 +768,9 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
     for e in errors + loop_errors:
         slot = errors_by_fault.setdefault(phase_of(e["at"]), Counter())
         slot[f"{e.get('op', 'loop')}:{e.get('type')}"] += 1
+    for e in lost_during + release_failed:
+        slot = errors_by_fault.setdefault(phase_of(e["at"]), Counter())
+        slot["lease lost" if e["ev"] == "end" else "release failed"] += 1
     early = [e for e in errors if e["op"] in ("acquire", "probe-acquire") and e["at"] - e["sent"] < cfg.wait]
     connection_lost = [e for e in errors if e["type"] == "ConnectionLost"]
     counter_msgs = Counter()
@@ -853,7 +856,7 @@ def print_report(r: dict) -> None:
             print(f"        {n:4d} x {msg}")
     for msg, n in a["loop_error_messages"]:
         print(f"    loop: {n} x {msg}")
-    print("  errors by fault window: " + "; ".join(
+    print("  errors and lost leases by fault window: " + "; ".join(
         f"{k}: " + ", ".join(f"{t} {n}" for t, n in sorted(v.items())) for k, v in a["errors_by_fault_kind"].items()))
     print(f"  holders overlapping (client view): {a['holders_overlapping_client_view']}")
     for v in a["holder_overlap_samples"][:3]:
