@@ -48,6 +48,7 @@ class Event:
     meta: Any  # opaque object given to acquire()
     lock_delay_ms: int  # EV_GRANTED / EV_EXPIRED: the lease's lock-delay
     fresh: bool  # EV_GRANTED: False when an idempotent retry re-delivers an existing lease
+    waited_ms: int  # EV_GRANTED: grant time minus the answered request's arrival (<= 0 if re-delivered)
 
 
 class Holder:

@@ -194,6 +194,12 @@ cdef class Event:
         EV_EXPIRED: the deadline that was reached; else 0.
       meta: the opaque object given to acquire() (the lease's for EV_GRANTED/EV_EXPIRED).
       fresh: EV_GRANTED: False when an idempotent retry re-delivers an existing lease.
+      waited_ms: EV_GRANTED: the grant's time minus the time the request being
+        answered arrived (acquire()'s ``now``), in ms: 0 for an immediate grant,
+        how long it waited in the queue for a queued one, and <= 0 for a
+        re-delivered lease (its grant - or last extend - came before the
+        request).  The requester can date the grant no earlier than its own
+        send time plus this, whatever happened between (see the client).
       lock_delay_ms: the lock-delay stored with the lease / asked by the waiter
         (extra field, so a WAL record of a grant can be replayed with install_holder()).
     """
@@ -208,12 +214,13 @@ cdef class Event:
     cdef readonly object meta
     cdef readonly bint fresh
     cdef readonly int64_t lock_delay_ms
+    cdef readonly int64_t waited_ms
 
     def __repr__(self):
         kinds = {1: "GRANTED", 2: "EXPIRED", 3: "WAIT_TIMEOUT", 4: "WAIT_CANCELLED"}
         return (f"<Event {kinds.get(self.kind, self.kind)} name={self.name!r} token={self.token} "
                 f"owner={self.owner!r} session={self.session} ttl_ms={self.ttl_ms} "
-                f"deadline_ms={self.deadline_ms} fresh={self.fresh}>")
+                f"deadline_ms={self.deadline_ms} fresh={self.fresh} waited_ms={self.waited_ms}>")
 
 
 @cython.final
@@ -258,6 +265,7 @@ cdef class _Waiter(_Entry):
     cdef object request
     cdef int64_t ttl_ms
     cdef int64_t lock_delay_ms
+    cdef int64_t enqueued_ms  # ``now`` of the acquire this waiter answers
     cdef object meta
     cdef _Waiter prev
     cdef _Waiter next
@@ -413,9 +421,9 @@ cdef class LockTable:
 
     # -- events ----------------------------------------------------------------
 
-    cdef inline void _event(self, int kind, str name, int64_t token, bytes owner, int64_t session,
-                            object request, int64_t ttl_ms, int64_t deadline_ms, object meta,
-                            bint fresh, int64_t lock_delay_ms):
+    cdef inline Event _event(self, int kind, str name, int64_t token, bytes owner, int64_t session,
+                             object request, int64_t ttl_ms, int64_t deadline_ms, object meta,
+                             bint fresh, int64_t lock_delay_ms):
         cdef Event ev = Event.__new__(Event)
         ev.kind = kind
         ev.name = name
@@ -428,7 +436,9 @@ cdef class LockTable:
         ev.meta = meta
         ev.fresh = fresh
         ev.lock_delay_ms = lock_delay_ms
+        ev.waited_ms = 0
         self._events.append(ev)
+        return ev
 
     # -- internal transitions ------------------------------------------------------
 
@@ -476,8 +486,10 @@ cdef class LockTable:
         return 0
 
     cdef inline int _grant(self, _Lock lock, bytes owner, int64_t session, object request,
-                           int64_t ttl_ms, int64_t lock_delay_ms, object meta, int64_t now) except -1:
-        """Make a fresh grant (caller checked the counter has room)."""
+                           int64_t ttl_ms, int64_t lock_delay_ms, object meta, int64_t now,
+                           int64_t waited_ms) except -1:
+        """Make a fresh grant (caller checked the counter has room); ``waited_ms``
+        is how long its request waited (Event.waited_ms)."""
         cdef int64_t token
         self._counter += 1
         token = (self._epoch << _SHIFT) | self._counter
@@ -494,7 +506,7 @@ cdef class LockTable:
         self._n_held += 1
         self._grants += 1
         self._event(_EV_GRANTED, lock.name, token, owner, session, request, ttl_ms,
-                    now + ttl_ms, meta, True, lock_delay_ms)
+                    now + ttl_ms, meta, True, lock_delay_ms).waited_ms = waited_ms
         return 0
 
     cdef inline int _check_counter(self) except -1:
@@ -552,7 +564,7 @@ cdef class LockTable:
                 w = lock.head
                 self._unlink(w)
                 self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms,
-                            w.meta, now)
+                            w.meta, now, now - w.enqueued_ms)
             else:
                 self._schedule_block(lock, until)
         elif lock.delay_until > tau:
@@ -683,12 +695,13 @@ cdef class LockTable:
             if t >= self._hold_until:
                 self._check_counter()
                 lock = self._new_lock(n)
-                self._grant(lock, o, s, request, ttl, delay, meta, t)
+                self._grant(lock, o, s, request, ttl, delay, meta, t, 0)
                 return _GRANTED
         else:
             if lock.held and lock.owner == o:
+                # re-delivered: granted (or last extended) at deadline - ttl, before this request
                 self._event(_EV_GRANTED, n, lock.token, o, s, request, lock.ttl_ms, lock.deadline,
-                            lock.meta, False, lock.lock_delay_ms)
+                            lock.meta, False, lock.lock_delay_ms).waited_ms = lock.deadline - lock.ttl_ms - t
                 return _GRANTED
             if lock.head is not None:
                 w = lock.by_owner.get(o)
@@ -696,7 +709,7 @@ cdef class LockTable:
                     return self._retry_waiter(lock, w, s, request, ttl, wait, delay, meta, t)
             elif not lock.held and t >= _max(lock.delay_until, self._hold_until):
                 self._check_counter()
-                self._grant(lock, o, s, request, ttl, delay, meta, t)
+                self._grant(lock, o, s, request, ttl, delay, meta, t, 0)
                 return _GRANTED
         if wait == 0:
             return _NOT_ACQUIRED
@@ -711,6 +724,7 @@ cdef class LockTable:
         w.request = request
         w.ttl_ms = ttl
         w.lock_delay_ms = delay
+        w.enqueued_ms = t
         w.meta = meta
         if lock.tail is None:
             lock.head = w
@@ -756,6 +770,7 @@ cdef class LockTable:
         w.request = request
         w.ttl_ms = ttl
         w.lock_delay_ms = delay
+        w.enqueued_ms = t  # the reply answers this request: its wait counts from now
         w.meta = meta
         if wait > 0:
             self._schedule(w, t + wait)

@@ -246,40 +246,33 @@ def _admin(server: tuple[str, int], secret_file: str | None, op: int, *args,
     ``ADMIN_TIMEOUT`` seconds).
     """
     from . import protocol as P
-    from .errors import error_from_wire
+    from .errors import ConnectionLost
 
     secret = _read_secret(secret_file)
     host, port = server
 
     async def run():
+        from . import rpc
+
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), ADMIN_TIMEOUT)
+            conn = await rpc.open_connection(host, port, timeout=ADMIN_TIMEOUT)
         except asyncio.TimeoutError:
             raise TimeoutError(f"no connection within {ADMIN_TIMEOUT:g} s") from None
-        dec = P.FrameDecoder()
         try:
-            writer.write(P.encode_request(1, P.OP_HELLO, P.PROTOCOL_VERSION, "fastlock-admin", secret))
-            writer.write(P.encode_request(2, op, *args))
-            replies = {}
-            while 2 not in replies:
-                try:
-                    data = await asyncio.wait_for(reader.read(65536), reply_timeout)
-                except asyncio.TimeoutError:
-                    raise TimeoutError(f"no reply within {reply_timeout:g} s") from None
-                if not data:
-                    msg = replies.get(0) or replies.get(1)
-                    if msg is not None and msg[1] != 0:
-                        raise error_from_wire(msg[1], msg[2], msg[3] if len(msg) > 3 else None)
-                    raise ConnectionError("the server closed the connection")
-                for msg in dec.feed(data):
-                    replies[msg[0]] = msg
-            for rid in (1, 2):
-                msg = replies.get(rid) or replies.get(0)
-                if msg is not None and msg[1] != 0:
-                    raise error_from_wire(msg[1], msg[2], msg[3] if len(msg) > 3 else None)
-            return replies[2][2]
+            hello = conn.request(P.OP_HELLO, P.PROTOCOL_VERSION, "fastlock-admin", secret)
+            reply = conn.request(op, *args)
+            try:
+                await asyncio.wait_for(hello, reply_timeout)
+                return await asyncio.wait_for(reply, reply_timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"no reply within {reply_timeout:g} s") from None
+            except ConnectionLost:
+                if conn.close_error is not None:  # the server said why it closed
+                    raise conn.close_error from None
+                raise ConnectionError("the server closed the connection") from None
         finally:
-            writer.close()
+            reply.add_done_callback(lambda f: f.cancelled() or f.exception())
+            conn.close()
 
     return asyncio.run(run())
 

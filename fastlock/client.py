@@ -32,10 +32,10 @@ from .errors import (
     InvalidArgument,
     LeaseLost,
     NotPrimary,
-    ProtocolError,
+    Unavailable,
     WrongArgumentType,
-    error_from_wire,
 )
+from .rpc import RpcConnection
 
 if TYPE_CHECKING:  # pragma: no cover
     from .election import Election
@@ -280,116 +280,129 @@ def _parse_address(addr: Any) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", p
 
 
-class _ClientProtocol(asyncio.Protocol):
-    """One connection.  ``last_recv`` (``loop.time()`` seconds) is when bytes
-    last arrived, ``armed_at`` when the liveness watchdog (see
-    :meth:`Client._watchdog`) was last armed by a request on an idle connection."""
+class _ClientConnection(RpcConnection):
+    """The client's connection: an :class:`~fastlock.rpc.RpcConnection` whose
+    pushes feed the watches opened on it, and whose liveness timeout is the
+    client's ``request_timeout``."""
 
-    __slots__ = ("decoder", "pending", "transport", "closed", "on_lost", "watches", "address", "loop",
-                 "last_recv", "armed_at", "ping_sent", "pinged", "pings", "watchdog")
+    __slots__ = ("watches",)
 
-    def __init__(self, on_lost, address: tuple[str, int] = ("", 0)):
-        self.decoder = P.FrameDecoder(64 << 20)
-        self.pending: dict[int, asyncio.Future] = {}
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
-        self.on_lost = on_lost
+    def __init__(self, address: tuple[str, int], client: "Client"):
+        super().__init__(address, on_push=self._dispatch_push, on_close=client._on_connection_closed,
+                         liveness_timeout=client._request_timeout)
         self.watches: dict[str, set[asyncio.Queue]] = {}
-        self.address = address
+
+    def _dispatch_push(self, kind: Any, payload: Any) -> None:
+        if kind == P.PUSH_WATCH:
+            event = WatchEvent(*payload)
+            for queue in self.watches.get(event.name, ()):
+                queue.put_nowait(event)
+
+
+# Errors after which an operation looks for the primary and tries again
+# (within its deadline): the connection is gone, or the node is not (or no
+# longer) a primary that may serve it.  Every other error surfaces at once.
+_RETRYABLE = (ConnectionLost, NotPrimary, Unavailable)
+_BACKOFF_FIRST = 0.02  # seconds: the first pause between sweeps of the address list
+_BACKOFF_MAX = 0.5  # seconds: the longest pause (doubling from the first, with jitter)
+#: a grant read with less than this fraction of its TTL left (by the client's
+#: conservative estimate) is verified with an EXTEND before it is returned
+LATE_GRANT_FRACTION = 0.5
+
+
+class _RideThrough:
+    """The retry state of one operation: its deadline (``loop.time()``
+    seconds, None: none), the last error, and the pause (backoff with
+    jitter) before the next sweep of the address list."""
+
+    __slots__ = ("client", "deadline", "last", "backoff", "max_backoff", "loop")
+
+    def __init__(self, client: "Client", deadline: float | None, max_backoff: float = _BACKOFF_MAX):
+        self.client = client
+        self.deadline = deadline
+        self.last: BaseException | None = None
+        self.backoff = min(_BACKOFF_FIRST, max_backoff)
+        self.max_backoff = max_backoff
         self.loop = asyncio.get_running_loop()
-        self.last_recv = self.armed_at = self.loop.time()
-        self.ping_sent = float("-inf")  # loop.time() of the last liveness ping
-        self.pinged = False  # a liveness ping went out and no byte has come in since
-        self.pings = 0  # liveness pings sent
-        self.watchdog: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport):
-        self.transport = transport
+    def failed(self, conn: _ClientConnection | None, exc: BaseException) -> bool:
+        """Record a failed attempt on ``conn``; True if the next one should
+        pause first (a redirect that names the primary is followed at once)."""
+        self.last = exc
+        if isinstance(exc, (NotPrimary, Unavailable)) and conn is not None:
+            self.client._refused(conn, exc)
+        return not (isinstance(exc, NotPrimary) and exc.primary)
 
-    def data_received(self, data: bytes) -> None:
-        # (a flag, not a timestamp comparison: uvloop's clock ticks in ms)
-        self.last_recv = self.loop.time()
-        self.pinged = False
-        try:
-            messages = self.decoder.feed(data)
-        except ProtocolError as exc:
-            log.error("bad data from server: %s", exc)
-            self.abort(ConnectionLost(f"bad data from the fastlock server: {exc}"))
-            return
-        pending = self.pending
-        for msg in messages:
-            req_id = msg[0]
-            if req_id == 0:
-                if len(msg) >= 3 and msg[1] == P.PUSH_WATCH:
-                    event = WatchEvent(*msg[2])
-                    for queue in self.watches.get(event.name, ()):
-                        queue.put_nowait(event)
-                elif len(msg) >= 3 and isinstance(msg[1], int) and msg[1] != 0:
-                    log.error("server closed the connection: %s", msg[2])
-                continue
-            fut = pending.pop(req_id, None)
-            if fut is None or fut.done():
-                continue
-            if msg[1] == 0:
-                fut.set_result(msg[2])
-            else:
-                fut.set_exception(error_from_wire(msg[1], msg[2], msg[3] if len(msg) > 3 else None))
+    def expired(self) -> ConnectionLost:
+        err = ConnectionLost(f"no fastlock primary could serve the request before its deadline "
+                             f"(last error: {self.last or 'none'})")
+        err.__cause__ = self.last
+        return err
 
-    def connection_lost(self, exc):
-        self.fail(ConnectionLost("connection to the fastlock server lost"))
+    def left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - self.loop.time()
 
-    def fail(self, error: ConnectionLost) -> None:
-        """Mark the connection dead now: every pending request raises ``error``,
-        every watch on it ends, and the client forgets it (so the next request
-        reconnects).  Idempotent; the transport itself is not touched."""
-        if self.closed:
-            return
-        self.closed = True
-        if self.watchdog is not None:
-            self.watchdog.cancel()
-            self.watchdog = None
-        pending = list(self.pending.values())
-        self.pending.clear()
-        for fut in pending:
-            if not fut.done():
-                fut.set_exception(error)
-        for queues in self.watches.values():
-            for queue in queues:
-                queue.put_nowait(None)  # end of this watch
-        self.watches.clear()
-        self.on_lost(self)
-
-    def abort(self, error: ConnectionLost) -> None:
-        """:meth:`fail` with ``error``, then drop the TCP connection without
-        flushing (the server removes this connection's waiters when it sees it go)."""
-        self.fail(error)
-        if self.transport is not None:
-            self.transport.abort()
+    async def connection(self, pause: bool) -> _ClientConnection:
+        """A connection to a primary for the next attempt (after a pause when
+        ``pause``); raises :class:`ConnectionLost` once the deadline passed."""
+        client = self.client
+        while True:
+            if client._closed:
+                raise ConnectionLost("client is closed")
+            if pause:
+                delay = random.uniform(0.5, 1.0) * self.backoff
+                self.backoff = min(self.backoff * 2.0, self.max_backoff)
+                left = self.left()
+                if left is not None:
+                    delay = min(delay, left)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            left = self.left()
+            if left is not None and left <= 0:
+                raise self.expired()
+            try:
+                return await client._ensure_connected(self.deadline)
+            except ConnectionLost as exc:
+                if client._closed:
+                    raise
+                self.last = exc
+                pause = True
 
 
 class Client:
     """A connection to a fastlock primary.  Create it with :func:`connect`.
 
     Many tasks may share one client; their requests are pipelined on one
-    connection.  If the connection drops, requests in flight raise
-    :class:`ConnectionLost` and the next request reconnects (trying every
-    address, following ``NotPrimary`` redirects).  Held leases survive a
-    dropped connection until their TTL; :meth:`lock` keeps renewing across a
-    reconnect.
+    connection.  Held leases survive a dropped connection until their TTL.
+
+    **Riding through a failover.**  Every operation runs under one deadline:
+    ``wait`` plus ``connect_timeout`` for an acquire (none when ``wait`` is
+    None), ``request_timeout`` (or ``connect_timeout`` when that is None) for
+    every other call, and the lease's own expiry for a renewal.  Within it, a
+    lost connection, a ``NotPrimary`` refusal (a standby, a deposed primary)
+    or ``Unavailable`` (a fenced primary, a server shutting down) makes the
+    client drop that connection, look for the current primary - every
+    address, redirects followed first, an address that went silent or
+    answered "deposed"/"fenced"/``Unavailable`` tried last, with backoff and
+    jitter (20 ms doubling to 0.5 s) between sweeps - and send the request
+    again.  A retried acquire carries the same owner key, so the server finds
+    its existing lease (or waiter) instead of granting the lock twice, as
+    ZooKeeper's lock recipe finds its own node again.  Only when the deadline
+    passes with no primary able to serve does :class:`ConnectionLost` reach
+    the caller (its ``__cause__`` is the last refusal).  See the table in
+    ``docs/client-features.md``.
 
     **Liveness.**  A server that stops answering while its TCP connection
     stays open (a frozen process, a stalled VM, a black-holed network) is
-    detected by a per-connection watchdog, not by per-request timers: while
-    any request (including a waiting acquire) or watch is outstanding, a
-    ``PING`` is sent after ``request_timeout / 3`` seconds without a byte
-    from the server, and after ``request_timeout`` seconds of silence the
-    connection is aborted: everything pending on it raises
-    :class:`ConnectionLost` (the server drops the connection's waiters when it
-    sees it go; an acquire cut off this way is cancelled by owner on the next
-    connection), and the next request reconnects, trying the silent address
-    last.  An idle connection (nothing outstanding) is never pinged nor
-    aborted.  A waiting acquire is therefore never failed by its own ``wait``
-    being long: only by the server going silent.
+    detected by a per-connection watchdog (:class:`fastlock.rpc.RpcConnection`),
+    not by per-request timers: while any request (including a waiting
+    acquire) or watch is outstanding, a ``PING`` is sent after
+    ``request_timeout / 3`` seconds without a byte from the server, and after
+    ``request_timeout`` seconds of silence the connection is aborted and that
+    address is tried last from then on; the operations pending on it ride
+    through as above.  An idle connection is never pinged nor aborted.  A
+    waiting acquire is therefore never failed by its own ``wait`` being long:
+    only by the server going silent.
     """
 
     def __init__(self, addresses: Iterable[Any], *, auth: str | None = None, client_name: str | None = None,
@@ -401,16 +414,18 @@ class Client:
         self._client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
         self._connect_timeout = _check_timeout(connect_timeout, "connect_timeout", allow_none=False)
         self._request_timeout = _check_timeout(request_timeout, "request_timeout", allow_none=True)
-        self._proto: _ClientProtocol | None = None
+        # the deadline of every call but acquire and renewals (seconds)
+        self._op_timeout = self._request_timeout if self._request_timeout is not None else self._connect_timeout
+        self._proto: _ClientConnection | None = None
         self._connecting: asyncio.Future | None = None  # result of the connection attempt in progress
         self._connect_task: asyncio.Task | None = None
         self._attempt: dict = {}  # {"addr": the address the attempt in progress is trying}
         self._suspects: set[tuple[str, int]] = set()  # addresses that went silent: tried last
-        self._next_id = 1
+        self._demoted: set[tuple[str, int]] = set()  # answered deposed / fenced / Unavailable: tried last
+        self._preferred: tuple[str, int] | None = None  # named as the primary by a refusal: tried first
         self._closed = False
         self._renewers: dict[int, asyncio.Task] = {}
-        self._orphans: list[tuple[str, bytes]] = []  # acquires whose reply was lost with a connection
-        self._rtt = 0.001  # smoothed round-trip estimate, seconds
+        self._orphans: list[tuple[str, bytes]] = []  # acquires given up on: cancelled by owner on reconnect
         self.server_info: dict = {}
         #: the highest fencing epoch this client has seen; sent in every HELLO so
         #: that a deposed primary that still runs learns it and steps down
@@ -428,7 +443,16 @@ class Client:
         return self._request_timeout
 
     # -- connection management ------------------------------------------------------
-    async def _ensure_connected(self) -> _ClientProtocol:
+    async def _ensure_connected(self, deadline: float | None = None) -> _ClientConnection:
+        """The connection to the primary, connecting first if needed (one
+        attempt shared by every caller).  ``deadline`` (``loop.time()``) bounds
+        this caller's wait for the attempt.
+
+        Raises:
+            ConnectionLost: no address accepted a connection as primary (in
+                one sweep, or before ``deadline``), or the client is closed.
+            AuthError: the secret was refused.
+        """
         proto = self._proto
         if proto is not None and not proto.closed:
             return proto
@@ -440,7 +464,15 @@ class Client:
             self._attempt = {}
             self._connect_task = asyncio.ensure_future(self._connect_into(fut, self._attempt))
         # shielded: one caller's cancellation must not abandon everyone's attempt
-        return await asyncio.shield(fut)
+        if deadline is None:
+            return await asyncio.shield(fut)
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise ConnectionLost("the deadline passed before a primary was found")
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), left)
+        except asyncio.TimeoutError:
+            raise ConnectionLost(f"no primary found within {left:.3f} s") from None
 
     async def _connect_into(self, fut: asyncio.Future, attempt: dict) -> None:
         """Run one connection attempt and hand its outcome to ``fut`` - unless
@@ -461,8 +493,7 @@ class Client:
             if self._connecting is fut and fut.done():
                 self._connecting = None
         if fut.done() or self._closed:  # abandoned while the handshake was in flight
-            proto.fail(ConnectionLost("connection attempt abandoned"))
-            proto.transport.close()
+            proto.close(ConnectionLost("connection attempt abandoned"))
             if self._connecting is fut:
                 self._connecting = None
             return
@@ -470,23 +501,31 @@ class Client:
         self.max_epoch = max(self.max_epoch, info.get("epoch", 0))
         self._proto = proto
         self._suspects.discard(proto.address)
+        self._demoted.discard(proto.address)
+        self._preferred = None
         if self._orphans:
             orphans, self._orphans = self._orphans, []
             for name, owner in orphans:
-                self._send_nowait(proto, P.OP_CANCEL, name, owner)
+                proto.send(P.OP_CANCEL, name, owner)
         fut.set_result(proto)
         if self._connecting is fut:
             self._connecting = None
 
-    async def _connect(self, attempt: dict) -> tuple[_ClientProtocol, dict]:
-        """Try every address (following redirects) until one is a primary and
-        accepts the handshake; ``attempt["addr"]`` says which one is being tried."""
+    async def _connect(self, attempt: dict) -> tuple[_ClientConnection, dict]:
+        """Sweep the addresses once (following redirects) until one is a
+        primary and accepts the handshake; ``attempt["addr"]`` says which one
+        is being tried.  Order: a primary named by the last refusal, then the
+        others, then addresses that went silent, then those that answered
+        deposed/fenced/``Unavailable`` (a fenced primary is used only when no
+        other address is a primary)."""
         loop = asyncio.get_running_loop()
         errors = []
-        # addresses that went silent on us are tried last (a frozen primary
-        # still accepts TCP connections, then never answers the handshake)
-        candidates = [a for a in self._addresses if a not in self._suspects]
-        candidates += [a for a in self._addresses if a in self._suspects]
+        later = self._suspects | self._demoted
+        candidates = [a for a in self._addresses if a not in later]
+        candidates += [a for a in self._addresses if a in self._suspects and a not in self._demoted]
+        candidates += [a for a in self._addresses if a in self._demoted]
+        if self._preferred is not None:
+            candidates.insert(0, self._preferred)
         tried: set[tuple[str, int]] = set()
 
         def redirect(primary: Any) -> None:
@@ -494,7 +533,7 @@ class Client:
                 target = _parse_address(primary)
             except FastlockError:
                 return
-            if target in self._suspects:
+            if target in later:
                 candidates.append(target)
             else:
                 candidates.insert(0, target)
@@ -508,8 +547,7 @@ class Client:
             attempt["addr"] = addr
             try:
                 _, proto = await asyncio.wait_for(
-                    loop.create_connection(lambda: _ClientProtocol(self._on_connection_lost, addr),
-                                           addr[0], addr[1]),
+                    loop.create_connection(lambda: _ClientConnection(addr, self), addr[0], addr[1]),
                     self._connect_timeout,
                 )
             except asyncio.TimeoutError:
@@ -521,15 +559,21 @@ class Client:
                 continue
             try:
                 info = await asyncio.wait_for(
-                    self._call(proto, P.OP_HELLO, P.PROTOCOL_VERSION, self._client_name, self._auth,
-                               self.max_epoch),
+                    proto.request(P.OP_HELLO, P.PROTOCOL_VERSION, self._client_name, self._auth, self.max_epoch),
                     self._connect_timeout,
                 )
             except NotPrimary as exc:
-                proto.transport.close()
+                proto.close()
                 errors.append(f"{addr[0]}:{addr[1]}: not primary (primary: {exc.primary})")
                 if exc.primary:
                     redirect(exc.primary)
+                else:
+                    self._demoted.add(addr)
+                continue
+            except Unavailable as exc:
+                proto.close()
+                self._demoted.add(addr)
+                errors.append(f"{addr[0]}:{addr[1]}: unavailable: {exc}")
                 continue
             except asyncio.TimeoutError:
                 proto.abort(ConnectionLost("handshake timed out"))
@@ -543,18 +587,26 @@ class Client:
             except BaseException:
                 proto.abort(ConnectionLost("handshake failed"))
                 raise
+            if not isinstance(info, dict):
+                proto.abort(ConnectionLost("bad handshake reply"))
+                errors.append(f"{addr[0]}:{addr[1]}: bad handshake reply {info!r}")
+                continue
+            self.max_epoch = max(self.max_epoch, info.get("epoch", 0) if type(info.get("epoch")) is int else 0)
             if info.get("role") != "primary":
-                proto.transport.close()
+                proto.close()
                 primary = info.get("primary")
                 errors.append(f"{addr[0]}:{addr[1]}: is a {info.get('role')} (primary: {primary})")
                 if primary:
                     redirect(primary)
+                if info.get("role") != "standby":  # deposed, promoting: not a primary soon
+                    self._demoted.add(addr)
                 continue
             if info.get("fenced") and addr not in deferred and any(c not in tried for c in candidates):
                 # a primary that is not granting (its standby may have taken over): try the
                 # other addresses first, and come back to it only if none is a primary
-                proto.transport.close()
+                proto.close()
                 errors.append(f"{addr[0]}:{addr[1]}: primary is fenced (not granting)")
+                self._demoted.add(addr)
                 deferred.add(addr)
                 tried.discard(addr)
                 candidates.append(addr)
@@ -563,9 +615,39 @@ class Client:
             return proto, info
         raise ConnectionLost("could not connect to a fastlock primary: " + "; ".join(errors))
 
-    def _on_connection_lost(self, proto: _ClientProtocol) -> None:
+    def _on_connection_closed(self, proto: _ClientConnection, error: ConnectionLost) -> None:
+        """Called once per connection when it ends: the client forgets it (so
+        the next request reconnects), a silent address is tried last, and
+        every watch on it ends."""
         if self._proto is proto:
             self._proto = None
+        if proto.silent:
+            self._suspects.add(proto.address)
+        for queues in proto.watches.values():
+            for queue in queues:
+                queue.put_nowait(None)  # end of this watch
+        proto.watches.clear()
+
+    def _refused(self, proto: _ClientConnection, exc: BaseException) -> None:
+        """A request on ``proto`` was refused with ``NotPrimary`` or
+        ``Unavailable``: that node cannot serve now.  Drop the connection (the
+        requests pending on it ride through elsewhere), try a primary it named
+        first, and the node itself last unless it named nobody."""
+        addr = proto.address
+        primary = getattr(exc, "primary", None)
+        target = None
+        if primary:
+            try:
+                target = _parse_address(primary)
+            except FastlockError:
+                target = None
+        if target is not None and target != addr:
+            self._preferred = target
+        self._demoted.add(addr)
+        if not proto.closed:
+            log.info("%s:%d refused a request (%s: %s); looking for the primary", addr[0], addr[1],
+                     type(exc).__name__, exc)
+            proto.abort(ConnectionLost(f"{addr[0]}:{addr[1]} cannot serve: {exc}"))
 
     def _reset_connection(self, reason: str) -> None:
         """Give up on the current connection and on any connection attempt in
@@ -602,84 +684,69 @@ class Client:
             return
         self._reset_connection(reason)
 
-    def _call(self, proto: _ClientProtocol, op: int, *args: Any) -> asyncio.Future:
-        req_id = self._next_id
-        self._next_id = req_id + 1
-        fut = proto.loop.create_future()
-        if proto.closed:  # failed before we got here (e.g. reset by a watchdog)
-            fut.set_exception(ConnectionLost("connection to the fastlock server lost"))
-            return fut
-        proto.pending[req_id] = fut
-        proto.transport.write(P.packb([req_id, op, *args]))
-        if proto.watchdog is None and self._request_timeout is not None:
-            self._arm_watchdog(proto)
-        return fut
-
-    def _arm_watchdog(self, proto: _ClientProtocol) -> None:
-        # Silence is counted from when something became outstanding: an idle
-        # connection's silence is expected and says nothing about the server.
-        now = proto.armed_at = proto.loop.time()
-        proto.pinged = False
-        due = now + self._request_timeout / 3.0
-        proto.watchdog = proto.loop.call_at(due, self._watchdog, proto, due)
-
-    def _watchdog(self, proto: _ClientProtocol, due: float | None) -> None:
-        """Runs about every ``request_timeout / 3`` s while ``proto`` has
-        requests or watches outstanding: pings a silent server, aborts a
-        connection silent for ``request_timeout`` s despite a ping.  ``due`` is
-        the ``loop.time()`` it was scheduled for (None: do not judge lateness)."""
-        proto.watchdog = None
-        if proto.closed or (not proto.pending and not proto.watches):
-            return  # idle: re-armed by the next request
-        loop = proto.loop
-        now = loop.time()
-        timeout = self._request_timeout
-        interval = timeout / 3.0
-        if due is not None and now - due > interval / 2:
-            # We ran late: this process itself was stalled (SIGSTOP, a loop
-            # hog), and replies may be sitting unread in the socket.  Look again
-            # once the loop has read them (a timer one tick later runs after
-            # the next I/O poll, on asyncio and on uvloop) - once: a loop that
-            # is always this late must not postpone the verdict for ever.
-            proto.watchdog = loop.call_at(now + min(interval, 0.05), self._watchdog, proto, None)
-            return
-        since = max(proto.last_recv, proto.armed_at)
-        silent = now - since
-        pinged = proto.pinged  # a ping went out after the last bytes came in
-        if silent >= timeout and pinged:
-            host, port = proto.address
-            log.warning("no reply from %s:%d for %.1f s (request_timeout %s s); dropping the connection",
-                        host, port, silent, timeout)
-            self._suspects.add(proto.address)
-            proto.abort(ConnectionLost(f"no reply from the fastlock server at {host}:{port} for {silent:.1f} s "
-                                       f"(request_timeout {timeout} s)"))
-            return
-        if silent >= interval and not pinged:
-            proto.ping_sent = now
-            proto.pinged = pinged = True
-            proto.pings += 1
-            req_id = self._next_id  # not through _call: that would re-arm (and restart the silence)
-            self._next_id = req_id + 1
-            fut = loop.create_future()
-            fut.add_done_callback(_ignore_result)
-            proto.pending[req_id] = fut
-            proto.transport.write(P.packb([req_id, P.OP_PING]))
-        if pinged:
-            nxt = max(since + timeout, proto.ping_sent + interval)
-        else:
-            nxt = since + interval
-        nxt = max(nxt, now + 0.001)
-        proto.watchdog = loop.call_at(nxt, self._watchdog, proto, nxt)
-
-    def _send_nowait(self, proto: _ClientProtocol, op: int, *args: Any) -> None:
-        fut = self._call(proto, op, *args)
-        fut.add_done_callback(_ignore_result)
-
     async def _request(self, op: int, *args: Any) -> Any:
+        """Send one request and return its reply's value, riding through a
+        failover within ``request_timeout`` (see :class:`Client`)."""
         proto = self._proto
-        if proto is None or proto.closed:
-            proto = await self._ensure_connected()
-        return await self._call(proto, op, *args)
+        if proto is not None and not proto.closed:
+            started = proto.loop.time()
+            try:
+                return await proto.request(op, *args)
+            except _RETRYABLE as exc:
+                if self._closed:
+                    raise
+                return await self._retry(op, args, started + self._op_timeout, proto, exc)
+        return await self._retry(op, args, asyncio.get_running_loop().time() + self._op_timeout)
+
+    async def _retry(self, op: int, args: tuple, deadline: float | None, proto: _ClientConnection | None = None,
+                     exc: BaseException | None = None, *, attempt_timeout: float | None = None,
+                     max_backoff: float = _BACKOFF_MAX) -> Any:
+        """Send ``op`` until a primary answers or ``deadline`` passes.
+
+        ``proto``/``exc``: a first attempt already failed there with that
+        error.  ``attempt_timeout`` (seconds) bounds each attempt (a silent
+        connection is then reset); None leaves that to the liveness watchdog.
+        A RELEASE refused as ``LeaseLost`` after an attempt whose outcome is
+        unknown (the connection died with it in flight) counts as done: the
+        lease is gone either way.
+
+        Raises:
+            ConnectionLost: the deadline passed with no primary able to serve.
+            any other error the server replied with.
+        """
+        loop = asyncio.get_running_loop()
+        pacing = _RideThrough(self, deadline, max_backoff)
+        unknown = False  # an attempt may have taken effect, its reply lost
+        pause = False
+        if exc is not None:
+            unknown = isinstance(exc, ConnectionLost)
+            pause = pacing.failed(proto, exc)
+        while True:
+            proto = await pacing.connection(pause)
+            sent = loop.time()
+            try:
+                fut = proto.request(op, *args)
+                if attempt_timeout is None:
+                    return await fut
+                left = pacing.left()
+                bound = attempt_timeout if left is None else max(0.001, min(attempt_timeout, left))
+                return await asyncio.wait_for(fut, bound)
+            except LeaseLost:
+                if op == P.OP_RELEASE and unknown:
+                    log.info("release of %r: an earlier attempt's outcome is unknown and the lease is gone "
+                             "now; taking it as released", args[0])
+                    return None
+                raise
+            except asyncio.TimeoutError:
+                unknown = True
+                pacing.last = ConnectionLost(f"no reply within {attempt_timeout:.3f} s")
+                self._reset_if_silent_since(sent, f"{P.OP_NAMES.get(op, op)} got no reply in time")
+                pause = True
+            except _RETRYABLE as err:
+                if self._closed:
+                    raise
+                unknown = unknown or isinstance(err, ConnectionLost)
+                pause = pacing.failed(proto, err)
 
     async def close(self) -> None:
         """Stop auto-renewals and close the connection.
@@ -704,8 +771,7 @@ class Client:
         proto = self._proto
         self._proto = None
         if proto is not None and not proto.closed:
-            proto.fail(closed)
-            proto.transport.close()
+            proto.close(closed)
 
     async def __aenter__(self) -> "Client":
         return self
@@ -723,17 +789,48 @@ class Client:
             ttl: lease time to live in seconds (1 ms .. 24 h), counted on the
                 server's monotonic clock from the grant.
             wait: seconds to wait in the lock's FIFO queue; ``0`` tries once,
-                ``None`` waits forever.
+                ``None`` waits forever.  The whole call, failovers included,
+                runs under one deadline: ``wait + connect_timeout`` seconds
+                (none when ``wait`` is None).
             lock_delay: seconds (0 .. 60) during which the lock stays
                 unavailable after this lease *expires* (not after a clean
                 release), as Chubby's lock-delay and Consul's session lock-delay.
             correlation_id: free text (<= 256 chars) recorded with the grant in
                 the server's WAL, for audits (``fastlock wal dump``).
 
+        A lost connection, a standby or deposed node (``NotPrimary``) or a
+        fenced primary (``Unavailable``) does not end the call: the client
+        finds the current primary and asks again with the same owner key, so
+        a grant that was made before the failure is found again, never made
+        twice (see :class:`Client`).  A request that waited in the queue asks
+        again for the wait that is left (its place in the queue is lost: a
+        waiter goes with its connection).
+
+        **No dead lease returned as granted** (the fault of etcd issue 11456,
+        found by Jepsen).  The server reports how long the request waited in
+        its queue (``waited_ms``, on its own monotonic clock).  The grant
+        cannot have happened before ``sent + waited`` on this client's clock
+        (``sent``: when this client sent the request), so the lease's
+        ``expires_at`` is ``sent + waited + ttl`` - an estimate that is never
+        later than the server's expiry, assuming the two monotonic clocks run
+        at the same rate (quartz drift, about 1e-4, is far inside the margin
+        below).  If, when the reply is read, less than half of the TTL is left
+        by that estimate (this process was frozen, or its loop stalled, while
+        the grant waited unread), the lease is not returned on trust: one
+        EXTEND verifies it with the server (renewing it from now) and the
+        lease is returned only if that succeeds and leaves time.  Otherwise the
+        lock is released (best effort) and, while ``wait`` has time left, the
+        acquire queues again with a new owner key; when it has none,
+        :class:`LeaseLost` is raised - not a lease already marked lost, so that
+        no code path can act on it by mistake.  On the normal path this costs
+        no extra round trip.
+
         Raises:
             LockNotAcquired: the wait ran out (or ``wait=0`` and it was held).
-            ConnectionLost: the connection dropped while waiting, or the server
-                went silent for ``request_timeout`` seconds (see :class:`Client`).
+            LeaseLost: a grant arrived too late to be proven alive, and the
+                wait had no time left to queue again (see above).
+            ConnectionLost: the deadline passed with no primary reachable,
+                or the client was closed.
             LimitExceeded: too many waiting acquires on this connection.
             InvalidArgument / WrongArgumentType: bad arguments (nothing sent).
 
@@ -747,49 +844,130 @@ class Client:
         delay_ms = P.check_lock_delay_ms(P.seconds_to_ms(lock_delay, "lock_delay", allow_zero=True))
         P.check_optional_str(correlation_id, "correlation_id", P.MAX_CORRELATION_ID_CHARS)
         owner = os.urandom(16)
-        loop = asyncio.get_running_loop()
         proto = self._proto
-        if proto is None or proto.closed:
-            proto = await self._ensure_connected()
-        sent = loop.time()
-        fut = self._call(proto, P.OP_ACQUIRE, name, owner, ttl_ms, wait_ms, delay_ms, correlation_id)
-        try:
-            token, granted_ttl_ms = await fut
-        except asyncio.CancelledError:
-            self._abandon(proto, name, owner)
-            raise
-        except ConnectionLost:
-            # The grant may have been sent just before the connection died:
-            # cancel by owner on the next connection so it is released.
-            self._orphans.append((name, owner))
-            raise
-        received = loop.time()
-        granted_ttl = granted_ttl_ms / 1000.0
-        # The server's TTL counts from its grant, which happened after we sent
-        # and before we received; for a queued grant, back off one RTT.
-        start = sent if received - sent <= 2 * self._rtt + 0.002 else received - self._rtt
-        self._observe_rtt(received - sent, queued=wait_ms != 0)
+        if proto is not None and not proto.closed:
+            sent = started = proto.loop.time()
+            fut = proto.request(P.OP_ACQUIRE, name, owner, ttl_ms, wait_ms, delay_ms, correlation_id)
+            try:
+                reply = await fut
+            except asyncio.CancelledError:
+                self._abandon(proto, name, owner)
+                raise
+            except _RETRYABLE as exc:
+                reply, sent = await self._acquire_retry(name, owner, ttl_ms, wait_ms, delay_ms, correlation_id,
+                                                        sent, proto, exc)
+        else:
+            started = asyncio.get_running_loop().time()
+            reply, sent = await self._acquire_retry(name, owner, ttl_ms, wait_ms, delay_ms, correlation_id,
+                                                    started)
+        token = reply[0]
+        granted_ttl = reply[1] / 1000.0
+        # The grant happened no earlier than `sent + waited` on our clock (the
+        # server received the request after we sent it, then it waited).
+        waited = reply[2] / 1000.0 if len(reply) > 2 else 0.0
+        expires_at = sent + waited + granted_ttl
         epoch = token >> 40
         if epoch > self.max_epoch:
             self.max_epoch = epoch
-        return Lease(name, token, granted_ttl, owner, _LostEvent(), start + granted_ttl)
+        lease = Lease(name, token, granted_ttl, owner, _LostEvent(), expires_at)
+        if expires_at - asyncio.get_running_loop().time() >= granted_ttl * LATE_GRANT_FRACTION:
+            return lease
+        return await self._late_grant(lease, (name, ttl_ms, wait_ms, delay_ms, correlation_id), started)
 
-    def _abandon(self, proto: _ClientProtocol, name: str, owner: bytes) -> None:
+    async def _late_grant(self, lease: Lease, request: tuple, started: float) -> Lease:
+        """A grant read with less than :data:`LATE_GRANT_FRACTION` of its TTL
+        left by the conservative estimate: verify it with one EXTEND, or give
+        it back and queue again while the wait allows (see :meth:`acquire`)."""
+        loop = asyncio.get_running_loop()
+        name, ttl_ms, wait_ms, delay_ms, correlation_id = request
+        log.warning("grant of %s token %d was read with %.3f s of its %.3f s TTL left (this process or the "
+                    "network stalled); verifying it with the server", lease.name, lease.fencing_token,
+                    lease.expires_at - loop.time(), lease.ttl)
+        try:
+            verified = await self.extend(lease)
+        except FastlockError as exc:
+            log.warning("late grant of %s token %d could not be verified (%s); giving it back",
+                        lease.name, lease.fencing_token, exc)
+            lease.lost.set()
+            self._drop(lease)
+        else:
+            if verified.expires_at > loop.time():
+                return verified
+            lease.lost.set()
+            self._drop(lease)
+        if wait_ms < 0:
+            return await self.acquire(name, ttl=ttl_ms / 1000.0, wait=None, lock_delay=delay_ms / 1000.0,
+                                      correlation_id=correlation_id)
+        left = started + wait_ms / 1000.0 - loop.time()
+        if wait_ms > 0 and left > 0:
+            return await self.acquire(name, ttl=ttl_ms / 1000.0, wait=left, lock_delay=delay_ms / 1000.0,
+                                      correlation_id=correlation_id)
+        raise LeaseLost(f"{name!r} was granted (token {lease.fencing_token}) but the grant was read too late to "
+                        f"prove the lease alive, and the wait had no time left to queue again")
+
+    async def _acquire_retry(self, name: str, owner: bytes, ttl_ms: int, wait_ms: int, delay_ms: int,
+                             correlation_id: str | None, started: float, proto: _ClientConnection | None = None,
+                             exc: BaseException | None = None) -> tuple[list, float]:
+        """Ride an acquire through a failover: same owner key, the wait that is
+        left, until ``started + wait + connect_timeout``.  Returns the reply and
+        the ``loop.time()`` its request was sent."""
+        loop = asyncio.get_running_loop()
+        wait_end = None if wait_ms < 0 else started + wait_ms / 1000.0
+        deadline = None if wait_end is None else wait_end + self._connect_timeout
+        pacing = _RideThrough(self, deadline)
+        pause = False
+        if exc is not None:
+            if self._closed:
+                self._orphans.append((name, owner))
+                raise exc
+            pause = pacing.failed(proto, exc)
+        while True:
+            try:
+                proto = await pacing.connection(pause)
+            except BaseException:
+                # the grant may have been made before the failure: cancel by owner
+                # on the next connection so that it is released, not left to its TTL
+                self._orphans.append((name, owner))
+                raise
+            if wait_end is None:
+                left_ms = -1
+            else:
+                left_ms = max(0, int((wait_end - loop.time()) * 1000))
+            sent = loop.time()
+            try:
+                reply = await proto.request(P.OP_ACQUIRE, name, owner, ttl_ms, left_ms, delay_ms, correlation_id)
+                return reply, sent
+            except asyncio.CancelledError:
+                self._abandon(proto, name, owner)
+                raise
+            except _RETRYABLE as err:
+                if self._closed:
+                    self._orphans.append((name, owner))
+                    raise
+                pause = pacing.failed(proto, err)
+
+    def _abandon(self, proto: _ClientConnection, name: str, owner: bytes) -> None:
         if not proto.closed:
-            self._send_nowait(proto, P.OP_CANCEL, name, owner)
+            proto.send(P.OP_CANCEL, name, owner)
         else:
             self._orphans.append((name, owner))
-
-    def _observe_rtt(self, sample: float, queued: bool) -> None:
-        if not queued or sample < self._rtt * 4:
-            self._rtt = 0.875 * self._rtt + 0.125 * sample
 
     async def release(self, lease: Lease) -> None:
         """Release ``lease``; the next waiter (if any) is granted at once.
 
+        Rides through a failover within ``request_timeout``: a release refused
+        by a node that is not (or no longer) the serving primary - a deposed
+        node (``NotPrimary``), a fenced one (``Unavailable``; it changes
+        nothing) - is sent again to the current primary, so an acknowledged
+        release takes effect on whichever node is primary afterwards.
+
         Raises:
             LeaseLost: the lease is no longer the holder (expired, or released
                 already); nothing changed on the server.  ``lease.lost`` is set.
+                (After an attempt whose outcome is unknown, a ``LeaseLost``
+                from the retry counts as released.)
+            ConnectionLost: no primary could be reached within ``request_timeout``;
+                the lease expires by its TTL.
         """
         _check_lease(lease)
         task = self._renewers.pop(id(lease.lost), None)
@@ -805,10 +983,11 @@ class Client:
         """Renew ``lease`` for ``ttl`` seconds from now (default: its current TTL).
 
         Returns the lease (a new object if the TTL changed).  An expired lease
-        is never revived.
+        is never revived.  Rides through a failover within ``request_timeout``.
 
         Raises:
             LeaseLost: the lease expired or was released; ``lease.lost`` is set.
+            ConnectionLost: no primary could be reached within ``request_timeout``.
         """
         _check_lease(lease)
         ttl_ms = P.check_ttl_ms(P.seconds_to_ms(lease.ttl if ttl is None else ttl, "ttl"))
@@ -819,28 +998,60 @@ class Client:
         except LeaseLost:
             lease.lost.set()
             raise
-        new_ttl = granted / 1000.0
+        return self._extended(lease, granted, sent)
+
+    def _extended(self, lease: Lease, granted_ms: int, sent: float) -> Lease:
+        # the server's TTL counts from when it handled the extend: after `sent`
+        new_ttl = granted_ms / 1000.0
         object.__setattr__(lease, "expires_at", sent + new_ttl)
+        epoch = lease.fencing_token >> 40
+        if epoch > self.max_epoch:
+            self.max_epoch = epoch
         if new_ttl == lease.ttl:
             return lease
         return Lease(lease.name, lease.fencing_token, new_ttl, lease.owner, lease.lost, sent + new_ttl)
+
+    async def _renew(self, lease: Lease, deadline: float, *, ttl: float | None = None) -> Lease:
+        """One renewal that must succeed before ``deadline`` (``loop.time()``):
+        EXTEND through the ride-through path, each attempt bounded by a third
+        of the TTL so a silent server leaves time to find the next primary.
+
+        Raises:
+            LeaseLost: the server refused the renewal, or none succeeded
+                before ``deadline`` (``lease.lost`` is set by the caller).
+        """
+        ttl_s = lease.ttl if ttl is None else ttl
+        ttl_ms = P.check_ttl_ms(P.seconds_to_ms(ttl_s, "ttl"))
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        try:
+            granted = await self._retry(P.OP_EXTEND, (lease.name, lease.fencing_token, lease.owner, ttl_ms),
+                                        deadline, attempt_timeout=ttl_s / 3.0,
+                                        max_backoff=min(_BACKOFF_MAX, ttl_s / 10.0))
+        except ConnectionLost as exc:
+            if self._closed:
+                raise
+            raise LeaseLost(f"no renewal of {lease.name!r} succeeded before the lease's deadline: {exc}") from exc
+        # the successful attempt was sent at or after `sent`: conservative
+        return self._extended(lease, granted, sent)
 
     async def check(self, name: str, fencing_token: int) -> bool:
         """Is ``fencing_token`` the current, unexpired holder's token of ``name``?
 
         The server-side half of Chubby's sequencer check: a downstream service
-        may call it before acting on a request that carries a token.
+        may call it before acting on a request that carries a token.  Rides
+        through a failover within ``request_timeout``.
         """
         P.check_name(name)
         P.check_token(fencing_token)
         return await self._request(P.OP_CHECK, name, fencing_token)
 
     async def status(self) -> dict:
-        """The server's status: role, epoch, counters, sessions, WAL stats."""
+        """The primary's status: role, epoch, counters, sessions, WAL stats."""
         return await self._request(P.OP_STATUS)
 
     async def ping(self) -> float:
-        """Round trip to the server, in seconds."""
+        """Round trip to the primary, in seconds."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         await self._request(P.OP_PING)
@@ -858,8 +1069,9 @@ class Client:
         first event is the state when the watch began (``"held"`` with the
         token, or ``"free"``).  A grant is reported once it is durable.  If the
         connection drops the iterator raises :class:`ConnectionLost` (events
-        may have been missed: start a new watch, which begins with the state).
-        Breaking out of the loop unsubscribes.
+        may have been missed: start a new watch, which begins with the state,
+        and rides through to the new primary).  Breaking out of the loop
+        unsubscribes.
 
         Example::
 
@@ -869,11 +1081,12 @@ class Client:
         P.check_name(name)
         proto = self._proto
         if proto is None or proto.closed:
-            proto = await self._ensure_connected()
+            proto = await _RideThrough(self, asyncio.get_running_loop().time() + self._op_timeout).connection(False)
         queue: asyncio.Queue = asyncio.Queue()
         proto.watches.setdefault(name, set()).add(queue)
+        proto.subscriptions += 1
         try:
-            info = await self._call(proto, P.OP_WATCH, name)
+            info = await proto.request(P.OP_WATCH, name)
             if info is None:
                 yield WatchEvent(name, "free", None, None)
             else:
@@ -884,13 +1097,14 @@ class Client:
                     raise ConnectionLost(f"connection lost while watching {name!r}")
                 yield event
         finally:
+            proto.subscriptions -= 1
             group = proto.watches.get(name)
             if group is not None:
                 group.discard(queue)
                 if not group:
                     del proto.watches[name]
                     if not proto.closed:
-                        self._send_nowait(proto, P.OP_UNWATCH, name)
+                        proto.send(P.OP_UNWATCH, name)
 
     def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
              correlation_id: str | None = None, renew: bool = True,
@@ -1011,14 +1225,14 @@ class Client:
             task.cancel()
         proto = self._proto
         if proto is not None and not proto.closed:
-            self._send_nowait(proto, P.OP_RELEASE, lease.name, lease.fencing_token, lease.owner)
+            proto.send(P.OP_RELEASE, lease.name, lease.fencing_token, lease.owner)
         else:
             self._orphans.append((lease.name, lease.owner))
 
     async def _release_quietly(self, lease: Lease) -> None:
         try:
             await self.release(lease)
-        except (LeaseLost, ConnectionLost):
+        except FastlockError:
             pass
         except asyncio.CancelledError:
             self._drop(lease)
@@ -1063,6 +1277,11 @@ class Client:
         self._renewers[id(lease.lost)] = task
 
     async def _renew_loop(self, lease: Lease) -> None:
+        """Renew ``lease`` at about a third of its TTL (minus 10-20 % jitter)
+        until cancelled.  A renewal rides through a failover until the lease's
+        conservative expiry (:meth:`_renew`); when it cannot succeed by then, or
+        the server refuses it, ``lease.lost`` is set.  Never ends silently: an
+        unexpected error is logged and sets ``lease.lost`` too."""
         loop = asyncio.get_running_loop()
         key = id(lease.lost)
         current = lease
@@ -1073,36 +1292,31 @@ class Client:
                 interval = current.ttl / 3.0 * (1.0 - random.uniform(0.10, 0.20))
                 # renew well before the jeopardy threshold, however high it is set
                 interval = min(interval, current.ttl * (1.0 - health.jeopardy_fraction) * 0.6)
-                await asyncio.sleep(max(0.0, min(interval, current.expires_at - loop.time())))
-                while True:
-                    remaining = current.expires_at - loop.time()
-                    if remaining <= 0:
-                        log.warning("lease %s token %d: TTL passed without a renewal; lost",
-                                    current.name, current.fencing_token)
-                        lease.lost.set()
-                        return
-                    # Each attempt is bounded well inside the TTL, so that a
-                    # silent server leaves time to reconnect elsewhere and retry.
-                    attempt = min(remaining, current.ttl / 3.0)
-                    started = loop.time()
-                    try:
-                        current = await asyncio.wait_for(self.extend(current), attempt)
-                        break
-                    except LeaseLost:
-                        log.warning("lease %s token %d lost (server refused renewal)",
-                                    current.name, current.fencing_token)
-                        lease.lost.set()
-                        return
-                    except asyncio.TimeoutError:
-                        log.info("renewal of %s got no reply within %.3f s; retrying", current.name, attempt)
-                        self._reset_if_silent_since(started, f"renewal of {current.name!r} got no reply "
-                                                             f"within {attempt:.3f} s")
-                        await asyncio.sleep(min(current.ttl / 10.0, max(0.0, current.expires_at - loop.time()) / 2))
-                    except (ConnectionLost, NotPrimary, OSError) as exc:
-                        log.info("renewal of %s failed (%s); retrying", current.name, exc or type(exc).__name__)
-                        await asyncio.sleep(min(current.ttl / 10.0, max(0.0, current.expires_at - loop.time()) / 2))
+                # a lease that has little left (a late grant) is renewed sooner
+                remaining = current.expires_at - loop.time()
+                await asyncio.sleep(max(0.0, min(interval, remaining / 2.0)))
+                if current.expires_at <= loop.time():
+                    log.warning("lease %s token %d: TTL passed without a renewal; lost",
+                                current.name, current.fencing_token)
+                    lease.lost.set()
+                    return
+                try:
+                    current = await self._renew(current, current.expires_at)
+                except LeaseLost as exc:
+                    log.warning("lease %s token %d lost: %s", current.name, current.fencing_token, exc)
+                    lease.lost.set()
+                    return
                 object.__setattr__(lease, "expires_at", current.expires_at)
                 health._renewed(current.expires_at, current.ttl)
+        except asyncio.CancelledError:
+            raise
+        except ConnectionLost as exc:  # the client was closed
+            log.info("renewal of %s stopped: %s", current.name, exc)
+            lease.lost.set()
+        except Exception:  # noqa: BLE001 - a renewal task must never die unseen
+            log.exception("renewal of %s token %d failed unexpectedly; the lease is treated as lost",
+                          current.name, current.fencing_token)
+            lease.lost.set()
         finally:
             health._disarm()
             if self._renewers.get(key) is asyncio.current_task():
@@ -1142,7 +1356,9 @@ class LockContext:
             return
         try:
             await self._client.release(lease)
-        except (LeaseLost, ConnectionLost) as err:
+        except FastlockError as err:
+            # never into the caller's code: the lease is given up either way
+            # (it expires by its TTL if no primary could be reached)
             if not lease.lost.is_set():
                 log.warning("could not release %s token %d: %s", lease.name, lease.fencing_token, err)
             lease.lost.set()
@@ -1249,7 +1465,7 @@ class LockManyContext:
             return
         try:
             await self._client.release_many(multi)
-        except (LeaseLost, ConnectionLost) as err:
+        except FastlockError as err:
             if not multi.lost.is_set():
                 log.warning("could not release all of %s: %s", multi.names, err)
             multi.lost.set()

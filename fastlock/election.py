@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, NamedTuple
 
 from . import protocol as P
 from .client import IN_JEOPARDY, LOST, SAFE, Lease, LeaseHealth, _LostEvent
-from .errors import ConnectionLost, InvalidArgument, LeaseLost, NotPrimary, WrongArgumentType
+from .errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost, NotPrimary, Unavailable, WrongArgumentType
 
 if TYPE_CHECKING:
     from .client import Client
@@ -139,7 +139,7 @@ class Election:
             try:
                 lease = await self.client.acquire(self.name, ttl=self.lease_duration, wait=left,
                                                   correlation_id=self.candidate_id)
-            except (ConnectionLost, NotPrimary, OSError) as exc:
+            except (ConnectionLost, NotPrimary, Unavailable, OSError) as exc:
                 if self.client.closed or (deadline is not None and loop.time() + self.retry_period >= deadline):
                     raise
                 log.info("election %s: campaign interrupted (%s); retrying", self.name, exc)
@@ -193,7 +193,7 @@ class Election:
                     if current != last:
                         last = current
                         yield current
-            except (ConnectionLost, NotPrimary, OSError) as exc:
+            except (ConnectionLost, NotPrimary, Unavailable, OSError) as exc:
                 log.info("election %s: watch interrupted (%s); retrying", self.name, exc)
                 await asyncio.sleep(self.retry_period)
 
@@ -289,7 +289,7 @@ class Term:
             self.lost.set()
             try:
                 await self.election.client.release(self.lease)
-            except (LeaseLost, ConnectionLost, NotPrimary):
+            except FastlockError:
                 pass
 
     def _check_deadline(self) -> None:
@@ -334,24 +334,14 @@ class Term:
                     self._step_down("renew deadline passed")
                     return
                 sent = loop.time()
-                # bounded well inside the renew deadline, so that a silent server
-                # leaves time to reconnect (to a promoted standby) and retry
-                attempt = min(left, election.renew_deadline / 3.0)
+                # through the client's ride-through path (a lost connection, a
+                # deposed or fenced node: find the primary and retry), bounded by
+                # the renew deadline; each attempt within a third of it
                 try:
-                    lease = await asyncio.wait_for(client.extend(lease, ttl=election.lease_duration), attempt)
-                except LeaseLost:
-                    self._step_down("the server refused the renewal (lease expired or taken)")
+                    lease = await client._renew(lease, self.deadline, ttl=election.lease_duration)
+                except LeaseLost as exc:
+                    self._step_down(f"no renewal: {exc}")
                     return
-                except asyncio.TimeoutError:
-                    log.info("election %s: renewal got no reply within %.3f s; %.3f s left", election.name,
-                             attempt, self.deadline - loop.time())
-                    client._reset_if_silent_since(sent, f"election {election.name!r}: renewal got no reply "
-                                                        f"within {attempt:.3f} s")
-                    continue
-                except (ConnectionLost, NotPrimary, OSError) as exc:
-                    log.info("election %s: renewal failed (%s); %.3f s left", election.name,
-                             exc or type(exc).__name__, self.deadline - loop.time())
-                    continue
                 if self.lost.is_set():
                     return
                 self.deadline = sent + election.renew_deadline
@@ -359,6 +349,13 @@ class Term:
                     self._deadline_timer.cancel()
                 self._deadline_timer = loop.call_at(self.deadline, self._check_deadline)
                 self.health._renewed(self.deadline, election.renew_deadline)
+        except asyncio.CancelledError:
+            raise
+        except ConnectionLost as exc:  # the client was closed
+            self._step_down(f"renewal stopped: {exc}")
+        except Exception:  # noqa: BLE001 - a renewal task must never die unseen
+            log.exception("election %s: renewal failed unexpectedly", election.name)
+            self._step_down("renewal failed unexpectedly")
         finally:
             self.health._disarm()
 

@@ -31,7 +31,7 @@ Operations and their arguments:
 op         #   arguments                                              value
 =========  ==  =====================================================  ======================
 HELLO      1   version, client_name|None, secret|None[, known_epoch]  dict (session, role...)
-ACQUIRE    2   name, owner, ttl_ms, wait_ms, lock_delay_ms, corr_id   [token, ttl_ms]
+ACQUIRE    2   name, owner, ttl_ms, wait_ms, lock_delay_ms, corr_id   [token, ttl_ms, waited_ms]
 RELEASE    3   name, token, owner                                     None
 EXTEND     4   name, token, owner, ttl_ms                             ttl_ms
 CANCEL     5   name, owner                                            "cancelled"|"released"|None
@@ -54,6 +54,15 @@ connection, in the order the server applied them, as
 ``[0, "watch", [name, "granted"|"released"|"expired", token, client_name|None, correlation_id|None]]``
 (client name and correlation id are the lease's, as given by the acquire that got it).
 A grant is pushed when it is durable (when its holder is told), never before.
+
+``waited_ms`` in an ACQUIRE reply is the grant's time minus the time the
+server received that request, on the server's monotonic clock: 0 for an
+immediate grant, the time spent in the queue for a queued one, and <= 0 for a
+lease re-delivered to a retry (it was granted, or last extended, before the
+retry arrived).  The client dates the grant no earlier than its own send time
+plus ``waited_ms``, so it never mistakes a lease that ran out while the reply
+sat unread for a live one (servers before this field sent ``[token, ttl_ms]``;
+the client then assumes ``waited_ms`` = 0, which is as conservative).
 
 ``wait_ms`` is -1 to wait forever, 0 to try once.  ``owner`` is a random
 16-byte key the client makes per acquire; a retry of the same acquire (after a

@@ -453,7 +453,7 @@ class LockServer:
                 undelivered = True
                 log.info("released undeliverable grant %s token %d (session %d gone)", ev.name, ev.token, ev.session)
                 continue
-            conn.send(P.packb([ev.request, 0, [ev.token, ev.ttl_ms]]))
+            conn.send(P.packb([ev.request, 0, [ev.token, ev.ttl_ms, ev.waited_ms]]))
         if undelivered:
             table.expire(now_ms())
         self._after_batch()

@@ -33,7 +33,7 @@ from typing import Any, Iterable, Iterator
 
 from .client import LOST, Client, Lease, MultiLease, WatchEvent
 from .election import Election, Leader, Term
-from .errors import ConnectionLost, LeaseLost, WrongArgumentType
+from .errors import ConnectionLost, FastlockError, LeaseLost, WrongArgumentType
 
 __all__ = ["SyncClient", "SyncLease", "SyncMultiLease", "SyncElection", "SyncTerm"]
 
@@ -436,7 +436,7 @@ class SyncLockContext:
                 self._sync.release_many(held)
             else:
                 self._sync.release(held)
-        except (LeaseLost, ConnectionLost):
+        except FastlockError:  # as the asyncio lock(): never into the caller's code
             held.lost.set()
 
 

@@ -69,6 +69,9 @@ class Event:
     meta: Any
     fresh: bool
     lock_delay_ms: int
+    # EV_GRANTED: grant time minus the answered request's arrival (0 immediate,
+    # the queueing time when queued, <= 0 for a re-delivered lease)
+    waited_ms: int = 0
 
 
 @dataclass
@@ -112,6 +115,7 @@ class _Waiter:
     lock_delay_ms: int
     meta: Any
     entry: Optional[_Entry]  # None: waits forever
+    enqueued_ms: int = 0  # ``now`` of the acquire this waiter answers
 
 
 class _Lock:
@@ -258,7 +262,7 @@ class RefLockTable:
                 lock.block = None
             self._settle(lock, tau, now)
 
-    def _grant(self, lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now) -> None:
+    def _grant(self, lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now, waited_ms=0) -> None:
         if self._counter >= MAX_COUNTER:
             raise OverflowError("fencing counter exhausted")
         self._counter += 1
@@ -271,7 +275,7 @@ class RefLockTable:
         self.n["grants"] += 1
         self.events.append(
             Event(EV_GRANTED, lock.name, token, owner, session, request, ttl_ms, now + ttl_ms, meta,
-                  True, lock_delay_ms))
+                  True, lock_delay_ms, waited_ms))
 
     def _remove_waiter(self, lock, w) -> None:
         lock.waiters.remove(w)
@@ -301,7 +305,8 @@ class RefLockTable:
                     raise OverflowError("fencing counter exhausted")
                 w = lock.waiters[0]
                 self._remove_waiter(lock, w)
-                self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms, w.meta, now)
+                self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms, w.meta, now,
+                            now - w.enqueued_ms)
             else:
                 self._set_block(lock, until)
         elif lock.delay_until > tau:
@@ -336,7 +341,7 @@ class RefLockTable:
             h = lock.holder
             self.events.append(
                 Event(EV_GRANTED, name, h.token, owner, session, request, h.ttl_ms, h.entry.deadline,
-                      h.meta, False, h.lock_delay_ms))
+                      h.meta, False, h.lock_delay_ms, h.entry.deadline - h.ttl_ms - now))
             return GRANTED
         w = self._find_waiter(lock, owner) if lock is not None else None
         if w is not None:
@@ -356,6 +361,7 @@ class RefLockTable:
                 self.sessions.setdefault(session, []).append((name, owner))
                 w.session = session
             w.request, w.ttl_ms, w.lock_delay_ms, w.meta = request, ttl_ms, lock_delay_ms, meta
+            w.enqueued_ms = now
             self._unschedule(w.entry)
             w.entry = self._schedule(WAIT, lock, now + wait_ms, w) if wait_ms > 0 else None
             return QUEUED
@@ -371,7 +377,7 @@ class RefLockTable:
             return NOT_ACQUIRED
         if lock is None:
             lock = self.locks[name] = _Lock(name)
-        w = _Waiter(owner, session, request, ttl_ms, lock_delay_ms, meta, None)
+        w = _Waiter(owner, session, request, ttl_ms, lock_delay_ms, meta, None, now)
         lock.waiters.append(w)
         self.sessions.setdefault(session, []).append((name, owner))
         if wait_ms > 0:

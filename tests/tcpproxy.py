@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fastlock import protocol as P
+from fastlock import rpc
 from fastlock._testbase import ServerProcess, TcpProxy
-from fastlock.errors import ConnectionLost, error_from_wire
+from fastlock.errors import ConnectionLost
 
 
 class RawNode:
@@ -37,6 +38,7 @@ class RawNode:
     server's answer in :attr:`hello`.  :meth:`request` pipelines requests and
     raises the server's error as a :mod:`fastlock.errors` exception, or
     :class:`~fastlock.errors.ConnectionLost` when the connection drops.
+    Built on :class:`fastlock.rpc.RpcConnection` (pushes are ignored).
     """
 
     def __init__(self, address: str):
@@ -44,18 +46,13 @@ class RawNode:
         self.address = address
         self.host, self.port = host, int(port)
         self.hello: dict = {}
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
-        self._pending: dict[int, asyncio.Future] = {}
-        self._next = 1
-        self._task: asyncio.Task | None = None
+        self._conn: rpc.RpcConnection | None = None
 
     @classmethod
     async def open(cls, address: str, *, known_epoch: int | None = None, name: str = "raw",
                    timeout: float = 5.0) -> "RawNode":
         node = cls(address)
-        node._reader, node._writer = await asyncio.wait_for(asyncio.open_connection(node.host, node.port), timeout)
-        node._task = asyncio.ensure_future(node._read())
+        node._conn = await rpc.open_connection(node.host, node.port, timeout=timeout)
         args: list[Any] = [P.PROTOCOL_VERSION, name, None]
         if known_epoch is not None:
             args.append(known_epoch)
@@ -66,50 +63,19 @@ class RawNode:
             raise
         return node
 
-    async def _read(self) -> None:
-        dec = P.FrameDecoder(64 << 20)
-        try:
-            while True:
-                data = await self._reader.read(65536)
-                if not data:
-                    break
-                for msg in dec.feed(data):
-                    if msg[0] == 0:
-                        if msg[1] != 0 and type(msg[1]) is int:  # a connection-level error: it closes
-                            break
-                        continue  # pushes are not used here
-                    fut = self._pending.pop(msg[0], None)
-                    if fut is None or fut.done():
-                        continue
-                    if msg[1] == 0:
-                        fut.set_result(msg[2])
-                    else:
-                        fut.set_exception(error_from_wire(msg[1], msg[2], msg[3] if len(msg) > 3 else None))
-        except (OSError, asyncio.CancelledError):
-            pass
-        finally:
-            pending, self._pending = self._pending, {}
-            for fut in pending.values():
-                if not fut.done():
-                    fut.set_exception(ConnectionLost(f"connection to {self.address} lost"))
-
     def request(self, op: int, *args: Any) -> asyncio.Future:
-        fut = asyncio.get_running_loop().create_future()
-        if self._task is None or self._task.done():
+        if self._conn is None:
+            fut = asyncio.get_running_loop().create_future()
             fut.set_exception(ConnectionLost(f"connection to {self.address} is closed"))
             return fut
-        req_id = self._next
-        self._next += 1
-        self._pending[req_id] = fut
-        self._writer.write(P.packb([req_id, op, *args]))
-        return fut
+        return self._conn.request(op, *args)
 
     # -- lock operations in wire units (ms) -----------------------------------------------
     async def acquire(self, name: str, ttl_ms: int, wait_ms: int = 0, owner: bytes | None = None) -> tuple[int, int, bytes]:
         """Returns ``(token, ttl_ms, owner)``."""
         owner = owner or os.urandom(16)
-        token, ttl = await self.request(P.OP_ACQUIRE, name, owner, ttl_ms, wait_ms, 0, None)
-        return token, ttl, owner
+        reply = await self.request(P.OP_ACQUIRE, name, owner, ttl_ms, wait_ms, 0, None)
+        return reply[0], reply[1], owner
 
     async def release(self, name: str, token: int, owner: bytes) -> None:
         await self.request(P.OP_RELEASE, name, token, owner)
@@ -125,21 +91,11 @@ class RawNode:
 
     @property
     def closed(self) -> bool:
-        return self._task is None or self._task.done()
+        return self._conn is None or self._conn.closed
 
     async def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            try:
-                await asyncio.wait_for(self._writer.wait_closed(), 2)
-            except (OSError, asyncio.TimeoutError):
-                pass
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except BaseException:
-                pass
+        if self._conn is not None:
+            self._conn.close()
 
 
 class Cluster:

@@ -681,3 +681,24 @@ def test_event_and_holder_are_read_only_snapshots():
     with pytest.raises(AttributeError):
         h.token = 5
     assert "GRANTED" in repr(ev) and "Holder" in repr(h)
+
+
+def test_waited_ms_dates_each_grant_from_its_request(impl):
+    """EV_GRANTED.waited_ms = grant time - arrival of the request answered: 0 at once,
+    the queueing time for a queued grant (reset by a retry with the same owner),
+    and <= 0 for a re-delivered lease (the client's no-dead-lease check uses it)."""
+    t, mod = impl.t, impl.mod
+    assert impl.acq(b"a", 100) == mod.GRANTED
+    (ev,) = t.drain_events()
+    assert ev.waited_ms == 0
+    token_a = ev.token
+    assert impl.acq(b"b", 150) == mod.QUEUED
+    assert impl.acq(b"b", 400, session=2) == mod.QUEUED  # a retry: its wait counts from 400
+    t.drain_events()
+    t.release(NAME, token_a, b"a", 1000)
+    (ev,) = t.drain_events()
+    assert ev.owner == b"b" and ev.fresh and ev.waited_ms == 1000 - 400
+    t.extend(NAME, ev.token, b"b", 500, 1200)  # now granted-or-extended at 1200, deadline 1700
+    assert impl.acq(b"b", 1300) == mod.GRANTED  # re-delivered: 100 ms before this request
+    (ev,) = t.drain_events()
+    assert not ev.fresh and ev.waited_ms == 1200 - 1300 and ev.deadline_ms == 1700

@@ -37,7 +37,7 @@ sessions = st.sampled_from(SESSIONS)
 
 def _event(e):
     return (e.kind, e.name, e.token, e.owner, e.session, e.request, e.ttl_ms, e.deadline_ms, e.meta, e.fresh,
-            e.lock_delay_ms)
+            e.lock_delay_ms, e.waited_ms)
 
 
 def _holder(h):
@@ -115,7 +115,7 @@ class CoreVsModel(RuleBasedStateMachine):
 
     def follow(self, events, granted):
         """Replay events on the lease history: mutual exclusion and increasing tokens."""
-        for kind, name, token, owner, _s, _r, _ttl, deadline, _m, fresh, _d in events:
+        for kind, name, token, owner, _s, _r, _ttl, deadline, _m, fresh, _d, _w in events:
             if kind == refmodel.EV_EXPIRED:
                 cur = self.lease.pop(name)
                 assert cur == [token, deadline]

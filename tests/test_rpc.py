@@ -1,0 +1,120 @@
+"""The request/reply layer (fastlock.rpc) against a real server: ids, error
+replies decoded into exceptions, pushes in order, raw frames, fail-all on close,
+the liveness watchdog, and a malformed reply closing only that connection."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from fastlock import protocol as P
+from fastlock import rpc
+from fastlock.errors import ConnectionLost, InvalidArgument, LeaseLost
+
+
+async def _open(server, **kwargs) -> rpc.RpcConnection:
+    host, _, port = server.address.rpartition(":")
+    conn = await rpc.open_connection(host, int(port), timeout=5.0, **kwargs)
+    info = await asyncio.wait_for(conn.request(P.OP_HELLO, P.PROTOCOL_VERSION, "rpc-test", None), 5)
+    assert info["role"] == "primary"
+    return conn
+
+
+async def test_replies_errors_and_pipelining(server, loop_errors):
+    conn = await _open(server)
+    owner = os.urandom(16)
+    futs = [conn.request(P.OP_PING) for _ in range(50)]
+    acq = conn.request(P.OP_ACQUIRE, "rpc/a", owner, 5000, 0, 0, None)
+    bad = conn.request(P.OP_RELEASE, "rpc/a", 1, b"x" * 16)
+    assert await asyncio.gather(*futs) == [None] * 50
+    reply = await acq
+    assert reply[1] == 5000 and reply[0] > 0
+    with pytest.raises(LeaseLost):
+        await bad
+    with pytest.raises(InvalidArgument):
+        await conn.request(P.OP_ACQUIRE, "", owner, 5000, 0, 0, None)
+    # a raw pre-encoded frame with a reserved id
+    rid = conn.next_id()
+    fut = conn.expect(rid)
+    conn.write_raw(P.encode_request(rid, P.OP_RELEASE, "rpc/a", reply[0], owner))
+    assert await fut is None
+    conn.close()
+    with pytest.raises(ConnectionLost):
+        await conn.request(P.OP_PING)
+
+
+async def test_pushes_reach_the_callback_in_order(server, loop_errors):
+    seen: list = []
+    reads: list = []
+    conn = await _open(server, on_push=lambda kind, payload: seen.append((kind, payload)),
+                       on_read_end=lambda: reads.append(len(seen)))
+    other = await _open(server)
+    assert await conn.request(P.OP_WATCH, "rpc/w") is None
+    tokens = []
+    for _ in range(3):
+        owner = os.urandom(16)
+        token, _ttl, _waited = await other.request(P.OP_ACQUIRE, "rpc/w", owner, 5000, 0, 0, None)
+        await other.request(P.OP_RELEASE, "rpc/w", token, owner)
+        tokens.append(token)
+    await conn.request(P.OP_PING)  # the pushes were sent before this reply
+    kinds = [(p[1], p[2]) for kind, p in seen if kind == P.PUSH_WATCH]
+    assert kinds == [(k, t) for t in tokens for k in ("granted", "released")]
+    assert reads and reads[-1] == len(seen)
+    conn.close()
+    other.close()
+
+
+async def test_close_fails_every_pending_request_and_calls_on_close(server, loop_errors):
+    closed: list = []
+    conn = await _open(server, on_close=lambda c, err: closed.append(err))
+    holder = await _open(server)
+    owner = os.urandom(16)
+    await holder.request(P.OP_ACQUIRE, "rpc/c", owner, 5000, 0, 0, None)
+    waiting = [conn.request(P.OP_ACQUIRE, "rpc/c", os.urandom(16), 5000, -1, 0, None) for _ in range(3)]
+    await conn.request(P.OP_PING)
+    conn.abort(ConnectionLost("test abort"))
+    for fut in waiting:
+        with pytest.raises(ConnectionLost, match="test abort"):
+            await fut
+    assert len(closed) == 1
+    conn.close()  # idempotent
+    assert len(closed) == 1
+    holder.close()
+
+
+async def test_silent_server_is_dropped_by_the_liveness_watchdog(server, loop_errors):
+    conn = await _open(server, liveness_timeout=0.3)
+    holder = await _open(server)
+    await holder.request(P.OP_ACQUIRE, "rpc/s", os.urandom(16), 5000, 0, 0, None)
+    waiting = conn.request(P.OP_ACQUIRE, "rpc/s", os.urandom(16), 5000, -1, 0, None)
+    await conn.request(P.OP_PING)
+    server.pause()
+    try:
+        with pytest.raises(ConnectionLost, match="no reply"):
+            await asyncio.wait_for(waiting, 5)
+        assert conn.silent and conn.pings >= 1
+    finally:
+        server.resume()
+    holder.close()
+
+
+async def test_malformed_reply_closes_only_that_connection(loop_errors):
+    async def handle(reader, writer):
+        await reader.read(100)
+        writer.write(b"\xc1" * 8)  # never valid msgpack
+        await writer.drain()
+        await reader.read(100)
+        writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        conn = await rpc.open_connection("127.0.0.1", port, timeout=5.0)
+        with pytest.raises(ConnectionLost, match="bad data"):
+            await asyncio.wait_for(conn.request(P.OP_PING), 5)
+        assert conn.closed
+    finally:
+        srv.close()
+        await srv.wait_closed()
