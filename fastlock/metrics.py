@@ -23,6 +23,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Iterator
 
+from .roles import Role
+
 if TYPE_CHECKING:  # pragma: no cover
     from .server import LockServer
 
@@ -41,7 +43,7 @@ _GAUGES = {
     "sessions": "Client connections",
     "epoch": "Fencing epoch (the high bits of every token; rises on promotion)",
 }
-ROLES = ("primary", "standby", "promoting", "deposed")
+ROLES = tuple(role.value for role in Role)  # declared once, in fastlock.roles
 
 
 class _Collector:

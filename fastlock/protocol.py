@@ -45,7 +45,11 @@ REPLICATE  12  from_lsn, incarnation, failover_after_ms, name         dict (see 
 REPL_ACK   13  echoed_primary_ms, applied_lsn                         (no reply)
 PROMOTE    14  force                                                  dict (new epoch...)
 SERVE_ALONE 15 -                                                      None
+STEP_DOWN  16  epoch, seen_primary_ms                                 {"role", "epoch"}
 =========  ==  =====================================================  ======================
+
+The number of arguments of every op is declared once in :data:`OP_ARITY`; the
+server refuses any other count with ``ProtocolError`` before its handler runs.
 
 holder info is ``{"token": int, "client": str|None, "correlation_id": str|None, "ttl_ms": int,
 "remaining_ms": int}``.
@@ -63,6 +67,40 @@ retry arrived).  The client dates the grant no earlier than its own send time
 plus ``waited_ms``, so it never mistakes a lease that ran out while the reply
 sat unread for a live one (servers before this field sent ``[token, ttl_ms]``;
 the client then assumes ``waited_ms`` = 0, which is as conservative).
+
+Replication pushes (primary -> standby, kinds in :data:`REPLICATION_PUSH_KINDS`;
+payloads described in :mod:`fastlock.replication`): ``"snap"`` a snapshot,
+``"repl"`` a batch of WAL frames, ``"rec"`` one backlog record, ``"hb"`` a heartbeat.
+
+Roles and what a client gets from a node that is not the serving primary
+(decided in one place, :mod:`fastlock.roles`; a client rides through by
+trying the other addresses and repeating the request with the same owner key):
+
+* a **standby** refuses every lock op (ACQUIRE, RELEASE, EXTEND, CANCEL, CHECK,
+  HOLDER, WATCH) with ``NotPrimary`` whose extra is its primary's ``host:port``;
+* a **promoting** or **deposed** node refuses them with ``NotPrimary`` and no
+  primary (``None``): it does not know the new one; a node that steps down
+  also closes its client connections, so queued waiters and renewers look
+  for the new primary at once;
+* a **fenced** primary (lost contact with its standby, which may be promoting)
+  refuses ACQUIRE, EXTEND, RELEASE, CHECK, HOLDER and WATCH with
+  ``Unavailable`` and changes nothing - a release it refuses is to be repeated
+  at whichever node is primary, so no release is acknowledged that the new
+  primary never sees; CHECK and HOLDER are refused because their answer may
+  already be false on the new primary.  A CANCEL that only withdraws a queued
+  waiter is served (it is local); a CANCEL that would release a grant that
+  raced it is refused like a release.  Queued waiters stay queued while it is
+  fenced (granted in order if the fence lifts, timed out otherwise).
+* HELLO's ``known_epoch`` is a hint only: it never changes a node's role.  A
+  promoting standby asks its old primary to step down with STEP_DOWN, whose
+  epoch must be exactly above the node's own (at most its epoch + 1, and at
+  most ``MAX_EPOCH`` so that tokens stay below 2**63); any other epoch is
+  refused with ``InvalidArgument`` and changes nothing.  ``seen_primary_ms``
+  is the newest time of the primary's own monotonic clock the standby has
+  heard (a heartbeat's, or HELLO's ``clock_ms``): the primary steps down only
+  while that is at most ``STEP_DOWN_FRESH_MS`` old, so a request delayed past
+  the standby's wait for the answer (a frozen primary) cannot depose it after
+  the standby has given up and stayed a standby.
 
 ``wait_ms`` is -1 to wait forever, 0 to try once.  ``owner`` is a random
 16-byte key the client makes per acquire; a retry of the same acquire (after a
@@ -97,9 +135,39 @@ OP_REPLICATE = 12
 OP_REPL_ACK = 13
 OP_PROMOTE = 14
 OP_SERVE_ALONE = 15
+OP_STEP_DOWN = 16
+
+#: (fewest, most) arguments of each op, after ``[req_id, op]``
+OP_ARITY: dict[int, tuple[int, int]] = {
+    OP_HELLO: (3, 4),
+    OP_ACQUIRE: (6, 6),
+    OP_RELEASE: (3, 3),
+    OP_EXTEND: (4, 4),
+    OP_CANCEL: (2, 2),
+    OP_CHECK: (2, 2),
+    OP_STATUS: (0, 0),
+    OP_PING: (0, 0),
+    OP_WATCH: (1, 1),
+    OP_UNWATCH: (1, 1),
+    OP_HOLDER: (1, 1),
+    OP_REPLICATE: (4, 4),
+    OP_REPL_ACK: (2, 2),
+    OP_PROMOTE: (1, 1),
+    OP_SERVE_ALONE: (0, 0),
+    OP_STEP_DOWN: (2, 2),
+}
 
 # push kinds
 PUSH_WATCH = "watch"
+PUSH_SNAPSHOT = "snap"  # replication: [lsn, epoch, counter, holders, incarnation]
+PUSH_RECORDS = "repl"  # replication: [first_lsn, last_lsn, frames] (a WAL batch's bytes)
+PUSH_RECORD = "rec"  # replication: [lsn, record] (one record of a backlog read from the log)
+PUSH_HEARTBEAT = "hb"  # replication: [primary_ms, last_lsn, epoch, longest_ttl_ms, paired_id, paired_window_ms]
+#: a STEP_DOWN is honoured only this long (ms, primary's clock) after the primary time it echoes;
+#: the standby waits a little longer than this for the answer
+STEP_DOWN_FRESH_MS = 2000
+
+REPLICATION_PUSH_KINDS = frozenset({PUSH_SNAPSHOT, PUSH_RECORDS, PUSH_RECORD, PUSH_HEARTBEAT})
 
 OP_NAMES = {
     OP_HELLO: "hello",
@@ -117,9 +185,14 @@ OP_NAMES = {
     OP_REPL_ACK: "repl_ack",
     OP_PROMOTE: "promote",
     OP_SERVE_ALONE: "serve_alone",
+    OP_STEP_DOWN: "step_down",
 }
 
 STATUS_OK = 0
+
+#: the highest epoch: a fencing token is ``epoch << 40 | counter`` and must stay below 2**63
+#: (equal to ``fastlock._core.MAX_EPOCH``; a test checks they agree)
+MAX_EPOCH = (1 << 23) - 1
 
 # limits (units in the names)
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
@@ -253,6 +326,15 @@ def check_token(token: Any) -> int:
     if not 0 < token < (1 << 63):
         raise InvalidArgument("fencing token out of range (1 .. 2**63-1)")
     return token
+
+
+def check_epoch(epoch: Any, what: str = "epoch") -> int:
+    """An epoch from the wire: an int in 0..MAX_EPOCH (so its tokens stay below 2**63)."""
+    if not _is_int(epoch):
+        raise WrongArgumentType(f"{what} must be int, not {type(epoch).__name__}")
+    if not 0 <= epoch <= MAX_EPOCH:
+        raise InvalidArgument(f"{what} {epoch} out of range (0 .. {MAX_EPOCH}: tokens must stay below 2**63)")
+    return epoch
 
 
 def check_optional_str(value: Any, what: str, limit: int) -> str | None:

@@ -1,8 +1,13 @@
 """The fastlock daemon: connections, sessions, one expiry timer, group-committed grants.
 
 This module only moves bytes and time around.  Lock semantics live in the
-compiled :class:`fastlock._core.LockTable` (sans-IO), framing in
-:mod:`fastlock.protocol`, durability in :mod:`fastlock.wal`.
+compiled :class:`fastlock._core.LockTable` (sans-IO), framing and the op
+table (with each op's arity) in :mod:`fastlock.protocol`, durability in
+:mod:`fastlock.wal`.  Whether this node may serve a request - its role,
+fence and grace - is asked of :class:`fastlock.roles.NodeRole` (one
+``admit(action)`` per handler); promotion and stepping down are
+:mod:`fastlock.failover`'s; replication sees this server through
+:class:`fastlock.replication_host.ReplicationHost`, which it implements.
 
 Request flow (one turn of the event loop)::
 
@@ -55,20 +60,18 @@ from .errors import (
     LeaseLost,
     LimitExceeded,
     LockNotAcquired,
-    NotPrimary,
     ProtocolError,
     Unavailable,
 )
+from .failover import FailoverPolicy
 from .replication import (
-    DEPOSED_FILE,
     STATE_FILE,
     NodeState,
     ReplicationSource,
     StandbyFollower,
     node_id,
-    read_deposed,
-    write_deposed,
 )
+from .roles import Action, NodeRole, Role
 from .wal import DataDirInUse, HolderRecord, WalCorruption, WriteAheadLog
 
 log = logging.getLogger(__name__)
@@ -148,14 +151,14 @@ class _Connection(asyncio.Protocol):
             messages = self.decoder.feed(data)
         except ProtocolError as exc:
             self.fatal(exc)
-            server._after_batch()
+            server.after_batch()
             return
         handle = server._handle
         for msg in messages:
             if self.closed:
                 break
             handle(self, msg)
-        server._after_batch()
+        server.after_batch()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -215,8 +218,11 @@ class LockServer:
             on_fatal=self._wal_fatal,
             writer=config.wal_writer,
         )
-        self.role = "standby" if config.standby_of else "primary"
-        self.grace_until_ms = 0
+        primary_address = f"{config.standby_of[0]}:{config.standby_of[1]}" if config.standby_of else None
+        #: the node's role, fence and grace: every "may this node ... now?" is asked here
+        self.roles = NodeRole(Role.STANDBY if config.standby_of else Role.PRIMARY,
+                              hold_grants_until=self.table.hold_grants_until, now_ms=now_ms,
+                              primary_address=primary_address)
         #: the longest TTL this node has granted, extended or recovered (ms): a
         #: standby's default promotion grace (sent in heartbeats)
         self.max_ttl_ms = 0
@@ -224,11 +230,14 @@ class LockServer:
         self.source = ReplicationSource(self, fence_margin_ms=config.fence_margin_ms)
         self.follower: StandbyFollower | None = None
         if config.standby_of:
-            self.node_state.set_standby_of(f"{config.standby_of[0]}:{config.standby_of[1]}")
+            self.node_state.set_standby_of(primary_address)
             ident = node_id(config.data_dir)
             self.follower = StandbyFollower(self, config.standby_of, config.failover_after_ms,
                                             auth=config.auth_secret,
-                                            name=f"{config.name}@{ident}" if config.name else ident)
+                                            name=f"{config.name}@{ident}" if config.name else ident,
+                                            on_primary_silent=lambda: self.failover.on_primary_silent())
+        self.failover = FailoverPolicy(self, self.source, self.follower,
+                                       promotion_grace_ms=config.promotion_grace_ms)
         self._sessions: dict[int, _Connection] = {}
         self._next_session = 1
         self._dirty: list[_Connection] = []
@@ -241,6 +250,7 @@ class LockServer:
         self._started_ms = now_ms()
         self.address: tuple[str, int] | None = None
         self._metrics = None
+        # every op's arity is checked in _handle against protocol.OP_ARITY
         self._handlers = {
             P.OP_HELLO: self._op_hello,
             P.OP_ACQUIRE: self._op_acquire,
@@ -257,12 +267,41 @@ class LockServer:
             P.OP_REPL_ACK: self._op_repl_ack,
             P.OP_PROMOTE: self._op_promote,
             P.OP_SERVE_ALONE: self._op_serve_alone,
+            P.OP_STEP_DOWN: self._op_step_down,
         }
+
+    # -- what replication and failover see (fastlock.replication_host.ReplicationHost) -----------
+    @property
+    def role(self) -> str:
+        """The node's role as a string ("primary", "standby", "promoting", "deposed")."""
+        return self.roles.role.value
+
+    @property
+    def data_dir(self) -> str:
+        return self.config.data_dir
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def close_client_connections(self, why: str) -> None:
+        """Close every connection but the standbys', once this turn's replies are out."""
+        def close() -> None:
+            replicas = self.source.replicas
+            clients = [c for c in self._sessions.values() if c.session not in replicas and not c.closed]
+            if clients:
+                log.warning("closing %d client connections: %s", len(clients), why)
+            for conn in clients:
+                conn.flush()
+                conn.closed = True
+                conn.transport.close()
+
+        self._loop.call_soon(close)
 
     # -- life cycle -----------------------------------------------------------------
     async def start(self) -> None:
         loop = self._loop = asyncio.get_running_loop()
-        if self.role == "primary" and self.node_state.standby_of:
+        if self.roles.role is Role.PRIMARY and self.node_state.standby_of:
             raise DataDirInUse(
                 f"{self.config.data_dir} belongs to a standby of {self.node_state.standby_of}: start it with "
                 f"--standby-of, or promote it with `fastlock promote`; starting it as a primary would make "
@@ -281,7 +320,7 @@ class LockServer:
             table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
                                  (h.client_name, h.correlation_id), now)
         table.drain_events()
-        if self.role == "standby":
+        if not self.roles.expires_leases:
             # a standby runs its table on frozen time: only a primary expires leases
             for h in table.holders():
                 table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, h.meta, 0)
@@ -304,16 +343,7 @@ class LockServer:
             from .metrics import MetricsExporter
 
             self._metrics = MetricsExporter(self, *self.config.metrics)
-        if self.role == "primary":
-            marker = read_deposed(self.config.data_dir)
-            if marker is not None and marker.get("epoch", 0) > table.epoch:
-                self.role = "deposed"
-                table.hold_grants_until(now_ms() + 10 * 365 * 24 * 3600 * 1000)
-                log.critical("this node stepped down for epoch %s (%s) and stays deposed: restart it with "
-                             "--standby-of the current primary (or delete %s to override)",
-                             marker.get("epoch"), marker.get("why"), DEPOSED_FILE)
-            else:
-                self.source.load_pairing()
+        self.failover.on_start()  # a deposed primary stays deposed; a paired one may start fenced
         self._rearm()
         self._server = await loop.create_server(
             self._make_connection, self.config.host, self.config.port, reuse_address=True,
@@ -382,16 +412,17 @@ class LockServer:
         dropped = self.table.drop_session(conn.session, self._table_now())
         if dropped:
             log.debug("session %d closed; %d waiters removed", conn.session, dropped)
-        self._after_batch()
+        self.after_batch()
 
     # -- the batch end: events, WAL, timer, output ------------------------------------
-    def _after_batch(self) -> None:
+    def after_batch(self) -> None:
+        """The batch end: log and deliver the table's events, re-arm the timer, flush replies."""
         table = self.table
         events = table.drain_events()
         if events:
             self._process_events(events)
         nd = table.next_deadline()
-        if nd >= 0 and (self._timer is None or nd < self._timer_at) and self.role == "primary":
+        if nd >= 0 and (self._timer is None or nd < self._timer_at) and self.roles.expires_leases:
             self._rearm()
         dirty = self._dirty
         if dirty:
@@ -430,7 +461,7 @@ class LockServer:
                 self._deliver_grants(grants)
             else:
                 wal.when_durable(lambda: self._deliver_grants(grants))
-        wal.maybe_snapshot(self._snapshot_state)
+        wal.maybe_snapshot(self.snapshot_state)
 
     def _deliver_grants(self, grants: list) -> None:
         sessions = self._sessions
@@ -456,19 +487,19 @@ class LockServer:
             conn.send(P.packb([ev.request, 0, [ev.token, ev.ttl_ms, ev.waited_ms]]))
         if undelivered:
             table.expire(now_ms())
-        self._after_batch()
+        self.after_batch()
 
     def _table_now(self) -> int:
         """The time to give the lock table: a standby's table runs on frozen time
         (0) so that it never expires a lease itself; only a primary expires."""
-        return now_ms() if self.role == "primary" else 0
+        return now_ms() if self.roles.expires_leases else 0
 
     def _rearm(self) -> None:
         nd = self.table.next_deadline()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if nd < 0 or self.role != "primary":
+        if nd < 0 or not self.roles.expires_leases:
             return
         delay = max(0, nd - now_ms()) / 1000.0
         self._timer = self._loop.call_later(delay, self._on_timer)
@@ -476,16 +507,17 @@ class LockServer:
 
     def _on_timer(self) -> None:
         self._timer = None
-        if self.role != "primary":
+        if not self.roles.expires_leases:
             return
         now = now_ms()
         self.source.fence_if_due(now)  # an expiry hands the lock to a waiter: not past the fence
         self.table.expire(now)
-        self._after_batch()
+        self.after_batch()
         if self._timer is None:
             self._rearm()
 
-    def _snapshot_state(self):
+    def snapshot_state(self) -> tuple[int, int, list[HolderRecord]]:
+        """``(epoch, counter, holders)`` of the table now (for snapshots and standbys)."""
         t = self.table
         return (
             t.epoch,
@@ -511,6 +543,10 @@ class LockServer:
         try:
             if handler is None:
                 raise ProtocolError(f"unknown operation {op}")
+            fewest, most = P.OP_ARITY[op]
+            if not fewest <= len(msg) - 2 <= most:
+                expected = fewest if fewest == most else f"{fewest} or {most}"
+                raise ProtocolError(f"{P.OP_NAMES[op]} takes {expected} arguments, got {len(msg) - 2}")
             handler(conn, req_id, msg)
         except FastlockError as exc:
             conn.send(P.packb([req_id, exc.code, str(exc), getattr(exc, "primary", None)]))
@@ -522,16 +558,10 @@ class LockServer:
             log.exception("internal error handling %s from %s", P.OP_NAMES.get(op, op), conn.peer)
             conn.send(P.packb([req_id, ProtocolError.code, "internal server error", None]))
 
-    @staticmethod
-    def _arity(msg: list, n: int, op: str) -> None:
-        if len(msg) != n + 2:
-            raise ProtocolError(f"{op} takes {n} arguments, got {len(msg) - 2}")
-
     def _op_hello(self, conn: _Connection, req_id: int, msg: list) -> None:
-        if len(msg) not in (5, 6):
-            raise ProtocolError(f"hello takes 3 or 4 arguments, got {len(msg) - 2}")
+        # a 4th argument, the highest epoch the peer has seen, is a hint only: it never
+        # changes this node's role (a standby that promotes sends STEP_DOWN instead)
         version, client_name, secret = msg[2], msg[3], msg[4]
-        known_epoch = msg[5] if len(msg) == 6 else None
         if version != P.PROTOCOL_VERSION:
             raise ProtocolError(f"protocol version {version!r} not supported (server speaks {P.PROTOCOL_VERSION})")
         conn.client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
@@ -541,8 +571,6 @@ class LockServer:
                 log.warning("auth refused for %s (%s)", conn.peer, conn.client_name)
                 raise AuthError("authentication failed")
         conn.ready = True
-        if type(known_epoch) is int and known_epoch > self.table.epoch and self.role == "primary":
-            self._step_down(f"client {conn.client_name or conn.peer} has seen epoch {known_epoch}", known_epoch)
         log.debug("session %d hello from %s (%s)", conn.session, conn.peer, conn.client_name)
         conn.send(P.encode_ok(req_id, self._hello_info(conn)))
 
@@ -552,16 +580,15 @@ class LockServer:
             "version": __version__,
             "protocol": P.PROTOCOL_VERSION,
             "session": conn.session,
-            "role": self.role,
+            "role": self.roles.role.value,
             "epoch": self.table.epoch,
-            "primary": self.follower.primary_address if self.follower is not None and self.role == "standby" else None,
-            "fenced": self.source.fenced,
+            "primary": self.roles.primary_address if self.roles.role is Role.STANDBY else None,
+            "fenced": self.roles.fenced,
+            "clock_ms": now_ms(),  # this node's monotonic clock: a standby echoes it in STEP_DOWN
             "max_frame_bytes": self.config.max_frame_bytes,
         }
 
     def _op_acquire(self, conn: _Connection, req_id: int, msg: list) -> None:
-        if len(msg) != 8:
-            raise ProtocolError(f"acquire takes 6 arguments, got {len(msg) - 2}")
         name = P.check_name(msg[2])
         owner = P.check_owner(msg[3])
         ttl_ms = P.check_ttl_ms(msg[4])
@@ -570,9 +597,7 @@ class LockServer:
         corr = P.check_optional_str(msg[7], "correlation id", P.MAX_CORRELATION_ID_CHARS)
         table = self.table
         now = now_ms()
-        self._must_be_primary()
-        if not self.source.may_act(now):
-            raise Unavailable("this primary lost contact with its standby and is not granting")
+        self.roles.admit(Action.ACQUIRE)
         if wait_ms != 0 and table.session_waiters(conn.session) >= self.config.max_waiters_per_connection:
             raise LimitExceeded(
                 f"this connection already has {self.config.max_waiters_per_connection} waiting acquires"
@@ -583,17 +608,19 @@ class LockServer:
         status = table.acquire(name, owner, conn.session, req_id, ttl_ms, wait_ms, delay_ms,
                                (conn.client_name, corr), now)
         if status == NOT_ACQUIRED:
-            if now < self.grace_until_ms:
+            grace_ms = self.roles.grace_remaining_ms(now)
+            if grace_ms:
                 raise LockNotAcquired(f"{name!r}: no grants during the promotion grace period "
-                                      f"({self.grace_until_ms - now} ms left)")
+                                      f"({grace_ms} ms left)")
             raise LockNotAcquired(f"{name!r} is held")
 
     def _op_release(self, conn: _Connection, req_id: int, msg: list) -> None:
-        self._arity(msg, 3, "release")
         name = P.check_name(msg[2])
         token = P.check_token(msg[3])
         owner = P.check_owner(msg[4])
-        self._must_be_primary()
+        # a fenced primary refuses too: the standby may have been promoted and would never
+        # see this release (the client repeats it at whichever node is primary)
+        self.roles.admit(Action.RELEASE)
         table = self.table
         now = now_ms()
         meta = None
@@ -608,16 +635,13 @@ class LockServer:
         conn.send(P.encode_ok(req_id, None))
 
     def _op_extend(self, conn: _Connection, req_id: int, msg: list) -> None:
-        self._arity(msg, 4, "extend")
         name = P.check_name(msg[2])
         token = P.check_token(msg[3])
         owner = P.check_owner(msg[4])
         ttl_ms = P.check_ttl_ms(msg[5])
         table = self.table
         now = now_ms()
-        self._must_be_primary()
-        if not self.source.may_act(now):
-            raise Unavailable("this primary lost contact with its standby and is not extending leases")
+        self.roles.admit(Action.EXTEND)
         holder = table.holder(name, now)
         try:
             table.extend(name, token, owner, ttl_ms, now)
@@ -634,17 +658,16 @@ class LockServer:
                 # before the holder relies on it (a shorter or equal one need not be)
                 def ack() -> None:
                     conn.send(reply)
-                    self._after_batch()
+                    self.after_batch()
 
                 self.wal.when_durable(ack)
                 return
         conn.send(reply)
 
     def _op_cancel(self, conn: _Connection, req_id: int, msg: list) -> None:
-        self._arity(msg, 2, "cancel")
         name = P.check_name(msg[2])
         owner = P.check_owner(msg[3])
-        self._must_be_primary()
+        self.roles.admit(Action.CANCEL_WAITER)  # withdrawing a queued waiter is local: fenced or not
         table = self.table
         now = now_ms()
         result = None
@@ -653,17 +676,18 @@ class LockServer:
         else:
             holder = table.holder(name, now)
             if holder is not None and holder.owner == owner:
-                # The grant raced with the cancel: release it, never leak it.
+                # The grant raced with the cancel: release it, never leak it - which is a
+                # release, refused like one by a fenced primary.
+                self.roles.admit(Action.RELEASE)
                 table.release(name, holder.token, owner, now)
                 self._released(name, holder.token, holder.meta)
                 result = "released"
         conn.send(P.encode_ok(req_id, result))
 
     def _op_check(self, conn: _Connection, req_id: int, msg: list) -> None:
-        self._arity(msg, 2, "check")
         name = P.check_name(msg[2])
         token = P.check_token(msg[3])
-        self._must_be_primary()
+        self.roles.admit(Action.READ)  # a fenced primary's answer may already be false
         conn.send(P.encode_ok(req_id, self.table.check(name, token, now_ms())))
 
     def _released(self, name: str, token: int, meta: tuple | None) -> None:
@@ -688,9 +712,8 @@ class LockServer:
                 "remaining_ms": h.deadline_ms - now}
 
     def _op_watch(self, conn: _Connection, req_id: int, msg: list) -> None:
-        self._arity(msg, 1, "watch")
         name = P.check_name(msg[2])
-        self._must_be_primary()
+        self.roles.admit(Action.READ)
         if conn.watching is None:
             conn.watching = set()
         if name not in conn.watching and len(conn.watching) >= self.config.max_waiters_per_connection:
@@ -700,7 +723,6 @@ class LockServer:
         conn.send(P.encode_ok(req_id, self._holder_info(name)))
 
     def _op_unwatch(self, conn: _Connection, req_id: int, msg: list) -> None:
-        self._arity(msg, 1, "unwatch")
         name = P.check_name(msg[2])
         was = conn.watching is not None and name in conn.watching
         if was:
@@ -716,44 +738,34 @@ class LockServer:
                 del self._watchers[name]
 
     def _op_holder(self, conn: _Connection, req_id: int, msg: list) -> None:
-        self._arity(msg, 1, "holder")
-        self._must_be_primary()
-        conn.send(P.encode_ok(req_id, self._holder_info(P.check_name(msg[2]))))
+        name = P.check_name(msg[2])
+        self.roles.admit(Action.READ)
+        conn.send(P.encode_ok(req_id, self._holder_info(name)))
 
-    # -- roles: replication, promotion, stepping down ---------------------------------------
-    def _must_be_primary(self) -> None:
-        if self.role != "primary":
-            primary = self.follower.primary_address if self.follower is not None and self.role == "standby" else None
-            raise NotPrimary(f"this node is a {self.role}", primary)
-
+    # -- replication, promotion, stepping down (policy in fastlock.failover) ---------------------
     def _op_replicate(self, conn: _Connection, req_id: int, msg: list) -> None:
-        self._arity(msg, 4, "replicate")
         from_lsn, incarnation, failover_after_ms, name = msg[2], msg[3], msg[4], msg[5]
         if type(from_lsn) is not int or type(failover_after_ms) is not int or failover_after_ms < 0:
             raise InvalidArgument("replicate takes from_lsn:int, incarnation, failover_after_ms:int >= 0, name")
-        self._must_be_primary()
+        self.roles.admit(Action.SERVE_STANDBY)
         self.source.attach(conn, req_id, from_lsn, incarnation, failover_after_ms,
                            P.check_optional_str(name, "standby name", P.MAX_CLIENT_NAME_CHARS))
 
     def _op_repl_ack(self, conn: _Connection, req_id: int, msg: list) -> None:
-        self._arity(msg, 2, "repl_ack")
         self.source.on_ack(conn, msg[2], msg[3])  # no reply: acks stream continuously
 
+    def _op_step_down(self, conn: _Connection, req_id: int, msg: list) -> None:
+        info = self.failover.on_step_down_request(msg[2], msg[3], f"{conn.client_name or 'a peer'} at {conn.peer}")
+        conn.send(P.encode_ok(req_id, info))
+
     def _op_promote(self, conn: _Connection, req_id: int, msg: list) -> None:
-        self._arity(msg, 1, "promote")
         force = msg[2] is True
-        if self.role == "primary":
-            raise InvalidArgument("this node is already the primary")
-        if self.role != "standby":
-            raise NotPrimary(f"this node is {self.role} and cannot be promoted")
-        if not self.follower.synced and not force:
-            raise Unavailable("this standby has never synchronised with a primary; promote with force "
-                              "only if its data directory is known to be current")
+        self.failover.check_promotable(force)
 
         async def run():
             try:
-                info = await self.promote(reason="operator command", force=force)
-            except FastlockError as exc:  # refused: nothing changed
+                info = await self.failover.promote(reason="operator command", force=force)
+            except FastlockError as exc:  # refused: the node is a standby again
                 conn.send(P.packb([req_id, exc.code, str(exc), None]))
             except Exception as exc:  # report, keep serving
                 log.exception("promotion failed")
@@ -765,90 +777,7 @@ class LockServer:
         asyncio.ensure_future(run())
 
     def _op_serve_alone(self, conn: _Connection, req_id: int, msg: list) -> None:
-        self._must_be_primary()
-        conn.send(P.encode_ok(req_id, self.source.serve_alone()))
-
-    async def promote(self, reason: str, *, force: bool = False, automatic: bool = False) -> dict:
-        """Turn this standby into the primary (see :mod:`fastlock.replication`).
-
-        First makes sure the old primary cannot grant any more: on command, it
-        is told the new epoch and must confirm that it stepped down; if it does
-        not answer (frozen, partitioned, dead), promotion waits until the
-        primary's own fence has certainly closed (``--failover-after`` since it
-        was last heard), or - when the primary does not fence itself - refuses
-        unless ``force`` (the operator's word that it is dead).  Automatic
-        promotion happens only after that much silence already.  Then raises
-        the epoch above every epoch seen and fsyncs it, gives every replicated
-        lease a fresh full TTL, and holds new grants for the grace period.
-        Returns ``{"epoch", "grace_ms", "leases", "primary_confirmed"}``.
-
-        Raises Unavailable if the old primary may still be granting.
-        """
-        if self.role != "standby":
-            raise NotPrimary(f"this node is {self.role}")
-        follower = self.follower
-        table = self.table
-        deposed = read_deposed(self.config.data_dir) or {}
-        epoch = max(table.epoch, follower.primary_epoch, self.node_state.max_epoch_seen,
-                    int(deposed.get("epoch", 0))) + 1
-        self.role = "promoting"  # stops the failover watchdog and any concurrent promotion
-        confirmed = False
-        if not automatic:
-            try:
-                confirmed = await follower.depose(epoch)
-            except BaseException:
-                self.role = "standby"
-                raise
-            if confirmed:
-                log.warning("primary %s confirmed it stepped down for epoch %d", follower.primary_address, epoch)
-            elif not (force or (follower.failover_after_ms > 0 and follower.pair_confirmed)):
-                self.role = "standby"
-                raise Unavailable(
-                    f"primary {follower.primary_address} did not confirm that it stepped down, and it is not "
-                    f"known to fence itself for this standby (no --failover-after, or not paired yet): make "
-                    f"sure it is dead, then promote with --force")
-        # From here on this node acknowledges nothing more to the old primary, so its
-        # fence (if any) can only close: stop following before waiting for it.
-        follower.stop()
-        if not confirmed and not force and not automatic:
-            wait_ms = follower.last_heard_ms + follower.failover_after_ms - now_ms()
-            if wait_ms > 0:
-                log.warning("primary %s did not confirm stepping down: waiting %d ms until its own "
-                            "fence has closed", follower.primary_address, wait_ms)
-                await asyncio.sleep(wait_ms / 1000.0)
-        table.set_epoch(epoch)
-        self.wal.log_epoch(epoch)
-        durable = self._loop.create_future()
-        self.wal.when_durable(lambda: durable.done() or durable.set_result(None))
-        await durable
-        self.node_state.raise_epoch(epoch)
-        self.node_state.set_standby_of(None)  # a primary now: it may start as one
-        now = now_ms()
-        holders = table.holders()
-        longest = max(follower.max_ttl_ms, self.max_ttl_ms, self.node_state.max_ttl_ms)
-        for h in holders:
-            table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, h.meta, now)
-            longest = max(longest, h.ttl_ms)
-        grace = self.config.promotion_grace_ms if self.config.promotion_grace_ms is not None else longest
-        self.grace_until_ms = now + grace
-        table.hold_grants_until(self.grace_until_ms)
-        table.drain_events()
-        self.role = "primary"
-        self._rearm()
-        log.warning(
-            "PROMOTED to primary (%s): epoch %d, %d replicated leases kept for their TTL, "
-            "no new grants for %d ms (grace)", reason, epoch, len(holders), grace,
-        )
-        return {"epoch": epoch, "grace_ms": grace, "leases": len(holders), "primary_confirmed": confirmed}
-
-    def _step_down(self, why: str, known_epoch: int) -> None:
-        """Refuse every lock operation from now on - and after a restart: the step-down is
-        written to ``<data dir>/deposed.json`` (fsynced) before anyone hears of it."""
-        log.critical("stepping down: %s (own epoch %d); refusing every lock operation", why, self.table.epoch)
-        self.role = "deposed"
-        self.table.hold_grants_until(now_ms() + 10 * 365 * 24 * 3600 * 1000)
-        write_deposed(self.config.data_dir, known_epoch, why)
-        self.node_state.raise_epoch(known_epoch)
+        conn.send(P.encode_ok(req_id, self.failover.serve_alone()))
 
     def _op_status(self, conn: _Connection, req_id: int, msg: list) -> None:
         conn.send(P.encode_ok(req_id, self.status()))
@@ -860,7 +789,7 @@ class LockServer:
         t = self.table
         st = dict(t.stats())
         st.update(
-            role=self.role,
+            role=self.roles.role.value,
             epoch=t.epoch,
             last_token=t.last_token,
             counter=t.counter,
@@ -869,9 +798,9 @@ class LockServer:
             fsync=self.config.fsync,
             wal=self.wal.stats(),
             version=__version__,
-            grace_remaining_ms=max(0, self.grace_until_ms - now_ms()),
+            grace_remaining_ms=self.roles.grace_remaining_ms(now_ms()),
         )
-        if self.role == "standby" and self.follower is not None:
+        if self.roles.role is Role.STANDBY and self.follower is not None:
             st["replication"] = self.follower.status()
         else:
             st["replication"] = self.source.status()

@@ -121,7 +121,9 @@ async def test_garbage_stream_closes_only_that_connection(client, server, loop_e
         ([1, P.OP_EXTEND, "x", 1, os.urandom(16), 0], "ttl must be between"),
         ([1, P.OP_CHECK, {"a": 1}, 1], "lock name must be str"),
         ([1, 99], "unknown operation 99"),
-        ([1, P.OP_PING, "extra"], None),
+        ([1, P.OP_PING, "extra"], "ping takes 0 arguments"),
+        ([1, P.OP_HELLO, 1], "hello takes 3 or 4 arguments"),
+        ([1, P.OP_STEP_DOWN], "step_down takes 2 arguments"),
     ],
 )
 async def test_wrong_types_get_an_error_reply_and_change_nothing(client, server, message, needle):

@@ -498,8 +498,8 @@ def test_replication_link_down_no_two_nodes_grant_at_once(cluster, how):
 def test_reset_link_primary_fences_itself_without_client_traffic(cluster):
     """With the replication connection reset and no standby attached, the
     primary must still fence itself on time: no request arrives to make it
-    look at its clock, and a release must not hand the lock to a waiter once
-    the standby may have promoted."""
+    look at its clock, and once the standby may have promoted a release is
+    refused (the new primary would never see it) and hands the lock to nobody."""
     p = cluster.primary()
     px = cluster.proxy(p.address)
     s = cluster.standby(px.address, failover_after=FAILOVER, grace=GRACE)
@@ -523,9 +523,11 @@ def test_reset_link_primary_fences_itself_without_client_traffic(cluster):
             fenced_at = time.monotonic()
             promoted_at = await promoted
             assert fenced_at < promoted_at
-            await holder.release("k", token, owner)
+            with pytest.raises(Unavailable):
+                await holder.release("k", token, owner)
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(queued), 1.0)
+            assert (await watcher.status())["locks_held"] == 1
             assert (await watcher.status())["last_token"] == last_token
             print(f"\nreset: fenced {fenced_at - down_at:.3f} s, promoted {promoted_at - down_at:.3f} s")
         finally:
@@ -636,8 +638,9 @@ def test_old_primary_rejoins_as_standby_of_the_new_one_and_fails_back(cluster):
 
 def test_short_partition_fences_then_unfences_without_promotion(cluster):
     """A partition shorter than the failover window: the primary stops granting
-    (a new acquire queues), the link heals before the standby may promote, the
-    primary resumes and grants the queued acquire; the standby stays a standby."""
+    and releasing (the holder's release is refused, to be repeated), the link
+    heals before the standby may promote, the primary resumes, the repeated
+    release hands the lock to the queued acquire; the standby stays a standby."""
     p = cluster.primary(args=["--fence-margin", "1.0"])
     px = cluster.proxy(p.address)
     s = cluster.standby(px.address, failover_after=2.0, grace=GRACE)
@@ -655,7 +658,8 @@ def test_short_partition_fences_then_unfences_without_promotion(cluster):
                        what="the primary to fence itself")
             with pytest.raises(Unavailable):
                 await a.acquire("x", 1000)
-            await a.release("y", token, owner)  # the queued acquire is held, not granted
+            with pytest.raises(Unavailable):
+                await a.release("y", token, owner)
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(queued), 0.1)
             await asyncio.sleep(max(0.0, paused_at + 1.3 - time.monotonic()))
@@ -663,6 +667,8 @@ def test_short_partition_fences_then_unfences_without_promotion(cluster):
             px.resume()
             await poll(lambda: a.status(), lambda st: not st["replication"]["fenced"], timeout=2.0,
                        what="the primary to unfence")
+            assert not queued.done()
+            await a.release("y", token, owner)  # repeated: now it takes effect
             t2, _, _ = await asyncio.wait_for(queued, 2)
             assert epoch(t2) == 0 and t2 > token
             t3, _, _ = await a.acquire("x", 1000)
@@ -700,7 +706,8 @@ def test_standby_gone_primary_fences_until_serve_alone(cluster):
                 await a.extend("k", token, owner, 10_000)
             with pytest.raises(Unavailable):
                 await a.acquire("other", 1000)
-            await a.release("k", token, owner)  # allowed; but the queued acquire is not granted
+            with pytest.raises(Unavailable):
+                await a.release("k", token, owner)
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(queued), 0.3)
 
@@ -709,6 +716,7 @@ def test_standby_gone_primary_fences_until_serve_alone(cluster):
                                           capture_output=True, text=True, timeout=20,
                                           cwd=tempfile.gettempdir())
             assert res.returncode == 0, res.stderr
+            await a.release("k", token, owner)  # repeated after serve-alone: takes effect
             t2, _, o2 = await asyncio.wait_for(queued, 2)  # granted at once
             assert t2 > token
             st = await a.status()
@@ -732,7 +740,9 @@ def test_standby_gone_primary_fences_until_serve_alone(cluster):
 # --------------------------------------------------------------------------- the client's part
 
 
-def test_client_that_saw_the_new_epoch_deposes_the_old_primary(cluster):
+def test_a_client_that_saw_the_new_epoch_does_not_depose_the_fenced_old_primary(cluster):
+    """A client's HELLO epoch is a hint only (any client could send any epoch); the old
+    primary stays safe because it stays fenced: its standby, now primary, never echoes again."""
     p = cluster.primary()
     s = cluster.standby(p.address, failover_after=FAILOVER, grace=GRACE)
 
@@ -749,6 +759,12 @@ def test_client_that_saw_the_new_epoch_deposes_the_old_primary(cluster):
             with pytest.raises((ConnectionLost, Unavailable, NotPrimary)):
                 await c.acquire("y", ttl=2.0, wait=0)
         st = await status_of(p.address)
-        assert st["role"] == "deposed", f"old primary still acts as {st['role']} at epoch {st['epoch']}"
+        assert st["role"] == "primary" and st["epoch"] == 0 and st["replication"]["fenced"], st
+        node = await RawNode.open(p.address, known_epoch=1)
+        try:
+            with pytest.raises(Unavailable):
+                await node.acquire("y", 1000)
+        finally:
+            await node.close()
 
     run(main())

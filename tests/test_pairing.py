@@ -187,7 +187,8 @@ def test_manual_promote_of_a_frozen_primary_is_refused_without_a_fence_or_force(
 
 def test_manual_promote_of_an_unreachable_primary_waits_for_its_fence(cluster):
     """With --failover-after, a partitioned primary fences itself; promotion waits for that,
-    so a release on the old node afterwards hands the lock to nobody."""
+    so the old node afterwards neither releases (the new primary would never see it) nor
+    hands the lock to anybody."""
     p = cluster.primary()
     px = cluster.proxy(p.address)
     s = cluster.standby(px.address, failover_after=3.0, grace=GRACE)
@@ -207,9 +208,10 @@ def test_manual_promote_of_an_unreachable_primary_waits_for_its_fence(cluster):
         assert any("did not confirm stepping down" in line for line in s.lines)
         # by the time the standby serves, the old primary has fenced itself
         assert (await status_of(p.address))["replication"]["fenced"]
-        await holder.request(P.OP_RELEASE, "x", token, owner)  # releasing is always allowed...
+        with pytest.raises(Unavailable):  # to be repeated at the new primary
+            await holder.request(P.OP_RELEASE, "x", token, owner)
         st = await status_of(p.address)
-        assert st["waiters"] == 1 and st["locks_held"] == 0  # ...but it hands the lock to nobody
+        assert st["waiters"] == 1 and st["locks_held"] == 1  # nothing changed, nobody was handed the lock
         assert not queued.done()
         queued.cancel()
         await holder.close()
@@ -367,32 +369,24 @@ def test_a_deposed_primary_stays_deposed_after_a_restart(cluster):
     run(main())
 
 
-async def test_no_automatic_failover_before_the_primary_confirms_the_pairing(tmp_path):
+def test_no_automatic_failover_before_the_primary_confirms_the_pairing(tmp_path):
     """The standby's decision rule: silence alone is not enough; the primary's heartbeats
     must have said it fences itself for this standby (node id and window)."""
-    from fastlock._core import LockTable
-    from fastlock.replication import NodeState, StandbyFollower, _now_ms
+    from fakehost import FakeHost
+    from fastlock.replication import StandbyFollower, _now_ms
+    from fastlock.roles import Role
 
     promoted: list[str] = []
-
-    class Node:  # the parts of LockServer the follower uses
-        role = "standby"
-        _loop = asyncio.get_running_loop()
-        table = LockTable()
-        node_state = NodeState(str(tmp_path))
-
-        async def promote(self, reason, automatic=False):
-            promoted.append(reason)
-
-    follower = StandbyFollower(Node(), ("127.0.0.1", 9), failover_after_ms=50, name="east@id-1")
+    host = FakeHost(str(tmp_path), Role.STANDBY, primary_address="127.0.0.1:9")
+    follower = StandbyFollower(host, ("127.0.0.1", 9), failover_after_ms=50, name="east@id-1",
+                               on_primary_silent=lambda: promoted.append("silent"))
     follower.synced = True
     try:
         for paired, window, expect in ((None, 0, False), ("west@id-2", 50, False), ("east@id-1", 99, False),
                                        ("renamed@id-1", 50, True)):
-            follower._on_message(None, [0, "hb", [1, 0, 0, 0, paired, window]])
+            follower._on_push("hb", [1, 0, 0, 0, paired, window])
             follower.last_heard_ms = _now_ms() - 1000  # the primary has been silent for 1 s
             follower._check_silence()
-            await asyncio.sleep(0)
             assert bool(promoted) is expect, (paired, window)
     finally:
         follower.stop()

@@ -23,6 +23,7 @@ import tempfile
 import pytest
 
 import fastlock
+from fastlock import protocol as P
 from fastlock.errors import LockNotAcquired, NotPrimary
 from tcpproxy import RawNode, poll, run, status_of
 
@@ -258,7 +259,8 @@ def test_promote_refuses_a_never_synced_standby_without_force(cluster, tmp_path)
 # --------------------------------------------------------------------------- stepping down
 
 
-def test_a_primary_that_sees_a_higher_epoch_steps_down(cluster):
+def test_a_primary_steps_down_on_step_down_for_the_next_epoch_only(cluster):
+    """A client's HELLO epoch is a hint that never deposes; STEP_DOWN for epoch + 1 does."""
     p = cluster.primary()
 
     async def main():
@@ -267,32 +269,31 @@ def test_a_primary_that_sees_a_higher_epoch_steps_down(cluster):
             token, _, owner = await a.acquire("held", LONG)
         finally:
             await a.close()
-        # the same epoch, or a lower one, changes nothing
-        same = await RawNode.open(p.address, known_epoch=0)
+        for hint in (0, 1, 5, 2**63 - 1):
+            hinted = await RawNode.open(p.address, known_epoch=hint)
+            try:
+                assert hinted.hello["role"] == "primary"
+                await hinted.acquire(f"after-hint-{hint}", LONG)
+            finally:
+                await hinted.close()
+        peer = await RawNode.open(p.address, name="standby:b")
         try:
-            assert same.hello["role"] == "primary"
-            await same.acquire("other", LONG)
+            assert await peer.request(P.OP_STEP_DOWN, 1, peer.hello["clock_ms"]) == {"role": "deposed", "epoch": 0}
         finally:
-            await same.close()
-        # a raw HELLO [1, HELLO, version, name, secret, known_epoch] with epoch 1 > 0
-        newer = await RawNode.open(p.address, known_epoch=1)
-        try:
-            assert newer.hello["role"] == "deposed"
-            for op in (newer.acquire("x", LONG), newer.extend("held", token, owner, LONG),
-                       newer.release("held", token, owner)):
-                with pytest.raises(NotPrimary) as info:
-                    await op
-                assert info.value.primary is None
-        finally:
-            await newer.close()
-        await asyncio.to_thread(p.wait_for_log, r"stepping down: client .* has seen epoch 1", 5)
-        # for good: every later connection finds it deposed
+            await peer.close()
+        await asyncio.to_thread(p.wait_for_log, r"stepping down: standby:b at .* is promoting to epoch 1", 5)
+        # for good: every later connection finds it deposed, and no lock op names a primary
         again = await RawNode.open(p.address)
         try:
             assert again.hello["role"] == "deposed"
-            with pytest.raises(NotPrimary):
-                await again.acquire("y", LONG)
+            for op in (again.acquire("x", LONG), again.extend("held", token, owner, LONG),
+                       again.release("held", token, owner)):
+                with pytest.raises(NotPrimary) as info:
+                    await op
+                assert info.value.primary is None
             assert (await again.status())["role"] == "deposed"
+            # asking again confirms without changing anything
+            assert await again.request(P.OP_STEP_DOWN, 1, 0) == {"role": "deposed", "epoch": 0}
         finally:
             await again.close()
         # and the client does not take it for a primary

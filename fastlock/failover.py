@@ -1,0 +1,286 @@
+"""Failover policy in one place: promote, step down, serve alone, and what a node is at start.
+
+The server's handlers and the standby's follower call :class:`FailoverPolicy`;
+it changes the node's role only through :meth:`fastlock.roles.NodeRole.transition`
+and sees the server only through :class:`~fastlock.replication_host.ReplicationHost`.
+
+Promotion (:meth:`FailoverPolicy.promote`)
+    First makes sure the old primary cannot grant any more: on command, it
+    is asked to step down (``STEP_DOWN`` with the new epoch) and must confirm;
+    if it does not answer (frozen, partitioned, dead), promotion waits until
+    the primary's own fence has certainly closed (``--failover-after`` since
+    it was last heard), or - when the primary does not fence itself - refuses
+    unless ``force`` (the operator's word that it is dead).  Automatic
+    promotion happens only after that much silence already.  Then it raises
+    the epoch above every epoch seen and fsyncs it, gives every replicated
+    lease a fresh full TTL, and holds new grants for the grace period.  A
+    promotion that is refused or fails returns the node to ``STANDBY``
+    (logged), following its primary again unless the new epoch already
+    reached the log; it never stays ``PROMOTING``.
+
+Stepping down (:meth:`FailoverPolicy.on_step_down_request`)
+    Only on an explicit ``STEP_DOWN`` whose epoch is exactly above the node's
+    own (at most epoch + 1, within ``MAX_EPOCH``); a client's HELLO never
+    deposes a node.  The step-down is fsynced to ``deposed.json`` before the
+    reply, so a restart does not bring the node back as a primary, and client
+    connections are closed so that waiters and renewers look for the new
+    primary at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import protocol as P
+from .errors import FastlockError, InvalidArgument, NotPrimary, Unavailable
+from .replication import DEPOSED_FILE, ReplicationSource, StandbyFollower, read_deposed, write_deposed
+from .roles import Role
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .replication_host import ReplicationHost
+
+log = logging.getLogger(__name__)
+
+
+def check_step_down_epoch(epoch: Any, own_epoch: int) -> int:
+    """The epoch a peer announces to depose this node: an int with
+    ``own_epoch < epoch <= own_epoch + 1`` and ``epoch <= MAX_EPOCH``.
+
+    A promoting standby always announces its primary's epoch + 1; anything
+    higher would be a guess (or an attack: with 2**63-1 a pair could never
+    promote again), anything lower or equal is not newer.
+
+    Raises:
+        WrongArgumentType: not an int.
+        InvalidArgument: out of those bounds (the caller changes nothing).
+    """
+    P.check_epoch(epoch, "step-down epoch")
+    if epoch <= own_epoch:
+        raise InvalidArgument(f"step-down epoch {epoch} is not above this node's epoch {own_epoch}")
+    if epoch > own_epoch + 1:
+        raise InvalidArgument(f"step-down epoch {epoch} is more than one above this node's epoch "
+                              f"{own_epoch}: refused")
+    return epoch
+
+
+class FailoverPolicy:
+    """Promote, step down, serve alone - and the node's role at start.
+
+    Args:
+        host: the server (:class:`~fastlock.replication_host.ReplicationHost`).
+        source: the primary's replication side (pairing, fence).
+        follower: the standby's side, or None on a node started as primary.
+        promotion_grace_ms: grace after promotion (ms); None: the longest TTL seen.
+    """
+
+    def __init__(self, host: "ReplicationHost", source: "ReplicationSource",
+                 follower: "StandbyFollower | None", *, promotion_grace_ms: int | None = None):
+        self.host = host
+        self.source = source
+        self.follower = follower
+        self.promotion_grace_ms = promotion_grace_ms
+        self._auto: asyncio.Task | None = None
+        self._auto_retry_at_ms = 0
+
+    # -- start ---------------------------------------------------------------------------------
+    def on_start(self) -> None:
+        """A primary that stepped down before stays deposed; otherwise restore its pairing."""
+        host = self.host
+        if host.roles.role is not Role.PRIMARY:
+            return
+        marker = read_deposed(host.data_dir)
+        if marker is not None and marker.get("epoch", 0) > host.table.epoch:
+            host.roles.transition(Role.DEPOSED, f"{DEPOSED_FILE}: stepped down for epoch {marker.get('epoch')}")
+            log.critical("this node stepped down for epoch %s (%s) and stays deposed: restart it with "
+                         "--standby-of the current primary (or delete %s to override)",
+                         marker.get("epoch"), marker.get("why"), DEPOSED_FILE)
+        else:
+            self.source.load_pairing()
+
+    # -- stepping down ------------------------------------------------------------------------
+    def on_step_down_request(self, epoch: Any, seen_primary_ms: Any, requester: str) -> dict:
+        """A peer's ``STEP_DOWN``: a standby promoting to ``epoch`` asks this primary to stop.
+
+        ``seen_primary_ms`` is the newest time of this node's monotonic clock
+        (ms) the standby had heard when it asked; a request older than
+        ``protocol.STEP_DOWN_FRESH_MS`` by this node's clock is refused, since
+        the standby no longer waits for its answer (it may have stayed a standby).
+
+        Returns ``{"role", "epoch"}`` (the confirmation the standby waits for).
+        A node that is already deposed confirms again without changing anything.
+
+        Raises:
+            NotPrimary: this node is a standby or promoting (it grants nothing anyway).
+            InvalidArgument: ``epoch`` out of bounds (see :func:`check_step_down_epoch`),
+                or ``seen_primary_ms`` not an int, in the future or stale; nothing changes.
+        """
+        host = self.host
+        role = host.roles.role
+        if role is Role.DEPOSED:
+            P.check_epoch(epoch, "step-down epoch")
+            return {"role": role.value, "epoch": host.table.epoch}
+        if role is not Role.PRIMARY:
+            raise NotPrimary(f"this node is {role.value}: it has nothing to step down from", None)
+        epoch = check_step_down_epoch(epoch, host.table.epoch)
+        if type(seen_primary_ms) is not int:
+            raise InvalidArgument(f"step-down seen_primary_ms must be int, not {type(seen_primary_ms).__name__}")
+        age_ms = _now_ms() - seen_primary_ms
+        if not 0 <= age_ms <= P.STEP_DOWN_FRESH_MS:
+            raise InvalidArgument(f"step-down request echoes this node's clock from {age_ms} ms ago (must be "
+                                  f"0..{P.STEP_DOWN_FRESH_MS} ms): too old or not this node's; refused")
+        self.step_down(f"{requester} is promoting to epoch {epoch}", epoch)
+        return {"role": host.roles.role.value, "epoch": host.table.epoch}
+
+    def step_down(self, why: str, epoch: int) -> None:
+        """Refuse every lock operation from now on - and after a restart: the step-down
+        is written to ``<data dir>/deposed.json`` (fsynced) before anyone hears of it."""
+        host = self.host
+        log.critical("stepping down: %s (own epoch %d); refusing every lock operation", why, host.table.epoch)
+        host.roles.transition(Role.DEPOSED, why)
+        write_deposed(host.data_dir, epoch, why)
+        host.node_state.raise_epoch(epoch)
+        host.close_client_connections("this node stepped down")
+
+    # -- promotion --------------------------------------------------------------------------
+    def check_promotable(self, force: bool) -> None:
+        """Refuse an operator's promotion that cannot start (nothing changes).
+
+        Raises:
+            InvalidArgument: already the primary.
+            NotPrimary: promoting or deposed.
+            Unavailable: never synchronised with a primary, and not ``force``.
+        """
+        role = self.host.roles.role
+        if role is Role.PRIMARY:
+            raise InvalidArgument("this node is already the primary")
+        if role is not Role.STANDBY:
+            raise NotPrimary(f"this node is {role.value} and cannot be promoted", None)
+        if not self.follower.synced and not force:
+            raise Unavailable("this standby has never synchronised with a primary; promote with force "
+                              "only if its data directory is known to be current")
+
+    def on_primary_silent(self) -> None:
+        """The follower's watchdog: the paired primary was silent for the failover window.
+
+        Starts an automatic promotion unless one runs, or one failed less than a
+        failover window ago (the watchdog keeps asking while the node is a standby).
+        """
+        if self._auto is not None and not self._auto.done():
+            return
+        if _now_ms() < self._auto_retry_at_ms:
+            return
+
+        async def run() -> None:
+            try:
+                await self.promote(reason="primary silent", automatic=True)
+            except FastlockError as exc:
+                log.error("automatic promotion refused: %s", exc)
+                self._auto_retry_at_ms = _now_ms() + self.follower.failover_after_ms
+            except Exception:
+                log.exception("automatic promotion failed")
+                self._auto_retry_at_ms = _now_ms() + self.follower.failover_after_ms
+
+        self._auto = asyncio.ensure_future(run())
+
+    async def promote(self, reason: str, *, force: bool = False, automatic: bool = False) -> dict:
+        """Turn this standby into the primary (see the module docstring).
+
+        Returns ``{"epoch", "grace_ms", "leases", "primary_confirmed"}``.
+
+        Raises:
+            NotPrimary: this node is not a standby.
+            Unavailable: the old primary may still be granting, or the epoch
+                would leave the encodable range; the node stays a standby.
+        """
+        host = self.host
+        roles = host.roles
+        if roles.role is not Role.STANDBY:
+            raise NotPrimary(f"this node is {roles.role.value}", None)
+        follower = self.follower
+        deposed = read_deposed(host.data_dir) or {}
+        epoch = max(host.table.epoch, follower.primary_epoch, host.node_state.max_epoch_seen,
+                    int(deposed.get("epoch", 0))) + 1
+        if epoch > P.MAX_EPOCH:
+            raise Unavailable(f"cannot promote: epoch {epoch} would exceed {P.MAX_EPOCH} (tokens must stay "
+                              f"below 2**63)")
+        roles.transition(Role.PROMOTING, reason)  # stops the watchdog and any concurrent promotion
+        epoch_logged = False
+        try:
+            info = await self._promote(reason, epoch, force=force, automatic=automatic)
+            epoch_logged = True
+            return info
+        except BaseException as exc:
+            if roles.role is Role.PROMOTING:
+                epoch_logged = host.table.epoch >= epoch
+                roles.transition(Role.STANDBY, f"promotion {'refused' if isinstance(exc, FastlockError) else 'failed'}: "
+                                 f"{exc.__class__.__name__}: {exc}")
+                if epoch_logged:
+                    log.critical("promotion failed after epoch %d reached the log: not following the old "
+                                 "primary again; restart this node", epoch)
+                elif follower.stopped:
+                    follower.start()
+            raise
+
+    async def _promote(self, reason: str, epoch: int, *, force: bool, automatic: bool) -> dict:
+        host = self.host
+        follower = self.follower
+        table = host.table
+        confirmed = False
+        if not automatic:
+            confirmed = await follower.depose(epoch)
+            if confirmed:
+                log.warning("primary %s confirmed it stepped down for epoch %d", follower.primary_address, epoch)
+            elif not (force or (follower.failover_after_ms > 0 and follower.pair_confirmed)):
+                raise Unavailable(
+                    f"primary {follower.primary_address} did not confirm that it stepped down, and it is not "
+                    f"known to fence itself for this standby (no --failover-after, or not paired yet): make "
+                    f"sure it is dead, then promote with --force")
+        # From here on this node acknowledges nothing more to the old primary, so its
+        # fence (if any) can only close: stop following before waiting for it.
+        follower.stop()
+        if not confirmed and not force and not automatic:
+            wait_ms = follower.last_heard_ms + follower.failover_after_ms - _now_ms()
+            if wait_ms > 0:
+                log.warning("primary %s did not confirm stepping down: waiting %d ms until its own "
+                            "fence has closed", follower.primary_address, wait_ms)
+                await asyncio.sleep(wait_ms / 1000.0)
+        table.set_epoch(epoch)
+        host.wal.log_epoch(epoch)
+        durable = host.loop.create_future()
+        host.wal.when_durable(lambda: durable.done() or durable.set_result(None))
+        await durable
+        host.node_state.raise_epoch(epoch)
+        host.node_state.set_standby_of(None)  # a primary now: it may start as one
+        now = _now_ms()
+        holders = table.holders()
+        longest = max(follower.max_ttl_ms, host.max_ttl_ms, host.node_state.max_ttl_ms)
+        for h in holders:
+            table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, h.meta, now)
+            longest = max(longest, h.ttl_ms)
+        grace = self.promotion_grace_ms if self.promotion_grace_ms is not None else longest
+        table.drain_events()
+        host.roles.transition(Role.PRIMARY, f"promoted ({reason}) at epoch {epoch}", grace_until_ms=now + grace)
+        host.after_batch()
+        log.warning(
+            "PROMOTED to primary (%s): epoch %d, %d replicated leases kept for their TTL, "
+            "no new grants for %d ms (grace)", reason, epoch, len(holders), grace,
+        )
+        return {"epoch": epoch, "grace_ms": grace, "leases": len(holders), "primary_confirmed": confirmed}
+
+    # -- the operator's word -----------------------------------------------------------------
+    def serve_alone(self) -> dict:
+        """Unpair from the standby and stop fencing (see ``ReplicationSource.serve_alone``).
+
+        Raises:
+            NotPrimary: this node is not the primary.
+        """
+        if self.host.roles.role is not Role.PRIMARY:
+            raise NotPrimary(f"this node is {self.host.roles.role.value}", self.host.roles.primary_address)
+        return self.source.serve_alone()
+
+
+def _now_ms() -> int:
+    return time.monotonic_ns() // 1_000_000

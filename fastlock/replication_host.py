@@ -1,0 +1,84 @@
+"""What replication and failover see of the server: the narrow host interface.
+
+:mod:`fastlock.replication` (the primary's :class:`~fastlock.replication.ReplicationSource`,
+the standby's :class:`~fastlock.replication.StandbyFollower`) and
+:mod:`fastlock.failover` never touch :class:`~fastlock.server.LockServer`'s
+private members: they see a :class:`ReplicationHost`.  ``LockServer``
+implements it; tests implement it with a fake (``tests/test_replication_host.py``)
+to drive the fence and the follower without sockets - as etcd's lessor takes
+small injected interfaces instead of the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._core import LockTable
+    from .replication import NodeState
+    from .roles import NodeRole
+    from .wal import HolderRecord, WriteAheadLog
+
+
+class ReplicaConnection(Protocol):
+    """A standby's connection on the primary, as the replication source uses it.
+
+    Attributes:
+        session: the server's session id of the connection.
+        peer: ``host:port`` of the standby, for logs.
+        closed: set once the connection is closing; nothing more is sent.
+        transport: the asyncio transport (``get_write_buffer_size``, ``abort``).
+    """
+
+    session: int
+    peer: str
+    closed: bool
+    transport: asyncio.Transport
+
+    def send(self, data: bytes) -> None:
+        """Queue encoded frames for this connection."""
+        ...
+
+    def flush(self) -> None:
+        """Write what is queued now."""
+        ...
+
+
+class ReplicationHost(Protocol):
+    """The server as replication and failover see it.
+
+    Attributes:
+        table: the lock table (sans-IO; times in monotonic ms).
+        wal: the write-ahead log (``stats()``, ``read_from``, ``add_listener``,
+            ``log_*``, ``when_durable``).
+        node_state: what the node remembers beyond its WAL (highest epoch seen,
+            longest TTL, standby-of).
+        roles: the node's role, fence and grace (:class:`~fastlock.roles.NodeRole`).
+        data_dir: the data directory (pairing and step-down files live there).
+        loop: the event loop (timers).
+        max_ttl_ms: the longest TTL this node has granted, extended or
+            recovered (ms): the standby's default promotion grace.
+    """
+
+    table: "LockTable"
+    wal: "WriteAheadLog"
+    node_state: "NodeState"
+    roles: "NodeRole"
+    data_dir: str
+    loop: asyncio.AbstractEventLoop
+    max_ttl_ms: int
+
+    def snapshot_state(self) -> "tuple[int, int, list[HolderRecord]]":
+        """``(epoch, counter, holders)`` of the table now, for a standby's snapshot."""
+        ...
+
+    def after_batch(self) -> None:
+        """Run the end of a batch: log and deliver the table's events, re-arm the
+        expiry timer, flush replies.  Call after changing the table outside a request."""
+        ...
+
+    def close_client_connections(self, why: str) -> None:
+        """Close every connection that is not a standby's (soon, after the current
+        replies are flushed): its waiters are dropped, its clients look elsewhere."""
+        ...

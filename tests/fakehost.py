@@ -1,0 +1,172 @@
+"""A named fake of :class:`fastlock.replication_host.ReplicationHost`, with no sockets and
+a clock the test moves, for unit tests of replication and failover.
+
+``FakeHost`` holds a real ``LockTable``, a real ``NodeRole`` and a real ``NodeState``
+(in a temporary directory); the WAL, the loop's timers and the connections are
+recorded fakes, so a test sees every heartbeat sent and every timer armed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from fastlock import protocol as P
+from fastlock._core import LockTable
+from fastlock.replication import NodeState
+from fastlock.roles import NodeRole, Role
+from fastlock.wal import HolderRecord
+
+
+class Clock:
+    """Monotonic milliseconds that move only when the test says so."""
+
+    def __init__(self, start_ms: int = 1_000_000):
+        self.ms = start_ms
+
+    def __call__(self) -> int:
+        return self.ms
+
+    def advance(self, ms: int) -> int:
+        self.ms += ms
+        return self.ms
+
+
+class FakeTimer:
+    def __init__(self, loop: "FakeLoop", at_ms: int, callback: Callable[[], Any]):
+        self.loop, self.at_ms, self.callback, self.cancelled = loop, at_ms, callback, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeLoop:
+    """``call_later``/``call_soon`` recorded; :meth:`run_due` runs the timers whose time has come."""
+
+    def __init__(self, clock: Clock):
+        self.clock = clock
+        self.timers: list[FakeTimer] = []
+
+    def call_later(self, delay_s: float, callback: Callable[[], Any]) -> FakeTimer:
+        timer = FakeTimer(self, self.clock() + round(delay_s * 1000), callback)
+        self.timers.append(timer)
+        return timer
+
+    def call_soon(self, callback: Callable[[], Any]) -> FakeTimer:
+        return self.call_later(0, callback)
+
+    def run_due(self) -> int:
+        ran = 0
+        for timer in sorted(self.timers, key=lambda t: t.at_ms):
+            if not timer.cancelled and timer.at_ms <= self.clock():
+                self.timers.remove(timer)
+                timer.callback()
+                ran += 1
+        return ran
+
+
+class FakeWal:
+    """The parts of the WAL replication uses: position, listeners, records logged."""
+
+    def __init__(self):
+        self.last_lsn = 0
+        self.records: list[tuple] = []
+        self.listeners: list[Callable] = []
+
+    def stats(self) -> dict:
+        return {"last_lsn": self.last_lsn}
+
+    def add_listener(self, listener: Callable) -> None:
+        self.listeners.append(listener)
+
+    def read_from(self, lsn: int):
+        return iter(())
+
+    def _log(self, *record) -> None:
+        self.last_lsn += 1
+        self.records.append(record)
+
+    def log_grant(self, *args) -> None:
+        self._log("grant", *args)
+
+    def log_release(self, *args) -> None:
+        self._log("release", *args)
+
+    def log_expire(self, *args) -> None:
+        self._log("expire", *args)
+
+    def log_extend(self, *args) -> None:
+        self._log("extend", *args)
+
+    def log_epoch(self, *args) -> None:
+        self._log("epoch", *args)
+
+    def when_durable(self, callback: Callable[[], Any]) -> None:
+        callback()
+
+
+class FakeTransport:
+    def __init__(self):
+        self.aborted = False
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    close = abort
+
+
+class FakeConnection:
+    """A server-side connection whose output the test reads back as decoded messages."""
+
+    def __init__(self, session: int, peer: str = "127.0.0.1:1"):
+        self.session = session
+        self.peer = peer
+        self.closed = False
+        self.transport = FakeTransport()
+        self.sent: list[bytes] = []
+
+    def send(self, data: bytes) -> None:
+        self.sent.append(data)
+
+    def flush(self) -> None:
+        pass
+
+    def messages(self) -> list:
+        dec = P.FrameDecoder()
+        return [m for data in self.sent for m in dec.feed(data)]
+
+    def pushes(self, kind: str) -> list:
+        return [m[2] for m in self.messages() if m[0] == 0 and m[1] == kind]
+
+
+class FakeHost:
+    """Implements ``ReplicationHost``: a real table, role and node state; fake WAL, loop, clock."""
+
+    def __init__(self, data_dir: str, role: Role = Role.PRIMARY, *, clock: Clock | None = None,
+                 primary_address: str | None = None):
+        self.clock = clock or Clock()
+        self.table = LockTable()
+        self.wal = FakeWal()
+        self.node_state = NodeState(data_dir)
+        self.data_dir = data_dir
+        self.loop = FakeLoop(self.clock)
+        self.max_ttl_ms = 0
+        self.roles = NodeRole(role, hold_grants_until=self.table.hold_grants_until, now_ms=self.clock,
+                              primary_address=primary_address)
+        self.batches = 0
+        self.events: list = []  # every table event drained at a batch end
+        self.closed_clients: list[str] = []
+
+    def snapshot_state(self) -> tuple[int, int, list[HolderRecord]]:
+        t = self.table
+        return (t.epoch, t.counter, [HolderRecord(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
+                                                  None, None, 0) for h in t.holders()])
+
+    def after_batch(self) -> None:
+        self.batches += 1
+        self.events.extend(self.table.drain_events())
+
+    def close_client_connections(self, why: str) -> None:
+        self.closed_clients.append(why)

@@ -1,0 +1,198 @@
+"""The primary's self-fencing (ReplicationSource) driven through a fake host: no sockets,
+no real timers, a clock the test moves.  See replication.py "No split brain" for the rule:
+the primary may grant, extend and release only while
+``now < echoed_send_time + failover_window - margin``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fakehost import FakeConnection, FakeHost
+from fastlock import replication
+from fastlock._core import EV_GRANTED, GRANTED, NOT_ACQUIRED, QUEUED
+from fastlock.errors import ProtocolError, Unavailable
+from fastlock.replication import PAIRING_FILE, ReplicationSource
+from fastlock.roles import Action, Role
+
+WINDOW = 1000  # the standby's failover window (ms); the margin defaults to a quarter
+DEADLINE = WINDOW - WINDOW // 4
+
+
+@pytest.fixture
+def host(tmp_path, monkeypatch):
+    h = FakeHost(str(tmp_path))
+    monkeypatch.setattr(replication, "_now_ms", h.clock)
+    return h
+
+
+def attach(source: ReplicationSource, session: int = 7, name: str = "east@id-1") -> FakeConnection:
+    conn = FakeConnection(session)
+    source.attach(conn, 2, 0, None, WINDOW, name)
+    return conn
+
+
+def echo_last_heartbeat(source: ReplicationSource, conn: FakeConnection) -> int:
+    sent_ms = conn.pushes("hb")[-1][0]
+    source.on_ack(conn, sent_ms, 0)
+    return sent_ms
+
+
+def paired(host: FakeHost) -> tuple[ReplicationSource, FakeConnection]:
+    source = ReplicationSource(host)
+    conn = attach(source)
+    echo_last_heartbeat(source, conn)
+    return source, conn
+
+
+def test_a_standby_pairs_only_when_it_echoes_a_heartbeat(host):
+    source = ReplicationSource(host)
+    conn = attach(source)
+    reply = conn.messages()[0]
+    assert reply[:2] == [2, 0] and reply[2]["mode"] == "snapshot"
+    assert [m[1] for m in conn.messages()[1:]] == ["snap", "hb"]
+    assert source.paired_id is None and not os.path.exists(os.path.join(host.data_dir, PAIRING_FILE))
+    echo_last_heartbeat(source, conn)
+    assert source.paired_id == "east@id-1"
+    assert os.path.exists(os.path.join(host.data_dir, PAIRING_FILE))
+    assert not host.roles.fenced and host.roles.may(Action.RELEASE)
+
+
+def test_the_primary_fences_itself_a_margin_before_the_standby_may_promote(host):
+    source, _ = paired(host)
+    start = host.clock()
+    host.clock.advance(DEADLINE - 1)
+    source.fence_if_due(host.clock())
+    assert not host.roles.fenced
+    host.clock.advance(1)
+    source.fence_if_due(host.clock())
+    assert host.roles.fenced and source.fenced
+    for action in (Action.ACQUIRE, Action.EXTEND, Action.RELEASE, Action.READ):
+        with pytest.raises(Unavailable):
+            host.roles.admit(action)
+    host.roles.admit(Action.CANCEL_WAITER)  # withdrawing a queued waiter stays possible
+    # the table holds every grant: a free lock is not handed out
+    assert host.table.acquire("free", b"o" * 16, 1, 1, 1000, 0, 0, None, host.clock()) == NOT_ACQUIRED
+    assert host.clock() - start == DEADLINE
+
+
+def test_the_fence_timer_fences_on_time_without_any_request(host):
+    source, _ = paired(host)
+    host.clock.advance(DEADLINE + 1)
+    assert host.loop.run_due() >= 1
+    assert host.roles.fenced
+
+
+def test_a_fresh_echo_unfences_and_hands_the_lock_to_its_waiter(host):
+    source, conn = paired(host)
+    now = host.clock()
+    t = host.table
+    assert t.acquire("k", b"a" * 16, 1, 1, 300, 0, 0, None, now) == GRANTED
+    assert t.acquire("k", b"b" * 16, 2, 1, 5000, -1, 0, None, now) == QUEUED
+    t.drain_events()
+    host.clock.advance(DEADLINE)
+    source.fence_if_due(host.clock())
+    t.expire(host.clock())  # the holder's lease runs out while fenced: nobody gets the lock
+    assert not any(ev.kind == EV_GRANTED for ev in t.drain_events())
+    source._heartbeat()  # the link is back: a new heartbeat, echoed
+    echo_last_heartbeat(source, conn)
+    assert not host.roles.fenced
+    granted = [ev for ev in host.events if ev.kind == EV_GRANTED]
+    assert [(ev.name, ev.owner) for ev in granted] == [("k", b"b" * 16)]
+
+
+def test_only_an_echo_of_a_heartbeat_sent_since_the_last_contact_unfences(host):
+    source, conn = paired(host)
+    old = conn.pushes("hb")[-1][0]
+    host.clock.advance(DEADLINE)
+    source.fence_if_due(host.clock())
+    for echoed in (old, old - 5, host.clock() + 10):  # replayed, older, from the future
+        source.on_ack(conn, echoed, 0)
+        assert host.roles.fenced, echoed
+    with pytest.raises(ProtocolError):
+        source.on_ack(conn, "soon", 0)
+    assert host.roles.fenced
+
+
+def test_a_late_replicate_does_not_restore_contact(host):
+    source, conn = paired(host)
+    host.clock.advance(DEADLINE)
+    source.fence_if_due(host.clock())
+    again = attach(source, session=8)  # the same standby, reconnecting (maybe promoted since)
+    assert host.roles.fenced
+    echo_last_heartbeat(source, again)  # only a fresh echo counts
+    assert not host.roles.fenced
+
+
+def test_restarted_while_paired_it_starts_fenced(host, tmp_path, monkeypatch):
+    paired(host)
+    restarted = FakeHost(str(tmp_path), clock=host.clock)
+    source = ReplicationSource(restarted)
+    source.load_pairing()
+    assert restarted.roles.fenced and source.paired_id == "east@id-1"
+
+
+def test_serve_alone_unpairs_and_unfences(host):
+    source, _ = paired(host)
+    host.clock.advance(DEADLINE)
+    source.fence_if_due(host.clock())
+    info = source.serve_alone()
+    assert info == {"serving_alone": True, "unpaired": "east@id-1"}
+    assert not host.roles.fenced and not os.path.exists(os.path.join(host.data_dir, PAIRING_FILE))
+    host.clock.advance(10 * WINDOW)
+    source.fence_if_due(host.clock())
+    assert not host.roles.fenced
+
+
+def test_a_deposed_node_is_never_fenced(host):
+    source, _ = paired(host)
+    host.roles.transition(Role.DEPOSED, "test")
+    host.clock.advance(DEADLINE + 1)
+    source.fence_if_due(host.clock())
+    host.loop.run_due()
+    assert not host.roles.fenced and host.roles.role is Role.DEPOSED
+
+
+# -- the interface is the only way in -------------------------------------------------------------
+
+def _host_members() -> set[str]:
+    from fastlock.replication_host import ReplicationHost
+
+    return {name for name in vars(ReplicationHost) if not name.startswith("_")} | set(
+        ReplicationHost.__annotations__)
+
+
+@pytest.mark.parametrize("module", ["replication", "failover"])
+def test_replication_and_failover_see_the_server_only_through_the_host_interface(module):
+    """Every ``host.X`` / ``self.host.X`` they use is a member of ReplicationHost, and
+    neither imports the server module."""
+    import ast
+    import importlib
+    import inspect
+
+    source = inspect.getsource(importlib.import_module(f"fastlock.{module}"))
+    tree = ast.parse(source)
+    members = _host_members()
+    used = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            base = node.value
+            if (isinstance(base, ast.Name) and base.id == "host") or (
+                    isinstance(base, ast.Attribute) and base.attr == "host"
+                    and isinstance(base.value, ast.Name) and base.value.id == "self"):
+                used.add(node.attr)
+        if isinstance(node, ast.ImportFrom):
+            assert node.module not in ("server", "fastlock.server"), f"{module} imports the server"
+    assert used, "the scan found no use of the host at all"
+    assert used <= members, f"{module} reaches past ReplicationHost: {sorted(used - members)}"
+
+
+def test_the_server_and_the_fake_both_implement_the_host_interface(tmp_path):
+    from fastlock.server import LockServer, ServerConfig
+
+    server = LockServer(ServerConfig(data_dir=str(tmp_path / "server")))
+    fake = FakeHost(str(tmp_path / "fake"))
+    for member in _host_members():
+        assert hasattr(server, member), f"LockServer lacks {member}"
+        assert hasattr(fake, member), f"FakeHost lacks {member}"
