@@ -73,7 +73,14 @@ Availability (the acceptance figures of issue 10, reported and checked):
 
 * leases lost by ``lock()`` holders (``lease.lost`` set while holding), with
   TTL > F + request_timeout; and releases that failed at ``lock()``'s exit
-  (it swallows ``LeaseLost``/``ConnectionLost`` and sets ``lease.lost``);
+  (it swallows ``LeaseLost``/``ConnectionLost`` and sets ``lease.lost``).
+  Counted apart: leases granted after a fault began and before the standby
+  promoted - by a partitioned or freezing primary whose records could no
+  longer reach the standby (asynchronous replication: the new primary never
+  knew them; its grace period, not the lease, protects the lock);
+* locks the primary still shows held after every worker stopped (orphans:
+  a release acknowledged by a primary whose record never reached the standby
+  leaves the replicated lease held until its TTL on the new primary);
 * errors surfaced to worker code: from ``lock()`` entry (acquires whose
   ``wait`` covered the outage), from its exit (the release), and exceptions
   the event loop saw unretrieved, each by type with sample messages;
@@ -426,6 +433,8 @@ class Nemesis:
         self.stopped_at = 0.0
         self._probe_feed = None
         self._probe_rest = ""
+        self.leftover_checked = False
+        self.leftover: list[dict] | str = []
         self._probe_grant_at = 0.0
         self.log = logging.getLogger("nemesis")
 
@@ -478,6 +487,9 @@ class Nemesis:
             except subprocess.TimeoutExpired:
                 w.kill()
                 w.wait(5)
+        if self.workers and not self.leftover_checked:
+            self.leftover_checked = True
+            self.leftover = self.held_after_workers_stopped()
         for node in self.nodes.values():
             try:
                 node.stop()
@@ -487,6 +499,24 @@ class Nemesis:
                 node.proxy.close()
         if self._probe_feed is not None:
             self._probe_feed.close()
+
+    def held_after_workers_stopped(self) -> list[dict] | str:
+        """Locks the primary still shows held once every worker has stopped (each
+        released what it held on the way out): orphans, with their holder info."""
+        from fastlock import cli, protocol as P
+
+        node = self.primary
+        if node.proc is None or not node.proc.alive:
+            return "no primary running"
+        held = []
+        try:
+            for i in range(self.cfg.locks or 2 * self.cfg.workers):
+                info = cli._admin(("127.0.0.1", node.port), None, P.OP_HOLDER, f"acct/{i}", reply_timeout=2.0)
+                if info:
+                    held.append({"lock": f"acct/{i}", **{k: info.get(k) for k in ("token", "client", "remaining_ms")}})
+        except Exception as exc:  # noqa: BLE001 - reported instead
+            return f"{type(exc).__name__}: {exc}"
+        return held
 
     # -- observation --------------------------------------------------------------------
     def last_probe_grant(self) -> float:
@@ -764,6 +794,21 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
                 return f.kind
         return "steady"
 
+    grant_of = {g["holding"]: g for g in grants}
+
+    def granted_mid_fault(e: dict) -> bool:
+        """Was this holding granted after a fault began and before the standby promoted?
+        (by the old primary, whose records could no longer reach the standby)"""
+        g = grant_of.get(e.get("holding"))
+        if g is None:
+            return False
+        for f in nem.faults:
+            if f.at <= g["at"] <= f.at + (f.promoted_s if f.promoted_s is not None else cfg.heal_timeout):
+                return True
+        return False
+
+    lost_mid = [e for e in lost_during if granted_mid_fault(e)]
+    failed_mid = [e for e in release_failed if granted_mid_fault(e)]
     errors_by_fault = {}
     for e in errors + loop_errors:
         slot = errors_by_fault.setdefault(phase_of(e["at"]), Counter())
@@ -800,8 +845,11 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
         "availability": {
             "ttl_s": cfg.ttl,
             "ttl_exceeds_failover_plus_request_timeout": cfg.ttl > cfg.failover_after + cfg.request_timeout,
-            "leases_lost": len(lost_during),
-            "releases_failed_at_exit": len(release_failed),
+            "leases_lost": len(lost_during) - len(lost_mid),
+            "releases_failed_at_exit": len(release_failed) - len(failed_mid),
+            "leases_lost_granted_mid_fault": len(lost_mid),
+            "releases_failed_granted_mid_fault": len(failed_mid),
+            "held_after_workers_stopped": nem.leftover,
             "stale_writes_refused": len(stale),
             "connection_lost_surfaced": len(connection_lost),
             "errors_surfaced": len(errors),
@@ -846,6 +894,10 @@ def print_report(r: dict) -> None:
     print(f"  leases lost by lock() holders (ttl > F + request_timeout: "
           f"{a['ttl_exceeds_failover_plus_request_timeout']}): {a['leases_lost']}; releases failed at lock() exit "
           f"(lease.lost set by the exit): {a['releases_failed_at_exit']}")
+    print(f"    not counted above - granted by the old primary after the fault began, before the promotion "
+          f"(never replicated): {a['leases_lost_granted_mid_fault']} lost, {a['releases_failed_granted_mid_fault']} "
+          f"failed releases")
+    print(f"  locks still held on the primary after every worker stopped (orphans): {a['held_after_workers_stopped']}")
     print(f"  stale writes refused by the fence: {a['stale_writes_refused']}")
     print(f"  ConnectionLost surfaced: {a['connection_lost_surfaced']}; errors surfaced: {a['errors_surfaced']} "
           f"({a['acquire_errors_before_wait_ran_out']} from acquires before their {cfg['wait']:g} s wait ran out); "
