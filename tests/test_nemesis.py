@@ -15,7 +15,7 @@ Asserted, in this order:
   backwards in the store or in the grants, no overlapping critical sections;
 * availability, issue 10's acceptance criteria: no lease lost by a
   ``lock()`` holder (leases granted by the old primary after the fault began
-  and never replicated are reported, not counted: see benches/nemesis.py), no ``ConnectionLost`` (or any other error) surfaced to
+  and never replicated are reported, not counted: see benches/nemesis/), no ``ConnectionLost`` (or any other error) surfaced to
   worker code whose wait covered the outage, no exception left unretrieved
   on a worker's loop, and after each kill no window without a grant longer
   than failover_after + grace + 1 s.  Every availability failure is listed

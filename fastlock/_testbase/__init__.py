@@ -26,7 +26,7 @@ Example: a primary, and a standby whose replication link can be cut::
         ...
         link.heal()
 
-``benches/nemesis.py`` drives all three against a primary and a standby
+``benches/nemesis/`` drives all three against a primary and a standby
 under a cycle of crashes, pauses, partitions and manual promotions.
 """
 
