@@ -70,8 +70,10 @@ def test_nemesis_short_run(tmp_path):
                         f"({a['connection_lost_surfaced']} ConnectionLost): " + "; ".join(
                             f"{key} x{v['count']} e.g. {v['messages'][0][0]!r}"
                             for key, v in a["errors_by_op_and_type"].items()))
-    if a["not_acquired_within_wait"]:
-        failures.append(f"{a['not_acquired_within_wait']} acquires not granted within their wait")
+    if a["waits_ran_out"]:
+        failures.append(f"{a['waits_ran_out']} acquires not granted within their {cfg.wait:g} s wait: " + "; ".join(
+            f"{key} x{v['count']} e.g. {v['messages'][0][0]!r}" for key, v in a["waits_ran_out_by_type"].items())
+            + f"; locks held after the workers stopped: {a['held_after_workers_stopped']}")
     if a["loop_errors"]:
         failures.append(f"{a['loop_errors']} exceptions never retrieved on worker loops: "
                         f"{a['loop_error_messages']}")

@@ -149,8 +149,13 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
     for e in lost_during + release_failed:
         slot = errors_by_fault.setdefault(phase_of(e["at"]), Counter())
         slot["lease lost" if e["ev"] == "end" else "release failed"] += 1
-    early = [e for e in errors if e["op"] in ("acquire", "probe-acquire") and e["at"] - e["sent"] < cfg.wait]
-    connection_lost = [e for e in errors if e["type"] == "ConnectionLost"]
+    # an acquire that failed after its whole wait ran out is a wait that ran out, whatever the error
+    ran_out = [e for e in errors if e["op"] in ("acquire", "probe-acquire") and e["at"] - e["sent"] >= cfg.wait]
+    # a release refused as LeaseLost for a grant the new primary never knew (made mid-fault, never replicated)
+    unreplicated = [e for e in errors if e["op"] in ("release", "probe-release") and e["type"] == "LeaseLost"
+                    and granted_mid_fault(e)]
+    counted = [e for e in errors if e not in ran_out and e not in unreplicated]
+    connection_lost = [e for e in counted if e["type"] == "ConnectionLost"]
     counter_msgs = Counter()
     for i in range(cfg.workers + 1):
         path = nem.root / f"worker-{i}.log"
@@ -185,11 +190,12 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
             "held_after_workers_stopped": nem.leftover,
             "stale_writes_refused": len(stale),
             "connection_lost_surfaced": len(connection_lost),
-            "errors_surfaced": len(errors),
-            "errors_by_op_and_type": by_type(errors),
-            "acquire_errors_before_wait_ran_out": len(early),
+            "errors_surfaced": len(counted),
+            "errors_by_op_and_type": by_type(counted),
+            "waits_ran_out": len(not_acquired) + len(ran_out),
+            "waits_ran_out_by_type": by_type(not_acquired + ran_out),
+            "releases_refused_unreplicated_grant": len(unreplicated),
             "errors_by_fault_kind": {k: dict(v) for k, v in sorted(errors_by_fault.items())},
-            "not_acquired_within_wait": len(not_acquired),
             "loop_errors": len(loop_errors),
             "loop_error_messages": Counter(_normalise(e["msg"]) for e in loop_errors).most_common(4),
             "holders_overlapping_client_view": len(holder_overlaps),
@@ -232,13 +238,20 @@ def print_report(r: dict) -> None:
           f"failed releases")
     print(f"  locks still held on the primary after every worker stopped (orphans): {a['held_after_workers_stopped']}")
     print(f"  stale writes refused by the fence: {a['stale_writes_refused']}")
-    print(f"  ConnectionLost surfaced: {a['connection_lost_surfaced']}; errors surfaced: {a['errors_surfaced']} "
-          f"({a['acquire_errors_before_wait_ran_out']} from acquires before their {cfg['wait']:g} s wait ran out); "
-          f"LockNotAcquired: {a['not_acquired_within_wait']}; loop errors: {a['loop_errors']}")
+    print(f"  errors surfaced to worker code: {a['errors_surfaced']} (ConnectionLost {a['connection_lost_surfaced']}); "
+          f"loop errors: {a['loop_errors']}")
     for key, v in a["errors_by_op_and_type"].items():
         print(f"    {key}: {v['count']}")
         for msg, n in v["messages"]:
             print(f"        {n:4d} x {msg}")
+    print(f"  acquires whose {cfg['wait']:g} s wait ran out: {a['waits_ran_out']}")
+    for key, v in a["waits_ran_out_by_type"].items():
+        print(f"    {key}: {v['count']}")
+        for msg, n in v["messages"][:2]:
+            print(f"        {n:4d} x {msg}")
+    if a["releases_refused_unreplicated_grant"]:
+        print(f"  releases refused (LeaseLost) for grants made mid-fault, never replicated: "
+              f"{a['releases_refused_unreplicated_grant']}")
     for msg, n in a["loop_error_messages"]:
         print(f"    loop: {n} x {msg}")
     print("  errors and lost leases by fault window: " + "; ".join(

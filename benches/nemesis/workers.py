@@ -121,7 +121,8 @@ class _Worker:
             except LockNotAcquired as exc:
                 self.log("not_acquired", op=phase, lock=name, sent=sent, msg=str(exc))
             except (FastlockError, OSError, sqlite3.Error) as exc:
-                self.log("error", op=phase, lock=name, sent=sent, type=type(exc).__name__, msg=str(exc))
+                self.log("error", op=phase, lock=name, holding=f"w{self.index}#{self.holdings}" if phase == "release"
+                         else None, sent=sent, type=type(exc).__name__, msg=str(exc))
                 await asyncio.sleep(0.05)
 
     async def probe(self, client) -> None:
@@ -147,7 +148,8 @@ class _Worker:
             except LockNotAcquired as exc:
                 self.log("not_acquired", op=phase, lock=name, sent=sent, msg=str(exc))
             except (FastlockError, OSError) as exc:
-                self.log("error", op=phase, lock=name, sent=sent, type=type(exc).__name__, msg=str(exc))
+                self.log("error", op=phase, lock=name, holding=f"p#{n}", sent=sent, type=type(exc).__name__,
+                         msg=str(exc))
             await asyncio.sleep(0.05)
 
     async def hold(self, ctx, lease, name: str, sent: float, hold: float) -> None:
