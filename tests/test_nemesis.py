@@ -17,8 +17,10 @@ Asserted, in this order:
   ``lock()`` holder (leases granted by the old primary after the fault began
   and never replicated are reported, not counted: see benches/nemesis/), no ``ConnectionLost`` (or any other error) surfaced to
   worker code whose wait covered the outage, no exception left unretrieved
-  on a worker's loop, and after each kill no window without a grant longer
-  than failover_after + grace + 1 s.  Every availability failure is listed
+  on a worker's loop, no grant of an older epoch delivered after the
+  standby promoted (a lease the new primary never knew, DESIGN invariant
+  10), and after each kill no window without a grant longer than
+  failover_after + grace + 1 s.  Every availability failure is listed
   in one assertion message, with the worker-side messages.
 """
 
@@ -74,6 +76,9 @@ def test_nemesis_short_run(tmp_path):
         failures.append(f"{a['waits_ran_out']} acquires not granted within their {cfg.wait:g} s wait: " + "; ".join(
             f"{key} x{v['count']} e.g. {v['messages'][0][0]!r}" for key, v in a["waits_ran_out_by_type"].items())
             + f"; locks held after the workers stopped: {a['held_after_workers_stopped']}")
+    if a["old_epoch_grants_after_promotion"]:
+        failures.append(f"{a['old_epoch_grants_after_promotion']} grants of an older epoch delivered after the "
+                        f"standby promoted (DESIGN invariant 10): {a['old_epoch_grant_samples'][:3]}")
     if a["loop_errors"]:
         failures.append(f"{a['loop_errors']} exceptions never retrieved on worker loops: "
                         f"{a['loop_error_messages']}")

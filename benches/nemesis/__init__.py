@@ -78,6 +78,10 @@ Availability (the acceptance figures of issue 10, reported and checked):
   promoted - by a partitioned or freezing primary whose records could no
   longer reach the standby (asynchronous replication: the new primary never
   knew them; its grace period, not the lease, protects the lock);
+* grants that reached a client after the standby promoted but carry an
+  older epoch's token (decided by the old primary just before it froze or
+  lost its link, acknowledged after the promotion): a lease the new primary
+  never knew, returned as granted;
 * locks the primary still shows held after every worker stopped (orphans:
   a release acknowledged by a primary whose record never reached the standby
   leaves the replicated lease held until its TTL on the new primary);

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import sqlite3
@@ -51,6 +52,7 @@ class Fault:
     new_primary: str = ""
     at: float = 0.0                 # monotonic, the fault began
     promoted_s: float | None = None  # the standby logged PROMOTED, after the fault began
+    new_epoch: int | None = None    # the epoch it logged
     ended_s: float | None = None    # SIGCONT / heal / promote returned
     repaired_s: float | None = None  # the old primary answered as a standby of the new one
     healthy_s: float | None = None
@@ -297,11 +299,13 @@ class Nemesis:
     # -- faults ---------------------------------------------------------------------------
     def _promoted(self, node: _Node, start_line: int, fault: Fault) -> bool:
         try:
-            node.proc.wait_for_log(r"PROMOTED", self.cfg.promote_timeout, start=start_line)
+            line = node.proc.wait_for_log(r"PROMOTED", self.cfg.promote_timeout, start=start_line)
         except RuntimeError as exc:
             fault.note = f"{node.name} did not promote: {str(exc).splitlines()[0]}"
             return False
         fault.promoted_s = time.monotonic() - fault.at
+        m = re.search(r"epoch (\d+)", line)
+        fault.new_epoch = int(m.group(1)) if m else None
         return True
 
     def inject(self, kind: str) -> Fault:

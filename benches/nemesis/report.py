@@ -140,6 +140,16 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
                 return True
         return False
 
+    # grants that reached a client after the standby had promoted, with a token of an older epoch:
+    # decided by the old primary (before it froze or lost its link), acknowledged after the promotion
+    late_grants = []
+    for g in grants:
+        for f in nem.faults:
+            if (f.new_epoch is not None and f.promoted_s is not None and g["at"] > f.at + f.promoted_s
+                    and g["sent"] < f.at + f.promoted_s and (g["token"] >> 40) < f.new_epoch):
+                late_grants.append({"holding": g["holding"], "lock": g["lock"], "token_epoch": g["token"] >> 40,
+                                    "new_epoch": f.new_epoch, "fault": f.index, "kind": f.kind,
+                                    "after_promotion_s": round(g["at"] - f.at - f.promoted_s, 3)})
     lost_mid = [e for e in lost_during if granted_mid_fault(e)]
     failed_mid = [e for e in release_failed if granted_mid_fault(e)]
     errors_by_fault = {}
@@ -195,6 +205,8 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
             "waits_ran_out": len(not_acquired) + len(ran_out),
             "waits_ran_out_by_type": by_type(not_acquired + ran_out),
             "releases_refused_unreplicated_grant": len(unreplicated),
+            "old_epoch_grants_after_promotion": len(late_grants),
+            "old_epoch_grant_samples": late_grants[:20],
             "errors_by_fault_kind": {k: dict(v) for k, v in sorted(errors_by_fault.items())},
             "loop_errors": len(loop_errors),
             "loop_error_messages": Counter(_normalise(e["msg"]) for e in loop_errors).most_common(4),
@@ -249,6 +261,10 @@ def print_report(r: dict) -> None:
         print(f"    {key}: {v['count']}")
         for msg, n in v["messages"][:2]:
             print(f"        {n:4d} x {msg}")
+    late = a["old_epoch_grant_samples"]
+    print(f"  grants of an older epoch delivered after the standby promoted: {a['old_epoch_grants_after_promotion']}"
+          + "".join(f"\n    - fault {g['fault']} ({g['kind']}): {g['holding']} {g['lock']!r} epoch {g['token_epoch']} "
+                    f"< {g['new_epoch']}, {g['after_promotion_s']} s after the promotion" for g in late[:5]))
     if a["releases_refused_unreplicated_grant"]:
         print(f"  releases refused (LeaseLost) for grants made mid-fault, never replicated: "
               f"{a['releases_refused_unreplicated_grant']}")
