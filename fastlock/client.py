@@ -1079,14 +1079,27 @@ class Client:
                 print(event.kind, event.token, event.client)
         """
         P.check_name(name)
-        proto = self._proto
-        if proto is None or proto.closed:
-            proto = await _RideThrough(self, asyncio.get_running_loop().time() + self._op_timeout).connection(False)
-        queue: asyncio.Queue = asyncio.Queue()
-        proto.watches.setdefault(name, set()).add(queue)
+        pacing = _RideThrough(self, asyncio.get_running_loop().time() + self._op_timeout)
+        pause = False
+        while True:  # starting rides through a failover, as every call does
+            proto = await pacing.connection(pause)
+            queue: asyncio.Queue = asyncio.Queue()
+            proto.watches.setdefault(name, set()).add(queue)
+            try:
+                info = await proto.request(P.OP_WATCH, name)
+                break
+            except _RETRYABLE as exc:
+                group = proto.watches.get(name)
+                if group is not None:
+                    group.discard(queue)
+                    if not group:
+                        del proto.watches[name]
+                if self._closed:
+                    raise
+                pause = pacing.failed(proto, exc)
         proto.subscriptions += 1
+        proto.rearm()  # the watch keeps the liveness watchdog armed
         try:
-            info = await proto.request(P.OP_WATCH, name)
             if info is None:
                 yield WatchEvent(name, "free", None, None)
             else:
@@ -1514,12 +1527,15 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
             port 7420.
         auth: the server's shared secret, if it has one.
         client_name: shown in server logs and recorded with grants in the WAL.
-        connect_timeout: seconds for each TCP connect and handshake.
+        connect_timeout: seconds for each TCP connect and handshake; also
+            added to an acquire's ``wait`` to make its deadline.
         request_timeout: seconds (> 0) of silence from the server, while any
             request or watch is outstanding, after which the connection is
-            dropped and everything pending on it raises ``ConnectionLost``
-            (a ``PING`` goes out after a third of it; an idle connection is
-            left alone).  ``None`` disables the check.  See :class:`Client`.
+            dropped (a ``PING`` goes out after a third of it; an idle
+            connection is left alone) and what was pending on it rides
+            through to the primary; also the deadline of every call but
+            acquire and renewals.  ``None`` disables the check (the deadline
+            is then ``connect_timeout``).  See :class:`Client`.
 
     Raises (when awaited):
         ConnectionLost: no address accepted a connection as primary.
