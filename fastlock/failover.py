@@ -207,17 +207,13 @@ class FailoverPolicy:
             raise Unavailable(f"cannot promote: epoch {epoch} would exceed {P.MAX_EPOCH} (tokens must stay "
                               f"below 2**63)")
         roles.transition(Role.PROMOTING, reason)  # stops the watchdog and any concurrent promotion
-        epoch_logged = False
         try:
-            info = await self._promote(reason, epoch, force=force, automatic=automatic)
-            epoch_logged = True
-            return info
+            return await self._promote(reason, epoch, force=force, automatic=automatic)
         except BaseException as exc:
             if roles.role is Role.PROMOTING:
-                epoch_logged = host.table.epoch >= epoch
-                roles.transition(Role.STANDBY, f"promotion {'refused' if isinstance(exc, FastlockError) else 'failed'}: "
-                                 f"{exc.__class__.__name__}: {exc}")
-                if epoch_logged:
+                outcome = "refused" if isinstance(exc, FastlockError) else "failed"
+                roles.transition(Role.STANDBY, f"promotion {outcome}: {exc.__class__.__name__}: {exc}")
+                if host.table.epoch >= epoch:  # the new epoch reached the log: the old primary is below it
                     log.critical("promotion failed after epoch %d reached the log: not following the old "
                                  "primary again; restart this node", epoch)
                 elif follower.stopped:
@@ -242,10 +238,10 @@ class FailoverPolicy:
         # fence (if any) can only close: stop following before waiting for it.
         follower.stop()
         if not confirmed and not force and not automatic:
-            wait_ms = follower.last_heard_ms + follower.failover_after_ms - _now_ms()
+            wait_ms = max(0, follower.last_heard_ms + follower.failover_after_ms - _now_ms())
+            log.warning("primary %s did not confirm stepping down: waiting %d ms until its own "
+                        "fence has closed", follower.primary_address, wait_ms)
             if wait_ms > 0:
-                log.warning("primary %s did not confirm stepping down: waiting %d ms until its own "
-                            "fence has closed", follower.primary_address, wait_ms)
                 await asyncio.sleep(wait_ms / 1000.0)
         table.set_epoch(epoch)
         host.wal.log_epoch(epoch)

@@ -89,8 +89,11 @@ trying the other addresses and repeating the request with the same owner key):
   primary never sees; CHECK and HOLDER are refused because their answer may
   already be false on the new primary.  A CANCEL that only withdraws a queued
   waiter is served (it is local); a CANCEL that would release a grant that
-  raced it is refused like a release.  Queued waiters stay queued while it is
-  fenced (granted in order if the fence lifts, timed out otherwise).
+  raced it is refused like a release.  Queued waiters stay queued while the
+  fence may still lift; once a whole failover window has passed since the
+  standby's last echo (it may have been promoted), the connections that have
+  a queued acquire or a watch are closed, so those clients look for the
+  primary (leases are not affected).
 * HELLO's ``known_epoch`` is a hint only: it never changes a node's role.  A
   promoting standby asks its old primary to step down with STEP_DOWN, whose
   epoch must be exactly above the node's own (at most its epoch + 1, and at
@@ -165,7 +168,7 @@ PUSH_RECORD = "rec"  # replication: [lsn, record] (one record of a backlog read 
 PUSH_HEARTBEAT = "hb"  # replication: [primary_ms, last_lsn, epoch, longest_ttl_ms, paired_id, paired_window_ms]
 #: a STEP_DOWN is honoured only this long (ms, primary's clock) after the primary time it echoes;
 #: the standby waits a little longer than this for the answer
-STEP_DOWN_FRESH_MS = 2000
+STEP_DOWN_FRESH_MS = 1500
 
 REPLICATION_PUSH_KINDS = frozenset({PUSH_SNAPSHOT, PUSH_RECORDS, PUSH_RECORD, PUSH_HEARTBEAT})
 

@@ -286,6 +286,7 @@ class ReplicationSource:
         self._contact_ms = 0
         self._hb_timer: asyncio.TimerHandle | None = None
         self._fence_timer: asyncio.TimerHandle | None = None
+        self._takeover_timer: asyncio.TimerHandle | None = None  # fenced: when the standby may promote
         self._fence_timer_at = 0
         self._listening = False
 
@@ -519,10 +520,26 @@ class ReplicationSource:
             "holding all grants and refusing extends until it is back or `fastlock serve-alone`",
             now - self._contact_ms, window, self._margin(),
         )
+        if self._takeover_timer is None:
+            at = self._contact_ms + window  # from then on the standby may have promoted
+            self._takeover_timer = self.host.loop.call_later(max(0, at - now + 1) / 1000.0,
+                                                             self._on_standby_may_have_promoted)
+
+    def _on_standby_may_have_promoted(self) -> None:
+        """Still fenced a whole failover window after the last contact: waiters queued
+        here and watchers would wait on a node that may no longer be the primary.
+        Close their connections so that they look for the primary (leases stay)."""
+        self._takeover_timer = None
+        if self.host.roles.fenced:
+            self.host.close_client_connections(
+                "fenced for a whole failover window: the standby may have been promoted", waiting_only=True)
 
     def _unfence(self) -> None:
         host = self.host
         host.roles.set_fenced(False)  # the hold falls back to the grace period, if any
+        if self._takeover_timer is not None:
+            self._takeover_timer.cancel()
+            self._takeover_timer = None
         if host.roles.expires_leases:
             host.table.expire(_now_ms())  # hand blocked locks to their waiters
         log.warning("fence lifted: granting again")
@@ -569,6 +586,9 @@ class ReplicationSource:
         if self._hb_timer is not None:
             self._hb_timer.cancel()
             self._hb_timer = None
+        if self._takeover_timer is not None:
+            self._takeover_timer.cancel()
+            self._takeover_timer = None
         if self._fence_timer is not None:
             self._fence_timer.cancel()
             self._fence_timer = None

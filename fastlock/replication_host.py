@@ -78,7 +78,8 @@ class ReplicationHost(Protocol):
         expiry timer, flush replies.  Call after changing the table outside a request."""
         ...
 
-    def close_client_connections(self, why: str) -> None:
+    def close_client_connections(self, why: str, *, waiting_only: bool = False) -> None:
         """Close every connection that is not a standby's (soon, after the current
-        replies are flushed): its waiters are dropped, its clients look elsewhere."""
+        replies are flushed): its waiters are dropped, its clients look elsewhere.
+        ``waiting_only``: only connections with a queued acquire or a watch."""
         ...

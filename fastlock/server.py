@@ -284,11 +284,14 @@ class LockServer:
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._loop
 
-    def close_client_connections(self, why: str) -> None:
-        """Close every connection but the standbys', once this turn's replies are out."""
+    def close_client_connections(self, why: str, *, waiting_only: bool = False) -> None:
+        """Close every connection but the standbys' (``waiting_only``: those with a
+        queued acquire or a watch), once this turn's replies are out."""
         def close() -> None:
             replicas = self.source.replicas
-            clients = [c for c in self._sessions.values() if c.session not in replicas and not c.closed]
+            table = self.table
+            clients = [c for c in self._sessions.values() if c.session not in replicas and not c.closed
+                       and (not waiting_only or c.watching or table.session_waiters(c.session))]
             if clients:
                 log.warning("closing %d client connections: %s", len(clients), why)
             for conn in clients:

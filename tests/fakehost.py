@@ -168,5 +168,5 @@ class FakeHost:
         self.batches += 1
         self.events.extend(self.table.drain_events())
 
-    def close_client_connections(self, why: str) -> None:
-        self.closed_clients.append(why)
+    def close_client_connections(self, why: str, *, waiting_only: bool = False) -> None:
+        self.closed_clients.append((why, waiting_only))

@@ -499,7 +499,8 @@ def test_reset_link_primary_fences_itself_without_client_traffic(cluster):
     """With the replication connection reset and no standby attached, the
     primary must still fence itself on time: no request arrives to make it
     look at its clock, and once the standby may have promoted a release is
-    refused (the new primary would never see it) and hands the lock to nobody."""
+    refused (the new primary would never see it) and hands the lock to nobody;
+    the waiter is sent away (its connection closed) to look for the new primary."""
     p = cluster.primary()
     px = cluster.proxy(p.address)
     s = cluster.standby(px.address, failover_after=FAILOVER, grace=GRACE)
@@ -525,8 +526,8 @@ def test_reset_link_primary_fences_itself_without_client_traffic(cluster):
             assert fenced_at < promoted_at
             with pytest.raises(Unavailable):
                 await holder.release("k", token, owner)
-            with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(queued), 1.0)
+            with pytest.raises(ConnectionLost):
+                await asyncio.wait_for(queued, 2.0)
             assert (await watcher.status())["locks_held"] == 1
             assert (await watcher.status())["last_token"] == last_token
             print(f"\nreset: fenced {fenced_at - down_at:.3f} s, promoted {promoted_at - down_at:.3f} s")
@@ -684,8 +685,9 @@ def test_short_partition_fences_then_unfences_without_promotion(cluster):
 
 def test_standby_gone_primary_fences_until_serve_alone(cluster):
     """The standby dies (no promotion): the primary fences itself by its own
-    timer; ``fastlock serve-alone`` is the operator's override; a standby
-    attaching again turns the fence back on."""
+    timer, and a whole window later sends its waiter away (it may be needed at a
+    promoted standby); ``fastlock serve-alone`` is the operator's override; a
+    standby attaching again turns the fence back on."""
     import subprocess
     import sys
 
@@ -694,9 +696,11 @@ def test_standby_gone_primary_fences_until_serve_alone(cluster):
 
     async def main():
         a = await RawNode.open(p.address)
+        b = await RawNode.open(p.address)
         try:
             token, _, owner = await a.acquire("k", 10_000)
-            queued = asyncio.ensure_future(a.acquire("k", 10_000, wait_ms=10_000))
+            queued = asyncio.ensure_future(b.acquire("k", 10_000, wait_ms=10_000))
+            await poll(lambda: a.status(), lambda st: st["waiters"] == 1, timeout=5, what="queued")
             await asyncio.to_thread(s.kill)
             killed_at = time.monotonic()
             await poll(lambda: a.status(), lambda st: st["replication"]["fenced"], timeout=FAILOVER + 1,
@@ -708,8 +712,9 @@ def test_standby_gone_primary_fences_until_serve_alone(cluster):
                 await a.acquire("other", 1000)
             with pytest.raises(Unavailable):
                 await a.release("k", token, owner)
-            with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(queued), 0.3)
+            with pytest.raises(ConnectionLost):  # never granted: sent away a window after the last echo
+                await asyncio.wait_for(queued, FAILOVER + 1)
+            assert (await a.status())["last_token"] == token
 
             res = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "fastlock", "serve-alone",
                                                            "--server", p.address],
@@ -717,7 +722,7 @@ def test_standby_gone_primary_fences_until_serve_alone(cluster):
                                           cwd=tempfile.gettempdir())
             assert res.returncode == 0, res.stderr
             await a.release("k", token, owner)  # repeated after serve-alone: takes effect
-            t2, _, o2 = await asyncio.wait_for(queued, 2)  # granted at once
+            t2, _, o2 = await a.acquire("k", 10_000)  # granted at once
             assert t2 > token
             st = await a.status()
             assert st["replication"]["serving_alone"] and not st["replication"]["fenced"]
@@ -733,6 +738,7 @@ def test_standby_gone_primary_fences_until_serve_alone(cluster):
                        what="the fence to apply again")
         finally:
             await a.close()
+            await b.close()
 
     run(main())
 

@@ -18,7 +18,7 @@ import tempfile
 import pytest
 
 from fastlock import protocol as P
-from fastlock.errors import NotPrimary, Unavailable
+from fastlock.errors import ConnectionLost, NotPrimary, Unavailable
 from tcpproxy import RawNode, poll, run, status_of
 
 FAILOVER = 1.0
@@ -188,7 +188,7 @@ def test_manual_promote_of_a_frozen_primary_is_refused_without_a_fence_or_force(
 def test_manual_promote_of_an_unreachable_primary_waits_for_its_fence(cluster):
     """With --failover-after, a partitioned primary fences itself; promotion waits for that,
     so the old node afterwards neither releases (the new primary would never see it) nor
-    hands the lock to anybody."""
+    hands the lock to anybody; its waiter is sent away to look for the new primary."""
     p = cluster.primary()
     px = cluster.proxy(p.address)
     s = cluster.standby(px.address, failover_after=3.0, grace=GRACE)
@@ -210,10 +210,10 @@ def test_manual_promote_of_an_unreachable_primary_waits_for_its_fence(cluster):
         assert (await status_of(p.address))["replication"]["fenced"]
         with pytest.raises(Unavailable):  # to be repeated at the new primary
             await holder.request(P.OP_RELEASE, "x", token, owner)
+        with pytest.raises(ConnectionLost):  # fenced a whole window: told to look elsewhere, never granted
+            await asyncio.wait_for(queued, 5)
         st = await status_of(p.address)
-        assert st["waiters"] == 1 and st["locks_held"] == 1  # nothing changed, nobody was handed the lock
-        assert not queued.done()
-        queued.cancel()
+        assert st["waiters"] == 0 and st["locks_held"] == 1 and st["last_token"] == token
         await holder.close()
         await waiter.close()
 

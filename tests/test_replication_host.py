@@ -196,3 +196,45 @@ def test_the_server_and_the_fake_both_implement_the_host_interface(tmp_path):
     for member in _host_members():
         assert hasattr(server, member), f"LockServer lacks {member}"
         assert hasattr(fake, member), f"FakeHost lacks {member}"
+
+
+def test_fenced_a_whole_window_it_sends_waiting_clients_away(host):
+    source, _ = paired(host)
+    host.clock.advance(DEADLINE)
+    source.fence_if_due(host.clock())
+    host.clock.advance(WINDOW - DEADLINE - 1)
+    host.loop.run_due()
+    assert host.closed_clients == []  # the standby cannot have promoted yet
+    host.clock.advance(2)
+    host.loop.run_due()
+    assert [waiting_only for _, waiting_only in host.closed_clients] == [True]
+
+
+def test_a_fence_lifted_in_time_sends_nobody_away(host):
+    source, conn = paired(host)
+    host.clock.advance(DEADLINE)
+    source.fence_if_due(host.clock())
+    source._heartbeat()
+    echo_last_heartbeat(source, conn)
+    host.clock.advance(WINDOW - DEADLINE + 10)  # past the first contact's window, not the new fence
+    host.loop.run_due()
+    assert not host.roles.fenced and host.closed_clients == []
+
+
+# -- the standby's side: epochs from the primary are bounded -------------------------------------
+
+@pytest.mark.parametrize("kind, payload", [
+    ("hb", [1, 0, 2**63 - 1, 0, None, 0]),
+    ("hb", [1, 0, -1, 0, None, 0]),
+    ("snap", [5, 2**23, 0, [], "inc"]),
+])
+def test_a_standby_refuses_an_epoch_beyond_the_encodable_range(tmp_path, kind, payload):
+    from fastlock.errors import InvalidArgument
+    from fastlock.replication import StandbyFollower
+
+    host = FakeHost(str(tmp_path), Role.STANDBY, primary_address="127.0.0.1:9")
+    follower = StandbyFollower(host, ("127.0.0.1", 9), name="east@id-1")
+    with pytest.raises(InvalidArgument, match="out of range"):
+        follower._on_push(kind, payload)
+    assert host.node_state.max_epoch_seen == 0 and host.table.epoch == 0
+    assert follower.primary_epoch == 0 and not follower.synced

@@ -65,40 +65,51 @@ def test_step_down_with_any_other_epoch_than_the_next_changes_nothing(cluster):
 
 
 def test_a_fenced_primary_refuses_release_check_holder_and_a_releasing_cancel(cluster):
-    p = cluster.primary()
-    s = cluster.standby(p.address, failover_after=FAILOVER, grace=GRACE)
+    """Fenced 0.5 s after the standby's last echo (window 3 s, margin 2.5 s): lock ops are
+    refused and change nothing, a queued waiter can still withdraw; once the whole window
+    has passed (the standby may have promoted) the connections that wait are closed."""
+    p = cluster.primary(args=["--fence-margin", "2.5"])
+    s = cluster.standby(p.address, failover_after=3.0, grace=GRACE)
 
     async def main():
         await poll(lambda: status_of(p.address), lambda st: st["replication"]["paired_standby"],
                    timeout=5, what="pairing")
         holder = await RawNode.open(p.address, name="holder")
-        waiter = await RawNode.open(p.address, name="waiter")
+        w1 = await RawNode.open(p.address, name="waiter-1")
+        w2 = await RawNode.open(p.address, name="waiter-2")
         try:
             token, _, owner = await holder.acquire("k", LONG)
-            waiter_owner = os.urandom(16)
-            queued = asyncio.ensure_future(waiter.acquire("k", LONG, wait_ms=LONG, owner=waiter_owner))
-            await poll(lambda: holder.status(), lambda st: st["waiters"] == 1, timeout=5, what="queued")
+            w1_owner = os.urandom(16)
+            q1 = asyncio.ensure_future(w1.acquire("k", LONG, wait_ms=LONG, owner=w1_owner))
+            q2 = asyncio.ensure_future(w2.acquire("k", LONG, wait_ms=LONG))
+            await poll(lambda: holder.status(), lambda st: st["waiters"] == 2, timeout=5, what="queued")
             await asyncio.to_thread(s.kill)  # no promotion: the primary just loses its standby
-            await poll(lambda: holder.status(), lambda st: st["replication"]["fenced"], timeout=FAILOVER + 1,
+            await poll(lambda: holder.status(), lambda st: st["replication"]["fenced"], timeout=2,
                        what="the primary to fence itself")
             before = await holder.status()
             for request in (holder.release("k", token, owner), holder.extend("k", token, owner, LONG),
                             holder.request(P.OP_CHECK, "k", token), holder.holder("k"),
                             holder.request(P.OP_CANCEL, "k", owner),  # would release the holder's lease
-                            holder.request(P.OP_WATCH, "k")):
+                            holder.request(P.OP_WATCH, "k"), holder.acquire("free", LONG)):
                 with pytest.raises(Unavailable, match="fenced"):
                     await request
             after = await holder.status()
             assert after["locks_held"] == before["locks_held"] == 1
-            assert after["last_token"] == token and after["waiters"] == 1
+            assert after["last_token"] == token and after["waiters"] == 2
             # withdrawing a queued waiter is local, so it is served
-            assert await waiter.request(P.OP_CANCEL, "k", waiter_owner) == "cancelled"
+            assert await w1.request(P.OP_CANCEL, "k", w1_owner) == "cancelled"
             with pytest.raises(Exception):
-                await queued
-            assert (await holder.status())["waiters"] == 0
+                await q1
+            assert (await holder.status())["waiters"] == 1
+            # a whole window after the last echo the standby may have promoted: the waiting
+            # connection is closed (never granted), the holder's idle connection stays
+            with pytest.raises(ConnectionLost):
+                await asyncio.wait_for(q2, 5)
+            st = await holder.status()
+            assert st["waiters"] == 0 and st["locks_held"] == 1 and st["last_token"] == token
         finally:
-            await holder.close()
-            await waiter.close()
+            for node in (holder, w1, w2):
+                await node.close()
 
     run(main())
 
