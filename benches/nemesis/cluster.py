@@ -139,7 +139,7 @@ class Nemesis:
         self.cfg = cfg
         self.root = root
         self.rng = random.Random(cfg.seed)
-        bench_root = str(Path(__file__).resolve().parents[1])
+        bench_root = str(Path(__file__).resolve().parents[2])  # the directory holding benches/
         self.env = _fastlock_env([bench_root])
         self.nodes = {n: _Node(n, root, cfg, self.env) for n in ("a", "b")}
         self.primary, self.standby = self.nodes["a"], self.nodes["b"]
