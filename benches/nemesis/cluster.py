@@ -26,6 +26,8 @@ KINDS = ("kill", "pause", "partition", "promote")
 
 @dataclasses.dataclass
 class NemesisConfig:
+    """A nemesis run's settings; times in seconds (see :mod:`benches.nemesis` for each choice)."""
+
     duration: float = 60.0          # s during which faults are started
     seed: int = 20261201
     failover_after: float = 1.0     # s, the standby's --failover-after
@@ -45,6 +47,8 @@ class NemesisConfig:
 
 @dataclasses.dataclass
 class Fault:
+    """One injected fault and what followed it; ``*_s`` are seconds after :attr:`at`."""
+
     index: int
     kind: str
     mode: str = ""                  # partition: blackhole | reset
@@ -92,7 +96,6 @@ class _Node:
         self.port = 0
         self.proc = None  # ServerProcess
         self.proxy = None  # TcpProxy to this node's port
-        self.incarnation = 0
 
     @property
     def address(self) -> str:
@@ -105,7 +108,6 @@ class _Node:
         if standby_of is not None:
             args += ["--standby-of", standby_of.proxy.address, "--failover-after", f"{self.cfg.failover_after:g}",
                      "--promotion-grace", f"{self.cfg.promotion_grace:g}"]
-        self.incarnation += 1
         last: Exception | None = None
         for _ in range(5):  # the port may be briefly unavailable right after the old process died
             srv = ServerProcess(self.data_dir, fsync=self.cfg.fsync, port=self.port, args=args, env=self.env,
@@ -135,6 +137,10 @@ class _Node:
 
 
 class Nemesis:
+    """The controller: starts the cluster and the workers, injects one fault at
+    a time, re-pairs, waits for health, and stops every process by PID.
+    :meth:`run` does it all; :func:`run_nemesis` adds the report."""
+
     def __init__(self, cfg: NemesisConfig, root: Path):
         self.cfg = cfg
         self.root = root
