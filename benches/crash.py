@@ -13,8 +13,11 @@ to a shared SQLite ledger through :class:`fastlock.fencing.SQLiteFence` with
 its fencing token, hold a little more, ``release``.
 
 A controller sleeps a random delay drawn from a seeded RNG (the experiment,
-not a wait), sends the server SIGKILL, waits (bounded) for every worker to
-notice the dead connection, restarts the server on the SAME data dir and the
+not a wait), sends the server SIGKILL, stops every worker (a client would ride
+through a lost server until its call's deadline, so the controller cancels the
+workers' tasks instead; a call cut off this way counts as one cut off by the
+dead connection, and an acquire cancelled in flight is cancelled by owner on
+the client's next connection), waits (bounded) for them to end, restarts the server on the SAME data dir and the
 SAME port, and checks, before any worker touches the new server:
 
 * **no acknowledged grant forgotten**: every lease whose acquire was
@@ -277,7 +280,7 @@ class _Worker:
                 last = self.lease
                 await self._release()
                 self.last_released = last
-        except ConnectionLost:
+        except (ConnectionLost, asyncio.CancelledError):  # the kill (see run_crash)
             if self.phase == ACQUIRING:
                 self.phase = IDLE  # the client cancels it (by owner) when it reconnects
                 run.report.unacked_acquires += 1
@@ -369,12 +372,14 @@ async def run_crash(cfg: CrashConfig, workdir: str, *, log=None) -> CrashReport:
             srv.kill()  # SIGKILL, no chance to flush anything
             report.kills += 1
             _count_snapshots(srv, report)
+            for t in tasks:  # calls in flight would ride through until their deadline
+                t.cancel()
             done, pending = await asyncio.wait(tasks, timeout=cfg.worker_exit_timeout)
             for t in pending:
                 t.cancel()
                 run.violation("a worker did not notice the kill in time")
             for t in done:
-                if t.exception() is not None:
+                if not t.cancelled() and t.exception() is not None:
                     run.violation(f"worker failed: {t.exception()!r}")
             # every token acknowledged up to now (replies read after the kill included)
             run.max_acked_before = run.max_acked

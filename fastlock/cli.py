@@ -9,6 +9,12 @@ Subcommands::
     fastlock run NAME --ttl S [--wait S] [--server HOST:PORT] -- CMD ...
     fastlock promote --server HOST:PORT [--force]
     fastlock serve-alone --server HOST:PORT
+
+TLS: ``serve`` takes ``--tls-cert/--tls-key`` (and ``--tls-ca`` with
+``--tls-client-auth`` for mutual TLS); the client commands (``status``,
+``promote``, ``serve-alone``, ``run``) take ``--tls-ca/--tls-cert/--tls-key``
+or the environment variables ``FASTLOCK_TLS_CA``, ``FASTLOCK_TLS_CERT``,
+``FASTLOCK_TLS_KEY`` (see :func:`add_client_tls_arguments`).
 """
 
 from __future__ import annotations
@@ -93,6 +99,40 @@ def seconds_arg(value: str) -> float:
     return v
 
 
+def add_client_tls_arguments(p: argparse.ArgumentParser) -> None:
+    """Add a client command's TLS options (each falls back to an environment variable)."""
+    g = p.add_argument_group("TLS (a --tls-* file or FASTLOCK_TLS_* variable turns TLS on)")
+    g.add_argument("--tls", action="store_true",
+                   help="connect over TLS, verifying the server against the system's CAs or --tls-ca "
+                        "(or env FASTLOCK_TLS=1)")
+    g.add_argument("--tls-ca", metavar="FILE", help="CA certificate(s) to verify the server (or env FASTLOCK_TLS_CA)")
+    g.add_argument("--tls-cert", metavar="FILE",
+                   help="client certificate, for servers that require one (or env FASTLOCK_TLS_CERT)")
+    g.add_argument("--tls-key", metavar="FILE", help="its private key (or env FASTLOCK_TLS_KEY)")
+    g.add_argument("--tls-server-name", metavar="NAME",
+                   help="the name the server's certificate must carry (default: the host of --server; "
+                        "or env FASTLOCK_TLS_SERVER_NAME)")
+
+
+def client_tls_options(args: argparse.Namespace) -> dict:
+    """The TLS keyword arguments of :func:`fastlock.connect` from a command's
+    options (see :func:`add_client_tls_arguments`) and the environment."""
+    env = os.environ
+
+    def pick(value: str | None, var: str) -> str | None:
+        return value or env.get(var) or None
+
+    options = {
+        "tls_ca": pick(args.tls_ca, "FASTLOCK_TLS_CA"),
+        "tls_cert": pick(args.tls_cert, "FASTLOCK_TLS_CERT"),
+        "tls_key": pick(args.tls_key, "FASTLOCK_TLS_KEY"),
+        "server_hostname": pick(args.tls_server_name, "FASTLOCK_TLS_SERVER_NAME"),
+    }
+    if args.tls or env.get("FASTLOCK_TLS", "") not in ("", "0") or any(options.values()):
+        return {"tls": True, **options}
+    return {}
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastlock", description="fastlock lock server and tools")
     parser.add_argument("--version", action="version", version=f"fastlock {__version__}")
@@ -112,6 +152,18 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="write a snapshot and drop old WAL segments after this many records")
     s.add_argument("--auth-secret-file", metavar="FILE",
                    help="file holding a shared secret clients must present (or env FASTLOCK_AUTH_SECRET)")
+    s.add_argument("--tls-cert", metavar="FILE",
+                   help="serve TLS with this certificate (PEM, with its chain); a standby also presents it "
+                        "to its primary")
+    s.add_argument("--tls-key", metavar="FILE", help="the certificate's private key (default: in --tls-cert)")
+    s.add_argument("--tls-ca", metavar="FILE",
+                   help="CA certificate(s) that verify client certificates and, on a standby, the primary's "
+                        "(default for the latter: the system's CAs)")
+    s.add_argument("--tls-client-auth", choices=("none", "optional", "required"), default="none",
+                   help="client certificates: none (default), optional (verified if sent), required "
+                        "(mutual TLS); needs --tls-ca")
+    s.add_argument("--tls-handshake-timeout", type=seconds_arg, default=10.0, metavar="SECONDS",
+                   help="drop a connection whose TLS handshake takes longer (default 10)")
     s.add_argument("--max-frame-bytes", type=_positive_int, default=1 << 20, metavar="BYTES")
     s.add_argument("--max-waiters-per-connection", type=_positive_int, default=10_000, metavar="N")
     s.add_argument("--standby-of", type=_listen, metavar="HOST:PORT",
@@ -145,6 +197,7 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="the node to ask (default 127.0.0.1:7420); a standby answers for itself, "
                          "no redirect to its primary")
     st.add_argument("--auth-secret-file", metavar="FILE")
+    add_client_tls_arguments(st)
 
     pr = sub.add_parser("promote", help="promote a standby to primary (new epoch, grace period)")
     pr.add_argument("--server", type=_server, required=True, metavar="HOST:PORT", help="the standby")
@@ -156,10 +209,12 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="how long to wait for the promotion, which may wait out the old primary's "
                          "fence (default 300)")
     pr.add_argument("--auth-secret-file", metavar="FILE")
+    add_client_tls_arguments(pr)
 
     sa = sub.add_parser("serve-alone", help="tell a primary its standby is gone: stop fencing itself")
     sa.add_argument("--server", type=_server, required=True, metavar="HOST:PORT", help="the primary")
     sa.add_argument("--auth-secret-file", metavar="FILE")
+    add_client_tls_arguments(sa)
 
     from . import runner
 
@@ -220,6 +275,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         repair_wal=args.repair_wal,
         wal_writer=args.wal_writer,
         metrics=args.metrics,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
+        tls_client_auth=args.tls_client_auth,
+        tls_handshake_timeout_ms=int(args.tls_handshake_timeout * 1000),
     )
     return serve(config, use_uvloop=not args.no_uvloop)
 
@@ -229,7 +289,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     request: a standby reports itself, not its primary)."""
     from . import protocol as P
 
-    result = _admin(args.server, args.auth_secret_file, P.OP_STATUS)
+    result = _admin(args.server, args.auth_secret_file, P.OP_STATUS, tls=client_tls_options(args))
     print(json.dumps(result, indent=2, sort_keys=True, default=str))
     return 0
 
@@ -238,24 +298,37 @@ ADMIN_TIMEOUT = 10.0  # seconds for the TCP connect, and again for the replies
 
 
 def _admin(server: tuple[str, int], secret_file: str | None, op: int, *args,
-           reply_timeout: float = ADMIN_TIMEOUT) -> object:
+           reply_timeout: float = ADMIN_TIMEOUT, tls: dict | None = None) -> object:
     """Send one request straight to ``server`` (no redirects: it targets a node).
 
+    ``tls``: :func:`client_tls_options` (empty or None: plain TCP).
+
     Raises FastlockError (the server's refusal), OSError (connect/read
-    failures, an unreadable secret file) or TimeoutError (no answer within
+    failures, an unreadable secret file or TLS file, ``ssl.SSLError`` for a
+    failed TLS handshake) or TimeoutError (no answer within
     ``ADMIN_TIMEOUT`` seconds).
     """
     from . import protocol as P
     from .errors import ConnectionLost
+    from .tls import client_ssl_context
 
     secret = _read_secret(secret_file)
     host, port = server
+    tls = dict(tls or {})
+    server_hostname = tls.pop("server_hostname", None)
+    ctx = client_ssl_context(tls.pop("tls", None), tls.pop("tls_ca", None), tls.pop("tls_cert", None),
+                             tls.pop("tls_key", None))
+    ssl_args = {"ssl": ctx, "server_hostname": server_hostname or host} if ctx is not None else {}
 
-    async def run():
+    # what a server closing or resetting the connection most likely means
+    hint = (" (it may require TLS: --tls-ca)" if ctx is None else
+            " (it may have refused this client's certificate, or its lack of one: --tls-cert)")
+
+    async def exchange():
         from . import rpc
 
         try:
-            conn = await rpc.open_connection(host, port, timeout=ADMIN_TIMEOUT)
+            conn = await rpc.open_connection(host, port, timeout=ADMIN_TIMEOUT, **ssl_args)
         except asyncio.TimeoutError:
             raise TimeoutError(f"no connection within {ADMIN_TIMEOUT:g} s") from None
         try:
@@ -269,10 +342,18 @@ def _admin(server: tuple[str, int], secret_file: str | None, op: int, *args,
             except ConnectionLost:
                 if conn.close_error is not None:  # the server said why it closed
                     raise conn.close_error from None
-                raise ConnectionError("the server closed the connection") from None
+                raise ConnectionError("the server closed the connection" + hint) from None
         finally:
             reply.add_done_callback(lambda f: f.cancelled() or f.exception())
             conn.close()
+
+    async def run():
+        try:
+            return await exchange()
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            # a TLS server that refuses a client certificate may reset rather than close
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise ConnectionError(f"{reason}{hint}") from None
 
     return asyncio.run(run())
 
@@ -305,6 +386,14 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = _build_parser()
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        if (args.tls_key or args.tls_ca) and not args.tls_cert:
+            args.subparser.error("--tls-key and --tls-ca need --tls-cert (this node's certificate)")
+        if args.tls_client_auth != "none" and not args.tls_ca:
+            args.subparser.error(f"--tls-client-auth {args.tls_client_auth} needs --tls-ca (the CA that signs "
+                                 f"client certificates)")
+        if args.tls_cert and args.tls_handshake_timeout <= 0:
+            args.subparser.error("--tls-handshake-timeout must be > 0 seconds")
     if args.command == "serve" and args.failover_after and args.standby_of is None:
         args.subparser.error("--failover-after only applies to a standby (it needs --standby-of): a primary "
                              "learns its standby's failover window from the standby itself")
@@ -339,8 +428,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _describe(args: argparse.Namespace, exc: BaseException) -> str:
     """One line for a runtime error: the node concerned (if any) and the reason."""
+    import ssl
+
     server = getattr(args, "server", None)
     where = f"{_fmt_addr(server)}: " if isinstance(server, tuple) else ""
+    if isinstance(exc, ssl.SSLError):  # its errno is OpenSSL's, not an OS error number
+        return f"{where}TLS: {getattr(exc, 'verify_message', None) or exc.reason or exc}"
     if isinstance(exc, OSError) and exc.strerror:
         reason = os.strerror(exc.errno) if exc.errno else exc.strerror  # asyncio's text repeats the address
         what = f"{exc.filename}: {reason}" if exc.filename else reason
@@ -359,9 +452,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.command == "promote":
             # a promotion may wait out the old primary's fence (up to --failover-after)
             result = _admin(args.server, args.auth_secret_file, P.OP_PROMOTE, bool(args.force),
-                            reply_timeout=args.timeout)
+                            reply_timeout=args.timeout, tls=client_tls_options(args))
         else:
-            result = _admin(args.server, args.auth_secret_file, P.OP_SERVE_ALONE)
+            result = _admin(args.server, args.auth_secret_file, P.OP_SERVE_ALONE, tls=client_tls_options(args))
         print(json.dumps(result, indent=2, sort_keys=True))
         return 0
     if args.command == "wal":

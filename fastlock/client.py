@@ -22,6 +22,7 @@ import asyncio
 import logging
 import os
 import random
+import ssl
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -36,6 +37,7 @@ from .errors import (
     WrongArgumentType,
 )
 from .rpc import RpcConnection
+from .tls import client_ssl_context
 
 if TYPE_CHECKING:  # pragma: no cover
     from .election import Election
@@ -259,6 +261,11 @@ class WatchEvent:
     correlation_id: str | None = None
 
 
+#: why a TLS server most likely closed or reset a connection during the handshake
+_REFUSED_CERT_HINT = (" (a TLS server that requires client certificates drops the connection when it refuses "
+                      "this client's, or its lack of one)")
+
+
 def _parse_address(addr: Any) -> tuple[str, int]:
     if isinstance(addr, tuple) and len(addr) == 2:
         return str(addr[0]), int(addr[1])
@@ -406,7 +413,9 @@ class Client:
     """
 
     def __init__(self, addresses: Iterable[Any], *, auth: str | None = None, client_name: str | None = None,
-                 connect_timeout: float = 5.0, request_timeout: float | None = 5.0):
+                 connect_timeout: float = 5.0, request_timeout: float | None = 5.0,
+                 tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, server_hostname: str | None = None):
         self._addresses = [_parse_address(a) for a in addresses]
         if not self._addresses:
             raise InvalidArgument("connect() needs at least one address")
@@ -414,6 +423,13 @@ class Client:
         self._client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
         self._connect_timeout = _check_timeout(connect_timeout, "connect_timeout", allow_none=False)
         self._request_timeout = _check_timeout(request_timeout, "request_timeout", allow_none=True)
+        self._ssl = client_ssl_context(tls, tls_ca, tls_cert, tls_key)
+        if server_hostname is not None:
+            if type(server_hostname) is not str or not server_hostname:
+                raise WrongArgumentType(f"server_hostname must be a non-empty str, not {server_hostname!r}")
+            if self._ssl is None:
+                raise InvalidArgument("server_hostname is only meaningful with TLS")
+        self._server_hostname = server_hostname
         # the deadline of every call but acquire and renewals (seconds)
         self._op_timeout = self._request_timeout if self._request_timeout is not None else self._connect_timeout
         self._proto: _ClientConnection | None = None
@@ -547,7 +563,8 @@ class Client:
             attempt["addr"] = addr
             try:
                 _, proto = await asyncio.wait_for(
-                    loop.create_connection(lambda: _ClientConnection(addr, self), addr[0], addr[1]),
+                    loop.create_connection(lambda: _ClientConnection(addr, self), addr[0], addr[1],
+                                           **self._tls_arguments(addr)),
                     self._connect_timeout,
                 )
             except asyncio.TimeoutError:
@@ -555,7 +572,8 @@ class Client:
                 errors.append(f"{addr[0]}:{addr[1]}: connect timed out after {self._connect_timeout} s")
                 continue
             except (OSError, OverflowError) as exc:
-                errors.append(f"{addr[0]}:{addr[1]}: {exc or type(exc).__name__}")
+                hint = _REFUSED_CERT_HINT if self._ssl is not None and isinstance(exc, ConnectionResetError) else ""
+                errors.append(f"{addr[0]}:{addr[1]}: {exc or type(exc).__name__}{hint}")
                 continue
             try:
                 info = await asyncio.wait_for(
@@ -582,7 +600,8 @@ class Client:
                 continue
             except ConnectionLost as exc:
                 proto.abort(exc)
-                errors.append(f"{addr[0]}:{addr[1]}: handshake failed: {exc}")
+                hint = _REFUSED_CERT_HINT if self._ssl is not None else ""
+                errors.append(f"{addr[0]}:{addr[1]}: handshake failed: {exc}{hint}")
                 continue
             except BaseException:
                 proto.abort(ConnectionLost("handshake failed"))
@@ -614,6 +633,13 @@ class Client:
             log.debug("connected to %s:%d (session %s)", addr[0], addr[1], info.get("session"))
             return proto, info
         raise ConnectionLost("could not connect to a fastlock primary: " + "; ".join(errors))
+
+    def _tls_arguments(self, addr: tuple[str, int]) -> dict:
+        """``create_connection`` arguments for TLS to ``addr`` (none for plain TCP): the
+        certificate must name ``server_hostname``, or else the address's host."""
+        if self._ssl is None:
+            return {}
+        return {"ssl": self._ssl, "server_hostname": self._server_hostname or addr[0]}
 
     def _on_connection_closed(self, proto: _ClientConnection, error: ConnectionLost) -> None:
         """Called once per connection when it ends: the client forgets it (so
@@ -926,8 +952,8 @@ class Client:
                 proto = await pacing.connection(pause)
             except BaseException:
                 # the grant may have been made before the failure: cancel by owner
-                # on the next connection so that it is released, not left to its TTL
-                self._orphans.append((name, owner))
+                # (now, or on the next connection) so that it is released, not left to its TTL
+                self._abandon(self._proto, name, owner)
                 raise
             if wait_end is None:
                 left_ms = -1
@@ -946,11 +972,29 @@ class Client:
                     raise
                 pause = pacing.failed(proto, err)
 
-    def _abandon(self, proto: _ClientConnection, name: str, owner: bytes) -> None:
-        if not proto.closed:
-            proto.send(P.OP_CANCEL, name, owner)
-        else:
+    def _abandon(self, proto: _ClientConnection | None, name: str, owner: bytes,
+                 op: int = P.OP_CANCEL, *args: Any) -> None:
+        """Withdraw the acquire (``name``, ``owner``) without waiting: CANCEL
+        by owner (or ``op`` with ``args``, e.g. a RELEASE) on ``proto``.  If
+        that connection is, or turns out to be, dead before it answers, the
+        client cancels by owner on its next connection (CANCEL releases a
+        grant that raced), so a grant is never left to run out its TTL."""
+        if proto is None or proto.closed:
             self._orphans.append((name, owner))
+            return
+        fut = proto.request(op, name, *(args or (owner,)))
+
+        def done(f: asyncio.Future) -> None:
+            if f.cancelled():
+                return
+            if isinstance(f.exception(), ConnectionLost) and not self._closed:
+                current = self._proto
+                if current is not None and not current.closed and current is not proto:
+                    self._abandon(current, name, owner)
+                else:
+                    self._orphans.append((name, owner))
+
+        fut.add_done_callback(done)
 
     async def release(self, lease: Lease) -> None:
         """Release ``lease``; the next waiter (if any) is granted at once.
@@ -1011,10 +1055,13 @@ class Client:
             return lease
         return Lease(lease.name, lease.fencing_token, new_ttl, lease.owner, lease.lost, sent + new_ttl)
 
-    async def _renew(self, lease: Lease, deadline: float, *, ttl: float | None = None) -> Lease:
+    async def _renew(self, lease: Lease, deadline: float, *, ttl: float | None = None,
+                     attempt_timeout: float | None = None) -> Lease:
         """One renewal that must succeed before ``deadline`` (``loop.time()``):
-        EXTEND through the ride-through path, each attempt bounded by a third
-        of the TTL so a silent server leaves time to find the next primary.
+        EXTEND (for ``ttl`` seconds, default the lease's) through the
+        ride-through path, each attempt bounded by ``attempt_timeout`` seconds
+        (default a third of the TTL) so a silent server leaves time to find the
+        next primary.
 
         Raises:
             LeaseLost: the server refused the renewal, or none succeeded
@@ -1026,7 +1073,7 @@ class Client:
         sent = loop.time()
         try:
             granted = await self._retry(P.OP_EXTEND, (lease.name, lease.fencing_token, lease.owner, ttl_ms),
-                                        deadline, attempt_timeout=ttl_s / 3.0,
+                                        deadline, attempt_timeout=attempt_timeout or ttl_s / 3.0,
                                         max_backoff=min(_BACKOFF_MAX, ttl_s / 10.0))
         except ConnectionLost as exc:
             if self._closed:
@@ -1236,11 +1283,7 @@ class Client:
         task = self._renewers.pop(id(lease.lost), None)
         if task is not None:
             task.cancel()
-        proto = self._proto
-        if proto is not None and not proto.closed:
-            proto.send(P.OP_RELEASE, lease.name, lease.fencing_token, lease.owner)
-        else:
-            self._orphans.append((lease.name, lease.owner))
+        self._abandon(self._proto, lease.name, lease.owner, P.OP_RELEASE, lease.fencing_token, lease.owner)
 
     async def _release_quietly(self, lease: Lease) -> None:
         try:
@@ -1518,7 +1561,9 @@ class _ConnectContext:
 
 
 def connect(*addresses: Any, auth: str | None = None, client_name: str | None = None,
-            connect_timeout: float = 5.0, request_timeout: float | None = 5.0) -> _ConnectContext:
+            connect_timeout: float = 5.0, request_timeout: float | None = 5.0,
+            tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+            tls_key: str | None = None, server_hostname: str | None = None) -> _ConnectContext:
     """Connect to a fastlock primary.
 
     Args:
@@ -1536,13 +1581,38 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
             through to the primary; also the deadline of every call but
             acquire and renewals.  ``None`` disables the check (the deadline
             is then ``connect_timeout``).  See :class:`Client`.
+        tls: ``True`` to connect over TLS, verifying the server's certificate
+            (against ``tls_ca``, or the system's trust store) and its host
+            name; an ``ssl.SSLContext`` to use as it is; ``False`` for plain
+            TCP.  Default ``None``: TLS if any ``tls_*`` file is given.
+        tls_ca: PEM file of the CA(s) that sign the servers' certificates.
+        tls_cert: PEM file of this client's certificate, for servers that
+            require one (mutual TLS); the key may be in the same file.
+        tls_key: PEM file of that certificate's private key.
+        server_hostname: the name the server certificates must carry (default:
+            the host of each address, so an IP address must be in the
+            certificate's subjectAltName).
+
+    Example::
+
+        async with fastlock.connect("10.0.0.5:7420", tls_ca="ca.pem",
+                                    tls_cert="app.pem", tls_key="app-key.pem") as client:
+            ...
 
     Raises (when awaited):
-        ConnectionLost: no address accepted a connection as primary.
+        ConnectionLost: no address accepted a connection as primary (an
+            untrusted server certificate, or one refusing this client's, is
+            named in the message).
         AuthError: the secret was refused.
+
+    Raises at once: ``InvalidArgument`` for contradictory TLS arguments;
+    ``OSError`` (``ssl.SSLError`` included) when a TLS file cannot be read
+    or is not a matching PEM certificate/key.
     """
     if not addresses:
         addresses = ("127.0.0.1:7420",)
     return _ConnectContext(Client(addresses, auth=auth, client_name=client_name,
-                                  connect_timeout=connect_timeout, request_timeout=request_timeout))
+                                  connect_timeout=connect_timeout, request_timeout=request_timeout,
+                                  tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+                                  server_hostname=server_hostname))
 

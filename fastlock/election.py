@@ -338,7 +338,8 @@ class Term:
                 # deposed or fenced node: find the primary and retry), bounded by
                 # the renew deadline; each attempt within a third of it
                 try:
-                    lease = await client._renew(lease, self.deadline, ttl=election.lease_duration)
+                    lease = await client._renew(lease, self.deadline, ttl=election.lease_duration,
+                                                attempt_timeout=election.renew_deadline / 3.0)
                 except LeaseLost as exc:
                     self._step_down(f"no renewal: {exc}")
                     return

@@ -34,11 +34,14 @@ No split brain: the primary fences itself
 -----------------------------------------
 A standby started with ``--failover-after F`` tells the primary F when it
 connects.  The primary sends heartbeats carrying its own monotonic send time;
-the standby echoes the newest one it has received.  The primary may grant and
-extend only while ``now < echoed_send_time + F - margin`` (margin defaults to
-F/4): past that the standby may be promoting, so the primary holds every grant
-and refuses extends (``Unavailable``) until a fresh echo arrives, or until an
-operator runs ``fastlock serve-alone`` (declaring the standby gone).  Because
+the standby echoes the newest one it has received.  The primary may grant,
+extend and release only while ``now < echoed_send_time + F - margin`` (margin
+defaults to F/4): past that the standby may be promoting, so the primary is
+*fenced* (:mod:`fastlock.roles`): it holds every grant and refuses extends and
+releases (``Unavailable``) until a fresh echo arrives, or until an operator
+runs ``fastlock serve-alone`` (declaring the standby gone); a whole window
+after the last echo it closes the client connections that wait or watch, so
+they look for the (maybe promoted) standby.  Because
 the echoed time was taken on the primary's clock *before* the heartbeat was
 sent, a heartbeat delayed or queued during a pause (SIGSTOP, a VM stall) can
 only make the primary stop earlier, never later.
@@ -92,6 +95,7 @@ import asyncio
 import json
 import logging
 import os
+import ssl
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
@@ -517,7 +521,7 @@ class ReplicationSource:
         roles.set_fenced(True)  # holds every grant (the role decides the table's hold)
         log.warning(
             "no word from the standby for %d ms (failover window %d ms, margin %d ms): "
-            "holding all grants and refusing extends until it is back or `fastlock serve-alone`",
+            "holding all grants, refusing extends and releases until it is back or `fastlock serve-alone`",
             now - self._contact_ms, window, self._margin(),
         )
         if self._takeover_timer is None:
@@ -605,14 +609,21 @@ class StandbyFollower:
         name: ``[label@]node-id`` this standby announces.
         on_primary_silent: called (on the loop) when the paired primary has been
             silent for ``failover_after_ms``; the failover policy promotes.
+        tls: connect to the primary over TLS with this client context (it
+            verifies the primary's certificate against the primary's host
+            name, and carries this node's certificate for mutual TLS); None:
+            plain TCP.  Replaced on a certificate reload; used from the next
+            connection on.
     """
 
     def __init__(self, host: "ReplicationHost", primary: tuple[str, int], failover_after_ms: int = 0,
                  auth: str | None = None, name: str | None = None,
-                 on_primary_silent: Callable[[], None] | None = None):
+                 on_primary_silent: Callable[[], None] | None = None, tls: ssl.SSLContext | None = None):
         self.host = host
         self.on_primary_silent = on_primary_silent
         self.primary = primary
+        self.tls = tls
+        self._connect_error: str | None = None  # the last connection failure logged
         self.failover_after_ms = failover_after_ms
         self.auth = auth
         self.name = name
@@ -694,11 +705,19 @@ class StandbyFollower:
                 if not lost.done():
                     lost.set_result(error)
 
+            tls = self.tls
+            address = self.primary
             try:
-                link = await rpc.open_connection(*self.primary, timeout=5.0, max_frame=256 << 20,
-                                                 on_push=self._on_push, on_read_end=self._on_read_end,
-                                                 on_close=on_close)
+                _, link = await asyncio.wait_for(loop.create_connection(
+                    lambda: rpc.RpcConnection(address, max_frame=256 << 20, on_push=self._on_push,
+                                              on_read_end=self._on_read_end, on_close=on_close),
+                    *address, ssl=tls, server_hostname=address[0] if tls else None,
+                    ssl_handshake_timeout=5.0 if tls else None), 5.0)
             except (OSError, asyncio.TimeoutError) as exc:
+                if isinstance(exc, ssl.SSLError) and str(exc) != self._connect_error:
+                    # a certificate problem does not fix itself: say it once, not every retry
+                    self._connect_error = str(exc)
+                    log.error("TLS handshake with primary %s failed: %s", self.primary_address, exc)
                 log.debug("cannot reach primary %s: %s", self.primary_address, exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
@@ -733,6 +752,7 @@ class StandbyFollower:
                     link.request(P.OP_REPLICATE, self.applied_lsn + 1 if self.synced else 0,
                                   self.incarnation, self.failover_after_ms, self.name), 5.0)
                 self.connected = True
+                self._connect_error = None
                 backoff = 0.05
                 log.info("replicating from %s (%s)", self.primary_address, info.get("mode"))
                 await lost

@@ -71,15 +71,18 @@ TRANSITIONS: dict[tuple[Role, Role], str] = {
 }
 
 
-class Action(enum.Enum):
-    """What a request asks of the node (several ops map to one action)."""
+class Action(enum.IntEnum):
+    """What a request asks of the node (several ops map to one action).
 
-    ACQUIRE = "acquire"            # ACQUIRE: queue or grant
-    EXTEND = "extend"              # EXTEND
-    RELEASE = "release"            # RELEASE, and a CANCEL that releases a grant that raced it
-    CANCEL_WAITER = "cancel"       # CANCEL of a still queued waiter (local: no lease changes hands)
-    READ = "read"                  # CHECK, HOLDER, WATCH: answers about the current holder
-    SERVE_STANDBY = "replicate"    # REPLICATE: stream the log to a standby
+    An ``IntEnum`` so that the per-request membership test hashes in C.
+    """
+
+    ACQUIRE = 1        # ACQUIRE: queue or grant
+    EXTEND = 2         # EXTEND
+    RELEASE = 3        # RELEASE, and a CANCEL that releases a grant that raced it
+    CANCEL_WAITER = 4  # CANCEL of a still queued waiter (local: no lease changes hands)
+    READ = 5           # CHECK, HOLDER, WATCH: answers about the current holder
+    SERVE_STANDBY = 6  # REPLICATE: stream the log to a standby
 
 
 _LOCK_OPS = frozenset(Action)
@@ -112,9 +115,15 @@ class NodeRole:
         now_ms: the server's monotonic clock in milliseconds.
         primary_address: for a standby, the ``host:port`` of its primary, named
             in the ``NotPrimary`` redirect.
+
+    Attributes:
+        expires_leases (bool): does this node expire leases itself?  Only a
+            primary does (fenced or not: it extends nothing while fenced, so its
+            leases run out as the standby's would).  Read at every batch end.
     """
 
-    __slots__ = ("_role", "_fenced", "_grace_until_ms", "_hold", "_now_ms", "primary_address")
+    __slots__ = ("_role", "_fenced", "_grace_until_ms", "_hold", "_now_ms", "_admitted", "primary_address",
+                 "expires_leases")
 
     def __init__(self, initial: Role, *, hold_grants_until: Callable[[int], None],
                  now_ms: Callable[[], int], primary_address: str | None = None):
@@ -126,7 +135,7 @@ class NodeRole:
         self._hold = hold_grants_until
         self._now_ms = now_ms
         self.primary_address = primary_address
-        self._apply_hold()
+        self._changed()
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -162,7 +171,7 @@ class NodeRole:
         if grace_until_ms is not None:
             self._grace_until_ms = grace_until_ms
         log.warning("role: %s -> %s (%s)", frm.value, to.value, why)
-        self._apply_hold()
+        self._changed()
 
     def set_fenced(self, fenced: bool) -> None:
         """Fence or unfence this primary (the replication source decides when).
@@ -176,7 +185,7 @@ class NodeRole:
             raise IllegalTransition(f"only a primary can be fenced (this node is {self._role.value})")
         self._fenced = fenced
         log.info("role: primary %s", "fenced" if fenced else "unfenced")
-        self._apply_hold()
+        self._changed()
 
     # -- the answers ---------------------------------------------------------------------------
     def grants_held_until(self) -> int:
@@ -191,13 +200,8 @@ class NodeRole:
 
     def may(self, action: Action) -> bool:
         """Is ``action`` admitted in the current role and fence?"""
-        return action in ADMITTED[(self._role, self._fenced)]
+        return action in self._admitted
 
-    @property
-    def expires_leases(self) -> bool:
-        """Does this node expire leases itself?  Only a primary does (fenced or not: it
-        extends nothing while fenced, so its leases run out as the standby's would)."""
-        return self._role is Role.PRIMARY
 
     def admit(self, action: Action) -> None:
         """Raise the error a client gets if ``action`` is refused now; return if admitted.
@@ -208,17 +212,19 @@ class NodeRole:
             Unavailable: a fenced primary - the client tries the other nodes and
                 repeats the request at whichever is primary.
         """
-        if action in ADMITTED[(self._role, self._fenced)]:
+        if action in self._admitted:
             return
         role = self._role
         if role is Role.STANDBY:
             raise NotPrimary(f"this node is a standby (primary: {self.primary_address})", self.primary_address)
         if role is not Role.PRIMARY:
             raise NotPrimary(f"this node is {role.value}; the primary is unknown to it", None)
-        raise Unavailable(f"this primary lost contact with its standby (fenced): {action.value} refused, "
+        raise Unavailable(f"this primary lost contact with its standby (fenced): {action.name.lower()} refused, "
                           f"nothing changed; the standby may have been promoted")
 
-    def _apply_hold(self) -> None:
+    def _changed(self) -> None:
+        self._admitted = ADMITTED[(self._role, self._fenced)]
+        self.expires_leases = self._role is Role.PRIMARY
         self._hold(self.grants_held_until())
 
     def __repr__(self) -> str:

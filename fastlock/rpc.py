@@ -188,7 +188,8 @@ class RpcConnection(asyncio.Protocol):
                 self.abort(ConnectionLost(f"read-end hook for {self._where()} failed: {exc}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        reason = "connection to the fastlock server lost"
+        # exc tells e.g. that a TLS server refused this client's certificate
+        reason = f"connection to the fastlock server lost: {exc}" if exc else "connection to the fastlock server lost"
         if self.close_error is not None:
             reason = f"the fastlock server closed the connection: {self.close_error}"
         error = ConnectionLost(reason)
@@ -346,19 +347,24 @@ class RpcConnection(asyncio.Protocol):
 
 
 async def open_connection(host: str, port: int, *, timeout: float | None = None,
-                          factory: Callable[..., RpcConnection] = RpcConnection, **kwargs: Any) -> RpcConnection:
+                          factory: Callable[..., RpcConnection] = RpcConnection, ssl: Any = None,
+                          server_hostname: str | None = None, **kwargs: Any) -> RpcConnection:
     """Open a TCP connection to ``host:port`` and return its :class:`RpcConnection`.
 
-    ``timeout`` (seconds, None: no bound) bounds the TCP connect only.
-    ``factory`` (a subclass, or a callable taking the same arguments) makes
-    the protocol object; ``kwargs`` go to it.
+    ``timeout`` (seconds, None: no bound) bounds the TCP connect (and the TLS
+    handshake).  ``ssl`` (an ``ssl.SSLContext``, or None for plain TCP) and
+    ``server_hostname`` go to ``loop.create_connection``.  ``factory`` (a
+    subclass, or a callable taking the same arguments) makes the protocol
+    object; ``kwargs`` go to it.
 
     Raises:
-        OSError: the connection was refused or failed.
+        OSError: the connection was refused or failed (``ssl.SSLError``: the
+            TLS handshake failed).
         TimeoutError: no connection within ``timeout`` seconds.
     """
     loop = asyncio.get_running_loop()
     address = (host, port)
+    tls: dict[str, Any] = {} if ssl is None else {"ssl": ssl, "server_hostname": server_hostname or host}
     _, conn = await asyncio.wait_for(
-        loop.create_connection(lambda: factory(address, **kwargs), host, port), timeout)
+        loop.create_connection(lambda: factory(address, **kwargs), host, port, **tls), timeout)
     return conn

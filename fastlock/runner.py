@@ -27,7 +27,7 @@ Exit status:
     127 / 126             the command was not found / could not be executed (as a shell)
     128 + N               ``fastlock run`` got signal N before the command started
     2                     bad arguments (an empty or too long NAME, ``--ttl`` not > 0, ...),
-                          reported before anything is sent
+                          reported before anything is sent; a TLS file that cannot be loaded
 
 Signals: SIGINT, SIGTERM and SIGHUP received by ``fastlock run`` are forwarded
 to the command, which runs in its own process group (so a terminal's Ctrl-C
@@ -49,6 +49,7 @@ import sys
 from typing import Sequence
 
 from . import protocol as P
+from .cli import add_client_tls_arguments, client_tls_options
 from .cli import seconds_arg as _seconds
 from .errors import FastlockError
 
@@ -114,6 +115,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conflict-exit-code", type=_exit_code, default=EXIT_NOT_ACQUIRED, metavar="N",
                    help=f"exit status when not acquired within --wait (default {EXIT_NOT_ACQUIRED})")
     p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_client_tls_arguments(p)
 
 
 _DESCRIPTION = "run a command while holding a lock (exit codes: see `pydoc fastlock.runner`)"
@@ -201,7 +203,7 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
     client = None
     try:
         try:
-            client = await connect(*servers, auth=secret, client_name=client_name)
+            client = await connect(*servers, auth=secret, client_name=client_name, **client_tls_options(args))
             lease = await client.lock(args.name, ttl=args.ttl, wait=args.wait,
                                       correlation_id=f"fastlock run: {' '.join(command)}"[:256])
         except asyncio.CancelledError:
@@ -214,6 +216,9 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
             return EXIT_UNAVAILABLE
         except (InvalidArgument, WrongArgumentType) as exc:  # main() checks first; for direct callers
             log.error("bad arguments: %s", exc)
+            return EXIT_USAGE
+        except OSError as exc:  # a TLS file that cannot be read or is not a PEM certificate/key
+            log.error("cannot load the TLS files: %s", exc)
             return EXIT_USAGE
         except FastlockError as exc:
             log.error("could not acquire %r: %s", args.name, exc)

@@ -37,6 +37,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +73,7 @@ from .replication import (
     node_id,
 )
 from .roles import Action, NodeRole, Role
+from .tls import DEFAULT_HANDSHAKE_TIMEOUT, ServerTLS, client_context, peer_identity
 from .wal import DataDirInUse, HolderRecord, WalCorruption, WriteAheadLog
 
 log = logging.getLogger(__name__)
@@ -108,14 +110,25 @@ class ServerConfig:
     repair_wal: bool = False  # cut a damaged last WAL segment instead of refusing to start
     wal_writer: str = "thread"  # group commit on a writer thread, or "inline" on the loop (see wal.py)
     metrics: tuple[str, int] | None = None  # serve Prometheus metrics on this address
+    # TLS (see fastlock.tls): this node's certificate and key serve clients and, on a standby,
+    # are presented to the primary; the CA verifies client certificates and the primary's
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    tls_client_auth: str = "none"  # none | optional | required (mutual TLS)
+    tls_handshake_timeout_ms: int = int(DEFAULT_HANDSHAKE_TIMEOUT * 1000)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 class _Connection(asyncio.Protocol):
-    """One client connection = one session."""
+    """One client connection = one session.
+
+    ``peer_cert_identity``: the subject CN of the client certificate verified
+    in this connection's TLS handshake (mutual TLS), else None.
+    """
 
     __slots__ = ("server", "transport", "session", "decoder", "out", "ready", "client_name", "peer", "closed",
-                 "watching")
+                 "watching", "peer_cert_identity")
 
     def __init__(self, server: "LockServer", session: int):
         self.server = server
@@ -128,10 +141,12 @@ class _Connection(asyncio.Protocol):
         self.peer = "?"
         self.closed = False
         self.watching: set[str] | None = None
+        self.peer_cert_identity: str | None = None
 
     # -- asyncio callbacks ------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.peer_cert_identity = peer_identity(transport.get_extra_info("ssl_object"))
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
@@ -227,6 +242,10 @@ class LockServer:
         #: standby's default promotion grace (sent in heartbeats)
         self.max_ttl_ms = 0
         self.node_state = NodeState(config.data_dir)
+        self.tls: ServerTLS | None = None
+        if config.tls_cert:
+            self.tls = ServerTLS(config.tls_cert, config.tls_key, config.tls_ca, config.tls_client_auth,
+                                 config.tls_handshake_timeout_ms / 1000.0)
         self.source = ReplicationSource(self, fence_margin_ms=config.fence_margin_ms)
         self.follower: StandbyFollower | None = None
         if config.standby_of:
@@ -235,7 +254,8 @@ class LockServer:
             self.follower = StandbyFollower(self, config.standby_of, config.failover_after_ms,
                                             auth=config.auth_secret,
                                             name=f"{config.name}@{ident}" if config.name else ident,
-                                            on_primary_silent=lambda: self.failover.on_primary_silent())
+                                            on_primary_silent=lambda: self.failover.on_primary_silent(),
+                                            tls=self._standby_tls_context())
         self.failover = FailoverPolicy(self, self.source, self.follower,
                                        promotion_grace_ms=config.promotion_grace_ms)
         self._sessions: dict[int, _Connection] = {}
@@ -250,8 +270,7 @@ class LockServer:
         self._started_ms = now_ms()
         self.address: tuple[str, int] | None = None
         self._metrics = None
-        # every op's arity is checked in _handle against protocol.OP_ARITY
-        self._handlers = {
+        handlers = {
             P.OP_HELLO: self._op_hello,
             P.OP_ACQUIRE: self._op_acquire,
             P.OP_RELEASE: self._op_release,
@@ -269,6 +288,8 @@ class LockServer:
             P.OP_SERVE_ALONE: self._op_serve_alone,
             P.OP_STEP_DOWN: self._op_step_down,
         }
+        #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
+        self._handlers = {op: (handler, *P.OP_ARITY[op]) for op, handler in handlers.items()}
 
     # -- what replication and failover see (fastlock.replication_host.ReplicationHost) -----------
     @property
@@ -348,16 +369,20 @@ class LockServer:
             self._metrics = MetricsExporter(self, *self.config.metrics)
         self.failover.on_start()  # a deposed primary stays deposed; a paired one may start fenced
         self._rearm()
-        self._server = await loop.create_server(
-            self._make_connection, self.config.host, self.config.port, reuse_address=True,
-            backlog=1024,
-        )
-        sockname = self._server.sockets[0].getsockname()
+        if self.tls is None:
+            self._server = await loop.create_server(
+                self._make_connection, self.config.host, self.config.port, reuse_address=True,
+                backlog=1024,
+            )
+            sockname = self._server.sockets[0].getsockname()
+        else:
+            sockname = await self.tls.listen(self.config.host, self.config.port, self._make_connection, backlog=1024)
         self.address = (sockname[0], sockname[1])
         log.info(
-            "listening on %s:%d (fastlock %s, %s, fsync=%s, data dir %s)",
+            "listening on %s:%d (fastlock %s, %s, fsync=%s, data dir %s, %s)",
             sockname[0], sockname[1], __version__, self.role, self.config.fsync,
             os.path.abspath(self.config.data_dir),
+            "plain TCP" if self.tls is None else f"TLS, client certificates {self.config.tls_client_auth}",
         )
         if self.follower is not None:
             self.follower.start()
@@ -369,6 +394,8 @@ class LockServer:
         log.info("shutting down: %d sessions, %d locks held", len(self._sessions), len(self.table))
         if self._server is not None:
             self._server.close()
+        if self.tls is not None:
+            self.tls.close()
         self.source.close()
         if self.follower is not None:
             self.follower.stop()
@@ -387,6 +414,29 @@ class LockServer:
     async def wait_closed(self) -> None:
         await self._closed.wait()
 
+    def _standby_tls_context(self) -> ssl.SSLContext | None:
+        """A standby's context for its connection to the primary: the node's own
+        certificate as the client certificate, the CA (or the system's trust
+        store) to verify the primary.  None without TLS."""
+        c = self.config
+        return client_context(c.tls_ca, c.tls_cert, c.tls_key) if c.tls_cert else None
+
+    def reload_tls(self) -> bool:
+        """Reload the TLS certificate, key and CA files (on SIGHUP): new
+        connections use them, established ones keep theirs.  On an error the
+        old ones stay in use (logged).  Returns True if everything reloaded."""
+        if self.tls is None:
+            log.info("nothing to reload: TLS is off")
+            return False
+        ok = self.tls.reload()
+        if ok and self.follower is not None:
+            try:
+                self.follower.tls = self._standby_tls_context()
+            except OSError as exc:
+                log.error("TLS reload failed for the connection to the primary: %s", exc)
+                ok = False
+        return ok
+
     def _wal_fatal(self, exc: BaseException) -> None:
         # As PostgreSQL after a failed fsync: we cannot know what reached the
         # disk, so we must not acknowledge anything more.  Stop serving.
@@ -397,6 +447,8 @@ class LockServer:
             conn.transport.abort()
         if self._server is not None:
             self._server.close()
+        if self.tls is not None:
+            self.tls.close()
         self._closed.set()
 
     def _make_connection(self) -> _Connection:
@@ -542,11 +594,11 @@ class LockServer:
         if not conn.ready and op != P.OP_HELLO:
             conn.fatal(ProtocolError("the first request must be HELLO"))
             return
-        handler = self._handlers.get(op)
+        entry = self._handlers.get(op)
         try:
-            if handler is None:
+            if entry is None:
                 raise ProtocolError(f"unknown operation {op}")
-            fewest, most = P.OP_ARITY[op]
+            handler, fewest, most = entry
             if not fewest <= len(msg) - 2 <= most:
                 expected = fewest if fewest == most else f"{fewest} or {most}"
                 raise ProtocolError(f"{P.OP_NAMES[op]} takes {expected} arguments, got {len(msg) - 2}")
@@ -803,6 +855,8 @@ class LockServer:
             version=__version__,
             grace_remaining_ms=self.roles.grace_remaining_ms(now_ms()),
         )
+        if self.tls is not None:
+            st["tls"] = self.tls.status()
         if self.roles.role is Role.STANDBY and self.follower is not None:
             st["replication"] = self.follower.status()
         else:
@@ -825,6 +879,8 @@ async def _serve(config: ServerConfig) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if server.tls is not None:  # SIGHUP keeps its default (exit) without TLS
+        loop.add_signal_handler(signal.SIGHUP, server.reload_tls)
     await server.start()
     waiter = asyncio.ensure_future(stop.wait())
     closed = asyncio.ensure_future(server.wait_closed())
@@ -847,6 +903,6 @@ def serve(config: ServerConfig, *, use_uvloop: bool = True) -> int:
         log.critical("refusing to start: %s (start with --repair-wal to cut the damaged tail and "
                      "lose the records after it)", exc)
         return 2
-    except (OSError, DataDirInUse, ImportError) as exc:
+    except (OSError, DataDirInUse, ImportError, InvalidArgument) as exc:
         log.critical("cannot start: %s", exc)
         return 1

@@ -54,6 +54,11 @@ class FakeLoop:
     def call_soon(self, callback: Callable[[], Any]) -> FakeTimer:
         return self.call_later(0, callback)
 
+    def create_future(self):
+        import asyncio
+
+        return asyncio.get_running_loop().create_future()
+
     def run_due(self) -> int:
         ran = 0
         for timer in sorted(self.timers, key=lambda t: t.at_ms):
@@ -71,6 +76,7 @@ class FakeWal:
         self.last_lsn = 0
         self.records: list[tuple] = []
         self.listeners: list[Callable] = []
+        self.fail_durability: BaseException | None = None  # raised by when_durable when set
 
     def stats(self) -> dict:
         return {"last_lsn": self.last_lsn}
@@ -101,6 +107,8 @@ class FakeWal:
         self._log("epoch", *args)
 
     def when_durable(self, callback: Callable[[], Any]) -> None:
+        if self.fail_durability is not None:
+            raise self.fail_durability
         callback()
 
 

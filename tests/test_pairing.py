@@ -201,7 +201,7 @@ def test_manual_promote_of_an_unreachable_primary_waits_for_its_fence(cluster):
         await poll(lambda: status_of(p.address), lambda st: st["waiters"] == 1, timeout=5, what="queued")
         await poll(lambda: status_of(p.address), lambda st: st["replication"]["paired_standby"], timeout=5,
                    what="pairing")
-        px.pause()  # partition: the deposing HELLO cannot get through
+        px.pause()  # partition: the STEP_DOWN request cannot get through
         res = await asyncio.to_thread(cli, "promote", "--server", s.address)
         assert res.returncode == 0, res.stderr
         assert json.loads(res.stdout)["primary_confirmed"] is False

@@ -191,3 +191,15 @@ def test_a_step_down_epoch_must_be_exactly_the_next_one(own, epoch, error):
     else:
         with pytest.raises(error):
             check_step_down_epoch(epoch, own)
+
+
+# -- the op table, declared once --------------------------------------------------------------------
+
+def test_every_op_has_a_declared_arity_and_a_server_handler(tmp_path):
+    from fastlock.server import LockServer, ServerConfig
+
+    assert set(P.OP_ARITY) == set(P.OP_NAMES)
+    assert all(0 <= fewest <= most for fewest, most in P.OP_ARITY.values())
+    server = LockServer(ServerConfig(data_dir=str(tmp_path)))
+    assert {op: (fewest, most) for op, (_, fewest, most) in server._handlers.items()} == P.OP_ARITY
+    assert P.REPLICATION_PUSH_KINDS == {P.PUSH_SNAPSHOT, P.PUSH_RECORDS, P.PUSH_RECORD, P.PUSH_HEARTBEAT}

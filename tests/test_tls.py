@@ -1,0 +1,366 @@
+"""TLS and mutual TLS end to end, with certificates the tests make (trustme).
+
+Real ``fastlock serve`` processes; the async client, the blocking client, the
+CLI (``status``, ``promote``), ``fastlock run`` and a standby that replicates
+from and promotes over TLS.  Refusals: a client without a certificate or with
+one from another CA (mutual TLS), a server certificate the client does not
+trust or that names another host, a standby that does not trust its primary,
+plaintext and silence on a TLS port (the server keeps serving).  Certificate
+reload on SIGHUP.  Every wait is on a log line or a condition with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+trustme = pytest.importorskip("trustme")
+
+import fastlock  # noqa: E402
+from fastlock.errors import ConnectionLost, InvalidArgument, WrongArgumentType  # noqa: E402
+from fastlock.sync import SyncClient  # noqa: E402
+from fastlock.tls import ServerTLS, client_context, peer_identity  # noqa: E402
+from tcpproxy import poll, run  # noqa: E402
+
+EPOCH_SHIFT = 40
+
+
+def _issue(ca, directory: Path, stem: str, common_name: str, *names: str) -> SimpleNamespace:
+    leaf = ca.issue_cert(*(names or (common_name,)), common_name=common_name)
+    cert, key = directory / f"{stem}.pem", directory / f"{stem}-key.pem"
+    leaf.cert_chain_pems[0].write_to_path(str(cert))
+    leaf.private_key_pem.write_to_path(str(key))
+    return SimpleNamespace(cert=str(cert), key=str(key))
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    """CA ``ca`` signs two nodes' certificates (for 127.0.0.1), a client's (CN app1)
+    and an operator's (CN admin); CA ``other`` signs look-alikes."""
+    d = tmp_path_factory.mktemp("certs")
+    ca, other = trustme.CA(), trustme.CA()
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    other.cert_pem.write_to_path(str(d / "other-ca.pem"))
+    return SimpleNamespace(
+        dir=d,
+        ca=str(d / "ca.pem"),
+        other_ca=str(d / "other-ca.pem"),
+        node1=_issue(ca, d, "node1", "node1", "127.0.0.1", "localhost"),
+        node2=_issue(ca, d, "node2", "node2", "127.0.0.1", "localhost"),
+        renewed=_issue(ca, d, "node1-renewed", "node1", "127.0.0.1", "localhost"),
+        app=_issue(ca, d, "app1", "app1"),
+        admin=_issue(ca, d, "admin", "admin"),
+        intruder=_issue(other, d, "intruder", "app1"),
+        impostor=_issue(other, d, "impostor", "node1", "127.0.0.1"),
+    )
+
+
+def serve_args(node, ca: str | None = None, client_auth: str = "none", *extra: str) -> list[str]:
+    args = ["--tls-cert", node.cert, "--tls-key", node.key]
+    if ca:
+        args += ["--tls-ca", ca, "--tls-client-auth", client_auth]
+    return [*args, *extra]
+
+
+def client_args(certs, who=None) -> dict:
+    kw = {"tls_ca": certs.ca}
+    if who is not None:
+        kw.update(tls_cert=who.cert, tls_key=who.key)
+    return kw
+
+
+def cli(*args: str, env: dict | None = None, timeout: float = 30.0) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOCK_")}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "fastlock", *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=tempfile.gettempdir())
+
+
+def cli_tls(certs, who) -> list[str]:
+    return ["--tls-ca", certs.ca, "--tls-cert", who.cert, "--tls-key", who.key]
+
+
+# --------------------------------------------------------------------------- async client
+
+
+async def test_async_client_over_mutual_tls(server_factory, certs, loop_errors):
+    srv = server_factory(args=serve_args(certs.node1, certs.ca, "required"))
+    async with fastlock.connect(srv.address, **client_args(certs, certs.app)) as client:
+        lease = await client.acquire("tls/a", ttl=5.0)
+        assert await client.check("tls/a", lease.fencing_token)
+        await client.release(lease)
+        st = await client.status()
+    assert st["tls"]["client_auth"] == "required"
+    assert st["tls"]["handshakes"] >= 1 and st["tls"]["handshake_failures"] == 0
+
+
+async def test_mutual_tls_refuses_clients_without_a_certificate_from_its_ca(server_factory, certs, loop_errors):
+    srv = server_factory(args=serve_args(certs.node1, certs.ca, "required"))
+    mark = len(srv.lines)
+    with pytest.raises(ConnectionLost):  # none at all
+        await fastlock.connect(srv.address, connect_timeout=3, tls_ca=certs.ca)
+    with pytest.raises(ConnectionLost):  # one from another CA
+        await fastlock.connect(srv.address, connect_timeout=3, tls_ca=certs.ca,
+                               tls_cert=certs.intruder.cert, tls_key=certs.intruder.key)
+    line = await asyncio.to_thread(srv.wait_for_log, r"TLS handshake with 127\.0\.0\.1:\d+ failed", 5, mark)
+    assert "PEER_DID_NOT_RETURN_A_CERTIFICATE" in line or "UNKNOWN_CA" in line or "CERTIFICATE" in line
+    # still serving, and the refusals were counted
+    async with fastlock.connect(srv.address, **client_args(certs, certs.app)) as client:
+        lease = await client.acquire("tls/b", ttl=5.0)
+        await client.release(lease)
+        st = await client.status()
+    assert st["tls"]["handshake_failures"] == 2
+
+
+async def test_client_refuses_a_server_certificate_it_does_not_trust(server_factory, certs, loop_errors):
+    srv = server_factory(args=serve_args(certs.impostor))  # signed by the other CA
+    with pytest.raises(ConnectionLost, match="CERTIFICATE_VERIFY_FAILED"):
+        await fastlock.connect(srv.address, connect_timeout=3, tls_ca=certs.ca)
+    # the right CA, but the certificate does not name the host the client expects
+    good = server_factory("good", args=serve_args(certs.node1))
+    with pytest.raises(ConnectionLost, match="CERTIFICATE_VERIFY_FAILED"):
+        await fastlock.connect(good.address, connect_timeout=3, tls_ca=certs.ca, server_hostname="db.example")
+    async with fastlock.connect(good.address, tls_ca=certs.ca, server_hostname="localhost") as client:
+        assert (await client.status())["role"] == "primary"
+
+
+def _closed_after(sock: socket.socket) -> float:
+    """Read until the server closes ``sock``; return the seconds that took."""
+    t0 = time.monotonic()
+    while sock.recv(4096):
+        pass
+    return time.monotonic() - t0
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_plaintext_and_silence_on_a_tls_port_fail_cleanly(server_factory, certs):
+    srv = server_factory(args=serve_args(certs.node1, None, "none", "--tls-handshake-timeout", "1"))
+    host, port = srv.address.split(":")
+
+    async def main():
+        with pytest.raises(ConnectionLost):  # a fastlock client without TLS
+            await fastlock.connect(srv.address, connect_timeout=3)
+        # a connection that starts a TLS record and stalls is closed at the handshake deadline
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(b"\x16\x03\x01")
+            assert 0.5 < await asyncio.to_thread(_closed_after, sock) < 4
+        # bytes that are not TLS at all are refused at once
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            assert await asyncio.to_thread(_closed_after, sock) < 0.5
+        async with fastlock.connect(srv.address, tls_ca=certs.ca) as client:
+            lease = await client.acquire("after/garbage", ttl=5.0)
+            await client.release(lease)
+            # failed handshakes leave no descriptor behind
+            fds = os.listdir(f"/proc/{srv.pid}/fd")
+            for _ in range(20):
+                with socket.create_connection((host, int(port)), timeout=5) as sock:
+                    sock.sendall(b"\x16\x03\x01\x00\x05hello")  # a TLS record that is no handshake
+            await poll(client.status, lambda st: st["tls"]["handshake_failures"] == 23, timeout=5,
+                       what="20 more failed handshakes")
+            assert len(os.listdir(f"/proc/{srv.pid}/fd")) == len(fds)
+            return await client.status()
+
+    st = run(main())
+    assert st["tls"]["handshake_failures"] == 23
+    assert st["tls"]["handshakes_in_progress"] == 0
+    assert srv.proc.poll() is None
+    # one log line for the burst, not one per failure
+    failures = [line for line in srv.lines if "TLS handshake with" in line]
+    assert len(failures) == 1, failures
+
+
+async def test_peer_identity_is_the_verified_client_common_name(certs):
+    seen: list = []
+
+    class Recorder(asyncio.Protocol):
+        def connection_made(self, transport):
+            seen.append(peer_identity(transport.get_extra_info("ssl_object")))
+            transport.close()
+
+    tls = ServerTLS(certs.node1.cert, certs.node1.key, certs.ca, "optional")
+    _, port = await tls.listen("127.0.0.1", 0, Recorder)
+    try:
+        for ctx in (client_context(certs.ca, certs.app.cert, certs.app.key), client_context(certs.ca)):
+            _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=ctx, server_hostname="127.0.0.1")
+            writer.close()
+        await poll(lambda: asyncio.sleep(0, len(seen)), lambda n: n == 2, timeout=5, what="two connections")
+    finally:
+        tls.close()
+    assert seen == ["app1", None]  # the CN of a verified certificate; no certificate, no identity
+    assert tls.status()["handshakes"] == 2
+
+
+def test_client_tls_arguments_are_checked_before_connecting(certs):
+    with pytest.raises(InvalidArgument):
+        fastlock.Client(["127.0.0.1:1"], tls=False, tls_ca=certs.ca)
+    with pytest.raises(InvalidArgument):
+        fastlock.Client(["127.0.0.1:1"], tls=ssl.create_default_context(), tls_ca=certs.ca)
+    with pytest.raises(WrongArgumentType):
+        fastlock.Client(["127.0.0.1:1"], tls="yes")
+    with pytest.raises(InvalidArgument):
+        fastlock.Client(["127.0.0.1:1"], server_hostname="db.example")  # without TLS
+    with pytest.raises(WrongArgumentType):
+        fastlock.Client(["127.0.0.1:1"], tls=True, server_hostname=b"db.example")
+    with pytest.raises(FileNotFoundError):
+        fastlock.Client(["127.0.0.1:1"], tls_ca=str(certs.dir / "missing.pem"))
+    with pytest.raises(ssl.SSLError):  # a key that does not belong to the certificate
+        fastlock.Client(["127.0.0.1:1"], tls_ca=certs.ca, tls_cert=certs.app.cert, tls_key=certs.admin.key)
+
+
+# --------------------------------------------------------------------------- blocking client, CLI, run
+
+
+def test_blocking_client_over_mutual_tls(server_factory, certs):
+    srv = server_factory(args=serve_args(certs.node1, certs.ca, "required"))
+    with SyncClient(srv.address, **client_args(certs, certs.app)) as client:
+        with client.lock("sync/tls", ttl=5.0) as lease:
+            assert client.check("sync/tls", lease.fencing_token)
+        assert client.holder("sync/tls") is None
+    with pytest.raises(ConnectionLost):
+        SyncClient(srv.address, connect_timeout=3, tls_ca=certs.ca)
+
+
+def test_cli_status_over_tls_with_flags_and_environment(server_factory, certs):
+    srv = server_factory(args=serve_args(certs.node1, certs.ca, "required"))
+    res = cli("status", "--server", srv.address, *cli_tls(certs, certs.admin))
+    assert res.returncode == 0, res.stderr
+    st = json.loads(res.stdout)
+    assert st["role"] == "primary" and st["tls"]["client_auth"] == "required"
+    env = {"FASTLOCK_TLS_CA": certs.ca, "FASTLOCK_TLS_CERT": certs.admin.cert, "FASTLOCK_TLS_KEY": certs.admin.key}
+    res = cli("status", "--server", srv.address, env=env)
+    assert res.returncode == 0, res.stderr
+    # refusals are one line, exit 1
+    res = cli("status", "--server", srv.address, "--tls-ca", certs.ca)
+    assert res.returncode == 1 and "--tls-cert" in res.stderr and "Traceback" not in res.stderr
+    res = cli("status", "--server", srv.address, "--tls-ca", certs.other_ca, "--tls-cert", certs.admin.cert,
+              "--tls-key", certs.admin.key)
+    assert res.returncode == 1 and "TLS:" in res.stderr and "Traceback" not in res.stderr
+    res = cli("status", "--server", srv.address)
+    assert res.returncode == 1 and "--tls-ca" in res.stderr
+
+
+def test_serve_refuses_contradictory_tls_flags(tmp_path, certs):
+    res = cli("serve", "--data-dir", str(tmp_path / "d"), "--tls-cert", certs.node1.cert, "--tls-key",
+              certs.node1.key, "--tls-client-auth", "required")
+    assert res.returncode == 2 and "needs --tls-ca" in res.stderr
+    res = cli("serve", "--data-dir", str(tmp_path / "d"), "--tls-ca", certs.ca)
+    assert res.returncode == 2 and "need --tls-cert" in res.stderr
+    res = cli("serve", "--data-dir", str(tmp_path / "d"), "--listen", "127.0.0.1:0", "--tls-cert",
+              str(tmp_path / "missing.pem"))
+    assert res.returncode == 1 and "cannot start" in res.stderr
+
+
+def test_fastlock_run_over_mutual_tls(server_factory, certs):
+    srv = server_factory(args=serve_args(certs.node1, certs.ca, "required"))
+    script = 'test -n "$FASTLOCK_FENCING_TOKEN" && echo "token=$FASTLOCK_FENCING_TOKEN"'
+    res = cli("run", "tls/run", "--ttl", "5", "--server", srv.address, *cli_tls(certs, certs.app),
+              "--", "sh", "-c", script)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("token=")
+    env = {"FASTLOCK_SERVER": srv.address, "FASTLOCK_TLS_CA": certs.ca, "FASTLOCK_TLS_CERT": certs.app.cert,
+           "FASTLOCK_TLS_KEY": certs.app.key}
+    res = cli("run", "tls/run", "--ttl", "5", "--", "sh", "-c", script, env=env)
+    assert res.returncode == 0, res.stderr
+    # without a client certificate: not reachable, the command never runs
+    res = cli("run", "tls/run", "--ttl", "5", "--server", srv.address, "--tls-ca", certs.ca,
+              "--", "sh", "-c", "echo ran")
+    assert res.returncode == 69 and "ran" not in res.stdout
+
+
+# --------------------------------------------------------------------------- standby
+
+
+def test_tls_standby_replicates_and_promotes(cluster, certs):
+    p = cluster.primary(args=serve_args(certs.node1, certs.ca, "required"))
+    s = cluster.standby(p.address, grace=0.5, args=serve_args(certs.node2, certs.ca, "required"))
+    admin = cli_tls(certs, certs.admin)
+
+    def status(address: str) -> dict:
+        res = cli("status", "--server", address, *admin)
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout)
+
+    async def main():
+        async with fastlock.connect(p.address, **client_args(certs, certs.app)) as client:
+            lease = await client.acquire("ledger", ttl=30.0)
+            last = (await client.status())["wal"]["last_lsn"]
+        await poll(lambda: asyncio.to_thread(status, s.address),
+                   lambda st: st["replication"]["applied_lsn"] >= last, timeout=10, what="the standby to catch up")
+        res = await asyncio.to_thread(cli, "promote", "--server", s.address, *admin)
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["epoch"] == 1 and json.loads(res.stdout)["leases"] == 1
+        async with fastlock.connect(p.address, s.address, **client_args(certs, certs.app)) as client:
+            assert client.server_info["role"] == "primary" and client.server_info["epoch"] == 1
+            assert (await client.holder("ledger"))["token"] == lease.fencing_token  # the lease survived
+            fresh = await client.acquire("new", ttl=5.0, wait=5.0)  # after the grace period
+            assert fresh.fencing_token >> EPOCH_SHIFT == 1 and fresh.fencing_token > lease.fencing_token
+
+    run(main())
+
+
+def test_standby_refuses_a_primary_it_does_not_trust(cluster, certs):
+    p = cluster.primary(args=serve_args(certs.impostor))  # a certificate from another CA
+    s = cluster.standby(p.address, wait_sync=False, args=serve_args(certs.node2, certs.ca))
+    line = s.wait_for_log(r"TLS handshake with primary .* failed", 10)
+    assert "CERTIFICATE_VERIFY_FAILED" in line
+    st = json.loads(cli("status", "--server", s.address, "--tls-ca", certs.ca).stdout)
+    assert st["replication"]["connected"] is False and st["replication"]["synced"] is False
+
+
+# --------------------------------------------------------------------------- reload
+
+
+def test_certificate_reload_on_sighup(server_factory, certs, tmp_path):
+    live = tmp_path / "live"
+    live.mkdir()
+    cert, key = live / "node.pem", live / "node-key.pem"
+    shutil.copy(certs.node1.cert, cert)
+    shutil.copy(certs.node1.key, key)
+    srv = server_factory(args=["--tls-cert", str(cert), "--tls-key", str(key)])
+    host, port = srv.address.split(":")
+
+    def served() -> bytes:
+        pem = ssl.get_server_certificate((host, int(port)), ca_certs=certs.ca, timeout=5)
+        return ssl.PEM_cert_to_DER_cert(pem)
+
+    def der(path: str) -> bytes:
+        return ssl.PEM_cert_to_DER_cert(Path(path).read_text())
+
+    async def main():
+        async with fastlock.connect(srv.address, tls_ca=certs.ca) as old:
+            assert await asyncio.to_thread(served) == der(certs.node1.cert)
+            # renewed files in place, then SIGHUP: new handshakes use them
+            shutil.copy(certs.renewed.cert, cert)
+            shutil.copy(certs.renewed.key, key)
+            mark = len(srv.lines)
+            os.kill(srv.pid, signal.SIGHUP)
+            await asyncio.to_thread(srv.wait_for_log, r"TLS certificate reloaded", 5, mark)
+            assert await asyncio.to_thread(served) == der(certs.renewed.cert)
+            # a broken file is refused and the current certificate stays
+            cert.write_text("not a certificate")
+            mark = len(srv.lines)
+            os.kill(srv.pid, signal.SIGHUP)
+            await asyncio.to_thread(srv.wait_for_log, r"TLS reload failed", 5, mark)
+            assert await asyncio.to_thread(served) == der(certs.renewed.cert)
+            # the connection made before the reloads still works
+            lease = await old.acquire("reload", ttl=5.0)
+            await old.release(lease)
+            return await old.status()
+
+    st = run(main())
+    assert st["tls"]["reloads"] == 1
+    assert srv.proc.poll() is None
