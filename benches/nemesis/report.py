@@ -164,7 +164,11 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
     # a release refused as LeaseLost for a grant the new primary never knew (made mid-fault, never replicated)
     unreplicated = [e for e in errors if e["op"] in ("release", "probe-release") and e["type"] == "LeaseLost"
                     and granted_mid_fault(e)]
+    # a LockNotAcquired before the wait ran out is an error surfaced early, not a wait that ran out
+    early_refusals = [e for e in not_acquired if e["at"] - e["sent"] < cfg.wait]
+    not_acquired = [e for e in not_acquired if e not in early_refusals]
     counted = [e for e in errors if e not in ran_out and e not in unreplicated]
+    counted += [dict(e, type="LockNotAcquired") for e in early_refusals]
     connection_lost = [e for e in counted if e["type"] == "ConnectionLost"]
     counter_msgs = Counter()
     for i in range(cfg.workers + 1):
