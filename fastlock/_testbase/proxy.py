@@ -323,7 +323,7 @@ class TcpProxy:
         """Current connections (with ``label``, if given)."""
         return self._run(lambda: len(self._matching(label)))
 
-    # the names the older tests use
+    # pause/resume: blackhole/heal of every connection, under the names tests/tcpproxy.py users call
     def pause(self) -> None:
         """:meth:`blackhole` every connection."""
         self.blackhole()
