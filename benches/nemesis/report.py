@@ -160,12 +160,13 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
         slot = errors_by_fault.setdefault(phase_of(e["at"]), Counter())
         slot["lease lost" if e["ev"] == "end" else "release failed"] += 1
     # an acquire that failed after its whole wait ran out is a wait that ran out, whatever the error
-    ran_out = [e for e in errors if e["op"] in ("acquire", "probe-acquire") and e["at"] - e["sent"] >= cfg.wait]
+    ran_out = [e for e in errors if e["op"] in ("acquire", "probe-acquire") and e["at"] - e["sent"] >= cfg.wait - 0.1]
     # a release refused as LeaseLost for a grant the new primary never knew (made mid-fault, never replicated)
     unreplicated = [e for e in errors if e["op"] in ("release", "probe-release") and e["type"] == "LeaseLost"
                     and granted_mid_fault(e)]
     # a LockNotAcquired before the wait ran out is an error surfaced early, not a wait that ran out
-    early_refusals = [e for e in not_acquired if e["at"] - e["sent"] < cfg.wait]
+    # (0.1 s of slack: the server's wait timer works in whole milliseconds of its own clock)
+    early_refusals = [e for e in not_acquired if e["at"] - e["sent"] < cfg.wait - 0.1]
     not_acquired = [e for e in not_acquired if e not in early_refusals]
     counted = [e for e in errors if e not in ran_out and e not in unreplicated]
     counted += [dict(e, type="LockNotAcquired") for e in early_refusals]
