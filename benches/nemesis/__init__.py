@@ -3,6 +3,7 @@
     python -m benches.nemesis --duration S [--seed N] [--failover-after F] [--workers W]
         [--ttl 8] [--wait 20] [--request-timeout 5] [--promotion-grace 2] [--kinds kill,pause,...]
         [--json PATH] [--keep DIR]
+    python -m benches.nemesis --report DIR      # the report of a run kept with --keep DIR
 
 What runs
 ---------
@@ -108,7 +109,8 @@ SIGTERM (finish the current holding, release) and SIGKILL after 15 s; every
 server and worker is stopped by PID in ``finally`` blocks and at exit.
 """
 
-from benches.nemesis.cluster import KINDS, Fault, Nemesis, NemesisConfig, run_nemesis
+from benches.nemesis.cluster import KINDS, Fault, Nemesis, NemesisConfig, report_again, run_nemesis
 from benches.nemesis.report import build_report, print_report
 
-__all__ = ["KINDS", "Fault", "Nemesis", "NemesisConfig", "build_report", "print_report", "run_nemesis"]
+__all__ = ["KINDS", "Fault", "Nemesis", "NemesisConfig", "build_report", "print_report", "report_again",
+           "run_nemesis"]

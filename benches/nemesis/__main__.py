@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from benches.nemesis.cluster import KINDS, NemesisConfig, run_nemesis
+from benches.nemesis.cluster import KINDS, NemesisConfig, report_again, run_nemesis
 from benches.nemesis.report import print_report
 from benches.nemesis.workers import worker_main
 
@@ -35,11 +35,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fsync", default="always", choices=("always", "interval", "never"))
     ap.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     ap.add_argument("--keep", metavar="DIR", help="keep data dirs, logs and event logs in DIR")
+    ap.add_argument("--report", metavar="DIR", help="only print the report of a run kept with --keep DIR")
     ap.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return worker_main(args.worker, args.index)
+    if args.report:
+        report = report_again(args.report)
+        print_report(report)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+        return 0 if report["safety"]["violations"] == 0 and not report["aborted"] else 1
     kinds = tuple(k for k in args.kinds.split(",") if k)
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:

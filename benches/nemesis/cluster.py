@@ -162,6 +162,27 @@ class Nemesis:
         self._probe_grant_at = 0.0
         self.log = logging.getLogger("nemesis")
 
+    # -- the run's record: enough to build the report again from a kept run dir ---------
+    STATE = "nemesis-run.json"
+
+    def save_state(self, elapsed: float) -> None:
+        state = {"config": dataclasses.asdict(self.cfg), "faults": [dataclasses.asdict(f) for f in self.faults],
+                 "stopped_at": self.stopped_at, "aborted": self.aborted, "leftover": self.leftover,
+                 "elapsed_s": elapsed}
+        (self.root / self.STATE).write_text(json.dumps(state, indent=1))
+
+    @classmethod
+    def load(cls, root: str | Path) -> tuple["Nemesis", float]:
+        """A finished run, read back from its kept directory (see :meth:`save_state`);
+        returns it and its elapsed seconds."""
+        root = Path(root)
+        state = json.loads((root / cls.STATE).read_text())
+        cfg = NemesisConfig(**{**state["config"], "kinds": tuple(state["config"]["kinds"])})
+        nem = cls(cfg, root)
+        nem.faults = [Fault(**f) for f in state["faults"]]
+        nem.stopped_at, nem.aborted, nem.leftover = state["stopped_at"], state["aborted"], state["leftover"]
+        return nem, state["elapsed_s"]
+
     # -- set-up and tear-down --------------------------------------------------------
     def start_cluster(self) -> None:
         from fastlock._testbase import TcpProxy, classify_fastlock
@@ -408,11 +429,20 @@ class Nemesis:
 
 
 
+def report_again(root: str | Path) -> dict:
+    """The report of a finished run whose directory was kept (``--keep DIR``)."""
+    nem, elapsed = Nemesis.load(root)
+    report = build_report(nem, elapsed)
+    report["run_dir"] = str(root)
+    return report
+
+
 def run_nemesis(cfg: NemesisConfig, root: str | None = None) -> dict:
     """Run the nemesis (see the module docstring) and return its report (a dict).
 
-    ``root``: a directory for data dirs, logs, the store and the worker event
-    logs (kept); by default a temporary one, removed afterwards.
+    ``root``: a directory for data dirs, logs, the store, the worker event
+    logs and ``nemesis-run.json`` (kept; :func:`report_again` reads them back);
+    by default a temporary one, removed afterwards.
     """
     own = root is None
     base = Path(tempfile.mkdtemp(prefix="fastlock-nemesis-") if own else root)
@@ -428,6 +458,7 @@ def run_nemesis(cfg: NemesisConfig, root: str | None = None) -> dict:
     finally:
         nem.stop_all()
         atexit.unregister(nem.stop_all)
+    nem.save_state(time.monotonic() - t0)
     report = build_report(nem, time.monotonic() - t0)
     report["run_dir"] = str(base)
     if own:
