@@ -14,14 +14,16 @@ Asserted, in this order:
 * safety, strictly: no token accepted from two holdings, no token going
   backwards in the store or in the grants, no overlapping critical sections;
 * availability, issue 10's acceptance criteria: no lease lost by a
-  ``lock()`` holder (leases granted by the old primary after the fault began
-  and never replicated are reported, not counted: see benches/nemesis/), no ``ConnectionLost`` (or any other error) surfaced to
-  worker code whose wait covered the outage, no exception left unretrieved
-  on a worker's loop, no grant of an older epoch delivered after the
-  standby promoted (a lease the new primary never knew, DESIGN invariant
-  10), and after each kill no window without a grant longer than
-  failover_after + grace + 1 s.  Every availability failure is listed
-  in one assertion message, with the worker-side messages.
+  ``lock()`` holder and no release failed at its exit (leases granted by the
+  old primary after the fault began, never replicated, are reported, not
+  counted: see benches/nemesis/); no error (``ConnectionLost`` or other)
+  surfaced to worker code before its wait ran out; no acquire whose 20 s
+  wait ran out; no exception left unretrieved on a worker's loop; no grant
+  of an older epoch delivered after the standby promoted (a lease the new
+  primary never knew, DESIGN invariant 10); and after each kill no window
+  without a grant longer than failover_after + grace + 1 s.  Every
+  availability failure is listed in one assertion message, with the
+  worker-side messages.
 """
 
 from __future__ import annotations
