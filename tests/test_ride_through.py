@@ -102,6 +102,8 @@ def test_1_acquire_after_kill9_is_granted_by_the_promoted_standby(cluster):
             assert 0 < lease.time_left() <= 5.0
             await client.release(lease)
         errors.check()
+        print(f"\nkill -9 -> acquire(wait=15) granted by the promoted standby after {took:.3f} s "
+              f"(--failover-after {FAILOVER}, --promotion-grace {GRACE})")
         # promotion after F of silence, the grace, and the client's backoff (at most 0.5 s)
         assert took <= FAILOVER + GRACE + 3.0, f"the grant took {took:.2f} s after the kill"
 
