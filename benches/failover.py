@@ -75,7 +75,7 @@ class _StatusPoller:
         host, _, port = address.rpartition(":")
         self.sock = socket.create_connection((host, int(port)), timeout=timeout)
         self.sock.settimeout(timeout)
-        self.dec = P.FrameDecoder(16 << 20)
+        self.dec = P.FrameDecoder(limits=P.REPLY_LIMITS)
         self.next_id = 1
         self._call(P.OP_HELLO, P.PROTOCOL_VERSION, "bench-status", None)
 

@@ -145,6 +145,9 @@ class LockTable:
     def stats(self) -> dict[str, int]: ...
     def __len__(self) -> int:
         """Number of locks currently held."""
+    @property
+    def waiter_count(self) -> int:
+        """Number of waiters queued on every lock together."""
 
     # -- replication / recovery ------------------------------------------------
     def install_holder(

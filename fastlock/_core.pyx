@@ -997,6 +997,11 @@ cdef class LockTable:
         """Number of locks currently held."""
         return self._n_held
 
+    @property
+    def waiter_count(self):
+        """Number of waiters queued on every lock together (int)."""
+        return self._n_waiters
+
     # -- replication / recovery ------------------------------------------------------
 
     def install_holder(self, name, token, owner, ttl_ms, lock_delay_ms, meta, now):

@@ -99,6 +99,80 @@ def seconds_arg(value: str) -> float:
     return v
 
 
+def _count_arg(value: str) -> int:
+    """argparse type: an integer >= 0 (0: no limit / off, where the flag says so)."""
+    try:
+        v = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def _add_limit_flags(s: argparse.ArgumentParser) -> None:
+    """``fastlock serve`` flags for the limits on what peers can make the server
+    hold (README "Limits"); defaults are ServerConfig's."""
+    from .server import ServerConfig
+
+    d = ServerConfig()
+    g = s.add_argument_group("limits", "bounds on what clients and standbys can make the server hold; "
+                                       "a request beyond one gets a LimitExceeded error naming it")
+    g.add_argument("--max-frame-bytes", type=_positive_int, default=d.max_frame_bytes, metavar="BYTES",
+                   help=f"largest request frame (default {d.max_frame_bytes}); a larger one closes the connection")
+    g.add_argument("--max-connections", type=_positive_int, default=None, metavar="N",
+                   help="connections in all (default 10000, lowered to fit the open-files limit); at the limit "
+                        "the oldest connection without HELLO is closed to make room, else the new one is refused")
+    g.add_argument("--max-connections-per-address", type=_positive_int, default=d.max_connections_per_address,
+                   metavar="N", help=f"connections from one IP address (default {d.max_connections_per_address})")
+    g.add_argument("--hello-timeout", type=seconds_arg, default=d.hello_timeout_ms / 1000, metavar="SECONDS",
+                   help=f"close a connection that has not completed HELLO within this time "
+                        f"(default {d.hello_timeout_ms / 1000:g}; 0: never)")
+    g.add_argument("--idle-timeout", type=seconds_arg, default=0.0, metavar="SECONDS",
+                   help="close a connection that sent nothing for this long, unless it waits for a lock, "
+                        "watches one or replicates (default 0: never)")
+    g.add_argument("--max-output-bytes", type=_positive_int, default=d.max_output_bytes, metavar="BYTES",
+                   help=f"unread replies after which a client is disconnected (default {d.max_output_bytes})")
+    g.add_argument("--max-replica-output-bytes", type=_positive_int, default=d.max_replica_output_bytes,
+                   metavar="BYTES", help=f"unsent stream after which a standby is disconnected; it resyncs "
+                                         f"(default {d.max_replica_output_bytes})")
+    g.add_argument("--max-stream-frame-bytes", type=_positive_int, default=d.max_stream_frame_bytes,
+                   metavar="BYTES", help=f"standby: largest frame accepted from the primary (a snapshot is one "
+                                         f"frame; default {d.max_stream_frame_bytes})")
+    for flag, what in (("waiters", "waiting acquires"), ("leases", "held leases"), ("watches", "watches")):
+        g.add_argument(f"--max-{flag}", type=_positive_int, default=getattr(d, f"max_{flag}"), metavar="N",
+                       help=f"{what}, all connections together (default {getattr(d, f'max_{flag}')})")
+        if flag != "leases":
+            g.add_argument(f"--max-{flag}-per-connection", type=_positive_int,
+                           default=getattr(d, f"max_{flag}_per_connection"), metavar="N",
+                           help=f"{what} of one connection (default {getattr(d, f'max_{flag}_per_connection')})")
+        g.add_argument(f"--max-{flag}-per-principal", type=_count_arg, default=0, metavar="N",
+                       help=f"{what} of one principal, all its connections together (default 0: only the "
+                            f"global limit)")
+
+
+def _limit_config(args: argparse.Namespace) -> dict:
+    """ServerConfig fields from the flags of :func:`_add_limit_flags`."""
+    return dict(
+        max_frame_bytes=args.max_frame_bytes,
+        max_connections=args.max_connections,
+        max_connections_per_address=args.max_connections_per_address,
+        hello_timeout_ms=round(args.hello_timeout * 1000),
+        idle_timeout_ms=round(args.idle_timeout * 1000),
+        max_output_bytes=args.max_output_bytes,
+        max_replica_output_bytes=args.max_replica_output_bytes,
+        max_stream_frame_bytes=args.max_stream_frame_bytes,
+        max_waiters=args.max_waiters,
+        max_waiters_per_connection=args.max_waiters_per_connection,
+        max_leases=args.max_leases,
+        max_watches=args.max_watches,
+        max_watches_per_connection=args.max_watches_per_connection,
+        max_leases_per_principal=args.max_leases_per_principal,
+        max_waiters_per_principal=args.max_waiters_per_principal,
+        max_watches_per_principal=args.max_watches_per_principal,
+    )
+
+
 def add_client_tls_arguments(p: argparse.ArgumentParser) -> None:
     """Add a client command's TLS options (each falls back to an environment variable)."""
     g = p.add_argument_group("TLS (a --tls-* file or FASTLOCK_TLS_* variable turns TLS on)")
@@ -164,8 +238,7 @@ def _build_parser() -> argparse.ArgumentParser:
                         "(mutual TLS); needs --tls-ca")
     s.add_argument("--tls-handshake-timeout", type=seconds_arg, default=10.0, metavar="SECONDS",
                    help="drop a connection whose TLS handshake takes longer (default 10)")
-    s.add_argument("--max-frame-bytes", type=_positive_int, default=1 << 20, metavar="BYTES")
-    s.add_argument("--max-waiters-per-connection", type=_positive_int, default=10_000, metavar="N")
+    _add_limit_flags(s)
     s.add_argument("--standby-of", type=_listen, metavar="HOST:PORT",
                    help="run as a standby of this primary: follow its log, answer clients NotPrimary")
     s.add_argument("--failover-after", type=seconds_arg, default=0.0, metavar="SECONDS",
@@ -265,8 +338,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         fsync_interval_ms=args.fsync_interval_ms,
         snapshot_every=args.snapshot_every,
         auth_secret=secret,
-        max_frame_bytes=args.max_frame_bytes,
-        max_waiters_per_connection=args.max_waiters_per_connection,
+        **_limit_config(args),
         standby_of=args.standby_of,
         failover_after_ms=int(args.failover_after * 1000),
         promotion_grace_ms=None if args.promotion_grace is None else int(args.promotion_grace * 1000),

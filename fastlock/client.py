@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from . import protocol as P
+from .logsafe import quote
 from .errors import (
     ConnectionLost,
     FastlockError,
@@ -672,7 +673,7 @@ class Client:
         self._demoted.add(addr)
         if not proto.closed:
             log.info("%s:%d refused a request (%s: %s); looking for the primary", addr[0], addr[1],
-                     type(exc).__name__, exc)
+                     type(exc).__name__, quote(str(exc)))
             proto.abort(ConnectionLost(f"{addr[0]}:{addr[1]} cannot serve: {exc}"))
 
     def _reset_connection(self, reason: str) -> None:
@@ -907,13 +908,13 @@ class Client:
         loop = asyncio.get_running_loop()
         name, ttl_ms, wait_ms, delay_ms, correlation_id = request
         log.warning("grant of %s token %d was read with %.3f s of its %.3f s TTL left (this process or the "
-                    "network stalled); verifying it with the server", lease.name, lease.fencing_token,
+                    "network stalled); verifying it with the server", quote(lease.name), lease.fencing_token,
                     lease.expires_at - loop.time(), lease.ttl)
         try:
             verified = await self.extend(lease)
         except FastlockError as exc:
             log.warning("late grant of %s token %d could not be verified (%s); giving it back",
-                        lease.name, lease.fencing_token, exc)
+                        quote(lease.name), lease.fencing_token, exc)
             lease.lost.set()
             self._drop(lease)
         else:
@@ -1353,13 +1354,13 @@ class Client:
                 await asyncio.sleep(max(0.0, min(interval, remaining / 2.0)))
                 if current.expires_at <= loop.time():
                     log.warning("lease %s token %d: TTL passed without a renewal; lost",
-                                current.name, current.fencing_token)
+                                quote(current.name), current.fencing_token)
                     lease.lost.set()
                     return
                 try:
                     current = await self._renew(current, current.expires_at)
                 except LeaseLost as exc:
-                    log.warning("lease %s token %d lost: %s", current.name, current.fencing_token, exc)
+                    log.warning("lease %s token %d lost: %s", quote(current.name), current.fencing_token, exc)
                     lease.lost.set()
                     return
                 object.__setattr__(lease, "expires_at", current.expires_at)
@@ -1367,7 +1368,7 @@ class Client:
         except asyncio.CancelledError:
             raise
         except ConnectionLost as exc:  # the client was closed
-            log.info("renewal of %s stopped: %s", current.name, exc)
+            log.info("renewal of %s stopped: %s", quote(current.name), exc)
             lease.lost.set()
         except Exception:  # noqa: BLE001 - a renewal task must never die unseen
             log.exception("renewal of %s token %d failed unexpectedly; the lease is treated as lost",
@@ -1416,7 +1417,7 @@ class LockContext:
             # never into the caller's code: the lease is given up either way
             # (it expires by its TTL if no primary could be reached)
             if not lease.lost.is_set():
-                log.warning("could not release %s token %d: %s", lease.name, lease.fencing_token, err)
+                log.warning("could not release %s token %d: %s", quote(lease.name), lease.fencing_token, err)
             lease.lost.set()
 
 
@@ -1523,7 +1524,7 @@ class LockManyContext:
             await self._client.release_many(multi)
         except FastlockError as err:
             if not multi.lost.is_set():
-                log.warning("could not release all of %s: %s", multi.names, err)
+                log.warning("could not release all of %s: %s", [quote(n) for n in multi.names], err)
             multi.lost.set()
 
 

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, NamedTuple
 from . import protocol as P
 from .client import IN_JEOPARDY, LOST, SAFE, Lease, LeaseHealth, _LostEvent
 from .errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost, NotPrimary, Unavailable, WrongArgumentType
+from .logsafe import quote
 
 if TYPE_CHECKING:
     from .client import Client
@@ -142,14 +143,15 @@ class Election:
             except (ConnectionLost, NotPrimary, Unavailable, OSError) as exc:
                 if self.client.closed or (deadline is not None and loop.time() + self.retry_period >= deadline):
                     raise
-                log.info("election %s: campaign interrupted (%s); retrying", self.name, exc)
+                log.info("election %s: campaign interrupted (%s); retrying", quote(self.name), exc)
                 await asyncio.sleep(self.retry_period)
                 continue
             # The grant happened after we sent; when we queued, estimate it by
             # the lease's own conservative start (expires_at - ttl).
             granted_at = max(sent, lease.expires_at - lease.ttl)
             term = Term(self, lease, granted_at)
-            log.info("election %s: %s elected (token %d)", self.name, self.candidate_id, lease.fencing_token)
+            log.info("election %s: %s elected (token %d)", quote(self.name), quote(self.candidate_id),
+                     lease.fencing_token)
             return term
 
     def leadership(self, *, wait: float | None = None) -> "_Leadership":
@@ -194,7 +196,7 @@ class Election:
                         last = current
                         yield current
             except (ConnectionLost, NotPrimary, Unavailable, OSError) as exc:
-                log.info("election %s: watch interrupted (%s); retrying", self.name, exc)
+                log.info("election %s: watch interrupted (%s); retrying", quote(self.name), exc)
                 await asyncio.sleep(self.retry_period)
 
 
@@ -304,7 +306,7 @@ class Term:
     def _step_down(self, why: str) -> None:
         if self.lost.is_set():
             return
-        log.warning("election %s: %s steps down (token %d): %s", self.election.name, self.candidate_id,
+        log.warning("election %s: %s steps down (token %d): %s", quote(self.election.name), quote(self.candidate_id),
                     self.fencing_token, why)
         self.lost.set()  # first: nobody may act as leader from here on
         self._stop()

@@ -10,10 +10,13 @@ Roles
 -----
 primary
     Serves clients.  Each standby that connects gets a snapshot (when it is
-    new, or its position is no longer in the log) and then every WAL batch as
-    it is written - *after* its fsync in ``--fsync always`` mode, so a standby
-    never holds a record the primary could still lose.  Replication is
-    asynchronous: the primary never waits for a standby.
+    new, or its position is no longer in the log) or the log from its
+    position, both prepared off the event loop and sent only as fast as the
+    standby reads them, and then every WAL batch as it is written - *after*
+    its fsync in ``--fsync always`` mode, so a standby never holds a record
+    the primary could still lose.  Replication is asynchronous: the primary
+    never waits for a standby, and drops one that leaves more than
+    ``--max-replica-output-bytes`` unread (it reconnects and resyncs).
 standby
     Applies the stream to its own lock table and its own WAL, and answers
     clients with ``NotPrimary`` naming the primary.  Its table runs on frozen
@@ -85,7 +88,7 @@ Wire messages (see :mod:`fastlock.protocol` for the framing)::
                         [id, STEP_DOWN, new_epoch, echoed_primary_ms]           -> {"role", "epoch"}
     primary -> standby  [0, "snap", [lsn, epoch, counter, holders, incarnation]]
                         [0, "repl", [first_lsn, last_lsn, frames]]               (WAL batch bytes)
-                        [0, "rec",  [lsn, record]]                               (backlog, one record)
+                        [0, "rec",  [lsn, record]]              (one record: accepted from older primaries)
                         [0, "hb",   [primary_ms, last_lsn, epoch, longest_ttl_ms, paired_id, paired_window_ms]]
 """
 
@@ -100,11 +103,27 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
+import msgpack
+
 from . import protocol as P
 from . import rpc
 from .errors import FastlockError, InvalidArgument, ProtocolError, Unavailable
+from .logsafe import quote
 from .roles import Role
-from .wal import EPOCH, EXPIRE, EXTEND, GRANT, RELEASE, RESERVE, WalCompacted, _fsync_dir, decode_frames
+from .wal import (
+    DIR_MODE,
+    EPOCH,
+    EXPIRE,
+    EXTEND,
+    FILE_MODE,
+    GRANT,
+    RELEASE,
+    RESERVE,
+    BacklogReader,
+    WalCompacted,
+    _fsync_dir,
+    decode_frames,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .replication_host import ReplicaConnection, ReplicationHost
@@ -117,8 +136,10 @@ PUSH_RECORDS = P.PUSH_RECORDS
 PUSH_RECORD = P.PUSH_RECORD
 PUSH_HEARTBEAT = P.PUSH_HEARTBEAT
 
-#: A standby whose unsent output exceeds this many bytes is disconnected (it resyncs).
-MAX_STANDBY_BACKLOG_BYTES = 64 << 20
+#: bytes of log read per step when a standby catches up from a position
+BACKLOG_CHUNK_BYTES = 256 << 10
+#: a snapshot of at most this many leases is encoded on the loop (about 10 ms), a larger one off it
+INLINE_SNAPSHOT_LEASES = 10_000
 
 
 def _now_ms() -> int:
@@ -139,7 +160,7 @@ def standby_identity(name: str) -> str:
 
 class _Replica:
     __slots__ = ("conn", "name", "ident", "failover_after_ms", "acked_lsn", "contact_ms", "sent", "attached_ms",
-                 "last_ack_ms")
+                 "last_ack_ms", "catching_up", "task", "base_cap")
 
     def __init__(self, conn: "ReplicaConnection", name: str | None, failover_after_ms: int):
         self.conn = conn
@@ -151,6 +172,25 @@ class _Replica:
         self.contact_ms = _now_ms()  # primary time echoed by the standby
         self.sent: deque[tuple[int, int]] = deque()  # (last_lsn of a batch, primary ms when sent)
         self.attached_ms = _now_ms()
+        self.catching_up = False  # the backlog is being streamed; live batches wait
+        self.task: asyncio.Future | None = None
+        self.base_cap = 0  # the connection's output cap before any snapshot was added to it
+
+
+def _encode_snapshot(lsn: int, epoch: int, counter: int, holders: list, incarnation: str) -> bytes:
+    """The snapshot push ``[0, "snap", [lsn, epoch, counter, holders, incarnation]]``,
+    encoded a holder at a time (so that, on a worker thread, it lets the event
+    loop run between holders); ``holders``: :class:`~fastlock._core.Holder`."""
+    packer = msgpack.Packer(use_bin_type=True)
+    pack = packer.pack
+    parts = [packer.pack_array_header(3), pack(0), pack(PUSH_SNAPSHOT), packer.pack_array_header(5),
+             pack(lsn), pack(epoch), pack(counter), packer.pack_array_header(len(holders))]
+    append = parts.append
+    for h in holders:
+        client, corr = h.meta if h.meta else (None, None)
+        append(pack([h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, client, corr, 0]))
+    append(pack(incarnation))
+    return b"".join(parts)
 
 
 PAIRING_FILE = "pairing.json"
@@ -160,7 +200,9 @@ NODE_ID_FILE = "node-id"
 def _write_atomically(directory: str, name: str, data: bytes) -> None:
     path = os.path.join(directory, name)
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), FILE_MODE)
+    with open(fd, "wb") as f:
+        os.fchmod(fd, FILE_MODE)  # a leftover .tmp may have had another mode
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -227,7 +269,7 @@ class NodeState:
 
     def _set(self, **changes) -> None:
         data = dict(self._data, **changes)
-        os.makedirs(self.directory, exist_ok=True)
+        os.makedirs(self.directory, mode=DIR_MODE, exist_ok=True)
         _write_atomically(self.directory, STATE_FILE, json.dumps(data, sort_keys=True).encode())
         self._data = data
 
@@ -258,7 +300,7 @@ def node_id(directory: str) -> str:
             return value
     except FileNotFoundError:
         pass
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(directory, mode=DIR_MODE, exist_ok=True)
     value = os.urandom(8).hex()
     _write_atomically(directory, NODE_ID_FILE, value.encode() + b"\n")
     return value
@@ -309,7 +351,7 @@ class ReplicationSource:
             log.warning(
                 "restarted while paired with standby %s (failover window %d ms): not granting until it "
                 "attaches again - it may have been promoted meanwhile - or `fastlock serve-alone`",
-                self.paired_id, self._paired_window_ms,
+                quote(self.paired_id), self._paired_window_ms,
             )
             self._fence(_now_ms())
 
@@ -319,7 +361,7 @@ class ReplicationSource:
         self.serving_alone = False
         _write_atomically(self.host.data_dir, PAIRING_FILE, json.dumps(
             {"standby": replica.name, "failover_after_ms": replica.failover_after_ms}).encode())
-        log.info("paired with standby %s (failover window %d ms)", replica.name, replica.failover_after_ms)
+        log.info("paired with standby %s (failover window %d ms)", quote(replica.name), replica.failover_after_ms)
 
     def _unpair(self) -> None:
         path = os.path.join(self.host.data_dir, PAIRING_FILE)
@@ -354,7 +396,7 @@ class ReplicationSource:
                     f"a live standby with node id {ident} is already attached (a copied data directory? "
                     f"delete the copy's node-id file so it gets its own identity)")
             # the same standby reconnecting: its old connection is dead or half-open
-            log.warning("standby %s reconnected; dropping its previous connection", name)
+            log.warning("standby %s reconnected; dropping its previous connection", quote(name))
             self.replicas.pop(other.conn.session, None)
             other.conn.closed = True
             other.conn.transport.abort()
@@ -364,36 +406,116 @@ class ReplicationSource:
         replica.contact_ms = self._contact_ms
         self.replicas[conn.session] = replica
         mode = "stream"
-        backlog: list[tuple[int, list]] = []
-        if incarnation != self.incarnation or from_lsn < 1:
+        if incarnation != self.incarnation or from_lsn < 1 or not wal.has_lsn(from_lsn):
             mode = "snapshot"
-        else:
-            try:
-                backlog = list(wal.read_from(from_lsn))
-            except WalCompacted:
-                mode = "snapshot"
         conn.send(P.encode_ok(req_id, {"incarnation": self.incarnation, "mode": mode,
                                        "epoch": host.table.epoch}))
-        if mode == "snapshot":
-            lsn = wal.stats()["last_lsn"]
-            epoch, counter, holders = host.snapshot_state()
-            conn.send(P.encode_push(PUSH_SNAPSHOT, [lsn, epoch, counter, [list(h) for h in holders],
-                                                    self.incarnation]))
-            replica.acked_lsn = 0
+        replica.base_cap = conn.out_cap
+        if mode == "snapshot" and len(host.table) <= INLINE_SNAPSHOT_LEASES:
+            # small: at once, and every later record follows in the live stream
+            self._deliver_snapshot(replica, *self._take_snapshot(), None)
         else:
-            for lsn, rec in backlog:
-                conn.send(P.encode_push(PUSH_RECORD, [lsn, rec]))
+            # the snapshot and the backlog are prepared off the loop and streamed; live
+            # batches follow once the standby has caught up (see _bring_up_to_date)
+            replica.catching_up = True
+            replica.task = asyncio.ensure_future(self._bring_up_to_date(replica, from_lsn, mode == "snapshot"))
         if not self._listening:
             wal.add_listener(self._on_batch)
             self._listening = True
         log.info("standby %s attached (%s from LSN %d, failover window %d ms)",
-                 replica.name, mode, from_lsn, failover_after_ms)
+                 quote(replica.name), mode, from_lsn, failover_after_ms)
         self._heartbeat()
+
+    async def _bring_up_to_date(self, replica: _Replica, from_lsn: int, snapshot: bool) -> None:
+        """Send a standby what it lacks - a snapshot if it needs one, then the log
+        after it - and hand it to the live stream (:meth:`_on_batch`).
+
+        Neither blocks the event loop for long: the snapshot is encoded on a
+        worker thread from the table's holders (taken on the loop, with the LSN
+        they match), and the log is read on a worker thread, a chunk
+        (:data:`BACKLOG_CHUNK_BYTES`) at a time, each chunk only once the standby
+        has taken the previous one (the connection's write buffer drained).  If
+        compaction deletes records meanwhile, the standby gets a snapshot instead.
+        """
+        conn = replica.conn
+        records = 0
+        try:
+            if snapshot:
+                from_lsn = await self._send_snapshot(replica) + 1
+            while True:
+                try:
+                    records += await self._stream_log(replica, from_lsn)
+                    break
+                except WalCompacted as exc:
+                    if conn.closed:
+                        return
+                    log.warning("standby %s: %s; sending a snapshot instead", quote(replica.name), exc)
+                    from_lsn = await self._send_snapshot(replica) + 1
+        except Exception:
+            log.exception("preparing the stream for standby %s failed; disconnecting it", quote(replica.name))
+            conn.closed = True
+            conn.transport.abort()
+            return
+        if conn.closed:
+            return
+        replica.catching_up = False  # same loop step as the last check: no batch falls between
+        log.info("standby %s caught up: %d records from LSN %d", quote(replica.name), records, from_lsn)
+
+    def _take_snapshot(self) -> tuple[int, int, int, list]:
+        """``(lsn, epoch, counter, holders)``: the table now and the LSN it matches."""
+        table = self.host.table
+        return self.host.wal.stats()["last_lsn"], table.epoch, table.counter, table.holders()
+
+    async def _send_snapshot(self, replica: _Replica) -> int:
+        """Send the lock table as a snapshot, encoded off the loop; return the LSN it matches."""
+        lsn, epoch, counter, holders = self._take_snapshot()
+        frame = await asyncio.get_running_loop().run_in_executor(
+            None, _encode_snapshot, lsn, epoch, counter, holders, self.incarnation)
+        self._deliver_snapshot(replica, lsn, epoch, counter, holders, frame)
+        return lsn
+
+    def _deliver_snapshot(self, replica: _Replica, lsn: int, epoch: int, counter: int, holders: list,
+                          frame: bytes | None) -> None:
+        if frame is None:
+            frame = _encode_snapshot(lsn, epoch, counter, holders, self.incarnation)
+        conn = replica.conn
+        # a standby may leave its snapshot unread plus the output cap (not just the cap)
+        conn.out_cap = replica.base_cap + len(frame)
+        conn.send(frame)
+        conn.flush()
+        replica.acked_lsn = 0
+        log.info("standby %s: sent a snapshot at LSN %d (%d leases, %d bytes)", quote(replica.name), lsn,
+                 len(holders), len(frame))
+
+    async def _stream_log(self, replica: _Replica, from_lsn: int) -> int:
+        """Stream the log from ``from_lsn`` up to the last record written; return
+        the number of records sent.  Raises WalCompacted."""
+        wal = self.host.wal
+        conn = replica.conn
+        loop = asyncio.get_running_loop()
+        reader = BacklogReader(wal, from_lsn)
+        records = 0
+        while not conn.closed:
+            upto = wal.written_lsn
+            if reader.next_lsn > upto:
+                break
+            chunk = await loop.run_in_executor(None, reader.read, BACKLOG_CHUNK_BYTES, upto)
+            if conn.closed or chunk is None:
+                continue
+            first, last, data = chunk
+            conn.send(P.encode_push(PUSH_RECORDS, [first, last, data]))
+            conn.flush()
+            replica.sent.append((last, _now_ms()))
+            records += last - first + 1
+            await conn.drained()
+        return records
 
     def detach(self, conn: "ReplicaConnection") -> None:
         replica = self.replicas.pop(conn.session, None)
         if replica is not None:
-            log.warning("standby %s detached (acked LSN %d)", replica.name, replica.acked_lsn)
+            if replica.task is not None:
+                replica.task.cancel()
+            log.warning("standby %s detached (acked LSN %d)", quote(replica.name), replica.acked_lsn)
 
     # -- streaming ------------------------------------------------------------------------
     def _on_batch(self, first_lsn: int, last_lsn: int, data: bytes) -> None:
@@ -403,16 +525,10 @@ class ReplicationSource:
         now = _now_ms()
         for replica in list(self.replicas.values()):
             conn = replica.conn
-            if conn.closed:
-                continue
-            transport = conn.transport
-            if transport.get_write_buffer_size() > MAX_STANDBY_BACKLOG_BYTES:
-                log.error("standby %s is too far behind; disconnecting it (it will resync)", replica.name)
-                conn.closed = True
-                transport.abort()
+            if conn.closed or replica.catching_up:
                 continue
             conn.send(msg)
-            conn.flush()
+            conn.flush()  # drops a standby too far behind (it resyncs): see the server's output caps
             replica.sent.append((last_lsn, now))
 
     def _heartbeat(self) -> None:
@@ -561,7 +677,7 @@ class ReplicationSource:
         self._unpair()
         self._check_fence(_now_ms())
         log.warning("operator: serving alone (unpaired from standby %s); a standby that attaches later "
-                    "pairs again", was)
+                    "pairs again", quote(was))
         return {"serving_alone": True, "unpaired": was}
 
     def status(self) -> dict:
@@ -618,8 +734,11 @@ class StandbyFollower:
 
     def __init__(self, host: "ReplicationHost", primary: tuple[str, int], failover_after_ms: int = 0,
                  auth: str | None = None, name: str | None = None,
-                 on_primary_silent: Callable[[], None] | None = None, tls: ssl.SSLContext | None = None):
+                 on_primary_silent: Callable[[], None] | None = None, tls: ssl.SSLContext | None = None,
+                 stream_limits: P.DecodeLimits | None = None):
         self.host = host
+        # what the primary's stream may hold (a snapshot is one frame with every lease)
+        self.stream_limits = stream_limits or P.stream_limits(256 << 20, 1_000_000)
         self.on_primary_silent = on_primary_silent
         self.primary = primary
         self.tls = tls
@@ -709,7 +828,8 @@ class StandbyFollower:
             address = self.primary
             try:
                 _, link = await asyncio.wait_for(loop.create_connection(
-                    lambda: rpc.RpcConnection(address, max_frame=256 << 20, on_push=self._on_push,
+                    lambda: rpc.RpcConnection(address, max_frame=None, limits=self.stream_limits,
+                                              on_push=self._on_push,
                                               on_read_end=self._on_read_end, on_close=on_close),
                     *address, ssl=tls, server_hostname=address[0] if tls else None,
                     ssl_handshake_timeout=5.0 if tls else None), 5.0)
@@ -754,10 +874,10 @@ class StandbyFollower:
                 self.connected = True
                 self._connect_error = None
                 backoff = 0.05
-                log.info("replicating from %s (%s)", self.primary_address, info.get("mode"))
+                log.info("replicating from %s (%s)", self.primary_address, quote(info.get("mode")))
                 await lost
             except (ConnectionError, asyncio.TimeoutError, FastlockError) as exc:
-                log.warning("replication from %s failed: %s", self.primary_address, exc)
+                log.warning("replication from %s failed: %s", self.primary_address, quote(str(exc)))
                 link.close()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)

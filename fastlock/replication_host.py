@@ -29,12 +29,19 @@ class ReplicaConnection(Protocol):
         peer: ``host:port`` of the standby, for logs.
         closed: set once the connection is closing; nothing more is sent.
         transport: the asyncio transport (``get_write_buffer_size``, ``abort``).
+        out_cap: bytes it may leave unsent before it is dropped (the source
+            raises it by the size of a snapshot it sends).
     """
 
     session: int
     peer: str
     closed: bool
     transport: asyncio.Transport
+    out_cap: int
+
+    def drained(self) -> "asyncio.Future[None]":
+        """Done once the connection's write buffer is low again (or it closed)."""
+        ...
 
     def send(self, data: bytes) -> None:
         """Queue encoded frames for this connection."""

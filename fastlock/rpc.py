@@ -55,6 +55,7 @@ from typing import Any, Callable
 
 from . import protocol as P
 from .errors import ConnectionLost, FastlockError, ProtocolError, error_from_wire
+from .logsafe import quote
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,8 @@ class RpcConnection(asyncio.Protocol):
                  on_push: Callable[[Any, Any], Any] | None = None,
                  on_read_end: Callable[[], Any] | None = None,
                  on_close: Callable[["RpcConnection", ConnectionLost], Any] | None = None,
-                 max_frame: int = DEFAULT_MAX_FRAME_BYTES,
+                 max_frame: int | None = DEFAULT_MAX_FRAME_BYTES,
+                 limits: P.DecodeLimits | None = None,
                  liveness_timeout: float | None = None):
         self.address = address
         self.transport: asyncio.Transport | None = None
@@ -121,7 +123,8 @@ class RpcConnection(asyncio.Protocol):
         self.silent = False
         self.pings = 0
         self.liveness_timeout = liveness_timeout
-        self._decoder = P.FrameDecoder(max_frame)
+        # what a server sends: replies and pushes (a standby's stream has its own limits)
+        self._decoder = P.FrameDecoder(max_frame, limits=limits or P.REPLY_LIMITS)
         self._next_id = 1
         self._on_push = on_push
         self._on_read_end = on_read_end
@@ -157,7 +160,8 @@ class RpcConnection(asyncio.Protocol):
                     if status != 0:  # the server's reason for closing the connection
                         self.close_error = error_from_wire(status, msg[2] if len(msg) > 2 else "",
                                                            msg[3] if len(msg) > 3 else None)
-                        log.warning("server %s closes the connection: %s", self._where(), self.close_error)
+                        log.warning("server %s closes the connection: %s", self._where(),
+                                    quote(str(self.close_error)))
                     continue
                 pushed = True
                 if self._on_push is not None:

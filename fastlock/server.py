@@ -35,6 +35,7 @@ import asyncio
 import hmac
 import logging
 import os
+import resource
 import signal
 import socket
 import ssl
@@ -72,16 +73,24 @@ from .replication import (
     StandbyFollower,
     node_id,
 )
+from .logsafe import RateLimitedLog, quote
 from .roles import Action, NodeRole, Role
 from .tls import DEFAULT_HANDSHAKE_TIMEOUT, ServerTLS, client_context, peer_identity
-from .wal import DataDirInUse, HolderRecord, WalCorruption, WriteAheadLog
+from .wal import DataDirInUse, HolderRecord, WalCorruption, WriteAheadLog, secure_directory
 
 log = logging.getLogger(__name__)
 
 _monotonic_ns = time.monotonic_ns
 
-#: replies (and watch events) a connection may leave unread before it is dropped
-MAX_OUTPUT_BUFFER_BYTES = 32 << 20
+#: open files kept free for the WAL, snapshots, the listening socket, the standby
+#: connection, the metrics endpoint and worker threads when sizing max connections
+RESERVED_FDS = 64
+#: default connection cap when the open-files limit allows it (as Redis's maxclients)
+DEFAULT_MAX_CONNECTIONS = 10_000
+#: replies queued in one loop turn beyond which they go to the transport at once
+FLUSH_EARLY_BYTES = 256 << 10
+#: exit status after a write-ahead log failure (so a supervisor restarts the server)
+EXIT_WAL_FAILED = 3
 
 
 def now_ms() -> int:
@@ -91,7 +100,16 @@ def now_ms() -> int:
 
 @dataclass
 class ServerConfig:
-    """Settings of one server process (units in the names)."""
+    """Settings of one server process.
+
+    Units are in the names (``_ms``: milliseconds, ``_bytes``: bytes; other
+    limits are counts).  The limits (from ``max_frame_bytes`` to
+    ``max_watches_per_principal``) bound what peers can make the server hold;
+    README "Limits" gives each one's flag, default and what happens beyond it.
+    A per-principal quota of 0 means none beyond the global cap.
+    :raises ValueError: (from :class:`LockServer`) a limit that is not a
+        positive integer (>= 0 for timeouts and quotas).
+    """
 
     host: str = "127.0.0.1"
     port: int = 7420
@@ -100,8 +118,23 @@ class ServerConfig:
     fsync_interval_ms: int = 1000
     snapshot_every: int = 200_000
     auth_secret: str | None = None
-    max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES
+    # -- limits: everything a peer can make the server hold (README "Limits") --
+    max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES  # one request, bytes
+    max_connections: int | None = None  # None: 10,000, lowered to fit the open-files limit
+    max_connections_per_address: int = 1_000  # per client IP address
+    hello_timeout_ms: int = 5_000  # close a connection that has not completed HELLO by then
+    idle_timeout_ms: int = 0  # close a connection silent this long (0: never; see _sweep_idle)
+    max_output_bytes: int = 32 << 20  # replies a client leaves unread before it is dropped
+    max_replica_output_bytes: int = 64 << 20  # stream a standby leaves unread before it is dropped
+    max_stream_frame_bytes: int = 256 << 20  # standby: one frame of the primary's stream
+    max_waiters: int = 100_000  # waiting acquires, all connections together
     max_waiters_per_connection: int = 10_000
+    max_leases: int = 1_000_000  # held leases
+    max_watches: int = 100_000  # WATCH subscriptions, all connections together
+    max_watches_per_connection: int = 10_000
+    max_leases_per_principal: int = 0  # 0: no quota beyond the global cap
+    max_waiters_per_principal: int = 0
+    max_watches_per_principal: int = 0
     standby_of: tuple[str, int] | None = None  # run as a standby of this primary
     failover_after_ms: int = 0  # standby: promote after this much primary silence (0: on command only)
     promotion_grace_ms: int | None = None  # after promotion, no grants for this long (None: longest TTL seen)
@@ -123,24 +156,35 @@ class ServerConfig:
 class _Connection(asyncio.Protocol):
     """One client connection = one session.
 
+    ``principal`` (str) is who the connection authenticated as - "anonymous"
+    until authentication sets it at HELLO; per-principal quotas key on it.
     ``peer_cert_identity``: the subject CN of the client certificate verified
     in this connection's TLS handshake (mutual TLS), else None.
     """
 
     __slots__ = ("server", "transport", "session", "decoder", "out", "ready", "client_name", "peer", "closed",
-                 "watching", "peer_cert_identity")
+                 "watching", "principal", "address", "accepted_ms", "last_read_ms", "out_cap", "out_bytes",
+                 "waiting", "_drain", "peer_cert_identity")
 
     def __init__(self, server: "LockServer", session: int):
         self.server = server
         self.session = session
-        self.decoder = P.FrameDecoder(server.config.max_frame_bytes)
+        # until HELLO every frame is walked before it is decoded (see protocol.FrameDecoder)
+        self.decoder = P.FrameDecoder(server.config.max_frame_bytes, shape_all=True)
         self.transport: asyncio.Transport | None = None
         self.out: list[bytes] = []
+        self.out_bytes = 0  # bytes in out
         self.ready = False  # handshake done
         self.client_name: str | None = None
+        self.principal = "anonymous"
         self.peer = "?"
+        self.address = "?"  # the peer's IP address (per-address connection cap)
         self.closed = False
         self.watching: set[str] | None = None
+        self.accepted_ms = self.last_read_ms = now_ms()
+        self.out_cap = server.config.max_output_bytes
+        self.waiting = 0  # this connection's waiters as last counted (per-principal waiter quota)
+        self._drain: asyncio.Future | None = None
         self.peer_cert_identity: str | None = None
 
     # -- asyncio callbacks ------------------------------------------------------
@@ -154,11 +198,17 @@ class _Connection(asyncio.Protocol):
             except OSError:
                 pass
         peer = transport.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
-        self.server._sessions[self.session] = self
+        if peer:
+            self.address = str(peer[0])
+            self.peer = f"{peer[0]}:{peer[1]}"
+        self.server._admit(self)
 
     def data_received(self, data: bytes) -> None:
         server = self.server
+        if self.closed:
+            return
+        if server.idle_timeout_ms:
+            self.last_read_ms = now_ms()
         if server.source.fencing:
             # after a stall, see the clock before a request can make the table grant
             server.source.fence_if_due(now_ms())
@@ -177,6 +227,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
         self.server._connection_lost(self)
 
     # -- output -----------------------------------------------------------------
@@ -185,38 +237,70 @@ class _Connection(asyncio.Protocol):
             if not self.out:
                 self.server._dirty.append(self)
             self.out.append(data)
+            self.out_bytes += len(data)
+            if self.out_bytes > FLUSH_EARLY_BYTES:
+                # one read of small requests can ask for far larger replies: hand them to
+                # the transport now, so the output cap applies within the batch too
+                self.flush()
 
     def flush(self) -> None:
         out = self.out
+        self.out_bytes = 0
         if out and not self.closed:
             transport = self.transport
             transport.write(out[0] if len(out) == 1 else b"".join(out))
-            if transport.get_write_buffer_size() > MAX_OUTPUT_BUFFER_BYTES and self.session not in self.server.source.replicas:
-                # a peer that does not read (a stuck watcher): drop it, as Redis's
-                # client-output-buffer-limit does, rather than grow without bound
-                log.warning("closing connection %s (session %d): %d bytes of replies unread",
-                            self.peer, self.session, transport.get_write_buffer_size())
+            unsent = transport.get_write_buffer_size()
+            if unsent > self.out_cap:
+                # a peer that does not read (a stuck watcher, a standby too far behind): drop it,
+                # as Redis's client-output-buffer-limit does, rather than grow without bound
+                if self.session in self.server.source.replicas:
+                    log.error("standby on %s is too far behind (%d bytes unsent, limit %d): disconnecting "
+                              "it; it resyncs when it reconnects", self.peer, unsent, self.out_cap)
+                else:
+                    log.warning("closing connection %s (session %d): %d bytes of replies unread (limit %d)",
+                                self.peer, self.session, unsent, self.out_cap)
                 self.closed = True
                 transport.abort()
         out.clear()
 
     # Flow control: while the peer does not read our replies, stop reading its
     # requests, so a pipelining client that never reads cannot grow our memory.
+    # A standby's acknowledgements must keep flowing: its output is bounded by
+    # out_cap instead (and the backlog it catches up on waits for drained()).
     def pause_writing(self) -> None:
-        if self.session not in self.server.source.replicas:  # a standby's acks must keep flowing
+        if self._drain is None or self._drain.done():
+            self._drain = self.server._loop.create_future()
+        if self.session not in self.server.source.replicas:
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
         if not self.closed and self.session not in self.server.source.replicas:
             self.transport.resume_reading()
+
+    def drained(self) -> asyncio.Future:
+        """A future done when the transport's write buffer is below its low-water
+        mark (at once if writing is not paused) or the connection is closed."""
+        if self._drain is not None and not self._drain.done() and not self.closed:
+            return self._drain
+        fut = self.server._loop.create_future()
+        fut.set_result(None)
+        return fut
 
     def fatal(self, exc: FastlockError) -> None:
         """Send a protocol error (request id 0) and close this connection only."""
         log.warning("closing connection %s (session %d): %s", self.peer, self.session, exc)
         self.send(P.encode_error(0, exc.code, str(exc)))
         self.flush()
+        self.close()
+
+    def close(self) -> None:
+        """Close after sending what is queued; frees the decoder's partial frame at once."""
         self.closed = True
-        self.transport.close()
+        self.decoder = None
+        if self.transport is not None:
+            self.transport.close()
 
 
 class LockServer:
@@ -224,6 +308,8 @@ class LockServer:
 
     def __init__(self, config: ServerConfig):
         self.config = config
+        check_limits(config)
+        secure_directory(config.data_dir)  # before anything writes to it
         self.table = LockTable()
         self.wal = WriteAheadLog(
             config.data_dir,
@@ -255,10 +341,31 @@ class LockServer:
                                             auth=config.auth_secret,
                                             name=f"{config.name}@{ident}" if config.name else ident,
                                             on_primary_silent=lambda: self.failover.on_primary_silent(),
-                                            tls=self._standby_tls_context())
+                                            tls=self._standby_tls_context(),
+                                            stream_limits=P.stream_limits(config.max_stream_frame_bytes,
+                                                                          config.max_leases))
         self.failover = FailoverPolicy(self, self.source, self.follower,
                                        promotion_grace_ms=config.promotion_grace_ms)
         self._sessions: dict[int, _Connection] = {}
+        #: connections that have not completed HELLO, oldest first (the HELLO deadline)
+        self._unready: dict[int, _Connection] = {}
+        self._per_address: dict[str, int] = {}
+        self.max_connections = config.max_connections or DEFAULT_MAX_CONNECTIONS
+        self.idle_timeout_ms = config.idle_timeout_ms
+        self._hello_timer: asyncio.TimerHandle | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._refused_log = RateLimitedLog(log)
+        self._evicted_log = RateLimitedLog(log)
+        self._hello_log = RateLimitedLog(log)
+        self._idle_log = RateLimitedLog(log, logging.INFO)
+        self._watch_count = 0
+        # per-principal quotas (kept only when the quota is set)
+        self._lease_principal: dict[str, str] = {}  # lock name -> principal of its holder
+        self._principal_leases: dict[str, int] = {}
+        self._principal_waiters: dict[str, int] = {}
+        self._principal_watches: dict[str, int] = {}
+        #: process exit status: non-zero after a fatal WAL failure
+        self.exit_status = 0
         self._next_session = 1
         self._dirty: list[_Connection] = []
         self._watchers: dict[str, set[_Connection]] = {}
@@ -325,6 +432,7 @@ class LockServer:
     # -- life cycle -----------------------------------------------------------------
     async def start(self) -> None:
         loop = self._loop = asyncio.get_running_loop()
+        self._size_connection_limit()
         if self.roles.role is Role.PRIMARY and self.node_state.standby_of:
             raise DataDirInUse(
                 f"{self.config.data_dir} belongs to a standby of {self.node_state.standby_of}: start it with "
@@ -386,6 +494,8 @@ class LockServer:
         )
         if self.follower is not None:
             self.follower.start()
+        if self.idle_timeout_ms > 0:
+            self._idle_timer = loop.call_later(self._idle_sweep_s(), self._sweep_idle)
 
     async def close(self) -> None:
         """Stop accepting, close every connection, flush and close the WAL."""
@@ -405,8 +515,9 @@ class LockServer:
             conn.flush()
             conn.closed = True
             conn.transport.close()
-        if self._timer is not None:
-            self._timer.cancel()
+        for timer in (self._timer, self._hello_timer, self._idle_timer):
+            if timer is not None:
+                timer.cancel()
         await self.wal.close()
         self._closed.set()
         log.info("stopped")
@@ -439,12 +550,21 @@ class LockServer:
 
     def _wal_fatal(self, exc: BaseException) -> None:
         # As PostgreSQL after a failed fsync: we cannot know what reached the
-        # disk, so we must not acknowledge anything more.  Stop serving.
+        # disk, so we must not acknowledge anything more.  Stop serving: every
+        # connection hears why (an error with request id 0, so a waiting client
+        # sees an error, not a bare EOF), and the process exits non-zero so that
+        # a supervisor (systemd Restart=on-failure) restarts it; recovery then
+        # restores every acknowledged grant from the log.
         log.critical("write-ahead log failed (%s); stopping without acknowledging further grants", exc)
+        self.exit_status = EXIT_WAL_FAILED
+        notice = P.encode_error(0, Unavailable.code, f"the server stopped: its write-ahead log failed ({exc}); "
+                                                     f"nothing pending was granted")
         for conn in list(self._sessions.values()):
             conn.out.clear()
-            conn.closed = True
-            conn.transport.abort()
+            conn.send(notice)
+            conn.flush()
+            conn.close()
+        self._dirty.clear()
         if self._server is not None:
             self._server.close()
         if self.tls is not None:
@@ -456,15 +576,131 @@ class LockServer:
         self._next_session = sid + 1
         return _Connection(self, sid)
 
+    # -- connection limits ---------------------------------------------------------------
+    def _size_connection_limit(self) -> None:
+        """Raise the open-files soft limit to the hard limit, and keep the
+        connection cap below it (RESERVED_FDS left for files and the standby)."""
+        soft = raise_open_files_limit()
+        if soft is None:
+            return
+        fit = max(16, soft - RESERVED_FDS)
+        if self.config.max_connections is None:
+            self.max_connections = min(DEFAULT_MAX_CONNECTIONS, fit)
+        elif self.config.max_connections > fit:
+            log.warning("--max-connections %d is above what the open-files limit (%d) allows: using %d",
+                        self.config.max_connections, soft, fit)
+            self.max_connections = fit
+        log.info("connection limits: %d in all, %d per address (open-files limit %d)", self.max_connections,
+                 self.config.max_connections_per_address, soft)
+
+    def _admit(self, conn: _Connection) -> None:
+        """A new connection: count it, or refuse it (close, logged at most every 10 s).
+
+        At the global cap the oldest connection that has not completed HELLO is
+        closed to make room (a handshake reserve: a flood of idle connections
+        cannot lock out a client that authenticates, nor the standby); with no
+        such connection, the new one is refused.
+        """
+        per = self._per_address.get(conn.address, 0)
+        if per >= self.config.max_connections_per_address:
+            self._refused_log("refusing connection from %s: already %d connections from this address "
+                              "(--max-connections-per-address)", conn.peer, per)
+            self._refuse(conn)
+            return
+        if len(self._sessions) >= self.max_connections:
+            if not self._unready:
+                self._refused_log("refusing connection from %s: %d connections open (--max-connections)",
+                                  conn.peer, len(self._sessions))
+                self._refuse(conn)
+                return
+            victim = next(iter(self._unready.values()))
+            self._evicted_log("connection limit %d reached: closing %s (no HELLO after %d ms) to admit %s",
+                              self.max_connections, victim.peer, now_ms() - victim.accepted_ms, conn.peer)
+            self._forget(victim)
+            self._refuse(victim)
+        self._sessions[conn.session] = conn
+        self._per_address[conn.address] = per + 1
+        self._unready[conn.session] = conn
+        if self._hello_timer is None:
+            self._arm_hello_timer()
+
+    @staticmethod
+    def _refuse(conn: _Connection) -> None:
+        conn.closed = True
+        conn.decoder = None
+        conn.transport.abort()
+
+    def _forget(self, conn: _Connection) -> bool:
+        """Uncount a connection; False if it was not counted (refused or already forgotten)."""
+        if self._sessions.pop(conn.session, None) is None:
+            return False
+        self._unready.pop(conn.session, None)
+        n = self._per_address.get(conn.address, 0) - 1
+        if n > 0:
+            self._per_address[conn.address] = n
+        else:
+            self._per_address.pop(conn.address, None)
+        return True
+
+    def _arm_hello_timer(self) -> None:
+        timeout = self.config.hello_timeout_ms
+        if self._hello_timer is None and self._unready and timeout > 0:
+            oldest = next(iter(self._unready.values()))
+            delay = max(0, oldest.accepted_ms + timeout - now_ms()) / 1000.0
+            self._hello_timer = self._loop.call_later(delay, self._on_hello_timer)
+
+    def _on_hello_timer(self) -> None:
+        """Close every connection that has not completed HELLO within the deadline
+        (one timer for all of them: they are kept in arrival order)."""
+        self._hello_timer = None
+        cutoff = now_ms() - self.config.hello_timeout_ms
+        late = []
+        for conn in self._unready.values():
+            if conn.accepted_ms > cutoff:
+                break
+            late.append(conn)
+        for conn in late:
+            self._forget(conn)
+            self._refuse(conn)
+        if late:
+            self._hello_log("closed %d connections that did not complete HELLO within %d ms (--hello-timeout; "
+                            "the last from %s)", len(late), self.config.hello_timeout_ms, late[-1].peer)
+        self._arm_hello_timer()
+
+    def _idle_sweep_s(self) -> float:
+        return max(0.05, self.idle_timeout_ms / 4000.0)
+
+    def _sweep_idle(self) -> None:
+        """Close connections that sent nothing for ``idle_timeout_ms`` - except those
+        waiting for a lock, watching one, or replicating (they wait for us, as
+        Redis's timeout spares blocked clients)."""
+        self._idle_timer = self._loop.call_later(self._idle_sweep_s(), self._sweep_idle)
+        cutoff = now_ms() - self.idle_timeout_ms
+        replicas = self.source.replicas
+        table = self.table
+        idle = [c for c in self._sessions.values()
+                if c.ready and c.last_read_ms <= cutoff and not c.watching and c.session not in replicas
+                and not table.session_waiters(c.session)]
+        for conn in idle:
+            conn.close()
+        if idle:
+            self._idle_log("closed %d connections idle for %d ms or more (--idle-timeout; the last %s)",
+                           len(idle), self.idle_timeout_ms, idle[-1].peer)
+
     def _connection_lost(self, conn: _Connection) -> None:
-        self._sessions.pop(conn.session, None)
+        if not self._forget(conn) and conn.session not in self.source.replicas:
+            return  # refused, or closed before HELLO: it holds nothing
         self.source.fence_if_due(now_ms())
         if conn.session in self.source.replicas:
             self.source.detach(conn)
         if conn.watching:
             for name in conn.watching:
                 self._unwatch(conn, name)
+            self._count_watches(conn, -len(conn.watching))
         dropped = self.table.drop_session(conn.session, self._table_now())
+        if conn.waiting:
+            self._principal_waiters[conn.principal] -= conn.waiting
+            conn.waiting = 0
         if dropped:
             log.debug("session %d closed; %d waiters removed", conn.session, dropped)
         self.after_batch()
@@ -489,28 +725,38 @@ class LockServer:
         wal = self.wal
         grants = None
         sessions = self._sessions
+        quotas = self.config.max_leases_per_principal or self.config.max_waiters_per_principal
         for ev in events:
             kind = ev.kind
             if kind == EV_GRANTED:
                 if ev.fresh:
                     meta = ev.meta
                     wal.log_grant(ev.name, ev.token, ev.owner, ev.ttl_ms, ev.lock_delay_ms, meta[0], meta[1])
+                    if quotas:
+                        self._lease_granted(ev)
                 if grants is None:
                     grants = []
                 grants.append(ev)
             elif kind == EV_EXPIRED:
                 wal.log_expire(ev.name, ev.token)
+                if self._lease_principal:
+                    self._lease_ended(ev.name)
                 if ev.name in self._watchers:
                     self._notify(ev.name, "expired", ev.token, ev.meta)
-                log.info("lease expired: %s token %d (holder %s)", ev.name, ev.token, ev.meta[0] if ev.meta else None)
+                log.info("lease expired: %s token %d (holder %s)", quote(ev.name), ev.token,
+                         quote(ev.meta[0] if ev.meta else None))
             elif kind == EV_WAIT_TIMEOUT:
                 conn = sessions.get(ev.session)
                 if conn is not None:
                     conn.send(P.encode_error(ev.request, LockNotAcquired.code, f"{ev.name!r}: wait ran out"))
+                    if conn.waiting:
+                        self._count_waiters(conn)
             elif kind == EV_WAIT_CANCELLED:
                 conn = sessions.get(ev.session)
                 if conn is not None:
                     conn.send(P.encode_error(ev.request, Cancelled.code, f"{ev.name!r}: acquire cancelled"))
+                    if conn.waiting:
+                        self._count_waiters(conn)
         if grants is not None:
             if wal.flush_now():  # relaxed fsync modes: written to the OS now, ack in this turn
                 self._deliver_grants(grants)
@@ -537,7 +783,8 @@ class LockServer:
                     continue
                 self._released(ev.name, ev.token, ev.meta)
                 undelivered = True
-                log.info("released undeliverable grant %s token %d (session %d gone)", ev.name, ev.token, ev.session)
+                log.info("released undeliverable grant %s token %d (session %d gone)", quote(ev.name), ev.token,
+                         ev.session)
                 continue
             conn.send(P.packb([ev.request, 0, [ev.token, ev.ttl_ms, ev.waited_ms]]))
         if undelivered:
@@ -623,11 +870,20 @@ class LockServer:
         expected = self.config.auth_secret
         if expected is not None:
             if type(secret) is not str or not hmac.compare_digest(secret.encode(), expected.encode()):
-                log.warning("auth refused for %s (%s)", conn.peer, conn.client_name)
+                log.warning("auth refused for %s (%s)", conn.peer, quote(conn.client_name))
                 raise AuthError("authentication failed")
-        conn.ready = True
-        log.debug("session %d hello from %s (%s)", conn.session, conn.peer, conn.client_name)
+        self._handshake_done(conn)
+        log.debug("session %d hello from %s (%s)", conn.session, conn.peer, quote(conn.client_name))
         conn.send(P.encode_ok(req_id, self._hello_info(conn)))
+
+    def _handshake_done(self, conn: _Connection) -> None:
+        """HELLO succeeded: the connection leaves the HELLO deadline and the
+        handshake reserve (see :meth:`_admit`), and its frames are no longer walked
+        before decoding."""
+        conn.ready = True
+        self._unready.pop(conn.session, None)
+        if conn.decoder is not None:
+            conn.decoder.shape_all = False
 
     def _hello_info(self, conn: _Connection) -> dict:
         return {
@@ -653,15 +909,31 @@ class LockServer:
         table = self.table
         now = now_ms()
         self.roles.admit(Action.ACQUIRE)
-        if wait_ms != 0 and table.session_waiters(conn.session) >= self.config.max_waiters_per_connection:
-            raise LimitExceeded(
-                f"this connection already has {self.config.max_waiters_per_connection} waiting acquires"
-            )
+        config = self.config
+        if wait_ms != 0:
+            if table.session_waiters(conn.session) >= config.max_waiters_per_connection:
+                raise LimitExceeded(f"this connection already has {config.max_waiters_per_connection} waiting "
+                                    f"acquires (--max-waiters-per-connection)")
+            if table.waiter_count >= config.max_waiters:
+                raise LimitExceeded(f"the server already has {config.max_waiters} waiting acquires (--max-waiters)")
+            if (config.max_waiters_per_principal
+                    and self._principal_waiters.get(conn.principal, 0) >= config.max_waiters_per_principal):
+                raise LimitExceeded(f"principal {conn.principal!r} already has {config.max_waiters_per_principal} "
+                                    f"waiting acquires (--max-waiters-per-principal)")
+        if len(table) >= config.max_leases and table.holder(name, now) is None:
+            raise LimitExceeded(f"the server already holds {config.max_leases} leases (--max-leases)")
+        if (config.max_leases_per_principal
+                and self._principal_leases.get(conn.principal, 0) >= config.max_leases_per_principal
+                and table.holder(name, now) is None):
+            raise LimitExceeded(f"principal {conn.principal!r} already holds {config.max_leases_per_principal} "
+                                f"leases (--max-leases-per-principal)")
         if ttl_ms > self.max_ttl_ms:
             self.max_ttl_ms = ttl_ms
             self.node_state.raise_ttl(ttl_ms)  # rare: only a new longest TTL writes
         status = table.acquire(name, owner, conn.session, req_id, ttl_ms, wait_ms, delay_ms,
                                (conn.client_name, corr), now)
+        if config.max_waiters_per_principal:
+            self._count_waiters(conn)
         if status == NOT_ACQUIRED:
             grace_ms = self.roles.grace_remaining_ms(now)
             if grace_ms:
@@ -728,6 +1000,8 @@ class LockServer:
         result = None
         if table.cancel(name, owner, now):
             result = "cancelled"
+            if self.config.max_waiters_per_principal:
+                self._count_waiters(conn)
         else:
             holder = table.holder(name, now)
             if holder is not None and holder.owner == owner:
@@ -748,6 +1022,8 @@ class LockServer:
     def _released(self, name: str, token: int, meta: tuple | None) -> None:
         """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id))."""
         self.wal.log_release(name, token)
+        if self._lease_principal:
+            self._lease_ended(name)
         if name in self._watchers:
             self._notify(name, "released", token, meta)
 
@@ -756,6 +1032,33 @@ class LockServer:
         data = P.encode_push(P.PUSH_WATCH, [name, what, token, client, corr])
         for conn in self._watchers[name]:
             conn.send(data)
+
+    # -- per-principal quotas (bookkeeping only while a quota is set) ----------------------
+    def _lease_granted(self, ev) -> None:
+        conn = self._sessions.get(ev.session)
+        if self.config.max_waiters_per_principal and conn is not None and conn.waiting:
+            self._count_waiters(conn)  # a waiter became the holder
+        if self.config.max_leases_per_principal:
+            principal = conn.principal if conn is not None else "-"
+            self._lease_principal[ev.name] = principal
+            self._principal_leases[principal] = self._principal_leases.get(principal, 0) + 1
+
+    def _lease_ended(self, name: str) -> None:
+        principal = self._lease_principal.pop(name, None)
+        if principal is not None:
+            self._principal_leases[principal] -= 1
+
+    def _count_waiters(self, conn: _Connection) -> None:
+        """Re-count ``conn``'s waiters into its principal's total."""
+        n = self.table.session_waiters(conn.session)
+        if n != conn.waiting:
+            self._principal_waiters[conn.principal] = self._principal_waiters.get(conn.principal, 0) + n - conn.waiting
+            conn.waiting = n
+
+    def _count_watches(self, conn: _Connection, delta: int) -> None:
+        self._watch_count += delta
+        if self.config.max_watches_per_principal:
+            self._principal_watches[conn.principal] = self._principal_watches.get(conn.principal, 0) + delta
 
     def _holder_info(self, name: str) -> dict | None:
         now = now_ms()
@@ -771,8 +1074,18 @@ class LockServer:
         self.roles.admit(Action.READ)
         if conn.watching is None:
             conn.watching = set()
-        if name not in conn.watching and len(conn.watching) >= self.config.max_waiters_per_connection:
-            raise LimitExceeded(f"this connection already watches {len(conn.watching)} locks")
+        if name not in conn.watching:
+            config = self.config
+            if len(conn.watching) >= config.max_watches_per_connection:
+                raise LimitExceeded(f"this connection already watches {len(conn.watching)} locks "
+                                    f"(--max-watches-per-connection)")
+            if self._watch_count >= config.max_watches:
+                raise LimitExceeded(f"the server already has {config.max_watches} watches (--max-watches)")
+            if (config.max_watches_per_principal
+                    and self._principal_watches.get(conn.principal, 0) >= config.max_watches_per_principal):
+                raise LimitExceeded(f"principal {conn.principal!r} already has {config.max_watches_per_principal} "
+                                    f"watches (--max-watches-per-principal)")
+            self._count_watches(conn, 1)
         conn.watching.add(name)
         self._watchers.setdefault(name, set()).add(conn)
         conn.send(P.encode_ok(req_id, self._holder_info(name)))
@@ -783,6 +1096,7 @@ class LockServer:
         if was:
             conn.watching.discard(name)
             self._unwatch(conn, name)
+            self._count_watches(conn, -1)
         conn.send(P.encode_ok(req_id, was))
 
     def _unwatch(self, conn: _Connection, name: str) -> None:
@@ -803,14 +1117,20 @@ class LockServer:
         if type(from_lsn) is not int or type(failover_after_ms) is not int or failover_after_ms < 0:
             raise InvalidArgument("replicate takes from_lsn:int, incarnation, failover_after_ms:int >= 0, name")
         self.roles.admit(Action.SERVE_STANDBY)
-        self.source.attach(conn, req_id, from_lsn, incarnation, failover_after_ms,
-                           P.check_optional_str(name, "standby name", P.MAX_CLIENT_NAME_CHARS))
+        name = P.check_optional_str(name, "standby name", P.MAX_CLIENT_NAME_CHARS)
+        conn.out_cap = self.config.max_replica_output_bytes  # (plus its snapshot: see ReplicationSource)
+        try:
+            self.source.attach(conn, req_id, from_lsn, incarnation, failover_after_ms, name)
+        except BaseException:
+            conn.out_cap = self.config.max_output_bytes
+            raise
 
     def _op_repl_ack(self, conn: _Connection, req_id: int, msg: list) -> None:
         self.source.on_ack(conn, msg[2], msg[3])  # no reply: acks stream continuously
 
     def _op_step_down(self, conn: _Connection, req_id: int, msg: list) -> None:
-        info = self.failover.on_step_down_request(msg[2], msg[3], f"{conn.client_name or 'a peer'} at {conn.peer}")
+        requester = f"{quote(conn.client_name) if conn.client_name else 'a peer'} at {conn.peer}"  # reaches logs
+        info = self.failover.on_step_down_request(msg[2], msg[3], requester)
         conn.send(P.encode_ok(req_id, info))
 
     def _op_promote(self, conn: _Connection, req_id: int, msg: list) -> None:
@@ -855,6 +1175,8 @@ class LockServer:
             version=__version__,
             grace_remaining_ms=self.roles.grace_remaining_ms(now_ms()),
         )
+        st["limits"] = {"connections": len(self._sessions), "connections_without_hello": len(self._unready),
+                        "max_connections": self.max_connections, "watches": self._watch_count}
         if self.tls is not None:
             st["tls"] = self.tls.status()
         if self.roles.role is Role.STANDBY and self.follower is not None:
@@ -862,6 +1184,45 @@ class LockServer:
         else:
             st["replication"] = self.source.status()
         return st
+
+
+def raise_open_files_limit() -> int | None:
+    """Raise this process's RLIMIT_NOFILE soft limit to its hard limit (each
+    connection is a file descriptor).  Returns the soft limit now in force, or
+    None where the platform has no such limit."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (AttributeError, OSError, ValueError):
+        return None
+    if hard == resource.RLIM_INFINITY:
+        hard = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            log.info("open-files limit raised from %d to %d", soft, hard)
+            soft = hard
+        except (OSError, ValueError) as exc:
+            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, hard, exc)
+    return hard if soft == resource.RLIM_INFINITY else soft
+
+
+def check_limits(config: ServerConfig) -> None:
+    """Refuse nonsensical limits (ValueError naming the field)."""
+    positive = ("max_frame_bytes", "max_connections_per_address", "max_output_bytes", "max_replica_output_bytes",
+                "max_stream_frame_bytes", "max_waiters", "max_waiters_per_connection", "max_leases",
+                "max_watches", "max_watches_per_connection")
+    for field_name in positive:
+        value = getattr(config, field_name)
+        if type(value) is not int or value <= 0:
+            raise ValueError(f"{field_name} must be a positive integer, not {value!r}")
+    for field_name in ("hello_timeout_ms", "idle_timeout_ms", "max_leases_per_principal",
+                       "max_waiters_per_principal", "max_watches_per_principal"):
+        value = getattr(config, field_name)
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{field_name} must be an integer >= 0, not {value!r}")
+    if config.max_connections is not None and (type(config.max_connections) is not int
+                                               or config.max_connections <= 0):
+        raise ValueError(f"max_connections must be a positive integer or None, not {config.max_connections!r}")
 
 
 def _install_loop_policy() -> str:
@@ -890,13 +1251,14 @@ async def _serve(config: ServerConfig) -> int:
     await server.close()
     waiter.cancel()
     closed.cancel()
-    return 0
+    return server.exit_status
 
 
 def serve(config: ServerConfig, *, use_uvloop: bool = True) -> int:
     """Run a server until SIGTERM/SIGINT.  Returns the process exit status."""
     loop_name = _install_loop_policy() if use_uvloop else "asyncio"
     log.info("event loop: %s", loop_name)
+    os.umask(0o077)  # every file this process creates is its owner's only (the data holds owner keys)
     try:
         return asyncio.run(_serve(config))
     except WalCorruption as exc:

@@ -177,6 +177,7 @@ import logging
 import os
 import queue
 import re
+import stat
 import struct
 import sys
 import threading
@@ -510,6 +511,139 @@ def _read_file(path: str) -> bytes:
         return f.read()
 
 
+#: a data directory holds owner keys (in grants and snapshots): only its owner may read it
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+def secure_directory(directory: str) -> None:
+    """Create ``directory`` with mode 0700 if missing; tighten an existing one to
+    0700 and every file in it to 0600 (each change logged at WARNING).
+
+    :raises OSError: the directory cannot be created or changed.
+    """
+    os.makedirs(directory, mode=DIR_MODE, exist_ok=True)
+    st = os.stat(directory)
+    if st.st_mode & 0o777 != DIR_MODE:
+        os.chmod(directory, DIR_MODE)
+        log.warning("data directory %s was mode %o: tightened to %o", directory, st.st_mode & 0o777, DIR_MODE)
+    loose = []
+    for fn in os.listdir(directory):
+        path = os.path.join(directory, fn)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_mode & 0o777 != FILE_MODE:
+            os.chmod(path, FILE_MODE)
+            loose.append(fn)
+    if loose:
+        log.warning("data directory %s: tightened %d files to mode %o (%s%s)", directory, len(loose), FILE_MODE,
+                    ", ".join(sorted(loose)[:5]), ", ..." if len(loose) > 5 else "")
+
+
+class BacklogReader:
+    """Reads the log's frames from an LSN on, in chunks of raw frame bytes, for a
+    standby catching up (``REPLICATE`` with a position).
+
+    Meant to run off the event loop (``loop.run_in_executor``): each
+    :meth:`read` does file I/O and walks frame headers only - records are not
+    decoded, the bytes go to the standby as written (it checks every CRC).
+    Keeps its place between calls, so reading a whole log costs one pass.
+    Not thread-safe: one call at a time.
+
+    :param wal: the log.
+    :param lsn: first LSN to return (>= 1).
+    """
+
+    def __init__(self, wal: "WriteAheadLog", lsn: int):
+        self.wal = wal
+        self.next_lsn = max(1, lsn)
+        self._seg_first = 0  # first LSN of the segment being read (0: none yet)
+        self._seg_path = ""
+        self._offset = 0  # file offset of the frame of next_lsn in that segment
+        self._seg_lsn = 0  # LSN at _offset
+
+    def _segments(self) -> list[tuple[int, str]]:
+        with self.wal._seg_lock:
+            return list(self.wal._segments)
+
+    def _seek(self) -> None:
+        """Find the segment holding ``next_lsn`` and the offset of its frame."""
+        segs = self._segments()
+        lsn = self.next_lsn
+        if not segs or lsn < segs[0][0]:
+            raise WalCompacted(f"LSN {lsn} is no longer in the log (oldest segment starts at "
+                               f"{segs[0][0] if segs else None})")
+        first, path = max((sf, sp) for sf, sp in segs if sf <= lsn)
+        self._seg_first, self._seg_path = first, path
+        self._offset, self._seg_lsn = _SEG_HEADER.size, first
+
+    def read(self, max_bytes: int, upto: int) -> tuple[int, int, bytes] | None:
+        """Return ``(first_lsn, last_lsn, frames)`` - whole frames, about
+        ``max_bytes`` of them, from ``next_lsn`` and at most up to LSN ``upto`` -
+        or None when ``next_lsn > upto``.
+
+        :raises WalCompacted: the records were deleted by compaction.
+        :raises WalCorruption: a damaged frame on the way.
+        """
+        if self.next_lsn > upto:
+            return None
+        if not self._seg_first:
+            self._seek()
+        while True:
+            try:
+                with open(self._seg_path, "rb") as f:
+                    out = self._read_segment(f, max_bytes, upto)
+            except FileNotFoundError:
+                raise WalCompacted(f"segment {self._seg_path} was deleted while a standby read it") from None
+            if out is not None:
+                return out
+            # this segment holds nothing more: move to the one starting at next_lsn
+            nxt = [(sf, sp) for sf, sp in self._segments() if sf == self.next_lsn]
+            if not nxt:
+                raise WalCorruption(f"{self._seg_path}: ends before LSN {self.next_lsn} (<= {upto})",
+                                    self._seg_path, self._offset, self.next_lsn)
+            self._seg_first, self._seg_path = nxt[0]
+            self._offset, self._seg_lsn = _SEG_HEADER.size, self._seg_first
+
+    def _read_segment(self, f, max_bytes: int, upto: int) -> tuple[int, int, bytes] | None:
+        unpack_from = _FRAME.unpack_from
+        # skip the frames before next_lsn (headers only, a block at a time)
+        while self._seg_lsn < self.next_lsn:
+            f.seek(self._offset)
+            block = f.read(MAX_RECORD_BYTES + (1 << 20))
+            p = 0
+            while self._seg_lsn < self.next_lsn and p + 8 <= len(block):
+                end = p + 8 + (unpack_from(block, p)[1] & _LEN_MASK)
+                if end > len(block):
+                    break
+                p = end
+                self._seg_lsn += 1
+            if p == 0:
+                return None  # the segment ends here
+            self._offset += p
+        f.seek(self._offset)
+        data = f.read(max_bytes + MAX_RECORD_BYTES + 8)
+        pos = 0
+        n = len(data)
+        lsn = self._seg_lsn
+        while lsn <= upto and pos + 8 <= n and (pos < max_bytes or pos == 0):
+            crc, lw = unpack_from(data, pos)
+            ln = lw & _LEN_MASK
+            end = pos + 8 + ln
+            if ln == 0 or ln > MAX_RECORD_BYTES or end > n:
+                break  # the end of what is written (upto bounds us to written records)
+            pos = end
+            lsn += 1
+        if lsn == self._seg_lsn:
+            return None
+        first = self._seg_lsn
+        self._offset += pos
+        self._seg_lsn = self.next_lsn = lsn
+        return first, lsn - 1, data[:pos]
+
+
 def _encode_snapshot(lsn: int, epoch: int, counter: int, holders: Sequence) -> bytes:
     packer = msgpack.Packer()
     parts = [packer.pack_array_header(len(holders))]
@@ -780,7 +914,7 @@ class WriteAheadLog:
 
     def _lock_directory(self) -> None:
         path = os.path.join(self.directory, "LOCK")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -797,7 +931,7 @@ class WriteAheadLog:
 
     def _open(self, repair: bool) -> RecoveredState:
         d = self.directory
-        os.makedirs(d, exist_ok=True)
+        secure_directory(d)
         self._lock_directory()
         for fn in os.listdir(d):
             if fn.startswith("snap-") and fn.endswith(".tmp"):
@@ -881,7 +1015,7 @@ class WriteAheadLog:
                 # an empty segment left by a previous open(): start it afresh
                 self._segments.pop()
                 os.unlink(path)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), FILE_MODE)
         try:
             self._write_all(fd, _seg_header(first_lsn))
             os.fsync(fd)
@@ -1200,6 +1334,18 @@ class WriteAheadLog:
         self._listeners.remove(fn)
 
     # -- reading back ----------------------------------------------------------------------
+    @property
+    def written_lsn(self) -> int:
+        """The last LSN written to a segment (readable by :class:`BacklogReader`)."""
+        return self._written_lsn
+
+    def has_lsn(self, lsn: int) -> bool:
+        """Is ``lsn`` still in the segments on disk, or not yet written (True), or
+        compacted away (False)?"""
+        with self._seg_lock:
+            oldest = self._segments[0][0] if self._segments else self._next_lsn
+        return lsn >= oldest or lsn > self._written_lsn
+
     def read_from(self, lsn: int) -> Iterator[tuple[int, list]]:
         """Iterate ``(lsn, record)`` for records >= ``lsn`` written so far (segments on disk).
 
@@ -1290,7 +1436,7 @@ class WriteAheadLog:
         d = self.directory
         path = os.path.join(d, _snap_name(lsn))
         tmp = path + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), FILE_MODE)
         try:
             self._write_all(fd, data)
             os.fsync(fd)

@@ -134,6 +134,7 @@ class FakeConnection:
         self.closed = False
         self.transport = FakeTransport()
         self.sent: list[bytes] = []
+        self.out_cap = 64 << 20
 
     def send(self, data: bytes) -> None:
         self.sent.append(data)
@@ -142,7 +143,7 @@ class FakeConnection:
         pass
 
     def messages(self) -> list:
-        dec = P.FrameDecoder()
+        dec = P.FrameDecoder(limits=P.REPLY_LIMITS)
         return [m for data in self.sent for m in dec.feed(data)]
 
     def pushes(self, kind: str) -> list:

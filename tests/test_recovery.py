@@ -345,7 +345,7 @@ async def test_wal_dump_audit_trail(tmp_path, servers, loop_errors):
         a1 = await c.acquire("audit/a", ttl=30.0, correlation_id="req-42")
         await c.release(a1)
         b1 = await c.acquire("audit/b", ttl=0.2, correlation_id="req-43")  # left to expire
-        await asyncio.to_thread(srv.wait_for_log, r"lease expired: audit/b", 10)
+        await asyncio.to_thread(srv.wait_for_log, r"lease expired: 'audit/b'", 10)
         # an expiry is acknowledged to nobody: wait until its record is on disk before the crash
         await wait_until(lambda: _durable(c, 4), 5, "the expiry record to be fsynced")
     await down(srv, "kill")

@@ -70,7 +70,7 @@ def test_grants_releases_and_expiries_reach_the_standby(cluster):
                 await a.release(name, token, owner)
             mark = len(p.lines)
             await a.acquire("short", 300)  # expires on the primary; the expiry is a record
-            await asyncio.to_thread(p.wait_for_log, r"lease expired: short", 5, mark)
+            await asyncio.to_thread(p.wait_for_log, r"lease expired: 'short'", 5, mark)
             pst, sst = await caught_up(s.address, p.address)
             assert pst["locks_held"] == 4
             assert sst["locks_held"] == 4
@@ -281,7 +281,7 @@ def test_a_primary_steps_down_on_step_down_for_the_next_epoch_only(cluster):
             assert await peer.request(P.OP_STEP_DOWN, 1, peer.hello["clock_ms"]) == {"role": "deposed", "epoch": 0}
         finally:
             await peer.close()
-        await asyncio.to_thread(p.wait_for_log, r"stepping down: standby:b at .* is promoting to epoch 1", 5)
+        await asyncio.to_thread(p.wait_for_log, r"stepping down: 'standby:b' at .* is promoting to epoch 1", 5)
         # for good: every later connection finds it deposed, and no lock op names a primary
         again = await RawNode.open(p.address)
         try:
