@@ -68,7 +68,7 @@ def _pct(values: list[float], p: float) -> float:
 class _StatusPoller:
     """A blocking STATUS client on one socket (no fastlock client: it must not redirect)."""
 
-    def __init__(self, address: str, timeout: float = 2.0):
+    def __init__(self, address: str, timeout: float = 2.0, token: str | None = None):
         from fastlock import protocol as P
 
         self.P = P
@@ -77,7 +77,7 @@ class _StatusPoller:
         self.sock.settimeout(timeout)
         self.dec = P.FrameDecoder(limits=P.REPLY_LIMITS)
         self.next_id = 1
-        self._call(P.OP_HELLO, P.PROTOCOL_VERSION, "bench-status", None)
+        self._call(P.OP_HELLO, P.PROTOCOL_VERSION, "bench-status", token)  # an admin sees the standbys
 
     def _call(self, op: int, *args: Any) -> Any:
         rid = self.next_id
@@ -101,8 +101,9 @@ class _StatusPoller:
 
 
 class _LagSampler(threading.Thread):
-    def __init__(self, primary: str, standby: str, every: float = 0.05):
+    def __init__(self, primary: str, standby: str, every: float = 0.05, token: str | None = None):
         super().__init__(daemon=True, name="lag-sampler")
+        self.token = token
         self.primary, self.standby, self.every = primary, standby, every
         self.stop_event = threading.Event()
         self.lag_records: list[int] = []
@@ -112,7 +113,7 @@ class _LagSampler(threading.Thread):
 
     def run(self) -> None:
         try:
-            p, s = _StatusPoller(self.primary), _StatusPoller(self.standby)
+            p, s = _StatusPoller(self.primary, token=self.token), _StatusPoller(self.standby, token=self.token)
         except OSError as exc:
             self.errors.append(str(exc))
             return
@@ -151,13 +152,20 @@ class FastlockWithStandby(FastlockTarget):
         self.name = f"fastlock fsync={fsync} + standby"
 
     def start(self) -> None:
+        from fastlock._testbase import CredentialsDir
+
+        # a standby authenticates as a replica principal; clients stay anonymous
+        self._creds_dir = tempfile.mkdtemp(prefix="bench-fastlock-credentials-")
+        creds = CredentialsDir(os.path.join(self._creds_dir, "c"), replicas=2)
+        self.extra_args = (*self.extra_args, *creds.server_args("node-1"))
+        self.admin_token = creds.token("admin")
         super().start()
         d = os.path.join(self.tmpdir, "standby")
         os.makedirs(d)
         argv = [self.python, "-m", "fastlock", "serve", "--listen", "127.0.0.1:0",
                 "--data-dir", os.path.join(d, "data"), "--fsync", self.fsync,
                 "--standby-of", f"127.0.0.1:{self.port}", "--failover-after", str(self.failover_after),
-                "--name", "bench-standby"]
+                "--name", "bench-standby", *creds.server_args("node-2")]
         srv = harness.ServerProcess("fastlock-standby", argv, log_path=os.path.join(d, "server.log"), cwd=d,
                                     env=_env_with_fastlock())
         self.servers.append(srv)
@@ -167,6 +175,10 @@ class FastlockWithStandby(FastlockTarget):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"standby did not attach: {srv.tail()}")
             time.sleep(0.02)
+
+    def stop(self) -> None:
+        super().stop()
+        shutil.rmtree(self._creds_dir, ignore_errors=True)
 
 
 def run_w2(args: argparse.Namespace, log) -> dict[str, Any]:
@@ -184,7 +196,8 @@ def run_w2(args: argparse.Namespace, log) -> dict[str, Any]:
         sampler = None
         with harness.running(target):
             if kind == "standby":
-                sampler = _LagSampler(f"127.0.0.1:{target.port}", f"127.0.0.1:{target.standby_port}")
+                sampler = _LagSampler(f"127.0.0.1:{target.port}", f"127.0.0.1:{target.standby_port}",
+                                      token=target.admin_token)
                 sampler.start()
             try:
                 row = harness.run_workload(target, wl, use_uvloop=args.uvloop)
@@ -227,14 +240,18 @@ async def _one_failover(run: int, root: str, args: argparse.Namespace) -> dict[s
     from fastlock._testbase import ServerProcess
     from fastlock.errors import ConnectionLost, FastlockError
 
-    p = ServerProcess(os.path.join(root, f"p{run}"), fsync=args.fsync, env=_env_with_fastlock())
+    from fastlock._testbase import CredentialsDir
+
+    creds = CredentialsDir(os.path.join(root, f"credentials{run}"), replicas=2)
+    p = ServerProcess(os.path.join(root, f"p{run}"), fsync=args.fsync, env=_env_with_fastlock(),
+                      args=creds.server_args("node-1"))
     s = ServerProcess(os.path.join(root, f"s{run}"), fsync=args.fsync, env=_env_with_fastlock())
     clients = []
     tasks: list[asyncio.Task] = []
     try:
         await asyncio.to_thread(p.start)
         s.args = ["--standby-of", p.address, "--failover-after", str(args.failover_after),
-                  "--promotion-grace", str(args.promotion_grace)]
+                  "--promotion-grace", str(args.promotion_grace), *creds.server_args("node-2")]
         await asyncio.to_thread(s.start)
         await asyncio.to_thread(s.wait_for_log, r"replicating from", 10)
         await asyncio.to_thread(s.wait_for_log, r"paired: primary", 10)  # automatic failover armed

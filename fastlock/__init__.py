@@ -7,6 +7,7 @@ __version__ = "0.1.0"
 
 from .errors import (  # noqa: E402
     AuthError,
+    PermissionDenied,
     Cancelled,
     ConnectionLost,
     FastlockError,
@@ -62,6 +63,7 @@ __all__ = [
     "ConnectionLost",
     "ProtocolError",
     "AuthError",
+    "PermissionDenied",
     "InvalidArgument",
     "WrongArgumentType",
     "LimitExceeded",

@@ -7,8 +7,9 @@ Subcommands::
     fastlock status [--server HOST:PORT]
     fastlock wal dump [--lock NAME] DIR
     fastlock run NAME --ttl S [--wait S] [--server HOST:PORT] -- CMD ...
-    fastlock promote --server HOST:PORT [--force]
-    fastlock serve-alone --server HOST:PORT
+    fastlock promote --server HOST:PORT [--force] [--token-file FILE]
+    fastlock serve-alone --server HOST:PORT [--token-file FILE]
+    fastlock credentials init DIR     credentials.toml (hashes) + one 0600 token file per principal
 
 TLS: ``serve`` takes ``--tls-cert/--tls-key`` (and ``--tls-ca`` with
 ``--tls-client-auth`` for mutual TLS); the client commands (``status``,
@@ -234,8 +235,21 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--fsync-interval-ms", type=_positive_int, default=1000, metavar="MS")
     s.add_argument("--snapshot-every", type=_positive_int, default=200_000, metavar="RECORDS",
                    help="write a snapshot and drop old WAL segments after this many records")
+    s.add_argument("--credentials", metavar="FILE",
+                   help="principals, token hashes and ACLs (TOML; make one with `fastlock credentials init DIR`). "
+                        "Without it: open mode, loopback only - every connection is a client of every lock, "
+                        "and replica and admin operations are refused")
+    s.add_argument("--standby-token-file", metavar="FILE",
+                   help="this node's replica token, presented to the primary it follows (needed with "
+                        "--standby-of; keep it for a primary too, for when it is restarted as a standby)")
+    s.add_argument("--allow-unauthenticated", action="store_true",
+                   help="allow open mode (no --credentials) on a non-loopback address (protected mode off)")
+    s.add_argument("--auth-failures-before-ban", type=int, default=5, metavar="N",
+                   help="after N failed authentications within 60 s, refuse every HELLO from that address for "
+                        "1 s, doubling with each ban up to 300 s (default 5; 0: never ban)")
     s.add_argument("--auth-secret-file", metavar="FILE",
-                   help="file holding a shared secret clients must present (or env FASTLOCK_AUTH_SECRET)")
+                   help="legacy: a shared secret (or env FASTLOCK_AUTH_SECRET) that makes a client of every "
+                        "lock; not a replica nor an admin. Prefer --credentials")
     s.add_argument("--tls-cert", metavar="FILE",
                    help="serve TLS with this certificate (PEM, with its chain); a standby also presents it "
                         "to its primary")
@@ -279,7 +293,7 @@ def _build_parser() -> argparse.ArgumentParser:
     st.add_argument("--server", type=_server, default=("127.0.0.1", DEFAULT_PORT), metavar="HOST:PORT",
                     help="the node to ask (default 127.0.0.1:7420); a standby answers for itself, "
                          "no redirect to its primary")
-    st.add_argument("--auth-secret-file", metavar="FILE")
+    _add_token_arguments(st)
     add_client_tls_arguments(st)
 
     pr = sub.add_parser("promote", help="promote a standby to primary (new epoch, grace period)")
@@ -291,17 +305,37 @@ def _build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--timeout", type=seconds_arg, default=300.0, metavar="SECONDS",
                     help="how long to wait for the promotion, which may wait out the old primary's "
                          "fence (default 300)")
-    pr.add_argument("--auth-secret-file", metavar="FILE")
+    _add_token_arguments(pr)
     add_client_tls_arguments(pr)
 
     sa = sub.add_parser("serve-alone", help="tell a primary its standby is gone: stop fencing itself")
     sa.add_argument("--server", type=_server, required=True, metavar="HOST:PORT", help="the primary")
-    sa.add_argument("--auth-secret-file", metavar="FILE")
+    _add_token_arguments(sa)
     add_client_tls_arguments(sa)
 
     from . import runner
 
     runner.add_run_parser(sub)
+
+    c = sub.add_parser("credentials", help="make a credentials file and token files")
+    csub = c.add_subparsers(dest="credentials_command", required=True)
+    ci = csub.add_parser(
+        "init", help="make DIR/credentials.toml and one 0600 DIR/<principal>.token per principal",
+        description="Make a credentials file (token hashes only) and a token file per principal in DIR "
+                    "(made 0700; existing files are never overwritten). Defaults: client 'app' (every lock), "
+                    "replicas 'node-a' and 'node-b' (one per node of a pair), admin 'admin'.")
+    ci.add_argument("directory", metavar="DIR")
+    ci.add_argument("--client", action="append", metavar="NAME[=PREFIX]",
+                    help="a client principal, with every client operation on names starting with PREFIX "
+                         "(default: every name); repeatable")
+    ci.add_argument("--replica", action="append", metavar="NAME", help="a replica principal; repeatable")
+    ci.add_argument("--admin", action="append", metavar="NAME", help="an admin principal; repeatable")
+    ci.add_argument("--cert", action="append", metavar="PRINCIPAL=CN",
+                    help="with mutual TLS, a client certificate whose subject CN is CN authenticates as "
+                         "PRINCIPAL without a token; repeatable")
+    ci.add_argument("--anonymous", metavar="PREFIX",
+                    help="let connections without a token act as a client on names starting with PREFIX "
+                         "('' for every name)")
 
     w = sub.add_parser("wal", help="inspect a write-ahead log")
     wsub = w.add_subparsers(dest="wal_command", required=True)
@@ -316,11 +350,33 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_token_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token-file", metavar="FILE",
+                   help="an admin principal's token file (default: env FASTLOCK_TOKEN_FILE)")
+    p.add_argument("--auth-secret-file", metavar="FILE", help="legacy shared secret file")
+
+
 def _read_secret(path: str | None) -> str | None:
+    """The legacy shared secret: from ``path``, else env FASTLOCK_AUTH_SECRET; an empty one
+    is refused (CredentialsError), never taken as the secret \"\"."""
+    from .auth import CredentialsError, read_token_file
+
     if path:
-        with open(path, encoding="utf-8") as f:
-            return f.read().strip()
-    return os.environ.get("FASTLOCK_AUTH_SECRET") or None
+        return read_token_file(path)
+    value = os.environ.get("FASTLOCK_AUTH_SECRET")
+    if value is not None and not value.strip():
+        raise CredentialsError("FASTLOCK_AUTH_SECRET is set but empty")
+    return value.strip() if value else None
+
+
+def _read_token(args: argparse.Namespace) -> str | None:
+    """The credential a command presents: --token-file, env FASTLOCK_TOKEN_FILE, or the legacy secret."""
+    from .auth import read_token_file
+
+    path = getattr(args, "token_file", None) or os.environ.get("FASTLOCK_TOKEN_FILE")
+    if path:
+        return read_token_file(path)
+    return _read_secret(getattr(args, "auth_secret_file", None))
 
 
 def _setup_logging(level: str) -> None:
@@ -334,11 +390,15 @@ def _setup_logging(level: str) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from .server import ServerConfig, serve
 
+    from .auth import Credentials, read_token_file
+
     _setup_logging(args.log_level)
     try:
         secret = _read_secret(args.auth_secret_file)
+        credentials = Credentials.load(args.credentials) if args.credentials else None
+        standby_token = read_token_file(args.standby_token_file) if args.standby_token_file else None
     except (OSError, ValueError) as exc:
-        print(f"fastlock serve: cannot read the auth secret: {exc}", file=sys.stderr)
+        print(f"fastlock serve: {exc}", file=sys.stderr)
         return 1
     config = ServerConfig(
         host=args.listen[0],
@@ -348,6 +408,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         fsync_interval_ms=args.fsync_interval_ms,
         snapshot_every=args.snapshot_every,
         auth_secret=secret,
+        credentials=credentials,
+        standby_token=standby_token,
+        allow_unauthenticated=args.allow_unauthenticated,
+        auth_failures_before_ban=max(0, args.auth_failures_before_ban),
         **_limit_config(args),
         standby_of=args.standby_of,
         failover_after_ms=int(args.failover_after * 1000),
@@ -371,7 +435,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     request: a standby reports itself, not its primary)."""
     from . import protocol as P
 
-    result = _admin(args.server, args.auth_secret_file, P.OP_STATUS, tls=client_tls_options(args))
+    result = _admin(args.server, _read_token(args), P.OP_STATUS, tls=client_tls_options(args))
     print(json.dumps(result, indent=2, sort_keys=True, default=str))
     return 0
 
@@ -379,22 +443,22 @@ def _cmd_status(args: argparse.Namespace) -> int:
 ADMIN_TIMEOUT = 10.0  # seconds for the TCP connect, and again for the replies
 
 
-def _admin(server: tuple[str, int], secret_file: str | None, op: int, *args,
+def _admin(server: tuple[str, int], token: str | None, op: int, *args,
            reply_timeout: float = ADMIN_TIMEOUT, tls: dict | None = None) -> object:
     """Send one request straight to ``server`` (no redirects: it targets a node).
 
     ``tls``: :func:`client_tls_options` (empty or None: plain TCP).
 
     Raises FastlockError (the server's refusal), OSError (connect/read
-    failures, an unreadable secret file or TLS file, ``ssl.SSLError`` for a
-    failed TLS handshake) or TimeoutError (no answer within
-    ``ADMIN_TIMEOUT`` seconds).
+    failures, an unreadable TLS file, ``ssl.SSLError`` for a failed TLS
+    handshake) or TimeoutError (no answer within ``ADMIN_TIMEOUT`` seconds).
+    ``token`` is the admin principal's token (or None).
     """
     from . import protocol as P
     from .errors import ConnectionLost
     from .tls import client_ssl_context
 
-    secret = _read_secret(secret_file)
+    secret = token
     host, port = server
     tls = dict(tls or {})
     server_hostname = tls.pop("server_hostname", None)
@@ -440,6 +504,28 @@ def _admin(server: tuple[str, int], secret_file: str | None, op: int, *args,
     return asyncio.run(run())
 
 
+def _cmd_credentials_init(args: argparse.Namespace) -> int:
+    from .auth import generate
+
+    clients = []
+    for spec in args.client or ["app"]:
+        name, _, prefix = spec.partition("=")
+        clients.append((name, prefix))
+    certs: dict[str, list[str]] = {}
+    for spec in args.cert or []:
+        principal, sep, cn = spec.partition("=")
+        if not sep or not cn:
+            raise ValueError(f"--cert takes PRINCIPAL=CN, not {spec!r}")
+        certs.setdefault(principal, []).append(cn)
+    paths = generate(args.directory, clients=clients, replicas=args.replica or ["node-a", "node-b"],
+                     admins=args.admin or ["admin"], anonymous_prefix=args.anonymous, cert_identities=certs)
+    print(f"wrote {os.path.join(args.directory, 'credentials.toml')} (token hashes; give it to every server "
+          f"with --credentials) and these token files (mode 0600; each only to its user):")
+    for name, path in paths.items():
+        print(f"  {path}")
+    return 0
+
+
 def _cmd_wal_dump(args: argparse.Namespace) -> int:
     from .wal import dump
 
@@ -469,6 +555,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
+        if args.standby_of is not None and args.standby_token_file is None and not args.tls_cert:
+            args.subparser.error("--standby-of needs --standby-token-file (or a --tls-cert that the primary's "
+                                 "credentials map to a replica principal): a standby authenticates to its "
+                                 "primary as a replica principal (see `fastlock credentials init`)")
         if (args.tls_key or args.tls_ca) and not args.tls_cert:
             args.subparser.error("--tls-key and --tls-ca need --tls-cert (this node's certificate)")
         if args.tls_client_auth != "none" and not args.tls_ca:
@@ -489,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         return runner.main(args.args)
     if args.command == "serve":
         return _cmd_serve(args)  # logs its own errors (bad WAL, address in use) and exits non-zero
-    command = "wal dump" if args.command == "wal" else args.command
+    command = {"wal": "wal dump", "credentials": "credentials init"}.get(args.command, args.command)
     try:
         return _dispatch(args)
     except KeyboardInterrupt:
@@ -533,12 +623,14 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         if args.command == "promote":
             # a promotion may wait out the old primary's fence (up to --failover-after)
-            result = _admin(args.server, args.auth_secret_file, P.OP_PROMOTE, bool(args.force),
+            result = _admin(args.server, _read_token(args), P.OP_PROMOTE, bool(args.force),
                             reply_timeout=args.timeout, tls=client_tls_options(args))
         else:
-            result = _admin(args.server, args.auth_secret_file, P.OP_SERVE_ALONE, tls=client_tls_options(args))
+            result = _admin(args.server, _read_token(args), P.OP_SERVE_ALONE, tls=client_tls_options(args))
         print(json.dumps(result, indent=2, sort_keys=True))
         return 0
     if args.command == "wal":
         return _cmd_wal_dump(args)
+    if args.command == "credentials":
+        return _cmd_credentials_init(args)
     raise AssertionError(args.command)  # argparse enforces the choices

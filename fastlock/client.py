@@ -251,8 +251,10 @@ class WatchEvent:
     ``kind`` is ``"granted"``, ``"released"``, ``"expired"``, or, for the
     first event of a watch, ``"held"``/``"free"`` (the state when it began).
     ``token`` is the fencing token concerned (None for ``"free"``);
-    ``client`` the holder's client name, if it gave one; ``correlation_id``
-    the acquire's correlation id, if the server reports it (None otherwise).
+    ``client`` the holder's client name, if it gave one (self-declared: not
+    verified); ``correlation_id`` the acquire's correlation id, if the server
+    reports it (None otherwise); ``principal`` the authenticated principal
+    that acquired the lease (None if the server does not report it).
     """
 
     name: str
@@ -260,6 +262,7 @@ class WatchEvent:
     token: int | None
     client: str | None
     correlation_id: str | None = None
+    principal: str | None = None
 
 
 #: why a TLS server most likely closed or reset a connection during the handshake
@@ -417,13 +420,14 @@ class Client:
     """
 
     def __init__(self, addresses: Iterable[Any], *, auth: str | None = None, client_name: str | None = None,
-                 connect_timeout: float = 5.0, request_timeout: float | None = 5.0,
+                 connect_timeout: float = 5.0, request_timeout: float | None = 5.0, token: str | None = None,
+                 token_file: str | os.PathLike | None = None,
                  tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, server_hostname: str | None = None):
         self._addresses = [_parse_address(a) for a in addresses]
         if not self._addresses:
             raise InvalidArgument("connect() needs at least one address")
-        self._auth = P.check_optional_str(auth, "auth secret", 1024)
+        self._auth = resolve_credential(token=token, token_file=token_file, auth=auth)
         self._client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
         self._connect_timeout = _check_timeout(connect_timeout, "connect_timeout", allow_none=False)
         self._request_timeout = _check_timeout(request_timeout, "request_timeout", allow_none=True)
@@ -1155,7 +1159,8 @@ class Client:
             if info is None:
                 yield WatchEvent(name, "free", None, None)
             else:
-                yield WatchEvent(name, "held", info["token"], info["client"], info.get("correlation_id"))
+                yield WatchEvent(name, "held", info["token"], info["client"], info.get("correlation_id"),
+                                 info.get("principal"))
             while True:
                 event = await queue.get()
                 if event is None:
@@ -1565,8 +1570,37 @@ class _ConnectContext:
         await self._client.close()
 
 
+def resolve_credential(*, token: str | None = None, token_file: str | os.PathLike | None = None,
+                       auth: str | None = None) -> str | None:
+    """The credential a client presents in its HELLO: ``token``, else the token read from
+    ``token_file``, else (when no legacy ``auth`` secret is given either) the token file
+    named by the environment variable ``FASTLOCK_TOKEN_FILE``, else ``auth``.
+
+    Raises InvalidArgument (empty or over-long token, both token and token_file) or
+    CredentialsError (a token file that cannot be read or is empty).
+    """
+    from .auth import read_token_file
+
+    if token is not None and token_file is not None:
+        raise InvalidArgument("give token or token_file, not both")
+    if token is None:
+        path = token_file
+        if path is None and auth is None:
+            path = os.environ.get("FASTLOCK_TOKEN_FILE") or None
+        if path is not None:
+            token = read_token_file(path)
+    if token is not None:
+        if type(token) is not str or not token or len(token) > 1024:
+            raise InvalidArgument("a token is a non-empty str of at most 1024 characters")
+        return token
+    if auth is not None and (type(auth) is not str or not auth):
+        raise InvalidArgument("the auth secret must be a non-empty str")
+    return P.check_optional_str(auth, "auth secret", 1024)
+
+
 def connect(*addresses: Any, auth: str | None = None, client_name: str | None = None,
-            connect_timeout: float = 5.0, request_timeout: float | None = 5.0,
+            connect_timeout: float = 5.0, request_timeout: float | None = 5.0, token: str | None = None,
+            token_file: str | os.PathLike | None = None,
             tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
             tls_key: str | None = None, server_hostname: str | None = None) -> _ConnectContext:
     """Connect to a fastlock primary.
@@ -1575,8 +1609,14 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
         *addresses: ``"host:port"`` strings or ``(host, port)`` tuples, tried in
             order; a standby's ``NotPrimary`` redirect is followed.  Default
             port 7420.
-        auth: the server's shared secret, if it has one.
-        client_name: shown in server logs and recorded with grants in the WAL.
+        auth: legacy: the server's shared secret (``--auth-secret-file``).
+        token: this client's principal token (see ``fastlock credentials init``).
+        token_file: a file holding the token (default: the file named by the
+            environment variable ``FASTLOCK_TOKEN_FILE``, when neither token
+            nor auth is given).  Without any, the server takes the connection
+            as its anonymous principal, if it allows one.
+        client_name: shown in server logs and recorded with grants in the WAL,
+            beside the authenticated principal (it is self-declared).
         connect_timeout: seconds for each TCP connect and handshake; also
             added to an acquire's ``wait`` to make its deadline.
         request_timeout: seconds (> 0) of silence from the server, while any
@@ -1608,16 +1648,20 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
         ConnectionLost: no address accepted a connection as primary (an
             untrusted server certificate, or one refusing this client's, is
             named in the message).
-        AuthError: the secret was refused.
+        AuthError: the token or secret was refused (or needed and missing).
 
     Raises at once: ``InvalidArgument`` for contradictory TLS arguments;
     ``OSError`` (``ssl.SSLError`` included) when a TLS file cannot be read
-    or is not a matching PEM certificate/key.
+    or is not a matching PEM certificate/key; ``CredentialsError`` when
+    ``token_file`` cannot be read or is empty.
+
+    Operations the principal is not granted raise :class:`PermissionDenied`.
     """
     if not addresses:
         addresses = ("127.0.0.1:7420",)
     return _ConnectContext(Client(addresses, auth=auth, client_name=client_name,
                                   connect_timeout=connect_timeout, request_timeout=request_timeout,
+                                  token=token, token_file=token_file,
                                   tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
                                   server_hostname=server_hostname))
 

@@ -22,6 +22,7 @@ __all__ = [
     "ConnectionLost",
     "ProtocolError",
     "AuthError",
+    "PermissionDenied",
     "InvalidArgument",
     "WrongArgumentType",
     "LimitExceeded",
@@ -65,7 +66,9 @@ class ProtocolError(FastlockError):
 
 @_register(2)
 class AuthError(FastlockError, PermissionError):
-    """The handshake's shared secret was missing or wrong."""
+    """The handshake's credentials were missing or wrong (bad token, unknown
+    principal, a banned source address, a primary that could not prove
+    itself).  The server closes the connection after sending it."""
 
 
 @_register(3)
@@ -118,6 +121,12 @@ class Cancelled(FastlockError):
 class Unavailable(FastlockError):
     """The server cannot serve this request now: it is shutting down, or it is
     a primary that stopped granting because it lost contact with its standby."""
+
+
+@_register(16)
+class PermissionDenied(FastlockError, PermissionError):
+    """The authenticated principal is not granted this operation (on this lock
+    name, for a client's ACL).  Nothing was changed; the connection stays open."""
 
 
 class ConnectionLost(FastlockError, ConnectionError):

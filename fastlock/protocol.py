@@ -33,7 +33,7 @@ Operations and their arguments:
 =========  ==  =====================================================  ======================
 op         #   arguments                                              value
 =========  ==  =====================================================  ======================
-HELLO      1   version, client_name|None, secret|None[, known_epoch]  dict (session, role...)
+HELLO      1   version, client_name|None, credential[, known_epoch]   dict (session, role, principal...)
 ACQUIRE    2   name, owner, ttl_ms, wait_ms, lock_delay_ms, corr_id   [token, ttl_ms, waited_ms]
 RELEASE    3   name, token, owner                                     None
 EXTEND     4   name, token, owner, ttl_ms                             ttl_ms
@@ -54,13 +54,22 @@ STEP_DOWN  16  epoch, seen_primary_ms                                 {"role", "
 The number of arguments of every op is declared once in :data:`OP_ARITY`; the
 server refuses any other count with ``ProtocolError`` before its handler runs.
 
-holder info is ``{"token": int, "client": str|None, "correlation_id": str|None, "ttl_ms": int,
-"remaining_ms": int}``.
+holder info is ``{"token": int, "principal": str|None, "client": str|None, "correlation_id": str|None,
+"ttl_ms": int, "remaining_ms": int}`` (``principal``: who acquired the lease, authenticated;
+``client``: the name it declared in HELLO, not verified).
 After WATCH, every change of the lock's holder is pushed to the watching
 connection, in the order the server applied them, as
-``[0, "watch", [name, "granted"|"released"|"expired", token, client_name|None, correlation_id|None]]``
+``[0, "watch", [name, "granted"|"released"|"expired", token, client_name|None, correlation_id|None,
+principal|None]]``
 (client name and correlation id are the lease's, as given by the acquire that got it).
 A grant is pushed when it is durable (when its holder is told), never before.
+
+HELLO's ``credential`` is a token (str), None (a verified mTLS certificate's identity,
+or the anonymous principal), or a standby's ``{"principal": str, "challenge": bytes}``
+asking the primary to prove itself (answered with ``{"principal", "proof"}``; the
+connection stays unauthenticated): see :mod:`fastlock.auth`.  Operations the
+principal is not granted get ``PermissionDenied``; a failed HELLO gets
+``AuthError`` and the connection is closed.
 
 ``waited_ms`` in an ACQUIRE reply is the grant's time minus the time the
 server received that request, on the server's monotonic clock: 0 for an
@@ -113,7 +122,9 @@ trying the other addresses and repeating the request with the same owner key):
 ``wait_ms`` is -1 to wait forever, 0 to try once.  ``owner`` is a random
 16-byte key the client makes per acquire; a retry of the same acquire (after a
 lost reply) sends the same owner and finds its existing lease or waiter, as
-ZooKeeper's lock recipe finds its own sequential node again.
+ZooKeeper's lock recipe finds its own sequential node again.  The owner key is
+also the proof of ownership (for CANCEL of a held lease): the server keeps
+only its hash, never sends it to anyone, and hashes whatever it receives.
 """
 
 from __future__ import annotations

@@ -59,7 +59,9 @@ after the primary has stopped.
 A primary steps down only when a standby that promotes asks it to, with
 ``STEP_DOWN`` for exactly the next epoch (its own + 1) echoing a recent time
 of the primary's own clock; a client's HELLO epoch is a hint that never
-deposes a node (anyone could send 2**63-1 and wedge the pair).  A node that
+deposes a node (anyone could send 2**63-1 and wedge the pair), and only the
+replica principal of the paired standby (any replica principal while unpaired)
+may send ``STEP_DOWN`` (see :mod:`fastlock.auth`).  A node that
 steps down refuses every lock operation from then on, records it in
 ``deposed.json`` (fsynced before it answers) so that a restart does not bring
 it back as a primary, and closes its client connections so that their waiters
@@ -67,9 +69,15 @@ and renewals look for the new primary at once.
 
 Pairing and promotion rules (each one closes a split brain found by testing):
 
-* one standby per primary, identified by its ``node-id`` file; the primary pairs
-  with it on its first echoed heartbeat and persists that in ``pairing.json``;
-  a second standby, or a live clone with the same id, is refused;
+* only an authenticated replica principal may attach, acknowledge or announce
+  an epoch (see :mod:`fastlock.auth`); before the standby sends its token, the
+  primary proves it holds the standby's credential (a challenge-response), so
+  a standby never follows, nor takes a snapshot from, an impostor;
+* one standby per primary, identified by its replica principal and its
+  ``node-id`` file (``label@principal/node-id``, composed by the primary); the
+  primary pairs with it on its first echoed heartbeat and persists that in
+  ``pairing.json``; a second standby, or a live clone with the same identity, is
+  refused;
 * the primary's heartbeats say whom it is paired with and with which window;
   a standby fails over automatically only once that confirms the pairing;
 * a manual promotion asks the primary to step down (``STEP_DOWN``) and waits for the answer;
@@ -83,10 +91,12 @@ Pairing and promotion rules (each one closes a split brain found by testing):
 
 Wire messages (see :mod:`fastlock.protocol` for the framing)::
 
-    standby -> primary  [id, REPLICATE, from_lsn, incarnation|None, failover_after_ms, standby_name|None]
+    standby -> primary  [id, HELLO, version, name, {"principal", "challenge"}]      -> {"principal", "proof"}
+                        [id, HELLO, version, name, replica_token, epoch]          -> hello info
+                        [id, REPLICATE, from_lsn, incarnation|None, failover_after_ms, "[label@]node_id"]
                         [id, REPL_ACK, echoed_primary_ms, applied_lsn]          (no reply)
                         [id, STEP_DOWN, new_epoch, echoed_primary_ms]           -> {"role", "epoch"}
-    primary -> standby  [0, "snap", [lsn, epoch, counter, holders, incarnation]]
+    primary -> standby  [0, "snap", [lsn, epoch, counter, holders, incarnation]]   (owner keys as hashes)
                         [0, "repl", [first_lsn, last_lsn, frames]]               (WAL batch bytes)
                         [0, "rec",  [lsn, record]]              (one record: accepted from older primaries)
                         [0, "hb",   [primary_ms, last_lsn, epoch, longest_ttl_ms, paired_id, paired_window_ms]]
@@ -95,6 +105,7 @@ Wire messages (see :mod:`fastlock.protocol` for the framing)::
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -107,7 +118,8 @@ import msgpack
 
 from . import protocol as P
 from . import rpc
-from .errors import FastlockError, InvalidArgument, ProtocolError, Unavailable
+from .auth import primary_proof, primary_proof_key, token_principal
+from .errors import AuthError, FastlockError, InvalidArgument, PermissionDenied, ProtocolError, Unavailable
 from .logsafe import quote
 from .roles import Role
 from .wal import (
@@ -413,6 +425,13 @@ class ReplicationSource:
                          "failover window (%d ms): this primary fences itself between heartbeats (at a margin >= "
                          "the window, always) and refuses grants; restart it with a smaller --fence-margin",
                          self.fence_margin_ms, heartbeat_interval_ms(window), window)
+
+    def may_announce_epoch(self, principal: str) -> bool:
+        """May replica ``principal`` depose this primary with a higher epoch?  Only the
+        paired standby's principal (any replica principal while unpaired)."""
+        if self.paired_id is None:
+            return True
+        return standby_identity(self.paired_id).partition("/")[0] == principal
 
     def _unpair(self) -> None:
         path = os.path.join(self.host.data_dir, PAIRING_FILE)
@@ -772,7 +791,8 @@ class StandbyFollower:
         host: the standby's server, as :class:`~fastlock.replication_host.ReplicationHost`.
         primary: ``(host, port)`` of the primary.
         failover_after_ms: promote after this much silence (0: only on command).
-        auth: the secret sent in HELLO, or None.
+        token: this standby's replica token (see :mod:`fastlock.auth`), or None
+            (then its mutual-TLS certificate must identify a replica principal).
         name: ``[label@]node-id`` this standby announces.
         on_primary_silent: called (on the loop) when the paired primary has been
             silent for ``failover_after_ms``; the failover policy promotes.
@@ -784,7 +804,7 @@ class StandbyFollower:
     """
 
     def __init__(self, host: "ReplicationHost", primary: tuple[str, int], failover_after_ms: int = 0,
-                 auth: str | None = None, name: str | None = None,
+                 token: str | None = None, name: str | None = None,
                  on_primary_silent: Callable[[], None] | None = None, tls: ssl.SSLContext | None = None,
                  stream_limits: P.DecodeLimits | None = None):
         self.host = host
@@ -795,7 +815,9 @@ class StandbyFollower:
         self.tls = tls
         self._connect_error: str | None = None  # the last connection failure logged
         self.failover_after_ms = failover_after_ms
-        self.auth = auth
+        self.token = token
+        #: the replica principal this standby authenticates as (from its token)
+        self.principal = token_principal(token) if token else None
         self.name = name
         self.applied_lsn = 0
         self.incarnation: str | None = None
@@ -805,8 +827,9 @@ class StandbyFollower:
         self.last_hb_primary_ms = 0
         self.synced = False  # has applied at least one snapshot or stream from this primary
         self.refused: str | None = None  # why this node refuses to follow its primary
+        self._refused_credentials: str | None = None  # the primary's last refusal, logged once
         self.pair_confirmed = False  # the primary's heartbeats say it fences itself for this node
-        self.ident = standby_identity(name or "")
+        self._node = standby_identity(name or "")
         self.max_ttl_ms = 0
         self.connected = False
         self._task: asyncio.Task | None = None
@@ -815,6 +838,12 @@ class StandbyFollower:
         self._ack_due = False
         self._watchdog: asyncio.TimerHandle | None = None
         self._stopping = False
+
+    @property
+    def ident(self) -> str:
+        """The identity the primary pairs with: ``replica principal/node id`` (the principal
+        comes from the token, or - over mutual TLS without one - from the primary's HELLO answer)."""
+        return f"{self.principal}/{self._node}"
 
     @property
     def primary_address(self) -> str:
@@ -897,9 +926,16 @@ class StandbyFollower:
             self._ack_id = link.next_id()
             host = self.host
             try:
+                if not await self._primary_proves_itself(link):
+                    link.close()
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
                 hello = await asyncio.wait_for(
                     link.request(P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{self.name or os.getpid()}",
-                                  self.auth, host.table.epoch), 5.0)
+                                  self.token, host.table.epoch), 5.0)
+                if self.principal is None and type(hello.get("principal")) is str:
+                    self.principal = hello["principal"]  # authenticated by our certificate
                 their_epoch = P.check_epoch(hello.get("epoch", 0), "primary's epoch")
                 self.primary_epoch = max(self.primary_epoch, their_epoch)
                 host.node_state.raise_epoch(self.primary_epoch)
@@ -923,12 +959,20 @@ class StandbyFollower:
                     link.request(P.OP_REPLICATE, self.applied_lsn + 1 if self.synced else 0,
                                   self.incarnation, self.failover_after_ms, self.name), 5.0)
                 self.connected = True
+                self._refused_credentials = None
                 self._connect_error = None
                 backoff = 0.05
                 log.info("replicating from %s (%s)", self.primary_address, quote(info.get("mode")))
                 await lost
             except (ConnectionError, asyncio.TimeoutError, FastlockError) as exc:
-                log.warning("replication from %s failed: %s", self.primary_address, quote(str(exc)))
+                if isinstance(exc, (AuthError, PermissionDenied)):
+                    # credentials do not fix themselves: say it once, not on every retry
+                    if str(exc) != self._refused_credentials:
+                        self._refused_credentials = str(exc)
+                        log.error("primary %s refused this standby's credentials: %s (retrying)",
+                                  self.primary_address, quote(str(exc)))
+                else:
+                    log.warning("replication from %s failed: %s", self.primary_address, quote(str(exc)))
                 link.close()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
@@ -937,6 +981,31 @@ class StandbyFollower:
                 self._link = None
             if not self._stopping:
                 log.warning("lost the replication connection to %s", self.primary_address)
+
+    async def _primary_proves_itself(self, link: "rpc.RpcConnection") -> bool:
+        """Before our token goes out: the primary must answer our random challenge with
+        the proof only a holder of our credential can make (see :mod:`fastlock.auth`).
+
+        Raises what the request raises (AuthError if the primary does not know our
+        principal); returns False if the proof is wrong.
+        """
+        if self.principal is None:
+            return True  # no replica token: the primary refuses REPLICATE, nothing to protect
+        challenge = os.urandom(32)
+        answer = await asyncio.wait_for(
+            link.request(P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{self.name or os.getpid()}",
+                         {"principal": self.principal, "challenge": challenge}), 5.0)
+        expected = primary_proof(primary_proof_key(self.token), self.principal, challenge)
+        proof = answer.get("proof") if isinstance(answer, dict) else None
+        if type(proof) is bytes and hmac.compare_digest(proof, expected):
+            if self.refused is not None and "could not prove" in self.refused:
+                self.refused = None
+            return True
+        self.refused = f"{self.primary_address} could not prove that it holds this standby's credential"
+        log.critical("not following %s: it could not prove that it holds this standby's credential "
+                     "(replica principal %s): an impostor, or a different credentials file", self.primary_address,
+                     self.principal)
+        return False
 
     # -- the stream -------------------------------------------------------------------------
     def _on_push(self, kind: Any, payload: Any) -> None:

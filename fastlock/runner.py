@@ -15,6 +15,10 @@ Environment given to the command:
     ``FASTLOCK_LOCK_NAME``      the lock's name
     ``FASTLOCK_SERVER``         the server address(es) used, comma-separated
 
+``FASTLOCK_TOKEN_FILE`` and ``FASTLOCK_AUTH_SECRET`` are removed from the
+command's environment unless ``--pass-credentials`` is given: the command gets
+the fencing token of its lease, not the power to act as this client.
+
 Exit status:
     the command's own     when it exits normally (128 + N if it was killed by signal N)
     75 (EX_TEMPFAIL)      the lease was lost while the command ran (a renewal was refused, or
@@ -24,6 +28,8 @@ Exit status:
     73                    not acquired within ``--wait`` (``--conflict-exit-code`` changes it,
                           as flock(1)'s ``-E``); the command was not started
     69 (EX_UNAVAILABLE)   no server could be reached (or the connection was lost while waiting)
+    77 (EX_NOPERM)        the server refused this client's credentials, or its principal may not
+                          lock NAME; the command was not started
     127 / 126             the command was not found / could not be executed (as a shell)
     128 + N               ``fastlock run`` got signal N before the command started
     2                     bad arguments (an empty or too long NAME, ``--ttl`` not > 0, ...),
@@ -51,7 +57,7 @@ from typing import Sequence
 from . import protocol as P
 from .cli import add_client_tls_arguments, client_tls_options
 from .cli import seconds_arg as _seconds
-from .errors import FastlockError
+from .errors import FastlockError, InvalidArgument
 
 log = logging.getLogger("fastlock.run")
 
@@ -61,8 +67,12 @@ EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE
 EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
 EXIT_USAGE = 2
+EXIT_NOPERM = 77  # EX_NOPERM
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+#: removed from the command's environment unless --pass-credentials
+CREDENTIAL_VARIABLES = ("FASTLOCK_TOKEN_FILE", "FASTLOCK_AUTH_SECRET")
 
 __all__ = ["main", "add_run_parser", "run_from_args", "EXIT_LOST", "EXIT_NOT_ACQUIRED", "EXIT_UNAVAILABLE"]
 
@@ -107,8 +117,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", action="append", metavar="HOST:PORT",
                    help="server address; repeat for a primary and standbys "
                         "(default: $FASTLOCK_SERVER or 127.0.0.1:7420)")
+    p.add_argument("--token-file", metavar="FILE",
+                   help="this client's token file (default: env FASTLOCK_TOKEN_FILE)")
     p.add_argument("--auth-secret-file", metavar="FILE",
-                   help="file holding the server's shared secret (or env FASTLOCK_AUTH_SECRET)")
+                   help="legacy: file holding the server's shared secret (or env FASTLOCK_AUTH_SECRET)")
+    p.add_argument("--pass-credentials", action="store_true",
+                   help="leave FASTLOCK_TOKEN_FILE and FASTLOCK_AUTH_SECRET in the command's environment "
+                        "(by default they are removed, so the command cannot act as this client)")
     p.add_argument("--client-name", metavar="NAME", help="client name shown by the server (default fastlock-run@HOST:PID)")
     p.add_argument("--grace", type=_seconds, default=10.0, metavar="S",
                    help="after the lease is lost: seconds between SIGTERM and SIGKILL to the command (default 10)")
@@ -170,12 +185,19 @@ def run_from_args(args: argparse.Namespace, command: list[str]) -> int:
         logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stderr,
                             format="fastlock run: %(levelname)s %(message)s")
     servers = args.server or [s for s in os.environ.get("FASTLOCK_SERVER", "").split(",") if s] or ["127.0.0.1:7420"]
-    secret = None
-    if args.auth_secret_file:
-        with open(args.auth_secret_file, encoding="utf-8") as f:
-            secret = f.read().strip()
-    else:
-        secret = os.environ.get("FASTLOCK_AUTH_SECRET") or None
+    from .auth import read_token_file
+    from .client import resolve_credential
+
+    try:
+        secret = read_token_file(args.auth_secret_file) if args.auth_secret_file else None
+        if secret is None and os.environ.get("FASTLOCK_AUTH_SECRET") is not None:
+            secret = os.environ["FASTLOCK_AUTH_SECRET"].strip()
+            if not secret:
+                raise InvalidArgument("FASTLOCK_AUTH_SECRET is set but empty")
+        secret = resolve_credential(token_file=args.token_file, auth=secret)
+    except FastlockError as exc:
+        log.error("%s", exc)
+        return EXIT_USAGE
     client_name = args.client_name or f"fastlock-run@{socket.gethostname()}:{os.getpid()}"
     return asyncio.run(_run(args, command, servers, secret, client_name))
 
@@ -183,7 +205,8 @@ def run_from_args(args: argparse.Namespace, command: list[str]) -> int:
 async def _run(args: argparse.Namespace, command: list[str], servers: list[str], secret: str | None,
                client_name: str) -> int:
     from .client import connect
-    from .errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost, LockNotAcquired, WrongArgumentType
+    from .errors import (AuthError, ConnectionLost, FastlockError, InvalidArgument, LeaseLost, LockNotAcquired,
+                         PermissionDenied, WrongArgumentType)
 
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
@@ -217,6 +240,9 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
         except (InvalidArgument, WrongArgumentType) as exc:  # main() checks first; for direct callers
             log.error("bad arguments: %s", exc)
             return EXIT_USAGE
+        except (AuthError, PermissionDenied) as exc:  # PermissionErrors, so before OSError
+            log.error("refused: %s", exc)
+            return EXIT_NOPERM
         except OSError as exc:  # a TLS file that cannot be read or is not a PEM certificate/key
             log.error("cannot load the TLS files: %s", exc)
             return EXIT_USAGE
@@ -225,6 +251,9 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
             return EXIT_UNAVAILABLE
         log.info("acquired %r, fencing token %d", args.name, lease.fencing_token)
         env = dict(os.environ)
+        if not args.pass_credentials:
+            for var in CREDENTIAL_VARIABLES:
+                env.pop(var, None)
         env.update(FASTLOCK_FENCING_TOKEN=str(lease.fencing_token), FASTLOCK_LOCK_NAME=args.name,
                    FASTLOCK_SERVER=",".join(servers))
         group = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}

@@ -22,6 +22,12 @@ same loop turn (group commit).  Releases and extensions are acknowledged at
 once: losing one in a crash can only leave the lock held until its TTL runs out
 after recovery - never give it to two holders.
 
+Who may do what: HELLO authenticates the connection as a principal (a token,
+a mutual-TLS certificate identity, or the anonymous principal - see
+:mod:`fastlock.auth`); ``_handle`` then checks every request against
+``_PERMISSION`` before its handler runs, so a refused request changes nothing.
+Owner keys are hashed as they arrive (:func:`fastlock.auth.hash_owner`).
+
 Sessions: each connection is a session.  Waiting goes by connection (a waiter
 whose connection drops is removed at once); ownership goes by lease (a held
 lease outlives its connection until its TTL).  A grant that cannot be
@@ -32,7 +38,6 @@ a client that died while queued never becomes a ghost holder.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import resource
@@ -45,6 +50,17 @@ from typing import Any
 
 from . import __version__
 from . import protocol as P
+from .auth import (
+    ANONYMOUS,
+    AuthFailures,
+    Credentials,
+    Principal,
+    hash_owner,
+    is_loopback,
+    primary_proof,
+    MAX_CHALLENGE_BYTES,
+    MIN_CHALLENGE_BYTES,
+)
 from ._core import (
     EV_EXPIRED,
     EV_GRANTED,
@@ -62,6 +78,8 @@ from .errors import (
     LeaseLost,
     LimitExceeded,
     LockNotAcquired,
+    NotPrimary,
+    PermissionDenied,
     ProtocolError,
     Unavailable,
 )
@@ -118,7 +136,11 @@ class ServerConfig:
     fsync: str = "always"
     fsync_interval_ms: int = 1000
     snapshot_every: int = 200_000
-    auth_secret: str | None = None
+    auth_secret: str | None = None  # legacy shared secret: the client principal "shared-secret", every name
+    credentials: Credentials | None = None  # principals (None: open mode, or only the shared secret)
+    allow_unauthenticated: bool = False  # open mode on a non-loopback address (protected mode off)
+    standby_token: str | None = None  # this node's replica token, to follow a primary
+    auth_failures_before_ban: int = 5  # failed HELLOs from one address before it is banned (0: never)
     # -- limits: everything a peer can make the server hold (README "Limits") --
     max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES  # one request, bytes
     max_connections: int | None = None  # None: 10,000, lowered to fit the open-files limit
@@ -164,8 +186,8 @@ class _Connection(asyncio.Protocol):
     """
 
     __slots__ = ("server", "transport", "session", "decoder", "out", "ready", "client_name", "peer", "closed",
-                 "watching", "principal", "address", "accepted_ms", "last_read_ms", "out_cap", "out_bytes",
-                 "waiting", "_drain", "peer_cert_identity")
+                 "watching", "principal", "kind", "grant", "address", "accepted_ms", "last_read_ms", "out_cap",
+                 "out_bytes", "waiting", "_drain", "peer_cert_identity")
 
     def __init__(self, server: "LockServer", session: int):
         self.server = server
@@ -176,16 +198,21 @@ class _Connection(asyncio.Protocol):
         self.out: list[bytes] = []
         self.out_bytes = 0  # bytes in out
         self.ready = False  # handshake done
-        self.client_name: str | None = None
-        self.principal = "anonymous"
+        self.client_name: str | None = None  # self-declared: shown beside the principal, never trusted
+        #: the authenticated principal's name ("anonymous" until HELLO) and kind
+        #: (client | replica | admin); quotas and logs key on the name
+        self.principal = ANONYMOUS
+        self.kind = "client"
+        self.grant: Principal | None = None  # its permissions (None until HELLO)
         self.peer = "?"
-        self.address = "?"  # the peer's IP address (per-address connection cap)
+        self.address = "?"  # the peer's IP address (per-address connection cap, failed-auth bans)
         self.closed = False
         self.watching: set[str] | None = None
         self.accepted_ms = self.last_read_ms = now_ms()
         self.out_cap = server.config.max_output_bytes
         self.waiting = 0  # this connection's waiters as last counted (per-principal waiter quota)
         self._drain: asyncio.Future | None = None
+        #: the verified client certificate's subject CN over mutual TLS, else None
         self.peer_cert_identity: str | None = None
 
     # -- asyncio callbacks ------------------------------------------------------
@@ -305,6 +332,41 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+_ARTICLE = {"client": "a", "replica": "a", "admin": "an"}
+
+def _split_recorded_client(recorded: Any) -> tuple[str | None, str | None]:
+    """``(principal, client name)`` from a grant's recorded client (see ``_recorded_client``)."""
+    if type(recorded) is not str:
+        return None, None
+    principal, sep, name = recorded.partition(":")
+    if not sep:
+        return None, recorded  # a log written before principals: the name alone
+    return principal, name or None
+
+
+#: what each operation needs: a client ACL operation (checked on the lock name; admins may
+#: do it on any name), "replica", "admin", or None (every authenticated principal).
+#: An operation missing here needs an admin: new operations are refused by default.
+_PERMISSION: dict[int, str | None] = {
+    P.OP_HELLO: None,
+    P.OP_PING: None,
+    P.OP_STATUS: None,  # details (replication, pairing) for admins and replicas only
+    P.OP_UNWATCH: None,  # only ever removes the connection's own watch
+    P.OP_ACQUIRE: "acquire",
+    P.OP_RELEASE: "release",
+    P.OP_EXTEND: "extend",
+    P.OP_CANCEL: "cancel",
+    P.OP_CHECK: "check",
+    P.OP_HOLDER: "holder",
+    P.OP_WATCH: "watch",
+    P.OP_REPLICATE: "replica",
+    P.OP_REPL_ACK: "replica",
+    P.OP_STEP_DOWN: "replica",  # epoch news: only the paired standby's principal (see _op_step_down)
+    P.OP_PROMOTE: "admin",
+    P.OP_SERVE_ALONE: "admin",
+}
+
+
 class LockServer:
     """The daemon.  ``await server.start()`` then ``await server.wait_closed()``."""
 
@@ -326,6 +388,11 @@ class LockServer:
         self.roles = NodeRole(Role.STANDBY if config.standby_of else Role.PRIMARY,
                               hold_grants_until=self.table.hold_grants_until, now_ms=now_ms,
                               primary_address=primary_address)
+        credentials = config.credentials if config.credentials is not None else Credentials.open_mode()
+        if config.auth_secret is not None:
+            credentials = credentials.with_shared_secret(config.auth_secret)
+        self.credentials = credentials
+        self.auth_failures = AuthFailures(max_failures=config.auth_failures_before_ban)
         #: the longest TTL this node has granted, extended or recovered (ms): a
         #: standby's default promotion grace (sent in heartbeats)
         self.max_ttl_ms = 0
@@ -340,7 +407,7 @@ class LockServer:
             self.node_state.set_standby_of(primary_address)
             ident = node_id(config.data_dir)
             self.follower = StandbyFollower(self, config.standby_of, config.failover_after_ms,
-                                            auth=config.auth_secret,
+                                            token=config.standby_token,
                                             name=f"{config.name}@{ident}" if config.name else ident,
                                             on_primary_silent=lambda: self.failover.on_primary_silent(),
                                             tls=self._standby_tls_context(),
@@ -435,6 +502,12 @@ class LockServer:
     # -- life cycle -----------------------------------------------------------------
     async def start(self) -> None:
         loop = self._loop = asyncio.get_running_loop()
+        if self.credentials.open and not is_loopback(self.config.host) and not self.config.allow_unauthenticated:
+            # as Redis's protected mode: no credentials, so listen on loopback only
+            raise PermissionError(
+                f"refusing to listen on {self.config.host} without credentials: anyone who can reach it could "
+                f"take every lock. Give --credentials FILE (see `fastlock credentials init`), listen on "
+                f"127.0.0.1, or pass --allow-unauthenticated")
         self._size_connection_limit()
         if self.roles.role is Role.PRIMARY and self.node_state.standby_of:
             raise DataDirInUse(
@@ -495,6 +568,14 @@ class LockServer:
             os.path.abspath(self.config.data_dir),
             "plain TCP" if self.tls is None else f"TLS, client certificates {self.config.tls_client_auth}",
         )
+        creds = self.credentials
+        if creds.open:
+            log.warning("open mode (no --credentials): every connection is the anonymous client with every "
+                        "lock name; replica and admin operations are refused")
+        else:
+            log.info("credentials: %d principals from %s%s%s", len(creds.principals), creds.source,
+                     ", shared secret accepted" if creds.shared_secret_hash is not None else "",
+                     ", anonymous clients allowed" if creds.anonymous is not None else "")
         if self.follower is not None:
             self.follower.start()
         if self.idle_timeout_ms > 0:
@@ -852,6 +933,9 @@ class LockServer:
             if not fewest <= len(msg) - 2 <= most:
                 expected = fewest if fewest == most else f"{fewest} or {most}"
                 raise ProtocolError(f"{P.OP_NAMES[op]} takes {expected} arguments, got {len(msg) - 2}")
+            need = _PERMISSION.get(op, "admin")
+            if need is not None and (conn.kind != "admin" or need == "replica"):
+                self._authorize(conn, op, need, msg)
             handler(conn, req_id, msg)
         except FastlockError as exc:
             conn.send(P.packb([req_id, exc.code, str(exc), getattr(exc, "primary", None)]))
@@ -863,21 +947,95 @@ class LockServer:
             log.exception("internal error handling %s from %s", P.OP_NAMES.get(op, op), conn.peer)
             conn.send(P.packb([req_id, ProtocolError.code, "internal server error", None]))
 
+    @staticmethod
+    def _authorize(conn: _Connection, op: int, need: str, msg: list) -> None:
+        """Refuse (PermissionDenied) what ``conn``'s principal is not granted (admins come here
+        only for replica operations, which they are not granted either)."""
+        if need == "replica" or need == "admin":
+            if conn.kind != need:
+                raise PermissionDenied(f"{P.OP_NAMES[op]} needs {_ARTICLE[need]} {need} principal; "
+                                       f"{conn.principal!r} is {_ARTICLE[conn.kind]} {conn.kind}")
+            return
+        if conn.kind != "client":
+            raise PermissionDenied(f"{P.OP_NAMES[op]} needs a client principal; "
+                                   f"{conn.principal!r} is {_ARTICLE[conn.kind]} {conn.kind}")
+        name = msg[2] if len(msg) > 2 else None
+        if type(name) is str and not conn.grant.allows(need, name):
+            # a name of the wrong type is left to the handler's validation (no state change either way)
+            raise PermissionDenied(f"principal {conn.principal!r} may not {need} {name!r}")
+
     def _op_hello(self, conn: _Connection, req_id: int, msg: list) -> None:
+        """HELLO: version, client name, credentials (and an epoch hint, which changes nothing).
+
+        Credentials are a token (str: a principal's token or the legacy shared
+        secret), None (the verified mTLS certificate's identity if the
+        credentials map it, else the anonymous principal if allowed), or a
+        standby's ``{"principal", "challenge"}``: the primary then answers with
+        its proof (see :mod:`fastlock.auth`) and the connection stays
+        unauthenticated until a HELLO with the token follows.
+        """
         # a 4th argument, the highest epoch the peer has seen, is a hint only: it never
         # changes this node's role (a standby that promotes sends STEP_DOWN instead)
-        version, client_name, secret = msg[2], msg[3], msg[4]
+        version, client_name, credential = msg[2], msg[3], msg[4]
         if version != P.PROTOCOL_VERSION:
             raise ProtocolError(f"protocol version {version!r} not supported (server speaks {P.PROTOCOL_VERSION})")
-        conn.client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
-        expected = self.config.auth_secret
-        if expected is not None:
-            if type(secret) is not str or not hmac.compare_digest(secret.encode(), expected.encode()):
-                log.warning("auth refused for %s (%s)", conn.peer, quote(conn.client_name))
-                raise AuthError("authentication failed")
+        client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
+        failures = self.auth_failures
+        # a ban refuses new connections only: a peer authenticated before it (a standby's
+        # replication link, saying HELLO again to depose) is not cut off by someone else's failures
+        banned = 0.0 if conn.ready else failures.banned_for(conn.address)
+        if banned > 0:
+            failures.refused_while_banned(conn.address)
+            raise AuthError(f"too many failed authentications from this address: retry in {banned:.0f} s")
+        if type(credential) is dict:
+            conn.send(P.encode_ok(req_id, self._primary_proof(conn, credential, client_name)))
+            return
+        principal = self._authenticate(conn, credential, client_name)
+        if conn.ready and principal.name != conn.principal:
+            raise ProtocolError(f"this connection is authenticated as {conn.principal!r}; "
+                                f"open a new one to act as {principal.name!r}")
+        conn.client_name = client_name
+        conn.principal = principal.name
+        conn.kind = principal.kind
+        conn.grant = principal
         self._handshake_done(conn)
-        log.debug("session %d hello from %s (%s)", conn.session, conn.peer, quote(conn.client_name))
+        log.debug("session %d hello from %s: principal %s (%s), client name %s", conn.session, conn.peer,
+                  conn.principal, conn.kind, quote(conn.client_name))
         conn.send(P.encode_ok(req_id, self._hello_info(conn)))
+
+    def _authenticate(self, conn: _Connection, credential: Any, client_name: str | None) -> Principal:
+        creds = self.credentials
+        principal = None
+        if credential is None:
+            if conn.peer_cert_identity is not None:
+                principal = creds.by_cert_identity(conn.peer_cert_identity)
+            if principal is None:
+                principal = creds.anonymous
+            reason = "no token, and anonymous connections are not allowed"
+        elif type(credential) is str and 0 < len(credential) <= 1024:
+            principal = creds.authenticate(credential)
+            if principal is None and creds.open:
+                principal = creds.anonymous  # open mode: a token cannot be checked, and is not needed
+            reason = "unknown token"
+        else:
+            reason = "the credential must be a token string (1..1024 characters) or None"
+        if principal is None:
+            self.auth_failures.failed(conn.address, f"client name {quote(client_name)}", reason)
+            raise AuthError(f"authentication failed: {reason}")
+        return principal
+
+    def _primary_proof(self, conn: _Connection, credential: dict, client_name: str | None) -> dict:
+        """A standby's challenge: prove that this node holds the standby's credential."""
+        name = credential.get("principal")
+        challenge = credential.get("challenge")
+        replica = self.credentials.replica(name)
+        if (replica is None or type(challenge) is not bytes
+                or not MIN_CHALLENGE_BYTES <= len(challenge) <= MAX_CHALLENGE_BYTES):
+            self.auth_failures.failed(conn.address, f"client name {quote(client_name)}",
+                                      "challenge for an unknown replica principal, or a malformed challenge")
+            raise AuthError("authentication failed: no replica principal of that name, or a malformed challenge "
+                            f"({MIN_CHALLENGE_BYTES}..{MAX_CHALLENGE_BYTES} bytes)")
+        return {"principal": replica.name, "proof": primary_proof(replica.proof_key, replica.name, challenge)}
 
     def _handshake_done(self, conn: _Connection) -> None:
         """HELLO succeeded: the connection leaves the HELLO deadline and the
@@ -900,11 +1058,13 @@ class LockServer:
             "fenced": self.roles.fenced,
             "clock_ms": now_ms(),  # this node's monotonic clock: a standby echoes it in STEP_DOWN
             "max_frame_bytes": self.config.max_frame_bytes,
+            "principal": conn.principal,
+            "kind": conn.kind,
         }
 
     def _op_acquire(self, conn: _Connection, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])
-        owner = P.check_owner(msg[3])
+        owner = hash_owner(P.check_owner(msg[3]))  # only the hash is kept, logged and replicated
         ttl_ms = P.check_ttl_ms(msg[4])
         wait_ms = P.check_wait_ms(msg[5])
         delay_ms = P.check_lock_delay_ms(msg[6])
@@ -934,7 +1094,7 @@ class LockServer:
             self.max_ttl_ms = ttl_ms
             self.node_state.raise_ttl(ttl_ms)  # rare: only a new longest TTL writes
         status = table.acquire(name, owner, conn.session, req_id, ttl_ms, wait_ms, delay_ms,
-                               (conn.client_name, corr), now)
+                               (self._recorded_client(conn), corr), now)
         if config.max_waiters_per_principal:
             self._count_waiters(conn)
         if status == NOT_ACQUIRED:
@@ -947,7 +1107,7 @@ class LockServer:
     def _op_release(self, conn: _Connection, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])
         token = P.check_token(msg[3])
-        owner = P.check_owner(msg[4])
+        owner = hash_owner(P.check_owner(msg[4]))
         # a fenced primary refuses too: the standby may have been promoted and would never
         # see this release (the client repeats it at whichever node is primary)
         self.roles.admit(Action.RELEASE)
@@ -967,7 +1127,7 @@ class LockServer:
     def _op_extend(self, conn: _Connection, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])
         token = P.check_token(msg[3])
-        owner = P.check_owner(msg[4])
+        owner = hash_owner(P.check_owner(msg[4]))
         ttl_ms = P.check_ttl_ms(msg[5])
         table = self.table
         now = now_ms()
@@ -996,7 +1156,9 @@ class LockServer:
 
     def _op_cancel(self, conn: _Connection, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])
-        owner = P.check_owner(msg[3])
+        # The owner key is the proof of ownership: only its hash is stored, so only the client
+        # that made the key can match it (a hash read from a replica's stream is hashed again).
+        owner = hash_owner(P.check_owner(msg[3]))
         self.roles.admit(Action.CANCEL_WAITER)  # withdrawing a queued waiter is local: fenced or not
         table = self.table
         now = now_ms()
@@ -1032,10 +1194,17 @@ class LockServer:
 
     def _notify(self, name: str, what: str, token: int, meta: tuple | None) -> None:
         client, corr = meta if meta else (None, None)
-        data = P.encode_push(P.PUSH_WATCH, [name, what, token, client, corr])
+        principal, client = _split_recorded_client(client)
+        data = P.encode_push(P.PUSH_WATCH, [name, what, token, client, corr, principal])
         for conn in self._watchers[name]:
             conn.send(data)
 
+    @staticmethod
+    def _recorded_client(conn: _Connection) -> str:
+        """What grants record as their client: ``principal:client name`` (the name may be
+        empty) - the authenticated principal first, so the self-declared name is never
+        mistaken for it.  A record without ``:`` is a bare client name from an older log."""
+        return f"{conn.principal}:{conn.client_name or ''}"
     # -- per-principal quotas (bookkeeping only while a quota is set) ----------------------
     def _lease_granted(self, ev) -> None:
         conn = self._sessions.get(ev.session)
@@ -1069,8 +1238,9 @@ class LockServer:
         if h is None:
             return None
         client, corr = h.meta if h.meta else (None, None)
-        return {"token": h.token, "client": client, "correlation_id": corr, "ttl_ms": h.ttl_ms,
-                "remaining_ms": h.deadline_ms - now}
+        principal, client = _split_recorded_client(client)
+        return {"token": h.token, "principal": principal, "client": client, "correlation_id": corr,
+                "ttl_ms": h.ttl_ms, "remaining_ms": h.deadline_ms - now}
 
     def _op_watch(self, conn: _Connection, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])
@@ -1119,11 +1289,20 @@ class LockServer:
         from_lsn, incarnation, failover_after_ms, name = msg[2], msg[3], msg[4], msg[5]
         if type(from_lsn) is not int or type(failover_after_ms) is not int or failover_after_ms < 0:
             raise InvalidArgument("replicate takes from_lsn:int, incarnation, failover_after_ms:int >= 0, name")
-        self.roles.admit(Action.SERVE_STANDBY)
         name = P.check_optional_str(name, "standby name", P.MAX_CLIENT_NAME_CHARS)
+        if not name:
+            raise InvalidArgument("a standby must name itself ([label@]node id)")
+        self.roles.admit(Action.SERVE_STANDBY)
+        # Pairing goes by the authenticated replica principal, plus the node id it declares
+        # (which the credentials may pin): one replica credential cannot pose as another standby.
+        label, _, node = name.rpartition("@")
+        pinned = conn.grant.node_id
+        if pinned is not None and node != pinned:
+            raise PermissionDenied(f"replica principal {conn.principal!r} may only attach as node {pinned!r}")
+        identity = f"{label}@{conn.principal}/{node}" if label else f"{conn.principal}/{node}"
         conn.out_cap = self.config.max_replica_output_bytes  # (plus its snapshot: see ReplicationSource)
         try:
-            self.source.attach(conn, req_id, from_lsn, incarnation, failover_after_ms, name)
+            self.source.attach(conn, req_id, from_lsn, incarnation, failover_after_ms, identity)
         except BaseException:
             conn.out_cap = self.config.max_output_bytes
             raise
@@ -1132,8 +1311,11 @@ class LockServer:
         self.source.on_ack(conn, msg[2], msg[3])  # no reply: acks stream continuously
 
     def _op_step_down(self, conn: _Connection, req_id: int, msg: list) -> None:
-        requester = f"{quote(conn.client_name) if conn.client_name else 'a peer'} at {conn.peer}"  # reaches logs
-        info = self.failover.on_step_down_request(msg[2], msg[3], requester)
+        if not self.source.may_announce_epoch(conn.principal):
+            raise PermissionDenied(f"this primary is paired with another standby: replica {conn.principal!r} "
+                                   f"may not ask it to step down")
+        info = self.failover.on_step_down_request(
+            msg[2], msg[3], f"replica {conn.principal} ({quote(conn.client_name) if conn.client_name else 'a peer'} at {conn.peer})")
         conn.send(P.encode_ok(req_id, info))
 
     def _op_promote(self, conn: _Connection, req_id: int, msg: list) -> None:
@@ -1158,7 +1340,12 @@ class LockServer:
         conn.send(P.encode_ok(req_id, self.failover.serve_alone()))
 
     def _op_status(self, conn: _Connection, req_id: int, msg: list) -> None:
-        conn.send(P.encode_ok(req_id, self.status()))
+        st = self.status()
+        repl = st["replication"]
+        if conn.kind == "client" and "standbys" in repl:
+            # a primary's standby, its identity and pairing are for operators and peers only
+            st["replication"] = {"fenced": repl["fenced"], "serving_alone": repl["serving_alone"]}
+        conn.send(P.encode_ok(req_id, st))
 
     def _op_ping(self, conn: _Connection, req_id: int, msg: list) -> None:
         conn.send(P.encode_ok(req_id, None))

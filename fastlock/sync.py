@@ -144,7 +144,7 @@ class SyncClient:
     Args:
         *addresses: ``"host:port"`` strings or ``(host, port)`` tuples (as
             :func:`fastlock.connect`; default ``127.0.0.1:7420``).
-        auth, client_name, connect_timeout: as :func:`fastlock.connect`.
+        auth, token, token_file, client_name, connect_timeout: as :func:`fastlock.connect`.
         tls, tls_ca, tls_cert, tls_key, server_hostname: TLS, as :func:`fastlock.connect`.
         request_timeout: seconds of server silence, while any call is
             outstanding, after which the connection is dropped and the calls
@@ -159,11 +159,12 @@ class SyncClient:
 
     Raises:
         ConnectionLost: no address accepted a connection as primary.
-        AuthError: the secret was refused.
+        AuthError: the token or secret was refused.
     """
 
     def __init__(self, *addresses: Any, auth: str | None = None, client_name: str | None = None,
-                 connect_timeout: float = 5.0, request_timeout: float | None = 5.0,
+                 connect_timeout: float = 5.0, request_timeout: float | None = 5.0, token: str | None = None,
+                 token_file: Any = None,
                  tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, server_hostname: str | None = None):
         if not addresses:
@@ -178,7 +179,8 @@ class SyncClient:
         self._watch_queues: set[queue.Queue] = set()  # of the watch() generators being iterated
         try:
             self._client = Client(addresses, auth=auth, client_name=client_name, connect_timeout=connect_timeout,
-                                  request_timeout=request_timeout, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
+                                  request_timeout=request_timeout, token=token, token_file=token_file,
+                                  tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
                                   tls_key=tls_key, server_hostname=server_hostname)
         except BaseException:  # bad arguments: no thread started
             self._closed = True

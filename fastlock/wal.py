@@ -34,13 +34,21 @@ Record bodies (``[type, ...]``; times are wall-clock milliseconds since the Unix
 epoch, kept for the audit dump only -- expiry never looks at them):
 
 ========  ==  ==================================================================
-GRANT      1  name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id, wall_ms
+GRANT      1  name, token, owner_hash, ttl_ms, lock_delay_ms, client, correlation_id, wall_ms
 RELEASE    2  name, token, wall_ms
 EXPIRE     3  name, token, wall_ms
 EXTEND     4  name, token, ttl_ms, wall_ms
 EPOCH      5  epoch, wall_ms
 RESERVE    6  counter, wall_ms         (counter values up to ``counter`` may be issued)
 ========  ==  ==================================================================
+
+``owner_hash`` is BLAKE2b-128 of the client's owner key (see :func:`fastlock.auth.hash_owner`):
+the key never reaches the disk, a snapshot or a standby.  A log written by a fastlock
+before owner hashing (same format version) holds raw keys instead; it recovers, but its
+leases' holders cannot extend or release them any more (their keys hash to something
+else), so those leases end at their TTL.  ``client`` is ``principal:client_name`` (the
+authenticated principal, then the client's self-declared name, which may be empty);
+older logs hold the bare client name (no ``:``).
 
 Replay rules: GRANT installs the holder (replacing any); RELEASE/EXPIRE remove
 the holder when its token matches; EXTEND sets the holder's ``ttl_ms`` when its
@@ -1663,8 +1671,10 @@ def _fmt(lsn: str, wall: Optional[int], kind: str, name: Any = "-", token: Optio
     return " ".join(parts)
 
 
-def _owner_fingerprint(owner: bytes) -> str:
-    return hashlib.sha256(owner).hexdigest()[:16]
+def _owner_tag(owner: bytes) -> str:
+    """8 hex digits that tell leases apart in the dump without showing the stored owner
+    hash (or, in a log written before owner hashing, the key itself)."""
+    return hashlib.blake2b(owner, digest_size=4, person=b"fastlock-dump").hexdigest()
 
 
 def dump(directory: str | os.PathLike, *, lock: Optional[str] = None, file: TextIO = sys.stdout) -> int:
@@ -1674,10 +1684,9 @@ def dump(directory: str | os.PathLike, *, lock: Optional[str] = None, file: Text
     and shown with the snapshot's LSN), then every later record still on disk.
     Columns: LSN, wall time (ISO-8601 UTC, ``-`` if unknown), type, ``lock=``,
     ``token=`` value (epoch/counter), ``client=``, ``corr=`` (correlation id),
-    ``ttl_ms=``; grants add ``owner_sha256=`` (the first 16 hex digits of the
-    SHA-256 of the owner key: it tells grants of one acquire apart, but is not
-    the key, which lets whoever presents it extend or release the lease) and
-    ``lock_delay_ms=``.  ``lock`` keeps only that lock's lines (epoch and reserve records
+    ``ttl_ms=``; grants add ``owner=`` (an 8-hex-digit tag derived from the stored
+    owner hash: it tells grants of one acquire apart, and shows neither the key
+    nor its stored hash) and ``lock_delay_ms=``.  ``lock`` keeps only that lock's lines (epoch and reserve records
     have no lock and are left out).  Read-only: a torn tail is reported as a ``#``
     comment line, not cut.
 
@@ -1705,7 +1714,7 @@ def dump(directory: str | os.PathLike, *, lock: Optional[str] = None, file: Text
             if lock is not None and h[0] != lock:
                 continue
             w(_fmt(f"{slsn:020d}", h[7], "snapshot-holder", h[0], h[1], h[5], h[6], h[3],
-                     extra=f"owner_sha256={_owner_fingerprint(h[2])} lock_delay_ms={h[4]}") + "\n")
+                     extra=f"owner={_owner_tag(h[2])} lock_delay_ms={h[4]}") + "\n")
             lines += 1
     segs = rec.segments_after(base)
     for i, (first, path) in enumerate(segs):
@@ -1733,7 +1742,7 @@ def dump(directory: str | os.PathLike, *, lock: Optional[str] = None, file: Text
                     continue
                 if t == GRANT:
                     line = _fmt(f"{cur:020d}", r[8], kind, r[1], r[2], r[6], r[7], r[4],
-                                extra=f"owner_sha256={_owner_fingerprint(r[3])} lock_delay_ms={r[5]}")
+                                extra=f"owner={_owner_tag(r[3])} lock_delay_ms={r[5]}")
                 elif t == EXTEND:
                     line = _fmt(f"{cur:020d}", r[4], kind, r[1], r[2], ttl=r[3])
                 else:

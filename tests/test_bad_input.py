@@ -242,6 +242,18 @@ async def test_auth_secret(server_factory, tmp_path, loop_errors):
     async with fastlock.connect(srv.address, auth="s3cret") as c:
         lease = await c.acquire("a", ttl=1.0)
         await c.release(lease)
+        # the legacy secret is a client of every lock, never an operator or a replica
+        assert c.server_info["principal"] == "shared-secret" and c.server_info["kind"] == "client"
+    from tcpproxy import RawNode
+
+    raw = await RawNode.open(srv.address, token="s3cret")
+    try:
+        for op, args in ((P.OP_SERVE_ALONE, ()), (P.OP_PROMOTE, (True,)), (P.OP_REPLICATE, (0, None, 0, "x@y")),
+                         (P.OP_STEP_DOWN, (1, raw.hello["clock_ms"]))):
+            with pytest.raises(fastlock.PermissionDenied):
+                await raw.request(op, *args)
+    finally:
+        await raw.close()
 
 
 async def test_release_of_a_released_lease_is_lease_lost_and_changes_nothing(client, connect):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fastlock import cli
-from fastlock._testbase import ServerProcess
+from fastlock._testbase import CredentialsDir, ServerProcess
 from fastlock.server import ServerConfig, check_limits
 
 TIMEOUT = 30.0
@@ -38,8 +38,9 @@ def one_clear_line(out: subprocess.CompletedProcess, code: int, *needles: str) -
 
 
 def test_status_reports_the_named_node_itself(tmp_path):
-    a = ServerProcess(tmp_path / "a").start()
-    b = ServerProcess(tmp_path / "b", args=["--standby-of", a.address])
+    creds = CredentialsDir(tmp_path / "credentials")
+    a = ServerProcess(tmp_path / "a", args=creds.server_args("node-1")).start()
+    b = ServerProcess(tmp_path / "b", args=["--standby-of", a.address, *creds.server_args("node-2")])
     try:
         b.start()
         b.wait_for_log("applied snapshot", timeout=TIMEOUT)

@@ -16,7 +16,7 @@ import time
 import pytest
 
 import fastlock
-from fastlock._testbase import ServerProcess
+from fastlock._testbase import CredentialsDir, ServerProcess
 
 from conftest import wait_until
 
@@ -129,11 +129,13 @@ async def test_request_timeout_is_checked(server):
 @pytest.fixture
 def pair(tmp_path):
     """A primary and a standby that promotes itself after 1 s of primary silence."""
-    a = ServerProcess(tmp_path / "a")
+    creds = CredentialsDir(tmp_path / "credentials")  # a standby authenticates as a replica principal
+    a = ServerProcess(tmp_path / "a", args=creds.server_args("node-1"))
     b = ServerProcess(tmp_path / "b")
     try:
         a.start()
-        b.args = ["--standby-of", a.address, "--failover-after", "1", "--promotion-grace", "0.5"]
+        b.args = ["--standby-of", a.address, "--failover-after", "1", "--promotion-grace", "0.5",
+                  *creds.server_args("node-2")]
         b.start()
         a.wait_for_log("standby .* attached", timeout=TIMEOUT)
         b.wait_for_log("applied snapshot", timeout=TIMEOUT)

@@ -558,10 +558,13 @@ def test_delayed_replicate_from_a_promoted_standby_does_not_unfence_the_primary(
         await promoted
         st = await status_of(p.address)
         last_token = st["last_token"]
-        standby_id = st["replication"]["paired_standby"]  # the real standby's identity
-        # the late message: [id, REPLICATE, from_lsn, incarnation, failover_after_ms, name], then gone
-        ghost = await RawNode.open(p.address, name="standby:standby")
-        await ghost.request(P.OP_REPLICATE, 0, None, int(FAILOVER * 1000), standby_id)
+        paired = st["replication"]["paired_standby"]  # "label@replica principal/node id"
+        # the late message: [id, REPLICATE, from_lsn, incarnation, failover_after_ms, name], then gone,
+        # over a connection authenticated with the real standby's credential
+        ghost = await RawNode.open(p.address, name="standby:standby",
+                                   token=cluster.creds.token(cluster.replica_of("standby")))
+        await ghost.request(P.OP_REPLICATE, 0, None, int(FAILOVER * 1000),
+                            f"standby@{paired.rpartition('/')[2]}")
         await ghost.close()
         probe = await RawNode.open(p.address)
         try:
@@ -604,7 +607,7 @@ def test_old_primary_rejoins_as_standby_of_the_new_one_and_fails_back(cluster):
 
         # the old primary comes back as a standby of the new one
         old = await asyncio.to_thread(
-            lambda: cluster._start(type(p)(p.data_dir, args=["--standby-of", s.address, "--name", "old",
+            lambda: cluster._start(type(p)(p.data_dir, args=["--standby-of", s.address, "--name", "old", *cluster.auth_args("primary"),
                                                              "--failover-after", str(FAILOVER),
                                                              "--promotion-grace", str(GRACE)])))
         await asyncio.to_thread(old.wait_for_log, r"applied snapshot at primary LSN \d+: 3 leases, epoch 1", 10)

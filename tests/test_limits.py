@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastlock import protocol as P
+from fastlock._testbase import CredentialsDir
 from fastlock.errors import LimitExceeded, ProtocolError, Unavailable
 
 # ---------------------------------------------------------------------------------------------
@@ -31,7 +32,7 @@ class Raw:
     """A hand-driven peer on a blocking socket: raw msgpack frames, no client library."""
 
     def __init__(self, address: str, *, hello: bool = True, name: str = "raw", rcvbuf: int | None = None,
-                 timeout: float = 10.0):
+                 timeout: float = 10.0, credential: str | None = None):
         host, port = address.rsplit(":", 1)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         if rcvbuf is not None:
@@ -41,7 +42,7 @@ class Raw:
         self.unpacker = msgpack.Unpacker(raw=False)
         self.next_id = 1
         if hello:
-            reply = self.call(P.OP_HELLO, P.PROTOCOL_VERSION, name, None)
+            reply = self.call(P.OP_HELLO, P.PROTOCOL_VERSION, name, credential)
             assert reply[1] == 0, reply
 
     def send(self, op: int, *args) -> int:
@@ -93,8 +94,7 @@ class Raw:
 
 def fake_replica(address: str, *, rcvbuf: int = 4096, from_lsn: int = 0, incarnation=None,
                  name: str = "fake@0123456789abcdef", credential=None) -> tuple[Raw, dict]:
-    """A peer that attaches as a standby.  ``credential``: what a replica presents
-    at HELLO once replicas must authenticate (today any client may REPLICATE)."""
+    """A peer that attaches as a standby: ``credential`` is a replica principal's token."""
     raw = Raw(address, hello=False, rcvbuf=rcvbuf)
     hello = raw.call(P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{name}", credential)
     assert hello[1] == 0, hello
@@ -273,9 +273,10 @@ def test_the_open_files_limit_is_raised_at_start(server_factory):
 def test_a_client_gets_in_at_the_connection_limit_and_the_standby_keeps_replicating(server_factory, tmp_path):
     """At --max-connections, the oldest connection without HELLO makes room for a
     new one (a handshake reserve); the standby's connection, past HELLO, stays."""
+    creds = CredentialsDir(tmp_path / "credentials", replicas=2)
     primary = server_factory("primary", args=["--max-connections", "40", "--hello-timeout", "60",
-                                              "--max-connections-per-address", "1000"])
-    standby = server_factory("standby", args=["--standby-of", primary.address])
+                                              "--max-connections-per-address", "1000", *creds.server_args("node-1")])
+    standby = server_factory("standby", args=["--standby-of", primary.address, *creds.server_args("node-2")])
     primary.wait_for_log(r"standby .* attached", timeout=10)
     socks = _open_idle(primary.address, 60)  # more than the limit, none of them says HELLO
     try:
@@ -368,10 +369,11 @@ def test_idle_timeout_spares_waiters_and_watchers(server_factory):
 # 3. output caps, replicas included
 
 
-def test_a_replica_that_never_reads_is_disconnected_and_memory_stays_bounded(server_factory):
-    srv = server_factory("noread", args=["--max-replica-output-bytes", str(1 << 20)])
+def test_a_replica_that_never_reads_is_disconnected_and_memory_stays_bounded(server_factory, tmp_path):
+    creds = CredentialsDir(tmp_path / "credentials", replicas=2)
+    srv = server_factory("noread", args=["--max-replica-output-bytes", str(1 << 20), *creds.server_args("node-1")])
     before = rss_kib(srv.pid)
-    raw, info = fake_replica(srv.address)
+    raw, info = fake_replica(srv.address, credential=creds.token("node-2"))
     try:
         assert info["mode"] == "snapshot"
         request = msgpack.packb([9, P.OP_STATUS]) * 1000
@@ -390,16 +392,18 @@ def test_a_replica_that_never_reads_is_disconnected_and_memory_stays_bounded(ser
         grown_mib = (rss_kib(srv.pid) - before) / 1024
         print(f"\nnever-reading replica: server RSS {before} KiB -> {rss_kib(srv.pid)} KiB")
         assert grown_mib < 40, f"a never-reading replica grew the server by {grown_mib:.0f} MiB"
-        with Raw(srv.address) as ok:
+        with Raw(srv.address, credential=creds.token("admin")) as ok:  # the admin sees the standbys
             assert ok.call(P.OP_ACQUIRE, *acquire_args("after-fake-replica"))[1] == 0
             assert ok.call(P.OP_STATUS)[2]["replication"]["standbys"] == []
     finally:
         raw.close()
 
 
-def test_a_standby_that_falls_behind_is_disconnected_and_resyncs(server_factory):
-    primary = server_factory("primary", args=["--max-replica-output-bytes", str(256 << 10)])
-    standby = server_factory("standby", args=["--standby-of", primary.address])
+def test_a_standby_that_falls_behind_is_disconnected_and_resyncs(server_factory, tmp_path):
+    creds = CredentialsDir(tmp_path / "credentials", replicas=2)
+    primary = server_factory("primary", args=["--max-replica-output-bytes", str(256 << 10),
+                                              *creds.server_args("node-1")])
+    standby = server_factory("standby", args=["--standby-of", primary.address, *creds.server_args("node-2")])
     primary.wait_for_log(r"standby .* attached", timeout=10)
     standby.pause()  # it stops reading; the kernel buffers fill, then the primary's buffer
     try:
@@ -468,10 +472,11 @@ def test_replicate_from_lsn_1_on_a_large_log_keeps_other_clients_served(server_f
 
     data = tmp_path / "big"
     last = _build_log(data, 600_000)
-    srv = server_factory("big", args=["--snapshot-every", "10000000"])
+    creds = CredentialsDir(tmp_path / "credentials", replicas=2)
+    srv = server_factory("big", args=["--snapshot-every", "10000000", *creds.server_args("node-1")])
     assert srv.data_dir.resolve() == data.resolve()
     # learn the incarnation (a snapshot attach), then ask for the whole log from LSN 1
-    first, info = fake_replica(srv.address, rcvbuf=1 << 20)
+    first, info = fake_replica(srv.address, rcvbuf=1 << 20, credential=creds.token("node-2"))
     first.close()
     latencies: list[float] = []
     stop = threading.Event()
@@ -493,7 +498,8 @@ def test_replicate_from_lsn_1_on_a_large_log_keeps_other_clients_served(server_f
             time.sleep(0.001)
         during = len(latencies)
         mark = len(srv.lines)
-        raw, info = fake_replica(srv.address, from_lsn=1, incarnation=info["incarnation"], rcvbuf=1 << 20)
+        raw, info = fake_replica(srv.address, from_lsn=1, incarnation=info["incarnation"], rcvbuf=1 << 20,
+                                 credential=creds.token("node-2"))
         assert info["mode"] == "stream"
         raw.sock.settimeout(0.05)
         received = 0
@@ -643,8 +649,10 @@ def _modes(directory) -> dict[str, int]:
 
 def test_data_directories_are_private(server_factory, tmp_path):
     """0700 directories, 0600 files: the WAL and snapshots hold owner keys."""
-    primary = server_factory("primary", args=["--snapshot-every", "2"])
-    standby = server_factory("standby", args=["--standby-of", primary.address, "--failover-after", "5"])
+    creds = CredentialsDir(tmp_path / "credentials", replicas=2)
+    primary = server_factory("primary", args=["--snapshot-every", "2", *creds.server_args("node-1")])
+    standby = server_factory("standby", args=["--standby-of", primary.address, "--failover-after", "5",
+                                              *creds.server_args("node-2")])
     primary.wait_for_log(r"paired with standby", timeout=10)
     with Raw(primary.address) as client:
         for i in range(3):

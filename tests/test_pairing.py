@@ -129,13 +129,13 @@ def test_old_primary_restarted_after_failover_starts_fenced(cluster):
 
 def test_a_stray_replicate_does_not_pair_or_fence(cluster):
     """Pairing needs an echoed heartbeat: a REPLICATE that never acknowledges anything
-    (a confused tool, a port scanner speaking msgpack) changes nothing."""
+    (a confused tool holding a replica credential) changes nothing."""
     from fastlock import protocol as P
 
     p = cluster.primary()
 
     async def main():
-        stray = await RawNode.open(p.address, name="not-a-standby")
+        stray = await RawNode.open(p.address, name="not-a-standby", token=cluster.creds.token(cluster.replica_of("x")))
         await stray.request(P.OP_REPLICATE, 0, None, 1000, "stray")
         await stray.close()
         node = await RawNode.open(p.address)
@@ -240,7 +240,7 @@ def test_promoted_standby_restarted_as_standby_of_the_old_primary_refuses_and_de
         s2 = cluster.restart(s)   # its unit file still says --standby-of <old primary address>
         # (the restarted old primary has a new port: point the standby at it explicitly)
         s2.stop()
-        s3 = cluster._start(type(s)(s.data_dir, args=["--standby-of", old.address, "--name", "standby",
+        s3 = cluster._start(type(s)(s.data_dir, args=["--standby-of", old.address, "--name", "standby", *cluster.auth_args("standby"),
                                                       "--failover-after", str(FAILOVER)]))
         s3.wait_for_log(r"refusing to follow", 10)
         st_old = await poll(lambda: status_of(old.address), lambda st: st["role"] == "deposed", timeout=5,
@@ -260,7 +260,7 @@ def test_a_copied_standby_data_dir_is_refused_while_the_original_is_alive(cluste
     s1 = cluster.standby(p.address, "standby1", failover_after=FAILOVER, grace=GRACE)
     shutil.copytree(s1.data_dir, cluster.root / "clone", ignore=shutil.ignore_patterns("LOCK"))
     clone = cluster._start(type(s1)(cluster.root / "clone",
-                                    args=["--standby-of", p.address, "--name", "clone",
+                                    args=["--standby-of", p.address, "--name", "clone", *cluster.auth_args("standby1"),
                                           "--failover-after", str(FAILOVER)]))
     clone.wait_for_log(r"copied data directory", 10)
 
@@ -282,7 +282,7 @@ def test_a_standby_renamed_on_restart_is_the_same_standby(cluster):
         await poll(lambda: status_of(p.address), lambda st: st["replication"]["paired_standby"],
                    timeout=5, what="pairing")
         s.stop()
-        renamed = cluster._start(type(s)(s.data_dir, args=["--standby-of", p.address, "--name", "east-1",
+        renamed = cluster._start(type(s)(s.data_dir, args=["--standby-of", p.address, "--name", "east-1", *cluster.auth_args("east"),
                                                            "--failover-after", str(FAILOVER)]))
         renamed.wait_for_log(r"replicating from", 10)
         st = await poll(lambda: status_of(p.address),
@@ -379,11 +379,13 @@ def test_no_automatic_failover_before_the_primary_confirms_the_pairing(tmp_path)
     promoted: list[str] = []
     host = FakeHost(str(tmp_path), Role.STANDBY, primary_address="127.0.0.1:9")
     follower = StandbyFollower(host, ("127.0.0.1", 9), failover_after_ms=50, name="east@id-1",
-                               on_primary_silent=lambda: promoted.append("silent"))
+                               token="fl1.node-1.secret", on_primary_silent=lambda: promoted.append("silent"))
     follower.synced = True
     try:
-        for paired, window, expect in ((None, 0, False), ("west@id-2", 50, False), ("east@id-1", 99, False),
-                                       ("renamed@id-1", 50, True)):
+        # the primary pairs with "[label@]replica principal/node id" (see LockServer._op_replicate)
+        for paired, window, expect in ((None, 0, False), ("west@node-1/id-2", 50, False),
+                                       ("east@node-2/id-1", 50, False), ("east@node-1/id-1", 99, False),
+                                       ("renamed@node-1/id-1", 50, True)):
             follower._on_push("hb", [1, 0, 0, 0, paired, window])
             follower.last_heard_ms = _now_ms() - 1000  # the primary has been silent for 1 s
             follower._check_silence()
@@ -409,7 +411,8 @@ def test_fail_back_with_force_after_the_new_primary_died_uses_a_higher_epoch(clu
         await b.close()
         s.kill()  # really dead
         p.stop()
-        rejoin = cluster._start(type(p)(p.data_dir, args=["--standby-of", s.address, "--name", "old"]))
+        rejoin = cluster._start(type(p)(p.data_dir, args=["--standby-of", s.address, "--name", "old",
+                                                    *cluster.auth_args("primary")]))
         res = await asyncio.to_thread(cli, "promote", "--server", rejoin.address, "--force")
         assert res.returncode == 0, res.stderr
         assert json.loads(res.stdout)["epoch"] == 2

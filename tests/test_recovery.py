@@ -356,13 +356,18 @@ async def test_wal_dump_audit_trail(tmp_path, servers, loop_errors):
 
     lines = _wal_dump(data)
     g1 = _find(lines, "grant", "audit/a", a1.fencing_token)
-    assert "client=billing-api" in g1 and "corr=req-42" in g1 and "ttl_ms=30000" in g1
+    # the authenticated principal is shown first: the client name is only self-declared
+    assert "client=anonymous:billing-api" in g1 and "corr=req-42" in g1 and "ttl_ms=30000" in g1
+    # neither the owner key nor the hash the server keeps appears: only an 8-digit tag
+    from fastlock.auth import hash_owner
+
+    assert a1.owner.hex() not in "\n".join(lines) and hash_owner(a1.owner).hex()[:8] not in g1
     _find(lines, "release", "audit/a", a1.fencing_token)
     g2 = _find(lines, "grant", "audit/b", b1.fencing_token)
     assert "corr=req-43" in g2 and "ttl_ms=200" in g2
     _find(lines, "expire", "audit/b", b1.fencing_token)
     g3 = _find(lines, "grant", "audit/a", a2.fencing_token)
-    assert "client=report-job" in g3 and "corr=req-44" in g3
+    assert "client=anonymous:report-job" in g3 and "corr=req-44" in g3
     # in LSN order: grant a1 < release a1 < grant b1 < expire b1 < grant a2
     order = [lines.index(x) for x in (g1, _find(lines, "release", "audit/a", a1.fencing_token), g2,
                                       _find(lines, "expire", "audit/b", b1.fencing_token), g3)]

@@ -24,7 +24,7 @@ import pytest
 
 import fastlock
 from fastlock import protocol as P
-from fastlock.errors import LockNotAcquired, NotPrimary
+from fastlock.errors import LockNotAcquired, NotPrimary, PermissionDenied
 from tcpproxy import RawNode, poll, run, status_of
 
 EPOCH_SHIFT = 40
@@ -260,8 +260,10 @@ def test_promote_refuses_a_never_synced_standby_without_force(cluster, tmp_path)
 
 
 def test_a_primary_steps_down_on_step_down_for_the_next_epoch_only(cluster):
-    """A client's HELLO epoch is a hint that never deposes; STEP_DOWN for epoch + 1 does."""
+    """A client's HELLO epoch is a hint that never deposes; STEP_DOWN for epoch + 1 does -
+    from a replica principal only (issue 9: one HELLO deposed a primary)."""
     p = cluster.primary()
+    replica = cluster.creds.token(cluster.replica_of("peer"))
 
     async def main():
         a = await RawNode.open(p.address)
@@ -276,12 +278,20 @@ def test_a_primary_steps_down_on_step_down_for_the_next_epoch_only(cluster):
                 await hinted.acquire(f"after-hint-{hint}", LONG)
             finally:
                 await hinted.close()
-        peer = await RawNode.open(p.address, name="standby:b")
+        for credential in (None, cluster.creds.token("app"), cluster.creds.token("admin")):
+            other = await RawNode.open(p.address, token=credential)
+            try:
+                with pytest.raises(PermissionDenied):
+                    await other.request(P.OP_STEP_DOWN, 1, other.hello["clock_ms"])
+                assert (await other.request(P.OP_PING)) is None
+            finally:
+                await other.close()
+        peer = await RawNode.open(p.address, name="standby:b", token=replica)
         try:
             assert await peer.request(P.OP_STEP_DOWN, 1, peer.hello["clock_ms"]) == {"role": "deposed", "epoch": 0}
         finally:
             await peer.close()
-        await asyncio.to_thread(p.wait_for_log, r"stepping down: 'standby:b' at .* is promoting to epoch 1", 5)
+        await asyncio.to_thread(p.wait_for_log, r"stepping down: replica node-\d+ \('standby:b' at .*\) is promoting to epoch 1", 5)
         # for good: every later connection finds it deposed, and no lock op names a primary
         again = await RawNode.open(p.address)
         try:
@@ -292,10 +302,13 @@ def test_a_primary_steps_down_on_step_down_for_the_next_epoch_only(cluster):
                     await op
                 assert info.value.primary is None
             assert (await again.status())["role"] == "deposed"
-            # asking again confirms without changing anything
-            assert await again.request(P.OP_STEP_DOWN, 1, 0) == {"role": "deposed", "epoch": 0}
         finally:
             await again.close()
+        peer = await RawNode.open(p.address, name="standby:b", token=replica)
+        try:  # asking again confirms without changing anything
+            assert await peer.request(P.OP_STEP_DOWN, 1, 0) == {"role": "deposed", "epoch": 0}
+        finally:
+            await peer.close()
         # and the client does not take it for a primary
         with pytest.raises(fastlock.ConnectionLost):
             await fastlock.connect(p.address, connect_timeout=2.0)

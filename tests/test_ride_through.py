@@ -163,7 +163,8 @@ def test_2_lock_survives_a_manual_promotion_and_the_fail_back(cluster):
                     # of the new primary (same port), then is promoted with B alive
                     p.stop()
                     rejoined = cluster._start(type(p)(p.data_dir, port=p.port,
-                                                      args=["--standby-of", s.address, "--name", "old"]))
+                                                      args=["--standby-of", s.address, "--name", "old",
+                                                            *cluster.auth_args("primary")]))
                     rejoined.wait_for_log(r"replicating from", 10)
                     await poll(lambda: status_of(rejoined.address), lambda st: st["locks_held"] == 1, timeout=5,
                                what="the lease replicated back")

@@ -19,7 +19,7 @@ import tempfile
 import pytest
 
 from fastlock import protocol as P
-from fastlock.errors import ConnectionLost, InvalidArgument, NotPrimary, Unavailable
+from fastlock.errors import ConnectionLost, InvalidArgument, NotPrimary, PermissionDenied, Unavailable
 from tcpproxy import RawNode, poll, run, status_of
 
 FAILOVER = 1.0
@@ -40,15 +40,20 @@ def test_step_down_with_any_other_epoch_than_the_next_changes_nothing(cluster):
         await poll(lambda: status_of(p.address), lambda st: st["replication"]["paired_standby"],
                    timeout=5, what="pairing")
         node = await RawNode.open(p.address, name="standby:impostor")
+        # the standby's own credential: only the paired replica principal may send STEP_DOWN
+        peer = await RawNode.open(p.address, name="standby:impostor",
+                                  token=cluster.creds.token(cluster.replica_of("standby")))
         try:
             token, _, owner = await node.acquire("held", LONG)
             clock = node.hello["clock_ms"]  # the primary's own clock, as a real standby echoes it
+            with pytest.raises(PermissionDenied):  # an admin (or a client) may not, even for the right epoch
+                await node.request(P.OP_STEP_DOWN, 1, clock)
             for epoch, seen_ms in ((0, clock), (2, clock), (5, clock), (2**63 - 1, clock), (-1, clock),
                                    ("1", clock), (None, clock),
                                    (1, clock - P.STEP_DOWN_FRESH_MS - 1000),  # delayed: the standby gave up
                                    (1, clock + 60_000), (1, None)):          # not the primary's clock
                 with pytest.raises(InvalidArgument):
-                    await node.request(P.OP_STEP_DOWN, epoch, seen_ms)
+                    await peer.request(P.OP_STEP_DOWN, epoch, seen_ms)
             assert node.hello["role"] == "primary"
             st = await node.status()
             assert st["role"] == "primary" and st["epoch"] == 0 and not st["replication"]["fenced"]
@@ -56,6 +61,7 @@ def test_step_down_with_any_other_epoch_than_the_next_changes_nothing(cluster):
             await node.acquire("still-granting", LONG)
         finally:
             await node.close()
+            await peer.close()
         assert not os.path.exists(p.data_dir / "deposed.json")
         # the standby was not disturbed: still following, still a standby
         st = await status_of(s.address)

@@ -1,16 +1,23 @@
-"""Test support shipped with the package: real server processes and a history checker.
+"""Real ``fastlock serve`` subprocesses for tests and benches.
 
-Used by fastlock's own tests, benches and demo, and usable by applications
-that want to test their locking code against a real server::
+:class:`ServerProcess` starts ``python -m fastlock serve --listen 127.0.0.1:PORT``
+(PORT 0 lets the kernel pick a free port; the port is read from the server's
+"listening on" log line), keeps its log lines (stderr) for
+:meth:`~ServerProcess.wait_for_log`, and can crash (:meth:`~ServerProcess.kill`,
+SIGKILL), freeze (:meth:`~ServerProcess.pause`, SIGSTOP), resume and stop the
+real process by its PID::
 
     with ServerProcess(tmp_path / "data") as srv:
         async with fastlock.connect(srv.address) as client:
             ...
 
-Servers are started as ``python -m fastlock serve --listen 127.0.0.1:0`` so
-the kernel picks a free port; the port is read from the server's "listening on"
-log line.  Crash tests use :meth:`ServerProcess.kill` (SIGKILL) and
-:meth:`ServerProcess.pause` (SIGSTOP) on the real process.
+Servers that need principals (a standby, operator commands) get a
+:class:`CredentialsDir`: ``ServerProcess(dir, args=creds.server_args("node-1"))``.
+
+A server restarted on the same port with the same data dir (what crash and
+failover procedures do) is a new ``ServerProcess(data_dir, port=old.port, ...)``.
+:func:`node_status` asks exactly one node for its status (no redirect), as
+``fastlock status --server`` does.
 """
 
 from __future__ import annotations
@@ -37,16 +44,22 @@ class ServerProcess:
         port: 0 for a free port (default), or a fixed one (e.g. to restart a
             killed server on the port its clients know).
         args: extra command-line arguments.
+        log_level: the server's ``--log-level``.
+        env: variables added to this process's environment for the server.
+        log_path: if given, every log line is also appended to this file
+            (kept after the process ends, for a post-mortem).
     """
 
     def __init__(self, data_dir: str | os.PathLike, *, fsync: str = "always", port: int = 0,
-                 args: Sequence[str] = (), log_level: str = "INFO", env: dict | None = None):
+                 args: Sequence[str] = (), log_level: str = "INFO", env: dict | None = None,
+                 log_path: str | os.PathLike | None = None):
         self.data_dir = Path(data_dir)
         self.fsync = fsync
         self.port = port
         self.args = list(args)
         self.log_level = log_level
         self.env = env
+        self.log_path = Path(log_path) if log_path is not None else None
         self.proc: subprocess.Popen | None = None
         self.lines: list[str] = []
         self._cond = threading.Condition()
@@ -91,12 +104,19 @@ class ServerProcess:
 
     def _read(self, proc: subprocess.Popen) -> None:
         assert proc.stderr is not None
-        for line in proc.stderr:
+        sink = open(self.log_path, "a", buffering=1) if self.log_path is not None else None
+        try:
+            for line in proc.stderr:
+                if sink is not None:
+                    sink.write(line)
+                with self._cond:
+                    self.lines.append(line.rstrip("\n"))
+                    self._cond.notify_all()
+        finally:
+            if sink is not None:
+                sink.close()
             with self._cond:
-                self.lines.append(line.rstrip("\n"))
                 self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
 
     def wait_for_log(self, pattern: str | re.Pattern, timeout: float = 10.0, start: int = 0) -> str:
         """Wait until a log line from index ``start`` on matches; return it."""
@@ -124,6 +144,15 @@ class ServerProcess:
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        """True while the process runs (a paused process is alive)."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def status(self, timeout: float = 2.0, token: str | None = None) -> dict:
+        """This node's ``status`` (see :func:`node_status`)."""
+        return node_status(self.address, timeout, token)
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM and wait; SIGKILL if it does not exit within ``timeout`` s."""
@@ -157,6 +186,7 @@ class ServerProcess:
         os.kill(self.proc.pid, signal.SIGSTOP)
 
     def resume(self) -> None:
+        """SIGCONT: a paused process runs again."""
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGCONT)
 
@@ -173,40 +203,66 @@ class ServerProcess:
         self.stop()
 
 
-class HistoryChecker:
-    """Records lock holdings as seen by clients and checks the safety properties.
+class CredentialsDir:
+    """A credentials directory for tests (made with :func:`fastlock.auth.generate`).
 
-    Call :meth:`held` when a client starts acting as the holder and
-    :meth:`released` when it stops (use a single monotonic clock, e.g.
-    ``time.monotonic()``, from one process).  :meth:`check` raises
-    AssertionError on two overlapping holders of one lock or on a fencing token
-    that does not increase, and returns the number of holdings checked.
+    Principals: ``app`` (client, every name), ``admin``, replicas ``node-1`` ..
+    ``node-<replicas>``, and the anonymous client with every name (so code that
+    connects without a token keeps working).  :attr:`file` is the credentials
+    file for ``--credentials``; :meth:`token_file` and :meth:`token` give a
+    principal's token.  ``cert_identities`` maps principals to mutual-TLS
+    certificate CNs.
     """
 
-    def __init__(self) -> None:
-        self._open: dict[tuple[str, int], float] = {}
-        self._done: dict[str, list[tuple[float, float, int]]] = {}
+    def __init__(self, directory: str | os.PathLike, *, replicas: int = 8, anonymous: bool = True,
+                 cert_identities: dict | None = None):
+        from fastlock.auth import generate
 
-    def held(self, name: str, token: int, at: float) -> None:
-        key = (name, token)
-        if key in self._open:
-            raise AssertionError(f"token {token} of {name!r} handed out twice")
-        self._open[key] = at
+        self.directory = Path(directory)
+        self.paths = generate(self.directory, clients=[("app", "")],
+                              replicas=[f"node-{i}" for i in range(1, replicas + 1)], admins=["admin"],
+                              anonymous_prefix="" if anonymous else None, cert_identities=cert_identities)
+        self.file = str(self.directory / "credentials.toml")
+        self._next_replica = 1
+        self.replicas = replicas
 
-    def released(self, name: str, token: int, at: float) -> None:
-        start = self._open.pop((name, token))
-        self._done.setdefault(name, []).append((start, at, token))
+    def token_file(self, principal: str) -> str:
+        return self.paths[principal]
 
-    def check(self) -> int:
-        if self._open:
-            raise AssertionError(f"holdings never closed: {sorted(self._open)[:5]}")
-        n = 0
-        for name, spans in self._done.items():
-            spans.sort()
-            for (s1, e1, t1), (s2, e2, t2) in zip(spans, spans[1:]):
-                if s2 < e1:
-                    raise AssertionError(f"{name!r}: holders overlap: token {t1} [{s1}, {e1}] and {t2} [{s2}, {e2}]")
-                if t2 <= t1:
-                    raise AssertionError(f"{name!r}: fencing token went from {t1} to {t2}")
-            n += len(spans)
-        return n
+    def server_args(self, replica: str) -> list[str]:
+        """``fastlock serve`` arguments: this credentials file, and ``replica``'s token to follow with."""
+        return ["--credentials", self.file, "--standby-token-file", self.token_file(replica)]
+
+    def token(self, principal: str) -> str:
+        return Path(self.paths[principal]).read_text().strip()
+
+    def next_replica(self) -> str:
+        """A replica principal not handed out yet."""
+        if self._next_replica > self.replicas:
+            raise RuntimeError("no replica principal left: make CredentialsDir with more replicas")
+        name = f"node-{self._next_replica}"
+        self._next_replica += 1
+        return name
+
+
+def node_status(address: str, timeout: float = 2.0, token: str | None = None) -> dict:
+    """Ask exactly the node at ``address`` (``"host:port"``) for its status.
+
+    One HELLO + STATUS exchange on a fresh connection, no redirect (a standby
+    reports itself), as ``fastlock status --server`` (the same code).
+    ``timeout`` (seconds) bounds the wait for the reply; on loopback the
+    connect itself is answered by the kernel at once, even for a frozen node.
+    ``token``: the credential to present (default: the token in the file named
+    by ``FASTLOCK_TOKEN_FILE``, else none); an admin sees replication details.
+
+    Raises:
+        OSError: the connection was refused or dropped.
+        TimeoutError: no connection or no reply within ``timeout``.
+        FastlockError: the node refused the request.
+    """
+    from fastlock import cli, protocol
+
+    if token is None and os.environ.get("FASTLOCK_TOKEN_FILE"):
+        token = Path(os.environ["FASTLOCK_TOKEN_FILE"]).read_text().strip()
+    host, _, port = address.rpartition(":")
+    return cli._admin((host, int(port)), token, protocol.OP_STATUS, reply_timeout=timeout)

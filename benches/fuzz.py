@@ -1,0 +1,521 @@
+"""Protocol fuzzer: every operation from every principal kind against a real server (issue 9).
+
+    python -m benches.fuzz [--requests 1000000] [--seed N] [--batch 64] [--json PATH]
+
+What runs
+---------
+One real ``fastlock serve`` (``--fsync never``, ``--auth-failures-before-ban 0`` so
+that the fuzzer's own failed HELLOs do not ban 127.0.0.1 - the ban has its own
+test) with a credentials file of five principals:
+
+============  =======  ============================================================
+principal     kind     granted
+============  =======  ============================================================
+orders        client   every client operation on ``orders/``
+reader        client   check, holder, watch on every name
+anonymous     client   every client operation on ``public/`` (no token)
+node-2        replica  replicate, repl_ack, step_down
+admin         admin    everything but replica operations
+============  =======  ============================================================
+
+The run alternates two kinds of round:
+
+*unauthorised round*
+    for each principal, a fresh connection sends ``--batch`` requests that the
+    policy above refuses it (an operation of another kind, a lock name outside
+    its ACL, an unknown operation, a HELLO with an epoch hint from a non-replica,
+    or garbage that is not a request at all).  An admin connection snapshots the
+    server before and after (role, epoch, counters, lock-table statistics,
+    pairing, and the holder of every lock name the fuzzer uses): any difference
+    is an **unauthorised state change**, and any success reply to a refused
+    lock/replica/operator operation is counted with them.
+*mixed round*
+    long-lived connections of every principal send ``--batch`` random requests
+    each: well-formed ones (names from a pool spanning every ACL prefix, owner
+    keys of real leases, their hashes and random ones, valid and invalid TTLs),
+    ill-typed ones, wrong arities and random msgpack values.
+
+Every reply is checked: an ``internal server error`` reply is counted as an
+**internal error**; the server process exiting, or a traceback in its log, is a
+**crash**.  At the end the server's RSS (``VmRSS``) is read.  The generator
+is a function of a :class:`random.Random`, so ``tests/test_fuzz.py`` drives the
+same rounds from hypothesis (``st.randoms()``) for a short run in the suite.
+
+Valid TTLs are at least 12 h and valid waits are 0 or forever, so nothing
+expires or times out by itself between two snapshots; the replica attaches
+without a failover window (a fence would close by itself between snapshots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastlock import protocol as P
+from fastlock._testbase import ServerProcess
+from fastlock.auth import ANONYMOUS, hash_owner, hash_token
+
+NAMES = ["orders/1", "orders/2", "orders/x/y", "public/a", "public/b", "billing/1", "admin", "order", "",
+         "x" * 600, "nul\x00", "ünïcode/1"]
+PROBE_NAMES = [n for n in NAMES if n and len(n.encode()) <= 512 and "\x00" not in n]
+VALID_TTLS = [43_200_000, 86_400_000]  # 12 h, 24 h: nothing expires during a run (--max-seconds)
+BAD_TTLS = [0, -5, 2**64 - 1, 1.5, True, None, "10", 86_400_001]
+OPS = sorted(P.OP_NAMES) + [0, 16, 17, 99, -1, 1 << 40]
+LOCK_OPS = {P.OP_ACQUIRE: "acquire", P.OP_RELEASE: "release", P.OP_EXTEND: "extend", P.OP_CANCEL: "cancel",
+            P.OP_CHECK: "check", P.OP_HOLDER: "holder", P.OP_WATCH: "watch"}
+ALL_CLIENT_OPS = set(LOCK_OPS.values())
+REPLICA_OPS = {P.OP_REPLICATE, P.OP_REPL_ACK, P.OP_STEP_DOWN}
+
+
+@dataclass
+class Spec:
+    """One fuzzed principal: its kind and (for clients) ACL as (prefix, ops) rules."""
+
+    name: str
+    kind: str
+    acl: tuple = ()
+    token: str | None = None
+
+    def allowed(self, op: int, args: list) -> bool | None:
+        """The policy: True granted, False refused, None unknown (left to validation)."""
+        if op not in P.OP_NAMES:
+            return False
+        if op in (P.OP_PING, P.OP_STATUS, P.OP_UNWATCH):
+            return True
+        if op == P.OP_HELLO:
+            return self.kind == "replica"  # from anyone else, HELLO must change nothing
+        if op in REPLICA_OPS:
+            return self.kind == "replica"
+        if op in (P.OP_PROMOTE, P.OP_SERVE_ALONE):
+            return self.kind == "admin"
+        if self.kind == "admin":
+            return True
+        if self.kind != "client":
+            return False
+        if not args or type(args[0]) is not str:
+            return None
+        return any(args[0].startswith(prefix) and LOCK_OPS[op] in ops for prefix, ops in self.acl)
+
+
+def make_specs() -> list[Spec]:
+    tok = lambda n: f"fl1.{n}.{os.urandom(24).hex()}"  # noqa: E731
+    return [
+        Spec("orders", "client", (("orders/", ALL_CLIENT_OPS),), tok("orders")),
+        Spec("reader", "client", (("", {"check", "holder", "watch"}),), tok("reader")),
+        Spec(ANONYMOUS, "client", (("public/", ALL_CLIENT_OPS),), None),
+        Spec("node-2", "replica", (), tok("node-2")),
+        Spec("admin", "admin", (), tok("admin")),
+    ]
+
+
+def write_credentials(path: Path, specs: list[Spec]) -> None:
+    lines = ["version = 1"]
+    for s in specs:
+        lines += [f"[principals.{s.name}]", f'kind = "{s.kind}"']
+        if s.token:
+            lines.append(f'token_sha256 = "{hash_token(s.token).hex()}"')
+        if s.kind == "client":
+            rules = ", ".join(f'{{prefix = {json.dumps(p)}, ops = {json.dumps(sorted(o))}}}' for p, o in s.acl)
+            lines.append(f"acl = [{rules}]")
+        if s.kind == "replica":
+            lines.append(f'primary_proof_key = "{"00" * 32}"')
+    path.write_text("\n".join(lines) + "\n")
+
+
+# -- request generation ------------------------------------------------------------------------
+
+
+def _junk(rng: random.Random, depth: int = 0):
+    pick = rng.randrange(12 if depth < 3 else 8)
+    if pick == 0:
+        return None
+    if pick == 1:
+        return rng.choice([True, False])
+    if pick == 2:
+        return rng.choice([0, -1, 1, 2**31, 2**63 - 1, -(2**63), rng.randrange(-1000, 1000)])
+    if pick == 3:
+        return rng.choice([0.0, -1.5, 1e308, float("nan"), float("inf")])
+    if pick == 4:
+        return rng.choice(NAMES)
+    if pick == 5:
+        return rng.randbytes(rng.choice([0, 1, 16, 64, 65, 300]))
+    if pick == 6:
+        return "".join(chr(rng.randrange(32, 0x2FF)) for _ in range(rng.randrange(0, 20)))
+    if pick == 7:
+        return rng.choice(["", "fl1.admin.x", "fl1.node-2.x", {"principal": "node-2", "challenge": b"x" * 32}])
+    if pick <= 9:
+        return [_junk(rng, depth + 1) for _ in range(rng.randrange(0, 5))]
+    return {str(_junk(rng, depth + 1))[:8]: _junk(rng, depth + 1) for _ in range(rng.randrange(0, 3))}
+
+
+class Generator:
+    """Random requests (``[op, args]``) from a :class:`random.Random`."""
+
+    def __init__(self, rng: random.Random, owners: list[bytes]):
+        self.rng = rng
+        self.owners = owners  # owner keys of leases granted so far (capped)
+
+    def owner(self):
+        rng = self.rng
+        pick = rng.randrange(6)
+        if self.owners and pick < 3:
+            key = rng.choice(self.owners)
+            return key if pick < 2 else hash_owner(key)  # a real key, or the hash a replica sees
+        if pick == 3:
+            return _junk(self.rng)
+        return rng.randbytes(16)
+
+    def args(self, op: int) -> list:
+        rng = self.rng
+        if rng.random() < 0.25:
+            return [_junk(rng) for _ in range(rng.randrange(0, 8))]
+        name = rng.choice(NAMES) if rng.random() < 0.95 else _junk(rng)
+        ttl = rng.choice(VALID_TTLS) if rng.random() < 0.8 else rng.choice(BAD_TTLS)
+        token = rng.choice([1, 2, 3, (1 << 40) | 1, 2**63 - 1, 0, -1, "1"]) if rng.random() < 0.5 else rng.randrange(1, 50)
+        if op == P.OP_HELLO:
+            cred = rng.choice([None, "fl1.orders.nope", _junk(rng)])
+            out = [rng.choice([P.PROTOCOL_VERSION, P.PROTOCOL_VERSION, 2, None]), rng.choice(["f", None, 5]), cred]
+            if rng.random() < 0.5:
+                out.append(rng.choice([0, 1, 2, 2**22, 2**63 - 1, -1, None, "9"]))
+            return out
+        if op == P.OP_ACQUIRE:
+            wait = rng.choice([0, 0, 0, -1]) if rng.random() < 0.9 else rng.choice([-2, 86_400_001, 1 << 40, None, 1.5])
+            delay = 0 if rng.random() < 0.9 else rng.choice([-1, 60_001, 1.0])
+            return [name, self.owner(), ttl, wait, delay, rng.choice([None, "corr", 7])]
+        if op == P.OP_RELEASE:
+            return [name, token, self.owner()]
+        if op == P.OP_EXTEND:
+            return [name, token, self.owner(), ttl]
+        if op == P.OP_CANCEL:
+            return [name, self.owner()]
+        if op == P.OP_CHECK:
+            return [name, token]
+        if op in (P.OP_WATCH, P.OP_UNWATCH, P.OP_HOLDER):
+            return [name]
+        if op == P.OP_REPLICATE:
+            return [rng.choice([0, 1, -1, 1 << 62, None]), rng.choice([None, "x", 3]), rng.choice([0, -1, None]),
+                    rng.choice(["fuzz@node", "@", "", None, "a@b@c", 5])]
+        if op == P.OP_REPL_ACK:
+            return [rng.choice([0, 1, 2**62, -1, None]), rng.choice([0, 1, 2**62, "x"])]
+        if op == P.OP_PROMOTE:
+            return [rng.choice([True, False, None, 1])]
+        return [_junk(rng) for _ in range(rng.randrange(0, 3))]
+
+    def request(self, spec: Spec) -> tuple[int, list]:
+        op = self.rng.choice(OPS)
+        args = self.args(op)
+        if spec.kind == "replica" and op == P.OP_REPLICATE and len(args) > 2:
+            args[2] = 0  # no failover window: a paired primary's fence would close by itself between snapshots
+        return op, args
+
+    def unauthorised(self, spec: Spec, tries: int = 50) -> tuple[int, list] | None:
+        """A request the policy refuses ``spec`` (None if none was found in ``tries``)."""
+        for _ in range(tries):
+            op, args = self.request(spec)
+            if spec.allowed(op, args) is False:
+                return op, args
+        return None
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Figures:
+    requests: int = 0
+    replies: int = 0
+    no_reply: int = 0
+    refused: int = 0
+    crashes: int = 0
+    internal_errors: int = 0
+    unauthorised_state_changes: int = 0
+    unauthorised_successes: int = 0
+    connections_closed_by_server: int = 0
+    rounds: int = 0
+    server_log_lines: int = 0
+    rss_kib: int = 0
+    max_rss_kib: int = 0
+    examples: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["examples"] = self.examples[:10]
+        return d
+
+
+class Conn:
+    """One pipelining protocol connection as a principal."""
+
+    def __init__(self, spec: Spec):
+        self.spec = spec
+        self.reader = self.writer = None
+        self.decoder = P.FrameDecoder(64 << 20, limits=P.REPLY_LIMITS)
+        self.next_id = 1
+        self.closed = True
+
+    async def open(self, address: str) -> bool:
+        host, _, port = address.rpartition(":")
+        self.reader, self.writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5)
+        self.decoder = P.FrameDecoder(64 << 20, limits=P.REPLY_LIMITS)
+        self.closed = False
+        replies = await self.batch([[P.OP_HELLO, [P.PROTOCOL_VERSION, f"fuzz-{self.spec.name}", self.spec.token]]])
+        ok = bool(replies) and replies[0] is not None and replies[0][1] == 0
+        if not ok:
+            await self.close()
+        return ok
+
+    async def batch(self, requests: list, idle: float = 10.0) -> list:
+        """Send every request pipelined; return each one's reply (None: none came).
+
+        Requests that may close the connection (garbage, HELLO) should come last
+        (:func:`closing_last`), or the rest of the batch is lost with it.
+        """
+        ids = []
+        out = []
+        for op, args in requests:
+            if op is None:  # garbage: not a request at all
+                out.append(P.packb(args))
+                ids.append(None)
+                continue
+            rid = self.next_id
+            self.next_id += 1
+            ids.append(rid)
+            out.append(P.packb([rid, op, *args]))
+        # a PING after the batch: a connection answers in order, so once its reply is in,
+        # every request before it that will be answered at once has been (a waiting
+        # acquire is answered later or never)
+        sentinel = self.next_id
+        self.next_id += 1
+        out.append(P.packb([sentinel, P.OP_PING]))
+        try:
+            self.writer.write(b"".join(out))
+        except (ConnectionError, RuntimeError):
+            self.closed = True
+            return [None] * len(requests)
+        want = {rid for rid in ids if rid is not None}
+        got: dict = {}
+        done = False
+        while not done and not self.closed:
+            try:
+                data = await asyncio.wait_for(self.reader.read(1 << 16), idle)
+            except asyncio.TimeoutError:
+                break  # the server did not answer a PING in time: counted as requests without reply
+            except ConnectionError:
+                data = b""
+            if not data:
+                self.closed = True
+                break
+            for msg in self.decoder.feed(data):
+                if type(msg) is list and msg:
+                    if msg[0] in want:
+                        got[msg[0]] = msg
+                        want.discard(msg[0])
+                    elif msg[0] == sentinel:
+                        done = True
+        return [got.get(rid) if rid is not None else None for rid in ids]
+
+    async def close(self):
+        self.closed = True
+        if self.writer is not None:
+            self.writer.close()
+
+
+def closing_last(reqs: list) -> list:
+    """The batch with garbage and HELLOs (which may close the connection) moved to the end."""
+    return sorted(reqs, key=lambda r: r[0] is None or r[0] == P.OP_HELLO)
+
+
+def _is_internal_error(reply) -> bool:
+    return type(reply) is list and len(reply) > 2 and reply[1] == 1 and reply[2] == "internal server error"
+
+
+async def snapshot(admin: Conn) -> dict:
+    replies = await admin.batch([[P.OP_STATUS, []]] + [[P.OP_HOLDER, [n]] for n in PROBE_NAMES])
+    st = replies[0][2]
+    keep = {k: st[k] for k in ("role", "epoch", "last_token", "counter", "locks_held", "waiters", "grants",
+                               "releases", "expiries", "wait_timeouts", "cancels")}
+    repl = st.get("replication", {})
+    keep["replication"] = {k: repl.get(k) for k in ("paired_standby", "serving_alone", "fenced",
+                                                     "paired_window_ms")}
+    # a refusal (e.g. Unavailable from a fenced primary, which the replica may cause) is state too
+    keep["holders"] = {n: ("refused", r[1]) if r[1] != 0 else (r[2]["token"], r[2]["principal"]) if r[2] else None
+                       for n, r in zip(PROBE_NAMES, replies[1:])}
+    return keep
+
+
+async def settle(admin: Conn, sessions: int = 1, timeout: float = 5.0) -> None:
+    """Wait until the server has at most ``sessions`` sessions and every WAL record is
+    written with its callbacks run: connections closed earlier - the waiters they drop,
+    a grant that can no longer be delivered and is released - are done with before a
+    snapshot is compared."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = (await admin.batch([[P.OP_STATUS, []]]))[0][2]
+        if st["sessions"] <= sessions and st["wal"]["ack_lsn"] >= st["wal"]["last_lsn"]:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not settle: {st['sessions']} sessions, wal {st['wal']}")
+        await asyncio.sleep(0.005)
+
+
+async def fuzz_rounds(address: str, specs: list[Spec], rng: random.Random, rounds: int, batch: int,
+                      figures: Figures, owners: list[bytes], server: ServerProcess | None = None,
+                      deadline: float | None = None) -> None:
+    """Run ``rounds`` pairs of (unauthorised, mixed) rounds; add to ``figures``."""
+    gen = Generator(rng, owners)
+    admin_spec = next(s for s in specs if s.kind == "admin")
+    admin = Conn(admin_spec)
+    if not await admin.open(address):
+        raise RuntimeError("the admin connection was refused")
+    legit = {s.name: Conn(s) for s in specs}
+    await settle(admin)  # a previous run's connections may still be closing
+    try:
+        for _ in range(rounds):
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            figures.rounds += 1
+            # -- unauthorised round: nothing may change
+            await settle(admin, 1 + sum(not c.closed for c in legit.values()))
+            before = await snapshot(admin)
+            for spec in specs:
+                reqs = []
+                for _ in range(batch):
+                    if rng.random() < 0.01:
+                        reqs.append((None, _junk(rng)))
+                        continue
+                    r = gen.unauthorised(spec)
+                    if r is not None:
+                        reqs.append(r)
+                reqs = closing_last(reqs)
+                attacker = Conn(spec)
+                if not await attacker.open(address):
+                    continue
+                replies = await attacker.batch(reqs)
+                figures.connections_closed_by_server += attacker.closed
+                await attacker.close()
+                _count(figures, reqs, replies, unauthorised=True)
+            after = await snapshot(admin)
+            if before != after:
+                figures.unauthorised_state_changes += 1
+                figures.examples.append({"unauthorised state change": [before, after]})
+            # -- mixed round: anything goes
+            for spec in specs:
+                conn = legit[spec.name]
+                if conn.closed and not await conn.open(address):
+                    continue
+                reqs = closing_last([gen.request(spec) if rng.random() > 0.005 else (None, _junk(rng))
+                                     for _ in range(batch)])
+                replies = await conn.batch(reqs)
+                figures.connections_closed_by_server += conn.closed
+                _count(figures, reqs, replies, unauthorised=False)
+                for (op, args), reply in zip(reqs, replies):
+                    if op == P.OP_ACQUIRE and reply is not None and reply[1] == 0 and len(owners) < 64:
+                        owners.append(args[1])
+            if server is not None and server.proc.poll() is not None:
+                figures.crashes += 1
+                return
+    finally:
+        await admin.close()
+        for conn in legit.values():
+            await conn.close()
+
+
+def _count(figures: Figures, reqs, replies, *, unauthorised: bool) -> None:
+    for (op, args), reply in zip(reqs, replies):
+        figures.requests += 1
+        if reply is None:
+            figures.no_reply += 1
+            continue
+        figures.replies += 1
+        if _is_internal_error(reply):
+            figures.internal_errors += 1
+            figures.examples.append({"internal error": [op, repr(args)[:200]]})
+        elif reply[1] != 0:
+            figures.refused += 1
+        elif unauthorised and op not in (P.OP_HELLO, P.OP_PING, P.OP_STATUS, P.OP_UNWATCH):
+            figures.unauthorised_successes += 1
+            figures.examples.append({"unauthorised success": [op, repr(args)[:200], repr(reply)[:200]]})
+
+
+def rss_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            m = re.search(r"VmRSS:\s+(\d+) kB", f.read())
+        return int(m.group(1)) if m else 0
+    except OSError:
+        return 0
+
+
+def start_server(root: Path, specs: list[Spec]) -> ServerProcess:
+    creds = root / "credentials.toml"
+    write_credentials(creds, specs)
+    return ServerProcess(root / "data", fsync="never",
+                         args=["--credentials", str(creds), "--auth-failures-before-ban", "0"]).start()
+
+
+def server_crashed(server: ServerProcess) -> bool:
+    return server.proc.poll() is not None or any("Traceback" in line or "internal error" in line
+                                                  for line in server.lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benches.fuzz", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=100_000, help="stop after about this many requests")
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=64, help="requests per connection per round")
+    ap.add_argument("--max-seconds", type=float, default=3600.0, help="stop after this long in any case")
+    ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    args = ap.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.randrange(1 << 32)
+    rng = random.Random(seed)
+    specs = make_specs()
+    figures = Figures()
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="fastlock-fuzz-") as tmp:
+        server = start_server(Path(tmp), specs)
+        owners: list[bytes] = []
+        try:
+            deadline = t0 + args.max_seconds
+            per_round = 2 * len(specs) * args.batch
+            while figures.requests < args.requests and time.monotonic() < deadline and not figures.crashes:
+                rounds = max(1, min(50, (args.requests - figures.requests) // per_round))
+                asyncio.run(fuzz_rounds(server.address, specs, rng, rounds, args.batch, figures, owners, server,
+                                        deadline))
+                rss = rss_kib(server.pid)
+                figures.max_rss_kib = max(figures.max_rss_kib, rss)
+                print(f"  {figures.requests:>9} requests  {time.monotonic() - t0:7.1f} s  rss {rss / 1024:.1f} MiB  "
+                      f"internal errors {figures.internal_errors}  unauthorised changes "
+                      f"{figures.unauthorised_state_changes + figures.unauthorised_successes}", file=sys.stderr)
+            figures.rss_kib = rss_kib(server.pid)
+            figures.server_log_lines = len(server.lines)
+            figures.crashes += server_crashed(server)
+        finally:
+            server.stop()
+    elapsed = time.monotonic() - t0
+    print(f"seed {seed}: {figures.requests} requests ({figures.replies} replies, {figures.refused} refused, "
+          f"{figures.no_reply} without reply) in {elapsed:.1f} s ({figures.requests / elapsed:.0f}/s), "
+          f"{figures.rounds} rounds")
+    print(f"crashes {figures.crashes}, internal errors {figures.internal_errors}, unauthorised state changes "
+          f"{figures.unauthorised_state_changes}, unauthorised successes {figures.unauthorised_successes}")
+    print(f"server log: {figures.server_log_lines} lines; ", end="")
+    print(f"server RSS at the end {figures.rss_kib / 1024:.1f} MiB (max seen {figures.max_rss_kib / 1024:.1f} MiB)")
+    for ex in figures.examples[:5]:
+        print("  example:", json.dumps(ex, default=repr)[:500])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(figures.as_dict(), seed=seed, seconds=elapsed), f, indent=2, default=repr)
+    bad = figures.crashes or figures.internal_errors or figures.unauthorised_state_changes or figures.unauthorised_successes
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Nemesis: a primary and a standby under a cycle of faults, clients holding locks through it all.
+
+    python -m benches.nemesis --duration S [--seed N] [--failover-after F] [--workers W]
+        [--ttl 8] [--wait 20] [--request-timeout 5] [--promotion-grace 2] [--kinds kill,pause,...]
+        [--json PATH] [--keep DIR]
+    python -m benches.nemesis --report DIR      # the report of a run kept with --keep DIR
+
+What runs
+---------
+Two real ``fastlock serve`` processes on 127.0.0.1, nodes ``a`` and ``b``,
+each on a fixed port with its own data dir, and in front of each a
+:class:`fastlock._testbase.TcpProxy` that labels a standby's replication
+connection.  ``a`` starts as the primary, ``b`` as ``--standby-of`` a's
+PROXY with ``--failover-after F --promotion-grace G``, so the replication
+link can be cut without touching the clients' own connections.
+
+``--workers`` worker PROCESSES each open ``fastlock.connect(a, b)`` (both
+node addresses, ``request_timeout`` as given) and loop: pick one of
+``--locks`` lock names (default twice the workers; seeded RNG), ``async with client.lock(name, ttl=TTL,
+wait=WAIT)``, and while holding, every 0.2 s, a fenced write to one SQLite
+store (:class:`fastlock.fencing.SQLiteFence`: accepted only if the token is at
+least the highest seen for that lock) of a row (lock, token, holding,
+monotonic time read inside the transaction).  Holds are short (0.05-0.5 s)
+or, one in seven, long (2.5-4 s: past the first renewal at TTL/3 minus
+10-20 % jitter, so renewals meet faults).  Each
+worker logs every grant, write, lost lease and error (type and message) as
+JSON lines; the controller reads them after the run.
+
+TTL: 8 s by default, longer than ``--failover-after`` (1 s) plus the client's
+``request_timeout`` (5 s), the README's condition for ``lock()`` to keep a
+lease across a failover: a renewal stuck on a dead or frozen primary is given
+up after at most ``request_timeout`` and retried on the new primary, which
+gave every replicated lease a fresh TTL; 2 s are left for the retry.  WAIT:
+20 s, longer than any outage the bound below allows, so an acquire that
+fails (rather than waits) during a fault is a failure to ride through it.
+
+The nemesis
+-----------
+A controller cycles through the fault kinds (``--kinds``, in a seeded
+shuffled order per round), one fault at a time, each against the current
+primary P with standby S:
+
+``kill``       SIGKILL P.  S promotes itself after F.
+``pause``      SIGSTOP P until S has promoted (past the failover window),
+               plus a random 0-1 s, then SIGCONT: P resumes fenced.
+``partition``  black-hole the replication link (or, one time in two, reset it
+               and hold reconnections) until S has promoted, plus 0-1 s, then
+               heal: P is alive, fenced, and reachable by clients throughout.
+``promote``    ``fastlock promote --server S`` with P alive: P confirms it
+               steps down (``deposed``).
+
+A surviving old primary lingers a random 0-1.5 s (clients may still reach
+it), then is re-paired the documented way (README, "Replication and
+failover"): stopped (SIGTERM) and restarted on the SAME port with the same
+data dir as ``--standby-of`` the new primary's proxy, where its
+``deposed.json``/``node-state.json`` let it follow the higher epoch.  The
+controller then waits, at most ``--heal-timeout`` s, for a healthy cluster:
+one primary, unfenced and past its grace, with its standby attached, synced
+and ``pair_confirmed``, and a grant to the prober (below) since the re-pair;
+then lets the load run 0.5-1.5 s (seeded) before the next fault.  A cluster
+that does not heal in time ends the run (reported).
+
+Checks and figures
+------------------
+Safety (:mod:`fastlock._testbase.history`), each violation listed:
+
+* the store's accepted writes: tokens never go backwards per lock in commit
+  order; no token accepted from two holdings; no two critical sections
+  (a holding's accepted writes) overlap (:func:`check_store`);
+* the grants workers received: no token granted twice; no grant sent after
+  another was received carries a lower token (:func:`check_grants`).
+
+Availability (the acceptance figures of issue 10, reported and checked):
+
+* leases lost by ``lock()`` holders (``lease.lost`` set while holding), with
+  TTL > F + request_timeout; and releases that failed at ``lock()``'s exit
+  (it swallows ``LeaseLost``/``ConnectionLost`` and sets ``lease.lost``).
+  Counted apart: leases granted after a fault began and before the standby
+  promoted - by a partitioned or freezing primary whose records could no
+  longer reach the standby (asynchronous replication: the new primary never
+  knew them; its grace period, not the lease, protects the lock);
+* grants that reached a client after the standby promoted but carry an
+  older epoch's token (decided by the old primary just before it froze or
+  lost its link, acknowledged after the promotion): a lease the new primary
+  never knew, returned as granted;
+* locks the primary still shows held after every worker stopped (orphans:
+  a release acknowledged by a primary whose record never reached the standby
+  leaves the replicated lease held until its TTL on the new primary);
+* errors surfaced to worker code: from ``lock()`` entry (acquires whose
+  ``wait`` covered the outage), from its exit (the release), and exceptions
+  the event loop saw unretrieved, each by type with sample messages;
+* per kill, the longest window without any grant, from the SIGKILL until the
+  cluster is healthy again, against the bound F + G + 1 s; the same window
+  for every other fault, and outside faults (the baseline).  A *prober*
+  process (one more worker) takes and releases a fresh, uncontended lock
+  every 50 ms with one-shot ``acquire``/``release``, so that the windows
+  measure the cluster, not the workers' contention; its errors count too;
+* errors by the fault window they fell in (or "steady");
+* stale writes the fence refused (a holder that still acted as the holder);
+* two holders believing they held one lock at once (client view,
+  :func:`check_holdings`); meaningful as a violation only with G >= TTL.
+
+Figures are printed at the end, and written as JSON with ``--json``.
+``tests/test_nemesis.py`` runs a short version in CI.
+
+Bounds: every wait has a deadline; the run stops starting faults after
+``--duration`` s, then waits at most ``--heal-timeout`` s; workers get
+SIGTERM (finish the current holding, release) and SIGKILL after 15 s; every
+server and worker is stopped by PID in ``finally`` blocks and at exit.
+"""
+
+from benches.nemesis.cluster import KINDS, Fault, Nemesis, NemesisConfig, report_again, run_nemesis
+from benches.nemesis.report import build_report, print_report
+
+__all__ = ["KINDS", "Fault", "Nemesis", "NemesisConfig", "build_report", "print_report", "report_again",
+           "run_nemesis"]

@@ -1,0 +1,70 @@
+"""``python -m benches.nemesis``: see :mod:`benches.nemesis`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from benches.nemesis.cluster import KINDS, NemesisConfig, report_again, run_nemesis
+from benches.nemesis.report import print_report
+from benches.nemesis.workers import worker_main
+
+def _package_doc() -> str:
+    import benches.nemesis
+
+    return benches.nemesis.__doc__.split("\n")[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benches.nemesis", description=_package_doc())
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds during which faults are started")
+    ap.add_argument("--seed", type=int, default=NemesisConfig.seed)
+    ap.add_argument("--failover-after", type=float, default=1.0, help="the standby's --failover-after, seconds")
+    ap.add_argument("--promotion-grace", type=float, default=2.0, help="seconds")
+    ap.add_argument("--workers", type=int, default=6, help="worker processes")
+    ap.add_argument("--locks", type=int, default=0, help="lock names (default: twice as many as workers)")
+    ap.add_argument("--ttl", type=float, default=8.0, help="lock() TTL, seconds")
+    ap.add_argument("--wait", type=float, default=20.0, help="lock() wait, seconds")
+    ap.add_argument("--request-timeout", type=float, default=5.0, help="the clients' request_timeout, seconds")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="fault kinds to cycle through")
+    ap.add_argument("--max-faults", type=int, default=0)
+    ap.add_argument("--heal-timeout", type=float, default=30.0, help="seconds to become healthy after a fault")
+    ap.add_argument("--fsync", default="always", choices=("always", "interval", "never"))
+    ap.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    ap.add_argument("--keep", metavar="DIR", help="keep data dirs, logs and event logs in DIR")
+    ap.add_argument("--report", metavar="DIR", help="only print the report of a run kept with --keep DIR")
+    ap.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
+    ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker, args.index)
+    if args.report:
+        report = report_again(args.report)
+        print_report(report)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+        return 0 if report["safety"]["violations"] == 0 and not report["aborted"] else 1
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        ap.error(f"--kinds: unknown {bad}; choose from {','.join(KINDS)}")
+    cfg = NemesisConfig(duration=args.duration, seed=args.seed, failover_after=args.failover_after,
+                        promotion_grace=args.promotion_grace, workers=args.workers, locks=args.locks,
+                        ttl=args.ttl, wait=args.wait, request_timeout=args.request_timeout, kinds=kinds,
+                        heal_timeout=args.heal_timeout, fsync=args.fsync, max_faults=args.max_faults)
+    if cfg.ttl <= cfg.failover_after + cfg.request_timeout:
+        print(f"note: ttl {cfg.ttl} s is not above failover_after + request_timeout; lost leases are expected",
+              file=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    report = run_nemesis(cfg, args.keep)
+    print_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+    return 0 if report["safety"]["violations"] == 0 and not report["aborted"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

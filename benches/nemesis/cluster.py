@@ -1,0 +1,477 @@
+"""The nemesis's cluster, its fault cycle and its run (see :mod:`benches.nemesis`)."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benches.nemesis.report import _s, build_report
+from benches.nemesis.workers import STORE_SCHEMA
+
+KINDS = ("kill", "pause", "partition", "promote")
+
+
+@dataclasses.dataclass
+class NemesisConfig:
+    """A nemesis run's settings; times in seconds (see :mod:`benches.nemesis` for each choice)."""
+
+    duration: float = 60.0          # s during which faults are started
+    seed: int = 20261201
+    failover_after: float = 1.0     # s, the standby's --failover-after
+    promotion_grace: float = 2.0    # s, --promotion-grace (the writers fence, so a short grace is safe)
+    workers: int = 6                # worker processes
+    locks: int = 0                  # lock names (0: twice as many as workers)
+    ttl: float = 8.0                # s, lock() TTL: > failover_after + request_timeout (see the docstring)
+    wait: float = 20.0              # s, lock() wait: covers any allowed outage
+    request_timeout: float = 5.0    # s, the clients' request_timeout (the library default)
+    kinds: tuple = KINDS
+    heal_timeout: float = 30.0      # s to become healthy after a fault
+    promote_timeout: float = 15.0   # s for a promotion to show after a fault
+    warmup: float = 2.0             # s of load before the first fault
+    fsync: str = "always"
+    max_faults: int = 0             # 0: no limit but --duration
+
+
+@dataclasses.dataclass
+class Fault:
+    """One injected fault and what followed it; ``*_s`` are seconds after :attr:`at`."""
+
+    index: int
+    kind: str
+    mode: str = ""                  # partition: blackhole | reset
+    old_primary: str = ""
+    new_primary: str = ""
+    at: float = 0.0                 # monotonic, the fault began
+    promoted_s: float | None = None  # the standby logged PROMOTED, after the fault began
+    new_epoch: int | None = None    # the epoch it logged
+    ended_s: float | None = None    # SIGCONT / heal / promote returned
+    repaired_s: float | None = None  # the old primary answered as a standby of the new one
+    healthy_s: float | None = None
+    first_grant_s: float | None = None  # the first grant any worker received after the fault began
+    no_grant_s: float | None = None  # the longest window without any grant, from the fault until healthy
+    note: str = ""
+
+
+def _fastlock_env(extra_paths: list[str]) -> dict[str, str]:
+    """The environment for subprocesses: the same fastlock package as this
+    process (installed, or a source tree built in place), then ``extra_paths``."""
+    import importlib.util
+
+    env = dict(os.environ)
+    spec = importlib.util.find_spec("fastlock")
+    paths = []
+    if spec is not None and spec.origin:
+        paths.append(os.path.dirname(os.path.dirname(os.path.abspath(spec.origin))))
+    paths += extra_paths
+    paths += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+# =========================================================================== the cluster
+
+
+class _Node:
+    """One of the two node slots: fixed port, data dir and proxy; a process when running."""
+
+    def __init__(self, name: str, root: Path, cfg: NemesisConfig, env: dict, auth_args: list[str],
+                 admin_token: str):
+        self.name = name
+        self.auth_args = auth_args  # the credentials file and this node's replica token
+        self.admin_token = admin_token  # status with replication details
+        self.root = root
+        self.cfg = cfg
+        self.env = env
+        self.data_dir = root / name
+        self.port = 0
+        self.proc = None  # ServerProcess
+        self.proxy = None  # TcpProxy to this node's port
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, standby_of: "_Node | None") -> None:
+        from fastlock._testbase import ServerProcess
+
+        args = ["--name", self.name, *self.auth_args]
+        if standby_of is not None:
+            args += ["--standby-of", standby_of.proxy.address, "--failover-after", f"{self.cfg.failover_after:g}",
+                     "--promotion-grace", f"{self.cfg.promotion_grace:g}"]
+        last: Exception | None = None
+        for _ in range(5):  # the port may be briefly unavailable right after the old process died
+            srv = ServerProcess(self.data_dir, fsync=self.cfg.fsync, port=self.port, args=args, env=self.env,
+                                log_path=self.root / f"{self.name}.log")
+            try:
+                srv.start(timeout=20)
+            except RuntimeError as exc:
+                last = exc
+                srv.stop(5)
+                time.sleep(0.3)
+                continue
+            self.proc, self.port = srv, srv.port
+            return
+        raise RuntimeError(f"node {self.name} did not start: {last}")
+
+    def status(self) -> dict | None:
+        if self.proc is None or not self.proc.alive:
+            return None
+        try:
+            return self.proc.status(timeout=1.0, token=self.admin_token)
+        except Exception:  # noqa: BLE001 - a node that cannot answer has no status
+            return None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop(10)
+
+
+class Nemesis:
+    """The controller: starts the cluster and the workers, injects one fault at
+    a time, re-pairs, waits for health, and stops every process by PID.
+    :meth:`run` does it all; :func:`run_nemesis` adds the report."""
+
+    def __init__(self, cfg: NemesisConfig, root: Path):
+        self.cfg = cfg
+        self.root = root
+        self.rng = random.Random(cfg.seed)
+        bench_root = str(Path(__file__).resolve().parents[2])  # the directory holding benches/
+        self.env = _fastlock_env([bench_root])
+        from fastlock._testbase import CredentialsDir
+
+        # each node follows with its own replica principal; workers stay anonymous clients
+        self.creds = CredentialsDir(root / "credentials", replicas=2)
+        self.nodes = {n: _Node(n, root, cfg, self.env, self.creds.server_args(replica), self.creds.token("admin"))
+                      for n, replica in (("a", "node-1"), ("b", "node-2"))}
+        self.primary, self.standby = self.nodes["a"], self.nodes["b"]
+        self.workers: list[subprocess.Popen] = []
+        self.faults: list[Fault] = []
+        self.aborted: str | None = None
+        self.store = root / "store.db"
+        self.started = 0.0
+        self.stopped_at = 0.0
+        self._probe_feed = None
+        self._probe_rest = ""
+        self.leftover_checked = False
+        self.leftover: list[dict] | str = []
+        self._probe_grant_at = 0.0
+        self.log = logging.getLogger("nemesis")
+
+    # -- the run's record: enough to build the report again from a kept run dir ---------
+    STATE = "nemesis-run.json"
+
+    def save_state(self, elapsed: float) -> None:
+        state = {"config": dataclasses.asdict(self.cfg), "faults": [dataclasses.asdict(f) for f in self.faults],
+                 "stopped_at": self.stopped_at, "aborted": self.aborted, "leftover": self.leftover,
+                 "elapsed_s": elapsed}
+        (self.root / self.STATE).write_text(json.dumps(state, indent=1))
+
+    @classmethod
+    def load(cls, root: str | Path) -> tuple["Nemesis", float]:
+        """A finished run, read back from its kept directory (see :meth:`save_state`);
+        returns it and its elapsed seconds."""
+        root = Path(root)
+        state = json.loads((root / cls.STATE).read_text())
+        cfg = NemesisConfig(**{**state["config"], "kinds": tuple(state["config"]["kinds"])})
+        nem = cls(cfg, root)
+        nem.faults = [Fault(**f) for f in state["faults"]]
+        nem.stopped_at, nem.aborted, nem.leftover = state["stopped_at"], state["aborted"], state["leftover"]
+        return nem, state["elapsed_s"]
+
+    # -- set-up and tear-down --------------------------------------------------------
+    def start_cluster(self) -> None:
+        from fastlock._testbase import TcpProxy, classify_fastlock
+
+        a, b = self.nodes["a"], self.nodes["b"]
+        a.start(None)
+        # b needs a's proxy to start; a's and b's proxies target their fixed ports from then on
+        a.proxy = TcpProxy(a.address, classify=classify_fastlock).start()
+        b.start(a)
+        b.proxy = TcpProxy(b.address, classify=classify_fastlock).start()
+        b.proc.wait_for_log(r"paired: primary", 20)
+
+    def start_workers(self) -> None:
+        cfg = self.cfg
+        conn = sqlite3.connect(self.store, isolation_level=None)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(STORE_SCHEMA)
+        from fastlock.fencing import SQLiteFence
+
+        SQLiteFence(conn).ensure_schema()
+        conn.close()
+        wcfg = {"seed": cfg.seed, "workers": cfg.workers, "locks": cfg.locks or 2 * cfg.workers, "ttl": cfg.ttl, "wait": cfg.wait,
+                "request_timeout": cfg.request_timeout, "store": str(self.store),
+                "addresses": [self.nodes["a"].address, self.nodes["b"].address]}
+        (self.root / "config.json").write_text(json.dumps(wcfg))
+        for i in range(cfg.workers + 1):  # the last one is the prober
+            err = open(self.root / f"worker-{i}.stderr", "w")
+            self.workers.append(subprocess.Popen(
+                [sys.executable, "-m", "benches.nemesis", "--worker", str(self.root), "--index", str(i)],
+                cwd=str(self.root), env=self.env, stdin=subprocess.DEVNULL, stdout=err, stderr=err))
+            err.close()
+
+    def stop_all(self) -> None:
+        """Stop every worker and server by PID (SIGTERM, then SIGKILL), and the proxies."""
+        if not self.stopped_at:
+            self.stopped_at = time.monotonic()
+        for w in self.workers:
+            if w.poll() is None:
+                try:
+                    w.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 15
+        for w in self.workers:
+            try:
+                w.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.kill()
+                w.wait(5)
+        if self.workers and not self.leftover_checked:
+            self.leftover_checked = True
+            self.leftover = self.held_after_workers_stopped()
+        for node in self.nodes.values():
+            try:
+                node.stop()
+            except Exception:  # noqa: BLE001 - keep stopping the others
+                self.log.exception("stopping node %s", node.name)
+            if node.proxy is not None:
+                node.proxy.close()
+        if self._probe_feed is not None:
+            self._probe_feed.close()
+
+    def held_after_workers_stopped(self) -> list[dict] | str:
+        """Locks the primary still shows held once every worker has stopped (each
+        released what it held on the way out): orphans, with their holder info."""
+        from fastlock import cli, protocol as P
+
+        node = self.primary
+        if node.proc is None or not node.proc.alive:
+            return "no primary running"
+        held = []
+        try:
+            for i in range(self.cfg.locks or 2 * self.cfg.workers):
+                info = cli._admin(("127.0.0.1", node.port), None, P.OP_HOLDER, f"acct/{i}", reply_timeout=2.0)
+                if info:
+                    held.append({"lock": f"acct/{i}", **{k: info.get(k) for k in ("token", "client", "remaining_ms")}})
+        except Exception as exc:  # noqa: BLE001 - reported instead
+            return f"{type(exc).__name__}: {exc}"
+        return held
+
+    # -- observation --------------------------------------------------------------------
+    def last_probe_grant(self) -> float:
+        """When the prober last received a grant (read from its event log as it grows)."""
+        if self._probe_feed is None:
+            path = self.root / f"worker-{self.cfg.workers}.jsonl"
+            if not path.exists():
+                return 0.0
+            self._probe_feed = open(path)
+        self._probe_rest += self._probe_feed.read()
+        *lines, self._probe_rest = self._probe_rest.split("\n")  # the last piece may be half written
+        for line in lines:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if ev.get("ev") == "grant":
+                self._probe_grant_at = ev["at"]
+        return self._probe_grant_at
+
+    def dead_worker(self) -> str | None:
+        """The last lines of a worker process that exited (they never exit on their own)."""
+        for i, w in enumerate(self.workers):
+            if w.poll() is not None:
+                tail = (self.root / f"worker-{i}.stderr").read_text(errors="replace").strip().splitlines()[-3:]
+                return f"worker {i} exited with {w.returncode}: " + " | ".join(tail)
+        return None
+
+    def healthy(self, since: float) -> tuple[bool, str]:
+        p, s = self.primary.status(), self.standby.status()
+        if p is None:
+            return False, f"primary {self.primary.name} does not answer"
+        if p["role"] != "primary" or p["replication"]["fenced"] or p.get("grace_remaining_ms", 0) > 0:
+            return False, (f"primary {self.primary.name}: role {p['role']}, fenced {p['replication']['fenced']}, "
+                           f"grace {p.get('grace_remaining_ms')} ms")
+        if s is None:
+            return False, f"standby {self.standby.name} does not answer"
+        r = s["replication"]
+        if s["role"] != "standby" or not r.get("connected") or not r.get("synced") or not r.get("pair_confirmed"):
+            return False, (f"standby {self.standby.name}: role {s['role']}, connected {r.get('connected')}, "
+                           f"synced {r.get('synced')}, paired {r.get('pair_confirmed')}")
+        if self.last_probe_grant() <= since:
+            return False, "the prober was granted nothing since the re-pair"
+        return True, "healthy"
+
+    def wait_healthy(self, since: float, timeout: float) -> float | None:
+        deadline = time.monotonic() + timeout
+        why = ""
+        while time.monotonic() < deadline:
+            dead = self.dead_worker()
+            if dead:
+                self.aborted = dead
+                return None
+            ok, why = self.healthy(since)
+            if ok:
+                return time.monotonic()
+            time.sleep(0.1)
+        self.log.warning("not healthy after %.0f s: %s", timeout, why)
+        self.aborted = f"cluster not healthy {timeout:.0f} s after fault {len(self.faults)}: {why}"
+        return None
+
+    # -- faults ---------------------------------------------------------------------------
+    def _promoted(self, node: _Node, start_line: int, fault: Fault) -> bool:
+        try:
+            line = node.proc.wait_for_log(r"PROMOTED", self.cfg.promote_timeout, start=start_line)
+        except RuntimeError as exc:
+            fault.note = f"{node.name} did not promote: {str(exc).splitlines()[0]}"
+            return False
+        fault.promoted_s = time.monotonic() - fault.at
+        m = re.search(r"epoch (\d+)", line)
+        fault.new_epoch = int(m.group(1)) if m else None
+        return True
+
+    def inject(self, kind: str) -> Fault:
+        p, s = self.primary, self.standby
+        fault = Fault(index=len(self.faults) + 1, kind=kind, old_primary=p.name)
+        self.faults.append(fault)
+        mark = len(s.proc.lines)
+        promoted = False
+        if kind == "kill":
+            fault.at = time.monotonic()
+            p.proc.kill()
+            promoted = self._promoted(s, mark, fault)
+            fault.ended_s = time.monotonic() - fault.at
+        elif kind == "pause":
+            fault.at = time.monotonic()
+            p.proc.pause()
+            try:
+                promoted = self._promoted(s, mark, fault)
+                time.sleep(self.rng.uniform(0.0, 1.0))  # the experiment: how long past the promotion
+            finally:
+                p.proc.resume()
+            fault.ended_s = time.monotonic() - fault.at
+        elif kind == "partition":
+            fault.mode = self.rng.choice(["blackhole", "reset"])
+            fault.at = time.monotonic()
+            p.proxy.blackhole("replication")
+            if fault.mode == "reset":
+                p.proxy.cut("replication")
+            try:
+                promoted = self._promoted(s, mark, fault)
+                time.sleep(self.rng.uniform(0.0, 1.0))
+            finally:
+                p.proxy.heal()
+            fault.ended_s = time.monotonic() - fault.at
+        elif kind == "promote":
+            fault.at = time.monotonic()
+            res = subprocess.run([sys.executable, "-m", "fastlock", "promote", "--server", s.address,
+                                  "--timeout", "20"], capture_output=True, text=True, timeout=40,
+                                 cwd=str(self.root),
+                                 env=dict(self.env, FASTLOCK_TOKEN_FILE=self.creds.token_file("admin")))
+            fault.ended_s = time.monotonic() - fault.at
+            if res.returncode != 0:
+                fault.note = f"promote exited {res.returncode}: {(res.stderr or res.stdout).strip()[-300:]}"
+            promoted = self._promoted(s, mark, fault)
+        else:
+            raise ValueError(f"unknown fault kind {kind!r}")
+
+        if not promoted:
+            # no failover: the old primary (if it lives) stays primary; restart it if it died
+            if not p.proc.alive:
+                p.start(None)
+            fault.new_primary = p.name
+            healthy_at = self.wait_healthy(time.monotonic(), self.cfg.heal_timeout)
+            fault.healthy_s = None if healthy_at is None else healthy_at - fault.at
+            return fault
+
+        fault.new_primary = s.name
+        self.primary, self.standby = s, p
+        if p.proc.alive:
+            time.sleep(self.rng.uniform(0.0, 1.5))  # clients may still reach the old primary meanwhile
+            p.proc.stop(10)
+        # the documented re-pairing: same port, same data dir, --standby-of the new primary
+        p.start(s)
+        try:
+            p.proc.wait_for_log(r"paired: primary", 20)
+        except RuntimeError as exc:
+            fault.note = (fault.note + "; " if fault.note else "") + f"re-pair: {str(exc).splitlines()[0]}"
+        repaired = time.monotonic()
+        fault.repaired_s = repaired - fault.at
+        healthy_at = self.wait_healthy(repaired, self.cfg.heal_timeout)
+        fault.healthy_s = None if healthy_at is None else healthy_at - fault.at
+        return fault
+
+    def run(self) -> None:
+        cfg = self.cfg
+        self.started = time.monotonic()
+        self.start_cluster()
+        self.start_workers()
+        time.sleep(cfg.warmup)  # load before the first fault (the experiment, not a wait for a condition)
+        if self.wait_healthy(self.started, cfg.heal_timeout) is None:
+            return
+        end = time.monotonic() + cfg.duration
+        order: list[str] = []
+        while time.monotonic() < end and (not cfg.max_faults or len(self.faults) < cfg.max_faults):
+            if not order:
+                order = list(cfg.kinds)
+                self.rng.shuffle(order)
+            fault = self.inject(order.pop(0))
+            self.log.info("fault %d %s%s: promoted %s, healthy %s %s", fault.index, fault.kind,
+                          f"/{fault.mode}" if fault.mode else "", _s(fault.promoted_s), _s(fault.healthy_s),
+                          fault.note)
+            if self.aborted:
+                return
+            time.sleep(self.rng.uniform(0.5, 1.5))  # steady load between faults
+
+
+
+def report_again(root: str | Path) -> dict:
+    """The report of a finished run whose directory was kept (``--keep DIR``)."""
+    nem, elapsed = Nemesis.load(root)
+    report = build_report(nem, elapsed)
+    report["run_dir"] = str(root)
+    return report
+
+
+def run_nemesis(cfg: NemesisConfig, root: str | None = None) -> dict:
+    """Run the nemesis (see the module docstring) and return its report (a dict).
+
+    ``root``: a directory for data dirs, logs, the store, the worker event
+    logs and ``nemesis-run.json`` (kept; :func:`report_again` reads them back);
+    by default a temporary one, removed afterwards.
+    """
+    own = root is None
+    base = Path(tempfile.mkdtemp(prefix="fastlock-nemesis-") if own else root)
+    base.mkdir(parents=True, exist_ok=True)
+    nem = Nemesis(cfg, base)
+    atexit.register(nem.stop_all)
+    t0 = time.monotonic()
+    try:
+        nem.run()
+    except Exception as exc:  # noqa: BLE001 - reported, after stopping everything
+        nem.aborted = f"{type(exc).__name__}: {exc}"
+        nem.log.exception("nemesis run failed")
+    finally:
+        nem.stop_all()
+        atexit.unregister(nem.stop_all)
+    nem.save_state(time.monotonic() - t0)
+    report = build_report(nem, time.monotonic() - t0)
+    report["run_dir"] = str(base)
+    if own:
+        shutil.rmtree(base, ignore_errors=True)
+    return report
+
+

@@ -1,0 +1,60 @@
+"""Test support shipped with the package, for fastlock's own tests and benches and for yours.
+
+Three parts, each a module that can be read alone:
+
+:mod:`fastlock._testbase.servers`
+    :class:`ServerProcess`: a real ``fastlock serve`` subprocess on 127.0.0.1
+    (free or fixed port, its log lines, kill/pause/resume/stop by PID), and
+    :func:`node_status` (one node's status, no redirect), and
+    :class:`CredentialsDir` (principals and their tokens, for servers that
+    need a standby or operator commands).
+:mod:`fastlock._testbase.history`
+    :class:`HistoryChecker` (holdings recorded in one process) and the
+    after-the-run checkers :func:`check_store` (a fenced store's accepted
+    writes), :func:`check_grants` (tokens never reused, never backwards) and
+    :func:`check_holdings` (two clients that believed they held one lock).
+:mod:`fastlock._testbase.proxy`
+    :class:`TcpProxy`: a fault-injecting TCP proxy that can black-hole, cut
+    and heal a link, per connection label (:func:`classify_fastlock` tells a
+    standby's replication connection from a client's).
+
+Example: a primary, and a standby whose replication link can be cut::
+
+    primary = ServerProcess(tmp / "a").start()
+    with TcpProxy(primary.address, classify=classify_fastlock) as link:
+        standby = ServerProcess(tmp / "b", args=["--standby-of", link.address,
+                                                 "--failover-after", "1"]).start()
+        link.blackhole("replication")   # the standby promotes after 1 s
+        ...
+        link.heal()
+
+``benches/nemesis/`` drives all three against a primary and a standby
+under a cycle of crashes, pauses, partitions and manual promotions.
+"""
+
+from fastlock._testbase.history import (
+    GrantRecord,
+    HistoryChecker,
+    Holding,
+    StoreWrite,
+    check_grants,
+    check_holdings,
+    check_store,
+)
+from fastlock._testbase.proxy import TcpProxy, classify_fastlock
+from fastlock._testbase.servers import CredentialsDir, ServerProcess, node_status
+
+__all__ = [
+    "CredentialsDir",
+    "GrantRecord",
+    "HistoryChecker",
+    "Holding",
+    "ServerProcess",
+    "StoreWrite",
+    "TcpProxy",
+    "check_grants",
+    "check_holdings",
+    "check_store",
+    "classify_fastlock",
+    "node_status",
+]

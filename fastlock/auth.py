@@ -1,0 +1,604 @@
+"""Principals, credentials and permissions: who may do what on a fastlock server.
+
+Principals
+----------
+Every connection acts for one *principal*, fixed by its HELLO:
+
+``client``
+    Lock operations (acquire, release, extend, cancel, check, holder, watch) on
+    the names its ACL grants: a list of rules ``{prefix, ops}``, as Consul's ACL
+    tokens per key prefix or etcd's RBAC per key range.  A rule with prefix
+    ``""`` covers every name.  Anything no rule grants is refused
+    (:class:`~fastlock.errors.PermissionDenied`).
+``replica``
+    A standby: attach (REPLICATE), acknowledge heartbeats (REPL_ACK) and ask
+    its primary to step down for a new epoch (STEP_DOWN; only the paired
+    standby's principal).  Pairing goes by the replica principal (plus the node
+    id it declares, which the credentials file may pin with ``node_id``), so one
+    replica credential cannot pose as another standby.
+``admin``
+    Operator operations (promote, serve-alone, STATUS details and every
+    operation added later that is not a lock or replica operation), and every
+    client operation on every name (as etcd's root user).
+
+Every authenticated connection may PING, UNWATCH and ask a basic STATUS.
+
+Credentials file
+----------------
+A TOML file (read with :mod:`tomllib`), made by ``fastlock credentials init DIR``::
+
+    version = 1
+
+    [principals.app]
+    kind = "client"
+    token_sha256 = "<hex>"                   # SHA-256 of the token: the token itself is never stored
+    acl = [{prefix = "orders/", ops = ["acquire", "release", "extend", "cancel"]},
+           {prefix = "", ops = ["check", "holder", "watch"]}]
+    cert_identities = ["app.example.com"]    # optional: mutual-TLS certificate CNs for this principal
+
+    [principals.anonymous]                   # optional: connections that present no token
+    kind = "client"
+    acl = [{prefix = "public/", ops = ["*"]}]
+
+    [principals.node-a]
+    kind = "replica"
+    token_sha256 = "<hex>"
+    primary_proof_key = "<hex>"              # lets a primary prove itself to this standby
+    node_id = "<hex>"                        # optional: the only node id this credential may attach as
+
+    [principals.admin]
+    kind = "admin"
+    token_sha256 = "<hex>"
+
+Tokens look like ``fl1.<principal>.<43 base64url characters>`` (256 random
+bits).  The server finds the entry by the principal part and compares
+``SHA-256(token)`` with the stored hash in constant time
+(:func:`hmac.compare_digest`).  A fast hash is enough because tokens are
+random, not passwords (no dictionary to guess from).
+
+Peers authenticate both ways.  Without TLS a primary proves itself to its
+standby before the standby sends its token: the standby's HELLO carries
+``{"principal": NAME, "challenge": NONCE}``, and the primary answers
+``HMAC-SHA256(primary_proof_key, NAME || NONCE)``; ``primary_proof_key`` is
+derived from the replica's token (:func:`primary_proof_key`), so the standby
+can check it and a server that never had the credentials file cannot.
+
+Owner keys
+----------
+The random owner key a client makes per acquire is its proof of ownership.  The
+server hashes it at ingress (:func:`hash_owner`, BLAKE2b-128), so the lock
+table, the WAL, snapshots, the replication stream and ``wal dump`` only ever
+hold the hash; presenting a hash gets it hashed again and matches nothing.
+
+Failed authentication
+---------------------
+:class:`AuthFailures` bans a source address for a while after repeated failed
+HELLOs (doubling up to a limit) and logs failures in a form that cannot be
+flooded: the first failure from an address in a window, bans, and one summary
+line per interval for the rest.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from .errors import FastlockError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "ANONYMOUS",
+    "CLIENT_OPS",
+    "KINDS",
+    "AclRule",
+    "AuthFailures",
+    "Credentials",
+    "CredentialsError",
+    "Principal",
+    "generate",
+    "hash_owner",
+    "hash_token",
+    "is_loopback",
+    "make_token",
+    "primary_proof",
+    "primary_proof_key",
+    "read_token_file",
+]
+
+KINDS = ("client", "replica", "admin")
+#: the operations a client ACL rule may grant ("*" in a rule means all of them)
+CLIENT_OPS = ("acquire", "release", "extend", "cancel", "check", "holder", "watch")
+#: the principal of connections that present no token (when the credentials allow it)
+ANONYMOUS = "anonymous"
+#: the client principal the legacy ``--auth-secret-file`` secret stands for
+SHARED_SECRET_PRINCIPAL = "shared-secret"
+TOKEN_PREFIX = "fl1"
+MAX_TOKEN_CHARS = 1024
+#: challenge nonce for the primary's proof, bytes
+MIN_CHALLENGE_BYTES = 16
+MAX_CHALLENGE_BYTES = 64
+
+_PRINCIPAL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_HEX = re.compile(r"^[0-9a-f]*$")
+
+
+class CredentialsError(FastlockError, ValueError):
+    """A credentials or token file is missing, unreadable, empty or malformed
+    (raised at start, with the file and the reason)."""
+
+
+# -- hashing ----------------------------------------------------------------------------
+
+
+def hash_token(token: str) -> bytes:
+    """SHA-256 of a token (what a credentials file stores), 32 bytes."""
+    return hashlib.sha256(b"fastlock token v1\0" + token.encode("utf-8", "surrogatepass")).digest()
+
+
+def primary_proof_key(token: str) -> bytes:
+    """The key a primary proves itself with to the standby holding ``token`` (32 bytes)."""
+    return hmac.new(token.encode("utf-8"), b"fastlock primary proof key v1", hashlib.sha256).digest()
+
+
+def primary_proof(key: bytes, principal: str, challenge: bytes) -> bytes:
+    """HMAC-SHA256 of the standby's challenge, bound to its principal name."""
+    return hmac.new(key, b"fastlock primary proof v1\0" + principal.encode("utf-8") + b"\0" + challenge,
+                    hashlib.sha256).digest()
+
+
+def hash_owner(owner: bytes) -> bytes:
+    """BLAKE2b-128 of a client's owner key: what the server keeps instead of the key."""
+    return hashlib.blake2b(owner, digest_size=16, person=b"fastlock-owner").digest()
+
+
+def make_token(principal: str) -> str:
+    """A new random token for ``principal``: ``fl1.<principal>.<256 random bits, base64url>``."""
+    secret = base64.urlsafe_b64encode(secrets.token_bytes(32)).rstrip(b"=").decode("ascii")
+    return f"{TOKEN_PREFIX}.{principal}.{secret}"
+
+
+def token_principal(token: str) -> str | None:
+    """The principal name a token claims (not verified), or None if it is not a fastlock token."""
+    head, sep, rest = token.partition(".")
+    if head != TOKEN_PREFIX or not sep:
+        return None
+    name, sep, secret = rest.rpartition(".")
+    if not sep or not secret or not _PRINCIPAL_NAME.match(name):
+        return None
+    return name
+
+
+def read_token_file(path: str | os.PathLike) -> str:
+    """Read a token (or legacy secret) file: one line, surrounding whitespace ignored.
+
+    Raises CredentialsError if it cannot be read, is empty, or is longer than
+    1024 characters.  Logs a warning if other users may read it.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = f.read(MAX_TOKEN_CHARS + 2).strip()
+            mode = os.fstat(f.fileno()).st_mode
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CredentialsError(f"cannot read token file {os.fspath(path)!r}: {exc}") from None
+    if not value:
+        raise CredentialsError(f"token file {os.fspath(path)!r} is empty")
+    if len(value) > MAX_TOKEN_CHARS:
+        raise CredentialsError(f"token file {os.fspath(path)!r} holds more than {MAX_TOKEN_CHARS} characters")
+    if mode & 0o077:
+        log.warning("token file %r may be read by other users (mode %o): chmod 600 it", os.fspath(path), mode & 0o777)
+    return value
+
+
+def is_loopback(host: str) -> bool:
+    """True for a loopback listen address (127.0.0.0/8, ::1, localhost)."""
+    if host in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+# -- principals ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AclRule:
+    """Grants ``ops`` (a subset of :data:`CLIENT_OPS`) on every name starting with ``prefix``."""
+
+    prefix: str
+    ops: frozenset
+
+
+@dataclass(frozen=True)
+class Principal:
+    """One principal of a credentials file (see the module docstring)."""
+
+    name: str
+    kind: str
+    token_hash: bytes | None = None
+    acl: tuple = ()
+    node_id: str | None = None
+    proof_key: bytes | None = None
+    cert_identities: tuple = ()
+
+    def allows(self, op: str, name: str) -> bool:
+        """May this principal do client operation ``op`` on lock ``name``?"""
+        if self.kind == "admin":
+            return True
+        if self.kind != "client":
+            return False
+        for rule in self.acl:
+            if op in rule.ops and name.startswith(rule.prefix):
+                return True
+        return False
+
+
+_EVERY_NAME = (AclRule("", frozenset(CLIENT_OPS)),)
+
+
+@dataclass
+class Credentials:
+    """The principals a server knows.
+
+    ``anonymous`` is the principal of a connection that presents no token (None:
+    such connections are refused).  ``source`` names where they came from, for
+    logs.
+    """
+
+    principals: dict = field(default_factory=dict)
+    anonymous: Principal | None = None
+    shared_secret_hash: bytes | None = None
+    source: str = "open mode"
+
+    @property
+    def open(self) -> bool:
+        """No credentials at all: everyone is the anonymous client."""
+        return not self.principals and self.shared_secret_hash is None
+
+    @classmethod
+    def open_mode(cls) -> "Credentials":
+        """No credentials file: every connection is the anonymous client with every name;
+        replica and admin operations are refused (nobody can authenticate as those)."""
+        return cls(anonymous=Principal(ANONYMOUS, "client", acl=_EVERY_NAME), source="open mode")
+
+    def with_shared_secret(self, secret: str) -> "Credentials":
+        """Also accept the legacy shared secret, as the client principal ``shared-secret``
+        with every name (never a replica or an admin).  Without a credentials file,
+        connections without the secret are then refused, as before."""
+        if not secret:
+            raise CredentialsError("the shared secret is empty")
+        anonymous = None if self.open else self.anonymous
+        return Credentials(dict(self.principals), anonymous, hash_token(secret),
+                           self.source if not self.open else "shared secret")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Credentials":
+        """Read a credentials file (TOML, see the module docstring).
+
+        Raises CredentialsError naming the file and what is wrong with it.
+        """
+        where = os.fspath(path)
+        try:
+            import tomllib
+        except ImportError:  # pragma: no cover - Python 3.10
+            raise CredentialsError("credentials files need Python 3.11 or later (tomllib)") from None
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as exc:
+            raise CredentialsError(f"cannot read credentials file {where!r}: {exc.strerror or exc}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise CredentialsError(f"{where}: not valid TOML: {exc}") from None
+        try:
+            return cls._parse(data, where)
+        except CredentialsError:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise CredentialsError(f"{where}: malformed: {exc}") from None
+
+    @classmethod
+    def _parse(cls, data: dict, where: str) -> "Credentials":
+        if data.get("version", 1) != 1:
+            raise CredentialsError(f"{where}: unsupported version {data.get('version')!r} (this fastlock reads 1)")
+        table = data.get("principals")
+        if not isinstance(table, dict) or not table:
+            raise CredentialsError(f"{where}: no [principals.NAME] tables")
+        principals: dict[str, Principal] = {}
+        anonymous = None
+        identities: dict[str, str] = {}
+        for name, entry in table.items():
+            what = f"{where}: principal {name!r}"
+            if not _PRINCIPAL_NAME.match(name):
+                raise CredentialsError(f"{what}: a name is 1-64 of A-Z a-z 0-9 _ . - (starting with a letter or digit)")
+            if not isinstance(entry, dict):
+                raise CredentialsError(f"{what}: must be a table")
+            unknown = set(entry) - {"kind", "token_sha256", "acl", "node_id", "primary_proof_key", "cert_identities"}
+            if unknown:
+                raise CredentialsError(f"{what}: unknown keys {sorted(unknown)}")
+            kind = entry.get("kind")
+            if kind not in KINDS:
+                raise CredentialsError(f"{what}: kind must be one of {', '.join(KINDS)}, not {kind!r}")
+            token_hash = _hex_field(entry, "token_sha256", 32, what)
+            if name == ANONYMOUS:
+                if kind != "client" or token_hash is not None:
+                    raise CredentialsError(f"{what}: the anonymous principal is a client without a token")
+            elif token_hash is None and not entry.get("cert_identities"):
+                raise CredentialsError(f"{what}: needs token_sha256 or cert_identities")
+            acl: tuple = ()
+            if kind == "client":
+                acl = _parse_acl(entry.get("acl"), what)
+            elif "acl" in entry:
+                raise CredentialsError(f"{what}: only client principals have an acl")
+            proof_key = _hex_field(entry, "primary_proof_key", 32, what)
+            if proof_key is not None and kind != "replica":
+                raise CredentialsError(f"{what}: only replica principals have a primary_proof_key")
+            node = entry.get("node_id")
+            if node is not None and (kind != "replica" or type(node) is not str or not node):
+                raise CredentialsError(f"{what}: node_id is a non-empty string, for replica principals only")
+            certs = entry.get("cert_identities", [])
+            if not isinstance(certs, list) or not all(isinstance(c, str) and c for c in certs):
+                raise CredentialsError(f"{what}: cert_identities is a list of non-empty strings")
+            for cn in certs:
+                if cn in identities:
+                    raise CredentialsError(f"{what}: certificate identity {cn!r} already maps to {identities[cn]!r}")
+                identities[cn] = name
+            p = Principal(name, kind, token_hash, acl, node, proof_key, tuple(certs))
+            if name == ANONYMOUS:
+                anonymous = p
+            else:
+                principals[name] = p
+        return cls(principals, anonymous, None, where)
+
+    # -- lookups ------------------------------------------------------------------------
+    def authenticate(self, token: str) -> Principal | None:
+        """The principal ``token`` proves, or None.  Constant-time comparison of hashes."""
+        digest = hash_token(token)
+        name = token_principal(token)
+        p = self.principals.get(name) if name is not None else None
+        ok = p is not None and p.token_hash is not None and hmac.compare_digest(digest, p.token_hash)
+        if ok:
+            return p
+        if self.shared_secret_hash is not None and hmac.compare_digest(digest, self.shared_secret_hash):
+            return Principal(SHARED_SECRET_PRINCIPAL, "client", acl=_EVERY_NAME)
+        return None
+
+    def by_cert_identity(self, identity: str) -> Principal | None:
+        """The principal a verified client certificate's identity (its subject CN) maps to."""
+        for p in self.principals.values():
+            if identity in p.cert_identities:
+                return p
+        return None
+
+    def replica(self, name: Any) -> Principal | None:
+        """The replica principal ``name`` that has a primary proof key, or None."""
+        p = self.principals.get(name) if type(name) is str else None
+        return p if p is not None and p.kind == "replica" and p.proof_key is not None else None
+
+
+def _hex_field(entry: dict, key: str, size: int, what: str) -> bytes | None:
+    value = entry.get(key)
+    if value is None:
+        return None
+    if type(value) is not str or len(value) != 2 * size or not _HEX.match(value):
+        raise CredentialsError(f"{what}: {key} must be {2 * size} lowercase hex digits")
+    return bytes.fromhex(value)
+
+
+def _parse_acl(rules: Any, what: str) -> tuple:
+    if rules is None:
+        raise CredentialsError(f"{what}: a client needs an acl (e.g. acl = [{{prefix = \"\", ops = [\"*\"]}}])")
+    if not isinstance(rules, list):
+        raise CredentialsError(f"{what}: acl is a list of {{prefix, ops}} tables")
+    out = []
+    for rule in rules:
+        if not isinstance(rule, dict) or set(rule) - {"prefix", "ops"}:
+            raise CredentialsError(f"{what}: each acl rule is {{prefix = \"...\", ops = [...]}}")
+        prefix = rule.get("prefix", "")
+        ops = rule.get("ops")
+        if type(prefix) is not str or "\x00" in prefix:
+            raise CredentialsError(f"{what}: acl prefix must be a string without NUL")
+        if not isinstance(ops, list) or not ops:
+            raise CredentialsError(f"{what}: acl ops is a non-empty list of {', '.join(CLIENT_OPS)} or \"*\"")
+        bad = [o for o in ops if o != "*" and o not in CLIENT_OPS]
+        if bad:
+            raise CredentialsError(f"{what}: unknown acl ops {bad} (known: {', '.join(CLIENT_OPS)}, \"*\")")
+        out.append(AclRule(prefix, frozenset(CLIENT_OPS) if "*" in ops else frozenset(ops)))
+    return tuple(out)
+
+
+# -- generating credentials ------------------------------------------------------------------
+
+
+def _toml_str(value: str) -> str:
+    # a JSON string without non-ASCII escapes is a TOML basic string
+    return json.dumps(value, ensure_ascii=False)
+
+
+def generate(directory: str | os.PathLike, *, clients: Iterable[tuple[str, str]] = (("app", ""),),
+             replicas: Iterable[str] = ("node-a", "node-b"), admins: Iterable[str] = ("admin",),
+             anonymous_prefix: str | None = None,
+             cert_identities: dict[str, Iterable[str]] | None = None) -> dict[str, str]:
+    """Make ``DIR/credentials.toml`` and one ``DIR/<principal>.token`` per principal.
+
+    ``clients`` are ``(name, prefix)`` pairs (the client may do every client
+    operation on names starting with ``prefix``); ``anonymous_prefix``, when
+    not None, lets connections without a token act as a client on that prefix.
+    ``cert_identities`` maps principals to the subject CNs of mutual-TLS client
+    certificates that authenticate as them (no token needed).
+    The directory is made 0700 and every file 0600; existing files are never
+    overwritten (CredentialsError).  Returns ``{principal: token file path}``.
+    """
+    directory = os.fspath(directory)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    os.chmod(directory, 0o700)
+    entries: list[tuple[str, str, str | None]] = [(n, "client", p) for n, p in clients]
+    entries += [(n, "replica", None) for n in replicas]
+    entries += [(n, "admin", None) for n in admins]
+    certs = {k: list(v) for k, v in (cert_identities or {}).items()}
+    seen = set()
+    for name, _, _ in entries:
+        if not _PRINCIPAL_NAME.match(name) or name == ANONYMOUS or name in seen:
+            raise CredentialsError(f"bad or repeated principal name {name!r}")
+        seen.add(name)
+    unknown = set(certs) - seen
+    if unknown:
+        raise CredentialsError(f"certificate identities for unknown principals {sorted(unknown)}")
+    targets = [os.path.join(directory, "credentials.toml")] + [os.path.join(directory, f"{n}.token")
+                                                                for n, _, _ in entries]
+    for path in targets:
+        if os.path.exists(path):
+            raise CredentialsError(f"{path} exists: not overwriting credentials (use another directory)")
+    lines = ["# fastlock credentials: token hashes only (the tokens are in the *.token files beside it).",
+             "# Give each program only its own token file. See `pydoc fastlock.auth` for the format.",
+             "version = 1", ""]
+    tokens: dict[str, str] = {}
+    for name, kind, prefix in entries:
+        token = make_token(name)
+        tokens[name] = token
+        lines.append(f"[principals.{name}]")
+        lines.append(f'kind = "{kind}"')
+        lines.append(f'token_sha256 = "{hash_token(token).hex()}"')
+        if kind == "client":
+            lines.append(f'acl = [{{prefix = {_toml_str(prefix or "")}, ops = ["*"]}}]')
+        if kind == "replica":
+            lines.append(f'primary_proof_key = "{primary_proof_key(token).hex()}"')
+        if certs.get(name):
+            lines.append(f"cert_identities = [{', '.join(_toml_str(cn) for cn in certs[name])}]")
+        lines.append("")
+    if anonymous_prefix is not None:
+        lines += [f"[principals.{ANONYMOUS}]", 'kind = "client"',
+                  f'acl = [{{prefix = {_toml_str(anonymous_prefix)}, ops = ["*"]}}]', ""]
+    _write_private(targets[0], "\n".join(lines))
+    paths = {}
+    for name, _, _ in entries:
+        path = os.path.join(directory, f"{name}.token")
+        _write_private(path, tokens[name] + "\n")
+        paths[name] = path
+    return paths
+
+
+def _write_private(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# -- failed authentication: rate limit and log ---------------------------------------------
+
+
+class AuthFailures:
+    """Per source address: ban after repeated failed authentications; flood-proof logging.
+
+    After ``max_failures`` failures (0: never ban) from one address within ``window_s``
+    seconds, that address is banned for ``ban_s`` seconds (doubling with each
+    further ban, up to ``max_ban_s``): its HELLOs are refused without looking
+    at the token, so guessing is bounded to ``max_failures`` tries per ban.  At
+    most ``max_addresses`` addresses are tracked (the oldest is forgotten).
+
+    Logging: the first failure of an address (after ``window_s`` without a ban)
+    and every ban are logged at WARNING, at most ``max_lines`` of them per
+    ``summary_every_s`` seconds; the other failures are counted and reported in
+    one summary line at most every ``summary_every_s`` seconds.  ``clock`` returns
+    monotonic seconds (for tests).
+    """
+
+    def __init__(self, *, max_failures: int = 5, window_s: float = 60.0, ban_s: float = 1.0,
+                 max_ban_s: float = 300.0, max_addresses: int = 4096, summary_every_s: float = 10.0,
+                 max_lines: int = 20, clock=time.monotonic):
+        self.max_failures = max_failures
+        self.window_s = window_s
+        self.ban_s = ban_s
+        self.max_ban_s = max_ban_s
+        self.max_addresses = max_addresses
+        self.summary_every_s = summary_every_s
+        self.max_lines = max_lines
+        self._lines = 0  # lines logged in the current summary interval
+        self._clock = clock
+        # address -> [window start, failures in window, banned until, bans so far]
+        self._by_address: dict[str, list] = {}
+        self._suppressed = 0
+        self._suppressed_addresses: set[str] = set()
+        self._last_summary = clock()
+        self.total = 0
+
+    def banned_for(self, address: str) -> float:
+        """Seconds left of ``address``'s ban (0.0: not banned)."""
+        entry = self._by_address.get(address)
+        if entry is None:
+            return 0.0
+        return max(0.0, entry[2] - self._clock())
+
+    def failed(self, address: str, who: str, reason: str) -> None:
+        """Record (and maybe log) one failed authentication from ``address``."""
+        now = self._clock()
+        self.total += 1
+        entry = self._by_address.get(address)
+        if entry is None:
+            if len(self._by_address) >= self.max_addresses:
+                self._by_address.pop(next(iter(self._by_address)))
+            entry = self._by_address[address] = [now, 0, float("-inf"), 0]  # start, count, banned until, bans
+        if now - entry[0] > self.window_s:
+            entry[0], entry[1] = now, 0
+        quiet = now - entry[2] > self.window_s  # no ban of this address ended within the window
+        if now - entry[2] > self.max_ban_s:
+            entry[3] = 0  # quiet for longer than the longest ban: bans start short again
+        entry[1] += 1
+        logged = False
+        if entry[1] == 1 and quiet:
+            logged = self._line(now, "authentication failed from %s (%s): %s; further failures from it are "
+                                "summarised", address, who, reason)
+        if self.max_failures and entry[1] >= self.max_failures and entry[2] <= now:
+            ban = min(self.max_ban_s, self.ban_s * (2 ** entry[3]))
+            entry[2] = now + ban
+            entry[3] += 1
+            entry[0], entry[1] = now, 0
+            logged = self._line(now, "%s banned for %.0f s after %d failed authentications", address, ban,
+                                self.max_failures) or logged
+        if not logged:
+            self._suppressed += 1
+            self._suppressed_addresses.add(address)
+        self._maybe_summarise(now)
+
+    def _line(self, now: float, msg: str, *args) -> bool:
+        """Log one line unless ``max_lines`` were logged in this summary interval (then the
+        event goes into the summary): many addresses cannot flood the log either."""
+        if now - self._last_summary >= self.summary_every_s:
+            self._maybe_summarise(now)
+        if self._lines >= self.max_lines:
+            return False
+        self._lines += 1
+        log.warning(msg, *args)
+        return True
+
+    def refused_while_banned(self, address: str) -> None:
+        """Count a HELLO refused because its address is banned (logged in the summary only)."""
+        self.total += 1
+        self._suppressed += 1
+        self._suppressed_addresses.add(address)
+        self._maybe_summarise(self._clock())
+
+    def _maybe_summarise(self, now: float) -> None:
+        if self._suppressed and now - self._last_summary >= self.summary_every_s:
+            log.warning("%d more failed or refused authentications from %d addresses in the last %.0f s",
+                        self._suppressed, len(self._suppressed_addresses), now - self._last_summary)
+            self._suppressed = 0
+            self._suppressed_addresses.clear()
+            self._last_summary = now
+            self._lines = 0
+        elif not self._suppressed and now - self._last_summary >= self.summary_every_s:
+            self._last_summary = now
+            self._lines = 0
