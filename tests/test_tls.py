@@ -235,7 +235,9 @@ def test_blocking_client_over_mutual_tls(server_factory, certs):
 
 
 def test_cli_status_over_tls_with_flags_and_environment(server_factory, certs):
-    srv = server_factory(args=serve_args(certs.node1, certs.ca, "required"))
+    # a short handshake deadline: the plaintext case below is answered by the server closing
+    # the connection, well before the CLI's own 10 s reply timeout
+    srv = server_factory(args=serve_args(certs.node1, certs.ca, "required", "--tls-handshake-timeout", "1"))
     res = cli("status", "--server", srv.address, *cli_tls(certs, certs.admin))
     assert res.returncode == 0, res.stderr
     st = json.loads(res.stdout)
