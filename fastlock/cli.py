@@ -88,6 +88,16 @@ def _positive_int(value: str) -> int:
     return v
 
 
+def _frame_bytes(value: str) -> int:
+    from . import protocol as P
+
+    v = _positive_int(value)
+    if v < P.MIN_MAX_FRAME_BYTES:
+        raise argparse.ArgumentTypeError(f"expected at least {P.MIN_MAX_FRAME_BYTES} (a request with its names, "
+                                         f"owner key and ids at their limits), got {v}")
+    return v
+
+
 def seconds_arg(value: str) -> float:
     """argparse type: a finite number of seconds, 0 <= s < 1 year."""
     try:
@@ -118,7 +128,7 @@ def _add_limit_flags(s: argparse.ArgumentParser) -> None:
     d = ServerConfig()
     g = s.add_argument_group("limits", "bounds on what clients and standbys can make the server hold; "
                                        "a request beyond one gets a LimitExceeded error naming it")
-    g.add_argument("--max-frame-bytes", type=_positive_int, default=d.max_frame_bytes, metavar="BYTES",
+    g.add_argument("--max-frame-bytes", type=_frame_bytes, default=d.max_frame_bytes, metavar="BYTES",
                    help=f"largest request frame (default {d.max_frame_bytes}); a larger one closes the connection")
     g.add_argument("--max-connections", type=_positive_int, default=None, metavar="N",
                    help="connections in all (default 10000, lowered to fit the open-files limit); at the limit "

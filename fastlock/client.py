@@ -265,6 +265,9 @@ class WatchEvent:
 #: why a TLS server most likely closed or reset a connection during the handshake
 _REFUSED_CERT_HINT = (" (a TLS server that requires client certificates drops the connection when it refuses "
                       "this client's, or its lack of one)")
+#: appended when a plain-TCP client gets no HELLO reply: a TLS port waits for a
+#: handshake, then drops the connection
+_PLAIN_TO_TLS_HINT = " (if it is a TLS port: pass tls_ca=... or tls=True)"
 
 
 def _parse_address(addr: Any) -> tuple[str, int]:
@@ -597,11 +600,12 @@ class Client:
             except asyncio.TimeoutError:
                 proto.abort(ConnectionLost("handshake timed out"))
                 self._suspects.add(addr)
-                errors.append(f"{addr[0]}:{addr[1]}: no handshake reply within {self._connect_timeout} s")
+                hint = _PLAIN_TO_TLS_HINT if self._ssl is None else ""
+                errors.append(f"{addr[0]}:{addr[1]}: no handshake reply within {self._connect_timeout} s{hint}")
                 continue
             except ConnectionLost as exc:
                 proto.abort(exc)
-                hint = _REFUSED_CERT_HINT if self._ssl is not None else ""
+                hint = _REFUSED_CERT_HINT if self._ssl is not None else _PLAIN_TO_TLS_HINT
                 errors.append(f"{addr[0]}:{addr[1]}: handshake failed: {exc}{hint}")
                 continue
             except BaseException:

@@ -94,7 +94,8 @@ class FailoverPolicy:
 
     # -- start ---------------------------------------------------------------------------------
     def on_start(self) -> None:
-        """A primary that stepped down before stays deposed; otherwise restore its pairing."""
+        """A primary that stepped down before stays deposed; otherwise restore its pairing,
+        and hold grants for a whole promotion grace again if it stopped during one."""
         host = self.host
         if host.roles.role is not Role.PRIMARY:
             return
@@ -106,6 +107,19 @@ class FailoverPolicy:
                          marker.get("epoch"), marker.get("why"), DEPOSED_FILE)
         else:
             self.source.load_pairing()
+            grace = host.node_state.grace_ms
+            if grace:
+                host.roles.hold_grace(_now_ms() + grace, "restarted during its promotion grace: "
+                                                          "no new grants for the whole grace again")
+                self._end_grace_later(grace)
+
+    def _end_grace_later(self, grace_ms: int) -> None:
+        def ended() -> None:
+            roles = self.host.roles
+            if roles.role is Role.PRIMARY and roles.grace_remaining_ms(_now_ms()) == 0:
+                self.host.node_state.grace_ended()
+
+        self.host.loop.call_later(grace_ms / 1000.0, ended)
 
     # -- stepping down ------------------------------------------------------------------------
     def on_step_down_request(self, epoch: Any, seen_primary_ms: Any, requester: str) -> dict:
@@ -256,10 +270,13 @@ class FailoverPolicy:
         host.wal.when_durable(lambda: durable.done() or durable.set_result(None))
         await durable
         host.node_state.raise_epoch(epoch)
-        host.node_state.set_standby_of(None)  # a primary now: it may start as one
-        now = _now_ms()
         holders = table.holders()
-        longest = max(follower.max_ttl_ms, host.max_ttl_ms, host.node_state.max_ttl_ms)
+        longest = max([follower.max_ttl_ms, host.max_ttl_ms, host.node_state.max_ttl_ms]
+                      + [h.ttl_ms for h in holders])
+        grace = self.promotion_grace_ms if self.promotion_grace_ms is not None else longest
+        # a primary now: it may start as one, and a restart before the grace ends holds it again
+        host.node_state.promoted(grace)
+        now = _now_ms()
         unknown = ran_out = 0
         for h in holders:
             # the deadline kept since the lease arrived; unknown (recovered from this
@@ -273,12 +290,12 @@ class FailoverPolicy:
             # install_holder sets deadline = now + ttl_ms: keep ttl_ms, place the deadline
             table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, h.meta,
                                  max(0, deadline - h.ttl_ms))
-            longest = max(longest, h.ttl_ms)
-        grace = self.promotion_grace_ms if self.promotion_grace_ms is not None else longest
         table.drain_events()
         host.roles.transition(Role.PRIMARY, f"promoted ({reason}) at epoch {epoch}", grace_until_ms=now + grace)
         table.expire(now)  # leases whose kept deadline passed: logged and WAL-recorded like any expiry
         host.after_batch()
+        if grace:
+            self._end_grace_later(grace)
         log.warning(
             "PROMOTED to primary (%s): epoch %d, %d replicated leases kept until their replicated deadline "
             "(%d with an unknown one given a full TTL from now, %d ran out and expired), no new grants for "

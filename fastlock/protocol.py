@@ -204,6 +204,7 @@ MAX_EPOCH = (1 << 23) - 1
 
 # limits (units in the names)
 DEFAULT_MAX_FRAME_BYTES = 64 << 10  # a request; replies and the replication stream have their own
+MIN_MAX_FRAME_BYTES = 4096  # holds every request with its names, keys and ids at their limits
 MAX_NAME_BYTES = 512
 MIN_TTL_MS = 1
 MAX_TTL_MS = 24 * 3600 * 1000

@@ -261,6 +261,38 @@ DEPOSED_FILE = "deposed.json"
 STATE_FILE = "node-state.json"
 
 
+class NodeFileDamaged(RuntimeError):
+    """A node state file (``node-state.json``, ``pairing.json``, ``deposed.json``)
+    is not the JSON object, with the field types, this node writes: the server
+    refuses to start rather than guess its epoch, pairing or role."""
+
+
+def _load_json(directory: str, name: str, fields: dict[str, tuple[type, ...]]) -> dict | None:
+    """The JSON object in ``<directory>/<name>``, or None if the file does not exist.
+
+    ``fields`` maps each key to the types its value may have (a missing key is
+    fine: it has its default).
+
+    Raises:
+        NodeFileDamaged: unreadable JSON, not an object, or a field of another type.
+    """
+    path = os.path.join(directory, name)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise NodeFileDamaged(f"{path} is damaged ({exc}): restore it or repair it by hand") from None
+    if type(data) is not dict:
+        raise NodeFileDamaged(f"{path} is damaged (not a JSON object): restore it or repair it by hand")
+    for key, types in fields.items():
+        if key in data and type(data[key]) not in types:
+            raise NodeFileDamaged(f"{path} is damaged ({key!r} is {type(data[key]).__name__}, not "
+                                  f"{' or '.join(t.__name__ for t in types)}): restore it or repair it by hand")
+    return data
+
+
 class NodeState:
     """What a node must remember about the cluster beyond its WAL, in
     ``<data dir>/node-state.json`` (written atomically and fsynced, only when a
@@ -276,16 +308,20 @@ class NodeState:
     ``standby_of``
         set while the node is a standby: started without ``--standby-of`` it
         would otherwise come up as a second primary at the old epoch, so it
-        refuses until it is promoted (or the file is deleted).
+        refuses until it is promoted (or the file is deleted);
+    ``grace_ms``
+        the promotion grace (ms) of a primary whose grace has not yet run out:
+        a restart during it cannot know how long it was down, so it holds new
+        grants for the whole grace again (as recovered leases get a fresh full
+        TTL); 0 once the grace has ended.
     """
 
     def __init__(self, directory: str):
+        """Raises NodeFileDamaged: the file exists but is not what this class writes."""
         self.directory = directory
-        try:
-            with open(os.path.join(directory, STATE_FILE), encoding="utf-8") as f:
-                self._data = json.load(f)
-        except FileNotFoundError:
-            self._data = {}
+        self._data = _load_json(directory, STATE_FILE, {
+            "max_epoch_seen": (int,), "max_ttl_ms": (int,), "grace_ms": (int,), "standby_of": (str, type(None)),
+        }) or {}
 
     @property
     def max_epoch_seen(self) -> int:
@@ -298,6 +334,18 @@ class NodeState:
     @property
     def standby_of(self) -> str | None:
         return self._data.get("standby_of")
+
+    @property
+    def grace_ms(self) -> int:
+        return int(self._data.get("grace_ms", 0))
+
+    def promoted(self, grace_ms: int) -> None:
+        """Record a promotion: no longer a standby, ``grace_ms`` of grace pending."""
+        self._set(standby_of=None, grace_ms=grace_ms)
+
+    def grace_ended(self) -> None:
+        if self.grace_ms:
+            self._set(grace_ms=0)
 
     def raise_epoch(self, epoch: int) -> None:
         if epoch > self.max_epoch_seen:
@@ -327,11 +375,8 @@ def write_deposed(directory: str, epoch: int, why: str) -> None:
 
 
 def read_deposed(directory: str) -> dict | None:
-    try:
-        with open(os.path.join(directory, DEPOSED_FILE), encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
+    """Raises NodeFileDamaged: the file exists but is not what :func:`write_deposed` writes."""
+    return _load_json(directory, DEPOSED_FILE, {"epoch": (int,), "why": (str,)})
 
 
 def node_id(directory: str) -> str:
@@ -386,12 +431,12 @@ class ReplicationSource:
     # -- pairing ---------------------------------------------------------------------------
     def load_pairing(self) -> None:
         """At start: restore the pairing; a primary paired with a failover window starts fenced."""
-        path = os.path.join(self.host.data_dir, PAIRING_FILE)
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except FileNotFoundError:
+        data = _load_json(self.host.data_dir, PAIRING_FILE, {"standby": (str,), "failover_after_ms": (int,)})
+        if data is None:
             return
+        if "standby" not in data or "failover_after_ms" not in data:
+            raise NodeFileDamaged(f"{os.path.join(self.host.data_dir, PAIRING_FILE)} is damaged (it must name "
+                                  f"'standby' and 'failover_after_ms'): restore it or repair it by hand")
         self.paired_id = data["standby"]
         self._paired_window_ms = int(data["failover_after_ms"])
         if self._paired_window_ms > 0:
@@ -409,6 +454,12 @@ class ReplicationSource:
         _write_atomically(self.host.data_dir, PAIRING_FILE, json.dumps(
             {"standby": replica.name, "failover_after_ms": replica.failover_after_ms}).encode())
         log.info("paired with standby %s (failover window %d ms)", quote(replica.name), replica.failover_after_ms)
+        window = replica.failover_after_ms
+        if window and self.fence_margin_ms is not None and self.fence_margin_ms > window - 2 * heartbeat_interval_ms(window):
+            log.critical("--fence-margin %d ms leaves less than two heartbeat intervals (%d ms each) of the standby's "
+                         "failover window (%d ms): this primary fences itself between heartbeats (at a margin >= "
+                         "the window, always) and refuses grants; restart it with a smaller --fence-margin",
+                         self.fence_margin_ms, heartbeat_interval_ms(window), window)
 
     def _unpair(self) -> None:
         path = os.path.join(self.host.data_dir, PAIRING_FILE)
@@ -1095,10 +1146,18 @@ class StandbyFollower:
 
     # -- failover ---------------------------------------------------------------------------
     def _arm_watchdog(self) -> None:
-        interval = heartbeat_interval_ms(self.failover_after_ms) / 1000.0
-        self._watchdog = self.host.loop.call_later(interval, self._check_silence)
+        interval_ms = heartbeat_interval_ms(self.failover_after_ms)
+        due_ms = _now_ms() + interval_ms
+        self._watchdog = self.host.loop.call_later(interval_ms / 1000.0,
+                                                   lambda: self._check_silence(late_ms=_now_ms() - due_ms))
 
-    def _check_silence(self) -> None:
+    def _check_silence(self, late_ms: int = 0) -> None:
+        """The watchdog: promote (through ``on_primary_silent``) once the paired
+        primary has been silent for the failover window.  ``late_ms`` is how late
+        the watchdog ran: more than a heartbeat interval means this process was
+        stalled itself (SIGSTOP, a VM pause) and has not yet read what the
+        primary sent meanwhile, so it checks again one interval later instead of
+        promoting over a primary that only this node failed to hear."""
         self._watchdog = None
         if self._stopping:
             return
@@ -1108,6 +1167,12 @@ class StandbyFollower:
         now = _now_ms()
         if (self.synced and self.pair_confirmed and self.last_heard_ms
                 and now - self.last_heard_ms >= self.failover_after_ms):
+            if late_ms > heartbeat_interval_ms(self.failover_after_ms):
+                log.warning("primary %s silent for %d ms, but this standby was stalled itself (its watchdog "
+                            "ran %d ms late): reading what the primary sent before deciding",
+                            self.primary_address, now - self.last_heard_ms, late_ms)
+                self._arm_watchdog()
+                return
             log.warning("primary %s silent for %d ms (failover after %d ms): promoting",
                         self.primary_address, now - self.last_heard_ms, self.failover_after_ms)
             if self.on_primary_silent is not None:

@@ -173,6 +173,21 @@ class NodeRole:
         log.warning("role: %s -> %s (%s)", frm.value, to.value, why)
         self._changed()
 
+    def hold_grace(self, until_ms: int, why: str) -> None:
+        """Hold this primary's grants of free locks until ``until_ms`` (monotonic
+        ms) at least: a grace period on a node that is already the primary (one
+        restarted during its promotion grace).
+
+        Raises:
+            IllegalTransition: this node is not the primary.
+        """
+        if self._role is not Role.PRIMARY:
+            raise IllegalTransition(f"only a primary has a grace period (this node is {self._role.value})")
+        if until_ms > self._grace_until_ms:
+            self._grace_until_ms = until_ms
+            log.warning("role: primary in grace for %d ms (%s)", until_ms - self._now_ms(), why)
+            self._changed()
+
     def set_fenced(self, fenced: bool) -> None:
         """Fence or unfence this primary (the replication source decides when).
 

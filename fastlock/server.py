@@ -68,6 +68,7 @@ from .errors import (
 from .failover import FailoverPolicy
 from .replication import (
     STATE_FILE,
+    NodeFileDamaged,
     NodeState,
     ReplicationSource,
     StandbyFollower,
@@ -298,8 +299,9 @@ class _Connection(asyncio.Protocol):
         return fut
 
     def fatal(self, exc: FastlockError) -> None:
-        """Send a protocol error (request id 0) and close this connection only."""
-        log.warning("closing connection %s (session %d): %s", self.peer, self.session, exc)
+        """Send a protocol error (request id 0) and close this connection only
+        (logged at most once per 10 s, with the number of others)."""
+        self.server._fatal_log("closing connection %s (session %d): %s", self.peer, self.session, exc)
         self.send(P.encode_error(0, exc.code, str(exc)))
         self.flush()
         self.close()
@@ -367,6 +369,7 @@ class LockServer:
         self._evicted_log = RateLimitedLog(log)
         self._hello_log = RateLimitedLog(log)
         self._idle_log = RateLimitedLog(log, logging.INFO)
+        self._fatal_log = RateLimitedLog(log)  # one line per 10 s however fast peers send garbage
         self._watch_count = 0
         # per-principal quotas (kept only when the quota is set)
         self._lease_principal: dict[str, str] = {}  # lock name -> principal of its holder
@@ -1255,6 +1258,9 @@ def check_limits(config: ServerConfig) -> None:
         value = getattr(config, field_name)
         if type(value) is not int or value < 0:
             raise ValueError(f"{field_name} must be an integer >= 0, not {value!r}")
+    if config.max_frame_bytes < P.MIN_MAX_FRAME_BYTES:
+        raise ValueError(f"max_frame_bytes must be at least {P.MIN_MAX_FRAME_BYTES} (a request with its names, "
+                         f"owner key and ids at their limits), not {config.max_frame_bytes}")
     if config.max_connections is not None and (type(config.max_connections) is not int
                                                or config.max_connections <= 0):
         raise ValueError(f"max_connections must be a positive integer or None, not {config.max_connections!r}")
@@ -1300,6 +1306,6 @@ def serve(config: ServerConfig, *, use_uvloop: bool = True) -> int:
         log.critical("refusing to start: %s (start with --repair-wal to cut the damaged tail and "
                      "lose the records after it)", exc)
         return 2
-    except (OSError, DataDirInUse, ImportError, InvalidArgument) as exc:
+    except (OSError, DataDirInUse, ImportError, InvalidArgument, NodeFileDamaged) as exc:
         log.critical("cannot start: %s", exc)
         return 1

@@ -53,6 +53,32 @@ FAILURE_LOG_INTERVAL = 10.0
 _VERIFY_MODES = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
 
 
+def _default_context(purpose: ssl.Purpose, ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext:
+    """``ssl.create_default_context(purpose, cafile=ca)`` (only ``ca`` trusted when
+    given), TLS 1.2+, with the certificate chain loaded; every error names its file.
+
+    Raises:
+        OSError: a file cannot be read (``filename`` set: ssl's own errors for
+            a missing file do not say which); ``ssl.SSLError``: not PEM, or the
+            key does not match the certificate (the message names the files).
+    """
+    for path in (ca, cert, key):
+        if path:
+            with open(path, "rb"):
+                pass
+    try:
+        ctx = ssl.create_default_context(purpose, cafile=ca)
+    except ssl.SSLError as exc:
+        raise ssl.SSLError(exc.errno, f"CA file {ca}: {exc}") from None
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    if cert:
+        try:
+            ctx.load_cert_chain(cert, key)
+        except ssl.SSLError as exc:
+            raise ssl.SSLError(exc.errno, f"certificate {cert}, key {key or cert}: {exc}") from None
+    return ctx
+
+
 def server_context(cert: str, key: str | None = None, ca: str | None = None,
                    client_auth: str = "none") -> ssl.SSLContext:
     """A server-side context: TLS 1.2+, ``ssl.create_default_context`` ciphers.
@@ -73,9 +99,7 @@ def server_context(cert: str, key: str | None = None, ca: str | None = None,
         raise InvalidArgument(f"client_auth must be one of {', '.join(CLIENT_AUTH_MODES)}, not {client_auth!r}")
     if client_auth != "none" and not ca:
         raise InvalidArgument(f"client_auth={client_auth!r} needs a CA file to verify client certificates")
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(cert, key)
+    ctx = _default_context(ssl.Purpose.CLIENT_AUTH, ca, cert, key)
     ctx.verify_mode = _VERIFY_MODES[client_auth]
     return ctx
 
@@ -96,11 +120,7 @@ def client_context(ca: str | None = None, cert: str | None = None, key: str | No
     """
     if key and not cert:
         raise InvalidArgument("a TLS key needs its certificate (tls_cert)")
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    if cert:
-        ctx.load_cert_chain(cert, key)
-    return ctx
+    return _default_context(ssl.Purpose.SERVER_AUTH, ca, cert, key)
 
 
 def client_ssl_context(tls: bool | ssl.SSLContext | None, ca: str | None = None, cert: str | None = None,

@@ -173,6 +173,7 @@ import collections
 import fcntl
 import datetime
 import gc
+import hashlib
 import logging
 import os
 import queue
@@ -1662,6 +1663,10 @@ def _fmt(lsn: str, wall: Optional[int], kind: str, name: Any = "-", token: Optio
     return " ".join(parts)
 
 
+def _owner_fingerprint(owner: bytes) -> str:
+    return hashlib.sha256(owner).hexdigest()[:16]
+
+
 def dump(directory: str | os.PathLike, *, lock: Optional[str] = None, file: TextIO = sys.stdout) -> int:
     """Print the log as audit lines, in LSN order; return the number of lines printed.
 
@@ -1669,7 +1674,10 @@ def dump(directory: str | os.PathLike, *, lock: Optional[str] = None, file: Text
     and shown with the snapshot's LSN), then every later record still on disk.
     Columns: LSN, wall time (ISO-8601 UTC, ``-`` if unknown), type, ``lock=``,
     ``token=`` value (epoch/counter), ``client=``, ``corr=`` (correlation id),
-    ``ttl_ms=``.  ``lock`` keeps only that lock's lines (epoch and reserve records
+    ``ttl_ms=``; grants add ``owner_sha256=`` (the first 16 hex digits of the
+    SHA-256 of the owner key: it tells grants of one acquire apart, but is not
+    the key, which lets whoever presents it extend or release the lease) and
+    ``lock_delay_ms=``.  ``lock`` keeps only that lock's lines (epoch and reserve records
     have no lock and are left out).  Read-only: a torn tail is reported as a ``#``
     comment line, not cut.
 
@@ -1697,7 +1705,7 @@ def dump(directory: str | os.PathLike, *, lock: Optional[str] = None, file: Text
             if lock is not None and h[0] != lock:
                 continue
             w(_fmt(f"{slsn:020d}", h[7], "snapshot-holder", h[0], h[1], h[5], h[6], h[3],
-                     extra=f"owner={h[2].hex()} lock_delay_ms={h[4]}") + "\n")
+                     extra=f"owner_sha256={_owner_fingerprint(h[2])} lock_delay_ms={h[4]}") + "\n")
             lines += 1
     segs = rec.segments_after(base)
     for i, (first, path) in enumerate(segs):
@@ -1725,7 +1733,7 @@ def dump(directory: str | os.PathLike, *, lock: Optional[str] = None, file: Text
                     continue
                 if t == GRANT:
                     line = _fmt(f"{cur:020d}", r[8], kind, r[1], r[2], r[6], r[7], r[4],
-                                extra=f"owner={r[3].hex()} lock_delay_ms={r[5]}")
+                                extra=f"owner_sha256={_owner_fingerprint(r[3])} lock_delay_ms={r[5]}")
                 elif t == EXTEND:
                     line = _fmt(f"{cur:020d}", r[4], kind, r[1], r[2], ttl=r[3])
                 else:

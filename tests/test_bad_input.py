@@ -168,6 +168,33 @@ async def test_malformed_frames_close_the_connection_with_a_reason(client, serve
     assert await client.ping() >= 0
 
 
+async def test_a_flood_of_malformed_connections_logs_one_line_not_one_per_connection(client, server):
+    """Each garbage connection is refused with its reason, but the log gets one
+    line per 10 s (with the count of the rest), so a peer looping on garbage
+    cannot fill the disk through the server's log."""
+    start = len(server.lines)
+    for _ in range(50):
+        raw = await RawConnection.open(server.address, hello=False)
+        try:
+            await raw.send(b"\xc1")
+            reply = await raw.recv()
+            assert reply is not None and reply[0] == 0 and reply[1] == ProtocolError.code, reply
+            assert await raw.closed_by_server()
+        finally:
+            raw.close()
+    # a line logged after the flood: every line before it has been read too
+    marker = await RawConnection.open(server.address)
+    try:
+        reply = await marker.call([2, P.OP_ACQUIRE, "marker", os.urandom(16), 1, 0, 0, None])
+        assert reply[1] == 0, reply
+    finally:
+        marker.close()
+    await asyncio.to_thread(server.wait_for_log, r"lease expired: 'marker'", 5, start)
+    closing = [line for line in server.lines[start:] if "closing connection" in line]
+    assert len(closing) == 1, closing
+    assert "malformed msgpack" in closing[0]
+
+
 async def test_oversized_frame_is_refused(client, server):
     raw = await RawConnection.open(server.address)
     try:

@@ -15,6 +15,7 @@ import pytest
 
 from fastlock import cli
 from fastlock._testbase import ServerProcess
+from fastlock.server import ServerConfig, check_limits
 
 TIMEOUT = 30.0
 
@@ -113,3 +114,15 @@ def test_wal_dump_of_a_wal_with_no_records_prints_nothing_and_exits_0(tmp_path):
     srv.stop()
     out = fastlock("wal", "dump", "--lock", "nothing-here", str(tmp_path / "data"), cwd=tmp_path)
     assert out.returncode == 0 and out.stdout == "" and out.stderr == "", out
+
+
+def test_serve_refuses_a_frame_limit_too_small_for_a_valid_request(tmp_path):
+    """--max-frame-bytes 10 used to start a server that closed every connection at HELLO."""
+    res = subprocess.run([sys.executable, "-m", "fastlock", "serve", "--data-dir", str(tmp_path / "d"),
+                          "--listen", "127.0.0.1:0", "--max-frame-bytes", "10"],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and "--max-frame-bytes: expected at least 4096" in res.stderr
+    assert not (tmp_path / "d").exists()
+    with pytest.raises(ValueError, match="max_frame_bytes must be at least 4096"):
+        check_limits(ServerConfig(max_frame_bytes=4095))
+    check_limits(ServerConfig(max_frame_bytes=4096))

@@ -22,6 +22,7 @@ clients' tasks keep running.  Every wait has a deadline.
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 import tempfile
 import time
@@ -635,6 +636,79 @@ def test_old_primary_rejoins_as_standby_of_the_new_one_and_fails_back(cluster):
             await c.close()
 
     run(main())
+
+
+def test_new_primary_restarted_during_its_promotion_grace_holds_grants_again(cluster):
+    """kill -9 of the primary, promotion with a 3 s grace, then kill -9 of the new
+    primary during that grace and a restart of its data dir: the old primary may
+    have granted locks that never reached it, so the restarted node grants no free
+    lock for a whole grace again (it cannot know how long it was down), and
+    forgets the grace once it has run out."""
+    p = cluster.primary()
+    s = cluster.standby(p.address, failover_after=FAILOVER, grace=3.0)
+
+    async def main():
+        promoted = asyncio.ensure_future(log_line(s, r"PROMOTED", 10))
+        await asyncio.to_thread(p.kill)
+        await promoted
+        await asyncio.to_thread(s.kill)
+        again = await asyncio.to_thread(lambda: cluster._start(type(s)(s.data_dir, args=["--name", "again"])))
+        await asyncio.to_thread(again.wait_for_log, r"restarted during its promotion grace", 5)
+        st = await status_of(again.address)
+        assert st["role"] == "primary" and st["epoch"] == 1
+        assert 2000 < st["grace_remaining_ms"] <= 3000
+        n = await RawNode.open(again.address)
+        try:
+            with pytest.raises(LockNotAcquired, match="promotion grace"):
+                await n.acquire("free", 1000)
+            token, _, _ = await asyncio.wait_for(n.acquire("free", 1000, wait_ms=5000), 6)
+            assert epoch(token) == 1
+        finally:
+            await n.close()
+        state = await poll(lambda: asyncio.to_thread(
+            lambda: json.loads((again.data_dir / "node-state.json").read_text())),
+            lambda st: st.get("grace_ms") == 0, timeout=2, what="grace forgotten once it ended")
+        assert state["standby_of"] is None
+
+    run(main())
+
+
+def test_a_standby_paused_past_its_window_does_not_promote_over_a_live_primary(cluster):
+    """SIGSTOP of the standby for 2.5 failover windows, then SIGCONT: the primary
+    fenced itself meanwhile (it heard no echo), but it kept sending heartbeats.
+    The standby's watchdog runs late on resume, before the heartbeats queued in
+    its socket are read: it must read them rather than promote, so the pair
+    comes back as it was (the primary unfenced, the standby following)."""
+    p = cluster.primary()
+    s = cluster.standby(p.address, failover_after=FAILOVER, grace=GRACE)
+    s.wait_for_log(r"paired: primary", 10)
+    start_p, start_s = len(p.lines), len(s.lines)
+    s.pause()
+    p.wait_for_log(r"no word from the standby", 5, start_p)
+    time.sleep(2.5 * FAILOVER)  # the fault itself: the standby stays frozen past its window
+    s.resume()
+    s.wait_for_log(r"stalled itself", 5, start_s)
+    p.wait_for_log(r"fence lifted", 5, start_p)
+
+    async def main():
+        st = await status_of(s.address)
+        assert st["role"] == "standby" and st["epoch"] == 0
+        st = await status_of(p.address)
+        assert st["role"] == "primary" and not st["replication"]["fenced"]
+
+    run(main())
+    assert not any("PROMOTED" in line for line in s.lines[start_s:])
+
+
+def test_a_fence_margin_not_below_the_failover_window_is_reported_at_pairing(cluster):
+    """--fence-margin 5 s on a primary whose standby has a 1 s window: the fence
+    closes at once on every heartbeat, so the primary never grants; it says so,
+    naming the flag, when it pairs, rather than only 'no word from the standby
+    for 0 ms' lines."""
+    p = cluster.primary(args=["--fence-margin", "5"])
+    cluster.standby(p.address, failover_after=FAILOVER, grace=GRACE)
+    line = p.wait_for_log(r"--fence-margin 5000 ms", 10)
+    assert "failover window (1000 ms)" in line and "CRITICAL" in line
 
 
 def test_short_partition_fences_then_unfences_without_promotion(cluster):

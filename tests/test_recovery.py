@@ -451,3 +451,29 @@ def test_repair_wal_never_reissues_a_token(tmp_path):
         assert token > max(tokens) and token >> 40 == 1
     finally:
         repaired.stop()
+
+
+@pytest.mark.parametrize("name, text, needle", [
+    ("node-state.json", '{"max_epoch_seen": 3', "Expecting"),  # cut short
+    ("node-state.json", '{"max_epoch_seen": "3"}', "'max_epoch_seen' is str, not int"),
+    ("node-state.json", "[1, 2]", "not a JSON object"),
+    ("deposed.json", '{"epoch": 2, "why": "x"', "Expecting"),
+    ("pairing.json", '{"standby": "s@id"}', "must name 'standby' and 'failover_after_ms'"),
+])
+def test_a_damaged_node_state_file_refuses_the_start_with_one_clear_line(tmp_path, name, text, needle):
+    """A node state file that is not what the node writes (epoch, pairing, step-down)
+    stops the start with a line naming the file, not a traceback: guessing an
+    epoch or a role could reuse fencing tokens or make a second primary."""
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    (data / name).write_text(text)
+    srv = ServerProcess(data)
+    try:
+        with pytest.raises(RuntimeError, match="exited"):
+            srv.start(timeout=20)
+        assert srv.proc.returncode not in (0, None)
+        line = next(line for line in srv.lines if "cannot start" in line)
+        assert f"{data / name} is damaged" in line and needle in line, line
+        assert not any("Traceback" in line for line in srv.lines)
+    finally:
+        srv.stop()

@@ -151,7 +151,7 @@ def test_plaintext_and_silence_on_a_tls_port_fail_cleanly(server_factory, certs)
     host, port = srv.address.split(":")
 
     async def main():
-        with pytest.raises(ConnectionLost):  # a fastlock client without TLS
+        with pytest.raises(ConnectionLost, match="pass tls_ca"):  # a fastlock client without TLS: told why
             await fastlock.connect(srv.address, connect_timeout=3)
         # a connection that starts a TLS record and stalls is closed at the handshake deadline
         with socket.create_connection((host, int(port)), timeout=5) as sock:
@@ -262,6 +262,28 @@ def test_serve_refuses_contradictory_tls_flags(tmp_path, certs):
     res = cli("serve", "--data-dir", str(tmp_path / "d"), "--listen", "127.0.0.1:0", "--tls-cert",
               str(tmp_path / "missing.pem"))
     assert res.returncode == 1 and "cannot start" in res.stderr
+    assert str(tmp_path / "missing.pem") in res.stderr  # the error names the file it could not read
+
+
+def test_tls_file_errors_name_the_file(tmp_path, certs):
+    """ssl's own errors say neither which file is missing nor which pair does not match."""
+    from fastlock import tls
+
+    missing = str(tmp_path / "nope.pem")
+    for kwargs in (dict(cert=missing), dict(cert=certs.node1.cert, key=missing),
+                   dict(cert=certs.node1.cert, key=certs.node1.key, ca=missing)):
+        with pytest.raises(FileNotFoundError) as info:
+            tls.server_context(**kwargs)
+        assert info.value.filename == missing
+    with pytest.raises(FileNotFoundError) as info:
+        tls.client_context(ca=missing)
+    assert info.value.filename == missing
+    with pytest.raises(ssl.SSLError) as info:
+        tls.server_context(certs.node1.cert, certs.node2.key)
+    assert certs.node1.cert in str(info.value) and certs.node2.key in str(info.value)
+    with pytest.raises(ssl.SSLError) as info:
+        tls.client_context(ca=certs.node1.key)  # a key is not a CA certificate
+    assert certs.node1.key in str(info.value)
 
 
 def test_fastlock_run_over_mutual_tls(server_factory, certs):

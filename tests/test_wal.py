@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import io
 import logging
 import os
@@ -702,6 +703,9 @@ async def test_dump(tmp_path, writer):
     assert " extend lock=orders/2 " in lines[4] and "ttl_ms=20000" in lines[4]
     assert " epoch " in lines[5] and "epoch=2" in lines[5]
     assert " grant lock=orders/1 token=2199023255555 (2/3) client=api-3 corr=req-3" in lines[6]
+    # the owner key lets its presenter release the lease: the dump shows a fingerprint, never the key
+    assert "owner=" not in out.getvalue()
+    assert "owner_sha256=" + hashlib.sha256(b"o").hexdigest()[:16] in lines[1]
     assert lines[6].split()[1].endswith("Z")
     out = io.StringIO()
     dump(str(tmp_path), lock="orders/1", file=out)
