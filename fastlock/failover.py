@@ -12,8 +12,15 @@ Promotion (:meth:`FailoverPolicy.promote`)
     it was last heard), or - when the primary does not fence itself - refuses
     unless ``force`` (the operator's word that it is dead).  Automatic
     promotion happens only after that much silence already.  Then it raises
-    the epoch above every epoch seen and fsyncs it, gives every replicated
-    lease a fresh full TTL, and holds new grants for the grace period.  A
+    the epoch above every epoch seen and fsyncs it, keeps every replicated
+    lease until the deadline the standby kept for it (its record's or
+    snapshot's arrival plus the time it had left, see
+    :meth:`~fastlock.replication.StandbyFollower.lease_deadline`; never
+    earlier than the holder's own deadline on clocks running at the same
+    rate), expires those whose deadline has passed (logged and WAL-recorded
+    like any expiry), gives a full TTL from now only to a lease recovered from
+    the node's own log (its remaining time is unknown), and holds new grants
+    for the grace period.  A
     promotion that is refused or fails returns the node to ``STANDBY``
     (logged), following its primary again unless the new epoch already
     reached the log; it never stays ``PROMOTING``.
@@ -270,18 +277,31 @@ class FailoverPolicy:
         # a primary now: it may start as one, and a restart before the grace ends holds it again
         host.node_state.promoted(grace)
         now = _now_ms()
+        unknown = ran_out = 0
         for h in holders:
-            table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, h.meta, now)
+            # the deadline kept since the lease arrived; unknown (recovered from this
+            # node's own log after a restart): a fresh full TTL from now
+            deadline = follower.lease_deadline(h.name, h.token)
+            if deadline is None:
+                deadline = now + h.ttl_ms
+                unknown += 1
+            elif deadline <= now:
+                ran_out += 1
+            # install_holder sets deadline = now + ttl_ms: keep ttl_ms, place the deadline
+            table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, h.meta,
+                                 max(0, deadline - h.ttl_ms))
         table.drain_events()
         host.roles.transition(Role.PRIMARY, f"promoted ({reason}) at epoch {epoch}", grace_until_ms=now + grace)
+        table.expire(now)  # leases whose kept deadline passed: logged and WAL-recorded like any expiry
         host.after_batch()
         if grace:
             self._end_grace_later(grace)
         log.warning(
-            "PROMOTED to primary (%s): epoch %d, %d replicated leases kept for their TTL, "
-            "no new grants for %d ms (grace)", reason, epoch, len(holders), grace,
+            "PROMOTED to primary (%s): epoch %d, %d replicated leases kept until their replicated deadline "
+            "(%d with an unknown one given a full TTL from now, %d ran out and expired), no new grants for "
+            "%d ms (grace)", reason, epoch, len(holders) - ran_out, unknown, ran_out, grace,
         )
-        return {"epoch": epoch, "grace_ms": grace, "leases": len(holders), "primary_confirmed": confirmed}
+        return {"epoch": epoch, "grace_ms": grace, "leases": len(holders) - ran_out, "primary_confirmed": confirmed}
 
     # -- the operator's word -----------------------------------------------------------------
     def serve_alone(self) -> dict:

@@ -21,15 +21,32 @@ standby
     Applies the stream to its own lock table and its own WAL, and answers
     clients with ``NotPrimary`` naming the primary.  Its table runs on frozen
     time (``now = 0``): only a primary expires leases (as in etcd, where only
-    the leader revokes leases); expiries arrive as records.
+    the leader revokes leases); expiries arrive as records.  Beside the table
+    it keeps, for each lease it received, a deadline on its own monotonic
+    clock: the arrival of the lease's grant or extend record plus its TTL (the
+    primary sends a record after making it, and logs every extend, even one
+    that keeps the TTL), or the arrival of a snapshot plus the time the lease
+    had left when the primary took it (``remaining_ms`` in the snapshot).
 promotion
     On ``fastlock promote`` or, with ``--failover-after S``, after the primary
     has been silent for S seconds, the standby: raises the epoch above every
-    epoch it has seen and fsyncs it; gives every replicated lease a fresh full
-    TTL from now (holders reconnect and keep renewing with the lease they
-    have); and grants nothing new for a grace period (default: the longest TTL
-    it has seen), because the old primary may have granted locks whose records
-    never arrived - as Chubby's new master waits out the old master's leases.
+    epoch it has seen and fsyncs it; keeps every replicated lease until the
+    deadline it kept for it (a lease whose deadline has passed expires at
+    promotion, logged and WAL-recorded like any expiry; one recovered from the
+    standby's own log after a restart, whose remaining time is unknown, gets a
+    full TTL from the promotion), so holders reconnect and keep renewing with
+    the lease they have, while a lease whose release never arrived expires
+    about one TTL after its last grant or extend however many failovers follow
+    (a fresh TTL at each promotion would keep it alive for good); and grants
+    nothing new for a grace period (default: the longest TTL it has seen),
+    because the old primary may have granted locks whose records never
+    arrived - as Chubby's new master waits out the old master's leases.
+    The kept deadline is never earlier than the holder's own: the holder counts
+    its TTL from before it sent the request, the standby from after the
+    primary made it - safe as long as the two clocks run at the same rate
+    (the rate assumption below; a difference of rho shortens a lease by at
+    most rho times its remaining time, which the holder's renewal at a third
+    of its TTL absorbs).
     Every token it issues is ``(epoch << 40) | counter`` with a higher epoch,
     so it is greater than every token the old primary issued, replicated or not.
 
@@ -47,7 +64,10 @@ after the last echo it closes the client connections that wait or watch, so
 they look for the (maybe promoted) standby.  Because
 the echoed time was taken on the primary's clock *before* the heartbeat was
 sent, a heartbeat delayed or queued during a pause (SIGSTOP, a VM stall) can
-only make the primary stop earlier, never later.
+only make the primary stop earlier, never later.  The fence is checked again
+when a grant, or an extend that lengthens a TTL, is acknowledged after its
+fsync (not only when it is decided): a primary frozen in between answers
+``Unavailable``, never a token its promoted standby may not know.
 
 The timing assumption: the two clocks run at rates that differ by at most a
 factor (1 + rho), with ``margin >= 2 * rho * F`` (F/4 allows rho up to 12 %);
@@ -96,7 +116,9 @@ Wire messages (see :mod:`fastlock.protocol` for the framing)::
                         [id, REPLICATE, from_lsn, incarnation|None, failover_after_ms, "[label@]node_id"]
                         [id, REPL_ACK, echoed_primary_ms, applied_lsn]          (no reply)
                         [id, STEP_DOWN, new_epoch, echoed_primary_ms]           -> {"role", "epoch"}
-    primary -> standby  [0, "snap", [lsn, epoch, counter, holders, incarnation]]   (owner keys as hashes)
+    primary -> standby  [0, "snap", [lsn, epoch, counter, holders, incarnation]]
+                        (holder: [name, token, owner_hash, ttl_ms, lock_delay_ms, client, corr, 0, remaining_ms];
+                        owner keys travel only as their hashes)
                         [0, "repl", [first_lsn, last_lsn, frames]]               (WAL batch bytes)
                         [0, "rec",  [lsn, record]]              (one record: accepted from older primaries)
                         [0, "hb",   [primary_ms, last_lsn, epoch, longest_ttl_ms, paired_id, paired_window_ms]]
@@ -189,10 +211,15 @@ class _Replica:
         self.base_cap = 0  # the connection's output cap before any snapshot was added to it
 
 
-def _encode_snapshot(lsn: int, epoch: int, counter: int, holders: list, incarnation: str) -> bytes:
+def _encode_snapshot(lsn: int, epoch: int, counter: int, holders: list, incarnation: str, now: int) -> bytes:
     """The snapshot push ``[0, "snap", [lsn, epoch, counter, holders, incarnation]]``,
     encoded a holder at a time (so that, on a worker thread, it lets the event
-    loop run between holders); ``holders``: :class:`~fastlock._core.Holder`."""
+    loop run between holders); ``holders``: :class:`~fastlock._core.Holder`.
+
+    Each holder is ``[name, token, owner, ttl_ms, lock_delay_ms, client, corr, 0,
+    remaining_ms]``, ``remaining_ms`` being its deadline minus ``now`` (the
+    primary's monotonic ms when the snapshot was taken), at least 0.
+    """
     packer = msgpack.Packer(use_bin_type=True)
     pack = packer.pack
     parts = [packer.pack_array_header(3), pack(0), pack(PUSH_SNAPSHOT), packer.pack_array_header(5),
@@ -200,9 +227,30 @@ def _encode_snapshot(lsn: int, epoch: int, counter: int, holders: list, incarnat
     append = parts.append
     for h in holders:
         client, corr = h.meta if h.meta else (None, None)
-        append(pack([h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, client, corr, 0]))
+        append(pack([h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, client, corr, 0,
+                     min(h.ttl_ms, max(0, h.deadline_ms - now))]))
     append(pack(incarnation))
     return b"".join(parts)
+
+
+def _snapshot_holder(h: Any) -> tuple:
+    """One holder of a snapshot push as ``(name, token, owner, ttl_ms, lock_delay_ms,
+    client, corr, remaining_ms)``; a holder without ``remaining_ms`` (8 items, an
+    older primary) has its full ``ttl_ms`` left.
+
+    Raises:
+        ProtocolError: not a list of 8 or 9 items, or ``remaining_ms`` not an int
+            in ``0..ttl_ms``.
+        WrongArgumentType, InvalidArgument: ``ttl_ms`` not a valid TTL.
+        (The link drops the connection on any of them; nothing is applied.)
+    """
+    if type(h) is not list or len(h) not in (8, 9):
+        raise ProtocolError("snapshot holder must be a list of 8 or 9 items")
+    ttl_ms = P.check_ttl_ms(h[3])
+    remaining_ms = h[8] if len(h) == 9 else ttl_ms
+    if type(remaining_ms) is not int or not 0 <= remaining_ms <= ttl_ms:
+        raise ProtocolError(f"snapshot holder remaining_ms must be an int in 0..{ttl_ms}, not {remaining_ms!r}")
+    return (h[0], h[1], h[2], ttl_ms, h[4], h[5], h[6], remaining_ms)
 
 
 PAIRING_FILE = "pairing.json"
@@ -531,23 +579,24 @@ class ReplicationSource:
         replica.catching_up = False  # same loop step as the last check: no batch falls between
         log.info("standby %s caught up: %d records from LSN %d", quote(replica.name), records, from_lsn)
 
-    def _take_snapshot(self) -> tuple[int, int, int, list]:
-        """``(lsn, epoch, counter, holders)``: the table now and the LSN it matches."""
+    def _take_snapshot(self) -> tuple[int, int, int, list, int]:
+        """``(lsn, epoch, counter, holders, now)``: the table now, the LSN it matches
+        and the monotonic ms it was taken at."""
         table = self.host.table
-        return self.host.wal.stats()["last_lsn"], table.epoch, table.counter, table.holders()
+        return self.host.wal.stats()["last_lsn"], table.epoch, table.counter, table.holders(), _now_ms()
 
     async def _send_snapshot(self, replica: _Replica) -> int:
         """Send the lock table as a snapshot, encoded off the loop; return the LSN it matches."""
-        lsn, epoch, counter, holders = self._take_snapshot()
+        lsn, epoch, counter, holders, now = self._take_snapshot()
         frame = await asyncio.get_running_loop().run_in_executor(
-            None, _encode_snapshot, lsn, epoch, counter, holders, self.incarnation)
-        self._deliver_snapshot(replica, lsn, epoch, counter, holders, frame)
+            None, _encode_snapshot, lsn, epoch, counter, holders, self.incarnation, now)
+        self._deliver_snapshot(replica, lsn, epoch, counter, holders, now, frame)
         return lsn
 
-    def _deliver_snapshot(self, replica: _Replica, lsn: int, epoch: int, counter: int, holders: list,
+    def _deliver_snapshot(self, replica: _Replica, lsn: int, epoch: int, counter: int, holders: list, now: int,
                           frame: bytes | None) -> None:
         if frame is None:
-            frame = _encode_snapshot(lsn, epoch, counter, holders, self.incarnation)
+            frame = _encode_snapshot(lsn, epoch, counter, holders, self.incarnation, now)
         conn = replica.conn
         # a standby may leave its snapshot unread plus the output cap (not just the cap)
         conn.out_cap = replica.base_cap + len(frame)
@@ -831,6 +880,10 @@ class StandbyFollower:
         self.pair_confirmed = False  # the primary's heartbeats say it fences itself for this node
         self._node = standby_identity(name or "")
         self.max_ttl_ms = 0
+        #: lease name -> (token, deadline): a conservative deadline (this node's monotonic
+        #: ms) of each replicated lease, kept by a promotion (see _track)
+        self.lease_deadlines: dict[str, tuple[int, int]] = {}
+        self._received_ms = 0  # when the push being applied arrived (this node's monotonic ms)
         self.connected = False
         self._task: asyncio.Task | None = None
         self._link: rpc.RpcConnection | None = None  # the connection to the primary
@@ -1016,7 +1069,7 @@ class StandbyFollower:
         """
         if kind not in P.REPLICATION_PUSH_KINDS:
             return
-        self.last_heard_ms = _now_ms()
+        self.last_heard_ms = self._received_ms = _now_ms()
         self._ack_due = True
         if kind == PUSH_HEARTBEAT:
             primary_ms, last_lsn, epoch, max_ttl_ms, paired_id, paired_window_ms = payload
@@ -1071,16 +1124,19 @@ class StandbyFollower:
             table.set_epoch(epoch)
             wal.log_epoch(epoch)
         table.advance_counter(counter)
+        holders = [_snapshot_holder(h) for h in holders]
         wanted = {h[0]: h for h in holders}
         for h in table.holders():
             w = wanted.get(h.name)
             if w is None or w[1] != h.token:
                 table.remove_holder(h.name, h.token, 0)
                 wal.log_release(h.name, h.token)
-        for name, token, owner, ttl_ms, delay_ms, client, corr, _wall in holders:
+        self.lease_deadlines.clear()
+        for name, token, owner, ttl_ms, delay_ms, client, corr, remaining_ms in holders:
             current = table.holder(name, 0)
             if current is None or current.token != token or current.ttl_ms != ttl_ms:
                 self._install(name, token, owner, ttl_ms, delay_ms, client, corr)
+            self._track(name, token, remaining_ms)
         table.drain_events()
         self.applied_lsn = lsn
         self.incarnation = incarnation
@@ -1092,9 +1148,28 @@ class StandbyFollower:
         host = self.host
         host.table.install_holder(name, token, owner, ttl_ms, delay_ms, (client, corr), 0)
         host.wal.log_grant(name, token, owner, ttl_ms, delay_ms, client, corr)
+        self._track(name, token, ttl_ms)
         if ttl_ms > self.max_ttl_ms:
             self.max_ttl_ms = ttl_ms
             host.node_state.raise_ttl(ttl_ms)
+
+    def _track(self, name: str, token: int, remaining_ms: int) -> None:
+        """Keep the lease's deadline: the push's arrival plus the time it had left.
+
+        The primary sends a grant or extend record after making it, and a snapshot's
+        ``remaining_ms`` after measuring it, so on clocks running at the same rate
+        this deadline is never earlier than the primary's - nor than the holder's
+        own, which counts from before it asked.  Only a promotion reads it; the
+        standby's table itself expires nothing.
+        """
+        self.lease_deadlines[name] = (token, self._received_ms + remaining_ms)
+
+    def lease_deadline(self, name: str, token: int) -> int | None:
+        """The kept deadline (this node's monotonic ms) of lease ``name`` with ``token``,
+        or None if this standby has not received it since it started (recovered
+        from its own log: its remaining time is unknown)."""
+        kept = self.lease_deadlines.get(name)
+        return kept[1] if kept is not None and kept[0] == token else None
 
     def _apply_records(self, records) -> None:
         host = self.host
@@ -1113,6 +1188,7 @@ class StandbyFollower:
             elif kind == RELEASE or kind == EXPIRE:
                 name, token = rec[1], rec[2]
                 if table.remove_holder(name, token, 0):
+                    self.lease_deadlines.pop(name, None)
                     if kind == RELEASE:
                         wal.log_release(name, token)
                     else:
@@ -1123,6 +1199,7 @@ class StandbyFollower:
                 if h is not None and h.token == token:
                     table.install_holder(name, token, h.owner, ttl_ms, h.lock_delay_ms, h.meta, 0)
                     wal.log_extend(name, token, ttl_ms)
+                    self._track(name, token, ttl_ms)
                     self.max_ttl_ms = max(self.max_ttl_ms, ttl_ms)
             elif kind == EPOCH:
                 epoch = P.check_epoch(rec[1], "epoch record")

@@ -112,6 +112,15 @@ FLUSH_EARLY_BYTES = 256 << 10
 EXIT_WAL_FAILED = 3
 
 
+def _refusal(roles: NodeRole, action: Action) -> FastlockError:
+    """The error :meth:`NodeRole.admit` raises for ``action`` now (returned, not raised)."""
+    try:
+        roles.admit(action)
+    except FastlockError as exc:
+        return exc
+    raise AssertionError(f"{action.name} is admitted")  # pragma: no cover - callers check may() first
+
+
 def now_ms() -> int:
     """The server's clock: monotonic milliseconds (never the wall clock)."""
     return _monotonic_ns() // 1_000_000
@@ -849,12 +858,24 @@ class LockServer:
         wal.maybe_snapshot(self.snapshot_state)
 
     def _deliver_grants(self, grants: list) -> None:
+        """Acknowledge a batch of grants once durable - if this node may still grant.
+
+        The fence is checked again here, at the acknowledgement, not only when the
+        grants were decided: a primary frozen (SIGSTOP, a VM stall) between the two
+        may find its standby promoted meanwhile.  Then every waiting request gets
+        ``Unavailable`` instead of its token (the lease stays in this node's table);
+        the client repeats the acquire with the same owner key at whichever node is
+        primary, which hands it the lease if it was replicated, or queues it.  One
+        check per batch: the normal path does not pay per grant.
+        """
         sessions = self._sessions
         table = self.table
         undelivered = False
         watchers = self._watchers
+        self.source.fence_if_due(now_ms())
+        refused = None if self.roles.may(Action.ACQUIRE) else _refusal(self.roles, Action.ACQUIRE)
         for ev in grants:
-            if watchers and ev.name in watchers and ev.fresh:
+            if refused is None and watchers and ev.name in watchers and ev.fresh:
                 self._notify(ev.name, "granted", ev.token, ev.meta)
             conn = sessions.get(ev.session)
             if conn is None or conn.closed:
@@ -869,6 +890,11 @@ class LockServer:
                 undelivered = True
                 log.info("released undeliverable grant %s token %d (session %d gone)", quote(ev.name), ev.token,
                          ev.session)
+                continue
+            if refused is not None:
+                conn.send(P.encode_error(ev.request, refused.code, f"{ev.name!r}: {refused}",
+                                         getattr(refused, "primary", None)))
+                log.warning("grant %s token %d decided but not acknowledged: %s", quote(ev.name), ev.token, refused)
                 continue
             conn.send(P.packb([ev.request, 0, [ev.token, ev.ttl_ms, ev.waited_ms]]))
         if undelivered:
@@ -1141,17 +1167,26 @@ class LockServer:
             self.max_ttl_ms = ttl_ms
             self.node_state.raise_ttl(ttl_ms)
         reply = P.encode_ok(req_id, ttl_ms)
-        if holder.ttl_ms != ttl_ms:
-            self.wal.log_extend(name, token, ttl_ms)
-            if ttl_ms > holder.ttl_ms and not self.wal.flush_now():
-                # recovery restores the recorded TTL: a longer one must be durable
-                # before the holder relies on it (a shorter or equal one need not be)
-                def ack() -> None:
+        # Every extend is logged: the standby keeps each lease's deadline from the
+        # records it receives, and a promoted standby keeps that deadline.
+        self.wal.log_extend(name, token, ttl_ms)
+        if ttl_ms > holder.ttl_ms and not self.wal.flush_now():
+            # recovery restores the recorded TTL: a longer one must be durable
+            # before the holder relies on it (a shorter or equal one need not be)
+            def ack() -> None:
+                # acknowledged only if this node may still extend (see _deliver_grants)
+                self.source.fence_if_due(now_ms())
+                if self.roles.may(Action.EXTEND):
                     conn.send(reply)
-                    self.after_batch()
+                else:
+                    refused = _refusal(self.roles, Action.EXTEND)
+                    conn.send(P.encode_error(req_id, refused.code, f"{name!r}: {refused}",
+                                             getattr(refused, "primary", None)))
+                    log.warning("extend of %s token %d not acknowledged: %s", quote(name), token, refused)
+                self.after_batch()
 
-                self.wal.when_durable(ack)
-                return
+            self.wal.when_durable(ack)
+            return
         conn.send(reply)
 
     def _op_cancel(self, conn: _Connection, req_id: int, msg: list) -> None:

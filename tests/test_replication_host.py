@@ -238,3 +238,46 @@ def test_a_standby_refuses_an_epoch_beyond_the_encodable_range(tmp_path, kind, p
         follower._on_push(kind, payload)
     assert host.node_state.max_epoch_seen == 0 and host.table.epoch == 0
     assert follower.primary_epoch == 0 and not follower.synced
+
+
+GOOD_HOLDER = ["a", (1 << 40) | 1, b"o" * 16, 5000, 0, "c", None, 0]
+
+
+@pytest.mark.parametrize("holder, error", [
+    (GOOD_HOLDER + [5001], "remaining_ms"),    # more left than the TTL
+    (GOOD_HOLDER + [-1], "remaining_ms"),
+    (GOOD_HOLDER + [1.5], "remaining_ms"),
+    (GOOD_HOLDER + [0, 0], "8 or 9 items"),
+    (GOOD_HOLDER[:7], "8 or 9 items"),
+    ("a", "8 or 9 items"),
+])
+def test_a_standby_refuses_a_malformed_snapshot_holder(tmp_path, holder, error):
+    """A snapshot holder with a bad ``remaining_ms`` or shape changes nothing."""
+    from fastlock.errors import ProtocolError
+    from fastlock.replication import StandbyFollower
+
+    host = FakeHost(str(tmp_path), Role.STANDBY, primary_address="127.0.0.1:9")
+    follower = StandbyFollower(host, ("127.0.0.1", 9), name="east@id-1")
+    with pytest.raises(ProtocolError, match=error):
+        follower._on_push("snap", [5, 1, 1, [holder], "inc"])
+    assert len(host.table) == 0 and follower.lease_deadlines == {} and not follower.synced
+
+
+def test_a_standby_keeps_the_remaining_time_of_a_snapshot_holder(tmp_path):
+    """The kept deadline is the snapshot's arrival plus the holder's ``remaining_ms``;
+    an 8-item holder (an older primary) has its full TTL left."""
+    from fastlock.replication import StandbyFollower
+    from fastlock import replication
+
+    host = FakeHost(str(tmp_path), Role.STANDBY, primary_address="127.0.0.1:9")
+    follower = StandbyFollower(host, ("127.0.0.1", 9), name="east@id-1")
+    token_b = (1 << 40) | 2
+    arrived = replication._now_ms()
+    follower._on_push("snap", [5, 1, 2, [GOOD_HOLDER + [1200], ["b", token_b, b"p" * 16, 7000, 0, None, None, 0]],
+                               "inc"])
+    done = replication._now_ms()
+    a = follower.lease_deadline("a", GOOD_HOLDER[1])
+    b = follower.lease_deadline("b", token_b)
+    assert arrived + 1200 <= a <= done + 1200
+    assert arrived + 7000 <= b <= done + 7000
+    assert follower.lease_deadline("a", token_b) is None  # another token: not this lease

@@ -29,8 +29,10 @@ JSON lines; the controller reads them after the run.
 TTL: 8 s by default, longer than ``--failover-after`` (1 s) plus the client's
 ``request_timeout`` (5 s), the README's condition for ``lock()`` to keep a
 lease across a failover: a renewal stuck on a dead or frozen primary is given
-up after at most ``request_timeout`` and retried on the new primary, which
-gave every replicated lease a fresh TTL; 2 s are left for the retry.  WAIT:
+up after at most ``request_timeout`` (each renewal attempt after at most TTL/3)
+and retried on the new primary, which keeps the lease until its replicated
+deadline (its last renewal plus the TTL): a renewal sent at about TTL/3 whose
+attempt hangs for TTL/3 still has about a third of the TTL for the retry.  WAIT:
 20 s, longer than any outage the bound below allows, so an acquire that
 fails (rather than waits) during a fault is a failure to ride through it.
 
