@@ -46,6 +46,10 @@ CLIENT_AUTH_MODES = ("none", "optional", "required")
 
 #: seconds a TLS handshake may take on the server before the connection is dropped
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
+#: handshakes in progress at once, in all and from one source address; a connection
+#: accepted past either bound is closed at once (counted as a failed handshake)
+DEFAULT_MAX_HANDSHAKES = 1024
+DEFAULT_MAX_HANDSHAKES_PER_ADDRESS = 64
 
 #: at most one failed-handshake log line per this many seconds (the rest are counted)
 FAILURE_LOG_INTERVAL = 10.0
@@ -181,6 +185,11 @@ class ServerTLS:
         cert, key, ca, client_auth: as :func:`server_context`.
         handshake_timeout: seconds (> 0) a handshake may take before the
             connection is dropped.
+        max_handshakes: handshakes in progress at once (default 1,024); a
+            connection accepted past it is closed at once, so a flood of
+            connections that never handshake holds at most this many sockets.
+        max_handshakes_per_address: the same bound per source IP address
+            (default 64), so one address cannot take every slot.
 
     :meth:`listen` accepts TCP connections on its own sockets and hands each
     one to ``loop.connect_accepted_socket`` with the context current at that
@@ -193,9 +202,17 @@ class ServerTLS:
     """
 
     def __init__(self, cert: str, key: str | None = None, ca: str | None = None, client_auth: str = "none",
-                 handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT):
+                 handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT, *,
+                 max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
+                 max_handshakes_per_address: int = DEFAULT_MAX_HANDSHAKES_PER_ADDRESS):
         if not handshake_timeout > 0:
             raise InvalidArgument(f"handshake_timeout must be > 0 seconds, got {handshake_timeout!r}")
+        if max_handshakes < 1 or max_handshakes_per_address < 1:
+            raise InvalidArgument("the handshake bounds must be at least 1")
+        self.max_handshakes = max_handshakes
+        self.max_handshakes_per_address = max_handshakes_per_address
+        self._pending_by_address: dict[str, int] = {}
+        self.refused = 0  # connections closed because too many handshakes were in progress
         self.cert, self.key, self.ca, self.client_auth = cert, key, ca, client_auth
         self.handshake_timeout = handshake_timeout
         self.context = server_context(cert, key, ca, client_auth)
@@ -252,7 +269,8 @@ class ServerTLS:
 
     def status(self) -> dict:
         return {"client_auth": self.client_auth, "handshakes": self.handshakes, "handshake_failures": self.failures,
-                "handshakes_in_progress": len(self._pending), "reloads": self.reloads}
+                "handshakes_in_progress": len(self._pending), "handshakes_refused": self.refused,
+                "reloads": self.reloads}
 
     def close(self) -> None:
         """Stop accepting and abandon every handshake in progress (their
@@ -275,9 +293,27 @@ class ServerTLS:
                 log.error("accepting a connection failed: %s; pausing accepts for 1 s", exc)
                 await asyncio.sleep(1.0)
                 continue
+            source = addr[0] if isinstance(addr, tuple) and addr else "?"
+            from_source = self._pending_by_address.get(source, 0)
+            if len(self._pending) >= self.max_handshakes or from_source >= self.max_handshakes_per_address:
+                sock.close()
+                self.refused += 1
+                self._failed(f"{source}", ConnectionRefusedError(
+                    f"too many TLS handshakes in progress ({len(self._pending)} in all, {from_source} from "
+                    f"this address; limits {self.max_handshakes} and {self.max_handshakes_per_address})"))
+                continue
+            self._pending_by_address[source] = from_source + 1
             task = asyncio.ensure_future(self._handshake(sock, addr, make_connection))
             self._pending.add(task)
-            task.add_done_callback(self._pending.discard)
+            task.add_done_callback(lambda t, source=source: self._handshake_ended(t, source))
+
+    def _handshake_ended(self, task: asyncio.Task, source: str) -> None:
+        self._pending.discard(task)
+        left = self._pending_by_address.get(source, 1) - 1
+        if left > 0:
+            self._pending_by_address[source] = left
+        else:
+            self._pending_by_address.pop(source, None)
 
     async def _handshake(self, sock: socket.socket, addr: Any, make_connection: Callable[[], asyncio.Protocol]) -> None:
         peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else "?"

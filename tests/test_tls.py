@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -145,6 +146,17 @@ def _closed_after(sock: socket.socket) -> float:
     return time.monotonic() - t0
 
 
+def _is_closed(sock: socket.socket, within: float) -> bool:
+    """Has the server closed ``sock`` (EOF or reset) within ``within`` seconds?"""
+    sock.settimeout(within)
+    try:
+        return sock.recv(4096) == b""
+    except socket.timeout:
+        return False
+    except ConnectionResetError:
+        return True
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
 def test_plaintext_and_silence_on_a_tls_port_fail_cleanly(server_factory, certs):
     srv = server_factory(args=serve_args(certs.node1, None, "none", "--tls-handshake-timeout", "1"))
@@ -181,6 +193,38 @@ def test_plaintext_and_silence_on_a_tls_port_fail_cleanly(server_factory, certs)
     # one log line for the burst, not one per failure
     failures = [line for line in srv.lines if "TLS handshake with" in line]
     assert len(failures) == 1, failures
+
+
+def test_handshakes_in_progress_are_bounded_per_address(server_factory, certs):
+    """Connections that never start their handshake hold a socket each until the
+    handshake deadline; from one source address at most 64 at once (the rest are
+    closed on accept), so another address still gets in."""
+    srv = server_factory(args=serve_args(certs.node1, None, "none", "--tls-handshake-timeout", "30"))
+    host, port = srv.address.split(":")
+    silent = []
+    try:
+        for _ in range(80):  # from 127.0.0.2: another source address on the loopback
+            sock = socket.create_connection((host, int(port)), timeout=5, source_address=("127.0.0.2", 0))
+            silent.append(sock)
+
+        async def main():
+            async with fastlock.connect(srv.address, tls_ca=certs.ca) as client:  # from 127.0.0.1
+                st = await poll(client.status, lambda st: st["tls"]["handshakes_refused"] >= 16, timeout=10,
+                                what="16 handshakes refused")
+                lease = await client.acquire("bounded/handshakes", ttl=5.0)
+                await client.release(lease)
+                return st
+
+        st = run(main())
+        assert st["tls"]["handshakes_refused"] == 16
+        assert st["tls"]["handshakes_in_progress"] <= 64
+        # the refused ones were closed at once, not left to the 30 s deadline
+        readable, _, _ = select.select(silent, [], [], 1.0)
+        assert sum(_is_closed(sock, within=0.1) for sock in readable) == 16
+    finally:
+        for sock in silent:
+            sock.close()
+    assert srv.proc.poll() is None
 
 
 async def test_peer_identity_is_the_verified_client_common_name(certs):
