@@ -1,7 +1,7 @@
 """Crash tests: SIGKILL a real server under load, restart it, check nothing acknowledged is lost.
 
-DESIGN.md invariants 2 (tokens never go backwards, never reused) and 7 (nothing
-acknowledged is lost), issue 3's "Done when".
+the guarantees that fencing tokens never go backwards nor are reused, and that
+nothing acknowledged is lost.
 
 * ``test_sigkill_under_load``: the CI-size run of ``benches/crash.py`` (see its
   docstring for the workload and every check): 20 SIGKILLs at random moments

@@ -1,4 +1,4 @@
-"""Integration tests against a real `fastlock serve` process (DESIGN.md invariants 1-6)."""
+"""Integration tests against a real `fastlock serve` process (mutual exclusion, fencing, FIFO, holder-only release, server-clock leases, waiter removal)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Recovery semantics of a real server process (issue 3, item 5; DESIGN.md invariants 2 and 7).
+"""Recovery semantics of a real server process (tokens never go backwards; nothing acknowledged is lost).
 
 Each test runs ``fastlock serve`` as a subprocess, stops it cleanly (SIGTERM) or
 crashes it (SIGKILL), restarts it on the same data dir and port, and checks
