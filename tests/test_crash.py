@@ -1,6 +1,6 @@
 """Crash tests: SIGKILL a real server under load, restart it, check nothing acknowledged is lost.
 
-the guarantees that fencing tokens never go backwards nor are reused, and that
+Checks the guarantees that fencing tokens never go backwards nor are reused, and that
 nothing acknowledged is lost.
 
 * ``test_sigkill_under_load``: the CI-size run of ``benches/crash.py`` (see its
