@@ -54,6 +54,7 @@ cdef enum:
     _GRANTED = 0
     _QUEUED = 1
     _NOT_ACQUIRED = 2
+    _LIMIT_CONFLICT = 3
     # event kinds
     _EV_GRANTED = 1
     _EV_EXPIRED = 2
@@ -66,6 +67,9 @@ GRANTED = _GRANTED
 QUEUED = _QUEUED
 #: acquire() status: wait_ms == 0 and the lock was not free.
 NOT_ACQUIRED = _NOT_ACQUIRED
+#: acquire() status: the name has holders or waiters under another ``limit`` (a
+#: semaphore's limit vs. a lock, or two different limits); nothing changed.
+LIMIT_CONFLICT = _LIMIT_CONFLICT
 
 #: Event kind: a lease was granted (immediately or to a waiter), or re-delivered.
 EV_GRANTED = _EV_GRANTED
@@ -83,12 +87,14 @@ cdef extern from *:
     #define FL_MAX_EPOCH ((((long long)1) << 23) - 1)
     #define FL_MAX_LOCK_DELAY_MS 60000LL
     #define FL_MAX_MS ((((long long)1) << 53) - 1)
+    #define FL_MAX_LIMIT ((((long long)1) << 31) - 1)
     """
     const int64_t _SHIFT "FL_SHIFT"
     const int64_t _MAX_COUNTER "FL_MAX_COUNTER"
     const int64_t _MAX_EPOCH "FL_MAX_EPOCH"
     const int64_t _MAX_LOCK_DELAY_MS "FL_MAX_LOCK_DELAY_MS"
     const int64_t _MAX_MS "FL_MAX_MS"
+    const int64_t _MAX_LIMIT "FL_MAX_LIMIT"
 
 #: Bits of a fencing token below the epoch: token = (epoch << TOKEN_EPOCH_SHIFT) | counter
 TOKEN_EPOCH_SHIFT = _SHIFT
@@ -101,11 +107,14 @@ MAX_LOCK_DELAY_MS = _MAX_LOCK_DELAY_MS
 #: Largest ``now``, TTL, wait or hold time in milliseconds (2**53 - 1: exact in
 #: a float, ~285 000 years), so that deadline arithmetic never overflows.
 MAX_MS = _MAX_MS
+#: Largest semaphore limit (permits per name).
+MAX_LIMIT = _MAX_LIMIT
 
 cdef enum:
     K_LEASE = 1   # a lock's lease deadline
     K_BLOCK = 2   # end of a lock's lock-delay / grant hold
     K_WAIT = 3    # a waiter's wait timeout
+    K_SHARED = 4  # a non-exclusive lease's deadline (shared holder or semaphore permit)
 
 
 class NotHolder(LookupError):
@@ -165,6 +174,15 @@ cdef inline int64_t _session(object v) except? -1:
     return r
 
 
+cdef inline int64_t _limit(object v, bint shared) except? -1:
+    cdef int64_t r = _int(v, "limit")
+    if r < 0 or r > _MAX_LIMIT:
+        raise ValueError(f"limit must be in 0..{_MAX_LIMIT}, got {r}")
+    if r and shared:
+        raise ValueError("a semaphore permit (limit > 0) cannot also be shared")
+    return r
+
+
 cdef inline int64_t _lock_delay(object v) except? -1:
     cdef int64_t r = _int(v, "lock_delay_ms")
     if r < 0 or r > _MAX_LOCK_DELAY_MS:
@@ -202,6 +220,8 @@ cdef class Event:
         send time plus this, whatever happened between (see the client).
       lock_delay_ms: the lock-delay stored with the lease / asked by the waiter
         (extra field, so a WAL record of a grant can be replayed with install_holder()).
+      shared: True for a shared (read) lease or a waiter asking for one.
+      limit: the semaphore limit of the lease / waiter (0: not a semaphore permit).
     """
     cdef readonly int kind
     cdef readonly str name
@@ -215,12 +235,15 @@ cdef class Event:
     cdef readonly bint fresh
     cdef readonly int64_t lock_delay_ms
     cdef readonly int64_t waited_ms
+    cdef readonly bint shared
+    cdef readonly int64_t limit
 
     def __repr__(self):
         kinds = {1: "GRANTED", 2: "EXPIRED", 3: "WAIT_TIMEOUT", 4: "WAIT_CANCELLED"}
         return (f"<Event {kinds.get(self.kind, self.kind)} name={self.name!r} token={self.token} "
                 f"owner={self.owner!r} session={self.session} ttl_ms={self.ttl_ms} "
-                f"deadline_ms={self.deadline_ms} fresh={self.fresh} waited_ms={self.waited_ms}>")
+                f"deadline_ms={self.deadline_ms} fresh={self.fresh} waited_ms={self.waited_ms} "
+                f"shared={self.shared} limit={self.limit}>")
 
 
 @cython.final
@@ -229,7 +252,8 @@ cdef class Holder:
 
     Attributes: name (str), token (int), owner (bytes), session (int; 0 for a
     holder installed by install_holder()), ttl_ms (ms), deadline_ms (monotonic
-    ms), lock_delay_ms (ms), meta (opaque).
+    ms), lock_delay_ms (ms), meta (opaque), shared (bool: a shared/read lease),
+    limit (int: the semaphore limit of a permit, 0 otherwise).
     """
     cdef readonly str name
     cdef readonly int64_t token
@@ -239,10 +263,13 @@ cdef class Holder:
     cdef readonly int64_t deadline_ms
     cdef readonly int64_t lock_delay_ms
     cdef readonly object meta
+    cdef readonly bint shared
+    cdef readonly int64_t limit
 
     def __repr__(self):
         return (f"<Holder name={self.name!r} token={self.token} owner={self.owner!r} "
-                f"session={self.session} ttl_ms={self.ttl_ms} deadline_ms={self.deadline_ms}>")
+                f"session={self.session} ttl_ms={self.ttl_ms} deadline_ms={self.deadline_ms} "
+                f"shared={self.shared} limit={self.limit}>")
 
 
 # ---------------------------------------------------------------------------
@@ -267,8 +294,22 @@ cdef class _Waiter(_Entry):
     cdef int64_t lock_delay_ms
     cdef int64_t enqueued_ms  # ``now`` of the acquire this waiter answers
     cdef object meta
+    cdef bint shared          # asks for a shared lease (a permit when lock.limit > 0)
     cdef _Waiter prev
     cdef _Waiter next
+
+
+@cython.final
+cdef class _Lease(_Entry):
+    """A non-exclusive lease: a shared holder or a semaphore permit (its own heap entry)."""
+    cdef _Lock lock
+    cdef int64_t token
+    cdef bytes owner
+    cdef int64_t session
+    cdef int64_t ttl_ms
+    cdef int64_t lock_delay_ms
+    cdef object meta
+    cdef bint shared
 
 
 @cython.final
@@ -288,6 +329,11 @@ cdef class _Lock(_Entry):
     cdef _Waiter head
     cdef _Waiter tail
     cdef dict by_owner   # owner -> _Waiter; None until the first waiter
+    # non-exclusive holders (shared leases or semaphore permits), in grant order
+    cdef dict leases     # owner -> _Lease; None until the first non-exclusive grant
+    cdef int64_t n_leases
+    # semaphore limit (0: a lock); meaningful while the name has holders or waiters
+    cdef int64_t limit
 
 
 cdef inline bint _before(_Entry a, _Entry b):
@@ -437,7 +483,17 @@ cdef class LockTable:
         ev.fresh = fresh
         ev.lock_delay_ms = lock_delay_ms
         ev.waited_ms = 0
+        ev.shared = False
+        ev.limit = 0
         self._events.append(ev)
+        return ev
+
+    cdef inline Event _waiter_event(self, int kind, _Waiter w):
+        """EV_WAIT_TIMEOUT / EV_WAIT_CANCELLED for ``w`` (still linked to its lock)."""
+        cdef Event ev = self._event(kind, w.lock.name, 0, w.owner, w.session, w.request, w.ttl_ms, 0,
+                                    w.meta, False, w.lock_delay_ms)
+        ev.shared = w.shared
+        ev.limit = w.lock.limit
         return ev
 
     # -- internal transitions ------------------------------------------------------
@@ -454,6 +510,8 @@ cdef class LockTable:
         cdef _Entry e
         cdef _Lock lock
         cdef _Waiter w
+        cdef _Lease lease
+        cdef Event ev
         cdef int64_t tau
         while len(heap) > 0:
             e = <_Entry>heap[0]
@@ -476,10 +534,21 @@ cdef class LockTable:
             elif e.kind == K_WAIT:
                 w = <_Waiter>e
                 lock = w.lock
-                self._unlink(w)
                 self._wait_timeouts += 1
-                self._event(_EV_WAIT_TIMEOUT, lock.name, 0, w.owner, w.session, w.request,
-                            w.ttl_ms, 0, w.meta, False, w.lock_delay_ms)
+                self._waiter_event(_EV_WAIT_TIMEOUT, w)
+                self._unlink(w)
+                self._settle(lock, tau, now)
+            elif e.kind == K_SHARED:
+                lease = <_Lease>e
+                lock = lease.lock
+                self._drop_lease(lock, lease)
+                self._expiries += 1
+                ev = self._event(_EV_EXPIRED, lock.name, lease.token, lease.owner, lease.session, None,
+                                 lease.ttl_ms, tau, lease.meta, False, lease.lock_delay_ms)
+                ev.shared = lease.shared
+                ev.limit = lock.limit
+                if lease.lock_delay_ms > 0:
+                    lock.delay_until = _max(lock.delay_until, tau + lease.lock_delay_ms)
                 self._settle(lock, tau, now)
             else:
                 self._settle(<_Lock>e, tau, now)
@@ -508,6 +577,49 @@ cdef class LockTable:
         self._event(_EV_GRANTED, lock.name, token, owner, session, request, ttl_ms,
                     now + ttl_ms, meta, True, lock_delay_ms).waited_ms = waited_ms
         return 0
+
+    cdef int _grant_lease(self, _Lock lock, bytes owner, int64_t session, object request,
+                          int64_t ttl_ms, int64_t lock_delay_ms, object meta, bint shared,
+                          int64_t now, int64_t waited_ms) except -1:
+        """A fresh non-exclusive grant (shared lease or permit); the caller checked
+        the counter has room and the lock is not held exclusively."""
+        cdef int64_t token
+        cdef _Lease lease = _Lease.__new__(_Lease)
+        cdef Event ev
+        self._counter += 1
+        token = (self._epoch << _SHIFT) | self._counter
+        if lock.index >= 0:
+            self._unschedule(lock)  # the end of a block: the lock is not held
+        lock.delay_until = 0
+        lease.index = -1
+        lease.kind = K_SHARED
+        lease.lock = lock
+        lease.token = token
+        lease.owner = owner
+        lease.session = session
+        lease.ttl_ms = ttl_ms
+        lease.lock_delay_ms = lock_delay_ms
+        lease.meta = meta
+        lease.shared = shared
+        if lock.leases is None:
+            lock.leases = {}
+        lock.leases[owner] = lease
+        lock.n_leases += 1
+        self._schedule(lease, now + ttl_ms)
+        self._n_held += 1
+        self._grants += 1
+        ev = self._event(_EV_GRANTED, lock.name, token, owner, session, request, ttl_ms,
+                         now + ttl_ms, meta, True, lock_delay_ms)
+        ev.waited_ms = waited_ms
+        ev.shared = shared
+        ev.limit = lock.limit
+        return 0
+
+    cdef inline void _drop_lease(self, _Lock lock, _Lease lease):
+        del lock.leases[lease.owner]
+        lock.n_leases -= 1
+        self._n_held -= 1
+        self._unschedule(lease)
 
     cdef inline int _check_counter(self) except -1:
         if self._counter >= _MAX_COUNTER:
@@ -560,18 +672,42 @@ cdef class LockTable:
         if lock.head is not None:
             until = _max(lock.delay_until, self._hold_until)
             if tau >= until:
-                self._check_counter()
                 w = lock.head
-                self._unlink(w)
-                self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms,
-                            w.meta, now, now - w.enqueued_ms)
+                if lock.n_leases == 0 and not w.shared and lock.limit == 0:
+                    # the common case: an exclusive lock hands off to its head waiter
+                    self._check_counter()
+                    self._unlink(w)
+                    self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms,
+                                w.meta, now, now - w.enqueued_ms)
+                    return 0
+                self._unschedule(lock)
+                # FIFO across kinds: grant from the head while the head is compatible
+                # (consecutive readers together; permits up to the limit)
+                while w is not None:
+                    if w.shared or lock.limit:
+                        if lock.limit and lock.n_leases >= lock.limit:
+                            break
+                        self._check_counter()
+                        self._unlink(w)
+                        self._grant_lease(lock, w.owner, w.session, w.request, w.ttl_ms,
+                                          w.lock_delay_ms, w.meta, w.shared, now, now - w.enqueued_ms)
+                    else:
+                        if lock.n_leases:
+                            break
+                        self._check_counter()
+                        self._unlink(w)
+                        self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms,
+                                    w.meta, now, now - w.enqueued_ms)
+                        break
+                    w = lock.head
             else:
                 self._schedule_block(lock, until)
         elif lock.delay_until > tau:
             self._schedule_block(lock, lock.delay_until)
         else:
             self._unschedule(lock)
-            del self._locks[lock.name]
+            if lock.n_leases == 0:
+                del self._locks[lock.name]
         return 0
 
     cdef inline _Lock _new_lock(self, str name):
@@ -644,7 +780,8 @@ cdef class LockTable:
 
     # -- lock operations -----------------------------------------------------------
 
-    def acquire(self, name, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now):
+    def acquire(self, name, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now,
+                shared=False, limit=0):
         """Grant ``name`` to ``owner`` or queue the request (FIFO, as ZooKeeper's
         sequential nodes).
 
@@ -662,9 +799,25 @@ cdef class LockTable:
             a clean release never applies it.
           meta: opaque, stored with the lease.
           now (int): monotonic ms, 0..MAX_MS.
+          shared (bool): ask for a shared (read) lease: any number of shared
+            holders or one exclusive holder.  Default False (exclusive).
+          limit (int): 0 (default) for a lock; 1..MAX_LIMIT makes ``name`` a
+            counting semaphore with at most ``limit`` holders, each permit its
+            own lease and fencing token (Curator's InterProcessSemaphoreV2,
+            ``consul lock -n``).  Not combined with ``shared``.
 
-        Returns GRANTED (an EV_GRANTED event is queued), QUEUED or NOT_ACQUIRED
-        (wait_ms == 0 and the lock is held, has waiters, or is blocked).
+        FIFO across kinds (ZooKeeper's shared-lock recipe): a request is granted
+        only at the head of the queue (or when the queue is empty) and only if it
+        is compatible with the current holders; so readers arriving behind a
+        queued writer queue behind it, and consecutive readers (permits) at the
+        head are granted together.  Every grant, of every kind, takes a fencing
+        token from the one counter.
+
+        Returns GRANTED (an EV_GRANTED event is queued), QUEUED, NOT_ACQUIRED
+        (wait_ms == 0 and the request is not grantable now: incompatible holders,
+        waiters ahead, or a block) or LIMIT_CONFLICT (the name has holders or
+        waiters with another ``limit``: a lock vs a semaphore or two limits;
+        the limit is remembered while the name has holders or waiters).
 
         Idempotent by owner: if ``owner`` already holds ``name`` the existing lease
         is re-delivered (EV_GRANTED with fresh=False, same token and deadline, to
@@ -675,8 +828,10 @@ cdef class LockTable:
         NOT_ACQUIRED is returned).  Not re-entrant otherwise: another owner on the
         same session queues.
 
+        A retry of a waiting request keeps the kind (shared or not) it first asked for.
+
         Raises:
-          TypeError / ValueError: a bad argument (state unchanged).
+          TypeError / ValueError: a bad argument (state unchanged), e.g. shared with limit > 0.
           OverflowError: the fencing counter is exhausted.
         """
         cdef str n = _name(name)
@@ -686,35 +841,76 @@ cdef class LockTable:
         cdef int64_t wait = _ms(wait_ms, "wait_ms", -1)
         cdef int64_t delay = _lock_delay(lock_delay_ms)
         cdef int64_t t = _ms(now, "now", 0)
+        cdef bint sh = False
+        cdef int64_t lim = 0
         cdef _Lock lock
         cdef _Waiter w
+        cdef _Lease lease
+        cdef Event ev
         cdef dict sess
+        if shared is not False:
+            if not PyBool_Check(shared):
+                raise TypeError(f"shared must be a bool, not {type(shared).__name__}")
+            sh = shared is True
+        if limit is not 0:
+            lim = _limit(limit, sh)
         self._advance(t)
         lock = <_Lock>self._locks.get(n)
         if lock is None:
             if t >= self._hold_until:
                 self._check_counter()
                 lock = self._new_lock(n)
-                self._grant(lock, o, s, request, ttl, delay, meta, t, 0)
+                if sh or lim:
+                    lock.limit = lim
+                    self._grant_lease(lock, o, s, request, ttl, delay, meta, sh, t, 0)
+                else:
+                    self._grant(lock, o, s, request, ttl, delay, meta, t, 0)
                 return _GRANTED
         else:
-            if lock.held and lock.owner == o:
-                # re-delivered: granted (or last extended) at deadline - ttl, before this request
-                self._event(_EV_GRANTED, n, lock.token, o, s, request, lock.ttl_ms, lock.deadline,
-                            lock.meta, False, lock.lock_delay_ms).waited_ms = lock.deadline - lock.ttl_ms - t
-                return _GRANTED
+            if lock.held:
+                if lim != lock.limit:
+                    return _LIMIT_CONFLICT
+                if lock.owner == o:
+                    # re-delivered: granted (or last extended) at deadline - ttl, before this request
+                    self._event(_EV_GRANTED, n, lock.token, o, s, request, lock.ttl_ms, lock.deadline,
+                                lock.meta, False, lock.lock_delay_ms).waited_ms = lock.deadline - lock.ttl_ms - t
+                    return _GRANTED
+            elif lock.n_leases:
+                if lim != lock.limit:
+                    return _LIMIT_CONFLICT
+                lease = <_Lease>lock.leases.get(o)
+                if lease is not None:
+                    ev = self._event(_EV_GRANTED, n, lease.token, o, s, request, lease.ttl_ms,
+                                     lease.deadline, lease.meta, False, lease.lock_delay_ms)
+                    ev.waited_ms = lease.deadline - lease.ttl_ms - t
+                    ev.shared = lease.shared
+                    ev.limit = lock.limit
+                    return _GRANTED
             if lock.head is not None:
+                if lim != lock.limit:
+                    return _LIMIT_CONFLICT
                 w = lock.by_owner.get(o)
                 if w is not None:
                     return self._retry_waiter(lock, w, s, request, ttl, wait, delay, meta, t)
             elif not lock.held and t >= _max(lock.delay_until, self._hold_until):
-                self._check_counter()
-                self._grant(lock, o, s, request, ttl, delay, meta, t, 0)
-                return _GRANTED
+                if lock.n_leases == 0:
+                    lock.limit = lim
+                    if not (sh or lim):
+                        self._check_counter()
+                        self._grant(lock, o, s, request, ttl, delay, meta, t, 0)
+                        return _GRANTED
+                if lim == 0 or lock.n_leases < lim:
+                    if sh or lim:
+                        self._check_counter()
+                        self._grant_lease(lock, o, s, request, ttl, delay, meta, sh, t, 0)
+                        return _GRANTED
         if wait == 0:
             return _NOT_ACQUIRED
         if lock is None:
             lock = self._new_lock(n)
+            lock.limit = lim
+        elif lock.head is None and not lock.held and lock.n_leases == 0:
+            lock.limit = lim
         w = _Waiter.__new__(_Waiter)
         w.index = -1
         w.kind = K_WAIT
@@ -726,6 +922,7 @@ cdef class LockTable:
         w.lock_delay_ms = delay
         w.enqueued_ms = t
         w.meta = meta
+        w.shared = sh
         if lock.tail is None:
             lock.head = w
         else:
@@ -750,8 +947,7 @@ cdef class LockTable:
                               int64_t wait, int64_t delay, object meta, int64_t t):
         cdef dict sess
         self._cancels += 1
-        self._event(_EV_WAIT_CANCELLED, lock.name, 0, w.owner, w.session, w.request, w.ttl_ms, 0,
-                    w.meta, False, w.lock_delay_ms)
+        self._waiter_event(_EV_WAIT_CANCELLED, w)
         if wait == 0:
             self._unlink(w)
             self._settle(lock, t, t)
@@ -797,13 +993,28 @@ cdef class LockTable:
         cdef bytes o = _owner(owner)
         cdef int64_t t = _ms(now, "now", 0)
         cdef _Lock lock
+        cdef _Lease lease
         self._advance(t)
         lock = <_Lock>self._locks.get(n)
-        if lock is None or not lock.held or lock.token != tok or lock.owner != o:
-            raise NotHolder(f"lease {tok} of {o!r} does not hold {n!r}")
-        self._drop_holder(lock)
+        if lock is not None and lock.held and lock.token == tok and lock.owner == o:
+            self._drop_holder(lock)
+        else:
+            lease = self._lease_of(lock, tok, o)
+            if lease is None:
+                raise NotHolder(f"lease {tok} of {o!r} does not hold {n!r}")
+            self._drop_lease(lock, lease)
         self._releases += 1
         self._settle(lock, t, t)
+
+    cdef inline _Lease _lease_of(self, _Lock lock, int64_t tok, bytes o):
+        """The non-exclusive lease (tok, o) of ``lock``, or None."""
+        cdef _Lease lease
+        if lock is None or lock.n_leases == 0:
+            return None
+        lease = <_Lease>lock.leases.get(o)
+        if lease is None or lease.token != tok:
+            return None
+        return lease
 
     def extend(self, name, token, owner, ttl_ms, now):
         """Set the lease's deadline to ``now + ttl_ms`` (ms) and its TTL to ``ttl_ms``.
@@ -820,12 +1031,18 @@ cdef class LockTable:
         cdef int64_t ttl = _ms(ttl_ms, "ttl_ms", 1)
         cdef int64_t t = _ms(now, "now", 0)
         cdef _Lock lock
+        cdef _Lease lease
         self._advance(t)
         lock = <_Lock>self._locks.get(n)
-        if lock is None or not lock.held or lock.token != tok or lock.owner != o:
+        if lock is not None and lock.held and lock.token == tok and lock.owner == o:
+            lock.ttl_ms = ttl
+            self._schedule(lock, t + ttl)
+            return t + ttl
+        lease = self._lease_of(lock, tok, o)
+        if lease is None:
             raise NotHolder(f"lease {tok} of {o!r} does not hold {n!r}")
-        lock.ttl_ms = ttl
-        self._schedule(lock, t + ttl)
+        lease.ttl_ms = ttl
+        self._schedule(lease, t + ttl)
         return t + ttl
 
     def cancel(self, name, owner, now):
@@ -848,10 +1065,9 @@ cdef class LockTable:
         w = <_Waiter>lock.by_owner.get(o)
         if w is None:
             return False
-        self._unlink(w)
         self._cancels += 1
-        self._event(_EV_WAIT_CANCELLED, n, 0, w.owner, w.session, w.request, w.ttl_ms, 0, w.meta,
-                    False, w.lock_delay_ms)
+        self._waiter_event(_EV_WAIT_CANCELLED, w)
+        self._unlink(w)
         self._settle(lock, t, t)
         return True
 
@@ -912,18 +1128,71 @@ cdef class LockTable:
 
     # -- queries (pure: they never process deadlines) ------------------------------
 
-    def holder(self, name, now):
-        """The unexpired holder of ``name`` at ``now`` as a :class:`Holder` snapshot, or None.
+    def holder(self, name, now, owner=None):
+        """An unexpired holder of ``name`` at ``now`` as a :class:`Holder` snapshot, or None.
+
+        Without ``owner``: the exclusive holder, else the earliest-granted unexpired
+        shared holder / permit (see holders_of() for all of them).  With ``owner``
+        (bytes): that owner's unexpired lease of any kind, or None.
 
         Pure query: a lease whose deadline is <= now counts as gone even if expire()
         has not processed it yet (call expire(now) first to see hand-offs).
         """
         cdef str n = _name(name)
         cdef int64_t t = _ms(now, "now", 0)
+        cdef bytes o = None if owner is None else _owner(owner)
         cdef _Lock lock = <_Lock>self._locks.get(n)
-        if lock is None or not lock.held or lock.deadline <= t:
+        cdef _Lease lease
+        if lock is None:
             return None
-        return self._snapshot(lock)
+        if lock.held:
+            if lock.deadline <= t or (o is not None and lock.owner != o):
+                return None
+            return self._snapshot(lock)
+        if lock.n_leases == 0:
+            return None
+        if o is not None:
+            lease = <_Lease>lock.leases.get(o)
+            if lease is None or lease.deadline <= t:
+                return None
+            return self._lease_snapshot(lock, lease)
+        for lease in lock.leases.values():
+            if lease.deadline > t:
+                return self._lease_snapshot(lock, lease)
+        return None
+
+    def holders_of(self, name, now):
+        """Every unexpired holder of ``name`` at ``now`` (:class:`Holder` snapshots):
+        the exclusive holder, or the shared holders / permits in grant order.  Pure query."""
+        cdef str n = _name(name)
+        cdef int64_t t = _ms(now, "now", 0)
+        cdef _Lock lock = <_Lock>self._locks.get(n)
+        cdef _Lease lease
+        cdef list out = []
+        if lock is None:
+            return out
+        if lock.held:
+            if lock.deadline > t:
+                out.append(self._snapshot(lock))
+        elif lock.n_leases:
+            for lease in lock.leases.values():
+                if lease.deadline > t:
+                    out.append(self._lease_snapshot(lock, lease))
+        return out
+
+    cdef Holder _lease_snapshot(self, _Lock lock, _Lease lease):
+        cdef Holder h = Holder.__new__(Holder)
+        h.name = lock.name
+        h.token = lease.token
+        h.owner = lease.owner
+        h.session = lease.session
+        h.ttl_ms = lease.ttl_ms
+        h.deadline_ms = lease.deadline
+        h.lock_delay_ms = lease.lock_delay_ms
+        h.meta = lease.meta
+        h.shared = lease.shared
+        h.limit = lock.limit
+        return h
 
     cdef Holder _snapshot(self, _Lock lock):
         cdef Holder h = Holder.__new__(Holder)
@@ -935,16 +1204,28 @@ cdef class LockTable:
         h.deadline_ms = lock.deadline
         h.lock_delay_ms = lock.lock_delay_ms
         h.meta = lock.meta
+        h.shared = False
+        h.limit = 0
         return h
 
     def check(self, name, token, now):
-        """True iff ``token`` is the current unexpired holder's token at ``now``
-        (Chubby's sequencer check).  Pure query."""
+        """True iff ``token`` is the token of an unexpired holder of ``name`` at ``now``
+        (Chubby's sequencer check): the exclusive holder, or any shared holder / permit
+        (O(holders) for those).  Pure query."""
         cdef str n = _name(name)
         cdef int64_t tok = _token(token)
         cdef int64_t t = _ms(now, "now", 0)
         cdef _Lock lock = <_Lock>self._locks.get(n)
-        return lock is not None and lock.held and lock.token == tok and t < lock.deadline
+        cdef _Lease lease
+        if lock is None:
+            return False
+        if lock.held:
+            return lock.token == tok and t < lock.deadline
+        if lock.n_leases:
+            for lease in lock.leases.values():
+                if lease.token == tok:
+                    return t < lease.deadline
+        return False
 
     def waiters(self, name):
         """Owners (bytes) waiting on ``name``, in FIFO order."""
@@ -971,13 +1252,18 @@ cdef class LockTable:
         not processed yet."""
         cdef list out = []
         cdef _Lock lock
+        cdef _Lease lease
         for lock in self._locks.values():
             if lock.held:
                 out.append(self._snapshot(lock))
+            elif lock.n_leases:
+                for lease in lock.leases.values():
+                    out.append(self._lease_snapshot(lock, lease))
         return out
 
     def stats(self):
-        """Counters (dict str -> int): locks_held, waiters, grants (fresh grants),
+        """Counters (dict str -> int): locks_held (leases held: each shared holder and
+        each permit counts), waiters, grants (fresh grants),
         releases, expiries, wait_timeouts, cancels (waiters removed by cancel(), by a
         retry, or by drop_session()), plus locks (table entries) and deadlines
         (heap size)."""
@@ -994,7 +1280,7 @@ cdef class LockTable:
         }
 
     def __len__(self):
-        """Number of locks currently held."""
+        """Number of leases currently held (each shared holder and permit counts)."""
         return self._n_held
 
     @property
@@ -1004,7 +1290,7 @@ cdef class LockTable:
 
     # -- replication / recovery ------------------------------------------------------
 
-    def install_holder(self, name, token, owner, ttl_ms, lock_delay_ms, meta, now):
+    def install_holder(self, name, token, owner, ttl_ms, lock_delay_ms, meta, now, shared=False, limit=0):
         """Make (token, owner) the holder of ``name`` with deadline ``now + ttl_ms``.
 
         Used by WAL replay and by a standby: replaces any current holder silently,
@@ -1012,6 +1298,12 @@ cdef class LockTable:
         to at least the token's counter and the epoch to at least the token's epoch.
         The session of an installed holder is 0.  Queued waiters stay queued, except a
         waiter with the same owner key, which gets EV_WAIT_CANCELLED.
+
+        ``shared`` / ``limit`` (as acquire()) install a non-exclusive lease: it
+        replaces an exclusive holder and the same owner's lease, joins the other
+        shared holders / permits (the limit is not enforced: the log is the
+        authority; leases under another limit are replaced), and sets the name's limit.  An exclusive install replaces every
+        holder of the name.
 
         Raises:
           TypeError / ValueError: a bad argument, e.g. a token outside 1..2**63-1 or
@@ -1021,14 +1313,23 @@ cdef class LockTable:
         cdef int64_t tok = _token(token)
         cdef bytes o
         cdef int64_t ttl, delay, t, ctr
+        cdef bint sh = False
+        cdef int64_t lim = 0
         cdef _Lock lock
         cdef _Waiter w
+        cdef _Lease lease
         if tok & _MAX_COUNTER == 0:
             raise ValueError(f"token {tok} has a zero counter part; no such token is issued")
         o = _owner(owner)
         ttl = _ms(ttl_ms, "ttl_ms", 1)
         delay = _lock_delay(lock_delay_ms)
         t = _ms(now, "now", 0)
+        if shared is not False:
+            if not PyBool_Check(shared):
+                raise TypeError(f"shared must be a bool, not {type(shared).__name__}")
+            sh = shared is True
+        if limit is not 0:
+            lim = _limit(limit, sh)
         self._advance(t)
         lock = <_Lock>self._locks.get(n)
         if lock is None:
@@ -1036,10 +1337,25 @@ cdef class LockTable:
         elif lock.head is not None:
             w = lock.by_owner.get(o)
             if w is not None:
-                self._unlink(w)
                 self._cancels += 1
-                self._event(_EV_WAIT_CANCELLED, n, 0, w.owner, w.session, w.request, w.ttl_ms, 0,
-                            w.meta, False, w.lock_delay_ms)
+                self._waiter_event(_EV_WAIT_CANCELLED, w)
+                self._unlink(w)
+        if sh or lim or lock.n_leases:
+            # drop the leases this install replaces
+            if lock.n_leases:
+                for lease in list(lock.leases.values()):
+                    if not (sh or lim) or lease.owner == o or lock.limit != lim:
+                        self._drop_lease(lock, lease)
+            if lock.held and (sh or lim):
+                self._drop_holder(lock)
+        if sh or lim:
+            lock.limit = lim
+            if lock.index >= 0:
+                self._unschedule(lock)
+            self._install_lease(lock, tok, o, ttl, delay, meta, sh, t)
+            self._counter_at_least(tok)
+            return
+        lock.limit = 0
         if not lock.held:
             self._n_held += 1
         lock.held = True
@@ -1052,15 +1368,40 @@ cdef class LockTable:
         lock.delay_until = 0
         lock.kind = K_LEASE
         self._schedule(lock, t + ttl)
-        ctr = tok & _MAX_COUNTER
+        self._counter_at_least(tok)
+
+    cdef inline void _counter_at_least(self, int64_t tok):
+        """Raise the counter and the epoch to at least those of ``tok``."""
+        cdef int64_t ctr = tok & _MAX_COUNTER
         if ctr > self._counter:
             self._counter = ctr
         if (tok >> _SHIFT) > self._epoch:
             self._epoch = tok >> _SHIFT
 
+    cdef void _install_lease(self, _Lock lock, int64_t tok, bytes o, int64_t ttl, int64_t delay,
+                             object meta, bint sh, int64_t t):
+        cdef _Lease lease = _Lease.__new__(_Lease)
+        lock.delay_until = 0
+        lease.index = -1
+        lease.kind = K_SHARED
+        lease.lock = lock
+        lease.token = tok
+        lease.owner = o
+        lease.session = 0
+        lease.ttl_ms = ttl
+        lease.lock_delay_ms = delay
+        lease.meta = meta
+        lease.shared = sh
+        if lock.leases is None:
+            lock.leases = {}
+        lock.leases[o] = lease
+        lock.n_leases += 1
+        self._n_held += 1
+        self._schedule(lease, t + ttl)
+
     def remove_holder(self, name, token, now):
-        """Replay of a release or expiry: drop the holder of ``name`` if its token is
-        ``token`` (no event, no lock-delay), then hand the lock to the next waiter as a
+        """Replay of a release or expiry: drop the holder (of any kind) of ``name`` whose
+        token is ``token`` (no event, no lock-delay), then hand the lock to the next waiter as a
         release would.  Returns True if a holder was dropped, else False.
 
         Raises TypeError / ValueError for a bad argument (state unchanged).
@@ -1069,11 +1410,22 @@ cdef class LockTable:
         cdef int64_t tok = _token(token)
         cdef int64_t t = _ms(now, "now", 0)
         cdef _Lock lock
+        cdef _Lease lease
         self._advance(t)
         lock = <_Lock>self._locks.get(n)
-        if lock is None or not lock.held or lock.token != tok:
+        if lock is None:
             return False
-        self._drop_holder(lock)
+        if lock.held and lock.token == tok:
+            self._drop_holder(lock)
+        else:
+            if lock.n_leases == 0:
+                return False
+            for lease in lock.leases.values():
+                if lease.token == tok:
+                    break
+            else:
+                return False
+            self._drop_lease(lock, lease)
         self._settle(lock, t, t)
         return True
 

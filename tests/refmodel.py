@@ -22,7 +22,15 @@ Semantics in one place (the compiled table must match every line):
   global grant hold.  An unheld lock with waiters is always blocked and has
   one "block" entry at the end of the block; an unheld lock without waiters
   is kept only while its lock-delay runs (entry at ``delay_until``); otherwise
-  it is deleted.
+  it is deleted (unless it has shared holders / permits).
+* Kinds: an exclusive lease (``holder``), or any number of non-exclusive leases
+  (``shared``: shared holders, or semaphore permits when ``limit > 0``), never
+  both.  A request is granted only from the head of the FIFO queue (or when the
+  queue is empty) and only when compatible: exclusive needs no holder at all; a
+  shared request needs no exclusive holder; a permit needs fewer than ``limit``
+  permits.  Settling grants head waiters while they are compatible (consecutive
+  readers together).  A name's ``limit`` is fixed while it has holders or
+  waiters; a request with another limit gets LIMIT_CONFLICT.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from typing import Any, Optional
 GRANTED = 0
 QUEUED = 1
 NOT_ACQUIRED = 2
+LIMIT_CONFLICT = 3
 
 EV_GRANTED = 1
 EV_EXPIRED = 2
@@ -44,12 +53,14 @@ MAX_EPOCH = (1 << 23) - 1
 MAX_COUNTER = (1 << 40) - 1
 MAX_LOCK_DELAY_MS = 60_000
 MAX_MS = (1 << 53) - 1
+MAX_LIMIT = (1 << 31) - 1
 _INT64_MAX = (1 << 63) - 1
 _INT64_MIN = -(1 << 63)
 
 LEASE = "lease"
 WAIT = "wait"
 BLOCK = "block"
+SHARED = "shared"
 
 
 class NotHolder(LookupError):
@@ -72,6 +83,8 @@ class Event:
     # EV_GRANTED: grant time minus the answered request's arrival (0 immediate,
     # the queueing time when queued, <= 0 for a re-delivered lease)
     waited_ms: int = 0
+    shared: bool = False
+    limit: int = 0
 
 
 @dataclass
@@ -84,6 +97,8 @@ class Holder:
     deadline_ms: int
     lock_delay_ms: int
     meta: Any
+    shared: bool = False
+    limit: int = 0
 
 
 @dataclass(eq=False)
@@ -93,6 +108,7 @@ class _Entry:
     kind: str
     lock: "_Lock"
     waiter: Optional["_Waiter"] = None
+    lease: Optional["_Lease"] = None
 
 
 @dataclass(eq=False)
@@ -104,6 +120,7 @@ class _Lease:
     lock_delay_ms: int
     meta: Any
     entry: _Entry
+    shared: bool = False
 
 
 @dataclass(eq=False)
@@ -116,12 +133,15 @@ class _Waiter:
     meta: Any
     entry: Optional[_Entry]  # None: waits forever
     enqueued_ms: int = 0  # ``now`` of the acquire this waiter answers
+    shared: bool = False
 
 
 class _Lock:
     def __init__(self, name: str) -> None:
         self.name = name
-        self.holder: Optional[_Lease] = None
+        self.holder: Optional[_Lease] = None  # the exclusive lease
+        self.shared: dict[bytes, _Lease] = {}  # non-exclusive leases by owner, in grant order
+        self.limit = 0  # semaphore limit; 0 for a lock
         self.waiters: list[_Waiter] = []  # FIFO
         self.delay_until = 0
         self.block: Optional[_Entry] = None
@@ -163,6 +183,21 @@ def _nonneg(v, what):
     v = _int(v, what)
     if v < 0:
         raise ValueError(f"{what} must be >= 0")
+    return v
+
+
+def _bool(v, what):
+    if type(v) is not bool:
+        raise TypeError(f"{what} must be a bool")
+    return v
+
+
+def _limit(v, shared):
+    v = _int(v, "limit")
+    if v < 0 or v > MAX_LIMIT:
+        raise ValueError("limit out of range")
+    if v and shared:
+        raise ValueError("a semaphore permit cannot also be shared")
     return v
 
 
@@ -241,32 +276,43 @@ class RefLockTable:
             self.entries.remove(e)
             tau = e.deadline
             lock = e.lock
-            if e.kind == LEASE:
-                lease = lock.holder
-                lock.holder = None
+            if e.kind in (LEASE, SHARED):
+                if e.kind == LEASE:
+                    lease = lock.holder
+                    lock.holder = None
+                else:
+                    lease = e.lease
+                    del lock.shared[lease.owner]
                 self.n["expiries"] += 1
                 self.events.append(
                     Event(EV_EXPIRED, lock.name, lease.token, lease.owner, lease.session, None,
-                          lease.ttl_ms, tau, lease.meta, False, lease.lock_delay_ms))
+                          lease.ttl_ms, tau, lease.meta, False, lease.lock_delay_ms, 0, lease.shared,
+                          lock.limit if e.kind == SHARED else 0))
                 if lease.lock_delay_ms > 0:
                     lock.delay_until = max(lock.delay_until, tau + lease.lock_delay_ms)
             elif e.kind == WAIT:
                 w = e.waiter
+                self.n["wait_timeouts"] += 1
+                self.events.append(self._waiter_event(EV_WAIT_TIMEOUT, lock, w))
                 w.entry = None
                 self._remove_waiter(lock, w)
-                self.n["wait_timeouts"] += 1
-                self.events.append(
-                    Event(EV_WAIT_TIMEOUT, lock.name, 0, w.owner, w.session, w.request, w.ttl_ms, 0,
-                          w.meta, False, w.lock_delay_ms))
             else:
                 lock.block = None
             self._settle(lock, tau, now)
 
-    def _grant(self, lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now, waited_ms=0) -> None:
+    @staticmethod
+    def _waiter_event(kind, lock, w) -> Event:
+        return Event(kind, lock.name, 0, w.owner, w.session, w.request, w.ttl_ms, 0, w.meta, False,
+                     w.lock_delay_ms, 0, w.shared, lock.limit)
+
+    def _next_token(self) -> int:
         if self._counter >= MAX_COUNTER:
             raise OverflowError("fencing counter exhausted")
         self._counter += 1
-        token = (self.epoch << TOKEN_EPOCH_SHIFT) | self._counter
+        return (self.epoch << TOKEN_EPOCH_SHIFT) | self._counter
+
+    def _grant(self, lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now, waited_ms=0) -> None:
+        token = self._next_token()
         self._unschedule(lock.block)
         lock.block = None
         lock.delay_until = 0
@@ -276,6 +322,21 @@ class RefLockTable:
         self.events.append(
             Event(EV_GRANTED, lock.name, token, owner, session, request, ttl_ms, now + ttl_ms, meta,
                   True, lock_delay_ms, waited_ms))
+
+    def _grant_lease(self, lock, owner, session, request, ttl_ms, lock_delay_ms, meta, shared, now,
+                     waited_ms=0) -> None:
+        token = self._next_token()
+        self._unschedule(lock.block)
+        lock.block = None
+        lock.delay_until = 0
+        entry = self._schedule(SHARED, lock, now + ttl_ms)
+        lease = _Lease(token, owner, session, ttl_ms, lock_delay_ms, meta, entry, shared)
+        entry.lease = lease
+        lock.shared[owner] = lease
+        self.n["grants"] += 1
+        self.events.append(
+            Event(EV_GRANTED, lock.name, token, owner, session, request, ttl_ms, now + ttl_ms, meta,
+                  True, lock_delay_ms, waited_ms, shared, lock.limit))
 
     def _remove_waiter(self, lock, w) -> None:
         lock.waiters.remove(w)
@@ -293,7 +354,8 @@ class RefLockTable:
         lock.block = self._schedule(BLOCK, lock, at)
 
     def _settle(self, lock, tau, now) -> None:
-        """An unheld lock at logical time tau: hand off, stay blocked, or go away."""
+        """A lock without an exclusive holder at logical time tau: grant its compatible
+        head waiters, stay blocked, or go away."""
         if lock.holder is not None:
             return
         if lock.delay_until <= tau:
@@ -301,12 +363,24 @@ class RefLockTable:
         if lock.waiters:
             until = max(lock.delay_until, self.hold_until)
             if tau >= until:
-                if self._counter >= MAX_COUNTER:
-                    raise OverflowError("fencing counter exhausted")
-                w = lock.waiters[0]
-                self._remove_waiter(lock, w)
-                self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms, w.meta, now,
-                            now - w.enqueued_ms)
+                self._unschedule(lock.block)
+                lock.block = None
+                while lock.waiters:
+                    w = lock.waiters[0]
+                    exclusive = not (w.shared or lock.limit)
+                    if exclusive and lock.shared:
+                        break
+                    if not exclusive and lock.limit and len(lock.shared) >= lock.limit:
+                        break
+                    if self._counter >= MAX_COUNTER:
+                        raise OverflowError("fencing counter exhausted")
+                    self._remove_waiter(lock, w)
+                    if exclusive:
+                        self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms, w.meta,
+                                    now, now - w.enqueued_ms)
+                        break
+                    self._grant_lease(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms, w.meta,
+                                      w.shared, now, now - w.enqueued_ms)
             else:
                 self._set_block(lock, until)
         elif lock.delay_until > tau:
@@ -314,7 +388,8 @@ class RefLockTable:
         else:
             self._unschedule(lock.block)
             lock.block = None
-            del self.locks[lock.name]
+            if not lock.shared:
+                del self.locks[lock.name]
 
     def _find_waiter(self, lock, owner) -> Optional[_Waiter]:
         for w in lock.waiters:
@@ -322,12 +397,10 @@ class RefLockTable:
                 return w
         return None
 
-    def _blocked(self, lock, now) -> bool:
-        return now < max(lock.delay_until if lock else 0, self.hold_until)
-
     # -- lock operations -----------------------------------------------------------
 
-    def acquire(self, name, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now) -> int:
+    def acquire(self, name, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now,
+                shared=False, limit=0) -> int:
         name = _name(name)
         owner = _owner(owner)
         session = _nonneg(session, "session")
@@ -335,49 +408,76 @@ class RefLockTable:
         wait_ms = _ms(wait_ms, "wait_ms", -1)
         lock_delay_ms = _lock_delay(lock_delay_ms)
         now = _ms(now, "now", 0)
+        shared = _bool(shared, "shared")
+        limit = _limit(limit, shared)
+        exclusive = not (shared or limit)
         self._expire(now)
         lock = self.locks.get(name)
-        if lock is not None and lock.holder is not None and lock.holder.owner == owner:
-            h = lock.holder
-            self.events.append(
-                Event(EV_GRANTED, name, h.token, owner, session, request, h.ttl_ms, h.entry.deadline,
-                      h.meta, False, h.lock_delay_ms, h.entry.deadline - h.ttl_ms - now))
-            return GRANTED
-        w = self._find_waiter(lock, owner) if lock is not None else None
-        if w is not None:
-            self.n["cancels"] += 1
-            self.events.append(
-                Event(EV_WAIT_CANCELLED, name, 0, w.owner, w.session, w.request, w.ttl_ms, 0, w.meta,
-                      False, w.lock_delay_ms))
-            if wait_ms == 0:
-                self._remove_waiter(lock, w)
-                self._settle(lock, now, now)
-                return NOT_ACQUIRED
-            if session != w.session:
-                order = self.sessions[w.session]
-                order.remove((name, owner))
-                if not order:
-                    del self.sessions[w.session]
-                self.sessions.setdefault(session, []).append((name, owner))
-                w.session = session
-            w.request, w.ttl_ms, w.lock_delay_ms, w.meta = request, ttl_ms, lock_delay_ms, meta
-            w.enqueued_ms = now
-            self._unschedule(w.entry)
-            w.entry = self._schedule(WAIT, lock, now + wait_ms, w) if wait_ms > 0 else None
-            return QUEUED
-        free = lock is None or (lock.holder is None and not lock.waiters)
-        if free and not self._blocked(lock, now):
-            if lock is None:
+        if lock is None:
+            if now >= self.hold_until:
                 if self._counter >= MAX_COUNTER:
                     raise OverflowError("fencing counter exhausted")
                 lock = self.locks[name] = _Lock(name)
-            self._grant(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now)
-            return GRANTED
+                lock.limit = limit
+                if exclusive:
+                    self._grant(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now)
+                else:
+                    self._grant_lease(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, shared, now)
+                return GRANTED
+        else:
+            if lock.holder is not None or lock.shared or lock.waiters:
+                if limit != lock.limit:
+                    return LIMIT_CONFLICT
+            h = lock.holder if (lock.holder is not None and lock.holder.owner == owner) else lock.shared.get(owner)
+            if h is not None:
+                is_lease = lock.holder is not h
+                self.events.append(
+                    Event(EV_GRANTED, name, h.token, owner, session, request, h.ttl_ms, h.entry.deadline,
+                          h.meta, False, h.lock_delay_ms, h.entry.deadline - h.ttl_ms - now, h.shared,
+                          lock.limit if is_lease else 0))
+                return GRANTED
+            w = self._find_waiter(lock, owner)
+            if w is not None:
+                self.n["cancels"] += 1
+                self.events.append(self._waiter_event(EV_WAIT_CANCELLED, lock, w))
+                if wait_ms == 0:
+                    self._remove_waiter(lock, w)
+                    self._settle(lock, now, now)
+                    return NOT_ACQUIRED
+                if session != w.session:
+                    order = self.sessions[w.session]
+                    order.remove((name, owner))
+                    if not order:
+                        del self.sessions[w.session]
+                    self.sessions.setdefault(session, []).append((name, owner))
+                    w.session = session
+                w.request, w.ttl_ms, w.lock_delay_ms, w.meta = request, ttl_ms, lock_delay_ms, meta
+                w.enqueued_ms = now
+                self._unschedule(w.entry)
+                w.entry = self._schedule(WAIT, lock, now + wait_ms, w) if wait_ms > 0 else None
+                return QUEUED
+            if (not lock.waiters and lock.holder is None
+                    and now >= max(lock.delay_until, self.hold_until)):
+                if not lock.shared:
+                    lock.limit = limit
+                if exclusive and not lock.shared:
+                    if self._counter >= MAX_COUNTER:
+                        raise OverflowError("fencing counter exhausted")
+                    self._grant(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now)
+                    return GRANTED
+                if not exclusive and (limit == 0 or len(lock.shared) < limit):
+                    if self._counter >= MAX_COUNTER:
+                        raise OverflowError("fencing counter exhausted")
+                    self._grant_lease(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, shared, now)
+                    return GRANTED
         if wait_ms == 0:
             return NOT_ACQUIRED
         if lock is None:
             lock = self.locks[name] = _Lock(name)
-        w = _Waiter(owner, session, request, ttl_ms, lock_delay_ms, meta, None, now)
+            lock.limit = limit
+        elif not lock.waiters and lock.holder is None and not lock.shared:
+            lock.limit = limit
+        w = _Waiter(owner, session, request, ttl_ms, lock_delay_ms, meta, None, now, shared)
         lock.waiters.append(w)
         self.sessions.setdefault(session, []).append((name, owner))
         if wait_ms > 0:
@@ -385,11 +485,24 @@ class RefLockTable:
         self._settle(lock, now, now)
         return QUEUED
 
-    def _check_holder(self, name, token, owner):
+    def _lease_of(self, name, token, owner):
+        """(lock, lease) for the unexpired holder (token, owner) of ``name``; NotHolder if none."""
         lock = self.locks.get(name)
-        if lock is None or lock.holder is None or lock.holder.token != token or lock.holder.owner != owner:
-            raise NotHolder(name)
-        return lock
+        if lock is not None:
+            h = lock.holder
+            if h is not None and h.token == token and h.owner == owner:
+                return lock, h
+            lease = lock.shared.get(owner)
+            if lease is not None and lease.token == token:
+                return lock, lease
+        raise NotHolder(name)
+
+    def _drop(self, lock, lease) -> None:
+        self._unschedule(lease.entry)
+        if lock.holder is lease:
+            lock.holder = None
+        else:
+            del lock.shared[lease.owner]
 
     def release(self, name, token, owner, now) -> None:
         name = _name(name)
@@ -397,9 +510,8 @@ class RefLockTable:
         owner = _owner(owner)
         now = _ms(now, "now", 0)
         self._expire(now)
-        lock = self._check_holder(name, token, owner)
-        self._unschedule(lock.holder.entry)
-        lock.holder = None
+        lock, lease = self._lease_of(name, token, owner)
+        self._drop(lock, lease)
         self.n["releases"] += 1
         self._settle(lock, now, now)
 
@@ -410,11 +522,11 @@ class RefLockTable:
         ttl_ms = _ms(ttl_ms, "ttl_ms", 1)
         now = _ms(now, "now", 0)
         self._expire(now)
-        lock = self._check_holder(name, token, owner)
-        h = lock.holder
+        lock, h = self._lease_of(name, token, owner)
         h.ttl_ms = ttl_ms
         self._unschedule(h.entry)
-        h.entry = self._schedule(LEASE, lock, now + ttl_ms)
+        h.entry = self._schedule(LEASE if lock.holder is h else SHARED, lock, now + ttl_ms)
+        h.entry.lease = h
         return now + ttl_ms
 
     def cancel(self, name, owner, now) -> bool:
@@ -426,11 +538,9 @@ class RefLockTable:
         w = self._find_waiter(lock, owner) if lock is not None else None
         if w is None:
             return False
-        self._remove_waiter(lock, w)
         self.n["cancels"] += 1
-        self.events.append(
-            Event(EV_WAIT_CANCELLED, name, 0, w.owner, w.session, w.request, w.ttl_ms, 0, w.meta, False,
-                  w.lock_delay_ms))
+        self.events.append(self._waiter_event(EV_WAIT_CANCELLED, lock, w))
+        self._remove_waiter(lock, w)
         self._settle(lock, now, now)
         return True
 
@@ -460,26 +570,41 @@ class RefLockTable:
 
     # -- queries ---------------------------------------------------------------------
 
-    def _snapshot(self, lock) -> Holder:
-        h = lock.holder
-        return Holder(lock.name, h.token, h.owner, h.session, h.ttl_ms, h.entry.deadline, h.lock_delay_ms,
-                      h.meta)
+    def _leases(self, lock) -> list[_Lease]:
+        return [lock.holder] if lock.holder is not None else list(lock.shared.values())
 
-    def holder(self, name, now) -> Optional[Holder]:
+    def _snapshot(self, lock, h=None) -> Holder:
+        h = lock.holder if h is None else h
+        limit = 0 if h is lock.holder else lock.limit
+        return Holder(lock.name, h.token, h.owner, h.session, h.ttl_ms, h.entry.deadline, h.lock_delay_ms,
+                      h.meta, h.shared, limit)
+
+    def holder(self, name, now, owner=None) -> Optional[Holder]:
+        name = _name(name)
+        now = _ms(now, "now", 0)
+        if owner is not None:
+            owner = _owner(owner)
+        for h in self.holders_of(name, now):
+            if owner is None or h.owner == owner:
+                return h
+        return None
+
+    def holders_of(self, name, now) -> list[Holder]:
         name = _name(name)
         now = _ms(now, "now", 0)
         lock = self.locks.get(name)
-        if lock is None or lock.holder is None or lock.holder.entry.deadline <= now:
-            return None
-        return self._snapshot(lock)
+        if lock is None:
+            return []
+        return [self._snapshot(lock, h) for h in self._leases(lock) if h.entry.deadline > now]
 
     def check(self, name, token, now) -> bool:
         name = _name(name)
         token = _nonneg(token, "token")
         now = _ms(now, "now", 0)
         lock = self.locks.get(name)
-        return (lock is not None and lock.holder is not None and lock.holder.token == token
-                and now < lock.holder.entry.deadline)
+        if lock is None:
+            return False
+        return any(h.token == token and now < h.entry.deadline for h in self._leases(lock))
 
     def waiters(self, name) -> list[bytes]:
         lock = self.locks.get(_name(name))
@@ -489,7 +614,7 @@ class RefLockTable:
         return len(self.sessions.get(_nonneg(session, "session"), []))
 
     def holders(self) -> list[Holder]:
-        return [self._snapshot(lock) for lock in self.locks.values() if lock.holder is not None]
+        return [self._snapshot(lock, h) for lock in self.locks.values() for h in self._leases(lock)]
 
     def stats(self) -> dict[str, int]:
         return {
@@ -501,11 +626,15 @@ class RefLockTable:
         }
 
     def __len__(self) -> int:
-        return sum(1 for lock in self.locks.values() if lock.holder is not None)
+        return sum(len(self._leases(lock)) for lock in self.locks.values())
+
+    @property
+    def waiter_count(self) -> int:
+        return sum(len(lock.waiters) for lock in self.locks.values())
 
     # -- replication / recovery ----------------------------------------------------------
 
-    def install_holder(self, name, token, owner, ttl_ms, lock_delay_ms, meta, now) -> None:
+    def install_holder(self, name, token, owner, ttl_ms, lock_delay_ms, meta, now, shared=False, limit=0) -> None:
         name = _name(name)
         token = _nonneg(token, "token")
         if token & MAX_COUNTER == 0:
@@ -514,24 +643,33 @@ class RefLockTable:
         ttl_ms = _ms(ttl_ms, "ttl_ms", 1)
         lock_delay_ms = _lock_delay(lock_delay_ms)
         now = _ms(now, "now", 0)
+        shared = _bool(shared, "shared")
+        limit = _limit(limit, shared)
+        exclusive = not (shared or limit)
         self._expire(now)
         lock = self.locks.get(name)
         if lock is None:
             lock = self.locks[name] = _Lock(name)
         w = self._find_waiter(lock, owner)
         if w is not None:
-            self._remove_waiter(lock, w)
             self.n["cancels"] += 1
-            self.events.append(
-                Event(EV_WAIT_CANCELLED, name, 0, w.owner, w.session, w.request, w.ttl_ms, 0, w.meta,
-                      False, w.lock_delay_ms))
+            self.events.append(self._waiter_event(EV_WAIT_CANCELLED, lock, w))
+            self._remove_waiter(lock, w)
+        for lease in list(lock.shared.values()):
+            if exclusive or lease.owner == owner or lock.limit != limit:
+                self._drop(lock, lease)
         if lock.holder is not None:
-            self._unschedule(lock.holder.entry)
+            self._drop(lock, lock.holder)
         self._unschedule(lock.block)
         lock.block = None
         lock.delay_until = 0
-        entry = self._schedule(LEASE, lock, now + ttl_ms)
-        lock.holder = _Lease(token, owner, 0, ttl_ms, lock_delay_ms, meta, entry)
+        lock.limit = limit
+        if exclusive:
+            entry = self._schedule(LEASE, lock, now + ttl_ms)
+            lock.holder = _Lease(token, owner, 0, ttl_ms, lock_delay_ms, meta, entry)
+        else:
+            entry = self._schedule(SHARED, lock, now + ttl_ms)
+            entry.lease = lock.shared[owner] = _Lease(token, owner, 0, ttl_ms, lock_delay_ms, meta, entry, shared)
         self._counter = max(self._counter, token & MAX_COUNTER)
         self.epoch = max(self.epoch, token >> TOKEN_EPOCH_SHIFT)
 
@@ -541,12 +679,14 @@ class RefLockTable:
         now = _ms(now, "now", 0)
         self._expire(now)
         lock = self.locks.get(name)
-        if lock is None or lock.holder is None or lock.holder.token != token:
+        if lock is None:
             return False
-        self._unschedule(lock.holder.entry)
-        lock.holder = None
-        self._settle(lock, now, now)
-        return True
+        for h in self._leases(lock):
+            if h.token == token:
+                self._drop(lock, h)
+                self._settle(lock, now, now)
+                return True
+        return False
 
     def hold_grants_until(self, until_ms) -> None:
         self.hold_until = _ms(until_ms, "until_ms", 0)
