@@ -207,5 +207,14 @@ class LockTable:
     def remove_holder(self, name: str, token: int, now: int) -> bool:
         """Replay of a release/expiry: drop the holder (any kind) whose token is ``token``."""
 
+    def lock_delays(self) -> list[tuple[str, int]]:
+        """Every running lock-delay as (name, until_ms) (monotonic ms): what a snapshot keeps.
+        A delay starts when a lease with a lock-delay expires; EV_EXPIRED carries
+        deadline_ms and lock_delay_ms, so it runs until deadline_ms + lock_delay_ms."""
+
+    def install_lock_delay(self, name: str, until_ms: int, now: int) -> bool:
+        """Replay of a running lock-delay: no grant on name before until_ms (ms).
+        False (ignored) if until_ms <= now or name is held exclusively."""
+
     def hold_grants_until(self, until_ms: int) -> None:
         """Grant no lock before ``until_ms`` (promotion grace period, as Chubby)."""

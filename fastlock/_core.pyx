@@ -1429,6 +1429,50 @@ cdef class LockTable:
         self._settle(lock, t, t)
         return True
 
+    def lock_delays(self):
+        """Every running lock-delay as ``(name, until_ms)`` pairs (monotonic ms), in no
+        particular order: what a snapshot must keep so that a restarted or promoted
+        node still refuses the name until the delay has passed.  Includes delays that
+        ``expire()`` has not yet processed (until_ms <= now).  Pure query.
+
+        A delay starts when a lease with a lock-delay expires: its EV_EXPIRED event
+        carries ``deadline_ms`` and ``lock_delay_ms``, so the delay runs until
+        ``deadline_ms + lock_delay_ms`` (the later one if several overlap).
+        """
+        cdef list out = []
+        cdef _Lock lock
+        for lock in self._locks.values():
+            if lock.delay_until > 0 and not lock.held:
+                out.append((lock.name, lock.delay_until))
+        return out
+
+    def install_lock_delay(self, name, until_ms, now):
+        """Replay of a running lock-delay: no grant on ``name`` before ``until_ms``
+        (monotonic ms), as if a lease had expired with that lock-delay.
+
+        A later deadline than the current one wins.  Ignored (returns False) when
+        ``until_ms <= now`` or when ``name`` is held exclusively (that holder was
+        granted after the delay, which ended it); else returns True.  Waiters stay
+        queued until the delay ends.
+
+        Raises TypeError / ValueError for a bad argument (state unchanged).
+        """
+        cdef str n = _name(name)
+        cdef int64_t until = _ms(until_ms, "until_ms", 0)
+        cdef int64_t t = _ms(now, "now", 0)
+        cdef _Lock lock
+        self._advance(t)
+        if until <= t:
+            return False
+        lock = <_Lock>self._locks.get(n)
+        if lock is None:
+            lock = self._new_lock(n)
+        elif lock.held:
+            return False
+        lock.delay_until = _max(lock.delay_until, until)
+        self._settle(lock, t, t)
+        return True
+
     def hold_grants_until(self, until_ms):
         """Grant no lock before ``until_ms`` (monotonic ms): the promotion grace period,
         as Chubby's new master waits before granting locks that may have been held.

@@ -688,6 +688,26 @@ class RefLockTable:
                 return True
         return False
 
+    def lock_delays(self) -> list[tuple[str, int]]:
+        return [(lock.name, lock.delay_until) for lock in self.locks.values()
+                if lock.delay_until > 0 and lock.holder is None]
+
+    def install_lock_delay(self, name, until_ms, now) -> bool:
+        name = _name(name)
+        until_ms = _ms(until_ms, "until_ms", 0)
+        now = _ms(now, "now", 0)
+        self._expire(now)
+        if until_ms <= now:
+            return False
+        lock = self.locks.get(name)
+        if lock is None:
+            lock = self.locks[name] = _Lock(name)
+        elif lock.holder is not None:
+            return False
+        lock.delay_until = max(lock.delay_until, until_ms)
+        self._settle(lock, now, now)
+        return True
+
     def hold_grants_until(self, until_ms) -> None:
         self.hold_until = _ms(until_ms, "until_ms", 0)
         blocked = sorted((e for e in self.entries if e.kind == BLOCK and e.lock.waiters),

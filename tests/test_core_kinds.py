@@ -238,3 +238,32 @@ def test_every_kind_draws_from_one_fencing_counter(impl):
     impl.acq(b"p", 2, name="c", limit=2)
     tokens = [g[1] for g in impl.grants()]
     assert tokens == [1, 2, 3] and impl.t.last_token == 3
+
+
+# -- lock-delay, for the WAL and snapshots ---------------------------------------------
+
+
+def test_a_running_lock_delay_is_listed_and_can_be_replayed(impl):
+    impl.acq(b"a", 0, ttl=100, delay=500)
+    impl.t.expire(100)
+    impl.t.drain_events()
+    assert impl.t.lock_delays() == [(NAME, 600)]
+    # a fresh table (a restart or a promoted standby) replays it
+    other = type(impl.t)()
+    assert other.install_lock_delay(NAME, 600, 150) is True
+    assert other.lock_delays() == [(NAME, 600)]
+    assert other.acquire(NAME, b"b", 1, None, TTL, 0, 0, None, 599) == impl.mod.NOT_ACQUIRED
+    assert other.acquire(NAME, b"b", 1, None, TTL, -1, 0, None, 599) == impl.mod.QUEUED
+    other.expire(600)
+    assert [(e.kind, e.owner) for e in other.drain_events()] == [(impl.mod.EV_GRANTED, b"b")]
+    assert other.lock_delays() == []
+
+
+def test_install_lock_delay_ignores_a_past_delay_and_an_exclusive_holder(impl):
+    assert impl.t.install_lock_delay(NAME, 10, 10) is False
+    assert impl.t.stats()["locks"] == 0
+    impl.acq(b"a", 20)
+    assert impl.t.install_lock_delay(NAME, 500, 30) is False
+    assert impl.t.lock_delays() == []
+    with pytest.raises(ValueError):
+        impl.t.install_lock_delay(NAME, -1, 30)

@@ -263,6 +263,10 @@ class CoreVsModel(RuleBasedStateMachine):
         token = h.token if (right and h is not None) else self.model.last_token + 1
         self.both("remove_holder", name, token, self.now)
 
+    @rule(name=names, delta=st.sampled_from([-10, 0, 1, 40, 500]))
+    def install_lock_delay(self, name, delta):
+        self.both("install_lock_delay", name, max(0, self.now + delta), self.now)
+
     @rule(delta=st.sampled_from([-50, 0, 30, 300, 2_000]))
     def hold_grants_until(self, delta):
         self.both("hold_grants_until", max(0, self.now + delta))
@@ -319,6 +323,7 @@ class CoreVsModel(RuleBasedStateMachine):
         assert c.stats() == m.stats()
         assert len(c) == len(m)
         assert sorted(map(_holder, c.holders())) == sorted(map(_holder, m.holders()))
+        assert sorted(c.lock_delays()) == sorted(m.lock_delays())
         token = c.last_token
         if token != self.tokens_seen[-1]:
             self.tokens_seen.append(token)
