@@ -24,6 +24,7 @@ EV_GRANTED: int  # a lease was granted (immediately or to a waiter)
 EV_EXPIRED: int  # a lease reached its deadline
 EV_WAIT_TIMEOUT: int  # a waiter's wait_ms ran out; it left the queue
 EV_WAIT_CANCELLED: int  # a waiter was cancelled or superseded by a retry
+EV_DEADLOCK: int  # a waiter was failed by break_deadlocks(); Event.cycle names the cycle
 
 #: Bits of a fencing token below the epoch: token = (epoch << TOKEN_EPOCH_SHIFT) | counter
 TOKEN_EPOCH_SHIFT: int  # 40
@@ -53,6 +54,7 @@ class Event:
     waited_ms: int  # EV_GRANTED: grant time minus the answered request's arrival (<= 0 if re-delivered)
     shared: bool  # a shared (read) lease, or a waiter asking for one
     limit: int  # the semaphore limit of a permit / a waiter for one; 0 for a lock
+    cycle: Optional[tuple[tuple[int, str], ...]]  # EV_DEADLOCK: (session, name) steps, the failed waiter's first
 
 
 class Holder:
@@ -206,6 +208,21 @@ class LockTable:
 
     def remove_holder(self, name: str, token: int, now: int) -> bool:
         """Replay of a release/expiry: drop the holder (any kind) whose token is ``token``."""
+
+    # -- deadlock detection ----------------------------------------------------
+    def break_deadlocks(self, now: int, min_wait_ms: int) -> list[tuple[tuple[int, str], ...]]:
+        """Fail one waiter per wait-for cycle until none is left; returns the cycles.
+
+        The graph links sessions: a waiter of session S on a lock waits for the
+        sessions of the holders it conflicts with and of the conflicting waiters
+        queued ahead of it.  Only waiters that have waited >= min_wait_ms (ms) count,
+        so a cycle is reported once it has lasted that long (PostgreSQL's
+        deadlock_timeout; the server calls this from its timer).  Session 0 and
+        semaphore waits (an OR-wait) are left out.  The victim is the youngest
+        waiter on the cycle (latest arrival, then greatest name, then owner): it
+        gets EV_DEADLOCK with Event.cycle = ((session, name), ...) starting with its
+        own step, and its lock is settled (grants may follow).
+        """
 
     def lock_delays(self) -> list[tuple[str, int]]:
         """Every running lock-delay as (name, until_ms) (monotonic ms): what a snapshot keeps.

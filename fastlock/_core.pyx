@@ -60,6 +60,7 @@ cdef enum:
     _EV_EXPIRED = 2
     _EV_WAIT_TIMEOUT = 3
     _EV_WAIT_CANCELLED = 4
+    _EV_DEADLOCK = 5
 
 #: acquire() status: the lock was granted; an EV_GRANTED event carries the lease.
 GRANTED = _GRANTED
@@ -79,6 +80,8 @@ EV_EXPIRED = _EV_EXPIRED
 EV_WAIT_TIMEOUT = _EV_WAIT_TIMEOUT
 #: Event kind: a waiter was cancelled or superseded by a retry.
 EV_WAIT_CANCELLED = _EV_WAIT_CANCELLED
+#: Event kind: a waiter was failed to break a deadlock; ``Event.cycle`` names the cycle.
+EV_DEADLOCK = _EV_DEADLOCK
 
 cdef extern from *:
     """
@@ -222,6 +225,9 @@ cdef class Event:
         (extra field, so a WAL record of a grant can be replayed with install_holder()).
       shared: True for a shared (read) lease or a waiter asking for one.
       limit: the semaphore limit of the lease / waiter (0: not a semaphore permit).
+      cycle: EV_DEADLOCK: the wait-for cycle as a tuple of ``(session, name)``
+        steps, the failed waiter's first: each session waits on that name for the
+        next session (the last for the first); None for every other kind.
     """
     cdef readonly int kind
     cdef readonly str name
@@ -237,9 +243,10 @@ cdef class Event:
     cdef readonly int64_t waited_ms
     cdef readonly bint shared
     cdef readonly int64_t limit
+    cdef readonly object cycle
 
     def __repr__(self):
-        kinds = {1: "GRANTED", 2: "EXPIRED", 3: "WAIT_TIMEOUT", 4: "WAIT_CANCELLED"}
+        kinds = {1: "GRANTED", 2: "EXPIRED", 3: "WAIT_TIMEOUT", 4: "WAIT_CANCELLED", 5: "DEADLOCK"}
         return (f"<Event {kinds.get(self.kind, self.kind)} name={self.name!r} token={self.token} "
                 f"owner={self.owner!r} session={self.session} ttl_ms={self.ttl_ms} "
                 f"deadline_ms={self.deadline_ms} fresh={self.fresh} waited_ms={self.waited_ms} "
@@ -374,6 +381,7 @@ cdef class LockTable:
     cdef int64_t _expiries
     cdef int64_t _wait_timeouts
     cdef int64_t _cancels
+    cdef int64_t _deadlocks
 
     def __cinit__(self):
         self._locks = {}
@@ -485,6 +493,7 @@ cdef class LockTable:
         ev.waited_ms = 0
         ev.shared = False
         ev.limit = 0
+        ev.cycle = None
         self._events.append(ev)
         return ev
 
@@ -1265,7 +1274,7 @@ cdef class LockTable:
         """Counters (dict str -> int): locks_held (leases held: each shared holder and
         each permit counts), waiters, grants (fresh grants),
         releases, expiries, wait_timeouts, cancels (waiters removed by cancel(), by a
-        retry, or by drop_session()), plus locks (table entries) and deadlines
+        retry, or by drop_session()), deadlocks (waiters failed by break_deadlocks()), plus locks (table entries) and deadlines
         (heap size)."""
         return {
             "locks_held": self._n_held,
@@ -1275,6 +1284,7 @@ cdef class LockTable:
             "expiries": self._expiries,
             "wait_timeouts": self._wait_timeouts,
             "cancels": self._cancels,
+            "deadlocks": self._deadlocks,
             "locks": len(self._locks),
             "deadlines": len(self._heap),
         }
@@ -1429,6 +1439,101 @@ cdef class LockTable:
         self._settle(lock, t, t)
         return True
 
+    # -- deadlock detection ----------------------------------------------------------
+
+    cdef dict _wait_for(self, int64_t t, int64_t min_wait):
+        """The wait-for graph: session -> {session it waits for: [its waiters causing it]}."""
+        cdef dict graph = {}
+        cdef _Lock lock
+        cdef _Waiter w
+        cdef _Lease lease
+        cdef list holders_all, holders_excl, ahead_all, ahead_excl, targets
+        for lock in self._locks.values():
+            if lock.head is None or lock.limit:
+                continue
+            holders_excl = [lock.session] if lock.held else []
+            holders_all = list(holders_excl)
+            if lock.n_leases:
+                for lease in lock.leases.values():
+                    holders_all.append(lease.session)
+            ahead_all = []
+            ahead_excl = []
+            w = lock.head
+            while w is not None:
+                if w.session != 0 and t - w.enqueued_ms >= min_wait:
+                    targets = holders_excl + ahead_excl if w.shared else holders_all + ahead_all
+                    for v in targets:
+                        if v != 0:
+                            graph.setdefault(w.session, {}).setdefault(v, []).append(w)
+                ahead_all.append(w.session)
+                if not w.shared:
+                    ahead_excl.append(w.session)
+                w = w.next
+        return graph
+
+    def break_deadlocks(self, now, min_wait_ms):
+        """Find and break deadlocks among waiters; returns the cycles broken (a list of
+        tuples of ``(session, name)`` steps, as ``Event.cycle``).
+
+        The wait-for graph links sessions (the identity of a client: its
+        connection): a waiter of session S on lock L waits for the session of every
+        holder of L it conflicts with and of every conflicting waiter queued ahead
+        of it (FIFO: those are granted first).  Only waiters that have waited at
+        least ``min_wait_ms`` (ms since the request they answer arrived) are edges,
+        so a cycle is reported once it has existed that long (PostgreSQL's
+        ``deadlock_timeout``).  Session 0 (installed holders) is unknown and never
+        part of a cycle; semaphore waiters are left out (a permit waits for ANY
+        holder, so a cycle through one is not a deadlock).  A session that holds a
+        lock and waits for it again under another owner key is a cycle of one.
+
+        For each cycle found (sessions searched in ascending order, neighbours in
+        ascending order, depth first) the youngest waiter causing one of its edges
+        (latest arrival, then greatest name, then owner) is failed: it leaves its
+        queue with EV_DEADLOCK whose ``cycle`` starts with its own step, and its
+        lock is settled (grants may follow).  PostgreSQL fails the process that ran
+        the check; failing the youngest loses the least waiting.  The graph is then
+        rebuilt and searched again until it has no cycle.
+
+        Raises TypeError / ValueError for a bad argument (state unchanged).
+        """
+        cdef int64_t t = _ms(now, "now", 0)
+        cdef int64_t min_wait = _ms(min_wait_ms, "min_wait_ms", 0)
+        cdef list broken = []
+        cdef dict graph
+        cdef _Waiter w, victim
+        cdef _Lock lock
+        cdef Event ev
+        self._advance(t)
+        while True:
+            graph = self._wait_for(t, min_wait)
+            path = _find_cycle(graph)
+            if path is None:
+                return broken
+            victim = None
+            k = len(path)
+            for i in range(k):
+                for w in graph[path[i]][path[(i + 1) % k]]:
+                    if victim is None or (w.enqueued_ms, w.lock.name, w.owner) > (
+                            victim.enqueued_ms, victim.lock.name, victim.owner):
+                        victim = w
+                        at = i
+            steps = []
+            for j in range(k):
+                i = (at + j) % k
+                if j == 0:
+                    w = victim
+                else:
+                    w = max(graph[path[i]][path[(i + 1) % k]], key=_waiter_age_key)
+                steps.append((path[i], w.lock.name))
+            cycle = tuple(steps)
+            lock = victim.lock
+            self._deadlocks += 1
+            ev = self._waiter_event(_EV_DEADLOCK, victim)
+            ev.cycle = cycle
+            self._unlink(victim)
+            self._settle(lock, t, t)
+            broken.append(cycle)
+
     def lock_delays(self):
         """Every running lock-delay as ``(name, until_ms)`` pairs (monotonic ms), in no
         particular order: what a snapshot must keep so that a restarted or promoted
@@ -1504,3 +1609,43 @@ cdef class LockTable:
 
 def _entry_key(_Entry e):
     return (e.deadline, e.seq)
+
+
+def _waiter_age_key(_Waiter w):
+    return (w.enqueued_ms, w.lock.name, w.owner)
+
+
+def _find_cycle(dict graph):
+    """The first cycle of a depth-first search of ``graph`` (node -> {node: ...}),
+    roots and neighbours in ascending order, as a list of nodes; None if acyclic.
+    (Indexes are never negative: the module is compiled without wraparound.)"""
+    cdef dict state = {}  # node -> 1 on the current path, 2 finished
+    cdef list path, todo, nexts, positions
+    cdef Py_ssize_t pos, top
+    for root in sorted(graph):
+        if root in state:
+            continue
+        path = [root]
+        todo = [sorted(graph[root])]  # per node on the path: its neighbours
+        positions = [0]               # per node on the path: the next neighbour's index
+        state[root] = 1
+        while path:
+            top = len(path) - 1
+            nexts = <list>todo[top]
+            pos = positions[top]
+            if pos >= len(nexts):
+                todo.pop()
+                positions.pop()
+                state[path.pop()] = 2
+                continue
+            positions[top] = pos + 1
+            nxt = nexts[pos]
+            mark = state.get(nxt)
+            if mark == 1:
+                return path[path.index(nxt):]
+            if mark is None:
+                state[nxt] = 1
+                path.append(nxt)
+                todo.append(sorted(graph.get(nxt, ())))
+                positions.append(0)
+    return None

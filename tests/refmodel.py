@@ -47,6 +47,7 @@ EV_GRANTED = 1
 EV_EXPIRED = 2
 EV_WAIT_TIMEOUT = 3
 EV_WAIT_CANCELLED = 4
+EV_DEADLOCK = 5
 
 TOKEN_EPOCH_SHIFT = 40
 MAX_EPOCH = (1 << 23) - 1
@@ -85,6 +86,7 @@ class Event:
     waited_ms: int = 0
     shared: bool = False
     limit: int = 0
+    cycle: Any = None  # EV_DEADLOCK: ((session, name), ...) starting with the failed waiter's step
 
 
 @dataclass
@@ -220,7 +222,7 @@ class RefLockTable:
         self.epoch = 0
         self._counter = 0
         self.hold_until = 0
-        self.n = dict(grants=0, releases=0, expiries=0, wait_timeouts=0, cancels=0)
+        self.n = dict(grants=0, releases=0, expiries=0, wait_timeouts=0, cancels=0, deadlocks=0)
 
     # -- deadlines -----------------------------------------------------------
 
@@ -687,6 +689,81 @@ class RefLockTable:
                 self._settle(lock, now, now)
                 return True
         return False
+
+    # -- deadlock detection ------------------------------------------------------------
+
+    def _wait_for_edges(self, now, min_wait_ms) -> dict:
+        """session -> {session it waits for: [waiters causing the edge]}; see break_deadlocks."""
+        graph: dict = {}
+        for lock in self.locks.values():
+            if lock.limit:
+                continue  # a permit waits for ANY holder: no deadlock edge
+            exclusive_holders = [lock.holder.session] if lock.holder is not None else []
+            all_holders = exclusive_holders + [h.session for h in lock.shared.values()]
+            for i, w in enumerate(lock.waiters):
+                if w.session == 0 or now - w.enqueued_ms < min_wait_ms:
+                    continue
+                ahead = lock.waiters[:i]
+                if w.shared:  # conflicts only with exclusive holders and waiters
+                    targets = exclusive_holders + [a.session for a in ahead if not a.shared]
+                else:
+                    targets = all_holders + [a.session for a in ahead]
+                for v in targets:
+                    if v != 0:
+                        graph.setdefault(w.session, {}).setdefault(v, []).append((lock, w))
+        return graph
+
+    @staticmethod
+    def _first_cycle(graph) -> Optional[list]:
+        """Depth-first, roots and neighbours ascending; the first back edge closes the cycle."""
+        done: set = set()
+
+        def visit(node, path):
+            for nxt in sorted(graph.get(node, ())):
+                if nxt in path:
+                    return path[path.index(nxt):]
+                if nxt not in done:
+                    found = visit(nxt, path + [nxt])
+                    if found:
+                        return found
+            done.add(node)
+            return None
+
+        for root in sorted(graph):
+            if root not in done:
+                found = visit(root, [root])
+                if found:
+                    return found
+        return None
+
+    def break_deadlocks(self, now, min_wait_ms) -> list:
+        now = _ms(now, "now", 0)
+        min_wait_ms = _ms(min_wait_ms, "min_wait_ms", 0)
+        self._expire(now)
+        broken = []
+        while True:
+            graph = self._wait_for_edges(now, min_wait_ms)
+            cycle = self._first_cycle(graph)
+            if cycle is None:
+                return broken
+            k = len(cycle)
+            edges = [graph[cycle[i]][cycle[(i + 1) % k]] for i in range(k)]
+
+            def age(lw):
+                return (lw[1].enqueued_ms, lw[0].name, lw[1].owner)
+
+            at, (lock, victim) = max(((i, lw) for i in range(k) for lw in edges[i]), key=lambda x: age(x[1]))
+            steps = [(cycle[at], lock.name)]
+            for j in range(1, k):
+                i = (at + j) % k
+                steps.append((cycle[i], max(edges[i], key=age)[0].name))
+            self.n["deadlocks"] += 1
+            event = self._waiter_event(EV_DEADLOCK, lock, victim)
+            event.cycle = tuple(steps)
+            self.events.append(event)
+            self._remove_waiter(lock, victim)
+            self._settle(lock, now, now)
+            broken.append(tuple(steps))
 
     def lock_delays(self) -> list[tuple[str, int]]:
         return [(lock.name, lock.delay_until) for lock in self.locks.values()

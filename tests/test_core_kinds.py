@@ -267,3 +267,86 @@ def test_install_lock_delay_ignores_a_past_delay_and_an_exclusive_holder(impl):
     assert impl.t.lock_delays() == []
     with pytest.raises(ValueError):
         impl.t.install_lock_delay(NAME, -1, 30)
+
+
+# -- deadlock detection ----------------------------------------------------------------
+
+
+def _deadlocks(impl):
+    return [(e.owner, e.session, e.name, e.cycle) for e in impl.t.drain_events() if e.kind == impl.mod.EV_DEADLOCK]
+
+
+def test_a_two_session_deadlock_fails_the_youngest_waiter(impl):
+    impl.acq(b"s1-a", 0, name="a", session=1)
+    impl.acq(b"s2-b", 0, name="b", session=2)
+    assert impl.acq(b"s1-b", 10, name="b", session=1) == impl.mod.QUEUED
+    assert impl.acq(b"s2-a", 20, name="a", session=2) == impl.mod.QUEUED
+    impl.t.drain_events()
+    assert impl.t.break_deadlocks(25, 100) == []  # not old enough yet
+    assert impl.t.break_deadlocks(120, 100) == [((2, "a"), (1, "b"))]
+    assert _deadlocks(impl) == [(b"s2-a", 2, "a", ((2, "a"), (1, "b")))]
+    assert impl.t.waiters("a") == [] and impl.t.waiters("b") == [b"s1-b"]
+    assert impl.t.break_deadlocks(200, 100) == []
+    assert impl.t.stats()["deadlocks"] == 1
+
+
+def test_a_three_session_cycle_is_broken_once(impl):
+    for s, (held, wanted) in enumerate((("a", "b"), ("b", "c"), ("c", "a")), start=1):
+        impl.acq(b"h%d" % s, 0, name=held, session=s)
+    for s, (held, wanted) in enumerate((("a", "b"), ("b", "c"), ("c", "a")), start=1):
+        assert impl.acq(b"w%d" % s, s, name=wanted, session=s) == impl.mod.QUEUED
+    impl.t.drain_events()
+    (cycle,) = impl.t.break_deadlocks(500, 0)
+    assert cycle == ((3, "a"), (1, "b"), (2, "c"))
+    assert [d[0] for d in _deadlocks(impl)] == [b"w3"]
+
+
+def test_a_writer_waiting_on_its_own_sessions_read_lock_with_a_reader_behind_a_writer(impl):
+    # s1 reads x and waits to write y; s2 writes y and waits to read x behind a queued writer of s1
+    impl.acq(b"r1", 0, name="x", session=1, shared=True)
+    impl.acq(b"w2", 0, name="y", session=2)
+    assert impl.acq(b"w1x", 1, name="x", session=3) == impl.mod.QUEUED      # a writer queued on x (s3)
+    assert impl.acq(b"r2", 2, name="x", session=2, shared=True) == impl.mod.QUEUED  # behind it
+    assert impl.acq(b"w1y", 3, name="y", session=1) == impl.mod.QUEUED
+    impl.t.drain_events()
+    # s2 -> s3 (writer ahead) -> s1 (reader holds x) -> s2 (holds y): a cycle of three
+    (cycle,) = impl.t.break_deadlocks(10, 0)
+    assert {s for s, _ in cycle} == {1, 2, 3}
+    assert _deadlocks(impl)[0][0] == b"w1y"  # the youngest
+
+
+def test_readers_sharing_with_each_other_are_no_deadlock(impl):
+    impl.acq(b"r1", 0, name="x", session=1, shared=True)
+    impl.acq(b"r2", 0, name="y", session=2, shared=True)
+    assert impl.acq(b"r1y", 1, name="y", session=1, shared=True) == impl.mod.GRANTED
+    assert impl.acq(b"r2x", 1, name="x", session=2, shared=True) == impl.mod.GRANTED
+    assert impl.t.break_deadlocks(10, 0) == []
+
+
+def test_semaphore_waits_are_not_deadlock_edges(impl):
+    impl.acq(b"p1", 0, name="s", session=1, limit=1)
+    impl.acq(b"x2", 0, name="x", session=2)
+    assert impl.acq(b"p2", 1, name="s", session=2, limit=1) == impl.mod.QUEUED
+    assert impl.acq(b"x1", 1, name="x", session=1) == impl.mod.QUEUED
+    assert impl.t.break_deadlocks(10, 0) == []
+
+
+def test_a_session_waiting_for_its_own_lock_is_a_cycle_of_one(impl):
+    impl.acq(b"first", 0, session=4)
+    assert impl.acq(b"second", 1, session=4) == impl.mod.QUEUED
+    impl.t.drain_events()
+    assert impl.t.break_deadlocks(2, 0) == [((4, NAME),)]
+    assert _deadlocks(impl) == [(b"second", 4, NAME, ((4, NAME),))]
+
+
+def test_breaking_a_deadlock_hands_the_lock_on(impl):
+    impl.acq(b"a1", 0, name="a", session=1)
+    impl.acq(b"b2", 0, name="b", session=2)
+    impl.acq(b"b1", 1, name="b", session=1)
+    impl.acq(b"a2", 2, name="a", session=2)
+    impl.acq(b"a3", 3, name="a", session=3)  # behind a2: granted once a1 is released
+    impl.t.drain_events()
+    impl.t.break_deadlocks(5, 0)
+    assert impl.t.waiters("a") == [b"a3"]
+    impl.release(b"a1", 6, name="a")
+    assert [g[0] for g in impl.grants()] == [b"a3"]

@@ -45,7 +45,7 @@ sessions = st.sampled_from(SESSIONS)
 
 def _event(e):
     return (e.kind, e.name, e.token, e.owner, e.session, e.request, e.ttl_ms, e.deadline_ms, e.meta, e.fresh,
-            e.lock_delay_ms, e.waited_ms, e.shared, e.limit)
+            e.lock_delay_ms, e.waited_ms, e.shared, e.limit, e.cycle)
 
 
 def _holder(h):
@@ -128,7 +128,7 @@ class CoreVsModel(RuleBasedStateMachine):
 
     def follow(self, events, granted):
         """Replay events on the lease history: mutual exclusion and increasing tokens."""
-        for kind, name, token, owner, _s, _r, _ttl, deadline, _m, fresh, _d, _w, shared, limit in events:
+        for kind, name, token, owner, _s, _r, _ttl, deadline, _m, fresh, _d, _w, shared, limit, cycle in events:
             current = self.lease.setdefault(name, {})
             if kind == refmodel.EV_EXPIRED:
                 cur = current.pop(token)
@@ -153,6 +153,9 @@ class CoreVsModel(RuleBasedStateMachine):
                 granted.setdefault(name, []).append(owner)
             elif kind == refmodel.EV_GRANTED:
                 assert token in current
+            elif kind == refmodel.EV_DEADLOCK:
+                # the failed waiter's own step comes first, and every step is a real session
+                assert cycle[0] == (_s, name) and all(s in SESSIONS for s, _ in cycle)
 
     def check_fifo(self, granted, queues_before):
         for name, owners_granted in granted.items():
@@ -262,6 +265,22 @@ class CoreVsModel(RuleBasedStateMachine):
         h = self.model.holder(name, self.now)
         token = h.token if (right and h is not None) else self.model.last_token + 1
         self.both("remove_holder", name, token, self.now)
+
+    @rule(who=st.permutations(OWNERS), where=st.permutations(NAMES), s=st.permutations(SESSIONS),
+          shared=st.booleans())
+    def cross_wait(self, who, where, s, shared):
+        """Two sessions each take one name and then wait for the other's: a likely deadlock."""
+        for owner, name, session, kind in ((who[0], where[0], s[0], False), (who[1], where[1], s[1], shared),
+                                           (who[2], where[1], s[0], False), (who[3], where[0], s[1], False)):
+            self.request_id += 1
+            self.both("acquire", name, owner, session, self.request_id, 1_000, -1, 0, None, self.now, kind)
+
+    @rule(min_wait=st.sampled_from([0, 0, 10, 100]))
+    def break_deadlocks(self, min_wait):
+        result = self.both("break_deadlocks", self.now, min_wait)
+        # after breaking, no cycle is left
+        assert self.model._first_cycle(self.model._wait_for_edges(self.now, min_wait)) is None
+        assert result[0] == "ok"
 
     @rule(name=names, delta=st.sampled_from([-10, 0, 1, 40, 500]))
     def install_lock_delay(self, name, delta):
