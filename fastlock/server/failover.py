@@ -190,16 +190,18 @@ class FailoverPolicy:
             raise Unavailable("this standby has never synchronised with a primary; promote with force "
                               "only if its data directory is known to be current")
 
-    def on_primary_silent(self) -> None:
+    def on_primary_silent(self) -> "asyncio.Task | None":
         """The follower's watchdog: the paired primary was silent for the failover window.
 
         Starts an automatic promotion unless one runs, or one failed less than a
         failover window ago (the watchdog keeps asking while the node is a standby).
+        Returns the promotion's task (kept in ``tasks``: a failure is logged as an
+        error and counted there), or None when none starts.
         """
         if self._auto is not None and not self._auto.done():
-            return
+            return None
         if self.clock() < self._auto_retry_at_ms:
-            return
+            return None
 
         async def run() -> None:
             try:
@@ -209,6 +211,7 @@ class FailoverPolicy:
                 raise  # logged as an error and counted by self.tasks
 
         self._auto = self.tasks.spawn(run(), "automatic promotion")
+        return self._auto
 
     async def promote(self, reason: str, *, force: bool = False, automatic: bool = False) -> dict:
         """Turn this standby into the primary (see the module docstring).
