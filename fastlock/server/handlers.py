@@ -232,8 +232,9 @@ class Handlers:
         creds = self.credentials
         principal = None
         if credential is None:
-            if conn.peer_cert_identity is not None:
-                principal = creds.by_cert_identity(conn.peer_cert_identity)
+            identity = conn.peer_cert_identity
+            if identity is not None:
+                principal = creds.by_cert_identity(identity)
             if principal is None:
                 principal = creds.anonymous
             reason = "no token, and anonymous connections are not allowed"

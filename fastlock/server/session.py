@@ -58,15 +58,13 @@ class Session(asyncio.Protocol):
     ``principal`` (str) is who the connection authenticated as - "anonymous"
     until authentication sets it at HELLO; per-principal quotas key on it.
     ``kind`` is the principal's kind (client | replica | admin), ``grant`` its
-    permissions (None until HELLO).  ``peer_cert_identity``: the subject CN of
-    the client certificate verified in this connection's TLS handshake (mutual
-    TLS), else None.  ``accepted_ms`` and ``last_read_ms`` are monotonic
-    milliseconds.
+    permissions (None until HELLO).  ``accepted_ms`` and ``last_read_ms`` are
+    monotonic milliseconds.
     """
 
     __slots__ = ("server", "transport", "session", "decoder", "out", "ready", "client_name", "peer", "closed",
                  "watching", "principal", "kind", "grant", "address", "accepted_ms", "last_read_ms", "out_cap",
-                 "out_bytes", "waiting", "_drain", "peer_cert_identity")
+                 "out_bytes", "waiting", "_drain")
 
     def __init__(self, server: "LockServer", session: int):
         self.server = server
@@ -89,12 +87,10 @@ class Session(asyncio.Protocol):
         self.out_cap = server.config.max_output_bytes
         self.waiting = 0  # this connection's waiters as last counted (per-principal waiter quota)
         self._drain: asyncio.Future | None = None
-        self.peer_cert_identity: str | None = None
 
     # -- asyncio callbacks ------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.peer_cert_identity = peer_identity(transport.get_extra_info("ssl_object"))
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
@@ -134,6 +130,14 @@ class Session(asyncio.Protocol):
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
         self.server.connection_lost(self)
+
+    @property
+    def peer_cert_identity(self) -> str | None:
+        """The subject CN of the client certificate verified in this connection's
+        TLS handshake (mutual TLS), else None."""
+        if self.transport is None:
+            return None
+        return peer_identity(self.transport.get_extra_info("ssl_object"))
 
     # -- output -----------------------------------------------------------------
     def send(self, data: bytes) -> None:
