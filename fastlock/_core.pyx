@@ -1082,7 +1082,8 @@ cdef class LockTable:
 
     def drop_session(self, session, now):
         """Remove every waiter of ``session`` at once, with no events (its connection is
-        gone).  Holders stay: a lease outlives its connection until its TTL.
+        gone), then settle the locks they waited on, in the order of the session's first
+        waiter on each.  Holders stay: a lease outlives its connection until its TTL.
 
         O(waiters of that session).  Returns the number of waiters removed.
         Raises TypeError / ValueError for a bad argument (state unchanged).
@@ -1093,15 +1094,19 @@ cdef class LockTable:
         cdef _Waiter w
         cdef _Lock lock
         cdef int count = 0
+        cdef dict touched = {}
         self._advance(t)
         sess = self._sessions.pop(s, None)
         if sess is None:
             return 0
+        # remove them all first, then settle: a waiter of this session must never be
+        # granted while its session is being dropped (e.g. a reader behind its writer)
         for w in list(sess):
-            lock = w.lock
+            touched[w.lock] = None
             self._unlink(w)
             self._cancels += 1
             count += 1
+        for lock in touched:
             self._settle(lock, t, t)
         return count
 

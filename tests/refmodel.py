@@ -551,11 +551,15 @@ class RefLockTable:
         now = _ms(now, "now", 0)
         self._expire(now)
         count = 0
+        touched = []
         for name, owner in list(self.sessions.get(session, [])):
             lock = self.locks[name]
             self._remove_waiter(lock, self._find_waiter(lock, owner))
             self.n["cancels"] += 1
             count += 1
+            if lock not in touched:
+                touched.append(lock)
+        for lock in touched:  # settled only once every waiter of the session is gone
             self._settle(lock, now, now)
         return count
 

@@ -350,3 +350,16 @@ def test_breaking_a_deadlock_hands_the_lock_on(impl):
     assert impl.t.waiters("a") == [b"a3"]
     impl.release(b"a1", 6, name="a")
     assert [g[0] for g in impl.grants()] == [b"a3"]
+
+
+def test_dropping_a_session_never_grants_to_that_session(impl):
+    # s7 queues a writer and then a reader behind it on a read-held lock; its connection
+    # goes: removing the writer must not hand the lock to s7's own reader
+    impl.acq(b"r0", 0, session=1, shared=True)
+    assert impl.acq(b"w7", 1, session=7) == impl.mod.QUEUED
+    assert impl.acq(b"r7", 2, session=7, shared=True) == impl.mod.QUEUED
+    assert impl.acq(b"r8", 3, session=8, shared=True) == impl.mod.QUEUED
+    impl.t.drain_events()
+    assert impl.t.drop_session(7, 4) == 2
+    assert [g[0] for g in impl.grants()] == [b"r8"]
+    assert impl.holders(5) == [b"r0", b"r8"] and impl.t.session_waiters(7) == 0
