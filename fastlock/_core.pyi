@@ -33,6 +33,7 @@ MAX_LOCK_DELAY_MS: int  # 60_000
 MAX_COUNTER: int  # (1 << 40) - 1: a grant needing a larger counter raises OverflowError
 MAX_MS: int  # (1 << 53) - 1: largest now / ttl_ms / wait_ms / until_ms accepted (ValueError above)
 MAX_LIMIT: int  # (1 << 31) - 1: largest semaphore limit
+MAX_MANY: int  # 64: most names in one acquire_many() request
 
 
 class NotHolder(LookupError):
@@ -132,11 +133,46 @@ class LockTable:
         (a semaphore vs a lock, or two limits): nothing changes.  A name's limit is
         remembered while it has holders or waiters.
         A retried waiting request keeps the kind it first asked for.
+        ValueError if ``owner`` waits on ``name`` in an acquire_many() request.
         Idempotent by owner: if ``owner`` already holds ``name`` the existing
         lease is re-delivered (EV_GRANTED with fresh=False, no new token); if
         ``owner`` already waits on ``name`` the waiter keeps its place and takes
         the new session/request, and the old request gets EV_WAIT_CANCELLED.
         Not re-entrant otherwise: another owner on the same session queues.
+        """
+
+    def acquire_many(
+        self,
+        items: list[tuple[str, bool]] | tuple[tuple[str, bool], ...],
+        owner: bytes,
+        session: int,
+        request: Any,
+        ttl_ms: int,
+        wait_ms: int,
+        lock_delay_ms: int,
+        meta: Any,
+        now: int,
+    ) -> int:
+        """Take a set of (name, shared) locks atomically: all granted together or none.
+
+        1..MAX_MANY distinct names; no semaphores (LIMIT_CONFLICT).  Granted at once
+        (GRANTED; one EV_GRANTED per name in request order, each with its own token,
+        every lease with ``owner``) when every name could be granted on its own;
+        else QUEUED (or NOT_ACQUIRED for wait_ms == 0) as ONE request with a waiter at
+        the tail of each name's queue, holding none of them.  It is granted when each
+        of its waiters heads its queue and is compatible with that name's holders;
+        until then it blocks each queue behind it (FIFO per name).  Queue order is
+        arrival order on every name, so an earlier set is ahead of a later one on all
+        names they share: no deadlock among waiting sets.  A wait timeout, cancel()
+        of any of its names, drop_session() or break_deadlocks() removes the whole
+        request (an event per name).  A retry with the same owner and names keeps its
+        place (EV_WAIT_CANCELLED per name for the old request) or re-delivers the
+        leases (fresh=False) if granted.  Waiters count per name in
+        session_waiters() / waiter_count.
+
+        Raises TypeError / ValueError for bad items or arguments, or when ``owner``
+        already holds / waits on some of the names in another request; OverflowError
+        if the fencing counter cannot cover the set.
         """
 
     def release(self, name: str, token: int, owner: bytes, now: int) -> None:
@@ -154,7 +190,8 @@ class LockTable:
         """
 
     def cancel(self, name: str, owner: bytes, now: int) -> bool:
-        """Remove the waiter ``owner`` from ``name``'s queue (EV_WAIT_CANCELLED).
+        """Remove the waiter ``owner`` from ``name``'s queue (EV_WAIT_CANCELLED); a waiter
+        of an acquire_many() request withdraws the whole request (an event per name).
 
         Returns False if no such waiter (it may have been granted already).
         """

@@ -112,12 +112,15 @@ MAX_LOCK_DELAY_MS = _MAX_LOCK_DELAY_MS
 MAX_MS = _MAX_MS
 #: Largest semaphore limit (permits per name).
 MAX_LIMIT = _MAX_LIMIT
+#: Most names in one acquire_many() request.
+MAX_MANY = 64
 
 cdef enum:
     K_LEASE = 1   # a lock's lease deadline
     K_BLOCK = 2   # end of a lock's lock-delay / grant hold
     K_WAIT = 3    # a waiter's wait timeout
     K_SHARED = 4  # a non-exclusive lease's deadline (shared holder or semaphore permit)
+    K_GROUP = 5   # a multi-lock request's wait timeout
 
 
 class NotHolder(LookupError):
@@ -302,8 +305,16 @@ cdef class _Waiter(_Entry):
     cdef int64_t enqueued_ms  # ``now`` of the acquire this waiter answers
     cdef object meta
     cdef bint shared          # asks for a shared lease (a permit when lock.limit > 0)
+    cdef _Group group         # the multi-lock request this waiter is part of, or None
     cdef _Waiter prev
     cdef _Waiter next
+
+
+@cython.final
+cdef class _Group(_Entry):
+    """A waiting acquire_many() request: one waiter per name, granted together; the
+    group is the heap entry of its wait timeout."""
+    cdef list members   # its _Waiter per name, in request order
 
 
 @cython.final
@@ -547,6 +558,9 @@ cdef class LockTable:
                 self._waiter_event(_EV_WAIT_TIMEOUT, w)
                 self._unlink(w)
                 self._settle(lock, tau, now)
+            elif e.kind == K_GROUP:
+                self._wait_timeouts += len((<_Group>e).members)
+                self._remove_group(<_Group>e, _EV_WAIT_TIMEOUT, None, None, tau, now)
             elif e.kind == K_SHARED:
                 lease = <_Lease>e
                 lock = lease.lock
@@ -659,6 +673,8 @@ cdef class LockTable:
                 del self._sessions[w.session]
         self._n_waiters -= 1
         w.lock = None
+        if w.group is not None:
+            self._unschedule(w.group)
 
     cdef inline void _schedule_block(self, _Lock lock, int64_t at):
         if lock.index >= 0 and lock.deadline == at:
@@ -682,7 +698,7 @@ cdef class LockTable:
             until = _max(lock.delay_until, self._hold_until)
             if tau >= until:
                 w = lock.head
-                if lock.n_leases == 0 and not w.shared and lock.limit == 0:
+                if lock.n_leases == 0 and not w.shared and lock.limit == 0 and w.group is None:
                     # the common case: an exclusive lock hands off to its head waiter
                     self._check_counter()
                     self._unlink(w)
@@ -692,8 +708,12 @@ cdef class LockTable:
                 self._unschedule(lock)
                 # FIFO across kinds: grant from the head while the head is compatible
                 # (consecutive readers together; permits up to the limit)
-                while w is not None:
-                    if w.shared or lock.limit:
+                while w is not None and not lock.held:
+                    if w.group is not None:
+                        if not self._group_ready(w.group, tau):
+                            break
+                        self._grant_group(w.group, now, tau, lock)
+                    elif w.shared or lock.limit:
                         if lock.limit and lock.n_leases >= lock.limit:
                             break
                         self._check_counter()
@@ -717,6 +737,63 @@ cdef class LockTable:
             self._unschedule(lock)
             if lock.n_leases == 0:
                 del self._locks[lock.name]
+        return 0
+
+    cdef bint _group_ready(self, _Group g, int64_t tau):
+        """True iff every waiter of ``g`` heads its queue and could be granted at ``tau``."""
+        cdef _Waiter m
+        cdef _Lock lock
+        for m in g.members:
+            lock = m.lock
+            if lock.head is not m or lock.held or tau < _max(lock.delay_until, self._hold_until):
+                return False
+            if not m.shared and lock.n_leases:
+                return False
+        return True
+
+    cdef int _grant_group(self, _Group g, int64_t now, int64_t tau, _Lock skip) except -1:
+        """Grant every waiter of ``g`` (one lease and token per name, in request order),
+        then settle its other locks at ``tau`` (``skip``: the lock being settled)."""
+        cdef _Waiter m
+        cdef list members = g.members
+        cdef list locks = [m.lock for m in members]
+        cdef Py_ssize_t i
+        cdef _Lock lock
+        if self._counter + len(members) > _MAX_COUNTER:
+            raise OverflowError("fencing counter exhausted (2**40 - 1 grants); tokens never wrap")
+        for m in members:
+            self._unlink(m)
+        for i in range(len(members)):
+            m = <_Waiter>members[i]
+            lock = <_Lock>locks[i]
+            if m.shared:
+                self._grant_lease(lock, m.owner, m.session, m.request, m.ttl_ms, m.lock_delay_ms,
+                                  m.meta, True, now, now - m.enqueued_ms)
+            else:
+                self._unschedule(lock)
+                self._grant(lock, m.owner, m.session, m.request, m.ttl_ms, m.lock_delay_ms,
+                            m.meta, now, now - m.enqueued_ms)
+        for lock in locks:
+            if lock is not skip:
+                self._settle(lock, tau, now)
+        return 0
+
+    cdef int _remove_group(self, _Group g, int kind, object cycle, _Lock skip, int64_t tau,
+                           int64_t now) except -1:
+        """Take every waiter of ``g`` out of its queue (an event of ``kind`` each, none if
+        kind == 0), then settle their locks at ``tau`` except ``skip``."""
+        cdef _Waiter m
+        cdef list locks = [m.lock for m in g.members]
+        cdef _Lock lock
+        cdef Event ev
+        for m in g.members:
+            if kind:
+                ev = self._waiter_event(kind, m)
+                ev.cycle = cycle
+            self._unlink(m)
+        for lock in locks:
+            if lock is not skip:
+                self._settle(lock, tau, now)
         return 0
 
     cdef inline _Lock _new_lock(self, str name):
@@ -900,6 +977,8 @@ cdef class LockTable:
                     return _LIMIT_CONFLICT
                 w = lock.by_owner.get(o)
                 if w is not None:
+                    if w.group is not None:
+                        raise ValueError(f"owner {o!r} waits on {n!r} in an acquire_many() request")
                     return self._retry_waiter(lock, w, s, request, ttl, wait, delay, meta, t)
             elif not lock.held and t >= _max(lock.delay_until, self._hold_until):
                 if lock.n_leases == 0:
@@ -983,6 +1062,219 @@ cdef class LockTable:
             self._unschedule(w)
         return _QUEUED
 
+    def acquire_many(self, items, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now):
+        """Take a set of locks atomically: all granted together or none, one queued request.
+
+        Args:
+          items (list or tuple of ``(name, shared)`` pairs): 1..MAX_MANY distinct names,
+            each exclusive (shared False) or shared (True); semaphores are not allowed.
+          owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now: as
+            acquire(), for every lease of the set.
+
+        Granted (GRANTED, one EV_GRANTED per name in request order, each lease with its
+        own fencing token) when every name could be granted on its own at once: no
+        waiter, not blocked, compatible with its holders.  Otherwise (unless
+        wait_ms == 0: NOT_ACQUIRED) it queues ONE request with a waiter at the tail of
+        every name's queue (QUEUED) and holds none of them while it waits.  It is
+        granted when each of its waiters heads its queue and is compatible with that
+        name's holders (checked whenever one of its names settles); until then each
+        waiter blocks the queue behind it, so FIFO holds per name.
+
+        No deadlock among queued requests: queue order on every name is arrival order,
+        so of two requests sharing names the earlier one is ahead on every shared name
+        and nothing waits for a later request; and a waiting set holds nothing.  (A
+        client that *holds* locks and waits can still deadlock: break_deadlocks().)
+
+        Returns GRANTED, QUEUED, NOT_ACQUIRED or LIMIT_CONFLICT (a name is a semaphore).
+        A retry with the same owner re-delivers the leases (fresh=False) if the owner
+        holds every name, or keeps the waiting request's place (the old request gets
+        EV_WAIT_CANCELLED per name; wait_ms == 0 withdraws it).  A wait timeout,
+        cancel() of any of its names, drop_session() or break_deadlocks() removes the
+        whole request (an event per name).
+
+        Raises:
+          TypeError / ValueError: a bad argument, or ``owner`` already holds or waits on
+            some of the names in another way (nothing changes).
+          OverflowError: the fencing counter cannot cover the set.
+        """
+        cdef list names = []
+        cdef list kinds = []
+        cdef bytes o
+        cdef int64_t s, ttl, wait, delay, t
+        cdef Py_ssize_t i, k
+        cdef _Lock lock
+        cdef _Waiter w, first
+        cdef _Lease lease
+        cdef _Group g
+        cdef Event ev
+        cdef dict sess
+        cdef bint free, held_all, holds_any = False
+        if type(items) is not list and type(items) is not tuple:
+            raise TypeError(f"items must be a list or tuple, not {type(items).__name__}")
+        if not 1 <= len(items) <= MAX_MANY:
+            raise ValueError(f"items must hold 1..{MAX_MANY} names, got {len(items)}")
+        for item in items:
+            if (type(item) is not tuple and type(item) is not list) or len(item) != 2:
+                raise TypeError("each item must be a (name, shared) pair")
+            names.append(_name(item[0]))
+            if not PyBool_Check(item[1]):
+                raise TypeError(f"shared must be a bool, not {type(item[1]).__name__}")
+            kinds.append(item[1] is True)
+        if len(set(names)) != len(names):
+            raise ValueError("items name a lock twice")
+        o = _owner(owner)
+        s = _session(session)
+        ttl = _ms(ttl_ms, "ttl_ms", 1)
+        wait = _ms(wait_ms, "wait_ms", -1)
+        delay = _lock_delay(lock_delay_ms)
+        t = _ms(now, "now", 0)
+        self._advance(t)
+        k = len(names)
+        # a semaphore among the names; the owner's earlier request on them
+        first = None
+        held_all = True
+        for i in range(k):
+            lock = <_Lock>self._locks.get(names[i])
+            if lock is None:
+                held_all = False
+                continue
+            if lock.limit and (lock.n_leases or lock.head is not None):
+                return _LIMIT_CONFLICT
+            w = None if lock.head is None else <_Waiter>lock.by_owner.get(o)
+            if w is not None:
+                if w.group is None or len(w.group.members) != k or (first is not None and w.group is not first.group):
+                    raise ValueError(f"owner {o!r} already waits on {names[i]!r} in another request")
+                first = w
+            if (lock.held and lock.owner == o) or (lock.n_leases and o in lock.leases):
+                holds_any = True
+            if not ((lock.held and lock.owner == o and not kinds[i])
+                    or (lock.n_leases and kinds[i] and o in lock.leases)):
+                held_all = False
+        if holds_any and not held_all:
+            raise ValueError(f"owner {o!r} already holds some of these names in another request")
+        if first is not None:
+            if held_all:
+                raise ValueError(f"owner {o!r} already holds some of these names")
+            return self._retry_group(first.group, names, s, request, ttl, wait, delay, meta, t)
+        if held_all:
+            for i in range(k):
+                lock = <_Lock>self._locks[names[i]]
+                if lock.held:
+                    self._event(_EV_GRANTED, lock.name, lock.token, o, s, request, lock.ttl_ms,
+                                lock.deadline, lock.meta, False,
+                                lock.lock_delay_ms).waited_ms = lock.deadline - lock.ttl_ms - t
+                else:
+                    lease = <_Lease>lock.leases[o]
+                    ev = self._event(_EV_GRANTED, lock.name, lease.token, o, s, request, lease.ttl_ms,
+                                     lease.deadline, lease.meta, False, lease.lock_delay_ms)
+                    ev.waited_ms = lease.deadline - lease.ttl_ms - t
+                    ev.shared = True
+            return _GRANTED
+        free = t >= self._hold_until
+        if free:
+            for i in range(k):
+                lock = <_Lock>self._locks.get(names[i])
+                if lock is not None and (lock.head is not None or lock.held or t < lock.delay_until
+                                         or (lock.n_leases and not kinds[i])):
+                    free = False
+                    break
+        if free:
+            if self._counter + k > _MAX_COUNTER:
+                raise OverflowError("fencing counter exhausted (2**40 - 1 grants); tokens never wrap")
+            for i in range(k):
+                lock = <_Lock>self._locks.get(names[i])
+                if lock is None:
+                    lock = self._new_lock(names[i])
+                lock.limit = 0
+                if kinds[i]:
+                    self._grant_lease(lock, o, s, request, ttl, delay, meta, True, t, 0)
+                else:
+                    self._grant(lock, o, s, request, ttl, delay, meta, t, 0)
+            return _GRANTED
+        if wait == 0:
+            return _NOT_ACQUIRED
+        g = _Group.__new__(_Group)
+        g.index = -1
+        g.kind = K_GROUP
+        g.members = []
+        sess = self._sessions.get(s)
+        if sess is None:
+            sess = {}
+            self._sessions[s] = sess
+        for i in range(k):
+            lock = <_Lock>self._locks.get(names[i])
+            if lock is None:
+                lock = self._new_lock(names[i])
+            elif lock.head is None and not lock.held and lock.n_leases == 0:
+                lock.limit = 0
+            w = _Waiter.__new__(_Waiter)
+            w.index = -1
+            w.kind = K_WAIT
+            w.lock = lock
+            w.owner = o
+            w.session = s
+            w.request = request
+            w.ttl_ms = ttl
+            w.lock_delay_ms = delay
+            w.enqueued_ms = t
+            w.meta = meta
+            w.shared = kinds[i]
+            w.group = g
+            if lock.tail is None:
+                lock.head = w
+            else:
+                lock.tail.next = w
+                w.prev = lock.tail
+            lock.tail = w
+            if lock.by_owner is None:
+                lock.by_owner = {}
+            lock.by_owner[o] = w
+            sess[w] = None
+            self._n_waiters += 1
+            g.members.append(w)
+        if wait > 0:
+            self._schedule(g, t + wait)
+        for w in list(g.members):
+            if w.lock is not None:
+                self._settle(w.lock, t, t)
+        return _QUEUED
+
+    cdef object _retry_group(self, _Group g, list names, int64_t s, object request, int64_t ttl,
+                             int64_t wait, int64_t delay, object meta, int64_t t):
+        cdef _Waiter m
+        cdef dict sess
+        for m in g.members:
+            if m.lock.name not in names:
+                raise ValueError(f"owner {m.owner!r} waits in a request for other names")
+        self._cancels += len(g.members)
+        for m in g.members:
+            self._waiter_event(_EV_WAIT_CANCELLED, m)
+        if wait == 0:
+            self._remove_group(g, 0, None, None, t, t)
+            return _NOT_ACQUIRED
+        for m in g.members:
+            if s != m.session:
+                sess = self._sessions.get(m.session)
+                del sess[m]
+                if not sess:
+                    del self._sessions[m.session]
+                sess = self._sessions.get(s)
+                if sess is None:
+                    sess = {}
+                    self._sessions[s] = sess
+                sess[m] = None
+                m.session = s
+            m.request = request
+            m.ttl_ms = ttl
+            m.lock_delay_ms = delay
+            m.enqueued_ms = t
+            m.meta = meta
+        if wait > 0:
+            self._schedule(g, t + wait)
+        else:
+            self._unschedule(g)
+        return _QUEUED
+
     def release(self, name, token, owner, now):
         """Release the lease (``token``, ``owner``) on ``name``; the next waiter (if any)
         is granted (EV_GRANTED), unless grants are held (hold_grants_until()).
@@ -1056,6 +1348,8 @@ cdef class LockTable:
 
     def cancel(self, name, owner, now):
         """Remove the waiter ``owner`` from ``name``'s queue (EV_WAIT_CANCELLED for its request).
+        A waiter of an acquire_many() request takes the whole request out of every queue
+        (EV_WAIT_CANCELLED per name).
 
         Returns True if a waiter was removed, False if there is none (it may have
         been granted already: the caller must then release that lease, never leak it).
@@ -1074,6 +1368,10 @@ cdef class LockTable:
         w = <_Waiter>lock.by_owner.get(o)
         if w is None:
             return False
+        if w.group is not None:
+            self._cancels += len(w.group.members)
+            self._remove_group(w.group, _EV_WAIT_CANCELLED, None, None, t, t)
+            return True
         self._cancels += 1
         self._waiter_event(_EV_WAIT_CANCELLED, w)
         self._unlink(w)
@@ -1351,7 +1649,10 @@ cdef class LockTable:
             lock = self._new_lock(n)
         elif lock.head is not None:
             w = lock.by_owner.get(o)
-            if w is not None:
+            if w is not None and w.group is not None:
+                self._cancels += len(w.group.members)
+                self._remove_group(w.group, _EV_WAIT_CANCELLED, None, lock, t, t)
+            elif w is not None:
                 self._cancels += 1
                 self._waiter_event(_EV_WAIT_CANCELLED, w)
                 self._unlink(w)
@@ -1533,11 +1834,14 @@ cdef class LockTable:
             cycle = tuple(steps)
             lock = victim.lock
             self._deadlocks += 1
+            broken.append(cycle)
+            if victim.group is not None:
+                self._remove_group(victim.group, _EV_DEADLOCK, cycle, None, t, t)
+                continue
             ev = self._waiter_event(_EV_DEADLOCK, victim)
             ev.cycle = cycle
             self._unlink(victim)
             self._settle(lock, t, t)
-            broken.append(cycle)
 
     def lock_delays(self):
         """Every running lock-delay as ``(name, until_ms)`` pairs (monotonic ms), in no

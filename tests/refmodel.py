@@ -55,6 +55,7 @@ MAX_COUNTER = (1 << 40) - 1
 MAX_LOCK_DELAY_MS = 60_000
 MAX_MS = (1 << 53) - 1
 MAX_LIMIT = (1 << 31) - 1
+MAX_MANY = 64
 _INT64_MAX = (1 << 63) - 1
 _INT64_MIN = -(1 << 63)
 
@@ -62,6 +63,7 @@ LEASE = "lease"
 WAIT = "wait"
 BLOCK = "block"
 SHARED = "shared"
+GROUP = "group"
 
 
 class NotHolder(LookupError):
@@ -111,6 +113,7 @@ class _Entry:
     lock: "_Lock"
     waiter: Optional["_Waiter"] = None
     lease: Optional["_Lease"] = None
+    group: Optional["_Group"] = None
 
 
 @dataclass(eq=False)
@@ -136,6 +139,15 @@ class _Waiter:
     entry: Optional[_Entry]  # None: waits forever
     enqueued_ms: int = 0  # ``now`` of the acquire this waiter answers
     shared: bool = False
+    group: Optional["_Group"] = None  # its acquire_many() request
+    lock: Optional["_Lock"] = None
+
+
+@dataclass(eq=False)
+class _Group:
+    """A waiting acquire_many() request: a waiter per name, granted together."""
+    members: list
+    entry: Optional[_Entry] = None
 
 
 class _Lock:
@@ -292,6 +304,12 @@ class RefLockTable:
                           lock.limit if e.kind == SHARED else 0))
                 if lease.lock_delay_ms > 0:
                     lock.delay_until = max(lock.delay_until, tau + lease.lock_delay_ms)
+            elif e.kind == GROUP:
+                g = e.group
+                g.entry = None
+                self.n["wait_timeouts"] += len(g.members)
+                self._remove_group(g, EV_WAIT_TIMEOUT, None, None, tau, now)
+                continue
             elif e.kind == WAIT:
                 w = e.waiter
                 self.n["wait_timeouts"] += 1
@@ -344,6 +362,10 @@ class RefLockTable:
         lock.waiters.remove(w)
         self._unschedule(w.entry)
         w.entry = None
+        w.lock = None
+        if w.group is not None and w.group.entry is not None:
+            self._unschedule(w.group.entry)
+            w.group.entry = None
         order = self.sessions[w.session]
         order.remove((lock.name, w.owner))
         if not order:
@@ -367,8 +389,13 @@ class RefLockTable:
             if tau >= until:
                 self._unschedule(lock.block)
                 lock.block = None
-                while lock.waiters:
+                while lock.waiters and lock.holder is None:
                     w = lock.waiters[0]
+                    if w.group is not None:
+                        if not self._group_ready(w.group, tau):
+                            break
+                        self._grant_group(w.group, now, tau, lock)
+                        continue
                     exclusive = not (w.shared or lock.limit)
                     if exclusive and lock.shared:
                         break
@@ -392,6 +419,46 @@ class RefLockTable:
             lock.block = None
             if not lock.shared:
                 del self.locks[lock.name]
+
+    def _group_ready(self, g, tau) -> bool:
+        for m in g.members:
+            lock = m.lock
+            if lock.waiters[0] is not m or lock.holder is not None:
+                return False
+            if tau < max(lock.delay_until, self.hold_until):
+                return False
+            if not m.shared and lock.shared:
+                return False
+        return True
+
+    def _grant_group(self, g, now, tau, skip) -> None:
+        if self._counter + len(g.members) > MAX_COUNTER:
+            raise OverflowError("fencing counter exhausted")
+        locks = [m.lock for m in g.members]
+        for m, lock in zip(g.members, locks):
+            self._remove_waiter(lock, m)
+        for m, lock in zip(g.members, locks):
+            if m.shared:
+                self._grant_lease(lock, m.owner, m.session, m.request, m.ttl_ms, m.lock_delay_ms, m.meta, True,
+                                  now, now - m.enqueued_ms)
+            else:
+                self._grant(lock, m.owner, m.session, m.request, m.ttl_ms, m.lock_delay_ms, m.meta, now,
+                            now - m.enqueued_ms)
+        for lock in locks:
+            if lock is not skip:
+                self._settle(lock, tau, now)
+
+    def _remove_group(self, g, kind, cycle, skip, tau, now) -> None:
+        locks = [m.lock for m in g.members]
+        for m, lock in zip(g.members, locks):
+            if kind:
+                event = self._waiter_event(kind, lock, m)
+                event.cycle = cycle
+                self.events.append(event)
+            self._remove_waiter(lock, m)
+        for lock in locks:
+            if lock is not skip:
+                self._settle(lock, tau, now)
 
     def _find_waiter(self, lock, owner) -> Optional[_Waiter]:
         for w in lock.waiters:
@@ -439,6 +506,8 @@ class RefLockTable:
                           lock.limit if is_lease else 0))
                 return GRANTED
             w = self._find_waiter(lock, owner)
+            if w is not None and w.group is not None:
+                raise ValueError("owner waits in an acquire_many() request")
             if w is not None:
                 self.n["cancels"] += 1
                 self.events.append(self._waiter_event(EV_WAIT_CANCELLED, lock, w))
@@ -479,12 +548,129 @@ class RefLockTable:
             lock.limit = limit
         elif not lock.waiters and lock.holder is None and not lock.shared:
             lock.limit = limit
-        w = _Waiter(owner, session, request, ttl_ms, lock_delay_ms, meta, None, now, shared)
+        w = _Waiter(owner, session, request, ttl_ms, lock_delay_ms, meta, None, now, shared, None, lock)
         lock.waiters.append(w)
         self.sessions.setdefault(session, []).append((name, owner))
         if wait_ms > 0:
             w.entry = self._schedule(WAIT, lock, now + wait_ms, w)
         self._settle(lock, now, now)
+        return QUEUED
+
+    def acquire_many(self, items, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now) -> int:
+        if type(items) not in (list, tuple):
+            raise TypeError("items must be a list or tuple")
+        if not 1 <= len(items) <= MAX_MANY:
+            raise ValueError("items must hold 1..MAX_MANY names")
+        names, kinds = [], []
+        for item in items:
+            if type(item) not in (list, tuple) or len(item) != 2:
+                raise TypeError("each item must be a (name, shared) pair")
+            names.append(_name(item[0]))
+            kinds.append(_bool(item[1], "shared"))
+        if len(set(names)) != len(names):
+            raise ValueError("items name a lock twice")
+        owner = _owner(owner)
+        session = _nonneg(session, "session")
+        ttl_ms = _ms(ttl_ms, "ttl_ms", 1)
+        wait_ms = _ms(wait_ms, "wait_ms", -1)
+        lock_delay_ms = _lock_delay(lock_delay_ms)
+        now = _ms(now, "now", 0)
+        self._expire(now)
+        k = len(names)
+        first = None
+        held_all = True
+        holds_any = False
+        for name, shared in zip(names, kinds):
+            lock = self.locks.get(name)
+            if lock is None:
+                held_all = False
+                continue
+            if lock.limit and (lock.shared or lock.waiters):
+                return LIMIT_CONFLICT
+            w = self._find_waiter(lock, owner)
+            if w is not None:
+                if w.group is None or len(w.group.members) != k or (first is not None and w.group is not first.group):
+                    raise ValueError("owner already waits on a name in another request")
+                first = w
+            holds_any |= (lock.holder is not None and lock.holder.owner == owner) or owner in lock.shared
+            if not ((lock.holder is not None and lock.holder.owner == owner and not shared)
+                    or (shared and owner in lock.shared)):
+                held_all = False
+        if holds_any and not held_all:
+            raise ValueError("owner already holds some of these names in another request")
+        if first is not None:
+            if held_all:
+                raise ValueError("owner already holds some of these names")
+            g = first.group
+            if any(m.lock.name not in names for m in g.members):
+                raise ValueError("owner waits in a request for other names")
+            self.n["cancels"] += len(g.members)
+            for m in g.members:
+                self.events.append(self._waiter_event(EV_WAIT_CANCELLED, m.lock, m))
+            if wait_ms == 0:
+                self._remove_group(g, 0, None, None, now, now)
+                return NOT_ACQUIRED
+            for m in g.members:
+                if session != m.session:
+                    order = self.sessions[m.session]
+                    order.remove((m.lock.name, owner))
+                    if not order:
+                        del self.sessions[m.session]
+                    self.sessions.setdefault(session, []).append((m.lock.name, owner))
+                    m.session = session
+                m.request, m.ttl_ms, m.lock_delay_ms, m.meta = request, ttl_ms, lock_delay_ms, meta
+                m.enqueued_ms = now
+            if g.entry is not None:
+                self._unschedule(g.entry)
+                g.entry = None
+            if wait_ms > 0:
+                g.entry = self._schedule(GROUP, None, now + wait_ms)
+                g.entry.group = g
+            return QUEUED
+        if held_all:
+            for name in names:
+                lock = self.locks[name]
+                h = lock.holder if lock.holder is not None else lock.shared[owner]
+                self.events.append(
+                    Event(EV_GRANTED, name, h.token, owner, session, request, h.ttl_ms, h.entry.deadline,
+                          h.meta, False, h.lock_delay_ms, h.entry.deadline - h.ttl_ms - now, h.shared))
+            return GRANTED
+        free = now >= self.hold_until and all(
+            lock is None or not (lock.waiters or lock.holder is not None or now < lock.delay_until
+                                 or (lock.shared and not shared))
+            for lock, shared in ((self.locks.get(n), sh) for n, sh in zip(names, kinds)))
+        if free:
+            if self._counter + k > MAX_COUNTER:
+                raise OverflowError("fencing counter exhausted")
+            for name, shared in zip(names, kinds):
+                lock = self.locks.get(name)
+                if lock is None:
+                    lock = self.locks[name] = _Lock(name)
+                lock.limit = 0
+                if shared:
+                    self._grant_lease(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, True, now)
+                else:
+                    self._grant(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now)
+            return GRANTED
+        if wait_ms == 0:
+            return NOT_ACQUIRED
+        g = _Group([])
+        for name, shared in zip(names, kinds):
+            lock = self.locks.get(name)
+            if lock is None:
+                lock = self.locks[name] = _Lock(name)
+            elif not lock.waiters and lock.holder is None and not lock.shared:
+                lock.limit = 0
+            w = _Waiter(owner, session, request, ttl_ms, lock_delay_ms, meta, None, now, shared, g, lock)
+            lock.waiters.append(w)
+            self.sessions.setdefault(session, []).append((name, owner))
+            g.members.append(w)
+        if wait_ms > 0:
+            g.entry = self._schedule(GROUP, None, now + wait_ms)
+            g.entry.group = g
+        for w in list(g.members):
+            if w.lock is not None:
+                self._settle(w.lock, now, now)
         return QUEUED
 
     def _lease_of(self, name, token, owner):
@@ -540,6 +726,10 @@ class RefLockTable:
         w = self._find_waiter(lock, owner) if lock is not None else None
         if w is None:
             return False
+        if w.group is not None:
+            self.n["cancels"] += len(w.group.members)
+            self._remove_group(w.group, EV_WAIT_CANCELLED, None, None, now, now)
+            return True
         self.n["cancels"] += 1
         self.events.append(self._waiter_event(EV_WAIT_CANCELLED, lock, w))
         self._remove_waiter(lock, w)
@@ -657,7 +847,10 @@ class RefLockTable:
         if lock is None:
             lock = self.locks[name] = _Lock(name)
         w = self._find_waiter(lock, owner)
-        if w is not None:
+        if w is not None and w.group is not None:
+            self.n["cancels"] += len(w.group.members)
+            self._remove_group(w.group, EV_WAIT_CANCELLED, None, lock, now, now)
+        elif w is not None:
             self.n["cancels"] += 1
             self.events.append(self._waiter_event(EV_WAIT_CANCELLED, lock, w))
             self._remove_waiter(lock, w)
@@ -762,12 +955,15 @@ class RefLockTable:
                 i = (at + j) % k
                 steps.append((cycle[i], max(edges[i], key=age)[0].name))
             self.n["deadlocks"] += 1
+            broken.append(tuple(steps))
+            if victim.group is not None:
+                self._remove_group(victim.group, EV_DEADLOCK, tuple(steps), None, now, now)
+                continue
             event = self._waiter_event(EV_DEADLOCK, lock, victim)
             event.cycle = tuple(steps)
             self.events.append(event)
             self._remove_waiter(lock, victim)
             self._settle(lock, now, now)
-            broken.append(tuple(steps))
 
     def lock_delays(self) -> list[tuple[str, int]]:
         return [(lock.name, lock.delay_until) for lock in self.locks.values()

@@ -363,3 +363,117 @@ def test_dropping_a_session_never_grants_to_that_session(impl):
     assert impl.t.drop_session(7, 4) == 2
     assert [g[0] for g in impl.grants()] == [b"r8"]
     assert impl.holders(5) == [b"r0", b"r8"] and impl.t.session_waiters(7) == 0
+
+
+# -- atomic multi-lock -----------------------------------------------------------------
+
+
+def _many(impl, owner, now, items, *, session=1, wait=-1, ttl=TTL):
+    return impl.t.acquire_many(items, owner, session, owner, ttl, wait, 0, None, now)
+
+
+def test_a_free_set_is_granted_at_once_with_a_token_per_name(impl):
+    assert _many(impl, b"m", 0, [("a", False), ("b", True), ("c", False)]) == impl.mod.GRANTED
+    grants = impl.grants()
+    assert [(g[0], g[2]) for g in grants] == [(b"m", False), (b"m", True), (b"m", False)]
+    assert [g[1] for g in grants] == [1, 2, 3]
+    assert [h.token for h in impl.t.holders_of("b", 1)] == [2]
+
+
+def test_a_waiting_set_holds_none_of_its_names(impl):
+    impl.acq(b"x", 0, name="b")
+    assert _many(impl, b"m", 1, [("a", False), ("b", False)]) == impl.mod.QUEUED
+    impl.grants()
+    assert impl.holders(2, name="a") == []  # "a" is free but not taken
+    assert impl.t.waiters("a") == [b"m"] and impl.t.waiters("b") == [b"m"]
+    impl.release(b"x", 3, name="b")
+    assert sorted(g[0] for g in impl.grants()) == [b"m", b"m"]
+    assert impl.holders(4, name="a") == [b"m"] and impl.holders(4, name="b") == [b"m"]
+
+
+def test_a_set_is_never_granted_partially_and_later_waiters_stay_behind_it(impl):
+    impl.acq(b"x", 0, name="b")
+    assert _many(impl, b"m", 1, [("a", False), ("b", False)]) == impl.mod.QUEUED
+    # a later single waiter on "a" queues behind the set even though "a" is free
+    assert impl.acq(b"late", 2, name="a", wait=0) == impl.mod.NOT_ACQUIRED
+    assert impl.acq(b"late", 2, name="a") == impl.mod.QUEUED
+    impl.grants()
+    impl.release(b"x", 3, name="b")
+    assert [(g[0]) for g in impl.grants()] == [b"m", b"m"]
+    assert impl.t.waiters("a") == [b"late"]
+
+
+def test_two_overlapping_sets_in_opposite_order_do_not_deadlock(impl):
+    impl.acq(b"x", 0, name="a", session=9)
+    impl.grants()
+    assert _many(impl, b"m1", 1, [("a", False), ("b", False)], session=1) == impl.mod.QUEUED
+    assert _many(impl, b"m2", 2, [("b", False), ("a", False)], session=2) == impl.mod.QUEUED
+    assert impl.t.break_deadlocks(3, 0) == []
+    impl.release(b"x", 4, name="a")
+    assert [g[0] for g in impl.grants()] == [b"m1", b"m1"]
+    impl.release(b"m1", 5, name="a")
+    assert impl.grants() == []  # m2 needs "b" too
+    impl.release(b"m1", 6, name="b")
+    assert [g[0] for g in impl.grants()] == [b"m2", b"m2"]
+
+
+def test_a_timeout_or_a_cancel_withdraws_the_whole_set(impl):
+    impl.acq(b"x", 0, name="b")
+    assert _many(impl, b"m", 1, [("a", False), ("b", False)], wait=100) == impl.mod.QUEUED
+    impl.t.drain_events()
+    impl.t.expire(101)
+    assert [(e.kind, e.name) for e in impl.t.drain_events()] == [
+        (impl.mod.EV_WAIT_TIMEOUT, "a"), (impl.mod.EV_WAIT_TIMEOUT, "b")]
+    assert impl.t.waiters("a") == [] and impl.t.waiters("b") == []
+    assert _many(impl, b"n", 200, [("a", False), ("b", False)]) == impl.mod.QUEUED
+    assert impl.t.cancel("b", b"n", 201)
+    assert [(e.kind, e.name) for e in impl.t.drain_events()] == [
+        (impl.mod.EV_WAIT_CANCELLED, "a"), (impl.mod.EV_WAIT_CANCELLED, "b")]
+    assert impl.t.session_waiters(1) == 0 and impl.t.stats()["deadlines"] == 1  # x's lease only
+
+
+def test_a_retry_keeps_the_sets_place_and_a_granted_set_is_re_delivered(impl):
+    impl.acq(b"x", 0, name="a")
+    items = [("a", False), ("b", True)]
+    assert _many(impl, b"m", 1, items) == impl.mod.QUEUED
+    impl.t.drain_events()
+    assert _many(impl, b"m", 2, items, session=2) == impl.mod.QUEUED
+    assert [e.kind for e in impl.t.drain_events()] == [impl.mod.EV_WAIT_CANCELLED] * 2
+    assert impl.t.session_waiters(2) == 2 and impl.t.session_waiters(1) == 0
+    impl.release(b"x", 3, name="a")
+    tokens = [g[1] for g in impl.grants()]
+    assert _many(impl, b"m", 4, items) == impl.mod.GRANTED
+    evs = impl.t.drain_events()
+    assert [(e.token, e.fresh) for e in evs] == [(tokens[0], False), (tokens[1], False)]
+
+
+def test_an_owner_key_names_one_request(impl):
+    impl.acq(b"m", 0, name="a")
+    with pytest.raises(ValueError):
+        _many(impl, b"m", 1, [("a", False), ("b", False)])  # holds "a" only
+    impl.acq(b"x", 0, name="c")
+    assert _many(impl, b"n", 1, [("c", False), ("d", False)]) == impl.mod.QUEUED
+    with pytest.raises(ValueError):
+        impl.acq(b"n", 2, name="c")  # a single acquire with a multi-lock's owner key
+    with pytest.raises(ValueError):
+        _many(impl, b"n", 2, [("c", False), ("e", False)])  # another set
+
+
+def test_a_semaphore_name_cannot_be_in_a_set(impl):
+    impl.acq(b"p", 0, name="s", limit=2)
+    assert _many(impl, b"m", 1, [("a", False), ("s", False)]) == impl.mod.LIMIT_CONFLICT
+    assert impl.t.waiters("a") == [] and impl.holders(1, name="a") == []
+
+
+@pytest.mark.parametrize("items, exc", [
+    ([], ValueError),
+    ([("a", False)] * 2, ValueError),
+    ([("a", 0)], TypeError),
+    ([("a",)], TypeError),
+    ("a", TypeError),
+    ([("a", False)] * 65, ValueError),
+])
+def test_bad_sets_are_refused(impl, items, exc):
+    with pytest.raises(exc):
+        _many(impl, b"m", 0, items)
+    assert impl.t.stats()["locks"] == 0

@@ -79,6 +79,7 @@ class CoreVsModel(RuleBasedStateMachine):
         self.fresh_tokens = []  # every fresh grant, in order
         # the leases the history says are current: name -> {token: [deadline_ms, shared, limit]}
         self.lease = {}
+        self.many = {}  # request id -> the names of an acquire_many() request
 
     # -- driving both tables ---------------------------------------------------------
 
@@ -124,7 +125,19 @@ class CoreVsModel(RuleBasedStateMachine):
             self.max_token = max(self.max_token, token)
         if method == "extend" and result[0] == "ok":
             self.lease[args[0]][args[1]][0] = result[1]
-        self.check_fifo(granted, queues_before)
+        left = {(e[1], e[3]) for e in due_events + own_events
+                if e[0] in (refmodel.EV_WAIT_TIMEOUT, refmodel.EV_WAIT_CANCELLED, refmodel.EV_DEADLOCK)}
+        self.check_fifo(granted, queues_before, left)
+        self.check_all_or_nothing(due_events + own_events)
+
+    def check_all_or_nothing(self, events):
+        """A multi-lock request is granted every name in one step, or none."""
+        names = {}
+        for e in events:
+            if e[0] == refmodel.EV_GRANTED and e[5] in self.many:
+                names.setdefault((e[5], e[9]), []).append(e[1])
+        for (request, _fresh), got in names.items():
+            assert sorted(got) == sorted(self.many[request]), (request, got, self.many[request])
 
     def follow(self, events, granted):
         """Replay events on the lease history: mutual exclusion and increasing tokens."""
@@ -154,17 +167,20 @@ class CoreVsModel(RuleBasedStateMachine):
             elif kind == refmodel.EV_GRANTED:
                 assert token in current
             elif kind == refmodel.EV_DEADLOCK:
-                # the failed waiter's own step comes first, and every step is a real session
-                assert cycle[0] == (_s, name) and all(s in SESSIONS for s, _ in cycle)
+                # the failed waiter's own step comes first (a multi-lock request fails on every
+                # name with the cycle through one of them), and every step is a real session
+                assert cycle[0][0] == _s and all(s in SESSIONS for s, _ in cycle)
+                assert cycle[0][1] == name or cycle[0][1] in self.many[_r]
 
-    def check_fifo(self, granted, queues_before):
+    def check_fifo(self, granted, queues_before, left):
         for name, owners_granted in granted.items():
             before = queues_before[name]
             from_queue = [o for o in owners_granted if o in before]
             # FIFO: grants from the queue come in queue order ...
             assert from_queue == sorted(from_queue, key=before.index)
-            # ... and nobody still waiting was overtaken
-            still = [o for o in self.model.waiters(name) if o in before]
+            # ... and nobody still waiting was overtaken (an owner whose request left the
+            # queue during the call and who queued again is a new waiter)
+            still = [o for o in self.model.waiters(name) if o in before and (name, o) not in left]
             for o in from_queue:
                 for s in still:
                     assert before.index(o) < before.index(s), (name, before, o, s)
@@ -183,6 +199,14 @@ class CoreVsModel(RuleBasedStateMachine):
     def acquire_and_wait(self, name, owner, session, ttl, wait, kind):
         self.request_id += 1
         self.both("acquire", name, owner, session, self.request_id, ttl, wait, 0, None, self.now, *kind)
+
+    @rule(items=st.lists(st.tuples(names, st.booleans()), min_size=1, max_size=3,
+                         unique_by=lambda item: item[0]),
+          owner=owners, session=sessions, ttl=TTLS, wait=WAITS, delay=DELAYS)
+    def acquire_many(self, items, owner, session, ttl, wait, delay):
+        self.request_id += 1
+        self.many[self.request_id] = [name for name, _ in items]
+        self.both("acquire_many", items, owner, session, self.request_id, ttl, wait, delay, None, self.now)
 
     @rule(name=names, owner=owners, session=sessions, ttl=TTLS, wait=st.sampled_from([-1, 0, 100]))
     def acquire_exclusive_positional(self, name, owner, session, ttl, wait):
@@ -311,6 +335,18 @@ class CoreVsModel(RuleBasedStateMachine):
         assert result[0] == "raised" and result[1] in ("TypeError", "ValueError")
 
     @rule(bad=st.sampled_from([
+        [],                              # no names
+        [("a", False), ("a", True)],     # a name twice
+        [("a", 1)],                      # shared not a bool
+        [("", False)],                   # empty name
+        ["a"],                           # not a pair
+        "a",                             # not a list
+    ]))
+    def bad_many(self, bad):
+        result = self.both("acquire_many", bad, b"o1", 1, None, 10, -1, 0, None, self.now)
+        assert result[0] == "raised" and result[1] in ("TypeError", "ValueError")
+
+    @rule(bad=st.sampled_from([
         (1, 0),          # shared not a bool
         (False, -1),     # negative limit
         (True, 2),       # shared and a limit
@@ -364,7 +400,7 @@ class CoreVsModel(RuleBasedStateMachine):
         for name in NAMES:
             if self.model.waiters(name) and self.model.holder(name, self.now) is None:
                 lock = self.model.locks[name]
-                if lock.holder is None and not lock.shared:
+                if lock.holder is None and not lock.shared and lock.waiters[0].group is None:
                     assert lock.block is not None
                     assert self.now < max(lock.delay_until, self.model.hold_until) or \
                         lock.block.deadline <= self.now
