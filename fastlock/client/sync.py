@@ -20,23 +20,75 @@ The operations, arguments (float seconds) and errors are those of the asyncio
 client.  Interrupting a blocked call (``KeyboardInterrupt`` in the main
 thread) cancels the request on the server the same way cancelling an asyncio
 task does: a waiting acquire is removed and a grant that raced is released.
+
+**Fork safety** (Celery's prefork pool, gunicorn ``--preload``,
+``multiprocessing`` with the ``fork`` start method).  A forked child inherits
+a copy of the ``SyncClient`` but not its background thread, so the parent's
+loop can never run there.  At every call the client compares the process id
+with the one it was made (or last reopened) in; in a new process it leaves
+the parent's loop, thread, connection and locks untouched (the parent still
+uses the socket: closing or writing to it from the child would disturb the
+parent) and opens its own - a new loop, thread and connection, with the same
+arguments - before serving the call.  The call then runs under its usual
+deadline (an acquire: ``wait + connect_timeout``), so a child takes the lock
+or raises within that bound, never hangs.  Reconnecting was chosen over
+raising because the point of a client made before ``fork()`` (a preloaded
+application) is to be used in every worker.
+
+Leases do not cross ``fork()``: a lease belongs to the process that acquired
+it, whose loop keeps renewing it.  A :class:`SyncLease`,
+:class:`SyncMultiLease` or :class:`SyncTerm` that the child inherited is not
+held by the child: ``release``/``extend``/``resign`` of one raise
+:class:`~fastlock.errors.LeaseLost` in the child without sending anything (so a
+child can never release its parent's lock), its ``lost`` event is set there,
+and nothing renews it in the child.  The parent keeps holding and renewing it.
+A ``with client.lock(...)`` block entered before the fork therefore exits in
+the child without releasing anything.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
+import os
 import queue
 import ssl
 import threading
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from ..errors import ConnectionLost, FastlockError, LeaseLost, WrongArgumentType
 from .client import Client
 from .election import Election, Leader, Term
 from .lease import Lease, WatchEvent
 from .multilock import MultiLease
+
+log = logging.getLogger(__name__)
+
+#: Guards reopening after a fork.  Made anew in every child (by
+#: ``os.register_at_fork``): a lock that another parent thread held at the
+#: moment of the fork would stay locked in the child for ever.
+_fork_lock = threading.Lock()
+
+#: What a child inherited from its parent's clients (loops, threads, asyncio
+#: clients): kept, never run, closed nor collected in the child - closing them
+#: would run their finalizers on objects whose sockets the parent still uses.
+_inherited: list[Any] = []
+
+
+def _after_fork_in_child() -> None:
+    global _fork_lock
+    _fork_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _not_held_here(what: str, pid: int) -> LeaseLost:
+    return LeaseLost(f"{what} was acquired by process {pid}; this process ({os.getpid()}) is a fork of it and "
+                     f"does not hold it (nothing was sent)")
 
 __all__ = ["SyncClient", "SyncLease", "SyncMultiLease", "SyncElection", "SyncTerm"]
 
@@ -52,12 +104,13 @@ class SyncLease:
             from any thread.
     """
 
-    __slots__ = ("lease", "lost")
+    __slots__ = ("lease", "lost", "pid")
 
     def __init__(self, lease: Lease):
         # built on the loop thread, so the listener is registered there
         self.lease = lease
         self.lost = threading.Event()
+        self.pid = os.getpid()  # the process that holds it (see "Fork safety" in the module docstring)
         lease.health.when_lost(self.lost.set)
 
     @property
@@ -100,10 +153,11 @@ class SyncMultiLease:
     (threading.Event) is set as soon as any of them is lost.
     """
 
-    __slots__ = ("multi", "leases", "lost", "_by_name")
+    __slots__ = ("multi", "leases", "lost", "pid", "_by_name")
 
     def __init__(self, multi: MultiLease):
         self.multi = multi
+        self.pid = os.getpid()
         self.leases = tuple(SyncLease(lease) for lease in multi.leases)
         self._by_name = {s.name: s for s in self.leases}
         self.lost = threading.Event()
@@ -159,29 +213,61 @@ class SyncClient:
                  tls_key: str | None = None, server_hostname: str | None = None):
         if not addresses:
             addresses = ("127.0.0.1:7420",)
+        self._closed = False
+        self._make_client = lambda: Client(
+            addresses, auth=auth, client_name=client_name, connect_timeout=connect_timeout,
+            request_timeout=request_timeout, token=token, token_file=token_file, tls=tls, tls_ca=tls_ca,
+            tls_cert=tls_cert, tls_key=tls_key, server_hostname=server_hostname)
+        self._open()
+        try:
+            self._call(self._async_client.ensure_connected())
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
+        """Make the loop, its thread and the asyncio client (in this process)."""
+        self._pid = os.getpid()
         # The stdlib loop, whatever the policy: its loop.time() is
         # time.monotonic(), which other threads compare deadlines against.
         self._loop = asyncio.SelectorEventLoop()
         self._thread = threading.Thread(target=self._run_loop, name="fastlock-sync", daemon=True)
-        self._closed = False
         self._close_lock = threading.Lock()  # guards _closed and _inflight
         self._inflight: set[concurrent.futures.Future] = set()  # calls submitted and not finished
         self._watch_queues: set[queue.Queue] = set()  # of the watch() generators being iterated
         try:
-            self._client = Client(addresses, auth=auth, client_name=client_name, connect_timeout=connect_timeout,
-                                  request_timeout=request_timeout, token=token, token_file=token_file,
-                                  tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
-                                  tls_key=tls_key, server_hostname=server_hostname)
+            self._async_client = self._make_client()
         except BaseException:  # bad arguments: no thread started
             self._closed = True
             self._loop.close()
             raise
         self._thread.start()
-        try:
-            self._call(self._client.ensure_connected())
-        except BaseException:
-            self.close()
-            raise
+
+    def _check_process(self) -> None:
+        """In a process forked since this client was opened, open it anew
+        (see "Fork safety" in the module docstring)."""
+        if self._pid == os.getpid():
+            return
+        with _fork_lock:
+            if self._pid == os.getpid():
+                return
+            parent = self._pid
+            _inherited.append((self._loop, self._thread, self._async_client, self._close_lock, self._inflight))
+            if self._closed:  # closed in the parent: stays closed, nothing to open
+                self._pid = os.getpid()
+                self._close_lock = threading.Lock()
+                self._inflight = set()
+                self._watch_queues = set()
+                return
+            log.info("SyncClient: running in process %d, a fork of %d: opening a new connection (the "
+                     "parent's leases stay the parent's)", os.getpid(), parent)
+            self._open()
+
+    @property
+    def _client(self) -> Client:
+        """The asyncio client of this process (opened anew after a fork)."""
+        self._check_process()
+        return self._async_client
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -189,6 +275,7 @@ class SyncClient:
 
     def _submit(self, coro) -> concurrent.futures.Future:
         """Schedule ``coro`` on the client's loop; raise ConnectionLost once closed."""
+        self._check_process()
         with self._close_lock:
             if self._closed:
                 coro.close()
@@ -225,6 +312,7 @@ class SyncClient:
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
+        self._check_process()
         return self._loop
 
     # -- lifecycle -----------------------------------------------------------------
@@ -236,6 +324,7 @@ class SyncClient:
         it at once.  Idempotent.  Held leases stay held on the server until
         their TTL.  Blocks for at most about 15 s (only a wedged loop takes that long).
         """
+        self._check_process()
         with self._close_lock:
             if self._closed:
                 return
@@ -290,11 +379,13 @@ class SyncClient:
             LeaseLost: the lease was no longer held; ``lease.lost`` is set.
         """
         _check(lease, SyncLease)
+        _check_held_here(lease, "lease")
         self._call(self._client.release(lease.lease))
 
     def extend(self, lease: SyncLease, *, ttl: float | None = None) -> SyncLease:
         """As :meth:`Client.extend <fastlock.client.Client.extend>`; returns ``lease`` (its ttl updated)."""
         _check(lease, SyncLease)
+        _check_held_here(lease, "lease")
 
         async def run() -> SyncLease:
             lease.lease = await self._client.extend(lease.lease, ttl=ttl)
@@ -322,9 +413,9 @@ class SyncClient:
         :meth:`release`.  Arguments and errors are those of
         :meth:`Client.lock <fastlock.client.Client.lock>`.
         """
-        ctx = self._client.lock(name, ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
-                                jeopardy_fraction=jeopardy_fraction)
-        return SyncLockContext(self, ctx)
+        return SyncLockContext(self, lambda client: client.lock(
+            name, ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
+            jeopardy_fraction=jeopardy_fraction))
 
     def acquire_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
                      correlation_id: str | None = None) -> SyncMultiLease:
@@ -340,13 +431,15 @@ class SyncClient:
                   correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> "SyncLockContext":
         """``with client.lock_many(names, ttl=10.0) as multi:`` - all or none,
         each renewed in the background, all released on exit."""
-        ctx = self._client.lock_many(list(names), ttl=ttl, wait=wait, lock_delay=lock_delay,
-                                     correlation_id=correlation_id, jeopardy_fraction=jeopardy_fraction)
-        return SyncLockContext(self, ctx)
+        names = list(names)
+        return SyncLockContext(self, lambda client: client.lock_many(
+            names, ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
+            jeopardy_fraction=jeopardy_fraction))
 
     def release_many(self, multi: SyncMultiLease) -> None:
         """As :meth:`Client.release_many <fastlock.client.Client.release_many>`."""
         _check(multi, SyncMultiLease)
+        _check_held_here(multi, "multi-lease")
         self._call(self._client.release_many(multi.multi))
 
     def watch(self, name: str, *, timeout: float | None = None) -> Iterator[WatchEvent]:
@@ -405,18 +498,25 @@ class SyncLockContext:
     """Returned by :meth:`SyncClient.lock` and :meth:`SyncClient.lock_many`:
     a context manager, or call :meth:`acquire` to hold until released."""
 
-    __slots__ = ("_sync", "_ctx", "_held")
+    __slots__ = ("_sync", "_make", "_ctx", "_ctx_client", "_held")
 
-    def __init__(self, sync: SyncClient, ctx: Any):
+    def __init__(self, sync: SyncClient, make: Callable[[Client], Any]):
         self._sync = sync
-        self._ctx = ctx
+        self._make = make  # make(client): the asyncio context (arguments checked now)
+        self._ctx_client = sync.client
+        self._ctx = make(self._ctx_client)
         self._held: Any = None
 
     def acquire(self) -> Any:
         """Acquire and start renewing; returns a :class:`SyncLease` (or
         :class:`SyncMultiLease` for ``lock_many``)."""
+        client = self._sync.client
+        if self._ctx_client is not client:  # made before a fork: make it on this process's client
+            self._ctx, self._ctx_client = self._make(client), client
+        ctx = self._ctx
+
         async def run() -> Any:
-            held = await self._ctx
+            held = await ctx
             return SyncMultiLease(held) if isinstance(held, MultiLease) else SyncLease(held)
         return self._sync._call(run())
 
@@ -446,10 +546,22 @@ class SyncElection:
         self._sync = sync
         self.election = election
 
+    def _current(self) -> Election:
+        """The election, on this process's client (made anew after a fork)."""
+        client = self._sync.client
+        e = self.election
+        if e.client is not client:
+            self.election = e = Election(client, e.name, e.candidate_id, lease_duration=e.lease_duration,
+                                         renew_deadline=e.renew_deadline, retry_period=e.retry_period,
+                                         jeopardy_fraction=e.jeopardy_fraction)
+        return e
+
     def campaign(self, *, wait: float | None = None) -> "SyncTerm":
         """Block until elected (or ``wait`` seconds; ``LockNotAcquired``)."""
+        election = self._current()
+
         async def run() -> SyncTerm:
-            return SyncTerm(await self.election.campaign(wait=wait))
+            return SyncTerm(await election.campaign(wait=wait))
         return self._sync._call(run())
 
     def leadership(self, *, wait: float | None = None) -> "_SyncLeadership":
@@ -458,11 +570,12 @@ class SyncElection:
 
     def resign(self, term: "SyncTerm") -> None:
         _check(term, SyncTerm)
+        _check_held_here(term, "term")
         self._sync._call(term.term.resign())
 
     def leader(self) -> Leader | None:
         """The current leader (candidate id, token), or None."""
-        return self._sync._call(self.election.leader())
+        return self._sync._call(self._current().leader())
 
 
 class _SyncLeadership:
@@ -487,10 +600,11 @@ class SyncTerm:
     """A term as leader, for threads.  ``lost`` is a threading.Event;
     :meth:`is_leader` may be called from any thread."""
 
-    __slots__ = ("term", "lost")
+    __slots__ = ("term", "lost", "pid")
 
     def __init__(self, term: Term):
         self.term = term
+        self.pid = os.getpid()
         self.lost = threading.Event()
         term.health.when_lost(self.lost.set)
 
@@ -511,3 +625,10 @@ def _check(obj: Any, cls: type) -> None:
     if not isinstance(obj, cls):
         raise WrongArgumentType(f"expected a {cls.__name__}, not {type(obj).__name__}")
 
+
+def _check_held_here(held: Any, what: str) -> None:
+    """Refuse a lease (or multi-lease, or term) that this process inherited
+    through ``fork()``: it is its parent's (see the module docstring)."""
+    if held.pid != os.getpid():
+        held.lost.set()
+        raise _not_held_here(f"this {what}", held.pid)
