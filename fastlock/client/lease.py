@@ -48,9 +48,9 @@ class _LostEvent(asyncio.Event):
     lease's :class:`LeaseHealth` (if one exists) when it is set, so health
     listeners hear of a loss however it was found."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.health: LeaseHealth | None = None
+    #: the lease's health, once someone asked for it (a class default: no
+    #: ``__init__`` of its own, as one is made per grant)
+    health: "LeaseHealth | None" = None
 
     def set(self) -> None:
         if not self.is_set():
