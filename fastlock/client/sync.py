@@ -21,29 +21,13 @@ client.  Interrupting a blocked call (``KeyboardInterrupt`` in the main
 thread) cancels the request on the server the same way cancelling an asyncio
 task does: a waiting acquire is removed and a grant that raced is released.
 
-**Fork safety** (Celery's prefork pool, gunicorn ``--preload``,
-``multiprocessing`` with the ``fork`` start method).  A forked child inherits
-a copy of the ``SyncClient`` but not its background thread, so the parent's
-loop can never run there.  At every call the client compares the process id
-with the one it was made (or last reopened) in; in a new process it leaves
-the parent's loop, thread, connection and locks untouched (the parent still
-uses the socket: closing or writing to it from the child would disturb the
-parent) and opens its own - a new loop, thread and connection, with the same
-arguments - before serving the call.  The call then runs under its usual
-deadline (an acquire: ``wait + connect_timeout``), so a child takes the lock
-or raises within that bound, never hangs.  Reconnecting was chosen over
-raising because the point of a client made before ``fork()`` (a preloaded
-application) is to be used in every worker.
-
-Leases do not cross ``fork()``: a lease belongs to the process that acquired
-it, whose loop keeps renewing it.  A :class:`SyncLease`,
-:class:`SyncMultiLease` or :class:`SyncTerm` that the child inherited is not
-held by the child: ``release``/``extend``/``resign`` of one raise
-:class:`~fastlock.errors.LeaseLost` in the child without sending anything (so a
-child can never release its parent's lock), its ``lost`` event is set there,
-and nothing renews it in the child.  The parent keeps holding and renewing it.
-A ``with client.lock(...)`` block entered before the fork therefore exits in
-the child without releasing anything.
+**Fork safety**: a ``SyncClient`` made before ``fork()`` (Celery's prefork
+pool, gunicorn ``--preload``, ``multiprocessing``'s ``fork`` start method)
+opens its own loop and connection in the child at the child's first call,
+and serves the call under its usual deadline - never a hang.  Leases do not
+cross ``fork()``: one the child inherited is its parent's, and releasing,
+extending or resigning it there raises :class:`~fastlock.errors.LeaseLost`
+without sending anything.  See :mod:`fastlock.client.forks`.
 """
 
 from __future__ import annotations
@@ -61,37 +45,11 @@ from typing import Any, Callable, Iterable, Iterator
 from ..errors import ConnectionLost, FastlockError, LeaseLost, WrongArgumentType
 from .client import Client
 from .election import Election, Leader, Term
+from .forks import check_held_here, fork_lock, keep_inherited
 from .lease import Lease, WatchEvent
 from .multilock import MultiLease
 
 log = logging.getLogger(__name__)
-
-#: Guards reopening after a fork.  Made anew in every child (by
-#: ``os.register_at_fork``): a lock that another parent thread held at the
-#: moment of the fork would stay locked in the child for ever.
-_fork_lock = threading.Lock()
-
-#: What a child inherited from its parent's clients (loops, threads, asyncio
-#: clients): kept, never run, closed nor collected in the child - closing them
-#: would run their finalizers on objects whose sockets the parent still uses.
-_inherited: list[Any] = []
-
-
-def _after_fork_in_child() -> None:
-    global _fork_lock
-    _fork_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):  # POSIX
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _not_held_here(what: str, pid: int) -> LeaseLost:
-    return LeaseLost(f"{what} was acquired by process {pid}; this process ({os.getpid()}) is a fork of it and "
-                     f"does not hold it (nothing was sent)")
-
-__all__ = ["SyncClient", "SyncLease", "SyncMultiLease", "SyncElection", "SyncTerm"]
-
 
 class SyncLease:
     """A held lock, for threads.  Wraps the asyncio :class:`~fastlock.client.Lease`.
@@ -248,11 +206,11 @@ class SyncClient:
         (see "Fork safety" in the module docstring)."""
         if self._pid == os.getpid():
             return
-        with _fork_lock:
+        with fork_lock():
             if self._pid == os.getpid():
                 return
             parent = self._pid
-            _inherited.append((self._loop, self._thread, self._async_client, self._close_lock, self._inflight))
+            keep_inherited(self._loop, self._thread, self._async_client, self._close_lock, self._inflight)
             if self._closed:  # closed in the parent: stays closed, nothing to open
                 self._pid = os.getpid()
                 self._close_lock = threading.Lock()
@@ -379,13 +337,13 @@ class SyncClient:
             LeaseLost: the lease was no longer held; ``lease.lost`` is set.
         """
         _check(lease, SyncLease)
-        _check_held_here(lease, "lease")
+        check_held_here(lease, "lease")
         self._call(self._client.release(lease.lease))
 
     def extend(self, lease: SyncLease, *, ttl: float | None = None) -> SyncLease:
         """As :meth:`Client.extend <fastlock.client.Client.extend>`; returns ``lease`` (its ttl updated)."""
         _check(lease, SyncLease)
-        _check_held_here(lease, "lease")
+        check_held_here(lease, "lease")
 
         async def run() -> SyncLease:
             lease.lease = await self._client.extend(lease.lease, ttl=ttl)
@@ -439,7 +397,7 @@ class SyncClient:
     def release_many(self, multi: SyncMultiLease) -> None:
         """As :meth:`Client.release_many <fastlock.client.Client.release_many>`."""
         _check(multi, SyncMultiLease)
-        _check_held_here(multi, "multi-lease")
+        check_held_here(multi, "multi-lease")
         self._call(self._client.release_many(multi.multi))
 
     def watch(self, name: str, *, timeout: float | None = None) -> Iterator[WatchEvent]:
@@ -570,7 +528,7 @@ class SyncElection:
 
     def resign(self, term: "SyncTerm") -> None:
         _check(term, SyncTerm)
-        _check_held_here(term, "term")
+        check_held_here(term, "term")
         self._sync._call(term.term.resign())
 
     def leader(self) -> Leader | None:
@@ -624,11 +582,3 @@ class SyncTerm:
 def _check(obj: Any, cls: type) -> None:
     if not isinstance(obj, cls):
         raise WrongArgumentType(f"expected a {cls.__name__}, not {type(obj).__name__}")
-
-
-def _check_held_here(held: Any, what: str) -> None:
-    """Refuse a lease (or multi-lease, or term) that this process inherited
-    through ``fork()``: it is its parent's (see the module docstring)."""
-    if held.pid != os.getpid():
-        held.lost.set()
-        raise _not_held_here(f"this {what}", held.pid)
