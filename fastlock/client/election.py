@@ -217,6 +217,9 @@ class Term:
     none has succeeded within ``renew_deadline`` (Kubernetes' leaderelection;
     the deadline runs on this process's monotonic clock from the sending of
     the last successful renewal, so it passes before the server's lease can).
+    The renewals are those of :class:`~fastlock.client.renewer.Renewer`, the
+    loop that renews :meth:`Client.lock <fastlock.client.Client.lock>` too,
+    with the renew deadline as its window.
 
     Attributes:
         election (Election): the election.
