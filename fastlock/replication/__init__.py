@@ -5,7 +5,8 @@ This package sees the server only through
 snapshot, the batch end, the loop, the node state and the role object) and
 never imports it.  Its modules: :mod:`~fastlock.replication.host` (that
 interface), :mod:`~fastlock.replication.source` (the primary's side),
-:mod:`~fastlock.replication.follower` (the standby's side),
+:mod:`~fastlock.replication.follower` (the standby's side) with
+:mod:`~fastlock.replication.link` (its connection to the primary),
 :mod:`~fastlock.replication.messages` (the stream's payloads) and
 :mod:`~fastlock.replication.node_state` (pairing, epochs and role files).  The
 node's role is declared in :mod:`fastlock.roles` and changes only there; the
@@ -133,6 +134,7 @@ Wire messages (see :mod:`fastlock.protocol` for the framing, and
 from ..errors import NodeFileDamaged
 from .follower import StandbyApply, StandbyFollower
 from .host import ReplicaConnection, ReplicationHost
+from .link import PrimaryLink
 from .messages import Heartbeat, SnapshotHolder, heartbeat_interval_ms, standby_identity
 from .node_state import (
     DEPOSED_FILE,
@@ -154,6 +156,7 @@ __all__ = [
     "ReplicationSource",
     "StandbyFollower",
     "StandbyApply",
+    "PrimaryLink",
     "ReplicationHost",
     "ReplicaConnection",
     "NodeState",

@@ -1,8 +1,8 @@
 """The standby's side of replication: follow a primary, apply its log, watch for its silence.
 
-:class:`StandbyFollower` connects to the primary (proving the primary holds
-this standby's credential first), asks for the stream from its position,
-and applies every push to the standby's own lock table and WAL through
+:class:`StandbyFollower` follows the primary through a
+:class:`~fastlock.replication.link.PrimaryLink` (the connection and its
+handshake), asking for the stream from its position, and applies every push to the standby's own lock table and WAL through
 :func:`fastlock.wal.apply` - the rules recovery uses - with
 :class:`StandbyApply` as the target.  Beside the table it keeps a deadline
 for each lease on its own monotonic clock (what a promotion keeps), and a
@@ -14,21 +14,17 @@ rules (frozen time, kept deadlines, who may promote) are in
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import os
 import ssl
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 from .. import protocol as P
-from .. import rpc
-from ..auth import primary_proof, primary_proof_key, token_principal
-from ..errors import AuthError, FastlockError, PermissionDenied, ProtocolError
-from ..logsafe import quote
+from ..errors import FastlockError, ProtocolError
 from ..roles import Role
 from ..units import monotonic_ms
 from ..wal import EPOCH, Expire, Extend, Grant, LeaseMeta, Record, Release, apply, decode_frames
 from ..wal.records import decode as decode_record
+from .link import PrimaryLink
 from .messages import Heartbeat, SnapshotHolder, heartbeat_interval_ms, standby_identity
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -113,17 +109,11 @@ class StandbyFollower:
                  on_primary_silent: Callable[[], None] | None = None, tls: ssl.SSLContext | None = None,
                  stream_limits: P.DecodeLimits | None = None):
         self.host = host
-        # what the primary's stream may hold (a snapshot is one frame with every lease)
-        self.stream_limits = stream_limits or P.stream_limits(256 << 20, 1_000_000)
         self.on_primary_silent = on_primary_silent
-        self.primary = primary
-        self.tls = tls
-        self._connect_error: str | None = None  # the last connection failure logged
         self.failover_after_ms = failover_after_ms
-        self.token = token
-        #: the replica principal this standby authenticates as (from its token)
-        self.principal = token_principal(token) if token else None
-        self.name = name
+        # what the primary's stream may hold (a snapshot is one frame with every lease)
+        self.link = PrimaryLink(self, primary, tls, token, name,
+                                stream_limits or P.stream_limits(256 << 20, 1_000_000))
         self.applied_lsn = 0
         self.incarnation: str | None = None
         self.primary_epoch = 0
@@ -132,7 +122,6 @@ class StandbyFollower:
         self.last_hb_primary_ms = 0
         self.synced = False  # has applied at least one snapshot or stream from this primary
         self.refused: str | None = None  # why this node refuses to follow its primary
-        self._refused_credentials: str | None = None  # the primary's last refusal, logged once
         self.pair_confirmed = False  # the primary's heartbeats say it fences itself for this node
         self._node = standby_identity(name or "")
         self.max_ttl_ms = 0
@@ -140,13 +129,24 @@ class StandbyFollower:
         #: ms) of each replicated lease, kept by a promotion (see track)
         self.lease_deadlines: dict[str, tuple[int, int]] = {}
         self._received_ms = 0  # when the push being applied arrived (this node's monotonic ms)
-        self.connected = False
-        self._task: asyncio.Task | None = None
-        self._link: rpc.RpcConnection | None = None  # the connection to the primary
-        self._ack_id = 0  # the request id every REPL_ACK on the link carries (acks get no reply)
-        self._ack_due = False
         self._watchdog: asyncio.TimerHandle | None = None
-        self._stopping = False
+
+    @property
+    def tls(self) -> ssl.SSLContext | None:
+        """The client TLS context for the primary (replace it on a certificate reload)."""
+        return self.link.tls
+
+    @tls.setter
+    def tls(self, context: ssl.SSLContext | None) -> None:
+        self.link.tls = context
+
+    @property
+    def connected(self) -> bool:
+        return self.link.connected
+
+    @property
+    def principal(self) -> str | None:
+        return self.link.principal
 
     @property
     def ident(self) -> str:
@@ -156,17 +156,16 @@ class StandbyFollower:
 
     @property
     def primary_address(self) -> str:
-        return f"{self.primary[0]}:{self.primary[1]}"
+        return self.link.address
 
     @property
     def stopped(self) -> bool:
         """Is this follower not following (never started, or stopped)?"""
-        return self._task is None or self._task.done() or self._stopping
+        return self.link.stopped
 
     def start(self) -> None:
         """Start (or, after :meth:`stop`, resume) following the primary."""
-        self._stopping = False
-        self._task = asyncio.ensure_future(self._run())
+        self.link.start()
         if self.failover_after_ms > 0 and self._watchdog is None:
             self._arm_watchdog()
 
@@ -181,12 +180,11 @@ class StandbyFollower:
         long plus half a second for the answer, so a request that arrives after
         the wait was given up is refused by the primary instead of deposing it.
         """
-        link = self._link
-        if link is None or link.closed or not self.last_hb_primary_ms:
+        if not self.link.is_open or not self.last_hb_primary_ms:
             return False
         timeout_s = P.STEP_DOWN_FRESH_MS / 1000.0 + 0.5
         try:
-            info = await asyncio.wait_for(link.request(P.OP_STEP_DOWN, epoch, self.last_hb_primary_ms), timeout_s)
+            info = await self.link.request(timeout_s, P.OP_STEP_DOWN, epoch, self.last_hb_primary_ms)
         except (ConnectionError, asyncio.TimeoutError, FastlockError) as exc:
             log.warning("primary %s did not step down for epoch %d: %s", self.primary_address, epoch, exc)
             return False
@@ -194,127 +192,10 @@ class StandbyFollower:
 
     def stop(self) -> None:
         """Stop following (the connection is closed)."""
-        self._stopping = True
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
-        if self._link is not None:
-            self._link.close()
-        if self._task is not None:
-            self._task.cancel()
-
-    async def _run(self) -> None:
-        backoff = 0.05
-        loop = asyncio.get_running_loop()
-        while not self._stopping:
-            lost = loop.create_future()
-
-            def on_close(_conn: rpc.RpcConnection, error: Exception, lost: asyncio.Future = lost) -> None:
-                if not lost.done():
-                    lost.set_result(error)
-
-            tls = self.tls
-            address = self.primary
-            try:
-                _, link = await asyncio.wait_for(loop.create_connection(
-                    lambda: rpc.RpcConnection(address, max_frame=None, limits=self.stream_limits,
-                                              on_push=self.on_push,
-                                              on_read_end=self._on_read_end, on_close=on_close),
-                    *address, ssl=tls, server_hostname=address[0] if tls else None,
-                    ssl_handshake_timeout=5.0 if tls else None), 5.0)
-            except (OSError, asyncio.TimeoutError) as exc:
-                if isinstance(exc, ssl.SSLError) and str(exc) != self._connect_error:
-                    # a certificate problem does not fix itself: say it once, not every retry
-                    self._connect_error = str(exc)
-                    log.error("TLS handshake with primary %s failed: %s", self.primary_address, exc)
-                log.debug("cannot reach primary %s: %s", self.primary_address, exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
-                continue
-            self._link = link
-            self._ack_id = link.next_id()
-            host = self.host
-            try:
-                if not await self._primary_proves_itself(link):
-                    link.close()
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 5.0)
-                    continue
-                hello = await asyncio.wait_for(
-                    link.request(P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{self.name or os.getpid()}",
-                                  self.token, host.table.epoch), 5.0)
-                if self.principal is None and type(hello.get("principal")) is str:
-                    self.principal = hello["principal"]  # authenticated by our certificate
-                their_epoch = P.check_epoch(hello.get("epoch", 0), "primary's epoch")
-                self.primary_epoch = max(self.primary_epoch, their_epoch)
-                host.node_state.raise_epoch(self.primary_epoch)
-                if their_epoch < host.table.epoch:
-                    # this node was promoted since it last followed that node: never follow
-                    # a lower epoch, and ask it to step down (it may still think it is primary)
-                    self.refused = (f"{self.primary_address} is at epoch {their_epoch}, below this "
-                                    f"node's epoch {host.table.epoch}: it is a deposed primary")
-                    log.critical("refusing to follow: %s; restart this node as the primary, or point it "
-                                 "at the current primary", self.refused)
-                    if hello.get("role") == "primary":
-                        try:
-                            await asyncio.wait_for(link.request(P.OP_STEP_DOWN, host.table.epoch,
-                                                                hello.get("clock_ms")), 5.0)
-                        except (ConnectionError, asyncio.TimeoutError, FastlockError) as exc:
-                            log.error("%s did not step down for epoch %d: %s", self.primary_address,
-                                      host.table.epoch, exc)
-                    link.close()
-                    return
-                info = await asyncio.wait_for(
-                    link.request(P.OP_REPLICATE, self.applied_lsn + 1 if self.synced else 0,
-                                  self.incarnation, self.failover_after_ms, self.name), 5.0)
-                self.connected = True
-                self._refused_credentials = None
-                self._connect_error = None
-                backoff = 0.05
-                log.info("replicating from %s (%s)", self.primary_address, quote(info.get("mode")))
-                await lost
-            except (ConnectionError, asyncio.TimeoutError, FastlockError) as exc:
-                if isinstance(exc, (AuthError, PermissionDenied)):
-                    # credentials do not fix themselves: say it once, not on every retry
-                    if str(exc) != self._refused_credentials:
-                        self._refused_credentials = str(exc)
-                        log.error("primary %s refused this standby's credentials: %s (retrying)",
-                                  self.primary_address, quote(str(exc)))
-                else:
-                    log.warning("replication from %s failed: %s", self.primary_address, quote(str(exc)))
-                link.close()
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
-            finally:
-                self.connected = False
-                self._link = None
-            if not self._stopping:
-                log.warning("lost the replication connection to %s", self.primary_address)
-
-    async def _primary_proves_itself(self, link: "rpc.RpcConnection") -> bool:
-        """Before our token goes out: the primary must answer our random challenge with
-        the proof only a holder of our credential can make (see :mod:`fastlock.auth`).
-
-        Raises what the request raises (AuthError if the primary does not know our
-        principal); returns False if the proof is wrong.
-        """
-        if self.principal is None:
-            return True  # no replica token: the primary refuses REPLICATE, nothing to protect
-        challenge = os.urandom(32)
-        answer = await asyncio.wait_for(
-            link.request(P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{self.name or os.getpid()}",
-                         {"principal": self.principal, "challenge": challenge}), 5.0)
-        expected = primary_proof(primary_proof_key(self.token), self.principal, challenge)
-        proof = answer.get("proof") if isinstance(answer, dict) else None
-        if type(proof) is bytes and hmac.compare_digest(proof, expected):
-            if self.refused is not None and "could not prove" in self.refused:
-                self.refused = None
-            return True
-        self.refused = f"{self.primary_address} could not prove that it holds this standby's credential"
-        log.critical("not following %s: it could not prove that it holds this standby's credential "
-                     "(replica principal %s): an impostor, or a different credentials file", self.primary_address,
-                     self.principal)
-        return False
+        self.link.stop()
 
     # -- the stream -------------------------------------------------------------------------
     def on_push(self, kind: Any, payload: Any) -> None:
@@ -326,7 +207,7 @@ class StandbyFollower:
         if kind not in P.REPLICATION_PUSH_KINDS:
             return
         self.last_heard_ms = self._received_ms = monotonic_ms()
-        self._ack_due = True
+        self.link.ack_due = True
         if kind == P.PUSH_HEARTBEAT:
             self._on_heartbeat(Heartbeat.decode(payload))
         elif kind == P.PUSH_RECORDS:
@@ -363,14 +244,6 @@ class StandbyFollower:
         # the longest TTL the primary has granted: the default promotion grace
         self.saw_ttl(hb.max_ttl_ms)
         self.host.node_state.raise_epoch(hb.epoch)
-
-    def _on_read_end(self) -> None:
-        """One acknowledgement per read, however many batches it held."""
-        link = self._link
-        if self._ack_due and self.last_hb_primary_ms and link is not None and not link.closed:
-            self._ack_due = False
-            link.write_raw(P.encode_request(self._ack_id, P.OP_REPL_ACK, self.last_hb_primary_ms,
-                                            self.applied_lsn))
 
     def _apply_snapshot(self, lsn: int, epoch: int, counter: int, holders: list, incarnation: str) -> None:
         """Make the table the snapshot's: every lease it lacks or holds with another
@@ -466,7 +339,7 @@ class StandbyFollower:
         primary sent meanwhile, so it checks again one interval later instead of
         promoting over a primary that only this node failed to hear."""
         self._watchdog = None
-        if self._stopping:
+        if self.link.stopping:
             return
         if self.host.roles.role is not Role.STANDBY:  # a manual promotion in progress: it may yet be refused
             self._arm_watchdog()
