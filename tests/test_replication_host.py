@@ -281,3 +281,24 @@ def test_a_standby_keeps_the_remaining_time_of_a_snapshot_holder(tmp_path):
     assert arrived + 1200 <= a <= done + 1200
     assert arrived + 7000 <= b <= done + 7000
     assert follower.lease_deadline("a", token_b) is None  # another token: not this lease
+
+
+def test_a_standby_applies_single_records_by_the_log_rules_and_refuses_a_malformed_one(tmp_path):
+    """A ``rec`` push (one record, as older primaries send) goes through the same apply as
+    recovery: a grant installs and is logged, a release for another token does nothing,
+    and a record of the wrong shape is a protocol error that changes nothing."""
+    from fastlock.replication import StandbyFollower
+    from fastlock.wal import GRANT, RELEASE
+
+    host = FakeHost(str(tmp_path), Role.STANDBY, primary_address="127.0.0.1:9")
+    follower = StandbyFollower(host, ("127.0.0.1", 9), name="east@id-1")
+    token = (1 << 40) | 5
+    follower.on_push("rec", [1, [GRANT, "a", token, b"o" * 16, 5000, 0, "app:c", "r1", 0]])
+    assert host.table.holder("a", 0).token == token and host.table.holder("a", 0).meta == ("app:c", "r1")
+    follower.on_push("rec", [2, [RELEASE, "a", token + 1, 0]])  # not the holder's token
+    assert host.table.holder("a", 0) is not None and follower.applied_lsn == 2
+    with pytest.raises(ProtocolError, match="LSN 3"):
+        follower.on_push("rec", [3, [RELEASE, "a", token]])  # a field missing
+    assert host.table.holder("a", 0) is not None and follower.applied_lsn == 2
+    assert [r[0] for r in host.wal.records] == ["grant"]
+    assert follower.lease_deadline("a", token) is not None and follower.max_ttl_ms == 5000

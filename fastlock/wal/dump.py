@@ -152,9 +152,9 @@ def dump(directory: str | os.PathLike, *, lock: Optional[str] = None, file: Text
             w(f"{label} - state lock=- token=- client=- corr=- ttl_ms=- "
               f"epoch={applied.epoch} counter={applied.counter} holders={len(applied.holders)}\n")
             lines += 1
-        for name in sorted(applied.holders):
-            if lock is None or name == lock:
-                w(_holder_line(label, "holder", applied.holders[name]) + "\n")
+        for h in sorted(applied.holder_records()):
+            if lock is None or h.name == lock:
+                w(_holder_line(label, "holder", h) + "\n")
                 lines += 1
     return lines
 

@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import msgpack
 
 from ..errors import WalCorruption
-from .records import Record, decode
+from .records import SHAPES, Record, decode
 
 #: Largest record body accepted when writing or reading (bytes).
 MAX_RECORD_BYTES = 1 << 20
@@ -156,6 +156,7 @@ class FrameReader:
         unpack_from = FRAME.unpack_from
         crc = crc32
         unpackb = msgpack.unpackb
+        shapes = SHAPES
         count = 0
         limit = self.limit
         skip = self.skip
@@ -180,7 +181,10 @@ class FrameReader:
                     count += 1
                     continue
                 try:
-                    rec = decode(unpackb(mv[off + 8:end]))
+                    body = unpackb(mv[off + 8:end])
+                    # decode() inlined (the recovery loop): a known shape becomes its record type
+                    cls = shapes.get((body[0], len(body))) if type(body) is list and body else None
+                    rec = tuple.__new__(cls, body[1:]) if cls is not None else decode(body)
                 except Exception as exc:  # CRC matched but the body is not ours
                     raise WalCorruption(
                         f"{self.path}: undecodable record at offset {off} (LSN {self.first_lsn + count}): {exc}",

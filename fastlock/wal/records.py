@@ -115,7 +115,8 @@ Record = Union[Grant, Release, Expire, Extend, Epoch, Reserve]
 
 _TYPES: dict[int, Any] = {GRANT: Grant, RELEASE: Release, EXPIRE: Expire, EXTEND: Extend,
                           EPOCH: Epoch, RESERVE: Reserve}
-_ARITY = {kind: len(cls._fields) + 1 for kind, cls in _TYPES.items()}
+#: (type, length of the array) -> record class: the shape of every valid record body
+SHAPES: dict[tuple[int, int], Any] = {(kind, len(cls._fields) + 1): cls for kind, cls in _TYPES.items()}
 
 
 def encode(record: Record) -> list:
@@ -130,15 +131,15 @@ def decode(body: Any) -> Record:
         (field values are not checked: a CRC-checked log holds what the server wrote,
         and the standby checks what it needs).
     """
-    if type(body) is not list or not body:
-        raise ValueError(f"not a record: {body!r:.80}")
-    kind = body[0]
-    cls = _TYPES.get(kind) if type(kind) is int else None
-    if cls is None:
-        raise ValueError(f"unknown record type: {body!r:.80}")
-    if len(body) != _ARITY[kind]:
-        raise ValueError(f"{RECORD_NAMES[kind]} record with {len(body) - 1} fields, not {_ARITY[kind] - 1}")
-    return tuple.__new__(cls, body[1:])
+    if type(body) is list and body and type(body[0]) is int:
+        cls = SHAPES.get((body[0], len(body)))
+        if cls is not None:
+            return tuple.__new__(cls, body[1:])
+        if body[0] in _TYPES:
+            kind = body[0]
+            raise ValueError(f"{RECORD_NAMES[kind]} record with {len(body) - 1} fields, "
+                             f"not {len(_TYPES[kind]._fields)}")
+    raise ValueError(f"not a record: {body!r:.80}")
 
 
 class LeaseMeta(NamedTuple):
@@ -165,7 +166,7 @@ class HolderRecord(NamedTuple):
 
     @classmethod
     def from_grant(cls, g: Grant) -> "HolderRecord":
-        return cls(g.name, g.token, g.owner_hash, g.ttl_ms, g.lock_delay_ms, g.client, g.correlation_id, g.wall_ms)
+        return tuple.__new__(cls, g)  # the same 8 fields in the same order
 
     @classmethod
     def from_list(cls, item: Any) -> "HolderRecord":
@@ -211,19 +212,19 @@ class ApplyTarget(Protocol):
 def apply(record: Record, target: ApplyTarget) -> bool:
     """Apply one record to ``target`` by the rules in the module docstring;
     return True if it changed something."""
-    kind = record.kind
-    if kind == GRANT:
+    kind = type(record)
+    if kind is Grant:
         target.install(record)  # type: ignore[arg-type]
         return True
-    if kind == RELEASE or kind == EXPIRE or kind == EXTEND:
+    if kind is Release or kind is Expire or kind is Extend:
         if target.holder_token(record.name) != record.token:  # type: ignore[union-attr]
             return False
-        if kind == EXTEND:
+        if kind is Extend:
             target.set_ttl(record)  # type: ignore[arg-type]
         else:
             target.remove(record)  # type: ignore[arg-type]
         return True
-    if kind == EPOCH:
+    if kind is Epoch:
         if record.epoch > target.epoch:  # type: ignore[union-attr]
             target.raise_epoch(record.epoch)  # type: ignore[union-attr]
             return True
@@ -239,22 +240,30 @@ class LogState:
 
     What recovery rebuilds (from a snapshot, then every record after it, each
     through :func:`apply`) and hands to the server as a
-    :class:`~fastlock.wal.RecoveredState`.
+    :class:`~fastlock.wal.RecoveredState`.  ``holders`` maps a lock name to its
+    holder's 8 fields: the :class:`Grant` record that installed it (a GRANT and
+    a :class:`HolderRecord` have the same fields in the same order, so recovery
+    does not copy every grant) or a :class:`HolderRecord`; :meth:`holder_records`
+    gives them all as HolderRecords.
     """
 
     __slots__ = ("holders", "epoch", "counter")
 
     def __init__(self, epoch: int = 0, counter: int = 0, holders: Optional[list[HolderRecord]] = None):
-        self.holders: dict[str, HolderRecord] = {h.name: h for h in holders or ()}
+        self.holders: dict[str, Union[Grant, HolderRecord]] = {h.name: h for h in holders or ()}
         self.epoch = epoch
         self.counter = counter
 
+    def holder_records(self) -> list[HolderRecord]:
+        """Every holder, as :class:`HolderRecord`."""
+        return [h if type(h) is HolderRecord else tuple.__new__(HolderRecord, h) for h in self.holders.values()]
+
     def holder_token(self, name: str) -> Optional[int]:
         h = self.holders.get(name)
-        return None if h is None else h.token
+        return None if h is None else h[1]  # the token: field 1 of both a Grant and a HolderRecord
 
     def install(self, grant: Grant) -> None:
-        self.holders[grant.name] = HolderRecord.from_grant(grant)
+        self.holders[grant.name] = grant
         token = grant.token
         if token & COUNTER_MASK > self.counter:
             self.counter = token & COUNTER_MASK
@@ -265,7 +274,8 @@ class LogState:
         del self.holders[record.name]
 
     def set_ttl(self, record: Extend) -> None:
-        self.holders[record.name] = self.holders[record.name]._replace(ttl_ms=record.ttl_ms)
+        h = self.holders[record.name]
+        self.holders[record.name] = tuple.__new__(HolderRecord, (*h[:3], record.ttl_ms, *h[4:]))
 
     def raise_epoch(self, epoch: int) -> None:
         self.epoch = epoch
