@@ -6,6 +6,7 @@ This package re-exports the names other modules use; its modules, each one conce
 :mod:`~fastlock.wal.files` (directory modes, atomic writes, the directory lock),
 :mod:`~fastlock.wal.recovery`, :mod:`~fastlock.wal.snapshot` (snapshots and compaction),
 :mod:`~fastlock.wal.writer` (the segment writer and its thread),
+:mod:`~fastlock.wal.commit` (group commit on the loop),
 :mod:`~fastlock.wal.log` (the loop-side :class:`WriteAheadLog`),
 :mod:`~fastlock.wal.backlog` (reading the log back) and :mod:`~fastlock.wal.dump`.
 

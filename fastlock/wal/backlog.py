@@ -9,13 +9,16 @@ disk (a :class:`~fastlock.wal.writer.SegmentList`) and raise
 
 from __future__ import annotations
 
-from typing import IO, Iterator, Optional
+from typing import IO, TYPE_CHECKING, Iterator, Optional
 
 from ..errors import WalCompacted, WalCorruption
 from .files import read_file
 from .format import FRAME, LEN_MASK, MAX_RECORD_BYTES, SEG_HEADER, FrameReader, parse_segment
 from .records import Record
 from .writer import SegmentList
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .log import WriteAheadLog
 
 
 class BacklogReader:
@@ -28,12 +31,12 @@ class BacklogReader:
     Keeps its place between calls, so reading a whole log costs one pass.
     Not thread-safe: one call at a time.
 
-    :param wal: the log (a :class:`~fastlock.wal.WriteAheadLog`; its ``segments``).
+    :param wal: the log (its ``segments`` are read).
     :param lsn: first LSN to return (>= 1).
     """
 
-    def __init__(self, wal: object, lsn: int):
-        self._segments: SegmentList = wal.segments  # type: ignore[attr-defined]
+    def __init__(self, wal: "WriteAheadLog", lsn: int):
+        self._segments: SegmentList = wal.segments
         self.next_lsn = max(1, lsn)
         self._seg_first = 0  # first LSN of the segment being read (0: none yet)
         self._seg_path = ""
