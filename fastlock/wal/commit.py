@@ -227,7 +227,8 @@ class GroupCommit:
 
     def when_durable(self, callback: Callable[[], Any]) -> None:
         """See :meth:`fastlock.wal.WriteAheadLog.when_durable`."""
-        self.check()
+        if self.fatal is not None:
+            self.check()
         lsn = self.next_lsn - 1
         if lsn <= self.marks.ack and not self._waiters and self.loop is not None:
             self.loop.call_soon(callback)

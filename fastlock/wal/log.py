@@ -185,13 +185,14 @@ class WriteAheadLog:
 
     # -- appending ------------------------------------------------------------------------
     def _append(self, rec: list, sync: bool = False) -> None:
-        self._commit.check()
-        if self._phase is not _Phase.OPEN:
+        commit = self._commit
+        if commit.fatal is not None or self._phase is not _Phase.OPEN:
+            commit.check()
             raise RuntimeError("write-ahead log is not open")
         body = _pack(rec)
         if len(body) > MAX_RECORD_BYTES:
             raise ValueError(f"WAL record of {len(body)} bytes exceeds {MAX_RECORD_BYTES}")
-        self._commit.add(body, sync)
+        commit.add(body, sync)
 
     # Each log_* method appends one record, ``[type, field, ...]`` in the order of the
     # fields of its type in fastlock.wal.records (built inline: this is the hot path).
