@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fastlock import protocol as P
-from fastlock import rpc
+from fastlock.protocol import rpc
 from fastlock._testbase import CredentialsDir, ServerProcess, TcpProxy
 from fastlock.errors import ConnectionLost
 
