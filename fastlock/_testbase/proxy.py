@@ -41,6 +41,8 @@ import logging
 import threading
 from typing import Any, Callable
 
+from fastlock.protocol import OP_HELLO, FrameDecoder
+
 log = logging.getLogger(__name__)
 
 _EVERY = object()  # blackhole() without a label
@@ -52,14 +54,12 @@ CLASSIFY_BYTES = 4096
 def classify_fastlock(first_bytes: bytes) -> str:
     """``"replication"`` when the first frame is a standby's HELLO (its client
     name starts ``standby:``), else ``"client"``."""
-    from fastlock import protocol as P
-
     try:
-        msgs = P.FrameDecoder(CLASSIFY_BYTES).feed(first_bytes)
+        msgs = FrameDecoder(CLASSIFY_BYTES).feed(first_bytes)
     except Exception:  # noqa: BLE001 - any undecodable start is simply not a standby
         return "client"
     for msg in msgs:
-        if (type(msg) is list and len(msg) > 3 and msg[1] == P.OP_HELLO and type(msg[3]) is str
+        if (type(msg) is list and len(msg) > 3 and msg[1] == OP_HELLO and type(msg[3]) is str
                 and msg[3].startswith("standby:")):
             return "replication"
         break
@@ -323,7 +323,7 @@ class TcpProxy:
         """Current connections (with ``label``, if given)."""
         return self._run(lambda: len(self._matching(label)))
 
-    # pause/resume: blackhole/heal of every connection, under the names tests/tcpproxy.py users call
+    # pause/resume: blackhole/heal of every connection
     def pause(self) -> None:
         """:meth:`blackhole` every connection."""
         self.blackhole()

@@ -1,9 +1,5 @@
-"""Loopback tools for the replication and failover tests.
-
-:class:`TcpProxy`
-    The fault-injecting proxy of the test base (:mod:`fastlock._testbase.proxy`),
-    re-exported here: ``pause()``/``blackhole()`` a link, ``resume()``/``heal()``
-    it, ``cut()`` it.
+"""Several nodes for one test: raw connections to one node, and clusters of
+real servers with proxies between them.
 
 :class:`RawNode`
     A protocol connection to exactly ONE node: no redirects, no reconnects,
@@ -12,8 +8,12 @@
     server sent.
 
 :class:`Cluster`
-    Starts primaries, standbys and proxies for one test and stops all of them
-    (use it from a fixture's ``finally``).
+    Starts primaries, standbys and proxies (:class:`~fastlock._testbase.proxy.TcpProxy`)
+    for one test and stops all of them (use it from a fixture's ``finally``).
+
+:func:`run`, :func:`poll`, :func:`status_of`
+    Run a coroutine with a bound; wait for a condition with a bound; one
+    STATUS round trip to exactly one address.
 """
 
 from __future__ import annotations
@@ -25,9 +25,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fastlock import protocol as P
-from fastlock.protocol import rpc
-from fastlock._testbase import CredentialsDir, ServerProcess, TcpProxy
+from fastlock._testbase.proxy import TcpProxy
+from fastlock._testbase.servers import CredentialsDir, ServerProcess
 from fastlock.errors import ConnectionLost
+from fastlock.protocol import rpc
+from fastlock.units import parse_address
+
+__all__ = ["Cluster", "RawNode", "poll", "run", "status_of"]
 
 
 class RawNode:
@@ -38,13 +42,12 @@ class RawNode:
     server's answer in :attr:`hello`.  :meth:`request` pipelines requests and
     raises the server's error as a :mod:`fastlock.errors` exception, or
     :class:`~fastlock.errors.ConnectionLost` when the connection drops.
-    Built on :class:`fastlock.rpc.RpcConnection` (pushes are ignored).
+    Built on :class:`fastlock.protocol.rpc.RpcConnection` (pushes are ignored).
     """
 
     def __init__(self, address: str):
-        host, _, port = address.rpartition(":")
         self.address = address
-        self.host, self.port = host, int(port)
+        self.host, self.port = parse_address(address, default_port=None)
         self.hello: dict = {}
         self._conn: rpc.RpcConnection | None = None
 
