@@ -68,7 +68,7 @@ def _run_demo(tmp_path, *args: str, module: tuple[str, ...] = ("fastlock.demo",)
     proc = subprocess.run(
         [sys.executable, "-m", *module, *args],
         cwd=tmp_path, env=_env(marker, tmp_path), stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=DEMO_TIMEOUT,
+        capture_output=True, text=True, timeout=DEMO_TIMEOUT,
     )
     return proc, marker
 

@@ -10,8 +10,8 @@ import os
 import pytest
 
 from fastlock import protocol as P
-from fastlock.protocol import rpc
 from fastlock.errors import ConnectionLost, InvalidArgument, LeaseLost
+from fastlock.protocol import rpc
 
 
 async def _open(server, **kwargs) -> rpc.RpcConnection:

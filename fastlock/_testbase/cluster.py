@@ -19,10 +19,13 @@ real servers with proxies between them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from types import EllipsisType
+from typing import Any
 
 from fastlock import protocol as P
 from fastlock._testbase.proxy import TcpProxy
@@ -30,6 +33,8 @@ from fastlock._testbase.servers import CredentialsDir, ServerProcess
 from fastlock.errors import ConnectionLost
 from fastlock.protocol import rpc
 from fastlock.units import parse_address
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Cluster", "RawNode", "poll", "run", "status_of"]
 
@@ -53,7 +58,7 @@ class RawNode:
 
     @classmethod
     async def open(cls, address: str, *, known_epoch: int | None = None, name: str = "raw",
-                   timeout: float = 5.0, token: str | None | type = ...) -> "RawNode":
+                   timeout: float = 5.0, token: str | None | EllipsisType = ...) -> RawNode:
         """``token``: the credential for HELLO (default: the token in the file named by
         ``FASTLOCK_TOKEN_FILE`` - a :class:`Cluster` sets it to its admin's - else None)."""
         if token is ...:
@@ -79,7 +84,8 @@ class RawNode:
         return self._conn.request(op, *args)
 
     # -- lock operations in wire units (ms) -----------------------------------------------
-    async def acquire(self, name: str, ttl_ms: int, wait_ms: int = 0, owner: bytes | None = None) -> tuple[int, int, bytes]:
+    async def acquire(self, name: str, ttl_ms: int, wait_ms: int = 0,
+                      owner: bytes | None = None) -> tuple[int, int, bytes]:
         """Returns ``(token, ttl_ms, owner)``."""
         owner = owner or os.urandom(16)
         reply = await self.request(P.OP_ACQUIRE, name, owner, ttl_ms, wait_ms, 0, None)
@@ -180,7 +186,7 @@ class Cluster:
             try:
                 srv.stop(5)
             except Exception:  # keep stopping the others
-                pass
+                log.exception("stopping %s failed", srv.data_dir)
 
 
 def run(coro, timeout: float = 40.0):

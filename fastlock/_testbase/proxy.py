@@ -39,7 +39,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastlock.protocol import OP_HELLO, FrameDecoder
 
@@ -69,7 +70,7 @@ def classify_fastlock(first_bytes: bytes) -> str:
 class _Side(asyncio.Protocol):
     """One socket of a proxied connection."""
 
-    def __init__(self, link: "_Link"):
+    def __init__(self, link: _Link):
         self.link = link
         self.transport: asyncio.Transport | None = None
         self.reading = True
@@ -106,7 +107,7 @@ class _Side(asyncio.Protocol):
 class _Link:
     """One proxied connection: the accepted side and, once connected, the target side."""
 
-    def __init__(self, proxy: "TcpProxy"):
+    def __init__(self, proxy: TcpProxy):
         self.proxy = proxy
         self.down = _Side(self)  # towards the connecting client
         self.up: _Side | None = None  # towards the target
@@ -126,11 +127,12 @@ class _Link:
             return
         if side is self.down and self.up is None:
             self.pending += data
-            if not self.classified:
+            classify = self.proxy.classify
+            if not self.classified and classify is not None:
                 self.classified = True
                 try:
-                    self.label = self.proxy.classify(bytes(self.pending[:CLASSIFY_BYTES]))
-                except Exception:  # noqa: BLE001 - a broken classifier labels nothing
+                    self.label = classify(bytes(self.pending[:CLASSIFY_BYTES]))
+                except Exception:
                     log.exception("proxy classifier failed")
                 self.proxy._maybe_connect(self)
             self.update_reading()
@@ -165,12 +167,14 @@ class _Link:
             return
         finally:
             self.connecting = False
+        transport = up.transport
+        assert transport is not None  # set by connection_made, before create_connection returns
         if self.closed:
-            up.transport.close()
+            transport.close()
             return
         self.up = up
         if self.pending:
-            up.transport.write(bytes(self.pending))
+            transport.write(bytes(self.pending))
             self.pending.clear()
         self.update_reading()
 
@@ -225,7 +229,7 @@ class TcpProxy:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self) -> "TcpProxy":
+    def start(self) -> TcpProxy:
         loop = self._loop = asyncio.new_event_loop()
         ready = threading.Event()
 
@@ -268,7 +272,10 @@ class TcpProxy:
     def _run(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` on the proxy's loop and return its result (thread-safe)."""
         done = threading.Event()
-        box: list = []
+        box: list[Any] = []
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError("the proxy is not started")
 
         def call() -> None:
             try:
@@ -276,7 +283,7 @@ class TcpProxy:
             finally:
                 done.set()
 
-        self._loop.call_soon_threadsafe(call)
+        loop.call_soon_threadsafe(call)
         if not done.wait(10):
             raise RuntimeError("proxy loop did not answer")
         return box[0] if box else None
@@ -334,7 +341,8 @@ class TcpProxy:
 
     def close(self) -> None:
         """Close every connection and the listener, and stop the proxy's thread."""
-        if self._loop is None or self._loop.is_closed():
+        loop = self._loop
+        if loop is None or loop.is_closed():
             return
 
         def do() -> None:
@@ -344,7 +352,7 @@ class TcpProxy:
                 task.cancel()
             if self._server is not None:
                 self._server.close()
-            self._loop.call_later(0.05, self._loop.stop)
+            loop.call_later(0.05, loop.stop)
 
         try:
             self._run(do)
@@ -353,7 +361,7 @@ class TcpProxy:
         if self._thread is not None:
             self._thread.join(5)
 
-    def __enter__(self) -> "TcpProxy":
+    def __enter__(self) -> TcpProxy:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
         return 1
-    except Exception as exc:  # noqa: BLE001 - one clear line, not a traceback
+    except Exception as exc:
         if not isinstance(exc, (FastlockError, WalCorruption, OSError, TimeoutError, ValueError)):
             raise  # a bug: keep the traceback
         print(f"fastlock {command}: {describe(args, exc)}", file=sys.stderr)

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 from .. import wal
@@ -26,8 +27,16 @@ from ..protocol import OP_HELLO, OP_PROMOTE, OP_SERVE_ALONE, OP_STATUS, PROTOCOL
 from ..protocol.rpc import open_connection
 from ..tls import client_ssl_context
 from ..units import DEFAULT_PORT, format_address
-from .args import (SERVER_VARIABLE, add_client_tls_arguments, add_token_arguments, client_tls_options, read_token,
-                   seconds_arg, server_address, servers_from_env)
+from .args import (
+    SERVER_VARIABLE,
+    add_client_tls_arguments,
+    add_token_arguments,
+    client_tls_options,
+    read_token,
+    seconds_arg,
+    server_address,
+    servers_from_env,
+)
 
 __all__ = ["ADMIN_TIMEOUT", "add_parsers", "admin_request", "resolve_server", "where"]
 
@@ -146,7 +155,7 @@ def admin_request(server: tuple[str, int], token: str | None, op: int, *args: An
     server_hostname = options.pop("server_hostname", None)
     ctx = client_ssl_context(options.pop("tls", None), options.pop("tls_ca", None), options.pop("tls_cert", None),
                              options.pop("tls_key", None))
-    ssl_args = {"ssl": ctx, "server_hostname": server_hostname or host} if ctx is not None else {}
+    ssl_args: dict[str, Any] = {"ssl": ctx, "server_hostname": server_hostname or host} if ctx is not None else {}
 
     # what a server closing or resetting the connection most likely means
     hint = (" (it may require TLS: --tls-ca)" if ctx is None else
@@ -213,12 +222,12 @@ def credentials_init_command(args: argparse.Namespace) -> int:
     for spec in args.client or ["app"]:
         name, _, prefix = spec.partition("=")
         clients.append((name, prefix))
-    certs: dict[str, list[str]] = {}
+    certs: dict[str, Iterable[str]] = {}
     for spec in args.cert or []:
         principal, sep, cn = spec.partition("=")
         if not sep or not cn:
             raise ValueError(f"--cert takes PRINCIPAL=CN, not {spec!r}")
-        certs.setdefault(principal, []).append(cn)
+        certs[principal] = [*certs.get(principal, ()), cn]
     paths = generate(args.directory, clients=clients, replicas=args.replica or ["node-a", "node-b"],
                      admins=args.admin or ["admin"], anonymous_prefix=args.anonymous, cert_identities=certs)
     print(f"wrote {os.path.join(args.directory, 'credentials.toml')} (token hashes; give it to every server "

@@ -50,8 +50,9 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..client import connect
 from ..errors import FastlockError, LockNotAcquired, StaleFencingToken

@@ -52,16 +52,32 @@ import os
 import signal
 import socket
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ..auth import read_token_file
 from ..client import connect, resolve_credential
-from ..errors import (AuthError, ConnectionLost, FastlockError, InvalidArgument, LeaseLost, LockNotAcquired,
-                      PermissionDenied, WrongArgumentType)
+from ..errors import (
+    AuthError,
+    ConnectionLost,
+    FastlockError,
+    InvalidArgument,
+    LeaseLost,
+    LockNotAcquired,
+    PermissionDenied,
+    WrongArgumentType,
+)
 from ..protocol import MAX_CLIENT_NAME_CHARS, check_name, check_optional_str
 from ..units import DEFAULT_PORT
-from .args import (add_client_tls_arguments, client_tls_options, exit_code_arg, seconds_arg, servers_from_env,
-                   ttl_arg, wait_arg)
+from .args import (
+    add_client_tls_arguments,
+    client_tls_options,
+    exit_code_arg,
+    seconds_arg,
+    servers_from_env,
+    ttl_arg,
+    wait_arg,
+)
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +114,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pass-credentials", action="store_true",
                    help="leave FASTLOCK_TOKEN_FILE and FASTLOCK_AUTH_SECRET in the command's environment "
                         "(by default they are removed, so the command cannot act as this client)")
-    p.add_argument("--client-name", metavar="NAME", help="client name shown by the server (default fastlock-run@HOST:PID)")
+    p.add_argument("--client-name", metavar="NAME",
+                   help="client name shown by the server (default fastlock-run@HOST:PID)")
     p.add_argument("--grace", type=seconds_arg, default=10.0, metavar="S",
                    help="after the lease is lost: seconds between SIGTERM and SIGKILL to the command (default 10)")
     p.add_argument("--conflict-exit-code", type=exit_code_arg, default=EXIT_NOT_ACQUIRED, metavar="N",
@@ -178,6 +195,7 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
                client_name: str) -> int:
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
+    assert main_task is not None  # a coroutine run by asyncio.run
     state: dict = {"proc": None, "signal": None}
 
     def on_signal(signum: int) -> None:

@@ -156,7 +156,7 @@ class _FrameShape:
         self.items = 0
         self.ending = False  # the skipped payload is the frame's last element
 
-    def walk(self, data, pos: int = 0) -> int:
+    def walk(self, data: bytes | memoryview, pos: int = 0) -> int:
         """Walk ``data[pos:]``; return the offset just past the frame's end, or -1
         if the frame continues in a later piece.  Raises ProtocolError."""
         n = len(data)
@@ -183,7 +183,8 @@ class _FrameShape:
                     self.head = head
                     return -1
                 self.head = b""
-                hdr, hpos = head, 0
+                hdr: bytes | memoryview = head
+                hpos = 0
             else:
                 hdr, hpos = data, pos
             b = hdr[hpos]
@@ -278,7 +279,7 @@ class FrameDecoder:
         try:
             up.feed(data)
             self._fed = base + len(data)
-            out = []
+            out: list[Any] = []
             append = out.append
             start = self._frame_start
             max_frame = limits.max_frame_bytes

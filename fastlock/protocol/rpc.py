@@ -51,7 +51,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import ConnectionLost, FastlockError, ProtocolError, error_from_wire
 from ..logsafe import quote
@@ -68,7 +69,7 @@ __all__ = ["RpcConnection", "open_connection"]
 DEFAULT_MAX_FRAME_BYTES = 64 << 20
 
 
-def _ignore_result(fut: asyncio.Future) -> None:
+def _ignore_result(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()
 
@@ -93,7 +94,7 @@ class RpcConnection(asyncio.Protocol):
     Attributes:
         transport: the asyncio transport (None before ``connection_made``).
         closed (bool): the connection ended (or was failed by :meth:`fail`).
-        pending (dict[int, asyncio.Future]): requests without a reply yet.
+        pending (dict[int, asyncio.Future[Any]]): requests without a reply yet.
         subscriptions (int): server-push subscriptions outstanding (watches);
             like a pending request, they keep the liveness watchdog armed.
         last_recv (float): ``loop.time()`` when bytes last arrived.
@@ -110,14 +111,14 @@ class RpcConnection(asyncio.Protocol):
     def __init__(self, address: tuple[str, int] = ("", 0), *,
                  on_push: Callable[[Any, Any], Any] | None = None,
                  on_read_end: Callable[[], Any] | None = None,
-                 on_close: Callable[["RpcConnection", ConnectionLost], Any] | None = None,
+                 on_close: Callable[[RpcConnection, ConnectionLost], Any] | None = None,
                  max_frame: int | None = DEFAULT_MAX_FRAME_BYTES,
                  limits: DecodeLimits | None = None,
                  liveness_timeout: float | None = None):
         self.address = address
         self.transport: asyncio.Transport | None = None
         self.closed = False
-        self.pending: dict[int, asyncio.Future] = {}
+        self.pending: dict[int, asyncio.Future[Any]] = {}
         self.subscriptions = 0
         self.loop = asyncio.get_running_loop()
         self.last_recv = self._armed_at = self.loop.time()
@@ -169,7 +170,7 @@ class RpcConnection(asyncio.Protocol):
                 if self._on_push is not None:
                     try:
                         self._on_push(status, msg[2] if len(msg) > 2 else None)
-                    except Exception as exc:  # noqa: BLE001 - the stream cannot go on
+                    except Exception as exc:
                         if isinstance(exc, FastlockError):
                             log.error("push %r from %s refused: %s", status, self._where(), exc)
                         else:
@@ -189,7 +190,7 @@ class RpcConnection(asyncio.Protocol):
         if pushed and self._on_read_end is not None:
             try:
                 self._on_read_end()
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 log.exception("read-end hook for %s failed", self._where())
                 self.abort(ConnectionLost(f"read-end hook for {self._where()} failed: {exc}"))
 
@@ -204,7 +205,7 @@ class RpcConnection(asyncio.Protocol):
         self.fail(error)
 
     # -- requests ----------------------------------------------------------------------
-    def request(self, op: int, *args: Any) -> asyncio.Future:
+    def request(self, op: int, *args: Any) -> asyncio.Future[Any]:
         """Send ``[id, op, *args]``; return a future for its reply's value.
 
         The future raises the server's error (a :class:`FastlockError`
@@ -212,15 +213,16 @@ class RpcConnection(asyncio.Protocol):
         (at once if it has ended already).
         """
         fut = self.loop.create_future()
-        if self.closed:
+        transport = self.transport
+        if self.closed or transport is None:
             fut.set_exception(ConnectionLost(f"connection to {self._where()} is closed"))
             return fut
         req_id = self._next_id
         self._next_id = req_id + 1
         self.pending[req_id] = fut
-        self.transport.write(packb([req_id, op, *args]))
+        transport.write(packb([req_id, op, *args]))
         if self._watchdog is None and self.liveness_timeout is not None:
-            self._arm_watchdog()
+            self._arm_watchdog(self.liveness_timeout)
         return fut
 
     def send(self, op: int, *args: Any) -> None:
@@ -233,7 +235,7 @@ class RpcConnection(asyncio.Protocol):
         self._next_id = req_id + 1
         return req_id
 
-    def expect(self, req_id: int) -> asyncio.Future:
+    def expect(self, req_id: int) -> asyncio.Future[Any]:
         """A future for the reply to ``req_id`` (reserved by :meth:`next_id`
         and sent with :meth:`write_raw`)."""
         fut = self.loop.create_future()
@@ -266,7 +268,7 @@ class RpcConnection(asyncio.Protocol):
         if self._on_close is not None:
             try:
                 self._on_close(self, error)
-            except Exception:  # noqa: BLE001 - every caller must still see the close
+            except Exception:
                 log.exception("close hook for %s failed", self._where())
 
     def abort(self, error: ConnectionLost) -> None:
@@ -283,18 +285,18 @@ class RpcConnection(asyncio.Protocol):
             self.transport.close()
 
     # -- liveness ----------------------------------------------------------------------
-    def _arm_watchdog(self) -> None:
+    def _arm_watchdog(self, timeout: float) -> None:
         # Silence counts from when something became outstanding: an idle
         # connection's silence is expected and says nothing about the server.
         now = self._armed_at = self.loop.time()
         self._pinged = False
-        due = now + self.liveness_timeout / 3.0
+        due = now + timeout / 3.0
         self._watchdog = self.loop.call_at(due, self._check_liveness, due)
 
     def rearm(self) -> None:
         """Arm the liveness watchdog if it is idle (after a subscription began)."""
         if self._watchdog is None and self.liveness_timeout is not None and not self.closed:
-            self._arm_watchdog()
+            self._arm_watchdog(self.liveness_timeout)
 
     def _check_liveness(self, due: float | None) -> None:
         """Runs about every ``liveness_timeout / 3`` s while something is
@@ -302,11 +304,12 @@ class RpcConnection(asyncio.Protocol):
         ``liveness_timeout`` s despite a ping.  ``due`` is the ``loop.time()``
         it was scheduled for (None: do not judge lateness)."""
         self._watchdog = None
-        if self.closed or (not self.pending and not self.subscriptions):
+        timeout = self.liveness_timeout
+        transport = self.transport
+        if self.closed or (not self.pending and not self.subscriptions) or timeout is None or transport is None:
             return  # idle: re-armed by the next request
         loop = self.loop
         now = loop.time()
-        timeout = self.liveness_timeout
         interval = timeout / 3.0
         if due is not None and now - due > interval / 2:
             # We ran late: this process itself was stalled (SIGSTOP, a loop
@@ -335,7 +338,7 @@ class RpcConnection(asyncio.Protocol):
             fut = loop.create_future()
             fut.add_done_callback(_ignore_result)
             self.pending[req_id] = fut
-            self.transport.write(packb([req_id, OP_PING]))
+            transport.write(packb([req_id, OP_PING]))
         if pinged:
             nxt = max(since + timeout, self._ping_sent + interval)
         else:

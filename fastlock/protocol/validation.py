@@ -34,10 +34,6 @@ MAX_CORRELATION_ID_CHARS = 256
 MAX_CLIENT_NAME_CHARS = 128
 
 
-def _is_int(v: Any) -> bool:
-    return type(v) is int  # bool is refused on purpose
-
-
 def check_name(name: Any) -> str:
     """A lock name: non-empty str, at most 512 bytes of UTF-8, no NUL."""
     if type(name) is not str:
@@ -56,7 +52,7 @@ def check_name(name: Any) -> str:
 
 
 def check_ttl_ms(ttl_ms: Any) -> int:
-    if not _is_int(ttl_ms):
+    if type(ttl_ms) is not int:  # bool is refused on purpose
         raise WrongArgumentType(f"ttl must be an integer number of milliseconds, not {type(ttl_ms).__name__}")
     if not MIN_TTL_MS <= ttl_ms <= MAX_TTL_MS:
         raise InvalidArgument(f"ttl must be between {MIN_TTL_MS} ms and {MAX_TTL_MS} ms (24 h), got {ttl_ms} ms")
@@ -64,7 +60,7 @@ def check_ttl_ms(ttl_ms: Any) -> int:
 
 
 def check_wait_ms(wait_ms: Any) -> int:
-    if not _is_int(wait_ms):
+    if type(wait_ms) is not int:  # bool is refused on purpose
         raise WrongArgumentType(f"wait must be an integer number of milliseconds, not {type(wait_ms).__name__}")
     if not (wait_ms == -1 or 0 <= wait_ms <= MAX_WAIT_MS):
         raise InvalidArgument(f"wait must be -1 (forever) or 0..{MAX_WAIT_MS} ms, got {wait_ms}")
@@ -72,7 +68,7 @@ def check_wait_ms(wait_ms: Any) -> int:
 
 
 def check_lock_delay_ms(delay_ms: Any) -> int:
-    if not _is_int(delay_ms):
+    if type(delay_ms) is not int:  # bool is refused on purpose
         raise WrongArgumentType(f"lock_delay must be an integer number of milliseconds, not {type(delay_ms).__name__}")
     if not 0 <= delay_ms <= MAX_LOCK_DELAY_MS:
         raise InvalidArgument(f"lock_delay must be 0..{MAX_LOCK_DELAY_MS} ms, got {delay_ms}")
@@ -88,7 +84,7 @@ def check_owner(owner: Any) -> bytes:
 
 
 def check_token(token: Any) -> int:
-    if not _is_int(token):
+    if type(token) is not int:  # bool is refused on purpose
         raise WrongArgumentType(f"fencing token must be int, not {type(token).__name__}")
     if not 0 < token < (1 << 63):
         raise InvalidArgument("fencing token out of range (1 .. 2**63-1)")
@@ -97,7 +93,7 @@ def check_token(token: Any) -> int:
 
 def check_epoch(epoch: Any, what: str = "epoch") -> int:
     """An epoch from the wire: an int in 0..MAX_EPOCH (so its tokens stay below 2**63)."""
-    if not _is_int(epoch):
+    if type(epoch) is not int:  # bool is refused on purpose
         raise WrongArgumentType(f"{what} must be int, not {type(epoch).__name__}")
     if not 0 <= epoch <= MAX_EPOCH:
         raise InvalidArgument(f"{what} {epoch} out of range (0 .. {MAX_EPOCH}: tokens must stay below 2**63)")
