@@ -261,9 +261,10 @@ def node_status(address: str, timeout: float = 2.0, token: str | None = None) ->
         TimeoutError: no connection or no reply within ``timeout``.
         FastlockError: the node refused the request.
     """
-    from fastlock import cli, protocol
+    from fastlock.cli.admin import admin_request
+    from fastlock.protocol import OP_STATUS
+    from fastlock.units import parse_address
 
     if token is None and os.environ.get("FASTLOCK_TOKEN_FILE"):
         token = Path(os.environ["FASTLOCK_TOKEN_FILE"]).read_text().strip()
-    host, _, port = address.rpartition(":")
-    return cli._admin((host, int(port)), token, protocol.OP_STATUS, reply_timeout=timeout)
+    return admin_request(parse_address(address, default_port=None), token, OP_STATUS, reply_timeout=timeout)
