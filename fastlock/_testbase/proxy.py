@@ -222,8 +222,6 @@ class TcpProxy:
         self._links: set[_Link] = set()
         self._holes: set[Any] = set()
         self._tasks: set[asyncio.Task] = set()
-        self.connections = 0  # accepted so far
-        self.refused = 0  # closed at once: max_connections reached
 
     @property
     def address(self) -> str:
@@ -253,11 +251,9 @@ class TcpProxy:
 
     def _accept(self) -> asyncio.Protocol:
         if len(self._links) >= self.max_connections:
-            self.refused += 1
-            return _Refuse()
+            return _Refuse()  # closed at once: max_connections reached
         link = _Link(self)
         self._links.add(link)
-        self.connections += 1
         return link.down
 
     def _maybe_connect(self, link: _Link) -> None:
