@@ -136,6 +136,10 @@ def test_wal_dump_of_a_wal_with_no_records_prints_nothing_and_exits_0(tmp_path):
     srv.stop()
     out = fastlock("wal", "dump", "--lock", "nothing-here", str(tmp_path / "data"), cwd=tmp_path)
     assert out.returncode == 0 and out.stdout == "" and out.stderr == "", out
+    state = fastlock("wal", "dump", "--state", str(tmp_path / "data"), cwd=tmp_path)
+    assert state.returncode == 0 and state.stderr == "", state
+    assert [line.split()[2] for line in state.stdout.splitlines()] == ["state"], state.stdout
+    assert "holders=0" in state.stdout, state.stdout
 
 
 def test_serve_refuses_a_frame_limit_too_small_for_a_valid_request(tmp_path):
