@@ -83,15 +83,14 @@ _REASON = "not yet moved to its package (issue 11); the lead removes this mark a
 
 #: (check, module) -> why the module of the pre-package layout fails that check today
 PENDING: dict[tuple[str, str], str] = {
-    **{("size", m): _REASON for m in ("fastlock.auth", "fastlock.client", "fastlock.replication", "fastlock.wal")},
-    **{("attributes", m): _REASON for m in ("fastlock.replication", "fastlock.wal")},
+    ("size", "fastlock.client"): _REASON,
+    ("size", "fastlock.auth"): "604 lines, a few over the limit; a top-level module no helper of issue 11 owns",
     **{("layers", m): "imports __version__ from the package root, which imports the client"
        for m in ("fastlock.server.handlers", "fastlock.server.lockserver")},
     ("cycles", "fastlock.client"): "fastlock.client <-> fastlock.election " + _REASON,
     ("cycles", "fastlock.election"): "fastlock.client <-> fastlock.election " + _REASON,
     ("private", "fastlock.election"): "reads Client._renewers, Client._drop, LeaseHealth internals; " + _REASON,
     ("private", "fastlock.sync"): "reads Client._ensure_connected, LeaseHealth._state; " + _REASON,
-    ("private", "fastlock.replication"): "imports wal._fsync_dir; " + _REASON,
 }
 
 #: ruff and mypy: modules other helpers are still changing (issue 11), as paths without ".py", so that
@@ -103,8 +102,8 @@ LINT_PENDING: list[str] = [
     "benches/load", "benches/nemesis/__main__", "benches/nemesis/cluster", "benches/peers/etcd_peer",
     "benches/peers/redis_peer", "benches/test_bench_w1", "fastlock/__init__", "fastlock/_core", "fastlock/auth",
     "fastlock/client", "fastlock/election", "fastlock/errors", "fastlock/fencing", "fastlock/metrics",
-    "fastlock/replication", "fastlock/replication_host", "fastlock/roles", "fastlock/server", "fastlock/sync",
-    "fastlock/tls", "fastlock/wal", "tests/fakehost", "tests/pgserver", "tests/refmodel", "tests/test_auth",
+    "fastlock/replication", "fastlock/roles", "fastlock/server", "fastlock/sync", "fastlock/tls",
+    "fastlock/wal", "tests/fakehost", "tests/pgserver", "tests/refmodel", "tests/test_auth",
     "tests/test_bad_input", "tests/test_client_deadlines", "tests/test_core", "tests/test_core_properties",
     "tests/test_election", "tests/test_failover", "tests/test_failover_deadlines", "tests/test_failover_policy",
     "tests/test_fencing", "tests/test_integration", "tests/test_limits", "tests/test_multilock",
@@ -114,10 +113,12 @@ LINT_PENDING: list[str] = [
     "tests/test_wal_properties"
 ]
 
+
 TYPES_PENDING: list[str] = [
     "fastlock/__init__", "fastlock/client", "fastlock/election", "fastlock/errors", "fastlock/fencing",
     "fastlock/replication", "fastlock/roles", "fastlock/server", "fastlock/sync", "fastlock/tls", "fastlock/wal"
 ]
+
 
 
 
