@@ -20,8 +20,10 @@ run):
 * no module over :data:`MAX_MODULE_LINES` lines (the Cython core excepted),
   no class with more than :data:`MAX_INSTANCE_ATTRIBUTES` instance attributes.
 
-Checks that a module of the pre-package layout fails are marked ``xfail``
-(not strict) with the reason, module by module, in :data:`PENDING`.
+A check that a module fails today is marked ``xfail`` (not strict) with the
+reason, module by module, in :data:`PENDING`; files not yet clean for ruff or
+mypy are listed in :data:`LINT_PENDING` and :data:`TYPES_PENDING` (checked
+apart, as ``xfail``), so that every other file stays clean.
 """
 
 from __future__ import annotations
@@ -79,18 +81,14 @@ PRIVATE_OK = {"fastlock._core", "fastlock._testbase"}
 #: the public API of named tuples, whose names begin with "_"
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
 
-_REASON = "not yet moved to its package (issue 11); the lead removes this mark after merging"
+_REASON = "not yet lint- or type-clean after the package moves of issue 11"
 
 #: (check, module) -> why the module of the pre-package layout fails that check today
 PENDING: dict[tuple[str, str], str] = {
-    ("size", "fastlock.client"): _REASON,
+    ("size", "fastlock.client.client"): "618 lines, a few over the limit (the Client facade)",
     ("size", "fastlock.auth"): "604 lines, a few over the limit; a top-level module no helper of issue 11 owns",
     **{("layers", m): "imports __version__ from the package root, which imports the client"
        for m in ("fastlock.server.handlers", "fastlock.server.lockserver")},
-    ("cycles", "fastlock.client"): "fastlock.client <-> fastlock.election " + _REASON,
-    ("cycles", "fastlock.election"): "fastlock.client <-> fastlock.election " + _REASON,
-    ("private", "fastlock.election"): "reads Client._renewers, Client._drop, LeaseHealth internals; " + _REASON,
-    ("private", "fastlock.sync"): "reads Client._ensure_connected, LeaseHealth._state; " + _REASON,
 }
 
 #: ruff and mypy: modules other helpers are still changing (issue 11), as paths without ".py", so that
@@ -101,23 +99,24 @@ LINT_PENDING: list[str] = [
     "benches/election_failover", "benches/failover", "benches/fuzz", "benches/harness", "benches/limits",
     "benches/load", "benches/nemesis/__main__", "benches/nemesis/cluster", "benches/peers/etcd_peer",
     "benches/peers/redis_peer", "benches/test_bench_w1", "fastlock/__init__", "fastlock/_core", "fastlock/auth",
-    "fastlock/client", "fastlock/election", "fastlock/errors", "fastlock/fencing", "fastlock/metrics",
-    "fastlock/replication", "fastlock/roles", "fastlock/server", "fastlock/sync", "fastlock/tls",
-    "fastlock/wal", "tests/fakehost", "tests/pgserver", "tests/refmodel", "tests/test_auth",
-    "tests/test_bad_input", "tests/test_client_deadlines", "tests/test_core", "tests/test_core_properties",
-    "tests/test_election", "tests/test_failover", "tests/test_failover_deadlines", "tests/test_failover_policy",
-    "tests/test_fencing", "tests/test_integration", "tests/test_limits", "tests/test_multilock",
-    "tests/test_pairing", "tests/test_recovery", "tests/test_replication", "tests/test_replication_host",
-    "tests/test_ride_through", "tests/test_role_rules", "tests/test_roles", "tests/test_security",
-    "tests/test_server_errors", "tests/test_sync", "tests/test_tls", "tests/test_units", "tests/test_wal",
-    "tests/test_wal_properties"
+    "fastlock/client", "fastlock/errors", "fastlock/fencing", "fastlock/metrics", "fastlock/replication",
+    "fastlock/roles", "fastlock/server", "fastlock/tls", "fastlock/wal", "tests/fakehost", "tests/pgserver",
+    "tests/refmodel", "tests/test_auth", "tests/test_bad_input", "tests/test_client_deadlines",
+    "tests/test_core", "tests/test_core_properties", "tests/test_election", "tests/test_failover",
+    "tests/test_failover_deadlines", "tests/test_failover_policy", "tests/test_fencing",
+    "tests/test_integration", "tests/test_limits", "tests/test_multilock", "tests/test_pairing",
+    "tests/test_recovery", "tests/test_replication", "tests/test_replication_host", "tests/test_ride_through",
+    "tests/test_role_rules", "tests/test_roles", "tests/test_security", "tests/test_server_errors",
+    "tests/test_sync", "tests/test_tls", "tests/test_units", "tests/test_wal", "tests/test_wal_properties"
 ]
+
 
 
 TYPES_PENDING: list[str] = [
-    "fastlock/__init__", "fastlock/client", "fastlock/election", "fastlock/errors", "fastlock/fencing",
-    "fastlock/replication", "fastlock/roles", "fastlock/server", "fastlock/sync", "fastlock/tls", "fastlock/wal"
+    "fastlock/client", "fastlock/election", "fastlock/errors", "fastlock/fencing", "fastlock/replication",
+    "fastlock/roles", "fastlock/server", "fastlock/tls", "fastlock/wal"
 ]
+
 
 
 
