@@ -244,7 +244,7 @@ async def test_auth_secret(server_factory, tmp_path, loop_errors):
         await c.release(lease)
         # the legacy secret is a client of every lock, never an operator or a replica
         assert c.server_info["principal"] == "shared-secret" and c.server_info["kind"] == "client"
-    from tcpproxy import RawNode
+    from fastlock._testbase.cluster import RawNode
 
     raw = await RawNode.open(srv.address, token="s3cret")
     try:

@@ -41,7 +41,7 @@ from fastlock.errors import (
     Unavailable,
 )
 from fastlock.fencing import SQLiteFence
-from tcpproxy import RawNode, poll, run, status_of
+from fastlock._testbase.cluster import RawNode, poll, run, status_of
 
 EPOCH_SHIFT = 40
 FAILOVER = 1.0  # --failover-after, seconds

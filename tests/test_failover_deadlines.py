@@ -27,7 +27,7 @@ import time
 import pytest
 
 from fastlock.errors import NotPrimary, Unavailable
-from tcpproxy import RawNode, poll, run, status_of
+from fastlock._testbase.cluster import RawNode, poll, run, status_of
 
 FAILOVER = 1.0  # --failover-after, seconds
 GRACE = 0.2  # --promotion-grace, seconds

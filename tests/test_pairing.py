@@ -19,7 +19,7 @@ import pytest
 
 from fastlock import protocol as P
 from fastlock.errors import ConnectionLost, NotPrimary, Unavailable
-from tcpproxy import RawNode, poll, run, status_of
+from fastlock._testbase.cluster import RawNode, poll, run, status_of
 
 FAILOVER = 1.0
 GRACE = 0.2

@@ -30,7 +30,7 @@ import pytest
 
 import fastlock
 from fastlock.errors import ConnectionLost, LeaseLost, NotPrimary, Unavailable
-from tcpproxy import RawNode, poll, run, status_of
+from fastlock._testbase.cluster import RawNode, poll, run, status_of
 
 FAILOVER = 1.0  # --failover-after, seconds
 GRACE = 0.3  # --promotion-grace, seconds

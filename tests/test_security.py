@@ -26,7 +26,7 @@ from fastlock.auth import Credentials, CredentialsError, hash_owner, hash_token
 from fastlock.errors import AuthError, LeaseLost, PermissionDenied, Unavailable
 from fastlock.wal import Grant, decode_frames
 
-from tcpproxy import RawNode, poll, run, status_of
+from fastlock._testbase.cluster import RawNode, poll, run, status_of
 
 LONG = 30_000  # ms
 

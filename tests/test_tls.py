@@ -34,7 +34,7 @@ import fastlock  # noqa: E402
 from fastlock.errors import ConnectionLost, InvalidArgument, WrongArgumentType  # noqa: E402
 from fastlock.sync import SyncClient  # noqa: E402
 from fastlock.tls import ServerTLS, client_context, peer_identity  # noqa: E402
-from tcpproxy import poll, run  # noqa: E402
+from fastlock._testbase.cluster import poll, run  # noqa: E402
 
 EPOCH_SHIFT = 40
 
