@@ -67,7 +67,8 @@ TRANSITIONS: dict[tuple[Role, Role], str] = {
     (Role.STANDBY, Role.PROMOTING): "promotion begins (operator command, or the primary went silent)",
     (Role.PROMOTING, Role.PRIMARY): "promotion done: the new epoch is durable",
     (Role.PROMOTING, Role.STANDBY): "promotion refused or failed: back to following",
-    (Role.PRIMARY, Role.DEPOSED): "stepped down: a newer epoch exists (a standby's STEP_DOWN, or deposed.json at start)",
+    (Role.PRIMARY, Role.DEPOSED):
+        "stepped down: a newer epoch exists (a standby's STEP_DOWN, or deposed.json at start)",
 }
 
 

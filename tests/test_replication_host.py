@@ -163,7 +163,8 @@ def _host_members() -> set[str]:
         ReplicationHost.__annotations__)
 
 
-@pytest.mark.parametrize("module", ["replication.source", "replication.follower", "replication.link", "server.failover"])
+@pytest.mark.parametrize("module",
+                         ["replication.source", "replication.follower", "replication.link", "server.failover"])
 def test_replication_and_failover_see_the_server_only_through_the_host_interface(module):
     """Every ``host.X`` / ``self.host.X`` they use is a member of ReplicationHost, and
     neither imports the server module."""

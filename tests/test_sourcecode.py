@@ -74,7 +74,6 @@ LAYER_OF = {
     "runner": "cli",
     "demo": "cli",  # the `python -m fastlock.demo` shim
     "__main__": "cli",
-    "rpc": "protocol",  # the `fastlock.rpc` shim
 }
 #: modules whose private names other modules may use
 PRIVATE_OK = {"fastlock._core", "fastlock._testbase"}
@@ -94,21 +93,7 @@ PENDING: dict[tuple[str, str], str] = {
 #: ruff and mypy: modules other helpers are still changing (issue 11), as paths without ".py", so that
 #: a module and the package it becomes both match; the lead empties these lists
 
-LINT_PENDING: list[str] = [
-    "benches/bench_core", "benches/bench_wal", "benches/core_ratio", "benches/crash", "benches/durability",
-    "benches/election_failover", "benches/failover", "benches/fuzz", "benches/harness", "benches/limits",
-    "benches/load", "benches/nemesis/__main__", "benches/nemesis/cluster", "benches/peers/etcd_peer",
-    "benches/peers/redis_peer", "benches/test_bench_w1", "fastlock/__init__", "fastlock/_core", "fastlock/auth",
-    "fastlock/client", "fastlock/errors", "fastlock/fencing", "fastlock/metrics", "fastlock/replication",
-    "fastlock/roles", "fastlock/server", "fastlock/tls", "fastlock/wal", "tests/fakehost", "tests/pgserver",
-    "tests/refmodel", "tests/test_auth", "tests/test_bad_input", "tests/test_client_deadlines",
-    "tests/test_core", "tests/test_core_properties", "tests/test_election", "tests/test_failover",
-    "tests/test_failover_deadlines", "tests/test_failover_policy", "tests/test_fencing",
-    "tests/test_integration", "tests/test_limits", "tests/test_multilock", "tests/test_pairing",
-    "tests/test_recovery", "tests/test_replication", "tests/test_replication_host", "tests/test_ride_through",
-    "tests/test_role_rules", "tests/test_roles", "tests/test_security", "tests/test_server_errors",
-    "tests/test_sync", "tests/test_tls", "tests/test_units", "tests/test_wal", "tests/test_wal_properties"
-]
+LINT_PENDING: list[str] = []
 
 
 

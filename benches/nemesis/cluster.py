@@ -212,7 +212,8 @@ class Nemesis:
 
         SQLiteFence(conn).ensure_schema()
         conn.close()
-        wcfg = {"seed": cfg.seed, "workers": cfg.workers, "locks": cfg.locks or 2 * cfg.workers, "ttl": cfg.ttl, "wait": cfg.wait,
+        wcfg = {"seed": cfg.seed, "workers": cfg.workers, "locks": cfg.locks or 2 * cfg.workers,
+                "ttl": cfg.ttl, "wait": cfg.wait,
                 "request_timeout": cfg.request_timeout, "store": str(self.store),
                 "addresses": [self.nodes["a"].address, self.nodes["b"].address]}
         (self.root / "config.json").write_text(json.dumps(wcfg))

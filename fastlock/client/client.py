@@ -71,7 +71,7 @@ class Client:
 
     **Liveness.**  A server that stops answering while its TCP connection
     stays open (a frozen process, a stalled VM, a black-holed network) is
-    detected by a per-connection watchdog (:class:`fastlock.rpc.RpcConnection`),
+    detected by a per-connection watchdog (:class:`fastlock.protocol.rpc.RpcConnection`),
     not by per-request timers: while any request (including a waiting
     acquire) or watch is outstanding, a ``PING`` is sent after
     ``request_timeout / 3`` seconds without a byte from the server, and after

@@ -10,7 +10,7 @@ operation: within its deadline, a lost connection or a refusal from a node
 that cannot serve makes it find the primary again (backoff with jitter) and
 send the request again.  Liveness - a server that stops answering while its
 TCP connection stays open - is found by the per-connection watchdog of
-:class:`fastlock.rpc.RpcConnection` (``liveness_timeout`` = the client's
+:class:`fastlock.protocol.rpc.RpcConnection` (``liveness_timeout`` = the client's
 ``request_timeout``).
 
 Everything here runs on the event loop's thread.
@@ -19,6 +19,7 @@ Everything here runs on the event loop's thread.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import random
@@ -29,7 +30,7 @@ from typing import Any
 from .. import protocol as P
 from ..errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost, NotPrimary, Unavailable
 from ..logsafe import quote
-from ..rpc import RpcConnection
+from ..protocol.rpc import RpcConnection
 from ..units import parse_address
 from .lease import WatchEvent
 
@@ -61,7 +62,7 @@ def ignore_result(fut: asyncio.Future) -> None:
 
 
 class ClientConnection(RpcConnection):
-    """The client's connection: an :class:`~fastlock.rpc.RpcConnection` whose
+    """The client's connection: an :class:`~fastlock.protocol.rpc.RpcConnection` whose
     pushes feed the watches opened on it, and whose liveness timeout is the
     client's ``request_timeout``.
 
@@ -244,8 +245,8 @@ class Connector:
             attempt["addr"] = addr
             try:
                 _, proto = await asyncio.wait_for(
-                    loop.create_connection(lambda: ClientConnection(addr, self._on_connection_closed,
-                                                                    self._request_timeout),
+                    loop.create_connection(functools.partial(ClientConnection, addr, self._on_connection_closed,
+                                                             self._request_timeout),
                                            addr[0], addr[1], **self._tls_arguments(addr)),
                     self._connect_timeout,
                 )

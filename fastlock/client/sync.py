@@ -294,7 +294,7 @@ class SyncClient:
             try:
                 # fails every pending request on the connection at once
                 asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result(10)
-            except Exception:  # closing anyway
+            except Exception:  # noqa: BLE001 - closing anyway: the pending calls fail below either way
                 pass
             # Let the calls' tasks run to deliver those errors before the loop
             # stops; cancel any that still wait for something else (a sleep

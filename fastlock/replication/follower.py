@@ -2,7 +2,8 @@
 
 :class:`StandbyFollower` follows the primary through a
 :class:`~fastlock.replication.link.PrimaryLink` (the connection and its
-handshake), asking for the stream from its position, and applies every push to the standby's own lock table and WAL through
+handshake), asking for the stream from its position, and applies every
+push to the standby's own lock table and WAL through
 :func:`fastlock.wal.apply` - the rules recovery uses - with
 :class:`StandbyApply` as the target.  Beside the table it keeps a deadline
 for each lease on its own monotonic clock (what a promotion keeps), and a

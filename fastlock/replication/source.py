@@ -109,7 +109,8 @@ class ReplicationSource:
         write_pairing(self.host.data_dir, Pairing(replica.name, replica.failover_after_ms))
         log.info("paired with standby %s (failover window %d ms)", quote(replica.name), replica.failover_after_ms)
         window = replica.failover_after_ms
-        if window and self.fence_margin_ms is not None and self.fence_margin_ms > window - 2 * heartbeat_interval_ms(window):
+        if (window and self.fence_margin_ms is not None
+                and self.fence_margin_ms > window - 2 * heartbeat_interval_ms(window)):
             log.critical("--fence-margin %d ms leaves less than two heartbeat intervals (%d ms each) of the standby's "
                          "failover window (%d ms): this primary fences itself between heartbeats (at a margin >= "
                          "the window, always) and refuses grants; restart it with a smaller --fence-margin",

@@ -346,7 +346,8 @@ class Handlers:
         try:
             table.release(name, token, owner, now)
         except NotHolder:
-            raise LeaseLost(f"{name!r}: token {token} is not the current holder (expired, released or never held)") from None
+            raise LeaseLost(f"{name!r}: token {token} is not the current holder "
+                            "(expired, released or never held)") from None
         self.server.released(name, token, meta)
         conn.send(P.encode_ok(req_id, None))
 
@@ -362,7 +363,8 @@ class Handlers:
         try:
             table.extend(name, token, owner, ttl_ms, now)
         except NotHolder:
-            raise LeaseLost(f"{name!r}: token {token} is not the current holder (expired, released or never held)") from None
+            raise LeaseLost(f"{name!r}: token {token} is not the current holder "
+                            "(expired, released or never held)") from None
         server = self.server
         if ttl_ms > server.max_ttl_ms:  # only the holder's extend counts towards the grace period
             server.max_ttl_ms = ttl_ms

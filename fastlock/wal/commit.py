@@ -157,7 +157,7 @@ class GroupCommit:
             return
         try:
             self.io.write(batch)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - any write failure makes the log fatal (never acknowledged)
             self._io_failed(exc)
             return
         self._io_done(batch)
@@ -176,14 +176,14 @@ class GroupCommit:
             for fn in self.listeners:
                 try:
                     fn(batch.first_lsn, last, batch.data)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - one failed listener must not stop the others
                     self._report(exc, "WAL listener failed")
         waiters = self._waiters
         while waiters and waiters[0][0] <= ack:
             cb = waiters.popleft()[1]
             try:
                 cb()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - reported; the other waiters still run
                 self._report(exc, "WAL when_durable callback failed")
         if self._sync_waiters:
             synced = marks.synced

@@ -98,9 +98,9 @@ def dump(directory: str | os.PathLike, *, lock: str | None = None, file: TextIO 
     then print the state the records add up to (``state`` and ``holder`` lines).
     Read-only: a torn tail is reported as a ``#`` comment line, not cut.
 
-    Example (``fastlock wal dump --lock orders/42 DIR``)::
+    Example (``fastlock wal dump --lock a DIR``)::
 
-        00000000000000000007 2025-11-30T10:10:00.123Z grant lock=orders/42 token=1099511627783 (1/7) client=api-1 corr=req-9 ttl_ms=10000
+        00000000000000000007 2025-11-30T10:10:00.123Z grant lock=a token=1099511627783 (1/7) client=c corr=r ttl_ms=5000
 
     :raises WalCorruption: mid-log corruption (after printing what precedes it).
     :raises FileNotFoundError: ``directory`` does not exist.

@@ -22,7 +22,7 @@ The rules:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol, Union
+from typing import Any, NamedTuple, Protocol
 
 __all__ = [
     "GRANT", "RELEASE", "EXPIRE", "EXTEND", "EPOCH", "RESERVE", "RECORD_NAMES",
@@ -111,7 +111,7 @@ class Reserve(NamedTuple):
     kind = RESERVE
 
 
-Record = Union[Grant, Release, Expire, Extend, Epoch, Reserve]
+Record = Grant | Release | Expire | Extend | Epoch | Reserve
 
 _TYPES: dict[int, Any] = {GRANT: Grant, RELEASE: Release, EXPIRE: Expire, EXTEND: Extend,
                           EPOCH: Epoch, RESERVE: Reserve}

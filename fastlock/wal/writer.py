@@ -207,7 +207,7 @@ class SegmentWriter:
                     return
                 try:
                     self.write(batch)
-                except BaseException as exc:
+                except BaseException as exc:  # noqa: BLE001 - handed to the loop, which makes the log fatal
                     try:
                         loop.call_soon_threadsafe(on_failed, exc)
                     except RuntimeError:  # loop closed
