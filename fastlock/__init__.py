@@ -3,8 +3,7 @@
 The public API is :func:`connect` and the error classes; see the README.
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .client import (
     Client,
     Election,
@@ -23,6 +22,7 @@ from .errors import (
     Cancelled,
     ConnectionLost,
     FastlockError,
+    InternalServerError,
     InvalidArgument,
     LeaseLost,
     LimitExceeded,
@@ -54,6 +54,7 @@ __all__ = [
     "NotPrimary",
     "ConnectionLost",
     "ProtocolError",
+    "InternalServerError",
     "AuthError",
     "PermissionDenied",
     "InvalidArgument",

@@ -32,7 +32,7 @@ import os
 import ssl
 import sys
 
-from .. import __version__
+from .._version import __version__
 from ..errors import FastlockError
 from ..wal import WalCorruption
 from . import admin, demo, run, serve

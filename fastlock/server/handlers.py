@@ -21,9 +21,9 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .. import __version__
 from .. import protocol as P
 from .._core import NOT_ACQUIRED, NotHolder
+from .._version import __version__
 from ..auth import (
     MAX_CHALLENGE_BYTES,
     MIN_CHALLENGE_BYTES,

@@ -52,9 +52,9 @@ import ssl
 import time
 from collections.abc import Callable
 
-from .. import __version__
 from .. import protocol as P
 from .._core import EV_EXPIRED, EV_GRANTED, EV_WAIT_CANCELLED, EV_WAIT_TIMEOUT, LockTable, NotHolder
+from .._version import __version__
 from ..auth import Credentials, is_loopback
 from ..errors import Cancelled, LockNotAcquired, Unavailable
 from ..logsafe import quote
