@@ -66,15 +66,11 @@ ALLOWED: dict[str, set[str] | None] = {
     "replication": None,  # and never "server", below
     "server": None,
 }
-#: today's top-level modules that the target layout puts inside a layer's package
+#: top-level modules that re-export a layer's names (old import paths): counted in that layer
 LAYER_OF = {
     "election": "client",
     "sync": "client",
-    "replication_host": "replication",
-    "failover": "server",
-    "runner": "cli",
     "demo": "cli",  # the `python -m fastlock.demo` shim
-    "__main__": "cli",
 }
 #: modules whose private names other modules may use
 PRIVATE_OK = {"fastlock._core", "fastlock._testbase"}
@@ -215,6 +211,8 @@ def _layer(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return "fastlock"  # the package root: re-exports the public API
+    if parts[-1] == "__main__":
+        return "cli"  # `python -m fastlock.x`: a command-line entry point, on top of everything
     return LAYER_OF.get(parts[1], parts[1])
 
 

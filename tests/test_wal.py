@@ -16,6 +16,7 @@ import threading
 import pytest
 
 from fastlock import wal as W
+from fastlock.cli import main as cli_main
 from fastlock.wal import (
     GRANT,
     RESERVE,
@@ -728,7 +729,7 @@ async def test_dump_is_read_only_and_reports_torn_tail(tmp_path, writer):
     assert dump(str(tmp_path), file=out) == n
     assert "torn tail" in out.getvalue().splitlines()[-1]
     assert os.path.getsize(seg) == size
-    assert W.main(["dump", str(tmp_path)]) == 0
+    assert cli_main(["wal", "dump", str(tmp_path)]) == 0
 
 
 # -- arguments -----------------------------------------------------------------------------------

@@ -40,10 +40,6 @@ from .args import add_client_tls_arguments, client_tls_options, seconds_arg
 
 __all__ = ["add_client_tls_arguments", "build_parser", "client_tls_options", "main", "seconds_arg"]
 
-#: an alias kept for scripts that send one admin request (:func:`fastlock.cli.admin.admin_request`)
-_admin = admin.admin_request
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``fastlock`` argument parser; each subcommand sets ``handler``."""
     parser = argparse.ArgumentParser(prog="fastlock", description="fastlock lock server and tools")

@@ -2,7 +2,7 @@
 
 :mod:`fastlock.replication` (the primary's :class:`~fastlock.replication.ReplicationSource`,
 the standby's :class:`~fastlock.replication.StandbyFollower`) and
-:mod:`fastlock.failover` never touch :class:`~fastlock.server.LockServer`'s
+:mod:`fastlock.server.failover` never touch :class:`~fastlock.server.LockServer`'s
 private members: they see a :class:`ReplicationHost`.  ``LockServer``
 implements it; tests implement it with a fake (``tests/fakehost.py``)
 to drive the fence and the follower without sockets - as etcd's lessor takes

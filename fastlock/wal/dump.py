@@ -8,15 +8,12 @@ counter that a restart would recover.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import hashlib
 import os
 import sys
-from collections.abc import Sequence
 from typing import Any, TextIO
 
-from ..errors import WalCorruption
 from .files import read_file
 from .format import FrameReader, parse_segment
 from .records import (
@@ -158,22 +155,3 @@ def dump(directory: str | os.PathLike, *, lock: str | None = None, file: TextIO 
                 w(_holder_line(label, "holder", h) + "\n")
                 lines += 1
     return lines
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m fastlock.wal dump [--lock NAME] [--state] DIR`` (the CLI wires ``fastlock wal dump``)."""
-    ap = argparse.ArgumentParser(prog="fastlock wal", description="Inspect a fastlock write-ahead log.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    dp = sub.add_parser("dump", help="print every record (audit trail)")
-    dp.add_argument("--lock", default=None, help="only this lock name")
-    dp.add_argument("--state", action="store_true", help="then print the state the records add up to")
-    dp.add_argument("directory")
-    args = ap.parse_args(argv)
-    try:
-        dump(args.directory, lock=args.lock, state=args.state)
-    except WalCorruption as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:
-        return 0
-    return 0
