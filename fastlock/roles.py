@@ -130,7 +130,7 @@ class NodeRole:
                  now_ms: Callable[[], int], primary_address: str | None = None):
         if initial not in (Role.PRIMARY, Role.STANDBY):
             raise IllegalTransition(f"a node starts as primary or standby, not {initial.value}")
-        self._role = initial
+        self._role: Role = initial
         self._fenced = False
         self._grace_until_ms = 0
         self._hold = hold_grants_until

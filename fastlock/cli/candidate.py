@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import sys
 import time
@@ -42,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(json.dumps({"event": kind, "id": args.candidate_id, "t": t, **fields}) + "\n")
         sys.stdout.flush()
 
+    def emit_health(token: int, state: str) -> None:
+        emit("health", state=state, token=token)
+
     async def run() -> None:
         async with connect(*args.server, client_name=args.candidate_id) as client:
             election = client.election(args.name, args.candidate_id, lease_duration=args.lease_duration,
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                 async with election.leadership() as term:
                     terms += 1
                     emit("elected", token=term.fencing_token)
-                    term.health.add_listener(lambda state, t=term: emit("health", state=state, token=t.fencing_token))
+                    term.health.add_listener(functools.partial(emit_health, term.fencing_token))
                     until = None if not args.hold else time.monotonic() + args.hold
                     while True:
                         now = time.monotonic()  # taken before the check: an act is stamped no later than its check

@@ -214,7 +214,7 @@ class PrimaryLink:
         Raises what the request raises (AuthError if the primary does not know our
         principal); returns False if the proof is wrong.
         """
-        if self.principal is None:
+        if self.principal is None or self.token is None:
             return True  # no replica token: the primary refuses REPLICATE, nothing to protect
         challenge = os.urandom(32)
         answer = await asyncio.wait_for(

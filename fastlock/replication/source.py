@@ -153,8 +153,7 @@ class ReplicationSource:
             # the same standby reconnecting: its old connection is dead or half-open
             log.warning("standby %s reconnected; dropping its previous connection", quote(name))
             self.replicas.pop(other.conn.session, None)
-            other.conn.closed = True
-            other.conn.transport.abort()
+            other.conn.abort()
         replica = _Replica(conn, name, failover_after_ms)
         # Contact comes only from echoes of heartbeats sent from now on: this REPLICATE may have
         # been delayed in the network and come from a standby that has promoted since.
@@ -208,8 +207,7 @@ class ReplicationSource:
                     from_lsn = await self._send_snapshot(replica) + 1
         except Exception:
             log.exception("preparing the stream for standby %s failed; disconnecting it", quote(replica.name))
-            conn.closed = True
-            conn.transport.abort()
+            conn.abort()
             return
         if conn.closed:
             return

@@ -51,6 +51,7 @@ import os
 import ssl
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
 from .._core import EV_EXPIRED, EV_GRANTED, EV_WAIT_CANCELLED, EV_WAIT_TIMEOUT, LockTable, NotHolder
@@ -69,6 +70,9 @@ from .failover import FailoverPolicy
 from .handlers import Handlers, refusal
 from .session import Session
 from .tasks import BackgroundTasks
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..metrics import MetricsExporter
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +115,7 @@ class Endpoints:
             self.tls = ServerTLS(config.tls_cert, config.tls_key, config.tls_ca, config.tls_client_auth,
                                  config.tls_handshake_timeout_ms / 1000.0)
         self.listener: asyncio.base_events.Server | None = None
-        self.metrics = None  # a fastlock.metrics.MetricsExporter with --metrics
+        self.metrics: MetricsExporter | None = None  # with --metrics
         #: the (host, port) the client port is bound to, once listening
         self.address: tuple[str, int] | None = None
 
@@ -208,6 +212,9 @@ class LockServer:
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the server runs on.  :raises RuntimeError: not started."""
+        if self._loop is None:
+            raise RuntimeError("the server is not started")
         return self._loop
 
     @property
@@ -243,7 +250,7 @@ class LockServer:
             for conn in clients:
                 conn.close_after_flush()
 
-        self._loop.call_soon(close)
+        self.loop.call_soon(close)
 
     # -- life cycle -----------------------------------------------------------------
     async def start(self) -> None:
@@ -322,8 +329,8 @@ class LockServer:
         table.drain_events()
         if not self.roles.expires_leases:
             # a standby runs its table on frozen time: only a primary expires leases
-            for h in table.holders():
-                table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, h.meta, 0)
+            for held in table.holders():
+                table.install_holder(held.name, held.token, held.owner, held.ttl_ms, held.lock_delay_ms, held.meta, 0)
         log.info(
             "recovered %d leases, epoch %d, counter %d (%d records replayed, %d torn bytes cut) in %.1f ms",
             len(state.holders), state.epoch, table.counter, state.records_replayed, state.torn_bytes,
@@ -543,7 +550,7 @@ class LockServer:
         self.expiry.cancel()
         if nd < 0 or not self.roles.expires_leases:
             return
-        self.expiry.arm(self._loop, nd, monotonic_ms())
+        self.expiry.arm(self.loop, nd, monotonic_ms())
 
     def _on_timer(self) -> None:
         if not self.roles.expires_leases:
@@ -575,7 +582,7 @@ class LockServer:
         failed, last_error - a failed automatic promotion shows there)."""
         t = self.table
         now = monotonic_ms()
-        st = dict(t.stats())
+        st: dict[str, Any] = dict(t.stats())
         st.update(
             role=self.roles.role.value,
             epoch=t.epoch,

@@ -199,7 +199,10 @@ class GroupCommit:
             self._kick()
 
     def _report(self, exc: BaseException, message: str) -> None:
-        self.loop.call_exception_handler({"message": message, "exception": exc})
+        if self.loop is None:  # not started: nobody else would hear of it
+            log.error("%s", message, exc_info=exc)
+        else:
+            self.loop.call_exception_handler({"message": message, "exception": exc})
 
     def _io_failed(self, exc: BaseException) -> None:
         if self.fatal is not None or self.stopped:
@@ -216,6 +219,8 @@ class GroupCommit:
         self.on_fatal(exc)
 
     def _on_interval(self) -> None:
+        if self.loop is None:  # armed by start(), which sets the loop
+            return
         self._timer = self.loop.call_later(self.interval_ms / 1000.0, self._on_interval)
         if self.marks.written > self.marks.synced or self._pending.buf:
             self._pending.sync_requested = True

@@ -18,15 +18,15 @@ from .files import read_file
 from .format import FrameReader, parse_segment
 from .records import (
     COUNTER_MASK,
-    EPOCH,
-    EXTEND,
-    GRANT,
     RECORD_NAMES,
-    RESERVE,
     TOKEN_EPOCH_SHIFT,
+    Epoch,
+    Extend,
+    Grant,
     HolderRecord,
     LogState,
     Record,
+    Reserve,
     apply,
 )
 from .recovery import LogFiles
@@ -67,17 +67,16 @@ def _holder_line(lsn: str, kind: str, h: HolderRecord) -> str:
 
 
 def _record_line(lsn: int, r: Record) -> str:
-    kind = r.kind
     label = f"{lsn:020d}"
-    if kind == GRANT:
-        return _holder_line(label, RECORD_NAMES[kind], HolderRecord.from_grant(r))  # type: ignore[arg-type]
-    if kind == EPOCH:
-        return _fmt(label, r.wall_ms, "epoch", extra=f"epoch={r.epoch}")  # type: ignore[union-attr]
-    if kind == EXTEND:
-        return _fmt(label, r.wall_ms, "extend", r.name, r.token, ttl=r.ttl_ms)  # type: ignore[union-attr]
-    if kind == RESERVE:
-        return _fmt(label, r.wall_ms, "reserve", extra=f"counter={r.counter}")  # type: ignore[union-attr]
-    return _fmt(label, r.wall_ms, RECORD_NAMES[kind], r.name, r.token)  # type: ignore[union-attr]  # release, expire
+    if isinstance(r, Grant):
+        return _holder_line(label, RECORD_NAMES[r.kind], HolderRecord.from_grant(r))
+    if isinstance(r, Epoch):
+        return _fmt(label, r.wall_ms, "epoch", extra=f"epoch={r.epoch}")
+    if isinstance(r, Extend):
+        return _fmt(label, r.wall_ms, "extend", r.name, r.token, ttl=r.ttl_ms)
+    if isinstance(r, Reserve):
+        return _fmt(label, r.wall_ms, "reserve", extra=f"counter={r.counter}")
+    return _fmt(label, r.wall_ms, RECORD_NAMES[r.kind], r.name, r.token)  # release, expire
 
 
 def dump(directory: str | os.PathLike, *, lock: str | None = None, file: TextIO = sys.stdout,
