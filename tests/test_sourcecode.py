@@ -82,20 +82,10 @@ _REASON = "not yet lint- or type-clean after the package moves of issue 11"
 #: (check, module) -> why the module of the pre-package layout fails that check today
 PENDING: dict[tuple[str, str], str] = {}
 
-#: ruff and mypy: modules other helpers are still changing (issue 11), as paths without ".py", so that
-#: a module and the package it becomes both match; the lead empties these lists
-
+#: ruff and mypy: files not yet clean, as paths without ".py" (a module and the package it becomes
+#: both match); empty: every file passes
 LINT_PENDING: list[str] = []
-
-
-
-TYPES_PENDING: list[str] = [
-    "fastlock/client", "fastlock/election", "fastlock/errors", "fastlock/fencing", "fastlock/replication",
-    "fastlock/roles", "fastlock/server", "fastlock/tls", "fastlock/wal"
-]
-
-
-
+TYPES_PENDING: list[str] = []
 
 
 # -- the import graph ------------------------------------------------------------------------------

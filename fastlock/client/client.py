@@ -89,7 +89,7 @@ class Client:
 
     def __init__(self, addresses: Iterable[Any], *, auth: str | None = None, client_name: str | None = None,
                  connect_timeout: float = 5.0, request_timeout: float | None = 5.0, token: str | None = None,
-                 token_file: str | os.PathLike | None = None,
+                 token_file: str | os.PathLike[str] | None = None,
                  tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, server_hostname: str | None = None):
         auth = resolve_credential(token=token, token_file=token_file, auth=auth)
@@ -116,7 +116,7 @@ class Client:
         return self._connector.closed
 
     @property
-    def server_info(self) -> dict:
+    def server_info(self) -> dict[str, Any]:
         """The primary's HELLO reply on the current (or last) connection:
         ``role``, ``epoch``, ``session``, ``principal``, ..."""
         return self._connector.server_info
@@ -176,7 +176,7 @@ class Client:
     async def __aenter__(self) -> Client:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     # -- lock operations ----------------------------------------------------------------
@@ -370,11 +370,12 @@ class Client:
         """
         P.check_name(name)
         P.check_token(fencing_token)
-        return await self._request(P.OP_CHECK, name, fencing_token)
+        return bool(await self._request(P.OP_CHECK, name, fencing_token))
 
-    async def status(self) -> dict:
+    async def status(self) -> dict[str, Any]:
         """The primary's status: role, epoch, counters, sessions, WAL stats."""
-        return await self._request(P.OP_STATUS)
+        status: dict[str, Any] = await self._request(P.OP_STATUS)
+        return status
 
     async def ping(self) -> float:
         """Round trip to the primary, in seconds."""
@@ -383,10 +384,11 @@ class Client:
         await self._request(P.OP_PING)
         return loop.time() - t0
 
-    async def holder(self, name: str) -> dict | None:
+    async def holder(self, name: str) -> dict[str, Any] | None:
         """The current holder of ``name``: ``{"token", "client", "ttl_ms", "remaining_ms"}`` or None."""
         P.check_name(name)
-        return await self._request(P.OP_HOLDER, name)
+        holder: dict[str, Any] | None = await self._request(P.OP_HOLDER, name)
+        return holder
 
     def watch(self, name: str) -> AsyncIterator[WatchEvent]:
         """Yield :class:`WatchEvent` for every change of ``name``'s holder.

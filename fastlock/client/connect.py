@@ -39,7 +39,7 @@ class _ConnectContext:
 
 def connect(*addresses: Any, auth: str | None = None, client_name: str | None = None,
             connect_timeout: float = 5.0, request_timeout: float | None = 5.0, token: str | None = None,
-            token_file: str | os.PathLike | None = None,
+            token_file: str | os.PathLike[str] | None = None,
             tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
             tls_key: str | None = None, server_hostname: str | None = None) -> _ConnectContext:
     """Connect to a fastlock primary.
