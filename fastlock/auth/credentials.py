@@ -20,24 +20,6 @@ from ..errors import FastlockError
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "ANONYMOUS",
-    "CLIENT_OPS",
-    "KINDS",
-    "AclRule",
-    "Credentials",
-    "CredentialsError",
-    "Principal",
-    "generate",
-    "hash_owner",
-    "hash_token",
-    "is_loopback",
-    "make_token",
-    "primary_proof",
-    "primary_proof_key",
-    "read_token_file",
-]
-
 KINDS = ("client", "replica", "admin")
 #: the operations a client ACL rule may grant ("*" in a rule means all of them)
 CLIENT_OPS = ("acquire", "release", "extend", "cancel", "check", "holder", "watch")

@@ -77,6 +77,10 @@ log = logging.getLogger(__name__)
 #: exit status after a write-ahead log failure (so a supervisor restarts the server)
 EXIT_WAL_FAILED = 3
 
+#: a waiter's end that is not a grant -> the error code and reason its acquire is answered with
+_WAIT_ENDED = {EV_WAIT_TIMEOUT: (LockNotAcquired.code, "wait ran out"),
+               EV_WAIT_CANCELLED: (Cancelled.code, "acquire cancelled")}
+
 
 class ExpiryTimer:
     """The ONE timer of the lock table: it fires at the table's next deadline
@@ -428,16 +432,11 @@ class LockServer:
                     self.handlers.watches.notify(ev.name, "expired", ev.token, ev.meta)
                 log.info("lease expired: %s token %d (holder %s)", quote(ev.name), ev.token,
                          quote(ev.meta[0] if ev.meta else None))
-            elif kind == EV_WAIT_TIMEOUT:
+            elif kind in _WAIT_ENDED:
                 conn = sessions.get(ev.session)
                 if conn is not None:
-                    conn.send(P.encode_error(ev.request, LockNotAcquired.code, f"{ev.name!r}: wait ran out"))
-                    if conn.waiting:
-                        quotas.count_waiters(conn)
-            elif kind == EV_WAIT_CANCELLED:
-                conn = sessions.get(ev.session)
-                if conn is not None:
-                    conn.send(P.encode_error(ev.request, Cancelled.code, f"{ev.name!r}: acquire cancelled"))
+                    code, why = _WAIT_ENDED[kind]
+                    conn.send(P.encode_error(ev.request, code, f"{ev.name!r}: {why}"))
                     if conn.waiting:
                         quotas.count_waiters(conn)
         if grants is not None:
