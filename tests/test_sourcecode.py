@@ -13,7 +13,8 @@ run):
   import only leaves;
 * ``replication`` never imports ``server``;
 * ``client`` imports only ``protocol``, leaves, ``tls`` and ``auth``;
-* nothing below imports the top (``cli``, ``_testbase``);
+* nothing below imports the top (``cli``, ``_testbase``); a ``__main__`` module
+  (``python -m fastlock.x``) is an entry point of the top;
 * no import cycle between modules;
 * no module reads another module's private (``_x``) names, except the
   Cython core's and the test base's;
