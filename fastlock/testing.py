@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 try:
     import pytest_asyncio
 except ImportError:  # pragma: no cover - the async fixture then explains itself
-    pytest_asyncio = None
+    pytest_asyncio = None  # type: ignore[assignment]
 
 __all__ = ["InProcessServer", "ServerPair"]
 

@@ -139,7 +139,7 @@ class Leadership:
 
     async def _lead(self, term: Term) -> bool:
         """Run the leader tasks until the term is lost (returns False) or one of them raises (True)."""
-        tasks = {asyncio.ensure_future(fn(term)): fn for fn in self.tasks}
+        tasks: dict[asyncio.Future[Any], LeaderTask] = {asyncio.ensure_future(fn(term)): fn for fn in self.tasks}
         lost = asyncio.ensure_future(term.lost.wait())
         try:
             pending: set[asyncio.Future[Any]] = {lost, *tasks}
