@@ -50,6 +50,8 @@ from typing import Any
 
 from . import __version__
 from . import protocol as P
+from . import sdnotify
+from .units import format_address
 from .auth import (
     ANONYMOUS,
     AuthFailures,
@@ -1471,11 +1473,13 @@ async def _serve(config: ServerConfig) -> int:
     if server.tls is not None:  # SIGHUP keeps its default (exit) without TLS
         loop.add_signal_handler(signal.SIGHUP, server.reload_tls)
     await server.start()
+    sdnotify.ready(f"{server.role} on {format_address(server.address)}")  # systemd Type=notify
     waiter = asyncio.ensure_future(stop.wait())
     closed = asyncio.ensure_future(server.wait_closed())
     await asyncio.wait([waiter, closed], return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():
         log.info("signal received")
+    sdnotify.stopping(f"{server.role}: shutting down")
     await server.close()
     waiter.cancel()
     closed.cancel()

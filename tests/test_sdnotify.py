@@ -63,3 +63,17 @@ def test_assignments_cannot_smuggle_lines(notify_socket):
         sdnotify.notify("READY=1\nSTOPPING=1")
     with pytest.raises(ValueError):
         sdnotify.notify("READY")
+
+
+def test_server_notifies_ready_once_listening_and_stopping_on_sigterm(notify_socket, tmp_path):
+    """A real ``fastlock serve`` under a stand-in for systemd's notify socket (Type=notify)."""
+    from fastlock._testbase import ServerProcess
+
+    srv = ServerProcess(tmp_path / "data", env={"NOTIFY_SOCKET": notify_socket.getsockname()})
+    srv.start()
+    try:
+        ready = received(notify_socket)
+        assert ready == ["READY=1", f"MAINPID={srv.pid}", f"STATUS=primary on {srv.address}"]
+    finally:
+        srv.stop()
+    assert received(notify_socket) == ["STOPPING=1", "STATUS=primary: shutting down"]
