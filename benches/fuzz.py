@@ -63,6 +63,7 @@ from pathlib import Path
 from fastlock import protocol as P
 from fastlock._testbase import ServerProcess
 from fastlock.auth import ANONYMOUS, hash_owner, hash_token
+from fastlock.errors import InternalServerError
 
 NAMES = ["orders/1", "orders/2", "orders/x/y", "public/a", "public/b", "billing/1", "admin", "order", "",
          "x" * 600, "nul\x00", "ünïcode/1"]
@@ -335,7 +336,7 @@ def closing_last(reqs: list) -> list:
 
 
 def _is_internal_error(reply) -> bool:
-    return type(reply) is list and len(reply) > 2 and reply[1] == 1 and reply[2] == "internal server error"
+    return type(reply) is list and len(reply) > 2 and reply[1] == InternalServerError.code
 
 
 async def snapshot(admin: Conn) -> dict:

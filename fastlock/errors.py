@@ -29,6 +29,7 @@ __all__ = [
     "Cancelled",
     "Unavailable",
     "StaleFencingToken",
+    "InternalServerError",
     "error_from_wire",
 ]
 
@@ -143,6 +144,14 @@ class StaleFencingToken(FastlockError):
         super().__init__(message)
         self.token = token
         self.highest = highest
+
+
+@_register(17)
+class InternalServerError(FastlockError):
+    """The server hit a bug while handling this request (an unexpected exception,
+    logged there with its traceback).  The request's effect is unknown; the
+    connection stays open and the server keeps serving (as PostgreSQL's
+    ``internal_error``, SQLSTATE XX000)."""
 
 
 def error_from_wire(code: int, message: str, extra: Any = None) -> FastlockError:

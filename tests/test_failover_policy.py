@@ -1,4 +1,4 @@
-"""The failover policy (fastlock.failover) against a fake host: promotion ends PRIMARY or
+"""The failover policy (fastlock.server.failover) against a fake host: promotion ends PRIMARY or
 back in STANDBY - never stuck in PROMOTING - and stepping down needs exactly the next epoch."""
 
 from __future__ import annotations
@@ -10,18 +10,17 @@ import pytest
 from fakehost import FakeHost
 from fastlock import protocol as P
 from fastlock.errors import InvalidArgument, NotPrimary, Unavailable
-from fastlock import failover
-from fastlock.failover import FailoverPolicy
+from fastlock.server.failover import FailoverPolicy
+from fastlock.units import monotonic_ms
 from fastlock.replication import DEPOSED_FILE, ReplicationSource, StandbyFollower
 from fastlock.roles import Role
 
 
 @pytest.fixture
-def standby(tmp_path, monkeypatch):
+def standby(tmp_path):
     """``standby(failover_after_ms=, grace_ms=)`` -> (host, follower, policy, restarts), on the host's clock."""
     def make(*, failover_after_ms: int = 0, grace_ms: int = 500):
         host = FakeHost(str(tmp_path), Role.STANDBY, primary_address="127.0.0.1:9")
-        monkeypatch.setattr(failover, "_now_ms", host.clock)
         return _standby(host, failover_after_ms, grace_ms)
 
     return make
@@ -32,7 +31,7 @@ def _standby(host: FakeHost, failover_after_ms: int, grace_ms: int):
     follower.synced = True
     restarts: list[bool] = []
     follower.start = lambda: restarts.append(True)  # no sockets: record that it would follow again
-    policy = FailoverPolicy(host, ReplicationSource(host), follower, promotion_grace_ms=grace_ms)
+    policy = FailoverPolicy(host, ReplicationSource(host), follower, promotion_grace_ms=grace_ms, clock=host.clock)
     return host, follower, policy, restarts
 
 
@@ -85,7 +84,7 @@ async def test_only_a_standby_promotes(standby):
 def test_step_down_needs_the_next_epoch_and_a_fresh_echo_of_this_nodes_clock(tmp_path):
     host = FakeHost(str(tmp_path))
     policy = FailoverPolicy(host, ReplicationSource(host), None)
-    now = failover._now_ms()
+    now = monotonic_ms()
     for epoch, seen in ((0, now), (2, now), (2**63 - 1, now), (1, now - P.STEP_DOWN_FRESH_MS - 100),
                         (1, now + 10_000), (1, "now")):
         with pytest.raises(InvalidArgument):

@@ -11,7 +11,7 @@ import pytest
 from fastlock import _core
 from fastlock import protocol as P
 from fastlock.errors import NotPrimary, Unavailable
-from fastlock.failover import check_step_down_epoch
+from fastlock.server.failover import check_step_down_epoch
 from fastlock.errors import InvalidArgument, WrongArgumentType
 from fastlock.roles import ADMITTED, HOLD_FOREVER_MS, TRANSITIONS, Action, IllegalTransition, NodeRole, Role
 
@@ -201,5 +201,5 @@ def test_every_op_has_a_declared_arity_and_a_server_handler(tmp_path):
     assert set(P.OP_ARITY) == set(P.OP_NAMES)
     assert all(0 <= fewest <= most for fewest, most in P.OP_ARITY.values())
     server = LockServer(ServerConfig(data_dir=str(tmp_path)))
-    assert {op: (fewest, most) for op, (_, fewest, most) in server._handlers.items()} == P.OP_ARITY
+    assert {op: (fewest, most) for op, (_, fewest, most) in server.handlers.by_op.items()} == P.OP_ARITY
     assert P.REPLICATION_PUSH_KINDS == {P.PUSH_SNAPSHOT, P.PUSH_RECORDS, P.PUSH_RECORD, P.PUSH_HEARTBEAT}

@@ -38,16 +38,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
-from . import protocol as P
-from .errors import FastlockError, InvalidArgument, NotPrimary, Unavailable
-from .replication import DEPOSED_FILE, ReplicationSource, StandbyFollower, read_deposed, write_deposed
-from .roles import Role
+from .. import protocol as P
+from ..errors import FastlockError, InvalidArgument, NotPrimary, Unavailable
+from ..replication import DEPOSED_FILE, ReplicationSource, StandbyFollower, read_deposed, write_deposed
+from ..roles import Role
+from ..units import monotonic_ms
+from .tasks import BackgroundTasks
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .replication_host import ReplicationHost
+    from ..replication_host import ReplicationHost
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +82,20 @@ class FailoverPolicy:
         source: the primary's replication side (pairing, fence).
         follower: the standby's side, or None on a node started as primary.
         promotion_grace_ms: grace after promotion (ms); None: the longest TTL seen.
+        tasks: where an automatic promotion runs (its failure is logged as an error
+            and counted in ``tasks.status()``); None: a set of its own.
+        clock: the monotonic clock in milliseconds (the host's in tests).
     """
 
     def __init__(self, host: "ReplicationHost", source: "ReplicationSource",
-                 follower: "StandbyFollower | None", *, promotion_grace_ms: int | None = None):
+                 follower: "StandbyFollower | None", *, promotion_grace_ms: int | None = None,
+                 tasks: BackgroundTasks | None = None, clock: Callable[[], int] = monotonic_ms):
         self.host = host
         self.source = source
         self.follower = follower
         self.promotion_grace_ms = promotion_grace_ms
+        self.tasks = tasks if tasks is not None else BackgroundTasks()
+        self.clock = clock
         self._auto: asyncio.Task | None = None
         self._auto_retry_at_ms = 0
 
@@ -109,14 +116,14 @@ class FailoverPolicy:
             self.source.load_pairing()
             grace = host.node_state.grace_ms
             if grace:
-                host.roles.hold_grace(_now_ms() + grace, "restarted during its promotion grace: "
+                host.roles.hold_grace(self.clock() + grace, "restarted during its promotion grace: "
                                                           "no new grants for the whole grace again")
                 self._end_grace_later(grace)
 
     def _end_grace_later(self, grace_ms: int) -> None:
         def ended() -> None:
             roles = self.host.roles
-            if roles.role is Role.PRIMARY and roles.grace_remaining_ms(_now_ms()) == 0:
+            if roles.role is Role.PRIMARY and roles.grace_remaining_ms(self.clock()) == 0:
                 self.host.node_state.grace_ended()
 
         self.host.loop.call_later(grace_ms / 1000.0, ended)
@@ -148,7 +155,7 @@ class FailoverPolicy:
         epoch = check_step_down_epoch(epoch, host.table.epoch)
         if type(seen_primary_ms) is not int:
             raise InvalidArgument(f"step-down seen_primary_ms must be int, not {type(seen_primary_ms).__name__}")
-        age_ms = _now_ms() - seen_primary_ms
+        age_ms = self.clock() - seen_primary_ms
         if not 0 <= age_ms <= P.STEP_DOWN_FRESH_MS:
             raise InvalidArgument(f"step-down request echoes this node's clock from {age_ms} ms ago (must be "
                                   f"0..{P.STEP_DOWN_FRESH_MS} ms): too old or not this node's; refused")
@@ -183,28 +190,28 @@ class FailoverPolicy:
             raise Unavailable("this standby has never synchronised with a primary; promote with force "
                               "only if its data directory is known to be current")
 
-    def on_primary_silent(self) -> None:
+    def on_primary_silent(self) -> "asyncio.Task | None":
         """The follower's watchdog: the paired primary was silent for the failover window.
 
         Starts an automatic promotion unless one runs, or one failed less than a
         failover window ago (the watchdog keeps asking while the node is a standby).
+        Returns the promotion's task (kept in ``tasks``: a failure is logged as an
+        error and counted there), or None when none starts.
         """
         if self._auto is not None and not self._auto.done():
-            return
-        if _now_ms() < self._auto_retry_at_ms:
-            return
+            return None
+        if self.clock() < self._auto_retry_at_ms:
+            return None
 
         async def run() -> None:
             try:
                 await self.promote(reason="primary silent", automatic=True)
-            except FastlockError as exc:
-                log.error("automatic promotion refused: %s", exc)
-                self._auto_retry_at_ms = _now_ms() + self.follower.failover_after_ms
-            except Exception:
-                log.exception("automatic promotion failed")
-                self._auto_retry_at_ms = _now_ms() + self.follower.failover_after_ms
+            except BaseException:
+                self._auto_retry_at_ms = self.clock() + self.follower.failover_after_ms
+                raise  # logged as an error and counted by self.tasks
 
-        self._auto = asyncio.ensure_future(run())
+        self._auto = self.tasks.spawn(run(), "automatic promotion")
+        return self._auto
 
     async def promote(self, reason: str, *, force: bool = False, automatic: bool = False) -> dict:
         """Turn this standby into the primary (see the module docstring).
@@ -259,7 +266,7 @@ class FailoverPolicy:
         # fence (if any) can only close: stop following before waiting for it.
         follower.stop()
         if not confirmed and not force and not automatic:
-            wait_ms = max(0, follower.last_heard_ms + follower.failover_after_ms - _now_ms())
+            wait_ms = max(0, follower.last_heard_ms + follower.failover_after_ms - self.clock())
             log.warning("primary %s did not confirm stepping down: waiting %d ms until its own "
                         "fence has closed", follower.primary_address, wait_ms)
             if wait_ms > 0:
@@ -276,7 +283,7 @@ class FailoverPolicy:
         grace = self.promotion_grace_ms if self.promotion_grace_ms is not None else longest
         # a primary now: it may start as one, and a restart before the grace ends holds it again
         host.node_state.promoted(grace)
-        now = _now_ms()
+        now = self.clock()
         unknown = ran_out = 0
         for h in holders:
             # the deadline kept since the lease arrived; unknown (recovered from this
@@ -314,6 +321,3 @@ class FailoverPolicy:
             raise NotPrimary(f"this node is {self.host.roles.role.value}", self.host.roles.primary_address)
         return self.source.serve_alone()
 
-
-def _now_ms() -> int:
-    return time.monotonic_ns() // 1_000_000

@@ -1,0 +1,132 @@
+"""Settings of one server process: :class:`ServerConfig` and :func:`check_limits`.
+
+The fsync mode and the write-ahead log's writer are enums
+(:class:`FsyncMode`, :class:`WalWriter`); a plain string naming a member
+("always", "thread", ...) is accepted where a config is built, as the command
+line passes them, and turned into the member.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from .. import protocol as P
+from ..auth import Credentials
+from ..tls import DEFAULT_HANDSHAKE_TIMEOUT
+from ..units import DEFAULT_PORT
+
+
+class FsyncMode(str, enum.Enum):
+    """When the write-ahead log is fsynced (see :mod:`fastlock.wal`)."""
+
+    #: before a grant is acknowledged (group commit): no acknowledged grant is lost in a crash
+    ALWAYS = "always"
+    #: every ``fsync_interval_ms`` milliseconds: a crash may lose that much
+    INTERVAL = "interval"
+    #: never (the OS writes back): for tests and benchmarks
+    NEVER = "never"
+
+
+class WalWriter(str, enum.Enum):
+    """Where the write-ahead log's group commit writes and fsyncs."""
+
+    #: on a writer thread: the event loop keeps serving during an fsync
+    THREAD = "thread"
+    #: on the event loop itself
+    INLINE = "inline"
+
+
+def _member(cls: type[enum.Enum], value: Any, field_name: str) -> Any:
+    try:
+        return cls(value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in cls)  # type: ignore[attr-defined]
+        raise ValueError(f"{field_name} must be one of {choices}, not {value!r}") from None
+
+
+@dataclass
+class ServerConfig:
+    """Settings of one server process.
+
+    Units are in the names (``_ms``: milliseconds, ``_bytes``: bytes; other
+    limits are counts).  The limits (from ``max_frame_bytes`` to
+    ``max_watches_per_principal``) bound what peers can make the server hold;
+    README "Limits" gives each one's flag, default and what happens beyond it.
+    A per-principal quota of 0 means none beyond the global cap.
+
+    :raises ValueError: ``fsync`` or ``wal_writer`` that names no mode (at
+        construction); (from :class:`~fastlock.server.LockServer`) a limit that
+        is not a positive integer (>= 0 for timeouts and quotas).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    data_dir: str = "fastlock-data"
+    fsync: FsyncMode = FsyncMode.ALWAYS  # a member's string value is accepted too
+    fsync_interval_ms: int = 1000
+    snapshot_every: int = 200_000
+    auth_secret: str | None = None  # legacy shared secret: the client principal "shared-secret", every name
+    credentials: Credentials | None = None  # principals (None: open mode, or only the shared secret)
+    allow_unauthenticated: bool = False  # open mode on a non-loopback address (protected mode off)
+    standby_token: str | None = None  # this node's replica token, to follow a primary
+    auth_failures_before_ban: int = 5  # failed HELLOs from one address before it is banned (0: never)
+    # -- limits: everything a peer can make the server hold (README "Limits") --
+    max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES  # one request, bytes
+    max_connections: int | None = None  # None: 10,000, lowered to fit the open-files limit
+    max_connections_per_address: int = 1_000  # per client IP address
+    hello_timeout_ms: int = 5_000  # close a connection that has not completed HELLO by then
+    idle_timeout_ms: int = 0  # close a connection silent this long (0: never; see admission.py)
+    max_output_bytes: int = 32 << 20  # replies a client leaves unread before it is dropped
+    max_replica_output_bytes: int = 64 << 20  # stream a standby leaves unread before it is dropped
+    max_stream_frame_bytes: int = 256 << 20  # standby: one frame of the primary's stream
+    max_waiters: int = 100_000  # waiting acquires, all connections together
+    max_waiters_per_connection: int = 10_000
+    max_leases: int = 1_000_000  # held leases
+    max_watches: int = 100_000  # WATCH subscriptions, all connections together
+    max_watches_per_connection: int = 10_000
+    max_leases_per_principal: int = 0  # 0: no quota beyond the global cap
+    max_waiters_per_principal: int = 0
+    max_watches_per_principal: int = 0
+    standby_of: tuple[str, int] | None = None  # run as a standby of this primary
+    failover_after_ms: int = 0  # standby: promote after this much primary silence (0: on command only)
+    promotion_grace_ms: int | None = None  # after promotion, no grants for this long (None: longest TTL seen)
+    fence_margin_ms: int | None = None  # primary: stop granting this long before a standby may promote
+    name: str | None = None  # this node's name in logs and replication status
+    repair_wal: bool = False  # cut a damaged last WAL segment instead of refusing to start
+    wal_writer: WalWriter = WalWriter.THREAD  # a member's string value is accepted too
+    metrics: tuple[str, int] | None = None  # serve Prometheus metrics on this address
+    # TLS (see fastlock.tls): this node's certificate and key serve clients and, on a standby,
+    # are presented to the primary; the CA verifies client certificates and the primary's
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    tls_client_auth: str = "none"  # none | optional | required (mutual TLS)
+    tls_handshake_timeout_ms: int = int(DEFAULT_HANDSHAKE_TIMEOUT * 1000)
+
+    def __post_init__(self) -> None:
+        self.fsync = _member(FsyncMode, self.fsync, "fsync")
+        self.wal_writer = _member(WalWriter, self.wal_writer, "wal_writer")
+
+
+def check_limits(config: ServerConfig) -> None:
+    """Refuse nonsensical limits (ValueError naming the field)."""
+    positive = ("max_frame_bytes", "max_connections_per_address", "max_output_bytes", "max_replica_output_bytes",
+                "max_stream_frame_bytes", "max_waiters", "max_waiters_per_connection", "max_leases",
+                "max_watches", "max_watches_per_connection")
+    for field_name in positive:
+        value = getattr(config, field_name)
+        if type(value) is not int or value <= 0:
+            raise ValueError(f"{field_name} must be a positive integer, not {value!r}")
+    for field_name in ("hello_timeout_ms", "idle_timeout_ms", "max_leases_per_principal",
+                       "max_waiters_per_principal", "max_watches_per_principal"):
+        value = getattr(config, field_name)
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{field_name} must be an integer >= 0, not {value!r}")
+    if config.max_frame_bytes < P.MIN_MAX_FRAME_BYTES:
+        raise ValueError(f"max_frame_bytes must be at least {P.MIN_MAX_FRAME_BYTES} (a request with its names, "
+                         f"owner key and ids at their limits), not {config.max_frame_bytes}")
+    if config.max_connections is not None and (type(config.max_connections) is not int
+                                               or config.max_connections <= 0):
+        raise ValueError(f"max_connections must be a positive integer or None, not {config.max_connections!r}")

@@ -1,0 +1,527 @@
+"""The op handler table: one handler per protocol operation, and the dispatch in front of it.
+
+:meth:`Handlers.dispatch` checks a request's shape, that HELLO came first, the
+op's arity (declared in :data:`fastlock.protocol.OP_ARITY`) and the
+principal's permission (:data:`PERMISSION`) before the handler runs, so a
+refused request changes nothing.  A handler validates its arguments, asks
+:meth:`fastlock.roles.NodeRole.admit` whether this node may serve the request
+now, then changes the lock table; the server's batch end
+(:meth:`~fastlock.server.lockserver.LockServer.after_batch`) logs and delivers
+what the table decided.
+
+Errors: a :class:`~fastlock.errors.FastlockError` a handler raises is the
+reply (an :class:`~fastlock.errors.AuthError` also closes the connection); any
+other exception is a server bug: logged with its traceback, answered with
+:class:`~fastlock.errors.InternalServerError`, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable
+
+from .. import __version__
+from .. import protocol as P
+from .._core import NOT_ACQUIRED, NotHolder
+from ..auth import (
+    MAX_CHALLENGE_BYTES,
+    MIN_CHALLENGE_BYTES,
+    AuthFailures,
+    Credentials,
+    Principal,
+    hash_owner,
+    primary_proof,
+)
+from ..errors import (
+    AuthError,
+    FastlockError,
+    InternalServerError,
+    InvalidArgument,
+    LeaseLost,
+    LockNotAcquired,
+    PermissionDenied,
+    ProtocolError,
+    Unavailable,
+)
+from ..logsafe import quote
+from ..roles import Action, NodeRole, Role
+from ..units import monotonic_ms
+from .admission import limit_exceeded
+from .session import Session, recorded_client, split_recorded_client
+from .watches import WatchRegistry
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .lockserver import LockServer
+
+log = logging.getLogger(__name__)
+
+#: what each operation needs: a client ACL operation (checked on the lock name; admins may
+#: do it on any name), "replica", "admin", or None (every authenticated principal).
+#: An operation missing here needs an admin: new operations are refused by default.
+PERMISSION: dict[int, str | None] = {
+    P.OP_HELLO: None,
+    P.OP_PING: None,
+    P.OP_STATUS: None,  # details (replication, pairing) for admins and replicas only
+    P.OP_UNWATCH: None,  # only ever removes the connection's own watch
+    P.OP_ACQUIRE: "acquire",
+    P.OP_RELEASE: "release",
+    P.OP_EXTEND: "extend",
+    P.OP_CANCEL: "cancel",
+    P.OP_CHECK: "check",
+    P.OP_HOLDER: "holder",
+    P.OP_WATCH: "watch",
+    P.OP_REPLICATE: "replica",
+    P.OP_REPL_ACK: "replica",
+    P.OP_STEP_DOWN: "replica",  # epoch news: only the paired standby's principal (see op_step_down)
+    P.OP_PROMOTE: "admin",
+    P.OP_SERVE_ALONE: "admin",
+}
+
+_ARTICLE = {"client": "a", "replica": "a", "admin": "an"}
+
+Handler = Callable[[Session, int, list], None]
+
+
+def refusal(roles: NodeRole, action: Action) -> FastlockError:
+    """The error :meth:`NodeRole.admit` raises for ``action`` now (returned, not raised)."""
+    try:
+        roles.admit(action)
+    except FastlockError as exc:
+        return exc
+    raise AssertionError(f"{action.name} is admitted")  # pragma: no cover - callers check may() first
+
+
+def _error_reply(req_id: int, exc: FastlockError) -> bytes:
+    return P.packb([req_id, exc.code, str(exc), getattr(exc, "primary", None)])
+
+
+def _authorize(conn: Session, op: int, need: str, msg: list) -> None:
+    """Refuse (PermissionDenied) what ``conn``'s principal is not granted (admins come here
+    only for replica operations, which they are not granted either)."""
+    if need == "replica" or need == "admin":
+        if conn.kind != need:
+            raise PermissionDenied(f"{P.OP_NAMES[op]} needs {_ARTICLE[need]} {need} principal; "
+                                   f"{conn.principal!r} is {_ARTICLE[conn.kind]} {conn.kind}")
+        return
+    if conn.kind != "client":
+        raise PermissionDenied(f"{P.OP_NAMES[op]} needs a client principal; "
+                               f"{conn.principal!r} is {_ARTICLE[conn.kind]} {conn.kind}")
+    name = msg[2] if len(msg) > 2 else None
+    if type(name) is str and not conn.grant.allows(need, name):
+        # a name of the wrong type is left to the handler's validation (no state change either way)
+        raise PermissionDenied(f"principal {conn.principal!r} may not {need} {name!r}")
+
+
+class Handlers:
+    """The op handler table of ``server``: ``by_op`` maps an op code to
+    ``(handler, fewest, most arguments)``; :meth:`dispatch` runs one request."""
+
+    def __init__(self, server: "LockServer", credentials: Credentials):
+        self.server = server
+        #: who may connect (tokens, certificate identities, the anonymous principal)
+        self.credentials = credentials
+        self.watches = WatchRegistry()
+        # fixed for the server's life: kept here so that a handler reads them in one step
+        self.table = server.table
+        self.roles = server.roles
+        self.wal = server.wal
+        self.config = server.config
+        self.source = server.source
+        self.quotas = server.quotas
+        self.watchers = self.watches.by_name
+        self.auth_failures = AuthFailures(max_failures=server.config.auth_failures_before_ban)
+        handlers: dict[int, Handler] = {
+            P.OP_HELLO: self.op_hello,
+            P.OP_ACQUIRE: self.op_acquire,
+            P.OP_RELEASE: self.op_release,
+            P.OP_EXTEND: self.op_extend,
+            P.OP_CANCEL: self.op_cancel,
+            P.OP_CHECK: self.op_check,
+            P.OP_STATUS: self.op_status,
+            P.OP_PING: self.op_ping,
+            P.OP_WATCH: self.op_watch,
+            P.OP_UNWATCH: self.op_unwatch,
+            P.OP_HOLDER: self.op_holder,
+            P.OP_REPLICATE: self.op_replicate,
+            P.OP_REPL_ACK: self.op_repl_ack,
+            P.OP_PROMOTE: self.op_promote,
+            P.OP_SERVE_ALONE: self.op_serve_alone,
+            P.OP_STEP_DOWN: self.op_step_down,
+        }
+        #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
+        self.by_op: dict[int, tuple[Handler, int, int]] = {
+            op: (handler, *P.OP_ARITY[op]) for op, handler in handlers.items()}
+
+    # -- dispatch -----------------------------------------------------------------
+    def dispatch(self, conn: Session, msg: Any) -> None:
+        """Run one decoded request ``msg`` from ``conn`` (its reply is queued on ``conn``)."""
+        if type(msg) is not list or len(msg) < 2 or type(msg[0]) is not int or type(msg[1]) is not int or msg[0] < 1:
+            conn.fatal(ProtocolError("a request must be an array [request_id >= 1, op, args...]"))
+            return
+        req_id = msg[0]
+        op = msg[1]
+        if not conn.ready and op != P.OP_HELLO:
+            conn.fatal(ProtocolError("the first request must be HELLO"))
+            return
+        entry = self.by_op.get(op)
+        try:
+            if entry is None:
+                raise ProtocolError(f"unknown operation {op}")
+            handler, fewest, most = entry
+            if not fewest <= len(msg) - 2 <= most:
+                expected = fewest if fewest == most else f"{fewest} or {most}"
+                raise ProtocolError(f"{P.OP_NAMES[op]} takes {expected} arguments, got {len(msg) - 2}")
+            need = PERMISSION.get(op, "admin")
+            if need is not None and (conn.kind != "admin" or need == "replica"):
+                _authorize(conn, op, need, msg)
+            handler(conn, req_id, msg)
+        except FastlockError as exc:
+            conn.send(_error_reply(req_id, exc))
+            if isinstance(exc, AuthError):
+                conn.close_after_flush()
+        except Exception:  # a bug: log it, answer InternalServerError, keep serving everyone else
+            log.exception("internal error handling %s from %s", P.OP_NAMES.get(op, op), conn.peer)
+            conn.send(P.packb([req_id, InternalServerError.code, "internal server error", None]))
+
+    # -- HELLO ----------------------------------------------------------------------
+    def op_hello(self, conn: Session, req_id: int, msg: list) -> None:
+        """HELLO: version, client name, credentials (and an epoch hint, which changes nothing).
+
+        Credentials are a token (str: a principal's token or the legacy shared
+        secret), None (the verified mTLS certificate's identity if the
+        credentials map it, else the anonymous principal if allowed), or a
+        standby's ``{"principal", "challenge"}``: the primary then answers with
+        its proof (see :mod:`fastlock.auth`) and the connection stays
+        unauthenticated until a HELLO with the token follows.
+        """
+        # a 4th argument, the highest epoch the peer has seen, is a hint only: it never
+        # changes this node's role (a standby that promotes sends STEP_DOWN instead)
+        version, client_name, credential = msg[2], msg[3], msg[4]
+        if version != P.PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {version!r} not supported (server speaks {P.PROTOCOL_VERSION})")
+        client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
+        failures = self.auth_failures
+        # a ban refuses new connections only: a peer authenticated before it (a standby's
+        # replication link, saying HELLO again to depose) is not cut off by someone else's failures
+        banned = 0.0 if conn.ready else failures.banned_for(conn.address)
+        if banned > 0:
+            failures.refused_while_banned(conn.address)
+            raise AuthError(f"too many failed authentications from this address: retry in {banned:.0f} s")
+        if type(credential) is dict:
+            conn.send(P.encode_ok(req_id, self._primary_proof(conn, credential, client_name)))
+            return
+        principal = self._authenticate(conn, credential, client_name)
+        if conn.ready and principal.name != conn.principal:
+            raise ProtocolError(f"this connection is authenticated as {conn.principal!r}; "
+                                f"open a new one to act as {principal.name!r}")
+        conn.client_name = client_name
+        conn.principal = principal.name
+        conn.kind = principal.kind
+        conn.grant = principal
+        # the connection leaves the HELLO deadline and the handshake reserve, and
+        # its frames are no longer walked before decoding
+        conn.ready = True
+        self.server.limits.handshake_done(conn)
+        if conn.decoder is not None:
+            conn.decoder.shape_all = False
+        log.debug("session %d hello from %s: principal %s (%s), client name %s", conn.session, conn.peer,
+                  conn.principal, conn.kind, quote(conn.client_name))
+        conn.send(P.encode_ok(req_id, self._hello_info(conn)))
+
+    def _authenticate(self, conn: Session, credential: Any, client_name: str | None) -> Principal:
+        creds = self.credentials
+        principal = None
+        if credential is None:
+            identity = conn.peer_cert_identity
+            if identity is not None:
+                principal = creds.by_cert_identity(identity)
+            if principal is None:
+                principal = creds.anonymous
+            reason = "no token, and anonymous connections are not allowed"
+        elif type(credential) is str and 0 < len(credential) <= 1024:
+            principal = creds.authenticate(credential)
+            if principal is None and creds.open:
+                principal = creds.anonymous  # open mode: a token cannot be checked, and is not needed
+            reason = "unknown token"
+        else:
+            reason = "the credential must be a token string (1..1024 characters) or None"
+        if principal is None:
+            self.auth_failures.failed(conn.address, f"client name {quote(client_name)}", reason)
+            raise AuthError(f"authentication failed: {reason}")
+        return principal
+
+    def _primary_proof(self, conn: Session, credential: dict, client_name: str | None) -> dict:
+        """A standby's challenge: prove that this node holds the standby's credential."""
+        name = credential.get("principal")
+        challenge = credential.get("challenge")
+        replica = self.credentials.replica(name)
+        if (replica is None or type(challenge) is not bytes
+                or not MIN_CHALLENGE_BYTES <= len(challenge) <= MAX_CHALLENGE_BYTES):
+            self.auth_failures.failed(conn.address, f"client name {quote(client_name)}",
+                                      "challenge for an unknown replica principal, or a malformed challenge")
+            raise AuthError("authentication failed: no replica principal of that name, or a malformed challenge "
+                            f"({MIN_CHALLENGE_BYTES}..{MAX_CHALLENGE_BYTES} bytes)")
+        return {"principal": replica.name, "proof": primary_proof(replica.proof_key, replica.name, challenge)}
+
+    def _hello_info(self, conn: Session) -> dict:
+        roles = self.roles
+        return {
+            "server": "fastlock",
+            "version": __version__,
+            "protocol": P.PROTOCOL_VERSION,
+            "session": conn.session,
+            "role": roles.role.value,
+            "epoch": self.table.epoch,
+            "primary": roles.primary_address if roles.role is Role.STANDBY else None,
+            "fenced": roles.fenced,
+            "clock_ms": monotonic_ms(),  # this node's monotonic clock: a standby echoes it in STEP_DOWN
+            "max_frame_bytes": self.config.max_frame_bytes,
+            "principal": conn.principal,
+            "kind": conn.kind,
+        }
+
+    # -- leases -------------------------------------------------------------------------
+    def op_acquire(self, conn: Session, req_id: int, msg: list) -> None:
+        name = P.check_name(msg[2])
+        owner = hash_owner(P.check_owner(msg[3]))  # only the hash is kept, logged and replicated
+        ttl_ms = P.check_ttl_ms(msg[4])
+        wait_ms = P.check_wait_ms(msg[5])
+        delay_ms = P.check_lock_delay_ms(msg[6])
+        corr = P.check_optional_str(msg[7], "correlation id", P.MAX_CORRELATION_ID_CHARS)
+        table = self.table
+        now = monotonic_ms()
+        self.roles.admit(Action.ACQUIRE)
+        config = self.config
+        quotas = self.quotas
+        if wait_ms != 0:
+            if table.session_waiters(conn.session) >= config.max_waiters_per_connection:
+                raise limit_exceeded(config.max_waiters_per_connection, "this connection", "waiting acquires",
+                                     "max-waiters-per-connection")
+            if table.waiter_count >= config.max_waiters:
+                raise limit_exceeded(config.max_waiters, "the server", "waiting acquires", "max-waiters")
+            if quotas.waiters.limit:
+                quotas.waiters.check(conn.principal)
+        if len(table) >= config.max_leases and table.holder(name, now) is None:
+            raise limit_exceeded(config.max_leases, "the server", "leases", "max-leases")
+        if quotas.leases.limit and table.holder(name, now) is None:
+            quotas.leases.check(conn.principal)
+        server = self.server
+        if ttl_ms > server.max_ttl_ms:
+            server.max_ttl_ms = ttl_ms
+            server.node_state.raise_ttl(ttl_ms)  # rare: only a new longest TTL writes
+        status = table.acquire(name, owner, conn.session, req_id, ttl_ms, wait_ms, delay_ms,
+                               (recorded_client(conn), corr), now)
+        if quotas.waiters.limit:
+            quotas.count_waiters(conn)
+        if status == NOT_ACQUIRED:
+            grace_ms = self.roles.grace_remaining_ms(now)
+            if grace_ms:
+                raise LockNotAcquired(f"{name!r}: no grants during the promotion grace period "
+                                      f"({grace_ms} ms left)")
+            raise LockNotAcquired(f"{name!r} is held")
+
+    def op_release(self, conn: Session, req_id: int, msg: list) -> None:
+        name = P.check_name(msg[2])
+        token = P.check_token(msg[3])
+        owner = hash_owner(P.check_owner(msg[4]))
+        # a fenced primary refuses too: the standby may have been promoted and would never
+        # see this release (the client repeats it at whichever node is primary)
+        self.roles.admit(Action.RELEASE)
+        table = self.table
+        now = monotonic_ms()
+        meta = None
+        if name in self.watchers:  # watchers are told whose lease it was
+            holder = table.holder(name, now)
+            meta = holder.meta if holder is not None else None
+        try:
+            table.release(name, token, owner, now)
+        except NotHolder:
+            raise LeaseLost(f"{name!r}: token {token} is not the current holder (expired, released or never held)") from None
+        self.server.released(name, token, meta)
+        conn.send(P.encode_ok(req_id, None))
+
+    def op_extend(self, conn: Session, req_id: int, msg: list) -> None:
+        name = P.check_name(msg[2])
+        token = P.check_token(msg[3])
+        owner = hash_owner(P.check_owner(msg[4]))
+        ttl_ms = P.check_ttl_ms(msg[5])
+        table = self.table
+        now = monotonic_ms()
+        self.roles.admit(Action.EXTEND)
+        holder = table.holder(name, now)
+        try:
+            table.extend(name, token, owner, ttl_ms, now)
+        except NotHolder:
+            raise LeaseLost(f"{name!r}: token {token} is not the current holder (expired, released or never held)") from None
+        server = self.server
+        if ttl_ms > server.max_ttl_ms:  # only the holder's extend counts towards the grace period
+            server.max_ttl_ms = ttl_ms
+            server.node_state.raise_ttl(ttl_ms)
+        reply = P.encode_ok(req_id, ttl_ms)
+        # Every extend is logged: the standby keeps each lease's deadline from the
+        # records it receives, and a promoted standby keeps that deadline.
+        wal = self.wal
+        wal.log_extend(name, token, ttl_ms)
+        if ttl_ms > holder.ttl_ms and not wal.flush_now():
+            # recovery restores the recorded TTL: a longer one must be durable
+            # before the holder relies on it (a shorter or equal one need not be)
+            def ack() -> None:
+                # acknowledged only if this node may still extend (see LockServer.deliver_grants)
+                self.source.fence_if_due(monotonic_ms())
+                if self.roles.may(Action.EXTEND):
+                    conn.send(reply)
+                else:
+                    refused = refusal(self.roles, Action.EXTEND)
+                    conn.send(P.encode_error(req_id, refused.code, f"{name!r}: {refused}",
+                                             getattr(refused, "primary", None)))
+                    log.warning("extend of %s token %d not acknowledged: %s", quote(name), token, refused)
+                server.after_batch()
+
+            wal.when_durable(ack)
+            return
+        conn.send(reply)
+
+    def op_cancel(self, conn: Session, req_id: int, msg: list) -> None:
+        name = P.check_name(msg[2])
+        # The owner key is the proof of ownership: only its hash is stored, so only the client
+        # that made the key can match it (a hash read from a replica's stream is hashed again).
+        owner = hash_owner(P.check_owner(msg[3]))
+        self.roles.admit(Action.CANCEL_WAITER)  # withdrawing a queued waiter is local: fenced or not
+        table = self.table
+        now = monotonic_ms()
+        result = None
+        if table.cancel(name, owner, now):
+            result = "cancelled"
+            if self.quotas.waiters.limit:
+                self.quotas.count_waiters(conn)
+        else:
+            holder = table.holder(name, now)
+            if holder is not None and holder.owner == owner:
+                # The grant raced with the cancel: release it, never leak it - which is a
+                # release, refused like one by a fenced primary.
+                self.roles.admit(Action.RELEASE)
+                table.release(name, holder.token, owner, now)
+                self.server.released(name, holder.token, holder.meta)
+                result = "released"
+        conn.send(P.encode_ok(req_id, result))
+
+    def op_check(self, conn: Session, req_id: int, msg: list) -> None:
+        name = P.check_name(msg[2])
+        token = P.check_token(msg[3])
+        self.roles.admit(Action.READ)  # a fenced primary's answer may already be false
+        conn.send(P.encode_ok(req_id, self.table.check(name, token, monotonic_ms())))
+
+    def op_holder(self, conn: Session, req_id: int, msg: list) -> None:
+        name = P.check_name(msg[2])
+        self.roles.admit(Action.READ)
+        conn.send(P.encode_ok(req_id, self._holder_info(name)))
+
+    def _holder_info(self, name: str) -> dict | None:
+        now = monotonic_ms()
+        h = self.table.holder(name, now)
+        if h is None:
+            return None
+        client, corr = h.meta if h.meta else (None, None)
+        principal, client = split_recorded_client(client)
+        return {"token": h.token, "principal": principal, "client": client, "correlation_id": corr,
+                "ttl_ms": h.ttl_ms, "remaining_ms": h.deadline_ms - now}
+
+    # -- watches ------------------------------------------------------------------------
+    def op_watch(self, conn: Session, req_id: int, msg: list) -> None:
+        name = P.check_name(msg[2])
+        self.roles.admit(Action.READ)
+        if conn.watching is None:
+            conn.watching = set()
+        if name not in conn.watching:
+            config = self.config
+            quotas = self.quotas
+            if len(conn.watching) >= config.max_watches_per_connection:
+                raise limit_exceeded(config.max_watches_per_connection, "this connection", "watches",
+                                     "max-watches-per-connection")
+            if quotas.watch_count >= config.max_watches:
+                raise limit_exceeded(config.max_watches, "the server", "watches", "max-watches")
+            quotas.watches.check(conn.principal)
+            quotas.count_watches(conn, 1)
+        conn.watching.add(name)
+        self.watches.add(conn, name)
+        conn.send(P.encode_ok(req_id, self._holder_info(name)))
+
+    def op_unwatch(self, conn: Session, req_id: int, msg: list) -> None:
+        name = P.check_name(msg[2])
+        was = conn.watching is not None and name in conn.watching
+        if was:
+            conn.watching.discard(name)
+            self.watches.remove(conn, name)
+            self.quotas.count_watches(conn, -1)
+        conn.send(P.encode_ok(req_id, was))
+
+    # -- replication, promotion, stepping down (policy in fastlock.server.failover) ----------
+    def op_replicate(self, conn: Session, req_id: int, msg: list) -> None:
+        from_lsn, incarnation, failover_after_ms, name = msg[2], msg[3], msg[4], msg[5]
+        if type(from_lsn) is not int or type(failover_after_ms) is not int or failover_after_ms < 0:
+            raise InvalidArgument("replicate takes from_lsn:int, incarnation, failover_after_ms:int >= 0, name")
+        name = P.check_optional_str(name, "standby name", P.MAX_CLIENT_NAME_CHARS)
+        if not name:
+            raise InvalidArgument("a standby must name itself ([label@]node id)")
+        self.roles.admit(Action.SERVE_STANDBY)
+        # Pairing goes by the authenticated replica principal, plus the node id it declares
+        # (which the credentials may pin): one replica credential cannot pose as another standby.
+        label, _, node = name.rpartition("@")
+        pinned = conn.grant.node_id
+        if pinned is not None and node != pinned:
+            raise PermissionDenied(f"replica principal {conn.principal!r} may only attach as node {pinned!r}")
+        identity = f"{label}@{conn.principal}/{node}" if label else f"{conn.principal}/{node}"
+        conn.out_cap = self.config.max_replica_output_bytes  # (plus its snapshot: see ReplicationSource)
+        try:
+            self.source.attach(conn, req_id, from_lsn, incarnation, failover_after_ms, identity)
+        except BaseException:
+            conn.out_cap = self.config.max_output_bytes
+            raise
+
+    def op_repl_ack(self, conn: Session, req_id: int, msg: list) -> None:
+        self.source.on_ack(conn, msg[2], msg[3])  # no reply: acks stream continuously
+
+    def op_step_down(self, conn: Session, req_id: int, msg: list) -> None:
+        if not self.source.may_announce_epoch(conn.principal):
+            raise PermissionDenied(f"this primary is paired with another standby: replica {conn.principal!r} "
+                                   f"may not ask it to step down")
+        peer = quote(conn.client_name) if conn.client_name else "a peer"
+        info = self.server.failover.on_step_down_request(
+            msg[2], msg[3], f"replica {conn.principal} ({peer} at {conn.peer})")
+        conn.send(P.encode_ok(req_id, info))
+
+    def op_promote(self, conn: Session, req_id: int, msg: list) -> None:
+        force = msg[2] is True
+        failover = self.server.failover
+        failover.check_promotable(force)
+
+        async def run() -> None:
+            try:
+                info = await failover.promote(reason="operator command", force=force)
+            except FastlockError as exc:  # refused (logged by the policy): the node is a standby again
+                conn.send(_error_reply(req_id, exc))
+                conn.flush()
+                return
+            except Exception as exc:
+                conn.send(P.packb([req_id, Unavailable.code, f"promotion failed: {exc}", None]))
+                conn.flush()
+                raise  # a bug or an I/O failure: logged and counted as a failed background task
+            conn.send(P.encode_ok(req_id, info))
+            conn.flush()
+
+        self.server.tasks.spawn(run(), "promotion by operator command")
+
+    def op_serve_alone(self, conn: Session, req_id: int, msg: list) -> None:
+        conn.send(P.encode_ok(req_id, self.server.failover.serve_alone()))
+
+    # -- status -------------------------------------------------------------------------
+    def op_status(self, conn: Session, req_id: int, msg: list) -> None:
+        st = self.server.status()
+        repl = st["replication"]
+        if conn.kind == "client" and "standbys" in repl:
+            # a primary's standby, its identity and pairing are for operators and peers only
+            st["replication"] = {"fenced": repl["fenced"], "serving_alone": repl["serving_alone"]}
+        conn.send(P.encode_ok(req_id, st))
+
+    def op_ping(self, conn: Session, req_id: int, msg: list) -> None:
+        conn.send(P.encode_ok(req_id, None))

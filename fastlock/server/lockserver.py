@@ -1,0 +1,599 @@
+"""The fastlock daemon's composition root: :class:`LockServer`.
+
+The server only moves bytes and time around.  Lock semantics live in the
+compiled :class:`fastlock._core.LockTable` (sans-IO), framing and the op
+table (with each op's arity) in :mod:`fastlock.protocol`, durability in
+:mod:`fastlock.wal`.  Whether this node may serve a request - its role,
+fence and grace - is asked of :class:`fastlock.roles.NodeRole` (one
+``admit(action)`` per handler); promotion and stepping down are
+:mod:`fastlock.server.failover`'s; replication sees this server through
+:class:`fastlock.replication_host.ReplicationHost`, which it implements.
+
+The parts, each in its own module of this package: :mod:`.session` (one
+connection: buffering, flow control, closing), :mod:`.handlers` (the op
+handler table), :mod:`.admission` (connection limits, per-principal quotas),
+:mod:`.watches`, :mod:`.tasks` (background tasks kept and their failures
+surfaced), :mod:`.serve` (the process: signals, loop policy).  This module
+holds start-up and recovery, the batch end, the expiry timer and ``status``.
+
+Request flow (one turn of the event loop)::
+
+    data_received -> FrameDecoder -> handler -> LockTable (returns status, queues events)
+                  -> after_batch: drain events -> WAL records -> when_durable(deliver grants)
+                                  -> re-arm the ONE expiry timer at table.next_deadline()
+                                  -> flush every connection's output buffer once
+
+What waits for the disk (``--fsync always``): a grant is acknowledged only
+after its WAL record is fsynced, together with everything else logged in the
+same loop turn (group commit).  Releases and extensions are acknowledged at
+once: losing one in a crash can only leave the lock held until its TTL runs out
+after recovery - never give it to two holders.
+
+Who may do what: HELLO authenticates the connection as a principal (a token,
+a mutual-TLS certificate identity, or the anonymous principal - see
+:mod:`fastlock.auth`); the dispatch then checks every request against
+:data:`fastlock.server.handlers.PERMISSION` before its handler runs, so a
+refused request changes nothing.  Owner keys are hashed as they arrive
+(:func:`fastlock.auth.hash_owner`).
+
+Sessions: each connection is a session.  Waiting goes by connection (a waiter
+whose connection drops is removed at once); ownership goes by lease (a held
+lease outlives its connection until its TTL).  A grant that cannot be
+delivered because its connection has already closed is released at once, so
+a client that died while queued never becomes a ghost holder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import ssl
+import time
+from typing import Callable
+
+from .. import __version__
+from .. import protocol as P
+from .._core import EV_EXPIRED, EV_GRANTED, EV_WAIT_CANCELLED, EV_WAIT_TIMEOUT, LockTable, NotHolder
+from ..auth import Credentials, is_loopback
+from ..errors import Cancelled, LockNotAcquired, Unavailable
+from ..logsafe import quote
+from ..replication import STATE_FILE, NodeState, ReplicationSource, StandbyFollower, node_id
+from ..roles import Action, NodeRole, Role
+from ..tls import ServerTLS, client_context
+from ..units import monotonic_ms
+from ..wal import DataDirInUse, HolderRecord, WriteAheadLog, secure_directory
+from .admission import ConnectionLimits, PrincipalQuotas
+from .config import ServerConfig, check_limits
+from .failover import FailoverPolicy
+from .handlers import Handlers, refusal
+from .session import Session
+from .tasks import BackgroundTasks
+
+log = logging.getLogger(__name__)
+
+#: exit status after a write-ahead log failure (so a supervisor restarts the server)
+EXIT_WAL_FAILED = 3
+
+
+class ExpiryTimer:
+    """The ONE timer of the lock table: it fires at the table's next deadline
+    (monotonic ms), and calls ``on_fire`` from the event loop."""
+
+    __slots__ = ("handle", "at_ms", "_on_fire")
+
+    def __init__(self, on_fire: Callable[[], None]):
+        self.handle: asyncio.TimerHandle | None = None
+        self.at_ms = -1
+        self._on_fire = on_fire
+
+    def arm(self, loop: asyncio.AbstractEventLoop, at_ms: int, now_ms: int) -> None:
+        self.cancel()
+        self.handle = loop.call_later(max(0, at_ms - now_ms) / 1000.0, self._fire)
+        self.at_ms = at_ms
+
+    def _fire(self) -> None:
+        self.handle = None
+        self._on_fire()
+
+    def cancel(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+
+
+class Endpoints:
+    """Where the server listens: its client port (plain TCP or TLS) and the metrics endpoint."""
+
+    def __init__(self, config: ServerConfig):
+        self.tls: ServerTLS | None = None
+        if config.tls_cert:
+            self.tls = ServerTLS(config.tls_cert, config.tls_key, config.tls_ca, config.tls_client_auth,
+                                 config.tls_handshake_timeout_ms / 1000.0)
+        self.listener: asyncio.base_events.Server | None = None
+        self.metrics = None  # a fastlock.metrics.MetricsExporter with --metrics
+        #: the (host, port) the client port is bound to, once listening
+        self.address: tuple[str, int] | None = None
+
+    async def listen(self, host: str, port: int, factory: Callable[[], Session]) -> tuple[str, int]:
+        if self.tls is None:
+            self.listener = await asyncio.get_running_loop().create_server(
+                factory, host, port, reuse_address=True, backlog=1024)
+            sockname = self.listener.sockets[0].getsockname()
+        else:
+            sockname = await self.tls.listen(host, port, factory, backlog=1024)
+        self.address = (sockname[0], sockname[1])
+        return self.address
+
+    def stop_listening(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+        if self.tls is not None:
+            self.tls.close()
+
+    def close(self) -> None:
+        self.stop_listening()
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+class LockServer:
+    """The daemon.  ``await server.start()`` then ``await server.wait_closed()``.
+
+    :raises ValueError: a nonsensical limit in ``config`` (see :func:`check_limits`).
+    """
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        check_limits(config)
+        secure_directory(config.data_dir)  # before anything writes to it
+        self.table = LockTable()
+        self.wal = WriteAheadLog(
+            config.data_dir,
+            fsync=config.fsync.value,
+            fsync_interval_ms=config.fsync_interval_ms,
+            snapshot_every=config.snapshot_every,
+            on_fatal=self._wal_fatal,
+            writer=config.wal_writer.value,
+        )
+        primary_address = f"{config.standby_of[0]}:{config.standby_of[1]}" if config.standby_of else None
+        #: the node's role, fence and grace: every "may this node ... now?" is asked here
+        self.roles = NodeRole(Role.STANDBY if config.standby_of else Role.PRIMARY,
+                              hold_grants_until=self.table.hold_grants_until, now_ms=monotonic_ms,
+                              primary_address=primary_address)
+        credentials = config.credentials if config.credentials is not None else Credentials.open_mode()
+        if config.auth_secret is not None:
+            credentials = credentials.with_shared_secret(config.auth_secret)
+        #: the longest TTL this node has granted, extended or recovered (ms): a
+        #: standby's default promotion grace (sent in heartbeats)
+        self.max_ttl_ms = 0
+        self.node_state = NodeState(config.data_dir)
+        self.endpoints = Endpoints(config)
+        self.tasks = BackgroundTasks()
+        self.source = ReplicationSource(self, fence_margin_ms=config.fence_margin_ms)
+        self.follower: StandbyFollower | None = None
+        if config.standby_of:
+            self.node_state.set_standby_of(primary_address)
+            ident = node_id(config.data_dir)
+            self.follower = StandbyFollower(self, config.standby_of, config.failover_after_ms,
+                                            token=config.standby_token,
+                                            name=f"{config.name}@{ident}" if config.name else ident,
+                                            on_primary_silent=lambda: self.failover.on_primary_silent(),
+                                            tls=self._standby_tls_context(),
+                                            stream_limits=P.stream_limits(config.max_stream_frame_bytes,
+                                                                          config.max_leases))
+        self.failover = FailoverPolicy(self, self.source, self.follower,
+                                       promotion_grace_ms=config.promotion_grace_ms, tasks=self.tasks)
+        self.limits = ConnectionLimits(config, self)
+        self.quotas = PrincipalQuotas(config, self)
+        self.handlers = Handlers(self, credentials)
+        #: process exit status: non-zero after a fatal WAL failure
+        self.exit_status = 0
+        #: sessions written to in this loop turn (flushed once at the batch end)
+        self.dirty: list[Session] = []
+        self.expiry = ExpiryTimer(self._on_timer)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = asyncio.Event()
+        self._started_ms = monotonic_ms()
+
+    # -- what replication and failover see (fastlock.replication_host.ReplicationHost) -----------
+    @property
+    def role(self) -> str:
+        """The node's role as a string ("primary", "standby", "promoting", "deposed")."""
+        return self.roles.role.value
+
+    @property
+    def data_dir(self) -> str:
+        return self.config.data_dir
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    @property
+    def credentials(self) -> Credentials:
+        """Who may connect (see :mod:`fastlock.auth`)."""
+        return self.handlers.credentials
+
+    @property
+    def tls(self) -> ServerTLS | None:
+        """The client port's TLS (None: plain TCP)."""
+        return self.endpoints.tls
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """``(host, port)`` the client port is bound to, once started."""
+        return self.endpoints.address
+
+    @property
+    def sessions(self) -> dict[int, Session]:
+        """Open sessions by id (see :class:`~fastlock.server.admission.ConnectionLimits`)."""
+        return self.limits.sessions
+
+    def close_client_connections(self, why: str, *, waiting_only: bool = False) -> None:
+        """Close every connection but the standbys' (``waiting_only``: those with a
+        queued acquire or a watch), once this turn's replies are out."""
+        def close() -> None:
+            replicas = self.source.replicas
+            table = self.table
+            clients = [c for c in self.limits.sessions.values() if c.session not in replicas and not c.closed
+                       and (not waiting_only or c.watching or table.session_waiters(c.session))]
+            if clients:
+                log.warning("closing %d client connections: %s", len(clients), why)
+            for conn in clients:
+                conn.close_after_flush()
+
+        self._loop.call_soon(close)
+
+    # -- life cycle -----------------------------------------------------------------
+    async def start(self) -> None:
+        """Recover the table from the WAL, then listen.
+
+        Raises:
+            PermissionError: open mode on a non-loopback address without ``allow_unauthenticated``.
+            DataDirInUse: a standby's data directory started as a primary, or in use.
+            WalCorruption, OSError: see :mod:`fastlock.wal`.
+        """
+        loop = self._loop = asyncio.get_running_loop()
+        config = self.config
+        if self.credentials.open and not is_loopback(config.host) and not config.allow_unauthenticated:
+            # as Redis's protected mode: no credentials, so listen on loopback only
+            raise PermissionError(
+                f"refusing to listen on {config.host} without credentials: anyone who can reach it could "
+                f"take every lock. Give --credentials FILE (see `fastlock credentials init`), listen on "
+                f"127.0.0.1, or pass --allow-unauthenticated")
+        self.limits.size_to_open_files()
+        if self.roles.role is Role.PRIMARY and self.node_state.standby_of:
+            raise DataDirInUse(
+                f"{config.data_dir} belongs to a standby of {self.node_state.standby_of}: start it with "
+                f"--standby-of, or promote it with `fastlock promote`; starting it as a primary would make "
+                f"a second primary at the old epoch (delete {STATE_FILE} only if you know the old primary "
+                f"is gone for good)")
+        self._recover()
+        self.wal.start(loop)
+        if self.wal.repaired:
+            # The cut may have removed acknowledged grants, so the counter may be below
+            # tokens already handed out: a new epoch puts every future token above them.
+            table = self.table
+            epoch = max(table.epoch, self.node_state.max_epoch_seen) + 1
+            table.set_epoch(epoch)
+            self.wal.log_epoch(epoch)
+            self.node_state.raise_epoch(epoch)
+            log.critical("the WAL was repaired (records cut): starting epoch %d so that no fencing token "
+                         "is issued twice; leases in the cut records are forgotten", epoch)
+        if config.metrics is not None:  # before "listening on": a bad address fails the start
+            from ..metrics import MetricsExporter
+
+            self.endpoints.metrics = MetricsExporter(self, *config.metrics)
+        self.failover.on_start()  # a deposed primary stays deposed; a paired one may start fenced
+        self._rearm()
+        host, port = await self.endpoints.listen(config.host, config.port, self._make_session)
+        log.info(
+            "listening on %s:%d (fastlock %s, %s, fsync=%s, data dir %s, %s)",
+            host, port, __version__, self.role, config.fsync.value, os.path.abspath(config.data_dir),
+            "plain TCP" if self.tls is None else f"TLS, client certificates {config.tls_client_auth}",
+        )
+        creds = self.credentials
+        if creds.open:
+            log.warning("open mode (no --credentials): every connection is the anonymous client with every "
+                        "lock name; replica and admin operations are refused")
+        else:
+            log.info("credentials: %d principals from %s%s%s", len(creds.principals), creds.source,
+                     ", shared secret accepted" if creds.shared_secret_hash is not None else "",
+                     ", anonymous clients allowed" if creds.anonymous is not None else "")
+        if self.follower is not None:
+            self.follower.start()
+        self.limits.start()
+
+    def _recover(self) -> None:
+        """Open the WAL and install every recovered lease with a fresh full TTL
+        (this node cannot know how long it was down)."""
+        t0 = time.perf_counter()
+        state = self.wal.open(repair=self.config.repair_wal)
+        table = self.table
+        table.set_epoch(state.epoch)
+        table.advance_counter(state.counter)
+        now = monotonic_ms()
+        self.max_ttl_ms = self.node_state.max_ttl_ms
+        for h in state.holders:
+            self.max_ttl_ms = max(self.max_ttl_ms, h.ttl_ms)
+            table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
+                                 (h.client_name, h.correlation_id), now)
+        table.drain_events()
+        if not self.roles.expires_leases:
+            # a standby runs its table on frozen time: only a primary expires leases
+            for h in table.holders():
+                table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, h.meta, 0)
+        log.info(
+            "recovered %d leases, epoch %d, counter %d (%d records replayed, %d torn bytes cut) in %.1f ms",
+            len(state.holders), state.epoch, table.counter, state.records_replayed, state.torn_bytes,
+            (time.perf_counter() - t0) * 1000,
+        )
+
+    async def close(self) -> None:
+        """Stop accepting, close every connection, flush and close the WAL."""
+        if self._closed.is_set():
+            return
+        log.info("shutting down: %d sessions, %d locks held", len(self.limits.sessions), len(self.table))
+        self.endpoints.close()
+        self.source.close()
+        if self.follower is not None:
+            self.follower.stop()
+        for conn in list(self.limits.sessions.values()):
+            conn.close_after_flush()
+        self.expiry.cancel()
+        self.limits.close()
+        self.tasks.cancel_all()
+        await self.wal.close()
+        self._closed.set()
+        log.info("stopped")
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    def _standby_tls_context(self) -> ssl.SSLContext | None:
+        """A standby's context for its connection to the primary: the node's own
+        certificate as the client certificate, the CA (or the system's trust
+        store) to verify the primary.  None without TLS."""
+        c = self.config
+        return client_context(c.tls_ca, c.tls_cert, c.tls_key) if c.tls_cert else None
+
+    def reload_tls(self) -> bool:
+        """Reload the TLS certificate, key and CA files (on SIGHUP): new
+        connections use them, established ones keep theirs.  On an error the
+        old ones stay in use (logged).  Returns True if everything reloaded."""
+        if self.tls is None:
+            log.info("nothing to reload: TLS is off")
+            return False
+        ok = self.tls.reload()
+        if ok and self.follower is not None:
+            try:
+                self.follower.tls = self._standby_tls_context()
+            except OSError as exc:
+                log.error("TLS reload failed for the connection to the primary: %s", exc)
+                ok = False
+        return ok
+
+    def _wal_fatal(self, exc: BaseException) -> None:
+        # As PostgreSQL after a failed fsync: we cannot know what reached the
+        # disk, so we must not acknowledge anything more.  Stop serving: every
+        # connection hears why (an error with request id 0, so a waiting client
+        # sees an error, not a bare EOF), and the process exits non-zero so that
+        # a supervisor (systemd Restart=on-failure) restarts it; recovery then
+        # restores every acknowledged grant from the log.
+        log.critical("write-ahead log failed (%s); stopping without acknowledging further grants", exc)
+        self.exit_status = EXIT_WAL_FAILED
+        notice = P.encode_error(0, Unavailable.code, f"the server stopped: its write-ahead log failed ({exc}); "
+                                                     f"nothing pending was granted")
+        for conn in list(self.limits.sessions.values()):
+            conn.out.clear()
+            conn.send(notice)
+            conn.flush()
+            conn.close()
+        self.dirty.clear()
+        self.endpoints.stop_listening()
+        self._closed.set()
+
+    def _make_session(self) -> Session:
+        return self.limits.new_session()
+
+    def connection_lost(self, conn: Session) -> None:
+        """``conn`` closed: uncount it, drop its waiters and watches (its leases stay until their TTL)."""
+        source = self.source
+        if not self.limits.forget(conn) and conn.session not in source.replicas:
+            return  # refused, or closed before HELLO: it holds nothing
+        source.fence_if_due(monotonic_ms())
+        if conn.session in source.replicas:
+            source.detach(conn)
+        if conn.watching:
+            watches = self.handlers.watches
+            for name in conn.watching:
+                watches.remove(conn, name)
+            self.quotas.count_watches(conn, -len(conn.watching))
+        dropped = self.table.drop_session(conn.session, self._table_now())
+        self.quotas.drop_waiters(conn)
+        if dropped:
+            log.debug("session %d closed; %d waiters removed", conn.session, dropped)
+        self.after_batch()
+
+    # -- the batch end: events, WAL, timer, output ------------------------------------
+    def after_batch(self) -> None:
+        """The batch end: log and deliver the table's events, re-arm the timer, flush replies."""
+        table = self.table
+        events = table.drain_events()
+        if events:
+            self._process_events(events)
+        nd = table.next_deadline()
+        if nd >= 0 and (self.expiry.handle is None or nd < self.expiry.at_ms) and self.roles.expires_leases:
+            self._rearm()
+        dirty = self.dirty
+        if dirty:
+            for conn in dirty:
+                conn.flush()
+            dirty.clear()
+
+    def _process_events(self, events: list) -> None:
+        wal = self.wal
+        grants = None
+        sessions = self.limits.sessions
+        quotas = self.quotas
+        counting = quotas.leases.limit or quotas.waiters.limit
+        watchers = self.handlers.watches.by_name
+        for ev in events:
+            kind = ev.kind
+            if kind == EV_GRANTED:
+                if ev.fresh:
+                    meta = ev.meta
+                    wal.log_grant(ev.name, ev.token, ev.owner, ev.ttl_ms, ev.lock_delay_ms, meta[0], meta[1])
+                    if counting:
+                        quotas.lease_granted(ev.session, ev.name)
+                if grants is None:
+                    grants = []
+                grants.append(ev)
+            elif kind == EV_EXPIRED:
+                wal.log_expire(ev.name, ev.token)
+                if quotas.lease_principal:
+                    quotas.lease_ended(ev.name)
+                if ev.name in watchers:
+                    self.handlers.watches.notify(ev.name, "expired", ev.token, ev.meta)
+                log.info("lease expired: %s token %d (holder %s)", quote(ev.name), ev.token,
+                         quote(ev.meta[0] if ev.meta else None))
+            elif kind == EV_WAIT_TIMEOUT:
+                conn = sessions.get(ev.session)
+                if conn is not None:
+                    conn.send(P.encode_error(ev.request, LockNotAcquired.code, f"{ev.name!r}: wait ran out"))
+                    if conn.waiting:
+                        quotas.count_waiters(conn)
+            elif kind == EV_WAIT_CANCELLED:
+                conn = sessions.get(ev.session)
+                if conn is not None:
+                    conn.send(P.encode_error(ev.request, Cancelled.code, f"{ev.name!r}: acquire cancelled"))
+                    if conn.waiting:
+                        quotas.count_waiters(conn)
+        if grants is not None:
+            if wal.flush_now():  # relaxed fsync modes: written to the OS now, ack in this turn
+                self._deliver_grants(grants)
+            else:
+                wal.when_durable(lambda: self._deliver_grants(grants))
+        wal.maybe_snapshot(self.snapshot_state)
+
+    def _deliver_grants(self, grants: list) -> None:
+        """Acknowledge a batch of grants once durable - if this node may still grant.
+
+        The fence is checked again here, at the acknowledgement, not only when the
+        grants were decided: a primary frozen (SIGSTOP, a VM stall) between the two
+        may find its standby promoted meanwhile.  Then every waiting request gets
+        ``Unavailable`` instead of its token (the lease stays in this node's table);
+        the client repeats the acquire with the same owner key at whichever node is
+        primary, which hands it the lease if it was replicated, or queues it.  One
+        check per batch: the normal path does not pay per grant.
+        """
+        sessions = self.limits.sessions
+        table = self.table
+        undelivered = False
+        watches = self.handlers.watches
+        watchers = watches.by_name
+        self.source.fence_if_due(monotonic_ms())
+        refused = None if self.roles.may(Action.ACQUIRE) else refusal(self.roles, Action.ACQUIRE)
+        for ev in grants:
+            if refused is None and watchers and ev.name in watchers and ev.fresh:
+                watches.notify(ev.name, "granted", ev.token, ev.meta)
+            conn = sessions.get(ev.session)
+            if conn is None or conn.closed:
+                # Nobody can learn this token any more: release it now rather
+                # than leave a ghost holder until its TTL runs out.
+                self.source.fence_if_due(monotonic_ms())
+                try:
+                    table.release(ev.name, ev.token, ev.owner, monotonic_ms())
+                except NotHolder:
+                    continue
+                self.released(ev.name, ev.token, ev.meta)
+                undelivered = True
+                log.info("released undeliverable grant %s token %d (session %d gone)", quote(ev.name), ev.token,
+                         ev.session)
+                continue
+            if refused is not None:
+                conn.send(P.encode_error(ev.request, refused.code, f"{ev.name!r}: {refused}",
+                                         getattr(refused, "primary", None)))
+                log.warning("grant %s token %d decided but not acknowledged: %s", quote(ev.name), ev.token, refused)
+                continue
+            conn.send(P.packb([ev.request, 0, [ev.token, ev.ttl_ms, ev.waited_ms]]))
+        if undelivered:
+            table.expire(monotonic_ms())
+        self.after_batch()
+
+    def released(self, name: str, token: int, meta: tuple | None) -> None:
+        """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id))."""
+        self.wal.log_release(name, token)
+        quotas = self.quotas
+        if quotas.lease_principal:
+            quotas.lease_ended(name)
+        watches = self.handlers.watches
+        if name in watches.by_name:
+            watches.notify(name, "released", token, meta)
+
+    # -- the expiry timer -------------------------------------------------------------------
+    def _table_now(self) -> int:
+        """The time to give the lock table: a standby's table runs on frozen time
+        (0) so that it never expires a lease itself; only a primary expires."""
+        return monotonic_ms() if self.roles.expires_leases else 0
+
+    def _rearm(self) -> None:
+        nd = self.table.next_deadline()
+        self.expiry.cancel()
+        if nd < 0 or not self.roles.expires_leases:
+            return
+        self.expiry.arm(self._loop, nd, monotonic_ms())
+
+    def _on_timer(self) -> None:
+        if not self.roles.expires_leases:
+            return
+        now = monotonic_ms()
+        self.source.fence_if_due(now)  # an expiry hands the lock to a waiter: not past the fence
+        self.table.expire(now)
+        self.after_batch()
+        if self.expiry.handle is None:
+            self._rearm()
+
+    def snapshot_state(self) -> tuple[int, int, list[HolderRecord]]:
+        """``(epoch, counter, holders)`` of the table now (for snapshots and standbys)."""
+        t = self.table
+        return (
+            t.epoch,
+            t.counter,
+            [
+                HolderRecord(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
+                             h.meta[0] if h.meta else None, h.meta[1] if h.meta else None, 0)
+                for h in t.holders()
+            ],
+        )
+
+    # -- status -----------------------------------------------------------------------------
+    def status(self) -> dict:
+        """The node's status (``fastlock status``): the table's counters, role, epoch,
+        WAL, limits, TLS, replication, and ``tasks`` (background tasks: running,
+        failed, last_error - a failed automatic promotion shows there)."""
+        t = self.table
+        now = monotonic_ms()
+        st = dict(t.stats())
+        st.update(
+            role=self.roles.role.value,
+            epoch=t.epoch,
+            last_token=t.last_token,
+            counter=t.counter,
+            sessions=len(self.limits.sessions),
+            uptime_ms=now - self._started_ms,
+            fsync=self.config.fsync.value,
+            wal=self.wal.stats(),
+            version=__version__,
+            grace_remaining_ms=self.roles.grace_remaining_ms(now),
+            tasks=self.tasks.status(),
+        )
+        st["limits"] = {**self.limits.status(), "watches": self.quotas.watch_count}
+        if self.tls is not None:
+            st["tls"] = self.tls.status()
+        if self.roles.role is Role.STANDBY and self.follower is not None:
+            st["replication"] = self.follower.status()
+        else:
+            st["replication"] = self.source.status()
+        return st

@@ -1,0 +1,228 @@
+"""One client connection = one session: its input, output buffering, flow control and closing.
+
+:class:`Session` is the asyncio protocol of every accepted connection.  It
+feeds received bytes to a :class:`~fastlock.protocol.FrameDecoder`, hands each
+request to the server's op handler table (:mod:`fastlock.server.handlers`),
+and queues replies in memory until the end of the loop turn, when the server
+flushes every session written to once (one ``transport.write`` per session per
+turn).  A peer that leaves more than ``out_cap`` bytes of replies unread is
+dropped; while its transport's buffer is above the high-water mark its
+requests are not read (a standby's acknowledgements keep flowing).
+
+Waiting goes by session (a waiter whose connection drops is removed at once);
+ownership goes by lease (a held lease outlives its connection until its TTL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import TYPE_CHECKING, Any
+
+from .. import protocol as P
+from ..auth import ANONYMOUS, Principal
+from ..errors import FastlockError, ProtocolError
+from ..tls import peer_identity
+from ..units import monotonic_ms
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .lockserver import LockServer
+
+log = logging.getLogger(__name__)
+
+#: replies queued in one loop turn beyond which they go to the transport at once
+FLUSH_EARLY_BYTES = 256 << 10
+
+
+def recorded_client(conn: "Session") -> str:
+    """What grants record as their client: ``principal:client name`` (the name may be
+    empty) - the authenticated principal first, so the self-declared name is never
+    mistaken for it.  A record without ``:`` is a bare client name from an older log."""
+    return f"{conn.principal}:{conn.client_name or ''}"
+
+
+def split_recorded_client(recorded: Any) -> tuple[str | None, str | None]:
+    """``(principal, client name)`` from a grant's recorded client (see :func:`recorded_client`)."""
+    if type(recorded) is not str:
+        return None, None
+    principal, sep, name = recorded.partition(":")
+    if not sep:
+        return None, recorded  # a log written before principals: the name alone
+    return principal, name or None
+
+
+class Session(asyncio.Protocol):
+    """One client connection = one session.
+
+    ``principal`` (str) is who the connection authenticated as - "anonymous"
+    until authentication sets it at HELLO; per-principal quotas key on it.
+    ``kind`` is the principal's kind (client | replica | admin), ``grant`` its
+    permissions (None until HELLO).  ``accepted_ms`` and ``last_read_ms`` are
+    monotonic milliseconds.
+    """
+
+    __slots__ = ("server", "transport", "session", "decoder", "out", "ready", "client_name", "peer", "closed",
+                 "watching", "principal", "kind", "grant", "address", "accepted_ms", "last_read_ms", "out_cap",
+                 "out_bytes", "waiting", "_drain")
+
+    def __init__(self, server: "LockServer", session: int):
+        self.server = server
+        self.session = session
+        # until HELLO every frame is walked before it is decoded (see protocol.FrameDecoder)
+        self.decoder: P.FrameDecoder | None = P.FrameDecoder(server.config.max_frame_bytes, shape_all=True)
+        self.transport: asyncio.Transport | None = None
+        self.out: list[bytes] = []
+        self.out_bytes = 0  # bytes in out
+        self.ready = False  # handshake done
+        self.client_name: str | None = None  # self-declared: shown beside the principal, never trusted
+        self.principal = ANONYMOUS
+        self.kind = "client"
+        self.grant: Principal | None = None
+        self.peer = "?"
+        self.address = "?"  # the peer's IP address (per-address connection cap, failed-auth bans)
+        self.closed = False
+        self.watching: set[str] | None = None
+        self.accepted_ms = self.last_read_ms = monotonic_ms()
+        self.out_cap = server.config.max_output_bytes
+        self.waiting = 0  # this connection's waiters as last counted (per-principal waiter quota)
+        self._drain: asyncio.Future | None = None
+
+    # -- asyncio callbacks ------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        peer = transport.get_extra_info("peername")
+        if peer:
+            self.address = str(peer[0])
+            self.peer = f"{peer[0]}:{peer[1]}"
+        self.server.limits.admit(self)
+
+    def data_received(self, data: bytes) -> None:
+        server = self.server
+        if self.closed:
+            return
+        if server.limits.idle_timeout_ms:
+            self.last_read_ms = monotonic_ms()
+        if server.source.fencing:
+            # after a stall, see the clock before a request can make the table grant
+            server.source.fence_if_due(monotonic_ms())
+        try:
+            messages = self.decoder.feed(data)
+        except ProtocolError as exc:
+            self.fatal(exc)
+            server.after_batch()
+            return
+        dispatch = server.handlers.dispatch
+        for msg in messages:
+            if self.closed:
+                break
+            dispatch(self, msg)
+        server.after_batch()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+        self.server.connection_lost(self)
+
+    @property
+    def peer_cert_identity(self) -> str | None:
+        """The subject CN of the client certificate verified in this connection's
+        TLS handshake (mutual TLS), else None."""
+        if self.transport is None:
+            return None
+        return peer_identity(self.transport.get_extra_info("ssl_object"))
+
+    # -- output -----------------------------------------------------------------
+    def send(self, data: bytes) -> None:
+        """Queue ``data`` for this turn's flush (dropped if the connection is closing)."""
+        if not self.closed:
+            if not self.out:
+                self.server.dirty.append(self)
+            self.out.append(data)
+            self.out_bytes += len(data)
+            if self.out_bytes > FLUSH_EARLY_BYTES:
+                # one read of small requests can ask for far larger replies: hand them to
+                # the transport now, so the output cap applies within the batch too
+                self.flush()
+
+    def flush(self) -> None:
+        """Hand the queued replies to the transport; drop the peer if it leaves more
+        than ``out_cap`` bytes unread."""
+        out = self.out
+        self.out_bytes = 0
+        if out and not self.closed:
+            transport = self.transport
+            transport.write(out[0] if len(out) == 1 else b"".join(out))
+            unsent = transport.get_write_buffer_size()
+            if unsent > self.out_cap:
+                # a peer that does not read (a stuck watcher, a standby too far behind): drop it,
+                # as Redis's client-output-buffer-limit does, rather than grow without bound
+                if self.session in self.server.source.replicas:
+                    log.error("standby on %s is too far behind (%d bytes unsent, limit %d): disconnecting "
+                              "it; it resyncs when it reconnects", self.peer, unsent, self.out_cap)
+                else:
+                    log.warning("closing connection %s (session %d): %d bytes of replies unread (limit %d)",
+                                self.peer, self.session, unsent, self.out_cap)
+                self.closed = True
+                transport.abort()
+        out.clear()
+
+    # Flow control: while the peer does not read our replies, stop reading its
+    # requests, so a pipelining client that never reads cannot grow our memory.
+    # A standby's acknowledgements must keep flowing: its output is bounded by
+    # out_cap instead (and the backlog it catches up on waits for drained()).
+    def pause_writing(self) -> None:
+        if self._drain is None or self._drain.done():
+            self._drain = self.server.loop.create_future()
+        if self.session not in self.server.source.replicas:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+        if not self.closed and self.session not in self.server.source.replicas:
+            self.transport.resume_reading()
+
+    def drained(self) -> asyncio.Future:
+        """A future done when the transport's write buffer is below its low-water
+        mark (at once if writing is not paused) or the connection is closed."""
+        if self._drain is not None and not self._drain.done() and not self.closed:
+            return self._drain
+        fut = self.server.loop.create_future()
+        fut.set_result(None)
+        return fut
+
+    # -- closing ----------------------------------------------------------------
+    def fatal(self, exc: FastlockError) -> None:
+        """Send a protocol error (request id 0) and close this connection only
+        (logged at most once per 10 s, with the number of others)."""
+        self.server.limits.fatal_log("closing connection %s (session %d): %s", self.peer, self.session, exc)
+        self.send(P.encode_error(0, exc.code, str(exc)))
+        self.flush()
+        self.close()
+
+    def close(self) -> None:
+        """Close after sending what is queued; frees the decoder's partial frame at once."""
+        self.closed = True
+        self.decoder = None
+        if self.transport is not None:
+            self.transport.close()
+
+    def close_after_flush(self) -> None:
+        """Send what is queued now, then close (the decoder stays: the loop may still be feeding it)."""
+        self.flush()
+        self.closed = True
+        self.transport.close()
+
+    def abort(self) -> None:
+        """Close at once, unsent replies discarded (a refused or evicted connection)."""
+        self.closed = True
+        self.decoder = None
+        self.transport.abort()
