@@ -80,9 +80,9 @@ class InProcessServer:
     """
 
     def __init__(self, data_dir: str | os.PathLike[str], *, fsync: str = "always", port: int = 0):
-        from fastlock.server import ServerConfig
+        from fastlock.server import FsyncMode, ServerConfig
 
-        self.config = ServerConfig(host="127.0.0.1", port=port, data_dir=str(data_dir), fsync=fsync)
+        self.config = ServerConfig(host="127.0.0.1", port=port, data_dir=str(data_dir), fsync=FsyncMode(fsync))
         self.server: LockServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
