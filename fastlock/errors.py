@@ -162,3 +162,49 @@ def error_from_wire(code: int, message: str, extra: Any = None) -> FastlockError
     if cls is NotPrimary:
         return NotPrimary(message, extra if isinstance(extra, str) else None)
     return cls(message)
+
+
+# -- storage: the write-ahead log, snapshots and the node's state files -------------------
+# None of these travels over the wire (code 0).  Each also subclasses the builtin that
+# callers caught before it joined the hierarchy.
+__all__ += ["StorageError", "WalCorruption", "WalFatal", "DataDirInUse", "WalCompacted", "NodeFileDamaged"]
+
+
+class StorageError(FastlockError):
+    """Base class of the errors of the data directory: the log, its snapshots and
+    the node's state files."""
+
+
+class WalCorruption(StorageError):
+    """The log or a snapshot is damaged in a way recovery must not paper over.
+
+    Attributes: ``path`` (file), ``offset`` (byte offset of the bad frame or -1),
+    ``lsn`` (LSN the bad frame would have had, or -1).
+    """
+
+    def __init__(self, message: str, path: str = "", offset: int = -1, lsn: int = -1):
+        super().__init__(message)
+        self.path = path
+        self.offset = offset
+        self.lsn = lsn
+
+
+class WalFatal(StorageError, RuntimeError):
+    """A write or fsync failed earlier: the log accepts nothing more (see the log's ``on_fatal``)."""
+
+
+class DataDirInUse(StorageError, RuntimeError):
+    """Another process holds the data directory's lock: two servers must never
+    append to one log (they would overwrite each other's records and hand out
+    the same tokens).  As etcd and ZooKeeper, the directory is locked with
+    ``flock`` on its ``LOCK`` file for as long as the log is open."""
+
+
+class WalCompacted(StorageError, LookupError):
+    """A read of the log asked for an LSN whose segment was deleted after a snapshot."""
+
+
+class NodeFileDamaged(StorageError, RuntimeError):
+    """A node state file (``node-state.json``, ``pairing.json``, ``deposed.json``)
+    is not the JSON object, with the field types, this node writes: the server
+    refuses to start rather than guess its epoch, pairing or role."""

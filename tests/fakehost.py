@@ -1,4 +1,4 @@
-"""A named fake of :class:`fastlock.replication_host.ReplicationHost`, with no sockets and
+"""A named fake of :class:`fastlock.replication.host.ReplicationHost`, with no sockets and
 a clock the test moves, for unit tests of replication and failover.
 
 ``FakeHost`` holds a real ``LockTable``, a real ``NodeRole`` and a real ``NodeState``

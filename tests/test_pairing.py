@@ -373,7 +373,8 @@ def test_no_automatic_failover_before_the_primary_confirms_the_pairing(tmp_path)
     """The standby's decision rule: silence alone is not enough; the primary's heartbeats
     must have said it fences itself for this standby (node id and window)."""
     from fakehost import FakeHost
-    from fastlock.replication import StandbyFollower, _now_ms
+    from fastlock.replication import StandbyFollower
+    from fastlock.units import monotonic_ms
     from fastlock.roles import Role
 
     promoted: list[str] = []
@@ -386,8 +387,8 @@ def test_no_automatic_failover_before_the_primary_confirms_the_pairing(tmp_path)
         for paired, window, expect in ((None, 0, False), ("west@node-1/id-2", 50, False),
                                        ("east@node-2/id-1", 50, False), ("east@node-1/id-1", 99, False),
                                        ("renamed@node-1/id-1", 50, True)):
-            follower._on_push("hb", [1, 0, 0, 0, paired, window])
-            follower.last_heard_ms = _now_ms() - 1000  # the primary has been silent for 1 s
+            follower.on_push("hb", [1, 0, 0, 0, paired, window])
+            follower.last_heard_ms = monotonic_ms() - 1000  # the primary has been silent for 1 s
             follower._check_silence()
             assert bool(promoted) is expect, (paired, window)
     finally:

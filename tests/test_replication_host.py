@@ -1,5 +1,5 @@
 """The primary's self-fencing (ReplicationSource) driven through a fake host: no sockets,
-no real timers, a clock the test moves.  See replication.py "No split brain" for the rule:
+no real timers, a clock the test moves.  See fastlock/replication/__init__.py "No split brain" for the rule:
 the primary may grant, extend and release only while
 ``now < echoed_send_time + failover_window - margin``."""
 
@@ -10,7 +10,7 @@ import os
 import pytest
 
 from fakehost import FakeConnection, FakeHost
-from fastlock import replication
+from fastlock.replication import source as source_module
 from fastlock._core import EV_GRANTED, GRANTED, NOT_ACQUIRED, QUEUED
 from fastlock.errors import ProtocolError, Unavailable
 from fastlock.replication import PAIRING_FILE, ReplicationSource
@@ -23,7 +23,7 @@ DEADLINE = WINDOW - WINDOW // 4
 @pytest.fixture
 def host(tmp_path, monkeypatch):
     h = FakeHost(str(tmp_path))
-    monkeypatch.setattr(replication, "_now_ms", h.clock)
+    monkeypatch.setattr(source_module, "monotonic_ms", h.clock)
     return h
 
 
@@ -157,13 +157,13 @@ def test_a_deposed_node_is_never_fenced(host):
 # -- the interface is the only way in -------------------------------------------------------------
 
 def _host_members() -> set[str]:
-    from fastlock.replication_host import ReplicationHost
+    from fastlock.replication.host import ReplicationHost
 
     return {name for name in vars(ReplicationHost) if not name.startswith("_")} | set(
         ReplicationHost.__annotations__)
 
 
-@pytest.mark.parametrize("module", ["replication", "server.failover"])
+@pytest.mark.parametrize("module", ["replication.source", "replication.follower", "replication.link", "server.failover"])
 def test_replication_and_failover_see_the_server_only_through_the_host_interface(module):
     """Every ``host.X`` / ``self.host.X`` they use is a member of ReplicationHost, and
     neither imports the server module."""
@@ -235,7 +235,7 @@ def test_a_standby_refuses_an_epoch_beyond_the_encodable_range(tmp_path, kind, p
     host = FakeHost(str(tmp_path), Role.STANDBY, primary_address="127.0.0.1:9")
     follower = StandbyFollower(host, ("127.0.0.1", 9), name="east@id-1")
     with pytest.raises(InvalidArgument, match="out of range"):
-        follower._on_push(kind, payload)
+        follower.on_push(kind, payload)
     assert host.node_state.max_epoch_seen == 0 and host.table.epoch == 0
     assert follower.primary_epoch == 0 and not follower.synced
 
@@ -259,7 +259,7 @@ def test_a_standby_refuses_a_malformed_snapshot_holder(tmp_path, holder, error):
     host = FakeHost(str(tmp_path), Role.STANDBY, primary_address="127.0.0.1:9")
     follower = StandbyFollower(host, ("127.0.0.1", 9), name="east@id-1")
     with pytest.raises(ProtocolError, match=error):
-        follower._on_push("snap", [5, 1, 1, [holder], "inc"])
+        follower.on_push("snap", [5, 1, 1, [holder], "inc"])
     assert len(host.table) == 0 and follower.lease_deadlines == {} and not follower.synced
 
 
@@ -267,17 +267,38 @@ def test_a_standby_keeps_the_remaining_time_of_a_snapshot_holder(tmp_path):
     """The kept deadline is the snapshot's arrival plus the holder's ``remaining_ms``;
     an 8-item holder (an older primary) has its full TTL left."""
     from fastlock.replication import StandbyFollower
-    from fastlock import replication
+    from fastlock.units import monotonic_ms
 
     host = FakeHost(str(tmp_path), Role.STANDBY, primary_address="127.0.0.1:9")
     follower = StandbyFollower(host, ("127.0.0.1", 9), name="east@id-1")
     token_b = (1 << 40) | 2
-    arrived = replication._now_ms()
-    follower._on_push("snap", [5, 1, 2, [GOOD_HOLDER + [1200], ["b", token_b, b"p" * 16, 7000, 0, None, None, 0]],
+    arrived = monotonic_ms()
+    follower.on_push("snap", [5, 1, 2, [GOOD_HOLDER + [1200], ["b", token_b, b"p" * 16, 7000, 0, None, None, 0]],
                                "inc"])
-    done = replication._now_ms()
+    done = monotonic_ms()
     a = follower.lease_deadline("a", GOOD_HOLDER[1])
     b = follower.lease_deadline("b", token_b)
     assert arrived + 1200 <= a <= done + 1200
     assert arrived + 7000 <= b <= done + 7000
     assert follower.lease_deadline("a", token_b) is None  # another token: not this lease
+
+
+def test_a_standby_applies_single_records_by_the_log_rules_and_refuses_a_malformed_one(tmp_path):
+    """A ``rec`` push (one record, as older primaries send) goes through the same apply as
+    recovery: a grant installs and is logged, a release for another token does nothing,
+    and a record of the wrong shape is a protocol error that changes nothing."""
+    from fastlock.replication import StandbyFollower
+    from fastlock.wal import GRANT, RELEASE
+
+    host = FakeHost(str(tmp_path), Role.STANDBY, primary_address="127.0.0.1:9")
+    follower = StandbyFollower(host, ("127.0.0.1", 9), name="east@id-1")
+    token = (1 << 40) | 5
+    follower.on_push("rec", [1, [GRANT, "a", token, b"o" * 16, 5000, 0, "app:c", "r1", 0]])
+    assert host.table.holder("a", 0).token == token and host.table.holder("a", 0).meta == ("app:c", "r1")
+    follower.on_push("rec", [2, [RELEASE, "a", token + 1, 0]])  # not the holder's token
+    assert host.table.holder("a", 0) is not None and follower.applied_lsn == 2
+    with pytest.raises(ProtocolError, match="LSN 3"):
+        follower.on_push("rec", [3, [RELEASE, "a", token]])  # a field missing
+    assert host.table.holder("a", 0) is not None and follower.applied_lsn == 2
+    assert [r[0] for r in host.wal.records] == ["grant"]
+    assert follower.lease_deadline("a", token) is not None and follower.max_ttl_ms == 5000

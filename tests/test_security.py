@@ -24,7 +24,7 @@ from fastlock import protocol as P
 from fastlock._testbase import CredentialsDir, ServerProcess
 from fastlock.auth import Credentials, CredentialsError, hash_owner, hash_token
 from fastlock.errors import AuthError, LeaseLost, PermissionDenied, Unavailable
-from fastlock.wal import decode_frames
+from fastlock.wal import Grant, decode_frames
 
 from tcpproxy import RawNode, poll, run, status_of
 
@@ -138,8 +138,8 @@ def test_replicate_is_refused_to_clients_and_gives_replicas_only_owner_hashes(se
                 reply = await rep.call(P.OP_REPLICATE, 1, incarnation, 0, "x@node-x")
                 assert reply[2]["mode"] == "stream"
                 first, _last, frames = (await rep.push("repl"))[2]  # the backlog: WAL frames from LSN 1
-                grant = next(rec for _lsn, rec in decode_frames(frames, first) if rec[0] == 1)
-                assert grant[1] == "orders/42" and grant[3] == hash_owner(lease.owner)
+                grant = next(rec for _lsn, rec in decode_frames(frames, first) if isinstance(rec, Grant))
+                assert grant.name == "orders/42" and grant.owner_hash == hash_owner(lease.owner)
                 assert lease.owner not in frames
             finally:
                 await rep.close()

@@ -16,8 +16,11 @@ import threading
 import pytest
 
 from fastlock import wal as W
+from fastlock.wal import format as F
+from fastlock.wal import snapshot as snapshot_module
 from fastlock.wal import (
     GRANT,
+    Grant,
     RESERVE,
     HolderRecord,
     WalCompacted,
@@ -154,7 +157,7 @@ async def test_reopen_continues_lsns_in_a_new_segment(tmp_path, writer):
         grant(wal, "a", 2 * i + 1)
         wal.log_release("a", tok(2 * i + 1))
         await wal.close()
-    assert segments(tmp_path) == [W._seg_name(1), W._seg_name(3), W._seg_name(5)]
+    assert segments(tmp_path) == [F.seg_name(1), F.seg_name(3), F.seg_name(5)]
     assert reopen(tmp_path).counter == 5
 
 
@@ -260,7 +263,7 @@ async def test_listener_gets_written_batches(tmp_path, writer):
     decoded = [r for f, _l, d in got for r in decode_frames(d, f)]
     assert decoded == list(wal.read_from(1))
     assert [lsn for lsn, _ in wal.read_from(4)] == [4, 5, 6]
-    assert decoded[0][1][0] == GRANT
+    assert decoded[0][1].kind == GRANT and isinstance(decoded[0][1], Grant)
     await wal.close()
 
 
@@ -269,7 +272,7 @@ async def test_always_mode_writes_no_reservations(tmp_path, writer):
     wal, _ = await started(tmp_path, writer)
     grant(wal, "a", 1)
     await durable(wal)
-    assert [r[0] for _, r in wal.read_from(1)] == [GRANT]
+    assert [r.kind for _, r in wal.read_from(1)] == [GRANT]
     await wal.close()
 
 
@@ -281,7 +284,8 @@ async def test_reservation_fsynced_before_ack(tmp_path, writer, mode):
     await durable(wal)
     s1 = wal.stats()
     assert s1["fsyncs"] - s0["fsyncs"] == 1 and s1["durable_lsn"] == 2
-    assert [r[:2] for _, r in wal.read_from(1)][0] == [RESERVE, 11]
+    first = next(r for _, r in wal.read_from(1))
+    assert first.kind == RESERVE and first.counter == 11
     for c in range(2, 12):  # within the reservation: written, not fsynced
         grant(wal, "a", c)
         await durable(wal)
@@ -420,14 +424,14 @@ async def test_mid_log_corruption_refused(tmp_path, writer):
     await _log_some(tmp_path, writer)
     seg = last_segment(tmp_path)
     with open(seg, "r+b") as f:
-        f.seek(W._SEG_HEADER.size + 12)  # inside the first record's body
+        f.seek(F.SEG_HEADER.size + 12)  # inside the first record's body
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0x40]))
     with pytest.raises(WalCorruption) as ei:
         reopen(tmp_path)
     e = ei.value
-    assert e.path == seg and e.offset == W._SEG_HEADER.size and e.lsn == 1
+    assert e.path == seg and e.offset == F.SEG_HEADER.size and e.lsn == 1
     assert "mid-log corruption" in str(e) and seg in str(e) and "offset 24" in str(e) and "LSN 1" in str(e)
     # the operator may accept the loss explicitly
     st = make(tmp_path)
@@ -472,7 +476,7 @@ async def test_missing_segment_refused(tmp_path, writer):
 
 async def test_zero_filled_empty_segment(tmp_path, writer):
     n = await _log_some(tmp_path, writer)
-    path = os.path.join(str(tmp_path), W._seg_name(n + 1))
+    path = os.path.join(str(tmp_path), F.seg_name(n + 1))
     with open(path, "wb") as f:
         f.write(b"\x00" * 8192)  # created + preallocated, header never written
     st = reopen(tmp_path)
@@ -502,7 +506,7 @@ async def test_rotation_and_snapshot_deletes_covered_segments(tmp_path, writer):
     await wal.wait_snapshot()
     assert wal.stats()["snapshot_lsn"] == c
     assert segments(tmp_path) == [os.path.basename(wal.stats()["active_segment"])]
-    assert os.listdir(tmp_path).count(W._snap_name(c)) == 1
+    assert os.listdir(tmp_path).count(F.snap_name(c)) == 1
     with pytest.raises(WalCompacted):
         list(wal.read_from(1))
     grant(wal, "after", c + 1)
@@ -593,7 +597,7 @@ async def test_failed_snapshot_is_not_fatal(tmp_path, writer, monkeypatch, caplo
     def boom(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(W, "_encode_snapshot", boom)
+    monkeypatch.setattr(snapshot_module, "encode_snapshot", boom)
     wal.maybe_snapshot(lambda: (1, 1, []), force=True)
     await wal.wait_snapshot()
     assert "snapshot at LSN 1 failed" in caplog.text

@@ -18,7 +18,7 @@ import tempfile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastlock import wal as W
+from fastlock.wal import format as F
 from fastlock.wal import HolderRecord, WalCorruption, WriteAheadLog
 
 NAMES = ["a", "b", "c"]
@@ -171,10 +171,10 @@ async def _write_batches(d, batches):
     await wal.close()
     data = open(path, "rb").read()
     frames = []
-    off = W._SEG_HEADER.size
+    off = F.SEG_HEADER.size
     while off < len(data):
-        _crc, lw = W._FRAME.unpack_from(data, off)
-        end = off + 8 + (lw & W._LEN_MASK)
+        _crc, lw = F.FRAME.unpack_from(data, off)
+        end = off + 8 + (lw & F.LEN_MASK)
         frames.append((off, end))
         off = end
     return path, frames, batch_starts
@@ -195,8 +195,8 @@ def test_cut_anywhere_recovers_the_complete_prefix(batches, cut):
         complete = sum(1 for _s, e in frames if e <= at)
         assert state.records_replayed == complete
         assert state.counter == complete
-        if at >= W._SEG_HEADER.size:
-            boundary = max([W._SEG_HEADER.size] + [e for _s, e in frames if e <= at])
+        if at >= F.SEG_HEADER.size:
+            boundary = max([F.SEG_HEADER.size] + [e for _s, e in frames if e <= at])
             assert state.torn_bytes == at - boundary
     finally:
         shutil.rmtree(d, ignore_errors=True)

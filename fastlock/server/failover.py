@@ -2,7 +2,7 @@
 
 The server's handlers and the standby's follower call :class:`FailoverPolicy`;
 it changes the node's role only through :meth:`fastlock.roles.NodeRole.transition`
-and sees the server only through :class:`~fastlock.replication_host.ReplicationHost`.
+and sees the server only through :class:`~fastlock.replication.host.ReplicationHost`.
 
 Promotion (:meth:`FailoverPolicy.promote`)
     First makes sure the old primary cannot grant any more: on command, it
@@ -48,7 +48,7 @@ from ..units import monotonic_ms
 from .tasks import BackgroundTasks
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..replication_host import ReplicationHost
+    from ..replication.host import ReplicationHost
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class FailoverPolicy:
     """Promote, step down, serve alone - and the node's role at start.
 
     Args:
-        host: the server (:class:`~fastlock.replication_host.ReplicationHost`).
+        host: the server (:class:`~fastlock.replication.host.ReplicationHost`).
         source: the primary's replication side (pairing, fence).
         follower: the standby's side, or None on a node started as primary.
         promotion_grace_ms: grace after promotion (ms); None: the longest TTL seen.

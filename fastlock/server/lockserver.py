@@ -7,7 +7,7 @@ table (with each op's arity) in :mod:`fastlock.protocol`, durability in
 fence and grace - is asked of :class:`fastlock.roles.NodeRole` (one
 ``admit(action)`` per handler); promotion and stepping down are
 :mod:`fastlock.server.failover`'s; replication sees this server through
-:class:`fastlock.replication_host.ReplicationHost`, which it implements.
+:class:`fastlock.replication.host.ReplicationHost`, which it implements.
 
 The parts, each in its own module of this package: :mod:`.session` (one
 connection: buffering, flow control, closing), :mod:`.handlers` (the op
@@ -196,7 +196,7 @@ class LockServer:
         self._closed = asyncio.Event()
         self._started_ms = monotonic_ms()
 
-    # -- what replication and failover see (fastlock.replication_host.ReplicationHost) -----------
+    # -- what replication and failover see (fastlock.replication.host.ReplicationHost) -----------
     @property
     def role(self) -> str:
         """The node's role as a string ("primary", "standby", "promoting", "deposed")."""

@@ -4,7 +4,7 @@
 the standby's :class:`~fastlock.replication.StandbyFollower`) and
 :mod:`fastlock.failover` never touch :class:`~fastlock.server.LockServer`'s
 private members: they see a :class:`ReplicationHost`.  ``LockServer``
-implements it; tests implement it with a fake (``tests/test_replication_host.py``)
+implements it; tests implement it with a fake (``tests/fakehost.py``)
 to drive the fence and the follower without sockets - as etcd's lessor takes
 small injected interfaces instead of the server.
 """
@@ -15,10 +15,10 @@ import asyncio
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._core import LockTable
-    from .replication import NodeState
-    from .roles import NodeRole
-    from .wal import HolderRecord, WriteAheadLog
+    from .._core import LockTable
+    from ..roles import NodeRole
+    from ..wal import HolderRecord, WriteAheadLog
+    from .node_state import NodeState
 
 
 class ReplicaConnection(Protocol):

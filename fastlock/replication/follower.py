@@ -1,0 +1,376 @@
+"""The standby's side of replication: follow a primary, apply its log, watch for its silence.
+
+:class:`StandbyFollower` follows the primary through a
+:class:`~fastlock.replication.link.PrimaryLink` (the connection and its
+handshake), asking for the stream from its position, and applies every push to the standby's own lock table and WAL through
+:func:`fastlock.wal.apply` - the rules recovery uses - with
+:class:`StandbyApply` as the target.  Beside the table it keeps a deadline
+for each lease on its own monotonic clock (what a promotion keeps), and a
+watchdog that reports a silent paired primary to the failover policy.  The
+rules (frozen time, kept deadlines, who may promote) are in
+:mod:`fastlock.replication`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+
+from .. import protocol as P
+from ..errors import FastlockError, ProtocolError
+from ..roles import Role
+from ..units import monotonic_ms
+from ..wal import EPOCH, Expire, Extend, Grant, LeaseMeta, Record, Release, apply, decode_frames
+from ..wal.records import decode as decode_record
+from .link import PrimaryLink
+from .messages import Heartbeat, SnapshotHolder, heartbeat_interval_ms, standby_identity
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .host import ReplicationHost
+
+log = logging.getLogger("fastlock.replication")
+
+
+class StandbyApply:
+    """The standby's table as the target of :func:`fastlock.wal.apply`: each change
+    goes to its lock table (on frozen time, ``now = 0``), is logged to its own WAL,
+    and updates the lease deadlines the follower keeps."""
+
+    def __init__(self, follower: "StandbyFollower"):
+        self.follower = follower
+        self.table = follower.host.table
+        self.wal = follower.host.wal
+
+    @property
+    def epoch(self) -> int:
+        return self.table.epoch
+
+    @property
+    def counter(self) -> int:
+        return self.table.counter
+
+    def holder_token(self, name: str) -> Optional[int]:
+        h = self.table.holder(name, 0)
+        return None if h is None else h.token
+
+    def install(self, g: Grant) -> None:
+        self.table.install_holder(g.name, g.token, g.owner_hash, g.ttl_ms, g.lock_delay_ms,
+                                  LeaseMeta(g.client, g.correlation_id), 0)
+        self.wal.log_grant(g.name, g.token, g.owner_hash, g.ttl_ms, g.lock_delay_ms, g.client, g.correlation_id)
+        self.follower.track(g.name, g.token, g.ttl_ms)
+        self.follower.saw_ttl(g.ttl_ms)
+
+    def remove(self, record: Release | Expire) -> None:
+        self.table.remove_holder(record.name, record.token, 0)
+        self.follower.lease_deadlines.pop(record.name, None)
+        if isinstance(record, Release):
+            self.wal.log_release(record.name, record.token)
+        else:
+            self.wal.log_expire(record.name, record.token)
+
+    def set_ttl(self, record: Extend) -> None:
+        h = self.table.holder(record.name, 0)
+        self.table.install_holder(record.name, record.token, h.owner, record.ttl_ms, h.lock_delay_ms, h.meta, 0)
+        self.wal.log_extend(record.name, record.token, record.ttl_ms)
+        self.follower.track(record.name, record.token, record.ttl_ms)
+        self.follower.saw_ttl(record.ttl_ms, persist=False)
+
+    def raise_epoch(self, epoch: int) -> None:
+        self.table.set_epoch(epoch)
+        self.wal.log_epoch(epoch)
+
+    def raise_counter(self, counter: int) -> None:
+        self.table.advance_counter(counter)
+
+
+class StandbyFollower:
+    """The standby's side: follow a primary, apply its log, promote when told or when it is silent.
+
+    Args:
+        host: the standby's server, as :class:`~fastlock.replication.host.ReplicationHost`.
+        primary: ``(host, port)`` of the primary.
+        failover_after_ms: promote after this much silence (0: only on command).
+        token: this standby's replica token (see :mod:`fastlock.auth`), or None
+            (then its mutual-TLS certificate must identify a replica principal).
+        name: ``[label@]node-id`` this standby announces.
+        on_primary_silent: called (on the loop) when the paired primary has been
+            silent for ``failover_after_ms``; the failover policy promotes.
+        tls: connect to the primary over TLS with this client context (it
+            verifies the primary's certificate against the primary's host
+            name, and carries this node's certificate for mutual TLS); None:
+            plain TCP.  Replaced on a certificate reload; used from the next
+            connection on.
+    """
+
+    def __init__(self, host: "ReplicationHost", primary: tuple[str, int], failover_after_ms: int = 0,
+                 token: str | None = None, name: str | None = None,
+                 on_primary_silent: Callable[[], None] | None = None, tls: ssl.SSLContext | None = None,
+                 stream_limits: P.DecodeLimits | None = None):
+        self.host = host
+        self.on_primary_silent = on_primary_silent
+        self.failover_after_ms = failover_after_ms
+        # what the primary's stream may hold (a snapshot is one frame with every lease)
+        self.link = PrimaryLink(self, primary, tls, token, name,
+                                stream_limits or P.stream_limits(256 << 20, 1_000_000))
+        self.applied_lsn = 0
+        self.incarnation: str | None = None
+        self.primary_epoch = 0
+        self.primary_last_lsn = 0
+        self.last_heard_ms = 0
+        self.last_hb_primary_ms = 0
+        self.synced = False  # has applied at least one snapshot or stream from this primary
+        self.refused: str | None = None  # why this node refuses to follow its primary
+        self.pair_confirmed = False  # the primary's heartbeats say it fences itself for this node
+        self._node = standby_identity(name or "")
+        self.max_ttl_ms = 0
+        #: lease name -> (token, deadline): a conservative deadline (this node's monotonic
+        #: ms) of each replicated lease, kept by a promotion (see track)
+        self.lease_deadlines: dict[str, tuple[int, int]] = {}
+        self._received_ms = 0  # when the push being applied arrived (this node's monotonic ms)
+        self._watchdog: asyncio.TimerHandle | None = None
+
+    @property
+    def tls(self) -> ssl.SSLContext | None:
+        """The client TLS context for the primary (replace it on a certificate reload)."""
+        return self.link.tls
+
+    @tls.setter
+    def tls(self, context: ssl.SSLContext | None) -> None:
+        self.link.tls = context
+
+    @property
+    def connected(self) -> bool:
+        return self.link.connected
+
+    @property
+    def principal(self) -> str | None:
+        return self.link.principal
+
+    @property
+    def ident(self) -> str:
+        """The identity the primary pairs with: ``replica principal/node id`` (the principal
+        comes from the token, or - over mutual TLS without one - from the primary's HELLO answer)."""
+        return f"{self.principal}/{self._node}"
+
+    @property
+    def primary_address(self) -> str:
+        return self.link.address
+
+    @property
+    def stopped(self) -> bool:
+        """Is this follower not following (never started, or stopped)?"""
+        return self.link.stopped
+
+    def start(self) -> None:
+        """Start (or, after :meth:`stop`, resume) following the primary."""
+        self.link.start()
+        if self.failover_after_ms > 0 and self._watchdog is None:
+            self._arm_watchdog()
+
+    async def depose(self, epoch: int) -> bool:
+        """Ask the primary to step down for ``epoch`` (``STEP_DOWN``) and wait for its answer.
+
+        The primary steps down (durably) before it replies, so True means it
+        has stopped granting.  False: not connected, refused, or no answer in
+        time (frozen, partitioned, dead).  The request echoes the primary's
+        newest heartbeat time, and the primary honours it only within
+        ``STEP_DOWN_FRESH_MS`` of that on its own clock; this side waits that
+        long plus half a second for the answer, so a request that arrives after
+        the wait was given up is refused by the primary instead of deposing it.
+        """
+        if not self.link.is_open or not self.last_hb_primary_ms:
+            return False
+        timeout_s = P.STEP_DOWN_FRESH_MS / 1000.0 + 0.5
+        try:
+            info = await self.link.request(timeout_s, P.OP_STEP_DOWN, epoch, self.last_hb_primary_ms)
+        except (ConnectionError, asyncio.TimeoutError, FastlockError) as exc:
+            log.warning("primary %s did not step down for epoch %d: %s", self.primary_address, epoch, exc)
+            return False
+        return type(info) is dict and info.get("role") != "primary"
+
+    def stop(self) -> None:
+        """Stop following (the connection is closed)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        self.link.stop()
+
+    # -- the stream -------------------------------------------------------------------------
+    def on_push(self, kind: Any, payload: Any) -> None:
+        """Apply one push of the primary's stream (the link calls this in order).
+
+        An error raised here (a gap, a lower epoch, a malformed payload) makes
+        the link drop the connection; the follower reconnects and resyncs.
+        """
+        if kind not in P.REPLICATION_PUSH_KINDS:
+            return
+        self.last_heard_ms = self._received_ms = monotonic_ms()
+        self.link.ack_due = True
+        if kind == P.PUSH_HEARTBEAT:
+            self._on_heartbeat(Heartbeat.decode(payload))
+        elif kind == P.PUSH_RECORDS:
+            first, last, data = payload
+            self._apply_records(decode_frames(data, first))
+            self.primary_last_lsn = max(self.primary_last_lsn, last)
+        elif kind == P.PUSH_RECORD:
+            lsn, body = payload
+            try:
+                record = decode_record(body)
+            except ValueError as exc:
+                raise ProtocolError(f"replicated record at LSN {lsn}: {exc}") from None
+            self._apply_records([(lsn, record)])
+        elif kind == P.PUSH_SNAPSHOT:
+            self._apply_snapshot(*payload)
+
+    def _on_heartbeat(self, hb: Heartbeat) -> None:
+        P.check_epoch(hb.epoch, "heartbeat epoch")
+        # Automatic promotion is safe only once the primary fences itself for us: it has
+        # paired with this node's id and this failover window (it says so in heartbeats).
+        confirmed = (hb.paired_id is not None and standby_identity(hb.paired_id) == self.ident
+                     and hb.paired_window_ms == self.failover_after_ms)
+        if confirmed != self.pair_confirmed:
+            self.pair_confirmed = confirmed
+            if confirmed:
+                log.info("paired: primary %s fences itself for this standby (failover window %d ms)",
+                         self.primary_address, hb.paired_window_ms)
+            else:
+                log.warning("primary %s no longer reports this standby as paired: no automatic failover",
+                            self.primary_address)
+        self.last_hb_primary_ms = hb.primary_ms
+        self.primary_last_lsn = hb.last_lsn
+        self.primary_epoch = max(self.primary_epoch, hb.epoch)
+        # the longest TTL the primary has granted: the default promotion grace
+        self.saw_ttl(hb.max_ttl_ms)
+        self.host.node_state.raise_epoch(hb.epoch)
+
+    def _apply_snapshot(self, lsn: int, epoch: int, counter: int, holders: list, incarnation: str) -> None:
+        """Make the table the snapshot's: every lease it lacks or holds with another
+        token is released, every lease it holds differently is granted (both through
+        :func:`fastlock.wal.apply`, so the standby's WAL records each change)."""
+        table = self.host.table
+        target = StandbyApply(self)
+        P.check_epoch(epoch, "snapshot epoch")
+        if epoch < table.epoch:
+            # never replace a newer epoch's leases with an older primary's state
+            raise ProtocolError(f"snapshot at epoch {epoch} is below this node's epoch {table.epoch}")
+        wanted = {h.name: h for h in (SnapshotHolder.decode(h) for h in holders)}  # checked before any change
+        if epoch > table.epoch:
+            target.raise_epoch(epoch)
+        table.advance_counter(counter)
+        for h in table.holders():
+            w = wanted.get(h.name)
+            if w is None or w.token != h.token:
+                apply(Release(h.name, h.token, 0), target)
+        self.lease_deadlines.clear()
+        for w in wanted.values():
+            current = table.holder(w.name, 0)
+            if current is None or current.token != w.token or current.ttl_ms != w.ttl_ms:
+                apply(w.grant(), target)
+            self.track(w.name, w.token, w.remaining_ms)
+        table.drain_events()
+        self.applied_lsn = lsn
+        self.incarnation = incarnation
+        self.primary_epoch = max(self.primary_epoch, epoch)
+        self.synced = True
+        log.info("applied snapshot at primary LSN %d: %d leases, epoch %d", lsn, len(wanted), epoch)
+
+    def saw_ttl(self, ttl_ms: int, persist: bool = True) -> None:
+        """Remember the longest TTL seen (the default promotion grace); ``persist``:
+        in the node state too, so that it survives a restart."""
+        if ttl_ms > self.max_ttl_ms:
+            self.max_ttl_ms = ttl_ms
+            if persist:
+                self.host.node_state.raise_ttl(ttl_ms)
+
+    def track(self, name: str, token: int, remaining_ms: int) -> None:
+        """Keep the lease's deadline: the push's arrival plus the time it had left.
+
+        The primary sends a grant or extend record after making it, and a snapshot's
+        ``remaining_ms`` after measuring it, so on clocks running at the same rate
+        this deadline is never earlier than the primary's - nor than the holder's
+        own, which counts from before it asked.  Only a promotion reads it; the
+        standby's table itself expires nothing.
+        """
+        self.lease_deadlines[name] = (token, self._received_ms + remaining_ms)
+
+    def lease_deadline(self, name: str, token: int) -> int | None:
+        """The kept deadline (this node's monotonic ms) of lease ``name`` with ``token``,
+        or None if this standby has not received it since it started (recovered
+        from its own log: its remaining time is unknown)."""
+        kept = self.lease_deadlines.get(name)
+        return kept[1] if kept is not None and kept[0] == token else None
+
+    def _apply_records(self, records: Iterable[tuple[int, Record]]) -> None:
+        """Apply records in LSN order (those already applied are skipped).
+
+        :raises ProtocolError: a gap in the LSNs.
+        :raises InvalidArgument: an EPOCH record beyond the encodable range.
+        """
+        table = self.host.table
+        target = StandbyApply(self)
+        applied = self.applied_lsn
+        for lsn, rec in records:
+            if lsn <= applied:
+                continue  # already in the snapshot
+            if lsn != applied + 1:
+                raise ProtocolError(f"replication gap: expected LSN {applied + 1}, got {lsn}")
+            if rec.kind == EPOCH:
+                self.primary_epoch = max(self.primary_epoch, P.check_epoch(rec.epoch, "epoch record"))
+            apply(rec, target)
+            applied = lsn
+        table.drain_events()
+        self.applied_lsn = applied
+        self.synced = True
+
+    # -- failover ---------------------------------------------------------------------------
+    def _arm_watchdog(self) -> None:
+        interval_ms = heartbeat_interval_ms(self.failover_after_ms)
+        due_ms = monotonic_ms() + interval_ms
+        self._watchdog = self.host.loop.call_later(interval_ms / 1000.0,
+                                                   lambda: self._check_silence(late_ms=monotonic_ms() - due_ms))
+
+    def _check_silence(self, late_ms: int = 0) -> None:
+        """The watchdog: promote (through ``on_primary_silent``) once the paired
+        primary has been silent for the failover window.  ``late_ms`` is how late
+        the watchdog ran: more than a heartbeat interval means this process was
+        stalled itself (SIGSTOP, a VM pause) and has not yet read what the
+        primary sent meanwhile, so it checks again one interval later instead of
+        promoting over a primary that only this node failed to hear."""
+        self._watchdog = None
+        if self.link.stopping:
+            return
+        if self.host.roles.role is not Role.STANDBY:  # a manual promotion in progress: it may yet be refused
+            self._arm_watchdog()
+            return
+        now = monotonic_ms()
+        if (self.synced and self.pair_confirmed and self.last_heard_ms
+                and now - self.last_heard_ms >= self.failover_after_ms):
+            if late_ms > heartbeat_interval_ms(self.failover_after_ms):
+                log.warning("primary %s silent for %d ms, but this standby was stalled itself (its watchdog "
+                            "ran %d ms late): reading what the primary sent before deciding",
+                            self.primary_address, now - self.last_heard_ms, late_ms)
+                self._arm_watchdog()
+                return
+            log.warning("primary %s silent for %d ms (failover after %d ms): promoting",
+                        self.primary_address, now - self.last_heard_ms, self.failover_after_ms)
+            if self.on_primary_silent is not None:
+                self.on_primary_silent()
+        self._arm_watchdog()  # a refused or failed promotion leaves a standby that keeps watching
+
+    def status(self) -> dict:
+        now = monotonic_ms()
+        return {
+            "primary": self.primary_address,
+            "connected": self.connected,
+            "synced": self.synced,
+            "applied_lsn": self.applied_lsn,
+            "primary_last_lsn": self.primary_last_lsn,
+            "lag_records": max(0, self.primary_last_lsn - self.applied_lsn),
+            "last_heard_ms_ago": (now - self.last_heard_ms) if self.last_heard_ms else None,
+            "failover_after_ms": self.failover_after_ms,
+            "primary_epoch": self.primary_epoch,
+            "refused": self.refused,
+            "pair_confirmed": self.pair_confirmed,
+        }

@@ -1,0 +1,232 @@
+"""The standby's connection to its primary: connect, make the primary prove itself, follow.
+
+:class:`PrimaryLink` connects (over TLS when configured), makes the primary
+prove it holds this standby's credential before the standby's token goes
+out (see :mod:`fastlock.auth`), says HELLO, refuses a primary at a lower
+epoch than this node's (and asks it to step down), asks for the stream with
+``REPLICATE``, and hands every push to its
+:class:`~fastlock.replication.follower.StandbyFollower`; after each read it
+acknowledges with ``REPL_ACK``.  A lost connection is retried with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import ssl
+from typing import TYPE_CHECKING, Any, Optional
+
+from .. import protocol as P
+from .. import rpc
+from ..auth import primary_proof, primary_proof_key, token_principal
+from ..errors import AuthError, FastlockError, PermissionDenied
+from ..logsafe import quote
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .follower import StandbyFollower
+
+log = logging.getLogger("fastlock.replication")
+
+
+class PrimaryLink:
+    """One standby's connection to its primary, re-made whenever it drops.
+
+    Args:
+        follower: what applies the stream and keeps the standby's position.
+        primary: ``(host, port)`` of the primary.
+        tls: client TLS context (verifies the primary, carries this node's
+            certificate), or None for plain TCP; a new one is used from the next
+            connection on.
+        token: this standby's replica token, or None (mutual TLS identifies it).
+        name: ``[label@]node-id`` this standby announces.
+        stream_limits: what the primary's stream may hold.
+    """
+
+    def __init__(self, follower: "StandbyFollower", primary: tuple[str, int], tls: Optional[ssl.SSLContext],
+                 token: Optional[str], name: Optional[str], stream_limits: P.DecodeLimits):
+        self.follower = follower
+        self.primary = primary
+        self.tls = tls
+        self.token = token
+        #: the replica principal this standby authenticates as (from its token, or the
+        #: primary's HELLO answer over mutual TLS)
+        self.principal = token_principal(token) if token else None
+        self.name = name
+        self.stream_limits = stream_limits
+        self.connected = False
+        self._rpc: Optional[rpc.RpcConnection] = None
+        self._task: Optional[asyncio.Task] = None
+        self._stopping = False
+        self._ack_id = 0  # the request id every REPL_ACK on the connection carries (acks get no reply)
+        self.ack_due = False  # a push arrived since the last acknowledgement
+        self._said: dict[str, str] = {}  # problems that do not fix themselves, logged once: kind -> message
+
+    @property
+    def address(self) -> str:
+        return f"{self.primary[0]}:{self.primary[1]}"
+
+    @property
+    def is_open(self) -> bool:
+        """Is a connection to the primary open (maybe still in its handshake)?"""
+        return self._rpc is not None and not self._rpc.closed
+
+    @property
+    def stopping(self) -> bool:
+        """Was :meth:`stop` called (and :meth:`start` not since)?"""
+        return self._stopping
+
+    @property
+    def stopped(self) -> bool:
+        """Is this link not following (never started, or stopped)?"""
+        return self._task is None or self._task.done() or self._stopping
+
+    def start(self) -> None:
+        self._stopping = False
+        self._task = asyncio.ensure_future(self._run())
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self._rpc is not None:
+            self._rpc.close()
+        if self._task is not None:
+            self._task.cancel()
+
+    async def request(self, timeout_s: float, op: int, *args: Any) -> Any:
+        """Send a request on the current connection and wait for its answer.
+
+        :raises ConnectionError: not connected.
+        :raises asyncio.TimeoutError, FastlockError: as the request.
+        """
+        link = self._rpc
+        if link is None or link.closed:
+            raise ConnectionError("not connected to the primary")
+        return await asyncio.wait_for(link.request(op, *args), timeout_s)
+
+    def _on_read_end(self) -> None:
+        """One acknowledgement per read, however many batches it held."""
+        link = self._rpc
+        follower = self.follower
+        if self.ack_due and follower.last_hb_primary_ms and link is not None and not link.closed:
+            self.ack_due = False
+            link.write_raw(P.encode_request(self._ack_id, P.OP_REPL_ACK, follower.last_hb_primary_ms,
+                                            follower.applied_lsn))
+
+    def _say_once(self, kind: str, message: str) -> bool:
+        """True the first time ``message`` is reported for ``kind`` (until a connection succeeds)."""
+        if self._said.get(kind) == message:
+            return False
+        self._said[kind] = message
+        return True
+
+    async def _run(self) -> None:
+        follower = self.follower
+        backoff = 0.05
+        loop = asyncio.get_running_loop()
+        while not self._stopping:
+            lost = loop.create_future()
+
+            def on_close(_conn: rpc.RpcConnection, error: Exception, lost: asyncio.Future = lost) -> None:
+                if not lost.done():
+                    lost.set_result(error)
+
+            tls = self.tls
+            address = self.primary
+            try:
+                _, link = await asyncio.wait_for(loop.create_connection(
+                    lambda: rpc.RpcConnection(address, max_frame=None, limits=self.stream_limits,
+                                              on_push=follower.on_push,
+                                              on_read_end=self._on_read_end, on_close=on_close),
+                    *address, ssl=tls, server_hostname=address[0] if tls else None,
+                    ssl_handshake_timeout=5.0 if tls else None), 5.0)
+            except (OSError, asyncio.TimeoutError) as exc:
+                if isinstance(exc, ssl.SSLError) and self._say_once("tls", str(exc)):
+                    # a certificate problem does not fix itself: say it once, not every retry
+                    log.error("TLS handshake with primary %s failed: %s", self.address, exc)
+                log.debug("cannot reach primary %s: %s", self.address, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            self._rpc = link
+            self._ack_id = link.next_id()
+            host = follower.host
+            try:
+                if not await self._primary_proves_itself(link):
+                    link.close()
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                hello = await asyncio.wait_for(
+                    link.request(P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{self.name or os.getpid()}",
+                                  self.token, host.table.epoch), 5.0)
+                if self.principal is None and type(hello.get("principal")) is str:
+                    self.principal = hello["principal"]  # authenticated by our certificate
+                their_epoch = P.check_epoch(hello.get("epoch", 0), "primary's epoch")
+                follower.primary_epoch = max(follower.primary_epoch, their_epoch)
+                host.node_state.raise_epoch(follower.primary_epoch)
+                if their_epoch < host.table.epoch:
+                    # this node was promoted since it last followed that node: never follow
+                    # a lower epoch, and ask it to step down (it may still think it is primary)
+                    follower.refused = (f"{self.address} is at epoch {their_epoch}, below this "
+                                    f"node's epoch {host.table.epoch}: it is a deposed primary")
+                    log.critical("refusing to follow: %s; restart this node as the primary, or point it "
+                                 "at the current primary", follower.refused)
+                    if hello.get("role") == "primary":
+                        try:
+                            await asyncio.wait_for(link.request(P.OP_STEP_DOWN, host.table.epoch,
+                                                                hello.get("clock_ms")), 5.0)
+                        except (ConnectionError, asyncio.TimeoutError, FastlockError) as exc:
+                            log.error("%s did not step down for epoch %d: %s", self.address,
+                                      host.table.epoch, exc)
+                    link.close()
+                    return
+                info = await asyncio.wait_for(
+                    link.request(P.OP_REPLICATE, follower.applied_lsn + 1 if follower.synced else 0,
+                                  follower.incarnation, follower.failover_after_ms, self.name), 5.0)
+                self.connected = True
+                self._said.clear()
+                backoff = 0.05
+                log.info("replicating from %s (%s)", self.address, quote(info.get("mode")))
+                await lost
+            except (ConnectionError, asyncio.TimeoutError, FastlockError) as exc:
+                if isinstance(exc, (AuthError, PermissionDenied)):
+                    # credentials do not fix themselves: say it once, not on every retry
+                    if self._say_once("credentials", str(exc)):
+                        log.error("primary %s refused this standby's credentials: %s (retrying)",
+                                  self.address, quote(str(exc)))
+                else:
+                    log.warning("replication from %s failed: %s", self.address, quote(str(exc)))
+                link.close()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+            finally:
+                self.connected = False
+                self._rpc = None
+            if not self._stopping:
+                log.warning("lost the replication connection to %s", self.address)
+
+    async def _primary_proves_itself(self, link: "rpc.RpcConnection") -> bool:
+        """Before our token goes out: the primary must answer our random challenge with
+        the proof only a holder of our credential can make (see :mod:`fastlock.auth`).
+
+        Raises what the request raises (AuthError if the primary does not know our
+        principal); returns False if the proof is wrong.
+        """
+        if self.principal is None:
+            return True  # no replica token: the primary refuses REPLICATE, nothing to protect
+        challenge = os.urandom(32)
+        answer = await asyncio.wait_for(
+            link.request(P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{self.name or os.getpid()}",
+                         {"principal": self.principal, "challenge": challenge}), 5.0)
+        expected = primary_proof(primary_proof_key(self.token), self.principal, challenge)
+        proof = answer.get("proof") if isinstance(answer, dict) else None
+        if type(proof) is bytes and hmac.compare_digest(proof, expected):
+            if self.follower.refused is not None and "could not prove" in self.follower.refused:
+                self.follower.refused = None
+            return True
+        self.follower.refused = f"{self.address} could not prove that it holds this standby's credential"
+        log.critical("not following %s: it could not prove that it holds this standby's credential "
+                     "(replica principal %s): an impostor, or a different credentials file", self.address,
+                     self.principal)
+        return False

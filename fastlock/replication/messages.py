@@ -1,0 +1,112 @@
+"""The replication stream's payloads as typed values, shared by both ends.
+
+The primary pushes (see :mod:`fastlock.replication` for the whole exchange)::
+
+    [0, "snap", [lsn, epoch, counter, holders, incarnation]]     a snapshot
+    [0, "repl", [first_lsn, last_lsn, frames]]                   WAL batch bytes
+    [0, "rec",  [lsn, record]]                                   one record (older primaries)
+    [0, "hb",   [primary_ms, last_lsn, epoch, longest_ttl_ms, paired_id, paired_window_ms]]
+
+A snapshot holder is :class:`SnapshotHolder`'s 9 fields in order (an older
+primary sends the first 8); owner keys travel only as their hashes.  Times
+are milliseconds.  Also here: the heartbeat rate and a standby's identity,
+which both ends must compute alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Sequence
+
+import msgpack
+
+from .. import protocol as P
+from ..errors import ProtocolError
+from ..wal import Grant
+
+
+def heartbeat_interval_ms(failover_after_ms: int) -> int:
+    """Heartbeats 8 per failover window, between 10 ms and 500 ms."""
+    if failover_after_ms <= 0:
+        return 500
+    return max(10, min(500, failover_after_ms // 8))
+
+
+def standby_identity(name: str) -> str:
+    """A standby names itself ``[display@]node-id``; only the node id identifies it."""
+    return name.rpartition("@")[2]
+
+
+class SnapshotHolder(NamedTuple):
+    """One lease of a snapshot push.  ``remaining_ms``: its deadline minus the
+    primary's monotonic time when the snapshot was taken (0..``ttl_ms``)."""
+
+    name: str
+    token: int
+    owner_hash: bytes
+    ttl_ms: int
+    lock_delay_ms: int
+    client: Optional[str]
+    correlation_id: Optional[str]
+    wall_ms: int  # always 0 on the wire (kept for the layout shared with WAL holders)
+    remaining_ms: int
+
+    @classmethod
+    def decode(cls, h: Any) -> "SnapshotHolder":
+        """A holder as received; one without ``remaining_ms`` (8 items, an older
+        primary) has its full ``ttl_ms`` left.
+
+        Raises:
+            ProtocolError: not a list of 8 or 9 items, or ``remaining_ms`` not an int
+                in ``0..ttl_ms``.
+            WrongArgumentType, InvalidArgument: ``ttl_ms`` not a valid TTL.
+        """
+        if type(h) is not list or len(h) not in (8, 9):
+            raise ProtocolError("snapshot holder must be a list of 8 or 9 items")
+        ttl_ms = P.check_ttl_ms(h[3])
+        remaining_ms = h[8] if len(h) == 9 else ttl_ms
+        if type(remaining_ms) is not int or not 0 <= remaining_ms <= ttl_ms:
+            raise ProtocolError(f"snapshot holder remaining_ms must be an int in 0..{ttl_ms}, not {remaining_ms!r}")
+        return cls(h[0], h[1], h[2], ttl_ms, h[4], h[5], h[6], 0, remaining_ms)
+
+    def grant(self) -> Grant:
+        """The lease as the GRANT record that installs it."""
+        return Grant(self.name, self.token, self.owner_hash, self.ttl_ms, self.lock_delay_ms, self.client,
+                     self.correlation_id, 0)
+
+
+def encode_snapshot(lsn: int, epoch: int, counter: int, holders: Sequence[Any], incarnation: str, now: int) -> bytes:
+    """The snapshot push ``[0, "snap", [lsn, epoch, counter, holders, incarnation]]``,
+    encoded a holder at a time (so that, on a worker thread, it lets the event
+    loop run between holders); ``holders``: :class:`~fastlock._core.Holder`,
+    whose ``meta`` is a :class:`~fastlock.wal.LeaseMeta` (or None); ``now``: the
+    primary's monotonic ms when the snapshot was taken.
+    """
+    packer = msgpack.Packer(use_bin_type=True)
+    pack = packer.pack
+    parts = [packer.pack_array_header(3), pack(0), pack(P.PUSH_SNAPSHOT), packer.pack_array_header(5),
+             pack(lsn), pack(epoch), pack(counter), packer.pack_array_header(len(holders))]
+    append = parts.append
+    for h in holders:
+        client, corr = h.meta if h.meta else (None, None)
+        append(pack(list(SnapshotHolder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, client, corr, 0,
+                                        min(h.ttl_ms, max(0, h.deadline_ms - now))))))
+    append(pack(incarnation))
+    return b"".join(parts)
+
+
+class Heartbeat(NamedTuple):
+    """A primary's heartbeat (ms on the primary's monotonic clock)."""
+
+    primary_ms: int
+    last_lsn: int
+    epoch: int
+    max_ttl_ms: int  # the longest TTL the primary has granted
+    paired_id: Optional[str]  # the standby it is paired with
+    paired_window_ms: int  # that standby's failover window
+
+    @classmethod
+    def decode(cls, payload: Any) -> "Heartbeat":
+        """:raises ProtocolError: not a list of 6 items."""
+        if type(payload) is not list or len(payload) != 6:
+            raise ProtocolError("a heartbeat is a list of 6 items")
+        return cls(*payload)

@@ -1,0 +1,471 @@
+"""The primary's side of replication: stream the WAL to the standby, and fence the primary.
+
+:class:`ReplicationSource` attaches a standby (a snapshot when it is new or
+its position was compacted away, else the log from its position, both
+prepared off the event loop), then forwards every written WAL batch, sends
+heartbeats, pairs with the standby that echoes them (``pairing.json``), and
+fences the primary when the echoes stop - the "No split brain" rules of
+:mod:`fastlock.replication`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from .. import protocol as P
+from ..errors import InvalidArgument, ProtocolError, Unavailable
+from ..logsafe import quote
+from ..roles import Role
+from ..units import monotonic_ms
+from ..wal import BacklogReader, WalCompacted
+from .messages import encode_snapshot, heartbeat_interval_ms, standby_identity
+from .node_state import Pairing, read_pairing, remove_pairing, write_pairing
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .host import ReplicaConnection, ReplicationHost
+
+log = logging.getLogger("fastlock.replication")
+
+#: bytes of log read per step when a standby catches up from a position
+BACKLOG_CHUNK_BYTES = 256 << 10
+#: a snapshot of at most this many leases is encoded on the loop (about 10 ms), a larger one off it
+INLINE_SNAPSHOT_LEASES = 10_000
+
+
+class _Replica:
+    """One attached standby, as the source tracks it."""
+
+    __slots__ = ("conn", "name", "ident", "failover_after_ms", "acked_lsn", "contact_ms", "sent",
+                 "last_ack_ms", "catching_up", "task", "base_cap")
+
+    def __init__(self, conn: "ReplicaConnection", name: str | None, failover_after_ms: int):
+        self.conn = conn
+        self.name = name or conn.peer
+        self.ident = standby_identity(self.name)
+        self.last_ack_ms = 0  # primary time of the last acknowledgement received
+        self.failover_after_ms = failover_after_ms
+        self.acked_lsn = 0
+        self.contact_ms = monotonic_ms()  # primary time echoed by the standby
+        self.sent: deque[tuple[int, int]] = deque()  # (last_lsn of a batch, primary ms when sent)
+        self.catching_up = False  # the backlog is being streamed; live batches wait
+        self.task: asyncio.Future | None = None
+        self.base_cap = 0  # the connection's output cap before any snapshot was added to it
+
+
+class ReplicationSource:
+    """The primary's side: streams the WAL to its standby and fences the primary.
+
+    One standby per primary.  The first standby that acknowledges a heartbeat
+    is *paired*: its id and failover window are written to
+    ``<data dir>/pairing.json`` (atomically), another standby is refused until
+    an operator unpairs with ``fastlock serve-alone``, and a primary restarted
+    while paired with a failover window starts fenced - its standby may have
+    promoted while it was down - until that standby attaches again.
+
+    ``fence_margin_ms``: how long before a standby could promote the primary
+    stops granting (default: a quarter of the standby's failover window).
+    """
+
+    def __init__(self, host: "ReplicationHost", *, fence_margin_ms: int | None = None):
+        self.host = host
+        self.incarnation = os.urandom(8).hex()  # changes on every start: a standby resyncs
+        self.replicas: dict[int, _Replica] = {}  # by session
+        self.fence_margin_ms = fence_margin_ms
+        self.serving_alone = False
+        self.paired_id: str | None = None
+        # the strictest failover window of any standby that ever attached (ms, 0 = none)
+        self._paired_window_ms = 0
+        self._contact_ms = 0
+        self._hb_timer: asyncio.TimerHandle | None = None
+        self._fence_timer: asyncio.TimerHandle | None = None
+        self._takeover_timer: asyncio.TimerHandle | None = None  # fenced: when the standby may promote
+        self._fence_timer_at = 0
+        self._listening = False
+
+    # -- pairing ---------------------------------------------------------------------------
+    def load_pairing(self) -> None:
+        """At start: restore the pairing; a primary paired with a failover window starts fenced."""
+        pairing = read_pairing(self.host.data_dir)
+        if pairing is None:
+            return
+        self.paired_id = pairing.standby
+        self._paired_window_ms = pairing.failover_after_ms
+        if self._paired_window_ms > 0:
+            log.warning(
+                "restarted while paired with standby %s (failover window %d ms): not granting until it "
+                "attaches again - it may have been promoted meanwhile - or `fastlock serve-alone`",
+                quote(self.paired_id), self._paired_window_ms,
+            )
+            self._fence(monotonic_ms())
+
+    def _pair(self, replica: _Replica) -> None:
+        self.paired_id = replica.name
+        self._paired_window_ms = replica.failover_after_ms
+        self.serving_alone = False
+        write_pairing(self.host.data_dir, Pairing(replica.name, replica.failover_after_ms))
+        log.info("paired with standby %s (failover window %d ms)", quote(replica.name), replica.failover_after_ms)
+        window = replica.failover_after_ms
+        if window and self.fence_margin_ms is not None and self.fence_margin_ms > window - 2 * heartbeat_interval_ms(window):
+            log.critical("--fence-margin %d ms leaves less than two heartbeat intervals (%d ms each) of the standby's "
+                         "failover window (%d ms): this primary fences itself between heartbeats (at a margin >= "
+                         "the window, always) and refuses grants; restart it with a smaller --fence-margin",
+                         self.fence_margin_ms, heartbeat_interval_ms(window), window)
+
+    def may_announce_epoch(self, principal: str) -> bool:
+        """May replica ``principal`` depose this primary with a higher epoch?  Only the
+        paired standby's principal (any replica principal while unpaired)."""
+        if self.paired_id is None:
+            return True
+        return standby_identity(self.paired_id).partition("/")[0] == principal
+
+    def _unpair(self) -> None:
+        remove_pairing(self.host.data_dir)
+        self.paired_id = None
+        self._paired_window_ms = 0
+
+    # -- attach / detach ------------------------------------------------------------------
+    def attach(self, conn: "ReplicaConnection", req_id: int, from_lsn: int, incarnation: Any,
+               failover_after_ms: int, name: str | None) -> None:
+        host = self.host
+        wal = host.wal
+        if not name:
+            raise InvalidArgument("a standby must name itself (its node id)")
+        ident = standby_identity(name)
+        if self.paired_id is not None and ident != standby_identity(self.paired_id):
+            raise Unavailable(
+                f"this primary is paired with standby {self.paired_id!r}; fastlock supports one standby. "
+                f"Run `fastlock serve-alone` on the primary to unpair it first")
+        now = monotonic_ms()
+        for other in list(self.replicas.values()):
+            if other.ident != ident:
+                raise Unavailable(f"standby {other.name!r} is attached; fastlock supports one standby")
+            alive_ms = 4 * heartbeat_interval_ms(other.failover_after_ms)
+            if other.last_ack_ms and now - other.last_ack_ms < alive_ms and not other.conn.closed:
+                # not a reconnect: a live standby with this node id is attached
+                raise Unavailable(
+                    f"a live standby with node id {ident} is already attached (a copied data directory? "
+                    f"delete the copy's node-id file so it gets its own identity)")
+            # the same standby reconnecting: its old connection is dead or half-open
+            log.warning("standby %s reconnected; dropping its previous connection", quote(name))
+            self.replicas.pop(other.conn.session, None)
+            other.conn.closed = True
+            other.conn.transport.abort()
+        replica = _Replica(conn, name, failover_after_ms)
+        # Contact comes only from echoes of heartbeats sent from now on: this REPLICATE may have
+        # been delayed in the network and come from a standby that has promoted since.
+        replica.contact_ms = self._contact_ms
+        self.replicas[conn.session] = replica
+        mode = "stream"
+        if incarnation != self.incarnation or from_lsn < 1 or not wal.has_lsn(from_lsn):
+            mode = "snapshot"
+        conn.send(P.encode_ok(req_id, {"incarnation": self.incarnation, "mode": mode,
+                                       "epoch": host.table.epoch}))
+        replica.base_cap = conn.out_cap
+        if mode == "snapshot" and len(host.table) <= INLINE_SNAPSHOT_LEASES:
+            # small: at once, and every later record follows in the live stream
+            self._deliver_snapshot(replica, *self._take_snapshot(), None)
+        else:
+            # the snapshot and the backlog are prepared off the loop and streamed; live
+            # batches follow once the standby has caught up (see _bring_up_to_date)
+            replica.catching_up = True
+            replica.task = asyncio.ensure_future(self._bring_up_to_date(replica, from_lsn, mode == "snapshot"))
+        if not self._listening:
+            wal.add_listener(self._on_batch)
+            self._listening = True
+        log.info("standby %s attached (%s from LSN %d, failover window %d ms)",
+                 quote(replica.name), mode, from_lsn, failover_after_ms)
+        self._heartbeat()
+
+    async def _bring_up_to_date(self, replica: _Replica, from_lsn: int, snapshot: bool) -> None:
+        """Send a standby what it lacks - a snapshot if it needs one, then the log
+        after it - and hand it to the live stream (:meth:`_on_batch`).
+
+        Neither blocks the event loop for long: the snapshot is encoded on a
+        worker thread from the table's holders (taken on the loop, with the LSN
+        they match), and the log is read on a worker thread, a chunk
+        (:data:`BACKLOG_CHUNK_BYTES`) at a time, each chunk only once the standby
+        has taken the previous one (the connection's write buffer drained).  If
+        compaction deletes records meanwhile, the standby gets a snapshot instead.
+        """
+        conn = replica.conn
+        records = 0
+        try:
+            if snapshot:
+                from_lsn = await self._send_snapshot(replica) + 1
+            while True:
+                try:
+                    records += await self._stream_log(replica, from_lsn)
+                    break
+                except WalCompacted as exc:
+                    if conn.closed:
+                        return
+                    log.warning("standby %s: %s; sending a snapshot instead", quote(replica.name), exc)
+                    from_lsn = await self._send_snapshot(replica) + 1
+        except Exception:
+            log.exception("preparing the stream for standby %s failed; disconnecting it", quote(replica.name))
+            conn.closed = True
+            conn.transport.abort()
+            return
+        if conn.closed:
+            return
+        replica.catching_up = False  # same loop step as the last check: no batch falls between
+        log.info("standby %s caught up: %d records from LSN %d", quote(replica.name), records, from_lsn)
+
+    def _take_snapshot(self) -> tuple[int, int, int, list, int]:
+        """``(lsn, epoch, counter, holders, now)``: the table now, the LSN it matches
+        and the monotonic ms it was taken at."""
+        table = self.host.table
+        return self.host.wal.stats()["last_lsn"], table.epoch, table.counter, table.holders(), monotonic_ms()
+
+    async def _send_snapshot(self, replica: _Replica) -> int:
+        """Send the lock table as a snapshot, encoded off the loop; return the LSN it matches."""
+        lsn, epoch, counter, holders, now = self._take_snapshot()
+        frame = await asyncio.get_running_loop().run_in_executor(
+            None, encode_snapshot, lsn, epoch, counter, holders, self.incarnation, now)
+        self._deliver_snapshot(replica, lsn, epoch, counter, holders, now, frame)
+        return lsn
+
+    def _deliver_snapshot(self, replica: _Replica, lsn: int, epoch: int, counter: int, holders: list, now: int,
+                          frame: bytes | None) -> None:
+        if frame is None:
+            frame = encode_snapshot(lsn, epoch, counter, holders, self.incarnation, now)
+        conn = replica.conn
+        # a standby may leave its snapshot unread plus the output cap (not just the cap)
+        conn.out_cap = replica.base_cap + len(frame)
+        conn.send(frame)
+        conn.flush()
+        replica.acked_lsn = 0
+        log.info("standby %s: sent a snapshot at LSN %d (%d leases, %d bytes)", quote(replica.name), lsn,
+                 len(holders), len(frame))
+
+    async def _stream_log(self, replica: _Replica, from_lsn: int) -> int:
+        """Stream the log from ``from_lsn`` up to the last record written; return
+        the number of records sent.  Raises WalCompacted."""
+        wal = self.host.wal
+        conn = replica.conn
+        loop = asyncio.get_running_loop()
+        reader = BacklogReader(wal, from_lsn)
+        records = 0
+        while not conn.closed:
+            upto = wal.written_lsn
+            if reader.next_lsn > upto:
+                break
+            chunk = await loop.run_in_executor(None, reader.read, BACKLOG_CHUNK_BYTES, upto)
+            if conn.closed or chunk is None:
+                continue
+            first, last, data = chunk
+            conn.send(P.encode_push(P.PUSH_RECORDS, [first, last, data]))
+            conn.flush()
+            replica.sent.append((last, monotonic_ms()))
+            records += last - first + 1
+            await conn.drained()
+        return records
+
+    def detach(self, conn: "ReplicaConnection") -> None:
+        replica = self.replicas.pop(conn.session, None)
+        if replica is not None:
+            if replica.task is not None:
+                replica.task.cancel()
+            log.warning("standby %s detached (acked LSN %d)", quote(replica.name), replica.acked_lsn)
+
+    # -- streaming ------------------------------------------------------------------------
+    def _on_batch(self, first_lsn: int, last_lsn: int, data: bytes) -> None:
+        if not self.replicas:
+            return
+        msg = P.encode_push(P.PUSH_RECORDS, [first_lsn, last_lsn, data])
+        now = monotonic_ms()
+        for replica in list(self.replicas.values()):
+            conn = replica.conn
+            if conn.closed or replica.catching_up:
+                continue
+            conn.send(msg)
+            conn.flush()  # drops a standby too far behind (it resyncs): see the server's output caps
+            replica.sent.append((last_lsn, now))
+
+    def _heartbeat(self) -> None:
+        self._hb_timer = None
+        if not self.replicas:
+            return
+        host = self.host
+        now = monotonic_ms()
+        msg = P.encode_push(P.PUSH_HEARTBEAT, [now, host.wal.stats()["last_lsn"], host.table.epoch,
+                                              host.max_ttl_ms, self.paired_id, self._paired_window_ms])
+        interval = 500
+        for replica in self.replicas.values():
+            if not replica.conn.closed:
+                replica.conn.send(msg)
+                replica.conn.flush()
+            interval = min(interval, heartbeat_interval_ms(replica.failover_after_ms))
+        self._check_fence(now)
+        self._hb_timer = host.loop.call_later(interval / 1000.0, self._heartbeat)
+
+    def on_ack(self, conn: "ReplicaConnection", echoed_ms: Any, applied_lsn: Any) -> None:
+        replica = self.replicas.get(conn.session)
+        if replica is None:
+            raise ProtocolError("REPL_ACK before REPLICATE")
+        if type(echoed_ms) is not int or type(applied_lsn) is not int:
+            raise ProtocolError("REPL_ACK takes two integers")
+        now = monotonic_ms()
+        replica.last_ack_ms = now
+        if replica.contact_ms < echoed_ms <= now:
+            replica.contact_ms = echoed_ms
+            if echoed_ms > self._contact_ms:
+                self._contact_ms = echoed_ms
+            if (self.paired_id is None or self._paired_window_ms != replica.failover_after_ms
+                    or self.paired_id != replica.name):
+                # a standby that echoed our heartbeat is real: pair with it (persisted)
+                self._pair(replica)
+        if applied_lsn > replica.acked_lsn:
+            replica.acked_lsn = applied_lsn
+            sent = replica.sent
+            while sent and sent[0][0] <= applied_lsn:
+                sent.popleft()
+        self._check_fence(now)
+
+    # -- fencing ----------------------------------------------------------------------------
+    @property
+    def fenced(self) -> bool:
+        """Is this primary fenced (as the node's role says)?"""
+        return self.host.roles.fenced
+
+    @property
+    def fencing(self) -> bool:
+        """Is a standby with a failover window paired (so the fence applies)?"""
+        return self._paired_window_ms != 0 and not self.serving_alone
+
+    def fence_if_due(self, now: int) -> None:
+        """Fence now if the deadline has passed; never unfences (acks and timers do that).
+
+        The server calls this before anything that can make the lock table
+        grant (a release or an expiry hands the lock to a waiter), so that
+        after a stall - SIGSTOP, a VM pause - no callback that runs before the
+        fence timer can grant past the deadline.  It only raises the table's
+        hold, which produces no events, so it is safe anywhere.
+        """
+        if self.fencing and not self.host.roles.fenced and now >= self._fence_deadline():
+            self._fence(now)
+
+    def _margin(self) -> int:
+        return self.fence_margin_ms if self.fence_margin_ms is not None else self._paired_window_ms // 4
+
+    def _fence_deadline(self) -> int:
+        return self._contact_ms + self._paired_window_ms - self._margin()
+
+    def _check_fence(self, now: int) -> bool:
+        """Fence or unfence by the contact deadline; True if the primary may act at ``now``."""
+        fenced = self.host.roles.fenced
+        window = self._paired_window_ms
+        if window == 0 or self.serving_alone:
+            if fenced:
+                self._unfence()
+            return True
+        deadline = self._fence_deadline()
+        ok = now < deadline
+        if ok:
+            if fenced:
+                self._unfence()
+            if self._fence_timer is None or self._fence_timer_at > deadline:
+                # Fence on time even when no heartbeat, ack or request comes (no standby attached).
+                # An earlier deadline re-arms it; a later one is picked up when it fires.
+                if self._fence_timer is not None:
+                    self._fence_timer.cancel()
+                self._fence_timer_at = deadline
+                self._fence_timer = self.host.loop.call_later((deadline - now + 1) / 1000.0,
+                                                              self._on_fence_timer)
+        elif not fenced:
+            self._fence(now)
+        return ok
+
+    def _on_fence_timer(self) -> None:
+        self._fence_timer = None
+        self._check_fence(monotonic_ms())
+
+    def _fence(self, now: int) -> None:
+        roles = self.host.roles
+        if roles.role is not Role.PRIMARY:
+            return  # a standby, promoting or deposed node grants nothing anyway
+        window = self._paired_window_ms
+        roles.set_fenced(True)  # holds every grant (the role decides the table's hold)
+        log.warning(
+            "no word from the standby for %d ms (failover window %d ms, margin %d ms): "
+            "holding all grants, refusing extends and releases until it is back or `fastlock serve-alone`",
+            now - self._contact_ms, window, self._margin(),
+        )
+        if self._takeover_timer is None:
+            at = self._contact_ms + window  # from then on the standby may have promoted
+            self._takeover_timer = self.host.loop.call_later(max(0, at - now + 1) / 1000.0,
+                                                             self._on_standby_may_have_promoted)
+
+    def _on_standby_may_have_promoted(self) -> None:
+        """Still fenced a whole failover window after the last contact: waiters queued
+        here and watchers would wait on a node that may no longer be the primary.
+        Close their connections so that they look for the primary (leases stay)."""
+        self._takeover_timer = None
+        if self.host.roles.fenced:
+            self.host.close_client_connections(
+                "fenced for a whole failover window: the standby may have been promoted", waiting_only=True)
+
+    def _unfence(self) -> None:
+        host = self.host
+        host.roles.set_fenced(False)  # the hold falls back to the grace period, if any
+        if self._takeover_timer is not None:
+            self._takeover_timer.cancel()
+            self._takeover_timer = None
+        if host.roles.expires_leases:
+            host.table.expire(monotonic_ms())  # hand blocked locks to their waiters
+        log.warning("fence lifted: granting again")
+        host.after_batch()
+
+    def serve_alone(self) -> dict:
+        """Operator's word that the standby is gone for good: unpair and stop fencing.
+
+        If that standby was in fact promoted, this makes two primaries: it is
+        the operator's call.  A standby that attaches and acknowledges later
+        pairs again.
+        """
+        was = self.paired_id
+        self.serving_alone = True
+        self._unpair()
+        self._check_fence(monotonic_ms())
+        log.warning("operator: serving alone (unpaired from standby %s); a standby that attaches later "
+                    "pairs again", quote(was))
+        return {"serving_alone": True, "unpaired": was}
+
+    def status(self) -> dict:
+        now = monotonic_ms()
+        last_lsn = self.host.wal.stats()["last_lsn"]
+        standbys = []
+        for r in self.replicas.values():
+            standbys.append({
+                "name": r.name,
+                "acked_lsn": r.acked_lsn,
+                "lag_records": max(0, last_lsn - r.acked_lsn),
+                "lag_ms": (now - r.sent[0][1]) if r.sent else 0,
+                "contact_age_ms": now - r.contact_ms,
+                "failover_after_ms": r.failover_after_ms,
+            })
+        return {
+            "standbys": standbys,
+            "fenced": self.fenced,
+            "serving_alone": self.serving_alone,
+            "paired_window_ms": self._paired_window_ms,
+            "paired_standby": self.paired_id,
+            "incarnation": self.incarnation,
+        }
+
+    def close(self) -> None:
+        if self._hb_timer is not None:
+            self._hb_timer.cancel()
+            self._hb_timer = None
+        if self._takeover_timer is not None:
+            self._takeover_timer.cancel()
+            self._takeover_timer = None
+        if self._fence_timer is not None:
+            self._fence_timer.cancel()
+            self._fence_timer = None
+
+

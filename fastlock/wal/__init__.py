@@ -1,0 +1,242 @@
+"""Write-ahead log: append, group commit, recovery, snapshots/compaction, audit dump.
+
+This package re-exports the names other modules use; its modules, each one concern:
+:mod:`~fastlock.wal.records` (typed records and the one ``apply``),
+:mod:`~fastlock.wal.format` (segments, frames, the frame reader),
+:mod:`~fastlock.wal.files` (directory modes, atomic writes, the directory lock),
+:mod:`~fastlock.wal.recovery`, :mod:`~fastlock.wal.snapshot` (snapshots and compaction),
+:mod:`~fastlock.wal.writer` (the segment writer and its thread),
+:mod:`~fastlock.wal.commit` (group commit on the loop),
+:mod:`~fastlock.wal.log` (the loop-side :class:`WriteAheadLog`),
+:mod:`~fastlock.wal.backlog` (reading the log back) and :mod:`~fastlock.wal.dump`.
+
+Everything the lock server must remember across a restart goes through this log:
+grants, releases, expiries, TTL changes, epoch changes and fencing-counter
+reservations.  Recovery loads the newest valid snapshot and replays the records
+after it.
+
+On disk (one directory)
+-----------------------
+``wal-<first-lsn:020d>.log``
+    A segment: a 24-byte header (magic ``FLOCKWAL``, format version, first LSN,
+    CRC32 of the header) followed by frames.  Each frame is::
+
+        crc32 : u32 little-endian  -- zlib.crc32 of the next 4 bytes + body
+        len   : u32 little-endian  -- body length in bytes (low 30 bits);
+                                      bit 30 marks the first frame of a written
+                                      batch, bit 31 its last frame ("commit")
+        body  : msgpack array       -- [type, field, ...] (see below)
+
+    Record *i* of a segment has LSN ``first_lsn + i`` (LSNs are implicit, start
+    at 1 and never repeat).  A segment is rotated once it holds at least
+    ``segment_bytes``; a batch never spans two segments, and the old segment is
+    fsynced before the next one is created, so only the last segment can ever
+    have an unsynced tail, whatever the fsync mode.  Every :meth:`~WriteAheadLog.open`
+    starts a new segment at the next LSN.
+``snap-<lsn:020d>.snap``
+    A snapshot of the lock table after applying every record up to ``lsn``:
+    a header (magic ``FLOCKSNP``, version, lsn, epoch, counter, body length),
+    a msgpack array of holders, and a trailing CRC32 of everything before it.
+    Written to ``*.tmp``, fsynced, renamed, directory fsynced (so a snapshot
+    is either absent or complete).
+
+Record bodies (``[type, ...]``, in memory the named tuples of
+:mod:`fastlock.wal.records`; times are wall-clock milliseconds since the Unix
+epoch, kept for the audit dump only -- expiry never looks at them):
+
+========  ==  ==================================================================
+GRANT      1  name, token, owner_hash, ttl_ms, lock_delay_ms, client, correlation_id, wall_ms
+RELEASE    2  name, token, wall_ms
+EXPIRE     3  name, token, wall_ms
+EXTEND     4  name, token, ttl_ms, wall_ms
+EPOCH      5  epoch, wall_ms
+RESERVE    6  counter, wall_ms         (counter values up to ``counter`` may be issued)
+========  ==  ==================================================================
+
+``owner_hash`` is BLAKE2b-128 of the client's owner key (see :func:`fastlock.auth.hash_owner`):
+the key never reaches the disk, a snapshot or a standby.  A log written by a fastlock
+before owner hashing (same format version) holds raw keys instead; it recovers, but its
+leases' holders cannot extend or release them any more (their keys hash to something
+else), so those leases end at their TTL.  ``client`` is ``principal:client_name`` (the
+authenticated principal, then the client's self-declared name, which may be empty);
+older logs hold the bare client name (no ``:``).
+
+Replay rules: GRANT installs the holder (replacing any); RELEASE/EXPIRE remove
+the holder when its token matches; EXTEND sets the holder's ``ttl_ms`` when its
+token matches; EPOCH raises the epoch; RESERVE raises the counter.  The
+recovered epoch is the highest of every EPOCH record and every token's epoch;
+the recovered counter is the highest of every token's counter and every
+reservation.  ``token = (epoch << 40) | counter`` (see ``_core.pyi``).
+
+The framing (length + CRC per record, numbered segments, torn-tail repair on
+recovery) follows etcd's WAL.
+
+Recovery and corruption
+-----------------------
+A bad frame (short, zero length, length beyond the file, CRC mismatch) in the
+*last* segment followed by nothing valid is a torn tail: a write that the
+crash interrupted.  It is cut (the file is truncated and fsynced) and reported
+as a WARNING naming the segment, the offset and the number of bytes removed.
+Valid frames may follow the bad one only if they are the rest of the same
+batch (no batch-start mark among them, nothing after a commit mark): that is
+the one batch whose fsync never completed in ``always`` mode, with its pages
+written out of order.  Anything else -- valid data from a later batch, or any
+bad frame in a non-last segment -- is mid-log corruption: :class:`WalCorruption` is raised with
+the segment path, the byte offset and the LSN -- nothing is silently skipped.
+An operator who accepts the loss can reopen with ``open(repair=True)``, which
+cuts the last segment at its first bad frame (logged at ERROR).
+
+If the newest snapshot is unreadable (CRC, truncation), an older one is used
+when the segments needed to replay from it still exist (``keep_snapshots=2``
+keeps them by default); otherwise :class:`WalCorruption` explains which.
+
+fsync modes and what each can lose
+----------------------------------
+``always`` (default)
+    Group commit: the records logged during one turn of the event loop are
+    written with one ``os.write`` and made durable with ONE ``os.fsync``; only
+    then do their :meth:`~WriteAheadLog.when_durable` callbacks run.  At most
+    one fsync is in flight; everything logged meanwhile forms the next batch.
+    A batch that nobody waits for (only releases and expiries, which the
+    server acknowledges without the disk) is written but not fsynced: the next
+    waited-for batch's fsync covers it, or the ``fsync_interval_ms`` timer does.
+    So a grant that follows a release pays one fsync, not two.
+    Loses nothing that was acknowledged after a durability wait.  A crash may leave records that were
+    written but never acknowledged (the in-flight batch); replay keeps them if
+    they are intact, which is harmless (a grant nobody heard of expires after
+    its TTL; its token is simply never used).  No reservation records are
+    written in this mode: every grant is durable before its ack, so the
+    replayed counter already covers every acknowledged token.
+``interval``
+    Callbacks run once the batch is written to the OS (``os.write`` returned);
+    a timer fsyncs every ``fsync_interval_ms`` (as Redis ``appendfsync
+    everysec``).  An OS crash or power loss loses up to the last
+    ``fsync_interval_ms`` of acknowledged records (a process crash loses
+    nothing: the OS has the data).  Lost grants/releases/extends mean a lock may
+    come back free or held after a restart -- but fencing tokens are never
+    reused: see counter reservation below.
+``never``
+    As ``interval`` without the timer: the OS decides when to write back.
+    An OS crash can lose any amount of acknowledged records, with the same
+    token guarantee.
+
+In every mode, EPOCH records and counter reservations are fsynced before the
+callbacks of their batch run (epochs are rare and a lost epoch would let tokens
+go backwards); segment rotation and :meth:`~WriteAheadLog.close` fsync too.
+
+Counter reservation (``interval``/``never``), as databases cache sequences:
+when a grant's counter exceeds the reserved counter, a RESERVE record for
+``counter + reserve_block`` is logged before it and that batch is fsynced
+before its callbacks run.  So after any crash, the recovered counter is at
+least every acknowledged token's counter, and the server resumes above it.
+Each restart may skip up to ``reserve_block`` counter values (2**40 of them).
+
+Failed writes and fsyncs are fatal, as in PostgreSQL since "fsyncgate" (2018):
+after a failed fsync the kernel may have dropped the dirty pages, so retrying
+cannot tell what reached the disk.  The log calls ``on_fatal(exc)`` on the
+loop, never runs another durability callback, and every later ``log_*`` raises
+:class:`WalFatal`.  The process should stop and recover from disk.
+
+Group commit implementation: writer thread vs inline
+----------------------------------------------------
+Two implementations exist (``writer="thread"`` or ``"inline"``):
+
+* ``thread``: a dedicated thread does ``os.write`` + ``os.fsync`` (both release
+  the GIL) while the loop keeps serving and accumulating the next batch;
+  completion comes back through ``loop.call_soon_threadsafe``.
+* ``inline``: the batch is written and fsynced in a ``loop.call_soon`` callback
+  on the loop thread, which blocks the loop for the fsync.
+
+``python benches/bench_wal.py --compare-writers`` measures both side by side.
+Inline wins only the synthetic case where every producer logs in the same
+loop turn (handing a batch to a thread costs a wake-up and a
+``call_soon_threadsafe`` on a CPU-bound 2-vCPU box).  When requests arrive
+over several loop turns with real work per request -- what a server reading
+many sockets does -- the thread is as fast or faster, because the loop keeps
+parsing, replying and expiring leases during the fsync; and when fsync is slow
+(it can vary by an order of magnitude within minutes) inline stalls every client and every timer
+for the whole fsync.  So the default is ``writer="thread"``; ``"inline"`` is
+kept for benchmarks and for platforms where threads are undesirable.  Even
+with the thread, a batch that needs no fsync (``interval``/``never`` modes,
+no reservation, no rotation) is written inline: a ``write()`` into the page
+cache costs microseconds, less than the hand-off to the thread and back.
+
+Replication hooks
+-----------------
+:meth:`WriteAheadLog.read_from` iterates ``(lsn, record)`` over the segments
+still on disk; :meth:`WriteAheadLog.add_listener` registers ``fn(first_lsn,
+last_lsn, data)`` called on the loop with the exact bytes of each written batch
+(frames as on disk; decode with :func:`decode_frames`).  A standby can stream
+those and append them verbatim to its own log.
+"""
+
+from ..errors import DataDirInUse, StorageError, WalCompacted, WalCorruption, WalFatal
+from .backlog import BacklogReader
+from .dump import dump, main
+from .files import DIR_MODE, FILE_MODE, fsync_dir, secure_directory, write_atomically
+from .format import MAX_RECORD_BYTES, decode_frames
+from .log import FSYNC_MODES, WriteAheadLog
+from .records import (
+    COUNTER_MASK,
+    EPOCH,
+    EXPIRE,
+    EXTEND,
+    GRANT,
+    RECORD_NAMES,
+    RELEASE,
+    RESERVE,
+    TOKEN_EPOCH_SHIFT,
+    Epoch,
+    Expire,
+    Extend,
+    Grant,
+    HolderRecord,
+    LeaseMeta,
+    LogState,
+    Record,
+    Release,
+    Reserve,
+    apply,
+)
+from .recovery import RecoveredState
+
+__all__ = [
+    "WriteAheadLog",
+    "RecoveredState",
+    "HolderRecord",
+    "StorageError",
+    "WalCorruption",
+    "WalFatal",
+    "WalCompacted",
+    "DataDirInUse",
+    "BacklogReader",
+    "dump",
+    "main",
+    "decode_frames",
+    "secure_directory",
+    "write_atomically",
+    "fsync_dir",
+    "DIR_MODE",
+    "FILE_MODE",
+    "FSYNC_MODES",
+    "MAX_RECORD_BYTES",
+    "GRANT",
+    "RELEASE",
+    "EXPIRE",
+    "EXTEND",
+    "EPOCH",
+    "RESERVE",
+    "RECORD_NAMES",
+    "TOKEN_EPOCH_SHIFT",
+    "COUNTER_MASK",
+    "Grant",
+    "Release",
+    "Expire",
+    "Extend",
+    "Epoch",
+    "Reserve",
+    "Record",
+    "LeaseMeta",
+    "LogState",
+    "apply",
+]

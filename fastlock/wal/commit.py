@@ -1,0 +1,292 @@
+"""Group commit on the event loop: batches, the one batch in flight, durability callbacks.
+
+:class:`GroupCommit` collects the frames logged during a turn of the loop
+into one batch, hands it to the :class:`~fastlock.wal.writer.SegmentWriter`
+(at most one batch in flight; whatever is logged meanwhile forms the next),
+and when the writer reports it done runs, in order, the listeners (with the
+batch's bytes), the ``when_durable`` callbacks and the ``sync`` waiters whose
+records are now durable.  In ``always`` mode a batch is fsynced when someone
+waits on it; a batch nobody waits for (releases, expiries, acknowledged
+without the disk) is only written and rides on the next fsync or the
+interval timer.  A failed write or fsync is final: ``on_fatal`` is called
+and nothing is acknowledged again (see :mod:`fastlock.wal`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from typing import Any, Callable, Optional
+
+from ..errors import WalFatal
+from .format import LEN_MASK, U32, crc32
+from .writer import Batch, SegmentWriter
+
+log = logging.getLogger("fastlock.wal")
+
+
+class _Pending:
+    """The batch being built: frames not yet handed to the writer."""
+
+    __slots__ = ("buf", "first_lsn", "last_frame", "sync", "sync_requested")
+
+    def __init__(self, first_lsn: int):
+        self.buf = bytearray()
+        self.first_lsn = first_lsn  # LSN of the first record in buf
+        self.last_frame = -1  # offset in buf of the last frame
+        self.sync = False  # the batch must be fsynced before its acks (epoch, reservation)
+        self.sync_requested = False  # fsync at the next hand-off even if nobody waits
+
+
+class Marks:
+    """LSN progress: ``first`` (the next LSN at open), ``written`` to the OS,
+    ``synced`` (fsynced), ``ack`` (durability callbacks released)."""
+
+    __slots__ = ("first", "written", "synced", "ack")
+
+    def __init__(self, next_lsn: int):
+        self.first = next_lsn
+        self.written = self.synced = self.ack = next_lsn - 1
+
+
+class GroupCommit:
+    """The loop side of the log's writes.
+
+    :param io: the segment writer.
+    :param always: ``fsync="always"`` (callbacks wait for an fsync) or not (for the write).
+    :param interval_ms: fsync timer period (milliseconds); 0: no timer (``never``).
+    :param on_fatal: called on the loop with the exception of a failed write or fsync.
+    """
+
+    def __init__(self, io: SegmentWriter, always: bool, interval_ms: int, on_fatal: Callable[[BaseException], Any]):
+        self.io = io
+        self.always = always
+        self.interval_ms = interval_ms
+        self.on_fatal = on_fatal
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.fatal: Optional[BaseException] = None
+        self.stopped = False
+        self.next_lsn = 1  # the LSN the next record gets
+        self.marks = Marks(1)
+        self._pending = _Pending(1)
+        self._scheduled = False  # a hand-off is scheduled on the loop
+        self._inflight: Optional[Batch] = None
+        self._waiters: collections.deque = collections.deque()  # (lsn, callback)
+        self._sync_waiters: list = []  # (lsn, future) resolved when synced >= lsn
+        self.listeners: list = []
+        self._timer: Optional[asyncio.TimerHandle] = None
+
+    def recovered(self, next_lsn: int) -> None:
+        """The log on disk ends before ``next_lsn``: number from there."""
+        self.next_lsn = next_lsn
+        self._pending = _Pending(next_lsn)
+        self.marks = Marks(next_lsn)
+
+    def check(self) -> None:
+        """:raises WalFatal: a write or fsync failed earlier."""
+        if self.fatal is not None:
+            raise WalFatal(f"write-ahead log failed earlier: {self.fatal!r}") from self.fatal
+
+    @property
+    def pending_bytes(self) -> int:
+        return len(self._pending.buf)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Commit on ``loop`` from now on (starts the writer's thread and the fsync timer)."""
+        self.loop = loop
+        self.io.start(loop, self._io_done, self._io_failed)
+        if self.interval_ms:
+            self._timer = loop.call_later(self.interval_ms / 1000.0, self._on_interval)
+        if self._pending.buf or self._waiters:
+            self._schedule()
+
+    def add(self, body: bytes, sync: bool = False) -> None:
+        """Append one record body as a frame of the pending batch (the next LSN);
+        ``sync``: the batch must be fsynced before its callbacks run."""
+        lenb = U32.pack(len(body))
+        pending = self._pending
+        buf = pending.buf
+        pending.last_frame = len(buf)
+        buf += U32.pack(crc32(body, crc32(lenb)))
+        buf += lenb
+        buf += body
+        if sync:
+            pending.sync = True
+        self.next_lsn += 1
+        if not self._scheduled and self._inflight is None and self.loop is not None:
+            self._scheduled = True
+            self.loop.call_soon(self._kick)
+
+    def _schedule(self) -> None:
+        if not self._scheduled and self._inflight is None and self.loop is not None:
+            self._scheduled = True
+            self.loop.call_soon(self._kick)
+
+    def _kick(self) -> None:
+        """Hand the pending batch to the writer (at most one in flight)."""
+        self._scheduled = False
+        if self._inflight is not None or self.fatal is not None or self.stopped:
+            return
+        pending = self._pending
+        buf = pending.buf
+        if not buf and not pending.sync_requested:
+            return
+        sync = (pending.sync or pending.sync_requested
+                or (self.always and bool(buf) and (bool(self._waiters) or bool(self._sync_waiters))))
+        if buf:
+            # batch marks on the first and last frames (recompute their CRCs)
+            off = pending.last_frame
+            buf[off + 7] |= 0x80
+            with memoryview(buf) as mv:
+                U32.pack_into(buf, off, crc32(mv[off + 4:]))
+                buf[7] |= 0x40
+                if off:
+                    first_end = 8 + (U32.unpack_from(buf, 4)[0] & LEN_MASK)
+                    U32.pack_into(buf, 0, crc32(mv[4:first_end]))
+                else:
+                    U32.pack_into(buf, 0, crc32(mv[4:]))
+        batch = Batch(bytes(buf), pending.first_lsn, self.next_lsn - 1, sync)
+        self._pending = _Pending(self.next_lsn)
+        self._inflight = batch
+        # The thread earns its hand-off cost only when the batch blocks on the disk
+        # (an fsync, or a rotation, which fsyncs); a write() to the page cache is done
+        # here, so the relaxed modes acknowledge in the same loop turn.
+        if self.io.submit(batch):
+            return
+        try:
+            self.io.write(batch)
+        except BaseException as exc:
+            self._io_failed(exc)
+            return
+        self._io_done(batch)
+
+    def _io_done(self, batch: Batch) -> None:
+        self._inflight = None
+        if self.fatal is not None or self.stopped:
+            return
+        last = batch.last_lsn
+        marks = self.marks
+        marks.written = last
+        if batch.sync:
+            marks.synced = last
+        ack = marks.ack = marks.synced if self.always else last
+        if batch.data:
+            for fn in self.listeners:
+                try:
+                    fn(batch.first_lsn, last, batch.data)
+                except Exception as exc:
+                    self._report(exc, "WAL listener failed")
+        waiters = self._waiters
+        while waiters and waiters[0][0] <= ack:
+            cb = waiters.popleft()[1]
+            try:
+                cb()
+            except Exception as exc:
+                self._report(exc, "WAL when_durable callback failed")
+        if self._sync_waiters:
+            synced = marks.synced
+            keep = []
+            for lsn, fut in self._sync_waiters:
+                if lsn <= synced:
+                    if not fut.done():
+                        fut.set_result(None)
+                else:
+                    keep.append((lsn, fut))
+            self._sync_waiters = keep
+        if self._pending.buf or self._pending.sync_requested:
+            self._kick()
+
+    def _report(self, exc: BaseException, message: str) -> None:
+        self.loop.call_exception_handler({"message": message, "exception": exc})
+
+    def _io_failed(self, exc: BaseException) -> None:
+        if self.fatal is not None or self.stopped:
+            return
+        self.fatal = exc
+        self._inflight = None
+        self._waiters.clear()  # never acknowledged
+        self._cancel_timer()
+        for _lsn, fut in self._sync_waiters:
+            if not fut.done():
+                fut.set_exception(WalFatal(f"write-ahead log failed: {exc!r}"))
+        self._sync_waiters = []
+        log.critical("WAL %s failed on %s: %r", "write/fsync", self.io.seg_path, exc)
+        self.on_fatal(exc)
+
+    def _on_interval(self) -> None:
+        self._timer = self.loop.call_later(self.interval_ms / 1000.0, self._on_interval)
+        if self.marks.written > self.marks.synced or self._pending.buf:
+            self._pending.sync_requested = True
+            self._schedule()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def when_durable(self, callback: Callable[[], Any]) -> None:
+        """See :meth:`fastlock.wal.WriteAheadLog.when_durable`."""
+        if self.fatal is not None:
+            self.check()
+        lsn = self.next_lsn - 1
+        if lsn <= self.marks.ack and not self._waiters and self.loop is not None:
+            self.loop.call_soon(callback)
+        else:
+            self._waiters.append((lsn, callback))
+            if self.always and lsn > self.marks.synced:
+                self._pending.sync_requested = True  # the records may be written already, unsynced
+                self._schedule()
+
+    def flush_now(self) -> bool:
+        """See :meth:`fastlock.wal.WriteAheadLog.flush_now`."""
+        self.check()
+        pending = self._pending
+        if (self.always or self._inflight is not None or self.stopped or self.loop is None
+                or pending.sync or pending.sync_requested or self.io.rotation_due):
+            return False
+        if pending.buf:
+            self._kick()
+        return self.fatal is None and self.marks.ack >= self.next_lsn - 1
+
+    async def await_synced(self, lsn: int, force: bool) -> None:
+        """Wait until records up to ``lsn`` are fsynced; ``force``: fsync now.
+
+        :raises WalFatal: the log failed.
+        :raises RuntimeError: :meth:`start` was not called.
+        """
+        self.check()
+        if lsn <= self.marks.synced:
+            return
+        if self.loop is None:
+            raise RuntimeError("WriteAheadLog.start() was not called")
+        fut = self.loop.create_future()
+        self._sync_waiters.append((lsn, fut))
+        if force:
+            self._pending.sync_requested = True
+            self._schedule()
+        await fut
+
+    async def flush(self) -> None:
+        """Write and fsync everything logged (at close); without :meth:`start`, inline.
+
+        :raises WalFatal: the log failed.
+        """
+        self._cancel_timer()
+        if self.fatal is not None:
+            return
+        if self.loop is None:
+            self._pending.sync_requested = True
+            self.loop = asyncio.get_running_loop()
+            self._kick()
+        else:
+            await self.await_synced(self.next_lsn - 1, force=True)
+
+    def stop(self, drop: bool = False) -> None:
+        """Stop committing (``drop``: forget what is pending and every callback)."""
+        self._cancel_timer()
+        if drop:
+            self._waiters.clear()
+            self._pending = _Pending(self.next_lsn)
+        self.stopped = True
+        self.io.stop()

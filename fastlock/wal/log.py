@@ -1,0 +1,407 @@
+"""The loop-side write-ahead log: what the server holds and calls.
+
+:class:`WriteAheadLog` recovers the directory (:mod:`fastlock.wal.recovery`),
+encodes each record the server logs (``log_grant`` ...) and passes it to
+group commit (:mod:`fastlock.wal.commit`, which hands batches to the segment
+writer of :mod:`fastlock.wal.writer`), keeps the fencing-counter reservation,
+and starts snapshots (:mod:`fastlock.wal.snapshot`).  The fsync modes, the
+counter reservation and the failure rules are described in :mod:`fastlock.wal`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import gc
+import logging
+import os
+from typing import Any, Callable, Iterator, Optional
+
+import msgpack
+
+from ..errors import WalFatal
+from ..units import wall_ms
+from .backlog import read_records
+from .commit import GroupCommit
+from .files import secure_directory
+from .format import MAX_RECORD_BYTES
+from .records import COUNTER_MASK, EPOCH, EXPIRE, EXTEND, GRANT, RELEASE, RESERVE, TOKEN_EPOCH_SHIFT, Record
+from .recovery import RecoveredState, recover
+from .snapshot import Snapshotter
+from .writer import SegmentList, SegmentWriter
+
+log = logging.getLogger("fastlock.wal")
+
+FSYNC_MODES = ("always", "interval", "never")
+
+
+class _Phase(enum.Enum):
+    NEW = "new"  # before open()
+    OPEN = "open"  # recovered, appending
+    CLOSED = "closed"  # close() or abort() called
+
+
+def _default_on_fatal(exc: BaseException) -> None:
+    log.critical("write-ahead log failed, nothing more will be acknowledged: %r", exc)
+    raise exc
+
+
+class _Reservation:
+    """The fencing-counter bookkeeping of the log: the highest epoch and counter
+    logged, and (``interval``/``never``) the counter reserved by RESERVE records."""
+
+    __slots__ = ("block", "reserved", "max_counter", "epoch")
+
+    def __init__(self, block: int):
+        self.block = block
+        self.reserved = 0
+        self.max_counter = 0
+        self.epoch = 0
+
+
+class WriteAheadLog:
+    """The write-ahead log of one server.
+
+    :param directory: data directory (created by :meth:`open` if missing).
+    :param fsync: ``"always"`` (default), ``"interval"`` or ``"never"``; see
+        :mod:`fastlock.wal` for what each can lose.
+    :param fsync_interval_ms: ``interval`` mode: fsync period in milliseconds (default 1000).
+    :param segment_bytes: rotate a segment once it holds at least this many bytes (default 64 MiB).
+    :param snapshot_every: :meth:`maybe_snapshot` writes a snapshot once this many
+        records were logged since the last one (default 200,000).
+    :param reserve_block: ``interval``/``never``: counter values reserved ahead per
+        reservation record (default 100,000).
+    :param on_fatal: called on the loop with the exception when a write or fsync
+        fails; default: log CRITICAL and re-raise (the loop's exception handler sees it).
+    :param keep_snapshots: snapshots kept on disk, with the segments needed to replay
+        from the oldest of them (default 2, so a damaged newest snapshot has a fallback).
+    :param writer: ``"thread"`` (default) or ``"inline"`` group commit; see :mod:`fastlock.wal`.
+    :raises ValueError: on a bad mode or non-positive size.
+
+    Typical use (by the server)::
+
+        wal = WriteAheadLog("data", fsync="always")
+        state = wal.open()              # recover
+        wal.start(loop)
+        wal.log_grant("orders/42", token, b"owner", 10_000, 0, "api-1", "req-7")
+        wal.when_durable(lambda: reply_to_client())
+        ...
+        await wal.close()
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        fsync: str = "always",
+        fsync_interval_ms: int = 1000,
+        segment_bytes: int = 64 << 20,
+        snapshot_every: int = 200_000,
+        reserve_block: int = 100_000,
+        on_fatal: Optional[Callable[[BaseException], Any]] = None,
+        keep_snapshots: int = 2,
+        writer: str = "thread",
+    ):
+        if fsync not in FSYNC_MODES:
+            raise ValueError(f"fsync must be one of {FSYNC_MODES}, not {fsync!r}")
+        if writer not in ("thread", "inline"):
+            raise ValueError(f"writer must be 'thread' or 'inline', not {writer!r}")
+        for label, v in (("fsync_interval_ms", fsync_interval_ms), ("segment_bytes", segment_bytes),
+                         ("snapshot_every", snapshot_every), ("reserve_block", reserve_block),
+                         ("keep_snapshots", keep_snapshots)):
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{label} must be a positive integer, not {v!r}")
+        self.directory = os.fspath(directory)
+        self.fsync_mode = fsync
+        self.fsync_interval_ms = fsync_interval_ms
+        self._always = fsync == "always"
+        io = SegmentWriter(self.directory, segment_bytes, SegmentList([]), writer == "thread")
+        # `always`: records nobody waited for (releases, expiries) are fsynced by the
+        # next grant's batch, or by the interval timer at the latest
+        self._commit = GroupCommit(io, self._always, 0 if fsync == "never" else fsync_interval_ms,
+                                   on_fatal or _default_on_fatal)
+        self._snapshots = Snapshotter(self.directory, io.segments, snapshot_every, keep_snapshots)
+        self._counters = _Reservation(reserve_block)
+        #: open(repair=True) cut records: acknowledged grants may be gone, and with
+        #: them the evidence of the tokens they used (the server raises the epoch)
+        self.repaired = False
+        self._phase = _Phase.NEW
+
+    # -- recovery ------------------------------------------------------------------------
+    def open(self, *, repair: bool = False) -> RecoveredState:
+        """Create the directory if needed, recover, and open a new segment for appending.
+
+        Synchronous.  A torn tail is cut and logged as a WARNING.
+        :param repair: cut the last segment at its first bad frame even if valid
+            data follows (logged at ERROR) instead of raising.
+        :raises WalCorruption: mid-log corruption, a damaged non-last segment, or
+            no usable snapshot for a compacted log.
+        :raises OSError: the directory cannot be read or written.
+        :raises DataDirInUse: another process has this directory open.
+        """
+        if self._phase is not _Phase.NEW:
+            raise RuntimeError("WriteAheadLog.open() called twice")
+        # Recovery allocates millions of small containers that all survive: the cyclic
+        # GC would rescan them again and again (3x slower for 100k holders).
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._open(repair)
+        except BaseException:
+            self._commit.io.release_directory()
+            raise
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    def _open(self, repair: bool) -> RecoveredState:
+        d = self.directory
+        secure_directory(d)
+        self._commit.io.lock_directory()
+        for fn in os.listdir(d):
+            if fn.startswith("snap-") and fn.endswith(".tmp"):
+                os.unlink(os.path.join(d, fn))
+        result = recover(d, repair=repair)
+        state = result.state
+        self.repaired = result.repaired
+        next_lsn = state.next_lsn
+        self._commit.recovered(next_lsn)
+        c = self._counters
+        c.epoch = state.epoch
+        c.reserved = c.max_counter = state.counter
+        self._commit.io.segments.reset(result.segments)
+        self._snapshots.recovered(state.snapshot_lsn, next_lsn - 1)
+        self._commit.io.open_segment(next_lsn)
+        self._phase = _Phase.OPEN
+        return state
+
+    def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+        """Start group commit on ``loop`` (default: the running loop). Call after :meth:`open`."""
+        if self._phase is _Phase.NEW:
+            raise RuntimeError("WriteAheadLog.start() before open()")
+        if self._commit.loop is not None:
+            raise RuntimeError("WriteAheadLog.start() called twice")
+        self._commit.start(loop or asyncio.get_running_loop())
+
+    # -- appending ------------------------------------------------------------------------
+    def _append(self, rec: list, sync: bool = False) -> None:
+        commit = self._commit
+        if commit.fatal is not None or self._phase is not _Phase.OPEN:
+            commit.check()
+            raise RuntimeError("write-ahead log is not open")
+        body = _pack(rec)
+        if len(body) > MAX_RECORD_BYTES:
+            raise ValueError(f"WAL record of {len(body)} bytes exceeds {MAX_RECORD_BYTES}")
+        commit.add(body, sync)
+
+    # Each log_* method appends one record, ``[type, field, ...]`` in the order of the
+    # fields of its type in fastlock.wal.records (built inline: this is the hot path).
+    def log_grant(self, name: str, token: int, owner: bytes, ttl_ms: int, lock_delay_ms: int,
+                  client_name: Optional[str], correlation_id: Optional[str]) -> None:
+        """Log a grant of ``name`` with fencing ``token`` (ttl/lock-delay in milliseconds).
+
+        In ``interval``/``never`` mode, a counter beyond the reservation first logs a
+        RESERVE record and makes this batch wait for an fsync.
+        :raises WalFatal: after a failed write/fsync.  :raises TypeError: unencodable field.
+        """
+        c = self._counters
+        counter = token & COUNTER_MASK
+        if counter > c.max_counter:
+            c.max_counter = counter
+        ep = token >> TOKEN_EPOCH_SHIFT
+        if ep > c.epoch:
+            c.epoch = ep
+        if counter > c.reserved and not self._always:
+            c.reserved = counter + c.block
+            self._append([RESERVE, c.reserved, wall_ms()], sync=True)
+        self._append([GRANT, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id, wall_ms()])
+
+    def log_release(self, name: str, token: int) -> None:
+        """Log that the holder with ``token`` released ``name``."""
+        self._append([RELEASE, name, token, wall_ms()])
+
+    def log_expire(self, name: str, token: int) -> None:
+        """Log that the lease with ``token`` on ``name`` expired."""
+        self._append([EXPIRE, name, token, wall_ms()])
+
+    def log_extend(self, name: str, token: int, ttl_ms: int) -> None:
+        """Log a new TTL (milliseconds) for the lease ``token`` on ``name`` (only when it changes)."""
+        self._append([EXTEND, name, token, ttl_ms, wall_ms()])
+
+    def log_epoch(self, epoch: int) -> None:
+        """Log a new epoch; always fsynced before this batch's callbacks run, in every mode."""
+        if epoch > self._counters.epoch:
+            self._counters.epoch = epoch
+        self._append([EPOCH, epoch, wall_ms()], sync=True)
+
+    def when_durable(self, callback: Callable[[], Any]) -> None:
+        """Call ``callback()`` on the loop once every record logged so far is durable.
+
+        "Durable" per the fsync mode: fsynced (``always``), written to the OS
+        (``interval``/``never``, plus any reservation/epoch fsync).  Callbacks run in
+        registration order, never synchronously inside this call, and never after a
+        fatal I/O error.
+        :raises WalFatal: after a failed write/fsync.
+        """
+        self._commit.when_durable(callback)
+
+    def flush_now(self) -> bool:
+        """``interval``/``never`` only: write the pending batch now, on the calling thread.
+
+        Returns True when every record logged so far is then acknowledged (written
+        to the OS), so the caller may acknowledge at once instead of waiting for
+        :meth:`when_durable`'s next loop turn.  Returns False, doing nothing, in
+        ``always`` mode, while a batch is in flight, or when the batch needs an
+        fsync (reservation, epoch) or a segment rotation.  Earlier
+        ``when_durable`` callbacks that become due run inside this call.
+        :raises WalFatal: after a failed write/fsync.
+        """
+        return self._commit.flush_now()
+
+    def add_listener(self, fn: Callable[[int, int, bytes], Any]) -> None:
+        """Register ``fn(first_lsn, last_lsn, data)``, called on the loop with each written batch.
+
+        ``data`` is the batch exactly as written to the segment (decode with
+        :func:`~fastlock.wal.decode_frames`).  Called after the batch is written, and
+        after its fsync when the mode requires one.  Exceptions go to the loop's handler.
+        """
+        self._commit.listeners.append(fn)
+
+    def remove_listener(self, fn: Callable[[int, int, bytes], Any]) -> None:
+        """Unregister a listener added with :meth:`add_listener`."""
+        self._commit.listeners.remove(fn)
+
+    # -- reading back ----------------------------------------------------------------------
+    @property
+    def written_lsn(self) -> int:
+        """The last LSN written to a segment (readable by :class:`~fastlock.wal.BacklogReader`)."""
+        return self._commit.marks.written
+
+    @property
+    def segments(self) -> SegmentList:
+        """The segments on disk (for :class:`~fastlock.wal.BacklogReader`)."""
+        return self._commit.io.segments
+
+    def has_lsn(self, lsn: int) -> bool:
+        """Is ``lsn`` still in the segments on disk, or not yet written (True), or
+        compacted away (False)?"""
+        oldest = self.segments.oldest()
+        return lsn >= (self._commit.next_lsn if oldest is None else oldest) or lsn > self._commit.marks.written
+
+    def read_from(self, lsn: int) -> Iterator[tuple[int, Record]]:
+        """Iterate ``(lsn, record)`` for records >= ``lsn`` written so far (segments on disk).
+
+        Records are typed (:mod:`fastlock.wal.records`).  Stops at the last record
+        written when the call was made.
+        :raises WalCompacted: ``lsn`` is older than the oldest segment on disk.
+        :raises WalCorruption: a damaged record on the way.
+        """
+        return read_records(self.segments, lsn, self._commit.marks.written)
+
+    # -- snapshots ------------------------------------------------------------------------
+    def maybe_snapshot(self, get_state: Callable[[], tuple], *, force: bool = False) -> bool:
+        """Write a snapshot if ``snapshot_every`` records were logged since the last one.
+
+        ``get_state()`` is called synchronously and must return ``(epoch, counter,
+        holders)`` consistent with every record logged so far (``holders``: a list of
+        :class:`~fastlock.wal.HolderRecord` or equal 8-tuples, not mutated afterwards).
+        Encoding, writing (temp file, fsync, rename, directory fsync) and deleting the
+        covered segments happen on a background thread.  Returns True if a snapshot
+        was started.  A failed snapshot is logged at ERROR and retried after another
+        ``snapshot_every`` records (the log itself is intact, so it is not fatal).
+        """
+        snaps = self._snapshots
+        commit = self._commit
+        if commit.fatal is not None or self._phase is not _Phase.OPEN or commit.loop is None:
+            return False
+        lsn = commit.next_lsn - 1
+        if not snaps.due(lsn, force):
+            return False
+        epoch, counter, holders = get_state()
+        c = self._counters
+        snaps.start(commit.loop, lsn, max(epoch, c.epoch), max(counter, c.max_counter, c.reserved), holders)
+        return True
+
+    async def wait_snapshot(self) -> None:
+        """Wait for a snapshot in progress (if any) to finish."""
+        await self._snapshots.wait()
+
+    async def sync(self) -> None:
+        """Write and fsync every record logged so far, now, whatever the mode; wait for it.
+
+        :raises WalFatal: the log failed.
+        """
+        await self._commit.await_synced(self._commit.next_lsn - 1, force=True)
+
+    async def wait_synced(self, lsn: Optional[int] = None) -> None:
+        """Wait (without forcing an fsync) until records up to ``lsn`` (default: all
+        logged so far) are fsynced -- e.g. by the ``interval`` timer.
+
+        :raises WalFatal: the log failed.
+        """
+        await self._commit.await_synced(self._commit.next_lsn - 1 if lsn is None else lsn, force=False)
+
+    # -- shutdown ------------------------------------------------------------------------
+    async def close(self) -> None:
+        """Write and fsync everything logged, wait for a snapshot in progress, stop the writer.
+
+        Durability callbacks of the flushed records run before this returns.
+        :raises WalFatal: if the log failed (earlier or during the final fsync).
+        """
+        if self._phase is _Phase.CLOSED:
+            return
+        commit = self._commit
+        try:
+            if commit.fatal is None and self._phase is _Phase.OPEN:
+                await commit.flush()
+                await self._snapshots.wait()
+            if commit.fatal is not None:
+                raise WalFatal(f"write-ahead log failed: {commit.fatal!r}") from commit.fatal
+        finally:
+            self._stop()
+
+    def abort(self) -> None:
+        """Stop at once without flushing (after a fatal error, or to simulate a crash in tests).
+
+        Records not yet written are lost; callbacks never run.
+        """
+        self._stop(drop=True)
+
+    def _stop(self, drop: bool = False) -> None:
+        self._phase = _Phase.CLOSED
+        self._commit.stop(drop)  # stops the writer: closes the segment, releases the directory lock
+        self._snapshots.join()
+
+    # -- introspection --------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters: ``records`` logged since open, ``bytes`` written, ``fsyncs``
+        (data fsyncs incl. rotation/segment creation), ``batches`` written,
+        ``last_lsn`` logged, ``written_lsn``, ``durable_lsn`` (fsynced),
+        ``ack_lsn`` (callbacks released), ``snapshot_lsn``, ``segments`` on disk,
+        ``pending_bytes`` (not yet handed to the writer), ``active_segment`` (path),
+        ``durable_offset``/``written_offset`` (bytes in the active segment),
+        ``reserved_counter``, ``fsync_mode``."""
+        commit = self._commit
+        io = commit.io
+        marks = commit.marks
+        return {
+            "records": commit.next_lsn - marks.first,
+            "bytes": io.bytes,
+            "fsyncs": io.fsyncs,
+            "batches": io.batches,
+            "last_lsn": commit.next_lsn - 1,
+            "written_lsn": marks.written,
+            "durable_lsn": marks.synced,
+            "ack_lsn": marks.ack,
+            "snapshot_lsn": self._snapshots.lsn,
+            "segments": len(io.segments),
+            "pending_bytes": commit.pending_bytes,
+            "active_segment": io.seg_path,
+            "durable_offset": io.durable_offset,
+            "written_offset": io.seg_size,
+            "reserved_counter": self._counters.reserved,
+            "fsync_mode": self.fsync_mode,
+        }
+
+
+_pack = msgpack.Packer().pack

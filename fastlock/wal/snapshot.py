@@ -1,0 +1,193 @@
+"""Snapshots of the lock table, and compaction of the log they cover.
+
+``snap-<lsn:020d>.snap`` holds the lock table after applying every record up
+to ``lsn``: a header (magic ``FLOCKSNP``, format version, lsn, epoch, counter,
+body length), a msgpack array of holders (each the 8 fields of
+:class:`~fastlock.wal.records.HolderRecord`, in order), and a CRC32 of
+everything before it.  It is written with
+:func:`~fastlock.wal.files.write_atomically`, so it is either absent or whole.
+
+After writing one, the :class:`Snapshotter` keeps the newest
+``keep_snapshots`` snapshots and deletes the segments wholly covered by the
+oldest snapshot it keeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import struct
+import threading
+import time
+from typing import Any, Optional, Sequence
+
+import msgpack
+
+from ..errors import WalCorruption
+from .files import fsync_dir, read_file, write_atomically
+from .format import FORMAT_VERSION, SNAP_MAGIC, U32, crc32, list_dir, snap_name
+from .records import HolderRecord
+from .writer import SegmentList
+
+log = logging.getLogger(__name__)
+
+SNAP_HEADER = struct.Struct("<8sIQQQQ")  # magic, version, lsn, epoch, counter, body_len
+
+
+def encode_snapshot(lsn: int, epoch: int, counter: int, holders: Sequence[HolderRecord]) -> bytes:
+    """The bytes of a snapshot file (``holders``: HolderRecord or equal 8-tuples)."""
+    packer = msgpack.Packer()
+    parts = [packer.pack_array_header(len(holders))]
+    pack = packer.pack
+    # Small chunks so that a snapshot thread gives the GIL back to the loop often.
+    for i in range(0, len(holders), 1000):
+        parts.append(b"".join([pack(tuple(h)) for h in holders[i:i + 1000]]))
+    body = b"".join(parts)
+    head = SNAP_HEADER.pack(SNAP_MAGIC, FORMAT_VERSION, lsn, epoch, counter, len(body))
+    crc = crc32(body, crc32(head))
+    return head + body + U32.pack(crc)
+
+
+class Snapshot:
+    """A snapshot read back: the table after LSN ``lsn``."""
+
+    __slots__ = ("lsn", "epoch", "counter", "holders")
+
+    def __init__(self, lsn: int, epoch: int, counter: int, holders: list[HolderRecord]):
+        self.lsn = lsn
+        self.epoch = epoch
+        self.counter = counter
+        self.holders = holders
+
+
+def load_snapshot(path: str) -> Snapshot:
+    """Read and check a snapshot file.
+
+    :raises WalCorruption: truncated, wrong magic or version, CRC mismatch, or a
+        holder that is not 8 fields.
+    :raises OSError: the file cannot be read.
+    """
+    data = read_file(path)
+    hs = SNAP_HEADER.size
+    if len(data) < hs + 4:
+        raise WalCorruption(f"{path}: snapshot truncated ({len(data)} bytes)", path, 0)
+    magic, version, lsn, epoch, counter, blen = SNAP_HEADER.unpack_from(data, 0)
+    if magic != SNAP_MAGIC:
+        raise WalCorruption(f"{path}: not a fastlock snapshot (magic {magic!r})", path, 0)
+    if version != FORMAT_VERSION:
+        raise WalCorruption(f"{path}: unsupported snapshot format version {version}", path, 0)
+    if len(data) != hs + blen + 4:
+        raise WalCorruption(f"{path}: snapshot length {len(data)} != {hs + blen + 4} (truncated?)", path, 0)
+    mv = memoryview(data)
+    try:
+        if crc32(mv[hs:hs + blen], crc32(mv[:hs])) != U32.unpack_from(data, hs + blen)[0]:
+            raise WalCorruption(f"{path}: snapshot CRC mismatch", path, 0)
+        items = msgpack.unpackb(mv[hs:hs + blen])
+    finally:
+        mv.release()
+    try:
+        if type(items) is not list:
+            raise ValueError("the holders are not a list")
+        holders = [HolderRecord.from_list(h) for h in items]
+    except ValueError as exc:
+        raise WalCorruption(f"{path}: {exc}", path, 0) from None
+    return Snapshot(lsn, epoch, counter, holders)
+
+
+class Snapshotter:
+    """Decides when a snapshot is due, writes it on a thread, and compacts.
+
+    :param directory: the data directory.
+    :param segments: the segments on disk (compaction removes covered ones).
+    :param every: a snapshot is due once this many records were logged since the last one.
+    :param keep: snapshots kept on disk (the segments after the oldest kept one stay).
+    """
+
+    def __init__(self, directory: str, segments: SegmentList, every: int, keep: int):
+        self.directory = directory
+        self.segments = segments
+        self.every = every
+        self.keep = keep
+        self.lsn = 0  # LSN of the newest snapshot written (or recovered from)
+        self._counted_from = 0  # records after this LSN count towards the next snapshot
+        self._future: Optional[asyncio.Future] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def recovered(self, snapshot_lsn: int, last_lsn: int) -> None:
+        """Recovery started from the snapshot at ``snapshot_lsn`` (0: none) and found
+        records up to ``last_lsn``; the next snapshot is due ``every`` records after it."""
+        self.lsn = snapshot_lsn
+        self._counted_from = last_lsn
+
+    @property
+    def running(self) -> bool:
+        return self._future is not None
+
+    def due(self, last_lsn: int, force: bool) -> bool:
+        """Is a snapshot at ``last_lsn`` due (``force``: as soon as it covers anything new)?"""
+        if self._future is not None or last_lsn <= self.lsn:
+            return False
+        return force or last_lsn - self._counted_from >= self.every
+
+    def start(self, loop: asyncio.AbstractEventLoop, lsn: int, epoch: int, counter: int,
+              holders: Sequence[HolderRecord]) -> None:
+        """Write the snapshot at ``lsn`` on a thread; the result is reported on ``loop``."""
+        self._counted_from = lsn
+        self._future = loop.create_future()
+
+        def run() -> None:
+            try:
+                res: Any = self._write(lsn, epoch, counter, holders)
+            except BaseException as exc:  # noqa: BLE001 - reported on the loop
+                res = exc
+            try:
+                loop.call_soon_threadsafe(self._done, lsn, res)
+            except RuntimeError:
+                pass
+
+        self._thread = threading.Thread(target=run, name="fastlock-wal-snapshot", daemon=True)
+        self._thread.start()
+
+    def _write(self, lsn: int, epoch: int, counter: int, holders: Sequence[HolderRecord]) -> str:
+        t0 = time.perf_counter()
+        data = encode_snapshot(lsn, epoch, counter, holders)
+        d = self.directory
+        path = write_atomically(d, snap_name(lsn), data)
+        # compaction: keep the newest `keep` snapshots and the segments after the oldest kept
+        _segs, snaps = list_dir(d)
+        kept = snaps[-self.keep:]
+        for _l, p in snaps[:-self.keep]:
+            os.unlink(p)
+        # with fewer snapshots than `keep`, the fallback is a full replay: delete nothing
+        cover = kept[0][0] if len(kept) >= self.keep else 0
+        doomed = self.segments.remove_covered(cover)
+        for _f, p in doomed:
+            os.unlink(p)
+        if doomed:
+            fsync_dir(d)
+        log.info("snapshot %s written: %d holders, %d bytes, %d segments deleted, %.1f ms",
+                 path, len(holders), len(data), len(doomed), (time.perf_counter() - t0) * 1000)
+        return path
+
+    def _done(self, lsn: int, res: Any) -> None:
+        fut = self._future
+        self._future = None
+        self._thread = None
+        if isinstance(res, BaseException):
+            log.error("WAL snapshot at LSN %d failed (log intact, will retry later): %r", lsn, res)
+        else:
+            self.lsn = max(self.lsn, lsn)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    async def wait(self) -> None:
+        """Wait for a snapshot in progress (if any) to finish."""
+        if self._future is not None:
+            await asyncio.shield(self._future)
+
+    def join(self) -> None:
+        """Wait (blocking) for the snapshot thread, if one runs."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
