@@ -28,25 +28,17 @@ from .errors import (  # noqa: E402
 )
 from .client import (  # noqa: E402
     Client,
+    Election,
+    Leader,
     Lease,
     LeaseHealth,
     LockContext,
     LockManyContext,
     MultiLease,
+    Term,
     WatchEvent,
     connect,
 )
-
-
-def __getattr__(name: str):
-    # Lazy, so that ``python -m fastlock.election`` (a candidate process) does
-    # not find its module already imported by the package.
-    if name in ("Election", "Leader", "Term"):
-        from . import election
-
-        return getattr(election, name)
-    raise AttributeError(f"module 'fastlock' has no attribute {name!r}")
-
 
 __all__ = [
     "__version__",

@@ -84,25 +84,25 @@ async def test_a_watch_on_a_frozen_server_ends_with_connection_lost(server, conn
 
 async def test_an_idle_client_neither_pings_nor_drops_a_frozen_server(server, connect):
     client = await connect("idle", request_timeout=0.3)
-    proto = client._proto
+    proto = client.connection
     await client.ping()
     server.pause()
     try:
         # nothing outstanding: silence is expected and proves nothing
         await asyncio.sleep(5 * 0.3)
-        assert client._proto is proto and not proto.closed
+        assert client.connection is proto and not proto.closed
         assert proto._watchdog is None and proto.pings == 0
     finally:
         server.resume()
     await client.ping()
-    assert client._proto is proto  # the same connection served it
+    assert client.connection is proto  # the same connection served it
 
 
 async def test_a_long_wait_on_a_live_server_is_kept_alive_by_pings(server, connect):
     holder = await connect("holder")
     waiter = await connect("waiter", request_timeout=0.3)
     lease = await holder.acquire("slow", ttl=30.0)
-    proto = waiter._proto
+    proto = waiter.connection
     waiting = asyncio.ensure_future(waiter.acquire("slow", ttl=5.0, wait=None))
     await wait_until(lambda: _waiters(holder, 1), TIMEOUT, "the waiter to queue")
     # many request_timeouts with no reply to the acquire itself: the pings answer
@@ -110,7 +110,7 @@ async def test_a_long_wait_on_a_live_server_is_kept_alive_by_pings(server, conne
     assert not waiting.done() and not proto.closed
     await holder.release(lease)
     granted = await asyncio.wait_for(waiting, TIMEOUT)
-    assert granted.fencing_token > lease.fencing_token and waiter._proto is proto
+    assert granted.fencing_token > lease.fencing_token and waiter.connection is proto
     await waiter.release(granted)
 
 
@@ -123,7 +123,7 @@ async def test_request_timeout_is_checked(server):
     async with fastlock.connect(server.address, request_timeout=None) as client:  # None: no watchdog
         assert client.request_timeout is None
         await client.ping()
-        assert client._proto._watchdog is None
+        assert client.connection._watchdog is None
 
 
 @pytest.fixture
@@ -163,7 +163,7 @@ async def test_lock_keeps_its_lease_when_the_primary_freezes_and_the_standby_tak
         await wait_until(lambda: lease.expires_at > frozen_at + ttl + 0.5, 3 * ttl,
                          "a renewal on the promoted standby")
         assert not lease.lost.is_set()
-        assert client._proto.address == ("127.0.0.1", b.port)
+        assert client.connection.address == ("127.0.0.1", b.port)
         assert await asyncio.wait_for(client.check("keep", lease.fencing_token), TIMEOUT) is True
         assert not lease.lost.is_set()
         await client.release(lease)

@@ -89,3 +89,27 @@ def test_bad_jeopardy_fraction_is_refused(fraction):
         client.lock("x", ttl=1.0, jeopardy_fraction=fraction)
     with pytest.raises((fastlock.InvalidArgument, fastlock.WrongArgumentType)):
         client.lock_many(["x", "y"], ttl=1.0, jeopardy_fraction=fraction)
+
+
+async def test_a_lease_is_immutable_and_its_copies_share_one_state(client):
+    import dataclasses
+
+    lease = await client.acquire("immutable", ttl=1.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        lease.ttl = 5.0
+    before = lease.expires_at
+    longer = await client.extend(lease, ttl=2.0)
+    assert longer.ttl == 2.0 and lease.ttl == 1.0  # the original object is unchanged
+    assert longer.state is lease.state and lease.expires_at == longer.expires_at > before
+    await client.release(longer)
+
+
+async def test_one_renewer_per_held_lock_stopped_by_release(client):
+    async with client.lock("renewed-a", ttl=0.6) as a, client.lock_many(["renewed-b", "renewed-c"], ttl=0.6) as bc:
+        assert len(client.renewers) == 3
+        await asyncio.sleep(1.5)  # 2.5 TTLs: only renewals (every ~0.2 s) keep the three alive
+        assert not a.lost.is_set() and not bc.lost.is_set() and a.time_left() > 0.1
+        for lease in (a, *bc):
+            assert await client.check(lease.name, lease.fencing_token)
+    assert len(client.renewers) == 0
+    assert a.health.state == "safe" and not bc.lost.is_set()  # released, not lost

@@ -123,9 +123,9 @@ async def test_expiry_hands_off_to_the_next_waiter(client, connect):
 async def test_non_holder_release_and_extend_are_refused(client, connect):
     other = await connect("other")
     lease = await client.acquire("own", ttl=30.0)
-    forged = fastlock.Lease(lease.name, lease.fencing_token, lease.ttl, os.urandom(16), asyncio.Event())
+    forged = fastlock.Lease(lease.name, lease.fencing_token, lease.ttl, os.urandom(16))
     old = fastlock.Lease(lease.name, lease.fencing_token - 1 if lease.fencing_token > 1 else 1 << 30,
-                         lease.ttl, lease.owner, asyncio.Event())
+                         lease.ttl, lease.owner)
     for bad in (forged, old):
         with pytest.raises(fastlock.LeaseLost):
             await other.release(bad)

@@ -94,3 +94,17 @@ async def test_a_failed_automatic_promotion_is_an_error_in_the_log_and_in_the_ta
     assert any(r.levelno == logging.ERROR and "automatic promotion failed" in r.getMessage()
                for r in caplog.records)
     assert policy.on_primary_silent() is None  # no retry before another failover window
+
+
+
+def test_a_storage_error_travels_as_unavailable_and_other_codeless_errors_as_internal():
+    import msgpack
+
+    from fastlock.errors import FastlockError, Unavailable, WalFatal
+    from fastlock.server.handlers import _error_reply
+
+    req_id, code, message, _ = msgpack.unpackb(_error_reply(7, WalFatal("disk full")))
+    assert req_id == 7 and isinstance(error_from_wire(code, message), Unavailable)
+    assert "disk full" in message
+    _, code, message, _ = msgpack.unpackb(_error_reply(8, FastlockError("odd")))
+    assert isinstance(error_from_wire(code, message), InternalServerError)

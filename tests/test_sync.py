@@ -202,3 +202,100 @@ def test_close_wakes_every_thread_blocked_in_a_call(server):
                 assert time.monotonic() < deadline, "waiters of the closed client remain"
                 time.sleep(0.01)
         observer.release(held)
+
+
+def _run_in_fork(child, timeout: float) -> dict:
+    """Fork; run ``child()`` (returns a JSON-able dict) in the child and return
+    what it returned.  The child is bounded by ``timeout`` seconds and killed
+    by its PID if it has not exited by then."""
+    import json
+    import os
+    import select
+    import signal
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.close(read_end)
+            try:
+                result = child()
+            except BaseException as exc:  # noqa: BLE001 - reported to the parent
+                result = {"error": f"{type(exc).__name__}: {exc}"}
+            os.write(write_end, json.dumps(result).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        data = b""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([read_end], [], [], left)
+            if not ready:
+                break
+            chunk = os.read(read_end, 65536)
+            if not chunk:
+                break
+            data += chunk
+        assert data, f"the forked child sent nothing within {timeout} s (a hang)"
+        return json.loads(data)
+    finally:
+        os.close(read_end)
+        try:
+            os.kill(pid, signal.SIGKILL)  # it has normally exited already
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+
+
+def test_a_forked_child_reconnects_and_takes_a_lock_within_its_wait(server):
+    """A SyncClient made before fork() (a preloaded app, a prefork pool): the child
+    opens its own connection at its first call and takes a lock within its wait;
+    the lease the parent holds stays the parent's - the child cannot release it."""
+    with SyncClient(server.address, client_name="parent") as client:
+        with client.lock("fork/parent", ttl=2.0, wait=TIMEOUT) as parent_lease:
+            wait = 2.0
+
+            def child() -> dict:
+                started = time.monotonic()
+                lease = client.acquire("fork/child", ttl=5.0, wait=wait)
+                took = time.monotonic() - started
+                client.release(lease)
+                try:
+                    client.release(parent_lease)  # inherited: not the child's
+                    refused = None
+                except fastlock.LeaseLost as exc:
+                    refused = str(exc)
+                try:
+                    client.acquire("fork/parent", ttl=1.0, wait=0)  # still held by the parent
+                    taken = True
+                except fastlock.LockNotAcquired:
+                    taken = False
+                return {"took": took, "token": lease.fencing_token, "refused": refused, "taken": taken,
+                        "lost_in_child": parent_lease.lost.is_set()}
+
+            result = _run_in_fork(child, timeout=wait + 8.0)
+            assert "error" not in result, result
+            assert result["took"] < wait + 1.0 and result["token"] > 0
+            assert result["refused"] and "does not hold it" in result["refused"]
+            assert result["taken"] is False and result["lost_in_child"] is True
+            # the parent still holds its lease, and its client still works
+            assert client.check("fork/parent", parent_lease.fencing_token)
+            assert not parent_lease.lost.is_set()
+            assert client.ping() > 0
+
+
+def test_a_forked_child_of_a_closed_client_raises_at_once(server):
+    client = SyncClient(server.address, client_name="closed-parent")
+    client.close()
+
+    def child() -> dict:
+        started = time.monotonic()
+        try:
+            client.acquire("fork/closed", ttl=1.0, wait=5.0)
+        except fastlock.ConnectionLost as exc:
+            return {"raised": str(exc), "took": time.monotonic() - started}
+        return {"raised": None}
+
+    result = _run_in_fork(child, timeout=10.0)
+    assert result.get("raised") == "client is closed" and result["took"] < 1.0, result

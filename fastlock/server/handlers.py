@@ -41,6 +41,7 @@ from ..errors import (
     LockNotAcquired,
     PermissionDenied,
     ProtocolError,
+    StorageError,
     Unavailable,
 )
 from ..logsafe import quote
@@ -92,6 +93,14 @@ def refusal(roles: NodeRole, action: Action) -> FastlockError:
 
 
 def _error_reply(req_id: int, exc: FastlockError) -> bytes:
+    """The error frame for ``exc``.  An error class with no wire code of its own (a
+    :class:`~fastlock.errors.StorageError`: the node's log failed and it is stopping)
+    travels as :class:`~fastlock.errors.Unavailable`, any other as
+    :class:`~fastlock.errors.InternalServerError`."""
+    if not exc.code:
+        wire: FastlockError = (Unavailable(f"this node cannot serve: {exc}") if isinstance(exc, StorageError)
+                               else InternalServerError(f"internal server error: {exc}"))
+        exc = wire
     return P.packb([req_id, exc.code, str(exc), getattr(exc, "primary", None)])
 
 

@@ -1,0 +1,31 @@
+"""The asyncio client (and, in :mod:`fastlock.client.sync`, the blocking one).
+
+Modules, each readable alone:
+
+- :mod:`~fastlock.client.connection` - finding the primary, the connection,
+  riding through a failover, liveness;
+- :mod:`~fastlock.client.lease` - :class:`Lease` (immutable), its shared
+  :class:`LeaseState`, :class:`LeaseHealth`, :class:`WatchEvent`;
+- :mod:`~fastlock.client.renewer` - the one renewal loop (locks, multi-locks,
+  election terms);
+- :mod:`~fastlock.client.multilock` - several locks at once, all or none;
+- :mod:`~fastlock.client.client` - the :class:`Client` facade and :func:`connect`;
+- :mod:`~fastlock.client.election` - leader election on leases;
+- :mod:`~fastlock.client.sync` - :class:`~fastlock.client.sync.SyncClient` for threads.
+
+The client imports only :mod:`fastlock.protocol` and leaf modules.  Every name
+``fastlock.client`` had before it became a package is re-exported here.
+"""
+
+from ..units import DEFAULT_PORT
+from .client import LATE_GRANT_FRACTION, Client, LockContext, connect
+from .connection import RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
+from .election import Election, Leader, Term
+from .lease import IN_JEOPARDY, LOST, SAFE, Lease, LeaseHealth, LeaseState, WatchEvent
+from .multilock import LockManyContext, MultiLease
+from .renewer import Renewer
+
+__all__ = ["connect", "Client", "Lease", "LeaseState", "LeaseHealth", "LockContext", "MultiLease",
+           "LockManyContext", "WatchEvent", "Election", "Term", "Leader", "Renewer", "resolve_credential",
+           "DEFAULT_PORT", "LATE_GRANT_FRACTION", "SAFE", "IN_JEOPARDY", "LOST", "RETRYABLE", "ClientConnection",
+           "Connector", "RideThrough"]

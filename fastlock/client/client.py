@@ -1,0 +1,618 @@
+"""The asyncio client.
+
+One :class:`Client` holds one TCP connection to the primary and pipelines every
+request of every task over it (requests carry ids; replies may come back in
+any order).  Typical use::
+
+    async with fastlock.connect("127.0.0.1:7420", "127.0.0.1:7421") as client:
+        async with client.lock("orders/42", ttl=10.0, wait=5.0) as lease:
+            await write_with_fencing(lease.fencing_token)
+            if lease.lost.is_set():
+                ...  # stop acting as the holder
+
+Times in this API are float **seconds** (as asyncio); the wire carries
+integer milliseconds.  Arguments are checked before anything is sent:
+a bad one raises :class:`~fastlock.errors.InvalidArgument` (a ValueError) or
+:class:`~fastlock.errors.WrongArgumentType` (a TypeError).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import ssl
+from typing import Any, AsyncIterator, Iterable
+
+from .. import protocol as P
+from ..errors import ConnectionLost, InvalidArgument, LeaseLost, WrongArgumentType
+from ..tls import client_ssl_context
+from ..units import DEFAULT_PORT, check_seconds
+from .acquire import acquire_retry, verify_late_grant
+from .connection import BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
+from .election import Election
+from .lease import Lease, LeaseState, WatchEvent, check_fraction, check_lease
+from .multilock import LockManyContext, MultiLease, acquire_many, release_many, sorted_names
+from .renewer import LockContext, Renewer, Renewers
+from .watch import watch_events
+
+log = logging.getLogger(__name__)
+
+__all__ = ["connect", "Client", "LockContext", "LATE_GRANT_FRACTION"]
+
+#: a grant read with less than this fraction of its TTL left (by the client's
+#: conservative estimate) is verified with an EXTEND before it is returned
+LATE_GRANT_FRACTION = 0.5
+
+
+class Client:
+    """A connection to a fastlock primary.  Create it with :func:`connect`.
+
+    Many tasks may share one client; their requests are pipelined on one
+    connection.  Held leases survive a dropped connection until their TTL.
+
+    **Riding through a failover.**  Every operation runs under one deadline:
+    ``wait`` plus ``connect_timeout`` for an acquire (none when ``wait`` is
+    None), ``request_timeout`` (or ``connect_timeout`` when that is None) for
+    every other call, and the lease's own expiry for a renewal.  Within it, a
+    lost connection, a ``NotPrimary`` refusal (a standby, a deposed primary)
+    or ``Unavailable`` (a fenced primary, a server shutting down) makes the
+    client drop that connection, look for the current primary - every
+    address, redirects followed first, an address that went silent or
+    answered "deposed"/"fenced"/``Unavailable`` tried last, with backoff and
+    jitter (20 ms doubling to 0.5 s) between sweeps - and send the request
+    again.  A retried acquire carries the same owner key, so the server finds
+    its existing lease (or waiter) instead of granting the lock twice, as
+    ZooKeeper's lock recipe finds its own node again.  Only when the deadline
+    passes with no primary able to serve does :class:`ConnectionLost` reach
+    the caller (its ``__cause__`` is the last refusal).  See the table in
+    ``docs/client-features.md``.
+
+    **Liveness.**  A server that stops answering while its TCP connection
+    stays open (a frozen process, a stalled VM, a black-holed network) is
+    detected by a per-connection watchdog (:class:`fastlock.rpc.RpcConnection`),
+    not by per-request timers: while any request (including a waiting
+    acquire) or watch is outstanding, a ``PING`` is sent after
+    ``request_timeout / 3`` seconds without a byte from the server, and after
+    ``request_timeout`` seconds of silence the connection is aborted and that
+    address is tried last from then on; the operations pending on it ride
+    through as above.  An idle connection is never pinged nor aborted.  A
+    waiting acquire is therefore never failed by its own ``wait`` being long:
+    only by the server going silent.
+
+    **Processes.**  A client belongs to the event loop, and so to the
+    process, that uses it: after ``fork()`` a child must make its own (the
+    blocking :class:`~fastlock.sync.SyncClient` does so by itself).  Leases
+    stay with the process that acquired them.
+    """
+
+    def __init__(self, addresses: Iterable[Any], *, auth: str | None = None, client_name: str | None = None,
+                 connect_timeout: float = 5.0, request_timeout: float | None = 5.0, token: str | None = None,
+                 token_file: str | os.PathLike | None = None,
+                 tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, server_hostname: str | None = None):
+        auth = resolve_credential(token=token, token_file=token_file, auth=auth)
+        client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
+        self._connect_timeout = check_seconds(connect_timeout, "connect_timeout")
+        self._request_timeout = check_seconds(request_timeout, "request_timeout", allow_none=True)
+        ssl_context = client_ssl_context(tls, tls_ca, tls_cert, tls_key)
+        if server_hostname is not None:
+            if type(server_hostname) is not str or not server_hostname:
+                raise WrongArgumentType(f"server_hostname must be a non-empty str, not {server_hostname!r}")
+            if ssl_context is None:
+                raise InvalidArgument("server_hostname is only meaningful with TLS")
+        self._connector = Connector(addresses, auth=auth, client_name=client_name,
+                                    connect_timeout=self._connect_timeout, request_timeout=self._request_timeout,
+                                    ssl_context=ssl_context, server_hostname=server_hostname)
+        # the deadline of every call but acquire and renewals (seconds)
+        self._op_timeout = self._request_timeout if self._request_timeout is not None else self._connect_timeout
+        #: the auto-renewals this client runs (stopped by release and close)
+        self.renewers = Renewers()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._connector.closed
+
+    @property
+    def server_info(self) -> dict:
+        """The primary's HELLO reply on the current (or last) connection:
+        ``role``, ``epoch``, ``session``, ``principal``, ..."""
+        return self._connector.server_info
+
+    @property
+    def max_epoch(self) -> int:
+        """The highest fencing epoch this client has seen; sent in every HELLO
+        so that a deposed primary that still runs learns it and steps down."""
+        return self._connector.max_epoch
+
+    @property
+    def connection(self) -> ClientConnection | None:
+        """The current connection to the primary, or None (for diagnostics)."""
+        return self._connector.proto
+
+    @property
+    def request_timeout(self) -> float | None:
+        """Seconds of server silence, while something is outstanding, after
+        which the connection is declared dead (None: never)."""
+        return self._request_timeout
+
+    async def ensure_connected(self, deadline: float | None = None) -> ClientConnection:
+        """Connect to the primary now if not connected (:func:`connect` does
+        this); ``deadline`` is a ``loop.time()`` bound.
+
+        Raises:
+            ConnectionLost: no address accepted a connection as primary.
+            AuthError: the credential was refused.
+        """
+        return await self._connector.ensure_connected(deadline)
+
+    async def _request(self, op: int, *args: Any) -> Any:
+        """Send one request and return its reply's value, riding through a
+        failover within ``request_timeout`` (see :class:`Client`)."""
+        proto = self._connector.proto
+        if proto is not None and not proto.closed:
+            started = proto.loop.time()
+            try:
+                return await proto.request(op, *args)
+            except RETRYABLE as exc:
+                if self._connector.closed:
+                    raise
+                return await RideThrough(self._connector, started + self._op_timeout).send(op, args, proto, exc)
+        deadline = asyncio.get_running_loop().time() + self._op_timeout
+        return await RideThrough(self._connector, deadline).send(op, args)
+
+    async def close(self) -> None:
+        """Stop auto-renewals and close the connection.
+
+        Every request still pending (a waiting acquire included) raises
+        :class:`ConnectionLost` ("client is closed") at once, and so does any
+        later call.  Held leases stay held on the server until their TTL
+        (release them first if you want them freed now)."""
+        self.renewers.stop_all()
+        self._connector.close()
+
+    async def __aenter__(self) -> "Client":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # -- lock operations ----------------------------------------------------------------
+    async def acquire(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
+                      correlation_id: str | None = None) -> Lease:
+        """Acquire ``name`` and return its :class:`Lease`.
+
+        Args:
+            name: lock name, non-empty, at most 512 bytes of UTF-8.
+            ttl: lease time to live in seconds (1 ms .. 24 h), counted on the
+                server's monotonic clock from the grant.
+            wait: seconds to wait in the lock's FIFO queue; ``0`` tries once,
+                ``None`` waits forever.  The whole call, failovers included,
+                runs under one deadline: ``wait + connect_timeout`` seconds
+                (none when ``wait`` is None).
+            lock_delay: seconds (0 .. 60) during which the lock stays
+                unavailable after this lease *expires* (not after a clean
+                release), as Chubby's lock-delay and Consul's session lock-delay.
+            correlation_id: free text (<= 256 chars) recorded with the grant in
+                the server's WAL, for audits (``fastlock wal dump``).
+
+        A lost connection, a standby or deposed node (``NotPrimary``) or a
+        fenced primary (``Unavailable``) does not end the call: the client
+        finds the current primary and asks again with the same owner key, so
+        a grant that was made before the failure is found again, never made
+        twice (see :class:`Client`).  A request that waited in the queue asks
+        again for the wait that is left (its place in the queue is lost: a
+        waiter goes with its connection).
+
+        **No dead lease returned as granted** (the fault of etcd issue 11456,
+        found by Jepsen).  The server reports how long the request waited in
+        its queue (``waited_ms``, on its own monotonic clock).  The grant
+        cannot have happened before ``sent + waited`` on this client's clock
+        (``sent``: when this client sent the request), so the lease's
+        ``expires_at`` is ``sent + waited + ttl`` - an estimate that is never
+        later than the server's expiry, assuming the two monotonic clocks run
+        at the same rate (quartz drift, about 1e-4, is far inside the margin
+        below).  If, when the reply is read, less than half of the TTL is left
+        by that estimate (this process was frozen, or its loop stalled, while
+        the grant waited unread), the lease is not returned on trust: one
+        EXTEND verifies it with the server (renewing it from now) and the
+        lease is returned only if that succeeds and leaves time.  Otherwise the
+        lock is released (best effort) and, while ``wait`` has time left, the
+        acquire queues again with a new owner key; when it has none,
+        :class:`LeaseLost` is raised - not a lease already marked lost, so that
+        no code path can act on it by mistake.  On the normal path this costs
+        no extra round trip.
+
+        Raises:
+            LockNotAcquired: the wait ran out (or ``wait=0`` and it was held).
+            LeaseLost: a grant arrived too late to be proven alive, and the
+                wait had no time left to queue again (see above).
+            ConnectionLost: the deadline passed with no primary reachable,
+                or the client was closed.
+            LimitExceeded: too many waiting acquires on this connection.
+            InvalidArgument / WrongArgumentType: bad arguments (nothing sent).
+
+        Cancelling the awaiting task (``task.cancel()``, ``asyncio.timeout``)
+        removes the waiter on the server; if the grant raced with the cancel,
+        the server releases it (never a ghost holder).
+        """
+        P.check_name(name)
+        ttl_ms = P.check_ttl_ms(P.seconds_to_ms(ttl, "ttl"))
+        wait_ms = P.check_wait_ms(P.seconds_to_ms(wait, "wait", allow_none=True, allow_zero=True))
+        delay_ms = P.check_lock_delay_ms(P.seconds_to_ms(lock_delay, "lock_delay", allow_zero=True))
+        P.check_optional_str(correlation_id, "correlation_id", P.MAX_CORRELATION_ID_CHARS)
+        owner = os.urandom(16)
+        connector = self._connector
+        proto = connector.proto
+        if proto is not None and not proto.closed:
+            sent = started = proto.loop.time()
+            fut = proto.request(P.OP_ACQUIRE, name, owner, ttl_ms, wait_ms, delay_ms, correlation_id)
+            try:
+                reply = await fut
+            except asyncio.CancelledError:
+                self._connector.withdraw(proto, name, owner)
+                raise
+            except RETRYABLE as exc:
+                reply, sent = await acquire_retry(connector, self._connect_timeout,
+                                                  (name, ttl_ms, wait_ms, delay_ms, correlation_id), owner, sent,
+                                                  proto, exc)
+        else:
+            started = asyncio.get_running_loop().time()
+            reply, sent = await acquire_retry(connector, self._connect_timeout,
+                                              (name, ttl_ms, wait_ms, delay_ms, correlation_id), owner, started)
+        token = reply[0]
+        granted_ttl = reply[1] / 1000.0
+        # The grant happened no earlier than `sent + waited` on our clock (the
+        # server received the request after we sent it, then it waited).
+        waited = reply[2] / 1000.0 if len(reply) > 2 else 0.0
+        expires_at = sent + waited + granted_ttl
+        epoch = token >> 40
+        if epoch > connector.max_epoch:
+            connector.max_epoch = epoch
+        lease = Lease(name, token, granted_ttl, owner, LeaseState(expires_at))
+        if expires_at - asyncio.get_running_loop().time() >= granted_ttl * LATE_GRANT_FRACTION:
+            return lease
+        return await verify_late_grant(self, lease, (name, ttl_ms, wait_ms, delay_ms, correlation_id), started)
+
+    async def release(self, lease: Lease) -> None:
+        """Release ``lease``; the next waiter (if any) is granted at once.
+
+        Rides through a failover within ``request_timeout``: a release refused
+        by a node that is not (or no longer) the serving primary - a deposed
+        node (``NotPrimary``), a fenced one (``Unavailable``; it changes
+        nothing) - is sent again to the current primary, so an acknowledged
+        release takes effect on whichever node is primary afterwards.
+
+        Raises:
+            LeaseLost: the lease is no longer the holder (expired, or released
+                already); nothing changed on the server.  ``lease.lost`` is set.
+                (After an attempt whose outcome is unknown, a ``LeaseLost``
+                from the retry counts as released.)
+            ConnectionLost: no primary could be reached within ``request_timeout``;
+                the lease expires by its TTL.
+        """
+        check_lease(lease)
+        self.renewers.stop(lease)
+        try:
+            await self._request(P.OP_RELEASE, lease.name, lease.fencing_token, lease.owner)
+        except LeaseLost:
+            lease.lost.set()
+            raise
+
+    async def extend(self, lease: Lease, *, ttl: float | None = None) -> Lease:
+        """Renew ``lease`` for ``ttl`` seconds from now (default: its current TTL).
+
+        Returns the lease (a new object if the TTL changed).  An expired lease
+        is never revived.  Rides through a failover within ``request_timeout``.
+
+        Raises:
+            LeaseLost: the lease expired or was released; ``lease.lost`` is set.
+            ConnectionLost: no primary could be reached within ``request_timeout``.
+        """
+        check_lease(lease)
+        ttl_ms = P.check_ttl_ms(P.seconds_to_ms(lease.ttl if ttl is None else ttl, "ttl"))
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        try:
+            granted = await self._request(P.OP_EXTEND, lease.name, lease.fencing_token, lease.owner, ttl_ms)
+        except LeaseLost:
+            lease.lost.set()
+            raise
+        return self._extended(lease, granted, sent)
+
+    def _extended(self, lease: Lease, granted_ms: int, sent: float) -> Lease:
+        # the server's TTL counts from when it handled the extend: after `sent`
+        new_ttl = granted_ms / 1000.0
+        lease.state.expires_at = sent + new_ttl  # shared by every copy of the lease
+        epoch = lease.fencing_token >> 40
+        connector = self._connector
+        if epoch > connector.max_epoch:
+            connector.max_epoch = epoch
+        if new_ttl == lease.ttl:
+            return lease
+        return lease.with_ttl(new_ttl)
+
+    async def renew_before(self, lease: Lease, deadline: float, *, ttl: float | None = None,
+                     attempt_timeout: float | None = None) -> Lease:
+        """One renewal that must succeed before ``deadline`` (``loop.time()``):
+        EXTEND (for ``ttl`` seconds, default the lease's) through the
+        ride-through path, each attempt bounded by ``attempt_timeout`` seconds
+        (default a third of the TTL) so a silent server leaves time to find the
+        next primary.  Used by :class:`~fastlock.client.renewer.Renewer`.
+
+        Raises:
+            LeaseLost: the server refused the renewal, or none succeeded
+                before ``deadline`` (``lease.lost`` is set by the caller).
+        """
+        ttl_s = lease.ttl if ttl is None else ttl
+        ttl_ms = P.check_ttl_ms(P.seconds_to_ms(ttl_s, "ttl"))
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        try:
+            pacing = RideThrough(self._connector, deadline, max_backoff=min(BACKOFF_MAX, ttl_s / 10.0))
+            granted = await pacing.send(P.OP_EXTEND, (lease.name, lease.fencing_token, lease.owner, ttl_ms),
+                                        attempt_timeout=attempt_timeout or ttl_s / 3.0)
+        except ConnectionLost as exc:
+            if self._connector.closed:
+                raise
+            raise LeaseLost(f"no renewal of {lease.name!r} succeeded before the lease's deadline: {exc}") from exc
+        # the successful attempt was sent at or after `sent`: conservative
+        return self._extended(lease, granted, sent)
+
+    async def check(self, name: str, fencing_token: int) -> bool:
+        """Is ``fencing_token`` the current, unexpired holder's token of ``name``?
+
+        The server-side half of Chubby's sequencer check: a downstream service
+        may call it before acting on a request that carries a token.  Rides
+        through a failover within ``request_timeout``.
+        """
+        P.check_name(name)
+        P.check_token(fencing_token)
+        return await self._request(P.OP_CHECK, name, fencing_token)
+
+    async def status(self) -> dict:
+        """The primary's status: role, epoch, counters, sessions, WAL stats."""
+        return await self._request(P.OP_STATUS)
+
+    async def ping(self) -> float:
+        """Round trip to the primary, in seconds."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await self._request(P.OP_PING)
+        return loop.time() - t0
+
+    async def holder(self, name: str) -> dict | None:
+        """The current holder of ``name``: ``{"token", "client", "ttl_ms", "remaining_ms"}`` or None."""
+        P.check_name(name)
+        return await self._request(P.OP_HOLDER, name)
+
+    def watch(self, name: str) -> AsyncIterator[WatchEvent]:
+        """Yield :class:`WatchEvent` for every change of ``name``'s holder.
+
+        Pushed by the server (no polling), in the order it applied them.  The
+        first event is the state when the watch began (``"held"`` with the
+        token, or ``"free"``).  A grant is reported once it is durable.  If the
+        connection drops the iterator raises :class:`ConnectionLost` (events
+        may have been missed: start a new watch, which begins with the state,
+        and rides through to the new primary).  Breaking out of the loop
+        unsubscribes.
+
+        Example::
+
+            async for event in client.watch("leader"):
+                print(event.kind, event.token, event.client)
+        """
+        return watch_events(self._connector, name, self._op_timeout)
+
+    def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
+             correlation_id: str | None = None, renew: bool = True,
+             jeopardy_fraction: float = 0.5) -> "LockContext":
+        """Acquire ``name`` and keep renewing it.
+
+        ``async with client.lock(...) as lease:`` acquires, renews at about a
+        third of the TTL (minus 10-20 % random jitter, so many holders do not
+        renew in step) and releases on exit.  ``lease = await client.lock(...)``
+        acquires and renews until :meth:`release`.  If a renewal is refused or
+        the TTL passes without one succeeding, ``lease.lost`` is set and
+        renewal stops; the body is not interrupted - check ``lease.lost``
+        (or pass the fencing token to your writes) before acting.
+
+        ``lease.health`` (:class:`LeaseHealth`) turns ``"in_jeopardy"`` when
+        renewals have failed and less than ``jeopardy_fraction`` (0 < f < 1,
+        default 0.5) of the TTL is left, and ``"safe"`` again when one succeeds.
+
+        Arguments and errors are those of :meth:`acquire`.
+        """
+        P.check_name(name)
+        check_fraction(jeopardy_fraction)
+        return LockContext(self, name, dict(ttl=ttl, wait=wait, lock_delay=lock_delay,
+                                            correlation_id=correlation_id), renew, jeopardy_fraction)
+
+    # -- several locks at once --------------------------------------------------------
+    async def acquire_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None,
+                           lock_delay: float = 0.0, correlation_id: str | None = None) -> "MultiLease":
+        """Acquire every lock in ``names``, or none of them.
+
+        The locks are taken one after the other in one global order - sorted
+        by the UTF-8 bytes of their names - whatever order ``names`` lists them
+        in.  Every multi-lock takes its locks in that same total order, so no
+        set of them can wait on each other in a cycle (the waits-for graph
+        stays acyclic: ordered two-phase locking), and a single-lock holder
+        waits for nothing while it holds.  The price is one round trip per
+        name (plus queueing), and a lock taken early is held while later ones
+        are awaited.
+
+        Args:
+            names: distinct lock names (at least one; each checked as in
+                :meth:`acquire`).
+            ttl: each lease's time to live in seconds, counted from *its* grant
+                (:meth:`acquire_many` does not renew: with a long ``wait`` and
+                a short ``ttl``, use :meth:`lock_many`).
+            wait: one overall deadline in seconds for all of them; ``0`` tries
+                each once; ``None`` waits forever.
+            lock_delay, correlation_id: as :meth:`acquire`, for every lease.
+
+        Returns:
+            a :class:`MultiLease`.
+
+        Raises:
+            LockNotAcquired: the deadline passed; the locks taken so far are
+                released before this is raised.
+            InvalidArgument / WrongArgumentType: no names, a duplicate name, or
+                a bad argument (nothing sent).
+            ConnectionLost: the connection dropped; partial grants are released
+                (cancelled by owner on the next connection, else they expire).
+
+        Cancelling the awaiting task releases whatever was taken.
+        """
+        return await acquire_many(self, names, dict(ttl=ttl, lock_delay=lock_delay, correlation_id=correlation_id),
+                                  wait, None)
+
+    def lock_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
+                  correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> "LockManyContext":
+        """:meth:`acquire_many` plus auto-renewal of every lease, as :meth:`lock`.
+
+        ``async with client.lock_many(["a", "b"], ttl=10.0) as locks:`` holds
+        all of them in the body and releases them on exit; ``await
+        client.lock_many(...)`` holds them until :meth:`release_many`.  Each
+        lease is renewed from the moment it is granted (so waiting for the
+        later ones cannot let the early ones expire).  ``locks.lost`` is set as
+        soon as any one of them is lost.
+        """
+        checked = sorted_names(names)
+        check_fraction(jeopardy_fraction)
+        return LockManyContext(self, checked, dict(ttl=ttl, lock_delay=lock_delay, correlation_id=correlation_id),
+                               wait, jeopardy_fraction)
+
+    def release_nowait(self, lease: Lease) -> None:
+        """Release ``lease`` without waiting for the reply (best effort; for
+        cancellation paths and a leader stepping down): its renewal stops, and
+        if the connection is, or turns out to be, dead the release is sent as a
+        cancel-by-owner on the next connection."""
+        self.renewers.stop(lease)
+        connector = self._connector
+        connector.withdraw(connector.proto, lease.name, lease.owner, P.OP_RELEASE, lease.fencing_token, lease.owner)
+
+    def start_renewing(self, lease: Lease, jeopardy_fraction: float | None = None) -> Renewer:
+        """Renew ``lease`` in the background, as :meth:`lock` does (about every
+        third of the TTL, with jitter), until :meth:`release`, :meth:`close` or
+        its loss (``lease.lost``).  ``jeopardy_fraction``: see :meth:`lock`.
+        Returns the running :class:`~fastlock.client.renewer.Renewer`."""
+        if jeopardy_fraction is not None:
+            lease.health.jeopardy_fraction = check_fraction(jeopardy_fraction)
+        return Renewer(self, lease).start()
+
+    async def release_many(self, multi: "MultiLease") -> None:
+        """Release every lease of ``multi`` (all of them, even if one fails).
+
+        Raises:
+            LeaseLost: at least one lease was no longer held (after trying to
+                release the others); ``multi.lost`` is set.
+        """
+        await release_many(self, multi)
+
+    # -- leader election --------------------------------------------------------------
+
+    def election(self, name: str, candidate_id: str, *, lease_duration: float = 15.0, renew_deadline: float = 10.0,
+                 retry_period: float = 2.0, jeopardy_fraction: float = 0.5) -> "Election":
+        """A leader election on lock ``name`` for candidate ``candidate_id``.
+
+        See :class:`fastlock.election.Election` (Kubernetes' leaderelection
+        semantics and defaults: 15 s lease, 10 s renew deadline, 2 s retry).
+        """
+        return Election(self, name, candidate_id, lease_duration=lease_duration, renew_deadline=renew_deadline,
+                        retry_period=retry_period, jeopardy_fraction=jeopardy_fraction)
+
+
+class _ConnectContext:
+    """Returned by :func:`connect`: ``await`` it for a :class:`Client`, or use
+    it as ``async with`` to close the client on exit."""
+
+    __slots__ = ("_client",)
+
+    def __init__(self, client: Client):
+        self._client = client
+
+    async def _open(self) -> Client:
+        await self._client.ensure_connected()
+        return self._client
+
+    def __await__(self):
+        return self._open().__await__()
+
+    async def __aenter__(self) -> Client:
+        return await self._open()
+
+    async def __aexit__(self, *exc) -> None:
+        await self._client.close()
+
+
+def connect(*addresses: Any, auth: str | None = None, client_name: str | None = None,
+            connect_timeout: float = 5.0, request_timeout: float | None = 5.0, token: str | None = None,
+            token_file: str | os.PathLike | None = None,
+            tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+            tls_key: str | None = None, server_hostname: str | None = None) -> _ConnectContext:
+    """Connect to a fastlock primary.
+
+    Args:
+        *addresses: ``"host:port"`` strings or ``(host, port)`` tuples, tried in
+            order; a standby's ``NotPrimary`` redirect is followed.  Default
+            port 7420.
+        auth: legacy: the server's shared secret (``--auth-secret-file``).
+        token: this client's principal token (see ``fastlock credentials init``).
+        token_file: a file holding the token (default: the file named by the
+            environment variable ``FASTLOCK_TOKEN_FILE``, when neither token
+            nor auth is given).  Without any, the server takes the connection
+            as its anonymous principal, if it allows one.
+        client_name: shown in server logs and recorded with grants in the WAL,
+            beside the authenticated principal (it is self-declared).
+        connect_timeout: seconds for each TCP connect and handshake; also
+            added to an acquire's ``wait`` to make its deadline.
+        request_timeout: seconds (> 0) of silence from the server, while any
+            request or watch is outstanding, after which the connection is
+            dropped (a ``PING`` goes out after a third of it; an idle
+            connection is left alone) and what was pending on it rides
+            through to the primary; also the deadline of every call but
+            acquire and renewals.  ``None`` disables the check (the deadline
+            is then ``connect_timeout``).  See :class:`Client`.
+        tls: ``True`` to connect over TLS, verifying the server's certificate
+            (against ``tls_ca``, or the system's trust store) and its host
+            name; an ``ssl.SSLContext`` to use as it is; ``False`` for plain
+            TCP.  Default ``None``: TLS if any ``tls_*`` file is given.
+        tls_ca: PEM file of the CA(s) that sign the servers' certificates.
+        tls_cert: PEM file of this client's certificate, for servers that
+            require one (mutual TLS); the key may be in the same file.
+        tls_key: PEM file of that certificate's private key.
+        server_hostname: the name the server certificates must carry (default:
+            the host of each address, so an IP address must be in the
+            certificate's subjectAltName).
+
+    Example::
+
+        async with fastlock.connect("10.0.0.5:7420", tls_ca="ca.pem",
+                                    tls_cert="app.pem", tls_key="app-key.pem") as client:
+            ...
+
+    Raises (when awaited):
+        ConnectionLost: no address accepted a connection as primary (an
+            untrusted server certificate, or one refusing this client's, is
+            named in the message).
+        AuthError: the token or secret was refused (or needed and missing).
+
+    Raises at once: ``InvalidArgument`` for contradictory TLS arguments;
+    ``OSError`` (``ssl.SSLError`` included) when a TLS file cannot be read
+    or is not a matching PEM certificate/key; ``CredentialsError`` when
+    ``token_file`` cannot be read or is empty.
+
+    Operations the principal is not granted raise :class:`PermissionDenied`.
+    """
+    if not addresses:
+        addresses = (f"127.0.0.1:{DEFAULT_PORT}",)
+    return _ConnectContext(Client(addresses, auth=auth, client_name=client_name,
+                                  connect_timeout=connect_timeout, request_timeout=request_timeout,
+                                  token=token, token_file=token_file,
+                                  tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+                                  server_hostname=server_hostname))
+
+

@@ -1,0 +1,571 @@
+"""The client's connection to the primary: address selection, ride-through, liveness.
+
+:class:`Connector` owns the one connection a :class:`~fastlock.client.Client`
+pipelines its requests on: it sweeps the address list for the primary
+(redirects followed first; addresses that went silent, or answered
+"deposed"/"fenced"/``Unavailable``, tried last), shares one connection attempt
+between every caller, and forgets a connection that ended so that the next
+request reconnects.  :class:`RideThrough` is the retry state of one
+operation: within its deadline, a lost connection or a refusal from a node
+that cannot serve makes it find the primary again (backoff with jitter) and
+send the request again.  Liveness - a server that stops answering while its
+TCP connection stays open - is found by the per-connection watchdog of
+:class:`fastlock.rpc.RpcConnection` (``liveness_timeout`` = the client's
+``request_timeout``).
+
+Everything here runs on the event loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import ssl
+from typing import Any, Callable, Iterable
+
+from .. import protocol as P
+from ..errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost, NotPrimary, Unavailable
+from ..logsafe import quote
+from ..rpc import RpcConnection
+from ..units import parse_address
+from .lease import WatchEvent
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ClientConnection", "Connector", "RideThrough", "RETRYABLE", "resolve_credential"]
+
+#: Errors after which an operation looks for the primary and tries again
+#: (within its deadline): the connection is gone, or the node is not (or no
+#: longer) a primary that may serve it.  Every other error surfaces at once.
+RETRYABLE = (ConnectionLost, NotPrimary, Unavailable)
+BACKOFF_FIRST = 0.02  # seconds: the first pause between sweeps of the address list
+BACKOFF_MAX = 0.5  # seconds: the longest pause (doubling from the first, with jitter)
+
+#: why a TLS server most likely closed or reset a connection during the handshake
+_REFUSED_CERT_HINT = (" (a TLS server that requires client certificates drops the connection when it refuses "
+                      "this client's, or its lack of one)")
+#: appended when a plain-TCP client gets no HELLO reply: a TLS port waits for a
+#: handshake, then drops the connection
+_PLAIN_TO_TLS_HINT = " (if it is a TLS port: pass tls_ca=... or tls=True)"
+
+Address = tuple[str, int]
+
+
+def ignore_result(fut: asyncio.Future) -> None:
+    """A done-callback that retrieves a future's exception (none waits for it)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+class ClientConnection(RpcConnection):
+    """The client's connection: an :class:`~fastlock.rpc.RpcConnection` whose
+    pushes feed the watches opened on it, and whose liveness timeout is the
+    client's ``request_timeout``.
+
+    Attributes:
+        watches (dict[str, set[asyncio.Queue]]): the queues of the watches
+            open on this connection, by lock name; each receives
+            :class:`~fastlock.client.WatchEvent` items, then ``None`` when the
+            connection ends.
+    """
+
+    __slots__ = ("watches",)
+
+    def __init__(self, address: Address, on_close: Callable[["ClientConnection", ConnectionLost], Any],
+                 liveness_timeout: float | None):
+        super().__init__(address, on_push=self._dispatch_push, on_close=on_close,
+                         liveness_timeout=liveness_timeout)
+        self.watches: dict[str, set[asyncio.Queue]] = {}
+
+    def _dispatch_push(self, kind: Any, payload: Any) -> None:
+        if kind == P.PUSH_WATCH:
+            event = WatchEvent(*payload)
+            for queue in self.watches.get(event.name, ()):
+                queue.put_nowait(event)
+
+
+class Connector:
+    """Finds the primary among ``addresses`` and keeps one connection to it.
+
+    Args:
+        addresses: ``"host:port"`` strings or ``(host, port)`` tuples
+            (:func:`fastlock.units.parse_address`; default port 7420).
+        auth: the credential sent in HELLO (see :func:`resolve_credential`).
+        client_name: sent in HELLO (checked by the caller).
+        connect_timeout: seconds for each TCP connect and each handshake.
+        request_timeout: the connections' liveness timeout in seconds (None: none).
+        ssl_context, server_hostname: TLS (None: plain TCP).
+
+    Attributes:
+        proto (ClientConnection | None): the connection to the primary, or None.
+        closed (bool): set by :meth:`close`; every later call fails.
+        server_info (dict): the primary's HELLO reply.
+        max_epoch (int): the highest fencing epoch seen; sent in every HELLO so
+            that a deposed primary that still runs learns it and steps down.
+        orphans (list[tuple[str, bytes]]): acquires given up on (name, owner
+            key), cancelled by owner on the next connection.
+
+    Raises:
+        InvalidArgument / WrongArgumentType: no address, or a bad one.
+    """
+
+    __slots__ = ("addresses", "proto", "closed", "server_info", "max_epoch", "orphans", "_auth", "_client_name",
+                 "_connect_timeout", "_request_timeout", "_ssl", "_server_hostname", "_connecting",
+                 "_connect_task", "_attempt", "_suspects", "_demoted", "_preferred")
+
+    def __init__(self, addresses: Iterable[Any], *, auth: str | None, client_name: str | None,
+                 connect_timeout: float, request_timeout: float | None, ssl_context: ssl.SSLContext | None,
+                 server_hostname: str | None):
+        self.addresses = [parse_address(a) for a in addresses]
+        if not self.addresses:
+            raise InvalidArgument("connect() needs at least one address")
+        self._auth = auth
+        self._client_name = client_name
+        self._connect_timeout = connect_timeout
+        self._request_timeout = request_timeout
+        self._ssl = ssl_context
+        self._server_hostname = server_hostname
+        self.proto: ClientConnection | None = None
+        self.closed = False
+        self.server_info: dict = {}
+        self.max_epoch = 0
+        self.orphans: list[tuple[str, bytes]] = []
+        self._connecting: asyncio.Future | None = None  # result of the connection attempt in progress
+        self._connect_task: asyncio.Task | None = None
+        self._attempt: dict = {}  # {"addr": the address the attempt in progress is trying}
+        self._suspects: set[Address] = set()  # addresses that went silent: tried last
+        self._demoted: set[Address] = set()  # answered deposed / fenced / Unavailable: tried last
+        self._preferred: Address | None = None  # named as the primary by a refusal: tried first
+
+    async def ensure_connected(self, deadline: float | None = None) -> ClientConnection:
+        """The connection to the primary, connecting first if needed (one
+        attempt shared by every caller).  ``deadline`` (``loop.time()``) bounds
+        this caller's wait for the attempt.
+
+        Raises:
+            ConnectionLost: no address accepted a connection as primary (in
+                one sweep, or before ``deadline``), or the connector is closed.
+            AuthError: the secret was refused.
+        """
+        proto = self.proto
+        if proto is not None and not proto.closed:
+            return proto
+        if self.closed:
+            raise ConnectionLost("client is closed")
+        fut = self._connecting
+        if fut is None or fut.done():
+            fut = self._connecting = asyncio.get_running_loop().create_future()
+            self._attempt = {}
+            self._connect_task = asyncio.ensure_future(self._connect_into(fut, self._attempt))
+        # shielded: one caller's cancellation must not abandon everyone's attempt
+        if deadline is None:
+            return await asyncio.shield(fut)
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise ConnectionLost("the deadline passed before a primary was found")
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), left)
+        except asyncio.TimeoutError:
+            raise ConnectionLost(f"no primary found within {left:.3f} s") from None
+
+    async def _connect_into(self, fut: asyncio.Future, attempt: dict) -> None:
+        """Run one connection attempt and hand its outcome to ``fut`` - unless
+        ``fut`` was settled meanwhile (:meth:`reset`, :meth:`close`), in which
+        case a connection it made is closed, not used."""
+        try:
+            proto, info = await self._connect(attempt)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiters
+            if not fut.done():
+                if isinstance(exc, asyncio.CancelledError):
+                    exc = ConnectionLost("client is closed" if self.closed else "connection attempt abandoned")
+                fut.set_exception(exc)
+                fut.add_done_callback(ignore_result)  # no waiter left is fine
+            if not isinstance(exc, Exception):
+                raise
+            return
+        finally:
+            if self._connecting is fut and fut.done():
+                self._connecting = None
+        if fut.done() or self.closed:  # abandoned while the handshake was in flight
+            proto.close(ConnectionLost("connection attempt abandoned"))
+            if self._connecting is fut:
+                self._connecting = None
+            return
+        self.server_info = info
+        self.max_epoch = max(self.max_epoch, info.get("epoch", 0))
+        self.proto = proto
+        self._suspects.discard(proto.address)
+        self._demoted.discard(proto.address)
+        self._preferred = None
+        if self.orphans:
+            orphans, self.orphans = self.orphans, []
+            for name, owner in orphans:
+                proto.send(P.OP_CANCEL, name, owner)
+        fut.set_result(proto)
+        if self._connecting is fut:
+            self._connecting = None
+
+    async def _connect(self, attempt: dict) -> tuple[ClientConnection, dict]:
+        """Sweep the addresses once (following redirects) until one is a
+        primary and accepts the handshake; ``attempt["addr"]`` says which one
+        is being tried.  Order: a primary named by the last refusal, then the
+        others, then addresses that went silent, then those that answered
+        deposed/fenced/``Unavailable`` (a fenced primary is used only when no
+        other address is a primary)."""
+        loop = asyncio.get_running_loop()
+        errors = []
+        later = self._suspects | self._demoted
+        candidates = [a for a in self.addresses if a not in later]
+        candidates += [a for a in self.addresses if a in self._suspects and a not in self._demoted]
+        candidates += [a for a in self.addresses if a in self._demoted]
+        if self._preferred is not None:
+            candidates.insert(0, self._preferred)
+        tried: set[Address] = set()
+
+        def redirect(primary: Any) -> None:
+            try:
+                target = parse_address(primary)
+            except FastlockError:
+                return
+            if target in later:
+                candidates.append(target)
+            else:
+                candidates.insert(0, target)
+
+        deferred: set[Address] = set()
+        while candidates:
+            addr = candidates.pop(0)
+            if addr in tried:
+                continue
+            tried.add(addr)
+            attempt["addr"] = addr
+            try:
+                _, proto = await asyncio.wait_for(
+                    loop.create_connection(lambda: ClientConnection(addr, self._on_connection_closed,
+                                                                    self._request_timeout),
+                                           addr[0], addr[1], **self._tls_arguments(addr)),
+                    self._connect_timeout,
+                )
+            except asyncio.TimeoutError:
+                self._suspects.add(addr)
+                errors.append(f"{addr[0]}:{addr[1]}: connect timed out after {self._connect_timeout} s")
+                continue
+            except (OSError, OverflowError) as exc:
+                hint = _REFUSED_CERT_HINT if self._ssl is not None and isinstance(exc, ConnectionResetError) else ""
+                errors.append(f"{addr[0]}:{addr[1]}: {exc or type(exc).__name__}{hint}")
+                continue
+            try:
+                info = await asyncio.wait_for(
+                    proto.request(P.OP_HELLO, P.PROTOCOL_VERSION, self._client_name, self._auth, self.max_epoch),
+                    self._connect_timeout,
+                )
+            except NotPrimary as exc:
+                proto.close()
+                errors.append(f"{addr[0]}:{addr[1]}: not primary (primary: {exc.primary})")
+                if exc.primary:
+                    redirect(exc.primary)
+                else:
+                    self._demoted.add(addr)
+                continue
+            except Unavailable as exc:
+                proto.close()
+                self._demoted.add(addr)
+                errors.append(f"{addr[0]}:{addr[1]}: unavailable: {exc}")
+                continue
+            except asyncio.TimeoutError:
+                proto.abort(ConnectionLost("handshake timed out"))
+                self._suspects.add(addr)
+                hint = _PLAIN_TO_TLS_HINT if self._ssl is None else ""
+                errors.append(f"{addr[0]}:{addr[1]}: no handshake reply within {self._connect_timeout} s{hint}")
+                continue
+            except ConnectionLost as exc:
+                proto.abort(exc)
+                hint = _REFUSED_CERT_HINT if self._ssl is not None else _PLAIN_TO_TLS_HINT
+                errors.append(f"{addr[0]}:{addr[1]}: handshake failed: {exc}{hint}")
+                continue
+            except BaseException:
+                proto.abort(ConnectionLost("handshake failed"))
+                raise
+            if not isinstance(info, dict):
+                proto.abort(ConnectionLost("bad handshake reply"))
+                errors.append(f"{addr[0]}:{addr[1]}: bad handshake reply {info!r}")
+                continue
+            self.max_epoch = max(self.max_epoch, info.get("epoch", 0) if type(info.get("epoch")) is int else 0)
+            if info.get("role") != "primary":
+                proto.close()
+                primary = info.get("primary")
+                errors.append(f"{addr[0]}:{addr[1]}: is a {info.get('role')} (primary: {primary})")
+                if primary:
+                    redirect(primary)
+                if info.get("role") != "standby":  # deposed, promoting: not a primary soon
+                    self._demoted.add(addr)
+                continue
+            if info.get("fenced") and addr not in deferred and any(c not in tried for c in candidates):
+                # a primary that is not granting (its standby may have taken over): try the
+                # other addresses first, and come back to it only if none is a primary
+                proto.close()
+                errors.append(f"{addr[0]}:{addr[1]}: primary is fenced (not granting)")
+                self._demoted.add(addr)
+                deferred.add(addr)
+                tried.discard(addr)
+                candidates.append(addr)
+                continue
+            log.debug("connected to %s:%d (session %s)", addr[0], addr[1], info.get("session"))
+            return proto, info
+        raise ConnectionLost("could not connect to a fastlock primary: " + "; ".join(errors))
+
+    def _tls_arguments(self, addr: Address) -> dict:
+        """``create_connection`` arguments for TLS to ``addr`` (none for plain TCP): the
+        certificate must name ``server_hostname``, or else the address's host."""
+        if self._ssl is None:
+            return {}
+        return {"ssl": self._ssl, "server_hostname": self._server_hostname or addr[0]}
+
+    def _on_connection_closed(self, proto: ClientConnection, error: ConnectionLost) -> None:
+        """Called once per connection when it ends: forget it (so the next
+        request reconnects), try a silent address last, end every watch on it."""
+        if self.proto is proto:
+            self.proto = None
+        if proto.silent:
+            self._suspects.add(proto.address)
+        for queues in proto.watches.values():
+            for queue in queues:
+                queue.put_nowait(None)  # end of this watch
+        proto.watches.clear()
+
+    def refused(self, proto: ClientConnection, exc: BaseException) -> None:
+        """A request on ``proto`` was refused with ``NotPrimary`` or
+        ``Unavailable``: that node cannot serve now.  Drop the connection (the
+        requests pending on it ride through elsewhere), try a primary it named
+        first, and the node itself last unless it named nobody."""
+        addr = proto.address
+        primary = getattr(exc, "primary", None)
+        target = None
+        if primary:
+            try:
+                target = parse_address(primary)
+            except FastlockError:
+                target = None
+        if target is not None and target != addr:
+            self._preferred = target
+        self._demoted.add(addr)
+        if not proto.closed:
+            log.info("%s:%d refused a request (%s: %s); looking for the primary", addr[0], addr[1],
+                     type(exc).__name__, quote(str(exc)))
+            proto.abort(ConnectionLost(f"{addr[0]}:{addr[1]} cannot serve: {exc}"))
+
+    def reset(self, reason: str) -> None:
+        """Give up on the current connection and on any connection attempt in
+        progress: their requests raise :class:`ConnectionLost` (``reason``), the
+        address concerned is tried last next time, and the next request
+        reconnects.  For callers with their own deadline that found the server
+        silent (a renewal that must not keep waiting on a frozen socket)."""
+        proto = self.proto
+        if proto is not None and not proto.closed:
+            self._suspects.add(proto.address)
+            log.warning("resetting the connection to %s:%d: %s", proto.address[0], proto.address[1], reason)
+            proto.abort(ConnectionLost(reason))
+        fut = self._connecting
+        if fut is not None and not fut.done():
+            addr = self._attempt.get("addr")
+            if addr is not None:
+                self._suspects.add(addr)
+                log.warning("abandoning the connection attempt to %s:%d: %s", addr[0], addr[1], reason)
+            fut.set_exception(ConnectionLost(reason))
+            fut.add_done_callback(ignore_result)
+            task = self._connect_task
+            if task is not None and not task.done():
+                task.cancel()
+        self._connecting = None
+
+    def reset_if_silent_since(self, started: float, reason: str) -> None:
+        """A request sent at ``started`` (``loop.time()``) timed out: :meth:`reset`
+        unless the server has sent something since - then it is alive, only
+        slow, and the connection (with everyone else's requests on it) is kept.
+        A connection attempt still in progress is reset too."""
+        proto = self.proto
+        if proto is not None and not proto.closed and proto.last_recv > started:
+            return
+        self.reset(reason)
+
+    def withdraw(self, proto: ClientConnection | None, name: str, owner: bytes, op: int = P.OP_CANCEL,
+                 *args: Any) -> None:
+        """Withdraw the acquire (``name``, ``owner``) without waiting: CANCEL
+        by owner (or ``op`` with ``args``, e.g. a RELEASE) on ``proto``.  If
+        that connection is, or turns out to be, dead before it answers, it is
+        cancelled by owner on the next connection (CANCEL releases a grant
+        that raced), so a grant is never left to run out its TTL."""
+        if proto is None or proto.closed:
+            self.orphans.append((name, owner))
+            return
+        fut = proto.request(op, name, *(args or (owner,)))
+
+        def done(f: asyncio.Future) -> None:
+            if f.cancelled():
+                return
+            if isinstance(f.exception(), ConnectionLost) and not self.closed:
+                current = self.proto
+                if current is not None and not current.closed and current is not proto:
+                    self.withdraw(current, name, owner)
+                else:
+                    self.orphans.append((name, owner))
+
+        fut.add_done_callback(done)
+
+    def close(self) -> None:
+        """Close the connection; every pending request and every later call
+        raises :class:`ConnectionLost` ("client is closed").  Idempotent."""
+        self.closed = True
+        closed = ConnectionLost("client is closed")
+        fut = self._connecting
+        self._connecting = None
+        if fut is not None and not fut.done():
+            fut.set_exception(closed)
+            fut.add_done_callback(ignore_result)
+        task = self._connect_task
+        if task is not None and not task.done():
+            task.cancel()
+        proto = self.proto
+        self.proto = None
+        if proto is not None and not proto.closed:
+            proto.close(closed)
+
+
+class RideThrough:
+    """The retry state of one operation: its deadline (``loop.time()``
+    seconds, None: none), the last error, and the pause (backoff with
+    jitter, :data:`BACKOFF_FIRST` doubling to ``max_backoff`` seconds) before
+    the next sweep of the address list."""
+
+    __slots__ = ("connector", "deadline", "last", "backoff", "max_backoff", "loop")
+
+    def __init__(self, connector: Connector, deadline: float | None, max_backoff: float = BACKOFF_MAX):
+        self.connector = connector
+        self.deadline = deadline
+        self.last: BaseException | None = None
+        self.backoff = min(BACKOFF_FIRST, max_backoff)
+        self.max_backoff = max_backoff
+        self.loop = asyncio.get_running_loop()
+
+    def failed(self, conn: ClientConnection | None, exc: BaseException) -> bool:
+        """Record a failed attempt on ``conn``; True if the next one should
+        pause first (a redirect that names the primary is followed at once)."""
+        self.last = exc
+        if isinstance(exc, (NotPrimary, Unavailable)) and conn is not None:
+            self.connector.refused(conn, exc)
+        return not (isinstance(exc, NotPrimary) and exc.primary)
+
+    def expired(self) -> ConnectionLost:
+        err = ConnectionLost(f"no fastlock primary could serve the request before its deadline "
+                             f"(last error: {self.last or 'none'})")
+        err.__cause__ = self.last
+        return err
+
+    def left(self) -> float | None:
+        """Seconds left before the deadline (None: no deadline)."""
+        return None if self.deadline is None else self.deadline - self.loop.time()
+
+    async def connection(self, pause: bool) -> ClientConnection:
+        """A connection to a primary for the next attempt (after a pause when
+        ``pause``); raises :class:`ConnectionLost` once the deadline passed."""
+        connector = self.connector
+        while True:
+            if connector.closed:
+                raise ConnectionLost("client is closed")
+            if pause:
+                delay = random.uniform(0.5, 1.0) * self.backoff
+                self.backoff = min(self.backoff * 2.0, self.max_backoff)
+                left = self.left()
+                if left is not None:
+                    delay = min(delay, left)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            left = self.left()
+            if left is not None and left <= 0:
+                raise self.expired()
+            try:
+                return await connector.ensure_connected(self.deadline)
+            except ConnectionLost as exc:
+                if connector.closed:
+                    raise
+                self.last = exc
+                pause = True
+
+    async def send(self, op: int, args: tuple, proto: ClientConnection | None = None,
+                   exc: BaseException | None = None, *, attempt_timeout: float | None = None) -> Any:
+        """Send ``op`` until a primary answers or the deadline passes.
+
+        ``proto``/``exc``: a first attempt already failed there with that
+        error.  ``attempt_timeout`` (seconds) bounds each attempt (a silent
+        connection is then reset); None leaves that to the liveness watchdog.
+        A RELEASE refused as ``LeaseLost`` after an attempt whose outcome is
+        unknown (the connection died with it in flight) counts as done: the
+        lease is gone either way.
+
+        Raises:
+            ConnectionLost: the deadline passed with no primary able to serve.
+            any other error the server replied with.
+        """
+        loop = self.loop
+        connector = self.connector
+        unknown = False  # an attempt may have taken effect, its reply lost
+        pause = False
+        if exc is not None:
+            unknown = isinstance(exc, ConnectionLost)
+            pause = self.failed(proto, exc)
+        while True:
+            proto = await self.connection(pause)
+            sent = loop.time()
+            try:
+                fut = proto.request(op, *args)
+                if attempt_timeout is None:
+                    return await fut
+                left = self.left()
+                bound = attempt_timeout if left is None else max(0.001, min(attempt_timeout, left))
+                return await asyncio.wait_for(fut, bound)
+            except LeaseLost:
+                if op == P.OP_RELEASE and unknown:
+                    log.info("release of %r: an earlier attempt's outcome is unknown and the lease is gone "
+                             "now; taking it as released", args[0])
+                    return None
+                raise
+            except asyncio.TimeoutError:
+                unknown = True
+                self.last = ConnectionLost(f"no reply within {attempt_timeout:.3f} s")
+                connector.reset_if_silent_since(sent, f"{P.OP_NAMES.get(op, op)} got no reply in time")
+                pause = True
+            except RETRYABLE as err:
+                if connector.closed:
+                    raise
+                unknown = unknown or isinstance(err, ConnectionLost)
+                pause = self.failed(proto, err)
+
+
+def resolve_credential(*, token: str | None = None, token_file: str | os.PathLike | None = None,
+                       auth: str | None = None) -> str | None:
+    """The credential a client presents in its HELLO: ``token``, else the token read from
+    ``token_file``, else (when no legacy ``auth`` secret is given either) the token file
+    named by the environment variable ``FASTLOCK_TOKEN_FILE``, else ``auth``.
+
+    Raises InvalidArgument (empty or over-long token, both token and token_file) or
+    CredentialsError (a token file that cannot be read or is empty).
+    """
+    from ..auth import read_token_file
+
+    if token is not None and token_file is not None:
+        raise InvalidArgument("give token or token_file, not both")
+    if token is None:
+        path = token_file
+        if path is None and auth is None:
+            path = os.environ.get("FASTLOCK_TOKEN_FILE") or None
+        if path is not None:
+            token = read_token_file(path)
+    if token is not None:
+        if type(token) is not str or not token or len(token) > 1024:
+            raise InvalidArgument("a token is a non-empty str of at most 1024 characters")
+        return token
+    if auth is not None and (type(auth) is not str or not auth):
+        raise InvalidArgument("the auth secret must be a non-empty str")
+    return P.check_optional_str(auth, "auth secret", 1024)

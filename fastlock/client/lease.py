@@ -1,0 +1,311 @@
+"""Lease types: :class:`Lease` (immutable), its shared mutable :class:`LeaseState`,
+:class:`LeaseHealth` (safe / in jeopardy / lost) and :class:`WatchEvent`.
+
+A :class:`Lease` never changes once made: :meth:`Client.extend
+<fastlock.client.Client.extend>` returns a new one when the TTL changes.  What
+does change while a lease is held - the client's estimate of when the server
+will expire it, whether it is lost, its health - lives in one
+:class:`LeaseState` that every copy of the lease shares, so a renewal done by
+the background :class:`~fastlock.client.renewer.Renewer` is seen through the
+``Lease`` object the caller holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..errors import InvalidArgument, WrongArgumentType
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SAFE", "IN_JEOPARDY", "LOST", "Lease", "LeaseState", "LeaseHealth", "WatchEvent", "check_fraction",
+           "check_lease"]
+
+SAFE = "safe"
+IN_JEOPARDY = "in_jeopardy"
+LOST = "lost"
+
+
+def check_fraction(value: Any) -> float:
+    """A jeopardy fraction: a number in the open interval (0, 1).
+
+    Raises:
+        WrongArgumentType: not a number.
+        InvalidArgument: outside (0, 1) (or NaN).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise WrongArgumentType(f"jeopardy_fraction must be a number, not {type(value).__name__}")
+    if not 0.0 < value < 1.0:
+        raise InvalidArgument(f"jeopardy_fraction must be in (0, 1), got {value!r}")
+    return float(value)
+
+
+class _LostEvent(asyncio.Event):
+    """A lease's ``lost`` event: an ``asyncio.Event`` that also tells the
+    lease's :class:`LeaseHealth` (if one exists) when it is set, so health
+    listeners hear of a loss however it was found."""
+
+    #: the lease's health, once someone asked for it (a class default: no
+    #: ``__init__`` of its own, as one is made per grant)
+    health: "LeaseHealth | None" = None
+
+    def set(self) -> None:
+        if not self.is_set():
+            super().set()
+            health = self.health
+            if health is not None:
+                health._on_lost()
+
+
+class LeaseHealth:
+    """The health of a held lease: ``"safe"``, ``"in_jeopardy"`` or ``"lost"``.
+
+    After Chubby's session events (jeopardy / safe / expired) and the DynamoDB
+    lock client's "danger zone": a lease goes **in jeopardy** when no renewal
+    has succeeded and less than ``jeopardy_fraction`` of its TTL is left before
+    the client's conservative expiry estimate; it is **safe** again as soon as a
+    renewal succeeds; it is **lost** when ``lease.lost`` is set (a renewal was
+    refused, or the TTL passed without one).  Jeopardy is a warning (finish or
+    checkpoint the current write, stop starting new ones); lost is final.
+
+    States are computed by the :class:`~fastlock.client.renewer.Renewer` of
+    :meth:`Client.lock <fastlock.client.Client.lock>`, :meth:`Client.lock_many
+    <fastlock.client.Client.lock_many>` and election terms; a lease renewed by
+    hand stays ``"safe"`` until it is lost.  Shared by every copy of a lease
+    (it belongs to the lease's :class:`LeaseState`).
+
+    Attributes:
+        state (str): the current state.
+        safe (asyncio.Event): set while the state is ``"safe"``.
+        jeopardy (asyncio.Event): set while the state is ``"in_jeopardy"``.
+        lost (asyncio.Event): the lease's ``lost`` event (set once, for good).
+        jeopardy_fraction (float): in (0, 1); default 0.5.
+
+    Listeners (:meth:`add_listener`) are called with the new state, on the
+    event loop's thread, at every transition.
+    """
+
+    __slots__ = ("lost", "safe", "jeopardy", "jeopardy_fraction", "_state", "_listeners", "_timer")
+
+    def __init__(self, lost: asyncio.Event, jeopardy_fraction: float = 0.5):
+        self.lost = lost
+        self.safe = asyncio.Event()
+        self.jeopardy = asyncio.Event()
+        self.jeopardy_fraction = check_fraction(jeopardy_fraction)
+        self._listeners: list[Callable[[str], Any]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        if lost.is_set():
+            self._state = LOST
+        else:
+            self._state = SAFE
+            self.safe.set()
+        if isinstance(lost, _LostEvent) and lost.health is None:
+            lost.health = self
+
+    @property
+    def state(self) -> str:
+        """The current state.  Only reads: safe to call from any thread (a
+        plain ``asyncio.Event`` set by hand reads as ``"lost"`` at once; its
+        listeners hear of it at the next transition the loop drives)."""
+        if self.lost.is_set():
+            return LOST
+        return self._state
+
+    def add_listener(self, callback: Callable[[str], Any]) -> Callable[[], None]:
+        """Call ``callback(state)`` at each transition; returns a function that
+        removes it.  Exceptions from callbacks are logged, not raised."""
+        self._listeners.append(callback)
+
+        def remove() -> None:
+            try:
+                self._listeners.remove(callback)
+            except ValueError:
+                pass
+
+        return remove
+
+    def when_lost(self, callback: Callable[[], Any]) -> None:
+        """Call ``callback()`` once, when the lease is lost (at once if it is
+        already).  Used to mirror the loss into another event (a multi-lease's
+        ``lost``, a ``threading.Event`` of the blocking client)."""
+        if self.lost.is_set():
+            callback()
+            return
+
+        def on_change(state: str) -> None:
+            if state == LOST:
+                callback()
+
+        self.add_listener(on_change)
+
+    def renewed(self, deadline: float, window: float) -> None:
+        """A renewal succeeded (or the lease was just granted): the state is
+        ``"safe"`` and turns ``"in_jeopardy"`` at ``deadline - jeopardy_fraction
+        * window`` unless renewed again.  ``deadline``: the ``loop.time()`` by
+        which the next renewal must succeed; ``window``: the full span in
+        seconds (the TTL, or an election's renew deadline).  Called by the
+        :class:`~fastlock.client.renewer.Renewer`, on the loop's thread."""
+        if self._state == LOST:
+            return
+        self._transition(SAFE)
+        self.stop_timer()
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_at(deadline - self.jeopardy_fraction * window, self._transition, IN_JEOPARDY)
+
+    def stop_timer(self) -> None:
+        """Stop watching for jeopardy (renewal ended); the state stays as it is."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _transition(self, state: str) -> None:
+        if state == self._state or self._state == LOST:
+            return
+        self._state = state
+        if state == SAFE:
+            self.jeopardy.clear()
+            self.safe.set()
+        else:
+            self.safe.clear()
+            if state == IN_JEOPARDY:
+                self.jeopardy.set()
+        for callback in list(self._listeners):
+            try:
+                callback(state)
+            except Exception:  # a listener must not break renewal
+                log.exception("lease health listener %r failed", callback)
+
+    def _on_lost(self) -> None:
+        self.stop_timer()
+        self._transition(LOST)
+
+    def __repr__(self) -> str:
+        return f"<LeaseHealth {self.state}>"
+
+
+class LeaseState:
+    """The mutable part of a lease, shared by every :class:`Lease` copy of it.
+
+    Attributes:
+        lost (asyncio.Event): set when the client learns, or must assume, that
+            the lease is no longer held.  Set once, for good.
+        expires_at (float): the client's conservative estimate, in
+            ``loop.time()`` seconds, of when the server will expire the lease;
+            moved forward by every successful renewal.
+        health (LeaseHealth): made on first use.
+
+    Written only on the event loop's thread (by the client and its renewer).
+    """
+
+    __slots__ = ("lost", "expires_at", "_health")
+
+    def __init__(self, expires_at: float = 0.0, lost: asyncio.Event | None = None):
+        self.lost: asyncio.Event = _LostEvent() if lost is None else lost
+        self.expires_at = expires_at
+        self._health: LeaseHealth | None = None
+
+    @property
+    def health(self) -> LeaseHealth:
+        health = self._health
+        if health is None:
+            lost = self.lost
+            health = lost.health if isinstance(lost, _LostEvent) and lost.health is not None else LeaseHealth(lost)
+            self._health = health
+        return health
+
+    def __repr__(self) -> str:
+        return f"<LeaseState expires_at={self.expires_at:.3f}{' lost' if self.lost.is_set() else ''}>"
+
+
+@dataclass(frozen=True, eq=False)
+class Lease:
+    """A granted lock.  Immutable: :meth:`Client.extend
+    <fastlock.client.Client.extend>` returns a new one (same token, owner and
+    :class:`LeaseState`) when the TTL changes.
+
+    Attributes:
+        name (str): the lock's name.
+        fencing_token (int): strictly increasing per grant across restarts and
+            failovers; pass it to every write the lock protects.
+        ttl (float): the lease's time to live in seconds, counted on the
+            server's monotonic clock from the grant (or the extend that made
+            this copy).
+        owner (bytes): the secret key that proves ownership to the server.
+        state (LeaseState): the part that changes while the lease is held,
+            shared by every copy: ``lost``, ``expires_at``, ``health``.
+        lost (asyncio.Event): ``state.lost``.
+        expires_at (float): ``state.expires_at`` (``loop.time()`` seconds).
+    """
+
+    name: str
+    fencing_token: int
+    ttl: float
+    owner: bytes = field(repr=False)
+    state: LeaseState = field(default_factory=LeaseState, repr=False, compare=False)
+
+    @property
+    def lost(self) -> asyncio.Event:
+        """Set when the lease is lost (see :class:`LeaseState`)."""
+        return self.state.lost
+
+    @property
+    def expires_at(self) -> float:
+        """The client's conservative estimate of the server's expiry (``loop.time()`` seconds)."""
+        return self.state.expires_at
+
+    @property
+    def epoch(self) -> int:
+        """The fencing epoch (the token's high bits; raised by each promotion)."""
+        return self.fencing_token >> 40
+
+    @property
+    def health(self) -> LeaseHealth:
+        """The lease's :class:`LeaseHealth` (shared by every copy)."""
+        return self.state.health
+
+    @property
+    def in_jeopardy(self) -> bool:
+        """True while renewals are failing and little of the TTL is left (see :class:`LeaseHealth`)."""
+        return self.health.state == IN_JEOPARDY
+
+    def time_left(self) -> float:
+        """Seconds until the client's conservative estimate of the server's
+        expiry (``expires_at - loop.time()``; negative once passed).  Unlike
+        ``lost``, this needs no task to have run: a process that was frozen
+        sees at once, on its own clock, that its lease may be gone."""
+        return self.state.expires_at - asyncio.get_running_loop().time()
+
+    def with_ttl(self, ttl: float) -> "Lease":
+        """A copy with TTL ``ttl`` seconds, sharing this lease's state."""
+        return Lease(self.name, self.fencing_token, ttl, self.owner, self.state)
+
+
+def check_lease(lease: Any) -> None:
+    """Raise :class:`WrongArgumentType` unless ``lease`` is a :class:`Lease`."""
+    if not isinstance(lease, Lease):
+        raise WrongArgumentType(f"expected a fastlock Lease, not {type(lease).__name__}")
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """A change of a lock's holder, pushed by the server (see :meth:`Client.watch
+    <fastlock.client.Client.watch>`).
+
+    ``kind`` is ``"granted"``, ``"released"``, ``"expired"``, or, for the
+    first event of a watch, ``"held"``/``"free"`` (the state when it began).
+    ``token`` is the fencing token concerned (None for ``"free"``);
+    ``client`` the holder's client name, if it gave one (self-declared: not
+    verified); ``correlation_id`` the acquire's correlation id, if the server
+    reports it (None otherwise); ``principal`` the authenticated principal
+    that acquired the lease (None if the server does not report it).
+    """
+
+    name: str
+    kind: str
+    token: int | None
+    client: str | None
+    correlation_id: str | None = None
+    principal: str | None = None

@@ -1,0 +1,199 @@
+"""Several locks at once, all or none: :class:`MultiLease`, :class:`LockManyContext`
+and the ordered acquisition behind :meth:`Client.acquire_many
+<fastlock.client.Client.acquire_many>` / :meth:`Client.lock_many
+<fastlock.client.Client.lock_many>`.
+
+The locks are taken one after the other in one global order - sorted by the
+UTF-8 bytes of their names - so no set of multi-locks can wait on each other
+in a cycle (ordered two-phase locking).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any, Iterable
+
+from .. import protocol as P
+from ..errors import FastlockError, InvalidArgument, LeaseLost, WrongArgumentType
+from ..logsafe import quote
+from .lease import Lease
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .client import Client
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MultiLease", "LockManyContext", "SortedNames", "sorted_names", "acquire_many", "release_many"]
+
+
+class SortedNames(tuple):
+    """Names already checked, deduplicated and put in the global lock order."""
+
+
+def sorted_names(names: Iterable[str]) -> SortedNames:
+    """Check ``names`` and sort them by their UTF-8 bytes (the global lock order).
+
+    Raises:
+        WrongArgumentType: a single string, or not an iterable of names.
+        InvalidArgument: no name, a bad name, or a name listed twice.
+    """
+    if isinstance(names, SortedNames):
+        return names
+    if isinstance(names, (str, bytes)):
+        raise WrongArgumentType("names must be an iterable of lock names, not a single string")
+    try:
+        checked = [P.check_name(n) for n in names]
+    except TypeError:
+        raise WrongArgumentType(f"names must be an iterable of lock names, not {type(names).__name__}") from None
+    if not checked:
+        raise InvalidArgument("at least one lock name is needed")
+    keyed = sorted((n.encode("utf-8"), n) for n in checked)
+    for (a, name), (b, _) in zip(keyed, keyed[1:]):
+        if a == b:
+            raise InvalidArgument(f"lock name {name!r} is listed twice (locks are not re-entrant)")
+    return SortedNames(n for _, n in keyed)
+
+
+class MultiLease:
+    """The leases of :meth:`Client.acquire_many` / :meth:`Client.lock_many`.
+
+    Attributes:
+        leases (tuple[Lease, ...]): in acquisition order (UTF-8 byte order of
+            the names).
+        lost (asyncio.Event): set as soon as any one of the leases is lost.
+
+    ``multi["orders/42"]`` is that name's :class:`Lease`;
+    ``multi.fencing_tokens`` maps each name to its token.
+    """
+
+    __slots__ = ("leases", "lost", "_by_name", "__weakref__")
+
+    def __init__(self, leases: tuple[Lease, ...], lost: asyncio.Event | None = None):
+        self.leases = leases
+        self.lost = lost if lost is not None else asyncio.Event()
+        self._by_name = {lease.name: lease for lease in leases}
+        for lease in leases:
+            lease.health.when_lost(self.lost.set)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(lease.name for lease in self.leases)
+
+    @property
+    def fencing_tokens(self) -> dict[str, int]:
+        return {lease.name: lease.fencing_token for lease in self.leases}
+
+    def lost_names(self) -> list[str]:
+        """The names whose lease is lost."""
+        return [lease.name for lease in self.leases if lease.lost.is_set()]
+
+    def __getitem__(self, name: str) -> Lease:
+        return self._by_name[name]
+
+    def __iter__(self):
+        return iter(self.leases)
+
+    def __len__(self) -> int:
+        return len(self.leases)
+
+    def __repr__(self) -> str:
+        return f"<MultiLease {self.fencing_tokens}{' lost' if self.lost.is_set() else ''}>"
+
+
+async def acquire_many(client: "Client", names: Iterable[str], kwargs: dict, wait: float | None,
+                       renew_fraction: float | None) -> MultiLease:
+    """Acquire every name in the global order under one deadline of ``wait``
+    seconds (None: none), each with ``client.acquire(**kwargs)``; renew each
+    from its grant when ``renew_fraction`` (the jeopardy fraction) is given.
+    On any failure the locks taken so far are released (cancellation: released
+    without waiting).  See :meth:`Client.acquire_many`."""
+    ordered = sorted_names(names)
+    # Validate everything before the first request goes out.
+    P.check_ttl_ms(P.seconds_to_ms(kwargs["ttl"], "ttl"))
+    P.seconds_to_ms(wait, "wait", allow_none=True, allow_zero=True)
+    P.check_lock_delay_ms(P.seconds_to_ms(kwargs["lock_delay"], "lock_delay", allow_zero=True))
+    P.check_optional_str(kwargs["correlation_id"], "correlation_id", P.MAX_CORRELATION_ID_CHARS)
+    loop = asyncio.get_running_loop()
+    deadline = None if wait is None else loop.time() + wait
+    leases: list[Lease] = []
+    try:
+        for name in ordered:
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            lease = await client.acquire(name, wait=left, **kwargs)
+            leases.append(lease)
+            if renew_fraction is not None:
+                client.start_renewing(lease, renew_fraction)
+        multi = MultiLease(tuple(leases))
+        if multi.lost.is_set():
+            raise LeaseLost(f"a lease was lost while acquiring the others: {multi.lost_names()}")
+        return multi
+    except asyncio.CancelledError:
+        for lease in leases:
+            client.release_nowait(lease)
+        raise
+    except BaseException:
+        if leases:
+            await asyncio.gather(*(_release_quietly(client, lease) for lease in leases))
+        raise
+
+
+async def _release_quietly(client: "Client", lease: Lease) -> None:
+    try:
+        await client.release(lease)
+    except FastlockError:
+        pass
+    except asyncio.CancelledError:
+        client.release_nowait(lease)
+        raise
+
+
+async def release_many(client: "Client", multi: MultiLease) -> None:
+    """Release every lease of ``multi`` (all of them, even if one fails); see
+    :meth:`Client.release_many`."""
+    if not isinstance(multi, MultiLease):
+        raise WrongArgumentType(f"expected a fastlock MultiLease, not {type(multi).__name__}")
+    results = await asyncio.gather(*(client.release(lease) for lease in reversed(multi.leases)),
+                                   return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    for err in errors:
+        if not isinstance(err, LeaseLost):
+            raise err
+    if errors:
+        multi.lost.set()
+        raise errors[0]
+
+
+class LockManyContext:
+    """Returned by :meth:`Client.lock_many`: awaitable and an async context manager."""
+
+    __slots__ = ("_client", "_names", "_kwargs", "_wait", "_fraction", "_multi")
+
+    def __init__(self, client: "Client", names: SortedNames, kwargs: dict, wait: float | None, fraction: float):
+        self._client = client
+        self._names = names
+        self._kwargs = kwargs
+        self._wait = wait
+        self._fraction = fraction
+        self._multi: MultiLease | None = None
+
+    def _acquire(self) -> Any:
+        return acquire_many(self._client, self._names, self._kwargs, self._wait, self._fraction)
+
+    def __await__(self):
+        return self._acquire().__await__()
+
+    async def __aenter__(self) -> MultiLease:
+        self._multi = await self._acquire()
+        return self._multi
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        multi, self._multi = self._multi, None
+        if multi is None:
+            return
+        try:
+            await release_many(self._client, multi)
+        except FastlockError as err:
+            if not multi.lost.is_set():
+                log.warning("could not release all of %s: %s", [quote(n) for n in multi.names], err)
+            multi.lost.set()

@@ -1,0 +1,584 @@
+"""A blocking client for threaded code (Django views, Celery tasks, scripts).
+
+:class:`SyncClient` runs the asyncio :class:`~fastlock.client.Client` on an
+event loop in a background daemon thread and hands every call to it with
+``asyncio.run_coroutine_threadsafe``; callers block on the result.  One
+``SyncClient`` is safe to share between any number of threads: their
+requests are pipelined on its one connection, and each thread waits only for
+its own replies.  Leases are renewed by that background loop, so a thread
+holding a lock can block in ``time.sleep`` or in I/O without losing it::
+
+    from fastlock.sync import SyncClient
+
+    with SyncClient("127.0.0.1:7420", client_name="billing-worker") as client:
+        with client.lock("invoices/2024-06", ttl=10.0, wait=30.0) as lease:
+            write_invoices(fencing_token=lease.fencing_token)
+            if lease.lost.is_set():
+                ...  # stop acting as the holder
+
+The operations, arguments (float seconds) and errors are those of the asyncio
+client.  Interrupting a blocked call (``KeyboardInterrupt`` in the main
+thread) cancels the request on the server the same way cancelling an asyncio
+task does: a waiting acquire is removed and a grant that raced is released.
+
+**Fork safety**: a ``SyncClient`` made before ``fork()`` (Celery's prefork
+pool, gunicorn ``--preload``, ``multiprocessing``'s ``fork`` start method)
+opens its own loop and connection in the child at the child's first call,
+and serves the call under its usual deadline - never a hang.  Leases do not
+cross ``fork()``: one the child inherited is its parent's, and releasing,
+extending or resigning it there raises :class:`~fastlock.errors.LeaseLost`
+without sending anything.  See :mod:`fastlock.client.forks`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import queue
+import ssl
+import threading
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+from ..errors import ConnectionLost, FastlockError, LeaseLost, WrongArgumentType
+from .client import Client
+from .election import Election, Leader, Term
+from .forks import check_held_here, fork_lock, keep_inherited
+from .lease import Lease, WatchEvent
+from .multilock import MultiLease
+
+log = logging.getLogger(__name__)
+
+class SyncLease:
+    """A held lock, for threads.  Wraps the asyncio :class:`~fastlock.client.Lease`.
+
+    Attributes:
+        name (str), fencing_token (int), ttl (float, seconds), epoch (int):
+            as on :class:`~fastlock.client.Lease`.
+        lost (threading.Event): set when the lease is lost (renewal refused,
+            TTL passed without a renewal, release found it gone).  Wait on it
+            from any thread.
+    """
+
+    __slots__ = ("lease", "lost", "pid")
+
+    def __init__(self, lease: Lease):
+        # built on the loop thread, so the listener is registered there
+        self.lease = lease
+        self.lost = threading.Event()
+        self.pid = os.getpid()  # the process that holds it (see "Fork safety" in the module docstring)
+        lease.health.when_lost(self.lost.set)
+
+    @property
+    def name(self) -> str:
+        return self.lease.name
+
+    @property
+    def fencing_token(self) -> int:
+        return self.lease.fencing_token
+
+    @property
+    def ttl(self) -> float:
+        return self.lease.ttl
+
+    @property
+    def epoch(self) -> int:
+        return self.lease.epoch
+
+    @property
+    def health_state(self) -> str:
+        """``"safe"``, ``"in_jeopardy"`` or ``"lost"`` (see :class:`~fastlock.client.LeaseHealth`)."""
+        return "lost" if self.lost.is_set() else self.lease.health.state
+
+    @property
+    def in_jeopardy(self) -> bool:
+        return self.health_state == "in_jeopardy"
+
+    def time_left(self) -> float:
+        """Seconds until the client's conservative expiry estimate (negative once passed)."""
+        return self.lease.expires_at - time.monotonic()
+
+    def __repr__(self) -> str:
+        return f"<SyncLease {self.name!r} token {self.fencing_token} {self.health_state}>"
+
+
+class SyncMultiLease:
+    """The leases of :meth:`SyncClient.acquire_many` / :meth:`SyncClient.lock_many`.
+
+    ``multi[name]`` is that name's :class:`SyncLease`; ``multi.lost``
+    (threading.Event) is set as soon as any of them is lost.
+    """
+
+    __slots__ = ("multi", "leases", "lost", "pid", "_by_name")
+
+    def __init__(self, multi: MultiLease):
+        self.multi = multi
+        self.pid = os.getpid()
+        self.leases = tuple(SyncLease(lease) for lease in multi.leases)
+        self._by_name = {s.name: s for s in self.leases}
+        self.lost = threading.Event()
+        for s in self.leases:
+            s.lease.health.when_lost(self.lost.set)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.multi.names
+
+    @property
+    def fencing_tokens(self) -> dict[str, int]:
+        return self.multi.fencing_tokens
+
+    def __getitem__(self, name: str) -> SyncLease:
+        return self._by_name[name]
+
+    def __iter__(self):
+        return iter(self.leases)
+
+    def __len__(self) -> int:
+        return len(self.leases)
+
+
+class SyncClient:
+    """A blocking fastlock client, safe to share between threads.
+
+    Args:
+        *addresses: ``"host:port"`` strings or ``(host, port)`` tuples (as
+            :func:`fastlock.connect`; default ``127.0.0.1:7420``).
+        auth, token, token_file, client_name, connect_timeout: as :func:`fastlock.connect`.
+        tls, tls_ca, tls_cert, tls_key, server_hostname: TLS, as :func:`fastlock.connect`.
+        request_timeout: seconds of server silence, while any call is
+            outstanding, after which the connection is dropped and the calls
+            raise ``ConnectionLost`` (the next call reconnects); ``None``
+            disables it.  As :func:`fastlock.connect`.
+
+    :meth:`close` wakes every thread blocked in a call (it raises
+    ``ConnectionLost``); calls after it raise ``ConnectionLost`` at once.
+
+    Connects at once.  The background loop is the stdlib selector loop (its
+    ``loop.time()`` is ``time.monotonic()``, so threads can compare deadlines).
+
+    Raises:
+        ConnectionLost: no address accepted a connection as primary.
+        AuthError: the token or secret was refused.
+    """
+
+    def __init__(self, *addresses: Any, auth: str | None = None, client_name: str | None = None,
+                 connect_timeout: float = 5.0, request_timeout: float | None = 5.0, token: str | None = None,
+                 token_file: Any = None,
+                 tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, server_hostname: str | None = None):
+        if not addresses:
+            addresses = ("127.0.0.1:7420",)
+        self._closed = False
+        self._make_client = lambda: Client(
+            addresses, auth=auth, client_name=client_name, connect_timeout=connect_timeout,
+            request_timeout=request_timeout, token=token, token_file=token_file, tls=tls, tls_ca=tls_ca,
+            tls_cert=tls_cert, tls_key=tls_key, server_hostname=server_hostname)
+        self._open()
+        try:
+            self._call(self._async_client.ensure_connected())
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
+        """Make the loop, its thread and the asyncio client (in this process)."""
+        self._pid = os.getpid()
+        # The stdlib loop, whatever the policy: its loop.time() is
+        # time.monotonic(), which other threads compare deadlines against.
+        self._loop = asyncio.SelectorEventLoop()
+        self._thread = threading.Thread(target=self._run_loop, name="fastlock-sync", daemon=True)
+        self._close_lock = threading.Lock()  # guards _closed and _inflight
+        self._inflight: set[concurrent.futures.Future] = set()  # calls submitted and not finished
+        self._watch_queues: set[queue.Queue] = set()  # of the watch() generators being iterated
+        try:
+            self._async_client = self._make_client()
+        except BaseException:  # bad arguments: no thread started
+            self._closed = True
+            self._loop.close()
+            raise
+        self._thread.start()
+
+    def _check_process(self) -> None:
+        """In a process forked since this client was opened, open it anew
+        (see "Fork safety" in the module docstring)."""
+        if self._pid == os.getpid():
+            return
+        with fork_lock():
+            if self._pid == os.getpid():
+                return
+            parent = self._pid
+            keep_inherited(self._loop, self._thread, self._async_client, self._close_lock, self._inflight)
+            if self._closed:  # closed in the parent: stays closed, nothing to open
+                self._pid = os.getpid()
+                self._close_lock = threading.Lock()
+                self._inflight = set()
+                self._watch_queues = set()
+                return
+            log.info("SyncClient: running in process %d, a fork of %d: opening a new connection (the "
+                     "parent's leases stay the parent's)", os.getpid(), parent)
+            self._open()
+
+    @property
+    def _client(self) -> Client:
+        """The asyncio client of this process (opened anew after a fork)."""
+        self._check_process()
+        return self._async_client
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    def _submit(self, coro) -> concurrent.futures.Future:
+        """Schedule ``coro`` on the client's loop; raise ConnectionLost once closed."""
+        self._check_process()
+        with self._close_lock:
+            if self._closed:
+                coro.close()
+                raise ConnectionLost("client is closed")
+            fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._inflight.add(fut)
+        fut.add_done_callback(self._forget)
+        return fut
+
+    def _forget(self, fut: concurrent.futures.Future) -> None:
+        with self._close_lock:
+            self._inflight.discard(fut)
+
+    def _call(self, coro) -> Any:
+        """Run ``coro`` on the client's loop and block for its result."""
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("a SyncClient cannot be called from its own event loop thread (callbacks)")
+        fut = self._submit(coro)
+        try:
+            return fut.result()
+        except concurrent.futures.CancelledError:
+            if self._closed:  # cancelled by close()
+                raise ConnectionLost("client is closed") from None
+            raise
+        except BaseException:
+            fut.cancel()  # e.g. KeyboardInterrupt: the task is cancelled, its request withdrawn
+            raise
+
+    @property
+    def client(self) -> Client:
+        """The underlying asyncio client (use it only on :attr:`loop`)."""
+        return self._client
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        self._check_process()
+        return self._loop
+
+    # -- lifecycle -----------------------------------------------------------------
+    def close(self) -> None:
+        """Stop renewals, close the connection and stop the background thread.
+
+        Every thread blocked in a call (an acquire waiting in a queue, a
+        watch) raises ``ConnectionLost`` ("client is closed"); later calls raise
+        it at once.  Idempotent.  Held leases stay held on the server until
+        their TTL.  Blocks for at most about 15 s (only a wedged loop takes that long).
+        """
+        self._check_process()
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            inflight = list(self._inflight)
+        closed = ConnectionLost("client is closed")
+        if self._thread.is_alive():
+            try:
+                # fails every pending request on the connection at once
+                asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result(10)
+            except Exception:  # closing anyway
+                pass
+            # Let the calls' tasks run to deliver those errors before the loop
+            # stops; cancel any that still wait for something else (a sleep
+            # between retries).
+            _, not_done = concurrent.futures.wait(inflight, timeout=2)
+            for fut in not_done:
+                fut.cancel()
+            concurrent.futures.wait(not_done, timeout=2)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+        if not self._thread.is_alive():
+            self._loop.close()
+        for fut in inflight:  # belt and braces: nobody stays blocked on a stopped loop
+            if not fut.done():
+                try:
+                    fut.set_exception(closed)
+                except concurrent.futures.InvalidStateError:
+                    pass
+        for events in list(self._watch_queues):
+            events.put(closed)
+
+    def __enter__(self) -> "SyncClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- operations ------------------------------------------------------------------
+    def acquire(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
+                correlation_id: str | None = None) -> SyncLease:
+        """As :meth:`Client.acquire <fastlock.client.Client.acquire>` (not renewed)."""
+        async def run() -> SyncLease:
+            return SyncLease(await self._client.acquire(name, ttl=ttl, wait=wait, lock_delay=lock_delay,
+                                                        correlation_id=correlation_id))
+        return self._call(run())
+
+    def release(self, lease: SyncLease) -> None:
+        """As :meth:`Client.release <fastlock.client.Client.release>`.
+
+        Raises:
+            LeaseLost: the lease was no longer held; ``lease.lost`` is set.
+        """
+        _check(lease, SyncLease)
+        check_held_here(lease, "lease")
+        self._call(self._client.release(lease.lease))
+
+    def extend(self, lease: SyncLease, *, ttl: float | None = None) -> SyncLease:
+        """As :meth:`Client.extend <fastlock.client.Client.extend>`; returns ``lease`` (its ttl updated)."""
+        _check(lease, SyncLease)
+        check_held_here(lease, "lease")
+
+        async def run() -> SyncLease:
+            lease.lease = await self._client.extend(lease.lease, ttl=ttl)
+            return lease
+        return self._call(run())
+
+    def check(self, name: str, fencing_token: int) -> bool:
+        return self._call(self._client.check(name, fencing_token))
+
+    def holder(self, name: str) -> dict | None:
+        return self._call(self._client.holder(name))
+
+    def status(self) -> dict:
+        return self._call(self._client.status())
+
+    def ping(self) -> float:
+        return self._call(self._client.ping())
+
+    def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
+             correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> "SyncLockContext":
+        """``with client.lock(name, ttl=10.0) as lease:`` - acquire, renew in
+        the background (about every ttl/3, with jitter), release on exit.
+
+        ``lease = client.lock(...).acquire()`` holds and renews until
+        :meth:`release`.  Arguments and errors are those of
+        :meth:`Client.lock <fastlock.client.Client.lock>`.
+        """
+        return SyncLockContext(self, lambda client: client.lock(
+            name, ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
+            jeopardy_fraction=jeopardy_fraction))
+
+    def acquire_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
+                     correlation_id: str | None = None) -> SyncMultiLease:
+        """As :meth:`Client.acquire_many <fastlock.client.Client.acquire_many>` (all or none, not renewed)."""
+        names = list(names)
+
+        async def run() -> SyncMultiLease:
+            return SyncMultiLease(await self._client.acquire_many(names, ttl=ttl, wait=wait, lock_delay=lock_delay,
+                                                                  correlation_id=correlation_id))
+        return self._call(run())
+
+    def lock_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
+                  correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> "SyncLockContext":
+        """``with client.lock_many(names, ttl=10.0) as multi:`` - all or none,
+        each renewed in the background, all released on exit."""
+        names = list(names)
+        return SyncLockContext(self, lambda client: client.lock_many(
+            names, ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
+            jeopardy_fraction=jeopardy_fraction))
+
+    def release_many(self, multi: SyncMultiLease) -> None:
+        """As :meth:`Client.release_many <fastlock.client.Client.release_many>`."""
+        _check(multi, SyncMultiLease)
+        check_held_here(multi, "multi-lease")
+        self._call(self._client.release_many(multi.multi))
+
+    def watch(self, name: str, *, timeout: float | None = None) -> Iterator[WatchEvent]:
+        """Yield :class:`~fastlock.client.WatchEvent` as :meth:`Client.watch
+        <fastlock.client.Client.watch>` does; close the generator (or break
+        out of the loop) to unsubscribe.
+
+        Args:
+            timeout: seconds to wait for each event; ``None`` waits forever.
+
+        Raises:
+            TimeoutError: no event within ``timeout``.
+            ConnectionLost: the connection dropped.
+        """
+        events: queue.Queue = queue.Queue()
+        done = object()
+
+        async def pump() -> None:
+            try:
+                async for event in self._client.watch(name):
+                    events.put(event)
+            except BaseException as exc:  # noqa: BLE001 - handed to the iterating thread
+                events.put(exc)
+            else:
+                events.put(done)
+
+        fut = self._submit(pump())
+        self._watch_queues.add(events)
+        try:
+            while True:
+                try:
+                    item = events.get(timeout=timeout)
+                except queue.Empty:
+                    raise TimeoutError(f"no event on {name!r} within {timeout} s") from None
+                if item is done:
+                    return
+                if isinstance(item, BaseException):
+                    if isinstance(item, asyncio.CancelledError):
+                        return
+                    raise item
+                yield item
+        finally:
+            self._watch_queues.discard(events)
+            if not self._loop.is_closed():  # a generator closed after the client is a no-op
+                fut.cancel()
+
+    def election(self, name: str, candidate_id: str, *, lease_duration: float = 15.0, renew_deadline: float = 10.0,
+                 retry_period: float = 2.0, jeopardy_fraction: float = 0.5) -> "SyncElection":
+        """As :meth:`Client.election <fastlock.client.Client.election>`, for threads."""
+        return SyncElection(self, self._client.election(
+            name, candidate_id, lease_duration=lease_duration, renew_deadline=renew_deadline,
+            retry_period=retry_period, jeopardy_fraction=jeopardy_fraction))
+
+
+class SyncLockContext:
+    """Returned by :meth:`SyncClient.lock` and :meth:`SyncClient.lock_many`:
+    a context manager, or call :meth:`acquire` to hold until released."""
+
+    __slots__ = ("_sync", "_make", "_ctx", "_ctx_client", "_held")
+
+    def __init__(self, sync: SyncClient, make: Callable[[Client], Any]):
+        self._sync = sync
+        self._make = make  # make(client): the asyncio context (arguments checked now)
+        self._ctx_client = sync.client
+        self._ctx = make(self._ctx_client)
+        self._held: Any = None
+
+    def acquire(self) -> Any:
+        """Acquire and start renewing; returns a :class:`SyncLease` (or
+        :class:`SyncMultiLease` for ``lock_many``)."""
+        client = self._sync.client
+        if self._ctx_client is not client:  # made before a fork: make it on this process's client
+            self._ctx, self._ctx_client = self._make(client), client
+        ctx = self._ctx
+
+        async def run() -> Any:
+            held = await ctx
+            return SyncMultiLease(held) if isinstance(held, MultiLease) else SyncLease(held)
+        return self._sync._call(run())
+
+    def __enter__(self) -> Any:
+        self._held = self.acquire()
+        return self._held
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        held, self._held = self._held, None
+        if held is None:
+            return
+        try:
+            if isinstance(held, SyncMultiLease):
+                self._sync.release_many(held)
+            else:
+                self._sync.release(held)
+        except FastlockError:  # as the asyncio lock(): never into the caller's code
+            held.lost.set()
+
+
+class SyncElection:
+    """:class:`~fastlock.election.Election` for threads (from :meth:`SyncClient.election`)."""
+
+    __slots__ = ("_sync", "election")
+
+    def __init__(self, sync: SyncClient, election: Election):
+        self._sync = sync
+        self.election = election
+
+    def _current(self) -> Election:
+        """The election, on this process's client (made anew after a fork)."""
+        client = self._sync.client
+        e = self.election
+        if e.client is not client:
+            self.election = e = Election(client, e.name, e.candidate_id, lease_duration=e.lease_duration,
+                                         renew_deadline=e.renew_deadline, retry_period=e.retry_period,
+                                         jeopardy_fraction=e.jeopardy_fraction)
+        return e
+
+    def campaign(self, *, wait: float | None = None) -> "SyncTerm":
+        """Block until elected (or ``wait`` seconds; ``LockNotAcquired``)."""
+        election = self._current()
+
+        async def run() -> SyncTerm:
+            return SyncTerm(await election.campaign(wait=wait))
+        return self._sync._call(run())
+
+    def leadership(self, *, wait: float | None = None) -> "_SyncLeadership":
+        """``with election.leadership() as term:`` - campaign, lead, resign on exit."""
+        return _SyncLeadership(self, wait)
+
+    def resign(self, term: "SyncTerm") -> None:
+        _check(term, SyncTerm)
+        check_held_here(term, "term")
+        self._sync._call(term.term.resign())
+
+    def leader(self) -> Leader | None:
+        """The current leader (candidate id, token), or None."""
+        return self._sync._call(self._current().leader())
+
+
+class _SyncLeadership:
+    __slots__ = ("_election", "_wait", "_term")
+
+    def __init__(self, election: SyncElection, wait: float | None):
+        self._election = election
+        self._wait = wait
+        self._term: SyncTerm | None = None
+
+    def __enter__(self) -> "SyncTerm":
+        self._term = self._election.campaign(wait=self._wait)
+        return self._term
+
+    def __exit__(self, *exc) -> None:
+        term, self._term = self._term, None
+        if term is not None:
+            self._election.resign(term)
+
+
+class SyncTerm:
+    """A term as leader, for threads.  ``lost`` is a threading.Event;
+    :meth:`is_leader` may be called from any thread."""
+
+    __slots__ = ("term", "lost", "pid")
+
+    def __init__(self, term: Term):
+        self.term = term
+        self.pid = os.getpid()
+        self.lost = threading.Event()
+        term.health.when_lost(self.lost.set)
+
+    @property
+    def fencing_token(self) -> int:
+        return self.term.fencing_token
+
+    @property
+    def health_state(self) -> str:
+        return "lost" if self.lost.is_set() else self.term.health.state
+
+    def is_leader(self) -> bool:
+        """Not lost and the renew deadline not passed (checked on this thread's clock)."""
+        return not self.lost.is_set() and time.monotonic() < self.term.deadline
+
+
+def _check(obj: Any, cls: type) -> None:
+    if not isinstance(obj, cls):
+        raise WrongArgumentType(f"expected a {cls.__name__}, not {type(obj).__name__}")
