@@ -1,9 +1,10 @@
 """One blocking client per process, made on first use and made again after ``fork()``.
 
 Celery's prefork pool and ``gunicorn --preload`` fork workers from a parent
-that may already have built a client; the child must not use the parent's
-(its background thread does not exist in the child), so the client is keyed
-by the process id.
+that may already have built a client.  A :class:`~fastlock.sync.SyncClient`
+reconnects in a forked child by itself, but the child's recipes should not
+share a client object with the parent's leases at all, so the client here is
+keyed by the process id: each worker process makes its own.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ class ProcessClient:
         pid = os.getpid()
         with self._lock:
             if self._client is None or self._pid != pid:
-                # a client inherited through fork() is abandoned, not closed:
-                # closing would talk to a loop thread that only the parent has
+                # a client inherited through fork() is left to the parent, not closed here
                 self._client = self._factory()
                 self._pid = pid
             return self._client

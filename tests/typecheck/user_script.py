@@ -1,6 +1,6 @@
 """A user's script touching every public API, type-checked by tests/test_typing.py with
 ``mypy --strict``: it must check clean, and every value it names must have a precise type
-(``assert_type``), never ``Any``."""
+(``assert_type`` fails on ``Any``)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,14 @@ async def with_the_async_client() -> int:
         assert_type(lease.time_left(), float)
         lease = await client.extend(lease, ttl=20.0)
         assert_type(await client.check("a", lease.fencing_token), bool)
+        holder = await client.holder("a")
+        assert holder is not None
+        assert_type(holder["token"], int)
+        assert_type(holder["remaining_ms"], int)
+        assert_type(holder["client"], str | None)
+        async for event in client.watch("a"):
+            assert_type(event, WatchEvent)
+            break
         await client.release(lease)
         async with client.lock("b", ttl=5.0) as held:
             assert_type(held, Lease)
@@ -72,6 +80,14 @@ def with_the_blocking_client() -> int:
         assert_type(lease.fencing_token, int)
         assert_type(client.check("a", lease.fencing_token), bool)
         client.release(lease)
+        with client.lock("a", ttl=5.0) as held:
+            assert_type(held, SyncLease)
+            assert_type(held.lost.is_set(), bool)
+        with client.lock_many(["a", "b"], ttl=5.0) as held_many:
+            assert_type(held_many, SyncMultiLease)
+        sync_holder = client.holder("a")
+        assert sync_holder is not None
+        assert_type(sync_holder["token"], int)
         multi = client.acquire_many(["c", "d"], ttl=5.0)
         assert_type(multi, SyncMultiLease)
         assert_type(multi.fencing_tokens, dict[str, int])
