@@ -10,6 +10,11 @@ core at least 5x faster than the model on the uncontended pair.
 Workloads (same loop code for both implementations):
   pair         acquire + drain_events + release of one free lock       (ns per pair)
   handoff      A acquires, B queues, A releases -> B granted, B releases  (ns per round)
+  shared-pair  as pair, with a shared (read) lease                      (ns per pair)
+  readers      a writer holds; 8 readers queue; the writer releases -> the 8 are
+               granted together; each releases                          (ns per round)
+  many-4       acquire_many of 4 free names + 4 releases                (ns per set)
+  singles-4    4 acquires of free names + 4 releases (today's path)     (ns per set)
   expire-2k    2 000 leases with distinct deadlines, one expire() call  (ns per lease)
   expire-100k  the same with 100 000 leases (core only: the model's linear scan
                is O(n^2) there, minutes of CPU)                          (ns per lease)
@@ -26,8 +31,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-import refmodel  # noqa: E402
-from fastlock import _core  # noqa: E402
+import refmodel
+
+from fastlock import _core
 
 TTL = 10_000
 IMPLS = {"core": _core.LockTable, "model": refmodel.RefLockTable}
@@ -40,6 +46,60 @@ def pair(table_cls, n: int) -> float:
     for now in range(1, n + 1):
         acquire("orders/42", b"A", 1, None, TTL, 0, 0, None, now)
         release("orders/42", drain()[0].token, b"A", now)
+    return (time.perf_counter() - t0) / n
+
+
+def shared_pair(table_cls, n: int) -> float:
+    t = table_cls()
+    acquire, release, drain = t.acquire, t.release, t.drain_events
+    t0 = time.perf_counter()
+    for now in range(1, n + 1):
+        acquire("orders/42", b"A", 1, None, TTL, 0, 0, None, now, True)
+        release("orders/42", drain()[0].token, b"A", now)
+    return (time.perf_counter() - t0) / n
+
+
+READERS = [b"r%d" % i for i in range(8)]
+
+
+def readers(table_cls, n: int) -> float:
+    t = table_cls()
+    acquire, release, drain = t.acquire, t.release, t.drain_events
+    t0 = time.perf_counter()
+    for now in range(1, n + 1):
+        acquire("orders/42", b"W", 1, None, TTL, -1, 0, None, now)
+        for r in READERS:
+            acquire("orders/42", r, 2, None, TTL, -1, 0, None, now, True)
+        release("orders/42", drain()[0].token, b"W", now)
+        for ev in drain():
+            release("orders/42", ev.token, ev.owner, now)
+    return (time.perf_counter() - t0) / n
+
+
+FOUR = ["orders/1", "orders/2", "orders/3", "orders/4"]
+FOUR_ITEMS = [(name, False) for name in FOUR]
+
+
+def many_4(table_cls, n: int) -> float:
+    t = table_cls()
+    acquire_many, release, drain = t.acquire_many, t.release, t.drain_events
+    t0 = time.perf_counter()
+    for now in range(1, n + 1):
+        acquire_many(FOUR_ITEMS, b"A", 1, None, TTL, 0, 0, None, now)
+        for ev in drain():
+            release(ev.name, ev.token, b"A", now)
+    return (time.perf_counter() - t0) / n
+
+
+def singles_4(table_cls, n: int) -> float:
+    t = table_cls()
+    acquire, release, drain = t.acquire, t.release, t.drain_events
+    t0 = time.perf_counter()
+    for now in range(1, n + 1):
+        for name in FOUR:
+            acquire(name, b"A", 1, None, TTL, 0, 0, None, now)
+        for ev in drain():
+            release(ev.name, ev.token, b"A", now)
     return (time.perf_counter() - t0) / n
 
 
@@ -71,6 +131,10 @@ def expiry(table_cls, n: int) -> float:
 WORKLOADS = [
     ("pair", pair, 200_000, 20_000, "pair"),
     ("handoff", handoff, 100_000, 10_000, "round"),
+    ("shared-pair", shared_pair, 200_000, 20_000, "pair"),
+    ("readers", readers, 20_000, 2_000, "round"),
+    ("many-4", many_4, 50_000, 5_000, "set"),
+    ("singles-4", singles_4, 50_000, 5_000, "set"),
     ("expire-2k", expiry, 2_000, 2_000, "lease"),
     ("expire-100k", expiry, 100_000, None, "lease"),
 ]

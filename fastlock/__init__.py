@@ -10,23 +10,7 @@ try:  # the one place the version is kept is pyproject.toml
 except _NotInstalled:  # a source tree that was never installed
     __version__ = "0+unknown"
 
-from .errors import (  # noqa: E402
-    AuthError,
-    PermissionDenied,
-    Cancelled,
-    ConnectionLost,
-    FastlockError,
-    InvalidArgument,
-    LeaseLost,
-    LimitExceeded,
-    LockNotAcquired,
-    NotPrimary,
-    ProtocolError,
-    StaleFencingToken,
-    Unavailable,
-    WrongArgumentType,
-)
-from .client import (  # noqa: E402
+from .client import (
     Client,
     Election,
     Leader,
@@ -38,6 +22,22 @@ from .client import (  # noqa: E402
     Term,
     WatchEvent,
     connect,
+)
+from .errors import (
+    AuthError,
+    Cancelled,
+    ConnectionLost,
+    FastlockError,
+    InvalidArgument,
+    LeaseLost,
+    LimitExceeded,
+    LockNotAcquired,
+    NotPrimary,
+    PermissionDenied,
+    ProtocolError,
+    StaleFencingToken,
+    Unavailable,
+    WrongArgumentType,
 )
 
 __all__ = [

@@ -11,18 +11,20 @@ collected with :meth:`LockTable.drain_events`.  The immediate answer of a call
 is its return value.
 """
 
-from typing import Any, Optional
+from typing import Any
 
 # acquire() statuses
 GRANTED: int  # the lock was granted: an EV_GRANTED event carries the lease
 QUEUED: int  # the request waits in the lock's FIFO queue
-NOT_ACQUIRED: int  # wait_ms == 0 and the lock was not free
+NOT_ACQUIRED: int  # wait_ms == 0 and the request was not grantable now
+LIMIT_CONFLICT: int  # the name has holders/waiters under another semaphore limit; nothing changed
 
 # Event kinds
 EV_GRANTED: int  # a lease was granted (immediately or to a waiter)
 EV_EXPIRED: int  # a lease reached its deadline
 EV_WAIT_TIMEOUT: int  # a waiter's wait_ms ran out; it left the queue
 EV_WAIT_CANCELLED: int  # a waiter was cancelled or superseded by a retry
+EV_DEADLOCK: int  # a waiter was failed by break_deadlocks(); Event.cycle names the cycle
 
 #: Bits of a fencing token below the epoch: token = (epoch << TOKEN_EPOCH_SHIFT) | counter
 TOKEN_EPOCH_SHIFT: int  # 40
@@ -30,6 +32,8 @@ MAX_EPOCH: int  # (1 << 23) - 1, so tokens stay below 2**63
 MAX_LOCK_DELAY_MS: int  # 60_000
 MAX_COUNTER: int  # (1 << 40) - 1: a grant needing a larger counter raises OverflowError
 MAX_MS: int  # (1 << 53) - 1: largest now / ttl_ms / wait_ms / until_ms accepted (ValueError above)
+MAX_LIMIT: int  # (1 << 31) - 1: largest semaphore limit
+MAX_MANY: int  # 64: most names in one acquire_many() request
 
 
 class NotHolder(LookupError):
@@ -49,6 +53,9 @@ class Event:
     lock_delay_ms: int  # EV_GRANTED / EV_EXPIRED: the lease's lock-delay
     fresh: bool  # EV_GRANTED: False when an idempotent retry re-delivers an existing lease
     waited_ms: int  # EV_GRANTED: grant time minus the answered request's arrival (<= 0 if re-delivered)
+    shared: bool  # a shared (read) lease, or a waiter asking for one
+    limit: int  # the semaphore limit of a permit / a waiter for one; 0 for a lock
+    cycle: tuple[tuple[int, str], ...] | None  # EV_DEADLOCK: (session, name) steps, the failed waiter's first
 
 
 class Holder:
@@ -60,9 +67,31 @@ class Holder:
     deadline_ms: int
     lock_delay_ms: int
     meta: Any
+    shared: bool  # a shared (read) lease
+    limit: int  # a semaphore permit's limit; 0 for a lock's lease
 
 
 class LockTable:
+    """Leased locks, shared locks and counting semaphores with fencing tokens and
+    FIFO waiters, sans-IO; every time is monotonic integer milliseconds.
+
+    Kinds of request on one name (acquire()'s ``shared`` / ``limit``):
+
+    * exclusive (default): granted when the name has no holder of any kind;
+    * shared (``shared=True``): granted while no exclusive lease is held, so any
+      number of readers share (as ZooKeeper's read lock, PostgreSQL's
+      ``pg_advisory_lock_shared``);
+    * permit (``limit=N``): the name is a counting semaphore with at most N
+      holders (Curator's InterProcessSemaphoreV2, ``consul lock -n N``).
+
+    FIFO across kinds: a request is granted only from the head of the name's queue
+    (or when it is empty) and only if compatible with the current holders; settling
+    grants head waiters while they are compatible, so consecutive readers (or
+    permits) go together and a queued writer is never overtaken by later readers.
+    Every grant of every kind takes its own token from the one counter, so a
+    writer's token exceeds every token granted before it.
+    """
+
     def __init__(self) -> None: ...
 
     # -- fencing counter ---------------------------------------------------
@@ -90,11 +119,21 @@ class LockTable:
         lock_delay_ms: int,
         meta: Any,
         now: int,
+        shared: bool = False,
+        limit: int = 0,
     ) -> int:
         """Grant ``name`` to ``owner`` or queue the request.
 
         wait_ms: -1 waits forever, 0 tries once, > 0 waits that many ms.
-        Returns GRANTED (an EV_GRANTED event is queued), QUEUED or NOT_ACQUIRED.
+        shared: a shared (read) lease instead of an exclusive one.
+        limit: 1..MAX_LIMIT makes ``name`` a counting semaphore and this a permit
+          request (not combined with shared: ValueError); 0 (default) for a lock.
+        Returns GRANTED (an EV_GRANTED event is queued), QUEUED, NOT_ACQUIRED, or
+        LIMIT_CONFLICT when the name has holders or waiters under another limit
+        (a semaphore vs a lock, or two limits): nothing changes.  A name's limit is
+        remembered while it has holders or waiters.
+        A retried waiting request keeps the kind it first asked for.
+        ValueError if ``owner`` waits on ``name`` in an acquire_many() request.
         Idempotent by owner: if ``owner`` already holds ``name`` the existing
         lease is re-delivered (EV_GRANTED with fresh=False, no new token); if
         ``owner`` already waits on ``name`` the waiter keeps its place and takes
@@ -102,10 +141,44 @@ class LockTable:
         Not re-entrant otherwise: another owner on the same session queues.
         """
 
-    def release(self, name: str, token: int, owner: bytes, now: int) -> None:
-        """Release the lease; the next waiter (if any) is granted.
+    def acquire_many(
+        self,
+        items: list[tuple[str, bool]] | tuple[tuple[str, bool], ...],
+        owner: bytes,
+        session: int,
+        request: Any,
+        ttl_ms: int,
+        wait_ms: int,
+        lock_delay_ms: int,
+        meta: Any,
+        now: int,
+    ) -> int:
+        """Take a set of (name, shared) locks atomically: all granted together or none.
 
-        Raises NotHolder if (token, owner) is not the unexpired holder of name.
+        1..MAX_MANY distinct names; no semaphores (LIMIT_CONFLICT).  Granted at once
+        (GRANTED; one EV_GRANTED per name in request order, each with its own token,
+        every lease with ``owner``) when every name could be granted on its own;
+        else QUEUED (or NOT_ACQUIRED for wait_ms == 0) as ONE request with a waiter at
+        the tail of each name's queue, holding none of them.  It is granted when each
+        of its waiters heads its queue and is compatible with that name's holders;
+        until then it blocks each queue behind it (FIFO per name).  Queue order is
+        arrival order on every name, so an earlier set is ahead of a later one on all
+        names they share: no deadlock among waiting sets.  A wait timeout, cancel()
+        of any of its names, drop_session() or break_deadlocks() removes the whole
+        request (an event per name).  A retry with the same owner and names keeps its
+        place (EV_WAIT_CANCELLED per name for the old request) or re-delivers the
+        leases (fresh=False) if granted.  Waiters count per name in
+        session_waiters() / waiter_count.
+
+        Raises TypeError / ValueError for bad items or arguments, or when ``owner``
+        already holds / waits on some of the names in another request; OverflowError
+        if the fencing counter cannot cover the set.
+        """
+
+    def release(self, name: str, token: int, owner: bytes, now: int) -> None:
+        """Release the lease (of any kind); compatible head waiters are granted.
+
+        Raises NotHolder if (token, owner) is not an unexpired holder of name.
         A clean release never applies lock-delay.
         """
 
@@ -117,7 +190,8 @@ class LockTable:
         """
 
     def cancel(self, name: str, owner: bytes, now: int) -> bool:
-        """Remove the waiter ``owner`` from ``name``'s queue (EV_WAIT_CANCELLED).
+        """Remove the waiter ``owner`` from ``name``'s queue (EV_WAIT_CANCELLED); a waiter
+        of an acquire_many() request withdraws the whole request (an event per name).
 
         Returns False if no such waiter (it may have been granted already).
         """
@@ -134,34 +208,67 @@ class LockTable:
     def drain_events(self) -> list[Event]: ...
 
     # -- queries ---------------------------------------------------------------
-    def holder(self, name: str, now: int) -> Optional[Holder]: ...
+    def holder(self, name: str, now: int, owner: bytes | None = None) -> Holder | None:
+        """An unexpired holder: without owner the exclusive one, else the earliest-granted
+        shared holder / permit; with owner (bytes) that owner's lease of any kind."""
+    def holders_of(self, name: str, now: int) -> list[Holder]:
+        """Every unexpired holder of ``name``: the exclusive one, or the shared holders /
+        permits in grant order."""
     def check(self, name: str, token: int, now: int) -> bool:
-        """True iff ``token`` is the current unexpired holder's token (Chubby's sequencer check)."""
+        """True iff ``token`` is an unexpired holder's token, of any kind (Chubby's sequencer check)."""
     def waiters(self, name: str) -> list[bytes]:
         """Owners waiting on ``name`` in FIFO order."""
     def session_waiters(self, session: int) -> int: ...
     def holders(self) -> list[Holder]:
-        """Every current holder (for snapshots), any order."""
-    def stats(self) -> dict[str, int]: ...
+        """Every current lease of every kind (for snapshots), any order."""
+    def stats(self) -> dict[str, int]:
+        """Counters; ``locks_held`` counts leases (each shared holder / permit)."""
     def __len__(self) -> int:
-        """Number of locks currently held."""
+        """Number of leases currently held (each shared holder and permit counts)."""
     @property
     def waiter_count(self) -> int:
         """Number of waiters queued on every lock together."""
 
     # -- replication / recovery ------------------------------------------------
     def install_holder(
-        self, name: str, token: int, owner: bytes, ttl_ms: int, lock_delay_ms: int, meta: Any, now: int
+        self, name: str, token: int, owner: bytes, ttl_ms: int, lock_delay_ms: int, meta: Any, now: int,
+        shared: bool = False, limit: int = 0,
     ) -> None:
-        """Make (token, owner) the holder of ``name`` with deadline now + ttl_ms.
+        """Make (token, owner) a holder of ``name`` with deadline now + ttl_ms.
 
-        Used by WAL replay and by a standby; replaces any current holder, never
-        queues, raises the counter to at least the token's counter and the
-        epoch to at least the token's epoch.
+        Used by WAL replay and by a standby; never queues, raises the counter to at
+        least the token's counter and the epoch to at least the token's epoch.  An
+        exclusive install replaces every holder; a shared / permit install
+        (``shared`` / ``limit`` as acquire()) replaces an exclusive holder, the
+        same owner's lease and leases under another limit, and joins the rest.
         """
 
     def remove_holder(self, name: str, token: int, now: int) -> bool:
-        """Replay of a release/expiry: drop the holder if its token is ``token``."""
+        """Replay of a release/expiry: drop the holder (any kind) whose token is ``token``."""
+
+    # -- deadlock detection ----------------------------------------------------
+    def break_deadlocks(self, now: int, min_wait_ms: int) -> list[tuple[tuple[int, str], ...]]:
+        """Fail one waiter per wait-for cycle until none is left; returns the cycles.
+
+        The graph links sessions: a waiter of session S on a lock waits for the
+        sessions of the holders it conflicts with and of the conflicting waiters
+        queued ahead of it.  Only waiters that have waited >= min_wait_ms (ms) count,
+        so a cycle is reported once it has lasted that long (PostgreSQL's
+        deadlock_timeout; the server calls this from its timer).  Session 0 and
+        semaphore waits (an OR-wait) are left out.  The victim is the youngest
+        waiter on the cycle (latest arrival, then greatest name, then owner): it
+        gets EV_DEADLOCK with Event.cycle = ((session, name), ...) starting with its
+        own step, and its lock is settled (grants may follow).
+        """
+
+    def lock_delays(self) -> list[tuple[str, int]]:
+        """Every running lock-delay as (name, until_ms) (monotonic ms): what a snapshot keeps.
+        A delay starts when a lease with a lock-delay expires; EV_EXPIRED carries
+        deadline_ms and lock_delay_ms, so it runs until deadline_ms + lock_delay_ms."""
+
+    def install_lock_delay(self, name: str, until_ms: int, now: int) -> bool:
+        """Replay of a running lock-delay: no grant on name before until_ms (ms).
+        False (ignored) if until_ms <= now or name is held exclusively."""
 
     def hold_grants_until(self, until_ms: int) -> None:
         """Grant no lock before ``until_ms`` (promotion grace period, as Chubby)."""

@@ -54,11 +54,13 @@ cdef enum:
     _GRANTED = 0
     _QUEUED = 1
     _NOT_ACQUIRED = 2
+    _LIMIT_CONFLICT = 3
     # event kinds
     _EV_GRANTED = 1
     _EV_EXPIRED = 2
     _EV_WAIT_TIMEOUT = 3
     _EV_WAIT_CANCELLED = 4
+    _EV_DEADLOCK = 5
 
 #: acquire() status: the lock was granted; an EV_GRANTED event carries the lease.
 GRANTED = _GRANTED
@@ -66,6 +68,9 @@ GRANTED = _GRANTED
 QUEUED = _QUEUED
 #: acquire() status: wait_ms == 0 and the lock was not free.
 NOT_ACQUIRED = _NOT_ACQUIRED
+#: acquire() status: the name has holders or waiters under another ``limit`` (a
+#: semaphore's limit vs. a lock, or two different limits); nothing changed.
+LIMIT_CONFLICT = _LIMIT_CONFLICT
 
 #: Event kind: a lease was granted (immediately or to a waiter), or re-delivered.
 EV_GRANTED = _EV_GRANTED
@@ -75,6 +80,8 @@ EV_EXPIRED = _EV_EXPIRED
 EV_WAIT_TIMEOUT = _EV_WAIT_TIMEOUT
 #: Event kind: a waiter was cancelled or superseded by a retry.
 EV_WAIT_CANCELLED = _EV_WAIT_CANCELLED
+#: Event kind: a waiter was failed to break a deadlock; ``Event.cycle`` names the cycle.
+EV_DEADLOCK = _EV_DEADLOCK
 
 cdef extern from *:
     """
@@ -83,12 +90,14 @@ cdef extern from *:
     #define FL_MAX_EPOCH ((((long long)1) << 23) - 1)
     #define FL_MAX_LOCK_DELAY_MS 60000LL
     #define FL_MAX_MS ((((long long)1) << 53) - 1)
+    #define FL_MAX_LIMIT ((((long long)1) << 31) - 1)
     """
     const int64_t _SHIFT "FL_SHIFT"
     const int64_t _MAX_COUNTER "FL_MAX_COUNTER"
     const int64_t _MAX_EPOCH "FL_MAX_EPOCH"
     const int64_t _MAX_LOCK_DELAY_MS "FL_MAX_LOCK_DELAY_MS"
     const int64_t _MAX_MS "FL_MAX_MS"
+    const int64_t _MAX_LIMIT "FL_MAX_LIMIT"
 
 #: Bits of a fencing token below the epoch: token = (epoch << TOKEN_EPOCH_SHIFT) | counter
 TOKEN_EPOCH_SHIFT = _SHIFT
@@ -101,11 +110,17 @@ MAX_LOCK_DELAY_MS = _MAX_LOCK_DELAY_MS
 #: Largest ``now``, TTL, wait or hold time in milliseconds (2**53 - 1: exact in
 #: a float, ~285 000 years), so that deadline arithmetic never overflows.
 MAX_MS = _MAX_MS
+#: Largest semaphore limit (permits per name).
+MAX_LIMIT = _MAX_LIMIT
+#: Most names in one acquire_many() request.
+MAX_MANY = 64
 
 cdef enum:
     K_LEASE = 1   # a lock's lease deadline
     K_BLOCK = 2   # end of a lock's lock-delay / grant hold
     K_WAIT = 3    # a waiter's wait timeout
+    K_SHARED = 4  # a non-exclusive lease's deadline (shared holder or semaphore permit)
+    K_GROUP = 5   # a multi-lock request's wait timeout
 
 
 class NotHolder(LookupError):
@@ -165,6 +180,15 @@ cdef inline int64_t _session(object v) except? -1:
     return r
 
 
+cdef inline int64_t _limit(object v, bint shared) except? -1:
+    cdef int64_t r = _int(v, "limit")
+    if r < 0 or r > _MAX_LIMIT:
+        raise ValueError(f"limit must be in 0..{_MAX_LIMIT}, got {r}")
+    if r and shared:
+        raise ValueError("a semaphore permit (limit > 0) cannot also be shared")
+    return r
+
+
 cdef inline int64_t _lock_delay(object v) except? -1:
     cdef int64_t r = _int(v, "lock_delay_ms")
     if r < 0 or r > _MAX_LOCK_DELAY_MS:
@@ -202,6 +226,11 @@ cdef class Event:
         send time plus this, whatever happened between (see the client).
       lock_delay_ms: the lock-delay stored with the lease / asked by the waiter
         (extra field, so a WAL record of a grant can be replayed with install_holder()).
+      shared: True for a shared (read) lease or a waiter asking for one.
+      limit: the semaphore limit of the lease / waiter (0: not a semaphore permit).
+      cycle: EV_DEADLOCK: the wait-for cycle as a tuple of ``(session, name)``
+        steps, the failed waiter's first: each session waits on that name for the
+        next session (the last for the first); None for every other kind.
     """
     cdef readonly int kind
     cdef readonly str name
@@ -215,12 +244,16 @@ cdef class Event:
     cdef readonly bint fresh
     cdef readonly int64_t lock_delay_ms
     cdef readonly int64_t waited_ms
+    cdef readonly bint shared
+    cdef readonly int64_t limit
+    cdef readonly object cycle
 
     def __repr__(self):
-        kinds = {1: "GRANTED", 2: "EXPIRED", 3: "WAIT_TIMEOUT", 4: "WAIT_CANCELLED"}
+        kinds = {1: "GRANTED", 2: "EXPIRED", 3: "WAIT_TIMEOUT", 4: "WAIT_CANCELLED", 5: "DEADLOCK"}
         return (f"<Event {kinds.get(self.kind, self.kind)} name={self.name!r} token={self.token} "
                 f"owner={self.owner!r} session={self.session} ttl_ms={self.ttl_ms} "
-                f"deadline_ms={self.deadline_ms} fresh={self.fresh} waited_ms={self.waited_ms}>")
+                f"deadline_ms={self.deadline_ms} fresh={self.fresh} waited_ms={self.waited_ms} "
+                f"shared={self.shared} limit={self.limit}>")
 
 
 @cython.final
@@ -229,7 +262,8 @@ cdef class Holder:
 
     Attributes: name (str), token (int), owner (bytes), session (int; 0 for a
     holder installed by install_holder()), ttl_ms (ms), deadline_ms (monotonic
-    ms), lock_delay_ms (ms), meta (opaque).
+    ms), lock_delay_ms (ms), meta (opaque), shared (bool: a shared/read lease),
+    limit (int: the semaphore limit of a permit, 0 otherwise).
     """
     cdef readonly str name
     cdef readonly int64_t token
@@ -239,10 +273,13 @@ cdef class Holder:
     cdef readonly int64_t deadline_ms
     cdef readonly int64_t lock_delay_ms
     cdef readonly object meta
+    cdef readonly bint shared
+    cdef readonly int64_t limit
 
     def __repr__(self):
         return (f"<Holder name={self.name!r} token={self.token} owner={self.owner!r} "
-                f"session={self.session} ttl_ms={self.ttl_ms} deadline_ms={self.deadline_ms}>")
+                f"session={self.session} ttl_ms={self.ttl_ms} deadline_ms={self.deadline_ms} "
+                f"shared={self.shared} limit={self.limit}>")
 
 
 # ---------------------------------------------------------------------------
@@ -267,8 +304,30 @@ cdef class _Waiter(_Entry):
     cdef int64_t lock_delay_ms
     cdef int64_t enqueued_ms  # ``now`` of the acquire this waiter answers
     cdef object meta
+    cdef bint shared          # asks for a shared lease (a permit when lock.limit > 0)
+    cdef _Group group         # the multi-lock request this waiter is part of, or None
     cdef _Waiter prev
     cdef _Waiter next
+
+
+@cython.final
+cdef class _Group(_Entry):
+    """A waiting acquire_many() request: one waiter per name, granted together; the
+    group is the heap entry of its wait timeout."""
+    cdef list members   # its _Waiter per name, in request order
+
+
+@cython.final
+cdef class _Lease(_Entry):
+    """A non-exclusive lease: a shared holder or a semaphore permit (its own heap entry)."""
+    cdef _Lock lock
+    cdef int64_t token
+    cdef bytes owner
+    cdef int64_t session
+    cdef int64_t ttl_ms
+    cdef int64_t lock_delay_ms
+    cdef object meta
+    cdef bint shared
 
 
 @cython.final
@@ -288,6 +347,11 @@ cdef class _Lock(_Entry):
     cdef _Waiter head
     cdef _Waiter tail
     cdef dict by_owner   # owner -> _Waiter; None until the first waiter
+    # non-exclusive holders (shared leases or semaphore permits), in grant order
+    cdef dict leases     # owner -> _Lease; None until the first non-exclusive grant
+    cdef int64_t n_leases
+    # semaphore limit (0: a lock); meaningful while the name has holders or waiters
+    cdef int64_t limit
 
 
 cdef inline bint _before(_Entry a, _Entry b):
@@ -328,6 +392,7 @@ cdef class LockTable:
     cdef int64_t _expiries
     cdef int64_t _wait_timeouts
     cdef int64_t _cancels
+    cdef int64_t _deadlocks
 
     def __cinit__(self):
         self._locks = {}
@@ -437,7 +502,18 @@ cdef class LockTable:
         ev.fresh = fresh
         ev.lock_delay_ms = lock_delay_ms
         ev.waited_ms = 0
+        ev.shared = False
+        ev.limit = 0
+        ev.cycle = None
         self._events.append(ev)
+        return ev
+
+    cdef inline Event _waiter_event(self, int kind, _Waiter w):
+        """EV_WAIT_TIMEOUT / EV_WAIT_CANCELLED for ``w`` (still linked to its lock)."""
+        cdef Event ev = self._event(kind, w.lock.name, 0, w.owner, w.session, w.request, w.ttl_ms, 0,
+                                    w.meta, False, w.lock_delay_ms)
+        ev.shared = w.shared
+        ev.limit = w.lock.limit
         return ev
 
     # -- internal transitions ------------------------------------------------------
@@ -454,6 +530,8 @@ cdef class LockTable:
         cdef _Entry e
         cdef _Lock lock
         cdef _Waiter w
+        cdef _Lease lease
+        cdef Event ev
         cdef int64_t tau
         while len(heap) > 0:
             e = <_Entry>heap[0]
@@ -476,10 +554,24 @@ cdef class LockTable:
             elif e.kind == K_WAIT:
                 w = <_Waiter>e
                 lock = w.lock
-                self._unlink(w)
                 self._wait_timeouts += 1
-                self._event(_EV_WAIT_TIMEOUT, lock.name, 0, w.owner, w.session, w.request,
-                            w.ttl_ms, 0, w.meta, False, w.lock_delay_ms)
+                self._waiter_event(_EV_WAIT_TIMEOUT, w)
+                self._unlink(w)
+                self._settle(lock, tau, now)
+            elif e.kind == K_GROUP:
+                self._wait_timeouts += len((<_Group>e).members)
+                self._remove_group(<_Group>e, _EV_WAIT_TIMEOUT, None, None, tau, now)
+            elif e.kind == K_SHARED:
+                lease = <_Lease>e
+                lock = lease.lock
+                self._drop_lease(lock, lease)
+                self._expiries += 1
+                ev = self._event(_EV_EXPIRED, lock.name, lease.token, lease.owner, lease.session, None,
+                                 lease.ttl_ms, tau, lease.meta, False, lease.lock_delay_ms)
+                ev.shared = lease.shared
+                ev.limit = lock.limit
+                if lease.lock_delay_ms > 0:
+                    lock.delay_until = _max(lock.delay_until, tau + lease.lock_delay_ms)
                 self._settle(lock, tau, now)
             else:
                 self._settle(<_Lock>e, tau, now)
@@ -508,6 +600,49 @@ cdef class LockTable:
         self._event(_EV_GRANTED, lock.name, token, owner, session, request, ttl_ms,
                     now + ttl_ms, meta, True, lock_delay_ms).waited_ms = waited_ms
         return 0
+
+    cdef int _grant_lease(self, _Lock lock, bytes owner, int64_t session, object request,
+                          int64_t ttl_ms, int64_t lock_delay_ms, object meta, bint shared,
+                          int64_t now, int64_t waited_ms) except -1:
+        """A fresh non-exclusive grant (shared lease or permit); the caller checked
+        the counter has room and the lock is not held exclusively."""
+        cdef int64_t token
+        cdef _Lease lease = _Lease.__new__(_Lease)
+        cdef Event ev
+        self._counter += 1
+        token = (self._epoch << _SHIFT) | self._counter
+        if lock.index >= 0:
+            self._unschedule(lock)  # the end of a block: the lock is not held
+        lock.delay_until = 0
+        lease.index = -1
+        lease.kind = K_SHARED
+        lease.lock = lock
+        lease.token = token
+        lease.owner = owner
+        lease.session = session
+        lease.ttl_ms = ttl_ms
+        lease.lock_delay_ms = lock_delay_ms
+        lease.meta = meta
+        lease.shared = shared
+        if lock.leases is None:
+            lock.leases = {}
+        lock.leases[owner] = lease
+        lock.n_leases += 1
+        self._schedule(lease, now + ttl_ms)
+        self._n_held += 1
+        self._grants += 1
+        ev = self._event(_EV_GRANTED, lock.name, token, owner, session, request, ttl_ms,
+                         now + ttl_ms, meta, True, lock_delay_ms)
+        ev.waited_ms = waited_ms
+        ev.shared = shared
+        ev.limit = lock.limit
+        return 0
+
+    cdef inline void _drop_lease(self, _Lock lock, _Lease lease):
+        del lock.leases[lease.owner]
+        lock.n_leases -= 1
+        self._n_held -= 1
+        self._unschedule(lease)
 
     cdef inline int _check_counter(self) except -1:
         if self._counter >= _MAX_COUNTER:
@@ -538,6 +673,8 @@ cdef class LockTable:
                 del self._sessions[w.session]
         self._n_waiters -= 1
         w.lock = None
+        if w.group is not None:
+            self._unschedule(w.group)
 
     cdef inline void _schedule_block(self, _Lock lock, int64_t at):
         if lock.index >= 0 and lock.deadline == at:
@@ -560,18 +697,103 @@ cdef class LockTable:
         if lock.head is not None:
             until = _max(lock.delay_until, self._hold_until)
             if tau >= until:
-                self._check_counter()
                 w = lock.head
-                self._unlink(w)
-                self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms,
-                            w.meta, now, now - w.enqueued_ms)
+                if lock.n_leases == 0 and not w.shared and lock.limit == 0 and w.group is None:
+                    # the common case: an exclusive lock hands off to its head waiter
+                    self._check_counter()
+                    self._unlink(w)
+                    self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms,
+                                w.meta, now, now - w.enqueued_ms)
+                    return 0
+                self._unschedule(lock)
+                # FIFO across kinds: grant from the head while the head is compatible
+                # (consecutive readers together; permits up to the limit)
+                while w is not None and not lock.held:
+                    if w.group is not None:
+                        if not self._group_ready(w.group, tau):
+                            break
+                        self._grant_group(w.group, now, tau, lock)
+                    elif w.shared or lock.limit:
+                        if lock.limit and lock.n_leases >= lock.limit:
+                            break
+                        self._check_counter()
+                        self._unlink(w)
+                        self._grant_lease(lock, w.owner, w.session, w.request, w.ttl_ms,
+                                          w.lock_delay_ms, w.meta, w.shared, now, now - w.enqueued_ms)
+                    else:
+                        if lock.n_leases:
+                            break
+                        self._check_counter()
+                        self._unlink(w)
+                        self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms,
+                                    w.meta, now, now - w.enqueued_ms)
+                        break
+                    w = lock.head
             else:
                 self._schedule_block(lock, until)
         elif lock.delay_until > tau:
             self._schedule_block(lock, lock.delay_until)
         else:
             self._unschedule(lock)
-            del self._locks[lock.name]
+            if lock.n_leases == 0:
+                del self._locks[lock.name]
+        return 0
+
+    cdef bint _group_ready(self, _Group g, int64_t tau):
+        """True iff every waiter of ``g`` heads its queue and could be granted at ``tau``."""
+        cdef _Waiter m
+        cdef _Lock lock
+        for m in g.members:
+            lock = m.lock
+            if lock.head is not m or lock.held or tau < _max(lock.delay_until, self._hold_until):
+                return False
+            if not m.shared and lock.n_leases:
+                return False
+        return True
+
+    cdef int _grant_group(self, _Group g, int64_t now, int64_t tau, _Lock skip) except -1:
+        """Grant every waiter of ``g`` (one lease and token per name, in request order),
+        then settle its other locks at ``tau`` (``skip``: the lock being settled)."""
+        cdef _Waiter m
+        cdef list members = g.members
+        cdef list locks = [m.lock for m in members]
+        cdef Py_ssize_t i
+        cdef _Lock lock
+        if self._counter + len(members) > _MAX_COUNTER:
+            raise OverflowError("fencing counter exhausted (2**40 - 1 grants); tokens never wrap")
+        for m in members:
+            self._unlink(m)
+        for i in range(len(members)):
+            m = <_Waiter>members[i]
+            lock = <_Lock>locks[i]
+            if m.shared:
+                self._grant_lease(lock, m.owner, m.session, m.request, m.ttl_ms, m.lock_delay_ms,
+                                  m.meta, True, now, now - m.enqueued_ms)
+            else:
+                self._unschedule(lock)
+                self._grant(lock, m.owner, m.session, m.request, m.ttl_ms, m.lock_delay_ms,
+                            m.meta, now, now - m.enqueued_ms)
+        for lock in locks:
+            if lock is not skip:
+                self._settle(lock, tau, now)
+        return 0
+
+    cdef int _remove_group(self, _Group g, int kind, object cycle, _Lock skip, int64_t tau,
+                           int64_t now) except -1:
+        """Take every waiter of ``g`` out of its queue (an event of ``kind`` each, none if
+        kind == 0), then settle their locks at ``tau`` except ``skip``."""
+        cdef _Waiter m
+        cdef list locks = [m.lock for m in g.members]
+        cdef _Lock lock
+        cdef Event ev
+        for m in g.members:
+            if kind:
+                ev = self._waiter_event(kind, m)
+                ev.cycle = cycle
+            self._unlink(m)
+        for lock in locks:
+            if lock is not skip:
+                self._settle(lock, tau, now)
         return 0
 
     cdef inline _Lock _new_lock(self, str name):
@@ -644,7 +866,8 @@ cdef class LockTable:
 
     # -- lock operations -----------------------------------------------------------
 
-    def acquire(self, name, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now):
+    def acquire(self, name, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now,
+                shared=False, limit=0):
         """Grant ``name`` to ``owner`` or queue the request (FIFO, as ZooKeeper's
         sequential nodes).
 
@@ -662,9 +885,25 @@ cdef class LockTable:
             a clean release never applies it.
           meta: opaque, stored with the lease.
           now (int): monotonic ms, 0..MAX_MS.
+          shared (bool): ask for a shared (read) lease: any number of shared
+            holders or one exclusive holder.  Default False (exclusive).
+          limit (int): 0 (default) for a lock; 1..MAX_LIMIT makes ``name`` a
+            counting semaphore with at most ``limit`` holders, each permit its
+            own lease and fencing token (Curator's InterProcessSemaphoreV2,
+            ``consul lock -n``).  Not combined with ``shared``.
 
-        Returns GRANTED (an EV_GRANTED event is queued), QUEUED or NOT_ACQUIRED
-        (wait_ms == 0 and the lock is held, has waiters, or is blocked).
+        FIFO across kinds (ZooKeeper's shared-lock recipe): a request is granted
+        only at the head of the queue (or when the queue is empty) and only if it
+        is compatible with the current holders; so readers arriving behind a
+        queued writer queue behind it, and consecutive readers (permits) at the
+        head are granted together.  Every grant, of every kind, takes a fencing
+        token from the one counter.
+
+        Returns GRANTED (an EV_GRANTED event is queued), QUEUED, NOT_ACQUIRED
+        (wait_ms == 0 and the request is not grantable now: incompatible holders,
+        waiters ahead, or a block) or LIMIT_CONFLICT (the name has holders or
+        waiters with another ``limit``: a lock vs a semaphore or two limits;
+        the limit is remembered while the name has holders or waiters).
 
         Idempotent by owner: if ``owner`` already holds ``name`` the existing lease
         is re-delivered (EV_GRANTED with fresh=False, same token and deadline, to
@@ -675,8 +914,10 @@ cdef class LockTable:
         NOT_ACQUIRED is returned).  Not re-entrant otherwise: another owner on the
         same session queues.
 
+        A retry of a waiting request keeps the kind (shared or not) it first asked for.
+
         Raises:
-          TypeError / ValueError: a bad argument (state unchanged).
+          TypeError / ValueError: a bad argument (state unchanged), e.g. shared with limit > 0.
           OverflowError: the fencing counter is exhausted.
         """
         cdef str n = _name(name)
@@ -686,35 +927,78 @@ cdef class LockTable:
         cdef int64_t wait = _ms(wait_ms, "wait_ms", -1)
         cdef int64_t delay = _lock_delay(lock_delay_ms)
         cdef int64_t t = _ms(now, "now", 0)
+        cdef bint sh = False
+        cdef int64_t lim = 0
         cdef _Lock lock
         cdef _Waiter w
+        cdef _Lease lease
+        cdef Event ev
         cdef dict sess
+        if shared is not False:
+            if not PyBool_Check(shared):
+                raise TypeError(f"shared must be a bool, not {type(shared).__name__}")
+            sh = shared is True
+        if limit is not 0:
+            lim = _limit(limit, sh)
         self._advance(t)
         lock = <_Lock>self._locks.get(n)
         if lock is None:
             if t >= self._hold_until:
                 self._check_counter()
                 lock = self._new_lock(n)
-                self._grant(lock, o, s, request, ttl, delay, meta, t, 0)
+                if sh or lim:
+                    lock.limit = lim
+                    self._grant_lease(lock, o, s, request, ttl, delay, meta, sh, t, 0)
+                else:
+                    self._grant(lock, o, s, request, ttl, delay, meta, t, 0)
                 return _GRANTED
         else:
-            if lock.held and lock.owner == o:
-                # re-delivered: granted (or last extended) at deadline - ttl, before this request
-                self._event(_EV_GRANTED, n, lock.token, o, s, request, lock.ttl_ms, lock.deadline,
-                            lock.meta, False, lock.lock_delay_ms).waited_ms = lock.deadline - lock.ttl_ms - t
-                return _GRANTED
+            if lock.held:
+                if lim != lock.limit:
+                    return _LIMIT_CONFLICT
+                if lock.owner == o:
+                    # re-delivered: granted (or last extended) at deadline - ttl, before this request
+                    self._event(_EV_GRANTED, n, lock.token, o, s, request, lock.ttl_ms, lock.deadline,
+                                lock.meta, False, lock.lock_delay_ms).waited_ms = lock.deadline - lock.ttl_ms - t
+                    return _GRANTED
+            elif lock.n_leases:
+                if lim != lock.limit:
+                    return _LIMIT_CONFLICT
+                lease = <_Lease>lock.leases.get(o)
+                if lease is not None:
+                    ev = self._event(_EV_GRANTED, n, lease.token, o, s, request, lease.ttl_ms,
+                                     lease.deadline, lease.meta, False, lease.lock_delay_ms)
+                    ev.waited_ms = lease.deadline - lease.ttl_ms - t
+                    ev.shared = lease.shared
+                    ev.limit = lock.limit
+                    return _GRANTED
             if lock.head is not None:
+                if lim != lock.limit:
+                    return _LIMIT_CONFLICT
                 w = lock.by_owner.get(o)
                 if w is not None:
+                    if w.group is not None:
+                        raise ValueError(f"owner {o!r} waits on {n!r} in an acquire_many() request")
                     return self._retry_waiter(lock, w, s, request, ttl, wait, delay, meta, t)
             elif not lock.held and t >= _max(lock.delay_until, self._hold_until):
-                self._check_counter()
-                self._grant(lock, o, s, request, ttl, delay, meta, t, 0)
-                return _GRANTED
+                if lock.n_leases == 0:
+                    lock.limit = lim
+                    if not (sh or lim):
+                        self._check_counter()
+                        self._grant(lock, o, s, request, ttl, delay, meta, t, 0)
+                        return _GRANTED
+                if lim == 0 or lock.n_leases < lim:
+                    if sh or lim:
+                        self._check_counter()
+                        self._grant_lease(lock, o, s, request, ttl, delay, meta, sh, t, 0)
+                        return _GRANTED
         if wait == 0:
             return _NOT_ACQUIRED
         if lock is None:
             lock = self._new_lock(n)
+            lock.limit = lim
+        elif lock.head is None and not lock.held and lock.n_leases == 0:
+            lock.limit = lim
         w = _Waiter.__new__(_Waiter)
         w.index = -1
         w.kind = K_WAIT
@@ -726,6 +1010,7 @@ cdef class LockTable:
         w.lock_delay_ms = delay
         w.enqueued_ms = t
         w.meta = meta
+        w.shared = sh
         if lock.tail is None:
             lock.head = w
         else:
@@ -750,8 +1035,7 @@ cdef class LockTable:
                               int64_t wait, int64_t delay, object meta, int64_t t):
         cdef dict sess
         self._cancels += 1
-        self._event(_EV_WAIT_CANCELLED, lock.name, 0, w.owner, w.session, w.request, w.ttl_ms, 0,
-                    w.meta, False, w.lock_delay_ms)
+        self._waiter_event(_EV_WAIT_CANCELLED, w)
         if wait == 0:
             self._unlink(w)
             self._settle(lock, t, t)
@@ -778,6 +1062,219 @@ cdef class LockTable:
             self._unschedule(w)
         return _QUEUED
 
+    def acquire_many(self, items, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now):
+        """Take a set of locks atomically: all granted together or none, one queued request.
+
+        Args:
+          items (list or tuple of ``(name, shared)`` pairs): 1..MAX_MANY distinct names,
+            each exclusive (shared False) or shared (True); semaphores are not allowed.
+          owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now: as
+            acquire(), for every lease of the set.
+
+        Granted (GRANTED, one EV_GRANTED per name in request order, each lease with its
+        own fencing token) when every name could be granted on its own at once: no
+        waiter, not blocked, compatible with its holders.  Otherwise (unless
+        wait_ms == 0: NOT_ACQUIRED) it queues ONE request with a waiter at the tail of
+        every name's queue (QUEUED) and holds none of them while it waits.  It is
+        granted when each of its waiters heads its queue and is compatible with that
+        name's holders (checked whenever one of its names settles); until then each
+        waiter blocks the queue behind it, so FIFO holds per name.
+
+        No deadlock among queued requests: queue order on every name is arrival order,
+        so of two requests sharing names the earlier one is ahead on every shared name
+        and nothing waits for a later request; and a waiting set holds nothing.  (A
+        client that *holds* locks and waits can still deadlock: break_deadlocks().)
+
+        Returns GRANTED, QUEUED, NOT_ACQUIRED or LIMIT_CONFLICT (a name is a semaphore).
+        A retry with the same owner re-delivers the leases (fresh=False) if the owner
+        holds every name, or keeps the waiting request's place (the old request gets
+        EV_WAIT_CANCELLED per name; wait_ms == 0 withdraws it).  A wait timeout,
+        cancel() of any of its names, drop_session() or break_deadlocks() removes the
+        whole request (an event per name).
+
+        Raises:
+          TypeError / ValueError: a bad argument, or ``owner`` already holds or waits on
+            some of the names in another way (nothing changes).
+          OverflowError: the fencing counter cannot cover the set.
+        """
+        cdef list names = []
+        cdef list kinds = []
+        cdef bytes o
+        cdef int64_t s, ttl, wait, delay, t
+        cdef Py_ssize_t i, k
+        cdef _Lock lock
+        cdef _Waiter w, first
+        cdef _Lease lease
+        cdef _Group g
+        cdef Event ev
+        cdef dict sess
+        cdef bint free, held_all, holds_any = False
+        if type(items) is not list and type(items) is not tuple:
+            raise TypeError(f"items must be a list or tuple, not {type(items).__name__}")
+        if not 1 <= len(items) <= MAX_MANY:
+            raise ValueError(f"items must hold 1..{MAX_MANY} names, got {len(items)}")
+        for item in items:
+            if (type(item) is not tuple and type(item) is not list) or len(item) != 2:
+                raise TypeError("each item must be a (name, shared) pair")
+            names.append(_name(item[0]))
+            if not PyBool_Check(item[1]):
+                raise TypeError(f"shared must be a bool, not {type(item[1]).__name__}")
+            kinds.append(item[1] is True)
+        if len(set(names)) != len(names):
+            raise ValueError("items name a lock twice")
+        o = _owner(owner)
+        s = _session(session)
+        ttl = _ms(ttl_ms, "ttl_ms", 1)
+        wait = _ms(wait_ms, "wait_ms", -1)
+        delay = _lock_delay(lock_delay_ms)
+        t = _ms(now, "now", 0)
+        self._advance(t)
+        k = len(names)
+        # a semaphore among the names; the owner's earlier request on them
+        first = None
+        held_all = True
+        for i in range(k):
+            lock = <_Lock>self._locks.get(names[i])
+            if lock is None:
+                held_all = False
+                continue
+            if lock.limit and (lock.n_leases or lock.head is not None):
+                return _LIMIT_CONFLICT
+            w = None if lock.head is None else <_Waiter>lock.by_owner.get(o)
+            if w is not None:
+                if w.group is None or len(w.group.members) != k or (first is not None and w.group is not first.group):
+                    raise ValueError(f"owner {o!r} already waits on {names[i]!r} in another request")
+                first = w
+            if (lock.held and lock.owner == o) or (lock.n_leases and o in lock.leases):
+                holds_any = True
+            if not ((lock.held and lock.owner == o and not kinds[i])
+                    or (lock.n_leases and kinds[i] and o in lock.leases)):
+                held_all = False
+        if holds_any and not held_all:
+            raise ValueError(f"owner {o!r} already holds some of these names in another request")
+        if first is not None:
+            if held_all:
+                raise ValueError(f"owner {o!r} already holds some of these names")
+            return self._retry_group(first.group, names, s, request, ttl, wait, delay, meta, t)
+        if held_all:
+            for i in range(k):
+                lock = <_Lock>self._locks[names[i]]
+                if lock.held:
+                    self._event(_EV_GRANTED, lock.name, lock.token, o, s, request, lock.ttl_ms,
+                                lock.deadline, lock.meta, False,
+                                lock.lock_delay_ms).waited_ms = lock.deadline - lock.ttl_ms - t
+                else:
+                    lease = <_Lease>lock.leases[o]
+                    ev = self._event(_EV_GRANTED, lock.name, lease.token, o, s, request, lease.ttl_ms,
+                                     lease.deadline, lease.meta, False, lease.lock_delay_ms)
+                    ev.waited_ms = lease.deadline - lease.ttl_ms - t
+                    ev.shared = True
+            return _GRANTED
+        free = t >= self._hold_until
+        if free:
+            for i in range(k):
+                lock = <_Lock>self._locks.get(names[i])
+                if lock is not None and (lock.head is not None or lock.held or t < lock.delay_until
+                                         or (lock.n_leases and not kinds[i])):
+                    free = False
+                    break
+        if free:
+            if self._counter + k > _MAX_COUNTER:
+                raise OverflowError("fencing counter exhausted (2**40 - 1 grants); tokens never wrap")
+            for i in range(k):
+                lock = <_Lock>self._locks.get(names[i])
+                if lock is None:
+                    lock = self._new_lock(names[i])
+                lock.limit = 0
+                if kinds[i]:
+                    self._grant_lease(lock, o, s, request, ttl, delay, meta, True, t, 0)
+                else:
+                    self._grant(lock, o, s, request, ttl, delay, meta, t, 0)
+            return _GRANTED
+        if wait == 0:
+            return _NOT_ACQUIRED
+        g = _Group.__new__(_Group)
+        g.index = -1
+        g.kind = K_GROUP
+        g.members = []
+        sess = self._sessions.get(s)
+        if sess is None:
+            sess = {}
+            self._sessions[s] = sess
+        for i in range(k):
+            lock = <_Lock>self._locks.get(names[i])
+            if lock is None:
+                lock = self._new_lock(names[i])
+            elif lock.head is None and not lock.held and lock.n_leases == 0:
+                lock.limit = 0
+            w = _Waiter.__new__(_Waiter)
+            w.index = -1
+            w.kind = K_WAIT
+            w.lock = lock
+            w.owner = o
+            w.session = s
+            w.request = request
+            w.ttl_ms = ttl
+            w.lock_delay_ms = delay
+            w.enqueued_ms = t
+            w.meta = meta
+            w.shared = kinds[i]
+            w.group = g
+            if lock.tail is None:
+                lock.head = w
+            else:
+                lock.tail.next = w
+                w.prev = lock.tail
+            lock.tail = w
+            if lock.by_owner is None:
+                lock.by_owner = {}
+            lock.by_owner[o] = w
+            sess[w] = None
+            self._n_waiters += 1
+            g.members.append(w)
+        if wait > 0:
+            self._schedule(g, t + wait)
+        for w in list(g.members):
+            if w.lock is not None:
+                self._settle(w.lock, t, t)
+        return _QUEUED
+
+    cdef object _retry_group(self, _Group g, list names, int64_t s, object request, int64_t ttl,
+                             int64_t wait, int64_t delay, object meta, int64_t t):
+        cdef _Waiter m
+        cdef dict sess
+        for m in g.members:
+            if m.lock.name not in names:
+                raise ValueError(f"owner {m.owner!r} waits in a request for other names")
+        self._cancels += len(g.members)
+        for m in g.members:
+            self._waiter_event(_EV_WAIT_CANCELLED, m)
+        if wait == 0:
+            self._remove_group(g, 0, None, None, t, t)
+            return _NOT_ACQUIRED
+        for m in g.members:
+            if s != m.session:
+                sess = self._sessions.get(m.session)
+                del sess[m]
+                if not sess:
+                    del self._sessions[m.session]
+                sess = self._sessions.get(s)
+                if sess is None:
+                    sess = {}
+                    self._sessions[s] = sess
+                sess[m] = None
+                m.session = s
+            m.request = request
+            m.ttl_ms = ttl
+            m.lock_delay_ms = delay
+            m.enqueued_ms = t
+            m.meta = meta
+        if wait > 0:
+            self._schedule(g, t + wait)
+        else:
+            self._unschedule(g)
+        return _QUEUED
+
     def release(self, name, token, owner, now):
         """Release the lease (``token``, ``owner``) on ``name``; the next waiter (if any)
         is granted (EV_GRANTED), unless grants are held (hold_grants_until()).
@@ -797,13 +1294,28 @@ cdef class LockTable:
         cdef bytes o = _owner(owner)
         cdef int64_t t = _ms(now, "now", 0)
         cdef _Lock lock
+        cdef _Lease lease
         self._advance(t)
         lock = <_Lock>self._locks.get(n)
-        if lock is None or not lock.held or lock.token != tok or lock.owner != o:
-            raise NotHolder(f"lease {tok} of {o!r} does not hold {n!r}")
-        self._drop_holder(lock)
+        if lock is not None and lock.held and lock.token == tok and lock.owner == o:
+            self._drop_holder(lock)
+        else:
+            lease = self._lease_of(lock, tok, o)
+            if lease is None:
+                raise NotHolder(f"lease {tok} of {o!r} does not hold {n!r}")
+            self._drop_lease(lock, lease)
         self._releases += 1
         self._settle(lock, t, t)
+
+    cdef inline _Lease _lease_of(self, _Lock lock, int64_t tok, bytes o):
+        """The non-exclusive lease (tok, o) of ``lock``, or None."""
+        cdef _Lease lease
+        if lock is None or lock.n_leases == 0:
+            return None
+        lease = <_Lease>lock.leases.get(o)
+        if lease is None or lease.token != tok:
+            return None
+        return lease
 
     def extend(self, name, token, owner, ttl_ms, now):
         """Set the lease's deadline to ``now + ttl_ms`` (ms) and its TTL to ``ttl_ms``.
@@ -820,16 +1332,24 @@ cdef class LockTable:
         cdef int64_t ttl = _ms(ttl_ms, "ttl_ms", 1)
         cdef int64_t t = _ms(now, "now", 0)
         cdef _Lock lock
+        cdef _Lease lease
         self._advance(t)
         lock = <_Lock>self._locks.get(n)
-        if lock is None or not lock.held or lock.token != tok or lock.owner != o:
+        if lock is not None and lock.held and lock.token == tok and lock.owner == o:
+            lock.ttl_ms = ttl
+            self._schedule(lock, t + ttl)
+            return t + ttl
+        lease = self._lease_of(lock, tok, o)
+        if lease is None:
             raise NotHolder(f"lease {tok} of {o!r} does not hold {n!r}")
-        lock.ttl_ms = ttl
-        self._schedule(lock, t + ttl)
+        lease.ttl_ms = ttl
+        self._schedule(lease, t + ttl)
         return t + ttl
 
     def cancel(self, name, owner, now):
         """Remove the waiter ``owner`` from ``name``'s queue (EV_WAIT_CANCELLED for its request).
+        A waiter of an acquire_many() request takes the whole request out of every queue
+        (EV_WAIT_CANCELLED per name).
 
         Returns True if a waiter was removed, False if there is none (it may have
         been granted already: the caller must then release that lease, never leak it).
@@ -848,16 +1368,20 @@ cdef class LockTable:
         w = <_Waiter>lock.by_owner.get(o)
         if w is None:
             return False
-        self._unlink(w)
+        if w.group is not None:
+            self._cancels += len(w.group.members)
+            self._remove_group(w.group, _EV_WAIT_CANCELLED, None, None, t, t)
+            return True
         self._cancels += 1
-        self._event(_EV_WAIT_CANCELLED, n, 0, w.owner, w.session, w.request, w.ttl_ms, 0, w.meta,
-                    False, w.lock_delay_ms)
+        self._waiter_event(_EV_WAIT_CANCELLED, w)
+        self._unlink(w)
         self._settle(lock, t, t)
         return True
 
     def drop_session(self, session, now):
         """Remove every waiter of ``session`` at once, with no events (its connection is
-        gone).  Holders stay: a lease outlives its connection until its TTL.
+        gone), then settle the locks they waited on, in the order of the session's first
+        waiter on each.  Holders stay: a lease outlives its connection until its TTL.
 
         O(waiters of that session).  Returns the number of waiters removed.
         Raises TypeError / ValueError for a bad argument (state unchanged).
@@ -868,15 +1392,19 @@ cdef class LockTable:
         cdef _Waiter w
         cdef _Lock lock
         cdef int count = 0
+        cdef dict touched = {}
         self._advance(t)
         sess = self._sessions.pop(s, None)
         if sess is None:
             return 0
+        # remove them all first, then settle: a waiter of this session must never be
+        # granted while its session is being dropped (e.g. a reader behind its writer)
         for w in list(sess):
-            lock = w.lock
+            touched[w.lock] = None
             self._unlink(w)
             self._cancels += 1
             count += 1
+        for lock in touched:
             self._settle(lock, t, t)
         return count
 
@@ -912,18 +1440,71 @@ cdef class LockTable:
 
     # -- queries (pure: they never process deadlines) ------------------------------
 
-    def holder(self, name, now):
-        """The unexpired holder of ``name`` at ``now`` as a :class:`Holder` snapshot, or None.
+    def holder(self, name, now, owner=None):
+        """An unexpired holder of ``name`` at ``now`` as a :class:`Holder` snapshot, or None.
+
+        Without ``owner``: the exclusive holder, else the earliest-granted unexpired
+        shared holder / permit (see holders_of() for all of them).  With ``owner``
+        (bytes): that owner's unexpired lease of any kind, or None.
 
         Pure query: a lease whose deadline is <= now counts as gone even if expire()
         has not processed it yet (call expire(now) first to see hand-offs).
         """
         cdef str n = _name(name)
         cdef int64_t t = _ms(now, "now", 0)
+        cdef bytes o = None if owner is None else _owner(owner)
         cdef _Lock lock = <_Lock>self._locks.get(n)
-        if lock is None or not lock.held or lock.deadline <= t:
+        cdef _Lease lease
+        if lock is None:
             return None
-        return self._snapshot(lock)
+        if lock.held:
+            if lock.deadline <= t or (o is not None and lock.owner != o):
+                return None
+            return self._snapshot(lock)
+        if lock.n_leases == 0:
+            return None
+        if o is not None:
+            lease = <_Lease>lock.leases.get(o)
+            if lease is None or lease.deadline <= t:
+                return None
+            return self._lease_snapshot(lock, lease)
+        for lease in lock.leases.values():
+            if lease.deadline > t:
+                return self._lease_snapshot(lock, lease)
+        return None
+
+    def holders_of(self, name, now):
+        """Every unexpired holder of ``name`` at ``now`` (:class:`Holder` snapshots):
+        the exclusive holder, or the shared holders / permits in grant order.  Pure query."""
+        cdef str n = _name(name)
+        cdef int64_t t = _ms(now, "now", 0)
+        cdef _Lock lock = <_Lock>self._locks.get(n)
+        cdef _Lease lease
+        cdef list out = []
+        if lock is None:
+            return out
+        if lock.held:
+            if lock.deadline > t:
+                out.append(self._snapshot(lock))
+        elif lock.n_leases:
+            for lease in lock.leases.values():
+                if lease.deadline > t:
+                    out.append(self._lease_snapshot(lock, lease))
+        return out
+
+    cdef Holder _lease_snapshot(self, _Lock lock, _Lease lease):
+        cdef Holder h = Holder.__new__(Holder)
+        h.name = lock.name
+        h.token = lease.token
+        h.owner = lease.owner
+        h.session = lease.session
+        h.ttl_ms = lease.ttl_ms
+        h.deadline_ms = lease.deadline
+        h.lock_delay_ms = lease.lock_delay_ms
+        h.meta = lease.meta
+        h.shared = lease.shared
+        h.limit = lock.limit
+        return h
 
     cdef Holder _snapshot(self, _Lock lock):
         cdef Holder h = Holder.__new__(Holder)
@@ -935,16 +1516,28 @@ cdef class LockTable:
         h.deadline_ms = lock.deadline
         h.lock_delay_ms = lock.lock_delay_ms
         h.meta = lock.meta
+        h.shared = False
+        h.limit = 0
         return h
 
     def check(self, name, token, now):
-        """True iff ``token`` is the current unexpired holder's token at ``now``
-        (Chubby's sequencer check).  Pure query."""
+        """True iff ``token`` is the token of an unexpired holder of ``name`` at ``now``
+        (Chubby's sequencer check): the exclusive holder, or any shared holder / permit
+        (O(holders) for those).  Pure query."""
         cdef str n = _name(name)
         cdef int64_t tok = _token(token)
         cdef int64_t t = _ms(now, "now", 0)
         cdef _Lock lock = <_Lock>self._locks.get(n)
-        return lock is not None and lock.held and lock.token == tok and t < lock.deadline
+        cdef _Lease lease
+        if lock is None:
+            return False
+        if lock.held:
+            return lock.token == tok and t < lock.deadline
+        if lock.n_leases:
+            for lease in lock.leases.values():
+                if lease.token == tok:
+                    return t < lease.deadline
+        return False
 
     def waiters(self, name):
         """Owners (bytes) waiting on ``name``, in FIFO order."""
@@ -971,15 +1564,20 @@ cdef class LockTable:
         not processed yet."""
         cdef list out = []
         cdef _Lock lock
+        cdef _Lease lease
         for lock in self._locks.values():
             if lock.held:
                 out.append(self._snapshot(lock))
+            elif lock.n_leases:
+                for lease in lock.leases.values():
+                    out.append(self._lease_snapshot(lock, lease))
         return out
 
     def stats(self):
-        """Counters (dict str -> int): locks_held, waiters, grants (fresh grants),
+        """Counters (dict str -> int): locks_held (leases held: each shared holder and
+        each permit counts), waiters, grants (fresh grants),
         releases, expiries, wait_timeouts, cancels (waiters removed by cancel(), by a
-        retry, or by drop_session()), plus locks (table entries) and deadlines
+        retry, or by drop_session()), deadlocks (waiters failed by break_deadlocks()), plus locks (table entries) and deadlines
         (heap size)."""
         return {
             "locks_held": self._n_held,
@@ -989,12 +1587,13 @@ cdef class LockTable:
             "expiries": self._expiries,
             "wait_timeouts": self._wait_timeouts,
             "cancels": self._cancels,
+            "deadlocks": self._deadlocks,
             "locks": len(self._locks),
             "deadlines": len(self._heap),
         }
 
     def __len__(self):
-        """Number of locks currently held."""
+        """Number of leases currently held (each shared holder and permit counts)."""
         return self._n_held
 
     @property
@@ -1004,7 +1603,7 @@ cdef class LockTable:
 
     # -- replication / recovery ------------------------------------------------------
 
-    def install_holder(self, name, token, owner, ttl_ms, lock_delay_ms, meta, now):
+    def install_holder(self, name, token, owner, ttl_ms, lock_delay_ms, meta, now, shared=False, limit=0):
         """Make (token, owner) the holder of ``name`` with deadline ``now + ttl_ms``.
 
         Used by WAL replay and by a standby: replaces any current holder silently,
@@ -1012,6 +1611,12 @@ cdef class LockTable:
         to at least the token's counter and the epoch to at least the token's epoch.
         The session of an installed holder is 0.  Queued waiters stay queued, except a
         waiter with the same owner key, which gets EV_WAIT_CANCELLED.
+
+        ``shared`` / ``limit`` (as acquire()) install a non-exclusive lease: it
+        replaces an exclusive holder and the same owner's lease, joins the other
+        shared holders / permits (the limit is not enforced: the log is the
+        authority; leases under another limit are replaced), and sets the name's limit.  An exclusive install replaces every
+        holder of the name.
 
         Raises:
           TypeError / ValueError: a bad argument, e.g. a token outside 1..2**63-1 or
@@ -1021,25 +1626,52 @@ cdef class LockTable:
         cdef int64_t tok = _token(token)
         cdef bytes o
         cdef int64_t ttl, delay, t, ctr
+        cdef bint sh = False
+        cdef int64_t lim = 0
         cdef _Lock lock
         cdef _Waiter w
+        cdef _Lease lease
         if tok & _MAX_COUNTER == 0:
             raise ValueError(f"token {tok} has a zero counter part; no such token is issued")
         o = _owner(owner)
         ttl = _ms(ttl_ms, "ttl_ms", 1)
         delay = _lock_delay(lock_delay_ms)
         t = _ms(now, "now", 0)
+        if shared is not False:
+            if not PyBool_Check(shared):
+                raise TypeError(f"shared must be a bool, not {type(shared).__name__}")
+            sh = shared is True
+        if limit is not 0:
+            lim = _limit(limit, sh)
         self._advance(t)
         lock = <_Lock>self._locks.get(n)
         if lock is None:
             lock = self._new_lock(n)
         elif lock.head is not None:
             w = lock.by_owner.get(o)
-            if w is not None:
-                self._unlink(w)
+            if w is not None and w.group is not None:
+                self._cancels += len(w.group.members)
+                self._remove_group(w.group, _EV_WAIT_CANCELLED, None, lock, t, t)
+            elif w is not None:
                 self._cancels += 1
-                self._event(_EV_WAIT_CANCELLED, n, 0, w.owner, w.session, w.request, w.ttl_ms, 0,
-                            w.meta, False, w.lock_delay_ms)
+                self._waiter_event(_EV_WAIT_CANCELLED, w)
+                self._unlink(w)
+        if sh or lim or lock.n_leases:
+            # drop the leases this install replaces
+            if lock.n_leases:
+                for lease in list(lock.leases.values()):
+                    if not (sh or lim) or lease.owner == o or lock.limit != lim:
+                        self._drop_lease(lock, lease)
+            if lock.held and (sh or lim):
+                self._drop_holder(lock)
+        if sh or lim:
+            lock.limit = lim
+            if lock.index >= 0:
+                self._unschedule(lock)
+            self._install_lease(lock, tok, o, ttl, delay, meta, sh, t)
+            self._counter_at_least(tok)
+            return
+        lock.limit = 0
         if not lock.held:
             self._n_held += 1
         lock.held = True
@@ -1052,15 +1684,40 @@ cdef class LockTable:
         lock.delay_until = 0
         lock.kind = K_LEASE
         self._schedule(lock, t + ttl)
-        ctr = tok & _MAX_COUNTER
+        self._counter_at_least(tok)
+
+    cdef inline void _counter_at_least(self, int64_t tok):
+        """Raise the counter and the epoch to at least those of ``tok``."""
+        cdef int64_t ctr = tok & _MAX_COUNTER
         if ctr > self._counter:
             self._counter = ctr
         if (tok >> _SHIFT) > self._epoch:
             self._epoch = tok >> _SHIFT
 
+    cdef void _install_lease(self, _Lock lock, int64_t tok, bytes o, int64_t ttl, int64_t delay,
+                             object meta, bint sh, int64_t t):
+        cdef _Lease lease = _Lease.__new__(_Lease)
+        lock.delay_until = 0
+        lease.index = -1
+        lease.kind = K_SHARED
+        lease.lock = lock
+        lease.token = tok
+        lease.owner = o
+        lease.session = 0
+        lease.ttl_ms = ttl
+        lease.lock_delay_ms = delay
+        lease.meta = meta
+        lease.shared = sh
+        if lock.leases is None:
+            lock.leases = {}
+        lock.leases[o] = lease
+        lock.n_leases += 1
+        self._n_held += 1
+        self._schedule(lease, t + ttl)
+
     def remove_holder(self, name, token, now):
-        """Replay of a release or expiry: drop the holder of ``name`` if its token is
-        ``token`` (no event, no lock-delay), then hand the lock to the next waiter as a
+        """Replay of a release or expiry: drop the holder (of any kind) of ``name`` whose
+        token is ``token`` (no event, no lock-delay), then hand the lock to the next waiter as a
         release would.  Returns True if a holder was dropped, else False.
 
         Raises TypeError / ValueError for a bad argument (state unchanged).
@@ -1069,11 +1726,164 @@ cdef class LockTable:
         cdef int64_t tok = _token(token)
         cdef int64_t t = _ms(now, "now", 0)
         cdef _Lock lock
+        cdef _Lease lease
         self._advance(t)
         lock = <_Lock>self._locks.get(n)
-        if lock is None or not lock.held or lock.token != tok:
+        if lock is None:
             return False
-        self._drop_holder(lock)
+        if lock.held and lock.token == tok:
+            self._drop_holder(lock)
+        else:
+            if lock.n_leases == 0:
+                return False
+            for lease in lock.leases.values():
+                if lease.token == tok:
+                    break
+            else:
+                return False
+            self._drop_lease(lock, lease)
+        self._settle(lock, t, t)
+        return True
+
+    # -- deadlock detection ----------------------------------------------------------
+
+    cdef dict _wait_for(self, int64_t t, int64_t min_wait):
+        """The wait-for graph: session -> {session it waits for: [its waiters causing it]}."""
+        cdef dict graph = {}
+        cdef _Lock lock
+        cdef _Waiter w
+        cdef _Lease lease
+        cdef list holders_all, holders_excl, ahead_all, ahead_excl, targets
+        for lock in self._locks.values():
+            if lock.head is None or lock.limit:
+                continue
+            holders_excl = [lock.session] if lock.held else []
+            holders_all = list(holders_excl)
+            if lock.n_leases:
+                for lease in lock.leases.values():
+                    holders_all.append(lease.session)
+            ahead_all = []
+            ahead_excl = []
+            w = lock.head
+            while w is not None:
+                if w.session != 0 and t - w.enqueued_ms >= min_wait:
+                    targets = holders_excl + ahead_excl if w.shared else holders_all + ahead_all
+                    for v in targets:
+                        if v != 0:
+                            graph.setdefault(w.session, {}).setdefault(v, []).append(w)
+                ahead_all.append(w.session)
+                if not w.shared:
+                    ahead_excl.append(w.session)
+                w = w.next
+        return graph
+
+    def break_deadlocks(self, now, min_wait_ms):
+        """Find and break deadlocks among waiters; returns the cycles broken (a list of
+        tuples of ``(session, name)`` steps, as ``Event.cycle``).
+
+        The wait-for graph links sessions (the identity of a client: its
+        connection): a waiter of session S on lock L waits for the session of every
+        holder of L it conflicts with and of every conflicting waiter queued ahead
+        of it (FIFO: those are granted first).  Only waiters that have waited at
+        least ``min_wait_ms`` (ms since the request they answer arrived) are edges,
+        so a cycle is reported once it has existed that long (PostgreSQL's
+        ``deadlock_timeout``).  Session 0 (installed holders) is unknown and never
+        part of a cycle; semaphore waiters are left out (a permit waits for ANY
+        holder, so a cycle through one is not a deadlock).  A session that holds a
+        lock and waits for it again under another owner key is a cycle of one.
+
+        For each cycle found (sessions searched in ascending order, neighbours in
+        ascending order, depth first) the youngest waiter causing one of its edges
+        (latest arrival, then greatest name, then owner) is failed: it leaves its
+        queue with EV_DEADLOCK whose ``cycle`` starts with its own step, and its
+        lock is settled (grants may follow).  PostgreSQL fails the process that ran
+        the check; failing the youngest loses the least waiting.  The graph is then
+        rebuilt and searched again until it has no cycle.
+
+        Raises TypeError / ValueError for a bad argument (state unchanged).
+        """
+        cdef int64_t t = _ms(now, "now", 0)
+        cdef int64_t min_wait = _ms(min_wait_ms, "min_wait_ms", 0)
+        cdef list broken = []
+        cdef dict graph
+        cdef _Waiter w, victim
+        cdef _Lock lock
+        cdef Event ev
+        self._advance(t)
+        while True:
+            graph = self._wait_for(t, min_wait)
+            path = _find_cycle(graph)
+            if path is None:
+                return broken
+            victim = None
+            k = len(path)
+            for i in range(k):
+                for w in graph[path[i]][path[(i + 1) % k]]:
+                    if victim is None or (w.enqueued_ms, w.lock.name, w.owner) > (
+                            victim.enqueued_ms, victim.lock.name, victim.owner):
+                        victim = w
+                        at = i
+            steps = []
+            for j in range(k):
+                i = (at + j) % k
+                if j == 0:
+                    w = victim
+                else:
+                    w = max(graph[path[i]][path[(i + 1) % k]], key=_waiter_age_key)
+                steps.append((path[i], w.lock.name))
+            cycle = tuple(steps)
+            lock = victim.lock
+            self._deadlocks += 1
+            broken.append(cycle)
+            if victim.group is not None:
+                self._remove_group(victim.group, _EV_DEADLOCK, cycle, None, t, t)
+                continue
+            ev = self._waiter_event(_EV_DEADLOCK, victim)
+            ev.cycle = cycle
+            self._unlink(victim)
+            self._settle(lock, t, t)
+
+    def lock_delays(self):
+        """Every running lock-delay as ``(name, until_ms)`` pairs (monotonic ms), in no
+        particular order: what a snapshot must keep so that a restarted or promoted
+        node still refuses the name until the delay has passed.  Includes delays that
+        ``expire()`` has not yet processed (until_ms <= now).  Pure query.
+
+        A delay starts when a lease with a lock-delay expires: its EV_EXPIRED event
+        carries ``deadline_ms`` and ``lock_delay_ms``, so the delay runs until
+        ``deadline_ms + lock_delay_ms`` (the later one if several overlap).
+        """
+        cdef list out = []
+        cdef _Lock lock
+        for lock in self._locks.values():
+            if lock.delay_until > 0 and not lock.held:
+                out.append((lock.name, lock.delay_until))
+        return out
+
+    def install_lock_delay(self, name, until_ms, now):
+        """Replay of a running lock-delay: no grant on ``name`` before ``until_ms``
+        (monotonic ms), as if a lease had expired with that lock-delay.
+
+        A later deadline than the current one wins.  Ignored (returns False) when
+        ``until_ms <= now`` or when ``name`` is held exclusively (that holder was
+        granted after the delay, which ended it); else returns True.  Waiters stay
+        queued until the delay ends.
+
+        Raises TypeError / ValueError for a bad argument (state unchanged).
+        """
+        cdef str n = _name(name)
+        cdef int64_t until = _ms(until_ms, "until_ms", 0)
+        cdef int64_t t = _ms(now, "now", 0)
+        cdef _Lock lock
+        self._advance(t)
+        if until <= t:
+            return False
+        lock = <_Lock>self._locks.get(n)
+        if lock is None:
+            lock = self._new_lock(n)
+        elif lock.held:
+            return False
+        lock.delay_until = _max(lock.delay_until, until)
         self._settle(lock, t, t)
         return True
 
@@ -1108,3 +1918,43 @@ cdef class LockTable:
 
 def _entry_key(_Entry e):
     return (e.deadline, e.seq)
+
+
+def _waiter_age_key(_Waiter w):
+    return (w.enqueued_ms, w.lock.name, w.owner)
+
+
+def _find_cycle(dict graph):
+    """The first cycle of a depth-first search of ``graph`` (node -> {node: ...}),
+    roots and neighbours in ascending order, as a list of nodes; None if acyclic.
+    (Indexes are never negative: the module is compiled without wraparound.)"""
+    cdef dict state = {}  # node -> 1 on the current path, 2 finished
+    cdef list path, todo, nexts, positions
+    cdef Py_ssize_t pos, top
+    for root in sorted(graph):
+        if root in state:
+            continue
+        path = [root]
+        todo = [sorted(graph[root])]  # per node on the path: its neighbours
+        positions = [0]               # per node on the path: the next neighbour's index
+        state[root] = 1
+        while path:
+            top = len(path) - 1
+            nexts = <list>todo[top]
+            pos = positions[top]
+            if pos >= len(nexts):
+                todo.pop()
+                positions.pop()
+                state[path.pop()] = 2
+                continue
+            positions[top] = pos + 1
+            nxt = nexts[pos]
+            mark = state.get(nxt)
+            if mark == 1:
+                return path[path.index(nxt):]
+            if mark is None:
+                state[nxt] = 1
+                path.append(nxt)
+                todo.append(sorted(graph.get(nxt, ())))
+                positions.append(0)
+    return None

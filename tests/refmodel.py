@@ -22,34 +22,48 @@ Semantics in one place (the compiled table must match every line):
   global grant hold.  An unheld lock with waiters is always blocked and has
   one "block" entry at the end of the block; an unheld lock without waiters
   is kept only while its lock-delay runs (entry at ``delay_until``); otherwise
-  it is deleted.
+  it is deleted (unless it has shared holders / permits).
+* Kinds: an exclusive lease (``holder``), or any number of non-exclusive leases
+  (``shared``: shared holders, or semaphore permits when ``limit > 0``), never
+  both.  A request is granted only from the head of the FIFO queue (or when the
+  queue is empty) and only when compatible: exclusive needs no holder at all; a
+  shared request needs no exclusive holder; a permit needs fewer than ``limit``
+  permits.  Settling grants head waiters while they are compatible (consecutive
+  readers together).  A name's ``limit`` is fixed while it has holders or
+  waiters; a request with another limit gets LIMIT_CONFLICT.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 GRANTED = 0
 QUEUED = 1
 NOT_ACQUIRED = 2
+LIMIT_CONFLICT = 3
 
 EV_GRANTED = 1
 EV_EXPIRED = 2
 EV_WAIT_TIMEOUT = 3
 EV_WAIT_CANCELLED = 4
+EV_DEADLOCK = 5
 
 TOKEN_EPOCH_SHIFT = 40
 MAX_EPOCH = (1 << 23) - 1
 MAX_COUNTER = (1 << 40) - 1
 MAX_LOCK_DELAY_MS = 60_000
 MAX_MS = (1 << 53) - 1
+MAX_LIMIT = (1 << 31) - 1
+MAX_MANY = 64
 _INT64_MAX = (1 << 63) - 1
 _INT64_MIN = -(1 << 63)
 
 LEASE = "lease"
 WAIT = "wait"
 BLOCK = "block"
+SHARED = "shared"
+GROUP = "group"
 
 
 class NotHolder(LookupError):
@@ -72,6 +86,9 @@ class Event:
     # EV_GRANTED: grant time minus the answered request's arrival (0 immediate,
     # the queueing time when queued, <= 0 for a re-delivered lease)
     waited_ms: int = 0
+    shared: bool = False
+    limit: int = 0
+    cycle: Any = None  # EV_DEADLOCK: ((session, name), ...) starting with the failed waiter's step
 
 
 @dataclass
@@ -84,6 +101,8 @@ class Holder:
     deadline_ms: int
     lock_delay_ms: int
     meta: Any
+    shared: bool = False
+    limit: int = 0
 
 
 @dataclass(eq=False)
@@ -91,8 +110,10 @@ class _Entry:
     deadline: int
     seq: int
     kind: str
-    lock: "_Lock"
-    waiter: Optional["_Waiter"] = None
+    lock: _Lock
+    waiter: _Waiter | None = None
+    lease: _Lease | None = None
+    group: _Group | None = None
 
 
 @dataclass(eq=False)
@@ -104,6 +125,7 @@ class _Lease:
     lock_delay_ms: int
     meta: Any
     entry: _Entry
+    shared: bool = False
 
 
 @dataclass(eq=False)
@@ -114,17 +136,29 @@ class _Waiter:
     ttl_ms: int
     lock_delay_ms: int
     meta: Any
-    entry: Optional[_Entry]  # None: waits forever
+    entry: _Entry | None  # None: waits forever
     enqueued_ms: int = 0  # ``now`` of the acquire this waiter answers
+    shared: bool = False
+    group: _Group | None = None  # its acquire_many() request
+    lock: _Lock | None = None
+
+
+@dataclass(eq=False)
+class _Group:
+    """A waiting acquire_many() request: a waiter per name, granted together."""
+    members: list
+    entry: _Entry | None = None
 
 
 class _Lock:
     def __init__(self, name: str) -> None:
         self.name = name
-        self.holder: Optional[_Lease] = None
+        self.holder: _Lease | None = None  # the exclusive lease
+        self.shared: dict[bytes, _Lease] = {}  # non-exclusive leases by owner, in grant order
+        self.limit = 0  # semaphore limit; 0 for a lock
         self.waiters: list[_Waiter] = []  # FIFO
         self.delay_until = 0
-        self.block: Optional[_Entry] = None
+        self.block: _Entry | None = None
 
 
 # -- argument checks (same order and exception types as the compiled core) --------
@@ -166,6 +200,21 @@ def _nonneg(v, what):
     return v
 
 
+def _bool(v, what):
+    if type(v) is not bool:
+        raise TypeError(f"{what} must be a bool")
+    return v
+
+
+def _limit(v, shared):
+    v = _int(v, "limit")
+    if v < 0 or v > MAX_LIMIT:
+        raise ValueError("limit out of range")
+    if v and shared:
+        raise ValueError("a semaphore permit cannot also be shared")
+    return v
+
+
 def _lock_delay(v):
     v = _int(v, "lock_delay_ms")
     if v < 0 or v > MAX_LOCK_DELAY_MS:
@@ -185,7 +234,7 @@ class RefLockTable:
         self.epoch = 0
         self._counter = 0
         self.hold_until = 0
-        self.n = dict(grants=0, releases=0, expiries=0, wait_timeouts=0, cancels=0)
+        self.n = dict(grants=0, releases=0, expiries=0, wait_timeouts=0, cancels=0, deadlocks=0)
 
     # -- deadlines -----------------------------------------------------------
 
@@ -195,11 +244,11 @@ class RefLockTable:
         self.entries.append(e)
         return e
 
-    def _unschedule(self, e: Optional[_Entry]) -> None:
+    def _unschedule(self, e: _Entry | None) -> None:
         if e is not None:
             self.entries.remove(e)
 
-    def _earliest(self) -> Optional[_Entry]:
+    def _earliest(self) -> _Entry | None:
         best = None
         for e in self.entries:
             if best is None or (e.deadline, e.seq) < (best.deadline, best.seq):
@@ -241,32 +290,49 @@ class RefLockTable:
             self.entries.remove(e)
             tau = e.deadline
             lock = e.lock
-            if e.kind == LEASE:
-                lease = lock.holder
-                lock.holder = None
+            if e.kind in (LEASE, SHARED):
+                if e.kind == LEASE:
+                    lease = lock.holder
+                    lock.holder = None
+                else:
+                    lease = e.lease
+                    del lock.shared[lease.owner]
                 self.n["expiries"] += 1
                 self.events.append(
                     Event(EV_EXPIRED, lock.name, lease.token, lease.owner, lease.session, None,
-                          lease.ttl_ms, tau, lease.meta, False, lease.lock_delay_ms))
+                          lease.ttl_ms, tau, lease.meta, False, lease.lock_delay_ms, 0, lease.shared,
+                          lock.limit if e.kind == SHARED else 0))
                 if lease.lock_delay_ms > 0:
                     lock.delay_until = max(lock.delay_until, tau + lease.lock_delay_ms)
+            elif e.kind == GROUP:
+                g = e.group
+                g.entry = None
+                self.n["wait_timeouts"] += len(g.members)
+                self._remove_group(g, EV_WAIT_TIMEOUT, None, None, tau, now)
+                continue
             elif e.kind == WAIT:
                 w = e.waiter
+                self.n["wait_timeouts"] += 1
+                self.events.append(self._waiter_event(EV_WAIT_TIMEOUT, lock, w))
                 w.entry = None
                 self._remove_waiter(lock, w)
-                self.n["wait_timeouts"] += 1
-                self.events.append(
-                    Event(EV_WAIT_TIMEOUT, lock.name, 0, w.owner, w.session, w.request, w.ttl_ms, 0,
-                          w.meta, False, w.lock_delay_ms))
             else:
                 lock.block = None
             self._settle(lock, tau, now)
 
-    def _grant(self, lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now, waited_ms=0) -> None:
+    @staticmethod
+    def _waiter_event(kind, lock, w) -> Event:
+        return Event(kind, lock.name, 0, w.owner, w.session, w.request, w.ttl_ms, 0, w.meta, False,
+                     w.lock_delay_ms, 0, w.shared, lock.limit)
+
+    def _next_token(self) -> int:
         if self._counter >= MAX_COUNTER:
             raise OverflowError("fencing counter exhausted")
         self._counter += 1
-        token = (self.epoch << TOKEN_EPOCH_SHIFT) | self._counter
+        return (self.epoch << TOKEN_EPOCH_SHIFT) | self._counter
+
+    def _grant(self, lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now, waited_ms=0) -> None:
+        token = self._next_token()
         self._unschedule(lock.block)
         lock.block = None
         lock.delay_until = 0
@@ -277,10 +343,29 @@ class RefLockTable:
             Event(EV_GRANTED, lock.name, token, owner, session, request, ttl_ms, now + ttl_ms, meta,
                   True, lock_delay_ms, waited_ms))
 
+    def _grant_lease(self, lock, owner, session, request, ttl_ms, lock_delay_ms, meta, shared, now,
+                     waited_ms=0) -> None:
+        token = self._next_token()
+        self._unschedule(lock.block)
+        lock.block = None
+        lock.delay_until = 0
+        entry = self._schedule(SHARED, lock, now + ttl_ms)
+        lease = _Lease(token, owner, session, ttl_ms, lock_delay_ms, meta, entry, shared)
+        entry.lease = lease
+        lock.shared[owner] = lease
+        self.n["grants"] += 1
+        self.events.append(
+            Event(EV_GRANTED, lock.name, token, owner, session, request, ttl_ms, now + ttl_ms, meta,
+                  True, lock_delay_ms, waited_ms, shared, lock.limit))
+
     def _remove_waiter(self, lock, w) -> None:
         lock.waiters.remove(w)
         self._unschedule(w.entry)
         w.entry = None
+        w.lock = None
+        if w.group is not None and w.group.entry is not None:
+            self._unschedule(w.group.entry)
+            w.group.entry = None
         order = self.sessions[w.session]
         order.remove((lock.name, w.owner))
         if not order:
@@ -293,7 +378,8 @@ class RefLockTable:
         lock.block = self._schedule(BLOCK, lock, at)
 
     def _settle(self, lock, tau, now) -> None:
-        """An unheld lock at logical time tau: hand off, stay blocked, or go away."""
+        """A lock without an exclusive holder at logical time tau: grant its compatible
+        head waiters, stay blocked, or go away."""
         if lock.holder is not None:
             return
         if lock.delay_until <= tau:
@@ -301,12 +387,29 @@ class RefLockTable:
         if lock.waiters:
             until = max(lock.delay_until, self.hold_until)
             if tau >= until:
-                if self._counter >= MAX_COUNTER:
-                    raise OverflowError("fencing counter exhausted")
-                w = lock.waiters[0]
-                self._remove_waiter(lock, w)
-                self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms, w.meta, now,
-                            now - w.enqueued_ms)
+                self._unschedule(lock.block)
+                lock.block = None
+                while lock.waiters and lock.holder is None:
+                    w = lock.waiters[0]
+                    if w.group is not None:
+                        if not self._group_ready(w.group, tau):
+                            break
+                        self._grant_group(w.group, now, tau, lock)
+                        continue
+                    exclusive = not (w.shared or lock.limit)
+                    if exclusive and lock.shared:
+                        break
+                    if not exclusive and lock.limit and len(lock.shared) >= lock.limit:
+                        break
+                    if self._counter >= MAX_COUNTER:
+                        raise OverflowError("fencing counter exhausted")
+                    self._remove_waiter(lock, w)
+                    if exclusive:
+                        self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms, w.meta,
+                                    now, now - w.enqueued_ms)
+                        break
+                    self._grant_lease(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms, w.meta,
+                                      w.shared, now, now - w.enqueued_ms)
             else:
                 self._set_block(lock, until)
         elif lock.delay_until > tau:
@@ -314,20 +417,59 @@ class RefLockTable:
         else:
             self._unschedule(lock.block)
             lock.block = None
-            del self.locks[lock.name]
+            if not lock.shared:
+                del self.locks[lock.name]
 
-    def _find_waiter(self, lock, owner) -> Optional[_Waiter]:
+    def _group_ready(self, g, tau) -> bool:
+        for m in g.members:
+            lock = m.lock
+            if lock.waiters[0] is not m or lock.holder is not None:
+                return False
+            if tau < max(lock.delay_until, self.hold_until):
+                return False
+            if not m.shared and lock.shared:
+                return False
+        return True
+
+    def _grant_group(self, g, now, tau, skip) -> None:
+        if self._counter + len(g.members) > MAX_COUNTER:
+            raise OverflowError("fencing counter exhausted")
+        locks = [m.lock for m in g.members]
+        for m, lock in zip(g.members, locks):
+            self._remove_waiter(lock, m)
+        for m, lock in zip(g.members, locks):
+            if m.shared:
+                self._grant_lease(lock, m.owner, m.session, m.request, m.ttl_ms, m.lock_delay_ms, m.meta, True,
+                                  now, now - m.enqueued_ms)
+            else:
+                self._grant(lock, m.owner, m.session, m.request, m.ttl_ms, m.lock_delay_ms, m.meta, now,
+                            now - m.enqueued_ms)
+        for lock in locks:
+            if lock is not skip:
+                self._settle(lock, tau, now)
+
+    def _remove_group(self, g, kind, cycle, skip, tau, now) -> None:
+        locks = [m.lock for m in g.members]
+        for m, lock in zip(g.members, locks):
+            if kind:
+                event = self._waiter_event(kind, lock, m)
+                event.cycle = cycle
+                self.events.append(event)
+            self._remove_waiter(lock, m)
+        for lock in locks:
+            if lock is not skip:
+                self._settle(lock, tau, now)
+
+    def _find_waiter(self, lock, owner) -> _Waiter | None:
         for w in lock.waiters:
             if w.owner == owner:
                 return w
         return None
 
-    def _blocked(self, lock, now) -> bool:
-        return now < max(lock.delay_until if lock else 0, self.hold_until)
-
     # -- lock operations -----------------------------------------------------------
 
-    def acquire(self, name, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now) -> int:
+    def acquire(self, name, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now,
+                shared=False, limit=0) -> int:
         name = _name(name)
         owner = _owner(owner)
         session = _nonneg(session, "session")
@@ -335,49 +477,78 @@ class RefLockTable:
         wait_ms = _ms(wait_ms, "wait_ms", -1)
         lock_delay_ms = _lock_delay(lock_delay_ms)
         now = _ms(now, "now", 0)
+        shared = _bool(shared, "shared")
+        limit = _limit(limit, shared)
+        exclusive = not (shared or limit)
         self._expire(now)
         lock = self.locks.get(name)
-        if lock is not None and lock.holder is not None and lock.holder.owner == owner:
-            h = lock.holder
-            self.events.append(
-                Event(EV_GRANTED, name, h.token, owner, session, request, h.ttl_ms, h.entry.deadline,
-                      h.meta, False, h.lock_delay_ms, h.entry.deadline - h.ttl_ms - now))
-            return GRANTED
-        w = self._find_waiter(lock, owner) if lock is not None else None
-        if w is not None:
-            self.n["cancels"] += 1
-            self.events.append(
-                Event(EV_WAIT_CANCELLED, name, 0, w.owner, w.session, w.request, w.ttl_ms, 0, w.meta,
-                      False, w.lock_delay_ms))
-            if wait_ms == 0:
-                self._remove_waiter(lock, w)
-                self._settle(lock, now, now)
-                return NOT_ACQUIRED
-            if session != w.session:
-                order = self.sessions[w.session]
-                order.remove((name, owner))
-                if not order:
-                    del self.sessions[w.session]
-                self.sessions.setdefault(session, []).append((name, owner))
-                w.session = session
-            w.request, w.ttl_ms, w.lock_delay_ms, w.meta = request, ttl_ms, lock_delay_ms, meta
-            w.enqueued_ms = now
-            self._unschedule(w.entry)
-            w.entry = self._schedule(WAIT, lock, now + wait_ms, w) if wait_ms > 0 else None
-            return QUEUED
-        free = lock is None or (lock.holder is None and not lock.waiters)
-        if free and not self._blocked(lock, now):
-            if lock is None:
+        if lock is None:
+            if now >= self.hold_until:
                 if self._counter >= MAX_COUNTER:
                     raise OverflowError("fencing counter exhausted")
                 lock = self.locks[name] = _Lock(name)
-            self._grant(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now)
-            return GRANTED
+                lock.limit = limit
+                if exclusive:
+                    self._grant(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now)
+                else:
+                    self._grant_lease(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, shared, now)
+                return GRANTED
+        else:
+            if lock.holder is not None or lock.shared or lock.waiters:
+                if limit != lock.limit:
+                    return LIMIT_CONFLICT
+            h = lock.holder if (lock.holder is not None and lock.holder.owner == owner) else lock.shared.get(owner)
+            if h is not None:
+                is_lease = lock.holder is not h
+                self.events.append(
+                    Event(EV_GRANTED, name, h.token, owner, session, request, h.ttl_ms, h.entry.deadline,
+                          h.meta, False, h.lock_delay_ms, h.entry.deadline - h.ttl_ms - now, h.shared,
+                          lock.limit if is_lease else 0))
+                return GRANTED
+            w = self._find_waiter(lock, owner)
+            if w is not None and w.group is not None:
+                raise ValueError("owner waits in an acquire_many() request")
+            if w is not None:
+                self.n["cancels"] += 1
+                self.events.append(self._waiter_event(EV_WAIT_CANCELLED, lock, w))
+                if wait_ms == 0:
+                    self._remove_waiter(lock, w)
+                    self._settle(lock, now, now)
+                    return NOT_ACQUIRED
+                if session != w.session:
+                    order = self.sessions[w.session]
+                    order.remove((name, owner))
+                    if not order:
+                        del self.sessions[w.session]
+                    self.sessions.setdefault(session, []).append((name, owner))
+                    w.session = session
+                w.request, w.ttl_ms, w.lock_delay_ms, w.meta = request, ttl_ms, lock_delay_ms, meta
+                w.enqueued_ms = now
+                self._unschedule(w.entry)
+                w.entry = self._schedule(WAIT, lock, now + wait_ms, w) if wait_ms > 0 else None
+                return QUEUED
+            if (not lock.waiters and lock.holder is None
+                    and now >= max(lock.delay_until, self.hold_until)):
+                if not lock.shared:
+                    lock.limit = limit
+                if exclusive and not lock.shared:
+                    if self._counter >= MAX_COUNTER:
+                        raise OverflowError("fencing counter exhausted")
+                    self._grant(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now)
+                    return GRANTED
+                if not exclusive and (limit == 0 or len(lock.shared) < limit):
+                    if self._counter >= MAX_COUNTER:
+                        raise OverflowError("fencing counter exhausted")
+                    self._grant_lease(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, shared, now)
+                    return GRANTED
         if wait_ms == 0:
             return NOT_ACQUIRED
         if lock is None:
             lock = self.locks[name] = _Lock(name)
-        w = _Waiter(owner, session, request, ttl_ms, lock_delay_ms, meta, None, now)
+            lock.limit = limit
+        elif not lock.waiters and lock.holder is None and not lock.shared:
+            lock.limit = limit
+        w = _Waiter(owner, session, request, ttl_ms, lock_delay_ms, meta, None, now, shared, None, lock)
         lock.waiters.append(w)
         self.sessions.setdefault(session, []).append((name, owner))
         if wait_ms > 0:
@@ -385,11 +556,141 @@ class RefLockTable:
         self._settle(lock, now, now)
         return QUEUED
 
-    def _check_holder(self, name, token, owner):
+    def acquire_many(self, items, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now) -> int:
+        if type(items) not in (list, tuple):
+            raise TypeError("items must be a list or tuple")
+        if not 1 <= len(items) <= MAX_MANY:
+            raise ValueError("items must hold 1..MAX_MANY names")
+        names, kinds = [], []
+        for item in items:
+            if type(item) not in (list, tuple) or len(item) != 2:
+                raise TypeError("each item must be a (name, shared) pair")
+            names.append(_name(item[0]))
+            kinds.append(_bool(item[1], "shared"))
+        if len(set(names)) != len(names):
+            raise ValueError("items name a lock twice")
+        owner = _owner(owner)
+        session = _nonneg(session, "session")
+        ttl_ms = _ms(ttl_ms, "ttl_ms", 1)
+        wait_ms = _ms(wait_ms, "wait_ms", -1)
+        lock_delay_ms = _lock_delay(lock_delay_ms)
+        now = _ms(now, "now", 0)
+        self._expire(now)
+        k = len(names)
+        first = None
+        held_all = True
+        holds_any = False
+        for name, shared in zip(names, kinds):
+            lock = self.locks.get(name)
+            if lock is None:
+                held_all = False
+                continue
+            if lock.limit and (lock.shared or lock.waiters):
+                return LIMIT_CONFLICT
+            w = self._find_waiter(lock, owner)
+            if w is not None:
+                if w.group is None or len(w.group.members) != k or (first is not None and w.group is not first.group):
+                    raise ValueError("owner already waits on a name in another request")
+                first = w
+            holds_any |= (lock.holder is not None and lock.holder.owner == owner) or owner in lock.shared
+            if not ((lock.holder is not None and lock.holder.owner == owner and not shared)
+                    or (shared and owner in lock.shared)):
+                held_all = False
+        if holds_any and not held_all:
+            raise ValueError("owner already holds some of these names in another request")
+        if first is not None:
+            if held_all:
+                raise ValueError("owner already holds some of these names")
+            g = first.group
+            if any(m.lock.name not in names for m in g.members):
+                raise ValueError("owner waits in a request for other names")
+            self.n["cancels"] += len(g.members)
+            for m in g.members:
+                self.events.append(self._waiter_event(EV_WAIT_CANCELLED, m.lock, m))
+            if wait_ms == 0:
+                self._remove_group(g, 0, None, None, now, now)
+                return NOT_ACQUIRED
+            for m in g.members:
+                if session != m.session:
+                    order = self.sessions[m.session]
+                    order.remove((m.lock.name, owner))
+                    if not order:
+                        del self.sessions[m.session]
+                    self.sessions.setdefault(session, []).append((m.lock.name, owner))
+                    m.session = session
+                m.request, m.ttl_ms, m.lock_delay_ms, m.meta = request, ttl_ms, lock_delay_ms, meta
+                m.enqueued_ms = now
+            if g.entry is not None:
+                self._unschedule(g.entry)
+                g.entry = None
+            if wait_ms > 0:
+                g.entry = self._schedule(GROUP, None, now + wait_ms)
+                g.entry.group = g
+            return QUEUED
+        if held_all:
+            for name in names:
+                lock = self.locks[name]
+                h = lock.holder if lock.holder is not None else lock.shared[owner]
+                self.events.append(
+                    Event(EV_GRANTED, name, h.token, owner, session, request, h.ttl_ms, h.entry.deadline,
+                          h.meta, False, h.lock_delay_ms, h.entry.deadline - h.ttl_ms - now, h.shared))
+            return GRANTED
+        free = now >= self.hold_until and all(
+            lock is None or not (lock.waiters or lock.holder is not None or now < lock.delay_until
+                                 or (lock.shared and not shared))
+            for lock, shared in ((self.locks.get(n), sh) for n, sh in zip(names, kinds)))
+        if free:
+            if self._counter + k > MAX_COUNTER:
+                raise OverflowError("fencing counter exhausted")
+            for name, shared in zip(names, kinds):
+                lock = self.locks.get(name)
+                if lock is None:
+                    lock = self.locks[name] = _Lock(name)
+                lock.limit = 0
+                if shared:
+                    self._grant_lease(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, True, now)
+                else:
+                    self._grant(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now)
+            return GRANTED
+        if wait_ms == 0:
+            return NOT_ACQUIRED
+        g = _Group([])
+        for name, shared in zip(names, kinds):
+            lock = self.locks.get(name)
+            if lock is None:
+                lock = self.locks[name] = _Lock(name)
+            elif not lock.waiters and lock.holder is None and not lock.shared:
+                lock.limit = 0
+            w = _Waiter(owner, session, request, ttl_ms, lock_delay_ms, meta, None, now, shared, g, lock)
+            lock.waiters.append(w)
+            self.sessions.setdefault(session, []).append((name, owner))
+            g.members.append(w)
+        if wait_ms > 0:
+            g.entry = self._schedule(GROUP, None, now + wait_ms)
+            g.entry.group = g
+        for w in list(g.members):
+            if w.lock is not None:
+                self._settle(w.lock, now, now)
+        return QUEUED
+
+    def _lease_of(self, name, token, owner):
+        """(lock, lease) for the unexpired holder (token, owner) of ``name``; NotHolder if none."""
         lock = self.locks.get(name)
-        if lock is None or lock.holder is None or lock.holder.token != token or lock.holder.owner != owner:
-            raise NotHolder(name)
-        return lock
+        if lock is not None:
+            h = lock.holder
+            if h is not None and h.token == token and h.owner == owner:
+                return lock, h
+            lease = lock.shared.get(owner)
+            if lease is not None and lease.token == token:
+                return lock, lease
+        raise NotHolder(name)
+
+    def _drop(self, lock, lease) -> None:
+        self._unschedule(lease.entry)
+        if lock.holder is lease:
+            lock.holder = None
+        else:
+            del lock.shared[lease.owner]
 
     def release(self, name, token, owner, now) -> None:
         name = _name(name)
@@ -397,9 +698,8 @@ class RefLockTable:
         owner = _owner(owner)
         now = _ms(now, "now", 0)
         self._expire(now)
-        lock = self._check_holder(name, token, owner)
-        self._unschedule(lock.holder.entry)
-        lock.holder = None
+        lock, lease = self._lease_of(name, token, owner)
+        self._drop(lock, lease)
         self.n["releases"] += 1
         self._settle(lock, now, now)
 
@@ -410,11 +710,11 @@ class RefLockTable:
         ttl_ms = _ms(ttl_ms, "ttl_ms", 1)
         now = _ms(now, "now", 0)
         self._expire(now)
-        lock = self._check_holder(name, token, owner)
-        h = lock.holder
+        lock, h = self._lease_of(name, token, owner)
         h.ttl_ms = ttl_ms
         self._unschedule(h.entry)
-        h.entry = self._schedule(LEASE, lock, now + ttl_ms)
+        h.entry = self._schedule(LEASE if lock.holder is h else SHARED, lock, now + ttl_ms)
+        h.entry.lease = h
         return now + ttl_ms
 
     def cancel(self, name, owner, now) -> bool:
@@ -426,11 +726,13 @@ class RefLockTable:
         w = self._find_waiter(lock, owner) if lock is not None else None
         if w is None:
             return False
-        self._remove_waiter(lock, w)
+        if w.group is not None:
+            self.n["cancels"] += len(w.group.members)
+            self._remove_group(w.group, EV_WAIT_CANCELLED, None, None, now, now)
+            return True
         self.n["cancels"] += 1
-        self.events.append(
-            Event(EV_WAIT_CANCELLED, name, 0, w.owner, w.session, w.request, w.ttl_ms, 0, w.meta, False,
-                  w.lock_delay_ms))
+        self.events.append(self._waiter_event(EV_WAIT_CANCELLED, lock, w))
+        self._remove_waiter(lock, w)
         self._settle(lock, now, now)
         return True
 
@@ -439,11 +741,15 @@ class RefLockTable:
         now = _ms(now, "now", 0)
         self._expire(now)
         count = 0
+        touched = []
         for name, owner in list(self.sessions.get(session, [])):
             lock = self.locks[name]
             self._remove_waiter(lock, self._find_waiter(lock, owner))
             self.n["cancels"] += 1
             count += 1
+            if lock not in touched:
+                touched.append(lock)
+        for lock in touched:  # settled only once every waiter of the session is gone
             self._settle(lock, now, now)
         return count
 
@@ -460,26 +766,41 @@ class RefLockTable:
 
     # -- queries ---------------------------------------------------------------------
 
-    def _snapshot(self, lock) -> Holder:
-        h = lock.holder
-        return Holder(lock.name, h.token, h.owner, h.session, h.ttl_ms, h.entry.deadline, h.lock_delay_ms,
-                      h.meta)
+    def _leases(self, lock) -> list[_Lease]:
+        return [lock.holder] if lock.holder is not None else list(lock.shared.values())
 
-    def holder(self, name, now) -> Optional[Holder]:
+    def _snapshot(self, lock, h=None) -> Holder:
+        h = lock.holder if h is None else h
+        limit = 0 if h is lock.holder else lock.limit
+        return Holder(lock.name, h.token, h.owner, h.session, h.ttl_ms, h.entry.deadline, h.lock_delay_ms,
+                      h.meta, h.shared, limit)
+
+    def holder(self, name, now, owner=None) -> Holder | None:
+        name = _name(name)
+        now = _ms(now, "now", 0)
+        if owner is not None:
+            owner = _owner(owner)
+        for h in self.holders_of(name, now):
+            if owner is None or h.owner == owner:
+                return h
+        return None
+
+    def holders_of(self, name, now) -> list[Holder]:
         name = _name(name)
         now = _ms(now, "now", 0)
         lock = self.locks.get(name)
-        if lock is None or lock.holder is None or lock.holder.entry.deadline <= now:
-            return None
-        return self._snapshot(lock)
+        if lock is None:
+            return []
+        return [self._snapshot(lock, h) for h in self._leases(lock) if h.entry.deadline > now]
 
     def check(self, name, token, now) -> bool:
         name = _name(name)
         token = _nonneg(token, "token")
         now = _ms(now, "now", 0)
         lock = self.locks.get(name)
-        return (lock is not None and lock.holder is not None and lock.holder.token == token
-                and now < lock.holder.entry.deadline)
+        if lock is None:
+            return False
+        return any(h.token == token and now < h.entry.deadline for h in self._leases(lock))
 
     def waiters(self, name) -> list[bytes]:
         lock = self.locks.get(_name(name))
@@ -489,7 +810,7 @@ class RefLockTable:
         return len(self.sessions.get(_nonneg(session, "session"), []))
 
     def holders(self) -> list[Holder]:
-        return [self._snapshot(lock) for lock in self.locks.values() if lock.holder is not None]
+        return [self._snapshot(lock, h) for lock in self.locks.values() for h in self._leases(lock)]
 
     def stats(self) -> dict[str, int]:
         return {
@@ -501,11 +822,15 @@ class RefLockTable:
         }
 
     def __len__(self) -> int:
-        return sum(1 for lock in self.locks.values() if lock.holder is not None)
+        return sum(len(self._leases(lock)) for lock in self.locks.values())
+
+    @property
+    def waiter_count(self) -> int:
+        return sum(len(lock.waiters) for lock in self.locks.values())
 
     # -- replication / recovery ----------------------------------------------------------
 
-    def install_holder(self, name, token, owner, ttl_ms, lock_delay_ms, meta, now) -> None:
+    def install_holder(self, name, token, owner, ttl_ms, lock_delay_ms, meta, now, shared=False, limit=0) -> None:
         name = _name(name)
         token = _nonneg(token, "token")
         if token & MAX_COUNTER == 0:
@@ -514,24 +839,36 @@ class RefLockTable:
         ttl_ms = _ms(ttl_ms, "ttl_ms", 1)
         lock_delay_ms = _lock_delay(lock_delay_ms)
         now = _ms(now, "now", 0)
+        shared = _bool(shared, "shared")
+        limit = _limit(limit, shared)
+        exclusive = not (shared or limit)
         self._expire(now)
         lock = self.locks.get(name)
         if lock is None:
             lock = self.locks[name] = _Lock(name)
         w = self._find_waiter(lock, owner)
-        if w is not None:
-            self._remove_waiter(lock, w)
+        if w is not None and w.group is not None:
+            self.n["cancels"] += len(w.group.members)
+            self._remove_group(w.group, EV_WAIT_CANCELLED, None, lock, now, now)
+        elif w is not None:
             self.n["cancels"] += 1
-            self.events.append(
-                Event(EV_WAIT_CANCELLED, name, 0, w.owner, w.session, w.request, w.ttl_ms, 0, w.meta,
-                      False, w.lock_delay_ms))
+            self.events.append(self._waiter_event(EV_WAIT_CANCELLED, lock, w))
+            self._remove_waiter(lock, w)
+        for lease in list(lock.shared.values()):
+            if exclusive or lease.owner == owner or lock.limit != limit:
+                self._drop(lock, lease)
         if lock.holder is not None:
-            self._unschedule(lock.holder.entry)
+            self._drop(lock, lock.holder)
         self._unschedule(lock.block)
         lock.block = None
         lock.delay_until = 0
-        entry = self._schedule(LEASE, lock, now + ttl_ms)
-        lock.holder = _Lease(token, owner, 0, ttl_ms, lock_delay_ms, meta, entry)
+        lock.limit = limit
+        if exclusive:
+            entry = self._schedule(LEASE, lock, now + ttl_ms)
+            lock.holder = _Lease(token, owner, 0, ttl_ms, lock_delay_ms, meta, entry)
+        else:
+            entry = self._schedule(SHARED, lock, now + ttl_ms)
+            entry.lease = lock.shared[owner] = _Lease(token, owner, 0, ttl_ms, lock_delay_ms, meta, entry, shared)
         self._counter = max(self._counter, token & MAX_COUNTER)
         self.epoch = max(self.epoch, token >> TOKEN_EPOCH_SHIFT)
 
@@ -541,10 +878,110 @@ class RefLockTable:
         now = _ms(now, "now", 0)
         self._expire(now)
         lock = self.locks.get(name)
-        if lock is None or lock.holder is None or lock.holder.token != token:
+        if lock is None:
             return False
-        self._unschedule(lock.holder.entry)
-        lock.holder = None
+        for h in self._leases(lock):
+            if h.token == token:
+                self._drop(lock, h)
+                self._settle(lock, now, now)
+                return True
+        return False
+
+    # -- deadlock detection ------------------------------------------------------------
+
+    def _wait_for_edges(self, now, min_wait_ms) -> dict:
+        """session -> {session it waits for: [waiters causing the edge]}; see break_deadlocks."""
+        graph: dict = {}
+        for lock in self.locks.values():
+            if lock.limit:
+                continue  # a permit waits for ANY holder: no deadlock edge
+            exclusive_holders = [lock.holder.session] if lock.holder is not None else []
+            all_holders = exclusive_holders + [h.session for h in lock.shared.values()]
+            for i, w in enumerate(lock.waiters):
+                if w.session == 0 or now - w.enqueued_ms < min_wait_ms:
+                    continue
+                ahead = lock.waiters[:i]
+                if w.shared:  # conflicts only with exclusive holders and waiters
+                    targets = exclusive_holders + [a.session for a in ahead if not a.shared]
+                else:
+                    targets = all_holders + [a.session for a in ahead]
+                for v in targets:
+                    if v != 0:
+                        graph.setdefault(w.session, {}).setdefault(v, []).append((lock, w))
+        return graph
+
+    @staticmethod
+    def _first_cycle(graph) -> list | None:
+        """Depth-first, roots and neighbours ascending; the first back edge closes the cycle."""
+        done: set = set()
+
+        def visit(node, path):
+            for nxt in sorted(graph.get(node, ())):
+                if nxt in path:
+                    return path[path.index(nxt):]
+                if nxt not in done:
+                    found = visit(nxt, path + [nxt])
+                    if found:
+                        return found
+            done.add(node)
+            return None
+
+        for root in sorted(graph):
+            if root not in done:
+                found = visit(root, [root])
+                if found:
+                    return found
+        return None
+
+    def break_deadlocks(self, now, min_wait_ms) -> list:
+        now = _ms(now, "now", 0)
+        min_wait_ms = _ms(min_wait_ms, "min_wait_ms", 0)
+        self._expire(now)
+        broken = []
+        while True:
+            graph = self._wait_for_edges(now, min_wait_ms)
+            cycle = self._first_cycle(graph)
+            if cycle is None:
+                return broken
+            k = len(cycle)
+            edges = [graph[cycle[i]][cycle[(i + 1) % k]] for i in range(k)]
+
+            def age(lw):
+                return (lw[1].enqueued_ms, lw[0].name, lw[1].owner)
+
+            at, (lock, victim) = max(((i, lw) for i in range(k) for lw in edges[i]), key=lambda x: age(x[1]))
+            steps = [(cycle[at], lock.name)]
+            for j in range(1, k):
+                i = (at + j) % k
+                steps.append((cycle[i], max(edges[i], key=age)[0].name))
+            self.n["deadlocks"] += 1
+            broken.append(tuple(steps))
+            if victim.group is not None:
+                self._remove_group(victim.group, EV_DEADLOCK, tuple(steps), None, now, now)
+                continue
+            event = self._waiter_event(EV_DEADLOCK, lock, victim)
+            event.cycle = tuple(steps)
+            self.events.append(event)
+            self._remove_waiter(lock, victim)
+            self._settle(lock, now, now)
+
+    def lock_delays(self) -> list[tuple[str, int]]:
+        return [(lock.name, lock.delay_until) for lock in self.locks.values()
+                if lock.delay_until > 0 and lock.holder is None]
+
+    def install_lock_delay(self, name, until_ms, now) -> bool:
+        name = _name(name)
+        until_ms = _ms(until_ms, "until_ms", 0)
+        now = _ms(now, "now", 0)
+        self._expire(now)
+        if until_ms <= now:
+            return False
+        lock = self.locks.get(name)
+        if lock is None:
+            lock = self.locks[name] = _Lock(name)
+        elif lock.holder is not None:
+            return False
+        lock.delay_until = max(lock.delay_until, until_ms)
         self._settle(lock, now, now)
         return True
 

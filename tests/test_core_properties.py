@@ -6,6 +6,11 @@ tables and, after every step, compares return values, exception types, the
 drained events (every field), holder(), waiters(), next_deadline(), counters,
 stats() and check(); then checks mutual exclusion, strictly increasing fencing
 tokens, FIFO hand-off and "only the holder releases" on the observed history.
+
+Requests mix every kind: exclusive, shared (read) and semaphore permits (limits
+2 and 3, so that LIMIT_CONFLICT is exercised too); the history check knows that
+shared leases coexist, exclusive ones exclude everything, and permits never
+exceed their limit.
 """
 
 import copy
@@ -18,8 +23,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import refmodel  # noqa: E402
-from fastlock import _core  # noqa: E402
+import refmodel
+
+from fastlock import _core
 
 NAMES = ["a", "b", "c"]
 OWNERS = [b"o1", b"o2", b"o3", b"o4", b"o5"]
@@ -30,6 +36,9 @@ DELAYS = st.sampled_from([0, 0, 0, 10, 200, refmodel.MAX_LOCK_DELAY_MS])
 STEPS = st.sampled_from([0, 1, 3, 10, 50, 200])
 JUMPS = st.sampled_from([0, 1, 5, 100, 1_000, 70_000])
 
+# (shared, limit) of a request: exclusive, shared, or a permit of a 2- or 3-semaphore
+KINDS = st.sampled_from([(False, 0), (False, 0), (True, 0), (True, 0), (False, 2), (False, 3)])
+
 names = st.sampled_from(NAMES)
 owners = st.sampled_from(OWNERS)
 sessions = st.sampled_from(SESSIONS)
@@ -37,13 +46,14 @@ sessions = st.sampled_from(SESSIONS)
 
 def _event(e):
     return (e.kind, e.name, e.token, e.owner, e.session, e.request, e.ttl_ms, e.deadline_ms, e.meta, e.fresh,
-            e.lock_delay_ms, e.waited_ms)
+            e.lock_delay_ms, e.waited_ms, e.shared, e.limit, e.cycle)
 
 
 def _holder(h):
     if h is None:
         return None
-    return (h.name, h.token, h.owner, h.session, h.ttl_ms, h.deadline_ms, h.lock_delay_ms, h.meta)
+    return (h.name, h.token, h.owner, h.session, h.ttl_ms, h.deadline_ms, h.lock_delay_ms, h.meta, h.shared,
+            h.limit)
 
 
 def _call(obj, method, *args):
@@ -68,8 +78,9 @@ class CoreVsModel(RuleBasedStateMachine):
         self.max_token = 0  # highest token ever issued or installed
         self.tokens_seen = [0]
         self.fresh_tokens = []  # every fresh grant, in order
-        # history of leases per name for mutual exclusion: (token, deadline, ended)
-        self.lease = {}  # name -> [token, deadline_ms] of the lease the history says is current
+        # the leases the history says are current: name -> {token: [deadline_ms, shared, limit]}
+        self.lease = {}
+        self.many = {}  # request id -> the names of an acquire_many() request
 
     # -- driving both tables ---------------------------------------------------------
 
@@ -82,7 +93,7 @@ class CoreVsModel(RuleBasedStateMachine):
         if method not in ("hold_grants_until", "set_epoch", "advance_counter"):
             probe.expire(self.now)
         due = len(probe.drain_events())
-        holders_due = {n: probe.holder(n, self.now) for n in NAMES}
+        holders_due = {n: probe.holders_of(n, self.now) for n in NAMES}
         a = _call(self.core, method, *args)
         b = _call(self.model, method, *args)
         assert a == b, (method, args, a, b)
@@ -96,50 +107,81 @@ class CoreVsModel(RuleBasedStateMachine):
         granted = {}
         self.follow(due_events, granted)
         if method == "release" and result[0] == "ok":
-            # only the holder can release: (token, owner) was the unexpired holder
+            # only a holder can release: (token, owner) was an unexpired holder
             name, token, owner, _ = args
-            h = holders_due[name]
-            assert h is not None and (h.token, h.owner) == (token, owner)
-            del self.lease[name]
+            assert (token, owner) in [(h.token, h.owner) for h in holders_due[name]]
+            del self.lease[name][token]
         if method == "remove_holder" and result == ("ok", True):
-            assert holders_due[args[0]].token == args[1]
-            del self.lease[args[0]]
+            assert args[1] in [h.token for h in holders_due[args[0]]]
+            del self.lease[args[0]][args[1]]
         self.follow(own_events, granted)
         if method == "install_holder" and result[0] == "ok":
-            name, token = args[0], args[1]
-            self.lease[name] = [token, self.now + args[3]]
+            name, token, owner = args[0], args[1], args[2]
+            shared, limit = args[7], args[8]
+            current = self.lease.setdefault(name, {})
+            for h in holders_due[name]:  # what the install replaces
+                if not (shared or limit) or not (h.shared or h.limit) or h.owner == owner or h.limit != limit:
+                    current.pop(h.token, None)
+            current[token] = [self.now + args[3], shared, limit]
             self.max_token = max(self.max_token, token)
         if method == "extend" and result[0] == "ok":
-            self.lease[args[0]][1] = result[1]
-        self.check_fifo(granted, queues_before)
+            self.lease[args[0]][args[1]][0] = result[1]
+        left = {(e[1], e[3]) for e in due_events + own_events
+                if e[0] in (refmodel.EV_WAIT_TIMEOUT, refmodel.EV_WAIT_CANCELLED, refmodel.EV_DEADLOCK)}
+        self.check_fifo(granted, queues_before, left)
+        self.check_all_or_nothing(due_events + own_events)
+
+    def check_all_or_nothing(self, events):
+        """A multi-lock request is granted every name in one step, or none."""
+        names = {}
+        for e in events:
+            if e[0] == refmodel.EV_GRANTED and e[5] in self.many:
+                names.setdefault((e[5], e[9]), []).append(e[1])
+        for (request, _fresh), got in names.items():
+            assert sorted(got) == sorted(self.many[request]), (request, got, self.many[request])
 
     def follow(self, events, granted):
         """Replay events on the lease history: mutual exclusion and increasing tokens."""
-        for kind, name, token, owner, _s, _r, _ttl, deadline, _m, fresh, _d, _w in events:
+        for kind, name, token, owner, _s, _r, _ttl, deadline, _m, fresh, _d, _w, shared, limit, cycle in events:
+            current = self.lease.setdefault(name, {})
             if kind == refmodel.EV_EXPIRED:
-                cur = self.lease.pop(name)
-                assert cur == [token, deadline]
+                cur = current.pop(token)
+                assert cur == [deadline, shared, limit]
                 assert deadline <= self.now
             elif kind == refmodel.EV_GRANTED and fresh:
-                # mutual exclusion: the previous lease on this name has ended
-                assert name not in self.lease, (name, self.lease[name], token)
-                self.lease[name] = [token, deadline]
+                others = list(current.values())
+                if not (shared or limit):
+                    # an exclusive lease: every earlier lease on this name has ended
+                    assert not others, (name, current, token)
+                elif limit:
+                    # a permit: fewer than `limit` permits, and nothing else, are held
+                    assert all(o[2] == limit for o in others) and len(others) < limit, (name, current)
+                else:
+                    # a shared lease: only shared leases are held
+                    assert all(o[1] for o in others), (name, current)
+                current[token] = [deadline, shared, limit]
                 # tokens strictly increase, globally and so per lock
                 assert token > self.max_token
                 self.max_token = token
                 self.fresh_tokens.append(token)
                 granted.setdefault(name, []).append(owner)
             elif kind == refmodel.EV_GRANTED:
-                assert self.lease[name][0] == token
+                assert token in current
+            elif kind == refmodel.EV_DEADLOCK:
+                # the failed waiter's own step comes first (a multi-lock request fails on every
+                # name with the cycle through one of them), and every step is a real session
+                assert cycle[0][0] == _s and all(s in SESSIONS for s, _ in cycle)
+                assert cycle[0][1] == name or cycle[0][1] in self.many[_r]
 
-    def check_fifo(self, granted, queues_before):
+    def check_fifo(self, granted, queues_before, left):
         for name, owners_granted in granted.items():
             before = queues_before[name]
             from_queue = [o for o in owners_granted if o in before]
             # FIFO: grants from the queue come in queue order ...
             assert from_queue == sorted(from_queue, key=before.index)
-            # ... and nobody still waiting was overtaken
-            still = [o for o in self.model.waiters(name) if o in before]
+            # ... and nobody still waiting was overtaken (an owner whose request left the
+            # queue during the call and who queued again is a new waiter)
+            still = [o for o in self.model.waiters(name) if o in before and (name, o) not in left]
             for o in from_queue:
                 for s in still:
                     assert before.index(o) < before.index(s), (name, before, o, s)
@@ -148,13 +190,28 @@ class CoreVsModel(RuleBasedStateMachine):
     # (hypothesis picks rules uniformly: the common operations get several rules)
 
     @rule(name=names, owner=owners, session=sessions, ttl=TTLS, wait=WAITS, delay=DELAYS,
-          meta=st.sampled_from([None, 1, "m"]))
-    def acquire(self, name, owner, session, ttl, wait, delay, meta):
+          meta=st.sampled_from([None, 1, "m"]), kind=KINDS)
+    def acquire(self, name, owner, session, ttl, wait, delay, meta, kind):
         self.request_id += 1
-        self.both("acquire", name, owner, session, self.request_id, ttl, wait, delay, meta, self.now)
+        self.both("acquire", name, owner, session, self.request_id, ttl, wait, delay, meta, self.now, *kind)
 
-    @rule(name=names, owner=owners, session=sessions, ttl=TTLS, wait=st.sampled_from([-1, 100, 1_000]))
-    def acquire_and_wait(self, name, owner, session, ttl, wait):
+    @rule(name=names, owner=owners, session=sessions, ttl=TTLS, wait=st.sampled_from([-1, 100, 1_000]),
+          kind=KINDS)
+    def acquire_and_wait(self, name, owner, session, ttl, wait, kind):
+        self.request_id += 1
+        self.both("acquire", name, owner, session, self.request_id, ttl, wait, 0, None, self.now, *kind)
+
+    @rule(items=st.lists(st.tuples(names, st.booleans()), min_size=1, max_size=3,
+                         unique_by=lambda item: item[0]),
+          owner=owners, session=sessions, ttl=TTLS, wait=WAITS, delay=DELAYS)
+    def acquire_many(self, items, owner, session, ttl, wait, delay):
+        self.request_id += 1
+        self.many[self.request_id] = [name for name, _ in items]
+        self.both("acquire_many", items, owner, session, self.request_id, ttl, wait, delay, None, self.now)
+
+    @rule(name=names, owner=owners, session=sessions, ttl=TTLS, wait=st.sampled_from([-1, 0, 100]))
+    def acquire_exclusive_positional(self, name, owner, session, ttl, wait):
+        """The server's call shape: nine positional arguments, an exclusive lock."""
         self.request_id += 1
         self.both("acquire", name, owner, session, self.request_id, ttl, wait, 0, None, self.now)
 
@@ -218,20 +275,41 @@ class CoreVsModel(RuleBasedStateMachine):
         self.both("expire", self.now)
 
     @rule(name=names, owner=owners, ttl=TTLS, delay=DELAYS, bump=st.sampled_from([1, 2, 50]),
-          new_epoch=st.booleans(), lower=st.booleans())
-    def install_holder(self, name, owner, ttl, delay, bump, new_epoch, lower):
-        if lower and self.tokens_seen[-1] & refmodel.MAX_COUNTER:
+          new_epoch=st.booleans(), lower=st.booleans(), kind=KINDS)
+    def install_holder(self, name, owner, ttl, delay, bump, new_epoch, lower, kind):
+        held = {h.token for h in self.model.holders()}
+        if lower and self.tokens_seen[-1] & refmodel.MAX_COUNTER and (kind == (False, 0) or self.tokens_seen[-1] not in held):
             token = self.tokens_seen[-1]  # replay of an older record
         else:
             epoch = self.model.epoch + (1 if new_epoch else 0)
             token = (epoch << 40) | (self.model.counter + bump)
-        self.both("install_holder", name, token, owner, ttl, delay, "installed", self.now)
+        self.both("install_holder", name, token, owner, ttl, delay, "installed", self.now, *kind)
 
     @rule(name=names, right=st.booleans())
     def remove_holder(self, name, right):
         h = self.model.holder(name, self.now)
         token = h.token if (right and h is not None) else self.model.last_token + 1
         self.both("remove_holder", name, token, self.now)
+
+    @rule(who=st.permutations(OWNERS), where=st.permutations(NAMES), s=st.permutations(SESSIONS),
+          shared=st.booleans())
+    def cross_wait(self, who, where, s, shared):
+        """Two sessions each take one name and then wait for the other's: a likely deadlock."""
+        for owner, name, session, kind in ((who[0], where[0], s[0], False), (who[1], where[1], s[1], shared),
+                                           (who[2], where[1], s[0], False), (who[3], where[0], s[1], False)):
+            self.request_id += 1
+            self.both("acquire", name, owner, session, self.request_id, 1_000, -1, 0, None, self.now, kind)
+
+    @rule(min_wait=st.sampled_from([0, 0, 10, 100]))
+    def break_deadlocks(self, min_wait):
+        result = self.both("break_deadlocks", self.now, min_wait)
+        # after breaking, no cycle is left
+        assert self.model._first_cycle(self.model._wait_for_edges(self.now, min_wait)) is None
+        assert result[0] == "ok"
+
+    @rule(name=names, delta=st.sampled_from([-10, 0, 1, 40, 500]))
+    def install_lock_delay(self, name, delta):
+        self.both("install_lock_delay", name, max(0, self.now + delta), self.now)
 
     @rule(delta=st.sampled_from([-50, 0, 30, 300, 2_000]))
     def hold_grants_until(self, delta):
@@ -257,6 +335,29 @@ class CoreVsModel(RuleBasedStateMachine):
         result = self.both(method, *args, self.now)
         assert result[0] == "raised" and result[1] in ("TypeError", "ValueError")
 
+    @rule(bad=st.sampled_from([
+        [],                              # no names
+        [("a", False), ("a", True)],     # a name twice
+        [("a", 1)],                      # shared not a bool
+        [("", False)],                   # empty name
+        ["a"],                           # not a pair
+        "a",                             # not a list
+    ]))
+    def bad_many(self, bad):
+        result = self.both("acquire_many", bad, b"o1", 1, None, 10, -1, 0, None, self.now)
+        assert result[0] == "raised" and result[1] in ("TypeError", "ValueError")
+
+    @rule(bad=st.sampled_from([
+        (1, 0),          # shared not a bool
+        (False, -1),     # negative limit
+        (True, 2),       # shared and a limit
+        (False, 1 << 31),
+        (False, 2.0),
+    ]))
+    def bad_kind(self, bad):
+        result = self.both("acquire", "a", b"o1", 1, None, 10, -1, 0, None, self.now, *bad)
+        assert result[0] == "raised" and result[1] in ("TypeError", "ValueError")
+
     # -- invariants after every step ------------------------------------------------------
 
     @invariant()
@@ -264,11 +365,13 @@ class CoreVsModel(RuleBasedStateMachine):
         c, m, now = self.core, self.model, self.now
         for name in NAMES:
             assert _holder(c.holder(name, now)) == _holder(m.holder(name, now)), name
+            assert [_holder(h) for h in c.holders_of(name, now)] == [_holder(h) for h in m.holders_of(name, now)]
+            for owner in OWNERS[:3]:
+                assert _holder(c.holder(name, now, owner)) == _holder(m.holder(name, now, owner))
             assert c.waiters(name) == m.waiters(name), name
-            h = m.holder(name, now)
-            if h is not None:
+            for h in m.holders_of(name, now):
                 assert c.check(name, h.token, now) and m.check(name, h.token, now)
-                assert not c.check(name, h.token + 1, now)
+                assert not c.check(name, self.model.last_token + 1, now)
         for s in SESSIONS:
             assert c.session_waiters(s) == m.session_waiters(s)
         assert c.next_deadline() == m.next_deadline()
@@ -276,17 +379,17 @@ class CoreVsModel(RuleBasedStateMachine):
         assert c.stats() == m.stats()
         assert len(c) == len(m)
         assert sorted(map(_holder, c.holders())) == sorted(map(_holder, m.holders()))
+        assert sorted(c.lock_delays()) == sorted(m.lock_delays())
         token = c.last_token
         if token != self.tokens_seen[-1]:
             self.tokens_seen.append(token)
 
     @invariant()
-    def at_most_one_unexpired_holder_per_lock(self):
-        # the table has one holder slot per name; the history must agree with it
+    def holders_agree_with_the_history(self):
+        # every unexpired holder the table reports is a lease the history says is current
         for name in NAMES:
-            h = self.model.holder(name, self.now)
-            if h is not None:
-                assert self.lease.get(name) == [h.token, h.deadline_ms]
+            for h in self.model.holders_of(name, self.now):
+                assert self.lease[name][h.token] == [h.deadline_ms, h.shared, h.limit]
 
     @invariant()
     def fresh_tokens_strictly_increase(self):
@@ -298,7 +401,7 @@ class CoreVsModel(RuleBasedStateMachine):
         for name in NAMES:
             if self.model.waiters(name) and self.model.holder(name, self.now) is None:
                 lock = self.model.locks[name]
-                if lock.holder is None:
+                if lock.holder is None and not lock.shared and lock.waiters[0].group is None:
                     assert lock.block is not None
                     assert self.now < max(lock.delay_until, self.model.hold_until) or \
                         lock.block.deadline <= self.now

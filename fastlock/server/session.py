@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 FLUSH_EARLY_BYTES = 256 << 10
 
 
-def recorded_client(conn: "Session") -> str:
+def recorded_client(conn: Session) -> str:
     """What grants record as their client: ``principal:client name`` (the name may be
     empty) - the authenticated principal first, so the self-declared name is never
     mistaken for it.  A record without ``:`` is a bare client name from an older log."""
@@ -66,7 +66,7 @@ class Session(asyncio.Protocol):
                  "watching", "principal", "kind", "grant", "address", "accepted_ms", "last_read_ms", "out_cap",
                  "out_bytes", "waiting", "_drain")
 
-    def __init__(self, server: "LockServer", session: int):
+    def __init__(self, server: LockServer, session: int):
         self.server = server
         self.session = session
         # until HELLO every frame is walked before it is decoded (see protocol.FrameDecoder)

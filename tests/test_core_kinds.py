@@ -1,0 +1,480 @@
+"""Unit tests of the lock kinds in the lock table: shared (read/write) locks and
+counting semaphores, FIFO across kinds, one fencing counter for every grant.
+
+Each test runs against the compiled ``fastlock._core`` and against the reference
+model in tests/refmodel.py, so both are pinned to the same behaviour.
+"""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import refmodel
+
+from fastlock import _core
+
+NAME = "files/report"
+TTL = 1_000
+
+
+class Impl:
+    def __init__(self, mod, table_cls):
+        self.mod = mod
+        self.t = table_cls()
+
+    def acq(self, owner, now, *, shared=False, limit=0, wait=-1, name=NAME, session=1, ttl=TTL, delay=0):
+        return self.t.acquire(name, owner, session, owner, ttl, wait, delay, None, now, shared, limit)
+
+    def grants(self):
+        """Fresh grants since the last call: [(owner, token, shared, limit)]."""
+        return [(e.owner, e.token, e.shared, e.limit) for e in self.t.drain_events()
+                if e.kind == self.mod.EV_GRANTED and e.fresh]
+
+    def holders(self, now, name=NAME):
+        return sorted(h.owner for h in self.t.holders_of(name, now))
+
+    def release(self, owner, now, name=NAME):
+        h = self.t.holder(name, now, owner)
+        assert h is not None, owner
+        self.t.release(name, h.token, owner, now)
+
+
+@pytest.fixture(params=["core", "model"])
+def impl(request):
+    if request.param == "core":
+        return Impl(_core, _core.LockTable)
+    return Impl(refmodel, refmodel.RefLockTable)
+
+
+def test_kind_constants_match_the_model():
+    assert _core.LIMIT_CONFLICT == refmodel.LIMIT_CONFLICT
+    assert len({_core.GRANTED, _core.QUEUED, _core.NOT_ACQUIRED, _core.LIMIT_CONFLICT}) == 4
+    assert _core.MAX_LIMIT == refmodel.MAX_LIMIT == (1 << 31) - 1
+
+
+# -- shared locks ----------------------------------------------------------------------
+
+
+def test_readers_share_and_each_gets_its_own_increasing_token(impl):
+    for i, owner in enumerate((b"r1", b"r2", b"r3")):
+        assert impl.acq(owner, i, shared=True) == impl.mod.GRANTED
+    grants = impl.grants()
+    assert [g[0] for g in grants] == [b"r1", b"r2", b"r3"]
+    assert all(g[2] is True and g[3] == 0 for g in grants)
+    tokens = [g[1] for g in grants]
+    assert tokens == sorted(tokens) and len(set(tokens)) == 3
+    assert impl.holders(5) == [b"r1", b"r2", b"r3"]
+    for token in tokens:
+        assert impl.t.check(NAME, token, 5)
+    assert len(impl.t) == 3
+
+
+def test_a_writer_excludes_readers_and_readers_exclude_a_writer(impl):
+    assert impl.acq(b"w", 0) == impl.mod.GRANTED
+    assert impl.acq(b"r", 1, shared=True, wait=0) == impl.mod.NOT_ACQUIRED
+    impl.release(b"w", 2)
+    assert impl.acq(b"r", 3, shared=True, wait=0) == impl.mod.GRANTED
+    assert impl.acq(b"w2", 4, wait=0) == impl.mod.NOT_ACQUIRED
+
+
+def test_a_stream_of_readers_does_not_starve_a_queued_writer(impl):
+    assert impl.acq(b"r0", 0, shared=True) == impl.mod.GRANTED
+    assert impl.acq(b"w", 1) == impl.mod.QUEUED
+    # readers keep arriving: every one queues behind the writer, none joins r0
+    for i in range(1, 6):
+        assert impl.acq(b"r%d" % i, 1 + i, shared=True) == impl.mod.QUEUED
+    assert impl.acq(b"late", 7, shared=True, wait=0) == impl.mod.NOT_ACQUIRED
+    assert impl.holders(8) == [b"r0"]
+    impl.grants()
+    impl.release(b"r0", 10)
+    (writer,) = impl.grants()
+    assert writer[0] == b"w" and writer[2] is False
+    impl.release(b"w", 11)
+    # the readers behind the writer are granted together, in FIFO order
+    readers = impl.grants()
+    assert [g[0] for g in readers] == [b"r%d" % i for i in range(1, 6)]
+    assert min(g[1] for g in readers) > writer[1]
+
+
+def test_consecutive_readers_at_the_head_are_granted_together_up_to_the_next_writer(impl):
+    assert impl.acq(b"w1", 0) == impl.mod.GRANTED
+    for owner, shared in ((b"r1", True), (b"r2", True), (b"w2", False), (b"r3", True)):
+        assert impl.acq(owner, 1, shared=shared) == impl.mod.QUEUED
+    impl.grants()
+    impl.release(b"w1", 2)
+    assert [g[0] for g in impl.grants()] == [b"r1", b"r2"]
+    assert impl.t.waiters(NAME) == [b"w2", b"r3"]
+    impl.release(b"r1", 3)
+    assert impl.grants() == []  # r2 still reads
+    impl.release(b"r2", 4)
+    assert [g[0] for g in impl.grants()] == [b"w2"]
+
+
+def test_a_cancelled_head_writer_lets_the_readers_behind_it_join(impl):
+    assert impl.acq(b"r0", 0, shared=True) == impl.mod.GRANTED
+    assert impl.acq(b"w", 1) == impl.mod.QUEUED
+    assert impl.acq(b"r1", 2, shared=True) == impl.mod.QUEUED
+    impl.grants()
+    assert impl.t.cancel(NAME, b"w", 3)
+    assert [g[0] for g in impl.grants()] == [b"r1"]
+    assert impl.holders(4) == [b"r0", b"r1"]
+
+
+def test_shared_lease_expiry_extend_and_release_are_per_holder(impl):
+    impl.acq(b"r1", 0, shared=True, ttl=100)
+    impl.acq(b"r2", 0, shared=True, ttl=100)
+    t1, t2 = [g[1] for g in impl.grants()]
+    assert impl.t.extend(NAME, t2, b"r2", 500, 50) == 550
+    with pytest.raises(impl.mod.NotHolder):
+        impl.t.extend(NAME, t1, b"r2", 500, 50)  # r1's token with r2's owner key
+    impl.t.expire(100)
+    expired = [(e.owner, e.shared) for e in impl.t.drain_events() if e.kind == impl.mod.EV_EXPIRED]
+    assert expired == [(b"r1", True)]
+    assert impl.holders(100) == [b"r2"]
+    assert not impl.t.check(NAME, t1, 100) and impl.t.check(NAME, t2, 100)
+    with pytest.raises(impl.mod.NotHolder):
+        impl.t.release(NAME, t1, b"r1", 101)
+    impl.t.release(NAME, t2, b"r2", 101)
+    assert impl.t.holders() == [] and impl.t.stats()["locks"] == 0
+
+
+def test_a_retry_re_delivers_a_shared_lease(impl):
+    impl.acq(b"r1", 0, shared=True)
+    (first,) = impl.grants()
+    assert impl.acq(b"r1", 5, shared=True) == impl.mod.GRANTED
+    (ev,) = impl.t.drain_events()
+    assert (ev.kind, ev.token, ev.fresh, ev.shared) == (impl.mod.EV_GRANTED, first[1], False, True)
+
+
+def test_lock_delay_of_an_expired_reader_blocks_every_kind(impl):
+    impl.acq(b"r1", 0, shared=True, ttl=100, delay=50)
+    impl.t.expire(100)
+    impl.t.drain_events()
+    assert impl.acq(b"r2", 120, shared=True, wait=0) == impl.mod.NOT_ACQUIRED
+    assert impl.acq(b"w", 120) == impl.mod.QUEUED
+    impl.t.expire(150)
+    assert [g[0] for g in impl.grants()] == [b"w"]
+
+
+def test_install_holder_of_shared_leases(impl):
+    impl.t.install_holder(NAME, 7, b"a", 100, 0, None, 0, True, 0)
+    impl.t.install_holder(NAME, 8, b"b", 100, 0, None, 0, True, 0)
+    assert impl.holders(1) == [b"a", b"b"]
+    assert impl.t.counter == 8
+    assert impl.acq(b"r", 2, shared=True, wait=0) == impl.mod.GRANTED
+    assert impl.t.remove_holder(NAME, 7, 3)
+    impl.t.install_holder(NAME, 20, b"x", 100, 0, None, 4)  # an exclusive one replaces them all
+    assert impl.holders(5) == [b"x"]
+
+
+# -- semaphores ------------------------------------------------------------------------
+
+
+def test_a_semaphore_of_three_never_has_four_holders(impl):
+    for i in range(6):
+        status = impl.acq(b"p%d" % i, i, limit=3)
+        assert status == (impl.mod.GRANTED if i < 3 else impl.mod.QUEUED)
+    grants = impl.grants()
+    assert [g[0] for g in grants] == [b"p0", b"p1", b"p2"]
+    assert all(g[3] == 3 and g[2] is False for g in grants)
+    for now in range(10, 16):
+        impl.release(impl.holders(now)[0], now)
+        assert len(impl.holders(now)) <= 3
+        grants += impl.grants()
+    # FIFO hand-off, each permit with its own strictly increasing token
+    assert [g[0] for g in grants] == [b"p%d" % i for i in range(6)]
+    tokens = [g[1] for g in grants]
+    assert tokens == sorted(tokens) and len(set(tokens)) == 6
+
+
+def test_a_conflicting_limit_is_refused_and_changes_nothing(impl):
+    assert impl.acq(b"p1", 0, limit=2) == impl.mod.GRANTED
+    impl.grants()
+    before = (impl.t.stats(), impl.t.waiters(NAME), impl.holders(1))
+    assert impl.acq(b"x", 1, limit=3) == impl.mod.LIMIT_CONFLICT
+    assert impl.acq(b"x", 1) == impl.mod.LIMIT_CONFLICT  # a lock on a semaphore's name
+    assert impl.acq(b"x", 1, shared=True) == impl.mod.LIMIT_CONFLICT
+    assert impl.t.drain_events() == []
+    assert (impl.t.stats(), impl.t.waiters(NAME), impl.holders(1)) == before
+    # and the other way round: a semaphore on a held lock's name
+    assert impl.acq(b"w", 2, name="other") == impl.mod.GRANTED
+    assert impl.acq(b"p", 2, name="other", limit=2) == impl.mod.LIMIT_CONFLICT
+
+
+def test_the_limit_is_forgotten_when_the_name_has_no_holders_or_waiters(impl):
+    impl.acq(b"p1", 0, limit=2)
+    impl.release(b"p1", 1)
+    assert impl.acq(b"p2", 2, limit=5) == impl.mod.GRANTED
+    assert impl.grants()[-1][3] == 5
+
+
+def test_the_limit_is_remembered_while_only_waiters_remain(impl):
+    impl.acq(b"w", 0)
+    assert impl.acq(b"p", 1, limit=2) == impl.mod.LIMIT_CONFLICT
+    impl.acq(b"w2", 1)  # queued behind w
+    impl.release(b"w", 2)
+    assert impl.acq(b"p", 3, limit=2, wait=0) == impl.mod.LIMIT_CONFLICT
+
+
+@pytest.mark.parametrize("shared, limit, exc", [
+    (1, 0, TypeError),
+    (None, 0, TypeError),
+    (False, -1, ValueError),
+    (False, 1 << 31, ValueError),
+    (True, 2, ValueError),
+    (False, 2.0, TypeError),
+])
+def test_bad_kind_arguments_are_refused(impl, shared, limit, exc):
+    with pytest.raises(exc):
+        impl.acq(b"x", 0, shared=shared, limit=limit)
+    assert impl.t.stats()["locks"] == 0 and impl.t.drain_events() == []
+
+
+def test_every_kind_draws_from_one_fencing_counter(impl):
+    impl.acq(b"w", 0, name="a")
+    impl.acq(b"r", 1, name="b", shared=True)
+    impl.acq(b"p", 2, name="c", limit=2)
+    tokens = [g[1] for g in impl.grants()]
+    assert tokens == [1, 2, 3] and impl.t.last_token == 3
+
+
+# -- lock-delay, for the WAL and snapshots ---------------------------------------------
+
+
+def test_a_running_lock_delay_is_listed_and_can_be_replayed(impl):
+    impl.acq(b"a", 0, ttl=100, delay=500)
+    impl.t.expire(100)
+    impl.t.drain_events()
+    assert impl.t.lock_delays() == [(NAME, 600)]
+    # a fresh table (a restart or a promoted standby) replays it
+    other = type(impl.t)()
+    assert other.install_lock_delay(NAME, 600, 150) is True
+    assert other.lock_delays() == [(NAME, 600)]
+    assert other.acquire(NAME, b"b", 1, None, TTL, 0, 0, None, 599) == impl.mod.NOT_ACQUIRED
+    assert other.acquire(NAME, b"b", 1, None, TTL, -1, 0, None, 599) == impl.mod.QUEUED
+    other.expire(600)
+    assert [(e.kind, e.owner) for e in other.drain_events()] == [(impl.mod.EV_GRANTED, b"b")]
+    assert other.lock_delays() == []
+
+
+def test_install_lock_delay_ignores_a_past_delay_and_an_exclusive_holder(impl):
+    assert impl.t.install_lock_delay(NAME, 10, 10) is False
+    assert impl.t.stats()["locks"] == 0
+    impl.acq(b"a", 20)
+    assert impl.t.install_lock_delay(NAME, 500, 30) is False
+    assert impl.t.lock_delays() == []
+    with pytest.raises(ValueError):
+        impl.t.install_lock_delay(NAME, -1, 30)
+
+
+# -- deadlock detection ----------------------------------------------------------------
+
+
+def _deadlocks(impl):
+    return [(e.owner, e.session, e.name, e.cycle) for e in impl.t.drain_events() if e.kind == impl.mod.EV_DEADLOCK]
+
+
+def test_a_two_session_deadlock_fails_the_youngest_waiter(impl):
+    impl.acq(b"s1-a", 0, name="a", session=1)
+    impl.acq(b"s2-b", 0, name="b", session=2)
+    assert impl.acq(b"s1-b", 10, name="b", session=1) == impl.mod.QUEUED
+    assert impl.acq(b"s2-a", 20, name="a", session=2) == impl.mod.QUEUED
+    impl.t.drain_events()
+    assert impl.t.break_deadlocks(25, 100) == []  # not old enough yet
+    assert impl.t.break_deadlocks(120, 100) == [((2, "a"), (1, "b"))]
+    assert _deadlocks(impl) == [(b"s2-a", 2, "a", ((2, "a"), (1, "b")))]
+    assert impl.t.waiters("a") == [] and impl.t.waiters("b") == [b"s1-b"]
+    assert impl.t.break_deadlocks(200, 100) == []
+    assert impl.t.stats()["deadlocks"] == 1
+
+
+def test_a_three_session_cycle_is_broken_once(impl):
+    for s, (held, wanted) in enumerate((("a", "b"), ("b", "c"), ("c", "a")), start=1):
+        impl.acq(b"h%d" % s, 0, name=held, session=s)
+    for s, (held, wanted) in enumerate((("a", "b"), ("b", "c"), ("c", "a")), start=1):
+        assert impl.acq(b"w%d" % s, s, name=wanted, session=s) == impl.mod.QUEUED
+    impl.t.drain_events()
+    (cycle,) = impl.t.break_deadlocks(500, 0)
+    assert cycle == ((3, "a"), (1, "b"), (2, "c"))
+    assert [d[0] for d in _deadlocks(impl)] == [b"w3"]
+
+
+def test_a_writer_waiting_on_its_own_sessions_read_lock_with_a_reader_behind_a_writer(impl):
+    # s1 reads x and waits to write y; s2 writes y and waits to read x behind a queued writer of s1
+    impl.acq(b"r1", 0, name="x", session=1, shared=True)
+    impl.acq(b"w2", 0, name="y", session=2)
+    assert impl.acq(b"w1x", 1, name="x", session=3) == impl.mod.QUEUED      # a writer queued on x (s3)
+    assert impl.acq(b"r2", 2, name="x", session=2, shared=True) == impl.mod.QUEUED  # behind it
+    assert impl.acq(b"w1y", 3, name="y", session=1) == impl.mod.QUEUED
+    impl.t.drain_events()
+    # s2 -> s3 (writer ahead) -> s1 (reader holds x) -> s2 (holds y): a cycle of three
+    (cycle,) = impl.t.break_deadlocks(10, 0)
+    assert {s for s, _ in cycle} == {1, 2, 3}
+    assert _deadlocks(impl)[0][0] == b"w1y"  # the youngest
+
+
+def test_readers_sharing_with_each_other_are_no_deadlock(impl):
+    impl.acq(b"r1", 0, name="x", session=1, shared=True)
+    impl.acq(b"r2", 0, name="y", session=2, shared=True)
+    assert impl.acq(b"r1y", 1, name="y", session=1, shared=True) == impl.mod.GRANTED
+    assert impl.acq(b"r2x", 1, name="x", session=2, shared=True) == impl.mod.GRANTED
+    assert impl.t.break_deadlocks(10, 0) == []
+
+
+def test_semaphore_waits_are_not_deadlock_edges(impl):
+    impl.acq(b"p1", 0, name="s", session=1, limit=1)
+    impl.acq(b"x2", 0, name="x", session=2)
+    assert impl.acq(b"p2", 1, name="s", session=2, limit=1) == impl.mod.QUEUED
+    assert impl.acq(b"x1", 1, name="x", session=1) == impl.mod.QUEUED
+    assert impl.t.break_deadlocks(10, 0) == []
+
+
+def test_a_session_waiting_for_its_own_lock_is_a_cycle_of_one(impl):
+    impl.acq(b"first", 0, session=4)
+    assert impl.acq(b"second", 1, session=4) == impl.mod.QUEUED
+    impl.t.drain_events()
+    assert impl.t.break_deadlocks(2, 0) == [((4, NAME),)]
+    assert _deadlocks(impl) == [(b"second", 4, NAME, ((4, NAME),))]
+
+
+def test_breaking_a_deadlock_hands_the_lock_on(impl):
+    impl.acq(b"a1", 0, name="a", session=1)
+    impl.acq(b"b2", 0, name="b", session=2)
+    impl.acq(b"b1", 1, name="b", session=1)
+    impl.acq(b"a2", 2, name="a", session=2)
+    impl.acq(b"a3", 3, name="a", session=3)  # behind a2: granted once a1 is released
+    impl.t.drain_events()
+    impl.t.break_deadlocks(5, 0)
+    assert impl.t.waiters("a") == [b"a3"]
+    impl.release(b"a1", 6, name="a")
+    assert [g[0] for g in impl.grants()] == [b"a3"]
+
+
+def test_dropping_a_session_never_grants_to_that_session(impl):
+    # s7 queues a writer and then a reader behind it on a read-held lock; its connection
+    # goes: removing the writer must not hand the lock to s7's own reader
+    impl.acq(b"r0", 0, session=1, shared=True)
+    assert impl.acq(b"w7", 1, session=7) == impl.mod.QUEUED
+    assert impl.acq(b"r7", 2, session=7, shared=True) == impl.mod.QUEUED
+    assert impl.acq(b"r8", 3, session=8, shared=True) == impl.mod.QUEUED
+    impl.t.drain_events()
+    assert impl.t.drop_session(7, 4) == 2
+    assert [g[0] for g in impl.grants()] == [b"r8"]
+    assert impl.holders(5) == [b"r0", b"r8"] and impl.t.session_waiters(7) == 0
+
+
+# -- atomic multi-lock -----------------------------------------------------------------
+
+
+def _many(impl, owner, now, items, *, session=1, wait=-1, ttl=TTL):
+    return impl.t.acquire_many(items, owner, session, owner, ttl, wait, 0, None, now)
+
+
+def test_a_free_set_is_granted_at_once_with_a_token_per_name(impl):
+    assert _many(impl, b"m", 0, [("a", False), ("b", True), ("c", False)]) == impl.mod.GRANTED
+    grants = impl.grants()
+    assert [(g[0], g[2]) for g in grants] == [(b"m", False), (b"m", True), (b"m", False)]
+    assert [g[1] for g in grants] == [1, 2, 3]
+    assert [h.token for h in impl.t.holders_of("b", 1)] == [2]
+
+
+def test_a_waiting_set_holds_none_of_its_names(impl):
+    impl.acq(b"x", 0, name="b")
+    assert _many(impl, b"m", 1, [("a", False), ("b", False)]) == impl.mod.QUEUED
+    impl.grants()
+    assert impl.holders(2, name="a") == []  # "a" is free but not taken
+    assert impl.t.waiters("a") == [b"m"] and impl.t.waiters("b") == [b"m"]
+    impl.release(b"x", 3, name="b")
+    assert sorted(g[0] for g in impl.grants()) == [b"m", b"m"]
+    assert impl.holders(4, name="a") == [b"m"] and impl.holders(4, name="b") == [b"m"]
+
+
+def test_a_set_is_never_granted_partially_and_later_waiters_stay_behind_it(impl):
+    impl.acq(b"x", 0, name="b")
+    assert _many(impl, b"m", 1, [("a", False), ("b", False)]) == impl.mod.QUEUED
+    # a later single waiter on "a" queues behind the set even though "a" is free
+    assert impl.acq(b"late", 2, name="a", wait=0) == impl.mod.NOT_ACQUIRED
+    assert impl.acq(b"late", 2, name="a") == impl.mod.QUEUED
+    impl.grants()
+    impl.release(b"x", 3, name="b")
+    assert [(g[0]) for g in impl.grants()] == [b"m", b"m"]
+    assert impl.t.waiters("a") == [b"late"]
+
+
+def test_two_overlapping_sets_in_opposite_order_do_not_deadlock(impl):
+    impl.acq(b"x", 0, name="a", session=9)
+    impl.grants()
+    assert _many(impl, b"m1", 1, [("a", False), ("b", False)], session=1) == impl.mod.QUEUED
+    assert _many(impl, b"m2", 2, [("b", False), ("a", False)], session=2) == impl.mod.QUEUED
+    assert impl.t.break_deadlocks(3, 0) == []
+    impl.release(b"x", 4, name="a")
+    assert [g[0] for g in impl.grants()] == [b"m1", b"m1"]
+    impl.release(b"m1", 5, name="a")
+    assert impl.grants() == []  # m2 needs "b" too
+    impl.release(b"m1", 6, name="b")
+    assert [g[0] for g in impl.grants()] == [b"m2", b"m2"]
+
+
+def test_a_timeout_or_a_cancel_withdraws_the_whole_set(impl):
+    impl.acq(b"x", 0, name="b")
+    assert _many(impl, b"m", 1, [("a", False), ("b", False)], wait=100) == impl.mod.QUEUED
+    impl.t.drain_events()
+    impl.t.expire(101)
+    assert [(e.kind, e.name) for e in impl.t.drain_events()] == [
+        (impl.mod.EV_WAIT_TIMEOUT, "a"), (impl.mod.EV_WAIT_TIMEOUT, "b")]
+    assert impl.t.waiters("a") == [] and impl.t.waiters("b") == []
+    assert _many(impl, b"n", 200, [("a", False), ("b", False)]) == impl.mod.QUEUED
+    assert impl.t.cancel("b", b"n", 201)
+    assert [(e.kind, e.name) for e in impl.t.drain_events()] == [
+        (impl.mod.EV_WAIT_CANCELLED, "a"), (impl.mod.EV_WAIT_CANCELLED, "b")]
+    assert impl.t.session_waiters(1) == 0 and impl.t.stats()["deadlines"] == 1  # x's lease only
+
+
+def test_a_retry_keeps_the_sets_place_and_a_granted_set_is_re_delivered(impl):
+    impl.acq(b"x", 0, name="a")
+    items = [("a", False), ("b", True)]
+    assert _many(impl, b"m", 1, items) == impl.mod.QUEUED
+    impl.t.drain_events()
+    assert _many(impl, b"m", 2, items, session=2) == impl.mod.QUEUED
+    assert [e.kind for e in impl.t.drain_events()] == [impl.mod.EV_WAIT_CANCELLED] * 2
+    assert impl.t.session_waiters(2) == 2 and impl.t.session_waiters(1) == 0
+    impl.release(b"x", 3, name="a")
+    tokens = [g[1] for g in impl.grants()]
+    assert _many(impl, b"m", 4, items) == impl.mod.GRANTED
+    evs = impl.t.drain_events()
+    assert [(e.token, e.fresh) for e in evs] == [(tokens[0], False), (tokens[1], False)]
+
+
+def test_an_owner_key_names_one_request(impl):
+    impl.acq(b"m", 0, name="a")
+    with pytest.raises(ValueError):
+        _many(impl, b"m", 1, [("a", False), ("b", False)])  # holds "a" only
+    impl.acq(b"x", 0, name="c")
+    assert _many(impl, b"n", 1, [("c", False), ("d", False)]) == impl.mod.QUEUED
+    with pytest.raises(ValueError):
+        impl.acq(b"n", 2, name="c")  # a single acquire with a multi-lock's owner key
+    with pytest.raises(ValueError):
+        _many(impl, b"n", 2, [("c", False), ("e", False)])  # another set
+
+
+def test_a_semaphore_name_cannot_be_in_a_set(impl):
+    impl.acq(b"p", 0, name="s", limit=2)
+    assert _many(impl, b"m", 1, [("a", False), ("s", False)]) == impl.mod.LIMIT_CONFLICT
+    assert impl.t.waiters("a") == [] and impl.holders(1, name="a") == []
+
+
+@pytest.mark.parametrize("items, exc", [
+    ([], ValueError),
+    ([("a", False)] * 2, ValueError),
+    ([("a", 0)], TypeError),
+    ([("a",)], TypeError),
+    ("a", TypeError),
+    ([("a", False)] * 65, ValueError),
+])
+def test_bad_sets_are_refused(impl, items, exc):
+    with pytest.raises(exc):
+        _many(impl, b"m", 0, items)
+    assert impl.t.stats()["locks"] == 0
