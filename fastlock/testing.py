@@ -47,9 +47,10 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -98,7 +99,7 @@ class InProcessServer:
         host, port = self.server.address
         return f"{host}:{port}"
 
-    def start(self, timeout: float = 10.0) -> "InProcessServer":
+    def start(self, timeout: float = 10.0) -> InProcessServer:
         self._thread = threading.Thread(target=self._run, name="fastlock-inprocess-server", daemon=True)
         self._thread.start()
         if not self._started.wait(timeout):
@@ -121,7 +122,7 @@ class InProcessServer:
         try:
             server = LockServer(self.config)
             await server.start()
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - re-raised by start() in the caller's thread
             self._error = exc
             self._started.set()
             return
@@ -145,7 +146,7 @@ class InProcessServer:
         thread.join(timeout)
         self._thread = None
 
-    def __enter__(self) -> "InProcessServer":
+    def __enter__(self) -> InProcessServer:
         if self._thread is None:
             self.start()
         return self
@@ -165,9 +166,9 @@ class ServerPair:
             is the operator's token.
     """
 
-    primary: "ServerProcess"
-    standby: "ServerProcess"
-    credentials: "CredentialsDir"
+    primary: ServerProcess
+    standby: ServerProcess
+    credentials: CredentialsDir
 
     @property
     def addresses(self) -> tuple[str, str]:
@@ -195,7 +196,7 @@ def _new_dir(tmp_path: Path, name: str) -> Path:
 
 
 @pytest.fixture
-def fastlock_server_factory(tmp_path: Path) -> Iterator[Callable[..., "ServerProcess"]]:
+def fastlock_server_factory(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
     """``make(name="data", *, args=(), fsync="always", port=0, log_level="INFO", env=None)``:
     start a ``fastlock serve`` subprocess with data dir ``tmp_path/fastlock/<name>``; every one
     is stopped (SIGTERM, then SIGKILL) after the test."""
@@ -216,7 +217,7 @@ def fastlock_server_factory(tmp_path: Path) -> Iterator[Callable[..., "ServerPro
 
 
 @pytest.fixture
-def fastlock_server(fastlock_server_factory: Callable[..., "ServerProcess"]) -> "ServerProcess":
+def fastlock_server(fastlock_server_factory: Callable[..., ServerProcess]) -> ServerProcess:
     """A ``fastlock serve`` subprocess on a free 127.0.0.1 port (open mode, ``--fsync always``)."""
     return fastlock_server_factory("server")
 
@@ -232,7 +233,7 @@ def fastlock_inprocess_server(tmp_path: Path) -> Iterator[InProcessServer]:
 
 
 @pytest.fixture
-def fastlock_sync_client(fastlock_server: "ServerProcess") -> Iterator["SyncClient"]:
+def fastlock_sync_client(fastlock_server: ServerProcess) -> Iterator[SyncClient]:
     """A blocking :class:`fastlock.sync.SyncClient` connected to ``fastlock_server``; closed after the test."""
     from fastlock.sync import SyncClient
 
@@ -246,11 +247,11 @@ def fastlock_sync_client(fastlock_server: "ServerProcess") -> Iterator["SyncClie
 if pytest_asyncio is not None:
 
     @pytest_asyncio.fixture
-    async def fastlock_client(fastlock_server: "ServerProcess") -> Any:
+    async def fastlock_client(fastlock_server: ServerProcess) -> Any:
         """An async :class:`fastlock.Client` connected to ``fastlock_server``; closed after the test."""
-        import fastlock
+        from fastlock.client import connect
 
-        client = await fastlock.connect(fastlock_server.address, client_name="pytest")
+        client = await connect(fastlock_server.address, client_name="pytest")
         try:
             yield client
         finally:
@@ -285,7 +286,7 @@ def fastlock_pair(tmp_path: Path) -> Iterator[ServerPair]:
 
 
 @pytest.fixture
-def fastlock_history() -> Iterator["HistoryChecker"]:
+def fastlock_history() -> Iterator[HistoryChecker]:
     """A :class:`fastlock._testbase.HistoryChecker`, checked after the test (fails it on a violation)."""
     from fastlock._testbase import HistoryChecker
 

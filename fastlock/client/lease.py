@@ -22,8 +22,8 @@ from ..errors import InvalidArgument, WrongArgumentType
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SAFE", "IN_JEOPARDY", "LOST", "Lease", "LeaseState", "LeaseHealth", "WatchEvent", "HolderInfo", "check_fraction",
-           "check_lease"]
+__all__ = ["SAFE", "IN_JEOPARDY", "LOST", "Lease", "LeaseState", "LeaseHealth", "WatchEvent", "HolderInfo",
+           "check_fraction", "check_lease"]
 
 SAFE = "safe"
 IN_JEOPARDY = "in_jeopardy"

@@ -42,7 +42,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from typing import Any, Callable, Literal, TypeVar
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
 from celery import current_app, current_task
 
@@ -138,7 +139,7 @@ def exclusive_task(key: str | Callable[..., str] | None = None, *, ttl: float = 
                     task = current_task
                     if task is None or task.request.called_directly:
                         raise  # called as a plain function: nothing to retry
-                    raise task.retry(exc=exc, countdown=retry_countdown, max_retries=max_retries)
+                    raise task.retry(exc=exc, countdown=retry_countdown, max_retries=max_retries) from exc
                 raise
             try:
                 return fn(*args, **{**kwargs, token_arg: lease.fencing_token})

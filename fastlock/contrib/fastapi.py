@@ -42,10 +42,12 @@ import contextlib
 import logging
 import os
 import socket
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
-import fastlock
-from fastlock.election import Term
+from fastlock.client import connect
+from fastlock.client.election import Term
+from fastlock.errors import FastlockError
 
 __all__ = ["Leadership", "LeaderTask"]
 
@@ -103,10 +105,10 @@ class Leadership:
             yield
 
     @contextlib.asynccontextmanager
-    async def run(self) -> AsyncIterator["Leadership"]:
+    async def run(self) -> AsyncIterator[Leadership]:
         """Connect and campaign in the background until the block exits; then stop
         the leader tasks, resign and close the client."""
-        client = await fastlock.connect(*self.servers, **self.connect_options)
+        client = await connect(*self.servers, **self.connect_options)
         election = client.election(self.name, self.candidate_id, **self.durations)
         campaign = asyncio.ensure_future(self._campaign(election))
         try:
@@ -121,7 +123,7 @@ class Leadership:
         while True:
             try:
                 term = await election.campaign()
-            except fastlock.FastlockError as exc:
+            except FastlockError as exc:
                 log.warning("election %s: campaign failed (%s); again in %.1f s", self.name, exc,
                             self.durations["retry_period"])
                 await asyncio.sleep(self.durations["retry_period"])

@@ -17,8 +17,8 @@ from fastlock import (
     LockNotAcquired,
     MultiLease,
     NotPrimary,
-    WatchEvent,
     StaleFencingToken,
+    WatchEvent,
 )
 from fastlock.election import Election, Leader, Term
 from fastlock.sync import SyncClient, SyncElection, SyncLease, SyncMultiLease, SyncTerm
