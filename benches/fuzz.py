@@ -181,7 +181,8 @@ class Generator:
             return [_junk(rng) for _ in range(rng.randrange(0, 8))]
         name = rng.choice(NAMES) if rng.random() < 0.95 else _junk(rng)
         ttl = rng.choice(VALID_TTLS) if rng.random() < 0.8 else rng.choice(BAD_TTLS)
-        token = rng.choice([1, 2, 3, (1 << 40) | 1, 2**63 - 1, 0, -1, "1"]) if rng.random() < 0.5 else rng.randrange(1, 50)
+        token = (rng.choice([1, 2, 3, (1 << 40) | 1, 2**63 - 1, 0, -1, "1"]) if rng.random() < 0.5
+                 else rng.randrange(1, 50))
         if op == P.OP_HELLO:
             cred = rng.choice([None, "fl1.orders.nope", _junk(rng)])
             out = [rng.choice([P.PROTOCOL_VERSION, P.PROTOCOL_VERSION, 2, None]), rng.choice(["f", None, 5]), cred]
@@ -514,7 +515,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(figures.as_dict(), seed=seed, seconds=elapsed), f, indent=2, default=repr)
-    bad = figures.crashes or figures.internal_errors or figures.unauthorised_state_changes or figures.unauthorised_successes
+    bad = (figures.crashes or figures.internal_errors or figures.unauthorised_state_changes
+           or figures.unauthorised_successes)
     return 1 if bad else 0
 
 

@@ -12,7 +12,8 @@ back to its class.  Registering the same code twice fails at import time.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 __all__ = [
     "FastlockError",
@@ -34,10 +35,11 @@ __all__ = [
 ]
 
 _REGISTRY: dict[int, type[FastlockError]] = {}
+_E = TypeVar("_E", bound="FastlockError")
 
 
-def _register(code: int):
-    def deco(cls: type[FastlockError]) -> type[FastlockError]:
+def _register(code: int) -> Callable[[type[_E]], type[_E]]:
+    def deco(cls: type[_E]) -> type[_E]:
         if code in _REGISTRY:
             raise RuntimeError(
                 f"error code {code} registered twice: {_REGISTRY[code].__name__} and {cls.__name__}"

@@ -113,19 +113,6 @@ class FakeWal:
         callback()
 
 
-class FakeTransport:
-    def __init__(self):
-        self.aborted = False
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def abort(self) -> None:
-        self.aborted = True
-
-    close = abort
-
-
 class FakeConnection:
     """A server-side connection whose output the test reads back as decoded messages."""
 
@@ -133,9 +120,12 @@ class FakeConnection:
         self.session = session
         self.peer = peer
         self.closed = False
-        self.transport = FakeTransport()
+        self.aborted = False
         self.sent: list[bytes] = []
         self.out_cap = 64 << 20
+
+    def abort(self) -> None:
+        self.closed = self.aborted = True
 
     def send(self, data: bytes) -> None:
         self.sent.append(data)

@@ -584,7 +584,7 @@ def test_stats_counters(impl):
 
 def test_no_memory_growth_over_many_names(impl):
     for i in range(2_000):
-        name = "n%d" % i
+        name = f"n{i}"
         tok = impl.grant(b"o", i, name=name, ttl=100_000)
         if i % 2:
             impl.t.release(name, tok, b"o", i)
@@ -620,7 +620,8 @@ BAD_ACQUIRES = [
 ]
 
 
-@pytest.mark.parametrize("bad,exc", BAD_ACQUIRES, ids=[f"{list(b)[0]}={list(b.values())[0]!r}" for b, _ in BAD_ACQUIRES])
+@pytest.mark.parametrize("bad,exc", BAD_ACQUIRES,
+                         ids=[f"{list(b)[0]}={list(b.values())[0]!r}" for b, _ in BAD_ACQUIRES])
 def test_bad_acquire_arguments_rejected_state_unchanged(impl, bad, exc):
     tok = impl.grant(b"H", 0, ttl=100)
     impl.acq(b"W", 1, wait=10)

@@ -32,17 +32,13 @@ import os
 import ssl
 import sys
 
-from .. import __version__
+from .._version import __version__
 from ..errors import FastlockError
 from ..wal import WalCorruption
 from . import admin, demo, run, serve
 from .args import add_client_tls_arguments, client_tls_options, seconds_arg
 
 __all__ = ["add_client_tls_arguments", "build_parser", "client_tls_options", "main", "seconds_arg"]
-
-#: an alias kept for scripts that send one admin request (:func:`fastlock.cli.admin.admin_request`)
-_admin = admin.admin_request
-
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``fastlock`` argument parser; each subcommand sets ``handler``."""

@@ -9,7 +9,8 @@ Modules, each readable alone:
 - :mod:`~fastlock.client.renewer` - the one renewal loop (locks, multi-locks,
   election terms);
 - :mod:`~fastlock.client.multilock` - several locks at once, all or none;
-- :mod:`~fastlock.client.client` - the :class:`Client` facade and :func:`connect`;
+- :mod:`~fastlock.client.client` - the :class:`Client` facade;
+- :mod:`~fastlock.client.connect` - :func:`connect`, the entry point;
 - :mod:`~fastlock.client.election` - leader election on leases;
 - :mod:`~fastlock.client.sync` - :class:`~fastlock.client.sync.SyncClient` for threads.
 
@@ -18,7 +19,8 @@ The client imports only :mod:`fastlock.protocol` and leaf modules.  Every name
 """
 
 from ..units import DEFAULT_PORT
-from .client import LATE_GRANT_FRACTION, Client, LockContext, connect
+from .client import LATE_GRANT_FRACTION, Client, LockContext
+from .connect import connect
 from .connection import RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election, Leader, Term
 from .lease import IN_JEOPARDY, LOST, SAFE, HolderInfo, Lease, LeaseHealth, LeaseState, WatchEvent

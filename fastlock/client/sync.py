@@ -40,7 +40,7 @@ import queue
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 from ..errors import ConnectionLost, FastlockError, WrongArgumentType
@@ -51,6 +51,9 @@ from .lease import HolderInfo, Lease, WatchEvent
 from .multilock import MultiLease
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
 
 class SyncLease:
     """A held lock, for threads.  Wraps the asyncio :class:`~fastlock.client.Lease`.
@@ -134,7 +137,7 @@ class SyncMultiLease:
     def __getitem__(self, name: str) -> SyncLease:
         return self._by_name[name]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[SyncLease]:
         return iter(self.leases)
 
     def __len__(self) -> int:
@@ -173,7 +176,7 @@ class SyncClient:
         if not addresses:
             addresses = ("127.0.0.1:7420",)
         self._closed = False
-        self._make_client = lambda: Client(
+        self._make_client: Callable[[], Client] = lambda: Client(
             addresses, auth=auth, client_name=client_name, connect_timeout=connect_timeout,
             request_timeout=request_timeout, token=token, token_file=token_file, tls=tls, tls_ca=tls_ca,
             tls_cert=tls_cert, tls_key=tls_key, server_hostname=server_hostname)
@@ -192,8 +195,8 @@ class SyncClient:
         self._loop = asyncio.SelectorEventLoop()
         self._thread = threading.Thread(target=self._run_loop, name="fastlock-sync", daemon=True)
         self._close_lock = threading.Lock()  # guards _closed and _inflight
-        self._inflight: set[concurrent.futures.Future] = set()  # calls submitted and not finished
-        self._watch_queues: set[queue.Queue] = set()  # of the watch() generators being iterated
+        self._inflight: set[concurrent.futures.Future[Any]] = set()  # calls submitted and not finished
+        self._watch_queues: set[queue.Queue[Any]] = set()  # of the watch() generators being iterated
         try:
             self._async_client = self._make_client()
         except BaseException:  # bad arguments: no thread started
@@ -232,7 +235,7 @@ class SyncClient:
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
 
-    def _submit(self, coro) -> concurrent.futures.Future:
+    def _submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
         """Schedule ``coro`` on the client's loop; raise ConnectionLost once closed."""
         self._check_process()
         with self._close_lock:
@@ -244,11 +247,11 @@ class SyncClient:
         fut.add_done_callback(self._forget)
         return fut
 
-    def _forget(self, fut: concurrent.futures.Future) -> None:
+    def _forget(self, fut: concurrent.futures.Future[Any]) -> None:
         with self._close_lock:
             self._inflight.discard(fut)
 
-    def _call(self, coro) -> Any:
+    def _call(self, coro: Coroutine[Any, Any, _T]) -> _T:
         """Run ``coro`` on the client's loop and block for its result."""
         if threading.current_thread() is self._thread:
             coro.close()
@@ -294,7 +297,7 @@ class SyncClient:
             try:
                 # fails every pending request on the connection at once
                 asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result(10)
-            except Exception:  # closing anyway
+            except Exception:  # noqa: BLE001 - closing anyway: the pending calls fail below either way
                 pass
             # Let the calls' tasks run to deliver those errors before the loop
             # stops; cancel any that still wait for something else (a sleep
@@ -319,7 +322,7 @@ class SyncClient:
     def __enter__(self) -> SyncClient:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- operations ------------------------------------------------------------------
@@ -357,7 +360,7 @@ class SyncClient:
     def holder(self, name: str) -> HolderInfo | None:
         return self._call(self._client.holder(name))
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         return self._call(self._client.status())
 
     def ping(self) -> float:
@@ -414,7 +417,7 @@ class SyncClient:
             TimeoutError: no event within ``timeout``.
             ConnectionLost: the connection dropped.
         """
-        events: queue.Queue = queue.Queue()
+        events: queue.Queue[Any] = queue.Queue()
         done = object()
 
         async def pump() -> None:
@@ -482,14 +485,15 @@ class SyncLockContext(Generic[_Held]):
         async def run() -> Any:
             held = await ctx
             return SyncMultiLease(held) if isinstance(held, MultiLease) else SyncLease(held)
-        return self._sync._call(run())
+        acquired: _Held = self._sync._call(run())
+        return acquired
 
     def __enter__(self) -> _Held:
         held = self.acquire()
         self._held = held
         return held
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, *exc: object) -> None:
         held, self._held = self._held, None
         if held is None:
             return
@@ -555,7 +559,7 @@ class _SyncLeadership:
         self._term = self._election.campaign(wait=self._wait)
         return self._term
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         term, self._term = self._term, None
         if term is not None:
             self._election.resign(term)

@@ -2,7 +2,8 @@
 
 :class:`StandbyFollower` follows the primary through a
 :class:`~fastlock.replication.link.PrimaryLink` (the connection and its
-handshake), asking for the stream from its position, and applies every push to the standby's own lock table and WAL through
+handshake), asking for the stream from its position, and applies every
+push to the standby's own lock table and WAL through
 :func:`fastlock.wal.apply` - the rules recovery uses - with
 :class:`StandbyApply` as the target.  Beside the table it keeps a deadline
 for each lease on its own monotonic clock (what a promotion keeps), and a
@@ -23,7 +24,7 @@ from .. import protocol as P
 from ..errors import FastlockError, ProtocolError
 from ..roles import Role
 from ..units import monotonic_ms
-from ..wal import EPOCH, Expire, Extend, Grant, LeaseMeta, Record, Release, apply, decode_frames
+from ..wal import Epoch, Expire, Extend, Grant, LeaseMeta, Record, Release, apply, decode_frames
 from ..wal.records import decode as decode_record
 from .link import PrimaryLink
 from .messages import Heartbeat, SnapshotHolder, heartbeat_interval_ms, standby_identity
@@ -73,6 +74,7 @@ class StandbyApply:
 
     def set_ttl(self, record: Extend) -> None:
         h = self.table.holder(record.name, 0)
+        assert h is not None, "apply() extends only a holder whose token matched"
         self.table.install_holder(record.name, record.token, h.owner, record.ttl_ms, h.lock_delay_ms, h.meta, 0)
         self.wal.log_extend(record.name, record.token, record.ttl_ms)
         self.follower.track(record.name, record.token, record.ttl_ms)
@@ -107,7 +109,7 @@ class StandbyFollower:
 
     def __init__(self, host: ReplicationHost, primary: tuple[str, int], failover_after_ms: int = 0,
                  token: str | None = None, name: str | None = None,
-                 on_primary_silent: Callable[[], None] | None = None, tls: ssl.SSLContext | None = None,
+                 on_primary_silent: Callable[[], object] | None = None, tls: ssl.SSLContext | None = None,
                  stream_limits: P.DecodeLimits | None = None):
         self.host = host
         self.on_primary_silent = on_primary_silent
@@ -317,7 +319,7 @@ class StandbyFollower:
                 continue  # already in the snapshot
             if lsn != applied + 1:
                 raise ProtocolError(f"replication gap: expected LSN {applied + 1}, got {lsn}")
-            if rec.kind == EPOCH:
+            if type(rec) is Epoch:
                 self.primary_epoch = max(self.primary_epoch, P.check_epoch(rec.epoch, "epoch record"))
             apply(rec, target)
             applied = lsn

@@ -2,7 +2,7 @@
 
 :mod:`fastlock.replication` (the primary's :class:`~fastlock.replication.ReplicationSource`,
 the standby's :class:`~fastlock.replication.StandbyFollower`) and
-:mod:`fastlock.failover` never touch :class:`~fastlock.server.LockServer`'s
+:mod:`fastlock.server.failover` never touch :class:`~fastlock.server.LockServer`'s
 private members: they see a :class:`ReplicationHost`.  ``LockServer``
 implements it; tests implement it with a fake (``tests/fakehost.py``)
 to drive the fence and the follower without sockets - as etcd's lessor takes
@@ -28,7 +28,6 @@ class ReplicaConnection(Protocol):
         session: the server's session id of the connection.
         peer: ``host:port`` of the standby, for logs.
         closed: set once the connection is closing; nothing more is sent.
-        transport: the asyncio transport (``get_write_buffer_size``, ``abort``).
         out_cap: bytes it may leave unsent before it is dropped (the source
             raises it by the size of a snapshot it sends).
     """
@@ -36,7 +35,6 @@ class ReplicaConnection(Protocol):
     session: int
     peer: str
     closed: bool
-    transport: asyncio.Transport
     out_cap: int
 
     def drained(self) -> asyncio.Future[None]:
@@ -49,6 +47,10 @@ class ReplicaConnection(Protocol):
 
     def flush(self) -> None:
         """Write what is queued now."""
+        ...
+
+    def abort(self) -> None:
+        """Close at once, unsent data discarded; ``closed`` is set."""
         ...
 
 
@@ -72,9 +74,17 @@ class ReplicationHost(Protocol):
     wal: WriteAheadLog
     node_state: NodeState
     roles: NodeRole
-    data_dir: str
-    loop: asyncio.AbstractEventLoop
     max_ttl_ms: int
+
+    @property
+    def data_dir(self) -> str:
+        """The data directory (pairing and step-down files live there)."""
+        ...
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop (timers)."""
+        ...
 
     def snapshot_state(self) -> tuple[int, int, list[HolderRecord]]:
         """``(epoch, counter, holders)`` of the table now, for a standby's snapshot."""

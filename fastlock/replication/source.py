@@ -109,7 +109,8 @@ class ReplicationSource:
         write_pairing(self.host.data_dir, Pairing(replica.name, replica.failover_after_ms))
         log.info("paired with standby %s (failover window %d ms)", quote(replica.name), replica.failover_after_ms)
         window = replica.failover_after_ms
-        if window and self.fence_margin_ms is not None and self.fence_margin_ms > window - 2 * heartbeat_interval_ms(window):
+        if (window and self.fence_margin_ms is not None
+                and self.fence_margin_ms > window - 2 * heartbeat_interval_ms(window)):
             log.critical("--fence-margin %d ms leaves less than two heartbeat intervals (%d ms each) of the standby's "
                          "failover window (%d ms): this primary fences itself between heartbeats (at a margin >= "
                          "the window, always) and refuses grants; restart it with a smaller --fence-margin",
@@ -152,8 +153,7 @@ class ReplicationSource:
             # the same standby reconnecting: its old connection is dead or half-open
             log.warning("standby %s reconnected; dropping its previous connection", quote(name))
             self.replicas.pop(other.conn.session, None)
-            other.conn.closed = True
-            other.conn.transport.abort()
+            other.conn.abort()
         replica = _Replica(conn, name, failover_after_ms)
         # Contact comes only from echoes of heartbeats sent from now on: this REPLICATE may have
         # been delayed in the network and come from a standby that has promoted since.
@@ -207,8 +207,7 @@ class ReplicationSource:
                     from_lsn = await self._send_snapshot(replica) + 1
         except Exception:
             log.exception("preparing the stream for standby %s failed; disconnecting it", quote(replica.name))
-            conn.closed = True
-            conn.transport.abort()
+            conn.abort()
             return
         if conn.closed:
             return

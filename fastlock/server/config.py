@@ -42,7 +42,7 @@ def _member(cls: type[enum.Enum], value: Any, field_name: str) -> Any:
     try:
         return cls(value)
     except ValueError:
-        choices = ", ".join(repr(m.value) for m in cls)  # type: ignore[attr-defined]
+        choices = ", ".join(repr(m.value) for m in cls)
         raise ValueError(f"{field_name} must be one of {choices}, not {value!r}") from None
 
 

@@ -21,9 +21,9 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .. import __version__
 from .. import protocol as P
 from .._core import NOT_ACQUIRED, NotHolder
+from .._version import __version__
 from ..auth import (
     MAX_CHALLENGE_BYTES,
     MIN_CHALLENGE_BYTES,
@@ -117,7 +117,7 @@ def _authorize(conn: Session, op: int, need: str, msg: list) -> None:
         raise PermissionDenied(f"{P.OP_NAMES[op]} needs a client principal; "
                                f"{conn.principal!r} is {_ARTICLE[conn.kind]} {conn.kind}")
     name = msg[2] if len(msg) > 2 else None
-    if type(name) is str and not conn.grant.allows(need, name):
+    if type(name) is str and (conn.grant is None or not conn.grant.allows(need, name)):
         # a name of the wrong type is left to the handler's validation (no state change either way)
         raise PermissionDenied(f"principal {conn.principal!r} may not {need} {name!r}")
 
@@ -265,7 +265,7 @@ class Handlers:
         name = credential.get("principal")
         challenge = credential.get("challenge")
         replica = self.credentials.replica(name)
-        if (replica is None or type(challenge) is not bytes
+        if (replica is None or replica.proof_key is None or type(challenge) is not bytes
                 or not MIN_CHALLENGE_BYTES <= len(challenge) <= MAX_CHALLENGE_BYTES):
             self.auth_failures.failed(conn.address, f"client name {quote(client_name)}",
                                       "challenge for an unknown replica principal, or a malformed challenge")
@@ -346,7 +346,8 @@ class Handlers:
         try:
             table.release(name, token, owner, now)
         except NotHolder:
-            raise LeaseLost(f"{name!r}: token {token} is not the current holder (expired, released or never held)") from None
+            raise LeaseLost(f"{name!r}: token {token} is not the current holder "
+                            "(expired, released or never held)") from None
         self.server.released(name, token, meta)
         conn.send(P.encode_ok(req_id, None))
 
@@ -358,11 +359,12 @@ class Handlers:
         table = self.table
         now = monotonic_ms()
         self.roles.admit(Action.EXTEND)
-        holder = table.holder(name, now)
+        holder = table.holder(name, now, owner)
         try:
             table.extend(name, token, owner, ttl_ms, now)
         except NotHolder:
-            raise LeaseLost(f"{name!r}: token {token} is not the current holder (expired, released or never held)") from None
+            raise LeaseLost(f"{name!r}: token {token} is not the current holder "
+                            "(expired, released or never held)") from None
         server = self.server
         if ttl_ms > server.max_ttl_ms:  # only the holder's extend counts towards the grace period
             server.max_ttl_ms = ttl_ms
@@ -372,7 +374,7 @@ class Handlers:
         # records it receives, and a promoted standby keeps that deadline.
         wal = self.wal
         wal.log_extend(name, token, ttl_ms)
-        if ttl_ms > holder.ttl_ms and not wal.flush_now():
+        if (holder is None or ttl_ms > holder.ttl_ms) and not wal.flush_now():
             # recovery restores the recorded TTL: a longer one must be durable
             # before the holder relies on it (a shorter or equal one need not be)
             def ack() -> None:
@@ -458,9 +460,10 @@ class Handlers:
 
     def op_unwatch(self, conn: Session, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])
-        was = conn.watching is not None and name in conn.watching
-        if was:
-            conn.watching.discard(name)
+        watching = conn.watching
+        was = watching is not None and name in watching
+        if watching is not None and was:
+            watching.discard(name)
             self.watches.remove(conn, name)
             self.quotas.count_watches(conn, -1)
         conn.send(P.encode_ok(req_id, was))
@@ -477,7 +480,7 @@ class Handlers:
         # Pairing goes by the authenticated replica principal, plus the node id it declares
         # (which the credentials may pin): one replica credential cannot pose as another standby.
         label, _, node = name.rpartition("@")
-        pinned = conn.grant.node_id
+        pinned = conn.grant.node_id if conn.grant is not None else None
         if pinned is not None and node != pinned:
             raise PermissionDenied(f"replica principal {conn.principal!r} may only attach as node {pinned!r}")
         identity = f"{label}@{conn.principal}/{node}" if label else f"{conn.principal}/{node}"

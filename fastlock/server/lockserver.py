@@ -51,10 +51,11 @@ import os
 import ssl
 import time
 from collections.abc import Callable
+from typing import Any
 
-from .. import __version__
 from .. import protocol as P
 from .._core import EV_EXPIRED, EV_GRANTED, EV_WAIT_CANCELLED, EV_WAIT_TIMEOUT, LockTable, NotHolder
+from .._version import __version__
 from ..auth import Credentials, is_loopback
 from ..errors import Cancelled, LockNotAcquired, Unavailable
 from ..logsafe import quote
@@ -65,6 +66,7 @@ from ..units import monotonic_ms
 from ..wal import DataDirInUse, HolderRecord, WriteAheadLog, secure_directory
 from .admission import ConnectionLimits, PrincipalQuotas
 from .config import ServerConfig, check_limits
+from .endpoints import Endpoints
 from .failover import FailoverPolicy
 from .handlers import Handlers, refusal
 from .session import Session
@@ -74,6 +76,10 @@ log = logging.getLogger(__name__)
 
 #: exit status after a write-ahead log failure (so a supervisor restarts the server)
 EXIT_WAL_FAILED = 3
+
+#: a waiter's end that is not a grant -> the error code and reason its acquire is answered with
+_WAIT_ENDED = {EV_WAIT_TIMEOUT: (LockNotAcquired.code, "wait ran out"),
+               EV_WAIT_CANCELLED: (Cancelled.code, "acquire cancelled")}
 
 
 class ExpiryTimer:
@@ -100,41 +106,6 @@ class ExpiryTimer:
         if self.handle is not None:
             self.handle.cancel()
             self.handle = None
-
-
-class Endpoints:
-    """Where the server listens: its client port (plain TCP or TLS) and the metrics endpoint."""
-
-    def __init__(self, config: ServerConfig):
-        self.tls: ServerTLS | None = None
-        if config.tls_cert:
-            self.tls = ServerTLS(config.tls_cert, config.tls_key, config.tls_ca, config.tls_client_auth,
-                                 config.tls_handshake_timeout_ms / 1000.0)
-        self.listener: asyncio.base_events.Server | None = None
-        self.metrics = None  # a fastlock.metrics.MetricsExporter with --metrics
-        #: the (host, port) the client port is bound to, once listening
-        self.address: tuple[str, int] | None = None
-
-    async def listen(self, host: str, port: int, factory: Callable[[], Session]) -> tuple[str, int]:
-        if self.tls is None:
-            self.listener = await asyncio.get_running_loop().create_server(
-                factory, host, port, reuse_address=True, backlog=1024)
-            sockname = self.listener.sockets[0].getsockname()
-        else:
-            sockname = await self.tls.listen(host, port, factory, backlog=1024)
-        self.address = (sockname[0], sockname[1])
-        return self.address
-
-    def stop_listening(self) -> None:
-        if self.listener is not None:
-            self.listener.close()
-        if self.tls is not None:
-            self.tls.close()
-
-    def close(self) -> None:
-        self.stop_listening()
-        if self.metrics is not None:
-            self.metrics.close()
 
 
 class LockServer:
@@ -208,6 +179,9 @@ class LockServer:
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the server runs on.  :raises RuntimeError: not started."""
+        if self._loop is None:
+            raise RuntimeError("the server is not started")
         return self._loop
 
     @property
@@ -243,7 +217,7 @@ class LockServer:
             for conn in clients:
                 conn.close_after_flush()
 
-        self._loop.call_soon(close)
+        self.loop.call_soon(close)
 
     # -- life cycle -----------------------------------------------------------------
     async def start(self) -> None:
@@ -322,8 +296,8 @@ class LockServer:
         table.drain_events()
         if not self.roles.expires_leases:
             # a standby runs its table on frozen time: only a primary expires leases
-            for h in table.holders():
-                table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, h.meta, 0)
+            for held in table.holders():
+                table.install_holder(held.name, held.token, held.owner, held.ttl_ms, held.lock_delay_ms, held.meta, 0)
         log.info(
             "recovered %d leases, epoch %d, counter %d (%d records replayed, %d torn bytes cut) in %.1f ms",
             len(state.holders), state.epoch, table.counter, state.records_replayed, state.torn_bytes,
@@ -458,16 +432,11 @@ class LockServer:
                     self.handlers.watches.notify(ev.name, "expired", ev.token, ev.meta)
                 log.info("lease expired: %s token %d (holder %s)", quote(ev.name), ev.token,
                          quote(ev.meta[0] if ev.meta else None))
-            elif kind == EV_WAIT_TIMEOUT:
+            elif kind in _WAIT_ENDED:
                 conn = sessions.get(ev.session)
                 if conn is not None:
-                    conn.send(P.encode_error(ev.request, LockNotAcquired.code, f"{ev.name!r}: wait ran out"))
-                    if conn.waiting:
-                        quotas.count_waiters(conn)
-            elif kind == EV_WAIT_CANCELLED:
-                conn = sessions.get(ev.session)
-                if conn is not None:
-                    conn.send(P.encode_error(ev.request, Cancelled.code, f"{ev.name!r}: acquire cancelled"))
+                    code, why = _WAIT_ENDED[kind]
+                    conn.send(P.encode_error(ev.request, code, f"{ev.name!r}: {why}"))
                     if conn.waiting:
                         quotas.count_waiters(conn)
         if grants is not None:
@@ -543,7 +512,7 @@ class LockServer:
         self.expiry.cancel()
         if nd < 0 or not self.roles.expires_leases:
             return
-        self.expiry.arm(self._loop, nd, monotonic_ms())
+        self.expiry.arm(self.loop, nd, monotonic_ms())
 
     def _on_timer(self) -> None:
         if not self.roles.expires_leases:
@@ -575,7 +544,7 @@ class LockServer:
         failed, last_error - a failed automatic promotion shows there)."""
         t = self.table
         now = monotonic_ms()
-        st = dict(t.stats())
+        st: dict[str, Any] = dict(t.stats())
         st.update(
             role=self.roles.role.value,
             epoch=t.epoch,

@@ -172,7 +172,7 @@ those and append them verbatim to its own log.
 
 from ..errors import DataDirInUse, StorageError, WalCompacted, WalCorruption, WalFatal
 from .backlog import BacklogReader
-from .dump import dump, main
+from .dump import dump
 from .files import DIR_MODE, FILE_MODE, fsync_dir, secure_directory, write_atomically
 from .format import MAX_RECORD_BYTES, decode_frames
 from .log import FSYNC_MODES, WriteAheadLog
@@ -211,7 +211,6 @@ __all__ = [
     "DataDirInUse",
     "BacklogReader",
     "dump",
-    "main",
     "decode_frames",
     "secure_directory",
     "write_atomically",

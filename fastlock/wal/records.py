@@ -22,7 +22,7 @@ The rules:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol, Union
+from typing import Any, NamedTuple, Protocol
 
 __all__ = [
     "GRANT", "RELEASE", "EXPIRE", "EXTEND", "EPOCH", "RESERVE", "RECORD_NAMES",
@@ -59,7 +59,10 @@ class Grant(NamedTuple):
     correlation_id: str | None
     wall_ms: int
 
-    kind = GRANT
+    @property
+    def kind(self) -> int:
+        """The record type (``GRANT``), the first item of the array on disk."""
+        return GRANT
 
 
 class Release(NamedTuple):
@@ -69,7 +72,10 @@ class Release(NamedTuple):
     token: int
     wall_ms: int
 
-    kind = RELEASE
+    @property
+    def kind(self) -> int:
+        """The record type (``RELEASE``), the first item of the array on disk."""
+        return RELEASE
 
 
 class Expire(NamedTuple):
@@ -79,7 +85,10 @@ class Expire(NamedTuple):
     token: int
     wall_ms: int
 
-    kind = EXPIRE
+    @property
+    def kind(self) -> int:
+        """The record type (``EXPIRE``), the first item of the array on disk."""
+        return EXPIRE
 
 
 class Extend(NamedTuple):
@@ -90,7 +99,10 @@ class Extend(NamedTuple):
     ttl_ms: int
     wall_ms: int
 
-    kind = EXTEND
+    @property
+    def kind(self) -> int:
+        """The record type (``EXTEND``), the first item of the array on disk."""
+        return EXTEND
 
 
 class Epoch(NamedTuple):
@@ -99,7 +111,10 @@ class Epoch(NamedTuple):
     epoch: int
     wall_ms: int
 
-    kind = EPOCH
+    @property
+    def kind(self) -> int:
+        """The record type (``EPOCH``), the first item of the array on disk."""
+        return EPOCH
 
 
 class Reserve(NamedTuple):
@@ -108,10 +123,13 @@ class Reserve(NamedTuple):
     counter: int
     wall_ms: int
 
-    kind = RESERVE
+    @property
+    def kind(self) -> int:
+        """The record type (``RESERVE``), the first item of the array on disk."""
+        return RESERVE
 
 
-Record = Union[Grant, Release, Expire, Extend, Epoch, Reserve]
+Record = Grant | Release | Expire | Extend | Epoch | Reserve
 
 _TYPES: dict[int, Any] = {GRANT: Grant, RELEASE: Release, EXPIRE: Expire, EXTEND: Extend,
                           EPOCH: Epoch, RESERVE: Reserve}
@@ -181,8 +199,15 @@ class ApplyTarget(Protocol):
     tokens, its epoch and its counter.  Each method is called only when the record
     changes something (the token matched, the value is higher)."""
 
-    epoch: int
-    counter: int
+    @property
+    def epoch(self) -> int:
+        """The highest epoch applied."""
+        ...
+
+    @property
+    def counter(self) -> int:
+        """The highest token counter applied."""
+        ...
 
     def holder_token(self, name: str) -> int | None:
         """The token of ``name``'s current holder, or None."""
@@ -212,25 +237,26 @@ class ApplyTarget(Protocol):
 def apply(record: Record, target: ApplyTarget) -> bool:
     """Apply one record to ``target`` by the rules in the module docstring;
     return True if it changed something."""
-    kind = type(record)
-    if kind is Grant:
-        target.install(record)  # type: ignore[arg-type]
+    if type(record) is Grant:
+        target.install(record)
         return True
-    if kind is Release or kind is Expire or kind is Extend:
-        if target.holder_token(record.name) != record.token:  # type: ignore[union-attr]
+    if type(record) is Release or type(record) is Expire:
+        if target.holder_token(record.name) != record.token:
             return False
-        if kind is Extend:
-            target.set_ttl(record)  # type: ignore[arg-type]
-        else:
-            target.remove(record)  # type: ignore[arg-type]
+        target.remove(record)
         return True
-    if kind is Epoch:
-        if record.epoch > target.epoch:  # type: ignore[union-attr]
-            target.raise_epoch(record.epoch)  # type: ignore[union-attr]
+    if type(record) is Extend:
+        if target.holder_token(record.name) != record.token:
+            return False
+        target.set_ttl(record)
+        return True
+    if type(record) is Epoch:
+        if record.epoch > target.epoch:
+            target.raise_epoch(record.epoch)
             return True
         return False
-    if record.counter > target.counter:  # type: ignore[union-attr]
-        target.raise_counter(record.counter)  # type: ignore[union-attr]
+    if type(record) is Reserve and record.counter > target.counter:
+        target.raise_counter(record.counter)
         return True
     return False
 

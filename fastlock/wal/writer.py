@@ -115,7 +115,7 @@ class SegmentWriter:
         self.bytes = 0  # written since open
         self.fsyncs = 0  # data fsyncs, incl. rotation and segment creation
         self.batches = 0
-        self._queue: queue.SimpleQueue | None = None
+        self._queue: queue.SimpleQueue[Batch | None] | None = None
         self._thread: threading.Thread | None = None
         self._dir_lock: DirectoryLock | None = None
 
@@ -198,7 +198,8 @@ class SegmentWriter:
         after a failure."""
         if not self.threaded:
             return
-        self._queue = q = queue.SimpleQueue()
+        q: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
+        self._queue = q
 
         def run() -> None:
             while True:
@@ -207,7 +208,7 @@ class SegmentWriter:
                     return
                 try:
                     self.write(batch)
-                except BaseException as exc:
+                except BaseException as exc:  # noqa: BLE001 - handed to the loop, which makes the log fatal
                     try:
                         loop.call_soon_threadsafe(on_failed, exc)
                     except RuntimeError:  # loop closed
