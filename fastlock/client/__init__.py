@@ -21,6 +21,7 @@ from ..units import DEFAULT_PORT
 from .client import LATE_GRANT_FRACTION, Client, LockContext, connect
 from .connection import RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election, Leader, Term
+from .keys import KeyEvent, KeyValue
 from .lease import IN_JEOPARDY, LOST, SAFE, Lease, LeaseHealth, LeaseState, WatchEvent
 from .multilock import LockManyContext, MultiLease
 from .renewer import Renewer
@@ -28,4 +29,4 @@ from .renewer import Renewer
 __all__ = ["connect", "Client", "Lease", "LeaseState", "LeaseHealth", "LockContext", "MultiLease",
            "LockManyContext", "WatchEvent", "Election", "Term", "Leader", "Renewer", "resolve_credential",
            "DEFAULT_PORT", "LATE_GRANT_FRACTION", "SAFE", "IN_JEOPARDY", "LOST", "RETRYABLE", "ClientConnection",
-           "Connector", "RideThrough"]
+           "Connector", "RideThrough", "KeyValue", "KeyEvent"]

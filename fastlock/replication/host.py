@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .._core import LockTable
     from ..roles import NodeRole
     from ..wal import HolderRecord, WriteAheadLog
+    from ..wal.keyspace import KeySpace
     from .node_state import NodeState
 
 
@@ -52,6 +53,12 @@ class ReplicaConnection(Protocol):
         ...
 
 
+class KeyHost(Protocol):
+    """The server's key store as replication sees it: its :class:`KeySpace`."""
+
+    space: KeySpace
+
+
 class ReplicationHost(Protocol):
     """The server as replication and failover see it.
 
@@ -66,6 +73,8 @@ class ReplicationHost(Protocol):
         loop: the event loop (timers).
         max_ttl_ms: the longest TTL this node has granted, extended or
             recovered (ms): the standby's default promotion grace.
+        keys: the key store (:mod:`fastlock.wal.keyspace`): snapshots carry it,
+            the standby applies KEY_PUT / KEY_DELETE records to it.
     """
 
     table: LockTable
@@ -75,6 +84,7 @@ class ReplicationHost(Protocol):
     data_dir: str
     loop: asyncio.AbstractEventLoop
     max_ttl_ms: int
+    keys: KeyHost
 
     def snapshot_state(self) -> tuple[int, int, list[HolderRecord]]:
         """``(epoch, counter, holders)`` of the table now, for a standby's snapshot."""

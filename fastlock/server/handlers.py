@@ -49,6 +49,7 @@ from ..logsafe import quote
 from ..roles import Action, NodeRole, Role
 from ..units import monotonic_ms
 from .admission import limit_exceeded
+from .keys import PERMISSIONS as KEY_PERMISSIONS
 from .session import Session, recorded_client, split_recorded_client
 from .watches import WatchRegistry
 
@@ -77,6 +78,7 @@ PERMISSION: dict[int, str | None] = {
     P.OP_STEP_DOWN: "replica",  # epoch news: only the paired standby's principal (see op_step_down)
     P.OP_PROMOTE: "admin",
     P.OP_SERVE_ALONE: "admin",
+    **KEY_PERMISSIONS,  # the key store's operations (fastlock.server.keys): put, get, delete
 }
 
 _ARTICLE = {"client": "a", "replica": "a", "admin": "an"}
@@ -157,6 +159,7 @@ class Handlers:
             P.OP_PROMOTE: self.op_promote,
             P.OP_SERVE_ALONE: self.op_serve_alone,
             P.OP_STEP_DOWN: self.op_step_down,
+            **server.keys.handlers(),
         }
         #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
         self.by_op: dict[int, tuple[Handler, int, int]] = {

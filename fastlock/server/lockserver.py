@@ -67,6 +67,7 @@ from .admission import ConnectionLimits, PrincipalQuotas
 from .config import ServerConfig, check_limits
 from .failover import FailoverPolicy
 from .handlers import Handlers, refusal
+from .keys import KeyStore
 from .session import Session
 from .tasks import BackgroundTasks
 
@@ -186,6 +187,7 @@ class LockServer:
                                        promotion_grace_ms=config.promotion_grace_ms, tasks=self.tasks)
         self.limits = ConnectionLimits(config, self)
         self.quotas = PrincipalQuotas(config, self)
+        self.keys = KeyStore(self)  # the key store (its handlers join the table below)
         self.handlers = Handlers(self, credentials)
         #: process exit status: non-zero after a fatal WAL failure
         self.exit_status = 0
@@ -320,6 +322,7 @@ class LockServer:
             table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
                                  (h.client_name, h.correlation_id), now)
         table.drain_events()
+        self.keys.recovered(state.keys)
         if not self.roles.expires_leases:
             # a standby runs its table on frozen time: only a primary expires leases
             for h in table.holders():
@@ -405,6 +408,7 @@ class LockServer:
         source.fence_if_due(monotonic_ms())
         if conn.session in source.replicas:
             source.detach(conn)
+        self.keys.forget(conn)
         if conn.watching:
             watches = self.handlers.watches
             for name in conn.watching:
@@ -452,6 +456,7 @@ class LockServer:
                 grants.append(ev)
             elif kind == EV_EXPIRED:
                 wal.log_expire(ev.name, ev.token)
+                self.keys.lease_ended(ev.name, ev.token, "expired")
                 if quotas.lease_principal:
                     quotas.lease_ended(ev.name)
                 if ev.name in watchers:
@@ -525,6 +530,7 @@ class LockServer:
     def released(self, name: str, token: int, meta: tuple | None) -> None:
         """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id))."""
         self.wal.log_release(name, token)
+        self.keys.lease_ended(name, token, "released")
         quotas = self.quotas
         if quotas.lease_principal:
             quotas.lease_ended(name)
@@ -555,18 +561,12 @@ class LockServer:
         if self.expiry.handle is None:
             self._rearm()
 
-    def snapshot_state(self) -> tuple[int, int, list[HolderRecord]]:
-        """``(epoch, counter, holders)`` of the table now (for snapshots and standbys)."""
+    def snapshot_state(self) -> tuple[int, int, list[HolderRecord], list]:
+        """``(epoch, counter, holders, keys)`` of the table and the key store now (for snapshots)."""
         t = self.table
-        return (
-            t.epoch,
-            t.counter,
-            [
-                HolderRecord(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
-                             h.meta[0] if h.meta else None, h.meta[1] if h.meta else None, 0)
-                for h in t.holders()
-            ],
-        )
+        return (t.epoch, t.counter, [HolderRecord(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
+                                                  h.meta[0] if h.meta else None, h.meta[1] if h.meta else None, 0)
+                                     for h in t.holders()], self.keys.space.to_list())
 
     # -- status -----------------------------------------------------------------------------
     def status(self) -> dict:

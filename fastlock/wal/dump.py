@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from ..errors import WalCorruption
+from ..logsafe import quote
 from .files import read_file
 from .format import FrameReader, parse_segment
 from .records import (
@@ -24,6 +25,8 @@ from .records import (
     EPOCH,
     EXTEND,
     GRANT,
+    KEY_DELETE,
+    KEY_PUT,
     RECORD_NAMES,
     RESERVE,
     TOKEN_EPOCH_SHIFT,
@@ -80,6 +83,11 @@ def _record_line(lsn: int, r: Record) -> str:
         return _fmt(label, r.wall_ms, "extend", r.name, r.token, ttl=r.ttl_ms)  # type: ignore[union-attr]
     if kind == RESERVE:
         return _fmt(label, r.wall_ms, "reserve", extra=f"counter={r.counter}")  # type: ignore[union-attr]
+    if kind == KEY_PUT:  # the value is not shown (it may be anything a client stored)
+        return _fmt(label, r.wall_ms, "key_put", r.lease_name, r.token,  # type: ignore[union-attr]
+                    extra=f"key={quote(r.key)} bytes={len(r.value)}")  # type: ignore[union-attr]
+    if kind == KEY_DELETE:
+        return _fmt(label, r.wall_ms, "key_delete", extra=f"key={quote(r.key)}")  # type: ignore[union-attr]
     return _fmt(label, r.wall_ms, RECORD_NAMES[kind], r.name, r.token)  # type: ignore[union-attr]  # release, expire
 
 
@@ -114,7 +122,7 @@ def dump(directory: str | os.PathLike, *, lock: str | None = None, file: TextIO 
     lines = 0
     w = file.write
     if snap is not None:
-        applied = LogState(snap.epoch, snap.counter, snap.holders)
+        applied = LogState(snap.epoch, snap.counter, snap.holders, snap.keys)
         label = f"{snap.lsn:020d}"
         if lock is None:
             w(f"{label} - snapshot-state lock=- token=- client=- corr=- ttl_ms=- "
