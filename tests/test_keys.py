@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from conftest import wait_until
 
 import fastlock
 from fastlock.client import KeyEvent
 from fastlock.errors import InvalidArgument, KeyExists, KeyNotFound, LeaseLost, LimitExceeded, PermissionDenied
 from fastlock.wal.keyspace import KeySpace
 from fastlock.wal.records import KeyDelete, KeyPut, LogState, Release, apply, decode, encode
-
-from conftest import wait_until
 
 
 async def test_put_get_list_delete(client):
@@ -149,3 +148,38 @@ def test_keyspace_snapshot_round_trip():
     assert back.by_lease == {("lease", 9): {"b"}}
     with pytest.raises(ValueError):
         KeySpace.from_list([["a", "not bytes", None, 0, None, 0, 0]])
+
+
+def test_standby_keeps_keys_and_a_promoted_standby_serves_them(cluster):
+    """Keys reach a late standby in its snapshot and a following one in the stream; after
+    promotion they are there, and a key whose lease then expires goes with it."""
+    import json
+
+    from test_replication import caught_up, cli
+
+    from fastlock._testbase.cluster import poll, run, status_of
+
+    p = cluster.primary()
+
+    async def main():
+        async with fastlock.connect(p.address) as c:
+            short = await c.acquire("sess/short", ttl=1.5)
+            await c.put("svc/early", b"e")  # before the standby: in its snapshot
+            s = await asyncio.to_thread(cluster.standby, p.address, grace=0.1)
+            await asyncio.to_thread(s.wait_for_log, r"applied snapshot", 5)
+            await c.put("svc/late", b"l", lease=short)  # streamed
+            await c.put("svc/gone", b"g")
+            await c.delete("svc/gone")
+            await caught_up(s.address, p.address)
+        res = await asyncio.to_thread(cli, "promote", "--server", s.address)
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["epoch"] == 1
+        await poll(lambda: status_of(s.address), lambda st: st["role"] == "primary", timeout=5, what="promotion")
+        async with fastlock.connect(s.address) as c2:
+            assert [kv.key for kv in await c2.list_prefix("svc/")] == ["svc/early", "svc/late"]
+            assert (await c2.get("svc/late")).lease == "sess/short"
+            await poll(lambda: c2.get("svc/late"), lambda kv: kv is None, timeout=10,
+                       what="the key of the expired lease to go")
+            assert (await c2.get("svc/early")).value == b"e"
+
+    run(main())

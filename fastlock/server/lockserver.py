@@ -187,7 +187,6 @@ class LockServer:
                                        promotion_grace_ms=config.promotion_grace_ms, tasks=self.tasks)
         self.limits = ConnectionLimits(config, self)
         self.quotas = PrincipalQuotas(config, self)
-        self.keys = KeyStore(self)  # the key store (its handlers join the table below)
         self.handlers = Handlers(self, credentials)
         #: process exit status: non-zero after a fatal WAL failure
         self.exit_status = 0
@@ -199,6 +198,7 @@ class LockServer:
         self._started_ms = monotonic_ms()
 
     # -- what replication and failover see (fastlock.replication.host.ReplicationHost) -----------
+    keys: KeyStore = property(lambda self: self.handlers.keys)  # type: ignore[assignment]  # the key store
     @property
     def role(self) -> str:
         """The node's role as a string ("primary", "standby", "promoting", "deposed")."""
