@@ -183,3 +183,33 @@ def test_standby_keeps_keys_and_a_promoted_standby_serves_them(cluster):
             assert (await c2.get("svc/early")).value == b"e"
 
     run(main())
+
+
+def test_sync_client_keys(server):
+    from fastlock.sync import SyncClient
+
+    with SyncClient(server.address) as c:
+        with c.lock("sess/sync", ttl=5.0) as lease:
+            assert c.put("sync/a", b"1", lease=lease) is True
+            assert c.get("sync/a").lease == "sess/sync"
+            assert [kv.key for kv in c.list_prefix("sync/")] == ["sync/a"]
+        assert c.get("sync/a") is None  # released with its lease
+        c.put("sync/b", b"2")
+        assert c.delete("sync/b") and not c.delete("sync/b")
+
+
+def test_snapshot_files_with_and_without_keys(tmp_path):
+    """A snapshot written before the key store (no keys part) still loads, with no keys."""
+    from fastlock.wal.records import HolderRecord
+    from fastlock.wal.snapshot import encode_snapshot, load_snapshot
+
+    holder = HolderRecord("s", 7, b"o" * 16, 1000, 0, None, None, 0)
+    old = tmp_path / "old.snap"
+    old.write_bytes(encode_snapshot(5, 0, 7, [holder]))
+    snap = load_snapshot(str(old))
+    assert snap.holders == [holder] and len(snap.keys) == 0
+    space = KeySpace()
+    space.put("k", b"v", "s", 7, "p", 1)
+    new = tmp_path / "new.snap"
+    new.write_bytes(encode_snapshot(5, 0, 7, [holder], space.to_list()))
+    assert load_snapshot(str(new)).keys.entries == space.entries

@@ -38,7 +38,7 @@ from .lease import Lease, check_lease
 if TYPE_CHECKING:  # pragma: no cover
     from .connection import Connector
 
-__all__ = ["KeyValue", "KeyEvent", "KeyMethods", "MAX_LIST"]
+__all__ = ["KeyValue", "KeyEvent", "KeyMethods", "SyncKeyMethods", "MAX_LIST"]
 
 #: most keys one list_prefix() returns (the server's bound on one reply)
 MAX_LIST = 10_000
@@ -194,3 +194,32 @@ def _drop(watches: dict[str, set[asyncio.Queue]], prefix: str, queue: asyncio.Qu
         return False
     del watches[prefix]
     return True
+
+
+class SyncKeyMethods:
+    """The key store's methods of :class:`~fastlock.sync.SyncClient` (a mixin: it uses the
+    blocking client's ``_call`` and ``_client``).  Prefix watches are asyncio-only."""
+
+    @property
+    def _client(self) -> KeyMethods:  # pragma: no cover - the SyncClient's
+        raise NotImplementedError
+
+    def _call(self, coro: Any) -> Any:  # pragma: no cover - the SyncClient's
+        raise NotImplementedError
+
+    def put(self, key: str, value: bytes, *, lease: Any = None, create: bool = False, replace: bool = False) -> bool:
+        """As :meth:`KeyMethods.put`; ``lease``: a :class:`~fastlock.sync.SyncLease` of this client, or None."""
+        inner = getattr(lease, "lease", lease)
+        return bool(self._call(self._client.put(key, value, lease=inner, create=create, replace=replace)))
+
+    def get(self, key: str) -> KeyValue | None:
+        """As :meth:`KeyMethods.get`."""
+        return self._call(self._client.get(key))  # type: ignore[no-any-return]
+
+    def list_prefix(self, prefix: str, *, limit: int = 1000) -> list[KeyValue]:
+        """As :meth:`KeyMethods.list_prefix`."""
+        return self._call(self._client.list_prefix(prefix, limit=limit))  # type: ignore[no-any-return]
+
+    def delete(self, key: str) -> bool:
+        """As :meth:`KeyMethods.delete`."""
+        return bool(self._call(self._client.delete(key)))
