@@ -125,10 +125,11 @@ class _Loop:
 class FastlockLock(locking.Lock):
     """A tooz lock on a fastlock lock (see the module docstring)."""
 
-    def __init__(self, coord: FastlockDriver, name: bytes):
+    def __init__(self, coord: FastlockDriver, name: bytes, fl_name: str | None = None):
         super().__init__(name)
         self._coord = coord
-        self._fl_name = coord._name("lock/", _lock_part(name))
+        #: the fastlock lock name (``fl_name``, default ``<prefix>lock/<name>``)
+        self._fl_name = fl_name if fl_name is not None else coord._name("lock/", _lock_part(name))
         self._lease: fl_client.Lease | None = None
         self._state = threading.Lock()
 
@@ -471,9 +472,7 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
             hooks.run(coordination.LeaderElected(group_id, self._member_id))
 
     def _leader_lock(self, group_id: bytes) -> FastlockLock:
-        lock = FastlockLock(self, group_id or b"-")
-        lock._fl_name = self._name("leader-lock/", _hex(group_id))
-        return lock
+        return FastlockLock(self, group_id or b"-", self._name("leader-lock/", _hex(group_id)))
 
     def run_watchers(self, timeout: float | None = None) -> list[Any]:
         result = super().run_watchers(timeout=timeout)

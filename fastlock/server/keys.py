@@ -193,8 +193,7 @@ class KeyStore:
                                      "max-keys-per-principal")
         space.put(key, value, lease_name, token, principal, wall_ms())
         server.wal.log_key_put(key, value, lease_name, token, principal)
-        self._notify("put", key, value)
-        self._reply_when_durable(conn, req_id, old is None)
+        self._when_durable(conn, req_id, old is None, ("put", key, value))
 
     def op_get(self, conn: Session, req_id: int, msg: list) -> None:
         key = P.check_name(msg[2])
@@ -226,8 +225,7 @@ class KeyStore:
             conn.send(P.encode_ok(req_id, False))
             return
         server.wal.log_key_delete(key)
-        self._notify("delete", key, None)
-        self._reply_when_durable(conn, req_id, True)
+        self._when_durable(conn, req_id, True, ("delete", key, None))
 
     def op_watch(self, conn: Session, req_id: int, msg: list) -> None:
         prefix = check_prefix(msg[2])
@@ -258,19 +256,22 @@ class KeyStore:
             self.server.quotas.count_watches(conn, -1)
         conn.send(P.encode_ok(req_id, was))
 
-    def _reply_when_durable(self, conn: Session, req_id: int, value: object) -> None:
-        """Answer once the change's record is durable, and only if this node may still
-        write then (as an extend's acknowledgement)."""
+    def _when_durable(self, conn: Session, req_id: int, value: object, event: tuple[str, str, bytes | None]) -> None:
+        """Tell the watchers (``event``: what, key, value) and answer once the change's record
+        is durable - and only if this node may still write then (as an extend's
+        acknowledgement), so that nobody hears of a change a promoted standby never saw."""
         server = self.server
         reply = P.encode_ok(req_id, value)
         wal = server.wal
         if wal.flush_now():
+            self._notify(*event)
             conn.send(reply)
             return
 
         def ack() -> None:
             server.source.fence_if_due(monotonic_ms())
             if server.roles.may(Action.RELEASE):
+                self._notify(*event)
                 conn.send(reply)
             else:
                 try:
