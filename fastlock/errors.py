@@ -132,6 +132,16 @@ class PermissionDenied(FastlockError, PermissionError):
     name, for a client's ACL).  Nothing was changed; the connection stays open."""
 
 
+@_register(20)
+class KeyExists(FastlockError):
+    """A create-only ``put`` found the key already present (nothing was changed)."""
+
+
+@_register(21)
+class KeyNotFound(FastlockError, LookupError):
+    """A replace-only ``put`` found no such key (nothing was changed)."""
+
+
 class ConnectionLost(FastlockError, ConnectionError):
     """The connection to the server was lost (or could not be made) and the
     request's outcome is unknown or could not be delivered."""

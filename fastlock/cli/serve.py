@@ -120,6 +120,12 @@ def add_limit_flags(s: argparse.ArgumentParser) -> None:
         g.add_argument(f"--max-{flag}-per-principal", type=count_arg, default=0, metavar="N",
                        help=f"{what} of one principal, all its connections together (default 0: only the "
                             f"global limit)")
+    g.add_argument("--max-keys", type=positive_int, default=d.max_keys, metavar="N",
+                   help=f"keys of the key store, all principals together (default {d.max_keys})")
+    g.add_argument("--max-keys-per-principal", type=positive_int, default=d.max_keys_per_principal, metavar="N",
+                   help=f"keys of one principal (default {d.max_keys_per_principal})")
+    g.add_argument("--max-value-bytes", type=positive_int, default=d.max_value_bytes, metavar="BYTES",
+                   help=f"one key's value (default {d.max_value_bytes})")
 
 
 def limit_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -141,6 +147,9 @@ def limit_config(args: argparse.Namespace) -> dict[str, Any]:
         max_leases_per_principal=args.max_leases_per_principal,
         max_waiters_per_principal=args.max_waiters_per_principal,
         max_watches_per_principal=args.max_watches_per_principal,
+        max_keys=args.max_keys,
+        max_keys_per_principal=args.max_keys_per_principal,
+        max_value_bytes=args.max_value_bytes,
     )
 
 

@@ -32,6 +32,7 @@ from ..units import check_seconds
 from .acquire import acquire_retry, verify_late_grant
 from .connection import BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election
+from .keys import KeyMethods
 from .lease import HolderInfo, Lease, LeaseState, WatchEvent, check_fraction, check_lease
 from .multilock import LockManyContext, MultiLease, acquire_many, release_many, sorted_names
 from .renewer import LockContext, Renewer, Renewers
@@ -46,7 +47,7 @@ __all__ = ["Client", "LockContext", "LATE_GRANT_FRACTION"]
 LATE_GRANT_FRACTION = 0.5
 
 
-class Client:
+class Client(KeyMethods):
     """A connection to a fastlock primary.  Create it with :func:`connect`.
 
     Many tasks may share one client; their requests are pipelined on one

@@ -47,6 +47,7 @@ from ..errors import ConnectionLost, FastlockError, WrongArgumentType
 from .client import Client
 from .election import Election, Leader, Term
 from .forks import check_held_here, fork_lock, keep_inherited
+from .keys import SyncKeyMethods
 from .lease import HolderInfo, Lease, WatchEvent
 from .multilock import MultiLease
 
@@ -144,7 +145,7 @@ class SyncMultiLease:
         return len(self.leases)
 
 
-class SyncClient:
+class SyncClient(SyncKeyMethods):
     """A blocking fastlock client, safe to share between threads.
 
     Args:

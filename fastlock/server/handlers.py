@@ -49,6 +49,8 @@ from ..logsafe import quote
 from ..roles import Action, NodeRole, Role
 from ..units import monotonic_ms
 from .admission import limit_exceeded
+from .keys import PERMISSIONS as KEY_PERMISSIONS
+from .keys import KeyStore
 from .session import Session, recorded_client, split_recorded_client
 from .watches import WatchRegistry
 
@@ -77,6 +79,7 @@ PERMISSION: dict[int, str | None] = {
     P.OP_STEP_DOWN: "replica",  # epoch news: only the paired standby's principal (see op_step_down)
     P.OP_PROMOTE: "admin",
     P.OP_SERVE_ALONE: "admin",
+    **KEY_PERMISSIONS,  # the key store's operations (fastlock.server.keys): put, get, delete
 }
 
 _ARTICLE = {"client": "a", "replica": "a", "admin": "an"}
@@ -131,6 +134,7 @@ class Handlers:
         #: who may connect (tokens, certificate identities, the anonymous principal)
         self.credentials = credentials
         self.watches = WatchRegistry()
+        self.keys = KeyStore(server)  # the key store: its handlers join the table below
         # fixed for the server's life: kept here so that a handler reads them in one step
         self.table = server.table
         self.roles = server.roles
@@ -157,6 +161,7 @@ class Handlers:
             P.OP_PROMOTE: self.op_promote,
             P.OP_SERVE_ALONE: self.op_serve_alone,
             P.OP_STEP_DOWN: self.op_step_down,
+            **self.keys.handlers(),
         }
         #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
         self.by_op: dict[int, tuple[Handler, int, int]] = {

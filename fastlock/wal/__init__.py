@@ -44,14 +44,16 @@ Record bodies (``[type, ...]``, in memory the named tuples of
 :mod:`fastlock.wal.records`; times are wall-clock milliseconds since the Unix
 epoch, kept for the audit dump only -- expiry never looks at them):
 
-========  ==  ==================================================================
-GRANT      1  name, token, owner_hash, ttl_ms, lock_delay_ms, client, correlation_id, wall_ms
-RELEASE    2  name, token, wall_ms
-EXPIRE     3  name, token, wall_ms
-EXTEND     4  name, token, ttl_ms, wall_ms
-EPOCH      5  epoch, wall_ms
-RESERVE    6  counter, wall_ms         (counter values up to ``counter`` may be issued)
-========  ==  ==================================================================
+==========  ==  ==================================================================
+GRANT        1  name, token, owner_hash, ttl_ms, lock_delay_ms, client, correlation_id, wall_ms
+RELEASE      2  name, token, wall_ms
+EXPIRE       3  name, token, wall_ms
+EXTEND       4  name, token, ttl_ms, wall_ms
+EPOCH        5  epoch, wall_ms
+RESERVE      6  counter, wall_ms         (counter values up to ``counter`` may be issued)
+KEY_PUT     30  key, value, lease_name, token, principal, wall_ms   (lease_name None: no lease)
+KEY_DELETE  31  key, wall_ms
+==========  ==  ==================================================================
 
 ``owner_hash`` is BLAKE2b-128 of the client's owner key (see :func:`fastlock.auth.hash_owner`):
 the key never reaches the disk, a snapshot or a standby.  A log written by a fastlock
@@ -63,7 +65,10 @@ older logs hold the bare client name (no ``:``).
 
 Replay rules: GRANT installs the holder (replacing any); RELEASE/EXPIRE remove
 the holder when its token matches; EXTEND sets the holder's ``ttl_ms`` when its
-token matches; EPOCH raises the epoch; RESERVE raises the counter.  The
+token matches; EPOCH raises the epoch; RESERVE raises the counter; KEY_PUT sets
+a key if its lease is the current holder (or it has none), KEY_DELETE removes
+it, and a RELEASE/EXPIRE that removes a holder removes the keys of that lease
+(:mod:`fastlock.wal.keyspace`).  The
 recovered epoch is the highest of every EPOCH record and every token's epoch;
 the recovered counter is the highest of every token's counter and every
 reservation.  ``token = (epoch << 40) | counter`` (see ``_core.pyi``).

@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Any, TextIO
 
+from ..logsafe import quote
 from .files import read_file
 from .format import FrameReader, parse_segment
 from .records import (
@@ -24,6 +25,8 @@ from .records import (
     Extend,
     Grant,
     HolderRecord,
+    KeyDelete,
+    KeyPut,
     LogState,
     Record,
     Reserve,
@@ -76,6 +79,11 @@ def _record_line(lsn: int, r: Record) -> str:
         return _fmt(label, r.wall_ms, "extend", r.name, r.token, ttl=r.ttl_ms)
     if isinstance(r, Reserve):
         return _fmt(label, r.wall_ms, "reserve", extra=f"counter={r.counter}")
+    if isinstance(r, KeyPut):  # the value is not shown (it may be anything a client stored)
+        return _fmt(label, r.wall_ms, "key_put", r.lease_name, r.token,
+                    extra=f"key={quote(r.key)} bytes={len(r.value)}")
+    if isinstance(r, KeyDelete):
+        return _fmt(label, r.wall_ms, "key_delete", extra=f"key={quote(r.key)}")
     return _fmt(label, r.wall_ms, RECORD_NAMES[r.kind], r.name, r.token)  # release, expire
 
 
@@ -110,7 +118,7 @@ def dump(directory: str | os.PathLike, *, lock: str | None = None, file: TextIO 
     lines = 0
     w = file.write
     if snap is not None:
-        applied = LogState(snap.epoch, snap.counter, snap.holders)
+        applied = LogState(snap.epoch, snap.counter, snap.holders, snap.keys)
         label = f"{snap.lsn:020d}"
         if lock is None:
             w(f"{label} - snapshot-state lock=- token=- client=- corr=- ttl_ms=- "
