@@ -61,10 +61,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastlock import protocol as P
-from fastlock.protocol import ops
 from fastlock._testbase import ServerProcess
 from fastlock.auth import ANONYMOUS, hash_owner, hash_token
 from fastlock.errors import InternalServerError
+from fastlock.protocol import ops
 
 NAMES = ["orders/1", "orders/2", "orders/x/y", "public/a", "public/b", "billing/1", "admin", "order", "",
          "x" * 600, "nul\x00", "ünïcode/1"]
