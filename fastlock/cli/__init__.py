@@ -10,11 +10,15 @@ Subcommands::
     fastlock promote --server HOST:PORT [--force] [--token-file FILE]
     fastlock serve-alone --server HOST:PORT [--token-file FILE]
     fastlock credentials init DIR     credentials.toml (hashes) + one 0600 token file per principal
+    fastlock locks [PREFIX] [-o json]                 the held locks
+    fastlock lock NAME [-o json]                      one lock's holders and ordered waiters
+    fastlock revoke NAME [--token T] [--reason TEXT]  force-release (audit record in the WAL)
 
 The package holds one module per concern: :mod:`~fastlock.cli.args` (argument
 types and shared options), :mod:`~fastlock.cli.serve`,
 :mod:`~fastlock.cli.admin` (status, promote, serve-alone, credentials, wal
-dump), :mod:`~fastlock.cli.run` and :mod:`~fastlock.cli.demo`.
+dump), :mod:`~fastlock.cli.locks` (locks, lock, revoke), :mod:`~fastlock.cli.run` and
+:mod:`~fastlock.cli.demo`.
 
 Client commands name their server with ``--server`` or the environment
 variable ``FASTLOCK_SERVER``.  TLS: ``serve`` takes ``--tls-cert/--tls-key``
@@ -35,7 +39,7 @@ import sys
 from .. import __version__
 from ..errors import FastlockError
 from ..wal import WalCorruption
-from . import admin, demo, run, serve
+from . import admin, demo, locks, run, serve
 from .args import add_client_tls_arguments, client_tls_options, seconds_arg
 
 __all__ = ["add_client_tls_arguments", "build_parser", "client_tls_options", "main", "seconds_arg"]
@@ -52,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(sub)
     demo.add_parser(sub)
     admin.add_parsers(sub)
+    locks.add_parsers(sub)
     run.add_parser(sub)
     return parser
 

@@ -10,6 +10,7 @@ Modules, each readable alone:
   election terms);
 - :mod:`~fastlock.client.multilock` - several locks at once, all or none;
 - :mod:`~fastlock.client.client` - the :class:`Client` facade and :func:`connect`;
+- :mod:`~fastlock.client.admin` - the operator's requests (``locks``, ``lock_info``, ``revoke``);
 - :mod:`~fastlock.client.election` - leader election on leases;
 - :mod:`~fastlock.client.sync` - :class:`~fastlock.client.sync.SyncClient` for threads.
 
@@ -18,6 +19,7 @@ The client imports only :mod:`fastlock.protocol` and leaf modules.  Every name
 """
 
 from ..units import DEFAULT_PORT
+from .admin import LeaseInfo, LockInfo, LockList, WaiterInfo
 from .client import LATE_GRANT_FRACTION, Client, LockContext, connect
 from .connection import RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election, Leader, Term
@@ -28,4 +30,4 @@ from .renewer import Renewer
 __all__ = ["connect", "Client", "Lease", "LeaseState", "LeaseHealth", "LockContext", "MultiLease",
            "LockManyContext", "WatchEvent", "Election", "Term", "Leader", "Renewer", "resolve_credential",
            "DEFAULT_PORT", "LATE_GRANT_FRACTION", "SAFE", "IN_JEOPARDY", "LOST", "RETRYABLE", "ClientConnection",
-           "Connector", "RideThrough"]
+           "Connector", "RideThrough", "LeaseInfo", "LockInfo", "LockList", "WaiterInfo"]

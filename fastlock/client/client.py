@@ -30,6 +30,7 @@ from ..errors import ConnectionLost, InvalidArgument, LeaseLost, WrongArgumentTy
 from ..tls import client_ssl_context
 from ..units import DEFAULT_PORT, check_seconds
 from .acquire import acquire_retry, verify_late_grant
+from .admin import LockAdminMethods
 from .connection import BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election
 from .lease import Lease, LeaseState, WatchEvent, check_fraction, check_lease
@@ -46,7 +47,7 @@ __all__ = ["connect", "Client", "LockContext", "LATE_GRANT_FRACTION"]
 LATE_GRANT_FRACTION = 0.5
 
 
-class Client:
+class Client(LockAdminMethods):
     """A connection to a fastlock primary.  Create it with :func:`connect`.
 
     Many tasks may share one client; their requests are pipelined on one

@@ -30,6 +30,9 @@ OP_REPL_ACK = 13
 OP_PROMOTE = 14
 OP_SERVE_ALONE = 15
 OP_STEP_DOWN = 16
+OP_LOCKS = 20
+OP_LOCK_INFO = 21
+OP_REVOKE = 22
 
 
 class Op(NamedTuple):
@@ -60,6 +63,9 @@ OPS: tuple[Op, ...] = (
     Op(OP_PROMOTE, "promote", 1, 1),
     Op(OP_SERVE_ALONE, "serve_alone", 0, 0),
     Op(OP_STEP_DOWN, "step_down", 2, 2),
+    Op(OP_LOCKS, "locks", 2, 2),  # prefix, most entries (None: the server's limit)
+    Op(OP_LOCK_INFO, "lock_info", 1, 1),  # name
+    Op(OP_REVOKE, "revoke", 3, 3),  # name, token (None: every holder), reason (None or text)
 )
 
 #: (fewest, most) arguments of each op, after ``[req_id, op]``
@@ -74,6 +80,8 @@ STATUS_OK = 0
 
 # push kinds
 PUSH_WATCH = "watch"
+#: the ``what`` of a PUSH_WATCH event when an operator revoked the lease (``fastlock revoke``)
+WATCH_REVOKED = "revoked"
 PUSH_SNAPSHOT = "snap"  # replication: [lsn, epoch, counter, holders, incarnation]
 PUSH_RECORDS = "repl"  # replication: [first_lsn, last_lsn, frames] (a WAL batch's or a backlog chunk's bytes)
 PUSH_RECORD = "rec"  # replication: [lsn, record] (one record: older primaries' backlog; still applied)

@@ -49,6 +49,7 @@ from ..logsafe import quote
 from ..roles import Action, NodeRole, Role
 from ..units import monotonic_ms
 from .admission import limit_exceeded
+from .lockadmin import LockAdmin
 from .session import Session, recorded_client, split_recorded_client
 from .watches import WatchRegistry
 
@@ -77,6 +78,10 @@ PERMISSION: dict[int, str | None] = {
     P.OP_STEP_DOWN: "replica",  # epoch news: only the paired standby's principal (see op_step_down)
     P.OP_PROMOTE: "admin",
     P.OP_SERVE_ALONE: "admin",
+    # an admin's, or the anonymous principal's in open mode: checked by the handler (lockadmin.py)
+    P.OP_LOCKS: None,
+    P.OP_LOCK_INFO: None,
+    P.OP_REVOKE: None,
 }
 
 _ARTICLE = {"client": "a", "replica": "a", "admin": "an"}
@@ -140,6 +145,7 @@ class Handlers:
         self.quotas = server.quotas
         self.watchers = self.watches.by_name
         self.auth_failures = AuthFailures(max_failures=server.config.auth_failures_before_ban)
+        self.lock_admin = LockAdmin(self)
         handlers: dict[int, Handler] = {
             P.OP_HELLO: self.op_hello,
             P.OP_ACQUIRE: self.op_acquire,
@@ -157,6 +163,9 @@ class Handlers:
             P.OP_PROMOTE: self.op_promote,
             P.OP_SERVE_ALONE: self.op_serve_alone,
             P.OP_STEP_DOWN: self.op_step_down,
+            P.OP_LOCKS: self.lock_admin.op_locks,
+            P.OP_LOCK_INFO: self.lock_admin.op_lock_info,
+            P.OP_REVOKE: self.lock_admin.op_revoke,
         }
         #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
         self.by_op: dict[int, tuple[Handler, int, int]] = {

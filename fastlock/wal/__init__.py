@@ -51,6 +51,7 @@ EXPIRE     3  name, token, wall_ms
 EXTEND     4  name, token, ttl_ms, wall_ms
 EPOCH      5  epoch, wall_ms
 RESERVE    6  counter, wall_ms         (counter values up to ``counter`` may be issued)
+REVOKE    10  name, token, principal, reason, wall_ms  (an operator's force-release: audit)
 ========  ==  ==================================================================
 
 ``owner_hash`` is BLAKE2b-128 of the client's owner key (see :func:`fastlock.auth.hash_owner`):
@@ -61,7 +62,7 @@ else), so those leases end at their TTL.  ``client`` is ``principal:client_name`
 authenticated principal, then the client's self-declared name, which may be empty);
 older logs hold the bare client name (no ``:``).
 
-Replay rules: GRANT installs the holder (replacing any); RELEASE/EXPIRE remove
+Replay rules: GRANT installs the holder (replacing any); RELEASE/EXPIRE/REVOKE remove
 the holder when its token matches; EXTEND sets the holder's ``ttl_ms`` when its
 token matches; EPOCH raises the epoch; RESERVE raises the counter.  The
 recovered epoch is the highest of every EPOCH record and every token's epoch;
@@ -185,6 +186,7 @@ from .records import (
     RECORD_NAMES,
     RELEASE,
     RESERVE,
+    REVOKE,
     TOKEN_EPOCH_SHIFT,
     Epoch,
     Expire,
@@ -196,6 +198,7 @@ from .records import (
     Record,
     Release,
     Reserve,
+    Revoke,
     apply,
 )
 from .recovery import RecoveredState
@@ -226,6 +229,7 @@ __all__ = [
     "EXTEND",
     "EPOCH",
     "RESERVE",
+    "REVOKE",
     "RECORD_NAMES",
     "TOKEN_EPOCH_SHIFT",
     "COUNTER_MASK",
@@ -235,6 +239,7 @@ __all__ = [
     "Extend",
     "Epoch",
     "Reserve",
+    "Revoke",
     "Record",
     "LeaseMeta",
     "LogState",

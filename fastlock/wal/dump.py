@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from .records import (
     GRANT,
     RECORD_NAMES,
     RESERVE,
+    REVOKE,
     TOKEN_EPOCH_SHIFT,
     HolderRecord,
     LogState,
@@ -58,6 +60,11 @@ def _fmt(lsn: str, wall: int | None, kind: str, name: Any = "-", token: int | No
     return " ".join(parts)
 
 
+def _quoted(text: str | None) -> str:
+    """Free text (a revocation's reason) as one token of a dump line: JSON-quoted, ``-`` if none."""
+    return "-" if text is None else json.dumps(text)
+
+
 def _owner_tag(owner: bytes) -> str:
     """8 hex digits that tell leases apart in the dump without showing the stored owner
     hash (or, in a log written before owner hashing, the key itself)."""
@@ -80,6 +87,9 @@ def _record_line(lsn: int, r: Record) -> str:
         return _fmt(label, r.wall_ms, "extend", r.name, r.token, ttl=r.ttl_ms)  # type: ignore[union-attr]
     if kind == RESERVE:
         return _fmt(label, r.wall_ms, "reserve", extra=f"counter={r.counter}")  # type: ignore[union-attr]
+    if kind == REVOKE:
+        return _fmt(label, r.wall_ms, "revoke", r.name, r.token,  # type: ignore[union-attr]
+                    extra=f"by={r.principal} reason={_quoted(r.reason)}")  # type: ignore[union-attr]
     return _fmt(label, r.wall_ms, RECORD_NAMES[kind], r.name, r.token)  # type: ignore[union-attr]  # release, expire
 
 

@@ -26,7 +26,7 @@ from .backlog import read_records
 from .commit import GroupCommit
 from .files import secure_directory
 from .format import MAX_RECORD_BYTES
-from .records import COUNTER_MASK, EPOCH, EXPIRE, EXTEND, GRANT, RELEASE, RESERVE, TOKEN_EPOCH_SHIFT, Record
+from .records import COUNTER_MASK, EPOCH, EXPIRE, EXTEND, GRANT, RELEASE, RESERVE, REVOKE, TOKEN_EPOCH_SHIFT, Record
 from .recovery import RecoveredState, recover
 from .snapshot import Snapshotter
 from .writer import SegmentList, SegmentWriter
@@ -224,6 +224,10 @@ class WriteAheadLog:
     def log_expire(self, name: str, token: int) -> None:
         """Log that the lease with ``token`` on ``name`` expired."""
         self._append([EXPIRE, name, token, wall_ms()])
+
+    def log_revoke(self, name: str, token: int, principal: str, reason: str | None) -> None:
+        """Log that ``principal`` force-released the lease ``token`` on ``name`` (``reason``: free text)."""
+        self._append([REVOKE, name, token, principal, reason, wall_ms()])
 
     def log_extend(self, name: str, token: int, ttl_ms: int) -> None:
         """Log a new TTL (milliseconds) for the lease ``token`` on ``name`` (only when it changes)."""

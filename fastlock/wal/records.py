@@ -16,6 +16,8 @@ The rules:
 * GRANT installs the holder (replacing any), and raises the epoch and the
   counter to the token's;
 * RELEASE and EXPIRE remove the holder when its token matches;
+* REVOKE (an operator's force-release, an audit record with who and why) removes
+  the holder when its token matches, as RELEASE does;
 * EXTEND sets the holder's ``ttl_ms`` when its token matches;
 * EPOCH raises the epoch; RESERVE raises the counter.
 """
@@ -25,9 +27,9 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Protocol, Union
 
 __all__ = [
-    "GRANT", "RELEASE", "EXPIRE", "EXTEND", "EPOCH", "RESERVE", "RECORD_NAMES",
+    "GRANT", "RELEASE", "EXPIRE", "EXTEND", "EPOCH", "RESERVE", "REVOKE", "RECORD_NAMES",
     "TOKEN_EPOCH_SHIFT", "COUNTER_MASK",
-    "Grant", "Release", "Expire", "Extend", "Epoch", "Reserve", "Record",
+    "Grant", "Release", "Expire", "Extend", "Epoch", "Reserve", "Revoke", "Record",
     "HolderRecord", "LeaseMeta", "encode", "decode", "apply", "ApplyTarget", "LogState",
 ]
 
@@ -37,8 +39,9 @@ EXPIRE = 3
 EXTEND = 4
 EPOCH = 5
 RESERVE = 6
+REVOKE = 10
 RECORD_NAMES = {GRANT: "grant", RELEASE: "release", EXPIRE: "expire", EXTEND: "extend",
-                EPOCH: "epoch", RESERVE: "reserve"}
+                EPOCH: "epoch", RESERVE: "reserve", REVOKE: "revoke"}
 
 #: token = (epoch << TOKEN_EPOCH_SHIFT) | counter (mirrors fastlock._core, kept
 #: here so that the WAL and its tools do not need the compiled core).
@@ -111,10 +114,24 @@ class Reserve(NamedTuple):
     kind = RESERVE
 
 
-Record = Union[Grant, Release, Expire, Extend, Epoch, Reserve]
+class Revoke(NamedTuple):
+    """REVOKE: an operator force-released the lease ``token`` on ``name``: ``principal``
+    (the authenticated principal that asked) and ``reason`` (free text, may be None) are
+    kept for the audit dump.  Replayed as a RELEASE of that token."""
+
+    name: str
+    token: int
+    principal: str
+    reason: str | None
+    wall_ms: int
+
+    kind = REVOKE
+
+
+Record = Union[Grant, Release, Expire, Extend, Epoch, Reserve, Revoke]
 
 _TYPES: dict[int, Any] = {GRANT: Grant, RELEASE: Release, EXPIRE: Expire, EXTEND: Extend,
-                          EPOCH: Epoch, RESERVE: Reserve}
+                          EPOCH: Epoch, RESERVE: Reserve, REVOKE: Revoke}
 #: (type, length of the array) -> record class: the shape of every valid record body
 SHAPES: dict[tuple[int, int], Any] = {(kind, len(cls._fields) + 1): cls for kind, cls in _TYPES.items()}
 
@@ -192,7 +209,7 @@ class ApplyTarget(Protocol):
         """Make ``grant`` the holder of its lock (replacing any); raise epoch and counter to its token's."""
         ...
 
-    def remove(self, record: Release | Expire) -> None:
+    def remove(self, record: Release | Expire | Revoke) -> None:
         """Drop the holder of ``record.name`` (its token matched)."""
         ...
 
@@ -216,7 +233,7 @@ def apply(record: Record, target: ApplyTarget) -> bool:
     if kind is Grant:
         target.install(record)  # type: ignore[arg-type]
         return True
-    if kind is Release or kind is Expire or kind is Extend:
+    if kind is Release or kind is Expire or kind is Extend or kind is Revoke:
         if target.holder_token(record.name) != record.token:  # type: ignore[union-attr]
             return False
         if kind is Extend:
@@ -270,7 +287,7 @@ class LogState:
         if token >> TOKEN_EPOCH_SHIFT > self.epoch:
             self.epoch = token >> TOKEN_EPOCH_SHIFT
 
-    def remove(self, record: Release | Expire) -> None:
+    def remove(self, record: Release | Expire | Revoke) -> None:
         del self.holders[record.name]
 
     def set_ttl(self, record: Extend) -> None:
