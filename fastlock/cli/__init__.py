@@ -39,7 +39,7 @@ import sys
 from .. import __version__
 from ..errors import FastlockError
 from ..wal import WalCorruption
-from . import admin, demo, locks, run, serve
+from . import admin, config, demo, locks, run, serve
 from .args import add_client_tls_arguments, client_tls_options, seconds_arg
 
 __all__ = ["add_client_tls_arguments", "build_parser", "client_tls_options", "main", "seconds_arg"]
@@ -50,15 +50,20 @@ _admin = admin.admin_request
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``fastlock`` argument parser; each subcommand sets ``handler``."""
+    return _build()[0]
+
+
+def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The ``fastlock`` parser and its ``serve`` subparser."""
     parser = argparse.ArgumentParser(prog="fastlock", description="fastlock lock server and tools")
     parser.add_argument("--version", action="version", version=f"fastlock {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve.add_parser(sub)
+    serve_parser = serve.add_parser(sub)
     demo.add_parser(sub)
     admin.add_parsers(sub)
     locks.add_parsers(sub)
     run.add_parser(sub)
-    return parser
+    return parser, serve_parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     errors (unreachable server, refused request, missing or damaged WAL)
     print one line, ``fastlock <command>: <reason>``, to stderr and exit 1.
     """
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser, serve_parser = _build()
+    if argv[:1] == ["serve"]:  # flag > environment > config file > default (fastlock.cli.config)
+        serve_parser.set_defaults(config_sources=config.layer_defaults(serve_parser, argv[1:]), argv=argv[1:])
+    args = parser.parse_args(argv)
     if args.command in ("serve", "demo", "run"):
         return int(args.handler(args))  # each reports its own errors and exit status
     if args.command in ("status", "promote", "serve-alone"):

@@ -11,6 +11,7 @@ from ..auth import Credentials, read_token_file
 from ..server import ServerConfig, serve
 from ..units import DEFAULT_PORT
 from .args import count_arg, frame_bytes_arg, listen_address, positive_int, read_secret, seconds_arg
+from .config import render
 
 __all__ = ["add_limit_flags", "add_parser", "check_args", "limit_config", "serve_command"]
 
@@ -78,7 +79,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="start even if the WAL's last segment has a damaged record in the middle: cut it "
                         "there (records after it are lost; logged at ERROR). Without it the server refuses.")
     s.add_argument("--no-uvloop", action="store_true", help="use the stdlib asyncio loop")
-    s.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    s.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="the least severe messages logged (any case; default INFO)")
+    s.add_argument("--config", metavar="FILE",
+                   help="a TOML file of settings, keyed by flag name without the dashes (or env "
+                        "FASTLOCK_CONFIG); every flag is also env FASTLOCK_<FLAG>; a flag wins over the "
+                        "environment, which wins over the file (see fastlock.cli.config)")
+    s.add_argument("--print-config", action="store_true",
+                   help="print the resulting settings and where each came from (TOML), and exit")
 
     return s
 
@@ -168,6 +176,9 @@ def serve_command(args: argparse.Namespace) -> int:
     The server logs its own errors (a damaged WAL, an address in use) and
     exits non-zero; unreadable credential files print one line and exit 1."""
     check_args(args)
+    if args.print_config:
+        print(render(args.subparser, args, getattr(args, "argv", ()), getattr(args, "config_sources", {})))
+        return 0
     logging.basicConfig(level=getattr(logging, args.log_level),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:

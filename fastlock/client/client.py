@@ -28,11 +28,12 @@ from typing import Any
 from .. import protocol as P
 from ..errors import ConnectionLost, InvalidArgument, LeaseLost, WrongArgumentType
 from ..tls import client_ssl_context
-from ..units import DEFAULT_PORT, check_seconds
+from ..units import check_seconds
 from .acquire import acquire_retry, verify_late_grant
 from .admin import LockAdminMethods
 from .connection import BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election
+from .environment import addresses_from_env, secret_from_env, tls_from_env
 from .lease import Lease, LeaseState, WatchEvent, check_fraction, check_lease
 from .multilock import LockManyContext, MultiLease, acquire_many, release_many, sorted_names
 from .renewer import LockContext, Renewer, Renewers
@@ -93,7 +94,13 @@ class Client(LockAdminMethods):
                  token_file: str | os.PathLike | None = None,
                  tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, server_hostname: str | None = None):
-        auth = resolve_credential(token=token, token_file=token_file, auth=auth)
+        addresses = addresses_from_env(addresses)
+        tls, files = tls_from_env(tls, {"tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key,
+                                        "server_hostname": server_hostname})
+        tls_ca, tls_cert, tls_key, server_hostname = (files["tls_ca"], files["tls_cert"], files["tls_key"],
+                                                      files["server_hostname"])
+        auth = resolve_credential(token=token, token_file=token_file,
+                                  auth=secret_from_env(auth, token, token_file))
         client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
         self._connect_timeout = check_seconds(connect_timeout, "connect_timeout")
         self._request_timeout = check_seconds(request_timeout, "request_timeout", allow_none=True)
@@ -560,7 +567,10 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
     Args:
         *addresses: ``"host:port"`` strings or ``(host, port)`` tuples, tried in
             order; a standby's ``NotPrimary`` redirect is followed.  Default
-            port 7420.
+            port 7420.  None given: ``$FASTLOCK_SERVER`` (comma-separated), else
+            127.0.0.1:7420.  Every argument left out is taken from the environment
+            as :mod:`fastlock.client.environment` says (``FASTLOCK_AUTH_SECRET``,
+            ``FASTLOCK_TOKEN_FILE``, ``FASTLOCK_TLS_*``); an argument given wins.
         auth: legacy: the server's shared secret (``--auth-secret-file``).
         token: this client's principal token (see ``fastlock credentials init``).
         token_file: a file holding the token (default: the file named by the
@@ -609,8 +619,6 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
 
     Operations the principal is not granted raise :class:`PermissionDenied`.
     """
-    if not addresses:
-        addresses = (f"127.0.0.1:{DEFAULT_PORT}",)
     return _ConnectContext(Client(addresses, auth=auth, client_name=client_name,
                                   connect_timeout=connect_timeout, request_timeout=request_timeout,
                                   token=token, token_file=token_file,

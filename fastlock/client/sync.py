@@ -171,8 +171,6 @@ class SyncClient:
                  token_file: Any = None,
                  tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, server_hostname: str | None = None):
-        if not addresses:
-            addresses = ("127.0.0.1:7420",)
         self._closed = False
         self._make_client = lambda: Client(
             addresses, auth=auth, client_name=client_name, connect_timeout=connect_timeout,
