@@ -140,3 +140,29 @@ with SyncClient() as sync:
         assert status.returncode == 0 and '"role": "primary"' in status.stdout, status.stderr
     finally:
         srv.stop()
+
+
+def test_json_logs_are_one_object_per_line_with_context(tmp_path):
+    import asyncio
+    import json
+
+    import fastlock
+
+    srv = ServerProcess(tmp_path / "data", log_level="info", args=["--log-format", "JSON"]).start()
+    try:
+        async def revoke() -> None:
+            async with fastlock.connect(srv.address, client_name="j") as client:
+                await client.acquire("json/lock", ttl=30.0, correlation_id="c-1")
+                await client.revoke("json/lock", reason="test")
+
+        asyncio.run(revoke())
+        line = srv.wait_for_log(r"revoked by")
+    finally:
+        srv.stop()
+    record = json.loads(line)
+    assert record["level"] == "WARNING" and record["logger"] == "fastlock.server.lockadmin"
+    assert (record["lock"], record["correlation_id"], record["client"]) == ("json/lock", "c-1", "j")
+    assert record["time"].endswith("Z") and isinstance(record["token"], int)
+    for other in srv.lines:
+        if other.strip():
+            assert set(json.loads(other)) >= {"time", "level", "logger", "message"}

@@ -155,7 +155,9 @@ class LockAdmin:
             if name in handlers.watchers:
                 handlers.watches.notify(name, P.WATCH_REVOKED, h.token, h.meta)
             log.warning("lease %d on %s (principal %s, client %s) revoked by %s: %s", h.token, quote(name),
-                        info["principal"], quote(info["client"]), conn.principal, quote(reason))
+                        info["principal"], quote(info["client"]), conn.principal, quote(reason),
+                        extra={"session": conn.session, "lock": name, "token": h.token, "principal": conn.principal,
+                               "client": info["client"], "correlation_id": info["correlation_id"]})
             revoked.append(info)
         reply = P.encode_ok(req_id, {"name": name, "revoked": revoked})
 

@@ -378,6 +378,15 @@ class WriteAheadLog:
         self._snapshots.join()
 
     # -- introspection --------------------------------------------------------------------
+    def take_fsync_seconds(self) -> list[float]:
+        """The durations (seconds) of the data fsyncs done since the last call (at most the
+        latest 4096), oldest first; the writer thread appends, this takes them away."""
+        durations = self._commit.io.fsync_seconds
+        taken = []
+        while durations:
+            taken.append(durations.popleft())
+        return taken
+
     def stats(self) -> dict:
         """Counters: ``records`` logged since open, ``bytes`` written, ``fsyncs``
         (data fsyncs incl. rotation/segment creation), ``batches`` written,
