@@ -38,10 +38,15 @@ from .args import (
     servers_from_env,
 )
 
-__all__ = ["ADMIN_TIMEOUT", "add_parsers", "admin_request", "resolve_server", "where"]
+__all__ = ["ADMIN_TIMEOUT", "NotFastlock", "add_parsers", "admin_request", "resolve_server", "where"]
 
-#: seconds for the TCP connect, and again for the replies
-ADMIN_TIMEOUT = 10.0
+#: seconds for the TCP connect, and again for HELLO's reply (and the replies of every
+#: command but promote)
+ADMIN_TIMEOUT = 5.0
+
+
+class NotFastlock(ConnectionError):
+    """The address answers TCP but not the fastlock protocol (or not in time)."""
 
 _WAL_FILE = re.compile(r"^(wal-\d{20}\.log|snap-\d{20}\.snap)$")
 
@@ -168,10 +173,21 @@ def admin_request(server: tuple[str, int], token: str | None, op: int, *args: An
             conn = await open_connection(host, port, timeout=ADMIN_TIMEOUT, **ssl_args)
         except asyncio.TimeoutError:
             raise TimeoutError(f"no connection within {ADMIN_TIMEOUT:g} s") from None
+        opened = conn.last_recv
         hello = conn.request(OP_HELLO, PROTOCOL_VERSION, "fastlock-admin", token)
         reply = conn.request(op, *args)
         try:
-            await asyncio.wait_for(hello, reply_timeout)
+            try:  # a port that does not speak fastlock: fail within the connect timeout, saying so
+                info = await asyncio.wait_for(hello, min(reply_timeout, ADMIN_TIMEOUT))
+            except asyncio.TimeoutError:
+                raise NotFastlock(f"not a fastlock server (no answer to HELLO within "
+                                  f"{min(reply_timeout, ADMIN_TIMEOUT):g} s)") from None
+            except ConnectionLost as exc:
+                if conn.close_error is None and conn.last_recv > opened:  # it answered, not in fastlock
+                    raise NotFastlock(f"not a fastlock server ({exc})") from None
+                raise
+            if not isinstance(info, dict) or info.get("server") != "fastlock":
+                raise NotFastlock(f"not a fastlock server (HELLO answered {info!r:.60})")
             return await asyncio.wait_for(reply, reply_timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"no reply within {reply_timeout:g} s") from None
