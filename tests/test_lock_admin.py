@@ -235,3 +235,14 @@ def test_a_revocation_reaches_the_standby_and_its_log(cluster):
     dump = fastlock_cli("wal", "dump", "--lock", "gone", str(s.data_dir), server="")
     assert any(" revoke " in line and f"token={token} " in line and 'reason="replicated"' in line
                for line in dump.stdout.splitlines()), dump.stdout
+
+
+async def test_a_try_acquire_of_a_lock_this_connection_holds_says_so(server, connect):
+    client = await connect("self")
+    lease = await client.acquire("mine", ttl=30.0)
+    with pytest.raises(fastlock.LockNotAcquired, match=f"held by this same connection \\(token {lease.fencing_token}\\)"):
+        await client.acquire("mine", ttl=30.0, wait=0)
+    other = await connect("other")
+    with pytest.raises(fastlock.LockNotAcquired) as refused:
+        await other.acquire("mine", ttl=30.0, wait=0)
+    assert "same connection" not in str(refused.value)

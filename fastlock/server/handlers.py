@@ -337,6 +337,10 @@ class Handlers:
             if grace_ms:
                 raise LockNotAcquired(f"{name!r}: no grants during the promotion grace period "
                                       f"({grace_ms} ms left)")
+            held = table.holder(name, now)
+            if held is not None and held.session == conn.session:  # a client that forgot its own lease
+                raise LockNotAcquired(f"{name!r} is held by this same connection (token {held.token}): "
+                                      f"another acquire on it waits for that lease to end")
             raise LockNotAcquired(f"{name!r} is held")
 
     def op_release(self, conn: Session, req_id: int, msg: list) -> None:
