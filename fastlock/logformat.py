@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+from typing import TextIO
 
 __all__ = ["CONTEXT_FIELDS", "JsonFormatter", "LOG_FORMATS", "configure"]
 
@@ -37,10 +38,10 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str, ensure_ascii=False)
 
 
-def configure(level: str, fmt: str, stream: object) -> None:
+def configure(level: str, fmt: str, stream: TextIO) -> None:
     """Send the root logger's records at ``level`` (a name, any case) and above to
     ``stream``, as text or JSON (``fmt``: one of :data:`LOG_FORMATS`)."""
-    handler = logging.StreamHandler(stream)  # type: ignore[arg-type]
+    handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(_TEXT))
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -42,7 +42,6 @@ import platform
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from . import __version__
 from .observe import TOP_CONTENDED, Observer
 from .roles import Role
 
@@ -115,7 +114,7 @@ class _Collector:
             return
         build = GaugeMetricFamily("fastlock_build_info", "fastlock's version (value 1)",
                                   labels=["version", "python", "implementation"])
-        build.add_metric([__version__, platform.python_version(), platform.python_implementation()], 1)
+        build.add_metric([str(st.get("version", "")), platform.python_version(), platform.python_implementation()], 1)
         yield build
         for name, doc, labels, hists in observer.histograms():
             family = HistogramMetricFamily(name, doc, labels=labels)

@@ -240,7 +240,8 @@ def test_a_revocation_reaches_the_standby_and_its_log(cluster):
 async def test_a_try_acquire_of_a_lock_this_connection_holds_says_so(server, connect):
     client = await connect("self")
     lease = await client.acquire("mine", ttl=30.0)
-    with pytest.raises(fastlock.LockNotAcquired, match=f"held by this same connection \\(token {lease.fencing_token}\\)"):
+    expected = f"held by this same connection \\(token {lease.fencing_token}\\)"
+    with pytest.raises(fastlock.LockNotAcquired, match=expected):
         await client.acquire("mine", ttl=30.0, wait=0)
     other = await connect("other")
     with pytest.raises(fastlock.LockNotAcquired) as refused:

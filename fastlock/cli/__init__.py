@@ -57,7 +57,8 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The ``fastlock`` parser and its ``serve`` subparser."""
     parser = argparse.ArgumentParser(prog="fastlock", description="fastlock lock server and tools")
     parser.add_argument("--version", action="version", version=f"fastlock {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # every subcommand's parser keeps its options, for serve's config layers (fastlock.cli.config)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=config.RecordingParser)
     serve_parser = serve.add_parser(sub)
     demo.add_parser(sub)
     admin.add_parsers(sub)

@@ -33,7 +33,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["CONFIG_VARIABLE", "NOT_CONFIGURABLE", "layer_defaults", "render"]
+__all__ = ["CONFIG_VARIABLE", "NOT_CONFIGURABLE", "RecordingParser", "layer_defaults", "render"]
 
 #: the environment variable naming the config file when ``--config`` is not given
 CONFIG_VARIABLE = "FASTLOCK_CONFIG"
@@ -44,9 +44,35 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
+class RecordingParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` that keeps every option added to it or to its groups, in
+    :attr:`options` (argparse has no public list of them)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.options: list[argparse.Action] = []
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        self.options.append(action)
+        return action
+
+    def add_argument_group(self, *args: Any, **kwargs: Any) -> Any:
+        group = super().add_argument_group(*args, **kwargs)
+        add = group.add_argument
+
+        def recorded(*a: Any, **k: Any) -> argparse.Action:
+            action = add(*a, **k)
+            self.options.append(action)
+            return action
+
+        group.add_argument = recorded  # type: ignore[method-assign]
+        return group
+
+
 def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    """dest -> action of every configurable option of ``parser``."""
-    return {a.dest: a for a in parser._actions
+    """dest -> action of every configurable option of ``parser`` (a :class:`RecordingParser`)."""
+    return {a.dest: a for a in getattr(parser, "options", ())
             if a.option_strings and a.dest not in NOT_CONFIGURABLE}
 
 

@@ -363,15 +363,12 @@ class SyncClient:
         return self._call(self._client.ping())
 
     def locks(self, prefix: str = "", *, most: int | None = None) -> LockList:
-        """As :meth:`Client.locks <fastlock.client.admin.LockAdminMethods.locks>`."""
         return self._call(self._client.locks(prefix, most=most))
 
     def lock_info(self, name: str) -> LockInfo:
-        """As :meth:`Client.lock_info <fastlock.client.admin.LockAdminMethods.lock_info>`."""
         return self._call(self._client.lock_info(name))
 
     def revoke(self, name: str, *, fencing_token: int | None = None, reason: str | None = None) -> list[LeaseInfo]:
-        """As :meth:`Client.revoke <fastlock.client.admin.LockAdminMethods.revoke>`."""
         return self._call(self._client.revoke(name, fencing_token=fencing_token, reason=reason))
 
     def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
