@@ -100,8 +100,8 @@ class Spec:
             return self.kind == "replica"  # from anyone else, HELLO must change nothing
         if op in REPLICA_OPS:
             return self.kind == "replica"
-        if op in (P.OP_PROMOTE, P.OP_SERVE_ALONE):
-            return self.kind == "admin"
+        if op in (P.OP_PROMOTE, P.OP_SERVE_ALONE, P.OP_LOCKS, P.OP_LOCK_INFO, P.OP_REVOKE):
+            return self.kind == "admin"  # the lock-admin ops: admins only when the server has credentials
         if self.kind == "admin":
             return True
         if self.kind != "client":

@@ -31,6 +31,7 @@ __all__ = [
     "Unavailable",
     "StaleFencingToken",
     "InternalServerError",
+    "LockNotHeld",
     "error_from_wire",
 ]
 
@@ -124,6 +125,12 @@ class Cancelled(FastlockError):
 class Unavailable(FastlockError):
     """The server cannot serve this request now: it is shutting down, or it is
     a primary that stopped granting because it lost contact with its standby."""
+
+
+@_register(10)
+class LockNotHeld(FastlockError, LookupError):
+    """An operator's revoke named a lock that has no holder (or no holder with the
+    fencing token given).  Nothing was changed."""
 
 
 @_register(16)

@@ -198,28 +198,28 @@ def _drop(watches: dict[str, set[asyncio.Queue[Any]]], prefix: str, queue: async
 
 class SyncKeyMethods:
     """The key store's methods of :class:`~fastlock.sync.SyncClient` (a mixin: it uses the
-    blocking client's ``_call`` and ``_client``).  Prefix watches are asyncio-only."""
+    blocking client's ``call`` and ``_client``).  Prefix watches are asyncio-only."""
 
     @property
     def _client(self) -> KeyMethods:  # pragma: no cover - the SyncClient's
         raise NotImplementedError
 
-    def _call(self, coro: Any) -> Any:  # pragma: no cover - the SyncClient's
+    def call(self, coro: Any) -> Any:  # pragma: no cover - the SyncClient's
         raise NotImplementedError
 
     def put(self, key: str, value: bytes, *, lease: Any = None, create: bool = False, replace: bool = False) -> bool:
         """As :meth:`KeyMethods.put`; ``lease``: a :class:`~fastlock.sync.SyncLease` of this client, or None."""
         inner = getattr(lease, "lease", lease)
-        return bool(self._call(self._client.put(key, value, lease=inner, create=create, replace=replace)))
+        return bool(self.call(self._client.put(key, value, lease=inner, create=create, replace=replace)))
 
     def get(self, key: str) -> KeyValue | None:
         """As :meth:`KeyMethods.get`."""
-        return self._call(self._client.get(key))  # type: ignore[no-any-return]
+        return self.call(self._client.get(key))  # type: ignore[no-any-return]
 
     def list_prefix(self, prefix: str, *, limit: int = 1000) -> list[KeyValue]:
         """As :meth:`KeyMethods.list_prefix`."""
-        return self._call(self._client.list_prefix(prefix, limit=limit))  # type: ignore[no-any-return]
+        return self.call(self._client.list_prefix(prefix, limit=limit))  # type: ignore[no-any-return]
 
     def delete(self, key: str) -> bool:
         """As :meth:`KeyMethods.delete`."""
-        return bool(self._call(self._client.delete(key)))
+        return bool(self.call(self._client.delete(key)))

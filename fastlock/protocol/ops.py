@@ -30,6 +30,10 @@ OP_REPL_ACK = 13
 OP_PROMOTE = 14
 OP_SERVE_ALONE = 15
 OP_STEP_DOWN = 16
+OP_LOCKS = 20
+OP_LOCK_INFO = 21
+OP_REVOKE = 22
+
 # the key/value store (fastlock.server.keys): small values, optionally attached to a lease
 OP_KEY_PUT = 40  # key, value, lease name or None, token, owner key, mode (KEY_UPSERT/KEY_CREATE/KEY_REPLACE)
 OP_KEY_GET = 41  # key
@@ -78,6 +82,9 @@ OPS: tuple[Op, ...] = (
     Op(OP_KEY_DELETE, "key_delete", 1, 1),
     Op(OP_KEY_WATCH, "key_watch", 1, 1),
     Op(OP_KEY_UNWATCH, "key_unwatch", 1, 1),
+    Op(OP_LOCKS, "locks", 2, 2),  # prefix, most entries (None: the server's limit)
+    Op(OP_LOCK_INFO, "lock_info", 1, 1),  # name
+    Op(OP_REVOKE, "revoke", 3, 3),  # name, token (None: every holder), reason (None or text)
 )
 
 #: (fewest, most) arguments of each op, after ``[req_id, op]``
@@ -92,6 +99,8 @@ STATUS_OK = 0
 
 # push kinds
 PUSH_WATCH = "watch"
+#: the ``what`` of a PUSH_WATCH event when an operator revoked the lease (``fastlock revoke``)
+WATCH_REVOKED = "revoked"
 PUSH_VALUE = "value"  # key watch: [prefix, what ("put", "delete", "expired"), key, value or None]
 PUSH_SNAPSHOT = "snap"  # replication: [lsn, epoch, counter, holders, incarnation]
 PUSH_RECORDS = "repl"  # replication: [first_lsn, last_lsn, frames] (a WAL batch's or a backlog chunk's bytes)

@@ -24,7 +24,7 @@ from .. import protocol as P
 from ..errors import FastlockError, ProtocolError
 from ..roles import Role
 from ..units import monotonic_ms
-from ..wal import Epoch, Expire, Extend, Grant, LeaseMeta, Record, Release, apply, decode_frames
+from ..wal import Epoch, Expire, Extend, Grant, LeaseMeta, Record, Release, Revoke, apply, decode_frames
 from ..wal.keyspace import KeySpace
 from ..wal.records import KeyDelete, KeyPut
 from ..wal.records import decode as decode_record
@@ -66,11 +66,13 @@ class StandbyApply:
         self.follower.track(g.name, g.token, g.ttl_ms)
         self.follower.saw_ttl(g.ttl_ms)
 
-    def remove(self, record: Release | Expire) -> None:
+    def remove(self, record: Release | Expire | Revoke) -> None:
         self.table.remove_holder(record.name, record.token, 0)
         self.follower.lease_deadlines.pop(record.name, None)
         if isinstance(record, Release):
             self.wal.log_release(record.name, record.token)
+        elif isinstance(record, Revoke):
+            self.wal.log_revoke(record.name, record.token, record.principal, record.reason)
         else:
             self.wal.log_expire(record.name, record.token)
 

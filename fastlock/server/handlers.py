@@ -51,6 +51,7 @@ from ..units import monotonic_ms
 from .admission import limit_exceeded
 from .keys import PERMISSIONS as KEY_PERMISSIONS
 from .keys import KeyStore
+from .lockadmin import LockAdmin
 from .session import Session, recorded_client, split_recorded_client
 from .watches import WatchRegistry
 
@@ -80,6 +81,10 @@ PERMISSION: dict[int, str | None] = {
     P.OP_PROMOTE: "admin",
     P.OP_SERVE_ALONE: "admin",
     **KEY_PERMISSIONS,  # the key store's operations (fastlock.server.keys): put, get, delete
+    # an admin's, or the anonymous principal's in open mode: checked by the handler (lockadmin.py)
+    P.OP_LOCKS: None,
+    P.OP_LOCK_INFO: None,
+    P.OP_REVOKE: None,
 }
 
 _ARTICLE = {"client": "a", "replica": "a", "admin": "an"}
@@ -144,6 +149,7 @@ class Handlers:
         self.quotas = server.quotas
         self.watchers = self.watches.by_name
         self.auth_failures = AuthFailures(max_failures=server.config.auth_failures_before_ban)
+        self.lock_admin = LockAdmin(self)
         handlers: dict[int, Handler] = {
             P.OP_HELLO: self.op_hello,
             P.OP_ACQUIRE: self.op_acquire,
@@ -162,6 +168,9 @@ class Handlers:
             P.OP_SERVE_ALONE: self.op_serve_alone,
             P.OP_STEP_DOWN: self.op_step_down,
             **self.keys.handlers(),
+            P.OP_LOCKS: self.lock_admin.op_locks,
+            P.OP_LOCK_INFO: self.lock_admin.op_lock_info,
+            P.OP_REVOKE: self.lock_admin.op_revoke,
         }
         #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
         self.by_op: dict[int, tuple[Handler, int, int]] = {
@@ -333,6 +342,10 @@ class Handlers:
             if grace_ms:
                 raise LockNotAcquired(f"{name!r}: no grants during the promotion grace period "
                                       f"({grace_ms} ms left)")
+            held = table.holder(name, now)
+            if held is not None and held.session == conn.session:  # a client that forgot its own lease
+                raise LockNotAcquired(f"{name!r} is held by this same connection (token {held.token}): "
+                                      f"another acquire on it waits for that lease to end")
             raise LockNotAcquired(f"{name!r} is held")
 
     def op_release(self, conn: Session, req_id: int, msg: list) -> None:

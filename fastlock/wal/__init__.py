@@ -51,6 +51,7 @@ EXPIRE       3  name, token, wall_ms
 EXTEND       4  name, token, ttl_ms, wall_ms
 EPOCH        5  epoch, wall_ms
 RESERVE      6  counter, wall_ms         (counter values up to ``counter`` may be issued)
+REVOKE      10  name, token, principal, reason, wall_ms  (an operator's force-release: audit)
 KEY_PUT     30  key, value, lease_name, token, principal, wall_ms   (lease_name None: no lease)
 KEY_DELETE  31  key, wall_ms
 ==========  ==  ==================================================================
@@ -63,7 +64,7 @@ else), so those leases end at their TTL.  ``client`` is ``principal:client_name`
 authenticated principal, then the client's self-declared name, which may be empty);
 older logs hold the bare client name (no ``:``).
 
-Replay rules: GRANT installs the holder (replacing any); RELEASE/EXPIRE remove
+Replay rules: GRANT installs the holder (replacing any); RELEASE/EXPIRE/REVOKE remove
 the holder when its token matches; EXTEND sets the holder's ``ttl_ms`` when its
 token matches; EPOCH raises the epoch; RESERVE raises the counter; KEY_PUT sets
 a key if its lease is the current holder (or it has none), KEY_DELETE removes
@@ -190,6 +191,7 @@ from .records import (
     RECORD_NAMES,
     RELEASE,
     RESERVE,
+    REVOKE,
     TOKEN_EPOCH_SHIFT,
     Epoch,
     Expire,
@@ -201,6 +203,7 @@ from .records import (
     Record,
     Release,
     Reserve,
+    Revoke,
     apply,
 )
 from .recovery import RecoveredState
@@ -230,6 +233,7 @@ __all__ = [
     "EXTEND",
     "EPOCH",
     "RESERVE",
+    "REVOKE",
     "RECORD_NAMES",
     "TOKEN_EPOCH_SHIFT",
     "COUNTER_MASK",
@@ -239,6 +243,7 @@ __all__ = [
     "Extend",
     "Epoch",
     "Reserve",
+    "Revoke",
     "Record",
     "LeaseMeta",
     "LogState",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
 import os
 import sys
 from typing import Any, TextIO
@@ -30,6 +31,7 @@ from .records import (
     LogState,
     Record,
     Reserve,
+    Revoke,
     apply,
 )
 from .recovery import LogFiles
@@ -58,6 +60,11 @@ def _fmt(lsn: str, wall: int | None, kind: str, name: Any = "-", token: int | No
     return " ".join(parts)
 
 
+def _quoted(text: str | None) -> str:
+    """Free text (a revocation's reason) as one token of a dump line: JSON-quoted, ``-`` if none."""
+    return "-" if text is None else json.dumps(text)
+
+
 def _owner_tag(owner: bytes) -> str:
     """8 hex digits that tell leases apart in the dump without showing the stored owner
     hash (or, in a log written before owner hashing, the key itself)."""
@@ -84,6 +91,9 @@ def _record_line(lsn: int, r: Record) -> str:
                     extra=f"key={quote(r.key)} bytes={len(r.value)}")
     if isinstance(r, KeyDelete):
         return _fmt(label, r.wall_ms, "key_delete", extra=f"key={quote(r.key)}")
+    if isinstance(r, Revoke):
+        return _fmt(label, r.wall_ms, "revoke", r.name, r.token,
+                    extra=f"by={r.principal} reason={_quoted(r.reason)}")
     return _fmt(label, r.wall_ms, RECORD_NAMES[r.kind], r.name, r.token)  # release, expire
 
 

@@ -36,6 +36,7 @@ from .records import (
     KEY_PUT,
     RELEASE,
     RESERVE,
+    REVOKE,
     TOKEN_EPOCH_SHIFT,
     Record,
 )
@@ -237,6 +238,10 @@ class WriteAheadLog:
         """Log that the lease with ``token`` on ``name`` expired."""
         self._append([EXPIRE, name, token, wall_ms()])
 
+    def log_revoke(self, name: str, token: int, principal: str, reason: str | None) -> None:
+        """Log that ``principal`` force-released the lease ``token`` on ``name`` (``reason``: free text)."""
+        self._append([REVOKE, name, token, principal, reason, wall_ms()])
+
     def log_extend(self, name: str, token: int, ttl_ms: int) -> None:
         """Log a new TTL (milliseconds) for the lease ``token`` on ``name`` (only when it changes)."""
         self._append([EXTEND, name, token, ttl_ms, wall_ms()])
@@ -398,6 +403,15 @@ class WriteAheadLog:
         self._snapshots.join()
 
     # -- introspection --------------------------------------------------------------------
+    def take_fsync_seconds(self) -> list[float]:
+        """The durations (seconds) of the data fsyncs done since the last call (at most the
+        latest 4096), oldest first; the writer thread appends, this takes them away."""
+        durations = self._commit.io.fsync_seconds
+        taken = []
+        while durations:
+            taken.append(durations.popleft())
+        return taken
+
     def stats(self) -> dict:
         """Counters: ``records`` logged since open, ``bytes`` written, ``fsyncs``
         (data fsyncs incl. rotation/segment creation), ``batches`` written,

@@ -16,6 +16,8 @@ The rules:
 * GRANT installs the holder (replacing any), and raises the epoch and the
   counter to the token's;
 * RELEASE and EXPIRE remove the holder when its token matches;
+* REVOKE (an operator's force-release, an audit record with who and why) removes
+  the holder when its token matches, as RELEASE does;
 * EXTEND sets the holder's ``ttl_ms`` when its token matches;
 * EPOCH raises the epoch; RESERVE raises the counter;
 * KEY_PUT sets a key when it has no lease or its lease (lock name, token) is
@@ -31,9 +33,9 @@ from typing import Any, NamedTuple, Protocol
 from .keyspace import KeySpace
 
 __all__ = [
-    "GRANT", "RELEASE", "EXPIRE", "EXTEND", "EPOCH", "RESERVE", "KEY_PUT", "KEY_DELETE", "RECORD_NAMES",
+    "GRANT", "RELEASE", "EXPIRE", "EXTEND", "EPOCH", "RESERVE", "REVOKE", "KEY_PUT", "KEY_DELETE", "RECORD_NAMES",
     "TOKEN_EPOCH_SHIFT", "COUNTER_MASK",
-    "Grant", "Release", "Expire", "Extend", "Epoch", "Reserve", "KeyPut", "KeyDelete", "Record",
+    "Grant", "Release", "Expire", "Extend", "Epoch", "Reserve", "Revoke", "KeyPut", "KeyDelete", "Record",
     "HolderRecord", "LeaseMeta", "encode", "decode", "apply", "ApplyTarget", "LogState",
 ]
 
@@ -43,10 +45,12 @@ EXPIRE = 3
 EXTEND = 4
 EPOCH = 5
 RESERVE = 6
+REVOKE = 10
 KEY_PUT = 30
 KEY_DELETE = 31
 RECORD_NAMES = {GRANT: "grant", RELEASE: "release", EXPIRE: "expire", EXTEND: "extend",
-                EPOCH: "epoch", RESERVE: "reserve", KEY_PUT: "key_put", KEY_DELETE: "key_delete"}
+                EPOCH: "epoch", RESERVE: "reserve", REVOKE: "revoke",
+                KEY_PUT: "key_put", KEY_DELETE: "key_delete"}
 
 #: token = (epoch << TOKEN_EPOCH_SHIFT) | counter (mirrors fastlock._core, kept
 #: here so that the WAL and its tools do not need the compiled core).
@@ -137,6 +141,23 @@ class Reserve(NamedTuple):
         return RESERVE
 
 
+class Revoke(NamedTuple):
+    """REVOKE: an operator force-released the lease ``token`` on ``name``: ``principal``
+    (the authenticated principal that asked) and ``reason`` (free text, may be None) are
+    kept for the audit dump.  Replayed as a RELEASE of that token."""
+
+    name: str
+    token: int
+    principal: str
+    reason: str | None
+    wall_ms: int
+
+    @property
+    def kind(self) -> int:
+        """The record type (``REVOKE``), the first item of the array on disk."""
+        return REVOKE
+
+
 class KeyPut(NamedTuple):
     """KEY_PUT: ``key`` holds ``value``, attached to the lease (``lease_name``, ``token``)
     or to none (``lease_name`` None, ``token`` 0); written by ``principal``."""
@@ -166,10 +187,11 @@ class KeyDelete(NamedTuple):
         return KEY_DELETE
 
 
-Record = Grant | Release | Expire | Extend | Epoch | Reserve | KeyPut | KeyDelete
+Record = Grant | Release | Expire | Extend | Epoch | Reserve | Revoke | KeyPut | KeyDelete
 
 _TYPES: dict[int, Any] = {GRANT: Grant, RELEASE: Release, EXPIRE: Expire, EXTEND: Extend,
-                          EPOCH: Epoch, RESERVE: Reserve, KEY_PUT: KeyPut, KEY_DELETE: KeyDelete}
+                          EPOCH: Epoch, RESERVE: Reserve, REVOKE: Revoke,
+                          KEY_PUT: KeyPut, KEY_DELETE: KeyDelete}
 #: (type, length of the array) -> record class: the shape of every valid record body
 SHAPES: dict[tuple[int, int], Any] = {(kind, len(cls._fields) + 1): cls for kind, cls in _TYPES.items()}
 
@@ -254,7 +276,7 @@ class ApplyTarget(Protocol):
         """Make ``grant`` the holder of its lock (replacing any); raise epoch and counter to its token's."""
         ...
 
-    def remove(self, record: Release | Expire) -> None:
+    def remove(self, record: Release | Expire | Revoke) -> None:
         """Drop the holder of ``record.name`` (its token matched)."""
         ...
 
@@ -295,7 +317,7 @@ def apply(record: Record, target: ApplyTarget) -> bool:
     if type(record) is Grant:
         target.install(record)
         return True
-    if type(record) is Release or type(record) is Expire:
+    if type(record) is Release or type(record) is Expire or type(record) is Revoke:
         if target.holder_token(record.name) != record.token:
             return False
         target.remove(record)
@@ -365,7 +387,7 @@ class LogState:
         if token >> TOKEN_EPOCH_SHIFT > self.epoch:
             self.epoch = token >> TOKEN_EPOCH_SHIFT
 
-    def remove(self, record: Release | Expire) -> None:
+    def remove(self, record: Release | Expire | Revoke) -> None:
         del self.holders[record.name]
 
     def set_ttl(self, record: Extend) -> None:
