@@ -80,6 +80,17 @@ class LockNotAcquired(FastlockError, TimeoutError):
     """The lock was not granted within ``wait`` seconds (``wait=0``: it was held)."""
 
 
+class AlreadyHeld(LockNotAcquired):
+    """Raised by the client, at once, for an acquire of a lock that the same
+    :class:`~fastlock.client.Client` already holds: a blocking acquire would
+    queue behind the caller's own lease and wait for itself.  ``token`` is the
+    held lease's fencing token.  Pass ``queue_behind_self=True`` to queue anyway."""
+
+    def __init__(self, message: str, token: int = 0):
+        super().__init__(message)
+        self.token = token
+
+
 @_register(4)
 class LeaseLost(FastlockError):
     """The lease is not the lock's current holder any more: it expired, was

@@ -3,6 +3,8 @@
 - :func:`acquire_retry` rides an acquire through a failover with the same
   owner key, so a grant made before the failure is found again, never made
   twice (as ZooKeeper's lock recipe finds its own node again);
+- :func:`refuse_self_wait` refuses an acquire of a lock the same client
+  holds already (it would queue behind itself);
 - :func:`verify_late_grant` checks, with one EXTEND, a grant that was read
   with less than :data:`~fastlock.client.client.LATE_GRANT_FRACTION` of its
   TTL left, instead of returning a lease that may already be dead.
@@ -14,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
-from ..errors import FastlockError, LeaseLost
+from ..errors import AlreadyHeld, FastlockError, LeaseLost
 from ..logsafe import quote
 from .connection import RETRYABLE, ClientConnection, Connector, RideThrough
 from .lease import Lease
@@ -27,7 +30,40 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-__all__ = ["acquire_retry", "verify_late_grant"]
+__all__ = ["acquire_retry", "verify_late_grant", "refuse_self_wait", "forget_held", "CALLER", "current_caller"]
+
+#: who acquires, for the self-wait check: the blocking client sets its calling
+#: thread (its tasks inherit the context); unset, the current asyncio task is the caller
+CALLER: ContextVar[object | None] = ContextVar("fastlock_caller", default=None)
+
+
+def current_caller() -> object:
+    """The thread (blocking client) or the asyncio task that calls now."""
+    who = CALLER.get()
+    return who if who is not None else asyncio.current_task()
+
+
+def refuse_self_wait(held: dict[str, tuple[Lease, object]], entry: tuple[Lease, object]) -> None:
+    """Raise :class:`AlreadyHeld` if ``entry`` (the client's last grant of its
+    name and the task or thread it was granted to, from ``held``) belongs to the
+    caller and is still live: not lost, and its TTL not passed by the client's
+    estimate.  A dead entry is dropped from ``held``."""
+    lease, who = entry
+    if lease.lost.is_set() or lease.time_left() <= 0:
+        forget_held(held, lease)
+        return
+    if who is not current_caller():
+        return  # another task or thread of this client: waiting for it is no deadlock
+    raise AlreadyHeld(f"this client already holds {quote(lease.name)} (fencing token {lease.fencing_token}); "
+                      "a second acquire would wait for itself (pass queue_behind_self=True to queue anyway)",
+                      lease.fencing_token)
+
+
+def forget_held(held: dict[str, tuple[Lease, object]], lease: Lease) -> None:
+    """Drop ``lease`` from ``held`` if it is the entry of its name (any copy of it)."""
+    entry = held.get(lease.name)
+    if entry is not None and entry[0].state is lease.state:
+        del held[lease.name]
 
 
 async def acquire_retry(connector: Connector, connect_timeout: float, request: tuple[Any, ...], owner: bytes,

@@ -29,7 +29,7 @@ from .. import protocol as P
 from ..errors import ConnectionLost, InvalidArgument, LeaseLost, WrongArgumentType
 from ..tls import client_ssl_context
 from ..units import check_seconds
-from .acquire import acquire_retry, verify_late_grant
+from .acquire import acquire_retry, current_caller, forget_held, refuse_self_wait, verify_late_grant
 from .admin import LockAdminMethods
 from .connection import BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election
@@ -118,6 +118,10 @@ class Client(KeyMethods, LockAdminMethods):
         self._op_timeout = self._request_timeout if self._request_timeout is not None else self._connect_timeout
         #: the auto-renewals this client runs (stopped by release and close)
         self.renewers = Renewers()
+        #: the last lease this client was granted per lock name, and the task
+        #: (or blocking client's thread) it was granted to: the self-wait check
+        #: of :meth:`acquire`; dropped on release
+        self._held: dict[str, tuple[Lease, object]] = {}
 
     @property
     def closed(self) -> bool:
@@ -190,7 +194,7 @@ class Client(KeyMethods, LockAdminMethods):
 
     # -- lock operations ----------------------------------------------------------------
     async def acquire(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
-                      correlation_id: str | None = None) -> Lease:
+                      correlation_id: str | None = None, queue_behind_self: bool = False) -> Lease:
         """Acquire ``name`` and return its :class:`Lease`.
 
         Args:
@@ -206,6 +210,23 @@ class Client(KeyMethods, LockAdminMethods):
                 release), as Chubby's lock-delay and Consul's session lock-delay.
             correlation_id: free text (<= 256 chars) recorded with the grant in
                 the server's WAL, for audits (``fastlock wal dump``).
+            queue_behind_self: queue even if the calling task holds ``name``
+                already through this client (see below), for a task that
+                waits for a lease another task will release.
+
+        **No waiting for yourself.**  If the calling task (with
+        :class:`~fastlock.sync.SyncClient`: the calling thread) already holds a
+        live lease on ``name`` through this client (granted to it, not
+        released, not known lost, its TTL not passed by the client's estimate),
+        the acquire raises :class:`AlreadyHeld` at once, naming the held token,
+        instead of queueing behind its own lease until that lease's TTL runs
+        out (or forever, while it is renewed).  Each acquire draws a new owner
+        key, so the server cannot tell the two requests apart; the client can.
+        Other tasks (threads) of the same client queue as usual.  The check is
+        one dict lookup.  A lease handed to another task to release is still
+        the acquiring task's: pass ``queue_behind_self=True`` there.  A lease revoked by an operator
+        (``fastlock revoke``) counts as held until the client learns of it (its
+        next renewal or release).
 
         A lost connection, a standby or deposed node (``NotPrimary``) or a
         fenced primary (``Unavailable``) does not end the call: the client
@@ -236,6 +257,8 @@ class Client(KeyMethods, LockAdminMethods):
 
         Raises:
             LockNotAcquired: the wait ran out (or ``wait=0`` and it was held).
+            AlreadyHeld: (a ``LockNotAcquired``) this client holds ``name``
+                already and ``queue_behind_self`` is false; nothing was sent.
             LeaseLost: a grant arrived too late to be proven alive, and the
                 wait had no time left to queue again (see above).
             ConnectionLost: the deadline passed with no primary reachable,
@@ -247,6 +270,9 @@ class Client(KeyMethods, LockAdminMethods):
         removes the waiter on the server; if the grant raced with the cancel,
         the server releases it (never a ghost holder).
         """
+        held = self._held.get(name)
+        if held is not None and not queue_behind_self:
+            refuse_self_wait(self._held, held)
         P.check_name(name)
         ttl_ms = P.check_ttl_ms(P.seconds_to_ms(ttl, "ttl"))
         wait_ms = P.check_wait_ms(P.seconds_to_ms(wait, "wait", allow_none=True, allow_zero=True))
@@ -281,9 +307,10 @@ class Client(KeyMethods, LockAdminMethods):
         if epoch > connector.max_epoch:
             connector.max_epoch = epoch
         lease = Lease(name, token, granted_ttl, owner, LeaseState(expires_at))
-        if expires_at - asyncio.get_running_loop().time() >= granted_ttl * LATE_GRANT_FRACTION:
-            return lease
-        return await verify_late_grant(self, lease, (name, ttl_ms, wait_ms, delay_ms, correlation_id), started)
+        if expires_at - asyncio.get_running_loop().time() < granted_ttl * LATE_GRANT_FRACTION:
+            lease = await verify_late_grant(self, lease, (name, ttl_ms, wait_ms, delay_ms, correlation_id), started)
+        self._held[name] = (lease, current_caller())
+        return lease
 
     async def release(self, lease: Lease) -> None:
         """Release ``lease``; the next waiter (if any) is granted at once.
@@ -304,6 +331,7 @@ class Client(KeyMethods, LockAdminMethods):
         """
         check_lease(lease)
         self.renewers.stop(lease)
+        forget_held(self._held, lease)
         try:
             await self._request(P.OP_RELEASE, lease.name, lease.fencing_token, lease.owner)
         except LeaseLost:
@@ -419,7 +447,7 @@ class Client(KeyMethods, LockAdminMethods):
 
     def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
              correlation_id: str | None = None, renew: bool = True,
-             jeopardy_fraction: float = 0.5) -> LockContext:
+             jeopardy_fraction: float = 0.5, queue_behind_self: bool = False) -> LockContext:
         """Acquire ``name`` and keep renewing it.
 
         ``async with client.lock(...) as lease:`` acquires, renews at about a
@@ -434,12 +462,13 @@ class Client(KeyMethods, LockAdminMethods):
         renewals have failed and less than ``jeopardy_fraction`` (0 < f < 1,
         default 0.5) of the TTL is left, and ``"safe"`` again when one succeeds.
 
-        Arguments and errors are those of :meth:`acquire`.
+        Arguments and errors are those of :meth:`acquire` (``AlreadyHeld``
+        when this client holds ``name`` already, unless ``queue_behind_self``).
         """
         P.check_name(name)
         check_fraction(jeopardy_fraction)
-        return LockContext(self, name, dict(ttl=ttl, wait=wait, lock_delay=lock_delay,
-                                            correlation_id=correlation_id), renew, jeopardy_fraction)
+        return LockContext(self, name, dict(ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
+                                            queue_behind_self=queue_behind_self), renew, jeopardy_fraction)
 
     # -- several locks at once --------------------------------------------------------
     async def acquire_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None,
@@ -503,6 +532,7 @@ class Client(KeyMethods, LockAdminMethods):
         if the connection is, or turns out to be, dead the release is sent as a
         cancel-by-owner on the next connection."""
         self.renewers.stop(lease)
+        forget_held(self._held, lease)
         connector = self._connector
         connector.withdraw(connector.proto, lease.name, lease.owner, P.OP_RELEASE, lease.fencing_token, lease.owner)
 

@@ -44,6 +44,7 @@ from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 from ..errors import ConnectionLost, FastlockError, WrongArgumentType
+from .acquire import CALLER
 from .admin import LeaseInfo, LockInfo, LockList
 from .client import Client
 from .forks import check_held_here, fork_lock, keep_inherited
@@ -262,6 +263,7 @@ class SyncClient(SyncKeyMethods):
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("a SyncClient cannot be called from its own event loop thread (callbacks)")
+        CALLER.set(threading.current_thread())  # the task inherits this thread's context
         fut = self._submit(coro)
         try:
             return fut.result()
@@ -333,11 +335,15 @@ class SyncClient(SyncKeyMethods):
 
     # -- operations ------------------------------------------------------------------
     def acquire(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
-                correlation_id: str | None = None) -> SyncLease:
-        """As :meth:`Client.acquire <fastlock.client.Client.acquire>` (not renewed)."""
+                correlation_id: str | None = None, queue_behind_self: bool = False) -> SyncLease:
+        """As :meth:`Client.acquire <fastlock.client.Client.acquire>` (not renewed);
+        raises ``AlreadyHeld`` at once if the calling thread holds ``name``
+        already through this client, unless ``queue_behind_self`` (other
+        threads sharing the client queue as usual)."""
         async def run() -> SyncLease:
             return SyncLease(await self._client.acquire(name, ttl=ttl, wait=wait, lock_delay=lock_delay,
-                                                        correlation_id=correlation_id))
+                                                        correlation_id=correlation_id,
+                                                        queue_behind_self=queue_behind_self))
         return self.call(run())
 
     def release(self, lease: SyncLease) -> None:
@@ -382,7 +388,8 @@ class SyncClient(SyncKeyMethods):
         return self.call(self._client.revoke(name, fencing_token=fencing_token, reason=reason))
 
     def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
-             correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> SyncLockContext[SyncLease]:
+             correlation_id: str | None = None, jeopardy_fraction: float = 0.5,
+             queue_behind_self: bool = False) -> SyncLockContext[SyncLease]:
         """``with client.lock(name, ttl=10.0) as lease:`` - acquire, renew in
         the background (about every ttl/3, with jitter), release on exit.
 
@@ -392,7 +399,7 @@ class SyncClient(SyncKeyMethods):
         """
         return SyncLockContext(self, lambda client: client.lock(
             name, ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
-            jeopardy_fraction=jeopardy_fraction))
+            jeopardy_fraction=jeopardy_fraction, queue_behind_self=queue_behind_self))
 
     def acquire_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
                      correlation_id: str | None = None) -> SyncMultiLease:
