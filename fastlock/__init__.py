@@ -18,6 +18,7 @@ from .client import (
     connect,
 )
 from .errors import (
+    AlreadyHeld,
     AuthError,
     Cancelled,
     ConnectionLost,
@@ -26,7 +27,6 @@ from .errors import (
     InvalidArgument,
     LeaseLost,
     LimitExceeded,
-    AlreadyHeld,
     LockNotAcquired,
     LockNotHeld,
     NotPrimary,

@@ -214,19 +214,21 @@ class Client(KeyMethods, LockAdminMethods):
                 already through this client (see below), for a task that
                 waits for a lease another task will release.
 
-        **No waiting for yourself.**  If the calling task (with
-        :class:`~fastlock.sync.SyncClient`: the calling thread) already holds a
-        live lease on ``name`` through this client (granted to it, not
-        released, not known lost, its TTL not passed by the client's estimate),
-        the acquire raises :class:`AlreadyHeld` at once, naming the held token,
-        instead of queueing behind its own lease until that lease's TTL runs
-        out (or forever, while it is renewed).  Each acquire draws a new owner
-        key, so the server cannot tell the two requests apart; the client can.
-        Other tasks (threads) of the same client queue as usual.  The check is
-        one dict lookup.  A lease handed to another task to release is still
-        the acquiring task's: pass ``queue_behind_self=True`` there.  A lease revoked by an operator
-        (``fastlock revoke``) counts as held until the client learns of it (its
-        next renewal or release).
+        **No waiting for yourself.**  A waiting acquire (``wait`` not 0) by a
+        task that already holds a live lease on ``name`` through this client
+        (granted to it, not released, not known lost, its TTL not passed by the
+        client's estimate; with :class:`~fastlock.sync.SyncClient` the calling
+        thread counts as the task) raises :class:`AlreadyHeld` at once, naming
+        the held token, instead of queueing behind its own lease until that
+        lease's TTL runs out (or forever, while it is renewed).  Each acquire
+        draws a new owner key, so the server cannot tell the two requests
+        apart; the client can.  Other tasks (threads) of the same client queue
+        as usual.  The check is one dict lookup.  With ``wait=0`` the server
+        answers: its ``LockNotAcquired`` says when the lock is held by the same
+        connection.  A lease handed to another task to release is still the
+        acquiring task's: pass ``queue_behind_self=True`` there.  A lease
+        revoked by an operator (``fastlock revoke``) counts as held until the
+        client learns of it (its next renewal or release).
 
         A lost connection, a standby or deposed node (``NotPrimary``) or a
         fenced primary (``Unavailable``) does not end the call: the client
@@ -257,8 +259,9 @@ class Client(KeyMethods, LockAdminMethods):
 
         Raises:
             LockNotAcquired: the wait ran out (or ``wait=0`` and it was held).
-            AlreadyHeld: (a ``LockNotAcquired``) this client holds ``name``
-                already and ``queue_behind_self`` is false; nothing was sent.
+            AlreadyHeld: (a ``LockNotAcquired``) a waiting acquire by a task
+                that holds ``name`` already through this client, and
+                ``queue_behind_self`` is false; nothing was sent.
             LeaseLost: a grant arrived too late to be proven alive, and the
                 wait had no time left to queue again (see above).
             ConnectionLost: the deadline passed with no primary reachable,
@@ -271,7 +274,7 @@ class Client(KeyMethods, LockAdminMethods):
         the server releases it (never a ghost holder).
         """
         held = self._held.get(name)
-        if held is not None and not queue_behind_self:
+        if held is not None and wait != 0 and not queue_behind_self:
             refuse_self_wait(self._held, held)
         P.check_name(name)
         ttl_ms = P.check_ttl_ms(P.seconds_to_ms(ttl, "ttl"))

@@ -263,8 +263,11 @@ class SyncClient(SyncKeyMethods):
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("a SyncClient cannot be called from its own event loop thread (callbacks)")
-        CALLER.set(threading.current_thread())  # the task inherits this thread's context
-        fut = self._submit(coro)
+        caller = CALLER.set(threading.current_thread())  # the task copies this context when scheduled
+        try:
+            fut = self._submit(coro)
+        finally:
+            CALLER.reset(caller)
         try:
             return fut.result()
         except concurrent.futures.CancelledError:
