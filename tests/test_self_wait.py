@@ -105,3 +105,22 @@ def test_the_blocking_client_raises_at_once_too(server):
                 time.sleep(0.02)
         other.join(TIMEOUT)
         assert got and got[0] > lease.fencing_token
+
+
+def test_the_table_of_held_leases_stays_bounded_by_the_live_ones():
+    """Leases that expire without release are swept out as the table grows (a client
+    that takes many names and lets them expire does not keep them all)."""
+    from fastlock.client.acquire import SWEEP_MIN, HeldLeases
+    from fastlock.client.lease import Lease, LeaseState
+
+    async def main():
+        held = HeldLeases()
+        now = asyncio.get_running_loop().time()
+        live = [Lease(f"live/{i}", i + 1, 60.0, b"k" * 16, LeaseState(now + 60.0)) for i in range(10)]
+        for lease in live:
+            held.remember(lease)
+        for i in range(5 * SWEEP_MIN):
+            held.remember(Lease(f"gone/{i}", 100 + i, 1.0, b"k" * 16, LeaseState(now - 1.0)))
+            assert len(held.by_name) <= SWEEP_MIN
+        assert all(held.by_name[lease.name][0] is lease for lease in live)
+    asyncio.run(main())

@@ -3,7 +3,7 @@
 - :func:`acquire_retry` rides an acquire through a failover with the same
   owner key, so a grant made before the failure is found again, never made
   twice (as ZooKeeper's lock recipe finds its own node again);
-- :func:`refuse_self_wait` refuses an acquire of a lock the same client
+- :class:`HeldLeases` refuses an acquire of a lock the same client
   holds already (it would queue behind itself);
 - :func:`verify_late_grant` checks, with one EXTEND, a grant that was read
   with less than :data:`~fastlock.client.client.LATE_GRANT_FRACTION` of its
@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-__all__ = ["acquire_retry", "verify_late_grant", "refuse_self_wait", "forget_held", "CALLER", "current_caller"]
+__all__ = ["acquire_retry", "verify_late_grant", "HeldLeases", "CALLER", "current_caller"]
 
 #: who acquires, for the self-wait check: the blocking client sets its calling
 #: thread (its tasks inherit the context); unset, the current asyncio task is the caller
@@ -43,27 +43,53 @@ def current_caller() -> object:
     return who if who is not None else asyncio.current_task()
 
 
-def refuse_self_wait(held: dict[str, tuple[Lease, object]], entry: tuple[Lease, object]) -> None:
-    """Raise :class:`AlreadyHeld` if ``entry`` (the client's last grant of its
-    name and the task or thread it was granted to, from ``held``) belongs to the
-    caller and is still live: not lost, and its TTL not passed by the client's
-    estimate.  A dead entry is dropped from ``held``."""
-    lease, who = entry
-    if lease.lost.is_set() or lease.time_left() <= 0:
-        forget_held(held, lease)
-        return
-    if who is not current_caller():
-        return  # another task or thread of this client: waiting for it is no deadlock
-    raise AlreadyHeld(f"this client already holds {quote(lease.name)} (fencing token {lease.fencing_token}); "
-                      "a second acquire would wait for itself (pass queue_behind_self=True to queue anyway)",
-                      lease.fencing_token)
+#: the smallest size at which :class:`HeldLeases` sweeps out ended leases
+SWEEP_MIN = 1024
 
 
-def forget_held(held: dict[str, tuple[Lease, object]], lease: Lease) -> None:
-    """Drop ``lease`` from ``held`` if it is the entry of its name (any copy of it)."""
-    entry = held.get(lease.name)
-    if entry is not None and entry[0].state is lease.state:
-        del held[lease.name]
+class HeldLeases:
+    """The last lease a client was granted per lock name, and the task (or blocking
+    client's thread) it went to: the self-wait check of :meth:`Client.acquire
+    <fastlock.client.Client.acquire>`.  An entry goes on release; entries of leases that
+    ended otherwise (expired, lost) are swept out whenever the table has doubled since
+    the last sweep, so it holds at most about twice the live leases."""
+
+    __slots__ = ("by_name", "_sweep_at")
+
+    def __init__(self) -> None:
+        #: lock name -> (lease, caller); read directly by ``Client.acquire`` (one lookup)
+        self.by_name: dict[str, tuple[Lease, object]] = {}
+        self._sweep_at = SWEEP_MIN
+
+    def remember(self, lease: Lease) -> None:
+        """Record ``lease`` as the caller's grant of its name."""
+        by_name = self.by_name
+        by_name[lease.name] = (lease, current_caller())
+        if len(by_name) >= self._sweep_at:
+            for name, (old, _) in list(by_name.items()):
+                if old.lost.is_set() or old.time_left() <= 0:
+                    del by_name[name]
+            self._sweep_at = max(SWEEP_MIN, 2 * len(by_name))
+
+    def forget(self, lease: Lease) -> None:
+        """Drop ``lease`` if it is the entry of its name (any copy of it)."""
+        entry = self.by_name.get(lease.name)
+        if entry is not None and entry[0].state is lease.state:
+            del self.by_name[lease.name]
+
+    def refuse_self_wait(self, entry: tuple[Lease, object]) -> None:
+        """Raise :class:`AlreadyHeld` if ``entry`` (from :attr:`by_name`) belongs to the
+        caller and is still live: not lost, and its TTL not passed by the client's
+        estimate.  A dead entry is dropped."""
+        lease, who = entry
+        if lease.lost.is_set() or lease.time_left() <= 0:
+            self.forget(lease)
+            return
+        if who is not current_caller():
+            return  # another task or thread of this client: waiting for it is no deadlock
+        raise AlreadyHeld(f"this client already holds {quote(lease.name)} (fencing token {lease.fencing_token}); "
+                          "a second acquire would wait for itself (pass queue_behind_self=True to queue anyway)",
+                          lease.fencing_token)
 
 
 async def acquire_retry(connector: Connector, connect_timeout: float, request: tuple[Any, ...], owner: bytes,

@@ -29,7 +29,7 @@ from .. import protocol as P
 from ..errors import ConnectionLost, InvalidArgument, LeaseLost, WrongArgumentType
 from ..tls import client_ssl_context
 from ..units import check_seconds
-from .acquire import acquire_retry, current_caller, forget_held, refuse_self_wait, verify_late_grant
+from .acquire import HeldLeases, acquire_retry, verify_late_grant
 from .admin import LockAdminMethods
 from .connection import BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election
@@ -121,7 +121,7 @@ class Client(KeyMethods, LockAdminMethods):
         #: the last lease this client was granted per lock name, and the task
         #: (or blocking client's thread) it was granted to: the self-wait check
         #: of :meth:`acquire`; dropped on release
-        self._held: dict[str, tuple[Lease, object]] = {}
+        self._held = HeldLeases()
 
     @property
     def closed(self) -> bool:
@@ -273,9 +273,9 @@ class Client(KeyMethods, LockAdminMethods):
         removes the waiter on the server; if the grant raced with the cancel,
         the server releases it (never a ghost holder).
         """
-        held = self._held.get(name)
+        held = self._held.by_name.get(name)
         if held is not None and wait != 0 and not queue_behind_self:
-            refuse_self_wait(self._held, held)
+            self._held.refuse_self_wait(held)
         P.check_name(name)
         ttl_ms = P.check_ttl_ms(P.seconds_to_ms(ttl, "ttl"))
         wait_ms = P.check_wait_ms(P.seconds_to_ms(wait, "wait", allow_none=True, allow_zero=True))
@@ -312,7 +312,7 @@ class Client(KeyMethods, LockAdminMethods):
         lease = Lease(name, token, granted_ttl, owner, LeaseState(expires_at))
         if expires_at - asyncio.get_running_loop().time() < granted_ttl * LATE_GRANT_FRACTION:
             lease = await verify_late_grant(self, lease, (name, ttl_ms, wait_ms, delay_ms, correlation_id), started)
-        self._held[name] = (lease, current_caller())
+        self._held.remember(lease)
         return lease
 
     async def release(self, lease: Lease) -> None:
@@ -334,7 +334,7 @@ class Client(KeyMethods, LockAdminMethods):
         """
         check_lease(lease)
         self.renewers.stop(lease)
-        forget_held(self._held, lease)
+        self._held.forget(lease)
         try:
             await self._request(P.OP_RELEASE, lease.name, lease.fencing_token, lease.owner)
         except LeaseLost:
@@ -535,7 +535,7 @@ class Client(KeyMethods, LockAdminMethods):
         if the connection is, or turns out to be, dead the release is sent as a
         cancel-by-owner on the next connection."""
         self.renewers.stop(lease)
-        forget_held(self._held, lease)
+        self._held.forget(lease)
         connector = self._connector
         connector.withdraw(connector.proto, lease.name, lease.owner, P.OP_RELEASE, lease.fencing_token, lease.owner)
 
