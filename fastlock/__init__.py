@@ -22,9 +22,11 @@ from .errors import (
     AuthError,
     Cancelled,
     ConnectionLost,
+    DeadlockDetected,
     FastlockError,
     InvalidArgument,
     LeaseLost,
+    LimitConflict,
     LimitExceeded,
     LockNotAcquired,
     NotPrimary,
@@ -62,4 +64,6 @@ __all__ = [
     "Cancelled",
     "Unavailable",
     "StaleFencingToken",
+    "LimitConflict",
+    "DeadlockDetected",
 ]

@@ -30,6 +30,8 @@ OP_REPL_ACK = 13
 OP_PROMOTE = 14
 OP_SERVE_ALONE = 15
 OP_STEP_DOWN = 16
+OP_ACQUIRE_MANY = 30
+OP_CONTENDERS = 31
 
 
 class Op(NamedTuple):
@@ -45,7 +47,7 @@ class Op(NamedTuple):
 #: every operation of the protocol, by code
 OPS: tuple[Op, ...] = (
     Op(OP_HELLO, "hello", 3, 4),
-    Op(OP_ACQUIRE, "acquire", 6, 6),
+    Op(OP_ACQUIRE, "acquire", 6, 8),
     Op(OP_RELEASE, "release", 3, 3),
     Op(OP_EXTEND, "extend", 4, 4),
     Op(OP_CANCEL, "cancel", 2, 2),
@@ -60,6 +62,8 @@ OPS: tuple[Op, ...] = (
     Op(OP_PROMOTE, "promote", 1, 1),
     Op(OP_SERVE_ALONE, "serve_alone", 0, 0),
     Op(OP_STEP_DOWN, "step_down", 2, 2),
+    Op(OP_ACQUIRE_MANY, "acquire_many", 6, 6),
+    Op(OP_CONTENDERS, "contenders", 1, 1),
 )
 
 #: (fewest, most) arguments of each op, after ``[req_id, op]``

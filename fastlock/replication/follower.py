@@ -52,28 +52,29 @@ class StandbyApply:
     def counter(self) -> int:
         return self.table.counter
 
-    def holder_token(self, name: str) -> int | None:
-        h = self.table.holder(name, 0)
-        return None if h is None else h.token
+    def holds(self, name: str, token: int) -> bool:
+        return self.table.check(name, token, 0)
 
     def install(self, g: Grant) -> None:
         self.table.install_holder(g.name, g.token, g.owner_hash, g.ttl_ms, g.lock_delay_ms,
-                                  LeaseMeta(g.client, g.correlation_id), 0)
-        self.wal.log_grant(g.name, g.token, g.owner_hash, g.ttl_ms, g.lock_delay_ms, g.client, g.correlation_id)
+                                  LeaseMeta(g.client, g.correlation_id), 0, g.shared, g.limit)
+        self.wal.log_grant(g.name, g.token, g.owner_hash, g.ttl_ms, g.lock_delay_ms, g.client, g.correlation_id,
+                           g.shared, g.limit)
         self.follower.track(g.name, g.token, g.ttl_ms)
         self.follower.saw_ttl(g.ttl_ms)
 
     def remove(self, record: Release | Expire) -> None:
         self.table.remove_holder(record.name, record.token, 0)
-        self.follower.lease_deadlines.pop(record.name, None)
+        self.follower.lease_deadlines.pop(record.token, None)
         if isinstance(record, Release):
             self.wal.log_release(record.name, record.token)
         else:
             self.wal.log_expire(record.name, record.token)
 
     def set_ttl(self, record: Extend) -> None:
-        h = self.table.holder(record.name, 0)
-        self.table.install_holder(record.name, record.token, h.owner, record.ttl_ms, h.lock_delay_ms, h.meta, 0)
+        h = next(h for h in self.table.holders_of(record.name, 0) if h.token == record.token)
+        self.table.install_holder(record.name, record.token, h.owner, record.ttl_ms, h.lock_delay_ms, h.meta, 0,
+                                  h.shared, h.limit)
         self.wal.log_extend(record.name, record.token, record.ttl_ms)
         self.follower.track(record.name, record.token, record.ttl_ms)
         self.follower.saw_ttl(record.ttl_ms, persist=False)
@@ -128,7 +129,7 @@ class StandbyFollower:
         self.max_ttl_ms = 0
         #: lease name -> (token, deadline): a conservative deadline (this node's monotonic
         #: ms) of each replicated lease, kept by a promotion (see track)
-        self.lease_deadlines: dict[str, tuple[int, int]] = {}
+        self.lease_deadlines: dict[int, tuple[str, int]] = {}  # token -> (name, deadline ms)
         self._received_ms = 0  # when the push being applied arrived (this node's monotonic ms)
         self._watchdog: asyncio.TimerHandle | None = None
 
@@ -256,18 +257,21 @@ class StandbyFollower:
         if epoch < table.epoch:
             # never replace a newer epoch's leases with an older primary's state
             raise ProtocolError(f"snapshot at epoch {epoch} is below this node's epoch {table.epoch}")
-        wanted = {h.name: h for h in (SnapshotHolder.decode(h) for h in holders)}  # checked before any change
+        wanted = {h.token: h for h in (SnapshotHolder.decode(h) for h in holders)}  # checked before any change
         if epoch > table.epoch:
             target.raise_epoch(epoch)
         table.advance_counter(counter)
+        have = {}
         for h in table.holders():
-            w = wanted.get(h.name)
-            if w is None or w.token != h.token:
+            w = wanted.get(h.token)
+            if w is None or w.name != h.name:
                 apply(Release(h.name, h.token, 0), target)
+            else:
+                have[h.token] = h
         self.lease_deadlines.clear()
         for w in wanted.values():
-            current = table.holder(w.name, 0)
-            if current is None or current.token != w.token or current.ttl_ms != w.ttl_ms:
+            current = have.get(w.token)
+            if current is None or current.ttl_ms != w.ttl_ms or current.shared != w.shared or current.limit != w.limit:
                 apply(w.grant(), target)
             self.track(w.name, w.token, w.remaining_ms)
         table.drain_events()
@@ -294,14 +298,14 @@ class StandbyFollower:
         own, which counts from before it asked.  Only a promotion reads it; the
         standby's table itself expires nothing.
         """
-        self.lease_deadlines[name] = (token, self._received_ms + remaining_ms)
+        self.lease_deadlines[token] = (name, self._received_ms + remaining_ms)
 
     def lease_deadline(self, name: str, token: int) -> int | None:
         """The kept deadline (this node's monotonic ms) of lease ``name`` with ``token``,
         or None if this standby has not received it since it started (recovered
         from its own log: its remaining time is unknown)."""
-        kept = self.lease_deadlines.get(name)
-        return kept[1] if kept is not None and kept[0] == token else None
+        kept = self.lease_deadlines.get(token)
+        return kept[1] if kept is not None and kept[0] == name else None
 
     def _apply_records(self, records: Iterable[tuple[int, Record]]) -> None:
         """Apply records in LSN order (those already applied are skipped).

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from .. import protocol as P
-from .._core import NOT_ACQUIRED, NotHolder
+from .._core import LIMIT_CONFLICT, NOT_ACQUIRED, NotHolder
 from ..auth import (
     MAX_CHALLENGE_BYTES,
     MIN_CHALLENGE_BYTES,
@@ -49,6 +49,7 @@ from ..logsafe import quote
 from ..roles import Action, NodeRole, Role
 from ..units import monotonic_ms
 from .admission import limit_exceeded
+from .kinds import KindHandlers, limit_conflict
 from .session import Session, recorded_client, split_recorded_client
 from .watches import WatchRegistry
 
@@ -77,6 +78,8 @@ PERMISSION: dict[int, str | None] = {
     P.OP_STEP_DOWN: "replica",  # epoch news: only the paired standby's principal (see op_step_down)
     P.OP_PROMOTE: "admin",
     P.OP_SERVE_ALONE: "admin",
+    P.OP_ACQUIRE_MANY: "acquire",  # checked on every name by the handler
+    P.OP_CONTENDERS: "holder",
 }
 
 _ARTICLE = {"client": "a", "replica": "a", "admin": "an"}
@@ -122,6 +125,14 @@ def _authorize(conn: Session, op: int, need: str, msg: list) -> None:
         raise PermissionDenied(f"principal {conn.principal!r} may not {need} {name!r}")
 
 
+def _may_add_lease(table: Any, name: str, owner: bytes, non_exclusive: Any, now: int) -> bool:
+    """Whether an acquire of ``name`` by ``owner`` may add a lease now: not if the owner
+    holds it already, nor for an exclusive request on a held name (it queues)."""
+    if table.holder(name, now, owner) is not None:
+        return False
+    return bool(non_exclusive) or not table.holders_of(name, now)
+
+
 class Handlers:
     """The op handler table of ``server``: ``by_op`` maps an op code to
     ``(handler, fewest, most arguments)``; :meth:`dispatch` runs one request."""
@@ -140,6 +151,7 @@ class Handlers:
         self.quotas = server.quotas
         self.watchers = self.watches.by_name
         self.auth_failures = AuthFailures(max_failures=server.config.auth_failures_before_ban)
+        kinds = KindHandlers(self)
         handlers: dict[int, Handler] = {
             P.OP_HELLO: self.op_hello,
             P.OP_ACQUIRE: self.op_acquire,
@@ -157,6 +169,8 @@ class Handlers:
             P.OP_PROMOTE: self.op_promote,
             P.OP_SERVE_ALONE: self.op_serve_alone,
             P.OP_STEP_DOWN: self.op_step_down,
+            P.OP_ACQUIRE_MANY: kinds.op_acquire_many,
+            P.OP_CONTENDERS: kinds.op_contenders,
         }
         #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
         self.by_op: dict[int, tuple[Handler, int, int]] = {
@@ -298,6 +312,10 @@ class Handlers:
         wait_ms = P.check_wait_ms(msg[5])
         delay_ms = P.check_lock_delay_ms(msg[6])
         corr = P.check_optional_str(msg[7], "correlation id", P.MAX_CORRELATION_ID_CHARS)
+        shared = len(msg) > 8 and P.check_shared(msg[8])  # a shared lease (absent: exclusive)
+        limit = P.check_limit(msg[9]) if len(msg) > 9 else 0  # a semaphore's limit (absent: a lock)
+        if shared and limit:
+            raise InvalidArgument("a semaphore permit (limit > 0) cannot also be shared")
         table = self.table
         now = monotonic_ms()
         self.roles.admit(Action.ACQUIRE)
@@ -311,18 +329,25 @@ class Handlers:
                 raise limit_exceeded(config.max_waiters, "the server", "waiting acquires", "max-waiters")
             if quotas.waiters.limit:
                 quotas.waiters.check(conn.principal)
-        if len(table) >= config.max_leases and table.holder(name, now) is None:
+        # a request that may add a lease now: a retry of a held lease or an exclusive
+        # request on a held name adds none (the latter queues)
+        if len(table) >= config.max_leases and _may_add_lease(table, name, owner, shared or limit, now):
             raise limit_exceeded(config.max_leases, "the server", "leases", "max-leases")
-        if quotas.leases.limit and table.holder(name, now) is None:
+        if quotas.leases.limit and _may_add_lease(table, name, owner, shared or limit, now):
             quotas.leases.check(conn.principal)
         server = self.server
         if ttl_ms > server.max_ttl_ms:
             server.max_ttl_ms = ttl_ms
             server.node_state.raise_ttl(ttl_ms)  # rare: only a new longest TTL writes
-        status = table.acquire(name, owner, conn.session, req_id, ttl_ms, wait_ms, delay_ms,
-                               (recorded_client(conn), corr), now)
+        try:
+            status = table.acquire(name, owner, conn.session, req_id, ttl_ms, wait_ms, delay_ms,
+                                   (recorded_client(conn), corr), now, shared, limit)
+        except ValueError as exc:  # the owner key waits on name in a multi-lock request
+            raise InvalidArgument(f"{name!r}: {exc}") from None
         if quotas.waiters.limit:
             quotas.count_waiters(conn)
+        if status == LIMIT_CONFLICT:
+            raise limit_conflict(table, name, limit, now)
         if status == NOT_ACQUIRED:
             grace_ms = self.roles.grace_remaining_ms(now)
             if grace_ms:
@@ -341,7 +366,7 @@ class Handlers:
         now = monotonic_ms()
         meta = None
         if name in self.watchers:  # watchers are told whose lease it was
-            holder = table.holder(name, now)
+            holder = table.holder(name, now, owner)
             meta = holder.meta if holder is not None else None
         try:
             table.release(name, token, owner, now)
@@ -358,7 +383,7 @@ class Handlers:
         table = self.table
         now = monotonic_ms()
         self.roles.admit(Action.EXTEND)
-        holder = table.holder(name, now)
+        holder = table.holder(name, now, owner)
         try:
             table.extend(name, token, owner, ttl_ms, now)
         except NotHolder:
@@ -405,8 +430,8 @@ class Handlers:
             if self.quotas.waiters.limit:
                 self.quotas.count_waiters(conn)
         else:
-            holder = table.holder(name, now)
-            if holder is not None and holder.owner == owner:
+            holder = table.holder(name, now, owner)
+            if holder is not None:
                 # The grant raced with the cancel: release it, never leak it - which is a
                 # release, refused like one by a fenced primary.
                 self.roles.admit(Action.RELEASE)
@@ -427,14 +452,21 @@ class Handlers:
         conn.send(P.encode_ok(req_id, self._holder_info(name)))
 
     def _holder_info(self, name: str) -> dict | None:
+        """The holder (of a shared lock or a semaphore: the earliest granted, and how many hold it)."""
         now = monotonic_ms()
         h = self.table.holder(name, now)
+        holders = 1
         if h is None:
-            return None
+            shared = self.table.holders_of(name, now)
+            if not shared:
+                return None
+            h = shared[0]
+            holders = len(shared)
         client, corr = h.meta if h.meta else (None, None)
         principal, client = split_recorded_client(client)
         return {"token": h.token, "principal": principal, "client": client, "correlation_id": corr,
-                "ttl_ms": h.ttl_ms, "remaining_ms": h.deadline_ms - now}
+                "ttl_ms": h.ttl_ms, "remaining_ms": h.deadline_ms - now, "shared": h.shared, "limit": h.limit,
+                "holders": holders}
 
     # -- watches ------------------------------------------------------------------------
     def op_watch(self, conn: Session, req_id: int, msg: list) -> None:

@@ -54,9 +54,9 @@ from collections.abc import Callable
 
 from .. import __version__
 from .. import protocol as P
-from .._core import EV_EXPIRED, EV_GRANTED, EV_WAIT_CANCELLED, EV_WAIT_TIMEOUT, LockTable, NotHolder
+from .._core import EV_EXPIRED, EV_GRANTED, LockTable, NotHolder
 from ..auth import Credentials, is_loopback
-from ..errors import Cancelled, LockNotAcquired, Unavailable
+from ..errors import Unavailable
 from ..logsafe import quote
 from ..replication import STATE_FILE, NodeState, ReplicationSource, StandbyFollower, node_id
 from ..roles import Action, NodeRole, Role
@@ -67,6 +67,7 @@ from .admission import ConnectionLimits, PrincipalQuotas
 from .config import ServerConfig, check_limits
 from .failover import FailoverPolicy
 from .handlers import Handlers, refusal
+from .kinds import DeadlockTimer, grant_reply, reply_id, waiter_left
 from .session import Session
 from .tasks import BackgroundTasks
 
@@ -192,6 +193,7 @@ class LockServer:
         #: sessions written to in this loop turn (flushed once at the batch end)
         self.dirty: list[Session] = []
         self.expiry = ExpiryTimer(self._on_timer)
+        self.deadlocks = DeadlockTimer(self, config.deadlock_timeout_ms)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = asyncio.Event()
         self._started_ms = monotonic_ms()
@@ -318,12 +320,12 @@ class LockServer:
         for h in state.holders:
             self.max_ttl_ms = max(self.max_ttl_ms, h.ttl_ms)
             table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
-                                 (h.client_name, h.correlation_id), now)
+                                 (h.client_name, h.correlation_id), now, h.shared, h.limit)
         table.drain_events()
         if not self.roles.expires_leases:
             # a standby runs its table on frozen time: only a primary expires leases
             for h in table.holders():
-                table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, h.meta, 0)
+                table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, h.meta, 0, h.shared, h.limit)
         log.info(
             "recovered %d leases, epoch %d, counter %d (%d records replayed, %d torn bytes cut) in %.1f ms",
             len(state.holders), state.epoch, table.counter, state.records_replayed, state.torn_bytes,
@@ -342,6 +344,7 @@ class LockServer:
         for conn in list(self.limits.sessions.values()):
             conn.close_after_flush()
         self.expiry.cancel()
+        self.deadlocks.cancel()
         self.limits.close()
         self.tasks.cancel_all()
         await self.wal.close()
@@ -426,6 +429,8 @@ class LockServer:
         nd = table.next_deadline()
         if nd >= 0 and (self.expiry.handle is None or nd < self.expiry.at_ms) and self.roles.expires_leases:
             self._rearm()
+        if self.deadlocks.handle is None:
+            self.deadlocks.poke()
         dirty = self.dirty
         if dirty:
             for conn in dirty:
@@ -444,32 +449,23 @@ class LockServer:
             if kind == EV_GRANTED:
                 if ev.fresh:
                     meta = ev.meta
-                    wal.log_grant(ev.name, ev.token, ev.owner, ev.ttl_ms, ev.lock_delay_ms, meta[0], meta[1])
+                    wal.log_grant(ev.name, ev.token, ev.owner, ev.ttl_ms, ev.lock_delay_ms, meta[0], meta[1],
+                                  ev.shared, ev.limit)
                     if counting:
-                        quotas.lease_granted(ev.session, ev.name)
+                        quotas.lease_granted(ev.session, ev.token)
                 if grants is None:
                     grants = []
                 grants.append(ev)
             elif kind == EV_EXPIRED:
                 wal.log_expire(ev.name, ev.token)
                 if quotas.lease_principal:
-                    quotas.lease_ended(ev.name)
+                    quotas.lease_ended(ev.token)
                 if ev.name in watchers:
                     self.handlers.watches.notify(ev.name, "expired", ev.token, ev.meta)
                 log.info("lease expired: %s token %d (holder %s)", quote(ev.name), ev.token,
                          quote(ev.meta[0] if ev.meta else None))
-            elif kind == EV_WAIT_TIMEOUT:
-                conn = sessions.get(ev.session)
-                if conn is not None:
-                    conn.send(P.encode_error(ev.request, LockNotAcquired.code, f"{ev.name!r}: wait ran out"))
-                    if conn.waiting:
-                        quotas.count_waiters(conn)
-            elif kind == EV_WAIT_CANCELLED:
-                conn = sessions.get(ev.session)
-                if conn is not None:
-                    conn.send(P.encode_error(ev.request, Cancelled.code, f"{ev.name!r}: acquire cancelled"))
-                    if conn.waiting:
-                        quotas.count_waiters(conn)
+            else:  # a waiter left (wait timeout, cancel, deadlock): its acquire fails
+                waiter_left(sessions.get(ev.session), ev, quotas)
         if grants is not None:
             if wal.flush_now():  # relaxed fsync modes: written to the OS now, ack in this turn
                 self._deliver_grants(grants)
@@ -513,11 +509,15 @@ class LockServer:
                          ev.session)
                 continue
             if refused is not None:
-                conn.send(P.encode_error(ev.request, refused.code, f"{ev.name!r}: {refused}",
-                                         getattr(refused, "primary", None)))
+                rid = reply_id(ev.request)
+                if rid is not None:
+                    conn.send(P.encode_error(rid, refused.code, f"{ev.name!r}: {refused}",
+                                             getattr(refused, "primary", None)))
                 log.warning("grant %s token %d decided but not acknowledged: %s", quote(ev.name), ev.token, refused)
                 continue
-            conn.send(P.packb([ev.request, 0, [ev.token, ev.ttl_ms, ev.waited_ms]]))
+            reply = grant_reply(ev)
+            if reply is not None:
+                conn.send(reply)
         if undelivered:
             table.expire(monotonic_ms())
         self.after_batch()
@@ -527,7 +527,7 @@ class LockServer:
         self.wal.log_release(name, token)
         quotas = self.quotas
         if quotas.lease_principal:
-            quotas.lease_ended(name)
+            quotas.lease_ended(token)
         watches = self.handlers.watches
         if name in watches.by_name:
             watches.notify(name, "released", token, meta)
@@ -563,7 +563,7 @@ class LockServer:
             t.counter,
             [
                 HolderRecord(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
-                             h.meta[0] if h.meta else None, h.meta[1] if h.meta else None, 0)
+                             h.meta[0] if h.meta else None, h.meta[1] if h.meta else None, 0, h.shared, h.limit)
                 for h in t.holders()
             ],
         )

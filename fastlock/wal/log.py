@@ -198,8 +198,9 @@ class WriteAheadLog:
     # Each log_* method appends one record, ``[type, field, ...]`` in the order of the
     # fields of its type in fastlock.wal.records (built inline: this is the hot path).
     def log_grant(self, name: str, token: int, owner: bytes, ttl_ms: int, lock_delay_ms: int,
-                  client_name: str | None, correlation_id: str | None) -> None:
-        """Log a grant of ``name`` with fencing ``token`` (ttl/lock-delay in milliseconds).
+                  client_name: str | None, correlation_id: str | None, shared: bool = False, limit: int = 0) -> None:
+        """Log a grant of ``name`` with fencing ``token`` (ttl/lock-delay in milliseconds);
+        ``shared``: a shared lease, ``limit``: a semaphore permit's limit (0: a lock).
 
         In ``interval``/``never`` mode, a counter beyond the reservation first logs a
         RESERVE record and makes this batch wait for an fsync.
@@ -215,7 +216,11 @@ class WriteAheadLog:
         if counter > c.reserved and not self._always:
             c.reserved = counter + c.block
             self._append([RESERVE, c.reserved, wall_ms()], sync=True)
-        self._append([GRANT, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id, wall_ms()])
+        if shared or limit:
+            self._append([GRANT, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id, wall_ms(),
+                          shared, limit])
+        else:
+            self._append([GRANT, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id, wall_ms()])
 
     def log_release(self, name: str, token: int) -> None:
         """Log that the holder with ``token`` released ``name``."""
