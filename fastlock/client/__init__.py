@@ -9,6 +9,8 @@ Modules, each readable alone:
 - :mod:`~fastlock.client.renewer` - the one renewal loop (locks, multi-locks,
   election terms);
 - :mod:`~fastlock.client.multilock` - several locks at once, all or none;
+- :mod:`~fastlock.client.kinds` - shared locks' and semaphores' arguments,
+  :class:`Semaphore`, the one-request atomic multi-lock;
 - :mod:`~fastlock.client.client` - the :class:`Client` facade and :func:`connect`;
 - :mod:`~fastlock.client.election` - leader election on leases;
 - :mod:`~fastlock.client.sync` - :class:`~fastlock.client.sync.SyncClient` for threads.
@@ -21,6 +23,7 @@ from ..units import DEFAULT_PORT
 from .client import LATE_GRANT_FRACTION, Client, LockContext, connect
 from .connection import RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election, Leader, Term
+from .kinds import Semaphore
 from .lease import IN_JEOPARDY, LOST, SAFE, Lease, LeaseHealth, LeaseState, WatchEvent
 from .multilock import LockManyContext, MultiLease
 from .renewer import Renewer
@@ -28,4 +31,4 @@ from .renewer import Renewer
 __all__ = ["connect", "Client", "Lease", "LeaseState", "LeaseHealth", "LockContext", "MultiLease",
            "LockManyContext", "WatchEvent", "Election", "Term", "Leader", "Renewer", "resolve_credential",
            "DEFAULT_PORT", "LATE_GRANT_FRACTION", "SAFE", "IN_JEOPARDY", "LOST", "RETRYABLE", "ClientConnection",
-           "Connector", "RideThrough"]
+           "Connector", "RideThrough", "Semaphore"]

@@ -120,7 +120,7 @@ def check_limits(config: ServerConfig) -> None:
         value = getattr(config, field_name)
         if type(value) is not int or value <= 0:
             raise ValueError(f"{field_name} must be a positive integer, not {value!r}")
-    for field_name in ("hello_timeout_ms", "idle_timeout_ms", "max_leases_per_principal",
+    for field_name in ("hello_timeout_ms", "idle_timeout_ms", "deadlock_timeout_ms", "max_leases_per_principal",
                        "max_waiters_per_principal", "max_watches_per_principal"):
         value = getattr(config, field_name)
         if type(value) is not int or value < 0:
