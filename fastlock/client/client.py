@@ -96,8 +96,6 @@ class Client:
         auth = resolve_credential(token=token, token_file=token_file, auth=auth)
         client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
         self._connect_timeout = check_seconds(connect_timeout, "connect_timeout")
-        #: set once the server refused ACQUIRE_MANY as unknown (an older fastlock): multi-locks go one by one
-        self._no_acquire_many = False
         self._request_timeout = check_seconds(request_timeout, "request_timeout", allow_none=True)
         ssl_context = client_ssl_context(tls, tls_ca, tls_cert, tls_key)
         if server_hostname is not None:
@@ -129,6 +127,11 @@ class Client:
         """The highest fencing epoch this client has seen; sent in every HELLO
         so that a deposed primary that still runs learns it and steps down."""
         return self._connector.max_epoch
+
+    @property
+    def connector(self) -> Connector:
+        """Finds the primary and rides requests through failovers (see :mod:`fastlock.client.connection`)."""
+        return self._connector
 
     @property
     def connection(self) -> ClientConnection | None:

@@ -82,7 +82,7 @@ class Semaphore:
 
 
 async def acquire_set(client: Client, items: list[tuple[str, bool]], ttl_ms: int, wait_ms: int, delay_ms: int,
-                      correlation_id: str | None, connect_timeout: float) -> list[Lease]:
+                      correlation_id: str | None) -> list[Lease]:
     """Send ONE ACQUIRE_MANY for ``items`` (``(name, shared)``, checked) and return one
     :class:`Lease` per name, in ``items`` order, all with the same owner key.
 
@@ -91,7 +91,8 @@ async def acquire_set(client: Client, items: list[tuple[str, bool]], ttl_ms: int
     finds the request, or its grant, again by that key).  Cancelling it cancels
     the request on the server (or releases what raced with the cancel).
     """
-    connector = client._connector
+    connector = client.connector
+    connect_timeout = connector.connect_timeout
     owner = os.urandom(16)
     loop = asyncio.get_running_loop()
     started = loop.time()

@@ -134,14 +134,14 @@ async def acquire_many(client: Client, names: Iterable[str], kwargs: dict, wait:
     wait_ms = P.check_wait_ms(P.seconds_to_ms(wait, "wait", allow_none=True, allow_zero=True))
     delay_ms = P.check_lock_delay_ms(P.seconds_to_ms(kwargs["lock_delay"], "lock_delay", allow_zero=True))
     P.check_optional_str(kwargs["correlation_id"], "correlation_id", P.MAX_CORRELATION_ID_CHARS)
-    if len(ordered) <= P.MAX_MANY and not client._no_acquire_many:
+    if len(ordered) <= P.MAX_MANY and not client.connector.no_acquire_many:
         try:
             leases = await acquire_set(client, [(n, n in shared) for n in ordered], ttl_ms, wait_ms, delay_ms,
-                                       kwargs["correlation_id"], client._connect_timeout)
+                                       kwargs["correlation_id"])
         except ProtocolError as exc:
             if f"unknown operation {P.OP_ACQUIRE_MANY}" not in str(exc):
                 raise
-            client._no_acquire_many = True  # an older server: one by one from now on
+            client.connector.no_acquire_many = True  # an older server: one by one from now on
             log.info("the server has no atomic multi-lock (an older fastlock): taking locks one by one")
         else:
             if renew_fraction is not None:

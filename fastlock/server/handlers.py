@@ -151,7 +151,8 @@ class Handlers:
         self.quotas = server.quotas
         self.watchers = self.watches.by_name
         self.auth_failures = AuthFailures(max_failures=server.config.auth_failures_before_ban)
-        kinds = KindHandlers(self)
+        #: ACQUIRE_MANY, CONTENDERS and the deadlock timer
+        self.kinds = kinds = KindHandlers(self)
         handlers: dict[int, Handler] = {
             P.OP_HELLO: self.op_hello,
             P.OP_ACQUIRE: self.op_acquire,
@@ -193,7 +194,8 @@ class Handlers:
                 raise ProtocolError(f"unknown operation {op}")
             handler, fewest, most = entry
             if not fewest <= len(msg) - 2 <= most:
-                expected = fewest if fewest == most else f"{fewest} or {most}"
+                expected = (fewest if fewest == most else f"{fewest} or {most}" if most == fewest + 1
+                            else f"{fewest} to {most}")
                 raise ProtocolError(f"{P.OP_NAMES[op]} takes {expected} arguments, got {len(msg) - 2}")
             need = PERMISSION.get(op, "admin")
             if need is not None and (conn.kind != "admin" or need == "replica"):

@@ -129,7 +129,8 @@ def limit_conflict(table: Any, name: str, limit: int, now: int) -> LimitConflict
 
 
 class KindHandlers:
-    """The handlers of ACQUIRE_MANY and CONTENDERS (registered in :class:`Handlers`)."""
+    """The handlers of ACQUIRE_MANY and CONTENDERS (registered in :class:`Handlers`),
+    and the server's :class:`DeadlockTimer` (``deadlocks``)."""
 
     def __init__(self, handlers: Handlers):
         self.handlers = handlers
@@ -137,6 +138,7 @@ class KindHandlers:
         self.roles = handlers.roles
         self.config = handlers.config
         self.server = handlers.server
+        self.deadlocks = DeadlockTimer(handlers.server, handlers.config.deadlock_timeout_ms)
 
     def op_acquire_many(self, conn: Session, req_id: int, msg: list) -> None:
         """ACQUIRE_MANY: ``[[name, shared], ...], owner, ttl_ms, wait_ms, lock_delay_ms,

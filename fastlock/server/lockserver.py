@@ -67,7 +67,7 @@ from .admission import ConnectionLimits, PrincipalQuotas
 from .config import ServerConfig, check_limits
 from .failover import FailoverPolicy
 from .handlers import Handlers, refusal
-from .kinds import DeadlockTimer, grant_reply, reply_id, waiter_left
+from .kinds import grant_reply, reply_id, waiter_left
 from .session import Session
 from .tasks import BackgroundTasks
 
@@ -193,7 +193,6 @@ class LockServer:
         #: sessions written to in this loop turn (flushed once at the batch end)
         self.dirty: list[Session] = []
         self.expiry = ExpiryTimer(self._on_timer)
-        self.deadlocks = DeadlockTimer(self, config.deadlock_timeout_ms)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = asyncio.Event()
         self._started_ms = monotonic_ms()
@@ -344,7 +343,7 @@ class LockServer:
         for conn in list(self.limits.sessions.values()):
             conn.close_after_flush()
         self.expiry.cancel()
-        self.deadlocks.cancel()
+        self.handlers.kinds.deadlocks.cancel()
         self.limits.close()
         self.tasks.cancel_all()
         await self.wal.close()
@@ -429,8 +428,9 @@ class LockServer:
         nd = table.next_deadline()
         if nd >= 0 and (self.expiry.handle is None or nd < self.expiry.at_ms) and self.roles.expires_leases:
             self._rearm()
-        if self.deadlocks.handle is None:
-            self.deadlocks.poke()
+        deadlocks = self.handlers.kinds.deadlocks
+        if deadlocks.handle is None:
+            deadlocks.poke()
         dirty = self.dirty
         if dirty:
             for conn in dirty:
