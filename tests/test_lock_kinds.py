@@ -285,3 +285,47 @@ def test_a_standby_keeps_shared_leases_and_permits_through_promotion(cluster):
             await b.close()
 
     run(main())
+
+
+def test_fastlock_run_limit_runs_at_most_n_commands_at_once(server, tmp_path):
+    """``fastlock run --limit 2``: two commands hold permits together, a third waits
+    (as ``consul lock -n 2``); a different limit meanwhile is refused (exit 2)."""
+    import subprocess
+    import sys
+
+    from fastlock.sync import SyncClient
+
+    def run(*args, command):
+        return [sys.executable, "-m", "fastlock", "run", "jobs", *args, "--server", server.address, "--", *command]
+
+    gate = tmp_path / "go"
+    child = ("import os, pathlib, sys, time\n"
+             "pathlib.Path(sys.argv[1]).write_text(os.environ['FASTLOCK_FENCING_TOKEN'] + '\\n')\n"
+             "while not pathlib.Path(sys.argv[2]).exists(): time.sleep(0.01)\n")
+    procs = [subprocess.Popen(run("--limit", "2", command=[sys.executable, "-c", child, str(tmp_path / f"r{i}"),
+                                                           str(gate)]), cwd=tmp_path) for i in range(2)]
+    try:
+        with SyncClient(server.address, client_name="observer") as sync:
+            deadline = time.monotonic() + TIMEOUT
+            while not all((tmp_path / f"r{i}").exists() for i in range(2)):
+                assert time.monotonic() < deadline, "the two permit holders did not start"
+                assert all(p.poll() is None for p in procs)
+                time.sleep(0.01)
+            info = sync.contenders("jobs")
+            assert [h["limit"] for h in info["holders"]] == [2, 2]
+            out = subprocess.run(run("--limit", "2", "--wait", "0", command=["true"]), cwd=tmp_path,
+                                 capture_output=True, text=True, timeout=TIMEOUT)
+            assert out.returncode == 73, out.stderr  # no third permit
+            out = subprocess.run(run("--limit", "3", "--wait", "0", command=["true"]), cwd=tmp_path,
+                                 capture_output=True, text=True, timeout=TIMEOUT)
+            assert out.returncode == 2 and "limit 2" in out.stderr
+            gate.touch()
+            assert [p.wait(TIMEOUT) for p in procs] == [0, 0]
+            permit = sync.semaphore("jobs", 5).acquire(ttl=1.0, wait=0)  # free again: any limit
+            reader = sync.acquire("doc", ttl=1.0, shared=True)
+            assert sync.acquire("doc", ttl=1.0, wait=0, shared=True).fencing_token > reader.fencing_token
+            sync.release(permit)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()

@@ -24,8 +24,9 @@ from .lease import Lease, LeaseState
 if TYPE_CHECKING:  # pragma: no cover
     from .client import Client
     from .renewer import LockContext
+    from .sync import SyncClient, SyncLease, SyncLockContext
 
-__all__ = ["kind_args", "Semaphore", "acquire_set"]
+__all__ = ["kind_args", "Semaphore", "SyncSemaphore", "acquire_set"]
 
 
 def kind_args(shared: Any, limit: Any) -> tuple:
@@ -79,6 +80,33 @@ class Semaphore:
 
     def __repr__(self) -> str:
         return f"<Semaphore {self.name!r} limit={self.limit}>"
+
+
+class SyncSemaphore:
+    """:class:`Semaphore` for the blocking client (:meth:`SyncClient.semaphore
+    <fastlock.client.sync.SyncClient.semaphore>`)."""
+
+    __slots__ = ("sync", "name", "limit")
+
+    def __init__(self, sync: SyncClient, name: str, limit: int):
+        P.check_name(name)
+        if type(limit) is bool or P.check_limit(limit) == 0:
+            raise InvalidArgument(f"a semaphore's limit must be 1..{P.MAX_LIMIT}, got {limit!r}")
+        self.sync = sync
+        self.name = name
+        self.limit = limit
+
+    def acquire(self, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
+                correlation_id: str | None = None) -> SyncLease:
+        """Take a permit (not renewed); release it with ``client.release``."""
+        return self.sync.acquire(self.name, ttl=ttl, wait=wait, lock_delay=lock_delay,
+                                 correlation_id=correlation_id, limit=self.limit)
+
+    def lock(self, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
+             correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> SyncLockContext:
+        """``with sem.lock(ttl=10.0) as permit:`` - take a permit, renew it, release on exit."""
+        return self.sync.lock(self.name, ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
+                              jeopardy_fraction=jeopardy_fraction, limit=self.limit)
 
 
 async def acquire_set(client: Client, items: list[tuple[str, bool]], ttl_ms: int, wait_ms: int, delay_ms: int,
