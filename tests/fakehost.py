@@ -107,6 +107,14 @@ class FakeWal:
     def log_epoch(self, *args) -> None:
         self._log("epoch", *args)
 
+    def log_lock_delay(self, *args) -> None:
+        self._log("lock_delay", *args)
+
+    def log_lock_delays(self, delays, now_ms) -> None:
+        for name, until_ms in delays:
+            if until_ms > now_ms:
+                self._log("lock_delay", name, until_ms - now_ms)
+
     def when_durable(self, callback: Callable[[], Any]) -> None:
         if self.fail_durability is not None:
             raise self.fail_durability

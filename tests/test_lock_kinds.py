@@ -329,3 +329,61 @@ def test_fastlock_run_limit_runs_at_most_n_commands_at_once(server, tmp_path):
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+async def _expired_with_delay(address: str, name: str, delay_ms: int) -> float:
+    """Take ``name`` with a 200 ms lease and a lock-delay of ``delay_ms``; return the
+    monotonic time by which it had expired (seen by polling its holders)."""
+    node = await RawNode.open(address)
+    try:
+        await node.request(P.OP_ACQUIRE, name, os.urandom(16), 200, 0, delay_ms, None)
+        started = time.monotonic()
+        await poll(lambda: node.request(P.OP_CONTENDERS, name), lambda info: not info["holders"],
+                   timeout=5.0, what="the lease to expire")
+        return started + 0.2
+    finally:
+        await node.close()
+
+
+async def test_a_running_lock_delay_survives_a_restart(server_factory):
+    srv = server_factory("delay")
+    expired = await _expired_with_delay(srv.address, "job", 2500)
+    srv.stop()
+    srv = server_factory("delay")
+    await asyncio.to_thread(srv.wait_for_log, r"1 running lock-delays", 5)
+    node = await RawNode.open(srv.address)
+    try:
+        with pytest.raises(LockNotAcquired):
+            await node.request(P.OP_ACQUIRE, "job", os.urandom(16), 1000, 0, 0, None)
+        await node.request(P.OP_ACQUIRE, "job", os.urandom(16), 1000, 5000, 0, None)
+        assert time.monotonic() >= expired + 2.5 - 0.1  # not granted before the delay ran out
+    finally:
+        await node.close()
+
+
+def test_a_running_lock_delay_survives_a_promotion(cluster):
+    from fastlock._testbase.cluster import run
+
+    p = cluster.primary()
+    s = cluster.standby(p.address, grace=0.0)
+
+    async def main():
+        expired = await _expired_with_delay(p.address, "job", 3000)
+        last = (await status_of(p.address))["wal"]["last_lsn"]
+        await poll(lambda: status_of(s.address), lambda st: st["replication"]["applied_lsn"] >= last,
+                   timeout=5.0, what="the standby to catch up")
+        await asyncio.to_thread(p.kill)
+        from test_replication import cli
+
+        res = await asyncio.to_thread(cli, "promote", "--server", s.address, "--force")
+        assert res.returncode == 0, res.stderr
+        node = await RawNode.open(s.address)
+        try:
+            with pytest.raises(LockNotAcquired):
+                await node.request(P.OP_ACQUIRE, "job", os.urandom(16), 1000, 0, 0, None)
+            await node.request(P.OP_ACQUIRE, "job", os.urandom(16), 1000, 6000, 0, None)
+            assert time.monotonic() >= expired + 3.0 - 0.1
+        finally:
+            await node.close()
+
+    run(main())

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 from .. import protocol as P
 from ..errors import FastlockError, ProtocolError
 from ..roles import Role
-from ..units import monotonic_ms
-from ..wal import EPOCH, Expire, Extend, Grant, LeaseMeta, Record, Release, apply, decode_frames
+from ..units import monotonic_ms, wall_ms
+from ..wal import EPOCH, Expire, Extend, Grant, LeaseMeta, LockDelay, Record, Release, apply, decode_frames
 from ..wal.records import decode as decode_record
 from .link import PrimaryLink
 from .messages import Heartbeat, SnapshotHolder, heartbeat_interval_ms, standby_identity
@@ -85,6 +85,14 @@ class StandbyApply:
 
     def raise_counter(self, counter: int) -> None:
         self.table.advance_counter(counter)
+
+    def set_lock_delay(self, record: LockDelay) -> None:
+        # on this node's monotonic clock (its table runs on frozen time 0 until a
+        # promotion), capped at the longest lock-delay as recovery does
+        left = min(record.until_wall_ms - wall_ms(), P.MAX_LOCK_DELAY_MS)
+        if left > 0:
+            self.table.install_lock_delay(record.name, monotonic_ms() + left, 0)
+            self.wal.log_lock_delay(record.name, record.until_wall_ms)
 
 
 class StandbyFollower:

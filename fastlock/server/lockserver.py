@@ -63,6 +63,7 @@ from ..roles import Action, NodeRole, Role
 from ..tls import ServerTLS, client_context
 from ..units import monotonic_ms
 from ..wal import DataDirInUse, HolderRecord, WriteAheadLog, secure_directory
+from . import lockdelays
 from .admission import ConnectionLimits, PrincipalQuotas
 from .config import ServerConfig, check_limits
 from .failover import FailoverPolicy
@@ -320,16 +321,15 @@ class LockServer:
             self.max_ttl_ms = max(self.max_ttl_ms, h.ttl_ms)
             table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
                                  (h.client_name, h.correlation_id), now, h.shared, h.limit)
+        delays = lockdelays.install_recovered(table, state.lock_delays, now)
         table.drain_events()
         if not self.roles.expires_leases:
             # a standby runs its table on frozen time: only a primary expires leases
             for h in table.holders():
                 table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, h.meta, 0, h.shared, h.limit)
-        log.info(
-            "recovered %d leases, epoch %d, counter %d (%d records replayed, %d torn bytes cut) in %.1f ms",
-            len(state.holders), state.epoch, table.counter, state.records_replayed, state.torn_bytes,
-            (time.perf_counter() - t0) * 1000,
-        )
+        log.info("recovered %d leases, epoch %d, counter %d (%d records replayed, %d torn bytes cut) in %.1f ms; "
+                 "%d running lock-delays", len(state.holders), state.epoch, table.counter, state.records_replayed,
+                 state.torn_bytes, (time.perf_counter() - t0) * 1000, delays)
 
     async def close(self) -> None:
         """Stop accepting, close every connection, flush and close the WAL."""
@@ -428,9 +428,7 @@ class LockServer:
         nd = table.next_deadline()
         if nd >= 0 and (self.expiry.handle is None or nd < self.expiry.at_ms) and self.roles.expires_leases:
             self._rearm()
-        deadlocks = self.handlers.kinds.deadlocks
-        if deadlocks.handle is None:
-            deadlocks.poke()
+        self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
         dirty = self.dirty
         if dirty:
             for conn in dirty:
@@ -458,6 +456,8 @@ class LockServer:
                 grants.append(ev)
             elif kind == EV_EXPIRED:
                 wal.log_expire(ev.name, ev.token)
+                if ev.lock_delay_ms:
+                    lockdelays.log_expired(wal, ev)
                 if quotas.lease_principal:
                     quotas.lease_ended(ev.token)
                 if ev.name in watchers:
@@ -471,7 +471,8 @@ class LockServer:
                 self._deliver_grants(grants)
             else:
                 wal.when_durable(lambda: self._deliver_grants(grants))
-        wal.maybe_snapshot(self.snapshot_state)
+        if wal.maybe_snapshot(self.snapshot_state):
+            lockdelays.relog_running(wal, self.table)
 
     def _deliver_grants(self, grants: list) -> None:
         """Acknowledge a batch of grants once durable - if this node may still grant.

@@ -51,7 +51,15 @@ EXPIRE     3  name, token, wall_ms
 EXTEND     4  name, token, ttl_ms, wall_ms
 EPOCH      5  epoch, wall_ms
 RESERVE    6  counter, wall_ms         (counter values up to ``counter`` may be issued)
+LOCK_DELAY 20 name, until_wall_ms, wall_ms   (no grant of ``name`` before ``until_wall_ms``)
 ========  ==  ==================================================================
+
+A GRANT of a shared lease or a semaphore permit has two more fields, ``shared``
+(bool) and ``limit`` (int; 0 for a lock); an exclusive grant is written without
+them, as before, so every earlier log reads the same.  LOCK_DELAY records a
+running lock-delay (logged at the expiry that starts it and again after every
+snapshot, which holds leases only); recovery and a promoted standby keep the lock
+unavailable until its wall-clock end, capped at 60 s from recovery.
 
 ``owner_hash`` is BLAKE2b-128 of the client's owner key (see :func:`fastlock.auth.hash_owner`):
 the key never reaches the disk, a snapshot or a standby.  A log written by a fastlock
@@ -61,8 +69,9 @@ else), so those leases end at their TTL.  ``client`` is ``principal:client_name`
 authenticated principal, then the client's self-declared name, which may be empty);
 older logs hold the bare client name (no ``:``).
 
-Replay rules: GRANT installs the holder (replacing any); RELEASE/EXPIRE remove
-the holder when its token matches; EXTEND sets the holder's ``ttl_ms`` when its
+Replay rules: GRANT installs the holder (an exclusive grant replaces every holder;
+a shared one or a permit joins the compatible ones); RELEASE/EXPIRE remove
+the holder whose token matches; EXTEND sets the holder's ``ttl_ms`` when its
 token matches; EPOCH raises the epoch; RESERVE raises the counter.  The
 recovered epoch is the highest of every EPOCH record and every token's epoch;
 the recovered counter is the highest of every token's counter and every
@@ -182,6 +191,7 @@ from .records import (
     EXPIRE,
     EXTEND,
     GRANT,
+    LOCK_DELAY,
     RECORD_NAMES,
     RELEASE,
     RESERVE,
@@ -192,6 +202,7 @@ from .records import (
     Grant,
     HolderRecord,
     LeaseMeta,
+    LockDelay,
     LogState,
     Record,
     Release,
@@ -226,6 +237,8 @@ __all__ = [
     "EXTEND",
     "EPOCH",
     "RESERVE",
+    "LOCK_DELAY",
+    "LockDelay",
     "RECORD_NAMES",
     "TOKEN_EPOCH_SHIFT",
     "COUNTER_MASK",

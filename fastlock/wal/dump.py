@@ -24,6 +24,7 @@ from .records import (
     EPOCH,
     EXTEND,
     GRANT,
+    LOCK_DELAY,
     RECORD_NAMES,
     RESERVE,
     TOKEN_EPOCH_SHIFT,
@@ -81,6 +82,9 @@ def _record_line(lsn: int, r: Record) -> str:
         return _fmt(label, r.wall_ms, "extend", r.name, r.token, ttl=r.ttl_ms)  # type: ignore[union-attr]
     if kind == RESERVE:
         return _fmt(label, r.wall_ms, "reserve", extra=f"counter={r.counter}")  # type: ignore[union-attr]
+    if kind == LOCK_DELAY:
+        return _fmt(label, r.wall_ms, "lock_delay", r.name,  # type: ignore[union-attr]
+                    extra=f"until={r.until_wall_ms}")  # type: ignore[union-attr]
     return _fmt(label, r.wall_ms, RECORD_NAMES[kind], r.name, r.token)  # type: ignore[union-attr]  # release, expire
 
 

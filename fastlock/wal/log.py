@@ -26,7 +26,18 @@ from .backlog import read_records
 from .commit import GroupCommit
 from .files import secure_directory
 from .format import MAX_RECORD_BYTES
-from .records import COUNTER_MASK, EPOCH, EXPIRE, EXTEND, GRANT, RELEASE, RESERVE, TOKEN_EPOCH_SHIFT, Record
+from .records import (
+    COUNTER_MASK,
+    EPOCH,
+    EXPIRE,
+    EXTEND,
+    GRANT,
+    LOCK_DELAY,
+    RELEASE,
+    RESERVE,
+    TOKEN_EPOCH_SHIFT,
+    Record,
+)
 from .recovery import RecoveredState, recover
 from .snapshot import Snapshotter
 from .writer import SegmentList, SegmentWriter
@@ -233,6 +244,18 @@ class WriteAheadLog:
     def log_extend(self, name: str, token: int, ttl_ms: int) -> None:
         """Log a new TTL (milliseconds) for the lease ``token`` on ``name`` (only when it changes)."""
         self._append([EXTEND, name, token, ttl_ms, wall_ms()])
+
+    def log_lock_delay(self, name: str, until_wall_ms: int) -> None:
+        """Log that no grant of ``name`` may happen before ``until_wall_ms`` (wall clock ms)."""
+        self._append([LOCK_DELAY, name, until_wall_ms, wall_ms()])
+
+    def log_lock_delays(self, delays: list[tuple[str, int]], now_ms: int) -> None:
+        """Log every running lock-delay of ``delays`` (``(name, until_ms)`` on the monotonic
+        clock whose time is ``now_ms``, as ``LockTable.lock_delays()``) on the wall clock."""
+        wall = wall_ms()
+        for name, until_ms in delays:
+            if until_ms > now_ms:
+                self._append([LOCK_DELAY, name, wall + until_ms - now_ms, wall])
 
     def log_epoch(self, epoch: int) -> None:
         """Log a new epoch; always fsynced before this batch's callbacks run, in every mode."""

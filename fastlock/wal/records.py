@@ -20,7 +20,9 @@ The rules:
   and joins the other holders (as ``LockTable.install_holder``);
 * RELEASE and EXPIRE remove the holder whose token matches;
 * EXTEND sets the ``ttl_ms`` of the holder whose token matches;
-* EPOCH raises the epoch; RESERVE raises the counter.
+* EPOCH raises the epoch; RESERVE raises the counter;
+* LOCK_DELAY keeps, per name, the latest wall-clock end of a running
+  lock-delay (recovery installs those still running; see :class:`LockDelay`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Protocol, Union
 
 __all__ = [
-    "GRANT", "RELEASE", "EXPIRE", "EXTEND", "EPOCH", "RESERVE", "RECORD_NAMES",
+    "GRANT", "RELEASE", "EXPIRE", "EXTEND", "EPOCH", "RESERVE", "LOCK_DELAY", "RECORD_NAMES", "LockDelay",
     "TOKEN_EPOCH_SHIFT", "COUNTER_MASK",
     "Grant", "Release", "Expire", "Extend", "Epoch", "Reserve", "Record",
     "HolderRecord", "LeaseMeta", "SHORT_GRANT", "encode", "decode", "apply", "ApplyTarget", "LogState",
@@ -40,8 +42,9 @@ EXPIRE = 3
 EXTEND = 4
 EPOCH = 5
 RESERVE = 6
+LOCK_DELAY = 20
 RECORD_NAMES = {GRANT: "grant", RELEASE: "release", EXPIRE: "expire", EXTEND: "extend",
-                EPOCH: "epoch", RESERVE: "reserve"}
+                EPOCH: "epoch", RESERVE: "reserve", LOCK_DELAY: "lock_delay"}
 
 #: token = (epoch << TOKEN_EPOCH_SHIFT) | counter (mirrors fastlock._core, kept
 #: here so that the WAL and its tools do not need the compiled core).
@@ -120,10 +123,25 @@ class Reserve(NamedTuple):
     kind = RESERVE
 
 
-Record = Union[Grant, Release, Expire, Extend, Epoch, Reserve]
+class LockDelay(NamedTuple):
+    """LOCK_DELAY: no grant of ``name`` before ``until_wall_ms`` (wall clock, ms since
+    the Unix epoch).  Logged when a lease with a lock-delay expires, and again for
+    every running delay right after a snapshot (which holds leases only), so that a
+    restart or a promoted standby keeps the lock unavailable until the delay has
+    passed.  The wall clock is the only one that survives a restart; recovery caps
+    what is left at the longest lock-delay (60 s), so a clock jump cannot extend it."""
+
+    name: str
+    until_wall_ms: int
+    wall_ms: int
+
+    kind = LOCK_DELAY
+
+
+Record = Union[Grant, Release, Expire, Extend, Epoch, Reserve, LockDelay]
 
 _TYPES: dict[int, Any] = {GRANT: Grant, RELEASE: Release, EXPIRE: Expire, EXTEND: Extend,
-                          EPOCH: Epoch, RESERVE: Reserve}
+                          EPOCH: Epoch, RESERVE: Reserve, LOCK_DELAY: LockDelay}
 #: (type, length of the array) -> record class: the shape of every record body with all
 #: its fields (an exclusive grant's shorter body is decoded by :func:`decode`)
 SHAPES: dict[tuple[int, int], Any] = {(kind, len(cls._fields) + 1): cls for kind, cls in _TYPES.items()}
@@ -236,6 +254,10 @@ class ApplyTarget(Protocol):
         """Raise the counter to ``counter`` (higher than the current one)."""
         ...
 
+    def set_lock_delay(self, record: LockDelay) -> None:
+        """Keep the lock-delay of ``record.name`` running until ``record.until_wall_ms``."""
+        ...
+
 
 def apply(record: Record, target: ApplyTarget) -> bool:
     """Apply one record to ``target`` by the rules in the module docstring;
@@ -251,6 +273,9 @@ def apply(record: Record, target: ApplyTarget) -> bool:
             target.set_ttl(record)  # type: ignore[arg-type]
         else:
             target.remove(record)  # type: ignore[arg-type]
+        return True
+    if kind is LockDelay:
+        target.set_lock_delay(record)  # type: ignore[arg-type]
         return True
     if kind is Epoch:
         if record.epoch > target.epoch:  # type: ignore[union-attr]
@@ -275,7 +300,7 @@ class LogState:
     :class:`HolderRecord`; :meth:`holder_records` gives them all as HolderRecords.
     """
 
-    __slots__ = ("holders", "epoch", "counter")
+    __slots__ = ("holders", "epoch", "counter", "lock_delays")
 
     def __init__(self, epoch: int = 0, counter: int = 0, holders: list[HolderRecord] | None = None):
         self.holders: dict[str, dict[int, Grant | HolderRecord]] = {}
@@ -283,6 +308,8 @@ class LogState:
             self.holders.setdefault(h.name, {})[h.token] = h
         self.epoch = epoch
         self.counter = counter
+        #: name -> wall-clock ms until which its lock-delay runs (past ones too: recovery filters)
+        self.lock_delays: dict[str, int] = {}
 
     def holder_records(self) -> list[HolderRecord]:
         """Every holder, as :class:`HolderRecord`."""
@@ -329,3 +356,7 @@ class LogState:
 
     def raise_counter(self, counter: int) -> None:
         self.counter = counter
+
+    def set_lock_delay(self, record: LockDelay) -> None:
+        if record.until_wall_ms > self.lock_delays.get(record.name, 0):
+            self.lock_delays[record.name] = record.until_wall_ms

@@ -36,6 +36,8 @@ class RecoveredState(NamedTuple):
     torn_bytes: int  # bytes cut from a torn tail (0 if none)
     next_lsn: int  # LSN the next record will get
     snapshot_lsn: int  # LSN of the snapshot used (0 if none)
+    #: (name, until_wall_ms): the latest lock-delay logged per name (wall clock ms; ended ones too)
+    lock_delays: list[tuple[str, int]] = []
 
 
 class LogFiles:
@@ -164,5 +166,6 @@ def recover(directory: str, *, repair: bool = False) -> Recovery:
         torn_bytes=torn,
         next_lsn=next_lsn,
         snapshot_lsn=base,
+        lock_delays=list(state.lock_delays.items()),
     )
     return Recovery(recovered, list(files.segs), repaired)

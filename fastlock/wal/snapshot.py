@@ -44,7 +44,9 @@ def encode_snapshot(lsn: int, epoch: int, counter: int, holders: Sequence[Holder
     pack = packer.pack
     # Small chunks so that a snapshot thread gives the GIL back to the loop often.
     for i in range(0, len(holders), 1000):
-        parts.append(b"".join([pack(tuple(h) if len(h) != 10 or h[8] or h[9] else tuple(h)[:8]) for h in holders[i:i + 1000]]))
+        # an exclusive lease is stored as its first 8 fields (as every earlier fastlock)
+        parts.append(b"".join([pack(tuple(h) if len(h) != 10 or h[8] or h[9] else tuple(h)[:8])
+                               for h in holders[i:i + 1000]]))
     body = b"".join(parts)
     head = SNAP_HEADER.pack(SNAP_MAGIC, FORMAT_VERSION, lsn, epoch, counter, len(body))
     crc = crc32(body, crc32(head))
