@@ -3,7 +3,12 @@
 The public API is :func:`connect` and the error classes; see the README.
 """
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError as _NotInstalled, version as _version
+
+try:  # the one place the version is kept is pyproject.toml
+    __version__ = _version("fastlock")
+except _NotInstalled:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
 from .client import (
     Client,

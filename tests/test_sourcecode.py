@@ -52,7 +52,7 @@ MAX_INSTANCE_ATTRIBUTES = 20
 #: modules that import no other layer
 LEAVES = {"errors", "units", "logsafe"}
 #: the layers above everything else: nothing below them may import them
-TOP = {"cli", "_testbase"}
+TOP = {"cli", "_testbase", "testing"}  # testing: the pytest plugin, on top of _testbase
 #: what each layer may import, besides itself (None: anything below the top)
 ALLOWED: dict[str, set[str] | None] = {
     "errors": set(),

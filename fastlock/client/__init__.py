@@ -24,11 +24,11 @@ from .client import LATE_GRANT_FRACTION, Client, LockContext, connect
 from .connection import RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election, Leader, Term
 from .kinds import Semaphore
-from .lease import IN_JEOPARDY, LOST, SAFE, Lease, LeaseHealth, LeaseState, WatchEvent
+from .lease import IN_JEOPARDY, LOST, SAFE, HolderInfo, Lease, LeaseHealth, LeaseState, WatchEvent
 from .multilock import LockManyContext, MultiLease
 from .renewer import Renewer
 
 __all__ = ["connect", "Client", "Lease", "LeaseState", "LeaseHealth", "LockContext", "MultiLease",
-           "LockManyContext", "WatchEvent", "Election", "Term", "Leader", "Renewer", "resolve_credential",
+           "LockManyContext", "WatchEvent", "HolderInfo", "Election", "Term", "Leader", "Renewer", "resolve_credential",
            "DEFAULT_PORT", "LATE_GRANT_FRACTION", "SAFE", "IN_JEOPARDY", "LOST", "RETRYABLE", "ClientConnection",
            "Connector", "RideThrough", "Semaphore"]

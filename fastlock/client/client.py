@@ -33,7 +33,7 @@ from .acquire import acquire_retry, verify_late_grant
 from .connection import BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election
 from .kinds import Semaphore, kind_args
-from .lease import Lease, LeaseState, WatchEvent, check_fraction, check_lease
+from .lease import HolderInfo, Lease, LeaseState, WatchEvent, check_fraction, check_lease
 from .multilock import LockManyContext, MultiLease, acquire_many, release_many, sorted_names
 from .renewer import LockContext, Renewer, Renewers
 from .watch import watch_events
@@ -399,8 +399,8 @@ class Client:
         await self._request(P.OP_PING)
         return loop.time() - t0
 
-    async def holder(self, name: str) -> dict | None:
-        """The current holder of ``name``: ``{"token", "client", "ttl_ms", "remaining_ms"}`` or None."""
+    async def holder(self, name: str) -> HolderInfo | None:
+        """The current holder of ``name`` (a :class:`~fastlock.client.lease.HolderInfo`), or None if free."""
         P.check_name(name)
         return await self._request(P.OP_HOLDER, name)
 

@@ -103,7 +103,7 @@ class SyncSemaphore:
                                  correlation_id=correlation_id, limit=self.limit)
 
     def lock(self, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
-             correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> SyncLockContext:
+             correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> SyncLockContext[SyncLease]:
         """``with sem.lock(ttl=10.0) as permit:`` - take a permit, renew it, release on exit."""
         return self.sync.lock(self.name, ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
                               jeopardy_fraction=jeopardy_fraction, limit=self.limit)

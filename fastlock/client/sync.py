@@ -41,14 +41,14 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from ..errors import ConnectionLost, FastlockError, WrongArgumentType
 from .client import Client
 from .election import Election, Leader, Term
 from .forks import check_held_here, fork_lock, keep_inherited
 from .kinds import SyncSemaphore
-from .lease import Lease, WatchEvent
+from .lease import HolderInfo, Lease, WatchEvent
 from .multilock import MultiLease
 
 log = logging.getLogger(__name__)
@@ -363,7 +363,7 @@ class SyncClient:
     def check(self, name: str, fencing_token: int) -> bool:
         return self._call(self._client.check(name, fencing_token))
 
-    def holder(self, name: str) -> dict | None:
+    def holder(self, name: str) -> HolderInfo | None:
         return self._call(self._client.holder(name))
 
     def status(self) -> dict:
@@ -374,7 +374,7 @@ class SyncClient:
 
     def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
              correlation_id: str | None = None, jeopardy_fraction: float = 0.5, shared: bool = False,
-             limit: int = 0) -> SyncLockContext:
+             limit: int = 0) -> SyncLockContext[SyncLease]:
         """``with client.lock(name, ttl=10.0) as lease:`` - acquire, renew in
         the background (about every ttl/3, with jitter), release on exit.
 
@@ -390,7 +390,6 @@ class SyncClient:
                      correlation_id: str | None = None, shared: Iterable[str] = ()) -> SyncMultiLease:
         """As :meth:`Client.acquire_many <fastlock.client.Client.acquire_many>` (all or none, not renewed)."""
         names, shared = list(names), list(shared)
-
         async def run() -> SyncMultiLease:
             return SyncMultiLease(await self._client.acquire_many(names, ttl=ttl, wait=wait, lock_delay=lock_delay,
                                                                   correlation_id=correlation_id, shared=shared))
@@ -398,7 +397,7 @@ class SyncClient:
 
     def lock_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
                   correlation_id: str | None = None, jeopardy_fraction: float = 0.5,
-                  shared: Iterable[str] = ()) -> SyncLockContext:
+                  shared: Iterable[str] = ()) -> SyncLockContext[SyncMultiLease]:
         """``with client.lock_many(names, ttl=10.0) as multi:`` - all or none,
         each renewed in the background, all released on exit."""
         names, shared = list(names), list(shared)
@@ -464,9 +463,13 @@ class SyncClient:
             retry_period=retry_period, jeopardy_fraction=jeopardy_fraction))
 
 
-class SyncLockContext:
-    """Returned by :meth:`SyncClient.lock` and :meth:`SyncClient.lock_many`:
-    a context manager, or call :meth:`acquire` to hold until released."""
+_Held = TypeVar("_Held", SyncLease, SyncMultiLease)
+
+
+class SyncLockContext(Generic[_Held]):
+    """Returned by :meth:`SyncClient.lock` (``SyncLockContext[SyncLease]``) and
+    :meth:`SyncClient.lock_many` (``SyncLockContext[SyncMultiLease]``): a
+    context manager, or call :meth:`acquire` to hold until released."""
 
     __slots__ = ("_sync", "_make", "_ctx", "_ctx_client", "_held")
 
@@ -477,7 +480,7 @@ class SyncLockContext:
         self._ctx = make(self._ctx_client)
         self._held: Any = None
 
-    def acquire(self) -> Any:
+    def acquire(self) -> _Held:
         """Acquire and start renewing; returns a :class:`SyncLease` (or
         :class:`SyncMultiLease` for ``lock_many``)."""
         client = self._sync.client
@@ -490,9 +493,10 @@ class SyncLockContext:
             return SyncMultiLease(held) if isinstance(held, MultiLease) else SyncLease(held)
         return self._sync._call(run())
 
-    def __enter__(self) -> Any:
-        self._held = self.acquire()
-        return self._held
+    def __enter__(self) -> _Held:
+        held = self.acquire()
+        self._held = held
+        return held
 
     def __exit__(self, exc_type, exc, tb) -> None:
         held, self._held = self._held, None
