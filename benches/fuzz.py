@@ -72,7 +72,8 @@ VALID_TTLS = [43_200_000, 86_400_000]  # 12 h, 24 h: nothing expires during a ru
 BAD_TTLS = [0, -5, 2**64 - 1, 1.5, True, None, "10", 86_400_001]
 OPS = sorted(P.OP_NAMES) + [0, 16, 17, 99, -1, 1 << 40]
 LOCK_OPS = {P.OP_ACQUIRE: "acquire", P.OP_RELEASE: "release", P.OP_EXTEND: "extend", P.OP_CANCEL: "cancel",
-            P.OP_CHECK: "check", P.OP_HOLDER: "holder", P.OP_WATCH: "watch"}
+            P.OP_CHECK: "check", P.OP_HOLDER: "holder", P.OP_WATCH: "watch", P.OP_CONTENDERS: "holder",
+            P.OP_ACQUIRE_MANY: "acquire"}
 ALL_CLIENT_OPS = set(LOCK_OPS.values())
 REPLICA_OPS = {P.OP_REPLICATE, P.OP_REPL_ACK, P.OP_STEP_DOWN}
 

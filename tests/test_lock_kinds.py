@@ -211,13 +211,14 @@ async def test_a_deadlock_is_broken_with_deadlock_detected(server_factory, n):
             waits[victim].result()
         assert all(name in str(err.value) for name in names)
         assert time.monotonic() - started >= 0.4  # not before the cycle was --deadlock-timeout old
-        # the victim gives up what it holds: the others proceed
+        # the victim gives up what it holds: the others proceed, each once the one
+        # before it along the cycle has released (client i waits for client i + 1's lock)
         await clients[victim].release(first[victim])
-        for i in range(n):
-            if i != victim:
-                lease = await asyncio.wait_for(waits[i], TIMEOUT)
-                await clients[i].release(lease)
-                await clients[i].release(first[i])
+        for step in range(1, n):
+            i = (victim - step) % n
+            lease = await asyncio.wait_for(waits[i], TIMEOUT)
+            await clients[i].release(lease)
+            await clients[i].release(first[i])
     finally:
         for c in clients:
             await c.close()
@@ -387,3 +388,14 @@ def test_a_running_lock_delay_survives_a_promotion(cluster):
             await node.close()
 
     run(main())
+
+
+async def test_multi_lock_one_by_one_path_for_an_older_server(connect):
+    """A client that has learnt its server has no ACQUIRE_MANY (an older fastlock)
+    takes the set one lock at a time in the global order, shared names included."""
+    client, other = await connect("old-path"), await connect("other")
+    client.connector.no_acquire_many = True
+    multi = await client.acquire_many(["b", "a"], ttl=5.0, shared=["b"])
+    assert (await other.contenders("b"))["holders"][0]["shared"] is True
+    assert multi.fencing_tokens["a"] < multi.fencing_tokens["b"]  # taken in name order
+    await client.release_many(multi)
