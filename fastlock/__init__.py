@@ -3,13 +3,7 @@
 The public API is :func:`connect` and the error classes; see the README.
 """
 
-from importlib.metadata import PackageNotFoundError as _NotInstalled, version as _version
-
-try:  # the one place the version is kept is pyproject.toml
-    __version__ = _version("fastlock")
-except _NotInstalled:  # a source tree that was never installed
-    __version__ = "0+unknown"
-
+from ._version import __version__
 from .client import (
     Client,
     Election,
@@ -30,11 +24,13 @@ from .errors import (
     ConnectionLost,
     DeadlockDetected,
     FastlockError,
+    InternalServerError,
     InvalidArgument,
     LeaseLost,
     LimitConflict,
     LimitExceeded,
     LockNotAcquired,
+    LockNotHeld,
     NotPrimary,
     PermissionDenied,
     ProtocolError,
@@ -60,9 +56,11 @@ __all__ = [
     "FastlockError",
     "LockNotAcquired",
     "LeaseLost",
+    "LockNotHeld",
     "NotPrimary",
     "ConnectionLost",
     "ProtocolError",
+    "InternalServerError",
     "AuthError",
     "PermissionDenied",
     "InvalidArgument",

@@ -222,6 +222,10 @@ class LockTable:
         """The waiters of ``name`` in FIFO order as (session, shared, limit, meta, many):
         ``limit`` the name's semaphore limit (0 for a lock), ``many`` part of an
         acquire_many() request.  Owners are not included (for contenders())."""
+    def waiter_info(self, name: str) -> list[tuple[bytes, int, Any, int, int, bool]]:
+        """Waiters on ``name`` in FIFO order as ``(owner, session, meta, enqueued_ms,
+        deadline_ms, shared)`` (ms; ``deadline_ms`` -1: waits without end; a member of an
+        acquire_many() request has the request's deadline)."""
     def session_waiters(self, session: int) -> int: ...
     def holders(self) -> list[Holder]:
         """Every current lease of every kind (for snapshots), any order."""

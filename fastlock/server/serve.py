@@ -41,7 +41,9 @@ async def _serve(config: ServerConfig) -> int:
     if server.tls is not None:  # SIGHUP keeps its default (exit) without TLS
         loop.add_signal_handler(signal.SIGHUP, server.reload_tls)
     await server.start()
-    sdnotify.ready(f"{server.role} on {format_address(server.address)}")  # systemd Type=notify
+    address = server.address
+    assert address is not None  # start() returns once listening
+    sdnotify.ready(f"{server.role} on {format_address(address)}")  # systemd Type=notify
     waiter = asyncio.ensure_future(stop.wait())
     closed = asyncio.ensure_future(server.wait_closed())
     await asyncio.wait([waiter, closed], return_when=asyncio.FIRST_COMPLETED)

@@ -19,21 +19,29 @@ The rules:
   exclusive holder, the same owner's lease and permits under another limit,
   and joins the other holders (as ``LockTable.install_holder``);
 * RELEASE and EXPIRE remove the holder whose token matches;
+* REVOKE (an operator's force-release, an audit record with who and why) removes
+  the holder whose token matches, as RELEASE does;
 * EXTEND sets the ``ttl_ms`` of the holder whose token matches;
 * EPOCH raises the epoch; RESERVE raises the counter;
+* KEY_PUT sets a key when it has no lease or its lease (lock name, token) is
+  the current holder (a put attached to a lease already gone changes nothing);
+  KEY_DELETE removes a key; a RELEASE or EXPIRE that removes a holder also
+  removes every key attached to that lease (see :mod:`fastlock.wal.keyspace`);
 * LOCK_DELAY keeps, per name, the latest wall-clock end of a running
   lock-delay (recovery installs those still running; see :class:`LockDelay`).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol, Union
+from typing import Any, NamedTuple, Protocol
+
+from .keyspace import KeySpace
 
 __all__ = [
-    "GRANT", "RELEASE", "EXPIRE", "EXTEND", "EPOCH", "RESERVE", "LOCK_DELAY", "RECORD_NAMES", "LockDelay",
-    "TOKEN_EPOCH_SHIFT", "COUNTER_MASK",
-    "Grant", "Release", "Expire", "Extend", "Epoch", "Reserve", "Record",
-    "HolderRecord", "LeaseMeta", "SHORT_GRANT", "encode", "decode", "apply", "ApplyTarget", "LogState",
+    "GRANT", "RELEASE", "EXPIRE", "EXTEND", "EPOCH", "RESERVE", "REVOKE", "KEY_PUT", "KEY_DELETE", "LOCK_DELAY",
+    "RECORD_NAMES", "TOKEN_EPOCH_SHIFT", "COUNTER_MASK", "SHORT_GRANT",
+    "Grant", "Release", "Expire", "Extend", "Epoch", "Reserve", "Revoke", "KeyPut", "KeyDelete", "LockDelay", "Record",
+    "HolderRecord", "LeaseMeta", "encode", "decode", "apply", "ApplyTarget", "LogState",
 ]
 
 GRANT = 1
@@ -42,9 +50,13 @@ EXPIRE = 3
 EXTEND = 4
 EPOCH = 5
 RESERVE = 6
+REVOKE = 10
 LOCK_DELAY = 20
+KEY_PUT = 30
+KEY_DELETE = 31
 RECORD_NAMES = {GRANT: "grant", RELEASE: "release", EXPIRE: "expire", EXTEND: "extend",
-                EPOCH: "epoch", RESERVE: "reserve", LOCK_DELAY: "lock_delay"}
+                EPOCH: "epoch", RESERVE: "reserve", REVOKE: "revoke",
+                KEY_PUT: "key_put", KEY_DELETE: "key_delete", LOCK_DELAY: "lock_delay"}
 
 #: token = (epoch << TOKEN_EPOCH_SHIFT) | counter (mirrors fastlock._core, kept
 #: here so that the WAL and its tools do not need the compiled core).
@@ -71,7 +83,10 @@ class Grant(NamedTuple):
     shared: bool = False
     limit: int = 0
 
-    kind = GRANT
+    @property
+    def kind(self) -> int:
+        """The record type (``GRANT``), the first item of the array on disk."""
+        return GRANT
 
 
 class Release(NamedTuple):
@@ -81,7 +96,10 @@ class Release(NamedTuple):
     token: int
     wall_ms: int
 
-    kind = RELEASE
+    @property
+    def kind(self) -> int:
+        """The record type (``RELEASE``), the first item of the array on disk."""
+        return RELEASE
 
 
 class Expire(NamedTuple):
@@ -91,7 +109,10 @@ class Expire(NamedTuple):
     token: int
     wall_ms: int
 
-    kind = EXPIRE
+    @property
+    def kind(self) -> int:
+        """The record type (``EXPIRE``), the first item of the array on disk."""
+        return EXPIRE
 
 
 class Extend(NamedTuple):
@@ -102,7 +123,10 @@ class Extend(NamedTuple):
     ttl_ms: int
     wall_ms: int
 
-    kind = EXTEND
+    @property
+    def kind(self) -> int:
+        """The record type (``EXTEND``), the first item of the array on disk."""
+        return EXTEND
 
 
 class Epoch(NamedTuple):
@@ -111,7 +135,10 @@ class Epoch(NamedTuple):
     epoch: int
     wall_ms: int
 
-    kind = EPOCH
+    @property
+    def kind(self) -> int:
+        """The record type (``EPOCH``), the first item of the array on disk."""
+        return EPOCH
 
 
 class Reserve(NamedTuple):
@@ -120,7 +147,56 @@ class Reserve(NamedTuple):
     counter: int
     wall_ms: int
 
-    kind = RESERVE
+    @property
+    def kind(self) -> int:
+        """The record type (``RESERVE``), the first item of the array on disk."""
+        return RESERVE
+
+
+class Revoke(NamedTuple):
+    """REVOKE: an operator force-released the lease ``token`` on ``name``: ``principal``
+    (the authenticated principal that asked) and ``reason`` (free text, may be None) are
+    kept for the audit dump.  Replayed as a RELEASE of that token."""
+
+    name: str
+    token: int
+    principal: str
+    reason: str | None
+    wall_ms: int
+
+    @property
+    def kind(self) -> int:
+        """The record type (``REVOKE``), the first item of the array on disk."""
+        return REVOKE
+
+
+class KeyPut(NamedTuple):
+    """KEY_PUT: ``key`` holds ``value``, attached to the lease (``lease_name``, ``token``)
+    or to none (``lease_name`` None, ``token`` 0); written by ``principal``."""
+
+    key: str
+    value: bytes
+    lease_name: str | None
+    token: int
+    principal: str | None
+    wall_ms: int
+
+    @property
+    def kind(self) -> int:
+        """The record type (``KEY_PUT``), the first item of the array on disk."""
+        return KEY_PUT
+
+
+class KeyDelete(NamedTuple):
+    """KEY_DELETE: ``key`` was deleted."""
+
+    key: str
+    wall_ms: int
+
+    @property
+    def kind(self) -> int:
+        """The record type (``KEY_DELETE``), the first item of the array on disk."""
+        return KEY_DELETE
 
 
 class LockDelay(NamedTuple):
@@ -135,13 +211,17 @@ class LockDelay(NamedTuple):
     until_wall_ms: int
     wall_ms: int
 
-    kind = LOCK_DELAY
+    @property
+    def kind(self) -> int:
+        """The record type (``LOCK_DELAY``), the first item of the array on disk."""
+        return LOCK_DELAY
 
 
-Record = Union[Grant, Release, Expire, Extend, Epoch, Reserve, LockDelay]
+Record = Grant | Release | Expire | Extend | Epoch | Reserve | Revoke | KeyPut | KeyDelete | LockDelay
 
 _TYPES: dict[int, Any] = {GRANT: Grant, RELEASE: Release, EXPIRE: Expire, EXTEND: Extend,
-                          EPOCH: Epoch, RESERVE: Reserve, LOCK_DELAY: LockDelay}
+                          EPOCH: Epoch, RESERVE: Reserve, REVOKE: Revoke,
+                          KEY_PUT: KeyPut, KEY_DELETE: KeyDelete, LOCK_DELAY: LockDelay}
 #: (type, length of the array) -> record class: the shape of every record body with all
 #: its fields (an exclusive grant's shorter body is decoded by :func:`decode`)
 SHAPES: dict[tuple[int, int], Any] = {(kind, len(cls._fields) + 1): cls for kind, cls in _TYPES.items()}
@@ -226,8 +306,15 @@ class ApplyTarget(Protocol):
     tokens, its epoch and its counter.  Each method is called only when the record
     changes something (the token matched, the value is higher)."""
 
-    epoch: int
-    counter: int
+    @property
+    def epoch(self) -> int:
+        """The highest epoch applied."""
+        ...
+
+    @property
+    def counter(self) -> int:
+        """The highest token counter applied."""
+        ...
 
     def holds(self, name: str, token: int) -> bool:
         """Whether the lease ``token`` is a current holder of ``name``."""
@@ -238,7 +325,7 @@ class ApplyTarget(Protocol):
         raise epoch and counter to its token's."""
         ...
 
-    def remove(self, record: Release | Expire) -> None:
+    def remove(self, record: Release | Expire | Revoke) -> None:
         """Drop the holder ``record.token`` of ``record.name`` (it holds)."""
         ...
 
@@ -258,32 +345,63 @@ class ApplyTarget(Protocol):
         """Keep the lock-delay of ``record.name`` running until ``record.until_wall_ms``."""
         ...
 
+    @property
+    def keys(self) -> KeySpace:
+        """The key space: KEY_PUT, KEY_DELETE and the end of a lease change it through
+        :meth:`put_key`, :meth:`delete_key` and :meth:`lease_ended`."""
+        ...
+
+    def put_key(self, record: KeyPut) -> None:
+        """Set ``record.key`` (its lease, if any, is the current holder)."""
+        ...
+
+    def delete_key(self, record: KeyDelete) -> None:
+        """Remove ``record.key`` (it is present)."""
+        ...
+
+    def lease_ended(self, name: str, token: int) -> None:
+        """Remove every key attached to the lease ``(name, token)`` (there are some)."""
+        ...
+
 
 def apply(record: Record, target: ApplyTarget) -> bool:
     """Apply one record to ``target`` by the rules in the module docstring;
     return True if it changed something."""
-    kind = type(record)
-    if kind is Grant:
-        target.install(record)  # type: ignore[arg-type]
+    if type(record) is Grant:
+        target.install(record)
         return True
-    if kind is Release or kind is Expire or kind is Extend:
-        if not target.holds(record.name, record.token):  # type: ignore[union-attr]
+    if type(record) is Release or type(record) is Expire or type(record) is Revoke:
+        if not target.holds(record.name, record.token):
             return False
-        if kind is Extend:
-            target.set_ttl(record)  # type: ignore[arg-type]
-        else:
-            target.remove(record)  # type: ignore[arg-type]
+        target.remove(record)
+        if (record.name, record.token) in target.keys.by_lease:
+            target.lease_ended(record.name, record.token)
         return True
-    if kind is LockDelay:
-        target.set_lock_delay(record)  # type: ignore[arg-type]
+    if type(record) is Extend:
+        if not target.holds(record.name, record.token):
+            return False
+        target.set_ttl(record)
         return True
-    if kind is Epoch:
-        if record.epoch > target.epoch:  # type: ignore[union-attr]
-            target.raise_epoch(record.epoch)  # type: ignore[union-attr]
+    if type(record) is LockDelay:
+        target.set_lock_delay(record)
+        return True
+    if type(record) is Epoch:
+        if record.epoch > target.epoch:
+            target.raise_epoch(record.epoch)
             return True
         return False
-    if record.counter > target.counter:  # type: ignore[union-attr]
-        target.raise_counter(record.counter)  # type: ignore[union-attr]
+    if type(record) is Reserve and record.counter > target.counter:
+        target.raise_counter(record.counter)
+        return True
+    if type(record) is KeyPut:
+        if record.lease_name is not None and not target.holds(record.lease_name, record.token):
+            return False
+        target.put_key(record)
+        return True
+    if type(record) is KeyDelete:
+        if target.keys.get(record.key) is None:
+            return False
+        target.delete_key(record)
         return True
     return False
 
@@ -300,14 +418,16 @@ class LogState:
     :class:`HolderRecord`; :meth:`holder_records` gives them all as HolderRecords.
     """
 
-    __slots__ = ("holders", "epoch", "counter", "lock_delays")
+    __slots__ = ("holders", "epoch", "counter", "keys", "lock_delays")
 
-    def __init__(self, epoch: int = 0, counter: int = 0, holders: list[HolderRecord] | None = None):
+    def __init__(self, epoch: int = 0, counter: int = 0, holders: list[HolderRecord] | None = None,
+                 keys: KeySpace | None = None):
         self.holders: dict[str, dict[int, Grant | HolderRecord]] = {}
         for h in holders or ():
             self.holders.setdefault(h.name, {})[h.token] = h
         self.epoch = epoch
         self.counter = counter
+        self.keys = keys if keys is not None else KeySpace()
         #: name -> wall-clock ms until which its lock-delay runs (past ones too: recovery filters)
         self.lock_delays: dict[str, int] = {}
 
@@ -340,7 +460,7 @@ class LogState:
         if token >> TOKEN_EPOCH_SHIFT > self.epoch:
             self.epoch = token >> TOKEN_EPOCH_SHIFT
 
-    def remove(self, record: Release | Expire) -> None:
+    def remove(self, record: Release | Expire | Revoke) -> None:
         by_token = self.holders[record.name]
         del by_token[record.token]
         if not by_token:
@@ -360,3 +480,12 @@ class LogState:
     def set_lock_delay(self, record: LockDelay) -> None:
         if record.until_wall_ms > self.lock_delays.get(record.name, 0):
             self.lock_delays[record.name] = record.until_wall_ms
+
+    def put_key(self, record: KeyPut) -> None:
+        self.keys.put(record.key, record.value, record.lease_name, record.token, record.principal, record.wall_ms)
+
+    def delete_key(self, record: KeyDelete) -> None:
+        self.keys.delete(record.key)
+
+    def lease_ended(self, name: str, token: int) -> None:
+        self.keys.lease_ended(name, token)
