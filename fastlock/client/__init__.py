@@ -27,8 +27,8 @@ from .client import LATE_GRANT_FRACTION, Client, LockContext
 from .connect import connect
 from .connection import RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election, Leader, Term
-from .kinds import Semaphore
 from .keys import KeyEvent, KeyValue
+from .kinds import Semaphore
 from .lease import IN_JEOPARDY, LOST, SAFE, HolderInfo, Lease, LeaseHealth, LeaseState, WatchEvent
 from .multilock import LockManyContext, MultiLease
 from .renewer import Renewer

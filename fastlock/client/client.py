@@ -33,9 +33,9 @@ from .acquire import acquire_retry, verify_late_grant
 from .admin import LockAdminMethods
 from .connection import BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election
-from .kinds import Semaphore, kind_args
 from .environment import addresses_from_env, secret_from_env, tls_from_env
 from .keys import KeyMethods
+from .kinds import Semaphore, kind_args
 from .lease import HolderInfo, Lease, LeaseState, WatchEvent, check_fraction, check_lease
 from .multilock import LockManyContext, MultiLease, acquire_many, release_many, sorted_names
 from .renewer import LockContext, Renewer, Renewers
@@ -465,11 +465,12 @@ class Client(KeyMethods, LockAdminMethods):
         Raises InvalidArgument / WrongArgumentType for a bad name or limit."""
         return Semaphore(self, name, limit)
 
-    async def contenders(self, name: str) -> dict:
+    async def contenders(self, name: str) -> dict[str, Any]:
         """The holders and the FIFO-ordered waiters of lock or semaphore ``name``
         (kazoo's ``contenders()``): ``{"holders": [...], "waiters": [...]}``, each a
         dict (see :mod:`fastlock.protocol`, CONTENDERS)."""
-        return await self._request(P.OP_CONTENDERS, P.check_name(name))
+        info: dict[str, Any] = await self._request(P.OP_CONTENDERS, P.check_name(name))
+        return info
 
     # -- several locks at once --------------------------------------------------------
     async def acquire_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None,

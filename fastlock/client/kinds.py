@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["kind_args", "Semaphore", "SyncSemaphore", "acquire_set"]
 
 
-def kind_args(shared: Any, limit: Any) -> tuple:
+def kind_args(shared: Any, limit: Any) -> tuple[Any, ...]:
     """ACQUIRE's trailing arguments for a lease kind: ``()`` for an exclusive lock,
     ``(True,)`` for a shared lease, ``(False, limit)`` for a semaphore permit.
 

@@ -151,7 +151,7 @@ async def acquire_many(client: Client, names: Iterable[str], kwargs: dict[str, A
     return await _one_by_one(client, ordered, shared, kwargs, wait, renew_fraction)
 
 
-async def _one_by_one(client: Client, ordered: SortedNames, shared: frozenset[str], kwargs: dict,
+async def _one_by_one(client: Client, ordered: SortedNames, shared: frozenset[str], kwargs: dict[str, Any],
                       wait: float | None, renew_fraction: float | None) -> MultiLease:
     """The locks one after the other in the global order; on any failure the locks
     taken so far are released (cancellation: released without waiting)."""

@@ -47,8 +47,8 @@ from ..errors import ConnectionLost, FastlockError, WrongArgumentType
 from .admin import LeaseInfo, LockInfo, LockList
 from .client import Client
 from .forks import check_held_here, fork_lock, keep_inherited
-from .kinds import SyncSemaphore
 from .keys import SyncKeyMethods
+from .kinds import SyncSemaphore
 from .lease import HolderInfo, Lease, WatchEvent
 from .multilock import MultiLease
 from .sync_election import SyncElection
@@ -345,7 +345,7 @@ class SyncClient(SyncKeyMethods):
         """As :meth:`Client.semaphore <fastlock.client.Client.semaphore>`: ``acquire``/``lock`` take a permit."""
         return SyncSemaphore(self, name, limit)
 
-    def contenders(self, name: str) -> dict:
+    def contenders(self, name: str) -> dict[str, Any]:
         """As :meth:`Client.contenders <fastlock.client.Client.contenders>`."""
         return self.call(self._client.contenders(name))
 

@@ -149,9 +149,10 @@ class KindHandlers:
         wait_ms = P.check_wait_ms(msg[5])
         delay_ms = P.check_lock_delay_ms(msg[6])
         corr = P.check_optional_str(msg[7], "correlation id", P.MAX_CORRELATION_ID_CHARS)
+        grant = conn.grant
         if conn.kind == "client":
             for name, _shared in items:
-                if not conn.grant.allows("acquire", name):
+                if grant is None or not grant.allows("acquire", name):
                     raise PermissionDenied(f"principal {conn.principal!r} may not acquire {name!r}")
         table = self.table
         now = monotonic_ms()
