@@ -1552,6 +1552,23 @@ cdef class LockTable:
                 w = w.next
         return out
 
+    def waiter_details(self, name):
+        """The waiters of ``name`` in FIFO order, each as a tuple
+        (session, shared, limit, meta, many): ``limit`` is the name's semaphore
+        limit (0 for a lock), ``many`` whether the waiter is part of an
+        acquire_many() request.  For contenders(); owners are not included."""
+        cdef str n = _name(name)
+        cdef _Lock lock = <_Lock>self._locks.get(n)
+        cdef list out = []
+        cdef _Waiter w
+        if lock is not None:
+            w = lock.head
+            while w is not None:
+                out.append((w.session, bool(w.shared) and lock.limit == 0, lock.limit, w.meta,
+                            w.group is not None))
+                w = w.next
+        return out
+
     def waiter_info(self, name):
         """The waiters on ``name`` in FIFO order, each ``(owner, session, meta, enqueued_ms,
         deadline_ms, shared)``: ``enqueued_ms`` is the ``now`` of the acquire it answers,
