@@ -180,6 +180,14 @@ cdef inline int64_t _session(object v) except? -1:
     return r
 
 
+cdef inline bint _shared(object v) except -1:
+    if v is False:
+        return False
+    if not PyBool_Check(v):
+        raise TypeError(f"shared must be a bool, not {type(v).__name__}")
+    return v is True
+
+
 cdef inline int64_t _limit(object v, bint shared) except? -1:
     cdef int64_t r = _int(v, "limit")
     if r < 0 or r > _MAX_LIMIT:
@@ -358,6 +366,11 @@ cdef inline bint _before(_Entry a, _Entry b):
     return a.deadline < b.deadline or (a.deadline == b.deadline and a.seq < b.seq)
 
 
+cdef inline bint _holds(_Lock lock, int64_t tok, bytes o):
+    """True iff (tok, o) is the exclusive holder of ``lock`` (None: no lock)."""
+    return lock is not None and lock.held and lock.token == tok and lock.owner == o
+
+
 cdef inline int64_t _max(int64_t a, int64_t b):
     return a if a > b else b
 
@@ -529,9 +542,7 @@ cdef class LockTable:
         cdef list heap = self._heap
         cdef _Entry e
         cdef _Lock lock
-        cdef _Waiter w
         cdef _Lease lease
-        cdef Event ev
         cdef int64_t tau
         while len(heap) > 0:
             e = <_Entry>heap[0]
@@ -669,7 +680,6 @@ cdef class LockTable:
     cdef void _unlink(self, _Waiter w):
         """Take ``w`` out of its lock's queue, its session index and the heap."""
         cdef _Lock lock = w.lock
-        cdef dict sess
         if w.prev is None:
             lock.head = w.next
         else:
@@ -996,17 +1006,11 @@ cdef class LockTable:
         cdef int64_t wait = _ms(wait_ms, "wait_ms", -1)
         cdef int64_t delay = _lock_delay(lock_delay_ms)
         cdef int64_t t = _ms(now, "now", 0)
-        cdef bint sh = False
+        cdef bint sh
         cdef int64_t lim = 0
         cdef _Lock lock
         cdef _Waiter w
-        cdef _Lease lease
-        cdef Event ev
-        cdef dict sess
-        if shared is not False:
-            if not PyBool_Check(shared):
-                raise TypeError(f"shared must be a bool, not {type(shared).__name__}")
-            sh = shared is True
+        sh = _shared(shared)
         if limit is not 0:
             lim = _limit(limit, sh)
         self._advance(t)
@@ -1076,7 +1080,6 @@ cdef class LockTable:
         cdef list members = [w] if w.group is None else w.group.members
         cdef _Entry entry = w if w.group is None else w.group
         cdef _Waiter m
-        cdef dict sess
         self._cancels += len(members)
         for m in members:
             self._waiter_event(_EV_WAIT_CANCELLED, m)
@@ -1141,9 +1144,7 @@ cdef class LockTable:
         cdef Py_ssize_t i, k
         cdef _Lock lock
         cdef _Waiter w, first
-        cdef _Lease lease
         cdef _Group g
-        cdef Event ev
         cdef dict sess
         cdef bint free, held_all, holds_any = False
         if type(items) is not list and type(items) is not tuple:
@@ -1154,9 +1155,7 @@ cdef class LockTable:
             if (type(item) is not tuple and type(item) is not list) or len(item) != 2:
                 raise TypeError("each item must be a (name, shared) pair")
             names.append(_name(item[0]))
-            if not PyBool_Check(item[1]):
-                raise TypeError(f"shared must be a bool, not {type(item[1]).__name__}")
-            kinds.append(item[1] is True)
+            kinds.append(_shared(item[1]))
         if len(set(names)) != len(names):
             raise ValueError("items name a lock twice")
         o = _owner(owner)
@@ -1263,7 +1262,7 @@ cdef class LockTable:
         cdef _Lease lease
         self._advance(t)
         lock = <_Lock>self._locks.get(n)
-        if lock is not None and lock.held and lock.token == tok and lock.owner == o:
+        if _holds(lock, tok, o):
             self._drop_holder(lock)
         else:
             lease = self._lease_of(lock, tok, o)
@@ -1301,7 +1300,7 @@ cdef class LockTable:
         cdef _Lease lease
         self._advance(t)
         lock = <_Lock>self._locks.get(n)
-        if lock is not None and lock.held and lock.token == tok and lock.owner == o:
+        if _holds(lock, tok, o):
             lock.ttl_ms = ttl
             self._schedule(lock, t + ttl)
             return t + ttl
@@ -1584,8 +1583,8 @@ cdef class LockTable:
         cdef str n = _name(name)
         cdef int64_t tok = _token(token)
         cdef bytes o
-        cdef int64_t ttl, delay, t, ctr
-        cdef bint sh = False
+        cdef int64_t ttl, delay, t
+        cdef bint sh
         cdef int64_t lim = 0
         cdef _Lock lock
         cdef _Waiter w
@@ -1596,10 +1595,7 @@ cdef class LockTable:
         ttl = _ms(ttl_ms, "ttl_ms", 1)
         delay = _lock_delay(lock_delay_ms)
         t = _ms(now, "now", 0)
-        if shared is not False:
-            if not PyBool_Check(shared):
-                raise TypeError(f"shared must be a bool, not {type(shared).__name__}")
-            sh = shared is True
+        sh = _shared(shared)
         if limit is not 0:
             lim = _limit(limit, sh)
         self._advance(t)
@@ -1755,8 +1751,6 @@ cdef class LockTable:
         cdef list broken = []
         cdef dict graph
         cdef _Waiter w, victim
-        cdef _Lock lock
-        cdef Event ev
         self._advance(t)
         while True:
             graph = self._wait_for(t, min_wait)
