@@ -31,6 +31,7 @@ __all__ = [
     "Unavailable",
     "StaleFencingToken",
     "InternalServerError",
+    "LockNotHeld",
     "error_from_wire",
 ]
 
@@ -126,10 +127,26 @@ class Unavailable(FastlockError):
     a primary that stopped granting because it lost contact with its standby."""
 
 
+@_register(10)
+class LockNotHeld(FastlockError, LookupError):
+    """An operator's revoke named a lock that has no holder (or no holder with the
+    fencing token given).  Nothing was changed."""
+
+
 @_register(16)
 class PermissionDenied(FastlockError, PermissionError):
     """The authenticated principal is not granted this operation (on this lock
     name, for a client's ACL).  Nothing was changed; the connection stays open."""
+
+
+@_register(20)
+class KeyExists(FastlockError):
+    """A create-only ``put`` found the key already present (nothing was changed)."""
+
+
+@_register(21)
+class KeyNotFound(FastlockError, LookupError):
+    """A replace-only ``put`` found no such key (nothing was changed)."""
 
 
 class ConnectionLost(FastlockError, ConnectionError):

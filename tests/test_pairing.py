@@ -205,6 +205,7 @@ def test_manual_promote_of_an_unreachable_primary_waits_for_its_fence(cluster):
         res = await asyncio.to_thread(cli, "promote", "--server", s.address)
         assert res.returncode == 0, res.stderr
         assert json.loads(res.stdout)["primary_confirmed"] is False
+        assert "promote: still working: role promoting" in res.stderr, res.stderr  # progress while it waits
         assert any("did not confirm stepping down" in line for line in s.lines)
         # by the time the standby serves, the old primary has fenced itself
         assert (await status_of(p.address))["replication"]["fenced"]

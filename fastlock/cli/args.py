@@ -48,8 +48,13 @@ def server_address(value: str) -> tuple[str, int]:
 
 
 def servers_from_env() -> list[str]:
-    """The addresses in ``$FASTLOCK_SERVER`` (comma-separated; empty entries dropped)."""
-    return [s.strip() for s in os.environ.get(SERVER_VARIABLE, "").split(",") if s.strip()]
+    """The addresses in ``$FASTLOCK_SERVER``, else ``$FASTLOCK_SERVERS`` (comma-separated;
+    empty entries dropped), as the Python client reads them (:mod:`fastlock.client.environment`)."""
+    for var in (SERVER_VARIABLE, "FASTLOCK_SERVERS"):
+        named = [s.strip() for s in os.environ.get(var, "").split(",") if s.strip()]
+        if named:
+            return named
+    return []
 
 
 def _int_arg(value: str, low: int, high: int | None, expected: str) -> int:

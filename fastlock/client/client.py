@@ -30,8 +30,11 @@ from ..errors import ConnectionLost, InvalidArgument, LeaseLost, WrongArgumentTy
 from ..tls import client_ssl_context
 from ..units import check_seconds
 from .acquire import acquire_retry, verify_late_grant
+from .admin import LockAdminMethods
 from .connection import BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election
+from .environment import addresses_from_env, secret_from_env, tls_from_env
+from .keys import KeyMethods
 from .lease import HolderInfo, Lease, LeaseState, WatchEvent, check_fraction, check_lease
 from .multilock import LockManyContext, MultiLease, acquire_many, release_many, sorted_names
 from .renewer import LockContext, Renewer, Renewers
@@ -46,7 +49,7 @@ __all__ = ["Client", "LockContext", "LATE_GRANT_FRACTION"]
 LATE_GRANT_FRACTION = 0.5
 
 
-class Client:
+class Client(KeyMethods, LockAdminMethods):
     """A connection to a fastlock primary.  Create it with :func:`connect`.
 
     Many tasks may share one client; their requests are pipelined on one
@@ -92,7 +95,13 @@ class Client:
                  token_file: str | os.PathLike[str] | None = None,
                  tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, server_hostname: str | None = None):
-        auth = resolve_credential(token=token, token_file=token_file, auth=auth)
+        addresses = addresses_from_env(addresses)
+        tls, files = tls_from_env(tls, {"tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key,
+                                        "server_hostname": server_hostname})
+        tls_ca, tls_cert, tls_key, server_hostname = (files["tls_ca"], files["tls_cert"], files["tls_key"],
+                                                      files["server_hostname"])
+        auth = resolve_credential(token=token, token_file=token_file,
+                                  auth=secret_from_env(auth, token, token_file))
         client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
         self._connect_timeout = check_seconds(connect_timeout, "connect_timeout")
         self._request_timeout = check_seconds(request_timeout, "request_timeout", allow_none=True)

@@ -8,7 +8,6 @@ import ssl
 from collections.abc import Generator
 from typing import Any
 
-from ..units import DEFAULT_PORT
 from .client import Client
 
 __all__ = ["connect"]
@@ -47,7 +46,10 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
     Args:
         *addresses: ``"host:port"`` strings or ``(host, port)`` tuples, tried in
             order; a standby's ``NotPrimary`` redirect is followed.  Default
-            port 7420.
+            port 7420.  None given: ``$FASTLOCK_SERVER`` (comma-separated), else
+            127.0.0.1:7420.  Every argument left out is taken from the environment
+            as :mod:`fastlock.client.environment` says (``FASTLOCK_AUTH_SECRET``,
+            ``FASTLOCK_TOKEN_FILE``, ``FASTLOCK_TLS_*``); an argument given wins.
         auth: legacy: the server's shared secret (``--auth-secret-file``).
         token: this client's principal token (see ``fastlock credentials init``).
         token_file: a file holding the token (default: the file named by the
@@ -96,8 +98,6 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
 
     Operations the principal is not granted raise :class:`PermissionDenied`.
     """
-    if not addresses:
-        addresses = (f"127.0.0.1:{DEFAULT_PORT}",)
     return _ConnectContext(Client(addresses, auth=auth, client_name=client_name,
                                   connect_timeout=connect_timeout, request_timeout=request_timeout,
                                   token=token, token_file=token_file,

@@ -30,6 +30,7 @@ from typing import Any
 from .. import protocol as P
 from ..errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost, NotPrimary, Unavailable
 from ..logsafe import quote
+from ..protocol.ops import PUSH_VALUE
 from ..protocol.rpc import RpcConnection
 from ..units import parse_address
 from .lease import WatchEvent
@@ -71,21 +72,28 @@ class ClientConnection(RpcConnection):
             open on this connection, by lock name; each receives
             :class:`~fastlock.client.WatchEvent` items, then ``None`` when the
             connection ends.
+        key_watches (dict[str, set[asyncio.Queue]]): the same for the key
+            watches (:mod:`fastlock.client.keys`), by prefix; each receives the
+            ``"value"`` pushes' payloads.
     """
 
-    __slots__ = ("watches",)
+    __slots__ = ("watches", "key_watches")
 
     def __init__(self, address: Address, on_close: Callable[[RpcConnection, ConnectionLost], Any],
                  liveness_timeout: float | None):
         super().__init__(address, on_push=self._dispatch_push, on_close=on_close,
                          liveness_timeout=liveness_timeout)
         self.watches: dict[str, set[asyncio.Queue[Any]]] = {}
+        self.key_watches: dict[str, set[asyncio.Queue[Any]]] = {}
 
     def _dispatch_push(self, kind: Any, payload: Any) -> None:
         if kind == P.PUSH_WATCH:
             event = WatchEvent(*payload)
             for queue in self.watches.get(event.name, ()):
                 queue.put_nowait(event)
+        elif kind == PUSH_VALUE and type(payload) is list and len(payload) == 4:
+            for queue in self.key_watches.get(payload[0], ()):
+                queue.put_nowait(payload)
 
 
 class Connector:
@@ -334,10 +342,11 @@ class Connector:
             self.proto = None
         if proto.silent:
             self._suspects.add(proto.address)
-        for queues in proto.watches.values():
-            for queue in queues:
-                queue.put_nowait(None)  # end of this watch
-        proto.watches.clear()
+        for watches in (proto.watches, proto.key_watches):
+            for queues in watches.values():
+                for queue in queues:
+                    queue.put_nowait(None)  # end of this watch
+            watches.clear()
 
     def refused(self, proto: ClientConnection, exc: BaseException) -> None:
         """A request on ``proto`` was refused with ``NotPrimary`` or

@@ -44,11 +44,13 @@ from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 from ..errors import ConnectionLost, FastlockError, WrongArgumentType
+from .admin import LeaseInfo, LockInfo, LockList
 from .client import Client
-from .election import Election, Leader, Term
 from .forks import check_held_here, fork_lock, keep_inherited
+from .keys import SyncKeyMethods
 from .lease import HolderInfo, Lease, WatchEvent
 from .multilock import MultiLease
+from .sync_election import SyncElection
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +146,7 @@ class SyncMultiLease:
         return len(self.leases)
 
 
-class SyncClient:
+class SyncClient(SyncKeyMethods):
     """A blocking fastlock client, safe to share between threads.
 
     Args:
@@ -173,8 +175,6 @@ class SyncClient:
                  token_file: Any = None,
                  tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, server_hostname: str | None = None):
-        if not addresses:
-            addresses = ("127.0.0.1:7420",)
         self._closed = False
         self._make_client: Callable[[], Client] = lambda: Client(
             addresses, auth=auth, client_name=client_name, connect_timeout=connect_timeout,
@@ -182,7 +182,7 @@ class SyncClient:
             tls_cert=tls_cert, tls_key=tls_key, server_hostname=server_hostname)
         self._open()
         try:
-            self._call(self._async_client.ensure_connected())
+            self.call(self._async_client.ensure_connected())
         except BaseException:
             self.close()
             raise
@@ -251,8 +251,14 @@ class SyncClient:
         with self._close_lock:
             self._inflight.discard(fut)
 
-    def _call(self, coro: Coroutine[Any, Any, _T]) -> _T:
-        """Run ``coro`` on the client's loop and block for its result."""
+    def call(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        """Run ``coro`` on the client's loop (its background thread) and block for its
+        result; a ``KeyboardInterrupt`` while blocked cancels it there.  The building
+        block of every method here and of the blocking wrappers built on the client
+        (elections, keys).
+
+        :raises RuntimeError: called from the client's own loop thread.
+        :raises ConnectionLost: the client was closed while the call waited."""
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("a SyncClient cannot be called from its own event loop thread (callbacks)")
@@ -332,7 +338,7 @@ class SyncClient:
         async def run() -> SyncLease:
             return SyncLease(await self._client.acquire(name, ttl=ttl, wait=wait, lock_delay=lock_delay,
                                                         correlation_id=correlation_id))
-        return self._call(run())
+        return self.call(run())
 
     def release(self, lease: SyncLease) -> None:
         """As :meth:`Client.release <fastlock.client.Client.release>`.
@@ -342,7 +348,7 @@ class SyncClient:
         """
         _check(lease, SyncLease)
         check_held_here(lease, "lease")
-        self._call(self._client.release(lease.lease))
+        self.call(self._client.release(lease.lease))
 
     def extend(self, lease: SyncLease, *, ttl: float | None = None) -> SyncLease:
         """As :meth:`Client.extend <fastlock.client.Client.extend>`; returns ``lease`` (its ttl updated)."""
@@ -352,19 +358,28 @@ class SyncClient:
         async def run() -> SyncLease:
             lease.lease = await self._client.extend(lease.lease, ttl=ttl)
             return lease
-        return self._call(run())
+        return self.call(run())
 
     def check(self, name: str, fencing_token: int) -> bool:
-        return self._call(self._client.check(name, fencing_token))
+        return self.call(self._client.check(name, fencing_token))
 
     def holder(self, name: str) -> HolderInfo | None:
-        return self._call(self._client.holder(name))
+        return self.call(self._client.holder(name))
 
     def status(self) -> dict[str, Any]:
-        return self._call(self._client.status())
+        return self.call(self._client.status())
 
     def ping(self) -> float:
-        return self._call(self._client.ping())
+        return self.call(self._client.ping())
+
+    def locks(self, prefix: str = "", *, most: int | None = None) -> LockList:
+        return self.call(self._client.locks(prefix, most=most))
+
+    def lock_info(self, name: str) -> LockInfo:
+        return self.call(self._client.lock_info(name))
+
+    def revoke(self, name: str, *, fencing_token: int | None = None, reason: str | None = None) -> list[LeaseInfo]:
+        return self.call(self._client.revoke(name, fencing_token=fencing_token, reason=reason))
 
     def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
              correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> SyncLockContext[SyncLease]:
@@ -387,7 +402,7 @@ class SyncClient:
         async def run() -> SyncMultiLease:
             return SyncMultiLease(await self._client.acquire_many(names, ttl=ttl, wait=wait, lock_delay=lock_delay,
                                                                   correlation_id=correlation_id))
-        return self._call(run())
+        return self.call(run())
 
     def lock_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
                   correlation_id: str | None = None,
@@ -403,7 +418,7 @@ class SyncClient:
         """As :meth:`Client.release_many <fastlock.client.Client.release_many>`."""
         _check(multi, SyncMultiLease)
         check_held_here(multi, "multi-lease")
-        self._call(self._client.release_many(multi.multi))
+        self.call(self._client.release_many(multi.multi))
 
     def watch(self, name: str, *, timeout: float | None = None) -> Iterator[WatchEvent]:
         """Yield :class:`~fastlock.client.WatchEvent` as :meth:`Client.watch
@@ -485,7 +500,7 @@ class SyncLockContext(Generic[_Held]):
         async def run() -> Any:
             held = await ctx
             return SyncMultiLease(held) if isinstance(held, MultiLease) else SyncLease(held)
-        acquired: _Held = self._sync._call(run())
+        acquired: _Held = self._sync.call(run())
         return acquired
 
     def __enter__(self) -> _Held:
@@ -504,90 +519,6 @@ class SyncLockContext(Generic[_Held]):
                 self._sync.release(held)
         except FastlockError:  # as the asyncio lock(): never into the caller's code
             held.lost.set()
-
-
-class SyncElection:
-    """:class:`~fastlock.election.Election` for threads (from :meth:`SyncClient.election`)."""
-
-    __slots__ = ("_sync", "election")
-
-    def __init__(self, sync: SyncClient, election: Election):
-        self._sync = sync
-        self.election = election
-
-    def _current(self) -> Election:
-        """The election, on this process's client (made anew after a fork)."""
-        client = self._sync.client
-        e = self.election
-        if e.client is not client:
-            self.election = e = Election(client, e.name, e.candidate_id, lease_duration=e.lease_duration,
-                                         renew_deadline=e.renew_deadline, retry_period=e.retry_period,
-                                         jeopardy_fraction=e.jeopardy_fraction)
-        return e
-
-    def campaign(self, *, wait: float | None = None) -> SyncTerm:
-        """Block until elected (or ``wait`` seconds; ``LockNotAcquired``)."""
-        election = self._current()
-
-        async def run() -> SyncTerm:
-            return SyncTerm(await election.campaign(wait=wait))
-        return self._sync._call(run())
-
-    def leadership(self, *, wait: float | None = None) -> _SyncLeadership:
-        """``with election.leadership() as term:`` - campaign, lead, resign on exit."""
-        return _SyncLeadership(self, wait)
-
-    def resign(self, term: SyncTerm) -> None:
-        _check(term, SyncTerm)
-        check_held_here(term, "term")
-        self._sync._call(term.term.resign())
-
-    def leader(self) -> Leader | None:
-        """The current leader (candidate id, token), or None."""
-        return self._sync._call(self._current().leader())
-
-
-class _SyncLeadership:
-    __slots__ = ("_election", "_wait", "_term")
-
-    def __init__(self, election: SyncElection, wait: float | None):
-        self._election = election
-        self._wait = wait
-        self._term: SyncTerm | None = None
-
-    def __enter__(self) -> SyncTerm:
-        self._term = self._election.campaign(wait=self._wait)
-        return self._term
-
-    def __exit__(self, *exc: object) -> None:
-        term, self._term = self._term, None
-        if term is not None:
-            self._election.resign(term)
-
-
-class SyncTerm:
-    """A term as leader, for threads.  ``lost`` is a threading.Event;
-    :meth:`is_leader` may be called from any thread."""
-
-    __slots__ = ("term", "lost", "pid")
-
-    def __init__(self, term: Term):
-        self.term = term
-        self.pid = os.getpid()
-        self.lost = threading.Event()
-        term.health.when_lost(self.lost.set)
-
-    @property
-    def fencing_token(self) -> int:
-        return self.term.fencing_token
-
-    @property
-    def health_state(self) -> str:
-        return "lost" if self.lost.is_set() else self.term.health.state
-
-    def is_leader(self) -> bool:
-        """Not lost and the renew deadline not passed (checked on this thread's clock)."""
-        return not self.lost.is_set() and time.monotonic() < self.term.deadline
 
 
 def _check(obj: Any, cls: type) -> None:

@@ -13,4 +13,6 @@ of the same name (``pip install fastlock[celery]``):
     :class:`~fastlock.contrib.fastapi.Leadership`: a lifespan that keeps one
     leader per deployment and stops leader-only work when leadership is lost
     (FastAPI and any Starlette app).
+:mod:`fastlock.contrib.tooz`
+    the ``fastlock://`` driver of tooz (locks, group membership, elections), extra ``tooz``.
 """

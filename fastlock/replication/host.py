@@ -12,12 +12,13 @@ small injected interfaces instead of the server.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover
     from .._core import LockTable
     from ..roles import NodeRole
     from ..wal import HolderRecord, WriteAheadLog
+    from ..wal.keyspace import KeySpace
     from .node_state import NodeState
 
 
@@ -54,6 +55,12 @@ class ReplicaConnection(Protocol):
         ...
 
 
+class KeyHost(Protocol):
+    """The server's key store as replication sees it: its :class:`KeySpace`."""
+
+    space: KeySpace
+
+
 class ReplicationHost(Protocol):
     """The server as replication and failover see it.
 
@@ -68,6 +75,8 @@ class ReplicationHost(Protocol):
         loop: the event loop (timers).
         max_ttl_ms: the longest TTL this node has granted, extended or
             recovered (ms): the standby's default promotion grace.
+        keys: the key store (:mod:`fastlock.wal.keyspace`): snapshots carry it,
+            the standby applies KEY_PUT / KEY_DELETE records to it.
     """
 
     table: LockTable
@@ -75,6 +84,11 @@ class ReplicationHost(Protocol):
     node_state: NodeState
     roles: NodeRole
     max_ttl_ms: int
+
+    @property
+    def keys(self) -> KeyHost:
+        """The key store: snapshots carry it, the standby applies KEY_PUT / KEY_DELETE to it."""
+        ...
 
     @property
     def data_dir(self) -> str:
@@ -86,8 +100,8 @@ class ReplicationHost(Protocol):
         """The event loop (timers)."""
         ...
 
-    def snapshot_state(self) -> tuple[int, int, list[HolderRecord]]:
-        """``(epoch, counter, holders)`` of the table now, for a standby's snapshot."""
+    def snapshot_state(self) -> tuple[int, int, list[HolderRecord], list[Any]]:
+        """``(epoch, counter, holders, keys)`` of the table and the key store now, for a snapshot."""
         ...
 
     def after_batch(self) -> None:

@@ -167,7 +167,8 @@ class ReplicationSource:
         replica.base_cap = conn.out_cap
         if mode == "snapshot" and len(host.table) <= INLINE_SNAPSHOT_LEASES:
             # small: at once, and every later record follows in the live stream
-            self._deliver_snapshot(replica, *self._take_snapshot(), None)
+            lsn, epoch, counter, holders, now = self._take_snapshot()
+            self._deliver_snapshot(replica, lsn, epoch, counter, holders, now, None)
         else:
             # the snapshot and the backlog are prepared off the loop and streamed; live
             # batches follow once the standby has caught up (see _bring_up_to_date)
@@ -223,15 +224,17 @@ class ReplicationSource:
     async def _send_snapshot(self, replica: _Replica) -> int:
         """Send the lock table as a snapshot, encoded off the loop; return the LSN it matches."""
         lsn, epoch, counter, holders, now = self._take_snapshot()
+        keys = self.host.keys.space.to_list()  # taken in the same loop step as the table
         frame = await asyncio.get_running_loop().run_in_executor(
-            None, encode_snapshot, lsn, epoch, counter, holders, self.incarnation, now)
+            None, encode_snapshot, lsn, epoch, counter, holders, self.incarnation, now, keys)
         self._deliver_snapshot(replica, lsn, epoch, counter, holders, now, frame)
         return lsn
 
     def _deliver_snapshot(self, replica: _Replica, lsn: int, epoch: int, counter: int, holders: list, now: int,
                           frame: bytes | None) -> None:
         if frame is None:
-            frame = encode_snapshot(lsn, epoch, counter, holders, self.incarnation, now)
+            frame = encode_snapshot(lsn, epoch, counter, holders, self.incarnation, now,
+                                    self.host.keys.space.to_list())
         conn = replica.conn
         # a standby may leave its snapshot unread plus the output cap (not just the cap)
         conn.out_cap = replica.base_cap + len(frame)

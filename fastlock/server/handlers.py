@@ -49,6 +49,9 @@ from ..logsafe import quote
 from ..roles import Action, NodeRole, Role
 from ..units import monotonic_ms
 from .admission import limit_exceeded
+from .keys import PERMISSIONS as KEY_PERMISSIONS
+from .keys import KeyStore
+from .lockadmin import LockAdmin
 from .session import Session, recorded_client, split_recorded_client
 from .watches import WatchRegistry
 
@@ -77,6 +80,11 @@ PERMISSION: dict[int, str | None] = {
     P.OP_STEP_DOWN: "replica",  # epoch news: only the paired standby's principal (see op_step_down)
     P.OP_PROMOTE: "admin",
     P.OP_SERVE_ALONE: "admin",
+    **KEY_PERMISSIONS,  # the key store's operations (fastlock.server.keys): put, get, delete
+    # an admin's, or the anonymous principal's in open mode: checked by the handler (lockadmin.py)
+    P.OP_LOCKS: None,
+    P.OP_LOCK_INFO: None,
+    P.OP_REVOKE: None,
 }
 
 _ARTICLE = {"client": "a", "replica": "a", "admin": "an"}
@@ -131,6 +139,7 @@ class Handlers:
         #: who may connect (tokens, certificate identities, the anonymous principal)
         self.credentials = credentials
         self.watches = WatchRegistry()
+        self.keys = KeyStore(server)  # the key store: its handlers join the table below
         # fixed for the server's life: kept here so that a handler reads them in one step
         self.table = server.table
         self.roles = server.roles
@@ -140,6 +149,7 @@ class Handlers:
         self.quotas = server.quotas
         self.watchers = self.watches.by_name
         self.auth_failures = AuthFailures(max_failures=server.config.auth_failures_before_ban)
+        self.lock_admin = LockAdmin(self)
         handlers: dict[int, Handler] = {
             P.OP_HELLO: self.op_hello,
             P.OP_ACQUIRE: self.op_acquire,
@@ -157,6 +167,10 @@ class Handlers:
             P.OP_PROMOTE: self.op_promote,
             P.OP_SERVE_ALONE: self.op_serve_alone,
             P.OP_STEP_DOWN: self.op_step_down,
+            **self.keys.handlers(),
+            P.OP_LOCKS: self.lock_admin.op_locks,
+            P.OP_LOCK_INFO: self.lock_admin.op_lock_info,
+            P.OP_REVOKE: self.lock_admin.op_revoke,
         }
         #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
         self.by_op: dict[int, tuple[Handler, int, int]] = {
@@ -328,6 +342,10 @@ class Handlers:
             if grace_ms:
                 raise LockNotAcquired(f"{name!r}: no grants during the promotion grace period "
                                       f"({grace_ms} ms left)")
+            held = table.holder(name, now)
+            if held is not None and held.session == conn.session:  # a client that forgot its own lease
+                raise LockNotAcquired(f"{name!r} is held by this same connection (token {held.token}): "
+                                      f"another acquire on it waits for that lease to end")
             raise LockNotAcquired(f"{name!r} is held")
 
     def op_release(self, conn: Session, req_id: int, msg: list) -> None:

@@ -69,6 +69,7 @@ from .config import ServerConfig, check_limits
 from .endpoints import Endpoints
 from .failover import FailoverPolicy
 from .handlers import Handlers, refusal
+from .keys import KeyStore
 from .session import Session
 from .tasks import BackgroundTasks
 
@@ -168,6 +169,10 @@ class LockServer:
         self._started_ms = monotonic_ms()
 
     # -- what replication and failover see (fastlock.replication.host.ReplicationHost) -----------
+    @property
+    def keys(self) -> KeyStore:
+        """The key store (values attached to leases)."""
+        return self.handlers.keys
     @property
     def role(self) -> str:
         """The node's role as a string ("primary", "standby", "promoting", "deposed")."""
@@ -294,6 +299,7 @@ class LockServer:
             table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
                                  (h.client_name, h.correlation_id), now)
         table.drain_events()
+        self.keys.recovered(state.keys)
         if not self.roles.expires_leases:
             # a standby runs its table on frozen time: only a primary expires leases
             for held in table.holders():
@@ -379,6 +385,7 @@ class LockServer:
         source.fence_if_due(monotonic_ms())
         if conn.session in source.replicas:
             source.detach(conn)
+        self.keys.forget(conn)
         if conn.watching:
             watches = self.handlers.watches
             for name in conn.watching:
@@ -426,6 +433,7 @@ class LockServer:
                 grants.append(ev)
             elif kind == EV_EXPIRED:
                 wal.log_expire(ev.name, ev.token)
+                self.keys.lease_ended(ev.name, ev.token, "expired")
                 if quotas.lease_principal:
                     quotas.lease_ended(ev.name)
                 if ev.name in watchers:
@@ -494,6 +502,7 @@ class LockServer:
     def released(self, name: str, token: int, meta: tuple | None) -> None:
         """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id))."""
         self.wal.log_release(name, token)
+        self.keys.lease_ended(name, token, "released")
         quotas = self.quotas
         if quotas.lease_principal:
             quotas.lease_ended(name)
@@ -524,18 +533,12 @@ class LockServer:
         if self.expiry.handle is None:
             self._rearm()
 
-    def snapshot_state(self) -> tuple[int, int, list[HolderRecord]]:
-        """``(epoch, counter, holders)`` of the table now (for snapshots and standbys)."""
+    def snapshot_state(self) -> tuple[int, int, list[HolderRecord], list[Any]]:
+        """``(epoch, counter, holders, keys)`` of the table and the key store now (for snapshots)."""
         t = self.table
-        return (
-            t.epoch,
-            t.counter,
-            [
-                HolderRecord(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
-                             h.meta[0] if h.meta else None, h.meta[1] if h.meta else None, 0)
-                for h in t.holders()
-            ],
-        )
+        return (t.epoch, t.counter, [HolderRecord(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
+                                                  h.meta[0] if h.meta else None, h.meta[1] if h.meta else None, 0)
+                                     for h in t.holders()], self.keys.space.to_list())
 
     # -- status -----------------------------------------------------------------------------
     def status(self) -> dict:

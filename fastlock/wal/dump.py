@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
 import os
 import sys
 from typing import Any, TextIO
 
+from ..logsafe import quote
 from .files import read_file
 from .format import FrameReader, parse_segment
 from .records import (
@@ -24,9 +26,12 @@ from .records import (
     Extend,
     Grant,
     HolderRecord,
+    KeyDelete,
+    KeyPut,
     LogState,
     Record,
     Reserve,
+    Revoke,
     apply,
 )
 from .recovery import LogFiles
@@ -55,6 +60,11 @@ def _fmt(lsn: str, wall: int | None, kind: str, name: Any = "-", token: int | No
     return " ".join(parts)
 
 
+def _quoted(text: str | None) -> str:
+    """Free text (a revocation's reason) as one token of a dump line: JSON-quoted, ``-`` if none."""
+    return "-" if text is None else json.dumps(text)
+
+
 def _owner_tag(owner: bytes) -> str:
     """8 hex digits that tell leases apart in the dump without showing the stored owner
     hash (or, in a log written before owner hashing, the key itself)."""
@@ -76,6 +86,14 @@ def _record_line(lsn: int, r: Record) -> str:
         return _fmt(label, r.wall_ms, "extend", r.name, r.token, ttl=r.ttl_ms)
     if isinstance(r, Reserve):
         return _fmt(label, r.wall_ms, "reserve", extra=f"counter={r.counter}")
+    if isinstance(r, KeyPut):  # the value is not shown (it may be anything a client stored)
+        return _fmt(label, r.wall_ms, "key_put", r.lease_name, r.token,
+                    extra=f"key={quote(r.key)} bytes={len(r.value)}")
+    if isinstance(r, KeyDelete):
+        return _fmt(label, r.wall_ms, "key_delete", extra=f"key={quote(r.key)}")
+    if isinstance(r, Revoke):
+        return _fmt(label, r.wall_ms, "revoke", r.name, r.token,
+                    extra=f"by={r.principal} reason={_quoted(r.reason)}")
     return _fmt(label, r.wall_ms, RECORD_NAMES[r.kind], r.name, r.token)  # release, expire
 
 
@@ -110,7 +128,7 @@ def dump(directory: str | os.PathLike, *, lock: str | None = None, file: TextIO 
     lines = 0
     w = file.write
     if snap is not None:
-        applied = LogState(snap.epoch, snap.counter, snap.holders)
+        applied = LogState(snap.epoch, snap.counter, snap.holders, snap.keys)
         label = f"{snap.lsn:020d}"
         if lock is None:
             w(f"{label} - snapshot-state lock=- token=- client=- corr=- ttl_ms=- "
