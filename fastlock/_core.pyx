@@ -189,7 +189,10 @@ cdef inline bint _shared(object v) except -1:
 
 
 cdef inline int64_t _limit(object v, bint shared) except? -1:
-    cdef int64_t r = _int(v, "limit")
+    cdef int64_t r
+    if v is 0:
+        return 0
+    r = _int(v, "limit")
     if r < 0 or r > _MAX_LIMIT:
         raise ValueError(f"limit must be in 0..{_MAX_LIMIT}, got {r}")
     if r and shared:
@@ -1007,12 +1010,11 @@ cdef class LockTable:
         cdef int64_t delay = _lock_delay(lock_delay_ms)
         cdef int64_t t = _ms(now, "now", 0)
         cdef bint sh
-        cdef int64_t lim = 0
+        cdef int64_t lim
         cdef _Lock lock
         cdef _Waiter w
         sh = _shared(shared)
-        if limit is not 0:
-            lim = _limit(limit, sh)
+        lim = _limit(limit, sh)
         self._advance(t)
         lock = <_Lock>self._locks.get(n)
         if lock is None:
@@ -1604,7 +1606,7 @@ cdef class LockTable:
         cdef bytes o
         cdef int64_t ttl, delay, t
         cdef bint sh
-        cdef int64_t lim = 0
+        cdef int64_t lim
         cdef _Lock lock
         cdef _Waiter w
         cdef _Lease lease
@@ -1615,8 +1617,7 @@ cdef class LockTable:
         delay = _lock_delay(lock_delay_ms)
         t = _ms(now, "now", 0)
         sh = _shared(shared)
-        if limit is not 0:
-            lim = _limit(limit, sh)
+        lim = _limit(limit, sh)
         self._advance(t)
         lock = <_Lock>self._locks.get(n)
         if lock is None:
