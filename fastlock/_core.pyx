@@ -1655,8 +1655,8 @@ cdef class LockTable:
         if (tok >> _SHIFT) > self._epoch:
             self._epoch = tok >> _SHIFT
 
-    cdef _Lease _install_lease(self, _Lock lock, int64_t tok, bytes o, int64_t session, int64_t ttl,
-                               int64_t delay, object meta, bint sh, int64_t t):
+    cdef inline _Lease _install_lease(self, _Lock lock, int64_t tok, bytes o, int64_t session, int64_t ttl,
+                                      int64_t delay, object meta, bint sh, int64_t t):
         """Add the non-exclusive lease (tok, o) of ``session`` to ``lock`` until ``t + ttl``
         (the lock is not held exclusively, nor by ``o``); returns it."""
         cdef _Lease lease = _Lease.__new__(_Lease)
