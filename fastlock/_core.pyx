@@ -614,14 +614,14 @@ cdef class LockTable:
         self._schedule(lock, now + ttl_ms)
 
     cdef inline int _grant_waiter(self, _Lock lock, _Waiter w, int64_t now) except -1:
-        """Grant ``lock`` to the (unlinked) waiter ``w``: a lease of its kind."""
-        if w.shared or lock.limit:
-            self._grant_lease(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms,
-                              w.meta, w.shared, now, now - w.enqueued_ms)
-        else:
-            self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms,
-                        w.meta, now, now - w.enqueued_ms)
-        return 0
+        """Grant ``lock`` exclusively to the (unlinked) waiter ``w``."""
+        return self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms,
+                           w.meta, now, now - w.enqueued_ms)
+
+    cdef inline int _grant_waiter_lease(self, _Lock lock, _Waiter w, int64_t now) except -1:
+        """Grant the (unlinked) waiter ``w`` a non-exclusive lease on ``lock``."""
+        return self._grant_lease(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms,
+                                 w.meta, w.shared, now, now - w.enqueued_ms)
 
     cdef int _grant_lease(self, _Lock lock, bytes owner, int64_t session, object request,
                           int64_t ttl_ms, int64_t lock_delay_ms, object meta, bint shared,
@@ -717,9 +717,9 @@ cdef class LockTable:
             self._sessions[s] = sess
         return sess
 
-    cdef _Waiter _enqueue(self, _Lock lock, bytes o, int64_t s, object request, int64_t ttl,
-                          int64_t delay, object meta, int64_t t, bint shared, _Group group,
-                          dict sess):
+    cdef inline _Waiter _enqueue(self, _Lock lock, bytes o, int64_t s, object request, int64_t ttl,
+                                 int64_t delay, object meta, int64_t t, bint shared, _Group group,
+                                 dict sess):
         """A new waiter of ``o`` at the tail of ``lock``'s queue, indexed by owner and in
         ``sess`` (session ``s``'s index); not scheduled."""
         cdef _Waiter w = _Waiter.__new__(_Waiter)
@@ -806,7 +806,7 @@ cdef class LockTable:
                             break
                         self._check_counter()
                         self._unlink(w)
-                        self._grant_waiter(lock, w, now)
+                        self._grant_waiter_lease(lock, w, now)
                     else:
                         if lock.n_leases:
                             break
@@ -851,9 +851,11 @@ cdef class LockTable:
         for i in range(len(members)):
             m = <_Waiter>members[i]
             lock = <_Lock>locks[i]
-            if not m.shared:
+            if m.shared:
+                self._grant_waiter_lease(lock, m, now)
+            else:
                 self._unschedule(lock)
-            self._grant_waiter(lock, m, now)
+                self._grant_waiter(lock, m, now)
         for lock in locks:
             if lock is not skip:
                 self._settle(lock, tau, now)
