@@ -118,9 +118,23 @@ def test_the_table_of_held_leases_stays_bounded_by_the_live_ones():
         now = asyncio.get_running_loop().time()
         live = [Lease(f"live/{i}", i + 1, 60.0, b"k" * 16, LeaseState(now + 60.0)) for i in range(10)]
         for lease in live:
-            held.remember(lease)
+            held.remember(lease, True)
         for i in range(5 * SWEEP_MIN):
-            held.remember(Lease(f"gone/{i}", 100 + i, 1.0, b"k" * 16, LeaseState(now - 1.0)))
+            held.remember(Lease(f"gone/{i}", 100 + i, 1.0, b"k" * 16, LeaseState(now - 1.0)), True)
             assert len(held.by_name) <= SWEEP_MIN
         assert all(held.by_name[lease.name][0] is lease for lease in live)
+    asyncio.run(main())
+
+
+def test_a_shared_holder_may_ask_for_another_shared_lease_but_not_an_exclusive_one(server):
+    async def main():
+        async with await fastlock.connect(server.address) as client:
+            reader = await client.acquire("doc/1", ttl=30.0, shared=True)
+            async with asyncio.timeout(TIMEOUT):
+                second = await client.acquire("doc/1", ttl=30.0, shared=True, wait=TIMEOUT)   # beside it
+                with pytest.raises(AlreadyHeld) as err:
+                    await client.acquire("doc/1", ttl=30.0, wait=TIMEOUT)                     # would wait for itself
+            assert err.value.token == second.fencing_token
+            await client.release(second)
+            await client.release(reader)
     asyncio.run(main())

@@ -58,15 +58,16 @@ class HeldLeases:
 
     def __init__(self) -> None:
         #: lock name -> (lease, caller); read directly by ``Client.acquire`` (one lookup)
-        self.by_name: dict[str, tuple[Lease, object]] = {}
+        self.by_name: dict[str, tuple[Lease, object, bool]] = {}
         self._sweep_at = SWEEP_MIN
 
-    def remember(self, lease: Lease) -> None:
-        """Record ``lease`` as the caller's grant of its name."""
+    def remember(self, lease: Lease, exclusive: bool) -> None:
+        """Record ``lease`` as the caller's grant of its name (``exclusive``: not a
+        shared lease nor a semaphore permit)."""
         by_name = self.by_name
-        by_name[lease.name] = (lease, current_caller())
+        by_name[lease.name] = (lease, current_caller(), exclusive)
         if len(by_name) >= self._sweep_at:
-            for name, (old, _) in list(by_name.items()):
+            for name, (old, _, _) in list(by_name.items()):
                 if old.lost.is_set() or old.time_left() <= 0:
                     del by_name[name]
             self._sweep_at = max(SWEEP_MIN, 2 * len(by_name))
@@ -77,11 +78,15 @@ class HeldLeases:
         if entry is not None and entry[0].state is lease.state:
             del self.by_name[lease.name]
 
-    def refuse_self_wait(self, entry: tuple[Lease, object]) -> None:
+    def refuse_self_wait(self, entry: tuple[Lease, object, bool], exclusive: bool) -> None:
         """Raise :class:`AlreadyHeld` if ``entry`` (from :attr:`by_name`) belongs to the
-        caller and is still live: not lost, and its TTL not passed by the client's
-        estimate.  A dead entry is dropped."""
-        lease, who = entry
+        caller, is still live (not lost, its TTL not passed by the client's estimate)
+        and either it or the request (``exclusive``) is exclusive: a shared lease or a
+        permit asked by a holder of a shared lease or a permit can be granted beside it.
+        A dead entry is dropped."""
+        lease, who, held_exclusive = entry
+        if not (held_exclusive or exclusive):
+            return
         if lease.lost.is_set() or lease.time_left() <= 0:
             self.forget(lease)
             return
@@ -98,8 +103,9 @@ async def acquire_retry(connector: Connector, connect_timeout: float, request: t
     """Ride an acquire through a failover: same owner key, the wait that is
     left, until ``started + wait + connect_timeout``.  Returns the reply and
     the ``loop.time()`` its request was sent.  ``request``: ``(name, ttl_ms,
-    wait_ms, delay_ms, correlation_id)``; ``connect_timeout`` in seconds."""
-    name, ttl_ms, wait_ms, delay_ms, correlation_id = request
+    wait_ms, delay_ms, correlation_id, kind)`` (``kind``: ACQUIRE's trailing
+    arguments, see :func:`~fastlock.client.kinds.kind_args`); ``connect_timeout`` in seconds."""
+    name, ttl_ms, wait_ms, delay_ms, correlation_id, kind = request
     loop = asyncio.get_running_loop()
     wait_end = None if wait_ms < 0 else started + wait_ms / 1000.0
     deadline = None if wait_end is None else wait_end + connect_timeout
@@ -124,7 +130,7 @@ async def acquire_retry(connector: Connector, connect_timeout: float, request: t
             left_ms = max(0, int((wait_end - loop.time()) * 1000))
         sent = loop.time()
         try:
-            reply = await proto.request(P.OP_ACQUIRE, name, owner, ttl_ms, left_ms, delay_ms, correlation_id)
+            reply = await proto.request(P.OP_ACQUIRE, name, owner, ttl_ms, left_ms, delay_ms, correlation_id, *kind)
             return reply, sent
         except asyncio.CancelledError:
             connector.withdraw(proto, name, owner)
@@ -141,7 +147,8 @@ async def verify_late_grant(client: Client, lease: Lease, request: tuple[Any, ..
     left by the conservative estimate: verify it with one EXTEND, or give
     it back and queue again while the wait allows (see :meth:`Client.acquire`)."""
     loop = asyncio.get_running_loop()
-    name, ttl_ms, wait_ms, delay_ms, correlation_id = request
+    name, ttl_ms, wait_ms, delay_ms, correlation_id, kind = request
+    shared, limit = (kind + (False, 0))[:2]
     log.warning("grant of %s token %d was read with %.3f s of its %.3f s TTL left (this process or the "
                 "network stalled); verifying it with the server", quote(lease.name), lease.fencing_token,
                 lease.expires_at - loop.time(), lease.ttl)
@@ -159,10 +166,10 @@ async def verify_late_grant(client: Client, lease: Lease, request: tuple[Any, ..
         client.release_nowait(lease)
     if wait_ms < 0:
         return await client.acquire(name, ttl=ttl_ms / 1000.0, wait=None, lock_delay=delay_ms / 1000.0,
-                                  correlation_id=correlation_id)
+                                    correlation_id=correlation_id, shared=shared, limit=limit)
     left = started + wait_ms / 1000.0 - loop.time()
     if wait_ms > 0 and left > 0:
         return await client.acquire(name, ttl=ttl_ms / 1000.0, wait=left, lock_delay=delay_ms / 1000.0,
-                                  correlation_id=correlation_id)
+                                    correlation_id=correlation_id, shared=shared, limit=limit)
     raise LeaseLost(f"{name!r} was granted (token {lease.fencing_token}) but the grant was read too late to "
                     f"prove the lease alive, and the wait had no time left to queue again")
