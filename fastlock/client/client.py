@@ -227,21 +227,10 @@ class Client(KeyMethods, LockAdminMethods):
                 already through this client (see below), for a task that
                 waits for a lease another task will release.
 
-        **No waiting for yourself.**  A waiting acquire (``wait`` not 0) by a
-        task that already holds a live lease on ``name`` through this client
-        (granted to it, not released, not known lost, its TTL not passed by the
-        client's estimate; with :class:`~fastlock.sync.SyncClient` the calling
-        thread counts as the task) raises :class:`AlreadyHeld` at once, naming
-        the held token, instead of queueing behind its own lease until that
-        lease's TTL runs out (or forever, while it is renewed).  Each acquire
-        draws a new owner key, so the server cannot tell the two requests
-        apart; the client can.  Other tasks (threads) of the same client queue
-        as usual.  The check is one dict lookup.  With ``wait=0`` the server
-        answers: its ``LockNotAcquired`` says when the lock is held by the same
-        connection.  A lease handed to another task to release is still the
-        acquiring task's: pass ``queue_behind_self=True`` there.  A lease
-        revoked by an operator (``fastlock revoke``) counts as held until the
-        client learns of it (its next renewal or release).
+        **No waiting for yourself**: a waiting acquire (``wait`` not 0) by a task
+        (a ``SyncClient`` thread) that holds a live exclusive lease on ``name``
+        through this client, or asks for one while holding a shared lease or a
+        permit, raises :class:`AlreadyHeld` at once (see there); other tasks queue.
 
         A lost connection, a standby or deposed node (``NotPrimary``) or a
         fenced primary (``Unavailable``) does not end the call: the client
