@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .renewer import LockContext
     from .sync import SyncClient, SyncLease, SyncLockContext
 
-__all__ = ["kind_args", "Semaphore", "SyncSemaphore", "acquire_set"]
+__all__ = ["kind_args", "check_semaphore", "Semaphore", "SyncSemaphore", "acquire_set"]
 
 
 def kind_args(shared: Any, limit: Any) -> tuple[Any, ...]:
@@ -46,6 +46,17 @@ def kind_args(shared: Any, limit: Any) -> tuple[Any, ...]:
     return (True,) if shared else ()
 
 
+def check_semaphore(name: str, limit: int) -> None:
+    """A semaphore's name and limit (1..``MAX_LIMIT`` holders).
+
+    :raises InvalidArgument: a bad name, or a limit out of range (0 is a lock, not a semaphore).
+    :raises WrongArgumentType: a limit that is not an int.
+    """
+    P.check_name(name)
+    if type(limit) is bool or P.check_limit(limit) == 0:
+        raise InvalidArgument(f"a semaphore's limit must be 1..{P.MAX_LIMIT}, got {limit!r}")
+
+
 class Semaphore:
     """A counting semaphore: at most ``limit`` holders of ``name`` at once, FIFO,
     each permit a lease with its own fencing token (:meth:`Client.semaphore
@@ -57,9 +68,7 @@ class Semaphore:
     __slots__ = ("client", "name", "limit")
 
     def __init__(self, client: Client, name: str, limit: int):
-        P.check_name(name)
-        if type(limit) is bool or P.check_limit(limit) == 0:
-            raise InvalidArgument(f"a semaphore's limit must be 1..{P.MAX_LIMIT}, got {limit!r}")
+        check_semaphore(name, limit)
         self.client = client
         self.name = name
         self.limit = limit
@@ -89,9 +98,7 @@ class SyncSemaphore:
     __slots__ = ("sync", "name", "limit")
 
     def __init__(self, sync: SyncClient, name: str, limit: int):
-        P.check_name(name)
-        if type(limit) is bool or P.check_limit(limit) == 0:
-            raise InvalidArgument(f"a semaphore's limit must be 1..{P.MAX_LIMIT}, got {limit!r}")
+        check_semaphore(name, limit)
         self.sync = sync
         self.name = name
         self.limit = limit
