@@ -170,6 +170,23 @@ def test_install_holder_of_shared_leases(impl):
     assert impl.holders(5) == [b"x"]
 
 
+def test_install_holder_grants_what_is_due_before_it_installs(impl):
+    """install_holder() first expires what is due at ``now`` and grants the waiters that
+    frees, with fresh tokens; an install record replayed after them carries a higher
+    token, since a log never issues one token twice. Regression of a TestCoreVsModel
+    sequence whose install reused the token that phase had just granted to a waiter."""
+    impl.t.install_holder(NAME, 5, b"o1", 100, 0, None, 0, False, 2)
+    impl.t.install_holder(NAME, 6, b"o2", 100, 0, None, 0, False, 2)
+    assert impl.acq(b"o3", 10, limit=2) == impl.mod.QUEUED
+    impl.t.drain_events()
+    assert impl.t.counter == 6
+    impl.t.install_holder(NAME, 8, b"o5", 1_000, 0, "installed", 100, False, 2)
+    assert impl.grants() == [(b"o3", 7, False, 2)]
+    got = {h.owner: (h.token, h.shared, h.limit, h.deadline_ms) for h in impl.t.holders_of(NAME, 100)}
+    assert got == {b"o3": (7, False, 2, 100 + TTL), b"o5": (8, False, 2, 1_100)}
+    assert impl.t.counter == 8
+
+
 # -- semaphores ------------------------------------------------------------------------
 
 

@@ -277,13 +277,18 @@ class CoreVsModel(RuleBasedStateMachine):
     @rule(name=names, owner=owners, ttl=TTLS, delay=DELAYS, bump=st.sampled_from([1, 2, 50]),
           new_epoch=st.booleans(), lower=st.booleans(), kind=KINDS)
     def install_holder(self, name, owner, ttl, delay, bump, new_epoch, lower, kind):
-        held = {h.token for h in self.model.holders()}
+        # install_holder() first processes what is due at now, and the grants of that phase
+        # take fresh tokens; a real log's install record never repeats a token issued before
+        # it, so the token is chosen from the table as it stands after that phase
+        after = copy.deepcopy(self.model)
+        after.expire(self.now)
+        held = {h.token for h in after.holders()}
         last = self.tokens_seen[-1]
         if lower and last & refmodel.MAX_COUNTER and (kind == (False, 0) or last not in held):
             token = self.tokens_seen[-1]  # replay of an older record
         else:
-            epoch = self.model.epoch + (1 if new_epoch else 0)
-            token = (epoch << 40) | (self.model.counter + bump)
+            epoch = after.epoch + (1 if new_epoch else 0)
+            token = (epoch << 40) | (after.counter + bump)
         self.both("install_holder", name, token, owner, ttl, delay, "installed", self.now, *kind)
 
     @rule(name=names, right=st.booleans())
