@@ -91,6 +91,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Iterable
 
 from .errors import FastlockError
@@ -235,7 +236,7 @@ class Principal:
 
     def allows(self, op: str, name: str) -> bool:
         """May this principal do client operation ``op`` on lock ``name``?"""
-        if self.kind == "admin":
+        if op in self.every_name_ops or self.kind == "admin":
             return True
         if self.kind != "client":
             return False
@@ -243,6 +244,19 @@ class Principal:
             if op in rule.ops and name.startswith(rule.prefix):
                 return True
         return False
+
+    @cached_property
+    def every_name_ops(self) -> frozenset:
+        """The client operations this principal may do on every lock name (an
+        admin: all of them; a client: those of its rules with prefix ``""``; a
+        replica: none).  Computed once, so that checking a request of the open
+        mode's anonymous principal, or of a full grant, costs one set lookup
+        instead of a walk over the rules (:meth:`allows` gives the same answer)."""
+        if self.kind == "admin":
+            return frozenset(CLIENT_OPS)
+        if self.kind != "client":
+            return frozenset()
+        return frozenset(op for rule in self.acl if rule.prefix == "" for op in rule.ops)
 
 
 _EVERY_NAME = (AclRule("", frozenset(CLIENT_OPS)),)

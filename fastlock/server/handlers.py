@@ -29,7 +29,6 @@ from ..auth import (
     AuthFailures,
     Credentials,
     Principal,
-    hash_owner,
     primary_proof,
 )
 from ..errors import (
@@ -48,7 +47,7 @@ from ..logsafe import quote
 from ..roles import Action, NodeRole, Role
 from ..units import monotonic_ms
 from .admission import limit_exceeded
-from .session import Session, recorded_client, split_recorded_client
+from .session import Session, split_recorded_client
 from .watches import WatchRegistry
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -123,7 +122,7 @@ def _authorize(conn: Session, op: int, need: str, msg: list) -> None:
 
 class Handlers:
     """The op handler table of ``server``: ``by_op`` maps an op code to
-    ``(handler, fewest, most arguments)``; :meth:`dispatch` runs one request."""
+    ``(handler, fewest, most arguments, permission)``; :meth:`dispatch` runs one request."""
 
     def __init__(self, server: "LockServer", credentials: Credentials):
         self.server = server
@@ -157,9 +156,10 @@ class Handlers:
             P.OP_SERVE_ALONE: self.op_serve_alone,
             P.OP_STEP_DOWN: self.op_step_down,
         }
-        #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
-        self.by_op: dict[int, tuple[Handler, int, int]] = {
-            op: (handler, *P.OP_ARITY[op]) for op, handler in handlers.items()}
+        #: op -> (handler, fewest, most arguments, what it needs): the arity is declared in
+        #: protocol.OP_ARITY, the permission in PERMISSION (an op missing there needs an admin)
+        self.by_op: dict[int, tuple[Handler, int, int, str | None]] = {
+            op: (handler, *P.OP_ARITY[op], PERMISSION.get(op, "admin")) for op, handler in handlers.items()}
 
     # -- dispatch -----------------------------------------------------------------
     def dispatch(self, conn: Session, msg: Any) -> None:
@@ -176,12 +176,12 @@ class Handlers:
         try:
             if entry is None:
                 raise ProtocolError(f"unknown operation {op}")
-            handler, fewest, most = entry
+            handler, fewest, most, need = entry
             if not fewest <= len(msg) - 2 <= most:
                 expected = fewest if fewest == most else f"{fewest} or {most}"
                 raise ProtocolError(f"{P.OP_NAMES[op]} takes {expected} arguments, got {len(msg) - 2}")
-            need = PERMISSION.get(op, "admin")
-            if need is not None and (conn.kind != "admin" or need == "replica"):
+            # conn.unchecked: what the principal holds on every name (no per-name check needed)
+            if need is not None and need not in conn.unchecked and (conn.kind != "admin" or need == "replica"):
                 _authorize(conn, op, need, msg)
             handler(conn, req_id, msg)
         except FastlockError as exc:
@@ -223,10 +223,7 @@ class Handlers:
         if conn.ready and principal.name != conn.principal:
             raise ProtocolError(f"this connection is authenticated as {conn.principal!r}; "
                                 f"open a new one to act as {principal.name!r}")
-        conn.client_name = client_name
-        conn.principal = principal.name
-        conn.kind = principal.kind
-        conn.grant = principal
+        conn.authenticated(principal, client_name)
         # the connection leaves the HELLO deadline and the handshake reserve, and
         # its frames are no longer walked before decoding
         conn.ready = True
@@ -292,7 +289,7 @@ class Handlers:
     # -- leases -------------------------------------------------------------------------
     def op_acquire(self, conn: Session, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])
-        owner = hash_owner(P.check_owner(msg[3]))  # only the hash is kept, logged and replicated
+        owner = conn.owner_hash(msg[3])  # only the hash is kept, logged and replicated
         ttl_ms = P.check_ttl_ms(msg[4])
         wait_ms = P.check_wait_ms(msg[5])
         delay_ms = P.check_lock_delay_ms(msg[6])
@@ -319,7 +316,7 @@ class Handlers:
             server.max_ttl_ms = ttl_ms
             server.node_state.raise_ttl(ttl_ms)  # rare: only a new longest TTL writes
         status = table.acquire(name, owner, conn.session, req_id, ttl_ms, wait_ms, delay_ms,
-                               (recorded_client(conn), corr), now)
+                               (conn.recorded, corr), now)
         if quotas.waiters.limit:
             quotas.count_waiters(conn)
         if status == NOT_ACQUIRED:
@@ -332,7 +329,7 @@ class Handlers:
     def op_release(self, conn: Session, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])
         token = P.check_token(msg[3])
-        owner = hash_owner(P.check_owner(msg[4]))
+        owner = conn.owner_hash(msg[4])
         # a fenced primary refuses too: the standby may have been promoted and would never
         # see this release (the client repeats it at whichever node is primary)
         self.roles.admit(Action.RELEASE)
@@ -352,7 +349,7 @@ class Handlers:
     def op_extend(self, conn: Session, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])
         token = P.check_token(msg[3])
-        owner = hash_owner(P.check_owner(msg[4]))
+        owner = conn.owner_hash(msg[4])
         ttl_ms = P.check_ttl_ms(msg[5])
         table = self.table
         now = monotonic_ms()
@@ -394,7 +391,7 @@ class Handlers:
         name = P.check_name(msg[2])
         # The owner key is the proof of ownership: only its hash is stored, so only the client
         # that made the key can match it (a hash read from a replica's stream is hashed again).
-        owner = hash_owner(P.check_owner(msg[3]))
+        owner = conn.owner_hash(msg[3])
         self.roles.admit(Action.CANCEL_WAITER)  # withdrawing a queued waiter is local: fenced or not
         table = self.table
         now = monotonic_ms()

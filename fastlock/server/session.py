@@ -7,7 +7,10 @@ and queues replies in memory until the end of the loop turn, when the server
 flushes every session written to once (one ``transport.write`` per session per
 turn).  A peer that leaves more than ``out_cap`` bytes of replies unread is
 dropped; while its transport's buffer is above the high-water mark its
-requests are not read (a standby's acknowledgements keep flowing).
+requests are not read (a standby's acknowledgements keep flowing).  The
+transport's high-water mark is kept at or below ``out_cap``, so a buffer
+beyond the cap has always paused writing first: the cap is checked only
+while writing is paused, not on every flush.
 
 Waiting goes by session (a waiter whose connection drops is removed at once);
 ownership goes by lease (a held lease outlives its connection until its TTL).
@@ -21,7 +24,7 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
-from ..auth import ANONYMOUS, Principal
+from ..auth import ANONYMOUS, Principal, hash_owner
 from ..errors import FastlockError, ProtocolError
 from ..tls import peer_identity
 from ..units import monotonic_ms
@@ -58,13 +61,17 @@ class Session(asyncio.Protocol):
     ``principal`` (str) is who the connection authenticated as - "anonymous"
     until authentication sets it at HELLO; per-principal quotas key on it.
     ``kind`` is the principal's kind (client | replica | admin), ``grant`` its
-    permissions (None until HELLO).  ``accepted_ms`` and ``last_read_ms`` are
+    permissions (None until HELLO), ``unchecked`` the permissions
+    (:data:`fastlock.server.handlers.PERMISSION` values) it holds on every lock
+    name, which the dispatch grants without a per-name check (set by
+    :meth:`authenticated`).  ``accepted_ms`` and ``last_read_ms`` are
     monotonic milliseconds.
     """
 
     __slots__ = ("server", "transport", "session", "decoder", "out", "ready", "client_name", "peer", "closed",
-                 "watching", "principal", "kind", "grant", "address", "accepted_ms", "last_read_ms", "out_cap",
-                 "out_bytes", "waiting", "_drain")
+                 "watching", "principal", "kind", "grant", "unchecked", "recorded", "address", "accepted_ms",
+                 "last_read_ms", "_out_cap", "out_bytes", "waiting", "writing_paused", "_drain", "_owner_key",
+                 "_owner_hash")
 
     def __init__(self, server: "LockServer", session: int):
         self.server = server
@@ -79,14 +86,19 @@ class Session(asyncio.Protocol):
         self.principal = ANONYMOUS
         self.kind = "client"
         self.grant: Principal | None = None
+        self.unchecked: frozenset = frozenset()
+        self.recorded = recorded_client(self)
         self.peer = "?"
         self.address = "?"  # the peer's IP address (per-address connection cap, failed-auth bans)
         self.closed = False
         self.watching: set[str] | None = None
         self.accepted_ms = self.last_read_ms = monotonic_ms()
-        self.out_cap = server.config.max_output_bytes
+        self._out_cap = server.config.max_output_bytes
         self.waiting = 0  # this connection's waiters as last counted (per-principal waiter quota)
+        self.writing_paused = False  # the transport's buffer went above its high-water mark
         self._drain: asyncio.Future | None = None
+        self._owner_key: bytes | None = None  # the last owner key received, and its hash
+        self._owner_hash = b""
 
     # -- asyncio callbacks ------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -101,6 +113,7 @@ class Session(asyncio.Protocol):
         if peer:
             self.address = str(peer[0])
             self.peer = f"{peer[0]}:{peer[1]}"
+        self.out_cap = self._out_cap  # lowers the transport's high-water mark to it if needed
         self.server.limits.admit(self)
 
     def data_received(self, data: bytes) -> None:
@@ -160,8 +173,10 @@ class Session(asyncio.Protocol):
         if out and not self.closed:
             transport = self.transport
             transport.write(out[0] if len(out) == 1 else b"".join(out))
-            unsent = transport.get_write_buffer_size()
-            if unsent > self.out_cap:
+            # beyond out_cap is beyond the high-water mark (see out_cap): the
+            # transport has paused writing, inside this write() or before it
+            if self.writing_paused and transport.get_write_buffer_size() > self.out_cap:
+                unsent = transport.get_write_buffer_size()
                 # a peer that does not read (a stuck watcher, a standby too far behind): drop it,
                 # as Redis's client-output-buffer-limit does, rather than grow without bound
                 if self.session in self.server.source.replicas:
@@ -178,17 +193,56 @@ class Session(asyncio.Protocol):
     # requests, so a pipelining client that never reads cannot grow our memory.
     # A standby's acknowledgements must keep flowing: its output is bounded by
     # out_cap instead (and the backlog it catches up on waits for drained()).
+    @property
+    def out_cap(self) -> int:
+        """Bytes of output this peer may leave unread before it is dropped.  Setting
+        it lowers the transport's high-water mark to it if it is above, as
+        :meth:`flush` checks the cap only while writing is paused."""
+        return self._out_cap
+
+    @out_cap.setter
+    def out_cap(self, out_cap: int) -> None:
+        self._out_cap = out_cap
+        transport = self.transport
+        if transport is not None and transport.get_write_buffer_limits()[1] > out_cap:
+            transport.set_write_buffer_limits(high=out_cap)
+
     def pause_writing(self) -> None:
+        self.writing_paused = True
         if self._drain is None or self._drain.done():
             self._drain = self.server.loop.create_future()
         if self.session not in self.server.source.replicas:
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
+        self.writing_paused = False
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
         if not self.closed and self.session not in self.server.source.replicas:
             self.transport.resume_reading()
+
+    def owner_hash(self, owner: Any) -> bytes:
+        """:func:`fastlock.auth.hash_owner` of a checked owner key from this
+        connection (:func:`fastlock.protocol.check_owner` raises for a bad one).
+        The last key's hash is kept: a client releases, extends or cancels with
+        the key it acquired with, so that request does not hash it again."""
+        if type(owner) is bytes and owner == self._owner_key:
+            return self._owner_hash
+        hashed = hash_owner(P.check_owner(owner))
+        self._owner_key = owner
+        self._owner_hash = hashed
+        return hashed
+
+    def authenticated(self, principal: Principal, client_name: str | None) -> None:
+        """HELLO authenticated this connection as ``principal``: what its requests act as."""
+        self.client_name = client_name
+        self.principal = principal.name
+        self.kind = principal.kind
+        self.grant = principal
+        # admin and replica operations need that kind; client operations on every name
+        # need no per-name check when the principal's rules grant them on every name
+        self.unchecked = principal.every_name_ops | ({principal.kind} & {"admin", "replica"})
+        self.recorded = recorded_client(self)
 
     def drained(self) -> asyncio.Future:
         """A future done when the transport's write buffer is below its low-water
