@@ -11,6 +11,7 @@ SOURCES := $(wildcard fastlock/*.py fastlock/*/*.py fastlock/*.pyx fastlock/*.px
 $(STAMP): $(SOURCES)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q -U pip
+	rm -rf build/lib.*  # setuptools never removes a moved module's old copy from build/lib
 	$(VENV)/bin/python -m pip install -q ".[test,postgres,metrics]"
 	touch $@
 

@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fastlock.wal import HolderRecord, WriteAheadLog  # noqa: E402
+from fastlock.wal import HolderRecord, WriteAheadLog
 
 EPOCH1 = 1 << 40
 

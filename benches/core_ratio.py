@@ -31,8 +31,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-import refmodel  # noqa: E402
-from fastlock import _core  # noqa: E402
+import refmodel
+
+from fastlock import _core
 
 TTL = 10_000
 IMPLS = {"core": _core.LockTable, "model": refmodel.RefLockTable}

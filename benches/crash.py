@@ -68,7 +68,6 @@ import sqlite3
 import sys
 import tempfile
 import time
-from typing import Optional
 
 import fastlock
 from fastlock._testbase import HistoryChecker, ServerProcess
@@ -93,7 +92,7 @@ class CrashConfig:
     ttl: float = 30.0           # s: far longer than any restart + check
     wait: float = 5.0           # s a worker waits in a lock's queue
     fsync: str = "always"
-    snapshot_every: Optional[int] = None  # --snapshot-every: kills also land in snapshots/compaction
+    snapshot_every: int | None = None  # --snapshot-every: kills also land in snapshots/compaction
     extra_args: tuple = ()
     worker_exit_timeout: float = 10.0  # s for all workers to notice a kill
     startup_kill_every: int = 0  # every Nth kill is followed by a second one during the restart
@@ -472,7 +471,7 @@ def _check_ledger(db: sqlite3.Connection, run: _Run) -> None:
             run.violation(f"fence table: {lock} highest {fence.highest(lock)} != ledger max {top}")
 
 
-def main(argv: Optional[list] = None) -> int:
+def main(argv: list | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benches.crash", description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=100)
     ap.add_argument("--workers", type=int, default=8)

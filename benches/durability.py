@@ -43,7 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any
 
 from benches import harness
 from benches.load import FastlockTarget
@@ -282,7 +282,7 @@ def report(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list] = None) -> int:
+def main(argv: list | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benches.durability", description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=5.0, help="W2 seconds measured per mode (default 5)")
     ap.add_argument("--warmup", type=float, default=1.0)

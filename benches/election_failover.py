@@ -49,7 +49,7 @@ class Candidate:
         self.reader = asyncio.ensure_future(self._read())
 
     @classmethod
-    async def start(cls, address: str, cid: str, args: argparse.Namespace, cwd: str) -> "Candidate":
+    async def start(cls, address: str, cid: str, args: argparse.Namespace, cwd: str) -> Candidate:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "fastlock.election", "--server", address, "--name", args.name, "--id", cid,
             "--lease-duration", str(args.lease_duration), "--renew-deadline", str(args.renew_deadline),

@@ -54,7 +54,6 @@ from typing import Any
 from benches import harness
 from benches.load import FastlockTarget, _env_with_fastlock
 
-
 # --------------------------------------------------------------------------- helpers
 
 
@@ -237,10 +236,8 @@ def run_w2(args: argparse.Namespace, log) -> dict[str, Any]:
 
 async def _one_failover(run: int, root: str, args: argparse.Namespace) -> dict[str, Any]:
     import fastlock
-    from fastlock._testbase import ServerProcess
+    from fastlock._testbase import CredentialsDir, ServerProcess
     from fastlock.errors import ConnectionLost, FastlockError
-
-    from fastlock._testbase import CredentialsDir
 
     creds = CredentialsDir(os.path.join(root, f"credentials{run}"), replicas=2)
     p = ServerProcess(os.path.join(root, f"p{run}"), fsync=args.fsync, env=_env_with_fastlock(),

@@ -49,7 +49,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 try:
     import psutil

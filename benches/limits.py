@@ -114,7 +114,7 @@ def probe_replica(root: Path) -> dict:
                 peer.sock.sendall(request)
             except (BrokenPipeError, ConnectionResetError):
                 disconnected = True
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 pass
             peak = max(peak, _rss_kib(srv.pid))
         disconnected = disconnected or any("too far behind" in line for line in srv.lines)
@@ -183,7 +183,7 @@ def probe_backlog(root: Path, records: int = 600_000) -> dict:
         while time.monotonic() < deadline:
             try:
                 chunk = peer.sock.recv(1 << 20)
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 if any("caught up" in line for line in srv.lines):
                     break
                 if received > 1 << 20 and time.perf_counter() - last_data > 1.0:
@@ -249,7 +249,7 @@ def probe_snapshot(root: Path, leases: int = 200_000) -> dict:
         while time.perf_counter() - last_data < 1.0:  # until only heartbeats come
             try:
                 chunk = peer.sock.recv(1 << 20)
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 continue
             received += len(chunk)
             if len(chunk) > 4096:

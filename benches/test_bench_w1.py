@@ -22,8 +22,8 @@ import pytest
 
 pytest.importorskip("pytest_benchmark")
 
-from benches.echo import EchoTarget  # noqa: E402
-from benches.load import FastlockTarget, fastlock_available  # noqa: E402
+from benches.echo import EchoTarget
+from benches.load import FastlockTarget, fastlock_available
 
 PAIRS_PER_ROUND = 50
 ROUNDS = 40
@@ -112,6 +112,7 @@ def test_harness_runs_each_workload_against_the_echo_floor():
     w3 = rows[2]
     assert sum(w3["per_client_acquisitions"]) == w3["handoffs"]
     import os
+
     import pytest as _pytest
     with _pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # the server is gone after running()

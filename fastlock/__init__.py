@@ -5,23 +5,7 @@ The public API is :func:`connect` and the error classes; see the README.
 
 __version__ = "0.1.0"
 
-from .errors import (  # noqa: E402
-    AuthError,
-    PermissionDenied,
-    Cancelled,
-    ConnectionLost,
-    FastlockError,
-    InvalidArgument,
-    LeaseLost,
-    LimitExceeded,
-    LockNotAcquired,
-    NotPrimary,
-    ProtocolError,
-    StaleFencingToken,
-    Unavailable,
-    WrongArgumentType,
-)
-from .client import (  # noqa: E402
+from .client import (
     Client,
     Election,
     Leader,
@@ -33,6 +17,22 @@ from .client import (  # noqa: E402
     Term,
     WatchEvent,
     connect,
+)
+from .errors import (
+    AuthError,
+    Cancelled,
+    ConnectionLost,
+    FastlockError,
+    InvalidArgument,
+    LeaseLost,
+    LimitExceeded,
+    LockNotAcquired,
+    NotPrimary,
+    PermissionDenied,
+    ProtocolError,
+    StaleFencingToken,
+    Unavailable,
+    WrongArgumentType,
 )
 
 __all__ = [

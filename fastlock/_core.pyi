@@ -11,7 +11,7 @@ collected with :meth:`LockTable.drain_events`.  The immediate answer of a call
 is its return value.
 """
 
-from typing import Any, Optional
+from typing import Any
 
 # acquire() statuses
 GRANTED: int  # the lock was granted: an EV_GRANTED event carries the lease
@@ -55,7 +55,7 @@ class Event:
     waited_ms: int  # EV_GRANTED: grant time minus the answered request's arrival (<= 0 if re-delivered)
     shared: bool  # a shared (read) lease, or a waiter asking for one
     limit: int  # the semaphore limit of a permit / a waiter for one; 0 for a lock
-    cycle: Optional[tuple[tuple[int, str], ...]]  # EV_DEADLOCK: (session, name) steps, the failed waiter's first
+    cycle: tuple[tuple[int, str], ...] | None  # EV_DEADLOCK: (session, name) steps, the failed waiter's first
 
 
 class Holder:
@@ -208,7 +208,7 @@ class LockTable:
     def drain_events(self) -> list[Event]: ...
 
     # -- queries ---------------------------------------------------------------
-    def holder(self, name: str, now: int, owner: Optional[bytes] = None) -> Optional[Holder]:
+    def holder(self, name: str, now: int, owner: bytes | None = None) -> Holder | None:
         """An unexpired holder: without owner the exclusive one, else the earliest-granted
         shared holder / permit; with owner (bytes) that owner's lease of any kind."""
     def holders_of(self, name: str, now: int) -> list[Holder]:

@@ -90,9 +90,10 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Iterable
+from typing import Any
 
 from .errors import FastlockError
 
@@ -282,12 +283,12 @@ class Credentials:
         return not self.principals and self.shared_secret_hash is None
 
     @classmethod
-    def open_mode(cls) -> "Credentials":
+    def open_mode(cls) -> Credentials:
         """No credentials file: every connection is the anonymous client with every name;
         replica and admin operations are refused (nobody can authenticate as those)."""
         return cls(anonymous=Principal(ANONYMOUS, "client", acl=_EVERY_NAME), source="open mode")
 
-    def with_shared_secret(self, secret: str) -> "Credentials":
+    def with_shared_secret(self, secret: str) -> Credentials:
         """Also accept the legacy shared secret, as the client principal ``shared-secret``
         with every name (never a replica or an admin).  Without a credentials file,
         connections without the secret are then refused, as before."""
@@ -298,7 +299,7 @@ class Credentials:
                            self.source if not self.open else "shared secret")
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Credentials":
+    def load(cls, path: str | os.PathLike) -> Credentials:
         """Read a credentials file (TOML, see the module docstring).
 
         Raises CredentialsError naming the file and what is wrong with it.
@@ -323,7 +324,7 @@ class Credentials:
             raise CredentialsError(f"{where}: malformed: {exc}") from None
 
     @classmethod
-    def _parse(cls, data: dict, where: str) -> "Credentials":
+    def _parse(cls, data: dict, where: str) -> Credentials:
         if data.get("version", 1) != 1:
             raise CredentialsError(f"{where}: unsupported version {data.get('version')!r} (this fastlock reads 1)")
         table = data.get("principals")

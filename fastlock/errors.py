@@ -33,11 +33,11 @@ __all__ = [
     "error_from_wire",
 ]
 
-_REGISTRY: dict[int, type["FastlockError"]] = {}
+_REGISTRY: dict[int, type[FastlockError]] = {}
 
 
 def _register(code: int):
-    def deco(cls: type["FastlockError"]) -> type["FastlockError"]:
+    def deco(cls: type[FastlockError]) -> type[FastlockError]:
         if code in _REGISTRY:
             raise RuntimeError(
                 f"error code {code} registered twice: {_REGISTRY[code].__name__} and {cls.__name__}"

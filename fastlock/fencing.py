@@ -69,8 +69,9 @@ from __future__ import annotations
 
 import re
 import sqlite3
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidArgument, StaleFencingToken, WrongArgumentType
 
@@ -359,7 +360,7 @@ class PostgresFence:
     ``psycopg.errors.SerializationFailure``: retry the whole transaction.
     """
 
-    def __init__(self, conn: "psycopg.Connection", table: str = DEFAULT_TABLE) -> None:
+    def __init__(self, conn: psycopg.Connection, table: str = DEFAULT_TABLE) -> None:
         self._sql = _pg_sql(table)
         self.conn = conn
         self.table = table
@@ -385,7 +386,7 @@ class PostgresFence:
         return None if row is None else int(row[0])
 
     @contextmanager
-    def fenced(self, resource: str, token: int) -> Iterator["psycopg.Cursor"]:
+    def fenced(self, resource: str, token: int) -> Iterator[psycopg.Cursor]:
         """Run the caller's statements only if ``token`` is not stale for ``resource``.
 
         ::
@@ -432,7 +433,7 @@ class AsyncPostgresFence:
             await cur.execute("INSERT INTO ledger (amount) VALUES (%s)", (10,))
     """
 
-    def __init__(self, conn: "psycopg.AsyncConnection", table: str = DEFAULT_TABLE) -> None:
+    def __init__(self, conn: psycopg.AsyncConnection, table: str = DEFAULT_TABLE) -> None:
         self._sql = _pg_sql(table)
         self.conn = conn
         self.table = table
@@ -457,7 +458,7 @@ class AsyncPostgresFence:
         return None if row is None else int(row[0])
 
     @asynccontextmanager
-    async def fenced(self, resource: str, token: int) -> AsyncIterator["psycopg.AsyncCursor"]:
+    async def fenced(self, resource: str, token: int) -> AsyncIterator[psycopg.AsyncCursor]:
         """Async :meth:`PostgresFence.fenced`.
 
         :raises StaleFencingToken: ``token`` is stale; nothing is written.

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from .roles import Role
 
@@ -97,7 +98,7 @@ class MetricsExporter:
     OSError if the address cannot be bound.
     """
 
-    def __init__(self, server: "LockServer", host: str, port: int, refresh_s: float = 1.0):
+    def __init__(self, server: LockServer, host: str, port: int, refresh_s: float = 1.0):
         try:
             from prometheus_client import CollectorRegistry, start_http_server
         except ImportError:

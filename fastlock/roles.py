@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from .errors import NotPrimary, Unavailable
 

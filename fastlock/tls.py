@@ -32,7 +32,8 @@ import logging
 import socket
 import ssl
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .errors import InvalidArgument, WrongArgumentType
 

@@ -77,7 +77,7 @@ def server(tmp_path):
 @pytest.fixture
 def cluster(tmp_path):
     """Primaries, standbys and TCP proxies for replication tests; all stopped after the test."""
-    from tcpproxy import Cluster
+    from fastlock._testbase.cluster import Cluster
 
     c = Cluster(tmp_path)
     try:

@@ -8,7 +8,8 @@ recorded fakes, so a test sees every heartbeat sent and every timer armed.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastlock import protocol as P
 from fastlock._core import LockTable
@@ -32,7 +33,7 @@ class Clock:
 
 
 class FakeTimer:
-    def __init__(self, loop: "FakeLoop", at_ms: int, callback: Callable[[], Any]):
+    def __init__(self, loop: FakeLoop, at_ms: int, callback: Callable[[], Any]):
         self.loop, self.at_ms, self.callback, self.cancelled = loop, at_ms, callback, False
 
     def cancel(self) -> None:

@@ -158,7 +158,7 @@ class PostgresServer:
         self._exited.set()
 
     # -- lifecycle
-    def start(self) -> "PostgresServer":
+    def start(self) -> PostgresServer:
         """initdb + start; returns self once the server accepts connections.
 
         :raises RuntimeError: initdb failed, or the server did not become
@@ -251,7 +251,7 @@ class PostgresServer:
             shutil.rmtree(self.base, ignore_errors=True)
             self.base = None
 
-    def __enter__(self) -> "PostgresServer":
+    def __enter__(self) -> PostgresServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

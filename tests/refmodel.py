@@ -36,7 +36,7 @@ Semantics in one place (the compiled table must match every line):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 GRANTED = 0
 QUEUED = 1
@@ -110,10 +110,10 @@ class _Entry:
     deadline: int
     seq: int
     kind: str
-    lock: "_Lock"
-    waiter: Optional["_Waiter"] = None
-    lease: Optional["_Lease"] = None
-    group: Optional["_Group"] = None
+    lock: _Lock
+    waiter: _Waiter | None = None
+    lease: _Lease | None = None
+    group: _Group | None = None
 
 
 @dataclass(eq=False)
@@ -136,29 +136,29 @@ class _Waiter:
     ttl_ms: int
     lock_delay_ms: int
     meta: Any
-    entry: Optional[_Entry]  # None: waits forever
+    entry: _Entry | None  # None: waits forever
     enqueued_ms: int = 0  # ``now`` of the acquire this waiter answers
     shared: bool = False
-    group: Optional["_Group"] = None  # its acquire_many() request
-    lock: Optional["_Lock"] = None
+    group: _Group | None = None  # its acquire_many() request
+    lock: _Lock | None = None
 
 
 @dataclass(eq=False)
 class _Group:
     """A waiting acquire_many() request: a waiter per name, granted together."""
     members: list
-    entry: Optional[_Entry] = None
+    entry: _Entry | None = None
 
 
 class _Lock:
     def __init__(self, name: str) -> None:
         self.name = name
-        self.holder: Optional[_Lease] = None  # the exclusive lease
+        self.holder: _Lease | None = None  # the exclusive lease
         self.shared: dict[bytes, _Lease] = {}  # non-exclusive leases by owner, in grant order
         self.limit = 0  # semaphore limit; 0 for a lock
         self.waiters: list[_Waiter] = []  # FIFO
         self.delay_until = 0
-        self.block: Optional[_Entry] = None
+        self.block: _Entry | None = None
 
 
 # -- argument checks (same order and exception types as the compiled core) --------
@@ -244,11 +244,11 @@ class RefLockTable:
         self.entries.append(e)
         return e
 
-    def _unschedule(self, e: Optional[_Entry]) -> None:
+    def _unschedule(self, e: _Entry | None) -> None:
         if e is not None:
             self.entries.remove(e)
 
-    def _earliest(self) -> Optional[_Entry]:
+    def _earliest(self) -> _Entry | None:
         best = None
         for e in self.entries:
             if best is None or (e.deadline, e.seq) < (best.deadline, best.seq):
@@ -460,7 +460,7 @@ class RefLockTable:
             if lock is not skip:
                 self._settle(lock, tau, now)
 
-    def _find_waiter(self, lock, owner) -> Optional[_Waiter]:
+    def _find_waiter(self, lock, owner) -> _Waiter | None:
         for w in lock.waiters:
             if w.owner == owner:
                 return w
@@ -775,7 +775,7 @@ class RefLockTable:
         return Holder(lock.name, h.token, h.owner, h.session, h.ttl_ms, h.entry.deadline, h.lock_delay_ms,
                       h.meta, h.shared, limit)
 
-    def holder(self, name, now, owner=None) -> Optional[Holder]:
+    def holder(self, name, now, owner=None) -> Holder | None:
         name = _name(name)
         now = _ms(now, "now", 0)
         if owner is not None:
@@ -911,7 +911,7 @@ class RefLockTable:
         return graph
 
     @staticmethod
-    def _first_cycle(graph) -> Optional[list]:
+    def _first_cycle(graph) -> list | None:
         """Depth-first, roots and neighbours ascending; the first back edge closes the cycle."""
         done: set = set()
 

@@ -35,7 +35,7 @@ def load(tmp_path, text: str) -> Credentials:
     ("version = 2\n[principals.a]\nkind = 'admin'\n", "unsupported version"),
     ("[principals\n", "not valid TOML"),
     (f"[principals.a]\nkind = 'root'\ntoken_sha256 = '{H}'\n", "kind must be one of"),
-    (f"[principals.a]\nkind = 'admin'\ntoken_sha256 = 'xyz'\n", "64 lowercase hex"),
+    ("[principals.a]\nkind = 'admin'\ntoken_sha256 = 'xyz'\n", "64 lowercase hex"),
     ("[principals.a]\nkind = 'admin'\n", "needs token_sha256 or cert_identities"),
     (f"[principals.a]\nkind = 'client'\ntoken_sha256 = '{H}'\n", "needs an acl"),
     (f"[principals.a]\nkind = 'client'\ntoken_sha256 = '{H}'\nacl = [{{prefix = 'x', ops = ['delete']}}]\n",

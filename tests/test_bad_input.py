@@ -24,7 +24,7 @@ class RawConnection:
         self.unpacker = msgpack.Unpacker(raw=False)
 
     @classmethod
-    async def open(cls, address: str, hello: bool = True) -> "RawConnection":
+    async def open(cls, address: str, hello: bool = True) -> RawConnection:
         host, port = address.rsplit(":", 1)
         reader, writer = await asyncio.open_connection(host, int(port))
         conn = cls(reader, writer)
@@ -244,7 +244,7 @@ async def test_auth_secret(server_factory, tmp_path, loop_errors):
         await c.release(lease)
         # the legacy secret is a client of every lock, never an operator or a replica
         assert c.server_info["principal"] == "shared-secret" and c.server_info["kind"] == "client"
-    from tcpproxy import RawNode
+    from fastlock._testbase.cluster import RawNode
 
     raw = await RawNode.open(srv.address, token="s3cret")
     try:
@@ -317,7 +317,7 @@ def test_pipelining_client_that_never_reads_cannot_grow_server_memory(server):
             try:
                 sock.sendall(chunk)
                 sent += 1000
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 continue  # blocked for now; keep pushing until the deadline
         grown_mib = (_rss_kib(server.pid) - before) / 1024
         assert grown_mib < 100, f"server RSS grew by {grown_mib:.0f} MiB after {sent} unread requests"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -20,9 +21,13 @@ from fastlock.server import ServerConfig, check_limits
 TIMEOUT = 30.0
 
 
-def fastlock(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def fastlock(*args: str, cwd: Path, server_env: str | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m fastlock ARGS``; ``server_env``: the value of FASTLOCK_SERVER (None: unset)."""
+    env = {k: v for k, v in os.environ.items() if k != "FASTLOCK_SERVER"}
+    if server_env is not None:
+        env["FASTLOCK_SERVER"] = server_env
     return subprocess.run([sys.executable, "-m", "fastlock", *args], capture_output=True, text=True,
-                          timeout=TIMEOUT, cwd=cwd)
+                          timeout=TIMEOUT, cwd=cwd, env=env)
 
 
 def one_clear_line(out: subprocess.CompletedProcess, code: int, *needles: str) -> str:
@@ -69,6 +74,22 @@ def test_unreachable_server_is_one_line_and_exit_1(tmp_path, refused, command):
     assert line.startswith(f"fastlock {command[0]}: ")
 
 
+@pytest.mark.parametrize("command", [["status"], ["promote"], ["serve-alone"]])
+def test_admin_commands_take_the_node_from_FASTLOCK_SERVER(tmp_path, refused, command):
+    line = one_clear_line(fastlock(*command, cwd=tmp_path, server_env=refused), 1, refused, "Connection refused")
+    assert line.startswith(f"fastlock {command[0]}: ")
+
+
+@pytest.mark.parametrize("command, server_env, needle", [
+    (["promote"], None, "--server is required"),
+    (["serve-alone"], "", "--server is required"),
+    (["status"], "127.0.0.1:7001,127.0.0.1:7002", "names several servers"),
+    (["status"], "127.0.0.1:http", "bad port"),
+])
+def test_admin_commands_without_one_node_are_usage_errors(tmp_path, command, server_env, needle):
+    one_clear_line(fastlock(*command, cwd=tmp_path, server_env=server_env), 2, needle)
+
+
 @pytest.mark.parametrize("args, needle", [
     (["status", "--server", "127.0.0.1:99999"], "port out of range"),
     (["status", "--server", "::1"], "brackets"),
@@ -82,16 +103,16 @@ def test_usage_errors_exit_2(tmp_path, args, needle):
 
 
 def test_addresses_parse_ipv6_in_brackets_and_check_ports():
-    assert cli._listen("[::1]:7420") == ("::1", 7420)
-    assert cli._listen("127.0.0.1:0") == ("127.0.0.1", 0)
-    assert cli._listen(":7420") == ("127.0.0.1", 7420)
-    assert cli._server("[::1]") == ("::1", 7420)
-    assert cli._server("db-1") == ("db-1", 7420)
+    assert cli.args.listen_address("[::1]:7420") == ("::1", 7420)
+    assert cli.args.listen_address("127.0.0.1:0") == ("127.0.0.1", 0)
+    assert cli.args.listen_address(":7420") == ("127.0.0.1", 7420)
+    assert cli.args.server_address("[::1]") == ("::1", 7420)
+    assert cli.args.server_address("db-1") == ("db-1", 7420)
     for bad in ("127.0.0.1:-1", "127.0.0.1:65536", "::1", "[::1:7420", "7420"):
         with pytest.raises(argparse.ArgumentTypeError):
-            cli._listen(bad)
+            cli.args.listen_address(bad)
     with pytest.raises(argparse.ArgumentTypeError):
-        cli._server("127.0.0.1:0")
+        cli.args.server_address("127.0.0.1:0")
 
 
 def test_wal_dump_errors_are_one_line_and_exit_1(tmp_path):
@@ -115,6 +136,10 @@ def test_wal_dump_of_a_wal_with_no_records_prints_nothing_and_exits_0(tmp_path):
     srv.stop()
     out = fastlock("wal", "dump", "--lock", "nothing-here", str(tmp_path / "data"), cwd=tmp_path)
     assert out.returncode == 0 and out.stdout == "" and out.stderr == "", out
+    state = fastlock("wal", "dump", "--state", str(tmp_path / "data"), cwd=tmp_path)
+    assert state.returncode == 0 and state.stderr == "", state
+    assert [line.split()[2] for line in state.stdout.splitlines()] == ["state"], state.stdout
+    assert "holders=0" in state.stdout, state.stdout
 
 
 def test_serve_refuses_a_frame_limit_too_small_for_a_valid_request(tmp_path):

@@ -14,11 +14,10 @@ import asyncio
 import time
 
 import pytest
+from conftest import wait_until
 
 import fastlock
 from fastlock._testbase import CredentialsDir, ServerProcess
-
-from conftest import wait_until
 
 REQUEST_TIMEOUT = 1.0
 # the watchdog checks every request_timeout/3: detection takes at most

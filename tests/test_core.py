@@ -11,8 +11,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import refmodel  # noqa: E402
-from fastlock import _core  # noqa: E402
+import refmodel
+
+from fastlock import _core
 
 NAME = "orders/42"
 TTL = 1_000

@@ -12,8 +12,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import refmodel  # noqa: E402
-from fastlock import _core  # noqa: E402
+import refmodel
+
+from fastlock import _core
 
 NAME = "files/report"
 TTL = 1_000

@@ -23,8 +23,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import refmodel  # noqa: E402
-from fastlock import _core  # noqa: E402
+import refmodel
+
+from fastlock import _core
 
 NAMES = ["a", "b", "c"]
 OWNERS = [b"o1", b"o2", b"o3", b"o4", b"o5"]

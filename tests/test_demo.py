@@ -62,12 +62,13 @@ def _wait_gone(marker: str, timeout: float) -> list[int]:
         time.sleep(0.05)
 
 
-def _run_demo(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, str]:
+def _run_demo(tmp_path, *args: str, module: tuple[str, ...] = ("fastlock.demo",)
+              ) -> tuple[subprocess.CompletedProcess, str]:
     marker = uuid.uuid4().hex
     proc = subprocess.run(
-        [sys.executable, "-m", "fastlock.demo", *args],
+        [sys.executable, "-m", *module, *args],
         cwd=tmp_path, env=_env(marker, tmp_path), stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=DEMO_TIMEOUT,
+        capture_output=True, text=True, timeout=DEMO_TIMEOUT,
     )
     return proc, marker
 
@@ -97,10 +98,16 @@ def test_demo_rejects_the_stale_write_and_keeps_the_ledger_consistent(tmp_path):
 
 def test_unfenced_demo_shows_the_corruption_and_fails(tmp_path):
     """Without the fencing check the frozen worker's write lands: the report
-    must say so and the demo must fail (this also proves the checker works)."""
-    proc, marker = _run_demo(tmp_path, "--unfenced", "--quiet")
+    must say so and the demo must fail (this also proves the checker works).
+    Run as ``fastlock demo``, which must pass every flag on to the demo."""
+    proc, marker = _run_demo(tmp_path, "--unfenced", "--workers", "3", "--quiet", "--keep",
+                             module=("fastlock", "demo"))
     report = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert proc.returncode == 1, report
+    assert re.search(r"worker-3\s+grants", proc.stdout) and "worker-4" not in proc.stdout, report  # --workers 3
+    assert "[demo]" not in proc.stderr, report  # --quiet
+    kept = re.search(r"^kept (\S+)$", proc.stderr, re.M)  # --keep
+    assert kept and os.path.isdir(kept.group(1)), report
     assert _field(proc.stdout, "stale writes rejected") == "0", report
     assert _field(proc.stdout, "ledger consistent") == "no", report
     assert "ACCEPTED (unfenced)" in proc.stdout, report

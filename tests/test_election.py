@@ -10,10 +10,10 @@ import sys
 import time
 
 import pytest
+from conftest import wait_until
 
 import fastlock
 from fastlock._testbase import HistoryChecker
-from conftest import wait_until
 
 # Small Kubernetes-style durations keep the tests fast.
 LEASE, DEADLINE, RETRY = 1.0, 0.7, 0.2
@@ -143,7 +143,7 @@ class Candidate:
         self.reader = asyncio.ensure_future(self._read())
 
     @classmethod
-    async def start(cls, server, cid: str, cwd) -> "Candidate":
+    async def start(cls, server, cid: str, cwd) -> Candidate:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "fastlock.election", "--server", server.address, "--name", "leader",
             "--id", cid, "--lease-duration", str(LEASE), "--renew-deadline", str(DEADLINE),

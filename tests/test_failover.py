@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import pytest
 
 import fastlock
+from fastlock._testbase.cluster import RawNode, poll, run, status_of
 from fastlock.errors import (
     ConnectionLost,
     FastlockError,
@@ -41,7 +42,6 @@ from fastlock.errors import (
     Unavailable,
 )
 from fastlock.fencing import SQLiteFence
-from tcpproxy import RawNode, poll, run, status_of
 
 EPOCH_SHIFT = 40
 FAILOVER = 1.0  # --failover-after, seconds
@@ -78,7 +78,7 @@ class Ledger:
         self.committed: list[tuple[str, int, str]] = []
         self.stale: list[tuple[str, int, str, int | None]] = []
 
-    def writer(self) -> "LedgerWriter":
+    def writer(self) -> LedgerWriter:
         return LedgerWriter(self)
 
     def rows(self) -> list[tuple[str, int, str]]:

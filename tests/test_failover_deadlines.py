@@ -20,14 +20,13 @@ with ``--failover-after 1.0``):
 from __future__ import annotations
 
 import asyncio
-import os
 import textwrap
 import time
 
 import pytest
 
+from fastlock._testbase.cluster import RawNode, poll, run, status_of
 from fastlock.errors import NotPrimary, Unavailable
-from tcpproxy import RawNode, poll, run, status_of
 
 FAILOVER = 1.0  # --failover-after, seconds
 GRACE = 0.2  # --promotion-grace, seconds

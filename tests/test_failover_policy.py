@@ -6,14 +6,14 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from fakehost import FakeHost
+
 from fastlock import protocol as P
 from fastlock.errors import InvalidArgument, NotPrimary, Unavailable
-from fastlock.server.failover import FailoverPolicy
-from fastlock.units import monotonic_ms
 from fastlock.replication import DEPOSED_FILE, ReplicationSource, StandbyFollower
 from fastlock.roles import Role
+from fastlock.server.failover import FailoverPolicy
+from fastlock.units import monotonic_ms
 
 
 @pytest.fixture

@@ -16,8 +16,9 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -32,7 +33,7 @@ from fastlock.fencing import (
 )
 
 sys.path.insert(0, os.path.dirname(__file__))
-import pgserver  # noqa: E402
+import pgserver
 
 REQUIRE_PG = os.environ.get("FASTLOCK_REQUIRE_POSTGRES") == "1"
 

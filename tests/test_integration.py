@@ -10,10 +10,10 @@ import sys
 import time
 
 import pytest
+from conftest import wait_until
 
 import fastlock
 from fastlock._testbase import HistoryChecker
-from conftest import wait_until
 
 
 async def queued(client, n: int) -> bool:

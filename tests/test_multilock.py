@@ -8,10 +8,10 @@ import random
 import time
 
 import pytest
+from conftest import wait_until
 
 import fastlock
 from fastlock._testbase import HistoryChecker
-from conftest import wait_until
 
 TIMEOUT = 10.0
 

@@ -18,8 +18,8 @@ import tempfile
 import pytest
 
 from fastlock import protocol as P
+from fastlock._testbase.cluster import RawNode, poll, run, status_of
 from fastlock.errors import ConnectionLost, NotPrimary, Unavailable
-from tcpproxy import RawNode, poll, run, status_of
 
 FAILOVER = 1.0
 GRACE = 0.2
@@ -373,9 +373,10 @@ def test_no_automatic_failover_before_the_primary_confirms_the_pairing(tmp_path)
     """The standby's decision rule: silence alone is not enough; the primary's heartbeats
     must have said it fences itself for this standby (node id and window)."""
     from fakehost import FakeHost
+
     from fastlock.replication import StandbyFollower
-    from fastlock.units import monotonic_ms
     from fastlock.roles import Role
+    from fastlock.units import monotonic_ms
 
     promoted: list[str] = []
     host = FakeHost(str(tmp_path), Role.STANDBY, primary_address="127.0.0.1:9")

@@ -22,11 +22,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import wait_until
 
 import fastlock
 from fastlock._testbase import ServerProcess
 from fastlock.errors import ConnectionLost, LeaseLost
-from conftest import wait_until
 
 COUNTER_MASK = (1 << 40) - 1
 _RECOVERED = re.compile(r"recovered (\d+) leases, epoch (\d+), counter (\d+) \((\d+) records replayed, "

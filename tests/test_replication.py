@@ -24,8 +24,8 @@ import pytest
 
 import fastlock
 from fastlock import protocol as P
+from fastlock._testbase.cluster import RawNode, poll, run, status_of
 from fastlock.errors import LockNotAcquired, NotPrimary, PermissionDenied
-from tcpproxy import RawNode, poll, run, status_of
 
 EPOCH_SHIFT = 40
 LONG = 30_000  # ms: a TTL that does not run out during a test

@@ -8,12 +8,12 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from fakehost import FakeConnection, FakeHost
-from fastlock.replication import source as source_module
+
 from fastlock._core import EV_GRANTED, GRANTED, NOT_ACQUIRED, QUEUED
 from fastlock.errors import ProtocolError, Unavailable
 from fastlock.replication import PAIRING_FILE, ReplicationSource
+from fastlock.replication import source as source_module
 from fastlock.roles import Action, Role
 
 WINDOW = 1000  # the standby's failover window (ms); the margin defaults to a quarter

@@ -29,8 +29,8 @@ import time
 import pytest
 
 import fastlock
-from fastlock.errors import ConnectionLost, LeaseLost, NotPrimary, Unavailable
-from tcpproxy import RawNode, poll, run, status_of
+from fastlock._testbase.cluster import RawNode, poll, run, status_of
+from fastlock.errors import ConnectionLost, NotPrimary, Unavailable
 
 FAILOVER = 1.0  # --failover-after, seconds
 GRACE = 0.3  # --promotion-grace, seconds
@@ -65,7 +65,7 @@ class Refusals(list):
         import logging
 
         class Handler(logging.Handler):
-            def emit(inner, record):  # noqa: N805
+            def emit(inner, record):
                 if "refused a request" in record.getMessage():
                     self.append(record.getMessage())
 

@@ -19,8 +19,8 @@ import tempfile
 import pytest
 
 from fastlock import protocol as P
+from fastlock._testbase.cluster import RawNode, poll, run, status_of
 from fastlock.errors import ConnectionLost, InvalidArgument, NotPrimary, PermissionDenied, Unavailable
-from tcpproxy import RawNode, poll, run, status_of
 
 FAILOVER = 1.0
 GRACE = 0.2

@@ -10,10 +10,9 @@ import pytest
 
 from fastlock import _core
 from fastlock import protocol as P
-from fastlock.errors import NotPrimary, Unavailable
-from fastlock.server.failover import check_step_down_epoch
-from fastlock.errors import InvalidArgument, WrongArgumentType
+from fastlock.errors import InvalidArgument, NotPrimary, Unavailable, WrongArgumentType
 from fastlock.roles import ADMITTED, HOLD_FOREVER_MS, TRANSITIONS, Action, IllegalTransition, NodeRole, Role
+from fastlock.server.failover import check_step_down_epoch
 
 NOW = 1_000_000
 

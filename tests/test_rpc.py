@@ -1,4 +1,4 @@
-"""The request/reply layer (fastlock.rpc) against a real server: ids, error
+"""The request/reply layer (fastlock.protocol.rpc) against a real server: ids, error
 replies decoded into exceptions, pushes in order, raw frames, fail-all on close,
 the liveness watchdog, and a malformed reply closing only that connection."""
 
@@ -10,8 +10,8 @@ import os
 import pytest
 
 from fastlock import protocol as P
-from fastlock import rpc
 from fastlock.errors import ConnectionLost, InvalidArgument, LeaseLost
+from fastlock.protocol import rpc
 
 
 async def _open(server, **kwargs) -> rpc.RpcConnection:

@@ -1,4 +1,4 @@
-"""`fastlock run` (fastlock.runner) as a real process against a real server."""
+"""`fastlock run` (fastlock.cli.run) as a real process against a real server."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from fastlock.runner import EXIT_LOST, EXIT_NOT_ACQUIRED
+from fastlock.cli.run import EXIT_LOST, EXIT_NOT_ACQUIRED
 from fastlock.sync import SyncClient
 
 TIMEOUT = 15.0
 
 
 def run_cmd(server, *args: str, command: list[str], tmp_path: Path) -> list[str]:
-    return [sys.executable, "-m", "fastlock.runner", *args, "--server", server.address, "--", *command]
+    return [sys.executable, "-m", "fastlock", "run", *args, "--server", server.address, "--", *command]
 
 
 def py(code: str) -> list[str]:
@@ -93,10 +93,10 @@ def test_unknown_command_and_unreachable_server(server, tmp_path):
     with socket.socket() as unused:  # bound, never listening: connections are refused
         unused.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{unused.getsockname()[1]}"
-        out = subprocess.run([sys.executable, "-m", "fastlock.runner", "x", "--server", dead, "--", "true"],
+        out = subprocess.run([sys.executable, "-m", "fastlock", "run", "x", "--server", dead, "--", "true"],
                              capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
     assert out.returncode == 69
-    out = subprocess.run([sys.executable, "-m", "fastlock.runner", "x"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "fastlock", "run", "x"], capture_output=True, text=True,
                          timeout=TIMEOUT, cwd=tmp_path)
     assert out.returncode == 2 and "command" in out.stderr
 
@@ -201,6 +201,6 @@ def test_bad_arguments_exit_2_before_anything_is_sent(server, sync, tmp_path, ar
 
 
 def test_ttl_help_says_it_must_be_positive(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "fastlock.runner", "-h"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "fastlock", "run", "-h"], capture_output=True, text=True,
                          timeout=TIMEOUT, cwd=tmp_path)
     assert out.returncode == 0 and "> 0" in " ".join(out.stdout.split())

@@ -22,11 +22,10 @@ import pytest
 import fastlock
 from fastlock import protocol as P
 from fastlock._testbase import CredentialsDir, ServerProcess
+from fastlock._testbase.cluster import RawNode, poll, run, status_of
 from fastlock.auth import Credentials, CredentialsError, hash_owner, hash_token
 from fastlock.errors import AuthError, LeaseLost, PermissionDenied, Unavailable
 from fastlock.wal import Grant, decode_frames
-
-from tcpproxy import RawNode, poll, run, status_of
 
 LONG = 30_000  # ms
 
@@ -46,7 +45,7 @@ class Stream:
         self._next = 1
 
     @classmethod
-    async def open(cls, address: str, token, name: str = "raw") -> "Stream":
+    async def open(cls, address: str, token, name: str = "raw") -> Stream:
         host, _, port = address.rpartition(":")
         s = cls(*await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5))
         reply = await s.call(P.OP_HELLO, P.PROTOCOL_VERSION, name, token)

@@ -9,9 +9,9 @@ import gc
 import logging
 
 import pytest
+from fakehost import FakeHost
 
 import fastlock
-from fakehost import FakeHost
 from fastlock import protocol as P
 from fastlock.errors import InternalServerError, ProtocolError, error_from_wire
 from fastlock.replication import ReplicationSource, StandbyFollower

@@ -31,10 +31,10 @@ import pytest
 trustme = pytest.importorskip("trustme")
 
 import fastlock  # noqa: E402
+from fastlock._testbase.cluster import poll, run  # noqa: E402
 from fastlock.errors import ConnectionLost, InvalidArgument, WrongArgumentType  # noqa: E402
 from fastlock.sync import SyncClient  # noqa: E402
 from fastlock.tls import ServerTLS, client_context, peer_identity  # noqa: E402
-from tcpproxy import poll, run  # noqa: E402
 
 EPOCH_SHIFT = 40
 
@@ -151,7 +151,7 @@ def _is_closed(sock: socket.socket, within: float) -> bool:
     sock.settimeout(within)
     try:
         return sock.recv(4096) == b""
-    except socket.timeout:
+    except TimeoutError:
         return False
     except ConnectionResetError:
         return True

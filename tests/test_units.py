@@ -5,8 +5,7 @@ import math
 import pytest
 
 from fastlock.errors import InvalidArgument, WrongArgumentType
-from fastlock.units import (DEFAULT_PORT, check_seconds, format_address, monotonic_ms, parse_address,
-                            seconds_to_ms)
+from fastlock.units import DEFAULT_PORT, check_seconds, format_address, monotonic_ms, parse_address, seconds_to_ms
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -1, -0.001])

@@ -16,12 +16,10 @@ import threading
 import pytest
 
 from fastlock import wal as W
-from fastlock.wal import format as F
-from fastlock.wal import snapshot as snapshot_module
 from fastlock.wal import (
     GRANT,
-    Grant,
     RESERVE,
+    Grant,
     HolderRecord,
     WalCompacted,
     WalCorruption,
@@ -30,6 +28,8 @@ from fastlock.wal import (
     decode_frames,
     dump,
 )
+from fastlock.wal import format as F
+from fastlock.wal import snapshot as snapshot_module
 
 E1 = 1 << 40  # epoch 1
 

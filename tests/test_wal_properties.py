@@ -18,8 +18,8 @@ import tempfile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastlock.wal import format as F
 from fastlock.wal import HolderRecord, WalCorruption, WriteAheadLog
+from fastlock.wal import format as F
 
 NAMES = ["a", "b", "c"]
 OWNERS = [b"o1", b"o2"]

@@ -12,6 +12,7 @@ from benches.nemesis.cluster import KINDS, NemesisConfig, report_again, run_neme
 from benches.nemesis.report import print_report
 from benches.nemesis.workers import worker_main
 
+
 def _package_doc() -> str:
     import benches.nemesis
 

@@ -104,7 +104,7 @@ class _Node:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, standby_of: "_Node | None") -> None:
+    def start(self, standby_of: _Node | None) -> None:
         from fastlock._testbase import ServerProcess
 
         args = ["--name", self.name, *self.auth_args]
@@ -180,7 +180,7 @@ class Nemesis:
         (self.root / self.STATE).write_text(json.dumps(state, indent=1))
 
     @classmethod
-    def load(cls, root: str | Path) -> tuple["Nemesis", float]:
+    def load(cls, root: str | Path) -> tuple[Nemesis, float]:
         """A finished run, read back from its kept directory (see :meth:`save_state`);
         returns it and its elapsed seconds."""
         root = Path(root)
@@ -246,7 +246,7 @@ class Nemesis:
         for node in self.nodes.values():
             try:
                 node.stop()
-            except Exception:  # noqa: BLE001 - keep stopping the others
+            except Exception:
                 self.log.exception("stopping node %s", node.name)
             if node.proxy is not None:
                 node.proxy.close()
@@ -256,7 +256,8 @@ class Nemesis:
     def held_after_workers_stopped(self) -> list[dict] | str:
         """Locks the primary still shows held once every worker has stopped (each
         released what it held on the way out): orphans, with their holder info."""
-        from fastlock import cli, protocol as P
+        from fastlock import cli
+        from fastlock import protocol as P
 
         node = self.primary
         if node.proc is None or not node.proc.alive:
@@ -461,7 +462,7 @@ def run_nemesis(cfg: NemesisConfig, root: str | None = None) -> dict:
     t0 = time.monotonic()
     try:
         nem.run()
-    except Exception as exc:  # noqa: BLE001 - reported, after stopping everything
+    except Exception as exc:
         nem.aborted = f"{type(exc).__name__}: {exc}"
         nem.log.exception("nemesis run failed")
     finally:

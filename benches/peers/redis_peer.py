@@ -77,7 +77,7 @@ class RedisPyLockSession(harness.Session):
         session = self
 
         class CountingLock(Lock):
-            async def do_acquire(self, token):  # noqa: D401 - counts, then the library's code
+            async def do_acquire(self, token):
                 session.round_trips += 1
                 ok = await super().do_acquire(token)
                 if not ok:

@@ -1,6 +1,6 @@
 """Test support shipped with the package, for fastlock's own tests and benches and for yours.
 
-Three parts, each a module that can be read alone:
+Four parts, each a module that can be read alone:
 
 :mod:`fastlock._testbase.servers`
     :class:`ServerProcess`: a real ``fastlock serve`` subprocess on 127.0.0.1
@@ -17,6 +17,10 @@ Three parts, each a module that can be read alone:
     :class:`TcpProxy`: a fault-injecting TCP proxy that can black-hole, cut
     and heal a link, per connection label (:func:`classify_fastlock` tells a
     standby's replication connection from a client's).
+:mod:`fastlock._testbase.cluster`
+    :class:`Cluster` (primaries, standbys and proxies for one test, stopped
+    together), :class:`RawNode` (a protocol connection to exactly one node, no
+    redirects) and the bounded waits :func:`run`, :func:`poll`, :func:`status_of`.
 
 Example: a primary, and a standby whose replication link can be cut::
 
@@ -28,10 +32,11 @@ Example: a primary, and a standby whose replication link can be cut::
         ...
         link.heal()
 
-``benches/nemesis/`` drives all three against a primary and a standby
+``benches/nemesis/`` drives them against a primary and a standby
 under a cycle of crashes, pauses, partitions and manual promotions.
 """
 
+from fastlock._testbase.cluster import Cluster, RawNode, poll, run, status_of
 from fastlock._testbase.history import (
     GrantRecord,
     HistoryChecker,
@@ -45,10 +50,12 @@ from fastlock._testbase.proxy import TcpProxy, classify_fastlock
 from fastlock._testbase.servers import CredentialsDir, ServerProcess, node_status
 
 __all__ = [
+    "Cluster",
     "CredentialsDir",
     "GrantRecord",
     "HistoryChecker",
     "Holding",
+    "RawNode",
     "ServerProcess",
     "StoreWrite",
     "TcpProxy",
@@ -57,4 +64,7 @@ __all__ = [
     "check_store",
     "classify_fastlock",
     "node_status",
+    "poll",
+    "run",
+    "status_of",
 ]

@@ -24,8 +24,8 @@ against a model instead of trusting the system's own view.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 EPOCH_SHIFT = 40  # token = (epoch << 40) | counter, see fastlock.protocol
 

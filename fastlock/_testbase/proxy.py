@@ -39,7 +39,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
+
+from fastlock.protocol import OP_HELLO, FrameDecoder
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +55,12 @@ CLASSIFY_BYTES = 4096
 def classify_fastlock(first_bytes: bytes) -> str:
     """``"replication"`` when the first frame is a standby's HELLO (its client
     name starts ``standby:``), else ``"client"``."""
-    from fastlock import protocol as P
-
     try:
-        msgs = P.FrameDecoder(CLASSIFY_BYTES).feed(first_bytes)
+        msgs = FrameDecoder(CLASSIFY_BYTES).feed(first_bytes)
     except Exception:  # noqa: BLE001 - any undecodable start is simply not a standby
         return "client"
     for msg in msgs:
-        if (type(msg) is list and len(msg) > 3 and msg[1] == P.OP_HELLO and type(msg[3]) is str
+        if (type(msg) is list and len(msg) > 3 and msg[1] == OP_HELLO and type(msg[3]) is str
                 and msg[3].startswith("standby:")):
             return "replication"
         break
@@ -69,7 +70,7 @@ def classify_fastlock(first_bytes: bytes) -> str:
 class _Side(asyncio.Protocol):
     """One socket of a proxied connection."""
 
-    def __init__(self, link: "_Link"):
+    def __init__(self, link: _Link):
         self.link = link
         self.transport: asyncio.Transport | None = None
         self.reading = True
@@ -106,7 +107,7 @@ class _Side(asyncio.Protocol):
 class _Link:
     """One proxied connection: the accepted side and, once connected, the target side."""
 
-    def __init__(self, proxy: "TcpProxy"):
+    def __init__(self, proxy: TcpProxy):
         self.proxy = proxy
         self.down = _Side(self)  # towards the connecting client
         self.up: _Side | None = None  # towards the target
@@ -126,11 +127,12 @@ class _Link:
             return
         if side is self.down and self.up is None:
             self.pending += data
-            if not self.classified:
+            classify = self.proxy.classify
+            if not self.classified and classify is not None:
                 self.classified = True
                 try:
-                    self.label = self.proxy.classify(bytes(self.pending[:CLASSIFY_BYTES]))
-                except Exception:  # noqa: BLE001 - a broken classifier labels nothing
+                    self.label = classify(bytes(self.pending[:CLASSIFY_BYTES]))
+                except Exception:
                     log.exception("proxy classifier failed")
                 self.proxy._maybe_connect(self)
             self.update_reading()
@@ -165,12 +167,14 @@ class _Link:
             return
         finally:
             self.connecting = False
+        transport = up.transport
+        assert transport is not None  # set by connection_made, before create_connection returns
         if self.closed:
-            up.transport.close()
+            transport.close()
             return
         self.up = up
         if self.pending:
-            up.transport.write(bytes(self.pending))
+            transport.write(bytes(self.pending))
             self.pending.clear()
         self.update_reading()
 
@@ -218,14 +222,12 @@ class TcpProxy:
         self._links: set[_Link] = set()
         self._holes: set[Any] = set()
         self._tasks: set[asyncio.Task] = set()
-        self.connections = 0  # accepted so far
-        self.refused = 0  # closed at once: max_connections reached
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self) -> "TcpProxy":
+    def start(self) -> TcpProxy:
         loop = self._loop = asyncio.new_event_loop()
         ready = threading.Event()
 
@@ -249,11 +251,9 @@ class TcpProxy:
 
     def _accept(self) -> asyncio.Protocol:
         if len(self._links) >= self.max_connections:
-            self.refused += 1
-            return _Refuse()
+            return _Refuse()  # closed at once: max_connections reached
         link = _Link(self)
         self._links.add(link)
-        self.connections += 1
         return link.down
 
     def _maybe_connect(self, link: _Link) -> None:
@@ -268,7 +268,10 @@ class TcpProxy:
     def _run(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` on the proxy's loop and return its result (thread-safe)."""
         done = threading.Event()
-        box: list = []
+        box: list[Any] = []
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError("the proxy is not started")
 
         def call() -> None:
             try:
@@ -276,7 +279,7 @@ class TcpProxy:
             finally:
                 done.set()
 
-        self._loop.call_soon_threadsafe(call)
+        loop.call_soon_threadsafe(call)
         if not done.wait(10):
             raise RuntimeError("proxy loop did not answer")
         return box[0] if box else None
@@ -323,7 +326,7 @@ class TcpProxy:
         """Current connections (with ``label``, if given)."""
         return self._run(lambda: len(self._matching(label)))
 
-    # pause/resume: blackhole/heal of every connection, under the names tests/tcpproxy.py users call
+    # pause/resume: blackhole/heal of every connection
     def pause(self) -> None:
         """:meth:`blackhole` every connection."""
         self.blackhole()
@@ -334,7 +337,8 @@ class TcpProxy:
 
     def close(self) -> None:
         """Close every connection and the listener, and stop the proxy's thread."""
-        if self._loop is None or self._loop.is_closed():
+        loop = self._loop
+        if loop is None or loop.is_closed():
             return
 
         def do() -> None:
@@ -344,7 +348,7 @@ class TcpProxy:
                 task.cancel()
             if self._server is not None:
                 self._server.close()
-            self._loop.call_later(0.05, self._loop.stop)
+            loop.call_later(0.05, loop.stop)
 
         try:
             self._run(do)
@@ -353,7 +357,7 @@ class TcpProxy:
         if self._thread is not None:
             self._thread.join(5)
 
-    def __enter__(self) -> "TcpProxy":
+    def __enter__(self) -> TcpProxy:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -29,8 +29,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 _LISTENING = re.compile(r"listening on ([0-9.]+):(\d+)")
 
@@ -79,7 +79,7 @@ class ServerProcess:
             *self.args,
         ]
 
-    def start(self, timeout: float = 20.0) -> "ServerProcess":
+    def start(self, timeout: float = 20.0) -> ServerProcess:
         """Start the process and wait (at most ``timeout`` s) until it listens.
 
         Raises RuntimeError with the server's output if it exits or times out.
@@ -99,6 +99,7 @@ class ServerProcess:
         self._reader.start()
         line = self.wait_for_log(_LISTENING, timeout)
         m = _LISTENING.search(line)
+        assert m is not None  # wait_for_log returned the line that matched
         self.port = int(m.group(2))
         return self
 
@@ -194,7 +195,7 @@ class ServerProcess:
         if self._reader is not None:
             self._reader.join(5)
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         if self.proc is None:
             self.start()
         return self
@@ -260,9 +261,10 @@ def node_status(address: str, timeout: float = 2.0, token: str | None = None) ->
         TimeoutError: no connection or no reply within ``timeout``.
         FastlockError: the node refused the request.
     """
-    from fastlock import cli, protocol
+    from fastlock.cli.admin import admin_request
+    from fastlock.protocol import OP_STATUS
+    from fastlock.units import parse_address
 
     if token is None and os.environ.get("FASTLOCK_TOKEN_FILE"):
         token = Path(os.environ["FASTLOCK_TOKEN_FILE"]).read_text().strip()
-    host, _, port = address.rpartition(":")
-    return cli._admin((host, int(port)), token, protocol.OP_STATUS, reply_timeout=timeout)
+    return admin_request(parse_address(address, default_port=None), token, OP_STATUS, reply_timeout=timeout)

@@ -74,7 +74,7 @@ async def acquire_retry(connector: Connector, connect_timeout: float, request: t
             pause = pacing.failed(proto, err)
 
 
-async def verify_late_grant(client: "Client", lease: Lease, request: tuple, started: float) -> Lease:
+async def verify_late_grant(client: Client, lease: Lease, request: tuple, started: float) -> Lease:
     """A grant read with less than :data:`LATE_GRANT_FRACTION` of its TTL
     left by the conservative estimate: verify it with one EXTEND, or give
     it back and queue again while the wait allows (see :meth:`Client.acquire`)."""

@@ -22,7 +22,8 @@ import asyncio
 import logging
 import os
 import ssl
-from typing import Any, AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 from .. import protocol as P
 from ..errors import ConnectionLost, InvalidArgument, LeaseLost, WrongArgumentType
@@ -172,7 +173,7 @@ class Client:
         self.renewers.stop_all()
         self._connector.close()
 
-    async def __aenter__(self) -> "Client":
+    async def __aenter__(self) -> Client:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -407,7 +408,7 @@ class Client:
 
     def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
              correlation_id: str | None = None, renew: bool = True,
-             jeopardy_fraction: float = 0.5) -> "LockContext":
+             jeopardy_fraction: float = 0.5) -> LockContext:
         """Acquire ``name`` and keep renewing it.
 
         ``async with client.lock(...) as lease:`` acquires, renews at about a
@@ -431,7 +432,7 @@ class Client:
 
     # -- several locks at once --------------------------------------------------------
     async def acquire_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None,
-                           lock_delay: float = 0.0, correlation_id: str | None = None) -> "MultiLease":
+                           lock_delay: float = 0.0, correlation_id: str | None = None) -> MultiLease:
         """Acquire every lock in ``names``, or none of them.
 
         The locks are taken one after the other in one global order - sorted
@@ -470,7 +471,7 @@ class Client:
                                   wait, None)
 
     def lock_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
-                  correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> "LockManyContext":
+                  correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> LockManyContext:
         """:meth:`acquire_many` plus auto-renewal of every lease, as :meth:`lock`.
 
         ``async with client.lock_many(["a", "b"], ttl=10.0) as locks:`` holds
@@ -503,7 +504,7 @@ class Client:
             lease.health.jeopardy_fraction = check_fraction(jeopardy_fraction)
         return Renewer(self, lease).start()
 
-    async def release_many(self, multi: "MultiLease") -> None:
+    async def release_many(self, multi: MultiLease) -> None:
         """Release every lease of ``multi`` (all of them, even if one fails).
 
         Raises:
@@ -515,7 +516,7 @@ class Client:
     # -- leader election --------------------------------------------------------------
 
     def election(self, name: str, candidate_id: str, *, lease_duration: float = 15.0, renew_deadline: float = 10.0,
-                 retry_period: float = 2.0, jeopardy_fraction: float = 0.5) -> "Election":
+                 retry_period: float = 2.0, jeopardy_fraction: float = 0.5) -> Election:
         """A leader election on lock ``name`` for candidate ``candidate_id``.
 
         See :class:`fastlock.election.Election` (Kubernetes' leaderelection

@@ -23,7 +23,8 @@ import logging
 import os
 import random
 import ssl
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from .. import protocol as P
 from ..errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost, NotPrimary, Unavailable
@@ -73,7 +74,7 @@ class ClientConnection(RpcConnection):
 
     __slots__ = ("watches",)
 
-    def __init__(self, address: Address, on_close: Callable[["ClientConnection", ConnectionLost], Any],
+    def __init__(self, address: Address, on_close: Callable[[ClientConnection, ConnectionLost], Any],
                  liveness_timeout: float | None):
         super().__init__(address, on_push=self._dispatch_push, on_close=on_close,
                          liveness_timeout=liveness_timeout)
@@ -176,7 +177,7 @@ class Connector:
         case a connection it made is closed, not used."""
         try:
             proto, info = await self._connect(attempt)
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiters
+        except BaseException as exc:
             if not fut.done():
                 if isinstance(exc, asyncio.CancelledError):
                     exc = ConnectionLost("client is closed" if self.closed else "connection attempt abandoned")

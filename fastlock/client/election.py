@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator, NamedTuple
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import protocol as P
 from ..errors import ConnectionLost, FastlockError, InvalidArgument, NotPrimary, Unavailable, WrongArgumentType
@@ -87,7 +88,7 @@ class Election:
         InvalidArgument / WrongArgumentType: bad durations or names.
     """
 
-    def __init__(self, client: "Client", name: str, candidate_id: str, *, lease_duration: float = 15.0,
+    def __init__(self, client: Client, name: str, candidate_id: str, *, lease_duration: float = 15.0,
                  renew_deadline: float = 10.0, retry_period: float = 2.0, jeopardy_fraction: float = 0.5):
         self.client = client
         self.name = P.check_name(name)
@@ -109,7 +110,7 @@ class Election:
         return f"<Election {self.name!r} candidate {self.candidate_id!r}>"
 
     # -- campaigning ----------------------------------------------------------------
-    async def campaign(self, *, wait: float | None = None) -> "Term":
+    async def campaign(self, *, wait: float | None = None) -> Term:
         """Wait in line until elected; return the :class:`Term` (renewing).
 
         Args:
@@ -145,7 +146,7 @@ class Election:
                      lease.fencing_token)
             return term
 
-    def leadership(self, *, wait: float | None = None) -> "_Leadership":
+    def leadership(self, *, wait: float | None = None) -> _Leadership:
         """``async with election.leadership() as term:`` - campaign, lead in the
         body, resign on exit.  The body is not interrupted when leadership is
         lost: check ``term.is_leader()`` / ``term.lost`` before acting."""
@@ -199,7 +200,7 @@ class _Leadership:
         self._wait = wait
         self._term: Term | None = None
 
-    async def __aenter__(self) -> "Term":
+    async def __aenter__(self) -> Term:
         self._term = await self._election.campaign(wait=self._wait)
         return self._term
 

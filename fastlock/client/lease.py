@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import InvalidArgument, WrongArgumentType
 
@@ -50,7 +51,7 @@ class _LostEvent(asyncio.Event):
 
     #: the lease's health, once someone asked for it (a class default: no
     #: ``__init__`` of its own, as one is made per grant)
-    health: "LeaseHealth | None" = None
+    health: LeaseHealth | None = None
 
     def set(self) -> None:
         if not self.is_set():
@@ -278,7 +279,7 @@ class Lease:
         sees at once, on its own clock, that its lease may be gone."""
         return self.state.expires_at - asyncio.get_running_loop().time()
 
-    def with_ttl(self, ttl: float) -> "Lease":
+    def with_ttl(self, ttl: float) -> Lease:
         """A copy with TTL ``ttl`` seconds, sharing this lease's state."""
         return Lease(self.name, self.fencing_token, ttl, self.owner, self.state)
 

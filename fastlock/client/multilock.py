@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
 from ..errors import FastlockError, InvalidArgument, LeaseLost, WrongArgumentType
@@ -101,7 +102,7 @@ class MultiLease:
         return f"<MultiLease {self.fencing_tokens}{' lost' if self.lost.is_set() else ''}>"
 
 
-async def acquire_many(client: "Client", names: Iterable[str], kwargs: dict, wait: float | None,
+async def acquire_many(client: Client, names: Iterable[str], kwargs: dict, wait: float | None,
                        renew_fraction: float | None) -> MultiLease:
     """Acquire every name in the global order under one deadline of ``wait``
     seconds (None: none), each with ``client.acquire(**kwargs)``; renew each
@@ -138,7 +139,7 @@ async def acquire_many(client: "Client", names: Iterable[str], kwargs: dict, wai
         raise
 
 
-async def _release_quietly(client: "Client", lease: Lease) -> None:
+async def _release_quietly(client: Client, lease: Lease) -> None:
     try:
         await client.release(lease)
     except FastlockError:
@@ -148,7 +149,7 @@ async def _release_quietly(client: "Client", lease: Lease) -> None:
         raise
 
 
-async def release_many(client: "Client", multi: MultiLease) -> None:
+async def release_many(client: Client, multi: MultiLease) -> None:
     """Release every lease of ``multi`` (all of them, even if one fails); see
     :meth:`Client.release_many`."""
     if not isinstance(multi, MultiLease):
@@ -169,7 +170,7 @@ class LockManyContext:
 
     __slots__ = ("_client", "_names", "_kwargs", "_wait", "_fraction", "_multi")
 
-    def __init__(self, client: "Client", names: SortedNames, kwargs: dict, wait: float | None, fraction: float):
+    def __init__(self, client: Client, names: SortedNames, kwargs: dict, wait: float | None, fraction: float):
         self._client = client
         self._names = names
         self._kwargs = kwargs

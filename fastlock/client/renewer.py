@@ -30,7 +30,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..errors import ConnectionLost, FastlockError, LeaseLost
 from ..logsafe import quote
@@ -54,13 +55,13 @@ class Renewers:
     def __init__(self) -> None:
         self._by_state: dict[int, Renewer] = {}
 
-    def add(self, renewer: "Renewer") -> None:
+    def add(self, renewer: Renewer) -> None:
         old = self._by_state.get(id(renewer.lease.state))
         if old is not None and old is not renewer:
             old.stop()
         self._by_state[id(renewer.lease.state)] = renewer
 
-    def discard(self, renewer: "Renewer") -> None:
+    def discard(self, renewer: Renewer) -> None:
         key = id(renewer.lease.state)
         if self._by_state.get(key) is renewer:
             del self._by_state[key]
@@ -107,7 +108,7 @@ class Renewer:
     __slots__ = ("client", "lease", "state", "_period", "_window", "_ttl", "_on_lost", "_task", "_timer", "_loop",
                  "_done")
 
-    def __init__(self, client: "Client", lease: Lease, *, state: LeaseState | None = None,
+    def __init__(self, client: Client, lease: Lease, *, state: LeaseState | None = None,
                  period: float | None = None, window: float | None = None, ttl: float | None = None,
                  on_lost: Callable[[str], None] | None = None):
         self.client = client
@@ -126,7 +127,7 @@ class Renewer:
     def window(self) -> float:
         return self.lease.ttl if self._window is None else self._window
 
-    def start(self) -> "Renewer":
+    def start(self) -> Renewer:
         """Start renewing (on the running loop); returns self."""
         self._loop = asyncio.get_running_loop()
         self.state.health.renewed(self.state.expires_at, self.window)
@@ -226,7 +227,7 @@ class Renewer:
         except ConnectionLost as exc:  # the client was closed
             log.info("renewal of %s stopped: %s", quote(self.lease.name), exc)
             self._lose(f"renewal stopped: {exc}")
-        except Exception:  # noqa: BLE001 - a renewal task must never die unseen
+        except Exception:
             log.exception("renewal of %s token %d failed unexpectedly; the lease is treated as lost",
                           quote(self.lease.name), self.lease.fencing_token)
             self._lose("renewal failed unexpectedly")
@@ -240,7 +241,7 @@ class LockContext:
 
     __slots__ = ("_client", "_name", "_kwargs", "_renew", "_lease", "_jeopardy_fraction")
 
-    def __init__(self, client: "Client", name: str, kwargs: dict, renew: bool, jeopardy_fraction: float = 0.5):
+    def __init__(self, client: Client, name: str, kwargs: dict, renew: bool, jeopardy_fraction: float = 0.5):
         self._client = client
         self._name = name
         self._kwargs = kwargs

@@ -40,9 +40,10 @@ import queue
 import ssl
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
-from ..errors import ConnectionLost, FastlockError, LeaseLost, WrongArgumentType
+from ..errors import ConnectionLost, FastlockError, WrongArgumentType
 from .client import Client
 from .election import Election, Leader, Term
 from .forks import check_held_here, fork_lock, keep_inherited
@@ -315,7 +316,7 @@ class SyncClient:
         for events in list(self._watch_queues):
             events.put(closed)
 
-    def __enter__(self) -> "SyncClient":
+    def __enter__(self) -> SyncClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -363,7 +364,7 @@ class SyncClient:
         return self._call(self._client.ping())
 
     def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
-             correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> "SyncLockContext":
+             correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> SyncLockContext:
         """``with client.lock(name, ttl=10.0) as lease:`` - acquire, renew in
         the background (about every ttl/3, with jitter), release on exit.
 
@@ -386,7 +387,7 @@ class SyncClient:
         return self._call(run())
 
     def lock_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
-                  correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> "SyncLockContext":
+                  correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> SyncLockContext:
         """``with client.lock_many(names, ttl=10.0) as multi:`` - all or none,
         each renewed in the background, all released on exit."""
         names = list(names)
@@ -445,7 +446,7 @@ class SyncClient:
                 fut.cancel()
 
     def election(self, name: str, candidate_id: str, *, lease_duration: float = 15.0, renew_deadline: float = 10.0,
-                 retry_period: float = 2.0, jeopardy_fraction: float = 0.5) -> "SyncElection":
+                 retry_period: float = 2.0, jeopardy_fraction: float = 0.5) -> SyncElection:
         """As :meth:`Client.election <fastlock.client.Client.election>`, for threads."""
         return SyncElection(self, self._client.election(
             name, candidate_id, lease_duration=lease_duration, renew_deadline=renew_deadline,
@@ -514,7 +515,7 @@ class SyncElection:
                                          jeopardy_fraction=e.jeopardy_fraction)
         return e
 
-    def campaign(self, *, wait: float | None = None) -> "SyncTerm":
+    def campaign(self, *, wait: float | None = None) -> SyncTerm:
         """Block until elected (or ``wait`` seconds; ``LockNotAcquired``)."""
         election = self._current()
 
@@ -522,11 +523,11 @@ class SyncElection:
             return SyncTerm(await election.campaign(wait=wait))
         return self._sync._call(run())
 
-    def leadership(self, *, wait: float | None = None) -> "_SyncLeadership":
+    def leadership(self, *, wait: float | None = None) -> _SyncLeadership:
         """``with election.leadership() as term:`` - campaign, lead, resign on exit."""
         return _SyncLeadership(self, wait)
 
-    def resign(self, term: "SyncTerm") -> None:
+    def resign(self, term: SyncTerm) -> None:
         _check(term, SyncTerm)
         check_held_here(term, "term")
         self._sync._call(term.term.resign())
@@ -544,7 +545,7 @@ class _SyncLeadership:
         self._wait = wait
         self._term: SyncTerm | None = None
 
-    def __enter__(self) -> "SyncTerm":
+    def __enter__(self) -> SyncTerm:
         self._term = self._election.campaign(wait=self._wait)
         return self._term
 

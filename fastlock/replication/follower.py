@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
 from ..errors import FastlockError, ProtocolError
@@ -38,7 +39,7 @@ class StandbyApply:
     goes to its lock table (on frozen time, ``now = 0``), is logged to its own WAL,
     and updates the lease deadlines the follower keeps."""
 
-    def __init__(self, follower: "StandbyFollower"):
+    def __init__(self, follower: StandbyFollower):
         self.follower = follower
         self.table = follower.host.table
         self.wal = follower.host.wal
@@ -51,7 +52,7 @@ class StandbyApply:
     def counter(self) -> int:
         return self.table.counter
 
-    def holder_token(self, name: str) -> Optional[int]:
+    def holder_token(self, name: str) -> int | None:
         h = self.table.holder(name, 0)
         return None if h is None else h.token
 
@@ -104,7 +105,7 @@ class StandbyFollower:
             connection on.
     """
 
-    def __init__(self, host: "ReplicationHost", primary: tuple[str, int], failover_after_ms: int = 0,
+    def __init__(self, host: ReplicationHost, primary: tuple[str, int], failover_after_ms: int = 0,
                  token: str | None = None, name: str | None = None,
                  on_primary_silent: Callable[[], None] | None = None, tls: ssl.SSLContext | None = None,
                  stream_limits: P.DecodeLimits | None = None):

@@ -39,7 +39,7 @@ class ReplicaConnection(Protocol):
     transport: asyncio.Transport
     out_cap: int
 
-    def drained(self) -> "asyncio.Future[None]":
+    def drained(self) -> asyncio.Future[None]:
         """Done once the connection's write buffer is low again (or it closed)."""
         ...
 
@@ -68,15 +68,15 @@ class ReplicationHost(Protocol):
             recovered (ms): the standby's default promotion grace.
     """
 
-    table: "LockTable"
-    wal: "WriteAheadLog"
-    node_state: "NodeState"
-    roles: "NodeRole"
+    table: LockTable
+    wal: WriteAheadLog
+    node_state: NodeState
+    roles: NodeRole
     data_dir: str
     loop: asyncio.AbstractEventLoop
     max_ttl_ms: int
 
-    def snapshot_state(self) -> "tuple[int, int, list[HolderRecord]]":
+    def snapshot_state(self) -> tuple[int, int, list[HolderRecord]]:
         """``(epoch, counter, holders)`` of the table now, for a standby's snapshot."""
         ...
 

@@ -16,7 +16,7 @@ import hmac
 import logging
 import os
 import ssl
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
 from .. import rpc
@@ -44,8 +44,8 @@ class PrimaryLink:
         stream_limits: what the primary's stream may hold.
     """
 
-    def __init__(self, follower: "StandbyFollower", primary: tuple[str, int], tls: Optional[ssl.SSLContext],
-                 token: Optional[str], name: Optional[str], stream_limits: P.DecodeLimits):
+    def __init__(self, follower: StandbyFollower, primary: tuple[str, int], tls: ssl.SSLContext | None,
+                 token: str | None, name: str | None, stream_limits: P.DecodeLimits):
         self.follower = follower
         self.primary = primary
         self.tls = tls
@@ -56,8 +56,8 @@ class PrimaryLink:
         self.name = name
         self.stream_limits = stream_limits
         self.connected = False
-        self._rpc: Optional[rpc.RpcConnection] = None
-        self._task: Optional[asyncio.Task] = None
+        self._rpc: rpc.RpcConnection | None = None
+        self._task: asyncio.Task | None = None
         self._stopping = False
         self._ack_id = 0  # the request id every REPL_ACK on the connection carries (acks get no reply)
         self.ack_due = False  # a push arrived since the last acknowledgement
@@ -206,7 +206,7 @@ class PrimaryLink:
             if not self._stopping:
                 log.warning("lost the replication connection to %s", self.address)
 
-    async def _primary_proves_itself(self, link: "rpc.RpcConnection") -> bool:
+    async def _primary_proves_itself(self, link: rpc.RpcConnection) -> bool:
         """Before our token goes out: the primary must answer our random challenge with
         the proof only a holder of our credential can make (see :mod:`fastlock.auth`).
 

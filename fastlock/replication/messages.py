@@ -15,7 +15,8 @@ which both ends must compute alike.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -45,13 +46,13 @@ class SnapshotHolder(NamedTuple):
     owner_hash: bytes
     ttl_ms: int
     lock_delay_ms: int
-    client: Optional[str]
-    correlation_id: Optional[str]
+    client: str | None
+    correlation_id: str | None
     wall_ms: int  # always 0 on the wire (kept for the layout shared with WAL holders)
     remaining_ms: int
 
     @classmethod
-    def decode(cls, h: Any) -> "SnapshotHolder":
+    def decode(cls, h: Any) -> SnapshotHolder:
         """A holder as received; one without ``remaining_ms`` (8 items, an older
         primary) has its full ``ttl_ms`` left.
 
@@ -101,11 +102,11 @@ class Heartbeat(NamedTuple):
     last_lsn: int
     epoch: int
     max_ttl_ms: int  # the longest TTL the primary has granted
-    paired_id: Optional[str]  # the standby it is paired with
+    paired_id: str | None  # the standby it is paired with
     paired_window_ms: int  # that standby's failover window
 
     @classmethod
-    def decode(cls, payload: Any) -> "Heartbeat":
+    def decode(cls, payload: Any) -> Heartbeat:
         """:raises ProtocolError: not a list of 6 items."""
         if type(payload) is not list or len(payload) != 6:
             raise ProtocolError("a heartbeat is a list of 6 items")

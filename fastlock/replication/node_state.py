@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 from ..errors import NodeFileDamaged
 from ..wal import DIR_MODE, fsync_dir, write_atomically
@@ -165,7 +165,7 @@ class Pairing(NamedTuple):
     failover_after_ms: int  # its failover window (0: it never promotes by itself)
 
 
-def read_pairing(directory: str) -> Optional[Pairing]:
+def read_pairing(directory: str) -> Pairing | None:
     """The pairing in ``<directory>/pairing.json``, or None if there is none.
 
     Raises:

@@ -42,7 +42,7 @@ class _Replica:
     __slots__ = ("conn", "name", "ident", "failover_after_ms", "acked_lsn", "contact_ms", "sent",
                  "last_ack_ms", "catching_up", "task", "base_cap")
 
-    def __init__(self, conn: "ReplicaConnection", name: str | None, failover_after_ms: int):
+    def __init__(self, conn: ReplicaConnection, name: str | None, failover_after_ms: int):
         self.conn = conn
         self.name = name or conn.peer
         self.ident = standby_identity(self.name)
@@ -70,7 +70,7 @@ class ReplicationSource:
     stops granting (default: a quarter of the standby's failover window).
     """
 
-    def __init__(self, host: "ReplicationHost", *, fence_margin_ms: int | None = None):
+    def __init__(self, host: ReplicationHost, *, fence_margin_ms: int | None = None):
         self.host = host
         self.incarnation = os.urandom(8).hex()  # changes on every start: a standby resyncs
         self.replicas: dict[int, _Replica] = {}  # by session
@@ -128,7 +128,7 @@ class ReplicationSource:
         self._paired_window_ms = 0
 
     # -- attach / detach ------------------------------------------------------------------
-    def attach(self, conn: "ReplicaConnection", req_id: int, from_lsn: int, incarnation: Any,
+    def attach(self, conn: ReplicaConnection, req_id: int, from_lsn: int, incarnation: Any,
                failover_after_ms: int, name: str | None) -> None:
         host = self.host
         wal = host.wal
@@ -265,7 +265,7 @@ class ReplicationSource:
             await conn.drained()
         return records
 
-    def detach(self, conn: "ReplicaConnection") -> None:
+    def detach(self, conn: ReplicaConnection) -> None:
         replica = self.replicas.pop(conn.session, None)
         if replica is not None:
             if replica.task is not None:
@@ -303,7 +303,7 @@ class ReplicationSource:
         self._check_fence(now)
         self._hb_timer = host.loop.call_later(interval / 1000.0, self._heartbeat)
 
-    def on_ack(self, conn: "ReplicaConnection", echoed_ms: Any, applied_lsn: Any) -> None:
+    def on_ack(self, conn: ReplicaConnection, echoed_ms: Any, applied_lsn: Any) -> None:
         replica = self.replicas.get(conn.session)
         if replica is None:
             raise ProtocolError("REPL_ACK before REPLICATE")

@@ -20,7 +20,6 @@ from ..errors import LimitExceeded
 from ..logsafe import RateLimitedLog
 from ..units import monotonic_ms
 from .config import ServerConfig
-
 from .session import Session
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -88,7 +87,7 @@ class PrincipalQuotas:
     and ``waiters.limit`` before calling in), so an unset quota costs nothing.
     """
 
-    def __init__(self, config: ServerConfig, server: "LockServer"):
+    def __init__(self, config: ServerConfig, server: LockServer):
         self.server = server
         self.leases = Quota(config.max_leases_per_principal, "leases", "max-leases-per-principal")
         self.waiters = Quota(config.max_waiters_per_principal, "waiting acquires", "max-waiters-per-principal")
@@ -141,7 +140,7 @@ class ConnectionLimits:
     is refused.
     """
 
-    def __init__(self, config: ServerConfig, server: "LockServer"):
+    def __init__(self, config: ServerConfig, server: LockServer):
         self.config = config
         self.server = server
         self.sessions: dict[int, Session] = {}

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
 from ..errors import FastlockError, InvalidArgument, NotPrimary, Unavailable
@@ -87,8 +88,8 @@ class FailoverPolicy:
         clock: the monotonic clock in milliseconds (the host's in tests).
     """
 
-    def __init__(self, host: "ReplicationHost", source: "ReplicationSource",
-                 follower: "StandbyFollower | None", *, promotion_grace_ms: int | None = None,
+    def __init__(self, host: ReplicationHost, source: ReplicationSource,
+                 follower: StandbyFollower | None, *, promotion_grace_ms: int | None = None,
                  tasks: BackgroundTasks | None = None, clock: Callable[[], int] = monotonic_ms):
         self.host = host
         self.source = source
@@ -190,7 +191,7 @@ class FailoverPolicy:
             raise Unavailable("this standby has never synchronised with a primary; promote with force "
                               "only if its data directory is known to be current")
 
-    def on_primary_silent(self) -> "asyncio.Task | None":
+    def on_primary_silent(self) -> asyncio.Task | None:
         """The follower's watchdog: the paired primary was silent for the failover window.
 
         Starts an automatic promotion unless one runs, or one failed less than a

@@ -18,7 +18,8 @@ other exception is a server bug: logged with its traceback, answered with
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from .. import protocol as P
@@ -124,7 +125,7 @@ class Handlers:
     """The op handler table of ``server``: ``by_op`` maps an op code to
     ``(handler, fewest, most arguments, permission)``; :meth:`dispatch` runs one request."""
 
-    def __init__(self, server: "LockServer", credentials: Credentials):
+    def __init__(self, server: LockServer, credentials: Credentials):
         self.server = server
         #: who may connect (tokens, certificate identities, the anonymous principal)
         self.credentials = credentials

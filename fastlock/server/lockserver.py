@@ -50,7 +50,7 @@ import logging
 import os
 import ssl
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from .. import __version__
 from .. import protocol as P

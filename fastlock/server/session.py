@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 FLUSH_EARLY_BYTES = 256 << 10
 
 
-def recorded_client(conn: "Session") -> str:
+def recorded_client(conn: Session) -> str:
     """What grants record as their client: ``principal:client name`` (the name may be
     empty) - the authenticated principal first, so the self-declared name is never
     mistaken for it.  A record without ``:`` is a bare client name from an older log."""
@@ -73,7 +73,7 @@ class Session(asyncio.Protocol):
                  "last_read_ms", "_out_cap", "out_bytes", "waiting", "writing_paused", "_drain", "_owner_key",
                  "_owner_hash")
 
-    def __init__(self, server: "LockServer", session: int):
+    def __init__(self, server: LockServer, session: int):
         self.server = server
         self.session = session
         # until HELLO every frame is walked before it is decoded (see protocol.FrameDecoder)

@@ -22,12 +22,12 @@ class WatchRegistry:
     request path (``name in by_name``) so that an unwatched lock costs one lookup."""
 
     def __init__(self) -> None:
-        self.by_name: dict[str, set["Session"]] = {}
+        self.by_name: dict[str, set[Session]] = {}
 
-    def add(self, conn: "Session", name: str) -> None:
+    def add(self, conn: Session, name: str) -> None:
         self.by_name.setdefault(name, set()).add(conn)
 
-    def remove(self, conn: "Session", name: str) -> None:
+    def remove(self, conn: Session, name: str) -> None:
         group = self.by_name.get(name)
         if group is not None:
             group.discard(conn)

@@ -9,7 +9,8 @@ disk (a :class:`~fastlock.wal.writer.SegmentList`) and raise
 
 from __future__ import annotations
 
-from typing import IO, TYPE_CHECKING, Iterator, Optional
+from collections.abc import Iterator
+from typing import IO, TYPE_CHECKING
 
 from ..errors import WalCompacted, WalCorruption
 from .files import read_file
@@ -35,7 +36,7 @@ class BacklogReader:
     :param lsn: first LSN to return (>= 1).
     """
 
-    def __init__(self, wal: "WriteAheadLog", lsn: int):
+    def __init__(self, wal: WriteAheadLog, lsn: int):
         self._segments: SegmentList = wal.segments
         self.next_lsn = max(1, lsn)
         self._seg_first = 0  # first LSN of the segment being read (0: none yet)
@@ -54,7 +55,7 @@ class BacklogReader:
         self._seg_first, self._seg_path = first, path
         self._offset, self._seg_lsn = SEG_HEADER.size, first
 
-    def read(self, max_bytes: int, upto: int) -> Optional[tuple[int, int, bytes]]:
+    def read(self, max_bytes: int, upto: int) -> tuple[int, int, bytes] | None:
         """Return ``(first_lsn, last_lsn, frames)`` - whole frames, about
         ``max_bytes`` of them, from ``next_lsn`` and at most up to LSN ``upto`` -
         or None when ``next_lsn > upto``.
@@ -82,7 +83,7 @@ class BacklogReader:
             self._seg_first, self._seg_path = nxt[0]
             self._offset, self._seg_lsn = SEG_HEADER.size, self._seg_first
 
-    def _read_segment(self, f: IO[bytes], max_bytes: int, upto: int) -> Optional[tuple[int, int, bytes]]:
+    def _read_segment(self, f: IO[bytes], max_bytes: int, upto: int) -> tuple[int, int, bytes] | None:
         unpack_from = FRAME.unpack_from
         # skip the frames before next_lsn (headers only, a block at a time)
         while self._seg_lsn < self.next_lsn:

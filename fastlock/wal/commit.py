@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import WalFatal
 from .format import LEN_MASK, U32, crc32
@@ -64,18 +65,18 @@ class GroupCommit:
         self.always = always
         self.interval_ms = interval_ms
         self.on_fatal = on_fatal
-        self.loop: Optional[asyncio.AbstractEventLoop] = None
-        self.fatal: Optional[BaseException] = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.fatal: BaseException | None = None
         self.stopped = False
         self.next_lsn = 1  # the LSN the next record gets
         self.marks = Marks(1)
         self._pending = _Pending(1)
         self._scheduled = False  # a hand-off is scheduled on the loop
-        self._inflight: Optional[Batch] = None
+        self._inflight: Batch | None = None
         self._waiters: collections.deque = collections.deque()  # (lsn, callback)
         self._sync_waiters: list = []  # (lsn, future) resolved when synced >= lsn
         self.listeners: list = []
-        self._timer: Optional[asyncio.TimerHandle] = None
+        self._timer: asyncio.TimerHandle | None = None
 
     def recovered(self, next_lsn: int) -> None:
         """The log on disk ends before ``next_lsn``: number from there."""

@@ -13,7 +13,8 @@ import datetime
 import hashlib
 import os
 import sys
-from typing import Any, Optional, Sequence, TextIO
+from collections.abc import Sequence
+from typing import Any, TextIO
 
 from ..errors import WalCorruption
 from .files import read_file
@@ -34,7 +35,7 @@ from .records import (
 from .recovery import LogFiles
 
 
-def _iso(ms: Optional[int]) -> str:
+def _iso(ms: int | None) -> str:
     if not ms:
         return "-"
     dt = datetime.datetime.fromtimestamp(ms / 1000.0, tz=datetime.timezone.utc)
@@ -45,7 +46,7 @@ def _tok(token: int) -> str:
     return f"{token} ({token >> TOKEN_EPOCH_SHIFT}/{token & COUNTER_MASK})"
 
 
-def _fmt(lsn: str, wall: Optional[int], kind: str, name: Any = "-", token: Optional[int] = None,
+def _fmt(lsn: str, wall: int | None, kind: str, name: Any = "-", token: int | None = None,
          client: Any = None, corr: Any = None, ttl: Any = None, extra: str = "") -> str:
     parts = [lsn, _iso(wall), kind, f"lock={name}" if name != "-" else "lock=-",
              f"token={_tok(token)}" if token is not None else "token=-",
@@ -82,7 +83,7 @@ def _record_line(lsn: int, r: Record) -> str:
     return _fmt(label, r.wall_ms, RECORD_NAMES[kind], r.name, r.token)  # type: ignore[union-attr]  # release, expire
 
 
-def dump(directory: str | os.PathLike, *, lock: Optional[str] = None, file: TextIO = sys.stdout,
+def dump(directory: str | os.PathLike, *, lock: str | None = None, file: TextIO = sys.stdout,
          state: bool = False) -> int:
     """Print the log as audit lines, in LSN order; return the number of lines printed.
 
@@ -159,7 +160,7 @@ def dump(directory: str | os.PathLike, *, lock: Optional[str] = None, file: Text
     return lines
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``python -m fastlock.wal dump [--lock NAME] [--state] DIR`` (the CLI wires ``fastlock wal dump``)."""
     ap = argparse.ArgumentParser(prog="fastlock wal", description="Inspect a fastlock write-ahead log.")
     sub = ap.add_subparsers(dest="cmd", required=True)

@@ -22,7 +22,8 @@ import os
 import re
 import struct
 import zlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import msgpack
 

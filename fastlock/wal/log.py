@@ -15,7 +15,8 @@ import enum
 import gc
 import logging
 import os
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgpack
 
@@ -98,7 +99,7 @@ class WriteAheadLog:
         segment_bytes: int = 64 << 20,
         snapshot_every: int = 200_000,
         reserve_block: int = 100_000,
-        on_fatal: Optional[Callable[[BaseException], Any]] = None,
+        on_fatal: Callable[[BaseException], Any] | None = None,
         keep_snapshots: int = 2,
         writer: str = "thread",
     ):
@@ -175,7 +176,7 @@ class WriteAheadLog:
         self._phase = _Phase.OPEN
         return state
 
-    def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Start group commit on ``loop`` (default: the running loop). Call after :meth:`open`."""
         if self._phase is _Phase.NEW:
             raise RuntimeError("WriteAheadLog.start() before open()")
@@ -197,7 +198,7 @@ class WriteAheadLog:
     # Each log_* method appends one record, ``[type, field, ...]`` in the order of the
     # fields of its type in fastlock.wal.records (built inline: this is the hot path).
     def log_grant(self, name: str, token: int, owner: bytes, ttl_ms: int, lock_delay_ms: int,
-                  client_name: Optional[str], correlation_id: Optional[str]) -> None:
+                  client_name: str | None, correlation_id: str | None) -> None:
         """Log a grant of ``name`` with fencing ``token`` (ttl/lock-delay in milliseconds).
 
         In ``interval``/``never`` mode, a counter beyond the reservation first logs a
@@ -333,7 +334,7 @@ class WriteAheadLog:
         """
         await self._commit.await_synced(self._commit.next_lsn - 1, force=True)
 
-    async def wait_synced(self, lsn: Optional[int] = None) -> None:
+    async def wait_synced(self, lsn: int | None = None) -> None:
         """Wait (without forcing an fsync) until records up to ``lsn`` (default: all
         logged so far) are fsynced -- e.g. by the ``interval`` timer.
 

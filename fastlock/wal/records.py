@@ -22,7 +22,7 @@ The rules:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Protocol, Union
+from typing import Any, NamedTuple, Protocol, Union
 
 __all__ = [
     "GRANT", "RELEASE", "EXPIRE", "EXTEND", "EPOCH", "RESERVE", "RECORD_NAMES",
@@ -55,8 +55,8 @@ class Grant(NamedTuple):
     owner_hash: bytes
     ttl_ms: int
     lock_delay_ms: int
-    client: Optional[str]  # "principal:client_name" (bare client name in older logs)
-    correlation_id: Optional[str]
+    client: str | None  # "principal:client_name" (bare client name in older logs)
+    correlation_id: str | None
     wall_ms: int
 
     kind = GRANT
@@ -145,8 +145,8 @@ def decode(body: Any) -> Record:
 class LeaseMeta(NamedTuple):
     """What the lock table keeps beside a lease for status and audit (its ``meta``)."""
 
-    client: Optional[str]
-    correlation_id: Optional[str]
+    client: str | None
+    correlation_id: str | None
 
 
 class HolderRecord(NamedTuple):
@@ -160,16 +160,16 @@ class HolderRecord(NamedTuple):
     owner: bytes  # the owner key's hash
     ttl_ms: int  # lease duration, milliseconds
     lock_delay_ms: int  # milliseconds
-    client_name: Optional[str]
-    correlation_id: Optional[str]
+    client_name: str | None
+    correlation_id: str | None
     granted_wall_ms: int  # wall clock at grant, ms since the Unix epoch; audit only (0 if unknown)
 
     @classmethod
-    def from_grant(cls, g: Grant) -> "HolderRecord":
+    def from_grant(cls, g: Grant) -> HolderRecord:
         return tuple.__new__(cls, g)  # the same 8 fields in the same order
 
     @classmethod
-    def from_list(cls, item: Any) -> "HolderRecord":
+    def from_list(cls, item: Any) -> HolderRecord:
         """A holder as stored in a snapshot.  :raises ValueError: not a list of 8 items."""
         if type(item) is not list or len(item) != 8:
             raise ValueError(f"snapshot holder must be a list of 8 items: {item!r:.80}")
@@ -184,7 +184,7 @@ class ApplyTarget(Protocol):
     epoch: int
     counter: int
 
-    def holder_token(self, name: str) -> Optional[int]:
+    def holder_token(self, name: str) -> int | None:
         """The token of ``name``'s current holder, or None."""
         ...
 
@@ -192,7 +192,7 @@ class ApplyTarget(Protocol):
         """Make ``grant`` the holder of its lock (replacing any); raise epoch and counter to its token's."""
         ...
 
-    def remove(self, record: Union[Release, Expire]) -> None:
+    def remove(self, record: Release | Expire) -> None:
         """Drop the holder of ``record.name`` (its token matched)."""
         ...
 
@@ -249,8 +249,8 @@ class LogState:
 
     __slots__ = ("holders", "epoch", "counter")
 
-    def __init__(self, epoch: int = 0, counter: int = 0, holders: Optional[list[HolderRecord]] = None):
-        self.holders: dict[str, Union[Grant, HolderRecord]] = {h.name: h for h in holders or ()}
+    def __init__(self, epoch: int = 0, counter: int = 0, holders: list[HolderRecord] | None = None):
+        self.holders: dict[str, Grant | HolderRecord] = {h.name: h for h in holders or ()}
         self.epoch = epoch
         self.counter = counter
 
@@ -258,7 +258,7 @@ class LogState:
         """Every holder, as :class:`HolderRecord`."""
         return [h if type(h) is HolderRecord else tuple.__new__(HolderRecord, h) for h in self.holders.values()]
 
-    def holder_token(self, name: str) -> Optional[int]:
+    def holder_token(self, name: str) -> int | None:
         h = self.holders.get(name)
         return None if h is None else h[1]  # the token: field 1 of both a Grant and a HolderRecord
 
@@ -270,7 +270,7 @@ class LogState:
         if token >> TOKEN_EPOCH_SHIFT > self.epoch:
             self.epoch = token >> TOKEN_EPOCH_SHIFT
 
-    def remove(self, record: Union[Release, Expire]) -> None:
+    def remove(self, record: Release | Expire) -> None:
         del self.holders[record.name]
 
     def set_ttl(self, record: Extend) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import msgpack
 
@@ -45,7 +45,7 @@ class LogFiles:
         self.directory = directory
         self.segs, self.snaps = list_dir(directory)
 
-    def choose_base(self, *, oldest: bool = False) -> tuple[int, Optional[Snapshot]]:
+    def choose_base(self, *, oldest: bool = False) -> tuple[int, Snapshot | None]:
         """Pick the snapshot to start from: ``(lsn, snapshot or None)``.
 
         The newest loadable snapshot whose following records still exist (or, with
@@ -54,7 +54,7 @@ class LogFiles:
         :raises WalCorruption: none works.
         """
         first_seg = self.segs[0][0] if self.segs else None
-        candidates: list[tuple[int, Optional[str]]] = list(reversed(self.snaps)) + [(0, None)]
+        candidates: list[tuple[int, str | None]] = list(reversed(self.snaps)) + [(0, None)]
         if oldest:
             candidates = [(0, None)] + list(self.snaps)
         problems = []
@@ -116,7 +116,7 @@ def recover(directory: str, *, repair: bool = False) -> Recovery:
     torn = 0
     repaired = False
     last_lsn = base
-    expect: Optional[int] = None  # next LSN the log must continue with
+    expect: int | None = None  # next LSN the log must continue with
     for i, (first, path) in enumerate(segs):
         is_last = i == len(segs) - 1
         if expect is not None and first != expect and not (expect < first <= base + 1):

@@ -20,7 +20,8 @@ import os
 import struct
 import threading
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import msgpack
 
@@ -111,8 +112,8 @@ class Snapshotter:
         self.keep = keep
         self.lsn = 0  # LSN of the newest snapshot written (or recovered from)
         self._counted_from = 0  # records after this LSN count towards the next snapshot
-        self._future: Optional[asyncio.Future] = None
-        self._thread: Optional[threading.Thread] = None
+        self._future: asyncio.Future | None = None
+        self._thread: threading.Thread | None = None
 
     def recovered(self, snapshot_lsn: int, last_lsn: int) -> None:
         """Recovery started from the snapshot at ``snapshot_lsn`` (0: none) and found

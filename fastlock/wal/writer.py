@@ -18,7 +18,8 @@ import asyncio
 import os
 import queue
 import threading
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from .files import FILE_MODE, DirectoryLock, fsync_dir, write_all
 from .format import SEG_HEADER, seg_header, seg_name
@@ -42,7 +43,7 @@ class SegmentList:
         with self._lock:
             return list(self._items)
 
-    def oldest(self) -> Optional[int]:
+    def oldest(self) -> int | None:
         """The first LSN of the oldest segment, or None if there is none."""
         with self._lock:
             return self._items[0][0] if self._items else None
@@ -114,9 +115,9 @@ class SegmentWriter:
         self.bytes = 0  # written since open
         self.fsyncs = 0  # data fsyncs, incl. rotation and segment creation
         self.batches = 0
-        self._queue: Optional[queue.SimpleQueue] = None
-        self._thread: Optional[threading.Thread] = None
-        self._dir_lock: Optional[DirectoryLock] = None
+        self._queue: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        self._dir_lock: DirectoryLock | None = None
 
     def lock_directory(self) -> None:
         """Take the data directory's lock (held until :meth:`stop`).

@@ -52,14 +52,34 @@ import os
 import signal
 import socket
 import sys
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from . import protocol as P
-from .cli import add_client_tls_arguments, client_tls_options
-from .cli import seconds_arg as _seconds
-from .errors import FastlockError, InvalidArgument
+from ..auth import read_token_file
+from ..client import connect, resolve_credential
+from ..errors import (
+    AuthError,
+    ConnectionLost,
+    FastlockError,
+    InvalidArgument,
+    LeaseLost,
+    LockNotAcquired,
+    PermissionDenied,
+    WrongArgumentType,
+)
+from ..protocol import MAX_CLIENT_NAME_CHARS, check_name, check_optional_str
+from ..units import DEFAULT_PORT
+from .args import (
+    add_client_tls_arguments,
+    client_tls_options,
+    exit_code_arg,
+    seconds_arg,
+    servers_from_env,
+    ttl_arg,
+    wait_arg,
+)
 
-log = logging.getLogger("fastlock.run")
+log = logging.getLogger(__name__)
 
 EXIT_LOST = 75  # EX_TEMPFAIL
 EXIT_NOT_ACQUIRED = 73
@@ -74,44 +94,14 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: removed from the command's environment unless --pass-credentials
 CREDENTIAL_VARIABLES = ("FASTLOCK_TOKEN_FILE", "FASTLOCK_AUTH_SECRET")
 
-__all__ = ["main", "add_run_parser", "run_from_args", "EXIT_LOST", "EXIT_NOT_ACQUIRED", "EXIT_UNAVAILABLE"]
-
-
-def _exit_code(value: str) -> int:
-    try:
-        v = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an exit code, got {value!r}") from None
-    if not 0 <= v <= 255:
-        raise argparse.ArgumentTypeError(f"exit codes are 0..255, got {v}")
-    return v
-
-
-def _ttl(value: str) -> float:
-    """argparse type: a lease TTL in seconds, > 0 and at most 24 h (the server's limits)."""
-    v = _seconds(value)
-    try:
-        P.check_ttl_ms(P.seconds_to_ms(v, "ttl"))
-    except FastlockError:
-        raise argparse.ArgumentTypeError(f"a TTL must be > 0 and at most 86400 seconds, got {value!r}") from None
-    return v
-
-
-def _wait(value: str) -> float:
-    """argparse type: seconds to wait for the lock, 0 (try once) to 24 h."""
-    v = _seconds(value)
-    try:
-        P.check_wait_ms(P.seconds_to_ms(v, "wait", allow_zero=True))
-    except FastlockError:
-        raise argparse.ArgumentTypeError(f"a wait must be 0 to 86400 seconds, got {value!r}") from None
-    return v
+__all__ = ["main", "add_parser", "build_parser", "run_from_args", "EXIT_LOST", "EXIT_NOT_ACQUIRED", "EXIT_UNAVAILABLE"]
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", metavar="NAME", help="the lock to hold while the command runs (1-512 bytes of UTF-8)")
-    p.add_argument("--ttl", type=_ttl, default=10.0, metavar="S",
+    p.add_argument("--ttl", type=ttl_arg, default=10.0, metavar="S",
                    help="lease TTL in seconds, > 0 and at most 86400, renewed about every ttl/3 (default 10)")
-    p.add_argument("--wait", type=_wait, default=None, metavar="S",
+    p.add_argument("--wait", type=wait_arg, default=None, metavar="S",
                    help="give up if not acquired within S seconds, at most 86400 (default: wait forever; "
                         "0: try once)")
     p.add_argument("--server", action="append", metavar="HOST:PORT",
@@ -124,27 +114,29 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pass-credentials", action="store_true",
                    help="leave FASTLOCK_TOKEN_FILE and FASTLOCK_AUTH_SECRET in the command's environment "
                         "(by default they are removed, so the command cannot act as this client)")
-    p.add_argument("--client-name", metavar="NAME", help="client name shown by the server (default fastlock-run@HOST:PID)")
-    p.add_argument("--grace", type=_seconds, default=10.0, metavar="S",
+    p.add_argument("--client-name", metavar="NAME",
+                   help="client name shown by the server (default fastlock-run@HOST:PID)")
+    p.add_argument("--grace", type=seconds_arg, default=10.0, metavar="S",
                    help="after the lease is lost: seconds between SIGTERM and SIGKILL to the command (default 10)")
-    p.add_argument("--conflict-exit-code", type=_exit_code, default=EXIT_NOT_ACQUIRED, metavar="N",
+    p.add_argument("--conflict-exit-code", type=exit_code_arg, default=EXIT_NOT_ACQUIRED, metavar="N",
                    help=f"exit status when not acquired within --wait (default {EXIT_NOT_ACQUIRED})")
     p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     add_client_tls_arguments(p)
 
 
-_DESCRIPTION = "run a command while holding a lock (exit codes: see `pydoc fastlock.runner`)"
+_DESCRIPTION = "run a command while holding a lock (exit codes: see `pydoc fastlock.cli.run`)"
 _USAGE = "fastlock run NAME [--ttl S] [--wait S] [--server HOST:PORT ...] [options] -- CMD [ARG ...]"
 
 
-def add_run_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``run`` subcommand to ``fastlock``'s argparse subparsers.
 
     Every argument after ``run`` is collected verbatim into ``args.args``
-    (the command's own options must not be parsed by ``fastlock``); dispatch
-    with ``return runner.main(args.args)``, which parses them (and ``-h``)."""
+    (the command's own options must not be parsed by ``fastlock``); its
+    handler calls :func:`main` with them, which parses them (and ``-h``)."""
     p = subparsers.add_parser("run", help=_DESCRIPTION, add_help=False, prefix_chars="\0")
     p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(handler=lambda args: main(args.args))
     return p
 
 
@@ -172,8 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not command:
         parser.error("a command is needed after --")  # exits 2
     try:
-        P.check_name(args.name)
-        P.check_optional_str(args.client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
+        check_name(args.name)
+        check_optional_str(args.client_name, "client name", MAX_CLIENT_NAME_CHARS)
     except FastlockError as exc:
         parser.error(str(exc))  # exits 2
     return run_from_args(args, command)
@@ -184,10 +176,7 @@ def run_from_args(args: argparse.Namespace, command: list[str]) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stderr,
                             format="fastlock run: %(levelname)s %(message)s")
-    servers = args.server or [s for s in os.environ.get("FASTLOCK_SERVER", "").split(",") if s] or ["127.0.0.1:7420"]
-    from .auth import read_token_file
-    from .client import resolve_credential
-
+    servers = args.server or servers_from_env() or [f"127.0.0.1:{DEFAULT_PORT}"]
     try:
         secret = read_token_file(args.auth_secret_file) if args.auth_secret_file else None
         if secret is None and os.environ.get("FASTLOCK_AUTH_SECRET") is not None:
@@ -204,12 +193,9 @@ def run_from_args(args: argparse.Namespace, command: list[str]) -> int:
 
 async def _run(args: argparse.Namespace, command: list[str], servers: list[str], secret: str | None,
                client_name: str) -> int:
-    from .client import connect
-    from .errors import (AuthError, ConnectionLost, FastlockError, InvalidArgument, LeaseLost, LockNotAcquired,
-                         PermissionDenied, WrongArgumentType)
-
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
+    assert main_task is not None  # a coroutine run by asyncio.run
     state: dict = {"proc": None, "signal": None}
 
     def on_signal(signum: int) -> None:

@@ -1,9 +1,5 @@
-"""Loopback tools for the replication and failover tests.
-
-:class:`TcpProxy`
-    The fault-injecting proxy of the test base (:mod:`fastlock._testbase.proxy`),
-    re-exported here: ``pause()``/``blackhole()`` a link, ``resume()``/``heal()``
-    it, ``cut()`` it.
+"""Several nodes for one test: raw connections to one node, and clusters of
+real servers with proxies between them.
 
 :class:`RawNode`
     A protocol connection to exactly ONE node: no redirects, no reconnects,
@@ -12,22 +8,35 @@
     server sent.
 
 :class:`Cluster`
-    Starts primaries, standbys and proxies for one test and stops all of them
-    (use it from a fixture's ``finally``).
+    Starts primaries, standbys and proxies (:class:`~fastlock._testbase.proxy.TcpProxy`)
+    for one test and stops all of them (use it from a fixture's ``finally``).
+
+:func:`run`, :func:`poll`, :func:`status_of`
+    Run a coroutine with a bound; wait for a condition with a bound; one
+    STATUS round trip to exactly one address.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from types import EllipsisType
+from typing import Any
 
 from fastlock import protocol as P
-from fastlock import rpc
-from fastlock._testbase import CredentialsDir, ServerProcess, TcpProxy
+from fastlock._testbase.proxy import TcpProxy
+from fastlock._testbase.servers import CredentialsDir, ServerProcess
 from fastlock.errors import ConnectionLost
+from fastlock.protocol import rpc
+from fastlock.units import parse_address
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Cluster", "RawNode", "poll", "run", "status_of"]
 
 
 class RawNode:
@@ -38,19 +47,18 @@ class RawNode:
     server's answer in :attr:`hello`.  :meth:`request` pipelines requests and
     raises the server's error as a :mod:`fastlock.errors` exception, or
     :class:`~fastlock.errors.ConnectionLost` when the connection drops.
-    Built on :class:`fastlock.rpc.RpcConnection` (pushes are ignored).
+    Built on :class:`fastlock.protocol.rpc.RpcConnection` (pushes are ignored).
     """
 
     def __init__(self, address: str):
-        host, _, port = address.rpartition(":")
         self.address = address
-        self.host, self.port = host, int(port)
+        self.host, self.port = parse_address(address, default_port=None)
         self.hello: dict = {}
         self._conn: rpc.RpcConnection | None = None
 
     @classmethod
     async def open(cls, address: str, *, known_epoch: int | None = None, name: str = "raw",
-                   timeout: float = 5.0, token: str | None | type = ...) -> "RawNode":
+                   timeout: float = 5.0, token: str | None | EllipsisType = ...) -> RawNode:
         """``token``: the credential for HELLO (default: the token in the file named by
         ``FASTLOCK_TOKEN_FILE`` - a :class:`Cluster` sets it to its admin's - else None)."""
         if token is ...:
@@ -76,7 +84,8 @@ class RawNode:
         return self._conn.request(op, *args)
 
     # -- lock operations in wire units (ms) -----------------------------------------------
-    async def acquire(self, name: str, ttl_ms: int, wait_ms: int = 0, owner: bytes | None = None) -> tuple[int, int, bytes]:
+    async def acquire(self, name: str, ttl_ms: int, wait_ms: int = 0,
+                      owner: bytes | None = None) -> tuple[int, int, bytes]:
         """Returns ``(token, ttl_ms, owner)``."""
         owner = owner or os.urandom(16)
         reply = await self.request(P.OP_ACQUIRE, name, owner, ttl_ms, wait_ms, 0, None)
@@ -177,7 +186,7 @@ class Cluster:
             try:
                 srv.stop(5)
             except Exception:  # keep stopping the others
-                pass
+                log.exception("stopping %s failed", srv.data_dir)
 
 
 def run(coro, timeout: float = 40.0):

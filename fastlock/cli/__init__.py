@@ -1,0 +1,98 @@
+"""The ``fastlock`` command (also ``python -m fastlock``).
+
+Subcommands::
+
+    fastlock serve [--listen HOST:PORT] [--data-dir DIR] [--fsync always|interval|never] ...
+    fastlock demo [--workers N] [--unfenced] [--quiet] [--keep] ...
+    fastlock status [--server HOST:PORT]
+    fastlock wal dump [--lock NAME] DIR
+    fastlock run NAME --ttl S [--wait S] [--server HOST:PORT] -- CMD ...
+    fastlock promote --server HOST:PORT [--force] [--token-file FILE]
+    fastlock serve-alone --server HOST:PORT [--token-file FILE]
+    fastlock credentials init DIR     credentials.toml (hashes) + one 0600 token file per principal
+
+The package holds one module per concern: :mod:`~fastlock.cli.args` (argument
+types and shared options), :mod:`~fastlock.cli.serve`,
+:mod:`~fastlock.cli.admin` (status, promote, serve-alone, credentials, wal
+dump), :mod:`~fastlock.cli.run` and :mod:`~fastlock.cli.demo`.
+
+Client commands name their server with ``--server`` or the environment
+variable ``FASTLOCK_SERVER``.  TLS: ``serve`` takes ``--tls-cert/--tls-key``
+(and ``--tls-ca`` with ``--tls-client-auth`` for mutual TLS); the client
+commands (``status``, ``promote``, ``serve-alone``, ``run``) take
+``--tls-ca/--tls-cert/--tls-key`` or the environment variables
+``FASTLOCK_TLS_CA``, ``FASTLOCK_TLS_CERT``, ``FASTLOCK_TLS_KEY`` (see
+:func:`fastlock.cli.args.add_client_tls_arguments`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import ssl
+import sys
+
+from .. import __version__
+from ..errors import FastlockError
+from ..wal import WalCorruption
+from . import admin, demo, run, serve
+from .args import add_client_tls_arguments, client_tls_options, seconds_arg
+
+__all__ = ["add_client_tls_arguments", "build_parser", "client_tls_options", "main", "seconds_arg"]
+
+#: an alias kept for scripts that send one admin request (:func:`fastlock.cli.admin.admin_request`)
+_admin = admin.admin_request
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fastlock`` argument parser; each subcommand sets ``handler``."""
+    parser = argparse.ArgumentParser(prog="fastlock", description="fastlock lock server and tools")
+    parser.add_argument("--version", action="version", version=f"fastlock {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve.add_parser(sub)
+    demo.add_parser(sub)
+    admin.add_parsers(sub)
+    run.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``fastlock`` command; returns the exit status.
+
+    Usage errors (bad arguments) exit 2 with argparse's message; runtime
+    errors (unreachable server, refused request, missing or damaged WAL)
+    print one line, ``fastlock <command>: <reason>``, to stderr and exit 1.
+    """
+    args = build_parser().parse_args(argv)
+    if args.command in ("serve", "demo", "run"):
+        return int(args.handler(args))  # each reports its own errors and exit status
+    if args.command in ("status", "promote", "serve-alone"):
+        admin.resolve_server(args)
+    command = {"wal": "wal dump", "credentials": "credentials init"}.get(args.command, args.command)
+    try:
+        return int(args.handler(args))
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # e.g. `fastlock wal dump DIR | head`
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
+        return 1
+    except Exception as exc:
+        if not isinstance(exc, (FastlockError, WalCorruption, OSError, TimeoutError, ValueError)):
+            raise  # a bug: keep the traceback
+        print(f"fastlock {command}: {describe(args, exc)}", file=sys.stderr)
+        return 1
+
+
+def describe(args: argparse.Namespace, exc: BaseException) -> str:
+    """One line for a runtime error: the node concerned (if any) and the reason."""
+    where = admin.where(args)
+    if isinstance(exc, ssl.SSLError):  # its errno is OpenSSL's, not an OS error number
+        return f"{where}TLS: {getattr(exc, 'verify_message', None) or exc.reason or exc}"
+    if isinstance(exc, OSError) and exc.strerror:
+        reason = os.strerror(exc.errno) if exc.errno else exc.strerror  # asyncio's text repeats the address
+        what = f"{exc.filename}: {reason}" if exc.filename else reason
+        return f"{where}{'cannot connect: ' if where and not exc.filename else ''}{what}"
+    if isinstance(exc, (OSError, TimeoutError)):
+        return f"{where}{exc or type(exc).__name__}"
+    return f"{where}{type(exc).__name__}: {exc}"

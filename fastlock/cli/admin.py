@@ -1,0 +1,265 @@
+"""The operator's commands: ``status``, ``promote``, ``serve-alone``,
+``credentials init`` and ``wal dump``.
+
+``status``, ``promote`` and ``serve-alone`` send one request straight to the
+node named by ``--server`` (default: ``$FASTLOCK_SERVER`` when it names one
+address; ``status`` then falls back to 127.0.0.1:7420): no redirect to a
+primary, since they target a node.  They authenticate with an admin
+principal's token (``--token-file`` or ``$FASTLOCK_TOKEN_FILE``) and take the
+client TLS options of :func:`fastlock.cli.args.add_client_tls_arguments`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+from .. import wal
+from ..auth import generate
+from ..errors import ConnectionLost
+from ..protocol import OP_HELLO, OP_PROMOTE, OP_SERVE_ALONE, OP_STATUS, PROTOCOL_VERSION
+from ..protocol.rpc import open_connection
+from ..tls import client_ssl_context
+from ..units import DEFAULT_PORT, format_address
+from .args import (
+    SERVER_VARIABLE,
+    add_client_tls_arguments,
+    add_token_arguments,
+    client_tls_options,
+    read_token,
+    seconds_arg,
+    server_address,
+    servers_from_env,
+)
+
+__all__ = ["ADMIN_TIMEOUT", "add_parsers", "admin_request", "resolve_server", "where"]
+
+#: seconds for the TCP connect, and again for the replies
+ADMIN_TIMEOUT = 10.0
+
+_WAL_FILE = re.compile(r"^(wal-\d{20}\.log|snap-\d{20}\.snap)$")
+
+
+def add_parsers(sub: Any) -> None:
+    """Add the admin commands to ``fastlock``'s subparsers."""
+    server_help = f"(default: ${SERVER_VARIABLE} if it names one node)"
+    st = sub.add_parser("status", help="show one node's role, epoch, counters and replication state")
+    st.set_defaults(handler=status_command, subparser=st, default_server=("127.0.0.1", DEFAULT_PORT))
+    st.add_argument("--server", type=server_address, metavar="HOST:PORT",
+                    help=f"the node to ask (default: ${SERVER_VARIABLE} if it names one node, else "
+                         f"127.0.0.1:7420); a standby answers for itself, no redirect to its primary")
+    add_token_arguments(st)
+    add_client_tls_arguments(st)
+
+    pr = sub.add_parser("promote", help="promote a standby to primary (new epoch, grace period)")
+    pr.set_defaults(handler=promote_command, subparser=pr, default_server=None)
+    pr.add_argument("--server", type=server_address, metavar="HOST:PORT", help=f"the standby {server_help}")
+    pr.add_argument("--force", action="store_true",
+                    help="the operator's word that the old primary is dead: promote even if it cannot "
+                         "confirm stepping down and does not fence itself, or if this standby never "
+                         "synchronised (its data dir must then be current)")
+    pr.add_argument("--timeout", type=seconds_arg, default=300.0, metavar="SECONDS",
+                    help="how long to wait for the promotion, which may wait out the old primary's "
+                         "fence (default 300)")
+    add_token_arguments(pr)
+    add_client_tls_arguments(pr)
+
+    sa = sub.add_parser("serve-alone", help="tell a primary its standby is gone: stop fencing itself")
+    sa.set_defaults(handler=serve_alone_command, subparser=sa, default_server=None)
+    sa.add_argument("--server", type=server_address, metavar="HOST:PORT", help=f"the primary {server_help}")
+    add_token_arguments(sa)
+    add_client_tls_arguments(sa)
+
+    c = sub.add_parser("credentials", help="make a credentials file and token files")
+    csub = c.add_subparsers(dest="credentials_command", required=True)
+    ci = csub.add_parser(
+        "init", help="make DIR/credentials.toml and one 0600 DIR/<principal>.token per principal",
+        description="Make a credentials file (token hashes only) and a token file per principal in DIR "
+                    "(made 0700; existing files are never overwritten). Defaults: client 'app' (every lock), "
+                    "replicas 'node-a' and 'node-b' (one per node of a pair), admin 'admin'.")
+    ci.set_defaults(handler=credentials_init_command)
+    ci.add_argument("directory", metavar="DIR")
+    ci.add_argument("--client", action="append", metavar="NAME[=PREFIX]",
+                    help="a client principal, with every client operation on names starting with PREFIX "
+                         "(default: every name); repeatable")
+    ci.add_argument("--replica", action="append", metavar="NAME", help="a replica principal; repeatable")
+    ci.add_argument("--admin", action="append", metavar="NAME", help="an admin principal; repeatable")
+    ci.add_argument("--cert", action="append", metavar="PRINCIPAL=CN",
+                    help="with mutual TLS, a client certificate whose subject CN is CN authenticates as "
+                         "PRINCIPAL without a token; repeatable")
+    ci.add_argument("--anonymous", metavar="PREFIX",
+                    help="let connections without a token act as a client on names starting with PREFIX "
+                         "('' for every name)")
+
+    w = sub.add_parser("wal", help="inspect a write-ahead log")
+    wsub = w.add_subparsers(dest="wal_command", required=True)
+    wd = wsub.add_parser("dump", help="print the grant/release/expiry history",
+                         description="Print a data directory's WAL as audit lines. Exits 1 with a one-line "
+                                     "message if DIR is missing, is not a directory, holds no WAL segment or "
+                                     "snapshot at all (most likely the wrong directory), or is corrupt "
+                                     "(after printing what precedes the damage). A WAL with no records prints "
+                                     "nothing and exits 0.")
+    wd.set_defaults(handler=wal_dump_command)
+    wd.add_argument("--lock", metavar="NAME", help="only this lock")
+    wd.add_argument("--state", action="store_true",
+                    help="then print the state the records add up to (epoch, counter, holders)")
+    wd.add_argument("directory", metavar="DIR", help="the server's --data-dir")
+
+
+def resolve_server(args: argparse.Namespace) -> None:
+    """Fill in ``args.server`` of a node-targeting command: ``--server``, else
+    ``$FASTLOCK_SERVER`` if it names exactly one node, else the command's
+    default; exits 2 (argparse's usage error) when none applies."""
+    if args.server is not None:
+        return
+    parser: argparse.ArgumentParser = args.subparser
+    servers = servers_from_env()
+    if len(servers) > 1:
+        parser.error(f"${SERVER_VARIABLE} names several servers ({', '.join(servers)}); this command targets "
+                     f"one node: name it with --server")
+    if servers:
+        try:
+            args.server = server_address(servers[0])
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"${SERVER_VARIABLE}: {exc}")
+        return
+    if args.default_server is None:
+        parser.error(f"--server is required (or ${SERVER_VARIABLE}): the node this command targets")
+    args.server = args.default_server
+
+
+def admin_request(server: tuple[str, int], token: str | None, op: int, *args: Any,
+                  reply_timeout: float = ADMIN_TIMEOUT, tls: dict[str, Any] | None = None) -> Any:
+    """Send one request straight to ``server`` (no redirects: it targets a node); return its reply.
+
+    Args:
+        server: ``(host, port)`` of the node.
+        token: the admin principal's token (or None).
+        op: the op code (:mod:`fastlock.protocol.ops`); ``args`` its arguments.
+        reply_timeout: seconds to wait for each reply.
+        tls: :func:`~fastlock.cli.args.client_tls_options` (empty or None: plain TCP).
+
+    Raises:
+        FastlockError: the server's refusal.
+        OSError: connect or read failures, an unreadable TLS file, ``ssl.SSLError``
+            for a failed TLS handshake.
+        TimeoutError: no connection within :data:`ADMIN_TIMEOUT` seconds, or
+            no reply within ``reply_timeout`` seconds.
+    """
+    host, port = server
+    options = dict(tls or {})
+    server_hostname = options.pop("server_hostname", None)
+    ctx = client_ssl_context(options.pop("tls", None), options.pop("tls_ca", None), options.pop("tls_cert", None),
+                             options.pop("tls_key", None))
+    ssl_args: dict[str, Any] = {"ssl": ctx, "server_hostname": server_hostname or host} if ctx is not None else {}
+
+    # what a server closing or resetting the connection most likely means
+    hint = (" (it may require TLS: --tls-ca)" if ctx is None else
+            " (it may have refused this client's certificate, or its lack of one: --tls-cert)")
+
+    async def exchange() -> Any:
+        try:
+            conn = await open_connection(host, port, timeout=ADMIN_TIMEOUT, **ssl_args)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no connection within {ADMIN_TIMEOUT:g} s") from None
+        hello = conn.request(OP_HELLO, PROTOCOL_VERSION, "fastlock-admin", token)
+        reply = conn.request(op, *args)
+        try:
+            await asyncio.wait_for(hello, reply_timeout)
+            return await asyncio.wait_for(reply, reply_timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no reply within {reply_timeout:g} s") from None
+        except ConnectionLost:
+            if conn.close_error is not None:  # the server said why it closed
+                raise conn.close_error from None
+            raise ConnectionError("the server closed the connection" + hint) from None
+        finally:
+            reply.add_done_callback(lambda f: f.cancelled() or f.exception())
+            conn.close()
+
+    async def run() -> Any:
+        try:
+            return await exchange()
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            # a TLS server that refuses a client certificate may reset rather than close
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise ConnectionError(f"{reason}{hint}") from None
+
+    return asyncio.run(run())
+
+
+def status_command(args: argparse.Namespace) -> int:
+    """Print the status of exactly the node named by ``--server`` (a direct
+    request: a standby reports itself, not its primary)."""
+    result = admin_request(args.server, read_token(args), OP_STATUS, tls=client_tls_options(args))
+    print(json.dumps(result, indent=2, sort_keys=True, default=str))
+    return 0
+
+
+def promote_command(args: argparse.Namespace) -> int:
+    """Promote the standby named by ``--server``; prints the new epoch and role."""
+    # a promotion may wait out the old primary's fence (up to its --failover-after)
+    result = admin_request(args.server, read_token(args), OP_PROMOTE, bool(args.force),
+                           reply_timeout=args.timeout, tls=client_tls_options(args))
+    print(json.dumps(result, indent=2, sort_keys=True))
+    return 0
+
+
+def serve_alone_command(args: argparse.Namespace) -> int:
+    """Tell the primary named by ``--server`` that its standby is gone."""
+    result = admin_request(args.server, read_token(args), OP_SERVE_ALONE, tls=client_tls_options(args))
+    print(json.dumps(result, indent=2, sort_keys=True))
+    return 0
+
+
+def credentials_init_command(args: argparse.Namespace) -> int:
+    """Write DIR/credentials.toml and a token file per principal (:func:`fastlock.auth.generate`)."""
+    clients = []
+    for spec in args.client or ["app"]:
+        name, _, prefix = spec.partition("=")
+        clients.append((name, prefix))
+    certs: dict[str, Iterable[str]] = {}
+    for spec in args.cert or []:
+        principal, sep, cn = spec.partition("=")
+        if not sep or not cn:
+            raise ValueError(f"--cert takes PRINCIPAL=CN, not {spec!r}")
+        certs[principal] = [*certs.get(principal, ()), cn]
+    paths = generate(args.directory, clients=clients, replicas=args.replica or ["node-a", "node-b"],
+                     admins=args.admin or ["admin"], anonymous_prefix=args.anonymous, cert_identities=certs)
+    print(f"wrote {os.path.join(args.directory, 'credentials.toml')} (token hashes; give it to every server "
+          f"with --credentials) and these token files (mode 0600; each only to its user):")
+    for path in paths.values():
+        print(f"  {path}")
+    return 0
+
+
+def wal_dump_command(args: argparse.Namespace) -> int:
+    """Print a data directory's WAL as audit lines (:func:`fastlock.wal.dump`).
+
+    Raises:
+        FileNotFoundError: the directory is missing or holds no WAL segment nor snapshot.
+        NotADirectoryError: it is not a directory.
+        WalCorruption: the log is damaged (after printing what precedes the damage).
+    """
+    d = args.directory
+    if not os.path.exists(d):
+        raise FileNotFoundError(f"{d}: no such directory")
+    if not os.path.isdir(d):
+        raise NotADirectoryError(f"{d}: not a directory")
+    if not any(_WAL_FILE.match(n) for n in os.listdir(d)):
+        raise FileNotFoundError(f"{d}: no WAL segment (wal-*.log) or snapshot (snap-*.snap) here; "
+                                f"is it a fastlock --data-dir?")
+    wal.dump(d, lock=args.lock, file=sys.stdout, state=args.state)
+    return 0
+
+
+def where(args: argparse.Namespace) -> str:
+    """The node a failed command concerned, as ``host:port: `` (or "")."""
+    server = getattr(args, "server", None)
+    return f"{format_address(server)}: " if isinstance(server, tuple) else ""

@@ -1,0 +1,203 @@
+"""Argument types and shared options of the ``fastlock`` commands.
+
+Every type wraps the library's own rule - :func:`fastlock.units.parse_address`
+for addresses, :func:`fastlock.units.check_seconds` for durations, the
+protocol's validators for lock arguments - and turns its
+:class:`~fastlock.errors.InvalidArgument` into argparse's
+``ArgumentTypeError``, so a flag accepts exactly what the Python API accepts
+and says why it refuses the rest (exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from ..auth import CredentialsError, read_token_file
+from ..errors import FastlockError
+from ..protocol import MIN_MAX_FRAME_BYTES, check_ttl_ms, check_wait_ms, seconds_to_ms
+from ..units import DEFAULT_PORT, MAX_SECONDS, check_seconds, parse_address
+
+__all__ = [
+    "SERVER_VARIABLE", "add_client_tls_arguments", "add_token_arguments", "client_tls_options",
+    "count_arg", "exit_code_arg", "frame_bytes_arg", "listen_address", "positive_int", "positive_seconds_arg",
+    "read_secret", "read_token", "seconds_arg", "server_address", "servers_from_env", "ttl_arg", "wait_arg",
+]
+
+#: the environment variable naming the server(s) a client command talks to
+#: (comma-separated ``HOST:PORT``), as ``fastlock run`` and the admin commands read it
+SERVER_VARIABLE = "FASTLOCK_SERVER"
+
+
+def listen_address(value: str) -> tuple[str, int]:
+    """argparse type: ``HOST:PORT`` or ``[IPv6]:PORT`` to listen on (port 0: any free port)."""
+    try:
+        return parse_address(value, default_port=None, allow_port_zero=True)
+    except FastlockError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def server_address(value: str) -> tuple[str, int]:
+    """argparse type: a server to talk to, ``HOST[:PORT]`` or ``[IPv6][:PORT]``
+    (default port 7420, :data:`fastlock.units.DEFAULT_PORT`)."""
+    try:
+        return parse_address(value, default_port=DEFAULT_PORT)
+    except FastlockError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def servers_from_env() -> list[str]:
+    """The addresses in ``$FASTLOCK_SERVER`` (comma-separated; empty entries dropped)."""
+    return [s.strip() for s in os.environ.get(SERVER_VARIABLE, "").split(",") if s.strip()]
+
+
+def positive_int(value: str) -> int:
+    """argparse type: an integer > 0."""
+    try:
+        v = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def count_arg(value: str) -> int:
+    """argparse type: an integer >= 0 (0: no limit / off, where the flag says so)."""
+    try:
+        v = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def frame_bytes_arg(value: str) -> int:
+    """argparse type: a request frame bound in bytes, at least
+    :data:`fastlock.protocol.MIN_MAX_FRAME_BYTES`."""
+    v = positive_int(value)
+    if v < MIN_MAX_FRAME_BYTES:
+        raise argparse.ArgumentTypeError(f"expected at least {MIN_MAX_FRAME_BYTES} (a request with its names, "
+                                         f"owner key and ids at their limits), got {v}")
+    return v
+
+
+def exit_code_arg(value: str) -> int:
+    """argparse type: a process exit status, 0..255."""
+    try:
+        v = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an exit code, got {value!r}") from None
+    if not 0 <= v <= 255:
+        raise argparse.ArgumentTypeError(f"exit codes are 0..255, got {v}")
+    return v
+
+
+def _seconds(value: str, what: str, *, allow_zero: bool) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+    try:
+        seconds = check_seconds(number, what, allow_zero=allow_zero, maximum=MAX_SECONDS)
+    except FastlockError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    assert seconds is not None  # allow_none is off
+    return seconds
+
+
+def seconds_arg(value: str) -> float:
+    """argparse type: a finite number of seconds, 0 to one year (``units.MAX_SECONDS``)."""
+    return _seconds(value, "the duration", allow_zero=True)
+
+
+def positive_seconds_arg(value: str) -> float:
+    """argparse type: a finite number of seconds, > 0 and at most one year."""
+    return _seconds(value, "the duration", allow_zero=False)
+
+
+def ttl_arg(value: str) -> float:
+    """argparse type: a lease TTL in seconds, > 0 and at most 24 h (the protocol's limits)."""
+    seconds = _seconds(value, "ttl", allow_zero=False)
+    try:
+        check_ttl_ms(seconds_to_ms(seconds, "ttl"))
+    except FastlockError:
+        raise argparse.ArgumentTypeError(f"a TTL must be > 0 and at most 86400 seconds, got {value!r}") from None
+    return seconds
+
+
+def wait_arg(value: str) -> float:
+    """argparse type: seconds to wait for a lock, 0 (try once) to 24 h."""
+    seconds = _seconds(value, "wait", allow_zero=True)
+    try:
+        check_wait_ms(seconds_to_ms(seconds, "wait", allow_zero=True))
+    except FastlockError:
+        raise argparse.ArgumentTypeError(f"a wait must be 0 to 86400 seconds, got {value!r}") from None
+    return seconds
+
+
+def add_client_tls_arguments(p: argparse.ArgumentParser) -> None:
+    """Add a client command's TLS options (each falls back to an environment variable)."""
+    g = p.add_argument_group("TLS (a --tls-* file or FASTLOCK_TLS_* variable turns TLS on)")
+    g.add_argument("--tls", action="store_true",
+                   help="connect over TLS, verifying the server against the system's CAs or --tls-ca "
+                        "(or env FASTLOCK_TLS=1)")
+    g.add_argument("--tls-ca", metavar="FILE", help="CA certificate(s) to verify the server (or env FASTLOCK_TLS_CA)")
+    g.add_argument("--tls-cert", metavar="FILE",
+                   help="client certificate, for servers that require one (or env FASTLOCK_TLS_CERT)")
+    g.add_argument("--tls-key", metavar="FILE", help="its private key (or env FASTLOCK_TLS_KEY)")
+    g.add_argument("--tls-server-name", metavar="NAME",
+                   help="the name the server's certificate must carry (default: the host of --server; "
+                        "or env FASTLOCK_TLS_SERVER_NAME)")
+
+
+def client_tls_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The TLS keyword arguments of :func:`fastlock.connect` from a command's
+    options (see :func:`add_client_tls_arguments`) and the environment."""
+    env = os.environ
+
+    def pick(value: str | None, var: str) -> str | None:
+        return value or env.get(var) or None
+
+    options = {
+        "tls_ca": pick(args.tls_ca, "FASTLOCK_TLS_CA"),
+        "tls_cert": pick(args.tls_cert, "FASTLOCK_TLS_CERT"),
+        "tls_key": pick(args.tls_key, "FASTLOCK_TLS_KEY"),
+        "server_hostname": pick(args.tls_server_name, "FASTLOCK_TLS_SERVER_NAME"),
+    }
+    if args.tls or env.get("FASTLOCK_TLS", "") not in ("", "0") or any(options.values()):
+        return {"tls": True, **options}
+    return {}
+
+
+def add_token_arguments(p: argparse.ArgumentParser) -> None:
+    """Add an admin command's credential options (see :func:`read_token`)."""
+    p.add_argument("--token-file", metavar="FILE",
+                   help="an admin principal's token file (default: env FASTLOCK_TOKEN_FILE)")
+    p.add_argument("--auth-secret-file", metavar="FILE", help="legacy shared secret file")
+
+
+def read_secret(path: str | None) -> str | None:
+    """The legacy shared secret: from ``path``, else env FASTLOCK_AUTH_SECRET.
+
+    Raises:
+        CredentialsError: the variable is set but empty (never taken as the secret "").
+        OSError: ``path`` cannot be read.
+    """
+    if path:
+        return read_token_file(path)
+    value = os.environ.get("FASTLOCK_AUTH_SECRET")
+    if value is not None and not value.strip():
+        raise CredentialsError("FASTLOCK_AUTH_SECRET is set but empty")
+    return value.strip() if value else None
+
+
+def read_token(args: argparse.Namespace) -> str | None:
+    """The credential a command presents: --token-file, env FASTLOCK_TOKEN_FILE,
+    or the legacy secret (:func:`read_secret`); None: no credential."""
+    path = getattr(args, "token_file", None) or os.environ.get("FASTLOCK_TOKEN_FILE")
+    if path:
+        return read_token_file(path)
+    return read_secret(getattr(args, "auth_secret_file", None))

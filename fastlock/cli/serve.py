@@ -1,0 +1,207 @@
+"""``fastlock serve``: its flags and the :class:`~fastlock.server.ServerConfig` they make."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from ..auth import Credentials, read_token_file
+from ..server import ServerConfig, serve
+from ..units import DEFAULT_PORT
+from .args import count_arg, frame_bytes_arg, listen_address, positive_int, read_secret, seconds_arg
+
+__all__ = ["add_limit_flags", "add_parser", "check_args", "limit_config", "serve_command"]
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add ``serve`` to ``fastlock``'s subparsers."""
+    s = sub.add_parser("serve", help="run a server")
+    s.set_defaults(subparser=s, handler=serve_command)
+    s.add_argument("--listen", type=listen_address, default=("127.0.0.1", DEFAULT_PORT), metavar="HOST:PORT",
+                   help="address to listen on (default 127.0.0.1:7420; port 0 picks a free port)")
+    s.add_argument("--data-dir", default="fastlock-data", metavar="DIR",
+                   help="directory for the write-ahead log and snapshots (default ./fastlock-data)")
+    s.add_argument("--fsync", choices=("always", "interval", "never"), default="always",
+                   help="always: grants are acknowledged after fsync (group commit, default); "
+                        "interval: fsync every --fsync-interval-ms; never: leave it to the OS")
+    s.add_argument("--fsync-interval-ms", type=positive_int, default=1000, metavar="MS")
+    s.add_argument("--snapshot-every", type=positive_int, default=200_000, metavar="RECORDS",
+                   help="write a snapshot and drop old WAL segments after this many records")
+    s.add_argument("--credentials", metavar="FILE",
+                   help="principals, token hashes and ACLs (TOML; make one with `fastlock credentials init DIR`). "
+                        "Without it: open mode, loopback only - every connection is a client of every lock, "
+                        "and replica and admin operations are refused")
+    s.add_argument("--standby-token-file", metavar="FILE",
+                   help="this node's replica token, presented to the primary it follows (needed with "
+                        "--standby-of; keep it for a primary too, for when it is restarted as a standby)")
+    s.add_argument("--allow-unauthenticated", action="store_true",
+                   help="allow open mode (no --credentials) on a non-loopback address (protected mode off)")
+    s.add_argument("--auth-failures-before-ban", type=int, default=5, metavar="N",
+                   help="after N failed authentications within 60 s, refuse every HELLO from that address for "
+                        "1 s, doubling with each ban up to 300 s (default 5; 0: never ban)")
+    s.add_argument("--auth-secret-file", metavar="FILE",
+                   help="legacy: a shared secret (or env FASTLOCK_AUTH_SECRET) that makes a client of every "
+                        "lock; not a replica nor an admin. Prefer --credentials")
+    s.add_argument("--tls-cert", metavar="FILE",
+                   help="serve TLS with this certificate (PEM, with its chain); a standby also presents it "
+                        "to its primary")
+    s.add_argument("--tls-key", metavar="FILE", help="the certificate's private key (default: in --tls-cert)")
+    s.add_argument("--tls-ca", metavar="FILE",
+                   help="CA certificate(s) that verify client certificates and, on a standby, the primary's "
+                        "(default for the latter: the system's CAs)")
+    s.add_argument("--tls-client-auth", choices=("none", "optional", "required"), default="none",
+                   help="client certificates: none (default), optional (verified if sent), required "
+                        "(mutual TLS); needs --tls-ca")
+    s.add_argument("--tls-handshake-timeout", type=seconds_arg, default=10.0, metavar="SECONDS",
+                   help="drop a connection whose TLS handshake takes longer (default 10)")
+    add_limit_flags(s)
+    s.add_argument("--standby-of", type=listen_address, metavar="HOST:PORT",
+                   help="run as a standby of this primary: follow its log, answer clients NotPrimary")
+    s.add_argument("--failover-after", type=seconds_arg, default=0.0, metavar="SECONDS",
+                   help="standby: promote itself after the primary has been silent this long (default: "
+                        "only on `fastlock promote`); the primary then fences itself earlier (see --fence-margin)")
+    s.add_argument("--promotion-grace", type=seconds_arg, default=None, metavar="SECONDS",
+                   help="after promotion, grant nothing new for this long (default: the longest TTL seen); "
+                        "shorten only when every writer enforces fencing tokens")
+    s.add_argument("--fence-margin", type=seconds_arg, default=None, metavar="SECONDS",
+                   help="primary: stop granting this long before a silent standby may promote "
+                        "(default: a quarter of its failover window)")
+    s.add_argument("--name", metavar="NAME", help="this node's name in logs and replication status")
+    s.add_argument("--metrics", type=listen_address, metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (needs prometheus_client)")
+    s.add_argument("--wal-writer", choices=("thread", "inline"), default="thread",
+                   help="thread (default): write+fsync on a writer thread while the loop keeps serving; "
+                        "inline: on the loop itself (lower latency when idle, stalls everyone during an fsync)")
+    s.add_argument("--repair-wal", action="store_true",
+                   help="start even if the WAL's last segment has a damaged record in the middle: cut it "
+                        "there (records after it are lost; logged at ERROR). Without it the server refuses.")
+    s.add_argument("--no-uvloop", action="store_true", help="use the stdlib asyncio loop")
+    s.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+    return s
+
+
+def add_limit_flags(s: argparse.ArgumentParser) -> None:
+    """``fastlock serve`` flags for the limits on what peers can make the server
+    hold (README "Limits"); defaults are ServerConfig's."""
+    d = ServerConfig()
+    g = s.add_argument_group("limits", "bounds on what clients and standbys can make the server hold; "
+                                       "a request beyond one gets a LimitExceeded error naming it")
+    g.add_argument("--max-frame-bytes", type=frame_bytes_arg, default=d.max_frame_bytes, metavar="BYTES",
+                   help=f"largest request frame (default {d.max_frame_bytes}); a larger one closes the connection")
+    g.add_argument("--max-connections", type=positive_int, default=None, metavar="N",
+                   help="connections in all (default 10000, lowered to fit the open-files limit); at the limit "
+                        "the oldest connection without HELLO is closed to make room, else the new one is refused")
+    g.add_argument("--max-connections-per-address", type=positive_int, default=d.max_connections_per_address,
+                   metavar="N", help=f"connections from one IP address (default {d.max_connections_per_address})")
+    g.add_argument("--hello-timeout", type=seconds_arg, default=d.hello_timeout_ms / 1000, metavar="SECONDS",
+                   help=f"close a connection that has not completed HELLO within this time "
+                        f"(default {d.hello_timeout_ms / 1000:g}; 0: never)")
+    g.add_argument("--idle-timeout", type=seconds_arg, default=0.0, metavar="SECONDS",
+                   help="close a connection that sent nothing for this long, unless it waits for a lock, "
+                        "watches one or replicates (default 0: never)")
+    g.add_argument("--max-output-bytes", type=positive_int, default=d.max_output_bytes, metavar="BYTES",
+                   help=f"unread replies after which a client is disconnected (default {d.max_output_bytes})")
+    g.add_argument("--max-replica-output-bytes", type=positive_int, default=d.max_replica_output_bytes,
+                   metavar="BYTES", help=f"unsent stream after which a standby is disconnected; it resyncs "
+                                         f"(default {d.max_replica_output_bytes})")
+    g.add_argument("--max-stream-frame-bytes", type=positive_int, default=d.max_stream_frame_bytes,
+                   metavar="BYTES", help=f"standby: largest frame accepted from the primary (a snapshot is one "
+                                         f"frame; default {d.max_stream_frame_bytes})")
+    for flag, what in (("waiters", "waiting acquires"), ("leases", "held leases"), ("watches", "watches")):
+        g.add_argument(f"--max-{flag}", type=positive_int, default=getattr(d, f"max_{flag}"), metavar="N",
+                       help=f"{what}, all connections together (default {getattr(d, f'max_{flag}')})")
+        if flag != "leases":
+            g.add_argument(f"--max-{flag}-per-connection", type=positive_int,
+                           default=getattr(d, f"max_{flag}_per_connection"), metavar="N",
+                           help=f"{what} of one connection (default {getattr(d, f'max_{flag}_per_connection')})")
+        g.add_argument(f"--max-{flag}-per-principal", type=count_arg, default=0, metavar="N",
+                       help=f"{what} of one principal, all its connections together (default 0: only the "
+                            f"global limit)")
+
+
+def limit_config(args: argparse.Namespace) -> dict[str, Any]:
+    """ServerConfig fields from the flags of :func:`add_limit_flags`."""
+    return dict(
+        max_frame_bytes=args.max_frame_bytes,
+        max_connections=args.max_connections,
+        max_connections_per_address=args.max_connections_per_address,
+        hello_timeout_ms=round(args.hello_timeout * 1000),
+        idle_timeout_ms=round(args.idle_timeout * 1000),
+        max_output_bytes=args.max_output_bytes,
+        max_replica_output_bytes=args.max_replica_output_bytes,
+        max_stream_frame_bytes=args.max_stream_frame_bytes,
+        max_waiters=args.max_waiters,
+        max_waiters_per_connection=args.max_waiters_per_connection,
+        max_leases=args.max_leases,
+        max_watches=args.max_watches,
+        max_watches_per_connection=args.max_watches_per_connection,
+        max_leases_per_principal=args.max_leases_per_principal,
+        max_waiters_per_principal=args.max_waiters_per_principal,
+        max_watches_per_principal=args.max_watches_per_principal,
+    )
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse combinations of flags no single flag's type can see (exits 2 with the reason)."""
+    if args.standby_of is not None and args.standby_token_file is None and not args.tls_cert:
+        args.subparser.error("--standby-of needs --standby-token-file (or a --tls-cert that the primary's "
+                             "credentials map to a replica principal): a standby authenticates to its "
+                             "primary as a replica principal (see `fastlock credentials init`)")
+    if (args.tls_key or args.tls_ca) and not args.tls_cert:
+        args.subparser.error("--tls-key and --tls-ca need --tls-cert (this node's certificate)")
+    if args.tls_client_auth != "none" and not args.tls_ca:
+        args.subparser.error(f"--tls-client-auth {args.tls_client_auth} needs --tls-ca (the CA that signs "
+                             f"client certificates)")
+    if args.tls_cert and args.tls_handshake_timeout <= 0:
+        args.subparser.error("--tls-handshake-timeout must be > 0 seconds")
+    if args.failover_after and args.standby_of is None:
+        args.subparser.error("--failover-after only applies to a standby (it needs --standby-of): a primary "
+                             "learns its standby's failover window from the standby itself")
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """``fastlock serve``: run a server until it is stopped; returns the exit status.
+
+    The server logs its own errors (a damaged WAL, an address in use) and
+    exits non-zero; unreadable credential files print one line and exit 1."""
+    check_args(args)
+    logging.basicConfig(level=getattr(logging, args.log_level),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        secret = read_secret(args.auth_secret_file)
+        credentials = Credentials.load(args.credentials) if args.credentials else None
+        standby_token = read_token_file(args.standby_token_file) if args.standby_token_file else None
+    except (OSError, ValueError) as exc:
+        print(f"fastlock serve: {exc}", file=sys.stderr)
+        return 1
+    config = ServerConfig(
+        host=args.listen[0],
+        port=args.listen[1],
+        data_dir=args.data_dir,
+        fsync=args.fsync,
+        fsync_interval_ms=args.fsync_interval_ms,
+        snapshot_every=args.snapshot_every,
+        auth_secret=secret,
+        credentials=credentials,
+        standby_token=standby_token,
+        allow_unauthenticated=args.allow_unauthenticated,
+        auth_failures_before_ban=max(0, args.auth_failures_before_ban),
+        **limit_config(args),
+        standby_of=args.standby_of,
+        failover_after_ms=int(args.failover_after * 1000),
+        promotion_grace_ms=None if args.promotion_grace is None else int(args.promotion_grace * 1000),
+        fence_margin_ms=None if args.fence_margin is None else int(args.fence_margin * 1000),
+        name=args.name,
+        repair_wal=args.repair_wal,
+        wal_writer=args.wal_writer,
+        metrics=args.metrics,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
+        tls_client_auth=args.tls_client_auth,
+        tls_handshake_timeout_ms=int(args.tls_handshake_timeout * 1000),
+    )
+    return serve(config, use_uvloop=not args.no_uvloop)

@@ -1,0 +1,217 @@
+"""The wire protocol: msgpack frames over TCP.
+
+The package holds the protocol's parts, each readable alone:
+
+- :mod:`fastlock.protocol.ops` - op codes, the arity of every op, push kinds;
+- :mod:`fastlock.protocol.framing` - :class:`FrameDecoder`, :class:`DecodeLimits`,
+  the ``encode_*`` functions (sans-IO, the h11 pattern: no socket, loop or clock);
+- :mod:`fastlock.protocol.validation` - the argument validators the client
+  and the server share, so a bad argument is refused by the client before
+  anything is sent and, should a client not check, by the server with the
+  same message;
+- :mod:`fastlock.protocol.rpc` - :class:`RpcConnection`, the request/reply
+  layer under every party that sends requests to a server.
+
+This module re-exports their public names (``from fastlock import protocol as
+P``; ``P.OP_ACQUIRE``, ``P.check_name``...) and describes the protocol.
+
+Framing
+-------
+The stream is a plain sequence of msgpack objects (msgpack's own streaming
+format, as its ``Unpacker`` reads it).  A frame beyond its
+:class:`DecodeLimits` - more bytes than ``max_frame_bytes`` (a request: 64 KiB
+by default), a declared str/bin/array/map length above msgpack's ``max_*_len``
+limits, containers nested too deep - is a :class:`~fastlock.errors.ProtocolError`
+and the connection is closed: after garbage there is no way to find the next
+frame boundary.  Requests, replies and the replication stream each have their
+own limits (:data:`REQUEST_LIMITS`, :data:`REPLY_LIMITS`, :func:`stream_limits`).
+
+Messages (all positional arrays, for speed)
+-------------------------------------------
+request   ``[req_id, op, arg...]``   req_id: int >= 1, unique per connection while in flight
+response  ``[req_id, 0, value]``      success
+error     ``[req_id, code, message, extra]``  code from :mod:`fastlock.errors`
+push      ``[0, kind, payload]``      server-initiated (watch events, notices)
+
+Times on the wire are integer **milliseconds**; the Python API speaks float
+seconds, like asyncio.
+
+Operations and their arguments:
+
+=========  ==  =====================================================  ======================
+op         #   arguments                                              value
+=========  ==  =====================================================  ======================
+HELLO      1   version, client_name|None, credential[, known_epoch]   dict (session, role, principal...)
+ACQUIRE    2   name, owner, ttl_ms, wait_ms, lock_delay_ms, corr_id   [token, ttl_ms, waited_ms]
+RELEASE    3   name, token, owner                                     None
+EXTEND     4   name, token, owner, ttl_ms                             ttl_ms
+CANCEL     5   name, owner                                            "cancelled"|"released"|None
+CHECK      6   name, token                                            bool
+STATUS     7   -                                                      dict
+PING       8   -                                                      None
+WATCH      9   name                                                   holder info|None
+UNWATCH    10  name                                                   bool
+HOLDER     11  name                                                   holder info|None
+REPLICATE  12  from_lsn, incarnation, failover_after_ms, name         dict (see replication.py)
+REPL_ACK   13  echoed_primary_ms, applied_lsn                         (no reply)
+PROMOTE    14  force                                                  dict (new epoch...)
+SERVE_ALONE 15 -                                                      None
+STEP_DOWN  16  epoch, seen_primary_ms                                 {"role", "epoch"}
+=========  ==  =====================================================  ======================
+
+The number of arguments of every op is declared once, in :data:`OPS` (and so
+:data:`OP_ARITY`); the server refuses any other count with ``ProtocolError``
+before its handler runs.
+
+holder info is ``{"token": int, "principal": str|None, "client": str|None, "correlation_id": str|None,
+"ttl_ms": int, "remaining_ms": int}`` (``principal``: who acquired the lease, authenticated;
+``client``: the name it declared in HELLO, not verified).
+After WATCH, every change of the lock's holder is pushed to the watching
+connection, in the order the server applied them, as
+``[0, "watch", [name, "granted"|"released"|"expired", token, client_name|None, correlation_id|None,
+principal|None]]``
+(client name and correlation id are the lease's, as given by the acquire that got it).
+A grant is pushed when it is durable (when its holder is told), never before.
+
+HELLO's ``credential`` is a token (str), None (a verified mTLS certificate's identity,
+or the anonymous principal), or a standby's ``{"principal": str, "challenge": bytes}``
+asking the primary to prove itself (answered with ``{"principal", "proof"}``; the
+connection stays unauthenticated): see :mod:`fastlock.auth`.  Operations the
+principal is not granted get ``PermissionDenied``; a failed HELLO gets
+``AuthError`` and the connection is closed.
+
+``waited_ms`` in an ACQUIRE reply is the grant's time minus the time the
+server received that request, on the server's monotonic clock: 0 for an
+immediate grant, the time spent in the queue for a queued one, and <= 0 for a
+lease re-delivered to a retry (it was granted, or last extended, before the
+retry arrived).  The client dates the grant no earlier than its own send time
+plus ``waited_ms``, so it never mistakes a lease that ran out while the reply
+sat unread for a live one (servers before this field sent ``[token, ttl_ms]``;
+the client then assumes ``waited_ms`` = 0, which is as conservative).
+
+Replication pushes (primary -> standby, kinds in :data:`REPLICATION_PUSH_KINDS`;
+payloads described in :mod:`fastlock.replication`): ``"snap"`` a snapshot,
+``"repl"`` a run of WAL frames (a live batch, or a chunk of the backlog a
+standby catches up on), ``"rec"`` one record (sent by older primaries; still
+applied), ``"hb"`` a heartbeat.
+
+Roles and what a client gets from a node that is not the serving primary
+(decided in one place, :mod:`fastlock.roles`; a client rides through by
+trying the other addresses and repeating the request with the same owner key):
+
+* a **standby** refuses every lock op (ACQUIRE, RELEASE, EXTEND, CANCEL, CHECK,
+  HOLDER, WATCH) with ``NotPrimary`` whose extra is its primary's ``host:port``;
+* a **promoting** or **deposed** node refuses them with ``NotPrimary`` and no
+  primary (``None``): it does not know the new one; a node that steps down
+  also closes its client connections, so queued waiters and renewers look
+  for the new primary at once;
+* a **fenced** primary (lost contact with its standby, which may be promoting)
+  refuses ACQUIRE, EXTEND, RELEASE, CHECK, HOLDER and WATCH with
+  ``Unavailable`` and changes nothing - a release it refuses is to be repeated
+  at whichever node is primary, so no release is acknowledged that the new
+  primary never sees; CHECK and HOLDER are refused because their answer may
+  already be false on the new primary.  A CANCEL that only withdraws a queued
+  waiter is served (it is local); a CANCEL that would release a grant that
+  raced it is refused like a release.  Queued waiters stay queued while the
+  fence may still lift; once a whole failover window has passed since the
+  standby's last echo (it may have been promoted), the connections that have
+  a queued acquire or a watch are closed, so those clients look for the
+  primary (leases are not affected).
+* HELLO's ``known_epoch`` is a hint only: it never changes a node's role.  A
+  promoting standby asks its old primary to step down with STEP_DOWN, whose
+  epoch must be exactly above the node's own (at most its epoch + 1, and at
+  most ``MAX_EPOCH`` so that tokens stay below 2**63); any other epoch is
+  refused with ``InvalidArgument`` and changes nothing.  ``seen_primary_ms``
+  is the newest time of the primary's own monotonic clock the standby has
+  heard (a heartbeat's, or HELLO's ``clock_ms``): the primary steps down only
+  while that is at most ``STEP_DOWN_FRESH_MS`` old, so a request delayed past
+  the standby's wait for the answer (a frozen primary) cannot depose it after
+  the standby has given up and stayed a standby.
+
+``wait_ms`` is -1 to wait forever, 0 to try once.  ``owner`` is a random
+16-byte key the client makes per acquire; a retry of the same acquire (after a
+lost reply) sends the same owner and finds its existing lease or waiter, as
+ZooKeeper's lock recipe finds its own sequential node again.  The owner key is
+also the proof of ownership (for CANCEL of a held lease): the server keeps
+only its hash, never sends it to anyone, and hashes whatever it receives.
+"""
+
+from .framing import (
+    DEFAULT_MAX_FRAME_BYTES,
+    MIN_MAX_FRAME_BYTES,
+    REPLY_LIMITS,
+    REQUEST_LIMITS,
+    DecodeLimits,
+    FrameDecoder,
+    encode_error,
+    encode_ok,
+    encode_push,
+    encode_request,
+    packb,
+    stream_limits,
+)
+from .ops import (
+    MAX_EPOCH,
+    OP_ACQUIRE,
+    OP_ARITY,
+    OP_CANCEL,
+    OP_CHECK,
+    OP_EXTEND,
+    OP_HELLO,
+    OP_HOLDER,
+    OP_NAMES,
+    OP_PING,
+    OP_PROMOTE,
+    OP_RELEASE,
+    OP_REPL_ACK,
+    OP_REPLICATE,
+    OP_SERVE_ALONE,
+    OP_STATUS,
+    OP_STEP_DOWN,
+    OP_UNWATCH,
+    OP_WATCH,
+    OPS,
+    PROTOCOL_VERSION,
+    PUSH_HEARTBEAT,
+    PUSH_RECORD,
+    PUSH_RECORDS,
+    PUSH_SNAPSHOT,
+    PUSH_WATCH,
+    REPLICATION_PUSH_KINDS,
+    STATUS_OK,
+    STEP_DOWN_FRESH_MS,
+    Op,
+)
+from .validation import (
+    MAX_CLIENT_NAME_CHARS,
+    MAX_CORRELATION_ID_CHARS,
+    MAX_LOCK_DELAY_MS,
+    MAX_NAME_BYTES,
+    MAX_OWNER_BYTES,
+    MAX_TTL_MS,
+    MAX_WAIT_MS,
+    MIN_TTL_MS,
+    check_epoch,
+    check_lock_delay_ms,
+    check_name,
+    check_optional_str,
+    check_owner,
+    check_token,
+    check_ttl_ms,
+    check_wait_ms,
+    seconds_to_ms,
+)
+
+__all__ = [
+    "DEFAULT_MAX_FRAME_BYTES", "MAX_CLIENT_NAME_CHARS", "MAX_CORRELATION_ID_CHARS", "MAX_EPOCH",
+    "MAX_LOCK_DELAY_MS", "MAX_NAME_BYTES", "MAX_OWNER_BYTES", "MAX_TTL_MS", "MAX_WAIT_MS",
+    "MIN_MAX_FRAME_BYTES", "MIN_TTL_MS", "OPS", "OP_ACQUIRE", "OP_ARITY", "OP_CANCEL", "OP_CHECK",
+    "OP_EXTEND", "OP_HELLO", "OP_HOLDER", "OP_NAMES", "OP_PING", "OP_PROMOTE", "OP_RELEASE",
+    "OP_REPLICATE", "OP_REPL_ACK", "OP_SERVE_ALONE", "OP_STATUS", "OP_STEP_DOWN", "OP_UNWATCH",
+    "OP_WATCH", "PROTOCOL_VERSION", "PUSH_HEARTBEAT", "PUSH_RECORD", "PUSH_RECORDS", "PUSH_SNAPSHOT",
+    "PUSH_WATCH", "REPLICATION_PUSH_KINDS", "REPLY_LIMITS", "REQUEST_LIMITS", "STATUS_OK",
+    "STEP_DOWN_FRESH_MS", "DecodeLimits", "FrameDecoder", "Op", "check_epoch", "check_lock_delay_ms",
+    "check_name", "check_optional_str", "check_owner", "check_token", "check_ttl_ms", "check_wait_ms",
+    "encode_error", "encode_ok", "encode_push", "encode_request", "packb", "seconds_to_ms",
+    "stream_limits",
+]

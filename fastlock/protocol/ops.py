@@ -1,0 +1,90 @@
+"""The protocol's vocabulary: op codes, the arity of every op, push kinds.
+
+Each op is declared once, in :data:`OPS` (code, name, fewest and most
+arguments); :data:`OP_ARITY` and :data:`OP_NAMES` are derived from it.  Error
+codes are registered once, on their exception classes in
+:mod:`fastlock.errors` (:func:`fastlock.errors.error_from_wire` maps a code
+back); a reply's status is :data:`STATUS_OK` or one of them.  The messages and
+the meaning of every argument are described in :mod:`fastlock.protocol`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+PROTOCOL_VERSION = 1
+
+OP_HELLO = 1
+OP_ACQUIRE = 2
+OP_RELEASE = 3
+OP_EXTEND = 4
+OP_CANCEL = 5
+OP_CHECK = 6
+OP_STATUS = 7
+OP_PING = 8
+OP_WATCH = 9
+OP_UNWATCH = 10
+OP_HOLDER = 11
+OP_REPLICATE = 12
+OP_REPL_ACK = 13
+OP_PROMOTE = 14
+OP_SERVE_ALONE = 15
+OP_STEP_DOWN = 16
+
+
+class Op(NamedTuple):
+    """One operation: its wire code, its name (in logs, metrics and ACLs) and
+    the fewest and most arguments it takes after ``[req_id, op]``."""
+
+    code: int
+    name: str
+    min_args: int
+    max_args: int
+
+
+#: every operation of the protocol, by code
+OPS: tuple[Op, ...] = (
+    Op(OP_HELLO, "hello", 3, 4),
+    Op(OP_ACQUIRE, "acquire", 6, 6),
+    Op(OP_RELEASE, "release", 3, 3),
+    Op(OP_EXTEND, "extend", 4, 4),
+    Op(OP_CANCEL, "cancel", 2, 2),
+    Op(OP_CHECK, "check", 2, 2),
+    Op(OP_STATUS, "status", 0, 0),
+    Op(OP_PING, "ping", 0, 0),
+    Op(OP_WATCH, "watch", 1, 1),
+    Op(OP_UNWATCH, "unwatch", 1, 1),
+    Op(OP_HOLDER, "holder", 1, 1),
+    Op(OP_REPLICATE, "replicate", 4, 4),
+    Op(OP_REPL_ACK, "repl_ack", 2, 2),
+    Op(OP_PROMOTE, "promote", 1, 1),
+    Op(OP_SERVE_ALONE, "serve_alone", 0, 0),
+    Op(OP_STEP_DOWN, "step_down", 2, 2),
+)
+
+#: (fewest, most) arguments of each op, after ``[req_id, op]``
+OP_ARITY: dict[int, tuple[int, int]] = {op.code: (op.min_args, op.max_args) for op in OPS}
+
+#: the name of each op
+OP_NAMES: dict[int, str] = {op.code: op.name for op in OPS}
+
+#: the status of a successful reply ``[req_id, 0, value]``; errors carry their
+#: class's code from :mod:`fastlock.errors`
+STATUS_OK = 0
+
+# push kinds
+PUSH_WATCH = "watch"
+PUSH_SNAPSHOT = "snap"  # replication: [lsn, epoch, counter, holders, incarnation]
+PUSH_RECORDS = "repl"  # replication: [first_lsn, last_lsn, frames] (a WAL batch's or a backlog chunk's bytes)
+PUSH_RECORD = "rec"  # replication: [lsn, record] (one record: older primaries' backlog; still applied)
+PUSH_HEARTBEAT = "hb"  # replication: [primary_ms, last_lsn, epoch, longest_ttl_ms, paired_id, paired_window_ms]
+
+REPLICATION_PUSH_KINDS = frozenset({PUSH_SNAPSHOT, PUSH_RECORDS, PUSH_RECORD, PUSH_HEARTBEAT})
+
+#: a STEP_DOWN is honoured only this long (ms, primary's clock) after the primary time it echoes;
+#: the standby waits a little longer than this for the answer
+STEP_DOWN_FRESH_MS = 1500
+
+#: the highest epoch: a fencing token is ``epoch << 40 | counter`` and must stay below 2**63
+#: (equal to ``fastlock._core.MAX_EPOCH``; a test checks they agree)
+MAX_EPOCH = (1 << 23) - 1

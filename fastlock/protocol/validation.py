@@ -1,0 +1,110 @@
+"""Argument validators shared by the client and the server.
+
+The client refuses a bad argument with :class:`~fastlock.errors.InvalidArgument`
+(or :class:`~fastlock.errors.WrongArgumentType`) before anything is sent; a
+server refuses the same argument, from a client that did not check, with the
+same message.  Times here are integer **milliseconds**, as on the wire; the
+Python API's seconds are checked and converted by :mod:`fastlock.units`
+(:func:`seconds_to_ms` is re-exported here for the callers of this module).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import InvalidArgument, WrongArgumentType
+from ..units import seconds_to_ms
+from .ops import MAX_EPOCH
+
+__all__ = [
+    "MAX_CLIENT_NAME_CHARS", "MAX_CORRELATION_ID_CHARS", "MAX_LOCK_DELAY_MS", "MAX_NAME_BYTES",
+    "MAX_OWNER_BYTES", "MAX_TTL_MS", "MAX_WAIT_MS", "MIN_TTL_MS", "check_epoch", "check_lock_delay_ms",
+    "check_name", "check_optional_str", "check_owner", "check_token", "check_ttl_ms", "check_wait_ms",
+    "seconds_to_ms",
+]
+
+# limits of the arguments (units in the names)
+MAX_NAME_BYTES = 512
+MIN_TTL_MS = 1
+MAX_TTL_MS = 24 * 3600 * 1000
+MAX_WAIT_MS = 24 * 3600 * 1000
+MAX_LOCK_DELAY_MS = 60_000
+MAX_OWNER_BYTES = 64
+MAX_CORRELATION_ID_CHARS = 256
+MAX_CLIENT_NAME_CHARS = 128
+
+
+def check_name(name: Any) -> str:
+    """A lock name: non-empty str, at most 512 bytes of UTF-8, no NUL."""
+    if type(name) is not str:
+        raise WrongArgumentType(f"lock name must be str, not {type(name).__name__}")
+    if not name:
+        raise InvalidArgument("lock name must not be empty")
+    try:
+        n = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidArgument("lock name must be valid UTF-8 (no lone surrogates)") from None
+    if n > MAX_NAME_BYTES:
+        raise InvalidArgument(f"lock name is {n} bytes of UTF-8; the limit is {MAX_NAME_BYTES}")
+    if "\x00" in name:
+        raise InvalidArgument("lock name must not contain NUL")
+    return name
+
+
+def check_ttl_ms(ttl_ms: Any) -> int:
+    if type(ttl_ms) is not int:  # bool is refused on purpose
+        raise WrongArgumentType(f"ttl must be an integer number of milliseconds, not {type(ttl_ms).__name__}")
+    if not MIN_TTL_MS <= ttl_ms <= MAX_TTL_MS:
+        raise InvalidArgument(f"ttl must be between {MIN_TTL_MS} ms and {MAX_TTL_MS} ms (24 h), got {ttl_ms} ms")
+    return ttl_ms
+
+
+def check_wait_ms(wait_ms: Any) -> int:
+    if type(wait_ms) is not int:  # bool is refused on purpose
+        raise WrongArgumentType(f"wait must be an integer number of milliseconds, not {type(wait_ms).__name__}")
+    if not (wait_ms == -1 or 0 <= wait_ms <= MAX_WAIT_MS):
+        raise InvalidArgument(f"wait must be -1 (forever) or 0..{MAX_WAIT_MS} ms, got {wait_ms}")
+    return wait_ms
+
+
+def check_lock_delay_ms(delay_ms: Any) -> int:
+    if type(delay_ms) is not int:  # bool is refused on purpose
+        raise WrongArgumentType(f"lock_delay must be an integer number of milliseconds, not {type(delay_ms).__name__}")
+    if not 0 <= delay_ms <= MAX_LOCK_DELAY_MS:
+        raise InvalidArgument(f"lock_delay must be 0..{MAX_LOCK_DELAY_MS} ms, got {delay_ms}")
+    return delay_ms
+
+
+def check_owner(owner: Any) -> bytes:
+    if type(owner) is not bytes:
+        raise WrongArgumentType(f"owner key must be bytes, not {type(owner).__name__}")
+    if not 1 <= len(owner) <= MAX_OWNER_BYTES:
+        raise InvalidArgument(f"owner key must be 1..{MAX_OWNER_BYTES} bytes")
+    return owner
+
+
+def check_token(token: Any) -> int:
+    if type(token) is not int:  # bool is refused on purpose
+        raise WrongArgumentType(f"fencing token must be int, not {type(token).__name__}")
+    if not 0 < token < (1 << 63):
+        raise InvalidArgument("fencing token out of range (1 .. 2**63-1)")
+    return token
+
+
+def check_epoch(epoch: Any, what: str = "epoch") -> int:
+    """An epoch from the wire: an int in 0..MAX_EPOCH (so its tokens stay below 2**63)."""
+    if type(epoch) is not int:  # bool is refused on purpose
+        raise WrongArgumentType(f"{what} must be int, not {type(epoch).__name__}")
+    if not 0 <= epoch <= MAX_EPOCH:
+        raise InvalidArgument(f"{what} {epoch} out of range (0 .. {MAX_EPOCH}: tokens must stay below 2**63)")
+    return epoch
+
+
+def check_optional_str(value: Any, what: str, limit: int) -> str | None:
+    if value is None:
+        return None
+    if type(value) is not str:
+        raise WrongArgumentType(f"{what} must be str or None, not {type(value).__name__}")
+    if len(value) > limit:
+        raise InvalidArgument(f"{what} is longer than {limit} characters")
+    return value
