@@ -237,26 +237,29 @@ class Principal:
 
     def allows(self, op: str, name: str) -> bool:
         """May this principal do client operation ``op`` on lock ``name``?"""
-        if op in self.every_name_ops or self.kind == "admin":
+        if self.kind == "admin":
             return True
         if self.kind != "client":
             return False
+        if op in self.everywhere:
+            return True
         for rule in self.acl:
             if op in rule.ops and name.startswith(rule.prefix):
                 return True
         return False
 
     @cached_property
-    def every_name_ops(self) -> frozenset:
-        """The client operations this principal may do on every lock name (an
-        admin: all of them; a client: those of its rules with prefix ``""``; a
-        replica: none).  Computed once, so that checking a request of the open
-        mode's anonymous principal, or of a full grant, costs one set lookup
-        instead of a walk over the rules (:meth:`allows` gives the same answer)."""
+    def everywhere(self) -> frozenset:
+        """What this principal may do whatever the lock name: the client operations
+        its ACL grants on every name (rules with prefix ``""``; all of them for an
+        admin), plus its kind for a replica or an admin (their operations take no
+        lock name).  Computed once, so that the server checks a request of the open
+        mode's anonymous principal, or of any full grant, with one set lookup
+        instead of a walk over the rules; :meth:`allows` gives the same answers."""
         if self.kind == "admin":
-            return frozenset(CLIENT_OPS)
+            return frozenset((*CLIENT_OPS, "admin"))
         if self.kind != "client":
-            return frozenset()
+            return frozenset((self.kind,))
         return frozenset(op for rule in self.acl if rule.prefix == "" for op in rule.ops)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import ssl
 from collections.abc import AsyncIterator, Iterable
@@ -44,6 +45,14 @@ __all__ = ["connect", "Client", "LockContext", "LATE_GRANT_FRACTION"]
 #: a grant read with less than this fraction of its TTL left (by the client's
 #: conservative estimate) is verified with an EXTEND before it is returned
 LATE_GRANT_FRACTION = 0.5
+
+
+def _ms(value: Any, what: str, *, allow_zero: bool = False) -> int:
+    """:func:`fastlock.units.seconds_to_ms` (same result, same errors), with the
+    common case - a finite positive ``float`` or ``int`` - decided in one test."""
+    if (type(value) is float or type(value) is int) and 0 < value < 1e9:  # NaN fails the test
+        return max(1, math.ceil(value * 1000))
+    return P.seconds_to_ms(value, what, allow_zero=allow_zero)
 
 
 class Client:
@@ -239,15 +248,18 @@ class Client:
         the server releases it (never a ghost holder).
         """
         P.check_name(name)
-        ttl_ms = P.check_ttl_ms(P.seconds_to_ms(ttl, "ttl"))
-        wait_ms = P.check_wait_ms(P.seconds_to_ms(wait, "wait", allow_none=True, allow_zero=True))
-        delay_ms = P.check_lock_delay_ms(P.seconds_to_ms(lock_delay, "lock_delay", allow_zero=True))
-        P.check_optional_str(correlation_id, "correlation_id", P.MAX_CORRELATION_ID_CHARS)
+        ttl_ms = P.check_ttl_ms(_ms(ttl, "ttl"))
+        wait_ms = P.check_wait_ms(-1 if wait is None else _ms(wait, "wait", allow_zero=True))
+        delay_ms = P.check_lock_delay_ms(0 if lock_delay == 0.0 and type(lock_delay) is float
+                                         else _ms(lock_delay, "lock_delay", allow_zero=True))
+        if correlation_id is not None:
+            P.check_optional_str(correlation_id, "correlation_id", P.MAX_CORRELATION_ID_CHARS)
         owner = os.urandom(16)
         connector = self._connector
         proto = connector.proto
         if proto is not None and not proto.closed:
-            sent = started = proto.loop.time()
+            loop = proto.loop
+            sent = started = loop.time()
             fut = proto.request(P.OP_ACQUIRE, name, owner, ttl_ms, wait_ms, delay_ms, correlation_id)
             try:
                 reply = await fut
@@ -259,7 +271,8 @@ class Client:
                                                   (name, ttl_ms, wait_ms, delay_ms, correlation_id), owner, sent,
                                                   proto, exc)
         else:
-            started = asyncio.get_running_loop().time()
+            loop = asyncio.get_running_loop()
+            started = loop.time()
             reply, sent = await acquire_retry(connector, self._connect_timeout,
                                               (name, ttl_ms, wait_ms, delay_ms, correlation_id), owner, started)
         token = reply[0]
@@ -272,7 +285,7 @@ class Client:
         if epoch > connector.max_epoch:
             connector.max_epoch = epoch
         lease = Lease(name, token, granted_ttl, owner, LeaseState(expires_at))
-        if expires_at - asyncio.get_running_loop().time() >= granted_ttl * LATE_GRANT_FRACTION:
+        if expires_at - loop.time() >= granted_ttl * LATE_GRANT_FRACTION:
             return lease
         return await verify_late_grant(self, lease, (name, ttl_ms, wait_ms, delay_ms, correlation_id), started)
 

@@ -278,18 +278,24 @@ class FrameDecoder:
             self._check_shape(data)
         try:
             up.feed(data)
-            self._fed = base + len(data)
-            out: list[Any] = []
-            append = out.append
+            fed = self._fed = base + len(data)
             start = self._frame_start
             max_frame = limits.max_frame_bytes
-            for msg in up:
-                end = up.tell()
-                if end - start > max_frame:  # a whole frame in one read, still too big
-                    raise ProtocolError(f"frame exceeds the maximum frame size ({max_frame} bytes)")
-                append(msg)
-                start = end
-            self._frame_start = start
+            if fed - start <= max_frame:
+                # every frame complete now began at or after `start`: none can be too big
+                out: list[Any] = list(up)
+                if out:
+                    self._frame_start = up.tell()
+            else:
+                out = []
+                append = out.append
+                for msg in up:
+                    end = up.tell()
+                    if end - start > max_frame:  # a whole frame in one read, still too big
+                        raise ProtocolError(f"frame exceeds the maximum frame size ({max_frame} bytes)")
+                    append(msg)
+                    start = end
+                self._frame_start = start
         except msgpack.BufferFull:
             raise ProtocolError("frame exceeds the maximum frame size") from None
         except (ValueError, msgpack.UnpackException, TypeError) as exc:

@@ -181,8 +181,8 @@ class Handlers:
             if not fewest <= len(msg) - 2 <= most:
                 expected = fewest if fewest == most else f"{fewest} or {most}"
                 raise ProtocolError(f"{P.OP_NAMES[op]} takes {expected} arguments, got {len(msg) - 2}")
-            # conn.unchecked: what the principal holds on every name (no per-name check needed)
-            if need is not None and need not in conn.unchecked and (conn.kind != "admin" or need == "replica"):
+            # grant.everywhere: what the principal may do on every name (no per-name check needed)
+            if need is not None and need not in conn.grant.everywhere and (conn.kind != "admin" or need == "replica"):
                 _authorize(conn, op, need, msg)
             handler(conn, req_id, msg)
         except FastlockError as exc:

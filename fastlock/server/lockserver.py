@@ -472,30 +472,28 @@ class LockServer:
                         quotas.count_waiters(conn)
         if grants is not None:
             if wal.flush_now():  # relaxed fsync modes: written to the OS now, ack in this turn
-                self._deliver_grants(grants)
+                self._deliver_grants(grants, inline=True)
             else:
                 wal.when_durable(lambda: self._deliver_grants(grants))
         wal.maybe_snapshot(self.snapshot_state)
 
-    def _deliver_grants(self, grants: list) -> None:
-        """Acknowledge a batch of grants once durable - if this node may still grant.
+    def _deliver_grants(self, grants: list, inline: bool = False) -> None:
+        """Acknowledge a batch of grants once durable - if this node may still grant
+        (``inline``: called by the batch end, which then flushes the replies).
 
-        The fence is checked again here, at the acknowledgement, not only when the
-        grants were decided: a primary frozen (SIGSTOP, a VM stall) between the two
-        may find its standby promoted meanwhile.  Then every waiting request gets
-        ``Unavailable`` instead of its token (the lease stays in this node's table);
-        the client repeats the acquire with the same owner key at whichever node is
-        primary, which hands it the lease if it was replicated, or queues it.  One
-        check per batch: the normal path does not pay per grant.
+        The fence is checked again here, at the acknowledgement, not only when the grants were
+        decided: a primary frozen (SIGSTOP, a VM stall) between the two may find its standby
+        promoted meanwhile.  Then every waiting request gets ``Unavailable`` instead of its token
+        (the lease stays in this node's table); the client repeats the acquire with the same owner
+        key at whichever node is primary, which hands it the lease if it was replicated, or queues
+        it.  One check per batch: the normal path does not pay per grant.
         """
         sessions = self.limits.sessions
         table = self.table
         undelivered = False
         watches = self.handlers.watches
         watchers = watches.by_name
-        source = self.source
-        if source.fencing:
-            source.fence_if_due(monotonic_ms())
+        self.source.fence_if_due(monotonic_ms())
         refused = None if self.roles.may(Action.ACQUIRE) else refusal(self.roles, Action.ACQUIRE)
         for ev in grants:
             if refused is None and watchers and ev.name in watchers and ev.fresh:
@@ -522,7 +520,8 @@ class LockServer:
             conn.send(P.packb([ev.request, 0, [ev.token, ev.ttl_ms, ev.waited_ms]]))
         if undelivered:
             table.expire(monotonic_ms())
-        self.after_batch()
+        if undelivered or not inline:  # inline: the caller's batch end follows
+            self.after_batch()
 
     def released(self, name: str, token: int, meta: tuple | None) -> None:
         """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id))."""

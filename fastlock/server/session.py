@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 FLUSH_EARLY_BYTES = 256 << 10
 
 
+#: the principal of a connection before HELLO: granted nothing
+UNAUTHENTICATED = Principal(ANONYMOUS, "client")
+
+
 def recorded_client(conn: Session) -> str:
     """What grants record as their client: ``principal:client name`` (the name may be
     empty) - the authenticated principal first, so the self-declared name is never
@@ -58,20 +62,17 @@ def split_recorded_client(recorded: Any) -> tuple[str | None, str | None]:
 class Session(asyncio.Protocol):
     """One client connection = one session.
 
-    ``principal`` (str) is who the connection authenticated as - "anonymous"
-    until authentication sets it at HELLO; per-principal quotas key on it.
-    ``kind`` is the principal's kind (client | replica | admin), ``grant`` its
-    permissions (None until HELLO), ``unchecked`` the permissions
-    (:data:`fastlock.server.handlers.PERMISSION` values) it holds on every lock
-    name, which the dispatch grants without a per-name check (set by
-    :meth:`authenticated`).  ``accepted_ms`` and ``last_read_ms`` are
-    monotonic milliseconds.
+    ``grant`` (:class:`~fastlock.auth.Principal`) is who the connection
+    authenticated as at HELLO (until then :data:`UNAUTHENTICATED`, granted
+    nothing); ``principal`` is its name (per-principal quotas key on it),
+    ``kind`` its kind (client | replica | admin).  ``recorded`` is what its
+    grants record as their client (:func:`recorded_client`).  ``accepted_ms``
+    and ``last_read_ms`` are monotonic milliseconds.
     """
 
     __slots__ = ("server", "transport", "session", "decoder", "out", "ready", "client_name", "peer", "closed",
-                 "watching", "principal", "kind", "grant", "unchecked", "recorded", "address", "accepted_ms",
-                 "last_read_ms", "_out_cap", "out_bytes", "waiting", "writing_paused", "_drain", "_owner_key",
-                 "_owner_hash")
+                 "watching", "grant", "recorded", "address", "accepted_ms", "last_read_ms", "_out_cap",
+                 "out_bytes", "waiting", "_drain", "_owner")
 
     def __init__(self, server: LockServer, session: int):
         self.server = server
@@ -83,10 +84,7 @@ class Session(asyncio.Protocol):
         self.out_bytes = 0  # bytes in out
         self.ready = False  # handshake done
         self.client_name: str | None = None  # self-declared: shown beside the principal, never trusted
-        self.principal = ANONYMOUS
-        self.kind = "client"
-        self.grant: Principal | None = None
-        self.unchecked: frozenset = frozenset()
+        self.grant = UNAUTHENTICATED
         self.recorded = recorded_client(self)
         self.peer = "?"
         self.address = "?"  # the peer's IP address (per-address connection cap, failed-auth bans)
@@ -95,10 +93,10 @@ class Session(asyncio.Protocol):
         self.accepted_ms = self.last_read_ms = monotonic_ms()
         self._out_cap = server.config.max_output_bytes
         self.waiting = 0  # this connection's waiters as last counted (per-principal waiter quota)
-        self.writing_paused = False  # the transport's buffer went above its high-water mark
+        # while writing is paused (the transport's buffer is above its high-water mark):
+        # a future done when it resumes (or the connection closes); else None
         self._drain: asyncio.Future | None = None
-        self._owner_key: bytes | None = None  # the last owner key received, and its hash
-        self._owner_hash = b""
+        self._owner: tuple[bytes | None, bytes] = (None, b"")  # the last owner key received, and its hash
 
     # -- asyncio callbacks ------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -113,7 +111,7 @@ class Session(asyncio.Protocol):
         if peer:
             self.address = str(peer[0])
             self.peer = f"{peer[0]}:{peer[1]}"
-        self.out_cap = self._out_cap  # lowers the transport's high-water mark to it if needed
+        self._cap_high_water()
         self.server.limits.admit(self)
 
     def data_received(self, data: bytes) -> None:
@@ -175,7 +173,7 @@ class Session(asyncio.Protocol):
             transport.write(out[0] if len(out) == 1 else b"".join(out))
             # beyond out_cap is beyond the high-water mark (see out_cap): the
             # transport has paused writing, inside this write() or before it
-            if self.writing_paused and transport.get_write_buffer_size() > self.out_cap:
+            if self._drain is not None and transport.get_write_buffer_size() > self._out_cap:
                 unsent = transport.get_write_buffer_size()
                 # a peer that does not read (a stuck watcher, a standby too far behind): drop it,
                 # as Redis's client-output-buffer-limit does, rather than grow without bound
@@ -203,21 +201,33 @@ class Session(asyncio.Protocol):
     @out_cap.setter
     def out_cap(self, out_cap: int) -> None:
         self._out_cap = out_cap
+        self._cap_high_water()
+
+    def _cap_high_water(self) -> None:
         transport = self.transport
-        if transport is not None and transport.get_write_buffer_limits()[1] > out_cap:
-            transport.set_write_buffer_limits(high=out_cap)
+        if transport is not None and transport.get_write_buffer_limits()[1] > self._out_cap:
+            transport.set_write_buffer_limits(high=self._out_cap)
+
+    @property
+    def principal(self) -> str:
+        """The name of the principal the connection acts as."""
+        return self.grant.name
+
+    @property
+    def kind(self) -> str:
+        """The principal's kind: client, replica or admin."""
+        return self.grant.kind
 
     def pause_writing(self) -> None:
-        self.writing_paused = True
         if self._drain is None or self._drain.done():
             self._drain = self.server.loop.create_future()
         if self.session not in self.server.source.replicas:
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        self.writing_paused = False
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
+        self._drain = None
         if not self.closed and self.session not in self.server.source.replicas:
             self.transport.resume_reading()
 
@@ -226,22 +236,17 @@ class Session(asyncio.Protocol):
         connection (:func:`fastlock.protocol.check_owner` raises for a bad one).
         The last key's hash is kept: a client releases, extends or cancels with
         the key it acquired with, so that request does not hash it again."""
-        if type(owner) is bytes and owner == self._owner_key:
-            return self._owner_hash
+        last = self._owner
+        if type(owner) is bytes and owner == last[0]:
+            return last[1]
         hashed = hash_owner(P.check_owner(owner))
-        self._owner_key = owner
-        self._owner_hash = hashed
+        self._owner = (owner, hashed)
         return hashed
 
     def authenticated(self, principal: Principal, client_name: str | None) -> None:
         """HELLO authenticated this connection as ``principal``: what its requests act as."""
         self.client_name = client_name
-        self.principal = principal.name
-        self.kind = principal.kind
         self.grant = principal
-        # admin and replica operations need that kind; client operations on every name
-        # need no per-name check when the principal's rules grant them on every name
-        self.unchecked = principal.every_name_ops | ({principal.kind} & {"admin", "replica"})
         self.recorded = recorded_client(self)
 
     def drained(self) -> asyncio.Future:

@@ -71,7 +71,7 @@ class GroupCommit:
         self.next_lsn = 1  # the LSN the next record gets
         self.marks = Marks(1)
         self._pending = _Pending(1)
-        self._scheduled = False  # a hand-off is scheduled on the loop
+        self._scheduled = False  # _kick_soon is scheduled on the loop (and has not run yet)
         self._inflight: Batch | None = None
         self._waiters: collections.deque = collections.deque()  # (lsn, callback)
         self._sync_waiters: list = []  # (lsn, future) resolved when synced >= lsn
@@ -117,16 +117,21 @@ class GroupCommit:
         self.next_lsn += 1
         if not self._scheduled and self._inflight is None and self.loop is not None:
             self._scheduled = True
-            self.loop.call_soon(self._kick)
+            self.loop.call_soon(self._kick_soon)
 
     def _schedule(self) -> None:
         if not self._scheduled and self._inflight is None and self.loop is not None:
             self._scheduled = True
-            self.loop.call_soon(self._kick)
+            self.loop.call_soon(self._kick_soon)
+
+    def _kick_soon(self) -> None:
+        # one scheduled hand-off per loop turn at most: a batch written meanwhile by
+        # flush_now leaves it pending, and what is logged after rides on it
+        self._scheduled = False
+        self._kick()
 
     def _kick(self) -> None:
         """Hand the pending batch to the writer (at most one in flight)."""
-        self._scheduled = False
         if self._inflight is not None or self.fatal is not None or self.stopped:
             return
         pending = self._pending
@@ -241,7 +246,8 @@ class GroupCommit:
 
     def flush_now(self) -> bool:
         """See :meth:`fastlock.wal.WriteAheadLog.flush_now`."""
-        self.check()
+        if self.fatal is not None:
+            self.check()
         pending = self._pending
         if (self.always or self._inflight is not None or self.stopped or self.loop is None
                 or pending.sync or pending.sync_requested or self.io.rotation_due):

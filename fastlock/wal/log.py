@@ -313,9 +313,11 @@ class WriteAheadLog:
         """
         snaps = self._snapshots
         commit = self._commit
+        lsn = commit.next_lsn - 1
+        if not force and lsn < snaps.next_due:  # the common case, in one comparison
+            return False
         if commit.fatal is not None or self._phase is not _Phase.OPEN or commit.loop is None:
             return False
-        lsn = commit.next_lsn - 1
         if not snaps.due(lsn, force):
             return False
         epoch, counter, holders = get_state()
