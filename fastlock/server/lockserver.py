@@ -471,15 +471,12 @@ class LockServer:
                     if conn.waiting:
                         quotas.count_waiters(conn)
         if grants is not None:
-            if wal.flush_now():  # relaxed fsync modes: written to the OS now, ack in this turn
-                self._deliver_grants(grants, inline=True)
-            else:
-                wal.when_durable(lambda: self._deliver_grants(grants))
+            # acknowledged once durable: at the end of this loop turn, with everything logged in it
+            wal.when_durable(lambda: self._deliver_grants(grants))
         wal.maybe_snapshot(self.snapshot_state)
 
-    def _deliver_grants(self, grants: list, inline: bool = False) -> None:
-        """Acknowledge a batch of grants once durable - if this node may still grant
-        (``inline``: called by the batch end, which then flushes the replies).
+    def _deliver_grants(self, grants: list) -> None:
+        """Acknowledge a batch of grants once durable - if this node may still grant.
 
         The fence is checked again here, at the acknowledgement, not only when the grants were
         decided: a primary frozen (SIGSTOP, a VM stall) between the two may find its standby
@@ -520,8 +517,7 @@ class LockServer:
             conn.send(P.packb([ev.request, 0, [ev.token, ev.ttl_ms, ev.waited_ms]]))
         if undelivered:
             table.expire(monotonic_ms())
-        if undelivered or not inline:  # inline: the caller's batch end follows
-            self.after_batch()
+        self.after_batch()
 
     def released(self, name: str, token: int, meta: tuple | None) -> None:
         """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id))."""

@@ -33,6 +33,10 @@ class _Pending:
     __slots__ = ("buf", "first_lsn", "last_frame", "sync", "sync_requested")
 
     def __init__(self, first_lsn: int):
+        self.reset(first_lsn)
+
+    def reset(self, first_lsn: int) -> None:
+        """Empty, for the batch that starts at ``first_lsn``."""
         self.buf = bytearray()
         self.first_lsn = first_lsn  # LSN of the first record in buf
         self.last_frame = -1  # offset in buf of the last frame
@@ -152,16 +156,18 @@ class GroupCommit:
                     U32.pack_into(buf, 0, crc32(mv[4:first_end]))
                 else:
                     U32.pack_into(buf, 0, crc32(mv[4:]))
-        batch = Batch(bytes(buf), pending.first_lsn, self.next_lsn - 1, sync)
-        self._pending = _Pending(self.next_lsn)
+        next_lsn = self.next_lsn
+        batch = Batch(bytes(buf), pending.first_lsn, next_lsn - 1, sync)
+        pending.reset(next_lsn)
         self._inflight = batch
         # The thread earns its hand-off cost only when the batch blocks on the disk
         # (an fsync, or a rotation, which fsyncs); a write() to the page cache is done
         # here, so the relaxed modes acknowledge in the same loop turn.
-        if self.io.submit(batch):
+        io = self.io
+        if (sync or io.seg_size >= io.segment_bytes) and io.submit(batch):
             return
         try:
-            self.io.write(batch)
+            io.write(batch)
         except BaseException as exc:
             self._io_failed(exc)
             return
