@@ -282,13 +282,12 @@ class FrameDecoder:
         try:
             up.feed(data)
             out: list[Any] = []
-            append = out.append
             # (tell() after the last complete frame: past it, it counts a partial frame's bytes too)
             for msg in up:
                 end = up.tell()
                 if end - start > max_frame:  # a whole frame in one read, still too big
                     raise ProtocolError(f"frame exceeds the maximum frame size ({max_frame} bytes)")
-                append(msg)
+                out.append(msg)
                 start = end
             self._frame_start = start
         except msgpack.BufferFull:

@@ -471,8 +471,10 @@ class LockServer:
                     if conn.waiting:
                         quotas.count_waiters(conn)
         if grants is not None:
-            # acknowledged once durable: at the end of this loop turn, with everything logged in it
-            wal.when_durable(lambda: self._deliver_grants(grants))
+            if wal.flush_first():  # relaxed fsync modes: a lone request's grant is written and acked now
+                self._deliver_grants(grants)
+            else:  # acked once durable: in a burst, at the end of this turn with everything logged in it
+                wal.when_durable(lambda: self._deliver_grants(grants))
         wal.maybe_snapshot(self.snapshot_state)
 
     def _deliver_grants(self, grants: list) -> None:

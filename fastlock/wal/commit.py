@@ -76,6 +76,7 @@ class GroupCommit:
         self.marks = Marks(1)
         self._pending = _Pending(1)
         self._scheduled = False  # _kick_soon is scheduled on the loop (and has not run yet)
+        self._flushed_in_turn = False  # flush_first wrote in this loop turn
         self._inflight: Batch | None = None
         self._waiters: collections.deque = collections.deque()  # (lsn, callback)
         self._sync_waiters: list = []  # (lsn, future) resolved when synced >= lsn
@@ -132,6 +133,7 @@ class GroupCommit:
         # one scheduled hand-off per loop turn at most: a batch written meanwhile by
         # flush_now leaves it pending, and what is logged after rides on it
         self._scheduled = False
+        self._flushed_in_turn = False
         self._kick()
 
     def _kick(self) -> None:
@@ -261,6 +263,15 @@ class GroupCommit:
         if pending.buf:
             self._kick()
         return self.fatal is None and self.marks.ack >= self.next_lsn - 1
+
+    def flush_first(self) -> bool:
+        """See :meth:`fastlock.wal.WriteAheadLog.flush_first`."""
+        if self._flushed_in_turn or not self._scheduled:
+            return False
+        if self.flush_now():
+            self._flushed_in_turn = True  # until _kick_soon, at the end of this turn
+            return True
+        return False
 
     async def await_synced(self, lsn: int, force: bool) -> None:
         """Wait until records up to ``lsn`` are fsynced; ``force``: fsync now.

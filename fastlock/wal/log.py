@@ -259,6 +259,18 @@ class WriteAheadLog:
         """
         return self._commit.flush_now()
 
+    def flush_first(self) -> bool:
+        """:meth:`flush_now` for the first caller of a loop turn only.
+
+        Returns what :meth:`flush_now` returns for the first call in a turn of the
+        loop (a lone request's records are written, and may be acknowledged, at
+        once); later calls in the same turn return False, doing nothing, so a
+        burst of requests read in one turn shares one write at the turn's end
+        (:meth:`when_durable` callbacks run after it).
+        :raises WalFatal: after a failed write/fsync.
+        """
+        return self._commit.flush_first()
+
     def add_listener(self, fn: Callable[[int, int, bytes], Any]) -> None:
         """Register ``fn(first_lsn, last_lsn, data)``, called on the loop with each written batch.
 
