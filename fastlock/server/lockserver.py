@@ -492,7 +492,9 @@ class LockServer:
         undelivered = False
         watches = self.handlers.watches
         watchers = watches.by_name
-        self.source.fence_if_due(monotonic_ms())
+        source = self.source
+        if source.fencing:  # (not paired: nothing to check)
+            source.fence_if_due(monotonic_ms())
         refused = None if self.roles.may(Action.ACQUIRE) else refusal(self.roles, Action.ACQUIRE)
         for ev in grants:
             if refused is None and watchers and ev.name in watchers and ev.fresh:

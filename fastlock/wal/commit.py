@@ -33,10 +33,6 @@ class _Pending:
     __slots__ = ("buf", "first_lsn", "last_frame", "sync", "sync_requested")
 
     def __init__(self, first_lsn: int):
-        self.reset(first_lsn)
-
-    def reset(self, first_lsn: int) -> None:
-        """Empty, for the batch that starts at ``first_lsn``."""
         self.buf = bytearray()
         self.first_lsn = first_lsn  # LSN of the first record in buf
         self.last_frame = -1  # offset in buf of the last frame
@@ -134,7 +130,9 @@ class GroupCommit:
         # flush_now leaves it pending, and what is logged after rides on it
         self._scheduled = False
         self._flushed_in_turn = False
-        self._kick()
+        pending = self._pending
+        if pending.buf or pending.sync_requested:
+            self._kick()
 
     def _kick(self) -> None:
         """Hand the pending batch to the writer (at most one in flight)."""
@@ -149,18 +147,23 @@ class GroupCommit:
         if buf:
             # batch marks on the first and last frames (recompute their CRCs)
             off = pending.last_frame
-            buf[off + 7] |= 0x80
-            with memoryview(buf) as mv:
-                U32.pack_into(buf, off, crc32(mv[off + 4:]))
+            if off:
+                buf[off + 7] |= 0x80
                 buf[7] |= 0x40
-                if off:
+                with memoryview(buf) as mv:
+                    U32.pack_into(buf, off, crc32(mv[off + 4:]))
                     first_end = 8 + (U32.unpack_from(buf, 4)[0] & LEN_MASK)
                     U32.pack_into(buf, 0, crc32(mv[4:first_end]))
-                else:
-                    U32.pack_into(buf, 0, crc32(mv[4:]))
+            else:  # one frame, the first and the last
+                buf[7] |= 0xC0
+                U32.pack_into(buf, 0, crc32(buf[4:]))
         next_lsn = self.next_lsn
         batch = Batch(bytes(buf), pending.first_lsn, next_lsn - 1, sync)
-        pending.reset(next_lsn)
+        # the next batch starts empty (as a new _Pending would)
+        pending.buf = bytearray()
+        pending.first_lsn = next_lsn
+        pending.last_frame = -1
+        pending.sync = pending.sync_requested = False
         self._inflight = batch
         # The thread earns its hand-off cost only when the batch blocks on the disk
         # (an fsync, or a rotation, which fsyncs); a write() to the page cache is done
