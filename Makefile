@@ -6,7 +6,7 @@ VENV ?= .venv
 STAMP := $(VENV)/.fastlock-installed
 SOURCES := $(wildcard fastlock/*.py fastlock/*/*.py fastlock/*.pyx fastlock/*.pxd fastlock/*.pyi) setup.py pyproject.toml
 
-.PHONY: demo test serve bench clean
+.PHONY: demo test serve bench clean dist wheel-check
 
 $(STAMP): $(SOURCES)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -29,5 +29,14 @@ serve: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/python -m benches.load --quick
 
+# an sdist and a wheel built from it (the wheel needs no Cython or compiler to install)
+dist: $(STAMP)
+	rm -rf dist
+	$(VENV)/bin/python -m build --outdir dist .
+
+# install the wheel into a fresh venv without Cython and take a lock through it
+wheel-check: dist
+	$(VENV)/bin/python tests/wheel_check.py dist
+
 clean:
-	rm -rf build $(VENV) fastlock/_core.c fastlock/*.so fastlock/*.html *.egg-info
+	rm -rf build dist $(VENV) fastlock/_core.c fastlock/*.so fastlock/*.html *.egg-info

@@ -65,7 +65,7 @@ def expiry_setup(table_cls, n):
     """A table holding ``n`` leases with distinct deadlines 1..n ms (installed at now=0)."""
     t = table_cls()
     for i in range(n):
-        t.install_holder("lock-%d" % i, i + 1, b"owner", i + 1, 0, None, 0)
+        t.install_holder(f"lock-{i}", i + 1, b"owner", i + 1, 0, None, 0)
     return t
 
 

@@ -145,10 +145,10 @@ async def _fill(d, pairs_or_grants, *, live_locks=False, snapshot=False):
     for i in range(pairs_or_grants):
         c += 1
         name = f"orders/{i if live_locks else i % 10_000}"
-        wal.log_grant(name, EPOCH1 | c, b"owner-%08d" % (i % 997), 10_000, 0, "client-a", "req-%d" % c)
+        wal.log_grant(name, EPOCH1 | c, b"owner-%08d" % (i % 997), 10_000, 0, "client-a", f"req-{c}")
         if live_locks:
             holders.append(HolderRecord(name, EPOCH1 | c, b"owner-%08d" % (i % 997), 10_000, 0,
-                                        "client-a", "req-%d" % c, 0))
+                                        "client-a", f"req-{c}", 0))
         else:
             wal.log_release(name, EPOCH1 | c)
         if c % 10_000 == 0:

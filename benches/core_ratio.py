@@ -118,7 +118,7 @@ def handoff(table_cls, n: int) -> float:
 def expiry(table_cls, n: int) -> float:
     t = table_cls()
     for i in range(n):
-        t.install_holder("lock-%d" % i, i + 1, b"owner", i + 1, 0, None, 0)
+        t.install_holder(f"lock-{i}", i + 1, b"owner", i + 1, 0, None, 0)
     t.drain_events()
     t0 = time.perf_counter()
     t.expire(n)

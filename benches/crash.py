@@ -461,7 +461,7 @@ def _check_ledger(db: sqlite3.Connection, run: _Run) -> None:
     if sorted(rows) != sorted(run.acked_writes):
         run.violation(f"ledger rows ({len(rows)}) differ from committed writes ({len(run.acked_writes)})")
     last: dict[str, int] = {}
-    for lock, token, worker, seq in rows:
+    for lock, token, worker, _seq in rows:
         if token < last.get(lock, -1):
             run.violation(f"ledger: {lock} write with token {token} (worker {worker}) after token {last[lock]}")
         last[lock] = max(token, last.get(lock, -1))

@@ -64,6 +64,7 @@ from fastlock import protocol as P
 from fastlock._testbase import ServerProcess
 from fastlock.auth import ANONYMOUS, hash_owner, hash_token
 from fastlock.errors import InternalServerError
+from fastlock.protocol import ops
 
 NAMES = ["orders/1", "orders/2", "orders/x/y", "public/a", "public/b", "billing/1", "admin", "order", "",
          "x" * 600, "nul\x00", "ünïcode/1"]
@@ -72,7 +73,10 @@ VALID_TTLS = [43_200_000, 86_400_000]  # 12 h, 24 h: nothing expires during a ru
 BAD_TTLS = [0, -5, 2**64 - 1, 1.5, True, None, "10", 86_400_001]
 OPS = sorted(P.OP_NAMES) + [0, 16, 17, 99, -1, 1 << 40]
 LOCK_OPS = {P.OP_ACQUIRE: "acquire", P.OP_RELEASE: "release", P.OP_EXTEND: "extend", P.OP_CANCEL: "cancel",
-            P.OP_CHECK: "check", P.OP_HOLDER: "holder", P.OP_WATCH: "watch"}
+            P.OP_CHECK: "check", P.OP_HOLDER: "holder", P.OP_WATCH: "watch",
+            # the key store (fastlock.server.keys), checked on the key or prefix like a lock name
+            ops.OP_KEY_PUT: "put", ops.OP_KEY_GET: "get", ops.OP_KEY_LIST: "get", ops.OP_KEY_DELETE: "delete",
+            ops.OP_KEY_WATCH: "get", ops.OP_KEY_UNWATCH: "get"}
 ALL_CLIENT_OPS = set(LOCK_OPS.values())
 REPLICA_OPS = {P.OP_REPLICATE, P.OP_REPL_ACK, P.OP_STEP_DOWN}
 
@@ -96,8 +100,8 @@ class Spec:
             return self.kind == "replica"  # from anyone else, HELLO must change nothing
         if op in REPLICA_OPS:
             return self.kind == "replica"
-        if op in (P.OP_PROMOTE, P.OP_SERVE_ALONE):
-            return self.kind == "admin"
+        if op in (P.OP_PROMOTE, P.OP_SERVE_ALONE, P.OP_LOCKS, P.OP_LOCK_INFO, P.OP_REVOKE):
+            return self.kind == "admin"  # the lock-admin ops: admins only when the server has credentials
         if self.kind == "admin":
             return True
         if self.kind != "client":
@@ -181,7 +185,8 @@ class Generator:
             return [_junk(rng) for _ in range(rng.randrange(0, 8))]
         name = rng.choice(NAMES) if rng.random() < 0.95 else _junk(rng)
         ttl = rng.choice(VALID_TTLS) if rng.random() < 0.8 else rng.choice(BAD_TTLS)
-        token = rng.choice([1, 2, 3, (1 << 40) | 1, 2**63 - 1, 0, -1, "1"]) if rng.random() < 0.5 else rng.randrange(1, 50)
+        token = (rng.choice([1, 2, 3, (1 << 40) | 1, 2**63 - 1, 0, -1, "1"]) if rng.random() < 0.5
+                 else rng.randrange(1, 50))
         if op == P.OP_HELLO:
             cred = rng.choice([None, "fl1.orders.nope", _junk(rng)])
             out = [rng.choice([P.PROTOCOL_VERSION, P.PROTOCOL_VERSION, 2, None]), rng.choice(["f", None, 5]), cred]
@@ -514,7 +519,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(figures.as_dict(), seed=seed, seconds=elapsed), f, indent=2, default=repr)
-    bad = figures.crashes or figures.internal_errors or figures.unauthorised_state_changes or figures.unauthorised_successes
+    bad = (figures.crashes or figures.internal_errors or figures.unauthorised_state_changes
+           or figures.unauthorised_successes)
     return 1 if bad else 0
 
 

@@ -254,7 +254,8 @@ def format_report(rows: list[dict], hold_s: float) -> str:
                      f"{(r.get('wasted_round_trips_per_acquire') or 0):>10.2f} "
                      f"{r['client_cpu_pct']:>6.0f}/{r['server_cpu_pct']:<6.0f}")
     L.append("  (tta = time to acquire, us; chg/s = owner changes/s; x bnd(meas) uses the measured hold; "
-             "x floor = ratio to 1/(measured hold + cold round trip), the floor when processes go idle between hand-offs)")
+             "x floor = ratio to 1/(measured hold + cold round trip), "
+             "the floor when processes go idle between hand-offs)")
     busy = [r for r in rows if r.get("other_cpu_pct", 0) > 20]
     if busy:
         L.append("")

@@ -3,8 +3,7 @@
 The public API is :func:`connect` and the error classes; see the README.
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .client import (
     Client,
     Election,
@@ -23,10 +22,12 @@ from .errors import (
     Cancelled,
     ConnectionLost,
     FastlockError,
+    InternalServerError,
     InvalidArgument,
     LeaseLost,
     LimitExceeded,
     LockNotAcquired,
+    LockNotHeld,
     NotPrimary,
     PermissionDenied,
     ProtocolError,
@@ -51,9 +52,11 @@ __all__ = [
     "FastlockError",
     "LockNotAcquired",
     "LeaseLost",
+    "LockNotHeld",
     "NotPrimary",
     "ConnectionLost",
     "ProtocolError",
+    "InternalServerError",
     "AuthError",
     "PermissionDenied",
     "InvalidArgument",

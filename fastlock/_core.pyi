@@ -218,6 +218,10 @@ class LockTable:
         """True iff ``token`` is an unexpired holder's token, of any kind (Chubby's sequencer check)."""
     def waiters(self, name: str) -> list[bytes]:
         """Owners waiting on ``name`` in FIFO order."""
+    def waiter_info(self, name: str) -> list[tuple[bytes, int, Any, int, int, bool]]:
+        """Waiters on ``name`` in FIFO order as ``(owner, session, meta, enqueued_ms,
+        deadline_ms, shared)`` (ms; ``deadline_ms`` -1: waits without end; a member of an
+        acquire_many() request has the request's deadline)."""
     def session_waiters(self, session: int) -> int: ...
     def holders(self) -> list[Holder]:
         """Every current lease of every kind (for snapshots), any order."""

@@ -1552,6 +1552,25 @@ cdef class LockTable:
                 w = w.next
         return out
 
+    def waiter_info(self, name):
+        """The waiters on ``name`` in FIFO order, each ``(owner, session, meta, enqueued_ms,
+        deadline_ms, shared)``: ``enqueued_ms`` is the ``now`` of the acquire it answers,
+        ``deadline_ms`` when its wait runs out (its acquire_many() request's, for a member
+        of one), -1 for a wait without end.  Times in milliseconds."""
+        cdef str n = _name(name)
+        cdef _Lock lock = <_Lock>self._locks.get(n)
+        cdef list out = []
+        cdef _Waiter w
+        cdef _Entry e
+        if lock is not None:
+            w = lock.head
+            while w is not None:
+                e = w.group if w.group is not None else w
+                out.append((w.owner, w.session, w.meta, w.enqueued_ms,
+                            e.deadline if e.index >= 0 else -1, bool(w.shared)))
+                w = w.next
+        return out
+
     def session_waiters(self, session):
         """Number of waiters of ``session`` (int)."""
         cdef int64_t s = _session(session)

@@ -12,7 +12,8 @@ back to its class.  Registering the same code twice fails at import time.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 __all__ = [
     "FastlockError",
@@ -30,14 +31,16 @@ __all__ = [
     "Unavailable",
     "StaleFencingToken",
     "InternalServerError",
+    "LockNotHeld",
     "error_from_wire",
 ]
 
 _REGISTRY: dict[int, type[FastlockError]] = {}
+_E = TypeVar("_E", bound="FastlockError")
 
 
-def _register(code: int):
-    def deco(cls: type[FastlockError]) -> type[FastlockError]:
+def _register(code: int) -> Callable[[type[_E]], type[_E]]:
+    def deco(cls: type[_E]) -> type[_E]:
         if code in _REGISTRY:
             raise RuntimeError(
                 f"error code {code} registered twice: {_REGISTRY[code].__name__} and {cls.__name__}"
@@ -124,10 +127,26 @@ class Unavailable(FastlockError):
     a primary that stopped granting because it lost contact with its standby."""
 
 
+@_register(10)
+class LockNotHeld(FastlockError, LookupError):
+    """An operator's revoke named a lock that has no holder (or no holder with the
+    fencing token given).  Nothing was changed."""
+
+
 @_register(16)
 class PermissionDenied(FastlockError, PermissionError):
     """The authenticated principal is not granted this operation (on this lock
     name, for a client's ACL).  Nothing was changed; the connection stays open."""
+
+
+@_register(20)
+class KeyExists(FastlockError):
+    """A create-only ``put`` found the key already present (nothing was changed)."""
+
+
+@_register(21)
+class KeyNotFound(FastlockError, LookupError):
+    """A replace-only ``put`` found no such key (nothing was changed)."""
 
 
 class ConnectionLost(FastlockError, ConnectionError):

@@ -261,7 +261,7 @@ class SQLiteFence:
                 raise _stale(resource, token, None if row is None else int(row[0]))
             yield cur
 
-    def execute(self, resource: str, token: int, sql: str, params: Sequence[Any] | dict = ()) -> int:
+    def execute(self, resource: str, token: int, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> int:
         """One fenced statement: ``sql`` with ``params`` runs only if ``token`` is
         not stale for ``resource``.  Returns the statement's ``rowcount``.
 
@@ -277,7 +277,7 @@ def fenced_execute(
     resource: str,
     token: int,
     sql: str,
-    params: Sequence[Any] | dict = (),
+    params: Sequence[Any] | dict[str, Any] = (),
     *,
     table: str = DEFAULT_TABLE,
 ) -> int:
@@ -411,7 +411,7 @@ class PostgresFence:
                 raise _stale(resource, token, None if row is None else int(row[0]))
             yield cur
 
-    def execute(self, resource: str, token: int, sql: Any, params: Sequence[Any] | dict = ()) -> int:
+    def execute(self, resource: str, token: int, sql: Any, params: Sequence[Any] | dict[str, Any] = ()) -> int:
         """One fenced statement; returns its ``rowcount``.
 
         :raises StaleFencingToken: as :meth:`fenced`; ``sql`` does not run.
@@ -473,7 +473,7 @@ class AsyncPostgresFence:
                 raise _stale(resource, token, None if row is None else int(row[0]))
             yield cur
 
-    async def execute(self, resource: str, token: int, sql: Any, params: Sequence[Any] | dict = ()) -> int:
+    async def execute(self, resource: str, token: int, sql: Any, params: Sequence[Any] | dict[str, Any] = ()) -> int:
         """One fenced statement; returns its ``rowcount``."""
         async with self.fenced(resource, token) as cur:
             await cur.execute(sql, params)

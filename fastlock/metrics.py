@@ -15,15 +15,34 @@ seconds, bytes)::
     fastlock_wal_records_total, fastlock_wal_bytes_total, fastlock_wal_fsyncs_total
     fastlock_replication_lag_records, fastlock_replication_lag_seconds
     fastlock_promotion_grace_remaining_seconds
+    fastlock_build_info{version, python, implementation}
+    fastlock_request_seconds{op}         histogram: time to handle a request on the loop
+    fastlock_time_to_acquire_seconds     histogram: request arrival to grant decision
+    fastlock_hold_seconds                histogram: grant to release, expiry or revocation
+    fastlock_wal_fsync_seconds           histogram: one data fsync (writer thread)
+    fastlock_lock_contention{lock}       the TOP_CONTENDED most contended locks (see below)
+    process_* and python_*               prometheus_client's default collectors
+
+The histograms (:mod:`fastlock.observe`) have power-of-two buckets from 1 µs to about
+16 s and are counted on the loop as the events happen - one list increment each, and
+nothing at all without ``--metrics``: the observers are installed only then.  The
+queue time is in ``time_to_acquire``; the fsync before an acquire's reply is in
+``wal_fsync``.  Contention: an acquire that queued or was refused because the lock was
+held counts one for its lock; each refresh halves every lock's score, adds the new
+counts and keeps the top entries, and a scrape shows the :data:`TOP_CONTENDED` highest
+- so the ``lock`` label has at most that many values at any time, whatever the number
+of locks (bounded cardinality; lock names are escaped by prometheus_client).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import platform
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from .observe import TOP_CONTENDED, Observer
 from .roles import Role
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,9 +71,10 @@ class _Collector:
 
     def __init__(self) -> None:
         self.snapshot: dict = {}
+        self.observer: Observer | None = None
 
     def collect(self) -> Iterator:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         st = self.snapshot
         yield GaugeMetricFamily("fastlock_up", "1 while the server's loop refreshes these metrics",
@@ -89,6 +109,24 @@ class _Collector:
         yield GaugeMetricFamily("fastlock_promotion_grace_remaining_seconds",
                                 "Time left in the post-promotion grace period (no new grants)",
                                 value=st.get("grace_remaining_ms", 0) / 1000.0)
+        observer = self.observer
+        if observer is None:
+            return
+        build = GaugeMetricFamily("fastlock_build_info", "fastlock's version (value 1)",
+                                  labels=["version", "python", "implementation"])
+        build.add_metric([str(st.get("version", "")), platform.python_version(), platform.python_implementation()], 1)
+        yield build
+        for name, doc, labels, hists in observer.histograms():
+            family = HistogramMetricFamily(name, doc, labels=labels)
+            for label_values, hist in hists:
+                family.add_metric(label_values, hist.buckets(), hist.sum)
+            yield family
+        contention = GaugeMetricFamily("fastlock_lock_contention",
+                                       f"Recent contended acquires of the {TOP_CONTENDED} most contended locks "
+                                       f"(decayed: halved each second)", labels=["lock"])
+        for lock, score in observer.top_contended():
+            contention.add_metric([lock], score)
+        yield contention
 
 
 class MetricsExporter:
@@ -100,7 +138,13 @@ class MetricsExporter:
 
     def __init__(self, server: LockServer, host: str, port: int, refresh_s: float = 1.0):
         try:
-            from prometheus_client import CollectorRegistry, start_http_server
+            from prometheus_client import (
+                CollectorRegistry,
+                GCCollector,
+                PlatformCollector,
+                ProcessCollector,
+                start_http_server,
+            )
         except ImportError:
             raise ImportError("--metrics needs prometheus_client: pip install 'fastlock[metrics]'") from None
         self.server = server
@@ -108,6 +152,10 @@ class MetricsExporter:
         self.collector = _Collector()
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self.collector)
+        for default in (ProcessCollector, PlatformCollector, GCCollector):
+            default(registry=registry)
+        self.observer = Observer(server)
+        self.collector.observer = self.observer
         self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
         self.address = self._httpd.server_address[:2]
         self._timer: asyncio.TimerHandle | None = None
@@ -115,6 +163,7 @@ class MetricsExporter:
         log.info("metrics on http://%s:%d/metrics", self.address[0], self.address[1])
 
     def _refresh(self) -> None:
+        self.observer.refresh()
         self.collector.snapshot = self.server.status()
         self._timer = asyncio.get_running_loop().call_later(self.refresh_s, self._refresh)
 

@@ -67,7 +67,8 @@ TRANSITIONS: dict[tuple[Role, Role], str] = {
     (Role.STANDBY, Role.PROMOTING): "promotion begins (operator command, or the primary went silent)",
     (Role.PROMOTING, Role.PRIMARY): "promotion done: the new epoch is durable",
     (Role.PROMOTING, Role.STANDBY): "promotion refused or failed: back to following",
-    (Role.PRIMARY, Role.DEPOSED): "stepped down: a newer epoch exists (a standby's STEP_DOWN, or deposed.json at start)",
+    (Role.PRIMARY, Role.DEPOSED):
+        "stepped down: a newer epoch exists (a standby's STEP_DOWN, or deposed.json at start)",
 }
 
 
@@ -129,7 +130,7 @@ class NodeRole:
                  now_ms: Callable[[], int], primary_address: str | None = None):
         if initial not in (Role.PRIMARY, Role.STANDBY):
             raise IllegalTransition(f"a node starts as primary or standby, not {initial.value}")
-        self._role = initial
+        self._role: Role = initial
         self._fenced = False
         self._grace_until_ms = 0
         self._hold = hold_grants_until

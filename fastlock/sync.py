@@ -3,6 +3,7 @@
 ``from fastlock.sync import SyncClient`` keeps working.
 """
 
-from .client.sync import SyncClient, SyncElection, SyncLease, SyncLockContext, SyncMultiLease, SyncTerm
+from .client.sync import SyncClient, SyncLease, SyncLockContext, SyncMultiLease
+from .client.sync_election import SyncElection, SyncTerm
 
 __all__ = ["SyncClient", "SyncLease", "SyncMultiLease", "SyncElection", "SyncTerm", "SyncLockContext"]

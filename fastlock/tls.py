@@ -28,6 +28,7 @@ sent; a client without one still connects, with no identity), ``"required"``
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import ssl
@@ -306,7 +307,7 @@ class ServerTLS:
             self._pending_by_address[source] = from_source + 1
             task = asyncio.ensure_future(self._handshake(sock, addr, make_connection))
             self._pending.add(task)
-            task.add_done_callback(lambda t, source=source: self._handshake_ended(t, source))
+            task.add_done_callback(functools.partial(self._handshake_ended, source=source))
 
     def _handshake_ended(self, task: asyncio.Task, source: str) -> None:
         self._pending.discard(task)

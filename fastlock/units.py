@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, Literal, overload
 
 from .errors import InvalidArgument, WrongArgumentType
 
@@ -36,6 +36,16 @@ def monotonic_ms() -> int:
 def wall_ms() -> int:
     """Wall-clock time in integer milliseconds since the Unix epoch."""
     return time.time_ns() // 1_000_000
+
+
+@overload
+def check_seconds(value: Any, what: str, *, allow_none: Literal[False] = False, allow_zero: bool = False,
+                  maximum: float | None = None) -> float: ...
+
+
+@overload
+def check_seconds(value: Any, what: str, *, allow_none: bool, allow_zero: bool = False,
+                  maximum: float | None = None) -> float | None: ...
 
 
 def check_seconds(value: Any, what: str, *, allow_none: bool = False, allow_zero: bool = False,

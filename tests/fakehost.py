@@ -9,6 +9,7 @@ recorded fakes, so a test sees every heartbeat sent and every timer armed.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 from fastlock import protocol as P
@@ -16,6 +17,7 @@ from fastlock._core import LockTable
 from fastlock.replication import NodeState
 from fastlock.roles import NodeRole, Role
 from fastlock.wal import HolderRecord
+from fastlock.wal.keyspace import KeySpace
 
 
 class Clock:
@@ -107,23 +109,16 @@ class FakeWal:
     def log_epoch(self, *args) -> None:
         self._log("epoch", *args)
 
+    def log_key_put(self, *args) -> None:
+        self._log("key_put", *args)
+
+    def log_key_delete(self, *args) -> None:
+        self._log("key_delete", *args)
+
     def when_durable(self, callback: Callable[[], Any]) -> None:
         if self.fail_durability is not None:
             raise self.fail_durability
         callback()
-
-
-class FakeTransport:
-    def __init__(self):
-        self.aborted = False
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def abort(self) -> None:
-        self.aborted = True
-
-    close = abort
 
 
 class FakeConnection:
@@ -133,9 +128,12 @@ class FakeConnection:
         self.session = session
         self.peer = peer
         self.closed = False
-        self.transport = FakeTransport()
+        self.aborted = False
         self.sent: list[bytes] = []
         self.out_cap = 64 << 20
+
+    def abort(self) -> None:
+        self.closed = self.aborted = True
 
     def send(self, data: bytes) -> None:
         self.sent.append(data)
@@ -163,16 +161,17 @@ class FakeHost:
         self.data_dir = data_dir
         self.loop = FakeLoop(self.clock)
         self.max_ttl_ms = 0
+        self.keys = SimpleNamespace(space=KeySpace())  # the key store as replication sees it
         self.roles = NodeRole(role, hold_grants_until=self.table.hold_grants_until, now_ms=self.clock,
                               primary_address=primary_address)
         self.batches = 0
         self.events: list = []  # every table event drained at a batch end
         self.closed_clients: list[str] = []
 
-    def snapshot_state(self) -> tuple[int, int, list[HolderRecord]]:
+    def snapshot_state(self) -> tuple[int, int, list[HolderRecord], list]:
         t = self.table
         return (t.epoch, t.counter, [HolderRecord(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
-                                                  None, None, 0) for h in t.holders()])
+                                                  None, None, 0) for h in t.holders()], self.keys.space.to_list())
 
     def after_batch(self) -> None:
         self.batches += 1

@@ -806,6 +806,15 @@ class RefLockTable:
         lock = self.locks.get(_name(name))
         return [] if lock is None else [w.owner for w in lock.waiters]
 
+    def waiter_info(self, name) -> list[tuple]:
+        lock = self.locks.get(_name(name))
+        out = []
+        for w in [] if lock is None else lock.waiters:
+            entry = w.group.entry if w.group is not None else w.entry
+            out.append((w.owner, w.session, w.meta, w.enqueued_ms,
+                        -1 if entry is None else entry.deadline, w.shared))
+        return out
+
     def session_waiters(self, session) -> int:
         return len(self.sessions.get(_nonneg(session, "session"), []))
 

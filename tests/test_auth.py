@@ -38,7 +38,7 @@ def load(tmp_path, text: str) -> Credentials:
     ("[principals.a]\nkind = 'admin'\ntoken_sha256 = 'xyz'\n", "64 lowercase hex"),
     ("[principals.a]\nkind = 'admin'\n", "needs token_sha256 or cert_identities"),
     (f"[principals.a]\nkind = 'client'\ntoken_sha256 = '{H}'\n", "needs an acl"),
-    (f"[principals.a]\nkind = 'client'\ntoken_sha256 = '{H}'\nacl = [{{prefix = 'x', ops = ['delete']}}]\n",
+    (f"[principals.a]\nkind = 'client'\ntoken_sha256 = '{H}'\nacl = [{{prefix = 'x', ops = ['destroy']}}]\n",
      "unknown acl ops"),
     (f"[principals.a]\nkind = 'client'\ntoken_sha256 = '{H}'\nacl = [{{prefix = 'x', ops = []}}]\n", "non-empty"),
     (f"[principals.a]\nkind = 'admin'\ntoken_sha256 = '{H}'\nacl = [{{prefix = '', ops = ['*']}}]\n",

@@ -152,3 +152,34 @@ def test_serve_refuses_a_frame_limit_too_small_for_a_valid_request(tmp_path):
     with pytest.raises(ValueError, match="max_frame_bytes must be at least 4096"):
         check_limits(ServerConfig(max_frame_bytes=4095))
     check_limits(ServerConfig(max_frame_bytes=4096))
+
+
+@pytest.mark.parametrize("answer", [b"", b"HTTP/1.1 400 Bad Request\r\n\r\n"])
+def test_status_of_a_port_that_does_not_speak_fastlock_says_so_within_the_connect_timeout(tmp_path, answer):
+    import threading
+    import time
+
+    from fastlock.cli.admin import ADMIN_TIMEOUT
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+
+    def serve_one() -> None:
+        conn, _ = listener.accept()
+        accepted.append(conn)
+        if answer:
+            conn.recv(4096)
+            conn.sendall(answer)
+
+    thread = threading.Thread(target=serve_one, daemon=True)
+    thread.start()
+    try:
+        started = time.monotonic()
+        out = fastlock("status", "--server", f"127.0.0.1:{listener.getsockname()[1]}", cwd=tmp_path)
+        took = time.monotonic() - started
+    finally:
+        listener.close()
+        for conn in accepted:
+            conn.close()
+    one_clear_line(out, 1, "not a fastlock server")
+    assert took < ADMIN_TIMEOUT + 5.0  # the connect timeout, plus the interpreter's start

@@ -584,7 +584,7 @@ def test_stats_counters(impl):
 
 def test_no_memory_growth_over_many_names(impl):
     for i in range(2_000):
-        name = "n%d" % i
+        name = f"n{i}"
         tok = impl.grant(b"o", i, name=name, ttl=100_000)
         if i % 2:
             impl.t.release(name, tok, b"o", i)
@@ -620,7 +620,8 @@ BAD_ACQUIRES = [
 ]
 
 
-@pytest.mark.parametrize("bad,exc", BAD_ACQUIRES, ids=[f"{list(b)[0]}={list(b.values())[0]!r}" for b, _ in BAD_ACQUIRES])
+@pytest.mark.parametrize("bad,exc", BAD_ACQUIRES,
+                         ids=[f"{list(b)[0]}={list(b.values())[0]!r}" for b, _ in BAD_ACQUIRES])
 def test_bad_acquire_arguments_rejected_state_unchanged(impl, bad, exc):
     tok = impl.grant(b"H", 0, ttl=100)
     impl.acq(b"W", 1, wait=10)
@@ -703,3 +704,15 @@ def test_waited_ms_dates_each_grant_from_its_request(impl):
     assert impl.acq(b"b", 1300) == mod.GRANTED  # re-delivered: 100 ms before this request
     (ev,) = t.drain_events()
     assert not ev.fresh and ev.waited_ms == 1200 - 1300 and ev.deadline_ms == 1700
+
+
+def test_waiter_info_lists_the_queue_in_order_with_arrival_and_wait_deadline(impl):
+    impl.grant(b"H", 0)
+    assert impl.acq(b"w1", 5, session=11, wait=-1, meta="m1") == impl.mod.QUEUED
+    assert impl.acq(b"w2", 7, session=12, wait=100, meta="m2") == impl.mod.QUEUED
+    assert impl.t.waiter_info(NAME) == [(b"w1", 11, "m1", 5, -1, False), (b"w2", 12, "m2", 7, 107, False)]
+    assert impl.t.waiter_info("other") == []
+    impl.t.cancel(NAME, b"w1", 8)
+    assert [w[0] for w in impl.t.waiter_info(NAME)] == [b"w2"]
+    impl.t.expire(107)  # w2's wait ran out
+    assert impl.t.waiter_info(NAME) == []

@@ -292,9 +292,9 @@ def test_a_two_session_deadlock_fails_the_youngest_waiter(impl):
 
 
 def test_a_three_session_cycle_is_broken_once(impl):
-    for s, (held, wanted) in enumerate((("a", "b"), ("b", "c"), ("c", "a")), start=1):
+    for s, (held, _wanted) in enumerate((("a", "b"), ("b", "c"), ("c", "a")), start=1):
         impl.acq(b"h%d" % s, 0, name=held, session=s)
-    for s, (held, wanted) in enumerate((("a", "b"), ("b", "c"), ("c", "a")), start=1):
+    for s, (_held, wanted) in enumerate((("a", "b"), ("b", "c"), ("c", "a")), start=1):
         assert impl.acq(b"w%d" % s, s, name=wanted, session=s) == impl.mod.QUEUED
     impl.t.drain_events()
     (cycle,) = impl.t.break_deadlocks(500, 0)

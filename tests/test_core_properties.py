@@ -59,7 +59,7 @@ def _holder(h):
 def _call(obj, method, *args):
     try:
         value = getattr(obj, method)(*args)
-    except Exception as exc:  # compared by type name: NotHolder exists in both modules
+    except Exception as exc:  # noqa: BLE001 - any error is an outcome, compared by type name (both modules)
         return ("raised", type(exc).__name__)
     if isinstance(value, list):
         value = [_event(v) if hasattr(v, "fresh") else v for v in value]
@@ -278,7 +278,8 @@ class CoreVsModel(RuleBasedStateMachine):
           new_epoch=st.booleans(), lower=st.booleans(), kind=KINDS)
     def install_holder(self, name, owner, ttl, delay, bump, new_epoch, lower, kind):
         held = {h.token for h in self.model.holders()}
-        if lower and self.tokens_seen[-1] & refmodel.MAX_COUNTER and (kind == (False, 0) or self.tokens_seen[-1] not in held):
+        last = self.tokens_seen[-1]
+        if lower and last & refmodel.MAX_COUNTER and (kind == (False, 0) or last not in held):
             token = self.tokens_seen[-1]  # replay of an older record
         else:
             epoch = self.model.epoch + (1 if new_epoch else 0)

@@ -607,7 +607,8 @@ def test_old_primary_rejoins_as_standby_of_the_new_one_and_fails_back(cluster):
 
         # the old primary comes back as a standby of the new one
         old = await asyncio.to_thread(
-            lambda: cluster._start(type(p)(p.data_dir, args=["--standby-of", s.address, "--name", "old", *cluster.auth_args("primary"),
+            lambda: cluster._start(type(p)(p.data_dir, args=["--standby-of", s.address, "--name", "old",
+                                                             *cluster.auth_args("primary"),
                                                              "--failover-after", str(FAILOVER),
                                                              "--promotion-grace", str(GRACE)])))
         await asyncio.to_thread(old.wait_for_log, r"applied snapshot at primary LSN \d+: 3 leases, epoch 1", 10)

@@ -318,7 +318,7 @@ def test_concurrent_writers_with_interleaved_tokens(backend):
                 else:
                     with lock:
                         accepted.append(t)
-        except BaseException as exc:  # surfaced below
+        except BaseException as exc:  # noqa: BLE001 - surfaced below, in the test thread
             errors.append(exc)
 
     threads = [threading.Thread(target=writer, args=(i,)) for i in range(n_threads)]
@@ -406,7 +406,7 @@ def test_postgres_concurrent_schema_creation(pg_server):
         try:
             start.wait()
             PostgresFence(c, table).ensure_schema()
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - surfaced below, in the test thread
             errors.append(exc)
 
     threads = [threading.Thread(target=create, args=(c,)) for c in conns]
@@ -506,7 +506,7 @@ def test_postgres_writer_waits_for_the_holder_of_the_fence_row(pg_server, late_t
                     inside.set()
                     if not finish.wait(30):
                         raise RuntimeError("test did not let the holder finish")
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - the outcome the test checks
                 outcome["holder"] = exc
 
         def late():
@@ -514,7 +514,7 @@ def test_postgres_writer_waits_for_the_holder_of_the_fence_row(pg_server, late_t
                 PostgresFence(second, table).execute("r", late_token, f"INSERT INTO w_{table} (token) VALUES (%s)",
                                                     (late_token,))
                 outcome["late"] = "applied"
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - the outcome the test checks
                 outcome["late"] = exc
 
         t1 = threading.Thread(target=holder)

@@ -1,4 +1,5 @@
-"""Integration tests against a real `fastlock serve` process (mutual exclusion, fencing, FIFO, holder-only release, server-clock leases, waiter removal)."""
+"""Integration tests against a real `fastlock serve` process (mutual exclusion, fencing, FIFO,
+holder-only release, server-clock leases, waiter removal)."""
 
 from __future__ import annotations
 
@@ -338,7 +339,8 @@ async def test_watch_delivers_every_holder_change_in_order(client, connect):
     assert [(e.kind, e.token) for e in events[1:7]] == [
         (k, t) for t in tokens for k in ("granted", "released")
     ]
-    assert [(e.kind, e.token) for e in events[7:]] == [("granted", short.fencing_token), ("expired", short.fencing_token)]
+    assert [(e.kind, e.token) for e in events[7:]] == [("granted", short.fencing_token),
+                                                       ("expired", short.fencing_token)]
     assert all(e.client == "worker" for e in events[1:])
     assert await watcher.holder("w") is None
 

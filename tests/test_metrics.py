@@ -48,3 +48,35 @@ async def test_metrics_endpoint_reports_grants_holders_and_role(server_factory, 
         assert values["fastlock_fenced"] == 0
         assert values["fastlock_wal_fsyncs_total"] >= 1
         await client.release(held)
+
+
+async def test_histograms_contention_build_info_and_sessions(server_factory, loop_errors):
+    srv = server_factory("hist-data", args=["--metrics", "127.0.0.1:0"])
+    line = srv.wait_for_log(r"metrics on http://")
+    url = re.search(r"(http://\S+/metrics)", line).group(1)
+    async with fastlock.connect(srv.address) as a, fastlock.connect(srv.address) as b:
+        for _ in range(5):  # "hot" is contended five times: b queues behind a
+            lease = await a.acquire("hot", ttl=30.0)
+            queued = asyncio.ensure_future(b.acquire("hot", ttl=30.0, wait=10.0))
+            holder = await a.lock_info("hot")
+            while holder.waiter_count == 0:
+                holder = await a.lock_info("hot")
+            await a.release(lease)
+            await b.release(await queued)
+        st = await a.status()
+        deadline = asyncio.get_running_loop().time() + 10
+        while True:  # the exporter refreshes once a second
+            values = await asyncio.to_thread(_scrape, url)
+            if values.get("fastlock_hold_seconds_count") == 10 and values.get("fastlock_wal_fsync_seconds_count"):
+                break
+            assert asyncio.get_running_loop().time() < deadline, values
+            await asyncio.sleep(0.2)
+    assert values['fastlock_request_seconds_count{op="acquire"}'] == 10
+    assert values['fastlock_request_seconds_count{op="release"}'] == 10
+    assert values["fastlock_time_to_acquire_seconds_count"] == 10
+    assert values['fastlock_time_to_acquire_seconds_bucket{le="+Inf"}'] == 10
+    assert values["fastlock_wal_fsync_seconds_count"] <= values["fastlock_wal_fsyncs_total"]
+    assert values['fastlock_lock_contention{lock="hot"}'] > 0
+    assert values["fastlock_sessions"] == st["sessions"] == 2
+    assert any(k.startswith("fastlock_build_info{") for k in values)
+    assert "process_cpu_seconds_total" in values and any(k.startswith("python_info") for k in values)

@@ -205,6 +205,7 @@ def test_manual_promote_of_an_unreachable_primary_waits_for_its_fence(cluster):
         res = await asyncio.to_thread(cli, "promote", "--server", s.address)
         assert res.returncode == 0, res.stderr
         assert json.loads(res.stdout)["primary_confirmed"] is False
+        assert "promote: still working: role promoting" in res.stderr, res.stderr  # progress while it waits
         assert any("did not confirm stepping down" in line for line in s.lines)
         # by the time the standby serves, the old primary has fenced itself
         assert (await status_of(p.address))["replication"]["fenced"]
@@ -240,7 +241,8 @@ def test_promoted_standby_restarted_as_standby_of_the_old_primary_refuses_and_de
         s2 = cluster.restart(s)   # its unit file still says --standby-of <old primary address>
         # (the restarted old primary has a new port: point the standby at it explicitly)
         s2.stop()
-        s3 = cluster._start(type(s)(s.data_dir, args=["--standby-of", old.address, "--name", "standby", *cluster.auth_args("standby"),
+        s3 = cluster._start(type(s)(s.data_dir, args=["--standby-of", old.address, "--name", "standby",
+                                                      *cluster.auth_args("standby"),
                                                       "--failover-after", str(FAILOVER)]))
         s3.wait_for_log(r"refusing to follow", 10)
         st_old = await poll(lambda: status_of(old.address), lambda st: st["role"] == "deposed", timeout=5,
@@ -282,12 +284,13 @@ def test_a_standby_renamed_on_restart_is_the_same_standby(cluster):
         await poll(lambda: status_of(p.address), lambda st: st["replication"]["paired_standby"],
                    timeout=5, what="pairing")
         s.stop()
-        renamed = cluster._start(type(s)(s.data_dir, args=["--standby-of", p.address, "--name", "east-1", *cluster.auth_args("east"),
+        renamed = cluster._start(type(s)(s.data_dir, args=["--standby-of", p.address, "--name", "east-1",
+                                                           *cluster.auth_args("east"),
                                                            "--failover-after", str(FAILOVER)]))
         renamed.wait_for_log(r"replicating from", 10)
-        st = await poll(lambda: status_of(p.address),
-                        lambda st: st["replication"]["paired_standby"].startswith("east-1@")
-                        and not st["replication"]["fenced"], timeout=5, what="re-paired under the new name")
+        await poll(lambda: status_of(p.address),
+                   lambda st: st["replication"]["paired_standby"].startswith("east-1@")
+                   and not st["replication"]["fenced"], timeout=5, what="re-paired under the new name")
         node = await RawNode.open(p.address)
         try:
             token, _, _ = await node.acquire("z", 1000)

@@ -291,7 +291,8 @@ def test_a_primary_steps_down_on_step_down_for_the_next_epoch_only(cluster):
             assert await peer.request(P.OP_STEP_DOWN, 1, peer.hello["clock_ms"]) == {"role": "deposed", "epoch": 0}
         finally:
             await peer.close()
-        await asyncio.to_thread(p.wait_for_log, r"stepping down: replica node-\d+ \('standby:b' at .*\) is promoting to epoch 1", 5)
+        await asyncio.to_thread(p.wait_for_log,
+                                r"stepping down: replica node-\d+ \('standby:b' at .*\) is promoting to epoch 1", 5)
         # for good: every later connection finds it deposed, and no lock op names a primary
         again = await RawNode.open(p.address)
         try:

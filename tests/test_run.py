@@ -204,3 +204,12 @@ def test_ttl_help_says_it_must_be_positive(tmp_path):
     out = subprocess.run([sys.executable, "-m", "fastlock", "run", "-h"], capture_output=True, text=True,
                          timeout=TIMEOUT, cwd=tmp_path)
     assert out.returncode == 0 and "> 0" in " ".join(out.stdout.split())
+
+
+def test_says_who_holds_the_lock_it_waits_for(server, sync, tmp_path):
+    held = sync.acquire("busy", ttl=30.0, correlation_id="nightly-report")
+    out = subprocess.run(run_cmd(server, "busy", "--ttl", "2", "--wait", "0.5", command=py("pass"),
+                                 tmp_path=tmp_path), capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+    assert out.returncode == EXIT_NOT_ACQUIRED, out.stderr
+    assert (f"waiting for 'busy': held by anonymous:observer (token {held.fencing_token}, "
+            f"correlation id nightly-report") in out.stderr

@@ -16,6 +16,7 @@ import threading
 import pytest
 
 from fastlock import wal as W
+from fastlock.cli import main as cli_main
 from fastlock.wal import (
     GRANT,
     RESERVE,
@@ -259,7 +260,7 @@ async def test_listener_gets_written_batches(tmp_path, writer):
     got = []
     wal.add_listener(lambda first, last, data: got.append((first, last, data)))
     await write_batches(wal, 3, per_batch=2)
-    assert [(f, l) for f, l, _ in got] == [(1, 2), (3, 4), (5, 6)]
+    assert [(first, last) for first, last, _ in got] == [(1, 2), (3, 4), (5, 6)]
     decoded = [r for f, _l, d in got for r in decode_frames(d, f)]
     assert decoded == list(wal.read_from(1))
     assert [lsn for lsn, _ in wal.read_from(4)] == [4, 5, 6]
@@ -545,7 +546,7 @@ async def test_corrupt_newest_snapshot_falls_back(tmp_path, writer, caplog):
     wal, _ = await started(tmp_path, writer, segment_bytes=200, keep_snapshots=2)
     h = {}
     c = 0
-    for round_ in range(3):
+    for _round in range(3):
         for _ in range(4):
             c += 1
             grant(wal, f"l{c % 3}", c)
@@ -683,7 +684,7 @@ async def test_dump(tmp_path, writer):
     await durable(wal)
     out = io.StringIO()
     assert dump(str(tmp_path), file=out) == 2  # whole history on disk: no snapshot needed
-    assert [ln.split()[0] for ln in out.getvalue().splitlines()] == ["%020d" % 1, "%020d" % 2]
+    assert [ln.split()[0] for ln in out.getvalue().splitlines()] == [f"{1:020d}", f"{2:020d}"]
     wal.log_release("orders/3", tok(99))  # rotates: the first segment becomes compactable
     await durable(wal)
     wal.maybe_snapshot(lambda: (1, 2, [
@@ -728,7 +729,7 @@ async def test_dump_is_read_only_and_reports_torn_tail(tmp_path, writer):
     assert dump(str(tmp_path), file=out) == n
     assert "torn tail" in out.getvalue().splitlines()[-1]
     assert os.path.getsize(seg) == size
-    assert W.main(["dump", str(tmp_path)]) == 0
+    assert cli_main(["wal", "dump", str(tmp_path)]) == 0
 
 
 # -- arguments -----------------------------------------------------------------------------------

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import shutil
 import tempfile
@@ -118,7 +119,7 @@ async def run_sequence(d, seq, mode, writer, segment_bytes, keep_snapshots):
             await wal.wait_snapshot()
         elif kind == "turn":
             fut = loop.create_future()
-            wal.when_durable(lambda: fut.set_result(None))
+            wal.when_durable(functools.partial(fut.set_result, None))
             await fut
         elif kind == "reopen":
             await wal.close()
@@ -165,7 +166,7 @@ async def _write_batches(d, batches):
             c += 1
             wal.log_grant(f"n{c % 3}", (1 << 40) | c, b"owner", 1000 + c, 0, "client", None)
         fut = loop.create_future()
-        wal.when_durable(lambda: fut.set_result(None))
+        wal.when_durable(functools.partial(fut.set_result, None))
         await fut
     path = wal.stats()["active_segment"]
     await wal.close()

@@ -212,7 +212,8 @@ class Nemesis:
 
         SQLiteFence(conn).ensure_schema()
         conn.close()
-        wcfg = {"seed": cfg.seed, "workers": cfg.workers, "locks": cfg.locks or 2 * cfg.workers, "ttl": cfg.ttl, "wait": cfg.wait,
+        wcfg = {"seed": cfg.seed, "workers": cfg.workers, "locks": cfg.locks or 2 * cfg.workers,
+                "ttl": cfg.ttl, "wait": cfg.wait,
                 "request_timeout": cfg.request_timeout, "store": str(self.store),
                 "addresses": [self.nodes["a"].address, self.nodes["b"].address]}
         (self.root / "config.json").write_text(json.dumps(wcfg))
@@ -256,8 +257,8 @@ class Nemesis:
     def held_after_workers_stopped(self) -> list[dict] | str:
         """Locks the primary still shows held once every worker has stopped (each
         released what it held on the way out): orphans, with their holder info."""
-        from fastlock import cli
         from fastlock import protocol as P
+        from fastlock.cli.admin import admin_request
 
         node = self.primary
         if node.proc is None or not node.proc.alive:
@@ -265,7 +266,7 @@ class Nemesis:
         held = []
         try:
             for i in range(self.cfg.locks or 2 * self.cfg.workers):
-                info = cli._admin(("127.0.0.1", node.port), None, P.OP_HOLDER, f"acct/{i}", reply_timeout=2.0)
+                info = admin_request(("127.0.0.1", node.port), None, P.OP_HOLDER, f"acct/{i}", reply_timeout=2.0)
                 if info:
                     held.append({"lock": f"acct/{i}", **{k: info.get(k) for k in ("token", "client", "remaining_ms")}})
         except Exception as exc:  # noqa: BLE001 - reported instead

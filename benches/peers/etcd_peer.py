@@ -113,7 +113,8 @@ class EtcdTarget(harness.Target):
                 "--initial-cluster", f"bench={peer_url}", "--initial-cluster-state", "new",
                 "--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn"]
         srv = harness.ServerProcess("etcd", argv, log_path=os.path.join(d, "etcd.log"), cwd=d,
-                                    env=dict(os.environ, ETCD_UNSUPPORTED_ARCH=os.environ.get("ETCD_UNSUPPORTED_ARCH", "")))
+                                    env=dict(os.environ,
+                                             ETCD_UNSUPPORTED_ARCH=os.environ.get("ETCD_UNSUPPORTED_ARCH", "")))
         self.servers.append(srv)
         srv.start(ready_port=self.port)
         harness.run_async(self._wait_leader(), use_uvloop=False)

@@ -10,11 +10,15 @@ Subcommands::
     fastlock promote --server HOST:PORT [--force] [--token-file FILE]
     fastlock serve-alone --server HOST:PORT [--token-file FILE]
     fastlock credentials init DIR     credentials.toml (hashes) + one 0600 token file per principal
+    fastlock locks [PREFIX] [-o json]                 the held locks
+    fastlock lock NAME [-o json]                      one lock's holders and ordered waiters
+    fastlock revoke NAME [--token T] [--reason TEXT]  force-release (audit record in the WAL)
 
 The package holds one module per concern: :mod:`~fastlock.cli.args` (argument
 types and shared options), :mod:`~fastlock.cli.serve`,
 :mod:`~fastlock.cli.admin` (status, promote, serve-alone, credentials, wal
-dump), :mod:`~fastlock.cli.run` and :mod:`~fastlock.cli.demo`.
+dump), :mod:`~fastlock.cli.locks` (locks, lock, revoke), :mod:`~fastlock.cli.run` and
+:mod:`~fastlock.cli.demo`.
 
 Client commands name their server with ``--server`` or the environment
 variable ``FASTLOCK_SERVER``.  TLS: ``serve`` takes ``--tls-cert/--tls-key``
@@ -32,28 +36,31 @@ import os
 import ssl
 import sys
 
-from .. import __version__
+from .._version import __version__
 from ..errors import FastlockError
 from ..wal import WalCorruption
-from . import admin, demo, run, serve
+from . import admin, config, demo, locks, run, serve
 from .args import add_client_tls_arguments, client_tls_options, seconds_arg
 
 __all__ = ["add_client_tls_arguments", "build_parser", "client_tls_options", "main", "seconds_arg"]
 
-#: an alias kept for scripts that send one admin request (:func:`fastlock.cli.admin.admin_request`)
-_admin = admin.admin_request
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``fastlock`` argument parser; each subcommand sets ``handler``."""
+    return _build()[0]
+
+
+def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The ``fastlock`` parser and its ``serve`` subparser."""
     parser = argparse.ArgumentParser(prog="fastlock", description="fastlock lock server and tools")
     parser.add_argument("--version", action="version", version=f"fastlock {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve.add_parser(sub)
+    # every subcommand's parser keeps its options, for serve's config layers (fastlock.cli.config)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=config.RecordingParser)
+    serve_parser = serve.add_parser(sub)
     demo.add_parser(sub)
     admin.add_parsers(sub)
+    locks.add_parsers(sub)
     run.add_parser(sub)
-    return parser
+    return parser, serve_parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     errors (unreachable server, refused request, missing or damaged WAL)
     print one line, ``fastlock <command>: <reason>``, to stderr and exit 1.
     """
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser, serve_parser = _build()
+    if argv[:1] == ["serve"]:  # flag > environment > config file > default (fastlock.cli.config)
+        serve_parser.set_defaults(config_sources=config.layer_defaults(serve_parser, argv[1:]), argv=argv[1:])
+    args = parser.parse_args(argv)
     if args.command in ("serve", "demo", "run"):
         return int(args.handler(args))  # each reports its own errors and exit status
     if args.command in ("status", "promote", "serve-alone"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import os
 import re
@@ -22,7 +23,7 @@ from typing import Any
 
 from .. import wal
 from ..auth import generate
-from ..errors import ConnectionLost
+from ..errors import ConnectionLost, FastlockError
 from ..protocol import OP_HELLO, OP_PROMOTE, OP_SERVE_ALONE, OP_STATUS, PROTOCOL_VERSION
 from ..protocol.rpc import open_connection
 from ..tls import client_ssl_context
@@ -38,10 +39,15 @@ from .args import (
     servers_from_env,
 )
 
-__all__ = ["ADMIN_TIMEOUT", "add_parsers", "admin_request", "resolve_server", "where"]
+__all__ = ["ADMIN_TIMEOUT", "NotFastlock", "add_parsers", "admin_request", "resolve_server", "where"]
 
-#: seconds for the TCP connect, and again for the replies
-ADMIN_TIMEOUT = 10.0
+#: seconds for the TCP connect, and again for HELLO's reply (and the replies of every
+#: command but promote)
+ADMIN_TIMEOUT = 5.0
+
+
+class NotFastlock(ConnectionError):
+    """The address answers TCP but not the fastlock protocol (or not in time)."""
 
 _WAL_FILE = re.compile(r"^(wal-\d{20}\.log|snap-\d{20}\.snap)$")
 
@@ -168,10 +174,21 @@ def admin_request(server: tuple[str, int], token: str | None, op: int, *args: An
             conn = await open_connection(host, port, timeout=ADMIN_TIMEOUT, **ssl_args)
         except asyncio.TimeoutError:
             raise TimeoutError(f"no connection within {ADMIN_TIMEOUT:g} s") from None
+        opened = conn.last_recv
         hello = conn.request(OP_HELLO, PROTOCOL_VERSION, "fastlock-admin", token)
         reply = conn.request(op, *args)
         try:
-            await asyncio.wait_for(hello, reply_timeout)
+            try:  # a port that does not speak fastlock: fail within the connect timeout, saying so
+                info = await asyncio.wait_for(hello, min(reply_timeout, ADMIN_TIMEOUT))
+            except asyncio.TimeoutError:
+                raise NotFastlock(f"not a fastlock server (no answer to HELLO within "
+                                  f"{min(reply_timeout, ADMIN_TIMEOUT):g} s)") from None
+            except ConnectionLost as exc:
+                if conn.close_error is None and conn.last_recv > opened:  # it answered, not in fastlock
+                    raise NotFastlock(f"not a fastlock server ({exc})") from None
+                raise
+            if not isinstance(info, dict) or info.get("server") != "fastlock":
+                raise NotFastlock(f"not a fastlock server (HELLO answered {info!r:.60})")
             return await asyncio.wait_for(reply, reply_timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"no reply within {reply_timeout:g} s") from None
@@ -202,11 +219,38 @@ def status_command(args: argparse.Namespace) -> int:
     return 0
 
 
+#: seconds between two progress reports of ``fastlock promote``
+PROMOTE_REPORT_EVERY = 1.0
+
+
 def promote_command(args: argparse.Namespace) -> int:
-    """Promote the standby named by ``--server``; prints the new epoch and role."""
-    # a promotion may wait out the old primary's fence (up to its --failover-after)
-    result = admin_request(args.server, read_token(args), OP_PROMOTE, bool(args.force),
-                           reply_timeout=args.timeout, tls=client_tls_options(args))
+    """Promote the standby named by ``--server``; prints the new epoch and role.
+
+    While the node works (a promotion may wait out the old primary's fence, up to its
+    ``--failover-after``), each change of its role, epoch or replication state is
+    reported on stderr, from a status request every :data:`PROMOTE_REPORT_EVERY` s."""
+    token = read_token(args)
+    tls = client_tls_options(args)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        promotion = pool.submit(admin_request, args.server, token, OP_PROMOTE, bool(args.force),
+                                reply_timeout=args.timeout, tls=tls)
+        last = None
+        while True:
+            try:
+                result = promotion.result(timeout=PROMOTE_REPORT_EVERY)
+                break
+            except concurrent.futures.TimeoutError:
+                pass
+            try:
+                st = admin_request(args.server, token, OP_STATUS, tls=tls)
+                repl = st.get("replication") or {}
+                step = (f"role {st.get('role')}, epoch {st.get('epoch')}, "
+                        f"primary connected {repl.get('connected')}, applied LSN {repl.get('applied_lsn')}")
+            except (OSError, TimeoutError, FastlockError) as exc:
+                step = f"status unavailable ({exc})"
+            if step != last:
+                print(f"promote: still working: {step}", file=sys.stderr, flush=True)
+                last = step
     print(json.dumps(result, indent=2, sort_keys=True))
     return 0
 

@@ -48,30 +48,34 @@ def server_address(value: str) -> tuple[str, int]:
 
 
 def servers_from_env() -> list[str]:
-    """The addresses in ``$FASTLOCK_SERVER`` (comma-separated; empty entries dropped)."""
-    return [s.strip() for s in os.environ.get(SERVER_VARIABLE, "").split(",") if s.strip()]
+    """The addresses in ``$FASTLOCK_SERVER``, else ``$FASTLOCK_SERVERS`` (comma-separated;
+    empty entries dropped), as the Python client reads them (:mod:`fastlock.client.environment`)."""
+    for var in (SERVER_VARIABLE, "FASTLOCK_SERVERS"):
+        named = [s.strip() for s in os.environ.get(var, "").split(",") if s.strip()]
+        if named:
+            return named
+    return []
+
+
+def _int_arg(value: str, low: int, high: int | None, expected: str) -> int:
+    """An integer in ``low..high`` (``high`` None: no bound above), or ArgumentTypeError."""
+    try:
+        v = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}") from None
+    if v < low or (high is not None and v > high):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {v}")
+    return v
 
 
 def positive_int(value: str) -> int:
     """argparse type: an integer > 0."""
-    try:
-        v = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
+    return _int_arg(value, 1, None, "a positive integer")
 
 
 def count_arg(value: str) -> int:
     """argparse type: an integer >= 0 (0: no limit / off, where the flag says so)."""
-    try:
-        v = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
+    return _int_arg(value, 0, None, "an integer >= 0")
 
 
 def frame_bytes_arg(value: str) -> int:
@@ -86,13 +90,7 @@ def frame_bytes_arg(value: str) -> int:
 
 def exit_code_arg(value: str) -> int:
     """argparse type: a process exit status, 0..255."""
-    try:
-        v = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an exit code, got {value!r}") from None
-    if not 0 <= v <= 255:
-        raise argparse.ArgumentTypeError(f"exit codes are 0..255, got {v}")
-    return v
+    return _int_arg(value, 0, 255, "an exit code (0..255)")
 
 
 def _seconds(value: str, what: str, *, allow_zero: bool) -> float:
@@ -104,7 +102,6 @@ def _seconds(value: str, what: str, *, allow_zero: bool) -> float:
         seconds = check_seconds(number, what, allow_zero=allow_zero, maximum=MAX_SECONDS)
     except FastlockError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    assert seconds is not None  # allow_none is off
     return seconds
 
 

@@ -116,6 +116,18 @@ async def _worker(args: argparse.Namespace) -> int:
     db = sqlite3.connect(args.db, timeout=10)
     fence = SQLiteFence(db, FENCE_TABLE)
     grants = writes = 0
+
+    def write_entry(token: int, balance: int, amount: int, **extra: Any) -> int:
+        """Append the ledger entry under ``token`` (fenced unless ``--unfenced``) and say
+        what happened; returns 1 if it was written, 0 if the fence refused it."""
+        try:
+            append_entry(fence, name, token, balance, amount, not args.unfenced)
+        except StaleFencingToken as exc:
+            _emit(ev="stale", token=exc.token, highest=exc.highest, msg=str(exc))
+            return 0
+        _emit(ev="wrote", token=token, amount=amount, **extra)
+        return 1
+
     async with connect(args.server, client_name=name) as client:
         _emit(ev="ready")
         waiters = [asyncio.ensure_future(e.wait()) for e in (start, stop)]
@@ -142,13 +154,7 @@ async def _worker(args: argparse.Namespace) -> int:
                         resumed = loop.time()
                         # Write as if nothing happened (no lease.lost check): a
                         # process that paused right before its write does just that.
-                        try:
-                            append_entry(fence, name, token, balance, amount, not args.unfenced)
-                        except StaleFencingToken as exc:
-                            _emit(ev="stale", token=exc.token, highest=exc.highest, msg=str(exc))
-                        else:
-                            writes += 1
-                            _emit(ev="wrote", token=token, amount=amount, stale_write_accepted=True)
+                        writes += write_entry(token, balance, amount, stale_write_accepted=True)
                         try:
                             await asyncio.wait_for(lease.lost.wait(), 2 * args.ttl + 1.0)
                         except asyncio.TimeoutError:
@@ -158,13 +164,7 @@ async def _worker(args: argparse.Namespace) -> int:
                         stop.set()
                         continue
                     await asyncio.sleep(rng.uniform(0.005, 0.02))  # the "work" done under the lock
-                    try:
-                        append_entry(fence, name, token, balance, amount, not args.unfenced)
-                    except StaleFencingToken as exc:
-                        _emit(ev="stale", token=exc.token, highest=exc.highest, msg=str(exc))
-                    else:
-                        writes += 1
-                        _emit(ev="wrote", token=token, amount=amount)
+                    writes += write_entry(token, balance, amount)
             except LockNotAcquired:
                 _emit(ev="not_acquired")
     db.close()

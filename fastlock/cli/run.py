@@ -120,7 +120,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="after the lease is lost: seconds between SIGTERM and SIGKILL to the command (default 10)")
     p.add_argument("--conflict-exit-code", type=exit_code_arg, default=EXIT_NOT_ACQUIRED, metavar="N",
                    help=f"exit status when not acquired within --wait (default {EXIT_NOT_ACQUIRED})")
-    p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="the least severe messages shown (any case; default INFO: what it waits for, who holds it)")
     add_client_tls_arguments(p)
 
 
@@ -213,8 +214,12 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
     try:
         try:
             client = await connect(*servers, auth=secret, client_name=client_name, **client_tls_options(args))
-            lease = await client.lock(args.name, ttl=args.ttl, wait=args.wait,
-                                      correlation_id=f"fastlock run: {' '.join(command)}"[:256])
+            reporter = asyncio.ensure_future(_report_holder(client, args.name))
+            try:
+                lease = await client.lock(args.name, ttl=args.ttl, wait=args.wait,
+                                          correlation_id=f"fastlock run: {' '.join(command)}"[:256])
+            finally:
+                reporter.cancel()
         except asyncio.CancelledError:
             return 128 + (state["signal"] or signal.SIGINT)
         except LockNotAcquired:
@@ -268,6 +273,25 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
             loop.remove_signal_handler(sig)
         if client is not None:
             await client.close()
+
+
+#: seconds between two "waiting for" lines while ``fastlock run`` waits for its lock
+REPORT_EVERY = 10.0
+
+
+async def _report_holder(client: Any, name: str) -> None:
+    """While the lock is being waited for: say who holds it (INFO), at once and every
+    :data:`REPORT_EVERY` seconds; quiet when it is free, and if the principal may not ask."""
+    while True:
+        try:
+            holder = await client.holder(name)
+        except FastlockError:
+            return
+        if holder is not None:
+            who = ":".join(p for p in (holder.get("principal"), holder.get("client")) if p) or "an unnamed client"
+            log.info("waiting for %r: held by %s (token %d, correlation id %s, %.1f s left on its lease)",
+                     name, who, holder["token"], holder.get("correlation_id"), holder["remaining_ms"] / 1000)
+        await asyncio.sleep(REPORT_EVERY)
 
 
 async def _supervise(proc: asyncio.subprocess.Process, lease, grace: float) -> int:

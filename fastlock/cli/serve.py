@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from typing import Any
 
 from ..auth import Credentials, read_token_file
+from ..logformat import LOG_FORMATS, configure
 from ..server import ServerConfig, serve
 from ..units import DEFAULT_PORT
 from .args import count_arg, frame_bytes_arg, listen_address, positive_int, read_secret, seconds_arg
+from .config import render
 
 __all__ = ["add_limit_flags", "add_parser", "check_args", "limit_config", "serve_command"]
 
@@ -78,7 +79,17 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="start even if the WAL's last segment has a damaged record in the middle: cut it "
                         "there (records after it are lost; logged at ERROR). Without it the server refuses.")
     s.add_argument("--no-uvloop", action="store_true", help="use the stdlib asyncio loop")
-    s.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    s.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="the least severe messages logged (any case; default INFO)")
+    s.add_argument("--log-format", choices=LOG_FORMATS, default="text", type=str.lower,
+                   help="text (default) or json: one object per line with time, level, logger, message "
+                        "and the session, client, lock, token, correlation id where they apply")
+    s.add_argument("--config", metavar="FILE",
+                   help="a TOML file of settings, keyed by flag name without the dashes (or env "
+                        "FASTLOCK_CONFIG); every flag is also env FASTLOCK_<FLAG>; a flag wins over the "
+                        "environment, which wins over the file (see fastlock.cli.config)")
+    s.add_argument("--print-config", action="store_true",
+                   help="print the resulting settings and where each came from (TOML), and exit")
 
     return s
 
@@ -120,6 +131,12 @@ def add_limit_flags(s: argparse.ArgumentParser) -> None:
         g.add_argument(f"--max-{flag}-per-principal", type=count_arg, default=0, metavar="N",
                        help=f"{what} of one principal, all its connections together (default 0: only the "
                             f"global limit)")
+    g.add_argument("--max-keys", type=positive_int, default=d.max_keys, metavar="N",
+                   help=f"keys of the key store, all principals together (default {d.max_keys})")
+    g.add_argument("--max-keys-per-principal", type=positive_int, default=d.max_keys_per_principal, metavar="N",
+                   help=f"keys of one principal (default {d.max_keys_per_principal})")
+    g.add_argument("--max-value-bytes", type=positive_int, default=d.max_value_bytes, metavar="BYTES",
+                   help=f"one key's value (default {d.max_value_bytes})")
 
 
 def limit_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -141,6 +158,9 @@ def limit_config(args: argparse.Namespace) -> dict[str, Any]:
         max_leases_per_principal=args.max_leases_per_principal,
         max_waiters_per_principal=args.max_waiters_per_principal,
         max_watches_per_principal=args.max_watches_per_principal,
+        max_keys=args.max_keys,
+        max_keys_per_principal=args.max_keys_per_principal,
+        max_value_bytes=args.max_value_bytes,
     )
 
 
@@ -168,8 +188,10 @@ def serve_command(args: argparse.Namespace) -> int:
     The server logs its own errors (a damaged WAL, an address in use) and
     exits non-zero; unreadable credential files print one line and exit 1."""
     check_args(args)
-    logging.basicConfig(level=getattr(logging, args.log_level),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.print_config:
+        print(render(args.subparser, args, getattr(args, "argv", ()), getattr(args, "config_sources", {})))
+        return 0
+    configure(args.log_level, args.log_format, sys.stderr)
     try:
         secret = read_secret(args.auth_secret_file)
         credentials = Credentials.load(args.credentials) if args.credentials else None

@@ -9,7 +9,9 @@ Modules, each readable alone:
 - :mod:`~fastlock.client.renewer` - the one renewal loop (locks, multi-locks,
   election terms);
 - :mod:`~fastlock.client.multilock` - several locks at once, all or none;
-- :mod:`~fastlock.client.client` - the :class:`Client` facade and :func:`connect`;
+- :mod:`~fastlock.client.client` - the :class:`Client` facade;
+- :mod:`~fastlock.client.connect` - :func:`connect`, the entry point;
+- :mod:`~fastlock.client.admin` - the operator's requests (``locks``, ``lock_info``, ``revoke``);
 - :mod:`~fastlock.client.election` - leader election on leases;
 - :mod:`~fastlock.client.sync` - :class:`~fastlock.client.sync.SyncClient` for threads.
 
@@ -18,14 +20,18 @@ The client imports only :mod:`fastlock.protocol` and leaf modules.  Every name
 """
 
 from ..units import DEFAULT_PORT
-from .client import LATE_GRANT_FRACTION, Client, LockContext, connect
+from .admin import LeaseInfo, LockInfo, LockList, WaiterInfo
+from .client import LATE_GRANT_FRACTION, Client, LockContext
+from .connect import connect
 from .connection import RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election, Leader, Term
-from .lease import IN_JEOPARDY, LOST, SAFE, Lease, LeaseHealth, LeaseState, WatchEvent
+from .keys import KeyEvent, KeyValue
+from .lease import IN_JEOPARDY, LOST, SAFE, HolderInfo, Lease, LeaseHealth, LeaseState, WatchEvent
 from .multilock import LockManyContext, MultiLease
 from .renewer import Renewer
 
 __all__ = ["connect", "Client", "Lease", "LeaseState", "LeaseHealth", "LockContext", "MultiLease",
-           "LockManyContext", "WatchEvent", "Election", "Term", "Leader", "Renewer", "resolve_credential",
+           "LockManyContext", "WatchEvent", "HolderInfo", "Election", "Term", "Leader", "Renewer", "resolve_credential",
            "DEFAULT_PORT", "LATE_GRANT_FRACTION", "SAFE", "IN_JEOPARDY", "LOST", "RETRYABLE", "ClientConnection",
-           "Connector", "RideThrough"]
+           "Connector", "RideThrough", "KeyValue", "KeyEvent",
+           "LeaseInfo", "LockInfo", "LockList", "WaiterInfo"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
 from ..errors import FastlockError, LeaseLost
@@ -30,9 +30,9 @@ log = logging.getLogger(__name__)
 __all__ = ["acquire_retry", "verify_late_grant"]
 
 
-async def acquire_retry(connector: Connector, connect_timeout: float, request: tuple, owner: bytes, started: float,
-                        proto: ClientConnection | None = None,
-                        exc: BaseException | None = None) -> tuple[list, float]:
+async def acquire_retry(connector: Connector, connect_timeout: float, request: tuple[Any, ...], owner: bytes,
+                        started: float, proto: ClientConnection | None = None,
+                        exc: BaseException | None = None) -> tuple[list[Any], float]:
     """Ride an acquire through a failover: same owner key, the wait that is
     left, until ``started + wait + connect_timeout``.  Returns the reply and
     the ``loop.time()`` its request was sent.  ``request``: ``(name, ttl_ms,
@@ -74,7 +74,7 @@ async def acquire_retry(connector: Connector, connect_timeout: float, request: t
             pause = pacing.failed(proto, err)
 
 
-async def verify_late_grant(client: Client, lease: Lease, request: tuple, started: float) -> Lease:
+async def verify_late_grant(client: Client, lease: Lease, request: tuple[Any, ...], started: float) -> Lease:
     """A grant read with less than :data:`LATE_GRANT_FRACTION` of its TTL
     left by the conservative estimate: verify it with one EXTEND, or give
     it back and queue again while the wait allows (see :meth:`Client.acquire`)."""

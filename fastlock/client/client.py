@@ -29,18 +29,21 @@ from typing import Any
 from .. import protocol as P
 from ..errors import ConnectionLost, InvalidArgument, LeaseLost, WrongArgumentType
 from ..tls import client_ssl_context
-from ..units import DEFAULT_PORT, check_seconds
+from ..units import check_seconds
 from .acquire import acquire_retry, verify_late_grant
+from .admin import LockAdminMethods
 from .connection import BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election
-from .lease import Lease, LeaseState, WatchEvent, check_fraction, check_lease
+from .environment import addresses_from_env, secret_from_env, tls_from_env
+from .keys import KeyMethods
+from .lease import HolderInfo, Lease, LeaseState, WatchEvent, check_fraction, check_lease
 from .multilock import LockManyContext, MultiLease, acquire_many, release_many, sorted_names
 from .renewer import LockContext, Renewer, Renewers
 from .watch import watch_events
 
 log = logging.getLogger(__name__)
 
-__all__ = ["connect", "Client", "LockContext", "LATE_GRANT_FRACTION"]
+__all__ = ["Client", "LockContext", "LATE_GRANT_FRACTION"]
 
 #: a grant read with less than this fraction of its TTL left (by the client's
 #: conservative estimate) is verified with an EXTEND before it is returned
@@ -55,7 +58,7 @@ def _ms(value: Any, what: str, *, allow_zero: bool = False) -> int:
     return P.seconds_to_ms(value, what, allow_zero=allow_zero)
 
 
-class Client:
+class Client(KeyMethods, LockAdminMethods):
     """A connection to a fastlock primary.  Create it with :func:`connect`.
 
     Many tasks may share one client; their requests are pipelined on one
@@ -80,7 +83,7 @@ class Client:
 
     **Liveness.**  A server that stops answering while its TCP connection
     stays open (a frozen process, a stalled VM, a black-holed network) is
-    detected by a per-connection watchdog (:class:`fastlock.rpc.RpcConnection`),
+    detected by a per-connection watchdog (:class:`fastlock.protocol.rpc.RpcConnection`),
     not by per-request timers: while any request (including a waiting
     acquire) or watch is outstanding, a ``PING`` is sent after
     ``request_timeout / 3`` seconds without a byte from the server, and after
@@ -98,10 +101,16 @@ class Client:
 
     def __init__(self, addresses: Iterable[Any], *, auth: str | None = None, client_name: str | None = None,
                  connect_timeout: float = 5.0, request_timeout: float | None = 5.0, token: str | None = None,
-                 token_file: str | os.PathLike | None = None,
+                 token_file: str | os.PathLike[str] | None = None,
                  tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, server_hostname: str | None = None):
-        auth = resolve_credential(token=token, token_file=token_file, auth=auth)
+        addresses = addresses_from_env(addresses)
+        tls, files = tls_from_env(tls, {"tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key,
+                                        "server_hostname": server_hostname})
+        tls_ca, tls_cert, tls_key, server_hostname = (files["tls_ca"], files["tls_cert"], files["tls_key"],
+                                                      files["server_hostname"])
+        auth = resolve_credential(token=token, token_file=token_file,
+                                  auth=secret_from_env(auth, token, token_file))
         client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
         self._connect_timeout = check_seconds(connect_timeout, "connect_timeout")
         self._request_timeout = check_seconds(request_timeout, "request_timeout", allow_none=True)
@@ -125,7 +134,7 @@ class Client:
         return self._connector.closed
 
     @property
-    def server_info(self) -> dict:
+    def server_info(self) -> dict[str, Any]:
         """The primary's HELLO reply on the current (or last) connection:
         ``role``, ``epoch``, ``session``, ``principal``, ..."""
         return self._connector.server_info
@@ -185,7 +194,7 @@ class Client:
     async def __aenter__(self) -> Client:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     # -- lock operations ----------------------------------------------------------------
@@ -383,11 +392,12 @@ class Client:
         """
         P.check_name(name)
         P.check_token(fencing_token)
-        return await self._request(P.OP_CHECK, name, fencing_token)
+        return bool(await self._request(P.OP_CHECK, name, fencing_token))
 
-    async def status(self) -> dict:
+    async def status(self) -> dict[str, Any]:
         """The primary's status: role, epoch, counters, sessions, WAL stats."""
-        return await self._request(P.OP_STATUS)
+        status: dict[str, Any] = await self._request(P.OP_STATUS)
+        return status
 
     async def ping(self) -> float:
         """Round trip to the primary, in seconds."""
@@ -396,10 +406,11 @@ class Client:
         await self._request(P.OP_PING)
         return loop.time() - t0
 
-    async def holder(self, name: str) -> dict | None:
-        """The current holder of ``name``: ``{"token", "client", "ttl_ms", "remaining_ms"}`` or None."""
+    async def holder(self, name: str) -> HolderInfo | None:
+        """The current holder of ``name`` (a :class:`~fastlock.client.lease.HolderInfo`), or None if free."""
         P.check_name(name)
-        return await self._request(P.OP_HOLDER, name)
+        holder: HolderInfo | None = await self._request(P.OP_HOLDER, name)
+        return holder
 
     def watch(self, name: str) -> AsyncIterator[WatchEvent]:
         """Yield :class:`WatchEvent` for every change of ``name``'s holder.
@@ -537,96 +548,3 @@ class Client:
         """
         return Election(self, name, candidate_id, lease_duration=lease_duration, renew_deadline=renew_deadline,
                         retry_period=retry_period, jeopardy_fraction=jeopardy_fraction)
-
-
-class _ConnectContext:
-    """Returned by :func:`connect`: ``await`` it for a :class:`Client`, or use
-    it as ``async with`` to close the client on exit."""
-
-    __slots__ = ("_client",)
-
-    def __init__(self, client: Client):
-        self._client = client
-
-    async def _open(self) -> Client:
-        await self._client.ensure_connected()
-        return self._client
-
-    def __await__(self):
-        return self._open().__await__()
-
-    async def __aenter__(self) -> Client:
-        return await self._open()
-
-    async def __aexit__(self, *exc) -> None:
-        await self._client.close()
-
-
-def connect(*addresses: Any, auth: str | None = None, client_name: str | None = None,
-            connect_timeout: float = 5.0, request_timeout: float | None = 5.0, token: str | None = None,
-            token_file: str | os.PathLike | None = None,
-            tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-            tls_key: str | None = None, server_hostname: str | None = None) -> _ConnectContext:
-    """Connect to a fastlock primary.
-
-    Args:
-        *addresses: ``"host:port"`` strings or ``(host, port)`` tuples, tried in
-            order; a standby's ``NotPrimary`` redirect is followed.  Default
-            port 7420.
-        auth: legacy: the server's shared secret (``--auth-secret-file``).
-        token: this client's principal token (see ``fastlock credentials init``).
-        token_file: a file holding the token (default: the file named by the
-            environment variable ``FASTLOCK_TOKEN_FILE``, when neither token
-            nor auth is given).  Without any, the server takes the connection
-            as its anonymous principal, if it allows one.
-        client_name: shown in server logs and recorded with grants in the WAL,
-            beside the authenticated principal (it is self-declared).
-        connect_timeout: seconds for each TCP connect and handshake; also
-            added to an acquire's ``wait`` to make its deadline.
-        request_timeout: seconds (> 0) of silence from the server, while any
-            request or watch is outstanding, after which the connection is
-            dropped (a ``PING`` goes out after a third of it; an idle
-            connection is left alone) and what was pending on it rides
-            through to the primary; also the deadline of every call but
-            acquire and renewals.  ``None`` disables the check (the deadline
-            is then ``connect_timeout``).  See :class:`Client`.
-        tls: ``True`` to connect over TLS, verifying the server's certificate
-            (against ``tls_ca``, or the system's trust store) and its host
-            name; an ``ssl.SSLContext`` to use as it is; ``False`` for plain
-            TCP.  Default ``None``: TLS if any ``tls_*`` file is given.
-        tls_ca: PEM file of the CA(s) that sign the servers' certificates.
-        tls_cert: PEM file of this client's certificate, for servers that
-            require one (mutual TLS); the key may be in the same file.
-        tls_key: PEM file of that certificate's private key.
-        server_hostname: the name the server certificates must carry (default:
-            the host of each address, so an IP address must be in the
-            certificate's subjectAltName).
-
-    Example::
-
-        async with fastlock.connect("10.0.0.5:7420", tls_ca="ca.pem",
-                                    tls_cert="app.pem", tls_key="app-key.pem") as client:
-            ...
-
-    Raises (when awaited):
-        ConnectionLost: no address accepted a connection as primary (an
-            untrusted server certificate, or one refusing this client's, is
-            named in the message).
-        AuthError: the token or secret was refused (or needed and missing).
-
-    Raises at once: ``InvalidArgument`` for contradictory TLS arguments;
-    ``OSError`` (``ssl.SSLError`` included) when a TLS file cannot be read
-    or is not a matching PEM certificate/key; ``CredentialsError`` when
-    ``token_file`` cannot be read or is empty.
-
-    Operations the principal is not granted raise :class:`PermissionDenied`.
-    """
-    if not addresses:
-        addresses = (f"127.0.0.1:{DEFAULT_PORT}",)
-    return _ConnectContext(Client(addresses, auth=auth, client_name=client_name,
-                                  connect_timeout=connect_timeout, request_timeout=request_timeout,
-                                  token=token, token_file=token_file,
-                                  tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-                                  server_hostname=server_hostname))
-
-

@@ -10,7 +10,7 @@ operation: within its deadline, a lost connection or a refusal from a node
 that cannot serve makes it find the primary again (backoff with jitter) and
 send the request again.  Liveness - a server that stops answering while its
 TCP connection stays open - is found by the per-connection watchdog of
-:class:`fastlock.rpc.RpcConnection` (``liveness_timeout`` = the client's
+:class:`fastlock.protocol.rpc.RpcConnection` (``liveness_timeout`` = the client's
 ``request_timeout``).
 
 Everything here runs on the event loop's thread.
@@ -19,6 +19,7 @@ Everything here runs on the event loop's thread.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import random
@@ -29,7 +30,8 @@ from typing import Any
 from .. import protocol as P
 from ..errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost, NotPrimary, Unavailable
 from ..logsafe import quote
-from ..rpc import RpcConnection
+from ..protocol.ops import PUSH_VALUE
+from ..protocol.rpc import RpcConnection
 from ..units import parse_address
 from .lease import WatchEvent
 
@@ -54,37 +56,44 @@ _PLAIN_TO_TLS_HINT = " (if it is a TLS port: pass tls_ca=... or tls=True)"
 Address = tuple[str, int]
 
 
-def ignore_result(fut: asyncio.Future) -> None:
+def ignore_result(fut: asyncio.Future[Any]) -> None:
     """A done-callback that retrieves a future's exception (none waits for it)."""
     if not fut.cancelled():
         fut.exception()
 
 
 class ClientConnection(RpcConnection):
-    """The client's connection: an :class:`~fastlock.rpc.RpcConnection` whose
+    """The client's connection: an :class:`~fastlock.protocol.rpc.RpcConnection` whose
     pushes feed the watches opened on it, and whose liveness timeout is the
     client's ``request_timeout``.
 
     Attributes:
-        watches (dict[str, set[asyncio.Queue]]): the queues of the watches
+        watches (dict[str, set[asyncio.Queue[Any]]]): the queues of the watches
             open on this connection, by lock name; each receives
             :class:`~fastlock.client.WatchEvent` items, then ``None`` when the
             connection ends.
+        key_watches (dict[str, set[asyncio.Queue]]): the same for the key
+            watches (:mod:`fastlock.client.keys`), by prefix; each receives the
+            ``"value"`` pushes' payloads.
     """
 
-    __slots__ = ("watches",)
+    __slots__ = ("watches", "key_watches")
 
-    def __init__(self, address: Address, on_close: Callable[[ClientConnection, ConnectionLost], Any],
+    def __init__(self, address: Address, on_close: Callable[[RpcConnection, ConnectionLost], Any],
                  liveness_timeout: float | None):
         super().__init__(address, on_push=self._dispatch_push, on_close=on_close,
                          liveness_timeout=liveness_timeout)
-        self.watches: dict[str, set[asyncio.Queue]] = {}
+        self.watches: dict[str, set[asyncio.Queue[Any]]] = {}
+        self.key_watches: dict[str, set[asyncio.Queue[Any]]] = {}
 
     def _dispatch_push(self, kind: Any, payload: Any) -> None:
         if kind == P.PUSH_WATCH:
             event = WatchEvent(*payload)
             for queue in self.watches.get(event.name, ()):
                 queue.put_nowait(event)
+        elif kind == PUSH_VALUE and type(payload) is list and len(payload) == 4:
+            for queue in self.key_watches.get(payload[0], ()):
+                queue.put_nowait(payload)
 
 
 class Connector:
@@ -130,12 +139,12 @@ class Connector:
         self._server_hostname = server_hostname
         self.proto: ClientConnection | None = None
         self.closed = False
-        self.server_info: dict = {}
+        self.server_info: dict[str, Any] = {}
         self.max_epoch = 0
         self.orphans: list[tuple[str, bytes]] = []
-        self._connecting: asyncio.Future | None = None  # result of the connection attempt in progress
-        self._connect_task: asyncio.Task | None = None
-        self._attempt: dict = {}  # {"addr": the address the attempt in progress is trying}
+        self._connecting: asyncio.Future[Any] | None = None  # result of the connection attempt in progress
+        self._connect_task: asyncio.Task[Any] | None = None
+        self._attempt: dict[str, Any] = {}  # {"addr": the address the attempt in progress is trying}
         self._suspects: set[Address] = set()  # addresses that went silent: tried last
         self._demoted: set[Address] = set()  # answered deposed / fenced / Unavailable: tried last
         self._preferred: Address | None = None  # named as the primary by a refusal: tried first
@@ -171,7 +180,7 @@ class Connector:
         except asyncio.TimeoutError:
             raise ConnectionLost(f"no primary found within {left:.3f} s") from None
 
-    async def _connect_into(self, fut: asyncio.Future, attempt: dict) -> None:
+    async def _connect_into(self, fut: asyncio.Future[Any], attempt: dict[str, Any]) -> None:
         """Run one connection attempt and hand its outcome to ``fut`` - unless
         ``fut`` was settled meanwhile (:meth:`reset`, :meth:`close`), in which
         case a connection it made is closed, not used."""
@@ -208,7 +217,7 @@ class Connector:
         if self._connecting is fut:
             self._connecting = None
 
-    async def _connect(self, attempt: dict) -> tuple[ClientConnection, dict]:
+    async def _connect(self, attempt: dict[str, Any]) -> tuple[ClientConnection, dict[str, Any]]:
         """Sweep the addresses once (following redirects) until one is a
         primary and accepts the handshake; ``attempt["addr"]`` says which one
         is being tried.  Order: a primary named by the last refusal, then the
@@ -244,8 +253,8 @@ class Connector:
             attempt["addr"] = addr
             try:
                 _, proto = await asyncio.wait_for(
-                    loop.create_connection(lambda: ClientConnection(addr, self._on_connection_closed,
-                                                                    self._request_timeout),
+                    loop.create_connection(functools.partial(ClientConnection, addr, self._on_connection_closed,
+                                                             self._request_timeout),
                                            addr[0], addr[1], **self._tls_arguments(addr)),
                     self._connect_timeout,
                 )
@@ -317,24 +326,27 @@ class Connector:
             return proto, info
         raise ConnectionLost("could not connect to a fastlock primary: " + "; ".join(errors))
 
-    def _tls_arguments(self, addr: Address) -> dict:
+    def _tls_arguments(self, addr: Address) -> dict[str, Any]:
         """``create_connection`` arguments for TLS to ``addr`` (none for plain TCP): the
         certificate must name ``server_hostname``, or else the address's host."""
         if self._ssl is None:
             return {}
         return {"ssl": self._ssl, "server_hostname": self._server_hostname or addr[0]}
 
-    def _on_connection_closed(self, proto: ClientConnection, error: ConnectionLost) -> None:
+    def _on_connection_closed(self, proto: RpcConnection, error: ConnectionLost) -> None:
         """Called once per connection when it ends: forget it (so the next
         request reconnects), try a silent address last, end every watch on it."""
+        if not isinstance(proto, ClientConnection):  # only ClientConnections are made with this callback
+            return
         if self.proto is proto:
             self.proto = None
         if proto.silent:
             self._suspects.add(proto.address)
-        for queues in proto.watches.values():
-            for queue in queues:
-                queue.put_nowait(None)  # end of this watch
-        proto.watches.clear()
+        for watches in (proto.watches, proto.key_watches):
+            for queues in watches.values():
+                for queue in queues:
+                    queue.put_nowait(None)  # end of this watch
+            watches.clear()
 
     def refused(self, proto: ClientConnection, exc: BaseException) -> None:
         """A request on ``proto`` was refused with ``NotPrimary`` or
@@ -403,7 +415,7 @@ class Connector:
             return
         fut = proto.request(op, name, *(args or (owner,)))
 
-        def done(f: asyncio.Future) -> None:
+        def done(f: asyncio.Future[Any]) -> None:
             if f.cancelled():
                 return
             if isinstance(f.exception(), ConnectionLost) and not self.closed:
@@ -494,7 +506,7 @@ class RideThrough:
                 self.last = exc
                 pause = True
 
-    async def send(self, op: int, args: tuple, proto: ClientConnection | None = None,
+    async def send(self, op: int, args: tuple[Any, ...], proto: ClientConnection | None = None,
                    exc: BaseException | None = None, *, attempt_timeout: float | None = None) -> Any:
         """Send ``op`` until a primary answers or the deadline passes.
 
@@ -544,7 +556,7 @@ class RideThrough:
                 pause = self.failed(proto, err)
 
 
-def resolve_credential(*, token: str | None = None, token_file: str | os.PathLike | None = None,
+def resolve_credential(*, token: str | None = None, token_file: str | os.PathLike[str] | None = None,
                        auth: str | None = None) -> str | None:
     """The credential a client presents in its HELLO: ``token``, else the token read from
     ``token_file``, else (when no legacy ``auth`` secret is given either) the token file

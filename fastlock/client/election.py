@@ -59,7 +59,8 @@ __all__ = ["Election", "Term", "Leader"]
 
 
 class Leader(NamedTuple):
-    """Who leads: the candidate id and the fencing token of its term."""
+    """Who leads: the candidate id (None if the holder declared neither a
+    correlation id nor a client name) and the fencing token of its term."""
 
     candidate_id: str | None
     fencing_token: int
@@ -94,7 +95,8 @@ class Election:
         self.name = P.check_name(name)
         if not isinstance(candidate_id, str) or not candidate_id:
             raise WrongArgumentType("candidate_id must be a non-empty string")
-        self.candidate_id = P.check_optional_str(candidate_id, "candidate_id", P.MAX_CORRELATION_ID_CHARS)
+        P.check_optional_str(candidate_id, "candidate_id", P.MAX_CORRELATION_ID_CHARS)  # its length
+        self.candidate_id = candidate_id
         self.lease_duration = check_seconds(lease_duration, "lease_duration")
         self.renew_deadline = check_seconds(renew_deadline, "renew_deadline")
         self.retry_period = check_seconds(retry_period, "retry_period")
@@ -178,7 +180,7 @@ class Election:
             current: Leader | None = None
             try:
                 async for event in self.client.watch(self.name):
-                    if event.kind in ("held", "granted"):
+                    if event.kind in ("held", "granted") and event.token is not None:
                         current = Leader(event.correlation_id or event.client, event.token)
                     elif event.kind == "free" or (current is not None and event.token == current.fencing_token):
                         current = None
@@ -204,7 +206,7 @@ class _Leadership:
         self._term = await self._election.campaign(wait=self._wait)
         return self._term
 
-    async def __aexit__(self, exc_type, exc, tb) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         term, self._term = self._term, None
         if term is not None:
             await term.resign()

@@ -17,14 +17,14 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from ..errors import InvalidArgument, WrongArgumentType
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SAFE", "IN_JEOPARDY", "LOST", "Lease", "LeaseState", "LeaseHealth", "WatchEvent", "check_fraction",
-           "check_lease"]
+__all__ = ["SAFE", "IN_JEOPARDY", "LOST", "Lease", "LeaseState", "LeaseHealth", "WatchEvent", "HolderInfo",
+           "check_fraction", "check_lease"]
 
 SAFE = "safe"
 IN_JEOPARDY = "in_jeopardy"
@@ -326,3 +326,22 @@ class WatchEvent:
     client: str | None
     correlation_id: str | None = None
     principal: str | None = None
+
+
+class HolderInfo(TypedDict):
+    """A lock's current holder, as :meth:`Client.holder <fastlock.client.Client.holder>` reports it.
+
+    ``token``: the holder's fencing token; ``principal``: the authenticated
+    principal that acquired it (None in open mode); ``client``: the client
+    name it gave (self-declared: not verified), or None; ``correlation_id``:
+    the acquire's correlation id, or None; ``ttl_ms``: the lease's TTL in
+    milliseconds; ``remaining_ms``: milliseconds until the server expires it
+    unless renewed (on the server's monotonic clock).
+    """
+
+    token: int
+    principal: str | None
+    client: str | None
+    correlation_id: str | None
+    ttl_ms: int
+    remaining_ms: int

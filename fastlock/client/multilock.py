@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Coroutine, Generator, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 __all__ = ["MultiLease", "LockManyContext", "SortedNames", "sorted_names", "acquire_many", "release_many"]
 
 
-class SortedNames(tuple):
+class SortedNames(tuple[str, ...]):
     """Names already checked, deduplicated and put in the global lock order."""
 
 
@@ -92,7 +92,7 @@ class MultiLease:
     def __getitem__(self, name: str) -> Lease:
         return self._by_name[name]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Lease]:
         return iter(self.leases)
 
     def __len__(self) -> int:
@@ -102,7 +102,7 @@ class MultiLease:
         return f"<MultiLease {self.fencing_tokens}{' lost' if self.lost.is_set() else ''}>"
 
 
-async def acquire_many(client: Client, names: Iterable[str], kwargs: dict, wait: float | None,
+async def acquire_many(client: Client, names: Iterable[str], kwargs: dict[str, Any], wait: float | None,
                        renew_fraction: float | None) -> MultiLease:
     """Acquire every name in the global order under one deadline of ``wait``
     seconds (None: none), each with ``client.acquire(**kwargs)``; renew each
@@ -170,7 +170,7 @@ class LockManyContext:
 
     __slots__ = ("_client", "_names", "_kwargs", "_wait", "_fraction", "_multi")
 
-    def __init__(self, client: Client, names: SortedNames, kwargs: dict, wait: float | None, fraction: float):
+    def __init__(self, client: Client, names: SortedNames, kwargs: dict[str, Any], wait: float | None, fraction: float):
         self._client = client
         self._names = names
         self._kwargs = kwargs
@@ -178,17 +178,17 @@ class LockManyContext:
         self._fraction = fraction
         self._multi: MultiLease | None = None
 
-    def _acquire(self) -> Any:
+    def _acquire(self) -> Coroutine[Any, Any, MultiLease]:
         return acquire_many(self._client, self._names, self._kwargs, self._wait, self._fraction)
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, MultiLease]:
         return self._acquire().__await__()
 
     async def __aenter__(self) -> MultiLease:
         self._multi = await self._acquire()
         return self._multi
 
-    async def __aexit__(self, exc_type, exc, tb) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         multi, self._multi = self._multi, None
         if multi is None:
             return

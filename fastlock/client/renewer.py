@@ -30,8 +30,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConnectionLost, FastlockError, LeaseLost
 from ..logsafe import quote
@@ -118,7 +118,7 @@ class Renewer:
         self._window = window
         self._ttl = ttl
         self._on_lost = self._lost_by_default if on_lost is None else on_lost
-        self._task: asyncio.Future | None = None
+        self._task: asyncio.Future[Any] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done = False
@@ -241,7 +241,7 @@ class LockContext:
 
     __slots__ = ("_client", "_name", "_kwargs", "_renew", "_lease", "_jeopardy_fraction")
 
-    def __init__(self, client: Client, name: str, kwargs: dict, renew: bool, jeopardy_fraction: float = 0.5):
+    def __init__(self, client: Client, name: str, kwargs: dict[str, Any], renew: bool, jeopardy_fraction: float = 0.5):
         self._client = client
         self._name = name
         self._kwargs = kwargs
@@ -255,14 +255,14 @@ class LockContext:
             self._client.start_renewing(lease, self._jeopardy_fraction)
         return lease
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, Lease]:
         return self._acquire().__await__()
 
     async def __aenter__(self) -> Lease:
         self._lease = await self._acquire()
         return self._lease
 
-    async def __aexit__(self, exc_type, exc, tb) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         lease, self._lease = self._lease, None
         if lease is None:
             return

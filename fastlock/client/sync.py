@@ -40,17 +40,22 @@ import queue
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Coroutine, Iterable, Iterator
+from typing import Any, Generic, TypeVar
 
 from ..errors import ConnectionLost, FastlockError, WrongArgumentType
+from .admin import LeaseInfo, LockInfo, LockList
 from .client import Client
-from .election import Election, Leader, Term
 from .forks import check_held_here, fork_lock, keep_inherited
-from .lease import Lease, WatchEvent
+from .keys import SyncKeyMethods
+from .lease import HolderInfo, Lease, WatchEvent
 from .multilock import MultiLease
+from .sync_election import SyncElection
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
 
 class SyncLease:
     """A held lock, for threads.  Wraps the asyncio :class:`~fastlock.client.Lease`.
@@ -134,14 +139,14 @@ class SyncMultiLease:
     def __getitem__(self, name: str) -> SyncLease:
         return self._by_name[name]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[SyncLease]:
         return iter(self.leases)
 
     def __len__(self) -> int:
         return len(self.leases)
 
 
-class SyncClient:
+class SyncClient(SyncKeyMethods):
     """A blocking fastlock client, safe to share between threads.
 
     Args:
@@ -170,16 +175,14 @@ class SyncClient:
                  token_file: Any = None,
                  tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, server_hostname: str | None = None):
-        if not addresses:
-            addresses = ("127.0.0.1:7420",)
         self._closed = False
-        self._make_client = lambda: Client(
+        self._make_client: Callable[[], Client] = lambda: Client(
             addresses, auth=auth, client_name=client_name, connect_timeout=connect_timeout,
             request_timeout=request_timeout, token=token, token_file=token_file, tls=tls, tls_ca=tls_ca,
             tls_cert=tls_cert, tls_key=tls_key, server_hostname=server_hostname)
         self._open()
         try:
-            self._call(self._async_client.ensure_connected())
+            self.call(self._async_client.ensure_connected())
         except BaseException:
             self.close()
             raise
@@ -192,8 +195,8 @@ class SyncClient:
         self._loop = asyncio.SelectorEventLoop()
         self._thread = threading.Thread(target=self._run_loop, name="fastlock-sync", daemon=True)
         self._close_lock = threading.Lock()  # guards _closed and _inflight
-        self._inflight: set[concurrent.futures.Future] = set()  # calls submitted and not finished
-        self._watch_queues: set[queue.Queue] = set()  # of the watch() generators being iterated
+        self._inflight: set[concurrent.futures.Future[Any]] = set()  # calls submitted and not finished
+        self._watch_queues: set[queue.Queue[Any]] = set()  # of the watch() generators being iterated
         try:
             self._async_client = self._make_client()
         except BaseException:  # bad arguments: no thread started
@@ -232,7 +235,7 @@ class SyncClient:
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
 
-    def _submit(self, coro) -> concurrent.futures.Future:
+    def _submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
         """Schedule ``coro`` on the client's loop; raise ConnectionLost once closed."""
         self._check_process()
         with self._close_lock:
@@ -244,12 +247,18 @@ class SyncClient:
         fut.add_done_callback(self._forget)
         return fut
 
-    def _forget(self, fut: concurrent.futures.Future) -> None:
+    def _forget(self, fut: concurrent.futures.Future[Any]) -> None:
         with self._close_lock:
             self._inflight.discard(fut)
 
-    def _call(self, coro) -> Any:
-        """Run ``coro`` on the client's loop and block for its result."""
+    def call(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        """Run ``coro`` on the client's loop (its background thread) and block for its
+        result; a ``KeyboardInterrupt`` while blocked cancels it there.  The building
+        block of every method here and of the blocking wrappers built on the client
+        (elections, keys).
+
+        :raises RuntimeError: called from the client's own loop thread.
+        :raises ConnectionLost: the client was closed while the call waited."""
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("a SyncClient cannot be called from its own event loop thread (callbacks)")
@@ -294,7 +303,7 @@ class SyncClient:
             try:
                 # fails every pending request on the connection at once
                 asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result(10)
-            except Exception:  # closing anyway
+            except Exception:  # noqa: BLE001 - closing anyway: the pending calls fail below either way
                 pass
             # Let the calls' tasks run to deliver those errors before the loop
             # stops; cancel any that still wait for something else (a sleep
@@ -319,7 +328,7 @@ class SyncClient:
     def __enter__(self) -> SyncClient:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- operations ------------------------------------------------------------------
@@ -329,7 +338,7 @@ class SyncClient:
         async def run() -> SyncLease:
             return SyncLease(await self._client.acquire(name, ttl=ttl, wait=wait, lock_delay=lock_delay,
                                                         correlation_id=correlation_id))
-        return self._call(run())
+        return self.call(run())
 
     def release(self, lease: SyncLease) -> None:
         """As :meth:`Client.release <fastlock.client.Client.release>`.
@@ -339,7 +348,7 @@ class SyncClient:
         """
         _check(lease, SyncLease)
         check_held_here(lease, "lease")
-        self._call(self._client.release(lease.lease))
+        self.call(self._client.release(lease.lease))
 
     def extend(self, lease: SyncLease, *, ttl: float | None = None) -> SyncLease:
         """As :meth:`Client.extend <fastlock.client.Client.extend>`; returns ``lease`` (its ttl updated)."""
@@ -349,22 +358,31 @@ class SyncClient:
         async def run() -> SyncLease:
             lease.lease = await self._client.extend(lease.lease, ttl=ttl)
             return lease
-        return self._call(run())
+        return self.call(run())
 
     def check(self, name: str, fencing_token: int) -> bool:
-        return self._call(self._client.check(name, fencing_token))
+        return self.call(self._client.check(name, fencing_token))
 
-    def holder(self, name: str) -> dict | None:
-        return self._call(self._client.holder(name))
+    def holder(self, name: str) -> HolderInfo | None:
+        return self.call(self._client.holder(name))
 
-    def status(self) -> dict:
-        return self._call(self._client.status())
+    def status(self) -> dict[str, Any]:
+        return self.call(self._client.status())
 
     def ping(self) -> float:
-        return self._call(self._client.ping())
+        return self.call(self._client.ping())
+
+    def locks(self, prefix: str = "", *, most: int | None = None) -> LockList:
+        return self.call(self._client.locks(prefix, most=most))
+
+    def lock_info(self, name: str) -> LockInfo:
+        return self.call(self._client.lock_info(name))
+
+    def revoke(self, name: str, *, fencing_token: int | None = None, reason: str | None = None) -> list[LeaseInfo]:
+        return self.call(self._client.revoke(name, fencing_token=fencing_token, reason=reason))
 
     def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
-             correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> SyncLockContext:
+             correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> SyncLockContext[SyncLease]:
         """``with client.lock(name, ttl=10.0) as lease:`` - acquire, renew in
         the background (about every ttl/3, with jitter), release on exit.
 
@@ -384,10 +402,11 @@ class SyncClient:
         async def run() -> SyncMultiLease:
             return SyncMultiLease(await self._client.acquire_many(names, ttl=ttl, wait=wait, lock_delay=lock_delay,
                                                                   correlation_id=correlation_id))
-        return self._call(run())
+        return self.call(run())
 
     def lock_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
-                  correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> SyncLockContext:
+                  correlation_id: str | None = None,
+                  jeopardy_fraction: float = 0.5) -> SyncLockContext[SyncMultiLease]:
         """``with client.lock_many(names, ttl=10.0) as multi:`` - all or none,
         each renewed in the background, all released on exit."""
         names = list(names)
@@ -399,7 +418,7 @@ class SyncClient:
         """As :meth:`Client.release_many <fastlock.client.Client.release_many>`."""
         _check(multi, SyncMultiLease)
         check_held_here(multi, "multi-lease")
-        self._call(self._client.release_many(multi.multi))
+        self.call(self._client.release_many(multi.multi))
 
     def watch(self, name: str, *, timeout: float | None = None) -> Iterator[WatchEvent]:
         """Yield :class:`~fastlock.client.WatchEvent` as :meth:`Client.watch
@@ -413,7 +432,7 @@ class SyncClient:
             TimeoutError: no event within ``timeout``.
             ConnectionLost: the connection dropped.
         """
-        events: queue.Queue = queue.Queue()
+        events: queue.Queue[Any] = queue.Queue()
         done = object()
 
         async def pump() -> None:
@@ -453,9 +472,13 @@ class SyncClient:
             retry_period=retry_period, jeopardy_fraction=jeopardy_fraction))
 
 
-class SyncLockContext:
-    """Returned by :meth:`SyncClient.lock` and :meth:`SyncClient.lock_many`:
-    a context manager, or call :meth:`acquire` to hold until released."""
+_Held = TypeVar("_Held", SyncLease, SyncMultiLease)
+
+
+class SyncLockContext(Generic[_Held]):
+    """Returned by :meth:`SyncClient.lock` (``SyncLockContext[SyncLease]``) and
+    :meth:`SyncClient.lock_many` (``SyncLockContext[SyncMultiLease]``): a
+    context manager, or call :meth:`acquire` to hold until released."""
 
     __slots__ = ("_sync", "_make", "_ctx", "_ctx_client", "_held")
 
@@ -466,7 +489,7 @@ class SyncLockContext:
         self._ctx = make(self._ctx_client)
         self._held: Any = None
 
-    def acquire(self) -> Any:
+    def acquire(self) -> _Held:
         """Acquire and start renewing; returns a :class:`SyncLease` (or
         :class:`SyncMultiLease` for ``lock_many``)."""
         client = self._sync.client
@@ -477,13 +500,15 @@ class SyncLockContext:
         async def run() -> Any:
             held = await ctx
             return SyncMultiLease(held) if isinstance(held, MultiLease) else SyncLease(held)
-        return self._sync._call(run())
+        acquired: _Held = self._sync.call(run())
+        return acquired
 
-    def __enter__(self) -> Any:
-        self._held = self.acquire()
-        return self._held
+    def __enter__(self) -> _Held:
+        held = self.acquire()
+        self._held = held
+        return held
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, *exc: object) -> None:
         held, self._held = self._held, None
         if held is None:
             return
@@ -494,90 +519,6 @@ class SyncLockContext:
                 self._sync.release(held)
         except FastlockError:  # as the asyncio lock(): never into the caller's code
             held.lost.set()
-
-
-class SyncElection:
-    """:class:`~fastlock.election.Election` for threads (from :meth:`SyncClient.election`)."""
-
-    __slots__ = ("_sync", "election")
-
-    def __init__(self, sync: SyncClient, election: Election):
-        self._sync = sync
-        self.election = election
-
-    def _current(self) -> Election:
-        """The election, on this process's client (made anew after a fork)."""
-        client = self._sync.client
-        e = self.election
-        if e.client is not client:
-            self.election = e = Election(client, e.name, e.candidate_id, lease_duration=e.lease_duration,
-                                         renew_deadline=e.renew_deadline, retry_period=e.retry_period,
-                                         jeopardy_fraction=e.jeopardy_fraction)
-        return e
-
-    def campaign(self, *, wait: float | None = None) -> SyncTerm:
-        """Block until elected (or ``wait`` seconds; ``LockNotAcquired``)."""
-        election = self._current()
-
-        async def run() -> SyncTerm:
-            return SyncTerm(await election.campaign(wait=wait))
-        return self._sync._call(run())
-
-    def leadership(self, *, wait: float | None = None) -> _SyncLeadership:
-        """``with election.leadership() as term:`` - campaign, lead, resign on exit."""
-        return _SyncLeadership(self, wait)
-
-    def resign(self, term: SyncTerm) -> None:
-        _check(term, SyncTerm)
-        check_held_here(term, "term")
-        self._sync._call(term.term.resign())
-
-    def leader(self) -> Leader | None:
-        """The current leader (candidate id, token), or None."""
-        return self._sync._call(self._current().leader())
-
-
-class _SyncLeadership:
-    __slots__ = ("_election", "_wait", "_term")
-
-    def __init__(self, election: SyncElection, wait: float | None):
-        self._election = election
-        self._wait = wait
-        self._term: SyncTerm | None = None
-
-    def __enter__(self) -> SyncTerm:
-        self._term = self._election.campaign(wait=self._wait)
-        return self._term
-
-    def __exit__(self, *exc) -> None:
-        term, self._term = self._term, None
-        if term is not None:
-            self._election.resign(term)
-
-
-class SyncTerm:
-    """A term as leader, for threads.  ``lost`` is a threading.Event;
-    :meth:`is_leader` may be called from any thread."""
-
-    __slots__ = ("term", "lost", "pid")
-
-    def __init__(self, term: Term):
-        self.term = term
-        self.pid = os.getpid()
-        self.lost = threading.Event()
-        term.health.when_lost(self.lost.set)
-
-    @property
-    def fencing_token(self) -> int:
-        return self.term.fencing_token
-
-    @property
-    def health_state(self) -> str:
-        return "lost" if self.lost.is_set() else self.term.health.state
-
-    def is_leader(self) -> bool:
-        """Not lost and the renew deadline not passed (checked on this thread's clock)."""
-        return not self.lost.is_set() and time.monotonic() < self.term.deadline
 
 
 def _check(obj: Any, cls: type) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 from .. import protocol as P
 from ..errors import ConnectionLost
@@ -24,7 +25,7 @@ async def watch_events(connector: Connector, name: str, timeout: float) -> Async
     pause = False
     while True:  # starting rides through a failover, as every call does
         proto = await pacing.connection(pause)
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
         proto.watches.setdefault(name, set()).add(queue)
         try:
             info = await proto.request(P.OP_WATCH, name)

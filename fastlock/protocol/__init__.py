@@ -57,6 +57,9 @@ REPL_ACK   13  echoed_primary_ms, applied_lsn                         (no reply)
 PROMOTE    14  force                                                  dict (new epoch...)
 SERVE_ALONE 15 -                                                      None
 STEP_DOWN  16  epoch, seen_primary_ms                                 {"role", "epoch"}
+LOCKS      20  prefix, most|None                                      {"locks", "matched", "truncated"}
+LOCK_INFO  21  name                                                   {"name", "holders", "waiters", ...}
+REVOKE     22  name, token|None, reason|None                          {"name", "revoked"}
 =========  ==  =====================================================  ======================
 
 The number of arguments of every op is declared once, in :data:`OPS` (and so
@@ -68,9 +71,11 @@ holder info is ``{"token": int, "principal": str|None, "client": str|None, "corr
 ``client``: the name it declared in HELLO, not verified).
 After WATCH, every change of the lock's holder is pushed to the watching
 connection, in the order the server applied them, as
-``[0, "watch", [name, "granted"|"released"|"expired", token, client_name|None, correlation_id|None,
+``[0, "watch", [name, "granted"|"released"|"expired"|"revoked", token, client_name|None, correlation_id|None,
 principal|None]]``
 (client name and correlation id are the lease's, as given by the acquire that got it).
+LOCKS, LOCK_INFO and REVOKE are the operator's (admins only, or anyone in open mode): see
+:mod:`fastlock.server.lockadmin`; "revoked" is pushed when an operator revokes the lease.
 A grant is pushed when it is durable (when its holder is told), never before.
 
 HELLO's ``credential`` is a token (str), None (a verified mTLS certificate's identity,
@@ -159,12 +164,15 @@ from .ops import (
     OP_EXTEND,
     OP_HELLO,
     OP_HOLDER,
+    OP_LOCK_INFO,
+    OP_LOCKS,
     OP_NAMES,
     OP_PING,
     OP_PROMOTE,
     OP_RELEASE,
     OP_REPL_ACK,
     OP_REPLICATE,
+    OP_REVOKE,
     OP_SERVE_ALONE,
     OP_STATUS,
     OP_STEP_DOWN,
@@ -180,6 +188,7 @@ from .ops import (
     REPLICATION_PUSH_KINDS,
     STATUS_OK,
     STEP_DOWN_FRESH_MS,
+    WATCH_REVOKED,
     Op,
 )
 from .validation import (
@@ -206,11 +215,11 @@ __all__ = [
     "DEFAULT_MAX_FRAME_BYTES", "MAX_CLIENT_NAME_CHARS", "MAX_CORRELATION_ID_CHARS", "MAX_EPOCH",
     "MAX_LOCK_DELAY_MS", "MAX_NAME_BYTES", "MAX_OWNER_BYTES", "MAX_TTL_MS", "MAX_WAIT_MS",
     "MIN_MAX_FRAME_BYTES", "MIN_TTL_MS", "OPS", "OP_ACQUIRE", "OP_ARITY", "OP_CANCEL", "OP_CHECK",
-    "OP_EXTEND", "OP_HELLO", "OP_HOLDER", "OP_NAMES", "OP_PING", "OP_PROMOTE", "OP_RELEASE",
-    "OP_REPLICATE", "OP_REPL_ACK", "OP_SERVE_ALONE", "OP_STATUS", "OP_STEP_DOWN", "OP_UNWATCH",
+    "OP_EXTEND", "OP_HELLO", "OP_HOLDER", "OP_LOCKS", "OP_LOCK_INFO", "OP_NAMES", "OP_PING", "OP_PROMOTE", "OP_RELEASE",
+    "OP_REPLICATE", "OP_REPL_ACK", "OP_REVOKE", "OP_SERVE_ALONE", "OP_STATUS", "OP_STEP_DOWN", "OP_UNWATCH",
     "OP_WATCH", "PROTOCOL_VERSION", "PUSH_HEARTBEAT", "PUSH_RECORD", "PUSH_RECORDS", "PUSH_SNAPSHOT",
     "PUSH_WATCH", "REPLICATION_PUSH_KINDS", "REPLY_LIMITS", "REQUEST_LIMITS", "STATUS_OK",
-    "STEP_DOWN_FRESH_MS", "DecodeLimits", "FrameDecoder", "Op", "check_epoch", "check_lock_delay_ms",
+    "STEP_DOWN_FRESH_MS", "WATCH_REVOKED", "DecodeLimits", "FrameDecoder", "Op", "check_epoch", "check_lock_delay_ms",
     "check_name", "check_optional_str", "check_owner", "check_token", "check_ttl_ms", "check_wait_ms",
     "encode_error", "encode_ok", "encode_push", "encode_request", "packb", "seconds_to_ms",
     "stream_limits",

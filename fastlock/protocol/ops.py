@@ -30,6 +30,22 @@ OP_REPL_ACK = 13
 OP_PROMOTE = 14
 OP_SERVE_ALONE = 15
 OP_STEP_DOWN = 16
+OP_LOCKS = 20
+OP_LOCK_INFO = 21
+OP_REVOKE = 22
+
+# the key/value store (fastlock.server.keys): small values, optionally attached to a lease
+OP_KEY_PUT = 40  # key, value, lease name or None, token, owner key, mode (KEY_UPSERT/KEY_CREATE/KEY_REPLACE)
+OP_KEY_GET = 41  # key
+OP_KEY_LIST = 42  # prefix, limit
+OP_KEY_DELETE = 43  # key
+OP_KEY_WATCH = 44  # prefix
+OP_KEY_UNWATCH = 45  # prefix
+
+#: OP_KEY_PUT modes: write whatever is there, only create, only replace
+KEY_UPSERT = 0
+KEY_CREATE = 1
+KEY_REPLACE = 2
 
 
 class Op(NamedTuple):
@@ -60,6 +76,15 @@ OPS: tuple[Op, ...] = (
     Op(OP_PROMOTE, "promote", 1, 1),
     Op(OP_SERVE_ALONE, "serve_alone", 0, 0),
     Op(OP_STEP_DOWN, "step_down", 2, 2),
+    Op(OP_KEY_PUT, "key_put", 6, 6),
+    Op(OP_KEY_GET, "key_get", 1, 1),
+    Op(OP_KEY_LIST, "key_list", 2, 2),
+    Op(OP_KEY_DELETE, "key_delete", 1, 1),
+    Op(OP_KEY_WATCH, "key_watch", 1, 1),
+    Op(OP_KEY_UNWATCH, "key_unwatch", 1, 1),
+    Op(OP_LOCKS, "locks", 2, 2),  # prefix, most entries (None: the server's limit)
+    Op(OP_LOCK_INFO, "lock_info", 1, 1),  # name
+    Op(OP_REVOKE, "revoke", 3, 3),  # name, token (None: every holder), reason (None or text)
 )
 
 #: (fewest, most) arguments of each op, after ``[req_id, op]``
@@ -74,6 +99,9 @@ STATUS_OK = 0
 
 # push kinds
 PUSH_WATCH = "watch"
+#: the ``what`` of a PUSH_WATCH event when an operator revoked the lease (``fastlock revoke``)
+WATCH_REVOKED = "revoked"
+PUSH_VALUE = "value"  # key watch: [prefix, what ("put", "delete", "expired"), key, value or None]
 PUSH_SNAPSHOT = "snap"  # replication: [lsn, epoch, counter, holders, incarnation]
 PUSH_RECORDS = "repl"  # replication: [first_lsn, last_lsn, frames] (a WAL batch's or a backlog chunk's bytes)
 PUSH_RECORD = "rec"  # replication: [lsn, record] (one record: older primaries' backlog; still applied)

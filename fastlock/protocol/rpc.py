@@ -52,7 +52,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from ..errors import ConnectionLost, FastlockError, ProtocolError, error_from_wire
 from ..logsafe import quote
@@ -138,7 +138,7 @@ class RpcConnection(asyncio.Protocol):
 
     # -- asyncio.Protocol --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a stream transport: create_connection made it
 
     def data_received(self, data: bytes) -> None:
         self.last_recv = self.loop.time()

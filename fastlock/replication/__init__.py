@@ -10,7 +10,7 @@ interface), :mod:`~fastlock.replication.source` (the primary's side),
 :mod:`~fastlock.replication.messages` (the stream's payloads) and
 :mod:`~fastlock.replication.node_state` (pairing, epochs and role files).  The
 node's role is declared in :mod:`fastlock.roles` and changes only there; the
-decisions to promote, step down or serve alone are in :mod:`fastlock.failover`.
+decisions to promote, step down or serve alone are in :mod:`fastlock.server.failover`.
 
 Roles
 -----

@@ -2,7 +2,8 @@
 
 :class:`StandbyFollower` follows the primary through a
 :class:`~fastlock.replication.link.PrimaryLink` (the connection and its
-handshake), asking for the stream from its position, and applies every push to the standby's own lock table and WAL through
+handshake), asking for the stream from its position, and applies every
+push to the standby's own lock table and WAL through
 :func:`fastlock.wal.apply` - the rules recovery uses - with
 :class:`StandbyApply` as the target.  Beside the table it keeps a deadline
 for each lease on its own monotonic clock (what a promotion keeps), and a
@@ -23,7 +24,9 @@ from .. import protocol as P
 from ..errors import FastlockError, ProtocolError
 from ..roles import Role
 from ..units import monotonic_ms
-from ..wal import EPOCH, Expire, Extend, Grant, LeaseMeta, Record, Release, apply, decode_frames
+from ..wal import Epoch, Expire, Extend, Grant, LeaseMeta, Record, Release, Revoke, apply, decode_frames
+from ..wal.keyspace import KeySpace
+from ..wal.records import KeyDelete, KeyPut
 from ..wal.records import decode as decode_record
 from .link import PrimaryLink
 from .messages import Heartbeat, SnapshotHolder, heartbeat_interval_ms, standby_identity
@@ -63,16 +66,19 @@ class StandbyApply:
         self.follower.track(g.name, g.token, g.ttl_ms)
         self.follower.saw_ttl(g.ttl_ms)
 
-    def remove(self, record: Release | Expire) -> None:
+    def remove(self, record: Release | Expire | Revoke) -> None:
         self.table.remove_holder(record.name, record.token, 0)
         self.follower.lease_deadlines.pop(record.name, None)
         if isinstance(record, Release):
             self.wal.log_release(record.name, record.token)
+        elif isinstance(record, Revoke):
+            self.wal.log_revoke(record.name, record.token, record.principal, record.reason)
         else:
             self.wal.log_expire(record.name, record.token)
 
     def set_ttl(self, record: Extend) -> None:
         h = self.table.holder(record.name, 0)
+        assert h is not None, "apply() extends only a holder whose token matched"
         self.table.install_holder(record.name, record.token, h.owner, record.ttl_ms, h.lock_delay_ms, h.meta, 0)
         self.wal.log_extend(record.name, record.token, record.ttl_ms)
         self.follower.track(record.name, record.token, record.ttl_ms)
@@ -84,6 +90,21 @@ class StandbyApply:
 
     def raise_counter(self, counter: int) -> None:
         self.table.advance_counter(counter)
+
+    @property
+    def keys(self) -> KeySpace:
+        return self.follower.host.keys.space
+
+    def put_key(self, record: KeyPut) -> None:
+        self.keys.put(record.key, record.value, record.lease_name, record.token, record.principal, record.wall_ms)
+        self.wal.log_key_put(record.key, record.value, record.lease_name, record.token, record.principal)
+
+    def delete_key(self, record: KeyDelete) -> None:
+        self.keys.delete(record.key)
+        self.wal.log_key_delete(record.key)
+
+    def lease_ended(self, name: str, token: int) -> None:
+        self.keys.lease_ended(name, token)  # the standby's own RELEASE/EXPIRE record implies it
 
 
 class StandbyFollower:
@@ -107,7 +128,7 @@ class StandbyFollower:
 
     def __init__(self, host: ReplicationHost, primary: tuple[str, int], failover_after_ms: int = 0,
                  token: str | None = None, name: str | None = None,
-                 on_primary_silent: Callable[[], None] | None = None, tls: ssl.SSLContext | None = None,
+                 on_primary_silent: Callable[[], object] | None = None, tls: ssl.SSLContext | None = None,
                  stream_limits: P.DecodeLimits | None = None):
         self.host = host
         self.on_primary_silent = on_primary_silent
@@ -246,10 +267,12 @@ class StandbyFollower:
         self.saw_ttl(hb.max_ttl_ms)
         self.host.node_state.raise_epoch(hb.epoch)
 
-    def _apply_snapshot(self, lsn: int, epoch: int, counter: int, holders: list, incarnation: str) -> None:
+    def _apply_snapshot(self, lsn: int, epoch: int, counter: int, holders: list, incarnation: str,
+                        keys: list | None = None) -> None:
         """Make the table the snapshot's: every lease it lacks or holds with another
-        token is released, every lease it holds differently is granted (both through
-        :func:`fastlock.wal.apply`, so the standby's WAL records each change)."""
+        token is released, every lease it holds differently is granted, then every
+        key is made the snapshot's (all through :func:`fastlock.wal.apply`, so the
+        standby's WAL records each change)."""
         table = self.host.table
         target = StandbyApply(self)
         P.check_epoch(epoch, "snapshot epoch")
@@ -257,6 +280,10 @@ class StandbyFollower:
             # never replace a newer epoch's leases with an older primary's state
             raise ProtocolError(f"snapshot at epoch {epoch} is below this node's epoch {table.epoch}")
         wanted = {h.name: h for h in (SnapshotHolder.decode(h) for h in holders)}  # checked before any change
+        try:
+            wanted_keys = KeySpace.from_list(keys if keys is not None else [])
+        except ValueError as exc:
+            raise ProtocolError(f"snapshot keys: {exc}") from None
         if epoch > table.epoch:
             target.raise_epoch(epoch)
         table.advance_counter(counter)
@@ -270,6 +297,12 @@ class StandbyFollower:
             if current is None or current.token != w.token or current.ttl_ms != w.ttl_ms:
                 apply(w.grant(), target)
             self.track(w.name, w.token, w.remaining_ms)
+        space = target.keys
+        for key in [k for k, e in space.entries.items() if wanted_keys.get(k) != e]:
+            apply(KeyDelete(key, 0), target)
+        for key, e in wanted_keys.entries.items():
+            if space.get(key) is None:
+                apply(KeyPut(key, e.value, e.lease_name, e.token, e.principal, e.updated_wall_ms), target)
         table.drain_events()
         self.applied_lsn = lsn
         self.incarnation = incarnation
@@ -317,7 +350,7 @@ class StandbyFollower:
                 continue  # already in the snapshot
             if lsn != applied + 1:
                 raise ProtocolError(f"replication gap: expected LSN {applied + 1}, got {lsn}")
-            if rec.kind == EPOCH:
+            if type(rec) is Epoch:
                 self.primary_epoch = max(self.primary_epoch, P.check_epoch(rec.epoch, "epoch record"))
             apply(rec, target)
             applied = lsn

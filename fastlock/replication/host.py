@@ -2,7 +2,7 @@
 
 :mod:`fastlock.replication` (the primary's :class:`~fastlock.replication.ReplicationSource`,
 the standby's :class:`~fastlock.replication.StandbyFollower`) and
-:mod:`fastlock.failover` never touch :class:`~fastlock.server.LockServer`'s
+:mod:`fastlock.server.failover` never touch :class:`~fastlock.server.LockServer`'s
 private members: they see a :class:`ReplicationHost`.  ``LockServer``
 implements it; tests implement it with a fake (``tests/fakehost.py``)
 to drive the fence and the follower without sockets - as etcd's lessor takes
@@ -12,12 +12,13 @@ small injected interfaces instead of the server.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover
     from .._core import LockTable
     from ..roles import NodeRole
     from ..wal import HolderRecord, WriteAheadLog
+    from ..wal.keyspace import KeySpace
     from .node_state import NodeState
 
 
@@ -28,7 +29,6 @@ class ReplicaConnection(Protocol):
         session: the server's session id of the connection.
         peer: ``host:port`` of the standby, for logs.
         closed: set once the connection is closing; nothing more is sent.
-        transport: the asyncio transport (``get_write_buffer_size``, ``abort``).
         out_cap: bytes it may leave unsent before it is dropped (the source
             raises it by the size of a snapshot it sends).
     """
@@ -36,7 +36,6 @@ class ReplicaConnection(Protocol):
     session: int
     peer: str
     closed: bool
-    transport: asyncio.Transport
     out_cap: int
 
     def drained(self) -> asyncio.Future[None]:
@@ -50,6 +49,16 @@ class ReplicaConnection(Protocol):
     def flush(self) -> None:
         """Write what is queued now."""
         ...
+
+    def abort(self) -> None:
+        """Close at once, unsent data discarded; ``closed`` is set."""
+        ...
+
+
+class KeyHost(Protocol):
+    """The server's key store as replication sees it: its :class:`KeySpace`."""
+
+    space: KeySpace
 
 
 class ReplicationHost(Protocol):
@@ -66,18 +75,33 @@ class ReplicationHost(Protocol):
         loop: the event loop (timers).
         max_ttl_ms: the longest TTL this node has granted, extended or
             recovered (ms): the standby's default promotion grace.
+        keys: the key store (:mod:`fastlock.wal.keyspace`): snapshots carry it,
+            the standby applies KEY_PUT / KEY_DELETE records to it.
     """
 
     table: LockTable
     wal: WriteAheadLog
     node_state: NodeState
     roles: NodeRole
-    data_dir: str
-    loop: asyncio.AbstractEventLoop
     max_ttl_ms: int
 
-    def snapshot_state(self) -> tuple[int, int, list[HolderRecord]]:
-        """``(epoch, counter, holders)`` of the table now, for a standby's snapshot."""
+    @property
+    def keys(self) -> KeyHost:
+        """The key store: snapshots carry it, the standby applies KEY_PUT / KEY_DELETE to it."""
+        ...
+
+    @property
+    def data_dir(self) -> str:
+        """The data directory (pairing and step-down files live there)."""
+        ...
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop (timers)."""
+        ...
+
+    def snapshot_state(self) -> tuple[int, int, list[HolderRecord], list[Any]]:
+        """``(epoch, counter, holders, keys)`` of the table and the key store now, for a snapshot."""
         ...
 
     def after_batch(self) -> None:

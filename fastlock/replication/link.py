@@ -12,6 +12,7 @@ acknowledges with ``REPL_ACK``.  A lost connection is retried with backoff.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import os
@@ -19,10 +20,10 @@ import ssl
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
-from .. import rpc
 from ..auth import primary_proof, primary_proof_key, token_principal
 from ..errors import AuthError, FastlockError, PermissionDenied
 from ..logsafe import quote
+from ..protocol import rpc
 
 if TYPE_CHECKING:  # pragma: no cover
     from .follower import StandbyFollower
@@ -135,9 +136,9 @@ class PrimaryLink:
             address = self.primary
             try:
                 _, link = await asyncio.wait_for(loop.create_connection(
-                    lambda: rpc.RpcConnection(address, max_frame=None, limits=self.stream_limits,
-                                              on_push=follower.on_push,
-                                              on_read_end=self._on_read_end, on_close=on_close),
+                    functools.partial(rpc.RpcConnection, address, max_frame=None, limits=self.stream_limits,
+                                      on_push=follower.on_push,
+                                      on_read_end=self._on_read_end, on_close=on_close),
                     *address, ssl=tls, server_hostname=address[0] if tls else None,
                     ssl_handshake_timeout=5.0 if tls else None), 5.0)
             except (OSError, asyncio.TimeoutError) as exc:
@@ -213,7 +214,7 @@ class PrimaryLink:
         Raises what the request raises (AuthError if the primary does not know our
         principal); returns False if the proof is wrong.
         """
-        if self.principal is None:
+        if self.principal is None or self.token is None:
             return True  # no replica token: the primary refuses REPLICATE, nothing to protect
         challenge = os.urandom(32)
         answer = await asyncio.wait_for(

@@ -75,8 +75,10 @@ class SnapshotHolder(NamedTuple):
                      self.correlation_id, 0)
 
 
-def encode_snapshot(lsn: int, epoch: int, counter: int, holders: Sequence[Any], incarnation: str, now: int) -> bytes:
-    """The snapshot push ``[0, "snap", [lsn, epoch, counter, holders, incarnation]]``,
+def encode_snapshot(lsn: int, epoch: int, counter: int, holders: Sequence[Any], incarnation: str, now: int,
+                    keys: list | None = None) -> bytes:
+    """The snapshot push ``[0, "snap", [lsn, epoch, counter, holders, incarnation(, keys)]]``
+    (``keys``: :meth:`fastlock.wal.keyspace.KeySpace.to_list`, sent only when there are some),
     encoded a holder at a time (so that, on a worker thread, it lets the event
     loop run between holders); ``holders``: :class:`~fastlock._core.Holder`,
     whose ``meta`` is a :class:`~fastlock.wal.LeaseMeta` (or None); ``now``: the
@@ -84,7 +86,7 @@ def encode_snapshot(lsn: int, epoch: int, counter: int, holders: Sequence[Any], 
     """
     packer = msgpack.Packer(use_bin_type=True)
     pack = packer.pack
-    parts = [packer.pack_array_header(3), pack(0), pack(P.PUSH_SNAPSHOT), packer.pack_array_header(5),
+    parts = [packer.pack_array_header(3), pack(0), pack(P.PUSH_SNAPSHOT), packer.pack_array_header(6 if keys else 5),
              pack(lsn), pack(epoch), pack(counter), packer.pack_array_header(len(holders))]
     append = parts.append
     for h in holders:
@@ -92,6 +94,8 @@ def encode_snapshot(lsn: int, epoch: int, counter: int, holders: Sequence[Any], 
         append(pack(list(SnapshotHolder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, client, corr, 0,
                                         min(h.ttl_ms, max(0, h.deadline_ms - now))))))
     append(pack(incarnation))
+    if keys:
+        append(pack(keys))
     return b"".join(parts)
 
 

@@ -109,7 +109,8 @@ class ReplicationSource:
         write_pairing(self.host.data_dir, Pairing(replica.name, replica.failover_after_ms))
         log.info("paired with standby %s (failover window %d ms)", quote(replica.name), replica.failover_after_ms)
         window = replica.failover_after_ms
-        if window and self.fence_margin_ms is not None and self.fence_margin_ms > window - 2 * heartbeat_interval_ms(window):
+        if (window and self.fence_margin_ms is not None
+                and self.fence_margin_ms > window - 2 * heartbeat_interval_ms(window)):
             log.critical("--fence-margin %d ms leaves less than two heartbeat intervals (%d ms each) of the standby's "
                          "failover window (%d ms): this primary fences itself between heartbeats (at a margin >= "
                          "the window, always) and refuses grants; restart it with a smaller --fence-margin",
@@ -152,8 +153,7 @@ class ReplicationSource:
             # the same standby reconnecting: its old connection is dead or half-open
             log.warning("standby %s reconnected; dropping its previous connection", quote(name))
             self.replicas.pop(other.conn.session, None)
-            other.conn.closed = True
-            other.conn.transport.abort()
+            other.conn.abort()
         replica = _Replica(conn, name, failover_after_ms)
         # Contact comes only from echoes of heartbeats sent from now on: this REPLICATE may have
         # been delayed in the network and come from a standby that has promoted since.
@@ -167,7 +167,8 @@ class ReplicationSource:
         replica.base_cap = conn.out_cap
         if mode == "snapshot" and len(host.table) <= INLINE_SNAPSHOT_LEASES:
             # small: at once, and every later record follows in the live stream
-            self._deliver_snapshot(replica, *self._take_snapshot(), None)
+            lsn, epoch, counter, holders, now = self._take_snapshot()
+            self._deliver_snapshot(replica, lsn, epoch, counter, holders, now, None)
         else:
             # the snapshot and the backlog are prepared off the loop and streamed; live
             # batches follow once the standby has caught up (see _bring_up_to_date)
@@ -207,8 +208,7 @@ class ReplicationSource:
                     from_lsn = await self._send_snapshot(replica) + 1
         except Exception:
             log.exception("preparing the stream for standby %s failed; disconnecting it", quote(replica.name))
-            conn.closed = True
-            conn.transport.abort()
+            conn.abort()
             return
         if conn.closed:
             return
@@ -224,15 +224,17 @@ class ReplicationSource:
     async def _send_snapshot(self, replica: _Replica) -> int:
         """Send the lock table as a snapshot, encoded off the loop; return the LSN it matches."""
         lsn, epoch, counter, holders, now = self._take_snapshot()
+        keys = self.host.keys.space.to_list()  # taken in the same loop step as the table
         frame = await asyncio.get_running_loop().run_in_executor(
-            None, encode_snapshot, lsn, epoch, counter, holders, self.incarnation, now)
+            None, encode_snapshot, lsn, epoch, counter, holders, self.incarnation, now, keys)
         self._deliver_snapshot(replica, lsn, epoch, counter, holders, now, frame)
         return lsn
 
     def _deliver_snapshot(self, replica: _Replica, lsn: int, epoch: int, counter: int, holders: list, now: int,
                           frame: bytes | None) -> None:
         if frame is None:
-            frame = encode_snapshot(lsn, epoch, counter, holders, self.incarnation, now)
+            frame = encode_snapshot(lsn, epoch, counter, holders, self.incarnation, now,
+                                    self.host.keys.space.to_list())
         conn = replica.conn
         # a standby may leave its snapshot unread plus the output cap (not just the cap)
         conn.out_cap = replica.base_cap + len(frame)

@@ -6,7 +6,8 @@ as a process.  The parts: :mod:`.config` (:class:`ServerConfig`),
 :mod:`.session` (one connection), :mod:`.handlers` (the op handler table),
 :mod:`.admission` (connection limits and per-principal quotas),
 :mod:`.watches`, :mod:`.tasks` (background tasks), :mod:`.failover`
-(promotion, stepping down), :mod:`.serve` (the process).
+(promotion, stepping down), :mod:`.endpoints` (the listening ports),
+:mod:`.serve` (the process).
 """
 
 from ..units import monotonic_ms as now_ms

@@ -42,7 +42,7 @@ def _member(cls: type[enum.Enum], value: Any, field_name: str) -> Any:
     try:
         return cls(value)
     except ValueError:
-        choices = ", ".join(repr(m.value) for m in cls)  # type: ignore[attr-defined]
+        choices = ", ".join(repr(m.value) for m in cls)
         raise ValueError(f"{field_name} must be one of {choices}, not {value!r}") from None
 
 
@@ -89,6 +89,9 @@ class ServerConfig:
     max_leases_per_principal: int = 0  # 0: no quota beyond the global cap
     max_waiters_per_principal: int = 0
     max_watches_per_principal: int = 0
+    max_keys: int = 100_000  # keys of the key store (fastlock.server.keys), all principals together
+    max_keys_per_principal: int = 10_000
+    max_value_bytes: int = 64 << 10  # one key's value, bytes
     standby_of: tuple[str, int] | None = None  # run as a standby of this primary
     failover_after_ms: int = 0  # standby: promote after this much primary silence (0: on command only)
     promotion_grace_ms: int | None = None  # after promotion, no grants for this long (None: longest TTL seen)
@@ -114,7 +117,8 @@ def check_limits(config: ServerConfig) -> None:
     """Refuse nonsensical limits (ValueError naming the field)."""
     positive = ("max_frame_bytes", "max_connections_per_address", "max_output_bytes", "max_replica_output_bytes",
                 "max_stream_frame_bytes", "max_waiters", "max_waiters_per_connection", "max_leases",
-                "max_watches", "max_watches_per_connection")
+                "max_watches", "max_watches_per_connection", "max_keys", "max_keys_per_principal",
+                "max_value_bytes")
     for field_name in positive:
         value = getattr(config, field_name)
         if type(value) is not int or value <= 0:

@@ -187,9 +187,20 @@ class FailoverPolicy:
             raise InvalidArgument("this node is already the primary")
         if role is not Role.STANDBY:
             raise NotPrimary(f"this node is {role.value} and cannot be promoted", None)
-        if not self.follower.synced and not force:
+        if not self._standby_follower().synced and not force:
             raise Unavailable("this standby has never synchronised with a primary; promote with force "
                               "only if its data directory is known to be current")
+
+    def _standby_follower(self) -> StandbyFollower:
+        """The follower of this standby (a node started as primary has none, and never
+        becomes a standby: it can only be deposed).
+
+        Raises:
+            NotPrimary: this node has no primary to follow.
+        """
+        if self.follower is None:
+            raise NotPrimary("this node was started as a primary: it follows no primary", None)
+        return self.follower
 
     def on_primary_silent(self) -> asyncio.Task | None:
         """The follower's watchdog: the paired primary was silent for the failover window.
@@ -208,7 +219,7 @@ class FailoverPolicy:
             try:
                 await self.promote(reason="primary silent", automatic=True)
             except BaseException:
-                self._auto_retry_at_ms = self.clock() + self.follower.failover_after_ms
+                self._auto_retry_at_ms = self.clock() + self._standby_follower().failover_after_ms
                 raise  # logged as an error and counted by self.tasks
 
         self._auto = self.tasks.spawn(run(), "automatic promotion")
@@ -228,7 +239,7 @@ class FailoverPolicy:
         roles = host.roles
         if roles.role is not Role.STANDBY:
             raise NotPrimary(f"this node is {roles.role.value}", None)
-        follower = self.follower
+        follower = self._standby_follower()
         deposed = read_deposed(host.data_dir) or {}
         epoch = max(host.table.epoch, follower.primary_epoch, host.node_state.max_epoch_seen,
                     int(deposed.get("epoch", 0))) + 1
@@ -251,7 +262,7 @@ class FailoverPolicy:
 
     async def _promote(self, reason: str, epoch: int, *, force: bool, automatic: bool) -> dict:
         host = self.host
-        follower = self.follower
+        follower = self._standby_follower()
         table = host.table
         confirmed = False
         if not automatic:
@@ -275,7 +286,12 @@ class FailoverPolicy:
         table.set_epoch(epoch)
         host.wal.log_epoch(epoch)
         durable = host.loop.create_future()
-        host.wal.when_durable(lambda: durable.done() or durable.set_result(None))
+
+        def on_durable() -> None:
+            if not durable.done():
+                durable.set_result(None)
+
+        host.wal.when_durable(on_durable)
         await durable
         host.node_state.raise_epoch(epoch)
         holders = table.holders()

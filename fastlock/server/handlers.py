@@ -21,9 +21,9 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .. import __version__
 from .. import protocol as P
 from .._core import NOT_ACQUIRED, NotHolder
+from .._version import __version__
 from ..auth import (
     MAX_CHALLENGE_BYTES,
     MIN_CHALLENGE_BYTES,
@@ -48,6 +48,9 @@ from ..logsafe import quote
 from ..roles import Action, NodeRole, Role
 from ..units import monotonic_ms
 from .admission import limit_exceeded
+from .keys import PERMISSIONS as KEY_PERMISSIONS
+from .keys import KeyStore
+from .lockadmin import LockAdmin
 from .session import Session, split_recorded_client
 from .watches import WatchRegistry
 
@@ -76,6 +79,11 @@ PERMISSION: dict[int, str | None] = {
     P.OP_STEP_DOWN: "replica",  # epoch news: only the paired standby's principal (see op_step_down)
     P.OP_PROMOTE: "admin",
     P.OP_SERVE_ALONE: "admin",
+    **KEY_PERMISSIONS,  # the key store's operations (fastlock.server.keys): put, get, delete
+    # an admin's, or the anonymous principal's in open mode: checked by the handler (lockadmin.py)
+    P.OP_LOCKS: None,
+    P.OP_LOCK_INFO: None,
+    P.OP_REVOKE: None,
 }
 
 _ARTICLE = {"client": "a", "replica": "a", "admin": "an"}
@@ -116,7 +124,7 @@ def _authorize(conn: Session, op: int, need: str, msg: list) -> None:
         raise PermissionDenied(f"{P.OP_NAMES[op]} needs a client principal; "
                                f"{conn.principal!r} is {_ARTICLE[conn.kind]} {conn.kind}")
     name = msg[2] if len(msg) > 2 else None
-    if type(name) is str and not conn.grant.allows(need, name):
+    if type(name) is str and (conn.grant is None or not conn.grant.allows(need, name)):
         # a name of the wrong type is left to the handler's validation (no state change either way)
         raise PermissionDenied(f"principal {conn.principal!r} may not {need} {name!r}")
 
@@ -130,6 +138,7 @@ class Handlers:
         #: who may connect (tokens, certificate identities, the anonymous principal)
         self.credentials = credentials
         self.watches = WatchRegistry()
+        self.keys = KeyStore(server)  # the key store: its handlers join the table below
         # fixed for the server's life: kept here so that a handler reads them in one step
         self.table = server.table
         self.roles = server.roles
@@ -139,6 +148,7 @@ class Handlers:
         self.quotas = server.quotas
         self.watchers = self.watches.by_name
         self.auth_failures = AuthFailures(max_failures=server.config.auth_failures_before_ban)
+        self.lock_admin = LockAdmin(self)
         handlers: dict[int, Handler] = {
             P.OP_HELLO: self.op_hello,
             P.OP_ACQUIRE: self.op_acquire,
@@ -156,6 +166,10 @@ class Handlers:
             P.OP_PROMOTE: self.op_promote,
             P.OP_SERVE_ALONE: self.op_serve_alone,
             P.OP_STEP_DOWN: self.op_step_down,
+            **self.keys.handlers(),
+            P.OP_LOCKS: self.lock_admin.op_locks,
+            P.OP_LOCK_INFO: self.lock_admin.op_lock_info,
+            P.OP_REVOKE: self.lock_admin.op_revoke,
         }
         #: op -> (handler, fewest, most arguments, what it needs): the arity is declared in
         #: protocol.OP_ARITY, the permission in PERMISSION (an op missing there needs an admin)
@@ -262,7 +276,7 @@ class Handlers:
         name = credential.get("principal")
         challenge = credential.get("challenge")
         replica = self.credentials.replica(name)
-        if (replica is None or type(challenge) is not bytes
+        if (replica is None or replica.proof_key is None or type(challenge) is not bytes
                 or not MIN_CHALLENGE_BYTES <= len(challenge) <= MAX_CHALLENGE_BYTES):
             self.auth_failures.failed(conn.address, f"client name {quote(client_name)}",
                                       "challenge for an unknown replica principal, or a malformed challenge")
@@ -325,6 +339,10 @@ class Handlers:
             if grace_ms:
                 raise LockNotAcquired(f"{name!r}: no grants during the promotion grace period "
                                       f"({grace_ms} ms left)")
+            held = table.holder(name, now)
+            if held is not None and held.session == conn.session:  # a client that forgot its own lease
+                raise LockNotAcquired(f"{name!r} is held by this same connection (token {held.token}): "
+                                      f"another acquire on it waits for that lease to end")
             raise LockNotAcquired(f"{name!r} is held")
 
     def op_release(self, conn: Session, req_id: int, msg: list) -> None:
@@ -343,7 +361,8 @@ class Handlers:
         try:
             table.release(name, token, owner, now)
         except NotHolder:
-            raise LeaseLost(f"{name!r}: token {token} is not the current holder (expired, released or never held)") from None
+            raise LeaseLost(f"{name!r}: token {token} is not the current holder "
+                            "(expired, released or never held)") from None
         self.server.released(name, token, meta)
         conn.send(P.encode_ok(req_id, None))
 
@@ -355,11 +374,12 @@ class Handlers:
         table = self.table
         now = monotonic_ms()
         self.roles.admit(Action.EXTEND)
-        holder = table.holder(name, now)
+        holder = table.holder(name, now, owner)
         try:
             table.extend(name, token, owner, ttl_ms, now)
         except NotHolder:
-            raise LeaseLost(f"{name!r}: token {token} is not the current holder (expired, released or never held)") from None
+            raise LeaseLost(f"{name!r}: token {token} is not the current holder "
+                            "(expired, released or never held)") from None
         server = self.server
         if ttl_ms > server.max_ttl_ms:  # only the holder's extend counts towards the grace period
             server.max_ttl_ms = ttl_ms
@@ -369,7 +389,7 @@ class Handlers:
         # records it receives, and a promoted standby keeps that deadline.
         wal = self.wal
         wal.log_extend(name, token, ttl_ms)
-        if ttl_ms > holder.ttl_ms and not wal.flush_now():
+        if (holder is None or ttl_ms > holder.ttl_ms) and not wal.flush_now():
             # recovery restores the recorded TTL: a longer one must be durable
             # before the holder relies on it (a shorter or equal one need not be)
             def ack() -> None:
@@ -455,9 +475,10 @@ class Handlers:
 
     def op_unwatch(self, conn: Session, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])
-        was = conn.watching is not None and name in conn.watching
-        if was:
-            conn.watching.discard(name)
+        watching = conn.watching
+        was = watching is not None and name in watching
+        if watching is not None and was:
+            watching.discard(name)
             self.watches.remove(conn, name)
             self.quotas.count_watches(conn, -1)
         conn.send(P.encode_ok(req_id, was))
@@ -474,7 +495,7 @@ class Handlers:
         # Pairing goes by the authenticated replica principal, plus the node id it declares
         # (which the credentials may pin): one replica credential cannot pose as another standby.
         label, _, node = name.rpartition("@")
-        pinned = conn.grant.node_id
+        pinned = conn.grant.node_id if conn.grant is not None else None
         if pinned is not None and node != pinned:
             raise PermissionDenied(f"replica principal {conn.principal!r} may only attach as node {pinned!r}")
         identity = f"{label}@{conn.principal}/{node}" if label else f"{conn.principal}/{node}"

@@ -11,8 +11,10 @@ import logging
 import os
 import signal
 
+from .. import sdnotify
 from ..errors import InvalidArgument
 from ..replication import NodeFileDamaged
+from ..units import format_address
 from ..wal import DataDirInUse, WalCorruption
 from .config import ServerConfig
 from .lockserver import LockServer
@@ -39,11 +41,15 @@ async def _serve(config: ServerConfig) -> int:
     if server.tls is not None:  # SIGHUP keeps its default (exit) without TLS
         loop.add_signal_handler(signal.SIGHUP, server.reload_tls)
     await server.start()
+    address = server.address
+    assert address is not None  # start() returns once listening
+    sdnotify.ready(f"{server.role} on {format_address(address)}")  # systemd Type=notify
     waiter = asyncio.ensure_future(stop.wait())
     closed = asyncio.ensure_future(server.wait_closed())
     await asyncio.wait([waiter, closed], return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():
         log.info("signal received")
+    sdnotify.stopping(f"{server.role}: shutting down")
     await server.close()
     waiter.cancel()
     closed.cancel()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .. import protocol as P
 from ..auth import ANONYMOUS, Principal, hash_owner
@@ -79,7 +79,7 @@ class Session(asyncio.Protocol):
         self.session = session
         # until HELLO every frame is walked before it is decoded (see protocol.FrameDecoder)
         self.decoder: P.FrameDecoder | None = P.FrameDecoder(server.config.max_frame_bytes, shape_all=True)
-        self.transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport  # set by connection_made, before the server sees the session
         self.out: list[bytes] = []
         self.out_bytes = 0  # bytes in out
         self.ready = False  # handshake done
@@ -100,7 +100,7 @@ class Session(asyncio.Protocol):
 
     # -- asyncio callbacks ------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a stream transport: the server accepted it
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
@@ -116,7 +116,8 @@ class Session(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         server = self.server
-        if self.closed:
+        decoder = self.decoder
+        if self.closed or decoder is None:  # closed: the decoder was freed
             return
         if server.limits.idle_timeout_ms:
             self.last_read_ms = monotonic_ms()
@@ -124,7 +125,7 @@ class Session(asyncio.Protocol):
             # after a stall, see the clock before a request can make the table grant
             server.source.fence_if_due(monotonic_ms())
         try:
-            messages = self.decoder.feed(data)
+            messages = decoder.feed(data)
         except ProtocolError as exc:
             self.fatal(exc)
             server.after_batch()
@@ -146,8 +147,6 @@ class Session(asyncio.Protocol):
     def peer_cert_identity(self) -> str | None:
         """The subject CN of the client certificate verified in this connection's
         TLS handshake (mutual TLS), else None."""
-        if self.transport is None:
-            return None
         return peer_identity(self.transport.get_extra_info("ssl_object"))
 
     # -- output -----------------------------------------------------------------
@@ -271,8 +270,7 @@ class Session(asyncio.Protocol):
         """Close after sending what is queued; frees the decoder's partial frame at once."""
         self.closed = True
         self.decoder = None
-        if self.transport is not None:
-            self.transport.close()
+        self.transport.close()
 
     def close_after_flush(self) -> None:
         """Send what is queued now, then close (the decoder stays: the loop may still be feeding it)."""

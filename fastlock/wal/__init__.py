@@ -44,14 +44,17 @@ Record bodies (``[type, ...]``, in memory the named tuples of
 :mod:`fastlock.wal.records`; times are wall-clock milliseconds since the Unix
 epoch, kept for the audit dump only -- expiry never looks at them):
 
-========  ==  ==================================================================
-GRANT      1  name, token, owner_hash, ttl_ms, lock_delay_ms, client, correlation_id, wall_ms
-RELEASE    2  name, token, wall_ms
-EXPIRE     3  name, token, wall_ms
-EXTEND     4  name, token, ttl_ms, wall_ms
-EPOCH      5  epoch, wall_ms
-RESERVE    6  counter, wall_ms         (counter values up to ``counter`` may be issued)
-========  ==  ==================================================================
+==========  ==  ==================================================================
+GRANT        1  name, token, owner_hash, ttl_ms, lock_delay_ms, client, correlation_id, wall_ms
+RELEASE      2  name, token, wall_ms
+EXPIRE       3  name, token, wall_ms
+EXTEND       4  name, token, ttl_ms, wall_ms
+EPOCH        5  epoch, wall_ms
+RESERVE      6  counter, wall_ms         (counter values up to ``counter`` may be issued)
+REVOKE      10  name, token, principal, reason, wall_ms  (an operator's force-release: audit)
+KEY_PUT     30  key, value, lease_name, token, principal, wall_ms   (lease_name None: no lease)
+KEY_DELETE  31  key, wall_ms
+==========  ==  ==================================================================
 
 ``owner_hash`` is BLAKE2b-128 of the client's owner key (see :func:`fastlock.auth.hash_owner`):
 the key never reaches the disk, a snapshot or a standby.  A log written by a fastlock
@@ -61,9 +64,12 @@ else), so those leases end at their TTL.  ``client`` is ``principal:client_name`
 authenticated principal, then the client's self-declared name, which may be empty);
 older logs hold the bare client name (no ``:``).
 
-Replay rules: GRANT installs the holder (replacing any); RELEASE/EXPIRE remove
+Replay rules: GRANT installs the holder (replacing any); RELEASE/EXPIRE/REVOKE remove
 the holder when its token matches; EXTEND sets the holder's ``ttl_ms`` when its
-token matches; EPOCH raises the epoch; RESERVE raises the counter.  The
+token matches; EPOCH raises the epoch; RESERVE raises the counter; KEY_PUT sets
+a key if its lease is the current holder (or it has none), KEY_DELETE removes
+it, and a RELEASE/EXPIRE that removes a holder removes the keys of that lease
+(:mod:`fastlock.wal.keyspace`).  The
 recovered epoch is the highest of every EPOCH record and every token's epoch;
 the recovered counter is the highest of every token's counter and every
 reservation.  ``token = (epoch << 40) | counter`` (see ``_core.pyi``).
@@ -172,7 +178,7 @@ those and append them verbatim to its own log.
 
 from ..errors import DataDirInUse, StorageError, WalCompacted, WalCorruption, WalFatal
 from .backlog import BacklogReader
-from .dump import dump, main
+from .dump import dump
 from .files import DIR_MODE, FILE_MODE, fsync_dir, secure_directory, write_atomically
 from .format import MAX_RECORD_BYTES, decode_frames
 from .log import FSYNC_MODES, WriteAheadLog
@@ -185,6 +191,7 @@ from .records import (
     RECORD_NAMES,
     RELEASE,
     RESERVE,
+    REVOKE,
     TOKEN_EPOCH_SHIFT,
     Epoch,
     Expire,
@@ -196,6 +203,7 @@ from .records import (
     Record,
     Release,
     Reserve,
+    Revoke,
     apply,
 )
 from .recovery import RecoveredState
@@ -211,7 +219,6 @@ __all__ = [
     "DataDirInUse",
     "BacklogReader",
     "dump",
-    "main",
     "decode_frames",
     "secure_directory",
     "write_atomically",
@@ -226,6 +233,7 @@ __all__ = [
     "EXTEND",
     "EPOCH",
     "RESERVE",
+    "REVOKE",
     "RECORD_NAMES",
     "TOKEN_EPOCH_SHIFT",
     "COUNTER_MASK",
@@ -235,6 +243,7 @@ __all__ = [
     "Extend",
     "Epoch",
     "Reserve",
+    "Revoke",
     "Record",
     "LeaseMeta",
     "LogState",

@@ -1,7 +1,8 @@
-"""``python -m fastlock.wal dump [--lock NAME] [--state] DIR``: see :func:`fastlock.wal.dump.main`."""
+"""``python -m fastlock.wal dump [--lock NAME] [--state] DIR``: the same as
+``fastlock wal dump`` (:func:`fastlock.cli.admin.wal_dump_command`)."""
 
 import sys
 
-from .dump import main
+from ..cli import main
 
-sys.exit(main())
+sys.exit(main(["wal", *sys.argv[1:]]))

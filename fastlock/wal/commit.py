@@ -173,7 +173,7 @@ class GroupCommit:
             return
         try:
             io.write(batch)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - any write failure makes the log fatal (never acknowledged)
             self._io_failed(exc)
             return
         self._io_done(batch)
@@ -192,14 +192,14 @@ class GroupCommit:
             for fn in self.listeners:
                 try:
                     fn(batch.first_lsn, last, batch.data)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - one failed listener must not stop the others
                     self._report(exc, "WAL listener failed")
         waiters = self._waiters
         while waiters and waiters[0][0] <= ack:
             cb = waiters.popleft()[1]
             try:
                 cb()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - reported; the other waiters still run
                 self._report(exc, "WAL when_durable callback failed")
         if self._sync_waiters:
             synced = marks.synced
@@ -215,7 +215,10 @@ class GroupCommit:
             self._kick()
 
     def _report(self, exc: BaseException, message: str) -> None:
-        self.loop.call_exception_handler({"message": message, "exception": exc})
+        if self.loop is None:  # not started: nobody else would hear of it
+            log.error("%s", message, exc_info=exc)
+        else:
+            self.loop.call_exception_handler({"message": message, "exception": exc})
 
     def _io_failed(self, exc: BaseException) -> None:
         if self.fatal is not None or self.stopped:
@@ -232,6 +235,8 @@ class GroupCommit:
         self.on_fatal(exc)
 
     def _on_interval(self) -> None:
+        if self.loop is None:  # armed by start(), which sets the loop
+            return
         self._timer = self.loop.call_later(self.interval_ms / 1000.0, self._on_interval)
         if self.marks.written > self.marks.synced or self._pending.buf:
             self._pending.sync_requested = True

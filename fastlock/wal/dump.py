@@ -8,28 +8,30 @@ counter that a restart would recover.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import hashlib
+import json
 import os
 import sys
-from collections.abc import Sequence
 from typing import Any, TextIO
 
-from ..errors import WalCorruption
+from ..logsafe import quote
 from .files import read_file
 from .format import FrameReader, parse_segment
 from .records import (
     COUNTER_MASK,
-    EPOCH,
-    EXTEND,
-    GRANT,
     RECORD_NAMES,
-    RESERVE,
     TOKEN_EPOCH_SHIFT,
+    Epoch,
+    Extend,
+    Grant,
     HolderRecord,
+    KeyDelete,
+    KeyPut,
     LogState,
     Record,
+    Reserve,
+    Revoke,
     apply,
 )
 from .recovery import LogFiles
@@ -58,6 +60,11 @@ def _fmt(lsn: str, wall: int | None, kind: str, name: Any = "-", token: int | No
     return " ".join(parts)
 
 
+def _quoted(text: str | None) -> str:
+    """Free text (a revocation's reason) as one token of a dump line: JSON-quoted, ``-`` if none."""
+    return "-" if text is None else json.dumps(text)
+
+
 def _owner_tag(owner: bytes) -> str:
     """8 hex digits that tell leases apart in the dump without showing the stored owner
     hash (or, in a log written before owner hashing, the key itself)."""
@@ -70,17 +77,24 @@ def _holder_line(lsn: str, kind: str, h: HolderRecord) -> str:
 
 
 def _record_line(lsn: int, r: Record) -> str:
-    kind = r.kind
     label = f"{lsn:020d}"
-    if kind == GRANT:
-        return _holder_line(label, RECORD_NAMES[kind], HolderRecord.from_grant(r))  # type: ignore[arg-type]
-    if kind == EPOCH:
-        return _fmt(label, r.wall_ms, "epoch", extra=f"epoch={r.epoch}")  # type: ignore[union-attr]
-    if kind == EXTEND:
-        return _fmt(label, r.wall_ms, "extend", r.name, r.token, ttl=r.ttl_ms)  # type: ignore[union-attr]
-    if kind == RESERVE:
-        return _fmt(label, r.wall_ms, "reserve", extra=f"counter={r.counter}")  # type: ignore[union-attr]
-    return _fmt(label, r.wall_ms, RECORD_NAMES[kind], r.name, r.token)  # type: ignore[union-attr]  # release, expire
+    if isinstance(r, Grant):
+        return _holder_line(label, RECORD_NAMES[r.kind], HolderRecord.from_grant(r))
+    if isinstance(r, Epoch):
+        return _fmt(label, r.wall_ms, "epoch", extra=f"epoch={r.epoch}")
+    if isinstance(r, Extend):
+        return _fmt(label, r.wall_ms, "extend", r.name, r.token, ttl=r.ttl_ms)
+    if isinstance(r, Reserve):
+        return _fmt(label, r.wall_ms, "reserve", extra=f"counter={r.counter}")
+    if isinstance(r, KeyPut):  # the value is not shown (it may be anything a client stored)
+        return _fmt(label, r.wall_ms, "key_put", r.lease_name, r.token,
+                    extra=f"key={quote(r.key)} bytes={len(r.value)}")
+    if isinstance(r, KeyDelete):
+        return _fmt(label, r.wall_ms, "key_delete", extra=f"key={quote(r.key)}")
+    if isinstance(r, Revoke):
+        return _fmt(label, r.wall_ms, "revoke", r.name, r.token,
+                    extra=f"by={r.principal} reason={_quoted(r.reason)}")
+    return _fmt(label, r.wall_ms, RECORD_NAMES[r.kind], r.name, r.token)  # release, expire
 
 
 def dump(directory: str | os.PathLike, *, lock: str | None = None, file: TextIO = sys.stdout,
@@ -98,9 +112,9 @@ def dump(directory: str | os.PathLike, *, lock: str | None = None, file: TextIO 
     then print the state the records add up to (``state`` and ``holder`` lines).
     Read-only: a torn tail is reported as a ``#`` comment line, not cut.
 
-    Example (``fastlock wal dump --lock orders/42 DIR``)::
+    Example (``fastlock wal dump --lock a DIR``)::
 
-        00000000000000000007 2025-11-30T10:10:00.123Z grant lock=orders/42 token=1099511627783 (1/7) client=api-1 corr=req-9 ttl_ms=10000
+        00000000000000000007 2025-11-30T10:10:00.123Z grant lock=a token=1099511627783 (1/7) client=c corr=r ttl_ms=5000
 
     :raises WalCorruption: mid-log corruption (after printing what precedes it).
     :raises FileNotFoundError: ``directory`` does not exist.
@@ -114,7 +128,7 @@ def dump(directory: str | os.PathLike, *, lock: str | None = None, file: TextIO 
     lines = 0
     w = file.write
     if snap is not None:
-        applied = LogState(snap.epoch, snap.counter, snap.holders)
+        applied = LogState(snap.epoch, snap.counter, snap.holders, snap.keys)
         label = f"{snap.lsn:020d}"
         if lock is None:
             w(f"{label} - snapshot-state lock=- token=- client=- corr=- ttl_ms=- "
@@ -158,22 +172,3 @@ def dump(directory: str | os.PathLike, *, lock: str | None = None, file: TextIO 
                 w(_holder_line(label, "holder", h) + "\n")
                 lines += 1
     return lines
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m fastlock.wal dump [--lock NAME] [--state] DIR`` (the CLI wires ``fastlock wal dump``)."""
-    ap = argparse.ArgumentParser(prog="fastlock wal", description="Inspect a fastlock write-ahead log.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    dp = sub.add_parser("dump", help="print every record (audit trail)")
-    dp.add_argument("--lock", default=None, help="only this lock name")
-    dp.add_argument("--state", action="store_true", help="then print the state the records add up to")
-    dp.add_argument("directory")
-    args = ap.parse_args(argv)
-    try:
-        dump(args.directory, lock=args.lock, state=args.state)
-    except WalCorruption as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:
-        return 0
-    return 0

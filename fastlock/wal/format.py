@@ -172,7 +172,7 @@ class FrameReader:
                 ln = lw & LEN_MASK
                 end = off + 8 + ln
                 if ln == 0 or ln > MAX_RECORD_BYTES or end > n:
-                    self._bad(mv, off, count, "bad frame length %d" % ln)
+                    self._bad(mv, off, count, f"bad frame length {ln}")
                     break
                 if crc(mv[off + 4:end]) != want:
                     self._bad(mv, off, count, "CRC mismatch")
@@ -186,7 +186,7 @@ class FrameReader:
                     # decode() inlined (the recovery loop): a known shape becomes its record type
                     cls = shapes.get((body[0], len(body))) if type(body) is list and body else None
                     rec = tuple.__new__(cls, body[1:]) if cls is not None else decode(body)
-                except Exception as exc:  # CRC matched but the body is not ours
+                except Exception as exc:  # noqa: BLE001 - CRC matched but the body is not ours: any decode error
                     raise WalCorruption(
                         f"{self.path}: undecodable record at offset {off} (LSN {self.first_lsn + count}): {exc}",
                         self.path, off, self.first_lsn + count) from None

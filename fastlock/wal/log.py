@@ -26,7 +26,20 @@ from .backlog import read_records
 from .commit import GroupCommit
 from .files import secure_directory
 from .format import MAX_RECORD_BYTES
-from .records import COUNTER_MASK, EPOCH, EXPIRE, EXTEND, GRANT, RELEASE, RESERVE, TOKEN_EPOCH_SHIFT, Record
+from .records import (
+    COUNTER_MASK,
+    EPOCH,
+    EXPIRE,
+    EXTEND,
+    GRANT,
+    KEY_DELETE,
+    KEY_PUT,
+    RELEASE,
+    RESERVE,
+    REVOKE,
+    TOKEN_EPOCH_SHIFT,
+    Record,
+)
 from .recovery import RecoveredState, recover
 from .snapshot import Snapshotter
 from .writer import SegmentList, SegmentWriter
@@ -225,9 +238,22 @@ class WriteAheadLog:
         """Log that the lease with ``token`` on ``name`` expired."""
         self._append([EXPIRE, name, token, wall_ms()])
 
+    def log_revoke(self, name: str, token: int, principal: str, reason: str | None) -> None:
+        """Log that ``principal`` force-released the lease ``token`` on ``name`` (``reason``: free text)."""
+        self._append([REVOKE, name, token, principal, reason, wall_ms()])
+
     def log_extend(self, name: str, token: int, ttl_ms: int) -> None:
         """Log a new TTL (milliseconds) for the lease ``token`` on ``name`` (only when it changes)."""
         self._append([EXTEND, name, token, ttl_ms, wall_ms()])
+
+    def log_key_put(self, key: str, value: bytes, lease_name: str | None, token: int,
+                    principal: str | None) -> None:
+        """Log that ``key`` holds ``value``, attached to the lease ``(lease_name, token)`` or to none."""
+        self._append([KEY_PUT, key, value, lease_name, token, principal, wall_ms()])
+
+    def log_key_delete(self, key: str) -> None:
+        """Log that ``key`` was deleted."""
+        self._append([KEY_DELETE, key, wall_ms()])
 
     def log_epoch(self, epoch: int) -> None:
         """Log a new epoch; always fsynced before this batch's callbacks run, in every mode."""
@@ -316,8 +342,10 @@ class WriteAheadLog:
         """Write a snapshot if ``snapshot_every`` records were logged since the last one.
 
         ``get_state()`` is called synchronously and must return ``(epoch, counter,
-        holders)`` consistent with every record logged so far (``holders``: a list of
-        :class:`~fastlock.wal.HolderRecord` or equal 8-tuples, not mutated afterwards).
+        holders)`` or ``(epoch, counter, holders, keys)`` consistent with every record
+        logged so far (``holders``: a list of :class:`~fastlock.wal.HolderRecord` or
+        equal 8-tuples, ``keys``: :meth:`~fastlock.wal.keyspace.KeySpace.to_list`; not
+        mutated afterwards).
         Encoding, writing (temp file, fsync, rename, directory fsync) and deleting the
         covered segments happen on a background thread.  Returns True if a snapshot
         was started.  A failed snapshot is logged at ERROR and retried after another
@@ -332,9 +360,10 @@ class WriteAheadLog:
             return False
         if not snaps.due(lsn, force):
             return False
-        epoch, counter, holders = get_state()
+        epoch, counter, holders, *keys = get_state()
         c = self._counters
-        snaps.start(commit.loop, lsn, max(epoch, c.epoch), max(counter, c.max_counter, c.reserved), holders)
+        snaps.start(commit.loop, lsn, max(epoch, c.epoch), max(counter, c.max_counter, c.reserved), holders,
+                    keys[0] if keys else None)
         return True
 
     async def wait_snapshot(self) -> None:
@@ -388,6 +417,15 @@ class WriteAheadLog:
         self._snapshots.join()
 
     # -- introspection --------------------------------------------------------------------
+    def take_fsync_seconds(self) -> list[float]:
+        """The durations (seconds) of the data fsyncs done since the last call (at most the
+        latest 4096), oldest first; the writer thread appends, this takes them away."""
+        durations = self._commit.io.fsync_seconds
+        taken = []
+        while durations:
+            taken.append(durations.popleft())
+        return taken
+
     def stats(self) -> dict:
         """Counters: ``records`` logged since open, ``bytes`` written, ``fsyncs``
         (data fsyncs incl. rotation/segment creation), ``batches`` written,

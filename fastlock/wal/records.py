@@ -16,18 +16,26 @@ The rules:
 * GRANT installs the holder (replacing any), and raises the epoch and the
   counter to the token's;
 * RELEASE and EXPIRE remove the holder when its token matches;
+* REVOKE (an operator's force-release, an audit record with who and why) removes
+  the holder when its token matches, as RELEASE does;
 * EXTEND sets the holder's ``ttl_ms`` when its token matches;
-* EPOCH raises the epoch; RESERVE raises the counter.
+* EPOCH raises the epoch; RESERVE raises the counter;
+* KEY_PUT sets a key when it has no lease or its lease (lock name, token) is
+  the current holder (a put attached to a lease already gone changes nothing);
+  KEY_DELETE removes a key; a RELEASE or EXPIRE that removes a holder also
+  removes every key attached to that lease (see :mod:`fastlock.wal.keyspace`).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol, Union
+from typing import Any, NamedTuple, Protocol
+
+from .keyspace import KeySpace
 
 __all__ = [
-    "GRANT", "RELEASE", "EXPIRE", "EXTEND", "EPOCH", "RESERVE", "RECORD_NAMES",
+    "GRANT", "RELEASE", "EXPIRE", "EXTEND", "EPOCH", "RESERVE", "REVOKE", "KEY_PUT", "KEY_DELETE", "RECORD_NAMES",
     "TOKEN_EPOCH_SHIFT", "COUNTER_MASK",
-    "Grant", "Release", "Expire", "Extend", "Epoch", "Reserve", "Record",
+    "Grant", "Release", "Expire", "Extend", "Epoch", "Reserve", "Revoke", "KeyPut", "KeyDelete", "Record",
     "HolderRecord", "LeaseMeta", "encode", "decode", "apply", "ApplyTarget", "LogState",
 ]
 
@@ -37,8 +45,12 @@ EXPIRE = 3
 EXTEND = 4
 EPOCH = 5
 RESERVE = 6
+REVOKE = 10
+KEY_PUT = 30
+KEY_DELETE = 31
 RECORD_NAMES = {GRANT: "grant", RELEASE: "release", EXPIRE: "expire", EXTEND: "extend",
-                EPOCH: "epoch", RESERVE: "reserve"}
+                EPOCH: "epoch", RESERVE: "reserve", REVOKE: "revoke",
+                KEY_PUT: "key_put", KEY_DELETE: "key_delete"}
 
 #: token = (epoch << TOKEN_EPOCH_SHIFT) | counter (mirrors fastlock._core, kept
 #: here so that the WAL and its tools do not need the compiled core).
@@ -59,7 +71,10 @@ class Grant(NamedTuple):
     correlation_id: str | None
     wall_ms: int
 
-    kind = GRANT
+    @property
+    def kind(self) -> int:
+        """The record type (``GRANT``), the first item of the array on disk."""
+        return GRANT
 
 
 class Release(NamedTuple):
@@ -69,7 +84,10 @@ class Release(NamedTuple):
     token: int
     wall_ms: int
 
-    kind = RELEASE
+    @property
+    def kind(self) -> int:
+        """The record type (``RELEASE``), the first item of the array on disk."""
+        return RELEASE
 
 
 class Expire(NamedTuple):
@@ -79,7 +97,10 @@ class Expire(NamedTuple):
     token: int
     wall_ms: int
 
-    kind = EXPIRE
+    @property
+    def kind(self) -> int:
+        """The record type (``EXPIRE``), the first item of the array on disk."""
+        return EXPIRE
 
 
 class Extend(NamedTuple):
@@ -90,7 +111,10 @@ class Extend(NamedTuple):
     ttl_ms: int
     wall_ms: int
 
-    kind = EXTEND
+    @property
+    def kind(self) -> int:
+        """The record type (``EXTEND``), the first item of the array on disk."""
+        return EXTEND
 
 
 class Epoch(NamedTuple):
@@ -99,7 +123,10 @@ class Epoch(NamedTuple):
     epoch: int
     wall_ms: int
 
-    kind = EPOCH
+    @property
+    def kind(self) -> int:
+        """The record type (``EPOCH``), the first item of the array on disk."""
+        return EPOCH
 
 
 class Reserve(NamedTuple):
@@ -108,13 +135,63 @@ class Reserve(NamedTuple):
     counter: int
     wall_ms: int
 
-    kind = RESERVE
+    @property
+    def kind(self) -> int:
+        """The record type (``RESERVE``), the first item of the array on disk."""
+        return RESERVE
 
 
-Record = Union[Grant, Release, Expire, Extend, Epoch, Reserve]
+class Revoke(NamedTuple):
+    """REVOKE: an operator force-released the lease ``token`` on ``name``: ``principal``
+    (the authenticated principal that asked) and ``reason`` (free text, may be None) are
+    kept for the audit dump.  Replayed as a RELEASE of that token."""
+
+    name: str
+    token: int
+    principal: str
+    reason: str | None
+    wall_ms: int
+
+    @property
+    def kind(self) -> int:
+        """The record type (``REVOKE``), the first item of the array on disk."""
+        return REVOKE
+
+
+class KeyPut(NamedTuple):
+    """KEY_PUT: ``key`` holds ``value``, attached to the lease (``lease_name``, ``token``)
+    or to none (``lease_name`` None, ``token`` 0); written by ``principal``."""
+
+    key: str
+    value: bytes
+    lease_name: str | None
+    token: int
+    principal: str | None
+    wall_ms: int
+
+    @property
+    def kind(self) -> int:
+        """The record type (``KEY_PUT``), the first item of the array on disk."""
+        return KEY_PUT
+
+
+class KeyDelete(NamedTuple):
+    """KEY_DELETE: ``key`` was deleted."""
+
+    key: str
+    wall_ms: int
+
+    @property
+    def kind(self) -> int:
+        """The record type (``KEY_DELETE``), the first item of the array on disk."""
+        return KEY_DELETE
+
+
+Record = Grant | Release | Expire | Extend | Epoch | Reserve | Revoke | KeyPut | KeyDelete
 
 _TYPES: dict[int, Any] = {GRANT: Grant, RELEASE: Release, EXPIRE: Expire, EXTEND: Extend,
-                          EPOCH: Epoch, RESERVE: Reserve}
+                          EPOCH: Epoch, RESERVE: Reserve, REVOKE: Revoke,
+                          KEY_PUT: KeyPut, KEY_DELETE: KeyDelete}
 #: (type, length of the array) -> record class: the shape of every valid record body
 SHAPES: dict[tuple[int, int], Any] = {(kind, len(cls._fields) + 1): cls for kind, cls in _TYPES.items()}
 
@@ -181,8 +258,15 @@ class ApplyTarget(Protocol):
     tokens, its epoch and its counter.  Each method is called only when the record
     changes something (the token matched, the value is higher)."""
 
-    epoch: int
-    counter: int
+    @property
+    def epoch(self) -> int:
+        """The highest epoch applied."""
+        ...
+
+    @property
+    def counter(self) -> int:
+        """The highest token counter applied."""
+        ...
 
     def holder_token(self, name: str) -> int | None:
         """The token of ``name``'s current holder, or None."""
@@ -192,7 +276,7 @@ class ApplyTarget(Protocol):
         """Make ``grant`` the holder of its lock (replacing any); raise epoch and counter to its token's."""
         ...
 
-    def remove(self, record: Release | Expire) -> None:
+    def remove(self, record: Release | Expire | Revoke) -> None:
         """Drop the holder of ``record.name`` (its token matched)."""
         ...
 
@@ -208,29 +292,60 @@ class ApplyTarget(Protocol):
         """Raise the counter to ``counter`` (higher than the current one)."""
         ...
 
+    @property
+    def keys(self) -> KeySpace:
+        """The key space: KEY_PUT, KEY_DELETE and the end of a lease change it through
+        :meth:`put_key`, :meth:`delete_key` and :meth:`lease_ended`."""
+        ...
+
+    def put_key(self, record: KeyPut) -> None:
+        """Set ``record.key`` (its lease, if any, is the current holder)."""
+        ...
+
+    def delete_key(self, record: KeyDelete) -> None:
+        """Remove ``record.key`` (it is present)."""
+        ...
+
+    def lease_ended(self, name: str, token: int) -> None:
+        """Remove every key attached to the lease ``(name, token)`` (there are some)."""
+        ...
+
 
 def apply(record: Record, target: ApplyTarget) -> bool:
     """Apply one record to ``target`` by the rules in the module docstring;
     return True if it changed something."""
-    kind = type(record)
-    if kind is Grant:
-        target.install(record)  # type: ignore[arg-type]
+    if type(record) is Grant:
+        target.install(record)
         return True
-    if kind is Release or kind is Expire or kind is Extend:
-        if target.holder_token(record.name) != record.token:  # type: ignore[union-attr]
+    if type(record) is Release or type(record) is Expire or type(record) is Revoke:
+        if target.holder_token(record.name) != record.token:
             return False
-        if kind is Extend:
-            target.set_ttl(record)  # type: ignore[arg-type]
-        else:
-            target.remove(record)  # type: ignore[arg-type]
+        target.remove(record)
+        if (record.name, record.token) in target.keys.by_lease:
+            target.lease_ended(record.name, record.token)
         return True
-    if kind is Epoch:
-        if record.epoch > target.epoch:  # type: ignore[union-attr]
-            target.raise_epoch(record.epoch)  # type: ignore[union-attr]
+    if type(record) is Extend:
+        if target.holder_token(record.name) != record.token:
+            return False
+        target.set_ttl(record)
+        return True
+    if type(record) is Epoch:
+        if record.epoch > target.epoch:
+            target.raise_epoch(record.epoch)
             return True
         return False
-    if record.counter > target.counter:  # type: ignore[union-attr]
-        target.raise_counter(record.counter)  # type: ignore[union-attr]
+    if type(record) is Reserve and record.counter > target.counter:
+        target.raise_counter(record.counter)
+        return True
+    if type(record) is KeyPut:
+        if record.lease_name is not None and target.holder_token(record.lease_name) != record.token:
+            return False
+        target.put_key(record)
+        return True
+    if type(record) is KeyDelete:
+        if target.keys.get(record.key) is None:
+            return False
+        target.delete_key(record)
         return True
     return False
 
@@ -247,12 +362,14 @@ class LogState:
     gives them all as HolderRecords.
     """
 
-    __slots__ = ("holders", "epoch", "counter")
+    __slots__ = ("holders", "epoch", "counter", "keys")
 
-    def __init__(self, epoch: int = 0, counter: int = 0, holders: list[HolderRecord] | None = None):
+    def __init__(self, epoch: int = 0, counter: int = 0, holders: list[HolderRecord] | None = None,
+                 keys: KeySpace | None = None):
         self.holders: dict[str, Grant | HolderRecord] = {h.name: h for h in holders or ()}
         self.epoch = epoch
         self.counter = counter
+        self.keys = keys if keys is not None else KeySpace()
 
     def holder_records(self) -> list[HolderRecord]:
         """Every holder, as :class:`HolderRecord`."""
@@ -270,7 +387,7 @@ class LogState:
         if token >> TOKEN_EPOCH_SHIFT > self.epoch:
             self.epoch = token >> TOKEN_EPOCH_SHIFT
 
-    def remove(self, record: Release | Expire) -> None:
+    def remove(self, record: Release | Expire | Revoke) -> None:
         del self.holders[record.name]
 
     def set_ttl(self, record: Extend) -> None:
@@ -282,3 +399,12 @@ class LogState:
 
     def raise_counter(self, counter: int) -> None:
         self.counter = counter
+
+    def put_key(self, record: KeyPut) -> None:
+        self.keys.put(record.key, record.value, record.lease_name, record.token, record.principal, record.wall_ms)
+
+    def delete_key(self, record: KeyDelete) -> None:
+        self.keys.delete(record.key)
+
+    def lease_ended(self, name: str, token: int) -> None:
+        self.keys.lease_ended(name, token)

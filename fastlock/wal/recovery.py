@@ -20,6 +20,7 @@ import msgpack
 from ..errors import WalCorruption
 from .files import fsync_dir, read_file
 from .format import FrameReader, list_dir, parse_segment
+from .keyspace import KeySpace
 from .records import HolderRecord, LogState, apply
 from .snapshot import Snapshot, load_snapshot
 
@@ -36,6 +37,7 @@ class RecoveredState(NamedTuple):
     torn_bytes: int  # bytes cut from a torn tail (0 if none)
     next_lsn: int  # LSN the next record will get
     snapshot_lsn: int  # LSN of the snapshot used (0 if none)
+    keys: KeySpace | None = None  # the key store (fastlock.wal.keyspace)
 
 
 class LogFiles:
@@ -110,7 +112,7 @@ def recover(directory: str, *, repair: bool = False) -> Recovery:
     """
     files = LogFiles(directory)
     base, snap = files.choose_base()
-    state = LogState() if snap is None else LogState(snap.epoch, snap.counter, snap.holders)
+    state = LogState() if snap is None else LogState(snap.epoch, snap.counter, snap.holders, snap.keys)
     segs = files.segments_after(base)
     replayed = 0
     torn = 0
@@ -164,5 +166,6 @@ def recover(directory: str, *, repair: bool = False) -> Recovery:
         torn_bytes=torn,
         next_lsn=next_lsn,
         snapshot_lsn=base,
+        keys=state.keys,
     )
     return Recovery(recovered, list(files.segs), repaired)

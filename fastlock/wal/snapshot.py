@@ -3,8 +3,10 @@
 ``snap-<lsn:020d>.snap`` holds the lock table after applying every record up
 to ``lsn``: a header (magic ``FLOCKSNP``, format version, lsn, epoch, counter,
 body length), a msgpack array of holders (each the 8 fields of
-:class:`~fastlock.wal.records.HolderRecord`, in order), and a CRC32 of
-everything before it.  It is written with
+:class:`~fastlock.wal.records.HolderRecord`, in order), then (since the key
+store) a msgpack array of keys (each the 7 items of
+:meth:`fastlock.wal.keyspace.KeySpace.to_list`; absent in older snapshots,
+which load with no keys), and a CRC32 of everything before it.  It is written with
 :func:`~fastlock.wal.files.write_atomically`, so it is either absent or whole.
 
 After writing one, the :class:`Snapshotter` keeps the newest
@@ -28,6 +30,7 @@ import msgpack
 from ..errors import WalCorruption
 from .files import fsync_dir, read_file, write_atomically
 from .format import FORMAT_VERSION, SNAP_MAGIC, U32, crc32, list_dir, snap_name
+from .keyspace import KeySpace
 from .records import HolderRecord
 from .writer import SegmentList
 
@@ -36,14 +39,19 @@ log = logging.getLogger(__name__)
 SNAP_HEADER = struct.Struct("<8sIQQQQ")  # magic, version, lsn, epoch, counter, body_len
 
 
-def encode_snapshot(lsn: int, epoch: int, counter: int, holders: Sequence[HolderRecord]) -> bytes:
-    """The bytes of a snapshot file (``holders``: HolderRecord or equal 8-tuples)."""
+def encode_snapshot(lsn: int, epoch: int, counter: int, holders: Sequence[HolderRecord],
+                    keys: list | None = None) -> bytes:
+    """The bytes of a snapshot file (``holders``: HolderRecord or equal 8-tuples; ``keys``:
+    :meth:`KeySpace.to_list`, written only when not empty so that a key-less snapshot
+    stays readable by older builds)."""
     packer = msgpack.Packer()
     parts = [packer.pack_array_header(len(holders))]
     pack = packer.pack
     # Small chunks so that a snapshot thread gives the GIL back to the loop often.
     for i in range(0, len(holders), 1000):
         parts.append(b"".join([pack(tuple(h)) for h in holders[i:i + 1000]]))
+    if keys:
+        parts.append(pack(keys))
     body = b"".join(parts)
     head = SNAP_HEADER.pack(SNAP_MAGIC, FORMAT_VERSION, lsn, epoch, counter, len(body))
     crc = crc32(body, crc32(head))
@@ -53,13 +61,15 @@ def encode_snapshot(lsn: int, epoch: int, counter: int, holders: Sequence[Holder
 class Snapshot:
     """A snapshot read back: the table after LSN ``lsn``."""
 
-    __slots__ = ("lsn", "epoch", "counter", "holders")
+    __slots__ = ("lsn", "epoch", "counter", "holders", "keys")
 
-    def __init__(self, lsn: int, epoch: int, counter: int, holders: list[HolderRecord]):
+    def __init__(self, lsn: int, epoch: int, counter: int, holders: list[HolderRecord],
+                 keys: KeySpace | None = None):
         self.lsn = lsn
         self.epoch = epoch
         self.counter = counter
         self.holders = holders
+        self.keys = keys if keys is not None else KeySpace()
 
 
 def load_snapshot(path: str) -> Snapshot:
@@ -84,16 +94,19 @@ def load_snapshot(path: str) -> Snapshot:
     try:
         if crc32(mv[hs:hs + blen], crc32(mv[:hs])) != U32.unpack_from(data, hs + blen)[0]:
             raise WalCorruption(f"{path}: snapshot CRC mismatch", path, 0)
-        items = msgpack.unpackb(mv[hs:hs + blen])
+        unpacker = msgpack.Unpacker()
+        unpacker.feed(mv[hs:hs + blen])
+        parts = list(unpacker)
     finally:
         mv.release()
     try:
-        if type(items) is not list:
+        if not 1 <= len(parts) <= 2 or type(parts[0]) is not list:
             raise ValueError("the holders are not a list")
-        holders = [HolderRecord.from_list(h) for h in items]
+        holders = [HolderRecord.from_list(h) for h in parts[0]]
+        keys = KeySpace.from_list(parts[1]) if len(parts) == 2 else None
     except ValueError as exc:
         raise WalCorruption(f"{path}: {exc}", path, 0) from None
-    return Snapshot(lsn, epoch, counter, holders)
+    return Snapshot(lsn, epoch, counter, holders, keys)
 
 
 class Snapshotter:
@@ -134,7 +147,7 @@ class Snapshotter:
         return force or last_lsn - self._counted_from >= self.every
 
     def start(self, loop: asyncio.AbstractEventLoop, lsn: int, epoch: int, counter: int,
-              holders: Sequence[HolderRecord]) -> None:
+              holders: Sequence[HolderRecord], keys: list | None = None) -> None:
         """Write the snapshot at ``lsn`` on a thread; the result is reported on ``loop``."""
         self._counted_from = lsn
         self.next_due = lsn + self.every
@@ -142,7 +155,7 @@ class Snapshotter:
 
         def run() -> None:
             try:
-                res: Any = self._write(lsn, epoch, counter, holders)
+                res: Any = self._write(lsn, epoch, counter, holders, keys)
             except BaseException as exc:  # noqa: BLE001 - reported on the loop
                 res = exc
             try:
@@ -153,9 +166,10 @@ class Snapshotter:
         self._thread = threading.Thread(target=run, name="fastlock-wal-snapshot", daemon=True)
         self._thread.start()
 
-    def _write(self, lsn: int, epoch: int, counter: int, holders: Sequence[HolderRecord]) -> str:
+    def _write(self, lsn: int, epoch: int, counter: int, holders: Sequence[HolderRecord],
+               keys: list | None = None) -> str:
         t0 = time.perf_counter()
-        data = encode_snapshot(lsn, epoch, counter, holders)
+        data = encode_snapshot(lsn, epoch, counter, holders, keys)
         d = self.directory
         path = write_atomically(d, snap_name(lsn), data)
         # compaction: keep the newest `keep` snapshots and the segments after the oldest kept

@@ -15,9 +15,11 @@ shared with compaction and with readers of the log.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -114,8 +116,10 @@ class SegmentWriter:
         self._dirty = False
         self.bytes = 0  # written since open
         self.fsyncs = 0  # data fsyncs, incl. rotation and segment creation
+        #: the latest data fsyncs' durations (seconds), for the metrics (WriteAheadLog.take_fsync_seconds)
+        self.fsync_seconds: collections.deque[float] = collections.deque(maxlen=4096)
         self.batches = 0
-        self._queue: queue.SimpleQueue | None = None
+        self._queue: queue.SimpleQueue[Batch | None] | None = None
         self._thread: threading.Thread | None = None
         self._dir_lock: DirectoryLock | None = None
 
@@ -178,7 +182,9 @@ class SegmentWriter:
             self._fsync()
 
     def _fsync(self) -> None:
+        started = time.perf_counter()
         os.fsync(self._fd)
+        self.fsync_seconds.append(time.perf_counter() - started)
         self.fsyncs += 1
         self._dirty = False
         self.durable_offset = self.seg_size
@@ -198,7 +204,8 @@ class SegmentWriter:
         after a failure."""
         if not self.threaded:
             return
-        self._queue = q = queue.SimpleQueue()
+        q: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
+        self._queue = q
 
         def run() -> None:
             while True:
@@ -207,7 +214,7 @@ class SegmentWriter:
                     return
                 try:
                     self.write(batch)
-                except BaseException as exc:
+                except BaseException as exc:  # noqa: BLE001 - handed to the loop, which makes the log fatal
                     try:
                         loop.call_soon_threadsafe(on_failed, exc)
                     except RuntimeError:  # loop closed

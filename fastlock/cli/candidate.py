@@ -1,33 +1,32 @@
-"""Leader election (the library lives in :mod:`fastlock.client.election`), and a candidate process.
+"""An election candidate process: ``python -m fastlock.election``.
 
-``from fastlock.election import Election, Term, Leader`` keeps working.  Running
-this module starts one candidate that prints JSON lines (used by the tests and
-``benches/election_failover.py``)::
-
-    python -m fastlock.election --server 127.0.0.1:7420 --name leader --id node-a
+One candidate of a leader election (:class:`fastlock.client.election.Election`)
+that prints one JSON line per event - ``ready``, ``elected``, ``act`` (every
+``--act-every`` seconds while it leads), ``health``, ``lost`` - with its
+candidate id, a monotonic time in seconds and the term's fencing token.  The
+tests and ``benches/election_failover.py`` read these lines to check that no
+two leaders act at once.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import functools
+import json
+import sys
+import time
 from typing import Any
 
-from .client.election import Election, Leader, Term
+from ..client import connect
 
-__all__ = ["Election", "Term", "Leader"]
+__all__ = ["main"]
 
 
-def _candidate_main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m fastlock.election``: one candidate printing JSON lines
     (``elected``, ``act``, ``health``, ``lost``) until killed."""
-    import argparse
-    import json
-    import sys
-    import time
-
-    from .client import connect
-
-    parser = argparse.ArgumentParser(prog="python -m fastlock.election", description=_candidate_main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m fastlock.election", description=main.__doc__)
     parser.add_argument("--server", action="append", required=True, metavar="HOST:PORT")
     parser.add_argument("--name", default="leader")
     parser.add_argument("--id", required=True, dest="candidate_id")
@@ -44,6 +43,9 @@ def _candidate_main(argv: list[str] | None = None) -> int:
         sys.stdout.write(json.dumps({"event": kind, "id": args.candidate_id, "t": t, **fields}) + "\n")
         sys.stdout.flush()
 
+    def emit_health(token: int, state: str) -> None:
+        emit("health", state=state, token=token)
+
     async def run() -> None:
         async with connect(*args.server, client_name=args.candidate_id) as client:
             election = client.election(args.name, args.candidate_id, lease_duration=args.lease_duration,
@@ -54,7 +56,7 @@ def _candidate_main(argv: list[str] | None = None) -> int:
                 async with election.leadership() as term:
                     terms += 1
                     emit("elected", token=term.fencing_token)
-                    term.health.add_listener(lambda state, t=term: emit("health", state=state, token=t.fencing_token))
+                    term.health.add_listener(functools.partial(emit_health, term.fencing_token))
                     until = None if not args.hold else time.monotonic() + args.hold
                     while True:
                         now = time.monotonic()  # taken before the check: an act is stamped no later than its check
@@ -71,6 +73,3 @@ def _candidate_main(argv: list[str] | None = None) -> int:
         return 130
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(_candidate_main())

@@ -1,82 +1,5 @@
-"""Principals, credentials and permissions: who may do what on a fastlock server.
-
-Principals
-----------
-Every connection acts for one *principal*, fixed by its HELLO:
-
-``client``
-    Lock operations (acquire, release, extend, cancel, check, holder, watch) on
-    the names its ACL grants: a list of rules ``{prefix, ops}``, as Consul's ACL
-    tokens per key prefix or etcd's RBAC per key range.  A rule with prefix
-    ``""`` covers every name.  Anything no rule grants is refused
-    (:class:`~fastlock.errors.PermissionDenied`).
-``replica``
-    A standby: attach (REPLICATE), acknowledge heartbeats (REPL_ACK) and ask
-    its primary to step down for a new epoch (STEP_DOWN; only the paired
-    standby's principal).  Pairing goes by the replica principal (plus the node
-    id it declares, which the credentials file may pin with ``node_id``), so one
-    replica credential cannot pose as another standby.
-``admin``
-    Operator operations (promote, serve-alone, STATUS details and every
-    operation added later that is not a lock or replica operation), and every
-    client operation on every name (as etcd's root user).
-
-Every authenticated connection may PING, UNWATCH and ask a basic STATUS.
-
-Credentials file
-----------------
-A TOML file (read with :mod:`tomllib`), made by ``fastlock credentials init DIR``::
-
-    version = 1
-
-    [principals.app]
-    kind = "client"
-    token_sha256 = "<hex>"                   # SHA-256 of the token: the token itself is never stored
-    acl = [{prefix = "orders/", ops = ["acquire", "release", "extend", "cancel"]},
-           {prefix = "", ops = ["check", "holder", "watch"]}]
-    cert_identities = ["app.example.com"]    # optional: mutual-TLS certificate CNs for this principal
-
-    [principals.anonymous]                   # optional: connections that present no token
-    kind = "client"
-    acl = [{prefix = "public/", ops = ["*"]}]
-
-    [principals.node-a]
-    kind = "replica"
-    token_sha256 = "<hex>"
-    primary_proof_key = "<hex>"              # lets a primary prove itself to this standby
-    node_id = "<hex>"                        # optional: the only node id this credential may attach as
-
-    [principals.admin]
-    kind = "admin"
-    token_sha256 = "<hex>"
-
-Tokens look like ``fl1.<principal>.<43 base64url characters>`` (256 random
-bits).  The server finds the entry by the principal part and compares
-``SHA-256(token)`` with the stored hash in constant time
-(:func:`hmac.compare_digest`).  A fast hash is enough because tokens are
-random, not passwords (no dictionary to guess from).
-
-Peers authenticate both ways.  Without TLS a primary proves itself to its
-standby before the standby sends its token: the standby's HELLO carries
-``{"principal": NAME, "challenge": NONCE}``, and the primary answers
-``HMAC-SHA256(primary_proof_key, NAME || NONCE)``; ``primary_proof_key`` is
-derived from the replica's token (:func:`primary_proof_key`), so the standby
-can check it and a server that never had the credentials file cannot.
-
-Owner keys
-----------
-The random owner key a client makes per acquire is its proof of ownership.  The
-server hashes it at ingress (:func:`hash_owner`, BLAKE2b-128), so the lock
-table, the WAL, snapshots, the replication stream and ``wal dump`` only ever
-hold the hash; presenting a hash gets it hashed again and matches nothing.
-
-Failed authentication
----------------------
-:class:`AuthFailures` bans a source address for a while after repeated failed
-HELLOs (doubling up to a limit) and logs failures in a form that cannot be
-flooded: the first failure from an address in a window, bans, and one summary
-line per interval for the rest.
-"""
+"""Tokens, principals and their ACLs, and the credentials file: who may do what
+on a fastlock server (the rules are in :mod:`fastlock.auth`)."""
 
 from __future__ import annotations
 
@@ -89,38 +12,19 @@ import logging
 import os
 import re
 import secrets
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from .errors import FastlockError
+from ..errors import FastlockError
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "ANONYMOUS",
-    "CLIENT_OPS",
-    "KINDS",
-    "AclRule",
-    "AuthFailures",
-    "Credentials",
-    "CredentialsError",
-    "Principal",
-    "generate",
-    "hash_owner",
-    "hash_token",
-    "is_loopback",
-    "make_token",
-    "primary_proof",
-    "primary_proof_key",
-    "read_token_file",
-]
-
 KINDS = ("client", "replica", "admin")
 #: the operations a client ACL rule may grant ("*" in a rule means all of them)
-CLIENT_OPS = ("acquire", "release", "extend", "cancel", "check", "holder", "watch")
+CLIENT_OPS = ("acquire", "release", "extend", "cancel", "check", "holder", "watch",
+              "put", "get", "delete")  # the last three: keys of the key store (fastlock.server.keys)
 #: the principal of connections that present no token (when the credentials allow it)
 ANONYMOUS = "anonymous"
 #: the client principal the legacy ``--auth-secret-file`` secret stands for
@@ -521,110 +425,3 @@ def _write_private(path: str, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-# -- failed authentication: rate limit and log ---------------------------------------------
-
-
-class AuthFailures:
-    """Per source address: ban after repeated failed authentications; flood-proof logging.
-
-    After ``max_failures`` failures (0: never ban) from one address within ``window_s``
-    seconds, that address is banned for ``ban_s`` seconds (doubling with each
-    further ban, up to ``max_ban_s``): its HELLOs are refused without looking
-    at the token, so guessing is bounded to ``max_failures`` tries per ban.  At
-    most ``max_addresses`` addresses are tracked (the oldest is forgotten).
-
-    Logging: the first failure of an address (after ``window_s`` without a ban)
-    and every ban are logged at WARNING, at most ``max_lines`` of them per
-    ``summary_every_s`` seconds; the other failures are counted and reported in
-    one summary line at most every ``summary_every_s`` seconds.  ``clock`` returns
-    monotonic seconds (for tests).
-    """
-
-    def __init__(self, *, max_failures: int = 5, window_s: float = 60.0, ban_s: float = 1.0,
-                 max_ban_s: float = 300.0, max_addresses: int = 4096, summary_every_s: float = 10.0,
-                 max_lines: int = 20, clock=time.monotonic):
-        self.max_failures = max_failures
-        self.window_s = window_s
-        self.ban_s = ban_s
-        self.max_ban_s = max_ban_s
-        self.max_addresses = max_addresses
-        self.summary_every_s = summary_every_s
-        self.max_lines = max_lines
-        self._lines = 0  # lines logged in the current summary interval
-        self._clock = clock
-        # address -> [window start, failures in window, banned until, bans so far]
-        self._by_address: dict[str, list] = {}
-        self._suppressed = 0
-        self._suppressed_addresses: set[str] = set()
-        self._last_summary = clock()
-        self.total = 0
-
-    def banned_for(self, address: str) -> float:
-        """Seconds left of ``address``'s ban (0.0: not banned)."""
-        entry = self._by_address.get(address)
-        if entry is None:
-            return 0.0
-        return max(0.0, entry[2] - self._clock())
-
-    def failed(self, address: str, who: str, reason: str) -> None:
-        """Record (and maybe log) one failed authentication from ``address``."""
-        now = self._clock()
-        self.total += 1
-        entry = self._by_address.get(address)
-        if entry is None:
-            if len(self._by_address) >= self.max_addresses:
-                self._by_address.pop(next(iter(self._by_address)))
-            entry = self._by_address[address] = [now, 0, float("-inf"), 0]  # start, count, banned until, bans
-        if now - entry[0] > self.window_s:
-            entry[0], entry[1] = now, 0
-        quiet = now - entry[2] > self.window_s  # no ban of this address ended within the window
-        if now - entry[2] > self.max_ban_s:
-            entry[3] = 0  # quiet for longer than the longest ban: bans start short again
-        entry[1] += 1
-        logged = False
-        if entry[1] == 1 and quiet:
-            logged = self._line(now, "authentication failed from %s (%s): %s; further failures from it are "
-                                "summarised", address, who, reason)
-        if self.max_failures and entry[1] >= self.max_failures and entry[2] <= now:
-            ban = min(self.max_ban_s, self.ban_s * (2 ** entry[3]))
-            entry[2] = now + ban
-            entry[3] += 1
-            entry[0], entry[1] = now, 0
-            logged = self._line(now, "%s banned for %.0f s after %d failed authentications", address, ban,
-                                self.max_failures) or logged
-        if not logged:
-            self._suppressed += 1
-            self._suppressed_addresses.add(address)
-        self._maybe_summarise(now)
-
-    def _line(self, now: float, msg: str, *args) -> bool:
-        """Log one line unless ``max_lines`` were logged in this summary interval (then the
-        event goes into the summary): many addresses cannot flood the log either."""
-        if now - self._last_summary >= self.summary_every_s:
-            self._maybe_summarise(now)
-        if self._lines >= self.max_lines:
-            return False
-        self._lines += 1
-        log.warning(msg, *args)
-        return True
-
-    def refused_while_banned(self, address: str) -> None:
-        """Count a HELLO refused because its address is banned (logged in the summary only)."""
-        self.total += 1
-        self._suppressed += 1
-        self._suppressed_addresses.add(address)
-        self._maybe_summarise(self._clock())
-
-    def _maybe_summarise(self, now: float) -> None:
-        if self._suppressed and now - self._last_summary >= self.summary_every_s:
-            log.warning("%d more failed or refused authentications from %d addresses in the last %.0f s",
-                        self._suppressed, len(self._suppressed_addresses), now - self._last_summary)
-            self._suppressed = 0
-            self._suppressed_addresses.clear()
-            self._last_summary = now
-            self._lines = 0
-        elif not self._suppressed and now - self._last_summary >= self.summary_every_s:
-            self._last_summary = now
-            self._lines = 0

@@ -1,0 +1,175 @@
+"""The operator's lock commands: ``fastlock locks``, ``fastlock lock``, ``fastlock revoke``.
+
+Each goes through the Python client (:mod:`fastlock.client.admin`), so it finds the
+primary among ``--server`` / ``$FASTLOCK_SERVER`` (comma-separated) as every client
+does, and authenticates with ``--token-file`` / ``$FASTLOCK_TOKEN_FILE`` or the shared
+secret (``--auth-secret-file`` / ``$FASTLOCK_AUTH_SECRET``).  The server allows these
+requests to admin principals, and to anyone in open mode (see
+:mod:`fastlock.server.lockadmin`).  Output: a table by default, ``-o json`` for scripts
+(times in seconds, as the Python API).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from ..client import Client, LeaseInfo, WaiterInfo
+from ..protocol import check_name, check_token
+from ..units import DEFAULT_PORT
+from .args import (
+    SERVER_VARIABLE,
+    add_client_tls_arguments,
+    add_token_arguments,
+    client_tls_options,
+    read_token,
+    servers_from_env,
+)
+
+__all__ = ["add_parsers", "table"]
+
+
+def _name_arg(value: str) -> str:
+    try:
+        return check_name(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _token_arg(value: str) -> int:
+    try:
+        return check_token(int(value))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"a fencing token is an integer 1..2**63-1: {exc}") from None
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", metavar="HOST:PORT[,HOST:PORT]",
+                   help=f"the servers (the primary is found among them; default ${SERVER_VARIABLE}, "
+                        f"else 127.0.0.1:{DEFAULT_PORT})")
+    p.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
+    add_token_arguments(p)
+    add_client_tls_arguments(p)
+
+
+def add_parsers(sub: Any) -> None:
+    """Add ``locks``, ``lock`` and ``revoke`` to ``fastlock``'s subparsers."""
+    ls = sub.add_parser("locks", help="list the held locks (token, holder, remaining TTL, waiters)")
+    ls.set_defaults(handler=locks_command)
+    ls.add_argument("prefix", nargs="?", default="", metavar="PREFIX", help="only names starting with PREFIX")
+    _common(ls)
+
+    one = sub.add_parser("lock", help="show one lock's holders and its waiters in queue order")
+    one.set_defaults(handler=lock_command)
+    one.add_argument("name", type=_name_arg, metavar="NAME")
+    _common(one)
+
+    rv = sub.add_parser("revoke", help="force-release a lock (logged with who and why); the next holder "
+                                       "gets a higher fencing token")
+    rv.set_defaults(handler=revoke_command)
+    rv.add_argument("name", type=_name_arg, metavar="NAME")
+    rv.add_argument("--token", type=_token_arg, metavar="T", help="only the lease with this fencing token "
+                                                                  "(default: every holder)")
+    rv.add_argument("--reason", metavar="TEXT", help="why, kept in the WAL's audit record (at most 256 characters)")
+    _common(rv)
+
+
+def _servers(args: argparse.Namespace) -> list[str]:
+    if args.server:
+        return [s.strip() for s in args.server.split(",") if s.strip()]
+    return servers_from_env() or [f"127.0.0.1:{DEFAULT_PORT}"]
+
+
+def _with_client(args: argparse.Namespace, work: Any) -> Any:
+    """Run ``work(client)`` on a client connected as the command's options say."""
+    token = read_token(args)
+
+    async def run() -> Any:
+        client = Client(_servers(args), token=token, client_name="fastlock-cli", **client_tls_options(args))
+        try:
+            await client.ensure_connected()
+            return await work(client)
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """``rows`` under ``headers``, in left-aligned columns ("-" for None)."""
+    cells = [[str(h) for h in headers]] + [["-" if v is None else str(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def _secs(v: float | None) -> str | None:
+    return None if v is None else f"{v:.1f}s"
+
+
+def _holder(h: LeaseInfo | WaiterInfo) -> str:
+    who = h.principal or ""
+    if h.client:
+        who = f"{who}:{h.client}" if who else h.client
+    return who or "-"
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, sort_keys=True, default=str))
+
+
+def locks_command(args: argparse.Namespace) -> int:
+    listing = _with_client(args, lambda c: c.locks(args.prefix))
+    if args.output == "json":
+        _print_json(dataclasses.asdict(listing))
+        return 0
+    print(table(("NAME", "TOKEN", "HOLDER", "CORRELATION", "REMAINING", "TTL", "LOCK-DELAY", "WAITERS"),
+                [(h.name, h.fencing_token, _holder(h), h.correlation_id, _secs(h.remaining), _secs(h.ttl),
+                  _secs(h.lock_delay), h.waiters) for h in listing.locks]))
+    if listing.truncated:
+        print(f"({listing.matched} held locks match; the first {len(listing.locks)} shown)")
+    return 0
+
+
+def _iso(unix_seconds: float) -> str:
+    dt = datetime.datetime.fromtimestamp(unix_seconds, tz=datetime.timezone.utc)
+    return dt.isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def lock_command(args: argparse.Namespace) -> int:
+    info = _with_client(args, lambda c: c.lock_info(args.name))
+    if args.output == "json":
+        _print_json(dataclasses.asdict(info))
+        return 0
+    if info.holders:
+        print(table(("HOLDER", "TOKEN", "CORRELATION", "REMAINING", "TTL", "KIND"),
+                    [(_holder(h), h.fencing_token, h.correlation_id, _secs(h.remaining), _secs(h.ttl),
+                      "shared" if h.shared else f"permit/{h.limit}" if h.limit else "exclusive")
+                     for h in info.holders]))
+    else:
+        print(f"{info.name}: no holder")
+    if info.waiters:
+        print()
+        print(table(("#", "WAITER", "CORRELATION", "WAITING SINCE", "WAITED", "WAIT LEFT"),
+                    [(i + 1, _holder(w), w.correlation_id, _iso(w.since), _secs(w.waiting),
+                      "forever" if w.wait_remaining is None else _secs(w.wait_remaining))
+                     for i, w in enumerate(info.waiters)]))
+        if info.waiter_count > len(info.waiters):
+            print(f"({info.waiter_count} waiters; the first {len(info.waiters)} shown)")
+    else:
+        print("no waiters")
+    return 0
+
+
+def revoke_command(args: argparse.Namespace) -> int:
+    revoked = _with_client(args, lambda c: c.revoke(args.name, fencing_token=args.token, reason=args.reason))
+    if args.output == "json":
+        _print_json([dataclasses.asdict(h) for h in revoked])
+        return 0
+    for h in revoked:
+        print(f"revoked {h.name} token {h.fencing_token} (holder {_holder(h)}, {_secs(h.remaining)} left)")
+    return 0

@@ -1,0 +1,225 @@
+"""The key store from the client: small values by key, attached to a lease or not.
+
+:class:`KeyMethods` gives :class:`~fastlock.client.Client` ``put``, ``get``,
+``list_prefix``, ``delete`` and ``watch_prefix`` (the server side and its limits
+are described in :mod:`fastlock.server.keys`).  A key put with ``lease=`` lives
+while that lease lives, as an etcd key with a lease or a ZooKeeper ephemeral
+node: keep the lease alive with ``client.lock(name, ttl=...)`` (renewed about
+every TTL/3) and the key disappears - with a ``"expired"`` event to every
+watcher of its prefix - within the TTL after this process vanishes::
+
+    async with client.lock("workers/session/w1", ttl=10.0) as lease:
+        await client.put("workers/w1", b"10.0.0.7:8080", lease=lease)
+        ...                                  # the key lives while the block runs
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from .. import protocol as P
+from ..errors import ConnectionLost, InvalidArgument, WrongArgumentType
+from ..protocol.ops import (
+    KEY_CREATE,
+    KEY_REPLACE,
+    KEY_UPSERT,
+    OP_KEY_DELETE,
+    OP_KEY_GET,
+    OP_KEY_LIST,
+    OP_KEY_PUT,
+    OP_KEY_UNWATCH,
+    OP_KEY_WATCH,
+)
+from .connection import RETRYABLE, RideThrough
+from .lease import Lease, check_lease
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .connection import Connector
+
+__all__ = ["KeyValue", "KeyEvent", "KeyMethods", "SyncKeyMethods", "MAX_LIST"]
+
+#: most keys one list_prefix() returns (the server's bound on one reply)
+MAX_LIST = 10_000
+
+
+class KeyValue(NamedTuple):
+    """A key and its value.  ``lease``: the lock name of the lease it is attached to
+    (None: no lease) and ``token`` that lease's fencing token (0 without lease);
+    wall-clock times in milliseconds since the Unix epoch (display only)."""
+
+    key: str
+    value: bytes
+    lease: str | None
+    token: int
+    created_wall_ms: int
+    updated_wall_ms: int
+
+
+class KeyEvent(NamedTuple):
+    """A change of a key under a watched ``prefix``: ``what`` is ``"put"`` (``value``
+    is the new value), ``"delete"``, ``"expired"`` (its lease expired) or
+    ``"released"`` (its lease was released); ``value`` is None but for a put."""
+
+    prefix: str
+    what: str
+    key: str
+    value: bytes | None
+
+
+def _check_prefix(prefix: Any) -> str:
+    if type(prefix) is not str:
+        raise WrongArgumentType(f"a key prefix must be a str, not {type(prefix).__name__}")
+    return P.check_name(prefix) if prefix else prefix
+
+
+class KeyMethods:
+    """The key store's methods of :class:`~fastlock.client.Client` (a mixin: it uses the
+    client's ``_request`` and ``_connector``)."""
+
+    _connector: Connector
+    _op_timeout: float
+
+    async def _request(self, op: int, *args: Any) -> Any:  # pragma: no cover - the Client's
+        raise NotImplementedError
+
+    async def put(self, key: str, value: bytes, *, lease: Lease | None = None, create: bool = False,
+                  replace: bool = False) -> bool:
+        """Set ``key`` to ``value``; return True if the key was created, False if replaced.
+
+        Args:
+            key: 1..512 bytes of UTF-8 (as a lock name; the ACL operation is ``put``).
+            value: bytes, at most the server's ``--max-value-bytes`` (default 64 KiB).
+            lease: attach the key to this lease (of this client): the server deletes the
+                key when the lease is released or expires.  None: the key stays until deleted.
+            create: only create (:class:`~fastlock.errors.KeyExists` if it exists).
+            replace: only replace (:class:`~fastlock.errors.KeyNotFound` if absent).
+
+        Acknowledged once durable on the server (like a grant).  A retry after a lost
+        reply (failover) repeats the put, so ``create=True`` may then raise KeyExists
+        for the caller's own key.
+
+        Raises:
+            LeaseLost: ``lease`` is no longer held.
+            LimitExceeded: ``--max-keys`` or ``--max-keys-per-principal`` reached.
+            PermissionDenied: the ACL does not grant ``put`` on ``key``.
+        """
+        P.check_name(key)
+        if type(value) is not bytes:
+            raise WrongArgumentType(f"value must be bytes, not {type(value).__name__}")
+        if create and replace:
+            raise InvalidArgument("create and replace exclude each other")
+        mode = KEY_CREATE if create else KEY_REPLACE if replace else KEY_UPSERT
+        if lease is None:
+            return bool(await self._request(OP_KEY_PUT, key, value, None, 0, None, mode))
+        check_lease(lease)
+        return bool(await self._request(OP_KEY_PUT, key, value, lease.name, lease.fencing_token,
+                                        lease.owner, mode))
+
+    async def get(self, key: str) -> KeyValue | None:
+        """``key``'s :class:`KeyValue`, or None if absent (ACL operation ``get``)."""
+        P.check_name(key)
+        info = await self._request(OP_KEY_GET, key)
+        if info is None:
+            return None
+        return KeyValue(key, info["value"], info["lease"], info["token"], info["created_wall_ms"],
+                        info["updated_wall_ms"])
+
+    async def list_prefix(self, prefix: str, *, limit: int = 1000) -> list[KeyValue]:
+        """The keys that start with ``prefix`` ("" for every key the ACL lets one read), in
+        key order, at most ``limit`` (1..10000).  Raises PermissionDenied unless the ACL
+        grants ``get`` on a prefix of ``prefix``."""
+        _check_prefix(prefix)
+        if type(limit) is not int or not 1 <= limit <= MAX_LIST:
+            raise InvalidArgument(f"limit must be an int 1..{MAX_LIST}, not {limit!r}")
+        reply = await self._request(OP_KEY_LIST, prefix, limit)
+        return [KeyValue(*item) for item in reply["keys"]]
+
+    async def delete(self, key: str) -> bool:
+        """Delete ``key``; True if it existed (ACL operation ``delete``)."""
+        P.check_name(key)
+        return bool(await self._request(OP_KEY_DELETE, key))
+
+    def watch_prefix(self, prefix: str) -> AsyncIterator[KeyEvent]:
+        """Yield a :class:`KeyEvent` for every later change of a key under ``prefix``.
+
+        Pushed by the server in the order it applied the changes (no polling).  To
+        see the current keys too, list them after the first event or after the watch
+        started (:meth:`list_prefix`): a change between the two shows in both.  If the
+        connection drops the iterator raises :class:`~fastlock.errors.ConnectionLost`
+        (changes may have been missed: watch again and list again).  Breaking out of
+        the loop unsubscribes.
+        """
+        _check_prefix(prefix)
+        return _watch_prefix(self._connector, prefix, self._op_timeout)
+
+
+async def _watch_prefix(connector: Connector, prefix: str, timeout: float) -> AsyncIterator[KeyEvent]:
+    pacing = RideThrough(connector, asyncio.get_running_loop().time() + timeout)
+    pause = False
+    while True:  # starting rides through a failover, as every call does
+        proto = await pacing.connection(pause)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        proto.key_watches.setdefault(prefix, set()).add(queue)
+        try:
+            await proto.request(OP_KEY_WATCH, prefix)
+            break
+        except RETRYABLE as exc:
+            _drop(proto.key_watches, prefix, queue)
+            if connector.closed:
+                raise
+            pause = pacing.failed(proto, exc)
+    proto.subscriptions += 1
+    proto.rearm()  # the watch keeps the liveness watchdog armed
+    try:
+        while True:
+            item = await queue.get()
+            if item is None:
+                raise ConnectionLost(f"connection lost while watching keys under {prefix!r}")
+            yield KeyEvent(*item)
+    finally:
+        proto.subscriptions -= 1
+        if _drop(proto.key_watches, prefix, queue) and not proto.closed:
+            proto.send(OP_KEY_UNWATCH, prefix)
+
+
+def _drop(watches: dict[str, set[asyncio.Queue[Any]]], prefix: str, queue: asyncio.Queue[Any]) -> bool:
+    """Remove ``queue``; True if it was the prefix's last."""
+    group = watches.get(prefix)
+    if group is None:
+        return False
+    group.discard(queue)
+    if group:
+        return False
+    del watches[prefix]
+    return True
+
+
+class SyncKeyMethods:
+    """The key store's methods of :class:`~fastlock.sync.SyncClient` (a mixin: it uses the
+    blocking client's ``call`` and ``_client``).  Prefix watches are asyncio-only."""
+
+    @property
+    def _client(self) -> KeyMethods:  # pragma: no cover - the SyncClient's
+        raise NotImplementedError
+
+    def call(self, coro: Any) -> Any:  # pragma: no cover - the SyncClient's
+        raise NotImplementedError
+
+    def put(self, key: str, value: bytes, *, lease: Any = None, create: bool = False, replace: bool = False) -> bool:
+        """As :meth:`KeyMethods.put`; ``lease``: a :class:`~fastlock.sync.SyncLease` of this client, or None."""
+        inner = getattr(lease, "lease", lease)
+        return bool(self.call(self._client.put(key, value, lease=inner, create=create, replace=replace)))
+
+    def get(self, key: str) -> KeyValue | None:
+        """As :meth:`KeyMethods.get`."""
+        return self.call(self._client.get(key))  # type: ignore[no-any-return]
+
+    def list_prefix(self, prefix: str, *, limit: int = 1000) -> list[KeyValue]:
+        """As :meth:`KeyMethods.list_prefix`."""
+        return self.call(self._client.list_prefix(prefix, limit=limit))  # type: ignore[no-any-return]
+
+    def delete(self, key: str) -> bool:
+        """As :meth:`KeyMethods.delete`."""
+        return bool(self.call(self._client.delete(key)))

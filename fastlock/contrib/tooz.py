@@ -1,0 +1,505 @@
+"""A tooz driver: ``fastlock://host:port[,host:port]?client_name=...``.
+
+Installed with ``pip install fastlock[tooz]`` and registered under the
+``tooz.backends`` entry point as ``fastlock``, so a service written for tooz
+switches to fastlock by changing its URL::
+
+    coordinator = tooz.coordination.get_coordinator("fastlock://10.0.0.5:7420,10.0.0.6:7420", b"worker-1")
+    coordinator.start(start_heart=True)
+    with coordinator.get_lock(b"resize-volumes"):
+        ...
+
+URL options (all optional):
+
+``client_name``
+    the name the server logs and records with grants (default: the member id).
+``timeout``
+    seconds (default 30): the TTL of the member's session lease and of every
+    lock; :meth:`heartbeat` (tooz's ``Heart`` thread with ``start_heart=True``)
+    extends them.  A member that stops beating leaves its groups within this.
+``token`` / ``token_file``
+    the client's principal token (see ``fastlock credentials init``).
+``prefix``
+    the names' prefix (default ``tooz/``), for ACLs: ``<prefix>lock/<name>``
+    (locks), ``<prefix>group/<group>`` (groups), ``<prefix>member/<group>/<member>``
+    (members), ``<prefix>session/<member>/<random>`` (the session lease),
+    ``<prefix>leader-lock/<group>`` and ``<prefix>leader/<group>`` (elections).
+    The principal needs ``acquire, release, extend, cancel, check`` and
+    ``put, get, delete`` on it.
+``connect_timeout``
+    seconds for each connect (default 5).
+
+How tooz's concepts map to fastlock:
+
+* a lock is a fastlock lock (fencing token and all) with a TTL of ``timeout``;
+  ``blocking`` is the acquire's ``wait`` (False: one try; a number: that many
+  seconds); ``is_still_owner`` is the server's token check.  Shared locks and
+  ``break_`` (an operator's revoke) are not offered over the wire yet: they raise
+  ``tooz.NotImplemented``.
+* a group is a key without lease (:mod:`fastlock.server.keys`); a member is a
+  key attached to the coordinator's session lease, holding its capabilities
+  (msgpack, as tooz's other drivers store them): the member vanishes when
+  the session lease is released (``stop``) or expires (no heartbeat).
+* join/leave watches compare the members between two ``run_watchers`` calls
+  (tooz's cached watchers); an election is a lock per group
+  (``leader-lock/<group>``) with a key naming the leader attached to its lease.
+
+Member and group ids are bytes; in names they appear as hex.  Every call runs
+on the coordinator's own event loop thread, so a coordinator may be shared by
+threads (as tooz's tests do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import os
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import tooz
+from tooz import coordination, locking
+from tooz import utils as tooz_utils
+
+from .. import client as fl_client
+from ..errors import (
+    ConnectionLost,
+    FastlockError,
+    KeyExists,
+    KeyNotFound,
+    LeaseLost,
+    LockNotAcquired,
+)
+
+__all__ = ["FastlockDriver", "FastlockLock"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def _hex(data: bytes | str) -> str:
+    return tooz_utils.to_binary(data).hex()
+
+
+def _lock_part(name: bytes | str) -> str:
+    """A tooz lock name as part of a fastlock name: its UTF-8 text, or ``hex:`` and its hex."""
+    raw = tooz_utils.to_binary(name)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "hex:" + raw.hex()
+    return text if text and not text.startswith("hex:") else "hex:" + raw.hex()
+
+
+def _iso(wall_ms: int) -> str:
+    return datetime.datetime.fromtimestamp(wall_ms / 1000, datetime.timezone.utc).isoformat()
+
+
+class _Loop:
+    """An event loop on a daemon thread, for the coordinator's fastlock client."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        #: group operations run one at a time, in the order they were submitted (as tooz's
+        #: other drivers run them on one executor thread): a join then a get sees the member
+        self.serial = asyncio.Lock()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.submit(coro).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+class FastlockLock(locking.Lock):
+    """A tooz lock on a fastlock lock (see the module docstring)."""
+
+    def __init__(self, coord: FastlockDriver, name: bytes, fl_name: str | None = None):
+        super().__init__(name)
+        self._coord = coord
+        #: the fastlock lock name (``fl_name``, default ``<prefix>lock/<name>``)
+        self._fl_name = fl_name if fl_name is not None else coord._name("lock/", _lock_part(name))
+        self._lease: fl_client.Lease | None = None
+        self._state = threading.Lock()
+
+    @property
+    def acquired(self) -> bool:
+        return self._lease is not None
+
+    def acquire(self, blocking: bool | float = True, shared: bool = False, timeout: float | None = None) -> bool:
+        """Take the lock: ``blocking`` False tries once, True waits ``timeout`` seconds
+        (None: forever), a number waits that many seconds.  Returns False if not taken."""
+        if shared:
+            raise tooz.NotImplemented("shared locks are not offered by the fastlock driver yet")
+        if blocking is False:
+            wait: float | None = 0.0
+        elif blocking is True:
+            wait = timeout
+        else:
+            wait = float(blocking)
+        coord = self._coord
+        try:
+            lease = coord._call(coord._client().acquire(self._fl_name, ttl=coord._lock_ttl, wait=wait))
+        except LockNotAcquired:
+            return False
+        with self._state:
+            self._lease = lease
+        coord._acquired_locks.add(self)
+        return True
+
+    def release(self) -> bool:
+        """Release the lock; False if this object does not hold it (never held, released,
+        or lost: expired without heartbeat, or broken)."""
+        with self._state:
+            lease, self._lease = self._lease, None
+        if lease is None:
+            return False
+        coord = self._coord
+        coord._acquired_locks.discard(self)
+        try:
+            coord._call(coord._client().release(lease))
+        except LeaseLost:
+            return False
+        return True
+
+    def is_still_owner(self) -> bool:
+        """Whether this object's lease is still the lock's current one (the server's token check)."""
+        lease = self._lease
+        if lease is None:
+            return False
+        coord = self._coord
+        return bool(coord._call(coord._client().check(self._fl_name, lease.fencing_token)))
+
+    def heartbeat(self) -> bool:
+        """Extend the lease by the driver's ``timeout``; False if not held (or lost)."""
+        lease = self._lease
+        if lease is None:
+            return False
+        coord = self._coord
+        try:
+            coord._call(coord._client().extend(lease, ttl=coord._lock_ttl))
+        except LeaseLost:
+            with self._state:
+                if self._lease is lease:
+                    self._lease = None
+            coord._acquired_locks.discard(self)
+            return False
+        return True
+
+    def break_(self) -> bool:
+        raise tooz.NotImplemented("breaking a lock needs an operator's revoke, not offered to tooz clients yet")
+
+
+class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
+    """The tooz coordinator on a fastlock server (see the module docstring)."""
+
+    CHARACTERISTICS = (
+        coordination.Characteristics.DISTRIBUTED_ACROSS_THREADS,
+        coordination.Characteristics.DISTRIBUTED_ACROSS_PROCESSES,
+        coordination.Characteristics.DISTRIBUTED_ACROSS_HOSTS,
+        coordination.Characteristics.LINEARIZABLE,
+        coordination.Characteristics.SEQUENTIAL,
+        coordination.Characteristics.CAUSAL,
+    )
+
+    def __init__(self, member_id: bytes, parsed_url: Any, options: dict[str, Any]):
+        super().__init__(member_id, parsed_url, options)
+        opts = tooz_utils.collapse(options)
+        self._addresses = [a for a in (parsed_url.netloc or "").split(",") if a] or ["127.0.0.1:7420"]
+        self._timeout = float(opts.get("timeout", 30))
+        self._lock_ttl = self._timeout
+        self._connect_timeout = float(opts.get("connect_timeout", 5))
+        self._prefix = str(opts.get("prefix", "tooz/"))
+        self._client_name = str(opts.get("client_name") or tooz_utils.to_binary(member_id).decode("utf-8", "replace"))
+        self._token = opts.get("token")
+        self._token_file = opts.get("token_file")
+        self._loop: _Loop | None = None
+        self._fl: fl_client.Client | None = None
+        self._session: fl_client.Lease | None = None
+        self._acquired_locks: set[FastlockLock] = set()
+        self._leader_locks: dict[bytes, FastlockLock] = {}
+
+    # -- plumbing -------------------------------------------------------------------------
+    def _name(self, kind: str, *parts: str) -> str:
+        return self._prefix + kind + "/".join(parts)
+
+    def _client(self) -> fl_client.Client:
+        if self._fl is None:
+            raise tooz.ToozError("the coordinator is not started")
+        return self._fl
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the coordinator's loop and wait for it; a lost connection is
+        tooz's ToozConnectionError, another fastlock error a ToozError."""
+        if self._loop is None:
+            coro.close()
+            raise tooz.ToozError("the coordinator is not started")
+        try:
+            return self._loop.run(coro)
+        except (LockNotAcquired, LeaseLost, KeyExists, KeyNotFound):
+            raise
+        except ConnectionLost as exc:
+            tooz_utils.raise_with_cause(coordination.ToozConnectionError, str(exc), cause=exc)
+        except FastlockError as exc:
+            tooz_utils.raise_with_cause(tooz.ToozError, str(exc), cause=exc)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> coordination.CoordinatorResult[T]:
+        """``coro`` on the coordinator's loop, as tooz's asynchronous result."""
+        if self._loop is None:
+            coro.close()
+            raise tooz.ToozError("the coordinator is not started")
+        return coordination.CoordinatorResult(self._loop.submit(_translated(coro, self._loop.serial)))
+
+    def _start(self) -> None:
+        self._loop = _Loop(f"fastlock-tooz-{self._client_name}")
+        kwargs: dict[str, Any] = {"client_name": self._client_name[:128], "connect_timeout": self._connect_timeout}
+        if self._token is not None:
+            kwargs["token"] = self._token
+        if self._token_file is not None:
+            kwargs["token_file"] = self._token_file
+
+        async def start() -> tuple[fl_client.Client, fl_client.Lease]:
+            client = await fl_client.connect(*self._addresses, **kwargs)
+            try:
+                session = await client.acquire(self._session_name(), ttl=self._timeout, wait=0)
+            except BaseException:
+                await client.close()
+                raise
+            return client, session
+
+        try:
+            self._fl, self._session = self._loop.run(start())
+        except (FastlockError, OSError, ValueError) as exc:
+            self._loop.close()
+            self._loop = None
+            tooz_utils.raise_with_cause(coordination.ToozConnectionError, f"cannot connect to fastlock: {exc}",
+                                        cause=exc)
+
+    def _session_name(self) -> str:
+        return self._name("session/", _hex(self._member_id), os.urandom(8).hex())
+
+    def _stop(self) -> None:
+        loop, client = self._loop, self._fl
+        if loop is None or client is None:
+            return
+
+        async def stop() -> None:
+            leases = [lock._lease for lock in list(self._acquired_locks) if lock._lease is not None]
+            if self._session is not None:
+                leases.append(self._session)
+            for lease in leases:  # the session's keys (memberships) go with it
+                try:
+                    await client.release(lease)
+                except FastlockError:
+                    pass
+            await client.close()
+
+        try:
+            loop.run(stop())
+        finally:
+            for lock in list(self._acquired_locks):
+                lock._lease = None
+            self._acquired_locks.clear()
+            self._leader_locks.clear()
+            self._session = None
+            self._fl = None
+            loop.close()
+            self._loop = None
+
+    def heartbeat(self) -> float:
+        """Extend the session lease (a new one if it ran out: the member's groups are
+        then left) and every held lock; returns the seconds until the next beat."""
+        client = self._client()
+
+        async def beat() -> None:
+            try:
+                self._session = await client.extend(self._session, ttl=self._timeout)  # type: ignore[arg-type]
+            except LeaseLost:
+                log.warning("tooz member %r: session lease expired; its group memberships are gone",
+                            self._member_id)
+                self._session = await client.acquire(self._session_name(), ttl=self._timeout, wait=0)
+
+        self._call(beat())
+        for lock in list(self._acquired_locks):
+            lock.heartbeat()
+        return self._timeout / 3
+
+    # -- groups -----------------------------------------------------------------------------
+    def _group_key(self, group_id: bytes) -> str:
+        return self._name("group/", _hex(group_id))
+
+    def _member_key(self, group_id: bytes, member_id: bytes) -> str:
+        return self._name("member/", _hex(group_id), _hex(member_id))
+
+    async def _check_group(self, group_id: bytes) -> None:
+        if await self._client().get(self._group_key(group_id)) is None:
+            raise coordination.GroupNotCreated(group_id)
+
+    def create_group(self, group_id: bytes) -> coordination.CoordinatorResult[None]:
+        async def create() -> None:
+            try:
+                await self._client().put(self._group_key(group_id), b"", create=True)
+            except KeyExists:
+                raise coordination.GroupAlreadyExist(group_id) from None
+
+        return self._submit(create())
+
+    def get_groups(self) -> coordination.CoordinatorResult[list[bytes]]:
+        async def groups() -> list[bytes]:
+            prefix = self._name("group/")
+            keys = await self._client().list_prefix(prefix, limit=10_000)
+            return [bytes.fromhex(kv.key[len(prefix):]) for kv in keys]
+
+        return self._submit(groups())
+
+    def delete_group(self, group_id: bytes) -> coordination.CoordinatorResult[None]:
+        async def delete() -> None:
+            client = self._client()
+            await self._check_group(group_id)
+            if await client.list_prefix(self._name("member/", _hex(group_id), ""), limit=1):
+                raise coordination.GroupNotEmpty(group_id)
+            if not await client.delete(self._group_key(group_id)):
+                raise coordination.GroupNotCreated(group_id)
+
+        return self._submit(delete())
+
+    def join_group(self, group_id: bytes, capabilities: Any = b"") -> coordination.CoordinatorResult[None]:
+        """Join ``group_id`` with ``capabilities`` (any msgpack-able value; tooz's default
+        ``b""`` is stored as None, "no capabilities")."""
+        group_id = tooz_utils.to_binary(group_id)
+        if capabilities == b"":
+            capabilities = None
+
+        async def join() -> None:
+            client = self._client()
+            await self._check_group(group_id)
+            try:
+                await client.put(self._member_key(group_id, self._member_id), tooz_utils.dumps(capabilities),
+                                 lease=self._session, create=True)
+            except KeyExists:
+                raise coordination.MemberAlreadyExist(group_id, self._member_id) from None
+            self._joined_groups.add(group_id)
+
+        return self._submit(join())
+
+    def leave_group(self, group_id: bytes) -> coordination.CoordinatorResult[None]:
+        group_id = tooz_utils.to_binary(group_id)
+
+        async def leave() -> None:
+            if not await self._client().delete(self._member_key(group_id, self._member_id)):
+                await self._check_group(group_id)
+                raise coordination.MemberNotJoined(group_id, self._member_id)
+            self._joined_groups.discard(group_id)
+
+        return self._submit(leave())
+
+    async def _members(self, group_id: bytes) -> dict[bytes, Any]:
+        await self._check_group(group_id)
+        prefix = self._name("member/", _hex(group_id), "")
+        keys = await self._client().list_prefix(prefix, limit=10_000)
+        return {bytes.fromhex(kv.key[len(prefix):]): tooz_utils.loads(kv.value) for kv in keys}
+
+    def get_members(self, group_id: bytes) -> coordination.CoordinatorResult[set[bytes]]:
+        async def members() -> set[bytes]:
+            return set(await self._members(group_id))
+
+        return self._submit(members())
+
+    def get_members_with_capabilities(self, group_id: bytes) -> coordination.CoordinatorResult[dict[bytes, Any]]:
+        return self._submit(self._members(group_id))
+
+    async def _member(self, group_id: bytes, member_id: bytes) -> fl_client.KeyValue:
+        kv = await self._client().get(self._member_key(group_id, member_id))
+        if kv is None:
+            await self._check_group(group_id)
+            raise coordination.MemberNotJoined(group_id, member_id)
+        return kv
+
+    def get_member_capabilities(self, group_id: bytes, member_id: bytes) -> coordination.CoordinatorResult[Any]:
+        async def capabilities() -> Any:
+            return tooz_utils.loads((await self._member(group_id, member_id)).value)
+
+        return self._submit(capabilities())
+
+    def get_member_info(self, group_id: bytes, member_id: bytes) -> coordination.CoordinatorResult[dict[str, Any]]:
+        async def info() -> dict[str, Any]:
+            kv = await self._member(group_id, member_id)
+            return {"capabilities": tooz_utils.loads(kv.value), "created_at": _iso(kv.created_wall_ms),
+                    "updated_at": _iso(kv.updated_wall_ms)}
+
+        return self._submit(info())
+
+    def update_capabilities(self, group_id: bytes, capabilities: Any) -> coordination.CoordinatorResult[None]:
+        async def update() -> None:
+            try:
+                await self._client().put(self._member_key(group_id, self._member_id),
+                                         tooz_utils.dumps(capabilities), lease=self._session, replace=True)
+            except KeyNotFound:
+                await self._check_group(group_id)
+                raise coordination.MemberNotJoined(group_id, self._member_id) from None
+
+        return self._submit(update())
+
+    # -- locks and elections ------------------------------------------------------------------
+    def get_lock(self, name: bytes) -> FastlockLock:
+        return FastlockLock(self, name)
+
+    def run_elect_coordinator(self) -> None:
+        """Run for leader of every group with a ``watch_elected_as_leader`` hook: take the
+        group's leader lock if free and, once leader, put the leader key on its lease."""
+        for group_id, hooks in list(self._hooks_elected_leader.items()):
+            lock = self._leader_locks.get(group_id)
+            if lock is not None and lock.acquired:
+                continue
+            lock = self._leader_lock(group_id)
+            if not lock.acquire(blocking=False):
+                continue
+            self._leader_locks[group_id] = lock
+            self._call(self._client().put(self._name("leader/", _hex(group_id)), tooz_utils.to_binary(
+                self._member_id), lease=lock._lease))
+            hooks.run(coordination.LeaderElected(group_id, self._member_id))
+
+    def _leader_lock(self, group_id: bytes) -> FastlockLock:
+        return FastlockLock(self, group_id or b"-", self._name("leader-lock/", _hex(group_id)))
+
+    def run_watchers(self, timeout: float | None = None) -> list[Any]:
+        result = super().run_watchers(timeout=timeout)
+        self.run_elect_coordinator()
+        return result
+
+    def get_leader(self, group_id: bytes) -> coordination.CoordinatorResult[bytes | None]:  # type: ignore[override]
+        async def leader() -> bytes | None:
+            await self._check_group(group_id)
+            kv = await self._client().get(self._name("leader/", _hex(group_id)))
+            return None if kv is None else kv.value
+
+        return self._submit(leader())
+
+    def stand_down_group_leader(self, group_id: bytes) -> bool:
+        """Release the group's leader lock if this member holds it (its leader key goes with it)."""
+        lock = self._leader_locks.pop(group_id, None)
+        return lock is not None and lock.release()
+
+
+async def _translated(coro: Coroutine[Any, Any, T], serial: asyncio.Lock) -> T:
+    """``coro`` once ``serial`` is free, with a lost connection raised as ToozConnectionError
+    and another fastlock error as ToozError (tooz's own errors pass through)."""
+    try:
+        async with serial:
+            return await coro
+    except ConnectionLost as exc:
+        raise coordination.ToozConnectionError(str(exc)) from exc
+    except FastlockError as exc:
+        raise tooz.ToozError(str(exc)) from exc

@@ -1,0 +1,288 @@
+"""The key store: small values by key, attached to a lease or not, listed and watched by prefix.
+
+A key attached to a lease lives while the lease lives, as an etcd key put with
+a lease or a ZooKeeper ephemeral node: group membership and service discovery
+("this worker is alive, here is its address") without a client-side sweeper.
+The lease is an ordinary lock lease (a lock name and its fencing token): the
+client that holds it keeps it alive by extending it (:class:`fastlock.Client`'s
+``keepalive``), and when it is released or expires - its client vanished - the
+server deletes every key attached to it and tells the watchers.  A key put
+without a lease stays until it is deleted.
+
+Operations (:mod:`fastlock.protocol.ops`, codes 40-45), each checked against the
+principal's ACL on the key (or prefix) like a lock name, with the client ACL
+operations ``put``, ``get`` and ``delete`` (a watch needs ``get``):
+
+* KEY_PUT ``key, value, lease name|None, token, owner key, mode``: set the key;
+  ``mode`` KEY_UPSERT, KEY_CREATE (:class:`~fastlock.errors.KeyExists` if present)
+  or KEY_REPLACE (:class:`~fastlock.errors.KeyNotFound` if absent).  With a lease,
+  the owner key and token must be the lease's current holder
+  (:class:`~fastlock.errors.LeaseLost` otherwise).  Replies True if the key was
+  created, False if replaced, once the KEY_PUT record is durable.
+* KEY_GET ``key``: ``{"value", "lease", "token", "principal", "created_wall_ms",
+  "updated_wall_ms"}`` or None.
+* KEY_LIST ``prefix, limit``: ``{"keys": [[key, value, lease, token, created_wall_ms,
+  updated_wall_ms], ...], "more": bool}``, in key order, at most ``limit`` (1..10000).
+* KEY_DELETE ``key``: True if it was there (once the KEY_DELETE record is durable).
+* KEY_WATCH / KEY_UNWATCH ``prefix``: ``"value"`` pushes ``[prefix, what, key, value]``
+  for every later change of a key under ``prefix``; ``what`` is "put", "delete",
+  "expired" (its lease expired) or "released" (its lease was released).
+
+Limits (:class:`~fastlock.server.ServerConfig`, ``fastlock serve`` flags): a key is
+1..512 bytes of UTF-8 like a lock name, a value at most ``max_value_bytes``; at most
+``max_keys`` keys and ``max_keys_per_principal`` per principal; key watches count
+against the connection's and the server's watch limits.  A refusal changes nothing.
+
+Durability and replication: every change is a WAL record (KEY_PUT, KEY_DELETE;
+a lease's end is its RELEASE / EXPIRE record) applied by the one
+:func:`fastlock.wal.records.apply`, in snapshots, and streamed to the standby,
+which keeps the keys when it is promoted (their leases keep their TTL there).
+A write is admitted like a release: a fenced primary refuses it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .. import protocol as P
+from ..auth import hash_owner
+from ..errors import FastlockError, InvalidArgument, KeyExists, KeyNotFound, LeaseLost, WrongArgumentType
+from ..logsafe import quote
+from ..protocol.ops import (
+    KEY_CREATE,
+    KEY_REPLACE,
+    KEY_UPSERT,
+    OP_KEY_DELETE,
+    OP_KEY_GET,
+    OP_KEY_LIST,
+    OP_KEY_PUT,
+    OP_KEY_UNWATCH,
+    OP_KEY_WATCH,
+    PUSH_VALUE,
+)
+from ..roles import Action
+from ..units import monotonic_ms, wall_ms
+from ..wal.keyspace import KeyEntry, KeySpace
+from .admission import limit_exceeded
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .lockserver import LockServer
+    from .session import Session
+
+log = logging.getLogger(__name__)
+
+#: most keys one KEY_LIST reply carries
+MAX_LIST = 10_000
+
+#: the client ACL operation each key operation needs (checked on the key or prefix)
+PERMISSIONS: dict[int, str] = {OP_KEY_PUT: "put", OP_KEY_GET: "get", OP_KEY_LIST: "get",
+                               OP_KEY_DELETE: "delete", OP_KEY_WATCH: "get", OP_KEY_UNWATCH: "get"}
+
+
+def check_prefix(prefix: object) -> str:
+    """A prefix: a str of at most 512 bytes of UTF-8 (may be empty: every key)."""
+    if type(prefix) is not str:
+        raise WrongArgumentType(f"a key prefix must be a str, not {type(prefix).__name__}")
+    return P.check_name(prefix) if prefix else prefix
+
+
+class KeyStore:
+    """The server's key space, its prefix watches and the key operations' handlers."""
+
+    def __init__(self, server: LockServer):
+        self.server = server
+        self.space = KeySpace()
+        #: prefix -> sessions watching it; session id -> its prefixes
+        self.watchers: dict[str, set[Session]] = {}
+        self.watching: dict[int, set[str]] = {}
+
+    def handlers(self) -> dict[int, Callable[[Session, int, list], None]]:
+        """The handler of each key operation, for the server's op table."""
+        return {OP_KEY_PUT: self.op_put, OP_KEY_GET: self.op_get, OP_KEY_LIST: self.op_list,
+                OP_KEY_DELETE: self.op_delete, OP_KEY_WATCH: self.op_watch, OP_KEY_UNWATCH: self.op_unwatch}
+
+    # -- state from the log ---------------------------------------------------------------
+    def recovered(self, space: KeySpace | None) -> None:
+        """Take the key space recovery rebuilt; a key whose lease is not held any more is
+        dropped (the lease's end is in the log, so this finds none unless the log was cut)."""
+        if space is None:
+            return
+        table = self.server.table
+        for name, token in space.leases():
+            holder = table.holder(name, 0)  # recovered leases are installed with deadlines after 0
+            if holder is None or holder.token != token:
+                for key, _ in space.lease_ended(name, token):
+                    log.warning("recovered key %s dropped: its lease %s token %d is gone", quote(key),
+                                quote(name), token)
+        self.space = space
+        if len(space):
+            log.info("recovered %d keys", len(space))
+
+    def lease_ended(self, name: str, token: int, why: str) -> None:
+        """The lease ``(name, token)`` was released or expired (``why``): its keys go
+        (the RELEASE / EXPIRE record already logged says so: no record of their own)."""
+        if (name, token) not in self.space.by_lease:
+            return
+        for key, _ in self.space.lease_ended(name, token):
+            self._notify(why, key, None)
+
+    # -- watches -------------------------------------------------------------------------
+    def _notify(self, what: str, key: str, value: bytes | None) -> None:
+        watchers = self.watchers
+        if not watchers:
+            return
+        for n in range(len(key) + 1):
+            conns = watchers.get(key[:n])
+            if conns:
+                data = P.encode_push(PUSH_VALUE, [key[:n], what, key, value])
+                for conn in conns:
+                    conn.send(data)
+
+    def forget(self, conn: Session) -> None:
+        """``conn`` closed: drop its watches."""
+        prefixes = self.watching.pop(conn.session, None)
+        if prefixes:
+            for prefix in prefixes:
+                self._unwatch(conn, prefix)
+            self.server.quotas.count_watches(conn, -len(prefixes))
+
+    def _unwatch(self, conn: Session, prefix: str) -> None:
+        conns = self.watchers.get(prefix)
+        if conns is not None:
+            conns.discard(conn)
+            if not conns:
+                del self.watchers[prefix]
+
+    # -- handlers ----------------------------------------------------------------------------
+    def op_put(self, conn: Session, req_id: int, msg: list) -> None:
+        key = P.check_name(msg[2])
+        value, lease_name, token, owner, mode = msg[3], msg[4], msg[5], msg[6], msg[7]
+        config = self.server.config
+        if type(value) is not bytes:
+            raise WrongArgumentType(f"a value must be bytes, not {type(value).__name__}")
+        if len(value) > config.max_value_bytes:
+            raise InvalidArgument(f"a value is at most {config.max_value_bytes} bytes (--max-value-bytes), "
+                                  f"got {len(value)}")
+        if type(mode) is not int or mode not in (KEY_UPSERT, KEY_CREATE, KEY_REPLACE):
+            raise InvalidArgument(f"put mode must be {KEY_UPSERT}, {KEY_CREATE} or {KEY_REPLACE}, not {mode!r}")
+        server = self.server
+        server.roles.admit(Action.RELEASE)
+        if lease_name is not None:
+            lease_name = P.check_name(lease_name)
+            token = P.check_token(token)
+            holder = server.table.holder(lease_name, monotonic_ms(), hash_owner(P.check_owner(owner)))
+            if holder is None or holder.token != token:
+                raise LeaseLost(f"{lease_name!r}: token {token} is not a current lease of this owner "
+                                f"(expired, released or never held): key {key!r} not put")
+        else:
+            token = 0
+        space = self.space
+        old = space.get(key)
+        if mode == KEY_CREATE and old is not None:
+            raise KeyExists(f"key {key!r} exists")
+        if mode == KEY_REPLACE and old is None:
+            raise KeyNotFound(f"key {key!r} does not exist")
+        principal = conn.principal
+        if old is None or old.principal != principal:
+            if old is None and len(space) >= config.max_keys:
+                raise limit_exceeded(config.max_keys, "the server", "keys", "max-keys")
+            if space.per_principal.get(principal, 0) >= config.max_keys_per_principal:
+                raise limit_exceeded(config.max_keys_per_principal, f"principal {principal!r}", "keys",
+                                     "max-keys-per-principal")
+        space.put(key, value, lease_name, token, principal, wall_ms())
+        server.wal.log_key_put(key, value, lease_name, token, principal)
+        self._when_durable(conn, req_id, old is None, ("put", key, value))
+
+    def op_get(self, conn: Session, req_id: int, msg: list) -> None:
+        key = P.check_name(msg[2])
+        self.server.roles.admit(Action.READ)
+        entry = self.space.get(key)
+        conn.send(P.encode_ok(req_id, None if entry is None else _entry_info(entry)))
+
+    def op_list(self, conn: Session, req_id: int, msg: list) -> None:
+        prefix = check_prefix(msg[2])
+        limit = msg[3]
+        if type(limit) is not int or not 1 <= limit <= MAX_LIST:
+            raise InvalidArgument(f"list limit must be an int 1..{MAX_LIST}, not {limit!r}")
+        self.server.roles.admit(Action.READ)
+        out: list[list[Any]] = []
+        more = False
+        for key, e in self.space.with_prefix(prefix):
+            if len(out) == limit:
+                more = True
+                break
+            out.append([key, e.value, e.lease_name, e.token, e.created_wall_ms, e.updated_wall_ms])
+        conn.send(P.encode_ok(req_id, {"keys": out, "more": more}))
+
+    def op_delete(self, conn: Session, req_id: int, msg: list) -> None:
+        key = P.check_name(msg[2])
+        server = self.server
+        server.roles.admit(Action.RELEASE)
+        entry = self.space.delete(key)
+        if entry is None:
+            conn.send(P.encode_ok(req_id, False))
+            return
+        server.wal.log_key_delete(key)
+        self._when_durable(conn, req_id, True, ("delete", key, None))
+
+    def op_watch(self, conn: Session, req_id: int, msg: list) -> None:
+        prefix = check_prefix(msg[2])
+        server = self.server
+        server.roles.admit(Action.READ)
+        mine = self.watching.setdefault(conn.session, set())
+        if prefix not in mine:
+            config = server.config
+            quotas = server.quotas
+            if len(mine) + len(conn.watching or ()) >= config.max_watches_per_connection:
+                raise limit_exceeded(config.max_watches_per_connection, "this connection", "watches",
+                                     "max-watches-per-connection")
+            if quotas.watch_count >= config.max_watches:
+                raise limit_exceeded(config.max_watches, "the server", "watches", "max-watches")
+            quotas.watches.check(conn.principal)
+            quotas.count_watches(conn, 1)
+            mine.add(prefix)
+            self.watchers.setdefault(prefix, set()).add(conn)
+        conn.send(P.encode_ok(req_id, None))
+
+    def op_unwatch(self, conn: Session, req_id: int, msg: list) -> None:
+        prefix = check_prefix(msg[2])
+        mine = self.watching.get(conn.session)
+        was = mine is not None and prefix in mine
+        if mine is not None and was:
+            mine.discard(prefix)
+            self._unwatch(conn, prefix)
+            self.server.quotas.count_watches(conn, -1)
+        conn.send(P.encode_ok(req_id, was))
+
+    def _when_durable(self, conn: Session, req_id: int, value: object, event: tuple[str, str, bytes | None]) -> None:
+        """Tell the watchers (``event``: what, key, value) and answer once the change's record
+        is durable - and only if this node may still write then (as an extend's
+        acknowledgement), so that nobody hears of a change a promoted standby never saw."""
+        server = self.server
+        reply = P.encode_ok(req_id, value)
+        wal = server.wal
+        if wal.flush_now():
+            self._notify(*event)
+            conn.send(reply)
+            return
+
+        def ack() -> None:
+            server.source.fence_if_due(monotonic_ms())
+            if server.roles.may(Action.RELEASE):
+                self._notify(*event)
+                conn.send(reply)
+            else:
+                try:
+                    server.roles.admit(Action.RELEASE)
+                except FastlockError as exc:  # the refusal a client sees (NotPrimary, Unavailable)
+                    conn.send(P.encode_error(req_id, exc.code, str(exc), getattr(exc, "primary", None)))
+            server.after_batch()
+
+        wal.when_durable(ack)
+
+
+def _entry_info(e: KeyEntry) -> dict:
+    return {"value": e.value, "lease": e.lease_name, "token": e.token, "principal": e.principal,
+            "created_wall_ms": e.created_wall_ms, "updated_wall_ms": e.updated_wall_ms}

@@ -1,0 +1,168 @@
+"""The operator's lock requests: list the held locks, show one lock, revoke a lease.
+
+``LOCKS``, ``LOCK_INFO`` and ``REVOKE`` (op codes in :mod:`fastlock.protocol.ops`) are
+what ``fastlock locks``, ``fastlock lock`` and ``fastlock revoke`` send, as etcd's
+``lease timetolive --keys`` / ``lease revoke``, Consul's ``session list`` / ``session
+destroy`` and kazoo's ``Lock.contenders()``.
+
+Who may run them (:func:`check_lock_admin`): an ``admin`` principal; and, in open mode
+only (no credentials at all, which the server allows on a loopback address or with
+``--allow-unauthenticated``), the anonymous principal - in open mode every connection
+may already take any lock name, and a user whose script crashed holding a lock with a
+long TTL must be able to free it with nothing but the command line.  Any other client
+gets :class:`~fastlock.errors.PermissionDenied`.
+
+A revocation removes the lease at once (no lock-delay: the lock was not abandoned, an
+operator freed it), logs a ``REVOKE`` record with the principal that asked and its reason
+(replayed by :func:`fastlock.wal.records.apply` as a release of that token, on recovery and
+on the standby), tells the lock's watchers (``"revoked"``), and hands the lock to its first
+waiter, whose token is higher - so the old holder's writes are refused by a fenced store,
+and its next renewal gets :class:`~fastlock.errors.LeaseLost`.  The reply waits until the
+record is durable.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .. import protocol as P
+from ..errors import InvalidArgument, LockNotHeld, PermissionDenied, WrongArgumentType
+from ..logsafe import quote
+from ..roles import Action
+from ..units import monotonic_ms, wall_ms
+from .session import split_recorded_client
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .._core import Holder
+    from .handlers import Handlers
+    from .session import Session
+
+log = logging.getLogger(__name__)
+
+#: the most locks one LOCKS reply lists (a client may ask for fewer); the reply says how many matched
+MAX_LOCKS_LISTED = 10_000
+#: the most waiters one LOCK_INFO reply lists; the reply gives the full count
+MAX_WAITERS_LISTED = 1_000
+#: the longest revocation reason kept in the log (characters)
+MAX_REASON_CHARS = 256
+
+
+def check_lock_admin(handlers: Handlers, conn: Session, op: str) -> None:
+    """Refuse (PermissionDenied) ``op`` to a principal that may not administer locks:
+    anyone but an admin, except the anonymous principal in open mode (module docstring)."""
+    if conn.kind == "admin" or (handlers.credentials.open and conn.kind == "client"):
+        return
+    raise PermissionDenied(f"{op} needs an admin principal; {conn.principal!r} is a {conn.kind}")
+
+
+def _who(meta: Any) -> dict:
+    client, corr = meta if meta else (None, None)
+    principal, client = split_recorded_client(client)
+    return {"principal": principal, "client": client, "correlation_id": corr}
+
+
+def lease_info(h: Holder, now: int) -> dict:
+    """One lease as LOCKS and LOCK_INFO show it (times in ms)."""
+    return {"name": h.name, "token": h.token, **_who(h.meta), "ttl_ms": h.ttl_ms,
+            "remaining_ms": h.deadline_ms - now, "lock_delay_ms": h.lock_delay_ms,
+            "shared": bool(h.shared), "limit": h.limit}
+
+
+class LockAdmin:
+    """The LOCKS, LOCK_INFO and REVOKE handlers of ``handlers``' server."""
+
+    def __init__(self, handlers: Handlers):
+        self.handlers = handlers
+        self.table = handlers.table
+        self.roles = handlers.roles
+
+    def op_locks(self, conn: Session, req_id: int, msg: list) -> None:
+        """LOCKS prefix, most: the held leases whose name starts with ``prefix`` (str, "" for
+        all), by name, at most ``most`` (int, None: :data:`MAX_LOCKS_LISTED`); each with its
+        lock's number of waiters.  Value: ``{"locks": [...], "matched": int, "truncated": bool}``."""
+        check_lock_admin(self.handlers, conn, "locks")
+        prefix, most = msg[2], msg[3]
+        if type(prefix) is not str:
+            raise WrongArgumentType(f"prefix must be str, not {type(prefix).__name__}")
+        if len(prefix.encode("utf-8", "surrogatepass")) > P.MAX_NAME_BYTES:
+            raise InvalidArgument(f"prefix is longer than a lock name ({P.MAX_NAME_BYTES} bytes)")
+        if most is None:
+            most = MAX_LOCKS_LISTED
+        elif type(most) is not int or not 1 <= most <= MAX_LOCKS_LISTED:
+            raise InvalidArgument(f"most must be 1..{MAX_LOCKS_LISTED} or None")
+        self.roles.admit(Action.READ)
+        table = self.table
+        now = monotonic_ms()
+        held = [h for h in table.holders() if h.name.startswith(prefix) and h.deadline_ms > now]
+        held.sort(key=lambda h: (h.name, h.token))
+        waiting: dict[str, int] = {}
+        listed = []
+        for h in held[:most]:
+            n = waiting.get(h.name)
+            if n is None:
+                n = waiting[h.name] = len(table.waiters(h.name))
+            listed.append({**lease_info(h, now), "waiters": n})
+        conn.send(P.encode_ok(req_id, {"locks": listed, "matched": len(held), "truncated": len(held) > most}))
+
+    def op_lock_info(self, conn: Session, req_id: int, msg: list) -> None:
+        """LOCK_INFO name: its holders (grant order) and its waiters (FIFO order, at most
+        :data:`MAX_WAITERS_LISTED`): each waiter's principal, client name, correlation id,
+        session, ``waiting_ms``, ``since_wall_ms`` (ms since the Unix epoch, this server's
+        clock), ``wait_remaining_ms`` (None: waits without end) and ``shared``."""
+        check_lock_admin(self.handlers, conn, "lock_info")
+        name = P.check_name(msg[2])
+        self.roles.admit(Action.READ)
+        now = monotonic_ms()
+        wall_now = wall_ms()
+        table = self.table
+        queue = table.waiter_info(name)
+        waiters = [{**_who(meta), "session": session, "waiting_ms": now - enqueued,
+                    "since_wall_ms": wall_now - (now - enqueued),
+                    "wait_remaining_ms": None if deadline < 0 else max(0, deadline - now), "shared": shared}
+                   for _owner, session, meta, enqueued, deadline, shared in queue[:MAX_WAITERS_LISTED]]
+        conn.send(P.encode_ok(req_id, {
+            "name": name, "holders": [lease_info(h, now) for h in table.holders_of(name, now)],
+            "waiters": waiters, "waiter_count": len(queue)}))
+
+    def op_revoke(self, conn: Session, req_id: int, msg: list) -> None:
+        """REVOKE name, token, reason: force-release the lease ``token`` of ``name`` (None:
+        every lease of it).  Value, once the REVOKE records are durable: ``{"name",
+        "revoked": [lease info...]}``.  :raises LockNotHeld: no such lease (nothing changed)."""
+        check_lock_admin(self.handlers, conn, "revoke")
+        name = P.check_name(msg[2])
+        token = None if msg[3] is None else P.check_token(msg[3])
+        reason = P.check_optional_str(msg[4], "reason", MAX_REASON_CHARS)
+        # a revocation is a release: a fenced primary refuses it (the standby may have been
+        # promoted and would never see it), a standby redirects to its primary
+        self.roles.admit(Action.RELEASE)
+        handlers = self.handlers
+        table = self.table
+        now = monotonic_ms()
+        leases = [h for h in table.holders_of(name, now) if token is None or h.token == token]
+        if not leases:
+            which = f"a lease with token {token}" if token is not None else "a holder"
+            raise LockNotHeld(f"{name!r} has no {which}")
+        server = handlers.server
+        quotas = server.quotas
+        revoked = []
+        for h in leases:
+            info = lease_info(h, now)
+            table.remove_holder(name, h.token, now)
+            handlers.wal.log_revoke(name, h.token, conn.principal, reason)
+            if quotas.lease_principal:
+                quotas.lease_ended(name)
+            if name in handlers.watchers:
+                handlers.watches.notify(name, P.WATCH_REVOKED, h.token, h.meta)
+            log.warning("lease %d on %s (principal %s, client %s) revoked by %s: %s", h.token, quote(name),
+                        info["principal"], quote(info["client"]), conn.principal, quote(reason),
+                        extra={"session": conn.session, "lock": name, "token": h.token, "principal": conn.principal,
+                               "client": info["client"], "correlation_id": info["correlation_id"]})
+            revoked.append(info)
+        reply = P.encode_ok(req_id, {"name": name, "revoked": revoked})
+
+        def ack() -> None:
+            conn.send(reply)
+            server.after_batch()
+
+        handlers.wal.when_durable(ack)

@@ -1,0 +1,119 @@
+"""fastlock.contrib.celery against a real server, with Celery's eager mode (tasks run in the
+caller's process through Celery's own apply(): argument checks, retries, results)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+celery = pytest.importorskip("celery")
+
+from fastlock.contrib.celery import close_client, exclusive_task  # noqa: E402
+from fastlock.errors import InvalidArgument, LockNotAcquired  # noqa: E402
+from fastlock.sync import SyncClient  # noqa: E402
+
+
+@pytest.fixture
+def app(server):
+    app = celery.Celery("fastlock-test", broker="memory://", backend="cache+memory://", set_as_current=True)
+    app.conf.task_always_eager = True
+    app.conf.task_eager_propagates = True
+    app.conf.fastlock = {"SERVERS": [server.address], "CLIENT_NAME": "celery-test"}
+    yield app
+    close_client()
+
+
+@pytest.fixture
+def other(server):
+    with SyncClient(server.address, client_name="other") as c:
+        yield c
+
+
+def test_task_runs_with_its_fencing_token_and_holds_the_key(app, other):
+    seen = {}
+
+    @app.task
+    @exclusive_task(key="report:{account_id}", ttl=5)
+    def build_report(account_id, *, fencing_token):
+        seen["holder"] = other.holder(f"report:{account_id}")
+        return fencing_token
+
+    token = build_report.delay(account_id=7).get()
+    assert seen["holder"]["token"] == token
+    assert other.holder("report:7") is None  # released after the run
+    assert build_report.delay(7).get() > token  # positional too; every run a newer token
+
+
+def test_skip_when_held(app, other):
+    runs = []
+
+    @app.task
+    @exclusive_task(key=lambda n: f"job:{n}", when_held="skip")
+    def job(n, *, fencing_token):
+        runs.append(fencing_token)
+        return "ran"
+
+    with other.lock("job:1", ttl=5):
+        assert job.delay(1).get() is None
+        assert job.delay(2).get() == "ran"  # another key is free
+    assert len(runs) == 1
+
+
+def test_retry_when_held_then_fails_with_lock_not_acquired(app, other):
+    calls = []
+
+    @app.task(bind=True)
+    @exclusive_task(key="retrying", when_held="retry", retry_countdown=0, max_retries=2)
+    def job(self, *, fencing_token):
+        calls.append(fencing_token)
+
+    app.conf.task_eager_propagates = False  # eager retries re-run in apply(): read the final result
+    with other.lock("retrying", ttl=5):
+        result = job.apply()
+        assert result.failed()
+        assert isinstance(result.result, LockNotAcquired)
+    assert calls == []
+    assert job.apply().successful() and len(calls) == 1
+
+
+def test_wait_when_held(app, other):
+    @app.task
+    @exclusive_task(key="waiting", when_held="wait", wait=10)
+    def job(*, fencing_token):
+        return fencing_token
+
+    held = other.lock("waiting", ttl=5).acquire()
+    result = {}
+    t = threading.Thread(target=lambda: result.update(token=job.delay().get()))
+    t.start()
+    other.release(held)
+    t.join(15)
+    assert result["token"] > held.fencing_token
+
+
+def test_wait_runs_out(app, other):
+    @app.task
+    @exclusive_task(key="short", when_held="wait", wait=0.2)
+    def job(*, fencing_token):
+        return fencing_token
+
+    with other.lock("short", ttl=5):
+        with pytest.raises(LockNotAcquired):
+            job.delay().get()
+
+
+def test_default_key_is_the_task_name(app, other):
+    @app.task(name="reports.nightly")
+    @exclusive_task()
+    def nightly(*, fencing_token):
+        return other.holder("celery/reports.nightly")["token"] == fencing_token
+
+    assert nightly.delay().get() is True
+
+
+def test_bad_declarations_are_refused():
+    with pytest.raises(InvalidArgument):
+        exclusive_task(when_held="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="fencing_token"):
+        exclusive_task()(lambda: None)

@@ -1,0 +1,118 @@
+"""The tooz driver (fastlock.contrib.tooz) against a real server: tooz's own functional suite,
+then the behaviours a tooz user relies on most, driven directly."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+tooz = pytest.importorskip("tooz", reason="the tooz extra is part of the test extra: pip install '.[test]'")
+
+from tooz import coordination  # noqa: E402
+
+#: the tests of tooz's suite the fastlock driver skips, and why (each is a reason given by the
+#: driver or by the suite itself); anything else skipped, or any failure, fails this test
+EXPECTED_SKIPS = {
+    "test_get_shared_lock": "shared locks are not offered",
+    "test_get_shared_lock_locking_same_lock_twice": "shared locks are not offered",
+    "test_get_shared_lock_locking_two_lock": "shared locks are not offered",
+    "test_get_lock_locking_shared_and_exclusive": "shared locks are not offered",
+    "test_get_lock_locking_exclusive_and_shared": "shared locks are not offered",
+    "test_get_lock_release_broken": "operator's revoke",
+    # the suite runs it only for its etcd3gw, memcached and Redis drivers (an isinstance check)
+    "test_watch_join_group_disappear": "only works with coordinators",
+}
+
+
+def test_tooz_functional_suite(server, tmp_path):
+    """``TOOZ_TEST_URL=fastlock://... pytest --pyargs tooz.tests.test_coordination`` in a subprocess."""
+    env = dict(os.environ, TOOZ_TEST_URL=f"fastlock://{server.address}")
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:randomly",
+         "--timeout", "60", "-o", "addopts=", "--pyargs", "tooz.tests.test_coordination::TestAPI"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    report = out.stdout + out.stderr
+    summary = next((line for line in reversed(report.splitlines()) if re.search(r"\d+ (passed|failed)", line)), "")
+    assert out.returncode == 0 and " failed" not in summary, report[-6000:]
+    skipped = re.findall(r"SKIPPED \[1\] \S+:(\d+): (.*)", report)
+    assert len(skipped) == len(EXPECTED_SKIPS), report[-6000:]
+    for reason in EXPECTED_SKIPS.values():
+        assert any(reason in text for _, text in skipped), (reason, skipped)
+    passed = int(re.search(r"(\d+) passed", summary).group(1))
+    assert passed >= 74, summary  # tooz 9.1: 81 tests in TestAPI, 7 skipped as above
+
+
+@pytest.fixture
+def coords(server):
+    started = []
+
+    def make(member: bytes, **options: str):
+        query = "&".join(f"{k}={v}" for k, v in options.items())
+        c = coordination.get_coordinator(f"fastlock://{server.address}?{query}", member)
+        c.start()
+        started.append(c)
+        return c
+
+    yield make
+    for c in started:
+        if c.is_started:
+            c.stop()
+
+
+def test_a_member_that_stops_beating_leaves_its_group(coords):
+    a = coords(b"a", timeout="1")
+    b = coords(b"b", timeout="1")
+    a.create_group(b"g").get()
+    a.join_group(b"g", {"port": 1}).get()
+    b.join_group(b"g").get()
+    assert a.get_members(b"g").get() == {b"a", b"b"}
+    deadline = time.monotonic() + 10
+    while b"b" in a.get_members(b"g").get():  # b never beats: its session lease runs out
+        assert time.monotonic() < deadline, "member b was not removed after its session TTL"
+        a.heartbeat()
+        time.sleep(0.2)
+    assert a.get_member_capabilities(b"g", b"a").get() == {"port": 1}
+
+
+def test_locks_are_fastlock_locks_with_blocking_and_timeouts(coords, server):
+    a = coords(b"a")
+    b = coords(b"b")
+    la, lb = a.get_lock(b"job/1"), b.get_lock(b"job/1")
+    assert la.acquire(blocking=False)
+    t0 = time.monotonic()
+    assert not lb.acquire(blocking=0.3)
+    assert time.monotonic() - t0 >= 0.25
+    assert la.is_still_owner() and not lb.is_still_owner()
+    assert la.heartbeat() and not lb.heartbeat()
+    assert la.release() and not la.release()
+    with lb:
+        assert not la.acquire(blocking=False)
+
+
+def test_elections_follow_the_leader_lock(coords):
+    a = coords(b"a")
+    b = coords(b"b")
+    a.create_group(b"e").get()
+    elected = []
+    a.watch_elected_as_leader(b"e", elected.append)
+    b.watch_elected_as_leader(b"e", elected.append)
+    a.run_watchers()
+    b.run_watchers()
+    assert [e.member_id for e in elected] == [b"a"]
+    assert b.get_leader(b"e").get() == b"a"
+    assert a.stand_down_group_leader(b"e") and not a.stand_down_group_leader(b"e")
+    assert b.get_leader(b"e").get() is None
+    b.run_watchers()
+    assert [e.member_id for e in elected] == [b"a", b"b"]
+    assert a.get_leader(b"e").get() == b"b"
+
+
+def test_connection_refused_is_a_tooz_connection_error():
+    c = coordination.get_coordinator("fastlock://127.0.0.1:1?connect_timeout=1", b"m")
+    with pytest.raises(coordination.ToozConnectionError):
+        c.start()
