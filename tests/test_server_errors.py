@@ -35,12 +35,12 @@ async def in_process_server(tmp_path, loop_errors):
 
 async def test_a_handler_bug_answers_internal_server_error_and_the_server_keeps_serving(in_process_server, caplog):
     server = in_process_server
-    holder, *entry = server.handlers.by_op[P.OP_HOLDER]  # handler, fewest, most arguments, permission
+    holder, fewest, most = server.handlers.by_op[P.OP_HOLDER]
 
     def buggy(conn, req_id, msg):
         raise KeyError("a bug in the handler")
 
-    server.handlers.by_op[P.OP_HOLDER] = (buggy, *entry)
+    server.handlers.by_op[P.OP_HOLDER] = (buggy, fewest, most)
     client = await fastlock.connect(f"{server.address[0]}:{server.address[1]}", client_name="t")
     try:
         with caplog.at_level(logging.ERROR, logger="fastlock.server"):
@@ -50,7 +50,7 @@ async def test_a_handler_bug_answers_internal_server_error_and_the_server_keeps_
         assert record.exc_info is not None and record.exc_info[0] is KeyError  # logged with its traceback
         # the same connection keeps working, and nothing was changed
         await client.ping()
-        server.handlers.by_op[P.OP_HOLDER] = (holder, *entry)
+        server.handlers.by_op[P.OP_HOLDER] = (holder, fewest, most)
         assert await client.holder("x") is None
         lease = await client.acquire("x", ttl=5)
         assert (await client.holder("x"))["token"] == lease.fencing_token

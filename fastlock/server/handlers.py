@@ -131,7 +131,7 @@ def _authorize(conn: Session, op: int, need: str, msg: list) -> None:
 
 class Handlers:
     """The op handler table of ``server``: ``by_op`` maps an op code to
-    ``(handler, fewest, most arguments, permission)``; :meth:`dispatch` runs one request."""
+    ``(handler, fewest, most arguments)``; :meth:`dispatch` runs one request."""
 
     def __init__(self, server: LockServer, credentials: Credentials):
         self.server = server
@@ -171,10 +171,11 @@ class Handlers:
             P.OP_LOCK_INFO: self.lock_admin.op_lock_info,
             P.OP_REVOKE: self.lock_admin.op_revoke,
         }
-        #: op -> (handler, fewest, most arguments, what it needs): the arity is declared in
-        #: protocol.OP_ARITY, the permission in PERMISSION (an op missing there needs an admin)
-        self.by_op: dict[int, tuple[Handler, int, int, str | None]] = {
-            op: (handler, *P.OP_ARITY[op], PERMISSION.get(op, "admin")) for op, handler in handlers.items()}
+        #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
+        self.by_op: dict[int, tuple[Handler, int, int]] = {
+            op: (handler, *P.OP_ARITY[op]) for op, handler in handlers.items()}
+        #: op -> what it needs (PERMISSION; an op missing there needs an admin)
+        self.need_by_op: dict[int, str | None] = {op: PERMISSION.get(op, "admin") for op in handlers}
 
     # -- dispatch -----------------------------------------------------------------
     def dispatch(self, conn: Session, msg: Any) -> None:
@@ -191,10 +192,11 @@ class Handlers:
         try:
             if entry is None:
                 raise ProtocolError(f"unknown operation {op}")
-            handler, fewest, most, need = entry
+            handler, fewest, most = entry
             if not fewest <= len(msg) - 2 <= most:
                 expected = fewest if fewest == most else f"{fewest} or {most}"
                 raise ProtocolError(f"{P.OP_NAMES[op]} takes {expected} arguments, got {len(msg) - 2}")
+            need = self.need_by_op.get(op, "admin")
             # grant.everywhere: what the principal may do on every name (no per-name check needed)
             if need is not None and need not in conn.grant.everywhere and (conn.kind != "admin" or need == "replica"):
                 _authorize(conn, op, need, msg)
