@@ -323,6 +323,10 @@ def test_5_a_client_on_a_deposed_or_fenced_node_finds_the_new_primary(cluster, h
             async with fastlock.connect(p.address, s.address, client_name="stayer", connect_timeout=1.0) as client:
                 lease = await client.acquire("a", ttl=10.0)
                 assert client.server_info["epoch"] == 0
+                # replication is asynchronous: the grant must reach the standby before the fault,
+                # or the promoted node rightly does not know it (LeaseLost on the extend below)
+                await poll(lambda: status_of(s.address), lambda st: st["locks_held"] >= 1, timeout=5,
+                           what="the standby to apply the grant")
                 if how == "deposed":
                     res = await asyncio.to_thread(cli, "promote", "--server", s.address)
                     assert res.returncode == 0, res.stderr
