@@ -73,7 +73,8 @@ VALID_TTLS = [43_200_000, 86_400_000]  # 12 h, 24 h: nothing expires during a ru
 BAD_TTLS = [0, -5, 2**64 - 1, 1.5, True, None, "10", 86_400_001]
 OPS = sorted(P.OP_NAMES) + [0, 16, 17, 99, -1, 1 << 40]
 LOCK_OPS = {P.OP_ACQUIRE: "acquire", P.OP_RELEASE: "release", P.OP_EXTEND: "extend", P.OP_CANCEL: "cancel",
-            P.OP_CHECK: "check", P.OP_HOLDER: "holder", P.OP_WATCH: "watch",
+            P.OP_CHECK: "check", P.OP_HOLDER: "holder", P.OP_WATCH: "watch", P.OP_CONTENDERS: "holder",
+            P.OP_ACQUIRE_MANY: "acquire",
             # the key store (fastlock.server.keys), checked on the key or prefix like a lock name
             ops.OP_KEY_PUT: "put", ops.OP_KEY_GET: "get", ops.OP_KEY_LIST: "get", ops.OP_KEY_DELETE: "delete",
             ops.OP_KEY_WATCH: "get", ops.OP_KEY_UNWATCH: "get"}

@@ -218,6 +218,10 @@ class LockTable:
         """True iff ``token`` is an unexpired holder's token, of any kind (Chubby's sequencer check)."""
     def waiters(self, name: str) -> list[bytes]:
         """Owners waiting on ``name`` in FIFO order."""
+    def waiter_details(self, name: str) -> list[tuple[int, bool, int, Any, bool]]:
+        """The waiters of ``name`` in FIFO order as (session, shared, limit, meta, many):
+        ``limit`` the name's semaphore limit (0 for a lock), ``many`` part of an
+        acquire_many() request.  Owners are not included (for contenders())."""
     def waiter_info(self, name: str) -> list[tuple[bytes, int, Any, int, int, bool]]:
         """Waiters on ``name`` in FIFO order as ``(owner, session, meta, enqueued_ms,
         deadline_ms, shared)`` (ms; ``deadline_ms`` -1: waits without end; a member of an

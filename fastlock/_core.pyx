@@ -180,8 +180,19 @@ cdef inline int64_t _session(object v) except? -1:
     return r
 
 
+cdef inline bint _shared(object v) except -1:
+    if v is False:
+        return False
+    if not PyBool_Check(v):
+        raise TypeError(f"shared must be a bool, not {type(v).__name__}")
+    return v is True
+
+
 cdef inline int64_t _limit(object v, bint shared) except? -1:
-    cdef int64_t r = _int(v, "limit")
+    cdef int64_t r
+    if v is 0:
+        return 0
+    r = _int(v, "limit")
     if r < 0 or r > _MAX_LIMIT:
         raise ValueError(f"limit must be in 0..{_MAX_LIMIT}, got {r}")
     if r and shared:
@@ -358,6 +369,11 @@ cdef inline bint _before(_Entry a, _Entry b):
     return a.deadline < b.deadline or (a.deadline == b.deadline and a.seq < b.seq)
 
 
+cdef inline bint _holds(_Lock lock, int64_t tok, bytes o):
+    """True iff (tok, o) is the exclusive holder of ``lock`` (None: no lock)."""
+    return lock is not None and lock.held and lock.token == tok and lock.owner == o
+
+
 cdef inline int64_t _max(int64_t a, int64_t b):
     return a if a > b else b
 
@@ -529,9 +545,7 @@ cdef class LockTable:
         cdef list heap = self._heap
         cdef _Entry e
         cdef _Lock lock
-        cdef _Waiter w
         cdef _Lease lease
-        cdef Event ev
         cdef int64_t tau
         while len(heap) > 0:
             e = <_Entry>heap[0]
@@ -552,24 +566,16 @@ cdef class LockTable:
                 lock.meta = None
                 self._settle(lock, tau, now)
             elif e.kind == K_WAIT:
-                w = <_Waiter>e
-                lock = w.lock
-                self._wait_timeouts += 1
-                self._waiter_event(_EV_WAIT_TIMEOUT, w)
-                self._unlink(w)
-                self._settle(lock, tau, now)
+                self._wait_timeouts += self._withdraw(<_Waiter>e, _EV_WAIT_TIMEOUT, None, None, tau, now)
             elif e.kind == K_GROUP:
-                self._wait_timeouts += len((<_Group>e).members)
-                self._remove_group(<_Group>e, _EV_WAIT_TIMEOUT, None, None, tau, now)
+                self._wait_timeouts += self._remove_group(<_Group>e, _EV_WAIT_TIMEOUT, None, None,
+                                                          tau, now)
             elif e.kind == K_SHARED:
                 lease = <_Lease>e
                 lock = lease.lock
                 self._drop_lease(lock, lease)
                 self._expiries += 1
-                ev = self._event(_EV_EXPIRED, lock.name, lease.token, lease.owner, lease.session, None,
-                                 lease.ttl_ms, tau, lease.meta, False, lease.lock_delay_ms)
-                ev.shared = lease.shared
-                ev.limit = lock.limit
+                self._lease_event(_EV_EXPIRED, lease, lease.session, None, tau, False)
                 if lease.lock_delay_ms > 0:
                     lock.delay_until = _max(lock.delay_until, tau + lease.lock_delay_ms)
                 self._settle(lock, tau, now)
@@ -585,6 +591,17 @@ cdef class LockTable:
         cdef int64_t token
         self._counter += 1
         token = (self._epoch << _SHIFT) | self._counter
+        self._hold(lock, token, owner, session, ttl_ms, lock_delay_ms, meta, now)
+        self._n_held += 1
+        self._grants += 1
+        self._event(_EV_GRANTED, lock.name, token, owner, session, request, ttl_ms,
+                    now + ttl_ms, meta, True, lock_delay_ms).waited_ms = waited_ms
+        return 0
+
+    cdef inline void _hold(self, _Lock lock, int64_t token, bytes owner, int64_t session,
+                           int64_t ttl_ms, int64_t lock_delay_ms, object meta, int64_t now):
+        """Make (token, owner) the exclusive holder of ``lock`` until ``now + ttl_ms``
+        (the caller counts it in _n_held if the lock was not held)."""
         lock.held = True
         lock.token = token
         lock.owner = owner
@@ -595,11 +612,16 @@ cdef class LockTable:
         lock.delay_until = 0
         lock.kind = K_LEASE
         self._schedule(lock, now + ttl_ms)
-        self._n_held += 1
-        self._grants += 1
-        self._event(_EV_GRANTED, lock.name, token, owner, session, request, ttl_ms,
-                    now + ttl_ms, meta, True, lock_delay_ms).waited_ms = waited_ms
-        return 0
+
+    cdef inline int _grant_waiter(self, _Lock lock, _Waiter w, int64_t now) except -1:
+        """Grant ``lock`` exclusively to the (unlinked) waiter ``w``."""
+        return self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms,
+                           w.meta, now, now - w.enqueued_ms)
+
+    cdef inline int _grant_waiter_lease(self, _Lock lock, _Waiter w, int64_t now) except -1:
+        """Grant the (unlinked) waiter ``w`` a non-exclusive lease on ``lock``."""
+        return self._grant_lease(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms,
+                                 w.meta, w.shared, now, now - w.enqueued_ms)
 
     cdef int _grant_lease(self, _Lock lock, bytes owner, int64_t session, object request,
                           int64_t ttl_ms, int64_t lock_delay_ms, object meta, bint shared,
@@ -607,36 +629,40 @@ cdef class LockTable:
         """A fresh non-exclusive grant (shared lease or permit); the caller checked
         the counter has room and the lock is not held exclusively."""
         cdef int64_t token
-        cdef _Lease lease = _Lease.__new__(_Lease)
-        cdef Event ev
+        cdef _Lease lease
         self._counter += 1
         token = (self._epoch << _SHIFT) | self._counter
         if lock.index >= 0:
             self._unschedule(lock)  # the end of a block: the lock is not held
-        lock.delay_until = 0
-        lease.index = -1
-        lease.kind = K_SHARED
-        lease.lock = lock
-        lease.token = token
-        lease.owner = owner
-        lease.session = session
-        lease.ttl_ms = ttl_ms
-        lease.lock_delay_ms = lock_delay_ms
-        lease.meta = meta
-        lease.shared = shared
-        if lock.leases is None:
-            lock.leases = {}
-        lock.leases[owner] = lease
-        lock.n_leases += 1
-        self._schedule(lease, now + ttl_ms)
-        self._n_held += 1
+        lease = self._install_lease(lock, token, owner, session, ttl_ms, lock_delay_ms, meta, shared,
+                                    now)
         self._grants += 1
-        ev = self._event(_EV_GRANTED, lock.name, token, owner, session, request, ttl_ms,
-                         now + ttl_ms, meta, True, lock_delay_ms)
-        ev.waited_ms = waited_ms
-        ev.shared = shared
-        ev.limit = lock.limit
+        self._lease_event(_EV_GRANTED, lease, session, request, now + ttl_ms, True).waited_ms = waited_ms
         return 0
+
+    cdef inline Event _lease_event(self, int kind, _Lease lease, int64_t session, object request,
+                                   int64_t deadline_ms, bint fresh):
+        """An event about the non-exclusive ``lease`` (for ``session``/``request``)."""
+        cdef Event ev = self._event(kind, lease.lock.name, lease.token, lease.owner, session, request,
+                                    lease.ttl_ms, deadline_ms, lease.meta, fresh, lease.lock_delay_ms)
+        ev.shared = lease.shared
+        ev.limit = lease.lock.limit
+        return ev
+
+    cdef inline Event _redeliver(self, _Lock lock, bytes o, int64_t s, object request, int64_t t):
+        """EV_GRANTED (fresh=False) re-delivering ``o``'s lease on ``lock`` to a retry
+        (``s``, ``request``) made at ``t``: granted (or last extended) at deadline - ttl."""
+        cdef _Lease lease
+        cdef Event ev
+        if lock.held:
+            ev = self._event(_EV_GRANTED, lock.name, lock.token, o, s, request, lock.ttl_ms,
+                             lock.deadline, lock.meta, False, lock.lock_delay_ms)
+            ev.waited_ms = lock.deadline - lock.ttl_ms - t
+        else:
+            lease = <_Lease>lock.leases[o]
+            ev = self._lease_event(_EV_GRANTED, lease, s, request, lease.deadline, False)
+            ev.waited_ms = lease.deadline - lease.ttl_ms - t
+        return ev
 
     cdef inline void _drop_lease(self, _Lock lock, _Lease lease):
         del lock.leases[lease.owner]
@@ -645,7 +671,11 @@ cdef class LockTable:
         self._unschedule(lease)
 
     cdef inline int _check_counter(self) except -1:
-        if self._counter >= _MAX_COUNTER:
+        return self._check_counter_room(1)
+
+    cdef inline int _check_counter_room(self, Py_ssize_t grants) except -1:
+        """Raise OverflowError unless the fencing counter has room for ``grants`` more tokens."""
+        if self._counter + grants > _MAX_COUNTER:
             raise OverflowError(
                 "fencing counter exhausted (2**40 - 1 grants); tokens never wrap")
         return 0
@@ -653,7 +683,6 @@ cdef class LockTable:
     cdef void _unlink(self, _Waiter w):
         """Take ``w`` out of its lock's queue, its session index and the heap."""
         cdef _Lock lock = w.lock
-        cdef dict sess
         if w.prev is None:
             lock.head = w.next
         else:
@@ -666,15 +695,75 @@ cdef class LockTable:
         w.next = None
         del lock.by_owner[w.owner]
         self._unschedule(w)
-        sess = self._sessions.get(w.session)
-        if sess is not None:
-            sess.pop(w, None)
-            if not sess:
-                del self._sessions[w.session]
+        self._forget_session_waiter(w)
         self._n_waiters -= 1
         w.lock = None
         if w.group is not None:
             self._unschedule(w.group)
+
+    cdef inline void _forget_session_waiter(self, _Waiter w):
+        """Take ``w`` out of its session's index of waiters."""
+        cdef dict sess = self._sessions.get(w.session)
+        if sess is not None:
+            sess.pop(w, None)
+            if not sess:
+                del self._sessions[w.session]
+
+    cdef inline dict _session_index(self, int64_t s):
+        """Session ``s``'s index of waiters ({_Waiter: None} in arrival order), made if new."""
+        cdef dict sess = self._sessions.get(s)
+        if sess is None:
+            sess = {}
+            self._sessions[s] = sess
+        return sess
+
+    cdef inline _Waiter _enqueue(self, _Lock lock, bytes o, int64_t s, object request, int64_t ttl,
+                                 int64_t delay, object meta, int64_t t, bint shared, _Group group,
+                                 dict sess):
+        """A new waiter of ``o`` at the tail of ``lock``'s queue, indexed by owner and in
+        ``sess`` (session ``s``'s index); not scheduled."""
+        cdef _Waiter w = _Waiter.__new__(_Waiter)
+        w.index = -1
+        w.kind = K_WAIT
+        w.lock = lock
+        w.owner = o
+        w.session = s
+        w.request = request
+        w.ttl_ms = ttl
+        w.lock_delay_ms = delay
+        w.enqueued_ms = t
+        w.meta = meta
+        w.shared = shared
+        w.group = group
+        if lock.tail is None:
+            lock.head = w
+        else:
+            lock.tail.next = w
+            w.prev = lock.tail
+        lock.tail = w
+        if lock.by_owner is None:
+            lock.by_owner = {}
+        lock.by_owner[o] = w
+        sess[w] = None
+        self._n_waiters += 1
+        return w
+
+    cdef Py_ssize_t _withdraw(self, _Waiter w, int kind, object cycle, _Lock skip, int64_t tau,
+                              int64_t now) except -1:
+        """Take the waiting request ``w`` belongs to (its group, if any) out of every
+        queue: an event of ``kind`` per waiter (none if kind == 0, ``cycle`` on it), then
+        settle its locks at ``tau`` except ``skip``.  Returns the number of waiters removed."""
+        cdef _Lock lock = w.lock
+        cdef Event ev
+        if w.group is not None:
+            return self._remove_group(w.group, kind, cycle, skip, tau, now)
+        if kind:
+            ev = self._waiter_event(kind, w)
+            ev.cycle = cycle
+        self._unlink(w)
+        if lock is not skip:
+            self._settle(lock, tau, now)
+        return 1
 
     cdef inline void _schedule_block(self, _Lock lock, int64_t at):
         if lock.index >= 0 and lock.deadline == at:
@@ -702,8 +791,7 @@ cdef class LockTable:
                     # the common case: an exclusive lock hands off to its head waiter
                     self._check_counter()
                     self._unlink(w)
-                    self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms,
-                                w.meta, now, now - w.enqueued_ms)
+                    self._grant_waiter(lock, w, now)
                     return 0
                 self._unschedule(lock)
                 # FIFO across kinds: grant from the head while the head is compatible
@@ -718,15 +806,13 @@ cdef class LockTable:
                             break
                         self._check_counter()
                         self._unlink(w)
-                        self._grant_lease(lock, w.owner, w.session, w.request, w.ttl_ms,
-                                          w.lock_delay_ms, w.meta, w.shared, now, now - w.enqueued_ms)
+                        self._grant_waiter_lease(lock, w, now)
                     else:
                         if lock.n_leases:
                             break
                         self._check_counter()
                         self._unlink(w)
-                        self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms,
-                                    w.meta, now, now - w.enqueued_ms)
+                        self._grant_waiter(lock, w, now)
                         break
                     w = lock.head
             else:
@@ -759,29 +845,27 @@ cdef class LockTable:
         cdef list locks = [m.lock for m in members]
         cdef Py_ssize_t i
         cdef _Lock lock
-        if self._counter + len(members) > _MAX_COUNTER:
-            raise OverflowError("fencing counter exhausted (2**40 - 1 grants); tokens never wrap")
+        self._check_counter_room(len(members))
         for m in members:
             self._unlink(m)
         for i in range(len(members)):
             m = <_Waiter>members[i]
             lock = <_Lock>locks[i]
             if m.shared:
-                self._grant_lease(lock, m.owner, m.session, m.request, m.ttl_ms, m.lock_delay_ms,
-                                  m.meta, True, now, now - m.enqueued_ms)
+                self._grant_waiter_lease(lock, m, now)
             else:
                 self._unschedule(lock)
-                self._grant(lock, m.owner, m.session, m.request, m.ttl_ms, m.lock_delay_ms,
-                            m.meta, now, now - m.enqueued_ms)
+                self._grant_waiter(lock, m, now)
         for lock in locks:
             if lock is not skip:
                 self._settle(lock, tau, now)
         return 0
 
-    cdef int _remove_group(self, _Group g, int kind, object cycle, _Lock skip, int64_t tau,
-                           int64_t now) except -1:
+    cdef Py_ssize_t _remove_group(self, _Group g, int kind, object cycle, _Lock skip, int64_t tau,
+                                  int64_t now) except -1:
         """Take every waiter of ``g`` out of its queue (an event of ``kind`` each, none if
-        kind == 0), then settle their locks at ``tau`` except ``skip``."""
+        kind == 0), then settle their locks at ``tau`` except ``skip``.  Returns the
+        number of waiters removed."""
         cdef _Waiter m
         cdef list locks = [m.lock for m in g.members]
         cdef _Lock lock
@@ -794,7 +878,7 @@ cdef class LockTable:
         for lock in locks:
             if lock is not skip:
                 self._settle(lock, tau, now)
-        return 0
+        return len(locks)
 
     cdef inline _Lock _new_lock(self, str name):
         cdef _Lock lock = _Lock.__new__(_Lock)
@@ -927,19 +1011,12 @@ cdef class LockTable:
         cdef int64_t wait = _ms(wait_ms, "wait_ms", -1)
         cdef int64_t delay = _lock_delay(lock_delay_ms)
         cdef int64_t t = _ms(now, "now", 0)
-        cdef bint sh = False
-        cdef int64_t lim = 0
+        cdef bint sh
+        cdef int64_t lim
         cdef _Lock lock
         cdef _Waiter w
-        cdef _Lease lease
-        cdef Event ev
-        cdef dict sess
-        if shared is not False:
-            if not PyBool_Check(shared):
-                raise TypeError(f"shared must be a bool, not {type(shared).__name__}")
-            sh = shared is True
-        if limit is not 0:
-            lim = _limit(limit, sh)
+        sh = _shared(shared)
+        lim = _limit(limit, sh)
         self._advance(t)
         lock = <_Lock>self._locks.get(n)
         if lock is None:
@@ -957,20 +1034,13 @@ cdef class LockTable:
                 if lim != lock.limit:
                     return _LIMIT_CONFLICT
                 if lock.owner == o:
-                    # re-delivered: granted (or last extended) at deadline - ttl, before this request
-                    self._event(_EV_GRANTED, n, lock.token, o, s, request, lock.ttl_ms, lock.deadline,
-                                lock.meta, False, lock.lock_delay_ms).waited_ms = lock.deadline - lock.ttl_ms - t
+                    self._redeliver(lock, o, s, request, t)
                     return _GRANTED
             elif lock.n_leases:
                 if lim != lock.limit:
                     return _LIMIT_CONFLICT
-                lease = <_Lease>lock.leases.get(o)
-                if lease is not None:
-                    ev = self._event(_EV_GRANTED, n, lease.token, o, s, request, lease.ttl_ms,
-                                     lease.deadline, lease.meta, False, lease.lock_delay_ms)
-                    ev.waited_ms = lease.deadline - lease.ttl_ms - t
-                    ev.shared = lease.shared
-                    ev.limit = lock.limit
+                if o in lock.leases:
+                    self._redeliver(lock, o, s, request, t)
                     return _GRANTED
             if lock.head is not None:
                 if lim != lock.limit:
@@ -979,7 +1049,7 @@ cdef class LockTable:
                 if w is not None:
                     if w.group is not None:
                         raise ValueError(f"owner {o!r} waits on {n!r} in an acquire_many() request")
-                    return self._retry_waiter(lock, w, s, request, ttl, wait, delay, meta, t)
+                    return self._retry_waiter(w, s, request, ttl, wait, delay, meta, t)
             elif not lock.held and t >= _max(lock.delay_until, self._hold_until):
                 if lock.n_leases == 0:
                     lock.limit = lim
@@ -999,67 +1069,41 @@ cdef class LockTable:
             lock.limit = lim
         elif lock.head is None and not lock.held and lock.n_leases == 0:
             lock.limit = lim
-        w = _Waiter.__new__(_Waiter)
-        w.index = -1
-        w.kind = K_WAIT
-        w.lock = lock
-        w.owner = o
-        w.session = s
-        w.request = request
-        w.ttl_ms = ttl
-        w.lock_delay_ms = delay
-        w.enqueued_ms = t
-        w.meta = meta
-        w.shared = sh
-        if lock.tail is None:
-            lock.head = w
-        else:
-            lock.tail.next = w
-            w.prev = lock.tail
-        lock.tail = w
-        if lock.by_owner is None:
-            lock.by_owner = {}
-        lock.by_owner[o] = w
-        sess = self._sessions.get(s)
-        if sess is None:
-            sess = {}
-            self._sessions[s] = sess
-        sess[w] = None
-        self._n_waiters += 1
+        w = self._enqueue(lock, o, s, request, ttl, delay, meta, t, sh, None, self._session_index(s))
         if wait > 0:
             self._schedule(w, t + wait)
         self._settle(lock, t, t)
         return _QUEUED
 
-    cdef object _retry_waiter(self, _Lock lock, _Waiter w, int64_t s, object request, int64_t ttl,
+    cdef object _retry_waiter(self, _Waiter w, int64_t s, object request, int64_t ttl,
                               int64_t wait, int64_t delay, object meta, int64_t t):
-        cdef dict sess
-        self._cancels += 1
-        self._waiter_event(_EV_WAIT_CANCELLED, w)
+        """A retry of the waiting request ``w`` belongs to (its group, if any): the old
+        request gets EV_WAIT_CANCELLED per waiter; wait == 0 withdraws it (NOT_ACQUIRED),
+        else every waiter keeps its place and takes session ``s`` and the new request,
+        ttl, lock-delay, meta and a wait deadline counted from ``t`` (QUEUED)."""
+        cdef list members = [w] if w.group is None else w.group.members
+        cdef _Entry entry = w if w.group is None else w.group
+        cdef _Waiter m
+        self._cancels += len(members)
+        for m in members:
+            self._waiter_event(_EV_WAIT_CANCELLED, m)
         if wait == 0:
-            self._unlink(w)
-            self._settle(lock, t, t)
+            self._withdraw(w, 0, None, None, t, t)
             return _NOT_ACQUIRED
-        if s != w.session:
-            sess = self._sessions.get(w.session)
-            del sess[w]
-            if not sess:
-                del self._sessions[w.session]
-            sess = self._sessions.get(s)
-            if sess is None:
-                sess = {}
-                self._sessions[s] = sess
-            sess[w] = None
-            w.session = s
-        w.request = request
-        w.ttl_ms = ttl
-        w.lock_delay_ms = delay
-        w.enqueued_ms = t  # the reply answers this request: its wait counts from now
-        w.meta = meta
+        for m in members:
+            if s != m.session:
+                self._forget_session_waiter(m)
+                self._session_index(s)[m] = None
+                m.session = s
+            m.request = request
+            m.ttl_ms = ttl
+            m.lock_delay_ms = delay
+            m.enqueued_ms = t  # the reply answers this request: its wait counts from now
+            m.meta = meta
         if wait > 0:
-            self._schedule(w, t + wait)
+            self._schedule(entry, t + wait)
         else:
-            self._unschedule(w)
+            self._unschedule(entry)
         return _QUEUED
 
     def acquire_many(self, items, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now):
@@ -1104,9 +1148,7 @@ cdef class LockTable:
         cdef Py_ssize_t i, k
         cdef _Lock lock
         cdef _Waiter w, first
-        cdef _Lease lease
         cdef _Group g
-        cdef Event ev
         cdef dict sess
         cdef bint free, held_all, holds_any = False
         if type(items) is not list and type(items) is not tuple:
@@ -1117,9 +1159,7 @@ cdef class LockTable:
             if (type(item) is not tuple and type(item) is not list) or len(item) != 2:
                 raise TypeError("each item must be a (name, shared) pair")
             names.append(_name(item[0]))
-            if not PyBool_Check(item[1]):
-                raise TypeError(f"shared must be a bool, not {type(item[1]).__name__}")
-            kinds.append(item[1] is True)
+            kinds.append(_shared(item[1]))
         if len(set(names)) != len(names):
             raise ValueError("items name a lock twice")
         o = _owner(owner)
@@ -1155,20 +1195,13 @@ cdef class LockTable:
         if first is not None:
             if held_all:
                 raise ValueError(f"owner {o!r} already holds some of these names")
-            return self._retry_group(first.group, names, s, request, ttl, wait, delay, meta, t)
+            for w in first.group.members:
+                if w.lock.name not in names:
+                    raise ValueError(f"owner {w.owner!r} waits in a request for other names")
+            return self._retry_waiter(first, s, request, ttl, wait, delay, meta, t)
         if held_all:
             for i in range(k):
-                lock = <_Lock>self._locks[names[i]]
-                if lock.held:
-                    self._event(_EV_GRANTED, lock.name, lock.token, o, s, request, lock.ttl_ms,
-                                lock.deadline, lock.meta, False,
-                                lock.lock_delay_ms).waited_ms = lock.deadline - lock.ttl_ms - t
-                else:
-                    lease = <_Lease>lock.leases[o]
-                    ev = self._event(_EV_GRANTED, lock.name, lease.token, o, s, request, lease.ttl_ms,
-                                     lease.deadline, lease.meta, False, lease.lock_delay_ms)
-                    ev.waited_ms = lease.deadline - lease.ttl_ms - t
-                    ev.shared = True
+                self._redeliver(<_Lock>self._locks[names[i]], o, s, request, t)
             return _GRANTED
         free = t >= self._hold_until
         if free:
@@ -1179,8 +1212,7 @@ cdef class LockTable:
                     free = False
                     break
         if free:
-            if self._counter + k > _MAX_COUNTER:
-                raise OverflowError("fencing counter exhausted (2**40 - 1 grants); tokens never wrap")
+            self._check_counter_room(k)
             for i in range(k):
                 lock = <_Lock>self._locks.get(names[i])
                 if lock is None:
@@ -1197,82 +1229,19 @@ cdef class LockTable:
         g.index = -1
         g.kind = K_GROUP
         g.members = []
-        sess = self._sessions.get(s)
-        if sess is None:
-            sess = {}
-            self._sessions[s] = sess
+        sess = self._session_index(s)
         for i in range(k):
             lock = <_Lock>self._locks.get(names[i])
             if lock is None:
                 lock = self._new_lock(names[i])
             elif lock.head is None and not lock.held and lock.n_leases == 0:
                 lock.limit = 0
-            w = _Waiter.__new__(_Waiter)
-            w.index = -1
-            w.kind = K_WAIT
-            w.lock = lock
-            w.owner = o
-            w.session = s
-            w.request = request
-            w.ttl_ms = ttl
-            w.lock_delay_ms = delay
-            w.enqueued_ms = t
-            w.meta = meta
-            w.shared = kinds[i]
-            w.group = g
-            if lock.tail is None:
-                lock.head = w
-            else:
-                lock.tail.next = w
-                w.prev = lock.tail
-            lock.tail = w
-            if lock.by_owner is None:
-                lock.by_owner = {}
-            lock.by_owner[o] = w
-            sess[w] = None
-            self._n_waiters += 1
-            g.members.append(w)
+            g.members.append(self._enqueue(lock, o, s, request, ttl, delay, meta, t, kinds[i], g, sess))
         if wait > 0:
             self._schedule(g, t + wait)
         for w in list(g.members):
             if w.lock is not None:
                 self._settle(w.lock, t, t)
-        return _QUEUED
-
-    cdef object _retry_group(self, _Group g, list names, int64_t s, object request, int64_t ttl,
-                             int64_t wait, int64_t delay, object meta, int64_t t):
-        cdef _Waiter m
-        cdef dict sess
-        for m in g.members:
-            if m.lock.name not in names:
-                raise ValueError(f"owner {m.owner!r} waits in a request for other names")
-        self._cancels += len(g.members)
-        for m in g.members:
-            self._waiter_event(_EV_WAIT_CANCELLED, m)
-        if wait == 0:
-            self._remove_group(g, 0, None, None, t, t)
-            return _NOT_ACQUIRED
-        for m in g.members:
-            if s != m.session:
-                sess = self._sessions.get(m.session)
-                del sess[m]
-                if not sess:
-                    del self._sessions[m.session]
-                sess = self._sessions.get(s)
-                if sess is None:
-                    sess = {}
-                    self._sessions[s] = sess
-                sess[m] = None
-                m.session = s
-            m.request = request
-            m.ttl_ms = ttl
-            m.lock_delay_ms = delay
-            m.enqueued_ms = t
-            m.meta = meta
-        if wait > 0:
-            self._schedule(g, t + wait)
-        else:
-            self._unschedule(g)
         return _QUEUED
 
     def release(self, name, token, owner, now):
@@ -1297,7 +1266,7 @@ cdef class LockTable:
         cdef _Lease lease
         self._advance(t)
         lock = <_Lock>self._locks.get(n)
-        if lock is not None and lock.held and lock.token == tok and lock.owner == o:
+        if _holds(lock, tok, o):
             self._drop_holder(lock)
         else:
             lease = self._lease_of(lock, tok, o)
@@ -1335,7 +1304,7 @@ cdef class LockTable:
         cdef _Lease lease
         self._advance(t)
         lock = <_Lock>self._locks.get(n)
-        if lock is not None and lock.held and lock.token == tok and lock.owner == o:
+        if _holds(lock, tok, o):
             lock.ttl_ms = ttl
             self._schedule(lock, t + ttl)
             return t + ttl
@@ -1368,14 +1337,7 @@ cdef class LockTable:
         w = <_Waiter>lock.by_owner.get(o)
         if w is None:
             return False
-        if w.group is not None:
-            self._cancels += len(w.group.members)
-            self._remove_group(w.group, _EV_WAIT_CANCELLED, None, None, t, t)
-            return True
-        self._cancels += 1
-        self._waiter_event(_EV_WAIT_CANCELLED, w)
-        self._unlink(w)
-        self._settle(lock, t, t)
+        self._cancels += self._withdraw(w, _EV_WAIT_CANCELLED, None, None, t, t)
         return True
 
     def drop_session(self, session, now):
@@ -1552,6 +1514,23 @@ cdef class LockTable:
                 w = w.next
         return out
 
+    def waiter_details(self, name):
+        """The waiters of ``name`` in FIFO order, each as a tuple
+        (session, shared, limit, meta, many): ``limit`` is the name's semaphore
+        limit (0 for a lock), ``many`` whether the waiter is part of an
+        acquire_many() request.  For contenders(); owners are not included."""
+        cdef str n = _name(name)
+        cdef _Lock lock = <_Lock>self._locks.get(n)
+        cdef list out = []
+        cdef _Waiter w
+        if lock is not None:
+            w = lock.head
+            while w is not None:
+                out.append((w.session, bool(w.shared) and lock.limit == 0, lock.limit, w.meta,
+                            w.group is not None))
+                w = w.next
+        return out
+
     def waiter_info(self, name):
         """The waiters on ``name`` in FIFO order, each ``(owner, session, meta, enqueued_ms,
         deadline_ms, shared)``: ``enqueued_ms`` is the ``now`` of the acquire it answers,
@@ -1644,9 +1623,9 @@ cdef class LockTable:
         cdef str n = _name(name)
         cdef int64_t tok = _token(token)
         cdef bytes o
-        cdef int64_t ttl, delay, t, ctr
-        cdef bint sh = False
-        cdef int64_t lim = 0
+        cdef int64_t ttl, delay, t
+        cdef bint sh
+        cdef int64_t lim
         cdef _Lock lock
         cdef _Waiter w
         cdef _Lease lease
@@ -1656,25 +1635,16 @@ cdef class LockTable:
         ttl = _ms(ttl_ms, "ttl_ms", 1)
         delay = _lock_delay(lock_delay_ms)
         t = _ms(now, "now", 0)
-        if shared is not False:
-            if not PyBool_Check(shared):
-                raise TypeError(f"shared must be a bool, not {type(shared).__name__}")
-            sh = shared is True
-        if limit is not 0:
-            lim = _limit(limit, sh)
+        sh = _shared(shared)
+        lim = _limit(limit, sh)
         self._advance(t)
         lock = <_Lock>self._locks.get(n)
         if lock is None:
             lock = self._new_lock(n)
         elif lock.head is not None:
             w = lock.by_owner.get(o)
-            if w is not None and w.group is not None:
-                self._cancels += len(w.group.members)
-                self._remove_group(w.group, _EV_WAIT_CANCELLED, None, lock, t, t)
-            elif w is not None:
-                self._cancels += 1
-                self._waiter_event(_EV_WAIT_CANCELLED, w)
-                self._unlink(w)
+            if w is not None:
+                self._cancels += self._withdraw(w, _EV_WAIT_CANCELLED, None, lock, t, t)
         if sh or lim or lock.n_leases:
             # drop the leases this install replaces
             if lock.n_leases:
@@ -1687,22 +1657,13 @@ cdef class LockTable:
             lock.limit = lim
             if lock.index >= 0:
                 self._unschedule(lock)
-            self._install_lease(lock, tok, o, ttl, delay, meta, sh, t)
+            self._install_lease(lock, tok, o, 0, ttl, delay, meta, sh, t)
             self._counter_at_least(tok)
             return
         lock.limit = 0
         if not lock.held:
             self._n_held += 1
-        lock.held = True
-        lock.token = tok
-        lock.owner = o
-        lock.session = 0
-        lock.ttl_ms = ttl
-        lock.lock_delay_ms = delay
-        lock.meta = meta
-        lock.delay_until = 0
-        lock.kind = K_LEASE
-        self._schedule(lock, t + ttl)
+        self._hold(lock, tok, o, 0, ttl, delay, meta, t)
         self._counter_at_least(tok)
 
     cdef inline void _counter_at_least(self, int64_t tok):
@@ -1713,8 +1674,10 @@ cdef class LockTable:
         if (tok >> _SHIFT) > self._epoch:
             self._epoch = tok >> _SHIFT
 
-    cdef void _install_lease(self, _Lock lock, int64_t tok, bytes o, int64_t ttl, int64_t delay,
-                             object meta, bint sh, int64_t t):
+    cdef inline _Lease _install_lease(self, _Lock lock, int64_t tok, bytes o, int64_t session, int64_t ttl,
+                                      int64_t delay, object meta, bint sh, int64_t t):
+        """Add the non-exclusive lease (tok, o) of ``session`` to ``lock`` until ``t + ttl``
+        (the lock is not held exclusively, nor by ``o``); returns it."""
         cdef _Lease lease = _Lease.__new__(_Lease)
         lock.delay_until = 0
         lease.index = -1
@@ -1722,7 +1685,7 @@ cdef class LockTable:
         lease.lock = lock
         lease.token = tok
         lease.owner = o
-        lease.session = 0
+        lease.session = session
         lease.ttl_ms = ttl
         lease.lock_delay_ms = delay
         lease.meta = meta
@@ -1733,6 +1696,7 @@ cdef class LockTable:
         lock.n_leases += 1
         self._n_held += 1
         self._schedule(lease, t + ttl)
+        return lease
 
     def remove_holder(self, name, token, now):
         """Replay of a release or expiry: drop the holder (of any kind) of ``name`` whose
@@ -1826,8 +1790,6 @@ cdef class LockTable:
         cdef list broken = []
         cdef dict graph
         cdef _Waiter w, victim
-        cdef _Lock lock
-        cdef Event ev
         self._advance(t)
         while True:
             graph = self._wait_for(t, min_wait)
@@ -1851,16 +1813,9 @@ cdef class LockTable:
                     w = max(graph[path[i]][path[(i + 1) % k]], key=_waiter_age_key)
                 steps.append((path[i], w.lock.name))
             cycle = tuple(steps)
-            lock = victim.lock
             self._deadlocks += 1
             broken.append(cycle)
-            if victim.group is not None:
-                self._remove_group(victim.group, _EV_DEADLOCK, cycle, None, t, t)
-                continue
-            ev = self._waiter_event(_EV_DEADLOCK, victim)
-            ev.cycle = cycle
-            self._unlink(victim)
-            self._settle(lock, t, t)
+            self._withdraw(victim, _EV_DEADLOCK, cycle, None, t, t)
 
     def lock_delays(self):
         """Every running lock-delay as ``(name, until_ms)`` pairs (monotonic ms), in no

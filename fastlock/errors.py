@@ -31,6 +31,8 @@ __all__ = [
     "Unavailable",
     "StaleFencingToken",
     "InternalServerError",
+    "LimitConflict",
+    "DeadlockDetected",
     "LockNotHeld",
     "error_from_wire",
 ]
@@ -171,6 +173,23 @@ class InternalServerError(FastlockError):
     logged there with its traceback).  The request's effect is unknown; the
     connection stays open and the server keeps serving (as PostgreSQL's
     ``internal_error``, SQLSTATE XX000)."""
+
+
+@_register(18)
+class LimitConflict(FastlockError):
+    """A semaphore's limit disagrees with the name's current one: the name has
+    holders or waiters as a lock, or as a semaphore with another limit (the limit
+    is kept with the semaphore while it has holders or waiters, as Curator's
+    InterProcessSemaphoreV2 and ``consul lock -n`` keep theirs).  Nothing changed."""
+
+
+@_register(19)
+class DeadlockDetected(LockNotAcquired):
+    """This waiting acquire was chosen to break a deadlock: its session held locks
+    that the holders of the lock it waited for were themselves waiting for, for
+    longer than the server's ``--deadlock-timeout`` (as PostgreSQL's deadlock
+    detector, SQLSTATE 40P01).  The message names the cycle; the leases this
+    client holds are unchanged (release some, then retry)."""
 
 
 def error_from_wire(code: int, message: str, extra: Any = None) -> FastlockError:

@@ -19,6 +19,30 @@ write many times while it holds the lock.  A lower token raises
 :class:`~fastlock.errors.StaleFencingToken` and nothing of that write is
 applied.
 
+Shared locks and semaphore permits
+----------------------------------
+Every lease of every kind - exclusive, shared (``client.lock(name,
+shared=True)``) or a semaphore permit - takes its token from the same
+counter, so an exclusive holder's token exceeds every token granted before it,
+and a shared holder's exceeds every exclusive one granted before it.  The same
+check therefore serves both kinds, with this meaning:
+
+* **a write by a shared holder** (or a permit holder) passes ``fenced()`` exactly
+  when no lease granted after it has written to the resource - in particular no
+  later exclusive holder - so a stale reader cannot overwrite a writer's work.
+  Two shared holders that both write are ordered too: once the later one has
+  written, the earlier one is refused.  That refusal is safe but may be
+  unnecessary (the earlier reader may still hold its lease; re-acquire and
+  retry), because a lock service cannot order concurrent readers;
+* **a read guarded by a shared lock** is checked the same way: do the read
+  inside ``fenced(resource, lease.fencing_token)``, and it is accepted only if no
+  later lease (a writer that took over after this lease ended) has written,
+  so the read cannot mix a stale lease with newer data.  Recording the reader's
+  token also refuses, from then on, any write by an exclusive holder whose lease
+  ended before the reader's began.  Where the store cannot run this check,
+  ``await client.check(name, token)`` asks the server whether the lease is still
+  held (Chubby's sequencer check; it can be stale by one round trip).
+
 The check, the recording of the token and the caller's own statements run in
 **one transaction**: they commit together or not at all, so a rejected write
 leaves no trace and an accepted one cannot be overtaken between check and

@@ -109,6 +109,13 @@ class FakeWal:
     def log_epoch(self, *args) -> None:
         self._log("epoch", *args)
 
+    def log_lock_delay(self, *args) -> None:
+        self._log("lock_delay", *args)
+
+    def log_lock_delays(self, delays, now_ms) -> None:
+        for name, until_ms in delays:
+            if until_ms > now_ms:
+                self._log("lock_delay", name, until_ms - now_ms)
     def log_key_put(self, *args) -> None:
         self._log("key_put", *args)
 

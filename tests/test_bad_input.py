@@ -115,7 +115,7 @@ async def test_garbage_stream_closes_only_that_connection(client, server, loop_e
         ([1, P.OP_ACQUIRE, "x", os.urandom(16), 1000, -2, 0, None], "wait must be"),
         ([1, P.OP_ACQUIRE, "x", os.urandom(16), 1000, 0, 60_001, None], "lock_delay must be"),
         ([1, P.OP_ACQUIRE, "x", os.urandom(16), 1000, 0, 0, 5], "correlation id must be str"),
-        ([1, P.OP_ACQUIRE, "x"], "acquire takes 6 arguments"),
+        ([1, P.OP_ACQUIRE, "x"], "acquire takes 6 to 8 arguments"),
         ([1, P.OP_RELEASE, "x", "1", os.urandom(16)], "fencing token must be int"),
         ([1, P.OP_RELEASE, "x", -1, os.urandom(16)], "fencing token out of range"),
         ([1, P.OP_EXTEND, "x", 1, os.urandom(16), 0], "ttl must be between"),

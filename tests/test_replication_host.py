@@ -249,9 +249,12 @@ GOOD_HOLDER = ["a", (1 << 40) | 1, b"o" * 16, 5000, 0, "c", None, 0]
     (GOOD_HOLDER + [5001], "remaining_ms"),    # more left than the TTL
     (GOOD_HOLDER + [-1], "remaining_ms"),
     (GOOD_HOLDER + [1.5], "remaining_ms"),
-    (GOOD_HOLDER + [0, 0], "8 or 9 items"),
-    (GOOD_HOLDER[:7], "8 or 9 items"),
-    ("a", "8 or 9 items"),
+    (GOOD_HOLDER + [0, 0], "8, 9 or 11 items"),
+    (GOOD_HOLDER[:7], "8, 9 or 11 items"),
+    ("a", "8, 9 or 11 items"),
+    (GOOD_HOLDER + [0, 1, 0], "shared/limit"),   # shared must be a bool
+    (GOOD_HOLDER + [0, True, 3], "shared/limit"),  # a permit cannot also be shared
+    (GOOD_HOLDER + [0, False, -1], "shared/limit"),
 ])
 def test_a_standby_refuses_a_malformed_snapshot_holder(tmp_path, holder, error):
     """A snapshot holder with a bad ``remaining_ms`` or shape changes nothing."""

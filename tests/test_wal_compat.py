@@ -92,7 +92,10 @@ def test_typed_records_re_encode_to_the_bytes_on_disk():
 
 
 class _Holder:
-    """A lock table holder as the snapshot push reads it."""
+    """A lock table holder as the snapshot push reads it (an exclusive lease)."""
+
+    shared = False
+    limit = 0
 
     def __init__(self, name, token, owner, ttl_ms, lock_delay_ms, meta, deadline_ms):
         self.name, self.token, self.owner, self.ttl_ms = name, token, owner, ttl_ms

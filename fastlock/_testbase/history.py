@@ -35,24 +35,35 @@ class HistoryChecker:
 
     Call :meth:`held` when a client starts acting as the holder and
     :meth:`released` when it stops (use a single monotonic clock, e.g.
-    ``time.monotonic()``, from one process).  :meth:`check` raises
-    AssertionError on two overlapping holders of one lock or on a fencing token
-    that does not increase, and returns the number of holdings checked.
+    ``time.monotonic()``, from one process).  A holding is exclusive (the
+    default), shared (``shared=True``: a reader) or a semaphore permit
+    (``limit=N``).  :meth:`check` raises AssertionError when
+
+    * an exclusive holding overlaps any other holding of the lock (readers share,
+      writers exclude);
+    * more than N permits of a semaphore overlap at one instant;
+    * a token is handed out twice, or a later holding's token is not greater than
+      an earlier one's (``a`` ended before ``b`` began) - for every pair of
+      exclusive holdings, of a writer and a reader, and of two permits;
+
+    and returns the number of holdings checked.
     """
 
     def __init__(self) -> None:
-        self._open: dict[tuple[str, int], float] = {}
-        self._done: dict[str, list[tuple[float, float, int]]] = {}
+        self._open: dict[tuple[str, int], tuple[float, bool, int]] = {}
+        self._done: dict[str, list[tuple[float, float, int, bool, int]]] = {}
+        self._tokens: set[tuple[str, int]] = set()
 
-    def held(self, name: str, token: int, at: float) -> None:
+    def held(self, name: str, token: int, at: float, shared: bool = False, limit: int = 0) -> None:
         key = (name, token)
-        if key in self._open:
+        if key in self._open or key in self._tokens:
             raise AssertionError(f"token {token} of {name!r} handed out twice")
-        self._open[key] = at
+        self._open[key] = (at, shared, limit)
+        self._tokens.add(key)
 
     def released(self, name: str, token: int, at: float) -> None:
-        start = self._open.pop((name, token))
-        self._done.setdefault(name, []).append((start, at, token))
+        start, shared, limit = self._open.pop((name, token))
+        self._done.setdefault(name, []).append((start, at, token, shared, limit))
 
     def check(self) -> int:
         if self._open:
@@ -60,11 +71,19 @@ class HistoryChecker:
         n = 0
         for name, spans in self._done.items():
             spans.sort()
-            for (s1, e1, t1), (s2, e2, t2) in zip(spans, spans[1:]):
-                if s2 < e1:
-                    raise AssertionError(f"{name!r}: holders overlap: token {t1} [{s1}, {e1}] and {t2} [{s2}, {e2}]")
-                if t2 <= t1:
-                    raise AssertionError(f"{name!r}: fencing token went from {t1} to {t2}")
+            for i, (s1, e1, t1, sh1, l1) in enumerate(spans):
+                for s2, e2, t2, sh2, l2 in spans[i + 1:]:
+                    if s2 >= e1:  # b began after a ended: a's token must be the smaller
+                        if t2 <= t1 and (not (sh1 or l1) or not (sh2 or l2) or (l1 and l2)):
+                            raise AssertionError(f"{name!r}: fencing token went from {t1} to {t2}")
+                        continue
+                    if not (sh1 or l1) or not (sh2 or l2):
+                        raise AssertionError(f"{name!r}: holders overlap: token {t1} [{s1}, {e1}] and "
+                                             f"{t2} [{s2}, {e2}] (an exclusive holder among them)")
+                if l1:  # permits holding at s1 (the instant this one began)
+                    at_start = sum(1 for s, e, _t, _sh, lim in spans if lim and s <= s1 < e)
+                    if at_start > l1:
+                        raise AssertionError(f"{name!r}: {at_start} permits held at once, limit {l1}")
             n += len(spans)
         return n
 

@@ -2,7 +2,12 @@
 
 ::
 
-    fastlock run NAME [--ttl S] [--wait S] [--server HOST:PORT ...] [--grace S] -- CMD [ARG ...]
+    fastlock run NAME [--ttl S] [--wait S] [--limit N | --shared] [--server HOST:PORT ...] -- CMD [ARG ...]
+
+With ``--limit N``, ``NAME`` is a counting semaphore and up to N commands run at
+once, each with its own permit (as ``consul lock -n N``); with ``--shared``, a
+shared (read) lock that any number of commands hold together while no
+exclusive holder does.
 
 Acquires ``NAME`` (waiting in the lock's FIFO queue at most ``--wait``
 seconds; forever by default), starts ``CMD`` with the lease's fencing token in
@@ -33,7 +38,8 @@ Exit status:
     127 / 126             the command was not found / could not be executed (as a shell)
     128 + N               ``fastlock run`` got signal N before the command started
     2                     bad arguments (an empty or too long NAME, ``--ttl`` not > 0, ...),
-                          reported before anything is sent; a TLS file that cannot be loaded
+                          reported before anything is sent; a TLS file that cannot be loaded;
+                          NAME held or awaited under another ``--limit`` (LimitConflict)
 
 Signals: SIGINT, SIGTERM and SIGHUP received by ``fastlock run`` are forwarded
 to the command, which runs in its own process group (so a terminal's Ctrl-C
@@ -63,11 +69,12 @@ from ..errors import (
     FastlockError,
     InvalidArgument,
     LeaseLost,
+    LimitConflict,
     LockNotAcquired,
     PermissionDenied,
     WrongArgumentType,
 )
-from ..protocol import MAX_CLIENT_NAME_CHARS, check_name, check_optional_str
+from ..protocol import MAX_CLIENT_NAME_CHARS, MAX_LIMIT, check_name, check_optional_str
 from ..units import DEFAULT_PORT
 from .args import (
     add_client_tls_arguments,
@@ -97,6 +104,17 @@ CREDENTIAL_VARIABLES = ("FASTLOCK_TOKEN_FILE", "FASTLOCK_AUTH_SECRET")
 __all__ = ["main", "add_parser", "build_parser", "run_from_args", "EXIT_LOST", "EXIT_NOT_ACQUIRED", "EXIT_UNAVAILABLE"]
 
 
+def _limit_arg(value: str) -> int:
+    """argparse type: a semaphore limit, 1..2**31-1."""
+    try:
+        limit = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--limit must be an integer, not {value!r}") from None
+    if not 1 <= limit <= MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"--limit must be 1..{MAX_LIMIT}, not {limit}")
+    return limit
+
+
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", metavar="NAME", help="the lock to hold while the command runs (1-512 bytes of UTF-8)")
     p.add_argument("--ttl", type=ttl_arg, default=10.0, metavar="S",
@@ -104,6 +122,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wait", type=wait_arg, default=None, metavar="S",
                    help="give up if not acquired within S seconds, at most 86400 (default: wait forever; "
                         "0: try once)")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--limit", type=_limit_arg, default=0, metavar="N",
+                      help="NAME is a semaphore: at most N holders at once (as consul lock -n); "
+                           "every holder must give the same N")
+    kind.add_argument("--shared", action="store_true",
+                      help="take NAME as a shared (read) lock: held together with other shared holders")
     p.add_argument("--server", action="append", metavar="HOST:PORT",
                    help="server address; repeat for a primary and standbys "
                         "(default: $FASTLOCK_SERVER or 127.0.0.1:7420)")
@@ -126,7 +150,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 _DESCRIPTION = "run a command while holding a lock (exit codes: see `pydoc fastlock.cli.run`)"
-_USAGE = "fastlock run NAME [--ttl S] [--wait S] [--server HOST:PORT ...] [options] -- CMD [ARG ...]"
+_USAGE = ("fastlock run NAME [--ttl S] [--wait S] [--limit N | --shared] [--server HOST:PORT ...] [options] "
+          "-- CMD [ARG ...]")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -217,11 +242,15 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
             reporter = asyncio.ensure_future(_report_holder(client, args.name))
             try:
                 lease = await client.lock(args.name, ttl=args.ttl, wait=args.wait,
-                                          correlation_id=f"fastlock run: {' '.join(command)}"[:256])
+                                          correlation_id=f"fastlock run: {' '.join(command)}"[:256],
+                                          shared=args.shared, limit=args.limit)
             finally:
                 reporter.cancel()
         except asyncio.CancelledError:
             return 128 + (state["signal"] or signal.SIGINT)
+        except LimitConflict as exc:  # another --limit holds NAME: a usage error, not a timeout
+            log.error("%s", exc)
+            return EXIT_USAGE
         except LockNotAcquired:
             log.warning("%r not acquired within %s s", args.name, args.wait)
             return args.conflict_exit_code

@@ -69,6 +69,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     s.add_argument("--fence-margin", type=seconds_arg, default=None, metavar="SECONDS",
                    help="primary: stop granting this long before a silent standby may promote "
                         "(default: a quarter of its failover window)")
+    s.add_argument("--deadlock-timeout", type=seconds_arg, default=1.0, metavar="SECONDS",
+                   help="fail one waiter of a wait-for cycle (DeadlockDetected) once the cycle is this old "
+                        "(default 1 s, as PostgreSQL's deadlock_timeout; 0: no detection)")
     s.add_argument("--name", metavar="NAME", help="this node's name in logs and replication status")
     s.add_argument("--metrics", type=listen_address, metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (needs prometheus_client)")
@@ -216,6 +219,7 @@ def serve_command(args: argparse.Namespace) -> int:
         failover_after_ms=int(args.failover_after * 1000),
         promotion_grace_ms=None if args.promotion_grace is None else int(args.promotion_grace * 1000),
         fence_margin_ms=None if args.fence_margin is None else int(args.fence_margin * 1000),
+        deadlock_timeout_ms=int(args.deadlock_timeout * 1000),
         name=args.name,
         repair_wal=args.repair_wal,
         wal_writer=args.wal_writer,

@@ -9,6 +9,8 @@ Modules, each readable alone:
 - :mod:`~fastlock.client.renewer` - the one renewal loop (locks, multi-locks,
   election terms);
 - :mod:`~fastlock.client.multilock` - several locks at once, all or none;
+- :mod:`~fastlock.client.kinds` - shared locks' and semaphores' arguments,
+  :class:`Semaphore`, the one-request atomic multi-lock;
 - :mod:`~fastlock.client.client` - the :class:`Client` facade;
 - :mod:`~fastlock.client.connect` - :func:`connect`, the entry point;
 - :mod:`~fastlock.client.admin` - the operator's requests (``locks``, ``lock_info``, ``revoke``);
@@ -26,6 +28,7 @@ from .connect import connect
 from .connection import RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election, Leader, Term
 from .keys import KeyEvent, KeyValue
+from .kinds import Semaphore
 from .lease import IN_JEOPARDY, LOST, SAFE, HolderInfo, Lease, LeaseHealth, LeaseState, WatchEvent
 from .multilock import LockManyContext, MultiLease
 from .renewer import Renewer
@@ -34,4 +37,4 @@ __all__ = ["connect", "Client", "Lease", "LeaseState", "LeaseHealth", "LockConte
            "LockManyContext", "WatchEvent", "HolderInfo", "Election", "Term", "Leader", "Renewer", "resolve_credential",
            "DEFAULT_PORT", "LATE_GRANT_FRACTION", "SAFE", "IN_JEOPARDY", "LOST", "RETRYABLE", "ClientConnection",
            "Connector", "RideThrough", "KeyValue", "KeyEvent",
-           "LeaseInfo", "LockInfo", "LockList", "WaiterInfo"]
+           "LeaseInfo", "LockInfo", "LockList", "WaiterInfo", "Semaphore"]

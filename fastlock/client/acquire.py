@@ -36,8 +36,9 @@ async def acquire_retry(connector: Connector, connect_timeout: float, request: t
     """Ride an acquire through a failover: same owner key, the wait that is
     left, until ``started + wait + connect_timeout``.  Returns the reply and
     the ``loop.time()`` its request was sent.  ``request``: ``(name, ttl_ms,
-    wait_ms, delay_ms, correlation_id)``; ``connect_timeout`` in seconds."""
-    name, ttl_ms, wait_ms, delay_ms, correlation_id = request
+    wait_ms, delay_ms, correlation_id, kind)`` (``kind``: ACQUIRE's trailing
+    arguments, see :func:`~fastlock.client.kinds.kind_args`); ``connect_timeout`` in seconds."""
+    name, ttl_ms, wait_ms, delay_ms, correlation_id, kind = request
     loop = asyncio.get_running_loop()
     wait_end = None if wait_ms < 0 else started + wait_ms / 1000.0
     deadline = None if wait_end is None else wait_end + connect_timeout
@@ -62,7 +63,7 @@ async def acquire_retry(connector: Connector, connect_timeout: float, request: t
             left_ms = max(0, int((wait_end - loop.time()) * 1000))
         sent = loop.time()
         try:
-            reply = await proto.request(P.OP_ACQUIRE, name, owner, ttl_ms, left_ms, delay_ms, correlation_id)
+            reply = await proto.request(P.OP_ACQUIRE, name, owner, ttl_ms, left_ms, delay_ms, correlation_id, *kind)
             return reply, sent
         except asyncio.CancelledError:
             connector.withdraw(proto, name, owner)
@@ -79,7 +80,8 @@ async def verify_late_grant(client: Client, lease: Lease, request: tuple[Any, ..
     left by the conservative estimate: verify it with one EXTEND, or give
     it back and queue again while the wait allows (see :meth:`Client.acquire`)."""
     loop = asyncio.get_running_loop()
-    name, ttl_ms, wait_ms, delay_ms, correlation_id = request
+    name, ttl_ms, wait_ms, delay_ms, correlation_id, kind = request
+    shared, limit = (kind + (False, 0))[:2]
     log.warning("grant of %s token %d was read with %.3f s of its %.3f s TTL left (this process or the "
                 "network stalled); verifying it with the server", quote(lease.name), lease.fencing_token,
                 lease.expires_at - loop.time(), lease.ttl)
@@ -97,10 +99,10 @@ async def verify_late_grant(client: Client, lease: Lease, request: tuple[Any, ..
         client.release_nowait(lease)
     if wait_ms < 0:
         return await client.acquire(name, ttl=ttl_ms / 1000.0, wait=None, lock_delay=delay_ms / 1000.0,
-                                  correlation_id=correlation_id)
+                                    correlation_id=correlation_id, shared=shared, limit=limit)
     left = started + wait_ms / 1000.0 - loop.time()
     if wait_ms > 0 and left > 0:
         return await client.acquire(name, ttl=ttl_ms / 1000.0, wait=left, lock_delay=delay_ms / 1000.0,
-                                  correlation_id=correlation_id)
+                                    correlation_id=correlation_id, shared=shared, limit=limit)
     raise LeaseLost(f"{name!r} was granted (token {lease.fencing_token}) but the grant was read too late to "
                     f"prove the lease alive, and the wait had no time left to queue again")

@@ -36,6 +36,7 @@ from .connection import BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, Rid
 from .election import Election
 from .environment import addresses_from_env, secret_from_env, tls_from_env
 from .keys import KeyMethods
+from .kinds import Semaphore, kind_args
 from .lease import HolderInfo, Lease, LeaseState, WatchEvent, check_fraction, check_lease
 from .multilock import LockManyContext, MultiLease, acquire_many, release_many, sorted_names
 from .renewer import LockContext, Renewer, Renewers
@@ -146,6 +147,11 @@ class Client(KeyMethods, LockAdminMethods):
         return self._connector.max_epoch
 
     @property
+    def connector(self) -> Connector:
+        """Finds the primary and rides requests through failovers (see :mod:`fastlock.client.connection`)."""
+        return self._connector
+
+    @property
     def connection(self) -> ClientConnection | None:
         """The current connection to the primary, or None (for diagnostics)."""
         return self._connector.proto
@@ -199,8 +205,14 @@ class Client(KeyMethods, LockAdminMethods):
 
     # -- lock operations ----------------------------------------------------------------
     async def acquire(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
-                      correlation_id: str | None = None) -> Lease:
+                      correlation_id: str | None = None, shared: bool = False, limit: int = 0) -> Lease:
         """Acquire ``name`` and return its :class:`Lease`.
+
+        ``shared=True`` asks for a shared (read) lease: any number of shared
+        holders, or one exclusive holder; FIFO across both kinds (a reader that
+        arrives behind a waiting writer queues behind it).  ``limit=N`` takes a
+        permit of the counting semaphore ``name`` (at most N holders; see
+        :meth:`semaphore`).  Every lease, of every kind, has its own fencing token.
 
         Args:
             name: lock name, non-empty, at most 512 bytes of UTF-8.
@@ -250,6 +262,9 @@ class Client(KeyMethods, LockAdminMethods):
             ConnectionLost: the deadline passed with no primary reachable,
                 or the client was closed.
             LimitExceeded: too many waiting acquires on this connection.
+            LimitConflict: ``limit`` disagrees with the name's current kind
+                (a lock, or a semaphore with another limit).
+            DeadlockDetected: this waiter was failed to break a deadlock.
             InvalidArgument / WrongArgumentType: bad arguments (nothing sent).
 
         Cancelling the awaiting task (``task.cancel()``, ``asyncio.timeout``)
@@ -263,13 +278,14 @@ class Client(KeyMethods, LockAdminMethods):
                                          else _ms(lock_delay, "lock_delay", allow_zero=True))
         if correlation_id is not None:
             P.check_optional_str(correlation_id, "correlation_id", P.MAX_CORRELATION_ID_CHARS)
+        kind = kind_args(shared, limit)
         owner = os.urandom(16)
         connector = self._connector
         proto = connector.proto
         if proto is not None and not proto.closed:
             loop = proto.loop
             sent = started = loop.time()
-            fut = proto.request(P.OP_ACQUIRE, name, owner, ttl_ms, wait_ms, delay_ms, correlation_id)
+            fut = proto.request(P.OP_ACQUIRE, name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, *kind)
             try:
                 reply = await fut
             except asyncio.CancelledError:
@@ -277,13 +293,13 @@ class Client(KeyMethods, LockAdminMethods):
                 raise
             except RETRYABLE as exc:
                 reply, sent = await acquire_retry(connector, self._connect_timeout,
-                                                  (name, ttl_ms, wait_ms, delay_ms, correlation_id), owner, sent,
-                                                  proto, exc)
+                                                  (name, ttl_ms, wait_ms, delay_ms, correlation_id, kind), owner,
+                                                  sent, proto, exc)
         else:
             loop = asyncio.get_running_loop()
             started = loop.time()
             reply, sent = await acquire_retry(connector, self._connect_timeout,
-                                              (name, ttl_ms, wait_ms, delay_ms, correlation_id), owner, started)
+                                              (name, ttl_ms, wait_ms, delay_ms, correlation_id, kind), owner, started)
         token = reply[0]
         granted_ttl = reply[1] / 1000.0
         # The grant happened no earlier than `sent + waited` on our clock (the
@@ -296,7 +312,7 @@ class Client(KeyMethods, LockAdminMethods):
         lease = Lease(name, token, granted_ttl, owner, LeaseState(expires_at))
         if expires_at - loop.time() >= granted_ttl * LATE_GRANT_FRACTION:
             return lease
-        return await verify_late_grant(self, lease, (name, ttl_ms, wait_ms, delay_ms, correlation_id), started)
+        return await verify_late_grant(self, lease, (name, ttl_ms, wait_ms, delay_ms, correlation_id, kind), started)
 
     async def release(self, lease: Lease) -> None:
         """Release ``lease``; the next waiter (if any) is granted at once.
@@ -432,7 +448,7 @@ class Client(KeyMethods, LockAdminMethods):
 
     def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
              correlation_id: str | None = None, renew: bool = True,
-             jeopardy_fraction: float = 0.5) -> LockContext:
+             jeopardy_fraction: float = 0.5, shared: bool = False, limit: int = 0) -> LockContext:
         """Acquire ``name`` and keep renewing it.
 
         ``async with client.lock(...) as lease:`` acquires, renews at about a
@@ -451,64 +467,75 @@ class Client(KeyMethods, LockAdminMethods):
         """
         P.check_name(name)
         check_fraction(jeopardy_fraction)
-        return LockContext(self, name, dict(ttl=ttl, wait=wait, lock_delay=lock_delay,
-                                            correlation_id=correlation_id), renew, jeopardy_fraction)
+        kind_args(shared, limit)
+        return LockContext(self, name, dict(ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
+                                            shared=shared, limit=limit), renew, jeopardy_fraction)
+
+    def semaphore(self, name: str, limit: int) -> Semaphore:
+        """The counting semaphore ``name`` with at most ``limit`` holders (1 .. 2**31-1):
+        ``acquire``/``lock`` take a permit as :meth:`acquire`/:meth:`lock` take a lock
+        (Curator's InterProcessSemaphoreV2, kazoo's Semaphore, ``consul lock -n``).
+        Raises InvalidArgument / WrongArgumentType for a bad name or limit."""
+        return Semaphore(self, name, limit)
+
+    async def contenders(self, name: str) -> dict[str, Any]:
+        """The holders and the FIFO-ordered waiters of lock or semaphore ``name``
+        (kazoo's ``contenders()``): ``{"holders": [...], "waiters": [...]}``, each a
+        dict (see :mod:`fastlock.protocol`, CONTENDERS)."""
+        info: dict[str, Any] = await self._request(P.OP_CONTENDERS, P.check_name(name))
+        return info
 
     # -- several locks at once --------------------------------------------------------
     async def acquire_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None,
-                           lock_delay: float = 0.0, correlation_id: str | None = None) -> MultiLease:
-        """Acquire every lock in ``names``, or none of them.
+                           lock_delay: float = 0.0, correlation_id: str | None = None,
+                           shared: Iterable[str] = ()) -> MultiLease:
+        """Acquire every lock in ``names``, or none of them: one request, one round trip.
 
-        The locks are taken one after the other in one global order - sorted
-        by the UTF-8 bytes of their names - whatever order ``names`` lists them
-        in.  Every multi-lock takes its locks in that same total order, so no
-        set of them can wait on each other in a cycle (the waits-for graph
-        stays acyclic: ordered two-phase locking), and a single-lock holder
-        waits for nothing while it holds.  The price is one round trip per
-        name (plus queueing), and a lock taken early is held while later ones
-        are awaited.
+        The server grants the set atomically (one lease and one fencing token per
+        name, all with one owner key) and, while it waits, holds none of them; the
+        request queues FIFO on every name (behind earlier waiters, ahead of later
+        ones), so sets taken this way never deadlock with each other.  More than
+        64 names, or a server without the op (an older fastlock), fall back to
+        taking them one by one in the global order of their UTF-8 bytes (ordered
+        two-phase locking), releasing what was taken on failure.
 
         Args:
-            names: distinct lock names (at least one; each checked as in
-                :meth:`acquire`).
-            ttl: each lease's time to live in seconds, counted from *its* grant
-                (:meth:`acquire_many` does not renew: with a long ``wait`` and
-                a short ``ttl``, use :meth:`lock_many`).
-            wait: one overall deadline in seconds for all of them; ``0`` tries
-                each once; ``None`` waits forever.
+            names: distinct lock names (at least one; each checked as in :meth:`acquire`).
+            ttl: each lease's time to live in seconds (:meth:`acquire_many` does
+                not renew: use :meth:`lock_many` for that).
+            wait: one deadline in seconds for the set; ``0`` tries once; ``None`` waits forever.
             lock_delay, correlation_id: as :meth:`acquire`, for every lease.
+            shared: the names among ``names`` to take as shared (read) locks.
 
         Returns:
             a :class:`MultiLease`.
 
         Raises:
-            LockNotAcquired: the deadline passed; the locks taken so far are
-                released before this is raised.
-            InvalidArgument / WrongArgumentType: no names, a duplicate name, or
-                a bad argument (nothing sent).
-            ConnectionLost: the connection dropped; partial grants are released
-                (cancelled by owner on the next connection, else they expire).
+            LockNotAcquired: the deadline passed (nothing is held).
+            DeadlockDetected: (one-by-one path only) a lock wait was failed to break a deadlock.
+            InvalidArgument / WrongArgumentType: no names, a duplicate name, a
+                semaphore among them (LimitConflict), or a bad argument.
+            ConnectionLost: no primary reachable within the deadline.
 
-        Cancelling the awaiting task releases whatever was taken.
+        Cancelling the awaiting task withdraws the request (or releases what was granted).
         """
-        return await acquire_many(self, names, dict(ttl=ttl, lock_delay=lock_delay, correlation_id=correlation_id),
-                                  wait, None)
+        return await acquire_many(self, names, dict(ttl=ttl, lock_delay=lock_delay, correlation_id=correlation_id,
+                                                    shared=shared), wait, None)
 
     def lock_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
-                  correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> LockManyContext:
+                  correlation_id: str | None = None, jeopardy_fraction: float = 0.5,
+                  shared: Iterable[str] = ()) -> LockManyContext:
         """:meth:`acquire_many` plus auto-renewal of every lease, as :meth:`lock`.
 
         ``async with client.lock_many(["a", "b"], ttl=10.0) as locks:`` holds
         all of them in the body and releases them on exit; ``await
-        client.lock_many(...)`` holds them until :meth:`release_many`.  Each
-        lease is renewed from the moment it is granted (so waiting for the
-        later ones cannot let the early ones expire).  ``locks.lost`` is set as
-        soon as any one of them is lost.
+        client.lock_many(...)`` holds them until :meth:`release_many`.
+        ``locks.lost`` is set as soon as any one of them is lost.
         """
         checked = sorted_names(names)
         check_fraction(jeopardy_fraction)
-        return LockManyContext(self, checked, dict(ttl=ttl, lock_delay=lock_delay, correlation_id=correlation_id),
-                               wait, jeopardy_fraction)
+        return LockManyContext(self, checked, dict(ttl=ttl, lock_delay=lock_delay, correlation_id=correlation_id,
+                                                   shared=tuple(shared)), wait, jeopardy_fraction)
 
     def release_nowait(self, lease: Lease) -> None:
         """Release ``lease`` without waiting for the reply (best effort; for

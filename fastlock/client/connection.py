@@ -121,7 +121,8 @@ class Connector:
         InvalidArgument / WrongArgumentType: no address, or a bad one.
     """
 
-    __slots__ = ("addresses", "proto", "closed", "server_info", "max_epoch", "orphans", "_auth", "_client_name",
+    __slots__ = ("addresses", "proto", "closed", "server_info", "max_epoch", "orphans", "no_acquire_many",
+                 "_auth", "_client_name",
                  "_connect_timeout", "_request_timeout", "_ssl", "_server_hostname", "_connecting",
                  "_connect_task", "_attempt", "_suspects", "_demoted", "_preferred")
 
@@ -142,6 +143,8 @@ class Connector:
         self.server_info: dict[str, Any] = {}
         self.max_epoch = 0
         self.orphans: list[tuple[str, bytes]] = []
+        #: set once a server refused ACQUIRE_MANY as unknown (an older fastlock): multi-locks go one by one
+        self.no_acquire_many = False
         self._connecting: asyncio.Future[Any] | None = None  # result of the connection attempt in progress
         self._connect_task: asyncio.Task[Any] | None = None
         self._attempt: dict[str, Any] = {}  # {"addr": the address the attempt in progress is trying}
@@ -402,6 +405,11 @@ class Connector:
         if proto is not None and not proto.closed and proto.last_recv > started:
             return
         self.reset(reason)
+
+    @property
+    def connect_timeout(self) -> float:
+        """Seconds allowed to find a primary (per attempt, and after a wait for riding through)."""
+        return self._connect_timeout
 
     def withdraw(self, proto: ClientConnection | None, name: str, owner: bytes, op: int = P.OP_CANCEL,
                  *args: Any) -> None:

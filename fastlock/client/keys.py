@@ -32,11 +32,11 @@ from ..protocol.ops import (
     OP_KEY_UNWATCH,
     OP_KEY_WATCH,
 )
-from .connection import RETRYABLE, RideThrough
 from .lease import Lease, check_lease
+from .watch import subscribe, unsubscribe
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .connection import Connector
+    from .connection import ClientConnection, Connector
 
 __all__ = ["KeyValue", "KeyEvent", "KeyMethods", "SyncKeyMethods", "MAX_LIST"]
 
@@ -155,23 +155,12 @@ class KeyMethods:
         return _watch_prefix(self._connector, prefix, self._op_timeout)
 
 
+def _key_watches(proto: ClientConnection) -> dict[str, set[asyncio.Queue[Any]]]:
+    return proto.key_watches
+
+
 async def _watch_prefix(connector: Connector, prefix: str, timeout: float) -> AsyncIterator[KeyEvent]:
-    pacing = RideThrough(connector, asyncio.get_running_loop().time() + timeout)
-    pause = False
-    while True:  # starting rides through a failover, as every call does
-        proto = await pacing.connection(pause)
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        proto.key_watches.setdefault(prefix, set()).add(queue)
-        try:
-            await proto.request(OP_KEY_WATCH, prefix)
-            break
-        except RETRYABLE as exc:
-            _drop(proto.key_watches, prefix, queue)
-            if connector.closed:
-                raise
-            pause = pacing.failed(proto, exc)
-    proto.subscriptions += 1
-    proto.rearm()  # the watch keeps the liveness watchdog armed
+    proto, queue, _ = await subscribe(connector, timeout, _key_watches, OP_KEY_WATCH, prefix)
     try:
         while True:
             item = await queue.get()
@@ -179,21 +168,7 @@ async def _watch_prefix(connector: Connector, prefix: str, timeout: float) -> As
                 raise ConnectionLost(f"connection lost while watching keys under {prefix!r}")
             yield KeyEvent(*item)
     finally:
-        proto.subscriptions -= 1
-        if _drop(proto.key_watches, prefix, queue) and not proto.closed:
-            proto.send(OP_KEY_UNWATCH, prefix)
-
-
-def _drop(watches: dict[str, set[asyncio.Queue[Any]]], prefix: str, queue: asyncio.Queue[Any]) -> bool:
-    """Remove ``queue``; True if it was the prefix's last."""
-    group = watches.get(prefix)
-    if group is None:
-        return False
-    group.discard(queue)
-    if group:
-        return False
-    del watches[prefix]
-    return True
+        unsubscribe(proto, _key_watches, prefix, queue, OP_KEY_UNWATCH)
 
 
 class SyncKeyMethods:

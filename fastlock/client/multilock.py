@@ -1,11 +1,15 @@
 """Several locks at once, all or none: :class:`MultiLease`, :class:`LockManyContext`
-and the ordered acquisition behind :meth:`Client.acquire_many
+and the acquisition behind :meth:`Client.acquire_many
 <fastlock.client.Client.acquire_many>` / :meth:`Client.lock_many
 <fastlock.client.Client.lock_many>`.
 
-The locks are taken one after the other in one global order - sorted by the
-UTF-8 bytes of their names - so no set of multi-locks can wait on each other
-in a cycle (ordered two-phase locking).
+Up to 64 names go in ONE ``ACQUIRE_MANY`` request
+(:func:`fastlock.client.kinds.acquire_set`): the server grants the set
+atomically and queues it FIFO on every name, holding none while it waits.  More
+names, or a server without that op (an older fastlock), take the locks one
+after the other in one global order - sorted by the UTF-8 bytes of their names -
+so no set of multi-locks can wait on each other in a cycle (ordered two-phase
+locking).
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from collections.abc import Coroutine, Generator, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
-from ..errors import FastlockError, InvalidArgument, LeaseLost, WrongArgumentType
+from ..errors import FastlockError, InvalidArgument, LeaseLost, ProtocolError, WrongArgumentType
 from ..logsafe import quote
+from .kinds import acquire_set
 from .lease import Lease
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -102,26 +107,61 @@ class MultiLease:
         return f"<MultiLease {self.fencing_tokens}{' lost' if self.lost.is_set() else ''}>"
 
 
+def shared_names(shared: Iterable[str], names: SortedNames) -> frozenset[str]:
+    """The names of ``names`` to take shared.  :raises InvalidArgument: a name not in ``names``."""
+    if isinstance(shared, (str, bytes)):
+        raise WrongArgumentType("shared must be an iterable of lock names, not a single string")
+    out = frozenset(shared)
+    stray = out.difference(names)
+    if stray:
+        raise InvalidArgument(f"shared names {sorted(stray)!r} are not among the names to lock")
+    return out
+
+
 async def acquire_many(client: Client, names: Iterable[str], kwargs: dict[str, Any], wait: float | None,
                        renew_fraction: float | None) -> MultiLease:
-    """Acquire every name in the global order under one deadline of ``wait``
-    seconds (None: none), each with ``client.acquire(**kwargs)``; renew each
-    from its grant when ``renew_fraction`` (the jeopardy fraction) is given.
-    On any failure the locks taken so far are released (cancellation: released
-    without waiting).  See :meth:`Client.acquire_many`."""
+    """Acquire every name under one deadline of ``wait`` seconds (None: none): with one
+    ACQUIRE_MANY request when the server has it and there are at most 64 names, else
+    one by one in the global order; ``kwargs``: ``ttl``, ``lock_delay``,
+    ``correlation_id`` and ``shared`` (names to take shared).  Renew each lease from
+    its grant when ``renew_fraction`` (the jeopardy fraction) is given.  See
+    :meth:`Client.acquire_many`."""
     ordered = sorted_names(names)
+    kwargs = dict(kwargs)
+    shared = shared_names(kwargs.pop("shared", ()), ordered)
     # Validate everything before the first request goes out.
-    P.check_ttl_ms(P.seconds_to_ms(kwargs["ttl"], "ttl"))
-    P.seconds_to_ms(wait, "wait", allow_none=True, allow_zero=True)
-    P.check_lock_delay_ms(P.seconds_to_ms(kwargs["lock_delay"], "lock_delay", allow_zero=True))
+    ttl_ms = P.check_ttl_ms(P.seconds_to_ms(kwargs["ttl"], "ttl"))
+    wait_ms = P.check_wait_ms(P.seconds_to_ms(wait, "wait", allow_none=True, allow_zero=True))
+    delay_ms = P.check_lock_delay_ms(P.seconds_to_ms(kwargs["lock_delay"], "lock_delay", allow_zero=True))
     P.check_optional_str(kwargs["correlation_id"], "correlation_id", P.MAX_CORRELATION_ID_CHARS)
+    if len(ordered) <= P.MAX_MANY and not client.connector.no_acquire_many:
+        try:
+            leases = await acquire_set(client, [(n, n in shared) for n in ordered], ttl_ms, wait_ms, delay_ms,
+                                       kwargs["correlation_id"])
+        except ProtocolError as exc:
+            if f"unknown operation {P.OP_ACQUIRE_MANY}" not in str(exc):
+                raise
+            client.connector.no_acquire_many = True  # an older server: one by one from now on
+            log.info("the server has no atomic multi-lock (an older fastlock): taking locks one by one")
+        else:
+            if renew_fraction is not None:
+                for lease in leases:
+                    client.start_renewing(lease, renew_fraction)
+            return MultiLease(tuple(leases))
+    return await _one_by_one(client, ordered, shared, kwargs, wait, renew_fraction)
+
+
+async def _one_by_one(client: Client, ordered: SortedNames, shared: frozenset[str], kwargs: dict[str, Any],
+                      wait: float | None, renew_fraction: float | None) -> MultiLease:
+    """The locks one after the other in the global order; on any failure the locks
+    taken so far are released (cancellation: released without waiting)."""
     loop = asyncio.get_running_loop()
     deadline = None if wait is None else loop.time() + wait
     leases: list[Lease] = []
     try:
         for name in ordered:
             left = None if deadline is None else max(0.0, deadline - loop.time())
-            lease = await client.acquire(name, wait=left, **kwargs)
+            lease = await client.acquire(name, wait=left, shared=name in shared, **kwargs)
             leases.append(lease)
             if renew_fraction is not None:
                 client.start_renewing(lease, renew_fraction)

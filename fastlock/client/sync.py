@@ -48,6 +48,7 @@ from .admin import LeaseInfo, LockInfo, LockList
 from .client import Client
 from .forks import check_held_here, fork_lock, keep_inherited
 from .keys import SyncKeyMethods
+from .kinds import SyncSemaphore
 from .lease import HolderInfo, Lease, WatchEvent
 from .multilock import MultiLease
 from .sync_election import SyncElection
@@ -333,12 +334,20 @@ class SyncClient(SyncKeyMethods):
 
     # -- operations ------------------------------------------------------------------
     def acquire(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
-                correlation_id: str | None = None) -> SyncLease:
+                correlation_id: str | None = None, shared: bool = False, limit: int = 0) -> SyncLease:
         """As :meth:`Client.acquire <fastlock.client.Client.acquire>` (not renewed)."""
         async def run() -> SyncLease:
             return SyncLease(await self._client.acquire(name, ttl=ttl, wait=wait, lock_delay=lock_delay,
-                                                        correlation_id=correlation_id))
+                                                        correlation_id=correlation_id, shared=shared, limit=limit))
         return self.call(run())
+
+    def semaphore(self, name: str, limit: int) -> SyncSemaphore:
+        """As :meth:`Client.semaphore <fastlock.client.Client.semaphore>`: ``acquire``/``lock`` take a permit."""
+        return SyncSemaphore(self, name, limit)
+
+    def contenders(self, name: str) -> dict[str, Any]:
+        """As :meth:`Client.contenders <fastlock.client.Client.contenders>`."""
+        return self.call(self._client.contenders(name))
 
     def release(self, lease: SyncLease) -> None:
         """As :meth:`Client.release <fastlock.client.Client.release>`.
@@ -382,7 +391,8 @@ class SyncClient(SyncKeyMethods):
         return self.call(self._client.revoke(name, fencing_token=fencing_token, reason=reason))
 
     def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
-             correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> SyncLockContext[SyncLease]:
+             correlation_id: str | None = None, jeopardy_fraction: float = 0.5, shared: bool = False,
+             limit: int = 0) -> SyncLockContext[SyncLease]:
         """``with client.lock(name, ttl=10.0) as lease:`` - acquire, renew in
         the background (about every ttl/3, with jitter), release on exit.
 
@@ -392,27 +402,26 @@ class SyncClient(SyncKeyMethods):
         """
         return SyncLockContext(self, lambda client: client.lock(
             name, ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
-            jeopardy_fraction=jeopardy_fraction))
+            jeopardy_fraction=jeopardy_fraction, shared=shared, limit=limit))
 
     def acquire_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
-                     correlation_id: str | None = None) -> SyncMultiLease:
+                     correlation_id: str | None = None, shared: Iterable[str] = ()) -> SyncMultiLease:
         """As :meth:`Client.acquire_many <fastlock.client.Client.acquire_many>` (all or none, not renewed)."""
-        names = list(names)
-
+        names, shared = list(names), list(shared)
         async def run() -> SyncMultiLease:
             return SyncMultiLease(await self._client.acquire_many(names, ttl=ttl, wait=wait, lock_delay=lock_delay,
-                                                                  correlation_id=correlation_id))
+                                                                  correlation_id=correlation_id, shared=shared))
         return self.call(run())
 
     def lock_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
-                  correlation_id: str | None = None,
-                  jeopardy_fraction: float = 0.5) -> SyncLockContext[SyncMultiLease]:
+                  correlation_id: str | None = None, jeopardy_fraction: float = 0.5,
+                  shared: Iterable[str] = ()) -> SyncLockContext[SyncMultiLease]:
         """``with client.lock_many(names, ttl=10.0) as multi:`` - all or none,
         each renewed in the background, all released on exit."""
-        names = list(names)
+        names, shared = list(names), list(shared)
         return SyncLockContext(self, lambda client: client.lock_many(
             names, ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
-            jeopardy_fraction=jeopardy_fraction))
+            jeopardy_fraction=jeopardy_fraction, shared=shared))
 
     def release_many(self, multi: SyncMultiLease) -> None:
         """As :meth:`Client.release_many <fastlock.client.Client.release_many>`."""

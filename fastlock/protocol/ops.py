@@ -46,6 +46,8 @@ OP_KEY_UNWATCH = 45  # prefix
 KEY_UPSERT = 0
 KEY_CREATE = 1
 KEY_REPLACE = 2
+OP_ACQUIRE_MANY = 30
+OP_CONTENDERS = 31
 
 
 class Op(NamedTuple):
@@ -61,7 +63,7 @@ class Op(NamedTuple):
 #: every operation of the protocol, by code
 OPS: tuple[Op, ...] = (
     Op(OP_HELLO, "hello", 3, 4),
-    Op(OP_ACQUIRE, "acquire", 6, 6),
+    Op(OP_ACQUIRE, "acquire", 6, 8),
     Op(OP_RELEASE, "release", 3, 3),
     Op(OP_EXTEND, "extend", 4, 4),
     Op(OP_CANCEL, "cancel", 2, 2),
@@ -85,6 +87,8 @@ OPS: tuple[Op, ...] = (
     Op(OP_LOCKS, "locks", 2, 2),  # prefix, most entries (None: the server's limit)
     Op(OP_LOCK_INFO, "lock_info", 1, 1),  # name
     Op(OP_REVOKE, "revoke", 3, 3),  # name, token (None: every holder), reason (None or text)
+    Op(OP_ACQUIRE_MANY, "acquire_many", 6, 6),
+    Op(OP_CONTENDERS, "contenders", 1, 1),
 )
 
 #: (fewest, most) arguments of each op, after ``[req_id, op]``

@@ -17,9 +17,10 @@ from ..units import seconds_to_ms
 from .ops import MAX_EPOCH
 
 __all__ = [
-    "MAX_CLIENT_NAME_CHARS", "MAX_CORRELATION_ID_CHARS", "MAX_LOCK_DELAY_MS", "MAX_NAME_BYTES",
+    "MAX_CLIENT_NAME_CHARS", "MAX_CORRELATION_ID_CHARS", "MAX_LIMIT", "MAX_LOCK_DELAY_MS", "MAX_MANY",
+    "MAX_NAME_BYTES", "check_limit", "check_many_items",
     "MAX_OWNER_BYTES", "MAX_TTL_MS", "MAX_WAIT_MS", "MIN_TTL_MS", "check_epoch", "check_lock_delay_ms",
-    "check_name", "check_optional_str", "check_owner", "check_token", "check_ttl_ms", "check_wait_ms",
+    "check_name", "check_optional_str", "check_owner", "check_shared", "check_token", "check_ttl_ms", "check_wait_ms",
     "seconds_to_ms",
 ]
 
@@ -32,6 +33,10 @@ MAX_LOCK_DELAY_MS = 60_000
 MAX_OWNER_BYTES = 64
 MAX_CORRELATION_ID_CHARS = 256
 MAX_CLIENT_NAME_CHARS = 128
+#: the largest semaphore limit (equal to ``fastlock._core.MAX_LIMIT``)
+MAX_LIMIT = (1 << 31) - 1
+#: the most names in one ACQUIRE_MANY (equal to ``fastlock._core.MAX_MANY``)
+MAX_MANY = 64
 
 
 def check_name(name: Any) -> str:
@@ -75,6 +80,39 @@ def check_lock_delay_ms(delay_ms: Any) -> int:
     if not 0 <= delay_ms <= MAX_LOCK_DELAY_MS:
         raise InvalidArgument(f"lock_delay must be 0..{MAX_LOCK_DELAY_MS} ms, got {delay_ms}")
     return delay_ms
+
+
+def check_shared(shared: Any) -> bool:
+    """A shared (read) lease: True, or False for an exclusive one."""
+    if type(shared) is not bool:
+        raise WrongArgumentType(f"shared must be a bool, not {type(shared).__name__}")
+    return shared
+
+
+def check_limit(limit: Any) -> int:
+    """A semaphore limit: 1..MAX_LIMIT holders, or 0 for a lock."""
+    if type(limit) is not int:  # bool is refused on purpose
+        raise WrongArgumentType(f"limit must be an int, not {type(limit).__name__}")
+    if not 0 <= limit <= MAX_LIMIT:
+        raise InvalidArgument(f"limit must be 1..{MAX_LIMIT} (a semaphore) or 0 (a lock), got {limit}")
+    return limit
+
+
+def check_many_items(items: Any) -> list[tuple[str, bool]]:
+    """The names of one atomic multi-lock: a list of 1..MAX_MANY ``[name, shared]``
+    pairs with distinct names."""
+    if type(items) is not list:
+        raise WrongArgumentType(f"the names must be a list of [name, shared] pairs, not {type(items).__name__}")
+    if not 1 <= len(items) <= MAX_MANY:
+        raise InvalidArgument(f"a multi-lock takes 1..{MAX_MANY} names, got {len(items)}")
+    out = []
+    for item in items:
+        if type(item) not in (list, tuple) or len(item) != 2:
+            raise WrongArgumentType("each name of a multi-lock must be a [name, shared] pair")
+        out.append((check_name(item[0]), check_shared(item[1])))
+    if len({name for name, _ in out}) != len(out):
+        raise InvalidArgument("a multi-lock names each lock once")
+    return out
 
 
 def check_owner(owner: Any) -> bytes:

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 from .. import protocol as P
 from ..errors import FastlockError, ProtocolError
 from ..roles import Role
-from ..units import monotonic_ms
-from ..wal import Epoch, Expire, Extend, Grant, LeaseMeta, Record, Release, Revoke, apply, decode_frames
+from ..units import monotonic_ms, wall_ms
+from ..wal import Epoch, Expire, Extend, Grant, LeaseMeta, LockDelay, Record, Release, Revoke, apply, decode_frames
 from ..wal.keyspace import KeySpace
 from ..wal.records import KeyDelete, KeyPut
 from ..wal.records import decode as decode_record
@@ -55,20 +55,20 @@ class StandbyApply:
     def counter(self) -> int:
         return self.table.counter
 
-    def holder_token(self, name: str) -> int | None:
-        h = self.table.holder(name, 0)
-        return None if h is None else h.token
+    def holds(self, name: str, token: int) -> bool:
+        return self.table.check(name, token, 0)
 
     def install(self, g: Grant) -> None:
         self.table.install_holder(g.name, g.token, g.owner_hash, g.ttl_ms, g.lock_delay_ms,
-                                  LeaseMeta(g.client, g.correlation_id), 0)
-        self.wal.log_grant(g.name, g.token, g.owner_hash, g.ttl_ms, g.lock_delay_ms, g.client, g.correlation_id)
+                                  LeaseMeta(g.client, g.correlation_id), 0, g.shared, g.limit)
+        self.wal.log_grant(g.name, g.token, g.owner_hash, g.ttl_ms, g.lock_delay_ms, g.client, g.correlation_id,
+                           g.shared, g.limit)
         self.follower.track(g.name, g.token, g.ttl_ms)
         self.follower.saw_ttl(g.ttl_ms)
 
     def remove(self, record: Release | Expire | Revoke) -> None:
         self.table.remove_holder(record.name, record.token, 0)
-        self.follower.lease_deadlines.pop(record.name, None)
+        self.follower.lease_deadlines.pop(record.token, None)
         if isinstance(record, Release):
             self.wal.log_release(record.name, record.token)
         elif isinstance(record, Revoke):
@@ -77,9 +77,9 @@ class StandbyApply:
             self.wal.log_expire(record.name, record.token)
 
     def set_ttl(self, record: Extend) -> None:
-        h = self.table.holder(record.name, 0)
-        assert h is not None, "apply() extends only a holder whose token matched"
-        self.table.install_holder(record.name, record.token, h.owner, record.ttl_ms, h.lock_delay_ms, h.meta, 0)
+        h = next(h for h in self.table.holders_of(record.name, 0) if h.token == record.token)
+        self.table.install_holder(record.name, record.token, h.owner, record.ttl_ms, h.lock_delay_ms, h.meta, 0,
+                                  h.shared, h.limit)
         self.wal.log_extend(record.name, record.token, record.ttl_ms)
         self.follower.track(record.name, record.token, record.ttl_ms)
         self.follower.saw_ttl(record.ttl_ms, persist=False)
@@ -91,6 +91,13 @@ class StandbyApply:
     def raise_counter(self, counter: int) -> None:
         self.table.advance_counter(counter)
 
+    def set_lock_delay(self, record: LockDelay) -> None:
+        # on this node's monotonic clock (its table runs on frozen time 0 until a
+        # promotion), capped at the longest lock-delay as recovery does
+        left = min(record.until_wall_ms - wall_ms(), P.MAX_LOCK_DELAY_MS)
+        if left > 0:
+            self.table.install_lock_delay(record.name, monotonic_ms() + left, 0)
+            self.wal.log_lock_delay(record.name, record.until_wall_ms)
     @property
     def keys(self) -> KeySpace:
         return self.follower.host.keys.space
@@ -149,7 +156,7 @@ class StandbyFollower:
         self.max_ttl_ms = 0
         #: lease name -> (token, deadline): a conservative deadline (this node's monotonic
         #: ms) of each replicated lease, kept by a promotion (see track)
-        self.lease_deadlines: dict[str, tuple[int, int]] = {}
+        self.lease_deadlines: dict[int, tuple[str, int]] = {}  # token -> (name, deadline ms)
         self._received_ms = 0  # when the push being applied arrived (this node's monotonic ms)
         self._watchdog: asyncio.TimerHandle | None = None
 
@@ -279,7 +286,7 @@ class StandbyFollower:
         if epoch < table.epoch:
             # never replace a newer epoch's leases with an older primary's state
             raise ProtocolError(f"snapshot at epoch {epoch} is below this node's epoch {table.epoch}")
-        wanted = {h.name: h for h in (SnapshotHolder.decode(h) for h in holders)}  # checked before any change
+        wanted = {h.token: h for h in (SnapshotHolder.decode(h) for h in holders)}  # checked before any change
         try:
             wanted_keys = KeySpace.from_list(keys if keys is not None else [])
         except ValueError as exc:
@@ -287,14 +294,17 @@ class StandbyFollower:
         if epoch > table.epoch:
             target.raise_epoch(epoch)
         table.advance_counter(counter)
+        have = {}
         for h in table.holders():
-            w = wanted.get(h.name)
-            if w is None or w.token != h.token:
+            w = wanted.get(h.token)
+            if w is None or w.name != h.name:
                 apply(Release(h.name, h.token, 0), target)
+            else:
+                have[h.token] = h
         self.lease_deadlines.clear()
         for w in wanted.values():
-            current = table.holder(w.name, 0)
-            if current is None or current.token != w.token or current.ttl_ms != w.ttl_ms:
+            current = have.get(w.token)
+            if current is None or current.ttl_ms != w.ttl_ms or current.shared != w.shared or current.limit != w.limit:
                 apply(w.grant(), target)
             self.track(w.name, w.token, w.remaining_ms)
         space = target.keys
@@ -327,14 +337,14 @@ class StandbyFollower:
         own, which counts from before it asked.  Only a promotion reads it; the
         standby's table itself expires nothing.
         """
-        self.lease_deadlines[name] = (token, self._received_ms + remaining_ms)
+        self.lease_deadlines[token] = (name, self._received_ms + remaining_ms)
 
     def lease_deadline(self, name: str, token: int) -> int | None:
         """The kept deadline (this node's monotonic ms) of lease ``name`` with ``token``,
         or None if this standby has not received it since it started (recovered
         from its own log: its remaining time is unknown)."""
-        kept = self.lease_deadlines.get(name)
-        return kept[1] if kept is not None and kept[0] == token else None
+        kept = self.lease_deadlines.get(token)
+        return kept[1] if kept is not None and kept[0] == name else None
 
     def _apply_records(self, records: Iterable[tuple[int, Record]]) -> None:
         """Apply records in LSN order (those already applied are skipped).

@@ -50,29 +50,36 @@ class SnapshotHolder(NamedTuple):
     correlation_id: str | None
     wall_ms: int  # always 0 on the wire (kept for the layout shared with WAL holders)
     remaining_ms: int
+    shared: bool = False  # a shared lease (on the wire only when set: 11 items)
+    limit: int = 0  # a semaphore permit's limit (on the wire only when set: 11 items)
 
     @classmethod
     def decode(cls, h: Any) -> SnapshotHolder:
         """A holder as received; one without ``remaining_ms`` (8 items, an older
-        primary) has its full ``ttl_ms`` left.
+        primary) has its full ``ttl_ms`` left; one without ``shared`` and ``limit``
+        (8 or 9 items) is an exclusive lease.
 
         Raises:
-            ProtocolError: not a list of 8 or 9 items, or ``remaining_ms`` not an int
-                in ``0..ttl_ms``.
+            ProtocolError: not a list of 8, 9 or 11 items, ``remaining_ms`` not an int
+                in ``0..ttl_ms``, ``shared`` not a bool or ``limit`` not a valid limit.
             WrongArgumentType, InvalidArgument: ``ttl_ms`` not a valid TTL.
         """
-        if type(h) is not list or len(h) not in (8, 9):
-            raise ProtocolError("snapshot holder must be a list of 8 or 9 items")
+        if type(h) is not list or len(h) not in (8, 9, 11):
+            raise ProtocolError("snapshot holder must be a list of 8, 9 or 11 items")
         ttl_ms = P.check_ttl_ms(h[3])
-        remaining_ms = h[8] if len(h) == 9 else ttl_ms
+        remaining_ms = h[8] if len(h) >= 9 else ttl_ms
         if type(remaining_ms) is not int or not 0 <= remaining_ms <= ttl_ms:
             raise ProtocolError(f"snapshot holder remaining_ms must be an int in 0..{ttl_ms}, not {remaining_ms!r}")
-        return cls(h[0], h[1], h[2], ttl_ms, h[4], h[5], h[6], 0, remaining_ms)
+        shared, limit = (h[9], h[10]) if len(h) == 11 else (False, 0)
+        if type(shared) is not bool or type(limit) is not int or not 0 <= limit <= P.MAX_LIMIT or (shared and limit):
+            raise ProtocolError(f"snapshot holder shared/limit must be a bool and an int in 0..{P.MAX_LIMIT}, "
+                                f"not both set")
+        return cls(h[0], h[1], h[2], ttl_ms, h[4], h[5], h[6], 0, remaining_ms, shared, limit)
 
     def grant(self) -> Grant:
         """The lease as the GRANT record that installs it."""
         return Grant(self.name, self.token, self.owner_hash, self.ttl_ms, self.lock_delay_ms, self.client,
-                     self.correlation_id, 0)
+                     self.correlation_id, 0, self.shared, self.limit)
 
 
 def encode_snapshot(lsn: int, epoch: int, counter: int, holders: Sequence[Any], incarnation: str, now: int,
@@ -91,8 +98,11 @@ def encode_snapshot(lsn: int, epoch: int, counter: int, holders: Sequence[Any], 
     append = parts.append
     for h in holders:
         client, corr = h.meta if h.meta else (None, None)
-        append(pack(list(SnapshotHolder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, client, corr, 0,
-                                        min(h.ttl_ms, max(0, h.deadline_ms - now))))))
+        item = [h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, client, corr, 0,
+                min(h.ttl_ms, max(0, h.deadline_ms - now))]
+        if h.shared or h.limit:
+            item += (h.shared, h.limit)
+        append(pack(item))
     append(pack(incarnation))
     if keys:
         append(pack(keys))

@@ -219,7 +219,11 @@ class ReplicationSource:
         """``(lsn, epoch, counter, holders, now)``: the table now, the LSN it matches
         and the monotonic ms it was taken at."""
         table = self.host.table
-        return self.host.wal.stats()["last_lsn"], table.epoch, table.counter, table.holders(), monotonic_ms()
+        wal = self.host.wal
+        snapshot = wal.stats()["last_lsn"], table.epoch, table.counter, table.holders(), monotonic_ms()
+        # a snapshot holds leases only: running lock-delays follow it in the stream
+        wal.log_lock_delays(table.lock_delays(), snapshot[4])
+        return snapshot
 
     async def _send_snapshot(self, replica: _Replica) -> int:
         """Send the lock table as a snapshot, encoded off the loop; return the LSN it matches."""

@@ -93,20 +93,21 @@ class PrincipalQuotas:
         self.waiters = Quota(config.max_waiters_per_principal, "waiting acquires", "max-waiters-per-principal")
         self.watches = Quota(config.max_watches_per_principal, "watches", "max-watches-per-principal")
         self.watch_count = 0  # watches on the whole server (the global --max-watches)
-        self.lease_principal: dict[str, str] = {}  # lock name -> principal of its holder
+        self.lease_principal: dict[int, str] = {}  # a lease's fencing token -> principal of its holder
 
-    def lease_granted(self, session: int, name: str) -> None:
-        """A fresh grant of ``name`` to ``session``: count it against its principal."""
+    def lease_granted(self, session: int, token: int) -> None:
+        """A fresh grant (the lease ``token``) to ``session``: count it against its principal."""
         conn = self.server.limits.sessions.get(session)
         if self.waiters.limit and conn is not None and conn.waiting:
             self.count_waiters(conn)  # a waiter became the holder
         if self.leases.limit:
             principal = conn.principal if conn is not None else "-"
-            self.lease_principal[name] = principal
+            self.lease_principal[token] = principal
             self.leases.add(principal, 1)
 
-    def lease_ended(self, name: str) -> None:
-        principal = self.lease_principal.pop(name, None)
+    def lease_ended(self, token: int) -> None:
+        """The lease ``token`` was released or expired: uncount it."""
+        principal = self.lease_principal.pop(token, None)
         if principal is not None:
             self.leases.add(principal, -1)
 

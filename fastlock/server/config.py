@@ -96,6 +96,7 @@ class ServerConfig:
     failover_after_ms: int = 0  # standby: promote after this much primary silence (0: on command only)
     promotion_grace_ms: int | None = None  # after promotion, no grants for this long (None: longest TTL seen)
     fence_margin_ms: int | None = None  # primary: stop granting this long before a standby may promote
+    deadlock_timeout_ms: int = 1000  # a wait-for cycle this old is broken (0: no detection; PostgreSQL's default)
     name: str | None = None  # this node's name in logs and replication status
     repair_wal: bool = False  # cut a damaged last WAL segment instead of refusing to start
     wal_writer: WalWriter = WalWriter.THREAD  # a member's string value is accepted too
@@ -123,7 +124,7 @@ def check_limits(config: ServerConfig) -> None:
         value = getattr(config, field_name)
         if type(value) is not int or value <= 0:
             raise ValueError(f"{field_name} must be a positive integer, not {value!r}")
-    for field_name in ("hello_timeout_ms", "idle_timeout_ms", "max_leases_per_principal",
+    for field_name in ("hello_timeout_ms", "idle_timeout_ms", "deadlock_timeout_ms", "max_leases_per_principal",
                        "max_waiters_per_principal", "max_watches_per_principal"):
         value = getattr(config, field_name)
         if type(value) is not int or value < 0:

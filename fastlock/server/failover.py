@@ -341,7 +341,7 @@ class FailoverPolicy:
                 ran_out += 1
             # install_holder sets deadline = now + ttl_ms: keep ttl_ms, place the deadline
             table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, h.meta,
-                                 max(0, deadline - h.ttl_ms))
+                                 max(0, deadline - h.ttl_ms), h.shared, h.limit)
         table.drain_events()
         host.roles.transition(Role.PRIMARY, f"promoted ({reason}) at epoch {epoch}", grace_until_ms=now + grace)
         table.expire(now)  # leases whose kept deadline passed: logged and WAL-recorded like any expiry

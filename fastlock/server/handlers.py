@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
-from .._core import NOT_ACQUIRED, NotHolder
+from .._core import LIMIT_CONFLICT, NOT_ACQUIRED, NotHolder
 from .._version import __version__
 from ..auth import (
     MAX_CHALLENGE_BYTES,
@@ -50,6 +50,7 @@ from ..units import monotonic_ms
 from .admission import limit_exceeded
 from .keys import PERMISSIONS as KEY_PERMISSIONS
 from .keys import KeyStore
+from .kinds import KindHandlers, limit_conflict
 from .lockadmin import LockAdmin
 from .session import Session, split_recorded_client
 from .watches import WatchRegistry
@@ -84,6 +85,8 @@ PERMISSION: dict[int, str | None] = {
     P.OP_LOCKS: None,
     P.OP_LOCK_INFO: None,
     P.OP_REVOKE: None,
+    P.OP_ACQUIRE_MANY: "acquire",  # checked on every name by the handler
+    P.OP_CONTENDERS: "holder",
 }
 
 _ARTICLE = {"client": "a", "replica": "a", "admin": "an"}
@@ -129,6 +132,14 @@ def _authorize(conn: Session, op: int, need: str, msg: list) -> None:
         raise PermissionDenied(f"principal {conn.principal!r} may not {need} {name!r}")
 
 
+def _may_add_lease(table: Any, name: str, owner: bytes, non_exclusive: Any, now: int) -> bool:
+    """Whether an acquire of ``name`` by ``owner`` may add a lease now: not if the owner
+    holds it already, nor for an exclusive request on a held name (it queues)."""
+    if table.holder(name, now, owner) is not None:
+        return False
+    return bool(non_exclusive) or not table.holders_of(name, now)
+
+
 class Handlers:
     """The op handler table of ``server``: ``by_op`` maps an op code to
     ``(handler, fewest, most arguments)``; :meth:`dispatch` runs one request."""
@@ -148,6 +159,8 @@ class Handlers:
         self.quotas = server.quotas
         self.watchers = self.watches.by_name
         self.auth_failures = AuthFailures(max_failures=server.config.auth_failures_before_ban)
+        #: ACQUIRE_MANY, CONTENDERS and the deadlock timer
+        self.kinds = kinds = KindHandlers(self)
         self.lock_admin = LockAdmin(self)
         handlers: dict[int, Handler] = {
             P.OP_HELLO: self.op_hello,
@@ -170,6 +183,8 @@ class Handlers:
             P.OP_LOCKS: self.lock_admin.op_locks,
             P.OP_LOCK_INFO: self.lock_admin.op_lock_info,
             P.OP_REVOKE: self.lock_admin.op_revoke,
+            P.OP_ACQUIRE_MANY: kinds.op_acquire_many,
+            P.OP_CONTENDERS: kinds.op_contenders,
         }
         #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
         self.by_op: dict[int, tuple[Handler, int, int]] = {
@@ -194,7 +209,8 @@ class Handlers:
                 raise ProtocolError(f"unknown operation {op}")
             handler, fewest, most = entry
             if not fewest <= len(msg) - 2 <= most:
-                expected = fewest if fewest == most else f"{fewest} or {most}"
+                expected = (fewest if fewest == most else f"{fewest} or {most}" if most == fewest + 1
+                            else f"{fewest} to {most}")
                 raise ProtocolError(f"{P.OP_NAMES[op]} takes {expected} arguments, got {len(msg) - 2}")
             need = self.need_by_op.get(op, "admin")
             # grant.everywhere: what the principal may do on every name (no per-name check needed)
@@ -311,6 +327,10 @@ class Handlers:
         wait_ms = P.check_wait_ms(msg[5])
         delay_ms = P.check_lock_delay_ms(msg[6])
         corr = P.check_optional_str(msg[7], "correlation id", P.MAX_CORRELATION_ID_CHARS)
+        shared = len(msg) > 8 and P.check_shared(msg[8])  # a shared lease (absent: exclusive)
+        limit = P.check_limit(msg[9]) if len(msg) > 9 else 0  # a semaphore's limit (absent: a lock)
+        if shared and limit:
+            raise InvalidArgument("a semaphore permit (limit > 0) cannot also be shared")
         table = self.table
         now = monotonic_ms()
         self.roles.admit(Action.ACQUIRE)
@@ -324,18 +344,25 @@ class Handlers:
                 raise limit_exceeded(config.max_waiters, "the server", "waiting acquires", "max-waiters")
             if quotas.waiters.limit:
                 quotas.waiters.check(conn.principal)
-        if len(table) >= config.max_leases and table.holder(name, now) is None:
+        # a request that may add a lease now: a retry of a held lease or an exclusive
+        # request on a held name adds none (the latter queues)
+        if len(table) >= config.max_leases and _may_add_lease(table, name, owner, shared or limit, now):
             raise limit_exceeded(config.max_leases, "the server", "leases", "max-leases")
-        if quotas.leases.limit and table.holder(name, now) is None:
+        if quotas.leases.limit and _may_add_lease(table, name, owner, shared or limit, now):
             quotas.leases.check(conn.principal)
         server = self.server
         if ttl_ms > server.max_ttl_ms:
             server.max_ttl_ms = ttl_ms
             server.node_state.raise_ttl(ttl_ms)  # rare: only a new longest TTL writes
-        status = table.acquire(name, owner, conn.session, req_id, ttl_ms, wait_ms, delay_ms,
-                               (conn.recorded, corr), now)
+        try:
+            status = table.acquire(name, owner, conn.session, req_id, ttl_ms, wait_ms, delay_ms,
+                                   (conn.recorded, corr), now, shared, limit)
+        except ValueError as exc:  # the owner key waits on name in a multi-lock request
+            raise InvalidArgument(f"{name!r}: {exc}") from None
         if quotas.waiters.limit:
             quotas.count_waiters(conn)
+        if status == LIMIT_CONFLICT:
+            raise limit_conflict(table, name, limit, now)
         if status == NOT_ACQUIRED:
             grace_ms = self.roles.grace_remaining_ms(now)
             if grace_ms:
@@ -358,7 +385,7 @@ class Handlers:
         now = monotonic_ms()
         meta = None
         if name in self.watchers:  # watchers are told whose lease it was
-            holder = table.holder(name, now)
+            holder = table.holder(name, now, owner)
             meta = holder.meta if holder is not None else None
         try:
             table.release(name, token, owner, now)
@@ -424,8 +451,8 @@ class Handlers:
             if self.quotas.waiters.limit:
                 self.quotas.count_waiters(conn)
         else:
-            holder = table.holder(name, now)
-            if holder is not None and holder.owner == owner:
+            holder = table.holder(name, now, owner)
+            if holder is not None:
                 # The grant raced with the cancel: release it, never leak it - which is a
                 # release, refused like one by a fenced primary.
                 self.roles.admit(Action.RELEASE)
@@ -446,14 +473,21 @@ class Handlers:
         conn.send(P.encode_ok(req_id, self._holder_info(name)))
 
     def _holder_info(self, name: str) -> dict | None:
+        """The holder (of a shared lock or a semaphore: the earliest granted, and how many hold it)."""
         now = monotonic_ms()
         h = self.table.holder(name, now)
+        holders = 1
         if h is None:
-            return None
+            shared = self.table.holders_of(name, now)
+            if not shared:
+                return None
+            h = shared[0]
+            holders = len(shared)
         client, corr = h.meta if h.meta else (None, None)
         principal, client = split_recorded_client(client)
         return {"token": h.token, "principal": principal, "client": client, "correlation_id": corr,
-                "ttl_ms": h.ttl_ms, "remaining_ms": h.deadline_ms - now}
+                "ttl_ms": h.ttl_ms, "remaining_ms": h.deadline_ms - now, "shared": h.shared, "limit": h.limit,
+                "holders": holders}
 
     # -- watches ------------------------------------------------------------------------
     def op_watch(self, conn: Session, req_id: int, msg: list) -> None:

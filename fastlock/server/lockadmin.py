@@ -151,7 +151,7 @@ class LockAdmin:
             table.remove_holder(name, h.token, now)
             handlers.wal.log_revoke(name, h.token, conn.principal, reason)
             if quotas.lease_principal:
-                quotas.lease_ended(name)
+                quotas.lease_ended(h.token)
             if name in handlers.watchers:
                 handlers.watches.notify(name, P.WATCH_REVOKED, h.token, h.meta)
             log.warning("lease %d on %s (principal %s, client %s) revoked by %s: %s", h.token, quote(name),

@@ -54,22 +54,24 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import protocol as P
-from .._core import EV_EXPIRED, EV_GRANTED, EV_WAIT_CANCELLED, EV_WAIT_TIMEOUT, LockTable, NotHolder
+from .._core import EV_EXPIRED, EV_GRANTED, LockTable, NotHolder
 from .._version import __version__
 from ..auth import Credentials, is_loopback
-from ..errors import Cancelled, LockNotAcquired, Unavailable
+from ..errors import Unavailable
 from ..logsafe import quote
 from ..replication import STATE_FILE, NodeState, ReplicationSource, StandbyFollower, node_id
 from ..roles import Action, NodeRole, Role
 from ..tls import ServerTLS, client_context
 from ..units import monotonic_ms
 from ..wal import DataDirInUse, HolderRecord, WriteAheadLog, secure_directory
+from . import lockdelays
 from .admission import ConnectionLimits, PrincipalQuotas
 from .config import ServerConfig, check_limits
 from .endpoints import Endpoints
 from .failover import FailoverPolicy
 from .handlers import Handlers, refusal
 from .keys import KeyStore
+from .kinds import grant_reply, reply_id, waiter_left
 from .session import Session
 from .tasks import BackgroundTasks
 
@@ -79,10 +81,6 @@ log = logging.getLogger(__name__)
 EXIT_WAL_FAILED = 3
 
 #: a waiter's end that is not a grant -> the error code and reason its acquire is answered with
-_WAIT_ENDED = {EV_WAIT_TIMEOUT: (LockNotAcquired.code, "wait ran out"),
-               EV_WAIT_CANCELLED: (Cancelled.code, "acquire cancelled")}
-
-
 class ExpiryTimer:
     """The ONE timer of the lock table: it fires at the table's next deadline
     (monotonic ms), and calls ``on_fire`` from the event loop."""
@@ -297,18 +295,18 @@ class LockServer:
         for h in state.holders:
             self.max_ttl_ms = max(self.max_ttl_ms, h.ttl_ms)
             table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
-                                 (h.client_name, h.correlation_id), now)
+                                 (h.client_name, h.correlation_id), now, h.shared, h.limit)
+        delays = lockdelays.install_recovered(table, state.lock_delays, now)
         table.drain_events()
         self.keys.recovered(state.keys)
         if not self.roles.expires_leases:
             # a standby runs its table on frozen time: only a primary expires leases
             for held in table.holders():
-                table.install_holder(held.name, held.token, held.owner, held.ttl_ms, held.lock_delay_ms, held.meta, 0)
-        log.info(
-            "recovered %d leases, epoch %d, counter %d (%d records replayed, %d torn bytes cut) in %.1f ms",
-            len(state.holders), state.epoch, table.counter, state.records_replayed, state.torn_bytes,
-            (time.perf_counter() - t0) * 1000,
-        )
+                table.install_holder(held.name, held.token, held.owner, held.ttl_ms, held.lock_delay_ms, held.meta, 0,
+                                     held.shared, held.limit)
+        log.info("recovered %d leases, epoch %d, counter %d (%d records replayed, %d torn bytes cut) in %.1f ms; "
+                 "%d running lock-delays", len(state.holders), state.epoch, table.counter, state.records_replayed,
+                 state.torn_bytes, (time.perf_counter() - t0) * 1000, delays)
 
     async def close(self) -> None:
         """Stop accepting, close every connection, flush and close the WAL."""
@@ -322,6 +320,7 @@ class LockServer:
         for conn in list(self.limits.sessions.values()):
             conn.close_after_flush()
         self.expiry.cancel()
+        self.handlers.kinds.deadlocks.cancel()
         self.limits.close()
         self.tasks.cancel_all()
         await self.wal.close()
@@ -407,6 +406,7 @@ class LockServer:
         nd = table.next_deadline()
         if nd >= 0 and (self.expiry.handle is None or nd < self.expiry.at_ms) and self.roles.expires_leases:
             self._rearm()
+        self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
         dirty = self.dirty
         if dirty:
             for conn in dirty:
@@ -425,34 +425,33 @@ class LockServer:
             if kind == EV_GRANTED:
                 if ev.fresh:
                     meta = ev.meta
-                    wal.log_grant(ev.name, ev.token, ev.owner, ev.ttl_ms, ev.lock_delay_ms, meta[0], meta[1])
+                    wal.log_grant(ev.name, ev.token, ev.owner, ev.ttl_ms, ev.lock_delay_ms, meta[0], meta[1],
+                                  ev.shared, ev.limit)
                     if counting:
-                        quotas.lease_granted(ev.session, ev.name)
+                        quotas.lease_granted(ev.session, ev.token)
                 if grants is None:
                     grants = []
                 grants.append(ev)
             elif kind == EV_EXPIRED:
                 wal.log_expire(ev.name, ev.token)
                 self.keys.lease_ended(ev.name, ev.token, "expired")
+                if ev.lock_delay_ms:
+                    lockdelays.log_expired(wal, ev)
                 if quotas.lease_principal:
-                    quotas.lease_ended(ev.name)
+                    quotas.lease_ended(ev.token)
                 if ev.name in watchers:
                     self.handlers.watches.notify(ev.name, "expired", ev.token, ev.meta)
                 log.info("lease expired: %s token %d (holder %s)", quote(ev.name), ev.token,
                          quote(ev.meta[0] if ev.meta else None))
-            elif kind in _WAIT_ENDED:
-                conn = sessions.get(ev.session)
-                if conn is not None:
-                    code, why = _WAIT_ENDED[kind]
-                    conn.send(P.encode_error(ev.request, code, f"{ev.name!r}: {why}"))
-                    if conn.waiting:
-                        quotas.count_waiters(conn)
+            else:  # a waiter left (wait timeout, cancel, deadlock): its acquire fails
+                waiter_left(sessions.get(ev.session), ev, quotas)
         if grants is not None:
             if wal.flush_first():  # relaxed fsync modes: a lone request's grant is written and acked now
                 self._deliver_grants(grants)
             else:  # acked once durable: in a burst, at the end of this turn with everything logged in it
                 wal.when_durable(lambda: self._deliver_grants(grants))
-        wal.maybe_snapshot(self.snapshot_state)
+        if wal.maybe_snapshot(self.snapshot_state):
+            lockdelays.relog_running(wal, self.table)
 
     def _deliver_grants(self, grants: list) -> None:
         """Acknowledge a batch of grants once durable - if this node may still grant.
@@ -491,11 +490,15 @@ class LockServer:
                          ev.session)
                 continue
             if refused is not None:
-                conn.send(P.encode_error(ev.request, refused.code, f"{ev.name!r}: {refused}",
-                                         getattr(refused, "primary", None)))
+                rid = reply_id(ev.request)
+                if rid is not None:
+                    conn.send(P.encode_error(rid, refused.code, f"{ev.name!r}: {refused}",
+                                             getattr(refused, "primary", None)))
                 log.warning("grant %s token %d decided but not acknowledged: %s", quote(ev.name), ev.token, refused)
                 continue
-            conn.send(P.packb([ev.request, 0, [ev.token, ev.ttl_ms, ev.waited_ms]]))
+            reply = grant_reply(ev)
+            if reply is not None:
+                conn.send(reply)
         if undelivered:
             table.expire(monotonic_ms())
         self.after_batch()
@@ -506,7 +509,7 @@ class LockServer:
         self.keys.lease_ended(name, token, "released")
         quotas = self.quotas
         if quotas.lease_principal:
-            quotas.lease_ended(name)
+            quotas.lease_ended(token)
         watches = self.handlers.watches
         if name in watches.by_name:
             watches.notify(name, "released", token, meta)
@@ -538,7 +541,8 @@ class LockServer:
         """``(epoch, counter, holders, keys)`` of the table and the key store now (for snapshots)."""
         t = self.table
         return (t.epoch, t.counter, [HolderRecord(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
-                                                  h.meta[0] if h.meta else None, h.meta[1] if h.meta else None, 0)
+                                                  h.meta[0] if h.meta else None, h.meta[1] if h.meta else None, 0,
+                                                  h.shared, h.limit)
                                      for h in t.holders()], self.keys.space.to_list())
 
     # -- status -----------------------------------------------------------------------------

@@ -52,9 +52,17 @@ EXTEND       4  name, token, ttl_ms, wall_ms
 EPOCH        5  epoch, wall_ms
 RESERVE      6  counter, wall_ms         (counter values up to ``counter`` may be issued)
 REVOKE      10  name, token, principal, reason, wall_ms  (an operator's force-release: audit)
+LOCK_DELAY  20  name, until_wall_ms, wall_ms   (no grant of ``name`` before ``until_wall_ms``)
 KEY_PUT     30  key, value, lease_name, token, principal, wall_ms   (lease_name None: no lease)
 KEY_DELETE  31  key, wall_ms
 ==========  ==  ==================================================================
+
+A GRANT of a shared lease or a semaphore permit has two more fields, ``shared``
+(bool) and ``limit`` (int; 0 for a lock); an exclusive grant is written without
+them, as before, so every earlier log reads the same.  LOCK_DELAY records a
+running lock-delay (logged at the expiry that starts it and again after every
+snapshot, which holds leases only); recovery and a promoted standby keep the lock
+unavailable until its wall-clock end, capped at 60 s from recovery.
 
 ``owner_hash`` is BLAKE2b-128 of the client's owner key (see :func:`fastlock.auth.hash_owner`):
 the key never reaches the disk, a snapshot or a standby.  A log written by a fastlock
@@ -64,12 +72,13 @@ else), so those leases end at their TTL.  ``client`` is ``principal:client_name`
 authenticated principal, then the client's self-declared name, which may be empty);
 older logs hold the bare client name (no ``:``).
 
-Replay rules: GRANT installs the holder (replacing any); RELEASE/EXPIRE/REVOKE remove
-the holder when its token matches; EXTEND sets the holder's ``ttl_ms`` when its
+Replay rules: GRANT installs the holder (an exclusive grant replaces every holder;
+a shared one or a permit joins the compatible ones); RELEASE/EXPIRE/REVOKE remove
+the holder whose token matches; EXTEND sets the holder's ``ttl_ms`` when its
 token matches; EPOCH raises the epoch; RESERVE raises the counter; KEY_PUT sets
 a key if its lease is the current holder (or it has none), KEY_DELETE removes
 it, and a RELEASE/EXPIRE that removes a holder removes the keys of that lease
-(:mod:`fastlock.wal.keyspace`).  The
+(:mod:`fastlock.wal.keyspace`); LOCK_DELAY keeps a running lock-delay.  The
 recovered epoch is the highest of every EPOCH record and every token's epoch;
 the recovered counter is the highest of every token's counter and every
 reservation.  ``token = (epoch << 40) | counter`` (see ``_core.pyi``).
@@ -188,6 +197,7 @@ from .records import (
     EXPIRE,
     EXTEND,
     GRANT,
+    LOCK_DELAY,
     RECORD_NAMES,
     RELEASE,
     RESERVE,
@@ -199,6 +209,7 @@ from .records import (
     Grant,
     HolderRecord,
     LeaseMeta,
+    LockDelay,
     LogState,
     Record,
     Release,
@@ -234,6 +245,8 @@ __all__ = [
     "EPOCH",
     "RESERVE",
     "REVOKE",
+    "LOCK_DELAY",
+    "LockDelay",
     "RECORD_NAMES",
     "TOKEN_EPOCH_SHIFT",
     "COUNTER_MASK",

@@ -28,6 +28,7 @@ from .records import (
     HolderRecord,
     KeyDelete,
     KeyPut,
+    LockDelay,
     LogState,
     Record,
     Reserve,
@@ -73,7 +74,8 @@ def _owner_tag(owner: bytes) -> str:
 
 def _holder_line(lsn: str, kind: str, h: HolderRecord) -> str:
     return _fmt(lsn, h.granted_wall_ms, kind, h.name, h.token, h.client_name, h.correlation_id, h.ttl_ms,
-                extra=f"owner={_owner_tag(h.owner)} lock_delay_ms={h.lock_delay_ms}")
+                extra=f"owner={_owner_tag(h.owner)} lock_delay_ms={h.lock_delay_ms}"
+                      + (" shared" if h.shared else "") + (f" limit={h.limit}" if h.limit else ""))
 
 
 def _record_line(lsn: int, r: Record) -> str:
@@ -86,6 +88,8 @@ def _record_line(lsn: int, r: Record) -> str:
         return _fmt(label, r.wall_ms, "extend", r.name, r.token, ttl=r.ttl_ms)
     if isinstance(r, Reserve):
         return _fmt(label, r.wall_ms, "reserve", extra=f"counter={r.counter}")
+    if isinstance(r, LockDelay):
+        return _fmt(label, r.wall_ms, "lock_delay", r.name, extra=f"until={r.until_wall_ms}")
     if isinstance(r, KeyPut):  # the value is not shown (it may be anything a client stored)
         return _fmt(label, r.wall_ms, "key_put", r.lease_name, r.token,
                     extra=f"key={quote(r.key)} bytes={len(r.value)}")
@@ -165,7 +169,7 @@ def dump(directory: str | os.PathLike, *, lock: str | None = None, file: TextIO 
         label = f"{last:020d}"
         if lock is None:
             w(f"{label} - state lock=- token=- client=- corr=- ttl_ms=- "
-              f"epoch={applied.epoch} counter={applied.counter} holders={len(applied.holders)}\n")
+              f"epoch={applied.epoch} counter={applied.counter} holders={applied.lease_count()}\n")
             lines += 1
         for h in sorted(applied.holder_records()):
             if lock is None or h.name == lock:

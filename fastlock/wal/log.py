@@ -34,6 +34,7 @@ from .records import (
     GRANT,
     KEY_DELETE,
     KEY_PUT,
+    LOCK_DELAY,
     RELEASE,
     RESERVE,
     REVOKE,
@@ -226,8 +227,9 @@ class WriteAheadLog:
     # Each log_* method appends one record, ``[type, field, ...]`` in the order of the
     # fields of its type in fastlock.wal.records (built inline: this is the hot path).
     def log_grant(self, name: str, token: int, owner: bytes, ttl_ms: int, lock_delay_ms: int,
-                  client_name: str | None, correlation_id: str | None) -> None:
-        """Log a grant of ``name`` with fencing ``token`` (ttl/lock-delay in milliseconds).
+                  client_name: str | None, correlation_id: str | None, shared: bool = False, limit: int = 0) -> None:
+        """Log a grant of ``name`` with fencing ``token`` (ttl/lock-delay in milliseconds);
+        ``shared``: a shared lease, ``limit``: a semaphore permit's limit (0: a lock).
 
         In ``interval``/``never`` mode, a counter beyond the reservation first logs a
         RESERVE record and makes this batch wait for an fsync.
@@ -243,7 +245,11 @@ class WriteAheadLog:
         if counter > c.reserved and not self._always:
             c.reserved = counter + c.block
             self._append([RESERVE, c.reserved, wall_ms()], sync=True)
-        self._append([GRANT, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id, wall_ms()])
+        if shared or limit:
+            self._append([GRANT, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id, wall_ms(),
+                          shared, limit])
+        else:
+            self._append([GRANT, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id, wall_ms()])
 
     def log_release(self, name: str, token: int) -> None:
         """Log that the holder with ``token`` released ``name``."""
@@ -261,6 +267,17 @@ class WriteAheadLog:
         """Log a new TTL (milliseconds) for the lease ``token`` on ``name`` (only when it changes)."""
         self._append([EXTEND, name, token, ttl_ms, wall_ms()])
 
+    def log_lock_delay(self, name: str, until_wall_ms: int) -> None:
+        """Log that no grant of ``name`` may happen before ``until_wall_ms`` (wall clock ms)."""
+        self._append([LOCK_DELAY, name, until_wall_ms, wall_ms()])
+
+    def log_lock_delays(self, delays: list[tuple[str, int]], now_ms: int) -> None:
+        """Log every running lock-delay of ``delays`` (``(name, until_ms)`` on the monotonic
+        clock whose time is ``now_ms``, as ``LockTable.lock_delays()``) on the wall clock."""
+        wall = wall_ms()
+        for name, until_ms in delays:
+            if until_ms > now_ms:
+                self._append([LOCK_DELAY, name, wall + until_ms - now_ms, wall])
     def log_key_put(self, key: str, value: bytes, lease_name: str | None, token: int,
                     principal: str | None) -> None:
         """Log that ``key`` holds ``value``, attached to the lease ``(lease_name, token)`` or to none."""

@@ -13,17 +13,22 @@ standby (:mod:`fastlock.replication.follower`, onto its live table) and
 ``wal dump --state`` all call it, each with its own :class:`ApplyTarget`.
 The rules:
 
-* GRANT installs the holder (replacing any), and raises the epoch and the
-  counter to the token's;
-* RELEASE and EXPIRE remove the holder when its token matches;
+* GRANT installs the holder and raises the epoch and the counter to the
+  token's.  An exclusive grant replaces every holder of the name; a shared
+  lease or a semaphore permit (the record's ``shared`` / ``limit``) replaces an
+  exclusive holder, the same owner's lease and permits under another limit,
+  and joins the other holders (as ``LockTable.install_holder``);
+* RELEASE and EXPIRE remove the holder whose token matches;
 * REVOKE (an operator's force-release, an audit record with who and why) removes
-  the holder when its token matches, as RELEASE does;
-* EXTEND sets the holder's ``ttl_ms`` when its token matches;
+  the holder whose token matches, as RELEASE does;
+* EXTEND sets the ``ttl_ms`` of the holder whose token matches;
 * EPOCH raises the epoch; RESERVE raises the counter;
 * KEY_PUT sets a key when it has no lease or its lease (lock name, token) is
   the current holder (a put attached to a lease already gone changes nothing);
   KEY_DELETE removes a key; a RELEASE or EXPIRE that removes a holder also
-  removes every key attached to that lease (see :mod:`fastlock.wal.keyspace`).
+  removes every key attached to that lease (see :mod:`fastlock.wal.keyspace`);
+* LOCK_DELAY keeps, per name, the latest wall-clock end of a running
+  lock-delay (recovery installs those still running; see :class:`LockDelay`).
 """
 
 from __future__ import annotations
@@ -33,9 +38,9 @@ from typing import Any, NamedTuple, Protocol
 from .keyspace import KeySpace
 
 __all__ = [
-    "GRANT", "RELEASE", "EXPIRE", "EXTEND", "EPOCH", "RESERVE", "REVOKE", "KEY_PUT", "KEY_DELETE", "RECORD_NAMES",
-    "TOKEN_EPOCH_SHIFT", "COUNTER_MASK",
-    "Grant", "Release", "Expire", "Extend", "Epoch", "Reserve", "Revoke", "KeyPut", "KeyDelete", "Record",
+    "GRANT", "RELEASE", "EXPIRE", "EXTEND", "EPOCH", "RESERVE", "REVOKE", "KEY_PUT", "KEY_DELETE", "LOCK_DELAY",
+    "RECORD_NAMES", "TOKEN_EPOCH_SHIFT", "COUNTER_MASK", "SHORT_GRANT",
+    "Grant", "Release", "Expire", "Extend", "Epoch", "Reserve", "Revoke", "KeyPut", "KeyDelete", "LockDelay", "Record",
     "HolderRecord", "LeaseMeta", "encode", "decode", "apply", "ApplyTarget", "LogState",
 ]
 
@@ -46,11 +51,12 @@ EXTEND = 4
 EPOCH = 5
 RESERVE = 6
 REVOKE = 10
+LOCK_DELAY = 20
 KEY_PUT = 30
 KEY_DELETE = 31
 RECORD_NAMES = {GRANT: "grant", RELEASE: "release", EXPIRE: "expire", EXTEND: "extend",
                 EPOCH: "epoch", RESERVE: "reserve", REVOKE: "revoke",
-                KEY_PUT: "key_put", KEY_DELETE: "key_delete"}
+                KEY_PUT: "key_put", KEY_DELETE: "key_delete", LOCK_DELAY: "lock_delay"}
 
 #: token = (epoch << TOKEN_EPOCH_SHIFT) | counter (mirrors fastlock._core, kept
 #: here so that the WAL and its tools do not need the compiled core).
@@ -60,7 +66,11 @@ COUNTER_MASK = (1 << TOKEN_EPOCH_SHIFT) - 1
 
 class Grant(NamedTuple):
     """GRANT: ``name`` is held by the lease ``token``.  Times in milliseconds;
-    ``wall_ms`` is the wall clock at logging (ms since the Unix epoch, audit only)."""
+    ``wall_ms`` is the wall clock at logging (ms since the Unix epoch, audit only).
+
+    ``shared`` (a shared lease) and ``limit`` (a semaphore permit's limit, 0 for a
+    lock) are written only when one is set: an exclusive grant is the 8-field
+    record every earlier fastlock wrote and reads (:func:`encode`)."""
 
     name: str
     token: int
@@ -70,6 +80,8 @@ class Grant(NamedTuple):
     client: str | None  # "principal:client_name" (bare client name in older logs)
     correlation_id: str | None
     wall_ms: int
+    shared: bool = False
+    limit: int = 0
 
     @property
     def kind(self) -> int:
@@ -187,17 +199,41 @@ class KeyDelete(NamedTuple):
         return KEY_DELETE
 
 
-Record = Grant | Release | Expire | Extend | Epoch | Reserve | Revoke | KeyPut | KeyDelete
+class LockDelay(NamedTuple):
+    """LOCK_DELAY: no grant of ``name`` before ``until_wall_ms`` (wall clock, ms since
+    the Unix epoch).  Logged when a lease with a lock-delay expires, and again for
+    every running delay right after a snapshot (which holds leases only), so that a
+    restart or a promoted standby keeps the lock unavailable until the delay has
+    passed.  The wall clock is the only one that survives a restart; recovery caps
+    what is left at the longest lock-delay (60 s), so a clock jump cannot extend it."""
+
+    name: str
+    until_wall_ms: int
+    wall_ms: int
+
+    @property
+    def kind(self) -> int:
+        """The record type (``LOCK_DELAY``), the first item of the array on disk."""
+        return LOCK_DELAY
+
+
+Record = Grant | Release | Expire | Extend | Epoch | Reserve | Revoke | KeyPut | KeyDelete | LockDelay
 
 _TYPES: dict[int, Any] = {GRANT: Grant, RELEASE: Release, EXPIRE: Expire, EXTEND: Extend,
                           EPOCH: Epoch, RESERVE: Reserve, REVOKE: Revoke,
-                          KEY_PUT: KeyPut, KEY_DELETE: KeyDelete}
-#: (type, length of the array) -> record class: the shape of every valid record body
+                          KEY_PUT: KeyPut, KEY_DELETE: KeyDelete, LOCK_DELAY: LockDelay}
+#: (type, length of the array) -> record class: the shape of every record body with all
+#: its fields (an exclusive grant's shorter body is decoded by :func:`decode`)
 SHAPES: dict[tuple[int, int], Any] = {(kind, len(cls._fields) + 1): cls for kind, cls in _TYPES.items()}
+#: the array length of an exclusive grant: its type and the 8 fields before ``shared`` and ``limit``
+SHORT_GRANT = len(Grant._fields) - 1
 
 
 def encode(record: Record) -> list:
-    """The record as the msgpack array written to disk: ``[type, field, ...]``."""
+    """The record as the msgpack array written to disk: ``[type, field, ...]``
+    (an exclusive :class:`Grant` without its ``shared`` and ``limit``)."""
+    if type(record) is Grant and not record.shared and not record.limit:
+        return [GRANT, *record[:SHORT_GRANT - 1]]
     return [record.kind, *record]
 
 
@@ -212,6 +248,8 @@ def decode(body: Any) -> Record:
         cls = SHAPES.get((body[0], len(body)))
         if cls is not None:
             return tuple.__new__(cls, body[1:])
+        if body[0] == GRANT and len(body) == SHORT_GRANT:
+            return tuple.__new__(Grant, (*body[1:], False, 0))
         if body[0] in _TYPES:
             kind = body[0]
             raise ValueError(f"{RECORD_NAMES[kind]} record with {len(body) - 1} fields, "
@@ -229,7 +267,9 @@ class LeaseMeta(NamedTuple):
 class HolderRecord(NamedTuple):
     """A lease as the WAL remembers it (snapshot entry / recovered holder).
 
-    On disk a snapshot holds each as the msgpack array of these 8 fields, in order.
+    On disk a snapshot holds each as the msgpack array of these fields, in order:
+    the first 8 for an exclusive lease (as every earlier fastlock), all 10 for a
+    shared lease or a semaphore permit (:meth:`stored`).
     """
 
     name: str
@@ -240,17 +280,25 @@ class HolderRecord(NamedTuple):
     client_name: str | None
     correlation_id: str | None
     granted_wall_ms: int  # wall clock at grant, ms since the Unix epoch; audit only (0 if unknown)
+    shared: bool = False  # a shared (read) lease
+    limit: int = 0  # a semaphore permit's limit; 0 for a lock's lease
 
     @classmethod
     def from_grant(cls, g: Grant) -> HolderRecord:
-        return tuple.__new__(cls, g)  # the same 8 fields in the same order
+        return tuple.__new__(cls, g)  # the same 10 fields in the same order
 
     @classmethod
     def from_list(cls, item: Any) -> HolderRecord:
-        """A holder as stored in a snapshot.  :raises ValueError: not a list of 8 items."""
-        if type(item) is not list or len(item) != 8:
-            raise ValueError(f"snapshot holder must be a list of 8 items: {item!r:.80}")
+        """A holder as stored in a snapshot.  :raises ValueError: not a list of 8 or 10 items."""
+        if type(item) is not list or len(item) not in (8, 10):
+            raise ValueError(f"snapshot holder must be a list of 8 or 10 items: {item!r:.80}")
+        if len(item) == 8:
+            return tuple.__new__(cls, (*item, False, 0))
         return tuple.__new__(cls, item)
+
+    def stored(self) -> tuple:
+        """The fields a snapshot stores: 8 for an exclusive lease, else 10."""
+        return tuple(self) if self.shared or self.limit else tuple(self)[:8]
 
 
 class ApplyTarget(Protocol):
@@ -268,20 +316,21 @@ class ApplyTarget(Protocol):
         """The highest token counter applied."""
         ...
 
-    def holder_token(self, name: str) -> int | None:
-        """The token of ``name``'s current holder, or None."""
+    def holds(self, name: str, token: int) -> bool:
+        """Whether the lease ``token`` is a current holder of ``name``."""
         ...
 
     def install(self, grant: Grant) -> None:
-        """Make ``grant`` the holder of its lock (replacing any); raise epoch and counter to its token's."""
+        """Make ``grant`` a holder of its lock (replacing as the module docstring says);
+        raise epoch and counter to its token's."""
         ...
 
     def remove(self, record: Release | Expire | Revoke) -> None:
-        """Drop the holder of ``record.name`` (its token matched)."""
+        """Drop the holder ``record.token`` of ``record.name`` (it holds)."""
         ...
 
     def set_ttl(self, record: Extend) -> None:
-        """Give the holder of ``record.name`` the TTL ``record.ttl_ms`` (its token matched)."""
+        """Give the holder ``record.token`` of ``record.name`` the TTL ``record.ttl_ms`` (it holds)."""
         ...
 
     def raise_epoch(self, epoch: int) -> None:
@@ -290,6 +339,10 @@ class ApplyTarget(Protocol):
 
     def raise_counter(self, counter: int) -> None:
         """Raise the counter to ``counter`` (higher than the current one)."""
+        ...
+
+    def set_lock_delay(self, record: LockDelay) -> None:
+        """Keep the lock-delay of ``record.name`` running until ``record.until_wall_ms``."""
         ...
 
     @property
@@ -318,16 +371,19 @@ def apply(record: Record, target: ApplyTarget) -> bool:
         target.install(record)
         return True
     if type(record) is Release or type(record) is Expire or type(record) is Revoke:
-        if target.holder_token(record.name) != record.token:
+        if not target.holds(record.name, record.token):
             return False
         target.remove(record)
         if (record.name, record.token) in target.keys.by_lease:
             target.lease_ended(record.name, record.token)
         return True
     if type(record) is Extend:
-        if target.holder_token(record.name) != record.token:
+        if not target.holds(record.name, record.token):
             return False
         target.set_ttl(record)
+        return True
+    if type(record) is LockDelay:
+        target.set_lock_delay(record)
         return True
     if type(record) is Epoch:
         if record.epoch > target.epoch:
@@ -338,7 +394,7 @@ def apply(record: Record, target: ApplyTarget) -> bool:
         target.raise_counter(record.counter)
         return True
     if type(record) is KeyPut:
-        if record.lease_name is not None and target.holder_token(record.lease_name) != record.token:
+        if record.lease_name is not None and not target.holds(record.lease_name, record.token):
             return False
         target.put_key(record)
         return True
@@ -356,31 +412,48 @@ class LogState:
     What recovery rebuilds (from a snapshot, then every record after it, each
     through :func:`apply`) and hands to the server as a
     :class:`~fastlock.wal.RecoveredState`.  ``holders`` maps a lock name to its
-    holder's 8 fields: the :class:`Grant` record that installed it (a GRANT and
-    a :class:`HolderRecord` have the same fields in the same order, so recovery
-    does not copy every grant) or a :class:`HolderRecord`; :meth:`holder_records`
-    gives them all as HolderRecords.
+    holders by token, each with its 10 fields: the :class:`Grant` record that
+    installed it (a GRANT and a :class:`HolderRecord` have the same fields in the
+    same order, so recovery does not copy every grant) or a
+    :class:`HolderRecord`; :meth:`holder_records` gives them all as HolderRecords.
     """
 
-    __slots__ = ("holders", "epoch", "counter", "keys")
+    __slots__ = ("holders", "epoch", "counter", "keys", "lock_delays")
 
     def __init__(self, epoch: int = 0, counter: int = 0, holders: list[HolderRecord] | None = None,
                  keys: KeySpace | None = None):
-        self.holders: dict[str, Grant | HolderRecord] = {h.name: h for h in holders or ()}
+        self.holders: dict[str, dict[int, Grant | HolderRecord]] = {}
+        for h in holders or ():
+            self.holders.setdefault(h.name, {})[h.token] = h
         self.epoch = epoch
         self.counter = counter
         self.keys = keys if keys is not None else KeySpace()
+        #: name -> wall-clock ms until which its lock-delay runs (past ones too: recovery filters)
+        self.lock_delays: dict[str, int] = {}
 
     def holder_records(self) -> list[HolderRecord]:
         """Every holder, as :class:`HolderRecord`."""
-        return [h if type(h) is HolderRecord else tuple.__new__(HolderRecord, h) for h in self.holders.values()]
+        return [h if type(h) is HolderRecord else tuple.__new__(HolderRecord, h)
+                for by_token in self.holders.values() for h in by_token.values()]
 
-    def holder_token(self, name: str) -> int | None:
-        h = self.holders.get(name)
-        return None if h is None else h[1]  # the token: field 1 of both a Grant and a HolderRecord
+    def lease_count(self) -> int:
+        """The number of leases (each shared holder and permit counts)."""
+        return sum(len(by_token) for by_token in self.holders.values())
+
+    def holds(self, name: str, token: int) -> bool:
+        by_token = self.holders.get(name)
+        return by_token is not None and token in by_token
 
     def install(self, grant: Grant) -> None:
-        self.holders[grant.name] = grant
+        by_token = self.holders.get(grant.name)
+        if by_token is None or (not grant[8] and not grant[9]):  # the common case: exclusive
+            self.holders[grant.name] = {grant.token: grant}
+        else:
+            # fields 2, 8, 9: owner hash, shared, limit (the same in a Grant and a HolderRecord)
+            for token in [t for t, h in by_token.items()
+                          if (not h[8] and not h[9]) or h[2] == grant[2] or h[9] != grant[9]]:
+                del by_token[token]
+            by_token[grant.token] = grant
         token = grant.token
         if token & COUNTER_MASK > self.counter:
             self.counter = token & COUNTER_MASK
@@ -388,17 +461,25 @@ class LogState:
             self.epoch = token >> TOKEN_EPOCH_SHIFT
 
     def remove(self, record: Release | Expire | Revoke) -> None:
-        del self.holders[record.name]
+        by_token = self.holders[record.name]
+        del by_token[record.token]
+        if not by_token:
+            del self.holders[record.name]
 
     def set_ttl(self, record: Extend) -> None:
-        h = self.holders[record.name]
-        self.holders[record.name] = tuple.__new__(HolderRecord, (*h[:3], record.ttl_ms, *h[4:]))
+        by_token = self.holders[record.name]
+        h = by_token[record.token]
+        by_token[record.token] = tuple.__new__(HolderRecord, (*h[:3], record.ttl_ms, *h[4:]))
 
     def raise_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def raise_counter(self, counter: int) -> None:
         self.counter = counter
+
+    def set_lock_delay(self, record: LockDelay) -> None:
+        if record.until_wall_ms > self.lock_delays.get(record.name, 0):
+            self.lock_delays[record.name] = record.until_wall_ms
 
     def put_key(self, record: KeyPut) -> None:
         self.keys.put(record.key, record.value, record.lease_name, record.token, record.principal, record.wall_ms)

@@ -38,6 +38,8 @@ class RecoveredState(NamedTuple):
     next_lsn: int  # LSN the next record will get
     snapshot_lsn: int  # LSN of the snapshot used (0 if none)
     keys: KeySpace | None = None  # the key store (fastlock.wal.keyspace)
+    #: (name, until_wall_ms): the latest lock-delay logged per name (wall clock ms; ended ones too)
+    lock_delays: list[tuple[str, int]] = []
 
 
 class LogFiles:
@@ -167,5 +169,6 @@ def recover(directory: str, *, repair: bool = False) -> Recovery:
         next_lsn=next_lsn,
         snapshot_lsn=base,
         keys=state.keys,
+        lock_delays=list(state.lock_delays.items()),
     )
     return Recovery(recovered, list(files.segs), repaired)

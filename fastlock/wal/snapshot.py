@@ -2,8 +2,9 @@
 
 ``snap-<lsn:020d>.snap`` holds the lock table after applying every record up
 to ``lsn``: a header (magic ``FLOCKSNP``, format version, lsn, epoch, counter,
-body length), a msgpack array of holders (each the 8 fields of
-:class:`~fastlock.wal.records.HolderRecord`, in order), then (since the key
+body length), a msgpack array of holders (each the fields of
+:class:`~fastlock.wal.records.HolderRecord`, in order: 8 for an exclusive lease,
+10 for a shared lease or a semaphore permit), then (since the key
 store) a msgpack array of keys (each the 7 items of
 :meth:`fastlock.wal.keyspace.KeySpace.to_list`; absent in older snapshots,
 which load with no keys), and a CRC32 of everything before it.  It is written with
@@ -41,15 +42,17 @@ SNAP_HEADER = struct.Struct("<8sIQQQQ")  # magic, version, lsn, epoch, counter, 
 
 def encode_snapshot(lsn: int, epoch: int, counter: int, holders: Sequence[HolderRecord],
                     keys: list | None = None) -> bytes:
-    """The bytes of a snapshot file (``holders``: HolderRecord or equal 8-tuples; ``keys``:
-    :meth:`KeySpace.to_list`, written only when not empty so that a key-less snapshot
-    stays readable by older builds)."""
+    """The bytes of a snapshot file (``holders``: HolderRecord or equal 8- or 10-tuples;
+    ``keys``: :meth:`KeySpace.to_list`, written only when not empty so that a key-less
+    snapshot stays readable by older builds)."""
     packer = msgpack.Packer()
     parts = [packer.pack_array_header(len(holders))]
     pack = packer.pack
     # Small chunks so that a snapshot thread gives the GIL back to the loop often.
     for i in range(0, len(holders), 1000):
-        parts.append(b"".join([pack(tuple(h)) for h in holders[i:i + 1000]]))
+        # an exclusive lease is stored as its first 8 fields (as every earlier fastlock)
+        parts.append(b"".join([pack(tuple(h) if len(h) != 10 or h[8] or h[9] else tuple(h)[:8])
+                               for h in holders[i:i + 1000]]))
     if keys:
         parts.append(pack(keys))
     body = b"".join(parts)
@@ -76,7 +79,7 @@ def load_snapshot(path: str) -> Snapshot:
     """Read and check a snapshot file.
 
     :raises WalCorruption: truncated, wrong magic or version, CRC mismatch, or a
-        holder that is not 8 fields.
+        holder that is not 8 or 10 fields.
     :raises OSError: the file cannot be read.
     """
     data = read_file(path)

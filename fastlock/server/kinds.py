@@ -1,0 +1,237 @@
+"""The lock kinds beyond one exclusive lock: the atomic multi-lock, contenders, deadlocks.
+
+* ``ACQUIRE_MANY`` (:meth:`KindHandlers.op_acquire_many`) asks the core's
+  ``acquire_many`` for a set of names at once; its request is a
+  :class:`ManyRequest`, which collects the one ``EV_GRANTED`` per name the core
+  emits for it (in one drain) and answers once, with every token in request order.
+* ``CONTENDERS`` (:meth:`KindHandlers.op_contenders`): a lock's holders and its
+  ordered waiters, as kazoo's ``contenders()``.
+* :class:`DeadlockTimer`: while anything waits, every ``deadlock_timeout_ms / 2``
+  it asks the core to break the wait-for cycles older than ``deadlock_timeout_ms``
+  (PostgreSQL's ``deadlock_timeout``); each victim's acquire fails with
+  :class:`~fastlock.errors.DeadlockDetected` naming the cycle.
+
+Shared locks and semaphores need no op of their own: ACQUIRE carries ``shared``
+and ``limit`` (see :mod:`fastlock.protocol`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .. import protocol as P
+from .._core import EV_DEADLOCK, EV_WAIT_CANCELLED, EV_WAIT_TIMEOUT, LIMIT_CONFLICT, NOT_ACQUIRED
+from ..auth import hash_owner
+from ..errors import (
+    Cancelled,
+    DeadlockDetected,
+    InvalidArgument,
+    LimitConflict,
+    LockNotAcquired,
+    PermissionDenied,
+)
+from ..logsafe import quote
+from ..roles import Action
+from ..units import monotonic_ms
+from .admission import PrincipalQuotas, limit_exceeded
+from .session import Session, recorded_client, split_recorded_client
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .handlers import Handlers
+    from .lockserver import LockServer
+
+log = logging.getLogger(__name__)
+
+
+class ManyRequest:
+    """The request object of one ACQUIRE_MANY in the lock table: the core's
+    events for it (one per name) carry it as ``Event.request``.
+
+    The reply goes out once: every token (:meth:`granted`, after the last name's
+    grant) or one error (:meth:`error_id`, for the first failure event).
+    """
+
+    __slots__ = ("req_id", "count", "tokens", "done")
+
+    def __init__(self, req_id: int, count: int):
+        self.req_id = req_id
+        self.count = count
+        self.tokens: list[int] = []
+        self.done = False
+
+    def granted(self, token: int, ttl_ms: int, waited_ms: int) -> bytes | None:
+        """Collect one name's grant; the reply frame once every name is granted, else None."""
+        if self.done:
+            return None
+        self.tokens.append(token)
+        if len(self.tokens) < self.count:
+            return None
+        self.done = True
+        return P.encode_ok(self.req_id, [self.tokens, ttl_ms, waited_ms])
+
+    def error_id(self) -> int | None:
+        """The request id to fail, the first time only (later events of the same request: None)."""
+        if self.done:
+            return None
+        self.done = True
+        return self.req_id
+
+
+def reply_id(request: Any) -> int | None:
+    """The request id an error event answers: an ACQUIRE's own id, an ACQUIRE_MANY's
+    once (None for its other names' events)."""
+    return request if type(request) is int else request.error_id()
+
+
+def grant_reply(ev: Any) -> bytes | None:
+    """The reply frame for a delivered ``EV_GRANTED`` event (None: an ACQUIRE_MANY still
+    collecting its other names)."""
+    request = ev.request
+    if type(request) is int:
+        return P.packb([request, 0, [ev.token, ev.ttl_ms, ev.waited_ms]])
+    return request.granted(ev.token, ev.ttl_ms, ev.waited_ms)
+
+
+def waiter_left(conn: Session | None, ev: Any, quotas: PrincipalQuotas) -> None:
+    """Fail the acquire of a waiter that left the queue: EV_WAIT_TIMEOUT
+    (LockNotAcquired), EV_WAIT_CANCELLED (Cancelled) or EV_DEADLOCK
+    (DeadlockDetected); ``conn``: its session, None if closed."""
+    if conn is None:
+        return
+    rid = reply_id(ev.request)  # an ACQUIRE_MANY is answered once, not per name
+    if rid is not None:
+        kind = ev.kind
+        if kind == EV_WAIT_TIMEOUT:
+            conn.send(P.encode_error(rid, LockNotAcquired.code, f"{ev.name!r}: wait ran out"))
+        elif kind == EV_WAIT_CANCELLED:
+            conn.send(P.encode_error(rid, Cancelled.code, f"{ev.name!r}: acquire cancelled"))
+        elif kind == EV_DEADLOCK:
+            conn.send(P.encode_error(rid, DeadlockDetected.code, deadlock_message(ev)))
+    if conn.waiting:
+        quotas.count_waiters(conn)
+
+
+def deadlock_message(ev: Any) -> str:
+    """What a deadlock victim's client reads: the cycle as session -> lock steps."""
+    steps = " -> ".join(f"session {session} waits for {name!r}" for session, name in ev.cycle or ())
+    return f"{ev.name!r}: deadlock detected ({steps}); this acquire was chosen to break it"
+
+
+def limit_conflict(table: Any, name: str, limit: int, now: int) -> LimitConflict:
+    """The error for an acquire whose ``limit`` disagrees with the name's."""
+    holders = table.holders_of(name, now)
+    current = (f"a semaphore of limit {holders[0].limit}" if holders and holders[0].limit
+               else "a lock" if holders else "waited on under another limit")
+    asked = f"a semaphore of limit {limit}" if limit else "a lock"
+    return LimitConflict(f"{name!r} is {current}; this acquire asked for {asked}")
+
+
+class KindHandlers:
+    """The handlers of ACQUIRE_MANY and CONTENDERS (registered in :class:`Handlers`),
+    and the server's :class:`DeadlockTimer` (``deadlocks``)."""
+
+    def __init__(self, handlers: Handlers):
+        self.handlers = handlers
+        self.table = handlers.table
+        self.roles = handlers.roles
+        self.config = handlers.config
+        self.server = handlers.server
+        self.deadlocks = DeadlockTimer(handlers.server, handlers.config.deadlock_timeout_ms)
+
+    def op_acquire_many(self, conn: Session, req_id: int, msg: list) -> None:
+        """ACQUIRE_MANY: ``[[name, shared], ...], owner, ttl_ms, wait_ms, lock_delay_ms,
+        corr_id``; each name is checked against the principal's ACL for ``acquire``."""
+        items = P.check_many_items(msg[2])
+        owner = hash_owner(P.check_owner(msg[3]))
+        ttl_ms = P.check_ttl_ms(msg[4])
+        wait_ms = P.check_wait_ms(msg[5])
+        delay_ms = P.check_lock_delay_ms(msg[6])
+        corr = P.check_optional_str(msg[7], "correlation id", P.MAX_CORRELATION_ID_CHARS)
+        grant = conn.grant
+        if conn.kind == "client":
+            for name, _shared in items:
+                if grant is None or not grant.allows("acquire", name):
+                    raise PermissionDenied(f"principal {conn.principal!r} may not acquire {name!r}")
+        table = self.table
+        now = monotonic_ms()
+        self.roles.admit(Action.ACQUIRE)
+        config = self.config
+        if wait_ms != 0:
+            if table.session_waiters(conn.session) + len(items) > config.max_waiters_per_connection:
+                raise limit_exceeded(config.max_waiters_per_connection, "this connection", "waiting acquires",
+                                     "max-waiters-per-connection")
+            if table.waiter_count + len(items) > config.max_waiters:
+                raise limit_exceeded(config.max_waiters, "the server", "waiting acquires", "max-waiters")
+        if len(table) + len(items) > config.max_leases:
+            raise limit_exceeded(config.max_leases, "the server", "leases", "max-leases")
+        server = self.server
+        if ttl_ms > server.max_ttl_ms:
+            server.max_ttl_ms = ttl_ms
+            server.node_state.raise_ttl(ttl_ms)
+        try:
+            status = table.acquire_many(items, owner, conn.session, ManyRequest(req_id, len(items)), ttl_ms,
+                                        wait_ms, delay_ms, (recorded_client(conn), corr), now)
+        except ValueError as exc:  # an owner key already holding or awaiting some name in another request
+            raise InvalidArgument(f"acquire_many: {exc}") from None
+        if self.server.quotas.waiters.limit:
+            self.server.quotas.count_waiters(conn)
+        if status == LIMIT_CONFLICT:
+            raise LimitConflict("acquire_many takes locks, not semaphores: one of the names is a semaphore")
+        if status == NOT_ACQUIRED:
+            raise LockNotAcquired(f"{len(items)} locks: not all free now")
+
+    def op_contenders(self, conn: Session, req_id: int, msg: list) -> None:
+        """CONTENDERS: ``name`` -> {"holders": [...], "waiters": [...]} (FIFO order)."""
+        name = P.check_name(msg[2])
+        self.roles.admit(Action.READ)
+        now = monotonic_ms()
+        table = self.table
+        holders = []
+        for h in table.holders_of(name, now):
+            client, corr = h.meta if h.meta else (None, None)
+            principal, client = split_recorded_client(client)
+            holders.append({"token": h.token, "shared": h.shared, "limit": h.limit, "principal": principal,
+                            "client": client, "correlation_id": corr, "remaining_ms": h.deadline_ms - now})
+        waiters = []
+        for _session, shared, limit, meta, many in table.waiter_details(name):
+            client, corr = meta if meta else (None, None)
+            principal, client = split_recorded_client(client)
+            waiters.append({"shared": shared, "limit": limit, "principal": principal, "client": client,
+                            "correlation_id": corr, "many": many})
+        conn.send(P.encode_ok(req_id, {"holders": holders, "waiters": waiters}))
+
+
+class DeadlockTimer:
+    """Breaks deadlocks: while the table has waiters on a primary, every half
+    ``timeout_ms`` it calls ``table.break_deadlocks(now, timeout_ms)``, so a
+    cycle is broken between ``timeout_ms`` and 1.5 x ``timeout_ms`` after it
+    formed.  ``timeout_ms`` 0 turns detection off."""
+
+    def __init__(self, server: LockServer, timeout_ms: int):
+        self.server = server
+        self.timeout_ms = timeout_ms
+        self.handle: asyncio.TimerHandle | None = None
+
+    def poke(self) -> None:
+        """Arm the timer if something waits and it is not armed (called at each batch end)."""
+        if self.handle is None and self.timeout_ms and self.server.table.waiter_count:
+            self.handle = self.server.loop.call_later(self.timeout_ms / 2000.0, self._fire)
+
+    def _fire(self) -> None:
+        self.handle = None
+        server = self.server
+        if not server.roles.expires_leases:
+            return
+        now = monotonic_ms()
+        cycles = server.table.break_deadlocks(now, self.timeout_ms)
+        for cycle in cycles:
+            log.warning("deadlock broken: %s", " -> ".join(f"session {s} waits for {quote(n)}" for s, n in cycle))
+        server.after_batch()
+        self.poke()
+
+    def cancel(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None

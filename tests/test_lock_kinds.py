@@ -1,0 +1,401 @@
+"""Shared locks, semaphores, the atomic multi-lock and deadlock detection against real
+server processes (issue 13); the core's own rules are in test_core_kinds.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+import pytest
+from conftest import wait_until
+
+import fastlock
+from fastlock import protocol as P
+from fastlock._testbase import HistoryChecker
+from fastlock._testbase.cluster import RawNode, poll, status_of
+from fastlock.errors import DeadlockDetected, InvalidArgument, LimitConflict, LockNotAcquired
+
+TIMEOUT = 10.0
+
+
+async def _loop_holders(clients, run_for: float, pick):
+    """Every client acquires, holds a moment and releases in a loop for ``run_for``
+    seconds; ``pick(i)`` -> (acquire coroutine factory, shared, limit).  Records every
+    holding in a HistoryChecker, which is returned with the peak overlap."""
+    history = HistoryChecker()
+    inside = {"now": 0, "peak": 0}
+    end = time.monotonic() + run_for
+
+    async def worker(i, client):
+        rnd = random.Random(i)
+        while time.monotonic() < end:
+            acquire, shared, limit = pick(client, rnd)
+            lease = await acquire()
+            history.held(lease.name, lease.fencing_token, time.monotonic(), shared, limit)
+            inside["now"] += 1
+            inside["peak"] = max(inside["peak"], inside["now"])
+            await asyncio.sleep(rnd.uniform(0, 0.004))
+            inside["now"] -= 1
+            history.released(lease.name, lease.fencing_token, time.monotonic())
+            await client.release(lease)
+
+    await asyncio.wait_for(asyncio.gather(*(worker(i, c) for i, c in enumerate(clients))), run_for + TIMEOUT)
+    return history, inside["peak"]
+
+
+async def test_readers_share_and_writers_exclude(connect):
+    clients = [await connect(f"rw-{i}") for i in range(16)]
+    peak_readers = {"now": 0, "peak": 0}
+    history = HistoryChecker()
+    end = time.monotonic() + 1.5
+
+    async def worker(i, client):
+        rnd = random.Random(i)
+        while time.monotonic() < end:
+            shared = rnd.random() < 0.75
+            lease = await client.acquire("rw", ttl=5.0, wait=TIMEOUT, shared=shared)
+            history.held("rw", lease.fencing_token, time.monotonic(), shared)
+            if shared:
+                peak_readers["now"] += 1
+                peak_readers["peak"] = max(peak_readers["peak"], peak_readers["now"])
+            await asyncio.sleep(rnd.uniform(0, 0.004))
+            if shared:
+                peak_readers["now"] -= 1
+            history.released("rw", lease.fencing_token, time.monotonic())
+            await client.release(lease)
+
+    await asyncio.wait_for(asyncio.gather(*(worker(i, c) for i, c in enumerate(clients))), TIMEOUT + 2)
+    assert history.check() > 100  # no writer overlapped anyone; tokens grow across every writer
+    assert peak_readers["peak"] >= 2  # readers did hold together
+
+
+async def test_a_stream_of_readers_does_not_starve_a_queued_writer(connect):
+    reader, writer, late = await connect("reader"), await connect("writer"), await connect("late")
+    first = await reader.acquire("doc", ttl=5.0, shared=True)
+    second = await late.acquire("doc", ttl=5.0, wait=0, shared=True)  # readers share
+    pending = asyncio.ensure_future(writer.acquire("doc", ttl=5.0, wait=TIMEOUT))
+    await wait_until(lambda: _waiting(late, "doc", 1), what="the writer to queue")
+    # a reader arriving behind the waiting writer is not let in past it
+    with pytest.raises(LockNotAcquired):
+        await late.acquire("doc", ttl=5.0, wait=0, shared=True)
+    queued_reader = asyncio.ensure_future(late.acquire("doc", ttl=5.0, wait=TIMEOUT, shared=True))
+    await wait_until(lambda: _waiting(late, "doc", 2), what="the second reader to queue")
+    seen = await late.contenders("doc")
+    assert sorted(h["token"] for h in seen["holders"]) == [first.fencing_token, second.fencing_token]
+    assert [h["shared"] for h in seen["holders"]] == [True, True]
+    assert [(w["shared"], w["client"]) for w in seen["waiters"]] == [(False, "writer"), (True, "late")]
+    await reader.release(first)
+    await late.release(second)
+    w = await asyncio.wait_for(pending, TIMEOUT)
+    assert not queued_reader.done()
+    await writer.release(w)
+    r = await asyncio.wait_for(queued_reader, TIMEOUT)
+    assert r.fencing_token > w.fencing_token > second.fencing_token
+    await late.release(r)
+
+
+async def _waiting(client, name, n):
+    return len((await client.contenders(name))["waiters"]) == n
+
+
+async def test_a_semaphore_of_three_never_has_four_holders(connect):
+    clients = [await connect(f"sem-{i}") for i in range(20)]
+
+    def pick(client, rnd):
+        sem = client.semaphore("pool", 3)
+        return (lambda: sem.acquire(ttl=5.0, wait=TIMEOUT)), False, 3
+
+    history, peak = await _loop_holders(clients, 1.5, pick)
+    assert history.check() > 100  # never 4 permits at once; tokens unique and increasing
+    assert peak == 3
+    # the limit is kept while the semaphore is held: another limit, or a lock, is refused
+    held = await clients[0].semaphore("pool", 3).acquire(ttl=5.0)
+    with pytest.raises(LimitConflict, match="limit 3"):
+        await clients[1].semaphore("pool", 4).acquire(ttl=5.0, wait=0)
+    with pytest.raises(LimitConflict):
+        await clients[1].acquire("pool", ttl=5.0, wait=0)
+    await clients[0].release(held)
+    again = await clients[1].semaphore("pool", 4).acquire(ttl=5.0, wait=0)  # free: a new limit is fine
+    assert again.fencing_token > held.fencing_token
+
+
+async def test_semaphore_and_shared_arguments_are_checked_before_sending(client):
+    with pytest.raises(InvalidArgument):
+        client.semaphore("s", 0)
+    with pytest.raises(InvalidArgument):
+        await client.acquire("s", ttl=1.0, shared=True, limit=2)
+    with pytest.raises(TypeError):
+        await client.acquire("s", ttl=1.0, shared="yes")
+
+
+async def test_the_server_refuses_bad_kind_arguments(server):
+    node = await RawNode.open(server.address)
+    try:
+        for args, match in [((1, 0), "shared must be a bool"), ((False, -1), "limit must be"),
+                            ((True, 3), "cannot also be shared"), ((False, 1 << 40), "limit must be")]:
+            with pytest.raises(InvalidArgument, match=match):
+                await node.request(P.OP_ACQUIRE, "k", b"o" * 16, 1000, 0, 0, None, *args)
+        for items, match in [([], "1..64"), ([["a", False], ["a", True]], "once"), ("a", "list"),
+                             ([["a"]], "pair"), ([["", False]], "empty")]:
+            with pytest.raises(InvalidArgument, match=match):
+                await node.request(P.OP_ACQUIRE_MANY, items, b"o" * 16, 1000, 0, 0, None)
+        assert (await node.status())["locks_held"] == 0
+    finally:
+        await node.close()
+
+
+async def test_atomic_multi_lock_never_deadlocks_nor_holds_a_partial_set(connect):
+    names = [f"m{i}" for i in range(8)]
+    clients = [await connect(f"multi-{i}") for i in range(4)]
+    history = HistoryChecker()
+    end = time.monotonic() + 3.0
+    counts = {"sets": 0}
+
+    async def task(i):
+        rnd = random.Random(100 + i)
+        client = clients[i % len(clients)]
+        while time.monotonic() < end:
+            chosen = rnd.sample(names, rnd.randint(2, 4))
+            multi = await client.acquire_many(chosen, ttl=5.0, wait=TIMEOUT)
+            assert sorted(multi.names) == sorted(chosen)  # the whole set, never part of it
+            now = time.monotonic()
+            for lease in multi:
+                history.held(lease.name, lease.fencing_token, now)
+            await asyncio.sleep(rnd.uniform(0, 0.003))
+            now = time.monotonic()
+            for lease in multi:
+                history.released(lease.name, lease.fencing_token, now)
+            await client.release_many(multi)
+            counts["sets"] += 1
+
+    await asyncio.wait_for(asyncio.gather(*(task(i) for i in range(20))), 3.0 + TIMEOUT)
+    assert history.check() > 0 and counts["sets"] > 50
+
+
+async def test_multi_lock_waits_holding_nothing_and_is_one_request(connect):
+    a, b = await connect("a"), await connect("b")
+    held = await a.acquire("y", ttl=5.0)
+    pending = asyncio.ensure_future(b.acquire_many(["x", "y"], ttl=5.0, wait=TIMEOUT, shared=["x"]))
+    await wait_until(lambda: _waiting(a, "y", 1), what="the multi-lock to queue")
+    # while it waits it holds none of its names (x has no holder), and it keeps its
+    # place on each: a later acquire of x queues behind it (FIFO per name)
+    info = await a.contenders("x")
+    assert info["holders"] == [] and [w["many"] for w in info["waiters"]] == [True]
+    with pytest.raises(LockNotAcquired):
+        await a.acquire("x", ttl=5.0, wait=0)
+    await a.release(held)
+    multi = await asyncio.wait_for(pending, TIMEOUT)
+    assert multi.fencing_tokens["x"] != multi.fencing_tokens["y"]
+    assert (await a.contenders("x"))["holders"][0]["shared"] is True
+    with pytest.raises(LockNotAcquired):
+        await a.acquire_many(["x", "y"], ttl=5.0, wait=0)
+    await b.release_many(multi)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+async def test_a_deadlock_is_broken_with_deadlock_detected(server_factory, n):
+    srv = server_factory(f"dl{n}", args=["--deadlock-timeout", "0.5"])
+    clients = [await fastlock.connect(srv.address, client_name=f"dl-{i}") for i in range(n)]
+    try:
+        names = [f"d{i}" for i in range(n)]
+        first = [await c.acquire(names[i], ttl=10.0) for i, c in enumerate(clients)]
+        started = time.monotonic()
+        waits = [asyncio.ensure_future(c.acquire(names[(i + 1) % n], ttl=10.0, wait=TIMEOUT))
+                 for i, c in enumerate(clients)]
+        done, _ = await asyncio.wait(waits, timeout=0.5 + 1.0, return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1, "no waiter was failed within --deadlock-timeout + 1 s"
+        victim = waits.index(done.pop())
+        with pytest.raises(DeadlockDetected, match="deadlock detected") as err:
+            waits[victim].result()
+        assert all(name in str(err.value) for name in names)
+        assert time.monotonic() - started >= 0.4  # not before the cycle was --deadlock-timeout old
+        # the victim gives up what it holds: the others proceed, each once the one
+        # before it along the cycle has released (client i waits for client i + 1's lock)
+        await clients[victim].release(first[victim])
+        for step in range(1, n):
+            i = (victim - step) % n
+            lease = await asyncio.wait_for(waits[i], TIMEOUT)
+            await clients[i].release(lease)
+            await clients[i].release(first[i])
+    finally:
+        for c in clients:
+            await c.close()
+
+
+async def test_shared_leases_and_permits_survive_a_restart(server_factory):
+    srv = server_factory("restart")
+    a = await fastlock.connect(srv.address, client_name="a")
+    r1 = await a.acquire("doc", ttl=30.0, shared=True)
+    r2 = await a.acquire("doc", ttl=30.0, shared=True)
+    p1 = await a.semaphore("pool", 2).acquire(ttl=30.0)
+    await a.close()
+    srv.stop()
+    srv = server_factory("restart")
+    b = await fastlock.connect(srv.address, client_name="b")
+    try:
+        info = await b.contenders("doc")
+        assert sorted(h["token"] for h in info["holders"]) == sorted([r1.fencing_token, r2.fencing_token])
+        assert all(h["shared"] for h in info["holders"])
+        with pytest.raises(LockNotAcquired):
+            await b.acquire("doc", ttl=1.0, wait=0)
+        r3 = await b.acquire("doc", ttl=1.0, wait=0, shared=True)  # readers still share
+        assert r3.fencing_token > p1.fencing_token
+        await b.semaphore("pool", 2).acquire(ttl=1.0, wait=0)  # one permit was left
+        with pytest.raises(LockNotAcquired):
+            await b.semaphore("pool", 2).acquire(ttl=1.0, wait=0)
+        with pytest.raises(LimitConflict):
+            await b.semaphore("pool", 5).acquire(ttl=1.0, wait=0)
+    finally:
+        await b.close()
+
+
+def test_a_standby_keeps_shared_leases_and_permits_through_promotion(cluster):
+    from fastlock._testbase.cluster import run
+
+    p = cluster.primary()
+    s = cluster.standby(p.address, grace=0.5)
+
+    async def main():
+        a = await RawNode.open(p.address)
+        try:
+            owners = [os.urandom(16) for _ in range(3)]
+            shared = [await a.request(P.OP_ACQUIRE, "doc", o, 30_000, 0, 0, None, True) for o in owners[:2]]
+            permit = await a.request(P.OP_ACQUIRE, "pool", owners[2], 30_000, 0, 0, None, False, 2)
+            last = (await a.status())["wal"]["last_lsn"]
+            await poll(lambda: status_of(s.address), lambda st: st["replication"]["applied_lsn"] >= last,
+                       timeout=5.0, what="the standby to catch up")
+        finally:
+            await a.close()
+        from test_replication import cli
+
+        res = await asyncio.to_thread(cli, "promote", "--server", s.address)
+        assert res.returncode == 0, res.stderr
+        b = await RawNode.open(s.address)
+        try:
+            info = await b.request(P.OP_CONTENDERS, "doc")
+            assert sorted(h["token"] for h in info["holders"]) == sorted(t[0] for t in shared)
+            assert all(h["shared"] for h in info["holders"])
+            info = await b.request(P.OP_CONTENDERS, "pool")
+            assert [(h["token"], h["limit"]) for h in info["holders"]] == [(permit[0], 2)]
+            # the holders extend on the new primary with the leases they have
+            for (token, _, _), owner in zip(shared, owners):
+                assert await b.extend("doc", token, owner, 30_000) == 30_000
+        finally:
+            await b.close()
+
+    run(main())
+
+
+def test_fastlock_run_limit_runs_at_most_n_commands_at_once(server, tmp_path):
+    """``fastlock run --limit 2``: two commands hold permits together, a third waits
+    (as ``consul lock -n 2``); a different limit meanwhile is refused (exit 2)."""
+    import subprocess
+    import sys
+
+    from fastlock.sync import SyncClient
+
+    def run(*args, command):
+        return [sys.executable, "-m", "fastlock", "run", "jobs", *args, "--server", server.address, "--", *command]
+
+    gate = tmp_path / "go"
+    child = ("import os, pathlib, sys, time\n"
+             "pathlib.Path(sys.argv[1]).write_text(os.environ['FASTLOCK_FENCING_TOKEN'] + '\\n')\n"
+             "while not pathlib.Path(sys.argv[2]).exists(): time.sleep(0.01)\n")
+    procs = [subprocess.Popen(run("--limit", "2", command=[sys.executable, "-c", child, str(tmp_path / f"r{i}"),
+                                                           str(gate)]), cwd=tmp_path) for i in range(2)]
+    try:
+        with SyncClient(server.address, client_name="observer") as sync:
+            deadline = time.monotonic() + TIMEOUT
+            while not all((tmp_path / f"r{i}").exists() for i in range(2)):
+                assert time.monotonic() < deadline, "the two permit holders did not start"
+                assert all(p.poll() is None for p in procs)
+                time.sleep(0.01)
+            info = sync.contenders("jobs")
+            assert [h["limit"] for h in info["holders"]] == [2, 2]
+            out = subprocess.run(run("--limit", "2", "--wait", "0", command=["true"]), cwd=tmp_path,
+                                 capture_output=True, text=True, timeout=TIMEOUT)
+            assert out.returncode == 73, out.stderr  # no third permit
+            out = subprocess.run(run("--limit", "3", "--wait", "0", command=["true"]), cwd=tmp_path,
+                                 capture_output=True, text=True, timeout=TIMEOUT)
+            assert out.returncode == 2 and "limit 2" in out.stderr
+            gate.touch()
+            assert [p.wait(TIMEOUT) for p in procs] == [0, 0]
+            permit = sync.semaphore("jobs", 5).acquire(ttl=1.0, wait=0)  # free again: any limit
+            reader = sync.acquire("doc", ttl=1.0, shared=True)
+            assert sync.acquire("doc", ttl=1.0, wait=0, shared=True).fencing_token > reader.fencing_token
+            sync.release(permit)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+async def _expired_with_delay(address: str, name: str, delay_ms: int) -> float:
+    """Take ``name`` with a 200 ms lease and a lock-delay of ``delay_ms``; return the
+    monotonic time by which it had expired (seen by polling its holders)."""
+    node = await RawNode.open(address)
+    try:
+        await node.request(P.OP_ACQUIRE, name, os.urandom(16), 200, 0, delay_ms, None)
+        started = time.monotonic()
+        await poll(lambda: node.request(P.OP_CONTENDERS, name), lambda info: not info["holders"],
+                   timeout=5.0, what="the lease to expire")
+        return started + 0.2
+    finally:
+        await node.close()
+
+
+async def test_a_running_lock_delay_survives_a_restart(server_factory):
+    srv = server_factory("delay")
+    expired = await _expired_with_delay(srv.address, "job", 2500)
+    srv.stop()
+    srv = server_factory("delay")
+    await asyncio.to_thread(srv.wait_for_log, r"1 running lock-delays", 5)
+    node = await RawNode.open(srv.address)
+    try:
+        with pytest.raises(LockNotAcquired):
+            await node.request(P.OP_ACQUIRE, "job", os.urandom(16), 1000, 0, 0, None)
+        await node.request(P.OP_ACQUIRE, "job", os.urandom(16), 1000, 5000, 0, None)
+        assert time.monotonic() >= expired + 2.5 - 0.1  # not granted before the delay ran out
+    finally:
+        await node.close()
+
+
+def test_a_running_lock_delay_survives_a_promotion(cluster):
+    from fastlock._testbase.cluster import run
+
+    p = cluster.primary()
+    s = cluster.standby(p.address, grace=0.0)
+
+    async def main():
+        expired = await _expired_with_delay(p.address, "job", 3000)
+        last = (await status_of(p.address))["wal"]["last_lsn"]
+        await poll(lambda: status_of(s.address), lambda st: st["replication"]["applied_lsn"] >= last,
+                   timeout=5.0, what="the standby to catch up")
+        await asyncio.to_thread(p.kill)
+        from test_replication import cli
+
+        res = await asyncio.to_thread(cli, "promote", "--server", s.address, "--force")
+        assert res.returncode == 0, res.stderr
+        node = await RawNode.open(s.address)
+        try:
+            with pytest.raises(LockNotAcquired):
+                await node.request(P.OP_ACQUIRE, "job", os.urandom(16), 1000, 0, 0, None)
+            await node.request(P.OP_ACQUIRE, "job", os.urandom(16), 1000, 6000, 0, None)
+            assert time.monotonic() >= expired + 3.0 - 0.1
+        finally:
+            await node.close()
+
+    run(main())
+
+
+async def test_multi_lock_one_by_one_path_for_an_older_server(connect):
+    """A client that has learnt its server has no ACQUIRE_MANY (an older fastlock)
+    takes the set one lock at a time in the global order, shared names included."""
+    client, other = await connect("old-path"), await connect("other")
+    client.connector.no_acquire_many = True
+    multi = await client.acquire_many(["b", "a"], ttl=5.0, shared=["b"])
+    assert (await other.contenders("b"))["holders"][0]["shared"] is True
+    assert multi.fencing_tokens["a"] < multi.fencing_tokens["b"]  # taken in name order
+    await client.release_many(multi)

@@ -1,0 +1,105 @@
+"""The WAL's records for shared leases, semaphore permits and running lock-delays:
+their encoding (an exclusive grant stays the 8-field record of earlier logs), the
+replay rules of the one ``apply``, snapshots and recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import pytest
+
+from fastlock.wal import WriteAheadLog, apply
+from fastlock.wal.records import (
+    GRANT,
+    LOCK_DELAY,
+    Expire,
+    Grant,
+    HolderRecord,
+    LockDelay,
+    LogState,
+    Release,
+    decode,
+    encode,
+)
+from fastlock.wal.snapshot import encode_snapshot, load_snapshot
+
+
+def tok(counter: int, epoch: int = 1) -> int:
+    return (epoch << 40) | counter
+
+
+def g(name, counter, owner=b"o", shared=False, limit=0):
+    return Grant(name, tok(counter), owner, 10_000, 0, "app:c", None, 0, shared, limit)
+
+
+def test_an_exclusive_grant_is_the_record_of_earlier_logs_and_a_shared_one_has_two_more_fields():
+    assert encode(g("a", 1)) == [GRANT, "a", tok(1), b"o", 10_000, 0, "app:c", None, 0]
+    assert encode(g("a", 2, shared=True)) == [GRANT, "a", tok(2), b"o", 10_000, 0, "app:c", None, 0, True, 0]
+    assert encode(g("a", 3, limit=4))[-2:] == [False, 4]
+    for rec in (g("a", 1), g("a", 2, shared=True), g("a", 3, limit=4), LockDelay("a", 123, 5)):
+        assert decode(msgpack.unpackb(msgpack.packb(encode(rec)))) == rec
+    assert decode([GRANT, "a", tok(1), b"o", 10_000, 0, None, None, 0]).shared is False
+    with pytest.raises(ValueError):
+        decode([GRANT, "a", tok(1), b"o", 10_000, 0, None, None, 0, True])  # 9 fields: neither shape
+    assert encode(LockDelay("a", 123, 5)) == [LOCK_DELAY, "a", 123, 5]
+
+
+def test_replay_rules_for_shared_leases_and_permits():
+    state = LogState()
+    for rec in (g("a", 1, b"r1", shared=True), g("a", 2, b"r2", shared=True)):
+        assert apply(rec, state)
+    assert sorted(state.holders["a"]) == [tok(1), tok(2)]  # readers share
+    apply(g("a", 3, b"r1", shared=True), state)  # the same owner's lease is replaced
+    assert sorted(state.holders["a"]) == [tok(2), tok(3)]
+    apply(Release("a", tok(2), 0), state)
+    assert apply(Release("a", tok(2), 0), state) is False  # gone: changes nothing
+    assert sorted(state.holders["a"]) == [tok(3)]
+    apply(g("a", 4, b"w"), state)  # an exclusive grant replaces every holder
+    assert list(state.holders["a"]) == [tok(4)]
+    apply(g("a", 5, b"p1", limit=2), state)  # a permit replaces an exclusive holder
+    apply(g("a", 6, b"p2", limit=2), state)
+    assert sorted(state.holders["a"]) == [tok(5), tok(6)] and state.lease_count() == 2
+    apply(g("a", 7, b"p3", limit=3), state)  # another limit replaces the permits
+    assert list(state.holders["a"]) == [tok(7)]
+    apply(Expire("a", tok(7), 0), state)
+    assert "a" not in state.holders and state.counter == 7
+    apply(LockDelay("b", 100, 0), state)
+    apply(LockDelay("b", 50, 0), state)  # the latest end is kept
+    assert state.lock_delays == {"b": 100}
+
+
+def test_a_snapshot_keeps_shared_leases_and_permits(tmp_path):
+    holders = [HolderRecord("a", tok(1), b"r1", 5000, 0, "c", None, 0, True, 0),
+               HolderRecord("a", tok(2), b"r2", 5000, 0, "c", None, 0, True, 0),
+               HolderRecord("s", tok(3), b"p", 5000, 0, None, None, 0, False, 3),
+               HolderRecord("x", tok(4), b"w", 5000, 0, None, None, 0)]
+    path = tmp_path / "snap"
+    data = encode_snapshot(4, 1, 4, holders)
+    path.write_bytes(data)
+    assert load_snapshot(str(path)).holders == holders
+    # an exclusive lease is stored as the 8 fields every earlier fastlock reads
+    assert msgpack.packb(list(holders[3][:8])) in data
+
+
+async def test_recovery_restores_shared_leases_permits_and_running_lock_delays(tmp_path):
+    wal = WriteAheadLog(str(tmp_path))
+    wal.open()
+    wal.start(asyncio.get_running_loop())
+    wal.log_grant("doc", tok(1), b"r1", 10_000, 0, "c", None, True, 0)
+    wal.log_grant("doc", tok(2), b"r2", 10_000, 0, "c", None, True, 0)
+    wal.log_grant("pool", tok(3), b"p", 10_000, 0, "c", None, False, 2)
+    until = int(time.time() * 1000) + 5000
+    wal.log_lock_delay("job", until)
+    wal.log_lock_delays([("gone", 10), ("late", 1500)], 1000)  # (name, until_ms) at monotonic now 1000
+    await wal.sync()
+    await wal.close()
+    again = WriteAheadLog(str(tmp_path))
+    state = again.open()
+    again.abort()
+    by = sorted((h.name, h.token, h.shared, h.limit) for h in state.holders)
+    assert by == [("doc", tok(1), True, 0), ("doc", tok(2), True, 0), ("pool", tok(3), False, 2)]
+    delays = dict(state.lock_delays)
+    assert delays["job"] == until and "gone" not in delays
+    assert 0 < delays["late"] - int(time.time() * 1000) <= 500
