@@ -19,6 +19,7 @@ from .client import (
     connect,
 )
 from .errors import (
+    AlreadyHeld,
     AuthError,
     Cancelled,
     ConnectionLost,
@@ -54,6 +55,7 @@ __all__ = [
     "Term",
     "Leader",
     "FastlockError",
+    "AlreadyHeld",
     "LockNotAcquired",
     "LeaseLost",
     "LockNotHeld",

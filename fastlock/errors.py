@@ -82,6 +82,27 @@ class LockNotAcquired(FastlockError, TimeoutError):
     """The lock was not granted within ``wait`` seconds (``wait=0``: it was held)."""
 
 
+class AlreadyHeld(LockNotAcquired):
+    """Raised by the client, at once and sending nothing, for a waiting acquire
+    (``wait`` not 0) by a task that holds the lock already through the same
+    :class:`~fastlock.client.Client` (with ``SyncClient``: the calling thread):
+    it would queue behind its own lease until that lease's TTL runs out, or
+    forever while it is renewed.  The server cannot tell the two requests apart
+    (each acquire has its own owner key); the client keeps its last grant per
+    name and the task it went to (one dict lookup per acquire).  A live lease
+    counts: granted, not released, not known lost, its TTL not passed by the
+    client's estimate (a lease revoked by an operator counts until the client
+    learns of it).  A shared lease or a permit asked beside a shared lease or a
+    permit is not refused; other tasks of the client queue as usual.  With
+    ``wait=0`` the server answers (its message names a same-connection holder).
+    ``token`` is the held lease's fencing token.  Pass ``queue_behind_self=True``
+    to queue anyway (a task waiting for a lease it handed to another to release)."""
+
+    def __init__(self, message: str, token: int = 0):
+        super().__init__(message)
+        self.token = token
+
+
 @_register(4)
 class LeaseLost(FastlockError):
     """The lease is not the lock's current holder any more: it expired, was

@@ -274,9 +274,11 @@ async def test_lock_is_awaitable_and_renews_until_released(client):
 
 async def test_same_client_is_not_reentrant(client):
     lease = await client.acquire("reent", ttl=30.0)
-    with pytest.raises(fastlock.LockNotAcquired):
+    with pytest.raises(fastlock.LockNotAcquired):   # the server says so (same connection)
         await client.acquire("reent", ttl=30.0, wait=0)
-    second = asyncio.ensure_future(client.acquire("reent", ttl=30.0, wait=10))
+    with pytest.raises(fastlock.AlreadyHeld):   # a waiting one: the client says so, sending nothing
+        await client.acquire("reent", ttl=30.0, wait=10)
+    second = asyncio.ensure_future(client.acquire("reent", ttl=30.0, wait=10, queue_behind_self=True))
     await wait_until(lambda: queued(client, 1), what="second acquire queued")
     await client.release(lease)
     lease2 = await second

@@ -91,9 +91,11 @@ def test_acquire_extend_release_and_errors(sync_client):
     assert sync_client.check("plain", lease.fencing_token)
     assert sync_client.extend(lease, ttl=3.0).ttl == 3.0
     assert sync_client.holder("plain")["token"] == lease.fencing_token
+    with pytest.raises(fastlock.AlreadyHeld):  # not re-entrant: the same thread is told at once
+        sync_client.acquire("plain", ttl=1.0, wait=0.2)
     t0 = time.monotonic()
     with pytest.raises(fastlock.LockNotAcquired):
-        sync_client.acquire("plain", ttl=1.0, wait=0.2)  # not re-entrant: it queues, then times out
+        sync_client.acquire("plain", ttl=1.0, wait=0.2, queue_behind_self=True)  # queues, then times out
     assert time.monotonic() - t0 >= 0.19
     sync_client.release(lease)
     with pytest.raises(fastlock.LeaseLost):

@@ -13,12 +13,14 @@ Subcommands::
     fastlock locks [PREFIX] [-o json]                 the held locks
     fastlock lock NAME [-o json]                      one lock's holders and ordered waiters
     fastlock revoke NAME [--token T] [--reason TEXT]  force-release (audit record in the WAL)
+    fastlock elect NAME PROPOSAL | --listen NAME      campaign / print each new leader
+    fastlock top [--once] [--rows N]                  live view of the busiest and most contended locks
 
 The package holds one module per concern: :mod:`~fastlock.cli.args` (argument
 types and shared options), :mod:`~fastlock.cli.serve`,
 :mod:`~fastlock.cli.admin` (status, promote, serve-alone, credentials, wal
-dump), :mod:`~fastlock.cli.locks` (locks, lock, revoke), :mod:`~fastlock.cli.run` and
-:mod:`~fastlock.cli.demo`.
+dump), :mod:`~fastlock.cli.locks` (locks, lock, revoke), :mod:`~fastlock.cli.elect`,
+:mod:`~fastlock.cli.top`, :mod:`~fastlock.cli.run` and :mod:`~fastlock.cli.demo`.
 
 Client commands name their server with ``--server`` or the environment
 variable ``FASTLOCK_SERVER``.  TLS: ``serve`` takes ``--tls-cert/--tls-key``
@@ -39,7 +41,7 @@ import sys
 from .._version import __version__
 from ..errors import FastlockError
 from ..wal import WalCorruption
-from . import admin, config, demo, locks, run, serve
+from . import admin, config, demo, elect, locks, run, serve, top
 from .args import add_client_tls_arguments, client_tls_options, seconds_arg
 
 __all__ = ["add_client_tls_arguments", "build_parser", "client_tls_options", "main", "seconds_arg"]
@@ -59,6 +61,8 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     demo.add_parser(sub)
     admin.add_parsers(sub)
     locks.add_parsers(sub)
+    elect.add_parser(sub)
+    top.add_parser(sub)
     run.add_parser(sub)
     return parser, serve_parser
 

@@ -3,6 +3,8 @@
 - :func:`acquire_retry` rides an acquire through a failover with the same
   owner key, so a grant made before the failure is found again, never made
   twice (as ZooKeeper's lock recipe finds its own node again);
+- :class:`HeldLeases` refuses an acquire of a lock the same client
+  holds already (it would queue behind itself);
 - :func:`verify_late_grant` checks, with one EXTEND, a grant that was read
   with less than :data:`~fastlock.client.client.LATE_GRANT_FRACTION` of its
   TTL left, instead of returning a lease that may already be dead.
@@ -14,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
-from ..errors import FastlockError, LeaseLost
+from ..errors import AlreadyHeld, FastlockError, LeaseLost
 from ..logsafe import quote
 from .connection import RETRYABLE, ClientConnection, Connector, RideThrough
 from .lease import Lease
@@ -27,7 +31,80 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-__all__ = ["acquire_retry", "verify_late_grant"]
+__all__ = ["acquire_retry", "duration_ms", "verify_late_grant", "HeldLeases", "CALLER", "current_caller"]
+
+
+def duration_ms(value: Any, what: str, *, allow_zero: bool = False) -> int:
+    """:func:`fastlock.units.seconds_to_ms` (same result, same errors), with the
+    common case - a finite positive ``float`` or ``int`` - decided in one test
+    (the normal path of an acquire)."""
+    if (type(value) is float or type(value) is int) and 0 < value < 1e9:  # NaN fails the test
+        return max(1, math.ceil(value * 1000))
+    return P.seconds_to_ms(value, what, allow_zero=allow_zero)
+
+#: who acquires, for the self-wait check: the blocking client sets its calling
+#: thread (its tasks inherit the context); unset, the current asyncio task is the caller
+CALLER: ContextVar[object | None] = ContextVar("fastlock_caller", default=None)
+
+
+def current_caller() -> object:
+    """The thread (blocking client) or the asyncio task that calls now."""
+    who = CALLER.get()
+    return who if who is not None else asyncio.current_task()
+
+
+#: the smallest size at which :class:`HeldLeases` sweeps out ended leases
+SWEEP_MIN = 1024
+
+
+class HeldLeases:
+    """The last lease a client was granted per lock name, and the task (or blocking
+    client's thread) it went to: the self-wait check of :meth:`Client.acquire
+    <fastlock.client.Client.acquire>`.  An entry goes on release; entries of leases that
+    ended otherwise (expired, lost) are swept out whenever the table has doubled since
+    the last sweep, so it holds at most about twice the live leases."""
+
+    __slots__ = ("by_name", "_sweep_at")
+
+    def __init__(self) -> None:
+        #: lock name -> (lease, caller); read directly by ``Client.acquire`` (one lookup)
+        self.by_name: dict[str, tuple[Lease, object, bool]] = {}
+        self._sweep_at = SWEEP_MIN
+
+    def remember(self, lease: Lease, exclusive: bool) -> None:
+        """Record ``lease`` as the caller's grant of its name (``exclusive``: not a
+        shared lease nor a semaphore permit)."""
+        by_name = self.by_name
+        by_name[lease.name] = (lease, current_caller(), exclusive)
+        if len(by_name) >= self._sweep_at:
+            for name, (old, _, _) in list(by_name.items()):
+                if old.lost.is_set() or old.time_left() <= 0:
+                    del by_name[name]
+            self._sweep_at = max(SWEEP_MIN, 2 * len(by_name))
+
+    def forget(self, lease: Lease) -> None:
+        """Drop ``lease`` if it is the entry of its name (any copy of it)."""
+        entry = self.by_name.get(lease.name)
+        if entry is not None and entry[0].state is lease.state:
+            del self.by_name[lease.name]
+
+    def refuse_self_wait(self, entry: tuple[Lease, object, bool], exclusive: bool) -> None:
+        """Raise :class:`AlreadyHeld` if ``entry`` (from :attr:`by_name`) belongs to the
+        caller, is still live (not lost, its TTL not passed by the client's estimate)
+        and either it or the request (``exclusive``) is exclusive: a shared lease or a
+        permit asked by a holder of a shared lease or a permit can be granted beside it.
+        A dead entry is dropped."""
+        lease, who, held_exclusive = entry
+        if not (held_exclusive or exclusive):
+            return
+        if lease.lost.is_set() or lease.time_left() <= 0:
+            self.forget(lease)
+            return
+        if who is not current_caller():
+            return  # another task or thread of this client: waiting for it is no deadlock
+        raise AlreadyHeld(f"this client already holds {quote(lease.name)} (fencing token {lease.fencing_token}); "
+                          "a second acquire would wait for itself (pass queue_behind_self=True to queue anyway)",
+                          lease.fencing_token)
 
 
 async def acquire_retry(connector: Connector, connect_timeout: float, request: tuple[Any, ...], owner: bytes,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import ssl
 from collections.abc import AsyncIterator, Iterable
@@ -30,7 +29,7 @@ from .. import protocol as P
 from ..errors import ConnectionLost, InvalidArgument, LeaseLost, WrongArgumentType
 from ..tls import client_ssl_context
 from ..units import check_seconds
-from .acquire import acquire_retry, verify_late_grant
+from .acquire import HeldLeases, acquire_retry, duration_ms, verify_late_grant
 from .admin import LockAdminMethods
 from .connection import BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election
@@ -49,14 +48,6 @@ __all__ = ["Client", "LockContext", "LATE_GRANT_FRACTION"]
 #: a grant read with less than this fraction of its TTL left (by the client's
 #: conservative estimate) is verified with an EXTEND before it is returned
 LATE_GRANT_FRACTION = 0.5
-
-
-def _ms(value: Any, what: str, *, allow_zero: bool = False) -> int:
-    """:func:`fastlock.units.seconds_to_ms` (same result, same errors), with the
-    common case - a finite positive ``float`` or ``int`` - decided in one test."""
-    if (type(value) is float or type(value) is int) and 0 < value < 1e9:  # NaN fails the test
-        return max(1, math.ceil(value * 1000))
-    return P.seconds_to_ms(value, what, allow_zero=allow_zero)
 
 
 class Client(KeyMethods, LockAdminMethods):
@@ -128,6 +119,10 @@ class Client(KeyMethods, LockAdminMethods):
         self._op_timeout = self._request_timeout if self._request_timeout is not None else self._connect_timeout
         #: the auto-renewals this client runs (stopped by release and close)
         self.renewers = Renewers()
+        #: the last lease this client was granted per lock name, and the task
+        #: (or blocking client's thread) it was granted to: the self-wait check
+        #: of :meth:`acquire`; dropped on release
+        self._held = HeldLeases()
 
     @property
     def closed(self) -> bool:
@@ -205,7 +200,8 @@ class Client(KeyMethods, LockAdminMethods):
 
     # -- lock operations ----------------------------------------------------------------
     async def acquire(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
-                      correlation_id: str | None = None, shared: bool = False, limit: int = 0) -> Lease:
+                      correlation_id: str | None = None, shared: bool = False, limit: int = 0,
+                      queue_behind_self: bool = False) -> Lease:
         """Acquire ``name`` and return its :class:`Lease`.
 
         ``shared=True`` asks for a shared (read) lease: any number of shared
@@ -227,6 +223,14 @@ class Client(KeyMethods, LockAdminMethods):
                 release), as Chubby's lock-delay and Consul's session lock-delay.
             correlation_id: free text (<= 256 chars) recorded with the grant in
                 the server's WAL, for audits (``fastlock wal dump``).
+            queue_behind_self: queue even if the calling task holds ``name``
+                already through this client (see below), for a task that
+                waits for a lease another task will release.
+
+        **No waiting for yourself**: a waiting acquire (``wait`` not 0) by a task
+        (a ``SyncClient`` thread) that holds a live exclusive lease on ``name``
+        through this client, or asks for one while holding a shared lease or a
+        permit, raises :class:`AlreadyHeld` at once (see there); other tasks queue.
 
         A lost connection, a standby or deposed node (``NotPrimary``) or a
         fenced primary (``Unavailable``) does not end the call: the client
@@ -257,6 +261,9 @@ class Client(KeyMethods, LockAdminMethods):
 
         Raises:
             LockNotAcquired: the wait ran out (or ``wait=0`` and it was held).
+            AlreadyHeld: (a ``LockNotAcquired``) a waiting acquire by a task
+                that holds ``name`` already through this client, and
+                ``queue_behind_self`` is false; nothing was sent.
             LeaseLost: a grant arrived too late to be proven alive, and the
                 wait had no time left to queue again (see above).
             ConnectionLost: the deadline passed with no primary reachable,
@@ -271,11 +278,14 @@ class Client(KeyMethods, LockAdminMethods):
         removes the waiter on the server; if the grant raced with the cancel,
         the server releases it (never a ghost holder).
         """
+        held = self._held.by_name.get(name)
+        if held is not None and wait != 0 and not queue_behind_self:
+            self._held.refuse_self_wait(held, not shared and not limit)
         P.check_name(name)
-        ttl_ms = P.check_ttl_ms(_ms(ttl, "ttl"))
-        wait_ms = P.check_wait_ms(-1 if wait is None else _ms(wait, "wait", allow_zero=True))
+        ttl_ms = P.check_ttl_ms(duration_ms(ttl, "ttl"))
+        wait_ms = P.check_wait_ms(-1 if wait is None else duration_ms(wait, "wait", allow_zero=True))
         delay_ms = P.check_lock_delay_ms(0 if lock_delay == 0.0 and type(lock_delay) is float
-                                         else _ms(lock_delay, "lock_delay", allow_zero=True))
+                                         else duration_ms(lock_delay, "lock_delay", allow_zero=True))
         if correlation_id is not None:
             P.check_optional_str(correlation_id, "correlation_id", P.MAX_CORRELATION_ID_CHARS)
         kind = kind_args(shared, limit)
@@ -310,9 +320,11 @@ class Client(KeyMethods, LockAdminMethods):
         if epoch > connector.max_epoch:
             connector.max_epoch = epoch
         lease = Lease(name, token, granted_ttl, owner, LeaseState(expires_at))
-        if expires_at - loop.time() >= granted_ttl * LATE_GRANT_FRACTION:
-            return lease
-        return await verify_late_grant(self, lease, (name, ttl_ms, wait_ms, delay_ms, correlation_id, kind), started)
+        if expires_at - loop.time() < granted_ttl * LATE_GRANT_FRACTION:
+            lease = await verify_late_grant(self, lease, (name, ttl_ms, wait_ms, delay_ms, correlation_id, kind),
+                                            started)
+        self._held.remember(lease, not shared and not limit)
+        return lease
 
     async def release(self, lease: Lease) -> None:
         """Release ``lease``; the next waiter (if any) is granted at once.
@@ -333,6 +345,7 @@ class Client(KeyMethods, LockAdminMethods):
         """
         check_lease(lease)
         self.renewers.stop(lease)
+        self._held.forget(lease)
         try:
             await self._request(P.OP_RELEASE, lease.name, lease.fencing_token, lease.owner)
         except LeaseLost:
@@ -448,7 +461,8 @@ class Client(KeyMethods, LockAdminMethods):
 
     def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
              correlation_id: str | None = None, renew: bool = True,
-             jeopardy_fraction: float = 0.5, shared: bool = False, limit: int = 0) -> LockContext:
+             jeopardy_fraction: float = 0.5, shared: bool = False, limit: int = 0,
+             queue_behind_self: bool = False) -> LockContext:
         """Acquire ``name`` and keep renewing it.
 
         ``async with client.lock(...) as lease:`` acquires, renews at about a
@@ -463,13 +477,15 @@ class Client(KeyMethods, LockAdminMethods):
         renewals have failed and less than ``jeopardy_fraction`` (0 < f < 1,
         default 0.5) of the TTL is left, and ``"safe"`` again when one succeeds.
 
-        Arguments and errors are those of :meth:`acquire`.
+        Arguments and errors are those of :meth:`acquire` (``AlreadyHeld``
+        when this client holds ``name`` already, unless ``queue_behind_self``).
         """
         P.check_name(name)
         check_fraction(jeopardy_fraction)
         kind_args(shared, limit)
         return LockContext(self, name, dict(ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
-                                            shared=shared, limit=limit), renew, jeopardy_fraction)
+                                            shared=shared, limit=limit, queue_behind_self=queue_behind_self), renew,
+                           jeopardy_fraction)
 
     def semaphore(self, name: str, limit: int) -> Semaphore:
         """The counting semaphore ``name`` with at most ``limit`` holders (1 .. 2**31-1):
@@ -543,6 +559,7 @@ class Client(KeyMethods, LockAdminMethods):
         if the connection is, or turns out to be, dead the release is sent as a
         cancel-by-owner on the next connection."""
         self.renewers.stop(lease)
+        self._held.forget(lease)
         connector = self._connector
         connector.withdraw(connector.proto, lease.name, lease.owner, P.OP_RELEASE, lease.fencing_token, lease.owner)
 

@@ -44,6 +44,7 @@ from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 from ..errors import ConnectionLost, FastlockError, WrongArgumentType
+from .acquire import CALLER
 from .admin import LeaseInfo, LockInfo, LockList
 from .client import Client
 from .forks import check_held_here, fork_lock, keep_inherited
@@ -263,7 +264,11 @@ class SyncClient(SyncKeyMethods):
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("a SyncClient cannot be called from its own event loop thread (callbacks)")
-        fut = self._submit(coro)
+        caller = CALLER.set(threading.current_thread())  # the task copies this context when scheduled
+        try:
+            fut = self._submit(coro)
+        finally:
+            CALLER.reset(caller)
         try:
             return fut.result()
         except concurrent.futures.CancelledError:
@@ -334,11 +339,16 @@ class SyncClient(SyncKeyMethods):
 
     # -- operations ------------------------------------------------------------------
     def acquire(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
-                correlation_id: str | None = None, shared: bool = False, limit: int = 0) -> SyncLease:
-        """As :meth:`Client.acquire <fastlock.client.Client.acquire>` (not renewed)."""
+                correlation_id: str | None = None, shared: bool = False, limit: int = 0,
+                queue_behind_self: bool = False) -> SyncLease:
+        """As :meth:`Client.acquire <fastlock.client.Client.acquire>` (not renewed);
+        raises ``AlreadyHeld`` at once if the calling thread holds ``name``
+        already through this client, unless ``queue_behind_self`` (other
+        threads sharing the client queue as usual)."""
         async def run() -> SyncLease:
             return SyncLease(await self._client.acquire(name, ttl=ttl, wait=wait, lock_delay=lock_delay,
-                                                        correlation_id=correlation_id, shared=shared, limit=limit))
+                                                        correlation_id=correlation_id, shared=shared, limit=limit,
+                                                        queue_behind_self=queue_behind_self))
         return self.call(run())
 
     def semaphore(self, name: str, limit: int) -> SyncSemaphore:
@@ -392,7 +402,7 @@ class SyncClient(SyncKeyMethods):
 
     def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
              correlation_id: str | None = None, jeopardy_fraction: float = 0.5, shared: bool = False,
-             limit: int = 0) -> SyncLockContext[SyncLease]:
+             limit: int = 0, queue_behind_self: bool = False) -> SyncLockContext[SyncLease]:
         """``with client.lock(name, ttl=10.0) as lease:`` - acquire, renew in
         the background (about every ttl/3, with jitter), release on exit.
 
@@ -402,7 +412,7 @@ class SyncClient(SyncKeyMethods):
         """
         return SyncLockContext(self, lambda client: client.lock(
             name, ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
-            jeopardy_fraction=jeopardy_fraction, shared=shared, limit=limit))
+            jeopardy_fraction=jeopardy_fraction, shared=shared, limit=limit, queue_behind_self=queue_behind_self))
 
     def acquire_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
                      correlation_id: str | None = None, shared: Iterable[str] = ()) -> SyncMultiLease:

@@ -33,9 +33,9 @@ How tooz's concepts map to fastlock:
 
 * a lock is a fastlock lock (fencing token and all) with a TTL of ``timeout``;
   ``blocking`` is the acquire's ``wait`` (False: one try; a number: that many
-  seconds); ``is_still_owner`` is the server's token check.  Shared locks and
-  ``break_`` (an operator's revoke) are not offered over the wire yet: they raise
-  ``tooz.NotImplemented``.
+  seconds); ``is_still_owner`` is the server's token check; ``break_`` is the
+  server's revoke (an admin request: an admin principal, or open mode).  Shared
+  locks are not offered yet: they raise ``tooz.NotImplemented``.
 * a group is a key without lease (:mod:`fastlock.server.keys`); a member is a
   key attached to the coordinator's session lease, holding its capabilities
   (msgpack, as tooz's other drivers store them): the member vanishes when
@@ -71,6 +71,7 @@ from ..errors import (
     KeyNotFound,
     LeaseLost,
     LockNotAcquired,
+    LockNotHeld,
 )
 
 __all__ = ["FastlockDriver", "FastlockLock"]
@@ -198,7 +199,17 @@ class FastlockLock(locking.Lock):
         return True
 
     def break_(self) -> bool:
-        raise tooz.NotImplemented("breaking a lock needs an operator's revoke, not offered to tooz clients yet")
+        """Force-release the lock, whoever holds it: the server's revoke
+        (:meth:`fastlock.client.Client.revoke`, audited in its WAL); the old holder's
+        next release or heartbeat finds its lease lost.  True if a holder was
+        revoked, False if the lock was free.  The principal must be an admin (or
+        the server in open mode), else :class:`~fastlock.errors.PermissionDenied`."""
+        coord = self._coord
+        try:
+            revoked = coord._call(coord._client().revoke(self._fl_name, reason="tooz break_"))
+        except LockNotHeld:
+            return False
+        return bool(revoked)
 
 
 class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):

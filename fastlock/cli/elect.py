@@ -1,0 +1,130 @@
+"""``fastlock elect``: campaign in a leader election, or listen to it, as ``etcdctl elect``.
+
+``fastlock elect NAME PROPOSAL`` campaigns (:class:`fastlock.client.election.Election`):
+it waits in the election's queue, prints ``PROPOSAL`` once elected, leads until
+SIGINT or SIGTERM, then resigns (the next candidate is elected at once) and exits 0.
+If the term is lost (renewals failed until the renew deadline), it says so on stderr
+and exits 1: a supervisor restarts it as a new candidate.
+
+``fastlock elect --listen NAME`` prints the leader's proposal each time the leader
+changes, starting with the current one (nothing while nobody leads; with ``-o json``
+one object per change, ``{"leader": PROPOSAL or null, "token": T or null}``), until
+SIGINT or SIGTERM.
+
+The proposal is the candidate id of the term, kept with the grant as its correlation
+id (at most 256 characters), so ``fastlock lock NAME`` and ``fastlock locks`` show it
+too.  ``--ttl`` (seconds, default 15) is the term's lease TTL: a leader that dies
+without resigning is replaced after at most that long; the renew deadline and the
+retry period are two thirds and two fifteenths of it (Kubernetes' 15/10/2 s ratio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+from collections.abc import Awaitable
+from typing import Any
+
+from ..client import Client
+from ..client.election import Election, Leader
+from ..protocol import MAX_CORRELATION_ID_CHARS
+from .args import client_tls_options, read_token, seconds_arg
+from .locks import _common, _name_arg, _servers
+
+__all__ = ["add_parser"]
+
+
+def _proposal_arg(value: str) -> str:
+    if not value or len(value) > MAX_CORRELATION_ID_CHARS:
+        raise argparse.ArgumentTypeError(f"a proposal is 1..{MAX_CORRELATION_ID_CHARS} characters")
+    return value
+
+
+def add_parser(sub: Any) -> None:
+    """Add ``elect`` to ``fastlock``'s subparsers."""
+    p = sub.add_parser("elect", help="campaign in a leader election and print the proposal while leading, "
+                                     "or --listen to print each new leader")
+    p.set_defaults(handler=elect_command)
+    p.add_argument("name", type=_name_arg, metavar="NAME")
+    p.add_argument("proposal", nargs="?", type=_proposal_arg, metavar="PROPOSAL",
+                   help="this candidate's value, printed by listeners while it leads")
+    p.add_argument("-l", "--listen", action="store_true", help="print the leader each time it changes")
+    p.add_argument("--ttl", type=seconds_arg, default=15.0, metavar="S",
+                   help="seconds; the term's lease TTL (default 15)")
+    _common(p)
+
+
+def _emit(args: argparse.Namespace, leader: Leader | None) -> None:
+    if args.output == "json":
+        print(json.dumps({"leader": leader and leader.candidate_id, "token": leader and leader.fencing_token}),
+              flush=True)
+    elif leader is not None:
+        print(leader.candidate_id if leader.candidate_id is not None else "-", flush=True)
+
+
+async def _until_stopped(stop: asyncio.Event, work: Awaitable[Any]) -> tuple[bool, Any]:
+    """Run ``work`` until it ends or ``stop`` is set (then it is cancelled);
+    returns ``(stopped, result)``."""
+    task = asyncio.ensure_future(work)
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((task, stopper), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+    if task.done():
+        return False, task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return True, None
+
+
+async def _listen(election: Election, args: argparse.Namespace) -> None:
+    async for leader in election.observe():
+        _emit(args, leader)
+
+
+async def _campaign(election: Election, args: argparse.Namespace, stop: asyncio.Event) -> int:
+    stopped, term = await _until_stopped(stop, election.campaign())
+    if stopped:
+        return 0
+    try:
+        _emit(args, Leader(election.candidate_id, term.fencing_token))
+        stopped, _ = await _until_stopped(stop, term.lost.wait())
+        if not stopped and not term.resigned:
+            print(f"fastlock elect: lost the leadership of {args.name} (token {term.fencing_token})",
+                  file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        await term.resign()
+
+
+def elect_command(args: argparse.Namespace) -> int:
+    if args.listen == (args.proposal is not None):
+        print("fastlock elect: give either NAME PROPOSAL (campaign) or --listen NAME", file=sys.stderr)
+        return 2
+    token = read_token(args)
+
+    async def run() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        client = Client(_servers(args), token=token, client_name="fastlock-elect", **client_tls_options(args))
+        try:
+            await client.ensure_connected()
+            election = client.election(args.name, args.proposal or "listener", lease_duration=args.ttl,
+                                       renew_deadline=args.ttl * 2 / 3, retry_period=args.ttl * 2 / 15)
+            if args.listen:
+                await _until_stopped(stop, _listen(election, args))
+                return 0
+            return await _campaign(election, args, stop)
+        finally:
+            await client.close()
+
+    return asyncio.run(run())

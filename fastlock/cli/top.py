@@ -1,0 +1,166 @@
+"""``fastlock top``: a live terminal view of the primary's locks (rich), refreshed each second.
+
+Each frame asks the primary for ``status`` (counters, sessions, role), ``locks`` (every
+held lease with its queue depth) and ``lock`` for the ``--rows`` most contended locks (their
+waiters, oldest first), then shows:
+
+- a header: role, epoch, sessions, held locks, waiters, and the grants, releases,
+  expiries and wait timeouts per second since the previous frame;
+- the locks with the deepest queues first (then the most handovers), one row each:
+  the fencing token, the holder, how long top has seen this holder hold it, the TTL
+  left, the waiters, the longest current wait and the handovers top has seen;
+- the wait and hold percentiles (p50, p90, p99) of what top sees: **wait** is how long
+  each current waiter of those locks has waited so far; **hold** is how long the leases
+  that top saw end were held, to the resolution of one frame (so the first frame has
+  none).
+
+Top needs no ``--metrics``: it is built from the admin requests (an admin principal, or
+open mode).  The server's own histograms of time-to-acquire and hold time, measured on
+every grant, are on the Prometheus endpoint when the server runs with ``--metrics``
+(:mod:`fastlock.observe`); top does not read them.  ``--once`` prints one frame and
+exits (for scripts and tests; no terminal needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import time
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from ..client import Client, LeaseInfo, LockInfo
+from .args import client_tls_options, read_token
+from .locks import _common, _holder, _servers
+
+__all__ = ["add_parser", "TopSampler"]
+
+#: holds whose end top saw, kept for the percentiles (the last this many)
+HOLDS_KEPT = 10_000
+RATES = ("grants", "releases", "expiries", "wait_timeouts")
+
+
+def add_parser(sub: Any) -> None:
+    """Add ``top`` to ``fastlock``'s subparsers."""
+    p = sub.add_parser("top", help="live view of the busiest and most contended locks (refreshes each second)")
+    p.set_defaults(handler=top_command)
+    p.add_argument("--rows", type=int, default=15, metavar="N", help="locks shown (default 15)")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between frames (default 1)")
+    _common(p)
+
+
+def percentiles(values: list[float]) -> str:
+    """``p50/p90/p99`` of ``values`` in seconds (nearest rank), or "-" when empty."""
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    picks = [ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in (0.5, 0.9, 0.99)]
+    return "/".join(f"{v:.2f}s" for v in picks) + f"  (n={len(ordered)})"
+
+
+class TopSampler:
+    """What top remembers between frames: when it first saw each (lock, token), the
+    handovers per lock, the holds that ended and the previous counters."""
+
+    def __init__(self) -> None:
+        self.first_seen: dict[str, tuple[int, float]] = {}
+        self.handovers: collections.Counter[str] = collections.Counter()
+        self.holds: collections.deque[float] = collections.deque(maxlen=HOLDS_KEPT)
+        self.previous: tuple[float, dict[str, Any]] | None = None
+
+    def observe(self, now: float, leases: list[LeaseInfo]) -> None:
+        """Record one frame's held leases (exclusive holders by name; the first holder of a shared lock)."""
+        current: dict[str, int] = {}
+        for lease in leases:
+            current.setdefault(lease.name, lease.fencing_token)
+        for name, (token, since) in list(self.first_seen.items()):
+            if current.get(name) != token:
+                self.holds.append(now - since)
+                del self.first_seen[name]
+                if name in current:
+                    self.handovers[name] += 1
+        for name, token in current.items():
+            self.first_seen.setdefault(name, (token, now))
+
+    def rates(self, now: float, status: dict[str, Any]) -> dict[str, float] | None:
+        """Per-second rates of the counters since the previous frame (None on the first)."""
+        previous, self.previous = self.previous, (now, status)
+        if previous is None or now <= previous[0]:
+            return None
+        dt = now - previous[0]
+        return {k: (status.get(k, 0) - previous[1].get(k, 0)) / dt for k in RATES}
+
+
+def render(sampler: TopSampler, now: float, status: dict[str, Any], leases: list[LeaseInfo],
+           infos: dict[str, LockInfo], rows: int) -> Group:
+    """One frame (see the module docstring)."""
+    rates = sampler.rates(now, status)
+    head = Text()
+    head.append(f"fastlock {status.get('version', '')}  {status.get('role', '?')}  epoch {status.get('epoch', 0)}",
+                style="bold")
+    head.append(f"   sessions {status.get('sessions', 0)}  held {status.get('locks_held', 0)}  "
+                f"waiters {status.get('waiters', 0)}\n")
+    if rates is None:
+        head.append("rates: after the next frame")
+    else:
+        head.append("per second: " + "  ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in rates.items()))
+    by_name: dict[str, LeaseInfo] = {}
+    for lease in leases:
+        by_name.setdefault(lease.name, lease)
+    ranked = sorted(by_name.values(), key=lambda h: (-h.waiters, -sampler.handovers[h.name], h.name))[:rows]
+    table = Table(expand=False, header_style="bold")
+    for col in ("LOCK", "TOKEN", "HOLDER", "HELD", "TTL LEFT", "WAITERS", "LONGEST WAIT", "HANDOVERS"):
+        table.add_column(col, justify="left" if col in ("LOCK", "HOLDER") else "right")
+    waits: list[float] = []
+    for h in ranked:
+        info = infos.get(h.name)
+        lock_waits = [w.waiting for w in info.waiters] if info is not None else []
+        waits.extend(lock_waits)
+        seen = sampler.first_seen.get(h.name)
+        table.add_row(h.name, str(h.fencing_token), _holder(h),
+                      f"{now - seen[1]:.1f}s" if seen is not None and seen[0] == h.fencing_token else "-",
+                      f"{h.remaining:.1f}s", str(h.waiters),
+                      f"{max(lock_waits):.1f}s" if lock_waits else "-", str(sampler.handovers[h.name]))
+    foot = Text(f"wait so far p50/p90/p99: {percentiles(waits)}\n"
+                f"hold (ended, seen by top) p50/p90/p99: {percentiles(list(sampler.holds))}")
+    return Group(head, table, foot)
+
+
+async def frame(client: Client, sampler: TopSampler, rows: int) -> Group:
+    """Sample the primary once and render a frame."""
+    status = await client.status()
+    listing = await client.locks("")
+    now = time.monotonic()
+    sampler.observe(now, listing.locks)
+    contended = sorted((h for h in listing.locks if h.waiters), key=lambda h: -h.waiters)[:rows]
+    infos = {h.name: await client.lock_info(h.name) for h in contended}
+    return render(sampler, now, status, listing.locks, infos, rows)
+
+
+def top_command(args: argparse.Namespace) -> int:
+    if args.rows < 1 or not 0.1 <= args.interval <= 60:
+        raise ValueError("--rows must be at least 1 and --interval 0.1..60 seconds")
+    token = read_token(args)
+
+    async def run() -> int:
+        client = Client(_servers(args), token=token, client_name="fastlock-top", **client_tls_options(args))
+        sampler = TopSampler()
+        try:
+            await client.ensure_connected()
+            if args.once:
+                Console().print(await frame(client, sampler, args.rows))
+                return 0
+            with Live(await frame(client, sampler, args.rows), auto_refresh=False, screen=False) as live:
+                while True:
+                    await asyncio.sleep(args.interval)
+                    live.update(await frame(client, sampler, args.rows), refresh=True)
+        finally:
+            await client.close()
+
+    return asyncio.run(run())

@@ -1,0 +1,95 @@
+"""``fastlock elect`` (issue 14, as ``etcdctl elect``) with real processes: a listener
+sees leader A, then B once A is stopped (it resigns on SIGTERM) or killed (its lease
+runs out); a candidate prints its proposal once elected."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+
+TIMEOUT = 20.0
+
+
+class Proc:
+    """A ``fastlock elect`` process whose stdout lines arrive on a queue."""
+
+    def __init__(self, *args: str):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOCK_")}
+        self.proc = subprocess.Popen([sys.executable, "-m", "fastlock", "elect", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def line(self) -> str:
+        return self.lines.get(timeout=TIMEOUT)
+
+    def leader(self) -> dict:
+        """The next ``-o json`` line that names a leader (a release shows as a null
+        leader before the next grant)."""
+        while True:
+            event = json.loads(self.line())
+            if event["leader"] is not None:
+                return event
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=TIMEOUT)
+
+
+def test_listen_sees_each_leader_and_a_candidate_resigns_on_sigterm(server):
+    listen = Proc("--listen", "jobs-leader", "-o", "json", "--server", server.address)
+    a = Proc("jobs-leader", "proposal-A", "--server", server.address)
+    try:
+        assert a.line() == "proposal-A"                       # A is elected and says so
+        first = listen.leader()
+        assert first["leader"] == "proposal-A" and first["token"] > 0
+        b = Proc("jobs-leader", "proposal-B", "--server", server.address)
+        try:
+            # B waits in line: the lock lists it as a waiter
+            info = subprocess.run([sys.executable, "-m", "fastlock", "lock", "jobs-leader", "-o", "json",
+                                   "--server", server.address], capture_output=True, text=True, timeout=TIMEOUT)
+            assert json.loads(info.stdout)["holders"][0]["correlation_id"] == "proposal-A"
+            assert a.stop(signal.SIGTERM) == 0                # resigns: B is elected at once
+            assert b.line() == "proposal-B"
+            second = listen.leader()
+            assert second["leader"] == "proposal-B" and second["token"] > first["token"]
+        finally:
+            assert b.stop(signal.SIGINT) == 0
+        assert json.loads(listen.line()) == {"leader": None, "token": None}
+    finally:
+        a.stop(signal.SIGKILL)
+        assert listen.stop(signal.SIGTERM) == 0
+
+
+def test_a_killed_leader_is_replaced_when_its_term_runs_out(server):
+    listen = Proc("--listen", "svc", "--server", server.address)
+    a = Proc("svc", "node-a", "--ttl", "1", "--server", server.address)
+    b = None
+    try:
+        assert a.line() == "node-a"
+        assert listen.line() == "node-a"
+        b = Proc("svc", "node-b", "--ttl", "1", "--server", server.address)
+        a.stop(signal.SIGKILL)                                # no resignation: the lease expires
+        assert b.line() == "node-b"
+        assert listen.line() == "node-b"
+    finally:
+        a.stop(signal.SIGKILL)
+        if b is not None:
+            b.stop(signal.SIGKILL)
+        listen.stop(signal.SIGKILL)
+
+
+def test_campaign_or_listen_not_both(server):
+    both = subprocess.run([sys.executable, "-m", "fastlock", "elect", "--listen", "x", "y", "--server",
+                           server.address], capture_output=True, text=True, timeout=TIMEOUT)
+    assert both.returncode == 2 and "either" in both.stderr

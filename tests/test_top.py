@@ -1,0 +1,45 @@
+"""``fastlock top --once`` (issue 14) against a real server with held and waited locks:
+the most contended lock comes first, with its queue depth and its waiters' waits."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import fastlock
+
+TIMEOUT = 20.0
+
+
+def test_top_once_shows_the_most_contended_locks_first(server):
+    async def main():
+        async with await fastlock.connect(server.address, client_name="holder") as holder, \
+                await fastlock.connect(server.address, client_name="waiter") as waiter:
+            for name in ("orders/1", "orders/2", "billing"):
+                await holder.acquire(name, ttl=60.0, correlation_id=f"job-{name}")
+            waiting = [asyncio.create_task(waiter.acquire("billing", ttl=5.0, wait=TIMEOUT)) for _ in range(2)]
+            waiting.append(asyncio.create_task(waiter.acquire("orders/2", ttl=5.0, wait=TIMEOUT)))
+            async with asyncio.timeout(TIMEOUT):
+                while (await holder.status())["waiters"] < 3:
+                    await asyncio.sleep(0.02)
+            env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOCK_")}
+            env["COLUMNS"] = "160"
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "fastlock", "top", "--once", "--server", server.address, env=env,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT)
+            for task in waiting:
+                task.cancel()
+            return proc.returncode, out.decode(), err.decode()
+
+    code, out, err = asyncio.run(main())
+    assert code == 0, err
+    assert "primary" in out and "held 3" in out and "waiters 3" in out
+    rows = [line for line in out.splitlines() if line.strip(" │|").startswith(("billing", "orders/"))]
+    names = [next(w for w in r.replace("│", " ").split()) for r in rows]
+    assert names == ["billing", "orders/2", "orders/1"], out       # deepest queue first
+    cells = rows[0].replace("│", " ").split()
+    assert cells[2].endswith("holder") and cells[5] == "2", out    # HOLDER ... WAITERS
+    assert "wait so far p50/p90/p99:" in out and "(n=3)" in out, out
+    assert "hold (ended, seen by top) p50/p90/p99: -" in out, out
