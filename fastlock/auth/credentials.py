@@ -14,6 +14,7 @@ import re
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from ..errors import FastlockError
@@ -62,9 +63,17 @@ def primary_proof(key: bytes, principal: str, challenge: bytes) -> bytes:
                     hashlib.sha256).digest()
 
 
+#: BLAKE2b-128 personalised for owner keys, with nothing hashed yet: hash_owner copies it
+#: (cheaper than setting the parameters up again for every request)
+_OWNER_HASH = hashlib.blake2b(digest_size=16, person=b"fastlock-owner")
+
+
 def hash_owner(owner: bytes) -> bytes:
-    """BLAKE2b-128 of a client's owner key: what the server keeps instead of the key."""
-    return hashlib.blake2b(owner, digest_size=16, person=b"fastlock-owner").digest()
+    """BLAKE2b-128 (person ``fastlock-owner``) of a client's owner key: what the
+    server keeps instead of the key."""
+    h = _OWNER_HASH.copy()
+    h.update(owner)
+    return h.digest()
 
 
 def make_token(principal: str) -> str:
@@ -144,10 +153,26 @@ class Principal:
             return True
         if self.kind != "client":
             return False
+        if op in self.everywhere:
+            return True
         for rule in self.acl:
             if op in rule.ops and name.startswith(rule.prefix):
                 return True
         return False
+
+    @cached_property
+    def everywhere(self) -> frozenset:
+        """What this principal may do whatever the lock name: the client operations
+        its ACL grants on every name (rules with prefix ``""``; all of them for an
+        admin), plus its kind for a replica or an admin (their operations take no
+        lock name).  Computed once, so that the server checks a request of the open
+        mode's anonymous principal, or of any full grant, with one set lookup
+        instead of a walk over the rules; :meth:`allows` gives the same answers."""
+        if self.kind == "admin":
+            return frozenset((*CLIENT_OPS, "admin"))
+        if self.kind != "client":
+            return frozenset((self.kind,))
+        return frozenset(op for rule in self.acl if rule.prefix == "" for op in rule.ops)
 
 
 _EVERY_NAME = (AclRule("", frozenset(CLIENT_OPS)),)

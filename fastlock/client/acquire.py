@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +31,16 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-__all__ = ["acquire_retry", "verify_late_grant", "HeldLeases", "CALLER", "current_caller"]
+__all__ = ["acquire_retry", "duration_ms", "verify_late_grant", "HeldLeases", "CALLER", "current_caller"]
+
+
+def duration_ms(value: Any, what: str, *, allow_zero: bool = False) -> int:
+    """:func:`fastlock.units.seconds_to_ms` (same result, same errors), with the
+    common case - a finite positive ``float`` or ``int`` - decided in one test
+    (the normal path of an acquire)."""
+    if (type(value) is float or type(value) is int) and 0 < value < 1e9:  # NaN fails the test
+        return max(1, math.ceil(value * 1000))
+    return P.seconds_to_ms(value, what, allow_zero=allow_zero)
 
 #: who acquires, for the self-wait check: the blocking client sets its calling
 #: thread (its tasks inherit the context); unset, the current asyncio task is the caller

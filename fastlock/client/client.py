@@ -29,7 +29,7 @@ from .. import protocol as P
 from ..errors import ConnectionLost, InvalidArgument, LeaseLost, WrongArgumentType
 from ..tls import client_ssl_context
 from ..units import check_seconds
-from .acquire import HeldLeases, acquire_retry, verify_late_grant
+from .acquire import HeldLeases, acquire_retry, duration_ms, verify_late_grant
 from .admin import LockAdminMethods
 from .connection import BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election
@@ -282,16 +282,19 @@ class Client(KeyMethods, LockAdminMethods):
         if held is not None and wait != 0 and not queue_behind_self:
             self._held.refuse_self_wait(held, not shared and not limit)
         P.check_name(name)
-        ttl_ms = P.check_ttl_ms(P.seconds_to_ms(ttl, "ttl"))
-        wait_ms = P.check_wait_ms(P.seconds_to_ms(wait, "wait", allow_none=True, allow_zero=True))
-        delay_ms = P.check_lock_delay_ms(P.seconds_to_ms(lock_delay, "lock_delay", allow_zero=True))
-        P.check_optional_str(correlation_id, "correlation_id", P.MAX_CORRELATION_ID_CHARS)
+        ttl_ms = P.check_ttl_ms(duration_ms(ttl, "ttl"))
+        wait_ms = P.check_wait_ms(-1 if wait is None else duration_ms(wait, "wait", allow_zero=True))
+        delay_ms = P.check_lock_delay_ms(0 if lock_delay == 0.0 and type(lock_delay) is float
+                                         else duration_ms(lock_delay, "lock_delay", allow_zero=True))
+        if correlation_id is not None:
+            P.check_optional_str(correlation_id, "correlation_id", P.MAX_CORRELATION_ID_CHARS)
         kind = kind_args(shared, limit)
         owner = os.urandom(16)
         connector = self._connector
         proto = connector.proto
         if proto is not None and not proto.closed:
-            sent = started = proto.loop.time()
+            loop = proto.loop
+            sent = started = loop.time()
             fut = proto.request(P.OP_ACQUIRE, name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, *kind)
             try:
                 reply = await fut
@@ -303,7 +306,8 @@ class Client(KeyMethods, LockAdminMethods):
                                                   (name, ttl_ms, wait_ms, delay_ms, correlation_id, kind), owner,
                                                   sent, proto, exc)
         else:
-            started = asyncio.get_running_loop().time()
+            loop = asyncio.get_running_loop()
+            started = loop.time()
             reply, sent = await acquire_retry(connector, self._connect_timeout,
                                               (name, ttl_ms, wait_ms, delay_ms, correlation_id, kind), owner, started)
         token = reply[0]
@@ -316,7 +320,7 @@ class Client(KeyMethods, LockAdminMethods):
         if epoch > connector.max_epoch:
             connector.max_epoch = epoch
         lease = Lease(name, token, granted_ttl, owner, LeaseState(expires_at))
-        if expires_at - asyncio.get_running_loop().time() < granted_ttl * LATE_GRANT_FRACTION:
+        if expires_at - loop.time() < granted_ttl * LATE_GRANT_FRACTION:
             lease = await verify_late_grant(self, lease, (name, ttl_ms, wait_ms, delay_ms, correlation_id, kind),
                                             started)
         self._held.remember(lease, not shared and not limit)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
@@ -187,12 +188,17 @@ class LeaseHealth:
         return f"<LeaseHealth {self.state}>"
 
 
+#: held while a lease's ``lost`` event is made (first use only)
+_MAKING_LOST = threading.Lock()
+
+
 class LeaseState:
     """The mutable part of a lease, shared by every :class:`Lease` copy of it.
 
     Attributes:
         lost (asyncio.Event): set when the client learns, or must assume, that
-            the lease is no longer held.  Set once, for good.
+            the lease is no longer held.  Set once, for good.  Made on first
+            use (most leases are released without anyone asking).
         expires_at (float): the client's conservative estimate, in
             ``loop.time()`` seconds, of when the server will expire the lease;
             moved forward by every successful renewal.
@@ -201,12 +207,22 @@ class LeaseState:
     Written only on the event loop's thread (by the client and its renewer).
     """
 
-    __slots__ = ("lost", "expires_at", "_health")
+    __slots__ = ("_lost", "expires_at", "_health")
 
     def __init__(self, expires_at: float = 0.0, lost: asyncio.Event | None = None):
-        self.lost: asyncio.Event = _LostEvent() if lost is None else lost
+        self._lost = lost
         self.expires_at = expires_at
         self._health: LeaseHealth | None = None
+
+    @property
+    def lost(self) -> asyncio.Event:
+        lost = self._lost
+        if lost is None:
+            with _MAKING_LOST:  # one event, even if another thread asks at the same moment
+                lost = self._lost
+                if lost is None:
+                    lost = self._lost = _LostEvent()
+        return lost
 
     @property
     def health(self) -> LeaseHealth:

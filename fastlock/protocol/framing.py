@@ -276,18 +276,18 @@ class FrameDecoder:
         base = self._fed
         if self._shape is not None or (self.shape_all and limits.walk):
             self._check_shape(data)
+        fed = self._fed = base + len(data)
+        start = self._frame_start
+        max_frame = limits.max_frame_bytes
         try:
             up.feed(data)
-            self._fed = base + len(data)
             out: list[Any] = []
-            append = out.append
-            start = self._frame_start
-            max_frame = limits.max_frame_bytes
+            # (tell() after the last complete frame: past it, it counts a partial frame's bytes too)
             for msg in up:
                 end = up.tell()
                 if end - start > max_frame:  # a whole frame in one read, still too big
                     raise ProtocolError(f"frame exceeds the maximum frame size ({max_frame} bytes)")
-                append(msg)
+                out.append(msg)
                 start = end
             self._frame_start = start
         except msgpack.BufferFull:
@@ -296,16 +296,16 @@ class FrameDecoder:
             # ExtraData/FormatError/StackError and exceeded max_*_len are ValueError
             # subclasses; invalid UTF-8 in a str raises UnicodeDecodeError (a ValueError).
             raise ProtocolError(f"malformed msgpack: {exc.__class__.__name__}: {exc}"[:200]) from None
-        pending = self._fed - self._frame_start
+        pending = fed - start
         if pending:
-            if pending > limits.max_frame_bytes:
-                raise ProtocolError(f"frame exceeds the maximum frame size ({limits.max_frame_bytes} bytes)")
-            start = self._frame_start - base
+            if pending > max_frame:
+                raise ProtocolError(f"frame exceeds the maximum frame size ({max_frame} bytes)")
+            start -= base
             if self._shape is None and limits.walk and start >= 0:
                 # a frame began in this piece and is not complete: walk what arrived of it
                 shape = self._shape = _FrameShape(limits)
                 shape.walk(memoryview(data)[start:])
-        else:
+        elif self._shape is not None:
             self._shape = None
         return out
 

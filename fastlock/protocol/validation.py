@@ -43,6 +43,8 @@ def check_name(name: Any) -> str:
     """A lock name: non-empty str, at most 512 bytes of UTF-8, no NUL."""
     if type(name) is not str:
         raise WrongArgumentType(f"lock name must be str, not {type(name).__name__}")
+    if name.isascii() and 0 < len(name) <= MAX_NAME_BYTES and "\x00" not in name:
+        return name  # the common case: ASCII is one byte per character, nothing to encode
     if not name:
         raise InvalidArgument("lock name must not be empty")
     try:

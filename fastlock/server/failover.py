@@ -120,6 +120,34 @@ class FailoverPolicy:
                 host.roles.hold_grace(self.clock() + grace, "restarted during its promotion grace: "
                                                           "no new grants for the whole grace again")
                 self._end_grace_later(grace)
+            self._unsynced_restart_grace()
+
+    def _unsynced_restart_grace(self) -> None:
+        """After an unclean stop of a run in a relaxed fsync mode (``interval``,
+        ``never``), an OS crash may have taken acknowledged grants with it that
+        recovery cannot see: hold grants of free locks for the longest TTL this node
+        has granted (persisted before any grant used it), as a promoted standby does,
+        so that no lock goes to a second holder while the first may still believe it
+        holds it (a holder whose grant was lost learns it at its next renewal).  The
+        WAL's marker stays until the grace ends: a restart during it holds it again."""
+        host = self.host
+        wal = host.wal
+        grace = host.max_ttl_ms
+        if not wal.unsynced_before or not grace:
+            return
+        wal.keep_unsynced_marker = True
+        host.roles.hold_grace(self.clock() + grace, f"restarted after an unclean stop of a run with --fsync "
+                                                    f"interval or never (an OS crash may have lost acknowledged "
+                                                    f"grants): no new grants for the longest TTL, {grace} ms")
+
+        def ended() -> None:
+            left = host.roles.grace_remaining_ms(self.clock())
+            if left:
+                host.loop.call_later(left / 1000.0, ended)
+            else:
+                wal.keep_unsynced_marker = False
+
+        host.loop.call_later(grace / 1000.0, ended)
 
     def _end_grace_later(self, grace_ms: int) -> None:
         def ended() -> None:

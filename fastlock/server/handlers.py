@@ -30,7 +30,6 @@ from ..auth import (
     AuthFailures,
     Credentials,
     Principal,
-    hash_owner,
     primary_proof,
 )
 from ..errors import (
@@ -53,7 +52,7 @@ from .keys import PERMISSIONS as KEY_PERMISSIONS
 from .keys import KeyStore
 from .kinds import KindHandlers, limit_conflict
 from .lockadmin import LockAdmin
-from .session import Session, recorded_client, split_recorded_client
+from .session import Session, split_recorded_client
 from .watches import WatchRegistry
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -190,6 +189,8 @@ class Handlers:
         #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
         self.by_op: dict[int, tuple[Handler, int, int]] = {
             op: (handler, *P.OP_ARITY[op]) for op, handler in handlers.items()}
+        #: op -> what it needs (PERMISSION; an op missing there needs an admin)
+        self.need_by_op: dict[int, str | None] = {op: PERMISSION.get(op, "admin") for op in handlers}
 
     # -- dispatch -----------------------------------------------------------------
     def dispatch(self, conn: Session, msg: Any) -> None:
@@ -211,8 +212,9 @@ class Handlers:
                 expected = (fewest if fewest == most else f"{fewest} or {most}" if most == fewest + 1
                             else f"{fewest} to {most}")
                 raise ProtocolError(f"{P.OP_NAMES[op]} takes {expected} arguments, got {len(msg) - 2}")
-            need = PERMISSION.get(op, "admin")
-            if need is not None and (conn.kind != "admin" or need == "replica"):
+            need = self.need_by_op.get(op, "admin")
+            # grant.everywhere: what the principal may do on every name (no per-name check needed)
+            if need is not None and need not in conn.grant.everywhere and (conn.kind != "admin" or need == "replica"):
                 _authorize(conn, op, need, msg)
             handler(conn, req_id, msg)
         except FastlockError as exc:
@@ -254,10 +256,7 @@ class Handlers:
         if conn.ready and principal.name != conn.principal:
             raise ProtocolError(f"this connection is authenticated as {conn.principal!r}; "
                                 f"open a new one to act as {principal.name!r}")
-        conn.client_name = client_name
-        conn.principal = principal.name
-        conn.kind = principal.kind
-        conn.grant = principal
+        conn.authenticated(principal, client_name)
         # the connection leaves the HELLO deadline and the handshake reserve, and
         # its frames are no longer walked before decoding
         conn.ready = True
@@ -323,7 +322,7 @@ class Handlers:
     # -- leases -------------------------------------------------------------------------
     def op_acquire(self, conn: Session, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])
-        owner = hash_owner(P.check_owner(msg[3]))  # only the hash is kept, logged and replicated
+        owner = conn.owner_hash(msg[3])  # only the hash is kept, logged and replicated
         ttl_ms = P.check_ttl_ms(msg[4])
         wait_ms = P.check_wait_ms(msg[5])
         delay_ms = P.check_lock_delay_ms(msg[6])
@@ -357,7 +356,7 @@ class Handlers:
             server.node_state.raise_ttl(ttl_ms)  # rare: only a new longest TTL writes
         try:
             status = table.acquire(name, owner, conn.session, req_id, ttl_ms, wait_ms, delay_ms,
-                                   (recorded_client(conn), corr), now, shared, limit)
+                                   (conn.recorded, corr), now, shared, limit)
         except ValueError as exc:  # the owner key waits on name in a multi-lock request
             raise InvalidArgument(f"{name!r}: {exc}") from None
         if quotas.waiters.limit:
@@ -378,7 +377,7 @@ class Handlers:
     def op_release(self, conn: Session, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])
         token = P.check_token(msg[3])
-        owner = hash_owner(P.check_owner(msg[4]))
+        owner = conn.owner_hash(msg[4])
         # a fenced primary refuses too: the standby may have been promoted and would never
         # see this release (the client repeats it at whichever node is primary)
         self.roles.admit(Action.RELEASE)
@@ -399,7 +398,7 @@ class Handlers:
     def op_extend(self, conn: Session, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])
         token = P.check_token(msg[3])
-        owner = hash_owner(P.check_owner(msg[4]))
+        owner = conn.owner_hash(msg[4])
         ttl_ms = P.check_ttl_ms(msg[5])
         table = self.table
         now = monotonic_ms()
@@ -442,7 +441,7 @@ class Handlers:
         name = P.check_name(msg[2])
         # The owner key is the proof of ownership: only its hash is stored, so only the client
         # that made the key can match it (a hash read from a replica's stream is hashed again).
-        owner = hash_owner(P.check_owner(msg[3]))
+        owner = conn.owner_hash(msg[3])
         self.roles.admit(Action.CANCEL_WAITER)  # withdrawing a queued waiter is local: fenced or not
         table = self.table
         now = monotonic_ms()

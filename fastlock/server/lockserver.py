@@ -446,9 +446,9 @@ class LockServer:
             else:  # a waiter left (wait timeout, cancel, deadlock): its acquire fails
                 waiter_left(sessions.get(ev.session), ev, quotas)
         if grants is not None:
-            if wal.flush_now():  # relaxed fsync modes: written to the OS now, ack in this turn
+            if wal.flush_first():  # relaxed fsync modes: a lone request's grant is written and acked now
                 self._deliver_grants(grants)
-            else:
+            else:  # acked once durable: in a burst, at the end of this turn with everything logged in it
                 wal.when_durable(lambda: self._deliver_grants(grants))
         if wal.maybe_snapshot(self.snapshot_state):
             lockdelays.relog_running(wal, self.table)
@@ -456,20 +456,21 @@ class LockServer:
     def _deliver_grants(self, grants: list) -> None:
         """Acknowledge a batch of grants once durable - if this node may still grant.
 
-        The fence is checked again here, at the acknowledgement, not only when the
-        grants were decided: a primary frozen (SIGSTOP, a VM stall) between the two
-        may find its standby promoted meanwhile.  Then every waiting request gets
-        ``Unavailable`` instead of its token (the lease stays in this node's table);
-        the client repeats the acquire with the same owner key at whichever node is
-        primary, which hands it the lease if it was replicated, or queues it.  One
-        check per batch: the normal path does not pay per grant.
+        The fence is checked again here, at the acknowledgement, not only when the grants were
+        decided: a primary frozen (SIGSTOP, a VM stall) between the two may find its standby
+        promoted meanwhile.  Then every waiting request gets ``Unavailable`` instead of its token
+        (the lease stays in this node's table); the client repeats the acquire with the same owner
+        key at whichever node is primary, which hands it the lease if it was replicated, or queues
+        it.  One check per batch: the normal path does not pay per grant.
         """
         sessions = self.limits.sessions
         table = self.table
         undelivered = False
         watches = self.handlers.watches
         watchers = watches.by_name
-        self.source.fence_if_due(monotonic_ms())
+        source = self.source
+        if source.fencing:  # (not paired: nothing to check)
+            source.fence_if_due(monotonic_ms())
         refused = None if self.roles.may(Action.ACQUIRE) else refusal(self.roles, Action.ACQUIRE)
         for ev in grants:
             if refused is None and watchers and ev.name in watchers and ev.fresh:

@@ -7,7 +7,10 @@ and queues replies in memory until the end of the loop turn, when the server
 flushes every session written to once (one ``transport.write`` per session per
 turn).  A peer that leaves more than ``out_cap`` bytes of replies unread is
 dropped; while its transport's buffer is above the high-water mark its
-requests are not read (a standby's acknowledgements keep flowing).
+requests are not read (a standby's acknowledgements keep flowing).  The
+transport's high-water mark is kept at or below ``out_cap``, so a buffer
+beyond the cap has always paused writing first: the cap is checked only
+while writing is paused, not on every flush.
 
 Waiting goes by session (a waiter whose connection drops is removed at once);
 ownership goes by lease (a held lease outlives its connection until its TTL).
@@ -21,7 +24,7 @@ import socket
 from typing import TYPE_CHECKING, Any, cast
 
 from .. import protocol as P
-from ..auth import ANONYMOUS, Principal
+from ..auth import ANONYMOUS, Principal, hash_owner
 from ..errors import FastlockError, ProtocolError
 from ..tls import peer_identity
 from ..units import monotonic_ms
@@ -33,6 +36,10 @@ log = logging.getLogger(__name__)
 
 #: replies queued in one loop turn beyond which they go to the transport at once
 FLUSH_EARLY_BYTES = 256 << 10
+
+
+#: the principal of a connection before HELLO: granted nothing
+UNAUTHENTICATED = Principal(ANONYMOUS, "client")
 
 
 def recorded_client(conn: Session) -> str:
@@ -55,16 +62,17 @@ def split_recorded_client(recorded: Any) -> tuple[str | None, str | None]:
 class Session(asyncio.Protocol):
     """One client connection = one session.
 
-    ``principal`` (str) is who the connection authenticated as - "anonymous"
-    until authentication sets it at HELLO; per-principal quotas key on it.
-    ``kind`` is the principal's kind (client | replica | admin), ``grant`` its
-    permissions (None until HELLO).  ``accepted_ms`` and ``last_read_ms`` are
-    monotonic milliseconds.
+    ``grant`` (:class:`~fastlock.auth.Principal`) is who the connection
+    authenticated as at HELLO (until then :data:`UNAUTHENTICATED`, granted
+    nothing); ``principal`` is its name (per-principal quotas key on it),
+    ``kind`` its kind (client | replica | admin).  ``recorded`` is what its
+    grants record as their client (:func:`recorded_client`).  ``accepted_ms``
+    and ``last_read_ms`` are monotonic milliseconds.
     """
 
     __slots__ = ("server", "transport", "session", "decoder", "out", "ready", "client_name", "peer", "closed",
-                 "watching", "principal", "kind", "grant", "address", "accepted_ms", "last_read_ms", "out_cap",
-                 "out_bytes", "waiting", "_drain")
+                 "watching", "grant", "recorded", "address", "accepted_ms", "last_read_ms", "_out_cap",
+                 "out_bytes", "waiting", "_drain", "_owner")
 
     def __init__(self, server: LockServer, session: int):
         self.server = server
@@ -76,17 +84,19 @@ class Session(asyncio.Protocol):
         self.out_bytes = 0  # bytes in out
         self.ready = False  # handshake done
         self.client_name: str | None = None  # self-declared: shown beside the principal, never trusted
-        self.principal = ANONYMOUS
-        self.kind = "client"
-        self.grant: Principal | None = None
+        self.grant = UNAUTHENTICATED
+        self.recorded = recorded_client(self)
         self.peer = "?"
         self.address = "?"  # the peer's IP address (per-address connection cap, failed-auth bans)
         self.closed = False
         self.watching: set[str] | None = None
         self.accepted_ms = self.last_read_ms = monotonic_ms()
-        self.out_cap = server.config.max_output_bytes
+        self._out_cap = server.config.max_output_bytes
         self.waiting = 0  # this connection's waiters as last counted (per-principal waiter quota)
+        # while writing is paused (the transport's buffer is above its high-water mark):
+        # a future done when it resumes (or the connection closes); else None
         self._drain: asyncio.Future | None = None
+        self._owner: tuple[bytes | None, bytes] = (None, b"")  # the last owner key received, and its hash
 
     # -- asyncio callbacks ------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -101,6 +111,7 @@ class Session(asyncio.Protocol):
         if peer:
             self.address = str(peer[0])
             self.peer = f"{peer[0]}:{peer[1]}"
+        self._cap_high_water()
         self.server.limits.admit(self)
 
     def data_received(self, data: bytes) -> None:
@@ -159,8 +170,10 @@ class Session(asyncio.Protocol):
         if out and not self.closed:
             transport = self.transport
             transport.write(out[0] if len(out) == 1 else b"".join(out))
-            unsent = transport.get_write_buffer_size()
-            if unsent > self.out_cap:
+            # beyond out_cap is beyond the high-water mark (see out_cap): the
+            # transport has paused writing, inside this write() or before it
+            if self._drain is not None and transport.get_write_buffer_size() > self._out_cap:
+                unsent = transport.get_write_buffer_size()
                 # a peer that does not read (a stuck watcher, a standby too far behind): drop it,
                 # as Redis's client-output-buffer-limit does, rather than grow without bound
                 if self.session in self.server.source.replicas:
@@ -177,6 +190,33 @@ class Session(asyncio.Protocol):
     # requests, so a pipelining client that never reads cannot grow our memory.
     # A standby's acknowledgements must keep flowing: its output is bounded by
     # out_cap instead (and the backlog it catches up on waits for drained()).
+    @property
+    def out_cap(self) -> int:
+        """Bytes of output this peer may leave unread before it is dropped.  Setting
+        it lowers the transport's high-water mark to it if it is above, as
+        :meth:`flush` checks the cap only while writing is paused."""
+        return self._out_cap
+
+    @out_cap.setter
+    def out_cap(self, out_cap: int) -> None:
+        self._out_cap = out_cap
+        self._cap_high_water()
+
+    def _cap_high_water(self) -> None:
+        transport = self.transport
+        if transport is not None and transport.get_write_buffer_limits()[1] > self._out_cap:
+            transport.set_write_buffer_limits(high=self._out_cap)
+
+    @property
+    def principal(self) -> str:
+        """The name of the principal the connection acts as."""
+        return self.grant.name
+
+    @property
+    def kind(self) -> str:
+        """The principal's kind: client, replica or admin."""
+        return self.grant.kind
+
     def pause_writing(self) -> None:
         if self._drain is None or self._drain.done():
             self._drain = self.server.loop.create_future()
@@ -186,8 +226,27 @@ class Session(asyncio.Protocol):
     def resume_writing(self) -> None:
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
+        self._drain = None
         if not self.closed and self.session not in self.server.source.replicas:
             self.transport.resume_reading()
+
+    def owner_hash(self, owner: Any) -> bytes:
+        """:func:`fastlock.auth.hash_owner` of a checked owner key from this
+        connection (:func:`fastlock.protocol.check_owner` raises for a bad one).
+        The last key's hash is kept: a client releases, extends or cancels with
+        the key it acquired with, so that request does not hash it again."""
+        last = self._owner
+        if type(owner) is bytes and owner == last[0]:
+            return last[1]
+        hashed = hash_owner(P.check_owner(owner))
+        self._owner = (owner, hashed)
+        return hashed
+
+    def authenticated(self, principal: Principal, client_name: str | None) -> None:
+        """HELLO authenticated this connection as ``principal``: what its requests act as."""
+        self.client_name = client_name
+        self.grant = principal
+        self.recorded = recorded_client(self)
 
     def drained(self) -> asyncio.Future:
         """A future done when the transport's write buffer is below its low-water

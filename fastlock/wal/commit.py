@@ -71,7 +71,8 @@ class GroupCommit:
         self.next_lsn = 1  # the LSN the next record gets
         self.marks = Marks(1)
         self._pending = _Pending(1)
-        self._scheduled = False  # a hand-off is scheduled on the loop
+        self._scheduled = False  # _kick_soon is scheduled on the loop (and has not run yet)
+        self._flushed_in_turn = False  # flush_first wrote in this loop turn
         self._inflight: Batch | None = None
         self._waiters: collections.deque = collections.deque()  # (lsn, callback)
         self._sync_waiters: list = []  # (lsn, future) resolved when synced >= lsn
@@ -117,16 +118,24 @@ class GroupCommit:
         self.next_lsn += 1
         if not self._scheduled and self._inflight is None and self.loop is not None:
             self._scheduled = True
-            self.loop.call_soon(self._kick)
+            self.loop.call_soon(self._kick_soon)
 
     def _schedule(self) -> None:
         if not self._scheduled and self._inflight is None and self.loop is not None:
             self._scheduled = True
-            self.loop.call_soon(self._kick)
+            self.loop.call_soon(self._kick_soon)
+
+    def _kick_soon(self) -> None:
+        # one scheduled hand-off per loop turn at most: a batch written meanwhile by
+        # flush_now leaves it pending, and what is logged after rides on it
+        self._scheduled = False
+        self._flushed_in_turn = False
+        pending = self._pending
+        if pending.buf or pending.sync_requested:
+            self._kick()
 
     def _kick(self) -> None:
         """Hand the pending batch to the writer (at most one in flight)."""
-        self._scheduled = False
         if self._inflight is not None or self.fatal is not None or self.stopped:
             return
         pending = self._pending
@@ -138,25 +147,32 @@ class GroupCommit:
         if buf:
             # batch marks on the first and last frames (recompute their CRCs)
             off = pending.last_frame
-            buf[off + 7] |= 0x80
-            with memoryview(buf) as mv:
-                U32.pack_into(buf, off, crc32(mv[off + 4:]))
+            if off:
+                buf[off + 7] |= 0x80
                 buf[7] |= 0x40
-                if off:
+                with memoryview(buf) as mv:
+                    U32.pack_into(buf, off, crc32(mv[off + 4:]))
                     first_end = 8 + (U32.unpack_from(buf, 4)[0] & LEN_MASK)
                     U32.pack_into(buf, 0, crc32(mv[4:first_end]))
-                else:
-                    U32.pack_into(buf, 0, crc32(mv[4:]))
-        batch = Batch(bytes(buf), pending.first_lsn, self.next_lsn - 1, sync)
-        self._pending = _Pending(self.next_lsn)
+            else:  # one frame, the first and the last
+                buf[7] |= 0xC0
+                U32.pack_into(buf, 0, crc32(buf[4:]))
+        next_lsn = self.next_lsn
+        batch = Batch(bytes(buf), pending.first_lsn, next_lsn - 1, sync)
+        # the next batch starts empty (as a new _Pending would)
+        pending.buf = bytearray()
+        pending.first_lsn = next_lsn
+        pending.last_frame = -1
+        pending.sync = pending.sync_requested = False
         self._inflight = batch
         # The thread earns its hand-off cost only when the batch blocks on the disk
         # (an fsync, or a rotation, which fsyncs); a write() to the page cache is done
         # here, so the relaxed modes acknowledge in the same loop turn.
-        if self.io.submit(batch):
+        io = self.io
+        if (sync or io.seg_size >= io.segment_bytes) and io.submit(batch):
             return
         try:
-            self.io.write(batch)
+            io.write(batch)
         except BaseException as exc:  # noqa: BLE001 - any write failure makes the log fatal (never acknowledged)
             self._io_failed(exc)
             return
@@ -246,7 +262,8 @@ class GroupCommit:
 
     def flush_now(self) -> bool:
         """See :meth:`fastlock.wal.WriteAheadLog.flush_now`."""
-        self.check()
+        if self.fatal is not None:
+            self.check()
         pending = self._pending
         if (self.always or self._inflight is not None or self.stopped or self.loop is None
                 or pending.sync or pending.sync_requested or self.io.rotation_due):
@@ -254,6 +271,15 @@ class GroupCommit:
         if pending.buf:
             self._kick()
         return self.fatal is None and self.marks.ack >= self.next_lsn - 1
+
+    def flush_first(self) -> bool:
+        """See :meth:`fastlock.wal.WriteAheadLog.flush_first`."""
+        if self._flushed_in_turn or not self._scheduled:
+            return False
+        if self.flush_now():
+            self._flushed_in_turn = True  # until _kick_soon, at the end of this turn
+            return True
+        return False
 
     async def await_synced(self, lsn: int, force: bool) -> None:
         """Wait until records up to ``lsn`` are fsynced; ``force``: fsync now.

@@ -46,10 +46,12 @@ def read_file(path: str) -> bytes:
 
 def write_all(fd: int, data: Any) -> None:
     """``os.write`` until every byte of ``data`` is written."""
-    mv = memoryview(data)
-    while mv:
-        n = os.write(fd, mv)
-        mv = mv[n:]
+    n = os.write(fd, data)
+    if n < len(data):  # a short write (a signal, a full disk on the way): write the rest
+        mv = memoryview(data)[n:]
+        while mv:
+            n = os.write(fd, mv)
+            mv = mv[n:]
 
 
 def write_atomically(directory: str, name: str, data: Any) -> str:

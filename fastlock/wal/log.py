@@ -24,7 +24,7 @@ from ..errors import WalFatal
 from ..units import wall_ms
 from .backlog import read_records
 from .commit import GroupCommit
-from .files import secure_directory
+from .files import fsync_dir, secure_directory, write_atomically
 from .format import MAX_RECORD_BYTES
 from .records import (
     COUNTER_MASK,
@@ -48,6 +48,12 @@ from .writer import SegmentList, SegmentWriter
 log = logging.getLogger("fastlock.wal")
 
 FSYNC_MODES = ("always", "interval", "never")
+
+
+#: a file in the data directory while acknowledged records may exist only in the OS's
+#: page cache (a run in ``interval``/``never`` mode), and while the restart grace that
+#: follows an unclean stop of such a run lasts (see :attr:`WriteAheadLog.unsynced_before`)
+UNSYNCED_MARKER = "unsynced-run"
 
 
 class _Phase(enum.Enum):
@@ -140,6 +146,12 @@ class WriteAheadLog:
         #: open(repair=True) cut records: acknowledged grants may be gone, and with
         #: them the evidence of the tokens they used (the server raises the epoch)
         self.repaired = False
+        #: open() found :data:`UNSYNCED_MARKER`: the previous run, in a relaxed mode (or in
+        #: the restart grace that followed one), did not close cleanly, so an OS crash may
+        #: have taken acknowledged grants with it that recovery cannot see
+        self.unsynced_before = False
+        #: keep :data:`UNSYNCED_MARKER` at close (the server sets it while that grace runs)
+        self.keep_unsynced_marker = False
         self._phase = _Phase.NEW
 
     # -- recovery ------------------------------------------------------------------------
@@ -187,6 +199,9 @@ class WriteAheadLog:
         self._commit.io.segments.reset(result.segments)
         self._snapshots.recovered(state.snapshot_lsn, next_lsn - 1)
         self._commit.io.open_segment(next_lsn)
+        self.unsynced_before = os.path.exists(os.path.join(d, UNSYNCED_MARKER))
+        if not self._always and not self.unsynced_before:
+            write_atomically(d, UNSYNCED_MARKER, f"fsync={self.fsync_mode}\n".encode())
         self._phase = _Phase.OPEN
         return state
 
@@ -302,6 +317,18 @@ class WriteAheadLog:
         """
         return self._commit.flush_now()
 
+    def flush_first(self) -> bool:
+        """:meth:`flush_now` for the first caller of a loop turn only.
+
+        Returns what :meth:`flush_now` returns for the first call in a turn of the
+        loop (a lone request's records are written, and may be acknowledged, at
+        once); later calls in the same turn return False, doing nothing, so a
+        burst of requests read in one turn shares one write at the turn's end
+        (:meth:`when_durable` callbacks run after it).
+        :raises WalFatal: after a failed write/fsync.
+        """
+        return self._commit.flush_first()
+
     def add_listener(self, fn: Callable[[int, int, bytes], Any]) -> None:
         """Register ``fn(first_lsn, last_lsn, data)``, called on the loop with each written batch.
 
@@ -358,9 +385,11 @@ class WriteAheadLog:
         """
         snaps = self._snapshots
         commit = self._commit
+        lsn = commit.next_lsn - 1
+        if not force and lsn < snaps.next_due:  # the common case, in one comparison
+            return False
         if commit.fatal is not None or self._phase is not _Phase.OPEN or commit.loop is None:
             return False
-        lsn = commit.next_lsn - 1
         if not snaps.due(lsn, force):
             return False
         epoch, counter, holders, *keys = get_state()
@@ -404,6 +433,10 @@ class WriteAheadLog:
                 await self._snapshots.wait()
             if commit.fatal is not None:
                 raise WalFatal(f"write-ahead log failed: {commit.fatal!r}") from commit.fatal
+            marker = os.path.join(self.directory, UNSYNCED_MARKER)
+            if not self.keep_unsynced_marker and os.path.exists(marker):
+                os.unlink(marker)  # everything logged is fsynced now: nothing can be lost
+                fsync_dir(self.directory)
         finally:
             self._stop()
 

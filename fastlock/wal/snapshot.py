@@ -128,6 +128,7 @@ class Snapshotter:
         self.keep = keep
         self.lsn = 0  # LSN of the newest snapshot written (or recovered from)
         self._counted_from = 0  # records after this LSN count towards the next snapshot
+        self.next_due = every  # the LSN from which a snapshot is due (unless running or forced)
         self._future: asyncio.Future | None = None
         self._thread: threading.Thread | None = None
 
@@ -136,6 +137,7 @@ class Snapshotter:
         records up to ``last_lsn``; the next snapshot is due ``every`` records after it."""
         self.lsn = snapshot_lsn
         self._counted_from = last_lsn
+        self.next_due = last_lsn + self.every
 
     @property
     def running(self) -> bool:
@@ -151,6 +153,7 @@ class Snapshotter:
               holders: Sequence[HolderRecord], keys: list | None = None) -> None:
         """Write the snapshot at ``lsn`` on a thread; the result is reported on ``loop``."""
         self._counted_from = lsn
+        self.next_due = lsn + self.every
         self._future = loop.create_future()
 
         def run() -> None:

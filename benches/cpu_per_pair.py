@@ -1,0 +1,105 @@
+"""CPU time per acquire+release pair, server process and client process, in the W2 shape.
+
+    python -m benches.cpu_per_pair [--clients 32] [--pairs 32000] [--fsync never] [--tag NAME]
+
+C clients (one connection each) on distinct locks run a fixed number of pairs
+against a ``python -m fastlock serve`` subprocess (free port, throwaway data
+dir, stopped afterwards).  Prints the server's and this client process's CPU
+microseconds per pair (user + system), and pairs/s.  CPU time, not wall time:
+on a shared, loaded machine it moves far less than throughput, so two installs
+can be compared by running this module with each one's python, alternately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _measure(clients: int, pairs: int, fsync: str) -> tuple[float, float, float]:
+    import fastlock
+
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as data:
+        srv = subprocess.Popen([sys.executable, "-m", "fastlock", "serve", "--listen", f"127.0.0.1:{port}",
+                                "--data-dir", data, "--fsync", fsync],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir())
+        try:
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), 0.1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.05)
+            conns = [await fastlock.connect(f"127.0.0.1:{port}") for _ in range(clients)]
+
+            async def worker(i: int, client, n: int) -> None:
+                for _ in range(n):
+                    await client.release(await client.acquire(f"k{i}", ttl=10))
+
+            await asyncio.gather(*(worker(i, c, 100) for i, c in enumerate(conns)))  # warm-up
+            per = pairs // clients
+            s0 = _cpu_seconds(srv.pid)
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
+            t0 = time.perf_counter()
+            await asyncio.gather(*(worker(i, c, per) for i, c in enumerate(conns)))
+            t1 = time.perf_counter()
+            s1 = _cpu_seconds(srv.pid)
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            for c in conns:
+                await c.close()
+        finally:
+            srv.send_signal(signal.SIGTERM)
+            try:
+                srv.wait(10)
+            except subprocess.TimeoutExpired:
+                srv.kill()
+                srv.wait()
+    n = per * clients
+    client_s = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+    return 1e6 * (s1 - s0) / n, 1e6 * client_s / n, n / (t1 - t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benches.cpu_per_pair", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--pairs", type=int, default=32000)
+    ap.add_argument("--fsync", default="never")
+    ap.add_argument("--tag", default="fastlock")
+    args = ap.parse_args(argv)
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+    server_us, client_us, rate = asyncio.run(_measure(args.clients, args.pairs, args.fsync))
+    print(f"{args.tag}: server {server_us:6.1f} us/pair  client {client_us:6.1f} us/pair  wall {rate:7.0f} pairs/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""The server's per-request fast paths keep every check they shortcut.
+
+The request path skips work on its common case (see ``fastlock.server.session``
+and ``fastlock.server.handlers``): the output cap is checked only while the
+transport has paused writing, a principal's permissions on every name are
+granted without walking its ACL, and a connection keeps the hash of the last
+owner key it sent.  Each test here drives a real ``fastlock serve`` process into
+the case the fast path does not cover and checks that the limit or refusal
+still applies.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastlock import protocol as P
+from fastlock._testbase import ServerProcess
+from fastlock._testbase.cluster import RawNode
+from fastlock.auth import CLIENT_OPS, AclRule, Principal, generate, hash_owner, hash_token, make_token
+from fastlock.errors import InvalidArgument, LeaseLost, PermissionDenied
+
+
+@pytest.mark.parametrize("cap", [4096, 300_000], ids=["below-high-water", "above-high-water"])
+def test_a_client_that_leaves_more_than_the_output_cap_unread_is_dropped(server_factory, cap):
+    """--max-output-bytes is enforced whether the cap is below the transport's
+    default high-water mark (64 KiB, lowered to the cap) or above it."""
+    srv = server_factory(fsync="never", args=["--max-output-bytes", str(cap)])
+    sock = socket.create_connection(("127.0.0.1", srv.port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(0.2)
+    try:
+        sock.sendall(msgpack.packb([1, P.OP_HELLO, P.PROTOCOL_VERSION, "no-reader", None]))
+        chunk = msgpack.packb([2, P.OP_STATUS]) * 500  # ~0.5 MB of replies per chunk
+        dropped = False
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not dropped:  # bounded: at most 10 s of pushing
+            try:
+                sock.sendall(chunk)
+            except TimeoutError:
+                pass  # the server stopped reading us for now
+            except (BrokenPipeError, ConnectionResetError):
+                dropped = True
+            dropped = dropped or any("bytes of replies unread" in line for line in srv.lines)
+        line = srv.wait_for_log(r"closing connection .* bytes of replies unread \(limit \d+\)", timeout=5)
+        assert f"(limit {cap})" in line
+    finally:
+        sock.close()
+    # everybody else is still served
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as other:
+        other.sendall(msgpack.packb([1, P.OP_HELLO, P.PROTOCOL_VERSION, "other", None]) +
+                      msgpack.packb([2, P.OP_PING]))
+        up = msgpack.Unpacker()
+        replies = []
+        while len(replies) < 2:
+            up.feed(other.recv(65536))
+            replies.extend(up)
+        assert [r[:2] for r in replies] == [[1, 0], [2, 0]]
+
+
+async def test_the_last_owner_key_kept_per_connection_proves_nothing_else(server):
+    """A connection keeps the hash of the last owner key it sent: a request with
+    another key, with the hash itself, or with a key that is not bytes is still
+    refused, on the same connection right after the kept key."""
+    node = await RawNode.open(server.address)
+    try:
+        key_a, key_b = os.urandom(16), os.urandom(16)
+        token_a, _, _ = await node.acquire("owner/a", 10_000, owner=key_a)
+        token_b, _, _ = await node.acquire("owner/b", 10_000, owner=key_b)
+        with pytest.raises(LeaseLost):  # key_b is the kept one now
+            await node.release("owner/a", token_a, key_b)
+        with pytest.raises(LeaseLost):  # what the server stores is the hash: it proves nothing
+            await node.release("owner/a", token_a, hash_owner(key_a))
+        await node.extend("owner/b", token_b, key_b, 10_000)
+        with pytest.raises(InvalidArgument):  # (a wrong type travels as InvalidArgument)
+            await node.request(P.OP_RELEASE, "owner/b", token_b, key_b.hex())
+        with pytest.raises(LeaseLost):
+            await node.extend("owner/b", token_b, key_a, 10_000)
+        await node.release("owner/a", token_a, key_a)
+        await node.release("owner/b", token_b, key_b)
+        assert await node.holder("owner/a") is None and await node.holder("owner/b") is None
+    finally:
+        await node.close()
+
+
+@pytest.fixture
+def acl_server(tmp_path):
+    """A server whose principals cover each branch of the permission check."""
+    directory = tmp_path / "creds"
+    paths = generate(directory, clients=[("full", "")], replicas=["node-a"], admins=["root"],
+                     anonymous_prefix="public/")
+    some = make_token("some")
+    with open(directory / "credentials.toml", "a") as f:
+        f.write(f"""
+[principals.some]
+kind = "client"
+token_sha256 = "{hash_token(some).hex()}"
+acl = [{{prefix = "", ops = ["acquire", "release", "holder"]}}, {{prefix = "w/", ops = ["watch", "extend"]}}]
+""")
+    tokens = {name: open(path).read().strip() for name, path in paths.items()}
+    tokens["some"] = some
+    srv = ServerProcess(tmp_path / "data", fsync="never",
+                        args=["--credentials", str(directory / "credentials.toml")]).start()
+    try:
+        yield srv, tokens
+    finally:
+        srv.stop()
+
+
+async def test_every_request_is_still_authorized(acl_server):
+    srv, tokens = acl_server
+    nodes = {}
+    try:
+        for who in ("full", "some", "node-a", "root"):
+            nodes[who] = await RawNode.open(srv.address, token=tokens[who])
+        nodes["anonymous"] = await RawNode.open(srv.address, token=None)
+
+        # a grant on every name: every client op on any name
+        t, _, key = await nodes["full"].acquire("any/thing", 10_000)
+        await nodes["full"].request(P.OP_WATCH, "any/thing")
+        await nodes["full"].extend("any/thing", t, key, 10_000)
+        await nodes["full"].release("any/thing", t, key)
+        # some ops on every name, others on a prefix only
+        t, _, key = await nodes["some"].acquire("x/1", 10_000)
+        with pytest.raises(PermissionDenied):
+            await nodes["some"].extend("x/1", t, key, 10_000)
+        with pytest.raises(PermissionDenied):
+            await nodes["some"].request(P.OP_WATCH, "x/1")
+        with pytest.raises(PermissionDenied):
+            await nodes["some"].request(P.OP_CHECK, "x/1", t)
+        await nodes["some"].release("x/1", t, key)
+        t, _, key = await nodes["some"].acquire("w/1", 10_000)
+        await nodes["some"].extend("w/1", t, key, 10_000)
+        await nodes["some"].request(P.OP_WATCH, "w/1")
+        await nodes["some"].release("w/1", t, key)
+        # the anonymous principal: its prefix only
+        t, _, key = await nodes["anonymous"].acquire("public/1", 10_000)
+        await nodes["anonymous"].release("public/1", t, key)
+        with pytest.raises(PermissionDenied):
+            await nodes["anonymous"].acquire("private/1", 10_000)
+        # a replica may do no client operation; a client no replica or admin operation
+        with pytest.raises(PermissionDenied):
+            await nodes["node-a"].acquire("any/thing", 10_000)
+        with pytest.raises(PermissionDenied):
+            await nodes["full"].request(P.OP_REPL_ACK, 0, 0)
+        with pytest.raises(PermissionDenied):
+            await nodes["full"].request(P.OP_SERVE_ALONE)
+        # an admin: client operations on every name
+        t, _, key = await nodes["root"].acquire("x/2", 10_000)
+        await nodes["root"].release("x/2", t, key)
+        for name in ("any/thing", "x/1", "w/1", "public/1", "private/1", "x/2"):
+            assert await nodes["root"].holder(name) is None  # nothing refused changed anything
+    finally:
+        for node in nodes.values():
+            await node.close()
+
+
+_NAMES = st.text(alphabet="ab/", max_size=4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(kind=st.sampled_from(["client", "replica", "admin"]),
+       rules=st.lists(st.tuples(_NAMES, st.sets(st.sampled_from(CLIENT_OPS), min_size=1)), max_size=3),
+       op=st.sampled_from(CLIENT_OPS), name=_NAMES)
+def test_the_every_name_shortcut_gives_the_same_answers_as_the_rules(kind, rules, op, name):
+    acl = tuple(AclRule(prefix, frozenset(ops)) for prefix, ops in rules) if kind == "client" else ()
+    principal = Principal("p", kind, acl=acl)
+    by_rules = kind == "admin" or (kind == "client" and any(op in r.ops and name.startswith(r.prefix) for r in acl))
+    assert principal.allows(op, name) == by_rules
+    if op in principal.everywhere and kind != "replica":
+        assert by_rules  # granted on every name: granted on this one
+    assert ("replica" in principal.everywhere) == (kind == "replica")
+    assert ("admin" in principal.everywhere) == (kind == "admin")
+
+
+async def test_the_transports_high_water_mark_is_kept_at_or_below_the_output_cap(tmp_path, loop_errors):
+    """The cap is checked only while writing is paused, so a session lowers its
+    transport's high-water mark to a cap below it (at connect, and when the cap changes)."""
+    from fastlock.server import LockServer, ServerConfig
+
+    server = LockServer(ServerConfig(port=0, data_dir=str(tmp_path / "data"), fsync="never", max_output_bytes=4096))
+    await server.start()
+    node = await RawNode.open(f"{server.address[0]}:{server.address[1]}")
+    try:
+        [session] = server.sessions.values()
+        assert session.out_cap == 4096 and session.transport.get_write_buffer_limits()[1] <= 4096
+        session.out_cap = 1000
+        assert session.transport.get_write_buffer_limits()[1] <= 1000
+        session.out_cap = 1 << 20  # raising the cap leaves the mark where it is (still below it)
+        assert session.transport.get_write_buffer_limits()[1] <= 1000
+        assert await node.request(P.OP_PING) is None
+    finally:
+        await node.close()
+        await server.close()
+
+
+def test_owner_hashes_are_blake2b_128_personalised_as_in_every_log_written_before():
+    """hash_owner's cheaper construction gives the digest the WAL has always stored."""
+    import hashlib
+
+    for key in (b"k", os.urandom(16), os.urandom(64)):
+        assert hash_owner(key) == hashlib.blake2b(key, digest_size=16, person=b"fastlock-owner").digest()
