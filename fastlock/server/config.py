@@ -14,6 +14,7 @@ from typing import Any
 
 from .. import protocol as P
 from ..auth import Credentials
+from ..replication.syncrep import ReplicationMode, SyncAck, SyncOnTimeout, SyncSettings, parse_mode
 from ..tls import DEFAULT_HANDSHAKE_TIMEOUT
 from ..units import DEFAULT_PORT
 
@@ -96,6 +97,11 @@ class ServerConfig:
     failover_after_ms: int = 0  # standby: promote after this much primary silence (0: on command only)
     promotion_grace_ms: int | None = None  # after promotion, no grants for this long (None: longest TTL seen)
     fence_margin_ms: int | None = None  # primary: stop granting this long before a standby may promote
+    # synchronous replication (fastlock.replication.syncrep): "async" (default) or "sync"; a string is accepted
+    replication: ReplicationMode = ReplicationMode.ASYNC
+    sync_ack: SyncAck = SyncAck.FSYNCED  # where the standby has a record when it acknowledges it
+    sync_timeout_ms: int = 2000  # the oldest reply waits this long for the standby, then sync_on_timeout
+    sync_on_timeout: SyncOnTimeout = SyncOnTimeout.FENCE  # "fence" (hold grants) or "degrade" (to async)
     deadlock_timeout_ms: int = 1000  # a wait-for cycle this old is broken (0: no detection; PostgreSQL's default)
     name: str | None = None  # this node's name in logs and replication status
     repair_wal: bool = False  # cut a damaged last WAL segment instead of refusing to start
@@ -112,6 +118,15 @@ class ServerConfig:
     def __post_init__(self) -> None:
         self.fsync = _member(FsyncMode, self.fsync, "fsync")
         self.wal_writer = _member(WalWriter, self.wal_writer, "wal_writer")
+        self.replication = parse_mode(self.replication)
+        settings = SyncSettings(self.sync_ack, self.sync_timeout_ms, self.sync_on_timeout)  # checks all three
+        self.sync_ack, self.sync_on_timeout = settings.ack, settings.on_timeout
+
+    def sync_settings(self) -> SyncSettings | None:
+        """The synchronous replication settings, or None with ``replication="async"``."""
+        if self.replication is not ReplicationMode.SYNC:
+            return None
+        return SyncSettings(self.sync_ack, self.sync_timeout_ms, self.sync_on_timeout)
 
 
 def check_limits(config: ServerConfig) -> None:

@@ -97,6 +97,8 @@ class FailoverPolicy:
         self.promotion_grace_ms = promotion_grace_ms
         self.tasks = tasks if tasks is not None else BackgroundTasks()
         self.clock = clock
+        #: called on `serve-alone` (synchronous replication stops waiting for the standby)
+        self.sync_serve_alone: Callable[[], None] = lambda: None
         self._auto: asyncio.Task | None = None
         self._auto_retry_at_ms = 0
 
@@ -326,6 +328,11 @@ class FailoverPolicy:
         longest = max([follower.max_ttl_ms, host.max_ttl_ms, host.node_state.max_ttl_ms]
                       + [h.ttl_ms for h in holders])
         grace = self.promotion_grace_ms if self.promotion_grace_ms is not None else longest
+        # synchronous replication: in sync, this node has every grant a client was told of
+        no_grace = follower.sync.covers_promotion(confirmed=confirmed, forced=force, automatic=automatic)
+        if no_grace is not None:
+            grace = 0
+            log.warning("promotion without a grace period: %s", no_grace)
         # a primary now: it may start as one, and a restart before the grace ends holds it again
         host.node_state.promoted(grace)
         now = self.clock()
@@ -364,5 +371,6 @@ class FailoverPolicy:
         """
         if self.host.roles.role is not Role.PRIMARY:
             raise NotPrimary(f"this node is {self.host.roles.role.value}", self.host.roles.primary_address)
+        self.sync_serve_alone()
         return self.source.serve_alone()
 

@@ -57,7 +57,7 @@ from .. import protocol as P
 from .._core import EV_EXPIRED, EV_GRANTED, LockTable, NotHolder
 from .._version import __version__
 from ..auth import Credentials, is_loopback
-from ..errors import Unavailable
+from ..errors import FastlockError, Unavailable
 from ..logsafe import quote
 from ..replication import STATE_FILE, NodeState, ReplicationSource, StandbyFollower, node_id
 from ..roles import Action, NodeRole, Role
@@ -140,7 +140,8 @@ class LockServer:
         self.node_state = NodeState(config.data_dir)
         self.endpoints = Endpoints(config)
         self.tasks = BackgroundTasks()
-        self.source = ReplicationSource(self, fence_margin_ms=config.fence_margin_ms)
+        # source.sync: synchronous replication, grant and extend replies wait for the standby (async: a no-op)
+        self.source = ReplicationSource(self, fence_margin_ms=config.fence_margin_ms, sync=config.sync_settings())
         self.follower: StandbyFollower | None = None
         if config.standby_of:
             self.node_state.set_standby_of(primary_address)
@@ -154,6 +155,7 @@ class LockServer:
                                                                           config.max_leases))
         self.failover = FailoverPolicy(self, self.source, self.follower,
                                        promotion_grace_ms=config.promotion_grace_ms, tasks=self.tasks)
+        self.failover.sync_serve_alone = self.source.sync.serve_alone
         self.limits = ConnectionLimits(config, self)
         self.quotas = PrincipalQuotas(config, self)
         self.handlers = Handlers(self, credentials)
@@ -445,15 +447,16 @@ class LockServer:
                          quote(ev.meta[0] if ev.meta else None))
             else:  # a waiter left (wait timeout, cancel, deadlock): its acquire fails
                 waiter_left(sessions.get(ev.session), ev, quotas)
-        if grants is not None:
+        if grants is not None:  # sync replication: acked once the standby has them too (self.sync)
+            deliver = self.source.sync.after(lambda refused=None: self._deliver_grants(grants, refused))
             if wal.flush_first():  # relaxed fsync modes: a lone request's grant is written and acked now
-                self._deliver_grants(grants)
+                deliver()
             else:  # acked once durable: in a burst, at the end of this turn with everything logged in it
-                wal.when_durable(lambda: self._deliver_grants(grants))
+                wal.when_durable(deliver)
         if wal.maybe_snapshot(self.snapshot_state):
             lockdelays.relog_running(wal, self.table)
 
-    def _deliver_grants(self, grants: list) -> None:
+    def _deliver_grants(self, grants: list, refused_by: FastlockError | None = None) -> None:
         """Acknowledge a batch of grants once durable - if this node may still grant.
 
         The fence is checked again here, at the acknowledgement, not only when the grants were
@@ -471,7 +474,7 @@ class LockServer:
         source = self.source
         if source.fencing:  # (not paired: nothing to check)
             source.fence_if_due(monotonic_ms())
-        refused = None if self.roles.may(Action.ACQUIRE) else refusal(self.roles, Action.ACQUIRE)
+        refused = refused_by or (None if self.roles.may(Action.ACQUIRE) else refusal(self.roles, Action.ACQUIRE))
         for ev in grants:
             if refused is None and watchers and ev.name in watchers and ev.fresh:
                 watches.notify(ev.name, "granted", ev.token, ev.meta)
@@ -573,4 +576,5 @@ class LockServer:
             st["replication"] = self.follower.status()
         else:
             st["replication"] = self.source.status()
+        st["replication"]["sync"] = self.source.sync.status()
         return st
