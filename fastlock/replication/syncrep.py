@@ -402,7 +402,7 @@ class SyncStatus:
         self.ack: SyncAck | None = None  # the primary's ack point (None: asynchronous)
         self.in_sync = False
         self.on_timeout: SyncOnTimeout | None = None
-        self.acked_lsn = 0
+        self.acked_lsn = -1  # the primary LSN acknowledged on this connection (-1: none yet)
         self._pending: deque[tuple[int, int]] = deque()  # (own logged LSN, primary LSN)
         self._listening = False
 
@@ -411,7 +411,7 @@ class SyncStatus:
         self.ack = None
         self.in_sync = False
         self.on_timeout = None
-        self.acked_lsn = 0
+        self.acked_lsn = -1
         self._pending.clear()
 
     def on_status(self, payload: Any) -> None:
@@ -449,7 +449,7 @@ class SyncStatus:
     def _on_progress(self, written: int, synced: int) -> None:
         mark = synced if self.ack is SyncAck.FSYNCED else written
         pending = self._pending
-        lsn = 0
+        lsn = -1
         while pending and pending[0][0] <= mark:
             lsn = pending.popleft()[1]
         if lsn > self.acked_lsn:
