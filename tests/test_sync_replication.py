@@ -208,3 +208,24 @@ def test_sync_settings_check_their_values():
         ServerConfig(sync_timeout_ms=0)
     assert ServerConfig().sync_settings() is None
     assert ServerConfig(replication="sync", sync_ack="written").sync_settings() == SyncSettings(SyncAck.WRITTEN)
+
+
+def test_sync_ack_is_a_replicas_op_and_only_after_replicate(cluster):
+    from fastlock import protocol as P
+    from fastlock.errors import PermissionDenied, ProtocolError
+
+    primary = cluster.primary(args=SYNC)
+
+    async def main() -> None:
+        client = await RawNode.open(primary.address)  # the admin principal: not a replica
+        with pytest.raises(PermissionDenied):
+            await asyncio.wait_for(client.request(P.OP_SYNC_ACK, 1), 5)
+        await client.close()
+        replica = await RawNode.open(primary.address, token=cluster.creds.token(cluster.replica_of("fake")))
+        with pytest.raises((ProtocolError, ConnectionLost), match="SYNC_ACK before REPLICATE|closed|lost"):
+            await asyncio.wait_for(replica.request(P.OP_SYNC_ACK, 10**9), 5)
+        await replica.close()
+        st = await status_of(primary.address)  # still serving, nothing acknowledged
+        assert st["replication"]["sync"]["standby_acked_lsn"] == 0 and sync_state(st) == "not_in_sync", st
+
+    run(main(), timeout=20)

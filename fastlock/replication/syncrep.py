@@ -243,12 +243,13 @@ class SyncGate:
 
         Raises:
             ProtocolError: not an attached standby, or ``lsn`` not an int in
-                ``0..`` the last LSN sent (the connection is dropped).
+                ``0..`` the last LSN logged (the connection is dropped).
         """
         if conn.session not in self.source.replicas:
             raise ProtocolError("SYNC_ACK before REPLICATE")
-        if type(lsn) is not int or not 0 <= lsn <= self.host.wal.written_lsn:
-            raise ProtocolError(f"SYNC_ACK takes an LSN in 0..{self.host.wal.written_lsn}, not {lsn!r}")
+        last = self.host.wal.logged_lsn  # a snapshot's LSN may be logged and not yet written
+        if type(lsn) is not int or not 0 <= lsn <= last:
+            raise ProtocolError(f"SYNC_ACK takes an LSN in 0..{last}, not {lsn!r}")
         if conn.session != self._acked_session:
             self._acked_session = conn.session  # a new connection: it has only what it says
             self.acked_lsn = lsn

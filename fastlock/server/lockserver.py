@@ -576,5 +576,5 @@ class LockServer:
             st["replication"] = self.follower.status()
         else:
             st["replication"] = self.source.status()
-        st["replication"]["sync"] = self.source.sync.status()
+        st["replication"].setdefault("sync", self.source.sync.status())  # a standby's: its follower's view
         return st
