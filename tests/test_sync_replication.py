@@ -229,3 +229,64 @@ def test_sync_ack_is_a_replicas_op_and_only_after_replicate(cluster):
         assert st["replication"]["sync"]["standby_acked_lsn"] == 0 and sync_state(st) == "not_in_sync", st
 
     run(main(), timeout=20)
+
+
+# -- the gate alone (no processes): its bounds and its checks of SYNC_ACK ---------------------------
+
+class _Gatehost:
+    """The few parts of the server the sync gate reads."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        from fastlock.roles import Role
+
+        self.wal = SimpleNamespace(logged_lsn=0)
+        self.roles = SimpleNamespace(role=Role.PRIMARY, grace_remaining_ms=lambda now: 0, expires_leases=True,
+                                     set_sync_held=lambda held: None)
+        self.timers: list = []
+        self.loop = SimpleNamespace(call_later=lambda delay, fn: self.timers.append(fn) or SimpleNamespace(
+            cancel=lambda: None))
+
+
+def _gate(monkeypatch, waiting: int):
+    from types import SimpleNamespace
+
+    from fastlock.replication import syncrep
+
+    monkeypatch.setattr(syncrep, "MAX_WAITING", waiting)
+    host = _Gatehost()
+    standby = SimpleNamespace(session=7, closed=False)
+    source = SimpleNamespace(replicas={7: SimpleNamespace(conn=SimpleNamespace(closed=False, send=lambda m: None,
+                                                                               flush=lambda: None))})
+    return syncrep.SyncGate(host, source, SyncSettings()), host, standby
+
+
+def test_the_gate_releases_in_lsn_order_and_bounds_what_waits(monkeypatch):
+    gate, host, standby = _gate(monkeypatch, waiting=2)
+    outcomes: list = []
+    for lsn in (1, 2, 3):
+        host.wal.logged_lsn = lsn
+        gate.after(lambda error=None, lsn=lsn: outcomes.append((lsn, error)))()
+    assert outcomes[0][0] == 3 and isinstance(outcomes[0][1], Unavailable)  # beyond the bound: refused at once
+    assert "already wait" in str(outcomes[0][1]) and len(gate.waiting) == 2
+    gate.on_ack(standby, 1)
+    # in sync: the standby has everything a client was told of (LSN 2 waits, LSN 3 was refused)
+    assert outcomes[1:] == [(1, None)] and gate.in_sync and gate.released_lsn == 1
+    gate.on_ack(standby, 3)
+    assert outcomes[2:] == [(2, None)] and gate.in_sync and gate.status()["state"] == "in_sync"
+
+
+@pytest.mark.parametrize("lsn", [-1, 10**6, "1", None, 1.5])
+def test_a_bad_sync_ack_is_a_protocol_error_and_changes_nothing(monkeypatch, lsn):
+    from types import SimpleNamespace
+
+    from fastlock.errors import ProtocolError
+
+    gate, host, standby = _gate(monkeypatch, waiting=8)
+    host.wal.logged_lsn = 5
+    with pytest.raises(ProtocolError):
+        gate.on_ack(standby, lsn)
+    with pytest.raises(ProtocolError, match="before REPLICATE"):
+        gate.on_ack(SimpleNamespace(session=99), 1)
+    assert gate.acked_lsn == 0 and not gate.in_sync

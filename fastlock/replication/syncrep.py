@@ -57,7 +57,8 @@ The primary tells its standby, in a ``"sync"`` push on attach, on every change
 and with every heartbeat, ``[ack_point, in_sync, on_timeout]``: ``in_sync``
 is true when this standby connection has acknowledged every LSN the primary
 has acknowledged to a client (and everything logged before this node became
-the primary), and the primary has not degraded.  A standby forgets it on every
+the primary), the primary has not degraded, and it is not in a grace period
+itself (its own table may then lack grants a client holds).  A standby forgets it on every
 new connection (it sends ``REPLICATE`` not in sync) and on a restart.
 
 A promoted standby starts with **no grace period** when its primary's latest
@@ -343,9 +344,14 @@ class SyncGate:
 
     @property
     def in_sync(self) -> bool:
-        """Has the attached standby every record any client was told about, with no degrade since?"""
+        """Has the attached standby every record any client was told about, with no degrade since?
+
+        Never while this primary is in a grace period itself (after its own promotion,
+        or a restart that may have lost acknowledged records): its own table may lack
+        grants a client holds, so neither it nor its standby may skip the grace."""
         return (self.enabled and not self.degraded and self._acked_session in self.source.replicas
-                and self.acked_lsn >= self._must_have())
+                and self.acked_lsn >= self._must_have()
+                and self.host.roles.grace_remaining_ms(monotonic_ms()) == 0)
 
     def status_push(self) -> bytes | None:
         """The ``"sync"`` push for the standby (sent with every heartbeat); None: asynchronous."""
