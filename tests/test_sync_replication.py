@@ -130,8 +130,10 @@ def test_in_sync_promotion_grants_a_free_lock_without_grace(cluster):
     assert after_promotion < 0.5, f"free lock granted {after_promotion:.2f} s after promotion"
 
 
-def test_async_promotion_keeps_the_grace_period(cluster):
-    status, after_promotion, line = run(_first_free_grant_after_kill(cluster, []))
+@pytest.mark.parametrize("args", [[], [*SYNC, "--sync-on-timeout", "degrade"]], ids=["async", "sync-degrade"])
+def test_promotion_keeps_the_grace_after_async_or_a_degrade_primary(cluster, args):
+    # a degrade primary may have degraded after the standby last heard it: grace, as async
+    status, after_promotion, line = run(_first_free_grant_after_kill(cluster, args))
     assert "no new grants for 4000 ms (grace)" in line, line
     assert status["grace_remaining_ms"] > 0, status
     assert after_promotion > 2.0, f"free lock granted {after_promotion:.2f} s after promotion (grace is 4 s)"
