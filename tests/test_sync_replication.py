@@ -292,3 +292,28 @@ def test_a_bad_sync_ack_is_a_protocol_error_and_changes_nothing(monkeypatch, lsn
     with pytest.raises(ProtocolError, match="before REPLICATE"):
         gate.on_ack(SimpleNamespace(session=99), 1)
     assert gate.acked_lsn == 0 and not gate.in_sync
+
+
+def test_serve_alone_stops_waiting_for_a_stopped_sync_standby(cluster):
+    from fastlock import protocol as P
+
+    primary = cluster.primary(args=[*SYNC, "--sync-timeout", "0.3"])
+    standby = cluster.standby(primary.address, args=SYNC)
+
+    async def main() -> None:
+        node = await RawNode.open(primary.address)
+        await poll(lambda: status_of(primary.address), lambda st: sync_state(st) == "in_sync", timeout=10,
+                   what="in sync")
+        standby.pause()
+        try:
+            with pytest.raises(Unavailable):
+                await asyncio.wait_for(node.acquire("a", 30_000), 5)
+            await asyncio.wait_for(node.request(P.OP_SERVE_ALONE), 5)  # the operator's word
+            await asyncio.wait_for(node.acquire("b", 30_000), 5)  # granted without the standby
+            st = await status_of(primary.address)
+            assert sync_state(st) == "degraded", st
+        finally:
+            standby.resume()
+        await node.close()
+
+    run(main(), timeout=30)

@@ -443,6 +443,7 @@ class ReplicationSource:
         pairs again.
         """
         was = self.paired_id
+        self.sync.serve_alone()  # synchronous replication stops waiting for the standby too
         self.serving_alone = True
         self._unpair()
         self._check_fence(monotonic_ms())

@@ -97,8 +97,6 @@ class FailoverPolicy:
         self.promotion_grace_ms = promotion_grace_ms
         self.tasks = tasks if tasks is not None else BackgroundTasks()
         self.clock = clock
-        #: called on `serve-alone` (synchronous replication stops waiting for the standby)
-        self.sync_serve_alone: Callable[[], None] = lambda: None
         self._auto: asyncio.Task | None = None
         self._auto_retry_at_ms = 0
 
@@ -371,6 +369,5 @@ class FailoverPolicy:
         """
         if self.host.roles.role is not Role.PRIMARY:
             raise NotPrimary(f"this node is {self.host.roles.role.value}", self.host.roles.primary_address)
-        self.sync_serve_alone()
         return self.source.serve_alone()
 

@@ -155,7 +155,6 @@ class LockServer:
                                                                           config.max_leases))
         self.failover = FailoverPolicy(self, self.source, self.follower,
                                        promotion_grace_ms=config.promotion_grace_ms, tasks=self.tasks)
-        self.failover.sync_serve_alone = self.source.sync.serve_alone
         self.limits = ConnectionLimits(config, self)
         self.quotas = PrincipalQuotas(config, self)
         self.handlers = Handlers(self, credentials)
@@ -447,7 +446,7 @@ class LockServer:
                          quote(ev.meta[0] if ev.meta else None))
             else:  # a waiter left (wait timeout, cancel, deadlock): its acquire fails
                 waiter_left(sessions.get(ev.session), ev, quotas)
-        if grants is not None:  # sync replication: acked once the standby has them too (self.sync)
+        if grants is not None:  # sync replication: acked once the standby has them too (source.sync)
             deliver = self.source.sync.after(lambda refused=None: self._deliver_grants(grants, refused))
             if wal.flush_first():  # relaxed fsync modes: a lone request's grant is written and acked now
                 deliver()
