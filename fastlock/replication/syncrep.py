@@ -49,7 +49,9 @@ wire and here, seconds on the command line); then, per ``--sync-on-timeout``:
     once the standby has acknowledged everything acknowledged meanwhile.
 
 At most :data:`MAX_WAITING` batches wait at once; beyond that a reply fails
-with ``Unavailable`` at once (memory stays bounded).
+with ``Unavailable`` at once (memory stays bounded).  A primary with no standby
+attached (at start, or after it left) holds replies the same way: with
+``fence`` it grants nothing until a standby attaches and catches up.
 
 The in-sync promise and the promotion grace
 -------------------------------------------
@@ -172,6 +174,14 @@ def parse_mode(value: Any) -> ReplicationMode:
 Deliver = Callable[..., Any]
 
 
+def _call(deliver: Deliver, *error: FastlockError) -> None:
+    """Run one held reply; a failure is logged and the others still run (none is left waiting)."""
+    try:
+        deliver(*error)
+    except Exception:
+        log.exception("delivering a reply held for the synchronous standby failed")
+
+
 class SyncGate:
     """The primary's side: hold grant and extend replies until the standby has their LSN.
 
@@ -218,16 +228,16 @@ class SyncGate:
 
     def _hold(self, lsn: int, deliver: Deliver) -> None:
         if self.host.roles.role is not Role.PRIMARY:
-            deliver()  # refused there: this node does not grant
+            _call(deliver)  # refused there: this node does not grant
             return
         self._must_have()
         if lsn <= self.acked_lsn or self.degraded:
             self._release(lsn, deliver)
         elif self.held_upto:
-            deliver(self._refusal("is held: the standby has not caught up since it stopped acknowledging"))
+            _call(deliver, self._refusal("is held: the standby has not caught up since it stopped acknowledging"))
         elif len(self.waiting) >= MAX_WAITING:
-            deliver(Unavailable(f"{MAX_WAITING} batches of replies already wait for the synchronous standby: "
-                                f"not acknowledged; retry"))
+            _call(deliver, Unavailable(f"{MAX_WAITING} batches of replies already wait for the synchronous "
+                                       f"standby: not acknowledged; retry"))
         else:
             now = monotonic_ms()
             self.waiting.append((lsn, deliver, now))
@@ -237,7 +247,7 @@ class SyncGate:
     def _release(self, lsn: int, deliver: Deliver) -> None:
         if lsn > self.released_lsn:
             self.released_lsn = lsn
-        deliver()
+        _call(deliver)
 
     def on_ack(self, conn: ReplicaConnection, lsn: Any) -> None:
         """The standby's ``SYNC_ACK``: it has every record up to ``lsn`` at the ack point.
@@ -259,7 +269,7 @@ class SyncGate:
         if not self.enabled:
             return
         waiting = self.waiting
-        while waiting and waiting[0][0] <= lsn:
+        while waiting and waiting[0][0] <= self.acked_lsn:
             held_lsn, deliver, _ = waiting.popleft()
             self._release(held_lsn, deliver)
         if self.held_upto and self.acked_lsn >= self.held_upto:
@@ -311,7 +321,7 @@ class SyncGate:
                      "(--sync-on-timeout fence)", why, self.held_upto)
         error = self._refusal("timed out")
         while self.waiting:
-            self.waiting.popleft()[1](error)
+            _call(self.waiting.popleft()[1], error)
 
     def _degrade(self, why: str) -> None:
         if not self.degraded:
