@@ -25,9 +25,11 @@ Request flow (one turn of the event loop)::
 
 What waits for the disk (``--fsync always``): a grant is acknowledged only
 after its WAL record is fsynced, together with everything else logged in the
-same loop turn (group commit).  Releases and extensions are acknowledged at
-once: losing one in a crash can only leave the lock held until its TTL runs out
-after recovery - never give it to two holders.
+same loop turn (group commit); with ``--replication sync`` also after the
+standby's ``SYNC_ACK`` (:mod:`fastlock.replication.syncrep`).  Releases and
+extensions are acknowledged at once (extensions wait in sync mode): losing one
+in a crash can only leave the lock held until its TTL runs out after
+recovery - never give it to two holders.
 
 Who may do what: HELLO authenticates the connection as a principal (a token,
 a mutual-TLS certificate identity, or the anonymous principal - see
