@@ -48,6 +48,7 @@ def test_acknowledged_grants_survive_kill9_and_promotion(cluster, ack):
     # the standby's own --replication applies once it is the primary: async, as it has no standby then
     standby = cluster.standby(primary.address, failover_after=FAILOVER)
     acked: list[tuple[str, int]] = []
+    owners: dict[str, bytes] = {}
 
     async def worker(node: RawNode, w: int, stop: asyncio.Event) -> None:
         i = 0
@@ -55,9 +56,10 @@ def test_acknowledged_grants_survive_kill9_and_promotion(cluster, ack):
             name = f"sync/{w}/{i}"
             i += 1
             try:
-                token, _, _ = await node.acquire(name, 60_000)
+                token, _, owner = await node.acquire(name, 60_000)
             except (ConnectionLost, FastlockError, OSError):
                 return
+            owners[name] = owner
             acked.append((name, token))
 
     async def main() -> None:
@@ -68,6 +70,11 @@ def test_acknowledged_grants_survive_kill9_and_promotion(cluster, ack):
         tasks = [asyncio.ensure_future(worker(nodes[w % 8], w, stop)) for w in range(32)]
         await poll(lambda: asyncio.sleep(0, len(acked)), lambda n: n >= 400, timeout=20,
                    what="400 acknowledged grants")
+        extended = {}  # an extend is acknowledged once the standby has it too
+        for name, token in acked[:20]:
+            owner = owners[name]
+            await nodes[0].extend(name, token, owner, 90_000)
+            extended[name] = token
         primary.kill()  # SIGKILL with acquires in flight
         stop.set()
         await asyncio.wait_for(asyncio.gather(*tasks), 10)
@@ -83,6 +90,8 @@ def test_acknowledged_grants_survive_kill9_and_promotion(cluster, ack):
                 if info is None or info["token"] != token:
                     missing.append((name, token, info))
             assert not missing, f"{len(missing)} of {len(acked)} acknowledged grants lost: {missing[:5]}"
+            for name in extended:
+                assert (await new.holder(name))["ttl_ms"] == 90_000, name
             fresh, _, _ = await new.acquire("sync/after-failover", 5_000)
             assert fresh >> EPOCH_SHIFT > max(t for _, t in acked) >> EPOCH_SHIFT
         finally:

@@ -460,8 +460,7 @@ class SyncStatus:
         self._pending.append((wal.logged_lsn, primary_lsn))
         if self.ack is SyncAck.FSYNCED:
             wal.request_sync()
-        stats = wal.stats()
-        self._on_progress(stats["written_lsn"], stats["durable_lsn"])
+        self._on_progress(wal.written_lsn, wal.synced_lsn)
 
     def _on_progress(self, written: int, synced: int) -> None:
         mark = synced if self.ack is SyncAck.FSYNCED else written

@@ -350,6 +350,11 @@ class WriteAheadLog:
         self._commit.request_sync()
 
     @property
+    def synced_lsn(self) -> int:
+        """The last LSN fsynced."""
+        return self._commit.marks.synced
+
+    @property
     def logged_lsn(self) -> int:
         """The LSN of the last record logged (maybe not yet written)."""
         return self._commit.next_lsn - 1
