@@ -72,8 +72,13 @@ status said ``in_sync`` and either
   or waited for the old primary's fence: a ``fence`` primary never acknowledges
   a grant its standby lacks, whenever it dies.
 
+Both only for the primary's one *paired* standby (the pairing the primary's
+heartbeats confirm): the primary never pairs with a second standby while the
+first may come back (only ``serve-alone``, which degrades, unpairs it), so no
+other standby's acknowledgement can release a reply this one lacks.
+
 Otherwise - asynchronous replication, a standby that was catching up or never
-told it was in sync, a ``degrade`` primary that may have degraded after the
+told it was in sync, a standby that is not the confirmed pair, a ``degrade`` primary that may have degraded after the
 standby last heard it, a forced promotion (``--force``) of an unconfirmed
 primary - the grace period applies as with asynchronous replication.  The
 epoch is raised at every promotion either way, so tokens never go backwards;
@@ -475,6 +480,10 @@ class SyncStatus:
     def covers_promotion(self, *, confirmed: bool, forced: bool, automatic: bool) -> str | None:
         """Why a promotion needs no grace period (see the module docstring), or None if it does."""
         if not self.in_sync or self.ack is None or not self.follower.synced:
+            return None
+        if not self.follower.pair_confirmed:
+            # the promise holds for the one paired standby only: a primary that several
+            # standbys follow (none paired) may acknowledge with another one's copy
             return None
         if confirmed:
             return "in sync with a primary that confirmed it stepped down"
