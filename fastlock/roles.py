@@ -253,14 +253,14 @@ class NodeRole:
         """
         if action in self._admitted:
             return
+        if self._sync_held and not self._fenced and self._role is Role.PRIMARY:  # only ACQUIRE is refused then
+            raise Unavailable(f"this primary's synchronous standby has not acknowledged within --sync-timeout: "
+                              f"{action.name.lower()} refused, nothing changed; retry")
         role = self._role
         if role is Role.STANDBY:
             raise NotPrimary(f"this node is a standby (primary: {self.primary_address})", self.primary_address)
         if role is not Role.PRIMARY:
             raise NotPrimary(f"this node is {role.value}; the primary is unknown to it", None)
-        if not self._fenced:  # held for the synchronous standby (only ACQUIRE is refused then)
-            raise Unavailable(f"this primary's synchronous standby has not acknowledged within --sync-timeout: "
-                              f"{action.name.lower()} refused, nothing changed; retry")
         raise Unavailable(f"this primary lost contact with its standby (fenced): {action.name.lower()} refused, "
                           f"nothing changed; the standby may have been promoted")
 
