@@ -77,6 +77,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     s.add_argument("--fence-margin", type=seconds_arg, default=None, metavar="SECONDS",
                    help="primary: stop granting this long before a silent standby may promote "
                         "(default: a quarter of its failover window)")
+    s.add_argument("--deadlock-timeout", type=seconds_arg, default=1.0, metavar="SECONDS",
+                   help="fail one waiter of a wait-for cycle (DeadlockDetected) once the cycle is this old "
+                        "(default 1 s, as PostgreSQL's deadlock_timeout; 0: no detection)")
+    s.add_argument("--name", metavar="NAME", help="this node's name in logs and replication status")
+    s.add_argument("--metrics", type=listen_address, metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (needs prometheus_client)")
+    s.add_argument("--wal-writer", choices=("thread", "inline"), default="thread",
+                   help="thread (default): write+fsync on a writer thread while the loop keeps serving; "
+                        "inline: on the loop itself (lower latency when idle, stalls everyone during an fsync)")
     s.add_argument("--replication", choices=("async", "sync"), default="async",
                    help="async (default): a grant is acknowledged without waiting for the standby (a promoted "
                         "standby then waits a grace period); sync: grants and extends are acknowledged once the "
@@ -92,15 +101,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="with --replication sync, when the standby has not acknowledged in --sync-timeout: fence "
                         "(default: waiting replies fail with Unavailable, no grants until it is back) or degrade "
                         "(acknowledge without it, as async, until it catches up; logged CRITICAL, in metrics)")
-    s.add_argument("--deadlock-timeout", type=seconds_arg, default=1.0, metavar="SECONDS",
-                   help="fail one waiter of a wait-for cycle (DeadlockDetected) once the cycle is this old "
-                        "(default 1 s, as PostgreSQL's deadlock_timeout; 0: no detection)")
-    s.add_argument("--name", metavar="NAME", help="this node's name in logs and replication status")
-    s.add_argument("--metrics", type=listen_address, metavar="HOST:PORT",
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (needs prometheus_client)")
-    s.add_argument("--wal-writer", choices=("thread", "inline"), default="thread",
-                   help="thread (default): write+fsync on a writer thread while the loop keeps serving; "
-                        "inline: on the loop itself (lower latency when idle, stalls everyone during an fsync)")
     s.add_argument("--repair-wal", action="store_true",
                    help="start even if the WAL's last segment has a damaged record in the middle: cut it "
                         "there (records after it are lost; logged at ERROR). Without it the server refuses.")
@@ -242,14 +242,14 @@ def serve_command(args: argparse.Namespace) -> int:
         failover_after_ms=int(args.failover_after * 1000),
         promotion_grace_ms=None if args.promotion_grace is None else int(args.promotion_grace * 1000),
         fence_margin_ms=None if args.fence_margin is None else int(args.fence_margin * 1000),
-        replication=args.replication,
-        sync_ack=args.sync_ack,
-        sync_timeout_ms=max(1, round(args.sync_timeout * 1000)),
-        sync_on_timeout=args.sync_on_timeout,
         deadlock_timeout_ms=int(args.deadlock_timeout * 1000),
         name=args.name,
         repair_wal=args.repair_wal,
         wal_writer=args.wal_writer,
+        replication=args.replication,
+        sync_ack=args.sync_ack,
+        sync_timeout_ms=max(1, round(args.sync_timeout * 1000)),
+        sync_on_timeout=args.sync_on_timeout,
         metrics=args.metrics,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,

@@ -7,7 +7,8 @@ never imports it.  Its modules: :mod:`~fastlock.replication.host` (that
 interface), :mod:`~fastlock.replication.source` (the primary's side),
 :mod:`~fastlock.replication.follower` (the standby's side) with
 :mod:`~fastlock.replication.link` (its connection to the primary),
-:mod:`~fastlock.replication.messages` (the stream's payloads) and
+:mod:`~fastlock.replication.messages` (the stream's payloads),
+:mod:`~fastlock.replication.syncrep` (synchronous replication) and
 :mod:`~fastlock.replication.node_state` (pairing, epochs and role files).  The
 node's role is declared in :mod:`fastlock.roles` and changes only there; the
 decisions to promote, step down or serve alone are in :mod:`fastlock.server.failover`.

@@ -78,6 +78,8 @@ class ReplicationSource:
         self.host = host
         self.incarnation = os.urandom(8).hex()  # changes on every start: a standby resyncs
         self.replicas: dict[int, _Replica] = {}  # by session
+        #: synchronous replication: replies that wait for the standby (None settings: async, a no-op)
+        self.sync = SyncGate(host, self, sync)
         self.fence_margin_ms = fence_margin_ms
         self.serving_alone = False
         self.paired_id: str | None = None
@@ -89,8 +91,6 @@ class ReplicationSource:
         self._takeover_timer: asyncio.TimerHandle | None = None  # fenced: when the standby may promote
         self._fence_timer_at = 0
         self._listening = False
-        #: synchronous replication: replies that wait for the standby (None settings: async, a no-op)
-        self.sync = SyncGate(host, self, sync)
 
     # -- pairing ---------------------------------------------------------------------------
     def load_pairing(self) -> None:

@@ -97,11 +97,6 @@ class ServerConfig:
     failover_after_ms: int = 0  # standby: promote after this much primary silence (0: on command only)
     promotion_grace_ms: int | None = None  # after promotion, no grants for this long (None: longest TTL seen)
     fence_margin_ms: int | None = None  # primary: stop granting this long before a standby may promote
-    # synchronous replication (fastlock.replication.syncrep): "async" (default) or "sync"; a string is accepted
-    replication: ReplicationMode = ReplicationMode.ASYNC
-    sync_ack: SyncAck = SyncAck.FSYNCED  # where the standby has a record when it acknowledges it
-    sync_timeout_ms: int = 2000  # the oldest reply waits this long for the standby, then sync_on_timeout
-    sync_on_timeout: SyncOnTimeout = SyncOnTimeout.FENCE  # "fence" (hold grants) or "degrade" (to async)
     deadlock_timeout_ms: int = 1000  # a wait-for cycle this old is broken (0: no detection; PostgreSQL's default)
     name: str | None = None  # this node's name in logs and replication status
     repair_wal: bool = False  # cut a damaged last WAL segment instead of refusing to start
@@ -114,6 +109,11 @@ class ServerConfig:
     tls_ca: str | None = None
     tls_client_auth: str = "none"  # none | optional | required (mutual TLS)
     tls_handshake_timeout_ms: int = int(DEFAULT_HANDSHAKE_TIMEOUT * 1000)
+    # synchronous replication (fastlock.replication.syncrep): "async" (default) or "sync"; a string is accepted
+    replication: ReplicationMode = ReplicationMode.ASYNC
+    sync_ack: SyncAck = SyncAck.FSYNCED  # where the standby has a record when it acknowledges it
+    sync_timeout_ms: int = 2000  # the oldest reply waits this long for the standby, then sync_on_timeout
+    sync_on_timeout: SyncOnTimeout = SyncOnTimeout.FENCE  # "fence" (hold grants) or "degrade" (to async)
 
     def __post_init__(self) -> None:
         self.fsync = _member(FsyncMode, self.fsync, "fsync")
