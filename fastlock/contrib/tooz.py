@@ -34,8 +34,11 @@ How tooz's concepts map to fastlock:
 * a lock is a fastlock lock (fencing token and all) with a TTL of ``timeout``;
   ``blocking`` is the acquire's ``wait`` (False: one try; a number: that many
   seconds); ``is_still_owner`` is the server's token check; ``break_`` is the
-  server's revoke (an admin request: an admin principal, or open mode).  Shared
-  locks are not offered yet: they raise ``tooz.NotImplemented``.
+  server's revoke (an admin request: an admin principal, or open mode).
+  ``acquire(shared=True)`` takes a fastlock shared lease; a lock object keeps a
+  stack of holds, and a shared acquire on an object that holds a live shared
+  lease joins it (one more release needed) instead of queueing behind a waiting
+  writer (:mod:`fastlock.contrib.tooz_lock`).
 * a group is a key without lease (:mod:`fastlock.server.keys`); a member is a
   key attached to the coordinator's session lease, holding its capabilities
   (msgpack, as tooz's other drivers store them): the member vanishes when
@@ -60,7 +63,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import tooz
-from tooz import coordination, locking
+from tooz import coordination
 from tooz import utils as tooz_utils
 
 from .. import client as fl_client
@@ -71,8 +74,8 @@ from ..errors import (
     KeyNotFound,
     LeaseLost,
     LockNotAcquired,
-    LockNotHeld,
 )
+from .tooz_lock import FastlockLock
 
 __all__ = ["FastlockDriver", "FastlockLock"]
 
@@ -123,95 +126,6 @@ class _Loop:
             self.loop.close()
 
 
-class FastlockLock(locking.Lock):
-    """A tooz lock on a fastlock lock (see the module docstring)."""
-
-    def __init__(self, coord: FastlockDriver, name: bytes, fl_name: str | None = None):
-        super().__init__(name)
-        self._coord = coord
-        #: the fastlock lock name (``fl_name``, default ``<prefix>lock/<name>``)
-        self._fl_name = fl_name if fl_name is not None else coord._name("lock/", _lock_part(name))
-        self._lease: fl_client.Lease | None = None
-        self._state = threading.Lock()
-
-    @property
-    def acquired(self) -> bool:
-        return self._lease is not None
-
-    def acquire(self, blocking: bool | float = True, shared: bool = False, timeout: float | None = None) -> bool:
-        """Take the lock: ``blocking`` False tries once, True waits ``timeout`` seconds
-        (None: forever), a number waits that many seconds.  Returns False if not taken."""
-        if shared:
-            raise tooz.NotImplemented("shared locks are not offered by the fastlock driver yet")
-        if blocking is False:
-            wait: float | None = 0.0
-        elif blocking is True:
-            wait = timeout
-        else:
-            wait = float(blocking)
-        coord = self._coord
-        try:
-            lease = coord._call(coord._client().acquire(self._fl_name, ttl=coord._lock_ttl, wait=wait))
-        except LockNotAcquired:
-            return False
-        with self._state:
-            self._lease = lease
-        coord._acquired_locks.add(self)
-        return True
-
-    def release(self) -> bool:
-        """Release the lock; False if this object does not hold it (never held, released,
-        or lost: expired without heartbeat, or broken)."""
-        with self._state:
-            lease, self._lease = self._lease, None
-        if lease is None:
-            return False
-        coord = self._coord
-        coord._acquired_locks.discard(self)
-        try:
-            coord._call(coord._client().release(lease))
-        except LeaseLost:
-            return False
-        return True
-
-    def is_still_owner(self) -> bool:
-        """Whether this object's lease is still the lock's current one (the server's token check)."""
-        lease = self._lease
-        if lease is None:
-            return False
-        coord = self._coord
-        return bool(coord._call(coord._client().check(self._fl_name, lease.fencing_token)))
-
-    def heartbeat(self) -> bool:
-        """Extend the lease by the driver's ``timeout``; False if not held (or lost)."""
-        lease = self._lease
-        if lease is None:
-            return False
-        coord = self._coord
-        try:
-            coord._call(coord._client().extend(lease, ttl=coord._lock_ttl))
-        except LeaseLost:
-            with self._state:
-                if self._lease is lease:
-                    self._lease = None
-            coord._acquired_locks.discard(self)
-            return False
-        return True
-
-    def break_(self) -> bool:
-        """Force-release the lock, whoever holds it: the server's revoke
-        (:meth:`fastlock.client.Client.revoke`, audited in its WAL); the old holder's
-        next release or heartbeat finds its lease lost.  True if a holder was
-        revoked, False if the lock was free.  The principal must be an admin (or
-        the server in open mode), else :class:`~fastlock.errors.PermissionDenied`."""
-        coord = self._coord
-        try:
-            revoked = coord._call(coord._client().revoke(self._fl_name, reason="tooz break_"))
-        except LockNotHeld:
-            return False
-        return bool(revoked)
-
-
 class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
     """The tooz coordinator on a fastlock server (see the module docstring)."""
 
@@ -229,7 +143,8 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
         opts = tooz_utils.collapse(options)
         self._addresses = [a for a in (parsed_url.netloc or "").split(",") if a] or ["127.0.0.1:7420"]
         self._timeout = float(opts.get("timeout", 30))
-        self._lock_ttl = self._timeout
+        #: seconds: the TTL of every lock lease (the ``timeout`` option)
+        self.lock_ttl = self._timeout
         self._connect_timeout = float(opts.get("connect_timeout", 5))
         self._prefix = str(opts.get("prefix", "tooz/"))
         self._client_name = str(opts.get("client_name") or tooz_utils.to_binary(member_id).decode("utf-8", "replace"))
@@ -245,14 +160,24 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
     def _name(self, kind: str, *parts: str) -> str:
         return self._prefix + kind + "/".join(parts)
 
-    def _client(self) -> fl_client.Client:
+    def fastlock_client(self) -> fl_client.Client:
+        """The coordinator's :class:`fastlock.client.Client` (use it through :meth:`call`).
+
+        Raises:
+            tooz.ToozError: the coordinator is not started.
+        """
         if self._fl is None:
             raise tooz.ToozError("the coordinator is not started")
         return self._fl
 
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the coordinator's loop and wait for it; a lost connection is
-        tooz's ToozConnectionError, another fastlock error a ToozError."""
+    def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the coordinator's loop and wait for it (from any thread but the
+        loop's own); a lost connection is tooz's ToozConnectionError, another fastlock error
+        a ToozError (LockNotAcquired, LeaseLost, KeyExists and KeyNotFound pass through).
+
+        Raises:
+            tooz.ToozError: the coordinator is not started.
+        """
         if self._loop is None:
             coro.close()
             raise tooz.ToozError("the coordinator is not started")
@@ -265,6 +190,14 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
         except FastlockError as exc:
             tooz_utils.raise_with_cause(tooz.ToozError, str(exc), cause=exc)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def lock_taken(self, lock: FastlockLock) -> None:
+        """Note that ``lock`` holds a lease: :meth:`heartbeat` extends it, :meth:`stop` releases it."""
+        self._acquired_locks.add(lock)
+
+    def lock_dropped(self, lock: FastlockLock) -> None:
+        """Note that ``lock`` holds no lease any more."""
+        self._acquired_locks.discard(lock)
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> coordination.CoordinatorResult[T]:
         """``coro`` on the coordinator's loop, as tooz's asynchronous result."""
@@ -305,11 +238,12 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
         loop, client = self._loop, self._fl
         if loop is None or client is None:
             return
+        # collected on this thread: a lock's stack guard may be held by a thread waiting on the loop
+        leases = [lease for lock in list(self._acquired_locks) for lease in lock.forget()]
+        if self._session is not None:
+            leases.append(self._session)
 
         async def stop() -> None:
-            leases = [lock._lease for lock in list(self._acquired_locks) if lock._lease is not None]
-            if self._session is not None:
-                leases.append(self._session)
             for lease in leases:  # the session's keys (memberships) go with it
                 try:
                     await client.release(lease)
@@ -320,8 +254,6 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
         try:
             loop.run(stop())
         finally:
-            for lock in list(self._acquired_locks):
-                lock._lease = None
             self._acquired_locks.clear()
             self._leader_locks.clear()
             self._session = None
@@ -332,7 +264,7 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
     def heartbeat(self) -> float:
         """Extend the session lease (a new one if it ran out: the member's groups are
         then left) and every held lock; returns the seconds until the next beat."""
-        client = self._client()
+        client = self.fastlock_client()
 
         async def beat() -> None:
             try:
@@ -342,7 +274,7 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
                             self._member_id)
                 self._session = await client.acquire(self._session_name(), ttl=self._timeout, wait=0)
 
-        self._call(beat())
+        self.call(beat())
         for lock in list(self._acquired_locks):
             lock.heartbeat()
         return self._timeout / 3
@@ -355,13 +287,13 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
         return self._name("member/", _hex(group_id), _hex(member_id))
 
     async def _check_group(self, group_id: bytes) -> None:
-        if await self._client().get(self._group_key(group_id)) is None:
+        if await self.fastlock_client().get(self._group_key(group_id)) is None:
             raise coordination.GroupNotCreated(group_id)
 
     def create_group(self, group_id: bytes) -> coordination.CoordinatorResult[None]:
         async def create() -> None:
             try:
-                await self._client().put(self._group_key(group_id), b"", create=True)
+                await self.fastlock_client().put(self._group_key(group_id), b"", create=True)
             except KeyExists:
                 raise coordination.GroupAlreadyExist(group_id) from None
 
@@ -370,14 +302,14 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
     def get_groups(self) -> coordination.CoordinatorResult[list[bytes]]:
         async def groups() -> list[bytes]:
             prefix = self._name("group/")
-            keys = await self._client().list_prefix(prefix, limit=10_000)
+            keys = await self.fastlock_client().list_prefix(prefix, limit=10_000)
             return [bytes.fromhex(kv.key[len(prefix):]) for kv in keys]
 
         return self._submit(groups())
 
     def delete_group(self, group_id: bytes) -> coordination.CoordinatorResult[None]:
         async def delete() -> None:
-            client = self._client()
+            client = self.fastlock_client()
             await self._check_group(group_id)
             if await client.list_prefix(self._name("member/", _hex(group_id), ""), limit=1):
                 raise coordination.GroupNotEmpty(group_id)
@@ -394,7 +326,7 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
             capabilities = None
 
         async def join() -> None:
-            client = self._client()
+            client = self.fastlock_client()
             await self._check_group(group_id)
             try:
                 await client.put(self._member_key(group_id, self._member_id), tooz_utils.dumps(capabilities),
@@ -409,7 +341,7 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
         group_id = tooz_utils.to_binary(group_id)
 
         async def leave() -> None:
-            if not await self._client().delete(self._member_key(group_id, self._member_id)):
+            if not await self.fastlock_client().delete(self._member_key(group_id, self._member_id)):
                 await self._check_group(group_id)
                 raise coordination.MemberNotJoined(group_id, self._member_id)
             self._joined_groups.discard(group_id)
@@ -419,7 +351,7 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
     async def _members(self, group_id: bytes) -> dict[bytes, Any]:
         await self._check_group(group_id)
         prefix = self._name("member/", _hex(group_id), "")
-        keys = await self._client().list_prefix(prefix, limit=10_000)
+        keys = await self.fastlock_client().list_prefix(prefix, limit=10_000)
         return {bytes.fromhex(kv.key[len(prefix):]): tooz_utils.loads(kv.value) for kv in keys}
 
     def get_members(self, group_id: bytes) -> coordination.CoordinatorResult[set[bytes]]:
@@ -432,7 +364,7 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
         return self._submit(self._members(group_id))
 
     async def _member(self, group_id: bytes, member_id: bytes) -> fl_client.KeyValue:
-        kv = await self._client().get(self._member_key(group_id, member_id))
+        kv = await self.fastlock_client().get(self._member_key(group_id, member_id))
         if kv is None:
             await self._check_group(group_id)
             raise coordination.MemberNotJoined(group_id, member_id)
@@ -455,7 +387,7 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
     def update_capabilities(self, group_id: bytes, capabilities: Any) -> coordination.CoordinatorResult[None]:
         async def update() -> None:
             try:
-                await self._client().put(self._member_key(group_id, self._member_id),
+                await self.fastlock_client().put(self._member_key(group_id, self._member_id),
                                          tooz_utils.dumps(capabilities), lease=self._session, replace=True)
             except KeyNotFound:
                 await self._check_group(group_id)
@@ -465,7 +397,7 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
 
     # -- locks and elections ------------------------------------------------------------------
     def get_lock(self, name: bytes) -> FastlockLock:
-        return FastlockLock(self, name)
+        return FastlockLock(self, name, self._name("lock/", _lock_part(name)))
 
     def run_elect_coordinator(self) -> None:
         """Run for leader of every group with a ``watch_elected_as_leader`` hook: take the
@@ -478,8 +410,8 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
             if not lock.acquire(blocking=False):
                 continue
             self._leader_locks[group_id] = lock
-            self._call(self._client().put(self._name("leader/", _hex(group_id)), tooz_utils.to_binary(
-                self._member_id), lease=lock._lease))
+            self.call(self.fastlock_client().put(self._name("leader/", _hex(group_id)), tooz_utils.to_binary(
+                self._member_id), lease=lock.lease))
             hooks.run(coordination.LeaderElected(group_id, self._member_id))
 
     def _leader_lock(self, group_id: bytes) -> FastlockLock:
@@ -493,7 +425,7 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
     def get_leader(self, group_id: bytes) -> coordination.CoordinatorResult[bytes | None]:  # type: ignore[override]
         async def leader() -> bytes | None:
             await self._check_group(group_id)
-            kv = await self._client().get(self._name("leader/", _hex(group_id)))
+            kv = await self.fastlock_client().get(self._name("leader/", _hex(group_id)))
             return None if kv is None else kv.value
 
         return self._submit(leader())
