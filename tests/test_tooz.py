@@ -189,3 +189,46 @@ def test_a_deleted_group_s_members_are_seen_leaving(coords):
     a.run_watchers()
     assert [type(e) for e in events] == [coordination.MemberJoinedGroup, coordination.MemberLeftGroup]
     assert events[1].member_id == b"b"
+
+
+def test_a_forked_child_gets_a_clear_error_then_starts_its_own_coordinator(coords):
+    """A coordinator started before fork(): its loop thread is not in the child, so a call
+    there must not wait for it.  The child's first call raises ToozError at once; ``stop()``
+    in the child drops the parent's state without touching its connection; ``start()`` then
+    connects from the child.  The parent keeps its lock and its membership."""
+    from test_sync import _run_in_fork
+
+    parent = coords(b"parent")
+    parent.create_group(b"f").get()
+    parent.join_group(b"f").get()
+    held = parent.get_lock(b"fork/held")
+    assert held.acquire(blocking=False)
+
+    def child() -> dict:
+        started = time.monotonic()
+        errors = []
+        for call in (lambda: parent.get_lock(b"fork/other").acquire(blocking=2),
+                     lambda: parent.get_members(b"f").get(timeout=2), parent.heartbeat, held.is_still_owner):
+            try:
+                call()
+                errors.append(None)
+            except tooz.ToozError as exc:
+                errors.append(str(exc))
+        took = time.monotonic() - started
+        parent.stop()
+        parent.start()
+        other = parent.get_lock(b"fork/other")
+        return {"errors": errors, "took": took, "other": other.acquire(blocking=2) and other.release(),
+                "inherited": [held.acquired, held.release(), held.is_still_owner()],
+                "held_taken": parent.get_lock(b"fork/held").acquire(blocking=False),
+                "members": sorted(m.decode() for m in parent.get_members(b"f").get(timeout=5))}
+
+    result = _run_in_fork(child, timeout=20.0)
+    assert "error" not in result, result
+    assert all(e and "fork" in e for e in result["errors"]), result
+    assert result["took"] < 1.0, result
+    assert result["other"] is True and result["held_taken"] is False, result
+    assert result["inherited"] == [False, False, False], result  # the parent's lease stays the parent's
+    assert result["members"] == ["parent"], result
+    assert held.is_still_owner() and held.release()
+    assert parent.get_members(b"f").get() == {b"parent"}

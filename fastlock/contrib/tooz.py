@@ -50,11 +50,21 @@ How tooz's concepts map to fastlock:
 Member and group ids are bytes; in names they appear as hex.  Every call runs
 on the coordinator's own event loop thread, so a coordinator may be shared by
 threads (as tooz's tests do).
+
+**fork()**: a coordinator started before ``fork()`` has its loop thread, its
+connection, its session (memberships) and its locks in the parent.  In the child
+every call raises :class:`tooz.ToozError` at once (an asynchronous one: its
+result's ``get()``) instead of waiting for a thread that is not there; ``stop()``
+in the child drops the parent's state without sending anything or touching the
+parent's connection, and ``start()`` then connects from the child, with a new
+session.  A lock object the child inherited holds nothing there: its ``release()``
+returns False and never frees the parent's lease.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import datetime
 import logging
 import os
@@ -67,6 +77,7 @@ from tooz import coordination
 from tooz import utils as tooz_utils
 
 from .. import client as fl_client
+from ..client.forks import keep_inherited
 from ..errors import (
     ConnectionLost,
     FastlockError,
@@ -155,6 +166,8 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
         self._session: fl_client.Lease | None = None
         self._acquired_locks: set[FastlockLock] = set()
         self._leader_locks: dict[bytes, FastlockLock] = {}
+        #: the process that started the coordinator (see "fork()" in the module docstring)
+        self._pid = 0
 
     # -- plumbing -------------------------------------------------------------------------
     def _name(self, kind: str, *parts: str) -> str:
@@ -170,6 +183,16 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
             raise tooz.ToozError("the coordinator is not started")
         return self._fl
 
+    def check_process(self) -> None:
+        """Raise if this process is a fork of the one that started the coordinator.
+
+        Raises:
+            tooz.ToozError: a forked child (see "fork()" in the module docstring).
+        """
+        if self._loop is not None and self._pid != os.getpid():
+            raise tooz.ToozError(f"this tooz coordinator was started in process {self._pid} and this process "
+                                 f"({os.getpid()}) is a fork of it: call stop() then start() to connect from here")
+
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the coordinator's loop and wait for it (from any thread but the
         loop's own); a lost connection is tooz's ToozConnectionError, another fastlock error
@@ -181,6 +204,11 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
         if self._loop is None:
             coro.close()
             raise tooz.ToozError("the coordinator is not started")
+        try:
+            self.check_process()
+        except tooz.ToozError:
+            coro.close()
+            raise
         try:
             return self._loop.run(coro)
         except (LockNotAcquired, LeaseLost, KeyExists, KeyNotFound):
@@ -204,9 +232,17 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
         if self._loop is None:
             coro.close()
             raise tooz.ToozError("the coordinator is not started")
+        try:
+            self.check_process()
+        except tooz.ToozError as exc:
+            coro.close()
+            failed: concurrent.futures.Future[T] = concurrent.futures.Future()
+            failed.set_exception(exc)
+            return coordination.CoordinatorResult(failed)
         return coordination.CoordinatorResult(self._loop.submit(_translated(coro, self._loop.serial)))
 
     def _start(self) -> None:
+        self._pid = os.getpid()
         self._loop = _Loop(f"fastlock-tooz-{self._client_name}")
         kwargs: dict[str, Any] = {"client_name": self._client_name[:128], "connect_timeout": self._connect_timeout}
         if self._token is not None:
@@ -237,6 +273,12 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
     def _stop(self) -> None:
         loop, client = self._loop, self._fl
         if loop is None or client is None:
+            return
+        if self._pid != os.getpid():  # a forked child: the loop, connection and leases are the parent's
+            keep_inherited(loop, client)
+            self._loop = self._fl = self._session = None
+            self._acquired_locks.clear()
+            self._leader_locks.clear()
             return
         # collected on this thread: a lock's stack guard may be held by a thread waiting on the loop
         leases = [lease for lock in list(self._acquired_locks) for lease in lock.forget()]

@@ -14,10 +14,17 @@ not).  tooz's semantics, as its functional suite and its file driver define them
 
 The object may be shared by threads (as tooz's tests do); its stack is guarded by a
 lock that a join holds across its extend, so no release can end the lease it joins.
+
+Holds belong to the process that took them: in a child forked from it every method
+first raises what the coordinator raises there (``tooz.ToozError``), and once the child
+has restarted the coordinator the object holds nothing (its stack, and the guard a
+parent thread may have held at the fork, are made anew), so the child can never release
+or extend its parent's lease.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import TYPE_CHECKING
 
@@ -43,19 +50,31 @@ class FastlockLock(locking.Lock):
         #: the holds, oldest first: (lease, shared); a joined shared lease appears once per hold
         self._holds: list[tuple[Lease, bool]] = []
         self._state = threading.Lock()
+        #: the process whose holds ``_holds`` are
+        self._pid = os.getpid()
+
+    def _here(self) -> None:
+        """Raise in a forked child of the coordinator's process (``tooz.ToozError``); drop
+        the holds of another process (see the module docstring)."""
+        self._coord.check_process()
+        if self._pid != os.getpid():
+            self._state = threading.Lock()
+            self._holds = []
+            self._pid = os.getpid()
 
     @property
     def acquired(self) -> bool:
-        return bool(self._holds)
+        return bool(self._holds) and self._pid == os.getpid()
 
     @property
     def lease(self) -> Lease | None:
         """The lease of the newest hold, or None when not held."""
         holds = self._holds
-        return holds[-1][0] if holds else None
+        return holds[-1][0] if holds and self._pid == os.getpid() else None
 
     def leases(self) -> list[Lease]:
         """The distinct leases this object holds (one per fencing token)."""
+        self._here()
         with self._state:
             return list({lease.fencing_token: lease for lease, _ in self._holds}.values())
 
@@ -71,6 +90,7 @@ class FastlockLock(locking.Lock):
             wait = timeout
         else:
             wait = float(blocking)
+        self._here()
         if shared and self._join_shared():
             return True
         coord = self._coord
@@ -113,6 +133,7 @@ class FastlockLock(locking.Lock):
         """Release the newest hold; its lease is released on the server when no other hold
         has it.  False if this object holds nothing, or the lease was lost (expired without
         heartbeat, or broken)."""
+        self._here()
         with self._state:
             if not self._holds:
                 return False
@@ -131,6 +152,7 @@ class FastlockLock(locking.Lock):
     def is_still_owner(self) -> bool:
         """Whether the newest hold's lease is still one of the lock's current leases (the
         server's token check, which knows shared holders too)."""
+        self._here()
         lease = self.lease
         if lease is None:
             return False
@@ -163,6 +185,7 @@ class FastlockLock(locking.Lock):
         holder's next release or heartbeat finds its lease lost.  True if a holder was
         revoked, False if the lock was free.  The principal must be an admin (or the server
         in open mode), else :class:`~fastlock.errors.PermissionDenied`."""
+        self._here()
         coord = self._coord
         try:
             revoked = coord.call(coord.fastlock_client().revoke(self._fl_name, reason="tooz break_"))
