@@ -232,3 +232,27 @@ def test_a_forked_child_gets_a_clear_error_then_starts_its_own_coordinator(coord
     assert result["members"] == ["parent"], result
     assert held.is_still_owner() and held.release()
     assert parent.get_members(b"f").get() == {b"parent"}
+
+
+def test_a_thread_that_holds_a_lock_does_not_wait_for_itself(coords):
+    """A blocking acquire by the thread that holds the lock (through this coordinator, on any
+    lock object of that name) would wait for itself for ever: it returns False at once (the
+    client's AlreadyHeld); another thread's blocking acquire still queues and gets it."""
+    import threading
+
+    a = coords(b"a")
+    first, second = a.get_lock(b"self"), a.get_lock(b"self")
+    assert first.acquire()
+    started = time.monotonic()
+    assert not first.acquire(blocking=True, timeout=None) and not second.acquire(blocking=5)
+    assert time.monotonic() - started < 2.0
+    got: list[bool] = []
+    t = threading.Thread(target=lambda: got.append(second.acquire(blocking=10)))
+    t.start()
+    deadline = time.monotonic() + 5
+    while not a.call(a.fastlock_client().lock_info(first._fl_name)).waiters:
+        assert time.monotonic() < deadline, "the other thread never queued"
+        time.sleep(0.02)
+    assert first.release()
+    t.join(10)
+    assert got == [True] and second.release()

@@ -77,6 +77,7 @@ from tooz import coordination
 from tooz import utils as tooz_utils
 
 from .. import client as fl_client
+from ..client.acquire import CALLER
 from ..client.forks import keep_inherited
 from ..errors import (
     ConnectionLost,
@@ -209,6 +210,9 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
         except tooz.ToozError:
             coro.close()
             raise
+        # the calling thread is the caller the client's self-wait check compares (the task
+        # copies this context when it is scheduled), as the blocking client does
+        caller = CALLER.set(threading.current_thread())
         try:
             return self._loop.run(coro)
         except (LockNotAcquired, LeaseLost, KeyExists, KeyNotFound):
@@ -217,6 +221,8 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
             tooz_utils.raise_with_cause(coordination.ToozConnectionError, str(exc), cause=exc)
         except FastlockError as exc:
             tooz_utils.raise_with_cause(tooz.ToozError, str(exc), cause=exc)
+        finally:
+            CALLER.reset(caller)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def lock_taken(self, lock: FastlockLock) -> None:

@@ -4,7 +4,10 @@ A lock object holds a stack of holds, each a fastlock lease and its kind (shared
 not).  tooz's semantics, as its functional suite and its file driver define them:
 
 * an exclusive acquire on an object that holds the lock already does not re-enter: it
-  asks the server like any other (``blocking=False`` then returns False);
+  asks the server like any other (``blocking=False`` then returns False).  A waiting
+  acquire by the thread that holds the name through the same coordinator (any lock
+  object of it) returns False at once: it would wait for itself (the client's
+  :class:`~fastlock.errors.AlreadyHeld`); other threads queue;
 * a shared acquire on an object that holds a live shared lease **joins** that lease: it
   extends it (which proves it alive) and pushes it once more, so it needs one release
   more.  It never queues on the server: the server queues a new reader behind a waiting
