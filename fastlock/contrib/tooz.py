@@ -436,7 +436,7 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
         async def update() -> None:
             try:
                 await self.fastlock_client().put(self._member_key(group_id, self._member_id),
-                                         tooz_utils.dumps(capabilities), lease=self._session, replace=True)
+                                                 tooz_utils.dumps(capabilities), lease=self._session, replace=True)
             except KeyNotFound:
                 await self._check_group(group_id)
                 raise coordination.MemberNotJoined(group_id, self._member_id) from None
@@ -458,8 +458,8 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
             if not lock.acquire(blocking=False):
                 continue
             self._leader_locks[group_id] = lock
-            self.call(self.fastlock_client().put(self._name("leader/", _hex(group_id)), tooz_utils.to_binary(
-                self._member_id), lease=lock.lease))
+            self.call(self.fastlock_client().put(self._name("leader/", _hex(group_id)),
+                                                 tooz_utils.to_binary(self._member_id), lease=lock.lease))
             hooks.run(coordination.LeaderElected(group_id, self._member_id))
 
     def _leader_lock(self, group_id: bytes) -> FastlockLock:

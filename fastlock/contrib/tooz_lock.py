@@ -98,8 +98,9 @@ class FastlockLock(locking.Lock):
             return True
         coord = self._coord
         try:
-            lease = coord.call(coord.fastlock_client().acquire(self._fl_name, ttl=coord.lock_ttl, wait=wait,
-                                                        shared=bool(shared)))
+            acquiring = coord.fastlock_client().acquire(self._fl_name, ttl=coord.lock_ttl, wait=wait,
+                                                        shared=bool(shared))
+            lease = coord.call(acquiring)
         except LockNotAcquired:
             return False
         with self._state:
