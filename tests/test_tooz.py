@@ -256,3 +256,14 @@ def test_a_thread_that_holds_a_lock_does_not_wait_for_itself(coords):
     assert first.release()
     t.join(10)
     assert got == [True] and second.release()
+
+
+@pytest.mark.parametrize("query", ["timeout=0", "timeout=-5", "timeout=inf", "timeout=abc", "timeout=100000",
+                                   "connect_timeout=0", "connect_timeout=nan"])
+def test_bad_url_options_are_refused_at_get_coordinator(query):
+    """A bad option is the URL's fault, not the network's: a ValueError (fastlock's
+    InvalidArgument) from get_coordinator, never the ToozConnectionError a service retries on."""
+    from fastlock.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="timeout"):
+        coordination.get_coordinator(f"fastlock://127.0.0.1:1?{query}", b"m")

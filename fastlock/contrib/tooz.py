@@ -14,7 +14,7 @@ URL options (all optional):
 ``client_name``
     the name the server logs and records with grants (default: the member id).
 ``timeout``
-    seconds (default 30): the TTL of the member's session lease and of every
+    seconds (default 30, at most 86400): the TTL of the member's session lease and of every
     lock; :meth:`heartbeat` (tooz's ``Heart`` thread with ``start_heart=True``)
     extends them.  A member that stops beating leaves its groups within this.
 ``token`` / ``token_file``
@@ -28,6 +28,10 @@ URL options (all optional):
     ``put, get, delete`` on it.
 ``connect_timeout``
     seconds for each connect (default 5).
+
+A bad ``timeout`` or ``connect_timeout`` raises
+:class:`~fastlock.errors.InvalidArgument` (a ``ValueError``) from
+``get_coordinator``, not the ``ToozConnectionError`` a service retries on.
 
 How tooz's concepts map to fastlock:
 
@@ -82,11 +86,14 @@ from ..client.forks import keep_inherited
 from ..errors import (
     ConnectionLost,
     FastlockError,
+    InvalidArgument,
     KeyExists,
     KeyNotFound,
     LeaseLost,
     LockNotAcquired,
 )
+from ..protocol import MAX_TTL_MS
+from ..units import check_seconds
 from .tooz_lock import FastlockLock
 
 __all__ = ["FastlockDriver", "FastlockLock"]
@@ -108,6 +115,21 @@ def _lock_part(name: bytes | str) -> str:
     except UnicodeDecodeError:
         return "hex:" + raw.hex()
     return text if text and not text.startswith("hex:") else "hex:" + raw.hex()
+
+
+def _seconds_option(opts: dict[str, Any], key: str, default: float, maximum: float | None = None) -> float:
+    """URL option ``key`` in seconds, > 0 and at most ``maximum``: checked when the driver is
+    made (a bad URL is no connection failure, which a service would retry).
+
+    Raises:
+        InvalidArgument: not a number, NaN, infinite, <= 0 or above ``maximum``.
+    """
+    raw = opts.get(key, default)
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"the {key} option must be a number of seconds, got {raw!r}") from None
+    return check_seconds(value, f"the {key} option", maximum=maximum)
 
 
 def _iso(wall_ms: int) -> str:
@@ -154,10 +176,10 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
         super().__init__(member_id, parsed_url, options)
         opts = tooz_utils.collapse(options)
         self._addresses = [a for a in (parsed_url.netloc or "").split(",") if a] or ["127.0.0.1:7420"]
-        self._timeout = float(opts.get("timeout", 30))
+        self._timeout = _seconds_option(opts, "timeout", 30.0, maximum=MAX_TTL_MS / 1000)
         #: seconds: the TTL of every lock lease (the ``timeout`` option)
         self.lock_ttl = self._timeout
-        self._connect_timeout = float(opts.get("connect_timeout", 5))
+        self._connect_timeout = _seconds_option(opts, "connect_timeout", 5.0)
         self._prefix = str(opts.get("prefix", "tooz/"))
         self._client_name = str(opts.get("client_name") or tooz_utils.to_binary(member_id).decode("utf-8", "replace"))
         self._token = opts.get("token")
