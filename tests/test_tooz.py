@@ -267,3 +267,26 @@ def test_bad_url_options_are_refused_at_get_coordinator(query):
 
     with pytest.raises(InvalidArgument, match="timeout"):
         coordination.get_coordinator(f"fastlock://127.0.0.1:1?{query}", b"m")
+
+
+def test_a_listing_at_the_server_s_cap_raises_rather_than_truncate(coords, monkeypatch):
+    """The server lists at most LIST_LIMIT keys per request; a group with that many members
+    (or that many groups) raises ToozError instead of returning part of them as all."""
+    import fastlock.contrib.tooz as driver
+
+    monkeypatch.setattr(driver, "LIST_LIMIT", 3)
+    a = coords(b"a")
+    a.create_group(b"big").get()
+    members = [coords(m) for m in (b"m1", b"m2")]
+    for m in members:
+        m.join_group(b"big").get()
+    assert a.get_members(b"big").get() == {b"m1", b"m2"}
+    a.join_group(b"big").get()
+    with pytest.raises(tooz.ToozError, match="at most 3"):
+        a.get_members(b"big").get()
+    with pytest.raises(tooz.ToozError, match="at most 3"):
+        a.get_members_with_capabilities(b"big").get()
+    a.create_group(b"g2").get()
+    a.create_group(b"g3").get()
+    with pytest.raises(tooz.ToozError, match="at most 3"):
+        a.get_groups().get()

@@ -46,7 +46,10 @@ How tooz's concepts map to fastlock:
 * a group is a key without lease (:mod:`fastlock.server.keys`); a member is a
   key attached to the coordinator's session lease, holding its capabilities
   (msgpack, as tooz's other drivers store them): the member vanishes when
-  the session lease is released (``stop``) or expires (no heartbeat).
+  the session lease is released (``stop``) or expires (no heartbeat).  A listing
+  (``get_groups``, ``get_members``) of :data:`LIST_LIMIT` (10,000) or more keys
+  raises ``ToozError`` rather than return part of them: the server lists at most
+  that many per request.
 * join/leave watches compare the members between two ``run_watchers`` calls
   (tooz's cached watchers); an election is a lock per group
   (``leader-lock/<group>``) with a key naming the leader attached to its lease.
@@ -83,6 +86,7 @@ from tooz import utils as tooz_utils
 from .. import client as fl_client
 from ..client.acquire import CALLER
 from ..client.forks import keep_inherited
+from ..client.keys import MAX_LIST
 from ..errors import (
     ConnectionLost,
     FastlockError,
@@ -99,6 +103,9 @@ from .tooz_lock import FastlockLock
 __all__ = ["FastlockDriver", "FastlockLock"]
 
 log = logging.getLogger(__name__)
+
+#: keys one listing returns at most (the server's KEY_LIST limit, :mod:`fastlock.server.keys`)
+LIST_LIMIT = MAX_LIST
 
 T = TypeVar("T")
 
@@ -356,6 +363,20 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
     def _member_key(self, group_id: bytes, member_id: bytes) -> str:
         return self._name("member/", _hex(group_id), _hex(member_id))
 
+    async def _list_all(self, prefix: str, what: str) -> list[fl_client.KeyValue]:
+        """Every key under ``prefix``.  The server lists at most :data:`LIST_LIMIT` keys per
+        request, with no continuation: a listing that reaches it may be cut short.
+
+        Raises:
+            tooz.ToozError: the listing reached :data:`LIST_LIMIT` (never part returned as all).
+        """
+        limit = LIST_LIMIT
+        keys = await self.fastlock_client().list_prefix(prefix, limit=limit)
+        if len(keys) >= limit:
+            raise tooz.ToozError(f"{what}: the fastlock server lists at most {limit} keys at once and this "
+                                 "listing reached that, so it may be incomplete")
+        return keys
+
     async def _check_group(self, group_id: bytes) -> None:
         if await self.fastlock_client().get(self._group_key(group_id)) is None:
             raise coordination.GroupNotCreated(group_id)
@@ -372,7 +393,7 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
     def get_groups(self) -> coordination.CoordinatorResult[list[bytes]]:
         async def groups() -> list[bytes]:
             prefix = self._name("group/")
-            keys = await self.fastlock_client().list_prefix(prefix, limit=10_000)
+            keys = await self._list_all(prefix, "groups")
             return [bytes.fromhex(kv.key[len(prefix):]) for kv in keys]
 
         return self._submit(groups())
@@ -421,7 +442,7 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
     async def _members(self, group_id: bytes) -> dict[bytes, Any]:
         await self._check_group(group_id)
         prefix = self._name("member/", _hex(group_id), "")
-        keys = await self.fastlock_client().list_prefix(prefix, limit=10_000)
+        keys = await self._list_all(prefix, f"members of group {group_id!r}")
         return {bytes.fromhex(kv.key[len(prefix):]): tooz_utils.loads(kv.value) for kv in keys}
 
     def get_members(self, group_id: bytes) -> coordination.CoordinatorResult[set[bytes]]:
