@@ -47,7 +47,7 @@ How tooz's concepts map to fastlock:
   key attached to the coordinator's session lease, holding its capabilities
   (msgpack, as tooz's other drivers store them): the member vanishes when
   the session lease is released (``stop``) or expires (no heartbeat).  A listing
-  (``get_groups``, ``get_members``) of :data:`LIST_LIMIT` (10,000) or more keys
+  (``get_groups``, ``get_members``) of more than :data:`LIST_LIMIT` (10,000) keys
   raises ``ToozError`` rather than return part of them: the server lists at most
   that many per request.
 * join/leave watches compare the members between two ``run_watchers`` calls
@@ -365,16 +365,16 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
 
     async def _list_all(self, prefix: str, what: str) -> list[fl_client.KeyValue]:
         """Every key under ``prefix``.  The server lists at most :data:`LIST_LIMIT` keys per
-        request, with no continuation: a listing that reaches it may be cut short.
+        request, with no continuation.
 
         Raises:
-            tooz.ToozError: the listing reached :data:`LIST_LIMIT` (never part returned as all).
+            tooz.ToozError: more keys matched (never part of them returned as all).
         """
         limit = LIST_LIMIT
         keys = await self.fastlock_client().list_prefix(prefix, limit=limit)
-        if len(keys) >= limit:
-            raise tooz.ToozError(f"{what}: the fastlock server lists at most {limit} keys at once and this "
-                                 "listing reached that, so it may be incomplete")
+        if keys.more:
+            raise tooz.ToozError(f"{what}: more than {limit} keys, and the fastlock server lists at most {limit} "
+                                 "at once")
         return keys
 
     async def _check_group(self, group_id: bytes) -> None:
