@@ -117,3 +117,18 @@ def test_bad_declarations_are_refused():
         exclusive_task(when_held="sometimes")  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match="fencing_token"):
         exclusive_task()(lambda: None)
+
+
+def test_a_task_with_var_keywords_gets_the_token_there(app, other):
+    """``**kwargs`` accepts the token argument: the declaration is not refused, and the token
+    arrives in it (a caller's own ``fencing_token`` never overrides the lease's)."""
+
+    @app.task(bind=True)
+    @exclusive_task(key="acct:{account_id}")
+    def sync_account(self, account_id, **options):
+        return options
+
+    got = sync_account.delay(4, mode="full").get()
+    assert got["mode"] == "full" and got["fencing_token"] > 0
+    forged = sync_account.delay(4, fencing_token=1).get()["fencing_token"]
+    assert forged > got["fencing_token"]

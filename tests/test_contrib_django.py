@@ -111,3 +111,11 @@ def test_default_lock_name_is_per_command():
     assert Nightly().get_lock_name() == "cron/nightly"
     assert type("Command", (LockedCommand,), {"__module__": "shop.management.commands.sync"})().get_lock_name() \
         == "django/command/shop.management.commands.sync"
+
+
+@pytest.mark.parametrize("bad", ["-1", "inf", "nan", "1e9", "soon"])
+def test_a_bad_lock_wait_is_a_usage_error(fastlock_settings, bad):
+    """``--lock-wait`` is checked by the parser (a CommandError from call_command, a usage
+    error from manage.py), not raised from the client as a traceback; nothing is locked."""
+    with pytest.raises(CommandError, match="wait|seconds"):
+        call_command(Nightly(), "--lock-wait", bad, stdout=io.StringIO())

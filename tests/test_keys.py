@@ -33,6 +33,21 @@ async def test_put_get_list_delete(client):
     assert await client.get("cfg/a") is None
 
 
+async def test_a_listing_says_whether_it_was_cut_at_its_limit(client, server):
+    """list_prefix returns a list with ``more``: True when keys beyond ``limit`` matched (the
+    server's flag), so a caller never takes part of the keys for all of them."""
+    from fastlock.sync import SyncClient
+
+    for name in ("cut/a", "cut/b", "cut/c"):
+        await client.put(name, b"")
+    cut = await client.list_prefix("cut/", limit=2)
+    assert [kv.key for kv in cut] == ["cut/a", "cut/b"] and cut.more is True
+    whole = await client.list_prefix("cut/", limit=3)
+    assert len(whole) == 3 and whole.more is False
+    with SyncClient(server.address) as c:
+        assert c.list_prefix("cut/", limit=1).more is True and c.list_prefix("cut/").more is False
+
+
 async def test_key_lives_with_its_lease(client):
     lease = await client.acquire("sess/1", ttl=0.5)
     await client.put("members/1", b"caps", lease=lease)

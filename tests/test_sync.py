@@ -292,6 +292,61 @@ def test_a_forked_child_reconnects_and_takes_a_lock_within_its_wait(server):
             assert client.ping() > 0
 
 
+def test_a_fork_while_other_threads_are_in_calls(server):
+    """fork() while one parent thread waits in a queued acquire and another sends pings in a
+    loop (the client's thread locks and in-flight calls are mid-use at the fork): each child
+    takes a free lock within its wait, finds the contested one held, and cannot release the
+    parent's lease; the parent's waiting call then completes as usual."""
+    with SyncClient(server.address, client_name="blocker") as other, \
+            SyncClient(server.address, client_name="parent") as client:
+        contested = other.acquire("fork/contested", ttl=30.0)
+        held = client.acquire("fork/held", ttl=30.0)
+        waited: list[SyncLease] = []
+        waiter = threading.Thread(target=lambda: waited.append(
+            client.acquire("fork/contested", ttl=5.0, wait=TIMEOUT)))
+        waiter.start()
+        deadline = time.monotonic() + TIMEOUT
+        while other.lock_info("fork/contested").waiter_count == 0:
+            assert time.monotonic() < deadline, "the parent's waiter never queued"
+            time.sleep(0.01)
+        stop = threading.Event()
+        pinger = threading.Thread(target=lambda: [client.ping() for _ in iter(stop.is_set, True)])
+        pinger.start()
+        try:
+            for i in range(4):
+                def child(i=i) -> dict:
+                    started = time.monotonic()
+                    lease = client.acquire(f"fork/child-{i}", ttl=5.0, wait=2.0)
+                    took = time.monotonic() - started
+                    client.release(lease)
+                    try:
+                        client.acquire("fork/contested", ttl=1.0, wait=0)
+                        contested_taken = True
+                    except fastlock.LockNotAcquired:
+                        contested_taken = False
+                    try:
+                        client.release(held)
+                        released_parents = True
+                    except fastlock.LeaseLost:
+                        released_parents = False
+                    client.close()
+                    return {"took": took, "contested_taken": contested_taken, "released_parents": released_parents}
+
+                result = _run_in_fork(child, timeout=10.0)
+                assert result == {"took": result.get("took"), "contested_taken": False,
+                                  "released_parents": False}, result
+                assert result["took"] < 3.0, result
+        finally:
+            stop.set()
+            pinger.join(TIMEOUT)
+        assert client.check("fork/held", held.fencing_token)
+        other.release(contested)
+        waiter.join(TIMEOUT)
+        assert len(waited) == 1 and waited[0].fencing_token > contested.fencing_token
+        client.release(waited[0])
+        client.release(held)
+
+
 def test_a_forked_child_of_a_closed_client_raises_at_once(server):
     client = SyncClient(server.address, client_name="closed-parent")
     client.close()

@@ -27,7 +27,7 @@ from .client import LATE_GRANT_FRACTION, Client, LockContext
 from .connect import connect
 from .connection import RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election, Leader, Term
-from .keys import KeyEvent, KeyValue
+from .keys import KeyEvent, KeyList, KeyValue
 from .kinds import Semaphore
 from .lease import IN_JEOPARDY, LOST, SAFE, HolderInfo, Lease, LeaseHealth, LeaseState, WatchEvent
 from .multilock import LockManyContext, MultiLease
@@ -36,5 +36,5 @@ from .renewer import Renewer
 __all__ = ["connect", "Client", "Lease", "LeaseState", "LeaseHealth", "LockContext", "MultiLease",
            "LockManyContext", "WatchEvent", "HolderInfo", "Election", "Term", "Leader", "Renewer", "resolve_credential",
            "DEFAULT_PORT", "LATE_GRANT_FRACTION", "SAFE", "IN_JEOPARDY", "LOST", "RETRYABLE", "ClientConnection",
-           "Connector", "RideThrough", "KeyValue", "KeyEvent",
+           "Connector", "RideThrough", "KeyValue", "KeyList", "KeyEvent",
            "LeaseInfo", "LockInfo", "LockList", "WaiterInfo", "Semaphore"]

@@ -38,7 +38,7 @@ from .watch import subscribe, unsubscribe
 if TYPE_CHECKING:  # pragma: no cover
     from .connection import ClientConnection, Connector
 
-__all__ = ["KeyValue", "KeyEvent", "KeyMethods", "SyncKeyMethods", "MAX_LIST"]
+__all__ = ["KeyValue", "KeyList", "KeyEvent", "KeyMethods", "SyncKeyMethods", "MAX_LIST"]
 
 #: most keys one list_prefix() returns (the server's bound on one reply)
 MAX_LIST = 10_000
@@ -55,6 +55,18 @@ class KeyValue(NamedTuple):
     token: int
     created_wall_ms: int
     updated_wall_ms: int
+
+
+class KeyList(list[KeyValue]):
+    """What :meth:`KeyMethods.list_prefix` returns: a list of :class:`KeyValue` in key
+    order, and ``more`` (bool): True when more keys matched than the ``limit`` let the
+    server list (the list is then a prefix of them, not all)."""
+
+    more: bool
+
+    def __init__(self, keys: list[KeyValue], more: bool):
+        super().__init__(keys)
+        self.more = more
 
 
 class KeyEvent(NamedTuple):
@@ -126,15 +138,16 @@ class KeyMethods:
         return KeyValue(key, info["value"], info["lease"], info["token"], info["created_wall_ms"],
                         info["updated_wall_ms"])
 
-    async def list_prefix(self, prefix: str, *, limit: int = 1000) -> list[KeyValue]:
+    async def list_prefix(self, prefix: str, *, limit: int = 1000) -> KeyList:
         """The keys that start with ``prefix`` ("" for every key the ACL lets one read), in
-        key order, at most ``limit`` (1..10000).  Raises PermissionDenied unless the ACL
+        key order, at most ``limit`` (1..10000); ``.more`` of the :class:`KeyList` tells
+        whether more matched.  Raises PermissionDenied unless the ACL
         grants ``get`` on a prefix of ``prefix``."""
         _check_prefix(prefix)
         if type(limit) is not int or not 1 <= limit <= MAX_LIST:
             raise InvalidArgument(f"limit must be an int 1..{MAX_LIST}, not {limit!r}")
         reply = await self._request(OP_KEY_LIST, prefix, limit)
-        return [KeyValue(*item) for item in reply["keys"]]
+        return KeyList([KeyValue(*item) for item in reply["keys"]], bool(reply.get("more")))
 
     async def delete(self, key: str) -> bool:
         """Delete ``key``; True if it existed (ACL operation ``delete``)."""
@@ -191,7 +204,7 @@ class SyncKeyMethods:
         """As :meth:`KeyMethods.get`."""
         return self.call(self._client.get(key))  # type: ignore[no-any-return]
 
-    def list_prefix(self, prefix: str, *, limit: int = 1000) -> list[KeyValue]:
+    def list_prefix(self, prefix: str, *, limit: int = 1000) -> KeyList:
         """As :meth:`KeyMethods.list_prefix`."""
         return self.call(self._client.list_prefix(prefix, limit=limit))  # type: ignore[no-any-return]
 

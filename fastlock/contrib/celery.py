@@ -89,7 +89,8 @@ def exclusive_task(key: str | Callable[..., str] | None = None, *, ttl: float = 
         max_retries: retries before the task fails, with ``when_held="retry"``
             (``None``: Celery's task default).
         token_arg: the keyword argument that receives the fencing token (int);
-            the function must accept it.  ``None``-like names are refused.
+            the function must accept it (a ``**kwargs`` parameter does; a
+            caller's own value for it is replaced by the lease's).
         client: a :class:`SyncClient`, or a callable returning one; default:
             one per worker process from ``app.conf.fastlock``.
 
@@ -102,7 +103,8 @@ def exclusive_task(key: str | Callable[..., str] | None = None, *, ttl: float = 
 
     def decorate(fn: F) -> F:
         sig = inspect.signature(fn)
-        if token_arg not in sig.parameters:
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+        if token_arg not in sig.parameters and not takes_any:
             raise InvalidArgument(f"{fn.__qualname__} must accept the keyword argument {token_arg!r}")
         # what callers (and Celery's argument check) see: the signature without the token
         outer = sig.replace(parameters=[p for p in sig.parameters.values() if p.name != token_arg])

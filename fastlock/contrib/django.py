@@ -29,7 +29,7 @@ hosts)::
             ...  # self.lease.fencing_token
 
 It gets ``--lock-wait SECONDS`` (default 0: exit with a ``CommandError`` at
-once if another run holds the lock).
+once if another run holds the lock; 0 to 86400, checked by the parser).
 
 One :class:`~fastlock.sync.SyncClient` per process (made on first use,
 made again in a forked child, closed and remade when ``FASTLOCK`` changes,
@@ -38,6 +38,7 @@ e.g. under ``override_settings``).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 from collections.abc import Iterator
 from typing import Any
@@ -47,10 +48,12 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.core.signals import setting_changed
 
 from fastlock.contrib.clients import ProcessClient, client_from_options
-from fastlock.errors import LockNotAcquired
+from fastlock.errors import FastlockError, LockNotAcquired
+from fastlock.protocol import MAX_WAIT_MS
 from fastlock.sync import SyncClient, SyncLease
+from fastlock.units import check_seconds
 
-__all__ = ["LockedCommand", "get_client", "lock"]
+__all__ = ["LockedCommand", "get_client", "lock", "lock_wait_arg"]
 
 _client = ProcessClient(lambda: client_from_options(dict(getattr(settings, "FASTLOCK", None) or {})))
 
@@ -94,6 +97,24 @@ def lock(name: str, *, ttl: float = 60.0, wait: float | None = 0.0) -> Iterator[
         yield lease
 
 
+def lock_wait_arg(text: str) -> float:
+    """The argparse type of ``--lock-wait``: seconds, 0 (try once) to the protocol's longest
+    wait (24 h).  A bad value is the parser's error: a usage error from ``manage.py``, a
+    :class:`CommandError` from ``call_command``; nothing is locked.
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, NaN, infinite, negative or too long.
+    """
+    try:
+        number = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lock-wait expects a number of seconds, got {text!r}") from None
+    try:
+        return check_seconds(number, "--lock-wait", allow_zero=True, maximum=MAX_WAIT_MS / 1000)
+    except FastlockError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 class LockedCommand(BaseCommand):
     """A management command whose ``handle()`` runs under a lock, one run at a time.
 
@@ -114,7 +135,7 @@ class LockedCommand(BaseCommand):
 
     def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
         parser = super().create_parser(prog_name, subcommand, **kwargs)
-        parser.add_argument("--lock-wait", type=float, default=self.lock_wait, metavar="SECONDS",
+        parser.add_argument("--lock-wait", type=lock_wait_arg, default=self.lock_wait, metavar="SECONDS",
                             help="seconds to wait for another run of this command to finish (default: "
                                  f"{self.lock_wait})")
         return parser

@@ -14,7 +14,7 @@ URL options (all optional):
 ``client_name``
     the name the server logs and records with grants (default: the member id).
 ``timeout``
-    seconds (default 30): the TTL of the member's session lease and of every
+    seconds (default 30, at most 86400): the TTL of the member's session lease and of every
     lock; :meth:`heartbeat` (tooz's ``Heart`` thread with ``start_heart=True``)
     extends them.  A member that stops beating leaves its groups within this.
 ``token`` / ``token_file``
@@ -29,17 +29,27 @@ URL options (all optional):
 ``connect_timeout``
     seconds for each connect (default 5).
 
+A bad ``timeout`` or ``connect_timeout`` raises
+:class:`~fastlock.errors.InvalidArgument` (a ``ValueError``) from
+``get_coordinator``, not the ``ToozConnectionError`` a service retries on.
+
 How tooz's concepts map to fastlock:
 
 * a lock is a fastlock lock (fencing token and all) with a TTL of ``timeout``;
   ``blocking`` is the acquire's ``wait`` (False: one try; a number: that many
   seconds); ``is_still_owner`` is the server's token check; ``break_`` is the
-  server's revoke (an admin request: an admin principal, or open mode).  Shared
-  locks are not offered yet: they raise ``tooz.NotImplemented``.
+  server's revoke (an admin request: an admin principal, or open mode).
+  ``acquire(shared=True)`` takes a fastlock shared lease; a lock object keeps a
+  stack of holds, and a shared acquire on an object that holds a live shared
+  lease joins it (one more release needed) instead of queueing behind a waiting
+  writer (:mod:`fastlock.contrib.tooz_lock`).
 * a group is a key without lease (:mod:`fastlock.server.keys`); a member is a
   key attached to the coordinator's session lease, holding its capabilities
   (msgpack, as tooz's other drivers store them): the member vanishes when
-  the session lease is released (``stop``) or expires (no heartbeat).
+  the session lease is released (``stop``) or expires (no heartbeat).  A listing
+  (``get_groups``, ``get_members``) of more than :data:`LIST_LIMIT` (10,000) keys
+  raises ``ToozError`` rather than return part of them: the server lists at most
+  that many per request.
 * join/leave watches compare the members between two ``run_watchers`` calls
   (tooz's cached watchers); an election is a lock per group
   (``leader-lock/<group>``) with a key naming the leader attached to its lease.
@@ -47,11 +57,21 @@ How tooz's concepts map to fastlock:
 Member and group ids are bytes; in names they appear as hex.  Every call runs
 on the coordinator's own event loop thread, so a coordinator may be shared by
 threads (as tooz's tests do).
+
+**fork()**: a coordinator started before ``fork()`` has its loop thread, its
+connection, its session (memberships) and its locks in the parent.  In the child
+every call raises :class:`tooz.ToozError` at once (an asynchronous one: its
+result's ``get()``) instead of waiting for a thread that is not there; ``stop()``
+in the child drops the parent's state without sending anything or touching the
+parent's connection, and ``start()`` then connects from the child, with a new
+session.  A lock object the child inherited holds nothing there: its ``release()``
+returns False and never frees the parent's lease.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import datetime
 import logging
 import os
@@ -60,23 +80,32 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import tooz
-from tooz import coordination, locking
+from tooz import coordination
 from tooz import utils as tooz_utils
 
 from .. import client as fl_client
+from ..client.acquire import CALLER
+from ..client.forks import keep_inherited
+from ..client.keys import MAX_LIST
 from ..errors import (
     ConnectionLost,
     FastlockError,
+    InvalidArgument,
     KeyExists,
     KeyNotFound,
     LeaseLost,
     LockNotAcquired,
-    LockNotHeld,
 )
+from ..protocol import MAX_TTL_MS
+from ..units import check_seconds
+from .tooz_lock import FastlockLock
 
 __all__ = ["FastlockDriver", "FastlockLock"]
 
 log = logging.getLogger(__name__)
+
+#: keys one listing returns at most (the server's KEY_LIST limit, :mod:`fastlock.server.keys`)
+LIST_LIMIT = MAX_LIST
 
 T = TypeVar("T")
 
@@ -93,6 +122,21 @@ def _lock_part(name: bytes | str) -> str:
     except UnicodeDecodeError:
         return "hex:" + raw.hex()
     return text if text and not text.startswith("hex:") else "hex:" + raw.hex()
+
+
+def _seconds_option(opts: dict[str, Any], key: str, default: float, maximum: float | None = None) -> float:
+    """URL option ``key`` in seconds, > 0 and at most ``maximum``: checked when the driver is
+    made (a bad URL is no connection failure, which a service would retry).
+
+    Raises:
+        InvalidArgument: not a number, NaN, infinite, <= 0 or above ``maximum``.
+    """
+    raw = opts.get(key, default)
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"the {key} option must be a number of seconds, got {raw!r}") from None
+    return check_seconds(value, f"the {key} option", maximum=maximum)
 
 
 def _iso(wall_ms: int) -> str:
@@ -123,95 +167,6 @@ class _Loop:
             self.loop.close()
 
 
-class FastlockLock(locking.Lock):
-    """A tooz lock on a fastlock lock (see the module docstring)."""
-
-    def __init__(self, coord: FastlockDriver, name: bytes, fl_name: str | None = None):
-        super().__init__(name)
-        self._coord = coord
-        #: the fastlock lock name (``fl_name``, default ``<prefix>lock/<name>``)
-        self._fl_name = fl_name if fl_name is not None else coord._name("lock/", _lock_part(name))
-        self._lease: fl_client.Lease | None = None
-        self._state = threading.Lock()
-
-    @property
-    def acquired(self) -> bool:
-        return self._lease is not None
-
-    def acquire(self, blocking: bool | float = True, shared: bool = False, timeout: float | None = None) -> bool:
-        """Take the lock: ``blocking`` False tries once, True waits ``timeout`` seconds
-        (None: forever), a number waits that many seconds.  Returns False if not taken."""
-        if shared:
-            raise tooz.NotImplemented("shared locks are not offered by the fastlock driver yet")
-        if blocking is False:
-            wait: float | None = 0.0
-        elif blocking is True:
-            wait = timeout
-        else:
-            wait = float(blocking)
-        coord = self._coord
-        try:
-            lease = coord._call(coord._client().acquire(self._fl_name, ttl=coord._lock_ttl, wait=wait))
-        except LockNotAcquired:
-            return False
-        with self._state:
-            self._lease = lease
-        coord._acquired_locks.add(self)
-        return True
-
-    def release(self) -> bool:
-        """Release the lock; False if this object does not hold it (never held, released,
-        or lost: expired without heartbeat, or broken)."""
-        with self._state:
-            lease, self._lease = self._lease, None
-        if lease is None:
-            return False
-        coord = self._coord
-        coord._acquired_locks.discard(self)
-        try:
-            coord._call(coord._client().release(lease))
-        except LeaseLost:
-            return False
-        return True
-
-    def is_still_owner(self) -> bool:
-        """Whether this object's lease is still the lock's current one (the server's token check)."""
-        lease = self._lease
-        if lease is None:
-            return False
-        coord = self._coord
-        return bool(coord._call(coord._client().check(self._fl_name, lease.fencing_token)))
-
-    def heartbeat(self) -> bool:
-        """Extend the lease by the driver's ``timeout``; False if not held (or lost)."""
-        lease = self._lease
-        if lease is None:
-            return False
-        coord = self._coord
-        try:
-            coord._call(coord._client().extend(lease, ttl=coord._lock_ttl))
-        except LeaseLost:
-            with self._state:
-                if self._lease is lease:
-                    self._lease = None
-            coord._acquired_locks.discard(self)
-            return False
-        return True
-
-    def break_(self) -> bool:
-        """Force-release the lock, whoever holds it: the server's revoke
-        (:meth:`fastlock.client.Client.revoke`, audited in its WAL); the old holder's
-        next release or heartbeat finds its lease lost.  True if a holder was
-        revoked, False if the lock was free.  The principal must be an admin (or
-        the server in open mode), else :class:`~fastlock.errors.PermissionDenied`."""
-        coord = self._coord
-        try:
-            revoked = coord._call(coord._client().revoke(self._fl_name, reason="tooz break_"))
-        except LockNotHeld:
-            return False
-        return bool(revoked)
-
-
 class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
     """The tooz coordinator on a fastlock server (see the module docstring)."""
 
@@ -228,9 +183,10 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
         super().__init__(member_id, parsed_url, options)
         opts = tooz_utils.collapse(options)
         self._addresses = [a for a in (parsed_url.netloc or "").split(",") if a] or ["127.0.0.1:7420"]
-        self._timeout = float(opts.get("timeout", 30))
-        self._lock_ttl = self._timeout
-        self._connect_timeout = float(opts.get("connect_timeout", 5))
+        self._timeout = _seconds_option(opts, "timeout", 30.0, maximum=MAX_TTL_MS / 1000)
+        #: seconds: the TTL of every lock lease (the ``timeout`` option)
+        self.lock_ttl = self._timeout
+        self._connect_timeout = _seconds_option(opts, "connect_timeout", 5.0)
         self._prefix = str(opts.get("prefix", "tooz/"))
         self._client_name = str(opts.get("client_name") or tooz_utils.to_binary(member_id).decode("utf-8", "replace"))
         self._token = opts.get("token")
@@ -240,22 +196,52 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
         self._session: fl_client.Lease | None = None
         self._acquired_locks: set[FastlockLock] = set()
         self._leader_locks: dict[bytes, FastlockLock] = {}
+        #: the process that started the coordinator (see "fork()" in the module docstring)
+        self._pid = 0
 
     # -- plumbing -------------------------------------------------------------------------
     def _name(self, kind: str, *parts: str) -> str:
         return self._prefix + kind + "/".join(parts)
 
-    def _client(self) -> fl_client.Client:
+    def fastlock_client(self) -> fl_client.Client:
+        """The coordinator's :class:`fastlock.client.Client` (use it through :meth:`call`).
+
+        Raises:
+            tooz.ToozError: the coordinator is not started.
+        """
         if self._fl is None:
             raise tooz.ToozError("the coordinator is not started")
         return self._fl
 
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the coordinator's loop and wait for it; a lost connection is
-        tooz's ToozConnectionError, another fastlock error a ToozError."""
+    def check_process(self) -> None:
+        """Raise if this process is a fork of the one that started the coordinator.
+
+        Raises:
+            tooz.ToozError: a forked child (see "fork()" in the module docstring).
+        """
+        if self._loop is not None and self._pid != os.getpid():
+            raise tooz.ToozError(f"this tooz coordinator was started in process {self._pid} and this process "
+                                 f"({os.getpid()}) is a fork of it: call stop() then start() to connect from here")
+
+    def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the coordinator's loop and wait for it (from any thread but the
+        loop's own); a lost connection is tooz's ToozConnectionError, another fastlock error
+        a ToozError (LockNotAcquired, LeaseLost, KeyExists and KeyNotFound pass through).
+
+        Raises:
+            tooz.ToozError: the coordinator is not started.
+        """
         if self._loop is None:
             coro.close()
             raise tooz.ToozError("the coordinator is not started")
+        try:
+            self.check_process()
+        except tooz.ToozError:
+            coro.close()
+            raise
+        # the calling thread is the caller the client's self-wait check compares (the task
+        # copies this context when it is scheduled), as the blocking client does
+        caller = CALLER.set(threading.current_thread())
         try:
             return self._loop.run(coro)
         except (LockNotAcquired, LeaseLost, KeyExists, KeyNotFound):
@@ -264,16 +250,34 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
             tooz_utils.raise_with_cause(coordination.ToozConnectionError, str(exc), cause=exc)
         except FastlockError as exc:
             tooz_utils.raise_with_cause(tooz.ToozError, str(exc), cause=exc)
+        finally:
+            CALLER.reset(caller)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def lock_taken(self, lock: FastlockLock) -> None:
+        """Note that ``lock`` holds a lease: :meth:`heartbeat` extends it, :meth:`stop` releases it."""
+        self._acquired_locks.add(lock)
+
+    def lock_dropped(self, lock: FastlockLock) -> None:
+        """Note that ``lock`` holds no lease any more."""
+        self._acquired_locks.discard(lock)
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> coordination.CoordinatorResult[T]:
         """``coro`` on the coordinator's loop, as tooz's asynchronous result."""
         if self._loop is None:
             coro.close()
             raise tooz.ToozError("the coordinator is not started")
+        try:
+            self.check_process()
+        except tooz.ToozError as exc:
+            coro.close()
+            failed: concurrent.futures.Future[T] = concurrent.futures.Future()
+            failed.set_exception(exc)
+            return coordination.CoordinatorResult(failed)
         return coordination.CoordinatorResult(self._loop.submit(_translated(coro, self._loop.serial)))
 
     def _start(self) -> None:
+        self._pid = os.getpid()
         self._loop = _Loop(f"fastlock-tooz-{self._client_name}")
         kwargs: dict[str, Any] = {"client_name": self._client_name[:128], "connect_timeout": self._connect_timeout}
         if self._token is not None:
@@ -305,11 +309,18 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
         loop, client = self._loop, self._fl
         if loop is None or client is None:
             return
+        if self._pid != os.getpid():  # a forked child: the loop, connection and leases are the parent's
+            keep_inherited(loop, client)
+            self._loop = self._fl = self._session = None
+            self._acquired_locks.clear()
+            self._leader_locks.clear()
+            return
+        # collected on this thread: a lock's stack guard may be held by a thread waiting on the loop
+        leases = [lease for lock in list(self._acquired_locks) for lease in lock.forget()]
+        if self._session is not None:
+            leases.append(self._session)
 
         async def stop() -> None:
-            leases = [lock._lease for lock in list(self._acquired_locks) if lock._lease is not None]
-            if self._session is not None:
-                leases.append(self._session)
             for lease in leases:  # the session's keys (memberships) go with it
                 try:
                     await client.release(lease)
@@ -320,8 +331,6 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
         try:
             loop.run(stop())
         finally:
-            for lock in list(self._acquired_locks):
-                lock._lease = None
             self._acquired_locks.clear()
             self._leader_locks.clear()
             self._session = None
@@ -332,7 +341,7 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
     def heartbeat(self) -> float:
         """Extend the session lease (a new one if it ran out: the member's groups are
         then left) and every held lock; returns the seconds until the next beat."""
-        client = self._client()
+        client = self.fastlock_client()
 
         async def beat() -> None:
             try:
@@ -342,7 +351,7 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
                             self._member_id)
                 self._session = await client.acquire(self._session_name(), ttl=self._timeout, wait=0)
 
-        self._call(beat())
+        self.call(beat())
         for lock in list(self._acquired_locks):
             lock.heartbeat()
         return self._timeout / 3
@@ -354,14 +363,28 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
     def _member_key(self, group_id: bytes, member_id: bytes) -> str:
         return self._name("member/", _hex(group_id), _hex(member_id))
 
+    async def _list_all(self, prefix: str, what: str) -> list[fl_client.KeyValue]:
+        """Every key under ``prefix``.  The server lists at most :data:`LIST_LIMIT` keys per
+        request, with no continuation.
+
+        Raises:
+            tooz.ToozError: more keys matched (never part of them returned as all).
+        """
+        limit = LIST_LIMIT
+        keys = await self.fastlock_client().list_prefix(prefix, limit=limit)
+        if keys.more:
+            raise tooz.ToozError(f"{what}: more than {limit} keys, and the fastlock server lists at most {limit} "
+                                 "at once")
+        return keys
+
     async def _check_group(self, group_id: bytes) -> None:
-        if await self._client().get(self._group_key(group_id)) is None:
+        if await self.fastlock_client().get(self._group_key(group_id)) is None:
             raise coordination.GroupNotCreated(group_id)
 
     def create_group(self, group_id: bytes) -> coordination.CoordinatorResult[None]:
         async def create() -> None:
             try:
-                await self._client().put(self._group_key(group_id), b"", create=True)
+                await self.fastlock_client().put(self._group_key(group_id), b"", create=True)
             except KeyExists:
                 raise coordination.GroupAlreadyExist(group_id) from None
 
@@ -370,14 +393,14 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
     def get_groups(self) -> coordination.CoordinatorResult[list[bytes]]:
         async def groups() -> list[bytes]:
             prefix = self._name("group/")
-            keys = await self._client().list_prefix(prefix, limit=10_000)
+            keys = await self._list_all(prefix, "groups")
             return [bytes.fromhex(kv.key[len(prefix):]) for kv in keys]
 
         return self._submit(groups())
 
     def delete_group(self, group_id: bytes) -> coordination.CoordinatorResult[None]:
         async def delete() -> None:
-            client = self._client()
+            client = self.fastlock_client()
             await self._check_group(group_id)
             if await client.list_prefix(self._name("member/", _hex(group_id), ""), limit=1):
                 raise coordination.GroupNotEmpty(group_id)
@@ -394,7 +417,7 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
             capabilities = None
 
         async def join() -> None:
-            client = self._client()
+            client = self.fastlock_client()
             await self._check_group(group_id)
             try:
                 await client.put(self._member_key(group_id, self._member_id), tooz_utils.dumps(capabilities),
@@ -409,7 +432,7 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
         group_id = tooz_utils.to_binary(group_id)
 
         async def leave() -> None:
-            if not await self._client().delete(self._member_key(group_id, self._member_id)):
+            if not await self.fastlock_client().delete(self._member_key(group_id, self._member_id)):
                 await self._check_group(group_id)
                 raise coordination.MemberNotJoined(group_id, self._member_id)
             self._joined_groups.discard(group_id)
@@ -419,7 +442,7 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
     async def _members(self, group_id: bytes) -> dict[bytes, Any]:
         await self._check_group(group_id)
         prefix = self._name("member/", _hex(group_id), "")
-        keys = await self._client().list_prefix(prefix, limit=10_000)
+        keys = await self._list_all(prefix, f"members of group {group_id!r}")
         return {bytes.fromhex(kv.key[len(prefix):]): tooz_utils.loads(kv.value) for kv in keys}
 
     def get_members(self, group_id: bytes) -> coordination.CoordinatorResult[set[bytes]]:
@@ -432,7 +455,7 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
         return self._submit(self._members(group_id))
 
     async def _member(self, group_id: bytes, member_id: bytes) -> fl_client.KeyValue:
-        kv = await self._client().get(self._member_key(group_id, member_id))
+        kv = await self.fastlock_client().get(self._member_key(group_id, member_id))
         if kv is None:
             await self._check_group(group_id)
             raise coordination.MemberNotJoined(group_id, member_id)
@@ -455,8 +478,8 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
     def update_capabilities(self, group_id: bytes, capabilities: Any) -> coordination.CoordinatorResult[None]:
         async def update() -> None:
             try:
-                await self._client().put(self._member_key(group_id, self._member_id),
-                                         tooz_utils.dumps(capabilities), lease=self._session, replace=True)
+                await self.fastlock_client().put(self._member_key(group_id, self._member_id),
+                                                 tooz_utils.dumps(capabilities), lease=self._session, replace=True)
             except KeyNotFound:
                 await self._check_group(group_id)
                 raise coordination.MemberNotJoined(group_id, self._member_id) from None
@@ -465,7 +488,7 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
 
     # -- locks and elections ------------------------------------------------------------------
     def get_lock(self, name: bytes) -> FastlockLock:
-        return FastlockLock(self, name)
+        return FastlockLock(self, name, self._name("lock/", _lock_part(name)))
 
     def run_elect_coordinator(self) -> None:
         """Run for leader of every group with a ``watch_elected_as_leader`` hook: take the
@@ -478,8 +501,8 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
             if not lock.acquire(blocking=False):
                 continue
             self._leader_locks[group_id] = lock
-            self._call(self._client().put(self._name("leader/", _hex(group_id)), tooz_utils.to_binary(
-                self._member_id), lease=lock._lease))
+            self.call(self.fastlock_client().put(self._name("leader/", _hex(group_id)),
+                                                 tooz_utils.to_binary(self._member_id), lease=lock.lease))
             hooks.run(coordination.LeaderElected(group_id, self._member_id))
 
     def _leader_lock(self, group_id: bytes) -> FastlockLock:
@@ -493,7 +516,7 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
     def get_leader(self, group_id: bytes) -> coordination.CoordinatorResult[bytes | None]:  # type: ignore[override]
         async def leader() -> bytes | None:
             await self._check_group(group_id)
-            kv = await self._client().get(self._name("leader/", _hex(group_id)))
+            kv = await self.fastlock_client().get(self._name("leader/", _hex(group_id)))
             return None if kv is None else kv.value
 
         return self._submit(leader())

@@ -20,6 +20,7 @@ from fastlock import (
     StaleFencingToken,
     WatchEvent,
 )
+from fastlock.client import KeyList, KeyValue
 from fastlock.election import Election, Leader, Term
 from fastlock.sync import SyncClient, SyncElection, SyncLease, SyncMultiLease, SyncTerm
 
@@ -48,6 +49,12 @@ async def with_the_async_client() -> int:
             assert_type(event, WatchEvent)
             break
         await client.release(lease)
+        keys = await client.list_prefix("cfg/", limit=10)
+        assert_type(keys, KeyList)
+        assert_type(keys.more, bool)
+        for kv in keys:
+            assert_type(kv, KeyValue)
+            assert_type(kv.value, bytes)
         async with client.lock("b", ttl=5.0) as held:
             assert_type(held, Lease)
         async with client.lock_many(["c", "d"], ttl=5.0) as multi:
