@@ -234,21 +234,26 @@ def run_w2(args: argparse.Namespace, log) -> dict[str, Any]:
 # --------------------------------------------------------------------------- failover time
 
 
-async def _one_failover(run: int, root: str, args: argparse.Namespace) -> dict[str, Any]:
+async def _one_failover(run: int, root: str, args: argparse.Namespace,
+                        primary_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One kill -9 under load (see the module docstring); ``primary_args``: more ``serve``
+    flags for the primary (e.g. ``--replication sync``); ``args.promotion_grace`` None:
+    the standby's default grace."""
     import fastlock
     from fastlock._testbase import CredentialsDir, ServerProcess
     from fastlock.errors import ConnectionLost, FastlockError
 
     creds = CredentialsDir(os.path.join(root, f"credentials{run}"), replicas=2)
     p = ServerProcess(os.path.join(root, f"p{run}"), fsync=args.fsync, env=_env_with_fastlock(),
-                      args=creds.server_args("node-1"))
+                      args=[*creds.server_args("node-1"), *primary_args])
     s = ServerProcess(os.path.join(root, f"s{run}"), fsync=args.fsync, env=_env_with_fastlock())
     clients = []
     tasks: list[asyncio.Task] = []
     try:
         await asyncio.to_thread(p.start)
-        s.args = ["--standby-of", p.address, "--failover-after", str(args.failover_after),
-                  "--promotion-grace", str(args.promotion_grace), *creds.server_args("node-2")]
+        grace = [] if args.promotion_grace is None else ["--promotion-grace", str(args.promotion_grace)]
+        s.args = ["--standby-of", p.address, "--failover-after", str(args.failover_after), *grace,
+                  *creds.server_args("node-2")]
         await asyncio.to_thread(s.start)
         await asyncio.to_thread(s.wait_for_log, r"replicating from", 10)
         await asyncio.to_thread(s.wait_for_log, r"paired: primary", 10)  # automatic failover armed

@@ -15,6 +15,7 @@ seconds, bytes)::
     fastlock_wal_records_total, fastlock_wal_bytes_total, fastlock_wal_fsyncs_total
     fastlock_replication_lag_records, fastlock_replication_lag_seconds
     fastlock_promotion_grace_remaining_seconds
+    fastlock_sync_degraded, fastlock_sync_held, fastlock_sync_degradations_total   (--replication sync)
     fastlock_build_info{version, python, implementation}
     fastlock_request_seconds{op}         histogram: time to handle a request on the loop
     fastlock_time_to_acquire_seconds     histogram: request arrival to grant decision
@@ -92,6 +93,13 @@ class _Collector:
         repl = st.get("replication") or {}
         yield GaugeMetricFamily("fastlock_fenced", "1 while a primary holds grants for lack of standby contact",
                                 value=1 if repl.get("fenced") else 0)
+        sync = repl.get("sync") or {}
+        yield GaugeMetricFamily("fastlock_sync_degraded", "1 while synchronous replication is degraded to async",
+                                value=1 if sync.get("state") == "degraded" else 0)
+        yield GaugeMetricFamily("fastlock_sync_held", "1 while a primary holds grants for its synchronous standby",
+                                value=1 if sync.get("state") == "held" else 0)
+        yield CounterMetricFamily("fastlock_sync_degradations", "Times synchronous replication degraded to async",
+                                  value=sync.get("degradations", 0))
         wal = st.get("wal") or {}
         yield CounterMetricFamily("fastlock_wal_records", "WAL records logged since start", value=wal.get("records", 0))
         yield CounterMetricFamily("fastlock_wal_bytes", "WAL bytes written since start", value=wal.get("bytes", 0))

@@ -23,6 +23,12 @@ Two conditions qualify a primary:
     standby may be promoting, see :mod:`fastlock.replication`): it grants,
     extends and releases nothing until the echo returns or an operator runs
     ``fastlock serve-alone``.
+*sync-held*
+    a primary with synchronous replication whose standby has not acknowledged
+    within ``--sync-timeout`` (``--sync-on-timeout fence``, see
+    :mod:`fastlock.replication.syncrep`): it takes no new acquire and hands no
+    lock to a waiter until the standby acknowledges again; extends and
+    releases go on.
 *in grace*
     after a promotion, until ``grace_until_ms``: the new primary keeps every
     replicated lease but hands out no lock that was free, as Chubby's new
@@ -123,8 +129,8 @@ class NodeRole:
             leases run out as the standby's would).  Read at every batch end.
     """
 
-    __slots__ = ("_role", "_fenced", "_grace_until_ms", "_hold", "_now_ms", "_admitted", "primary_address",
-                 "expires_leases")
+    __slots__ = ("_role", "_fenced", "_sync_held", "_grace_until_ms", "_hold", "_now_ms", "_admitted",
+                 "primary_address", "expires_leases")
 
     def __init__(self, initial: Role, *, hold_grants_until: Callable[[int], None],
                  now_ms: Callable[[], int], primary_address: str | None = None):
@@ -132,6 +138,7 @@ class NodeRole:
             raise IllegalTransition(f"a node starts as primary or standby, not {initial.value}")
         self._role: Role = initial
         self._fenced = False
+        self._sync_held = False
         self._grace_until_ms = 0
         self._hold = hold_grants_until
         self._now_ms = now_ms
@@ -168,7 +175,7 @@ class NodeRole:
             raise IllegalTransition(f"illegal role change {frm.value} -> {to.value} ({why})")
         self._role = to
         if to is not Role.PRIMARY:
-            self._fenced = False  # the fence qualifies a primary only
+            self._fenced = self._sync_held = False  # the fence and the sync hold qualify a primary only
         if grace_until_ms is not None:
             self._grace_until_ms = grace_until_ms
         log.warning("role: %s -> %s (%s)", frm.value, to.value, why)
@@ -203,16 +210,32 @@ class NodeRole:
         log.info("role: primary %s", "fenced" if fenced else "unfenced")
         self._changed()
 
+    @property
+    def sync_held(self) -> bool:
+        """Does this primary hold grants until its synchronous standby acknowledges again?"""
+        return self._sync_held
+
+    def set_sync_held(self, held: bool) -> None:
+        """Hold (or stop holding) new acquires and hand-offs for the synchronous standby
+        (the replication's sync gate decides when); a no-op on a node that is not the primary."""
+        if held == self._sync_held or (held and self._role is not Role.PRIMARY):
+            return
+        self._sync_held = held
+        log.warning("role: primary %s", "holding grants for its synchronous standby" if held
+                    else "no longer holding grants for its synchronous standby")
+        self._changed()
+
     # -- the answers ---------------------------------------------------------------------------
     def grants_held_until(self) -> int:
         """The lock table's grant hold (monotonic ms): forever unless an unfenced primary."""
-        if self._role is not Role.PRIMARY or self._fenced:
+        if self._role is not Role.PRIMARY or self._fenced or self._sync_held:
             return self._now_ms() + HOLD_FOREVER_MS
         return self._grace_until_ms
 
     def may_grant(self, now: int) -> bool:
         """May a free lock be handed to a client at ``now`` (monotonic ms)?"""
-        return self._role is Role.PRIMARY and not self._fenced and now >= self._grace_until_ms
+        return (self._role is Role.PRIMARY and not self._fenced and not self._sync_held
+                and now >= self._grace_until_ms)
 
     def may(self, action: Action) -> bool:
         """Is ``action`` admitted in the current role and fence?"""
@@ -230,6 +253,9 @@ class NodeRole:
         """
         if action in self._admitted:
             return
+        if self._sync_held and not self._fenced and self._role is Role.PRIMARY:  # only ACQUIRE is refused then
+            raise Unavailable(f"this primary's synchronous standby has not acknowledged within --sync-timeout: "
+                              f"{action.name.lower()} refused, nothing changed; retry")
         role = self._role
         if role is Role.STANDBY:
             raise NotPrimary(f"this node is a standby (primary: {self.primary_address})", self.primary_address)
@@ -240,6 +266,8 @@ class NodeRole:
 
     def _changed(self) -> None:
         self._admitted = ADMITTED[(self._role, self._fenced)]
+        if self._sync_held and self._role is Role.PRIMARY:
+            self._admitted = self._admitted - {Action.ACQUIRE}
         self.expires_leases = self._role is Role.PRIMARY
         self._hold(self.grants_held_until())
 

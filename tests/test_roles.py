@@ -94,6 +94,28 @@ def test_leaving_primary_clears_the_fence():
     assert not node.fenced and node.role is Role.DEPOSED
 
 
+def test_a_sync_held_primary_refuses_acquires_holds_grants_and_keeps_extends_and_releases():
+    node, table = node_in(Role.PRIMARY)
+    node.set_sync_held(True)
+    assert node.sync_held and table.holds[-1] >= NOW + HOLD_FOREVER_MS and not node.may_grant(NOW)
+    with pytest.raises(Unavailable, match="synchronous standby"):
+        node.admit(Action.ACQUIRE)
+    for action in (Action.EXTEND, Action.RELEASE, Action.READ, Action.SERVE_STANDBY, Action.CANCEL_WAITER):
+        node.admit(action)
+    node.set_sync_held(False)
+    node.admit(Action.ACQUIRE)
+    assert table.holds[-1] == node.grants_held_until() == 0 and node.may_grant(NOW)
+    node.set_sync_held(True)
+    node.transition(Role.DEPOSED, "test")
+    assert not node.sync_held
+
+
+def test_only_a_primary_is_sync_held():
+    node, table = node_in(Role.STANDBY)
+    node.set_sync_held(True)  # a no-op: a standby grants nothing anyway
+    assert not node.sync_held
+
+
 # -- what each role and fence admits ------------------------------------------------------------
 
 COMBINATIONS = [(r, False) for r in Role] + [(Role.PRIMARY, True)]
@@ -201,4 +223,4 @@ def test_every_op_has_a_declared_arity_and_a_server_handler(tmp_path):
     assert all(0 <= fewest <= most for fewest, most in P.OP_ARITY.values())
     server = LockServer(ServerConfig(data_dir=str(tmp_path)))
     assert {op: (fewest, most) for op, (_, fewest, most) in server.handlers.by_op.items()} == P.OP_ARITY
-    assert P.REPLICATION_PUSH_KINDS == {P.PUSH_SNAPSHOT, P.PUSH_RECORDS, P.PUSH_RECORD, P.PUSH_HEARTBEAT}
+    assert P.REPLICATION_PUSH_KINDS == {P.PUSH_SNAPSHOT, P.PUSH_RECORDS, P.PUSH_RECORD, P.PUSH_HEARTBEAT, P.PUSH_SYNC}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 from pathlib import Path
 
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-faults", type=int, default=0)
     ap.add_argument("--heal-timeout", type=float, default=30.0, help="seconds to become healthy after a fault")
     ap.add_argument("--fsync", default="always", choices=("always", "interval", "never"))
+    ap.add_argument("--server-args", default="", metavar="FLAGS",
+                    help="more `fastlock serve` flags for every node, one string (e.g. \"--replication sync\")")
     ap.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     ap.add_argument("--keep", metavar="DIR", help="keep data dirs, logs and event logs in DIR")
     ap.add_argument("--report", metavar="DIR", help="only print the report of a run kept with --keep DIR")
@@ -55,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = NemesisConfig(duration=args.duration, seed=args.seed, failover_after=args.failover_after,
                         promotion_grace=args.promotion_grace, workers=args.workers, locks=args.locks,
                         ttl=args.ttl, wait=args.wait, request_timeout=args.request_timeout, kinds=kinds,
-                        heal_timeout=args.heal_timeout, fsync=args.fsync, max_faults=args.max_faults)
+                        heal_timeout=args.heal_timeout, fsync=args.fsync, max_faults=args.max_faults,
+                        server_args=tuple(shlex.split(args.server_args)))
     if cfg.ttl <= cfg.failover_after + cfg.request_timeout:
         print(f"note: ttl {cfg.ttl} s is not above failover_after + request_timeout; lost leases are expected",
               file=sys.stderr)

@@ -43,6 +43,7 @@ class NemesisConfig:
     warmup: float = 2.0             # s of load before the first fault
     fsync: str = "always"
     max_faults: int = 0             # 0: no limit but --duration
+    server_args: tuple = ()         # more `fastlock serve` flags for every node (e.g. --replication sync)
 
 
 @dataclasses.dataclass
@@ -107,7 +108,7 @@ class _Node:
     def start(self, standby_of: _Node | None) -> None:
         from fastlock._testbase import ServerProcess
 
-        args = ["--name", self.name, *self.auth_args]
+        args = ["--name", self.name, *self.auth_args, *self.cfg.server_args]
         if standby_of is not None:
             args += ["--standby-of", standby_of.proxy.address, "--failover-after", f"{self.cfg.failover_after:g}",
                      "--promotion-grace", f"{self.cfg.promotion_grace:g}"]

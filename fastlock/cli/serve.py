@@ -10,7 +10,15 @@ from ..auth import Credentials, read_token_file
 from ..logformat import LOG_FORMATS, configure
 from ..server import ServerConfig, serve
 from ..units import DEFAULT_PORT
-from .args import count_arg, frame_bytes_arg, listen_address, positive_int, read_secret, seconds_arg
+from .args import (
+    count_arg,
+    frame_bytes_arg,
+    listen_address,
+    positive_int,
+    positive_seconds_arg,
+    read_secret,
+    seconds_arg,
+)
 from .config import render
 
 __all__ = ["add_limit_flags", "add_parser", "check_args", "limit_config", "serve_command"]
@@ -78,6 +86,21 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     s.add_argument("--wal-writer", choices=("thread", "inline"), default="thread",
                    help="thread (default): write+fsync on a writer thread while the loop keeps serving; "
                         "inline: on the loop itself (lower latency when idle, stalls everyone during an fsync)")
+    s.add_argument("--replication", choices=("async", "sync"), default="async",
+                   help="async (default): a grant is acknowledged without waiting for the standby (a promoted "
+                        "standby then waits a grace period); sync: grants and extends are acknowledged once the "
+                        "standby has them too (a promoted standby that was in sync needs no grace)")
+    s.add_argument("--sync-ack", choices=("written", "fsynced"), default="fsynced",
+                   help="with --replication sync, where the standby has a record when it acknowledges it: "
+                        "written (to its WAL file, survives its process dying) or fsynced (default; survives "
+                        "its machine losing power)")
+    s.add_argument("--sync-timeout", type=positive_seconds_arg, default=2.0, metavar="SECONDS",
+                   help="with --replication sync, how long a reply waits for the standby before "
+                        "--sync-on-timeout applies (default 2)")
+    s.add_argument("--sync-on-timeout", choices=("fence", "degrade"), default="fence",
+                   help="with --replication sync, when the standby has not acknowledged in --sync-timeout: fence "
+                        "(default: waiting replies fail with Unavailable, no grants until it is back) or degrade "
+                        "(acknowledge without it, as async, until it catches up; logged CRITICAL, in metrics)")
     s.add_argument("--repair-wal", action="store_true",
                    help="start even if the WAL's last segment has a damaged record in the middle: cut it "
                         "there (records after it are lost; logged at ERROR). Without it the server refuses.")
@@ -223,6 +246,10 @@ def serve_command(args: argparse.Namespace) -> int:
         name=args.name,
         repair_wal=args.repair_wal,
         wal_writer=args.wal_writer,
+        replication=args.replication,
+        sync_ack=args.sync_ack,
+        sync_timeout_ms=max(1, round(args.sync_timeout * 1000)),
+        sync_on_timeout=args.sync_on_timeout,
         metrics=args.metrics,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,

@@ -64,6 +64,7 @@ REVOKE     22  name, token|None, reason|None                          {"name", "
 ACQUIRE_MANY 30 [[name, shared], ...], owner, ttl_ms, wait_ms,        [[token, ...], ttl_ms, waited_ms]
                lock_delay_ms, corr_id
 CONTENDERS 31  name                                                   {"holders": [...], "waiters": [...]}
+SYNC_ACK   50  lsn (the primary's, at the sync ack point)             (no reply)
 =========  ==  =====================================================  ======================
 
 ACQUIRE's optional ``shared`` (bool: a shared lease) and ``limit`` (int: the
@@ -192,6 +193,7 @@ from .ops import (
     OP_SERVE_ALONE,
     OP_STATUS,
     OP_STEP_DOWN,
+    OP_SYNC_ACK,
     OP_UNWATCH,
     OP_WATCH,
     OPS,
@@ -200,6 +202,7 @@ from .ops import (
     PUSH_RECORD,
     PUSH_RECORDS,
     PUSH_SNAPSHOT,
+    PUSH_SYNC,
     PUSH_WATCH,
     REPLICATION_PUSH_KINDS,
     STATUS_OK,
@@ -244,5 +247,5 @@ __all__ = [
     "STEP_DOWN_FRESH_MS", "WATCH_REVOKED", "DecodeLimits", "FrameDecoder", "Op", "check_epoch", "check_lock_delay_ms",
     "check_name", "check_optional_str", "check_owner", "check_token", "check_ttl_ms", "check_wait_ms",
     "encode_error", "encode_ok", "encode_push", "encode_request", "packb", "seconds_to_ms",
-    "stream_limits",
+    "stream_limits", "OP_SYNC_ACK", "PUSH_SYNC",
 ]

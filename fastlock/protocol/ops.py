@@ -48,6 +48,7 @@ KEY_CREATE = 1
 KEY_REPLACE = 2
 OP_ACQUIRE_MANY = 30
 OP_CONTENDERS = 31
+OP_SYNC_ACK = 50  # synchronous replication (ops 50-54 are reserved for it)
 
 
 class Op(NamedTuple):
@@ -89,6 +90,7 @@ OPS: tuple[Op, ...] = (
     Op(OP_REVOKE, "revoke", 3, 3),  # name, token (None: every holder), reason (None or text)
     Op(OP_ACQUIRE_MANY, "acquire_many", 6, 6),
     Op(OP_CONTENDERS, "contenders", 1, 1),
+    Op(OP_SYNC_ACK, "sync_ack", 1, 1),  # standby -> primary: primary LSN at the sync ack point
 )
 
 #: (fewest, most) arguments of each op, after ``[req_id, op]``
@@ -110,8 +112,9 @@ PUSH_SNAPSHOT = "snap"  # replication: [lsn, epoch, counter, holders, incarnatio
 PUSH_RECORDS = "repl"  # replication: [first_lsn, last_lsn, frames] (a WAL batch's or a backlog chunk's bytes)
 PUSH_RECORD = "rec"  # replication: [lsn, record] (one record: older primaries' backlog; still applied)
 PUSH_HEARTBEAT = "hb"  # replication: [primary_ms, last_lsn, epoch, longest_ttl_ms, paired_id, paired_window_ms]
+PUSH_SYNC = "sync"  # synchronous replication status: [ack_point or None, in_sync, on_timeout]
 
-REPLICATION_PUSH_KINDS = frozenset({PUSH_SNAPSHOT, PUSH_RECORDS, PUSH_RECORD, PUSH_HEARTBEAT})
+REPLICATION_PUSH_KINDS = frozenset({PUSH_SNAPSHOT, PUSH_RECORDS, PUSH_RECORD, PUSH_HEARTBEAT, PUSH_SYNC})
 
 #: a STEP_DOWN is honoured only this long (ms, primary's clock) after the primary time it echoes;
 #: the standby waits a little longer than this for the answer

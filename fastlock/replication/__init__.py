@@ -7,7 +7,8 @@ never imports it.  Its modules: :mod:`~fastlock.replication.host` (that
 interface), :mod:`~fastlock.replication.source` (the primary's side),
 :mod:`~fastlock.replication.follower` (the standby's side) with
 :mod:`~fastlock.replication.link` (its connection to the primary),
-:mod:`~fastlock.replication.messages` (the stream's payloads) and
+:mod:`~fastlock.replication.messages` (the stream's payloads),
+:mod:`~fastlock.replication.syncrep` (synchronous replication) and
 :mod:`~fastlock.replication.node_state` (pairing, epochs and role files).  The
 node's role is declared in :mod:`fastlock.roles` and changes only there; the
 decisions to promote, step down or serve alone are in :mod:`fastlock.server.failover`.
@@ -20,9 +21,12 @@ primary
     position, both prepared off the event loop and sent only as fast as the
     standby reads them, and then every WAL batch as it is written - *after*
     its fsync in ``--fsync always`` mode, so a standby never holds a record
-    the primary could still lose.  Replication is asynchronous: the primary
-    never waits for a standby, and drops one that leaves more than
-    ``--max-replica-output-bytes`` unread (it reconnects and resyncs).
+    the primary could still lose.  Replication is asynchronous by default: the
+    primary never waits for a standby, and drops one that leaves more than
+    ``--max-replica-output-bytes`` unread (it reconnects and resyncs).  With
+    ``--replication sync`` grant and extend replies wait for the standby's
+    ``SYNC_ACK`` (:mod:`~fastlock.replication.syncrep`, which also says when a
+    promotion needs no grace period).
 standby
     Applies the stream to its own lock table and its own WAL, and answers
     clients with ``NotPrimary`` naming the primary.  Its table runs on frozen
@@ -123,12 +127,14 @@ Wire messages (see :mod:`fastlock.protocol` for the framing, and
                         [id, REPLICATE, from_lsn, incarnation|None, failover_after_ms, "[label@]node_id"]
                         [id, REPL_ACK, echoed_primary_ms, applied_lsn]          (no reply)
                         [id, STEP_DOWN, new_epoch, echoed_primary_ms]           -> {"role", "epoch"}
+                        [id, SYNC_ACK, lsn]          (no reply; --replication sync, see syncrep)
     primary -> standby  [0, "snap", [lsn, epoch, counter, holders, incarnation]]
                         (holder: [name, token, owner_hash, ttl_ms, lock_delay_ms, client, corr, 0, remaining_ms];
                         owner keys travel only as their hashes)
                         [0, "repl", [first_lsn, last_lsn, frames]]               (WAL batch bytes)
                         [0, "rec",  [lsn, record]]              (one record: accepted from older primaries)
                         [0, "hb",   [primary_ms, last_lsn, epoch, longest_ttl_ms, paired_id, paired_window_ms]]
+                        [0, "sync", [ack_point, in_sync, on_timeout]]   (with each heartbeat, sync mode only)
 """
 
 from ..errors import NodeFileDamaged

@@ -30,6 +30,7 @@ from ..wal.records import KeyDelete, KeyPut
 from ..wal.records import decode as decode_record
 from .link import PrimaryLink
 from .messages import Heartbeat, SnapshotHolder, heartbeat_interval_ms, standby_identity
+from .syncrep import SyncStatus
 
 if TYPE_CHECKING:  # pragma: no cover
     from .host import ReplicationHost
@@ -159,6 +160,8 @@ class StandbyFollower:
         self.lease_deadlines: dict[int, tuple[str, int]] = {}  # token -> (name, deadline ms)
         self._received_ms = 0  # when the push being applied arrived (this node's monotonic ms)
         self._watchdog: asyncio.TimerHandle | None = None
+        #: synchronous replication: the primary's ack point, and whether it says this node is in sync
+        self.sync = SyncStatus(self)
 
     @property
     def tls(self) -> ssl.SSLContext | None:
@@ -252,6 +255,11 @@ class StandbyFollower:
             self._apply_records([(lsn, record)])
         elif kind == P.PUSH_SNAPSHOT:
             self._apply_snapshot(*payload)
+        elif kind == P.PUSH_SYNC:
+            self.sync.on_status(payload)
+            return
+        if self.sync.ack is not None:
+            self.sync.applied(self.applied_lsn)
 
     def _on_heartbeat(self, hb: Heartbeat) -> None:
         P.check_epoch(hb.epoch, "heartbeat epoch")
@@ -417,4 +425,6 @@ class StandbyFollower:
             "primary_epoch": self.primary_epoch,
             "refused": self.refused,
             "pair_confirmed": self.pair_confirmed,
+            "sync": {"ack": self.sync.ack.value if self.sync.ack else None, "in_sync": self.sync.in_sync,
+                     "acked_lsn": self.sync.acked_lsn},
         }

@@ -114,6 +114,12 @@ class PrimaryLink:
             link.write_raw(P.encode_request(self._ack_id, P.OP_REPL_ACK, follower.last_hb_primary_ms,
                                             follower.applied_lsn))
 
+    def send_sync_ack(self, lsn: int) -> None:
+        """Tell the primary this standby has records up to ``lsn`` at its sync ack point."""
+        link = self._rpc
+        if link is not None and not link.closed:
+            link.write_raw(P.encode_request(self._ack_id, P.OP_SYNC_ACK, lsn))
+
     def _say_once(self, kind: str, message: str) -> bool:
         """True the first time ``message`` is reported for ``kind`` (until a connection succeeds)."""
         if self._said.get(kind) == message:
@@ -182,6 +188,7 @@ class PrimaryLink:
                                       host.table.epoch, exc)
                     link.close()
                     return
+                follower.sync.reset()  # not in sync with this connection until its primary says so
                 info = await asyncio.wait_for(
                     link.request(P.OP_REPLICATE, follower.applied_lsn + 1 if follower.synced else 0,
                                   follower.incarnation, follower.failover_after_ms, self.name), 5.0)

@@ -24,6 +24,7 @@ from ..units import monotonic_ms
 from ..wal import BacklogReader, WalCompacted
 from .messages import encode_snapshot, heartbeat_interval_ms, standby_identity
 from .node_state import Pairing, read_pairing, remove_pairing, write_pairing
+from .syncrep import SyncGate, SyncSettings
 
 if TYPE_CHECKING:  # pragma: no cover
     from .host import ReplicaConnection, ReplicationHost
@@ -68,12 +69,17 @@ class ReplicationSource:
 
     ``fence_margin_ms``: how long before a standby could promote the primary
     stops granting (default: a quarter of the standby's failover window).
+    ``sync``: synchronous replication's settings (None: asynchronous), see
+    :mod:`fastlock.replication.syncrep`; its gate is :attr:`sync`.
     """
 
-    def __init__(self, host: ReplicationHost, *, fence_margin_ms: int | None = None):
+    def __init__(self, host: ReplicationHost, *, fence_margin_ms: int | None = None,
+                 sync: SyncSettings | None = None):
         self.host = host
         self.incarnation = os.urandom(8).hex()  # changes on every start: a standby resyncs
         self.replicas: dict[int, _Replica] = {}  # by session
+        #: synchronous replication: replies that wait for the standby (None settings: async, a no-op)
+        self.sync = SyncGate(host, self, sync)
         self.fence_margin_ms = fence_margin_ms
         self.serving_alone = False
         self.paired_id: str | None = None
@@ -301,9 +307,12 @@ class ReplicationSource:
         msg = P.encode_push(P.PUSH_HEARTBEAT, [now, host.wal.stats()["last_lsn"], host.table.epoch,
                                               host.max_ttl_ms, self.paired_id, self._paired_window_ms])
         interval = 500
+        extra = self.sync.status_push()  # synchronous replication's status (None: async)
         for replica in self.replicas.values():
             if not replica.conn.closed:
                 replica.conn.send(msg)
+                if extra is not None:
+                    replica.conn.send(extra)
                 replica.conn.flush()
             interval = min(interval, heartbeat_interval_ms(replica.failover_after_ms))
         self._check_fence(now)
@@ -434,6 +443,7 @@ class ReplicationSource:
         pairs again.
         """
         was = self.paired_id
+        self.sync.serve_alone()  # synchronous replication stops waiting for the standby too
         self.serving_alone = True
         self._unpair()
         self._check_fence(monotonic_ms())
@@ -473,5 +483,6 @@ class ReplicationSource:
         if self._fence_timer is not None:
             self._fence_timer.cancel()
             self._fence_timer = None
+        self.sync.close()
 
 

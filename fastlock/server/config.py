@@ -14,6 +14,7 @@ from typing import Any
 
 from .. import protocol as P
 from ..auth import Credentials
+from ..replication.syncrep import ReplicationMode, SyncAck, SyncOnTimeout, SyncSettings, parse_mode
 from ..tls import DEFAULT_HANDSHAKE_TIMEOUT
 from ..units import DEFAULT_PORT
 
@@ -108,10 +109,24 @@ class ServerConfig:
     tls_ca: str | None = None
     tls_client_auth: str = "none"  # none | optional | required (mutual TLS)
     tls_handshake_timeout_ms: int = int(DEFAULT_HANDSHAKE_TIMEOUT * 1000)
+    # synchronous replication (fastlock.replication.syncrep): "async" (default) or "sync"; a string is accepted
+    replication: ReplicationMode = ReplicationMode.ASYNC
+    sync_ack: SyncAck = SyncAck.FSYNCED  # where the standby has a record when it acknowledges it
+    sync_timeout_ms: int = 2000  # the oldest reply waits this long for the standby, then sync_on_timeout
+    sync_on_timeout: SyncOnTimeout = SyncOnTimeout.FENCE  # "fence" (hold grants) or "degrade" (to async)
 
     def __post_init__(self) -> None:
         self.fsync = _member(FsyncMode, self.fsync, "fsync")
         self.wal_writer = _member(WalWriter, self.wal_writer, "wal_writer")
+        self.replication = parse_mode(self.replication)
+        settings = SyncSettings(self.sync_ack, self.sync_timeout_ms, self.sync_on_timeout)  # checks all three
+        self.sync_ack, self.sync_on_timeout = settings.ack, settings.on_timeout
+
+    def sync_settings(self) -> SyncSettings | None:
+        """The synchronous replication settings, or None with ``replication="async"``."""
+        if self.replication is not ReplicationMode.SYNC:
+            return None
+        return SyncSettings(self.sync_ack, self.sync_timeout_ms, self.sync_on_timeout)
 
 
 def check_limits(config: ServerConfig) -> None:

@@ -326,6 +326,11 @@ class FailoverPolicy:
         longest = max([follower.max_ttl_ms, host.max_ttl_ms, host.node_state.max_ttl_ms]
                       + [h.ttl_ms for h in holders])
         grace = self.promotion_grace_ms if self.promotion_grace_ms is not None else longest
+        # synchronous replication: in sync, this node has every grant a client was told of
+        no_grace = follower.sync.covers_promotion(confirmed=confirmed, forced=force, automatic=automatic)
+        if no_grace is not None:
+            grace = 0
+            log.warning("promotion without a grace period: %s", no_grace)
         # a primary now: it may start as one, and a restart before the grace ends holds it again
         host.node_state.promoted(grace)
         now = self.clock()

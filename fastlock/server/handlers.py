@@ -45,6 +45,7 @@ from ..errors import (
     Unavailable,
 )
 from ..logsafe import quote
+from ..replication.syncrep import SYNC_PERMISSIONS
 from ..roles import Action, NodeRole, Role
 from ..units import monotonic_ms
 from .admission import limit_exceeded
@@ -81,6 +82,7 @@ PERMISSION: dict[int, str | None] = {
     P.OP_PROMOTE: "admin",
     P.OP_SERVE_ALONE: "admin",
     **KEY_PERMISSIONS,  # the key store's operations (fastlock.server.keys): put, get, delete
+    **SYNC_PERMISSIONS,  # SYNC_ACK: a replica's (fastlock.replication.syncrep)
     # an admin's, or the anonymous principal's in open mode: checked by the handler (lockadmin.py)
     P.OP_LOCKS: None,
     P.OP_LOCK_INFO: None,
@@ -180,6 +182,7 @@ class Handlers:
             P.OP_SERVE_ALONE: self.op_serve_alone,
             P.OP_STEP_DOWN: self.op_step_down,
             **self.keys.handlers(),
+            **server.source.sync.handlers(),
             P.OP_LOCKS: self.lock_admin.op_locks,
             P.OP_LOCK_INFO: self.lock_admin.op_lock_info,
             P.OP_REVOKE: self.lock_admin.op_revoke,
@@ -418,22 +421,23 @@ class Handlers:
         # records it receives, and a promoted standby keeps that deadline.
         wal = self.wal
         wal.log_extend(name, token, ttl_ms)
-        if (holder is None or ttl_ms > holder.ttl_ms) and not wal.flush_now():
+        sync = self.source.sync  # sync replication: every extend waits for the standby (it moves the deadline)
+        if sync.enabled or ((holder is None or ttl_ms > holder.ttl_ms) and not wal.flush_now()):
             # recovery restores the recorded TTL: a longer one must be durable
             # before the holder relies on it (a shorter or equal one need not be)
-            def ack() -> None:
+            def ack(refused: FastlockError | None = None) -> None:
                 # acknowledged only if this node may still extend (see LockServer.deliver_grants)
                 self.source.fence_if_due(monotonic_ms())
-                if self.roles.may(Action.EXTEND):
+                if refused is None and self.roles.may(Action.EXTEND):
                     conn.send(reply)
                 else:
-                    refused = refusal(self.roles, Action.EXTEND)
+                    refused = refused or refusal(self.roles, Action.EXTEND)
                     conn.send(P.encode_error(req_id, refused.code, f"{name!r}: {refused}",
                                              getattr(refused, "primary", None)))
                     log.warning("extend of %s token %d not acknowledged: %s", quote(name), token, refused)
                 server.after_batch()
 
-            wal.when_durable(ack)
+            wal.when_durable(sync.after(ack))
             return
         conn.send(reply)
 

@@ -25,9 +25,11 @@ Request flow (one turn of the event loop)::
 
 What waits for the disk (``--fsync always``): a grant is acknowledged only
 after its WAL record is fsynced, together with everything else logged in the
-same loop turn (group commit).  Releases and extensions are acknowledged at
-once: losing one in a crash can only leave the lock held until its TTL runs out
-after recovery - never give it to two holders.
+same loop turn (group commit); with ``--replication sync`` also after the
+standby's ``SYNC_ACK`` (:mod:`fastlock.replication.syncrep`).  Releases and
+extensions are acknowledged at once (extensions wait in sync mode): losing one
+in a crash can only leave the lock held until its TTL runs out after
+recovery - never give it to two holders.
 
 Who may do what: HELLO authenticates the connection as a principal (a token,
 a mutual-TLS certificate identity, or the anonymous principal - see
@@ -57,7 +59,7 @@ from .. import protocol as P
 from .._core import EV_EXPIRED, EV_GRANTED, LockTable, NotHolder
 from .._version import __version__
 from ..auth import Credentials, is_loopback
-from ..errors import Unavailable
+from ..errors import FastlockError, Unavailable
 from ..logsafe import quote
 from ..replication import STATE_FILE, NodeState, ReplicationSource, StandbyFollower, node_id
 from ..roles import Action, NodeRole, Role
@@ -140,7 +142,8 @@ class LockServer:
         self.node_state = NodeState(config.data_dir)
         self.endpoints = Endpoints(config)
         self.tasks = BackgroundTasks()
-        self.source = ReplicationSource(self, fence_margin_ms=config.fence_margin_ms)
+        # source.sync: synchronous replication, grant and extend replies wait for the standby (async: a no-op)
+        self.source = ReplicationSource(self, fence_margin_ms=config.fence_margin_ms, sync=config.sync_settings())
         self.follower: StandbyFollower | None = None
         if config.standby_of:
             self.node_state.set_standby_of(primary_address)
@@ -445,15 +448,16 @@ class LockServer:
                          quote(ev.meta[0] if ev.meta else None))
             else:  # a waiter left (wait timeout, cancel, deadlock): its acquire fails
                 waiter_left(sessions.get(ev.session), ev, quotas)
-        if grants is not None:
+        if grants is not None:  # sync replication: acked once the standby has them too (source.sync)
+            deliver = self.source.sync.after(lambda refused=None: self._deliver_grants(grants, refused))
             if wal.flush_first():  # relaxed fsync modes: a lone request's grant is written and acked now
-                self._deliver_grants(grants)
+                deliver()
             else:  # acked once durable: in a burst, at the end of this turn with everything logged in it
-                wal.when_durable(lambda: self._deliver_grants(grants))
+                wal.when_durable(deliver)
         if wal.maybe_snapshot(self.snapshot_state):
             lockdelays.relog_running(wal, self.table)
 
-    def _deliver_grants(self, grants: list) -> None:
+    def _deliver_grants(self, grants: list, refused_by: FastlockError | None = None) -> None:
         """Acknowledge a batch of grants once durable - if this node may still grant.
 
         The fence is checked again here, at the acknowledgement, not only when the grants were
@@ -471,7 +475,7 @@ class LockServer:
         source = self.source
         if source.fencing:  # (not paired: nothing to check)
             source.fence_if_due(monotonic_ms())
-        refused = None if self.roles.may(Action.ACQUIRE) else refusal(self.roles, Action.ACQUIRE)
+        refused = refused_by or (None if self.roles.may(Action.ACQUIRE) else refusal(self.roles, Action.ACQUIRE))
         for ev in grants:
             if refused is None and watchers and ev.name in watchers and ev.fresh:
                 watches.notify(ev.name, "granted", ev.token, ev.meta)
@@ -573,4 +577,5 @@ class LockServer:
             st["replication"] = self.follower.status()
         else:
             st["replication"] = self.source.status()
+        st["replication"].setdefault("sync", self.source.sync.status())  # a standby's: its follower's view
         return st

@@ -77,6 +77,7 @@ class GroupCommit:
         self._waiters: collections.deque = collections.deque()  # (lsn, callback)
         self._sync_waiters: list = []  # (lsn, future) resolved when synced >= lsn
         self.listeners: list = []
+        self.progress: list = []  # fn(written_lsn, synced_lsn) after every batch (see add_progress_listener)
         self._timer: asyncio.TimerHandle | None = None
 
     def recovered(self, next_lsn: int) -> None:
@@ -211,6 +212,11 @@ class GroupCommit:
                 else:
                     keep.append((lsn, fut))
             self._sync_waiters = keep
+        for fn in self.progress:
+            try:
+                fn(marks.written, marks.synced)
+            except Exception as exc:  # noqa: BLE001 - reported; the other listeners still run
+                self._report(exc, "WAL progress listener failed")
         if self._pending.buf or self._pending.sync_requested:
             self._kick()
 
@@ -259,6 +265,12 @@ class GroupCommit:
             if self.always and lsn > self.marks.synced:
                 self._pending.sync_requested = True  # the records may be written already, unsynced
                 self._schedule()
+
+    def request_sync(self) -> None:
+        """Fsync at the next hand-off, whatever the mode (without waiting for it)."""
+        if self.fatal is None:
+            self._pending.sync_requested = True
+            self._schedule()
 
     def flush_now(self) -> bool:
         """See :meth:`fastlock.wal.WriteAheadLog.flush_now`."""

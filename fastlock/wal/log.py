@@ -338,6 +338,27 @@ class WriteAheadLog:
         """
         self._commit.listeners.append(fn)
 
+    def add_progress_listener(self, fn: Callable[[int, int], Any]) -> None:
+        """Register ``fn(written_lsn, synced_lsn)``, called on the loop after every batch
+        the writer finishes (one with records, or an fsync alone), with the log's marks
+        then: the last LSN written to the OS and the last fsynced."""
+        self._commit.progress.append(fn)
+
+    def request_sync(self) -> None:
+        """Fsync every record logged so far at the next hand-off, in any fsync mode,
+        without waiting (progress listeners hear when it is done)."""
+        self._commit.request_sync()
+
+    @property
+    def synced_lsn(self) -> int:
+        """The last LSN fsynced."""
+        return self._commit.marks.synced
+
+    @property
+    def logged_lsn(self) -> int:
+        """The LSN of the last record logged (maybe not yet written)."""
+        return self._commit.next_lsn - 1
+
     def remove_listener(self, fn: Callable[[int, int, bytes], Any]) -> None:
         """Unregister a listener added with :meth:`add_listener`."""
         self._commit.listeners.remove(fn)

@@ -1,0 +1,492 @@
+"""Synchronous replication: a grant waits for the standby (``--replication sync``).
+
+With ``--replication async`` (the default) the primary never waits for its
+standby: a grant is acknowledged once the local log has it (``--fsync``), and a
+promoted standby waits a grace period because it may lack grants the old
+primary acknowledged.  With ``--replication sync`` a reply that tells a client
+it holds a lease - a grant, and every extend (an extend moves the lease's
+deadline even at the same TTL) - is also held until the standby says it has
+the record at the operator's *ack point*:
+
+``written`` (:attr:`SyncAck.WRITTEN`)
+    the standby has applied the record and written it to its own WAL file
+    (``write(2)``, in its page cache): it survives the primary's death and the
+    standby *process'* death, not a power loss of the standby's machine.
+``fsynced`` (:attr:`SyncAck.FSYNCED`, the default)
+    the standby has also fsynced it: it survives a power loss of the standby
+    too.  Costs one standby fsync per batch on top of the primary's.
+
+("received" - in the standby's memory only - is not offered: it differs from
+``written`` by one ``write(2)`` on the standby, and loses the record if the
+standby process dies too.)
+
+Group commit carries over: the WAL already streams each written batch to the
+standby as one push, the standby applies every push a read holds, writes (and
+fsyncs) them as one batch of its own WAL and sends one ``SYNC_ACK`` with the
+primary LSN it now has; that acknowledgement releases every waiting reply up
+to that LSN - one round trip per batch, not per grant.  Releases, expiries,
+revocations and key writes are not waited for: a release the standby lacks
+leaves the lock held there until the lease's deadline (never two holders).
+
+When the standby does not acknowledge
+-------------------------------------
+The oldest waiting reply has waited ``--sync-timeout`` (milliseconds on the
+wire and here, seconds on the command line); then, per ``--sync-on-timeout``:
+
+``fence`` (:attr:`SyncOnTimeout.FENCE`, the default)
+    every waiting reply fails with ``Unavailable`` (retryable: the lease stays
+    with its owner key, and the same acquire gets it once the standby is back),
+    and the primary is *sync-held* (:mod:`fastlock.roles`): new acquires get
+    ``Unavailable`` at once and no lock is handed to a waiter, until the
+    standby acknowledges everything logged up to the hold.  The primary never
+    acknowledges a grant the standby lacks, so a standby promoted at any time
+    has every acknowledged grant.
+``degrade``
+    the primary switches to asynchronous replication, loudly (a CRITICAL log,
+    ``sync.degradations`` in the status and ``fastlock_sync_degradations_total``,
+    ``sync.state = "degraded"``), tells the standby it is no longer in sync,
+    and acknowledges the waiting replies; it returns to ``in_sync`` by itself
+    once the standby has acknowledged everything acknowledged meanwhile.
+
+At most :data:`MAX_WAITING` batches wait at once; beyond that a reply fails
+with ``Unavailable`` at once (memory stays bounded).  A primary with no standby
+attached (at start, or after it left) holds replies the same way: with
+``fence`` it grants nothing until a standby attaches and catches up.
+
+The in-sync promise and the promotion grace
+-------------------------------------------
+The primary tells its standby, in a ``"sync"`` push on attach, on every change
+and with every heartbeat, ``[ack_point, in_sync, on_timeout]``: ``in_sync``
+is true when this standby connection has acknowledged every LSN the primary
+has acknowledged to a client (and everything logged before this node became
+the primary), the primary has not degraded, and it is not in a grace period
+itself (its own table may then lack grants a client holds).  A standby forgets it on every
+new connection (it sends ``REPLICATE`` not in sync) and on a restart.
+
+A promoted standby starts with **no grace period** when its primary's latest
+status said ``in_sync`` and either
+
+* the old primary confirmed it stepped down (``fastlock promote`` answered by
+  ``STEP_DOWN``: every status it sent before is read by then), or
+* the policy is ``fence`` and the promotion was automatic (``--failover-after``)
+  or waited for the old primary's fence: a ``fence`` primary never acknowledges
+  a grant its standby lacks, whenever it dies.
+
+Both only for the primary's one *paired* standby (the pairing the primary's
+heartbeats confirm): the primary never pairs with a second standby while the
+first may come back (only ``serve-alone``, which degrades, unpairs it), so no
+other standby's acknowledgement can release a reply this one lacks.
+
+Otherwise - asynchronous replication, a standby that was catching up or never
+told it was in sync, a standby that is not the confirmed pair, a ``degrade`` primary that may have degraded after the
+standby last heard it, a forced promotion (``--force``) of an unconfirmed
+primary - the grace period applies as with asynchronous replication.  The
+epoch is raised at every promotion either way, so tokens never go backwards;
+replicated leases are kept to their replicated deadlines, so a lock whose
+holder was acknowledged is never granted to another before its lease ends.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .. import protocol as P
+from ..errors import FastlockError, ProtocolError, Unavailable
+from ..roles import Role
+from ..units import monotonic_ms
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .follower import StandbyFollower
+    from .host import ReplicaConnection, ReplicationHost
+    from .source import ReplicationSource
+
+log = logging.getLogger("fastlock.replication")
+
+#: batches of replies that may wait for the standby at once; beyond, a reply fails at once
+MAX_WAITING = 65_536
+
+
+class ReplicationMode(str, enum.Enum):
+    """``--replication``: does an acknowledged grant wait for the standby?"""
+
+    #: no: the primary never waits (a promoted standby waits a grace period)
+    ASYNC = "async"
+    #: yes: grants and extends are acknowledged once the standby has them
+    SYNC = "sync"
+
+
+class SyncAck(str, enum.Enum):
+    """``--sync-ack``: where the standby has a record when it acknowledges it."""
+
+    #: applied and written to its WAL file (survives the standby process' death)
+    WRITTEN = "written"
+    #: also fsynced (survives a power loss of the standby's machine)
+    FSYNCED = "fsynced"
+
+
+class SyncOnTimeout(str, enum.Enum):
+    """``--sync-on-timeout``: what the primary does when the standby stops acknowledging."""
+
+    #: fail the waiting replies (Unavailable) and hold grants until the standby is back
+    FENCE = "fence"
+    #: acknowledge without the standby (asynchronous) until it catches up, loudly
+    DEGRADE = "degrade"
+
+
+@dataclass(frozen=True)
+class SyncSettings:
+    """The synchronous replication settings of a primary.
+
+    Args:
+        ack: the standby's ack point.
+        timeout_ms: how long the oldest reply may wait for the standby (milliseconds, > 0).
+        on_timeout: what happens then.
+
+    Raises:
+        ValueError: a value out of its range or naming no choice.
+    """
+
+    ack: SyncAck = SyncAck.FSYNCED
+    timeout_ms: int = 2000
+    on_timeout: SyncOnTimeout = SyncOnTimeout.FENCE
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ack", _choice(SyncAck, self.ack, "sync_ack"))
+        object.__setattr__(self, "on_timeout", _choice(SyncOnTimeout, self.on_timeout, "sync_on_timeout"))
+        if type(self.timeout_ms) is not int or self.timeout_ms <= 0:
+            raise ValueError(f"sync_timeout_ms must be a positive integer (milliseconds), not {self.timeout_ms!r}")
+
+
+def _choice(cls: type[enum.Enum], value: Any, field_name: str) -> Any:
+    try:
+        return cls(value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"{field_name} must be one of {choices}, not {value!r}") from None
+
+
+def parse_mode(value: Any) -> ReplicationMode:
+    """``"async"`` or ``"sync"`` as a :class:`ReplicationMode`.  :raises ValueError: anything else."""
+    return _choice(ReplicationMode, value, "replication")
+
+
+#: what a held reply is called with: None (acknowledge) or the error to answer instead
+Deliver = Callable[..., Any]
+
+
+def _call(deliver: Deliver, *error: FastlockError) -> None:
+    """Run one held reply; a failure is logged and the others still run (none is left waiting)."""
+    try:
+        deliver(*error)
+    except Exception:
+        log.exception("delivering a reply held for the synchronous standby failed")
+
+
+class SyncGate:
+    """The primary's side: hold grant and extend replies until the standby has their LSN.
+
+    ``settings`` None: asynchronous replication, and :meth:`after` returns its
+    callback unchanged (nothing costs anything).
+
+    Args:
+        host: the server.
+        source: the replication source (its attached standby and its pushes).
+        settings: the synchronous settings, or None.
+    """
+
+    def __init__(self, host: ReplicationHost, source: ReplicationSource, settings: SyncSettings | None):
+        self.host = host
+        self.source = source
+        self.settings = settings
+        self.enabled = settings is not None
+        self.acked_lsn = 0  # the primary LSN the standby's current connection has at the ack point
+        self._acked_session = -1  # that connection's session
+        self.released_lsn = 0  # the highest LSN whose reply went out (with or without the standby)
+        self._floor: int | None = None  # the LSN logged when this node became the primary
+        self.waiting: deque[tuple[int, Deliver, int]] = deque()  # (lsn, deliver, since ms)
+        self.degraded = False
+        self.held_upto = 0  # fence policy: held until the standby acknowledges this LSN (0: not held)
+        self.degradations = 0
+        self.holds = 0
+        self._timer: Any = None
+        self._sent_in_sync: bool | None = None
+
+    # -- what the server calls ------------------------------------------------------------------
+    def after(self, deliver: Deliver) -> Deliver:
+        """``deliver`` wrapped to run once the standby has every record logged so far.
+
+        Call it right after logging the records the reply depends on; call what
+        it returns once they are durable locally (``WriteAheadLog.when_durable``).
+        ``deliver()`` runs when the standby acknowledges; ``deliver(error)``
+        (an :class:`~fastlock.errors.Unavailable`) when the reply must fail.
+        Asynchronous replication: ``deliver`` itself.
+        """
+        if not self.enabled:
+            return deliver
+        lsn = self.host.wal.logged_lsn
+        return lambda: self._hold(lsn, deliver)
+
+    def _hold(self, lsn: int, deliver: Deliver) -> None:
+        if self.host.roles.role is not Role.PRIMARY:
+            _call(deliver)  # refused there: this node does not grant
+            return
+        self._must_have()
+        if lsn <= self.acked_lsn or self.degraded:
+            self._release(lsn, deliver)
+        elif self.held_upto:
+            _call(deliver, self._refusal("is held: the standby has not caught up since it stopped acknowledging"))
+        elif len(self.waiting) >= MAX_WAITING:
+            _call(deliver, Unavailable(f"{MAX_WAITING} batches of replies already wait for the synchronous "
+                                       f"standby: not acknowledged; retry"))
+        else:
+            now = monotonic_ms()
+            self.waiting.append((lsn, deliver, now))
+            if self._timer is None:
+                self._arm(now + self._timeout_ms())
+
+    def _release(self, lsn: int, deliver: Deliver) -> None:
+        if lsn > self.released_lsn:
+            self.released_lsn = lsn
+        _call(deliver)
+
+    def on_ack(self, conn: ReplicaConnection, lsn: Any) -> None:
+        """The standby's ``SYNC_ACK``: it has every record up to ``lsn`` at the ack point.
+
+        Raises:
+            ProtocolError: not an attached standby, or ``lsn`` not an int in
+                ``0..`` the last LSN logged (the connection is dropped).
+        """
+        if conn.session not in self.source.replicas:
+            raise ProtocolError("SYNC_ACK before REPLICATE")
+        last = self.host.wal.logged_lsn  # a snapshot's LSN may be logged and not yet written
+        if type(lsn) is not int or not 0 <= lsn <= last:
+            raise ProtocolError(f"SYNC_ACK takes an LSN in 0..{last}, not {lsn!r}")
+        if conn.session != self._acked_session:
+            self._acked_session = conn.session  # a new connection: it has only what it says
+            self.acked_lsn = lsn
+        elif lsn > self.acked_lsn:
+            self.acked_lsn = lsn
+        if not self.enabled:
+            return
+        waiting = self.waiting
+        while waiting and waiting[0][0] <= self.acked_lsn:
+            held_lsn, deliver, _ = waiting.popleft()
+            self._release(held_lsn, deliver)
+        if self.held_upto and self.acked_lsn >= self.held_upto:
+            self.held_upto = 0
+            self.host.roles.set_sync_held(False)
+            log.warning("synchronous standby acknowledged LSN %d: granting again", self.acked_lsn)
+            if self.host.roles.expires_leases:
+                self.host.table.expire(monotonic_ms())  # hand held locks to their waiters
+            self.host.after_batch()
+        if self.degraded and self.acked_lsn >= self._must_have():
+            self.degraded = False
+            log.warning("synchronous standby caught up (LSN %d): replication is synchronous again", self.acked_lsn)
+        self._push_if_changed()
+
+    def serve_alone(self) -> None:
+        """The operator's ``serve-alone``: stop waiting for the standby (as a degrade)."""
+        if self.enabled:
+            self._degrade("the operator ran `fastlock serve-alone`")
+
+    # -- timing out ---------------------------------------------------------------------------
+    def _timeout_ms(self) -> int:
+        return self.settings.timeout_ms if self.settings is not None else 0
+
+    def _arm(self, at_ms: int) -> None:
+        self._timer = self.host.loop.call_later(max(0, at_ms - monotonic_ms()) / 1000.0, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if not self.waiting:
+            return
+        now = monotonic_ms()
+        lsn, _, since = self.waiting[0]
+        deadline = since + self._timeout_ms()
+        if now < deadline:
+            self._arm(deadline)
+            return
+        why = (f"the standby has not acknowledged LSN {lsn} within --sync-timeout {self._timeout_ms()} ms "
+               f"(it has LSN {self.acked_lsn})")
+        if self.settings is not None and self.settings.on_timeout is SyncOnTimeout.DEGRADE:
+            self._degrade(why)
+        else:
+            self._fence(why)
+
+    def _fence(self, why: str) -> None:
+        self.held_upto = self.host.wal.logged_lsn
+        self.holds += 1
+        self.host.roles.set_sync_held(True)
+        log.critical("synchronous replication: %s; refusing new grants until it has LSN %d "
+                     "(--sync-on-timeout fence)", why, self.held_upto)
+        error = self._refusal("timed out")
+        while self.waiting:
+            _call(self.waiting.popleft()[1], error)
+
+    def _degrade(self, why: str) -> None:
+        if not self.degraded:
+            self.degraded = True
+            self.degradations += 1
+            log.critical("synchronous replication DEGRADED to asynchronous: %s; grants are acknowledged "
+                         "without the standby until it catches up, and a promotion of it will wait a grace "
+                         "period (--sync-on-timeout degrade)", why)
+        self._push_if_changed()  # the standby hears it before any unreplicated reply goes out
+        if self.held_upto:
+            self.held_upto = 0
+            self.host.roles.set_sync_held(False)
+        while self.waiting:
+            lsn, deliver, _ = self.waiting.popleft()
+            self._release(lsn, deliver)
+        self._release(self.host.wal.logged_lsn, lambda: None)
+
+    def _refusal(self, what: str) -> FastlockError:
+        return Unavailable(f"synchronous replication {what} (--sync-timeout {self._timeout_ms()} ms): "
+                           f"not acknowledged, nothing lost; retry (the same owner key finds its lease)")
+
+    # -- the in-sync promise ------------------------------------------------------------------
+    def _must_have(self) -> int:
+        """The LSN a standby must have acknowledged to be in sync."""
+        if self._floor is None:
+            if self.host.roles.role is not Role.PRIMARY:
+                return 1 << 62  # not a primary (yet): nobody is in sync with it
+            self._floor = self.host.wal.logged_lsn  # everything before may have been acknowledged
+        return max(self._floor, self.released_lsn)
+
+    @property
+    def in_sync(self) -> bool:
+        """Has the attached standby every record any client was told about, with no degrade since?
+
+        Never while this primary is in a grace period itself (after its own promotion,
+        or a restart that may have lost acknowledged records): its own table may lack
+        grants a client holds, so neither it nor its standby may skip the grace."""
+        return (self.enabled and not self.degraded and self._acked_session in self.source.replicas
+                and self.acked_lsn >= self._must_have()
+                and self.host.roles.grace_remaining_ms(monotonic_ms()) == 0)
+
+    def status_push(self) -> bytes | None:
+        """The ``"sync"`` push for the standby (sent with every heartbeat); None: asynchronous."""
+        if self.settings is None:
+            return None
+        in_sync = self.in_sync
+        self._sent_in_sync = in_sync
+        return P.encode_push(P.PUSH_SYNC, [self.settings.ack.value, in_sync, self.settings.on_timeout.value])
+
+    def _push_if_changed(self) -> None:
+        if self.in_sync == self._sent_in_sync:
+            return
+        msg = self.status_push()
+        if msg is None:
+            return
+        for replica in self.source.replicas.values():
+            if not replica.conn.closed:
+                replica.conn.send(msg)
+                replica.conn.flush()
+
+    def handlers(self) -> dict[int, Callable[[Any, int, list], None]]:
+        """The server's handler for ``SYNC_ACK`` (a replica principal's op; no reply)."""
+        return {P.OP_SYNC_ACK: lambda conn, req_id, msg: self.on_ack(conn, msg[2])}
+
+    def status(self) -> dict:
+        """``replication.sync`` of STATUS."""
+        if self.settings is None:
+            return {"mode": ReplicationMode.ASYNC.value}
+        state = ("degraded" if self.degraded else "held" if self.held_upto
+                 else "in_sync" if self.in_sync else "not_in_sync")
+        return {"mode": ReplicationMode.SYNC.value, "ack": self.settings.ack.value,
+                "on_timeout": self.settings.on_timeout.value, "timeout_ms": self.settings.timeout_ms,
+                "state": state, "standby_acked_lsn": self.acked_lsn, "waiting": len(self.waiting),
+                "degradations": self.degradations, "holds": self.holds}
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+#: the permission SYNC_ACK needs (joins the server's PERMISSION table)
+SYNC_PERMISSIONS = {P.OP_SYNC_ACK: "replica"}
+
+
+class SyncStatus:
+    """The standby's side: acknowledge at the primary's ack point, remember whether it is in sync.
+
+    Args:
+        follower: the standby's follower (its WAL, its link, its applied LSN).
+    """
+
+    def __init__(self, follower: StandbyFollower):
+        self.follower = follower
+        self.ack: SyncAck | None = None  # the primary's ack point (None: asynchronous)
+        self.in_sync = False
+        self.on_timeout: SyncOnTimeout | None = None
+        self.acked_lsn = -1  # the primary LSN acknowledged on this connection (-1: none yet)
+        self._pending: deque[tuple[int, int]] = deque()  # (own logged LSN, primary LSN)
+        self._listening = False
+
+    def reset(self) -> None:
+        """A new connection to a primary: not in sync until it says so."""
+        self.ack = None
+        self.in_sync = False
+        self.on_timeout = None
+        self.acked_lsn = -1
+        self._pending.clear()
+
+    def on_status(self, payload: Any) -> None:
+        """The primary's ``"sync"`` push ``[ack_point or None, in_sync, on_timeout]``.
+
+        :raises ProtocolError: not that shape.
+        """
+        if type(payload) is not list or len(payload) != 3 or type(payload[1]) is not bool:
+            raise ProtocolError("a sync status is [ack_point, in_sync, on_timeout]")
+        try:
+            ack = None if payload[0] is None else SyncAck(payload[0])
+            on_timeout = None if payload[2] is None else SyncOnTimeout(payload[2])
+        except ValueError:
+            raise ProtocolError(f"unknown sync ack point or timeout policy: {payload[0]!r}, {payload[2]!r}") from None
+        if payload[1] != self.in_sync:
+            log.info("primary says this standby is %s", "in sync" if payload[1] else "not in sync")
+        self.ack, self.in_sync, self.on_timeout = ack, payload[1], on_timeout
+        if ack is not None:
+            if not self._listening:
+                self._listening = True
+                self.follower.host.wal.add_progress_listener(self._on_progress)
+            self.applied(self.follower.applied_lsn)
+
+    def applied(self, primary_lsn: int) -> None:
+        """Records up to ``primary_lsn`` are applied and logged: acknowledge them at the ack point."""
+        if self.ack is None or primary_lsn <= self.acked_lsn:
+            return
+        wal = self.follower.host.wal
+        self._pending.append((wal.logged_lsn, primary_lsn))
+        if self.ack is SyncAck.FSYNCED:
+            wal.request_sync()
+        self._on_progress(wal.written_lsn, wal.synced_lsn)
+
+    def _on_progress(self, written: int, synced: int) -> None:
+        mark = synced if self.ack is SyncAck.FSYNCED else written
+        pending = self._pending
+        lsn = -1
+        while pending and pending[0][0] <= mark:
+            lsn = pending.popleft()[1]
+        if lsn > self.acked_lsn:
+            self.acked_lsn = lsn
+            self.follower.link.send_sync_ack(lsn)
+
+    def covers_promotion(self, *, confirmed: bool, forced: bool, automatic: bool) -> str | None:
+        """Why a promotion needs no grace period (see the module docstring), or None if it does."""
+        if not self.in_sync or self.ack is None or not self.follower.synced:
+            return None
+        if not self.follower.pair_confirmed:
+            # the promise holds for the one paired standby only: a primary that several
+            # standbys follow (none paired) may acknowledge with another one's copy
+            return None
+        if confirmed:
+            return "in sync with a primary that confirmed it stepped down"
+        if self.on_timeout is SyncOnTimeout.FENCE and (automatic or not forced):
+            return "in sync with a primary that never acknowledges a grant its standby lacks (fence)"
+        return None
