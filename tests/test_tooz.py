@@ -26,12 +26,23 @@ EXPECTED_SKIPS = {
 }
 
 
+#: the tests of tooz's suite left out of the default run, and the test here that checks the
+#: same behaviour faster; ``FASTLOCK_TOOZ_FULL=1`` runs the whole suite
+SLOW_IN_SUITE = {
+    # 6 s of fixed sleeps around a 5 s session TTL: a member that stops beating leaves, a
+    # leave watcher sees it, the beating member stays
+    "test_timeout": "test_a_member_that_stops_beating_leaves_its_group",
+}
+FULL_SUITE = bool(os.environ.get("FASTLOCK_TOOZ_FULL"))
+
+
 def test_tooz_functional_suite(server, tmp_path):
     """``TOOZ_TEST_URL=fastlock://... pytest --pyargs tooz.tests.test_coordination`` in a subprocess."""
     env = dict(os.environ, TOOZ_TEST_URL=f"fastlock://{server.address}")
+    deselect = [] if FULL_SUITE else ["-k", " and ".join(f"not {name}" for name in SLOW_IN_SUITE)]
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:randomly",
-         "--timeout", "60", "-o", "addopts=", "--pyargs", "tooz.tests.test_coordination"],
+         "--timeout", "60", "-o", "addopts=", *deselect, "--pyargs", "tooz.tests.test_coordination"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     report = out.stdout + out.stderr
     summary = next((line for line in reversed(report.splitlines()) if re.search(r"\d+ (passed|failed)", line)), "")
@@ -41,7 +52,10 @@ def test_tooz_functional_suite(server, tmp_path):
     for reason in EXPECTED_SKIPS.values():
         assert any(reason in text for _, text in skipped), (reason, skipped)
     passed = int(re.search(r"(\d+) passed", summary).group(1))
-    assert passed >= 82, summary  # tooz 9.1: 83 tests (TestAPI and TestHook), 1 skipped as above
+    # tooz 9.1: 83 tests (TestAPI and TestHook), 1 skipped as above, the slow ones left out unless full
+    assert passed >= 82 - (0 if FULL_SUITE else len(SLOW_IN_SUITE)), summary
+    if not FULL_SUITE:
+        assert f"{len(SLOW_IN_SUITE)} deselected" in summary, summary
 
 
 @pytest.fixture
@@ -62,17 +76,25 @@ def coords(server):
 
 
 def test_a_member_that_stops_beating_leaves_its_group(coords):
+    """tooz's test_timeout with a 1 s session TTL: b never beats and leaves, a's leave watcher
+    sees it go, a (beating) stays."""
     a = coords(b"a", timeout="1")
     b = coords(b"b", timeout="1")
     a.create_group(b"g").get()
     a.join_group(b"g", {"port": 1}).get()
     b.join_group(b"g").get()
     assert a.get_members(b"g").get() == {b"a", b"b"}
+    left: list[object] = []
+    a.watch_leave_group(b"g", left.append)
+    a.run_watchers()  # the member cache now knows b
+    assert left == []
     deadline = time.monotonic() + 10
     while b"b" in a.get_members(b"g").get():  # b never beats: its session lease runs out
         assert time.monotonic() < deadline, "member b was not removed after its session TTL"
         a.heartbeat()
         time.sleep(0.2)
+    a.run_watchers()
+    assert [(type(e), e.group_id, e.member_id) for e in left] == [(coordination.MemberLeftGroup, b"g", b"b")]
     assert a.get_member_capabilities(b"g", b"a").get() == {"port": 1}
 
 
