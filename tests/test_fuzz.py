@@ -24,8 +24,7 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.append(_ROOT)
 
-from benches.fuzz import (  # noqa: E402
-    Figures, fuzz_rounds, make_specs, rss_kib, server_crashed, start_server, unclassified_ops)
+from benches.fuzz import Figures, fuzz_rounds, make_specs, rss_kib, server_crashed, start_server, unclassified_ops  # noqa: E402
 
 BUDGET_S = 20.0
 
