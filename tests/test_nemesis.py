@@ -45,7 +45,6 @@ if _ROOT not in sys.path:
 
 from benches.nemesis import KINDS, NemesisConfig, print_report, run_nemesis  # noqa: E402
 
-
 #: seconds of faults for the long run; unset: one fault of each kind
 SECONDS = os.environ.get("FASTLOCK_NEMESIS_SECONDS")
 
