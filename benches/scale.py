@@ -132,8 +132,7 @@ async def _pipelined(pipes: list[_Pipe], jobs: list, run_one, window: int) -> No
                     t.result()
             pending.add(asyncio.ensure_future(run_one(pipe, job)))
         if pending:
-            for t in await asyncio.gather(*pending):
-                pass
+            await asyncio.gather(*pending)
 
     await asyncio.gather(*(drive(p, m) for p, m in zip(pipes, per_pipe)))
 
@@ -198,11 +197,6 @@ async def w1(address: str, pairs: int, time_limit: float) -> dict:
     return latency_stats(samples)
 
 
-def _status(address: str) -> dict:
-    from fastlock._testbase import node_status
-    return node_status(address, 10.0)
-
-
 def _say(text: str) -> None:
     print(text, flush=True)
 
@@ -231,7 +225,7 @@ async def memory_and_w1(root: Path, args: argparse.Namespace) -> dict:
     """The memory and W1 phases (see the module docstring)."""
     n = args.leases
     out: dict = {"leases": n}
-    srv = ServerProcess(root / "memory", fsync="never", 
+    srv = ServerProcess(root / "memory", fsync="never",
                         args=_server_args(n, args.server_args))
     srv.start()
     try:
@@ -266,8 +260,8 @@ async def memory_and_w1(root: Path, args: argparse.Namespace) -> dict:
         out["w1_after"] = await _timed(w1(srv.address, args.w1_pairs, args.phase_timeout), args.phase_timeout,
                                        "W1")
         _say(_w1_line("after all released", out["w1_after"]))
-        st = _status(srv.address)
-        out["status_after"] = {k: st.get(k) for k in ("locks", "held", "waiters", "names") if k in st}
+        st = _ok(await pipes[0].call(P.OP_STATUS), "status")
+        out["status_after"] = {k: v for k, v in st.items() if isinstance(v, int)}  # type: ignore[union-attr]
         for p in pipes:
             p.close()
     finally:
@@ -380,9 +374,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--leases must be at least {MANY}")
     try:
         import uvloop
-        result = uvloop.run(run(args))
     except ImportError:
-        result = asyncio.run(run(args))
+        uvloop = None
+    result = uvloop.run(run(args)) if uvloop is not None else asyncio.run(run(args))
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:
