@@ -164,3 +164,14 @@ async def _random_overlapping_sets(connect, *, duration: float, tasks: int, name
     await asyncio.wait_for(asyncio.gather(*(worker(i) for i in range(tasks))), duration + 20)
     assert all(done), f"a task never got its locks: {done}"
     return history.check()
+
+
+async def test_a_set_of_max_many_names_is_granted_in_one_request(client):
+    names = [f"many/{i:02d}" for i in range(fastlock.protocol.MAX_MANY)]
+    # the largest set the protocol takes (a refused frame closes the connection and the client
+    # sends it again on a new one: hence the bound)
+    multi = await asyncio.wait_for(client.acquire_many(names, ttl=5.0), TIMEOUT)
+    assert len(multi.fencing_tokens) == fastlock.protocol.MAX_MANY
+    assert await client.holder(names[-1]) is not None  # the connection is still open
+    await client.release_many(multi)
+    assert await client.holder(names[0]) is None

@@ -19,7 +19,7 @@ import msgpack
 
 from ..errors import ProtocolError
 from .ops import STATUS_OK
-from .validation import MAX_NAME_BYTES
+from .validation import MAX_MANY, MAX_NAME_BYTES
 
 #: bound of one request frame, bytes; replies and the replication stream have their own
 DEFAULT_MAX_FRAME_BYTES = 64 << 10
@@ -67,10 +67,12 @@ class DecodeLimits(NamedTuple):
 #: What a server accepts from a client (sized to the protocol): a request is a
 #: short flat array of scalars - names <= 512 bytes, owner keys <= 64 bytes,
 #: client names and correlation ids <= 1 KiB of UTF-8; the rest is headroom
-#: for credentials and options (a small map or list inside the request).
+#: for credentials and options (a small map or list inside the request).  The
+#: longest array is ACQUIRE_MANY's list of up to ``MAX_MANY`` ``[name, shared]``
+#: pairs (1 + 3 * MAX_MANY elements with the request's own, within ``max_items``).
 REQUEST_LIMITS = DecodeLimits(
     max_frame_bytes=DEFAULT_MAX_FRAME_BYTES,
-    max_array_len=32,
+    max_array_len=max(32, MAX_MANY),
     max_map_len=16,
     max_str_len=8192,
     max_bin_len=8192,
