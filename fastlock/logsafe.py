@@ -10,7 +10,7 @@ import logging
 import time
 from typing import Any
 
-__all__ = ["quote", "RateLimitedLog"]
+__all__ = ["display", "quote", "RateLimitedLog"]
 
 
 def quote(value: Any) -> str:
@@ -19,6 +19,19 @@ def quote(value: Any) -> str:
     escapes, Unicode line separators), so a name holding a newline cannot forge
     a second log line; None is ``-``."""
     return "-" if value is None else repr(value)
+
+
+def display(value: Any) -> str:
+    """``value`` (a peer-chosen name) for a human table or terminal: unchanged when every
+    character is printable; a backslash and each non-printable character (control
+    characters, terminal escapes, newlines, Unicode separators and format characters) as
+    its ``repr()`` escape, so it can neither drive the terminal nor forge a row; None is ``-``."""
+    if value is None:
+        return "-"
+    text = str(value)
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(c if c.isprintable() and c != "\\" else repr(c)[1:-1] for c in text)
 
 
 class RateLimitedLog:

@@ -43,3 +43,37 @@ def test_top_once_shows_the_most_contended_locks_first(server):
     assert cells[2].endswith("holder") and cells[5] == "2", out    # HOLDER ... WAITERS
     assert "wait so far p50/p90/p99:" in out and "(n=3)" in out, out
     assert "hold (ended, seen by top) p50/p90/p99: -" in out, out
+
+
+def test_peer_chosen_names_are_shown_escaped_and_never_read_as_markup(server):
+    """A lock or client name may hold rich markup, ANSI escapes or a newline: ``top`` and
+    ``locks`` show it escaped (one row, no terminal control) instead of crashing on
+    ``[/bold]`` or letting it drive the terminal."""
+    evil = "x[/bold]y\x1b[2J\nrow"
+
+    async def hold():
+        client = await fastlock.connect(server.address, client_name="c\x1b]0;t\x07")
+        await client.acquire(evil, ttl=60.0)
+        return client
+
+    async def run(*args):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOCK_")}
+        env["COLUMNS"] = "200"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fastlock", *args, "--server", server.address, env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT)
+        return proc.returncode, out.decode(), err.decode()
+
+    async def main():
+        client = await hold()
+        try:
+            return [await run("top", "--once"), await run("locks")]
+        finally:
+            await client.close()
+
+    for code, out, err in asyncio.run(main()):
+        assert code == 0, err
+        assert "\x1b" not in out and "\x07" not in out
+        assert "x[/bold]y\\x1b[2J\\nrow" in out
+        assert not any(line.lstrip(" │|").startswith("row") for line in out.splitlines())

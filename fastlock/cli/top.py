@@ -35,6 +35,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..client import Client, LeaseInfo, LockInfo
+from ..logsafe import display
 from .args import client_tls_options, read_token
 from .locks import _common, _holder, _servers
 
@@ -123,7 +124,7 @@ def render(sampler: TopSampler, now: float, status: dict[str, Any], leases: list
         lock_waits = [w.waiting for w in info.waiters] if info is not None else []
         waits.extend(lock_waits)
         seen = sampler.first_seen.get(h.name)
-        table.add_row(h.name, str(h.fencing_token), _holder(h),
+        table.add_row(Text(display(h.name)), str(h.fencing_token), Text(_holder(h)),
                       f"{now - seen[1]:.1f}s" if seen is not None and seen[0] == h.fencing_token else "-",
                       f"{h.remaining:.1f}s", str(h.waiters),
                       f"{max(lock_waits):.1f}s" if lock_waits else "-", str(sampler.handovers[h.name]))
