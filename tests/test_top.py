@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import types
 
 import fastlock
 
@@ -77,3 +78,11 @@ def test_peer_chosen_names_are_shown_escaped_and_never_read_as_markup(server):
         assert "\x1b" not in out and "\x07" not in out
         assert "x[/bold]y\\x1b[2J\\nrow" in out
         assert not any(line.lstrip(" │|").startswith("row") for line in out.splitlines())
+
+
+def test_a_holder_name_is_escaped_once_in_the_locks_table():
+    from fastlock.cli.locks import _holder, table
+
+    who = types.SimpleNamespace(principal="app", client="job\\1\x1b[31m")
+    row = table(("HOLDER",), [(_holder(who),)])
+    assert row.splitlines()[1] == "app:job\\\\1\\x1b[31m"

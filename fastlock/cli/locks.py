@@ -113,11 +113,11 @@ def _secs(v: float | None) -> str | None:
     return None if v is None else f"{v:.1f}s"
 
 
-def _holder(h: LeaseInfo | WaiterInfo) -> str:
+def _holder(h: LeaseInfo | WaiterInfo) -> str | None:
     who = h.principal or ""
     if h.client:
         who = f"{who}:{h.client}" if who else h.client
-    return display(who or None)
+    return who or None  # raw: table() and the callers escape it once with display()
 
 
 def _print_json(value: Any) -> None:
@@ -173,6 +173,6 @@ def revoke_command(args: argparse.Namespace) -> int:
         _print_json([dataclasses.asdict(h) for h in revoked])
         return 0
     for h in revoked:
-        print(f"revoked {display(h.name)} token {h.fencing_token} (holder {_holder(h)}, "
+        print(f"revoked {display(h.name)} token {h.fencing_token} (holder {display(_holder(h))}, "
               f"{_secs(h.remaining)} left)")
     return 0

@@ -124,7 +124,7 @@ def render(sampler: TopSampler, now: float, status: dict[str, Any], leases: list
         lock_waits = [w.waiting for w in info.waiters] if info is not None else []
         waits.extend(lock_waits)
         seen = sampler.first_seen.get(h.name)
-        table.add_row(Text(display(h.name)), str(h.fencing_token), Text(_holder(h)),
+        table.add_row(Text(display(h.name)), str(h.fencing_token), Text(display(_holder(h))),
                       f"{now - seen[1]:.1f}s" if seen is not None and seen[0] == h.fencing_token else "-",
                       f"{h.remaining:.1f}s", str(h.waiters),
                       f"{max(lock_waits):.1f}s" if lock_waits else "-", str(sampler.handovers[h.name]))
