@@ -773,7 +773,7 @@ _values = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_siz
 _LIMITS = P.REQUEST_LIMITS._replace(max_depth=6, max_items=10_000, max_frame_bytes=1 << 20)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(st.lists(st.lists(_values, min_size=1, max_size=4), min_size=1, max_size=5), st.data())
 def test_frame_decoder_decodes_any_split_as_msgpack_does(messages, data):
     """Walking partial frames never changes what is decoded, wherever the pieces split."""
