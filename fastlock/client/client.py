@@ -38,6 +38,7 @@ from .keys import KeyMethods
 from .kinds import Semaphore, kind_args
 from .lease import HolderInfo, Lease, LeaseState, WatchEvent, check_fraction, check_lease
 from .multilock import LockManyContext, MultiLease, acquire_many, release_many, sorted_names
+from .owner_keys import new_owner_key
 from .renewer import LockContext, Renewer, Renewers
 from .watch import watch_events
 
@@ -289,7 +290,7 @@ class Client(KeyMethods, LockAdminMethods):
         if correlation_id is not None:
             P.check_optional_str(correlation_id, "correlation_id", P.MAX_CORRELATION_ID_CHARS)
         kind = kind_args(shared, limit)
-        owner = os.urandom(16)
+        owner = new_owner_key()
         connector = self._connector
         proto = connector.proto
         if proto is not None and not proto.closed:

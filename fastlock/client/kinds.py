@@ -13,13 +13,13 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
 from ..errors import FastlockError, InvalidArgument, LeaseLost
 from .connection import RETRYABLE, RideThrough
 from .lease import Lease, LeaseState
+from .owner_keys import new_owner_key
 
 if TYPE_CHECKING:  # pragma: no cover
     from .client import Client
@@ -128,7 +128,7 @@ async def acquire_set(client: Client, items: list[tuple[str, bool]], ttl_ms: int
     """
     connector = client.connector
     connect_timeout = connector.connect_timeout
-    owner = os.urandom(16)
+    owner = new_owner_key()
     loop = asyncio.get_running_loop()
     started = loop.time()
     wait_end = None if wait_ms < 0 else started + wait_ms / 1000.0
