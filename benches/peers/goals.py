@@ -171,8 +171,9 @@ def comparison_markdown(payload: dict) -> str:
     command = payload.get("command", "python -m benches.peers")
     caption = (f"One side-by-side run on a {cpus}-core machine shared with other jobs (`{command}`: "
                f"same Python asyncio client style for every system, {rounds} round{'s' if rounds != 1 else ''} "
-               f"interleaved, medians; {payload.get('duration_s', float('nan')):g} s per workload). The fsync probe on the "
-               f"data dir, 4 KiB write + fdatasync: p50 {_us(p_app)} µs appending, {_us(p_ovw)} µs overwriting a "
+               f"interleaved, medians; {payload.get('duration_s', float('nan')):g} s per workload). The fsync "
+               f"probe on the data dir, 4 KiB write + fdatasync: p50 {_us(p_app)} µs appending, {_us(p_ovw)} µs "
+               "overwriting a "
                "preallocated zero-filled file.")
     hold = payload.get("hold_ms", 1.0)
     labels = ["W1 one client, acquire+release p50", "W1 acquire p50 / release p50",
