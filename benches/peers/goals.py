@@ -102,7 +102,7 @@ def _num(v: float | None) -> str:
 
 def _rhs_text(v: dict) -> str:
     if not v["rhs"]:
-        return "1"
+        return "–"
     parts = [_num(t["value"]) if t["coef"] == 1 else f"{t['coef']:g} × {_num(t['value'])}" for t in v["rhs"]]
     text = " + ".join(parts)
     return f"{text} = {_num(v['rhs_value'])}" if len(parts) > 1 else text

@@ -192,7 +192,7 @@ def markdown(payload: dict) -> str:
     probe = payload.get("fsync_probe")
     if probe:
         L.append("\n## fsync probe (4 KiB write + fdatasync, µs)\n")
-        L.append(f"In {probe.get('dir')}, where fastlock's data dir is made; {probe.get('count')} operations per "
+        L.append(f"In {probe.get('dir')}, where fastlock's data dir is made; {_f(probe.get('count'))} operations per "
                  f"shape in each of {probe.get('rounds')} round(s), medians.\n")
         L.append("| shape | p50 | p90 | p99 | max |")
         L.append("|---|---:|---:|---:|---:|")
