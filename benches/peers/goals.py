@@ -169,12 +169,12 @@ def comparison_markdown(payload: dict) -> str:
     rounds = payload.get("rounds", 1)
     p_app, p_ovw = get_path(probe, "append.p50"), get_path(probe, "overwrite.p50")
     command = payload.get("command", "python -m benches.peers")
+    how = f"{rounds} rounds interleaved, medians" if rounds > 1 else "one round"
+    duration = payload.get("duration_s", float("nan"))
     caption = (f"One side-by-side run on a {cpus}-core machine shared with other jobs (`{command}`: "
-               f"same Python asyncio client style for every system, {rounds} round{'s' if rounds != 1 else ''} "
-               f"interleaved, medians; {payload.get('duration_s', float('nan')):g} s per workload). The fsync "
-               f"probe on the data dir, 4 KiB write + fdatasync: p50 {_us(p_app)} µs appending, {_us(p_ovw)} µs "
-               "overwriting a "
-               "preallocated zero-filled file.")
+               f"same Python asyncio client style for every system, {how}; {duration:g} s per workload). "
+               f"The fsync probe on the data dir, 4 KiB write + fdatasync: p50 {_us(p_app)} µs appending, "
+               f"{_us(p_ovw)} µs overwriting a preallocated zero-filled file.")
     hold = payload.get("hold_ms", 1.0)
     labels = ["W1 one client, acquire+release p50", "W1 acquire p50 / release p50",
               f"W2 {payload.get('w2_clients', 32)} clients, own locks, pairs/s", "W2 CPU client / server",
