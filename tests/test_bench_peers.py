@@ -117,7 +117,7 @@ def test_merge_rows_gives_medians_spread_and_joined_errors():
     assert always["spread"]["pair_us.p50"] == {"min": 300.0, "max": 500.0, "values": [300.0, 500.0]}
     assert always["tokens_increasing"] is False        # holds only if it held in every round
     assert always["errors"] == ["client 3: late"] and always["error_count"] == 1
-    assert always["target"] == goals.ALWAYS and always["fencing"] is True
+    assert always["target"] == goals.ALWAYS and always["fencing"] is True and "round" not in always
     assert merged[1]["pair_us"]["p50"] == 100.0
 
 
@@ -135,8 +135,10 @@ def test_merge_probes():
     def p(a: float, o: float) -> dict:
         return {"dir": "/tmp", "count": 100, "block_bytes": 4096, "append": {"p50": a, "p99": a * 3},
                 "overwrite": {"p50": o, "p99": o * 3}}
-    m = rounds.merge_probes([p(100.0, 50.0), p(300.0, 70.0), p(200.0, 60.0)])
+    m = rounds.merge_probes([dict(p(100.0, 50.0), round=0), dict(p(300.0, 70.0), round=1),
+                             dict(p(200.0, 60.0), round=2)])
     assert m["append"]["p50"] == 200.0 and m["overwrite"]["p99"] == 180.0 and m["rounds"] == 3
+    assert "round" not in m
     assert m["spread"]["append.p50"]["values"] == [100.0, 300.0, 200.0] and m["dir"] == "/tmp"
     assert rounds.merge_probes([]) is None
 

@@ -96,7 +96,7 @@ def merge_rows(rows: list[dict]) -> list[dict]:
     strings and lists come from the first measured round; ``errors`` are joined
     (at most 10) and ``error_count`` summed over all rounds.  The merged row adds
     ``rounds`` (rounds measured), ``rounds_failed`` and ``spread`` (see
-    :func:`spread`).  A (target, workload) that no round measured keeps its
+    :func:`spread`) and drops the per-round ``round`` number.  A (target, workload) that no round measured keeps its
     first error row, with the errors of all rounds.
     """
     groups: dict[tuple[str, str], list[dict]] = {}
@@ -107,7 +107,7 @@ def merge_rows(rows: list[dict]) -> list[dict]:
         ok = [r for r in group if is_measured(r)]
         errors = [e for r in group for e in r.get("errors", [])]
         if ok:
-            keys = list(dict.fromkeys(k for r in ok for k in r))
+            keys = list(dict.fromkeys(k for r in ok for k in r if k != "round"))
             m = {k: _merge_values([r.get(k) for r in ok]) for k in keys}
             m["spread"] = spread(ok)
         else:
@@ -124,7 +124,7 @@ def merge_probes(probes: list[dict]) -> dict[str, Any] | None:
     """The fsync probes of every round as one: medians of each figure, per-round p50/p99 in ``spread``."""
     if not probes:
         return None
-    m = _merge_values(probes)
+    m = _merge_values([{k: v for k, v in p.items() if k != "round"} for p in probes])
     m["rounds"] = len(probes)
     m["spread"] = spread(probes, ("append.p50", "append.p99", "overwrite.p50", "overwrite.p99"))
     return m
