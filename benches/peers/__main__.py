@@ -1,6 +1,6 @@
-"""fastlock against Redis, etcd, ZooKeeper and PostgreSQL advisory locks (issue 6).
+"""fastlock against Redis, etcd, ZooKeeper and PostgreSQL advisory locks (issues 6 and 12).
 
-    python -m benches.peers --all [--quick] [--no-install] [--out DIR]
+    python -m benches.peers [--all] [--rounds 2] [--quick] [--no-install] [--out DIR] [--markdown [PATH]]
     python -m benches.peers --only redis,postgres --quick
 
 Installs what is missing (Debian packages and Python clients, see
@@ -15,6 +15,15 @@ per acquisition and with one lease per client, ZooKeeper via kazoo's Lock
 (threads), PostgreSQL advisory locks.  W4 (durability-matched, W1+W2): fastlock
 fsync=always vs Redis appendfsync=always vs etcd; fastlock fsync=interval (1 s)
 vs Redis appendfsync=everysec.
+
+``--rounds N`` (default 2) measures every system N times, interleaved: each
+round runs every system once (fresh servers), in an order rotated by the round
+number; the tables show the median of the rounds, results.json keeps each
+round's rows (``round_rows``) and each figure's min, max and values
+(``spread``).  Each round starts with the fsync probe (``benches/fsync_probe.py``)
+in the directory where fastlock's data dir is made.  The verdicts of issue 12's
+targets (``benches/peers/goals.py``) are printed last and stored under
+``verdicts``; ``--markdown`` prints (or writes) the README's comparison table.
 """
 
 from __future__ import annotations
@@ -24,12 +33,13 @@ import datetime as _dt
 import logging
 import os
 import sys
+import tempfile
 import time
 
-from benches import harness
+from benches import fsync_probe, harness
 from benches.echo import EchoTarget
 from benches.load import FastlockTarget, fastlock_available
-from benches.peers import install, report
+from benches.peers import goals, install, report, rounds
 
 SYSTEMS = ("fastlock", "redis", "etcd", "zookeeper", "postgres")
 
@@ -60,13 +70,49 @@ def _targets(systems: list[str], args) -> tuple[list[harness.Target], list[harne
     return main, w4
 
 
+def _plan(systems: list[str], args, wls: dict[str, harness.Workload]) -> list[tuple[harness.Target, list]]:
+    """Fresh targets for one round, each with the workloads it runs (W4 targets: W1 and W2 only)."""
+    main_targets, w4_targets = _targets(systems, args)
+    plan: list[tuple[harness.Target, list]] = [(EchoTarget(use_uvloop=args.uvloop), list(wls.values()))]
+    plan += [(t, list(wls.values())) for t in main_targets]
+    if args.w4:
+        plan += [(t, [wls["W1"], wls["W2"]]) for t in w4_targets]
+    return plan
+
+
+def _probe(count: int, log) -> dict:
+    """The fsync probe in the directory where the targets make their data dirs."""
+    where = tempfile.gettempdir()
+    try:
+        p = fsync_probe.probe(where, count)
+    except OSError as e:
+        log(f"  fsync probe in {where} failed: {e}")
+        return {"dir": where, "error": f"{type(e).__name__}: {e}"}
+    log(f"  fsync probe in {where}: 4 KiB write + fdatasync p50/p99 append {p['append']['p50']:.0f}/"
+        f"{p['append']['p99']:.0f} µs, overwrite (preallocated) {p['overwrite']['p50']:.0f}/"
+        f"{p['overwrite']['p99']:.0f} µs")
+    return p
+
+
+def _write_markdown(dest: str, text: str) -> None:
+    if dest == "-":
+        print(text)
+    else:
+        with open(dest, "w") as f:
+            f.write(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benches.peers", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sel = ap.add_mutually_exclusive_group(required=True)
-    sel.add_argument("--all", action="store_true", help="fastlock and all four peers")
+    sel = ap.add_mutually_exclusive_group()
+    sel.add_argument("--all", action="store_true", help="fastlock and all four peers (the default)")
     sel.add_argument("--only", help=f"comma list of {','.join(SYSTEMS)} (the echo floor always runs)")
-    ap.add_argument("--quick", action="store_true", help="3 s per workload after 1 s warmup (total ~4-5 min)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="measure every system this many times, interleaved; tables show medians (default 2)")
+    ap.add_argument("--probe-count", type=int, default=2000,
+                    help="4 KiB write + fdatasync operations per shape in each round's fsync probe (default 2000)")
+    ap.add_argument("--quick", action="store_true", help="3 s per workload after 1 s warmup (~4-5 min a round)")
     ap.add_argument("--duration", type=float, default=None, help="seconds measured per workload (default 10; "
                     "--quick 3)")
     ap.add_argument("--warmup", type=float, default=None, help="seconds before measuring (default 2; --quick 1)")
@@ -85,9 +131,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="wait up to S seconds for other processes to go idle before starting (default 0)")
     ap.add_argument("--out", help="results folder (default benches/results/<timestamp>)")
     ap.add_argument("--json", metavar="PATH", help="also write results.json to PATH")
+    ap.add_argument("--markdown", nargs="?", const="-", metavar="PATH",
+                    help="print the README's comparison table and the verdicts as markdown (or write them to PATH)")
     args = ap.parse_args(argv)
+    if not 1 <= args.rounds <= 20:
+        ap.error(f"--rounds must be from 1 to 20, not {args.rounds}")
+    if not 1 <= args.probe_count <= fsync_probe.MAX_COUNT:
+        ap.error(f"--probe-count must be from 1 to {fsync_probe.MAX_COUNT}, not {args.probe_count}")
 
-    systems = list(SYSTEMS) if args.all else [s.strip() for s in args.only.split(",") if s.strip()]
+    systems = list(SYSTEMS) if not args.only else [s.strip() for s in args.only.split(",") if s.strip()]
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
         ap.error(f"unknown system(s) {bad}; choose from {SYSTEMS}")
@@ -114,25 +166,32 @@ def main(argv: list[str] | None = None) -> int:
 
     wls = harness.standard_workloads(duration, warmup, w2_clients=args.concurrency, w3_clients=args.w3_clients,
                                      hold=args.hold / 1e3)
-    main_targets, w4_targets = _targets(systems, args)
-    rows: list[dict] = []
     busy = harness.wait_for_quiet(args.quiet_wait, log=say)
-    say(f"W1/W2/W3: {duration:g} s each after {warmup:g} s warmup; uvloop={args.uvloop}; results -> {out}")
-    rows += harness.run_target(EchoTarget(use_uvloop=args.uvloop), wls.values(),
-                               use_uvloop=args.uvloop, log=say)
-    for t in main_targets:
-        rows += harness.run_target(t, wls.values(), use_uvloop=args.uvloop, log=say)
-    if args.w4 and w4_targets:
-        say("W4 (durability-matched): W1 and W2")
-        for t in w4_targets:
-            rows += harness.run_target(t, [wls["W1"], wls["W2"]], use_uvloop=args.uvloop, log=say)
+    say(f"W1/W2/W3: {duration:g} s each after {warmup:g} s warmup; {args.rounds} round(s) interleaved; "
+        f"uvloop={args.uvloop}; results -> {out}")
+    raw: list[dict] = []
+    probes: list[dict] = []
+    plan: list[tuple[harness.Target, list]] = []
+    current = -1
+    for r, i in rounds.schedule(list(range(len(_plan(systems, args, wls)))), args.rounds):
+        if r != current:                 # a new round: fresh targets, a fresh probe
+            current = r
+            say(f"round {r + 1}/{args.rounds}")
+            plan = _plan(systems, args, wls)
+            probes.append(dict(_probe(args.probe_count, say), round=r))
+        target, workloads = plan[i]
+        raw += [dict(row, round=r) for row in harness.run_target(target, workloads, use_uvloop=args.uvloop, log=say)]
     elapsed = time.monotonic() - t0
     payload = {
+        "command": "python -m benches.peers " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": harness.machine_info(), "started": _dt.datetime.now().isoformat(timespec="seconds"),
         "elapsed_s": round(elapsed, 1), "duration_s": duration, "warmup_s": warmup, "hold_ms": args.hold,
         "w2_clients": args.concurrency, "w3_clients": args.w3_clients, "redis_retry_ms": args.redis_retry_ms,
-        "uvloop": args.uvloop, "skipped": skipped, "busy_before_pct": busy, "rows": rows,
+        "uvloop": args.uvloop, "skipped": skipped, "busy_before_pct": busy, "rounds": args.rounds,
+        "rows": rounds.merge_rows(raw), "round_rows": raw,
+        "fsync_probe": rounds.merge_probes([p for p in probes if "error" not in p]), "fsync_probes": probes,
     }
+    payload["verdicts"] = goals.verdicts(payload)
     harness.write_json(os.path.join(out, "results.json"), payload)
     if args.json:
         harness.write_json(args.json, payload)
@@ -140,12 +199,19 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(md)
     pngs = report.plots(payload, out)
+    comparison = goals.comparison_markdown(payload) + "\n" + goals.verdict_markdown(payload["verdicts"])
+    with open(os.path.join(out, "comparison.md"), "w") as f:
+        f.write(comparison)
     print()
     print(md)
-    say(f"\nwrote {out}/results.md, results.json{', ' + ', '.join(os.path.basename(p) for p in pngs) if pngs else ''}"
-        f" in {elapsed:.0f} s")
-    return 0 if not any(r.get("workload") == "start" for r in rows) else 1
-
+    say("Targets (issue 12):")
+    for line in goals.verdict_lines(payload["verdicts"]):
+        say("  " + line)
+    if args.markdown:
+        _write_markdown(args.markdown, comparison)
+    say(f"\nwrote {out}/results.md, comparison.md, results.json"
+        f"{', ' + ', '.join(os.path.basename(p) for p in pngs) if pngs else ''} in {elapsed:.0f} s")
+    return 0 if not any(r.get("workload") == "start" for r in raw) else 1
 
 if __name__ == "__main__":
     try:

@@ -6,6 +6,8 @@ import math
 import os
 from typing import Any
 
+from benches.peers import goals
+
 DEFAULT_FASTLOCK = "fastlock fsync=always"
 FASTLOCK_ROWS = ("fastlock fsync=always", "fastlock fsync=never")
 W4_GROUPS = [
@@ -95,6 +97,10 @@ def markdown(payload: dict) -> str:
              f"{payload['duration_s']:g} s per workload after {payload['warmup_s']:g} s warmup; one client "
              f"process (asyncio tasks; kazoo in threads); loopback only; total run {payload['elapsed_s']:g} s; "
              f"other processes before start: {_f(payload.get('busy_before_pct'), '{:.0f}')} % of a core.\n")
+    if payload.get("rounds", 1) > 1:
+        L.append(f"Every figure is the median of {payload['rounds']} rounds, interleaved (each round runs every "
+                 "system once, with fresh servers); results.json gives each figure's min, max and per-round values "
+                 "(`spread`) and every round's rows (`round_rows`).\n")
     if payload.get("skipped"):
         L.append("Skipped: " + "; ".join(f"{k} ({v})" for k, v in payload["skipped"].items()) + "\n")
     L.append("A *pair* is one acquire + one release; latencies exclude the hold. "
@@ -182,6 +188,23 @@ def markdown(payload: dict) -> str:
         L.append("\n## Errors\n")
         for r in errs:
             L.append(f"- {r.get('target')} {r.get('workload')}: {'; '.join(map(str, r.get('errors', [])[:3]))}")
+
+    probe = payload.get("fsync_probe")
+    if probe:
+        L.append("\n## fsync probe (4 KiB write + fdatasync, µs)\n")
+        L.append(f"In {probe.get('dir')}, where fastlock's data dir is made; {_f(probe.get('count'))} operations per "
+                 f"shape in each of {probe.get('rounds')} round(s), medians.\n")
+        L.append("| shape | p50 | p90 | p99 | max |")
+        L.append("|---|---:|---:|---:|---:|")
+        for shape, what in (("append", "appending to a file"),
+                            ("overwrite", "overwriting a preallocated zero-filled file")):
+            s = probe.get(shape) or {}
+            L.append(f"| {what} | {_f(s.get('p50'))} | {_f(s.get('p90'))} | {_f(s.get('p99'))} | {_f(s.get('max'))} |")
+    if payload.get("verdicts"):
+        L.append("\n## Targets (issue 12)\n")
+        L.append(goals.verdict_markdown(payload["verdicts"]))
+        L.append("## README comparison table\n")
+        L.append(goals.comparison_markdown(payload))
 
     L.append("\n## Targets (issue 6)\n")
     for name in FASTLOCK_ROWS:
