@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The ``fastlock`` parser and its ``serve`` subparser."""
-    parser = argparse.ArgumentParser(prog="fastlock", description="fastlock lock server and tools")
+    parser = argparse.ArgumentParser(prog="fastlock", description="fastlock lock server and tools", allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"fastlock {__version__}")
     # every subcommand's parser keeps its options, for serve's config layers (fastlock.cli.config)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=config.RecordingParser)
