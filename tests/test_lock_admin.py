@@ -105,8 +105,10 @@ async def test_revocation_fences_a_live_holder_and_tells_watchers(server, connec
     with pytest.raises(LeaseLost):
         await holder.extend(lease)
     assert not await admin.check("jobs/7", lease.fencing_token)
-    with pytest.raises(LockNotHeld):
+    with pytest.raises(LockNotHeld, match=r"^'free/lock' has no holder$"):
         await admin.revoke("free/lock")
+    with pytest.raises(LockNotHeld, match=r"^'jobs/7' has no lease with token 5$"):
+        await admin.revoke("jobs/7", fencing_token=5)
     await events.aclose()
 
 
@@ -149,6 +151,10 @@ def test_only_admins_may_list_or_revoke_when_the_server_has_credentials(tmp_path
         asyncio.run(scenario())
         refused = fastlock_cli("locks", server=srv.address)
         assert refused.returncode == 1 and "needs an admin principal" in refused.stderr
+        refused = fastlock_cli("revoke", "x", server=srv.address, env={"FASTLOCK_TOKEN_FILE": creds.token_file("app")})
+        assert refused.returncode == 1, refused.stderr
+        assert "revoke needs an admin principal; 'app' is a client" in refused.stderr, refused.stderr
+        assert "lock_info" not in refused.stderr
         ok = fastlock_cli("locks", server=srv.address, env={"FASTLOCK_TOKEN_FILE": creds.token_file("admin")})
         assert ok.returncode == 0 and ok.stdout.startswith("NAME"), ok.stderr
     finally:

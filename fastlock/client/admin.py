@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import protocol as P
-from ..errors import InvalidArgument, LockNotHeld, WrongArgumentType
+from ..errors import InvalidArgument, LockNotHeld, PermissionDenied, WrongArgumentType
 
 __all__ = ["LeaseInfo", "WaiterInfo", "LockInfo", "LockList", "LockAdminMethods", "MAX_REASON_CHARS"]
 
@@ -149,7 +149,12 @@ class LockAdminMethods:
         else:
             # named by token even then: a request repeated after a lost reply (a failover)
             # must not revoke the lease granted next
-            tokens = [h.fencing_token for h in (await self.lock_info(name)).holders]
+            try:
+                holders = (await self.lock_info(name)).holders
+            except PermissionDenied as exc:  # say what was refused: the revocation, not its lookup
+                _, _, who = str(exc).partition("; ")
+                raise PermissionDenied("revoke needs an admin principal" + (f"; {who}" if who else "")) from None
+            tokens = [h.fencing_token for h in holders]
             if not tokens:
                 raise LockNotHeld(f"{name!r} has no holder")
         revoked = []

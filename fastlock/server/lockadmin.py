@@ -141,7 +141,7 @@ class LockAdmin:
         now = monotonic_ms()
         leases = [h for h in table.holders_of(name, now) if token is None or h.token == token]
         if not leases:
-            which = f"a lease with token {token}" if token is not None else "a holder"
+            which = f"lease with token {token}" if token is not None else "holder"
             raise LockNotHeld(f"{name!r} has no {which}")
         server = handlers.server
         quotas = server.quotas
