@@ -115,6 +115,9 @@ def add_parsers(sub: Any) -> None:
     wd.add_argument("--lock", metavar="NAME", help="only this lock")
     wd.add_argument("--state", action="store_true",
                     help="then print the state the records add up to (epoch, counter, holders)")
+    wd.add_argument("-o", "--output", choices=("text", "json"), default="text",
+                    help="text: audit lines (peer-chosen values JSON-quoted unless plain); json: one JSON "
+                         "object per record per line")
     wd.add_argument("directory", metavar="DIR", help="the server's --data-dir")
 
 
@@ -299,7 +302,7 @@ def wal_dump_command(args: argparse.Namespace) -> int:
     if not any(_WAL_FILE.match(n) for n in os.listdir(d)):
         raise FileNotFoundError(f"{d}: no WAL segment (wal-*.log) or snapshot (snap-*.snap) here; "
                                 f"is it a fastlock --data-dir?")
-    wal.dump(d, lock=args.lock, file=sys.stdout, state=args.state)
+    wal.dump(d, lock=args.lock, file=sys.stdout, state=args.state, output=args.output)
     return 0
 
 
