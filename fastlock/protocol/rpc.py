@@ -62,11 +62,22 @@ from .ops import OP_PING
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RpcConnection", "open_connection"]
+__all__ = ["RpcConnection", "looks_like_tls", "open_connection"]
 
 #: default bound of one frame from a server, bytes (a status or a snapshot
 #: reply can be large; a standby's link passes a larger one)
 DEFAULT_MAX_FRAME_BYTES = 64 << 20
+
+
+#: how many of a server's first bytes a connection keeps (:attr:`RpcConnection.head`)
+HEAD_BYTES = 16
+
+
+def looks_like_tls(head: bytes) -> bool:
+    """Whether ``head``, the first bytes a server sent, start a TLS record: an alert
+    (content type 21) or a handshake (22), with a 3.x record version - what a TLS port
+    answers to a client that speaks plain TCP."""
+    return len(head) >= 2 and head[0] in (0x15, 0x16) and head[1] == 0x03
 
 
 def _ignore_result(fut: asyncio.Future[Any]) -> None:
@@ -102,10 +113,13 @@ class RpcConnection(asyncio.Protocol):
             closing the connection, if it gave one.
         silent (bool): aborted by the liveness watchdog.
         pings (int): liveness pings sent.
+        head (bytes): the first bytes the server sent (at most :data:`HEAD_BYTES`;
+            empty if none), to tell a port that speaks something else apart
+            (:func:`looks_like_tls`).
     """
 
     __slots__ = ("address", "transport", "closed", "pending", "subscriptions", "loop", "last_recv",
-                 "close_error", "silent", "pings", "liveness_timeout", "_decoder", "_next_id", "_on_push",
+                 "close_error", "silent", "pings", "head", "liveness_timeout", "_decoder", "_next_id", "_on_push",
                  "_on_read_end", "_on_close", "_watchdog", "_armed_at", "_ping_sent", "_pinged")
 
     def __init__(self, address: tuple[str, int] = ("", 0), *,
@@ -125,6 +139,7 @@ class RpcConnection(asyncio.Protocol):
         self.close_error: FastlockError | None = None
         self.silent = False
         self.pings = 0
+        self.head = b""
         self.liveness_timeout = liveness_timeout
         # what a server sends: replies and pushes (a standby's stream has its own limits)
         self._decoder = FrameDecoder(max_frame, limits=limits or REPLY_LIMITS)
@@ -143,6 +158,8 @@ class RpcConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.last_recv = self.loop.time()
         self._pinged = False
+        if not self.head:
+            self.head = data[:HEAD_BYTES]
         try:
             messages = self._decoder.feed(data)
         except ProtocolError as exc:
@@ -323,8 +340,10 @@ class RpcConnection(asyncio.Protocol):
         silent = now - since
         pinged = self._pinged
         if silent >= timeout and pinged:
-            log.warning("no reply from %s for %.1f s (timeout %s s); dropping the connection",
-                        self._where(), silent, timeout)
+            # a server that never answered at all: the handshake's caller reports it (one error, no log noise)
+            log.log(logging.WARNING if self.head else logging.DEBUG,
+                    "no reply from %s for %.1f s (timeout %s s); dropping the connection", self._where(), silent,
+                    timeout)
             self.silent = True
             self.abort(ConnectionLost(f"no reply from the fastlock server at {self._where()} for "
                                       f"{silent:.1f} s (request_timeout {timeout} s)"))
