@@ -202,3 +202,21 @@ def test_a_port_that_does_not_speak_fastlock_is_one_line_within_the_connect_time
         line = one_clear_line(out, 1, "not a fastlock server")
         assert "TLS" not in line, line
     assert took < ADMIN_TIMEOUT + 5.0  # the connect timeout, plus the interpreter's start
+
+
+@pytest.mark.parametrize("command", [["status"], ["promote"], ["serve-alone"], ["locks"], ["lock", "x"],
+                                     ["revoke", "x"], ["top"]])
+def test_with_o_json_a_runtime_error_is_one_json_object_on_stderr(tmp_path, refused, command):
+    out = fastlock(*command, "--server", refused, "-o", "json", cwd=tmp_path)
+    assert out.returncode == 1 and out.stdout == "", (out.stdout, out.stderr)
+    (line,) = out.stderr.splitlines()
+    error = json.loads(line)
+    assert set(error) == {"command", "error", "message"} and error["command"] == command[0], error
+    assert error["error"] in ("ConnectionRefusedError", "ConnectionLost") and refused in error["message"], error
+
+
+def test_wal_dump_errors_are_json_with_o_json(tmp_path):
+    out = fastlock("wal", "dump", "-o", "json", str(tmp_path / "missing"), cwd=tmp_path)
+    assert out.returncode == 1 and out.stdout == ""
+    assert json.loads(out.stderr) == {"command": "wal dump", "error": "FileNotFoundError",
+                                      "message": f"{tmp_path / 'missing'}: no such directory"}

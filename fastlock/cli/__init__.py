@@ -42,7 +42,7 @@ from .._version import __version__
 from ..errors import FastlockError
 from ..wal import WalCorruption
 from . import admin, config, demo, elect, locks, run, serve, top
-from .args import add_client_tls_arguments, client_tls_options, seconds_arg
+from .args import add_client_tls_arguments, client_tls_options, print_error, seconds_arg
 
 __all__ = ["add_client_tls_arguments", "build_parser", "client_tls_options", "main", "seconds_arg"]
 
@@ -72,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
 
     Usage errors (bad arguments) exit 2 with argparse's message; runtime
     errors (unreachable server, refused request, missing or damaged WAL)
-    print one line, ``fastlock <command>: <reason>``, to stderr and exit 1.
+    print one line, ``fastlock <command>: <reason>``, to stderr and exit 1 -
+    with ``-o json``, that line is a JSON object, ``{"command", "error",
+    "message"}`` (:func:`~fastlock.cli.args.print_error`); stdout only ever
+    holds results.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     parser, serve_parser = _build()
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if not isinstance(exc, (FastlockError, WalCorruption, OSError, TimeoutError, ValueError)):
             raise  # a bug: keep the traceback
-        print(f"fastlock {command}: {describe(args, exc)}", file=sys.stderr)
+        print_error(args, command, describe(args, exc), type(exc).__name__)
         return 1
 
 
