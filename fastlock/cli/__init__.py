@@ -4,8 +4,8 @@ Subcommands::
 
     fastlock serve [--listen HOST:PORT] [--data-dir DIR] [--fsync always|interval|never] ...
     fastlock demo [--workers N] [--unfenced] [--quiet] [--keep] ...
-    fastlock status [--server HOST:PORT]
-    fastlock wal dump [--lock NAME] DIR
+    fastlock status [--server HOST:PORT] [-o json]
+    fastlock wal dump [--lock NAME] [--state] [-o json] DIR
     fastlock run NAME --ttl S [--wait S] [--server HOST:PORT] -- CMD ...
     fastlock promote --server HOST:PORT [--force] [--token-file FILE]
     fastlock serve-alone --server HOST:PORT [--token-file FILE]
@@ -14,7 +14,7 @@ Subcommands::
     fastlock lock NAME [-o json]                      one lock's holders and ordered waiters
     fastlock revoke NAME [--token T] [--reason TEXT]  force-release (audit record in the WAL)
     fastlock elect NAME PROPOSAL | --listen NAME      campaign / print each new leader
-    fastlock top [--once] [--rows N]                  live view of the busiest and most contended locks
+    fastlock top [--once] [--rows N] [-o json]        live view of the busiest and most contended locks
 
 The package holds one module per concern: :mod:`~fastlock.cli.args` (argument
 types and shared options), :mod:`~fastlock.cli.serve`,
