@@ -25,7 +25,7 @@ from .. import wal
 from ..auth import generate
 from ..errors import ConnectionLost, FastlockError
 from ..protocol import OP_HELLO, OP_PROMOTE, OP_SERVE_ALONE, OP_STATUS, PROTOCOL_VERSION
-from ..protocol.rpc import looks_like_tls, open_connection
+from ..protocol.rpc import NotFastlockReply, open_connection, what_answered
 from ..tls import client_ssl_context
 from ..units import DEFAULT_PORT, format_address
 from .args import (
@@ -194,10 +194,10 @@ def admin_request(server: tuple[str, int], token: str | None, op: int, *args: An
                 raise NotFastlock(f"not a fastlock server (no answer to HELLO within "
                                   f"{min(reply_timeout, ADMIN_TIMEOUT):g} s)") from None
             except ConnectionLost as exc:
-                if conn.close_error is None and conn.head:  # it answered, not in fastlock
-                    if ctx is None and looks_like_tls(conn.head):
-                        raise ConnectionError("it answered in TLS: a TLS port (pass --tls-ca or --tls)") from None
-                    raise NotFastlock(f"not a fastlock server (it answered {conn.head!r}: {exc})") from None
+                if conn.close_error is None and conn.received:  # it answered, not in fastlock
+                    if not isinstance(exc, NotFastlockReply):
+                        raise NotFastlock(f"not a fastlock server ({exc})") from None
+                    raise NotFastlock(what_answered(exc.head, ctx is not None, "pass --tls-ca or --tls")) from None
                 raise
             if not isinstance(info, dict) or info.get("server") != "fastlock":
                 raise NotFastlock(f"not a fastlock server (HELLO answered {info!r:.60})")

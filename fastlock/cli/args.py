@@ -23,8 +23,9 @@ from ..units import DEFAULT_PORT, MAX_SECONDS, check_seconds, parse_address
 
 __all__ = [
     "SERVER_VARIABLE", "add_client_tls_arguments", "add_token_arguments", "client_tls_options",
-    "count_arg", "print_error", "exit_code_arg", "frame_bytes_arg", "listen_address", "positive_int", "positive_seconds_arg",
-    "read_secret", "read_token", "seconds_arg", "server_address", "servers_from_env", "ttl_arg", "wait_arg",
+    "count_arg", "exit_code_arg", "frame_bytes_arg", "listen_address", "positive_int", "positive_seconds_arg",
+    "print_error", "read_secret", "read_token", "seconds_arg", "server_address", "servers_from_env", "ttl_arg",
+    "wait_arg",
 ]
 
 #: the environment variable naming the server(s) a client command talks to

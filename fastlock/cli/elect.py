@@ -34,8 +34,8 @@ from typing import Any
 
 from ..client import Client
 from ..client.election import Election, Leader
-from ..protocol import MAX_CORRELATION_ID_CHARS
 from ..logsafe import display
+from ..protocol import MAX_CORRELATION_ID_CHARS
 from .args import client_tls_options, print_error, read_token, seconds_arg
 from .locks import _common, _name_arg, _servers
 

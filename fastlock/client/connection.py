@@ -31,7 +31,7 @@ from .. import protocol as P
 from ..errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost, NotPrimary, Unavailable
 from ..logsafe import quote
 from ..protocol.ops import PUSH_VALUE
-from ..protocol.rpc import RpcConnection, looks_like_tls
+from ..protocol.rpc import NotFastlockReply, RpcConnection, what_answered
 from ..units import parse_address
 from .lease import WatchEvent
 
@@ -54,15 +54,6 @@ _REFUSED_CERT_HINT = (" (a TLS server that requires client certificates drops th
 _PLAIN_TO_TLS_HINT = " (if it is a TLS port: pass tls_ca=... or tls=True)"
 
 Address = tuple[str, int]
-
-
-def _foreign(head: bytes, tls: bool) -> str:
-    """What a server that answered a handshake with ``head`` (its first bytes, not a
-    fastlock reply) is: a TLS port, for a client without TLS, when they start a TLS
-    record; otherwise not a fastlock server."""
-    if looks_like_tls(head) and not tls:
-        return "it answered in TLS: a TLS port (pass tls_ca=... or tls=True)"
-    return f"not a fastlock server (it answered {head!r})"
 
 
 def ignore_result(fut: asyncio.Future[Any]) -> None:
@@ -299,8 +290,9 @@ class Connector:
             except (asyncio.TimeoutError, ConnectionLost) as exc:
                 if isinstance(exc, ConnectionLost) and not proto.silent:
                     proto.abort(exc)
-                    if proto.head:  # it answered, not in fastlock's protocol
-                        errors.append(f"{addr[0]}:{addr[1]}: {_foreign(proto.head, self._ssl is not None)} ({exc})")
+                    if isinstance(exc, NotFastlockReply):  # it answered, not in fastlock's protocol
+                        what = what_answered(exc.head, self._ssl is not None, "pass tls_ca=... or tls=True")
+                        errors.append(f"{addr[0]}:{addr[1]}: {what} ({exc})")
                     else:  # closed without a byte: most likely a TLS port (or a refused client certificate)
                         hint = _REFUSED_CERT_HINT if self._ssl is not None else _PLAIN_TO_TLS_HINT
                         errors.append(f"{addr[0]}:{addr[1]}: handshake failed: {exc}{hint}")
@@ -309,9 +301,8 @@ class Connector:
                 proto.abort(ConnectionLost("handshake timed out"))
                 self._suspects.add(addr)
                 waited = self._request_timeout if isinstance(exc, ConnectionLost) else self._connect_timeout
-                errors.append(f"{addr[0]}:{addr[1]}: no handshake reply within {waited:g} s: "
-                              + (_foreign(proto.head, self._ssl is not None) if proto.head else
-                                 "not a fastlock server (or a stalled one)"))
+                errors.append(f"{addr[0]}:{addr[1]}: no handshake reply within {waited:g} s: not a fastlock "
+                              f"server (or a stalled one)")
                 continue
             except BaseException:
                 proto.abort(ConnectionLost("handshake failed"))

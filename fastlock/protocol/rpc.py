@@ -62,15 +62,28 @@ from .ops import OP_PING
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RpcConnection", "looks_like_tls", "open_connection"]
+__all__ = ["NotFastlockReply", "RpcConnection", "looks_like_tls", "open_connection", "what_answered"]
 
 #: default bound of one frame from a server, bytes (a status or a snapshot
 #: reply can be large; a standby's link passes a larger one)
 DEFAULT_MAX_FRAME_BYTES = 64 << 20
 
 
-#: how many of a server's first bytes a connection keeps (:attr:`RpcConnection.head`)
+#: how many of the offending bytes a :class:`NotFastlockReply` keeps
 HEAD_BYTES = 16
+
+
+class NotFastlockReply(ConnectionLost):
+    """The server sent bytes that are no fastlock reply (the connection is aborted).
+
+    Attributes:
+        head (bytes): the first of them (at most :data:`HEAD_BYTES`), to tell a port that
+            speaks another protocol apart (:func:`looks_like_tls`).
+    """
+
+    def __init__(self, message: str, head: bytes):
+        super().__init__(message)
+        self.head = head
 
 
 def looks_like_tls(head: bytes) -> bool:
@@ -78,6 +91,16 @@ def looks_like_tls(head: bytes) -> bool:
     (content type 21) or a handshake (22), with a 3.x record version - what a TLS port
     answers to a client that speaks plain TCP."""
     return len(head) >= 2 and head[0] in (0x15, 0x16) and head[1] == 0x03
+
+
+def what_answered(head: bytes, tls: bool, tls_hint: str) -> str:
+    """What a server that answered with ``head`` (bytes that are no fastlock reply) is,
+    for an error message: a TLS port (then ``tls_hint``, how to turn TLS on) when a
+    client without TLS (``tls`` False) got the start of a TLS record; otherwise not a
+    fastlock server."""
+    if looks_like_tls(head) and not tls:
+        return f"it answered in TLS: a TLS port ({tls_hint})"
+    return f"not a fastlock server (it answered {head!r})"
 
 
 def _ignore_result(fut: asyncio.Future[Any]) -> None:
@@ -113,13 +136,11 @@ class RpcConnection(asyncio.Protocol):
             closing the connection, if it gave one.
         silent (bool): aborted by the liveness watchdog.
         pings (int): liveness pings sent.
-        head (bytes): the first bytes the server sent (at most :data:`HEAD_BYTES`;
-            empty if none), to tell a port that speaks something else apart
-            (:func:`looks_like_tls`).
+        received (bool): any byte has arrived.
     """
 
     __slots__ = ("address", "transport", "closed", "pending", "subscriptions", "loop", "last_recv",
-                 "close_error", "silent", "pings", "head", "liveness_timeout", "_decoder", "_next_id", "_on_push",
+                 "close_error", "silent", "pings", "liveness_timeout", "_decoder", "_next_id", "_on_push",
                  "_on_read_end", "_on_close", "_watchdog", "_armed_at", "_ping_sent", "_pinged")
 
     def __init__(self, address: tuple[str, int] = ("", 0), *,
@@ -139,7 +160,6 @@ class RpcConnection(asyncio.Protocol):
         self.close_error: FastlockError | None = None
         self.silent = False
         self.pings = 0
-        self.head = b""
         self.liveness_timeout = liveness_timeout
         # what a server sends: replies and pushes (a standby's stream has its own limits)
         self._decoder = FrameDecoder(max_frame, limits=limits or REPLY_LIMITS)
@@ -151,6 +171,11 @@ class RpcConnection(asyncio.Protocol):
         self._ping_sent = float("-inf")
         self._pinged = False  # a ping went out and no byte has come in since
 
+    @property
+    def received(self) -> bool:
+        """Any byte has arrived on this connection."""
+        return self._decoder.fed > 0
+
     # -- asyncio.Protocol --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # a stream transport: create_connection made it
@@ -158,13 +183,14 @@ class RpcConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.last_recv = self.loop.time()
         self._pinged = False
-        if not self.head:
-            self.head = data[:HEAD_BYTES]
         try:
             messages = self._decoder.feed(data)
         except ProtocolError as exc:
-            log.error("bad data from %s: %s", self._where(), exc)
-            self.abort(ConnectionLost(f"bad data from the fastlock server at {self._where()}: {exc}"))
+            # in the first bytes: a port that speaks something else, which the handshake's caller reports
+            log.log(logging.ERROR if self._decoder.fed > len(data) else logging.DEBUG, "bad data from %s: %s",
+                    self._where(), exc)
+            self.abort(NotFastlockReply(f"bad data from the fastlock server at {self._where()}: {exc}",
+                                        data[:HEAD_BYTES]))
             return
         pending = self.pending
         pushed = False
@@ -173,7 +199,7 @@ class RpcConnection(asyncio.Protocol):
                 req_id = msg[0]
                 status = msg[1]
             except (TypeError, IndexError, KeyError):
-                self.abort(ConnectionLost(f"malformed message from {self._where()}"))
+                self.abort(NotFastlockReply(f"malformed message from {self._where()}", data[:HEAD_BYTES]))
                 return
             if req_id == 0:
                 if type(status) is int:
@@ -341,7 +367,7 @@ class RpcConnection(asyncio.Protocol):
         pinged = self._pinged
         if silent >= timeout and pinged:
             # a server that never answered at all: the handshake's caller reports it (one error, no log noise)
-            log.log(logging.WARNING if self.head else logging.DEBUG,
+            log.log(logging.WARNING if self.received else logging.DEBUG,
                     "no reply from %s for %.1f s (timeout %s s); dropping the connection", self._where(), silent,
                     timeout)
             self.silent = True
