@@ -1,8 +1,8 @@
 """``fastlock top``: a live terminal view of the primary's locks (rich), refreshed each second.
 
-Each frame asks the primary for ``status`` (counters, sessions, role), ``locks`` (every
-held lease with its queue depth) and ``lock`` for the ``--rows`` most contended locks (their
-waiters, oldest first), then shows:
+Each frame asks the primary for ``status`` (counters, sessions, role), ``locks`` ranked by
+the server (the ``--rows`` locks with the most waiters, then by name: one page, however many
+locks are held) and ``lock`` for those with waiters (their waiters, oldest first), then shows:
 
 - a header: role, epoch, sessions, held locks, waiters, and the grants, releases,
   expiries and wait timeouts per second since the previous frame;
@@ -12,7 +12,7 @@ waiters, oldest first), then shows:
 - the wait and hold percentiles (p50, p90, p99) of what top sees: **wait** is how long
   each current waiter of those locks has waited so far; **hold** is how long the leases
   that top saw end were held, to the resolution of one frame (so the first frame has
-  none).
+  none); when more locks are held than shown, only the handovers of the locks shown.
 
 Top needs no ``--metrics``: it is built from the admin requests (an admin principal, or
 open mode).  The server's own histograms of time-to-acquire and hold time, measured on
@@ -81,15 +81,19 @@ class TopSampler:
         self.holds: collections.deque[float] = collections.deque(maxlen=HOLDS_KEPT)
         self.previous: tuple[float, dict[str, Any]] | None = None
 
-    def observe(self, now: float, leases: list[LeaseInfo]) -> None:
-        """Record one frame's held leases (exclusive holders by name; the first holder of a shared lock)."""
+    def observe(self, now: float, leases: list[LeaseInfo], complete: bool = True) -> None:
+        """Record one frame's held leases (exclusive holders by name; the first holder of a
+        shared lock).  ``complete``: ``leases`` are all the held ones; else (a page of
+        them) a lock missing from it may still be held, so it is forgotten, not counted
+        as a hold that ended."""
         current: dict[str, int] = {}
         for lease in leases:
             current.setdefault(lease.name, lease.fencing_token)
         for name, (token, since) in list(self.first_seen.items()):
             if current.get(name) != token:
-                self.holds.append(now - since)
                 del self.first_seen[name]
+                if name in current or complete:
+                    self.holds.append(now - since)
                 if name in current:
                     self.handovers[name] += 1
         for name, token in current.items():
@@ -151,10 +155,10 @@ Sample = tuple[float, dict[str, Any], list[LeaseInfo], dict[str, LockInfo]]
 async def sample(client: Client, sampler: TopSampler, rows: int) -> Sample:
     """Ask the primary once: ``(now, status, leases, infos of the most contended)``."""
     status = await client.status()
-    listing = await client.locks("")
+    listing = await client.locks("", most=rows, order="contended")  # ranked by the server: one page
     now = time.monotonic()
-    sampler.observe(now, listing.locks)
-    contended = sorted((h for h in listing.locks if h.waiters), key=lambda h: -h.waiters)[:rows]
+    sampler.observe(now, listing.locks, complete=not listing.truncated)
+    contended = [h for h in listing.locks if h.waiters]
     infos = {h.name: await client.lock_info(h.name) for h in contended}
     return now, status, listing.locks, infos
 
