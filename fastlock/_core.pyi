@@ -229,6 +229,10 @@ class LockTable:
     def session_waiters(self, session: int) -> int: ...
     def holders(self) -> list[Holder]:
         """Every current lease of every kind (for snapshots), any order."""
+    def held_page(self, prefix: str, after: str | None, limit: int, by_waiters: bool,
+                  now: int) -> tuple[list[tuple[str, int]], int]:
+        """One page of the held locks (name, queue length) by name or by waiters, and the
+        number of matching unexpired leases; builds no row outside the page."""
     def stats(self) -> dict[str, int]:
         """Counters; ``locks_held`` counts leases (each shared holder / permit)."""
     def __len__(self) -> int:

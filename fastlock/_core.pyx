@@ -1571,6 +1571,72 @@ cdef class LockTable:
                     out.append(self._lease_snapshot(lock, lease))
         return out
 
+    def held_page(self, prefix, after, limit, by_waiters, now):
+        """One page of the locks held at ``now`` whose name starts with ``prefix``
+        (str; "" for all), for the operator's listing: every lock is looked at in C,
+        and only the page's names are sorted and returned, so a table of a million
+        leases builds no row for the locks outside the page.  Pure query.
+
+        ``after`` (str or None): only names above it (the last name of the previous
+        page; with ``by_waiters`` False).  ``limit`` (int >= 1): most names in the page.
+        ``by_waiters``: the locks with the most waiters first (then by name), the
+        locks without waiters after them by name; else by name.
+
+        Returns ``(page, matched)``: ``page`` a list of ``(name, waiters)`` in page
+        order, ``waiters`` the length of the lock's queue; ``matched`` the number of
+        unexpired leases (each shared holder and permit counts) of every matching lock."""
+        import heapq
+        if type(prefix) is not str:
+            raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
+        if after is not None and type(after) is not str:
+            raise TypeError(f"after must be a str or None, not {type(after).__name__}")
+        cdef str p = <str>prefix
+        cdef object a = after
+        cdef int64_t n = _int(limit, "limit")
+        if n < 1:
+            raise ValueError(f"limit must be >= 1, got {n}")
+        cdef int64_t t = _ms(now, "now", 0)
+        cdef bint rank = bool(by_waiters)
+        cdef list names = []
+        cdef list waited = []
+        cdef int64_t matched = 0
+        cdef int64_t live
+        cdef Py_ssize_t nw
+        cdef _Lock lock
+        cdef _Lease lease
+        cdef str name
+        for lock in self._locks.values():
+            if lock.held:
+                if lock.deadline <= t:
+                    continue
+                live = 1
+            elif lock.n_leases:
+                live = 0
+                for lease in lock.leases.values():
+                    if lease.deadline > t:
+                        live += 1
+                if not live:
+                    continue
+            else:
+                continue
+            name = lock.name
+            if p and not name.startswith(p):
+                continue
+            if a is not None and name <= <str>a:
+                continue
+            matched += live
+            nw = 0 if lock.by_owner is None else len(lock.by_owner)
+            if rank and nw:
+                waited.append((-nw, name))
+            else:
+                names.append(name)
+        cdef list page = [(nm, -neg) for neg, nm in heapq.nsmallest(n, waited)] if rank else []
+        if len(page) < n:
+            for name in heapq.nsmallest(n - len(page), names):
+                lock = <_Lock>self._locks[name]
+                page.append((name, 0 if lock.by_owner is None else len(lock.by_owner)))
+        return page, matched
+
     def stats(self):
         """Counters (dict str -> int): locks_held (leases held: each shared holder and
         each permit counts), waiters, grants (fresh grants),

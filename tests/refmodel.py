@@ -821,6 +821,19 @@ class RefLockTable:
     def holders(self) -> list[Holder]:
         return [self._snapshot(lock, h) for lock in self.locks.values() for h in self._leases(lock)]
 
+    def held_page(self, prefix, after, limit, by_waiters, now) -> tuple[list[tuple[str, int]], int]:
+        now = _ms(now, "now", 0)
+        rows = []  # (name, live leases, waiters) of every matching lock
+        for name, lock in self.locks.items():
+            live = sum(1 for h in self._leases(lock) if h.entry.deadline > now)
+            if live and name.startswith(prefix) and (after is None or name > after):
+                rows.append((name, live, len(lock.waiters)))
+        if by_waiters:
+            rows.sort(key=lambda r: (r[2] == 0, -r[2], r[0]))
+        else:
+            rows.sort()
+        return [(name, waiters) for name, _, waiters in rows[:limit]], sum(r[1] for r in rows)
+
     def stats(self) -> dict[str, int]:
         return {
             "locks_held": len(self),

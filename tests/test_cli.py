@@ -154,8 +154,17 @@ def test_serve_refuses_a_frame_limit_too_small_for_a_valid_request(tmp_path):
     check_limits(ServerConfig(max_frame_bytes=4096))
 
 
-@pytest.mark.parametrize("answer", [b"", b"HTTP/1.1 400 Bad Request\r\n\r\n"])
-def test_status_of_a_port_that_does_not_speak_fastlock_says_so_within_the_connect_timeout(tmp_path, answer):
+#: what a TLS port answers a client that speaks plain TCP: an alert record (TLS 1.0, fatal, decode_error)
+TLS_ALERT = bytes.fromhex("15030100020232")
+
+
+@pytest.mark.parametrize("command", ["status", "locks"])
+@pytest.mark.parametrize("answer", [b"", b"HTTP/1.1 400 Bad Request\r\n\r\n", TLS_ALERT],
+                         ids=["silent", "http", "tls-alert"])
+def test_a_port_that_does_not_speak_fastlock_is_one_line_within_the_connect_timeout(tmp_path, answer, command):
+    """Status (a direct request) and locks (the client library) say "not a fastlock server" -
+    or, when the bytes start a TLS record, that the port speaks TLS - in one line on stderr
+    (no log line), within the connect timeout."""
     import threading
     import time
 
@@ -164,22 +173,50 @@ def test_status_of_a_port_that_does_not_speak_fastlock_says_so_within_the_connec
     listener = socket.create_server(("127.0.0.1", 0))
     accepted = []
 
-    def serve_one() -> None:
-        conn, _ = listener.accept()
-        accepted.append(conn)
-        if answer:
-            conn.recv(4096)
-            conn.sendall(answer)
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+            if answer:
+                conn.recv(4096)
+                conn.sendall(answer)
+                conn.shutdown(socket.SHUT_WR)
 
-    thread = threading.Thread(target=serve_one, daemon=True)
+    thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
         started = time.monotonic()
-        out = fastlock("status", "--server", f"127.0.0.1:{listener.getsockname()[1]}", cwd=tmp_path)
+        out = fastlock(command, "--server", f"127.0.0.1:{listener.getsockname()[1]}", cwd=tmp_path)
         took = time.monotonic() - started
     finally:
         listener.close()
         for conn in accepted:
             conn.close()
-    one_clear_line(out, 1, "not a fastlock server")
+    if answer == TLS_ALERT:
+        line = one_clear_line(out, 1, "answered in TLS", "--tls" if command == "status" else "tls")
+        assert "not a fastlock server" not in line
+    else:
+        line = one_clear_line(out, 1, "not a fastlock server")
+        assert "TLS" not in line, line
     assert took < ADMIN_TIMEOUT + 5.0  # the connect timeout, plus the interpreter's start
+
+
+@pytest.mark.parametrize("command", [["status"], ["promote"], ["serve-alone"], ["locks"], ["lock", "x"],
+                                     ["revoke", "x"], ["top"]])
+def test_with_o_json_a_runtime_error_is_one_json_object_on_stderr(tmp_path, refused, command):
+    out = fastlock(*command, "--server", refused, "-o", "json", cwd=tmp_path)
+    assert out.returncode == 1 and out.stdout == "", (out.stdout, out.stderr)
+    (line,) = out.stderr.splitlines()
+    error = json.loads(line)
+    assert set(error) == {"command", "error", "message"} and error["command"] == command[0], error
+    assert error["error"] in ("ConnectionRefusedError", "ConnectionLost") and refused in error["message"], error
+
+
+def test_wal_dump_errors_are_json_with_o_json(tmp_path):
+    out = fastlock("wal", "dump", "-o", "json", str(tmp_path / "missing"), cwd=tmp_path)
+    assert out.returncode == 1 and out.stdout == ""
+    assert json.loads(out.stderr) == {"command": "wal dump", "error": "FileNotFoundError",
+                                      "message": f"{tmp_path / 'missing'}: no such directory"}

@@ -5,6 +5,7 @@ the same way."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -166,3 +167,35 @@ def test_json_logs_are_one_object_per_line_with_context(tmp_path):
     for other in srv.lines:
         if other.strip():
             assert set(json.loads(other)) >= {"time", "level", "logger", "message"}
+
+
+def test_an_abbreviated_option_is_refused_not_silently_ignored(tmp_path):
+    (tmp_path / "x.toml").write_text("max-leases = 7\n")
+    out = run_fastlock("serve", "--conf", "x.toml", "--print-config", cwd=tmp_path)
+    assert out.returncode == 2 and "unrecognized arguments: --conf" in out.stderr, out.stderr
+    out = run_fastlock("serve", "--config", "x.toml", "--print-co", cwd=tmp_path)
+    assert out.returncode == 2 and "--print-co" in out.stderr, out.stderr
+    out = run_fastlock("locks", "--serv", "127.0.0.1:1", cwd=tmp_path)
+    assert out.returncode == 2 and "unrecognized arguments: --serv" in out.stderr, out.stderr
+
+
+def test_print_config_is_valid_toml_whatever_the_values_hold(tmp_path):
+    import tomllib
+
+    hostile = 'a"b\\c\nname = "forged"\r\t\b\f\x01\x1b[31m\x7f\u2028é'
+    (tmp_path / "f.toml").write_text(f"data-dir = {json.dumps(hostile + chr(0))}\n")  # JSON's escapes are TOML's
+    out = run_fastlock("serve", "--config", "f.toml", "--print-config", cwd=tmp_path,
+                       env={"FASTLOCK_NAME": hostile})
+    assert out.returncode == 0, out.stderr
+    parsed = tomllib.loads(out.stdout)
+    assert parsed["data-dir"] == hostile + "\x00" and parsed["name"] == hostile
+    assert "forged" not in {k for k in parsed}
+
+
+@pytest.mark.parametrize("content", ['max-leases = 5\nmax_leases = 6\n', 'max_leases = 5\nmax-leases = 6\n'])
+def test_two_spellings_of_one_setting_are_refused_naming_both(tmp_path, content):
+    (tmp_path / "f.toml").write_text(content)
+    out = run_fastlock("serve", "--config", "f.toml", "--print-config", cwd=tmp_path)
+    assert out.returncode == 2, out.stdout
+    assert "'max-leases' and 'max_leases'" in out.stderr or "'max_leases' and 'max-leases'" in out.stderr
+    assert "config file f.toml" in out.stderr, out.stderr

@@ -716,3 +716,19 @@ def test_waiter_info_lists_the_queue_in_order_with_arrival_and_wait_deadline(imp
     assert [w[0] for w in impl.t.waiter_info(NAME)] == [b"w2"]
     impl.t.expire(107)  # w2's wait ran out
     assert impl.t.waiter_info(NAME) == []
+
+
+def test_held_page_lists_one_page_by_name_or_by_waiters(impl):
+    for i, name in enumerate(("b/2", "a/1", "b/1", "b/3", "c")):
+        impl.grant(bytes([i + 1]), 0, name=name)
+    impl.acq(b"w1", 0, name="b/3")
+    impl.acq(b"w2", 0, name="b/3")
+    impl.acq(b"w3", 0, name="b/2")
+    impl.acq(b"r1", 0, name="shared", ttl=50)  # a lease that is expired at 100
+    t = impl.t
+    assert t.held_page("", None, 2, False, 100) == ([("a/1", 0), ("b/1", 0)], 5)
+    assert t.held_page("", "b/1", 2, False, 100) == ([("b/2", 1), ("b/3", 2)], 3)
+    assert t.held_page("b/", None, 10, False, 100) == ([("b/1", 0), ("b/2", 1), ("b/3", 2)], 3)
+    assert t.held_page("", None, 3, True, 100) == ([("b/3", 2), ("b/2", 1), ("a/1", 0)], 5)
+    assert t.held_page("", "c", 3, False, 100) == ([], 0)
+    assert t.held_page("", None, 10, False, 10)[1] == 6  # "shared" still held at 10

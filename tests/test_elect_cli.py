@@ -12,6 +12,8 @@ import subprocess
 import sys
 import threading
 
+from fastlock._testbase import ServerProcess
+
 TIMEOUT = 20.0
 
 
@@ -23,14 +25,20 @@ class Proc:
         self.proc = subprocess.Popen([sys.executable, "-m", "fastlock", "elect", *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env)
         self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.errors: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, args=(self.proc.stdout, self.lines), daemon=True).start()
+        threading.Thread(target=self._read, args=(self.proc.stderr, self.errors), daemon=True).start()
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
+    @staticmethod
+    def _read(stream, lines: queue.Queue[str]) -> None:
+        for line in stream:
+            lines.put(line.rstrip("\n"))
 
     def line(self) -> str:
         return self.lines.get(timeout=TIMEOUT)
+
+    def error(self) -> str:
+        return self.errors.get(timeout=TIMEOUT)
 
     def leader(self) -> dict:
         """The next ``-o json`` line that names a leader (a release shows as a null
@@ -93,3 +101,25 @@ def test_campaign_or_listen_not_both(server):
     both = subprocess.run([sys.executable, "-m", "fastlock", "elect", "--listen", "x", "y", "--server",
                            server.address], capture_output=True, text=True, timeout=TIMEOUT)
     assert both.returncode == 2 and "either" in both.stderr
+
+
+def test_listen_says_it_is_retrying_while_the_server_is_away_and_resumes(server):
+    listen = Proc("--listen", "svc", "-o", "json", "--server", server.address)
+    restarted = None
+    try:
+        assert json.loads(listen.line()) == {"leader": None, "token": None}
+        server.stop()
+        retrying = json.loads(listen.error())
+        assert retrying["command"] == "elect" and retrying["error"] == "Disconnected", retrying
+        assert "retrying every" in retrying["message"], retrying
+        restarted = ServerProcess(server.data_dir, port=server.port).start()
+        a = Proc("svc", "node-a", "--server", restarted.address)
+        try:
+            assert a.line() == "node-a"
+            assert listen.leader()["leader"] == "node-a"       # the listener is back
+        finally:
+            a.stop(signal.SIGKILL)
+    finally:
+        listen.stop(signal.SIGKILL)
+        if restarted is not None:
+            restarted.stop()

@@ -105,8 +105,10 @@ async def test_revocation_fences_a_live_holder_and_tells_watchers(server, connec
     with pytest.raises(LeaseLost):
         await holder.extend(lease)
     assert not await admin.check("jobs/7", lease.fencing_token)
-    with pytest.raises(LockNotHeld):
+    with pytest.raises(LockNotHeld, match=r"^'free/lock' has no holder$"):
         await admin.revoke("free/lock")
+    with pytest.raises(LockNotHeld, match=r"^'jobs/7' has no lease with token 5$"):
+        await admin.revoke("jobs/7", fencing_token=5)
     await events.aclose()
 
 
@@ -149,6 +151,10 @@ def test_only_admins_may_list_or_revoke_when_the_server_has_credentials(tmp_path
         asyncio.run(scenario())
         refused = fastlock_cli("locks", server=srv.address)
         assert refused.returncode == 1 and "needs an admin principal" in refused.stderr
+        refused = fastlock_cli("revoke", "x", server=srv.address, env={"FASTLOCK_TOKEN_FILE": creds.token_file("app")})
+        assert refused.returncode == 1, refused.stderr
+        assert "revoke needs an admin principal; 'app' is a client" in refused.stderr, refused.stderr
+        assert "lock_info" not in refused.stderr
         ok = fastlock_cli("locks", server=srv.address, env={"FASTLOCK_TOKEN_FILE": creds.token_file("admin")})
         assert ok.returncode == 0 and ok.stdout.startswith("NAME"), ok.stderr
     finally:
@@ -247,3 +253,37 @@ async def test_a_try_acquire_of_a_lock_this_connection_holds_says_so(server, con
     with pytest.raises(fastlock.LockNotAcquired) as refused:
         await other.acquire("mine", ttl=30.0, wait=0)
     assert "same connection" not in str(refused.value)
+
+
+async def test_locks_pages_by_name_and_ranks_by_waiters_on_the_server(server, connect, monkeypatch, capsys):
+    holder = await connect("holder")
+    waiter = await connect("waiter")
+    admin = await connect("operator")
+    names = [f"page/{i:02d}" for i in range(25)]
+    for name in names:
+        await holder.acquire(name, ttl=60.0)
+    queued = [asyncio.ensure_future(waiter.acquire("page/17", ttl=5.0, wait=20.0)) for _ in range(2)]
+    queued.append(asyncio.ensure_future(waiter.acquire("page/03", ttl=5.0, wait=20.0)))
+    await _poll(lambda: admin.status(), lambda st: st["waiters"] == 3)
+    seen, page = [], await admin.locks("page/", most=10)
+    assert (page.matched, page.truncated, page.next) == (25, True, "page/09")
+    seen += [h.name for h in page.locks]
+    while page.truncated:
+        page = await admin.locks("page/", most=10, after=page.next)
+        seen += [h.name for h in page.locks]
+    assert seen == names and page.next is None and page.matched == 5
+    ranked = await admin.locks(most=3, order="contended")
+    assert [(h.name, h.waiters) for h in ranked.locks] == [("page/17", 2), ("page/03", 1), ("page/00", 0)]
+    assert ranked.truncated and ranked.next is None
+    with pytest.raises(fastlock.InvalidArgument):
+        await admin.locks(after="page/01", order="contended")
+    from fastlock.cli import locks as cli_locks
+    from fastlock.cli import main as cli_main
+
+    monkeypatch.setattr(cli_locks, "PAGE", 7)  # the command pages through: 4 requests
+    capsys.readouterr()
+    assert await asyncio.to_thread(cli_main, ["locks", "page/", "-o", "json", "--server", server.address]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [d["name"] for d in listed["locks"]] == names and listed["matched"] == 25
+    for task in queued:
+        task.cancel()

@@ -4,11 +4,17 @@ the most contended lock comes first, with its queue depth and its waiters' waits
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import queue
+import subprocess
 import sys
+import threading
+import time
 import types
 
 import fastlock
+from fastlock._testbase import ServerProcess
 
 TIMEOUT = 20.0
 
@@ -86,3 +92,70 @@ def test_a_holder_name_is_escaped_once_in_the_locks_table():
     who = types.SimpleNamespace(principal="app", client="job\\1\x1b[31m")
     row = table(("HOLDER",), [(_holder(who),)])
     assert row.splitlines()[1] == "app:job\\\\1\\x1b[31m"
+
+
+def _top_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOCK_")}
+    env["COLUMNS"] = "160"
+    return env
+
+
+def test_top_o_json_prints_one_snapshot_and_exits(server):
+    async def main():
+        async with await fastlock.connect(server.address, client_name="holder") as holder, \
+                await fastlock.connect(server.address, client_name="waiter") as waiter:
+            await holder.acquire("a", ttl=60.0)
+            await holder.acquire("b", ttl=60.0, correlation_id="job-b")
+            waiting = asyncio.create_task(waiter.acquire("b", ttl=5.0, wait=TIMEOUT))
+            async with asyncio.timeout(TIMEOUT):
+                while (await holder.status())["waiters"] < 1:
+                    await asyncio.sleep(0.02)
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "fastlock", "top", "-o", "json", "--server", server.address, env=_top_env(),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT)
+            waiting.cancel()
+            return proc.returncode, out.decode(), err.decode()
+
+    code, out, err = asyncio.run(main())
+    assert code == 0, err
+    (line,) = out.splitlines()
+    snap = json.loads(line)
+    assert (snap["role"], snap["locks_held"], snap["waiters"]) == ("primary", 2, 1)
+    assert set(snap["counters"]) == {"grants", "releases", "expiries", "wait_timeouts"}
+    assert [(r["name"], r["waiters"], r["client"]) for r in snap["locks"]] == [("b", 1, "holder"), ("a", 0, "holder")]
+    assert snap["locks"][0]["correlation_id"] == "job-b" and snap["locks"][0]["longest_wait"] >= 0
+    assert snap["wait"]["n"] == 1
+
+
+def test_top_without_a_terminal_prints_each_frame_and_rides_out_a_restart(server):
+    """stdout a pipe: one plain frame per refresh (no screen control); the server stops:
+    "disconnected, retrying"; it comes back on its port: frames again."""
+    proc = subprocess.Popen([sys.executable, "-m", "fastlock", "top", "--interval", "0.2", "--server",
+                             server.address], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_top_env())
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
+
+    def wait_for(text: str) -> None:
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            assert "\x1b" not in line, line
+            if text in line:
+                return
+
+    restarted = None
+    try:
+        wait_for("primary  epoch")   # a frame's header...
+        wait_for("primary  epoch")   # ...and the next one: printed as it comes, not at exit
+        server.stop()
+        wait_for("disconnected, retrying")
+        restarted = ServerProcess(server.data_dir, port=server.port).start()
+        wait_for("primary  epoch")
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait(TIMEOUT)
+        if restarted is not None:
+            restarted.stop()

@@ -9,6 +9,7 @@ import asyncio
 import errno
 import hashlib
 import io
+import json
 import logging
 import os
 import threading
@@ -717,6 +718,37 @@ async def test_dump(tmp_path, writer):
     dump(str(tmp_path), lock="orders/1", file=out)
     kinds = [ln.split()[2] for ln in out.getvalue().splitlines()]
     assert kinds == ["snapshot-holder", "release", "grant"]
+
+
+FORGED = "x token=1 (0/1) client=admin\n00000000000000000099 2025-01-01T00:00:00.000Z revoke lock=y"
+
+
+async def test_dump_quotes_peer_chosen_text_so_it_cannot_forge_a_line_or_field(tmp_path, capsys):
+    wal, _ = await started(tmp_path)
+    grant(wal, FORGED, 1, client="api 1\u2028", corr="r\x1b[2J")
+    grant(wal, "plain/name", 2, client="api-1", corr="-")
+    wal.log_revoke("plain/name", tok(2), "admin", 'say "why"\nnext')
+    await wal.close()
+    out = io.StringIO()
+    assert dump(str(tmp_path), file=out) == 3
+    text = out.getvalue()
+    lines = text.splitlines()
+    assert len(lines) == 3 and text.isascii()
+    assert f"lock={json.dumps(FORGED)} token=" in lines[0]
+    assert 'client="api 1\\u2028" corr="r\\u001b[2J" ttl_ms=10000' in lines[0]
+    assert " grant lock=plain/name " in lines[1] and 'client=api-1 corr="-" ' in lines[1]  # "-" is "none"
+    assert lines[2].endswith('by=admin reason="say \\"why\\"\\nnext"')
+    out = io.StringIO()
+    assert dump(str(tmp_path), file=out, output="json") == 3
+    records = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [(r["lsn"], r["type"], r["lock"], r["token"]) for r in records] == [
+        (1, "grant", FORGED, tok(1)), (2, "grant", "plain/name", tok(2)), (3, "revoke", "plain/name", tok(2))]
+    assert (records[0]["client"], records[0]["corr"], records[0]["ttl_ms"]) == ("api 1\u2028", "r\x1b[2J", 10_000)
+    assert records[0]["shared"] is False and records[0]["time"].endswith("Z")
+    assert (records[2]["by"], records[2]["reason"], records[2]["client"]) == ("admin", 'say "why"\nnext', None)
+    capsys.readouterr()
+    assert cli_main(["wal", "dump", "-o", "json", "--lock", "plain/name", str(tmp_path)]) == 0
+    assert [json.loads(line)["type"] for line in capsys.readouterr().out.splitlines()] == ["grant", "revoke"]
 
 
 async def test_dump_is_read_only_and_reports_torn_tail(tmp_path, writer):

@@ -4,8 +4,8 @@ Subcommands::
 
     fastlock serve [--listen HOST:PORT] [--data-dir DIR] [--fsync always|interval|never] ...
     fastlock demo [--workers N] [--unfenced] [--quiet] [--keep] ...
-    fastlock status [--server HOST:PORT]
-    fastlock wal dump [--lock NAME] DIR
+    fastlock status [--server HOST:PORT] [-o json]
+    fastlock wal dump [--lock NAME] [--state] [-o json] DIR
     fastlock run NAME --ttl S [--wait S] [--server HOST:PORT] -- CMD ...
     fastlock promote --server HOST:PORT [--force] [--token-file FILE]
     fastlock serve-alone --server HOST:PORT [--token-file FILE]
@@ -14,7 +14,7 @@ Subcommands::
     fastlock lock NAME [-o json]                      one lock's holders and ordered waiters
     fastlock revoke NAME [--token T] [--reason TEXT]  force-release (audit record in the WAL)
     fastlock elect NAME PROPOSAL | --listen NAME      campaign / print each new leader
-    fastlock top [--once] [--rows N]                  live view of the busiest and most contended locks
+    fastlock top [--once] [--rows N] [-o json]        live view of the busiest and most contended locks
 
 The package holds one module per concern: :mod:`~fastlock.cli.args` (argument
 types and shared options), :mod:`~fastlock.cli.serve`,
@@ -42,7 +42,7 @@ from .._version import __version__
 from ..errors import FastlockError
 from ..wal import WalCorruption
 from . import admin, config, demo, elect, locks, run, serve, top
-from .args import add_client_tls_arguments, client_tls_options, seconds_arg
+from .args import add_client_tls_arguments, client_tls_options, print_error, seconds_arg
 
 __all__ = ["add_client_tls_arguments", "build_parser", "client_tls_options", "main", "seconds_arg"]
 
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The ``fastlock`` parser and its ``serve`` subparser."""
-    parser = argparse.ArgumentParser(prog="fastlock", description="fastlock lock server and tools")
+    parser = argparse.ArgumentParser(prog="fastlock", description="fastlock lock server and tools", allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"fastlock {__version__}")
     # every subcommand's parser keeps its options, for serve's config layers (fastlock.cli.config)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=config.RecordingParser)
@@ -72,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
 
     Usage errors (bad arguments) exit 2 with argparse's message; runtime
     errors (unreachable server, refused request, missing or damaged WAL)
-    print one line, ``fastlock <command>: <reason>``, to stderr and exit 1.
+    print one line, ``fastlock <command>: <reason>``, to stderr and exit 1 -
+    with ``-o json``, that line is a JSON object, ``{"command", "error",
+    "message"}`` (:func:`~fastlock.cli.args.print_error`); stdout only ever
+    holds results.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     parser, serve_parser = _build()
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if not isinstance(exc, (FastlockError, WalCorruption, OSError, TimeoutError, ValueError)):
             raise  # a bug: keep the traceback
-        print(f"fastlock {command}: {describe(args, exc)}", file=sys.stderr)
+        print_error(args, command, describe(args, exc), type(exc).__name__)
         return 1
 
 

@@ -25,7 +25,7 @@ from .. import wal
 from ..auth import generate
 from ..errors import ConnectionLost, FastlockError
 from ..protocol import OP_HELLO, OP_PROMOTE, OP_SERVE_ALONE, OP_STATUS, PROTOCOL_VERSION
-from ..protocol.rpc import open_connection
+from ..protocol.rpc import NotFastlockReply, open_connection, what_answered
 from ..tls import client_ssl_context
 from ..units import DEFAULT_PORT, format_address
 from .args import (
@@ -60,6 +60,7 @@ def add_parsers(sub: Any) -> None:
     st.add_argument("--server", type=server_address, metavar="HOST:PORT",
                     help=f"the node to ask (default: ${SERVER_VARIABLE} if it names one node, else "
                          f"127.0.0.1:7420); a standby answers for itself, no redirect to its primary")
+    _output_argument(st)
     add_token_arguments(st)
     add_client_tls_arguments(st)
 
@@ -73,12 +74,14 @@ def add_parsers(sub: Any) -> None:
     pr.add_argument("--timeout", type=seconds_arg, default=300.0, metavar="SECONDS",
                     help="how long to wait for the promotion, which may wait out the old primary's "
                          "fence (default 300)")
+    _output_argument(pr)
     add_token_arguments(pr)
     add_client_tls_arguments(pr)
 
     sa = sub.add_parser("serve-alone", help="tell a primary its standby is gone: stop fencing itself")
     sa.set_defaults(handler=serve_alone_command, subparser=sa, default_server=None)
     sa.add_argument("--server", type=server_address, metavar="HOST:PORT", help=f"the primary {server_help}")
+    _output_argument(sa)
     add_token_arguments(sa)
     add_client_tls_arguments(sa)
 
@@ -115,7 +118,15 @@ def add_parsers(sub: Any) -> None:
     wd.add_argument("--lock", metavar="NAME", help="only this lock")
     wd.add_argument("--state", action="store_true",
                     help="then print the state the records add up to (epoch, counter, holders)")
+    wd.add_argument("-o", "--output", choices=("text", "json"), default="text",
+                    help="text: audit lines (peer-chosen values JSON-quoted unless plain); json: one JSON "
+                         "object per record per line")
     wd.add_argument("directory", metavar="DIR", help="the server's --data-dir")
+
+
+def _output_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", choices=("json",), default=None,
+                   help="json (the result is always JSON; with -o json an error is a JSON object on stderr too)")
 
 
 def resolve_server(args: argparse.Namespace) -> None:
@@ -174,7 +185,6 @@ def admin_request(server: tuple[str, int], token: str | None, op: int, *args: An
             conn = await open_connection(host, port, timeout=ADMIN_TIMEOUT, **ssl_args)
         except asyncio.TimeoutError:
             raise TimeoutError(f"no connection within {ADMIN_TIMEOUT:g} s") from None
-        opened = conn.last_recv
         hello = conn.request(OP_HELLO, PROTOCOL_VERSION, "fastlock-admin", token)
         reply = conn.request(op, *args)
         try:
@@ -184,8 +194,10 @@ def admin_request(server: tuple[str, int], token: str | None, op: int, *args: An
                 raise NotFastlock(f"not a fastlock server (no answer to HELLO within "
                                   f"{min(reply_timeout, ADMIN_TIMEOUT):g} s)") from None
             except ConnectionLost as exc:
-                if conn.close_error is None and conn.last_recv > opened:  # it answered, not in fastlock
-                    raise NotFastlock(f"not a fastlock server ({exc})") from None
+                if conn.close_error is None and conn.received:  # it answered, not in fastlock
+                    if not isinstance(exc, NotFastlockReply):
+                        raise NotFastlock(f"not a fastlock server ({exc})") from None
+                    raise NotFastlock(what_answered(exc.head, ctx is not None, "pass --tls-ca or --tls")) from None
                 raise
             if not isinstance(info, dict) or info.get("server") != "fastlock":
                 raise NotFastlock(f"not a fastlock server (HELLO answered {info!r:.60})")
@@ -228,7 +240,8 @@ def promote_command(args: argparse.Namespace) -> int:
 
     While the node works (a promotion may wait out the old primary's fence, up to its
     ``--failover-after``), each change of its role, epoch or replication state is
-    reported on stderr, from a status request every :data:`PROMOTE_REPORT_EVERY` s."""
+    reported on stderr (with ``-o json``, as ``{"command": "promote", "progress": TEXT}``),
+    from a status request every :data:`PROMOTE_REPORT_EVERY` s."""
     token = read_token(args)
     tls = client_tls_options(args)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
@@ -249,7 +262,10 @@ def promote_command(args: argparse.Namespace) -> int:
             except (OSError, TimeoutError, FastlockError) as exc:
                 step = f"status unavailable ({exc})"
             if step != last:
-                print(f"promote: still working: {step}", file=sys.stderr, flush=True)
+                if args.output == "json":
+                    print(json.dumps({"command": "promote", "progress": step}), file=sys.stderr, flush=True)
+                else:
+                    print(f"promote: still working: {step}", file=sys.stderr, flush=True)
                 last = step
     print(json.dumps(result, indent=2, sort_keys=True))
     return 0
@@ -299,7 +315,7 @@ def wal_dump_command(args: argparse.Namespace) -> int:
     if not any(_WAL_FILE.match(n) for n in os.listdir(d)):
         raise FileNotFoundError(f"{d}: no WAL segment (wal-*.log) or snapshot (snap-*.snap) here; "
                                 f"is it a fastlock --data-dir?")
-    wal.dump(d, lock=args.lock, file=sys.stdout, state=args.state)
+    wal.dump(d, lock=args.lock, file=sys.stdout, state=args.state, output=args.output)
     return 0
 
 

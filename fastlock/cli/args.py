@@ -11,7 +11,9 @@ and says why it refuses the rest (exit status 2).
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 from typing import Any
 
 from ..auth import CredentialsError, read_token_file
@@ -22,7 +24,8 @@ from ..units import DEFAULT_PORT, MAX_SECONDS, check_seconds, parse_address
 __all__ = [
     "SERVER_VARIABLE", "add_client_tls_arguments", "add_token_arguments", "client_tls_options",
     "count_arg", "exit_code_arg", "frame_bytes_arg", "listen_address", "positive_int", "positive_seconds_arg",
-    "read_secret", "read_token", "seconds_arg", "server_address", "servers_from_env", "ttl_arg", "wait_arg",
+    "print_error", "read_secret", "read_token", "seconds_arg", "server_address", "servers_from_env", "ttl_arg",
+    "wait_arg",
 ]
 
 #: the environment variable naming the server(s) a client command talks to
@@ -198,3 +201,14 @@ def read_token(args: argparse.Namespace) -> str | None:
     if path:
         return read_token_file(path)
     return read_secret(getattr(args, "auth_secret_file", None))
+
+
+def print_error(args: argparse.Namespace, command: str, message: str, error: str) -> None:
+    """Report a runtime error of ``fastlock COMMAND`` on stderr: the line
+    ``fastlock COMMAND: MESSAGE``, or with ``-o json`` one JSON object
+    ``{"command": COMMAND, "error": ERROR, "message": MESSAGE}`` (``error``: the
+    exception's class name, e.g. ``"PermissionDenied"``, ``"NotFastlock"``)."""
+    if getattr(args, "output", None) == "json":
+        print(json.dumps({"command": command, "error": error, "message": message}), file=sys.stderr, flush=True)
+    else:
+        print(f"fastlock {command}: {message}", file=sys.stderr, flush=True)

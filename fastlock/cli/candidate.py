@@ -26,7 +26,8 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None) -> int:
     """``python -m fastlock.election``: one candidate printing JSON lines
     (``elected``, ``act``, ``health``, ``lost``) until killed."""
-    parser = argparse.ArgumentParser(prog="python -m fastlock.election", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m fastlock.election", description=main.__doc__,
+                                     allow_abbrev=False)
     parser.add_argument("--server", action="append", required=True, metavar="HOST:PORT")
     parser.add_argument("--name", default="leader")
     parser.add_argument("--id", required=True, dest="candidate_id")

@@ -33,7 +33,9 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["CONFIG_VARIABLE", "NOT_CONFIGURABLE", "RecordingParser", "layer_defaults", "render"]
+from ..logsafe import display
+
+__all__ = ["CONFIG_VARIABLE", "NOT_CONFIGURABLE", "RecordingParser", "layer_defaults", "render", "toml_string"]
 
 #: the environment variable naming the config file when ``--config`` is not given
 CONFIG_VARIABLE = "FASTLOCK_CONFIG"
@@ -46,10 +48,13 @@ _FALSE = {"0", "false", "no", "off"}
 
 class RecordingParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` that keeps every option added to it or to its groups, in
-    :attr:`options` (argparse has no public list of them)."""
+    :attr:`options` (argparse has no public list of them).  It takes no abbreviated
+    option (``allow_abbrev=False``): ``--conf`` is refused, not read as ``--config``
+    (which the config layers would not see)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.options: list[argparse.Action] = []
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
@@ -144,11 +149,16 @@ def layer_defaults(parser: argparse.ArgumentParser, argv: Sequence[str],
     path = _config_path(argv, env)
     if path is not None:
         by_key = {dest.replace("_", "-"): dest for dest in options}
+        spelled: dict[str, str] = {}  # dest -> the key that set it
         for key, raw in _read_file(parser, path).items():
             dest = by_key.get(str(key).replace("_", "-"))
             if dest is None:
                 parser.error(f"config file {path}: unknown setting {key!r} (settings are the flags of "
                              f"`fastlock serve`, without the dashes)")
+            if dest in spelled:
+                parser.error(f"config file {path}: {spelled[dest]!r} and {key!r} are the same setting; "
+                             f"keep one")
+            spelled[dest] = str(key)
             values[dest] = _convert(parser, options[dest], raw, f"config file {path}")
             sources[dest] = f"file {path}"
     for dest, action in options.items():
@@ -170,6 +180,24 @@ def _given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
     return given
 
 
+#: TOML's short escapes (every other control character is written as \\uXXXX)
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def toml_string(text: str) -> str:
+    """``text`` as a TOML basic string: quoted, with a backslash, a double quote and every
+    control character (U+0000..U+001F and U+007F, which TOML forbids raw) escaped."""
+    out = []
+    for c in text:
+        if c in _TOML_ESCAPES:
+            out.append(_TOML_ESCAPES[c])
+        elif c < " " or c == "\x7f":
+            out.append(f"\\u{ord(c):04X}")
+        else:
+            out.append(c)
+    return '"' + "".join(out) + '"'
+
+
 def _toml(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -178,7 +206,7 @@ def _toml(value: Any) -> str:
     if isinstance(value, tuple) and len(value) == 2:  # an address
         host, port = value
         value = f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return toml_string(str(value))
 
 
 def render(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str],
@@ -188,7 +216,7 @@ def render(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequ
     lines = []
     for dest, action in sorted(_options(parser).items()):
         key = _flag(action).lstrip("-")
-        source = "flag" if dest in given else sources.get(dest, "default")
+        source = display("flag" if dest in given else sources.get(dest, "default"))  # a file's path: one line
         value = getattr(args, dest, None)
         if value is None:
             lines.append(f"# {key} =  (not set; {source})")

@@ -498,7 +498,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fastlock demo", description=_DESCRIPTION)
+    p = argparse.ArgumentParser(prog="fastlock demo", description=_DESCRIPTION, allow_abbrev=False)
     _add_arguments(p)
     return p
 

@@ -9,7 +9,10 @@ and exits 1: a supervisor restarts it as a new candidate.
 ``fastlock elect --listen NAME`` prints the leader's proposal each time the leader
 changes, starting with the current one (nothing while nobody leads; with ``-o json``
 one object per change, ``{"leader": PROPOSAL or null, "token": T or null}``), until
-SIGINT or SIGTERM.
+SIGINT or SIGTERM.  While the server is away it says on stderr that it is retrying
+(``fastlock elect: disconnected (...); retrying every S s``, or with ``-o json`` the
+object ``{"command": "elect", "error": "Disconnected", "message": ...}``), and goes on
+once the server answers again.
 
 The proposal is the candidate id of the term, kept with the grant as its correlation
 id (at most 256 characters), so ``fastlock lock NAME`` and ``fastlock locks`` show it
@@ -31,8 +34,9 @@ from typing import Any
 
 from ..client import Client
 from ..client.election import Election, Leader
+from ..logsafe import display
 from ..protocol import MAX_CORRELATION_ID_CHARS
-from .args import client_tls_options, read_token, seconds_arg
+from .args import client_tls_options, print_error, read_token, seconds_arg
 from .locks import _common, _name_arg, _servers
 
 __all__ = ["add_parser"]
@@ -83,8 +87,17 @@ async def _until_stopped(stop: asyncio.Event, work: Awaitable[Any]) -> tuple[boo
     return True, None
 
 
+#: while the server is away, ``--listen`` repeats its "retrying" line every this many failed attempts
+RETRY_REPORT_EVERY = 10
+
+
 async def _listen(election: Election, args: argparse.Namespace) -> None:
-    async for leader in election.observe():
+    def retrying(exc: BaseException, failures: int) -> None:
+        if failures == 1 or failures % RETRY_REPORT_EVERY == 0:
+            print_error(args, "elect", f"{'still ' if failures > 1 else ''}disconnected ({display(str(exc))}); "
+                                       f"retrying every {election.retry_period:g} s", "Disconnected")
+
+    async for leader in election.observe(on_retry=retrying):
         _emit(args, leader)
 
 
@@ -96,8 +109,8 @@ async def _campaign(election: Election, args: argparse.Namespace, stop: asyncio.
         _emit(args, Leader(election.candidate_id, term.fencing_token))
         stopped, _ = await _until_stopped(stop, term.lost.wait())
         if not stopped and not term.resigned:
-            print(f"fastlock elect: lost the leadership of {args.name} (token {term.fencing_token})",
-                  file=sys.stderr)
+            print_error(args, "elect", f"lost the leadership of {display(args.name)} (token {term.fencing_token})",
+                        "LeadershipLost")
             return 1
         return 0
     finally:

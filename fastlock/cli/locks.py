@@ -19,7 +19,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ..client import Client, LeaseInfo, WaiterInfo
+from ..client import Client, LeaseInfo, LockList, WaiterInfo
 from ..logsafe import display
 from ..protocol import check_name, check_token
 from ..units import DEFAULT_PORT
@@ -124,8 +124,23 @@ def _print_json(value: Any) -> None:
     print(json.dumps(value, indent=2, sort_keys=True, default=str))
 
 
+#: leases asked for per LOCKS request when ``fastlock locks`` pages through the table
+PAGE = 1_000
+
+
+async def _every_lock(client: Client, prefix: str) -> LockList:
+    """Every held lease whose name starts with ``prefix``, a page (:data:`PAGE`) per request,
+    so the server never builds the whole listing at once; ``matched`` as the first page said."""
+    page = first = await client.locks(prefix, most=PAGE)
+    leases = list(page.locks)
+    while page.truncated and page.next is not None:
+        page = await client.locks(prefix, most=PAGE, after=page.next)
+        leases += page.locks
+    return LockList(leases, first.matched, page.truncated)
+
+
 def locks_command(args: argparse.Namespace) -> int:
-    listing = _with_client(args, lambda c: c.locks(args.prefix))
+    listing = _with_client(args, lambda c: _every_lock(c, args.prefix))
     if args.output == "json":
         _print_json(dataclasses.asdict(listing))
         return 0

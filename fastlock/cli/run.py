@@ -169,7 +169,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``fastlock run``'s own options (everything before ``--``)."""
     p = argparse.ArgumentParser(prog="fastlock run", usage=_USAGE, description=_DESCRIPTION,
-                                epilog="The command and its arguments follow `--`.")
+                                epilog="The command and its arguments follow `--`.", allow_abbrev=False)
     _add_arguments(p)
     return p
 

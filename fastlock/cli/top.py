@@ -1,8 +1,8 @@
 """``fastlock top``: a live terminal view of the primary's locks (rich), refreshed each second.
 
-Each frame asks the primary for ``status`` (counters, sessions, role), ``locks`` (every
-held lease with its queue depth) and ``lock`` for the ``--rows`` most contended locks (their
-waiters, oldest first), then shows:
+Each frame asks the primary for ``status`` (counters, sessions, role), ``locks`` ranked by
+the server (the ``--rows`` locks with the most waiters, then by name: one page, however many
+locks are held) and ``lock`` for those with waiters (their waiters, oldest first), then shows:
 
 - a header: role, epoch, sessions, held locks, waiters, and the grants, releases,
   expiries and wait timeouts per second since the previous frame;
@@ -12,13 +12,16 @@ waiters, oldest first), then shows:
 - the wait and hold percentiles (p50, p90, p99) of what top sees: **wait** is how long
   each current waiter of those locks has waited so far; **hold** is how long the leases
   that top saw end were held, to the resolution of one frame (so the first frame has
-  none).
+  none); when more locks are held than shown, only the handovers of the locks shown.
 
 Top needs no ``--metrics``: it is built from the admin requests (an admin principal, or
 open mode).  The server's own histograms of time-to-acquire and hold time, measured on
 every grant, are on the Prometheus endpoint when the server runs with ``--metrics``
 (:mod:`fastlock.observe`); top does not read them.  ``--once`` prints one frame and
-exits (for scripts and tests; no terminal needed).
+exits (for scripts and tests; no terminal needed); without a terminal (stdout a pipe or a
+file) top prints one plain frame per refresh instead of redrawing the screen; ``-o json``
+prints one JSON snapshot (:func:`snapshot`) and exits.  When the server goes away, top
+shows "disconnected, retrying" and resumes once it answers again.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import json
+import sys
 import time
 from typing import Any
 
@@ -35,11 +40,12 @@ from rich.table import Table
 from rich.text import Text
 
 from ..client import Client, LeaseInfo, LockInfo
+from ..errors import NotPrimary, Unavailable
 from ..logsafe import display
 from .args import client_tls_options, read_token
 from .locks import _common, _holder, _servers
 
-__all__ = ["add_parser", "TopSampler"]
+__all__ = ["add_parser", "snapshot", "TopSampler"]
 
 #: holds whose end top saw, kept for the percentiles (the last this many)
 HOLDS_KEPT = 10_000
@@ -75,15 +81,19 @@ class TopSampler:
         self.holds: collections.deque[float] = collections.deque(maxlen=HOLDS_KEPT)
         self.previous: tuple[float, dict[str, Any]] | None = None
 
-    def observe(self, now: float, leases: list[LeaseInfo]) -> None:
-        """Record one frame's held leases (exclusive holders by name; the first holder of a shared lock)."""
+    def observe(self, now: float, leases: list[LeaseInfo], complete: bool = True) -> None:
+        """Record one frame's held leases (exclusive holders by name; the first holder of a
+        shared lock).  ``complete``: ``leases`` are all the held ones; else (a page of
+        them) a lock missing from it may still be held, so it is forgotten, not counted
+        as a hold that ended."""
         current: dict[str, int] = {}
         for lease in leases:
             current.setdefault(lease.name, lease.fencing_token)
         for name, (token, since) in list(self.first_seen.items()):
             if current.get(name) != token:
-                self.holds.append(now - since)
                 del self.first_seen[name]
+                if name in current or complete:
+                    self.holds.append(now - since)
                 if name in current:
                     self.handovers[name] += 1
         for name, token in current.items():
@@ -96,6 +106,15 @@ class TopSampler:
             return None
         dt = now - previous[0]
         return {k: (status.get(k, 0) - previous[1].get(k, 0)) / dt for k in RATES}
+
+
+def _ranked(sampler: TopSampler, leases: list[LeaseInfo], rows: int) -> list[LeaseInfo]:
+    """The ``rows`` locks to show: deepest queue first, then the most handovers, then by name
+    (one lease per lock: the first holder of a shared lock)."""
+    by_name: dict[str, LeaseInfo] = {}
+    for lease in leases:
+        by_name.setdefault(lease.name, lease)
+    return sorted(by_name.values(), key=lambda h: (-h.waiters, -sampler.handovers[h.name], h.name))[:rows]
 
 
 def render(sampler: TopSampler, now: float, status: dict[str, Any], leases: list[LeaseInfo],
@@ -111,10 +130,7 @@ def render(sampler: TopSampler, now: float, status: dict[str, Any], leases: list
         head.append("rates: after the next frame")
     else:
         head.append("per second: " + "  ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in rates.items()))
-    by_name: dict[str, LeaseInfo] = {}
-    for lease in leases:
-        by_name.setdefault(lease.name, lease)
-    ranked = sorted(by_name.values(), key=lambda h: (-h.waiters, -sampler.handovers[h.name], h.name))[:rows]
+    ranked = _ranked(sampler, leases, rows)
     table = Table(expand=False, header_style="bold")
     for col in ("LOCK", "TOKEN", "HOLDER", "HELD", "TTL LEFT", "WAITERS", "LONGEST WAIT", "HANDOVERS"):
         table.add_column(col, justify="left" if col in ("LOCK", "HOLDER") else "right")
@@ -133,18 +149,70 @@ def render(sampler: TopSampler, now: float, status: dict[str, Any], leases: list
     return Group(head, table, foot)
 
 
+Sample = tuple[float, dict[str, Any], list[LeaseInfo], dict[str, LockInfo]]
+
+
+async def sample(client: Client, sampler: TopSampler, rows: int) -> Sample:
+    """Ask the primary once: ``(now, status, leases, infos of the most contended)``."""
+    status = await client.status()
+    listing = await client.locks("", most=rows, order="contended")  # ranked by the server: one page
+    now = time.monotonic()
+    sampler.observe(now, listing.locks, complete=not listing.truncated)
+    contended = [h for h in listing.locks if h.waiters]
+    infos = {h.name: await client.lock_info(h.name) for h in contended}
+    return now, status, listing.locks, infos
+
+
 async def frame(client: Client, sampler: TopSampler, rows: int) -> Group:
     """Sample the primary once and render a frame."""
-    status = await client.status()
-    listing = await client.locks("")
-    now = time.monotonic()
-    sampler.observe(now, listing.locks)
-    contended = sorted((h for h in listing.locks if h.waiters), key=lambda h: -h.waiters)[:rows]
-    infos = {h.name: await client.lock_info(h.name) for h in contended}
-    return render(sampler, now, status, listing.locks, infos, rows)
+    now, status, leases, infos = await sample(client, sampler, rows)
+    return render(sampler, now, status, leases, infos, rows)
+
+
+def _percentile_fields(values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {"n": 0, "p50": None, "p90": None, "p99": None}
+    ordered = sorted(values)
+    pick = {f"p{round(q * 100)}": ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in (0.5, 0.9, 0.99)}
+    return {"n": len(ordered), **pick}
+
+
+def snapshot(sampler: TopSampler, now: float, status: dict[str, Any], leases: list[LeaseInfo],
+             infos: dict[str, LockInfo], rows: int) -> dict[str, Any]:
+    """One frame as JSON (``fastlock top -o json``): ``role``, ``epoch``, ``sessions``,
+    ``locks_held``, ``waiters``, ``counters`` (the server's totals of ``grants``,
+    ``releases``, ``expiries``, ``wait_timeouts``), ``locks`` (the rows of the table,
+    most contended first: ``name``, ``token``, ``principal``, ``client``,
+    ``correlation_id``, ``remaining`` and ``longest_wait`` in seconds or null,
+    ``waiters``) and ``wait`` (``n``, ``p50``, ``p90``, ``p99`` in seconds of the
+    current waits of those locks)."""
+    waits: list[float] = []
+    listed = []
+    for h in _ranked(sampler, leases, rows):
+        info = infos.get(h.name)
+        lock_waits = [w.waiting for w in info.waiters] if info is not None else []
+        waits.extend(lock_waits)
+        listed.append({"name": h.name, "token": h.fencing_token, "principal": h.principal, "client": h.client,
+                       "correlation_id": h.correlation_id, "remaining": h.remaining, "waiters": h.waiters,
+                       "longest_wait": max(lock_waits) if lock_waits else None})
+    return {**{k: status.get(k) for k in ("role", "epoch", "sessions", "locks_held", "waiters")},
+            "counters": {k: status.get(k, 0) for k in RATES}, "locks": listed, "wait": _percentile_fields(waits)}
+
+
+#: what a lost server looks like to top's requests: it shows "disconnected, retrying" and goes on
+_DISCONNECTED = (ConnectionError, OSError, TimeoutError, Unavailable, NotPrimary)
+
+
+def _disconnected(exc: BaseException, since: float) -> Text:
+    return Text(f"disconnected, retrying every frame ({type(exc).__name__}: {display(str(exc))}; "
+                f"for {time.monotonic() - since:.0f} s)", style="bold red")
 
 
 def top_command(args: argparse.Namespace) -> int:
+    """Show the top view: a live screen on a terminal; one plain frame per refresh when
+    stdout is not a terminal; one frame with ``--once``; one JSON object (:func:`snapshot`)
+    with ``-o json``.  A server that goes away is shown as "disconnected, retrying" until
+    it answers again."""
     if args.rows < 1 or not 0.1 <= args.interval <= 60:
         raise ValueError("--rows must be at least 1 and --interval 0.1..60 seconds")
     token = read_token(args)
@@ -152,15 +220,37 @@ def top_command(args: argparse.Namespace) -> int:
     async def run() -> int:
         client = Client(_servers(args), token=token, client_name="fastlock-top", **client_tls_options(args))
         sampler = TopSampler()
+        down_since: float | None = None
+
+        async def next_frame() -> Any:
+            nonlocal down_since
+            try:
+                shown = await frame(client, sampler, args.rows)
+            except _DISCONNECTED as exc:
+                down_since = down_since or time.monotonic()
+                return _disconnected(exc, down_since)
+            down_since = None
+            return shown
+
         try:
             await client.ensure_connected()
+            if args.output == "json":
+                print(json.dumps(snapshot(sampler, *await sample(client, sampler, args.rows), args.rows)))
+                return 0
             if args.once:
                 Console().print(await frame(client, sampler, args.rows))
                 return 0
+            if not sys.stdout.isatty():  # a pipe or a file: one plain frame per refresh, no screen control
+                console = Console(force_terminal=False)
+                while True:
+                    console.print(await next_frame())
+                    console.print()
+                    sys.stdout.flush()
+                    await asyncio.sleep(args.interval)
             with Live(await frame(client, sampler, args.rows), auto_refresh=False, screen=False) as live:
                 while True:
                     await asyncio.sleep(args.interval)
-                    live.update(await frame(client, sampler, args.rows), refresh=True)
+                    live.update(await next_frame(), refresh=True)
         finally:
             await client.close()
 

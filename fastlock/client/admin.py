@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import protocol as P
-from ..errors import InvalidArgument, LockNotHeld, WrongArgumentType
+from ..errors import InvalidArgument, LockNotHeld, PermissionDenied, WrongArgumentType
 
 __all__ = ["LeaseInfo", "WaiterInfo", "LockInfo", "LockList", "LockAdminMethods", "MAX_REASON_CHARS"]
 
@@ -86,12 +86,15 @@ class LockInfo:
 
 @dataclass(frozen=True)
 class LockList:
-    """The held leases whose name starts with a prefix, by name: ``matched`` of them
-    exist, ``truncated`` when more matched than were listed."""
+    """One page of the held leases whose name starts with a prefix (by name, or most
+    waiters first): ``matched`` of them exist (after the page's cursor), ``truncated``
+    when more matched than were listed; ``next`` is then the cursor of the next page
+    (``locks(prefix, after=next)``; None by waiters, or from a server without paging)."""
 
     locks: list[LeaseInfo]
     matched: int
     truncated: bool
+    next: str | None = None
 
 
 class LockAdminMethods:
@@ -100,9 +103,20 @@ class LockAdminMethods:
     async def _request(self, op: int, *args: Any) -> Any:  # pragma: no cover - Client's
         raise NotImplementedError
 
-    async def locks(self, prefix: str = "", *, most: int | None = None) -> LockList:
-        """The held leases whose name starts with ``prefix`` ("" for every one), sorted by
-        name, at most ``most`` (1..10000; None: the server's limit, 10000).
+    async def locks(self, prefix: str = "", *, most: int | None = None, after: str | None = None,
+                    order: str = "name") -> LockList:
+        """One page of the held leases whose name starts with ``prefix`` ("" for every
+        one), at most ``most`` (1..10000; None: the server's limit, 10000; a lock's leases
+        are never split over two pages).  ``order`` "name": sorted by name, names above
+        ``after`` only (the previous page's :attr:`LockList.next`); "contended": the locks
+        with the most waiters first, then by name (no ``after``).  The server builds only
+        the page, so paging through a large table never stalls it for the whole listing.
+
+        Example (every held lease, a page at a time)::
+
+            page = await client.locks()
+            while page.truncated:
+                page = await client.locks(after=page.next)
 
         Raises:
             PermissionDenied: the principal is not an admin (and the server not in open mode).
@@ -112,8 +126,16 @@ class LockAdminMethods:
             raise WrongArgumentType(f"prefix must be str, not {type(prefix).__name__}")
         if most is not None and (type(most) is not int or not 1 <= most <= 10_000):
             raise InvalidArgument("most must be 1..10000 or None")
-        value = await self._request(P.OP_LOCKS, prefix, most)
-        return LockList([LeaseInfo.from_wire(d) for d in value["locks"]], value["matched"], value["truncated"])
+        if order not in ("name", "contended"):
+            raise InvalidArgument(f"order must be 'name' or 'contended', not {order!r}")
+        if after is not None:
+            P.check_name(after)
+            if order != "name":
+                raise InvalidArgument("after pages by name: not with order 'contended'")
+        args = (prefix, most) if after is None and order == "name" else (prefix, most, after, order)
+        value = await self._request(P.OP_LOCKS, *args)
+        return LockList([LeaseInfo.from_wire(d) for d in value["locks"]], value["matched"], value["truncated"],
+                        value.get("next"))
 
     async def lock_info(self, name: str) -> LockInfo:
         """The holders and the ordered waiters of ``name`` (as kazoo's ``contenders()``).
@@ -149,7 +171,12 @@ class LockAdminMethods:
         else:
             # named by token even then: a request repeated after a lost reply (a failover)
             # must not revoke the lease granted next
-            tokens = [h.fencing_token for h in (await self.lock_info(name)).holders]
+            try:
+                holders = (await self.lock_info(name)).holders
+            except PermissionDenied as exc:  # say what was refused: the revocation, not its lookup
+                _, _, who = str(exc).partition("; ")
+                raise PermissionDenied("revoke needs an admin principal" + (f"; {who}" if who else "")) from None
+            tokens = [h.fencing_token for h in holders]
             if not tokens:
                 raise LockNotHeld(f"{name!r} has no holder")
         revoked = []

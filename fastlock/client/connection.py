@@ -31,7 +31,7 @@ from .. import protocol as P
 from ..errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost, NotPrimary, Unavailable
 from ..logsafe import quote
 from ..protocol.ops import PUSH_VALUE
-from ..protocol.rpc import RpcConnection
+from ..protocol.rpc import NotFastlockReply, RpcConnection, what_answered
 from ..units import parse_address
 from .lease import WatchEvent
 
@@ -287,16 +287,22 @@ class Connector:
                 self._demoted.add(addr)
                 errors.append(f"{addr[0]}:{addr[1]}: unavailable: {exc}")
                 continue
-            except asyncio.TimeoutError:
+            except (asyncio.TimeoutError, ConnectionLost) as exc:
+                if isinstance(exc, ConnectionLost) and not proto.silent:
+                    proto.abort(exc)
+                    if isinstance(exc, NotFastlockReply):  # it answered, not in fastlock's protocol
+                        what = what_answered(exc.head, self._ssl is not None, "pass tls_ca=... or tls=True")
+                        errors.append(f"{addr[0]}:{addr[1]}: {what} ({exc})")
+                    else:  # closed without a byte: most likely a TLS port (or a refused client certificate)
+                        hint = _REFUSED_CERT_HINT if self._ssl is not None else _PLAIN_TO_TLS_HINT
+                        errors.append(f"{addr[0]}:{addr[1]}: handshake failed: {exc}{hint}")
+                    continue
+                # silent (the handshake's deadline, or the liveness watchdog on the same timeout)
                 proto.abort(ConnectionLost("handshake timed out"))
                 self._suspects.add(addr)
-                hint = _PLAIN_TO_TLS_HINT if self._ssl is None else ""
-                errors.append(f"{addr[0]}:{addr[1]}: no handshake reply within {self._connect_timeout} s{hint}")
-                continue
-            except ConnectionLost as exc:
-                proto.abort(exc)
-                hint = _REFUSED_CERT_HINT if self._ssl is not None else _PLAIN_TO_TLS_HINT
-                errors.append(f"{addr[0]}:{addr[1]}: handshake failed: {exc}{hint}")
+                waited = self._request_timeout if isinstance(exc, ConnectionLost) else self._connect_timeout
+                errors.append(f"{addr[0]}:{addr[1]}: no handshake reply within {waited:g} s: not a fastlock "
+                              f"server (or a stalled one)")
                 continue
             except BaseException:
                 proto.abort(ConnectionLost("handshake failed"))

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import protocol as P
@@ -168,18 +168,25 @@ class Election:
             return None
         return Leader(info.get("correlation_id") or info.get("client"), info["token"])
 
-    async def observe(self) -> AsyncIterator[Leader | None]:
+    async def observe(self, on_retry: Callable[[BaseException, int], Any] | None = None
+                      ) -> AsyncIterator[Leader | None]:
         """Yield the leader (a :class:`Leader`, or None) each time it changes,
         starting with the current one.  Pushed by the server through
         :meth:`Client.watch` (no polling).  A dropped connection is retried
         every ``retry_period``; the new watch starts with the state then, so a
         change that happened meanwhile is still reported (intermediate terms
-        may be skipped).  Break out of the loop to stop."""
+        may be skipped).  Break out of the loop to stop.
+
+        ``on_retry(error, failures)``, if given, is called before each retry
+        with the error and the number of failed attempts in a row (1 for the
+        first since the watch last worked), e.g. to tell a user it is retrying."""
         last: Any = object()  # nothing yielded yet
+        failures = 0
         while True:
             current: Leader | None = None
             try:
                 async for event in self.client.watch(self.name):
+                    failures = 0
                     if event.kind in ("held", "granted") and event.token is not None:
                         current = Leader(event.correlation_id or event.client, event.token)
                     elif event.kind == "free" or (current is not None and event.token == current.fencing_token):
@@ -190,7 +197,10 @@ class Election:
                         last = current
                         yield current
             except (ConnectionLost, NotPrimary, Unavailable, OSError) as exc:
+                failures += 1
                 log.info("election %s: watch interrupted (%s); retrying", quote(self.name), exc)
+                if on_retry is not None:
+                    on_retry(exc, failures)
                 await asyncio.sleep(self.retry_period)
 
 

@@ -391,8 +391,9 @@ class SyncClient(SyncKeyMethods):
     def ping(self) -> float:
         return self.call(self._client.ping())
 
-    def locks(self, prefix: str = "", *, most: int | None = None) -> LockList:
-        return self.call(self._client.locks(prefix, most=most))
+    def locks(self, prefix: str = "", *, most: int | None = None, after: str | None = None,
+              order: str = "name") -> LockList:
+        return self.call(self._client.locks(prefix, most=most, after=after, order=order))
 
     def lock_info(self, name: str) -> LockInfo:
         return self.call(self._client.lock_info(name))

@@ -268,6 +268,11 @@ class FrameDecoder:
     def limits(self) -> DecodeLimits:
         return self._limits
 
+    @property
+    def fed(self) -> int:
+        """Bytes fed so far (0: nothing has arrived)."""
+        return self._fed
+
     def feed(self, data: bytes) -> list[Any]:
         """Add received bytes; return every message now complete (maybe none).
 

@@ -85,7 +85,7 @@ OPS: tuple[Op, ...] = (
     Op(OP_KEY_DELETE, "key_delete", 1, 1),
     Op(OP_KEY_WATCH, "key_watch", 1, 1),
     Op(OP_KEY_UNWATCH, "key_unwatch", 1, 1),
-    Op(OP_LOCKS, "locks", 2, 2),  # prefix, most entries (None: the server's limit)
+    Op(OP_LOCKS, "locks", 2, 4),  # prefix, most entries (None: the server's limit)[, after, order]
     Op(OP_LOCK_INFO, "lock_info", 1, 1),  # name
     Op(OP_REVOKE, "revoke", 3, 3),  # name, token (None: every holder), reason (None or text)
     Op(OP_ACQUIRE_MANY, "acquire_many", 6, 6),

@@ -62,11 +62,45 @@ from .ops import OP_PING
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RpcConnection", "open_connection"]
+__all__ = ["NotFastlockReply", "RpcConnection", "looks_like_tls", "open_connection", "what_answered"]
 
 #: default bound of one frame from a server, bytes (a status or a snapshot
 #: reply can be large; a standby's link passes a larger one)
 DEFAULT_MAX_FRAME_BYTES = 64 << 20
+
+
+#: how many of the offending bytes a :class:`NotFastlockReply` keeps
+HEAD_BYTES = 16
+
+
+class NotFastlockReply(ConnectionLost):
+    """The server sent bytes that are no fastlock reply (the connection is aborted).
+
+    Attributes:
+        head (bytes): the first of them (at most :data:`HEAD_BYTES`), to tell a port that
+            speaks another protocol apart (:func:`looks_like_tls`).
+    """
+
+    def __init__(self, message: str, head: bytes):
+        super().__init__(message)
+        self.head = head
+
+
+def looks_like_tls(head: bytes) -> bool:
+    """Whether ``head``, the first bytes a server sent, start a TLS record: an alert
+    (content type 21) or a handshake (22), with a 3.x record version - what a TLS port
+    answers to a client that speaks plain TCP."""
+    return len(head) >= 2 and head[0] in (0x15, 0x16) and head[1] == 0x03
+
+
+def what_answered(head: bytes, tls: bool, tls_hint: str) -> str:
+    """What a server that answered with ``head`` (bytes that are no fastlock reply) is,
+    for an error message: a TLS port (then ``tls_hint``, how to turn TLS on) when a
+    client without TLS (``tls`` False) got the start of a TLS record; otherwise not a
+    fastlock server."""
+    if looks_like_tls(head) and not tls:
+        return f"it answered in TLS: a TLS port ({tls_hint})"
+    return f"not a fastlock server (it answered {head!r})"
 
 
 def _ignore_result(fut: asyncio.Future[Any]) -> None:
@@ -102,6 +136,7 @@ class RpcConnection(asyncio.Protocol):
             closing the connection, if it gave one.
         silent (bool): aborted by the liveness watchdog.
         pings (int): liveness pings sent.
+        received (bool): any byte has arrived.
     """
 
     __slots__ = ("address", "transport", "closed", "pending", "subscriptions", "loop", "last_recv",
@@ -136,6 +171,11 @@ class RpcConnection(asyncio.Protocol):
         self._ping_sent = float("-inf")
         self._pinged = False  # a ping went out and no byte has come in since
 
+    @property
+    def received(self) -> bool:
+        """Any byte has arrived on this connection."""
+        return self._decoder.fed > 0
+
     # -- asyncio.Protocol --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # a stream transport: create_connection made it
@@ -146,8 +186,11 @@ class RpcConnection(asyncio.Protocol):
         try:
             messages = self._decoder.feed(data)
         except ProtocolError as exc:
-            log.error("bad data from %s: %s", self._where(), exc)
-            self.abort(ConnectionLost(f"bad data from the fastlock server at {self._where()}: {exc}"))
+            # in the first bytes: a port that speaks something else, which the handshake's caller reports
+            log.log(logging.ERROR if self._decoder.fed > len(data) else logging.DEBUG, "bad data from %s: %s",
+                    self._where(), exc)
+            self.abort(NotFastlockReply(f"bad data from the fastlock server at {self._where()}: {exc}",
+                                        data[:HEAD_BYTES]))
             return
         pending = self.pending
         pushed = False
@@ -156,7 +199,7 @@ class RpcConnection(asyncio.Protocol):
                 req_id = msg[0]
                 status = msg[1]
             except (TypeError, IndexError, KeyError):
-                self.abort(ConnectionLost(f"malformed message from {self._where()}"))
+                self.abort(NotFastlockReply(f"malformed message from {self._where()}", data[:HEAD_BYTES]))
                 return
             if req_id == 0:
                 if type(status) is int:
@@ -323,8 +366,10 @@ class RpcConnection(asyncio.Protocol):
         silent = now - since
         pinged = self._pinged
         if silent >= timeout and pinged:
-            log.warning("no reply from %s for %.1f s (timeout %s s); dropping the connection",
-                        self._where(), silent, timeout)
+            # a server that never answered at all: the handshake's caller reports it (one error, no log noise)
+            log.log(logging.WARNING if self.received else logging.DEBUG,
+                    "no reply from %s for %.1f s (timeout %s s); dropping the connection", self._where(), silent,
+                    timeout)
             self.silent = True
             self.abort(ConnectionLost(f"no reply from the fastlock server at {self._where()} for "
                                       f"{silent:.1f} s (request_timeout {timeout} s)"))

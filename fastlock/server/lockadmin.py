@@ -78,11 +78,21 @@ class LockAdmin:
         self.roles = handlers.roles
 
     def op_locks(self, conn: Session, req_id: int, msg: list) -> None:
-        """LOCKS prefix, most: the held leases whose name starts with ``prefix`` (str, "" for
-        all), by name, at most ``most`` (int, None: :data:`MAX_LOCKS_LISTED`); each with its
-        lock's number of waiters.  Value: ``{"locks": [...], "matched": int, "truncated": bool}``."""
+        """LOCKS prefix, most[, after[, order]]: one page of the held leases whose name starts
+        with ``prefix`` (str, "" for all), each with its lock's number of waiters; at most
+        ``most`` leases (int, None: :data:`MAX_LOCKS_LISTED`), a lock's leases never split
+        over two pages (a lock with more leases than that lists its first ``most``).
+        ``order`` "name" (None, the default): by name, only names above ``after`` (str or
+        None: the ``next`` of the previous page); "contended": the locks with the most
+        waiters first, then by name (no ``after``).  Only the page's rows are built
+        (:meth:`~fastlock._core.LockTable.held_page`).  Value: ``{"locks": [...],
+        "matched": int, "truncated": bool, "next": str or None}`` - ``matched`` counts
+        the leases that match (above ``after``), ``next`` is the cursor of the next page
+        when ``truncated``."""
         check_lock_admin(self.handlers, conn, "locks")
         prefix, most = msg[2], msg[3]
+        after = msg[4] if len(msg) > 4 else None
+        order = msg[5] if len(msg) > 5 else None
         if type(prefix) is not str:
             raise WrongArgumentType(f"prefix must be str, not {type(prefix).__name__}")
         if len(prefix.encode("utf-8", "surrogatepass")) > P.MAX_NAME_BYTES:
@@ -91,19 +101,27 @@ class LockAdmin:
             most = MAX_LOCKS_LISTED
         elif type(most) is not int or not 1 <= most <= MAX_LOCKS_LISTED:
             raise InvalidArgument(f"most must be 1..{MAX_LOCKS_LISTED} or None")
+        if order not in (None, "name", "contended"):
+            raise InvalidArgument(f"order must be 'name', 'contended' or None, not {quote(order)}")
+        if after is not None:
+            if order == "contended":
+                raise InvalidArgument("after pages by name: not with order 'contended'")
+            P.check_name(after)
         self.roles.admit(Action.READ)
         table = self.table
         now = monotonic_ms()
-        held = [h for h in table.holders() if h.name.startswith(prefix) and h.deadline_ms > now]
-        held.sort(key=lambda h: (h.name, h.token))
-        waiting: dict[str, int] = {}
-        listed = []
-        for h in held[:most]:
-            n = waiting.get(h.name)
-            if n is None:
-                n = waiting[h.name] = len(table.waiters(h.name))
-            listed.append({**lease_info(h, now), "waiters": n})
-        conn.send(P.encode_ok(req_id, {"locks": listed, "matched": len(held), "truncated": len(held) > most}))
+        page, matched = table.held_page(prefix, after, most, order == "contended", now)
+        listed: list[dict] = []
+        last = None
+        for name, waiters in page:
+            holders = table.holders_of(name, now)
+            if listed and len(listed) + len(holders) > most:
+                break
+            listed += [{**lease_info(h, now), "waiters": waiters} for h in holders[:most]]
+            last = name
+        truncated = len(listed) < matched
+        conn.send(P.encode_ok(req_id, {"locks": listed, "matched": matched, "truncated": truncated,
+                                       "next": last if truncated and order != "contended" else None}))
 
     def op_lock_info(self, conn: Session, req_id: int, msg: list) -> None:
         """LOCK_INFO name: its holders (grant order) and its waiters (FIFO order, at most
@@ -141,7 +159,7 @@ class LockAdmin:
         now = monotonic_ms()
         leases = [h for h in table.holders_of(name, now) if token is None or h.token == token]
         if not leases:
-            which = f"a lease with token {token}" if token is not None else "a holder"
+            which = f"lease with token {token}" if token is not None else "holder"
             raise LockNotHeld(f"{name!r} has no {which}")
         server = handlers.server
         quotas = server.quotas

@@ -12,10 +12,10 @@ import datetime
 import hashlib
 import json
 import os
+import re
 import sys
 from typing import Any, TextIO
 
-from ..logsafe import quote
 from .files import read_file
 from .format import FrameReader, parse_segment
 from .records import (
@@ -49,21 +49,60 @@ def _tok(token: int) -> str:
     return f"{token} ({token >> TOKEN_EPOCH_SHIFT}/{token & COUNTER_MASK})"
 
 
-def _fmt(lsn: str, wall: int | None, kind: str, name: Any = "-", token: int | None = None,
-         client: Any = None, corr: Any = None, ttl: Any = None, extra: str = "") -> str:
-    parts = [lsn, _iso(wall), kind, f"lock={name}" if name != "-" else "lock=-",
-             f"token={_tok(token)}" if token is not None else "token=-",
-             f"client={client if client is not None else '-'}",
-             f"corr={corr if corr is not None else '-'}",
-             f"ttl_ms={ttl if ttl is not None else '-'}"]
-    if extra:
-        parts.append(extra)
+#: a value printed bare: printable ASCII without a space, a double quote or a backslash
+_BARE = re.compile(r'[!#-\[\]-~]+')
+
+
+def text_value(value: Any) -> str:
+    """A value (a peer-chosen name, a client name, a correlation id, a reason) as one token
+    of a dump line: bare when it is printable ASCII without a space, ``"`` or ``\\`` (and is
+    not ``-``); otherwise a JSON string (ASCII only: every control character, line separator
+    and non-ASCII character escaped), so a value cannot split a line or forge a field;
+    None is ``-``.  A reader takes a token that starts with ``"`` as JSON, any other literally."""
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return str(value)
+    text = str(value)
+    return text if text != "-" and _BARE.fullmatch(text) else json.dumps(text)
+
+
+#: record keys left out of a text line when None (the others show ``-``)
+_OPTIONAL = frozenset({"limit"})
+#: free text (a revocation's reason): always a JSON string in a text line
+_FREE_TEXT = frozenset({"reason"})
+#: the fields of every record, in line order (``token`` and ``time`` are formatted apart)
+_COLUMNS = ("lock", "token", "client", "corr", "ttl_ms")
+
+
+def _entry(lsn: int, wall: int | None, kind: str, name: str | None = None, token: int | None = None,
+           client: str | None = None, corr: str | None = None, ttl: int | None = None,
+           **extra: Any) -> dict[str, Any]:
+    """One dump record: the fields of a JSON line (see :func:`dump`)."""
+    return {"lsn": lsn, "time": _iso(wall) if wall else None, "type": kind, "lock": name, "token": token,
+            "client": client, "corr": corr, "ttl_ms": ttl, **extra}
+
+
+def _text(entry: dict[str, Any]) -> str:
+    """``entry`` as an audit line (LSN, time, type, then ``key=value`` tokens)."""
+    parts = [f"{entry['lsn']:020d}", entry["time"] or "-", entry["type"]]
+    for key in _COLUMNS:
+        value = entry[key]
+        if key == "token":
+            parts.append(f"token={_tok(value)}" if value is not None else "token=-")
+        else:
+            parts.append(f"{key}={text_value(value)}")
+    for key, value in entry.items():
+        if key in _COLUMNS or key in ("lsn", "time", "type"):
+            continue
+        if isinstance(value, bool):
+            if value:
+                parts.append(key)  # a flag: present or absent
+        elif key in _FREE_TEXT and value is not None:
+            parts.append(f"{key}={json.dumps(value)}")
+        elif value is not None or key not in _OPTIONAL:
+            parts.append(f"{key}={text_value(value)}")
     return " ".join(parts)
-
-
-def _quoted(text: str | None) -> str:
-    """Free text (a revocation's reason) as one token of a dump line: JSON-quoted, ``-`` if none."""
-    return "-" if text is None else json.dumps(text)
 
 
 def _owner_tag(owner: bytes) -> str:
@@ -72,37 +111,34 @@ def _owner_tag(owner: bytes) -> str:
     return hashlib.blake2b(owner, digest_size=4, person=b"fastlock-dump").hexdigest()
 
 
-def _holder_line(lsn: str, kind: str, h: HolderRecord) -> str:
-    return _fmt(lsn, h.granted_wall_ms, kind, h.name, h.token, h.client_name, h.correlation_id, h.ttl_ms,
-                extra=f"owner={_owner_tag(h.owner)} lock_delay_ms={h.lock_delay_ms}"
-                      + (" shared" if h.shared else "") + (f" limit={h.limit}" if h.limit else ""))
+def _holder_entry(lsn: int, kind: str, h: HolderRecord) -> dict[str, Any]:
+    return _entry(lsn, h.granted_wall_ms, kind, h.name, h.token, h.client_name, h.correlation_id, h.ttl_ms,
+                  owner=_owner_tag(h.owner), lock_delay_ms=h.lock_delay_ms, shared=bool(h.shared),
+                  limit=h.limit or None)
 
 
-def _record_line(lsn: int, r: Record) -> str:
-    label = f"{lsn:020d}"
+def _record_entry(lsn: int, r: Record) -> dict[str, Any]:
     if isinstance(r, Grant):
-        return _holder_line(label, RECORD_NAMES[r.kind], HolderRecord.from_grant(r))
+        return _holder_entry(lsn, RECORD_NAMES[r.kind], HolderRecord.from_grant(r))
     if isinstance(r, Epoch):
-        return _fmt(label, r.wall_ms, "epoch", extra=f"epoch={r.epoch}")
+        return _entry(lsn, r.wall_ms, "epoch", epoch=r.epoch)
     if isinstance(r, Extend):
-        return _fmt(label, r.wall_ms, "extend", r.name, r.token, ttl=r.ttl_ms)
+        return _entry(lsn, r.wall_ms, "extend", r.name, r.token, ttl=r.ttl_ms)
     if isinstance(r, Reserve):
-        return _fmt(label, r.wall_ms, "reserve", extra=f"counter={r.counter}")
+        return _entry(lsn, r.wall_ms, "reserve", counter=r.counter)
     if isinstance(r, LockDelay):
-        return _fmt(label, r.wall_ms, "lock_delay", r.name, extra=f"until={r.until_wall_ms}")
+        return _entry(lsn, r.wall_ms, "lock_delay", r.name, until=r.until_wall_ms)
     if isinstance(r, KeyPut):  # the value is not shown (it may be anything a client stored)
-        return _fmt(label, r.wall_ms, "key_put", r.lease_name, r.token,
-                    extra=f"key={quote(r.key)} bytes={len(r.value)}")
+        return _entry(lsn, r.wall_ms, "key_put", r.lease_name, r.token, key=r.key, bytes=len(r.value))
     if isinstance(r, KeyDelete):
-        return _fmt(label, r.wall_ms, "key_delete", extra=f"key={quote(r.key)}")
+        return _entry(lsn, r.wall_ms, "key_delete", key=r.key)
     if isinstance(r, Revoke):
-        return _fmt(label, r.wall_ms, "revoke", r.name, r.token,
-                    extra=f"by={r.principal} reason={_quoted(r.reason)}")
-    return _fmt(label, r.wall_ms, RECORD_NAMES[r.kind], r.name, r.token)  # release, expire
+        return _entry(lsn, r.wall_ms, "revoke", r.name, r.token, by=r.principal, reason=r.reason)
+    return _entry(lsn, r.wall_ms, RECORD_NAMES[r.kind], r.name, r.token)  # release, expire
 
 
 def dump(directory: str | os.PathLike, *, lock: str | None = None, file: TextIO = sys.stdout,
-         state: bool = False) -> int:
+         state: bool = False, output: str = "text") -> int:
     """Print the log as audit lines, in LSN order; return the number of lines printed.
 
     Starts from the oldest usable snapshot (its holders first, marked ``snapshot``
@@ -111,18 +147,31 @@ def dump(directory: str | os.PathLike, *, lock: str | None = None, file: TextIO 
     ``token=`` value (epoch/counter), ``client=``, ``corr=`` (correlation id),
     ``ttl_ms=``; grants add ``owner=`` (an 8-hex-digit tag derived from the stored
     owner hash: it tells grants of one acquire apart, and shows neither the key
-    nor its stored hash) and ``lock_delay_ms=``.  ``lock`` keeps only that lock's
-    lines (epoch and reserve records have no lock and are left out).  ``state``:
-    then print the state the records add up to (``state`` and ``holder`` lines).
-    Read-only: a torn tail is reported as a ``#`` comment line, not cut.
+    nor its stored hash), ``lock_delay_ms=`` and, for a shared or counted lease,
+    ``shared`` and ``limit=``; a revocation adds ``by=`` (the principal) and
+    ``reason=`` (always a JSON string).  Names, client names, correlation ids, keys and reasons are chosen
+    by peers: each is printed bare only when it is printable ASCII without a space,
+    ``"`` or ``\\``, otherwise as a JSON string (:func:`text_value`), so no value can
+    split a line or forge a field.  ``lock`` keeps only that lock's lines (epoch
+    and reserve records have no lock and are left out).  ``state``: then print the
+    state the records add up to (``state`` and ``holder`` lines).  Read-only: a torn
+    tail is reported as a ``#`` comment line, not cut.
+
+    ``output="json"``: one JSON object per line instead, with the keys ``lsn`` (int),
+    ``time`` (ISO-8601 UTC or null), ``type``, ``lock``, ``token`` (int), ``client``,
+    ``corr``, ``ttl_ms`` (null where a record has none) and the record's own keys as
+    above (``shared`` a boolean); a ``#`` line becomes ``{"note": TEXT}``.
 
     Example (``fastlock wal dump --lock a DIR``)::
 
         00000000000000000007 2025-11-30T10:10:00.123Z grant lock=a token=1099511627783 (1/7) client=c corr=r ttl_ms=5000
 
+    :raises ValueError: ``output`` is neither ``"text"`` nor ``"json"``.
     :raises WalCorruption: mid-log corruption (after printing what precedes it).
     :raises FileNotFoundError: ``directory`` does not exist.
     """
+    if output not in ("text", "json"):
+        raise ValueError(f"output must be 'text' or 'json', not {output!r}")
     d = os.fspath(directory)
     if not os.path.isdir(d):
         raise FileNotFoundError(d)
@@ -130,25 +179,31 @@ def dump(directory: str | os.PathLike, *, lock: str | None = None, file: TextIO 
     base, snap = files.choose_base(oldest=True)
     applied = LogState()
     lines = 0
-    w = file.write
+    as_json = output == "json"
+
+    def emit(entry: dict[str, Any]) -> None:
+        nonlocal lines
+        file.write((json.dumps(entry) if as_json else _text(entry)) + "\n")
+        lines += 1
+
+    def note(text: str) -> None:
+        file.write((json.dumps({"note": text}) if as_json else f"# {text}") + "\n")
+
     if snap is not None:
         applied = LogState(snap.epoch, snap.counter, snap.holders, snap.keys)
-        label = f"{snap.lsn:020d}"
         if lock is None:
-            w(f"{label} - snapshot-state lock=- token=- client=- corr=- ttl_ms=- "
-              f"epoch={snap.epoch} counter={snap.counter} holders={len(snap.holders)}\n")
-            lines += 1
+            emit(_entry(snap.lsn, None, "snapshot-state", epoch=snap.epoch, counter=snap.counter,
+                        holders=len(snap.holders)))
         for h in sorted(snap.holders, key=lambda h: h.name):
             if lock is None or h.name == lock:
-                w(_holder_line(label, "snapshot-holder", h) + "\n")
-                lines += 1
+                emit(_holder_entry(snap.lsn, "snapshot-holder", h))
     last = base
     segs = files.segments_after(base)
     for i, (first, path) in enumerate(segs):
         data = read_file(path)
         start = parse_segment(path, data, first, i == len(segs) - 1)
         if start < 0:
-            w(f"# {path}: incomplete segment header ({len(data)} bytes), ignored\n")
+            note(f"{path}: incomplete segment header ({len(data)} bytes), ignored")
             continue
         skip = max(0, base - first + 1)
         reader = FrameReader(data, start, path, first, last=i == len(segs) - 1, skip=skip)
@@ -160,19 +215,15 @@ def dump(directory: str | os.PathLike, *, lock: str | None = None, file: TextIO 
             last = cur
             if lock is not None and getattr(r, "name", None) != lock:
                 continue
-            w(_record_line(cur, r) + "\n")
-            lines += 1
+            emit(_record_entry(cur, r))
         if reader.torn_at >= 0:
-            w(f"# {path}: torn tail at offset {reader.torn_at} ({len(data) - reader.torn_at} bytes, "
-              f"{reader.reason}), ignored\n")
+            note(f"{path}: torn tail at offset {reader.torn_at} ({len(data) - reader.torn_at} bytes, "
+                 f"{reader.reason}), ignored")
     if state:
-        label = f"{last:020d}"
         if lock is None:
-            w(f"{label} - state lock=- token=- client=- corr=- ttl_ms=- "
-              f"epoch={applied.epoch} counter={applied.counter} holders={applied.lease_count()}\n")
-            lines += 1
+            emit(_entry(last, None, "state", epoch=applied.epoch, counter=applied.counter,
+                        holders=applied.lease_count()))
         for h in sorted(applied.holder_records()):
             if lock is None or h.name == lock:
-                w(_holder_line(label, "holder", h) + "\n")
-                lines += 1
+                emit(_holder_entry(last, "holder", h))
     return lines
