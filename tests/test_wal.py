@@ -308,7 +308,7 @@ async def test_epoch_fsynced_in_never_mode(tmp_path, writer):
 
 
 async def test_interval_timer_fsyncs(tmp_path, writer):
-    wal, _ = await started(tmp_path, writer, fsync="interval", fsync_interval_ms=5, reserve_block=10**6)
+    wal, _ = await started(tmp_path, writer, fsync="interval", fsync_interval_ms=300, reserve_block=10**6)
     grant(wal, "a", 1)
     await durable(wal)
     for c in range(2, 20):
