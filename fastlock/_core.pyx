@@ -306,7 +306,26 @@ cdef class Holder:
 # internal entries
 # ---------------------------------------------------------------------------
 
-cdef class _Entry:
+cdef class _Node:
+    """A node of the wait-for graph (see LockTable.break_deadlocks): a waiter, a
+    multi-lock request, a lock or a party.  Its search fields are valid while
+    ``dl_search`` is the number of the current search."""
+    cdef int64_t dl_search
+    cdef int dl_index
+    cdef int dl_low
+    cdef int dl_comp      # its deadlocked component (numbered from 1), 0 if none
+    cdef bint dl_on_stack
+
+
+@cython.final
+cdef class _Party(_Node):
+    """A party of the wait-for graph: ``(session, actor)`` and its waiting requests."""
+    cdef int64_t session
+    cdef int64_t actor
+    cdef list requests   # _Waiter or _Group, ascending by _request_key
+
+
+cdef class _Entry(_Node):
     """A heap entry: keyed by (deadline, seq); ``index`` is its heap slot or -1."""
     cdef int64_t deadline
     cdef int64_t seq
@@ -421,6 +440,7 @@ cdef class LockTable:
     cdef int64_t _wait_timeouts
     cdef int64_t _cancels
     cdef int64_t _deadlocks
+    cdef int64_t _searches       # deadlock searches made (numbers _Node.dl_search)
 
     def __cinit__(self):
         self._locks = {}
@@ -1756,12 +1776,11 @@ cdef class LockTable:
 
     cdef dict _waiting_parties(self, int64_t t, int64_t min_wait):
         """Every party ``(session, actor)`` with a request waiting at least ``min_wait``
-        ms on a lock (not a semaphore), session 0 left out -> its requests (a _Waiter,
-        or the _Group of a multi-lock) in ascending _request_key order."""
+        ms on a lock (not a semaphore), session 0 left out: (session, actor) -> _Party."""
         cdef dict out = {}
         cdef dict sess
         cdef _Waiter w
-        cdef list reqs
+        cdef _Party p
         for s, sess in self._sessions.items():
             if s == 0:
                 continue
@@ -1769,14 +1788,19 @@ cdef class LockTable:
                 if w.lock.limit or t - w.enqueued_ms < min_wait:
                     continue
                 req = w if w.group is None else w.group
-                reqs = out.get((s, w.actor))
-                if reqs is None:
-                    out[(s, w.actor)] = [req]
-                elif req not in reqs:
-                    reqs.append(req)
-        for reqs in out.values():
-            if len(reqs) > 1:
-                reqs.sort(key=_request_key)
+                key = (s, w.actor)
+                p = <_Party>out.get(key)
+                if p is None:
+                    p = _Party.__new__(_Party)
+                    p.session = s
+                    p.actor = w.actor
+                    p.requests = [req]
+                    out[key] = p
+                elif req not in p.requests:
+                    p.requests.append(req)
+        for p in out.values():
+            if len(p.requests) > 1:
+                p.requests.sort(key=_request_key)
         return out
 
     def break_deadlocks(self, now, min_wait_ms):
@@ -1838,62 +1862,68 @@ cdef class LockTable:
         return broken
 
     cdef list _deadlock_pass(self, int64_t t, int64_t min_wait):
-        """One search: [(victim request, cycle)] per deadlocked component."""
+        """One search (Tarjan's algorithm, iterative): [(victim request, cycle)] per
+        deadlocked component."""
         cdef dict parties = self._waiting_parties(t, min_wait)
-        cdef dict index = {}
-        cdef dict low = {}
-        cdef dict comp = {}
-        cdef set on_stack = set()
         cdef list stack = []
         cdef list victims = []
         cdef list path, todo, positions, nexts, members
-        cdef Py_ssize_t counter = 0, pos, top, n_comp = 0, n_parties
+        cdef _Node root, node, nxt, m, parent
+        cdef Py_ssize_t pos, top
+        cdef int counter = 0, n_comp = 0, n_parties
+        cdef int64_t search
         if len(parties) < 2:
             return victims
-        for root in parties:
-            if root in index:
+        self._searches += 1
+        search = self._searches
+        for root in parties.values():
+            if root.dl_search == search:
                 continue
-            index[root] = low[root] = counter
+            _enter(root, search, counter)
             counter += 1
             stack.append(root)
-            on_stack.add(root)
             path = [root]
             todo = [_successors(root, parties)]
             positions = [0]
             while path:
                 top = len(path) - 1
-                node = path[top]
+                node = <_Node>path[top]
                 nexts = <list>todo[top]
                 pos = positions[top]
                 if pos < len(nexts):
                     positions[top] = pos + 1
-                    nxt = nexts[pos]
-                    if nxt not in index:
-                        index[nxt] = low[nxt] = counter
+                    nxt = <_Node>nexts[pos]
+                    if nxt.dl_search != search:
+                        _enter(nxt, search, counter)
                         counter += 1
                         stack.append(nxt)
-                        on_stack.add(nxt)
                         path.append(nxt)
                         todo.append(_successors(nxt, parties))
                         positions.append(0)
-                    elif nxt in on_stack and index[nxt] < low[node]:
-                        low[node] = index[nxt]
+                    elif nxt.dl_on_stack and nxt.dl_index < node.dl_low:
+                        node.dl_low = nxt.dl_index
                     continue
                 path.pop()
                 todo.pop()
                 positions.pop()
-                if top > 0 and low[node] < low[path[top - 1]]:
-                    low[path[top - 1]] = low[node]
-                if low[node] != index[node]:
+                if top > 0:
+                    parent = <_Node>path[top - 1]
+                    if node.dl_low < parent.dl_low:
+                        parent.dl_low = node.dl_low
+                if node.dl_low != node.dl_index:
                     continue
-                # node roots a component: pop it
+                # node roots a component: pop it off the stack
+                if stack[len(stack) - 1] is node:
+                    stack.pop()
+                    node.dl_on_stack = False
+                    continue
                 members = []
                 n_parties = 0
                 while True:
-                    m = stack.pop()
-                    on_stack.discard(m)
+                    m = <_Node>stack.pop()
+                    m.dl_on_stack = False
                     members.append(m)
-                    if type(m) is tuple:
+                    if type(m) is _Party:
                         n_parties += 1
                     if m is node:
                         break
@@ -1901,8 +1931,8 @@ cdef class LockTable:
                     continue
                 n_comp += 1
                 for m in members:
-                    comp[m] = n_comp
-                victims.append(_component_victim(members, parties, comp, n_comp))
+                    m.dl_comp = n_comp
+                victims.append(_component_victim(members, parties, n_comp, search))
         return victims
 
     def lock_delays(self):
@@ -2001,6 +2031,17 @@ cdef inline object _request_of(_Waiter w):
     return w if w.group is None else w.group
 
 
+cdef inline void _enter(_Node node, int64_t search, int index):
+    node.dl_search = search
+    node.dl_index = node.dl_low = index
+    node.dl_comp = 0
+    node.dl_on_stack = True
+
+
+cdef inline bint _in_comp(_Node node, int cid, int64_t search):
+    return node.dl_search == search and node.dl_comp == cid
+
+
 cdef list _waiter_successors(_Waiter w, list out):
     """Append what ``w`` waits for: the request just ahead of it, its lock if a holder conflicts."""
     cdef _Lock lock = w.lock
@@ -2011,14 +2052,16 @@ cdef list _waiter_successors(_Waiter w, list out):
     return out
 
 
-cdef list _successors(object node, dict parties):
-    """The wait-for graph's edges out of ``node`` (see LockTable.break_deadlocks)."""
+cdef list _successors(_Node node, dict parties):
+    """The wait-for graph's edges out of ``node`` (see LockTable.break_deadlocks); a
+    lock's edges go to the holders' parties that wait (no other can be in a cycle)."""
     cdef list out
+    cdef list keys
     cdef _Lock lock
     cdef _Lease lease
     cdef _Waiter m
-    if type(node) is tuple:
-        return <list>parties.get(node, [])
+    if type(node) is _Party:
+        return (<_Party>node).requests
     if type(node) is _Waiter:
         return _waiter_successors(<_Waiter>node, [])
     if type(node) is _Group:
@@ -2029,13 +2072,19 @@ cdef list _successors(object node, dict parties):
     lock = <_Lock>node
     out = []
     if lock.held:
-        if lock.session != 0:
-            out.append((lock.session, lock.actor))
+        p = parties.get((lock.session, lock.actor))
+        if p is not None:
+            out.append(p)
     elif lock.n_leases:
+        keys = []
         for lease in lock.leases.values():
-            if lease.session != 0:
-                out.append((lease.session, lease.actor))
-        out = sorted(set(out))
+            key = (lease.session, lease.actor)
+            if key in parties:
+                keys.append(key)
+        if len(keys) > 1:
+            keys = sorted(set(keys))
+        for key in keys:
+            out.append(parties[key])
     return out
 
 
@@ -2050,7 +2099,7 @@ cdef str _step_name(object req, object nxt):
     raise AssertionError("no edge")  # pragma: no cover
 
 
-cdef list _bfs_path(object start, object home, dict parties, dict comp, Py_ssize_t cid, dict dead):
+cdef list _bfs_path(_Node start, _Party home, dict parties, int cid, int64_t search, dict dead):
     """Breadth first from ``start`` inside component ``cid``: to the first party that is not
     ``home`` when ``dead`` is a dict (``home`` is not crossed; what proves unable to reach
     another party is marked dead for ``home``), else to ``home``.  The path
@@ -2059,17 +2108,18 @@ cdef list _bfs_path(object start, object home, dict parties, dict comp, Py_ssize
     cdef list queue = [start]
     cdef list path
     cdef Py_ssize_t i = 0
+    cdef _Node node, nxt
     end = None
     while end is None and i < len(queue):
-        node = queue[i]
+        node = <_Node>queue[i]
         i += 1
         for nxt in _successors(node, parties):
-            if nxt in parent or comp.get(nxt) != cid:
+            if nxt in parent or not _in_comp(nxt, cid, search):
                 continue
-            if dead is not None and (nxt == home or dead.get(nxt) == home):
+            if dead is not None and (nxt is home or dead.get(nxt) is home):
                 continue
             parent[nxt] = node
-            if dead is None and nxt == home or dead is not None and type(nxt) is tuple:
+            if nxt is home or (dead is not None and type(nxt) is _Party):
                 end = nxt
                 break
             queue.append(nxt)
@@ -2085,7 +2135,7 @@ cdef list _bfs_path(object start, object home, dict parties, dict comp, Py_ssize
     return path
 
 
-cdef tuple _component_victim(list members, dict parties, dict comp, Py_ssize_t cid):
+cdef tuple _component_victim(list members, dict parties, int cid, int64_t search):
     """The victim request of a deadlocked component and the cycle naming it: the
     youngest request of a party of the component, in it, that reaches another party
     without crossing its own; the cycle runs from it to the nearest such party and
@@ -2095,23 +2145,24 @@ cdef tuple _component_victim(list members, dict parties, dict comp, Py_ssize_t c
     cdef dict dead = {}
     cdef Py_ssize_t i
     cdef _Waiter w
+    cdef _Party home
     for m in members:
-        if type(m) is tuple:
-            for req in <list>parties[m]:
-                if comp.get(req) == cid:
+        if type(m) is _Party:
+            for req in (<_Party>m).requests:
+                if _in_comp(<_Node>req, cid, search):
                     candidates.append(req)
     candidates.sort(key=_request_key, reverse=True)
     for victim in candidates:
         w = <_Waiter>victim if type(victim) is _Waiter else <_Waiter>(<_Group>victim).members[0]
-        home = (w.session, w.actor)
-        out_path = _bfs_path(victim, home, parties, comp, cid, dead)
+        home = <_Party>parties[(w.session, w.actor)]
+        out_path = _bfs_path(victim, home, parties, cid, search, dead)
         if out_path is not None:
             break
     else:
         raise AssertionError("a component of two parties has a cycle through both")  # pragma: no cover
-    back = _bfs_path(out_path[len(out_path) - 1], home, parties, comp, cid, None)
-    steps = [(home[0], _step_name(victim, out_path[1]))]
+    back = _bfs_path(out_path[len(out_path) - 1], home, parties, cid, search, None)
+    steps = [(home.session, _step_name(victim, out_path[1]))]
     for i in range(len(back) - 1):
-        if type(back[i]) is tuple:
-            steps.append((back[i][0], _step_name(back[i + 1], back[i + 2])))
+        if type(back[i]) is _Party:
+            steps.append(((<_Party>back[i]).session, _step_name(back[i + 1], back[i + 2])))
     return (victim, tuple(steps))
