@@ -52,15 +52,15 @@ def many_locks(core, n, pairs):
     t = core.LockTable()
     if pairs:
         for i in range(0, n, 2):
-            a, b = "a%d" % i, "b%d" % i
+            a, b = f"a{i}", f"b{i}"
             _acq(t, a, b"ha%d" % i, 10 + i, 0)
             _acq(t, b, b"hb%d" % i, 11 + i, 0)
             _acq(t, b, b"wb%d" % i, 10 + i, 1)
             _acq(t, a, b"wa%d" % i, 11 + i, 2)
     else:
         for i in range(n):
-            _acq(t, "l%d" % i, b"h%d" % i, 10 + 2 * i, 0)
-            _acq(t, "l%d" % i, b"w%d" % i, 11 + 2 * i, 1)
+            _acq(t, f"l{i}", b"h%d" % i, 10 + 2 * i, 0)
+            _acq(t, f"l{i}", b"w%d" % i, 11 + 2 * i, 1)
     t.drain_events()
     return t
 
