@@ -956,27 +956,23 @@ class RefLockTable:
             return [(node.holder.session, node.holder.actor)] if node.holder.session != 0 else []
         return sorted({(h.session, h.actor) for h in node.shared.values() if h.session != 0})
 
+    def _reach(self, node, parties) -> set:
+        """Every node reachable from ``node`` by one or more edges."""
+        seen, todo = set(), [node]
+        while todo:
+            for nxt in self._successors(todo.pop(), parties):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
     def _deadlock_victims(self, now, min_wait_ms) -> list:
         """[(victim request, cycle)], one per component with two or more parties."""
         parties = self._waiting_parties(now, min_wait_ms)
-        reach: dict = {}
-        for root in parties:
-            seen, todo = set(), [root]
-            while todo:
-                for nxt in self._successors(todo.pop(), parties):
-                    if nxt not in seen:
-                        seen.add(nxt)
-                        todo.append(nxt)
-            reach[root] = seen
+        reach = {root: self._reach(root, parties) for root in parties}
         nodes = set(parties).union(*reach.values()) if reach else set()
         for node in nodes - set(reach):
-            seen, todo = set(), [node]
-            while todo:
-                for nxt in self._successors(todo.pop(), parties):
-                    if nxt not in seen:
-                        seen.add(nxt)
-                        todo.append(nxt)
-            reach[node] = seen
+            reach[node] = self._reach(node, parties)
         victims, done = [], set()
         for party in parties:
             if party in done:

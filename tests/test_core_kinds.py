@@ -372,36 +372,35 @@ def _acq_as(impl, owner, now, name, session, actor, *, shared=False):
     return impl.t.acquire(name, owner, session, owner, TTL, -1, 0, None, now, shared, 0, actor)
 
 
+def _cross(impl, holds_a, holds_b, waits_b, waits_a):
+    """Parties ``(session, actor)``: one holds a, one holds b (at 0); then one waits for b
+    (at 1) and one for a (at 2)."""
+    _acq_as(impl, b"a1", 0, "a", *holds_a)
+    _acq_as(impl, b"b2", 0, "b", *holds_b)
+    assert _acq_as(impl, b"b1", 1, "b", *waits_b) == impl.mod.QUEUED
+    assert _acq_as(impl, b"a2", 2, "a", *waits_a) == impl.mod.QUEUED
+    impl.t.drain_events()
+
+
 def test_a_holder_whose_session_waits_in_another_actor_is_not_blocked(impl):
-    # task 1 of s1 holds a; task 2 of s1 waits for b, held by s2, which waits for a:
-    # task 1 can still release a, so nothing is deadlocked
-    _acq_as(impl, b"a1", 0, "a", 1, 11)
-    _acq_as(impl, b"b2", 0, "b", 2, 0)
-    assert _acq_as(impl, b"b1", 1, "b", 1, 12) == impl.mod.QUEUED
-    assert _acq_as(impl, b"a2", 2, "a", 2, 0) == impl.mod.QUEUED
+    # task 11 of s1 holds a; task 12 of s1 waits for b, held by s2, which waits for a:
+    # task 11 can still release a, so nothing is deadlocked
+    _cross(impl, (1, 11), (2, 0), (1, 12), (2, 0))
     assert impl.t.break_deadlocks(10, 0) == []
     assert impl.t.waiters("a") == [b"a2"] and impl.t.waiters("b") == [b"b1"]
 
 
 def test_without_actors_a_session_that_waits_is_blocked_as_a_whole(impl):
     # the same requests with actor 0: the session is one party, as PostgreSQL's backend
-    _acq_as(impl, b"a1", 0, "a", 1, 0)
-    _acq_as(impl, b"b2", 0, "b", 2, 0)
-    _acq_as(impl, b"b1", 1, "b", 1, 0)
-    _acq_as(impl, b"a2", 2, "a", 2, 0)
-    impl.t.drain_events()
+    _cross(impl, (1, 0), (2, 0), (1, 0), (2, 0))
     assert impl.t.break_deadlocks(10, 0) == [((2, "a"), (1, "b"))]
     assert [d[0] for d in _deadlocks(impl)] == [b"a2"]
 
 
 def test_two_actors_of_one_session_can_deadlock_each_other(impl):
-    _acq_as(impl, b"a", 0, "a", 5, 1)
-    _acq_as(impl, b"b", 0, "b", 5, 2)
-    _acq_as(impl, b"wb", 1, "b", 5, 1)
-    _acq_as(impl, b"wa", 2, "a", 5, 2)
-    impl.t.drain_events()
+    _cross(impl, (5, 1), (5, 2), (5, 1), (5, 2))
     assert impl.t.break_deadlocks(10, 0) == [((5, "a"), (5, "b"))]
-    assert [d[0] for d in _deadlocks(impl)] == [b"wa"]
+    assert [d[0] for d in _deadlocks(impl)] == [b"a2"]
 
 
 def test_two_readers_waiting_to_write_the_lock_they_read_deadlock(impl):

@@ -269,43 +269,42 @@ async def _take_in_turn(client, waits) -> None:
             await client.release(w.result())
 
 
-async def test_tasks_of_one_client_waiting_behind_another_clients_holder_are_no_deadlock(server_factory):
-    srv = server_factory("dl-queue", args=["--deadlock-timeout", "0.2"])
-    a = await fastlock.connect(srv.address, client_name="holder")
-    b = await fastlock.connect(srv.address, client_name="two-tasks")
-    try:
-        held = await a.acquire("q", ttl=10.0)
-        waits = [asyncio.ensure_future(b.acquire("q", ttl=10.0, wait=TIMEOUT)) for _ in range(2)]
-        await _queued(a, "q", 2)
-        await _no_deadlock_for(0.6, waits)
-        await a.release(held)
-        await _take_in_turn(b, waits)
-    finally:
-        await a.close()
-        await b.close()
-
-
-async def test_a_client_holding_in_one_task_and_waiting_in_another_is_no_deadlock(server_factory):
-    # a's main task holds x; another task of a waits for y, held by b, which waits for x:
-    # a's main task can still release x, so nobody is failed
-    srv = server_factory("dl-tasks", args=["--deadlock-timeout", "0.2"])
+@pytest.fixture
+async def two_clients(server_factory):
+    """Clients a and b of a server with --deadlock-timeout 0.2 s."""
+    srv = server_factory("dl-two", args=["--deadlock-timeout", "0.2"])
     a = await fastlock.connect(srv.address, client_name="a")
     b = await fastlock.connect(srv.address, client_name="b")
-    try:
-        x = await a.acquire("x", ttl=10.0)
-        y = await b.acquire("y", ttl=10.0)
-        a_waits = asyncio.ensure_future(a.acquire("y", ttl=10.0, wait=TIMEOUT))
-        await _queued(a, "y", 1)
-        b_waits = asyncio.ensure_future(b.acquire("x", ttl=10.0, wait=TIMEOUT))
-        await _queued(a, "x", 1)
-        await _no_deadlock_for(0.6, [a_waits, b_waits])
-        await a.release(x)
-        await b.release(await asyncio.wait_for(b_waits, TIMEOUT))
-        await b.release(y)
-        await a.release(await asyncio.wait_for(a_waits, TIMEOUT))
-    finally:
-        await a.close()
-        await b.close()
+    yield a, b
+    await a.close()
+    await b.close()
+
+
+async def test_tasks_of_one_client_waiting_behind_another_clients_holder_are_no_deadlock(two_clients):
+    a, b = two_clients
+    held = await a.acquire("q", ttl=10.0)
+    waits = [asyncio.ensure_future(b.acquire("q", ttl=10.0, wait=TIMEOUT)) for _ in range(2)]
+    await _queued(a, "q", 2)
+    await _no_deadlock_for(0.6, waits)
+    await a.release(held)
+    await _take_in_turn(b, waits)
+
+
+async def test_a_client_holding_in_one_task_and_waiting_in_another_is_no_deadlock(two_clients):
+    # a's main task holds x; another task of a waits for y, held by b, which waits for x:
+    # a's main task can still release x, so nobody is failed
+    a, b = two_clients
+    x = await a.acquire("x", ttl=10.0)
+    y = await b.acquire("y", ttl=10.0)
+    a_waits = asyncio.ensure_future(a.acquire("y", ttl=10.0, wait=TIMEOUT))
+    await _queued(a, "y", 1)
+    b_waits = asyncio.ensure_future(b.acquire("x", ttl=10.0, wait=TIMEOUT))
+    await _queued(a, "x", 1)
+    await _no_deadlock_for(0.6, [a_waits, b_waits])
+    await a.release(x)
+    await b.release(await asyncio.wait_for(b_waits, TIMEOUT))
+    await b.release(y)
+    await a.release(await asyncio.wait_for(a_waits, TIMEOUT))
 
 
 async def test_two_tasks_of_one_client_in_a_cycle_are_broken(server_factory):
@@ -512,3 +511,24 @@ async def test_multi_lock_one_by_one_path_for_an_older_server(connect):
     assert (await other.contenders("b"))["holders"][0]["shared"] is True
     assert multi.fencing_tokens["a"] < multi.fencing_tokens["b"]  # taken in name order
     await client.release_many(multi)
+
+
+async def test_the_actor_is_sent_only_to_a_server_that_reads_it():
+    from fastlock.client.acquire import actor_id, kind_pair, with_actor
+
+    class Connector:
+        server_info: dict = {}
+
+    old, new = Connector(), Connector()
+    new.server_info = {"actors": True}
+    assert [with_actor(old, k) for k in [(), (True,), (False, 3)]] == [(), (True,), (False, 3)]
+    me = actor_id()
+    assert me >= 1 and actor_id() == me  # one number per task, kept
+    assert [with_actor(new, k) for k in [(), (True,), (False, 3)]] == [(False, 0, me), (True, 0, me), (False, 3, me)]
+    assert kind_pair((True,)) == (True, 0)  # a late grant of a shared lease queues again as shared
+
+    async def in_another_task():
+        return actor_id()
+
+    other = await asyncio.ensure_future(in_another_task())
+    assert other not in (0, me)

@@ -81,7 +81,12 @@ def with_actor(connector: Connector, kind: tuple[Any, ...]) -> tuple[Any, ...]:
     and, to a server that reads it (HELLO's ``"actors"``), the caller's :func:`actor_id`."""
     if not connector.server_info.get("actors"):
         return kind
-    return (kind + (False, 0))[:2] + (actor_id(),)
+    return (*kind_pair(kind), actor_id())
+
+
+def kind_pair(kind: tuple[Any, ...]) -> tuple[bool, int]:
+    """``(shared, limit)`` of ACQUIRE's trailing kind arguments (``()``, ``(True,)`` or ``(False, limit)``)."""
+    return (bool(kind[0]) if kind else False, kind[1] if len(kind) > 1 else 0)
 
 
 #: the smallest size at which :class:`HeldLeases` sweeps out ended leases
@@ -190,7 +195,7 @@ async def verify_late_grant(client: Client, lease: Lease, request: tuple[Any, ..
     it back and queue again while the wait allows (see :meth:`Client.acquire`)."""
     loop = asyncio.get_running_loop()
     name, ttl_ms, wait_ms, delay_ms, correlation_id, kind = request
-    shared, limit = (kind + (False, 0))[:2]
+    shared, limit = kind_pair(kind)
     log.warning("grant of %s token %d was read with %.3f s of its %.3f s TTL left (this process or the "
                 "network stalled); verifying it with the server", quote(lease.name), lease.fencing_token,
                 lease.expires_at - loop.time(), lease.ttl)
