@@ -1787,7 +1787,12 @@ cdef class LockTable:
             for w in sess:
                 if w.lock.limit or t - w.enqueued_ms < min_wait:
                     continue
-                req = w if w.group is None else w.group
+                if w.group is None:
+                    req = w
+                elif w is (<_Group>w.group).members[0]:  # a multi-lock once, by its first waiter
+                    req = w.group
+                else:
+                    continue
                 key = (s, w.actor)
                 p = <_Party>out.get(key)
                 if p is None:
@@ -1796,7 +1801,7 @@ cdef class LockTable:
                     p.actor = w.actor
                     p.requests = [req]
                     out[key] = p
-                elif req not in p.requests:
+                else:
                     p.requests.append(req)
         for p in out.values():
             if len(p.requests) > 1:
