@@ -13,7 +13,9 @@ in four shapes:
   victim is failed);
 * ``many-locks``: N locks, each held by one session and waited on by another (no
   deadlock);
-* ``many-pairs``: N/2 two-session deadlocks on N locks (N/2 victims).
+* ``many-pairs``: N/2 two-session deadlocks on N locks (N/2 victims);
+* ``one-session``: N locks, each held by its own session and all waited on by ONE
+  session that sends no actor (one party with N waits; no deadlock).
 
 Each row also shows ms per 1 000 waiters: a linear search keeps it about constant
 as N doubles.  ``--old PATH`` runs the same shapes against another build of
@@ -65,11 +67,21 @@ def many_locks(core, n, pairs):
     return t
 
 
+def one_session(core, n):
+    t = core.LockTable()
+    for i in range(n):
+        _acq(t, f"l{i}", b"h%d" % i, 10 + i, 0)
+        _acq(t, f"l{i}", b"w%d" % i, 2, 1)
+    t.drain_events()
+    return t
+
+
 SHAPES = {
     "one-lock": lambda core, n: one_lock(core, n, False),
     "one-lock-cycle": lambda core, n: one_lock(core, n, True),
     "many-locks": lambda core, n: many_locks(core, n, False),
     "many-pairs": lambda core, n: many_locks(core, n, True),
+    "one-session": one_session,
 }
 
 
