@@ -532,3 +532,29 @@ async def test_the_actor_is_sent_only_to_a_server_that_reads_it():
 
     other = await asyncio.ensure_future(in_another_task())
     assert other not in (0, me)
+
+
+@pytest.mark.xfail(strict=True, reason="fault: a lease keeps the session that acquired it, so after a reconnect "
+                   "its holder never waits and a deadlock through it is never detected")
+async def test_a_lease_renewed_from_a_new_connection_counts_as_held_by_it(server_factory):
+    # a client holding x reconnects (its lease outlives the connection) and renews x from
+    # the new one, then waits for y, held by b, which waits for x: a deadlock
+    srv = server_factory("dl-reconnect", args=["--deadlock-timeout", "0.2"])
+    owner_x, actor = os.urandom(16), 7
+    first = await RawNode.open(srv.address)
+    token, _, _ = await first.request(P.OP_ACQUIRE, "x", owner_x, 10_000, 0, 0, None, False, 0, actor)
+    await first.close()
+    a, b = await RawNode.open(srv.address), await RawNode.open(srv.address)
+    try:
+        await a.request(P.OP_EXTEND, "x", token, owner_x, 10_000)
+        await b.request(P.OP_ACQUIRE, "y", os.urandom(16), 10_000, 0, 0, None)
+        b_waits = asyncio.ensure_future(b.request(P.OP_ACQUIRE, "x", os.urandom(16), 10_000, 5_000, 0, None))
+        a_waits = asyncio.ensure_future(
+            a.request(P.OP_ACQUIRE, "y", os.urandom(16), 10_000, 5_000, 0, None, False, 0, actor))
+        done, _ = await asyncio.wait([a_waits, b_waits], timeout=0.2 + 1.0, return_when=asyncio.FIRST_COMPLETED)
+        assert done, "the deadlock was not broken within --deadlock-timeout + 1 s"
+        with pytest.raises(DeadlockDetected):
+            done.pop().result()
+    finally:
+        for node in (a, b):
+            await node.close()
