@@ -188,11 +188,12 @@ class LockTable:
         A clean release never applies lock-delay.
         """
 
-    def extend(self, name: str, token: int, owner: bytes, ttl_ms: int, now: int) -> int:
+    def extend(self, name: str, token: int, owner: bytes, ttl_ms: int, now: int, session: int | None = None) -> int:
         """Set the lease's deadline to now + ttl_ms (and its TTL to ttl_ms).
 
         Returns the new deadline. Raises NotHolder as release() does; an expired
-        lease is never revived.
+        lease is never revived.  ``session`` (optional): the renewing session becomes
+        the lease's (break_deadlocks() sees a reconnected client's leases as its own).
         """
 
     def cancel(self, name: str, owner: bytes, now: int) -> bool:

@@ -1330,10 +1330,13 @@ cdef class LockTable:
             return None
         return lease
 
-    def extend(self, name, token, owner, ttl_ms, now):
+    def extend(self, name, token, owner, ttl_ms, now, session=None):
         """Set the lease's deadline to ``now + ttl_ms`` (ms) and its TTL to ``ttl_ms``.
 
         The deadline may move earlier (a shorter TTL).  Returns the new deadline (int ms).
+        ``session`` (int >= 0, optional): the session renewing it, which becomes the
+        lease's (a client that reconnected holds its leases from its new connection:
+        break_deadlocks() sees them as held by it; the actor is kept).
 
         Raises:
           NotHolder: as release(); an expired lease is never revived.
@@ -1344,18 +1347,23 @@ cdef class LockTable:
         cdef bytes o = _owner(owner)
         cdef int64_t ttl = _ms(ttl_ms, "ttl_ms", 1)
         cdef int64_t t = _ms(now, "now", 0)
+        cdef int64_t s = -1 if session is None else _session(session)
         cdef _Lock lock
         cdef _Lease lease
         self._advance(t)
         lock = <_Lock>self._locks.get(n)
         if _holds(lock, tok, o):
             lock.ttl_ms = ttl
+            if s >= 0:
+                lock.session = s
             self._schedule(lock, t + ttl)
             return t + ttl
         lease = self._lease_of(lock, tok, o)
         if lease is None:
             raise NotHolder(f"lease {tok} of {o!r} does not hold {n!r}")
         lease.ttl_ms = ttl
+        if s >= 0:
+            lease.session = s
         self._schedule(lease, t + ttl)
         return t + ttl
 

@@ -714,15 +714,19 @@ class RefLockTable:
         self.n["releases"] += 1
         self._settle(lock, now, now)
 
-    def extend(self, name, token, owner, ttl_ms, now) -> int:
+    def extend(self, name, token, owner, ttl_ms, now, session=None) -> int:
         name = _name(name)
         token = _nonneg(token, "token")
         owner = _owner(owner)
         ttl_ms = _ms(ttl_ms, "ttl_ms", 1)
         now = _ms(now, "now", 0)
+        if session is not None:
+            session = _nonneg(session, "session")
         self._expire(now)
         lock, h = self._lease_of(name, token, owner)
         h.ttl_ms = ttl_ms
+        if session is not None:
+            h.session = session
         self._unschedule(h.entry)
         h.entry = self._schedule(LEASE if lock.holder is h else SHARED, lock, now + ttl_ms)
         h.entry.lease = h

@@ -231,10 +231,10 @@ class CoreVsModel(RuleBasedStateMachine):
         self.both("release", name, token, owner, self.now)
 
     @rule(name=names, which=st.sampled_from(["right", "right", "right", "old", "wrong_owner"]), owner=owners,
-          ttl=TTLS)
-    def extend(self, name, which, owner, ttl):
+          ttl=TTLS, session=st.one_of(st.none(), sessions))
+    def extend(self, name, which, owner, ttl, session):
         token, owner = self._token_owner(name, which, owner)
-        self.both("extend", name, token, owner, ttl, self.now)
+        self.both("extend", name, token, owner, ttl, self.now, *([] if session is None else [session]))
 
     def _token_owner(self, name, which, owner):
         h = self.model.holder(name, self.now)

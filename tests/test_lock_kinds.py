@@ -534,8 +534,6 @@ async def test_the_actor_is_sent_only_to_a_server_that_reads_it():
     assert other not in (0, me)
 
 
-@pytest.mark.xfail(strict=True, reason="fault: a lease keeps the session that acquired it, so after a reconnect "
-                   "its holder never waits and a deadlock through it is never detected")
 async def test_a_lease_renewed_from_a_new_connection_counts_as_held_by_it(server_factory):
     # a client holding x reconnects (its lease outlives the connection) and renews x from
     # the new one, then waits for y, held by b, which waits for x: a deadlock

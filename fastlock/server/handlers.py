@@ -410,7 +410,7 @@ class Handlers:
         self.roles.admit(Action.EXTEND)
         holder = table.holder(name, now, owner)
         try:
-            table.extend(name, token, owner, ttl_ms, now)
+            table.extend(name, token, owner, ttl_ms, now, conn.session)  # the lease is held from this connection
         except NotHolder:
             raise LeaseLost(f"{name!r}: token {token} is not the current holder "
                             "(expired, released or never held)") from None
