@@ -458,10 +458,11 @@ async def _expired_with_delay(address: str, name: str, delay_ms: int) -> float:
         await node.close()
 
 
-async def test_a_running_lock_delay_survives_a_restart(server_factory):
+@pytest.mark.parametrize("how", ["stop", "kill"])  # SIGTERM, or SIGKILL: a crash
+async def test_a_running_lock_delay_survives_a_restart(server_factory, how):
     srv = server_factory("delay")
     expired = await _expired_with_delay(srv.address, "job", 2500)
-    srv.stop()
+    getattr(srv, how)()
     srv = server_factory("delay")
     await asyncio.to_thread(srv.wait_for_log, r"1 running lock-delays", 5)
     node = await RawNode.open(srv.address)
