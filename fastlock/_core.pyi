@@ -35,6 +35,7 @@ MAX_MS: int  # (1 << 53) - 1: largest now / ttl_ms / wait_ms / until_ms accepted
 MAX_LIMIT: int  # (1 << 31) - 1: largest semaphore limit
 MAX_MANY: int  # 64: most names in one acquire_many() request
 DEADLOCK_PASSES: int  # 4: most searches of one break_deadlocks() call
+DEADLOCK_WORK: int  # 100_000: no further search once a call's searches visited this many nodes
 
 
 class NotHolder(LookupError):
@@ -262,7 +263,7 @@ class LockTable:
         """Replay of a release/expiry: drop the holder (any kind) whose token is ``token``."""
 
     # -- deadlock detection ----------------------------------------------------
-    def break_deadlocks(self, now: int, min_wait_ms: int) -> list[tuple[tuple[int, str], ...]]:
+    def break_deadlocks(self, now: int, min_wait_ms: int, max_work: int = ...) -> list[tuple[tuple[int, str], ...]]:
         """Fail one request per deadlock; returns the cycles broken.
 
         Parties are (session, actor) (see acquire()); a party that waits releases
@@ -276,7 +277,7 @@ class LockTable:
         then owner) that reaches another party: it gets EV_DEADLOCK with
         Event.cycle = ((session, name), ...) starting with its own step, and its
         locks are settled (grants may follow).  At most DEADLOCK_PASSES searches
-        per call.
+        per call, a further one only while they visited < max_work nodes.
         """
 
     def lock_delays(self) -> list[tuple[str, int]]:

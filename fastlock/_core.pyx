@@ -116,6 +116,9 @@ MAX_LIMIT = _MAX_LIMIT
 MAX_MANY = 64
 #: Most searches of one break_deadlocks() call (each fails one request per deadlock found).
 DEADLOCK_PASSES = 4
+#: break_deadlocks() starts another search only while its searches so far visited
+#: fewer graph nodes than this (its default ``max_work``).
+DEADLOCK_WORK = 100_000
 
 cdef enum:
     K_LEASE = 1   # a lock's lease deadline
@@ -441,6 +444,7 @@ cdef class LockTable:
     cdef int64_t _cancels
     cdef int64_t _deadlocks
     cdef int64_t _searches       # deadlock searches made (numbers _Node.dl_search)
+    cdef int64_t _search_nodes   # nodes the last deadlock search visited
 
     def __cinit__(self):
         self._locks = {}
@@ -1816,7 +1820,7 @@ cdef class LockTable:
                 p.requests.sort(key=_request_key)
         return out
 
-    def break_deadlocks(self, now, min_wait_ms):
+    def break_deadlocks(self, now, min_wait_ms, max_work=DEADLOCK_WORK):
         """Find and break deadlocks among waiters; returns the cycles broken (a list of
         tuples of ``(session, name)`` steps, as ``Event.cycle``).
 
@@ -1849,19 +1853,25 @@ cdef class LockTable:
         the failed request back to its party: one ``(session, name)`` step per
         party on it, starting with the failed request's.  Victims are failed in
         ascending age order.  This is repeated while it finds a deadlock, at
-        most DEADLOCK_PASSES times per call (each pass is linear in the waiters
-        and holders); a later call finds what is left.
+        most DEADLOCK_PASSES times per call, and only while the searches so far
+        visited fewer than ``max_work`` (int >= 0) nodes (each search is linear
+        in the waiters and holders); a later call finds what is left.
 
         Raises TypeError / ValueError for a bad argument (state unchanged).
         """
         cdef int64_t t = _ms(now, "now", 0)
         cdef int64_t min_wait = _ms(min_wait_ms, "min_wait_ms", 0)
+        cdef int64_t budget = _ms(max_work, "max_work", 0)
+        cdef int64_t work = 0
         cdef list broken = []
         cdef list victims
         cdef _Waiter w
         self._advance(t)
         for _ in range(DEADLOCK_PASSES):
+            if broken and work >= budget:
+                break
             victims = self._deadlock_pass(t, min_wait)
+            work += self._search_nodes
             if not victims:
                 break
             victims.sort(key=_victim_key)
@@ -1885,6 +1895,7 @@ cdef class LockTable:
         cdef Py_ssize_t pos, top
         cdef int counter = 0, n_comp = 0, n_parties
         cdef int64_t search
+        self._search_nodes = 0
         if len(parties) < 2:
             return victims
         self._searches += 1
@@ -1946,6 +1957,7 @@ cdef class LockTable:
                 for m in members:
                     m.dl_comp = n_comp
                 victims.append(_component_victim(members, parties, n_comp, search))
+        self._search_nodes = counter
         return victims
 
     def lock_delays(self):

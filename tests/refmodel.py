@@ -57,6 +57,7 @@ MAX_MS = (1 << 53) - 1
 MAX_LIMIT = (1 << 31) - 1
 MAX_MANY = 64
 DEADLOCK_PASSES = 4
+DEADLOCK_WORK = 100_000
 _INT64_MAX = (1 << 63) - 1
 _INT64_MIN = -(1 << 63)
 
@@ -956,9 +957,11 @@ class RefLockTable:
             return self._waiter_successors(node)
         if isinstance(node, _Group):
             return [n for m in node.members for n in self._waiter_successors(m)]
+        # holders that do not wait cannot be in a cycle: left out, as the core does
         if node.holder is not None:
-            return [(node.holder.session, node.holder.actor)] if node.holder.session != 0 else []
-        return sorted({(h.session, h.actor) for h in node.shared.values() if h.session != 0})
+            party = (node.holder.session, node.holder.actor)
+            return [party] if party in parties else []
+        return sorted({(h.session, h.actor) for h in node.shared.values() if (h.session, h.actor) in parties})
 
     def _reach(self, node, parties) -> set:
         """Every node reachable from ``node`` by one or more edges."""
@@ -975,6 +978,7 @@ class RefLockTable:
         parties = self._waiting_parties(now, min_wait_ms)
         reach = {root: self._reach(root, parties) for root in parties}
         nodes = set(parties).union(*reach.values()) if reach else set()
+        self.search_nodes = len(nodes) if len(parties) >= 2 else 0
         for node in nodes - set(reach):
             reach[node] = self._reach(node, parties)
         victims, done = [], set()
@@ -1030,13 +1034,17 @@ class RefLockTable:
         """True iff a component of the wait-for graph holds two or more parties."""
         return bool(self._deadlock_victims(now, min_wait_ms))
 
-    def break_deadlocks(self, now, min_wait_ms) -> list:
+    def break_deadlocks(self, now, min_wait_ms, max_work=DEADLOCK_WORK) -> list:
         now = _ms(now, "now", 0)
         min_wait_ms = _ms(min_wait_ms, "min_wait_ms", 0)
+        max_work = _ms(max_work, "max_work", 0)
         self._expire(now)
-        broken = []
+        broken, work = [], 0
         for _ in range(DEADLOCK_PASSES):
+            if broken and work >= max_work:
+                break
             victims = self._deadlock_victims(now, min_wait_ms)
+            work += self.search_nodes
             if not victims:
                 break
             for victim, cycle in sorted(victims, key=lambda v: self._request_key(v[0])):

@@ -414,6 +414,31 @@ def test_two_readers_waiting_to_write_the_lock_they_read_deadlock(impl):
     assert impl.t.waiters("x") == [b"w1"]  # still waits for r2, which can now go on
 
 
+def _upgrade_deadlock(impl, k):
+    """k sessions read x, then each waits to write it: k - 1 victims are needed."""
+    for s in range(1, k + 1):
+        _acq_as(impl, b"r%d" % s, 0, "x", s, 0, shared=True)
+    for s in range(1, k + 1):
+        assert _acq_as(impl, b"w%d" % s, s, "x", s, 0) == impl.mod.QUEUED
+    impl.t.drain_events()
+
+
+def test_one_call_searches_again_while_it_finds_deadlocks_up_to_its_passes(impl):
+    _upgrade_deadlock(impl, 6)
+    assert len(impl.t.break_deadlocks(10, 0)) == impl.mod.DEADLOCK_PASSES == 4
+    assert len(impl.t.break_deadlocks(10, 0)) == 1
+    assert impl.t.waiters("x") == [b"w1"]
+
+
+def test_one_call_searches_again_only_within_its_work_budget(impl):
+    _upgrade_deadlock(impl, 4)
+    assert [c[0] for c in impl.t.break_deadlocks(10, 0, 1)] == [(4, "x")]  # the first search only
+    assert [c[0] for c in impl.t.break_deadlocks(10, 0, 1)] == [(3, "x")]
+    assert len(impl.t.break_deadlocks(10, 0, 1000)) == 1
+    with pytest.raises(ValueError):
+        impl.t.break_deadlocks(10, 0, -1)
+
+
 def test_a_victim_waiting_only_for_its_own_party_is_passed_over(impl):
     # s1 holds a and b; its youngest request waits for a (its own), an older one for c,
     # held by s2, which waits for b: the request on c is failed, not the one on a
