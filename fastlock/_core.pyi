@@ -34,6 +34,8 @@ MAX_COUNTER: int  # (1 << 40) - 1: a grant needing a larger counter raises Overf
 MAX_MS: int  # (1 << 53) - 1: largest now / ttl_ms / wait_ms / until_ms accepted (ValueError above)
 MAX_LIMIT: int  # (1 << 31) - 1: largest semaphore limit
 MAX_MANY: int  # 64: most names in one acquire_many() request
+DEADLOCK_PASSES: int  # 4: most searches of one break_deadlocks() call
+DEADLOCK_WORK: int  # 100_000: no further search once a call's searches visited this many nodes
 
 
 class NotHolder(LookupError):
@@ -121,6 +123,7 @@ class LockTable:
         now: int,
         shared: bool = False,
         limit: int = 0,
+        actor: int = 0,
     ) -> int:
         """Grant ``name`` to ``owner`` or queue the request.
 
@@ -128,6 +131,9 @@ class LockTable:
         shared: a shared (read) lease instead of an exclusive one.
         limit: 1..MAX_LIMIT makes ``name`` a counting semaphore and this a permit
           request (not combined with shared: ValueError); 0 (default) for a lock.
+        actor: >= 0, who makes the request within the session (a task, a thread);
+          the lease's holder is party (session, actor) of break_deadlocks(); 0: the
+          session as a whole.
         Returns GRANTED (an EV_GRANTED event is queued), QUEUED, NOT_ACQUIRED, or
         LIMIT_CONFLICT when the name has holders or waiters under another limit
         (a semaphore vs a lock, or two limits): nothing changes.  A name's limit is
@@ -152,6 +158,7 @@ class LockTable:
         lock_delay_ms: int,
         meta: Any,
         now: int,
+        actor: int = 0,
     ) -> int:
         """Take a set of (name, shared) locks atomically: all granted together or none.
 
@@ -182,11 +189,12 @@ class LockTable:
         A clean release never applies lock-delay.
         """
 
-    def extend(self, name: str, token: int, owner: bytes, ttl_ms: int, now: int) -> int:
+    def extend(self, name: str, token: int, owner: bytes, ttl_ms: int, now: int, session: int | None = None) -> int:
         """Set the lease's deadline to now + ttl_ms (and its TTL to ttl_ms).
 
         Returns the new deadline. Raises NotHolder as release() does; an expired
-        lease is never revived.
+        lease is never revived.  ``session`` (optional): the renewing session becomes
+        the lease's (break_deadlocks() sees a reconnected client's leases as its own).
         """
 
     def cancel(self, name: str, owner: bytes, now: int) -> bool:
@@ -259,18 +267,21 @@ class LockTable:
         """Replay of a release/expiry: drop the holder (any kind) whose token is ``token``."""
 
     # -- deadlock detection ----------------------------------------------------
-    def break_deadlocks(self, now: int, min_wait_ms: int) -> list[tuple[tuple[int, str], ...]]:
-        """Fail one waiter per wait-for cycle until none is left; returns the cycles.
+    def break_deadlocks(self, now: int, min_wait_ms: int, max_work: int = ...) -> list[tuple[tuple[int, str], ...]]:
+        """Fail one request per deadlock; returns the cycles broken.
 
-        The graph links sessions: a waiter of session S on a lock waits for the
-        sessions of the holders it conflicts with and of the conflicting waiters
-        queued ahead of it.  Only waiters that have waited >= min_wait_ms (ms) count,
-        so a cycle is reported once it has lasted that long (PostgreSQL's
-        deadlock_timeout; the server calls this from its timer).  Session 0 and
-        semaphore waits (an OR-wait) are left out.  The victim is the youngest
-        waiter on the cycle (latest arrival, then greatest name, then owner): it
-        gets EV_DEADLOCK with Event.cycle = ((session, name), ...) starting with its
-        own step, and its lock is settled (grants may follow).
+        Parties are (session, actor) (see acquire()); a party that waits releases
+        nothing.  Linear graph: party -> its requests waiting >= min_wait_ms (ms;
+        PostgreSQL's deadlock_timeout, the server calls this from its timer);
+        request -> the request just ahead in each of its queues and the lock if a
+        holder conflicts; lock -> its holders' parties.  Session 0 and semaphore
+        waits (an OR-wait) are left out.  A deadlock is a strongly connected
+        component (Tarjan, iterative) with two or more parties.  Its victim is the
+        youngest request of one of its parties (latest arrival, then greatest name,
+        then owner) that reaches another party: it gets EV_DEADLOCK with
+        Event.cycle = ((session, name), ...) starting with its own step, and its
+        locks are settled (grants may follow).  At most DEADLOCK_PASSES searches
+        per call, a further one only while they visited < max_work nodes.
         """
 
     def lock_delays(self) -> list[tuple[str, int]]:

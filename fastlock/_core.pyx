@@ -114,6 +114,11 @@ MAX_MS = _MAX_MS
 MAX_LIMIT = _MAX_LIMIT
 #: Most names in one acquire_many() request.
 MAX_MANY = 64
+#: Most searches of one break_deadlocks() call (each fails one request per deadlock found).
+DEADLOCK_PASSES = 4
+#: break_deadlocks() starts another search only while its searches so far visited
+#: fewer graph nodes than this (its default ``max_work``).
+DEADLOCK_WORK = 100_000
 
 cdef enum:
     K_LEASE = 1   # a lock's lease deadline
@@ -177,6 +182,13 @@ cdef inline int64_t _session(object v) except? -1:
     cdef int64_t r = _int(v, "session")
     if r < 0:
         raise ValueError(f"session must be >= 0, got {r}")
+    return r
+
+
+cdef inline int64_t _actor(object v) except? -1:
+    cdef int64_t r = _int(v, "actor")
+    if r < 0:
+        raise ValueError(f"actor must be >= 0, got {r}")
     return r
 
 
@@ -297,7 +309,26 @@ cdef class Holder:
 # internal entries
 # ---------------------------------------------------------------------------
 
-cdef class _Entry:
+cdef class _Node:
+    """A node of the wait-for graph (see LockTable.break_deadlocks): a waiter, a
+    multi-lock request, a lock or a party.  Its search fields are valid while
+    ``dl_search`` is the number of the current search."""
+    cdef int64_t dl_search
+    cdef int dl_index
+    cdef int dl_low
+    cdef int dl_comp      # its deadlocked component (numbered from 1), 0 if none
+    cdef bint dl_on_stack
+
+
+@cython.final
+cdef class _Party(_Node):
+    """A party of the wait-for graph: ``(session, actor)`` and its waiting requests."""
+    cdef int64_t session
+    cdef int64_t actor
+    cdef list requests   # _Waiter or _Group, ascending by _request_key
+
+
+cdef class _Entry(_Node):
     """A heap entry: keyed by (deadline, seq); ``index`` is its heap slot or -1."""
     cdef int64_t deadline
     cdef int64_t seq
@@ -310,6 +341,7 @@ cdef class _Waiter(_Entry):
     cdef _Lock lock
     cdef bytes owner
     cdef int64_t session
+    cdef int64_t actor        # who waits within the session (0: the session as a whole)
     cdef object request
     cdef int64_t ttl_ms
     cdef int64_t lock_delay_ms
@@ -335,6 +367,7 @@ cdef class _Lease(_Entry):
     cdef int64_t token
     cdef bytes owner
     cdef int64_t session
+    cdef int64_t actor
     cdef int64_t ttl_ms
     cdef int64_t lock_delay_ms
     cdef object meta
@@ -349,6 +382,7 @@ cdef class _Lock(_Entry):
     cdef int64_t token
     cdef bytes owner
     cdef int64_t session
+    cdef int64_t actor   # the holder's actor (see acquire())
     cdef int64_t ttl_ms
     cdef int64_t lock_delay_ms
     cdef object meta
@@ -409,6 +443,8 @@ cdef class LockTable:
     cdef int64_t _wait_timeouts
     cdef int64_t _cancels
     cdef int64_t _deadlocks
+    cdef int64_t _searches       # deadlock searches made (numbers _Node.dl_search)
+    cdef int64_t _search_nodes   # nodes the last deadlock search visited
 
     def __cinit__(self):
         self._locks = {}
@@ -585,13 +621,14 @@ cdef class LockTable:
 
     cdef inline int _grant(self, _Lock lock, bytes owner, int64_t session, object request,
                            int64_t ttl_ms, int64_t lock_delay_ms, object meta, int64_t now,
-                           int64_t waited_ms) except -1:
+                           int64_t waited_ms, int64_t actor) except -1:
         """Make a fresh grant (caller checked the counter has room); ``waited_ms``
         is how long its request waited (Event.waited_ms)."""
         cdef int64_t token
         self._counter += 1
         token = (self._epoch << _SHIFT) | self._counter
         self._hold(lock, token, owner, session, ttl_ms, lock_delay_ms, meta, now)
+        lock.actor = actor
         self._n_held += 1
         self._grants += 1
         self._event(_EV_GRANTED, lock.name, token, owner, session, request, ttl_ms,
@@ -606,6 +643,7 @@ cdef class LockTable:
         lock.token = token
         lock.owner = owner
         lock.session = session
+        lock.actor = 0
         lock.ttl_ms = ttl_ms
         lock.lock_delay_ms = lock_delay_ms
         lock.meta = meta
@@ -616,16 +654,16 @@ cdef class LockTable:
     cdef inline int _grant_waiter(self, _Lock lock, _Waiter w, int64_t now) except -1:
         """Grant ``lock`` exclusively to the (unlinked) waiter ``w``."""
         return self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms,
-                           w.meta, now, now - w.enqueued_ms)
+                           w.meta, now, now - w.enqueued_ms, w.actor)
 
     cdef inline int _grant_waiter_lease(self, _Lock lock, _Waiter w, int64_t now) except -1:
         """Grant the (unlinked) waiter ``w`` a non-exclusive lease on ``lock``."""
         return self._grant_lease(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms,
-                                 w.meta, w.shared, now, now - w.enqueued_ms)
+                                 w.meta, w.shared, now, now - w.enqueued_ms, w.actor)
 
     cdef int _grant_lease(self, _Lock lock, bytes owner, int64_t session, object request,
                           int64_t ttl_ms, int64_t lock_delay_ms, object meta, bint shared,
-                          int64_t now, int64_t waited_ms) except -1:
+                          int64_t now, int64_t waited_ms, int64_t actor) except -1:
         """A fresh non-exclusive grant (shared lease or permit); the caller checked
         the counter has room and the lock is not held exclusively."""
         cdef int64_t token
@@ -636,6 +674,7 @@ cdef class LockTable:
             self._unschedule(lock)  # the end of a block: the lock is not held
         lease = self._install_lease(lock, token, owner, session, ttl_ms, lock_delay_ms, meta, shared,
                                     now)
+        lease.actor = actor
         self._grants += 1
         self._lease_event(_EV_GRANTED, lease, session, request, now + ttl_ms, True).waited_ms = waited_ms
         return 0
@@ -719,7 +758,7 @@ cdef class LockTable:
 
     cdef inline _Waiter _enqueue(self, _Lock lock, bytes o, int64_t s, object request, int64_t ttl,
                                  int64_t delay, object meta, int64_t t, bint shared, _Group group,
-                                 dict sess):
+                                 dict sess, int64_t actor):
         """A new waiter of ``o`` at the tail of ``lock``'s queue, indexed by owner and in
         ``sess`` (session ``s``'s index); not scheduled."""
         cdef _Waiter w = _Waiter.__new__(_Waiter)
@@ -728,6 +767,7 @@ cdef class LockTable:
         w.lock = lock
         w.owner = o
         w.session = s
+        w.actor = actor
         w.request = request
         w.ttl_ms = ttl
         w.lock_delay_ms = delay
@@ -951,7 +991,7 @@ cdef class LockTable:
     # -- lock operations -----------------------------------------------------------
 
     def acquire(self, name, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now,
-                shared=False, limit=0):
+                shared=False, limit=0, actor=0):
         """Grant ``name`` to ``owner`` or queue the request (FIFO, as ZooKeeper's
         sequential nodes).
 
@@ -975,6 +1015,10 @@ cdef class LockTable:
             counting semaphore with at most ``limit`` holders, each permit its
             own lease and fencing token (Curator's InterProcessSemaphoreV2,
             ``consul lock -n``).  Not combined with ``shared``.
+          actor (int >= 0): who makes the request within the session (a client's
+            task or thread), for deadlock detection only: the holder of a lease
+            granted to this request is party ``(session, actor)`` of the wait-for
+            graph (see break_deadlocks()).  0 (default): the session as a whole.
 
         FIFO across kinds (ZooKeeper's shared-lock recipe): a request is granted
         only at the head of the queue (or when the queue is empty) and only if it
@@ -1011,6 +1055,7 @@ cdef class LockTable:
         cdef int64_t wait = _ms(wait_ms, "wait_ms", -1)
         cdef int64_t delay = _lock_delay(lock_delay_ms)
         cdef int64_t t = _ms(now, "now", 0)
+        cdef int64_t a = _actor(actor)
         cdef bint sh
         cdef int64_t lim
         cdef _Lock lock
@@ -1025,9 +1070,9 @@ cdef class LockTable:
                 lock = self._new_lock(n)
                 if sh or lim:
                     lock.limit = lim
-                    self._grant_lease(lock, o, s, request, ttl, delay, meta, sh, t, 0)
+                    self._grant_lease(lock, o, s, request, ttl, delay, meta, sh, t, 0, a)
                 else:
-                    self._grant(lock, o, s, request, ttl, delay, meta, t, 0)
+                    self._grant(lock, o, s, request, ttl, delay, meta, t, 0, a)
                 return _GRANTED
         else:
             if lock.held:
@@ -1049,18 +1094,18 @@ cdef class LockTable:
                 if w is not None:
                     if w.group is not None:
                         raise ValueError(f"owner {o!r} waits on {n!r} in an acquire_many() request")
-                    return self._retry_waiter(w, s, request, ttl, wait, delay, meta, t)
+                    return self._retry_waiter(w, s, request, ttl, wait, delay, meta, t, a)
             elif not lock.held and t >= _max(lock.delay_until, self._hold_until):
                 if lock.n_leases == 0:
                     lock.limit = lim
                     if not (sh or lim):
                         self._check_counter()
-                        self._grant(lock, o, s, request, ttl, delay, meta, t, 0)
+                        self._grant(lock, o, s, request, ttl, delay, meta, t, 0, a)
                         return _GRANTED
                 if lim == 0 or lock.n_leases < lim:
                     if sh or lim:
                         self._check_counter()
-                        self._grant_lease(lock, o, s, request, ttl, delay, meta, sh, t, 0)
+                        self._grant_lease(lock, o, s, request, ttl, delay, meta, sh, t, 0, a)
                         return _GRANTED
         if wait == 0:
             return _NOT_ACQUIRED
@@ -1069,18 +1114,18 @@ cdef class LockTable:
             lock.limit = lim
         elif lock.head is None and not lock.held and lock.n_leases == 0:
             lock.limit = lim
-        w = self._enqueue(lock, o, s, request, ttl, delay, meta, t, sh, None, self._session_index(s))
+        w = self._enqueue(lock, o, s, request, ttl, delay, meta, t, sh, None, self._session_index(s), a)
         if wait > 0:
             self._schedule(w, t + wait)
         self._settle(lock, t, t)
         return _QUEUED
 
     cdef object _retry_waiter(self, _Waiter w, int64_t s, object request, int64_t ttl,
-                              int64_t wait, int64_t delay, object meta, int64_t t):
+                              int64_t wait, int64_t delay, object meta, int64_t t, int64_t a):
         """A retry of the waiting request ``w`` belongs to (its group, if any): the old
         request gets EV_WAIT_CANCELLED per waiter; wait == 0 withdraws it (NOT_ACQUIRED),
-        else every waiter keeps its place and takes session ``s`` and the new request,
-        ttl, lock-delay, meta and a wait deadline counted from ``t`` (QUEUED)."""
+        else every waiter keeps its place and takes session ``s``, actor ``a`` and the new
+        request, ttl, lock-delay, meta and a wait deadline counted from ``t`` (QUEUED)."""
         cdef list members = [w] if w.group is None else w.group.members
         cdef _Entry entry = w if w.group is None else w.group
         cdef _Waiter m
@@ -1095,6 +1140,7 @@ cdef class LockTable:
                 self._forget_session_waiter(m)
                 self._session_index(s)[m] = None
                 m.session = s
+            m.actor = a
             m.request = request
             m.ttl_ms = ttl
             m.lock_delay_ms = delay
@@ -1106,13 +1152,14 @@ cdef class LockTable:
             self._unschedule(entry)
         return _QUEUED
 
-    def acquire_many(self, items, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now):
+    def acquire_many(self, items, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now,
+                     actor=0):
         """Take a set of locks atomically: all granted together or none, one queued request.
 
         Args:
           items (list or tuple of ``(name, shared)`` pairs): 1..MAX_MANY distinct names,
             each exclusive (shared False) or shared (True); semaphores are not allowed.
-          owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now: as
+          owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now, actor: as
             acquire(), for every lease of the set.
 
         Granted (GRANTED, one EV_GRANTED per name in request order, each lease with its
@@ -1144,7 +1191,7 @@ cdef class LockTable:
         cdef list names = []
         cdef list kinds = []
         cdef bytes o
-        cdef int64_t s, ttl, wait, delay, t
+        cdef int64_t s, ttl, wait, delay, t, a
         cdef Py_ssize_t i, k
         cdef _Lock lock
         cdef _Waiter w, first
@@ -1168,6 +1215,7 @@ cdef class LockTable:
         wait = _ms(wait_ms, "wait_ms", -1)
         delay = _lock_delay(lock_delay_ms)
         t = _ms(now, "now", 0)
+        a = _actor(actor)
         self._advance(t)
         k = len(names)
         # a semaphore among the names; the owner's earlier request on them
@@ -1198,7 +1246,7 @@ cdef class LockTable:
             for w in first.group.members:
                 if w.lock.name not in names:
                     raise ValueError(f"owner {w.owner!r} waits in a request for other names")
-            return self._retry_waiter(first, s, request, ttl, wait, delay, meta, t)
+            return self._retry_waiter(first, s, request, ttl, wait, delay, meta, t, a)
         if held_all:
             for i in range(k):
                 self._redeliver(<_Lock>self._locks[names[i]], o, s, request, t)
@@ -1219,9 +1267,9 @@ cdef class LockTable:
                     lock = self._new_lock(names[i])
                 lock.limit = 0
                 if kinds[i]:
-                    self._grant_lease(lock, o, s, request, ttl, delay, meta, True, t, 0)
+                    self._grant_lease(lock, o, s, request, ttl, delay, meta, True, t, 0, a)
                 else:
-                    self._grant(lock, o, s, request, ttl, delay, meta, t, 0)
+                    self._grant(lock, o, s, request, ttl, delay, meta, t, 0, a)
             return _GRANTED
         if wait == 0:
             return _NOT_ACQUIRED
@@ -1236,7 +1284,7 @@ cdef class LockTable:
                 lock = self._new_lock(names[i])
             elif lock.head is None and not lock.held and lock.n_leases == 0:
                 lock.limit = 0
-            g.members.append(self._enqueue(lock, o, s, request, ttl, delay, meta, t, kinds[i], g, sess))
+            g.members.append(self._enqueue(lock, o, s, request, ttl, delay, meta, t, kinds[i], g, sess, a))
         if wait > 0:
             self._schedule(g, t + wait)
         for w in list(g.members):
@@ -1286,10 +1334,13 @@ cdef class LockTable:
             return None
         return lease
 
-    def extend(self, name, token, owner, ttl_ms, now):
+    def extend(self, name, token, owner, ttl_ms, now, session=None):
         """Set the lease's deadline to ``now + ttl_ms`` (ms) and its TTL to ``ttl_ms``.
 
         The deadline may move earlier (a shorter TTL).  Returns the new deadline (int ms).
+        ``session`` (int >= 0, optional): the session renewing it, which becomes the
+        lease's (a client that reconnected holds its leases from its new connection:
+        break_deadlocks() sees them as held by it; the actor is kept).
 
         Raises:
           NotHolder: as release(); an expired lease is never revived.
@@ -1300,18 +1351,23 @@ cdef class LockTable:
         cdef bytes o = _owner(owner)
         cdef int64_t ttl = _ms(ttl_ms, "ttl_ms", 1)
         cdef int64_t t = _ms(now, "now", 0)
+        cdef int64_t s = -1 if session is None else _session(session)
         cdef _Lock lock
         cdef _Lease lease
         self._advance(t)
         lock = <_Lock>self._locks.get(n)
         if _holds(lock, tok, o):
             lock.ttl_ms = ttl
+            if s >= 0:
+                lock.session = s
             self._schedule(lock, t + ttl)
             return t + ttl
         lease = self._lease_of(lock, tok, o)
         if lease is None:
             raise NotHolder(f"lease {tok} of {o!r} does not hold {n!r}")
         lease.ttl_ms = ttl
+        if s >= 0:
+            lease.session = s
         self._schedule(lease, t + ttl)
         return t + ttl
 
@@ -1796,92 +1852,179 @@ cdef class LockTable:
 
     # -- deadlock detection ----------------------------------------------------------
 
-    cdef dict _wait_for(self, int64_t t, int64_t min_wait):
-        """The wait-for graph: session -> {session it waits for: [its waiters causing it]}."""
-        cdef dict graph = {}
-        cdef _Lock lock
+    cdef dict _waiting_parties(self, int64_t t, int64_t min_wait):
+        """Every party ``(session, actor)`` with a request waiting at least ``min_wait``
+        ms on a lock (not a semaphore), session 0 left out: (session, actor) -> _Party."""
+        cdef dict out = {}
+        cdef dict sess
         cdef _Waiter w
-        cdef _Lease lease
-        cdef list holders_all, holders_excl, ahead_all, ahead_excl, targets
-        for lock in self._locks.values():
-            if lock.head is None or lock.limit:
+        cdef _Party p
+        for s, sess in self._sessions.items():
+            if s == 0:
                 continue
-            holders_excl = [lock.session] if lock.held else []
-            holders_all = list(holders_excl)
-            if lock.n_leases:
-                for lease in lock.leases.values():
-                    holders_all.append(lease.session)
-            ahead_all = []
-            ahead_excl = []
-            w = lock.head
-            while w is not None:
-                if w.session != 0 and t - w.enqueued_ms >= min_wait:
-                    targets = holders_excl + ahead_excl if w.shared else holders_all + ahead_all
-                    for v in targets:
-                        if v != 0:
-                            graph.setdefault(w.session, {}).setdefault(v, []).append(w)
-                ahead_all.append(w.session)
-                if not w.shared:
-                    ahead_excl.append(w.session)
-                w = w.next
-        return graph
+            for w in sess:
+                if w.lock.limit or t - w.enqueued_ms < min_wait:
+                    continue
+                if w.group is None:
+                    req = w
+                elif w is (<_Group>w.group).members[0]:  # a multi-lock once, by its first waiter
+                    req = w.group
+                else:
+                    continue
+                key = (s, w.actor)
+                p = <_Party>out.get(key)
+                if p is None:
+                    p = _Party.__new__(_Party)
+                    p.session = s
+                    p.actor = w.actor
+                    p.requests = [req]
+                    out[key] = p
+                else:
+                    p.requests.append(req)
+        for p in out.values():
+            if len(p.requests) > 1:
+                p.requests.sort(key=_request_key)
+        return out
 
-    def break_deadlocks(self, now, min_wait_ms):
+    def break_deadlocks(self, now, min_wait_ms, max_work=DEADLOCK_WORK):
         """Find and break deadlocks among waiters; returns the cycles broken (a list of
         tuples of ``(session, name)`` steps, as ``Event.cycle``).
 
-        The wait-for graph links sessions (the identity of a client: its
-        connection): a waiter of session S on lock L waits for the session of every
-        holder of L it conflicts with and of every conflicting waiter queued ahead
-        of it (FIFO: those are granted first).  Only waiters that have waited at
-        least ``min_wait_ms`` (ms since the request they answer arrived) are edges,
-        so a cycle is reported once it has existed that long (PostgreSQL's
-        ``deadlock_timeout``).  Session 0 (installed holders) is unknown and never
-        part of a cycle; semaphore waiters are left out (a permit waits for ANY
-        holder, so a cycle through one is not a deadlock).  A session that holds a
-        lock and waits for it again under another owner key is a cycle of one.
+        Parties: a request's party is ``(session, actor)`` (acquire()'s ``actor``: a
+        client's task or thread; 0 stands for the whole session), and a lease's
+        holder is the party of the request it was granted to.  A party that waits
+        is blocked: it releases nothing until its wait ends.  The wait-for graph
+        has a node per party, per waiting request and per lock (its holders), and
+        edges, each O(1) per waiter or holder:
 
-        For each cycle found (sessions searched in ascending order, neighbours in
-        ascending order, depth first) the youngest waiter causing one of its edges
-        (latest arrival, then greatest name, then owner) is failed: it leaves its
-        queue with EV_DEADLOCK whose ``cycle`` starts with its own step, and its
-        lock is settled (grants may follow).  PostgreSQL fails the process that ran
-        the check; failing the youngest loses the least waiting.  The graph is then
-        rebuilt and searched again until it has no cycle.
+        * party -> each of its requests waiting at least ``min_wait_ms`` (ms since
+          the request it answers arrived: PostgreSQL's ``deadlock_timeout``);
+        * request -> for each of its waiters (one per name of a multi-lock): the
+          request of the waiter just ahead in that queue (FIFO: granted first),
+          and the lock if a holder conflicts (any holder for an exclusive waiter,
+          the exclusive holder for a shared one);
+        * lock -> the party of each holder (session 0, installed holders, is
+          unknown and left out).
+
+        Semaphore waiters are left out (a permit waits for ANY holder, so a cycle
+        through one is not a deadlock).  A deadlock is a strongly connected
+        component (Tarjan's algorithm, iterative) holding at least two parties: a
+        party waiting only for itself (two tasks of one session, one holding and
+        one waiting) is not one.  In each such component the youngest request of
+        one of its parties that lies in the component (latest arrival, then
+        greatest name, then owner) is failed: it leaves its queues with
+        EV_DEADLOCK (one event per waiter) and its locks are settled.  Its
+        ``cycle`` is the shortest path (breadth first, successors in the order
+        above; a party's requests ascending, a lock's parties ascending) from
+        the failed request back to its party: one ``(session, name)`` step per
+        party on it, starting with the failed request's.  Victims are failed in
+        ascending age order.  This is repeated while it finds a deadlock, at
+        most DEADLOCK_PASSES times per call, and only while the searches so far
+        visited fewer than ``max_work`` (int >= 0) nodes (each search is linear
+        in the waiters and holders); a later call finds what is left.
 
         Raises TypeError / ValueError for a bad argument (state unchanged).
         """
         cdef int64_t t = _ms(now, "now", 0)
         cdef int64_t min_wait = _ms(min_wait_ms, "min_wait_ms", 0)
+        cdef int64_t budget = _ms(max_work, "max_work", 0)
+        cdef int64_t work = 0
         cdef list broken = []
-        cdef dict graph
-        cdef _Waiter w, victim
+        cdef list victims
+        cdef _Waiter w
         self._advance(t)
-        while True:
-            graph = self._wait_for(t, min_wait)
-            path = _find_cycle(graph)
-            if path is None:
-                return broken
-            victim = None
-            k = len(path)
-            for i in range(k):
-                for w in graph[path[i]][path[(i + 1) % k]]:
-                    if victim is None or (w.enqueued_ms, w.lock.name, w.owner) > (
-                            victim.enqueued_ms, victim.lock.name, victim.owner):
-                        victim = w
-                        at = i
-            steps = []
-            for j in range(k):
-                i = (at + j) % k
-                if j == 0:
-                    w = victim
-                else:
-                    w = max(graph[path[i]][path[(i + 1) % k]], key=_waiter_age_key)
-                steps.append((path[i], w.lock.name))
-            cycle = tuple(steps)
-            self._deadlocks += 1
-            broken.append(cycle)
-            self._withdraw(victim, _EV_DEADLOCK, cycle, None, t, t)
+        for _ in range(DEADLOCK_PASSES):
+            if broken and work >= budget:
+                break
+            victims = self._deadlock_pass(t, min_wait)
+            work += self._search_nodes
+            if not victims:
+                break
+            victims.sort(key=_victim_key)
+            for req, cycle in victims:
+                w = <_Waiter>req if type(req) is _Waiter else <_Waiter>(<_Group>req).members[0]
+                if w.lock is None:
+                    continue
+                self._deadlocks += 1
+                broken.append(cycle)
+                self._withdraw(w, _EV_DEADLOCK, cycle, None, t, t)
+        return broken
+
+    cdef list _deadlock_pass(self, int64_t t, int64_t min_wait):
+        """One search (Tarjan's algorithm, iterative): [(victim request, cycle)] per
+        deadlocked component."""
+        cdef dict parties = self._waiting_parties(t, min_wait)
+        cdef list stack = []
+        cdef list victims = []
+        cdef list path, todo, positions, nexts, members
+        cdef _Node root, node, nxt, m, parent
+        cdef Py_ssize_t pos, top
+        cdef int counter = 0, n_comp = 0, n_parties
+        cdef int64_t search
+        self._search_nodes = 0
+        if len(parties) < 2:
+            return victims
+        self._searches += 1
+        search = self._searches
+        for root in parties.values():
+            if root.dl_search == search:
+                continue
+            _enter(root, search, counter)
+            counter += 1
+            stack.append(root)
+            path = [root]
+            todo = [_successors(root, parties)]
+            positions = [0]
+            while path:
+                top = len(path) - 1
+                node = <_Node>path[top]
+                nexts = <list>todo[top]
+                pos = positions[top]
+                if pos < len(nexts):
+                    positions[top] = pos + 1
+                    nxt = <_Node>nexts[pos]
+                    if nxt.dl_search != search:
+                        _enter(nxt, search, counter)
+                        counter += 1
+                        stack.append(nxt)
+                        path.append(nxt)
+                        todo.append(_successors(nxt, parties))
+                        positions.append(0)
+                    elif nxt.dl_on_stack and nxt.dl_index < node.dl_low:
+                        node.dl_low = nxt.dl_index
+                    continue
+                path.pop()
+                todo.pop()
+                positions.pop()
+                if top > 0:
+                    parent = <_Node>path[top - 1]
+                    if node.dl_low < parent.dl_low:
+                        parent.dl_low = node.dl_low
+                if node.dl_low != node.dl_index:
+                    continue
+                # node roots a component: pop it off the stack
+                if stack[len(stack) - 1] is node:
+                    stack.pop()
+                    node.dl_on_stack = False
+                    continue
+                members = []
+                n_parties = 0
+                while True:
+                    m = <_Node>stack.pop()
+                    m.dl_on_stack = False
+                    members.append(m)
+                    if type(m) is _Party:
+                        n_parties += 1
+                    if m is node:
+                        break
+                if n_parties < 2:
+                    continue
+                n_comp += 1
+                for m in members:
+                    m.dl_comp = n_comp
+                victims.append(_component_victim(members, parties, n_comp, search))
+        self._search_nodes = counter
+        return victims
 
     def lock_delays(self):
         """Every running lock-delay as ``(name, until_ms)`` pairs (monotonic ms), in no
@@ -1960,41 +2103,157 @@ def _entry_key(_Entry e):
     return (e.deadline, e.seq)
 
 
-def _waiter_age_key(_Waiter w):
-    return (w.enqueued_ms, w.lock.name, w.owner)
+def _request_key(req):
+    """A waiting request's age key: (arrival ms, name, owner); a multi-lock's
+    greatest name."""
+    cdef _Waiter w
+    if type(req) is _Waiter:
+        w = <_Waiter>req
+        return (w.enqueued_ms, w.lock.name, w.owner)
+    w = <_Waiter>(<_Group>req).members[0]
+    return (w.enqueued_ms, max([(<_Waiter>m).lock.name for m in (<_Group>req).members]), w.owner)
 
 
-def _find_cycle(dict graph):
-    """The first cycle of a depth-first search of ``graph`` (node -> {node: ...}),
-    roots and neighbours in ascending order, as a list of nodes; None if acyclic.
-    (Indexes are never negative: the module is compiled without wraparound.)"""
-    cdef dict state = {}  # node -> 1 on the current path, 2 finished
-    cdef list path, todo, nexts, positions
-    cdef Py_ssize_t pos, top
-    for root in sorted(graph):
-        if root in state:
-            continue
-        path = [root]
-        todo = [sorted(graph[root])]  # per node on the path: its neighbours
-        positions = [0]               # per node on the path: the next neighbour's index
-        state[root] = 1
-        while path:
-            top = len(path) - 1
-            nexts = <list>todo[top]
-            pos = positions[top]
-            if pos >= len(nexts):
-                todo.pop()
-                positions.pop()
-                state[path.pop()] = 2
+def _victim_key(victim):
+    return _request_key(victim[0])
+
+
+cdef inline object _request_of(_Waiter w):
+    return w if w.group is None else w.group
+
+
+cdef inline void _enter(_Node node, int64_t search, int index):
+    node.dl_search = search
+    node.dl_index = node.dl_low = index
+    node.dl_comp = 0
+    node.dl_on_stack = True
+
+
+cdef inline bint _in_comp(_Node node, int cid, int64_t search):
+    return node.dl_search == search and node.dl_comp == cid
+
+
+cdef list _waiter_successors(_Waiter w, list out):
+    """Append what ``w`` waits for: the request just ahead of it, its lock if a holder conflicts."""
+    cdef _Lock lock = w.lock
+    if w.prev is not None:
+        out.append(_request_of(w.prev))
+    if lock.held or (not w.shared and lock.n_leases):
+        out.append(lock)
+    return out
+
+
+cdef list _successors(_Node node, dict parties):
+    """The wait-for graph's edges out of ``node`` (see LockTable.break_deadlocks); a
+    lock's edges go to the holders' parties that wait (no other can be in a cycle)."""
+    cdef list out
+    cdef list keys
+    cdef _Lock lock
+    cdef _Lease lease
+    cdef _Waiter m
+    if type(node) is _Party:
+        return (<_Party>node).requests
+    if type(node) is _Waiter:
+        return _waiter_successors(<_Waiter>node, [])
+    if type(node) is _Group:
+        out = []
+        for m in (<_Group>node).members:
+            _waiter_successors(m, out)
+        return out
+    lock = <_Lock>node
+    out = []
+    if lock.held:
+        p = parties.get((lock.session, lock.actor))
+        if p is not None:
+            out.append(p)
+    elif lock.n_leases:
+        keys = []
+        for lease in lock.leases.values():
+            key = (lease.session, lease.actor)
+            if key in parties:
+                keys.append(key)
+        if len(keys) > 1:
+            keys = sorted(set(keys))
+        for key in keys:
+            out.append(parties[key])
+    return out
+
+
+cdef str _step_name(object req, object nxt):
+    """The name of ``req``'s waiter whose edge leads to ``nxt`` (the first in request order)."""
+    cdef _Waiter m
+    if type(req) is _Waiter:
+        return (<_Waiter>req).lock.name
+    for m in (<_Group>req).members:
+        if nxt in _waiter_successors(m, []):
+            return m.lock.name
+    raise AssertionError("no edge")  # pragma: no cover
+
+
+cdef list _bfs_path(_Node start, _Party home, dict parties, int cid, int64_t search, dict dead):
+    """Breadth first from ``start`` inside component ``cid``: to the first party that is not
+    ``home`` when ``dead`` is a dict (``home`` is not crossed; what proves unable to reach
+    another party is marked dead for ``home``), else to ``home``.  The path
+    [start, ..., end], or None."""
+    cdef dict parent = {start: None}
+    cdef list queue = [start]
+    cdef list path
+    cdef Py_ssize_t i = 0
+    cdef _Node node, nxt
+    end = None
+    while end is None and i < len(queue):
+        node = <_Node>queue[i]
+        i += 1
+        for nxt in _successors(node, parties):
+            if nxt in parent or not _in_comp(nxt, cid, search):
                 continue
-            positions[top] = pos + 1
-            nxt = nexts[pos]
-            mark = state.get(nxt)
-            if mark == 1:
-                return path[path.index(nxt):]
-            if mark is None:
-                state[nxt] = 1
-                path.append(nxt)
-                todo.append(sorted(graph.get(nxt, ())))
-                positions.append(0)
-    return None
+            if dead is not None and (nxt is home or dead.get(nxt) is home):
+                continue
+            parent[nxt] = node
+            if nxt is home or (dead is not None and type(nxt) is _Party):
+                end = nxt
+                break
+            queue.append(nxt)
+    if end is None:
+        for node in queue:
+            dead[node] = home
+        return None
+    path = []
+    while end is not None:
+        path.append(end)
+        end = parent[end]
+    path.reverse()
+    return path
+
+
+cdef tuple _component_victim(list members, dict parties, int cid, int64_t search):
+    """The victim request of a deadlocked component and the cycle naming it: the
+    youngest request of a party of the component, in it, that reaches another party
+    without crossing its own; the cycle runs from it to the nearest such party and
+    from there back by a shortest path (so every party on it is distinct)."""
+    cdef list candidates = []
+    cdef list out_path, back, steps
+    cdef dict dead = {}
+    cdef Py_ssize_t i
+    cdef _Waiter w
+    cdef _Party home
+    for m in members:
+        if type(m) is _Party:
+            for req in (<_Party>m).requests:
+                if _in_comp(<_Node>req, cid, search):
+                    candidates.append(req)
+    candidates.sort(key=_request_key, reverse=True)
+    for victim in candidates:
+        w = <_Waiter>victim if type(victim) is _Waiter else <_Waiter>(<_Group>victim).members[0]
+        home = <_Party>parties[(w.session, w.actor)]
+        out_path = _bfs_path(victim, home, parties, cid, search, dead)
+        if out_path is not None:
+            break
+    else:
+        raise AssertionError("a component of two parties has a cycle through both")  # pragma: no cover
+    back = _bfs_path(out_path[len(out_path) - 1], home, parties, cid, search, None)
+    steps = [(home.session, _step_name(victim, out_path[1]))]
+    for i in range(len(back) - 1):
+        if type(back[i]) is _Party:
+            steps.append(((<_Party>back[i]).session, _step_name(back[i + 1], back[i + 2])))
+    return (victim, tuple(steps))

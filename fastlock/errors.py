@@ -206,11 +206,20 @@ class LimitConflict(FastlockError):
 
 @_register(19)
 class DeadlockDetected(LockNotAcquired):
-    """This waiting acquire was chosen to break a deadlock: its session held locks
-    that the holders of the lock it waited for were themselves waiting for, for
-    longer than the server's ``--deadlock-timeout`` (as PostgreSQL's deadlock
-    detector, SQLSTATE 40P01).  The message names the cycle; the leases this
-    client holds are unchanged (release some, then retry)."""
+    """This waiting acquire was chosen to break a deadlock (as PostgreSQL's deadlock
+    detector, SQLSTATE 40P01): for longer than the server's ``--deadlock-timeout``
+    (seconds), two or more parties each waited for the next one around a cycle, and
+    this acquire was the youngest wait of the cycle's parties.
+
+    A party is one task (asyncio) or thread (:mod:`fastlock.sync`) of a client
+    connection: the client sends its number with each acquire, and a lease's holder
+    is the party whose acquire got it.  A party that waits holds on to its leases;
+    another task of the same client may still release its own.  So two tasks of one
+    client waiting behind another client's holder are no deadlock, while two tasks
+    of one client each holding what the other waits for are.  A client that sends no
+    task number is one party per connection.  The message names the cycle as
+    ``session S waits for 'name'`` steps; the leases this client holds are unchanged
+    (release some, then retry)."""
 
 
 def error_from_wire(code: int, message: str, extra: Any = None) -> FastlockError:

@@ -56,6 +56,8 @@ MAX_LOCK_DELAY_MS = 60_000
 MAX_MS = (1 << 53) - 1
 MAX_LIMIT = (1 << 31) - 1
 MAX_MANY = 64
+DEADLOCK_PASSES = 4
+DEADLOCK_WORK = 100_000
 _INT64_MAX = (1 << 63) - 1
 _INT64_MIN = -(1 << 63)
 
@@ -126,6 +128,7 @@ class _Lease:
     meta: Any
     entry: _Entry
     shared: bool = False
+    actor: int = 0  # the actor of the request it was granted to
 
 
 @dataclass(eq=False)
@@ -141,6 +144,7 @@ class _Waiter:
     shared: bool = False
     group: _Group | None = None  # its acquire_many() request
     lock: _Lock | None = None
+    actor: int = 0  # who waits within the session (0: the session as a whole)
 
 
 @dataclass(eq=False)
@@ -331,26 +335,27 @@ class RefLockTable:
         self._counter += 1
         return (self.epoch << TOKEN_EPOCH_SHIFT) | self._counter
 
-    def _grant(self, lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now, waited_ms=0) -> None:
+    def _grant(self, lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now, waited_ms=0,
+               actor=0) -> None:
         token = self._next_token()
         self._unschedule(lock.block)
         lock.block = None
         lock.delay_until = 0
         entry = self._schedule(LEASE, lock, now + ttl_ms)
-        lock.holder = _Lease(token, owner, session, ttl_ms, lock_delay_ms, meta, entry)
+        lock.holder = _Lease(token, owner, session, ttl_ms, lock_delay_ms, meta, entry, actor=actor)
         self.n["grants"] += 1
         self.events.append(
             Event(EV_GRANTED, lock.name, token, owner, session, request, ttl_ms, now + ttl_ms, meta,
                   True, lock_delay_ms, waited_ms))
 
     def _grant_lease(self, lock, owner, session, request, ttl_ms, lock_delay_ms, meta, shared, now,
-                     waited_ms=0) -> None:
+                     waited_ms=0, actor=0) -> None:
         token = self._next_token()
         self._unschedule(lock.block)
         lock.block = None
         lock.delay_until = 0
         entry = self._schedule(SHARED, lock, now + ttl_ms)
-        lease = _Lease(token, owner, session, ttl_ms, lock_delay_ms, meta, entry, shared)
+        lease = _Lease(token, owner, session, ttl_ms, lock_delay_ms, meta, entry, shared, actor)
         entry.lease = lease
         lock.shared[owner] = lease
         self.n["grants"] += 1
@@ -406,10 +411,10 @@ class RefLockTable:
                     self._remove_waiter(lock, w)
                     if exclusive:
                         self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms, w.meta,
-                                    now, now - w.enqueued_ms)
+                                    now, now - w.enqueued_ms, w.actor)
                         break
                     self._grant_lease(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms, w.meta,
-                                      w.shared, now, now - w.enqueued_ms)
+                                      w.shared, now, now - w.enqueued_ms, w.actor)
             else:
                 self._set_block(lock, until)
         elif lock.delay_until > tau:
@@ -440,10 +445,10 @@ class RefLockTable:
         for m, lock in zip(g.members, locks):
             if m.shared:
                 self._grant_lease(lock, m.owner, m.session, m.request, m.ttl_ms, m.lock_delay_ms, m.meta, True,
-                                  now, now - m.enqueued_ms)
+                                  now, now - m.enqueued_ms, m.actor)
             else:
                 self._grant(lock, m.owner, m.session, m.request, m.ttl_ms, m.lock_delay_ms, m.meta, now,
-                            now - m.enqueued_ms)
+                            now - m.enqueued_ms, m.actor)
         for lock in locks:
             if lock is not skip:
                 self._settle(lock, tau, now)
@@ -469,7 +474,7 @@ class RefLockTable:
     # -- lock operations -----------------------------------------------------------
 
     def acquire(self, name, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now,
-                shared=False, limit=0) -> int:
+                shared=False, limit=0, actor=0) -> int:
         name = _name(name)
         owner = _owner(owner)
         session = _nonneg(session, "session")
@@ -477,6 +482,7 @@ class RefLockTable:
         wait_ms = _ms(wait_ms, "wait_ms", -1)
         lock_delay_ms = _lock_delay(lock_delay_ms)
         now = _ms(now, "now", 0)
+        actor = _nonneg(actor, "actor")
         shared = _bool(shared, "shared")
         limit = _limit(limit, shared)
         exclusive = not (shared or limit)
@@ -489,9 +495,10 @@ class RefLockTable:
                 lock = self.locks[name] = _Lock(name)
                 lock.limit = limit
                 if exclusive:
-                    self._grant(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now)
+                    self._grant(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now, 0, actor)
                 else:
-                    self._grant_lease(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, shared, now)
+                    self._grant_lease(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, shared, now, 0,
+                                      actor)
                 return GRANTED
         else:
             if lock.holder is not None or lock.shared or lock.waiters:
@@ -522,6 +529,7 @@ class RefLockTable:
                         del self.sessions[w.session]
                     self.sessions.setdefault(session, []).append((name, owner))
                     w.session = session
+                w.actor = actor
                 w.request, w.ttl_ms, w.lock_delay_ms, w.meta = request, ttl_ms, lock_delay_ms, meta
                 w.enqueued_ms = now
                 self._unschedule(w.entry)
@@ -534,12 +542,13 @@ class RefLockTable:
                 if exclusive and not lock.shared:
                     if self._counter >= MAX_COUNTER:
                         raise OverflowError("fencing counter exhausted")
-                    self._grant(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now)
+                    self._grant(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now, 0, actor)
                     return GRANTED
                 if not exclusive and (limit == 0 or len(lock.shared) < limit):
                     if self._counter >= MAX_COUNTER:
                         raise OverflowError("fencing counter exhausted")
-                    self._grant_lease(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, shared, now)
+                    self._grant_lease(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, shared, now, 0,
+                                      actor)
                     return GRANTED
         if wait_ms == 0:
             return NOT_ACQUIRED
@@ -548,7 +557,7 @@ class RefLockTable:
             lock.limit = limit
         elif not lock.waiters and lock.holder is None and not lock.shared:
             lock.limit = limit
-        w = _Waiter(owner, session, request, ttl_ms, lock_delay_ms, meta, None, now, shared, None, lock)
+        w = _Waiter(owner, session, request, ttl_ms, lock_delay_ms, meta, None, now, shared, None, lock, actor)
         lock.waiters.append(w)
         self.sessions.setdefault(session, []).append((name, owner))
         if wait_ms > 0:
@@ -556,7 +565,8 @@ class RefLockTable:
         self._settle(lock, now, now)
         return QUEUED
 
-    def acquire_many(self, items, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now) -> int:
+    def acquire_many(self, items, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now,
+                     actor=0) -> int:
         if type(items) not in (list, tuple):
             raise TypeError("items must be a list or tuple")
         if not 1 <= len(items) <= MAX_MANY:
@@ -575,6 +585,7 @@ class RefLockTable:
         wait_ms = _ms(wait_ms, "wait_ms", -1)
         lock_delay_ms = _lock_delay(lock_delay_ms)
         now = _ms(now, "now", 0)
+        actor = _nonneg(actor, "actor")
         self._expire(now)
         k = len(names)
         first = None
@@ -618,6 +629,7 @@ class RefLockTable:
                         del self.sessions[m.session]
                     self.sessions.setdefault(session, []).append((m.lock.name, owner))
                     m.session = session
+                m.actor = actor
                 m.request, m.ttl_ms, m.lock_delay_ms, m.meta = request, ttl_ms, lock_delay_ms, meta
                 m.enqueued_ms = now
             if g.entry is not None:
@@ -648,9 +660,9 @@ class RefLockTable:
                     lock = self.locks[name] = _Lock(name)
                 lock.limit = 0
                 if shared:
-                    self._grant_lease(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, True, now)
+                    self._grant_lease(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, True, now, 0, actor)
                 else:
-                    self._grant(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now)
+                    self._grant(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now, 0, actor)
             return GRANTED
         if wait_ms == 0:
             return NOT_ACQUIRED
@@ -661,7 +673,7 @@ class RefLockTable:
                 lock = self.locks[name] = _Lock(name)
             elif not lock.waiters and lock.holder is None and not lock.shared:
                 lock.limit = 0
-            w = _Waiter(owner, session, request, ttl_ms, lock_delay_ms, meta, None, now, shared, g, lock)
+            w = _Waiter(owner, session, request, ttl_ms, lock_delay_ms, meta, None, now, shared, g, lock, actor)
             lock.waiters.append(w)
             self.sessions.setdefault(session, []).append((name, owner))
             g.members.append(w)
@@ -703,15 +715,19 @@ class RefLockTable:
         self.n["releases"] += 1
         self._settle(lock, now, now)
 
-    def extend(self, name, token, owner, ttl_ms, now) -> int:
+    def extend(self, name, token, owner, ttl_ms, now, session=None) -> int:
         name = _name(name)
         token = _nonneg(token, "token")
         owner = _owner(owner)
         ttl_ms = _ms(ttl_ms, "ttl_ms", 1)
         now = _ms(now, "now", 0)
+        if session is not None:
+            session = _nonneg(session, "session")
         self._expire(now)
         lock, h = self._lease_of(name, token, owner)
         h.ttl_ms = ttl_ms
+        if session is not None:
+            h.session = session
         self._unschedule(h.entry)
         h.entry = self._schedule(LEASE if lock.holder is h else SHARED, lock, now + ttl_ms)
         h.entry.lease = h
@@ -910,82 +926,153 @@ class RefLockTable:
         return False
 
     # -- deadlock detection ------------------------------------------------------------
-
-    def _wait_for_edges(self, now, min_wait_ms) -> dict:
-        """session -> {session it waits for: [waiters causing the edge]}; see break_deadlocks."""
-        graph: dict = {}
-        for lock in self.locks.values():
-            if lock.limit:
-                continue  # a permit waits for ANY holder: no deadlock edge
-            exclusive_holders = [lock.holder.session] if lock.holder is not None else []
-            all_holders = exclusive_holders + [h.session for h in lock.shared.values()]
-            for i, w in enumerate(lock.waiters):
-                if w.session == 0 or now - w.enqueued_ms < min_wait_ms:
-                    continue
-                ahead = lock.waiters[:i]
-                if w.shared:  # conflicts only with exclusive holders and waiters
-                    targets = exclusive_holders + [a.session for a in ahead if not a.shared]
-                else:
-                    targets = all_holders + [a.session for a in ahead]
-                for v in targets:
-                    if v != 0:
-                        graph.setdefault(w.session, {}).setdefault(v, []).append((lock, w))
-        return graph
+    # The same graph as the core's (see LockTable.break_deadlocks), built whole; its
+    # components come from pairwise reachability instead of Tarjan's algorithm.
 
     @staticmethod
-    def _first_cycle(graph) -> list | None:
-        """Depth-first, roots and neighbours ascending; the first back edge closes the cycle."""
-        done: set = set()
+    def _request_key(req):
+        if isinstance(req, _Group):
+            first = req.members[0]
+            return (first.enqueued_ms, max(m.lock.name for m in req.members), first.owner)
+        return (req.enqueued_ms, req.lock.name, req.owner)
 
-        def visit(node, path):
-            for nxt in sorted(graph.get(node, ())):
-                if nxt in path:
-                    return path[path.index(nxt):]
-                if nxt not in done:
-                    found = visit(nxt, path + [nxt])
-                    if found:
-                        return found
-            done.add(node)
-            return None
+    def _waiting_parties(self, now, min_wait_ms) -> dict:
+        """(session, actor) -> its requests waiting >= min_wait_ms on locks, ascending by age key."""
+        parties: dict = {}
+        for lock in self.locks.values():
+            for w in lock.waiters:
+                if lock.limit or w.session == 0 or now - w.enqueued_ms < min_wait_ms:
+                    continue
+                req = w.group if w.group is not None else w
+                reqs = parties.setdefault((w.session, w.actor), [])
+                if req not in reqs:
+                    reqs.append(req)
+        for reqs in parties.values():
+            reqs.sort(key=self._request_key)
+        return parties
 
-        for root in sorted(graph):
-            if root not in done:
-                found = visit(root, [root])
-                if found:
-                    return found
+    @staticmethod
+    def _waiter_successors(w) -> list:
+        lock = w.lock
+        out = []
+        i = lock.waiters.index(w)
+        if i > 0:
+            ahead = lock.waiters[i - 1]
+            out.append(ahead.group if ahead.group is not None else ahead)
+        if lock.holder is not None or (not w.shared and lock.shared):
+            out.append(lock)
+        return out
+
+    def _successors(self, node, parties) -> list:
+        if isinstance(node, tuple):
+            return parties.get(node, [])
+        if isinstance(node, _Waiter):
+            return self._waiter_successors(node)
+        if isinstance(node, _Group):
+            return [n for m in node.members for n in self._waiter_successors(m)]
+        # holders that do not wait cannot be in a cycle: left out, as the core does
+        if node.holder is not None:
+            party = (node.holder.session, node.holder.actor)
+            return [party] if party in parties else []
+        return sorted({(h.session, h.actor) for h in node.shared.values() if (h.session, h.actor) in parties})
+
+    def _reach(self, node, parties) -> set:
+        """Every node reachable from ``node`` by one or more edges."""
+        seen, todo = set(), [node]
+        while todo:
+            for nxt in self._successors(todo.pop(), parties):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    def _deadlock_victims(self, now, min_wait_ms) -> list:
+        """[(victim request, cycle)], one per component with two or more parties."""
+        parties = self._waiting_parties(now, min_wait_ms)
+        reach = {root: self._reach(root, parties) for root in parties}
+        nodes = set(parties).union(*reach.values()) if reach else set()
+        self.search_nodes = len(nodes) if len(parties) >= 2 else 0
+        for node in nodes - set(reach):
+            reach[node] = self._reach(node, parties)
+        victims, done = [], set()
+        for party in parties:
+            if party in done:
+                continue
+            comp = {n for n in nodes if n in reach[party] and party in reach[n]} | {party}
+            done |= comp
+            members = [n for n in comp if isinstance(n, tuple)]
+            if len(members) < 2:
+                continue
+            for victim in sorted((r for p in members for r in parties[p] if r in comp),
+                                 key=self._request_key, reverse=True):
+                first = victim.members[0] if isinstance(victim, _Group) else victim
+                home = (first.session, first.actor)
+                out = self._bfs(victim, lambda n, home=home: isinstance(n, tuple) and n != home, home,
+                                comp, parties)
+                if out is not None:
+                    break
+            back = self._bfs(out[-1], lambda n, home=home: n == home, None, comp, parties)
+
+            def step_name(req, nxt):
+                if isinstance(req, _Waiter):
+                    return req.lock.name
+                return next(m.lock.name for m in req.members if nxt in self._waiter_successors(m))
+
+            steps = [(home[0], step_name(victim, out[1]))]
+            steps += [(back[i][0], step_name(back[i + 1], back[i + 2]))
+                      for i in range(len(back) - 1) if isinstance(back[i], tuple)]
+            victims.append((victim, tuple(steps)))
+        return victims
+
+    def _bfs(self, start, is_end, avoid, comp, parties):
+        """Breadth-first path [start, ..., end] inside ``comp`` to the first node discovered
+        with is_end(node), never entering ``avoid``; None if there is none."""
+        parent, queue = {start: None}, [start]
+        while queue:
+            node = queue.pop(0)
+            for nxt in self._successors(node, parties):
+                if nxt in parent or nxt not in comp or nxt == avoid:
+                    continue
+                parent[nxt] = node
+                if is_end(nxt):
+                    path = []
+                    while nxt is not None:
+                        path.append(nxt)
+                        nxt = parent[nxt]
+                    return path[::-1]
+                queue.append(nxt)
         return None
 
-    def break_deadlocks(self, now, min_wait_ms) -> list:
+    def has_deadlock(self, now, min_wait_ms) -> bool:
+        """True iff a component of the wait-for graph holds two or more parties."""
+        return bool(self._deadlock_victims(now, min_wait_ms))
+
+    def break_deadlocks(self, now, min_wait_ms, max_work=DEADLOCK_WORK) -> list:
         now = _ms(now, "now", 0)
         min_wait_ms = _ms(min_wait_ms, "min_wait_ms", 0)
+        max_work = _ms(max_work, "max_work", 0)
         self._expire(now)
-        broken = []
-        while True:
-            graph = self._wait_for_edges(now, min_wait_ms)
-            cycle = self._first_cycle(graph)
-            if cycle is None:
-                return broken
-            k = len(cycle)
-            edges = [graph[cycle[i]][cycle[(i + 1) % k]] for i in range(k)]
-
-            def age(lw):
-                return (lw[1].enqueued_ms, lw[0].name, lw[1].owner)
-
-            at, (lock, victim) = max(((i, lw) for i in range(k) for lw in edges[i]), key=lambda x: age(x[1]))
-            steps = [(cycle[at], lock.name)]
-            for j in range(1, k):
-                i = (at + j) % k
-                steps.append((cycle[i], max(edges[i], key=age)[0].name))
-            self.n["deadlocks"] += 1
-            broken.append(tuple(steps))
-            if victim.group is not None:
-                self._remove_group(victim.group, EV_DEADLOCK, tuple(steps), None, now, now)
-                continue
-            event = self._waiter_event(EV_DEADLOCK, lock, victim)
-            event.cycle = tuple(steps)
-            self.events.append(event)
-            self._remove_waiter(lock, victim)
-            self._settle(lock, now, now)
+        broken, work = [], 0
+        for _ in range(DEADLOCK_PASSES):
+            if broken and work >= max_work:
+                break
+            victims = self._deadlock_victims(now, min_wait_ms)
+            work += self.search_nodes
+            if not victims:
+                break
+            for victim, cycle in sorted(victims, key=lambda v: self._request_key(v[0])):
+                self.n["deadlocks"] += 1
+                broken.append(cycle)
+                if isinstance(victim, _Group):
+                    self._remove_group(victim, EV_DEADLOCK, cycle, None, now, now)
+                    continue
+                lock = victim.lock
+                event = self._waiter_event(EV_DEADLOCK, lock, victim)
+                event.cycle = cycle
+                self.events.append(event)
+                self._remove_waiter(lock, victim)
+                self._settle(lock, now, now)
+        return broken
 
     def lock_delays(self) -> list[tuple[str, int]]:
         return [(lock.name, lock.delay_until) for lock in self.locks.values()

@@ -327,9 +327,10 @@ def test_a_writer_waiting_on_its_own_sessions_read_lock_with_a_reader_behind_a_w
     assert impl.acq(b"r2", 2, name="x", session=2, shared=True) == impl.mod.QUEUED  # behind it
     assert impl.acq(b"w1y", 3, name="y", session=1) == impl.mod.QUEUED
     impl.t.drain_events()
-    # s2 -> s3 (writer ahead) -> s1 (reader holds x) -> s2 (holds y): a cycle of three
+    # s2 waits for s3's writer (ahead of it), which waits for s1 (reader of x); s1 waits for s2
+    # (holds y): s3 holds nothing, so the deadlocked parties are s1 and s2
     (cycle,) = impl.t.break_deadlocks(10, 0)
-    assert {s for s, _ in cycle} == {1, 2, 3}
+    assert cycle == ((1, "y"), (2, "x"))
     assert _deadlocks(impl)[0][0] == b"w1y"  # the youngest
 
 
@@ -349,17 +350,15 @@ def test_semaphore_waits_are_not_deadlock_edges(impl):
     assert impl.t.break_deadlocks(10, 0) == []
 
 
-def test_a_session_waiting_for_its_own_lock_is_a_cycle_of_one(impl):
+def test_a_session_waiting_for_its_own_lock_is_no_deadlock(impl):
+    # two tasks of one client contending for one lock: the holder is not waiting
     impl.acq(b"first", 0, session=4)
     assert impl.acq(b"second", 1, session=4) == impl.mod.QUEUED
     impl.t.drain_events()
-    assert impl.t.break_deadlocks(2, 0) == [((4, NAME),)]
-    assert _deadlocks(impl) == [(b"second", 4, NAME, ((4, NAME),))]
+    assert impl.t.break_deadlocks(2, 0) == []
+    assert impl.t.waiters(NAME) == [b"second"]
 
 
-@pytest.mark.xfail(strict=True, reason="fault: a waiter behind a waiter of its own session is an edge "
-                   "session -> itself, so two tasks of one client waiting on another client's lock get "
-                   "DeadlockDetected after --deadlock-timeout (also seen against a real server)")
 def test_two_waiters_of_one_session_behind_another_sessions_holder_are_no_deadlock(impl):
     impl.acq(b"holder", 0, session=1)
     assert impl.acq(b"task1", 1, session=2) == impl.mod.QUEUED
@@ -367,6 +366,124 @@ def test_two_waiters_of_one_session_behind_another_sessions_holder_are_no_deadlo
     impl.t.drain_events()
     assert impl.t.break_deadlocks(10, 0) == []
     assert impl.t.waiters(NAME) == [b"task1", b"task2"]
+
+
+def _acq_as(impl, owner, now, name, session, actor, *, shared=False):
+    return impl.t.acquire(name, owner, session, owner, TTL, -1, 0, None, now, shared, 0, actor)
+
+
+def _cross(impl, holds_a, holds_b, waits_b, waits_a):
+    """Parties ``(session, actor)``: one holds a, one holds b (at 0); then one waits for b
+    (at 1) and one for a (at 2)."""
+    _acq_as(impl, b"a1", 0, "a", *holds_a)
+    _acq_as(impl, b"b2", 0, "b", *holds_b)
+    assert _acq_as(impl, b"b1", 1, "b", *waits_b) == impl.mod.QUEUED
+    assert _acq_as(impl, b"a2", 2, "a", *waits_a) == impl.mod.QUEUED
+    impl.t.drain_events()
+
+
+def test_a_holder_whose_session_waits_in_another_actor_is_not_blocked(impl):
+    # task 11 of s1 holds a; task 12 of s1 waits for b, held by s2, which waits for a:
+    # task 11 can still release a, so nothing is deadlocked
+    _cross(impl, (1, 11), (2, 0), (1, 12), (2, 0))
+    assert impl.t.break_deadlocks(10, 0) == []
+    assert impl.t.waiters("a") == [b"a2"] and impl.t.waiters("b") == [b"b1"]
+
+
+def test_without_actors_a_session_that_waits_is_blocked_as_a_whole(impl):
+    # the same requests with actor 0: the session is one party, as PostgreSQL's backend
+    _cross(impl, (1, 0), (2, 0), (1, 0), (2, 0))
+    assert impl.t.break_deadlocks(10, 0) == [((2, "a"), (1, "b"))]
+    assert [d[0] for d in _deadlocks(impl)] == [b"a2"]
+
+
+def test_two_actors_of_one_session_can_deadlock_each_other(impl):
+    _cross(impl, (5, 1), (5, 2), (5, 1), (5, 2))
+    assert impl.t.break_deadlocks(10, 0) == [((5, "a"), (5, "b"))]
+    assert [d[0] for d in _deadlocks(impl)] == [b"a2"]
+
+
+def test_two_readers_waiting_to_write_the_lock_they_read_deadlock(impl):
+    _acq_as(impl, b"r1", 0, "x", 1, 0, shared=True)
+    _acq_as(impl, b"r2", 0, "x", 2, 0, shared=True)
+    assert _acq_as(impl, b"w1", 1, "x", 1, 0) == impl.mod.QUEUED
+    assert _acq_as(impl, b"w2", 2, "x", 2, 0) == impl.mod.QUEUED
+    impl.t.drain_events()
+    assert impl.t.break_deadlocks(10, 0) == [((2, "x"), (1, "x"))]
+    assert [d[0] for d in _deadlocks(impl)] == [b"w2"]
+    assert impl.t.waiters("x") == [b"w1"]  # still waits for r2, which can now go on
+
+
+def _upgrade_deadlock(impl, k):
+    """k sessions read x, then each waits to write it: k - 1 victims are needed."""
+    for s in range(1, k + 1):
+        _acq_as(impl, b"r%d" % s, 0, "x", s, 0, shared=True)
+    for s in range(1, k + 1):
+        assert _acq_as(impl, b"w%d" % s, s, "x", s, 0) == impl.mod.QUEUED
+    impl.t.drain_events()
+
+
+def test_one_call_searches_again_while_it_finds_deadlocks_up_to_its_passes(impl):
+    _upgrade_deadlock(impl, 6)
+    assert len(impl.t.break_deadlocks(10, 0)) == impl.mod.DEADLOCK_PASSES == 4
+    assert len(impl.t.break_deadlocks(10, 0)) == 1
+    assert impl.t.waiters("x") == [b"w1"]
+
+
+def test_one_call_searches_again_only_within_its_work_budget(impl):
+    _upgrade_deadlock(impl, 4)
+    assert [c[0] for c in impl.t.break_deadlocks(10, 0, 1)] == [(4, "x")]  # the first search only
+    assert [c[0] for c in impl.t.break_deadlocks(10, 0, 1)] == [(3, "x")]
+    assert len(impl.t.break_deadlocks(10, 0, 1000)) == 1
+    with pytest.raises(ValueError):
+        impl.t.break_deadlocks(10, 0, -1)
+
+
+def test_a_victim_waiting_only_for_its_own_party_is_passed_over(impl):
+    # s1 holds a and b; its youngest request waits for a (its own), an older one for c,
+    # held by s2, which waits for b: the request on c is failed, not the one on a
+    _acq_as(impl, b"a1", 0, "a", 1, 0)
+    _acq_as(impl, b"b1", 0, "b", 1, 0)
+    _acq_as(impl, b"c2", 0, "c", 2, 0)
+    _acq_as(impl, b"wc", 1, "c", 1, 0)
+    _acq_as(impl, b"wb", 2, "b", 2, 0)
+    _acq_as(impl, b"wa", 3, "a", 1, 0)
+    impl.t.drain_events()
+    assert impl.t.break_deadlocks(10, 0) == [((2, "b"), (1, "c"))]
+    assert [d[0] for d in _deadlocks(impl)] == [b"wb"]
+    assert impl.t.waiters("a") == [b"wa"]
+
+
+def test_independent_deadlocks_are_broken_in_one_call_oldest_victim_first(impl):
+    for base, (x, y) in ((10, ("a", "b")), (20, ("c", "d"))):
+        _acq_as(impl, b"h%d" % base, 0, x, base, 0)
+        _acq_as(impl, b"h%d" % (base + 1), 0, y, base + 1, 0)
+        _acq_as(impl, b"w%d" % base, base, y, base, 0)
+        _acq_as(impl, b"w%d" % (base + 1), base + 1, x, base + 1, 0)
+    impl.t.drain_events()
+    assert impl.t.break_deadlocks(50, 0) == [((11, "a"), (10, "b")), ((21, "c"), (20, "d"))]
+    assert impl.t.stats()["deadlocks"] == 2
+
+
+def test_a_multi_lock_request_is_failed_whole_with_the_name_it_waits_on(impl):
+    _acq_as(impl, b"a1", 0, "a", 1, 0)
+    _acq_as(impl, b"c2", 0, "c", 2, 0)
+    assert impl.t.acquire_many([("b", False), ("c", False)], b"m1", 1, b"m1", TTL, -1, 0, None, 1) == \
+        impl.mod.QUEUED
+    _acq_as(impl, b"a2", 2, "a", 2, 0)
+    impl.t.drain_events()
+    # the multi-lock of s1 (arrived at 1) is older than s2's wait on a (arrived at 2)
+    assert impl.t.break_deadlocks(10, 0) == [((2, "a"), (1, "c"))]
+    assert impl.t.waiters("b") == [b"m1"]
+
+
+def test_actor_is_checked(impl):
+    for bad, exc in ((-1, ValueError), (True, TypeError), ("1", TypeError), (1 << 63, ValueError)):
+        with pytest.raises(exc):
+            impl.t.acquire(NAME, b"o", 1, None, TTL, -1, 0, None, 0, False, 0, bad)
+        with pytest.raises(exc):
+            impl.t.acquire_many([(NAME, False)], b"o", 1, None, TTL, -1, 0, None, 0, bad)
+    assert impl.t.stats()["locks"] == 0
 
 
 def test_breaking_a_deadlock_hands_the_lock_on(impl):

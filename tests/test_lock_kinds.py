@@ -141,7 +141,17 @@ async def test_the_server_refuses_bad_kind_arguments(server):
                              ([["a"]], "pair"), ([["", False]], "empty")]:
             with pytest.raises(InvalidArgument, match=match):
                 await node.request(P.OP_ACQUIRE_MANY, items, b"o" * 16, 1000, 0, 0, None)
+        for actor, match in [(True, "actor must be an int"), (-1, "actor must be 0"), (1 << 63, "actor must be 0"),
+                             ("t", "actor must be an int")]:
+            with pytest.raises(InvalidArgument, match=match):
+                await node.request(P.OP_ACQUIRE, "k", b"o" * 16, 1000, 0, 0, None, False, 0, actor)
+            with pytest.raises(InvalidArgument, match=match):
+                await node.request(P.OP_ACQUIRE_MANY, [["k", False]], b"o" * 16, 1000, 0, 0, None, actor)
         assert (await node.status())["locks_held"] == 0
+        # an actor is optional, announced in HELLO, and a valid one is taken
+        assert node.hello["actors"] is True
+        token, _, _ = await node.request(P.OP_ACQUIRE, "k", b"o" * 16, 1000, 0, 0, None, False, 0, (1 << 63) - 1)
+        await node.request(P.OP_RELEASE, "k", token, b"o" * 16)
     finally:
         await node.close()
 
@@ -198,30 +208,132 @@ async def test_multi_lock_waits_holding_nothing_and_is_one_request(connect):
 async def test_a_deadlock_is_broken_with_deadlock_detected(server_factory, n):
     srv = server_factory(f"dl{n}", args=["--deadlock-timeout", "0.5"])
     clients = [await fastlock.connect(srv.address, client_name=f"dl-{i}") for i in range(n)]
+    names = [f"d{i}" for i in range(n)]
+    holding = []
+    all_hold = asyncio.Event()
+    failed = []
+    one_failed = asyncio.Event()
+
+    async def worker(i):
+        # one task holds its own lock and then waits for the next client's: a real cycle
+        client = clients[i]
+        first = await client.acquire(names[i], ttl=10.0)
+        holding.append(i)
+        if len(holding) == n:
+            all_hold.set()
+        await all_hold.wait()
+        try:
+            lease = await client.acquire(names[(i + 1) % n], ttl=10.0, wait=TIMEOUT)
+        except DeadlockDetected as exc:
+            failed.append((i, exc))
+            one_failed.set()
+            await client.release(first)  # the victim gives up what it holds: the others proceed
+            return
+        await client.release(lease)
+        await client.release(first)
+
     try:
-        names = [f"d{i}" for i in range(n)]
-        first = [await c.acquire(names[i], ttl=10.0) for i, c in enumerate(clients)]
+        tasks = [asyncio.ensure_future(worker(i)) for i in range(n)]
+        await asyncio.wait_for(all_hold.wait(), TIMEOUT)
         started = time.monotonic()
-        waits = [asyncio.ensure_future(c.acquire(names[(i + 1) % n], ttl=10.0, wait=TIMEOUT))
-                 for i, c in enumerate(clients)]
-        done, _ = await asyncio.wait(waits, timeout=0.5 + 1.0, return_when=asyncio.FIRST_COMPLETED)
-        assert len(done) == 1, "no waiter was failed within --deadlock-timeout + 1 s"
-        victim = waits.index(done.pop())
-        with pytest.raises(DeadlockDetected, match="deadlock detected") as err:
-            waits[victim].result()
-        assert all(name in str(err.value) for name in names)
+        await asyncio.wait_for(one_failed.wait(), 0.5 + 1.0)  # within --deadlock-timeout + 1 s
         assert time.monotonic() - started >= 0.4  # not before the cycle was --deadlock-timeout old
-        # the victim gives up what it holds: the others proceed, each once the one
-        # before it along the cycle has released (client i waits for client i + 1's lock)
-        await clients[victim].release(first[victim])
-        for step in range(1, n):
-            i = (victim - step) % n
-            lease = await asyncio.wait_for(waits[i], TIMEOUT)
-            await clients[i].release(lease)
-            await clients[i].release(first[i])
+        await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT)
+        ((_victim, err),) = failed
+        assert "deadlock detected" in str(err) and all(name in str(err) for name in names)
     finally:
         for c in clients:
             await c.close()
+
+
+async def _no_deadlock_for(seconds: float, waits) -> None:
+    """None of ``waits`` ends for ``seconds`` (longer than detection's worst case,
+    1.5 x --deadlock-timeout)."""
+    done, _ = await asyncio.wait(waits, timeout=seconds)
+    assert not done, [w.exception() for w in done]
+
+
+async def _queued(client, name: str, n: int) -> None:
+    async def waiting():
+        return len((await client.contenders(name))["waiters"]) == n
+    await wait_until(waiting, TIMEOUT, f"{n} waiters on {name}")
+
+
+async def _take_in_turn(client, waits) -> None:
+    """Each of ``waits`` (acquires of one lock) is granted once the one before it is released."""
+    pending = set(waits)
+    while pending:
+        done, pending = await asyncio.wait(pending, timeout=TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
+        assert done, "a waiter was never granted"
+        for w in done:
+            await client.release(w.result())
+
+
+@pytest.fixture
+async def two_clients(server_factory):
+    """Clients a and b of a server with --deadlock-timeout 0.2 s."""
+    srv = server_factory("dl-two", args=["--deadlock-timeout", "0.2"])
+    a = await fastlock.connect(srv.address, client_name="a")
+    b = await fastlock.connect(srv.address, client_name="b")
+    yield a, b
+    await a.close()
+    await b.close()
+
+
+async def test_tasks_of_one_client_waiting_behind_another_clients_holder_are_no_deadlock(two_clients):
+    a, b = two_clients
+    held = await a.acquire("q", ttl=10.0)
+    waits = [asyncio.ensure_future(b.acquire("q", ttl=10.0, wait=TIMEOUT)) for _ in range(2)]
+    await _queued(a, "q", 2)
+    await _no_deadlock_for(0.6, waits)
+    await a.release(held)
+    await _take_in_turn(b, waits)
+
+
+async def test_a_client_holding_in_one_task_and_waiting_in_another_is_no_deadlock(two_clients):
+    # a's main task holds x; another task of a waits for y, held by b, which waits for x:
+    # a's main task can still release x, so nobody is failed
+    a, b = two_clients
+    x = await a.acquire("x", ttl=10.0)
+    y = await b.acquire("y", ttl=10.0)
+    a_waits = asyncio.ensure_future(a.acquire("y", ttl=10.0, wait=TIMEOUT))
+    await _queued(a, "y", 1)
+    b_waits = asyncio.ensure_future(b.acquire("x", ttl=10.0, wait=TIMEOUT))
+    await _queued(a, "x", 1)
+    await _no_deadlock_for(0.6, [a_waits, b_waits])
+    await a.release(x)
+    await b.release(await asyncio.wait_for(b_waits, TIMEOUT))
+    await b.release(y)
+    await a.release(await asyncio.wait_for(a_waits, TIMEOUT))
+
+
+async def test_two_tasks_of_one_client_in_a_cycle_are_broken(server_factory):
+    srv = server_factory("dl-self", args=["--deadlock-timeout", "0.2"])
+    a = await fastlock.connect(srv.address, client_name="a")
+    holding = []
+    both_hold = asyncio.Event()
+    outcomes = []
+
+    async def task(mine, other):
+        first = await a.acquire(mine, ttl=10.0)
+        holding.append(mine)
+        if len(holding) == 2:
+            both_hold.set()
+        await both_hold.wait()
+        try:
+            lease = await a.acquire(other, ttl=10.0, wait=TIMEOUT)
+        except DeadlockDetected:
+            outcomes.append("failed")
+        else:
+            outcomes.append("granted")
+            await a.release(lease)
+        await a.release(first)
+
+    try:
+        await asyncio.wait_for(asyncio.gather(task("m", "n"), task("n", "m")), TIMEOUT)
+        assert sorted(outcomes) == ["failed", "granted"]
+    finally:
+        await a.close()
 
 
 async def test_shared_leases_and_permits_survive_a_restart(server_factory):
@@ -346,10 +458,11 @@ async def _expired_with_delay(address: str, name: str, delay_ms: int) -> float:
         await node.close()
 
 
-async def test_a_running_lock_delay_survives_a_restart(server_factory):
+@pytest.mark.parametrize("how", ["stop", "kill"])  # SIGTERM, or SIGKILL: a crash
+async def test_a_running_lock_delay_survives_a_restart(server_factory, how):
     srv = server_factory("delay")
     expired = await _expired_with_delay(srv.address, "job", 2500)
-    srv.stop()
+    getattr(srv, how)()
     srv = server_factory("delay")
     await asyncio.to_thread(srv.wait_for_log, r"1 running lock-delays", 5)
     node = await RawNode.open(srv.address)
@@ -399,3 +512,48 @@ async def test_multi_lock_one_by_one_path_for_an_older_server(connect):
     assert (await other.contenders("b"))["holders"][0]["shared"] is True
     assert multi.fencing_tokens["a"] < multi.fencing_tokens["b"]  # taken in name order
     await client.release_many(multi)
+
+
+async def test_the_actor_is_sent_only_to_a_server_that_reads_it():
+    from fastlock.client.acquire import actor_id, kind_pair, with_actor
+
+    class Connector:
+        server_info: dict = {}
+
+    old, new = Connector(), Connector()
+    new.server_info = {"actors": True}
+    assert [with_actor(old, k) for k in [(), (True,), (False, 3)]] == [(), (True,), (False, 3)]
+    me = actor_id()
+    assert me >= 1 and actor_id() == me  # one number per task, kept
+    assert [with_actor(new, k) for k in [(), (True,), (False, 3)]] == [(False, 0, me), (True, 0, me), (False, 3, me)]
+    assert kind_pair((True,)) == (True, 0)  # a late grant of a shared lease queues again as shared
+
+    async def in_another_task():
+        return actor_id()
+
+    other = await asyncio.ensure_future(in_another_task())
+    assert other not in (0, me)
+
+
+async def test_a_lease_renewed_from_a_new_connection_counts_as_held_by_it(server_factory):
+    # a client holding x reconnects (its lease outlives the connection) and renews x from
+    # the new one, then waits for y, held by b, which waits for x: a deadlock
+    srv = server_factory("dl-reconnect", args=["--deadlock-timeout", "0.2"])
+    owner_x, actor = os.urandom(16), 7
+    first = await RawNode.open(srv.address)
+    token, _, _ = await first.request(P.OP_ACQUIRE, "x", owner_x, 10_000, 0, 0, None, False, 0, actor)
+    await first.close()
+    a, b = await RawNode.open(srv.address), await RawNode.open(srv.address)
+    try:
+        await a.request(P.OP_EXTEND, "x", token, owner_x, 10_000)
+        await b.request(P.OP_ACQUIRE, "y", os.urandom(16), 10_000, 0, 0, None)
+        b_waits = asyncio.ensure_future(b.request(P.OP_ACQUIRE, "x", os.urandom(16), 10_000, 5_000, 0, None))
+        a_waits = asyncio.ensure_future(
+            a.request(P.OP_ACQUIRE, "y", os.urandom(16), 10_000, 5_000, 0, None, False, 0, actor))
+        done, _ = await asyncio.wait([a_waits, b_waits], timeout=0.2 + 1.0, return_when=asyncio.FIRST_COMPLETED)
+        assert done, "the deadlock was not broken within --deadlock-timeout + 1 s"
+        with pytest.raises(DeadlockDetected):
+            done.pop().result()
+    finally:
+        for node in (a, b):
+            await node.close()

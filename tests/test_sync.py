@@ -361,3 +361,63 @@ def test_a_forked_child_of_a_closed_client_raises_at_once(server):
 
     result = _run_in_fork(child, timeout=10.0)
     assert result.get("raised") == "client is closed" and result["took"] < 1.0, result
+
+
+def _threads(*targets) -> None:
+    threads = [threading.Thread(target=t) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+        assert not t.is_alive()
+
+
+def test_two_threads_of_one_client_in_a_cycle_are_broken(server_factory):
+    # deadlock detection tells the threads of one blocking client apart (each its own party)
+    srv = server_factory("sync-dl", args=["--deadlock-timeout", "0.2"])
+    both_hold = threading.Barrier(2, timeout=TIMEOUT)
+    outcomes = []
+    with SyncClient(srv.address, client_name="threads") as client:
+
+        def worker(mine, other):
+            first = client.acquire(mine, ttl=TIMEOUT)
+            both_hold.wait()
+            try:
+                lease = client.acquire(other, ttl=TIMEOUT, wait=TIMEOUT)
+            except fastlock.DeadlockDetected:
+                outcomes.append("failed")
+            else:
+                outcomes.append("granted")
+                client.release(lease)
+            client.release(first)
+
+        _threads(lambda: worker("m", "n"), lambda: worker("n", "m"))
+    assert sorted(outcomes) == ["failed", "granted"]
+
+
+def test_threads_of_one_client_queued_behind_another_client_are_no_deadlock(server_factory):
+    srv = server_factory("sync-queue", args=["--deadlock-timeout", "0.2"])
+    granted = []
+    with SyncClient(srv.address, client_name="holder") as a, SyncClient(srv.address, client_name="two") as b:
+        held = a.acquire("q", ttl=TIMEOUT)
+
+        def waiter():
+            lease = b.acquire("q", ttl=TIMEOUT, wait=TIMEOUT)
+            granted.append(time.monotonic())
+            b.release(lease)
+
+        threads = [threading.Thread(target=waiter) for _ in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + TIMEOUT
+        while len(a.contenders("q")["waiters"]) < 2:  # both queued (bounded poll)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        queued = time.monotonic()
+        threads[0].join(0.6)  # longer than detection's worst case (1.5 x 0.2 s): nobody is failed
+        assert granted == [] and all(t.is_alive() for t in threads)
+        a.release(held)
+        for t in threads:
+            t.join(TIMEOUT)
+            assert not t.is_alive()
+    assert len(granted) == 2 and min(granted) > queued

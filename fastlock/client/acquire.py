@@ -15,8 +15,11 @@ The first attempt of an acquire (the normal path) stays in ``Client.acquire``.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
+import threading
+import weakref
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +34,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-__all__ = ["acquire_retry", "duration_ms", "verify_late_grant", "HeldLeases", "CALLER", "current_caller"]
+__all__ = ["acquire_retry", "duration_ms", "verify_late_grant", "HeldLeases", "CALLER", "current_caller",
+           "actor_id", "with_actor"]
 
 
 def duration_ms(value: Any, what: str, *, allow_zero: bool = False) -> int:
@@ -51,6 +55,38 @@ def current_caller() -> object:
     """The thread (blocking client) or the asyncio task that calls now."""
     who = CALLER.get()
     return who if who is not None else asyncio.current_task()
+
+
+_ACTORS: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
+_ACTORS_LOCK = threading.Lock()
+_NEXT_ACTOR = itertools.count(1)
+
+
+def actor_id() -> int:
+    """This process's number (1, 2, ...; never reused) for the calling task or thread
+    (see :func:`current_caller`): the ``actor`` by which the server's deadlock detection
+    tells the waits of one connection apart; 0 outside a task."""
+    who = current_caller()
+    if who is None:
+        return 0
+    with _ACTORS_LOCK:
+        n = _ACTORS.get(who)
+        if n is None:
+            n = _ACTORS[who] = next(_NEXT_ACTOR)
+    return n
+
+
+def with_actor(connector: Connector, kind: tuple[Any, ...]) -> tuple[Any, ...]:
+    """ACQUIRE's trailing arguments: ``kind`` (see :func:`~fastlock.client.kinds.kind_args`)
+    and, to a server that reads it (HELLO's ``"actors"``), the caller's :func:`actor_id`."""
+    if not connector.server_info.get("actors"):
+        return kind
+    return (*kind_pair(kind), actor_id())
+
+
+def kind_pair(kind: tuple[Any, ...]) -> tuple[bool, int]:
+    """``(shared, limit)`` of ACQUIRE's trailing kind arguments (``()``, ``(True,)`` or ``(False, limit)``)."""
+    return (bool(kind[0]) if kind else False, kind[1] if len(kind) > 1 else 0)
 
 
 #: the smallest size at which :class:`HeldLeases` sweeps out ended leases
@@ -140,7 +176,8 @@ async def acquire_retry(connector: Connector, connect_timeout: float, request: t
             left_ms = max(0, int((wait_end - loop.time()) * 1000))
         sent = loop.time()
         try:
-            reply = await proto.request(P.OP_ACQUIRE, name, owner, ttl_ms, left_ms, delay_ms, correlation_id, *kind)
+            reply = await proto.request(P.OP_ACQUIRE, name, owner, ttl_ms, left_ms, delay_ms, correlation_id,
+                                        *with_actor(connector, kind))
             return reply, sent
         except asyncio.CancelledError:
             connector.withdraw(proto, name, owner)
@@ -158,7 +195,7 @@ async def verify_late_grant(client: Client, lease: Lease, request: tuple[Any, ..
     it back and queue again while the wait allows (see :meth:`Client.acquire`)."""
     loop = asyncio.get_running_loop()
     name, ttl_ms, wait_ms, delay_ms, correlation_id, kind = request
-    shared, limit = (kind + (False, 0))[:2]
+    shared, limit = kind_pair(kind)
     log.warning("grant of %s token %d was read with %.3f s of its %.3f s TTL left (this process or the "
                 "network stalled); verifying it with the server", quote(lease.name), lease.fencing_token,
                 lease.expires_at - loop.time(), lease.ttl)

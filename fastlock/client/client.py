@@ -29,7 +29,7 @@ from .. import protocol as P
 from ..errors import ConnectionLost, InvalidArgument, LeaseLost, WrongArgumentType
 from ..tls import client_ssl_context
 from ..units import check_seconds
-from .acquire import HeldLeases, acquire_retry, duration_ms, verify_late_grant
+from .acquire import HeldLeases, acquire_retry, duration_ms, verify_late_grant, with_actor
 from .admin import LockAdminMethods
 from .connection import BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election
@@ -296,7 +296,8 @@ class Client(KeyMethods, LockAdminMethods):
         if proto is not None and not proto.closed:
             loop = proto.loop
             sent = started = loop.time()
-            fut = proto.request(P.OP_ACQUIRE, name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, *kind)
+            fut = proto.request(P.OP_ACQUIRE, name, owner, ttl_ms, wait_ms, delay_ms, correlation_id,
+                                *with_actor(connector, kind))
             try:
                 reply = await fut
             except asyncio.CancelledError:

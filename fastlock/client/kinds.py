@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
 from ..errors import FastlockError, InvalidArgument, LeaseLost
+from .acquire import actor_id
 from .connection import RETRYABLE, RideThrough
 from .lease import Lease, LeaseState
 from .owner_keys import new_owner_key
@@ -146,7 +147,9 @@ async def acquire_set(client: Client, items: list[tuple[str, bool]], ttl_ms: int
         left_ms = -1 if wait_end is None else max(0, int((wait_end - loop.time()) * 1000))
         sent = loop.time()
         try:
-            reply = await proto.request(P.OP_ACQUIRE_MANY, wire, owner, ttl_ms, left_ms, delay_ms, correlation_id)
+            actor = (actor_id(),) if connector.server_info.get("actors") else ()
+            reply = await proto.request(P.OP_ACQUIRE_MANY, wire, owner, ttl_ms, left_ms, delay_ms, correlation_id,
+                                        *actor)
             break
         except asyncio.CancelledError:
             _withdraw(connector, items, owner, proto)

@@ -43,7 +43,7 @@ op         #   arguments                                              value
 =========  ==  =====================================================  ======================
 HELLO      1   version, client_name|None, credential[, known_epoch]   dict (session, role, principal...)
 ACQUIRE    2   name, owner, ttl_ms, wait_ms, lock_delay_ms, corr_id   [token, ttl_ms, waited_ms]
-               [, shared[, limit]]
+               [, shared[, limit[, actor]]]
 RELEASE    3   name, token, owner                                     None
 EXTEND     4   name, token, owner, ttl_ms                             ttl_ms
 CANCEL     5   name, owner                                            "cancelled"|"released"|None
@@ -62,7 +62,7 @@ LOCKS      20  prefix, most|None                                      {"locks", 
 LOCK_INFO  21  name                                                   {"name", "holders", "waiters", ...}
 REVOKE     22  name, token|None, reason|None                          {"name", "revoked"}
 ACQUIRE_MANY 30 [[name, shared], ...], owner, ttl_ms, wait_ms,        [[token, ...], ttl_ms, waited_ms]
-               lock_delay_ms, corr_id
+               lock_delay_ms, corr_id[, actor]
 CONTENDERS 31  name                                                   {"holders": [...], "waiters": [...]}
 SYNC_ACK   50  lsn (the primary's, at the sync ack point)             (no reply)
 =========  ==  =====================================================  ======================
@@ -70,9 +70,14 @@ SYNC_ACK   50  lsn (the primary's, at the sync ack point)             (no reply)
 ACQUIRE's optional ``shared`` (bool: a shared lease) and ``limit`` (int: the
 name is a counting semaphore with at most ``limit`` holders; 0: a lock) are
 sent only when set, so a request for an exclusive lock is the 6-argument one
-every fastlock server reads.  ACQUIRE_MANY takes up to 64 distinct names
-atomically: all are granted together (one token per name, in request order, one
-lease per name, all with ``owner``) or none; while it waits it holds none of
+every fastlock server reads.  The optional ``actor`` of ACQUIRE and ACQUIRE_MANY
+(int 0..2**63-1: who waits within the session, a client's task or thread; 0 or
+absent: the session as a whole) only tells deadlock detection's parties apart
+(see :class:`~fastlock.errors.DeadlockDetected`); a server that reads it says
+``"actors": True`` in its HELLO reply, and a client sends it only to such a
+server.  ACQUIRE_MANY takes up to 64 distinct names atomically: all are granted
+together (one token per name, in request order, one lease per name, all with
+``owner``) or none; while it waits it holds none of
 them.  CONTENDERS lists a lock's holders (token, shared, limit, principal,
 client, correlation_id, remaining_ms) and its waiters in FIFO order (shared,
 limit, principal, client, correlation_id, many), as kazoo's ``contenders()``.
@@ -211,6 +216,7 @@ from .ops import (
     Op,
 )
 from .validation import (
+    MAX_ACTOR,
     MAX_CLIENT_NAME_CHARS,
     MAX_CORRELATION_ID_CHARS,
     MAX_LIMIT,
@@ -221,6 +227,7 @@ from .validation import (
     MAX_TTL_MS,
     MAX_WAIT_MS,
     MIN_TTL_MS,
+    check_actor,
     check_epoch,
     check_limit,
     check_lock_delay_ms,
@@ -239,7 +246,8 @@ __all__ = [
     "DEFAULT_MAX_FRAME_BYTES", "MAX_CLIENT_NAME_CHARS", "MAX_CORRELATION_ID_CHARS", "MAX_EPOCH",
     "MAX_LOCK_DELAY_MS", "MAX_NAME_BYTES", "MAX_OWNER_BYTES", "MAX_TTL_MS", "MAX_WAIT_MS",
     "MIN_MAX_FRAME_BYTES", "MIN_TTL_MS", "OPS", "OP_ACQUIRE", "OP_ACQUIRE_MANY", "OP_ARITY", "OP_CONTENDERS",
-    "MAX_LIMIT", "MAX_MANY", "check_limit", "check_many_items", "check_shared", "OP_CANCEL", "OP_CHECK",
+    "MAX_ACTOR", "MAX_LIMIT", "MAX_MANY", "check_actor", "check_limit", "check_many_items", "check_shared",
+    "OP_CANCEL", "OP_CHECK",
     "OP_EXTEND", "OP_HELLO", "OP_HOLDER", "OP_LOCKS", "OP_LOCK_INFO", "OP_NAMES", "OP_PING", "OP_PROMOTE", "OP_RELEASE",
     "OP_REPLICATE", "OP_REPL_ACK", "OP_REVOKE", "OP_SERVE_ALONE", "OP_STATUS", "OP_STEP_DOWN", "OP_UNWATCH",
     "OP_WATCH", "PROTOCOL_VERSION", "PUSH_HEARTBEAT", "PUSH_RECORD", "PUSH_RECORDS", "PUSH_SNAPSHOT",

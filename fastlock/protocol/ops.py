@@ -64,7 +64,7 @@ class Op(NamedTuple):
 #: every operation of the protocol, by code
 OPS: tuple[Op, ...] = (
     Op(OP_HELLO, "hello", 3, 4),
-    Op(OP_ACQUIRE, "acquire", 6, 8),
+    Op(OP_ACQUIRE, "acquire", 6, 9),  # [, shared[, limit[, actor]]]
     Op(OP_RELEASE, "release", 3, 3),
     Op(OP_EXTEND, "extend", 4, 4),
     Op(OP_CANCEL, "cancel", 2, 2),
@@ -88,7 +88,7 @@ OPS: tuple[Op, ...] = (
     Op(OP_LOCKS, "locks", 2, 4),  # prefix, most entries (None: the server's limit)[, after, order]
     Op(OP_LOCK_INFO, "lock_info", 1, 1),  # name
     Op(OP_REVOKE, "revoke", 3, 3),  # name, token (None: every holder), reason (None or text)
-    Op(OP_ACQUIRE_MANY, "acquire_many", 6, 6),
+    Op(OP_ACQUIRE_MANY, "acquire_many", 6, 7),  # [, actor]
     Op(OP_CONTENDERS, "contenders", 1, 1),
     Op(OP_SYNC_ACK, "sync_ack", 1, 1),  # standby -> primary: primary LSN at the sync ack point
 )

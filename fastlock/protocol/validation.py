@@ -18,7 +18,7 @@ from .ops import MAX_EPOCH
 
 __all__ = [
     "MAX_CLIENT_NAME_CHARS", "MAX_CORRELATION_ID_CHARS", "MAX_LIMIT", "MAX_LOCK_DELAY_MS", "MAX_MANY",
-    "MAX_NAME_BYTES", "check_limit", "check_many_items",
+    "MAX_NAME_BYTES", "MAX_ACTOR", "check_actor", "check_limit", "check_many_items",
     "MAX_OWNER_BYTES", "MAX_TTL_MS", "MAX_WAIT_MS", "MIN_TTL_MS", "check_epoch", "check_lock_delay_ms",
     "check_name", "check_optional_str", "check_owner", "check_shared", "check_token", "check_ttl_ms", "check_wait_ms",
     "seconds_to_ms",
@@ -37,6 +37,8 @@ MAX_CLIENT_NAME_CHARS = 128
 MAX_LIMIT = (1 << 31) - 1
 #: the most names in one ACQUIRE_MANY (equal to ``fastlock._core.MAX_MANY``)
 MAX_MANY = 64
+#: the largest actor (who waits within a session: deadlock detection's party)
+MAX_ACTOR = (1 << 63) - 1
 
 
 def check_name(name: Any) -> str:
@@ -87,6 +89,16 @@ def check_shared(shared: Any) -> bool:
     if type(shared) is not bool:
         raise WrongArgumentType(f"shared must be a bool, not {type(shared).__name__}")
     return shared
+
+
+def check_actor(actor: Any) -> int:
+    """Who makes an acquire within its session (a client's task or thread): an int in
+    0..MAX_ACTOR, 0 standing for the whole session (see DeadlockDetected)."""
+    if type(actor) is not int:  # bool is refused on purpose
+        raise WrongArgumentType(f"actor must be an int, not {type(actor).__name__}")
+    if not 0 <= actor <= MAX_ACTOR:
+        raise InvalidArgument(f"actor must be 0..{MAX_ACTOR}, got {actor}")
+    return actor
 
 
 def check_limit(limit: Any) -> int:

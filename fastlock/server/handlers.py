@@ -320,6 +320,7 @@ class Handlers:
             "max_frame_bytes": self.config.max_frame_bytes,
             "principal": conn.principal,
             "kind": conn.kind,
+            "actors": True,  # ACQUIRE and ACQUIRE_MANY read the optional actor
         }
 
     # -- leases -------------------------------------------------------------------------
@@ -332,6 +333,7 @@ class Handlers:
         corr = P.check_optional_str(msg[7], "correlation id", P.MAX_CORRELATION_ID_CHARS)
         shared = len(msg) > 8 and P.check_shared(msg[8])  # a shared lease (absent: exclusive)
         limit = P.check_limit(msg[9]) if len(msg) > 9 else 0  # a semaphore's limit (absent: a lock)
+        actor = P.check_actor(msg[10]) if len(msg) > 10 else 0  # who waits in the session (absent: all of it)
         if shared and limit:
             raise InvalidArgument("a semaphore permit (limit > 0) cannot also be shared")
         table = self.table
@@ -359,7 +361,7 @@ class Handlers:
             server.node_state.raise_ttl(ttl_ms)  # rare: only a new longest TTL writes
         try:
             status = table.acquire(name, owner, conn.session, req_id, ttl_ms, wait_ms, delay_ms,
-                                   (conn.recorded, corr), now, shared, limit)
+                                   (conn.recorded, corr), now, shared, limit, actor)
         except ValueError as exc:  # the owner key waits on name in a multi-lock request
             raise InvalidArgument(f"{name!r}: {exc}") from None
         if quotas.waiters.limit:
@@ -408,7 +410,7 @@ class Handlers:
         self.roles.admit(Action.EXTEND)
         holder = table.holder(name, now, owner)
         try:
-            table.extend(name, token, owner, ttl_ms, now)
+            table.extend(name, token, owner, ttl_ms, now, conn.session)  # the lease is held from this connection
         except NotHolder:
             raise LeaseLost(f"{name!r}: token {token} is not the current holder "
                             "(expired, released or never held)") from None

@@ -142,13 +142,14 @@ class KindHandlers:
 
     def op_acquire_many(self, conn: Session, req_id: int, msg: list) -> None:
         """ACQUIRE_MANY: ``[[name, shared], ...], owner, ttl_ms, wait_ms, lock_delay_ms,
-        corr_id``; each name is checked against the principal's ACL for ``acquire``."""
+        corr_id[, actor]``; each name is checked against the principal's ACL for ``acquire``."""
         items = P.check_many_items(msg[2])
         owner = hash_owner(P.check_owner(msg[3]))
         ttl_ms = P.check_ttl_ms(msg[4])
         wait_ms = P.check_wait_ms(msg[5])
         delay_ms = P.check_lock_delay_ms(msg[6])
         corr = P.check_optional_str(msg[7], "correlation id", P.MAX_CORRELATION_ID_CHARS)
+        actor = P.check_actor(msg[8]) if len(msg) > 8 else 0  # who waits in the session (absent: all of it)
         grant = conn.grant
         if conn.kind == "client":
             for name, _shared in items:
@@ -172,7 +173,7 @@ class KindHandlers:
             server.node_state.raise_ttl(ttl_ms)
         try:
             status = table.acquire_many(items, owner, conn.session, ManyRequest(req_id, len(items)), ttl_ms,
-                                        wait_ms, delay_ms, (recorded_client(conn), corr), now)
+                                        wait_ms, delay_ms, (recorded_client(conn), corr), now, actor)
         except ValueError as exc:  # an owner key already holding or awaiting some name in another request
             raise InvalidArgument(f"acquire_many: {exc}") from None
         if self.server.quotas.waiters.limit:
