@@ -1,0 +1,553 @@
+"""The etcd arbiter: which node is the primary, held as a key under an etcd lease.
+
+Keys under the coordinator's ``PREFIX`` (one prefix per fastlock group):
+
+``PREFIX/primary``
+    ``{"node", "address", "epoch"}`` (JSON) of the primary, attached to that
+    node's etcd lease: it disappears when the lease runs out (the node died,
+    froze or lost etcd) or is revoked (the node stopped cleanly).
+``PREFIX/epoch``
+    the highest epoch ever taken (decimal).  Taking the primary key raises
+    it in the same transaction, which also checks that it did not change
+    since it was read: two nodes can never take the same epoch, and epochs
+    only grow (fastlock tokens are ``epoch << 40 | counter``).  The new epoch
+    is also above every epoch the node has seen itself (``min_epoch``), so a
+    wiped etcd never hands out an epoch again.
+``PREFIX/members/NODE``
+    ``{"node", "address", "position", "epoch"}`` of each live node (its WAL
+    position: the applied LSN of a standby, the last LSN of the primary),
+    attached to the node's lease and rewritten at every renewal.
+
+How a node holds the primary role (:class:`EtcdArbiter`): it renews its
+lease every quarter TTL and counts the lease valid until the time it *sent*
+the last successful renewal plus the TTL, minus a self-fencing margin
+(default a quarter of the TTL), all on its own monotonic clock.  etcd counts
+the TTL from when it *received* the renewal, later, so the node's view
+always ends first (as long as the two clocks run at rates that differ by
+less than margin / TTL): the node stops granting (:meth:`EtcdArbiter.may_grant`
+turns False, ``on_fenced(True)``) before etcd can free the key for another
+node.  A renewal that says the lease is gone, or a read of the primary key
+that shows another lease or no key, means the role is lost:
+``on_lost(why)`` at once, and the node stops being a candidate.
+
+How a standby takes the key: when it reads no primary key, it compares its
+position with the other live members'; behind one of them it waits
+``behind_delay_ms`` (so the caught-up one wins if it is alive), then tries
+the transaction ``create_revision(primary) == 0 and mod_revision(epoch) ==
+<read>``; only one of several racing nodes can succeed.
+
+This module speaks etcd's v3 JSON gateway (``/v3/kv/range``, ``/v3/kv/txn``,
+``/v3/kv/put``, ``/v3/lease/grant``, ``/v3/lease/keepalive``,
+``/v3/lease/revoke``) through :class:`EtcdGateway`, built on ``httpx``
+(the optional extra ``fastlock[etcd]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..errors import InvalidArgument
+from ..protocol import MAX_EPOCH
+from ..units import monotonic_ms, parse_address
+
+log = logging.getLogger("fastlock.coordination")
+
+#: the longest value this module accepts from etcd for one of its keys (bytes)
+MAX_VALUE_BYTES = 4096
+#: the most member keys read when choosing the most caught-up standby
+MAX_MEMBERS = 1000
+#: the longest node id (characters)
+MAX_NODE_ID = 128
+
+
+class EtcdUnavailable(ConnectionError):
+    """No etcd endpoint answered the request (or answered with an error)."""
+
+
+@dataclass(frozen=True)
+class CoordinatorUrl:
+    """``etcd://HOST:PORT[,HOST:PORT...]/PREFIX``, parsed."""
+
+    endpoints: tuple[tuple[str, int], ...]
+    prefix: str
+
+    def __str__(self) -> str:
+        hosts = ",".join(f"{h}:{p}" for h, p in self.endpoints)
+        return f"etcd://{hosts}{self.prefix}"
+
+
+def parse_coordinator(value: Any) -> CoordinatorUrl:
+    """Parse ``etcd://HOST:PORT[,HOST:PORT...]/PREFIX`` (port default 2379).
+
+    Raises:
+        InvalidArgument: not a string of that form, or an empty prefix.
+    """
+    if type(value) is not str or not value.startswith("etcd://"):
+        raise InvalidArgument(f"coordinator must be etcd://HOST:PORT[,HOST:PORT]/PREFIX, not {value!r}")
+    rest = value[len("etcd://"):]
+    hosts, slash, prefix = rest.partition("/")
+    prefix = "/" + prefix.strip("/")
+    if not slash or prefix == "/" or not hosts:
+        raise InvalidArgument(f"coordinator {value!r} needs at least one HOST:PORT and a key prefix "
+                              f"(etcd://127.0.0.1:2379/fastlock)")
+    if any(c.isspace() for c in prefix) or len(prefix) > 256:
+        raise InvalidArgument(f"coordinator prefix {prefix!r} must be at most 256 characters without spaces")
+    endpoints = tuple(parse_address(h, default_port=2379) for h in hosts.split(","))
+    return CoordinatorUrl(endpoints, prefix)
+
+
+def _b64(data: bytes | str) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode("ascii")
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The range end that selects every key starting with ``prefix``."""
+    end = bytearray(prefix)
+    end[-1] += 1  # prefixes here end in "/", never 0xff
+    return bytes(end)
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One key as etcd returned it."""
+
+    key: bytes
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+    @classmethod
+    def decode(cls, kv: dict) -> KeyValue:
+        return cls(base64.b64decode(kv.get("key", "")), base64.b64decode(kv.get("value", "")),
+                   int(kv.get("create_revision", 0)), int(kv.get("mod_revision", 0)), int(kv.get("lease", 0)))
+
+
+class EtcdGateway:
+    """A small async client of etcd's v3 JSON gateway (keys and values travel base64).
+
+    Args:
+        endpoints: ``(host, port)`` of each etcd member; a request goes to the
+            one that answered last, then to the others in turn.
+        timeout_s: seconds one HTTP request may take.
+
+    Raises:
+        ImportError: httpx is not installed (``pip install 'fastlock[etcd]'``).
+    """
+
+    def __init__(self, endpoints: tuple[tuple[str, int], ...] | list[tuple[str, int]], timeout_s: float = 1.0):
+        try:
+            import httpx
+        except ImportError:
+            raise ImportError("the etcd coordinator needs httpx: pip install 'fastlock[etcd]'") from None
+        self._httpx = httpx
+        self.endpoints = list(endpoints)
+        self._current = 0
+        self._client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=4))
+
+    async def call(self, path: str, body: dict) -> dict:
+        """POST ``body`` to ``/v3/<path>``; the decoded answer.
+
+        Raises:
+            EtcdUnavailable: no endpoint answered, or etcd answered with an error.
+        """
+        errors = []
+        n = len(self.endpoints)
+        for i in range(n):
+            index = (self._current + i) % n
+            host, port = self.endpoints[index]
+            url = f"http://{host}:{port}/v3/{path}"
+            try:
+                response = await self._client.post(url, json=body)
+                data = response.json()
+            except (self._httpx.HTTPError, ValueError) as exc:
+                errors.append(f"{host}:{port}: {exc.__class__.__name__}: {exc}")
+                continue
+            self._current = index
+            if type(data) is not dict:
+                raise EtcdUnavailable(f"etcd {host}:{port} answered {path} with a {type(data).__name__}")
+            if "error" in data and response.status_code != 200:
+                raise EtcdUnavailable(f"etcd {host}:{port}: {path}: {str(data.get('message'))[:200]}")
+            return data
+        raise EtcdUnavailable("no etcd endpoint answered: " + "; ".join(errors))
+
+    async def get(self, key: str) -> KeyValue | None:
+        data = await self.call("kv/range", {"key": _b64(key)})
+        kvs = data.get("kvs") or []
+        return KeyValue.decode(kvs[0]) if kvs else None
+
+    async def get_prefix(self, prefix: str, limit: int) -> list[KeyValue]:
+        raw = prefix.encode()
+        data = await self.call("kv/range", {"key": _b64(raw), "range_end": _b64(_prefix_end(raw)), "limit": limit})
+        return [KeyValue.decode(kv) for kv in data.get("kvs") or []]
+
+    async def put(self, key: str, value: bytes, lease: int = 0) -> None:
+        await self.call("kv/put", {"key": _b64(key), "value": _b64(value), "lease": str(lease)})
+
+    async def txn(self, compare: list[dict], success: list[dict], failure: list[dict] | None = None) -> dict:
+        data = await self.call("kv/txn", {"compare": compare, "success": success, "failure": failure or []})
+        return data
+
+    async def grant(self, ttl_s: int) -> tuple[int, int]:
+        """A new lease: ``(id, ttl_s)``."""
+        data = await self.call("lease/grant", {"TTL": str(ttl_s)})
+        return int(data["ID"]), int(data.get("TTL", 0))
+
+    async def keepalive(self, lease: int) -> int:
+        """Renew ``lease``; its TTL in seconds (0: the lease no longer exists)."""
+        data = await self.call("lease/keepalive", {"ID": str(lease)})
+        result = data.get("result")
+        return int(result.get("TTL", 0)) if type(result) is dict else 0
+
+    async def revoke(self, lease: int) -> None:
+        await self.call("lease/revoke", {"ID": str(lease)})
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+@dataclass(frozen=True)
+class PrimaryRecord:
+    """The primary as ``PREFIX/primary`` names it."""
+
+    node: str
+    address: str
+    epoch: int
+    lease: int
+
+    @classmethod
+    def decode(cls, kv: KeyValue) -> PrimaryRecord:
+        """Never raises: a value this module did not write names an unknown node."""
+        data = _json_object(kv.value)
+        node, address, epoch = data.get("node"), data.get("address"), data.get("epoch")
+        return cls(node if type(node) is str else "?", address if type(address) is str else "",
+                   epoch if type(epoch) is int and 0 <= epoch <= MAX_EPOCH else 0, kv.lease)
+
+
+def _json_object(value: bytes) -> dict:
+    if len(value) > MAX_VALUE_BYTES:
+        return {}
+    try:
+        data = json.loads(value)
+    except ValueError:
+        return {}
+    return data if type(data) is dict else {}
+
+
+class ArbiterListener(Protocol):
+    """What the node does when the arbiter's view changes (each called on the event loop)."""
+
+    def on_elected(self, epoch: int) -> None:
+        """This node took the primary key at ``epoch``."""
+
+    def on_fenced(self, fenced: bool) -> None:
+        """This primary's lease is past its self-fencing deadline (True), or renewed again (False)."""
+
+    def on_lost(self, why: str) -> None:
+        """This node held the primary key and no longer does: step down at once."""
+
+    def on_primary(self, primary: PrimaryRecord | None) -> None:
+        """Another node (or none) is the primary now."""
+
+
+class EtcdArbiter:
+    """One node's view of, and bid for, the primary key (see the module docstring).
+
+    Args:
+        gateway: the etcd client.
+        prefix: the group's key prefix (``/fastlock``).
+        node: this node's id (at most :data:`MAX_NODE_ID` characters).
+        address: ``host:port`` clients and standbys reach this node at.
+        listener: told of elections, fences, losses and other primaries.
+        ttl_ms: the etcd lease TTL (ms; rounded up to whole seconds, at least 1 s).
+        margin_ms: how long before the lease's end (by this node's clock) it
+            stops granting (default: a quarter of the TTL).
+        behind_delay_ms: how long a standby behind another live one waits
+            before it bids (default: half the TTL).
+        position: this node's WAL position (its applied or last LSN).
+        min_epoch: the highest epoch this node has seen; a new epoch is above it.
+        candidate: may this node bid for the key (a synced standby; re-read
+            before each bid)?
+        clock: monotonic ms.
+
+    Raises:
+        InvalidArgument: a node id that is empty or too long, a TTL or margin out of range.
+    """
+
+    def __init__(self, gateway: EtcdGateway, prefix: str, node: str, address: str, listener: ArbiterListener, *,
+                 ttl_ms: int = 2000, margin_ms: int | None = None, behind_delay_ms: int | None = None,
+                 position: Callable[[], int] = lambda: 0, min_epoch: Callable[[], int] = lambda: 0,
+                 candidate: Callable[[], bool] = lambda: True, clock: Callable[[], int] = monotonic_ms):
+        if type(node) is not str or not 0 < len(node) <= MAX_NODE_ID or "/" in node:
+            raise InvalidArgument(f"node id must be 1..{MAX_NODE_ID} characters without '/', not {node!r}")
+        ttl_s = max(1, -(-ttl_ms // 1000))
+        self.ttl_ms = ttl_s * 1000
+        self.margin_ms = self.ttl_ms // 4 if margin_ms is None else margin_ms
+        if not 0 <= self.margin_ms < self.ttl_ms // 2:
+            raise InvalidArgument(f"coordinator margin must be 0..{self.ttl_ms // 2 - 1} ms (under half the "
+                                  f"{self.ttl_ms} ms lease TTL), not {self.margin_ms}")
+        self.behind_delay_ms = self.ttl_ms // 2 if behind_delay_ms is None else behind_delay_ms
+        self.gateway = gateway
+        self.prefix = prefix.rstrip("/")
+        self.node = node
+        self.address = address
+        self.listener = listener
+        self.position = position
+        self.min_epoch = min_epoch
+        self.candidate = candidate
+        self.clock = clock
+        #: does this node hold the primary key (it may still be fenced: see may_grant)?
+        self.holding = False
+        self.fenced = False
+        self.epoch = 0
+        self.lease = 0
+        self.primary: PrimaryRecord | None = None
+        self.stepped_down = False  # lost the key once: no more bids from this process
+        self.last_error: str | None = None
+        self._renewed_at = 0  # send time (own clock, ms) of the last successful grant or renewal
+        self._free_since: int | None = None
+        self._task: asyncio.Task | None = None
+        self._fence_timer: asyncio.TimerHandle | None = None
+        self._wake = asyncio.Event()
+        self._closed = False
+
+    # -- the keys -----------------------------------------------------------------------------
+    @property
+    def primary_key(self) -> str:
+        return f"{self.prefix}/primary"
+
+    @property
+    def epoch_key(self) -> str:
+        return f"{self.prefix}/epoch"
+
+    @property
+    def members_prefix(self) -> str:
+        return f"{self.prefix}/members/"
+
+    # -- the answer ----------------------------------------------------------------------------
+    @property
+    def valid_until_ms(self) -> int:
+        """Until when (own monotonic ms) this node may grant, if it holds the key."""
+        return self._renewed_at + self.ttl_ms - self.margin_ms
+
+    def may_grant(self, now: int | None = None) -> bool:
+        """Does this node hold the key with a lease not yet past its fencing deadline?"""
+        return self.holding and (self.clock() if now is None else now) < self.valid_until_ms
+
+    def fence_if_due(self, now: int) -> None:
+        """Tell the listener the fence closed if the deadline has passed (before a grant
+        is acknowledged, a timer callback may not have run yet after a stall)."""
+        if self.holding and not self.fenced and now >= self.valid_until_ms:
+            self._set_fenced(True)
+
+    # -- life cycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start renewing, watching and bidding (on the running loop)."""
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._run())
+
+    async def close(self, *, revoke: bool = True) -> None:
+        """Stop; with ``revoke`` give the lease back (the key is free at once for another node)."""
+        if self._closed:
+            return
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping
+                pass
+        if self._fence_timer is not None:
+            self._fence_timer.cancel()
+        if revoke and self.lease:
+            try:
+                await self.gateway.revoke(self.lease)
+            except EtcdUnavailable as exc:
+                log.warning("could not revoke the etcd lease at stop (it runs out by itself): %s", exc)
+        self.holding = False
+        await self.gateway.close()
+
+    def poke(self) -> None:
+        """Run the next step now instead of at the next quarter TTL."""
+        self._wake.set()
+
+    async def _run(self) -> None:
+        interval = max(50, self.ttl_ms // 4) / 1000.0
+        while True:
+            try:
+                await self.step()
+                self.last_error = None
+            except EtcdUnavailable as exc:
+                if self.last_error is None:
+                    log.warning("etcd: %s", exc)
+                self.last_error = str(exc)
+            except Exception:
+                log.exception("etcd arbiter step failed")
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+
+    # -- one step -----------------------------------------------------------------------------
+    async def step(self) -> None:
+        """Renew (or get) the lease, advertise this member, then check or bid for the key.
+
+        Raises:
+            EtcdUnavailable: etcd did not answer; the fence timer still closes on time.
+        """
+        await self._renew()
+        await self.gateway.put(self.members_prefix + self.node, json.dumps({
+            "node": self.node, "address": self.address, "position": self.position(),
+            "epoch": self.epoch}).encode(), self.lease)
+        kv = await self.gateway.get(self.primary_key)
+        record = PrimaryRecord.decode(kv) if kv is not None else None
+        if self.holding:
+            if record is None or record.lease != self.lease:
+                self._lose("the primary key is gone" if record is None
+                           else f"the primary key names node {record.node!r} now")
+            elif self.fenced and self.clock() < self.valid_until_ms:
+                self._set_fenced(False)  # renewed, and the key is still this node's
+            return
+        if record != self.primary:
+            self.primary = record
+            if record is None:
+                log.warning("etcd: no primary")
+            else:
+                log.info("etcd: primary is node %r at %s (epoch %d)", record.node, record.address, record.epoch)
+            self.listener.on_primary(record)
+        if record is None:
+            await self._maybe_bid()
+        else:
+            self._free_since = None
+
+    async def _renew(self) -> None:
+        sent = self.clock()
+        if self.lease:
+            ttl_s = await self.gateway.keepalive(self.lease)
+            if ttl_s > 0:
+                self._renewed(sent)
+                return
+            log.warning("etcd: lease %x has run out", self.lease)
+            self.lease = 0
+            if self.holding:
+                self._lose("its etcd lease ran out before it could renew it")
+        self.lease, _ = await self.gateway.grant(self.ttl_ms // 1000)
+        self._renewed(sent)
+
+    def _renewed(self, sent: int) -> None:
+        self._renewed_at = sent
+        if self.holding:
+            self._arm_fence_timer()
+
+    def _arm_fence_timer(self) -> None:
+        if self._fence_timer is not None:
+            self._fence_timer.cancel()
+        delay = max(0, self.valid_until_ms - self.clock())
+        self._fence_timer = asyncio.get_running_loop().call_later(delay / 1000.0, self._on_fence_timer)
+
+    def _on_fence_timer(self) -> None:
+        self._fence_timer = None
+        self.fence_if_due(self.clock())
+
+    def _set_fenced(self, fenced: bool) -> None:
+        self.fenced = fenced
+        if fenced:
+            log.warning("etcd: lease not renewed in time (%d ms TTL, %d ms margin): not granting",
+                        self.ttl_ms, self.margin_ms)
+        else:
+            log.warning("etcd: lease renewed: granting again")
+        self.listener.on_fenced(fenced)
+
+    def _lose(self, why: str) -> None:
+        self.holding = False
+        self.fenced = False
+        self.stepped_down = True
+        if self._fence_timer is not None:
+            self._fence_timer.cancel()
+            self._fence_timer = None
+        log.critical("etcd: lost the primary role: %s", why)
+        self.listener.on_lost(why)
+
+    async def _maybe_bid(self) -> None:
+        if self.stepped_down or not self.candidate():
+            return
+        now = self.clock()
+        if self._free_since is None:
+            self._free_since = now
+        mine = self.position()
+        ahead = []
+        for kv in await self.gateway.get_prefix(self.members_prefix, MAX_MEMBERS):
+            data = _json_object(kv.value)
+            position = data.get("position")
+            if data.get("node") != self.node and type(position) is int and position > mine:
+                ahead.append(f"{data.get('node')!r} at {position}")
+        if ahead and now - self._free_since < self.behind_delay_ms:
+            log.info("etcd: no primary, but %s ahead of this node (at %d): waiting %d ms before bidding",
+                     ", ".join(ahead[:3]), mine, self.behind_delay_ms)
+            return
+        await self.bid()
+
+    async def bid(self) -> bool:
+        """Try to take the free primary key with the next epoch; True if this node took it.
+
+        Raises:
+            EtcdUnavailable: etcd did not answer (whether the bid landed is then
+                learned at the next step, which reads the key).
+        """
+        sent = self._renewed_at
+        kv = await self.gateway.get(self.epoch_key)
+        try:
+            stored = int(kv.value) if kv is not None else 0
+        except ValueError:
+            stored = 0
+        epoch = max(stored, self.min_epoch()) + 1
+        if epoch > MAX_EPOCH:
+            log.critical("etcd: cannot take the primary role: epoch %d would exceed %d", epoch, MAX_EPOCH)
+            return False
+        value = json.dumps({"node": self.node, "address": self.address, "epoch": epoch}).encode()
+        primary, epoch_b = _b64(self.primary_key), _b64(self.epoch_key)
+        answer = await self.gateway.txn(
+            [{"target": "CREATE", "key": primary, "create_revision": "0", "result": "EQUAL"},
+             {"target": "MOD", "key": epoch_b, "mod_revision": str(kv.mod_revision if kv else 0), "result": "EQUAL"}],
+            [{"request_put": {"key": primary, "value": _b64(value), "lease": str(self.lease)}},
+             {"request_put": {"key": epoch_b, "value": _b64(str(epoch))}}])
+        if not answer.get("succeeded"):
+            log.info("etcd: bid for epoch %d lost (another node took the key or the epoch first)", epoch)
+            return False
+        self.holding = True
+        self.fenced = False
+        self.epoch = epoch
+        self._free_since = None
+        self._renewed_at = sent
+        self.primary = PrimaryRecord(self.node, self.address, epoch, self.lease)
+        self._arm_fence_timer()
+        log.warning("etcd: took the primary role at epoch %d (lease %x, valid %d ms more)", epoch, self.lease,
+                    self.valid_until_ms - self.clock())
+        self.listener.on_elected(epoch)
+        return True
+
+    def status(self) -> dict:
+        """The arbiter's state for STATUS."""
+        now = self.clock()
+        p = self.primary
+        return {
+            "coordinator": "etcd",
+            "node": self.node,
+            "holding": self.holding,
+            "may_grant": self.may_grant(now),
+            "valid_ms": max(0, self.valid_until_ms - now) if self.holding else 0,
+            "ttl_ms": self.ttl_ms,
+            "margin_ms": self.margin_ms,
+            "epoch": self.epoch,
+            "primary": None if p is None else {"node": p.node, "address": p.address, "epoch": p.epoch},
+            "stepped_down": self.stepped_down,
+            "last_error": self.last_error,
+        }
