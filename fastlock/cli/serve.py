@@ -101,6 +101,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="with --replication sync, when the standby has not acknowledged in --sync-timeout: fence "
                         "(default: waiting replies fail with Unavailable, no grants until it is back) or degrade "
                         "(acknowledge without it, as async, until it catches up; logged CRITICAL, in metrics)")
+    s.add_argument("--coordinator", metavar="etcd://HOST:PORT[,HOST:PORT]/PREFIX",
+                   help="let etcd decide which node of the group is primary (any number of standbys; needs "
+                        "fastlock[etcd]); every node of the group names the same etcd and prefix")
+    s.add_argument("--node-id", metavar="ID",
+                   help="with --coordinator, this node's id in etcd (default: the data directory's node-id file)")
+    s.add_argument("--coordinator-ttl", type=positive_seconds_arg, default=2.0, metavar="SECONDS",
+                   help="with --coordinator, the etcd lease TTL (whole seconds, default 2): a dead primary is "
+                        "replaced after about this long; it stops granting a quarter of it earlier")
     s.add_argument("--repair-wal", action="store_true",
                    help="start even if the WAL's last segment has a damaged record in the middle: cut it "
                         "there (records after it are lost; logged at ERROR). Without it the server refuses.")
@@ -203,6 +211,15 @@ def check_args(args: argparse.Namespace) -> None:
                              f"client certificates)")
     if args.tls_cert and args.tls_handshake_timeout <= 0:
         args.subparser.error("--tls-handshake-timeout must be > 0 seconds")
+    if args.coordinator and args.standby_of is not None:
+        args.subparser.error("--coordinator and --standby-of exclude each other: etcd names the primary to follow")
+    if args.coordinator and args.replication == "sync":
+        args.subparser.error("--replication sync is not supported with --coordinator (it waits for one standby)")
+    if args.coordinator and args.standby_token_file is None and not args.tls_cert:
+        args.subparser.error("--coordinator needs --standby-token-file (or a --tls-cert that the credentials map "
+                             "to a replica principal): each node follows the primary as a replica principal")
+    if args.node_id is not None and not args.coordinator:
+        args.subparser.error("--node-id only applies with --coordinator")
     if args.failover_after and args.standby_of is None:
         args.subparser.error("--failover-after only applies to a standby (it needs --standby-of): a primary "
                              "learns its standby's failover window from the standby itself")
@@ -250,6 +267,9 @@ def serve_command(args: argparse.Namespace) -> int:
         sync_ack=args.sync_ack,
         sync_timeout_ms=max(1, round(args.sync_timeout * 1000)),
         sync_on_timeout=args.sync_on_timeout,
+        coordinator=args.coordinator,
+        node_id=args.node_id,
+        coordinator_ttl_ms=max(1000, -(-round(args.coordinator_ttl * 1000) // 1000) * 1000),
         metrics=args.metrics,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,

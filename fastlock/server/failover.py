@@ -253,8 +253,12 @@ class FailoverPolicy:
         self._auto = self.tasks.spawn(run(), "automatic promotion")
         return self._auto
 
-    async def promote(self, reason: str, *, force: bool = False, automatic: bool = False) -> dict:
+    async def promote(self, reason: str, *, force: bool = False, automatic: bool = False,
+                      epoch: int | None = None) -> dict:
         """Turn this standby into the primary (see the module docstring).
+
+        ``epoch``: the epoch an arbiter handed out (``--coordinator``); it must
+        be above every epoch this node has seen, else the promotion is refused.
 
         Returns ``{"epoch", "grace_ms", "leases", "primary_confirmed"}``.
 
@@ -269,8 +273,12 @@ class FailoverPolicy:
             raise NotPrimary(f"this node is {roles.role.value}", None)
         follower = self._standby_follower()
         deposed = read_deposed(host.data_dir) or {}
-        epoch = max(host.table.epoch, follower.primary_epoch, host.node_state.max_epoch_seen,
+        least = max(host.table.epoch, follower.primary_epoch, host.node_state.max_epoch_seen,
                     int(deposed.get("epoch", 0))) + 1
+        if epoch is not None and epoch < least:
+            raise Unavailable(f"cannot promote at epoch {epoch} from the coordinator: this node has seen "
+                              f"epoch {least - 1} already")
+        epoch = least if epoch is None else epoch
         if epoch > P.MAX_EPOCH:
             raise Unavailable(f"cannot promote: epoch {epoch} would exceed {P.MAX_EPOCH} (tokens must stay "
                               f"below 2**63)")
@@ -369,5 +377,7 @@ class FailoverPolicy:
         """
         if self.host.roles.role is not Role.PRIMARY:
             raise NotPrimary(f"this node is {self.host.roles.role.value}", self.host.roles.primary_address)
+        if self.source.coordinated:
+            raise InvalidArgument("this node is run with --coordinator: the coordinator decides, not serve-alone")
         return self.source.serve_alone()
 

@@ -1,0 +1,144 @@
+"""A node of a group whose primary etcd names (``fastlock serve --coordinator etcd://.../PREFIX``).
+
+:class:`CoordinatedNode` is the :class:`~fastlock.coordination.etcd.EtcdArbiter`'s
+listener on a :class:`~fastlock.server.LockServer`, and changes the node only
+through its role (:mod:`fastlock.roles`) and the failover policy
+(:mod:`fastlock.server.failover`):
+
+* every node starts as a standby that follows nobody; when etcd names a
+  primary (another node), the node follows it (its follower is pointed at
+  the primary's address, and clients are redirected there);
+* when this node takes the primary key, it is promoted at the epoch etcd
+  handed out (an automatic promotion: no ``STEP_DOWN``, since the old
+  primary's lease - and with it its right to grant - has run out), with the
+  usual grace period for grants that may not have reached it;
+* while its lease is past the self-fencing deadline the primary is fenced
+  (it grants, extends and releases nothing), and unfenced when a renewal
+  succeeds and the key is still its own;
+* a primary that loses the key steps down at once (``deposed.json``, as a
+  pair's primary does); restarted, it rejoins as a standby of whichever node
+  etcd names.
+
+Any number of standbys attach to the primary (none is paired: the etcd lease
+is the fence), and none promotes itself on silence: etcd decides.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from ..coordination import EtcdArbiter, EtcdGateway, PrimaryRecord, parse_coordinator
+from ..roles import Role
+from ..units import monotonic_ms, parse_address
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .lockserver import LockServer
+
+log = logging.getLogger("fastlock.coordination")
+
+
+class CoordinatedNode:
+    """The bridge from the etcd arbiter to one server (see the module docstring).
+
+    Args:
+        server: the node.
+        url: ``etcd://HOST:PORT[,HOST:PORT]/PREFIX``.
+        node: this node's id in etcd.
+        ttl_ms: the etcd lease TTL (ms, whole seconds).
+
+    Raises:
+        InvalidArgument: a malformed URL or node id.
+        ImportError: httpx is not installed (``pip install 'fastlock[etcd]'``).
+    """
+
+    def __init__(self, server: LockServer, url: str, node: str, ttl_ms: int):
+        self.server = server
+        self.url = parse_coordinator(url)
+        self.node = node
+        self.ttl_ms = ttl_ms
+        self.arbiter: EtcdArbiter | None = None
+        self._gateway = EtcdGateway(self.url.endpoints, timeout_s=max(0.2, ttl_ms / 4000))
+
+    def start(self, address: str) -> None:
+        """Start bidding and following; ``address`` is where this node listens (``host:port``)."""
+        server = self.server
+        self.arbiter = EtcdArbiter(self._gateway, self.url.prefix, self.node, address, self, ttl_ms=self.ttl_ms,
+                                   position=lambda: server.wal.stats()["last_lsn"], min_epoch=self._min_epoch,
+                                   candidate=lambda: server.roles.role is Role.STANDBY)
+        server.source.coordinate(self.arbiter.fence_if_due)
+        self.arbiter.start()
+        log.info("coordinator %s: node %r at %s", self.url, self.node, address)
+
+    def _min_epoch(self) -> int:
+        server = self.server
+        follower = server.follower
+        return max(server.table.epoch, server.node_state.max_epoch_seen,
+                   follower.primary_epoch if follower is not None else 0)
+
+    async def close(self) -> None:
+        """Stop; a primary gives its lease back so that a standby takes over at once."""
+        if self.arbiter is not None:
+            await self.arbiter.close(revoke=True)
+        else:
+            await self._gateway.close()
+
+    def status(self) -> dict:
+        if self.arbiter is None:
+            return {"coordinator": str(self.url), "node": self.node, "started": False}
+        return {**self.arbiter.status(), "url": str(self.url)}
+
+    # -- the arbiter's listener -------------------------------------------------------------------
+    def on_primary(self, primary: PrimaryRecord | None) -> None:
+        server = self.server
+        if primary is None or primary.node == self.node or not primary.address:
+            return  # no primary, or this node's previous run whose lease has not run out yet
+        roles = server.roles
+        roles.primary_address = primary.address
+        follower = server.follower
+        if roles.role is not Role.STANDBY or follower is None:
+            return
+        target = parse_address(primary.address, default_port=None)
+        if follower.link.primary == target and not follower.stopped:
+            return
+        follower.stop()
+        follower.link.primary = target
+        follower.refused = None
+        follower.start()
+        log.warning("following primary %r at %s (epoch %d, named by etcd)", primary.node, primary.address,
+                    primary.epoch)
+
+    def on_elected(self, epoch: int) -> None:
+        server = self.server
+
+        async def promote() -> None:
+            await server.failover.promote(f"etcd named this node primary at epoch {epoch}", automatic=True,
+                                          epoch=epoch)
+            arbiter = self.arbiter
+            if arbiter is not None and not arbiter.holding:
+                self._step_down("the etcd primary key was lost during the promotion", epoch + 1)
+            elif arbiter is not None and not arbiter.may_grant():
+                self.on_fenced(True)  # its lease ran past the deadline while it promoted
+
+        server.tasks.spawn(promote(), "promotion (etcd)")
+
+    def on_fenced(self, fenced: bool) -> None:
+        server = self.server
+        roles = server.roles
+        if roles.role is not Role.PRIMARY or roles.fenced == fenced:
+            return
+        roles.set_fenced(fenced)
+        if not fenced:
+            server.table.expire(monotonic_ms())  # hand blocked locks to their waiters
+            server.after_batch()
+
+    def on_lost(self, why: str) -> None:
+        arbiter = self.arbiter
+        primary = arbiter.primary if arbiter is not None else None
+        epoch = max(self.server.table.epoch + 1, primary.epoch if primary is not None else 0)
+        if self.server.roles.role is Role.PRIMARY:
+            self._step_down(why, epoch)
+
+    def _step_down(self, why: str, epoch: int) -> None:
+        if self.server.roles.role is Role.PRIMARY:
+            self.server.failover.step_down(f"etcd: {why}", epoch)
