@@ -1,0 +1,196 @@
+"""Failover arbitrated by etcd, with real ``fastlock serve --coordinator`` processes and a real etcd.
+
+Three nodes share one etcd (tests/etcdserver.py) under a prefix of their own,
+with a 1 s etcd lease TTL: one takes the primary key and the others follow it;
+after SIGKILL or SIGSTOP of the primary another one is primary within the TTL
+plus 1 s, at a higher epoch, and tokens never go backwards; a primary that was
+frozen or cut off from etcd grants nothing after it lost its lease; an etcd
+restart changes nothing.  Skipped without the etcd binary unless
+FASTLOCK_REQUIRE_ETCD=1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from etcdserver import unique_prefix
+
+from fastlock._testbase import ServerProcess
+from fastlock._testbase.cluster import RawNode, poll, status_of
+from fastlock._testbase.proxy import TcpProxy
+from fastlock.errors import FastlockError, NotPrimary, Unavailable
+
+pytest.importorskip("httpx")
+
+TTL_S = 1
+LOCK_TTL_MS = 1000
+
+
+class Group:
+    """Coordinated nodes of one test, on one etcd prefix."""
+
+    def __init__(self, cluster, etcd) -> None:
+        self.cluster = cluster
+        self.etcd = etcd
+        self.prefix = unique_prefix()
+        self.nodes: dict[str, ServerProcess] = {}
+
+    def start(self, name: str, etcd_address: str | None = None) -> ServerProcess:
+        url = f"etcd://{etcd_address or self.etcd.address}{self.prefix}"
+        srv = self.cluster._start(ServerProcess(
+            self.cluster.root / name,
+            args=["--name", name, *self.cluster.auth_args(name), "--coordinator", url, "--node-id", name,
+                  "--coordinator-ttl", str(TTL_S)]))
+        self.nodes[name] = srv
+        return srv
+
+    async def roles(self, names=None) -> dict[str, dict]:
+        out = {}
+        for name in names or self.nodes:
+            srv = self.nodes[name]
+            if not srv.alive:
+                continue
+            try:
+                out[name] = await asyncio.wait_for(status_of(srv.address), 1.0)
+            except (OSError, FastlockError, asyncio.TimeoutError):
+                continue
+        return out
+
+    async def primary(self, among=None, timeout: float = 10.0) -> tuple[str, dict]:
+        """Wait until exactly one of ``among`` is an unfenced primary; ``(name, status)``."""
+        async def ask():
+            found = [(n, st) for n, st in (await self.roles(among)).items()
+                     if st["role"] == "primary" and not st["replication"]["fenced"]]
+            return found[0] if len(found) == 1 else None
+        return await poll(ask, timeout=timeout, what="one primary", interval=0.02)
+
+    async def followers_of(self, primary: str, names, timeout: float = 10.0) -> None:
+        address = self.nodes[primary].address
+
+        async def ask():
+            sts = await self.roles(names)
+            return len(sts) == len(names) and all(
+                st["role"] == "standby" and st["replication"]["primary"] == address and st["replication"]["synced"]
+                for st in sts.values())
+        await poll(ask, timeout=timeout, what=f"{names} to follow {primary}")
+
+
+async def grant(address: str, name: str, timeout: float = 10.0) -> int:
+    """Acquire free lock ``name`` at ``address`` (retrying through a grace period); its token."""
+    node = await RawNode.open(address)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                token, _, _ = await node.acquire(name, LOCK_TTL_MS, wait_ms=200)
+                return token
+            except FastlockError:
+                if time.monotonic() > deadline:
+                    raise
+    finally:
+        await node.close()
+
+
+async def refuses(address: str, name: str) -> FastlockError:
+    """Exactly ``address`` refuses to grant free lock ``name``; the error."""
+    node = await RawNode.open(address)
+    try:
+        with pytest.raises((NotPrimary, Unavailable)) as info:
+            await node.acquire(name, LOCK_TTL_MS)
+        return info.value
+    finally:
+        await node.close()
+
+
+@pytest.fixture
+def group(cluster, etcd):
+    return Group(cluster, etcd)
+
+
+def three(group: Group) -> list[str]:
+    names = ["a", "b", "c"]
+    for name in names:
+        group.start(name)
+    return names
+
+
+async def test_sigkill_of_the_primary(group):
+    names = three(group)
+    first, st = await group.primary()
+    rest = [n for n in names if n != first]
+    await group.followers_of(first, rest)
+    assert st["coordinator"]["holding"] and st["coordinator"]["epoch"] == st["epoch"]
+    before = await grant(group.nodes[first].address, "k1")
+    group.nodes[first].kill()
+    killed = time.monotonic()
+    second, st2 = await group.primary(rest)
+    assert time.monotonic() - killed <= TTL_S + 1.0
+    assert st2["epoch"] > st["epoch"]
+    after = await grant(group.nodes[second].address, "k2")
+    assert after > before
+    (third,) = [n for n in rest if n != second]
+    await group.followers_of(second, [third])
+    # a client at the standby is redirected to the new primary
+    err = await refuses(group.nodes[third].address, "k3")
+    assert isinstance(err, NotPrimary) and err.primary == group.nodes[second].address
+
+
+async def test_sigstop_of_the_primary(group):
+    names = three(group)
+    first, st = await group.primary()
+    rest = [n for n in names if n != first]
+    await group.followers_of(first, rest)
+    before = await grant(group.nodes[first].address, "k1")
+    old = group.nodes[first]
+    old.pause()
+    try:
+        second, st2 = await group.primary(rest)
+        assert st2["epoch"] > st["epoch"]
+    finally:
+        old.resume()
+    # at once after the resume, before it may have heard from etcd: no grant
+    await refuses(old.address, "fresh")
+    await poll(lambda: status_of(old.address), lambda s: s["role"] == "deposed", timeout=5,
+               what="the old primary to step down")
+    await refuses(old.address, "fresh")
+    assert await grant(group.nodes[second].address, "k2") > before
+
+
+async def test_primary_cut_off_from_etcd_stops_granting_first(group, etcd):
+    with TcpProxy(etcd.address) as proxy:
+        old = group.start("a", etcd_address=proxy.address)
+        await group.primary(["a"])
+        for name in ("b", "c"):
+            group.start(name)
+        await group.followers_of("a", ["b", "c"])
+        before = await grant(old.address, "k1")
+        mark = len(old.lines)
+        proxy.blackhole()
+        second, _ = await group.primary(["b", "c"])
+        # by the time another node is primary, the old one had already fenced itself
+        assert any("lease not renewed in time" in line for line in old.lines[mark:])
+        await refuses(old.address, "fresh")
+        proxy.heal()
+        await poll(lambda: status_of(old.address), lambda s: s["role"] == "deposed", timeout=5,
+                   what="the old primary to step down")
+        assert await grant(group.nodes[second].address, "k2") > before
+
+
+async def test_etcd_restart_keeps_the_primary(group, etcd):
+    names = three(group)
+    first, st = await group.primary()
+    before = await grant(group.nodes[first].address, "k1")
+    await asyncio.get_running_loop().run_in_executor(None, etcd.restart)
+    again, st2 = await group.primary()
+    assert again == first and st2["epoch"] == st["epoch"]
+    assert await grant(group.nodes[first].address, "k2") > before
+    await group.followers_of(first, [n for n in names if n != first])
+
+
+@pytest.fixture(autouse=True)
+def _one_loop(request):
+    """These tests start processes: run them on one event loop only."""
+    if "uvloop" in request.node.name:
+        pytest.skip("process-level etcd tests run on the asyncio loop only")
