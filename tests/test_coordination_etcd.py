@@ -29,8 +29,9 @@ TTL_MS = 1000
 class Events:
     """An arbiter listener that records what it is told, with the time (monotonic ms)."""
 
-    def __init__(self) -> None:
+    def __init__(self, position=lambda: 0, min_epoch=lambda: 0, candidate=lambda: True) -> None:
         self.log: list[tuple[int, str, object]] = []
+        self.position, self.min_epoch, self.candidate = position, min_epoch, candidate
 
     def on_elected(self, epoch: int) -> None:
         self.log.append((monotonic_ms(), "elected", epoch))
@@ -48,8 +49,9 @@ class Events:
         return next((t for t, k, _ in self.log if k == kind), None)
 
 
-def arbiter(address: str, prefix: str, node: str, **kwargs) -> tuple[EtcdArbiter, Events]:
-    events = Events()
+def arbiter(address: str, prefix: str, node: str, position=lambda: 0, min_epoch=lambda: 0, candidate=lambda: True,
+            **kwargs) -> tuple[EtcdArbiter, Events]:
+    events = Events(position, min_epoch, candidate)
     arb = EtcdArbiter(EtcdGateway([parse_address(address)], timeout_s=0.3),
                       prefix, node, f"127.0.0.1:{7000 + len(node)}", events, ttl_ms=TTL_MS, **kwargs)
     return arb, events

@@ -241,7 +241,17 @@ def _json_object(value: bytes) -> dict:
 
 
 class ArbiterListener(Protocol):
-    """What the node does when the arbiter's view changes (each called on the event loop)."""
+    """The node as the arbiter sees it: what it asks, and what it tells when its view
+    changes (each called on the event loop)."""
+
+    def position(self) -> int:
+        """This node's WAL position (its applied or last LSN)."""
+
+    def min_epoch(self) -> int:
+        """The highest epoch this node has seen (a new epoch is above it)."""
+
+    def candidate(self) -> bool:
+        """May this node bid for the primary key now (a standby)?"""
 
     def on_elected(self, epoch: int) -> None:
         """This node took the primary key at ``epoch``."""
@@ -264,16 +274,13 @@ class EtcdArbiter:
         prefix: the group's key prefix (``/fastlock``).
         node: this node's id (at most :data:`MAX_NODE_ID` characters).
         address: ``host:port`` clients and standbys reach this node at.
-        listener: told of elections, fences, losses and other primaries.
+        listener: asked for the node's position, epoch and candidacy; told of
+            elections, fences, losses and other primaries.
         ttl_ms: the etcd lease TTL (ms; rounded up to whole seconds, at least 1 s).
         margin_ms: how long before the lease's end (by this node's clock) it
             stops granting (default: a quarter of the TTL).
         behind_delay_ms: how long a standby behind another live one waits
             before it bids (default: half the TTL).
-        position: this node's WAL position (its applied or last LSN).
-        min_epoch: the highest epoch this node has seen; a new epoch is above it.
-        candidate: may this node bid for the key (a synced standby; re-read
-            before each bid)?
         clock: monotonic ms.
 
     Raises:
@@ -282,25 +289,21 @@ class EtcdArbiter:
 
     def __init__(self, gateway: EtcdGateway, prefix: str, node: str, address: str, listener: ArbiterListener, *,
                  ttl_ms: int = 2000, margin_ms: int | None = None, behind_delay_ms: int | None = None,
-                 position: Callable[[], int] = lambda: 0, min_epoch: Callable[[], int] = lambda: 0,
-                 candidate: Callable[[], bool] = lambda: True, clock: Callable[[], int] = monotonic_ms):
+                 clock: Callable[[], int] = monotonic_ms):
         if type(node) is not str or not 0 < len(node) <= MAX_NODE_ID or "/" in node:
             raise InvalidArgument(f"node id must be 1..{MAX_NODE_ID} characters without '/', not {node!r}")
-        ttl_s = max(1, -(-ttl_ms // 1000))
-        self.ttl_ms = ttl_s * 1000
-        self.margin_ms = self.ttl_ms // 4 if margin_ms is None else margin_ms
-        if not 0 <= self.margin_ms < self.ttl_ms // 2:
-            raise InvalidArgument(f"coordinator margin must be 0..{self.ttl_ms // 2 - 1} ms (under half the "
-                                  f"{self.ttl_ms} ms lease TTL), not {self.margin_ms}")
-        self.behind_delay_ms = self.ttl_ms // 2 if behind_delay_ms is None else behind_delay_ms
+        ttl = max(1, -(-ttl_ms // 1000)) * 1000
+        margin = ttl // 4 if margin_ms is None else margin_ms
+        if not 0 <= margin < ttl // 2:
+            raise InvalidArgument(f"coordinator margin must be 0..{ttl // 2 - 1} ms (under half the "
+                                  f"{ttl} ms lease TTL), not {margin}")
+        #: (lease TTL, self-fencing margin, delay of a standby behind another), ms
+        self.timing = (ttl, margin, ttl // 2 if behind_delay_ms is None else behind_delay_ms)
         self.gateway = gateway
         self.prefix = prefix.rstrip("/")
         self.node = node
         self.address = address
         self.listener = listener
-        self.position = position
-        self.min_epoch = min_epoch
-        self.candidate = candidate
         self.clock = clock
         #: does this node hold the primary key (it may still be fenced: see may_grant)?
         self.holding = False
@@ -316,6 +319,16 @@ class EtcdArbiter:
         self._fence_timer: asyncio.TimerHandle | None = None
         self._wake = asyncio.Event()
         self._closed = False
+
+    @property
+    def ttl_ms(self) -> int:
+        """The etcd lease TTL (ms, whole seconds)."""
+        return self.timing[0]
+
+    @property
+    def margin_ms(self) -> int:
+        """How long before the lease's end (own clock) this node stops granting (ms)."""
+        return self.timing[1]
 
     # -- the keys -----------------------------------------------------------------------------
     @property
@@ -405,7 +418,7 @@ class EtcdArbiter:
         """
         await self._renew()
         await self.gateway.put(self.members_prefix + self.node, json.dumps({
-            "node": self.node, "address": self.address, "position": self.position(),
+            "node": self.node, "address": self.address, "position": self.listener.position(),
             "epoch": self.epoch}).encode(), self.lease)
         kv = await self.gateway.get(self.primary_key)
         record = PrimaryRecord.decode(kv) if kv is not None else None
@@ -477,21 +490,22 @@ class EtcdArbiter:
         self.listener.on_lost(why)
 
     async def _maybe_bid(self) -> None:
-        if self.stepped_down or not self.candidate():
+        if self.stepped_down or not self.listener.candidate():
             return
         now = self.clock()
         if self._free_since is None:
             self._free_since = now
-        mine = self.position()
+        mine = self.listener.position()
         ahead = []
         for kv in await self.gateway.get_prefix(self.members_prefix, MAX_MEMBERS):
             data = _json_object(kv.value)
             position = data.get("position")
             if data.get("node") != self.node and type(position) is int and position > mine:
                 ahead.append(f"{data.get('node')!r} at {position}")
-        if ahead and now - self._free_since < self.behind_delay_ms:
+        delay = self.timing[2]
+        if ahead and now - self._free_since < delay:
             log.info("etcd: no primary, but %s ahead of this node (at %d): waiting %d ms before bidding",
-                     ", ".join(ahead[:3]), mine, self.behind_delay_ms)
+                     ", ".join(ahead[:3]), mine, delay)
             return
         await self.bid()
 
@@ -508,7 +522,7 @@ class EtcdArbiter:
             stored = int(kv.value) if kv is not None else 0
         except ValueError:
             stored = 0
-        epoch = max(stored, self.min_epoch()) + 1
+        epoch = max(stored, self.listener.min_epoch()) + 1
         if epoch > MAX_EPOCH:
             log.critical("etcd: cannot take the primary role: epoch %d would exceed %d", epoch, MAX_EPOCH)
             return False

@@ -63,14 +63,18 @@ class CoordinatedNode:
     def start(self, address: str) -> None:
         """Start bidding and following; ``address`` is where this node listens (``host:port``)."""
         server = self.server
-        self.arbiter = EtcdArbiter(self._gateway, self.url.prefix, self.node, address, self, ttl_ms=self.ttl_ms,
-                                   position=lambda: server.wal.stats()["last_lsn"], min_epoch=self._min_epoch,
-                                   candidate=lambda: server.roles.role is Role.STANDBY)
+        self.arbiter = EtcdArbiter(self._gateway, self.url.prefix, self.node, address, self, ttl_ms=self.ttl_ms)
         server.source.coordinate(self.arbiter.fence_if_due)
         self.arbiter.start()
         log.info("coordinator %s: node %r at %s", self.url, self.node, address)
 
-    def _min_epoch(self) -> int:
+    def position(self) -> int:
+        return int(self.server.wal.stats()["last_lsn"])
+
+    def candidate(self) -> bool:
+        return self.server.roles.role is Role.STANDBY
+
+    def min_epoch(self) -> int:
         server = self.server
         follower = server.follower
         return max(server.table.epoch, server.node_state.max_epoch_seen,

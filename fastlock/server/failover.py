@@ -50,6 +50,7 @@ from .tasks import BackgroundTasks
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..replication.host import ReplicationHost
+    from .coordinated import CoordinatedNode
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,8 @@ class FailoverPolicy:
         self.tasks = tasks if tasks is not None else BackgroundTasks()
         self.clock = clock
         self._auto: asyncio.Task | None = None
+        #: etcd decides who is primary (``--coordinator``); None: the pair decides
+        self.coordinated: CoordinatedNode | None = None
         self._auto_retry_at_ms = 0
 
     # -- start ---------------------------------------------------------------------------------

@@ -69,8 +69,8 @@ from ..wal import DataDirInUse, HolderRecord, WriteAheadLog, secure_directory
 from . import lockdelays
 from .admission import ConnectionLimits, PrincipalQuotas
 from .config import ServerConfig, check_limits
-from .endpoints import Endpoints
 from .coordinated import CoordinatedNode
+from .endpoints import Endpoints
 from .failover import FailoverPolicy
 from .handlers import Handlers, refusal
 from .keys import KeyStore
@@ -146,13 +146,7 @@ class LockServer:
         # source.sync: synchronous replication, grant and extend replies wait for the standby (async: a no-op)
         self.source = ReplicationSource(self, fence_margin_ms=config.fence_margin_ms, sync=config.sync_settings())
         self.follower: StandbyFollower | None = None
-        #: etcd decides who is primary (--coordinator); None: the pair decides
-        self.coordinated: CoordinatedNode | None = None
-        if config.coordinator:
-            ident = node_id(config.data_dir)
-            self.coordinated = CoordinatedNode(self, config.coordinator, config.node_id or ident,
-                                               config.coordinator_ttl_ms)
-        if config.standby_of or self.coordinated is not None:
+        if config.standby_of or config.coordinator:
             if config.standby_of:
                 self.node_state.set_standby_of(primary_address)
             ident = node_id(config.data_dir)
@@ -166,6 +160,10 @@ class LockServer:
                                                                           config.max_leases))
         self.failover = FailoverPolicy(self, self.source, self.follower,
                                        promotion_grace_ms=config.promotion_grace_ms, tasks=self.tasks)
+        if config.coordinator:  # etcd decides who is primary; otherwise the pair does
+            self.failover.coordinated = CoordinatedNode(self, config.coordinator,
+                                                        config.node_id or node_id(config.data_dir),
+                                                        config.coordinator_ttl_ms)
         self.limits = ConnectionLimits(config, self)
         self.quotas = PrincipalQuotas(config, self)
         self.handlers = Handlers(self, credentials)
@@ -290,8 +288,8 @@ class LockServer:
             log.info("credentials: %d principals from %s%s%s", len(creds.principals), creds.source,
                      ", shared secret accepted" if creds.shared_secret_hash is not None else "",
                      ", anonymous clients allowed" if creds.anonymous is not None else "")
-        if self.coordinated is not None:
-            self.coordinated.start(f"{host}:{port}")
+        if self.failover.coordinated is not None:
+            self.failover.coordinated.start(f"{host}:{port}")
         elif self.follower is not None:
             self.follower.start()
         self.limits.start()
@@ -329,8 +327,8 @@ class LockServer:
         log.info("shutting down: %d sessions, %d locks held", len(self.limits.sessions), len(self.table))
         self.endpoints.close()
         self.source.close()
-        if self.coordinated is not None:
-            await self.coordinated.close()
+        if self.failover.coordinated is not None:
+            await self.failover.coordinated.close()
         if self.follower is not None:
             self.follower.stop()
         for conn in list(self.limits.sessions.values()):
@@ -591,6 +589,6 @@ class LockServer:
         else:
             st["replication"] = self.source.status()
         st["replication"].setdefault("sync", self.source.sync.status())  # a standby's: its follower's view
-        if self.coordinated is not None:
-            st["coordinator"] = self.coordinated.status()
+        if self.failover.coordinated is not None:
+            st["coordinator"] = self.failover.coordinated.status()
         return st
