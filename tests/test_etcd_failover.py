@@ -17,10 +17,11 @@ import time
 import pytest
 from etcdserver import unique_prefix
 
+from fastlock import protocol as P
 from fastlock._testbase import ServerProcess
 from fastlock._testbase.cluster import RawNode, poll, status_of
 from fastlock._testbase.proxy import TcpProxy
-from fastlock.errors import FastlockError, NotPrimary, Unavailable
+from fastlock.errors import FastlockError, InvalidArgument, NotPrimary, Unavailable
 
 pytest.importorskip("httpx")
 
@@ -135,6 +136,14 @@ async def test_sigkill_of_the_primary(group):
     # a client at the standby is redirected to the new primary
     err = await refuses(group.nodes[third].address, "k3")
     assert isinstance(err, NotPrimary) and err.primary == group.nodes[second].address
+    # etcd decides: an operator's promotion is refused, and changes nothing
+    node = await RawNode.open(group.nodes[third].address)
+    try:
+        with pytest.raises(InvalidArgument, match="--coordinator"):
+            await node.request(P.OP_PROMOTE, True)
+    finally:
+        await node.close()
+    assert (await status_of(group.nodes[third].address))["role"] == "standby"
 
 
 async def test_sigstop_of_the_primary(group):

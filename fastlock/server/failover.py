@@ -209,11 +209,14 @@ class FailoverPolicy:
         """Refuse an operator's promotion that cannot start (nothing changes).
 
         Raises:
-            InvalidArgument: already the primary.
+            InvalidArgument: already the primary, or run with ``--coordinator``.
             NotPrimary: promoting or deposed.
             Unavailable: never synchronised with a primary, and not ``force``.
         """
         role = self.host.roles.role
+        if self.coordinated is not None:
+            raise InvalidArgument("this node is run with --coordinator: etcd decides which node is primary (stop "
+                                  "the primary, or let its lease run out, to move the role)")
         if role is Role.PRIMARY:
             raise InvalidArgument("this node is already the primary")
         if role is not Role.STANDBY:
