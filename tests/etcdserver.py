@@ -26,15 +26,13 @@ import http.client
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
-import threading
 import time
 import uuid
-from collections import deque
 
 import pytest
+from throwaway import ProcessOutput, free_port
 
 __all__ = ["EtcdServer", "EtcdUnavailable", "find_etcd", "require_etcd", "unique_prefix"]
 
@@ -69,12 +67,6 @@ def unique_prefix() -> str:
     return f"/fastlock-test-{uuid.uuid4().hex[:12]}"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class EtcdServer:
     """One throwaway etcd member.
 
@@ -93,7 +85,7 @@ class EtcdServer:
         self.base: str | None = None
         self.proc: subprocess.Popen | None = None
         self.paused = False
-        self._log: deque[str] = deque(maxlen=200)
+        self._output = ProcessOutput()
 
     @property
     def url(self) -> str:
@@ -108,12 +100,7 @@ class EtcdServer:
         return None if self.proc is None else self.proc.pid
 
     def log_tail(self, n: int = 30) -> str:
-        return "\n".join(list(self._log)[-n:])
-
-    def _reader(self, stream) -> None:
-        for raw in iter(stream.readline, b""):
-            self._log.append(raw.decode("utf-8", "replace").rstrip())
-        stream.close()
+        return self._output.tail(n)
 
     def healthy(self, timeout: float = 1.0) -> bool:
         """Does the gateway answer a range request now?"""
@@ -135,7 +122,7 @@ class EtcdServer:
         self.base = tempfile.mkdtemp(prefix="fastlock-etcd-")
         try:
             for _ in range(3):  # a free port can be taken between probe and bind: retry on new ones
-                self.port, self.peer_port = _free_port(), _free_port()
+                self.port, self.peer_port = free_port(), free_port()
                 if self._launch():
                     return self
             raise RuntimeError(f"etcd did not start:\n{self.log_tail()}")
@@ -146,7 +133,6 @@ class EtcdServer:
     def _launch(self) -> bool:
         assert self.base is not None
         peer = f"http://127.0.0.1:{self.peer_port}"
-        self._log.clear()
         self.proc = subprocess.Popen(
             [self.binary, "--name", "t", "--data-dir", os.path.join(self.base, "data"),
              "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
@@ -157,7 +143,7 @@ class EtcdServer:
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        threading.Thread(target=self._reader, args=(self.proc.stdout,), daemon=True).start()
+        self._output.follow(self.proc.stdout)
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -57,6 +57,14 @@ def arbiter(address: str, prefix: str, node: str, position=lambda: 0, min_epoch=
     return arb, events
 
 
+async def primary_and_standby(a: EtcdArbiter, b: EtcdArbiter) -> None:
+    """Start ``a``, wait until it holds the key, then start ``b`` and wait until it sees ``a``."""
+    a.start()
+    await wait_until(lambda: a.holding, 5, "a to take the key")
+    b.start()
+    await wait_until(lambda: b.primary is not None and b.primary.node == a.node, 5, "b to see a")
+
+
 def test_parse_coordinator():
     url = parse_coordinator("etcd://10.0.0.1:2379,10.0.0.2/fastlock/prod/")
     assert url.endpoints == (("10.0.0.1", 2379), ("10.0.0.2", 2379))
@@ -101,10 +109,7 @@ async def test_dead_primary_replaced_within_ttl(etcd):
     a, ea = arbiter(etcd.address, prefix, "a")
     b, eb = arbiter(etcd.address, prefix, "b")
     try:
-        a.start()
-        await wait_until(lambda: a.holding, 5, "a to take the key")
-        b.start()
-        await wait_until(lambda: b.primary is not None and b.primary.node == "a", 5, "b to see a")
+        await primary_and_standby(a, b)
         # a dies: it renews no more (no revoke)
         a._task.cancel()
         died = monotonic_ms()
@@ -168,10 +173,7 @@ async def test_partitioned_primary_stops_granting_before_another_takes_over(etcd
         a, ea = arbiter(proxy.address, prefix, "a")
         b, eb = arbiter(etcd.address, prefix, "b")
         try:
-            a.start()
-            await wait_until(lambda: a.holding, 5, "a to take the key")
-            b.start()
-            await wait_until(lambda: b.primary is not None, 5, "b to see a")
+            await primary_and_standby(a, b)
             proxy.blackhole()
             await wait_until(lambda: b.holding, 5, "b to take the key")
             fenced_at, elected_at = ea.first("fenced"), eb.first("elected")
@@ -191,10 +193,7 @@ async def test_etcd_restart_keeps_the_primary(etcd):
     a, ea = arbiter(etcd.address, prefix, "a")
     b, eb = arbiter(etcd.address, prefix, "b")
     try:
-        a.start()
-        await wait_until(lambda: a.holding, 5, "a to take the key")
-        b.start()
-        await wait_until(lambda: b.primary is not None, 5, "b to see a")
+        await primary_and_standby(a, b)
         epoch = a.epoch
         await asyncio.get_running_loop().run_in_executor(None, etcd.restart)
         # etcd keeps leases across a restart (and renews them): a keeps the key, nobody else bids
