@@ -144,6 +144,11 @@ async def test_sigkill_of_the_primary(group):
     finally:
         await node.close()
     assert (await status_of(group.nodes[third].address))["role"] == "standby"
+    # the old primary, restarted, rejoins as a standby of the new one
+    group.nodes[first] = group.cluster.restart(group.nodes[first])
+    await group.followers_of(second, [first, third])
+    st3 = await status_of(group.nodes[first].address)
+    assert st3["epoch"] == st2["epoch"] and not st3["coordinator"]["holding"]
 
 
 async def test_sigstop_of_the_primary(group):
