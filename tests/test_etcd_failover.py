@@ -166,10 +166,13 @@ async def test_sigstop_of_the_primary(group):
         old.resume()
     # at once after the resume, before it may have heard from etcd: no grant
     await refuses(old.address, "fresh")
-    await poll(lambda: status_of(old.address), lambda s: s["role"] == "deposed", timeout=5,
+    await poll(lambda: status_of(old.address), lambda s: s["role"] in ("deposed", "standby"), timeout=5,
                what="the old primary to step down")
+    assert any("stepping down" in line for line in old.lines)
     await refuses(old.address, "fresh")
     assert await grant(group.nodes[second].address, "k2") > before
+    # it rejoins as a standby of the new primary, without a restart
+    await group.followers_of(second, [n for n in names if n != second])
 
 
 async def test_primary_cut_off_from_etcd_stops_granting_first(group, etcd):
@@ -187,9 +190,11 @@ async def test_primary_cut_off_from_etcd_stops_granting_first(group, etcd):
         assert any("lease not renewed in time" in line for line in old.lines[mark:])
         await refuses(old.address, "fresh")
         proxy.heal()
-        await poll(lambda: status_of(old.address), lambda s: s["role"] == "deposed", timeout=5,
+        await poll(lambda: status_of(old.address), lambda s: s["role"] in ("deposed", "standby"), timeout=5,
                    what="the old primary to step down")
+        assert any("stepping down" in line for line in old.lines)
         assert await grant(group.nodes[second].address, "k2") > before
+        await group.followers_of(second, [n for n in ("a", "b", "c") if n != second])
 
 
 async def test_etcd_restart_keeps_the_primary(group, etcd):

@@ -387,6 +387,10 @@ class EtcdArbiter:
         self.holding = False
         await self.gateway.close()
 
+    def rejoined(self) -> None:
+        """The node that lost the key follows the new primary as a standby: it may bid again."""
+        self.stepped_down = False
+
     def poke(self) -> None:
         """Run the next step now instead of at the next quarter TTL."""
         self._wake.set()

@@ -16,8 +16,9 @@ through its role (:mod:`fastlock.roles`) and the failover policy
   (it grants, extends and releases nothing), and unfenced when a renewal
   succeeds and the key is still its own;
 * a primary that loses the key steps down at once (``deposed.json``, as a
-  pair's primary does); restarted, it rejoins as a standby of whichever node
-  etcd names.
+  pair's primary does), and once etcd names another primary it rejoins as
+  that primary's standby (``DEPOSED`` -> ``STANDBY``): the primary's snapshot
+  replaces its table.
 
 Any number of standbys attach to the primary (none is paired: the etcd lease
 is the fence), and none promotes itself on silence: etcd decides.
@@ -100,7 +101,13 @@ class CoordinatedNode:
         roles = server.roles
         roles.primary_address = primary.address
         follower = server.follower
-        if roles.role is not Role.STANDBY or follower is None:
+        if follower is None:
+            return
+        if roles.role is Role.DEPOSED and self.arbiter is not None:
+            # it lost the key: follow the new primary; its table is replaced by the primary's snapshot
+            roles.transition(Role.STANDBY, f"etcd names node {primary.node!r} primary at epoch {primary.epoch}")
+            self.arbiter.rejoined()
+        if roles.role is not Role.STANDBY:
             return
         target = parse_address(primary.address, default_port=None)
         if follower.link.primary == target and not follower.stopped:
