@@ -10,6 +10,8 @@ the key.  Skipped without the etcd binary unless FASTLOCK_REQUIRE_ETCD=1.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import pytest
@@ -247,3 +249,32 @@ async def test_garbage_in_etcd_is_not_trusted(etcd):
     finally:
         await a.close()
         await gw.close()
+
+
+async def test_an_oversized_answer_is_refused(etcd, monkeypatch):
+    from fastlock.coordination import etcd as module
+    from fastlock.coordination.etcd import EtcdUnavailable
+
+    prefix = unique_prefix()
+    gw = EtcdGateway([("127.0.0.1", etcd.port)])
+    try:
+        await gw.put(prefix + "/big", b"x" * 20_000)
+        monkeypatch.setattr(module, "MAX_RESPONSE_BYTES", 10_000)
+        with pytest.raises(EtcdUnavailable, match="longer than 10000 bytes"):
+            await gw.get(prefix + "/big")
+    finally:
+        await gw.close()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--coordinator", "etcd://127.0.0.1:2379"], "needs at least one HOST:PORT and a key prefix"),
+    (["--coordinator", "etcd://127.0.0.1:2379/p", "--standby-of", "127.0.0.1:1"], "exclude each other"),
+    (["--coordinator", "etcd://127.0.0.1:2379/p", "--replication", "sync"], "not supported with --coordinator"),
+    (["--node-id", "n1"], "only applies with --coordinator"),
+])
+def test_serve_refuses_coordinator_flags_that_cannot_work(tmp_path, flags, message):
+    argv = [sys.executable, "-m", "fastlock", "serve", "--data-dir", str(tmp_path / "d"),
+            "--standby-token-file", str(tmp_path / "t"), *flags]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert not (tmp_path / "d").exists()

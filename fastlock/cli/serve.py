@@ -211,6 +211,13 @@ def check_args(args: argparse.Namespace) -> None:
                              f"client certificates)")
     if args.tls_cert and args.tls_handshake_timeout <= 0:
         args.subparser.error("--tls-handshake-timeout must be > 0 seconds")
+    if args.coordinator:
+        from ..coordination import parse_coordinator  # (no httpx needed to check the URL)
+
+        try:
+            parse_coordinator(args.coordinator)
+        except ValueError as exc:
+            args.subparser.error(str(exc))
     if args.coordinator and args.standby_of is not None:
         args.subparser.error("--coordinator and --standby-of exclude each other: etcd names the primary to follow")
     if args.coordinator and args.replication == "sync":

@@ -58,6 +58,8 @@ from ..units import monotonic_ms, parse_address
 
 log = logging.getLogger("fastlock.coordination")
 
+#: the largest answer read from etcd (bytes): a member list at its limits fits several times
+MAX_RESPONSE_BYTES = 16 << 20
 #: the longest value this module accepts from etcd for one of its keys (bytes)
 MAX_VALUE_BYTES = 4096
 #: the most member keys read when choosing the most caught-up standby
@@ -164,18 +166,28 @@ class EtcdGateway:
             host, port = self.endpoints[index]
             url = f"http://{host}:{port}/v3/{path}"
             try:
-                response = await self._client.post(url, json=body)
-                data = response.json()
+                status, data = await self._post(url, body)
             except (self._httpx.HTTPError, ValueError) as exc:
                 errors.append(f"{host}:{port}: {exc.__class__.__name__}: {exc}")
                 continue
             self._current = index
             if type(data) is not dict:
                 raise EtcdUnavailable(f"etcd {host}:{port} answered {path} with a {type(data).__name__}")
-            if "error" in data and response.status_code != 200:
+            if "error" in data and status != 200:
                 raise EtcdUnavailable(f"etcd {host}:{port}: {path}: {str(data.get('message'))[:200]}")
             return data
         raise EtcdUnavailable("no etcd endpoint answered: " + "; ".join(errors))
+
+    async def _post(self, url: str, body: dict) -> tuple[int, Any]:
+        """``(status, decoded JSON)``; ValueError: not JSON, or longer than :data:`MAX_RESPONSE_BYTES`."""
+        async with self._client.stream("POST", url, json=body) as response:
+            chunks, size = [], 0
+            async for chunk in response.aiter_bytes():
+                size += len(chunk)
+                if size > MAX_RESPONSE_BYTES:
+                    raise ValueError(f"answer longer than {MAX_RESPONSE_BYTES} bytes")
+                chunks.append(chunk)
+            return response.status_code, json.loads(b"".join(chunks))
 
     async def get(self, key: str) -> KeyValue | None:
         data = await self.call("kv/range", {"key": _b64(key)})
