@@ -59,6 +59,12 @@ def arbiter(address: str, prefix: str, node: str, position=lambda: 0, min_epoch=
     return arb, events
 
 
+def pair(a_address: str, b_address: str) -> tuple[EtcdArbiter, Events, EtcdArbiter, Events]:
+    """Nodes "a" and "b" on a fresh prefix, reaching etcd at the addresses given."""
+    prefix = unique_prefix()
+    return (*arbiter(a_address, prefix, "a"), *arbiter(b_address, prefix, "b"))
+
+
 async def primary_and_standby(a: EtcdArbiter, b: EtcdArbiter) -> None:
     """Start ``a``, wait until it holds the key, then start ``b`` and wait until it sees ``a``."""
     a.start()
@@ -107,9 +113,7 @@ async def test_racing_nodes_one_wins_and_epochs_grow(etcd):
 
 
 async def test_dead_primary_replaced_within_ttl(etcd):
-    prefix = unique_prefix()
-    a, ea = arbiter(etcd.address, prefix, "a")
-    b, eb = arbiter(etcd.address, prefix, "b")
+    a, ea, b, eb = pair(etcd.address, etcd.address)
     try:
         await primary_and_standby(a, b)
         # a dies: it renews no more (no revoke)
@@ -170,10 +174,8 @@ async def test_behind_standby_takes_over_after_its_delay(etcd):
 
 
 async def test_partitioned_primary_stops_granting_before_another_takes_over(etcd):
-    prefix = unique_prefix()
     with TcpProxy(etcd.address) as proxy:
-        a, ea = arbiter(proxy.address, prefix, "a")
-        b, eb = arbiter(etcd.address, prefix, "b")
+        a, ea, b, eb = pair(proxy.address, etcd.address)
         try:
             await primary_and_standby(a, b)
             proxy.blackhole()
@@ -191,9 +193,7 @@ async def test_partitioned_primary_stops_granting_before_another_takes_over(etcd
 
 
 async def test_etcd_restart_keeps_the_primary(etcd):
-    prefix = unique_prefix()
-    a, ea = arbiter(etcd.address, prefix, "a")
-    b, eb = arbiter(etcd.address, prefix, "b")
+    a, ea, b, eb = pair(etcd.address, etcd.address)
     try:
         await primary_and_standby(a, b)
         epoch = a.epoch
