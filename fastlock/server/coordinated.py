@@ -70,7 +70,14 @@ class CoordinatedNode:
         log.info("coordinator %s: node %r at %s", self.url, self.node, address)
 
     def position(self) -> int:
-        return int(self.server.wal.stats()["last_lsn"])
+        """How far this node is in the current primary's log: a standby's applied LSN (the
+        primary's numbering: comparable between the standbys of one primary), 0 for a standby
+        that has not synced since it started, and the last LSN of a primary's own log."""
+        server = self.server
+        if server.roles.role is Role.PRIMARY:
+            return int(server.wal.stats()["last_lsn"])
+        follower = server.follower
+        return follower.applied_lsn if follower is not None and follower.synced else 0
 
     def candidate(self) -> bool:
         return self.server.roles.role is Role.STANDBY
