@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 
 import pytest
 from etcdserver import unique_prefix
 
+import fastlock
 from fastlock import protocol as P
-from fastlock._testbase import ServerProcess
+from fastlock._testbase import HistoryChecker, ServerProcess
 from fastlock._testbase.cluster import RawNode, poll, status_of
 from fastlock._testbase.proxy import TcpProxy
 from fastlock.errors import FastlockError, InvalidArgument, NotPrimary, Unavailable
@@ -213,3 +215,55 @@ def _one_loop(request):
     """These tests start processes: run them on one event loop only."""
     if "uvloop" in request.node.name:
         pytest.skip("process-level etcd tests run on the asyncio loop only")
+
+
+async def test_history_across_a_kill_and_a_freeze(group):
+    """Clients riding through two failovers (SIGKILL, then SIGSTOP of the next primary):
+    never two holders of a lock at once, tokens only grow, and grants resume after each."""
+    names = three(group)
+    first, _ = await group.primary()
+    await group.followers_of(first, [n for n in names if n != first])
+    addresses = [srv.address for srv in group.nodes.values()]
+    history = HistoryChecker()
+    epochs: Counter[int] = Counter()  # grants per epoch
+    stop = asyncio.Event()
+
+    async def grants_in_epochs(n: int, what: str) -> None:
+        """Wait until ``n`` epochs have had at least 10 grants each."""
+        await poll(lambda: asyncio.sleep(0, sum(c >= 10 for c in epochs.values())), lambda k: k >= n,
+                   timeout=10, what=what)
+
+    async def worker(i: int) -> None:
+        async with fastlock.connect(*addresses, request_timeout=2.0) as client:
+            while not stop.is_set():
+                try:
+                    lease = await client.acquire(f"h{i % 3}", ttl=LOCK_TTL_MS / 1000, wait=5.0)
+                except FastlockError:
+                    continue
+                history.held(lease.name, lease.fencing_token, time.monotonic())
+                epochs[lease.fencing_token >> 40] += 1
+                await asyncio.sleep(0.005)
+                history.released(lease.name, lease.fencing_token, time.monotonic())
+                try:
+                    await client.release(lease)
+                except FastlockError:
+                    pass  # not replicated before the failover: the new primary lets it expire
+
+    workers = [asyncio.ensure_future(worker(i)) for i in range(6)]
+    try:
+        await grants_in_epochs(1, "grants")
+        group.nodes[first].kill()
+        second, _ = await group.primary([n for n in names if n != first])
+        await grants_in_epochs(2, "grants after the kill")
+        group.nodes[second].pause()
+        try:
+            (third,) = [n for n in names if n not in (first, second)]
+            await group.primary([third])
+            await grants_in_epochs(3, "grants after the freeze")
+        finally:
+            group.nodes[second].resume()
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*workers, return_exceptions=True), 20)
+    assert history.check() >= 30
+    assert len(epochs) == 3
