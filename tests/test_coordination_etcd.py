@@ -270,7 +270,8 @@ async def test_an_oversized_answer_is_refused(etcd, monkeypatch):
     (["--coordinator", "etcd://127.0.0.1:2379"], "needs at least one HOST:PORT and a key prefix"),
     (["--coordinator", "etcd://127.0.0.1:2379/p", "--standby-of", "127.0.0.1:1"], "exclude each other"),
     (["--coordinator", "etcd://127.0.0.1:2379/p", "--replication", "sync"], "not supported with --coordinator"),
-    (["--node-id", "n1"], "only applies with --coordinator"),
+    (["--node-id", "n1"], "only apply with --coordinator"),
+    (["--coordinator", "etcd://127.0.0.1:2379/p", "--listen", "0.0.0.0:7420"], "needs --advertise"),
 ])
 def test_serve_refuses_coordinator_flags_that_cannot_work(tmp_path, flags, message):
     argv = [sys.executable, "-m", "fastlock", "serve", "--data-dir", str(tmp_path / "d"),

@@ -468,7 +468,12 @@ class EtcdArbiter:
             self.lease = 0
             if self.holding:
                 self._lose("its etcd lease ran out before it could renew it")
-        self.lease, _ = await self.gateway.grant(self.ttl_ms // 1000)
+        self.lease, granted_s = await self.gateway.grant(self.ttl_ms // 1000)
+        if granted_s * 1000 > self.ttl_ms:
+            # etcd raises a TTL below its minimum (1.5 election timeouts): this node still fences
+            # itself by the TTL it asked for (earlier: safe), but a dead primary's key lives longer
+            log.warning("etcd granted a %d s lease for the %d s asked: a failover takes that long",
+                        granted_s, self.ttl_ms // 1000)
         self._renewed(sent)
 
     def _renewed(self, sent: int) -> None:

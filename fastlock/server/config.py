@@ -117,6 +117,7 @@ class ServerConfig:
     # etcd decides the primary (fastlock.server.coordinated): etcd://HOST:PORT[,HOST:PORT]/PREFIX, None: a pair
     coordinator: str | None = None
     node_id: str | None = None  # this node's id in etcd (None: the data directory's node-id file)
+    advertise: str | None = None  # "host:port" others reach this node at (None: the bound address)
     coordinator_ttl_ms: int = 2000  # the etcd lease TTL (whole seconds)
 
     def __post_init__(self) -> None:

@@ -64,7 +64,7 @@ from ..logsafe import quote
 from ..replication import STATE_FILE, NodeState, ReplicationSource, StandbyFollower, node_id
 from ..roles import Action, NodeRole, Role
 from ..tls import ServerTLS, client_context
-from ..units import monotonic_ms
+from ..units import format_address, monotonic_ms
 from ..wal import DataDirInUse, HolderRecord, WriteAheadLog, secure_directory
 from . import lockdelays
 from .admission import ConnectionLimits, PrincipalQuotas
@@ -289,7 +289,7 @@ class LockServer:
                      ", shared secret accepted" if creds.shared_secret_hash is not None else "",
                      ", anonymous clients allowed" if creds.anonymous is not None else "")
         if self.failover.coordinated is not None:
-            self.failover.coordinated.start(f"{host}:{port}")
+            self.failover.coordinated.start(config.advertise or format_address((host, port)))
         elif self.follower is not None:
             self.follower.start()
         self.limits.start()
