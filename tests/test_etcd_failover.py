@@ -17,13 +17,15 @@ from collections import Counter
 
 import pytest
 from etcdserver import unique_prefix
+from throwaway import free_port
 
 import fastlock
 from fastlock import protocol as P
 from fastlock._testbase import HistoryChecker, ServerProcess
 from fastlock._testbase.cluster import RawNode, poll, status_of
-from fastlock._testbase.proxy import TcpProxy
+from fastlock._testbase.proxy import CLASSIFY_BYTES, TcpProxy, classify_fastlock
 from fastlock.errors import FastlockError, InvalidArgument, NotPrimary, Unavailable
+from fastlock.protocol import FrameDecoder
 
 pytest.importorskip("httpx")
 
@@ -40,12 +42,14 @@ class Group:
         self.prefix = unique_prefix()
         self.nodes: dict[str, ServerProcess] = {}
 
-    def start(self, name: str, etcd_address: str | None = None) -> ServerProcess:
+    def start(self, name: str, etcd_address: str | None = None, *, port: int = 0,
+              advertise: str | None = None) -> ServerProcess:
         url = f"etcd://{etcd_address or self.etcd.address}{self.prefix}"
+        extra = ["--advertise", advertise] if advertise else []
         srv = self.cluster._start(ServerProcess(
-            self.cluster.root / name,
+            self.cluster.root / name, port=port,
             args=["--name", name, *self.cluster.auth_args(name), "--coordinator", url, "--node-id", name,
-                  "--coordinator-ttl", str(TTL_S)]))
+                  "--coordinator-ttl", str(TTL_S), *extra]))
         self.nodes[name] = srv
         return srv
 
@@ -69,8 +73,9 @@ class Group:
             return found[0] if len(found) == 1 else None
         return await poll(ask, timeout=timeout, what="one primary", interval=0.02)
 
-    async def followers_of(self, primary: str, names, timeout: float = 10.0) -> None:
-        address = self.nodes[primary].address
+    async def followers_of(self, primary: str, names, timeout: float = 10.0, address: str | None = None) -> None:
+        """Wait until ``names`` are synced standbys of ``primary`` (reached at ``address``, default its own)."""
+        address = address or self.nodes[primary].address
 
         async def ask():
             sts = await self.roles(names)
@@ -267,3 +272,36 @@ async def test_history_across_a_kill_and_a_freeze(group):
         await asyncio.wait_for(asyncio.gather(*workers, return_exceptions=True), 20)
     assert history.check() >= 30
     assert len(epochs) == 3
+
+
+def by_standby(first_bytes: bytes) -> str:
+    """A proxy label: the ``--name`` of the standby whose replication connection this is."""
+    label = classify_fastlock(first_bytes)
+    if label != "replication":
+        return label
+    (hello,) = FrameDecoder(CLASSIFY_BYTES).feed(first_bytes)[:1]
+    return hello[3].removeprefix("standby:").split("@")[0]
+
+
+async def test_lagging_standby_not_chosen_while_a_caught_up_one_lives(group):
+    port = free_port()
+    # every node reaches the primary "a" through a proxy that can stall one standby's stream
+    with TcpProxy(f"127.0.0.1:{port}", classify=by_standby) as proxy:
+        a = group.start("a", port=port, advertise=proxy.address)
+        await group.primary(["a"])
+        for name in ("b", "c"):
+            group.start(name)
+        await group.followers_of("a", ["b", "c"], address=proxy.address)
+        proxy.blackhole("c")
+        for i in range(5):
+            await grant(a.address, f"k{i}")
+        last = (await status_of(a.address))["wal"]["last_lsn"]
+        await poll(lambda: status_of(group.nodes["b"].address),
+                   lambda st: st["replication"]["applied_lsn"] >= last, timeout=5, what="b to catch up")
+        behind = (await status_of(group.nodes["c"].address))["replication"]["applied_lsn"]
+        assert behind < last
+        mark = len(group.nodes["c"].lines)
+        a.kill()
+        second, _ = await group.primary(["b", "c"])
+        assert second == "b"
+        assert any("ahead of this node" in line for line in group.nodes["c"].lines[mark:])
