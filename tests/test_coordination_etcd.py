@@ -279,3 +279,21 @@ def test_serve_refuses_coordinator_flags_that_cannot_work(tmp_path, flags, messa
     done = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=tmp_path)
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert not (tmp_path / "d").exists()
+
+
+async def test_resign_frees_the_key_at_once(etcd):
+    a, ea, b, eb = pair(etcd.address, etcd.address)
+    try:
+        await a.step()
+        assert a.holding
+        await b.step()
+        assert not b.holding and b.primary.node == "a"
+        await a.resign()  # as after a promotion that failed
+        assert not a.holding and not a.may_grant()
+        await b.step()
+        assert b.holding and b.epoch == a.epoch + 1
+        await a.step()
+        assert not a.holding and a.primary.node == "b" and ea.first("lost") is None
+    finally:
+        await a.close()
+        await b.close()

@@ -399,6 +399,24 @@ class EtcdArbiter:
         self.holding = False
         await self.gateway.close()
 
+    async def resign(self) -> None:
+        """Give the key up (this node could not become the primary after taking it): the
+        lease is revoked, so the key is free at once, and the next step bids again with a
+        new lease.
+
+        Raises:
+            EtcdUnavailable: etcd did not answer; the key then goes when the lease runs out
+                (this node no longer renews it).
+        """
+        lease, self.lease = self.lease, 0
+        self.holding = self.fenced = False
+        if self._fence_timer is not None:
+            self._fence_timer.cancel()
+            self._fence_timer = None
+        log.warning("etcd: giving the primary role up (lease %x revoked)", lease)
+        if lease:
+            await self.gateway.revoke(lease)
+
     def rejoined(self) -> None:
         """The node that lost the key follows the new primary as a standby: it may bid again."""
         self.stepped_down = False
@@ -451,7 +469,7 @@ class EtcdArbiter:
                 log.warning("etcd: no primary")
             else:
                 log.info("etcd: primary is node %r at %s (epoch %d)", record.node, record.address, record.epoch)
-            self.listener.on_primary(record)
+        self.listener.on_primary(record)  # at every step: a node busy promoting may act on it only later
         if record is None:
             await self._maybe_bid()
         else:

@@ -130,9 +130,14 @@ class CoordinatedNode:
         server = self.server
 
         async def promote() -> None:
-            await server.failover.promote(f"etcd named this node primary at epoch {epoch}", automatic=True,
-                                          epoch=epoch)
             arbiter = self.arbiter
+            try:
+                await server.failover.promote(f"etcd named this node primary at epoch {epoch}", automatic=True,
+                                              epoch=epoch)
+            except BaseException:
+                if arbiter is not None and arbiter.holding:
+                    await arbiter.resign()  # a standby again: free the key for another node (or a new bid)
+                raise
             if arbiter is not None and not arbiter.holding:
                 self._step_down("the etcd primary key was lost during the promotion", epoch + 1)
             elif arbiter is not None and not arbiter.may_grant():
