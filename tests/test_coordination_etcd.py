@@ -252,8 +252,8 @@ async def test_garbage_in_etcd_is_not_trusted(etcd):
 
 
 async def test_an_oversized_answer_is_refused(etcd, monkeypatch):
-    from fastlock.coordination import etcd as module
-    from fastlock.coordination.etcd import EtcdUnavailable
+    from fastlock.coordination import gateway as module
+    from fastlock.coordination.gateway import EtcdUnavailable
 
     prefix = unique_prefix()
     gw = EtcdGateway([("127.0.0.1", etcd.port)])
