@@ -122,6 +122,7 @@ class CoordinatedNode:
         follower.stop()
         follower.link.primary = target
         follower.refused = None
+        follower.synced = False  # its position counts in the new primary's log once it has synced there
         follower.start()
         log.warning("following primary %r at %s (epoch %d, named by etcd)", primary.node, primary.address,
                     primary.epoch)
