@@ -306,3 +306,23 @@ async def test_lagging_standby_not_chosen_while_a_caught_up_one_lives(group):
         assert second == "b"
         # c never bid: it either waited for b (ahead of it) or saw b's key first
         assert not any("bid for epoch" in line for line in group.nodes["c"].lines[mark:])
+
+
+async def test_etcd_unavailable_stops_grants_until_it_is_back(group, etcd):
+    names = three(group)
+    first, st = await group.primary()
+    before = await grant(group.nodes[first].address, "k1")
+    etcd.pause()
+    try:
+        # no node can renew: the primary fences itself within the TTL, and nobody else is promoted
+        await poll(lambda: status_of(group.nodes[first].address), lambda s: s["replication"]["fenced"],
+                   timeout=TTL_S + 2, what="the primary to fence itself")
+        err = await refuses(group.nodes[first].address, "fresh")
+        assert isinstance(err, Unavailable)
+        roles = await group.roles()
+        assert [n for n, s in roles.items() if s["role"] == "primary" and not s["replication"]["fenced"]] == []
+    finally:
+        etcd.resume()
+    again, _ = await group.primary()
+    assert await grant(group.nodes[again].address, "k2") > before
+    await group.followers_of(again, [n for n in names if n != again])
