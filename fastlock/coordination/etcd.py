@@ -16,7 +16,7 @@ Keys under the coordinator's ``PREFIX`` (one prefix per fastlock group):
 ``PREFIX/members/NODE``
     ``{"node", "address", "position", "epoch"}`` of each live node (its WAL
     position: the applied LSN of a standby, the last LSN of the primary),
-    attached to the node's lease and rewritten at every renewal.
+    attached to the node's lease, rewritten when it changed (checked at every renewal).
 
 How a node holds the primary role (:class:`EtcdArbiter`): it renews its
 lease every quarter TTL and counts the lease valid until the time it *sent*
@@ -170,8 +170,8 @@ class EtcdArbiter:
         self._free_since: int | None = None
         self._task: asyncio.Task | None = None
         self._fence_timer: asyncio.TimerHandle | None = None
-        self._wake = asyncio.Event()
-        self._closed = False
+        self._wake: asyncio.Event | None = asyncio.Event()  # None once closed
+        self._advertised = b""  # the member value last written under this lease
 
     @property
     def ttl_ms(self) -> int:
@@ -220,9 +220,9 @@ class EtcdArbiter:
 
     async def close(self, *, revoke: bool = True) -> None:
         """Stop; with ``revoke`` give the lease back (the key is free at once for another node)."""
-        if self._closed:
+        if self._wake is None:
             return
-        self._closed = True
+        self._wake = None
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -264,7 +264,8 @@ class EtcdArbiter:
 
     def poke(self) -> None:
         """Run the next step now instead of at the next quarter TTL."""
-        self._wake.set()
+        if self._wake is not None:
+            self._wake.set()
 
     async def _run(self) -> None:
         interval = max(50, self.ttl_ms // 4) / 1000.0
@@ -278,9 +279,12 @@ class EtcdArbiter:
                 self.last_error = str(exc)
             except Exception:
                 log.exception("etcd arbiter step failed")
-            self._wake.clear()
+            wake = self._wake
+            if wake is None:
+                return
+            wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), interval)
+                await asyncio.wait_for(wake.wait(), interval)
             except asyncio.TimeoutError:
                 pass
 
@@ -292,9 +296,11 @@ class EtcdArbiter:
             EtcdUnavailable: etcd did not answer; the fence timer still closes on time.
         """
         await self._renew()
-        await self.gateway.put(self.members_prefix + self.node, json.dumps({
-            "node": self.node, "address": self.address, "position": self.listener.position(),
-            "epoch": self.epoch}).encode(), self.lease)
+        member = json.dumps({"node": self.node, "address": self.address, "position": self.listener.position(),
+                             "epoch": self.epoch, "lease": self.lease}).encode()
+        if member != self._advertised:  # written only when it changed: every write is an etcd revision
+            await self.gateway.put(self.members_prefix + self.node, member, self.lease)
+            self._advertised = member
         kv = await self.gateway.get(self.primary_key)
         record = PrimaryRecord.decode(kv) if kv is not None else None
         if self.holding:
