@@ -14,7 +14,8 @@ A fastlock node is in exactly one :class:`Role` at a time:
 ``DEPOSED``
     A former primary that learned of a newer epoch; refuses every lock
     operation with ``NotPrimary(primary=None)``, for good (it is restarted as a
-    standby of the new primary).
+    standby of the new primary) - or, run with ``--coordinator``, until etcd
+    names the primary it then follows as a standby.
 
 Two conditions qualify a primary:
 
@@ -74,7 +75,9 @@ TRANSITIONS: dict[tuple[Role, Role], str] = {
     (Role.PROMOTING, Role.PRIMARY): "promotion done: the new epoch is durable",
     (Role.PROMOTING, Role.STANDBY): "promotion refused or failed: back to following",
     (Role.PRIMARY, Role.DEPOSED):
-        "stepped down: a newer epoch exists (a standby's STEP_DOWN, or deposed.json at start)",
+        "stepped down: a newer epoch exists (a standby's STEP_DOWN, deposed.json at start, or the "
+        "etcd primary key lost)",
+    (Role.DEPOSED, Role.STANDBY): "rejoining: the coordinator (--coordinator) names the primary to follow",
 }
 
 

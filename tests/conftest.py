@@ -119,3 +119,30 @@ async def wait_until(predicate, timeout: float = 5.0, what: str = "condition"):
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         await asyncio.sleep(delay)
         delay = min(delay * 2, 0.02)
+
+
+@pytest.fixture(scope="session")
+def etcd_server():
+    """One throwaway etcd member for the whole session (tests/etcdserver.py); each test
+    uses its own key prefix.  Skips without the etcd binary unless FASTLOCK_REQUIRE_ETCD=1."""
+    import etcdserver
+
+    try:
+        server = etcdserver.EtcdServer()
+    except etcdserver.EtcdUnavailable as exc:
+        etcdserver.require_etcd(str(exc))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def etcd(etcd_server):
+    """The session's etcd member, running and answering (a test may have paused or killed it)."""
+    if etcd_server.paused:
+        etcd_server.resume()
+    if etcd_server.proc is None:
+        etcd_server.restart()
+    return etcd_server

@@ -28,12 +28,12 @@ import pwd
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
 import time
-from collections import deque
+
+from throwaway import ProcessOutput, free_port
 
 __all__ = ["PostgresServer", "PostgresUnavailable", "find_pg_bin"]
 
@@ -72,12 +72,6 @@ def find_pg_bin() -> str:
     )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_as() -> pwd.struct_passwd | None:
     """The unprivileged user to run PostgreSQL as (None: the current user)."""
     if os.geteuid() != 0:
@@ -111,9 +105,9 @@ class PostgresServer:
         self.port = 0
         self.base: str | None = None
         self.proc: subprocess.Popen | None = None
-        self._log: deque[str] = deque(maxlen=200)
         self._ready = threading.Event()
-        self._exited = threading.Event()
+        self._output = ProcessOutput(on_line=self._on_line)
+        self._exited = self._output.closed
         self._runas = _run_as()
 
     # -- helpers
@@ -146,16 +140,11 @@ class PostgresServer:
         return None if self.proc is None else self.proc.pid
 
     def log_tail(self, n: int = 30) -> str:
-        return "\n".join(list(self._log)[-n:])
+        return self._output.tail(n)
 
-    def _reader(self, stream) -> None:
-        for raw in iter(stream.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip()
-            self._log.append(line)
-            if _READY in line:
-                self._ready.set()
-        stream.close()
-        self._exited.set()
+    def _on_line(self, line: str) -> None:
+        if _READY in line:
+            self._ready.set()
 
     # -- lifecycle
     def start(self) -> PostgresServer:
@@ -191,10 +180,8 @@ class PostgresServer:
             raise
 
     def _launch(self, kw: dict) -> bool:
-        self.port = _free_port()
+        self.port = free_port()
         self._ready.clear()
-        self._exited.clear()
-        self._log.clear()
         self.proc = subprocess.Popen(
             [self._bin("postgres"), "-D", self.data_dir,
              "-c", f"listen_addresses={self.host}", "-c", f"port={self.port}",
@@ -205,7 +192,7 @@ class PostgresServer:
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True, **kw,
         )
-        threading.Thread(target=self._reader, args=(self.proc.stdout,), daemon=True).start()
+        self._output.follow(self.proc.stdout)
         deadline = time.monotonic() + self.start_timeout
         # Wait for either "ready" or the process's output closing (it died).
         while not self._ready.is_set() and not self._exited.is_set():

@@ -9,7 +9,7 @@ from typing import Any
 from ..auth import Credentials, read_token_file
 from ..logformat import LOG_FORMATS, configure
 from ..server import ServerConfig, serve
-from ..units import DEFAULT_PORT
+from ..units import DEFAULT_PORT, format_address
 from .args import (
     count_arg,
     frame_bytes_arg,
@@ -18,6 +18,7 @@ from .args import (
     positive_seconds_arg,
     read_secret,
     seconds_arg,
+    server_address,
 )
 from .config import render
 
@@ -101,6 +102,17 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="with --replication sync, when the standby has not acknowledged in --sync-timeout: fence "
                         "(default: waiting replies fail with Unavailable, no grants until it is back) or degrade "
                         "(acknowledge without it, as async, until it catches up; logged CRITICAL, in metrics)")
+    s.add_argument("--coordinator", metavar="etcd://HOST:PORT[,HOST:PORT]/PREFIX",
+                   help="let etcd decide which node of the group is primary (any number of standbys; needs "
+                        "fastlock[etcd]); every node of the group names the same etcd and prefix")
+    s.add_argument("--node-id", metavar="ID",
+                   help="with --coordinator, this node's id in etcd (default: the data directory's node-id file)")
+    s.add_argument("--advertise", type=server_address, metavar="HOST:PORT",
+                   help="with --coordinator, the address the other nodes and clients reach this node at "
+                        "(default: --listen's, which must then not be a wildcard address)")
+    s.add_argument("--coordinator-ttl", type=positive_seconds_arg, default=2.0, metavar="SECONDS",
+                   help="with --coordinator, the etcd lease TTL (whole seconds, default 2): a dead primary is "
+                        "replaced after about this long; it stops granting a quarter of it earlier")
     s.add_argument("--repair-wal", action="store_true",
                    help="start even if the WAL's last segment has a damaged record in the middle: cut it "
                         "there (records after it are lost; logged at ERROR). Without it the server refuses.")
@@ -203,6 +215,25 @@ def check_args(args: argparse.Namespace) -> None:
                              f"client certificates)")
     if args.tls_cert and args.tls_handshake_timeout <= 0:
         args.subparser.error("--tls-handshake-timeout must be > 0 seconds")
+    if args.coordinator:
+        from ..coordination import parse_coordinator  # (no httpx needed to check the URL)
+
+        try:
+            parse_coordinator(args.coordinator)
+        except ValueError as exc:
+            args.subparser.error(str(exc))
+    if args.coordinator and args.standby_of is not None:
+        args.subparser.error("--coordinator and --standby-of exclude each other: etcd names the primary to follow")
+    if args.coordinator and args.replication == "sync":
+        args.subparser.error("--replication sync is not supported with --coordinator (it waits for one standby)")
+    if args.coordinator and args.standby_token_file is None and not args.tls_cert:
+        args.subparser.error("--coordinator needs --standby-token-file (or a --tls-cert that the credentials map "
+                             "to a replica principal): each node follows the primary as a replica principal")
+    if (args.node_id is not None or args.advertise is not None) and not args.coordinator:
+        args.subparser.error("--node-id and --advertise only apply with --coordinator")
+    if args.coordinator and args.advertise is None and args.listen[0] in ("0.0.0.0", "::", ""):
+        args.subparser.error(f"--coordinator with --listen {args.listen[0]} needs --advertise HOST:PORT: etcd "
+                             f"tells the other nodes where this one is, and a wildcard address reaches nothing")
     if args.failover_after and args.standby_of is None:
         args.subparser.error("--failover-after only applies to a standby (it needs --standby-of): a primary "
                              "learns its standby's failover window from the standby itself")
@@ -250,6 +281,10 @@ def serve_command(args: argparse.Namespace) -> int:
         sync_ack=args.sync_ack,
         sync_timeout_ms=max(1, round(args.sync_timeout * 1000)),
         sync_on_timeout=args.sync_on_timeout,
+        coordinator=args.coordinator,
+        node_id=args.node_id,
+        advertise=None if args.advertise is None else format_address(args.advertise),
+        coordinator_ttl_ms=max(1000, -(-round(args.coordinator_ttl * 1000) // 1000) * 1000),
         metrics=args.metrics,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,

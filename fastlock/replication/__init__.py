@@ -97,6 +97,11 @@ steps down refuses every lock operation from then on, records it in
 it back as a primary, and closes its client connections so that their waiters
 and renewals look for the new primary at once.
 
+With ``--coordinator`` (:mod:`fastlock.coordination`, :mod:`fastlock.server.coordinated`)
+etcd decides instead: the primary's etcd lease is its fence (the source is
+*coordinated*: any number of standbys attach, none is paired, their echoes
+fence nothing), and standbys never promote on silence.
+
 Pairing and promotion rules (each one closes a split brain found by testing):
 
 * only an authenticated replica principal may attach, acknowledge or announce

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
@@ -71,6 +72,11 @@ class ReplicationSource:
     stops granting (default: a quarter of the standby's failover window).
     ``sync``: synchronous replication's settings (None: asynchronous), see
     :mod:`fastlock.replication.syncrep`; its gate is :attr:`sync`.
+
+    *Coordinated* (:meth:`coordinate`, a node run with ``--coordinator``): an
+    external arbiter decides who is primary and fences it, so any number of
+    standbys may attach, none is paired, and the standbys' echoes never fence
+    or unfence this primary; :meth:`fence_if_due` asks the arbiter instead.
     """
 
     def __init__(self, host: ReplicationHost, *, fence_margin_ms: int | None = None,
@@ -91,6 +97,17 @@ class ReplicationSource:
         self._takeover_timer: asyncio.TimerHandle | None = None  # fenced: when the standby may promote
         self._fence_timer_at = 0
         self._listening = False
+        #: the arbiter's fence check (coordinated mode), called with the monotonic ms; None: the pair's own
+        self._external_fence: Callable[[int], None] | None = None
+
+    def coordinate(self, fence_if_due: Callable[[int], None]) -> None:
+        """Hand fencing to an external arbiter (see the class docstring); ``fence_if_due(now_ms)``
+        fences this primary if the arbiter's deadline has passed."""
+        self._external_fence = fence_if_due
+
+    @property
+    def coordinated(self) -> bool:
+        return self._external_fence is not None
 
     # -- pairing ---------------------------------------------------------------------------
     def load_pairing(self) -> None:
@@ -142,13 +159,16 @@ class ReplicationSource:
         if not name:
             raise InvalidArgument("a standby must name itself (its node id)")
         ident = standby_identity(name)
-        if self.paired_id is not None and ident != standby_identity(self.paired_id):
+        coordinated = self.coordinated
+        if not coordinated and self.paired_id is not None and ident != standby_identity(self.paired_id):
             raise Unavailable(
                 f"this primary is paired with standby {self.paired_id!r}; fastlock supports one standby. "
                 f"Run `fastlock serve-alone` on the primary to unpair it first")
         now = monotonic_ms()
         for other in list(self.replicas.values()):
             if other.ident != ident:
+                if coordinated:
+                    continue  # any number of standbys
                 raise Unavailable(f"standby {other.name!r} is attached; fastlock supports one standby")
             alive_ms = 4 * heartbeat_interval_ms(other.failover_after_ms)
             if other.last_ack_ms and now - other.last_ack_ms < alive_ms and not other.conn.closed:
@@ -330,7 +350,7 @@ class ReplicationSource:
             replica.contact_ms = echoed_ms
             if echoed_ms > self._contact_ms:
                 self._contact_ms = echoed_ms
-            if (self.paired_id is None or self._paired_window_ms != replica.failover_after_ms
+            if not self.coordinated and (self.paired_id is None or self._paired_window_ms != replica.failover_after_ms
                     or self.paired_id != replica.name):
                 # a standby that echoed our heartbeat is real: pair with it (persisted)
                 self._pair(replica)
@@ -350,7 +370,7 @@ class ReplicationSource:
     @property
     def fencing(self) -> bool:
         """Is a standby with a failover window paired (so the fence applies)?"""
-        return self._paired_window_ms != 0 and not self.serving_alone
+        return self.coordinated or (self._paired_window_ms != 0 and not self.serving_alone)
 
     def fence_if_due(self, now: int) -> None:
         """Fence now if the deadline has passed; never unfences (acks and timers do that).
@@ -361,7 +381,9 @@ class ReplicationSource:
         fence timer can grant past the deadline.  It only raises the table's
         hold, which produces no events, so it is safe anywhere.
         """
-        if self.fencing and not self.host.roles.fenced and now >= self._fence_deadline():
+        if self._external_fence is not None:
+            self._external_fence(now)
+        elif self.fencing and not self.host.roles.fenced and now >= self._fence_deadline():
             self._fence(now)
 
     def _margin(self) -> int:
@@ -373,6 +395,8 @@ class ReplicationSource:
     def _check_fence(self, now: int) -> bool:
         """Fence or unfence by the contact deadline; True if the primary may act at ``now``."""
         fenced = self.host.roles.fenced
+        if self.coordinated:
+            return not fenced  # the arbiter fences and unfences
         window = self._paired_window_ms
         if window == 0 or self.serving_alone:
             if fenced:

@@ -114,6 +114,11 @@ class ServerConfig:
     sync_ack: SyncAck = SyncAck.FSYNCED  # where the standby has a record when it acknowledges it
     sync_timeout_ms: int = 2000  # the oldest reply waits this long for the standby, then sync_on_timeout
     sync_on_timeout: SyncOnTimeout = SyncOnTimeout.FENCE  # "fence" (hold grants) or "degrade" (to async)
+    # etcd decides the primary (fastlock.server.coordinated): etcd://HOST:PORT[,HOST:PORT]/PREFIX, None: a pair
+    coordinator: str | None = None
+    node_id: str | None = None  # this node's id in etcd (None: the data directory's node-id file)
+    advertise: str | None = None  # "host:port" others reach this node at (None: the bound address)
+    coordinator_ttl_ms: int = 2000  # the etcd lease TTL (whole seconds)
 
     def __post_init__(self) -> None:
         self.fsync = _member(FsyncMode, self.fsync, "fsync")

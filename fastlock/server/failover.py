@@ -50,6 +50,7 @@ from .tasks import BackgroundTasks
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..replication.host import ReplicationHost
+    from .coordinated import CoordinatedNode
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,8 @@ class FailoverPolicy:
         self.tasks = tasks if tasks is not None else BackgroundTasks()
         self.clock = clock
         self._auto: asyncio.Task | None = None
+        #: etcd decides who is primary (``--coordinator``); None: the pair decides
+        self.coordinated: CoordinatedNode | None = None
         self._auto_retry_at_ms = 0
 
     # -- start ---------------------------------------------------------------------------------
@@ -206,11 +209,14 @@ class FailoverPolicy:
         """Refuse an operator's promotion that cannot start (nothing changes).
 
         Raises:
-            InvalidArgument: already the primary.
+            InvalidArgument: already the primary, or run with ``--coordinator``.
             NotPrimary: promoting or deposed.
             Unavailable: never synchronised with a primary, and not ``force``.
         """
         role = self.host.roles.role
+        if self.coordinated is not None:
+            raise InvalidArgument("this node is run with --coordinator: etcd decides which node is primary (stop "
+                                  "the primary, or let its lease run out, to move the role)")
         if role is Role.PRIMARY:
             raise InvalidArgument("this node is already the primary")
         if role is not Role.STANDBY:
@@ -253,8 +259,12 @@ class FailoverPolicy:
         self._auto = self.tasks.spawn(run(), "automatic promotion")
         return self._auto
 
-    async def promote(self, reason: str, *, force: bool = False, automatic: bool = False) -> dict:
+    async def promote(self, reason: str, *, force: bool = False, automatic: bool = False,
+                      epoch: int | None = None) -> dict:
         """Turn this standby into the primary (see the module docstring).
+
+        ``epoch``: the epoch an arbiter handed out (``--coordinator``); it must
+        be above every epoch this node has seen, else the promotion is refused.
 
         Returns ``{"epoch", "grace_ms", "leases", "primary_confirmed"}``.
 
@@ -269,8 +279,12 @@ class FailoverPolicy:
             raise NotPrimary(f"this node is {roles.role.value}", None)
         follower = self._standby_follower()
         deposed = read_deposed(host.data_dir) or {}
-        epoch = max(host.table.epoch, follower.primary_epoch, host.node_state.max_epoch_seen,
+        least = max(host.table.epoch, follower.primary_epoch, host.node_state.max_epoch_seen,
                     int(deposed.get("epoch", 0))) + 1
+        if epoch is not None and epoch < least:
+            raise Unavailable(f"cannot promote at epoch {epoch} from the coordinator: this node has seen "
+                              f"epoch {least - 1} already")
+        epoch = least if epoch is None else epoch
         if epoch > P.MAX_EPOCH:
             raise Unavailable(f"cannot promote: epoch {epoch} would exceed {P.MAX_EPOCH} (tokens must stay "
                               f"below 2**63)")
@@ -369,5 +383,7 @@ class FailoverPolicy:
         """
         if self.host.roles.role is not Role.PRIMARY:
             raise NotPrimary(f"this node is {self.host.roles.role.value}", self.host.roles.primary_address)
+        if self.source.coordinated:
+            raise InvalidArgument("this node is run with --coordinator: the coordinator decides, not serve-alone")
         return self.source.serve_alone()
 

@@ -64,11 +64,12 @@ from ..logsafe import quote
 from ..replication import STATE_FILE, NodeState, ReplicationSource, StandbyFollower, node_id
 from ..roles import Action, NodeRole, Role
 from ..tls import ServerTLS, client_context
-from ..units import monotonic_ms
+from ..units import format_address, monotonic_ms
 from ..wal import DataDirInUse, HolderRecord, WriteAheadLog, secure_directory
 from . import lockdelays
 from .admission import ConnectionLimits, PrincipalQuotas
 from .config import ServerConfig, check_limits
+from .coordinated import CoordinatedNode
 from .endpoints import Endpoints
 from .failover import FailoverPolicy
 from .handlers import Handlers, refusal
@@ -130,7 +131,7 @@ class LockServer:
         )
         primary_address = f"{config.standby_of[0]}:{config.standby_of[1]}" if config.standby_of else None
         #: the node's role, fence and grace: every "may this node ... now?" is asked here
-        self.roles = NodeRole(Role.STANDBY if config.standby_of else Role.PRIMARY,
+        self.roles = NodeRole(Role.STANDBY if config.standby_of or config.coordinator else Role.PRIMARY,
                               hold_grants_until=self.table.hold_grants_until, now_ms=monotonic_ms,
                               primary_address=primary_address)
         credentials = config.credentials if config.credentials is not None else Credentials.open_mode()
@@ -145,10 +146,12 @@ class LockServer:
         # source.sync: synchronous replication, grant and extend replies wait for the standby (async: a no-op)
         self.source = ReplicationSource(self, fence_margin_ms=config.fence_margin_ms, sync=config.sync_settings())
         self.follower: StandbyFollower | None = None
-        if config.standby_of:
-            self.node_state.set_standby_of(primary_address)
+        if config.standby_of or config.coordinator:
+            if config.standby_of:
+                self.node_state.set_standby_of(primary_address)
             ident = node_id(config.data_dir)
-            self.follower = StandbyFollower(self, config.standby_of, config.failover_after_ms,
+            # coordinated: follows nobody until etcd names a primary (CoordinatedNode.on_primary)
+            self.follower = StandbyFollower(self, config.standby_of or ("127.0.0.1", 0), config.failover_after_ms,
                                             token=config.standby_token,
                                             name=f"{config.name}@{ident}" if config.name else ident,
                                             on_primary_silent=lambda: self.failover.on_primary_silent(),
@@ -157,6 +160,10 @@ class LockServer:
                                                                           config.max_leases))
         self.failover = FailoverPolicy(self, self.source, self.follower,
                                        promotion_grace_ms=config.promotion_grace_ms, tasks=self.tasks)
+        if config.coordinator:  # etcd decides who is primary; otherwise the pair does
+            self.failover.coordinated = CoordinatedNode(self, config.coordinator,
+                                                        config.node_id or node_id(config.data_dir),
+                                                        config.coordinator_ttl_ms)
         self.limits = ConnectionLimits(config, self)
         self.quotas = PrincipalQuotas(config, self)
         self.handlers = Handlers(self, credentials)
@@ -281,7 +288,9 @@ class LockServer:
             log.info("credentials: %d principals from %s%s%s", len(creds.principals), creds.source,
                      ", shared secret accepted" if creds.shared_secret_hash is not None else "",
                      ", anonymous clients allowed" if creds.anonymous is not None else "")
-        if self.follower is not None:
+        if self.failover.coordinated is not None:
+            self.failover.coordinated.start(config.advertise or format_address((host, port)))
+        elif self.follower is not None:
             self.follower.start()
         self.limits.start()
 
@@ -318,6 +327,8 @@ class LockServer:
         log.info("shutting down: %d sessions, %d locks held", len(self.limits.sessions), len(self.table))
         self.endpoints.close()
         self.source.close()
+        if self.failover.coordinated is not None:
+            await self.failover.coordinated.close()
         if self.follower is not None:
             self.follower.stop()
         for conn in list(self.limits.sessions.values()):
@@ -578,4 +589,6 @@ class LockServer:
         else:
             st["replication"] = self.source.status()
         st["replication"].setdefault("sync", self.source.sync.status())  # a standby's: its follower's view
+        if self.failover.coordinated is not None:
+            st["coordinator"] = self.failover.coordinated.status()
         return st

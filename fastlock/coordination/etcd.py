@@ -1,0 +1,453 @@
+"""The etcd arbiter: which node is the primary, held as a key under an etcd lease.
+
+Keys under the coordinator's ``PREFIX`` (one prefix per fastlock group):
+
+``PREFIX/primary``
+    ``{"node", "address", "epoch"}`` (JSON) of the primary, attached to that
+    node's etcd lease: it disappears when the lease runs out (the node died,
+    froze or lost etcd) or is revoked (the node stopped cleanly).
+``PREFIX/epoch``
+    the highest epoch ever taken (decimal).  Taking the primary key raises
+    it in the same transaction, which also checks that it did not change
+    since it was read: two nodes can never take the same epoch, and epochs
+    only grow (fastlock tokens are ``epoch << 40 | counter``).  The new epoch
+    is also above every epoch the node has seen itself (``min_epoch``), so a
+    wiped etcd never hands out an epoch again.
+``PREFIX/members/NODE``
+    ``{"node", "address", "position", "epoch"}`` of each live node (its WAL
+    position: the applied LSN of a standby, the last LSN of the primary),
+    attached to the node's lease, rewritten when it changed (checked at every renewal).
+
+How a node holds the primary role (:class:`EtcdArbiter`): it renews its
+lease every quarter TTL and counts the lease valid until the time it *sent*
+the last successful renewal plus the TTL, minus a self-fencing margin
+(default a quarter of the TTL), all on its own monotonic clock.  etcd counts
+the TTL from when it *received* the renewal, later, so the node's view
+always ends first (as long as the two clocks run at rates that differ by
+less than margin / TTL): the node stops granting (:meth:`EtcdArbiter.may_grant`
+turns False, ``on_fenced(True)``) before etcd can free the key for another
+node.  A renewal that says the lease is gone, or a read of the primary key
+that shows another lease or no key, means the role is lost:
+``on_lost(why)`` at once, and the node stops being a candidate.
+
+How a standby takes the key: when it reads no primary key, it compares its
+position with the other live members'; behind one of them it waits
+``behind_delay_ms`` (so the caught-up one wins if it is alive), then tries
+the transaction ``create_revision(primary) == 0 and mod_revision(epoch) ==
+<read>``; only one of several racing nodes can succeed.
+
+This module speaks etcd's v3 JSON gateway through
+:class:`~fastlock.coordination.gateway.EtcdGateway` (httpx, the optional
+extra ``fastlock[etcd]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..errors import InvalidArgument
+from ..protocol import MAX_EPOCH
+from ..units import monotonic_ms
+from .gateway import EtcdGateway, EtcdUnavailable, KeyValue, b64
+
+log = logging.getLogger("fastlock.coordination")
+
+#: the longest value this module accepts from etcd for one of its keys (bytes)
+MAX_VALUE_BYTES = 4096
+#: the most member keys read when choosing the most caught-up standby
+MAX_MEMBERS = 1000
+#: the longest node id (characters)
+MAX_NODE_ID = 128
+
+
+@dataclass(frozen=True)
+class PrimaryRecord:
+    """The primary as ``PREFIX/primary`` names it."""
+
+    node: str
+    address: str
+    epoch: int
+    lease: int
+
+    @classmethod
+    def decode(cls, kv: KeyValue) -> PrimaryRecord:
+        """Never raises: a value this module did not write names an unknown node."""
+        data = _json_object(kv.value)
+        node, address, epoch = data.get("node"), data.get("address"), data.get("epoch")
+        return cls(node if type(node) is str else "?", address if type(address) is str else "",
+                   epoch if type(epoch) is int and 0 <= epoch <= MAX_EPOCH else 0, kv.lease)
+
+
+def _json_object(value: bytes) -> dict:
+    if len(value) > MAX_VALUE_BYTES:
+        return {}
+    try:
+        data = json.loads(value)
+    except ValueError:
+        return {}
+    return data if type(data) is dict else {}
+
+
+class ArbiterListener(Protocol):
+    """The node as the arbiter sees it: what it asks, and what it tells when its view
+    changes (each called on the event loop)."""
+
+    def position(self) -> int:
+        """This node's WAL position (its applied or last LSN)."""
+
+    def min_epoch(self) -> int:
+        """The highest epoch this node has seen (a new epoch is above it)."""
+
+    def candidate(self) -> bool:
+        """May this node bid for the primary key now (a standby)?"""
+
+    def on_elected(self, epoch: int) -> None:
+        """This node took the primary key at ``epoch``."""
+
+    def on_fenced(self, fenced: bool) -> None:
+        """This primary's lease is past its self-fencing deadline (True), or renewed again (False)."""
+
+    def on_lost(self, why: str) -> None:
+        """This node held the primary key and no longer does: step down at once."""
+
+    def on_primary(self, primary: PrimaryRecord | None) -> None:
+        """Another node (or none) is the primary now."""
+
+
+class EtcdArbiter:
+    """One node's view of, and bid for, the primary key (see the module docstring).
+
+    Args:
+        gateway: the etcd client.
+        prefix: the group's key prefix (``/fastlock``).
+        node: this node's id (at most :data:`MAX_NODE_ID` characters).
+        address: ``host:port`` clients and standbys reach this node at.
+        listener: asked for the node's position, epoch and candidacy; told of
+            elections, fences, losses and other primaries.
+        ttl_ms: the etcd lease TTL (ms; rounded up to whole seconds, at least 1 s).
+        margin_ms: how long before the lease's end (by this node's clock) it
+            stops granting (default: a quarter of the TTL).
+        behind_delay_ms: how long a standby behind another live one waits
+            before it bids (default: half the TTL).
+        clock: monotonic ms.
+
+    Raises:
+        InvalidArgument: a node id that is empty or too long, a TTL or margin out of range.
+    """
+
+    def __init__(self, gateway: EtcdGateway, prefix: str, node: str, address: str, listener: ArbiterListener, *,
+                 ttl_ms: int = 2000, margin_ms: int | None = None, behind_delay_ms: int | None = None,
+                 clock: Callable[[], int] = monotonic_ms):
+        if type(node) is not str or not 0 < len(node) <= MAX_NODE_ID or "/" in node:
+            raise InvalidArgument(f"node id must be 1..{MAX_NODE_ID} characters without '/', not {node!r}")
+        ttl = max(1, -(-ttl_ms // 1000)) * 1000
+        margin = ttl // 4 if margin_ms is None else margin_ms
+        if not 0 <= margin < ttl // 2:
+            raise InvalidArgument(f"coordinator margin must be 0..{ttl // 2 - 1} ms (under half the "
+                                  f"{ttl} ms lease TTL), not {margin}")
+        #: (lease TTL, self-fencing margin, delay of a standby behind another), ms
+        self.timing = (ttl, margin, ttl // 2 if behind_delay_ms is None else behind_delay_ms)
+        self.gateway = gateway
+        self.prefix = prefix.rstrip("/")
+        self.node = node
+        self.address = address
+        self.listener = listener
+        self.clock = clock
+        #: does this node hold the primary key (it may still be fenced: see may_grant)?
+        self.holding = False
+        self.fenced = False
+        self.epoch = 0
+        self.lease = 0
+        self.primary: PrimaryRecord | None = None
+        self.stepped_down = False  # lost the key once: no more bids from this process
+        self.last_error: str | None = None
+        self._renewed_at = 0  # send time (own clock, ms) of the last successful grant or renewal
+        self._free_since: int | None = None
+        self._task: asyncio.Task | None = None
+        self._fence_timer: asyncio.TimerHandle | None = None
+        self._wake: asyncio.Event | None = asyncio.Event()  # None once closed
+        self._advertised = b""  # the member value last written under this lease
+
+    @property
+    def ttl_ms(self) -> int:
+        """The etcd lease TTL (ms, whole seconds)."""
+        return self.timing[0]
+
+    @property
+    def margin_ms(self) -> int:
+        """How long before the lease's end (own clock) this node stops granting (ms)."""
+        return self.timing[1]
+
+    # -- the keys -----------------------------------------------------------------------------
+    @property
+    def primary_key(self) -> str:
+        return f"{self.prefix}/primary"
+
+    @property
+    def epoch_key(self) -> str:
+        return f"{self.prefix}/epoch"
+
+    @property
+    def members_prefix(self) -> str:
+        return f"{self.prefix}/members/"
+
+    # -- the answer ----------------------------------------------------------------------------
+    @property
+    def valid_until_ms(self) -> int:
+        """Until when (own monotonic ms) this node may grant, if it holds the key."""
+        return self._renewed_at + self.ttl_ms - self.margin_ms
+
+    def may_grant(self, now: int | None = None) -> bool:
+        """Does this node hold the key with a lease not yet past its fencing deadline?"""
+        return self.holding and (self.clock() if now is None else now) < self.valid_until_ms
+
+    def fence_if_due(self, now: int) -> None:
+        """Tell the listener the fence closed if the deadline has passed (before a grant
+        is acknowledged, a timer callback may not have run yet after a stall)."""
+        if self.holding and not self.fenced and now >= self.valid_until_ms:
+            self._set_fenced(True)
+
+    # -- life cycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start renewing, watching and bidding (on the running loop)."""
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._run())
+
+    async def close(self, *, revoke: bool = True) -> None:
+        """Stop; with ``revoke`` give the lease back (the key is free at once for another node)."""
+        if self._wake is None:
+            return
+        self._wake = None
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping
+                pass
+        if self._fence_timer is not None:
+            self._fence_timer.cancel()
+        if revoke and self.lease:
+            try:
+                await self.gateway.revoke(self.lease)
+            except EtcdUnavailable as exc:
+                log.warning("could not revoke the etcd lease at stop (it runs out by itself): %s", exc)
+        self.holding = False
+        await self.gateway.close()
+
+    async def resign(self) -> None:
+        """Give the key up (this node could not become the primary after taking it): the
+        lease is revoked, so the key is free at once, and the next step bids again with a
+        new lease.
+
+        Raises:
+            EtcdUnavailable: etcd did not answer; the key then goes when the lease runs out
+                (this node no longer renews it).
+        """
+        lease, self.lease = self.lease, 0
+        self.holding = self.fenced = False
+        if self._fence_timer is not None:
+            self._fence_timer.cancel()
+            self._fence_timer = None
+        log.warning("etcd: giving the primary role up (lease %x revoked)", lease)
+        if lease:
+            await self.gateway.revoke(lease)
+
+    def rejoined(self) -> None:
+        """The node that lost the key follows the new primary as a standby: it may bid again."""
+        self.stepped_down = False
+
+    def poke(self) -> None:
+        """Run the next step now instead of at the next quarter TTL."""
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _run(self) -> None:
+        interval = max(50, self.ttl_ms // 4) / 1000.0
+        while True:
+            try:
+                await self.step()
+                self.last_error = None
+            except EtcdUnavailable as exc:
+                if self.last_error is None:
+                    log.warning("etcd: %s", exc)
+                self.last_error = str(exc)
+            except Exception:
+                log.exception("etcd arbiter step failed")
+            wake = self._wake
+            if wake is None:
+                return
+            wake.clear()
+            try:
+                await asyncio.wait_for(wake.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+
+    # -- one step -----------------------------------------------------------------------------
+    async def step(self) -> None:
+        """Renew (or get) the lease, advertise this member, then check or bid for the key.
+
+        Raises:
+            EtcdUnavailable: etcd did not answer; the fence timer still closes on time.
+        """
+        await self._renew()
+        member = json.dumps({"node": self.node, "address": self.address, "position": self.listener.position(),
+                             "epoch": self.epoch, "lease": self.lease}).encode()
+        if member != self._advertised:  # written only when it changed: every write is an etcd revision
+            await self.gateway.put(self.members_prefix + self.node, member, self.lease)
+            self._advertised = member
+        kv = await self.gateway.get(self.primary_key)
+        record = PrimaryRecord.decode(kv) if kv is not None else None
+        if self.holding:
+            if record is None or record.lease != self.lease:
+                self._lose("the primary key is gone" if record is None
+                           else f"the primary key names node {record.node!r} now")
+            elif self.fenced and self.clock() < self.valid_until_ms:
+                self._set_fenced(False)  # renewed, and the key is still this node's
+            return
+        if record != self.primary:
+            self.primary = record
+            if record is None:
+                log.warning("etcd: no primary")
+            else:
+                log.info("etcd: primary is node %r at %s (epoch %d)", record.node, record.address, record.epoch)
+        self.listener.on_primary(record)  # at every step: a node busy promoting may act on it only later
+        if record is None:
+            await self._maybe_bid()
+        else:
+            self._free_since = None
+
+    async def _renew(self) -> None:
+        sent = self.clock()
+        if self.lease:
+            ttl_s = await self.gateway.keepalive(self.lease)
+            if ttl_s > 0:
+                self._renewed(sent)
+                return
+            log.warning("etcd: lease %x has run out", self.lease)
+            self.lease = 0
+            if self.holding:
+                self._lose("its etcd lease ran out before it could renew it")
+        self.lease, granted_s = await self.gateway.grant(self.ttl_ms // 1000)
+        if granted_s * 1000 > self.ttl_ms:
+            # etcd raises a TTL below its minimum (1.5 election timeouts): this node still fences
+            # itself by the TTL it asked for (earlier: safe), but a dead primary's key lives longer
+            log.warning("etcd granted a %d s lease for the %d s asked: a failover takes that long",
+                        granted_s, self.ttl_ms // 1000)
+        self._renewed(sent)
+
+    def _renewed(self, sent: int) -> None:
+        self._renewed_at = sent
+        if self.holding:
+            self._arm_fence_timer()
+
+    def _arm_fence_timer(self) -> None:
+        if self._fence_timer is not None:
+            self._fence_timer.cancel()
+        delay = max(0, self.valid_until_ms - self.clock())
+        self._fence_timer = asyncio.get_running_loop().call_later(delay / 1000.0, self._on_fence_timer)
+
+    def _on_fence_timer(self) -> None:
+        self._fence_timer = None
+        self.fence_if_due(self.clock())
+
+    def _set_fenced(self, fenced: bool) -> None:
+        self.fenced = fenced
+        if fenced:
+            log.warning("etcd: lease not renewed in time (%d ms TTL, %d ms margin): not granting",
+                        self.ttl_ms, self.margin_ms)
+        else:
+            log.warning("etcd: lease renewed: granting again")
+        self.listener.on_fenced(fenced)
+
+    def _lose(self, why: str) -> None:
+        self.holding = False
+        self.fenced = False
+        self.stepped_down = True
+        if self._fence_timer is not None:
+            self._fence_timer.cancel()
+            self._fence_timer = None
+        log.critical("etcd: lost the primary role: %s", why)
+        self.listener.on_lost(why)
+
+    async def _maybe_bid(self) -> None:
+        if self.stepped_down or not self.listener.candidate():
+            return
+        now = self.clock()
+        if self._free_since is None:
+            self._free_since = now
+        mine = self.listener.position()
+        ahead = []
+        for kv in await self.gateway.get_prefix(self.members_prefix, MAX_MEMBERS):
+            data = _json_object(kv.value)
+            position = data.get("position")
+            if data.get("node") != self.node and type(position) is int and position > mine:
+                ahead.append(f"{data.get('node')!r} at {position}")
+        delay = self.timing[2]
+        if ahead and now - self._free_since < delay:
+            log.info("etcd: no primary, but %s ahead of this node (at %d): waiting %d ms before bidding",
+                     ", ".join(ahead[:3]), mine, delay)
+            return
+        await self.bid()
+
+    async def bid(self) -> bool:
+        """Try to take the free primary key with the next epoch; True if this node took it.
+
+        Raises:
+            EtcdUnavailable: etcd did not answer (whether the bid landed is then
+                learned at the next step, which reads the key).
+        """
+        sent = self._renewed_at
+        kv = await self.gateway.get(self.epoch_key)
+        try:
+            stored = int(kv.value) if kv is not None else 0
+        except ValueError:
+            stored = 0
+        epoch = max(stored, self.listener.min_epoch()) + 1
+        if epoch > MAX_EPOCH:
+            log.critical("etcd: cannot take the primary role: epoch %d would exceed %d", epoch, MAX_EPOCH)
+            return False
+        value = json.dumps({"node": self.node, "address": self.address, "epoch": epoch}).encode()
+        primary, epoch_b = b64(self.primary_key), b64(self.epoch_key)
+        answer = await self.gateway.txn(
+            [{"target": "CREATE", "key": primary, "create_revision": "0", "result": "EQUAL"},
+             {"target": "MOD", "key": epoch_b, "mod_revision": str(kv.mod_revision if kv else 0), "result": "EQUAL"}],
+            [{"request_put": {"key": primary, "value": b64(value), "lease": str(self.lease)}},
+             {"request_put": {"key": epoch_b, "value": b64(str(epoch))}}])
+        if not answer.get("succeeded"):
+            log.info("etcd: bid for epoch %d lost (another node took the key or the epoch first)", epoch)
+            return False
+        self.holding = True
+        self.fenced = False
+        self.epoch = epoch
+        self._free_since = None
+        self._renewed_at = sent
+        self.primary = PrimaryRecord(self.node, self.address, epoch, self.lease)
+        self._arm_fence_timer()
+        log.warning("etcd: took the primary role at epoch %d (lease %x, valid %d ms more)", epoch, self.lease,
+                    self.valid_until_ms - self.clock())
+        self.listener.on_elected(epoch)
+        return True
+
+    def status(self) -> dict:
+        """The arbiter's state for STATUS."""
+        now = self.clock()
+        p = self.primary
+        return {
+            "coordinator": "etcd",
+            "node": self.node,
+            "holding": self.holding,
+            "may_grant": self.may_grant(now),
+            "valid_ms": max(0, self.valid_until_ms - now) if self.holding else 0,
+            "ttl_ms": self.ttl_ms,
+            "margin_ms": self.margin_ms,
+            "epoch": self.epoch,
+            "primary": None if p is None else {"node": p.node, "address": p.address, "epoch": p.epoch},
+            "stepped_down": self.stepped_down,
+            "last_error": self.last_error,
+        }

@@ -1,0 +1,168 @@
+"""A node of a group whose primary etcd names (``fastlock serve --coordinator etcd://.../PREFIX``).
+
+:class:`CoordinatedNode` is the :class:`~fastlock.coordination.etcd.EtcdArbiter`'s
+listener on a :class:`~fastlock.server.LockServer`, and changes the node only
+through its role (:mod:`fastlock.roles`) and the failover policy
+(:mod:`fastlock.server.failover`):
+
+* every node starts as a standby that follows nobody; when etcd names a
+  primary (another node), the node follows it (its follower is pointed at
+  the primary's address, and clients are redirected there);
+* when this node takes the primary key, it is promoted at the epoch etcd
+  handed out (an automatic promotion: no ``STEP_DOWN``, since the old
+  primary's lease - and with it its right to grant - has run out), with the
+  usual grace period for grants that may not have reached it;
+* while its lease is past the self-fencing deadline the primary is fenced
+  (it grants, extends and releases nothing), and unfenced when a renewal
+  succeeds and the key is still its own;
+* a primary that loses the key steps down at once (``deposed.json``, as a
+  pair's primary does), and once etcd names another primary it rejoins as
+  that primary's standby (``DEPOSED`` -> ``STANDBY``): the primary's snapshot
+  replaces its table.
+
+Any number of standbys attach to the primary (none is paired: the etcd lease
+is the fence), and none promotes itself on silence: etcd decides.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from ..coordination import EtcdArbiter, EtcdGateway, PrimaryRecord, parse_coordinator
+from ..roles import Role
+from ..units import monotonic_ms, parse_address
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .lockserver import LockServer
+
+log = logging.getLogger("fastlock.coordination")
+
+
+class CoordinatedNode:
+    """The bridge from the etcd arbiter to one server (see the module docstring).
+
+    Args:
+        server: the node.
+        url: ``etcd://HOST:PORT[,HOST:PORT]/PREFIX``.
+        node: this node's id in etcd.
+        ttl_ms: the etcd lease TTL (ms, whole seconds).
+
+    Raises:
+        InvalidArgument: a malformed URL or node id.
+        ImportError: httpx is not installed (``pip install 'fastlock[etcd]'``).
+    """
+
+    def __init__(self, server: LockServer, url: str, node: str, ttl_ms: int):
+        self.server = server
+        self.url = parse_coordinator(url)
+        self.node = node
+        self.ttl_ms = ttl_ms
+        self.arbiter: EtcdArbiter | None = None
+        self._gateway = EtcdGateway(self.url.endpoints, timeout_s=max(0.2, ttl_ms / 4000))
+
+    def start(self, address: str) -> None:
+        """Start bidding and following; ``address`` is where this node listens (``host:port``)."""
+        server = self.server
+        self.arbiter = EtcdArbiter(self._gateway, self.url.prefix, self.node, address, self, ttl_ms=self.ttl_ms)
+        server.source.coordinate(self.arbiter.fence_if_due)
+        self.arbiter.start()
+        log.info("coordinator %s: node %r at %s", self.url, self.node, address)
+
+    def position(self) -> int:
+        """How far this node is in the current primary's log: a standby's applied LSN (the
+        primary's numbering: comparable between the standbys of one primary), 0 for a standby
+        that has not synced since it started, and the last LSN of a primary's own log."""
+        server = self.server
+        if server.roles.role is Role.PRIMARY:
+            return int(server.wal.stats()["last_lsn"])
+        follower = server.follower
+        return follower.applied_lsn if follower is not None and follower.synced else 0
+
+    def candidate(self) -> bool:
+        return self.server.roles.role is Role.STANDBY
+
+    def min_epoch(self) -> int:
+        server = self.server
+        follower = server.follower
+        return max(server.table.epoch, server.node_state.max_epoch_seen,
+                   follower.primary_epoch if follower is not None else 0)
+
+    async def close(self) -> None:
+        """Stop; a primary gives its lease back so that a standby takes over at once."""
+        if self.arbiter is not None:
+            await self.arbiter.close(revoke=True)
+        else:
+            await self._gateway.close()
+
+    def status(self) -> dict:
+        if self.arbiter is None:
+            return {"coordinator": str(self.url), "node": self.node, "started": False}
+        return {**self.arbiter.status(), "url": str(self.url)}
+
+    # -- the arbiter's listener -------------------------------------------------------------------
+    def on_primary(self, primary: PrimaryRecord | None) -> None:
+        server = self.server
+        if primary is None or primary.node == self.node or not primary.address:
+            return  # no primary, or this node's previous run whose lease has not run out yet
+        roles = server.roles
+        roles.primary_address = primary.address
+        follower = server.follower
+        if follower is None:
+            return
+        if roles.role is Role.DEPOSED and self.arbiter is not None:
+            # it lost the key: follow the new primary; its table is replaced by the primary's snapshot
+            roles.transition(Role.STANDBY, f"etcd names node {primary.node!r} primary at epoch {primary.epoch}")
+            self.arbiter.rejoined()
+        if roles.role is not Role.STANDBY:
+            return
+        target = parse_address(primary.address, default_port=None)
+        if follower.link.primary == target and not follower.stopped:
+            return
+        follower.stop()
+        follower.link.primary = target
+        follower.refused = None
+        follower.synced = False  # its position counts in the new primary's log once it has synced there
+        follower.start()
+        log.warning("following primary %r at %s (epoch %d, named by etcd)", primary.node, primary.address,
+                    primary.epoch)
+
+    def on_elected(self, epoch: int) -> None:
+        server = self.server
+
+        async def promote() -> None:
+            arbiter = self.arbiter
+            try:
+                await server.failover.promote(f"etcd named this node primary at epoch {epoch}", automatic=True,
+                                              epoch=epoch)
+            except BaseException:
+                if arbiter is not None and arbiter.holding:
+                    await arbiter.resign()  # a standby again: free the key for another node (or a new bid)
+                raise
+            if arbiter is not None and not arbiter.holding:
+                self._step_down("the etcd primary key was lost during the promotion", epoch + 1)
+            elif arbiter is not None and not arbiter.may_grant():
+                self.on_fenced(True)  # its lease ran past the deadline while it promoted
+
+        server.tasks.spawn(promote(), "promotion (etcd)")
+
+    def on_fenced(self, fenced: bool) -> None:
+        server = self.server
+        roles = server.roles
+        if roles.role is not Role.PRIMARY or roles.fenced == fenced:
+            return
+        roles.set_fenced(fenced)
+        if not fenced:
+            server.table.expire(monotonic_ms())  # hand blocked locks to their waiters
+            server.after_batch()
+
+    def on_lost(self, why: str) -> None:
+        arbiter = self.arbiter
+        primary = arbiter.primary if arbiter is not None else None
+        epoch = max(self.server.table.epoch + 1, primary.epoch if primary is not None else 0)
+        if self.server.roles.role is Role.PRIMARY:
+            self._step_down(why, epoch)
+
+    def _step_down(self, why: str, epoch: int) -> None:
+        if self.server.roles.role is Role.PRIMARY:
+            self.server.failover.step_down(f"etcd: {why}", epoch)

@@ -1,0 +1,299 @@
+"""The etcd arbiter (fastlock.coordination.etcd) against a real etcd member.
+
+Each test runs arbiters in this process against the session's etcd
+(tests/etcdserver.py) under its own key prefix, with a 1 s lease TTL: who
+takes the primary key, with which epoch, when a holder stops granting, and
+that a node cut off from etcd stops granting before any other node can take
+the key.  Skipped without the etcd binary unless FASTLOCK_REQUIRE_ETCD=1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import wait_until
+from etcdserver import unique_prefix
+
+from fastlock._testbase.proxy import TcpProxy
+from fastlock.coordination import EtcdArbiter, EtcdGateway, PrimaryRecord, parse_coordinator
+from fastlock.errors import InvalidArgument
+from fastlock.units import monotonic_ms, parse_address
+
+pytest.importorskip("httpx")
+
+TTL_MS = 1000
+
+
+class Events:
+    """An arbiter listener that records what it is told, with the time (monotonic ms)."""
+
+    def __init__(self, position=lambda: 0, min_epoch=lambda: 0, candidate=lambda: True) -> None:
+        self.log: list[tuple[int, str, object]] = []
+        self.position, self.min_epoch, self.candidate = position, min_epoch, candidate
+
+    def on_elected(self, epoch: int) -> None:
+        self.log.append((monotonic_ms(), "elected", epoch))
+
+    def on_fenced(self, fenced: bool) -> None:
+        self.log.append((monotonic_ms(), "fenced", fenced))
+
+    def on_lost(self, why: str) -> None:
+        self.log.append((monotonic_ms(), "lost", why))
+
+    def on_primary(self, primary: PrimaryRecord | None) -> None:
+        self.log.append((monotonic_ms(), "primary", primary))
+
+    def first(self, kind: str) -> int | None:
+        return next((t for t, k, _ in self.log if k == kind), None)
+
+
+def arbiter(address: str, prefix: str, node: str, position=lambda: 0, min_epoch=lambda: 0, candidate=lambda: True,
+            **kwargs) -> tuple[EtcdArbiter, Events]:
+    events = Events(position, min_epoch, candidate)
+    arb = EtcdArbiter(EtcdGateway([parse_address(address)], timeout_s=0.3),
+                      prefix, node, f"127.0.0.1:{7000 + len(node)}", events, ttl_ms=TTL_MS, **kwargs)
+    return arb, events
+
+
+def pair(a_address: str, b_address: str) -> tuple[EtcdArbiter, Events, EtcdArbiter, Events]:
+    """Nodes "a" and "b" on a fresh prefix, reaching etcd at the addresses given."""
+    prefix = unique_prefix()
+    return (*arbiter(a_address, prefix, "a"), *arbiter(b_address, prefix, "b"))
+
+
+async def primary_and_standby(a: EtcdArbiter, b: EtcdArbiter) -> None:
+    """Start ``a``, wait until it holds the key, then start ``b`` and wait until it sees ``a``."""
+    a.start()
+    await wait_until(lambda: a.holding, 5, "a to take the key")
+    b.start()
+    await wait_until(lambda: b.primary is not None and b.primary.node == a.node, 5, "b to see a")
+
+
+def test_parse_coordinator():
+    url = parse_coordinator("etcd://10.0.0.1:2379,10.0.0.2/fastlock/prod/")
+    assert url.endpoints == (("10.0.0.1", 2379), ("10.0.0.2", 2379))
+    assert url.prefix == "/fastlock/prod"
+    assert str(url) == "etcd://10.0.0.1:2379,10.0.0.2:2379/fastlock/prod"
+    for bad in ("http://h:1/p", "etcd://h:1", "etcd://h:1/", "etcd:///p", "etcd://h:x/p", 5, "etcd://h:1/a b"):
+        with pytest.raises(InvalidArgument):
+            parse_coordinator(bad)
+
+
+async def test_racing_nodes_one_wins_and_epochs_grow(etcd):
+    prefix = unique_prefix()
+    bidding = False
+    nodes = [arbiter(etcd.address, prefix, f"n{i}", min_epoch=lambda: 6, candidate=lambda: bidding)
+             for i in range(3)]
+    try:
+        for arb, _ in nodes:
+            await arb.step()  # each has its lease, none bids yet (the bids race below)
+        bidding = True
+        results = await asyncio.gather(*(arb.bid() for arb, _ in nodes))
+        assert sorted(results) == [False, False, True]
+        winner = next(arb for arb, _ in nodes if arb.holding)
+        assert winner.epoch == 7  # above every epoch the node has seen
+        assert winner.may_grant()
+        for arb, _ in nodes:
+            await arb.step()
+        assert all(arb.primary == winner.primary for arb, _ in nodes)
+        # the winner stops cleanly (revokes): the next one takes the key at once, one epoch up
+        await winner.close()
+        rest = [arb for arb, _ in nodes if arb is not winner]
+        for arb in rest:
+            await arb.step()
+        assert [arb.holding for arb in rest].count(True) == 1
+        assert next(arb for arb in rest if arb.holding).epoch == 8
+    finally:
+        for arb, _ in nodes:
+            await arb.close()
+
+
+async def test_dead_primary_replaced_within_ttl(etcd):
+    a, ea, b, eb = pair(etcd.address, etcd.address)
+    try:
+        await primary_and_standby(a, b)
+        # a dies: it renews no more (no revoke)
+        a._task.cancel()
+        died = monotonic_ms()
+        await wait_until(lambda: b.holding, 5, "b to take the key")
+        took = monotonic_ms() - died
+        assert took <= a.ttl_ms + 1000, took
+        assert b.epoch > a.epoch
+        # a's own clock had closed its fence before b could take the key
+        assert not a.may_grant()
+        assert ea.first("fenced") is not None and ea.first("fenced") <= eb.first("elected")
+        # a wakes up (as after SIGSTOP): its next step finds the role lost
+        await a.step()
+        assert ea.first("lost") is not None and not a.holding and a.stepped_down
+    finally:
+        await a.close(revoke=False)
+        await b.close()
+
+
+async def test_caught_up_standby_preferred(etcd):
+    prefix = unique_prefix()
+    positions = {"ahead": 100, "behind": 40}
+    p, _ = arbiter(etcd.address, prefix, "p")
+    ahead, _ = arbiter(etcd.address, prefix, "ahead", position=lambda: positions["ahead"])
+    behind, eb = arbiter(etcd.address, prefix, "behind", position=lambda: positions["behind"],
+                         behind_delay_ms=3000)
+    try:
+        await p.step()
+        assert p.holding
+        for arb in (behind, ahead):  # both advertise; "behind" steps first at every turn
+            await arb.step()
+        await p.close()  # the key is free now
+        await behind.step()
+        assert not behind.holding  # it waits for the caught-up one
+        await ahead.step()
+        assert ahead.holding
+        await behind.step()
+        assert behind.primary is not None and behind.primary.node == "ahead"
+    finally:
+        for arb in (p, ahead, behind):
+            await arb.close()
+
+
+async def test_behind_standby_takes_over_after_its_delay(etcd):
+    prefix = unique_prefix()
+    ahead, _ = arbiter(etcd.address, prefix, "ahead", position=lambda: 100, candidate=lambda: False)
+    behind, _ = arbiter(etcd.address, prefix, "behind", position=lambda: 1, behind_delay_ms=300)
+    try:
+        await ahead.step()  # advertises, never bids (not a candidate)
+        behind.start()
+        t0 = time.monotonic()
+        await wait_until(lambda: behind.holding, 5, "the behind standby to bid after its delay")
+        assert time.monotonic() - t0 >= 0.3
+    finally:
+        await ahead.close()
+        await behind.close()
+
+
+async def test_partitioned_primary_stops_granting_before_another_takes_over(etcd):
+    with TcpProxy(etcd.address) as proxy:
+        a, ea, b, eb = pair(proxy.address, etcd.address)
+        try:
+            await primary_and_standby(a, b)
+            proxy.blackhole()
+            await wait_until(lambda: b.holding, 5, "b to take the key")
+            fenced_at, elected_at = ea.first("fenced"), eb.first("elected")
+            assert fenced_at is not None and fenced_at < elected_at
+            assert not a.may_grant() and a.holding  # it cannot know yet that it lost the key
+            proxy.heal()
+            await wait_until(lambda: a.stepped_down, 5, "a to learn it lost the key")
+            assert not a.holding and ea.first("lost") is not None
+            assert b.epoch == a.epoch + 1
+        finally:
+            await a.close(revoke=False)
+            await b.close()
+
+
+async def test_etcd_restart_keeps_the_primary(etcd):
+    a, ea, b, eb = pair(etcd.address, etcd.address)
+    try:
+        await primary_and_standby(a, b)
+        epoch = a.epoch
+        await asyncio.get_running_loop().run_in_executor(None, etcd.restart)
+        # etcd keeps leases across a restart (and renews them): a keeps the key, nobody else bids
+        await wait_until(lambda: a.last_error is None and a.may_grant(), 5, "a to renew after the restart")
+        await a.step()
+        await b.step()
+        assert a.holding and a.epoch == epoch and not b.holding and b.primary.node == "a"
+        assert eb.first("elected") is None and ea.first("lost") is None
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_etcd_paused_fences_the_primary(etcd):
+    prefix = unique_prefix()
+    a, ea = arbiter(etcd.address, prefix, "a")
+    try:
+        a.start()
+        await wait_until(lambda: a.holding, 5, "a to take the key")
+        etcd.pause()
+        try:
+            await wait_until(lambda: not a.may_grant(), a.ttl_ms / 1000 + 1, "a to fence itself")
+            assert ea.first("fenced") is not None
+        finally:
+            etcd.resume()
+        # whether etcd kept its lease or not, a either grants again with the key or has stepped down
+        await wait_until(lambda: a.may_grant() or a.stepped_down, 10, "a to recover or step down")
+        await a.step()
+        assert a.may_grant() != a.stepped_down
+    finally:
+        await a.close()
+
+
+async def test_garbage_in_etcd_is_not_trusted(etcd):
+    prefix = unique_prefix()
+    gw = EtcdGateway([("127.0.0.1", etcd.port)])
+    a, _ = arbiter(etcd.address, prefix, "a")
+    try:
+        await gw.put(prefix + "/epoch", b"not a number")
+        await gw.put(prefix + "/members/x", b"\xff" * 10)
+        await a.step()
+        assert a.holding and a.epoch == 1
+        await a.close()
+        await gw.put(prefix + "/primary", b"[1, 2")
+        b, eb = arbiter(etcd.address, prefix, "b")
+        try:
+            await b.step()
+            assert not b.holding and b.primary is not None and b.primary.node == "?" and b.primary.address == ""
+        finally:
+            await b.close()
+    finally:
+        await a.close()
+        await gw.close()
+
+
+async def test_an_oversized_answer_is_refused(etcd, monkeypatch):
+    from fastlock.coordination import gateway as module
+    from fastlock.coordination.gateway import EtcdUnavailable
+
+    prefix = unique_prefix()
+    gw = EtcdGateway([("127.0.0.1", etcd.port)])
+    try:
+        await gw.put(prefix + "/big", b"x" * 20_000)
+        monkeypatch.setattr(module, "MAX_RESPONSE_BYTES", 10_000)
+        with pytest.raises(EtcdUnavailable, match="longer than 10000 bytes"):
+            await gw.get(prefix + "/big")
+    finally:
+        await gw.close()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--coordinator", "etcd://127.0.0.1:2379"], "needs at least one HOST:PORT and a key prefix"),
+    (["--coordinator", "etcd://127.0.0.1:2379/p", "--standby-of", "127.0.0.1:1"], "exclude each other"),
+    (["--coordinator", "etcd://127.0.0.1:2379/p", "--replication", "sync"], "not supported with --coordinator"),
+    (["--node-id", "n1"], "only apply with --coordinator"),
+    (["--coordinator", "etcd://127.0.0.1:2379/p", "--listen", "0.0.0.0:7420"], "needs --advertise"),
+])
+def test_serve_refuses_coordinator_flags_that_cannot_work(tmp_path, flags, message):
+    argv = [sys.executable, "-m", "fastlock", "serve", "--data-dir", str(tmp_path / "d"),
+            "--standby-token-file", str(tmp_path / "t"), *flags]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert not (tmp_path / "d").exists()
+
+
+async def test_resign_frees_the_key_at_once(etcd):
+    a, ea, b, eb = pair(etcd.address, etcd.address)
+    try:
+        await a.step()
+        assert a.holding
+        await b.step()
+        assert not b.holding and b.primary.node == "a"
+        await a.resign()  # as after a promotion that failed
+        assert not a.holding and not a.may_grant()
+        await b.step()
+        assert b.holding and b.epoch == a.epoch + 1
+        await a.step()
+        assert not a.holding and a.primary.node == "b" and ea.first("lost") is None
+    finally:
+        await a.close()
+        await b.close()

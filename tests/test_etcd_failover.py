@@ -1,0 +1,328 @@
+"""Failover arbitrated by etcd, with real ``fastlock serve --coordinator`` processes and a real etcd.
+
+Three nodes share one etcd (tests/etcdserver.py) under a prefix of their own,
+with a 1 s etcd lease TTL: one takes the primary key and the others follow it;
+after SIGKILL or SIGSTOP of the primary another one is primary within the TTL
+plus 1 s, at a higher epoch, and tokens never go backwards; a primary that was
+frozen or cut off from etcd grants nothing after it lost its lease; an etcd
+restart changes nothing.  Skipped without the etcd binary unless
+FASTLOCK_REQUIRE_ETCD=1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import pytest
+from etcdserver import unique_prefix
+from throwaway import free_port
+
+import fastlock
+from fastlock import protocol as P
+from fastlock._testbase import HistoryChecker, ServerProcess
+from fastlock._testbase.cluster import RawNode, poll, status_of
+from fastlock._testbase.proxy import CLASSIFY_BYTES, TcpProxy, classify_fastlock
+from fastlock.errors import FastlockError, InvalidArgument, NotPrimary, Unavailable
+from fastlock.protocol import FrameDecoder
+
+pytest.importorskip("httpx")
+
+TTL_S = 1
+LOCK_TTL_MS = 1000
+
+
+class Group:
+    """Coordinated nodes of one test, on one etcd prefix."""
+
+    def __init__(self, cluster, etcd) -> None:
+        self.cluster = cluster
+        self.etcd = etcd
+        self.prefix = unique_prefix()
+        self.nodes: dict[str, ServerProcess] = {}
+
+    def start(self, name: str, etcd_address: str | None = None, *, port: int = 0,
+              advertise: str | None = None) -> ServerProcess:
+        url = f"etcd://{etcd_address or self.etcd.address}{self.prefix}"
+        extra = ["--advertise", advertise] if advertise else []
+        srv = self.cluster._start(ServerProcess(
+            self.cluster.root / name, port=port,
+            args=["--name", name, *self.cluster.auth_args(name), "--coordinator", url, "--node-id", name,
+                  "--coordinator-ttl", str(TTL_S), *extra]))
+        self.nodes[name] = srv
+        return srv
+
+    async def roles(self, names=None) -> dict[str, dict]:
+        out = {}
+        for name in names or self.nodes:
+            srv = self.nodes[name]
+            if not srv.alive:
+                continue
+            try:
+                out[name] = await asyncio.wait_for(status_of(srv.address), 1.0)
+            except (OSError, FastlockError, asyncio.TimeoutError):
+                continue
+        return out
+
+    async def primary(self, among=None, timeout: float = 10.0) -> tuple[str, dict]:
+        """Wait until exactly one of ``among`` is an unfenced primary; ``(name, status)``."""
+        async def ask():
+            found = [(n, st) for n, st in (await self.roles(among)).items()
+                     if st["role"] == "primary" and not st["replication"]["fenced"]]
+            return found[0] if len(found) == 1 else None
+        return await poll(ask, timeout=timeout, what="one primary", interval=0.02)
+
+    async def followers_of(self, primary: str, names, timeout: float = 10.0, address: str | None = None) -> None:
+        """Wait until ``names`` are synced standbys of ``primary`` (reached at ``address``, default its own)."""
+        address = address or self.nodes[primary].address
+
+        async def ask():
+            sts = await self.roles(names)
+            return len(sts) == len(names) and all(
+                st["role"] == "standby" and st["replication"]["primary"] == address and st["replication"]["synced"]
+                for st in sts.values())
+        await poll(ask, timeout=timeout, what=f"{names} to follow {primary}")
+
+
+async def grant(address: str, name: str, timeout: float = 10.0) -> int:
+    """Acquire free lock ``name`` at ``address`` (retrying through a grace period); its token."""
+    node = await RawNode.open(address)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                token, _, _ = await node.acquire(name, LOCK_TTL_MS, wait_ms=200)
+                return token
+            except FastlockError:
+                if time.monotonic() > deadline:
+                    raise
+    finally:
+        await node.close()
+
+
+async def refuses(address: str, name: str) -> FastlockError:
+    """Exactly ``address`` refuses to grant free lock ``name``; the error."""
+    node = await RawNode.open(address)
+    try:
+        with pytest.raises((NotPrimary, Unavailable)) as info:
+            await node.acquire(name, LOCK_TTL_MS)
+        return info.value
+    finally:
+        await node.close()
+
+
+@pytest.fixture
+def group(cluster, etcd):
+    return Group(cluster, etcd)
+
+
+def three(group: Group) -> list[str]:
+    names = ["a", "b", "c"]
+    for name in names:
+        group.start(name)
+    return names
+
+
+async def test_sigkill_of_the_primary(group):
+    names = three(group)
+    first, st = await group.primary()
+    rest = [n for n in names if n != first]
+    await group.followers_of(first, rest)
+    assert st["coordinator"]["holding"] and st["coordinator"]["epoch"] == st["epoch"]
+    before = await grant(group.nodes[first].address, "k1")
+    group.nodes[first].kill()
+    killed = time.monotonic()
+    second, st2 = await group.primary(rest)
+    assert time.monotonic() - killed <= TTL_S + 1.0
+    assert st2["epoch"] > st["epoch"]
+    after = await grant(group.nodes[second].address, "k2")
+    assert after > before
+    (third,) = [n for n in rest if n != second]
+    await group.followers_of(second, [third])
+    # a client at the standby is redirected to the new primary
+    err = await refuses(group.nodes[third].address, "k3")
+    assert isinstance(err, NotPrimary) and err.primary == group.nodes[second].address
+    # etcd decides: an operator's promotion is refused, and changes nothing
+    node = await RawNode.open(group.nodes[third].address)
+    try:
+        with pytest.raises(InvalidArgument, match="--coordinator"):
+            await node.request(P.OP_PROMOTE, True)
+    finally:
+        await node.close()
+    assert (await status_of(group.nodes[third].address))["role"] == "standby"
+    # the old primary, restarted, rejoins as a standby of the new one
+    group.nodes[first] = group.cluster.restart(group.nodes[first])
+    await group.followers_of(second, [first, third])
+    st3 = await status_of(group.nodes[first].address)
+    assert st3["epoch"] == st2["epoch"] and not st3["coordinator"]["holding"]
+
+
+async def test_sigstop_of_the_primary(group):
+    names = three(group)
+    first, st = await group.primary()
+    rest = [n for n in names if n != first]
+    await group.followers_of(first, rest)
+    before = await grant(group.nodes[first].address, "k1")
+    old = group.nodes[first]
+    old.pause()
+    try:
+        second, st2 = await group.primary(rest)
+        assert st2["epoch"] > st["epoch"]
+    finally:
+        old.resume()
+    # at once after the resume, before it may have heard from etcd: no grant
+    await refuses(old.address, "fresh")
+    await poll(lambda: status_of(old.address), lambda s: s["role"] in ("deposed", "standby"), timeout=5,
+               what="the old primary to step down")
+    assert any("stepping down" in line for line in old.lines)
+    await refuses(old.address, "fresh")
+    assert await grant(group.nodes[second].address, "k2") > before
+    # it rejoins as a standby of the new primary, without a restart
+    await group.followers_of(second, [n for n in names if n != second])
+
+
+async def test_primary_cut_off_from_etcd_stops_granting_first(group, etcd):
+    with TcpProxy(etcd.address) as proxy:
+        old = group.start("a", etcd_address=proxy.address)
+        await group.primary(["a"])
+        for name in ("b", "c"):
+            group.start(name)
+        await group.followers_of("a", ["b", "c"])
+        before = await grant(old.address, "k1")
+        mark = len(old.lines)
+        proxy.blackhole()
+        second, _ = await group.primary(["b", "c"])
+        # by the time another node is primary, the old one had already fenced itself
+        assert any("lease not renewed in time" in line for line in old.lines[mark:])
+        await refuses(old.address, "fresh")
+        proxy.heal()
+        await poll(lambda: status_of(old.address), lambda s: s["role"] in ("deposed", "standby"), timeout=5,
+                   what="the old primary to step down")
+        assert any("stepping down" in line for line in old.lines)
+        assert await grant(group.nodes[second].address, "k2") > before
+        await group.followers_of(second, [n for n in ("a", "b", "c") if n != second])
+
+
+async def test_etcd_restart_keeps_the_primary(group, etcd):
+    names = three(group)
+    first, st = await group.primary()
+    before = await grant(group.nodes[first].address, "k1")
+    await asyncio.get_running_loop().run_in_executor(None, etcd.restart)
+    again, st2 = await group.primary()
+    assert again == first and st2["epoch"] == st["epoch"]
+    assert await grant(group.nodes[first].address, "k2") > before
+    await group.followers_of(first, [n for n in names if n != first])
+
+
+@pytest.fixture(autouse=True)
+def _one_loop(request):
+    """These tests start processes: run them on one event loop only."""
+    if "uvloop" in request.node.name:
+        pytest.skip("process-level etcd tests run on the asyncio loop only")
+
+
+async def test_history_across_a_kill_and_a_freeze(group):
+    """Clients riding through two failovers (SIGKILL, then SIGSTOP of the next primary):
+    never two holders of a lock at once, tokens only grow, and grants resume after each."""
+    names = three(group)
+    first, _ = await group.primary()
+    await group.followers_of(first, [n for n in names if n != first])
+    addresses = [srv.address for srv in group.nodes.values()]
+    history = HistoryChecker()
+    epochs: Counter[int] = Counter()  # grants per epoch
+    stop = asyncio.Event()
+
+    async def grants_in_epochs(n: int, what: str) -> None:
+        """Wait until ``n`` epochs have had at least 10 grants each."""
+        await poll(lambda: asyncio.sleep(0, sum(c >= 10 for c in epochs.values())), lambda k: k >= n,
+                   timeout=10, what=what)
+
+    async def worker(i: int) -> None:
+        async with fastlock.connect(*addresses, request_timeout=2.0) as client:
+            while not stop.is_set():
+                try:
+                    lease = await client.acquire(f"h{i % 3}", ttl=LOCK_TTL_MS / 1000, wait=5.0)
+                except FastlockError:
+                    continue
+                history.held(lease.name, lease.fencing_token, time.monotonic())
+                epochs[lease.fencing_token >> 40] += 1
+                await asyncio.sleep(0.005)
+                history.released(lease.name, lease.fencing_token, time.monotonic())
+                try:
+                    await client.release(lease)
+                except FastlockError:
+                    pass  # not replicated before the failover: the new primary lets it expire
+
+    workers = [asyncio.ensure_future(worker(i)) for i in range(6)]
+    try:
+        await grants_in_epochs(1, "grants")
+        group.nodes[first].kill()
+        second, _ = await group.primary([n for n in names if n != first])
+        await grants_in_epochs(2, "grants after the kill")
+        group.nodes[second].pause()
+        try:
+            (third,) = [n for n in names if n not in (first, second)]
+            await group.primary([third])
+            await grants_in_epochs(3, "grants after the freeze")
+        finally:
+            group.nodes[second].resume()
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*workers, return_exceptions=True), 20)
+    assert history.check() >= 30
+    assert len(epochs) == 3
+
+
+def by_standby(first_bytes: bytes) -> str:
+    """A proxy label: the ``--name`` of the standby whose replication connection this is."""
+    label = classify_fastlock(first_bytes)
+    if label != "replication":
+        return label
+    (hello,) = FrameDecoder(CLASSIFY_BYTES).feed(first_bytes)[:1]
+    return hello[3].removeprefix("standby:").split("@")[0]
+
+
+async def test_lagging_standby_not_chosen_while_a_caught_up_one_lives(group):
+    port = free_port()
+    # every node reaches the primary "a" through a proxy that can stall one standby's stream
+    with TcpProxy(f"127.0.0.1:{port}", classify=by_standby) as proxy:
+        a = group.start("a", port=port, advertise=proxy.address)
+        await group.primary(["a"])
+        for name in ("b", "c"):
+            group.start(name)
+        await group.followers_of("a", ["b", "c"], address=proxy.address)
+        proxy.blackhole("c")
+        for i in range(5):
+            await grant(a.address, f"k{i}")
+        last = (await status_of(a.address))["wal"]["last_lsn"]
+        await poll(lambda: status_of(group.nodes["b"].address),
+                   lambda st: st["replication"]["applied_lsn"] >= last, timeout=5, what="b to catch up")
+        behind = (await status_of(group.nodes["c"].address))["replication"]["applied_lsn"]
+        assert behind < last
+        mark = len(group.nodes["c"].lines)
+        a.kill()
+        second, _ = await group.primary(["b", "c"])
+        assert second == "b"
+        # c never bid: it either waited for b (ahead of it) or saw b's key first
+        assert not any("bid for epoch" in line for line in group.nodes["c"].lines[mark:])
+
+
+async def test_etcd_unavailable_stops_grants_until_it_is_back(group, etcd):
+    names = three(group)
+    first, st = await group.primary()
+    before = await grant(group.nodes[first].address, "k1")
+    etcd.pause()
+    try:
+        # no node can renew: the primary fences itself within the TTL, and nobody else is promoted
+        await poll(lambda: status_of(group.nodes[first].address), lambda s: s["replication"]["fenced"],
+                   timeout=TTL_S + 2, what="the primary to fence itself")
+        err = await refuses(group.nodes[first].address, "fresh")
+        assert isinstance(err, Unavailable)
+        roles = await group.roles()
+        assert [n for n, s in roles.items() if s["role"] == "primary" and not s["replication"]["fenced"]] == []
+    finally:
+        etcd.resume()
+    again, _ = await group.primary()
+    assert await grant(group.nodes[again].address, "k2") > before
+    await group.followers_of(again, [n for n in names if n != again])
