@@ -273,9 +273,36 @@ class FrameDecoder:
 
         Raises ProtocolError on malformed msgpack or a frame beyond the limits.
         """
+        base = self._fed
+        if base == self._frame_start and self._shape is None and not self.shape_all:
+            # the common case: no frame in flight, nothing to walk.  Every frame that
+            # completes in ``data`` lies within it, so a ``data`` within the frame bound
+            # needs no per-frame size check.
+            n = len(data)
+            if n <= self._limits.max_frame_bytes:
+                up = self._unpacker
+                try:
+                    up.feed(data)
+                    out = []
+                    append = out.append
+                    tell = up.tell
+                    start = base
+                    for msg in up:
+                        append(msg)
+                        start = tell()
+                except msgpack.BufferFull:
+                    raise ProtocolError("frame exceeds the maximum frame size") from None
+                except (ValueError, msgpack.UnpackException, TypeError) as exc:
+                    raise ProtocolError(f"malformed msgpack: {exc.__class__.__name__}: {exc}"[:200]) from None
+                fed = self._fed = base + n
+                self._frame_start = start
+                if start != fed and self._limits.walk:
+                    # a frame began in this piece and is not complete: walk what arrived of it
+                    self._shape = _FrameShape(self._limits)
+                    self._shape.walk(memoryview(data)[start - base:])
+                return out
         up = self._unpacker
         limits = self._limits
-        base = self._fed
         if self._shape is not None or (self.shape_all and limits.walk):
             self._check_shape(data)
         fed = self._fed = base + len(data)
