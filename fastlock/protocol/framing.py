@@ -304,8 +304,8 @@ class FrameDecoder:
                 up = self._unpacker
                 try:
                     up.feed(data)
-                    out = []
-                    append = out.append
+                    frames: list[Any] = []
+                    append = frames.append
                     tell = up.tell
                     start = base
                     for msg in up:
@@ -321,7 +321,7 @@ class FrameDecoder:
                     # a frame began in this piece and is not complete: walk what arrived of it
                     self._shape = _FrameShape(self._limits)
                     self._shape.walk(memoryview(data)[start - base:])
-                return out
+                return frames
         up = self._unpacker
         limits = self._limits
         if self._shape is not None or (self.shape_all and limits.walk):
