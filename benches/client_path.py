@@ -27,6 +27,8 @@ from typing import Any
 
 import msgpack
 
+from .harness import run_async
+
 
 class _FakeServer:
     """A transport that answers every request frame in the next loop turn."""
@@ -86,16 +88,11 @@ async def _measure(pairs: int, rounds: int) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benches.client_path", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pairs", type=int, default=20000)
-    ap.add_argument("--rounds", type=int, default=5)
+    for flag, default in (("--pairs", 20000), ("--rounds", 5)):
+        ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--tag", default="fastlock")
     args = ap.parse_args(argv)
-    try:
-        import uvloop
-        uvloop.install()
-    except ImportError:  # pragma: no cover
-        pass
-    per_pair = asyncio.run(_measure(args.pairs, args.rounds))
+    per_pair = run_async(_measure(args.pairs, args.rounds))  # on uvloop when it is installed
     print(f"{args.tag}: client CPU {min(per_pair):6.2f} us/pair (min), {statistics.median(per_pair):6.2f} (median) "
           f"of {args.rounds} rounds of {args.pairs}")
     return 0
