@@ -283,6 +283,39 @@ def test_frame_decoder_is_sans_io_and_streams():
         P.FrameDecoder().feed(b"\xc1")
 
 
+def _decode(dec, pieces):
+    out = []
+    try:
+        for piece in pieces:
+            out += dec.feed(piece)
+    except ProtocolError:
+        return out, "refused"
+    return out, "ok"
+
+
+@pytest.mark.parametrize("frame", [
+    msgpack.packb([1, P.OP_PING, msgpack.ExtType(1, b"ab")]),  # ext types are refused
+    msgpack.packb([1, P.OP_PING, {1: 2}]),  # map keys must be str
+    msgpack.packb([1, P.OP_PING, {str(i): i for i in range(17)}]),  # map beyond max_map_len
+    msgpack.packb([1, P.OP_PING, list(range(P.REQUEST_LIMITS.max_array_len + 1))]),  # array beyond its bound
+    msgpack.packb([1, P.OP_PING, "x" * 9000]),  # str beyond max_str_len (8192)
+    b"\x93\x01\x05\xa2\xff\xfe",  # invalid UTF-8
+    msgpack.packb([1, P.OP_PING]) + b"\xc1",  # a good frame, then garbage
+    msgpack.packb([1, P.OP_PING]) + msgpack.packb([2, P.OP_STATUS]),  # two frames in one read
+    msgpack.packb([1, P.OP_PING]) + msgpack.packb([2, P.OP_STATUS])[:2],  # one and a half
+    msgpack.packb([1, P.OP_ACQUIRE, "a", b"k" * 16, 1000, -1, 0, None]),
+])
+def test_a_frame_read_whole_is_decoded_or_refused_as_read_byte_by_byte(frame):
+    """A read that holds one whole frame takes a one-call path: it must keep every limit."""
+    whole = _decode(P.FrameDecoder(), [frame])
+    bytewise = _decode(P.FrameDecoder(), [frame[i:i + 1] for i in range(len(frame))])
+    assert whole[1] == bytewise[1]
+    if whole[1] == "ok":
+        assert whole[0] == bytewise[0]
+    two = msgpack.packb([7, P.OP_PING]) * 2  # after a read of several frames (the one-call path paused)
+    assert _decode(P.FrameDecoder(), [two, frame])[1] == whole[1]
+
+
 def test_seconds_to_ms_rounds_up_and_refuses_nonsense():
     assert P.seconds_to_ms(0.0001, "ttl") == 1
     assert P.seconds_to_ms(1.5, "ttl") == 1500

@@ -51,10 +51,11 @@ def duration_ms(value: Any, what: str, *, allow_zero: bool = False) -> int:
 CALLER: ContextVar[object | None] = ContextVar("fastlock_caller", default=None)
 
 
-def current_caller() -> object:
-    """The thread (blocking client) or the asyncio task that calls now."""
+def current_caller(loop: asyncio.AbstractEventLoop | None = None) -> object:
+    """The thread (blocking client) or the asyncio task that calls now; ``loop``: the
+    running loop, if the caller has it (CPython finds it with a ``getpid()`` call otherwise)."""
     who = CALLER.get()
-    return who if who is not None else asyncio.current_task()
+    return who if who is not None else asyncio.current_task(loop)
 
 
 _ACTORS: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
@@ -107,11 +108,11 @@ class HeldLeases:
         self.by_name: dict[str, tuple[Lease, object, bool]] = {}
         self._sweep_at = SWEEP_MIN
 
-    def remember(self, lease: Lease, exclusive: bool) -> None:
+    def remember(self, lease: Lease, exclusive: bool, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Record ``lease`` as the caller's grant of its name (``exclusive``: not a
-        shared lease nor a semaphore permit)."""
+        shared lease nor a semaphore permit; ``loop``: the running loop, if known)."""
         by_name = self.by_name
-        by_name[lease.name] = (lease, current_caller(), exclusive)
+        by_name[lease.name] = (lease, current_caller(loop), exclusive)
         if len(by_name) >= self._sweep_at:
             for name, (old, _, _) in list(by_name.items()):
                 if old.lost.is_set() or old.time_left() <= 0:

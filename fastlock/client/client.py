@@ -325,7 +325,7 @@ class Client(KeyMethods, LockAdminMethods):
         if expires_at - loop.time() < granted_ttl * LATE_GRANT_FRACTION:
             lease = await verify_late_grant(self, lease, (name, ttl_ms, wait_ms, delay_ms, correlation_id, kind),
                                             started)
-        self._held.remember(lease, not shared and not limit)
+        self._held.remember(lease, not shared and not limit, loop)
         return lease
 
     async def release(self, lease: Lease) -> None:

@@ -38,6 +38,8 @@ def kind_args(shared: Any, limit: Any) -> tuple[Any, ...]:
         WrongArgumentType: ``shared`` not a bool, ``limit`` not an int.
         InvalidArgument: ``limit`` out of 0..2**31-1, or both set.
     """
+    if shared is False and limit == 0 and type(limit) is int:  # an exclusive lock: the common case
+        return ()
     P.check_shared(shared)
     P.check_limit(limit)
     if shared and limit:

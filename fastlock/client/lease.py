@@ -237,7 +237,7 @@ class LeaseState:
         return f"<LeaseState expires_at={self.expires_at:.3f}{' lost' if self.lost.is_set() else ''}>"
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, init=False)
 class Lease:
     """A granted lock.  Immutable: :meth:`Client.extend
     <fastlock.client.Client.extend>` returns a new one (same token, owner and
@@ -262,6 +262,17 @@ class Lease:
     ttl: float
     owner: bytes = field(repr=False)
     state: LeaseState = field(default_factory=LeaseState, repr=False, compare=False)
+
+    def __init__(self, name: str, fencing_token: int, ttl: float, owner: bytes, state: LeaseState | None = None):
+        # one is made per grant: the fields go straight into the instance's dict (a frozen
+        # dataclass's own __init__ calls object.__setattr__ once per field); ``state``
+        # None makes a fresh LeaseState
+        d = self.__dict__
+        d["name"] = name
+        d["fencing_token"] = fencing_token
+        d["ttl"] = ttl
+        d["owner"] = owner
+        d["state"] = LeaseState() if state is None else state
 
     @property
     def lost(self) -> asyncio.Event:

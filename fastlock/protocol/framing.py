@@ -29,6 +29,9 @@ MIN_MAX_FRAME_BYTES = 4096
 
 _packer = msgpack.Packer(use_bin_type=True, autoreset=True)
 packb = _packer.pack
+_unpackb = msgpack.unpackb
+#: reads that go to the streaming decoder after one that was not exactly one whole frame
+WHOLE_SKIP = 16
 
 
 class DecodeLimits(NamedTuple):
@@ -239,7 +242,7 @@ class FrameDecoder:
     (for peers that have not authenticated yet: they send one small HELLO).
     """
 
-    __slots__ = ("_unpacker", "_limits", "_fed", "_frame_start", "_shape", "shape_all")
+    __slots__ = ("_unpacker", "_limits", "_fed", "_frame_start", "_shape", "shape_all", "_whole_max", "_whole_skip")
 
     def __init__(self, max_frame: int | None = None, *, limits: DecodeLimits | None = None,
                  shape_all: bool = False):
@@ -263,6 +266,10 @@ class FrameDecoder:
         self._frame_start = 0  # stream offset where the incomplete frame (if any) starts
         self._shape: _FrameShape | None = None  # walker of the incomplete frame
         self.shape_all = shape_all
+        # the largest read decoded as one whole frame by msgpack.unpackb, whose default
+        # str/bin bounds are the read's length: within every limit of this decoder
+        self._whole_max = min(limits.max_frame_bytes, limits.max_str_len, limits.max_bin_len)
+        self._whole_skip = 0  # reads left before unpackb is tried again
 
     @property
     def limits(self) -> DecodeLimits:
@@ -278,9 +285,50 @@ class FrameDecoder:
 
         Raises ProtocolError on malformed msgpack or a frame beyond the limits.
         """
+        base = self._fed
+        if base == self._frame_start and self._shape is None and not self.shape_all:
+            # the common case: no frame in flight, nothing to walk.
+            n = len(data)
+            if n <= self._whole_max:
+                if self._whole_skip:
+                    self._whole_skip -= 1
+                else:
+                    # Most reads hold exactly one whole frame: decode it in one call.  unpackb
+                    # bounds every str, bin and array by len(data), within the limits here;
+                    # ext types, maps and arrays are bounded as the streaming decoder bounds them.
+                    try:
+                        return [_unpackb(data, max_ext_len=0, max_map_len=self._limits.max_map_len,
+                                         max_array_len=self._limits.max_array_len)]
+                    except Exception:  # noqa: BLE001 - several frames, part of one, or bad bytes: the
+                        # streaming decoder below decides (and raises the error, if any); a peer
+                        # that sends several frames per read is not tried again for a while
+                        self._whole_skip = WHOLE_SKIP
+            # Every frame that completes in ``data`` lies within it, so a ``data`` within
+            # the frame bound needs no per-frame size check.
+            if n <= self._limits.max_frame_bytes:
+                up = self._unpacker
+                try:
+                    up.feed(data)
+                    frames: list[Any] = []
+                    append = frames.append
+                    tell = up.tell
+                    start = base
+                    for msg in up:
+                        append(msg)
+                        start = tell()
+                except msgpack.BufferFull:
+                    raise ProtocolError("frame exceeds the maximum frame size") from None
+                except (ValueError, msgpack.UnpackException, TypeError) as exc:
+                    raise ProtocolError(f"malformed msgpack: {exc.__class__.__name__}: {exc}"[:200]) from None
+                fed = self._fed = base + n
+                self._frame_start = start
+                if start != fed and self._limits.walk:
+                    # a frame began in this piece and is not complete: walk what arrived of it
+                    self._shape = _FrameShape(self._limits)
+                    self._shape.walk(memoryview(data)[start - base:])
+                return frames
         up = self._unpacker
         limits = self._limits
-        base = self._fed
         if self._shape is not None or (self.shape_all and limits.walk):
             self._check_shape(data)
         fed = self._fed = base + len(data)
