@@ -333,4 +333,4 @@ class GroupCommit:
             self._waiters.clear()
             self._pending = _Pending(self.next_lsn)
         self.stopped = True
-        self.io.stop()
+        self.io.stop(trim=not drop and self.fatal is None)

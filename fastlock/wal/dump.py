@@ -162,6 +162,8 @@ def dump(directory: str | os.PathLike, *, lock: str | None = None, file: TextIO 
                 continue
             w(_record_line(cur, r) + "\n")
             lines += 1
+        if reader.zero_tail:
+            w(f"# {path}: {reader.zero_tail} bytes of preallocated space after offset {reader.end}\n")
         if reader.torn_at >= 0:
             w(f"# {path}: torn tail at offset {reader.torn_at} ({len(data) - reader.torn_at} bytes, "
               f"{reader.reason}), ignored\n")
