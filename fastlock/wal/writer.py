@@ -152,6 +152,9 @@ class SegmentWriter:
         self._on_done: Callable[[Batch], Any] | None = None
         self._on_failed: Callable[[BaseException], Any] | None = None
         self._dir_lock: DirectoryLock | None = None
+        #: the I/O primitives (``pwrite_all``, ``datasync``, ``zero_fill``): the compiled ones;
+        #: tests substitute slow or failing ones, and the thread then runs :meth:`write` for them
+        self.disk: Any = _syncer
 
     def lock_directory(self) -> None:
         """Take the data directory's lock (held until :meth:`stop`).
@@ -182,9 +185,9 @@ class SegmentWriter:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, FILE_MODE)
         hs = SEG_HEADER.size
         try:
-            _syncer.pwrite_all(fd, seg_header(first_lsn), 0)
+            self.disk.pwrite_all(fd, seg_header(first_lsn), 0)
             zero_to = self._zero_range(hs, hs)[1]
-            _syncer.zero_fill(fd, hs, zero_to)
+            self.disk.zero_fill(fd, hs, zero_to)
             os.fsync(fd)  # the header, the zeros and the new file's size
             fsync_dir(self.directory)
         except BaseException:
@@ -200,14 +203,16 @@ class SegmentWriter:
         self.segments.append(first_lsn, path)
 
     def _zero_range(self, offset: int, alloc_end: int) -> tuple[int, int]:
-        """``(start, end)`` to zero-fill once the write offset is ``offset``: the next
-        step when less than half a step is left, never past ``segment_bytes``."""
+        """``(start, end)`` to zero-fill once the write offset is ``offset``: up to the
+        next step boundary at least half a step ahead, when less than half a step is
+        left; never past ``segment_bytes``."""
         if not self.preallocate:
             return 0, 0
         start = max(offset, alloc_end)
-        if start - offset >= PREALLOC_STEP // 2:
+        half = PREALLOC_STEP // 2
+        if start - offset >= half:
             return 0, 0
-        end = min(start + PREALLOC_STEP, self.segment_bytes)
+        end = min(-(-(offset + half) // PREALLOC_STEP) * PREALLOC_STEP, self.segment_bytes)
         return (start, end) if end > start else (0, 0)
 
     def write(self, batch: Batch) -> None:
@@ -220,7 +225,7 @@ class SegmentWriter:
         if data:
             if self.seg_size >= self.segment_bytes and batch.first_lsn > self.seg_first:
                 self._rotate(batch.first_lsn)
-            _syncer.pwrite_all(self._fd, data, self.seg_size)
+            self.disk.pwrite_all(self._fd, data, self.seg_size)
             self.seg_size += len(data)
             self.alloc_end = max(self.alloc_end, self.seg_size)
             self.bytes += len(data)
@@ -230,14 +235,14 @@ class SegmentWriter:
             self._fsync()
             start, end = self._zero_range(self.seg_size, self.alloc_end)
             if end:
-                _syncer.zero_fill(self._fd, start, end)
-                _syncer.datasync(self._fd)
+                self.disk.zero_fill(self._fd, start, end)
+                self.disk.datasync(self._fd)
                 self.alloc_end = end
 
     def _fsync(self) -> None:
         # fdatasync: within the zero-filled space only data pages change; past it,
         # fdatasync also writes the new size (needed to read the data back)
-        self.fsync_seconds.append(_syncer.datasync(self._fd))
+        self.fsync_seconds.append(self.disk.datasync(self._fd))
         self.fsyncs += 1
         self._dirty = False
         self.durable_offset = self.seg_size
@@ -289,7 +294,8 @@ class SegmentWriter:
         if syncer is None or self._job is not None:
             return False
         data = batch.data
-        if data and self.seg_size >= self.segment_bytes and batch.first_lsn > self.seg_first:
+        if (data and self.seg_size >= self.segment_bytes and batch.first_lsn > self.seg_first
+                or self.disk is not _syncer):
             self._job, self._job_call = batch, True
             syncer.submit_call(lambda: self.write(batch))
             return True
