@@ -84,7 +84,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     s.add_argument("--metrics", type=listen_address, metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (needs prometheus_client)")
     s.add_argument("--wal-writer", choices=("thread", "inline"), default="thread",
-                   help="thread (default): write+fsync on a writer thread while the loop keeps serving; "
+                   help="thread (default): write+fdatasync on a writer thread while the loop keeps serving; "
                         "inline: on the loop itself (lower latency when idle, stalls everyone during an fsync)")
     s.add_argument("--replication", choices=("async", "sync"), default="async",
                    help="async (default): a grant is acknowledged without waiting for the standby (a promoted "
