@@ -29,7 +29,6 @@ process either way, and the crash run is the slow part of the suite.
 from __future__ import annotations
 
 import asyncio
-import os
 import sqlite3
 import sys
 from pathlib import Path

@@ -31,9 +31,9 @@ from fastlock.wal import (
     decode_frames,
     dump,
 )
-from fastlock.wal import _syncer
 from fastlock.wal import format as F
 from fastlock.wal import snapshot as snapshot_module
+from fastlock.wal.writer import COMPILED_DISK
 
 E1 = 1 << 40  # epoch 1
 
@@ -50,8 +50,7 @@ def writer(request):
 def patch_disk(wal: WriteAheadLog, monkeypatch, **fns) -> None:
     """Substitute the segment writer's I/O primitives (``pwrite_all``, ``datasync``,
     ``zero_fill``) named in ``fns``; the others stay the compiled ones."""
-    disk = types.SimpleNamespace(pwrite_all=_syncer.pwrite_all, datasync=_syncer.datasync,
-                                 zero_fill=_syncer.zero_fill)
+    disk = types.SimpleNamespace(**vars(COMPILED_DISK))
     for name, fn in fns.items():
         setattr(disk, name, fn)
     monkeypatch.setattr(wal._commit.io, "disk", disk)
@@ -228,7 +227,7 @@ async def test_when_durable_order_and_not_synchronous(tmp_path, writer):
 async def test_one_fsync_in_flight_and_next_batch_accumulates(tmp_path, monkeypatch):
     """Thread writer: while an fsync runs, records go into the next batch."""
     wal, _ = await started(tmp_path, "thread")
-    real_fsync = _syncer.datasync
+    real_fsync = COMPILED_DISK.datasync
     entered = threading.Event()
     release = threading.Event()
     lock = threading.Lock()

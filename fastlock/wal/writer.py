@@ -35,10 +35,11 @@ import asyncio
 import collections
 import os
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
-from . import _syncer
+from ._syncer import Syncer, datasync, pwrite_all, zero_fill
 from .files import FILE_MODE, DirectoryLock, fsync_dir
 from .format import SEG_HEADER, seg_header, seg_name
 
@@ -46,6 +47,9 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 #: zero-fill a segment this many bytes ahead of its write offset (bytes)
 PREALLOC_STEP = 1 << 20
+
+#: the compiled I/O primitives (the default :attr:`SegmentWriter.disk`)
+COMPILED_DISK = types.SimpleNamespace(pwrite_all=pwrite_all, datasync=datasync, zero_fill=zero_fill)
 
 
 class SegmentList:
@@ -142,19 +146,12 @@ class SegmentWriter:
         #: the latest data fsyncs' durations (seconds), for the metrics (WriteAheadLog.take_fsync_seconds)
         self.fsync_seconds: collections.deque[float] = collections.deque(maxlen=4096)
         self.batches = 0
-        self._syncer: _syncer.Syncer | None = None
-        self._thread: threading.Thread | None = None
-        self._wake_r = self._wake_w = -1
-        self._job: Batch | None = None  # the batch in the syncer's slot
-        self._job_call = False  # ... handed as a call (a rotation), accounted by write()
-        self._job_zero_end = 0  # ... and the end of the zero-fill the thread does after it
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._on_done: Callable[[Batch], Any] | None = None
-        self._on_failed: Callable[[BaseException], Any] | None = None
+        self._worker: WriterThread | None = None
+        self._report: tuple[Callable[[Batch], Any], Callable[[BaseException], Any]] | None = None
         self._dir_lock: DirectoryLock | None = None
         #: the I/O primitives (``pwrite_all``, ``datasync``, ``zero_fill``): the compiled ones;
         #: tests substitute slow or failing ones, and the thread then runs :meth:`write` for them
-        self.disk: Any = _syncer
+        self.disk: Any = COMPILED_DISK
 
     def lock_directory(self) -> None:
         """Take the data directory's lock (held until :meth:`stop`).
@@ -272,91 +269,63 @@ class SegmentWriter:
         failure nothing more is submitted."""
         if not self.threaded:
             return
-        if hasattr(os, "eventfd"):
-            self._wake_r = self._wake_w = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        else:  # pragma: no cover - platforms without eventfd (macOS)
-            self._wake_r, self._wake_w = os.pipe()
-            for fd in (self._wake_r, self._wake_w):
-                os.set_blocking(fd, False)
-        self._loop = loop
-        self._on_done = on_done
-        self._on_failed = on_failed
-        self._syncer = _syncer.Syncer(self._wake_w)
-        loop.add_reader(self._wake_r, self._completed)
-        self._thread = threading.Thread(target=self._syncer.run, name="fastlock-wal", daemon=True)
-        self._thread.start()
+        self._report = (on_done, on_failed)
+        self._worker = WriterThread(loop, self._completed)
 
     def submit(self, batch: Batch) -> bool:
         """Hand ``batch`` to the thread if it blocks on the disk (a sync or a rotation)
         and the thread runs; return False if the caller must :meth:`write` it itself
         (also when there is nothing to sync)."""
-        syncer = self._syncer
-        if syncer is None or self._job is not None:
+        worker = self._worker
+        if worker is None or worker.job is not None:
             return False
         data = batch.data
         if (data and self.seg_size >= self.segment_bytes and batch.first_lsn > self.seg_first
-                or self.disk is not _syncer):
-            self._job, self._job_call = batch, True
-            syncer.submit_call(lambda: self.write(batch))
+                or self.disk is not COMPILED_DISK):
+            worker.job, worker.job_call = batch, True
+            worker.syncer.submit_call(lambda: self.write(batch))
             return True
         if not batch.sync or not (data or self._dirty):
             return False
         end = self.seg_size + len(data)
         start, stop = self._zero_range(end, max(self.alloc_end, end))
-        self._job, self._job_call, self._job_zero_end = batch, False, stop
-        syncer.submit(self._fd, data, self.seg_size, True, start, stop)
+        worker.job, worker.job_call, worker.job_zero_end = batch, False, stop
+        worker.syncer.submit(self._fd, data, self.seg_size, True, start, stop)
         return True
 
     def _completed(self) -> None:
         """The thread signalled: account for the batch and report it on the loop."""
-        try:
-            os.read(self._wake_r, 4096)
-        except BlockingIOError:
+        worker = self._worker
+        done = worker.take() if worker is not None else None
+        if worker is None or done is None or self._report is None:
             return
-        syncer, batch = self._syncer, self._job
-        if syncer is None or batch is None:
-            return
-        result = syncer.take_result()
-        if result is None:
-            return
-        err, seconds, exc = result
-        self._job = None
+        batch, (err, seconds, exc) = done
+        on_done, on_failed = self._report
         if err:
             exc = OSError(err, f"{os.strerror(err)} (WAL segment {self.seg_path})")
         if exc is not None:
-            assert self._on_failed is not None
-            self._on_failed(exc)
+            on_failed(exc)
             return
-        if not self._job_call:
+        if not worker.job_call:
             n = len(batch.data)
             if n:
                 self.seg_size += n
                 self.bytes += n
                 self.batches += 1
-            self.alloc_end = max(self.alloc_end, self.seg_size, self._job_zero_end)
+            self.alloc_end = max(self.alloc_end, self.seg_size, worker.job_zero_end)
             self.fsync_seconds.append(seconds)
             self.fsyncs += 1
             self._dirty = False
             self.durable_offset = self.seg_size
-        assert self._on_done is not None
-        self._on_done(batch)
+        on_done(batch)
 
     def stop(self, trim: bool = False) -> None:
         """Stop the thread (after the job it is doing), close the segment, release the
         directory; ``trim``: first cut the zero-filled space after the last record
         (a clean close: everything is synced)."""
-        if self._syncer is not None:
-            self._syncer.stop()
-            if self._thread is not None and self._thread is not threading.current_thread():
-                self._thread.join()
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.remove_reader(self._wake_r)
-            for fd in {self._wake_r, self._wake_w}:
-                os.close(fd)
-            self._wake_r = self._wake_w = -1
-            self._syncer = None
-            self._thread = None
-            self._job = None
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
         if self._fd >= 0:
             try:
                 if trim:
@@ -365,3 +334,55 @@ class SegmentWriter:
                 os.close(self._fd)
                 self._fd = -1
         self.release_directory()
+
+
+class WriterThread:
+    """The writer thread of a :class:`SegmentWriter` and its one job slot.
+
+    The thread runs :meth:`Syncer.run <fastlock.wal._syncer.Syncer.run>` (compiled,
+    without the GIL); it signals each finished job on an eventfd (a pipe where
+    there is none) that ``loop`` watches: ``on_wake()`` then runs on the loop and
+    collects the outcome with :meth:`take`.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_wake: Callable[[], Any]):
+        if hasattr(os, "eventfd"):
+            self.wake_r = self.wake_w = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        else:  # pragma: no cover - platforms without eventfd (macOS)
+            self.wake_r, self.wake_w = os.pipe()
+            for fd in (self.wake_r, self.wake_w):
+                os.set_blocking(fd, False)
+        self.loop = loop
+        self.syncer = Syncer(self.wake_w)
+        self.job: Batch | None = None  # the batch in the slot
+        self.job_call = False  # ... handed as a call (a rotation), accounted by SegmentWriter.write
+        self.job_zero_end = 0  # ... and the end of the zero-fill the thread does after it
+        loop.add_reader(self.wake_r, on_wake)
+        self.thread = threading.Thread(target=self.syncer.run, name="fastlock-wal", daemon=True)
+        self.thread.start()
+
+    def take(self) -> tuple[Batch, tuple[int, float, BaseException | None]] | None:
+        """``(batch, (errno, fdatasync seconds, exception))`` of the finished job, or None
+        (a spurious wake-up); empties the slot."""
+        try:
+            os.read(self.wake_r, 4096)
+        except BlockingIOError:
+            return None
+        batch = self.job
+        result = self.syncer.take_result() if batch is not None else None
+        if batch is None or result is None:
+            return None
+        self.job = None
+        return batch, result
+
+    def stop(self) -> None:
+        """Stop the thread after the job it is doing; stop watching and close the wake-up fds."""
+        self.syncer.stop()
+        if self.thread is not threading.current_thread():
+            self.thread.join()
+        if not self.loop.is_closed():
+            self.loop.remove_reader(self.wake_r)
+        for fd in {self.wake_r, self.wake_w}:
+            os.close(fd)
+        self.job = None
+
