@@ -1,6 +1,6 @@
 """The disk's price of one durable write: 4 KiB write + sync, appended vs preallocated.
 
-    python -m benches.fsync_probe [--dir PATH] [--count 2000] [--json PATH]
+    python -m benches.fsync_probe [--dir PATH] [--count 2000] [--wakeup] [--json PATH]
 
 In a throwaway file under ``--dir`` (default: a temporary directory in the
 current directory, so run it from the data dir's filesystem), ``--count``
@@ -15,6 +15,14 @@ load hits every mode alike:
   (data pages only -- what ``--fsync always`` pays per batch).
 
 Prints p50 / p99 in microseconds per mode and the ratio preallocated/append.
+
+``--wakeup`` also measures what waiting for a sync costs beyond the sync
+itself: a client process does blocking round trips over a local socket with
+a server process that, per request, (a) does nothing, (b) spins for the
+preallocated sync's p50, (c) does a preallocated 100-byte write + fdatasync.
+``round trip - server time`` is the price of the two process wake-ups; on a
+virtual machine it grows once the client waits longer than the hypervisor
+polls an idle vCPU, which no server-side change removes.
 The W1 target of issue 12 is W1 p50 (``always``) <= W1 p50 (``never``) +
 1.0 x the ``prealloc fdatasync`` p50 of the same run: ``benches.durability
 --only w1`` runs both and this probe side by side.
@@ -80,6 +88,64 @@ def probe(directory: str, count: int = 2000) -> dict[str, dict[str, float]]:
                 "mean_us": round(statistics.fmean(xs) * 1e6, 1)} for m, xs in samples.items()}
 
 
+def _wakeup_server(conn, mode: str, spin_s: float, directory: str) -> None:
+    import socket
+    sock = socket.socket(fileno=conn)
+    fd = -1
+    if mode == "sync":
+        fd, path = tempfile.mkstemp(dir=directory)
+        os.unlink(path)
+        os.pwrite(fd, bytes(STEP), 0)
+        os.fsync(fd)
+    off = 0
+    spent = []
+    while True:
+        msg = sock.recv(64)
+        if not msg:
+            break
+        t0 = time.perf_counter()
+        if mode == "sync":
+            os.pwrite(fd, b"r" * 100, off)
+            off = (off + 100) % (STEP - 100)
+            _sync(fd)
+        elif mode == "spin":
+            while time.perf_counter() - t0 < spin_s:
+                pass
+        spent.append(time.perf_counter() - t0)
+        sock.send(msg)
+    sock.send(json.dumps(statistics.median(spent) if spent else 0.0).encode())
+    sock.close()
+
+
+def wakeup(directory: str, spin_s: float, seconds: float = 2.0) -> dict[str, dict[str, float]]:
+    """Round trips to a server process that idles, spins ``spin_s`` or syncs, per request:
+    ``{mode: {"round_trip_p50_us", "server_p50_us", "extra_us"}}``."""
+    import multiprocessing
+    import socket
+    out = {}
+    for mode in ("none", "spin", "sync"):
+        a, b = socket.socketpair()
+        proc = multiprocessing.get_context("fork").Process(target=_wakeup_server,
+                                                           args=(b.fileno(), mode, spin_s, directory))
+        proc.start()
+        b.close()
+        rts = []
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            t0 = time.perf_counter()
+            a.send(b"x" * 50)
+            a.recv(64)
+            rts.append(time.perf_counter() - t0)
+        a.shutdown(socket.SHUT_WR)
+        server = float(a.recv(64) or b"0")
+        a.close()
+        proc.join()
+        rt = statistics.median(rts)
+        out[mode] = {"round_trip_p50_us": round(rt * 1e6, 1), "server_p50_us": round(server * 1e6, 1),
+                     "extra_us": round((rt - server) * 1e6, 1)}
+    return out
+
+
 def format_probe(result: dict[str, dict[str, float]]) -> str:
     lines = [f"  {m:20s} p50 {r['p50_us']:8.1f} us   p99 {r['p99_us']:8.1f} us" for m, r in result.items()]
     a, p = result["append fdatasync"]["p50_us"], result["prealloc fdatasync"]["p50_us"]
@@ -92,11 +158,19 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default=".", help="where to put the throwaway file (default: .)")
     ap.add_argument("--count", type=int, default=2000, help="syncs per mode (default 2000)")
+    ap.add_argument("--wakeup", action="store_true", help="also measure the wake-up cost of waiting for a sync")
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     args = ap.parse_args(argv)
-    result = probe(args.dir, args.count)
+    result: dict = probe(args.dir, args.count)
     print(f"fsync probe in {os.path.abspath(args.dir)}: 4 KiB write + sync, {args.count} each")
     print(format_probe(result))
+    if args.wakeup:
+        wake = wakeup(args.dir, result["prealloc fdatasync"]["p50_us"] / 1e6)
+        print("round trip to a server process that, per request, ... (extra = round trip - server time):")
+        for mode, r in wake.items():
+            print(f"  {mode:5s} server {r['server_p50_us']:8.1f} us  round trip {r['round_trip_p50_us']:8.1f} us"
+                  f"  extra {r['extra_us']:6.1f} us")
+        result = {"probe": result, "wakeup": wake}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
