@@ -33,6 +33,7 @@ from fastlock.wal import (
 )
 from fastlock.wal import format as F
 from fastlock.wal import snapshot as snapshot_module
+from fastlock.wal import writer as writer_module
 from fastlock.wal.writer import COMPILED_DISK
 
 E1 = 1 << 40  # epoch 1
@@ -456,6 +457,30 @@ async def test_a_preallocated_segment_after_a_crash_recovers_every_synced_record
     state = reopen(tmp_path)
     assert state.torn_bytes == 0 and {f"n{c}" for c in range(1, 21)} <= {h.name for h in state.holders}
     assert os.path.getsize(path) == st["durable_offset"]
+
+
+async def test_records_written_while_the_next_step_is_zero_filled_survive(tmp_path, writer, monkeypatch):
+    """Releases written by the loop (no sync) right after a durable batch land where the
+    writer thread zero-fills the next preallocation step when that batch went past the
+    zero-filled space: the zeros never overwrite them."""
+    monkeypatch.setattr(writer_module, "PREALLOC_STEP", 256 << 10)
+    wal, _ = await started(tmp_path, writer, segment_bytes=64 << 20)
+    big = "x" * 40_000
+    c = 0
+    for _ in range(30):
+        for _ in range(5):  # ~200 KB: past the zero-filled space, the fill starts at the batch's end
+            c += 1
+            grant(wal, big + str(c), c)
+        await durable(wal)
+        for _ in range(3):
+            wal.log_release(big + str(c), tok(c))  # written inline, at once
+            await asyncio.sleep(0)
+    st = wal.stats()
+    path = st["active_segment"]
+    wal.abort()  # a crash: every record was written, the tail is zero-filled
+    state = reopen(tmp_path)
+    assert state.records_replayed == 30 * 8 and state.torn_bytes == 0
+    assert os.path.getsize(path) == st["written_offset"]
 
 
 async def test_a_clean_close_trims_the_preallocated_space(tmp_path, writer):

@@ -50,7 +50,7 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_cond_init(pthread_cond_t *c, void *attr)
     int pthread_cond_destroy(pthread_cond_t *c)
     int pthread_cond_wait(pthread_cond_t *c, pthread_mutex_t *m)
-    int pthread_cond_signal(pthread_cond_t *c)
+    int pthread_cond_broadcast(pthread_cond_t *c)
 
 cdef extern from *:
     """
@@ -173,6 +173,7 @@ cdef class Syncer:
     cdef int _notify_fd
     cdef int _state
     cdef bint _stopping
+    cdef bint _filling  # the thread is writing the zeros of a preallocation step
     # the job
     cdef int _fd
     cdef object _data  # keeps the written buffer alive until the job is done
@@ -211,7 +212,7 @@ cdef class Syncer:
         with nogil:
             pthread_mutex_lock(&self._mu)
             self._state = QUEUED
-            pthread_cond_signal(&self._cv)
+            pthread_cond_broadcast(&self._cv)
             pthread_mutex_unlock(&self._mu)
         return 0
 
@@ -265,12 +266,24 @@ cdef class Syncer:
         self._call = None
         return out
 
+    def wait_fill(self):
+        """Wait (GIL released) until the zeros of a running preallocation step are written.
+
+        The loop calls this before it writes a batch itself: its write may land in
+        the range being zero-filled, and must not be overwritten by those zeros.
+        """
+        with nogil:
+            pthread_mutex_lock(&self._mu)
+            while self._filling:
+                pthread_cond_wait(&self._cv, &self._mu)
+            pthread_mutex_unlock(&self._mu)
+
     def stop(self):
         """Make :meth:`run` return once the slot holds no queued job."""
         with nogil:
             pthread_mutex_lock(&self._mu)
             self._stopping = True
-            pthread_cond_signal(&self._cv)
+            pthread_cond_broadcast(&self._cv)
             pthread_mutex_unlock(&self._mu)
 
     def run(self):
@@ -316,10 +329,16 @@ cdef class Syncer:
                     self._err = err
                 pthread_mutex_lock(&self._mu)
                 self._state = DONE
+                # set with DONE: the loop cannot see the job done and miss the fill
+                self._filling = zto > zfrom and err == 0
                 pthread_mutex_unlock(&self._mu)
                 write(self._notify_fd, &one, 8)  # a full pipe already holds a wake-up
-                if zto > zfrom and err == 0:
+                if self._filling:
                     err = _zero_fill(fd, zfrom, zto)
+                    pthread_mutex_lock(&self._mu)
+                    self._filling = False
+                    pthread_cond_broadcast(&self._cv)
+                    pthread_mutex_unlock(&self._mu)
                     if err == 0:
                         err = _datasync(fd)
                     self._zero_err = err

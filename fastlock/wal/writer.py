@@ -23,7 +23,9 @@ compiled :class:`~fastlock.wal._syncer.Syncer` runs its loop without the GIL
 and reports each completion through an eventfd (a pipe where there is none)
 that the event loop watches with ``add_reader`` -- one thread wake-up and one
 loop wake-up per batch.  The zero-fill of the next step runs on that thread
-after the completion is reported.  The loop still writes a batch itself when
+after the completion is reported; a batch the loop writes itself meanwhile
+first waits until those zeros are written (not synced), so they can never
+overwrite a record.  The loop still writes a batch itself when
 it needs neither a sync nor a rotation (a write into the page cache costs
 less than the hand-off).  :class:`SegmentList` is the list of segments on
 disk, shared with compaction and with readers of the log.
@@ -222,6 +224,8 @@ class SegmentWriter:
         if data:
             if self.seg_size >= self.segment_bytes and batch.first_lsn > self.seg_first:
                 self._rotate(batch.first_lsn)
+            if self._worker is not None:  # zeros being written where this batch goes must land first
+                self._worker.syncer.wait_fill()
             self.disk.pwrite_all(self._fd, data, self.seg_size)
             self.seg_size += len(data)
             self.alloc_end = max(self.alloc_end, self.seg_size)
