@@ -287,58 +287,68 @@ cdef class Syncer:
             pthread_mutex_unlock(&self._mu)
 
     def run(self):
-        """The thread body: do each queued job and signal its completion, until :meth:`stop`."""
+        """The thread body: do each queued job and signal its completion, until :meth:`stop`.
+
+        Runs without the GIL from start to end (the GIL is taken only for a call job),
+        so the thread never competes with the event loop for it."""
+        with nogil:
+            self._run()
+
+    cdef void _call_job(self) noexcept:
+        if self._zero_err:
+            self._err = self._zero_err  # a failed zero-fill fails the job after it
+            return
+        try:
+            self._call()
+        except BaseException as exc:  # handed to the loop, which makes the log fatal
+            self._exc = exc
+
+    cdef void _run(self) noexcept nogil:
         cdef bint quit
         cdef int err, fd
         cdef double t0
         cdef long long zfrom, zto
         cdef uint64_t one = 1
         while True:
-            with nogil:
-                pthread_mutex_lock(&self._mu)
-                while self._state != QUEUED and not self._stopping:
-                    pthread_cond_wait(&self._cv, &self._mu)
-                quit = self._state != QUEUED
-                if not quit:
-                    self._state = RUNNING
-                pthread_mutex_unlock(&self._mu)
+            pthread_mutex_lock(&self._mu)
+            while self._state != QUEUED and not self._stopping:
+                pthread_cond_wait(&self._cv, &self._mu)
+            quit = self._state != QUEUED
+            if not quit:
+                self._state = RUNNING
+            pthread_mutex_unlock(&self._mu)
             if quit:
                 return
             self._seconds = -1.0
-            if self._is_call and self._zero_err:
-                self._err = self._zero_err  # a failed zero-fill fails the job after it
-            elif self._is_call:
-                try:
-                    self._call()
-                except BaseException as exc:  # handed to the loop, which makes the log fatal
-                    self._exc = exc
-            with nogil:
-                err = 0
-                # what the zero-fill needs, read before the loop may queue the next job
-                fd = self._fd
-                zfrom = self._zero_from
-                zto = self._zero_to
-                if not self._is_call:
-                    err = self._zero_err  # a failed zero-fill fails the job after it
-                    if err == 0:
-                        err = _pwrite_all(fd, self._buf, self._len, self._offset)
-                    if err == 0 and self._sync:
-                        t0 = _now()
-                        err = _datasync(fd)
-                        self._seconds = _now() - t0
-                    self._err = err
+            err = 0
+            if self._is_call:
+                with gil:
+                    self._call_job()
+            # what the zero-fill needs, read before the loop may queue the next job
+            fd = self._fd
+            zfrom = self._zero_from
+            zto = self._zero_to
+            if not self._is_call:
+                err = self._zero_err  # a failed zero-fill fails the job after it
+                if err == 0:
+                    err = _pwrite_all(fd, self._buf, self._len, self._offset)
+                if err == 0 and self._sync:
+                    t0 = _now()
+                    err = _datasync(fd)
+                    self._seconds = _now() - t0
+                self._err = err
+            pthread_mutex_lock(&self._mu)
+            self._state = DONE
+            # set with DONE: the loop cannot see the job done and miss the fill
+            self._filling = zto > zfrom and err == 0
+            pthread_mutex_unlock(&self._mu)
+            write(self._notify_fd, &one, 8)  # a full pipe already holds a wake-up
+            if self._filling:
+                err = _zero_fill(fd, zfrom, zto)
                 pthread_mutex_lock(&self._mu)
-                self._state = DONE
-                # set with DONE: the loop cannot see the job done and miss the fill
-                self._filling = zto > zfrom and err == 0
+                self._filling = False
+                pthread_cond_broadcast(&self._cv)
                 pthread_mutex_unlock(&self._mu)
-                write(self._notify_fd, &one, 8)  # a full pipe already holds a wake-up
-                if self._filling:
-                    err = _zero_fill(fd, zfrom, zto)
-                    pthread_mutex_lock(&self._mu)
-                    self._filling = False
-                    pthread_cond_broadcast(&self._cv)
-                    pthread_mutex_unlock(&self._mu)
-                    if err == 0:
-                        err = _datasync(fd)
-                    self._zero_err = err
+                if err == 0:
+                    err = _datasync(fd)
+                self._zero_err = err
