@@ -43,7 +43,7 @@ def tok(counter: int, epoch: int = 1) -> int:
     return (epoch << 40) | counter
 
 
-@pytest.fixture(params=["thread", "inline"])
+@pytest.fixture(params=["thread", "inline", "auto"])
 def writer(request):
     return request.param
 
@@ -223,6 +223,42 @@ async def test_when_durable_order_and_not_synchronous(tmp_path, writer):
     await durable(wal)
     assert seen == ["empty", "r1", "r2", "r3", "r4", "r5"]
     await wal.close()
+
+
+async def test_auto_writer_syncs_a_lone_waiter_on_the_loop_and_concurrent_ones_on_the_thread(tmp_path, monkeypatch):
+    wal, _ = await started(tmp_path, "auto")
+    synced_on: list[str] = []
+
+    def datasync(fd):
+        synced_on.append(threading.current_thread().name)
+        return COMPILED_DISK.datasync(fd)
+
+    patch_disk(wal, monkeypatch, datasync=datasync)
+    loop = asyncio.get_running_loop()
+    for c in range(1, 4):  # one client: each batch has one waiter
+        grant(wal, f"n{c}", c)
+        await durable(wal)
+    assert synced_on == [threading.current_thread().name] * 3
+    synced_on.clear()
+    c = 3
+    for _ in range(3):  # two clients waiting together: their batches go to the writer thread
+        futs = []
+        for _ in range(2):
+            c += 1
+            grant(wal, f"n{c}", c)
+            fut = loop.create_future()
+            wal.when_durable(lambda fut=fut: fut.set_result(None))
+            futs.append(fut)
+        await asyncio.gather(*futs)
+    assert synced_on == ["fastlock-wal"] * 3
+    synced_on.clear()
+    for _ in range(2):  # one client again: the thread once more, then the loop
+        c += 1
+        grant(wal, f"n{c}", c)
+        await durable(wal)
+    assert synced_on == ["fastlock-wal", threading.current_thread().name]
+    await wal.close()
+    assert reopen(tmp_path).counter == c
 
 
 async def test_one_fsync_in_flight_and_next_batch_accumulates(tmp_path, monkeypatch):

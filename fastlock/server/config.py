@@ -37,6 +37,8 @@ class WalWriter(str, enum.Enum):
     THREAD = "thread"
     #: on the event loop itself
     INLINE = "inline"
+    #: on the event loop while one client waits alone, on the writer thread otherwise
+    AUTO = "auto"
 
 
 def _member(cls: type[enum.Enum], value: Any, field_name: str) -> Any:
