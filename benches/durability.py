@@ -3,11 +3,11 @@
     python -m benches.durability [--duration 5] [--warmup 1] [--concurrency 32] [--rounds 1]
                                  [--records 1000000] [--live 100000] [--starts 3]
                                  [--only w1,w2,recovery,bytes] [--quiet-wait S] [--json PATH]
-                                 [--w1-writers thread,inline]
+                                 [--w1-writers auto,thread,inline]
 
 0. **W1 always vs never** (issue 12): one client, sequential acquire+release,
    against ``--fsync never`` and ``--fsync always`` (once per ``--w1-writers``
-   entry: ``--wal-writer thread``, the default, and ``inline``), alternating
+   entry: ``--wal-writer auto``, the default, ``thread`` and ``inline``), alternating
    order for ``--rounds`` rounds, with the fsync probe of
    :mod:`benches.fsync_probe` (4 KiB write + sync, appended vs preallocated,
    in the temporary directory the servers' data dirs live in) before each
@@ -125,7 +125,7 @@ def run_w2(args, log=print) -> dict[str, Any]:
 
 def run_w1(args, log=print) -> dict[str, Any]:
     wl = harness.Workload("W1", 1, False, 0.0, args.duration, args.warmup)
-    modes = [("never", "thread")] + [("always", w.strip()) for w in args.w1_writers.split(",") if w.strip()]
+    modes = [("never", "auto")] + [("always", w.strip()) for w in args.w1_writers.split(",") if w.strip()]
     rows: dict[str, list[dict]] = {f"{m} {w}": [] for m, w in modes}
     probes: list[dict] = []
     for rnd in range(args.rounds):
@@ -295,7 +295,7 @@ def report(res: dict[str, Any]) -> str:
     if "w1" in res:
         w1 = res["w1"]
         probe = w1["probe_p50_us"]["prealloc fdatasync"]
-        never = w1["modes"]["never thread"]["pair_p50_us"]
+        never = w1["modes"]["never auto"]["pair_p50_us"]
         lines.append(f"W1, one client, acquire+release pair, medians of {w1['rounds']} run(s) of "
                      f"{w1['duration_s']:g} s; fsync probe p50: "
                      + ", ".join(f"{m} {v:.0f} us" for m, v in w1["probe_p50_us"].items()) + ":")
@@ -351,8 +351,8 @@ def main(argv: list | None = None) -> int:
     ap.add_argument("--live", type=int, default=100_000, help="live locks in the recovery data dirs")
     ap.add_argument("--starts", type=int, default=3, help="server starts per recovery data dir")
     ap.add_argument("--only", default="w1,w2,recovery,bytes", help="comma list of w1, w2, recovery, bytes")
-    ap.add_argument("--w1-writers", default="thread,inline",
-                    help="W1: the --wal-writer values to run --fsync always with (default thread,inline)")
+    ap.add_argument("--w1-writers", default="auto,thread,inline",
+                    help="W1: the --wal-writer values to run --fsync always with (default auto,thread,inline)")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--uvloop", dest="uvloop", action="store_true", default=True)
     g.add_argument("--no-uvloop", dest="uvloop", action="store_false")

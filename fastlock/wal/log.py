@@ -98,7 +98,7 @@ class WriteAheadLog:
         fails; default: log CRITICAL and re-raise (the loop's exception handler sees it).
     :param keep_snapshots: snapshots kept on disk, with the segments needed to replay
         from the oldest of them (default 2, so a damaged newest snapshot has a fallback).
-    :param writer: ``"thread"`` (default), ``"inline"`` or ``"auto"`` group commit; see :mod:`fastlock.wal`.
+    :param writer: ``"auto"`` (default), ``"thread"`` or ``"inline"`` group commit; see :mod:`fastlock.wal`.
     :raises ValueError: on a bad mode or non-positive size.
 
     Typical use (by the server)::
@@ -123,7 +123,7 @@ class WriteAheadLog:
         reserve_block: int = 100_000,
         on_fatal: Callable[[BaseException], Any] | None = None,
         keep_snapshots: int = 2,
-        writer: str = "thread",
+        writer: str = "auto",
     ):
         if fsync not in FSYNC_MODES:
             raise ValueError(f"fsync must be one of {FSYNC_MODES}, not {fsync!r}")
