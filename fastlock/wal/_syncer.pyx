@@ -201,11 +201,6 @@ cdef class Syncer:
         pthread_cond_destroy(&self._cv)
         pthread_mutex_destroy(&self._mu)
 
-    @property
-    def busy(self):
-        """A job is queued, running or done but not yet taken."""
-        return self._state != IDLE
-
     cdef int _queue(self) except -1:
         if self._state != IDLE:
             raise RuntimeError("Syncer: a job is already in the slot")
