@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 STAMP := $(VENV)/.fastlock-installed
-SOURCES := $(wildcard fastlock/*.py fastlock/*/*.py fastlock/*.pyx fastlock/*.pxd fastlock/*.pyi) setup.py pyproject.toml
+SOURCES := $(wildcard fastlock/*.py fastlock/*/*.py fastlock/*.pyx fastlock/*/*.pyx fastlock/*.pxd fastlock/*.pyi) setup.py pyproject.toml
 
 .PHONY: demo test serve bench clean dist wheel-check
 
@@ -39,4 +39,4 @@ wheel-check: dist
 	$(VENV)/bin/python tests/wheel_check.py dist
 
 clean:
-	rm -rf build dist $(VENV) fastlock/_core.c fastlock/*.so fastlock/*.html *.egg-info
+	rm -rf build dist $(VENV) fastlock/_core.c fastlock/wal/_syncer.c fastlock/*.so fastlock/*/*.so fastlock/*.html fastlock/*/*.html *.egg-info

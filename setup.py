@@ -26,7 +26,13 @@ extensions = [
         "fastlock._core",
         ["fastlock/_core.pyx"],
         extra_compile_args=["-O0", "-g"] if debug else ["-O2"],
-    )
+    ),
+    # the WAL's write + fdatasync thread loop, without the GIL (fastlock/wal/writer.py)
+    Extension(
+        "fastlock.wal._syncer",
+        ["fastlock/wal/_syncer.pyx"],
+        extra_compile_args=["-O0", "-g"] if debug else ["-O2"],
+    ),
 ]
 
 setup(

@@ -2,7 +2,18 @@
 
     python -m benches.durability [--duration 5] [--warmup 1] [--concurrency 32] [--rounds 1]
                                  [--records 1000000] [--live 100000] [--starts 3]
-                                 [--only w2,recovery,bytes] [--quiet-wait S] [--json PATH]
+                                 [--only w1,w2,recovery,bytes] [--quiet-wait S] [--json PATH]
+                                 [--w1-writers auto,thread,inline]
+
+0. **W1 always vs never** (issue 12): one client, sequential acquire+release,
+   against ``--fsync never`` and ``--fsync always`` (once per ``--w1-writers``
+   entry: ``--wal-writer auto``, the default, ``thread`` and ``inline``), alternating
+   order for ``--rounds`` rounds, with the fsync probe of
+   :mod:`benches.fsync_probe` (4 KiB write + sync, appended vs preallocated,
+   in the temporary directory the servers' data dirs live in) before each
+   round.  Printed: W1 pair p50 per mode (medians), the durable mode's extra
+   cost over ``never``, and the target of issue 12: W1 p50 (``always``) <= W1
+   p50 (``never``) + 1.0 x the probe's preallocated fdatasync p50.
 
 1. **W2 per fsync mode**, in the same run: ``--concurrency`` (32) asyncio client
    tasks in this one process, each with its own connection and its own lock,
@@ -45,7 +56,7 @@ import tempfile
 import time
 from typing import Any
 
-from benches import harness
+from benches import fsync_probe, harness
 from benches.load import FastlockTarget
 
 MODES = (("never", ()), ("interval", ("--fsync-interval-ms", "1000")), ("always", ()))
@@ -109,6 +120,37 @@ def run_w2(args, log=print) -> dict[str, Any]:
                      if a.get("pairs_per_s") and b.get("pairs_per_s")]
         m["ratio_to_never_per_round"] = per_round
         m["ratio_to_never_round_median"] = statistics.median(per_round) if per_round else float("nan")
+    return out
+
+
+def run_w1(args, log=print) -> dict[str, Any]:
+    wl = harness.Workload("W1", 1, False, 0.0, args.duration, args.warmup)
+    modes = [("never", "auto")] + [("always", w.strip()) for w in args.w1_writers.split(",") if w.strip()]
+    rows: dict[str, list[dict]] = {f"{m} {w}": [] for m, w in modes}
+    probes: list[dict] = []
+    for rnd in range(args.rounds):
+        probes.append(fsync_probe.probe_modes(tempfile.gettempdir(), 500))
+        log(f"  fsync probe round {rnd + 1}: " + ", ".join(f"{m} p50 {r['p50_us']:.0f} us"
+                                                          for m, r in probes[-1].items()))
+        for mode, writer in (modes if rnd % 2 == 0 else list(reversed(modes))):
+            if args.quiet_wait:
+                harness.wait_for_quiet(args.quiet_wait, log=log)
+            target = FastlockTarget(fsync=mode, extra_args=("--wal-writer", writer))
+            with harness.running(target):
+                row = harness.run_workload(target, wl, use_uvloop=args.uvloop)
+            rows[f"{mode} {writer}"].append(row)
+            log(f"  W1 fsync={mode:<7} writer={writer:<7} round {rnd + 1}/{args.rounds}: " + harness.one_line(row))
+    out: dict[str, Any] = {"rounds": args.rounds, "duration_s": wl.duration, "modes": {}, "probes": probes}
+    for label, rs in rows.items():
+        ok = [r for r in rs if "pair_us" in r and not r.get("error_count")]
+        out["modes"][label] = {
+            "pair_p50_us": statistics.median(r["pair_us"]["p50"] for r in ok) if ok else float("nan"),
+            "pair_p99_us": statistics.median(r["pair_us"]["p99"] for r in ok) if ok else float("nan"),
+            "acquire_p50_us": statistics.median(r["acquire_us"]["p50"] for r in ok) if ok else float("nan"),
+            "release_p50_us": statistics.median(r["release_us"]["p50"] for r in ok) if ok else float("nan"),
+            "errors": [e for r in rs for e in r.get("errors", [])][:5],
+        }
+    out["probe_p50_us"] = {m: statistics.median(p[m]["p50_us"] for p in probes) for m in fsync_probe.MODES}
     return out
 
 
@@ -250,6 +292,23 @@ def run_bytes(args, log=print, n: int = 2000) -> dict[str, Any]:
 
 def report(res: dict[str, Any]) -> str:
     lines = []
+    if "w1" in res:
+        w1 = res["w1"]
+        probe = w1["probe_p50_us"]["prealloc fdatasync"]
+        never = w1["modes"]["never auto"]["pair_p50_us"]
+        lines.append(f"W1, one client, acquire+release pair, medians of {w1['rounds']} run(s) of "
+                     f"{w1['duration_s']:g} s; fsync probe p50: "
+                     + ", ".join(f"{m} {v:.0f} us" for m, v in w1["probe_p50_us"].items()) + ":")
+        for label, m in w1["modes"].items():
+            extra = ""
+            if label.startswith("always"):
+                ok = m["pair_p50_us"] <= never + probe
+                extra = (f"   +{m['pair_p50_us'] - never:.0f} us over never = {(m['pair_p50_us'] - never) / probe:.2f}"
+                         f" x probe; target <= never + 1.0 x probe: {'PASS' if ok else 'MISS'}")
+            lines.append(f"  fsync={label:<16} p50 {m['pair_p50_us']:6.0f} us (acquire {m['acquire_p50_us']:.0f}"
+                         f" / release {m['release_p50_us']:.0f})  p99 {m['pair_p99_us']:6.0f} us" + extra)
+            if m["errors"]:
+                lines.append(f"    errors: {m['errors']}")
     if "w2" in res:
         w2 = res["w2"]
         lines.append(f"W2, {w2['clients']} clients, acquire+release pairs/s, median of {w2['rounds']} run(s) "
@@ -287,11 +346,13 @@ def main(argv: list | None = None) -> int:
     ap.add_argument("--duration", type=float, default=5.0, help="W2 seconds measured per mode (default 5)")
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--concurrency", type=int, default=32, help="W2 client tasks (default 32)")
-    ap.add_argument("--rounds", type=int, default=1, help="W2 runs per mode, alternating order (median)")
+    ap.add_argument("--rounds", type=int, default=1, help="W1/W2 runs per mode, alternating order (median)")
     ap.add_argument("--records", type=int, default=1_000_000, help="records in the big recovery data dir")
     ap.add_argument("--live", type=int, default=100_000, help="live locks in the recovery data dirs")
     ap.add_argument("--starts", type=int, default=3, help="server starts per recovery data dir")
-    ap.add_argument("--only", default="w2,recovery,bytes", help="comma list of w2, recovery, bytes")
+    ap.add_argument("--only", default="w1,w2,recovery,bytes", help="comma list of w1, w2, recovery, bytes")
+    ap.add_argument("--w1-writers", default="auto,thread,inline",
+                    help="W1: the --wal-writer values to run --fsync always with (default auto,thread,inline)")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--uvloop", dest="uvloop", action="store_true", default=True)
     g.add_argument("--no-uvloop", dest="uvloop", action="store_false")
@@ -301,6 +362,9 @@ def main(argv: list | None = None) -> int:
     args = ap.parse_args(argv)
     parts = {p.strip() for p in args.only.split(",") if p.strip()}
     res: dict[str, Any] = {"machine": harness.machine_info(), "argv": sys.argv[1:]}
+    if "w1" in parts:
+        print("W1 always vs never:")
+        res["w1"] = run_w1(args)
     if "w2" in parts:
         print("W2 per fsync mode:")
         res["w2"] = run_w2(args)

@@ -1,26 +1,40 @@
-"""What one durable 4 KiB write costs on a directory's file system.
+"""The disk's price of one durable write: 4 KiB write + sync, appended vs preallocated.
 
-    python -m benches.fsync_probe [--dir DIR] [--count N]
+    python -m benches.fsync_probe [--dir PATH] [--count 2000] [--wakeup] [--json PATH]
 
-Two shapes, each ``count`` times, timed per operation (write + ``os.fdatasync``):
+In a throwaway file under ``--dir`` (default: a temporary directory in the
+current directory, so run it from the data dir's filesystem), ``--count``
+times each, interleaved in rounds of 100 so that a change in the machine's
+load hits every mode alike:
 
-append
-    each 4 KiB block is written at the end of a new file, so every fdatasync
-    also commits the file's new size and block allocation (what a log that grows
-    its file pays).
-overwrite
-    the file is first filled with zeros (real writes, synced), then each 4 KiB
-    block overwrites one zero block in order: the fdatasync commits data only
-    (what a log writing into preallocated segments pays).
+- ``append fsync`` / ``append fdatasync``: write 4 KiB at the end of a growing
+  file, then ``fsync`` / ``fdatasync`` (every sync also commits the new size and
+  the allocated blocks: a journal commit on ext4/xfs);
+- ``prealloc fdatasync``: overwrite 4 KiB of a file zero-filled and synced
+  beforehand (1 MiB steps, as the WAL's segments are), then ``fdatasync``
+  (data pages only -- what ``--fsync always`` pays per batch).
 
-The files live in a fresh sub-directory of ``path`` and are removed afterwards.
+Prints p50 / p99 in microseconds per mode and the ratio preallocated/append.
+
+``--wakeup`` also measures what waiting for a sync costs beyond the sync
+itself: a client process does blocking round trips over a local socket with
+a server process that, per request, (a) does nothing, (b) spins for the
+preallocated sync's p50, (c) does a preallocated 100-byte write + fdatasync.
+``round trip - server time`` is the price of the two process wake-ups; on a
+virtual machine it grows once the client waits longer than the hypervisor
+polls an idle vCPU, which no server-side change removes.
+The W1 target of issue 12 is W1 p50 (``always``) <= W1 p50 (``never``) +
+1.0 x the ``prealloc fdatasync`` p50 of the same run: ``benches.durability
+--only w1`` runs both and this probe side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from typing import Any
@@ -29,78 +43,173 @@ from benches.harness import latency_stats
 
 BLOCK = 4096
 MAX_COUNT = 1_000_000
+STEP = 1 << 20
+MODES = ("append fsync", "append fdatasync", "prealloc fdatasync")
+_sync = getattr(os, "fdatasync", os.fsync)
 
 
-def _timed_writes(fd: int, count: int, *, append: bool) -> list[int]:
-    """Nanoseconds of each write + fdatasync; ``append`` writes at the end, else at block i."""
-    block = bytes((i * 7 + 1) & 0xFF for i in range(BLOCK))   # not zeros: an overwrite changes the data
-    samples: list[int] = []
-    for i in range(count):
-        t0 = time.perf_counter_ns()
-        if append:
-            written = os.write(fd, block)
-        else:
-            written = os.pwrite(fd, block, i * BLOCK)
-        os.fdatasync(fd)
-        samples.append(time.perf_counter_ns() - t0)
-        if written != BLOCK:
-            raise OSError(f"short write: {written} of {BLOCK} bytes")
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _samples(directory: str, count: int) -> dict[str, list[int]]:
+    """Nanoseconds of each write + sync, ``count`` per mode, interleaved in rounds of 100."""
+    d = tempfile.mkdtemp(prefix="fsync-probe-", dir=directory)
+    block = os.urandom(BLOCK)
+    samples: dict[str, list[int]] = {m: [] for m in MODES}
+    fds = {}
+    try:
+        for m in MODES:
+            fds[m] = os.open(os.path.join(d, m.replace(" ", "-")), os.O_WRONLY | os.O_CREAT, 0o600)
+        pre = fds["prealloc fdatasync"]
+        offsets = {m: 0 for m in MODES}
+        allocated = 0
+        done = 0
+        while done < count:
+            for m in MODES:
+                fd = fds[m]
+                for _ in range(min(100, count - done)):
+                    off = offsets[m]
+                    if fd == pre and off + BLOCK > allocated:  # the next zero-filled step, synced
+                        os.pwrite(fd, bytes(STEP), allocated)
+                        os.fsync(fd)
+                        allocated += STEP
+                    t0 = time.perf_counter_ns()
+                    os.pwrite(fd, block, off)
+                    (os.fsync if m == "append fsync" else _sync)(fd)
+                    samples[m].append(time.perf_counter_ns() - t0)
+                    offsets[m] = off + BLOCK
+            done += min(100, count - done)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        shutil.rmtree(d, ignore_errors=True)
     return samples
 
 
-def _preallocate(fd: int, count: int) -> None:
-    """Write ``count`` zero blocks for real (not a hole, not fallocate) and sync them."""
-    zeros = bytes(BLOCK * 64)
-    left = count * BLOCK
-    while left > 0:
-        left -= os.write(fd, zeros[:min(left, len(zeros))])
-    os.fsync(fd)
+def _check_count(count: object) -> int:
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_COUNT:
+        raise ValueError(f"count must be an integer from 1 to {MAX_COUNT:,}, not {count!r}")
+    return count
+
+
+def probe_modes(directory: str, count: int = 2000) -> dict[str, dict[str, float]]:
+    """Measure each of :data:`MODES` ``count`` times in ``directory``:
+    ``{mode: {"p50_us", "p99_us", "mean_us"}}`` (microseconds per write + sync).
+
+    :raises ValueError: ``count`` is not an integer from 1 to :data:`MAX_COUNT`.
+    :raises OSError: the directory is not writable, or a write or sync failed.
+    """
+    samples = _samples(directory, _check_count(count))
+    return {m: {"p50_us": round(statistics.median(xs) / 1e3, 1), "p99_us": round(_pct(xs, 0.99) / 1e3, 1),
+                "mean_us": round(statistics.fmean(xs) / 1e3, 1)} for m, xs in samples.items()}
 
 
 def probe(path: str, count: int) -> dict[str, Any]:
-    """Time ``count`` 4 KiB write + fdatasync operations in the directory ``path``.
+    """The probe as :mod:`benches.peers` reports it: ``{"dir", "count", "block_bytes",
+    "append", "overwrite", "append_fsync"}``, each shape's stats
+    (:func:`benches.harness.latency_stats`: n, p50, p90, p99, max, mean in microseconds):
+    ``append`` = 4 KiB appended + fdatasync, ``overwrite`` = 4 KiB into preallocated,
+    zero-filled space + fdatasync (what the WAL pays per durable batch),
+    ``append_fsync`` = appended + fsync.
 
-    :param path: an existing directory, on the file system to measure (a server's data dir's parent).
-    :param count: operations per shape, 1 to 1,000,000.
-    :returns: ``{"dir", "count", "block_bytes", "append": stats, "overwrite": stats}`` where each
-        ``stats`` is ``{"n", "p50", "p90", "p99", "max", "mean"}`` in microseconds per operation.
-    :raises ValueError: ``count`` out of range.
+    :raises ValueError: ``count`` is not an integer from 1 to :data:`MAX_COUNT`.
     :raises OSError: ``path`` is not a writable directory, or a write or sync failed.
     """
-    if not isinstance(count, int) or not 1 <= count <= MAX_COUNT:
-        raise ValueError(f"count must be an integer from 1 to {MAX_COUNT:,}, not {count!r}")
-    work = tempfile.mkdtemp(prefix="fsync-probe-", dir=path)
-    try:
-        fd = os.open(os.path.join(work, "append"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            append = _timed_writes(fd, count, append=True)
-        finally:
-            os.close(fd)
-        fd = os.open(os.path.join(work, "overwrite"), os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
-            _preallocate(fd, count)
-            overwrite = _timed_writes(fd, count, append=False)
-        finally:
-            os.close(fd)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    samples = _samples(path, _check_count(count))
     return {"dir": os.path.abspath(path), "count": count, "block_bytes": BLOCK,
-            "append": latency_stats(append), "overwrite": latency_stats(overwrite)}
+            "append": latency_stats(samples["append fdatasync"]),
+            "overwrite": latency_stats(samples["prealloc fdatasync"]),
+            "append_fsync": latency_stats(samples["append fsync"])}
+
+
+def _wakeup_server(conn, mode: str, spin_s: float, directory: str) -> None:
+    import socket
+    sock = socket.socket(fileno=conn)
+    fd = -1
+    if mode == "sync":
+        fd, path = tempfile.mkstemp(dir=directory)
+        os.unlink(path)
+        os.pwrite(fd, bytes(STEP), 0)
+        os.fsync(fd)
+    off = 0
+    spent = []
+    while True:
+        msg = sock.recv(64)
+        if not msg:
+            break
+        t0 = time.perf_counter()
+        if mode == "sync":
+            os.pwrite(fd, b"r" * 100, off)
+            off = (off + 100) % (STEP - 100)
+            _sync(fd)
+        elif mode == "spin":
+            while time.perf_counter() - t0 < spin_s:
+                pass
+        spent.append(time.perf_counter() - t0)
+        sock.send(msg)
+    sock.send(json.dumps(statistics.median(spent) if spent else 0.0).encode())
+    sock.close()
+
+
+def wakeup(directory: str, spin_s: float, seconds: float = 2.0) -> dict[str, dict[str, float]]:
+    """Round trips to a server process that idles, spins ``spin_s`` or syncs, per request:
+    ``{mode: {"round_trip_p50_us", "server_p50_us", "extra_us"}}``."""
+    import multiprocessing
+    import socket
+    out = {}
+    for mode in ("none", "spin", "sync"):
+        a, b = socket.socketpair()
+        proc = multiprocessing.get_context("fork").Process(target=_wakeup_server,
+                                                           args=(b.fileno(), mode, spin_s, directory))
+        proc.start()
+        b.close()
+        rts = []
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            t0 = time.perf_counter()
+            a.send(b"x" * 50)
+            a.recv(64)
+            rts.append(time.perf_counter() - t0)
+        a.shutdown(socket.SHUT_WR)
+        server = float(a.recv(64) or b"0")
+        a.close()
+        proc.join()
+        rt = statistics.median(rts)
+        out[mode] = {"round_trip_p50_us": round(rt * 1e6, 1), "server_p50_us": round(server * 1e6, 1),
+                     "extra_us": round((rt - server) * 1e6, 1)}
+    return out
+
+
+def format_probe(result: dict[str, dict[str, float]]) -> str:
+    lines = [f"  {m:20s} p50 {r['p50_us']:8.1f} us   p99 {r['p99_us']:8.1f} us" for m, r in result.items()]
+    a, p = result["append fdatasync"]["p50_us"], result["prealloc fdatasync"]["p50_us"]
+    lines.append(f"  preallocated / append (fdatasync p50): {p / a:.2f}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benches.fsync_probe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", default=tempfile.gettempdir(),
-                    help="directory on the file system to measure (default: the temp dir, where the benches "
-                         "put fastlock's data dir)")
-    ap.add_argument("--count", type=int, default=2000, help="operations per shape (default 2000)")
+    ap.add_argument("--dir", default=".", help="where to put the throwaway file (default: .)")
+    ap.add_argument("--count", type=int, default=2000, help="syncs per mode (default 2000)")
+    ap.add_argument("--wakeup", action="store_true", help="also measure the wake-up cost of waiting for a sync")
+    ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     args = ap.parse_args(argv)
-    r = probe(args.dir, args.count)
-    for shape in ("append", "overwrite"):
-        s = r[shape]
-        print(f"{shape:<9} 4 KiB write + fdatasync in {r['dir']}: p50 {s['p50']:.0f} µs, p90 {s['p90']:.0f} µs, "
-              f"p99 {s['p99']:.0f} µs, max {s['max']:.0f} µs ({s['n']} ops)")
+    result: dict = probe_modes(args.dir, args.count)
+    print(f"fsync probe in {os.path.abspath(args.dir)}: 4 KiB write + sync, {args.count} each")
+    print(format_probe(result))
+    if args.wakeup:
+        wake = wakeup(args.dir, result["prealloc fdatasync"]["p50_us"] / 1e6)
+        print("round trip to a server process that, per request, ... (extra = round trip - server time):")
+        for mode, r in wake.items():
+            print(f"  {mode:5s} server {r['server_p50_us']:8.1f} us  round trip {r['round_trip_p50_us']:8.1f} us"
+                  f"  extra {r['extra_us']:6.1f} us")
+        result = {"probe": result, "wakeup": wake}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
     return 0
 
 

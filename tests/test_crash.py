@@ -15,8 +15,9 @@ nothing acknowledged is lost.
   in ``always`` mode loses no acknowledged grant.
 * ``test_lost_unsynced_tail_never_reuses_a_token``: ``--fsync interval`` and
   ``never`` acknowledge grants before they are on disk.  SIGKILL alone loses
-  nothing (the page cache survives the process), so after the kill the active
-  segment is cut back to its last fsynced size, as a power cut would leave it;
+  nothing (the page cache survives the process), so after the kill everything
+  after the active segment's last fsynced offset is zeroed (``power_cut``), as a
+  power cut would leave the preallocated segment;
   acknowledged grants are then really gone, yet the next token is above every
   token acknowledged before (the RESERVE record), and the fence rejects the
   forgotten holder's late write.
@@ -28,7 +29,6 @@ process either way, and the crash run is the slow part of the suite.
 from __future__ import annotations
 
 import asyncio
-import os
 import sqlite3
 import sys
 from pathlib import Path
@@ -36,9 +36,10 @@ from pathlib import Path
 import pytest
 
 import fastlock
-from fastlock._testbase import ServerProcess
+from fastlock._testbase import ServerProcess, power_cut
 from fastlock.errors import StaleFencingToken
 from fastlock.fencing import SQLiteFence
+from fastlock.wal.format import SEG_HEADER, FrameReader
 
 # benches/ is not installed with the package: import it from the source tree
 # (appended, so that ``fastlock`` itself still comes from the installed package)
@@ -108,10 +109,12 @@ async def _lose_tail_round(srv: ServerProcess, rnd: int, acked: list[int], fence
     assert wal["durable_offset"] < wal["written_offset"], wal
     srv.kill()
     seg = wal["active_segment"]
-    size = os.path.getsize(seg)
-    assert size == wal["written_offset"]  # SIGKILL alone lost nothing
-    os.truncate(seg, wal["durable_offset"])  # ... a power cut would have
-    return size - wal["durable_offset"], held
+    with open(seg, "rb") as f:
+        data = f.read()
+    reader = FrameReader(data, SEG_HEADER.size, seg, 1, last=True)
+    assert sum(1 for _ in reader) and reader.end == wal["written_offset"]  # SIGKILL alone lost nothing
+    assert reader.zero_tail == len(data) - reader.end  # preallocated zeros after the records
+    return power_cut(seg, wal["durable_offset"]), held  # ... a power cut would have
 
 
 @pytest.mark.parametrize("mode,args", [("interval", ["--fsync-interval-ms", "10000"]), ("never", [])])
@@ -180,7 +183,7 @@ def test_power_cut_in_always_mode_keeps_every_acknowledged_grant(tmp_path):
                 released.append(lease)
             wal = (await c.status())["wal"]
         srv.kill()
-        os.truncate(wal["active_segment"], wal["durable_offset"])
+        power_cut(wal["active_segment"], wal["durable_offset"])
         await asyncio.to_thread(srv.start)
         async with fastlock.connect(srv.address, client_name="pc-check") as c:
             for lease in held:

@@ -10,13 +10,12 @@ client at once while the first still believes it holds it.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import pytest
 
 import fastlock
-from fastlock._testbase import ServerProcess
+from fastlock._testbase import ServerProcess, power_cut
 from fastlock.errors import LeaseLost, LockNotAcquired
 
 TTL = 2.0  # seconds: the longest TTL granted, so the grace after the crash
@@ -39,7 +38,7 @@ def test_a_lock_held_before_an_os_crash_is_not_granted_to_another_client_before_
             wal = (await first.status())["wal"]
             assert wal["durable_offset"] < wal["written_offset"], wal  # the grant is not fsynced
             srv.kill()
-            os.truncate(wal["active_segment"], wal["durable_offset"])  # what a power cut leaves
+            power_cut(wal["active_segment"], wal["durable_offset"])  # what a power cut leaves
             restarted = time.monotonic()
             await asyncio.to_thread(srv.start)
             async with fastlock.connect(srv.address, client_name="second") as second:

@@ -12,7 +12,7 @@ def test_strings_become_enum_members_and_compare_equal_to_them():
     config = ServerConfig(fsync="interval", wal_writer="inline")
     assert config.fsync is FsyncMode.INTERVAL and config.wal_writer is WalWriter.INLINE
     assert config.fsync == "interval" and config.fsync.value == "interval"
-    assert ServerConfig().fsync is FsyncMode.ALWAYS and ServerConfig().wal_writer is WalWriter.THREAD
+    assert ServerConfig().fsync is FsyncMode.ALWAYS and ServerConfig().wal_writer is WalWriter.AUTO
     assert ServerConfig(fsync=FsyncMode.NEVER).fsync is FsyncMode.NEVER
 
 

@@ -13,10 +13,12 @@ import json
 import logging
 import os
 import threading
+import types
 
 import pytest
 
 from fastlock import wal as W
+from fastlock._testbase import power_cut
 from fastlock.cli import main as cli_main
 from fastlock.wal import (
     GRANT,
@@ -32,6 +34,8 @@ from fastlock.wal import (
 )
 from fastlock.wal import format as F
 from fastlock.wal import snapshot as snapshot_module
+from fastlock.wal import writer as writer_module
+from fastlock.wal.writer import COMPILED_DISK
 
 E1 = 1 << 40  # epoch 1
 
@@ -40,9 +44,18 @@ def tok(counter: int, epoch: int = 1) -> int:
     return (epoch << 40) | counter
 
 
-@pytest.fixture(params=["thread", "inline"])
+@pytest.fixture(params=["thread", "inline", "auto"])
 def writer(request):
     return request.param
+
+
+def patch_disk(wal: WriteAheadLog, monkeypatch, **fns) -> None:
+    """Substitute the segment writer's I/O primitives (``pwrite_all``, ``datasync``,
+    ``zero_fill``) named in ``fns``; the others stay the compiled ones."""
+    disk = types.SimpleNamespace(**vars(COMPILED_DISK))
+    for name, fn in fns.items():
+        setattr(disk, name, fn)
+    monkeypatch.setattr(wal._commit.io, "disk", disk)
 
 
 def make(path, writer="thread", **kw) -> WriteAheadLog:
@@ -213,10 +226,46 @@ async def test_when_durable_order_and_not_synchronous(tmp_path, writer):
     await wal.close()
 
 
+async def test_auto_writer_syncs_a_lone_waiter_on_the_loop_and_concurrent_ones_on_the_thread(tmp_path, monkeypatch):
+    wal, _ = await started(tmp_path, "auto")
+    synced_on: list[str] = []
+
+    def datasync(fd):
+        synced_on.append(threading.current_thread().name)
+        return COMPILED_DISK.datasync(fd)
+
+    patch_disk(wal, monkeypatch, datasync=datasync)
+    loop = asyncio.get_running_loop()
+    for c in range(1, 4):  # one client: each batch has one waiter
+        grant(wal, f"n{c}", c)
+        await durable(wal)
+    assert synced_on == [threading.current_thread().name] * 3
+    synced_on.clear()
+    c = 3
+    for _ in range(3):  # two clients waiting together: their batches go to the writer thread
+        futs = []
+        for _ in range(2):
+            c += 1
+            grant(wal, f"n{c}", c)
+            fut = loop.create_future()
+            wal.when_durable(lambda fut=fut: fut.set_result(None))
+            futs.append(fut)
+        await asyncio.gather(*futs)
+    assert synced_on == ["fastlock-wal"] * 3
+    synced_on.clear()
+    for _ in range(2):  # one client again: the thread once more, then the loop
+        c += 1
+        grant(wal, f"n{c}", c)
+        await durable(wal)
+    assert synced_on == ["fastlock-wal", threading.current_thread().name]
+    await wal.close()
+    assert reopen(tmp_path).counter == c
+
+
 async def test_one_fsync_in_flight_and_next_batch_accumulates(tmp_path, monkeypatch):
     """Thread writer: while an fsync runs, records go into the next batch."""
     wal, _ = await started(tmp_path, "thread")
-    real_fsync = os.fsync
+    real_fsync = COMPILED_DISK.datasync
     entered = threading.Event()
     release = threading.Event()
     lock = threading.Lock()
@@ -232,7 +281,7 @@ async def test_one_fsync_in_flight_and_next_batch_accumulates(tmp_path, monkeypa
             active[0] -= 1
         real_fsync(fd)
 
-    monkeypatch.setattr(os, "fsync", slow_fsync)
+    patch_disk(wal, monkeypatch, datasync=slow_fsync)
     loop = asyncio.get_running_loop()
     s0 = wal.stats()
     grant(wal, "a", 1)
@@ -389,7 +438,7 @@ async def test_torn_tail_truncated_mid_record(tmp_path, writer, caplog):
     assert st2.torn_bytes == 0 and st2.counter == n - 1
 
 
-@pytest.mark.parametrize("tail", [b"\x00" * 4096, os.urandom(777), b"\xff" * 9, b"\x01"])
+@pytest.mark.parametrize("tail", [b"\x01" + b"\x00" * 4095, os.urandom(777), b"\xff" * 9, b"\x01"])
 async def test_torn_tail_garbage_or_zeros(tmp_path, writer, tail):
     n = await _log_some(tmp_path, writer)
     with open(last_segment(tmp_path), "ab") as f:
@@ -402,6 +451,83 @@ async def test_torn_tail_garbage_or_zeros(tmp_path, writer, tail):
     grant(wal, "z", n + 1)
     await wal.close()
     assert reopen(tmp_path).counter == n + 1
+
+
+async def test_zero_tail_is_the_end_of_the_log_not_a_torn_tail(tmp_path, writer, caplog):
+    """Zeros after the last record are preallocated space: trimmed quietly, nothing torn."""
+    n = await _log_some(tmp_path, writer)
+    seg = last_segment(tmp_path)
+    size = os.path.getsize(seg)
+    with open(seg, "ab") as f:
+        f.write(b"\x00" * 5000)
+    with caplog.at_level(logging.INFO, logger="fastlock.wal"):
+        st = reopen(tmp_path)
+    assert st.torn_bytes == 0 and st.records_replayed == n and st.counter == n
+    assert os.path.getsize(seg) == size  # cut back to the last record
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "preallocated" in caplog.text
+
+
+async def test_a_torn_record_followed_by_zeros_is_a_torn_tail(tmp_path, writer):
+    n = await _log_some(tmp_path, writer)
+    seg = last_segment(tmp_path)
+    size = os.path.getsize(seg)
+    with open(seg, "r+b") as f:  # the last record half-written, preallocated zeros after it
+        f.seek(size - 5)
+        f.write(b"\x00" * 5)
+        f.write(b"\x00" * 4096)
+    st = reopen(tmp_path)
+    assert st.records_replayed == n - 1 and st.torn_bytes > 4096
+    assert os.path.getsize(seg) < size - 5
+
+
+async def test_a_preallocated_segment_after_a_crash_recovers_every_synced_record(tmp_path, writer):
+    wal, _ = await started(tmp_path, writer)
+    for c in range(1, 21):
+        grant(wal, f"n{c}", c)
+        await durable(wal)
+    st = wal.stats()
+    path = st["active_segment"]
+    wal.abort()  # a crash: no trim
+    assert os.path.getsize(path) > st["written_offset"]  # zero-filled ahead of the write offset
+    power_cut(path, st["durable_offset"])
+    state = reopen(tmp_path)
+    assert state.torn_bytes == 0 and {f"n{c}" for c in range(1, 21)} <= {h.name for h in state.holders}
+    assert os.path.getsize(path) == st["durable_offset"]
+
+
+async def test_records_written_while_the_next_step_is_zero_filled_survive(tmp_path, writer, monkeypatch):
+    """Releases written by the loop (no sync) right after a durable batch land where the
+    writer thread zero-fills the next preallocation step when that batch went past the
+    zero-filled space: the zeros never overwrite them."""
+    monkeypatch.setattr(writer_module, "PREALLOC_STEP", 256 << 10)
+    wal, _ = await started(tmp_path, writer, segment_bytes=64 << 20)
+    big = "x" * 40_000
+    c = 0
+    for _ in range(30):
+        for _ in range(5):  # ~200 KB: past the zero-filled space, the fill starts at the batch's end
+            c += 1
+            grant(wal, big + str(c), c)
+        await durable(wal)
+        for _ in range(3):
+            wal.log_release(big + str(c), tok(c))  # written inline, at once
+            await asyncio.sleep(0)
+    st = wal.stats()
+    path = st["active_segment"]
+    wal.abort()  # a crash: every record was written, the tail is zero-filled
+    state = reopen(tmp_path)
+    assert state.records_replayed == 30 * 8 and state.torn_bytes == 0
+    assert os.path.getsize(path) == st["written_offset"]
+
+
+async def test_a_clean_close_trims_the_preallocated_space(tmp_path, writer):
+    wal, _ = await started(tmp_path, writer, segment_bytes=4 << 20)
+    grant(wal, "a", 1)
+    await durable(wal)
+    path = wal.stats()["active_segment"]
+    assert os.path.getsize(path) == 1 << 20  # one preallocation step
+    await wal.close()
+    assert os.path.getsize(path) == wal.stats()["written_offset"]
 
 
 async def test_torn_final_batch_with_a_hole(tmp_path, writer):
@@ -610,7 +736,7 @@ async def test_failed_snapshot_is_not_fatal(tmp_path, writer, monkeypatch, caplo
 
 
 # -- fatal I/O errors ---------------------------------------------------------------------------
-@pytest.mark.parametrize("fn", ["fsync", "write"])
+@pytest.mark.parametrize("fn", ["datasync", "pwrite_all"])
 async def test_failed_io_is_fatal_and_never_acknowledges(tmp_path, writer, monkeypatch, fn):
     loop = asyncio.get_running_loop()
     fatal = loop.create_future()
@@ -624,7 +750,7 @@ async def test_failed_io_is_fatal_and_never_acknowledges(tmp_path, writer, monke
     def broken(*a):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(os, fn, broken)
+    patch_disk(wal, monkeypatch, **{fn: broken})
     grant(wal, "a", 2)
     wal.when_durable(lambda: acked.append(2))
     exc = await fatal
@@ -647,7 +773,7 @@ async def test_default_on_fatal_logs_critical(tmp_path, monkeypatch, caplog):
     loop.set_exception_handler(lambda lp, ctx: handled.done() or handled.set_result(ctx))
     try:
         wal, _ = await started(tmp_path, "inline")
-        monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "EIO")))
+        patch_disk(wal, monkeypatch, datasync=lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "EIO")))
         grant(wal, "a", 1)
         ctx = await handled
         assert isinstance(ctx["exception"], OSError)
@@ -755,7 +881,7 @@ async def test_dump_is_read_only_and_reports_torn_tail(tmp_path, writer):
     n = await _log_some(tmp_path, writer)
     seg = last_segment(tmp_path)
     with open(seg, "ab") as f:
-        f.write(b"\x00" * 100)
+        f.write(b"\x01" * 100)
     size = os.path.getsize(seg)
     out = io.StringIO()
     assert dump(str(tmp_path), file=out) == n

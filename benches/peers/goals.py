@@ -21,7 +21,7 @@ NEVER = "fastlock fsync=never"
 POSTGRES = "postgres advisory"
 REDIS = "redis SET NX"
 ECHO = "echo floor"
-PROBE_P50 = "probe/append.p50"       # the fsync the WAL pays today: 4 KiB appended + fdatasync
+PROBE_P50 = "probe/overwrite.p50"    # the sync the WAL pays per durable batch: 4 KiB into preallocated space + fdatasync
 
 OPS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge}
 

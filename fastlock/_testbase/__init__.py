@@ -5,7 +5,8 @@ Four parts, each a module that can be read alone:
 :mod:`fastlock._testbase.servers`
     :class:`ServerProcess`: a real ``fastlock serve`` subprocess on 127.0.0.1
     (free or fixed port, its log lines, kill/pause/resume/stop by PID), and
-    :func:`node_status` (one node's status, no redirect), and
+    :func:`node_status` (one node's status, no redirect), :func:`power_cut`
+    (what an OS crash leaves of the WAL's active segment), and
     :class:`CredentialsDir` (principals and their tokens, for servers that
     need a standby or operator commands).
 :mod:`fastlock._testbase.history`
@@ -47,7 +48,7 @@ from fastlock._testbase.history import (
     check_store,
 )
 from fastlock._testbase.proxy import TcpProxy, classify_fastlock
-from fastlock._testbase.servers import CredentialsDir, ServerProcess, node_status
+from fastlock._testbase.servers import CredentialsDir, ServerProcess, node_status, power_cut
 
 __all__ = [
     "Cluster",
@@ -65,6 +66,7 @@ __all__ = [
     "classify_fastlock",
     "node_status",
     "poll",
+    "power_cut",
     "run",
     "status_of",
 ]

@@ -268,3 +268,24 @@ def node_status(address: str, timeout: float = 2.0, token: str | None = None) ->
     if token is None and os.environ.get("FASTLOCK_TOKEN_FILE"):
         token = Path(os.environ["FASTLOCK_TOKEN_FILE"]).read_text().strip()
     return admin_request(parse_address(address, default_port=None), token, OP_STATUS, reply_timeout=timeout)
+
+
+def power_cut(segment: str | os.PathLike, durable_offset: int) -> int:
+    """Leave ``segment`` as an OS crash or a power cut may after a ``SIGKILL``: every
+    byte after ``durable_offset`` (the last synced offset of the active segment, the
+    status' ``wal.durable_offset``) lost.  The file keeps its size and those bytes
+    read as zeros, as in a preallocated segment whose zero-filled blocks were synced
+    and whose records written over them were not.
+
+    :param segment: the segment's path.
+    :param durable_offset: bytes known synced (int).
+    :returns: the number of non-zero bytes lost (int).
+    :raises OSError: the file cannot be read or written.
+    """
+    with open(segment, "r+b") as f:
+        f.seek(durable_offset)
+        lost = f.read()
+        f.seek(durable_offset)
+        f.write(bytes(len(lost)))
+    return len(lost) - lost.count(0)
+

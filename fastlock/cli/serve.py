@@ -84,9 +84,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     s.add_argument("--name", metavar="NAME", help="this node's name in logs and replication status")
     s.add_argument("--metrics", type=listen_address, metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (needs prometheus_client)")
-    s.add_argument("--wal-writer", choices=("thread", "inline"), default="thread",
-                   help="thread (default): write+fsync on a writer thread while the loop keeps serving; "
-                        "inline: on the loop itself (lower latency when idle, stalls everyone during an fsync)")
+    s.add_argument("--wal-writer", choices=("auto", "thread", "inline"), default="auto",
+                   help="auto (default): write+fdatasync on the loop itself while one client waits alone, on a "
+                        "writer thread when clients wait together; thread: always on the writer thread (the loop "
+                        "keeps serving during every sync); inline: always on the loop (stalls everyone during a sync)")
     s.add_argument("--replication", choices=("async", "sync"), default="async",
                    help="async (default): a grant is acknowledged without waiting for the standby (a promoted "
                         "standby then waits a grace period); sync: grants and extends are acknowledged once the "

@@ -37,6 +37,8 @@ class WalWriter(str, enum.Enum):
     THREAD = "thread"
     #: on the event loop itself
     INLINE = "inline"
+    #: on the event loop while one client waits alone, on the writer thread otherwise
+    AUTO = "auto"
 
 
 def _member(cls: type[enum.Enum], value: Any, field_name: str) -> Any:
@@ -100,7 +102,7 @@ class ServerConfig:
     deadlock_timeout_ms: int = 1000  # a wait-for cycle this old is broken (0: no detection; PostgreSQL's default)
     name: str | None = None  # this node's name in logs and replication status
     repair_wal: bool = False  # cut a damaged last WAL segment instead of refusing to start
-    wal_writer: WalWriter = WalWriter.THREAD  # a member's string value is accepted too
+    wal_writer: WalWriter = WalWriter.AUTO  # a member's string value is accepted too
     metrics: tuple[str, int] | None = None  # serve Prometheus metrics on this address
     # TLS (see fastlock.tls): this node's certificate and key serve clients and, on a standby,
     # are presented to the primary; the CA verifies client certificates and the primary's

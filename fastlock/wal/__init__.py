@@ -33,6 +33,13 @@ On disk (one directory)
     fsynced before the next one is created, so only the last segment can ever
     have an unsynced tail, whatever the fsync mode.  Every :meth:`~WriteAheadLog.open`
     starts a new segment at the next LSN.
+
+    Segments are preallocated: zero-filled and synced in 1 MiB steps ahead of
+    the write offset (up to ``segment_bytes``), so that the ``fdatasync`` of a
+    batch overwrites existing blocks and writes no metadata.  The zeros after
+    the last record are cut at rotation and at a clean close; after a crash,
+    recovery cuts them (a frame header is never all zeros, so zeros up to the
+    end of the last segment are the end of the log, not a torn tail).
 ``snap-<lsn:020d>.snap``
     A snapshot of the lock table after applying every record up to ``lsn``:
     a header (magic ``FLOCKSNP``, version, lsn, epoch, counter, body length),
@@ -88,7 +95,9 @@ recovery) follows etcd's WAL.
 
 Recovery and corruption
 -----------------------
-A bad frame (short, zero length, length beyond the file, CRC mismatch) in the
+Zeros from a frame boundary to the end of the *last* segment are preallocated
+space that was never written: cut at INFO level, not a torn tail.  A bad frame
+(short, zero length, length beyond the file, CRC mismatch) in the
 *last* segment followed by nothing valid is a torn tail: a write that the
 crash interrupted.  It is cut (the file is truncated and fsynced) and reported
 as a WARNING naming the segment, the offset and the number of bytes removed.
@@ -109,8 +118,12 @@ fsync modes and what each can lose
 ----------------------------------
 ``always`` (default)
     Group commit: the records logged during one turn of the event loop are
-    written with one ``os.write`` and made durable with ONE ``os.fsync``; only
-    then do their :meth:`~WriteAheadLog.when_durable` callbacks run.  At most
+    written with one ``pwrite`` and made durable with ONE ``fdatasync``
+    (``fsync`` on macOS); only then do their :meth:`~WriteAheadLog.when_durable`
+    callbacks run.  ``fdatasync`` is enough: inside the preallocated space the
+    file's size and blocks do not change, and past it ``fdatasync`` also writes
+    the new size (metadata needed to read the data back); segment creation,
+    rotation and the final trim use ``fsync``.  At most
     one fsync is in flight; everything logged meanwhile forms the next batch.
     A batch that nobody waits for (only releases and expiries, which the
     server acknowledges without the disk) is written but not fsynced: the next
@@ -152,29 +165,40 @@ cannot tell what reached the disk.  The log calls ``on_fatal(exc)`` on the
 loop, never runs another durability callback, and every later ``log_*`` raises
 :class:`WalFatal`.  The process should stop and recover from disk.
 
-Group commit implementation: writer thread vs inline
-----------------------------------------------------
-Two implementations exist (``writer="thread"`` or ``"inline"``):
+Group commit implementation: auto, writer thread or inline
+----------------------------------------------------------
+Three choices (``writer="auto"``, the default, ``"thread"`` or ``"inline"``):
 
-* ``thread``: a dedicated thread does ``os.write`` + ``os.fsync`` (both release
-  the GIL) while the loop keeps serving and accumulating the next batch;
-  completion comes back through ``loop.call_soon_threadsafe``.
-* ``inline``: the batch is written and fsynced in a ``loop.call_soon`` callback
-  on the loop thread, which blocks the loop for the fsync.
+* ``thread``: a dedicated thread does ``pwrite`` + ``fdatasync`` while the
+  loop keeps serving and accumulating the next batch.  Its loop is compiled
+  (:mod:`fastlock.wal._syncer`): it waits on a condition variable, writes and
+  syncs without ever taking the GIL, and signals completion through an eventfd
+  (a pipe on systems without one) that the event loop watches with
+  ``add_reader`` -- one thread wake-up and one loop wake-up per batch, no
+  Python queue and no ``call_soon_threadsafe``.  The zero-fill of the next
+  preallocation step runs on the thread after the completion is signalled.
+* ``inline``: the batch is written and synced in a ``loop.call_soon`` callback
+  on the loop thread, which blocks the loop for the sync.
+* ``auto``: inline while one client waits alone (this batch and the one before
+  it each had at most one durability waiter), the thread as soon as clients
+  wait together.  A lone client saves the two wake-ups of the hand-off, which
+  on a small virtual machine cost more than the sync itself (W1, below);
+  concurrent clients keep group commit on the thread, and the loop goes on
+  parsing and replying during their sync.  What a lone client's sync delays
+  is only work that needs no disk (releases, checks, other clients' idle
+  connections): by one sync at most.
 
-``python benches/bench_wal.py --compare-writers`` measures both side by side.
-Inline wins only the synthetic case where every producer logs in the same
-loop turn (handing a batch to a thread costs a wake-up and a
-``call_soon_threadsafe`` on a CPU-bound 2-vCPU box).  When requests arrive
-over several loop turns with real work per request -- what a server reading
-many sockets does -- the thread is as fast or faster, because the loop keeps
-parsing, replying and expiring leases during the fsync; and when fsync is slow
-(it can vary by an order of magnitude within minutes) inline stalls every client and every timer
-for the whole fsync.  So the default is ``writer="thread"``; ``"inline"`` is
-kept for benchmarks and for platforms where threads are undesirable.  Even
-with the thread, a batch that needs no fsync (``interval``/``never`` modes,
-no reservation, no rotation) is written inline: a ``write()`` into the page
-cache costs microseconds, less than the hand-off to the thread and back.
+``python -m benches.durability --only w1 --w1-writers thread,inline,auto``
+measures W1 with each beside ``--fsync never`` and the fsync probe: on the
+project's 2-vCPU machine (a shared disk) auto 281 µs and inline 291 µs against
+thread 390 µs and never 85 µs, probe 126 µs.  ``python benches/bench_wal.py
+--compare-writers`` measures group commit under many producers.  A slow sync
+(it can vary by an order of magnitude within minutes) stalls every client and
+timer for its whole length with ``inline``, which is kept for benchmarks and
+for platforms where threads are undesirable.  With a thread, a batch that needs
+no sync (``interval``/``never`` modes, no reservation, no rotation) is written
+inline: a ``pwrite`` into the page cache costs microseconds, less than the
+hand-off to the thread and back.
 
 Replication hooks
 -----------------

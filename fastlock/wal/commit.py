@@ -58,9 +58,13 @@ class GroupCommit:
     :param always: ``fsync="always"`` (callbacks wait for an fsync) or not (for the write).
     :param interval_ms: fsync timer period (milliseconds); 0: no timer (``never``).
     :param on_fatal: called on the loop with the exception of a failed write or fsync.
+    :param adaptive: sync a batch on the loop itself (not on the writer thread) when it
+        and the batch before it each had at most one waiter: one client waiting alone
+        saves the two wake-ups of the hand-off; concurrent clients keep the thread.
     """
 
-    def __init__(self, io: SegmentWriter, always: bool, interval_ms: int, on_fatal: Callable[[BaseException], Any]):
+    def __init__(self, io: SegmentWriter, always: bool, interval_ms: int, on_fatal: Callable[[BaseException], Any],
+                 adaptive: bool = False):
         self.io = io
         self.always = always
         self.interval_ms = interval_ms
@@ -79,6 +83,8 @@ class GroupCommit:
         self.listeners: list = []
         self.progress: list = []  # fn(written_lsn, synced_lsn) after every batch (see add_progress_listener)
         self._timer: asyncio.TimerHandle | None = None
+        self.adaptive = adaptive
+        self._last_waiters = 0  # waiters of the batch handed over before this one
 
     def recovered(self, next_lsn: int) -> None:
         """The log on disk ends before ``next_lsn``: number from there."""
@@ -170,7 +176,10 @@ class GroupCommit:
         # (an fsync, or a rotation, which fsyncs); a write() to the page cache is done
         # here, so the relaxed modes acknowledge in the same loop turn.
         io = self.io
-        if (sync or io.seg_size >= io.segment_bytes) and io.submit(batch):
+        waiters = len(self._waiters) + len(self._sync_waiters)
+        lone = self.adaptive and waiters <= 1 and self._last_waiters <= 1 and not io.rotation_due
+        self._last_waiters = waiters
+        if (sync or io.seg_size >= io.segment_bytes) and not lone and io.submit(batch):
             return
         try:
             io.write(batch)
@@ -333,4 +342,4 @@ class GroupCommit:
             self._waiters.clear()
             self._pending = _Pending(self.next_lsn)
         self.stopped = True
-        self.io.stop()
+        self.io.stop(trim=not drop and self.fatal is None)

@@ -216,6 +216,8 @@ def dump(directory: str | os.PathLike, *, lock: str | None = None, file: TextIO 
             if lock is not None and getattr(r, "name", None) != lock:
                 continue
             emit(_record_entry(cur, r))
+        if reader.zero_tail:
+            note(f"{path}: {reader.zero_tail} bytes of preallocated space after offset {reader.end}")
         if reader.torn_at >= 0:
             note(f"{path}: torn tail at offset {reader.torn_at} ({len(data) - reader.torn_at} bytes, "
                  f"{reader.reason}), ignored")

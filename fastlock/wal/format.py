@@ -94,8 +94,8 @@ def parse_segment(path: str, data: bytes, expect_first: int, last: bool) -> int:
         raise WalCorruption(f"{path}: truncated segment header", path, 0, expect_first)
     magic, version, first, crc = SEG_HEADER.unpack_from(data, 0)
     if magic != SEG_MAGIC or crc != crc32(data[:hs - 4]):
-        if last and len(data) <= hs:
-            return -1
+        if last and (len(data) <= hs or not data[hs:].strip(b"\0")):
+            return -1  # a header torn before its first sync (with preallocated zeros after it)
         raise WalCorruption(f"{path}: bad segment header", path, 0, expect_first)
     if version != FORMAT_VERSION:
         raise WalCorruption(f"{path}: unsupported WAL format version {version}", path, 0, expect_first)
@@ -121,7 +121,10 @@ class FrameReader:
     """Iterate the typed records of a buffer of frames, classifying a bad frame.
 
     After iteration: ``end`` = offset just past the last good frame, ``count``
-    = records yielded, ``torn_at`` = offset of a torn tail (or -1).
+    = records yielded, ``torn_at`` = offset of a torn tail (or -1),
+    ``zero_tail`` = bytes of zeros after the last good frame of a last segment
+    (preallocated space that was never written: the end of the log, not a torn
+    tail).
     With ``last=False`` any bad frame raises WalCorruption; with ``last=True`` a
     torn tail (see :mod:`fastlock.wal`) stops iteration instead; ``repair``
     treats any bad frame of a last segment as a torn tail; ``lenient`` (for
@@ -131,7 +134,7 @@ class FrameReader:
     """
 
     __slots__ = ("data", "start", "path", "first_lsn", "last", "repair", "lenient",
-                 "end", "count", "torn_at", "reason", "limit", "skip")
+                 "end", "count", "torn_at", "zero_tail", "reason", "limit", "skip")
 
     def __init__(self, data: bytes, start: int, path: str, first_lsn: int, *, last: bool, repair: bool = False,
                  lenient: bool = False, limit: int = -1, skip: int = 0):
@@ -147,6 +150,7 @@ class FrameReader:
         self.end = start
         self.count = 0
         self.torn_at = -1
+        self.zero_tail = 0
         self.reason = ""
 
     def __iter__(self) -> Iterator[Record]:
@@ -200,6 +204,11 @@ class FrameReader:
 
     def _bad(self, mv: memoryview, off: int, count: int, why: str) -> None:
         lsn = self.first_lsn + count
+        if self.last and _NONZERO.search(self.data, off) is None:
+            # nothing but zeros from here on: a frame's 8-byte header is never all
+            # zeros (its length is >= 1), so this is preallocated space, never written
+            self.zero_tail = len(self.data) - off
+            return
         self.reason = why
         if self.lenient:
             return

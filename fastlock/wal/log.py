@@ -48,6 +48,8 @@ from .writer import SegmentList, SegmentWriter
 log = logging.getLogger("fastlock.wal")
 
 FSYNC_MODES = ("always", "interval", "never")
+#: where group commit syncs: a writer thread, the event loop, or the loop while one client waits
+WRITERS = ("thread", "inline", "auto")
 
 
 #: a file in the data directory while acknowledged records may exist only in the OS's
@@ -96,7 +98,7 @@ class WriteAheadLog:
         fails; default: log CRITICAL and re-raise (the loop's exception handler sees it).
     :param keep_snapshots: snapshots kept on disk, with the segments needed to replay
         from the oldest of them (default 2, so a damaged newest snapshot has a fallback).
-    :param writer: ``"thread"`` (default) or ``"inline"`` group commit; see :mod:`fastlock.wal`.
+    :param writer: ``"auto"`` (default), ``"thread"`` or ``"inline"`` group commit; see :mod:`fastlock.wal`.
     :raises ValueError: on a bad mode or non-positive size.
 
     Typical use (by the server)::
@@ -121,12 +123,12 @@ class WriteAheadLog:
         reserve_block: int = 100_000,
         on_fatal: Callable[[BaseException], Any] | None = None,
         keep_snapshots: int = 2,
-        writer: str = "thread",
+        writer: str = "auto",
     ):
         if fsync not in FSYNC_MODES:
             raise ValueError(f"fsync must be one of {FSYNC_MODES}, not {fsync!r}")
-        if writer not in ("thread", "inline"):
-            raise ValueError(f"writer must be 'thread' or 'inline', not {writer!r}")
+        if writer not in WRITERS:
+            raise ValueError(f"writer must be one of {WRITERS}, not {writer!r}")
         for label, v in (("fsync_interval_ms", fsync_interval_ms), ("segment_bytes", segment_bytes),
                          ("snapshot_every", snapshot_every), ("reserve_block", reserve_block),
                          ("keep_snapshots", keep_snapshots)):
@@ -136,11 +138,11 @@ class WriteAheadLog:
         self.fsync_mode = fsync
         self.fsync_interval_ms = fsync_interval_ms
         self._always = fsync == "always"
-        io = SegmentWriter(self.directory, segment_bytes, SegmentList([]), writer == "thread")
+        io = SegmentWriter(self.directory, segment_bytes, SegmentList([]), writer != "inline")
         # `always`: records nobody waited for (releases, expiries) are fsynced by the
         # next grant's batch, or by the interval timer at the latest
         self._commit = GroupCommit(io, self._always, 0 if fsync == "never" else fsync_interval_ms,
-                                   on_fatal or _default_on_fatal)
+                                   on_fatal or _default_on_fatal, adaptive=writer == "auto")
         self._snapshots = Snapshotter(self.directory, io.segments, snapshot_every, keep_snapshots)
         self._counters = _Reservation(reserve_block)
         #: open(repair=True) cut records: acknowledged grants may be gone, and with

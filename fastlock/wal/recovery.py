@@ -145,6 +145,14 @@ def recover(directory: str, *, repair: bool = False) -> Recovery:
         for record in reader:
             apply(record, state)
             replayed += 1
+        if reader.zero_tail:
+            # preallocated space after the last record (fastlock.wal.writer): cut it so that
+            # this segment, no longer the last one after open(), ends at its last record
+            log.info("WAL segment %s: %d bytes of preallocated space after offset %d trimmed",
+                     path, reader.zero_tail, reader.end)
+            with open(path, "r+b") as f:
+                f.truncate(reader.end)
+                os.fsync(f.fileno())
         if reader.torn_at >= 0:
             cut = len(data) - reader.torn_at
             torn += cut

@@ -1,15 +1,34 @@
 """The segment writer: the one owner of the active segment's file descriptor.
 
-It writes each batch the loop hands it (:class:`Batch`), fsyncs it when the
-batch asks, rotates to a new segment once the active one holds
-``segment_bytes`` (fsyncing the old one first, so only the last segment can
-have an unsynced tail), and counts bytes, batches and fsyncs.  With
-``threaded=True`` it runs a thread that does the blocking writes and fsyncs
-(both release the GIL) and reports each completion on the loop with
-``call_soon_threadsafe``; the loop still writes a batch itself when it needs
-neither an fsync nor a rotation (a ``write()`` into the page cache costs less
-than the hand-off).  :class:`SegmentList` is the list of segments on disk,
-shared with compaction and with readers of the log.
+It writes each batch the loop hands it (:class:`Batch`) at the segment's
+write offset (``pwrite``), makes it durable with ``fdatasync`` when the batch
+asks, rotates to a new segment once the active one holds ``segment_bytes``
+(syncing the old one first, so only the last segment can have an unsynced
+tail), and counts bytes, batches and fsyncs.
+
+Preallocation: a segment is zero-filled (and synced) ahead of the write
+offset in steps of :data:`PREALLOC_STEP` (up to ``segment_bytes``), so a
+durable batch overwrites blocks that already exist and its ``fdatasync``
+writes data pages only -- no block allocation, no size change, no journal
+commit.  A batch that goes past the zero-filled space simply extends the file;
+``fdatasync`` then also persists the new size (it writes the metadata needed
+to read the data back, which includes ``st_size``), so nothing is weaker
+there either.  The zero-filled tail is cut back to the last record at
+rotation and at a clean close (``ftruncate`` + ``fsync``); after a crash,
+recovery treats zeros after the last record as the end of the log
+(:mod:`fastlock.wal.format`).
+
+With ``threaded=True`` a thread does the blocking writes and syncs: the
+compiled :class:`~fastlock.wal._syncer.Syncer` runs its loop without the GIL
+and reports each completion through an eventfd (a pipe where there is none)
+that the event loop watches with ``add_reader`` -- one thread wake-up and one
+loop wake-up per batch.  The zero-fill of the next step runs on that thread
+after the completion is reported; a batch the loop writes itself meanwhile
+first waits until those zeros are written (not synced), so they can never
+overwrite a record.  The loop still writes a batch itself when
+it needs neither a sync nor a rotation (a write into the page cache costs
+less than the hand-off).  :class:`SegmentList` is the list of segments on
+disk, shared with compaction and with readers of the log.
 """
 
 from __future__ import annotations
@@ -17,16 +36,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
-import queue
 import threading
-import time
+import types
 from collections.abc import Callable
 from typing import Any
 
-from .files import FILE_MODE, DirectoryLock, fsync_dir, write_all
+from ._syncer import Syncer, datasync, pwrite_all, zero_fill
+from .files import FILE_MODE, DirectoryLock, fsync_dir
 from .format import SEG_HEADER, seg_header, seg_name
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+#: zero-fill a segment this many bytes ahead of its write offset (bytes)
+PREALLOC_STEP = 1 << 20
+
+#: the compiled I/O primitives (the default :attr:`SegmentWriter.disk`)
+COMPILED_DISK = types.SimpleNamespace(pwrite_all=pwrite_all, datasync=datasync, zero_fill=zero_fill)
 
 
 class SegmentList:
@@ -97,31 +122,38 @@ class SegmentWriter:
     :param directory: the data directory.
     :param segment_bytes: rotate once the active segment holds this many bytes.
     :param segments: the segments on disk (the writer appends the ones it creates).
-    :param threaded: do fsyncs and rotations on a writer thread (see :meth:`start`).
+    :param threaded: do syncs and rotations on a writer thread (see :meth:`start`).
+    :param preallocate: zero-fill segments ahead of the write offset (see the module docstring).
 
     Every method except :meth:`start`, :meth:`submit` and :meth:`stop` runs on
     whoever does the I/O: the writer thread, or the loop when no thread runs.
     """
 
-    def __init__(self, directory: str, segment_bytes: int, segments: SegmentList, threaded: bool):
+    def __init__(self, directory: str, segment_bytes: int, segments: SegmentList, threaded: bool,
+                 preallocate: bool = True):
         self.directory = directory
         self.segment_bytes = segment_bytes
         self.segments = segments
         self.threaded = threaded
+        self.preallocate = preallocate
         self._fd = -1
         self.seg_first = 0  # first LSN of the active segment
         self.seg_path = ""
-        self.seg_size = 0  # bytes written to the active segment
-        self.durable_offset = 0  # bytes of the active segment known fsynced
+        self.seg_size = 0  # bytes written to the active segment (its write offset)
+        self.alloc_end = 0  # the active segment's zero-filled (or written) bytes
+        self.durable_offset = 0  # bytes of the active segment known synced
         self._dirty = False
         self.bytes = 0  # written since open
         self.fsyncs = 0  # data fsyncs, incl. rotation and segment creation
         #: the latest data fsyncs' durations (seconds), for the metrics (WriteAheadLog.take_fsync_seconds)
         self.fsync_seconds: collections.deque[float] = collections.deque(maxlen=4096)
         self.batches = 0
-        self._queue: queue.SimpleQueue[Batch | None] | None = None
-        self._thread: threading.Thread | None = None
+        self._worker: WriterThread | None = None
+        self._report: tuple[Callable[[Batch], Any], Callable[[BaseException], Any]] | None = None
         self._dir_lock: DirectoryLock | None = None
+        #: the I/O primitives (``pwrite_all``, ``datasync``, ``zero_fill``): the compiled ones;
+        #: tests substitute slow or failing ones, and the thread then runs :meth:`write` for them
+        self.disk: Any = COMPILED_DISK
 
     def lock_directory(self) -> None:
         """Take the data directory's lock (held until :meth:`stop`).
@@ -141,17 +173,21 @@ class SegmentWriter:
         return self.seg_size >= self.segment_bytes
 
     def open_segment(self, first_lsn: int) -> None:
-        """Create and switch to a new segment starting at ``first_lsn``.
+        """Create and switch to a new segment starting at ``first_lsn`` (header, first
+        preallocation step, fsync of the file and of the directory).
 
-        :raises OSError: the create, header write or fsync failed.
+        :raises OSError: the create, a write or an fsync failed.
         """
         path = os.path.join(self.directory, seg_name(first_lsn))
         if self.segments.drop_last_if(first_lsn):
             os.unlink(path)  # an empty segment left by a previous open(): start it afresh
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, FILE_MODE)
+        hs = SEG_HEADER.size
         try:
-            write_all(fd, seg_header(first_lsn))
-            os.fsync(fd)
+            self.disk.pwrite_all(fd, seg_header(first_lsn), 0)
+            zero_to = self._zero_range(hs, hs)[1]
+            self.disk.zero_fill(fd, hs, zero_to)
+            os.fsync(fd)  # the header, the zeros and the new file's size
             fsync_dir(self.directory)
         except BaseException:
             os.close(fd)
@@ -160,38 +196,71 @@ class SegmentWriter:
         self._fd = fd
         self.seg_first = first_lsn
         self.seg_path = path
-        self.seg_size = self.durable_offset = SEG_HEADER.size
+        self.seg_size = self.durable_offset = hs
+        self.alloc_end = max(hs, zero_to)
         self._dirty = False
         self.segments.append(first_lsn, path)
 
-    def write(self, batch: Batch) -> None:
-        """Write (and, if ``batch.sync``, fsync) one batch; rotate first if due.
+    def _zero_range(self, offset: int, alloc_end: int) -> tuple[int, int]:
+        """``(start, end)`` to zero-fill once the write offset is ``offset``: up to the
+        next step boundary at least half a step ahead, when less than half a step is
+        left; never past ``segment_bytes``."""
+        if not self.preallocate:
+            return 0, 0
+        start = max(offset, alloc_end)
+        half = PREALLOC_STEP // 2
+        if start - offset >= half:
+            return 0, 0
+        end = min(-(-(offset + half) // PREALLOC_STEP) * PREALLOC_STEP, self.segment_bytes)
+        return (start, end) if end > start else (0, 0)
 
-        :raises OSError: a write or fsync failed (the log must stop: see :mod:`fastlock.wal`).
+    def write(self, batch: Batch) -> None:
+        """Write (and, if ``batch.sync``, fdatasync) one batch; rotate first if due.
+        After a sync, zero-fill the next step if one is due.
+
+        :raises OSError: a write or sync failed (the log must stop: see :mod:`fastlock.wal`).
         """
         data = batch.data
         if data:
             if self.seg_size >= self.segment_bytes and batch.first_lsn > self.seg_first:
                 self._rotate(batch.first_lsn)
-            write_all(self._fd, data)
+            if self._worker is not None:  # zeros being written where this batch goes must land first
+                self._worker.syncer.wait_fill()
+            self.disk.pwrite_all(self._fd, data, self.seg_size)
             self.seg_size += len(data)
+            self.alloc_end = max(self.alloc_end, self.seg_size)
             self.bytes += len(data)
             self.batches += 1
             self._dirty = True
         if batch.sync and self._dirty:
             self._fsync()
+            start, end = self._zero_range(self.seg_size, self.alloc_end)
+            if end:
+                self.disk.zero_fill(self._fd, start, end)
+                self.disk.datasync(self._fd)
+                self.alloc_end = end
 
     def _fsync(self) -> None:
-        started = time.perf_counter()
-        os.fsync(self._fd)
-        self.fsync_seconds.append(time.perf_counter() - started)
+        # fdatasync: within the zero-filled space only data pages change; past it,
+        # fdatasync also writes the new size (needed to read the data back)
+        self.fsync_seconds.append(self.disk.datasync(self._fd))
         self.fsyncs += 1
         self._dirty = False
         self.durable_offset = self.seg_size
 
-    def _rotate(self, first_lsn: int) -> None:
-        if self._dirty:
+    def _trim(self) -> None:
+        """Cut the zero-filled space after the last record and fsync (size included)."""
+        if self.alloc_end > self.seg_size:
+            os.ftruncate(self._fd, self.seg_size)
+            os.fsync(self._fd)
+            self.alloc_end = self.seg_size
+            self._dirty = False
+            self.durable_offset = self.seg_size
+        elif self._dirty:
             self._fsync()
+
+    def _rotate(self, first_lsn: int) -> None:
+        self._trim()
         os.close(self._fd)
         self._fd = -1
         self.open_segment(first_lsn)
@@ -200,52 +269,124 @@ class SegmentWriter:
     def start(self, loop: asyncio.AbstractEventLoop, on_done: Callable[[Batch], Any],
               on_failed: Callable[[BaseException], Any]) -> None:
         """Start the writer thread (when ``threaded``): it reports each batch done with
-        ``on_done(batch)`` or a failure with ``on_failed(exc)``, on ``loop``, and stops
-        after a failure."""
+        ``on_done(batch)`` or a failure with ``on_failed(exc)``, on ``loop``; after a
+        failure nothing more is submitted."""
         if not self.threaded:
             return
-        q: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
-        self._queue = q
-
-        def run() -> None:
-            while True:
-                batch = q.get()
-                if batch is None:
-                    return
-                try:
-                    self.write(batch)
-                except BaseException as exc:  # noqa: BLE001 - handed to the loop, which makes the log fatal
-                    try:
-                        loop.call_soon_threadsafe(on_failed, exc)
-                    except RuntimeError:  # loop closed
-                        pass
-                    return
-                try:
-                    loop.call_soon_threadsafe(on_done, batch)
-                except RuntimeError:
-                    return
-
-        self._thread = threading.Thread(target=run, name="fastlock-wal", daemon=True)
-        self._thread.start()
+        self._report = (on_done, on_failed)
+        self._worker = WriterThread(loop, self._completed)
 
     def submit(self, batch: Batch) -> bool:
-        """Hand ``batch`` to the thread if it blocks on the disk (an fsync or a
-        rotation) and the thread runs; return False if the caller must :meth:`write`
-        it itself."""
-        if self._queue is not None and (batch.sync or self.seg_size >= self.segment_bytes):
-            self._queue.put(batch)
+        """Hand ``batch`` to the thread if it blocks on the disk (a sync or a rotation)
+        and the thread runs; return False if the caller must :meth:`write` it itself
+        (also when there is nothing to sync)."""
+        worker = self._worker
+        if worker is None or worker.job is not None:
+            return False
+        data = batch.data
+        if (data and self.seg_size >= self.segment_bytes and batch.first_lsn > self.seg_first
+                or self.disk is not COMPILED_DISK):
+            worker.job, worker.job_call = batch, True
+            worker.syncer.submit_call(lambda: self.write(batch))
             return True
-        return False
+        if not batch.sync or not (data or self._dirty):
+            return False
+        end = self.seg_size + len(data)
+        start, stop = self._zero_range(end, max(self.alloc_end, end))
+        worker.job, worker.job_call, worker.job_zero_end = batch, False, stop
+        worker.syncer.submit(self._fd, data, self.seg_size, True, start, stop)
+        return True
+
+    def _completed(self) -> None:
+        """The thread signalled: account for the batch and report it on the loop."""
+        worker = self._worker
+        done = worker.take() if worker is not None else None
+        if worker is None or done is None or self._report is None:
+            return
+        batch, (err, seconds, exc) = done
+        on_done, on_failed = self._report
+        if err:
+            exc = OSError(err, f"{os.strerror(err)} (WAL segment {self.seg_path})")
+        if exc is not None:
+            on_failed(exc)
+            return
+        if not worker.job_call:
+            n = len(batch.data)
+            if n:
+                self.seg_size += n
+                self.bytes += n
+                self.batches += 1
+            self.alloc_end = max(self.alloc_end, self.seg_size, worker.job_zero_end)
+            self.fsync_seconds.append(seconds)
+            self.fsyncs += 1
+            self._dirty = False
+            self.durable_offset = self.seg_size
+        on_done(batch)
+
+    def stop(self, trim: bool = False) -> None:
+        """Stop the thread (after the job it is doing), close the segment, release the
+        directory; ``trim``: first cut the zero-filled space after the last record
+        (a clean close: everything is synced)."""
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
+        if self._fd >= 0:
+            try:
+                if trim:
+                    self._trim()
+            finally:
+                os.close(self._fd)
+                self._fd = -1
+        self.release_directory()
+
+
+class WriterThread:
+    """The writer thread of a :class:`SegmentWriter` and its one job slot.
+
+    The thread runs :meth:`Syncer.run <fastlock.wal._syncer.Syncer.run>` (compiled,
+    without the GIL); it signals each finished job on an eventfd (a pipe where
+    there is none) that ``loop`` watches: ``on_wake()`` then runs on the loop and
+    collects the outcome with :meth:`take`.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_wake: Callable[[], Any]):
+        if hasattr(os, "eventfd"):
+            self.wake_r = self.wake_w = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        else:  # pragma: no cover - platforms without eventfd (macOS)
+            self.wake_r, self.wake_w = os.pipe()
+            for fd in (self.wake_r, self.wake_w):
+                os.set_blocking(fd, False)
+        self.loop = loop
+        self.syncer = Syncer(self.wake_w)
+        self.job: Batch | None = None  # the batch in the slot
+        self.job_call = False  # ... handed as a call (a rotation), accounted by SegmentWriter.write
+        self.job_zero_end = 0  # ... and the end of the zero-fill the thread does after it
+        loop.add_reader(self.wake_r, on_wake)
+        self.thread = threading.Thread(target=self.syncer.run, name="fastlock-wal", daemon=True)
+        self.thread.start()
+
+    def take(self) -> tuple[Batch, tuple[int, float, BaseException | None]] | None:
+        """``(batch, (errno, fdatasync seconds, exception))`` of the finished job, or None
+        (a spurious wake-up); empties the slot."""
+        try:
+            os.read(self.wake_r, 4096)
+        except BlockingIOError:
+            return None
+        batch = self.job
+        result = self.syncer.take_result() if batch is not None else None
+        if batch is None or result is None:
+            return None
+        self.job = None
+        return batch, result
 
     def stop(self) -> None:
-        """Stop the thread (after the batch it is writing), close the segment, release the directory."""
-        if self._queue is not None:
-            self._queue.put(None)
-            if self._thread is not None and self._thread is not threading.current_thread():
-                self._thread.join()
-            self._queue = None
-            self._thread = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        self.release_directory()
+        """Stop the thread after the job it is doing; stop watching and close the wake-up fds."""
+        self.syncer.stop()
+        if self.thread is not threading.current_thread():
+            self.thread.join()
+        if not self.loop.is_closed():
+            self.loop.remove_reader(self.wake_r)
+        for fd in {self.wake_r, self.wake_w}:
+            os.close(fd)
+        self.job = None
+

@@ -1,0 +1,349 @@
+# cython: language_level=3
+"""The compiled part of the WAL's commit pipeline: write + fdatasync without the GIL.
+
+:class:`Syncer` owns one job slot and is driven by one thread (a
+``threading.Thread`` whose target is :meth:`Syncer.run`).  The loop puts a
+batch in the slot with :meth:`Syncer.submit` (a ``pwrite`` at an offset, an
+optional ``fdatasync``, an optional zero-fill of preallocated space after the
+reply), or a Python callable with :meth:`Syncer.submit_call` (a segment
+rotation, which creates files); the thread waits on a pthread condition
+variable with the GIL released, does the I/O with the GIL released, and
+signals completion by writing 8 bytes to ``notify_fd`` -- an eventfd (or a
+pipe) the loop watches with ``loop.add_reader``.  The loop collects the
+outcome with :meth:`Syncer.take_result`.  One thread wake-up and one loop
+wake-up per batch; the thread never takes the GIL for a plain batch.
+
+The module-level functions :func:`pwrite_all`, :func:`datasync` and
+:func:`zero_fill` do the same I/O for callers on the loop (the ``inline``
+writer) or with the GIL held (a rotation), releasing the GIL meanwhile.
+
+Errors are returned as ``errno`` values and raised as :class:`OSError` by the
+Python-facing functions; the caller treats every failure as fatal (see
+:mod:`fastlock.wal`).
+"""
+
+from libc.errno cimport EINTR, errno
+from libc.stdint cimport uint64_t
+
+cdef extern from "<unistd.h>" nogil:
+    ctypedef long ssize_t
+    ctypedef long long off_t
+    ssize_t pwrite(int fd, const void *buf, size_t count, off_t offset)
+    ssize_t write(int fd, const void *buf, size_t count)
+
+cdef extern from "<time.h>" nogil:
+    cdef struct timespec:
+        long tv_sec
+        long tv_nsec
+    int CLOCK_MONOTONIC
+    int clock_gettime(int clk, timespec *ts)
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_mutex_t:
+        pass
+    ctypedef struct pthread_cond_t:
+        pass
+    int pthread_mutex_init(pthread_mutex_t *m, void *attr)
+    int pthread_mutex_destroy(pthread_mutex_t *m)
+    int pthread_mutex_lock(pthread_mutex_t *m)
+    int pthread_mutex_unlock(pthread_mutex_t *m)
+    int pthread_cond_init(pthread_cond_t *c, void *attr)
+    int pthread_cond_destroy(pthread_cond_t *c)
+    int pthread_cond_wait(pthread_cond_t *c, pthread_mutex_t *m)
+    int pthread_cond_broadcast(pthread_cond_t *c)
+
+cdef extern from *:
+    """
+    #include <unistd.h>
+    /* fdatasync writes the data and the metadata needed to read it back (the file
+       size among them), not timestamps.  macOS has no usable fdatasync: fsync. */
+    #if defined(__APPLE__)
+    #define fl_datasync(fd) fsync(fd)
+    #else
+    #define fl_datasync(fd) fdatasync(fd)
+    #endif
+    static const char fl_zeros[65536] = {0};
+    """
+    int fl_datasync(int fd) nogil
+    const char fl_zeros[65536]
+
+DEF ZEROS = 65536
+
+cdef enum:
+    IDLE = 0      # no job
+    QUEUED = 1    # a job waits for the thread
+    RUNNING = 2   # the thread is doing it
+    DONE = 3      # done, the loop has not taken the result yet
+
+
+cdef double _now() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+cdef int _pwrite_all(int fd, const char *buf, Py_ssize_t n, long long off) noexcept nogil:
+    """Write all ``n`` bytes at ``off``; 0 or an errno."""
+    cdef ssize_t w
+    while n > 0:
+        w = pwrite(fd, buf, <size_t>n, <off_t>off)
+        if w < 0:
+            if errno == EINTR:
+                continue
+            return errno
+        buf += w
+        n -= w
+        off += w
+    return 0
+
+
+cdef int _datasync(int fd) noexcept nogil:
+    if fl_datasync(fd) != 0:
+        return errno
+    return 0
+
+
+cdef int _zero_fill(int fd, long long start, long long end) noexcept nogil:
+    """Write zeros over ``[start, end)``; 0 or an errno."""
+    cdef long long n
+    cdef int err
+    while start < end:
+        n = end - start
+        if n > ZEROS:
+            n = ZEROS
+        err = _pwrite_all(fd, fl_zeros, <Py_ssize_t>n, start)
+        if err:
+            return err
+        start += n
+    return 0
+
+
+def pwrite_all(int fd, const unsigned char[::1] data, long long offset):
+    """Write every byte of ``data`` at ``offset`` of ``fd`` (GIL released).
+
+    :raises OSError: the write failed.
+    """
+    cdef int err
+    cdef Py_ssize_t n = data.shape[0]
+    if n == 0:
+        return
+    with nogil:
+        err = _pwrite_all(fd, <const char *>&data[0], n, offset)
+    if err:
+        raise OSError(err, "pwrite failed")
+
+
+def datasync(int fd):
+    """``fdatasync(fd)`` (``fsync`` on macOS) with the GIL released; returns its duration (seconds).
+
+    :raises OSError: it failed.
+    """
+    cdef int err
+    cdef double t0, t1
+    with nogil:
+        t0 = _now()
+        err = _datasync(fd)
+        t1 = _now()
+    if err:
+        raise OSError(err, "fdatasync failed")
+    return t1 - t0
+
+
+def zero_fill(int fd, long long start, long long end):
+    """Write zeros over ``[start, end)`` of ``fd`` (GIL released); no sync.
+
+    :raises OSError: a write failed.
+    """
+    cdef int err
+    with nogil:
+        err = _zero_fill(fd, start, end)
+    if err:
+        raise OSError(err, "zero-fill failed")
+
+
+cdef class Syncer:
+    """One job slot and the thread body that empties it (see the module docstring).
+
+    :param notify_fd: the write end the thread signals each completion on (an
+        eventfd or a pipe, non-blocking); the caller owns and closes it.
+    """
+
+    cdef pthread_mutex_t _mu
+    cdef pthread_cond_t _cv
+    cdef int _notify_fd
+    cdef int _state
+    cdef bint _stopping
+    cdef bint _filling  # the thread is writing the zeros of a preallocation step
+    # the job
+    cdef int _fd
+    cdef object _data  # keeps the written buffer alive until the job is done
+    cdef const char *_buf
+    cdef Py_ssize_t _len
+    cdef long long _offset
+    cdef bint _sync
+    cdef long long _zero_from
+    cdef long long _zero_to
+    cdef object _call
+    cdef bint _is_call
+    # the outcome
+    cdef int _err
+    cdef int _zero_err
+    cdef double _seconds
+    cdef object _exc
+
+    def __cinit__(self, int notify_fd):
+        pthread_mutex_init(&self._mu, NULL)
+        pthread_cond_init(&self._cv, NULL)
+        self._notify_fd = notify_fd
+        self._state = IDLE
+
+    def __dealloc__(self):
+        pthread_cond_destroy(&self._cv)
+        pthread_mutex_destroy(&self._mu)
+
+    cdef int _queue(self) except -1:
+        if self._state != IDLE:
+            raise RuntimeError("Syncer: a job is already in the slot")
+        with nogil:
+            pthread_mutex_lock(&self._mu)
+            self._state = QUEUED
+            pthread_cond_broadcast(&self._cv)
+            pthread_mutex_unlock(&self._mu)
+        return 0
+
+    def submit(self, int fd, bytes data, long long offset, bint sync, long long zero_from=0, long long zero_to=0):
+        """Queue a batch: write ``data`` at ``offset`` of ``fd``, then ``fdatasync`` if
+        ``sync``; after signalling completion, zero-fill ``[zero_from, zero_to)`` and
+        fdatasync it (preallocation ahead of the write offset; its failure is
+        reported with the next job).
+
+        :raises RuntimeError: the slot is not empty.
+        """
+        self._fd = fd
+        self._data = data
+        self._buf = <const char *>data
+        self._len = len(data)
+        self._offset = offset
+        self._sync = sync
+        self._zero_from = zero_from
+        self._zero_to = zero_to
+        self._call = None
+        self._is_call = False
+        self._queue()
+
+    def submit_call(self, fn):
+        """Queue ``fn()``, run on the thread with the GIL; its exception is the job's outcome.
+
+        :raises RuntimeError: the slot is not empty.
+        """
+        self._data = None
+        self._zero_from = self._zero_to = 0
+        self._call = fn
+        self._is_call = True
+        self._queue()
+
+    def take_result(self):
+        """``(errno, fdatasync seconds or -1.0, exception or None)`` of the finished job,
+        emptying the slot; ``None`` while it runs."""
+        cdef int state
+        with nogil:
+            pthread_mutex_lock(&self._mu)
+            state = self._state
+            if state == DONE:
+                self._state = IDLE
+            pthread_mutex_unlock(&self._mu)
+        if state != DONE:
+            return None
+        out = (self._err, self._seconds, self._exc)
+        self._err = 0
+        self._exc = None
+        self._data = None
+        self._call = None
+        return out
+
+    def wait_fill(self):
+        """Wait (GIL released) until the zeros of a running preallocation step are written.
+
+        The loop calls this before it writes a batch itself: its write may land in
+        the range being zero-filled, and must not be overwritten by those zeros.
+        """
+        with nogil:
+            pthread_mutex_lock(&self._mu)
+            while self._filling:
+                pthread_cond_wait(&self._cv, &self._mu)
+            pthread_mutex_unlock(&self._mu)
+
+    def stop(self):
+        """Make :meth:`run` return once the slot holds no queued job."""
+        with nogil:
+            pthread_mutex_lock(&self._mu)
+            self._stopping = True
+            pthread_cond_broadcast(&self._cv)
+            pthread_mutex_unlock(&self._mu)
+
+    def run(self):
+        """The thread body: do each queued job and signal its completion, until :meth:`stop`.
+
+        Runs without the GIL from start to end (the GIL is taken only for a call job),
+        so the thread never competes with the event loop for it."""
+        with nogil:
+            self._run()
+
+    cdef void _call_job(self) noexcept:
+        if self._zero_err:
+            self._err = self._zero_err  # a failed zero-fill fails the job after it
+            return
+        try:
+            self._call()
+        except BaseException as exc:  # handed to the loop, which makes the log fatal
+            self._exc = exc
+
+    cdef void _run(self) noexcept nogil:
+        cdef bint quit
+        cdef int err, fd
+        cdef double t0
+        cdef long long zfrom, zto
+        cdef uint64_t one = 1
+        while True:
+            pthread_mutex_lock(&self._mu)
+            while self._state != QUEUED and not self._stopping:
+                pthread_cond_wait(&self._cv, &self._mu)
+            quit = self._state != QUEUED
+            if not quit:
+                self._state = RUNNING
+            pthread_mutex_unlock(&self._mu)
+            if quit:
+                return
+            self._seconds = -1.0
+            err = 0
+            if self._is_call:
+                with gil:
+                    self._call_job()
+            # what the zero-fill needs, read before the loop may queue the next job
+            fd = self._fd
+            zfrom = self._zero_from
+            zto = self._zero_to
+            if not self._is_call:
+                err = self._zero_err  # a failed zero-fill fails the job after it
+                if err == 0:
+                    err = _pwrite_all(fd, self._buf, self._len, self._offset)
+                if err == 0 and self._sync:
+                    t0 = _now()
+                    err = _datasync(fd)
+                    self._seconds = _now() - t0
+                self._err = err
+            pthread_mutex_lock(&self._mu)
+            self._state = DONE
+            # set with DONE: the loop cannot see the job done and miss the fill
+            self._filling = zto > zfrom and err == 0
+            pthread_mutex_unlock(&self._mu)
+            write(self._notify_fd, &one, 8)  # a full pipe already holds a wake-up
+            if self._filling:
+                err = _zero_fill(fd, zfrom, zto)
+                pthread_mutex_lock(&self._mu)
+                self._filling = False
+                pthread_cond_broadcast(&self._cv)
+                pthread_mutex_unlock(&self._mu)
+                if err == 0:
+                    err = _datasync(fd)
+                self._zero_err = err
