@@ -802,3 +802,15 @@ def test_a_whole_frame_in_one_piece_is_bounded_too():
     assert dec.feed(msgpack.packb([1, P.OP_PING, "x" * 900])) == [[1, P.OP_PING, "x" * 900]]
     with pytest.raises(ProtocolError, match="maximum frame size"):
         P.FrameDecoder(max_frame=1024).feed(msgpack.packb([1, P.OP_PING, "x" * 2000]))
+
+
+def test_fed_counts_every_byte_whether_a_read_is_decoded_whole_or_streamed():
+    """``FrameDecoder.fed`` (a connection's "has anything arrived") counts frames decoded
+    in one call as well as streamed ones."""
+    dec = P.FrameDecoder()
+    one = msgpack.packb([1, 0, "granted"])
+    assert dec.feed(one) == [[1, 0, "granted"]] and dec.fed == len(one)
+    two = msgpack.packb([2, 0, None]) * 2
+    assert dec.feed(two) == [[2, 0, None]] * 2 and dec.fed == len(one) + len(two)
+    assert dec.feed(one[:3]) == [] and dec.feed(one[3:]) == [[1, 0, "granted"]]
+    assert dec.fed == 2 * len(one) + len(two)

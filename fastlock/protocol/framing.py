@@ -242,7 +242,8 @@ class FrameDecoder:
     (for peers that have not authenticated yet: they send one small HELLO).
     """
 
-    __slots__ = ("_unpacker", "_limits", "_fed", "_frame_start", "_shape", "shape_all", "_whole_max", "_whole_skip")
+    __slots__ = ("_unpacker", "_limits", "_fed", "_frame_start", "_shape", "shape_all", "_whole_max", "_whole_skip",
+                 "_whole_bytes")
 
     def __init__(self, max_frame: int | None = None, *, limits: DecodeLimits | None = None,
                  shape_all: bool = False):
@@ -270,6 +271,7 @@ class FrameDecoder:
         # str/bin bounds are the read's length: within every limit of this decoder
         self._whole_max = min(limits.max_frame_bytes, limits.max_str_len, limits.max_bin_len)
         self._whole_skip = 0  # reads left before unpackb is tried again
+        self._whole_bytes = 0  # bytes decoded by unpackb (never fed to the streaming decoder)
 
     @property
     def limits(self) -> DecodeLimits:
@@ -278,7 +280,7 @@ class FrameDecoder:
     @property
     def fed(self) -> int:
         """Bytes fed so far (0: nothing has arrived)."""
-        return self._fed
+        return self._fed + self._whole_bytes
 
     def feed(self, data: bytes) -> list[Any]:
         """Add received bytes; return every message now complete (maybe none).
@@ -297,8 +299,10 @@ class FrameDecoder:
                     # bounds every str, bin and array by len(data), within the limits here;
                     # ext types, maps and arrays are bounded as the streaming decoder bounds them.
                     try:
-                        return [_unpackb(data, max_ext_len=0, max_map_len=self._limits.max_map_len,
-                                         max_array_len=self._limits.max_array_len)]
+                        frame = _unpackb(data, max_ext_len=0, max_map_len=self._limits.max_map_len,
+                                         max_array_len=self._limits.max_array_len)
+                        self._whole_bytes += n
+                        return [frame]
                     except Exception:  # noqa: BLE001 - several frames, part of one, or bad bytes: the
                         # streaming decoder below decides (and raises the error, if any); a peer
                         # that sends several frames per read is not tried again for a while
