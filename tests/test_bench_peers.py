@@ -77,8 +77,8 @@ def make_payload(*, always_w1=300.0, never_w1=100.0, pg_w1=120.0, probe_p50=150.
             "w3_clients": 16, "elapsed_s": 100.0, "skipped": {}, "busy_before_pct": 5.0,
             "command": "python -m benches.peers --rounds 2",
             "machine": {"cpus": 2, "cpu": "test cpu", "platform": "linux", "python": "3.11"},
-            "fsync_probe": {"dir": "/tmp", "count": 10, "rounds": 2, "append": stats,
-                            "overwrite": dict(stats, p50=probe_p50 / 2)}}
+            "fsync_probe": {"dir": "/tmp", "count": 10, "rounds": 2, "append": dict(stats, p50=probe_p50 * 2),
+                            "overwrite": stats}}
 
 
 def by_key(vs: list[dict]) -> dict[str, dict]:
@@ -204,7 +204,7 @@ def test_comparison_markdown_has_issue_12s_columns_and_figures():
     p = make_payload(always_w1=568.0)
     p["rows"] = [r for r in p["rows"] if not (r["target"] == goals.POSTGRES and r["workload"] == "W2")]
     lines = goals.comparison_markdown(p).splitlines()
-    assert "2 rounds interleaved, medians" in lines[0] and "p50 150 µs appending, 75 µs overwriting" in lines[0]
+    assert "2 rounds interleaved, medians" in lines[0] and "p50 300 µs appending, 150 µs overwriting" in lines[0]
     table = [line for line in lines if line.startswith("|")]
     assert table[0] == ("| workload | fastlock default (always) | fastlock `--fsync never` | "
                         "PostgreSQL advisory (asyncpg) | Redis SET NX + Lua | msgpack echo floor |")
@@ -235,7 +235,7 @@ def test_results_md_has_the_probe_and_the_verdicts():
     p["verdicts"] = goals.verdicts(p)
     md = report.markdown(p)
     assert "Every figure is the median of 2 rounds" in md
-    assert "| appending to a file | 150 | 150 | 300 | 450 |" in md
+    assert "| overwriting a preallocated zero-filled file | 150 | 150 | 300 | 450 |" in md
     assert "## Targets (issue 12)" in md and "**FAIL**" in md and "**PASS**" in md
     assert goals.comparison_markdown(p) in md
 

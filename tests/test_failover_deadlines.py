@@ -102,24 +102,35 @@ def test_promotion_keeps_each_replicated_deadline(cluster):
 
 
 STALL_HOOK = textwrap.dedent('''
-    """Test hook: fsync off the main thread (the WAL writer) waits while a marker file exists."""
+    """Test hook: the WAL's sync off the main thread (the writer thread) waits while a
+    marker file exists.  It wraps the segment writer's I/O seam (``SegmentWriter.disk``)."""
     import os
     import threading
     import time
+    import types
 
     _marker = os.environ.get("FASTLOCK_TEST_STALL_FSYNC")
     if _marker:
-        _fsync = os.fsync
+        from fastlock.wal import writer as _writer
 
-        def fsync(fd):
-            if threading.current_thread() is not threading.main_thread() and os.path.exists(_marker):
-                open(_marker + ".stalled", "w").close()
-                deadline = time.monotonic() + 20
-                while os.path.exists(_marker) and time.monotonic() < deadline:
-                    time.sleep(0.005)
-            return _fsync(fd)
+        _init = _writer.SegmentWriter.__init__
 
-        os.fsync = fsync
+        def _stalling_init(self, *args, **kwargs):
+            _init(self, *args, **kwargs)
+            real = self.disk
+
+            def datasync(fd):
+                if threading.current_thread() is not threading.main_thread() and os.path.exists(_marker):
+                    open(_marker + ".stalled", "w").close()
+                    deadline = time.monotonic() + 20
+                    while os.path.exists(_marker) and time.monotonic() < deadline:
+                        time.sleep(0.005)
+                return real.datasync(fd)
+
+            self.disk = types.SimpleNamespace(pwrite_all=real.pwrite_all, datasync=datasync,
+                                              zero_fill=real.zero_fill)
+
+        _writer.SegmentWriter.__init__ = _stalling_init
 ''')
 
 
@@ -132,7 +143,9 @@ def test_grant_made_durable_after_promotion_is_not_acknowledged(cluster, tmp_pat
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(STALL_HOOK)
     marker = tmp_path / "stall-fsync"
-    p = cluster.primary(env={"PYTHONPATH": str(hook), "FASTLOCK_TEST_STALL_FSYNC": str(marker)})
+    # the writer thread syncs every batch (the hook stalls it there; the loop stays free)
+    p = cluster.primary(env={"PYTHONPATH": str(hook), "FASTLOCK_TEST_STALL_FSYNC": str(marker)},
+                        args=["--wal-writer", "thread"])
     s = cluster.standby(p.address, failover_after=FAILOVER, grace=GRACE)
 
     async def main():

@@ -762,6 +762,44 @@ def test_disk_full_gives_waiting_clients_an_error_and_a_non_zero_exit(server_fac
             assert raw.call(P.OP_CHECK, name, token)[2] is True, f"acknowledged grant {name[:12]} lost"
 
 
+@pytest.mark.parametrize("writer", ["inline", "thread"])
+def test_no_room_to_preallocate_stops_preallocation_not_the_log(server_factory, tmp_path, writer):
+    """The first 1 MiB preallocation step of the WAL fits, the next does not: the
+    writer (on the loop or its thread) gives back what that step took, preallocation stops (one WARNING),
+    and grants go on in the space left; every acknowledged grant survives a restart."""
+    import shutil
+
+    mnt = tmp_path / "small"
+    if not _mount_tmpfs(mnt, "1600k"):
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        srv = server_factory("small/data", args=["--wal-writer", writer])
+        granted = {}
+        after_warning = 0
+        with Raw(srv.address) as raw:
+            for i in range(5000):
+                name = f"fill/{i:04d}/" + "x" * 400
+                reply = raw.call(P.OP_ACQUIRE, name, os.urandom(16), 600_000, 0, 0, None)
+                assert reply is not None and reply[1] == 0, reply
+                granted[name] = reply[2][0]
+                if any("WAL preallocation stopped" in line for line in srv.lines):
+                    after_warning += 1
+                    if after_warning >= 200:
+                        break
+            else:
+                pytest.fail("5000 grants and preallocation never ran out of room")
+        assert sum("WAL preallocation stopped" in line for line in srv.lines) == 1
+        srv.stop()
+        copy = tmp_path / "copy"
+        shutil.copytree(srv.data_dir, copy)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    again = server_factory("copy")
+    with Raw(again.address) as raw:
+        for name, token in granted.items():
+            assert raw.call(P.OP_CHECK, name, token)[2] is True, f"acknowledged grant {name[:12]} lost"
+
+
 # ---------------------------------------------------------------------------------------------
 # the frame walker, sans-IO
 

@@ -21,7 +21,7 @@ NEVER = "fastlock fsync=never"
 POSTGRES = "postgres advisory"
 REDIS = "redis SET NX"
 ECHO = "echo floor"
-PROBE_P50 = "probe/overwrite.p50"    # the sync the WAL pays per durable batch: 4 KiB into preallocated space + fdatasync
+PROBE_P50 = "probe/overwrite.p50"  # what the WAL pays per durable batch: 4 KiB into preallocated space + fdatasync
 
 OPS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge}
 

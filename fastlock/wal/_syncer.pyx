@@ -22,7 +22,7 @@ Python-facing functions; the caller treats every failure as fatal (see
 :mod:`fastlock.wal`).
 """
 
-from libc.errno cimport EINTR, errno
+from libc.errno cimport EDQUOT, EINTR, ENOSPC, errno
 from libc.stdint cimport uint64_t
 
 cdef extern from "<unistd.h>" nogil:
@@ -30,6 +30,7 @@ cdef extern from "<unistd.h>" nogil:
     ctypedef long long off_t
     ssize_t pwrite(int fd, const void *buf, size_t count, off_t offset)
     ssize_t write(int fd, const void *buf, size_t count)
+    int ftruncate(int fd, off_t length)
 
 cdef extern from "<time.h>" nogil:
     cdef struct timespec:
@@ -188,6 +189,7 @@ cdef class Syncer:
     # the outcome
     cdef int _err
     cdef int _zero_err
+    cdef bint _zero_full  # a zero-fill ran out of space (ENOSPC/EDQUOT): not an error, see zero_full
     cdef double _seconds
     cdef object _exc
 
@@ -215,7 +217,7 @@ cdef class Syncer:
         """Queue a batch: write ``data`` at ``offset`` of ``fd``, then ``fdatasync`` if
         ``sync``; after signalling completion, zero-fill ``[zero_from, zero_to)`` and
         fdatasync it (preallocation ahead of the write offset; its failure is
-        reported with the next job).
+        reported with the next job, except running out of space: see :attr:`zero_full`).
 
         :raises RuntimeError: the slot is not empty.
         """
@@ -260,6 +262,12 @@ cdef class Syncer:
         self._data = None
         self._call = None
         return out
+
+    @property
+    def zero_full(self):
+        """Did a zero-fill run out of space (ENOSPC or EDQUOT)?  Such a failure is not
+        reported with the next job: the caller stops preallocating."""
+        return self._zero_full
 
     def wait_fill(self):
         """Wait (GIL released) until the zeros of a running preallocation step are written.
@@ -340,10 +348,19 @@ cdef class Syncer:
             write(self._notify_fd, &one, 8)  # a full pipe already holds a wake-up
             if self._filling:
                 err = _zero_fill(fd, zfrom, zto)
+                if err == ENOSPC or err == EDQUOT:
+                    # no room to preallocate: give back what this step took (the records
+                    # below zfrom are untouched) before the loop may write again; a
+                    # record's own write reports ENOSPC if the records do not fit
+                    if ftruncate(fd, zfrom) == 0:
+                        self._zero_full = True
+                        err = 0
+                    else:
+                        err = errno
                 pthread_mutex_lock(&self._mu)
                 self._filling = False
                 pthread_cond_broadcast(&self._cv)
                 pthread_mutex_unlock(&self._mu)
-                if err == 0:
+                if err == 0 and not self._zero_full:
                     err = _datasync(fd)
                 self._zero_err = err

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
+import logging
 import os
 import threading
 import types
@@ -44,6 +46,11 @@ from typing import Any
 from ._syncer import Syncer, datasync, pwrite_all, zero_fill
 from .files import FILE_MODE, DirectoryLock, fsync_dir
 from .format import SEG_HEADER, seg_header, seg_name
+
+log = logging.getLogger(__name__)
+
+#: zero-fill errors that only mean "no room to preallocate" (preallocation stops; records go on)
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -186,7 +193,8 @@ class SegmentWriter:
         try:
             self.disk.pwrite_all(fd, seg_header(first_lsn), 0)
             zero_to = self._zero_range(hs, hs)[1]
-            self.disk.zero_fill(fd, hs, zero_to)
+            if zero_to and not self._zero_fill(fd, hs, zero_to):
+                zero_to = hs
             os.fsync(fd)  # the header, the zeros and the new file's size
             fsync_dir(self.directory)
         except BaseException:
@@ -235,10 +243,33 @@ class SegmentWriter:
         if batch.sync and self._dirty:
             self._fsync()
             start, end = self._zero_range(self.seg_size, self.alloc_end)
-            if end:
-                self.disk.zero_fill(self._fd, start, end)
+            if end and self._zero_fill(self._fd, start, end):
                 self.disk.datasync(self._fd)
                 self.alloc_end = end
+
+    def _zero_fill(self, fd: int, start: int, end: int) -> bool:
+        """Zero-fill ``[start, end)`` of ``fd``.  If the file system has no room for it,
+        cut the file back to ``start`` (the records before it are untouched; the space
+        goes back to them), preallocate no more and return False: a record's own write
+        still reports ENOSPC when the records themselves do not fit.
+
+        :raises OSError: any other failure of the write or of the cut.
+        """
+        try:
+            self.disk.zero_fill(fd, start, end)
+        except OSError as exc:
+            if exc.errno not in NO_SPACE:
+                raise
+            os.ftruncate(fd, start)
+            self._stop_preallocating(exc.errno)
+            return False
+        return True
+
+    def _stop_preallocating(self, err: int) -> None:
+        if self.preallocate:
+            self.preallocate = False
+            log.warning("WAL preallocation stopped: no room on the file system (%s) in %s; "
+                        "records are appended and synced as before", os.strerror(err), self.directory)
 
     def _fsync(self) -> None:
         # fdatasync: within the zero-filled space only data pages change; past it,
@@ -291,6 +322,8 @@ class SegmentWriter:
             return True
         if not batch.sync or not (data or self._dirty):
             return False
+        if worker.syncer.zero_full:
+            self._stop_preallocating(errno.ENOSPC)
         end = self.seg_size + len(data)
         start, stop = self._zero_range(end, max(self.alloc_end, end))
         worker.job, worker.job_call, worker.job_zero_end = batch, False, stop
