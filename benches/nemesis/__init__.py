@@ -111,8 +111,8 @@ SIGTERM (finish the current holding, release) and SIGKILL after 15 s; every
 server and worker is stopped by PID in ``finally`` blocks and at exit.
 """
 
-from benches.nemesis.cluster import KINDS, Fault, Nemesis, NemesisConfig, report_again, run_nemesis
+from benches.nemesis.cluster import GROUP_KINDS, KINDS, Fault, Nemesis, NemesisConfig, report_again, run_nemesis
 from benches.nemesis.report import build_report, print_report
 
-__all__ = ["KINDS", "Fault", "Nemesis", "NemesisConfig", "build_report", "print_report", "report_again",
+__all__ = ["GROUP_KINDS", "KINDS", "Fault", "Nemesis", "NemesisConfig", "build_report", "print_report", "report_again",
            "run_nemesis"]

@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     from benches.nemesis.cluster import Nemesis
 
+#: fault kinds after which no node is expected to promote (group "etcd")
+NO_FAILOVER_KINDS = ("kill-standby", "etcd-restart")
+
 def _longest_gap(times: list[float], start: float, end: float, clip: bool = False) -> float | None:
     """The longest interval from ``start`` without any of ``times`` (sorted):
     up to the first time after ``end``, or with ``clip`` up to ``end`` at most;
@@ -116,7 +119,7 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
         if start > prev:
             steady_gap = max(steady_gap, _longest_gap(grant_times, prev, start, clip=True) or 0.0)
         prev = max(prev, end)
-    bound = cfg.failover_after + cfg.promotion_grace + 1.0
+    bound = cfg.failover_s + cfg.promotion_grace + 1.0
     kills = [f for f in nem.faults if f.kind == "kill"]
     kill_windows = [f.no_grant_s for f in kills]
     over_bound = [f.index for f in kills if f.no_grant_s is None or f.no_grant_s > bound]
@@ -185,7 +188,8 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
         "aborted": nem.aborted,
         "faults": len(nem.faults),
         "faults_by_kind": dict(Counter(f.kind + (f"/{f.mode}" if f.mode else "") for f in nem.faults)),
-        "faults_without_promotion": [f.index for f in nem.faults if f.promoted_s is None],
+        "faults_without_promotion": [f.index for f in nem.faults
+                                     if f.promoted_s is None and f.kind not in NO_FAILOVER_KINDS],
         "grants": len(grants),
         "grants_by_worker": dict(sorted(Counter("probe" if g.get("probe") else f"w{g['worker']}"
                                                 for g in grants).items())),
@@ -197,7 +201,7 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
         },
         "availability": {
             "ttl_s": cfg.ttl,
-            "ttl_exceeds_failover_plus_request_timeout": cfg.ttl > cfg.failover_after + cfg.request_timeout,
+            "ttl_exceeds_failover_plus_request_timeout": cfg.ttl > cfg.failover_s + cfg.request_timeout,
             "leases_lost": len(lost_during) - len(lost_mid),
             "releases_failed_at_exit": len(release_failed) - len(failed_mid),
             "leases_lost_granted_mid_fault": len(lost_mid),
@@ -234,8 +238,9 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
 def print_report(r: dict) -> None:
     a, s = r["availability"], r["safety"]
     cfg = r["config"]
-    print(f"\nnemesis: {r['faults']} faults in {r['elapsed_s']} s (seed {cfg['seed']}, failover_after "
-          f"{cfg['failover_after']} s, promotion_grace {cfg['promotion_grace']} s, ttl {cfg['ttl']} s, "
+    failover = (f"group etcd, coordinator_ttl {cfg['coordinator_ttl']} s" if cfg.get("group") == "etcd"
+                else f"failover_after {cfg['failover_after']} s")
+    print(f"\nnemesis: {r['faults']} faults in {r['elapsed_s']} s (seed {cfg['seed']}, {failover}, promotion_grace {cfg['promotion_grace']} s, ttl {cfg['ttl']} s, "
           f"wait {cfg['wait']} s, request_timeout {cfg['request_timeout']} s, {cfg['workers']} workers)")
     if r["aborted"]:
         print(f"  ABORTED: {r['aborted']}")
@@ -280,7 +285,7 @@ def print_report(r: dict) -> None:
     print(f"  holders overlapping (client view): {a['holders_overlapping_client_view']}")
     for v in a["holder_overlap_samples"][:3]:
         print(f"    - {v}")
-    print(f"  longest window without a grant after each kill (bound F + grace + 1 s = {a['outage_bound_s']:.1f} s): "
+    print(f"  longest window without a grant after each kill (bound failover + grace + 1 s = {a['outage_bound_s']:.1f} s): "
           + ", ".join("-" if w is None else f"{w:.2f}" for w in a["kill_no_grant_s"])
           + (f"; over the bound: faults {a['kills_over_bound']}" if a["kills_over_bound"] else ""))
     print("  longest window without a grant, by fault kind: "
