@@ -423,6 +423,36 @@ class Nemesis:
         fault.new_epoch = int(m.group(1)) if m else None
         return True
 
+    def _pause(self, p: _Node, fault: Fault, promoted) -> bool:
+        """SIGSTOP ``p`` until ``promoted()`` returns (whether another node
+        promoted), plus a random 0-1 s, then SIGCONT; returns ``promoted()``."""
+        fault.at = time.monotonic()
+        p.proc.pause()
+        try:
+            ok = promoted()
+            time.sleep(self.rng.uniform(0.0, 1.0))  # the experiment: how long past the promotion
+        finally:
+            p.proc.resume()
+        fault.ended_s = time.monotonic() - fault.at
+        return ok
+
+    def _partition(self, p: _Node, label: str | None, fault: Fault, promoted) -> bool:
+        """Black-hole (or, one time in two, reset) the connections of ``p``'s
+        proxy labelled ``label`` (None: all) until ``promoted()`` returns, plus
+        a random 0-1 s, then heal; returns ``promoted()``."""
+        fault.mode = self.rng.choice(["blackhole", "reset"])
+        fault.at = time.monotonic()
+        p.proxy.blackhole(label)
+        if fault.mode == "reset":
+            p.proxy.cut(label)
+        try:
+            ok = promoted()
+            time.sleep(self.rng.uniform(0.0, 1.0))
+        finally:
+            p.proxy.heal()
+        fault.ended_s = time.monotonic() - fault.at
+        return ok
+
     def _group_promoted(self, fault: Fault, old_epoch: int, skip: _Node | None = None) -> bool:
         """Group "etcd": wait (``promote_timeout``) until a node other than ``skip``
         is an unfenced primary above ``old_epoch``; it becomes :attr:`primary`."""
@@ -458,26 +488,9 @@ class Nemesis:
             self._group_promoted(fault, old_epoch)
             fault.ended_s = time.monotonic() - fault.at
         elif kind == "pause":
-            fault.at = time.monotonic()
-            p.proc.pause()
-            try:
-                self._group_promoted(fault, old_epoch, skip=p)
-                time.sleep(self.rng.uniform(0.0, 1.0))  # the experiment: how long past the promotion
-            finally:
-                p.proc.resume()
-            fault.ended_s = time.monotonic() - fault.at
+            self._pause(p, fault, lambda: self._group_promoted(fault, old_epoch, skip=p))
         elif kind == "partition":
-            fault.mode = self.rng.choice(["blackhole", "reset"])
-            fault.at = time.monotonic()
-            p.proxy.blackhole()
-            if fault.mode == "reset":
-                p.proxy.cut()
-            try:
-                self._group_promoted(fault, old_epoch, skip=p)
-                time.sleep(self.rng.uniform(0.0, 1.0))
-            finally:
-                p.proxy.heal()
-            fault.ended_s = time.monotonic() - fault.at
+            self._partition(p, None, fault, lambda: self._group_promoted(fault, old_epoch, skip=p))
         elif kind == "kill-standby":
             restart = self.rng.choice([n for n in self.nodes.values() if n is not p])
             fault.note = f"killed standby {restart.name}"
@@ -518,26 +531,9 @@ class Nemesis:
             promoted = self._promoted(s, mark, fault)
             fault.ended_s = time.monotonic() - fault.at
         elif kind == "pause":
-            fault.at = time.monotonic()
-            p.proc.pause()
-            try:
-                promoted = self._promoted(s, mark, fault)
-                time.sleep(self.rng.uniform(0.0, 1.0))  # the experiment: how long past the promotion
-            finally:
-                p.proc.resume()
-            fault.ended_s = time.monotonic() - fault.at
+            promoted = self._pause(p, fault, lambda: self._promoted(s, mark, fault))
         elif kind == "partition":
-            fault.mode = self.rng.choice(["blackhole", "reset"])
-            fault.at = time.monotonic()
-            p.proxy.blackhole("replication")
-            if fault.mode == "reset":
-                p.proxy.cut("replication")
-            try:
-                promoted = self._promoted(s, mark, fault)
-                time.sleep(self.rng.uniform(0.0, 1.0))
-            finally:
-                p.proxy.heal()
-            fault.ended_s = time.monotonic() - fault.at
+            promoted = self._partition(p, "replication", fault, lambda: self._promoted(s, mark, fault))
         elif kind == "promote":
             fault.at = time.monotonic()
             res = subprocess.run([sys.executable, "-m", "fastlock", "promote", "--server", s.address,
