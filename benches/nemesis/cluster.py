@@ -166,7 +166,9 @@ class Nemesis:
     a time, re-pairs, waits for health, and stops every process by PID.
     :meth:`run` does it all; :func:`run_nemesis` adds the report."""
 
-    def __init__(self, cfg: NemesisConfig, root: Path):
+    def __init__(self, cfg: NemesisConfig, root: Path, *, new: bool = True):
+        """``new``: a run to start (credentials are generated in ``root``); False for a
+        finished run read back by :meth:`load` (no credentials, no processes)."""
         self.cfg = cfg
         self.root = root
         self.rng = random.Random(cfg.seed)
@@ -176,9 +178,9 @@ class Nemesis:
 
         # each node follows with its own replica principal; workers stay anonymous clients
         names = ("a", "b", "c") if cfg.group == "etcd" else ("a", "b")
-        self.creds = CredentialsDir(root / "credentials", replicas=len(names))
-        self.nodes = {n: _Node(n, root, cfg, self.env, self.creds.server_args(f"node-{i + 1}"),
-                               self.creds.token("admin"))
+        self.creds = CredentialsDir(root / "credentials", replicas=len(names)) if new else None
+        self.nodes = {n: _Node(n, root, cfg, self.env, self.creds.server_args(f"node-{i + 1}") if new else [],
+                               self.creds.token("admin") if new else "")
                       for i, n in enumerate(names)}
         self.primary, self.standby = self.nodes["a"], self.nodes["b"]
         self.etcd = None  # tests/etcdserver.EtcdServer (group "etcd")
@@ -211,7 +213,7 @@ class Nemesis:
         root = Path(root)
         state = json.loads((root / cls.STATE).read_text())
         cfg = NemesisConfig(**{**state["config"], "kinds": tuple(state["config"]["kinds"])})
-        nem = cls(cfg, root)
+        nem = cls(cfg, root, new=False)
         nem.faults = [Fault(**f) for f in state["faults"]]
         nem.stopped_at, nem.aborted, nem.leftover = state["stopped_at"], state["aborted"], state["leftover"]
         return nem, state["elapsed_s"]

@@ -144,15 +144,23 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
         return False
 
     # grants that reached a client after the standby had promoted, with a token of an older epoch:
-    # decided by the old primary (before it froze or lost its link), acknowledged after the promotion
-    late_grants = []
+    # decided by the old primary (before it froze or lost its link), acknowledged after the promotion.
+    # A lease the new primary knew (replicated) may reach its client this way too: the old primary
+    # refuses to acknowledge a grant once fenced, the client repeats the acquire with the same owner
+    # key at the new primary, which hands it the replicated lease with its old token.  Such a
+    # holding, released at its end without a LeaseLost (only a node holding that token accepts the
+    # release), is counted apart: the new primary knew it.
+    released_ok = ({e["holding"] for e in events if e["ev"] == "end" and e["reason"] != "lost"}
+                   - {e["holding"] for e in release_failed})
+    late_grants, known_late_grants = [], []
     for g in grants:
         for f in nem.faults:
             if (f.new_epoch is not None and f.promoted_s is not None and g["at"] > f.at + f.promoted_s
                     and g["sent"] < f.at + f.promoted_s and (g["token"] >> 40) < f.new_epoch):
-                late_grants.append({"holding": g["holding"], "lock": g["lock"], "token_epoch": g["token"] >> 40,
-                                    "new_epoch": f.new_epoch, "fault": f.index, "kind": f.kind,
-                                    "after_promotion_s": round(g["at"] - f.at - f.promoted_s, 3)})
+                (known_late_grants if g["holding"] in released_ok else late_grants).append(
+                    {"holding": g["holding"], "lock": g["lock"], "token_epoch": g["token"] >> 40,
+                     "new_epoch": f.new_epoch, "fault": f.index, "kind": f.kind,
+                     "after_promotion_s": round(g["at"] - f.at - f.promoted_s, 3)})
     lost_mid = [e for e in lost_during if granted_mid_fault(e)]
     failed_mid = [e for e in release_failed if granted_mid_fault(e)]
     errors_by_fault = {}
@@ -216,6 +224,8 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
             "releases_refused_unreplicated_grant": len(unreplicated),
             "old_epoch_grants_after_promotion": len(late_grants),
             "old_epoch_grant_samples": late_grants[:20],
+            "old_epoch_grants_known_to_new_primary": len(known_late_grants),
+            "old_epoch_grant_known_samples": known_late_grants[:20],
             "errors_by_fault_kind": {k: dict(v) for k, v in sorted(errors_by_fault.items())},
             "loop_errors": len(loop_errors),
             "loop_error_messages": Counter(_normalise(e["msg"]) for e in loop_errors).most_common(4),
@@ -275,6 +285,9 @@ def print_report(r: dict) -> None:
     print(f"  grants of an older epoch delivered after the standby promoted: {a['old_epoch_grants_after_promotion']}"
           + "".join(f"\n    - fault {g['fault']} ({g['kind']}): {g['holding']} {g['lock']!r} epoch {g['token_epoch']} "
                     f"< {g['new_epoch']}, {g['after_promotion_s']} s after the promotion" for g in late[:5]))
+    if a.get("old_epoch_grants_known_to_new_primary"):
+        print(f"    not counted above - replicated leases the new primary handed to the client that had asked the "
+              f"old one (released cleanly at their end): {a['old_epoch_grants_known_to_new_primary']}")
     if a["releases_refused_unreplicated_grant"]:
         print(f"  releases refused (LeaseLost) for grants made mid-fault, never replicated: "
               f"{a['releases_refused_unreplicated_grant']}")
