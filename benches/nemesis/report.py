@@ -250,7 +250,8 @@ def print_report(r: dict) -> None:
     cfg = r["config"]
     failover = (f"group etcd, coordinator_ttl {cfg['coordinator_ttl']} s" if cfg.get("group") == "etcd"
                 else f"failover_after {cfg['failover_after']} s")
-    print(f"\nnemesis: {r['faults']} faults in {r['elapsed_s']} s (seed {cfg['seed']}, {failover}, promotion_grace {cfg['promotion_grace']} s, ttl {cfg['ttl']} s, "
+    print(f"\nnemesis: {r['faults']} faults in {r['elapsed_s']} s (seed {cfg['seed']}, {failover}, "
+          f"promotion_grace {cfg['promotion_grace']} s, ttl {cfg['ttl']} s, "
           f"wait {cfg['wait']} s, request_timeout {cfg['request_timeout']} s, {cfg['workers']} workers)")
     if r["aborted"]:
         print(f"  ABORTED: {r['aborted']}")
@@ -298,7 +299,8 @@ def print_report(r: dict) -> None:
     print(f"  holders overlapping (client view): {a['holders_overlapping_client_view']}")
     for v in a["holder_overlap_samples"][:3]:
         print(f"    - {v}")
-    print(f"  longest window without a grant after each kill (bound failover + grace + 1 s = {a['outage_bound_s']:.1f} s): "
+    print(f"  longest window without a grant after each kill "
+          f"(bound failover + grace + 1 s = {a['outage_bound_s']:.1f} s): "
           + ", ".join("-" if w is None else f"{w:.2f}" for w in a["kill_no_grant_s"])
           + (f"; over the bound: faults {a['kills_over_bound']}" if a["kills_over_bound"] else ""))
     print("  longest window without a grant, by fault kind: "
