@@ -481,7 +481,6 @@ class Nemesis:
         self.faults.append(fault)
         st = p.status()
         old_epoch = st["epoch"] if st else 0
-        restart: _Node | None = None
         if kind == "kill":
             fault.at = time.monotonic()
             p.proc.kill()
@@ -494,12 +493,12 @@ class Nemesis:
         elif kind == "partition":
             self._partition(p, None, fault, lambda: self._group_promoted(fault, old_epoch, skip=p))
         elif kind == "kill-standby":
-            restart = self.rng.choice([n for n in self.nodes.values() if n is not p])
-            fault.note = f"killed standby {restart.name}"
+            victim = self.rng.choice([n for n in self.nodes.values() if n is not p])
+            fault.note = f"killed standby {victim.name}"
             fault.at = time.monotonic()
-            restart.proc.kill()
+            victim.proc.kill()
             time.sleep(self.rng.uniform(0.0, 1.5))
-            restart.start(None)
+            victim.start(None)
             fault.ended_s = time.monotonic() - fault.at
         elif kind == "etcd-restart":
             fault.at = time.monotonic()
