@@ -27,6 +27,13 @@ Asserted, in this order:
   without a grant longer than failover_after + grace + 1 s.  Every
   availability failure is listed in one assertion message, with the
   worker-side messages.
+
+The same run against three nodes arbitrated by a throwaway etcd
+(``--group etcd``, 1 s etcd lease TTL): one fault of each group kind (SIGKILL
+of the primary, restarted with the same flags; SIGSTOP/SIGCONT of it; its
+link to etcd cut; SIGKILL of a standby; etcd restarted), the same checks,
+a promotion after each primary fault and none required after the others.
+Skipped without the etcd binary unless FASTLOCK_REQUIRE_ETCD=1.
 """
 
 from __future__ import annotations
@@ -43,26 +50,51 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.append(_ROOT)
 
-from benches.nemesis import KINDS, NemesisConfig, print_report, run_nemesis  # noqa: E402
+from benches.nemesis import GROUP_KINDS, KINDS, NemesisConfig, print_report, run_nemesis  # noqa: E402
+from benches.nemesis.report import NO_FAILOVER_KINDS  # noqa: E402
 
 #: seconds of faults for the long run; unset: one fault of each kind
 SECONDS = os.environ.get("FASTLOCK_NEMESIS_SECONDS")
 
 
+def _config(**kw) -> NemesisConfig:
+    kinds = kw.get("kinds", KINDS)
+    if SECONDS is None:
+        # the first len(kinds) faults are one of each kind; duration only bounds them
+        return NemesisConfig(duration=60.0, max_faults=len(kinds), seed=20261201, workers=4, heal_timeout=20.0,
+                             **kw)
+    return NemesisConfig(duration=float(SECONDS), seed=20261201, workers=4, heal_timeout=20.0, **kw)
+
+
 @pytest.mark.timeout(180 if SECONDS is None else 120 + 2 * float(SECONDS))
 def test_nemesis_short_run(tmp_path):
-    if SECONDS is None:
-        # the first len(KINDS) faults are one of each kind; duration only bounds them
-        cfg = NemesisConfig(duration=60.0, max_faults=len(KINDS), seed=20261201, workers=4, heal_timeout=20.0)
-    else:
-        cfg = NemesisConfig(duration=float(SECONDS), seed=20261201, workers=4, heal_timeout=20.0)
+    check_run(_config(), tmp_path)
+
+
+@pytest.mark.timeout(180 if SECONDS is None else 120 + 2 * float(SECONDS))
+def test_nemesis_etcd_group(tmp_path):
+    import etcdserver
+
+    try:
+        etcdserver.find_etcd()
+    except etcdserver.EtcdUnavailable as exc:
+        etcdserver.require_etcd(str(exc))
+    pytest.importorskip("httpx")
+    report = check_run(_config(group="etcd", kinds=GROUP_KINDS), tmp_path)
+    # a standby's death or an etcd restart moves nothing
+    assert all(f["new_primary"] == f["old_primary"] and f["promoted_s"] is None
+               for f in report["fault_log"] if f["kind"] in NO_FAILOVER_KINDS), report["fault_log"]
+
+
+def check_run(cfg: NemesisConfig, tmp_path) -> dict:
+    """Run the nemesis with ``cfg`` and assert every check above; its report."""
     report = run_nemesis(cfg, str(tmp_path / "nemesis"))
     print_report(report)
 
     # the run exercised what it claims to check
     assert report["aborted"] is None, report["aborted"]
     kinds = {k.split("/")[0] for k in report["faults_by_kind"]}
-    assert kinds == set(KINDS), f"fault kinds run: {report['faults_by_kind']}"
+    assert kinds == set(cfg.kinds), f"fault kinds run: {report['faults_by_kind']}"
     assert report["faults_without_promotion"] == []
     assert all(f["healthy_s"] is not None for f in report["fault_log"])
     assert report["grants"] >= 20 and report["store_rows"] >= 100
@@ -102,3 +134,4 @@ def test_nemesis_short_run(tmp_path):
           f"releases failed for grants made after a fault began (never replicated); held after the workers "
           f"stopped: {a['held_after_workers_stopped']}")
     assert not failures, "availability across failovers:\n  " + "\n  ".join(failures)
+    return report

@@ -1,8 +1,10 @@
-"""Nemesis: a primary and a standby under a cycle of faults, clients holding locks through it all.
+"""Nemesis: a primary and a standby (or an etcd-arbitrated group of three) under a cycle of faults,
+clients holding locks through it all.
 
     python -m benches.nemesis --duration S [--seed N] [--failover-after F] [--workers W]
         [--ttl 8] [--wait 20] [--request-timeout 5] [--promotion-grace 2] [--kinds kill,pause,...]
         [--json PATH] [--keep DIR]
+    python -m benches.nemesis --group etcd [--coordinator-ttl 1] --duration S [the same options]
     python -m benches.nemesis --report DIR      # the report of a run kept with --keep DIR
 
 What runs
@@ -62,6 +64,34 @@ and ``pair_confirmed``, and a grant to the prober (below) since the re-pair;
 then lets the load run 0.5-1.5 s (seeded) before the next fault.  A cluster
 that does not heal in time ends the run (reported).
 
+The etcd group (``--group etcd``)
+--------------------------------
+One throwaway etcd member (``tests/etcdserver.py``: the ``etcd`` binary) and
+three nodes ``a``, ``b``, ``c``, each ``fastlock serve --coordinator
+etcd://PROXY/PREFIX --node-id NAME --coordinator-ttl T --promotion-grace G``
+on a fixed port, where PROXY is that node's own :class:`TcpProxy` to etcd
+(so one node can be cut off from etcd alone).  ``a`` starts first and takes
+the key; the workers list all three addresses.  The same workers, prober,
+checks and figures; the failover bound is T (the etcd lease) instead of F.
+Fault kinds (``GROUP_KINDS``), each against the primary P etcd names:
+
+``kill``          SIGKILL P, restart it after a random 0-1.5 s with the same
+                  flags, as a supervisor would (it may come back before or
+                  after another node took the key); wait for a node to be an
+                  unfenced primary at a higher epoch.
+``pause``         SIGSTOP P until another node is primary at a higher epoch,
+                  plus 0-1 s, then SIGCONT: P steps down and follows by itself.
+``partition``     black-hole P's link to etcd (or, one time in two, reset it
+                  and hold reconnections) until another node is primary, plus
+                  0-1 s, then heal; clients still reach P throughout.
+``kill-standby``  SIGKILL a standby, restart it after 0-1.5 s: no failover.
+``etcd-restart``  SIGKILL etcd and start it again on the same ports and
+                  data: no failover (the lease and the key survive).
+
+After each, the controller waits (``--heal-timeout``) for a healthy group:
+the primary holds the key, may grant and is past its grace, both others are
+synced standbys of it, and the prober was granted something since.
+
 Checks and figures
 ------------------
 Safety (:mod:`fastlock._testbase.history`), each violation listed:
@@ -111,8 +141,8 @@ SIGTERM (finish the current holding, release) and SIGKILL after 15 s; every
 server and worker is stopped by PID in ``finally`` blocks and at exit.
 """
 
-from benches.nemesis.cluster import KINDS, Fault, Nemesis, NemesisConfig, report_again, run_nemesis
+from benches.nemesis.cluster import GROUP_KINDS, KINDS, Fault, Nemesis, NemesisConfig, report_again, run_nemesis
 from benches.nemesis.report import build_report, print_report
 
-__all__ = ["KINDS", "Fault", "Nemesis", "NemesisConfig", "build_report", "print_report", "report_again",
+__all__ = ["GROUP_KINDS", "KINDS", "Fault", "Nemesis", "NemesisConfig", "build_report", "print_report", "report_again",
            "run_nemesis"]

@@ -18,10 +18,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from benches.nemesis.report import _s, build_report
+from benches.nemesis.report import NO_FAILOVER_KINDS, _s, build_report
 from benches.nemesis.workers import STORE_SCHEMA
 
 KINDS = ("kill", "pause", "partition", "promote")
+#: the fault kinds of ``--group etcd`` (three nodes arbitrated by etcd; see :mod:`benches.nemesis`)
+GROUP_KINDS = ("kill", "pause", "partition", "kill-standby", "etcd-restart")
+GROUPS = ("pair", "etcd")
 
 
 @dataclasses.dataclass
@@ -44,6 +47,14 @@ class NemesisConfig:
     fsync: str = "always"
     max_faults: int = 0             # 0: no limit but --duration
     server_args: tuple = ()         # more `fastlock serve` flags for every node (e.g. --replication sync)
+    group: str = "pair"             # pair: a and b, two-node failover; etcd: a, b, c under --coordinator
+    coordinator_ttl: int = 1        # s, the nodes' --coordinator-ttl (group "etcd" only)
+
+    @property
+    def failover_s(self) -> float:
+        """Seconds from a dead primary to another node's promotion, at most: the
+        standby's failover window (pair), or the etcd lease TTL (etcd)."""
+        return float(self.coordinator_ttl) if self.group == "etcd" else self.failover_after
 
 
 @dataclasses.dataclass
@@ -86,7 +97,12 @@ def _fastlock_env(extra_paths: list[str]) -> dict[str, str]:
 
 
 class _Node:
-    """One of the two node slots: fixed port, data dir and proxy; a process when running."""
+    """One node slot: fixed port, data dir and proxy; a process when running.
+
+    The proxy is what a partition cuts: in front of this node's port (pair:
+    the standby's replication connection goes through it), or between this
+    node and etcd (group "etcd": the node's ``--coordinator`` names it).
+    """
 
     def __init__(self, name: str, root: Path, cfg: NemesisConfig, env: dict, auth_args: list[str],
                  admin_token: str):
@@ -99,7 +115,8 @@ class _Node:
         self.data_dir = root / name
         self.port = 0
         self.proc = None  # ServerProcess
-        self.proxy = None  # TcpProxy to this node's port
+        self.proxy = None  # TcpProxy: to this node's port (pair), or to etcd (group "etcd")
+        self.coordinator: str | None = None  # etcd://PROXY/PREFIX (group "etcd")
 
     @property
     def address(self) -> str:
@@ -109,7 +126,11 @@ class _Node:
         from fastlock._testbase import ServerProcess
 
         args = ["--name", self.name, *self.auth_args, *self.cfg.server_args]
-        if standby_of is not None:
+        if self.coordinator is not None:  # the same flags at every (re)start, as a supervisor would
+            args += ["--coordinator", self.coordinator, "--node-id", self.name,
+                     "--coordinator-ttl", str(self.cfg.coordinator_ttl),
+                     "--promotion-grace", f"{self.cfg.promotion_grace:g}"]
+        elif standby_of is not None:
             args += ["--standby-of", standby_of.proxy.address, "--failover-after", f"{self.cfg.failover_after:g}",
                      "--promotion-grace", f"{self.cfg.promotion_grace:g}"]
         last: Exception | None = None
@@ -145,7 +166,9 @@ class Nemesis:
     a time, re-pairs, waits for health, and stops every process by PID.
     :meth:`run` does it all; :func:`run_nemesis` adds the report."""
 
-    def __init__(self, cfg: NemesisConfig, root: Path):
+    def __init__(self, cfg: NemesisConfig, root: Path, *, new: bool = True):
+        """``new``: a run to start (credentials are generated in ``root``); False for a
+        finished run read back by :meth:`load` (no credentials, no processes)."""
         self.cfg = cfg
         self.root = root
         self.rng = random.Random(cfg.seed)
@@ -154,10 +177,13 @@ class Nemesis:
         from fastlock._testbase import CredentialsDir
 
         # each node follows with its own replica principal; workers stay anonymous clients
-        self.creds = CredentialsDir(root / "credentials", replicas=2)
-        self.nodes = {n: _Node(n, root, cfg, self.env, self.creds.server_args(replica), self.creds.token("admin"))
-                      for n, replica in (("a", "node-1"), ("b", "node-2"))}
+        names = ("a", "b", "c") if cfg.group == "etcd" else ("a", "b")
+        self.creds = CredentialsDir(root / "credentials", replicas=len(names)) if new else None
+        self.nodes = {n: _Node(n, root, cfg, self.env, self.creds.server_args(f"node-{i + 1}") if new else [],
+                               self.creds.token("admin") if new else "")
+                      for i, n in enumerate(names)}
         self.primary, self.standby = self.nodes["a"], self.nodes["b"]
+        self.etcd = None  # tests/etcdserver.EtcdServer (group "etcd")
         self.workers: list[subprocess.Popen] = []
         self.faults: list[Fault] = []
         self.aborted: str | None = None
@@ -187,7 +213,7 @@ class Nemesis:
         root = Path(root)
         state = json.loads((root / cls.STATE).read_text())
         cfg = NemesisConfig(**{**state["config"], "kinds": tuple(state["config"]["kinds"])})
-        nem = cls(cfg, root)
+        nem = cls(cfg, root, new=False)
         nem.faults = [Fault(**f) for f in state["faults"]]
         nem.stopped_at, nem.aborted, nem.leftover = state["stopped_at"], state["aborted"], state["leftover"]
         return nem, state["elapsed_s"]
@@ -196,6 +222,9 @@ class Nemesis:
     def start_cluster(self) -> None:
         from fastlock._testbase import TcpProxy, classify_fastlock
 
+        if self.cfg.group == "etcd":
+            self.start_group()
+            return
         a, b = self.nodes["a"], self.nodes["b"]
         a.start(None)
         # b needs a's proxy to start; a's and b's proxies target their fixed ports from then on
@@ -203,6 +232,26 @@ class Nemesis:
         b.start(a)
         b.proxy = TcpProxy(b.address, classify=classify_fastlock).start()
         b.proc.wait_for_log(r"paired: primary", 20)
+
+    def start_group(self) -> None:
+        """Group "etcd": one throwaway etcd member, three coordinated nodes, each
+        reaching etcd through its own proxy; ``a`` starts first and takes the key."""
+        from fastlock._testbase import TcpProxy
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+        from etcdserver import EtcdServer, unique_prefix
+
+        self.etcd = EtcdServer().start()
+        prefix = unique_prefix()
+        for node in self.nodes.values():
+            node.proxy = TcpProxy(self.etcd.address).start()
+            node.coordinator = f"etcd://{node.proxy.address}{prefix}"
+        a = self.nodes["a"]
+        a.start(None)
+        a.proc.wait_for_log(r"PROMOTED", 20)
+        for name in ("b", "c"):
+            self.nodes[name].start(None)
+        self.primary, self.standby = a, self.nodes["b"]
 
     def start_workers(self) -> None:
         cfg = self.cfg
@@ -216,7 +265,7 @@ class Nemesis:
         wcfg = {"seed": cfg.seed, "workers": cfg.workers, "locks": cfg.locks or 2 * cfg.workers,
                 "ttl": cfg.ttl, "wait": cfg.wait,
                 "request_timeout": cfg.request_timeout, "store": str(self.store),
-                "addresses": [self.nodes["a"].address, self.nodes["b"].address]}
+                "addresses": [node.address for node in self.nodes.values()]}
         (self.root / "config.json").write_text(json.dumps(wcfg))
         for i in range(cfg.workers + 1):  # the last one is the prober
             err = open(self.root / f"worker-{i}.stderr", "w")
@@ -252,6 +301,8 @@ class Nemesis:
                 self.log.exception("stopping node %s", node.name)
             if node.proxy is not None:
                 node.proxy.close()
+        if self.etcd is not None:
+            self.etcd.stop()
         if self._probe_feed is not None:
             self._probe_feed.close()
 
@@ -302,6 +353,8 @@ class Nemesis:
         return None
 
     def healthy(self, since: float) -> tuple[bool, str]:
+        if self.cfg.group == "etcd":
+            return self.group_healthy(since)
         p, s = self.primary.status(), self.standby.status()
         if p is None:
             return False, f"primary {self.primary.name} does not answer"
@@ -316,6 +369,32 @@ class Nemesis:
                            f"synced {r.get('synced')}, paired {r.get('pair_confirmed')}")
         if self.last_probe_grant() <= since:
             return False, "the prober was granted nothing since the re-pair"
+        return True, "healthy"
+
+    def group_healthy(self, since: float) -> tuple[bool, str]:
+        """Group "etcd": :attr:`primary` holds the key, may grant and is past its
+        grace; every other node is a synced standby of it; the prober was granted
+        something since ``since``."""
+        p = self.primary.status()
+        if p is None:
+            return False, f"primary {self.primary.name} does not answer"
+        coord = p.get("coordinator") or {}
+        if (p["role"] != "primary" or p["replication"]["fenced"] or p.get("grace_remaining_ms", 0) > 0
+                or not coord.get("holding") or not coord.get("may_grant")):
+            return False, (f"primary {self.primary.name}: role {p['role']}, fenced {p['replication']['fenced']}, "
+                           f"grace {p.get('grace_remaining_ms')} ms, arbiter {coord}")
+        for node in self.nodes.values():
+            if node is self.primary:
+                continue
+            s = node.status()
+            if s is None:
+                return False, f"standby {node.name} does not answer"
+            r = s["replication"]
+            if s["role"] != "standby" or r.get("primary") != self.primary.address or not r.get("synced"):
+                return False, (f"standby {node.name}: role {s['role']}, follows {r.get('primary')}, "
+                               f"synced {r.get('synced')}")
+        if self.last_probe_grant() <= since:
+            return False, "the prober was granted nothing since the fault ended"
         return True, "healthy"
 
     def wait_healthy(self, since: float, timeout: float) -> float | None:
@@ -346,7 +425,102 @@ class Nemesis:
         fault.new_epoch = int(m.group(1)) if m else None
         return True
 
+    def _pause(self, p: _Node, fault: Fault, promoted) -> bool:
+        """SIGSTOP ``p`` until ``promoted()`` returns (whether another node
+        promoted), plus a random 0-1 s, then SIGCONT; returns ``promoted()``."""
+        fault.at = time.monotonic()
+        p.proc.pause()
+        try:
+            ok = promoted()
+            time.sleep(self.rng.uniform(0.0, 1.0))  # the experiment: how long past the promotion
+        finally:
+            p.proc.resume()
+        fault.ended_s = time.monotonic() - fault.at
+        return ok
+
+    def _partition(self, p: _Node, label: str | None, fault: Fault, promoted) -> bool:
+        """Black-hole (or, one time in two, reset) the connections of ``p``'s
+        proxy labelled ``label`` (None: all) until ``promoted()`` returns, plus
+        a random 0-1 s, then heal; returns ``promoted()``."""
+        fault.mode = self.rng.choice(["blackhole", "reset"])
+        fault.at = time.monotonic()
+        p.proxy.blackhole(label)
+        if fault.mode == "reset":
+            p.proxy.cut(label)
+        try:
+            ok = promoted()
+            time.sleep(self.rng.uniform(0.0, 1.0))
+        finally:
+            p.proxy.heal()
+        fault.ended_s = time.monotonic() - fault.at
+        return ok
+
+    def _group_promoted(self, fault: Fault, old_epoch: int, skip: _Node | None = None) -> bool:
+        """Group "etcd": wait (``promote_timeout``) until a node other than ``skip``
+        is an unfenced primary above ``old_epoch``; it becomes :attr:`primary`."""
+        deadline = time.monotonic() + self.cfg.promote_timeout
+        while time.monotonic() < deadline:
+            for node in self.nodes.values():
+                st = None if node is skip else node.status()
+                if st and st["role"] == "primary" and not st["replication"]["fenced"] and st["epoch"] > old_epoch:
+                    fault.promoted_s = time.monotonic() - fault.at
+                    fault.new_epoch = st["epoch"]
+                    fault.new_primary = node.name
+                    self.primary = node
+                    return True
+            time.sleep(0.05)
+        fault.note = f"no node promoted above epoch {old_epoch} within {self.cfg.promote_timeout:g} s"
+        return False
+
+    def inject_group(self, kind: str) -> Fault:
+        """One fault against group "etcd" (see :mod:`benches.nemesis`); a node
+        killed is restarted with the same flags after a random 0-1.5 s, as by a
+        supervisor; a surviving old primary rejoins by itself."""
+        p = self.primary
+        fault = Fault(index=len(self.faults) + 1, kind=kind, old_primary=p.name, new_primary=p.name)
+        self.faults.append(fault)
+        st = p.status()
+        old_epoch = st["epoch"] if st else 0
+        if kind == "kill":
+            fault.at = time.monotonic()
+            p.proc.kill()
+            time.sleep(self.rng.uniform(0.0, 1.5))
+            p.start(None)
+            self._group_promoted(fault, old_epoch)
+            fault.ended_s = time.monotonic() - fault.at
+        elif kind == "pause":
+            self._pause(p, fault, lambda: self._group_promoted(fault, old_epoch, skip=p))
+        elif kind == "partition":
+            self._partition(p, None, fault, lambda: self._group_promoted(fault, old_epoch, skip=p))
+        elif kind == "kill-standby":
+            victim = self.rng.choice([n for n in self.nodes.values() if n is not p])
+            fault.note = f"killed standby {victim.name}"
+            fault.at = time.monotonic()
+            victim.proc.kill()
+            time.sleep(self.rng.uniform(0.0, 1.5))
+            victim.start(None)
+            fault.ended_s = time.monotonic() - fault.at
+        elif kind == "etcd-restart":
+            fault.at = time.monotonic()
+            self.etcd.restart()
+            fault.ended_s = time.monotonic() - fault.at
+        else:
+            raise ValueError(f"unknown fault kind {kind!r}")
+        if kind in NO_FAILOVER_KINDS:
+            # no failover expected; should one happen all the same, follow it
+            found = [n for n in self.nodes.values() if (n.status() or {}).get("role") == "primary"]
+            if len(found) == 1 and found[0] is not p:
+                self.primary = found[0]
+                fault.new_primary = found[0].name
+                fault.note = "a failover happened"
+        fault.repaired_s = time.monotonic() - fault.at
+        healthy_at = self.wait_healthy(fault.at + fault.repaired_s, self.cfg.heal_timeout)
+        fault.healthy_s = None if healthy_at is None else healthy_at - fault.at
+        return fault
+
     def inject(self, kind: str) -> Fault:
+        if self.cfg.group == "etcd":
+            return self.inject_group(kind)
         p, s = self.primary, self.standby
         fault = Fault(index=len(self.faults) + 1, kind=kind, old_primary=p.name)
         self.faults.append(fault)
@@ -358,26 +532,9 @@ class Nemesis:
             promoted = self._promoted(s, mark, fault)
             fault.ended_s = time.monotonic() - fault.at
         elif kind == "pause":
-            fault.at = time.monotonic()
-            p.proc.pause()
-            try:
-                promoted = self._promoted(s, mark, fault)
-                time.sleep(self.rng.uniform(0.0, 1.0))  # the experiment: how long past the promotion
-            finally:
-                p.proc.resume()
-            fault.ended_s = time.monotonic() - fault.at
+            promoted = self._pause(p, fault, lambda: self._promoted(s, mark, fault))
         elif kind == "partition":
-            fault.mode = self.rng.choice(["blackhole", "reset"])
-            fault.at = time.monotonic()
-            p.proxy.blackhole("replication")
-            if fault.mode == "reset":
-                p.proxy.cut("replication")
-            try:
-                promoted = self._promoted(s, mark, fault)
-                time.sleep(self.rng.uniform(0.0, 1.0))
-            finally:
-                p.proxy.heal()
-            fault.ended_s = time.monotonic() - fault.at
+            promoted = self._partition(p, "replication", fault, lambda: self._promoted(s, mark, fault))
         elif kind == "promote":
             fault.at = time.monotonic()
             res = subprocess.run([sys.executable, "-m", "fastlock", "promote", "--server", s.address,

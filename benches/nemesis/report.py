@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     from benches.nemesis.cluster import Nemesis
 
+#: fault kinds after which no node is expected to promote (group "etcd")
+NO_FAILOVER_KINDS = ("kill-standby", "etcd-restart")
+
 def _longest_gap(times: list[float], start: float, end: float, clip: bool = False) -> float | None:
     """The longest interval from ``start`` without any of ``times`` (sorted):
     up to the first time after ``end``, or with ``clip`` up to ``end`` at most;
@@ -116,7 +119,7 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
         if start > prev:
             steady_gap = max(steady_gap, _longest_gap(grant_times, prev, start, clip=True) or 0.0)
         prev = max(prev, end)
-    bound = cfg.failover_after + cfg.promotion_grace + 1.0
+    bound = cfg.failover_s + cfg.promotion_grace + 1.0
     kills = [f for f in nem.faults if f.kind == "kill"]
     kill_windows = [f.no_grant_s for f in kills]
     over_bound = [f.index for f in kills if f.no_grant_s is None or f.no_grant_s > bound]
@@ -141,15 +144,23 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
         return False
 
     # grants that reached a client after the standby had promoted, with a token of an older epoch:
-    # decided by the old primary (before it froze or lost its link), acknowledged after the promotion
-    late_grants = []
+    # decided by the old primary (before it froze or lost its link), acknowledged after the promotion.
+    # A lease the new primary knew (replicated) may reach its client this way too: the old primary
+    # refuses to acknowledge a grant once fenced, the client repeats the acquire with the same owner
+    # key at the new primary, which hands it the replicated lease with its old token.  Such a
+    # holding, released at its end without a LeaseLost (only a node holding that token accepts the
+    # release), is counted apart: the new primary knew it.
+    released_ok = ({e["holding"] for e in events if e["ev"] == "end" and e["reason"] != "lost"}
+                   - {e["holding"] for e in release_failed})
+    late_grants, known_late_grants = [], []
     for g in grants:
         for f in nem.faults:
             if (f.new_epoch is not None and f.promoted_s is not None and g["at"] > f.at + f.promoted_s
                     and g["sent"] < f.at + f.promoted_s and (g["token"] >> 40) < f.new_epoch):
-                late_grants.append({"holding": g["holding"], "lock": g["lock"], "token_epoch": g["token"] >> 40,
-                                    "new_epoch": f.new_epoch, "fault": f.index, "kind": f.kind,
-                                    "after_promotion_s": round(g["at"] - f.at - f.promoted_s, 3)})
+                (known_late_grants if g["holding"] in released_ok else late_grants).append(
+                    {"holding": g["holding"], "lock": g["lock"], "token_epoch": g["token"] >> 40,
+                     "new_epoch": f.new_epoch, "fault": f.index, "kind": f.kind,
+                     "after_promotion_s": round(g["at"] - f.at - f.promoted_s, 3)})
     lost_mid = [e for e in lost_during if granted_mid_fault(e)]
     failed_mid = [e for e in release_failed if granted_mid_fault(e)]
     errors_by_fault = {}
@@ -185,7 +196,8 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
         "aborted": nem.aborted,
         "faults": len(nem.faults),
         "faults_by_kind": dict(Counter(f.kind + (f"/{f.mode}" if f.mode else "") for f in nem.faults)),
-        "faults_without_promotion": [f.index for f in nem.faults if f.promoted_s is None],
+        "faults_without_promotion": [f.index for f in nem.faults
+                                     if f.promoted_s is None and f.kind not in NO_FAILOVER_KINDS],
         "grants": len(grants),
         "grants_by_worker": dict(sorted(Counter("probe" if g.get("probe") else f"w{g['worker']}"
                                                 for g in grants).items())),
@@ -197,7 +209,7 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
         },
         "availability": {
             "ttl_s": cfg.ttl,
-            "ttl_exceeds_failover_plus_request_timeout": cfg.ttl > cfg.failover_after + cfg.request_timeout,
+            "ttl_exceeds_failover_plus_request_timeout": cfg.ttl > cfg.failover_s + cfg.request_timeout,
             "leases_lost": len(lost_during) - len(lost_mid),
             "releases_failed_at_exit": len(release_failed) - len(failed_mid),
             "leases_lost_granted_mid_fault": len(lost_mid),
@@ -212,6 +224,8 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
             "releases_refused_unreplicated_grant": len(unreplicated),
             "old_epoch_grants_after_promotion": len(late_grants),
             "old_epoch_grant_samples": late_grants[:20],
+            "old_epoch_grants_known_to_new_primary": len(known_late_grants),
+            "old_epoch_grant_known_samples": known_late_grants[:20],
             "errors_by_fault_kind": {k: dict(v) for k, v in sorted(errors_by_fault.items())},
             "loop_errors": len(loop_errors),
             "loop_error_messages": Counter(_normalise(e["msg"]) for e in loop_errors).most_common(4),
@@ -234,8 +248,10 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
 def print_report(r: dict) -> None:
     a, s = r["availability"], r["safety"]
     cfg = r["config"]
-    print(f"\nnemesis: {r['faults']} faults in {r['elapsed_s']} s (seed {cfg['seed']}, failover_after "
-          f"{cfg['failover_after']} s, promotion_grace {cfg['promotion_grace']} s, ttl {cfg['ttl']} s, "
+    failover = (f"group etcd, coordinator_ttl {cfg['coordinator_ttl']} s" if cfg.get("group") == "etcd"
+                else f"failover_after {cfg['failover_after']} s")
+    print(f"\nnemesis: {r['faults']} faults in {r['elapsed_s']} s (seed {cfg['seed']}, {failover}, "
+          f"promotion_grace {cfg['promotion_grace']} s, ttl {cfg['ttl']} s, "
           f"wait {cfg['wait']} s, request_timeout {cfg['request_timeout']} s, {cfg['workers']} workers)")
     if r["aborted"]:
         print(f"  ABORTED: {r['aborted']}")
@@ -270,6 +286,9 @@ def print_report(r: dict) -> None:
     print(f"  grants of an older epoch delivered after the standby promoted: {a['old_epoch_grants_after_promotion']}"
           + "".join(f"\n    - fault {g['fault']} ({g['kind']}): {g['holding']} {g['lock']!r} epoch {g['token_epoch']} "
                     f"< {g['new_epoch']}, {g['after_promotion_s']} s after the promotion" for g in late[:5]))
+    if a.get("old_epoch_grants_known_to_new_primary"):
+        print(f"    not counted above - replicated leases the new primary handed to the client that had asked the "
+              f"old one (released cleanly at their end): {a['old_epoch_grants_known_to_new_primary']}")
     if a["releases_refused_unreplicated_grant"]:
         print(f"  releases refused (LeaseLost) for grants made mid-fault, never replicated: "
               f"{a['releases_refused_unreplicated_grant']}")
@@ -280,7 +299,8 @@ def print_report(r: dict) -> None:
     print(f"  holders overlapping (client view): {a['holders_overlapping_client_view']}")
     for v in a["holder_overlap_samples"][:3]:
         print(f"    - {v}")
-    print(f"  longest window without a grant after each kill (bound F + grace + 1 s = {a['outage_bound_s']:.1f} s): "
+    print(f"  longest window without a grant after each kill "
+          f"(bound failover + grace + 1 s = {a['outage_bound_s']:.1f} s): "
           + ", ".join("-" if w is None else f"{w:.2f}" for w in a["kill_no_grant_s"])
           + (f"; over the bound: faults {a['kills_over_bound']}" if a["kills_over_bound"] else ""))
     print("  longest window without a grant, by fault kind: "
