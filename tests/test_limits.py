@@ -710,6 +710,13 @@ def _mount_tmpfs(path, size: str) -> bool:
                           capture_output=True).returncode == 0
 
 
+def _check_grants_after_restart(again, granted: dict[str, int]) -> None:
+    """Every acknowledged grant (name -> token) is held on the restarted server ``again``."""
+    with Raw(again.address) as raw:
+        for name, token in granted.items():
+            assert raw.call(P.OP_CHECK, name, token)[2] is True, f"acknowledged grant {name[:12]} lost"
+
+
 def test_disk_full_gives_waiting_clients_an_error_and_a_non_zero_exit(server_factory, tmp_path):
     """ENOSPC on the WAL: the client hears why (not a bare EOF), the process exits
     with status 3 (so systemd's Restart=on-failure restarts it), and every
@@ -752,21 +759,18 @@ def test_disk_full_gives_waiting_clients_an_error_and_a_non_zero_exit(server_fac
         print(f"\n{len(granted)} grants acknowledged before the disk was full; client got {closing}")
         print("\n".join(srv.lines[-8:]))
         assert granted
-        copy = tmp_path / "copy"
-        shutil.copytree(srv.data_dir, copy)
+        shutil.copytree(srv.data_dir, tmp_path / "copy")
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-    again = server_factory("copy")
-    with Raw(again.address) as raw:
-        for name, token in granted.items():
-            assert raw.call(P.OP_CHECK, name, token)[2] is True, f"acknowledged grant {name[:12]} lost"
+    _check_grants_after_restart(server_factory("copy"), granted)
 
 
 @pytest.mark.parametrize("writer", ["inline", "thread"])
 def test_no_room_to_preallocate_stops_preallocation_not_the_log(server_factory, tmp_path, writer):
     """The first 1 MiB preallocation step of the WAL fits, the next does not: the
-    writer (on the loop or its thread) gives back what that step took, preallocation stops (one WARNING),
-    and grants go on in the space left; every acknowledged grant survives a restart."""
+    writer (on the loop or its thread) gives back what that step took, preallocation
+    stops (one WARNING), and grants go on in the space left; every acknowledged grant
+    survives a restart."""
     import shutil
 
     mnt = tmp_path / "small"
@@ -790,14 +794,10 @@ def test_no_room_to_preallocate_stops_preallocation_not_the_log(server_factory, 
                 pytest.fail("5000 grants and preallocation never ran out of room")
         assert sum("WAL preallocation stopped" in line for line in srv.lines) == 1
         srv.stop()
-        copy = tmp_path / "copy"
-        shutil.copytree(srv.data_dir, copy)
+        shutil.copytree(srv.data_dir, tmp_path / "copy")
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-    again = server_factory("copy")
-    with Raw(again.address) as raw:
-        for name, token in granted.items():
-            assert raw.call(P.OP_CHECK, name, token)[2] is True, f"acknowledged grant {name[:12]} lost"
+    _check_grants_after_restart(server_factory("copy"), granted)
 
 
 # ---------------------------------------------------------------------------------------------
