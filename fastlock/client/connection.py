@@ -51,7 +51,9 @@ _REFUSED_CERT_HINT = (" (a TLS server that requires client certificates drops th
                       "this client's, or its lack of one)")
 #: appended when a plain-TCP client gets no HELLO reply: a TLS port waits for a
 #: handshake, then drops the connection
-_PLAIN_TO_TLS_HINT = " (if it is a TLS port: pass tls_ca=... or tls=True)"
+#: how to ask for TLS, in the library's and the command line's words
+_ASK_FOR_TLS = "pass tls_ca=... or tls=True; fastlock commands: --tls-ca or FASTLOCK_TLS_CA"
+_PLAIN_TO_TLS_HINT = f" (if it is a TLS port: {_ASK_FOR_TLS})"
 
 Address = tuple[str, int]
 
@@ -291,7 +293,7 @@ class Connector:
                 if isinstance(exc, ConnectionLost) and not proto.silent:
                     proto.abort(exc)
                     if isinstance(exc, NotFastlockReply):  # it answered, not in fastlock's protocol
-                        what = what_answered(exc.head, self._ssl is not None, "pass tls_ca=... or tls=True")
+                        what = what_answered(exc.head, self._ssl is not None, _ASK_FOR_TLS)
                         errors.append(f"{addr[0]}:{addr[1]}: {what} ({exc})")
                     else:  # closed without a byte: most likely a TLS port (or a refused client certificate)
                         hint = _REFUSED_CERT_HINT if self._ssl is not None else _PLAIN_TO_TLS_HINT
