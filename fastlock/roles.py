@@ -77,7 +77,8 @@ TRANSITIONS: dict[tuple[Role, Role], str] = {
     (Role.PRIMARY, Role.DEPOSED):
         "stepped down: a newer epoch exists (a standby's STEP_DOWN, deposed.json at start, or the "
         "etcd primary key lost)",
-    (Role.DEPOSED, Role.STANDBY): "rejoining: the coordinator (--coordinator) names the primary to follow",
+    (Role.DEPOSED, Role.STANDBY):
+        "rejoining: the coordinator (--coordinator) names the primary to follow, or none (it may bid again)",
 }
 
 

@@ -240,11 +240,18 @@ async def test_garbage_in_etcd_is_not_trusted(etcd):
         await a.step()
         assert a.holding and a.epoch == 1
         await a.close()
-        await gw.put(prefix + "/primary", b"[1, 2")
+        # garbage under a live lease: followed by nobody, left to expire with its lease
+        lease, _ = await gw.grant(30)
+        await gw.put(prefix + "/primary", b"[1, 2", lease)
         b, eb = arbiter(etcd.address, prefix, "b")
         try:
             await b.step()
             assert not b.holding and b.primary is not None and b.primary.node == "?" and b.primary.address == ""
+            # a primary key attached to no lease would never expire: removed, then the key is bid for
+            await gw.revoke(lease)
+            await gw.put(prefix + "/primary", b'{"node": "b", "address": "127.0.0.1:1", "epoch": 9}')
+            await b.step()
+            assert b.holding and b.epoch == 2
         finally:
             await b.close()
     finally:
@@ -295,6 +302,28 @@ async def test_resign_frees_the_key_at_once(etcd):
         assert b.holding and b.epoch == a.epoch + 1
         await a.step()
         assert not a.holding and a.primary.node == "b" and ea.first("lost") is None
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_primary_below_an_epoch_another_node_has_seen_steps_down(etcd):
+    """etcd lost its data: a node with no history took the key at epoch 1 while another
+    node had seen epoch 11.  That node raises the group's epoch; the primary steps down
+    and frees the key at its next step, and the next bid is above 11 (tokens never go
+    back below what was granted before the loss)."""
+    prefix = unique_prefix()
+    a, ea = arbiter(etcd.address, prefix, "a")
+    b, eb = arbiter(etcd.address, prefix, "b", min_epoch=lambda: 11)
+    try:
+        await a.step()
+        assert a.holding and a.epoch == 1
+        await b.raise_epoch(11)
+        await b.raise_epoch(5)  # never lowers it
+        await a.step()
+        assert not a.holding and a.stepped_down and ea.first("lost") is not None
+        await b.step()
+        assert b.holding and b.epoch == 12
     finally:
         await a.close()
         await b.close()

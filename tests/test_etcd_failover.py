@@ -326,3 +326,69 @@ async def test_etcd_unavailable_stops_grants_until_it_is_back(group, etcd):
     again, _ = await group.primary()
     assert await grant(group.nodes[again].address, "k2") > before
     await group.followers_of(again, [n for n in names if n != again])
+
+
+async def test_the_only_node_of_a_group_takes_the_key_again_after_losing_it(group):
+    """A lone primary frozen past its etcd lease loses the key and steps down; with no
+    other node alive it must stand again (DEPOSED -> STANDBY) and take the key at a
+    higher epoch, not stay down while it runs."""
+    group.start("solo")
+    _, st = await group.primary()
+    before = await grant(group.nodes["solo"].address, "solo/k1")
+    solo = group.nodes["solo"]
+    solo.pause()
+    try:
+        await asyncio.sleep(TTL_S + 1.5)  # the frozen node's etcd lease runs out meanwhile
+    finally:
+        solo.resume()
+    solo.wait_for_log(r"lost the primary role", 10)
+    _, st2 = await group.primary(timeout=TTL_S + 8)
+    assert st2["epoch"] > st["epoch"] and st2["coordinator"]["holding"]
+    assert await grant(solo.address, "solo/k2", timeout=10) > before
+
+
+async def test_a_data_directory_stays_in_its_group(group, etcd):
+    """A node's data directory remembers its group's prefix: restarted under another
+    prefix, or without --coordinator, it refuses to start (it could become a second
+    primary of the same locks at an epoch its group has used)."""
+    srv = group.start("member")
+    await group.primary()
+    srv.stop()
+    for args in (["--coordinator", f"etcd://{etcd.address}/another-group", "--node-id", "member",
+                  "--coordinator-ttl", "1", *group.cluster.auth_args("member")], []):
+        again = ServerProcess(srv.data_dir, args=args)
+        with pytest.raises(RuntimeError, match="belongs to the etcd-arbitrated group"):
+            again.start()
+        again.stop()
+
+
+async def test_tokens_stay_above_history_when_etcd_loses_its_data(group, etcd):
+    """etcd loses the group's keys; a node with an empty data directory takes the key at a
+    low epoch; when a node with history comes back it does not follow it but raises the
+    group's epoch: the low primary steps down, and every token granted afterwards is above
+    the tokens granted before the loss."""
+    from fastlock.coordination import EtcdGateway
+    from fastlock.coordination.gateway import b64
+
+    gw = EtcdGateway([("127.0.0.1", etcd.port)])
+    try:
+        await gw.put(group.prefix + "/epoch", b"10")  # a group with some history
+        old = group.start("old")
+        await group.primary()
+        before = await grant(old.address, "loss/k1")
+        assert before >> 40 == 11
+        old.stop()
+        end = group.prefix[:-1] + chr(ord(group.prefix[-1]) + 1)
+        await gw.call("kv/deleterange", {"key": b64(group.prefix), "range_end": b64(end)})
+    finally:
+        await gw.close()
+    fresh = group.start("fresh")
+    _, st = await group.primary(["fresh"])
+    assert st["epoch"] < before >> 40  # the loss: a primary below the old history
+    group.nodes["old"] = again = ServerProcess(old.data_dir, port=0, args=old.args)
+    group.cluster._start(again)
+    again.wait_for_log(r"below epoch \d+ this node has seen", 10)
+    fresh.wait_for_log(r"a node has seen a newer history", 10)
+    name, st2 = await group.primary(timeout=10)
+    assert st2["epoch"] > before >> 40
+    assert await grant(group.nodes[name].address, "loss/k2", timeout=10) > before

@@ -232,6 +232,10 @@ def check_args(args: argparse.Namespace) -> None:
                              "to a replica principal): each node follows the primary as a replica principal")
     if (args.node_id is not None or args.advertise is not None) and not args.coordinator:
         args.subparser.error("--node-id and --advertise only apply with --coordinator")
+    if args.node_id is not None and (not args.node_id or not args.node_id.isprintable() or "/" in args.node_id):
+        args.subparser.error(f"--node-id must be printable characters without '/', not {args.node_id!r}")
+    if args.coordinator and args.coordinator_ttl != int(args.coordinator_ttl):
+        args.subparser.error(f"--coordinator-ttl is whole seconds (etcd leases are), not {args.coordinator_ttl}")
     if args.coordinator and args.advertise is None and args.listen[0] in ("0.0.0.0", "::", ""):
         args.subparser.error(f"--coordinator with --listen {args.listen[0]} needs --advertise HOST:PORT: etcd "
                              f"tells the other nodes where this one is, and a wildcard address reaches nothing")

@@ -143,8 +143,9 @@ class EtcdArbiter:
     def __init__(self, gateway: EtcdGateway, prefix: str, node: str, address: str, listener: ArbiterListener, *,
                  ttl_ms: int = 2000, margin_ms: int | None = None, behind_delay_ms: int | None = None,
                  clock: Callable[[], int] = monotonic_ms):
-        if type(node) is not str or not 0 < len(node) <= MAX_NODE_ID or "/" in node:
-            raise InvalidArgument(f"node id must be 1..{MAX_NODE_ID} characters without '/', not {node!r}")
+        if type(node) is not str or not 0 < len(node) <= MAX_NODE_ID or "/" in node or not node.isprintable():
+            raise InvalidArgument(f"node id must be 1..{MAX_NODE_ID} printable characters without '/', "
+                                  f"not {node!r}")
         ttl = max(1, -(-ttl_ms // 1000)) * 1000
         margin = ttl // 4 if margin_ms is None else margin_ms
         if not 0 <= margin < ttl // 2:
@@ -303,10 +304,31 @@ class EtcdArbiter:
             self._advertised = member
         kv = await self.gateway.get(self.primary_key)
         record = PrimaryRecord.decode(kv) if kv is not None else None
+        if kv is not None and record is not None and not record.lease:
+            # fastlock writes this key only under a lease: one with none was put by hand
+            # and would never expire, so no node could ever take the key
+            log.error("etcd: %s is attached to no lease (not written by a fastlock node): deleting it",
+                      self.primary_key)
+            await self.gateway.txn(
+                [{"target": "MOD", "key": b64(self.primary_key), "mod_revision": str(kv.mod_revision),
+                  "result": "EQUAL"}],
+                [{"request_delete_range": {"key": b64(self.primary_key)}}])
+            kv = record = None
+        elif record is not None and record != self.primary and (record.node == "?" or not record.address):
+            log.error("etcd: %s does not name a node and an address this node can follow (%r); it goes "
+                      "when its lease %x runs out", self.primary_key, kv.value[:100] if kv else b"", record.lease)
         if self.holding:
             if record is None or record.lease != self.lease:
                 self._lose("the primary key is gone" if record is None
                            else f"the primary key names node {record.node!r} now")
+            elif (stored := await self._stored_epoch()) > self.epoch:
+                # a node that saw a newer epoch than this primary's raised the group's (etcd lost
+                # its data and this node was elected below it): step down and free the key, so
+                # that the next primary's tokens are above every token ever granted
+                self._lose(f"etcd's epoch is {stored}, above this primary's {self.epoch}: a node has "
+                           f"seen a newer history")
+                lease, self.lease = self.lease, 0
+                await self.gateway.revoke(lease)
             elif self.fenced and self.clock() < self.valid_until_ms:
                 self._set_fenced(False)  # renewed, and the key is still this node's
             return
@@ -394,6 +416,37 @@ class EtcdArbiter:
                      ", ".join(ahead[:3]), mine, delay)
             return
         await self.bid()
+
+    async def _stored_epoch(self) -> int:
+        kv = await self.gateway.get(self.epoch_key)
+        try:
+            return int(kv.value) if kv is not None else 0
+        except ValueError:
+            return 0
+
+    async def raise_epoch(self, epoch: int) -> None:
+        """Raise ``PREFIX/epoch`` to ``epoch`` if it is lower (a compare-and-set on its
+        revision): the primary then steps down at its next step, and the next bid is
+        above ``epoch``.  Called by a node that saw a newer epoch than the primary etcd
+        names (etcd lost its data).
+
+        Raises:
+            EtcdUnavailable: etcd did not answer.
+        """
+        kv = await self.gateway.get(self.epoch_key)
+        try:
+            stored = int(kv.value) if kv is not None else 0
+        except ValueError:
+            stored = 0
+        if stored >= epoch:
+            return
+        answer = await self.gateway.txn(
+            [{"target": "MOD", "key": b64(self.epoch_key), "mod_revision": str(kv.mod_revision if kv else 0),
+              "result": "EQUAL"}],
+            [{"request_put": {"key": b64(self.epoch_key), "value": b64(str(epoch))}}])
+        if answer.get("succeeded"):
+            log.critical("etcd: raised %s from %d to %d, the epoch this node has seen", self.epoch_key, stored,
+                         epoch)
 
     async def bid(self) -> bool:
         """Try to take the free primary key with the next epoch; True if this node took it.

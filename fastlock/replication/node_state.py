@@ -81,6 +81,7 @@ class NodeState:
         self.directory = directory
         self._data = load_json(directory, STATE_FILE, {
             "max_epoch_seen": (int,), "max_ttl_ms": (int,), "grace_ms": (int,), "standby_of": (str, type(None)),
+            "group": (str, type(None)),
         }) or {}
 
     @property
@@ -117,6 +118,15 @@ class NodeState:
         # acquire; the grace it feeds may only be up to 1 s longer (the safe side).
         if ttl_ms > self.max_ttl_ms:
             self._set(max_ttl_ms=-(-ttl_ms // 1000) * 1000)
+
+    @property
+    def group(self) -> str | None:
+        """The etcd key prefix of the group this data directory belongs to (None: none)."""
+        return self._data.get("group")
+
+    def set_group(self, prefix: str) -> None:
+        if prefix != self.group:
+            self._set(group=prefix)
 
     def set_standby_of(self, address: str | None) -> None:
         if address != self.standby_of:

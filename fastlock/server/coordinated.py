@@ -30,13 +30,35 @@ import logging
 from typing import TYPE_CHECKING
 
 from ..coordination import EtcdArbiter, EtcdGateway, PrimaryRecord, parse_coordinator
+from ..errors import DataDirInUse
 from ..roles import Role
 from ..units import monotonic_ms, parse_address
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..replication.node_state import NodeState
     from .lockserver import LockServer
 
 log = logging.getLogger("fastlock.coordination")
+
+
+def claim_data_dir(state: NodeState, coordinated: CoordinatedNode | None, data_dir: str) -> None:
+    """Bind a data directory to the etcd group it serves (its key prefix, kept in the node
+    state): refuse to start it under another prefix or without ``--coordinator``, where it
+    could become a second primary of the same locks at an epoch its own group has used.
+
+    Raises:
+        DataDirInUse: the directory belongs to another group, or to a group while this node
+            has no coordinator.
+    """
+    group = coordinated.url.prefix if coordinated is not None else None
+    if state.group is not None and state.group != group:
+        under = f"prefix {group!r}" if group else "no coordinator"
+        raise DataDirInUse(
+            f"{data_dir} belongs to the etcd-arbitrated group at prefix {state.group!r}: start it with "
+            f"--coordinator etcd://.../{state.group.lstrip('/')}; under {under} it could become a second "
+            f"primary of the same locks (use an empty data directory to join another group)")
+    if group is not None:
+        state.set_group(group)
 
 
 class CoordinatedNode:
@@ -59,7 +81,10 @@ class CoordinatedNode:
         self.node = node
         self.ttl_ms = ttl_ms
         self.arbiter: EtcdArbiter | None = None
+        self._low_primary: PrimaryRecord | None = None  # the primary below this node's epoch last logged
         self._gateway = EtcdGateway(self.url.endpoints, timeout_s=max(0.2, ttl_ms / 4000))
+        # httpx logs every request at INFO: several lines a second per node
+        logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger("httpx").level))
 
     def start(self, address: str) -> None:
         """Start bidding and following; ``address`` is where this node listens (``host:port``)."""
@@ -103,9 +128,27 @@ class CoordinatedNode:
     # -- the arbiter's listener -------------------------------------------------------------------
     def on_primary(self, primary: PrimaryRecord | None) -> None:
         server = self.server
-        if primary is None or primary.node == self.node or not primary.address:
-            return  # no primary, or this node's previous run whose lease has not run out yet
         roles = server.roles
+        if primary is None:
+            if roles.role is Role.DEPOSED and self.arbiter is not None:
+                # it lost the key and nobody holds it: a standby again, so that it may bid
+                # (at a higher epoch) - the only live node of a group must not stay down
+                roles.transition(Role.STANDBY, "etcd names no primary: standing for the key again")
+                self.arbiter.rejoined()
+            return
+        if primary.node == self.node or not primary.address:
+            return  # this node's previous run whose lease has not run out yet, or a key it cannot follow
+        seen = self.min_epoch()
+        if primary.epoch < seen and self.arbiter is not None:
+            # etcd names a primary below an epoch this node has seen (etcd lost its data): following
+            # it would take tokens backwards; raise the group's epoch so that it steps down
+            if self._low_primary != primary:
+                self._low_primary = primary
+                log.critical("etcd names node %r primary at epoch %d, below epoch %d this node has seen (did "
+                             "etcd lose its data?): not following it; raising the group's epoch", primary.node,
+                             primary.epoch, seen)
+            server.tasks.spawn(self.arbiter.raise_epoch(seen), "raise the etcd epoch")
+            return
         roles.primary_address = primary.address
         follower = server.follower
         if follower is None:

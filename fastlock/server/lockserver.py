@@ -69,7 +69,7 @@ from ..wal import DataDirInUse, HolderRecord, WriteAheadLog, secure_directory
 from . import lockdelays
 from .admission import ConnectionLimits, PrincipalQuotas
 from .config import ServerConfig, check_limits
-from .coordinated import CoordinatedNode
+from .coordinated import CoordinatedNode, claim_data_dir
 from .endpoints import Endpoints
 from .failover import FailoverPolicy
 from .handlers import Handlers, refusal
@@ -256,6 +256,7 @@ class LockServer:
                 f"--standby-of, or promote it with `fastlock promote`; starting it as a primary would make "
                 f"a second primary at the old epoch (delete {STATE_FILE} only if you know the old primary "
                 f"is gone for good)")
+        claim_data_dir(self.node_state, self.failover.coordinated, config.data_dir)
         self._recover()
         self.wal.start(loop)
         if self.wal.repaired:
