@@ -280,6 +280,9 @@ async def test_an_oversized_answer_is_refused(etcd, monkeypatch):
     (["--coordinator", "etcd://127.0.0.1:2379/p", "--replication", "sync"], "not supported with --coordinator"),
     (["--node-id", "n1"], "only apply with --coordinator"),
     (["--coordinator", "etcd://127.0.0.1:2379/p", "--listen", "0.0.0.0:7420"], "needs --advertise"),
+    (["--coordinator", "etcd://127.0.0.1:2379/p", "--node-id", ""], "--node-id must be printable"),
+    (["--coordinator", "etcd://127.0.0.1:2379/p", "--node-id", "a\nb"], "--node-id must be printable"),
+    (["--coordinator", "etcd://127.0.0.1:2379/p", "--coordinator-ttl", "1.5"], "whole seconds"),
 ])
 def test_serve_refuses_coordinator_flags_that_cannot_work(tmp_path, flags, message):
     argv = [sys.executable, "-m", "fastlock", "serve", "--data-dir", str(tmp_path / "d"),
