@@ -317,7 +317,7 @@ class Connector:
             if info.get("role") != "primary":
                 proto.close()
                 primary = info.get("primary")
-                errors.append(f"{addr[0]}:{addr[1]}: is a {info.get('role')} (primary: {primary})")
+                errors.append(f"{addr[0]}:{addr[1]}: not the primary (role {info.get('role')}, primary: {primary})")
                 if primary:
                     redirect(primary)
                 if info.get("role") != "standby":  # deposed, promoting: not a primary soon

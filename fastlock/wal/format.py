@@ -220,8 +220,8 @@ class FrameReader:
             return
         raise WalCorruption(
             f"corrupt record followed by valid data (mid-log corruption): {where}; "
-            f"refusing to start. Reopen with repair=True to cut the log at this point "
-            f"(losing {len(self.data) - off} bytes).", self.path, off, lsn)
+            f"refusing to start. Start it with `fastlock serve --repair-wal` (WriteAheadLog.open(repair=True)) "
+            f"to cut the log at this point (losing {len(self.data) - off} bytes).", self.path, off, lsn)
 
 
 def _frame_ok(data: Any, mv: memoryview, p: int, n: int) -> tuple[bool, int, int]:
