@@ -417,12 +417,16 @@ class EtcdArbiter:
             return
         await self.bid()
 
-    async def _stored_epoch(self) -> int:
+    async def _read_epoch(self) -> tuple[KeyValue | None, int]:
+        """``PREFIX/epoch`` and the epoch it holds (0: absent or not a number)."""
         kv = await self.gateway.get(self.epoch_key)
         try:
-            return int(kv.value) if kv is not None else 0
+            return kv, int(kv.value) if kv is not None else 0
         except ValueError:
-            return 0
+            return kv, 0
+
+    async def _stored_epoch(self) -> int:
+        return (await self._read_epoch())[1]
 
     async def raise_epoch(self, epoch: int) -> None:
         """Raise ``PREFIX/epoch`` to ``epoch`` if it is lower (a compare-and-set on its
@@ -433,11 +437,7 @@ class EtcdArbiter:
         Raises:
             EtcdUnavailable: etcd did not answer.
         """
-        kv = await self.gateway.get(self.epoch_key)
-        try:
-            stored = int(kv.value) if kv is not None else 0
-        except ValueError:
-            stored = 0
+        kv, stored = await self._read_epoch()
         if stored >= epoch:
             return
         answer = await self.gateway.txn(
@@ -456,11 +456,7 @@ class EtcdArbiter:
                 learned at the next step, which reads the key).
         """
         sent = self._renewed_at
-        kv = await self.gateway.get(self.epoch_key)
-        try:
-            stored = int(kv.value) if kv is not None else 0
-        except ValueError:
-            stored = 0
+        kv, stored = await self._read_epoch()
         epoch = max(stored, self.listener.min_epoch()) + 1
         if epoch > MAX_EPOCH:
             log.critical("etcd: cannot take the primary role: epoch %d would exceed %d", epoch, MAX_EPOCH)
