@@ -165,7 +165,7 @@ class EtcdArbiter:
         self.epoch = 0
         self.lease = 0
         self.primary: PrimaryRecord | None = None
-        self.stepped_down = False  # lost the key once: no more bids from this process
+        self.stepped_down = False  # lost the key: no bids until the node rejoins (see rejoined)
         self.last_error: str | None = None
         self._renewed_at = 0  # send time (own clock, ms) of the last successful grant or renewal
         self._free_since: int | None = None
@@ -304,7 +304,7 @@ class EtcdArbiter:
             self._advertised = member
         kv = await self.gateway.get(self.primary_key)
         record = PrimaryRecord.decode(kv) if kv is not None else None
-        if kv is not None and record is not None and not record.lease:
+        if kv is not None and not kv.lease:
             # fastlock writes this key only under a lease: one with none was put by hand
             # and would never expire, so no node could ever take the key
             log.error("etcd: %s is attached to no lease (not written by a fastlock node): deleting it",
@@ -321,14 +321,13 @@ class EtcdArbiter:
             if record is None or record.lease != self.lease:
                 self._lose("the primary key is gone" if record is None
                            else f"the primary key names node {record.node!r} now")
-            elif (stored := await self._stored_epoch()) > self.epoch:
+            elif (stored := (await self._read_epoch())[1]) > self.epoch:
                 # a node that saw a newer epoch than this primary's raised the group's (etcd lost
                 # its data and this node was elected below it): step down and free the key, so
                 # that the next primary's tokens are above every token ever granted
                 self._lose(f"etcd's epoch is {stored}, above this primary's {self.epoch}: a node has "
                            f"seen a newer history")
-                lease, self.lease = self.lease, 0
-                await self.gateway.revoke(lease)
+                await self.resign()
             elif self.fenced and self.clock() < self.valid_until_ms:
                 self._set_fenced(False)  # renewed, and the key is still this node's
             return
@@ -424,9 +423,6 @@ class EtcdArbiter:
             return kv, int(kv.value) if kv is not None else 0
         except ValueError:
             return kv, 0
-
-    async def _stored_epoch(self) -> int:
-        return (await self._read_epoch())[1]
 
     async def raise_epoch(self, epoch: int) -> None:
         """Raise ``PREFIX/epoch`` to ``epoch`` if it is lower (a compare-and-set on its
