@@ -76,6 +76,8 @@ def serve_timed(out_path: str, serve_args: list[str]) -> None:
     clock = time.perf_counter_ns
     started: dict[int, int] = {}  # id(session) -> when the read with an ACQUIRE began
     spent: list[float] = []
+    syncs: list[float] = []  # the data fsyncs' durations (microseconds)
+    wals: list = []
 
     def timed_data_received(self: Session, data: bytes) -> None:
         try:
@@ -90,14 +92,18 @@ def serve_timed(out_path: str, serve_args: list[str]) -> None:
         t0 = started.pop(id(self), None)
         if t0 is not None:
             spent.append((clock() - t0) / 1e3)
+            if not wals:
+                wals.append(self.server.wal)
         flush(self)
 
     Session.data_received = timed_data_received  # type: ignore[method-assign]
     Session.flush = timed_flush  # type: ignore[method-assign]
 
     def write() -> None:
+        for wal in wals:
+            syncs.extend(seconds * 1e6 for seconds in wal.take_fsync_seconds())
         with open(out_path, "w") as f:
-            json.dump({"acquire_us": spent}, f)
+            json.dump({"acquire_us": spent, "fsync_us": syncs}, f)
 
     atexit.register(write)
     sys.exit(fastlock_main(["serve", *serve_args]))
@@ -239,11 +245,13 @@ def measure_fastlock(mode: str, pairs: int, work: str) -> dict[str, float]:
         _stop(proc)
         shutil.rmtree(data, ignore_errors=True)
     with open(timings) as f:
-        acquire_us = json.load(f)["acquire_us"]
+        timed = json.load(f)
     os.unlink(timings)
     # the raw client's acquires come first: skip its warm-up, then one per pair
-    server = sorted(acquire_us[WARMUP:pairs])
+    server = timed["acquire_us"][WARMUP:pairs]
+    syncs = timed["fsync_us"][-2 * pairs:]  # the latest 4096 at most: about the last two clients' acquires
     return {"server_acquire_p50_us": statistics.median(server) if server else float("nan"),
+            "server_fsync_p50_us": statistics.median(syncs) if syncs else 0.0,
             "raw_pair_p50_us": _p50(raw), "fastlock_pair_p50_us": _p50(lib)}
 
 
@@ -288,7 +296,7 @@ def summarise(rounds: list[dict]) -> dict[str, float]:
                            "wakeup_sync_extra_us": _median(rounds, "wakeup_sync_extra_us"),
                            "wakeup_none_extra_us": _median(rounds, "wakeup_none_extra_us")}
     for mode in MODES:
-        for key in ("server_acquire_p50_us", "raw_pair_p50_us", "fastlock_pair_p50_us"):
+        for key in ("server_acquire_p50_us", "server_fsync_p50_us", "raw_pair_p50_us", "fastlock_pair_p50_us"):
             s[f"fastlock {mode} {key}"] = _median(rounds, f"fastlock {mode}", key)
         s[f"reference {mode} raw_pair_p50_us"] = _median(rounds, f"reference {mode}", "raw_pair_p50_us")
     for name in ("fastlock {} server_acquire_p50_us", "fastlock {} raw_pair_p50_us",
@@ -310,7 +318,11 @@ def report(s: dict[str, float]) -> str:
         never, always = s[f"{server} never {key}"], s[f"{server} always {key}"]
         lines.append(f"| {label} | {never:.0f} | {always:.0f} | {always - never:.0f} | "
                      f"{(always - never) / probe:.2f} |")
-    lines.append(f"\nfsync probe (4 KiB write + fdatasync, preallocated) p50: {probe:.0f} us; a round trip to a "
+    beyond = s["fastlock always server_acquire_p50_us"] - s["fastlock always server_fsync_p50_us"]
+    lines.append(f"\nthe server's own fdatasync p50 (always): {s['fastlock always server_fsync_p50_us']:.0f} us; "
+                 f"its time per durable ACQUIRE beyond that sync: {beyond:.0f} us (never: "
+                 f"{s['fastlock never server_acquire_p50_us']:.0f} us in all)")
+    lines.append(f"fsync probe (4 KiB write + fdatasync, preallocated) p50: {probe:.0f} us; a round trip to a "
                  f"process that syncs costs {s['wakeup_sync_extra_us']:.0f} us beyond the sync "
                  f"({s['wakeup_none_extra_us']:.0f} us to one that does nothing)")
     return "\n".join(lines)

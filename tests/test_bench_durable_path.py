@@ -20,9 +20,11 @@ from benches import durable_path  # noqa: E402
 def _round(server_never: float, server_always: float, pair_never: float, pair_always: float,
            probe: float) -> dict:
     return {
-        "fastlock never": {"server_acquire_p50_us": server_never, "raw_pair_p50_us": pair_never,
+        "fastlock never": {"server_acquire_p50_us": server_never, "server_fsync_p50_us": 0.0,
+                           "raw_pair_p50_us": pair_never,
                            "fastlock_pair_p50_us": pair_never + 10},
-        "fastlock always": {"server_acquire_p50_us": server_always, "raw_pair_p50_us": pair_always,
+        "fastlock always": {"server_acquire_p50_us": server_always, "server_fsync_p50_us": server_always - 20,
+                            "raw_pair_p50_us": pair_always,
                             "fastlock_pair_p50_us": pair_always + 10},
         "reference never": {"raw_pair_p50_us": pair_never - 20},
         "reference always": {"raw_pair_p50_us": pair_always - 30},
@@ -45,6 +47,7 @@ def test_report_gives_each_extra_as_a_multiple_of_the_probe():
     assert "| fastlock: server time per ACQUIRE | 10 | 110 | 100 | 1.00 |" in text
     assert "| fastlock: pair, raw client | 60 | 260 | 200 | 2.00 |" in text
     assert "p50: 100 us" in text
+    assert "beyond that sync: 20 us" in text
 
 
 @pytest.mark.parametrize("argv", [["--rounds", "0"], ["--pairs", "10"], ["--rounds", "x"]])
@@ -61,6 +64,8 @@ def test_a_measurement_times_the_servers_acquires_and_both_clients(tmp_path):
     # every figure was measured (a median of real samples, not the NaN of none)
     assert 0 < timed["server_acquire_p50_us"] < timed["raw_pair_p50_us"]
     assert timed["fastlock_pair_p50_us"] > 0
+    durable = durable_path.measure_fastlock("always", pairs, str(tmp_path))
+    assert 0 < durable["server_fsync_p50_us"] < durable["server_acquire_p50_us"]
     reference = durable_path.measure_reference("always", pairs, str(tmp_path))
     assert reference["raw_pair_p50_us"] > 0
     assert not list(tmp_path.glob("timed-*.json"))  # the timings file is read and removed
