@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import threading
+import time
 import types
 
 import pytest
@@ -260,6 +261,46 @@ async def test_auto_writer_syncs_a_lone_waiter_on_the_loop_and_concurrent_ones_o
     assert synced_on == ["fastlock-wal", threading.current_thread().name]
     await wal.close()
     assert reopen(tmp_path).counter == c
+
+
+async def test_poll_acknowledges_a_batch_the_thread_finished_before_its_wake_up(tmp_path):
+    """WriteAheadLog.poll (called by the server after each read) runs a finished batch's
+    callbacks at once; the wake-up the thread wrote for it is then a spurious one."""
+    wal, _ = await started(tmp_path, "thread")
+    seen: list[str] = []
+    wal.poll()  # nothing in flight: nothing happens
+    grant(wal, "a", 1)
+    wal.when_durable(lambda: seen.append("a"))
+    await asyncio.sleep(0)  # the turn ends: the batch goes to the thread
+    worker = wal._commit.io._worker
+    assert worker is not None and worker.job is not None
+    deadline = time.monotonic() + 10
+    while not worker.syncer.done:  # no loop turn meanwhile: the wake-up is not read
+        assert time.monotonic() < deadline, "the writer thread did not finish the batch"
+        time.sleep(0.001)
+    assert seen == []
+    wal.poll()
+    assert seen == ["a"]
+    assert worker.job is None
+    wal.poll()  # taken already: nothing more
+    assert seen == ["a"]
+    grant(wal, "b", 2)  # the spurious wake-up does not disturb the next batch
+    await durable(wal)
+    await wal.close()
+    assert reopen(tmp_path).counter == 2
+
+
+@pytest.mark.parametrize("fsync", ["never", "always"])
+async def test_poll_does_nothing_without_a_batch_on_the_thread(tmp_path, fsync):
+    wal, _ = await started(tmp_path, "inline", fsync=fsync)
+    seen: list[str] = []
+    grant(wal, "a", 1)
+    wal.when_durable(lambda: seen.append("a"))
+    wal.poll()
+    assert seen == []  # acknowledged at the end of the turn, as without poll
+    await durable(wal)
+    assert seen == ["a"]
+    await wal.close()
 
 
 async def test_one_fsync_in_flight_and_next_batch_accumulates(tmp_path, monkeypatch):

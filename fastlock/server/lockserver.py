@@ -422,6 +422,8 @@ class LockServer:
         if nd >= 0 and (self.expiry.handle is None or nd < self.expiry.at_ms) and self.roles.expires_leases:
             self._rearm()
         self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
+        # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
+        self.wal.poll()
         dirty = self.dirty
         if dirty:
             for conn in dirty:

@@ -264,6 +264,17 @@ cdef class Syncer:
         return out
 
     @property
+    def done(self):
+        """Is the job in the slot finished, its result not taken yet?  (The loop may take it
+        with :meth:`take_result` before the wake-up on ``notify_fd`` arrives.)"""
+        cdef int state
+        with nogil:
+            pthread_mutex_lock(&self._mu)
+            state = self._state
+            pthread_mutex_unlock(&self._mu)
+        return state == DONE
+
+    @property
     def zero_full(self):
         """Did a zero-fill run out of space (ENOSPC or EDQUOT)?  Such a failure is not
         reported with the next job: the caller stops preallocating."""

@@ -275,6 +275,11 @@ class GroupCommit:
                 self._pending.sync_requested = True  # the records may be written already, unsynced
                 self._schedule()
 
+    def poll(self) -> None:
+        """See :meth:`fastlock.wal.WriteAheadLog.poll`."""
+        if self._inflight is not None:
+            self.io.poll_completed()
+
     def request_sync(self) -> None:
         """Fsync at the next hand-off, whatever the mode (without waiting for it)."""
         if self.fatal is None:

@@ -306,6 +306,16 @@ class WriteAheadLog:
         """
         self._commit.when_durable(callback)
 
+    def poll(self) -> None:
+        """Acknowledge a batch the writer thread has finished, now rather than at the loop's
+        next turn: its ``when_durable`` callbacks run inside this call, and the batch logged
+        meanwhile goes to the thread at once.  The server calls it after each read, so that
+        while clients keep the loop busy a finished fsync does not wait for the turn to end.
+        Does nothing while the batch in flight is not done, or without a writer thread.
+        :raises WalFatal: never; a failed write or fsync is reported through ``on_fatal``.
+        """
+        self._commit.poll()
+
     def flush_now(self) -> bool:
         """``interval``/``never`` only: write the pending batch now, on the calling thread.
 

@@ -305,7 +305,7 @@ class SegmentWriter:
         if not self.threaded:
             return
         self._report = (on_done, on_failed)
-        self._worker = WriterThread(loop, self._completed)
+        self._worker = WriterThread(loop, self._on_wake)
 
     def submit(self, batch: Batch) -> bool:
         """Hand ``batch`` to the thread if it blocks on the disk (a sync or a rotation)
@@ -330,10 +330,21 @@ class SegmentWriter:
         worker.syncer.submit(self._fd, data, self.seg_size, True, start, stop)
         return True
 
-    def _completed(self) -> None:
-        """The thread signalled: account for the batch and report it on the loop."""
+    def poll_completed(self) -> None:
+        """Report a batch the thread has finished now, without waiting for its wake-up
+        (the loop calls this between requests: the next batch is handed over sooner)."""
         worker = self._worker
-        done = worker.take() if worker is not None else None
+        if worker is not None and worker.job is not None:
+            self._completed(worker.poll())
+
+    def _on_wake(self) -> None:
+        worker = self._worker
+        if worker is not None:
+            self._completed(worker.take())
+
+    def _completed(self, done: tuple[Batch, tuple[int, float, BaseException | None]] | None) -> None:
+        """Account for a batch the thread finished and report it on the loop."""
+        worker = self._worker
         if worker is None or done is None or self._report is None:
             return
         batch, (err, seconds, exc) = done
@@ -400,11 +411,26 @@ class WriterThread:
 
     def take(self) -> tuple[Batch, tuple[int, float, BaseException | None]] | None:
         """``(batch, (errno, fdatasync seconds, exception))`` of the finished job, or None
-        (a spurious wake-up); empties the slot."""
+        (a spurious wake-up: the job is still running, or :meth:`poll` took it); empties
+        the slot."""
         try:
             os.read(self.wake_r, 4096)
         except BlockingIOError:
             return None
+        return self._take_job()
+
+    def poll(self) -> tuple[Batch, tuple[int, float, BaseException | None]] | None:
+        """:meth:`take` without waiting for the wake-up: the finished job, if the thread is
+        done with it (its wake-up, when it comes, is then a spurious one)."""
+        if self.job is None or not self.syncer.done:
+            return None
+        try:
+            os.read(self.wake_r, 4096)
+        except BlockingIOError:
+            pass  # the thread has not written it yet
+        return self._take_job()
+
+    def _take_job(self) -> tuple[Batch, tuple[int, float, BaseException | None]] | None:
         batch = self.job
         result = self.syncer.take_result() if batch is not None else None
         if batch is None or result is None:
