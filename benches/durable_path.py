@@ -44,7 +44,6 @@ import shutil
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,7 +52,7 @@ from typing import Any
 import msgpack
 
 from benches import fsync_probe
-from benches.harness import free_port, latency_stats, run_async, wait_port
+from benches.harness import ServerProcess, free_port, latency_stats, run_async
 
 WARMUP = 300  # pairs not counted at the start of each measurement
 PREALLOC = 8 << 20  # the reference server's file (bytes)
@@ -216,16 +215,6 @@ def _child(*args: str) -> list[str]:
     return [sys.executable, "-c", code, *args]
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def _p50(samples_ns: list[int]) -> float:
     return latency_stats(samples_ns[WARMUP:])["p50"]
 
@@ -234,15 +223,15 @@ def measure_fastlock(mode: str, pairs: int, work: str) -> dict[str, float]:
     port = free_port()
     data = tempfile.mkdtemp(dir=work)
     timings = os.path.join(work, f"timed-{mode}.json")
-    cmd = _child("--serve-timed", timings, "--", "--listen", f"127.0.0.1:{port}", "--data-dir", data,
-                 "--fsync", mode, "--log-level", "WARNING")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = ServerProcess("fastlock", _child("--serve-timed", timings, "--", "--listen", f"127.0.0.1:{port}",
+                                             "--data-dir", data, "--fsync", mode, "--log-level", "WARNING"),
+                           log_path=os.path.join(work, f"fastlock-{mode}.log"))
     try:
-        wait_port(port, proc=proc)
+        server.start(ready_port=port)
         raw = run_async(raw_pairs(port, pairs))
         lib = run_async(fastlock_pairs(port, pairs))
     finally:
-        _stop(proc)
+        server.stop()
         shutil.rmtree(data, ignore_errors=True)
     with open(timings) as f:
         timed = json.load(f)
@@ -257,12 +246,13 @@ def measure_fastlock(mode: str, pairs: int, work: str) -> dict[str, float]:
 
 def measure_reference(mode: str, pairs: int, work: str) -> dict[str, float]:
     port = free_port()
-    proc = subprocess.Popen(_child("--serve-reference", mode, "--port", str(port), "--dir", work))
+    server = ServerProcess("reference", _child("--serve-reference", mode, "--port", str(port), "--dir", work),
+                           log_path=os.path.join(work, f"reference-{mode}.log"))
     try:
-        wait_port(port, proc=proc)
+        server.start(ready_port=port)
         raw = run_async(raw_pairs(port, pairs))
     finally:
-        _stop(proc)
+        server.stop()
     return {"raw_pair_p50_us": _p50(raw)}
 
 
