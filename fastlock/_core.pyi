@@ -11,6 +11,7 @@ collected with :meth:`LockTable.drain_events`.  The immediate answer of a call
 is its return value.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 # acquire() statuses
@@ -235,6 +236,10 @@ class LockTable:
         deadline_ms, shared)`` (ms; ``deadline_ms`` -1: waits without end; a member of an
         acquire_many() request has the request's deadline)."""
     def session_waiters(self, session: int) -> int: ...
+    def pack_holders(self, pack: Callable[[Any], bytes]) -> tuple[int, bytes]:
+        """``(count, data)``: every holder as the msgpack array a WAL snapshot stores,
+        encoded in C (no Python object per holder); ``pack`` encodes a meta field that is
+        not None, str or bytes."""
     def holders(self) -> list[Holder]:
         """Every current lease of every kind (for snapshots), any order."""
     def held_page(self, prefix: str, after: str | None, limit: int, by_waiters: bool,

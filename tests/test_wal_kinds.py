@@ -10,13 +10,15 @@ import time
 import msgpack
 import pytest
 
-from fastlock.wal import WriteAheadLog, apply
+from fastlock._core import LockTable
+from fastlock.wal import PackedHolders, WriteAheadLog, apply
 from fastlock.wal.records import (
     GRANT,
     LOCK_DELAY,
     Expire,
     Grant,
     HolderRecord,
+    LeaseMeta,
     LockDelay,
     LogState,
     Release,
@@ -103,3 +105,60 @@ async def test_recovery_restores_shared_leases_permits_and_running_lock_delays(t
     delays = dict(state.lock_delays)
     assert delays["job"] == until and "gone" not in delays
     assert 0 < delays["late"] - int(time.time() * 1000) <= 500
+
+
+def _table_with_every_kind(n_exclusive: int) -> LockTable:
+    """A table with exclusive leases (meta None, ASCII, non-ASCII, an int field), shared
+    leases, permits, long names and owners, and tokens/TTLs of every msgpack int width."""
+    t = LockTable()
+    metas = [None, LeaseMeta("app:c", None), LeaseMeta("ñamé ☃", "corr-1"), LeaseMeta(None, "x" * 40),
+             LeaseMeta("n", 7)]
+    for i in range(n_exclusive):
+        name = f"e{i}" + ("é" if i % 5 == 1 else "") + "x" * (300 if i % 97 == 3 else i % 40)
+        t.install_holder(name, tok(i + 1, epoch=i % 3) + (i % 4) * (1 << 33), bytes([i % 256]) * (300 if i == 5 else 16),
+                         1 + (i % 7) * 70_000 ** (i % 3), (i % 3) * 200, metas[i % len(metas)], 0)
+    for r in range(3):
+        t.install_holder("doc", tok(n_exclusive + 1 + r), f"r{r}".encode(), 10_000, 0, metas[r], 0, shared=True)
+    for p in range(2):
+        t.install_holder("pool", tok(n_exclusive + 9 + p), f"p{p}".encode(), 10_000, 0, None, 0, limit=3)
+    return t
+
+
+def _as_records(t: LockTable) -> list[HolderRecord]:
+    return [HolderRecord(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, h.meta[0] if h.meta else None,
+                         h.meta[1] if h.meta else None, 0, h.shared, h.limit) for h in t.holders()]
+
+
+@pytest.mark.parametrize("n", [0, 10, 11, 300, 70_000])  # array headers: fixarray, array16, array32
+def test_the_table_packs_its_holders_into_the_bytes_a_snapshot_of_its_records_holds(tmp_path, n):
+    t = _table_with_every_kind(n)
+    records = _as_records(t)
+    count, data = t.pack_holders(msgpack.Packer(use_bin_type=True).pack)
+    assert count == len(records) == n + 5
+    packed = encode_snapshot(4, 1, 4, PackedHolders(count, data))
+    assert packed == encode_snapshot(4, 1, 4, records)
+    path = tmp_path / "snap"
+    path.write_bytes(packed)
+    assert load_snapshot(str(path)).holders == records
+
+
+async def test_a_snapshot_of_packed_holders_is_what_recovery_restores(tmp_path):
+    t = _table_with_every_kind(50)
+    wal = WriteAheadLog(str(tmp_path), keep_snapshots=1)
+    wal.open()
+    wal.start(asyncio.get_running_loop())
+    for h in _as_records(t):
+        wal.log_grant(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, h.client_name, h.correlation_id,
+                      h.shared, h.limit)
+    state = (t.epoch, t.counter, PackedHolders(*t.pack_holders(msgpack.Packer(use_bin_type=True).pack)))
+    assert wal.maybe_snapshot(lambda: state, force=True)
+    await wal.wait_snapshot()
+    gone = _as_records(t)[1]
+    wal.log_release(gone.name, gone.token)  # after the snapshot: replayed on top of it
+    assert t.remove_holder(gone.name, gone.token, 0)
+    await wal.close()
+    again = WriteAheadLog(str(tmp_path))
+    recovered = again.open()
+    again.abort()
+    assert recovered.snapshot_lsn > 0 and recovered.records_replayed == 1
+    assert sorted(recovered.holders) == sorted(_as_records(t))

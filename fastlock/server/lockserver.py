@@ -55,6 +55,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgpack
+
 from .. import protocol as P
 from .._core import EV_EXPIRED, EV_GRANTED, LockTable, NotHolder
 from .._version import __version__
@@ -65,7 +67,7 @@ from ..replication import STATE_FILE, NodeState, ReplicationSource, StandbyFollo
 from ..roles import Action, NodeRole, Role
 from ..tls import ServerTLS, client_context
 from ..units import format_address, monotonic_ms
-from ..wal import DataDirInUse, HolderRecord, WriteAheadLog, secure_directory
+from ..wal import DataDirInUse, PackedHolders, WriteAheadLog, secure_directory
 from . import lockdelays
 from .admission import ConnectionLimits, PrincipalQuotas
 from .config import ServerConfig, check_limits
@@ -79,6 +81,8 @@ from .session import Session
 from .tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
+
+_pack = msgpack.Packer(use_bin_type=True).pack  # what LockTable.pack_holders does not encode itself
 
 #: exit status after a write-ahead log failure (so a supervisor restarts the server)
 EXIT_WAL_FAILED = 3
@@ -553,13 +557,14 @@ class LockServer:
         if self.expiry.handle is None:
             self._rearm()
 
-    def snapshot_state(self) -> tuple[int, int, list[HolderRecord], list[Any]]:
-        """``(epoch, counter, holders, keys)`` of the table and the key store now (for snapshots)."""
+    def snapshot_state(self) -> tuple[int, int, PackedHolders, list[Any]]:
+        """``(epoch, counter, holders, keys)`` of the table and the key store now (for snapshots).
+
+        The holders come encoded by the table itself (:meth:`LockTable.pack_holders`): this
+        runs on the event loop, and a Python object per holder would make it, and the cyclic
+        garbage collections those objects trigger, cost seconds with a million leases."""
         t = self.table
-        return (t.epoch, t.counter, [HolderRecord(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
-                                                  h.meta[0] if h.meta else None, h.meta[1] if h.meta else None, 0,
-                                                  h.shared, h.limit)
-                                     for h in t.holders()], self.keys.space.to_list())
+        return t.epoch, t.counter, PackedHolders(*t.pack_holders(_pack)), self.keys.space.to_list()
 
     # -- status -----------------------------------------------------------------------------
     def status(self) -> dict:

@@ -242,11 +242,13 @@ from .records import (
     apply,
 )
 from .recovery import RecoveredState
+from .snapshot import PackedHolders
 
 __all__ = [
     "WriteAheadLog",
     "RecoveredState",
     "HolderRecord",
+    "PackedHolders",
     "StorageError",
     "WalCorruption",
     "WalFatal",

@@ -399,8 +399,8 @@ class WriteAheadLog:
         ``get_state()`` is called synchronously and must return ``(epoch, counter,
         holders)`` or ``(epoch, counter, holders, keys)`` consistent with every record
         logged so far (``holders``: a list of :class:`~fastlock.wal.HolderRecord` or
-        equal 8-tuples, ``keys``: :meth:`~fastlock.wal.keyspace.KeySpace.to_list`; not
-        mutated afterwards).
+        equal 8-tuples, or :class:`~fastlock.wal.PackedHolders`; ``keys``:
+        :meth:`~fastlock.wal.keyspace.KeySpace.to_list`; not mutated afterwards).
         Encoding, writing (temp file, fsync, rename, directory fsync) and deleting the
         covered segments happen on a background thread.  Returns True if a snapshot
         was started.  A failed snapshot is logged at ERROR and retried after another

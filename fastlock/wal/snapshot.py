@@ -40,19 +40,37 @@ log = logging.getLogger(__name__)
 SNAP_HEADER = struct.Struct("<8sIQQQQ")  # magic, version, lsn, epoch, counter, body_len
 
 
-def encode_snapshot(lsn: int, epoch: int, counter: int, holders: Sequence[HolderRecord],
+class PackedHolders:
+    """Holders already encoded as a snapshot stores them: ``data`` (bytes) is the msgpack
+    array of ``count`` holders, as :meth:`fastlock._core.LockTable.pack_holders` gives it
+    (the table encodes itself in C, with no Python object per holder)."""
+
+    __slots__ = ("count", "data")
+
+    def __init__(self, count: int, data: bytes):
+        self.count = count
+        self.data = data
+
+    def __len__(self) -> int:
+        return self.count
+
+
+def encode_snapshot(lsn: int, epoch: int, counter: int, holders: Sequence[HolderRecord] | PackedHolders,
                     keys: list | None = None) -> bytes:
-    """The bytes of a snapshot file (``holders``: HolderRecord or equal 8- or 10-tuples;
-    ``keys``: :meth:`KeySpace.to_list`, written only when not empty so that a key-less
-    snapshot stays readable by older builds)."""
+    """The bytes of a snapshot file (``holders``: HolderRecord or equal 8- or 10-tuples,
+    or :class:`PackedHolders`; ``keys``: :meth:`KeySpace.to_list`, written only when not
+    empty so that a key-less snapshot stays readable by older builds)."""
     packer = msgpack.Packer()
-    parts = [packer.pack_array_header(len(holders))]
     pack = packer.pack
-    # Small chunks so that a snapshot thread gives the GIL back to the loop often.
-    for i in range(0, len(holders), 1000):
-        # an exclusive lease is stored as its first 8 fields (as every earlier fastlock)
-        parts.append(b"".join([pack(tuple(h) if len(h) != 10 or h[8] or h[9] else tuple(h)[:8])
-                               for h in holders[i:i + 1000]]))
+    if isinstance(holders, PackedHolders):
+        parts = [holders.data]
+    else:
+        parts = [packer.pack_array_header(len(holders))]
+        # Small chunks so that a snapshot thread gives the GIL back to the loop often.
+        for i in range(0, len(holders), 1000):
+            # an exclusive lease is stored as its first 8 fields (as every earlier fastlock)
+            parts.append(b"".join([pack(tuple(h) if len(h) != 10 or h[8] or h[9] else tuple(h)[:8])
+                                   for h in holders[i:i + 1000]]))
     if keys:
         parts.append(pack(keys))
     body = b"".join(parts)
@@ -150,7 +168,7 @@ class Snapshotter:
         return force or last_lsn - self._counted_from >= self.every
 
     def start(self, loop: asyncio.AbstractEventLoop, lsn: int, epoch: int, counter: int,
-              holders: Sequence[HolderRecord], keys: list | None = None) -> None:
+              holders: Sequence[HolderRecord] | PackedHolders, keys: list | None = None) -> None:
         """Write the snapshot at ``lsn`` on a thread; the result is reported on ``loop``."""
         self._counted_from = lsn
         self.next_due = lsn + self.every
@@ -169,7 +187,7 @@ class Snapshotter:
         self._thread = threading.Thread(target=run, name="fastlock-wal-snapshot", daemon=True)
         self._thread.start()
 
-    def _write(self, lsn: int, epoch: int, counter: int, holders: Sequence[HolderRecord],
+    def _write(self, lsn: int, epoch: int, counter: int, holders: Sequence[HolderRecord] | PackedHolders,
                keys: list | None = None) -> str:
         t0 = time.perf_counter()
         data = encode_snapshot(lsn, epoch, counter, holders, keys)
