@@ -115,7 +115,8 @@ def _table_with_every_kind(n_exclusive: int) -> LockTable:
              LeaseMeta("n", 7)]
     for i in range(n_exclusive):
         name = f"e{i}" + ("é" if i % 5 == 1 else "") + "x" * (300 if i % 97 == 3 else i % 40)
-        t.install_holder(name, tok(i + 1, epoch=i % 3) + (i % 4) * (1 << 33), bytes([i % 256]) * (300 if i == 5 else 16),
+        owner = bytes([i % 256]) * (300 if i == 5 else 16)
+        t.install_holder(name, tok(i + 1, epoch=i % 3) + (i % 4) * (1 << 33), owner,
                          1 + (i % 7) * 70_000 ** (i % 3), (i % 3) * 200, metas[i % len(metas)], 0)
     for r in range(3):
         t.install_holder("doc", tok(n_exclusive + 1 + r), f"r{r}".encode(), 10_000, 0, metas[r], 0, shared=True)
