@@ -68,6 +68,7 @@ from ..roles import Action, NodeRole, Role
 from ..tls import ServerTLS, client_context
 from ..units import format_address, monotonic_ms
 from ..wal import DataDirInUse, PackedHolders, WriteAheadLog, secure_directory
+from ..wal.log import paused_gc
 from . import lockdelays
 from .admission import ConnectionLimits, PrincipalQuotas
 from .config import ServerConfig, check_limits
@@ -308,11 +309,15 @@ class LockServer:
         table.set_epoch(state.epoch)
         table.advance_counter(state.counter)
         now = monotonic_ms()
-        self.max_ttl_ms = self.node_state.max_ttl_ms
-        for h in state.holders:
-            self.max_ttl_ms = max(self.max_ttl_ms, h.ttl_ms)
-            table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
-                                 (h.client_name, h.correlation_id), now, h.shared, h.limit)
+        max_ttl_ms = self.node_state.max_ttl_ms
+        install = table.install_holder
+        with paused_gc():  # every installed lease survives: no collection rescans them as they come
+            for h in state.holders:
+                if h.ttl_ms > max_ttl_ms:
+                    max_ttl_ms = h.ttl_ms
+                install(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, (h.client_name, h.correlation_id), now,
+                        h.shared, h.limit)
+        self.max_ttl_ms = max_ttl_ms
         delays = lockdelays.install_recovered(table, state.lock_delays, now)
         table.drain_events()
         self.keys.recovered(state.keys)
