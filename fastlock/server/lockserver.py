@@ -309,15 +309,11 @@ class LockServer:
         table.set_epoch(state.epoch)
         table.advance_counter(state.counter)
         now = monotonic_ms()
-        max_ttl_ms = self.node_state.max_ttl_ms
-        install = table.install_holder
+        self.max_ttl_ms = max(self.node_state.max_ttl_ms, max((h.ttl_ms for h in state.holders), default=0))
         with paused_gc():  # every installed lease survives: no collection rescans them as they come
             for h in state.holders:
-                if h.ttl_ms > max_ttl_ms:
-                    max_ttl_ms = h.ttl_ms
-                install(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, (h.client_name, h.correlation_id), now,
-                        h.shared, h.limit)
-        self.max_ttl_ms = max_ttl_ms
+                table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
+                                     (h.client_name, h.correlation_id), now, h.shared, h.limit)
         delays = lockdelays.install_recovered(table, state.lock_delays, now)
         table.drain_events()
         self.keys.recovered(state.keys)
@@ -563,11 +559,8 @@ class LockServer:
             self._rearm()
 
     def snapshot_state(self) -> tuple[int, int, PackedHolders, list[Any]]:
-        """``(epoch, counter, holders, keys)`` of the table and the key store now (for snapshots).
-
-        The holders come encoded by the table itself (:meth:`LockTable.pack_holders`): this
-        runs on the event loop, and a Python object per holder would make it, and the cyclic
-        garbage collections those objects trigger, cost seconds with a million leases."""
+        """``(epoch, counter, holders, keys)`` of the table and the key store now (for snapshots);
+        the table encodes its holders in C: no Python object per holder made on the loop."""
         t = self.table
         return t.epoch, t.counter, PackedHolders(*t.pack_holders(_pack)), self.keys.space.to_list()
 
