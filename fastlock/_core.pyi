@@ -236,10 +236,21 @@ class LockTable:
         deadline_ms, shared)`` (ms; ``deadline_ms`` -1: waits without end; a member of an
         acquire_many() request has the request's deadline)."""
     def session_waiters(self, session: int) -> int: ...
+    def snapshot_begin(self, pack: Callable[[Any], bytes]) -> None:
+        """Begin a snapshot of every holder as the msgpack array a WAL snapshot stores,
+        encoded in C a slice at a time (:meth:`snapshot_step`) as the table is now: a lock
+        whose holders change first is encoded just before the change (copy on write);
+        ``pack`` encodes a meta field that is not None, str or bytes.
+        :raises RuntimeError: one is in progress."""
+    def snapshot_step(self, max_locks: int) -> bool:
+        """Encode up to ``max_locks`` more locks; True once all are.
+        :raises RuntimeError: none in progress.  :raises MemoryError: (the snapshot ends)."""
+    def snapshot_end(self) -> tuple[int, bytes]:
+        """``(count, data)`` of the complete snapshot; it is over.  :raises RuntimeError: none complete."""
+    def snapshot_abort(self) -> None:
+        """End a snapshot in progress without its result."""
     def pack_holders(self, pack: Callable[[Any], bytes]) -> tuple[int, bytes]:
-        """``(count, data)``: every holder as the msgpack array a WAL snapshot stores,
-        encoded in C (no Python object per holder); ``pack`` encodes a meta field that is
-        not None, str or bytes."""
+        """``(count, data)``: a whole snapshot at once (begin, every step, end)."""
     def holders(self) -> list[Holder]:
         """Every current lease of every kind (for snapshots), any order."""
     def held_page(self, prefix: str, after: str | None, limit: int, by_waiters: bool,

@@ -536,6 +536,8 @@ cdef class _Lock(_Entry):
     cdef int64_t n_leases
     # semaphore limit (0: a lock); meaningful while the name has holders or waiters
     cdef int64_t limit
+    # the snapshot in progress (LockTable._snap_gen) that has its holders already
+    cdef int64_t snap_gen
 
 
 cdef inline bint _before(_Entry a, _Entry b):
@@ -584,12 +586,26 @@ cdef class LockTable:
     cdef int64_t _deadlocks
     cdef int64_t _searches       # deadlock searches made (numbers _Node.dl_search)
     cdef int64_t _search_nodes   # nodes the last deadlock search visited
+    # the snapshot in progress (snapshot_begin): its number (0: none), the locks it
+    # covers, the next one to encode, the holders encoded so far and their count
+    cdef int64_t _snap_gen
+    cdef int64_t _snap_last
+    cdef list _snap_locks
+    cdef Py_ssize_t _snap_pos
+    cdef _Out _snap_out
+    cdef Py_ssize_t _snap_count
+    cdef object _snap_pack
+    cdef object _snap_error
 
     def __cinit__(self):
         self._locks = {}
         self._heap = []
         self._events = []
         self._sessions = {}
+        self._snap_out.data = NULL
+
+    def __dealloc__(self):
+        free(self._snap_out.data)
 
     def __init__(self):
         """An empty table at epoch 0, counter 0, with no grant hold."""
@@ -730,6 +746,7 @@ cdef class LockTable:
             self._pop_top()
             if e.kind == K_LEASE:
                 lock = <_Lock>e
+                self._cow(lock)
                 lock.held = False
                 self._n_held -= 1
                 self._expiries += 1
@@ -778,6 +795,7 @@ cdef class LockTable:
                            int64_t ttl_ms, int64_t lock_delay_ms, object meta, int64_t now):
         """Make (token, owner) the exclusive holder of ``lock`` until ``now + ttl_ms``
         (the caller counts it in _n_held if the lock was not held)."""
+        self._cow(lock)
         lock.held = True
         lock.token = token
         lock.owner = owner
@@ -843,6 +861,7 @@ cdef class LockTable:
         return ev
 
     cdef inline void _drop_lease(self, _Lock lock, _Lease lease):
+        self._cow(lock)
         del lock.leases[lease.owner]
         lock.n_leases -= 1
         self._n_held -= 1
@@ -1067,6 +1086,7 @@ cdef class LockTable:
         return lock
 
     cdef inline void _drop_holder(self, _Lock lock):
+        self._cow(lock)
         lock.held = False
         lock.owner = None
         lock.meta = None
@@ -1208,6 +1228,7 @@ cdef class LockTable:
                 self._check_counter()
                 lock = self._new_lock(n)
                 if sh or lim:
+                    self._cow(lock)
                     lock.limit = lim
                     self._grant_lease(lock, o, s, request, ttl, delay, meta, sh, t, 0, a)
                 else:
@@ -1236,6 +1257,7 @@ cdef class LockTable:
                     return self._retry_waiter(w, s, request, ttl, wait, delay, meta, t, a)
             elif not lock.held and t >= _max(lock.delay_until, self._hold_until):
                 if lock.n_leases == 0:
+                    self._cow(lock)
                     lock.limit = lim
                     if not (sh or lim):
                         self._check_counter()
@@ -1250,8 +1272,10 @@ cdef class LockTable:
             return _NOT_ACQUIRED
         if lock is None:
             lock = self._new_lock(n)
+            self._cow(lock)
             lock.limit = lim
         elif lock.head is None and not lock.held and lock.n_leases == 0:
+            self._cow(lock)
             lock.limit = lim
         w = self._enqueue(lock, o, s, request, ttl, delay, meta, t, sh, None, self._session_index(s), a)
         if wait > 0:
@@ -1404,6 +1428,7 @@ cdef class LockTable:
                 lock = <_Lock>self._locks.get(names[i])
                 if lock is None:
                     lock = self._new_lock(names[i])
+                self._cow(lock)
                 lock.limit = 0
                 if kinds[i]:
                     self._grant_lease(lock, o, s, request, ttl, delay, meta, True, t, 0, a)
@@ -1422,6 +1447,7 @@ cdef class LockTable:
             if lock is None:
                 lock = self._new_lock(names[i])
             elif lock.head is None and not lock.held and lock.n_leases == 0:
+                self._cow(lock)
                 lock.limit = 0
             g.members.append(self._enqueue(lock, o, s, request, ttl, delay, meta, t, kinds[i], g, sess, a))
         if wait > 0:
@@ -1496,6 +1522,7 @@ cdef class LockTable:
         self._advance(t)
         lock = <_Lock>self._locks.get(n)
         if _holds(lock, tok, o):
+            self._cow(lock)
             lock.ttl_ms = ttl
             if s >= 0:
                 lock.session = s
@@ -1504,6 +1531,7 @@ cdef class LockTable:
         lease = self._lease_of(lock, tok, o)
         if lease is None:
             raise NotHolder(f"lease {tok} of {o!r} does not hold {n!r}")
+        self._cow(lock)
         lease.ttl_ms = ttl
         if s >= 0:
             lease.session = s
@@ -1766,49 +1794,128 @@ cdef class LockTable:
                     out.append(self._lease_snapshot(lock, lease))
         return out
 
-    def pack_holders(self, pack):
-        """``(count, data)``: every current holder (as :meth:`holders`) encoded as the
-        msgpack array a WAL snapshot stores (:func:`fastlock.wal.snapshot.encode_snapshot`
-        gives the same bytes for the same holders as ``HolderRecord``s with
-        ``granted_wall_ms`` 0), built in C with no Python object per holder.
-        ``pack`` (``msgpack.Packer(use_bin_type=True).pack``) encodes a meta field that
-        is not None, a str or bytes.  :raises MemoryError: out of memory."""
-        cdef _Out o
-        cdef _Lock lock
+    # -- snapshots: encoded in slices, as the table was when begun (copy on write) ----------
+
+    cdef inline void _cow(self, _Lock lock):
+        """Before ``lock``'s holders change: a snapshot in progress that has not encoded
+        them yet does now.  A failure (out of memory) ends the snapshot, never the change."""
+        if self._snap_gen != 0 and lock.snap_gen != self._snap_gen:
+            try:
+                self._snap_lock(lock)
+            except BaseException as exc:
+                self._snap_error = exc
+                self._snap_gen = 0
+
+    cdef int _snap_lock(self, _Lock lock) except -1:
+        """Encode ``lock``'s holders into the snapshot in progress (once per snapshot)."""
         cdef _Lease lease
-        cdef Py_ssize_t count = 0
-        cdef Py_ssize_t start, end
-        o.data = NULL
-        o.size = 5  # room for the array header, written once the count is known
-        o.cap = 0
+        lock.snap_gen = self._snap_gen
+        if lock.held:
+            _pack_holder(&self._snap_out, lock.name, lock.token, lock.owner, lock.ttl_ms, lock.lock_delay_ms,
+                         lock.meta, False, 0, self._snap_pack)
+            self._snap_count += 1
+        elif lock.n_leases:
+            for lease in lock.leases.values():
+                _pack_holder(&self._snap_out, lock.name, lease.token, lease.owner, lease.ttl_ms,
+                             lease.lock_delay_ms, lease.meta, lease.shared, lock.limit, self._snap_pack)
+                self._snap_count += 1
+        return 0
+
+    cdef void _snap_clear(self):
+        free(self._snap_out.data)
+        self._snap_out.data = NULL
+        self._snap_out.size = 0
+        self._snap_out.cap = 0
+        self._snap_gen = 0
+        self._snap_locks = None
+        self._snap_pack = None
+        self._snap_error = None
+        self._snap_count = 0
+
+    def snapshot_begin(self, pack):
+        """Begin a snapshot of every current holder (as :meth:`holders`), encoded as the
+        msgpack array a WAL snapshot stores (the bytes
+        :func:`fastlock.wal.snapshot.encode_snapshot` gives for them as ``HolderRecord``s
+        with ``granted_wall_ms`` 0), in C, with no Python object per holder.
+
+        :meth:`snapshot_step` encodes the next locks; a lock whose holders change before
+        its step is encoded just before the change, so the snapshot is the table as it
+        is now, whatever happens until :meth:`snapshot_end`.  This call copies a
+        reference to each lock (a few ms per million).  ``pack``
+        (``msgpack.Packer(use_bin_type=True).pack``) encodes a meta field that is not
+        None, a str or bytes.
+        :raises RuntimeError: a snapshot is in progress already."""
+        if self._snap_locks is not None:
+            raise RuntimeError("a snapshot of the lock table is in progress already")
+        self._snap_clear()
+        _reserve(&self._snap_out, 5 + 64 * len(self._locks))  # (about a lease's size)
+        self._snap_out.size = 5  # room for the array header, written once the count is known
+        self._snap_last += 1
+        self._snap_gen = self._snap_last
+        self._snap_pack = pack
+        self._snap_locks = list(self._locks.values())
+        self._snap_pos = 0
+
+    def snapshot_step(self, max_locks):
+        """Encode the holders of up to ``max_locks`` (int >= 1) more locks; True once every
+        lock is.  :raises RuntimeError: no snapshot in progress.  :raises MemoryError:
+        out of memory (the snapshot ends).  Other errors of ``pack`` end it too."""
+        cdef Py_ssize_t i, end
+        cdef _Lock lock
+        if self._snap_locks is None:
+            raise RuntimeError("no snapshot of the lock table is in progress")
+        if self._snap_error is not None:
+            exc = self._snap_error
+            self._snap_clear()
+            raise exc
+        end = min(self._snap_pos + max(1, <Py_ssize_t>max_locks), len(self._snap_locks))
         try:
-            _reserve(&o, 5 + 64 * len(self._locks))  # (about a lease's size: fewer copies as it grows)
-            for lock in self._locks.values():
-                if lock.held:
-                    _pack_holder(&o, lock.name, lock.token, lock.owner, lock.ttl_ms, lock.lock_delay_ms,
-                                 lock.meta, False, 0, pack)
-                    count += 1
-                elif lock.n_leases:
-                    for lease in lock.leases.values():
-                        _pack_holder(&o, lock.name, lease.token, lease.owner, lease.ttl_ms, lease.lock_delay_ms,
-                                     lease.meta, lease.shared, lock.limit, pack)
-                        count += 1
+            for i in range(self._snap_pos, end):
+                lock = <_Lock>self._snap_locks[i]
+                if lock.snap_gen != self._snap_gen:
+                    self._snap_lock(lock)
+        except BaseException:
+            self._snap_clear()
+            raise
+        self._snap_pos = end
+        return end == len(self._snap_locks)
+
+    def snapshot_end(self):
+        """``(count, data)``: the holders of the snapshot begun, once :meth:`snapshot_step`
+        returned True; the snapshot is over.  :raises RuntimeError: none is complete."""
+        cdef Py_ssize_t start, end, count = self._snap_count
+        cdef _Out* o = &self._snap_out
+        if self._snap_locks is None or self._snap_pos < len(self._snap_locks) or self._snap_error is not None:
+            raise RuntimeError("no complete snapshot of the lock table")
+        try:
             end = o.size
             if count < 16:
                 start = 4
                 o.size = 4
-                _be(&o, 0x90 | <uint64_t>count, 1)
+                _be(o, 0x90 | <uint64_t>count, 1)
             elif count < 0x10000:
                 start = 2
                 o.size = 2
-                _head(&o, 0xdc, <uint64_t>count, 2)
+                _head(o, 0xdc, <uint64_t>count, 2)
             else:
                 start = 0
                 o.size = 0
-                _head(&o, 0xdd, <uint64_t>count, 4)
+                _head(o, 0xdd, <uint64_t>count, 4)
             return count, PyBytes_FromStringAndSize(o.data + start, end - start)
         finally:
-            free(o.data)
+            self._snap_clear()
+
+    def snapshot_abort(self):
+        """End a snapshot in progress (if any) without its result."""
+        self._snap_clear()
+
+    def pack_holders(self, pack):
+        """``(count, data)``: every current holder encoded at once (:meth:`snapshot_begin`,
+        :meth:`snapshot_step` over every lock, :meth:`snapshot_end`).
+        :raises RuntimeError: a snapshot is in progress."""
+        self.snapshot_begin(pack)
+        self.snapshot_step(len(self._snap_locks) + 1)
+        return self.snapshot_end()
 
     def held_page(self, prefix, after, limit, by_waiters, now):
         """One page of the locks held at ``now`` whose name starts with ``prefix``
@@ -1959,12 +2066,14 @@ cdef class LockTable:
             if lock.held and (sh or lim):
                 self._drop_holder(lock)
         if sh or lim:
+            self._cow(lock)
             lock.limit = lim
             if lock.index >= 0:
                 self._unschedule(lock)
             self._install_lease(lock, tok, o, 0, ttl, delay, meta, sh, t)
             self._counter_at_least(tok)
             return
+        self._cow(lock)
         lock.limit = 0
         if not lock.held:
             self._n_held += 1
@@ -1984,6 +2093,7 @@ cdef class LockTable:
         """Add the non-exclusive lease (tok, o) of ``session`` to ``lock`` until ``t + ttl``
         (the lock is not held exclusively, nor by ``o``); returns it."""
         cdef _Lease lease = _Lease.__new__(_Lease)
+        self._cow(lock)
         lock.delay_until = 0
         lease.index = -1
         lease.kind = K_SHARED

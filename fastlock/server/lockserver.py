@@ -67,7 +67,7 @@ from ..replication import STATE_FILE, NodeState, ReplicationSource, StandbyFollo
 from ..roles import Action, NodeRole, Role
 from ..tls import ServerTLS, client_context
 from ..units import format_address, monotonic_ms
-from ..wal import DataDirInUse, PackedHolders, WriteAheadLog, secure_directory
+from ..wal import DataDirInUse, HolderSlices, WriteAheadLog, secure_directory
 from ..wal.log import paused_gc
 from . import lockdelays
 from .admission import ConnectionLimits, PrincipalQuotas
@@ -83,7 +83,7 @@ from .tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
 
-_pack = msgpack.Packer(use_bin_type=True).pack  # what LockTable.pack_holders does not encode itself
+_pack = msgpack.Packer(use_bin_type=True).pack  # what LockTable.snapshot_step does not encode itself
 
 #: exit status after a write-ahead log failure (so a supervisor restarts the server)
 EXIT_WAL_FAILED = 3
@@ -558,11 +558,11 @@ class LockServer:
         if self.expiry.handle is None:
             self._rearm()
 
-    def snapshot_state(self) -> tuple[int, int, PackedHolders, list[Any]]:
+    def snapshot_state(self) -> tuple[int, int, HolderSlices, list[Any]]:
         """``(epoch, counter, holders, keys)`` of the table and the key store now (for snapshots);
-        the table encodes its holders in C: no Python object per holder made on the loop."""
+        the table encodes its holders in C, a slice per loop turn, as they are now."""
         t = self.table
-        return t.epoch, t.counter, PackedHolders(*t.pack_holders(_pack)), self.keys.space.to_list()
+        return t.epoch, t.counter, HolderSlices(t, _pack), self.keys.space.to_list()
 
     # -- status -----------------------------------------------------------------------------
     def status(self) -> dict:

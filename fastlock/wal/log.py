@@ -409,7 +409,8 @@ class WriteAheadLog:
         ``get_state()`` is called synchronously and must return ``(epoch, counter,
         holders)`` or ``(epoch, counter, holders, keys)`` consistent with every record
         logged so far (``holders``: a list of :class:`~fastlock.wal.HolderRecord` or
-        equal 8-tuples, or :class:`~fastlock.wal.PackedHolders`; ``keys``:
+        equal 8-tuples, or :class:`~fastlock.wal.PackedHolders`, or
+        :class:`~fastlock.wal.HolderSlices` (encoded a slice per loop turn first); ``keys``:
         :meth:`~fastlock.wal.keyspace.KeySpace.to_list`; not mutated afterwards).
         Encoding, writing (temp file, fsync, rename, directory fsync) and deleting the
         covered segments happen on a background thread.  Returns True if a snapshot

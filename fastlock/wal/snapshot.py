@@ -55,6 +55,36 @@ class PackedHolders:
         return self.count
 
 
+class HolderSlices:
+    """The holders of a lock table as they are when this is made, encoded by the table a
+    slice per event-loop turn (:meth:`fastlock._core.LockTable.snapshot_begin`: a lock whose
+    holders change before its slice is encoded just before the change), so that a big table
+    does not hold the loop.  :meth:`Snapshotter.start` runs the slices.
+
+    :param table: the :class:`~fastlock._core.LockTable`.
+    :param pack: ``msgpack.Packer(use_bin_type=True).pack`` (a meta field that is not None,
+        a str or bytes).
+    :param per_slice: locks encoded per slice (a few ms for 10,000).
+    :raises RuntimeError: a snapshot of the table is in progress already.
+    """
+
+    def __init__(self, table: Any, pack: Any, per_slice: int = 10_000):
+        table.snapshot_begin(pack)
+        self.table = table
+        self.per_slice = per_slice
+
+    def step(self) -> PackedHolders | None:
+        """Encode the next slice: the holders once every slice is done, else None.
+        :raises MemoryError: (the snapshot is over)."""
+        if not self.table.snapshot_step(self.per_slice):
+            return None
+        return PackedHolders(*self.table.snapshot_end())
+
+    def abort(self) -> None:
+        """Stop: the table keeps no copy of anything."""
+        self.table.snapshot_abort()
+
+
 def encode_snapshot(lsn: int, epoch: int, counter: int, holders: Sequence[HolderRecord] | PackedHolders,
                     keys: list | None = None) -> bytes:
     """The bytes of a snapshot file (``holders``: HolderRecord or equal 8- or 10-tuples,
@@ -149,6 +179,7 @@ class Snapshotter:
         self.next_due = every  # the LSN from which a snapshot is due (unless running or forced)
         self._future: asyncio.Future | None = None
         self._thread: threading.Thread | None = None
+        self._slices: HolderSlices | None = None  # being encoded on the loop, before the thread
 
     def recovered(self, snapshot_lsn: int, last_lsn: int) -> None:
         """Recovery started from the snapshot at ``snapshot_lsn`` (0: none) and found
@@ -168,12 +199,36 @@ class Snapshotter:
         return force or last_lsn - self._counted_from >= self.every
 
     def start(self, loop: asyncio.AbstractEventLoop, lsn: int, epoch: int, counter: int,
-              holders: Sequence[HolderRecord] | PackedHolders, keys: list | None = None) -> None:
-        """Write the snapshot at ``lsn`` on a thread; the result is reported on ``loop``."""
+              holders: Sequence[HolderRecord] | PackedHolders | HolderSlices, keys: list | None = None) -> None:
+        """Write the snapshot at ``lsn`` on a thread (:class:`HolderSlices`: once their
+        slices, one per loop turn, are done); the result is reported on ``loop``."""
         self._counted_from = lsn
         self.next_due = lsn + self.every
         self._future = loop.create_future()
+        if isinstance(holders, HolderSlices):
+            self._slices = holders
+            loop.call_soon(self._next_slice, loop, lsn, epoch, counter, holders, keys)
+        else:
+            self._spawn(loop, lsn, epoch, counter, holders, keys)
 
+    def _next_slice(self, loop: asyncio.AbstractEventLoop, lsn: int, epoch: int, counter: int,
+                    slices: HolderSlices, keys: list | None) -> None:
+        if self._slices is not slices:  # stopped meanwhile (join)
+            return
+        try:
+            packed = slices.step()
+        except Exception as exc:  # noqa: BLE001 - a failed snapshot is logged, the log is intact
+            self._slices = None
+            self._done(lsn, exc)
+            return
+        if packed is None:
+            loop.call_soon(self._next_slice, loop, lsn, epoch, counter, slices, keys)
+        else:
+            self._slices = None
+            self._spawn(loop, lsn, epoch, counter, packed, keys)
+
+    def _spawn(self, loop: asyncio.AbstractEventLoop, lsn: int, epoch: int, counter: int,
+               holders: Sequence[HolderRecord] | PackedHolders, keys: list | None) -> None:
         def run() -> None:
             try:
                 res: Any = self._write(lsn, epoch, counter, holders, keys)
@@ -226,7 +281,14 @@ class Snapshotter:
             await asyncio.shield(self._future)
 
     def join(self) -> None:
-        """Wait (blocking) for the snapshot thread, if one runs."""
+        """Wait (blocking) for the snapshot thread, if one runs; a snapshot still being
+        encoded on the loop is dropped (the log it would cover stays)."""
+        if self._slices is not None:
+            self._slices.abort()
+            self._slices = None
+            fut, self._future = self._future, None
+            if fut is not None and not fut.done():
+                fut.set_result(None)
         if self._thread is not None:
             self._thread.join()
             self._thread = None
