@@ -74,6 +74,12 @@ class Holder:
     limit: int  # a semaphore permit's limit; 0 for a lock's lease
 
 
+class Block:
+    """Bytes encoded in C, handed over without a copy: a read-only buffer (``bytes(block)``,
+    ``memoryview(block)``, ``len(block)``) that frees its memory when collected."""
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int) -> memoryview: ...
+
 class LockTable:
     """Leased locks, shared locks and counting semaphores with fencing tokens and
     FIFO waiters, sans-IO; every time is monotonic integer milliseconds.
@@ -245,11 +251,12 @@ class LockTable:
     def snapshot_step(self, max_locks: int) -> bool:
         """Encode up to ``max_locks`` more locks; True once all are.
         :raises RuntimeError: none in progress.  :raises MemoryError: (the snapshot ends)."""
-    def snapshot_end(self) -> tuple[int, bytes]:
-        """``(count, data)`` of the complete snapshot; it is over.  :raises RuntimeError: none complete."""
+    def snapshot_end(self) -> tuple[int, Block]:
+        """``(count, data)`` of the complete snapshot (``data``: without a copy); it is over.
+        :raises RuntimeError: none complete."""
     def snapshot_abort(self) -> None:
         """End a snapshot in progress without its result."""
-    def pack_holders(self, pack: Callable[[Any], bytes]) -> tuple[int, bytes]:
+    def pack_holders(self, pack: Callable[[Any], bytes]) -> tuple[int, Block]:
         """``(count, data)``: a whole snapshot at once (begin, every step, end)."""
     def holders(self) -> list[Holder]:
         """Every current lease of every kind (for snapshots), any order."""

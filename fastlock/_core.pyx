@@ -43,7 +43,8 @@ cimport cython
 from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport free, realloc
 from libc.string cimport memcpy
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.buffer cimport PyBuffer_FillInfo
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.long cimport PyLong_Check, PyLong_CheckExact
 from cpython.bool cimport PyBool_Check
 
@@ -322,6 +323,27 @@ cdef struct _Out:
     Py_ssize_t cap
 
 
+@cython.final
+cdef class Block:
+    """Bytes encoded in C, handed over without a copy: a read-only buffer (``bytes(block)``,
+    ``memoryview(block)``, ``len(block)``) that frees its memory when collected."""
+    cdef char* data
+    cdef Py_ssize_t start
+    cdef Py_ssize_t size
+
+    def __dealloc__(self):
+        free(self.data)
+
+    def __len__(self):
+        return self.size
+
+    def __getbuffer__(self, Py_buffer* view, int flags):
+        PyBuffer_FillInfo(view, self, self.data + self.start, self.size, 1, flags)
+
+    def __releasebuffer__(self, Py_buffer* view):
+        pass
+
+
 cdef int _reserve(_Out* o, Py_ssize_t extra) except -1:
     cdef Py_ssize_t cap
     cdef char* p
@@ -569,6 +591,7 @@ cdef class LockTable:
     epoch (raised on promotion) puts every later token above every earlier one.
     """
     cdef dict _locks
+    cdef dict _delayed           # name -> _Lock: every lock whose lock-delay was set (lock_delays())
     cdef list _heap
     cdef list _events
     cdef dict _sessions          # session -> {_Waiter: None} in arrival order
@@ -599,6 +622,7 @@ cdef class LockTable:
 
     def __cinit__(self):
         self._locks = {}
+        self._delayed = {}
         self._heap = []
         self._events = []
         self._sessions = {}
@@ -754,6 +778,7 @@ cdef class LockTable:
                             lock.ttl_ms, tau, lock.meta, False, lock.lock_delay_ms)
                 if lock.lock_delay_ms > 0:
                     lock.delay_until = _max(lock.delay_until, tau + lock.lock_delay_ms)
+                    self._delayed[lock.name] = lock
                 lock.owner = None
                 lock.meta = None
                 self._settle(lock, tau, now)
@@ -770,6 +795,7 @@ cdef class LockTable:
                 self._lease_event(_EV_EXPIRED, lease, lease.session, None, tau, False)
                 if lease.lock_delay_ms > 0:
                     lock.delay_until = _max(lock.delay_until, tau + lease.lock_delay_ms)
+                    self._delayed[lock.name] = lock
                 self._settle(lock, tau, now)
             else:
                 self._settle(<_Lock>e, tau, now)
@@ -1021,6 +1047,8 @@ cdef class LockTable:
             self._unschedule(lock)
             if lock.n_leases == 0:
                 del self._locks[lock.name]
+                if self._delayed:
+                    self._delayed.pop(lock.name, None)
         return 0
 
     cdef bint _group_ready(self, _Group g, int64_t tau):
@@ -1882,9 +1910,11 @@ cdef class LockTable:
 
     def snapshot_end(self):
         """``(count, data)``: the holders of the snapshot begun, once :meth:`snapshot_step`
-        returned True; the snapshot is over.  :raises RuntimeError: none is complete."""
+        returned True (``data``: a :class:`Block`, the encoded array without a copy); the
+        snapshot is over.  :raises RuntimeError: none is complete."""
         cdef Py_ssize_t start, end, count = self._snap_count
         cdef _Out* o = &self._snap_out
+        cdef Block block
         if self._snap_locks is None or self._snap_pos < len(self._snap_locks) or self._snap_error is not None:
             raise RuntimeError("no complete snapshot of the lock table")
         try:
@@ -1901,7 +1931,12 @@ cdef class LockTable:
                 start = 0
                 o.size = 0
                 _head(o, 0xdd, <uint64_t>count, 4)
-            return count, PyBytes_FromStringAndSize(o.data + start, end - start)
+            block = Block.__new__(Block)
+            block.data = o.data
+            o.data = NULL  # the block owns it now
+            block.start = start
+            block.size = end - start
+            return count, block
         finally:
             self._snap_clear()
 
@@ -2331,9 +2366,11 @@ cdef class LockTable:
         """
         cdef list out = []
         cdef _Lock lock
-        for lock in self._locks.values():
+        for lock in list(self._delayed.values()):
             if lock.delay_until > 0 and not lock.held:
                 out.append((lock.name, lock.delay_until))
+            elif lock.delay_until == 0:
+                del self._delayed[lock.name]
         return out
 
     def install_lock_delay(self, name, until_ms, now):
@@ -2360,6 +2397,7 @@ cdef class LockTable:
         elif lock.held:
             return False
         lock.delay_until = _max(lock.delay_until, until)
+        self._delayed[lock.name] = lock
         self._settle(lock, t, t)
         return True
 

@@ -562,7 +562,8 @@ class LockServer:
         """``(epoch, counter, holders, keys)`` of the table and the key store now (for snapshots);
         the table encodes its holders in C, a slice per loop turn, as they are now."""
         t = self.table
-        return t.epoch, t.counter, HolderSlices(t, _pack), self.keys.space.to_list()
+        keys = self.keys.space.to_list()
+        return t.epoch, t.counter, HolderSlices(t, _pack), keys  # (begun last: nothing can fail after it)
 
     # -- status -----------------------------------------------------------------------------
     def status(self) -> dict:

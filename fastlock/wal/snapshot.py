@@ -41,13 +41,14 @@ SNAP_HEADER = struct.Struct("<8sIQQQQ")  # magic, version, lsn, epoch, counter, 
 
 
 class PackedHolders:
-    """Holders already encoded as a snapshot stores them: ``data`` (bytes) is the msgpack
-    array of ``count`` holders, as :meth:`fastlock._core.LockTable.pack_holders` gives it
-    (the table encodes itself in C, with no Python object per holder)."""
+    """Holders already encoded as a snapshot stores them: ``data`` (bytes or another
+    buffer, e.g. a :class:`fastlock._core.Block`) is the msgpack array of ``count`` holders,
+    as :meth:`fastlock._core.LockTable.pack_holders` gives it (the table encodes itself in
+    C, with no Python object per holder)."""
 
     __slots__ = ("count", "data")
 
-    def __init__(self, count: int, data: bytes):
+    def __init__(self, count: int, data: Any):
         self.count = count
         self.data = data
 
@@ -90,6 +91,13 @@ def encode_snapshot(lsn: int, epoch: int, counter: int, holders: Sequence[Holder
     """The bytes of a snapshot file (``holders``: HolderRecord or equal 8- or 10-tuples,
     or :class:`PackedHolders`; ``keys``: :meth:`KeySpace.to_list`, written only when not
     empty so that a key-less snapshot stays readable by older builds)."""
+    return b"".join(snapshot_parts(lsn, epoch, counter, holders, keys))
+
+
+def snapshot_parts(lsn: int, epoch: int, counter: int, holders: Sequence[HolderRecord] | PackedHolders,
+                   keys: list | None = None) -> list:
+    """:func:`encode_snapshot`'s bytes as the buffers they are made of, in order, not copied
+    into one (a million holders are tens of MB: joining them would hold the GIL)."""
     packer = msgpack.Packer()
     pack = packer.pack
     if isinstance(holders, PackedHolders):
@@ -103,10 +111,11 @@ def encode_snapshot(lsn: int, epoch: int, counter: int, holders: Sequence[Holder
                                    for h in holders[i:i + 1000]]))
     if keys:
         parts.append(pack(keys))
-    body = b"".join(parts)
-    head = SNAP_HEADER.pack(SNAP_MAGIC, FORMAT_VERSION, lsn, epoch, counter, len(body))
-    crc = crc32(body, crc32(head))
-    return head + body + U32.pack(crc)
+    head = SNAP_HEADER.pack(SNAP_MAGIC, FORMAT_VERSION, lsn, epoch, counter, sum(len(memoryview(p)) for p in parts))
+    crc = crc32(head)
+    for part in parts:
+        crc = crc32(part, crc)  # (zlib lets the GIL go for a big buffer)
+    return [head, *parts, U32.pack(crc)]
 
 
 class Snapshot:
@@ -245,7 +254,7 @@ class Snapshotter:
     def _write(self, lsn: int, epoch: int, counter: int, holders: Sequence[HolderRecord] | PackedHolders,
                keys: list | None = None) -> str:
         t0 = time.perf_counter()
-        data = encode_snapshot(lsn, epoch, counter, holders, keys)
+        data = snapshot_parts(lsn, epoch, counter, holders, keys)
         d = self.directory
         path = write_atomically(d, snap_name(lsn), data)
         # compaction: keep the newest `keep` snapshots and the segments after the oldest kept
@@ -261,7 +270,7 @@ class Snapshotter:
         if doomed:
             fsync_dir(d)
         log.info("snapshot %s written: %d holders, %d bytes, %d segments deleted, %.1f ms",
-                 path, len(holders), len(data), len(doomed), (time.perf_counter() - t0) * 1000)
+                 path, len(holders), sum(len(memoryview(p)) for p in data), len(doomed), (time.perf_counter() - t0) * 1000)
         return path
 
     def _done(self, lsn: int, res: Any) -> None:
