@@ -269,8 +269,9 @@ class Snapshotter:
             os.unlink(p)
         if doomed:
             fsync_dir(d)
+        size = sum(len(memoryview(p)) for p in data)
         log.info("snapshot %s written: %d holders, %d bytes, %d segments deleted, %.1f ms",
-                 path, len(holders), sum(len(memoryview(p)) for p in data), len(doomed), (time.perf_counter() - t0) * 1000)
+                 path, len(holders), size, len(doomed), (time.perf_counter() - t0) * 1000)
         return path
 
     def _done(self, lsn: int, res: Any) -> None:
