@@ -144,14 +144,20 @@ def test_the_table_packs_its_holders_into_the_bytes_a_snapshot_of_its_records_ho
     assert load_snapshot(str(path)).holders == records
 
 
-async def test_a_snapshot_of_packed_holders_is_what_recovery_restores(tmp_path):
-    t = _table_with_every_kind(50)
+def _wal_granting(tmp_path, t: LockTable) -> WriteAheadLog:
+    """A started WAL (one snapshot kept) that logged a grant of every holder of ``t``."""
     wal = WriteAheadLog(str(tmp_path), keep_snapshots=1)
     wal.open()
     wal.start(asyncio.get_running_loop())
     for h in _as_records(t):
         wal.log_grant(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, h.client_name, h.correlation_id,
                       h.shared, h.limit)
+    return wal
+
+
+async def test_a_snapshot_of_packed_holders_is_what_recovery_restores(tmp_path):
+    t = _table_with_every_kind(50)
+    wal = _wal_granting(tmp_path, t)
     state = (t.epoch, t.counter, PackedHolders(*t.pack_holders(msgpack.Packer(use_bin_type=True).pack)))
     assert wal.maybe_snapshot(lambda: state, force=True)
     await wal.wait_snapshot()
@@ -245,12 +251,7 @@ async def test_a_snapshot_in_slices_covers_its_lsn_while_the_table_changes_and_r
     replays the rest on top of it.  A WAL stopped mid-snapshot leaves the table free."""
     pack = msgpack.Packer(use_bin_type=True).pack
     t = _table_with_every_kind(40)
-    wal = WriteAheadLog(str(tmp_path), keep_snapshots=1)
-    wal.open()
-    wal.start(asyncio.get_running_loop())
-    for h in _as_records(t):
-        wal.log_grant(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, h.client_name, h.correlation_id,
-                      h.shared, h.limit)
+    wal = _wal_granting(tmp_path, t)
     at = wal.logged_lsn
     assert wal.maybe_snapshot(lambda: (t.epoch, t.counter, HolderSlices(t, pack, per_slice=4)), force=True)
     for turn, h in enumerate(_as_records(t)[:12]):  # changes between the slices, each logged
