@@ -11,7 +11,7 @@ collected with :meth:`LockTable.drain_events`.  The immediate answer of a call
 is its return value.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 # acquire() statuses
@@ -273,6 +273,9 @@ class LockTable:
         """Number of waiters queued on every lock together."""
 
     # -- replication / recovery ------------------------------------------------
+    def install_holders(self, holders: Iterable[Sequence[Any]], now: int) -> int:
+        """:meth:`install_holder` for each 10-field HolderRecord, meta (client_name,
+        correlation_id); returns the longest ttl_ms (0 if none)."""
     def install_holder(
         self, name: str, token: int, owner: bytes, ttl_ms: int, lock_delay_ms: int, meta: Any, now: int,
         shared: bool = False, limit: int = 0,

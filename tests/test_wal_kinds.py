@@ -279,3 +279,17 @@ async def test_a_snapshot_in_slices_covers_its_lsn_while_the_table_changes_and_r
     await wal.wait_snapshot()
     t.snapshot_begin(pack)  # the aborted one is over
     t.snapshot_abort()
+
+
+def test_install_holders_installs_each_record_as_install_holder_does_and_gives_the_longest_ttl():
+    records = _as_records(_table_with_every_kind(30))
+    one_by_one, at_once = LockTable(), LockTable()
+    for h in records:
+        one_by_one.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
+                                  (h.client_name, h.correlation_id), 5, h.shared, h.limit)
+    assert at_once.install_holders(records, 5) == max(h.ttl_ms for h in records)
+    assert sorted(_as_records(at_once)) == sorted(_as_records(one_by_one)) == sorted(records)
+    assert (at_once.counter, at_once.epoch) == (one_by_one.counter, one_by_one.epoch)
+    assert LockTable().install_holders([], 5) == 0
+    with pytest.raises(ValueError):
+        at_once.install_holders([records[0]._replace(token=0)], 5)

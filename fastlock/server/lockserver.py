@@ -48,6 +48,7 @@ a client that died while queued never becomes a ghost holder.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import ssl
@@ -304,16 +305,14 @@ class LockServer:
         """Open the WAL and install every recovered lease with a fresh full TTL
         (this node cannot know how long it was down)."""
         t0 = time.perf_counter()
-        state = self.wal.open(repair=self.config.repair_wal)
         table = self.table
-        table.set_epoch(state.epoch)
-        table.advance_counter(state.counter)
-        now = monotonic_ms()
-        self.max_ttl_ms = max(self.node_state.max_ttl_ms, max((h.ttl_ms for h in state.holders), default=0))
-        with paused_gc():  # every installed lease survives: no collection rescans them as they come
-            for h in state.holders:
-                table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
-                                     (h.client_name, h.correlation_id), now, h.shared, h.limit)
+        with paused_gc():  # a million objects that all survive: no collection rescans them as they come
+            state = self.wal.open(repair=self.config.repair_wal)
+            table.set_epoch(state.epoch)
+            table.advance_counter(state.counter)
+            now = monotonic_ms()
+            self.max_ttl_ms = max(self.node_state.max_ttl_ms, table.install_holders(state.holders, now))
+            gc.freeze()  # nor later: the recovered objects are out of the collector's view
         delays = lockdelays.install_recovered(table, state.lock_delays, now)
         table.drain_events()
         self.keys.recovered(state.keys)
