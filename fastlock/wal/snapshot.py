@@ -10,6 +10,11 @@ store) a msgpack array of keys (each the 7 items of
 which load with no keys), and a CRC32 of everything before it.  It is written with
 :func:`~fastlock.wal.files.write_atomically`, so it is either absent or whole.
 
+A server's snapshot is encoded by its lock table, a slice per event-loop turn
+(:class:`HolderSlices`): a lock whose holders change before its slice is encoded
+just before the change, so the file still holds the table at ``lsn`` while
+requests go on; the writer thread then gets the bytes without a copy.
+
 After writing one, the :class:`Snapshotter` keeps the newest
 ``keep_snapshots`` snapshots and deletes the segments wholly covered by the
 oldest snapshot it keeps.
