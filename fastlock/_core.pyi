@@ -11,6 +11,7 @@ collected with :meth:`LockTable.drain_events`.  The immediate answer of a call
 is its return value.
 """
 
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 # acquire() statuses
@@ -72,6 +73,12 @@ class Holder:
     shared: bool  # a shared (read) lease
     limit: int  # a semaphore permit's limit; 0 for a lock's lease
 
+
+class Block:
+    """Bytes encoded in C, handed over without a copy: a read-only buffer (``bytes(block)``,
+    ``memoryview(block)``, ``len(block)``) that frees its memory when collected."""
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int) -> memoryview: ...
 
 class LockTable:
     """Leased locks, shared locks and counting semaphores with fencing tokens and
@@ -235,6 +242,22 @@ class LockTable:
         deadline_ms, shared)`` (ms; ``deadline_ms`` -1: waits without end; a member of an
         acquire_many() request has the request's deadline)."""
     def session_waiters(self, session: int) -> int: ...
+    def snapshot_begin(self, pack: Callable[[Any], bytes]) -> None:
+        """Begin a snapshot of every holder as the msgpack array a WAL snapshot stores,
+        encoded in C a slice at a time (:meth:`snapshot_step`) as the table is now: a lock
+        whose holders change first is encoded just before the change (copy on write);
+        ``pack`` encodes a meta field that is not None, str or bytes.
+        :raises RuntimeError: one is in progress."""
+    def snapshot_step(self, max_locks: int) -> bool:
+        """Encode up to ``max_locks`` more locks; True once all are.
+        :raises RuntimeError: none in progress.  :raises MemoryError: (the snapshot ends)."""
+    def snapshot_end(self) -> tuple[int, Block]:
+        """``(count, data)`` of the complete snapshot (``data``: without a copy); it is over.
+        :raises RuntimeError: none complete."""
+    def snapshot_abort(self) -> None:
+        """End a snapshot in progress without its result."""
+    def pack_holders(self, pack: Callable[[Any], bytes]) -> tuple[int, Block]:
+        """``(count, data)``: a whole snapshot at once (begin, every step, end)."""
     def holders(self) -> list[Holder]:
         """Every current lease of every kind (for snapshots), any order."""
     def held_page(self, prefix: str, after: str | None, limit: int, by_waiters: bool,
@@ -250,6 +273,9 @@ class LockTable:
         """Number of waiters queued on every lock together."""
 
     # -- replication / recovery ------------------------------------------------
+    def install_holders(self, holders: Iterable[Sequence[Any]], now: int) -> int:
+        """:meth:`install_holder` for each 10-field HolderRecord, meta (client_name,
+        correlation_id); returns the longest ttl_ms (0 if none)."""
     def install_holder(
         self, name: str, token: int, owner: bytes, ttl_ms: int, lock_delay_ms: int, meta: Any, now: int,
         shared: bool = False, limit: int = 0,

@@ -766,7 +766,7 @@ async def test_failed_snapshot_is_not_fatal(tmp_path, writer, monkeypatch, caplo
     def boom(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(snapshot_module, "encode_snapshot", boom)
+    monkeypatch.setattr(snapshot_module, "snapshot_parts", boom)
     wal.maybe_snapshot(lambda: (1, 1, []), force=True)
     await wal.wait_snapshot()
     assert "snapshot at LSN 1 failed" in caplog.text

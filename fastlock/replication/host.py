@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:  # pragma: no cover
     from .._core import LockTable
     from ..roles import NodeRole
-    from ..wal import HolderRecord, WriteAheadLog
+    from ..wal import HolderSlices, WriteAheadLog
     from ..wal.keyspace import KeySpace
     from .node_state import NodeState
 
@@ -100,7 +100,7 @@ class ReplicationHost(Protocol):
         """The event loop (timers)."""
         ...
 
-    def snapshot_state(self) -> tuple[int, int, list[HolderRecord], list[Any]]:
+    def snapshot_state(self) -> tuple[int, int, HolderSlices, list[Any]]:
         """``(epoch, counter, holders, keys)`` of the table and the key store now, for a snapshot."""
         ...
 

@@ -48,12 +48,15 @@ a client that died while queued never becomes a ghost holder.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import ssl
 import time
 from collections.abc import Callable
 from typing import Any
+
+import msgpack
 
 from .. import protocol as P
 from .._core import EV_EXPIRED, EV_GRANTED, LockTable, NotHolder
@@ -65,7 +68,8 @@ from ..replication import STATE_FILE, NodeState, ReplicationSource, StandbyFollo
 from ..roles import Action, NodeRole, Role
 from ..tls import ServerTLS, client_context
 from ..units import format_address, monotonic_ms
-from ..wal import DataDirInUse, HolderRecord, WriteAheadLog, secure_directory
+from ..wal import DataDirInUse, HolderSlices, WriteAheadLog, secure_directory
+from ..wal.log import paused_gc
 from . import lockdelays
 from .admission import ConnectionLimits, PrincipalQuotas
 from .config import ServerConfig, check_limits
@@ -79,6 +83,8 @@ from .session import Session
 from .tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
+
+_pack = msgpack.Packer(use_bin_type=True).pack  # what LockTable.snapshot_step does not encode itself
 
 #: exit status after a write-ahead log failure (so a supervisor restarts the server)
 EXIT_WAL_FAILED = 3
@@ -299,16 +305,14 @@ class LockServer:
         """Open the WAL and install every recovered lease with a fresh full TTL
         (this node cannot know how long it was down)."""
         t0 = time.perf_counter()
-        state = self.wal.open(repair=self.config.repair_wal)
         table = self.table
-        table.set_epoch(state.epoch)
-        table.advance_counter(state.counter)
-        now = monotonic_ms()
-        self.max_ttl_ms = self.node_state.max_ttl_ms
-        for h in state.holders:
-            self.max_ttl_ms = max(self.max_ttl_ms, h.ttl_ms)
-            table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
-                                 (h.client_name, h.correlation_id), now, h.shared, h.limit)
+        with paused_gc():  # a million objects that all survive: no collection rescans them as they come
+            state = self.wal.open(repair=self.config.repair_wal)
+            table.set_epoch(state.epoch)
+            table.advance_counter(state.counter)
+            now = monotonic_ms()
+            self.max_ttl_ms = max(self.node_state.max_ttl_ms, table.install_holders(state.holders, now))
+            gc.freeze()  # nor later: the recovered objects are out of the collector's view
         delays = lockdelays.install_recovered(table, state.lock_delays, now)
         table.drain_events()
         self.keys.recovered(state.keys)
@@ -555,13 +559,12 @@ class LockServer:
         if self.expiry.handle is None:
             self._rearm()
 
-    def snapshot_state(self) -> tuple[int, int, list[HolderRecord], list[Any]]:
-        """``(epoch, counter, holders, keys)`` of the table and the key store now (for snapshots)."""
+    def snapshot_state(self) -> tuple[int, int, HolderSlices, list[Any]]:
+        """``(epoch, counter, holders, keys)`` of the table and the key store now (for snapshots);
+        the table encodes its holders in C, a slice per loop turn, as they are now."""
         t = self.table
-        return (t.epoch, t.counter, [HolderRecord(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms,
-                                                  h.meta[0] if h.meta else None, h.meta[1] if h.meta else None, 0,
-                                                  h.shared, h.limit)
-                                     for h in t.holders()], self.keys.space.to_list())
+        keys = self.keys.space.to_list()
+        return t.epoch, t.counter, HolderSlices(t, _pack), keys  # (begun last: nothing can fail after it)
 
     # -- status -----------------------------------------------------------------------------
     def status(self) -> dict:

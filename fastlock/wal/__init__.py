@@ -242,11 +242,14 @@ from .records import (
     apply,
 )
 from .recovery import RecoveredState
+from .snapshot import HolderSlices, PackedHolders
 
 __all__ = [
     "WriteAheadLog",
     "RecoveredState",
     "HolderRecord",
+    "PackedHolders",
+    "HolderSlices",
     "StorageError",
     "WalCorruption",
     "WalFatal",

@@ -55,9 +55,10 @@ def write_all(fd: int, data: Any) -> None:
 
 
 def write_atomically(directory: str, name: str, data: Any) -> str:
-    """Write ``data`` to ``<directory>/<name>`` so that the file is either its old
-    self or whole: a ``.tmp`` file (mode 0600) written and fsynced, renamed over
-    the target, and the directory fsynced.  Returns the path.
+    """Write ``data`` (bytes-like, or a list of them written one after the other) to
+    ``<directory>/<name>`` so that the file is either its old self or whole: a ``.tmp``
+    file (mode 0600) written and fsynced, renamed over the target, and the directory
+    fsynced.  Returns the path.
 
     :raises OSError: the write, an fsync or the rename failed (a ``.tmp`` may remain).
     """
@@ -66,7 +67,8 @@ def write_atomically(directory: str, name: str, data: Any) -> str:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _CLOEXEC, FILE_MODE)
     try:
         os.fchmod(fd, FILE_MODE)  # a leftover .tmp may have had another mode
-        write_all(fd, data)
+        for part in data if isinstance(data, list) else (data,):
+            write_all(fd, part)
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -11,6 +11,7 @@ counter reservation and the failure rules are described in :mod:`fastlock.wal`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import gc
 import logging
@@ -80,6 +81,19 @@ class _Reservation:
         self.reserved = 0
         self.max_counter = 0
         self.epoch = 0
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """No cyclic garbage collection inside (restored after, if it was enabled): for code that
+    makes millions of objects that all survive, which each collection would scan again."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class WriteAheadLog:
@@ -172,16 +186,12 @@ class WriteAheadLog:
             raise RuntimeError("WriteAheadLog.open() called twice")
         # Recovery allocates millions of small containers that all survive: the cyclic
         # GC would rescan them again and again (3x slower for 100k holders).
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return self._open(repair)
-        except BaseException:
-            self._commit.io.release_directory()
-            raise
-        finally:
-            if was_enabled:
-                gc.enable()
+        with paused_gc():
+            try:
+                return self._open(repair)
+            except BaseException:
+                self._commit.io.release_directory()
+                raise
 
     def _open(self, repair: bool) -> RecoveredState:
         d = self.directory
@@ -409,8 +419,9 @@ class WriteAheadLog:
         ``get_state()`` is called synchronously and must return ``(epoch, counter,
         holders)`` or ``(epoch, counter, holders, keys)`` consistent with every record
         logged so far (``holders``: a list of :class:`~fastlock.wal.HolderRecord` or
-        equal 8-tuples, ``keys``: :meth:`~fastlock.wal.keyspace.KeySpace.to_list`; not
-        mutated afterwards).
+        equal 8-tuples, or :class:`~fastlock.wal.PackedHolders`, or
+        :class:`~fastlock.wal.HolderSlices` (encoded a slice per loop turn first); ``keys``:
+        :meth:`~fastlock.wal.keyspace.KeySpace.to_list`; not mutated afterwards).
         Encoding, writing (temp file, fsync, rename, directory fsync) and deleting the
         covered segments happen on a background thread.  Returns True if a snapshot
         was started.  A failed snapshot is logged at ERROR and retried after another

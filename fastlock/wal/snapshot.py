@@ -10,6 +10,11 @@ store) a msgpack array of keys (each the 7 items of
 which load with no keys), and a CRC32 of everything before it.  It is written with
 :func:`~fastlock.wal.files.write_atomically`, so it is either absent or whole.
 
+A server's snapshot is encoded by its lock table, a slice per event-loop turn
+(:class:`HolderSlices`): a lock whose holders change before its slice is encoded
+just before the change, so the file still holds the table at ``lsn`` while
+requests go on; the writer thread then gets the bytes without a copy.
+
 After writing one, the :class:`Snapshotter` keeps the newest
 ``keep_snapshots`` snapshots and deletes the segments wholly covered by the
 oldest snapshot it keeps.
@@ -40,25 +45,82 @@ log = logging.getLogger(__name__)
 SNAP_HEADER = struct.Struct("<8sIQQQQ")  # magic, version, lsn, epoch, counter, body_len
 
 
-def encode_snapshot(lsn: int, epoch: int, counter: int, holders: Sequence[HolderRecord],
+class PackedHolders:
+    """Holders already encoded as a snapshot stores them: ``data`` (bytes or another
+    buffer, e.g. a :class:`fastlock._core.Block`) is the msgpack array of ``count`` holders,
+    as :meth:`fastlock._core.LockTable.pack_holders` gives it (the table encodes itself in
+    C, with no Python object per holder)."""
+
+    __slots__ = ("count", "data")
+
+    def __init__(self, count: int, data: Any):
+        self.count = count
+        self.data = data
+
+    def __len__(self) -> int:
+        return self.count
+
+
+class HolderSlices:
+    """The holders of a lock table as they are when this is made, encoded by the table a
+    slice per event-loop turn (:meth:`fastlock._core.LockTable.snapshot_begin`: a lock whose
+    holders change before its slice is encoded just before the change), so that a big table
+    does not hold the loop.  :meth:`Snapshotter.start` runs the slices.
+
+    :param table: the :class:`~fastlock._core.LockTable`.
+    :param pack: ``msgpack.Packer(use_bin_type=True).pack`` (a meta field that is not None,
+        a str or bytes).
+    :param per_slice: locks encoded per slice (a few ms for 10,000).
+    :raises RuntimeError: a snapshot of the table is in progress already.
+    """
+
+    def __init__(self, table: Any, pack: Any, per_slice: int = 10_000):
+        table.snapshot_begin(pack)
+        self.table = table
+        self.per_slice = per_slice
+
+    def step(self) -> PackedHolders | None:
+        """Encode the next slice: the holders once every slice is done, else None.
+        :raises MemoryError: (the snapshot is over)."""
+        if not self.table.snapshot_step(self.per_slice):
+            return None
+        return PackedHolders(*self.table.snapshot_end())
+
+    def abort(self) -> None:
+        """Stop: the table keeps no copy of anything."""
+        self.table.snapshot_abort()
+
+
+def encode_snapshot(lsn: int, epoch: int, counter: int, holders: Sequence[HolderRecord] | PackedHolders,
                     keys: list | None = None) -> bytes:
-    """The bytes of a snapshot file (``holders``: HolderRecord or equal 8- or 10-tuples;
-    ``keys``: :meth:`KeySpace.to_list`, written only when not empty so that a key-less
-    snapshot stays readable by older builds)."""
+    """The bytes of a snapshot file (``holders``: HolderRecord or equal 8- or 10-tuples,
+    or :class:`PackedHolders`; ``keys``: :meth:`KeySpace.to_list`, written only when not
+    empty so that a key-less snapshot stays readable by older builds)."""
+    return b"".join(snapshot_parts(lsn, epoch, counter, holders, keys))
+
+
+def snapshot_parts(lsn: int, epoch: int, counter: int, holders: Sequence[HolderRecord] | PackedHolders,
+                   keys: list | None = None) -> list:
+    """:func:`encode_snapshot`'s bytes as the buffers they are made of, in order, not copied
+    into one (a million holders are tens of MB: joining them would hold the GIL)."""
     packer = msgpack.Packer()
-    parts = [packer.pack_array_header(len(holders))]
     pack = packer.pack
-    # Small chunks so that a snapshot thread gives the GIL back to the loop often.
-    for i in range(0, len(holders), 1000):
-        # an exclusive lease is stored as its first 8 fields (as every earlier fastlock)
-        parts.append(b"".join([pack(tuple(h) if len(h) != 10 or h[8] or h[9] else tuple(h)[:8])
-                               for h in holders[i:i + 1000]]))
+    if isinstance(holders, PackedHolders):
+        parts = [holders.data]
+    else:
+        parts = [packer.pack_array_header(len(holders))]
+        # Small chunks so that a snapshot thread gives the GIL back to the loop often.
+        for i in range(0, len(holders), 1000):
+            # an exclusive lease is stored as its first 8 fields (as every earlier fastlock)
+            parts.append(b"".join([pack(tuple(h) if len(h) != 10 or h[8] or h[9] else tuple(h)[:8])
+                                   for h in holders[i:i + 1000]]))
     if keys:
         parts.append(pack(keys))
-    body = b"".join(parts)
-    head = SNAP_HEADER.pack(SNAP_MAGIC, FORMAT_VERSION, lsn, epoch, counter, len(body))
-    crc = crc32(body, crc32(head))
-    return head + body + U32.pack(crc)
+    head = SNAP_HEADER.pack(SNAP_MAGIC, FORMAT_VERSION, lsn, epoch, counter, sum(len(memoryview(p)) for p in parts))
+    crc = crc32(head)
+    for part in parts:
+        crc = crc32(part, crc)  # (zlib lets the GIL go for a big buffer)
+    return [head, *parts, U32.pack(crc)]
 
 
 class Snapshot:
@@ -131,6 +193,7 @@ class Snapshotter:
         self.next_due = every  # the LSN from which a snapshot is due (unless running or forced)
         self._future: asyncio.Future | None = None
         self._thread: threading.Thread | None = None
+        self._slices: HolderSlices | None = None  # being encoded on the loop, before the thread
 
     def recovered(self, snapshot_lsn: int, last_lsn: int) -> None:
         """Recovery started from the snapshot at ``snapshot_lsn`` (0: none) and found
@@ -150,12 +213,36 @@ class Snapshotter:
         return force or last_lsn - self._counted_from >= self.every
 
     def start(self, loop: asyncio.AbstractEventLoop, lsn: int, epoch: int, counter: int,
-              holders: Sequence[HolderRecord], keys: list | None = None) -> None:
-        """Write the snapshot at ``lsn`` on a thread; the result is reported on ``loop``."""
+              holders: Sequence[HolderRecord] | PackedHolders | HolderSlices, keys: list | None = None) -> None:
+        """Write the snapshot at ``lsn`` on a thread (:class:`HolderSlices`: once their
+        slices, one per loop turn, are done); the result is reported on ``loop``."""
         self._counted_from = lsn
         self.next_due = lsn + self.every
         self._future = loop.create_future()
+        if isinstance(holders, HolderSlices):
+            self._slices = holders
+            loop.call_soon(self._next_slice, loop, lsn, epoch, counter, holders, keys)
+        else:
+            self._spawn(loop, lsn, epoch, counter, holders, keys)
 
+    def _next_slice(self, loop: asyncio.AbstractEventLoop, lsn: int, epoch: int, counter: int,
+                    slices: HolderSlices, keys: list | None) -> None:
+        if self._slices is not slices:  # stopped meanwhile (join)
+            return
+        try:
+            packed = slices.step()
+        except Exception as exc:  # noqa: BLE001 - a failed snapshot is logged, the log is intact
+            self._slices = None
+            self._done(lsn, exc)
+            return
+        if packed is None:
+            loop.call_soon(self._next_slice, loop, lsn, epoch, counter, slices, keys)
+        else:
+            self._slices = None
+            self._spawn(loop, lsn, epoch, counter, packed, keys)
+
+    def _spawn(self, loop: asyncio.AbstractEventLoop, lsn: int, epoch: int, counter: int,
+               holders: Sequence[HolderRecord] | PackedHolders, keys: list | None) -> None:
         def run() -> None:
             try:
                 res: Any = self._write(lsn, epoch, counter, holders, keys)
@@ -169,10 +256,10 @@ class Snapshotter:
         self._thread = threading.Thread(target=run, name="fastlock-wal-snapshot", daemon=True)
         self._thread.start()
 
-    def _write(self, lsn: int, epoch: int, counter: int, holders: Sequence[HolderRecord],
+    def _write(self, lsn: int, epoch: int, counter: int, holders: Sequence[HolderRecord] | PackedHolders,
                keys: list | None = None) -> str:
         t0 = time.perf_counter()
-        data = encode_snapshot(lsn, epoch, counter, holders, keys)
+        data = snapshot_parts(lsn, epoch, counter, holders, keys)
         d = self.directory
         path = write_atomically(d, snap_name(lsn), data)
         # compaction: keep the newest `keep` snapshots and the segments after the oldest kept
@@ -187,8 +274,9 @@ class Snapshotter:
             os.unlink(p)
         if doomed:
             fsync_dir(d)
+        size = sum(len(memoryview(p)) for p in data)
         log.info("snapshot %s written: %d holders, %d bytes, %d segments deleted, %.1f ms",
-                 path, len(holders), len(data), len(doomed), (time.perf_counter() - t0) * 1000)
+                 path, len(holders), size, len(doomed), (time.perf_counter() - t0) * 1000)
         return path
 
     def _done(self, lsn: int, res: Any) -> None:
@@ -208,7 +296,14 @@ class Snapshotter:
             await asyncio.shield(self._future)
 
     def join(self) -> None:
-        """Wait (blocking) for the snapshot thread, if one runs."""
+        """Wait (blocking) for the snapshot thread, if one runs; a snapshot still being
+        encoded on the loop is dropped (the log it would cover stays)."""
+        if self._slices is not None:
+            self._slices.abort()
+            self._slices = None
+            fut, self._future = self._future, None
+            if fut is not None and not fut.done():
+                fut.set_result(None)
         if self._thread is not None:
             self._thread.join()
             self._thread = None
