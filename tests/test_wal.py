@@ -263,6 +263,55 @@ async def test_auto_writer_syncs_a_lone_waiter_on_the_loop_and_concurrent_ones_o
     assert reopen(tmp_path).counter == c
 
 
+async def test_auto_writer_keeps_a_batch_formed_behind_the_thread_on_the_thread(tmp_path, monkeypatch):
+    """A batch that formed while another was on the writer thread is not synced on the loop,
+    even with one waiter after a batch of one: clients are waiting together, and the loop
+    keeps reading them while the thread syncs."""
+    wal, _ = await started(tmp_path, "auto")
+    synced_on: list[str] = []
+    gates = [threading.Event(), threading.Event()]  # hold the first two thread syncs
+    entered = [threading.Event(), threading.Event()]
+
+    def datasync(fd):
+        n = len(synced_on)
+        synced_on.append(threading.current_thread().name)
+        if n < len(gates):
+            entered[n].set()
+            gates[n].wait(10)
+        return COMPILED_DISK.datasync(fd)
+
+    patch_disk(wal, monkeypatch, datasync=datasync)
+    loop = asyncio.get_running_loop()
+
+    def waiter() -> asyncio.Future:
+        fut = loop.create_future()
+        wal.when_durable(lambda: fut.set_result(None))
+        return fut
+
+    grant(wal, "a1", 1)
+    grant(wal, "a2", 2)
+    a = [waiter(), waiter()]  # batch A: two waiters, on the thread
+    await asyncio.sleep(0)
+    await loop.run_in_executor(None, entered[0].wait, 10)
+    grant(wal, "b", 3)
+    b = waiter()  # batch B: one waiter, behind A
+    await asyncio.sleep(0)
+    gates[0].set()
+    await asyncio.gather(*a)
+    await loop.run_in_executor(None, entered[1].wait, 10)  # B is on the thread now
+    grant(wal, "c", 4)
+    c = waiter()  # batch C: one waiter after a batch of one, but formed behind B
+    await asyncio.sleep(0)
+    gates[1].set()
+    await asyncio.gather(b, c)
+    assert synced_on == ["fastlock-wal"] * 3
+    grant(wal, "d", 5)  # nothing on the thread any more: a lone waiter is synced on the loop
+    await durable(wal)
+    assert synced_on[3:] == [threading.current_thread().name]
+    await wal.close()
+    assert reopen(tmp_path).counter == 5
+
+
 async def test_poll_acknowledges_a_batch_the_thread_finished_before_its_wake_up(tmp_path):
     """WriteAheadLog.poll (called by the server after each read) runs a finished batch's
     callbacks at once; the wake-up the thread wrote for it is then a spurious one."""

@@ -59,8 +59,9 @@ class GroupCommit:
     :param interval_ms: fsync timer period (milliseconds); 0: no timer (``never``).
     :param on_fatal: called on the loop with the exception of a failed write or fsync.
     :param adaptive: sync a batch on the loop itself (not on the writer thread) when it
-        and the batch before it each had at most one waiter: one client waiting alone
-        saves the two wake-ups of the hand-off; concurrent clients keep the thread.
+        and the batch before it each had at most one waiter and it did not form while a
+        batch was on the thread: one client waiting alone saves the two wake-ups of the
+        hand-off; concurrent clients keep the thread (and the loop keeps reading them).
     """
 
     def __init__(self, io: SegmentWriter, always: bool, interval_ms: int, on_fatal: Callable[[BaseException], Any],
@@ -104,7 +105,7 @@ class GroupCommit:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Commit on ``loop`` from now on (starts the writer's thread and the fsync timer)."""
         self.loop = loop
-        self.io.start(loop, self._io_done, self._io_failed)
+        self.io.start(loop, self._thread_done, self._io_failed)
         if self.interval_ms:
             self._timer = loop.call_later(self.interval_ms / 1000.0, self._on_interval)
         if self._pending.buf or self._waiters:
@@ -141,8 +142,9 @@ class GroupCommit:
         if pending.buf or pending.sync_requested:
             self._kick()
 
-    def _kick(self) -> None:
-        """Hand the pending batch to the writer (at most one in flight)."""
+    def _kick(self, concurrent: bool = False) -> None:
+        """Hand the pending batch to the writer (at most one in flight); ``concurrent``:
+        it formed while a batch was on the thread (never synced on the loop then)."""
         if self._inflight is not None or self.fatal is not None or self.stopped:
             return
         pending = self._pending
@@ -177,7 +179,8 @@ class GroupCommit:
         # here, so the relaxed modes acknowledge in the same loop turn.
         io = self.io
         waiters = len(self._waiters) + len(self._sync_waiters)
-        lone = self.adaptive and waiters <= 1 and self._last_waiters <= 1 and not io.rotation_due
+        lone = (self.adaptive and not concurrent and waiters <= 1 and self._last_waiters <= 1
+                and not io.rotation_due)
         self._last_waiters = waiters
         if (sync or io.seg_size >= io.segment_bytes) and not lone and io.submit(batch):
             return
@@ -188,7 +191,11 @@ class GroupCommit:
             return
         self._io_done(batch)
 
-    def _io_done(self, batch: Batch) -> None:
+    def _thread_done(self, batch: Batch) -> None:
+        # the batch was on the thread: clients wait together, so the next batch goes there too
+        self._io_done(batch, concurrent=True)
+
+    def _io_done(self, batch: Batch, concurrent: bool = False) -> None:
         self._inflight = None
         if self.fatal is not None or self.stopped:
             return
@@ -227,7 +234,7 @@ class GroupCommit:
             except Exception as exc:  # noqa: BLE001 - reported; the other listeners still run
                 self._report(exc, "WAL progress listener failed")
         if self._pending.buf or self._pending.sync_requested:
-            self._kick()
+            self._kick(concurrent)
 
     def _report(self, exc: BaseException, message: str) -> None:
         if self.loop is None:  # not started: nobody else would hear of it
