@@ -10,6 +10,7 @@ the key.  Skipped without the etcd binary unless FASTLOCK_REQUIRE_ETCD=1.
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ from conftest import wait_until
 from etcdserver import unique_prefix
 
 from fastlock._testbase.proxy import TcpProxy
-from fastlock.coordination import EtcdArbiter, EtcdGateway, PrimaryRecord, parse_coordinator
+from fastlock.coordination import EtcdArbiter, EtcdGateway, NodeIdInUse, PrimaryRecord, parse_coordinator
 from fastlock.errors import InvalidArgument
 from fastlock.units import monotonic_ms, parse_address
 
@@ -46,6 +47,9 @@ class Events:
 
     def on_primary(self, primary: PrimaryRecord | None) -> None:
         self.log.append((monotonic_ms(), "primary", primary))
+
+    def on_refused(self, why: str) -> None:
+        self.log.append((monotonic_ms(), "refused", why))
 
     def first(self, kind: str) -> int | None:
         return next((t for t, k, _ in self.log if k == kind), None)
@@ -330,3 +334,69 @@ async def test_a_primary_below_an_epoch_another_node_has_seen_steps_down(etcd):
     finally:
         await a.close()
         await b.close()
+
+
+def same_id(etcd, prefix: str, ident: str, address: str, ttl_ms: int = TTL_MS) -> EtcdArbiter:
+    """An arbiter of node "n1" with data directory identity ``ident``, advertising ``address``."""
+    return EtcdArbiter(EtcdGateway([parse_address(etcd.address)], timeout_s=0.3), prefix, "n1", address, Events(),
+                       ttl_ms=ttl_ms, ident=ident)
+
+
+async def test_a_node_id_held_by_another_live_node_is_refused(etcd):
+    """A second process under a live node's id (another data directory) waits twice the
+    TTL for the member key's lease to run out, then refuses, naming the other node's
+    address; the live node keeps its keys."""
+    prefix = unique_prefix()
+    a = same_id(etcd, prefix, "dir-a", "127.0.0.1:7001")
+    b = same_id(etcd, prefix, "dir-b", "127.0.0.1:7002")
+    try:
+        await a.claim()
+        a.start()
+        await wait_until(lambda: a.holding, 5, "a to take the key")
+        started = monotonic_ms()
+        with pytest.raises(NodeIdInUse, match=r"node id 'n1' is in use by another live node at 127\.0\.0\.1:7001"):
+            await b.claim()
+        assert monotonic_ms() - started >= 2 * b.ttl_ms  # it gave the key's lease a chance to run out
+        member = await b.gateway.get(f"{prefix}/members/n1")
+        assert member is not None and member.lease == a.lease and json.loads(member.value)["ident"] == "dir-a"
+        await a.step()
+        assert a.holding and a.may_grant() and not b.holding
+    finally:
+        await b.close()
+        await a.close()
+
+
+async def test_a_restart_after_a_crash_takes_its_own_leftover_key_over(etcd):
+    """The same data directory after a crash (its lease still alive for 10 s): the new
+    process revokes that lease and starts at once, and takes the primary key the old
+    run left."""
+    prefix = unique_prefix()
+    old = same_id(etcd, prefix, "dir-a", "127.0.0.1:7001", ttl_ms=10_000)
+    new = same_id(etcd, prefix, "dir-a", "127.0.0.1:7003", ttl_ms=10_000)
+    try:
+        await old.claim()
+        await old.step()
+        assert old.holding
+        await old.close(revoke=False)  # a crash: the lease lives on
+        await asyncio.wait_for(new.claim(), 5)  # well within the old lease's 10 s
+        member = await new.gateway.get(f"{prefix}/members/n1")
+        assert member is not None and member.lease == new.lease
+        assert await new.gateway.get(f"{prefix}/primary") is None  # went with the old lease
+        await new.step()
+        assert new.holding and new.epoch == old.epoch + 1
+    finally:
+        await new.close()
+
+
+async def test_another_data_directory_takes_a_dead_nodes_id_once_its_lease_runs_out(etcd):
+    prefix = unique_prefix()
+    old = same_id(etcd, prefix, "dir-a", "127.0.0.1:7001")
+    new = same_id(etcd, prefix, "dir-b", "127.0.0.1:7002")
+    try:
+        await old.claim()
+        await old.close(revoke=False)  # died without revoking
+        await asyncio.wait_for(new.claim(), 10)
+        member = await new.gateway.get(f"{prefix}/members/n1")
+        assert member is not None and member.lease == new.lease and json.loads(member.value)["ident"] == "dir-b"
+    finally:
+        await new.close()
