@@ -21,6 +21,7 @@ from etcdserver import unique_prefix
 
 from fastlock._testbase.proxy import TcpProxy
 from fastlock.coordination import EtcdArbiter, EtcdGateway, NodeIdInUse, PrimaryRecord, parse_coordinator
+from fastlock.coordination.gateway import b64
 from fastlock.errors import InvalidArgument
 from fastlock.units import monotonic_ms, parse_address
 
@@ -400,3 +401,26 @@ async def test_another_data_directory_takes_a_dead_nodes_id_once_its_lease_runs_
         assert member is not None and member.lease == new.lease and json.loads(member.value)["ident"] == "dir-b"
     finally:
         await new.close()
+
+
+async def test_a_running_node_whose_id_another_live_node_took_stops(etcd):
+    """The member key of a running node is deleted by hand and another data directory takes
+    the id: the running node sees it held by another live lease for twice the TTL, tells
+    its listener (the server stops with exit status 1) and stops stepping."""
+    prefix = unique_prefix()
+    a = same_id(etcd, prefix, "dir-a", "127.0.0.1:7001")
+    b = same_id(etcd, prefix, "dir-b", "127.0.0.1:7002")
+    try:
+        await a.claim()
+        a.start()
+        await wait_until(lambda: a.holding, 5, "a to take the key")
+        await a.gateway.call("kv/deleterange", {"key": b64(f"{prefix}/members/n1")})
+        await b.claim()
+        b.start()  # renews its lease: a live node
+        await wait_until(lambda: a.listener.first("refused") is not None, 10, "a to be refused")
+        why = next(w for _, k, w in a.listener.log if k == "refused")
+        assert "node id 'n1' is in use by another live node at 127.0.0.1:7002" in why, why
+        await wait_until(lambda: a._task is None or a._task.done(), 5, "a to stop stepping")
+    finally:
+        await b.close()
+        await a.close()
