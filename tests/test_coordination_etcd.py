@@ -343,17 +343,24 @@ def same_id(etcd, prefix: str, ident: str, address: str, ttl_ms: int = TTL_MS) -
                        ttl_ms=ttl_ms, ident=ident)
 
 
+async def live_a_and_b(etcd) -> tuple[str, EtcdArbiter, EtcdArbiter]:
+    """``(prefix, a, b)``: node "n1" from data directories "dir-a" (claimed, running, the
+    primary, at 127.0.0.1:7001) and "dir-b" (not started, at 127.0.0.1:7002)."""
+    prefix = unique_prefix()
+    a = same_id(etcd, prefix, "dir-a", "127.0.0.1:7001")
+    b = same_id(etcd, prefix, "dir-b", "127.0.0.1:7002")
+    await a.claim()
+    a.start()
+    await wait_until(lambda: a.holding, 5, "a to take the key")
+    return prefix, a, b
+
+
 async def test_a_node_id_held_by_another_live_node_is_refused(etcd):
     """A second process under a live node's id (another data directory) waits twice the
     TTL for the member key's lease to run out, then refuses, naming the other node's
     address; the live node keeps its keys."""
-    prefix = unique_prefix()
-    a = same_id(etcd, prefix, "dir-a", "127.0.0.1:7001")
-    b = same_id(etcd, prefix, "dir-b", "127.0.0.1:7002")
+    prefix, a, b = await live_a_and_b(etcd)
     try:
-        await a.claim()
-        a.start()
-        await wait_until(lambda: a.holding, 5, "a to take the key")
         started = monotonic_ms()
         with pytest.raises(NodeIdInUse, match=r"node id 'n1' is in use by another live node at 127\.0\.0\.1:7001"):
             await b.claim()
@@ -407,13 +414,8 @@ async def test_a_running_node_whose_id_another_live_node_took_stops(etcd):
     """The member key of a running node is deleted by hand and another data directory takes
     the id: the running node sees it held by another live lease for twice the TTL, tells
     its listener (the server stops with exit status 1) and stops stepping."""
-    prefix = unique_prefix()
-    a = same_id(etcd, prefix, "dir-a", "127.0.0.1:7001")
-    b = same_id(etcd, prefix, "dir-b", "127.0.0.1:7002")
+    prefix, a, b = await live_a_and_b(etcd)
     try:
-        await a.claim()
-        a.start()
-        await wait_until(lambda: a.holding, 5, "a to take the key")
         await a.gateway.call("kv/deleterange", {"key": b64(f"{prefix}/members/n1")})
         await b.claim()
         b.start()  # renews its lease: a live node

@@ -52,6 +52,18 @@ def test_top_once_shows_the_most_contended_locks_first(server):
     assert "hold (ended, seen by top) p50/p90/p99: -" in out, out
 
 
+async def run_cli(server, *args: str, columns: int = 200) -> tuple[int, str, str]:
+    """``python -m fastlock ARGS --server ADDRESS`` in a ``columns``-wide terminal:
+    ``(exit status, stdout, stderr)``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOCK_")}
+    env["COLUMNS"] = str(columns)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fastlock", *args, "--server", server.address, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT)
+    return proc.returncode, out.decode(), err.decode()
+
+
 def test_peer_chosen_names_are_shown_escaped_and_never_read_as_markup(server):
     """A lock or client name may hold rich markup, ANSI escapes or a newline: ``top`` and
     ``locks`` show it escaped (one row, no terminal control) instead of crashing on
@@ -63,19 +75,10 @@ def test_peer_chosen_names_are_shown_escaped_and_never_read_as_markup(server):
         await client.acquire(evil, ttl=60.0)
         return client
 
-    async def run(*args):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOCK_")}
-        env["COLUMNS"] = "200"
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fastlock", *args, "--server", server.address, env=env,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT)
-        return proc.returncode, out.decode(), err.decode()
-
     async def main():
         client = await hold()
         try:
-            return [await run("top", "--once"), await run("locks")]
+            return [await run_cli(server, "top", "--once"), await run_cli(server, "locks")]
         finally:
             await client.close()
 
@@ -101,14 +104,9 @@ def test_a_name_with_spaces_is_one_quoted_cell_in_every_table_and_raw_in_json(se
     spaced = "nightly report for team alpha and team beta"
 
     async def run(*args):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOCK_")}
-        env["COLUMNS"] = "60"
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fastlock", *args, "--server", server.address, env=env,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT)
-        assert proc.returncode == 0, err.decode()
-        return out.decode()
+        code, out, err = await run_cli(server, *args, columns=60)
+        assert code == 0, err
+        return out
 
     async def main():
         async with await fastlock.connect(server.address, client_name="night shift") as client:

@@ -736,15 +736,20 @@ async def test_failed_snapshot_is_not_fatal(tmp_path, writer, monkeypatch, caplo
 
 
 # -- fatal I/O errors ---------------------------------------------------------------------------
-@pytest.mark.parametrize("fn", ["datasync", "pwrite_all"])
-async def test_failed_io_is_fatal_and_never_acknowledges(tmp_path, writer, monkeypatch, fn):
-    loop = asyncio.get_running_loop()
-    fatal = loop.create_future()
+async def one_durable_grant(tmp_path, writer) -> tuple[WriteAheadLog, asyncio.Future]:
+    """A started log holding one durable grant, and the future its ``on_fatal`` sets."""
+    fatal = asyncio.get_running_loop().create_future()
     wal = make(tmp_path, writer, on_fatal=lambda exc: fatal.set_result(exc))
     wal.open()
-    wal.start(loop)
+    wal.start(asyncio.get_running_loop())
     grant(wal, "a", 1)
     await durable(wal)
+    return wal, fatal
+
+
+@pytest.mark.parametrize("fn", ["datasync", "pwrite_all"])
+async def test_failed_io_is_fatal_and_never_acknowledges(tmp_path, writer, monkeypatch, fn):
+    wal, fatal = await one_durable_grant(tmp_path, writer)
     acked = []
 
     def broken(*a):
@@ -774,13 +779,7 @@ async def test_a_full_disk_names_the_operation_and_the_segment_file(tmp_path, wr
     """The compiled write on the loop and on the writer thread: the segment's descriptor
     turned into ``/dev/full`` (every write ENOSPC) -- the fatal error and the CRITICAL
     line name ``pwrite``, the segment file and the errno's text."""
-    loop = asyncio.get_running_loop()
-    fatal = loop.create_future()
-    wal = make(tmp_path, writer, on_fatal=lambda exc: fatal.set_result(exc))
-    wal.open()
-    wal.start(loop)
-    grant(wal, "a", 1)
-    await durable(wal)
+    wal, fatal = await one_durable_grant(tmp_path, writer)
     io = wal._commit.io
     full = os.open("/dev/full", os.O_WRONLY)
     try:
