@@ -408,6 +408,27 @@ async def test_a_second_node_under_a_live_nodes_id_refuses_to_start(group):
     assert await grant(a.address, "after-the-duplicate") > 0
 
 
+async def test_a_primary_whose_id_another_live_node_took_steps_down_and_exits(group, etcd):
+    """The primary's member key is deleted by hand and a node from another data directory
+    starts under its id (and takes the key): the primary sees its id held by another live
+    node, steps down and exits with status 1."""
+    from fastlock.coordination import EtcdGateway
+    from fastlock.coordination.gateway import b64
+
+    a = group.start("a")
+    await group.primary(["a"])
+    gw = EtcdGateway([("127.0.0.1", etcd.port)])
+    try:
+        await gw.call("kv/deleterange", {"key": b64(f"{group.prefix}/members/a")})
+    finally:
+        await gw.close()
+    group.start("a-again", node_id="a")
+    assert await asyncio.to_thread(a.proc.wait, 10 * TTL_S + 10) == 1
+    line = a.wait_for_log("in use by another live node")
+    assert f"node id 'a' is in use by another live node at {group.nodes['a-again'].address}" in line, line
+    assert not any("Traceback" in ln for ln in a.lines)
+
+
 async def test_a_node_restarted_after_sigkill_starts_at_once_under_its_id(group):
     """SIGKILL leaves the member key (and the primary key) under a live lease: the same
     data directory takes them over at start and is primary again."""

@@ -17,9 +17,9 @@ Keys under the coordinator's ``PREFIX`` (one prefix per fastlock group):
     ``{"node", "address", "position", "epoch", "lease", "ident"}`` of each live
     node (its WAL position: the applied LSN of a standby, the last LSN of the
     primary; ``ident``: its data directory's permanent identity, the
-    ``node-id`` file), attached to the node's lease, rewritten when it changed
-    (checked at every renewal).  A node writes it only if the key is absent or
-    already under its own lease (a transaction), so one node id is one live
+    ``node-id`` file), attached to the node's lease; at every renewal one transaction
+    checks it is still under that lease, rewriting it if it changed, or creates it if
+    it is absent: never over another lease, so one node id is one live
     process: a node that finds the key under another lease with its own
     ``ident`` (its data directory's previous run, which died with its lease
     still alive) revokes that lease and takes the key; under another ``ident``
@@ -394,9 +394,9 @@ class EtcdArbiter:
             self._free_since = None
 
     async def _advertise(self) -> bool:
-        """Write this node's member key when its value changed (every write is an etcd
-        revision), only if the key is absent or under this node's lease; take it over from
-        this data directory's previous run.  True: the key is this node's.
+        """Check that this node's member key is under its lease, writing it when its value
+        changed (every write is an etcd revision), or create it if it is absent; take it
+        over from this data directory's previous run.  True: the key is this node's.
 
         Raises:
             NodeIdInUse: another live node has held it for twice the TTL.
@@ -405,14 +405,13 @@ class EtcdArbiter:
         mine = self._member
         member = json.dumps({"node": self.node, "address": self.address, "position": self.listener.position(),
                              "epoch": self.epoch, "lease": self.lease, "ident": mine.ident}).encode()
-        if member == mine.written:
-            return True
         key = b64(self.members_prefix + self.node)
         put = [{"request_put": {"key": key, "value": b64(member), "lease": str(self.lease)}}]
         read = [{"request_range": {"key": key}}]
         other = None
-        for compare in ({"target": "LEASE", "lease": str(self.lease)}, {"target": "CREATE", "create_revision": "0"}):
-            answer = await self.gateway.txn([{**compare, "key": key, "result": "EQUAL"}], put, read)
+        for compare, then in (({"target": "LEASE", "lease": str(self.lease)}, [] if member == mine.written else put),
+                              ({"target": "CREATE", "create_revision": "0"}, put)):
+            answer = await self.gateway.txn([{**compare, "key": key, "result": "EQUAL"}], then, read)
             if answer.get("succeeded"):
                 mine.written = member
                 mine.taken_since = None
