@@ -1,16 +1,19 @@
 """Log hygiene: peer-chosen text is escaped, repeated warnings are rate limited.
 
 A leaf module (imports nothing from fastlock), used wherever a lock name, a
-client name, a standby name or a peer address reaches a log line.
+client name, a standby name or a peer address reaches a log line, an audit line
+or a human table.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import time
 from typing import Any
 
-__all__ = ["display", "quote", "RateLimitedLog"]
+__all__ = ["display", "quote", "text_value", "RateLimitedLog"]
 
 
 def quote(value: Any) -> str:
@@ -32,6 +35,26 @@ def display(value: Any) -> str:
     if text.isprintable() and "\\" not in text:
         return text
     return "".join(c if c.isprintable() and c != "\\" else repr(c)[1:-1] for c in text)
+
+
+#: a value printed bare: printable ASCII without a space, a double quote or a backslash
+_BARE = re.compile(r'[!#-\[\]-~]+')
+
+
+def text_value(value: Any) -> str:
+    """A value (a peer-chosen name, a client name, a correlation id, a reason) as one token
+    of an audit line or one cell of a human table: bare when it is printable ASCII without
+    a space, ``"`` or ``\\`` (and is not ``-``); otherwise a JSON string (ASCII only: every
+    control character, line separator and non-ASCII character escaped), so a value can
+    neither split a line or a row, nor forge a field or a column, nor drive the terminal;
+    None is ``-``, an int its digits.  A reader takes a token that starts with ``"`` as
+    JSON, any other literally."""
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return str(value)
+    text = str(value)
+    return text if text != "-" and _BARE.fullmatch(text) else json.dumps(text)
 
 
 class RateLimitedLog:

@@ -215,6 +215,33 @@ def test_with_o_json_a_runtime_error_is_one_json_object_on_stderr(tmp_path, refu
     assert error["error"] in ("ConnectionRefusedError", "ConnectionLost") and refused in error["message"], error
 
 
+@pytest.mark.parametrize("argv,command,message", [
+    (["locks", "-o", "json", "--bogus"], "locks", "unrecognized arguments: --bogus"),
+    (["top", "--output=json", "--rows"], "top", "argument --rows: expected one argument"),
+    (["lock", "-ojson"], "lock", "the following arguments are required: NAME"),
+    (["promote", "--output", "json", "--timeout", "soon"], "promote", "argument --timeout: "),
+    (["wal", "dump", "-o", "json"], "wal dump", "the following arguments are required: DIR"),
+])
+def test_with_o_json_a_usage_error_is_one_json_object_on_stderr(capsys, argv, command, message):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    (line,) = err.splitlines()
+    error = json.loads(line)
+    assert set(error) == {"command", "error", "message"}, error
+    assert (error["command"], error["error"]) == (command, "usage") and error["message"].startswith(message), error
+
+
+@pytest.mark.parametrize("argv", [["locks", "--bogus"], ["locks", "-o", "xml"], ["run", "-o", "json", "--bogus"]])
+def test_without_o_json_a_usage_error_stays_argparse_text(capsys, argv):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.startswith("usage: fastlock")
+
+
 def test_wal_dump_errors_are_json_with_o_json(tmp_path):
     out = fastlock("wal", "dump", "-o", "json", str(tmp_path / "missing"), cwd=tmp_path)
     assert out.returncode == 1 and out.stdout == ""

@@ -10,6 +10,7 @@ the key.  Skipped without the etcd binary unless FASTLOCK_REQUIRE_ETCD=1.
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -19,7 +20,8 @@ from conftest import wait_until
 from etcdserver import unique_prefix
 
 from fastlock._testbase.proxy import TcpProxy
-from fastlock.coordination import EtcdArbiter, EtcdGateway, PrimaryRecord, parse_coordinator
+from fastlock.coordination import EtcdArbiter, EtcdGateway, NodeIdInUse, PrimaryRecord, parse_coordinator
+from fastlock.coordination.gateway import b64
 from fastlock.errors import InvalidArgument
 from fastlock.units import monotonic_ms, parse_address
 
@@ -46,6 +48,9 @@ class Events:
 
     def on_primary(self, primary: PrimaryRecord | None) -> None:
         self.log.append((monotonic_ms(), "primary", primary))
+
+    def on_refused(self, why: str) -> None:
+        self.log.append((monotonic_ms(), "refused", why))
 
     def first(self, kind: str) -> int | None:
         return next((t for t, k, _ in self.log if k == kind), None)
@@ -330,3 +335,94 @@ async def test_a_primary_below_an_epoch_another_node_has_seen_steps_down(etcd):
     finally:
         await a.close()
         await b.close()
+
+
+def same_id(etcd, prefix: str, ident: str, address: str, ttl_ms: int = TTL_MS) -> EtcdArbiter:
+    """An arbiter of node "n1" with data directory identity ``ident``, advertising ``address``."""
+    return EtcdArbiter(EtcdGateway([parse_address(etcd.address)], timeout_s=0.3), prefix, "n1", address, Events(),
+                       ttl_ms=ttl_ms, ident=ident)
+
+
+async def live_a_and_b(etcd) -> tuple[str, EtcdArbiter, EtcdArbiter]:
+    """``(prefix, a, b)``: node "n1" from data directories "dir-a" (claimed, running, the
+    primary, at 127.0.0.1:7001) and "dir-b" (not started, at 127.0.0.1:7002)."""
+    prefix = unique_prefix()
+    a = same_id(etcd, prefix, "dir-a", "127.0.0.1:7001")
+    b = same_id(etcd, prefix, "dir-b", "127.0.0.1:7002")
+    await a.claim()
+    a.start()
+    await wait_until(lambda: a.holding, 5, "a to take the key")
+    return prefix, a, b
+
+
+async def test_a_node_id_held_by_another_live_node_is_refused(etcd):
+    """A second process under a live node's id (another data directory) waits twice the
+    TTL for the member key's lease to run out, then refuses, naming the other node's
+    address; the live node keeps its keys."""
+    prefix, a, b = await live_a_and_b(etcd)
+    try:
+        started = monotonic_ms()
+        with pytest.raises(NodeIdInUse, match=r"node id 'n1' is in use by another live node at 127\.0\.0\.1:7001"):
+            await b.claim()
+        assert monotonic_ms() - started >= 2 * b.ttl_ms  # it gave the key's lease a chance to run out
+        member = await b.gateway.get(f"{prefix}/members/n1")
+        assert member is not None and member.lease == a.lease and json.loads(member.value)["ident"] == "dir-a"
+        await a.step()
+        assert a.holding and a.may_grant() and not b.holding
+    finally:
+        await b.close()
+        await a.close()
+
+
+async def test_a_restart_after_a_crash_takes_its_own_leftover_key_over(etcd):
+    """The same data directory after a crash (its lease still alive for 10 s): the new
+    process revokes that lease and starts at once, and takes the primary key the old
+    run left."""
+    prefix = unique_prefix()
+    old = same_id(etcd, prefix, "dir-a", "127.0.0.1:7001", ttl_ms=10_000)
+    new = same_id(etcd, prefix, "dir-a", "127.0.0.1:7003", ttl_ms=10_000)
+    try:
+        await old.claim()
+        await old.step()
+        assert old.holding
+        await old.close(revoke=False)  # a crash: the lease lives on
+        await asyncio.wait_for(new.claim(), 5)  # well within the old lease's 10 s
+        member = await new.gateway.get(f"{prefix}/members/n1")
+        assert member is not None and member.lease == new.lease
+        assert await new.gateway.get(f"{prefix}/primary") is None  # went with the old lease
+        await new.step()
+        assert new.holding and new.epoch == old.epoch + 1
+    finally:
+        await new.close()
+
+
+async def test_another_data_directory_takes_a_dead_nodes_id_once_its_lease_runs_out(etcd):
+    prefix = unique_prefix()
+    old = same_id(etcd, prefix, "dir-a", "127.0.0.1:7001")
+    new = same_id(etcd, prefix, "dir-b", "127.0.0.1:7002")
+    try:
+        await old.claim()
+        await old.close(revoke=False)  # died without revoking
+        await asyncio.wait_for(new.claim(), 10)
+        member = await new.gateway.get(f"{prefix}/members/n1")
+        assert member is not None and member.lease == new.lease and json.loads(member.value)["ident"] == "dir-b"
+    finally:
+        await new.close()
+
+
+async def test_a_running_node_whose_id_another_live_node_took_stops(etcd):
+    """The member key of a running node is deleted by hand and another data directory takes
+    the id: the running node sees it held by another live lease for twice the TTL, tells
+    its listener (the server stops with exit status 1) and stops stepping."""
+    prefix, a, b = await live_a_and_b(etcd)
+    try:
+        await a.gateway.call("kv/deleterange", {"key": b64(f"{prefix}/members/n1")})
+        await b.claim()
+        b.start()  # renews its lease: a live node
+        await wait_until(lambda: a.listener.first("refused") is not None, 10, "a to be refused")
+        why = next(w for _, k, w in a.listener.log if k == "refused")
+        assert "node id 'n1' is in use by another live node at 127.0.0.1:7002" in why, why
+        await wait_until(lambda: a._task is None or a._task.done(), 5, "a to stop stepping")
+    finally:
+        await b.close()
+        await a.close()

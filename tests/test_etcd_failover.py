@@ -43,12 +43,12 @@ class Group:
         self.nodes: dict[str, ServerProcess] = {}
 
     def start(self, name: str, etcd_address: str | None = None, *, port: int = 0,
-              advertise: str | None = None) -> ServerProcess:
+              advertise: str | None = None, node_id: str | None = None) -> ServerProcess:
         url = f"etcd://{etcd_address or self.etcd.address}{self.prefix}"
         extra = ["--advertise", advertise] if advertise else []
         srv = self.cluster._start(ServerProcess(
             self.cluster.root / name, port=port,
-            args=["--name", name, *self.cluster.auth_args(name), "--coordinator", url, "--node-id", name,
+            args=["--name", name, *self.cluster.auth_args(name), "--coordinator", url, "--node-id", node_id or name,
                   "--coordinator-ttl", str(TTL_S), *extra]))
         self.nodes[name] = srv
         return srv
@@ -392,3 +392,50 @@ async def test_tokens_stay_above_history_when_etcd_loses_its_data(group, etcd):
     name, st2 = await group.primary(timeout=10)
     assert st2["epoch"] > before >> 40
     assert await grant(group.nodes[name].address, "loss/k2", timeout=10) > before
+
+
+async def test_a_second_node_under_a_live_nodes_id_refuses_to_start(group):
+    """Another data directory started with a live node's --node-id: exit status 1 with one
+    line naming the id and the live node's address; the live node stays the primary."""
+    a = group.start("a")
+    await group.primary(["a"])
+    dup = group.start("a-again", node_id="a")
+    assert await asyncio.to_thread(dup.proc.wait, 10 * TTL_S + 10) == 1
+    line = dup.wait_for_log("cannot start")
+    assert f"node id 'a' is in use by another live node at {a.address}" in line, line
+    assert not any("Traceback" in ln for ln in dup.lines)
+    assert (await group.primary(["a"]))[0] == "a"
+    assert await grant(a.address, "after-the-duplicate") > 0
+
+
+async def test_a_primary_whose_id_another_live_node_took_steps_down_and_exits(group, etcd):
+    """The primary's member key is deleted by hand and a node from another data directory
+    starts under its id (and takes the key): the primary sees its id held by another live
+    node, steps down and exits with status 1."""
+    from fastlock.coordination import EtcdGateway
+    from fastlock.coordination.gateway import b64
+
+    a = group.start("a")
+    await group.primary(["a"])
+    gw = EtcdGateway([("127.0.0.1", etcd.port)])
+    try:
+        await gw.call("kv/deleterange", {"key": b64(f"{group.prefix}/members/a")})
+    finally:
+        await gw.close()
+    group.start("a-again", node_id="a")
+    assert await asyncio.to_thread(a.proc.wait, 10 * TTL_S + 10) == 1
+    line = a.wait_for_log("in use by another live node")
+    assert f"node id 'a' is in use by another live node at {group.nodes['a-again'].address}" in line, line
+    assert not any("Traceback" in ln for ln in a.lines)
+
+
+async def test_a_node_restarted_after_sigkill_starts_at_once_under_its_id(group):
+    """SIGKILL leaves the member key (and the primary key) under a live lease: the same
+    data directory takes them over at start and is primary again."""
+    a = group.start("a")
+    await group.primary(["a"])
+    a.kill()
+    again = group.cluster._start(ServerProcess(a.data_dir, port=0, args=a.args))
+    again.wait_for_log("taking over the member key")
+    group.nodes["a"] = again
+    await group.primary(["a"])

@@ -8,6 +8,7 @@ server keeps serving everyone else with its memory bounded.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import socket
@@ -21,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastlock import protocol as P
-from fastlock._testbase import CredentialsDir
+from fastlock._testbase import CredentialsDir, ServerProcess
 from fastlock.errors import LimitExceeded, ProtocolError, Unavailable
 
 # ---------------------------------------------------------------------------------------------
@@ -763,6 +764,39 @@ def test_disk_full_gives_waiting_clients_an_error_and_a_non_zero_exit(server_fac
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
     _check_grants_after_restart(server_factory("copy"), granted)
+
+
+@pytest.mark.parametrize("lock_file", [True, False])
+def test_a_start_on_a_full_disk_names_the_file_and_the_operation(tmp_path, lock_file):
+    """A data directory on a full file system: the start fails (exit 1) with one line
+    naming the file that could not be written (the new WAL segment, or ``LOCK`` when even
+    the pid does not fit), the operation and the errno's text -- no traceback."""
+    mnt = tmp_path / "small"
+    if not _mount_tmpfs(mnt, "64k"):
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        data = mnt / "data"
+        data.mkdir(mode=0o700)
+        if lock_file:  # a previous run's pid: rewriting it reuses its page
+            (data / "LOCK").write_text("1\n")
+            (data / "LOCK").chmod(0o600)
+        with open(mnt / "filler", "wb", buffering=0) as f, pytest.raises(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+        srv = ServerProcess(data)
+        try:
+            with pytest.raises(RuntimeError, match="exited"):
+                srv.start(timeout=20)
+            assert srv.proc.returncode == 1
+        finally:
+            srv.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    line = next(line for line in srv.lines if "cannot start" in line)
+    told = (f"WAL pwrite failed on {data / 'wal-00000000000000000001.log'}" if lock_file
+            else f"WAL write of the pid failed on {data / 'LOCK'}")
+    assert f"[Errno 28] {told}: {os.strerror(errno.ENOSPC)}" in line, line
+    assert not any("Traceback" in line for line in srv.lines)
 
 
 @pytest.mark.parametrize("writer", ["inline", "thread"])

@@ -52,6 +52,18 @@ def test_top_once_shows_the_most_contended_locks_first(server):
     assert "hold (ended, seen by top) p50/p90/p99: -" in out, out
 
 
+async def run_cli(server, *args: str, columns: int = 200) -> tuple[int, str, str]:
+    """``python -m fastlock ARGS --server ADDRESS`` in a ``columns``-wide terminal:
+    ``(exit status, stdout, stderr)``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOCK_")}
+    env["COLUMNS"] = str(columns)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fastlock", *args, "--server", server.address, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT)
+    return proc.returncode, out.decode(), err.decode()
+
+
 def test_peer_chosen_names_are_shown_escaped_and_never_read_as_markup(server):
     """A lock or client name may hold rich markup, ANSI escapes or a newline: ``top`` and
     ``locks`` show it escaped (one row, no terminal control) instead of crashing on
@@ -63,35 +75,57 @@ def test_peer_chosen_names_are_shown_escaped_and_never_read_as_markup(server):
         await client.acquire(evil, ttl=60.0)
         return client
 
-    async def run(*args):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOCK_")}
-        env["COLUMNS"] = "200"
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fastlock", *args, "--server", server.address, env=env,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT)
-        return proc.returncode, out.decode(), err.decode()
-
     async def main():
         client = await hold()
         try:
-            return [await run("top", "--once"), await run("locks")]
+            return [await run_cli(server, "top", "--once"), await run_cli(server, "locks")]
         finally:
             await client.close()
 
     for code, out, err in asyncio.run(main()):
         assert code == 0, err
         assert "\x1b" not in out and "\x07" not in out
-        assert "x[/bold]y\\x1b[2J\\nrow" in out
+        assert json.dumps(evil) in out
         assert not any(line.lstrip(" │|").startswith("row") for line in out.splitlines())
 
 
-def test_a_holder_name_is_escaped_once_in_the_locks_table():
+def test_a_holder_name_is_quoted_once_in_the_locks_table():
     from fastlock.cli.locks import _holder, table
 
     who = types.SimpleNamespace(principal="app", client="job\\1\x1b[31m")
     row = table(("HOLDER",), [(_holder(who),)])
-    assert row.splitlines()[1] == "app:job\\\\1\\x1b[31m"
+    assert row.splitlines()[1] == '"app:job\\\\1\\u001b[31m"'
+
+
+def test_a_name_with_spaces_is_one_quoted_cell_in_every_table_and_raw_in_json(server):
+    """A lock name with spaces (or any character beyond printable ASCII) is shown as a JSON
+    string in ``top``, ``locks`` and ``lock``, as ``wal dump`` shows it: one row, never
+    wrapped at its spaces into what looks like more rows; ``-o json`` keeps it raw."""
+    spaced = "nightly report for team alpha and team beta"
+
+    async def run(*args):
+        code, out, err = await run_cli(server, *args, columns=60)
+        assert code == 0, err
+        return out
+
+    async def main():
+        async with await fastlock.connect(server.address, client_name="night shift") as client:
+            await client.acquire(spaced, ttl=60.0)
+            await client.acquire("café", ttl=60.0)
+            return (await run("top", "--once"), await run("locks"), await run("lock", spaced),
+                    await run("lock", "café"), await run("locks", "-o", "json"))
+
+    top, locks, lock, cafe, listing = asyncio.run(main())
+    rows = [line.strip(" │|") for line in top.splitlines()]
+    assert sum(r.startswith('"nightly') for r in rows) == 1, top
+    assert not any(r.startswith(("team", "for", "alpha", "beta", "shift")) for r in rows), top
+    assert sum(r.startswith('"caf\\u00e9"') for r in rows) == 1, top
+    assert f'{json.dumps(spaced)}  ' in locks and '"caf\\u00e9"  ' in locks, locks
+    assert '"anonymous:night shift"' in locks, locks
+    assert lock.splitlines()[1].startswith('"anonymous:night shift"'), lock
+    assert cafe.splitlines()[1].startswith('"anonymous:night shift"'), cafe
+    assert sorted(h["name"] for h in json.loads(listing)["locks"]) == ["café", spaced]
+    assert {h["client"] for h in json.loads(listing)["locks"]} == {"night shift"}
 
 
 def _top_env() -> dict:

@@ -826,15 +826,20 @@ async def test_failed_snapshot_is_not_fatal(tmp_path, writer, monkeypatch, caplo
 
 
 # -- fatal I/O errors ---------------------------------------------------------------------------
-@pytest.mark.parametrize("fn", ["datasync", "pwrite_all"])
-async def test_failed_io_is_fatal_and_never_acknowledges(tmp_path, writer, monkeypatch, fn):
-    loop = asyncio.get_running_loop()
-    fatal = loop.create_future()
+async def one_durable_grant(tmp_path, writer) -> tuple[WriteAheadLog, asyncio.Future]:
+    """A started log holding one durable grant, and the future its ``on_fatal`` sets."""
+    fatal = asyncio.get_running_loop().create_future()
     wal = make(tmp_path, writer, on_fatal=lambda exc: fatal.set_result(exc))
     wal.open()
-    wal.start(loop)
+    wal.start(asyncio.get_running_loop())
     grant(wal, "a", 1)
     await durable(wal)
+    return wal, fatal
+
+
+@pytest.mark.parametrize("fn", ["datasync", "pwrite_all"])
+async def test_failed_io_is_fatal_and_never_acknowledges(tmp_path, writer, monkeypatch, fn):
+    wal, fatal = await one_durable_grant(tmp_path, writer)
     acked = []
 
     def broken(*a):
@@ -845,6 +850,8 @@ async def test_failed_io_is_fatal_and_never_acknowledges(tmp_path, writer, monke
     wal.when_durable(lambda: acked.append(2))
     exc = await fatal
     assert isinstance(exc, OSError) and exc.errno == errno.EIO
+    op = {"datasync": "fdatasync", "pwrite_all": "pwrite"}[fn]
+    assert f"WAL {op} failed on {wal._commit.io.seg_path}: Input/output error" in str(exc), exc
     monkeypatch.undo()  # even if the disk "recovers", nothing more is acknowledged
     await asyncio.sleep(0)
     assert acked == []
@@ -855,6 +862,27 @@ async def test_failed_io_is_fatal_and_never_acknowledges(tmp_path, writer, monke
     with pytest.raises(WalFatal):
         await wal.close()
     assert acked == []
+
+
+@pytest.mark.parametrize("writer", ["thread", "inline"])
+async def test_a_full_disk_names_the_operation_and_the_segment_file(tmp_path, writer, caplog):
+    """The compiled write on the loop and on the writer thread: the segment's descriptor
+    turned into ``/dev/full`` (every write ENOSPC) -- the fatal error and the CRITICAL
+    line name ``pwrite``, the segment file and the errno's text."""
+    wal, fatal = await one_durable_grant(tmp_path, writer)
+    io = wal._commit.io
+    full = os.open("/dev/full", os.O_WRONLY)
+    try:
+        os.dup2(full, io._fd)
+    finally:
+        os.close(full)
+    grant(wal, "a", 2)
+    exc = await asyncio.wait_for(fatal, 10)
+    assert isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+    told = f"WAL pwrite failed on {io.seg_path}: {os.strerror(errno.ENOSPC)}"
+    assert told in str(exc), exc
+    assert any(r.levelno == logging.CRITICAL and told in r.getMessage() for r in caplog.records), caplog.text
+    wal.abort()
 
 
 async def test_default_on_fatal_logs_critical(tmp_path, monkeypatch, caplog):

@@ -42,7 +42,7 @@ from .._version import __version__
 from ..errors import FastlockError
 from ..wal import WalCorruption
 from . import admin, config, demo, elect, locks, run, serve, top
-from .args import add_client_tls_arguments, client_tls_options, print_error, seconds_arg
+from .args import COMMAND_NAMES, add_client_tls_arguments, client_tls_options, print_error, seconds_arg
 
 __all__ = ["add_client_tls_arguments", "build_parser", "client_tls_options", "main", "seconds_arg"]
 
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The ``fastlock`` parser and its ``serve`` subparser."""
-    parser = argparse.ArgumentParser(prog="fastlock", description="fastlock lock server and tools", allow_abbrev=False)
+    parser = config.RecordingParser(prog="fastlock", description="fastlock lock server and tools")
     parser.add_argument("--version", action="version", version=f"fastlock {__version__}")
     # every subcommand's parser keeps its options, for serve's config layers (fastlock.cli.config)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=config.RecordingParser)
@@ -70,7 +70,8 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 def main(argv: list[str] | None = None) -> int:
     """Run the ``fastlock`` command; returns the exit status.
 
-    Usage errors (bad arguments) exit 2 with argparse's message; runtime
+    Usage errors (bad arguments) exit 2 with argparse's message (with ``-o json``
+    on the command line, a JSON object: :class:`~fastlock.cli.config.RecordingParser`); runtime
     errors (unreachable server, refused request, missing or damaged WAL)
     print one line, ``fastlock <command>: <reason>``, to stderr and exit 1 -
     with ``-o json``, that line is a JSON object, ``{"command", "error",
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.handler(args))  # each reports its own errors and exit status
     if args.command in ("status", "promote", "serve-alone"):
         admin.resolve_server(args)
-    command = {"wal": "wal dump", "credentials": "credentials init"}.get(args.command, args.command)
+    command = COMMAND_NAMES.get(args.command, args.command)
     try:
         return int(args.handler(args))
     except KeyboardInterrupt:

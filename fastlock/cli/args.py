@@ -22,10 +22,10 @@ from ..protocol import MIN_MAX_FRAME_BYTES, check_ttl_ms, check_wait_ms, seconds
 from ..units import DEFAULT_PORT, MAX_SECONDS, check_seconds, parse_address
 
 __all__ = [
-    "SERVER_VARIABLE", "add_client_tls_arguments", "add_token_arguments", "client_tls_options",
-    "count_arg", "exit_code_arg", "frame_bytes_arg", "listen_address", "positive_int", "positive_seconds_arg",
-    "print_error", "read_secret", "read_token", "seconds_arg", "server_address", "servers_from_env", "ttl_arg",
-    "wait_arg",
+    "SERVER_VARIABLE", "add_client_tls_arguments", "add_token_arguments", "client_tls_options", "count_arg",
+    "exit_code_arg", "frame_bytes_arg", "listen_address", "positive_int", "positive_seconds_arg", "COMMAND_NAMES",
+    "asks_json", "print_error", "read_secret", "read_token", "seconds_arg", "server_address", "servers_from_env",
+    "ttl_arg", "wait_arg",
 ]
 
 #: the environment variable naming the server(s) a client command talks to
@@ -201,6 +201,21 @@ def read_token(args: argparse.Namespace) -> str | None:
     if path:
         return read_token_file(path)
     return read_secret(getattr(args, "auth_secret_file", None))
+
+
+#: a command's name in its errors, where its first word is not all of it
+COMMAND_NAMES = {"wal": "wal dump", "credentials": "credentials init"}
+
+
+def asks_json(argv: list[str]) -> bool:
+    """Does the command line ``argv`` ask for JSON output (``-o json``, ``-ojson``,
+    ``--output json`` or ``--output=json``, before any ``--``)?"""
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return False
+        if arg in ("-ojson", "--output=json") or arg in ("-o", "--output") and argv[i + 1:i + 2] == ["json"]:
+            return True
+    return False
 
 
 def print_error(args: argparse.Namespace, command: str, message: str, error: str) -> None:

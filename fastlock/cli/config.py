@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..logsafe import display
+from .args import COMMAND_NAMES, asks_json, print_error
 
 __all__ = ["CONFIG_VARIABLE", "NOT_CONFIGURABLE", "RecordingParser", "layer_defaults", "render", "toml_string"]
 
@@ -50,12 +52,30 @@ class RecordingParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` that keeps every option added to it or to its groups, in
     :attr:`options` (argparse has no public list of them).  It takes no abbreviated
     option (``allow_abbrev=False``): ``--conf`` is refused, not read as ``--config``
-    (which the config layers would not see)."""
+    (which the config layers would not see).  A usage error is argparse's text with exit
+    status 2, or, when the command line asks for ``-o json``, one JSON object on stderr,
+    ``{"command": ..., "error": "usage", "message": ...}`` (as a runtime error under
+    ``-o json``: :func:`~fastlock.cli.args.print_error`), still with exit status 2."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.options: list[argparse.Action] = []
+        self.argv: list[str] = []  # the arguments of the last parse (for error())
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self.argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> Any:
+        if not asks_json(self.argv):
+            return super().error(message)
+        command = " ".join(self.prog.split()[1:])  # "fastlock wal dump": "wal dump"
+        if not command:  # the top parser: the command is its first argument
+            first = self.argv[0]
+            command = "fastlock" if first.startswith("-") else COMMAND_NAMES.get(first, first)
+        print_error(argparse.Namespace(output="json"), command, message, "usage")
+        self.exit(2)
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
         action = super().add_argument(*args, **kwargs)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..client import Client, LeaseInfo, LockList, WaiterInfo
-from ..logsafe import display
+from ..logsafe import text_value
 from ..protocol import check_name, check_token
 from ..units import DEFAULT_PORT
 from .args import (
@@ -103,8 +103,8 @@ def _with_client(args: argparse.Namespace, work: Any) -> Any:
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """``rows`` under ``headers``, in left-aligned columns ("-" for None; peer-chosen text
-    escaped by :func:`fastlock.logsafe.display`)."""
-    cells = [[str(h) for h in headers]] + [[display(v) for v in row] for row in rows]
+    bare or as a JSON string, as :func:`fastlock.logsafe.text_value` shows it)."""
+    cells = [[str(h) for h in headers]] + [[text_value(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
 
@@ -117,7 +117,7 @@ def _holder(h: LeaseInfo | WaiterInfo) -> str | None:
     who = h.principal or ""
     if h.client:
         who = f"{who}:{h.client}" if who else h.client
-    return who or None  # raw: table() and the callers escape it once with display()
+    return who or None  # raw: table() and the callers quote it once with text_value()
 
 
 def _print_json(value: Any) -> None:
@@ -168,7 +168,7 @@ def lock_command(args: argparse.Namespace) -> int:
                       "shared" if h.shared else f"permit/{h.limit}" if h.limit else "exclusive")
                      for h in info.holders]))
     else:
-        print(f"{display(info.name)}: no holder")
+        print(f"{text_value(info.name)}: no holder")
     if info.waiters:
         print()
         print(table(("#", "WAITER", "CORRELATION", "WAITING SINCE", "WAITED", "WAIT LEFT"),
@@ -188,6 +188,6 @@ def revoke_command(args: argparse.Namespace) -> int:
         _print_json([dataclasses.asdict(h) for h in revoked])
         return 0
     for h in revoked:
-        print(f"revoked {display(h.name)} token {h.fencing_token} (holder {display(_holder(h))}, "
+        print(f"revoked {text_value(h.name)} token {h.fencing_token} (holder {text_value(_holder(h))}, "
               f"{_secs(h.remaining)} left)")
     return 0

@@ -6,8 +6,9 @@ locks are held) and ``lock`` for those with waiters (their waiters, oldest first
 
 - a header: role, epoch, sessions, held locks, waiters, and the grants, releases,
   expiries and wait timeouts per second since the previous frame;
-- the locks with the deepest queues first (then the most handovers), one row each:
-  the fencing token, the holder, how long top has seen this holder hold it, the TTL
+- the locks with the deepest queues first (then the most handovers), one row each (a
+  name or holder as :func:`fastlock.logsafe.text_value` shows it, never wrapped): the
+  fencing token, the holder, how long top has seen this holder hold it, the TTL
   left, the waiters, the longest current wait and the handovers top has seen;
 - the wait and hold percentiles (p50, p90, p99) of what top sees: **wait** is how long
   each current waiter of those locks has waited so far; **hold** is how long the leases
@@ -41,7 +42,7 @@ from rich.text import Text
 
 from ..client import Client, LeaseInfo, LockInfo
 from ..errors import NotPrimary, Unavailable
-from ..logsafe import display
+from ..logsafe import display, text_value
 from .args import client_tls_options, read_token
 from .locks import _common, _holder, _servers
 
@@ -133,14 +134,14 @@ def render(sampler: TopSampler, now: float, status: dict[str, Any], leases: list
     ranked = _ranked(sampler, leases, rows)
     table = Table(expand=False, header_style="bold")
     for col in ("LOCK", "TOKEN", "HOLDER", "HELD", "TTL LEFT", "WAITERS", "LONGEST WAIT", "HANDOVERS"):
-        table.add_column(col, justify="left" if col in ("LOCK", "HOLDER") else "right")
+        table.add_column(col, justify="left" if col in ("LOCK", "HOLDER") else "right", no_wrap=True)
     waits: list[float] = []
     for h in ranked:
         info = infos.get(h.name)
         lock_waits = [w.waiting for w in info.waiters] if info is not None else []
         waits.extend(lock_waits)
         seen = sampler.first_seen.get(h.name)
-        table.add_row(Text(display(h.name)), str(h.fencing_token), Text(display(_holder(h))),
+        table.add_row(Text(text_value(h.name)), str(h.fencing_token), Text(text_value(_holder(h))),
                       f"{now - seen[1]:.1f}s" if seen is not None and seen[0] == h.fencing_token else "-",
                       f"{h.remaining:.1f}s", str(h.waiters),
                       f"{max(lock_waits):.1f}s" if lock_waits else "-", str(sampler.handovers[h.name]))

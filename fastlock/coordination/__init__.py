@@ -8,7 +8,8 @@ holds its etcd client and the URL parser.  It needs the optional
 extra ``fastlock[etcd]`` (httpx, for etcd's v3 JSON gateway).
 """
 
-from .etcd import EtcdArbiter, PrimaryRecord
+from .etcd import EtcdArbiter, NodeIdInUse, PrimaryRecord
 from .gateway import CoordinatorUrl, EtcdGateway, EtcdUnavailable, parse_coordinator
 
-__all__ = ["CoordinatorUrl", "EtcdArbiter", "EtcdGateway", "EtcdUnavailable", "PrimaryRecord", "parse_coordinator"]
+__all__ = ["CoordinatorUrl", "EtcdArbiter", "EtcdGateway", "EtcdUnavailable", "NodeIdInUse", "PrimaryRecord",
+           "parse_coordinator"]

@@ -14,9 +14,18 @@ Keys under the coordinator's ``PREFIX`` (one prefix per fastlock group):
     is also above every epoch the node has seen itself (``min_epoch``), so a
     wiped etcd never hands out an epoch again.
 ``PREFIX/members/NODE``
-    ``{"node", "address", "position", "epoch"}`` of each live node (its WAL
-    position: the applied LSN of a standby, the last LSN of the primary),
-    attached to the node's lease, rewritten when it changed (checked at every renewal).
+    ``{"node", "address", "position", "epoch", "lease", "ident"}`` of each live
+    node (its WAL position: the applied LSN of a standby, the last LSN of the
+    primary; ``ident``: its data directory's permanent identity, the
+    ``node-id`` file), attached to the node's lease; at every renewal one transaction
+    checks it is still under that lease, rewriting it if it changed, or creates it if
+    it is absent: never over another lease, so one node id is one live
+    process: a node that finds the key under another lease with its own
+    ``ident`` (its data directory's previous run, which died with its lease
+    still alive) revokes that lease and takes the key; under another ``ident``
+    it waits up to twice the TTL for that lease to run out, then
+    refuses (:class:`NodeIdInUse`, naming the other node's address).  Until it
+    holds its member key a node neither follows nor bids.
 
 How a node holds the primary role (:class:`EtcdArbiter`): it renews its
 lease every quarter TTL and counts the lease valid until the time it *sent*
@@ -50,7 +59,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..errors import InvalidArgument
+from ..errors import FastlockError, InvalidArgument
 from ..protocol import MAX_EPOCH
 from ..units import monotonic_ms
 from .gateway import EtcdGateway, EtcdUnavailable, KeyValue, b64
@@ -63,6 +72,23 @@ MAX_VALUE_BYTES = 4096
 MAX_MEMBERS = 1000
 #: the longest node id (characters)
 MAX_NODE_ID = 128
+
+
+@dataclass
+class _MemberKey:
+    """This node's member key: the data directory identity kept in it, the value last
+    written under the current lease, and since when (own clock, ms) another live node
+    holds it (None: it does not)."""
+
+    ident: str
+    written: bytes = b""
+    taken_since: int | None = None
+
+
+class NodeIdInUse(FastlockError, RuntimeError):
+    """Another live node (another data directory) holds this node id's member key in etcd:
+    two processes under one ``--node-id`` would overwrite each other's advertised position
+    and take each other's primary key for their own."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +144,9 @@ class ArbiterListener(Protocol):
     def on_primary(self, primary: PrimaryRecord | None) -> None:
         """Another node (or none) is the primary now."""
 
+    def on_refused(self, why: str) -> None:
+        """Another live node holds this node's id: stop (the arbiter has stopped)."""
+
 
 class EtcdArbiter:
     """One node's view of, and bid for, the primary key (see the module docstring).
@@ -135,6 +164,8 @@ class EtcdArbiter:
         behind_delay_ms: how long a standby behind another live one waits
             before it bids (default: half the TTL).
         clock: monotonic ms.
+        ident: this node's data directory identity (its ``node-id`` file), kept in its
+            member key: a process with the same ident takes a leftover key over at once.
 
     Raises:
         InvalidArgument: a node id that is empty or too long, a TTL or margin out of range.
@@ -142,7 +173,7 @@ class EtcdArbiter:
 
     def __init__(self, gateway: EtcdGateway, prefix: str, node: str, address: str, listener: ArbiterListener, *,
                  ttl_ms: int = 2000, margin_ms: int | None = None, behind_delay_ms: int | None = None,
-                 clock: Callable[[], int] = monotonic_ms):
+                 clock: Callable[[], int] = monotonic_ms, ident: str = ""):
         if type(node) is not str or not 0 < len(node) <= MAX_NODE_ID or "/" in node or not node.isprintable():
             raise InvalidArgument(f"node id must be 1..{MAX_NODE_ID} printable characters without '/', "
                                   f"not {node!r}")
@@ -172,7 +203,7 @@ class EtcdArbiter:
         self._task: asyncio.Task | None = None
         self._fence_timer: asyncio.TimerHandle | None = None
         self._wake: asyncio.Event | None = asyncio.Event()  # None once closed
-        self._advertised = b""  # the member value last written under this lease
+        self._member = _MemberKey(ident)
 
     @property
     def ttl_ms(self) -> int:
@@ -218,6 +249,24 @@ class EtcdArbiter:
         """Start renewing, watching and bidding (on the running loop)."""
         if self._task is None:
             self._task = asyncio.ensure_future(self._run())
+
+    async def claim(self) -> None:
+        """Take this node id's member key before :meth:`start` (see the module docstring):
+        return once it is this node's, or at once if etcd does not answer (the steps
+        claim it then).
+
+        Raises:
+            NodeIdInUse: another live node holds it (after waiting twice the TTL).
+        """
+        while True:
+            try:
+                await self._renew()
+                if await self._advertise():
+                    return
+            except EtcdUnavailable as exc:
+                log.warning("etcd: %s (node id %r is claimed once etcd answers)", exc, self.node)
+                return
+            await asyncio.sleep(max(50, self.ttl_ms // 4) / 1000.0)
 
     async def close(self, *, revoke: bool = True) -> None:
         """Stop; with ``revoke`` give the lease back (the key is free at once for another node)."""
@@ -274,6 +323,10 @@ class EtcdArbiter:
             try:
                 await self.step()
                 self.last_error = None
+            except NodeIdInUse as exc:
+                log.critical("etcd: %s", exc)
+                self.listener.on_refused(str(exc))
+                return
             except EtcdUnavailable as exc:
                 if self.last_error is None:
                     log.warning("etcd: %s", exc)
@@ -297,11 +350,8 @@ class EtcdArbiter:
             EtcdUnavailable: etcd did not answer; the fence timer still closes on time.
         """
         await self._renew()
-        member = json.dumps({"node": self.node, "address": self.address, "position": self.listener.position(),
-                             "epoch": self.epoch, "lease": self.lease}).encode()
-        if member != self._advertised:  # written only when it changed: every write is an etcd revision
-            await self.gateway.put(self.members_prefix + self.node, member, self.lease)
-            self._advertised = member
+        if not await self._advertise():
+            return  # another live node holds this node id: neither follow nor bid
         kv = await self.gateway.get(self.primary_key)
         record = PrimaryRecord.decode(kv) if kv is not None else None
         if kv is not None and not kv.lease:
@@ -342,6 +392,57 @@ class EtcdArbiter:
             await self._maybe_bid()
         else:
             self._free_since = None
+
+    async def _advertise(self) -> bool:
+        """Check that this node's member key is under its lease, writing it when its value
+        changed (every write is an etcd revision), or create it if it is absent; take it
+        over from this data directory's previous run.  True: the key is this node's.
+
+        Raises:
+            NodeIdInUse: another live node has held it for twice the TTL.
+            EtcdUnavailable: etcd did not answer.
+        """
+        mine = self._member
+        member = json.dumps({"node": self.node, "address": self.address, "position": self.listener.position(),
+                             "epoch": self.epoch, "lease": self.lease, "ident": mine.ident}).encode()
+        key = b64(self.members_prefix + self.node)
+        put = [{"request_put": {"key": key, "value": b64(member), "lease": str(self.lease)}}]
+        read = [{"request_range": {"key": key}}]
+        other = None
+        for compare, then in (({"target": "LEASE", "lease": str(self.lease)}, [] if member == mine.written else put),
+                              ({"target": "CREATE", "create_revision": "0"}, put)):
+            answer = await self.gateway.txn([{**compare, "key": key, "result": "EQUAL"}], then, read)
+            if answer.get("succeeded"):
+                mine.written = member
+                mine.taken_since = None
+                return True
+            kvs = ((answer.get("responses") or [{}])[0].get("response_range") or {}).get("kvs")
+            if kvs:
+                other = KeyValue.decode(kvs[0])
+                break
+        if other is None:
+            return False  # gone between the two reads: the next step creates it
+        data = _json_object(other.value)
+        if mine.ident and data.get("ident") == mine.ident:
+            log.warning("etcd: node id %r: taking over the member key left by this data directory's previous "
+                        "run (lease %x revoked)", self.node, other.lease)
+            try:
+                await self.gateway.revoke(other.lease)
+            except EtcdUnavailable:
+                pass  # already gone; if etcd is down, the next step tells
+            self.poke()
+            return False
+        wait = 2 * self.ttl_ms  # a dead holder's lease runs out within its TTL (etcd frees it a little later)
+        if mine.taken_since is None:
+            mine.taken_since = self.clock()
+            log.warning("etcd: node id %r is held by another node at %s (lease %x): waiting up to %d ms for that "
+                        "lease to run out", self.node, data.get("address", "?"), other.lease, wait)
+        if self.clock() - mine.taken_since >= wait:
+            raise NodeIdInUse(
+                f"node id {self.node!r} is in use by another live node at {data.get('address', '?')} (its etcd "
+                f"key {self.members_prefix}{self.node} stays under lease {other.lease:x}, a data directory with "
+                f"another identity): give each node its own --node-id")
+        return False
 
     async def _renew(self) -> None:
         sent = self.clock()

@@ -22,10 +22,16 @@ through its role (:mod:`fastlock.roles`) and the failover policy
 
 Any number of standbys attach to the primary (none is paired: the etcd lease
 is the fence), and none promotes itself on silence: etcd decides.
+
+One node id is one live process: at start the node takes its member key
+(:meth:`EtcdArbiter.claim <fastlock.coordination.etcd.EtcdArbiter.claim>`) and refuses
+to start (exit status 1) while another live node with another data directory holds it;
+if it loses the key to such a node later, it stops with exit status 1.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
@@ -69,27 +75,37 @@ class CoordinatedNode:
         url: ``etcd://HOST:PORT[,HOST:PORT]/PREFIX``.
         node: this node's id in etcd.
         ttl_ms: the etcd lease TTL (ms, whole seconds).
+        ident: the data directory's identity (its ``node-id`` file), kept in the member key.
 
     Raises:
         InvalidArgument: a malformed URL or node id.
         ImportError: httpx is not installed (``pip install 'fastlock[etcd]'``).
     """
 
-    def __init__(self, server: LockServer, url: str, node: str, ttl_ms: int):
+    def __init__(self, server: LockServer, url: str, node: str, ttl_ms: int, ident: str = ""):
         self.server = server
         self.url = parse_coordinator(url)
         self.node = node
         self.ttl_ms = ttl_ms
+        self.ident = ident
+        self._stopping: asyncio.Task | None = None
         self.arbiter: EtcdArbiter | None = None
         self._low_primary: PrimaryRecord | None = None  # the primary below this node's epoch last logged
         self._gateway = EtcdGateway(self.url.endpoints, timeout_s=max(0.2, ttl_ms / 4000))
         # httpx logs every request at INFO: several lines a second per node
         logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger("httpx").level))
 
-    def start(self, address: str) -> None:
-        """Start bidding and following; ``address`` is where this node listens (``host:port``)."""
+    async def start(self, address: str) -> None:
+        """Take this node id's member key, then start bidding and following; ``address`` is
+        where this node listens (``host:port``).
+
+        Raises:
+            NodeIdInUse: another live node holds this node id (see the module docstring).
+        """
         server = self.server
-        self.arbiter = EtcdArbiter(self._gateway, self.url.prefix, self.node, address, self, ttl_ms=self.ttl_ms)
+        self.arbiter = EtcdArbiter(self._gateway, self.url.prefix, self.node, address, self, ttl_ms=self.ttl_ms,
+                                   ident=self.ident)
+        await self.arbiter.claim()
         server.source.coordinate(self.arbiter.fence_if_due)
         self.arbiter.start()
         log.info("coordinator %s: node %r at %s", self.url, self.node, address)
@@ -198,6 +214,17 @@ class CoordinatedNode:
         if not fenced:
             server.table.expire(monotonic_ms())  # hand blocked locks to their waiters
             server.after_batch()
+
+    def on_refused(self, why: str) -> None:
+        server = self.server
+        server.exit_status = 1  # as a refused start: a supervisor must not restart it into the same conflict
+
+        async def stop() -> None:
+            if server.roles.role is Role.PRIMARY:
+                self._step_down(why, server.table.epoch + 1)
+            await server.close()
+
+        self._stopping = asyncio.ensure_future(stop())  # not a server task: close() cancels those
 
     def on_lost(self, why: str) -> None:
         arbiter = self.arbiter

@@ -167,9 +167,9 @@ class LockServer:
         self.failover = FailoverPolicy(self, self.source, self.follower,
                                        promotion_grace_ms=config.promotion_grace_ms, tasks=self.tasks)
         if config.coordinator:  # etcd decides who is primary; otherwise the pair does
-            self.failover.coordinated = CoordinatedNode(self, config.coordinator,
-                                                        config.node_id or node_id(config.data_dir),
-                                                        config.coordinator_ttl_ms)
+            ident = node_id(config.data_dir)
+            self.failover.coordinated = CoordinatedNode(self, config.coordinator, config.node_id or ident,
+                                                        config.coordinator_ttl_ms, ident)
         self.limits = ConnectionLimits(config, self)
         self.quotas = PrincipalQuotas(config, self)
         self.handlers = Handlers(self, credentials)
@@ -296,7 +296,11 @@ class LockServer:
                      ", shared secret accepted" if creds.shared_secret_hash is not None else "",
                      ", anonymous clients allowed" if creds.anonymous is not None else "")
         if self.failover.coordinated is not None:
-            self.failover.coordinated.start(config.advertise or format_address((host, port)))
+            try:
+                await self.failover.coordinated.start(config.advertise or format_address((host, port)))
+            except BaseException:
+                await self.close()
+                raise
         elif self.follower is not None:
             self.follower.start()
         self.limits.start()

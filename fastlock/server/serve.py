@@ -12,6 +12,7 @@ import os
 import signal
 
 from .. import sdnotify
+from ..coordination import NodeIdInUse
 from ..errors import InvalidArgument
 from ..replication import NodeFileDamaged
 from ..units import format_address
@@ -68,6 +69,6 @@ def serve(config: ServerConfig, *, use_uvloop: bool = True) -> int:
         log.critical("refusing to start: %s (start with --repair-wal to cut the damaged tail and "
                      "lose the records after it)", exc)
         return 2
-    except (OSError, DataDirInUse, ImportError, InvalidArgument, NodeFileDamaged) as exc:
+    except (OSError, DataDirInUse, ImportError, InvalidArgument, NodeFileDamaged, NodeIdInUse) as exc:
         log.critical("cannot start: %s", exc)
         return 1

@@ -18,9 +18,13 @@ The module-level functions :func:`pwrite_all`, :func:`datasync` and
 writer) or with the GIL held (a rotation), releasing the GIL meanwhile.
 
 Errors are returned as ``errno`` values and raised as :class:`OSError` by the
-Python-facing functions; the caller treats every failure as fatal (see
+Python-facing functions (naming the operation and the errno's text; the
+thread's job result names the operation that failed, see
+:meth:`Syncer.take_result`); the caller treats every failure as fatal (see
 :mod:`fastlock.wal`).
 """
+
+import os
 
 from libc.errno cimport EDQUOT, EINTR, ENOSPC, errno
 from libc.stdint cimport uint64_t
@@ -69,6 +73,16 @@ cdef extern from *:
     const char fl_zeros[65536]
 
 DEF ZEROS = 65536
+
+#: the operations a job's failure names (:meth:`Syncer.take_result`), by their code
+OPS = (None, "pwrite", "fdatasync", "zero-fill", "ftruncate")
+
+cdef enum:
+    OP_NONE = 0
+    OP_PWRITE = 1
+    OP_DATASYNC = 2
+    OP_ZERO_FILL = 3
+    OP_FTRUNCATE = 4
 
 cdef enum:
     IDLE = 0      # no job
@@ -131,7 +145,7 @@ def pwrite_all(int fd, const unsigned char[::1] data, long long offset):
     with nogil:
         err = _pwrite_all(fd, <const char *>&data[0], n, offset)
     if err:
-        raise OSError(err, "pwrite failed")
+        raise OSError(err, f"pwrite failed: {os.strerror(err)}")
 
 
 def datasync(int fd):
@@ -146,7 +160,7 @@ def datasync(int fd):
         err = _datasync(fd)
         t1 = _now()
     if err:
-        raise OSError(err, "fdatasync failed")
+        raise OSError(err, f"fdatasync failed: {os.strerror(err)}")
     return t1 - t0
 
 
@@ -159,7 +173,7 @@ def zero_fill(int fd, long long start, long long end):
     with nogil:
         err = _zero_fill(fd, start, end)
     if err:
-        raise OSError(err, "zero-fill failed")
+        raise OSError(err, f"zero-fill failed: {os.strerror(err)}")
 
 
 cdef class Syncer:
@@ -188,7 +202,9 @@ cdef class Syncer:
     cdef bint _is_call
     # the outcome
     cdef int _err
+    cdef int _op  # the operation that failed (OP_*), with _err
     cdef int _zero_err
+    cdef int _zero_op
     cdef bint _zero_full  # a zero-fill ran out of space (ENOSPC/EDQUOT): not an error, see zero_full
     cdef double _seconds
     cdef object _exc
@@ -245,8 +261,11 @@ cdef class Syncer:
         self._queue()
 
     def take_result(self):
-        """``(errno, fdatasync seconds or -1.0, exception or None)`` of the finished job,
-        emptying the slot; ``None`` while it runs."""
+        """``(errno, operation, fdatasync seconds or -1.0, exception or None)`` of the
+        finished job, emptying the slot; ``None`` while it runs.  The operation is the
+        one that failed (``"pwrite"``, ``"fdatasync"``, ``"zero-fill"`` or
+        ``"ftruncate"``, the last two of the zero-fill after an earlier job), None when
+        errno is 0."""
         cdef int state
         with nogil:
             pthread_mutex_lock(&self._mu)
@@ -256,7 +275,7 @@ cdef class Syncer:
             pthread_mutex_unlock(&self._mu)
         if state != DONE:
             return None
-        out = (self._err, self._seconds, self._exc)
+        out = (self._err, OPS[self._op] if self._err else None, self._seconds, self._exc)
         self._err = 0
         self._exc = None
         self._data = None
@@ -311,6 +330,7 @@ cdef class Syncer:
     cdef void _call_job(self) noexcept:
         if self._zero_err:
             self._err = self._zero_err  # a failed zero-fill fails the job after it
+            self._op = self._zero_op
             return
         try:
             self._call()
@@ -344,12 +364,15 @@ cdef class Syncer:
             zto = self._zero_to
             if not self._is_call:
                 err = self._zero_err  # a failed zero-fill fails the job after it
+                self._op = self._zero_op
                 if err == 0:
                     err = _pwrite_all(fd, self._buf, self._len, self._offset)
+                    self._op = OP_PWRITE
                 if err == 0 and self._sync:
                     t0 = _now()
                     err = _datasync(fd)
                     self._seconds = _now() - t0
+                    self._op = OP_DATASYNC
                 self._err = err
             pthread_mutex_lock(&self._mu)
             self._state = DONE
@@ -359,6 +382,7 @@ cdef class Syncer:
             write(self._notify_fd, &one, 8)  # a full pipe already holds a wake-up
             if self._filling:
                 err = _zero_fill(fd, zfrom, zto)
+                self._zero_op = OP_ZERO_FILL
                 if err == ENOSPC or err == EDQUOT:
                     # no room to preallocate: give back what this step took (the records
                     # below zfrom are untouched) before the loop may write again; a
@@ -368,10 +392,12 @@ cdef class Syncer:
                         err = 0
                     else:
                         err = errno
+                        self._zero_op = OP_FTRUNCATE
                 pthread_mutex_lock(&self._mu)
                 self._filling = False
                 pthread_cond_broadcast(&self._cv)
                 pthread_mutex_unlock(&self._mu)
                 if err == 0 and not self._zero_full:
                     err = _datasync(fd)
+                    self._zero_op = OP_DATASYNC
                 self._zero_err = err

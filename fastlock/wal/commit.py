@@ -253,7 +253,7 @@ class GroupCommit:
             if not fut.done():
                 fut.set_exception(WalFatal(f"write-ahead log failed: {exc!r}"))
         self._sync_waiters = []
-        log.critical("WAL %s failed on %s: %r", "write/fsync", self.io.seg_path, exc)
+        log.critical("write-ahead log stopped: %s", exc if isinstance(exc, OSError) else repr(exc))
         self.on_fatal(exc)
 
     def _on_interval(self) -> None:

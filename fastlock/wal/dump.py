@@ -12,10 +12,10 @@ import datetime
 import hashlib
 import json
 import os
-import re
 import sys
 from typing import Any, TextIO
 
+from ..logsafe import text_value
 from .files import read_file
 from .format import FrameReader, parse_segment
 from .records import (
@@ -47,24 +47,6 @@ def _iso(ms: int | None) -> str:
 
 def _tok(token: int) -> str:
     return f"{token} ({token >> TOKEN_EPOCH_SHIFT}/{token & COUNTER_MASK})"
-
-
-#: a value printed bare: printable ASCII without a space, a double quote or a backslash
-_BARE = re.compile(r'[!#-\[\]-~]+')
-
-
-def text_value(value: Any) -> str:
-    """A value (a peer-chosen name, a client name, a correlation id, a reason) as one token
-    of a dump line: bare when it is printable ASCII without a space, ``"`` or ``\\`` (and is
-    not ``-``); otherwise a JSON string (ASCII only: every control character, line separator
-    and non-ASCII character escaped), so a value cannot split a line or forge a field;
-    None is ``-``.  A reader takes a token that starts with ``"`` as JSON, any other literally."""
-    if value is None:
-        return "-"
-    if isinstance(value, int):
-        return str(value)
-    text = str(value)
-    return text if text != "-" and _BARE.fullmatch(text) else json.dumps(text)
 
 
 #: record keys left out of a text line when None (the others show ``-``)

@@ -103,6 +103,18 @@ def secure_directory(directory: str) -> None:
                     ", ".join(sorted(loose)[:5]), ", ..." if len(loose) > 5 else "")
 
 
+def io_error(op: str, path: str, cause: OSError | int) -> OSError:
+    """The error that stops the log: ``op`` (``"open"``, ``"pwrite"``, ``"fdatasync"``,
+    ``"fsync"``, ``"zero-fill"``, ``"ftruncate"``, ...) failed on ``path`` (a segment
+    file, ``LOCK`` or the data directory) with ``cause`` (an OSError or an errno): an OSError with
+    the cause's errno whose text names the operation, the path and the errno's text
+    (``[Errno 28] WAL pwrite failed on /data/....seg: No space left on device``)."""
+    err = cause if isinstance(cause, int) else cause.errno
+    if not err:
+        return OSError(f"WAL {op} failed on {path}: {cause}")
+    return OSError(err, f"WAL {op} failed on {path}: {os.strerror(err)}")
+
+
 class DirectoryLock:
     """An exclusive ``flock`` on ``<directory>/LOCK``, holding this process's pid.
 
@@ -123,8 +135,12 @@ class DirectoryLock:
             raise DataDirInUse(
                 f"data directory {directory} is in use by another fastlock process (pid {holder})"
             ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError as exc:
+            os.close(fd)
+            raise io_error("write of the pid", path, exc) from exc
         self._fd = fd
 
     def release(self) -> None:

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._syncer import Syncer, datasync, pwrite_all, zero_fill
-from .files import FILE_MODE, DirectoryLock, fsync_dir
+from .files import FILE_MODE, DirectoryLock, fsync_dir, io_error
 from .format import SEG_HEADER, seg_header, seg_name
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,14 @@ PREALLOC_STEP = 1 << 20
 
 #: the compiled I/O primitives (the default :attr:`SegmentWriter.disk`)
 COMPILED_DISK = types.SimpleNamespace(pwrite_all=pwrite_all, datasync=datasync, zero_fill=zero_fill)
+
+
+def _io(op: str, path: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``; its OSError raised as :func:`io_error` naming ``op`` and ``path``."""
+    try:
+        return fn(*args)
+    except OSError as exc:
+        raise io_error(op, path, exc) from exc
 
 
 class SegmentList:
@@ -183,20 +191,20 @@ class SegmentWriter:
         """Create and switch to a new segment starting at ``first_lsn`` (header, first
         preallocation step, fsync of the file and of the directory).
 
-        :raises OSError: the create, a write or an fsync failed.
+        :raises OSError: the create, a write or an fsync failed (:func:`io_error`).
         """
         path = os.path.join(self.directory, seg_name(first_lsn))
         if self.segments.drop_last_if(first_lsn):
             os.unlink(path)  # an empty segment left by a previous open(): start it afresh
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, FILE_MODE)
+        fd = _io("open", path, os.open, path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, FILE_MODE)
         hs = SEG_HEADER.size
         try:
-            self.disk.pwrite_all(fd, seg_header(first_lsn), 0)
+            _io("pwrite", path, self.disk.pwrite_all, fd, seg_header(first_lsn), 0)
             zero_to = self._zero_range(hs, hs)[1]
-            if zero_to and not self._zero_fill(fd, hs, zero_to):
+            if zero_to and not self._zero_fill(fd, path, hs, zero_to):
                 zero_to = hs
-            os.fsync(fd)  # the header, the zeros and the new file's size
-            fsync_dir(self.directory)
+            _io("fsync", path, os.fsync, fd)  # the header, the zeros and the new file's size
+            _io("fsync", self.directory, fsync_dir, self.directory)
         except BaseException:
             os.close(fd)
             raise
@@ -226,7 +234,8 @@ class SegmentWriter:
         """Write (and, if ``batch.sync``, fdatasync) one batch; rotate first if due.
         After a sync, zero-fill the next step if one is due.
 
-        :raises OSError: a write or sync failed (the log must stop: see :mod:`fastlock.wal`).
+        :raises OSError: a write or sync failed (the log must stop: see :mod:`fastlock.wal`);
+            its text names the operation and the segment file (:func:`io_error`).
         """
         data = batch.data
         if data:
@@ -234,7 +243,10 @@ class SegmentWriter:
                 self._rotate(batch.first_lsn)
             if self._worker is not None:  # zeros being written where this batch goes must land first
                 self._worker.syncer.wait_fill()
-            self.disk.pwrite_all(self._fd, data, self.seg_size)
+            try:
+                self.disk.pwrite_all(self._fd, data, self.seg_size)
+            except OSError as exc:
+                raise io_error("pwrite", self.seg_path, exc) from exc
             self.seg_size += len(data)
             self.alloc_end = max(self.alloc_end, self.seg_size)
             self.bytes += len(data)
@@ -243,24 +255,24 @@ class SegmentWriter:
         if batch.sync and self._dirty:
             self._fsync()
             start, end = self._zero_range(self.seg_size, self.alloc_end)
-            if end and self._zero_fill(self._fd, start, end):
-                self.disk.datasync(self._fd)
+            if end and self._zero_fill(self._fd, self.seg_path, start, end):
+                _io("fdatasync", self.seg_path, self.disk.datasync, self._fd)
                 self.alloc_end = end
 
-    def _zero_fill(self, fd: int, start: int, end: int) -> bool:
+    def _zero_fill(self, fd: int, path: str, start: int, end: int) -> bool:
         """Zero-fill ``[start, end)`` of ``fd``.  If the file system has no room for it,
         cut the file back to ``start`` (the records before it are untouched; the space
         goes back to them), preallocate no more and return False: a record's own write
         still reports ENOSPC when the records themselves do not fit.
 
-        :raises OSError: any other failure of the write or of the cut.
+        :raises OSError: any other failure of the write or of the cut (:func:`io_error`).
         """
         try:
             self.disk.zero_fill(fd, start, end)
         except OSError as exc:
             if exc.errno not in NO_SPACE:
-                raise
-            os.ftruncate(fd, start)
+                raise io_error("zero-fill", path, exc) from exc
+            _io("ftruncate", path, os.ftruncate, fd, start)
             self._stop_preallocating(exc.errno)
             return False
         return True
@@ -274,7 +286,10 @@ class SegmentWriter:
     def _fsync(self) -> None:
         # fdatasync: within the zero-filled space only data pages change; past it,
         # fdatasync also writes the new size (needed to read the data back)
-        self.fsync_seconds.append(self.disk.datasync(self._fd))
+        try:
+            self.fsync_seconds.append(self.disk.datasync(self._fd))
+        except OSError as exc:
+            raise io_error("fdatasync", self.seg_path, exc) from exc
         self.fsyncs += 1
         self._dirty = False
         self.durable_offset = self.seg_size
@@ -282,8 +297,8 @@ class SegmentWriter:
     def _trim(self) -> None:
         """Cut the zero-filled space after the last record and fsync (size included)."""
         if self.alloc_end > self.seg_size:
-            os.ftruncate(self._fd, self.seg_size)
-            os.fsync(self._fd)
+            _io("ftruncate", self.seg_path, os.ftruncate, self._fd, self.seg_size)
+            _io("fsync", self.seg_path, os.fsync, self._fd)
             self.alloc_end = self.seg_size
             self._dirty = False
             self.durable_offset = self.seg_size
@@ -342,15 +357,15 @@ class SegmentWriter:
         if worker is not None:
             self._completed(worker.take())
 
-    def _completed(self, done: tuple[Batch, tuple[int, float, BaseException | None]] | None) -> None:
+    def _completed(self, done: tuple[Batch, tuple[int, str | None, float, BaseException | None]] | None) -> None:
         """Account for a batch the thread finished and report it on the loop."""
         worker = self._worker
         if worker is None or done is None or self._report is None:
             return
-        batch, (err, seconds, exc) = done
+        batch, (err, op, seconds, exc) = done
         on_done, on_failed = self._report
         if err:
-            exc = OSError(err, f"{os.strerror(err)} (WAL segment {self.seg_path})")
+            exc = io_error(op or "write", self.seg_path, err)
         if exc is not None:
             on_failed(exc)
             return
@@ -409,17 +424,17 @@ class WriterThread:
         self.thread = threading.Thread(target=self.syncer.run, name="fastlock-wal", daemon=True)
         self.thread.start()
 
-    def take(self) -> tuple[Batch, tuple[int, float, BaseException | None]] | None:
-        """``(batch, (errno, fdatasync seconds, exception))`` of the finished job, or None
-        (a spurious wake-up: the job is still running, or :meth:`poll` took it); empties
-        the slot."""
+    def take(self) -> tuple[Batch, tuple[int, str | None, float, BaseException | None]] | None:
+        """``(batch, (errno, failed operation, fdatasync seconds, exception))`` of the finished
+        job, or None (a spurious wake-up: the job is still running, or :meth:`poll` took it);
+        empties the slot."""
         try:
             os.read(self.wake_r, 4096)
         except BlockingIOError:
             return None
         return self._take_job()
 
-    def poll(self) -> tuple[Batch, tuple[int, float, BaseException | None]] | None:
+    def poll(self) -> tuple[Batch, tuple[int, str | None, float, BaseException | None]] | None:
         """:meth:`take` without waiting for the wake-up: the finished job, if the thread is
         done with it (its wake-up, when it comes, is then a spurious one)."""
         if self.job is None or not self.syncer.done:
@@ -430,7 +445,7 @@ class WriterThread:
             pass  # the thread has not written it yet
         return self._take_job()
 
-    def _take_job(self) -> tuple[Batch, tuple[int, float, BaseException | None]] | None:
+    def _take_job(self) -> tuple[Batch, tuple[int, str | None, float, BaseException | None]] | None:
         batch = self.job
         result = self.syncer.take_result() if batch is not None else None
         if batch is None or result is None:
