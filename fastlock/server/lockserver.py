@@ -21,6 +21,7 @@ Request flow (one turn of the event loop)::
     data_received -> FrameDecoder -> handler -> LockTable (returns status, queues events)
                   -> after_batch: drain events -> WAL records -> when_durable(deliver grants)
                                   -> re-arm the ONE expiry timer at table.next_deadline()
+                                  -> acknowledge a batch the WAL thread finished (wal.poll)
                                   -> flush every connection's output buffer once
 
 What waits for the disk (``--fsync always``): a grant is acknowledged only
@@ -38,11 +39,9 @@ a mutual-TLS certificate identity, or the anonymous principal - see
 refused request changes nothing.  Owner keys are hashed as they arrive
 (:func:`fastlock.auth.hash_owner`).
 
-Sessions: each connection is a session.  Waiting goes by connection (a waiter
-whose connection drops is removed at once); ownership goes by lease (a held
-lease outlives its connection until its TTL).  A grant that cannot be
-delivered because its connection has already closed is released at once, so
-a client that died while queued never becomes a ghost holder.
+Sessions: each connection is a session.  Waiting goes by connection; ownership goes
+by lease (see :mod:`fastlock.server.session`).  A grant whose connection has already
+closed is released at once: a client that died while queued is never a ghost holder.
 """
 
 from __future__ import annotations
@@ -430,8 +429,7 @@ class LockServer:
         if nd >= 0 and (self.expiry.handle is None or nd < self.expiry.at_ms) and self.roles.expires_leases:
             self._rearm()
         self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
-        # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
-        self.wal.poll()
+        self.wal.poll()  # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
         dirty = self.dirty
         if dirty:
             for conn in dirty:
@@ -564,10 +562,8 @@ class LockServer:
             self._rearm()
 
     def snapshot_state(self) -> tuple[int, int, HolderSlices, list[Any]]:
-        """``(epoch, counter, holders, keys)`` of the table and the key store now (for snapshots);
-        the table encodes its holders in C, a slice per loop turn, as they are now."""
-        t = self.table
-        keys = self.keys.space.to_list()
+        """``(epoch, counter, holders, keys)`` now, for a snapshot (holders encoded in C, a slice per turn)."""
+        keys, t = self.keys.space.to_list(), self.table
         return t.epoch, t.counter, HolderSlices(t, _pack), keys  # (begun last: nothing can fail after it)
 
     # -- status -----------------------------------------------------------------------------
