@@ -2,7 +2,10 @@
 
 Every async test runs twice, on the stdlib asyncio loop and on uvloop (the
 uvloop project's own pattern), with a loop exception handler that fails the
-test if any callback or task raised unseen.
+test if any callback or task raised unseen.  A test marked ``one_loop`` runs
+on the asyncio loop only: one whose subject is a server process (its restart,
+its WAL, its endpoints), where the test's own loop only drives a client that
+the other tests cover on both loops.
 """
 
 from __future__ import annotations
@@ -19,10 +22,15 @@ try:
 except ImportError:  # pragma: no cover
     uvloop = None
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "one_loop: run this async test on the asyncio loop only (see conftest.py)")
+
+
 def pytest_asyncio_loop_factories(config, item):
-    """Run every async test on each available loop (pytest-asyncio >= 1.5 hook)."""
+    """Run every async test on each available loop (pytest-asyncio >= 1.5 hook), a ``one_loop``
+    test on the asyncio loop only."""
     factories = {"asyncio": asyncio.new_event_loop}
-    if uvloop is not None:
+    if uvloop is not None and item.get_closest_marker("one_loop") is None:
         factories["uvloop"] = uvloop.new_event_loop
     return factories
 

@@ -14,6 +14,9 @@ import fastlock
 from fastlock import protocol as P
 from fastlock.errors import InvalidArgument, LeaseLost, ProtocolError
 
+#: the subject is the server process: the test loop only drives a client (see conftest.py)
+pytestmark = pytest.mark.one_loop
+
 
 class RawConnection:
     """A hand-driven client: raw msgpack frames on a plain stream."""

@@ -4,7 +4,7 @@ Checks the guarantees that fencing tokens never go backwards nor are reused, and
 nothing acknowledged is lost.
 
 * ``test_sigkill_under_load``: the CI-size run of ``benches/crash.py`` (see its
-  docstring for the workload and every check): 20 SIGKILLs at random moments
+  docstring for the workload and every check): 12 SIGKILLs at random moments
   (seeded), workers doing acquire -> fenced SQLite write -> release, restart on
   the same data dir and port, and after each restart: every acknowledged,
   unreleased grant still held with the same token, every later token above
@@ -58,12 +58,12 @@ def _run(coro):
 
 @pytest.mark.timeout(90)
 def test_sigkill_under_load(tmp_path):
-    # 20 kills under load, and after every 4th one a second kill while the server restarts
-    cfg = CrashConfig(kills=20, workers=8, locks=6, seed=20251130, startup_kill_every=4)
+    # 12 kills under load, and after every 4th one a second kill while the server restarts
+    cfg = CrashConfig(kills=12, workers=8, locks=6, seed=20251130, startup_kill_every=4)
     report = _run(run_crash(cfg, str(tmp_path)))
     print("\ncrash run:", report.summary())
     assert report.violations == [], "\n".join(report.violations[:20])
-    assert report.kills >= 20
+    assert report.kills >= 12
     # the run really exercised what it claims to check
     assert report.grants >= 200 and report.writes >= 200
     assert report.ledger_rows == report.writes
@@ -85,7 +85,7 @@ def test_sigkill_during_snapshots_and_compaction(tmp_path):
 
 
 #: seconds: the leases' TTL in the lost-tail rounds, so the restart grace each crash costs
-TAIL_TTL = 2.0
+TAIL_TTL = 1.0
 
 
 async def _lose_tail_round(srv: ServerProcess, rnd: int, acked: list[int], fence: SQLiteFence):
@@ -128,7 +128,7 @@ def test_lost_unsynced_tail_never_reuses_a_token(tmp_path, mode, args):
     async def main():
         acked: list[int] = []
         await asyncio.to_thread(srv.start)
-        for rnd in range(3):
+        for rnd in range(2):  # the second crash follows a recovery from the first
             before = list(acked)
             lost, held = await _lose_tail_round(srv, rnd, acked, fence)
             assert lost > 0

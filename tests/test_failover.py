@@ -355,8 +355,9 @@ def test_paused_primary_grants_nothing_after_the_standby_promotes(cluster, tmp_p
     async def main():
         old = await RawNode.open(p.address, name="old-holders")
         waiters = await RawNode.open(p.address, name="old-waiters")
-        stale = await fastlock.connect(p.address, client_name="stale-holder")  # the old address only
-        new = w1 = w2 = released = None
+        # the old address only; its deadline (request_timeout) ends with the 3 s observation below
+        stale = await fastlock.connect(p.address, client_name="stale-holder", request_timeout=3.0)
+        new = w1 = w2 = released = refused_extend = None
         try:
             # the stale holder: it holds "ledger" from before the pause and wrote with its token
             lease = await stale.acquire("ledger", ttl=1.0)
@@ -391,6 +392,8 @@ def test_paused_primary_grants_nothing_after_the_standby_promotes(cluster, tmp_p
                 await released
             except (Unavailable, NotPrimary, ConnectionLost):
                 pass
+            # meanwhile the stale holder tries to extend its lease there (awaited below)
+            refused_extend = asyncio.ensure_future(stale.extend(lease))
             observe_until = time.monotonic() + 3.0
             old_grants = []
             while time.monotonic() < observe_until:
@@ -411,7 +414,7 @@ def test_paused_primary_grants_nothing_after_the_standby_promotes(cluster, tmp_p
             # it refuses to extend the stale lease too: the client, which knows no other
             # address, rides through until its deadline, then surfaces the refusal
             with pytest.raises((ConnectionLost, LeaseLost)) as refused:
-                await stale.extend(lease)
+                await refused_extend
             if refused.type is ConnectionLost:
                 assert isinstance(refused.value.__cause__, (Unavailable, NotPrimary)), refused.value
 
@@ -426,7 +429,7 @@ def test_paused_primary_grants_nothing_after_the_standby_promotes(cluster, tmp_p
                     await c.close()
             await old.close()
             await waiters.close()
-            for fut in (w1, w2, released):
+            for fut in (w1, w2, released, refused_extend):
                 if fut is not None and fut.done() and not fut.cancelled():
                     fut.exception()  # retrieved: a lost connection at the end is expected
 

@@ -458,6 +458,7 @@ async def _expired_with_delay(address: str, name: str, delay_ms: int) -> float:
         await node.close()
 
 
+@pytest.mark.one_loop  # the subject is the restarted server process
 @pytest.mark.parametrize("how", ["stop", "kill"])  # SIGTERM, or SIGKILL: a crash
 async def test_a_running_lock_delay_survives_a_restart(server_factory, how):
     srv = server_factory("delay")

@@ -10,6 +10,9 @@ import pytest
 
 import fastlock
 
+#: the subject is the server process: the test loop only drives a client (see conftest.py)
+pytestmark = pytest.mark.one_loop
+
 pytest.importorskip("prometheus_client")
 
 

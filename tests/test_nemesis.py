@@ -5,10 +5,11 @@ The short version of ``python -m benches.nemesis`` (see its docstring for
 the cluster, the workers, the fault cycle and every check): one fault of
 each kind (the fault cycle shuffles every kind before it repeats one), 4
 worker processes, ``--failover-after 1``, ``--promotion-grace 2``, TTL 8 s
-(> failover_after + request_timeout), wait 20 s.  One test, about 25 s of
-wall time.  ``FASTLOCK_NEMESIS_SECONDS=40 pytest tests/test_nemesis.py``
-runs faults for that many seconds instead (every kind at least once, most
-kinds more than once).
+(> failover_after + request_timeout), wait 20 s, 1 s of load before the
+first fault.  One test, about 17 s of wall time.
+``FASTLOCK_NEMESIS_SECONDS=40 pytest tests/test_nemesis.py`` runs faults for
+that many seconds instead (every kind at least once, most kinds more than
+once).
 
 Asserted, in this order:
 
@@ -62,7 +63,7 @@ def _config(**kw) -> NemesisConfig:
     if SECONDS is None:
         # the first len(kinds) faults are one of each kind; duration only bounds them
         return NemesisConfig(duration=60.0, max_faults=len(kinds), seed=20261201, workers=4, heal_timeout=20.0,
-                             **kw)
+                             warmup=1.0, **kw)
     return NemesisConfig(duration=float(SECONDS), seed=20261201, workers=4, heal_timeout=20.0, **kw)
 
 

@@ -28,6 +28,9 @@ import fastlock
 from fastlock._testbase import ServerProcess
 from fastlock.errors import ConnectionLost, LeaseLost
 
+#: the subject is the server process: the test loop only drives a client (see conftest.py)
+pytestmark = pytest.mark.one_loop
+
 COUNTER_MASK = (1 << 40) - 1
 _RECOVERED = re.compile(r"recovered (\d+) leases, epoch (\d+), counter (\d+) \((\d+) records replayed, "
                         r"(\d+) torn bytes cut\)")

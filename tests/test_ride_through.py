@@ -145,7 +145,7 @@ def test_2_lock_survives_a_manual_promotion_and_the_fail_back(cluster):
         try:
             async with fastlock.connect(p.address, s.address, client_name="holder", connect_timeout=1.0) as client:
                 states: list[str] = []
-                async with client.lock("job", ttl=10.0) as lease:
+                async with client.lock("job", ttl=6.0) as lease:
                     lease.health.add_listener(states.append)
                     await poll(lambda: status_of(s.address), lambda st: st["locks_held"] == 1, timeout=5,
                                what="the lease replicated")
@@ -154,7 +154,7 @@ def test_2_lock_survives_a_manual_promotion_and_the_fail_back(cluster):
                     assert json.loads(res.stdout)["epoch"] == 1
                     await poll(lambda: status_of(p.address), lambda st: st["role"] != "primary", timeout=5,
                                what="the old primary to step down")
-                    # the next renewal lands on the new primary (renewals every ~2.8 s)
+                    # the next renewal lands on the new primary (renewals every ~1.7 s)
                     await _renewed_on(s.address, "job", lease.fencing_token, timeout=8)
                     assert client.server_info["epoch"] == 1
                     assert not lease.lost.is_set()

@@ -101,12 +101,12 @@ def test_acknowledged_grants_survive_kill9_and_promotion(cluster, ack):
 
 
 async def _first_free_grant_after_kill(cluster, args: list[str]) -> tuple[dict, float, str]:
-    """Kill a primary holding a 4 s lease; return (the promoted node's status, seconds from
+    """Kill a primary holding a 2 s lease; return (the promoted node's status, seconds from
     PROMOTED to the first grant of a free lock there, the promotion log line)."""
     primary = cluster.primary(args=args)
     standby = cluster.standby(primary.address, failover_after=FAILOVER)  # async once it is the primary
     node = await RawNode.open(primary.address)
-    await node.acquire("held", 4_000)  # the longest TTL seen: the async grace
+    await node.acquire("held", 2_000)  # the longest TTL seen: the async grace
     await node.close()
     await poll(lambda: status_of(standby.address), lambda st: st["replication"]["applied_lsn"] >= 1, timeout=10,
                what="the standby to apply the grant")
@@ -143,9 +143,9 @@ def test_in_sync_promotion_grants_a_free_lock_without_grace(cluster):
 def test_promotion_keeps_the_grace_after_async_or_a_degrade_primary(cluster, args):
     # a degrade primary may have degraded after the standby last heard it: grace, as async
     status, after_promotion, line = run(_first_free_grant_after_kill(cluster, args))
-    assert "no new grants for 4000 ms (grace)" in line, line
+    assert "no new grants for 2000 ms (grace)" in line, line
     assert status["grace_remaining_ms"] > 0, status
-    assert after_promotion > 2.0, f"free lock granted {after_promotion:.2f} s after promotion (grace is 4 s)"
+    assert after_promotion > 1.0, f"free lock granted {after_promotion:.2f} s after promotion (grace is 2 s)"
 
 
 @pytest.mark.parametrize("policy", ["fence", "degrade"])

@@ -29,8 +29,10 @@ from ..protocol.rpc import NotFastlockReply, open_connection, what_answered
 from ..tls import client_ssl_context
 from ..units import DEFAULT_PORT, format_address
 from .args import (
+    CONNECT_TIMEOUT,
     SERVER_VARIABLE,
     add_client_tls_arguments,
+    add_connect_timeout_argument,
     add_token_arguments,
     client_tls_options,
     read_token,
@@ -42,8 +44,8 @@ from .args import (
 __all__ = ["ADMIN_TIMEOUT", "NotFastlock", "add_parsers", "admin_request", "resolve_server", "where"]
 
 #: seconds for the TCP connect, and again for HELLO's reply (and the replies of every
-#: command but promote)
-ADMIN_TIMEOUT = 5.0
+#: command but promote), unless the command's ``--connect-timeout`` says otherwise
+ADMIN_TIMEOUT = CONNECT_TIMEOUT
 
 
 class NotFastlock(ConnectionError):
@@ -61,6 +63,7 @@ def add_parsers(sub: Any) -> None:
                     help=f"the node to ask (default: ${SERVER_VARIABLE} if it names one node, else "
                          f"127.0.0.1:7420); a standby answers for itself, no redirect to its primary")
     _output_argument(st)
+    add_connect_timeout_argument(st)
     add_token_arguments(st)
     add_client_tls_arguments(st)
 
@@ -152,7 +155,8 @@ def resolve_server(args: argparse.Namespace) -> None:
 
 
 def admin_request(server: tuple[str, int], token: str | None, op: int, *args: Any,
-                  reply_timeout: float = ADMIN_TIMEOUT, tls: dict[str, Any] | None = None) -> Any:
+                  reply_timeout: float = ADMIN_TIMEOUT, tls: dict[str, Any] | None = None,
+                  connect_timeout: float = ADMIN_TIMEOUT) -> Any:
     """Send one request straight to ``server`` (no redirects: it targets a node); return its reply.
 
     Args:
@@ -160,13 +164,14 @@ def admin_request(server: tuple[str, int], token: str | None, op: int, *args: An
         token: the admin principal's token (or None).
         op: the op code (:mod:`fastlock.protocol.ops`); ``args`` its arguments.
         reply_timeout: seconds to wait for each reply.
+        connect_timeout: seconds to wait for the connection, and at most that for HELLO's reply.
         tls: :func:`~fastlock.cli.args.client_tls_options` (empty or None: plain TCP).
 
     Raises:
         FastlockError: the server's refusal.
         OSError: connect or read failures, an unreadable TLS file, ``ssl.SSLError``
             for a failed TLS handshake.
-        TimeoutError: no connection within :data:`ADMIN_TIMEOUT` seconds, or
+        TimeoutError: no connection within ``connect_timeout`` seconds, or
             no reply within ``reply_timeout`` seconds.
     """
     host, port = server
@@ -182,17 +187,17 @@ def admin_request(server: tuple[str, int], token: str | None, op: int, *args: An
 
     async def exchange() -> Any:
         try:
-            conn = await open_connection(host, port, timeout=ADMIN_TIMEOUT, **ssl_args)
+            conn = await open_connection(host, port, timeout=connect_timeout, **ssl_args)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"no connection within {ADMIN_TIMEOUT:g} s") from None
+            raise TimeoutError(f"no connection within {connect_timeout:g} s") from None
         hello = conn.request(OP_HELLO, PROTOCOL_VERSION, "fastlock-admin", token)
         reply = conn.request(op, *args)
         try:
             try:  # a port that does not speak fastlock: fail within the connect timeout, saying so
-                info = await asyncio.wait_for(hello, min(reply_timeout, ADMIN_TIMEOUT))
+                info = await asyncio.wait_for(hello, min(reply_timeout, connect_timeout))
             except asyncio.TimeoutError:
                 raise NotFastlock(f"not a fastlock server (no answer to HELLO within "
-                                  f"{min(reply_timeout, ADMIN_TIMEOUT):g} s)") from None
+                                  f"{min(reply_timeout, connect_timeout):g} s)") from None
             except ConnectionLost as exc:
                 if conn.close_error is None and conn.received:  # it answered, not in fastlock
                     if not isinstance(exc, NotFastlockReply):
@@ -226,7 +231,8 @@ def admin_request(server: tuple[str, int], token: str | None, op: int, *args: An
 def status_command(args: argparse.Namespace) -> int:
     """Print the status of exactly the node named by ``--server`` (a direct
     request: a standby reports itself, not its primary)."""
-    result = admin_request(args.server, read_token(args), OP_STATUS, tls=client_tls_options(args))
+    result = admin_request(args.server, read_token(args), OP_STATUS, tls=client_tls_options(args),
+                           connect_timeout=args.connect_timeout)
     print(json.dumps(result, indent=2, sort_keys=True, default=str))
     return 0
 

@@ -22,10 +22,10 @@ from ..protocol import MIN_MAX_FRAME_BYTES, check_ttl_ms, check_wait_ms, seconds
 from ..units import DEFAULT_PORT, MAX_SECONDS, check_seconds, parse_address
 
 __all__ = [
-    "SERVER_VARIABLE", "add_client_tls_arguments", "add_token_arguments", "client_tls_options", "count_arg",
-    "exit_code_arg", "frame_bytes_arg", "listen_address", "positive_int", "positive_seconds_arg", "COMMAND_NAMES",
-    "asks_json", "print_error", "read_secret", "read_token", "seconds_arg", "server_address", "servers_from_env",
-    "ttl_arg", "wait_arg",
+    "COMMAND_NAMES", "CONNECT_TIMEOUT", "SERVER_VARIABLE", "add_client_tls_arguments", "add_connect_timeout_argument",
+    "add_token_arguments", "asks_json", "client_tls_options", "count_arg", "exit_code_arg", "frame_bytes_arg",
+    "listen_address", "positive_int", "positive_seconds_arg", "print_error", "read_secret", "read_token",
+    "seconds_arg", "server_address", "servers_from_env", "ttl_arg", "wait_arg",
 ]
 
 #: the environment variable naming the server(s) a client command talks to
@@ -116,6 +116,17 @@ def seconds_arg(value: str) -> float:
 def positive_seconds_arg(value: str) -> float:
     """argparse type: a finite number of seconds, > 0 and at most one year."""
     return _seconds(value, "the duration", allow_zero=False)
+
+
+#: seconds a client command waits for the TCP connection, and again for the server's first answer
+CONNECT_TIMEOUT = 5.0
+
+
+def add_connect_timeout_argument(p: argparse.ArgumentParser) -> None:
+    """Add ``--connect-timeout SECONDS`` (default :data:`CONNECT_TIMEOUT`) to a client command."""
+    p.add_argument("--connect-timeout", type=positive_seconds_arg, default=CONNECT_TIMEOUT, metavar="SECONDS",
+                   help=f"seconds to wait for the connection, and again for the server's first answer "
+                        f"(default {CONNECT_TIMEOUT:g})")
 
 
 def ttl_arg(value: str) -> float:

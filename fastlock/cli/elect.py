@@ -128,7 +128,8 @@ def elect_command(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        client = Client(_servers(args), token=token, client_name="fastlock-elect", **client_tls_options(args))
+        client = Client(_servers(args), token=token, client_name="fastlock-elect",
+                        connect_timeout=args.connect_timeout, **client_tls_options(args))
         try:
             await client.ensure_connected()
             election = client.election(args.name, args.proposal or "listener", lease_duration=args.ttl,

@@ -26,6 +26,7 @@ from ..units import DEFAULT_PORT
 from .args import (
     SERVER_VARIABLE,
     add_client_tls_arguments,
+    add_connect_timeout_argument,
     add_token_arguments,
     client_tls_options,
     read_token,
@@ -54,6 +55,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help=f"the servers (the primary is found among them; default ${SERVER_VARIABLE}, "
                         f"else 127.0.0.1:{DEFAULT_PORT})")
     p.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
+    add_connect_timeout_argument(p)
     add_token_arguments(p)
     add_client_tls_arguments(p)
 
@@ -91,7 +93,8 @@ def _with_client(args: argparse.Namespace, work: Any) -> Any:
     token = read_token(args)
 
     async def run() -> Any:
-        client = Client(_servers(args), token=token, client_name="fastlock-cli", **client_tls_options(args))
+        client = Client(_servers(args), token=token, client_name="fastlock-cli", connect_timeout=args.connect_timeout,
+                        **client_tls_options(args))
         try:
             await client.ensure_connected()
             return await work(client)

@@ -219,7 +219,8 @@ def top_command(args: argparse.Namespace) -> int:
     token = read_token(args)
 
     async def run() -> int:
-        client = Client(_servers(args), token=token, client_name="fastlock-top", **client_tls_options(args))
+        client = Client(_servers(args), token=token, client_name="fastlock-top",
+                        connect_timeout=args.connect_timeout, **client_tls_options(args))
         sampler = TopSampler()
         down_since: float | None = None
 
