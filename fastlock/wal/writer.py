@@ -246,6 +246,7 @@ class SegmentWriter:
             try:
                 self.disk.pwrite_all(self._fd, data, self.seg_size)
             except OSError as exc:
+                self.cut_failed_batch()
                 raise io_error("pwrite", self.seg_path, exc) from exc
             self.seg_size += len(data)
             self.alloc_end = max(self.alloc_end, self.seg_size)
@@ -253,11 +254,30 @@ class SegmentWriter:
             self.batches += 1
             self._dirty = True
         if batch.sync and self._dirty:
-            self._fsync()
+            try:
+                self._fsync()
+            except OSError:
+                self.seg_size -= len(data)
+                self.cut_failed_batch()
+                raise
             start, end = self._zero_range(self.seg_size, self.alloc_end)
             if end and self._zero_fill(self._fd, self.seg_path, start, end):
                 _io("fdatasync", self.seg_path, self.disk.datasync, self._fd)
                 self.alloc_end = end
+
+    def cut_failed_batch(self) -> None:
+        """After a batch's write or sync failed: cut the segment back to where the batch began
+        (``seg_size``), so that recovery cannot replay a record of it -- a grant nobody was
+        told of would come back held until its TTL.  The failure stays fatal; a cut that
+        fails too is logged (those grants may then come back)."""
+        try:
+            os.ftruncate(self._fd, self.seg_size)
+            self.disk.datasync(self._fd)
+        except OSError as exc:
+            log.error("WAL: the failed batch could not be cut from %s (%s): its grants, never "
+                      "acknowledged, may be recovered and held until their TTL", self.seg_path, exc)
+            return
+        self.alloc_end = self.durable_offset = self.seg_size
 
     def _zero_fill(self, fd: int, path: str, start: int, end: int) -> bool:
         """Zero-fill ``[start, end)`` of ``fd``.  If the file system has no room for it,
@@ -366,6 +386,8 @@ class SegmentWriter:
         on_done, on_failed = self._report
         if err:
             exc = io_error(op or "write", self.seg_path, err)
+            if not worker.job_call:  # (a call job is SegmentWriter.write, which cuts for itself)
+                self.cut_failed_batch()
         if exc is not None:
             on_failed(exc)
             return
