@@ -128,6 +128,29 @@ def test_a_name_with_spaces_is_one_quoted_cell_in_every_table_and_raw_in_json(se
     assert {h["client"] for h in json.loads(listing)["locks"]} == {"night shift"}
 
 
+def test_top_once_into_a_pipe_keeps_every_column_of_a_long_name(server):
+    """Off a terminal and without COLUMNS, a frame is not cut to 80 columns: a 60-character
+    name and every column after it are printed whole."""
+    name = "reports/" + "q" * 52
+
+    async def main():
+        async with await fastlock.connect(server.address) as client:
+            lease = await client.acquire(name, ttl=60.0)
+            env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOCK_") and k != "COLUMNS"}
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "fastlock", "top", "--once", "--server", server.address, env=env,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT)
+            assert proc.returncode == 0, err
+            return lease, out.decode()
+
+    lease, out = asyncio.run(main())
+    for header in ("LOCK", "TOKEN", "HOLDER", "HELD", "TTL LEFT", "WAITERS", "LONGEST WAIT", "HANDOVERS"):
+        assert header in out, out
+    row = next(line for line in out.splitlines() if name in line)
+    assert str(lease.fencing_token) in row.split(), row
+
+
 def _top_env() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOCK_")}
     env["COLUMNS"] = "160"

@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import collections
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -116,6 +117,18 @@ def _ranked(sampler: TopSampler, leases: list[LeaseInfo], rows: int) -> list[Lea
     for lease in leases:
         by_name.setdefault(lease.name, lease)
     return sorted(by_name.values(), key=lambda h: (-h.waiters, -sampler.handovers[h.name], h.name))[:rows]
+
+
+#: the width of a frame written off a terminal without COLUMNS (rich would assume 80 and cut columns)
+PLAIN_WIDTH = 400
+
+
+def console() -> Console:
+    """The terminal's width on a terminal; off one (a pipe, a file) ``COLUMNS`` if set, else
+    :data:`PLAIN_WIDTH`, so that no column of a frame is cut."""
+    if sys.stdout.isatty():
+        return Console()
+    return Console(force_terminal=False, width=None if os.environ.get("COLUMNS") else PLAIN_WIDTH)
 
 
 def render(sampler: TopSampler, now: float, status: dict[str, Any], leases: list[LeaseInfo],
@@ -240,13 +253,13 @@ def top_command(args: argparse.Namespace) -> int:
                 print(json.dumps(snapshot(sampler, *await sample(client, sampler, args.rows), args.rows)))
                 return 0
             if args.once:
-                Console().print(await frame(client, sampler, args.rows))
+                console().print(await frame(client, sampler, args.rows))
                 return 0
             if not sys.stdout.isatty():  # a pipe or a file: one plain frame per refresh, no screen control
-                console = Console(force_terminal=False)
+                plain = console()
                 while True:
-                    console.print(await next_frame())
-                    console.print()
+                    plain.print(await next_frame())
+                    plain.print()
                     sys.stdout.flush()
                     await asyncio.sleep(args.interval)
             with Live(await frame(client, sampler, args.rows), auto_refresh=False, screen=False) as live:
