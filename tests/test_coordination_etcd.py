@@ -374,19 +374,23 @@ async def test_a_node_id_held_by_another_live_node_is_refused(etcd):
         await a.close()
 
 
-async def test_a_restart_after_a_crash_takes_its_own_leftover_key_over(etcd):
-    """The same data directory after a crash (its lease still alive for 10 s): the new
-    process revokes that lease and starts at once, and takes the primary key the old
-    run left."""
+async def test_a_restart_after_a_crash_waits_for_its_own_leftover_key_to_run_out(etcd):
+    """The same data directory after a crash: the new process does not revoke the old run's
+    lease (a copy of the directory may be the one running); it waits for it to run out,
+    then takes the member key, and the primary key the old run left is gone with that lease."""
     prefix = unique_prefix()
-    old = same_id(etcd, prefix, "dir-a", "127.0.0.1:7001", ttl_ms=10_000)
-    new = same_id(etcd, prefix, "dir-a", "127.0.0.1:7003", ttl_ms=10_000)
+    old = same_id(etcd, prefix, "dir-a", "127.0.0.1:7001", ttl_ms=2_000)
+    new = same_id(etcd, prefix, "dir-a", "127.0.0.1:7003", ttl_ms=2_000)
     try:
         await old.claim()
         await old.step()
         assert old.holding
         await old.close(revoke=False)  # a crash: the lease lives on
-        await asyncio.wait_for(new.claim(), 5)  # well within the old lease's 10 s
+        claiming = asyncio.ensure_future(new.claim())
+        await asyncio.sleep(0.3)  # a moment of the new run's waiting: the old lease is left alone
+        member = await new.gateway.get(f"{prefix}/members/n1")
+        assert member is not None and member.lease == old.lease and not claiming.done()
+        await asyncio.wait_for(claiming, 3 * 2.0)
         member = await new.gateway.get(f"{prefix}/members/n1")
         assert member is not None and member.lease == new.lease
         assert await new.gateway.get(f"{prefix}/primary") is None  # went with the old lease
@@ -394,6 +398,24 @@ async def test_a_restart_after_a_crash_takes_its_own_leftover_key_over(etcd):
         assert new.holding and new.epoch == old.epoch + 1
     finally:
         await new.close()
+
+
+async def test_a_live_copy_of_a_data_directory_is_refused_and_revokes_nothing(etcd):
+    """A second process from a copy of a live node's data directory (the same identity):
+    the live node's lease is never revoked; the copy waits twice the TTL, then refuses,
+    saying the directory looks copied."""
+    prefix, a, _ = await live_a_and_b(etcd)
+    copy = same_id(etcd, prefix, "dir-a", "127.0.0.1:7009")
+    try:
+        with pytest.raises(NodeIdInUse, match=r"in use by another live node at 127\.0\.0\.1:7001.*a copy\?"):
+            await copy.claim()
+        member = await copy.gateway.get(f"{prefix}/members/n1")
+        assert member is not None and member.lease == a.lease
+        await a.step()
+        assert a.holding and a.may_grant()
+    finally:
+        await copy.close()
+        await a.close()
 
 
 async def test_another_data_directory_takes_a_dead_nodes_id_once_its_lease_runs_out(etcd):

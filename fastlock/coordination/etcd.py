@@ -395,8 +395,11 @@ class EtcdArbiter:
 
     async def _advertise(self) -> bool:
         """Check that this node's member key is under its lease, writing it when its value
-        changed (every write is an etcd revision), or create it if it is absent; take it
-        over from this data directory's previous run.  True: the key is this node's.
+        changed (every write is an etcd revision), or create it if it is absent.  A key
+        under another lease is never revoked (even one with this data directory's identity:
+        a copy of the directory may be running, and a primary whose lease someone else
+        revokes keeps granting until its own TTL runs out): this node waits for that lease
+        to run out, as after any crash.  True: the key is this node's.
 
         Raises:
             NodeIdInUse: another live node has held it for twice the TTL.
@@ -423,25 +426,20 @@ class EtcdArbiter:
         if other is None:
             return False  # gone between the two reads: the next step creates it
         data = _json_object(other.value)
-        if mine.ident and data.get("ident") == mine.ident:
-            log.warning("etcd: node id %r: taking over the member key left by this data directory's previous "
-                        "run (lease %x revoked)", self.node, other.lease)
-            try:
-                await self.gateway.revoke(other.lease)
-            except EtcdUnavailable:
-                pass  # already gone; if etcd is down, the next step tells
-            self.poke()
-            return False
+        same_dir = bool(mine.ident) and data.get("ident") == mine.ident
         wait = 2 * self.ttl_ms  # a dead holder's lease runs out within its TTL (etcd frees it a little later)
         if mine.taken_since is None:
             mine.taken_since = self.clock()
-            log.warning("etcd: node id %r is held by another node at %s (lease %x): waiting up to %d ms for that "
-                        "lease to run out", self.node, data.get("address", "?"), other.lease, wait)
+            log.warning("etcd: node id %r is held by %s at %s (lease %x): waiting up to %d ms for that lease to "
+                        "run out", self.node, "this data directory's previous run" if same_dir else "another node",
+                        data.get("address", "?"), other.lease, wait)
         if self.clock() - mine.taken_since >= wait:
+            whose = ("a data directory with this one's identity: a copy? delete the copy's node-id file"
+                     if same_dir else "a data directory with another identity")
             raise NodeIdInUse(
                 f"node id {self.node!r} is in use by another live node at {data.get('address', '?')} (its etcd "
-                f"key {self.members_prefix}{self.node} stays under lease {other.lease:x}, a data directory with "
-                f"another identity): give each node its own --node-id")
+                f"key {self.members_prefix}{self.node} stays under lease {other.lease:x}, {whose}): give each "
+                f"node its own --node-id")
         return False
 
     async def _renew(self) -> None:
