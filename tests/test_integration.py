@@ -150,6 +150,20 @@ async def test_lock_delay_after_expiry_but_not_after_release(client, connect):
     await client.release(got)
 
 
+async def test_a_try_once_acquire_during_a_lock_delay_is_told_so(client, connect):
+    """The lock is free (no holder) while its lock-delay runs: a refused try-once acquire
+    says lock-delay, not "is held"."""
+    other = await connect("other")
+    await client.acquire("delayed", ttl=0.1, lock_delay=30.0)  # never released: it expires
+
+    async def expired() -> bool:
+        return await other.holder("delayed") is None
+
+    await wait_until(expired, what="the lease to expire")
+    with pytest.raises(fastlock.LockNotAcquired, match="'delayed' is in its lock-delay"):
+        await other.acquire("delayed", ttl=1.0, wait=0)
+
+
 async def test_cancelled_acquire_leaves_no_waiter(client, connect):
     other = await connect("other")
     lease = await client.acquire("cancel", ttl=30.0)

@@ -377,6 +377,8 @@ class Handlers:
             if held is not None and held.session == conn.session:  # a client that forgot its own lease
                 raise LockNotAcquired(f"{name!r} is held by this same connection (token {held.token}): "
                                       f"another acquire on it waits for that lease to end")
+            if held is None:  # free, yet refused: a lease of it expired and its lock-delay runs
+                raise LockNotAcquired(f"{name!r} is in its lock-delay (a lease of it expired; see lock_delay)")
             raise LockNotAcquired(f"{name!r} is held")
 
     def op_release(self, conn: Session, req_id: int, msg: list) -> None:
