@@ -305,11 +305,15 @@ class ServerTLS:
                     f"this address; limits {self.max_handshakes} and {self.max_handshakes_per_address})"))
                 continue
             self._pending_by_address[source] = from_source + 1
-            task = asyncio.ensure_future(self._handshake(sock, addr, make_connection))
+            task = asyncio.ensure_future(self._handshake(sock, addr, source, make_connection))
             self._pending.add(task)
+            # (also from the handshake itself: a done callback runs a loop turn later, when the
+            # peer's first request may already have been read and counted it as in progress)
             task.add_done_callback(functools.partial(self._handshake_ended, source=source))
 
-    def _handshake_ended(self, task: asyncio.Task, source: str) -> None:
+    def _handshake_ended(self, task: asyncio.Task | None, source: str) -> None:
+        if task not in self._pending:  # counted out already
+            return
         self._pending.discard(task)
         left = self._pending_by_address.get(source, 1) - 1
         if left > 0:
@@ -317,7 +321,8 @@ class ServerTLS:
         else:
             self._pending_by_address.pop(source, None)
 
-    async def _handshake(self, sock: socket.socket, addr: Any, make_connection: Callable[[], asyncio.Protocol]) -> None:
+    async def _handshake(self, sock: socket.socket, addr: Any, source: str,
+                         make_connection: Callable[[], asyncio.Protocol]) -> None:
         peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else "?"
         # (on any failure the loop closes the transport, and the socket with it)
         try:
@@ -326,6 +331,8 @@ class ServerTLS:
         except Exception as exc:  # noqa: BLE001 - whatever the peer did, count it and go on
             self._failed(peer, exc)
             return
+        finally:
+            self._handshake_ended(asyncio.current_task(), source)
         self.handshakes += 1
 
     def _failed(self, peer: str, exc: BaseException) -> None:
