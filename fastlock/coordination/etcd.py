@@ -20,12 +20,12 @@ Keys under the coordinator's ``PREFIX`` (one prefix per fastlock group):
     ``node-id`` file), attached to the node's lease; at every renewal one transaction
     checks it is still under that lease, rewriting it if it changed, or creates it if
     it is absent: never over another lease, so one node id is one live
-    process: a node that finds the key under another lease with its own
-    ``ident`` (its data directory's previous run, which died with its lease
-    still alive) revokes that lease and takes the key; under another ``ident``
-    it waits up to twice the TTL for that lease to run out, then
-    refuses (:class:`NodeIdInUse`, naming the other node's address).  Until it
-    holds its member key a node neither follows nor bids.
+    process.  A node that finds the key under another lease waits up to twice
+    the TTL for that lease to run out (its data directory's previous run, dead
+    with its lease still alive, lets it go within the TTL), then refuses
+    (:class:`NodeIdInUse`, naming the other node's address; a copy of a live
+    node's data directory has its ``ident``).  No node revokes a lease it did
+    not take.  Until it holds its member key a node neither follows nor bids.
 
 How a node holds the primary role (:class:`EtcdArbiter`): it renews its
 lease every quarter TTL and counts the lease valid until the time it *sent*
@@ -165,7 +165,7 @@ class EtcdArbiter:
             before it bids (default: half the TTL).
         clock: monotonic ms.
         ident: this node's data directory identity (its ``node-id`` file), kept in its
-            member key: a process with the same ident takes a leftover key over at once.
+            member key (a refusal says when the live holder has the same one: a copy).
 
     Raises:
         InvalidArgument: a node id that is empty or too long, a TTL or margin out of range.
