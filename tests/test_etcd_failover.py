@@ -12,6 +12,7 @@ FASTLOCK_REQUIRE_ETCD=1.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import Counter
 
@@ -409,23 +410,26 @@ async def test_a_second_node_under_a_live_nodes_id_refuses_to_start(group):
 
 
 async def test_a_primary_whose_id_another_live_node_took_steps_down_and_exits(group, etcd):
-    """The primary's member key is deleted by hand and a node from another data directory
-    starts under its id (and takes the key): the primary sees its id held by another live
-    node, steps down and exits with status 1."""
+    """The primary's member key is taken by another live process (here the test itself: the
+    key rewritten under a lease of its own, with another data directory's identity and
+    address): the primary sees its id held by another live node for twice the TTL, steps
+    down and exits with status 1, naming that node's address."""
     from fastlock.coordination import EtcdGateway
-    from fastlock.coordination.gateway import b64
 
     a = group.start("a")
     await group.primary(["a"])
     gw = EtcdGateway([("127.0.0.1", etcd.port)])
     try:
-        await gw.call("kv/deleterange", {"key": b64(f"{group.prefix}/members/a")})
+        lease, _ = await gw.grant(60)  # alive for the whole test
+        await gw.put(f"{group.prefix}/members/a", json.dumps(
+            {"node": "a", "address": "127.0.0.1:7999", "position": 0, "epoch": 0, "lease": lease,
+             "ident": "another-data-directory"}).encode(), lease)
+        assert await asyncio.to_thread(a.proc.wait, 10 * TTL_S + 10) == 1
+        await gw.revoke(lease)
     finally:
         await gw.close()
-    group.start("a-again", node_id="a")
-    assert await asyncio.to_thread(a.proc.wait, 10 * TTL_S + 10) == 1
     line = a.wait_for_log("in use by another live node")
-    assert f"node id 'a' is in use by another live node at {group.nodes['a-again'].address}" in line, line
+    assert "node id 'a' is in use by another live node at 127.0.0.1:7999" in line, line
     assert not any("Traceback" in ln for ln in a.lines)
 
 
