@@ -131,6 +131,11 @@ class Batch:
         self.sync = sync
 
 
+#: a job the writer thread finished: ``(batch, (errno, the operation that failed or None,
+#: fdatasync seconds or -1.0, the exception of a call job or None))``
+FinishedJob = tuple[Batch, tuple[int, str | None, float, BaseException | None]]
+
+
 class SegmentWriter:
     """Writes batches to numbered segments in ``directory``.
 
@@ -306,10 +311,7 @@ class SegmentWriter:
     def _fsync(self) -> None:
         # fdatasync: within the zero-filled space only data pages change; past it,
         # fdatasync also writes the new size (needed to read the data back)
-        try:
-            self.fsync_seconds.append(self.disk.datasync(self._fd))
-        except OSError as exc:
-            raise io_error("fdatasync", self.seg_path, exc) from exc
+        self.fsync_seconds.append(_io("fdatasync", self.seg_path, self.disk.datasync, self._fd))
         self.fsyncs += 1
         self._dirty = False
         self.durable_offset = self.seg_size
@@ -369,7 +371,7 @@ class SegmentWriter:
         """Report a batch the thread has finished now, without waiting for its wake-up
         (the loop calls this between requests: the next batch is handed over sooner)."""
         worker = self._worker
-        if worker is not None and worker.job is not None:
+        if worker is not None:
             self._completed(worker.poll())
 
     def _on_wake(self) -> None:
@@ -377,7 +379,7 @@ class SegmentWriter:
         if worker is not None:
             self._completed(worker.take())
 
-    def _completed(self, done: tuple[Batch, tuple[int, str | None, float, BaseException | None]] | None) -> None:
+    def _completed(self, done: FinishedJob | None) -> None:
         """Account for a batch the thread finished and report it on the loop."""
         worker = self._worker
         if worker is None or done is None or self._report is None:
@@ -446,7 +448,7 @@ class WriterThread:
         self.thread = threading.Thread(target=self.syncer.run, name="fastlock-wal", daemon=True)
         self.thread.start()
 
-    def take(self) -> tuple[Batch, tuple[int, str | None, float, BaseException | None]] | None:
+    def take(self) -> FinishedJob | None:
         """``(batch, (errno, failed operation, fdatasync seconds, exception))`` of the finished
         job, or None (a spurious wake-up: the job is still running, or :meth:`poll` took it);
         empties the slot."""
@@ -456,7 +458,7 @@ class WriterThread:
             return None
         return self._take_job()
 
-    def poll(self) -> tuple[Batch, tuple[int, str | None, float, BaseException | None]] | None:
+    def poll(self) -> FinishedJob | None:
         """:meth:`take` without waiting for the wake-up: the finished job, if the thread is
         done with it (its wake-up, when it comes, is then a spurious one)."""
         if self.job is None or not self.syncer.done:
@@ -467,7 +469,7 @@ class WriterThread:
             pass  # the thread has not written it yet
         return self._take_job()
 
-    def _take_job(self) -> tuple[Batch, tuple[int, str | None, float, BaseException | None]] | None:
+    def _take_job(self) -> FinishedJob | None:
         batch = self.job
         result = self.syncer.take_result() if batch is not None else None
         if batch is None or result is None:
