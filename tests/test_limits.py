@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastlock import protocol as P
-from fastlock._testbase import CredentialsDir, ServerProcess
+from fastlock._testbase import CredentialsDir, ServerProcess, raw_hello
 from fastlock.errors import LimitExceeded, ProtocolError, Unavailable
 
 # ---------------------------------------------------------------------------------------------
@@ -43,7 +43,7 @@ class Raw:
         self.unpacker = msgpack.Unpacker(raw=False)
         self.next_id = 1
         if hello:
-            reply = self.call(P.OP_HELLO, P.PROTOCOL_VERSION, name, credential)
+            reply = raw_hello(self.call, name, credential)
             assert reply[1] == 0, reply
 
     def send(self, op: int, *args) -> int:
@@ -97,7 +97,7 @@ def fake_replica(address: str, *, rcvbuf: int = 4096, from_lsn: int = 0, incarna
                  name: str = "fake@0123456789abcdef", credential=None) -> tuple[Raw, dict]:
     """A peer that attaches as a standby: ``credential`` is a replica principal's token."""
     raw = Raw(address, hello=False, rcvbuf=rcvbuf)
-    hello = raw.call(P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{name}", credential)
+    hello = raw_hello(raw.call, f"standby:{name}", credential)
     assert hello[1] == 0, hello
     reply = raw.call(P.OP_REPLICATE, from_lsn, incarnation, 0, name)
     assert reply is not None and reply[1] == 0, reply

@@ -1,6 +1,6 @@
 """Test support shipped with the package, for fastlock's own tests and benches and for yours.
 
-Four parts, each a module that can be read alone:
+Five parts, each a module that can be read alone:
 
 :mod:`fastlock._testbase.servers`
     :class:`ServerProcess`: a real ``fastlock serve`` subprocess on 127.0.0.1
@@ -18,6 +18,9 @@ Four parts, each a module that can be read alone:
     :class:`TcpProxy`: a fault-injecting TCP proxy that can black-hole, cut
     and heal a link, per connection label (:func:`classify_fastlock` tells a
     standby's replication connection from a client's).
+:mod:`fastlock._testbase.handshake`
+    :func:`raw_hello` / :func:`raw_hello_async`: the HELLO handshake (the token
+    proved, never sent) for a test that speaks the protocol on a raw socket.
 :mod:`fastlock._testbase.cluster`
     :class:`Cluster` (primaries, standbys and proxies for one test, stopped
     together), :class:`RawNode` (a protocol connection to exactly one node, no
@@ -38,6 +41,7 @@ under a cycle of crashes, pauses, partitions and manual promotions.
 """
 
 from fastlock._testbase.cluster import Cluster, RawNode, poll, run, status_of
+from fastlock._testbase.handshake import handshake_for, raw_hello, raw_hello_async
 from fastlock._testbase.history import (
     GrantRecord,
     HistoryChecker,
@@ -64,9 +68,12 @@ __all__ = [
     "check_holdings",
     "check_store",
     "classify_fastlock",
+    "handshake_for",
     "node_status",
     "poll",
     "power_cut",
+    "raw_hello",
+    "raw_hello_async",
     "run",
     "status_of",
 ]

@@ -30,6 +30,7 @@ from typing import Any
 from fastlock import protocol as P
 from fastlock._testbase.proxy import TcpProxy
 from fastlock._testbase.servers import CredentialsDir, ServerProcess
+from fastlock.auth import ClientHandshake, say_hello, secret_of
 from fastlock.errors import ConnectionLost
 from fastlock.protocol import rpc
 from fastlock.units import parse_address
@@ -66,11 +67,9 @@ class RawNode:
             token = Path(path).read_text().strip() if path else None
         node = cls(address)
         node._conn = await rpc.open_connection(node.host, node.port, timeout=timeout)
-        args: list[Any] = [P.PROTOCOL_VERSION, name, token]
-        if known_epoch is not None:
-            args.append(known_epoch)
+        handshake = ClientHandshake(secret_of(token) if token else None)
         try:
-            node.hello = await asyncio.wait_for(node.request(P.OP_HELLO, *args), timeout)
+            node.hello = await asyncio.wait_for(say_hello(node._conn, name, handshake, known_epoch), timeout)
         except BaseException:
             await node.close()
             raise

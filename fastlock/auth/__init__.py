@@ -81,10 +81,9 @@ line per interval for the rest.
 from .credentials import (
     ANONYMOUS,
     CLIENT_OPS,
+    FORMAT_VERSION,
     KINDS,
-    MAX_CHALLENGE_BYTES,
     MAX_TOKEN_CHARS,
-    MIN_CHALLENGE_BYTES,
     SHARED_SECRET_PRINCIPAL,
     TOKEN_PREFIX,
     AclRule,
@@ -96,34 +95,43 @@ from .credentials import (
     hash_token,
     is_loopback,
     make_token,
-    primary_proof,
-    primary_proof_key,
     read_token_file,
+    secret_of,
     token_principal,
 )
+from .environment import resolve_credential
+from .exchange import say_hello
 from .failures import AuthFailures
+from .handshake import ClientHandshake, ClientSecret, ServerKeys, ServerNotProven, derive_keys
+from .upgrade import upgrade
 
 __all__ = [
     "ANONYMOUS",
     "CLIENT_OPS",
+    "FORMAT_VERSION",
     "KINDS",
-    "MAX_CHALLENGE_BYTES",
     "MAX_TOKEN_CHARS",
-    "MIN_CHALLENGE_BYTES",
     "SHARED_SECRET_PRINCIPAL",
     "TOKEN_PREFIX",
     "AclRule",
     "AuthFailures",
+    "ClientHandshake",
+    "ClientSecret",
     "Credentials",
     "CredentialsError",
     "Principal",
+    "ServerKeys",
+    "ServerNotProven",
+    "derive_keys",
     "generate",
     "hash_owner",
     "hash_token",
     "is_loopback",
     "make_token",
-    "primary_proof",
-    "primary_proof_key",
     "read_token_file",
+    "resolve_credential",
+    "say_hello",
+    "secret_of",
     "token_principal",
+    "upgrade",
 ]

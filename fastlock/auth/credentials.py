@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import hmac
 import ipaddress
 import json
 import logging
@@ -18,6 +17,7 @@ from functools import cached_property
 from typing import Any
 
 from ..errors import FastlockError
+from .handshake import ClientSecret, ServerKeys, client_secret, derive_keys
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +31,8 @@ ANONYMOUS = "anonymous"
 SHARED_SECRET_PRINCIPAL = "shared-secret"
 TOKEN_PREFIX = "fl1"
 MAX_TOKEN_CHARS = 1024
-#: challenge nonce for the primary's proof, bytes
-MIN_CHALLENGE_BYTES = 16
-MAX_CHALLENGE_BYTES = 64
+#: the credentials file format this fastlock reads and writes
+FORMAT_VERSION = 2
 
 _PRINCIPAL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _HEX = re.compile(r"^[0-9a-f]*$")
@@ -48,19 +47,16 @@ class CredentialsError(FastlockError, ValueError):
 
 
 def hash_token(token: str) -> bytes:
-    """SHA-256 of a token (what a credentials file stores), 32 bytes."""
+    """SHA-256 of a token as a format-1 credentials file stored it (``token_sha256``),
+    32 bytes: what ``fastlock credentials upgrade`` checks a token file against."""
     return hashlib.sha256(b"fastlock token v1\0" + token.encode("utf-8", "surrogatepass")).digest()
 
 
-def primary_proof_key(token: str) -> bytes:
-    """The key a primary proves itself with to the standby holding ``token`` (32 bytes)."""
-    return hmac.new(token.encode("utf-8"), b"fastlock primary proof key v1", hashlib.sha256).digest()
-
-
-def primary_proof(key: bytes, principal: str, challenge: bytes) -> bytes:
-    """HMAC-SHA256 of the standby's challenge, bound to its principal name."""
-    return hmac.new(key, b"fastlock primary proof v1\0" + principal.encode("utf-8") + b"\0" + challenge,
-                    hashlib.sha256).digest()
+def secret_of(token: str) -> ClientSecret:
+    """What a client proves with ``token`` (:class:`~fastlock.auth.handshake.ClientSecret`):
+    a token ``fl1.<principal>.<random>`` proves that principal; any other string is the
+    legacy shared secret (principal None)."""
+    return client_secret(token, token_principal(token))
 
 
 #: BLAKE2b-128 personalised for owner keys, with nothing hashed yet: hash_owner copies it
@@ -141,10 +137,9 @@ class Principal:
 
     name: str
     kind: str
-    token_hash: bytes | None = None
+    keys: ServerKeys | None = None  # from the token (None: certificate identities only, or anonymous)
     acl: tuple = ()
     node_id: str | None = None
-    proof_key: bytes | None = None
     cert_identities: tuple = ()
 
     def allows(self, op: str, name: str) -> bool:
@@ -189,13 +184,13 @@ class Credentials:
 
     principals: dict = field(default_factory=dict)
     anonymous: Principal | None = None
-    shared_secret_hash: bytes | None = None
+    shared_secret: Principal | None = None  # the legacy shared secret's principal, with its keys
     source: str = "open mode"
 
     @property
     def open(self) -> bool:
         """No credentials at all: everyone is the anonymous client."""
-        return not self.principals and self.shared_secret_hash is None
+        return not self.principals and self.shared_secret is None
 
     @classmethod
     def open_mode(cls) -> Credentials:
@@ -210,7 +205,8 @@ class Credentials:
         if not secret:
             raise CredentialsError("the shared secret is empty")
         anonymous = None if self.open else self.anonymous
-        return Credentials(dict(self.principals), anonymous, hash_token(secret),
+        shared = Principal(SHARED_SECRET_PRINCIPAL, "client", derive_keys(secret), _EVERY_NAME)
+        return Credentials(dict(self.principals), anonymous, shared,
                            self.source if not self.open else "shared secret")
 
     @classmethod
@@ -240,8 +236,14 @@ class Credentials:
 
     @classmethod
     def _parse(cls, data: dict, where: str) -> Credentials:
-        if data.get("version", 1) != 1:
-            raise CredentialsError(f"{where}: unsupported version {data.get('version')!r} (this fastlock reads 1)")
+        version = data.get("version", 1)
+        if version == 1:
+            raise CredentialsError(
+                f"{where}: credentials format 1 (token hashes, tokens sent in clear) is no longer read: "
+                f"convert it with `fastlock credentials upgrade {os.path.dirname(where) or '.'}` "
+                f"(reads the *.token files beside it; tokens stay the same)")
+        if version != FORMAT_VERSION:
+            raise CredentialsError(f"{where}: unsupported version {version!r} (this fastlock reads {FORMAT_VERSION})")
         table = data.get("principals")
         if not isinstance(table, dict) or not table:
             raise CredentialsError(f"{where}: no [principals.NAME] tables")
@@ -254,26 +256,27 @@ class Credentials:
                 raise CredentialsError(f"{what}: a name is 1-64 of A-Z a-z 0-9 _ . - (starting with a letter or digit)")
             if not isinstance(entry, dict):
                 raise CredentialsError(f"{what}: must be a table")
-            unknown = set(entry) - {"kind", "token_sha256", "acl", "node_id", "primary_proof_key", "cert_identities"}
+            unknown = set(entry) - {"kind", "stored_key", "server_key", "acl", "node_id", "cert_identities"}
             if unknown:
                 raise CredentialsError(f"{what}: unknown keys {sorted(unknown)}")
             kind = entry.get("kind")
             if kind not in KINDS:
                 raise CredentialsError(f"{what}: kind must be one of {', '.join(KINDS)}, not {kind!r}")
-            token_hash = _hex_field(entry, "token_sha256", 32, what)
+            stored_key = _hex_field(entry, "stored_key", 32, what)
+            server_key = _hex_field(entry, "server_key", 32, what)
+            if (stored_key is None) != (server_key is None):
+                raise CredentialsError(f"{what}: stored_key and server_key go together")
+            keys = ServerKeys(stored_key, server_key) if stored_key is not None and server_key is not None else None
             if name == ANONYMOUS:
-                if kind != "client" or token_hash is not None:
+                if kind != "client" or keys is not None:
                     raise CredentialsError(f"{what}: the anonymous principal is a client without a token")
-            elif token_hash is None and not entry.get("cert_identities"):
-                raise CredentialsError(f"{what}: needs token_sha256 or cert_identities")
+            elif keys is None and not entry.get("cert_identities"):
+                raise CredentialsError(f"{what}: needs stored_key and server_key, or cert_identities")
             acl: tuple = ()
             if kind == "client":
                 acl = _parse_acl(entry.get("acl"), what)
             elif "acl" in entry:
                 raise CredentialsError(f"{what}: only client principals have an acl")
-            proof_key = _hex_field(entry, "primary_proof_key", 32, what)
-            if proof_key is not None and kind != "replica":
-                raise CredentialsError(f"{what}: only replica principals have a primary_proof_key")
             node = entry.get("node_id")
             if node is not None and (kind != "replica" or type(node) is not str or not node):
                 raise CredentialsError(f"{what}: node_id is a non-empty string, for replica principals only")
@@ -284,7 +287,7 @@ class Credentials:
                 if cn in identities:
                     raise CredentialsError(f"{what}: certificate identity {cn!r} already maps to {identities[cn]!r}")
                 identities[cn] = name
-            p = Principal(name, kind, token_hash, acl, node, proof_key, tuple(certs))
+            p = Principal(name, kind, keys, acl, node, tuple(certs))
             if name == ANONYMOUS:
                 anonymous = p
             else:
@@ -292,17 +295,16 @@ class Credentials:
         return cls(principals, anonymous, None, where)
 
     # -- lookups ------------------------------------------------------------------------
-    def authenticate(self, token: str) -> Principal | None:
-        """The principal ``token`` proves, or None.  Constant-time comparison of hashes."""
-        digest = hash_token(token)
-        name = token_principal(token)
-        p = self.principals.get(name) if name is not None else None
-        ok = p is not None and p.token_hash is not None and hmac.compare_digest(digest, p.token_hash)
-        if ok:
-            return p
-        if self.shared_secret_hash is not None and hmac.compare_digest(digest, self.shared_secret_hash):
-            return Principal(SHARED_SECRET_PRINCIPAL, "client", acl=_EVERY_NAME)
-        return None
+    def lookup(self, principal: str | None) -> Principal | None:
+        """The principal a handshake names, if it has keys to prove: ``None`` names
+        the legacy shared secret (as does ``"shared-secret"`` when no principal of
+        that name exists)."""
+        if principal is None:
+            return self.shared_secret
+        p = self.principals.get(principal)
+        if p is None and principal == SHARED_SECRET_PRINCIPAL:
+            return self.shared_secret
+        return p if p is not None and p.keys is not None else None
 
     def by_cert_identity(self, identity: str) -> Principal | None:
         """The principal a verified client certificate's identity (its subject CN) maps to."""
@@ -310,11 +312,6 @@ class Credentials:
             if identity in p.cert_identities:
                 return p
         return None
-
-    def replica(self, name: Any) -> Principal | None:
-        """The replica principal ``name`` that has a primary proof key, or None."""
-        p = self.principals.get(name) if type(name) is str else None
-        return p if p is not None and p.kind == "replica" and p.proof_key is not None else None
 
 
 def _hex_field(entry: dict, key: str, size: int, what: str) -> bytes | None:
@@ -390,23 +387,14 @@ def generate(directory: str | os.PathLike, *, clients: Iterable[tuple[str, str]]
     for path in targets:
         if os.path.exists(path):
             raise CredentialsError(f"{path} exists: not overwriting credentials (use another directory)")
-    lines = ["# fastlock credentials: token hashes only (the tokens are in the *.token files beside it).",
-             "# Give each program only its own token file. See `pydoc fastlock.auth` for the format.",
-             "version = 1", ""]
+    lines = list(FILE_HEADER)
     tokens: dict[str, str] = {}
     for name, kind, prefix in entries:
         token = make_token(name)
         tokens[name] = token
-        lines.append(f"[principals.{name}]")
-        lines.append(f'kind = "{kind}"')
-        lines.append(f'token_sha256 = "{hash_token(token).hex()}"')
-        if kind == "client":
-            lines.append(f'acl = [{{prefix = {_toml_str(prefix or "")}, ops = ["*"]}}]')
-        if kind == "replica":
-            lines.append(f'primary_proof_key = "{primary_proof_key(token).hex()}"')
-        if certs.get(name):
-            lines.append(f"cert_identities = [{', '.join(_toml_str(cn) for cn in certs[name])}]")
-        lines.append("")
+        lines += principal_lines(name, kind, derive_keys(token),
+                                 [{"prefix": prefix or "", "ops": ["*"]}] if kind == "client" else None,
+                                 None, certs.get(name))
     if anonymous_prefix is not None:
         lines += [f"[principals.{ANONYMOUS}]", 'kind = "client"',
                   f'acl = [{{prefix = {_toml_str(anonymous_prefix)}, ops = ["*"]}}]', ""]
@@ -417,6 +405,32 @@ def generate(directory: str | os.PathLike, *, clients: Iterable[tuple[str, str]]
         _write_private(path, tokens[name] + "\n")
         paths[name] = path
     return paths
+
+
+#: the first lines of a credentials file
+FILE_HEADER = ("# fastlock credentials: keys derived from the tokens, never the tokens (those are in the",
+               "# *.token files beside it). Give each program only its own token file.",
+               "# See `pydoc fastlock.auth` for the format.",
+               f"version = {FORMAT_VERSION}", "")
+
+
+def principal_lines(name: str, kind: str, keys: ServerKeys | None, acl: list | None, node_id: str | None,
+                    cert_identities: Iterable[str] | None) -> list[str]:
+    """The TOML lines of one ``[principals.NAME]`` table (format 2), ending with a blank line."""
+    lines = [f"[principals.{name}]", f"kind = {_toml_str(kind)}"]
+    if keys is not None:
+        lines.append(f'stored_key = "{keys.stored_key.hex()}"')
+        lines.append(f'server_key = "{keys.server_key.hex()}"')
+    if acl is not None:
+        rules = ", ".join(f"{{prefix = {_toml_str(r.get('prefix', ''))}, "
+                          f"ops = [{', '.join(map(_toml_str, r['ops']))}]}}" for r in acl)
+        lines.append(f"acl = [{rules}]")
+    if node_id is not None:
+        lines.append(f"node_id = {_toml_str(node_id)}")
+    if cert_identities:
+        lines.append(f"cert_identities = [{', '.join(_toml_str(cn) for cn in cert_identities)}]")
+    lines.append("")
+    return lines
 
 
 def _write_private(path: str, text: str) -> None:

@@ -9,7 +9,8 @@ Subcommands::
     fastlock run NAME --ttl S [--wait S] [--server HOST:PORT] -- CMD ...
     fastlock promote --server HOST:PORT [--force] [--token-file FILE]
     fastlock serve-alone --server HOST:PORT [--token-file FILE]
-    fastlock credentials init DIR     credentials.toml (hashes) + one 0600 token file per principal
+    fastlock credentials init DIR     credentials.toml (keys) + one 0600 token file per principal
+    fastlock credentials upgrade DIR  a format-1 credentials.toml rewritten as format 2
     fastlock locks [PREFIX] [-o json]                 the held locks
     fastlock lock NAME [-o json]                      one lock's holders and ordered waiters
     fastlock revoke NAME [--token T] [--reason TEXT]  force-release (audit record in the WAL)
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("status", "promote", "serve-alone"):
         admin.resolve_server(args)
     command = COMMAND_NAMES.get(args.command, args.command)
+    if args.command == "credentials":
+        command = f"credentials {args.credentials_command}"
     try:
         return int(args.handler(args))
     except KeyboardInterrupt:

@@ -22,9 +22,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from .. import wal
-from ..auth import generate
+from ..auth import ClientHandshake, ServerNotProven, generate, say_hello, secret_of, upgrade
 from ..errors import ConnectionLost, FastlockError
-from ..protocol import OP_HELLO, OP_PROMOTE, OP_SERVE_ALONE, OP_STATUS, PROTOCOL_VERSION
+from ..protocol import OP_PROMOTE, OP_SERVE_ALONE, OP_STATUS
 from ..protocol.rpc import NotFastlockReply, open_connection, what_answered
 from ..tls import client_ssl_context
 from ..units import DEFAULT_PORT, format_address
@@ -92,7 +92,8 @@ def add_parsers(sub: Any) -> None:
     csub = c.add_subparsers(dest="credentials_command", required=True)
     ci = csub.add_parser(
         "init", help="make DIR/credentials.toml and one 0600 DIR/<principal>.token per principal",
-        description="Make a credentials file (token hashes only) and a token file per principal in DIR "
+        description="Make a credentials file (keys derived from the tokens, never the tokens) and a token "
+                    "file per principal in DIR "
                     "(made 0700; existing files are never overwritten). Defaults: client 'app' (every lock), "
                     "replicas 'node-a' and 'node-b' (one per node of a pair), admin 'admin'.")
     ci.set_defaults(handler=credentials_init_command)
@@ -108,6 +109,15 @@ def add_parsers(sub: Any) -> None:
     ci.add_argument("--anonymous", metavar="PREFIX",
                     help="let connections without a token act as a client on names starting with PREFIX "
                          "('' for every name)")
+
+    cu = csub.add_parser(
+        "upgrade", help="rewrite DIR/credentials.toml from format 1 to format 2 (from the token files beside it)",
+        description="Rewrite a format-1 DIR/credentials.toml (token hashes) as format 2 (the handshake's "
+                    "stored and server keys), reading each principal's token from DIR/<principal>.token. "
+                    "Tokens do not change, so clients need no change. Atomic, mode 0600; nothing is written "
+                    "if a token file is missing or holds another token.")
+    cu.set_defaults(handler=credentials_upgrade_command)
+    cu.add_argument("directory", metavar="DIR")
 
     w = sub.add_parser("wal", help="inspect a write-ahead log")
     wsub = w.add_subparsers(dest="wal_command", required=True)
@@ -190,14 +200,17 @@ def admin_request(server: tuple[str, int], token: str | None, op: int, *args: An
             conn = await open_connection(host, port, timeout=connect_timeout, **ssl_args)
         except asyncio.TimeoutError:
             raise TimeoutError(f"no connection within {connect_timeout:g} s") from None
-        hello = conn.request(OP_HELLO, PROTOCOL_VERSION, "fastlock-admin", token)
-        reply = conn.request(op, *args)
+        # the token is proved, never sent; the request goes only to a server that proved itself
+        hello = say_hello(conn, "fastlock-admin", ClientHandshake(secret_of(token) if token else None))
+        reply: Any = None
         try:
             try:  # a port that does not speak fastlock: fail within the connect timeout, saying so
                 info = await asyncio.wait_for(hello, min(reply_timeout, connect_timeout))
             except asyncio.TimeoutError:
                 raise NotFastlock(f"not a fastlock server (no answer to HELLO within "
                                   f"{min(reply_timeout, connect_timeout):g} s)") from None
+            except ServerNotProven:
+                raise
             except ConnectionLost as exc:
                 if conn.close_error is None and conn.received:  # it answered, not in fastlock
                     if not isinstance(exc, NotFastlockReply):
@@ -206,6 +219,7 @@ def admin_request(server: tuple[str, int], token: str | None, op: int, *args: An
                 raise
             if not isinstance(info, dict) or info.get("server") != "fastlock":
                 raise NotFastlock(f"not a fastlock server (HELLO answered {info!r:.60})")
+            reply = conn.request(op, *args)
             return await asyncio.wait_for(reply, reply_timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"no reply within {reply_timeout:g} s") from None
@@ -214,7 +228,8 @@ def admin_request(server: tuple[str, int], token: str | None, op: int, *args: An
                 raise conn.close_error from None
             raise ConnectionError("the server closed the connection" + hint) from None
         finally:
-            reply.add_done_callback(lambda f: f.cancelled() or f.exception())
+            if reply is not None:
+                reply.add_done_callback(lambda f: f.cancelled() or f.exception())
             conn.close()
 
     async def run() -> Any:
@@ -298,10 +313,18 @@ def credentials_init_command(args: argparse.Namespace) -> int:
         certs[principal] = [*certs.get(principal, ()), cn]
     paths = generate(args.directory, clients=clients, replicas=args.replica or ["node-a", "node-b"],
                      admins=args.admin or ["admin"], anonymous_prefix=args.anonymous, cert_identities=certs)
-    print(f"wrote {os.path.join(args.directory, 'credentials.toml')} (token hashes; give it to every server "
+    print(f"wrote {os.path.join(args.directory, 'credentials.toml')} (keys, no tokens; give it to every server "
           f"with --credentials) and these token files (mode 0600; each only to its user):")
     for path in paths.values():
         print(f"  {path}")
+    return 0
+
+
+def credentials_upgrade_command(args: argparse.Namespace) -> int:
+    """Rewrite DIR/credentials.toml as format 2 (:func:`fastlock.auth.upgrade`)."""
+    names = upgrade(args.directory)
+    print(f"upgraded {os.path.join(args.directory, 'credentials.toml')} to format 2 "
+          f"(keys derived for {', '.join(names) or 'no principal'}); tokens are unchanged")
     return 0
 
 

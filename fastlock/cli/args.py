@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any
 
-from ..auth import CredentialsError, read_token_file
+from ..auth import CredentialsError, read_token_file, resolve_credential
 from ..errors import FastlockError
 from ..protocol import MIN_MAX_FRAME_BYTES, check_ttl_ms, check_wait_ms, seconds_to_ms
 from ..units import DEFAULT_PORT, MAX_SECONDS, check_seconds, parse_address
@@ -206,12 +206,12 @@ def read_secret(path: str | None) -> str | None:
 
 
 def read_token(args: argparse.Namespace) -> str | None:
-    """The credential a command presents: --token-file, env FASTLOCK_TOKEN_FILE,
-    or the legacy secret (:func:`read_secret`); None: no credential."""
-    path = getattr(args, "token_file", None) or os.environ.get("FASTLOCK_TOKEN_FILE")
-    if path:
-        return read_token_file(path)
-    return read_secret(getattr(args, "auth_secret_file", None))
+    """The credential a command presents, by the one rule of
+    :func:`fastlock.auth.resolve_credential` (--token-file, then --auth-secret-file,
+    then env FASTLOCK_TOKEN_FILE, then env FASTLOCK_AUTH_SECRET); None: no credential."""
+    path = getattr(args, "auth_secret_file", None)
+    return resolve_credential(token_file=getattr(args, "token_file", None) or None,
+                              auth=read_token_file(path) if path else None)
 
 
 #: a command's name in its errors, where its first word is not all of it

@@ -205,10 +205,6 @@ def run_from_args(args: argparse.Namespace, command: list[str]) -> int:
     servers = args.server or servers_from_env() or [f"127.0.0.1:{DEFAULT_PORT}"]
     try:
         secret = read_token_file(args.auth_secret_file) if args.auth_secret_file else None
-        if secret is None and os.environ.get("FASTLOCK_AUTH_SECRET") is not None:
-            secret = os.environ["FASTLOCK_AUTH_SECRET"].strip()
-            if not secret:
-                raise InvalidArgument("FASTLOCK_AUTH_SECRET is set but empty")
         secret = resolve_credential(token_file=args.token_file, auth=secret)
     except FastlockError as exc:
         log.error("%s", exc)

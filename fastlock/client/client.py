@@ -33,7 +33,7 @@ from .acquire import HeldLeases, acquire_retry, duration_ms, verify_late_grant, 
 from .admin import LockAdminMethods
 from .connection import BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election
-from .environment import addresses_from_env, secret_from_env, tls_from_env
+from .environment import addresses_from_env, tls_from_env
 from .keys import KeyMethods
 from .kinds import Semaphore, kind_args
 from .lease import HolderInfo, Lease, LeaseState, WatchEvent, check_fraction, check_lease
@@ -102,8 +102,7 @@ class Client(KeyMethods, LockAdminMethods):
                                         "server_hostname": server_hostname})
         tls_ca, tls_cert, tls_key, server_hostname = (files["tls_ca"], files["tls_cert"], files["tls_key"],
                                                       files["server_hostname"])
-        auth = resolve_credential(token=token, token_file=token_file,
-                                  auth=secret_from_env(auth, token, token_file))
+        auth = resolve_credential(token=token, token_file=token_file, auth=auth)
         client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
         self._connect_timeout = check_seconds(connect_timeout, "connect_timeout")
         self._request_timeout = check_seconds(request_timeout, "request_timeout", allow_none=True)

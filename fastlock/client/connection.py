@@ -21,13 +21,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import random
 import ssl
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from .. import protocol as P
+from ..auth import ClientHandshake, ServerNotProven, resolve_credential, say_hello, secret_of
 from ..errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost, NotPrimary, Unavailable
 from ..logsafe import quote
 from ..protocol.ops import PUSH_VALUE
@@ -104,7 +104,8 @@ class Connector:
     Args:
         addresses: ``"host:port"`` strings or ``(host, port)`` tuples
             (:func:`fastlock.units.parse_address`; default port 7420).
-        auth: the credential sent in HELLO (see :func:`resolve_credential`).
+        auth: the token (or legacy secret) proved in HELLO, never sent (see
+            :func:`resolve_credential` and :mod:`fastlock.auth.handshake`).
         client_name: sent in HELLO (checked by the caller).
         connect_timeout: seconds for each TCP connect and each handshake.
         request_timeout: the connections' liveness timeout in seconds (None: none).
@@ -134,7 +135,7 @@ class Connector:
         self.addresses = [parse_address(a) for a in addresses]
         if not self.addresses:
             raise InvalidArgument("connect() needs at least one address")
-        self._auth = auth
+        self._auth = secret_of(auth) if auth is not None else None
         self._client_name = client_name
         self._connect_timeout = connect_timeout
         self._request_timeout = request_timeout
@@ -273,7 +274,7 @@ class Connector:
                 continue
             try:
                 info = await asyncio.wait_for(
-                    proto.request(P.OP_HELLO, P.PROTOCOL_VERSION, self._client_name, self._auth, self.max_epoch),
+                    say_hello(proto, self._client_name, ClientHandshake(self._auth), self.max_epoch),
                     self._connect_timeout,
                 )
             except NotPrimary as exc:
@@ -288,6 +289,11 @@ class Connector:
                 proto.close()
                 self._demoted.add(addr)
                 errors.append(f"{addr[0]}:{addr[1]}: unavailable: {exc}")
+                continue
+            except ServerNotProven as exc:  # nothing but HELLO went to it: try the others
+                proto.abort(exc)
+                self._demoted.add(addr)
+                errors.append(f"{addr[0]}:{addr[1]}: {exc}")
                 continue
             except (asyncio.TimeoutError, ConnectionLost) as exc:
                 if isinstance(exc, ConnectionLost) and not proto.silent:
@@ -570,31 +576,3 @@ class RideThrough:
                     raise
                 unknown = unknown or isinstance(err, ConnectionLost)
                 pause = self.failed(proto, err)
-
-
-def resolve_credential(*, token: str | None = None, token_file: str | os.PathLike[str] | None = None,
-                       auth: str | None = None) -> str | None:
-    """The credential a client presents in its HELLO: ``token``, else the token read from
-    ``token_file``, else (when no legacy ``auth`` secret is given either) the token file
-    named by the environment variable ``FASTLOCK_TOKEN_FILE``, else ``auth``.
-
-    Raises InvalidArgument (empty or over-long token, both token and token_file) or
-    CredentialsError (a token file that cannot be read or is empty).
-    """
-    from ..auth import read_token_file
-
-    if token is not None and token_file is not None:
-        raise InvalidArgument("give token or token_file, not both")
-    if token is None:
-        path = token_file
-        if path is None and auth is None:
-            path = os.environ.get("FASTLOCK_TOKEN_FILE") or None
-        if path is not None:
-            token = read_token_file(path)
-    if token is not None:
-        if type(token) is not str or not token or len(token) > 1024:
-            raise InvalidArgument("a token is a non-empty str of at most 1024 characters")
-        return token
-    if auth is not None and (type(auth) is not str or not auth):
-        raise InvalidArgument("the auth secret must be a non-empty str")
-    return P.check_optional_str(auth, "auth secret", 1024)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: tokens are proved, never sent (fastlock.auth.handshake)
 
 OP_HELLO = 1
 OP_ACQUIRE = 2

@@ -1,8 +1,13 @@
-"""The standby's connection to its primary: connect, make the primary prove itself, follow.
+"""The standby's connection to its primary: connect, prove each other, follow.
 
-:class:`PrimaryLink` connects (over TLS when configured), makes the primary
-prove it holds this standby's credential before the standby's token goes
-out (see :mod:`fastlock.auth`), says HELLO, refuses a primary at a lower
+:class:`PrimaryLink` connects (over TLS when configured) and says HELLO: the
+standby proves its replica token without sending it, and the primary proves
+it holds the same credential, bound to this exchange, to the standby's node
+id as the client and to its own node id as the server
+(:mod:`fastlock.auth.handshake`).  Nothing the primary says - its epoch, its
+snapshot, its records - is believed before its proof checks out; a node that
+names this standby's own node id is refused (a relayed handshake).  The link
+then refuses a primary at a lower
 epoch than this node's (and asks it to step down), asks for the stream with
 ``REPLICATE``, and hands every push to its
 :class:`~fastlock.replication.follower.StandbyFollower`; after each read it
@@ -13,14 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import logging
 import os
 import ssl
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
-from ..auth import primary_proof, primary_proof_key, token_principal
+from ..auth import ClientHandshake, ServerNotProven, say_hello, secret_of, token_principal
 from ..errors import AuthError, FastlockError, PermissionDenied
 from ..logsafe import quote
 from ..protocol import rpc
@@ -50,11 +54,14 @@ class PrimaryLink:
         self.follower = follower
         self.primary = primary
         self.tls = tls
-        self.token = token
+        #: what this standby proves (from its replica token; None: mutual TLS identifies it)
+        self.secret = secret_of(token) if token else None
         #: the replica principal this standby authenticates as (from its token, or the
         #: primary's HELLO answer over mutual TLS)
         self.principal = token_principal(token) if token else None
         self.name = name
+        #: this node's id (the part of ``name`` after "@"): a server naming it is this node itself
+        self.own_node = name.rpartition("@")[2] if name else None
         self.stream_limits = stream_limits
         self.connected = False
         self._rpc: rpc.RpcConnection | None = None
@@ -159,14 +166,12 @@ class PrimaryLink:
             self._ack_id = link.next_id()
             host = follower.host
             try:
-                if not await self._primary_proves_itself(link):
+                hello = await self._hello(link)
+                if hello is None:
                     link.close()
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 5.0)
                     continue
-                hello = await asyncio.wait_for(
-                    link.request(P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{self.name or os.getpid()}",
-                                  self.token, host.table.epoch), 5.0)
                 if self.principal is None and type(hello.get("principal")) is str:
                     self.principal = hello["principal"]  # authenticated by our certificate
                 their_epoch = P.check_epoch(hello.get("epoch", 0), "primary's epoch")
@@ -214,27 +219,28 @@ class PrimaryLink:
             if not self._stopping:
                 log.warning("lost the replication connection to %s", self.address)
 
-    async def _primary_proves_itself(self, link: rpc.RpcConnection) -> bool:
-        """Before our token goes out: the primary must answer our random challenge with
-        the proof only a holder of our credential can make (see :mod:`fastlock.auth`).
-
-        Raises what the request raises (AuthError if the primary does not know our
-        principal); returns False if the proof is wrong.
-        """
-        if self.principal is None or self.token is None:
-            return True  # no replica token: the primary refuses REPLICATE, nothing to protect
-        challenge = os.urandom(32)
-        answer = await asyncio.wait_for(
-            link.request(P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{self.name or os.getpid()}",
-                         {"principal": self.principal, "challenge": challenge}), 5.0)
-        expected = primary_proof(primary_proof_key(self.token), self.principal, challenge)
-        proof = answer.get("proof") if isinstance(answer, dict) else None
-        if type(proof) is bytes and hmac.compare_digest(proof, expected):
-            if self.follower.refused is not None and "could not prove" in self.follower.refused:
-                self.follower.refused = None
-            return True
-        self.follower.refused = f"{self.address} could not prove that it holds this standby's credential"
-        log.critical("not following %s: it could not prove that it holds this standby's credential "
-                     "(replica principal %s): an impostor, or a different credentials file", self.address,
-                     self.principal)
-        return False
+    async def _hello(self, link: rpc.RpcConnection) -> dict | None:
+        """The primary's hello info once it proved itself (None: it did not; logged, and
+        ``follower.refused`` says why until a primary does)."""
+        follower = self.follower
+        handshake = ClientHandshake(self.secret, role="replica" if self.secret is not None else None,
+                                    own_node=self.own_node)
+        try:
+            hello = await asyncio.wait_for(
+                say_hello(link, f"standby:{self.name or os.getpid()}", handshake, follower.host.table.epoch), 5.0)
+            if self.own_node is not None and hello.get("node") == self.own_node:
+                raise ServerNotProven(f"the server is this node itself (node id {self.own_node})")
+        except AuthError as exc:
+            # a refused proof and a missing one look alike from here (as in SCRAM): either the
+            # server does not hold this standby's credential, or this standby's is not the server's
+            why = str(exc) if isinstance(exc, ServerNotProven) else f"it refused this standby's proof ({exc})"
+            message = f"{self.address} could not prove that it holds this standby's credential: {why}"
+            if follower.refused != message:
+                log.critical("not following %s: it could not prove that it holds this standby's credential "
+                             "(replica principal %s), an impostor or a different credentials file: %s",
+                             self.address, self.principal, quote(why))
+            follower.refused = message
+            return None
+        if follower.refused is not None and "could not prove" in follower.refused:
+            follower.refused = None
+        return hello

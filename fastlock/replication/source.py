@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
-from ..errors import InvalidArgument, ProtocolError, Unavailable
+from ..errors import InvalidArgument, PermissionDenied, ProtocolError, Unavailable
 from ..logsafe import quote
 from ..roles import Role
 from ..units import monotonic_ms
@@ -163,6 +163,12 @@ class ReplicationSource:
         if not coordinated and self.paired_id is not None and ident != standby_identity(self.paired_id):
             raise Unavailable(
                 f"this primary is paired with standby {self.paired_id!r}; fastlock supports one standby. "
+                f"Run `fastlock serve-alone` on the primary to unpair it first")
+        if not coordinated and self.paired_id is not None and failover_after_ms != self._paired_window_ms:
+            # the window decides when this primary fences: only an operator changes it (serve-alone, re-pair)
+            raise PermissionDenied(
+                f"this primary is paired with standby {self.paired_id!r} at a failover window of "
+                f"{self._paired_window_ms} ms; a re-attach cannot change it (asked for {failover_after_ms} ms). "
                 f"Run `fastlock serve-alone` on the primary to unpair it first")
         now = monotonic_ms()
         for other in list(self.replicas.values()):

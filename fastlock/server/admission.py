@@ -23,6 +23,7 @@ from .config import ServerConfig
 from .session import Session
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..auth.handshake import PendingProof
     from .lockserver import LockServer
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,8 @@ class ConnectionLimits:
         self.sessions: dict[int, Session] = {}
         #: connections that have not completed HELLO, oldest first (the HELLO deadline)
         self.unready: dict[int, Session] = {}
+        #: session -> the handshake awaiting its client proof (fastlock.server.hello): one per connection
+        self.pending_proofs: dict[int, PendingProof] = {}
         self.per_address: dict[str, int] = {}
         self.max_connections = config.max_connections or DEFAULT_MAX_CONNECTIONS
         self.idle_timeout_ms = config.idle_timeout_ms
@@ -219,12 +222,14 @@ class ConnectionLimits:
     def handshake_done(self, conn: Session) -> None:
         """HELLO succeeded: the connection leaves the HELLO deadline and the handshake reserve."""
         self.unready.pop(conn.session, None)
+        self.pending_proofs.pop(conn.session, None)
 
     def forget(self, conn: Session) -> bool:
         """Uncount a connection; False if it was not counted (refused or already forgotten)."""
         if self.sessions.pop(conn.session, None) is None:
             return False
         self.unready.pop(conn.session, None)
+        self.pending_proofs.pop(conn.session, None)
         n = self.per_address.get(conn.address, 0) - 1
         if n > 0:
             self.per_address[conn.address] = n

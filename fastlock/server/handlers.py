@@ -23,15 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
 from .._core import LIMIT_CONFLICT, NOT_ACQUIRED, NotHolder
-from .._version import __version__
-from ..auth import (
-    MAX_CHALLENGE_BYTES,
-    MIN_CHALLENGE_BYTES,
-    AuthFailures,
-    Credentials,
-    Principal,
-    primary_proof,
-)
+from ..auth import Credentials
 from ..errors import (
     AuthError,
     FastlockError,
@@ -46,9 +38,10 @@ from ..errors import (
 )
 from ..logsafe import quote
 from ..replication.syncrep import SYNC_PERMISSIONS
-from ..roles import Action, NodeRole, Role
+from ..roles import Action, NodeRole
 from ..units import monotonic_ms
 from .admission import limit_exceeded
+from .hello import Hello
 from .keys import PERMISSIONS as KEY_PERMISSIONS
 from .keys import KeyStore
 from .kinds import KindHandlers, limit_conflict
@@ -160,12 +153,13 @@ class Handlers:
         self.source = server.source
         self.quotas = server.quotas
         self.watchers = self.watches.by_name
-        self.auth_failures = AuthFailures(max_failures=server.config.auth_failures_before_ban)
+        #: HELLO: the handshake (fastlock.server.hello)
+        self.hello = Hello(server, credentials)
         #: ACQUIRE_MANY, CONTENDERS and the deadlock timer
         self.kinds = kinds = KindHandlers(self)
         self.lock_admin = LockAdmin(self)
         handlers: dict[int, Handler] = {
-            P.OP_HELLO: self.op_hello,
+            P.OP_HELLO: self.hello.op_hello,
             P.OP_ACQUIRE: self.op_acquire,
             P.OP_RELEASE: self.op_release,
             P.OP_EXTEND: self.op_extend,
@@ -227,101 +221,6 @@ class Handlers:
         except Exception:  # a bug: log it, answer InternalServerError, keep serving everyone else
             log.exception("internal error handling %s from %s", P.OP_NAMES.get(op, op), conn.peer)
             conn.send(P.packb([req_id, InternalServerError.code, "internal server error", None]))
-
-    # -- HELLO ----------------------------------------------------------------------
-    def op_hello(self, conn: Session, req_id: int, msg: list) -> None:
-        """HELLO: version, client name, credentials (and an epoch hint, which changes nothing).
-
-        Credentials are a token (str: a principal's token or the legacy shared
-        secret), None (the verified mTLS certificate's identity if the
-        credentials map it, else the anonymous principal if allowed), or a
-        standby's ``{"principal", "challenge"}``: the primary then answers with
-        its proof (see :mod:`fastlock.auth`) and the connection stays
-        unauthenticated until a HELLO with the token follows.
-        """
-        # a 4th argument, the highest epoch the peer has seen, is a hint only: it never
-        # changes this node's role (a standby that promotes sends STEP_DOWN instead)
-        version, client_name, credential = msg[2], msg[3], msg[4]
-        if version != P.PROTOCOL_VERSION:
-            raise ProtocolError(f"protocol version {version!r} not supported (server speaks {P.PROTOCOL_VERSION})")
-        client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
-        failures = self.auth_failures
-        # a ban refuses new connections only: a peer authenticated before it (a standby's
-        # replication link, saying HELLO again to depose) is not cut off by someone else's failures
-        banned = 0.0 if conn.ready else failures.banned_for(conn.address)
-        if banned > 0:
-            failures.refused_while_banned(conn.address)
-            raise AuthError(f"too many failed authentications from this address: retry in {banned:.0f} s")
-        if type(credential) is dict:
-            conn.send(P.encode_ok(req_id, self._primary_proof(conn, credential, client_name)))
-            return
-        principal = self._authenticate(conn, credential, client_name)
-        if conn.ready and principal.name != conn.principal:
-            raise ProtocolError(f"this connection is authenticated as {conn.principal!r}; "
-                                f"open a new one to act as {principal.name!r}")
-        conn.authenticated(principal, client_name)
-        # the connection leaves the HELLO deadline and the handshake reserve, and
-        # its frames are no longer walked before decoding
-        conn.ready = True
-        self.server.limits.handshake_done(conn)
-        if conn.decoder is not None:
-            conn.decoder.shape_all = False
-        log.debug("session %d hello from %s: principal %s (%s), client name %s", conn.session, conn.peer,
-                  conn.principal, conn.kind, quote(conn.client_name))
-        conn.send(P.encode_ok(req_id, self._hello_info(conn)))
-
-    def _authenticate(self, conn: Session, credential: Any, client_name: str | None) -> Principal:
-        creds = self.credentials
-        principal = None
-        if credential is None:
-            identity = conn.peer_cert_identity
-            if identity is not None:
-                principal = creds.by_cert_identity(identity)
-            if principal is None:
-                principal = creds.anonymous
-            reason = "no token, and anonymous connections are not allowed"
-        elif type(credential) is str and 0 < len(credential) <= 1024:
-            principal = creds.authenticate(credential)
-            if principal is None and creds.open:
-                principal = creds.anonymous  # open mode: a token cannot be checked, and is not needed
-            reason = "unknown token"
-        else:
-            reason = "the credential must be a token string (1..1024 characters) or None"
-        if principal is None:
-            self.auth_failures.failed(conn.address, f"client name {quote(client_name)}", reason)
-            raise AuthError(f"authentication failed: {reason}")
-        return principal
-
-    def _primary_proof(self, conn: Session, credential: dict, client_name: str | None) -> dict:
-        """A standby's challenge: prove that this node holds the standby's credential."""
-        name = credential.get("principal")
-        challenge = credential.get("challenge")
-        replica = self.credentials.replica(name)
-        if (replica is None or replica.proof_key is None or type(challenge) is not bytes
-                or not MIN_CHALLENGE_BYTES <= len(challenge) <= MAX_CHALLENGE_BYTES):
-            self.auth_failures.failed(conn.address, f"client name {quote(client_name)}",
-                                      "challenge for an unknown replica principal, or a malformed challenge")
-            raise AuthError("authentication failed: no replica principal of that name, or a malformed challenge "
-                            f"({MIN_CHALLENGE_BYTES}..{MAX_CHALLENGE_BYTES} bytes)")
-        return {"principal": replica.name, "proof": primary_proof(replica.proof_key, replica.name, challenge)}
-
-    def _hello_info(self, conn: Session) -> dict:
-        roles = self.roles
-        return {
-            "server": "fastlock",
-            "version": __version__,
-            "protocol": P.PROTOCOL_VERSION,
-            "session": conn.session,
-            "role": roles.role.value,
-            "epoch": self.table.epoch,
-            "primary": roles.primary_address if roles.role is Role.STANDBY else None,
-            "fenced": roles.fenced,
-            "clock_ms": monotonic_ms(),  # this node's monotonic clock: a standby echoes it in STEP_DOWN
-            "max_frame_bytes": self.config.max_frame_bytes,
-            "principal": conn.principal,
-            "kind": conn.kind,
-            "actors": True,  # ACQUIRE and ACQUIRE_MANY read the optional actor
-        }
 
     # -- leases -------------------------------------------------------------------------
     def op_acquire(self, conn: Session, req_id: int, msg: list) -> None:

@@ -292,7 +292,7 @@ class LockServer:
                         "lock name; replica and admin operations are refused")
         else:
             log.info("credentials: %d principals from %s%s%s", len(creds.principals), creds.source,
-                     ", shared secret accepted" if creds.shared_secret_hash is not None else "",
+                     ", shared secret accepted" if creds.shared_secret is not None else "",
                      ", anonymous clients allowed" if creds.anonymous is not None else "")
         if self.failover.coordinated is not None:
             try:
