@@ -69,6 +69,7 @@ class _StatusPoller:
 
     def __init__(self, address: str, timeout: float = 2.0, token: str | None = None):
         from fastlock import protocol as P
+        from fastlock._testbase.handshake import raw_hello
 
         self.P = P
         host, _, port = address.rpartition(":")
@@ -76,7 +77,8 @@ class _StatusPoller:
         self.sock.settimeout(timeout)
         self.dec = P.FrameDecoder(limits=P.REPLY_LIMITS)
         self.next_id = 1
-        self._call(P.OP_HELLO, P.PROTOCOL_VERSION, "bench-status", token)  # an admin sees the standbys
+        # an admin sees the standbys (its token proved, never sent)
+        raw_hello(lambda *request: [0, 0, self._call(*request)], "bench-status", token)
 
     def _call(self, op: int, *args: Any) -> Any:
         rid = self.next_id

@@ -59,10 +59,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fastlock import protocol as P
-from fastlock._testbase import ServerProcess
-from fastlock.auth import ANONYMOUS, hash_owner, hash_token
+from fastlock._testbase import ServerProcess, raw_hello_async
+from fastlock._testbase.handshake import key_lines
+from fastlock.auth import ANONYMOUS, hash_owner
 from fastlock.errors import InternalServerError
 from fastlock.protocol import ops
 
@@ -134,16 +136,14 @@ def make_specs() -> list[Spec]:
 
 
 def write_credentials(path: Path, specs: list[Spec]) -> None:
-    lines = ["version = 1"]
+    lines = ["version = 2"]
     for s in specs:
         lines += [f"[principals.{s.name}]", f'kind = "{s.kind}"']
         if s.token:
-            lines.append(f'token_sha256 = "{hash_token(s.token).hex()}"')
+            lines += key_lines(s.token)
         if s.kind == "client":
             rules = ", ".join(f'{{prefix = {json.dumps(p)}, ops = {json.dumps(sorted(o))}}}' for p, o in s.acl)
             lines.append(f"acl = [{rules}]")
-        if s.kind == "replica":
-            lines.append(f'primary_proof_key = "{"00" * 32}"')
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -284,8 +284,11 @@ class Conn:
         self.reader, self.writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5)
         self.decoder = P.FrameDecoder(64 << 20, limits=P.REPLY_LIMITS)
         self.closed = False
-        replies = await self.batch([[P.OP_HELLO, [P.PROTOCOL_VERSION, f"fuzz-{self.spec.name}", self.spec.token]]])
-        ok = bool(replies) and replies[0] is not None and replies[0][1] == 0
+        async def call(op: int, *args: Any) -> Any:
+            return (await self.batch([[op, list(args)]]))[0]
+
+        reply = await raw_hello_async(call, f"fuzz-{self.spec.name}", self.spec.token)
+        ok = reply is not None and reply[1] == 0
         if not ok:
             await self.close()
         return ok

@@ -108,12 +108,12 @@ async def test_bad_arguments_and_limits(server_factory, loop_errors):
 
 
 async def test_acl_on_keys(server_factory, tmp_path, loop_errors):
-    from fastlock.auth import hash_token, make_token
+    from fastlock._testbase.handshake import key_lines
+    from fastlock.auth import make_token
 
     token = make_token("app")
     creds = tmp_path / "creds.toml"
-    creds.write_text(f'version = 1\n[principals.app]\nkind = "client"\n'
-                     f'token_sha256 = "{hash_token(token).hex()}"\n'
+    creds.write_text('version = 2\n[principals.app]\nkind = "client"\n' + "\n".join(key_lines(token)) + "\n"
                      'acl = [{prefix = "app/", ops = ["put", "get", "delete", "acquire", "release"]}]\n')
     srv = server_factory(args=["--credentials", str(creds)])
     async with fastlock.connect(srv.address, auth=token) as c:

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from fastlock import protocol as P
 from fastlock._testbase import ServerProcess
 from fastlock._testbase.cluster import RawNode
-from fastlock.auth import CLIENT_OPS, AclRule, Principal, generate, hash_owner, hash_token, make_token
+from fastlock._testbase.handshake import key_lines
+from fastlock.auth import CLIENT_OPS, AclRule, Principal, generate, hash_owner, make_token
 from fastlock.errors import InvalidArgument, LeaseLost, PermissionDenied
 
 
@@ -100,7 +101,7 @@ def acl_server(tmp_path):
         f.write(f"""
 [principals.some]
 kind = "client"
-token_sha256 = "{hash_token(some).hex()}"
+{chr(10).join(key_lines(some))}
 acl = [{{prefix = "", ops = ["acquire", "release", "holder"]}}, {{prefix = "w/", ops = ["watch", "extend"]}}]
 """)
     tokens = {name: open(path).read().strip() for name, path in paths.items()}

@@ -125,6 +125,7 @@ class _Link:
     def forward(self, side: _Side, data: bytes) -> None:
         if self.closed:
             return
+        self.proxy.record(side is self.down, data)
         if side is self.down and self.up is None:
             self.pending += data
             classify = self.proxy.classify
@@ -201,13 +202,15 @@ class TcpProxy:
         max_buffer_bytes: bytes read from a client before its target side is
             connected, at most (default 1 MiB); past it the client is not read.
         max_connections: connections at once (default 1024); more are closed.
+        record_bytes: bytes kept of each direction, every connection together
+            (default 0: none): :meth:`recorded` returns them.
 
     Use as a context manager, or call :meth:`start` and :meth:`close`.  Every
     fault method is thread-safe and returns once the proxy applied it.
     """
 
     def __init__(self, target: str | tuple[str, int], *, classify: Callable[[bytes], str | None] | None = None,
-                 max_buffer_bytes: int = 1 << 20, max_connections: int = 1024):
+                 max_buffer_bytes: int = 1 << 20, max_connections: int = 1024, record_bytes: int = 0):
         if isinstance(target, str):
             host, _, port = target.rpartition(":")
             target = (host, int(port))
@@ -222,6 +225,20 @@ class TcpProxy:
         self._links: set[_Link] = set()
         self._holes: set[Any] = set()
         self._tasks: set[asyncio.Task] = set()
+        self.record_bytes = record_bytes
+        self._sent = bytearray()  # recorded: what connecting sides sent
+        self._answered = bytearray()  # recorded: what the target sent back
+
+    def record(self, from_client: bool, data: bytes) -> None:
+        """Keep ``data`` (proxy thread), up to ``record_bytes`` per direction."""
+        buf = self._sent if from_client else self._answered
+        room = self.record_bytes - len(buf)
+        if room > 0:
+            buf += data[:room]
+
+    def recorded(self) -> tuple[bytes, bytes]:
+        """``(sent, answered)``: the bytes recorded so far from the connecting sides and from the target."""
+        return self._run(lambda: (bytes(self._sent), bytes(self._answered)))
 
     @property
     def address(self) -> str:

@@ -223,6 +223,8 @@ def admin_request(server: tuple[str, int], token: str | None, op: int, *args: An
             return await asyncio.wait_for(reply, reply_timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"no reply within {reply_timeout:g} s") from None
+        except ServerNotProven:
+            raise
         except ConnectionLost:
             if conn.close_error is not None:  # the server said why it closed
                 raise conn.close_error from None

@@ -46,7 +46,8 @@ class Hello:
     """The HELLO handler of ``server``, with ``credentials`` (who may connect).
 
     Attributes:
-        node (str): this node's id (``<data dir>/node-id``), named in every challenge.
+        node (str): this node's id (``<data dir>/node-id``, made after the WAL opened, at the
+            first HELLO), named in every challenge.
         own_replica (str | None): the replica principal this node follows a primary
             as (from its standby token), which it never authenticates.
     """
@@ -55,10 +56,19 @@ class Hello:
         self.server = server
         self.credentials = credentials
         self.auth_failures = AuthFailures(max_failures=server.config.auth_failures_before_ban)
-        self.node = node_id(server.config.data_dir)
-        self.verifier = ServerHandshake(self.node)
+        self._verifier: ServerHandshake | None = None  # made at the first HELLO (the node id file then exists)
         token = server.config.standby_token
         self.own_replica = token_principal(token) if token else None
+
+    @property
+    def verifier(self) -> ServerHandshake:
+        if self._verifier is None:
+            self._verifier = ServerHandshake(node_id(self.server.config.data_dir))
+        return self._verifier
+
+    @property
+    def node(self) -> str:
+        return self.verifier.node
 
     def op_hello(self, conn: Session, req_id: int, msg: list) -> None:
         """HELLO: version, client name, credential (and an epoch hint, which changes nothing).

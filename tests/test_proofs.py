@@ -1,0 +1,423 @@
+"""No secret crosses the wire and no proof can be reflected (issue 23, item 1), against
+real server processes on 127.0.0.1.
+
+The attacker of these tests is a local process with no credentials: it can bind a
+free port (a dead primary's) and connect anywhere, and it sees every byte that
+reaches a listener of its own.  Each test scripts one finding of the issue and
+checks that it now yields no usable credential and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import msgpack
+import pytest
+
+import fastlock
+from fastlock import protocol as P
+from fastlock._testbase import CredentialsDir, ServerProcess, TcpProxy, raw_hello_async
+from fastlock._testbase.cluster import RawNode, poll, run
+from fastlock.auth import derive_keys, hash_token, secret_of
+from fastlock.errors import AuthError, ConnectionLost, PermissionDenied
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fastlock", *args], capture_output=True, text=True, timeout=30,
+                          cwd=tempfile.gettempdir(), env=env)
+
+
+def secrets_of(token: str) -> dict[str, bytes]:
+    """Every form of ``token`` that must never be on the wire."""
+    secret = secret_of(token)
+    keys = derive_keys(token)
+    return {"token": token.encode(), "random part": token.rpartition(".")[2].encode(),
+            "token hash": hash_token(token), "sha256": hashlib.sha256(token.encode()).digest(),
+            "ClientKey": secret.client_key, "StoredKey": keys.stored_key, "ServerKey": keys.server_key}
+
+
+def node_state(server: ServerProcess) -> dict:
+    path = os.path.join(server.data_dir, "node-state.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+async def status_as(address: str, token: str | None) -> dict:
+    node = await RawNode.open(address, name="status", token=token)
+    try:
+        return await asyncio.wait_for(node.status(), 5)
+    finally:
+        await node.close()
+
+
+def node_id_of(server: ServerProcess) -> str:
+    with open(os.path.join(server.data_dir, "node-id")) as f:
+        return f.read().strip()
+
+
+class Frames:
+    """A raw asyncio connection that reads whole msgpack frames."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader, self.writer = reader, writer
+        self.unpacker = msgpack.Unpacker(raw=False)
+        self.next_id = 1
+
+    @classmethod
+    async def open(cls, address: str) -> Frames:
+        host, _, port = address.rpartition(":")
+        return cls(*await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5))
+
+    async def read(self, timeout: float = 5.0):
+        """The next frame, or None at EOF."""
+        while True:
+            for msg in self.unpacker:
+                return msg
+            data = await asyncio.wait_for(self.reader.read(1 << 16), timeout)
+            if not data:
+                return None
+            self.unpacker.feed(data)
+
+    def write(self, frame) -> None:
+        self.writer.write(msgpack.packb(frame, use_bin_type=True))
+
+    async def call(self, op: int, *args):
+        rid = self.next_id
+        self.next_id += 1
+        self.write([rid, op, *args])
+        while True:
+            msg = await self.read()
+            if msg is None or msg[0] == rid:
+                return msg
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+# --------------------------------------------------------------------------- nothing secret on the wire
+
+
+def test_no_token_its_hash_or_its_keys_ever_cross_the_wire(tmp_path):
+    """Capture every byte a client, an admin command and a standby exchange with a primary."""
+    creds = CredentialsDir(tmp_path / "creds")
+    primary = ServerProcess(tmp_path / "p", args=creds.server_args("node-1")).start()
+    proxy = TcpProxy(primary.address, record_bytes=8 << 20).start()
+    standby = ServerProcess(tmp_path / "s", args=["--standby-of", proxy.address, *creds.server_args("node-2")])
+    try:
+        standby.start()
+        standby.wait_for_log(r"replicating from", 10)
+
+        async def main():
+            async with fastlock.connect(proxy.address, token=creds.token("app")) as c:
+                async with c.lock("wire/1", ttl=5):
+                    pass
+
+        run(main())
+        res = cli("status", "--server", proxy.address, "--token-file", creds.token_file("admin"))
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["role"] == "primary"
+        sent, answered = proxy.recorded()
+        assert b"wire/1" in sent and b"standby:" in sent  # the capture saw all three parties
+        for principal in ("app", "admin", "node-2"):
+            for what, value in secrets_of(creds.token(principal)).items():
+                assert value not in sent, f"{principal}'s {what} was sent"
+                assert value not in answered, f"{principal}'s {what} was answered"
+    finally:
+        standby.stop()
+        proxy.close()
+        primary.stop()
+
+
+def test_a_token_sent_in_clear_is_refused_and_counted_as_a_failure(tmp_path):
+    creds = CredentialsDir(tmp_path / "creds")
+    with ServerProcess(tmp_path / "p", args=creds.server_args("node-1")) as srv:
+        async def main():
+            conn = await Frames.open(srv.address)
+            try:
+                reply = await conn.call(P.OP_HELLO, P.PROTOCOL_VERSION, "old", creds.token("app"))
+                assert reply[1] == AuthError.code and "proved, never sent" in reply[2]
+                assert await conn.read() is None  # closed
+            finally:
+                conn.close()
+            conn = await Frames.open(srv.address)
+            try:
+                reply = await conn.call(P.OP_HELLO, 1, "old", None)
+                assert reply[1] != 0 and "protocol version 1 not supported" in reply[2]
+            finally:
+                conn.close()
+
+        run(main())
+
+
+# --------------------------------------------------------------------------- squatters posing as servers
+
+
+class Squatter:
+    """Listens on a dead server's address and records everything said to it.
+
+    ``script(conn, first_frame)`` decides what it answers to each connection.
+    """
+
+    def __init__(self, address: str, script):
+        self.host, _, port = address.rpartition(":")
+        self.port = int(port)
+        self.script = script
+        self.frames: list = []
+        self.connections = 0
+        self.got_one = asyncio.Event()
+        self.server: asyncio.base_events.Server | None = None
+
+    async def __aenter__(self) -> Squatter:
+        self.server = await asyncio.start_server(self._serve, self.host, self.port, reuse_address=True)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader, writer) -> None:
+        conn = Frames(reader, writer)
+        self.connections += 1
+        try:
+            first = await conn.read()
+            if first is None:
+                return
+            self.frames.append(first)
+            await self.script(conn, first)
+        except (asyncio.TimeoutError, ConnectionError):
+            pass
+        finally:
+            self.got_one.set()
+            writer.close()
+
+    def said(self) -> bytes:
+        return b"".join(msgpack.packb(f, use_bin_type=True) for f in self.frames)
+
+
+async def _read_rest(conn: Frames, squatter: Squatter) -> None:
+    while True:
+        msg = await conn.read(2.0)
+        if msg is None:
+            return
+        squatter.frames.append(msg)
+
+
+def test_a_squatter_relaying_the_standbys_handshake_to_the_standby_gets_no_proof_and_changes_nothing(tmp_path):
+    """The issue's reflection attack: the primary is SIGKILLed, a process binds its port, and
+    relays the standby's reconnecting handshake to the standby's own listener (as is, and with
+    the challenge relabelled as the dead primary's node), then answers with a poisoned epoch.
+    The default pair of `credentials init`: no TLS, no extra flag."""
+    cdir = tmp_path / "creds"
+    res = cli("credentials", "init", str(cdir))
+    assert res.returncode == 0, res.stderr
+    args = ["--credentials", str(cdir / "credentials.toml")]
+    primary = ServerProcess(tmp_path / "p", args=[*args, "--standby-token-file", str(cdir / "node-a.token")]).start()
+    standby = ServerProcess(tmp_path / "s", args=["--standby-of", primary.address, *args,
+                                                  "--standby-token-file", str(cdir / "node-b.token")])
+    tokens = {n: (cdir / f"{n}.token").read_text().strip() for n in ("node-a", "node-b", "app", "admin")}
+    try:
+        standby.start()
+        standby.wait_for_log(r"replicating from", 10)
+        before = node_state(standby)
+        primary_node = node_id_of(primary)
+        primary.kill()
+        relayed: list = []  # what the standby's own listener answered the squatter's relayed proofs
+
+        async def reflect(conn: Frames, first, relabel: bool) -> None:
+            own = await Frames.open(standby.address)
+            try:
+                own.write(first)  # the standby's HELLO, to the standby's own listener
+                challenge = await own.read()
+                if challenge is None or challenge[1] != 0:
+                    return
+                if relabel:  # pretend the challenge came from the dead primary's node
+                    challenge[2]["challenge"]["node"] = primary_node
+                conn.write([first[0], 0, challenge[2]])
+                proof = await conn.read(3.0)
+                if proof is None:
+                    return
+                own.write(proof)  # the standby's proof, back to its own listener
+                answer = await own.read()
+                relayed.append(answer)
+                if answer is not None and answer[1] == 0:
+                    conn.write([proof[0], 0, answer[2]])
+                    # with a proven session the squatter would attach as the standby, window 0
+                    relayed.append(await own.call(P.OP_REPLICATE, 0, None, 0, "squatter@" + primary_node))
+                await _read_rest(conn, squatter)
+            finally:
+                own.close()
+
+        async def poison(conn: Frames, first) -> None:
+            # no challenge at all: a server "in open mode" at the highest epoch
+            conn.write([first[0], 0, {"server": "fastlock", "protocol": P.PROTOCOL_VERSION, "role": "primary",
+                                      "epoch": 8388607, "node": "squatter", "fenced": False}])
+            await _read_rest(conn, squatter)
+
+        scripts = [lambda c, f: reflect(c, f, False), lambda c, f: reflect(c, f, True), poison]
+        step = {"n": 0}
+
+        async def script(conn: Frames, first) -> None:
+            which = scripts[min(step["n"], len(scripts) - 1)]
+            step["n"] += 1
+            await which(conn, first)
+
+        squatter = Squatter(primary.address, script)
+
+        async def main():
+            async with squatter:
+                await poll(lambda: asyncio.sleep(0, step["n"]), lambda n: n >= 4, timeout=30,
+                           what="the standby reconnecting to the squatter four times")
+            # the standby refused each: its own node in the challenge, a proof its listener
+            # would not give, a server without a proof
+            st = await status_as(standby.address, tokens["admin"])
+            assert st["role"] == "standby" and st["epoch"] == 0
+
+        run(main(), 60)
+        # the standby answered the relabelled challenge with a proof, which its own listener
+        # refused: it proved nothing to the squatter, nor let it attach
+        assert relayed, "the standby never answered the relabelled challenge"
+        for reply in relayed:
+            assert reply is None or reply[1] == AuthError.code, reply
+        # nothing the squatter said was persisted: no epoch 8388607
+        after = node_state(standby)
+        assert after.get("max_epoch_seen", 0) == before.get("max_epoch_seen", 0) == 0
+        assert standby.wait_for_log(r"could not prove", 1)
+        assert not any("applied snapshot" in line for line in standby.lines[-50:] if "8388607" in line)
+        # and no token, no key of any principal reached the squatter
+        said = squatter.said()
+        for name, token in tokens.items():
+            for what, value in secrets_of(token).items():
+                assert value not in said, f"{name}'s {what} reached the squatter"
+    finally:
+        standby.stop()
+        primary.stop()
+
+
+def test_a_squatter_gets_no_token_and_no_owner_key_from_a_client_or_an_admin(tmp_path):
+    """A process on a dead server's port, answering as a server in open mode (no challenge)
+    or with a made-up challenge and proof: the client and the admin command refuse it after
+    HELLO, and never send their token, an acquire or an owner key."""
+    creds = CredentialsDir(tmp_path / "creds")
+    dead = ServerProcess(tmp_path / "dead", args=["--credentials", creds.file]).start()
+    address = dead.address
+    dead.kill()
+
+    async def open_mode(conn: Frames, first) -> None:
+        conn.write([first[0], 0, {"server": "fastlock", "protocol": P.PROTOCOL_VERSION, "role": "primary",
+                                  "epoch": 0, "fenced": False, "session": 1}])
+        await _read_rest(conn, squatter)
+
+    async def fake_challenge(conn: Frames, first) -> None:
+        conn.write([first[0], 0, {"challenge": {"nonce": os.urandom(32), "node": "squatter"}}])
+        proof = await conn.read(3.0)
+        if proof is not None:
+            squatter.frames.append(proof)
+            conn.write([proof[0], 0, {"server": "fastlock", "protocol": P.PROTOCOL_VERSION, "role": "primary",
+                                      "epoch": 0, "fenced": False, "server_proof": os.urandom(32)}])
+        await _read_rest(conn, squatter)
+
+    for script in (open_mode, fake_challenge):
+        squatter = Squatter(address, script)
+
+        async def main():
+            async with squatter:
+                with pytest.raises(ConnectionLost, match="proof|prove|challenge"):
+                    async with fastlock.connect(address, token=creds.token("app"), connect_timeout=2) as c:
+                        await c.acquire("secret/lock", ttl=5)
+                res = await asyncio.to_thread(cli, "status", "--server", address, "--token-file",
+                                              creds.token_file("admin"))
+                assert res.returncode != 0 and re.search("proof|prove|challenge", res.stderr + res.stdout), res
+
+        run(main(), 60)
+        said = squatter.said()
+        ops = {f[1] for f in squatter.frames if isinstance(f, list) and len(f) > 1}
+        assert ops <= {P.OP_HELLO}, ops  # nothing but HELLO: no acquire, no owner key, no status
+        assert b"secret/lock" not in said
+        for name in ("app", "admin"):
+            for what, value in secrets_of(creds.token(name)).items():
+                assert value not in said, f"{name}'s {what} reached the squatter"
+
+
+# --------------------------------------------------------------------------- the primary's side
+
+
+def test_a_reattach_cannot_change_the_pairs_failover_window_and_an_unproven_epoch_changes_nothing(tmp_path):
+    """Finding (b): a re-attach as the standby with failover window 0 kept the primary
+    unfenced while the real standby promoted.  The window is the pairing's, fixed at the
+    first pairing; and an epoch in an unauthenticated HELLO or STEP_DOWN changes nothing."""
+    creds = CredentialsDir(tmp_path / "creds")
+    primary = ServerProcess(tmp_path / "p", args=creds.server_args("node-1")).start()
+    standby = ServerProcess(tmp_path / "s", args=["--standby-of", primary.address, "--failover-after", "3",
+                                                  *creds.server_args("node-2")])
+    try:
+        standby.start()
+        standby.wait_for_log(r"paired: primary", 10)
+        node = node_id_of(standby)
+
+        async def main():
+            await poll(lambda: status_as(primary.address, creds.token("admin")),
+                       lambda st: st["replication"]["paired_standby"], timeout=5, what="pairing")
+            # the real standby's principal and node id, window 0: refused
+            raw = await Frames.open(primary.address)
+            try:
+                hello = await raw_hello_async(raw.call, f"standby:{node}", creds.token("node-2"), role="replica")
+                assert hello[1] == 0, hello
+                reply = await raw.call(P.OP_REPLICATE, 0, None, 0, node)
+                assert reply[1] == PermissionDenied.code and "cannot change it" in reply[2], reply
+            finally:
+                raw.close()
+            # an unauthenticated peer's epochs: in HELLO (a hint) and in STEP_DOWN (refused)
+            anon = await RawNode.open(primary.address, token=None, known_epoch=8388607)
+            try:
+                with pytest.raises(PermissionDenied):
+                    await anon.request(P.OP_STEP_DOWN, 8388607, 0)
+            finally:
+                await anon.close()
+            st = await status_as(primary.address, creds.token("admin"))
+            assert st["role"] == "primary" and st["epoch"] == 0 and not st["replication"]["fenced"]
+            assert st["replication"]["standbys"][0]["failover_after_ms"] == 3000
+
+        run(main())
+        assert node_state(primary).get("max_epoch_seen", 0) == 0
+    finally:
+        standby.stop()
+        primary.stop()
+
+
+def test_a_node_never_authenticates_its_own_replica_principal_nor_any_while_standby(tmp_path):
+    creds = CredentialsDir(tmp_path / "creds")
+    primary = ServerProcess(tmp_path / "p", args=creds.server_args("node-1")).start()
+    standby = ServerProcess(tmp_path / "s", args=["--standby-of", primary.address, *creds.server_args("node-2")])
+    try:
+        standby.start()
+        standby.wait_for_log(r"replicating from", 10)
+
+        async def main():
+            # the primary uses node-1 itself: it never proves anything for it
+            with pytest.raises(AuthError, match="itself"):
+                await RawNode.open(primary.address, token=creds.token("node-1"))
+            # a standby authenticates no replica, not even another one
+            with pytest.raises(AuthError, match="not primary"):
+                await RawNode.open(standby.address, token=creds.token("node-3"))
+            # clients and admins still reach the standby
+            admin = await RawNode.open(standby.address, token=creds.token("admin"))
+            try:
+                assert (await admin.status())["role"] == "standby"
+            finally:
+                await admin.close()
+
+        run(main())
+    finally:
+        standby.stop()
+        primary.stop()
