@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .errors import InvalidArgument, WrongArgumentType
+from .errors import AuthError, InvalidArgument, WrongArgumentType
 
 log = logging.getLogger(__name__)
 
@@ -165,19 +165,22 @@ def peer_identity(ssl_object: Any) -> str | None:
     Python's ``getpeercert()`` returns an empty dict when no certificate was
     verified (none sent, or ``verify_mode`` is ``CERT_NONE``), so an
     unverified certificate never yields an identity.  Returns None then, or
-    when the certificate has no CN (the last CN if it has several).
+    when the certificate has no CN.
+
+    Raises:
+        AuthError: the subject has more than one CN (``CN=billing, CN=admin``):
+            which one names the peer is a guess, so none does.
     """
     if ssl_object is None:
         return None
     cert = ssl_object.getpeercert()
     if not cert:
         return None
-    cn = None
-    for rdn in cert.get("subject", ()):
-        for attr, value in rdn:
-            if attr == "commonName":
-                cn = value
-    return cn
+    names = [value for rdn in cert.get("subject", ()) for attr, value in rdn if attr == "commonName"]
+    if len(names) > 1:
+        raise AuthError(f"the client certificate's subject has {len(names)} common names (CN): refused, "
+                        f"a certificate identity is exactly one CN")
+    return names[0] if names else None
 
 
 class ServerTLS:

@@ -32,7 +32,7 @@ trustme = pytest.importorskip("trustme")
 
 import fastlock  # noqa: E402
 from fastlock._testbase.cluster import poll, run  # noqa: E402
-from fastlock.errors import ConnectionLost, InvalidArgument, WrongArgumentType  # noqa: E402
+from fastlock.errors import AuthError, ConnectionLost, InvalidArgument, WrongArgumentType  # noqa: E402
 from fastlock.sync import SyncClient  # noqa: E402
 from fastlock.tls import ServerTLS, client_context, peer_identity  # noqa: E402
 
@@ -45,6 +45,33 @@ def _issue(ca, directory: Path, stem: str, common_name: str, *names: str) -> Sim
     leaf.cert_chain_pems[0].write_to_path(str(cert))
     leaf.private_key_pem.write_to_path(str(key))
     return SimpleNamespace(cert=str(cert), key=str(key))
+
+
+def _issue_with_cns(ca, directory: Path, stem: str, *common_names: str) -> SimpleNamespace:
+    """A client certificate from ``ca`` whose subject has every one of ``common_names``
+    (trustme makes one CN only)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    ca_cert = x509.load_pem_x509_certificate(ca.cert_pem.bytes())
+    ca_key = serialization.load_pem_private_key(ca.private_key_pem.bytes(), None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn) for cn in common_names]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    paths = SimpleNamespace(cert=str(directory / f"{stem}.pem"), key=str(directory / f"{stem}-key.pem"))
+    Path(paths.cert).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    Path(paths.key).write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                  serialization.NoEncryption()))
+    return paths
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +93,7 @@ def certs(tmp_path_factory):
         admin=_issue(ca, d, "admin", "admin"),
         intruder=_issue(other, d, "intruder", "app1"),
         impostor=_issue(other, d, "impostor", "node1", "127.0.0.1"),
+        two_cns=_issue_with_cns(ca, d, "two-cns", "billing", "admin"),
     )
 
 
@@ -246,6 +274,22 @@ async def test_peer_identity_is_the_verified_client_common_name(certs):
         tls.close()
     assert seen == ["app1", None]  # the CN of a verified certificate; no certificate, no identity
     assert tls.status()["handshakes"] == 2
+
+
+async def test_a_certificate_with_two_common_names_authenticates_as_nobody(server_factory, certs, tmp_path,
+                                                                         loop_errors):
+    """Finding: ``CN=billing, CN=admin`` authenticated as the last CN, the admin."""
+    from fastlock.auth import generate
+
+    generate(tmp_path / "creds", clients=[("billing", "")], replicas=[], admins=["admin"],
+             cert_identities={"admin": ["admin"], "billing": ["billing"]})
+    srv = server_factory(args=serve_args(certs.node1, certs.ca, "optional",
+                                         "--credentials", str(tmp_path / "creds" / "credentials.toml")))
+    with pytest.raises(AuthError, match="common names"):
+        await fastlock.connect(srv.address, connect_timeout=3, **client_args(certs, certs.two_cns))
+    # one CN is an identity: the admin's certificate is the admin
+    async with fastlock.connect(srv.address, **client_args(certs, certs.admin)) as client:
+        assert client.server_info["principal"] == "admin"
 
 
 def test_client_tls_arguments_are_checked_before_connecting(certs):

@@ -128,7 +128,11 @@ class Hello:
     def _without_token(self, conn: Session, client_name: str | None) -> Principal:
         creds = self.credentials
         principal = None
-        identity = conn.peer_cert_identity
+        try:
+            identity = conn.peer_cert_identity
+        except AuthError as exc:  # a certificate with several CNs
+            self.auth_failures.failed(conn.address, f"client name {quote(client_name)}", str(exc))
+            raise
         if identity is not None:
             principal = creds.by_cert_identity(identity)
         if principal is None:
