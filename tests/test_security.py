@@ -25,7 +25,7 @@ from fastlock._testbase import CredentialsDir, ServerProcess, raw_hello_async
 from fastlock._testbase.cluster import RawNode, poll, run, status_of
 from fastlock._testbase.handshake import key_lines, prove_in_memory
 from fastlock.auth import Credentials, CredentialsError, hash_owner
-from fastlock.errors import AuthError, LeaseLost, PermissionDenied, Unavailable
+from fastlock.errors import AuthError, LeaseLost, NotPrimary, PermissionDenied, Unavailable
 from fastlock.wal import Grant, decode_frames
 
 LONG = 30_000  # ms
@@ -254,7 +254,7 @@ def test_operator_and_replica_operations_are_refused_to_others_with_no_state_cha
                                      (p.address, P.OP_PROMOTE, (True,))):
                 if token == attackers[2] and target == s.address:
                     # a standby authenticates no replica principal at all (only a primary does)
-                    with pytest.raises(AuthError, match="not primary"):
+                    with pytest.raises(NotPrimary, match="not primary"):
                         await RawNode.open(target, token=token, known_epoch=2**63 - 1)
                     continue
                 node = await RawNode.open(target, token=token, known_epoch=2**63 - 1)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
 from ..auth import ClientHandshake, ServerNotProven, say_hello, secret_of, token_principal
-from ..errors import AuthError, FastlockError, PermissionDenied
+from ..errors import AuthError, FastlockError, NotPrimary, PermissionDenied
 from ..logsafe import quote
 from ..protocol import rpc
 
@@ -230,6 +230,11 @@ class PrimaryLink:
                 say_hello(link, f"standby:{self.name or os.getpid()}", handshake, follower.host.table.epoch), 5.0)
             if self.own_node is not None and hello.get("node") == self.own_node:
                 raise ServerNotProven(f"the server is this node itself (node id {self.own_node})")
+        except NotPrimary as exc:  # a standby or a deposed node authenticates no replica
+            follower.refused = f"{self.address} is not a primary: {exc}"
+            if self._say_once("not primary", str(exc)):
+                log.error("not following %s: %s (retrying)", self.address, quote(str(exc)))
+            return None
         except AuthError as exc:
             # a refused proof and a missing one look alike from here (as in SCRAM): either the
             # server does not hold this standby's credential, or this standby's is not the server's

@@ -12,10 +12,11 @@ A client without a token says HELLO once with credential None: it is the
 principal its verified TLS certificate maps to, else the anonymous principal
 if the credentials allow one.
 
-A replica principal is authenticated only by a primary, and never by the node
-that uses that principal itself (its own standby token): a standby's
-challenge relayed to the standby's own listener, or to another standby, gets
-no proof.  Every refusal is an :class:`~fastlock.errors.AuthError` (the
+A replica principal is authenticated only by a primary (or a node promoting
+to one; any other node answers :class:`~fastlock.errors.NotPrimary` before
+looking at the proof), and never by the node that uses that principal itself
+(its own standby token): a standby's challenge relayed to the standby's own
+listener, or to another standby, gets no proof.  Every refusal is an :class:`~fastlock.errors.AuthError` (the
 connection closes) and counts towards the address's ban
 (:class:`~fastlock.auth.AuthFailures`).
 """
@@ -29,7 +30,7 @@ from .. import protocol as P
 from .._version import __version__
 from ..auth import AuthFailures, Credentials, Principal, token_principal
 from ..auth.handshake import ClientFirst, ServerHandshake
-from ..errors import AuthError, ProtocolError
+from ..errors import AuthError, NotPrimary, ProtocolError
 from ..logsafe import quote
 from ..replication import node_id
 from ..roles import Role
@@ -148,8 +149,14 @@ class Hello:
         pending = self.server.limits.pending_proofs.pop(conn.session, None)
         if pending is None:
             raise ProtocolError("a proof without a challenge: send the handshake's first message first")
-        server_proof = self.verifier.verify(pending, credential)
         principal: Principal | None = pending.principal
+        role = self.server.roles.role
+        if principal is not None and principal.kind == "replica" and role not in (Role.PRIMARY, Role.PROMOTING):
+            # before the proof is checked: a standby's answer says nothing about the proof
+            roles = self.server.roles
+            raise NotPrimary(f"this node is {role.value}, not primary: it authenticates no replica",
+                             roles.primary_address if role is Role.STANDBY else None)
+        server_proof = self.verifier.verify(pending, credential)
         first = pending.first
         reason = None
         if server_proof is None or principal is None:
@@ -161,8 +168,6 @@ class Hello:
         elif principal.kind == "replica" and principal.name == self.own_replica:
             reason = (f"this node follows its primaries as replica {principal.name!r} itself: it never "
                       "authenticates that principal (a relayed handshake?)")
-        elif principal.kind == "replica" and self.server.roles.role is not Role.PRIMARY:
-            reason = f"this node is {self.server.roles.role.value}, not primary: it authenticates no replica"
         if reason is not None or principal is None or server_proof is None:
             self.auth_failures.failed(conn.address, f"client name {quote(client_name)}", reason or "")
             raise AuthError(f"authentication failed: {reason}")
