@@ -174,6 +174,7 @@ class Squatter:
         self.port = int(port)
         self.script = script
         self.frames: list = []
+        self.raw = bytearray()  # bytes relayed as they came
         self.connections = 0
         self.got_one = asyncio.Event()
         self.server: asyncio.base_events.Server | None = None
@@ -215,8 +216,9 @@ async def _read_rest(conn: Frames, squatter: Squatter) -> None:
 
 def test_a_squatter_relaying_the_standbys_handshake_to_the_standby_gets_no_proof_and_changes_nothing(tmp_path):
     """The issue's reflection attack: the primary is SIGKILLed, a process binds its port, and
-    relays the standby's reconnecting handshake to the standby's own listener (as is, and with
-    the challenge relabelled as the dead primary's node), then answers with a poisoned epoch.
+    relays the standby's reconnecting handshake to a third live primary holding the same
+    credentials file, then to the standby's own listener (as is, and with the challenge
+    relabelled as the dead primary's node), then answers with a poisoned epoch.
     The default pair of `credentials init`: no TLS, no extra flag."""
     cdir = tmp_path / "creds"
     res = cli("credentials", "init", str(cdir))
@@ -225,8 +227,10 @@ def test_a_squatter_relaying_the_standbys_handshake_to_the_standby_gets_no_proof
     primary = ServerProcess(tmp_path / "p", args=[*args, "--standby-token-file", str(cdir / "node-a.token")]).start()
     standby = ServerProcess(tmp_path / "s", args=["--standby-of", primary.address, *args,
                                                   "--standby-token-file", str(cdir / "node-b.token")])
+    third = ServerProcess(tmp_path / "third", args=args)
     tokens = {n: (cdir / f"{n}.token").read_text().strip() for n in ("node-a", "node-b", "app", "admin")}
     try:
+        third.start()
         standby.start()
         standby.wait_for_log(r"replicating from", 10)
         before = node_state(standby)
@@ -258,13 +262,34 @@ def test_a_squatter_relaying_the_standbys_handshake_to_the_standby_gets_no_proof
             finally:
                 own.close()
 
+        async def relay_to_third(conn: Frames, first) -> None:
+            # a plain byte relay: the standby talks to a real primary with the credentials
+            host, _, port = third.address.rpartition(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(msgpack.packb(first, use_bin_type=True))
+
+            async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, from_standby: bool) -> None:
+                while data := await src.read(1 << 16):
+                    if from_standby:
+                        squatter.raw += data
+                    dst.write(data)
+
+            pumps = [asyncio.ensure_future(pump(conn.reader, writer, True)),
+                     asyncio.ensure_future(pump(reader, conn.writer, False))]
+            try:
+                await asyncio.wait(pumps, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in pumps:
+                    task.cancel()
+                writer.close()
+
         async def poison(conn: Frames, first) -> None:
             # no challenge at all: a server "in open mode" at the highest epoch
             conn.write([first[0], 0, {"server": "fastlock", "protocol": P.PROTOCOL_VERSION, "role": "primary",
                                       "epoch": 8388607, "node": "squatter", "fenced": False}])
             await _read_rest(conn, squatter)
 
-        scripts = [lambda c, f: reflect(c, f, False), lambda c, f: reflect(c, f, True), poison]
+        scripts = [relay_to_third, lambda c, f: reflect(c, f, False), lambda c, f: reflect(c, f, True), poison]
         step = {"n": 0}
 
         async def script(conn: Frames, first) -> None:
@@ -276,8 +301,8 @@ def test_a_squatter_relaying_the_standbys_handshake_to_the_standby_gets_no_proof
 
         async def main():
             async with squatter:
-                await poll(lambda: asyncio.sleep(0, step["n"]), lambda n: n >= 4, timeout=30,
-                           what="the standby reconnecting to the squatter four times")
+                await poll(lambda: asyncio.sleep(0, step["n"]), lambda n: n >= 5, timeout=40,
+                           what="the standby reconnecting to the squatter five times")
             # the standby refused each: its own node in the challenge, a proof its listener
             # would not give, a server without a proof
             st = await status_as(standby.address, tokens["admin"])
@@ -293,14 +318,18 @@ def test_a_squatter_relaying_the_standbys_handshake_to_the_standby_gets_no_proof
         after = node_state(standby)
         assert after.get("max_epoch_seen", 0) == before.get("max_epoch_seen", 0) == 0
         assert standby.wait_for_log(r"could not prove", 1)
-        assert not any("applied snapshot" in line for line in standby.lines[-50:] if "8388607" in line)
+        assert standby.wait_for_log(r"not the expected node", 1)  # the relay to the third primary
+        assert standby.wait_for_log(r"this node itself", 1)  # the relay to its own listener
+        lost = next(i for i, line in enumerate(standby.lines) if "lost the replication connection" in line)
+        assert not any("replicating from" in line for line in standby.lines[lost:])
         # and no token, no key of any principal reached the squatter
-        said = squatter.said()
+        said = squatter.said() + bytes(squatter.raw)
         for name, token in tokens.items():
             for what, value in secrets_of(token).items():
                 assert value not in said, f"{name}'s {what} reached the squatter"
     finally:
         standby.stop()
+        third.stop()
         primary.stop()
 
 

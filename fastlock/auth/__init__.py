@@ -27,11 +27,12 @@ Credentials file
 ----------------
 A TOML file (read with :mod:`tomllib`), made by ``fastlock credentials init DIR``::
 
-    version = 1
+    version = 2
 
     [principals.app]
     kind = "client"
-    token_sha256 = "<hex>"                   # SHA-256 of the token: the token itself is never stored
+    stored_key = "<hex>"                     # SHA-256(ClientKey): the token itself is never stored
+    server_key = "<hex>"                     # ServerKey: what the server proves itself with
     acl = [{prefix = "orders/", ops = ["acquire", "release", "extend", "cancel"]},
            {prefix = "", ops = ["check", "holder", "watch"]}]
     cert_identities = ["app.example.com"]    # optional: mutual-TLS certificate CNs for this principal
@@ -42,26 +43,41 @@ A TOML file (read with :mod:`tomllib`), made by ``fastlock credentials init DIR`
 
     [principals.node-a]
     kind = "replica"
-    token_sha256 = "<hex>"
-    primary_proof_key = "<hex>"              # lets a primary prove itself to this standby
+    stored_key = "<hex>"
+    server_key = "<hex>"
     node_id = "<hex>"                        # optional: the only node id this credential may attach as
 
     [principals.admin]
     kind = "admin"
-    token_sha256 = "<hex>"
+    stored_key = "<hex>"
+    server_key = "<hex>"
 
 Tokens look like ``fl1.<principal>.<43 base64url characters>`` (256 random
-bits).  The server finds the entry by the principal part and compares
-``SHA-256(token)`` with the stored hash in constant time
-(:func:`hmac.compare_digest`).  A fast hash is enough because tokens are
-random, not passwords (no dictionary to guess from).
+bits).  A file of format 1 (``token_sha256``, ``primary_proof_key``) is
+refused at start with a :class:`CredentialsError` naming
+``fastlock credentials upgrade DIR`` (:func:`upgrade`), which rewrites it as
+format 2 from the ``DIR/<principal>.token`` files beside it; tokens do not
+change.
 
-Peers authenticate both ways.  Without TLS a primary proves itself to its
-standby before the standby sends its token: the standby's HELLO carries
-``{"principal": NAME, "challenge": NONCE}``, and the primary answers
-``HMAC-SHA256(primary_proof_key, NAME || NONCE)``; ``primary_proof_key`` is
-derived from the replica's token (:func:`primary_proof_key`), so the standby
-can check it and a server that never had the credentials file cannot.
+Peers authenticate both ways, and a token is proved, never sent
+------------------------------------------------------------------
+HELLO is a mutual challenge-response in the manner of SCRAM-SHA-256 (RFC
+5802/7677, as PostgreSQL uses it), without PBKDF2 because tokens are random,
+not passwords: ``ClientKey = HMAC-SHA256(T, "fastlock client key v2")``,
+``StoredKey = SHA-256(ClientKey)``, ``ServerKey = HMAC-SHA256(T, "fastlock
+server key v2")``.  The client proves ``ClientKey``; the server, which keeps
+only ``StoredKey`` and ``ServerKey``, proves ``ServerKey``; both proofs sign
+one ``AuthMessage`` naming the principal, the role, both nonces, the server's
+node id and the client's (a standby's) node id, so a proof says who gives
+it, to whom, in which role and direction, and cannot be replayed, reflected
+to the node that asked for it, or used at another node.  The client checks
+the server's proof before it sends anything else, and a client with a token
+refuses a server that does not prove itself.  A node authenticates a replica
+principal only while it is primary (or promoting), and never the replica
+principal it follows its own primary as.  The exchange is
+:mod:`fastlock.auth.handshake` (sans-IO); :func:`say_hello` runs it on a
+connection.  Which token a client presents: :func:`resolve_credential`
+(one rule for the library and every command).
 
 Owner keys
 ----------

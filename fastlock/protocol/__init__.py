@@ -41,7 +41,7 @@ Operations and their arguments:
 =========  ==  =====================================================  ======================
 op         #   arguments                                              value
 =========  ==  =====================================================  ======================
-HELLO      1   version, client_name|None, credential[, known_epoch]   dict (session, role, principal...)
+HELLO      1   version, client_name|None, credential[, known_epoch]   challenge, or dict (session, role, principal...)
 ACQUIRE    2   name, owner, ttl_ms, wait_ms, lock_delay_ms, corr_id   [token, ttl_ms, waited_ms]
                [, shared[, limit[, actor]]]
 RELEASE    3   name, token, owner                                     None
@@ -98,10 +98,14 @@ LOCKS, LOCK_INFO and REVOKE are the operator's (admins only, or anyone in open m
 :mod:`fastlock.server.lockadmin`; "revoked" is pushed when an operator revokes the lease.
 A grant is pushed when it is durable (when its holder is told), never before.
 
-HELLO's ``credential`` is a token (str), None (a verified mTLS certificate's identity,
-or the anonymous principal), or a standby's ``{"principal": str, "challenge": bytes}``
-asking the primary to prove itself (answered with ``{"principal", "proof"}``; the
-connection stays unauthenticated): see :mod:`fastlock.auth`.  Operations the
+HELLO's ``credential`` is None (a verified mTLS certificate's identity, or the
+anonymous principal: one round trip) or a handshake message: first
+``{"principal", "nonce", "role", "node", "from"}``, answered with
+``{"challenge": {"nonce", "node"}}`` (the connection stays unauthenticated), then
+``{"proof"}``, answered with the HELLO reply plus ``"server_proof"``, which the
+client checks before anything else (:mod:`fastlock.auth.handshake`).  A token
+is never sent: a str credential is refused (``AuthError``), as is protocol
+version 1 (``ProtocolError``).  Operations the
 principal is not granted get ``PermissionDenied``; a failed HELLO gets
 ``AuthError`` and the connection is closed.
 

@@ -6,7 +6,9 @@ it holds the same credential, bound to this exchange, to the standby's node
 id as the client and to its own node id as the server
 (:mod:`fastlock.auth.handshake`).  Nothing the primary says - its epoch, its
 snapshot, its records - is believed before its proof checks out; a node that
-names this standby's own node id is refused (a relayed handshake).  The link
+names this standby's own node id is refused (a relayed handshake), and so is,
+at the same address, a node other than the one that proved itself there
+before (a relay to another node holding the credentials).  The link
 then refuses a primary at a lower
 epoch than this node's (and asks it to step down), asks for the stream with
 ``REPLICATE``, and hands every push to its
@@ -62,6 +64,9 @@ class PrimaryLink:
         self.name = name
         #: this node's id (the part of ``name`` after "@"): a server naming it is this node itself
         self.own_node = name.rpartition("@")[2] if name else None
+        #: (address, node id) of the primary that last proved itself: a reconnect to that address
+        #: expects that node (a relay to another node holding the credentials is refused)
+        self.proven: tuple[tuple[str, int], str] | None = None
         self.stream_limits = stream_limits
         self.connected = False
         self._rpc: rpc.RpcConnection | None = None
@@ -223,13 +228,18 @@ class PrimaryLink:
         """The primary's hello info once it proved itself (None: it did not; logged, and
         ``follower.refused`` says why until a primary does)."""
         follower = self.follower
+        proven = self.proven
         handshake = ClientHandshake(self.secret, role="replica" if self.secret is not None else None,
-                                    own_node=self.own_node)
+                                    own_node=self.own_node,
+                                    expect_node=proven[1] if proven is not None and proven[0] == self.primary else None)
         try:
             hello = await asyncio.wait_for(
                 say_hello(link, f"standby:{self.name or os.getpid()}", handshake, follower.host.table.epoch), 5.0)
             if self.own_node is not None and hello.get("node") == self.own_node:
                 raise ServerNotProven(f"the server is this node itself (node id {self.own_node})")
+            if handshake.expect_node is not None and hello.get("node") != handshake.expect_node:
+                raise ServerNotProven(f"the server is node {hello.get('node')}, not the expected node "
+                                      f"{handshake.expect_node}")
         except NotPrimary as exc:  # a standby or a deposed node authenticates no replica
             follower.refused = f"{self.address} is not a primary: {exc}"
             if self._say_once("not primary", str(exc)):
@@ -248,4 +258,7 @@ class PrimaryLink:
             return None
         if follower.refused is not None and "could not prove" in follower.refused:
             follower.refused = None
+        node = hello.get("node")
+        if type(node) is str and node:
+            self.proven = (self.primary, node)
         return hello
