@@ -22,6 +22,7 @@ import msgpack
 import pytest
 
 import fastlock
+import fastlock.auth
 from fastlock import protocol as P
 from fastlock._testbase import CredentialsDir, ServerProcess, TcpProxy, raw_hello_async
 from fastlock._testbase.cluster import RawNode, poll, run
@@ -450,3 +451,36 @@ def test_a_node_never_authenticates_its_own_replica_principal_nor_any_while_stan
     finally:
         standby.stop()
         primary.stop()
+
+
+# --------------------------------------------------------------------------- format 1 -> 2
+
+
+def test_a_format_1_credentials_file_is_refused_at_start_and_upgraded_by_the_command(tmp_path):
+    d = tmp_path / "creds"
+    d.mkdir(mode=0o700)
+    tokens = {"app": fastlock.auth.make_token("app"), "admin": fastlock.auth.make_token("admin")}
+    lines = ["version = 1"]
+    for name, kind in (("app", "client"), ("admin", "admin")):
+        lines += [f"[principals.{name}]", f'kind = "{kind}"', f'token_sha256 = "{hash_token(tokens[name]).hex()}"']
+        if kind == "client":
+            lines.append('acl = [{prefix = "", ops = ["*"]}]')
+    (d / "credentials.toml").write_text("\n".join(lines) + "\n")
+    refused = subprocess.run([sys.executable, "-m", "fastlock", "serve", "--listen", "127.0.0.1:0",
+                              "--data-dir", str(tmp_path / "data"), "--credentials", str(d / "credentials.toml")],
+                             capture_output=True, text=True, timeout=30)
+    assert refused.returncode != 0 and f"fastlock credentials upgrade {d}" in refused.stderr, refused.stderr
+    missing = cli("credentials", "upgrade", str(d))
+    assert missing.returncode != 0 and "no token file" in missing.stderr, missing
+    for name, token in tokens.items():
+        (d / f"{name}.token").write_text(token + "\n")
+        os.chmod(d / f"{name}.token", 0o600)
+    done = cli("credentials", "upgrade", str(d))
+    assert done.returncode == 0 and "format 2" in done.stdout, done
+    with ServerProcess(tmp_path / "data", args=["--credentials", str(d / "credentials.toml")]) as srv:
+        async def main():
+            async with fastlock.connect(srv.address, token=tokens["app"]) as c:  # the same token as before
+                async with c.lock("upgraded", ttl=5):
+                    pass
+
+        run(main())
