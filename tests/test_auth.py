@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+import fastlock
 from fastlock._testbase.handshake import key_lines, prove_in_memory
 from fastlock.auth import (
     AuthFailures,
@@ -317,3 +318,26 @@ def test_many_addresses_cannot_flood_the_log_either(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) <= 22, len(lines)
     assert "4980 more failed or refused authentications from 4980 addresses" in lines[-2] + lines[-1]
+
+
+# -- which credential a client presents: one rule ------------------------------------------------
+
+
+def test_resolve_credential_follows_one_documented_order(tmp_path):
+    from fastlock.auth import resolve_credential
+
+    token_file = tmp_path / "t.token"
+    token_file.write_text("fl1.app.file\n")
+    env_file = tmp_path / "env.token"
+    env_file.write_text("fl1.app.env\n")
+    env = {"FASTLOCK_TOKEN_FILE": str(env_file), "FASTLOCK_AUTH_SECRET": "env-secret"}
+    assert resolve_credential(token="fl1.app.t", auth="s", env=env) == "fl1.app.t"
+    assert resolve_credential(token_file=token_file, auth="s", env=env) == "fl1.app.file"
+    assert resolve_credential(auth="s", env=env) == "s"  # an explicit secret beats the environment
+    assert resolve_credential(env=env) == "fl1.app.env"  # the token file beats the secret in the environment
+    assert resolve_credential(env={"FASTLOCK_AUTH_SECRET": " env-secret\n"}) == "env-secret"
+    assert resolve_credential(env={}) is None
+    with pytest.raises(fastlock.InvalidArgument, match="set but empty"):
+        resolve_credential(env={"FASTLOCK_AUTH_SECRET": "  "})
+    with pytest.raises(fastlock.InvalidArgument, match="not both"):
+        resolve_credential(token="x", token_file=token_file, env={})

@@ -484,3 +484,33 @@ def test_a_format_1_credentials_file_is_refused_at_start_and_upgraded_by_the_com
                     pass
 
         run(main())
+
+
+# --------------------------------------------------------------------------- one credential rule
+
+
+def test_every_party_takes_the_token_file_before_the_secret_in_the_environment(tmp_path):
+    """Finding: `fastlock run` read FASTLOCK_AUTH_SECRET before FASTLOCK_TOKEN_FILE, the reverse
+    of the client's documented rule.  With both set (the secret wrong), the library, `fastlock
+    run`, `fastlock status` and `fastlock locks` all present the token."""
+    creds = CredentialsDir(tmp_path / "creds")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOCK_")}
+    env.update(FASTLOCK_TOKEN_FILE=creds.token_file("admin"), FASTLOCK_AUTH_SECRET="not-the-secret")
+    with ServerProcess(tmp_path / "p", args=["--credentials", creds.file]) as srv:
+        env["FASTLOCK_SERVER"] = srv.address
+        for argv in (["run", "rule/lock", "--ttl", "5", "--", sys.executable, "-c", "pass"],
+                     ["status", "--server", srv.address], ["locks"]):
+            res = cli(*argv, env=env)
+            assert res.returncode == 0, (argv, res.stderr)
+
+        async def main():
+            saved = dict(os.environ)
+            os.environ.update(FASTLOCK_TOKEN_FILE=env["FASTLOCK_TOKEN_FILE"], FASTLOCK_AUTH_SECRET="not-the-secret")
+            try:
+                async with fastlock.connect(srv.address) as c:
+                    assert c.server_info["principal"] == "admin"
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+
+        run(main())
