@@ -514,3 +514,60 @@ def test_every_party_takes_the_token_file_before_the_secret_in_the_environment(t
                 os.environ.update(saved)
 
         run(main())
+
+
+def test_during_a_partition_nobody_without_the_standbys_token_keeps_the_old_primary_granting(tmp_path):
+    """Finding (b) with a partition: the standby is cut off, an attacker without credentials
+    tries to re-attach to the old primary as that standby with failover window 0 (with a
+    made-up proof, and by asking the standby's own listener for a challenge); the old primary
+    fences, the standby promotes, and the two never both grant 'ledger'."""
+    from fastlock._testbase.cluster import Cluster
+
+    cluster = Cluster(tmp_path)
+    try:
+        p = cluster.primary()
+        px = cluster.proxy(p.address)
+        s = cluster.standby(px.address, failover_after=1.5, grace=0.2)
+        standby_principal = cluster.replica_of("standby")
+
+        async def main():
+            st = await poll(lambda: status_as(p.address, cluster.creds.token("admin")),
+                            lambda st: st["replication"]["paired_standby"], timeout=5, what="pairing")
+            node = st["replication"]["paired_standby"].rpartition("/")[2]
+            px.pause()  # the partition: the real standby is cut off from the primary
+            first = {"principal": standby_principal, "nonce": os.urandom(32), "role": "replica", "node": None,
+                     "from": node}
+            # the standby's own listener gives no challenge it could use: it is not primary
+            own = await Frames.open(s.address)
+            try:
+                challenge = await own.call(P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{node}", first)
+                assert challenge[1] == 0  # a challenge (which it cannot answer) ...
+                reply = await own.call(P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{node}", {"proof": os.urandom(32)})
+                assert reply[1] == NotPrimary.code, reply  # ... and no replica is authenticated there
+            finally:
+                own.close()
+            attacker = await Frames.open(p.address)
+            try:
+                assert (await attacker.call(P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{node}", first))[1] == 0
+                reply = await attacker.call(P.OP_HELLO, P.PROTOCOL_VERSION, f"standby:{node}",
+                                            {"proof": os.urandom(32)})
+                assert reply[1] == AuthError.code, reply
+                assert await attacker.read() is None  # closed: no REPLICATE with window 0 gets through
+            finally:
+                attacker.close()
+            await poll(lambda: status_as(p.address, cluster.creds.token("admin")),
+                       lambda st: st["replication"]["fenced"], timeout=5, what="the old primary to fence itself")
+            await asyncio.to_thread(s.wait_for_log, r"PROMOTED", 15)
+            old = await RawNode.open(p.address, token=cluster.creds.token("app"))
+            try:
+                with pytest.raises(fastlock.Unavailable):
+                    await old.acquire("ledger", 1000)
+            finally:
+                await old.close()
+            async with fastlock.connect(s.address, token=cluster.creds.token("app"), connect_timeout=2.0) as c:
+                lease = await c.acquire("ledger", ttl=5.0, wait=5.0)
+                assert lease.fencing_token >> 40 == 1  # the new epoch: one holder, on the new primary
+
+        run(main(), 60)
+    finally:
+        cluster.stop_all()
