@@ -190,6 +190,23 @@ class Generator:
             return _junk(self.rng)
         return rng.randbytes(16)
 
+    @staticmethod
+    def _proof_shapes(rng: random.Random) -> list:
+        """HELLO credentials of the handshake (fastlock.auth.handshake): first messages naming
+        known, unknown and privileged principals and roles, made-up and replayed proofs, a
+        server proof reflected back, and malformed ones.  None may authenticate anyone."""
+        nonce = rng.randbytes(32)
+        return [
+            {"principal": rng.choice(["node-2", "admin", "orders", "ghost", None]), "nonce": nonce,
+             "role": rng.choice(["replica", "admin", "client", None]), "node": rng.choice([None, "x" * 16]),
+             "from": rng.choice([None, "0123456789abcdef"])},
+            {"proof": rng.randbytes(32)},  # made up (or replayed: the server nonce changed)
+            {"proof": rng.randbytes(32), "server_proof": rng.randbytes(32)},  # a reflected server proof
+            {"principal": "node-2", "nonce": rng.randbytes(rng.choice([0, 16, 31, 33, 64]))},
+            {"proof": _junk(rng)},
+            {"challenge": {"nonce": nonce, "node": "x"}},
+        ]
+
     def args(self, op: int) -> list:
         rng = self.rng
         if rng.random() < 0.25:
@@ -199,8 +216,9 @@ class Generator:
         token = (rng.choice([1, 2, 3, (1 << 40) | 1, 2**63 - 1, 0, -1, "1"]) if rng.random() < 0.5
                  else rng.randrange(1, 50))
         if op == P.OP_HELLO:
-            cred = rng.choice([None, "fl1.orders.nope", _junk(rng)])
-            out = [rng.choice([P.PROTOCOL_VERSION, P.PROTOCOL_VERSION, 2, None]), rng.choice(["f", None, 5]), cred]
+            cred = rng.choice([None, "fl1.orders.nope", _junk(rng), *self._proof_shapes(rng)])
+            out = [rng.choice([P.PROTOCOL_VERSION, P.PROTOCOL_VERSION, 1, 3, None]), rng.choice(["f", None, 5]),
+                   cred]
             if rng.random() < 0.5:
                 out.append(rng.choice([0, 1, 2, 2**22, 2**63 - 1, -1, None, "9"]))
             return out
