@@ -303,7 +303,17 @@ class Conn:
         self.decoder = P.FrameDecoder(64 << 20, limits=P.REPLY_LIMITS)
         self.closed = False
         async def call(op: int, *args: Any) -> Any:
-            return (await self.batch([[op, list(args)]]))[0]
+            # one frame, no PING behind it: before HELLO completes, any other request closes the connection
+            rid = self.next_id
+            self.next_id += 1
+            self.writer.write(P.packb([rid, op, *args]))
+            while True:
+                data = await asyncio.wait_for(self.reader.read(1 << 16), 10)
+                if not data:
+                    return None
+                for msg in self.decoder.feed(data):
+                    if type(msg) is list and msg and msg[0] == rid:
+                        return msg
 
         reply = await raw_hello_async(call, f"fuzz-{self.spec.name}", self.spec.token)
         ok = reply is not None and reply[1] == 0

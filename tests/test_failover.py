@@ -659,7 +659,8 @@ def test_new_primary_restarted_during_its_promotion_grace_holds_grants_again(clu
         await asyncio.to_thread(p.kill)
         await promoted
         await asyncio.to_thread(s.kill)
-        again = await asyncio.to_thread(lambda: cluster._start(type(s)(s.data_dir, args=["--name", "again"])))
+        again = await asyncio.to_thread(lambda: cluster._start(type(s)(
+            s.data_dir, args=["--name", "again", "--credentials", cluster.creds.file])))
         await asyncio.to_thread(again.wait_for_log, r"restarted during its promotion grace", 5)
         st = await status_of(again.address)
         assert st["role"] == "primary" and st["epoch"] == 1

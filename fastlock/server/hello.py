@@ -97,6 +97,9 @@ class Hello:
         if type(credential) is dict and "proof" in credential:
             principal, server_proof = self._check_proof(conn, credential, client_name)
         elif type(credential) is dict:
+            if self.credentials.open:
+                raise AuthError("this server runs in open mode (no credentials): it holds no key to prove "
+                                "itself with, so a client with a token refuses it; connect without a token")
             first = ClientFirst.parse(credential)
             found = self.credentials.lookup(first.principal)
             proof_pending, reply = self.verifier.challenge(first, found.keys if found is not None else None, found)
