@@ -7,7 +7,8 @@ An explicit argument always wins; a variable fills in only what the caller left 
 ``FASTLOCK_SERVER``       the servers, comma-separated ``host[:port]`` (also ``FASTLOCK_SERVERS``;
                           default ``127.0.0.1:7420``), when no address is given
 ``FASTLOCK_TOKEN_FILE``   a file holding this client's principal token (read by
-                          :func:`~fastlock.client.connection.resolve_credential`)
+                          :func:`fastlock.auth.resolve_credential`, the one rule for the
+                          library and every command)
 ``FASTLOCK_AUTH_SECRET``  the legacy shared secret itself, when no token, token file nor
                           ``auth`` is given and ``FASTLOCK_TOKEN_FILE`` is unset
 ``FASTLOCK_TLS``          ``1``: connect over TLS (the system's CAs) when ``tls`` is not given
@@ -25,10 +26,9 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..errors import InvalidArgument
 from ..units import DEFAULT_PORT
 
-__all__ = ["SERVER_VARIABLES", "addresses_from_env", "secret_from_env", "tls_from_env"]
+__all__ = ["SERVER_VARIABLES", "addresses_from_env", "tls_from_env"]
 
 #: the variables naming the servers, in the order they are read
 SERVER_VARIABLES = ("FASTLOCK_SERVER", "FASTLOCK_SERVERS")
@@ -49,23 +49,6 @@ def addresses_from_env(addresses: Iterable[Any], env: Mapping[str, str] | None =
         if named:
             return named
     return [f"127.0.0.1:{DEFAULT_PORT}"]
-
-
-def secret_from_env(auth: str | None, token: str | None, token_file: Any,
-                    env: Mapping[str, str] | None = None) -> str | None:
-    """``auth``, else (no token, token file, nor ``$FASTLOCK_TOKEN_FILE``) ``$FASTLOCK_AUTH_SECRET``.
-
-    :raises InvalidArgument: the variable is set but blank (never taken as the secret "").
-    """
-    env = os.environ if env is None else env
-    if auth is not None or token is not None or token_file is not None or env.get("FASTLOCK_TOKEN_FILE"):
-        return auth
-    value = env.get("FASTLOCK_AUTH_SECRET")
-    if value is None:
-        return None
-    if not value.strip():
-        raise InvalidArgument("FASTLOCK_AUTH_SECRET is set but empty")
-    return value.strip()
 
 
 def tls_from_env(tls: Any, options: dict[str, str | None],
