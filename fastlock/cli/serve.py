@@ -40,7 +40,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     s.add_argument("--snapshot-every", type=positive_int, default=200_000, metavar="RECORDS",
                    help="write a snapshot and drop old WAL segments after this many records")
     s.add_argument("--credentials", metavar="FILE",
-                   help="principals, token hashes and ACLs (TOML; make one with `fastlock credentials init DIR`). "
+                   help="principals, the keys their tokens prove, and ACLs (TOML; make one with "
+                        "`fastlock credentials init DIR`). "
                         "Without it: open mode, loopback only - every connection is a client of every lock, "
                         "and replica and admin operations are refused")
     s.add_argument("--standby-token-file", metavar="FILE",
