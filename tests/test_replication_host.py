@@ -311,18 +311,35 @@ def test_a_standby_applies_single_records_by_the_log_rules_and_refuses_a_malform
 
 def test_a_standby_authenticated_by_its_certificate_reconnects_without_a_token():
     """Over mutual TLS a standby has no token: the primary names its principal in the
-    HELLO answer.  On the next connection there is no token to derive a primary proof
-    from, so the link sends no challenge (TLS has verified the primary) instead of
-    failing on the missing token."""
+    HELLO answer.  On the next connection there is still no token to prove, so the link
+    says HELLO once with no credential (TLS has verified both ends) instead of failing
+    on the missing token; a server naming this standby's own node is still refused."""
     import asyncio
+    from types import SimpleNamespace
 
     from fastlock import protocol as P
     from fastlock.replication.link import PrimaryLink
 
-    class NoRequests:
-        def request(self, *args):
-            raise AssertionError(f"a challenge went out without a token: {args!r}")
+    class OneHello:
+        def __init__(self, node: str):
+            self.sent: list = []
+            self.node = node
 
-    link = PrimaryLink(None, ("127.0.0.1", 1), None, None, "east", P.REPLY_LIMITS)
+        def request(self, *args):
+            self.sent.append(args)
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result({"server": "fastlock", "role": "primary", "node": self.node, "principal": "east"})
+            return fut
+
+    follower = SimpleNamespace(host=SimpleNamespace(table=SimpleNamespace(epoch=3)), refused=None)
+    link = PrimaryLink(follower, ("127.0.0.1", 1), None, None, "east@id-1", P.REPLY_LIMITS)
     link.principal = "east"  # as the first connection's HELLO answer set it
-    assert asyncio.run(link._primary_proves_itself(NoRequests())) is True
+    conn = OneHello("id-2")
+    hello = asyncio.run(link._hello(conn))
+    assert hello is not None and hello["node"] == "id-2"
+    assert [args[:4] for args in conn.sent] == [(P.OP_HELLO, P.PROTOCOL_VERSION, "standby:east@id-1", None)]
+    assert link.proven == (("127.0.0.1", 1), "id-2")
+    assert asyncio.run(link._hello(OneHello("id-1"))) is None  # this node itself
+    assert "this node itself" in follower.refused
+    assert asyncio.run(link._hello(OneHello("id-3"))) is None  # not the node that proved itself here
+    assert "not the expected node" in follower.refused
