@@ -13,8 +13,9 @@ principal its verified TLS certificate maps to, else the anonymous principal
 if the credentials allow one.
 
 A replica principal is authenticated only by a primary (or a node promoting
-to one; any other node answers :class:`~fastlock.errors.NotPrimary` before
-looking at the proof), and never by the node that uses that principal itself
+to one; any other node answers a valid proof with
+:class:`~fastlock.errors.NotPrimary` and no proof of its own), and never by
+the node that uses that principal itself
 (its own standby token): a standby's challenge relayed to the standby's own
 listener, or to another standby, gets no proof.  Every refusal is an :class:`~fastlock.errors.AuthError` (the
 connection closes) and counts towards the address's ban
@@ -153,12 +154,6 @@ class Hello:
         if pending is None:
             raise ProtocolError("a proof without a challenge: send the handshake's first message first")
         principal: Principal | None = pending.principal
-        role = self.server.roles.role
-        if principal is not None and principal.kind == "replica" and role not in (Role.PRIMARY, Role.PROMOTING):
-            # before the proof is checked: a standby's answer says nothing about the proof
-            roles = self.server.roles
-            raise NotPrimary(f"this node is {role.value}, not primary: it authenticates no replica",
-                             roles.primary_address if role is Role.STANDBY else None)
         server_proof = self.verifier.verify(pending, credential)
         first = pending.first
         reason = None
@@ -174,6 +169,11 @@ class Hello:
         if reason is not None or principal is None or server_proof is None:
             self.auth_failures.failed(conn.address, f"client name {quote(client_name)}", reason or "")
             raise AuthError(f"authentication failed: {reason}")
+        roles = self.server.roles
+        if principal.kind == "replica" and roles.role not in (Role.PRIMARY, Role.PROMOTING):
+            # only to a valid proof (anyone else learns nothing), and without the server's proof
+            raise NotPrimary(f"this node is {roles.role.value}, not primary: it authenticates no replica",
+                             roles.primary_address if roles.role is Role.STANDBY else None)
         return principal, server_proof
 
     def hello_info(self, conn: Session) -> dict[str, Any]:
