@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
 import json
 import os
 import re
@@ -571,3 +572,64 @@ def test_during_a_partition_nobody_without_the_standbys_token_keeps_the_old_prim
         run(main(), 60)
     finally:
         cluster.stop_all()
+
+
+def test_a_client_riding_through_a_failover_refuses_a_squatter_relaying_it_to_the_new_primary(tmp_path):
+    """A client that knew the primary at an address: after its kill -9 a process on that port
+    relays the client's handshake, byte for byte, to the promoted standby (a real server with
+    the credentials, so its proof is good).  The client expects, at that address, the node
+    that proved itself there before: it refuses, and the relay sees nothing but HELLO - no
+    acquire, no owner key."""
+    creds = CredentialsDir(tmp_path / "creds")
+    primary = ServerProcess(tmp_path / "p", args=creds.server_args("node-1")).start()
+    standby = ServerProcess(tmp_path / "s", args=["--standby-of", primary.address, "--failover-after", "1",
+                                                  *creds.server_args("node-2")])
+    relayed = bytearray()
+    try:
+        standby.start()
+        standby.wait_for_log(r"paired: primary", 10)
+
+        async def relay(conn: Frames, first) -> None:
+            host, _, port = standby.address.rpartition(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(msgpack.packb(first, use_bin_type=True))
+
+            async def pump(src, dst, from_client: bool) -> None:
+                while data := await src.read(1 << 16):
+                    if from_client:
+                        relayed.extend(data)
+                    dst.write(data)
+
+            pumps = [asyncio.ensure_future(pump(conn.reader, writer, True)),
+                     asyncio.ensure_future(pump(reader, conn.writer, False))]
+            try:
+                await asyncio.wait(pumps, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in pumps:
+                    task.cancel()
+                writer.close()
+
+        async def main():
+            async with fastlock.connect(primary.address, token=creds.token("app"), connect_timeout=2) as c:
+                async with c.lock("before", ttl=5):
+                    pass
+                await asyncio.to_thread(primary.kill)
+                squatter = Squatter(primary.address, relay)
+                async with squatter:
+                    await asyncio.to_thread(standby.wait_for_log, r"PROMOTED", 15)
+                    with pytest.raises(ConnectionLost, match="not the expected node"):
+                        await c.acquire("secret/lock", ttl=5, wait=3)
+                    assert squatter.connections >= 1
+            # the client stopped at the challenge: the new primary's node is not the one it knew there
+            frames = [*squatter.frames, *msgpack.Unpacker(io.BytesIO(bytes(relayed)), raw=False)]
+            assert frames and {m[1] for m in frames} == {P.OP_HELLO}, frames
+            assert all("proof" not in m[4] for m in frames), frames  # not even a proof
+            relayed.extend(squatter.said())
+            assert b"secret/lock" not in relayed
+            for what, value in secrets_of(creds.token("app")).items():
+                assert value not in relayed, f"the app's {what} was relayed"
+
+        run(main(), 60)
+    finally:
+        standby.stop()
+        primary.stop()

@@ -56,6 +56,8 @@ _ASK_FOR_TLS = "pass tls_ca=... or tls=True; fastlock commands: --tls-ca or FAST
 _PLAIN_TO_TLS_HINT = f" (if it is a TLS port: {_ASK_FOR_TLS})"
 
 Address = tuple[str, int]
+#: addresses whose proven node id a connector remembers, at most
+MAX_PINNED_NODES = 256
 
 
 def ignore_result(fut: asyncio.Future[Any]) -> None:
@@ -127,7 +129,7 @@ class Connector:
     __slots__ = ("addresses", "proto", "closed", "server_info", "max_epoch", "orphans", "no_acquire_many",
                  "_auth", "_client_name",
                  "_connect_timeout", "_request_timeout", "_ssl", "_server_hostname", "_connecting",
-                 "_connect_task", "_attempt", "_suspects", "_demoted", "_preferred")
+                 "_connect_task", "_attempt", "_suspects", "_demoted", "_preferred", "_nodes")
 
     def __init__(self, addresses: Iterable[Any], *, auth: str | None, client_name: str | None,
                  connect_timeout: float, request_timeout: float | None, ssl_context: ssl.SSLContext | None,
@@ -154,6 +156,9 @@ class Connector:
         self._suspects: set[Address] = set()  # addresses that went silent: tried last
         self._demoted: set[Address] = set()  # answered deposed / fenced / Unavailable: tried last
         self._preferred: Address | None = None  # named as the primary by a refusal: tried first
+        #: address -> the node id that proved itself there: a later handshake at that address expects
+        #: it (a process on a dead server's port relaying to another node is refused)
+        self._nodes: dict[Address, str] = {}
 
     async def ensure_connected(self, deadline: float | None = None) -> ClientConnection:
         """The connection to the primary, connecting first if needed (one
@@ -272,11 +277,12 @@ class Connector:
                 hint = _REFUSED_CERT_HINT if self._ssl is not None and isinstance(exc, ConnectionResetError) else ""
                 errors.append(f"{addr[0]}:{addr[1]}: {exc or type(exc).__name__}{hint}")
                 continue
+            handshake = ClientHandshake(self._auth, expect_node=self._nodes.get(addr))
             try:
-                info = await asyncio.wait_for(
-                    say_hello(proto, self._client_name, ClientHandshake(self._auth), self.max_epoch),
-                    self._connect_timeout,
-                )
+                info = await asyncio.wait_for(say_hello(proto, self._client_name, handshake, self.max_epoch),
+                                              self._connect_timeout)
+                if handshake.server_node is not None and len(self._nodes) < MAX_PINNED_NODES:
+                    self._nodes[addr] = handshake.server_node
             except NotPrimary as exc:
                 proto.close()
                 errors.append(f"{addr[0]}:{addr[1]}: not primary (primary: {exc.primary})")
