@@ -36,6 +36,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from ..coordination import EtcdArbiter, EtcdGateway, PrimaryRecord, parse_coordinator
+from ..coordination.access import EtcdAccess
 from ..errors import DataDirInUse
 from ..roles import Role
 from ..units import monotonic_ms, parse_address
@@ -76,13 +77,16 @@ class CoordinatedNode:
         node: this node's id in etcd.
         ttl_ms: the etcd lease TTL (ms, whole seconds).
         ident: the data directory's identity (its ``node-id`` file), kept in the member key.
+        access: how to reach etcd (TLS files, etcd user; None: plain HTTP, no user).
 
     Raises:
-        InvalidArgument: a malformed URL or node id.
+        InvalidArgument: a malformed URL or node id; an unusable TLS or password file
+            (naming the setting).
         ImportError: httpx is not installed (``pip install 'fastlock[etcd]'``).
     """
 
-    def __init__(self, server: LockServer, url: str, node: str, ttl_ms: int, ident: str = ""):
+    def __init__(self, server: LockServer, url: str, node: str, ttl_ms: int, ident: str = "", *,
+                 access: EtcdAccess | None = None):
         self.server = server
         self.url = parse_coordinator(url)
         self.node = node
@@ -91,7 +95,10 @@ class CoordinatedNode:
         self._stopping: asyncio.Task | None = None
         self.arbiter: EtcdArbiter | None = None
         self._low_primary: PrimaryRecord | None = None  # the primary below this node's epoch last logged
-        self._gateway = EtcdGateway(self.url.endpoints, timeout_s=max(0.2, ttl_ms / 4000))
+        #: the primary etcd named that the follower was last pointed at: its node id is the
+        #: node the standby link must find at that address (etcd's word alone proves nothing)
+        self.following: PrimaryRecord | None = None
+        self._gateway = EtcdGateway(self.url.endpoints, timeout_s=max(0.2, ttl_ms / 4000), access=access)
         # httpx logs every request at INFO: several lines a second per node
         logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger("httpx").level))
 
@@ -180,6 +187,7 @@ class CoordinatedNode:
             return
         follower.stop()
         follower.link.primary = target
+        self.following = primary  # the node id etcd names there: the link's expected node
         follower.refused = None
         follower.synced = False  # its position counts in the new primary's log once it has synced there
         follower.start()
@@ -229,7 +237,11 @@ class CoordinatedNode:
     def on_lost(self, why: str) -> None:
         arbiter = self.arbiter
         primary = arbiter.primary if arbiter is not None else None
-        epoch = max(self.server.table.epoch + 1, primary.epoch if primary is not None else 0)
+        # the step-down epoch is persisted (max_epoch_seen): an epoch only etcd names counts only
+        # when it is credible, or a rogue record would leave this node unable to be promoted again
+        named = primary.epoch if primary is not None and arbiter is not None and arbiter.credible_epoch(
+            primary.epoch) else 0
+        epoch = max(self.server.table.epoch + 1, named)
         if self.server.roles.role is Role.PRIMARY:
             self._step_down(why, epoch)
 
