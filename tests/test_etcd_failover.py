@@ -42,6 +42,8 @@ class Group:
         self.etcd = etcd
         self.prefix = unique_prefix()
         self.nodes: dict[str, ServerProcess] = {}
+        # a secured etcd (TLS, authentication): the nodes log in as a user confined to the prefix
+        self.user = etcd.confine(self.prefix) if etcd.secured else None
 
     def start(self, name: str, etcd_address: str | None = None, *, port: int = 0,
               advertise: str | None = None, node_id: str | None = None) -> ServerProcess:
@@ -50,7 +52,7 @@ class Group:
         srv = self.cluster._start(ServerProcess(
             self.cluster.root / name, port=port,
             args=["--name", name, *self.cluster.auth_args(name), "--coordinator", url, "--node-id", node_id or name,
-                  "--coordinator-ttl", str(TTL_S), *extra]))
+                  "--coordinator-ttl", str(TTL_S), *self.etcd.serve_flags(self.user), *extra]))
         self.nodes[name] = srv
         return srv
 
@@ -118,6 +120,12 @@ def group(cluster, etcd):
     return Group(cluster, etcd)
 
 
+@pytest.fixture
+def secure_group(cluster, secure_etcd):
+    """A group whose nodes reach etcd over TLS and log in as a user confined to its prefix."""
+    return Group(cluster, secure_etcd)
+
+
 def three(group: Group) -> list[str]:
     names = ["a", "b", "c"]
     for name in names:
@@ -126,6 +134,18 @@ def three(group: Group) -> list[str]:
 
 
 async def test_sigkill_of_the_primary(group):
+    await sigkill_of_the_primary(group)
+
+
+async def test_sigkill_of_the_primary_over_tls_as_a_confined_etcd_user(secure_group):
+    """The same failover with etcd serving client TLS with authentication on, the nodes
+    logged in as a user whose role allows readwrite on the group's prefix only."""
+    await sigkill_of_the_primary(secure_group)
+    st = await status_of(next(srv for srv in secure_group.nodes.values() if srv.alive).address)
+    assert st["coordinator"]["last_error"] is None
+
+
+async def sigkill_of_the_primary(group: Group) -> None:
     names = three(group)
     first, st = await group.primary()
     rest = [n for n in names if n != first]
