@@ -527,7 +527,7 @@ class Listener:
 
     async def start(self) -> str:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return "127.0.0.1:%d" % self.server.sockets[0].getsockname()[1]
+        return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         data = bytearray()

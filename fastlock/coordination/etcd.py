@@ -78,6 +78,9 @@ MAX_MEMBERS = 1000
 #: the longest node id (characters)
 MAX_NODE_ID = 128
 
+#: a refused ``PREFIX/epoch`` is logged at most every 10 s (someone may rewrite it in a loop)
+_REFUSED_EPOCH = RateLimitedLog(log, logging.ERROR, 10.0)
+
 
 @dataclass
 class _MemberKey:
@@ -152,7 +155,6 @@ class EtcdArbiter:
         self._fence_timer: asyncio.TimerHandle | None = None
         self._wake: asyncio.Event | None = asyncio.Event()  # None once closed
         self._member = _MemberKey(ident)
-        self._refused_epoch = RateLimitedLog(log, logging.ERROR, 10.0)
 
     @property
     def ttl_ms(self) -> int:
@@ -497,7 +499,7 @@ class EtcdArbiter:
         if reading.refused:
             kv = reading.kv
             assert kv is not None
-            self._refused_epoch("etcd: refusing %s = %r: not an epoch at most %d above the highest this node has "
+            _REFUSED_EPOCH("etcd: refusing %s = %r: not an epoch at most %d above the highest this node has "
                                 "seen (%d); using what the nodes know and rewriting the key", self.epoch_key,
                                 kv.value[:40], EPOCH_ALLOWANCE, seen)
             if self.holding:

@@ -168,7 +168,8 @@ class EtcdGateway:
                 or a client certificate etcd's gateway refuses.
             EtcdUnavailable: no endpoint was reached.
         """
-        errors, refusals = [], []
+        errors: list[str] = []
+        refusals: list[str] = []
         request = (b"POST /v3/maintenance/status HTTP/1.1\r\nHost: etcd\r\nContent-Type: application/json\r\n"
                    b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
         for host, port in self.endpoints:
@@ -237,7 +238,8 @@ class EtcdGateway:
             return token
 
     async def _request(self, path: str, body: dict, token: str | None) -> dict:
-        errors, refusals = [], []
+        errors: list[str] = []
+        refusals: list[str] = []
         n = len(self.endpoints)
         headers = {"Authorization": token} if token else None
         for i in range(n):
@@ -271,7 +273,8 @@ class EtcdGateway:
                 raise EtcdRefused(f"etcd {where} refuses gateway requests whose client certificate has a Common "
                                   f"Name: give --coordinator-cert a certificate with only a subjectAltName "
                                   f"({text[:120]!r})") from None
-            raise EtcdUnavailable(f"etcd {where} answered {path} with HTTP {status} and no JSON: {text[:100]!r}")
+            raise EtcdUnavailable(f"etcd {where} answered {path} with HTTP {status} and no JSON: "
+                                  f"{text[:100]!r}") from None
         if type(data) is not dict:
             raise EtcdUnavailable(f"etcd {where} answered {path} with a {type(data).__name__}")
         if "error" not in data or status == 200:

@@ -36,7 +36,6 @@ import logging
 from typing import TYPE_CHECKING
 
 from ..coordination import EtcdArbiter, EtcdGateway, PrimaryRecord, parse_coordinator
-from ..coordination.access import EtcdAccess
 from ..errors import DataDirInUse
 from ..roles import Role
 from ..units import monotonic_ms, parse_address
@@ -77,7 +76,9 @@ class CoordinatedNode:
         node: this node's id in etcd.
         ttl_ms: the etcd lease TTL (ms, whole seconds).
         ident: the data directory's identity (its ``node-id`` file), kept in the member key.
-        access: how to reach etcd (TLS files, etcd user; None: plain HTTP, no user).
+
+    etcd is reached as the server's ``config.coordinator_access`` says (TLS files, etcd
+    user; None: plain HTTP, no user).
 
     Raises:
         InvalidArgument: a malformed URL or node id; an unusable TLS or password file
@@ -85,8 +86,7 @@ class CoordinatedNode:
         ImportError: httpx is not installed (``pip install 'fastlock[etcd]'``).
     """
 
-    def __init__(self, server: LockServer, url: str, node: str, ttl_ms: int, ident: str = "", *,
-                 access: EtcdAccess | None = None):
+    def __init__(self, server: LockServer, url: str, node: str, ttl_ms: int, ident: str = ""):
         self.server = server
         self.url = parse_coordinator(url)
         self.node = node
@@ -98,7 +98,8 @@ class CoordinatedNode:
         #: the primary etcd named that the follower was last pointed at: its node id is the
         #: node the standby link must find at that address (etcd's word alone proves nothing)
         self.following: PrimaryRecord | None = None
-        self._gateway = EtcdGateway(self.url.endpoints, timeout_s=max(0.2, ttl_ms / 4000), access=access)
+        self._gateway = EtcdGateway(self.url.endpoints, timeout_s=max(0.2, ttl_ms / 4000),
+                                    access=server.config.coordinator_access)
         # httpx logs every request at INFO: several lines a second per node
         logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger("httpx").level))
 

@@ -168,8 +168,7 @@ class LockServer:
         if config.coordinator:  # etcd decides who is primary; otherwise the pair does
             ident = node_id(config.data_dir)
             self.failover.coordinated = CoordinatedNode(self, config.coordinator, config.node_id or ident,
-                                                        config.coordinator_ttl_ms, ident,
-                                                        access=config.coordinator_access)
+                                                        config.coordinator_ttl_ms, ident)
         self.limits = ConnectionLimits(config, self)
         self.quotas = PrincipalQuotas(config, self)
         self.handlers = Handlers(self, credentials)
