@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections import Counter
 
@@ -603,6 +604,17 @@ async def test_a_rogue_primary_key_gets_no_token(secure_group):
         await listener.wait(lambda: listener.closed >= 1 or any(t in b"".join(listener.received) for t in
                                                                tokens.values()),
                             30, "a node to connect to the rogue address and send a token or give up")
+        # a client at the other node is redirected to the address etcd names
+        await poll(lambda: status_of(secure_group.nodes[other].address),
+                   lambda st: st["replication"]["primary"] == rogue, timeout=10, what=f"{other} to follow the record")
+        tokens["client"] = open(os.environ["FASTLOCK_TOKEN_FILE"], "rb").read().strip()
+        connections = len(listener.received)
+        try:
+            async with fastlock.connect(secure_group.nodes[other].address, connect_timeout=2.0) as client:
+                await client.acquire("rogue/client", ttl=1.0, wait=0)
+        except (FastlockError, OSError, asyncio.TimeoutError):
+            pass  # nothing at the rogue address may serve it
+        await listener.wait(lambda: len(listener.received) > connections, 10, "the client to be redirected there")
         await gw.revoke(lease)
     finally:
         await gw.close()

@@ -15,6 +15,8 @@ certificate whose key does not match, an empty or unreadable password file.
 
 from __future__ import annotations
 
+import logging
+import os
 import ssl
 from dataclasses import dataclass, field
 
@@ -22,6 +24,8 @@ from ..errors import InvalidArgument
 from ..tls import client_context
 
 __all__ = ["EtcdAccess", "EtcdLogin", "PROTOCOLS"]
+
+log = logging.getLogger("fastlock.coordination")
 
 #: the values of ``--coordinator-protocol``
 PROTOCOLS = ("http", "https")
@@ -108,12 +112,15 @@ class EtcdAccess:
         Raises:
             InvalidArgument: the file cannot be read, is empty, or is longer than
                 :data:`MAX_PASSWORD_BYTES` (the message names the file, never its content).
+
+        Logs a warning when other users may read the file (as a token file).
         """
         self.check()
         if not self.user or not self.password_file:
             return None
         try:
             with open(self.password_file, "rb") as f:
+                mode = os.fstat(f.fileno()).st_mode
                 data = f.read(MAX_PASSWORD_BYTES + 1)
         except OSError as exc:
             raise InvalidArgument(f"--coordinator-password-file {self.password_file}: "
@@ -123,4 +130,7 @@ class EtcdAccess:
         if len(data) > MAX_PASSWORD_BYTES or not password:
             raise InvalidArgument(f"--coordinator-password-file {self.password_file}: expected the etcd "
                                   f"password on its first line (1..{MAX_PASSWORD_BYTES} bytes)")
+        if mode & 0o077:
+            log.warning("--coordinator-password-file %r may be read by other users (mode %o): chmod 600 it",
+                        self.password_file, mode & 0o777)
         return EtcdLogin(self.user, password)
