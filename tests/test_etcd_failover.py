@@ -575,6 +575,46 @@ class Listener:
             self.server.close()
 
 
+async def test_a_rogue_primary_key_stops_the_group_only_while_it_lives(secure_group):
+    """Someone with write access to the prefix puts a ``PREFIX/primary`` of their own, at epoch
+    8388607 under a lease they keep, naming an address where nothing listens: the primary steps
+    down and nobody grants while the record lives (clients are told the address it names); once
+    its lease is gone the group elects again at an epoch from what the nodes know, and tokens
+    keep rising."""
+    from fastlock.coordination import EtcdGateway
+    from fastlock.protocol import MAX_EPOCH
+
+    etcd = secure_group.etcd
+    for name in ("a", "b"):
+        secure_group.start(name)
+    first, st = await secure_group.primary()
+    (other,) = [n for n in ("a", "b") if n != first]
+    await secure_group.followers_of(first, [other])
+    before = await grant(secure_group.nodes[first].address, "rogue/k1")
+    nowhere = f"127.0.0.1:{free_port()}"
+    gw = EtcdGateway([("127.0.0.1", etcd.port)], timeout_s=2.0, access=etcd.access(secure_group.user))
+    try:
+        lease, _ = await gw.grant(60)
+        await gw.put(secure_group.prefix + "/primary", json.dumps(
+            {"node": "rogue", "address": nowhere, "epoch": MAX_EPOCH}).encode(), lease)
+        await poll(lambda: status_of(secure_group.nodes[first].address), lambda s: s["role"] != "primary",
+                   timeout=10, what="the primary to step down")
+        for name in ("a", "b"):
+            await poll(lambda n=name: status_of(secure_group.nodes[n].address),
+                       lambda s: s["role"] == "standby" and s["replication"]["primary"] == nowhere, timeout=10,
+                       what=f"{name} to follow the record")
+            err = await refuses(secure_group.nodes[name].address, "rogue/k2")
+            assert isinstance(err, NotPrimary) and err.primary == nowhere
+        await gw.revoke(lease)
+    finally:
+        await gw.close()
+    name, st2 = await secure_group.primary(timeout=15)
+    assert st["epoch"] < st2["epoch"] <= st["epoch"] + 2
+    assert await grant(secure_group.nodes[name].address, "rogue/k3") > before
+    for srv in secure_group.nodes.values():
+        assert (await status_of(srv.address))["epoch"] <= st2["epoch"]
+
+
 @pytest.mark.xfail(strict=True, reason="needs the auth branch")
 async def test_a_rogue_primary_key_gets_no_token(secure_group):
     """Someone with write access to the prefix replaces ``PREFIX/primary`` with a record of
