@@ -24,6 +24,8 @@ from test_coordination_etcd import arbiter
 
 from fastlock._testbase import ServerProcess
 from fastlock.coordination import EPOCH_ALLOWANCE, EtcdGateway, EtcdRefused
+from fastlock.coordination.gateway import KeyValue
+from fastlock.coordination.records import read_epoch
 from fastlock.protocol import MAX_EPOCH
 
 pytest.importorskip("httpx")
@@ -154,6 +156,30 @@ def test_a_password_over_plain_http_off_loopback_is_refused(secure_etcd):
 
 
 # -- what the arbiter believes of etcd (plain etcd: the arbiter alone) -------------------------------
+
+
+@pytest.mark.parametrize("value, seen, stored, refused", [
+    (None, 0, 0, False),
+    (b"0", 0, 0, False),
+    (b"16", 0, 16, False),
+    (b"17", 0, 0, True),
+    (b"40", 30, 40, False),
+    (str(MAX_EPOCH).encode(), MAX_EPOCH - 1, MAX_EPOCH, False),
+    (str(MAX_EPOCH).encode(), 5, 0, True),
+    (str(MAX_EPOCH + 1).encode(), MAX_EPOCH, 0, True),
+    (b"-5", 10, 0, True),
+    (b"+5", 10, 0, True),
+    (b" 5", 10, 0, True),
+    (b"5.0", 10, 0, True),
+    (b"\xd9\xa5", 10, 0, True),  # ARABIC-INDIC DIGIT FIVE: a digit, but not ASCII
+    (b"", 10, 0, True),
+    (b"9" * 5000, 10, 0, True),
+])
+def test_read_epoch_believes_only_a_decimal_epoch_within_the_allowance(value, seen, stored, refused):
+    kv = None if value is None else KeyValue(b"/p/epoch", value, 1, 1, 0)
+    reading = read_epoch(kv, seen)
+    assert (reading.stored, reading.refused) == (stored, refused)
+    assert EPOCH_ALLOWANCE == 16  # the allowance the docs state
 
 ROGUE_EPOCHS = [str(MAX_EPOCH).encode(), b"-5", b"12abc", b"9" * 5000, b"1e9", b" 3", b"100"]
 

@@ -69,7 +69,15 @@ from ..logsafe import RateLimitedLog
 from ..protocol import MAX_EPOCH
 from ..units import monotonic_ms
 from .gateway import EtcdGateway, EtcdRefused, EtcdUnavailable, KeyValue, b64
-from .records import EPOCH_ALLOWANCE, ArbiterListener, EpochReading, PrimaryRecord, json_object, read_epoch
+from .records import (
+    EPOCH_ALLOWANCE,
+    ArbiterListener,
+    EpochReading,
+    PrimaryRecord,
+    credible_epoch,
+    json_object,
+    read_epoch,
+)
 
 log = logging.getLogger("fastlock.coordination")
 
@@ -483,8 +491,8 @@ class EtcdArbiter:
 
     def credible_epoch(self, epoch: int) -> bool:
         """Is ``epoch``, read from etcd, at most :data:`~fastlock.coordination.records.EPOCH_ALLOWANCE`
-        above :meth:`seen_epoch` (see :func:`~fastlock.coordination.records.read_epoch`)?"""
-        return read_epoch(KeyValue(b"", str(epoch).encode(), 0, 0, 0), self.seen_epoch()).stored == epoch
+        above :meth:`seen_epoch` (see :func:`~fastlock.coordination.records.credible_epoch`)?"""
+        return credible_epoch(epoch, self.seen_epoch())
 
     async def _read_epoch(self) -> EpochReading:
         """``PREFIX/epoch`` as :func:`~fastlock.coordination.records.read_epoch` judges it; a
@@ -499,9 +507,9 @@ class EtcdArbiter:
         if reading.refused:
             kv = reading.kv
             assert kv is not None
-            _REFUSED_EPOCH("etcd: refusing %s = %r: not an epoch at most %d above the highest this node has "
-                                "seen (%d); using what the nodes know and rewriting the key", self.epoch_key,
-                                kv.value[:40], EPOCH_ALLOWANCE, seen)
+            _REFUSED_EPOCH("etcd: refusing %s = %r: not an epoch at most %d above the highest this node has seen "
+                           "(%d); using what the nodes know and rewriting the key", self.epoch_key, kv.value[:40],
+                           EPOCH_ALLOWANCE, seen)
             if self.holding:
                 await self.gateway.txn(
                     [{"target": "MOD", "key": b64(self.epoch_key), "mod_revision": str(kv.mod_revision),

@@ -25,7 +25,7 @@ from ..protocol import MAX_EPOCH
 from .gateway import KeyValue
 
 __all__ = ["EPOCH_ALLOWANCE", "MAX_VALUE_BYTES", "ArbiterListener", "EpochReading", "PrimaryRecord",
-           "json_object", "read_epoch"]
+           "credible_epoch", "json_object", "read_epoch"]
 
 #: the longest value the arbiter accepts from etcd for one of its keys (bytes)
 MAX_VALUE_BYTES = 4096
@@ -109,15 +109,21 @@ class EpochReading:
     refused: bool
 
 
+def credible_epoch(epoch: int, seen: int) -> bool:
+    """Is ``epoch``, named by etcd, one a node that has seen ``seen`` may believe: in
+    ``0..min(MAX_EPOCH, seen + EPOCH_ALLOWANCE)``?"""
+    return 0 <= epoch <= min(MAX_EPOCH, seen + EPOCH_ALLOWANCE)
+
+
 def read_epoch(kv: KeyValue | None, seen: int) -> EpochReading:
     """Judge ``PREFIX/epoch`` (``kv``) against ``seen``, the highest epoch this node has seen:
-    credible when it is ASCII decimal digits (no sign) for a value of at most
-    ``min(MAX_EPOCH, seen + EPOCH_ALLOWANCE)``.  Never raises."""
+    credible when it is ASCII decimal digits (no sign) for a :func:`credible_epoch`.
+    Never raises."""
     if kv is None:
         return EpochReading(None, 0, False)
     value = kv.value
-    if 0 < len(value) <= len(str(MAX_EPOCH)) and value.isdigit() and value.isascii():
+    if 0 < len(value) <= len(str(MAX_EPOCH)) and value.isascii() and value.isdigit():
         stored = int(value)
-        if stored <= min(MAX_EPOCH, seen + EPOCH_ALLOWANCE):
+        if credible_epoch(stored, seen):
             return EpochReading(kv, stored, False)
     return EpochReading(kv, 0, True)
