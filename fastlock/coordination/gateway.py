@@ -179,7 +179,7 @@ class EtcdGateway:
                 reader, writer = await asyncio.wait_for(asyncio.open_connection(
                     host, port, ssl=self._context, server_hostname=host if self._context else None), self._timeout_s)
                 writer.write(request)
-                answer = await asyncio.wait_for(reader.read(65536), self._timeout_s)
+                answer = await asyncio.wait_for(_read_until_closed(reader, 65536), self._timeout_s)
             except (OSError, asyncio.TimeoutError) as exc:
                 refusal = _tls_refusal(exc)
                 (refusals if refusal else errors).append(f"{where}: {refusal or _describe(exc)}")
@@ -338,6 +338,14 @@ class EtcdGateway:
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+async def _read_until_closed(reader: asyncio.StreamReader, limit: int) -> bytes:
+    """What the peer sends until it closes the connection, at most ``limit`` bytes."""
+    data = b""
+    while len(data) < limit and (chunk := await reader.read(limit - len(data))):
+        data += chunk
+    return data
 
 
 def _describe(exc: BaseException) -> str:
