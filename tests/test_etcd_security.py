@@ -23,7 +23,7 @@ from etcdserver import rbac_commands, unique_prefix
 from test_coordination_etcd import arbiter
 
 from fastlock._testbase import ServerProcess
-from fastlock.coordination import EPOCH_ALLOWANCE, EtcdGateway, EtcdRefused
+from fastlock.coordination import EPOCH_ALLOWANCE, EtcdAccess, EtcdGateway, EtcdRefused
 from fastlock.coordination.gateway import KeyValue
 from fastlock.coordination.records import read_epoch
 from fastlock.protocol import MAX_EPOCH
@@ -146,6 +146,20 @@ def test_etcd_access_flags_need_a_coordinator(tmp_path):
             "--coordinator-protocol", "https"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=tmp_path)
     assert done.returncode == 2 and "only apply with --coordinator" in done.stderr, done.stderr
+
+
+async def test_a_user_for_an_etcd_without_authentication_is_refused(etcd, tmp_path):
+    """A user configured while etcd's authentication is off would never log in: refused, naming
+    the setting (the plain etcd of the other tests has authentication off)."""
+    password = tmp_path / "etcd.password"
+    password.write_text("whatever\n")
+    password.chmod(0o600)
+    gw = EtcdGateway([("127.0.0.1", etcd.port)], access=EtcdAccess(user="u", password_file=str(password)))
+    try:
+        with pytest.raises(EtcdRefused, match="authentication disabled.*--coordinator-user"):
+            await gw.get(unique_prefix() + "/epoch")
+    finally:
+        await gw.close()
 
 
 def test_a_password_over_plain_http_off_loopback_is_refused(secure_etcd):

@@ -289,6 +289,9 @@ class EtcdGateway:
         if code == _INVALID_ARGUMENT and "authentication failed" in message:
             raise EtcdRefused(f"etcd {where} refused user {user!r}: {message} (check --coordinator-user and "
                               f"--coordinator-password-file)")
+        if "authentication is not enabled" in message:
+            raise EtcdRefused(f"etcd {where} has authentication disabled, so --coordinator-user cannot log in: "
+                              f"enable it (docs/etcd.md) or drop --coordinator-user ({message})")
         if code == _INVALID_ARGUMENT and "user name is empty" in message:
             raise EtcdRefused(f"etcd {where} has authentication enabled: set --coordinator-user and "
                               f"--coordinator-password-file ({message})")
