@@ -14,6 +14,7 @@ etcd binary unless FASTLOCK_REQUIRE_ETCD=1.
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -139,6 +140,32 @@ def test_etcd_access_flags_that_cannot_work_are_refused(tmp_path, flags, message
     done = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=tmp_path)
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert not (tmp_path / "d").exists()
+
+
+def test_etcd_access_settings_come_from_the_config_file_and_the_environment(tmp_path):
+    """Each etcd access flag is also a config-file key and a FASTLOCK_* variable; the printed
+    configuration shows the password file's path, never a password."""
+    (tmp_path / "etcd.password").write_text("s3cret-etcd-password\n")
+    config = tmp_path / "fastlock.toml"
+    config.write_text(f'''coordinator = "etcd://127.0.0.1:2379/fastlock/prod"
+coordinator-protocol = "https"
+coordinator-cacert = "/etc/fastlock/etcd-ca.pem"
+coordinator-cert = "/etc/fastlock/etcd-client.pem"
+coordinator-key = "/etc/fastlock/etcd-client-key.pem"
+coordinator-password-file = "{tmp_path / "etcd.password"}"
+standby-token-file = "{tmp_path / "t"}"
+''')
+    argv = [sys.executable, "-m", "fastlock", "serve", "--config", str(config), "--print-config"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=tmp_path,
+                          env={**os.environ, "FASTLOCK_COORDINATOR_USER": "fastlock-prod"})
+    assert done.returncode == 0, done.stderr
+    for line in ('coordinator-protocol = "https"', 'coordinator-cacert = "/etc/fastlock/etcd-ca.pem"',
+                 'coordinator-cert = "/etc/fastlock/etcd-client.pem"',
+                 'coordinator-key = "/etc/fastlock/etcd-client-key.pem"',
+                 f'coordinator-password-file = "{tmp_path / "etcd.password"}"',
+                 'coordinator-user = "fastlock-prod"  # env FASTLOCK_COORDINATOR_USER'):
+        assert line in done.stdout, (line, done.stdout)
+    assert "s3cret-etcd-password" not in done.stdout + done.stderr
 
 
 def test_etcd_access_flags_need_a_coordinator(tmp_path):
