@@ -5,7 +5,8 @@ and its data directory in a fresh temporary directory, waits (bounded) until
 its v3 JSON gateway answers, and offers the faults the coordinator tests
 need: :meth:`EtcdServer.pause` / :meth:`EtcdServer.resume` (SIGSTOP /
 SIGCONT), :meth:`EtcdServer.kill` (SIGKILL) and :meth:`EtcdServer.restart`
-(same ports, same data: keys and leases survive, as after a crash).
+(same ports, same data: keys and leases survive, as after a crash; a secured
+member keeps its users, roles and certificates).
 :meth:`EtcdServer.stop` ends the process by its PID and removes the
 directory.  One server serves a whole test session; each test uses its own
 key prefix (:func:`unique_prefix`).
@@ -116,6 +117,8 @@ class EtcdServer:
 
     :param start_timeout: seconds to wait for the server to answer before
         giving up with ``RuntimeError`` (the log tail is in the message).
+    :param secured: client TLS and authentication (see the module docstring).
+    :raises EtcdUnavailable: no etcd binary (secured: no etcdctl either).
 
     Attributes after :meth:`start`: ``port`` (clients), ``peer_port``,
     ``url`` (``http://127.0.0.1:PORT``), ``address`` (``127.0.0.1:PORT``), ``pid``.
@@ -123,6 +126,8 @@ class EtcdServer:
 
     def __init__(self, start_timeout: float = 30.0, *, secured: bool = False) -> None:
         self.binary = find_etcd()
+        if secured and not (shutil.which("etcdctl", path=os.path.dirname(self.binary)) or shutil.which("etcdctl")):
+            raise EtcdUnavailable("the secured etcd needs etcdctl (Debian/Ubuntu: apt-get install -y etcd-client)")
         self.start_timeout = start_timeout
         self.secured = secured
         self.port = 0
