@@ -222,14 +222,15 @@ def test_read_epoch_believes_only_a_decimal_epoch_within_the_allowance(value, se
     assert (reading.stored, reading.refused) == (stored, refused)
     assert EPOCH_ALLOWANCE == 16  # the allowance the docs state
 
-ROGUE_EPOCHS = [str(MAX_EPOCH).encode(), b"-5", b"12abc", b"9" * 5000, b"1e9", b" 3", b"100"]
+#: values no node writes to PREFIX/epoch: decimal epochs beyond what any node here has seen, then garbage
+ROGUE_EPOCHS = [str(MAX_EPOCH).encode(), b"100", b"-5", b"12abc", b"9" * 5000, b"1e9", b" 3"]
 
 
 async def test_a_rogue_epoch_is_refused_rewritten_and_never_stops_elections(etcd):
     """``PREFIX/epoch`` overwritten with values no node wrote (beyond the allowance above
     what the nodes have seen, negative, not a number, a huge string), before and while a
-    node holds the key: the holder keeps the key, rewrites the epoch to its own, and each
-    next holder takes the epoch after what the nodes know; epochs only grow."""
+    node holds the key: the holder keeps the key and rewrites the epoch to its own, and each
+    next holder takes the epoch after what the nodes know; epochs only grow, one a time."""
     prefix = unique_prefix()
     gw = EtcdGateway([("127.0.0.1", etcd.port)])
     epochs = []
@@ -253,7 +254,31 @@ async def test_a_rogue_epoch_is_refused_rewritten_and_never_stops_elections(etcd
                 await a.close()
     finally:
         await gw.close()
-    assert epochs == sorted(set(epochs)) and epochs[-1] == len(ROGUE_EPOCHS)
+    assert epochs == list(range(1, len(ROGUE_EPOCHS) + 1))
+
+
+async def test_a_bid_goes_above_the_epoch_a_live_member_advertises(etcd):
+    """Someone overwrites ``PREFIX/epoch`` with garbage and deletes ``PREFIX/primary``: a node
+    that has seen no epoch itself still bids above the epoch the last primary advertises in
+    its member key (credible: within the allowance of what the bidder has seen)."""
+    from fastlock.coordination.gateway import b64
+
+    prefix = unique_prefix()
+    gw = EtcdGateway([("127.0.0.1", etcd.port)])
+    a, _ = arbiter(etcd.address, prefix, "a", min_epoch=lambda: 2)
+    b, _ = arbiter(etcd.address, prefix, "b")
+    try:
+        await a.step()
+        await a.step()  # its member key now advertises its term
+        assert a.holding and a.epoch == 3
+        await gw.put(prefix + "/epoch", b"garbage")
+        await gw.call("kv/deleterange", {"key": b64(prefix + "/primary")})
+        await b.step()
+        assert b.holding and b.epoch == 4
+    finally:
+        await a.close()
+        await b.close()
+        await gw.close()
 
 
 async def test_an_epoch_within_the_allowance_is_believed(etcd):

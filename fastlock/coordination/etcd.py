@@ -13,12 +13,8 @@ Keys under the coordinator's ``PREFIX`` (one prefix per fastlock group):
     only grow (fastlock tokens are ``epoch << 40 | counter``).  The new epoch
     is also above every epoch the node has seen itself (``min_epoch``), so a
     wiped etcd never hands out an epoch again.  A value that is not credible
-    (:func:`~fastlock.coordination.records.read_epoch`: more than
-    :data:`~fastlock.coordination.records.EPOCH_ALLOWANCE` above what the node
-    has seen, or not a decimal epoch) is refused and logged: the bid takes the
-    epoch after the node's own and rewrites the key, and a primary rewrites it
-    to its own epoch; someone who can write to etcd can cause an election, never
-    stop the group for good nor take tokens backwards.
+    (:mod:`~fastlock.coordination.records`) is refused and logged: a primary
+    rewrites it to its own epoch, a bid to the one after what the node knows.
 ``PREFIX/members/NODE``
     ``{"node", "address", "position", "epoch", "lease", "ident"}`` of each live
     node (its WAL position: the applied LSN of a standby, the last LSN of the
@@ -473,17 +469,20 @@ class EtcdArbiter:
             self._free_since = now
         mine = self.listener.position()
         ahead = []
+        advertised = 0  # the highest credible epoch a live member advertises (its term as primary)
         for kv in await self.gateway.get_prefix(self.members_prefix, MAX_MEMBERS):
             data = json_object(kv.value)
-            position = data.get("position")
+            position, epoch = data.get("position"), data.get("epoch")
             if data.get("node") != self.node and type(position) is int and position > mine:
                 ahead.append(f"{data.get('node')!r} at {position}")
+            if type(epoch) is int and epoch > advertised and self.credible_epoch(epoch):
+                advertised = epoch
         delay = self.timing[2]
         if ahead and now - self._free_since < delay:
             log.info("etcd: no primary, but %s ahead of this node (at %d): waiting %d ms before bidding",
                      ", ".join(ahead[:3]), mine, delay)
             return
-        await self.bid()
+        await self.bid(advertised)
 
     def seen_epoch(self) -> int:
         """The highest epoch this node has seen (its own as primary, or the listener's)."""
@@ -508,7 +507,7 @@ class EtcdArbiter:
             kv = reading.kv
             assert kv is not None
             _REFUSED_EPOCH("etcd: refusing %s = %r: not an epoch at most %d above the highest this node has seen "
-                           "(%d); using what the nodes know and rewriting the key", self.epoch_key, kv.value[:40],
+                           "(%d); the next epoch comes from what the nodes know", self.epoch_key, kv.value[:40],
                            EPOCH_ALLOWANCE, seen)
             if self.holding:
                 await self.gateway.txn(
@@ -538,8 +537,15 @@ class EtcdArbiter:
             log.critical("etcd: raised %s from %d to %d, the epoch this node has seen", self.epoch_key, stored,
                          epoch)
 
-    async def bid(self) -> bool:
+    async def bid(self, advertised: int = 0) -> bool:
         """Try to take the free primary key with the next epoch; True if this node took it.
+
+        The epoch is one above the highest of: ``PREFIX/epoch`` when credible, every epoch
+        this node has seen, and ``advertised`` (the highest credible epoch a live member
+        advertises, so that a node that has not synced yet still goes above the last
+        primary's epoch when someone overwrote ``PREFIX/epoch``).  Each is at most
+        :data:`~fastlock.coordination.records.EPOCH_ALLOWANCE` above what this node has
+        seen: one election moves the group's epoch by at most that much + 1.
 
         Raises:
             EtcdUnavailable: etcd did not answer (whether the bid landed is then
@@ -548,7 +554,7 @@ class EtcdArbiter:
         sent = self._renewed_at
         reading = await self._read_epoch()
         kv = reading.kv
-        epoch = max(reading.stored, self.listener.min_epoch()) + 1
+        epoch = max(reading.stored, self.seen_epoch(), advertised if self.credible_epoch(advertised) else 0) + 1
         if epoch > MAX_EPOCH:
             log.critical("etcd: cannot take the primary role: epoch %d would exceed %d", epoch, MAX_EPOCH)
             return False

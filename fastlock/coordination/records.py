@@ -8,11 +8,15 @@ every value is read as untrusted:
 * :func:`read_epoch` reads ``PREFIX/epoch`` and says whether it is *credible*: a
   decimal integer of at most :data:`~fastlock.protocol.MAX_EPOCH` and at most
   :data:`EPOCH_ALLOWANCE` above the highest epoch this node has seen.  Anything
-  else (a jump beyond that, a negative number, text, a huge string) is refused: the
-  arbiter acts as if the key held no epoch, derives the next epoch from what the
-  node has seen, and rewrites the key in a transaction.  A legitimate epoch is
-  above what a node has seen only by the elections it missed; a refused one costs
-  the group one election, never its ability to elect.
+  else (a jump beyond that, a negative number, text, a huge string) is refused: a
+  bid acts as if the key held no epoch, derives the next epoch from what the node
+  has seen, and rewrites the key in its transaction; a primary rewrites it to its
+  own epoch without stepping down (stepping down would free the key and, with the
+  primary's lease, its member key: the last traces of its epoch in etcd, which a
+  standby that has not synced yet needs).  A credible epoch above a primary's own
+  (a node that saw a newer history raised it) makes the primary step down.  A
+  legitimate epoch is above what a node has seen only by the elections it missed;
+  a refused one never costs the group its ability to elect.
 """
 
 from __future__ import annotations
@@ -100,8 +104,8 @@ class EpochReading:
     Attributes:
         kv: the key (None: absent); its ``mod_revision`` guards the rewrite.
         stored: the epoch it holds when credible, else 0.
-        refused: the value was there but not credible (see :func:`read_epoch`); the
-            arbiter rewrites it.
+        refused: the value was there but not credible (see :func:`read_epoch`): a bid
+            rewrites it, and so does a primary.
     """
 
     kv: KeyValue | None

@@ -36,6 +36,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from ..coordination import EtcdArbiter, EtcdGateway, PrimaryRecord, parse_coordinator
+from ..coordination.records import credible_epoch
 from ..errors import DataDirInUse
 from ..roles import Role
 from ..units import monotonic_ms, parse_address
@@ -95,8 +96,8 @@ class CoordinatedNode:
         self._stopping: asyncio.Task | None = None
         self.arbiter: EtcdArbiter | None = None
         self._low_primary: PrimaryRecord | None = None  # the primary below this node's epoch last logged
-        #: the primary etcd named that the follower was last pointed at: its node id is the
-        #: node the standby link must find at that address (etcd's word alone proves nothing)
+        #: the primary etcd names that the follower is pointed at: its node id is the node the
+        #: standby link must find at that address (etcd's word alone proves nothing)
         self.following: PrimaryRecord | None = None
         self._gateway = EtcdGateway(self.url.endpoints, timeout_s=max(0.2, ttl_ms / 4000),
                                     access=server.config.coordinator_access)
@@ -132,10 +133,18 @@ class CoordinatedNode:
         return self.server.roles.role is Role.STANDBY
 
     def min_epoch(self) -> int:
+        """The highest epoch this node has seen: its table's, the highest it persisted, its
+        primary's (from replication), and the epoch etcd names for the primary it follows when
+        that is credible (:func:`~fastlock.coordination.records.credible_epoch` against the
+        others): a standby that has not synced yet still bids above the primary it was told to
+        follow.  Only the record followed now counts, never the highest ever named, so etcd
+        alone cannot walk it up."""
         server = self.server
         follower = server.follower
-        return max(server.table.epoch, server.node_state.max_epoch_seen,
-                   follower.primary_epoch if follower is not None else 0)
+        own = max(server.table.epoch, server.node_state.max_epoch_seen,
+                  follower.primary_epoch if follower is not None else 0)
+        named = self.following.epoch if self.following is not None else 0
+        return max(own, named) if credible_epoch(named, own) else own
 
     async def close(self) -> None:
         """Stop; a primary gives its lease back so that a standby takes over at once."""
@@ -184,11 +193,11 @@ class CoordinatedNode:
         if roles.role is not Role.STANDBY:
             return
         target = parse_address(primary.address, default_port=None)
+        self.following = primary  # the node id etcd names at the address the link is pointed at
         if follower.link.primary == target and not follower.stopped:
             return
         follower.stop()
         follower.link.primary = target
-        self.following = primary  # the node id etcd names there: the link's expected node
         follower.refused = None
         follower.synced = False  # its position counts in the new primary's log once it has synced there
         follower.start()
