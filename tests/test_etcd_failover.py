@@ -528,6 +528,7 @@ class Listener:
         self.closed = 0
         self.changed = asyncio.Event()
         self.server: asyncio.AbstractServer | None = None
+        self.writers: list[asyncio.StreamWriter] = []
 
     async def start(self) -> str:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -536,6 +537,7 @@ class Listener:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         data = bytearray()
         self.received.append(data)
+        self.writers.append(writer)
         self.changed.set()
         host, port = self.target.rsplit(":", 1)
         try:
@@ -543,6 +545,7 @@ class Listener:
         except OSError:
             writer.close()
             return
+        self.writers.append(up_writer)
 
         async def down() -> None:
             while chunk := await up_reader.read(65536):
@@ -576,6 +579,8 @@ class Listener:
     async def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        for writer in self.writers:
+            writer.close()
 
 
 async def test_a_rogue_primary_key_stops_the_group_only_while_it_lives(secure_group):
