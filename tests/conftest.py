@@ -154,3 +154,31 @@ def etcd(etcd_server):
     if etcd_server.proc is None:
         etcd_server.restart()
     return etcd_server
+
+
+@pytest.fixture(scope="session")
+def secure_etcd_server():
+    """One throwaway etcd member with client TLS (``--client-cert-auth``) and authentication
+    enabled (tests/etcdserver.py's secured mode), for the whole session."""
+    import etcdserver
+
+    pytest.importorskip("trustme")
+    try:
+        server = etcdserver.EtcdServer(secured=True)
+    except etcdserver.EtcdUnavailable as exc:
+        etcdserver.require_etcd(str(exc))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def secure_etcd(secure_etcd_server):
+    """The session's secured etcd member, running and answering."""
+    if secure_etcd_server.paused:
+        secure_etcd_server.resume()
+    if secure_etcd_server.proc is None:
+        secure_etcd_server.restart()
+    return secure_etcd_server

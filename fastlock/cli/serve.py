@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from ..auth import Credentials, read_token_file
+from ..coordination.access import EtcdAccess
 from ..logformat import LOG_FORMATS, configure
 from ..server import ServerConfig, serve
 from ..units import DEFAULT_PORT, format_address
@@ -22,7 +23,7 @@ from .args import (
 )
 from .config import render
 
-__all__ = ["add_limit_flags", "add_parser", "check_args", "limit_config", "serve_command"]
+__all__ = ["add_limit_flags", "add_parser", "check_args", "coordinator_access", "limit_config", "serve_command"]
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -115,6 +116,22 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     s.add_argument("--coordinator-ttl", type=positive_seconds_arg, default=2.0, metavar="SECONDS",
                    help="with --coordinator, the etcd lease TTL (whole seconds, default 2): a dead primary is "
                         "replaced after about this long; it stops granting a quarter of it earlier")
+    s.add_argument("--coordinator-protocol", choices=("http", "https"), default="http",
+                   help="with --coordinator, how to reach etcd (Patroni's etcd3 protocol): https verifies etcd's "
+                        "certificate (see docs/etcd.md); default http")
+    s.add_argument("--coordinator-cacert", metavar="FILE",
+                   help="with --coordinator-protocol https, the CA that signed etcd's certificate (PEM; default: "
+                        "the system's trust store)")
+    s.add_argument("--coordinator-cert", metavar="FILE",
+                   help="with --coordinator-protocol https, this node's client certificate for etcd's "
+                        "--client-cert-auth (PEM, with only a subjectAltName: etcd's gateway refuses a CN)")
+    s.add_argument("--coordinator-key", metavar="FILE",
+                   help="the --coordinator-cert's private key (default: in --coordinator-cert)")
+    s.add_argument("--coordinator-user", metavar="NAME",
+                   help="with --coordinator, the etcd user to log in as (confine it to the prefix: docs/etcd.md)")
+    s.add_argument("--coordinator-password-file", metavar="FILE",
+                   help="the --coordinator-user's password, on the file's first line (never given on the command "
+                        "line, never logged)")
     s.add_argument("--repair-wal", action="store_true",
                    help="start even if the WAL's last segment has a damaged record in the middle: cut it "
                         "there (records after it are lost; logged at ERROR). Without it the server refuses.")
@@ -233,6 +250,14 @@ def check_args(args: argparse.Namespace) -> None:
                              "to a replica principal): each node follows the primary as a replica principal")
     if (args.node_id is not None or args.advertise is not None) and not args.coordinator:
         args.subparser.error("--node-id and --advertise only apply with --coordinator")
+    access = coordinator_access(args)
+    if access != EtcdAccess() and not args.coordinator:
+        args.subparser.error("--coordinator-protocol, -cacert, -cert, -key, -user and -password-file only apply "
+                             "with --coordinator")
+    try:
+        access.check()
+    except ValueError as exc:
+        args.subparser.error(str(exc))
     if args.node_id is not None and (not args.node_id or not args.node_id.isprintable() or "/" in args.node_id):
         args.subparser.error(f"--node-id must be printable characters without '/', not {args.node_id!r}")
     if args.coordinator and args.coordinator_ttl != int(args.coordinator_ttl):
@@ -243,6 +268,12 @@ def check_args(args: argparse.Namespace) -> None:
     if args.failover_after and args.standby_of is None:
         args.subparser.error("--failover-after only applies to a standby (it needs --standby-of): a primary "
                              "learns its standby's failover window from the standby itself")
+
+
+def coordinator_access(args: argparse.Namespace) -> EtcdAccess:
+    """The way to etcd the ``--coordinator-*`` flags name (no file is read here)."""
+    return EtcdAccess(args.coordinator_protocol, args.coordinator_cacert, args.coordinator_cert,
+                      args.coordinator_key, args.coordinator_user, args.coordinator_password_file)
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -291,6 +322,7 @@ def serve_command(args: argparse.Namespace) -> int:
         node_id=args.node_id,
         advertise=None if args.advertise is None else format_address(args.advertise),
         coordinator_ttl_ms=max(1000, -(-round(args.coordinator_ttl * 1000) // 1000) * 1000),
+        coordinator_access=coordinator_access(args),
         metrics=args.metrics,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,

@@ -4,12 +4,16 @@
 --coordinator etcd://HOST:PORT[,HOST:PORT]/PREFIX``): the primary role is a
 key held under an etcd lease, the epoch is a counter in etcd, and the most
 caught-up standby takes the key when it is free; :mod:`fastlock.coordination.gateway`
-holds its etcd client and the URL parser.  It needs the optional
+holds its etcd client and the URL parser, :mod:`fastlock.coordination.access`
+the TLS files and etcd user it reaches etcd with, and :mod:`fastlock.coordination.records`
+what it reads there and how far it believes it.  It needs the optional
 extra ``fastlock[etcd]`` (httpx, for etcd's v3 JSON gateway).
 """
 
-from .etcd import EtcdArbiter, NodeIdInUse, PrimaryRecord
-from .gateway import CoordinatorUrl, EtcdGateway, EtcdUnavailable, parse_coordinator
+from .access import EtcdAccess
+from .etcd import EtcdArbiter, NodeIdInUse
+from .gateway import CoordinatorUrl, EtcdGateway, EtcdRefused, EtcdUnavailable, parse_coordinator
+from .records import EPOCH_ALLOWANCE, PrimaryRecord
 
-__all__ = ["CoordinatorUrl", "EtcdArbiter", "EtcdGateway", "EtcdUnavailable", "NodeIdInUse", "PrimaryRecord",
-           "parse_coordinator"]
+__all__ = ["EPOCH_ALLOWANCE", "CoordinatorUrl", "EtcdAccess", "EtcdArbiter", "EtcdGateway", "EtcdRefused",
+           "EtcdUnavailable", "NodeIdInUse", "PrimaryRecord", "parse_coordinator"]

@@ -12,7 +12,9 @@ Keys under the coordinator's ``PREFIX`` (one prefix per fastlock group):
     since it was read: two nodes can never take the same epoch, and epochs
     only grow (fastlock tokens are ``epoch << 40 | counter``).  The new epoch
     is also above every epoch the node has seen itself (``min_epoch``), so a
-    wiped etcd never hands out an epoch again.
+    wiped etcd never hands out an epoch again.  A value that is not credible
+    (:mod:`~fastlock.coordination.records`) is refused and logged: a primary
+    rewrites it to its own epoch, a bid to the one after what the node knows.
 ``PREFIX/members/NODE``
     ``{"node", "address", "position", "epoch", "lease", "ident"}`` of each live
     node (its WAL position: the applied LSN of a standby, the last LSN of the
@@ -57,21 +59,31 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from ..errors import FastlockError, InvalidArgument
+from ..logsafe import RateLimitedLog
 from ..protocol import MAX_EPOCH
 from ..units import monotonic_ms
-from .gateway import EtcdGateway, EtcdUnavailable, KeyValue, b64
+from .gateway import EtcdGateway, EtcdRefused, EtcdUnavailable, KeyValue, b64
+from .records import (
+    EPOCH_ALLOWANCE,
+    ArbiterListener,
+    EpochReading,
+    PrimaryRecord,
+    credible_epoch,
+    json_object,
+    read_epoch,
+)
 
 log = logging.getLogger("fastlock.coordination")
 
-#: the longest value this module accepts from etcd for one of its keys (bytes)
-MAX_VALUE_BYTES = 4096
 #: the most member keys read when choosing the most caught-up standby
 MAX_MEMBERS = 1000
 #: the longest node id (characters)
 MAX_NODE_ID = 128
+
+#: a refused ``PREFIX/epoch`` is logged at most every 10 s (someone may rewrite it in a loop)
+_REFUSED_EPOCH = RateLimitedLog(log, logging.ERROR, 10.0)
 
 
 @dataclass
@@ -89,63 +101,6 @@ class NodeIdInUse(FastlockError, RuntimeError):
     """Another live node (another data directory) holds this node id's member key in etcd:
     two processes under one ``--node-id`` would overwrite each other's advertised position
     and take each other's primary key for their own."""
-
-
-@dataclass(frozen=True)
-class PrimaryRecord:
-    """The primary as ``PREFIX/primary`` names it."""
-
-    node: str
-    address: str
-    epoch: int
-    lease: int
-
-    @classmethod
-    def decode(cls, kv: KeyValue) -> PrimaryRecord:
-        """Never raises: a value this module did not write names an unknown node."""
-        data = _json_object(kv.value)
-        node, address, epoch = data.get("node"), data.get("address"), data.get("epoch")
-        return cls(node if type(node) is str else "?", address if type(address) is str else "",
-                   epoch if type(epoch) is int and 0 <= epoch <= MAX_EPOCH else 0, kv.lease)
-
-
-def _json_object(value: bytes) -> dict:
-    if len(value) > MAX_VALUE_BYTES:
-        return {}
-    try:
-        data = json.loads(value)
-    except ValueError:
-        return {}
-    return data if type(data) is dict else {}
-
-
-class ArbiterListener(Protocol):
-    """The node as the arbiter sees it: what it asks, and what it tells when its view
-    changes (each called on the event loop)."""
-
-    def position(self) -> int:
-        """This node's WAL position (its applied or last LSN)."""
-
-    def min_epoch(self) -> int:
-        """The highest epoch this node has seen (a new epoch is above it)."""
-
-    def candidate(self) -> bool:
-        """May this node bid for the primary key now (a standby)?"""
-
-    def on_elected(self, epoch: int) -> None:
-        """This node took the primary key at ``epoch``."""
-
-    def on_fenced(self, fenced: bool) -> None:
-        """This primary's lease is past its self-fencing deadline (True), or renewed again (False)."""
-
-    def on_lost(self, why: str) -> None:
-        """This node held the primary key and no longer does: step down at once."""
-
-    def on_primary(self, primary: PrimaryRecord | None) -> None:
-        """Another node (or none) is the primary now."""
-
-    def on_refused(self, why: str) -> None:
-        """Another live node holds this node's id: stop (the arbiter has stopped)."""
 
 
 class EtcdArbiter:
@@ -257,12 +212,23 @@ class EtcdArbiter:
 
         Raises:
             NodeIdInUse: another live node holds it (after waiting twice the TTL).
+            EtcdRefused: etcd refused this node (TLS, login or permission on the prefix):
+                the node must not start.
         """
+        try:
+            await self.gateway.probe()
+        except EtcdRefused:
+            raise
+        except EtcdUnavailable as exc:
+            log.warning("etcd: %s (node id %r is claimed once etcd answers)", exc, self.node)
+            return
         while True:
             try:
                 await self._renew()
                 if await self._advertise():
                     return
+            except EtcdRefused as exc:
+                raise EtcdRefused(f"{exc} (the group's prefix is {self.prefix}/)") from None
             except EtcdUnavailable as exc:
                 log.warning("etcd: %s (node id %r is claimed once etcd answers)", exc, self.node)
                 return
@@ -371,7 +337,7 @@ class EtcdArbiter:
             if record is None or record.lease != self.lease:
                 self._lose("the primary key is gone" if record is None
                            else f"the primary key names node {record.node!r} now")
-            elif (stored := (await self._read_epoch())[1]) > self.epoch:
+            elif (stored := (await self._read_epoch()).stored) > self.epoch:
                 # a node that saw a newer epoch than this primary's raised the group's (etcd lost
                 # its data and this node was elected below it): step down and free the key, so
                 # that the next primary's tokens are above every token ever granted
@@ -425,7 +391,7 @@ class EtcdArbiter:
                 break
         if other is None:
             return False  # gone between the two reads: the next step creates it
-        data = _json_object(other.value)
+        data = json_object(other.value)
         same_dir = bool(mine.ident) and data.get("ident") == mine.ident
         wait = 2 * self.ttl_ms  # a dead holder's lease runs out within its TTL (etcd frees it a little later)
         if mine.taken_since is None:
@@ -503,25 +469,52 @@ class EtcdArbiter:
             self._free_since = now
         mine = self.listener.position()
         ahead = []
+        advertised = 0  # the highest credible epoch a live member advertises (its term as primary)
         for kv in await self.gateway.get_prefix(self.members_prefix, MAX_MEMBERS):
-            data = _json_object(kv.value)
-            position = data.get("position")
+            data = json_object(kv.value)
+            position, epoch = data.get("position"), data.get("epoch")
             if data.get("node") != self.node and type(position) is int and position > mine:
                 ahead.append(f"{data.get('node')!r} at {position}")
+            if type(epoch) is int and epoch > advertised and self.credible_epoch(epoch):
+                advertised = epoch
         delay = self.timing[2]
         if ahead and now - self._free_since < delay:
             log.info("etcd: no primary, but %s ahead of this node (at %d): waiting %d ms before bidding",
                      ", ".join(ahead[:3]), mine, delay)
             return
-        await self.bid()
+        await self.bid(advertised)
 
-    async def _read_epoch(self) -> tuple[KeyValue | None, int]:
-        """``PREFIX/epoch`` and the epoch it holds (0: absent or not a number)."""
-        kv = await self.gateway.get(self.epoch_key)
-        try:
-            return kv, int(kv.value) if kv is not None else 0
-        except ValueError:
-            return kv, 0
+    def seen_epoch(self) -> int:
+        """The highest epoch this node has seen (its own as primary, or the listener's)."""
+        return max(self.epoch, self.listener.min_epoch())
+
+    def credible_epoch(self, epoch: int) -> bool:
+        """Is ``epoch``, read from etcd, at most :data:`~fastlock.coordination.records.EPOCH_ALLOWANCE`
+        above :meth:`seen_epoch` (see :func:`~fastlock.coordination.records.credible_epoch`)?"""
+        return credible_epoch(epoch, self.seen_epoch())
+
+    async def _read_epoch(self) -> EpochReading:
+        """``PREFIX/epoch`` as :func:`~fastlock.coordination.records.read_epoch` judges it; a
+        refused value is logged (at most every 10 s) and, by a primary, rewritten to its own
+        epoch (compare-and-set on the key's revision); a bid rewrites it anyway.
+
+        Raises:
+            EtcdUnavailable: etcd did not answer.
+        """
+        seen = self.seen_epoch()
+        reading = read_epoch(await self.gateway.get(self.epoch_key), seen)
+        if reading.refused:
+            kv = reading.kv
+            assert kv is not None
+            _REFUSED_EPOCH("etcd: refusing %s = %r: not an epoch at most %d above the highest this node has seen "
+                           "(%d); the next epoch comes from what the nodes know", self.epoch_key, kv.value[:40],
+                           EPOCH_ALLOWANCE, seen)
+            if self.holding:
+                await self.gateway.txn(
+                    [{"target": "MOD", "key": b64(self.epoch_key), "mod_revision": str(kv.mod_revision),
+                      "result": "EQUAL"}],
+                    [{"request_put": {"key": b64(self.epoch_key), "value": b64(str(self.epoch))}}])
+        return reading
 
     async def raise_epoch(self, epoch: int) -> None:
         """Raise ``PREFIX/epoch`` to ``epoch`` if it is lower (a compare-and-set on its
@@ -532,7 +525,8 @@ class EtcdArbiter:
         Raises:
             EtcdUnavailable: etcd did not answer.
         """
-        kv, stored = await self._read_epoch()
+        reading = await self._read_epoch()
+        kv, stored = reading.kv, reading.stored
         if stored >= epoch:
             return
         answer = await self.gateway.txn(
@@ -543,16 +537,24 @@ class EtcdArbiter:
             log.critical("etcd: raised %s from %d to %d, the epoch this node has seen", self.epoch_key, stored,
                          epoch)
 
-    async def bid(self) -> bool:
+    async def bid(self, advertised: int = 0) -> bool:
         """Try to take the free primary key with the next epoch; True if this node took it.
+
+        The epoch is one above the highest of: ``PREFIX/epoch`` when credible, every epoch
+        this node has seen, and ``advertised`` (the highest credible epoch a live member
+        advertises, so that a node that has not synced yet still goes above the last
+        primary's epoch when someone overwrote ``PREFIX/epoch``).  Each is at most
+        :data:`~fastlock.coordination.records.EPOCH_ALLOWANCE` above what this node has
+        seen: one election moves the group's epoch by at most that much + 1.
 
         Raises:
             EtcdUnavailable: etcd did not answer (whether the bid landed is then
                 learned at the next step, which reads the key).
         """
         sent = self._renewed_at
-        kv, stored = await self._read_epoch()
-        epoch = max(stored, self.listener.min_epoch()) + 1
+        reading = await self._read_epoch()
+        kv = reading.kv
+        epoch = max(reading.stored, self.seen_epoch(), advertised if self.credible_epoch(advertised) else 0) + 1
         if epoch > MAX_EPOCH:
             log.critical("etcd: cannot take the primary role: epoch %d would exceed %d", epoch, MAX_EPOCH)
             return False

@@ -14,6 +14,7 @@ from typing import Any
 
 from .. import protocol as P
 from ..auth import Credentials
+from ..coordination.access import EtcdAccess
 from ..replication.syncrep import ReplicationMode, SyncAck, SyncOnTimeout, SyncSettings, parse_mode
 from ..tls import DEFAULT_HANDSHAKE_TIMEOUT
 from ..units import DEFAULT_PORT
@@ -121,6 +122,7 @@ class ServerConfig:
     node_id: str | None = None  # this node's id in etcd (None: the data directory's node-id file)
     advertise: str | None = None  # "host:port" others reach this node at (None: the bound address)
     coordinator_ttl_ms: int = 2000  # the etcd lease TTL (whole seconds)
+    coordinator_access: EtcdAccess | None = None  # etcd over TLS, as an etcd user (None: plain HTTP, no user)
 
     def __post_init__(self) -> None:
         self.fsync = _member(FsyncMode, self.fsync, "fsync")

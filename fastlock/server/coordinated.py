@@ -36,6 +36,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from ..coordination import EtcdArbiter, EtcdGateway, PrimaryRecord, parse_coordinator
+from ..coordination.records import credible_epoch
 from ..errors import DataDirInUse
 from ..roles import Role
 from ..units import monotonic_ms, parse_address
@@ -77,8 +78,12 @@ class CoordinatedNode:
         ttl_ms: the etcd lease TTL (ms, whole seconds).
         ident: the data directory's identity (its ``node-id`` file), kept in the member key.
 
+    etcd is reached as the server's ``config.coordinator_access`` says (TLS files, etcd
+    user; None: plain HTTP, no user).
+
     Raises:
-        InvalidArgument: a malformed URL or node id.
+        InvalidArgument: a malformed URL or node id; an unusable TLS or password file
+            (naming the setting).
         ImportError: httpx is not installed (``pip install 'fastlock[etcd]'``).
     """
 
@@ -91,7 +96,11 @@ class CoordinatedNode:
         self._stopping: asyncio.Task | None = None
         self.arbiter: EtcdArbiter | None = None
         self._low_primary: PrimaryRecord | None = None  # the primary below this node's epoch last logged
-        self._gateway = EtcdGateway(self.url.endpoints, timeout_s=max(0.2, ttl_ms / 4000))
+        #: the primary etcd names that the follower is pointed at: its node id is the node the
+        #: standby link must find at that address (etcd's word alone proves nothing)
+        self.following: PrimaryRecord | None = None
+        self._gateway = EtcdGateway(self.url.endpoints, timeout_s=max(0.2, ttl_ms / 4000),
+                                    access=server.config.coordinator_access)
         # httpx logs every request at INFO: several lines a second per node
         logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger("httpx").level))
 
@@ -124,10 +133,18 @@ class CoordinatedNode:
         return self.server.roles.role is Role.STANDBY
 
     def min_epoch(self) -> int:
+        """The highest epoch this node has seen: its table's, the highest it persisted, its
+        primary's (from replication), and the epoch etcd names for the primary it follows when
+        that is credible (:func:`~fastlock.coordination.records.credible_epoch` against the
+        others): a standby that has not synced yet still bids above the primary it was told to
+        follow.  Only the record followed now counts, never the highest ever named, so etcd
+        alone cannot walk it up."""
         server = self.server
         follower = server.follower
-        return max(server.table.epoch, server.node_state.max_epoch_seen,
-                   follower.primary_epoch if follower is not None else 0)
+        own = max(server.table.epoch, server.node_state.max_epoch_seen,
+                  follower.primary_epoch if follower is not None else 0)
+        named = self.following.epoch if self.following is not None else 0
+        return max(own, named) if credible_epoch(named, own) else own
 
     async def close(self) -> None:
         """Stop; a primary gives its lease back so that a standby takes over at once."""
@@ -176,6 +193,7 @@ class CoordinatedNode:
         if roles.role is not Role.STANDBY:
             return
         target = parse_address(primary.address, default_port=None)
+        self.following = primary  # the node id etcd names at the address the link is pointed at
         if follower.link.primary == target and not follower.stopped:
             return
         follower.stop()
@@ -229,7 +247,11 @@ class CoordinatedNode:
     def on_lost(self, why: str) -> None:
         arbiter = self.arbiter
         primary = arbiter.primary if arbiter is not None else None
-        epoch = max(self.server.table.epoch + 1, primary.epoch if primary is not None else 0)
+        # the step-down epoch is persisted (max_epoch_seen): an epoch only etcd names counts only
+        # when it is credible, or a rogue record would leave this node unable to be promoted again
+        named = primary.epoch if primary is not None and arbiter is not None and arbiter.credible_epoch(
+            primary.epoch) else 0
+        epoch = max(self.server.table.epoch + 1, named)
         if self.server.roles.role is Role.PRIMARY:
             self._step_down(why, epoch)
 
