@@ -168,8 +168,7 @@ class LockAdmin:
             info = lease_info(h, now)
             table.remove_holder(name, h.token, now)
             handlers.wal.log_revoke(name, h.token, conn.principal, reason)
-            if quotas.lease_principal:
-                quotas.lease_ended(h.token)
+            quotas.lease_ended(h.token, h.meta)
             if name in handlers.watchers:
                 handlers.watches.notify(name, P.WATCH_REVOKED, h.token, h.meta)
             log.warning("lease %d on %s (principal %s, client %s) revoked by %s: %s", h.token, quote(name),
