@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -226,7 +227,7 @@ class PrincipalQuotas:
             self.leases.check(principal, len(u.leases) + u.waiting, leases)
         return u
 
-    def acquired(self, u: Usage, status: int, names: list[str], last_token: int) -> None:
+    def acquired(self, u: Usage, status: int, names: Sequence[str], last_token: int) -> None:
         """Count what an acquire of ``names`` (by ``u``'s principal) created: a lease per
         name granted now (tokens up to ``last_token``, one per name in order), or a
         waiter per name queued."""
