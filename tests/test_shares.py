@@ -9,9 +9,14 @@ another principal keeps acquiring, watching, putting and connecting.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import socket
+import subprocess
+import sys
 import time
+import urllib.request
 
 import msgpack
 import pytest
@@ -491,3 +496,67 @@ def test_revoke_principal_refuses_a_bad_principal(server_factory, bad):
         code, message = error_of(raw.call(P.OP_REVOKE, *bad))
         assert "principal must be a name" in message
         assert raw.call(P.OP_STATUS)[2]["locks_held"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the operator's view and commands
+
+
+def _cli(*args: str, server: str, token_file: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOCK_")}
+    if token_file is not None:
+        env["FASTLOCK_TOKEN_FILE"] = token_file
+    return subprocess.run([sys.executable, "-m", "fastlock", *args, "--server", server], capture_output=True,
+                          text=True, timeout=60, env=env)
+
+
+def test_principals_and_revoke_principal_from_the_command_line(server_factory, tmp_path):
+    creds = CredentialsDir(tmp_path / "credentials", replicas=1)
+    srv = server_factory("cli", args=["--credentials", creds.file])
+    with Raw(srv.address, credential=creds.token("app")) as app, Raw(srv.address) as anon:
+        for i in range(3):
+            assert app.call(P.OP_ACQUIRE, *acquire_args(f"c/{i}"))[1] == 0
+        assert anon.call(P.OP_WATCH, "c/0")[1] == 0
+        admin_file = creds.token_file("admin")
+        out = _cli("principals", "-o", "json", server=srv.address, token_file=admin_file)
+        assert out.returncode == 0, out.stderr
+        rows = {u["principal"]: u for u in json.loads(out.stdout)}
+        assert (rows["app"]["leases"], rows["app"]["leases_quota"]) == (3, 250_000)
+        assert (rows["anonymous"]["watches"], rows["anonymous"]["watches_quota"]) == (1, 6_250)
+        table = _cli("principals", server=srv.address, token_file=admin_file)
+        assert table.returncode == 0 and re.search(r"app\s+3/250000\s+0/25000", table.stdout), table.stdout
+        # a client sees its own row only
+        own = _cli("principals", "-o", "json", server=srv.address, token_file=creds.token_file("app"))
+        assert [u["principal"] for u in json.loads(own.stdout)] == ["app"]
+        # revoking needs an admin, and NAME or --principal, not both
+        refused = _cli("revoke", "--principal", "app", server=srv.address, token_file=creds.token_file("app"))
+        assert refused.returncode == 1 and "revoke needs an admin principal" in refused.stderr
+        both = _cli("revoke", "c/0", "--principal", "app", server=srv.address, token_file=admin_file)
+        assert both.returncode == 2 and "not both" in both.stderr
+        done = _cli("revoke", "--principal", "app", "--reason", "tenant gone", server=srv.address,
+                    token_file=admin_file)
+        assert done.returncode == 0, done.stderr
+        assert "revoked 3 leases of principal app (0 of its acquires still waiting)" in done.stdout
+        assert app.call(P.OP_STATUS)[2]["locks_held"] == 0
+        # the audit records name who asked and why
+        dump = subprocess.run([sys.executable, "-m", "fastlock", "wal", "dump", str(tmp_path / "cli")],
+                              capture_output=True, text=True, timeout=60)
+        assert dump.stdout.count('by=admin reason="tenant gone"') == 3, dump.stdout
+
+
+def test_metrics_show_usage_and_quota_per_principal(server_factory, tmp_path):
+    pytest.importorskip("prometheus_client")
+    creds = CredentialsDir(tmp_path / "credentials", replicas=1)
+    srv = server_factory("metrics", args=["--credentials", creds.file, "--metrics", "127.0.0.1:0"])
+    url = re.search(r"(http://\S+/metrics)", srv.wait_for_log(r"metrics on http://")).group(1)
+    with Raw(srv.address, credential=creds.token("app")) as app:
+        assert app.call(P.OP_ACQUIRE, *acquire_args("m/1"))[1] == 0
+
+        def scraped() -> str | None:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                text = resp.read().decode()
+            return text if 'fastlock_principal_usage{principal="app",resource="leases"} 1.0' in text else None
+
+        text = _wait_for("the exporter's refresh", scraped)
+        assert 'fastlock_principal_quota{principal="app",resource="leases"} 250000.0' in text
+        assert 'fastlock_principal_usage{principal="app",resource="connections"} 1.0' in text
