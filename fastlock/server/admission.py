@@ -73,6 +73,8 @@ PRINCIPAL_SHARE = 4
 UNRECORDED = "(unrecorded)"
 #: connections beyond --max-connections kept for replica and admin principals
 RESERVED_CONNECTIONS = 16
+#: recorded clients whose principal is remembered (PrincipalQuotas.principal_of)
+PRINCIPAL_CACHE = 4_096
 
 
 def principal_of(meta: Any) -> str:
@@ -109,7 +111,10 @@ class Quota:
         have ``adding`` more (never with no quota)."""
         limit = self.anonymous_limit if principal == ANONYMOUS else self.limit
         if limit and have + adding > limit:
-            raise limit_exceeded(limit, f"principal {principal!r}", self.what, self.flag)
+            if adding == 1 or have >= limit:
+                raise limit_exceeded(limit, f"principal {principal!r}", self.what, self.flag)
+            raise LimitExceeded(f"principal {principal!r} has {have} of its {limit} {self.what}: "
+                                f"{adding} more would pass the quota (--{self.flag})")
 
 
 class Usage:
@@ -189,6 +194,7 @@ class PrincipalQuotas:
 
     def __init__(self, config: ServerConfig, server: LockServer, *, single_principal: bool):
         self.server = server
+        self.table = server.table
         self.config = config
         #: open mode or only the shared secret: every client is one principal (see quota_limits)
         self.single_principal = single_principal
@@ -197,6 +203,8 @@ class PrincipalQuotas:
         #: leases that ended before their waiter's grant event was processed (this batch)
         self.ended_early: set[int] = set()
         self._epoch = -1  # the table's epoch the lease counts were taken at
+        #: a grant's recorded client -> its principal (the same str object for every grant of a connection)
+        self._principal_of: dict[str, str] = {}
         self.configure(config.max_connections or DEFAULT_MAX_CONNECTIONS)
 
     def configure(self, max_connections: int) -> None:
@@ -219,13 +227,30 @@ class PrincipalQuotas:
     def check_acquire(self, principal: str, leases: int, waiters: int) -> Usage:
         """Refuse (:class:`LimitExceeded`, nothing changed) a request of ``principal``
         that may add ``leases`` leases, of which ``waiters`` may wait; returns its usage."""
-        self.sync()
-        u = self.of(principal)
+        if self.table.epoch != self._epoch:
+            self.sync()
+        u = self.usage.get(principal) or self.of(principal)
         if waiters:
             self.waiters.check(principal, u.waiting, waiters)
         if leases:
             self.leases.check(principal, len(u.leases) + u.waiting, leases)
         return u
+
+    def principal_of(self, meta: Any) -> str:
+        """:func:`principal_of`, remembered by recorded client (at most
+        :data:`PRINCIPAL_CACHE` of them; every grant of a connection records the same one)."""
+        if meta:
+            recorded = meta[0]
+            principal = self._principal_of.get(recorded) if type(recorded) is str else None
+            if principal is not None:
+                return principal
+            principal = principal_of(meta)
+            if type(recorded) is str:
+                if len(self._principal_of) >= PRINCIPAL_CACHE:
+                    self._principal_of.clear()
+                self._principal_of[recorded] = principal
+            return principal
+        return UNRECORDED
 
     def acquired(self, u: Usage, status: int, names: Sequence[str], last_token: int) -> None:
         """Count what an acquire of ``names`` (by ``u``'s principal) created: a lease per
@@ -243,7 +268,7 @@ class PrincipalQuotas:
     def grant_event(self, ev: Any) -> None:
         """A fresh EV_GRANTED: a waiter's grant moves it from waiting to holding
         (an immediate grant was counted by :meth:`acquired`)."""
-        u = self.of(principal_of(ev.meta))
+        u = self.usage.get(self.principal_of(ev.meta)) or self.of(self.principal_of(ev.meta))
         token = ev.token
         if token in u.leases:
             return
@@ -256,7 +281,7 @@ class PrincipalQuotas:
 
     def waiter_event(self, ev: Any) -> None:
         """A waiter left its queue without a grant (timeout, cancel, deadlock)."""
-        u = self.of(principal_of(ev.meta))
+        u = self.of(self.principal_of(ev.meta))
         if u.waiting:
             u.waiting -= 1
 
@@ -270,7 +295,7 @@ class PrincipalQuotas:
         principal from ``meta`` (the lease's), else ``principal`` (a likely one), else
         searched among all (principals are few)."""
         if meta:
-            principal = principal_of(meta)
+            principal = self.principal_of(meta)
         if principal is not None:
             u = self.usage.get(principal)
             if u is not None and u.leases.pop(token, None) is not None:
@@ -289,14 +314,14 @@ class PrincipalQuotas:
         """Count the held leases again from the table if its epoch moved (a promotion,
         a start): replicated and recovered leases count against the principal they
         recorded.  O(leases), once per epoch."""
-        table = self.server.table
+        table = self.table
         if table.epoch == self._epoch:
             return
         self._epoch = table.epoch
         for u in self.usage.values():
             u.leases.clear()
         for h in table.holders():
-            self.of(principal_of(h.meta)).leases[h.token] = h.name
+            self.of(self.principal_of(h.meta)).leases[h.token] = h.name
 
     # -- watches ------------------------------------------------------------------------
     def check_watch(self, conn: Session) -> None:
