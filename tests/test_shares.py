@@ -560,3 +560,33 @@ def test_metrics_show_usage_and_quota_per_principal(server_factory, tmp_path):
         text = _wait_for("the exporter's refresh", scraped)
         assert 'fastlock_principal_quota{principal="app",resource="leases"} 250000.0' in text
         assert 'fastlock_principal_usage{principal="app",resource="connections"} 1.0' in text
+
+
+def test_the_issue_flood_at_the_default_quotas(server_factory, tmp_path):
+    """The finding itself, at the defaults: eight token-less connections pipeline
+    ACQUIRE_MANY of 64 names with day-long TTLs.  Anonymous stops at its sixteenth of
+    --max-leases (62,500; every set all or nothing), and ``app`` still acquires."""
+    creds = CredentialsDir(tmp_path / "credentials", replicas=1)
+    srv = server_factory("flood", args=["--credentials", creds.file])
+    peers = [Raw(srv.address, timeout=60) for _ in range(8)]
+    try:
+        per_peer = 140  # 8 x 140 sets of 64 names = 71,680 asked
+        for p, peer in enumerate(peers):
+            peer.next_id = per_peer + 1
+            peer.sock.sendall(b"".join(
+                msgpack.packb([i + 1, P.OP_ACQUIRE_MANY, [[f"f{p}/{i}/{k}", False] for k in range(64)],
+                               os.urandom(16), 86_400_000, 0, 0, None], use_bin_type=True) for i in range(per_peer)))
+        replies = [peer.recv() for peer in peers for _ in range(per_peer)]
+        granted = sum(r[1] == 0 for r in replies)
+        assert granted == 62_500 // 64  # 976 sets: the 977th would pass the quota
+        assert all(r[1] == LimitExceeded.code and "--max-leases-per-principal" in r[2] for r in replies if r[1])
+        with Raw(srv.address, credential=creds.token("admin")) as admin:
+            usage = _usage(admin)
+        assert usage["locks_held"] == granted * 64
+        assert usage["principals"]["anonymous"]["leases_quota"] == 62_500
+        with Raw(srv.address, credential=creds.token("app")) as app:
+            assert app.call(P.OP_ACQUIRE_MANY, [[f"app/{k}", False] for k in range(64)], os.urandom(16), 60_000, 0,
+                            0, None)[1] == 0
+    finally:
+        for peer in peers:
+            peer.close()
