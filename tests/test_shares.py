@@ -590,3 +590,19 @@ def test_the_issue_flood_at_the_default_quotas(server_factory, tmp_path):
     finally:
         for peer in peers:
             peer.close()
+
+
+def test_recovered_leases_count_against_their_principal_after_a_restart(server_factory, tmp_path):
+    creds = CredentialsDir(tmp_path / "credentials", replicas=1)
+    args = ["--credentials", creds.file, "--max-leases-per-principal", "5"]
+    srv = server_factory("restart", args=args)
+    with Raw(srv.address, credential=creds.token("app")) as app:
+        for i in range(5):
+            assert app.call(P.OP_ACQUIRE, *acquire_args(f"r/{i}"))[1] == 0
+    srv.stop()
+    srv = server_factory("restart", args=args)
+    with Raw(srv.address, credential=creds.token("app")) as app:
+        _limit(app.call(P.OP_ACQUIRE, *acquire_args("r/new")), "--max-leases-per-principal")
+        assert [(u["principal"], u["leases"]) for u in app.call(P.OP_STATUS)[2]["principals"]] == [("app", 5)]
+    with Raw(srv.address) as anon:
+        assert anon.call(P.OP_ACQUIRE, *acquire_args("r/anon"))[1] == 0
