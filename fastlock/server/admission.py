@@ -340,7 +340,8 @@ class PrincipalQuotas:
     # -- the operator's view ------------------------------------------------------------
     def report(self, principal: str | None = None) -> list[PrincipalUsage]:
         """Usage against quota of every principal that holds or held anything (or of
-        ``principal`` only), by name."""
+        ``principal`` only), by name.  On a standby the lease counts are those of its
+        last epoch change (replicated grants are counted when it is promoted)."""
         self.sync()
         keys = self.server.keys.space.per_principal
         names = sorted(set(self.usage) | {p for p in keys if p is not None}) if principal is None else [principal]
