@@ -606,3 +606,16 @@ def test_recovered_leases_count_against_their_principal_after_a_restart(server_f
         assert [(u["principal"], u["leases"]) for u in app.call(P.OP_STATUS)[2]["principals"]] == [("app", 5)]
     with Raw(srv.address) as anon:
         assert anon.call(P.OP_ACQUIRE, *acquire_args("r/anon"))[1] == 0
+
+
+def test_one_client_principal_alone_keeps_the_whole_server(server_factory, tmp_path):
+    """Credentials with one client principal and no anonymous access: nobody to share
+    with, so no default share (admins and replicas have the reserved connections)."""
+    creds = CredentialsDir(tmp_path / "credentials", replicas=1, anonymous=False)
+    srv = server_factory("alone", args=["--credentials", creds.file, "--max-leases", "8"])
+    with Raw(srv.address, credential=creds.token("app")) as app:
+        for i in range(8):
+            assert app.call(P.OP_ACQUIRE, *acquire_args(f"alone/{i}"))[1] == 0
+        _limit(app.call(P.OP_ACQUIRE, *acquire_args("alone/8")), "--max-leases")
+        assert [(u["principal"], u["leases"], u["leases_quota"])
+                for u in app.call(P.OP_STATUS)[2]["principals"]] == [("app", 8, 0)]

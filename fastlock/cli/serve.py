@@ -136,7 +136,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def _share(cap_flag: str) -> str:
     """The help text of a per-principal quota's default (see fastlock.server.admission.quota_limits)."""
     return (f"a quarter of {cap_flag}, the anonymous principal's a sixteenth; 0: only the global limit; "
-            f"with one principal only (no --credentials): the global limit)")
+            f"with one client principal at most (no --credentials, say): the global limit)")
 
 
 def add_limit_flags(s: argparse.ArgumentParser) -> None:

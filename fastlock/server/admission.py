@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._core import GRANTED, QUEUED
-from ..auth import ANONYMOUS
+from ..auth import ANONYMOUS, Credentials
 from ..errors import LimitExceeded
 from ..logsafe import RateLimitedLog
 from ..units import monotonic_ms
@@ -83,6 +83,14 @@ def principal_of(meta: Any) -> str:
     :func:`~fastlock.server.session.recorded_client`), else :data:`UNRECORDED`."""
     principal = split_recorded_client(meta[0])[0] if meta else None
     return principal if principal is not None else UNRECORDED
+
+
+def client_principals(credentials: Credentials) -> int:
+    """How many client principals can connect with ``credentials``: those of the file,
+    the anonymous principal when allowed, the legacy shared secret's (admins and
+    replicas hold no share: they have the reserved connections)."""
+    named = sum(p.kind == "client" for p in credentials.principals.values())
+    return named + (credentials.anonymous is not None) + (credentials.shared_secret_hash is not None)
 
 
 def default_share(cap: int) -> int:
@@ -154,10 +162,11 @@ def quota_limits(config: ServerConfig, single_principal: bool, max_connections: 
 
     A quota left at None is the default share of its global cap (1/4, and the
     anonymous principal's a further ``1/anonymous_quota_divisor`` of that: 1/16);
-    0 is none.  ``single_principal`` (open mode, or only the shared secret: every
-    client is one principal) leaves the defaults off and gives the anonymous
-    principal the same quotas as any, as there is nobody to share with; set quotas
-    still apply.
+    0 is none.  ``single_principal`` (one client principal at most can connect, see
+    :func:`client_principals`: open mode, the shared secret alone, or a credentials
+    file with one client and no anonymous access) leaves the defaults off and gives
+    the anonymous principal the same quotas as any, as there is nobody to share with;
+    set quotas still apply.
     """
     caps = {"leases": config.max_leases, "waiters": config.max_waiters, "watches": config.max_watches,
             "keys": config.max_keys, "connections": max_connections}
@@ -196,7 +205,7 @@ class PrincipalQuotas:
         self.server = server
         self.table = server.table
         self.config = config
-        #: open mode or only the shared secret: every client is one principal (see quota_limits)
+        #: at most one client principal can connect: the default shares stay off (see quota_limits)
         self.single_principal = single_principal
         self.usage: dict[str, Usage] = {}
         self.watch_count = 0  # watches on the whole server (the global --max-watches)

@@ -70,7 +70,7 @@ from ..units import format_address, monotonic_ms
 from ..wal import DataDirInUse, HolderSlices, WriteAheadLog, secure_directory
 from ..wal.log import paused_gc
 from . import lockdelays
-from .admission import ConnectionLimits, PrincipalQuotas
+from .admission import ConnectionLimits, PrincipalQuotas, client_principals
 from .config import ServerConfig, check_limits
 from .coordinated import CoordinatedNode, claim_data_dir
 from .endpoints import Endpoints
@@ -170,8 +170,8 @@ class LockServer:
             self.failover.coordinated = CoordinatedNode(self, config.coordinator, config.node_id or ident,
                                                         config.coordinator_ttl_ms, ident)
         self.limits = ConnectionLimits(config, self)
-        # with one principal only (open mode, the shared secret) the default shares stay off
-        self.quotas = PrincipalQuotas(config, self, single_principal=not credentials.principals)
+        # with one client principal at most (open mode, say) the default shares stay off
+        self.quotas = PrincipalQuotas(config, self, single_principal=client_principals(credentials) <= 1)
         self.handlers = Handlers(self, credentials)
         #: process exit status: non-zero after a fatal WAL failure
         self.exit_status = 0
