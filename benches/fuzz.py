@@ -35,6 +35,11 @@ The run alternates two kinds of round:
     keys of real leases, their hashes and random ones, valid and invalid TTLs),
     ill-typed ones, wrong arities and random msgpack values.
 
+The server runs with small per-principal quotas (:data:`QUOTA_ARGS`); after every
+mixed round an admin STATUS checks that no principal holds more than its quotas
+(leases plus waiting acquires, waiting acquires, watches, keys, connections): any
+excess is a **quota breach**.
+
 Every reply is checked: an ``internal server error`` reply is counted as an
 **internal error**; the server process exiting, or a traceback in its log, is a
 **crash**.  At the end the server's RSS (``VmRSS``) is read.  The generator
@@ -65,7 +70,7 @@ from fastlock import protocol as P
 from fastlock._testbase import ServerProcess, raw_hello_async
 from fastlock._testbase.handshake import key_lines
 from fastlock.auth import ANONYMOUS, hash_owner
-from fastlock.errors import InternalServerError
+from fastlock.errors import InternalServerError, LimitExceeded
 from fastlock.protocol import ops
 
 NAMES = ["orders/1", "orders/2", "orders/x/y", "public/a", "public/b", "billing/1", "admin", "order", "",
@@ -84,6 +89,9 @@ ALL_CLIENT_OPS = set(LOCK_OPS.values())
 REPLICA_OPS = {P.OP_REPLICATE, P.OP_REPL_ACK, P.OP_STEP_DOWN, P.OP_SYNC_ACK}
 OPEN_OPS = {P.OP_PING, P.OP_STATUS, P.OP_UNWATCH}
 ADMIN_OPS = {P.OP_PROMOTE, P.OP_SERVE_ALONE, P.OP_LOCKS, P.OP_LOCK_INFO, P.OP_REVOKE}
+#: per-principal quotas small enough for the mixed rounds to reach (the anonymous principal's: a quarter)
+QUOTA_ARGS = ["--max-leases-per-principal", "24", "--max-waiters-per-principal", "8",
+              "--max-watches-per-principal", "8", "--max-keys-per-principal", "8"]
 
 
 def unclassified_ops() -> set[int]:
@@ -261,6 +269,35 @@ class Generator:
         return None
 
 
+def quota_burst(rng: random.Random, spec: Spec, batch: int) -> list[tuple[int, list]]:
+    """``batch`` requests of a client principal that create what its quotas bound, on
+    fresh names under its ACL's first prefix: acquires (exclusive, shared, permits, waits
+    forever), multi-locks, watches, key puts - pipelined, they reach its quotas."""
+    prefix = next((p for p, granted in spec.acl if "acquire" in granted and "put" in granted), None)
+    if spec.kind != "client" or prefix is None:
+        return []
+    ttl = VALID_TTLS[0]
+    reqs: list[tuple[int, list]] = []
+    for _ in range(batch):
+        name = f"{prefix}q/{rng.randrange(1 << 30)}"
+        pick = rng.randrange(6)
+        if pick == 0:
+            reqs.append((P.OP_ACQUIRE, [name, rng.randbytes(16), ttl, rng.choice((0, -1)), 0, None]))
+        elif pick == 1:
+            reqs.append((P.OP_ACQUIRE, [f"{prefix}q/held", rng.randbytes(16), ttl, -1, 0, None,
+                                        rng.random() < 0.5]))
+        elif pick == 2:
+            many = [[f"{name}/{k}", rng.random() < 0.3] for k in range(rng.randrange(1, 9))]
+            reqs.append((P.OP_ACQUIRE_MANY, [many, rng.randbytes(16), ttl, rng.choice((0, -1)), 0, None]))
+        elif pick == 3:
+            reqs.append((P.OP_ACQUIRE, [name, rng.randbytes(16), ttl, 0, 0, None, False, rng.randrange(1, 4)]))
+        elif pick == 4:
+            reqs.append((rng.choice((P.OP_WATCH, ops.OP_KEY_WATCH)), [name]))
+        else:
+            reqs.append((ops.OP_KEY_PUT, [name, b"v", None, None, None, ops.KEY_UPSERT]))
+    return reqs
+
+
 # -- the run ----------------------------------------------------------------------------------
 
 
@@ -274,6 +311,8 @@ class Figures:
     internal_errors: int = 0
     unauthorised_state_changes: int = 0
     unauthorised_successes: int = 0
+    quota_breaches: int = 0
+    quota_refusals: int = 0  # LimitExceeded naming a per-principal quota: the quotas were reached
     connections_closed_by_server: int = 0
     rounds: int = 0
     server_log_lines: int = 0
@@ -461,13 +500,16 @@ async def fuzz_rounds(address: str, specs: list[Spec], rng: random.Random, round
                 if conn.closed and not await conn.open(address):
                     continue
                 reqs = closing_last([gen.request(spec) if rng.random() > 0.005 else (None, _junk(rng))
-                                     for _ in range(batch)])
+                                     for _ in range(batch)] + quota_burst(rng, spec, batch // 4))
                 replies = await conn.batch(reqs)
                 figures.connections_closed_by_server += conn.closed
                 _count(figures, reqs, replies, unauthorised=False)
                 for (op, args), reply in zip(reqs, replies):
                     if op == P.OP_ACQUIRE and reply is not None and reply[1] == 0 and len(owners) < 64:
                         owners.append(args[1])
+            breaches = quota_breaches((await admin.batch([[P.OP_STATUS, []]]))[0][2])
+            figures.quota_breaches += len(breaches)
+            figures.examples += [{"quota breach": b} for b in breaches]
             if server is not None and server.proc.poll() is not None:
                 figures.crashes += 1
                 return
@@ -475,6 +517,17 @@ async def fuzz_rounds(address: str, specs: list[Spec], rng: random.Random, round
         await admin.close()
         for conn in legit.values():
             await conn.close()
+
+
+def quota_breaches(status: dict) -> list[dict]:
+    """The principals of ``status`` (an admin's STATUS) holding more than a quota allows."""
+    out = []
+    for u in status.get("principals", ()):
+        held = {"leases": u["leases"] + u["waiters"], "waiters": u["waiters"], "watches": u["watches"],
+                "keys": u["keys"], "connections": u["connections"]}
+        out += [{"principal": u["principal"], what: n, "quota": u[f"{what}_quota"]}
+                for what, n in held.items() if u[f"{what}_quota"] and n > u[f"{what}_quota"]]
+    return out
 
 
 def _count(figures: Figures, reqs, replies, *, unauthorised: bool) -> None:
@@ -489,6 +542,8 @@ def _count(figures: Figures, reqs, replies, *, unauthorised: bool) -> None:
             figures.examples.append({"internal error": [op, repr(args)[:200]]})
         elif reply[1] != 0:
             figures.refused += 1
+            if reply[1] == LimitExceeded.code and "-per-principal" in str(reply[2]):
+                figures.quota_refusals += 1
         elif unauthorised and op not in (P.OP_HELLO, P.OP_PING, P.OP_STATUS, P.OP_UNWATCH):
             figures.unauthorised_successes += 1
             figures.examples.append({"unauthorised success": [op, repr(args)[:200], repr(reply)[:200]]})
@@ -507,7 +562,7 @@ def start_server(root: Path, specs: list[Spec]) -> ServerProcess:
     creds = root / "credentials.toml"
     write_credentials(creds, specs)
     return ServerProcess(root / "data", fsync="never",
-                         args=["--credentials", str(creds), "--auth-failures-before-ban", "0"]).start()
+                         args=["--credentials", str(creds), "--auth-failures-before-ban", "0", *QUOTA_ARGS]).start()
 
 
 def server_crashed(server: ServerProcess) -> bool:
@@ -553,7 +608,8 @@ def main(argv=None) -> int:
           f"{figures.no_reply} without reply) in {elapsed:.1f} s ({figures.requests / elapsed:.0f}/s), "
           f"{figures.rounds} rounds")
     print(f"crashes {figures.crashes}, internal errors {figures.internal_errors}, unauthorised state changes "
-          f"{figures.unauthorised_state_changes}, unauthorised successes {figures.unauthorised_successes}")
+          f"{figures.unauthorised_state_changes}, unauthorised successes {figures.unauthorised_successes}, "
+          f"quota breaches {figures.quota_breaches} ({figures.quota_refusals} refusals at a quota)")
     print(f"server log: {figures.server_log_lines} lines; ", end="")
     print(f"server RSS at the end {figures.rss_kib / 1024:.1f} MiB (max seen {figures.max_rss_kib / 1024:.1f} MiB)")
     for ex in figures.examples[:5]:
@@ -562,7 +618,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(dict(figures.as_dict(), seed=seed, seconds=elapsed), f, indent=2, default=repr)
     bad = (figures.crashes or figures.internal_errors or figures.unauthorised_state_changes
-           or figures.unauthorised_successes)
+           or figures.unauthorised_successes or figures.quota_breaches)
     return 1 if bad else 0
 
 

@@ -22,6 +22,8 @@ seconds, bytes)::
     fastlock_hold_seconds                histogram: grant to release, expiry or revocation
     fastlock_wal_fsync_seconds           histogram: one data fsync (writer thread)
     fastlock_lock_contention{lock}       the TOP_CONTENDED most contended locks (see below)
+    fastlock_principal_usage{principal, resource}, fastlock_principal_quota{principal, resource}
+                                         leases, waiters, watches, keys, connections per principal
     process_* and python_*               prometheus_client's default collectors
 
 The histograms (:mod:`fastlock.observe`) have power-of-two buckets from 1 µs to about
@@ -38,6 +40,7 @@ of locks (bounded cardinality; lock names are escaped by prometheus_client).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import platform
 from collections.abc import Iterator
@@ -65,6 +68,27 @@ _GAUGES = {
     "epoch": "Fencing epoch (the high bits of every token; rises on promotion)",
 }
 ROLES = tuple(role.value for role in Role)  # declared once, in fastlock.roles
+
+
+#: the resources counted per principal (fastlock.server.admission.PrincipalUsage)
+PRINCIPAL_RESOURCES = ("leases", "waiters", "watches", "keys", "connections")
+
+
+def _principal_families(rows: list[dict]) -> Iterator:
+    """``fastlock_principal_usage`` and ``fastlock_principal_quota`` by principal and resource
+    (principal names are the credentials' few, plus ``anonymous``: bounded labels)."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    usage = GaugeMetricFamily("fastlock_principal_usage", "What a principal holds now",
+                              labels=["principal", "resource"])
+    quota = GaugeMetricFamily("fastlock_principal_quota", "A principal's quota (0: none beyond the global limit)",
+                              labels=["principal", "resource"])
+    for row in rows:
+        for resource in PRINCIPAL_RESOURCES:
+            usage.add_metric([row["principal"], resource], row[resource])
+            quota.add_metric([row["principal"], resource], row[f"{resource}_quota"])
+    yield usage
+    yield quota
 
 
 class _Collector:
@@ -117,6 +141,7 @@ class _Collector:
         yield GaugeMetricFamily("fastlock_promotion_grace_remaining_seconds",
                                 "Time left in the post-promotion grace period (no new grants)",
                                 value=st.get("grace_remaining_ms", 0) / 1000.0)
+        yield from _principal_families(st.get("principals") or [])
         observer = self.observer
         if observer is None:
             return
@@ -172,7 +197,9 @@ class MetricsExporter:
 
     def _refresh(self) -> None:
         self.observer.refresh()
-        self.collector.snapshot = self.server.status()
+        snapshot = self.server.status()
+        snapshot["principals"] = [dataclasses.asdict(u) for u in self.server.quotas.report()]
+        self.collector.snapshot = snapshot
         self._timer = asyncio.get_running_loop().call_later(self.refresh_s, self._refresh)
 
     def close(self) -> None:

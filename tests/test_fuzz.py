@@ -57,6 +57,7 @@ def test_fuzz_every_op_with_every_principal(tmp_path):
             assert figures.internal_errors == 0, figures.examples
             assert figures.unauthorised_successes == 0, figures.examples
             assert figures.unauthorised_state_changes == 0, figures.examples
+            assert figures.quota_breaches == 0, figures.examples
 
         one_round()
         assert figures.requests > 5_000, figures.as_dict()  # the run did fuzz

@@ -268,7 +268,7 @@ def test_the_open_files_limit_is_raised_at_start(server_factory):
     with open(f"/proc/{srv.pid}/limits") as f:
         line = next(line for line in f if line.startswith("Max open files"))
     assert line.split()[3:5] == [str(hard), str(hard)], line
-    srv.wait_for_log(rf"connection limits: {min(10_000, hard - 64)} in all", timeout=5)
+    srv.wait_for_log(rf"connection limits: {min(10_000, hard - 64 - 16)} in all", timeout=5)
 
 
 def test_a_client_gets_in_at_the_connection_limit_and_the_standby_keeps_replicating(server_factory, tmp_path):
@@ -301,14 +301,18 @@ def test_a_client_gets_in_at_the_connection_limit_and_the_standby_keeps_replicat
             s.close()
 
 
-def test_connections_past_hello_are_not_evicted_a_new_one_is_refused(server_factory):
+def test_connections_past_hello_are_not_evicted_a_new_client_is_refused_at_hello(server_factory):
+    """Clients past HELLO fill --max-connections: a new connection gets in (the slots
+    reserved for replicas and admins), but its HELLO as a client is refused, naming the
+    flag, and the server closes it; the established connections keep working."""
     srv = server_factory("full", args=["--max-connections", "4"])
     peers = [Raw(srv.address) for _ in range(4)]
     try:
         extra = Raw(srv.address, hello=False, timeout=5)
+        _limit_error(extra.call(P.OP_HELLO, P.PROTOCOL_VERSION, "extra", None), "--max-connections", 4)
         assert extra.closed_by_server()
         extra.close()
-        srv.wait_for_log(r"refusing connection from .*: 4 connections open \(--max-connections\)", timeout=5)
+        srv.wait_for_log(r"refusing HELLO from .*--max-connections", timeout=5)
         for raw in peers:  # every established connection still works
             assert raw.call(P.OP_PING)[1] == 0
     finally:
@@ -598,34 +602,39 @@ def test_max_watches_global_and_per_connection(server_factory):
 def test_per_principal_quotas(server_factory):
     """Every connection here is the principal "anonymous" (no authentication):
     the quotas add up over all its connections, and free up as leases end,
-    waits end and connections go."""
-    srv = server_factory("quotas", args=["--max-leases-per-principal", "2", "--max-waiters-per-principal", "2",
+    waits end and connections go.  A waiting acquire counts against the waiter
+    quota and reserves its lease under the lease quota, so a waiter granted
+    later never takes the principal past it."""
+    srv = server_factory("quotas", args=["--max-leases-per-principal", "4", "--max-waiters-per-principal", "2",
                                          "--max-watches-per-principal", "2"])
     a, b, c = Raw(srv.address), Raw(srv.address), Raw(srv.address)
     try:
         args1, args2 = acquire_args("q/1"), acquire_args("q/2")
         r1, r2 = a.call(P.OP_ACQUIRE, *args1), a.call(P.OP_ACQUIRE, *args2)
         assert r1[1] == 0 and r2[1] == 0
-        refused = b.call(P.OP_ACQUIRE, *acquire_args("q/3"))
-        _limit_error(refused, "--max-leases-per-principal", 2)
-        assert "'anonymous'" in refused[2]
         # waiters: two across two connections, the third refused
         first_wait = b.send(P.OP_ACQUIRE, *acquire_args("q/1", wait_ms=-1))
         timed = c.send(P.OP_ACQUIRE, *acquire_args("q/2", wait_ms=300))
-        _limit_error(b.call(P.OP_ACQUIRE, *acquire_args("q/2", wait_ms=-1)), "--max-waiters-per-principal", 2)
+        _limit_error(b.call(P.OP_ACQUIRE, *acquire_args("q/3", wait_ms=-1)), "--max-waiters-per-principal", 2)
+        # two leases held and two reserved by the waiters: a fifth lease is refused
+        refused = b.call(P.OP_ACQUIRE, *acquire_args("q/3"))
+        _limit_error(refused, "--max-leases-per-principal", 4)
+        assert "'anonymous'" in refused[2]
         reply = c.recv()
         assert reply[0] == timed and reply[1] != 0  # its wait ran out: its place is free again
-        b.send(P.OP_ACQUIRE, *acquire_args("q/2", wait_ms=-1))
-        assert b.call(P.OP_STATUS)[2]["waiters"] == 2
-        # a release hands q/1 to b's first waiter: one lease ended, one began, one waiter fewer
+        args3 = acquire_args("q/3")
+        assert b.call(P.OP_ACQUIRE, *args3)[1] == 0
+        assert b.call(P.OP_STATUS)[2]["waiters"] == 1
+        # a release hands q/1 to b's waiter: one lease ended, the reserved one began
         assert a.call(P.OP_RELEASE, "q/1", r1[2][0], args1[1])[1] == 0
         granted = b.recv()
         assert granted[0] == first_wait and granted[1] == 0, granted
-        c.send(P.OP_ACQUIRE, *acquire_args("q/2", wait_ms=-1))
-        assert c.call(P.OP_STATUS)[2]["waiters"] == 2
-        _limit_error(c.call(P.OP_ACQUIRE, *acquire_args("q/4")), "--max-leases-per-principal", 2)
-        assert a.call(P.OP_RELEASE, "q/2", r2[2][0], args2[1])[1] == 0  # -> b's waiter on q/2
-        assert b.recv()[1] == 0
+        usage = {u["principal"]: u for u in c.call(P.OP_STATUS)[2]["principals"]}["anonymous"]
+        assert (usage["leases"], usage["waiters"], usage["leases_quota"]) == (3, 0, 4), usage
+        assert c.call(P.OP_ACQUIRE, *acquire_args("q/4"))[1] == 0
+        _limit_error(c.call(P.OP_ACQUIRE, *acquire_args("q/5")), "--max-leases-per-principal", 4)
+        assert a.call(P.OP_RELEASE, "q/2", r2[2][0], args2[1])[1] == 0
+        assert c.call(P.OP_ACQUIRE, *acquire_args("q/5"))[1] == 0
         # watches: two across connections, then refused; a closed connection's watch goes
         assert a.call(P.OP_WATCH, "q/w1")[1] == 0
         assert c.call(P.OP_WATCH, "q/w2")[1] == 0

@@ -14,13 +14,15 @@ Subcommands::
     fastlock locks [PREFIX] [-o json]                 the held locks
     fastlock lock NAME [-o json]                      one lock's holders and ordered waiters
     fastlock revoke NAME [--token T] [--reason TEXT]  force-release (audit record in the WAL)
+    fastlock revoke --principal P [--reason TEXT]     every lease of a principal
+    fastlock principals [-o json]                     usage per principal against its quotas
     fastlock elect NAME PROPOSAL | --listen NAME      campaign / print each new leader
     fastlock top [--once] [--rows N] [-o json]        live view of the busiest and most contended locks
 
 The package holds one module per concern: :mod:`~fastlock.cli.args` (argument
 types and shared options), :mod:`~fastlock.cli.serve`,
 :mod:`~fastlock.cli.admin` (status, promote, serve-alone, credentials, wal
-dump), :mod:`~fastlock.cli.locks` (locks, lock, revoke), :mod:`~fastlock.cli.elect`,
+dump), :mod:`~fastlock.cli.locks` (locks, lock, revoke, principals), :mod:`~fastlock.cli.elect`,
 :mod:`~fastlock.cli.top`, :mod:`~fastlock.cli.run` and :mod:`~fastlock.cli.demo`.
 
 Client commands name their server with ``--server`` or the environment

@@ -1,4 +1,4 @@
-"""The operator's lock commands: ``fastlock locks``, ``fastlock lock``, ``fastlock revoke``.
+"""The operator's lock commands: ``fastlock locks``, ``lock``, ``revoke``, ``principals``.
 
 Each goes through the Python client (:mod:`fastlock.client.admin`), so it finds the
 primary among ``--server`` / ``$FASTLOCK_SERVER`` (comma-separated) as every client
@@ -61,7 +61,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_parsers(sub: Any) -> None:
-    """Add ``locks``, ``lock`` and ``revoke`` to ``fastlock``'s subparsers."""
+    """Add ``locks``, ``lock``, ``revoke`` and ``principals`` to ``fastlock``'s subparsers."""
     ls = sub.add_parser("locks", help="list the held locks (token, holder, remaining TTL, waiters)")
     ls.set_defaults(handler=locks_command)
     ls.add_argument("prefix", nargs="?", default="", metavar="PREFIX", help="only names starting with PREFIX")
@@ -72,14 +72,22 @@ def add_parsers(sub: Any) -> None:
     one.add_argument("name", type=_name_arg, metavar="NAME")
     _common(one)
 
-    rv = sub.add_parser("revoke", help="force-release a lock (logged with who and why); the next holder "
-                                       "gets a higher fencing token")
-    rv.set_defaults(handler=revoke_command)
-    rv.add_argument("name", type=_name_arg, metavar="NAME")
+    rv = sub.add_parser("revoke", help="force-release a lock, or every lease of a principal (logged with who "
+                                       "and why); the next holder gets a higher fencing token")
+    rv.set_defaults(handler=revoke_command, subparser=rv)
+    rv.add_argument("name", type=_name_arg, metavar="NAME", nargs="?", help="the lock (or give --principal)")
     rv.add_argument("--token", type=_token_arg, metavar="T", help="only the lease with this fencing token "
                                                                   "(default: every holder)")
+    rv.add_argument("--principal", metavar="P", help="instead of NAME: every lease principal P holds (its "
+                                                     "waiting acquires stay queued)")
     rv.add_argument("--reason", metavar="TEXT", help="why, kept in the WAL's audit record (at most 256 characters)")
     _common(rv)
+
+
+    pr = sub.add_parser("principals", help="what each principal holds against its quotas (leases, waiters, "
+                                           "watches, keys, connections); a client sees its own only")
+    pr.set_defaults(handler=principals_command)
+    _common(pr)
 
 
 def _servers(args: argparse.Namespace) -> list[str]:
@@ -186,6 +194,18 @@ def lock_command(args: argparse.Namespace) -> int:
 
 
 def revoke_command(args: argparse.Namespace) -> int:
+    if (args.name is None) == (args.principal is None):
+        args.subparser.error("give a lock NAME or --principal P (not both)")
+    if args.principal is not None:
+        if args.token is not None:
+            args.subparser.error("--token goes with a lock NAME, not with --principal")
+        done = _with_client(args, lambda c: c.revoke_principal(args.principal, reason=args.reason))
+        if args.output == "json":
+            _print_json(dataclasses.asdict(done))
+            return 0
+        print(f"revoked {done.revoked} leases of principal {text_value(done.principal)} "
+              f"({done.waiting} of its acquires still waiting)")
+        return 0
     revoked = _with_client(args, lambda c: c.revoke(args.name, fencing_token=args.token, reason=args.reason))
     if args.output == "json":
         _print_json([dataclasses.asdict(h) for h in revoked])
@@ -193,4 +213,22 @@ def revoke_command(args: argparse.Namespace) -> int:
     for h in revoked:
         print(f"revoked {text_value(h.name)} token {h.fencing_token} (holder {text_value(_holder(h))}, "
               f"{_secs(h.remaining)} left)")
+    return 0
+
+
+def _of(used: int, quota: int) -> str:
+    return f"{used}/{quota}" if quota else str(used)
+
+
+def principals_command(args: argparse.Namespace) -> int:
+    """Print each principal's usage against its quotas (STATUS ``principals``; 0 quota: none)."""
+    rows = _with_client(args, lambda c: c.status())["principals"]
+    if args.output == "json":
+        _print_json(rows)
+        return 0
+    print(table(("PRINCIPAL", "LEASES", "WAITERS", "WATCHES", "KEYS", "CONNECTIONS"),
+                [(u["principal"], _of(u["leases"], u["leases_quota"]), _of(u["waiters"], u["waiters_quota"]),
+                  _of(u["watches"], u["watches_quota"]), _of(u["keys"], u["keys_quota"]),
+                  _of(u["connections"], u["connections_quota"])) for u in rows]))
+    print("(used/quota; a lease quota counts leases plus waiting acquires)")
     return 0

@@ -151,6 +151,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return s
 
 
+def _share(cap_flag: str) -> str:
+    """The help text of a per-principal quota's default (see fastlock.server.admission.quota_limits)."""
+    return (f"a quarter of {cap_flag}, the anonymous principal's a sixteenth; 0: only the global limit; "
+            f"with one client principal at most (no --credentials, say): the global limit)")
+
+
 def add_limit_flags(s: argparse.ArgumentParser) -> None:
     """``fastlock serve`` flags for the limits on what peers can make the server
     hold (README "Limits"); defaults are ServerConfig's."""
@@ -160,8 +166,9 @@ def add_limit_flags(s: argparse.ArgumentParser) -> None:
     g.add_argument("--max-frame-bytes", type=frame_bytes_arg, default=d.max_frame_bytes, metavar="BYTES",
                    help=f"largest request frame (default {d.max_frame_bytes}); a larger one closes the connection")
     g.add_argument("--max-connections", type=positive_int, default=None, metavar="N",
-                   help="connections in all (default 10000, lowered to fit the open-files limit); at the limit "
-                        "the oldest connection without HELLO is closed to make room, else the new one is refused")
+                   help="connections of client principals (default 10000, lowered to fit the open-files limit), "
+                        "and 16 more that only replica and admin principals keep past HELLO; at the limit the "
+                        "oldest connection without HELLO is closed to make room, else the new one is refused")
     g.add_argument("--max-connections-per-address", type=positive_int, default=d.max_connections_per_address,
                    metavar="N", help=f"connections from one IP address (default {d.max_connections_per_address})")
     g.add_argument("--hello-timeout", type=seconds_arg, default=d.hello_timeout_ms / 1000, metavar="SECONDS",
@@ -185,13 +192,20 @@ def add_limit_flags(s: argparse.ArgumentParser) -> None:
             g.add_argument(f"--max-{flag}-per-connection", type=positive_int,
                            default=getattr(d, f"max_{flag}_per_connection"), metavar="N",
                            help=f"{what} of one connection (default {getattr(d, f'max_{flag}_per_connection')})")
-        g.add_argument(f"--max-{flag}-per-principal", type=count_arg, default=0, metavar="N",
-                       help=f"{what} of one principal, all its connections together (default 0: only the "
-                            f"global limit)")
+        g.add_argument(f"--max-{flag}-per-principal", type=count_arg, default=None, metavar="N",
+                       help=f"{what} of one principal, all its connections together"
+                            f"{' (a waiting acquire reserves its lease)' if flag == 'leases' else ''} "
+                            f"(default {_share(f'--max-{flag}')}")
     g.add_argument("--max-keys", type=positive_int, default=d.max_keys, metavar="N",
                    help=f"keys of the key store, all principals together (default {d.max_keys})")
-    g.add_argument("--max-keys-per-principal", type=positive_int, default=d.max_keys_per_principal, metavar="N",
-                   help=f"keys of one principal (default {d.max_keys_per_principal})")
+    g.add_argument("--max-keys-per-principal", type=count_arg, default=None, metavar="N",
+                   help=f"keys of one principal (default {_share('--max-keys')}")
+    g.add_argument("--max-connections-per-principal", type=count_arg, default=None, metavar="N",
+                   help=f"connections of one principal past HELLO, from any addresses "
+                        f"(default {_share('--max-connections')}")
+    g.add_argument("--anonymous-quota-divisor", type=positive_int, default=d.anonymous_quota_divisor, metavar="N",
+                   help=f"the anonymous principal's quotas are a principal's divided by N "
+                        f"(default {d.anonymous_quota_divisor}: a sixteenth of each global limit)")
     g.add_argument("--max-value-bytes", type=positive_int, default=d.max_value_bytes, metavar="BYTES",
                    help=f"one key's value (default {d.max_value_bytes})")
 
@@ -217,6 +231,8 @@ def limit_config(args: argparse.Namespace) -> dict[str, Any]:
         max_watches_per_principal=args.max_watches_per_principal,
         max_keys=args.max_keys,
         max_keys_per_principal=args.max_keys_per_principal,
+        max_connections_per_principal=args.max_connections_per_principal,
+        anonymous_quota_divisor=args.anonymous_quota_divisor,
         max_value_bytes=args.max_value_bytes,
     )
 

@@ -22,7 +22,7 @@ The client imports only :mod:`fastlock.protocol` and leaf modules.  Every name
 """
 
 from ..units import DEFAULT_PORT
-from .admin import LeaseInfo, LockInfo, LockList, WaiterInfo
+from .admin import LeaseInfo, LockInfo, LockList, PrincipalRevocation, WaiterInfo
 from .client import LATE_GRANT_FRACTION, Client, LockContext
 from .connect import connect
 from .connection import RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
@@ -37,4 +37,4 @@ __all__ = ["connect", "Client", "Lease", "LeaseState", "LeaseHealth", "LockConte
            "LockManyContext", "WatchEvent", "HolderInfo", "Election", "Term", "Leader", "Renewer", "resolve_credential",
            "DEFAULT_PORT", "LATE_GRANT_FRACTION", "SAFE", "IN_JEOPARDY", "LOST", "RETRYABLE", "ClientConnection",
            "Connector", "RideThrough", "KeyValue", "KeyList", "KeyEvent",
-           "LeaseInfo", "LockInfo", "LockList", "WaiterInfo", "Semaphore"]
+           "LeaseInfo", "LockInfo", "LockList", "WaiterInfo", "Semaphore", "PrincipalRevocation"]

@@ -45,7 +45,7 @@ from typing import Any, Generic, TypeVar
 
 from ..errors import ConnectionLost, FastlockError, WrongArgumentType
 from .acquire import CALLER
-from .admin import LeaseInfo, LockInfo, LockList
+from .admin import LeaseInfo, LockInfo, LockList, PrincipalRevocation
 from .client import Client
 from .forks import check_held_here, fork_lock, keep_inherited
 from .keys import SyncKeyMethods
@@ -400,6 +400,9 @@ class SyncClient(SyncKeyMethods):
 
     def revoke(self, name: str, *, fencing_token: int | None = None, reason: str | None = None) -> list[LeaseInfo]:
         return self.call(self._client.revoke(name, fencing_token=fencing_token, reason=reason))
+
+    def revoke_principal(self, principal: str, *, reason: str | None = None) -> PrincipalRevocation:
+        return self.call(self._client.revoke_principal(principal, reason=reason))
 
     def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
              correlation_id: str | None = None, jeopardy_fraction: float = 0.5, shared: bool = False,

@@ -1,12 +1,15 @@
 """Who gets in and how much they may hold: connection limits and per-principal quotas.
 
 :class:`ConnectionLimits` is the registry of open sessions and the caps on
-them: connections in all (sized to the open-files limit), per client address,
-the HELLO deadline and the idle timeout.  :class:`Quota` is ONE per-principal
-limit check with its counts; :class:`PrincipalQuotas` holds the three of them
-(leases held, waiting acquires, watches) and their bookkeeping, kept only while
-the quota is set.  Every refusal is a :class:`~fastlock.errors.LimitExceeded`
-naming the flag that sets the limit, and changes nothing.
+them: connections in all (sized to the open-files limit, plus a reserve for
+replica and admin principals), per client address, per principal, the HELLO
+deadline and the idle timeout.  :class:`PrincipalQuotas` holds the
+per-principal quotas (:class:`Quota`: leases, waiting acquires, watches, keys,
+connections) and each principal's :class:`Usage`, counted as the op that
+creates a resource runs.  By default each quota is a quarter of its global cap
+and the ``anonymous`` principal's a sixteenth (:func:`quota_limits`).  Every
+refusal is a :class:`~fastlock.errors.LimitExceeded` naming the flag that sets
+the limit, and changes nothing.
 """
 
 from __future__ import annotations
@@ -14,13 +17,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from .._core import GRANTED, QUEUED
+from ..auth import ANONYMOUS, Credentials
 from ..errors import LimitExceeded
 from ..logsafe import RateLimitedLog
 from ..units import monotonic_ms
 from .config import ServerConfig
-from .session import Session
+from .session import UNAUTHENTICATED, Session, split_recorded_client
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..auth.handshake import PendingProof
@@ -61,74 +68,301 @@ def raise_open_files_limit() -> int | None:
     return hard if soft == resource.RLIM_INFINITY else soft
 
 
+#: a principal's default quota of each resource: 1/PRINCIPAL_SHARE of the global cap
+PRINCIPAL_SHARE = 4
+#: the bucket of leases whose record names no principal (written before principals)
+UNRECORDED = "(unrecorded)"
+#: connections beyond --max-connections kept for replica and admin principals
+RESERVED_CONNECTIONS = 16
+#: recorded clients whose principal is remembered (PrincipalQuotas.principal_of)
+PRINCIPAL_CACHE = 4_096
+
+
+def principal_of(meta: Any) -> str:
+    """The principal a lease or waiter is counted against: the one its grant recorded
+    (``meta``: (recorded client, correlation id), see
+    :func:`~fastlock.server.session.recorded_client`), else :data:`UNRECORDED`."""
+    principal = split_recorded_client(meta[0])[0] if meta else None
+    return principal if principal is not None else UNRECORDED
+
+
+def client_principals(credentials: Credentials) -> int:
+    """How many client principals can connect with ``credentials``: those of the file,
+    the anonymous principal when allowed, the legacy shared secret's (admins and
+    replicas hold no share: they have the reserved connections)."""
+    named = sum(p.kind == "client" for p in credentials.principals.values())
+    return named + (credentials.anonymous is not None) + (credentials.shared_secret_hash is not None)
+
+
+def default_share(cap: int) -> int:
+    """A principal's default quota of a global ``cap``: ``cap // PRINCIPAL_SHARE`` (at least 1)."""
+    return max(1, cap // PRINCIPAL_SHARE)
+
+
 class Quota:
-    """One per-principal limit: ``limit`` (0: none) of ``what`` per principal, set by ``--flag``."""
+    """One per-principal limit: ``limit`` of ``what`` per principal (0: none), the
+    ``anonymous`` principal's ``anonymous_limit``; set by ``--flag``."""
 
-    __slots__ = ("limit", "what", "flag", "counts")
+    __slots__ = ("limit", "anonymous_limit", "what", "flag")
 
-    def __init__(self, limit: int, what: str, flag: str):
+    def __init__(self, limit: int, anonymous_limit: int, what: str, flag: str):
         self.limit = limit
+        self.anonymous_limit = anonymous_limit
         self.what = what
         self.flag = flag
-        self.counts: dict[str, int] = {}
 
-    def check(self, principal: str) -> None:
-        """Raise :class:`LimitExceeded` if ``principal`` already has ``limit`` (never with no limit)."""
-        if self.limit and self.counts.get(principal, 0) >= self.limit:
-            raise limit_exceeded(self.limit, f"principal {principal!r}", self.what, self.flag)
+    def limit_for(self, principal: str) -> int:
+        """The quota of ``principal`` (0: none)."""
+        return self.anonymous_limit if principal == ANONYMOUS else self.limit
 
-    def add(self, principal: str, delta: int) -> None:
-        self.counts[principal] = self.counts.get(principal, 0) + delta
+    def check(self, principal: str, have: int, adding: int = 1) -> None:
+        """Raise :class:`LimitExceeded` if ``principal``, which has ``have``, may not
+        have ``adding`` more (never with no quota)."""
+        limit = self.anonymous_limit if principal == ANONYMOUS else self.limit
+        if limit and have + adding > limit:
+            if adding == 1 or have >= limit:
+                raise limit_exceeded(limit, f"principal {principal!r}", self.what, self.flag)
+            raise LimitExceeded(f"principal {principal!r} has {have} of its {limit} {self.what}: "
+                                f"{adding} more would pass the quota (--{self.flag})")
+
+
+class Usage:
+    """What one principal holds now: ``leases`` (fencing token -> lock name), ``waiting``
+    (acquires queued, one per name of an ACQUIRE_MANY), ``watches`` (lock and key
+    watches) and ``connections`` (that completed HELLO)."""
+
+    __slots__ = ("leases", "waiting", "watches", "connections")
+
+    def __init__(self) -> None:
+        self.leases: dict[int, str] = {}
+        self.waiting = 0
+        self.watches = 0
+        self.connections = 0
+
+
+@dataclass(frozen=True)
+class PrincipalUsage:
+    """One principal's usage against its quotas, as STATUS shows it to operators
+    (counts; a quota of 0: none)."""
+
+    principal: str
+    leases: int
+    leases_quota: int
+    waiters: int
+    waiters_quota: int
+    watches: int
+    watches_quota: int
+    keys: int
+    keys_quota: int
+    connections: int
+    connections_quota: int
+
+
+def quota_limits(config: ServerConfig, single_principal: bool, max_connections: int) -> dict[str, tuple[int, int]]:
+    """Each resource's quota as ``(principal's, anonymous principal's)``.
+
+    A quota left at None is the default share of its global cap (1/4, and the
+    anonymous principal's a further ``1/anonymous_quota_divisor`` of that: 1/16);
+    0 is none.  ``single_principal`` (one client principal at most can connect, see
+    :func:`client_principals`: open mode, the shared secret alone, or a credentials
+    file with one client and no anonymous access) leaves the defaults off and gives
+    the anonymous principal the same quotas as any, as there is nobody to share with;
+    set quotas still apply.
+    """
+    caps = {"leases": config.max_leases, "waiters": config.max_waiters, "watches": config.max_watches,
+            "keys": config.max_keys, "connections": max_connections}
+    out = {}
+    for what, cap in caps.items():
+        value = getattr(config, f"max_{what}_per_principal")
+        if value is None:
+            value = 0 if single_principal else default_share(cap)
+        divisor = 1 if single_principal else config.anonymous_quota_divisor
+        anonymous = max(1, value // divisor) if value else 0
+        out[what] = (value, anonymous)
+    return out
 
 
 class PrincipalQuotas:
-    """The per-principal quotas on leases held, waiting acquires and watches.
+    """The per-principal quotas and what each principal holds against them.
 
-    Bookkeeping runs only while the quota is set (the handlers test ``leases.limit``
-    and ``waiters.limit`` before calling in), so an unset quota costs nothing.
+    Everything is counted as the op that creates it runs (not at the batch end):
+
+    * a lease granted at once by ACQUIRE or ACQUIRE_MANY, by its token, in
+      :meth:`acquired`; a waiter that becomes the holder when its grant event is
+      processed (:meth:`grant_event`) - its lease was reserved when it queued;
+    * a waiting acquire (each name of an ACQUIRE_MANY) counts against BOTH the
+      waiter quota and the lease quota (it holds a reservation of the lease it
+      will get), so a principal's leases plus waiters never pass its lease quota
+      however its waiters are granted;
+    * watches (lock and key) in :meth:`count_watches`, connections at HELLO
+      (:class:`ConnectionLimits`), keys by the key space itself.
+
+    Leases are counted against the principal their grant recorded
+    (:func:`principal_of`): after a restart or a promotion the held leases are
+    counted again from the table (:meth:`sync`, when the table's epoch moved).
     """
 
-    def __init__(self, config: ServerConfig, server: LockServer):
+    def __init__(self, config: ServerConfig, server: LockServer, *, single_principal: bool):
         self.server = server
-        self.leases = Quota(config.max_leases_per_principal, "leases", "max-leases-per-principal")
-        self.waiters = Quota(config.max_waiters_per_principal, "waiting acquires", "max-waiters-per-principal")
-        self.watches = Quota(config.max_watches_per_principal, "watches", "max-watches-per-principal")
+        self.table = server.table
+        self.config = config
+        #: at most one client principal can connect: the default shares stay off (see quota_limits)
+        self.single_principal = single_principal
+        self.usage: dict[str, Usage] = {}
         self.watch_count = 0  # watches on the whole server (the global --max-watches)
-        self.lease_principal: dict[int, str] = {}  # a lease's fencing token -> principal of its holder
+        #: leases that ended before their waiter's grant event was processed (this batch)
+        self.ended_early: set[int] = set()
+        self._epoch = -1  # the table's epoch the lease counts were taken at
+        #: a grant's recorded client -> its principal (the same str object for every grant of a connection)
+        self._principal_of: dict[str, str] = {}
+        self.configure(config.max_connections or DEFAULT_MAX_CONNECTIONS)
 
-    def lease_granted(self, session: int, token: int) -> None:
-        """A fresh grant (the lease ``token``) to ``session``: count it against its principal."""
-        conn = self.server.limits.sessions.get(session)
-        if self.waiters.limit and conn is not None and conn.waiting:
-            self.count_waiters(conn)  # a waiter became the holder
-        if self.leases.limit:
-            principal = conn.principal if conn is not None else "-"
-            self.lease_principal[token] = principal
-            self.leases.add(principal, 1)
+    def configure(self, max_connections: int) -> None:
+        """Set each quota from the config and the connection cap in force."""
+        limits = quota_limits(self.config, self.single_principal, max_connections)
+        self.leases = Quota(*limits["leases"], "leases and waiting acquires", "max-leases-per-principal")
+        self.waiters = Quota(*limits["waiters"], "waiting acquires", "max-waiters-per-principal")
+        self.watches = Quota(*limits["watches"], "watches", "max-watches-per-principal")
+        self.keys = Quota(*limits["keys"], "keys", "max-keys-per-principal")
+        self.connections = Quota(*limits["connections"], "connections", "max-connections-per-principal")
 
-    def lease_ended(self, token: int) -> None:
-        """The lease ``token`` was released or expired: uncount it."""
-        principal = self.lease_principal.pop(token, None)
+    def of(self, principal: str) -> Usage:
+        """``principal``'s usage (made on first use; principals are the credentials' few)."""
+        u = self.usage.get(principal)
+        if u is None:
+            u = self.usage[principal] = Usage()
+        return u
+
+    # -- acquires ---------------------------------------------------------------------
+    def check_acquire(self, principal: str, leases: int, waiters: int) -> Usage:
+        """Refuse (:class:`LimitExceeded`, nothing changed) a request of ``principal``
+        that may add ``leases`` leases, of which ``waiters`` may wait; returns its usage."""
+        if self.table.epoch != self._epoch:
+            self.sync()
+        u = self.usage.get(principal) or self.of(principal)
+        if waiters:
+            self.waiters.check(principal, u.waiting, waiters)
+        if leases:
+            self.leases.check(principal, len(u.leases) + u.waiting, leases)
+        return u
+
+    def principal_of(self, meta: Any) -> str:
+        """:func:`principal_of`, remembered by recorded client (at most
+        :data:`PRINCIPAL_CACHE` of them; every grant of a connection records the same one)."""
+        if meta:
+            recorded = meta[0]
+            principal = self._principal_of.get(recorded) if type(recorded) is str else None
+            if principal is not None:
+                return principal
+            principal = principal_of(meta)
+            if type(recorded) is str:
+                if len(self._principal_of) >= PRINCIPAL_CACHE:
+                    self._principal_of.clear()
+                self._principal_of[recorded] = principal
+            return principal
+        return UNRECORDED
+
+    def acquired(self, u: Usage, status: int, names: Sequence[str], last_token: int) -> None:
+        """Count what an acquire of ``names`` (by ``u``'s principal) created: a lease per
+        name granted now (tokens up to ``last_token``, one per name in order), or a
+        waiter per name queued."""
+        if status == GRANTED:
+            token = last_token - len(names) + 1
+            leases = u.leases
+            for name in names:
+                leases[token] = name
+                token += 1
+        elif status == QUEUED:
+            u.waiting += len(names)
+
+    def grant_event(self, ev: Any) -> None:
+        """A fresh EV_GRANTED: a waiter's grant moves it from waiting to holding
+        (an immediate grant was counted by :meth:`acquired`)."""
+        u = self.usage.get(self.principal_of(ev.meta)) or self.of(self.principal_of(ev.meta))
+        token = ev.token
+        if token in u.leases:
+            return
+        if u.waiting:
+            u.waiting -= 1
+        if token in self.ended_early:
+            self.ended_early.discard(token)
+            return
+        u.leases[token] = ev.name
+
+    def waiter_event(self, ev: Any) -> None:
+        """A waiter left its queue without a grant (timeout, cancel, deadlock)."""
+        u = self.of(self.principal_of(ev.meta))
+        if u.waiting:
+            u.waiting -= 1
+
+    def waiters_dropped(self, principal: str, dropped: int) -> None:
+        """A connection of ``principal`` closed with ``dropped`` waiters."""
+        u = self.of(principal)
+        u.waiting = max(0, u.waiting - dropped)
+
+    def lease_ended(self, token: int, meta: Any = None, principal: str | None = None) -> None:
+        """The lease ``token`` was released, expired or revoked: uncount it.  Its
+        principal from ``meta`` (the lease's), else ``principal`` (a likely one), else
+        searched among all (principals are few)."""
+        if meta:
+            principal = self.principal_of(meta)
         if principal is not None:
-            self.leases.add(principal, -1)
+            u = self.usage.get(principal)
+            if u is not None and u.leases.pop(token, None) is not None:
+                return
+        for u in self.usage.values():
+            if u.leases.pop(token, None) is not None:
+                return
+        self.ended_early.add(token)  # a waiter's grant not yet processed (grant_event)
 
-    def count_waiters(self, conn: Session) -> None:
-        """Re-count ``conn``'s waiters into its principal's total."""
-        n = self.server.table.session_waiters(conn.session)
-        if n != conn.waiting:
-            self.waiters.add(conn.principal, n - conn.waiting)
-            conn.waiting = n
+    def batch_done(self) -> None:
+        """The batch's events were processed: a token left in ``ended_early`` was never counted."""
+        if self.ended_early:
+            self.ended_early.clear()
 
-    def drop_waiters(self, conn: Session) -> None:
-        """``conn`` closed: its waiters are gone."""
-        if conn.waiting:
-            self.waiters.add(conn.principal, -conn.waiting)
-            conn.waiting = 0
+    def sync(self) -> None:
+        """Count the held leases again from the table if its epoch moved (a promotion,
+        a start): replicated and recovered leases count against the principal they
+        recorded.  O(leases), once per epoch."""
+        table = self.table
+        if table.epoch == self._epoch:
+            return
+        self._epoch = table.epoch
+        for u in self.usage.values():
+            u.leases.clear()
+        for h in table.holders():
+            self.of(self.principal_of(h.meta)).leases[h.token] = h.name
+
+    # -- watches ------------------------------------------------------------------------
+    def check_watch(self, conn: Session) -> None:
+        """Refuse (:class:`LimitExceeded`) one more watch to ``conn``'s principal
+        (the global --max-watches, then the quota)."""
+        config = self.config
+        if self.watch_count >= config.max_watches:
+            raise limit_exceeded(config.max_watches, "the server", "watches", "max-watches")
+        principal = conn.principal
+        self.watches.check(principal, self.of(principal).watches)
 
     def count_watches(self, conn: Session, delta: int) -> None:
         self.watch_count += delta
-        if self.watches.limit:
-            self.watches.add(conn.principal, delta)
+        self.of(conn.principal).watches += delta
+
+    # -- the operator's view ------------------------------------------------------------
+    def report(self, principal: str | None = None) -> list[PrincipalUsage]:
+        """Usage against quota of every principal that holds or held anything (or of
+        ``principal`` only), by name.  On a standby the lease counts are those of its
+        last epoch change (replicated grants are counted when it is promoted)."""
+        self.sync()
+        keys = self.server.keys.space.per_principal
+        names = sorted(set(self.usage) | {p for p in keys if p is not None}) if principal is None else [principal]
+        out = []
+        for name in names:
+            u = self.usage.get(name) or Usage()
+            out.append(PrincipalUsage(
+                name, len(u.leases), self.leases.limit_for(name), u.waiting, self.waiters.limit_for(name),
+                u.watches, self.watches.limit_for(name), keys.get(name, 0), self.keys.limit_for(name),
+                u.connections, self.connections.limit_for(name)))
+        return out
 
 
 class ConnectionLimits:
@@ -140,6 +374,13 @@ class ConnectionLimits:
     handshake reserve: a flood of idle connections cannot lock out a client
     that authenticates, nor the standby); with no such connection, the new one
     is refused.
+
+    The cap is ``max_connections`` for client principals plus
+    :data:`RESERVED_CONNECTIONS` that only replica and admin principals keep
+    after HELLO, so a server full of clients still admits its standby and an
+    operator.  At HELLO a connection also counts against its principal's
+    connection quota (``--max-connections-per-principal``): connections of one
+    principal from any number of addresses cannot fill the table.
     """
 
     def __init__(self, config: ServerConfig, server: LockServer):
@@ -151,6 +392,9 @@ class ConnectionLimits:
         #: session -> the handshake awaiting its client proof (fastlock.server.hello): one per connection
         self.pending_proofs: dict[int, PendingProof] = {}
         self.per_address: dict[str, int] = {}
+        #: connections that completed HELLO, counted against their principal
+        self.ready: dict[int, Session] = {}
+        self.ready_clients = 0  # of them, those of client principals (the --max-connections cap)
         self.max_connections = config.max_connections or DEFAULT_MAX_CONNECTIONS
         self.idle_timeout_ms = config.idle_timeout_ms
         self.hello_timer: asyncio.TimerHandle | None = None
@@ -173,16 +417,19 @@ class ConnectionLimits:
         connection cap below it (RESERVED_FDS left for files and the standby)."""
         soft = raise_open_files_limit()
         if soft is None:
+            self.server.quotas.configure(self.max_connections)
             return
-        fit = max(16, soft - RESERVED_FDS)
+        fit = max(16, soft - RESERVED_FDS - RESERVED_CONNECTIONS)
         if self.config.max_connections is None:
             self.max_connections = min(DEFAULT_MAX_CONNECTIONS, fit)
         elif self.config.max_connections > fit:
             log.warning("--max-connections %d is above what the open-files limit (%d) allows: using %d",
                         self.config.max_connections, soft, fit)
             self.max_connections = fit
-        log.info("connection limits: %d in all, %d per address (open-files limit %d)", self.max_connections,
-                 self.config.max_connections_per_address, soft)
+        self.server.quotas.configure(self.max_connections)
+        log.info("connection limits: %d in all (and %d more for replicas and admins), %d per address, "
+                 "%d per principal (open-files limit %d)", self.max_connections, RESERVED_CONNECTIONS,
+                 self.config.max_connections_per_address, self.server.quotas.connections.limit, soft)
 
     def start(self) -> None:
         """Start the idle sweep (if an idle timeout is set)."""
@@ -202,10 +449,11 @@ class ConnectionLimits:
                              "(--max-connections-per-address)", conn.peer, per)
             conn.abort()
             return
-        if len(self.sessions) >= self.max_connections:
+        if len(self.sessions) >= self.max_connections + RESERVED_CONNECTIONS:
             if not self.unready:
-                self.refused_log("refusing connection from %s: %d connections open (--max-connections)",
-                                 conn.peer, len(self.sessions))
+                self.refused_log("refusing connection from %s: %d connections open (--max-connections and "
+                                 "%d reserved for replicas and admins)", conn.peer, len(self.sessions),
+                                 RESERVED_CONNECTIONS)
                 conn.abort()
                 return
             victim = next(iter(self.unready.values()))
@@ -220,7 +468,34 @@ class ConnectionLimits:
             self._arm_hello_timer()
 
     def handshake_done(self, conn: Session) -> None:
-        """HELLO succeeded: the connection leaves the HELLO deadline and the handshake reserve."""
+        """HELLO authenticated ``conn``: count it against its principal and, for a client
+        principal, against ``max_connections``; it leaves the HELLO deadline and the
+        handshake reserve.
+
+        :raises LimitExceeded: the principal has its quota of connections, or the
+            clients fill ``max_connections``: the connection is left unauthenticated
+            and closed once the reply is out.
+        """
+        if conn.session in self.ready:
+            return  # a HELLO again on an authenticated connection (same principal)
+        principal = conn.principal
+        quotas = self.server.quotas
+        usage = quotas.of(principal)
+        client = conn.kind == "client"
+        try:
+            if client and self.ready_clients >= self.max_connections:
+                raise limit_exceeded(self.max_connections, "the server", "client connections", "max-connections")
+            quotas.connections.check(principal, usage.connections)
+        except LimitExceeded as exc:
+            conn.ready = False
+            conn.authenticated(UNAUTHENTICATED, conn.client_name)
+            self.refused_log("refusing HELLO from %s: %s", conn.peer, exc)
+            self.server.loop.call_soon(conn.close_after_flush)
+            raise
+        self.ready[conn.session] = conn
+        usage.connections += 1
+        if client:
+            self.ready_clients += 1
         self.unready.pop(conn.session, None)
         self.pending_proofs.pop(conn.session, None)
 
@@ -230,6 +505,11 @@ class ConnectionLimits:
             return False
         self.unready.pop(conn.session, None)
         self.pending_proofs.pop(conn.session, None)
+        if self.ready.pop(conn.session, None) is not None:
+            usage = self.server.quotas.of(conn.principal)
+            usage.connections -= 1
+            if conn.kind == "client":
+                self.ready_clients -= 1
         n = self.per_address.get(conn.address, 0) - 1
         if n > 0:
             self.per_address[conn.address] = n
@@ -239,7 +519,7 @@ class ConnectionLimits:
 
     def status(self) -> dict:
         return {"connections": len(self.sessions), "connections_without_hello": len(self.unready),
-                "max_connections": self.max_connections}
+                "max_connections": self.max_connections, "reserved_connections": RESERVED_CONNECTIONS}
 
     # -- the HELLO deadline ---------------------------------------------------------------
     def _arm_hello_timer(self) -> None:

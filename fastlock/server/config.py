@@ -58,7 +58,9 @@ class ServerConfig:
     limits are counts).  The limits (from ``max_frame_bytes`` to
     ``max_watches_per_principal``) bound what peers can make the server hold;
     README "Limits" gives each one's flag, default and what happens beyond it.
-    A per-principal quota of 0 means none beyond the global cap.
+    A per-principal quota of None is the default share of its global cap (a
+    quarter; the anonymous principal's a further ``anonymous_quota_divisor``:
+    a sixteenth), 0 none beyond the global cap.
 
     :raises ValueError: ``fsync`` or ``wal_writer`` that names no mode (at
         construction); (from :class:`~fastlock.server.LockServer`) a limit that
@@ -90,11 +92,15 @@ class ServerConfig:
     max_leases: int = 1_000_000  # held leases
     max_watches: int = 100_000  # WATCH subscriptions, all connections together
     max_watches_per_connection: int = 10_000
-    max_leases_per_principal: int = 0  # 0: no quota beyond the global cap
-    max_waiters_per_principal: int = 0
-    max_watches_per_principal: int = 0
+    # per-principal quotas (fastlock.server.admission.quota_limits): None is a quarter of the global
+    # cap (the anonymous principal: a sixteenth), 0 none; off by default with a single principal
+    max_leases_per_principal: int | None = None  # leases plus waiting acquires (each reserves its lease)
+    max_waiters_per_principal: int | None = None
+    max_watches_per_principal: int | None = None
     max_keys: int = 100_000  # keys of the key store (fastlock.server.keys), all principals together
-    max_keys_per_principal: int = 10_000
+    max_keys_per_principal: int | None = None
+    max_connections_per_principal: int | None = None  # connections that completed HELLO
+    anonymous_quota_divisor: int = 4  # the anonymous principal's quotas: a principal's divided by this
     max_value_bytes: int = 64 << 10  # one key's value, bytes
     standby_of: tuple[str, int] | None = None  # run as a standby of this primary
     failover_after_ms: int = 0  # standby: promote after this much primary silence (0: on command only)
@@ -142,17 +148,21 @@ def check_limits(config: ServerConfig) -> None:
     """Refuse nonsensical limits (ValueError naming the field)."""
     positive = ("max_frame_bytes", "max_connections_per_address", "max_output_bytes", "max_replica_output_bytes",
                 "max_stream_frame_bytes", "max_waiters", "max_waiters_per_connection", "max_leases",
-                "max_watches", "max_watches_per_connection", "max_keys", "max_keys_per_principal",
-                "max_value_bytes")
+                "max_watches", "max_watches_per_connection", "max_keys", "max_value_bytes",
+                "anonymous_quota_divisor")
     for field_name in positive:
         value = getattr(config, field_name)
         if type(value) is not int or value <= 0:
             raise ValueError(f"{field_name} must be a positive integer, not {value!r}")
-    for field_name in ("hello_timeout_ms", "idle_timeout_ms", "deadlock_timeout_ms", "max_leases_per_principal",
-                       "max_waiters_per_principal", "max_watches_per_principal"):
+    for field_name in ("hello_timeout_ms", "idle_timeout_ms", "deadlock_timeout_ms"):
         value = getattr(config, field_name)
         if type(value) is not int or value < 0:
             raise ValueError(f"{field_name} must be an integer >= 0, not {value!r}")
+    for field_name in ("max_leases_per_principal", "max_waiters_per_principal", "max_watches_per_principal",
+                       "max_keys_per_principal", "max_connections_per_principal"):
+        value = getattr(config, field_name)
+        if value is not None and (type(value) is not int or value < 0):
+            raise ValueError(f"{field_name} must be an integer >= 0 or None (the default share), not {value!r}")
     if config.max_frame_bytes < P.MIN_MAX_FRAME_BYTES:
         raise ValueError(f"max_frame_bytes must be at least {P.MIN_MAX_FRAME_BYTES} (a request with its names, "
                          f"owner key and ids at their limits), not {config.max_frame_bytes}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
@@ -125,14 +126,6 @@ def _authorize(conn: Session, op: int, need: str, msg: list) -> None:
     if type(name) is str and (conn.grant is None or not conn.grant.allows(need, name)):
         # a name of the wrong type is left to the handler's validation (no state change either way)
         raise PermissionDenied(f"principal {conn.principal!r} may not {need} {name!r}")
-
-
-def _may_add_lease(table: Any, name: str, owner: bytes, non_exclusive: Any, now: int) -> bool:
-    """Whether an acquire of ``name`` by ``owner`` may add a lease now: not if the owner
-    holds it already, nor for an exclusive request on a held name (it queues)."""
-    if table.holder(name, now, owner) is not None:
-        return False
-    return bool(non_exclusive) or not table.holders_of(name, now)
 
 
 class Handlers:
@@ -246,14 +239,14 @@ class Handlers:
                                      "max-waiters-per-connection")
             if table.waiter_count >= config.max_waiters:
                 raise limit_exceeded(config.max_waiters, "the server", "waiting acquires", "max-waiters")
-            if quotas.waiters.limit:
-                quotas.waiters.check(conn.principal)
-        # a request that may add a lease now: a retry of a held lease or an exclusive
-        # request on a held name adds none (the latter queues)
-        if len(table) >= config.max_leases and _may_add_lease(table, name, owner, shared or limit, now):
+        # a retry of a held lease re-delivers it: it adds nothing
+        retry = table.holder(name, now, owner) is not None
+        # the global cap counts leases held: an exclusive request on a held name adds none now (it queues)
+        if (not retry and len(table) >= config.max_leases
+                and (shared or limit or not table.holders_of(name, now))):
             raise limit_exceeded(config.max_leases, "the server", "leases", "max-leases")
-        if quotas.leases.limit and _may_add_lease(table, name, owner, shared or limit, now):
-            quotas.leases.check(conn.principal)
+        # the principal's quotas: a lease, granted now or reserved by a waiter (see PrincipalQuotas)
+        usage = None if retry else quotas.check_acquire(conn.principal, 1, 1 if wait_ms != 0 else 0)
         server = self.server
         if ttl_ms > server.max_ttl_ms:
             server.max_ttl_ms = ttl_ms
@@ -263,8 +256,8 @@ class Handlers:
                                    (conn.recorded, corr), now, shared, limit, actor)
         except ValueError as exc:  # the owner key waits on name in a multi-lock request
             raise InvalidArgument(f"{name!r}: {exc}") from None
-        if quotas.waiters.limit:
-            quotas.count_waiters(conn)
+        if usage is not None:
+            quotas.acquired(usage, status, (name,), table.last_token)
         if status == LIMIT_CONFLICT:
             raise limit_conflict(table, name, limit, now)
         if status == NOT_ACQUIRED:
@@ -355,8 +348,6 @@ class Handlers:
         result = None
         if table.cancel(name, owner, now):
             result = "cancelled"
-            if self.quotas.waiters.limit:
-                self.quotas.count_waiters(conn)
         else:
             holder = table.holder(name, now, owner)
             if holder is not None:
@@ -408,9 +399,7 @@ class Handlers:
             if len(conn.watching) >= config.max_watches_per_connection:
                 raise limit_exceeded(config.max_watches_per_connection, "this connection", "watches",
                                      "max-watches-per-connection")
-            if quotas.watch_count >= config.max_watches:
-                raise limit_exceeded(config.max_watches, "the server", "watches", "max-watches")
-            quotas.watches.check(conn.principal)
+            quotas.check_watch(conn)
             quotas.count_watches(conn, 1)
         conn.watching.add(name)
         self.watches.add(conn, name)
@@ -492,6 +481,8 @@ class Handlers:
         if conn.kind == "client" and "standbys" in repl:
             # a primary's standby, its identity and pairing are for operators and peers only
             st["replication"] = {"fenced": repl["fenced"], "serving_alone": repl["serving_alone"]}
+        # usage against quota per principal: every principal's for operators and peers, a client's own
+        st["principals"] = [asdict(u) for u in self.quotas.report(conn.principal if conn.kind == "client" else None)]
         conn.send(P.encode_ok(req_id, st))
 
     def op_ping(self, conn: Session, req_id: int, msg: list) -> None:

@@ -30,8 +30,9 @@ operations ``put``, ``get`` and ``delete`` (a watch needs ``get``):
 
 Limits (:class:`~fastlock.server.ServerConfig`, ``fastlock serve`` flags): a key is
 1..512 bytes of UTF-8 like a lock name, a value at most ``max_value_bytes``; at most
-``max_keys`` keys and ``max_keys_per_principal`` per principal; key watches count
-against the connection's and the server's watch limits.  A refusal changes nothing.
+``max_keys`` keys and the principal's key quota (``--max-keys-per-principal``: by
+default a quarter of ``max_keys``, see :mod:`fastlock.server.admission`); key watches
+count against the connection's, the principal's and the server's watch limits.  A refusal changes nothing.
 
 Durability and replication: every change is a WAL record (KEY_PUT, KEY_DELETE;
 a lease's end is its RELEASE / EXPIRE record) applied by the one
@@ -188,9 +189,7 @@ class KeyStore:
         if old is None or old.principal != principal:
             if old is None and len(space) >= config.max_keys:
                 raise limit_exceeded(config.max_keys, "the server", "keys", "max-keys")
-            if space.per_principal.get(principal, 0) >= config.max_keys_per_principal:
-                raise limit_exceeded(config.max_keys_per_principal, f"principal {principal!r}", "keys",
-                                     "max-keys-per-principal")
+            server.quotas.keys.check(principal, space.per_principal.get(principal, 0))
         space.put(key, value, lease_name, token, principal, wall_ms())
         server.wal.log_key_put(key, value, lease_name, token, principal)
         self._when_durable(conn, req_id, old is None, ("put", key, value))
@@ -238,9 +237,7 @@ class KeyStore:
             if len(mine) + len(conn.watching or ()) >= config.max_watches_per_connection:
                 raise limit_exceeded(config.max_watches_per_connection, "this connection", "watches",
                                      "max-watches-per-connection")
-            if quotas.watch_count >= config.max_watches:
-                raise limit_exceeded(config.max_watches, "the server", "watches", "max-watches")
-            quotas.watches.check(conn.principal)
+            quotas.check_watch(conn)
             quotas.count_watches(conn, 1)
             mine.add(prefix)
             self.watchers.setdefault(prefix, set()).add(conn)

@@ -97,7 +97,9 @@ def grant_reply(ev: Any) -> bytes | None:
 def waiter_left(conn: Session | None, ev: Any, quotas: PrincipalQuotas) -> None:
     """Fail the acquire of a waiter that left the queue: EV_WAIT_TIMEOUT
     (LockNotAcquired), EV_WAIT_CANCELLED (Cancelled) or EV_DEADLOCK
-    (DeadlockDetected); ``conn``: its session, None if closed."""
+    (DeadlockDetected); ``conn``: its session, None if closed.  The waiter leaves its
+    principal's count either way."""
+    quotas.waiter_event(ev)
     if conn is None:
         return
     rid = reply_id(ev.request)  # an ACQUIRE_MANY is answered once, not per name
@@ -109,8 +111,6 @@ def waiter_left(conn: Session | None, ev: Any, quotas: PrincipalQuotas) -> None:
             conn.send(P.encode_error(rid, Cancelled.code, f"{ev.name!r}: acquire cancelled"))
         elif kind == EV_DEADLOCK:
             conn.send(P.encode_error(rid, DeadlockDetected.code, deadlock_message(ev)))
-    if conn.waiting:
-        quotas.count_waiters(conn)
 
 
 def deadlock_message(ev: Any) -> str:
@@ -167,6 +167,12 @@ class KindHandlers:
                 raise limit_exceeded(config.max_waiters, "the server", "waiting acquires", "max-waiters")
         if len(table) + len(items) > config.max_leases:
             raise limit_exceeded(config.max_leases, "the server", "leases", "max-leases")
+        # the principal's quotas, all or nothing: the set's leases, granted now or reserved by its
+        # waiters; a retry of a set the owner holds re-delivers it and adds nothing
+        fresh = table.holder(items[0][0], now, owner) is None
+        n = len(items) if fresh else 0
+        quotas = self.server.quotas
+        usage = quotas.check_acquire(conn.principal, n, n if wait_ms != 0 else 0)
         server = self.server
         if ttl_ms > server.max_ttl_ms:
             server.max_ttl_ms = ttl_ms
@@ -176,8 +182,8 @@ class KindHandlers:
                                         wait_ms, delay_ms, (recorded_client(conn), corr), now, actor)
         except ValueError as exc:  # an owner key already holding or awaiting some name in another request
             raise InvalidArgument(f"acquire_many: {exc}") from None
-        if self.server.quotas.waiters.limit:
-            self.server.quotas.count_waiters(conn)
+        if n:
+            quotas.acquired(usage, status, [name for name, _shared in items], table.last_token)
         if status == LIMIT_CONFLICT:
             raise LimitConflict("acquire_many takes locks, not semaphores: one of the names is a semaphore")
         if status == NOT_ACQUIRED:

@@ -27,7 +27,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
-from ..errors import InvalidArgument, LockNotHeld, PermissionDenied, WrongArgumentType
+from ..errors import FastlockError, InvalidArgument, LockNotHeld, PermissionDenied, WrongArgumentType
 from ..logsafe import quote
 from ..roles import Action
 from ..units import monotonic_ms, wall_ms
@@ -46,6 +46,10 @@ MAX_LOCKS_LISTED = 10_000
 MAX_WAITERS_LISTED = 1_000
 #: the longest revocation reason kept in the log (characters)
 MAX_REASON_CHARS = 256
+#: leases one loop turn of a revocation by principal revokes
+REVOKE_PAGE = 1_000
+#: the longest principal name a revocation accepts (credentials allow 64)
+MAX_PRINCIPAL_CHARS = 64
 
 
 def check_lock_admin(handlers: Handlers, conn: Session, op: str) -> None:
@@ -144,10 +148,15 @@ class LockAdmin:
             "waiters": waiters, "waiter_count": len(queue)}))
 
     def op_revoke(self, conn: Session, req_id: int, msg: list) -> None:
-        """REVOKE name, token, reason: force-release the lease ``token`` of ``name`` (None:
-        every lease of it).  Value, once the REVOKE records are durable: ``{"name",
-        "revoked": [lease info...]}``.  :raises LockNotHeld: no such lease (nothing changed)."""
+        """REVOKE name, token, reason[, principal]: force-release the lease ``token`` of
+        ``name`` (None: every lease of it).  Value, once the REVOKE records are durable:
+        ``{"name", "revoked": [lease info...]}``.  With ``principal`` (name and token None):
+        every lease of that principal, see :meth:`revoke_principal`.
+        :raises LockNotHeld: no such lease (nothing changed)."""
         check_lock_admin(self.handlers, conn, "revoke")
+        if len(msg) > 5 and msg[5] is not None:
+            self.revoke_principal(conn, req_id, msg)
+            return
         name = P.check_name(msg[2])
         token = None if msg[3] is None else P.check_token(msg[3])
         reason = P.check_optional_str(msg[4], "reason", MAX_REASON_CHARS)
@@ -168,8 +177,7 @@ class LockAdmin:
             info = lease_info(h, now)
             table.remove_holder(name, h.token, now)
             handlers.wal.log_revoke(name, h.token, conn.principal, reason)
-            if quotas.lease_principal:
-                quotas.lease_ended(h.token)
+            quotas.lease_ended(h.token, h.meta)
             if name in handlers.watchers:
                 handlers.watches.notify(name, P.WATCH_REVOKED, h.token, h.meta)
             log.warning("lease %d on %s (principal %s, client %s) revoked by %s: %s", h.token, quote(name),
@@ -184,3 +192,74 @@ class LockAdmin:
             server.after_batch()
 
         handlers.wal.when_durable(ack)
+
+    def revoke_principal(self, conn: Session, req_id: int, msg: list) -> None:
+        """REVOKE None, None, reason, principal: revoke every lease ``principal`` holds now,
+        :data:`REVOKE_PAGE` per loop turn (other clients are served between pages), each
+        logged, replicated and told to watchers as one revocation by name.
+
+        The principal's waiting acquires are left in their queues: waiting goes by
+        connection, and ends with it (an operator shuts a principal out by removing its
+        credential; its open connections then end at their next HELLO or when closed).
+        Value, once the last REVOKE record is durable: ``{"principal", "revoked": int,
+        "waiting": int}`` (``waiting``: its acquires still queued).  A principal holding
+        nothing gets ``revoked`` 0.  If this node stops being the primary part way, the
+        request fails (Unavailable / NotPrimary) after the pages already revoked.
+        """
+        if msg[2] is not None or msg[3] is not None:
+            raise InvalidArgument("revoke by principal takes no lock name and no token")
+        principal = msg[5]
+        if type(principal) is not str or not 0 < len(principal) <= MAX_PRINCIPAL_CHARS:
+            raise InvalidArgument(f"principal must be a name of 1..{MAX_PRINCIPAL_CHARS} characters")
+        reason = P.check_optional_str(msg[4], "reason", MAX_REASON_CHARS)
+        self.roles.admit(Action.RELEASE)
+        handlers = self.handlers
+        server = handlers.server
+        quotas = server.quotas
+        quotas.sync()
+        usage = quotas.usage.get(principal)
+        leases = list(usage.leases.items()) if usage is not None else []  # (token, name) held now
+        revoked = 0
+        log.warning("revoking the %d leases of principal %s, asked by %s: %s", len(leases), principal,
+                    conn.principal, quote(reason), extra={"session": conn.session, "principal": conn.principal})
+
+        def page(start: int) -> None:
+            nonlocal revoked
+            try:
+                self.roles.admit(Action.RELEASE)
+            except FastlockError as exc:
+                why = f"revoked {revoked} of the {len(leases)} leases of {principal!r}, then: {exc}"
+                conn.send(P.encode_error(req_id, exc.code, why, getattr(exc, "primary", None)))
+                server.after_batch()
+                return
+            table = self.table
+            now = monotonic_ms()
+            for token, name in leases[start:start + REVOKE_PAGE]:
+                for h in table.holders_of(name, now):
+                    if h.token == token:
+                        table.remove_holder(name, token, now)
+                        handlers.wal.log_revoke(name, token, conn.principal, reason)
+                        quotas.lease_ended(token, h.meta)
+                        if name in handlers.watchers:
+                            handlers.watches.notify(name, P.WATCH_REVOKED, token, h.meta)
+                        revoked += 1
+                        break
+            if start + REVOKE_PAGE < len(leases):
+                server.loop.call_soon(page, start + REVOKE_PAGE)
+                if start:  # (the first page runs inside the request: its read's batch end follows)
+                    server.after_batch()
+                return
+            waiting = usage.waiting if usage is not None else 0
+            reply = P.encode_ok(req_id, {"principal": principal, "revoked": revoked, "waiting": waiting})
+            log.warning("revoked %d leases of principal %s (%d of its acquires still wait)", revoked, principal,
+                        waiting)
+
+            def ack() -> None:
+                conn.send(reply)
+                server.after_batch()
+
+            handlers.wal.when_durable(ack)
+            if start:
+                server.after_batch()
+
+        page(0)

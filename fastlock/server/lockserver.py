@@ -70,7 +70,7 @@ from ..units import format_address, monotonic_ms
 from ..wal import DataDirInUse, HolderSlices, WriteAheadLog, secure_directory
 from ..wal.log import paused_gc
 from . import lockdelays
-from .admission import ConnectionLimits, PrincipalQuotas
+from .admission import ConnectionLimits, PrincipalQuotas, client_principals
 from .config import ServerConfig, check_limits
 from .coordinated import CoordinatedNode, claim_data_dir
 from .endpoints import Endpoints
@@ -170,7 +170,8 @@ class LockServer:
             self.failover.coordinated = CoordinatedNode(self, config.coordinator, config.node_id or ident,
                                                         config.coordinator_ttl_ms, ident)
         self.limits = ConnectionLimits(config, self)
-        self.quotas = PrincipalQuotas(config, self)
+        # with one client principal at most (open mode, say) the default shares stay off
+        self.quotas = PrincipalQuotas(config, self, single_principal=client_principals(credentials) <= 1)
         self.handlers = Handlers(self, credentials)
         #: process exit status: non-zero after a fatal WAL failure
         self.exit_status = 0
@@ -413,7 +414,7 @@ class LockServer:
                 watches.remove(conn, name)
             self.quotas.count_watches(conn, -len(conn.watching))
         dropped = self.table.drop_session(conn.session, self._table_now())
-        self.quotas.drop_waiters(conn)
+        self.quotas.waiters_dropped(conn.principal, dropped)
         if dropped:
             log.debug("session %d closed; %d waiters removed", conn.session, dropped)
         self.after_batch()
@@ -441,7 +442,6 @@ class LockServer:
         grants = None
         sessions = self.limits.sessions
         quotas = self.quotas
-        counting = quotas.leases.limit or quotas.waiters.limit
         watchers = self.handlers.watches.by_name
         for ev in events:
             kind = ev.kind
@@ -450,8 +450,7 @@ class LockServer:
                     meta = ev.meta
                     wal.log_grant(ev.name, ev.token, ev.owner, ev.ttl_ms, ev.lock_delay_ms, meta[0], meta[1],
                                   ev.shared, ev.limit)
-                    if counting:
-                        quotas.lease_granted(ev.session, ev.token)
+                    quotas.grant_event(ev)
                 if grants is None:
                     grants = []
                 grants.append(ev)
@@ -460,14 +459,14 @@ class LockServer:
                 self.keys.lease_ended(ev.name, ev.token, "expired")
                 if ev.lock_delay_ms:
                     lockdelays.log_expired(wal, ev)
-                if quotas.lease_principal:
-                    quotas.lease_ended(ev.token)
+                quotas.lease_ended(ev.token, ev.meta)
                 if ev.name in watchers:
                     self.handlers.watches.notify(ev.name, "expired", ev.token, ev.meta)
                 log.info("lease expired: %s token %d (holder %s)", quote(ev.name), ev.token,
                          quote(ev.meta[0] if ev.meta else None))
             else:  # a waiter left (wait timeout, cancel, deadlock): its acquire fails
                 waiter_left(sessions.get(ev.session), ev, quotas)
+        quotas.batch_done()
         if grants is not None:  # sync replication: acked once the standby has them too (source.sync)
             deliver = self.source.sync.after(lambda refused=None: self._deliver_grants(grants, refused))
             if wal.flush_first():  # relaxed fsync modes: a lone request's grant is written and acked now
@@ -531,9 +530,7 @@ class LockServer:
         """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id))."""
         self.wal.log_release(name, token)
         self.keys.lease_ended(name, token, "released")
-        quotas = self.quotas
-        if quotas.lease_principal:
-            quotas.lease_ended(token)
+        self.quotas.lease_ended(token, meta)
         watches = self.handlers.watches
         if name in watches.by_name:
             watches.notify(name, "released", token, meta)
