@@ -623,7 +623,6 @@ async def test_a_rogue_primary_key_stops_the_group_only_while_it_lives(secure_gr
         assert (await status_of(srv.address))["epoch"] <= st2["epoch"]
 
 
-@pytest.mark.xfail(strict=True, reason="needs the auth branch")
 async def test_a_rogue_primary_key_gets_no_token(secure_group):
     """Someone with write access to the prefix replaces ``PREFIX/primary`` with a record of
     their own (under a lease of their own) naming the address of a relay they run to a real
