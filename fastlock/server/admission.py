@@ -91,7 +91,7 @@ def client_principals(credentials: Credentials) -> int:
     the anonymous principal when allowed, the legacy shared secret's (admins and
     replicas hold no share: they have the reserved connections)."""
     named = sum(p.kind == "client" for p in credentials.principals.values())
-    return named + (credentials.anonymous is not None) + (credentials.shared_secret_hash is not None)
+    return named + (credentials.anonymous is not None) + (credentials.shared_secret is not None)
 
 
 def default_share(cap: int) -> int:
