@@ -23,7 +23,7 @@ import pytest
 from test_limits import Raw, acquire_args, error_of
 
 from fastlock import protocol as P
-from fastlock._testbase import CredentialsDir
+from fastlock._testbase import CredentialsDir, raw_hello
 from fastlock.errors import LimitExceeded
 from fastlock.protocol.ops import (
     KEY_UPSERT,
@@ -134,17 +134,17 @@ def _quota_server(server_factory, tmp_path, *extra: str):
     return srv, creds
 
 
-def _ops_at_quota(address: str, app_token: str, owner: bytes) -> dict[int, list]:
+def _ops_at_quota(address: str, app_token: str, owner: bytes, peer: Raw) -> dict[int, list]:
     """For EVERY op of the protocol's op table: how a client principal at its quotas
     sends it, as ``(arguments or a callable making the request, the quota flag its
     refusal must name or None)``; the test fails on an op missing here."""
     def new_conn() -> list:  # HELLO on a new connection makes one
         with Raw(address, hello=False) as raw:
-            return raw.call(P.OP_HELLO, P.PROTOCOL_VERSION, "one-more", app_token)
+            return raw_hello(raw.call, "one-more", app_token)
 
     return {
         P.OP_HELLO: [(new_conn, "--max-connections-per-principal"),
-                     ((P.PROTOCOL_VERSION, "again", app_token), None)],  # the same connection again: no new one
+                     (lambda: raw_hello(peer.call, "again", app_token), None)],  # the same connection again: no new one
         P.OP_ACQUIRE: [(("free/1", owner, 60_000, 0, 0, None), "--max-leases-per-principal"),
                        (("free/1", owner, 60_000, -1, 0, None), "--max-waiters-per-principal"),
                        (("free/2", owner, 60_000, 0, 0, None, True), "--max-leases-per-principal"),  # shared
@@ -211,9 +211,9 @@ def test_every_op_that_creates_a_resource_is_counted(server_factory, tmp_path):
         assert {k: row[k] for k in ("leases", "waiters", "watches", "keys", "connections")} == {
             "leases": 1, "waiters": 2, "watches": 2, "keys": 2, "connections": 4}, row
 
-        drivers = _ops_at_quota(srv.address, token, os.urandom(16))
-        assert set(drivers) == set(P.OP_NAMES), "an op of the op table has no driver here: add one"
         peer = app[1]
+        drivers = _ops_at_quota(srv.address, token, os.urandom(16), peer)
+        assert set(drivers) == set(P.OP_NAMES), "an op of the op table has no driver here: add one"
         for op, variants in drivers.items():
             for request, flag in variants:
                 reply = request() if callable(request) else peer.call(op, *request)
@@ -391,7 +391,7 @@ def test_slots_reserved_for_replicas_and_admins(server_factory, tmp_path):
     clients = [Raw(primary.address, credential=token) for _ in range(6)]
     try:
         extra = Raw(primary.address, hello=False)
-        _limit(extra.call(P.OP_HELLO, P.PROTOCOL_VERSION, "seventh", token), "--max-connections")
+        _limit(raw_hello(extra.call, "seventh", token), "--max-connections")
         assert extra.closed_by_server()
         extra.close()
         with Raw(primary.address, credential=creds.token("admin")) as admin:
