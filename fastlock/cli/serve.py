@@ -8,6 +8,7 @@ from typing import Any
 
 from ..auth import Credentials, read_token_file
 from ..logformat import LOG_FORMATS, configure
+from ..protocol import REQUEST_OVERHEAD_BYTES
 from ..server import ServerConfig, serve
 from ..units import DEFAULT_PORT, format_address
 from .args import (
@@ -140,7 +141,8 @@ def add_limit_flags(s: argparse.ArgumentParser) -> None:
     g = s.add_argument_group("limits", "bounds on what clients and standbys can make the server hold; "
                                        "a request beyond one gets a LimitExceeded error naming it")
     g.add_argument("--max-frame-bytes", type=frame_bytes_arg, default=d.max_frame_bytes, metavar="BYTES",
-                   help=f"largest request frame (default {d.max_frame_bytes}); a larger one closes the connection")
+                   help=f"largest request frame (default {d.max_frame_bytes}, raised to --max-value-bytes + "
+                        f"{REQUEST_OVERHEAD_BYTES}); a larger one closes the connection")
     g.add_argument("--max-connections", type=positive_int, default=None, metavar="N",
                    help="connections in all (default 10000, lowered to fit the open-files limit); at the limit "
                         "the oldest connection without HELLO is closed to make room, else the new one is refused")
