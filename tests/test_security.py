@@ -539,7 +539,7 @@ def test_status_shows_clients_no_path_no_peer_and_no_error_text(cluster):
     """Finding: STATUS showed every client the data directory path.  A client principal (the app,
     or anonymous) sees counters and role but no path on the server, nothing of who the standby
     is, no task error text; an admin sees all of it."""
-    from fastlock.server.handlers import CLIENT_REPLICATION_FIELDS
+    from fastlock.server.statusview import CLIENT_REPLICATION_FIELDS
 
     p = cluster.primary()
     s = cluster.standby(p.address)
@@ -575,7 +575,7 @@ def test_status_shows_clients_no_path_no_peer_and_no_error_text(cluster):
 def test_client_status_keeps_only_plain_values_of_known_sections():
     """Unit: a section STATUS gains later (per-principal usage, the coordinator's URL) stays
     hidden from clients until it is listed; nested maps and lists inside a listed section too."""
-    from fastlock.server.handlers import client_status
+    from fastlock.server.statusview import client_status
 
     status = {
         "role": "primary", "epoch": 3, "locks_held": 2,
