@@ -84,7 +84,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "(default 1 s, as PostgreSQL's deadlock_timeout; 0: no detection)")
     s.add_argument("--name", metavar="NAME", help="this node's name in logs and replication status")
     s.add_argument("--metrics", type=listen_address, metavar="HOST:PORT",
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (needs prometheus_client)")
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (needs prometheus_client); "
+                        "HOST must be a loopback address unless --metrics-allow-remote")
+    s.add_argument("--metrics-allow-remote", action="store_true",
+                   help="let --metrics bind a non-loopback address (the endpoint has no authentication)")
+    s.add_argument("--metrics-lock-names", action="store_true",
+                   help="export lock names as metric labels (fastlock_lock_contention{lock}); default: none")
     s.add_argument("--wal-writer", choices=("auto", "thread", "inline"), default="auto",
                    help="auto (default): write+fdatasync on the loop itself while one client waits alone, on a "
                         "writer thread when clients wait together; thread: always on the writer thread (the loop "
@@ -293,6 +298,8 @@ def serve_command(args: argparse.Namespace) -> int:
         advertise=None if args.advertise is None else format_address(args.advertise),
         coordinator_ttl_ms=max(1000, -(-round(args.coordinator_ttl * 1000) // 1000) * 1000),
         metrics=args.metrics,
+        metrics_allow_remote=args.metrics_allow_remote,
+        metrics_lock_names=args.metrics_lock_names,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_ca=args.tls_ca,
