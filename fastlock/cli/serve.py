@@ -66,7 +66,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="client certificates: none (default), optional (verified if sent), required "
                         "(mutual TLS); needs --tls-ca")
     s.add_argument("--tls-handshake-timeout", type=seconds_arg, default=10.0, metavar="SECONDS",
-                   help="drop a connection whose TLS handshake takes longer (default 10)")
+                   help="drop a connection whose TLS handshake takes longer (default 10; at most 1 while more "
+                        "than half of the 1,024 handshake slots are taken)")
     add_limit_flags(s)
     s.add_argument("--standby-of", type=listen_address, metavar="HOST:PORT",
                    help="run as a standby of this primary: follow its log, answer clients NotPrimary")
