@@ -36,7 +36,7 @@ MAX_MS: int  # (1 << 53) - 1: largest now / ttl_ms / wait_ms / until_ms accepted
 MAX_LIMIT: int  # (1 << 31) - 1: largest semaphore limit
 MAX_MANY: int  # 64: most names in one acquire_many() request
 DEADLOCK_PASSES: int  # 4: most searches of one break_deadlocks() call
-DEADLOCK_WORK: int  # 100_000: no further search once a call's searches visited this many nodes
+DEADLOCK_WORK: int  # 10_000: graph nodes one break_deadlocks() call enters (the rest at the next call)
 
 
 class NotHolder(LookupError):
@@ -308,7 +308,14 @@ class LockTable:
         Event.cycle = ((session, name), ...) starting with its own step, and its
         locks are settled (grants may follow).  At most DEADLOCK_PASSES searches
         per call, a further one only while they visited < max_work nodes.
+        Bounded work: roots are the parties that hold a name somebody waits for;
+        a call enters at most max_work nodes, a search stopped there goes on at the
+        next call (anew if waiters or holders changed): see deadlock_backlog.
         """
+
+    @property
+    def deadlock_backlog(self) -> bool:
+        """True while a deadlock search is left unfinished at its call's max_work."""
 
     def lock_delays(self) -> list[tuple[str, int]]:
         """Every running lock-delay as (name, until_ms) (monotonic ms): what a snapshot keeps.

@@ -48,6 +48,8 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.long cimport PyLong_Check, PyLong_CheckExact
 from cpython.bool cimport PyBool_Check
 
+from bisect import bisect_left
+
 
 cdef extern from "Python.h":
     long long PyLong_AsLongLongAndOverflow(object obj, int* overflow) except? -1
@@ -123,9 +125,10 @@ MAX_LIMIT = _MAX_LIMIT
 MAX_MANY = 64
 #: Most searches of one break_deadlocks() call (each fails one request per deadlock found).
 DEADLOCK_PASSES = 4
-#: break_deadlocks() starts another search only while its searches so far visited
-#: fewer graph nodes than this (its default ``max_work``).
-DEADLOCK_WORK = 100_000
+#: Graph nodes one break_deadlocks() call visits (its default ``max_work``): a search
+#: starts from no further party once its call has visited this many, and the next call
+#: goes on from the next party (see LockTable.deadlock_backlog).
+DEADLOCK_WORK = 10_000
 
 cdef enum:
     K_LEASE = 1   # a lock's lease deadline
@@ -475,6 +478,7 @@ cdef class _Node:
     multi-lock request, a lock or a party.  Its search fields are valid while
     ``dl_search`` is the number of the current search."""
     cdef int64_t dl_search
+    cdef int64_t dl_mark  # a lock: the search that found it has a waiter
     cdef int dl_index
     cdef int dl_low
     cdef int dl_comp      # its deadlocked component (numbered from 1), 0 if none
@@ -487,6 +491,24 @@ cdef class _Party(_Node):
     cdef int64_t session
     cdef int64_t actor
     cdef list requests   # _Waiter or _Group, ascending by _request_key
+
+
+@cython.final
+cdef class _Search:
+    """A deadlock search (Tarjan's algorithm, iterative) that can stop after any node
+    and go on at a later call while the wait-for graph is unchanged (its ``gen``)."""
+    cdef int64_t search      # its number (_Node.dl_search)
+    cdef int64_t gen         # LockTable._graph_gen when it began
+    cdef dict parties
+    cdef list keys           # the parties' keys, ascending
+    cdef Py_ssize_t start    # the first root, an index into keys
+    cdef Py_ssize_t i        # the root searched from, as an offset from start
+    cdef list stack
+    cdef list path
+    cdef list todo
+    cdef list positions
+    cdef int counter         # nodes entered
+    cdef int n_comp
 
 
 cdef class _Entry(_Node):
@@ -609,6 +631,9 @@ cdef class LockTable:
     cdef int64_t _deadlocks
     cdef int64_t _searches       # deadlock searches made (numbers _Node.dl_search)
     cdef int64_t _search_nodes   # nodes the last deadlock search visited
+    cdef object _dl_cursor       # the party key the next search starts from (None: the first)
+    cdef _Search _dl_search      # a search stopped at its work bound, or None
+    cdef int64_t _graph_gen      # bumped by every change of waiters or holders (a stopped search's check)
     # the snapshot in progress (snapshot_begin): its number (0: none), the locks it
     # covers, the next one to encode, the holders encoded so far and their count
     cdef int64_t _snap_gen
@@ -906,6 +931,7 @@ cdef class LockTable:
     cdef void _unlink(self, _Waiter w):
         """Take ``w`` out of its lock's queue, its session index and the heap."""
         cdef _Lock lock = w.lock
+        self._graph_gen += 1
         if w.prev is None:
             lock.head = w.next
         else:
@@ -946,6 +972,7 @@ cdef class LockTable:
         """A new waiter of ``o`` at the tail of ``lock``'s queue, indexed by owner and in
         ``sess`` (session ``s``'s index); not scheduled."""
         cdef _Waiter w = _Waiter.__new__(_Waiter)
+        self._graph_gen += 1
         w.index = -1
         w.kind = K_WAIT
         w.lock = lock
@@ -1336,6 +1363,7 @@ cdef class LockTable:
             m.ttl_ms = ttl
             m.lock_delay_ms = delay
             m.enqueued_ms = t  # the reply answers this request: its wait counts from now
+            self._graph_gen += 1
             m.meta = meta
         if wait > 0:
             self._schedule(entry, t + wait)
@@ -1827,6 +1855,7 @@ cdef class LockTable:
     cdef inline void _cow(self, _Lock lock):
         """Before ``lock``'s holders change: a snapshot in progress that has not encoded
         them yet does now.  A failure (out of memory) ends the snapshot, never the change."""
+        self._graph_gen += 1
         if self._snap_gen != 0 and lock.snap_gen != self._snap_gen:
             try:
                 self._snap_lock(lock)
@@ -2196,18 +2225,45 @@ cdef class LockTable:
 
     # -- deadlock detection ----------------------------------------------------------
 
-    cdef dict _waiting_parties(self, int64_t t, int64_t min_wait):
-        """Every party ``(session, actor)`` with a request waiting at least ``min_wait``
-        ms on a lock (not a semaphore), session 0 left out: (session, actor) -> _Party."""
+    cdef dict _waiting_parties(self, int64_t t, int64_t min_wait, int64_t search):
+        """The parties that can be in a deadlock: ``(session, actor)`` with a request
+        waiting at least ``min_wait`` ms on a lock (not a semaphore) that also holds a
+        lease of a name somebody waits for (only a lock leads to a party in the wait-for
+        graph, so no other party is in a cycle); session 0 left out: key -> _Party.
+
+        Walks every waiter once to mark the names waited for (no allocation per waiter),
+        then only the waiters of the sessions holding those names."""
         cdef dict out = {}
+        cdef dict holders = {}
         cdef dict sess
         cdef _Waiter w
+        cdef _Lock lock
+        cdef _Lease lease
         cdef _Party p
-        for s, sess in self._sessions.items():
-            if s == 0:
+        for sess in self._sessions.values():
+            for w in sess:
+                lock = w.lock
+                if lock.dl_mark == search:
+                    continue
+                lock.dl_mark = search
+                if lock.held:
+                    if lock.session:
+                        holders[(lock.session, lock.actor)] = None
+                elif lock.n_leases:
+                    for lease in lock.leases.values():
+                        if lease.session:
+                            holders[(lease.session, lease.actor)] = None
+        if len(holders) < 2:
+            return out
+        for s in {key[0]: None for key in holders}:
+            sess = self._sessions.get(s)
+            if sess is None:
                 continue
             for w in sess:
                 if w.lock.limit or t - w.enqueued_ms < min_wait:
+                    continue
+                key = (s, w.actor)
+                if key not in holders:
                     continue
                 if w.group is None:
                     req = w
@@ -2215,7 +2271,6 @@ cdef class LockTable:
                     req = w.group
                 else:
                     continue
-                key = (s, w.actor)
                 p = <_Party>out.get(key)
                 if p is None:
                     p = _Party.__new__(_Party)
@@ -2229,6 +2284,12 @@ cdef class LockTable:
             if len(p.requests) > 1:
                 p.requests.sort(key=_request_key)
         return out
+
+    @property
+    def deadlock_backlog(self):
+        """True while a deadlock search stopped at its call's ``max_work`` with parties
+        left to search from: the next break_deadlocks() call goes on from there."""
+        return self._dl_search is not None or self._dl_cursor is not None
 
     def break_deadlocks(self, now, min_wait_ms, max_work=DEADLOCK_WORK):
         """Find and break deadlocks among waiters; returns the cycles broken (a list of
@@ -2264,8 +2325,21 @@ cdef class LockTable:
         party on it, starting with the failed request's.  Victims are failed in
         ascending age order.  This is repeated while it finds a deadlock, at
         most DEADLOCK_PASSES times per call, and only while the searches so far
-        visited fewer than ``max_work`` (int >= 0) nodes (each search is linear
-        in the waiters and holders); a later call finds what is left.
+        visited fewer than ``max_work`` (int >= 0) nodes; a later call finds
+        what is left.
+
+        Bounded work: a search starts only from the parties that can be in a
+        cycle - those with a request waiting at least ``min_wait_ms`` that hold
+        a lease of a name somebody waits for (every other party has no edge
+        into it) - in ``(session, actor)`` order, and a call enters at most
+        ``max_work`` nodes (at least one).  A search that reaches the bound
+        stops; the next call goes on with it if no waiter or holder changed
+        meanwhile, else starts a new search from the party it was searching
+        from; components it found before the bound are broken at once
+        (:attr:`deadlock_backlog` is True while a search is left unfinished).
+        A call whose graph has fewer than ``max_work`` nodes is a full search,
+        as above.  Besides the search, each new search walks every waiter once
+        without allocating, to find the names waited for.
 
         Raises TypeError / ValueError for a bad argument (state unchanged).
         """
@@ -2280,9 +2354,9 @@ cdef class LockTable:
         for _ in range(DEADLOCK_PASSES):
             if broken and work >= budget:
                 break
-            victims = self._deadlock_pass(t, min_wait)
+            victims = self._deadlock_pass(t, min_wait, budget - work)
             work += self._search_nodes
-            if not victims:
+            if not victims:  # none found, or the search stopped at the bound (None)
                 break
             victims.sort(key=_victim_key)
             for req, cycle in victims:
@@ -2294,80 +2368,128 @@ cdef class LockTable:
                 self._withdraw(w, _EV_DEADLOCK, cycle, None, t, t)
         return broken
 
-    cdef list _deadlock_pass(self, int64_t t, int64_t min_wait):
-        """One search (Tarjan's algorithm, iterative): [(victim request, cycle)] per
-        deadlocked component."""
-        cdef dict parties = self._waiting_parties(t, min_wait)
-        cdef list stack = []
+    cdef object _deadlock_pass(self, int64_t t, int64_t min_wait, int64_t budget):
+        """One search (Tarjan's algorithm, iterative) from the parties in key order from
+        the cursor: [(victim request, cycle)] per deadlocked component found.  After
+        ``budget`` nodes (at least one) it stops: with components found it returns them
+        (the next search starts from the party it was searching from), else it is kept
+        to go on at the next call and None is returned.  Sets _search_nodes to the nodes
+        this call entered."""
+        cdef _Search sr = self._dl_search
         cdef list victims = []
-        cdef list path, todo, positions, nexts, members
+        cdef list stack, path, todo, positions, nexts, members
+        cdef dict parties
         cdef _Node root, node, nxt, m, parent
-        cdef Py_ssize_t pos, top
-        cdef int counter = 0, n_comp = 0, n_parties
+        cdef Py_ssize_t pos, top, n
+        cdef int counter, n_comp, n_parties, entered
         cdef int64_t search
+        self._dl_search = None
         self._search_nodes = 0
-        if len(parties) < 2:
-            return victims
-        self._searches += 1
-        search = self._searches
-        for root in parties.values():
-            if root.dl_search == search:
-                continue
-            _enter(root, search, counter)
-            counter += 1
-            stack.append(root)
-            path = [root]
-            todo = [_successors(root, parties)]
-            positions = [0]
-            while path:
-                top = len(path) - 1
-                node = <_Node>path[top]
-                nexts = <list>todo[top]
-                pos = positions[top]
-                if pos < len(nexts):
-                    positions[top] = pos + 1
-                    nxt = <_Node>nexts[pos]
-                    if nxt.dl_search != search:
-                        _enter(nxt, search, counter)
-                        counter += 1
-                        stack.append(nxt)
-                        path.append(nxt)
-                        todo.append(_successors(nxt, parties))
-                        positions.append(0)
-                    elif nxt.dl_on_stack and nxt.dl_index < node.dl_low:
-                        node.dl_low = nxt.dl_index
-                    continue
-                path.pop()
-                todo.pop()
-                positions.pop()
-                if top > 0:
-                    parent = <_Node>path[top - 1]
-                    if node.dl_low < parent.dl_low:
-                        parent.dl_low = node.dl_low
-                if node.dl_low != node.dl_index:
-                    continue
-                # node roots a component: pop it off the stack
-                if stack[len(stack) - 1] is node:
-                    stack.pop()
-                    node.dl_on_stack = False
-                    continue
-                members = []
-                n_parties = 0
+        if sr is not None and sr.gen != self._graph_gen:
+            # the graph changed: start again from the party it was searching from
+            self._dl_cursor = sr.keys[(sr.start + sr.i) % len(sr.keys)]
+            sr = None
+        if sr is None:
+            self._searches += 1
+            parties = self._waiting_parties(t, min_wait, self._searches)
+            if len(parties) < 2:
+                self._dl_cursor = None
+                return victims
+            sr = _Search.__new__(_Search)
+            sr.search = self._searches
+            sr.gen = self._graph_gen
+            sr.parties = parties
+            sr.keys = sorted(parties)
+            sr.start = 0 if self._dl_cursor is None else bisect_left(sr.keys, self._dl_cursor) % len(sr.keys)
+            sr.i = -1
+            sr.stack = []
+            sr.path = []
+            sr.todo = []
+            sr.positions = []
+            sr.counter = 0
+            sr.n_comp = 0
+            self._dl_cursor = None
+        search = sr.search
+        parties = sr.parties
+        stack, path, todo, positions = sr.stack, sr.path, sr.todo, sr.positions
+        counter, n_comp = sr.counter, sr.n_comp
+        n = len(sr.keys)
+        entered = counter
+        while True:
+            if not path:
+                # the next root not reached yet
                 while True:
-                    m = <_Node>stack.pop()
-                    m.dl_on_stack = False
-                    members.append(m)
-                    if type(m) is _Party:
-                        n_parties += 1
-                    if m is node:
+                    sr.i += 1
+                    if sr.i >= n:
                         break
-                if n_parties < 2:
-                    continue
-                n_comp += 1
-                for m in members:
-                    m.dl_comp = n_comp
-                victims.append(_component_victim(members, parties, n_comp, search))
-        self._search_nodes = counter
+                    root = <_Node>parties[sr.keys[(sr.start + sr.i) % n]]
+                    if root.dl_search != search:
+                        break
+                if sr.i >= n:
+                    break
+                _enter(root, search, counter)
+                counter += 1
+                stack.append(root)
+                path.append(root)
+                todo.append(_successors(root, parties))
+                positions.append(0)
+            elif counter - entered >= budget and counter > entered:
+                # the bound: keep the search for the next call, or restart there after breaking
+                sr.counter, sr.n_comp = counter, n_comp
+                self._search_nodes = counter - entered
+                if victims:
+                    self._dl_cursor = sr.keys[(sr.start + sr.i) % n]
+                    return victims
+                self._dl_search = sr
+                return None
+            top = len(path) - 1
+            node = <_Node>path[top]
+            nexts = <list>todo[top]
+            pos = positions[top]
+            if pos < len(nexts):
+                positions[top] = pos + 1
+                nxt = <_Node>nexts[pos]
+                if nxt.dl_search != search:
+                    _enter(nxt, search, counter)
+                    counter += 1
+                    stack.append(nxt)
+                    path.append(nxt)
+                    todo.append(_successors(nxt, parties))
+                    positions.append(0)
+                elif nxt.dl_on_stack and nxt.dl_index < node.dl_low:
+                    node.dl_low = nxt.dl_index
+                continue
+            path.pop()
+            todo.pop()
+            positions.pop()
+            if top > 0:
+                parent = <_Node>path[top - 1]
+                if node.dl_low < parent.dl_low:
+                    parent.dl_low = node.dl_low
+            if node.dl_low != node.dl_index:
+                continue
+            # node roots a component: pop it off the stack
+            if stack[len(stack) - 1] is node:
+                stack.pop()
+                node.dl_on_stack = False
+                continue
+            members = []
+            n_parties = 0
+            while True:
+                m = <_Node>stack.pop()
+                m.dl_on_stack = False
+                members.append(m)
+                if type(m) is _Party:
+                    n_parties += 1
+                if m is node:
+                    break
+            if n_parties < 2:
+                continue
+            n_comp += 1
+            for m in members:
+                m.dl_comp = n_comp
+            victims.append(_component_victim(members, parties, n_comp, search))
+        self._search_nodes = counter - entered
         return victims
 
     def lock_delays(self):
