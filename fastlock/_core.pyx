@@ -48,8 +48,6 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.long cimport PyLong_Check, PyLong_CheckExact
 from cpython.bool cimport PyBool_Check
 
-from bisect import bisect_left
-
 
 cdef extern from "Python.h":
     long long PyLong_AsLongLongAndOverflow(object obj, int* overflow) except? -1
@@ -125,9 +123,9 @@ MAX_LIMIT = _MAX_LIMIT
 MAX_MANY = 64
 #: Most searches of one break_deadlocks() call (each fails one request per deadlock found).
 DEADLOCK_PASSES = 4
-#: Graph nodes one break_deadlocks() call visits (its default ``max_work``): a search
-#: starts from no further party once its call has visited this many, and the next call
-#: goes on from the next party (see LockTable.deadlock_backlog).
+#: Steps one break_deadlocks() call makes (its default ``max_work``; a step is a waiter
+#: looked at or a graph node entered or left): a search stopped there goes on at the next
+#: call (see LockTable.deadlock_backlog).
 DEADLOCK_WORK = 10_000
 
 cdef enum:
@@ -490,7 +488,8 @@ cdef class _Party(_Node):
     """A party of the wait-for graph: ``(session, actor)`` and its waiting requests."""
     cdef int64_t session
     cdef int64_t actor
-    cdef list requests   # _Waiter or _Group, ascending by _request_key
+    cdef list requests   # _Waiter or _Group, ascending by _request_key once ``ordered``
+    cdef bint ordered
 
 
 @cython.final
@@ -499,8 +498,15 @@ cdef class _Search:
     and go on at a later call while the wait-for graph is unchanged (its ``gen``)."""
     cdef int64_t search      # its number (_Node.dl_search)
     cdef int64_t gen         # LockTable._graph_gen when it began
+    cdef int64_t t           # its ``now`` and ``min_wait`` (ms)
+    cdef int64_t min_wait
+    cdef object cursor       # the party key it started from (None: the first)
+    cdef dict holders        # keys of the parties holding a name somebody waits for
+    cdef bint marked         # holders is complete
+    cdef list pending        # every waiter (to find holders), then the waiters of the holders' sessions
+    cdef Py_ssize_t j        # the next of them
     cdef dict parties
-    cdef list keys           # the parties' keys, ascending
+    cdef list keys           # the parties' keys (None until they are made)
     cdef Py_ssize_t start    # the first root, an index into keys
     cdef Py_ssize_t i        # the root searched from, as an offset from start
     cdef list stack
@@ -2225,65 +2231,72 @@ cdef class LockTable:
 
     # -- deadlock detection ----------------------------------------------------------
 
-    cdef dict _waiting_parties(self, int64_t t, int64_t min_wait, int64_t search):
-        """The parties that can be in a deadlock: ``(session, actor)`` with a request
-        waiting at least ``min_wait`` ms on a lock (not a semaphore) that also holds a
-        lease of a name somebody waits for (only a lock leads to a party in the wait-for
-        graph, so no other party is in a cycle); session 0 left out: key -> _Party.
-
-        Walks every waiter once to mark the names waited for (no allocation per waiter),
-        then only the waiters of the sessions holding those names."""
-        cdef dict out = {}
-        cdef dict holders = {}
-        cdef dict sess
+    cdef Py_ssize_t _find_holders(self, _Search sr, Py_ssize_t budget) except -1:
+        """Add to ``sr.holders`` the parties ``(session, actor)`` (session 0 left out)
+        holding a lease of a name one of ``sr.pending`` waits for - only a lock leads to a
+        party in the wait-for graph, so no other party is in a cycle.  Allocates only per
+        name.  Stops after ``budget`` waiters (at least one); returns the waiters looked at."""
+        cdef Py_ssize_t done = 0
+        cdef Py_ssize_t n = len(sr.pending)
+        cdef dict holders = sr.holders
+        cdef int64_t search = sr.search
         cdef _Waiter w
         cdef _Lock lock
         cdef _Lease lease
-        cdef _Party p
-        for sess in self._sessions.values():
-            for w in sess:
-                lock = w.lock
-                if lock.dl_mark == search:
-                    continue
-                lock.dl_mark = search
-                if lock.held:
-                    if lock.session:
-                        holders[(lock.session, lock.actor)] = None
-                elif lock.n_leases:
-                    for lease in lock.leases.values():
-                        if lease.session:
-                            holders[(lease.session, lease.actor)] = None
-        if len(holders) < 2:
-            return out
-        for s in {key[0]: None for key in holders}:
-            sess = self._sessions.get(s)
-            if sess is None:
+        while sr.j < n:
+            if done >= budget and done > 0:
+                return done
+            w = <_Waiter>sr.pending[sr.j]
+            sr.j += 1
+            done += 1
+            lock = w.lock
+            if lock.dl_mark == search:
                 continue
-            for w in sess:
-                if w.lock.limit or t - w.enqueued_ms < min_wait:
-                    continue
-                key = (s, w.actor)
-                if key not in holders:
-                    continue
-                if w.group is None:
-                    req = w
-                elif w is (<_Group>w.group).members[0]:  # a multi-lock once, by its first waiter
-                    req = w.group
-                else:
-                    continue
-                p = <_Party>out.get(key)
-                if p is None:
-                    p = _Party.__new__(_Party)
-                    p.session = s
-                    p.actor = w.actor
-                    p.requests = [req]
-                    out[key] = p
-                else:
-                    p.requests.append(req)
-        for p in out.values():
-            if len(p.requests) > 1:
-                p.requests.sort(key=_request_key)
-        return out
+            lock.dl_mark = search
+            if lock.held:
+                if lock.session:
+                    holders[(lock.session, lock.actor)] = None
+            elif lock.n_leases:
+                for lease in lock.leases.values():
+                    if lease.session:
+                        holders[(lease.session, lease.actor)] = None
+        return done
+
+    cdef Py_ssize_t _make_parties(self, _Search sr, Py_ssize_t budget) except -1:
+        """Make the search's parties from ``sr.pending``: each holder party with a request
+        waiting at least ``min_wait`` ms on a lock (not a semaphore).  Stops after
+        ``budget`` waiters (at least one); returns the waiters looked at."""
+        cdef Py_ssize_t done = 0
+        cdef Py_ssize_t n = len(sr.pending)
+        cdef _Waiter w
+        cdef _Party p
+        while sr.j < n:
+            if done >= budget and done > 0:
+                return done
+            w = <_Waiter>sr.pending[sr.j]
+            sr.j += 1
+            done += 1
+            if w.lock.limit or sr.t - w.enqueued_ms < sr.min_wait:
+                continue
+            key = (w.session, w.actor)
+            if key not in sr.holders:
+                continue
+            if w.group is None:
+                req = w
+            elif w is (<_Group>w.group).members[0]:  # a multi-lock once, by its first waiter
+                req = w.group
+            else:
+                continue
+            p = <_Party>sr.parties.get(key)
+            if p is None:
+                p = _Party.__new__(_Party)
+                p.session = w.session
+                p.actor = w.actor
+                p.requests = [req]
+                sr.parties[key] = p
+            else:
+                p.requests.append(req)
+        return done
 
     @property
     def deadlock_backlog(self):
@@ -2325,21 +2338,23 @@ cdef class LockTable:
         party on it, starting with the failed request's.  Victims are failed in
         ascending age order.  This is repeated while it finds a deadlock, at
         most DEADLOCK_PASSES times per call, and only while the searches so far
-        visited fewer than ``max_work`` (int >= 0) nodes; a later call finds
-        what is left.
+        made fewer than ``max_work`` (int >= 0) steps; a later call finds what
+        is left.
 
         Bounded work: a search starts only from the parties that can be in a
         cycle - those with a request waiting at least ``min_wait_ms`` that hold
         a lease of a name somebody waits for (every other party has no edge
-        into it) - in ``(session, actor)`` order, and a call enters at most
-        ``max_work`` nodes (at least one).  A search that reaches the bound
-        stops; the next call goes on with it if no waiter or holder changed
-        meanwhile, else starts a new search from the party it was searching
-        from; components it found before the bound are broken at once
+        into it) - and a call makes at most ``max_work`` steps (at least one):
+        a step is a waiter looked at (every waiter once, to find the names
+        waited for and their holders, allocating only per name; then the
+        waiters of the holders' sessions, to make the parties) or a node of
+        the graph entered or left.  A search that reaches the bound stops; the
+        next call goes on with it if no waiter or holder changed meanwhile,
+        else starts a new search from the party it was searching from;
+        components it found before the bound are broken at once
         (:attr:`deadlock_backlog` is True while a search is left unfinished).
-        A call whose graph has fewer than ``max_work`` nodes is a full search,
-        as above.  Besides the search, each new search walks every waiter once
-        without allocating, to find the names waited for.
+        A call whose search fits in ``max_work`` steps is a full search, as
+        above; what it breaks does not depend on the bound.
 
         Raises TypeError / ValueError for a bad argument (state unchanged).
         """
@@ -2369,38 +2384,42 @@ cdef class LockTable:
         return broken
 
     cdef object _deadlock_pass(self, int64_t t, int64_t min_wait, int64_t budget):
-        """One search (Tarjan's algorithm, iterative) from the parties in key order from
-        the cursor: [(victim request, cycle)] per deadlocked component found.  After
-        ``budget`` nodes (at least one) it stops: with components found it returns them
-        (the next search starts from the party it was searching from), else it is kept
-        to go on at the next call and None is returned.  Sets _search_nodes to the nodes
-        this call entered."""
+        """One search (Tarjan's algorithm, iterative) from the parties in order from the
+        cursor: [(victim request, cycle)] per deadlocked component found.  After
+        ``budget`` steps (at least one; a step is a waiter looked at to find the holders
+        or make the parties, or a node entered or left) it stops: with components found
+        it returns them (the next search starts from the party it was searching from),
+        else it is kept to go on at the next call and None is returned.  Sets
+        _search_nodes to the steps this call made."""
         cdef _Search sr = self._dl_search
         cdef list victims = []
         cdef list stack, path, todo, positions, nexts, members
         cdef dict parties
         cdef _Node root, node, nxt, m, parent
-        cdef Py_ssize_t pos, top, n
-        cdef int counter, n_comp, n_parties, entered
+        cdef Py_ssize_t pos, top, n, made = 0
+        cdef int counter, n_comp, n_parties
+        cdef Py_ssize_t steps
         cdef int64_t search
         self._dl_search = None
         self._search_nodes = 0
         if sr is not None and sr.gen != self._graph_gen:
             # the graph changed: start again from the party it was searching from
-            self._dl_cursor = sr.keys[(sr.start + sr.i) % len(sr.keys)]
+            self._dl_cursor = sr.cursor if sr.keys is None else sr.keys[(sr.start + sr.i) % len(sr.keys)]
             sr = None
         if sr is None:
             self._searches += 1
-            parties = self._waiting_parties(t, min_wait, self._searches)
-            if len(parties) < 2:
-                self._dl_cursor = None
-                return victims
             sr = _Search.__new__(_Search)
             sr.search = self._searches
             sr.gen = self._graph_gen
-            sr.parties = parties
-            sr.keys = sorted(parties)
-            sr.start = 0 if self._dl_cursor is None else bisect_left(sr.keys, self._dl_cursor) % len(sr.keys)
+            sr.t = t
+            sr.min_wait = min_wait
+            sr.cursor = self._dl_cursor
+            sr.holders = {}
+            sr.marked = False
+            sr.pending = [w for sess in self._sessions.values() for w in <dict>sess]
+            sr.j = 0
+            sr.parties = {}
+            sr.keys = None
             sr.i = -1
             sr.stack = []
             sr.path = []
@@ -2409,12 +2428,37 @@ cdef class LockTable:
             sr.counter = 0
             sr.n_comp = 0
             self._dl_cursor = None
+        if not sr.marked:
+            made = self._find_holders(sr, budget)
+            if sr.j < len(sr.pending):  # the bound: go on at the next call
+                self._search_nodes = made
+                self._dl_search = sr
+                return None
+            sr.marked = True
+            if len(sr.holders) < 2:
+                return victims
+            sr.pending = [w for s in {key[0]: None for key in sr.holders} for w in self._sessions.get(s, ())]
+            sr.j = 0
+        if sr.keys is None:
+            made += self._make_parties(sr, budget - made)
+            if sr.j < len(sr.pending):  # the bound: go on making them at the next call
+                self._search_nodes = made
+                self._dl_search = sr
+                return None
+            sr.pending = None
+            sr.holders = None
+            if len(sr.parties) < 2:
+                return victims
+            sr.keys = list(sr.parties)
+            sr.start = 0
+            if sr.cursor is not None and sr.cursor in sr.parties:
+                sr.start = sr.keys.index(sr.cursor)
         search = sr.search
         parties = sr.parties
         stack, path, todo, positions = sr.stack, sr.path, sr.todo, sr.positions
         counter, n_comp = sr.counter, sr.n_comp
         n = len(sr.keys)
-        entered = counter
+        steps = made  # the waiters looked at count as work too
         while True:
             if not path:
                 # the next root not reached yet
@@ -2429,14 +2473,15 @@ cdef class LockTable:
                     break
                 _enter(root, search, counter)
                 counter += 1
+                steps += 1
                 stack.append(root)
                 path.append(root)
                 todo.append(_successors(root, parties))
                 positions.append(0)
-            elif counter - entered >= budget and counter > entered:
+            elif steps >= budget and steps > 0:
                 # the bound: keep the search for the next call, or restart there after breaking
                 sr.counter, sr.n_comp = counter, n_comp
-                self._search_nodes = counter - entered
+                self._search_nodes = steps
                 if victims:
                     self._dl_cursor = sr.keys[(sr.start + sr.i) % n]
                     return victims
@@ -2452,6 +2497,7 @@ cdef class LockTable:
                 if nxt.dl_search != search:
                     _enter(nxt, search, counter)
                     counter += 1
+                    steps += 1
                     stack.append(nxt)
                     path.append(nxt)
                     todo.append(_successors(nxt, parties))
@@ -2462,6 +2508,7 @@ cdef class LockTable:
             path.pop()
             todo.pop()
             positions.pop()
+            steps += 1
             if top > 0:
                 parent = <_Node>path[top - 1]
                 if node.dl_low < parent.dl_low:
@@ -2489,7 +2536,7 @@ cdef class LockTable:
             for m in members:
                 m.dl_comp = n_comp
             victims.append(_component_victim(members, parties, n_comp, search))
-        self._search_nodes = counter - entered
+        self._search_nodes = steps
         return victims
 
     def lock_delays(self):
@@ -2620,8 +2667,14 @@ cdef list _successors(_Node node, dict parties):
     cdef _Lock lock
     cdef _Lease lease
     cdef _Waiter m
+    cdef _Party party
     if type(node) is _Party:
-        return (<_Party>node).requests
+        party = <_Party>node
+        if not party.ordered:  # (sorted when the search first reaches the party)
+            if len(party.requests) > 1:
+                party.requests.sort(key=_request_key)
+            party.ordered = True
+        return party.requests
     if type(node) is _Waiter:
         return _waiter_successors(<_Waiter>node, [])
     if type(node) is _Group:
