@@ -12,8 +12,11 @@ import os
 from typing import Any
 
 #: what a client principal sees of a node's replication: whether it may grant, and on a standby
-#: whether it follows its primary (whose address HELLO already gives, to redirect)
-CLIENT_REPLICATION_FIELDS = frozenset({"fenced", "serving_alone", "primary", "connected", "synced"})
+#: whether it follows its primary (whose address HELLO already gives, to redirect) and how far
+#: behind it is (log positions, as the top-level WAL counters) - not who the standby is, its
+#: pairing, its failover window or its refusals
+CLIENT_REPLICATION_FIELDS = frozenset({"fenced", "serving_alone", "primary", "connected", "synced", "applied_lsn",
+                                       "primary_last_lsn", "lag_records"})
 #: the sections of STATUS a client sees, each without the fields named here (and without any
 #: nested section): a task's last error is free text that may quote paths and addresses
 CLIENT_SECTIONS = {"wal": frozenset(), "tasks": frozenset({"last_error"}), "limits": frozenset(),
