@@ -12,8 +12,8 @@ Three pieces:
   that accepts TCP connections and runs each TLS handshake under a deadline
   before the fastlock connection object sees a single byte.  Handshakes in
   progress are bounded in all and per source address; at a bound the oldest
-  pending handshake (of that address first, else of all) is dropped to make
-  room, and under pressure stalled ones are dropped early, so a flood of
+  pending handshake (of that address at its bound, else of the address with
+  the most in progress) is dropped to make room, and under pressure stalled ones are dropped early, so a flood of
   silent connections cannot keep a real client out.  A handshake that fails,
   stalls or is dropped costs one log line at most every
   :data:`FAILURE_LOG_INTERVAL` seconds (the rest are counted), never a flood.
