@@ -500,9 +500,9 @@ cdef class _Search:
     cdef int64_t gen         # LockTable._graph_gen when it began
     cdef int64_t t           # its ``now`` and ``min_wait`` (ms)
     cdef int64_t min_wait
-    cdef object cursor       # the party key it started from (None: the first)
     cdef dict holders        # keys of the parties holding a name somebody waits for
     cdef bint marked         # holders is complete
+    cdef bint changed        # the graph changed while the parties were being made
     cdef list pending        # every waiter (to find holders), then the waiters of the holders' sessions
     cdef Py_ssize_t j        # the next of them
     cdef dict parties
@@ -637,7 +637,6 @@ cdef class LockTable:
     cdef int64_t _deadlocks
     cdef int64_t _searches       # deadlock searches made (numbers _Node.dl_search)
     cdef int64_t _search_nodes   # nodes the last deadlock search visited
-    cdef object _dl_cursor       # the party key the next search starts from (None: the first)
     cdef _Search _dl_search      # a search stopped at its work bound, or None
     cdef int64_t _graph_gen      # bumped by every change of waiters or holders (a stopped search's check)
     # the snapshot in progress (snapshot_begin): its number (0: none), the locks it
@@ -2250,7 +2249,7 @@ cdef class LockTable:
             sr.j += 1
             done += 1
             lock = w.lock
-            if lock.dl_mark == search:
+            if lock is None or lock.dl_mark == search:  # (gone since the search began)
                 continue
             lock.dl_mark = search
             if lock.held:
@@ -2261,6 +2260,39 @@ cdef class LockTable:
                     if lease.session:
                         holders[(lease.session, lease.actor)] = None
         return done
+
+    cdef int _restart_search(self, _Search sr) except -1:
+        """Start ``sr``'s graph search again (a new search number) from the party it was
+        searching from, its parties keeping only their requests still waiting as theirs."""
+        cdef _Party p
+        cdef _Waiter w
+        cdef dict parties = {}
+        current = sr.keys[(sr.start + sr.i) % len(sr.keys)] if sr.keys and sr.i >= 0 else None
+        for key, p in sr.parties.items():
+            kept = []
+            for req in p.requests:
+                w = <_Waiter>req if type(req) is _Waiter else <_Waiter>(<_Group>req).members[0]
+                if w.lock is not None and w.session == p.session and w.actor == p.actor:
+                    kept.append(req)
+            if kept:
+                p.requests = kept
+                p.ordered = False
+                parties[key] = p
+        self._searches += 1
+        sr.search = self._searches
+        sr.parties = parties
+        sr.keys = list(parties)
+        sr.start = 0
+        if current is not None and current in parties:
+            sr.start = sr.keys.index(current)
+        sr.i = -1
+        sr.stack = []
+        sr.path = []
+        sr.todo = []
+        sr.positions = []
+        sr.counter = 0
+        sr.n_comp = 0
+        return 0
 
     cdef Py_ssize_t _make_parties(self, _Search sr, Py_ssize_t budget) except -1:
         """Make the search's parties from ``sr.pending``: each holder party with a request
@@ -2276,8 +2308,8 @@ cdef class LockTable:
             w = <_Waiter>sr.pending[sr.j]
             sr.j += 1
             done += 1
-            if w.lock.limit or sr.t - w.enqueued_ms < sr.min_wait:
-                continue
+            if w.lock is None or w.lock.limit or sr.t - w.enqueued_ms < sr.min_wait:
+                continue  # (gone since the search began, a semaphore wait, or too young)
             key = (w.session, w.actor)
             if key not in sr.holders:
                 continue
@@ -2302,7 +2334,7 @@ cdef class LockTable:
     def deadlock_backlog(self):
         """True while a deadlock search stopped at its call's ``max_work`` with parties
         left to search from: the next break_deadlocks() call goes on from there."""
-        return self._dl_search is not None or self._dl_cursor is not None
+        return self._dl_search is not None
 
     def break_deadlocks(self, now, min_wait_ms, max_work=DEADLOCK_WORK):
         """Find and break deadlocks among waiters; returns the cycles broken (a list of
@@ -2348,10 +2380,12 @@ cdef class LockTable:
         a step is a waiter looked at (every waiter once, to find the names
         waited for and their holders, allocating only per name; then the
         waiters of the holders' sessions, to make the parties) or a node of
-        the graph entered or left.  A search that reaches the bound stops; the
-        next call goes on with it if no waiter or holder changed meanwhile,
-        else starts a new search from the party it was searching from;
-        components it found before the bound are broken at once
+        the graph entered or left.  A search that reaches the bound stops and
+        the next call goes on with it; if waiters or holders changed meanwhile,
+        finding the holders and making the parties go on over what is still
+        there (a party that began to hold meanwhile is left to the next
+        search), and the graph search starts again from the party it was
+        searching from.  Components found before the bound are broken at once
         (:attr:`deadlock_backlog` is True while a search is left unfinished).
         A call whose search fits in ``max_work`` steps is a full search, as
         above; what it breaks does not depend on the bound.
@@ -2384,12 +2418,13 @@ cdef class LockTable:
         return broken
 
     cdef object _deadlock_pass(self, int64_t t, int64_t min_wait, int64_t budget):
-        """One search (Tarjan's algorithm, iterative) from the parties in order from the
-        cursor: [(victim request, cycle)] per deadlocked component found.  After
-        ``budget`` steps (at least one; a step is a waiter looked at to find the holders
-        or make the parties, or a node entered or left) it stops: with components found
-        it returns them (the next search starts from the party it was searching from),
-        else it is kept to go on at the next call and None is returned.  Sets
+        """One search (Tarjan's algorithm, iterative) from each party in turn, or the
+        search kept from the last call: [(victim request, cycle)] per deadlocked
+        component found.  After ``budget`` steps (at least one; a step is a waiter looked
+        at to find the holders or make the parties, or a node entered or left) it stops
+        and is kept for the next call (which starts its graph search again from the
+        party it was searching from if the graph changed meanwhile, as breaking these
+        victims does): it returns the components found so far, or None if none.  Sets
         _search_nodes to the steps this call made."""
         cdef _Search sr = self._dl_search
         cdef list victims = []
@@ -2403,9 +2438,15 @@ cdef class LockTable:
         self._dl_search = None
         self._search_nodes = 0
         if sr is not None and sr.gen != self._graph_gen:
-            # the graph changed: start again from the party it was searching from
-            self._dl_cursor = sr.cursor if sr.keys is None else sr.keys[(sr.start + sr.i) % len(sr.keys)]
-            sr = None
+            # The graph changed.  Finding the holders and making the parties go on (over
+            # waiters since gone, skipped: at worst a party that began to hold meanwhile is
+            # left out, and is found by the next search); the graph search starts again
+            # from the party it was searching from, over the parties' requests still waiting.
+            if sr.keys is not None:
+                self._restart_search(sr)
+            else:
+                sr.changed = True
+            sr.gen = self._graph_gen
         if sr is None:
             self._searches += 1
             sr = _Search.__new__(_Search)
@@ -2413,9 +2454,9 @@ cdef class LockTable:
             sr.gen = self._graph_gen
             sr.t = t
             sr.min_wait = min_wait
-            sr.cursor = self._dl_cursor
             sr.holders = {}
             sr.marked = False
+            sr.changed = False
             sr.pending = [w for sess in self._sessions.values() for w in <dict>sess]
             sr.j = 0
             sr.parties = {}
@@ -2427,7 +2468,6 @@ cdef class LockTable:
             sr.positions = []
             sr.counter = 0
             sr.n_comp = 0
-            self._dl_cursor = None
         if not sr.marked:
             made = self._find_holders(sr, budget)
             if sr.j < len(sr.pending):  # the bound: go on at the next call
@@ -2447,12 +2487,13 @@ cdef class LockTable:
                 return None
             sr.pending = None
             sr.holders = None
-            if len(sr.parties) < 2:
-                return victims
-            sr.keys = list(sr.parties)
-            sr.start = 0
-            if sr.cursor is not None and sr.cursor in sr.parties:
-                sr.start = sr.keys.index(sr.cursor)
+            if sr.changed:  # requests made into parties may be gone since
+                self._restart_search(sr)
+            else:
+                sr.keys = list(sr.parties)
+                sr.start = 0
+        if len(sr.keys) < 2:
+            return victims
         search = sr.search
         parties = sr.parties
         stack, path, todo, positions = sr.stack, sr.path, sr.todo, sr.positions
@@ -2482,11 +2523,8 @@ cdef class LockTable:
                 # the bound: keep the search for the next call, or restart there after breaking
                 sr.counter, sr.n_comp = counter, n_comp
                 self._search_nodes = steps
-                if victims:
-                    self._dl_cursor = sr.keys[(sr.start + sr.i) % n]
-                    return victims
-                self._dl_search = sr
-                return None
+                self._dl_search = sr  # (breaking the victims changes the graph: it starts again there)
+                return victims if victims else None
             top = len(path) - 1
             node = <_Node>path[top]
             nexts = <list>todo[top]

@@ -681,3 +681,26 @@ def test_a_long_wait_chain_is_searched_a_bounded_slice_per_call():
     assert calls >= (3 * n) // 500  # a party, its request and a lock per step of the chain
     assert len(cycles) == 1 and len(cycles[0]) == n
     assert t.stats()["deadlocks"] == 1 and t.break_deadlocks(100, 0) == []
+
+
+def test_a_deadlock_is_broken_while_waiters_change_between_every_call():
+    """A search spread over many calls (2,000 other waiters, 100 steps per call) is not thrown
+    away when waiters come and go between its calls: the deadlock is still broken."""
+    impl = Impl(_core, _core.LockTable)
+    t = impl.t
+    for i in range(20):
+        t.acquire(f"busy{i}", b"h%d" % i, 100 + i, 0, 60_000, 0, 0, None, 0)
+    for k in range(2000):
+        assert t.acquire(f"busy{k % 20}", b"q%d" % k, 200 + k, 0, 60_000, -1, 0, None, 0) == _core.QUEUED
+    _cross(impl, (1, 0), (2, 0), (1, 0), (2, 0))
+    t.drain_events()
+    broken = []
+    for call in range(200):
+        # churn: one more waiter and one fewer, between every two calls
+        assert t.acquire("busy0", b"churn%d" % call, 5000 + call, 0, 60_000, -1, 0, None, 10) == _core.QUEUED
+        t.cancel("busy1", b"q%d" % (1 + 20 * call), 10)
+        broken = t.break_deadlocks(10, 0, 100)
+        if broken:
+            break
+    assert broken == [((2, "a"), (1, "b"))] and call > 5
+    assert [e.owner for e in t.drain_events() if e.kind == _core.EV_DEADLOCK] == [b"a2"]
