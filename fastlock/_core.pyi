@@ -310,8 +310,9 @@ class LockTable:
         per call, a further one only while they made < max_work steps.
         Bounded work: roots are the parties that hold a name somebody waits for;
         a call makes at most max_work steps (a waiter looked at, a node entered or
-        left), a search stopped there goes on at the next call (anew if waiters or
-        holders changed): see deadlock_backlog.
+        left), a search stopped there goes on at the next call (its graph search
+        anew, over what still waits, if waiters or holders changed): see
+        deadlock_backlog.
         """
 
     @property
