@@ -274,7 +274,7 @@ def run_bytes(args, log=print, n: int = 2000) -> dict[str, Any]:
         try:
             srv.start()
             r = harness.run_async(_pairs(srv.address, n, corr), use_uvloop=args.uvloop)
-            on_disk = os.path.getsize(r["segment"]) - 24  # minus the segment header
+            on_disk = os.path.getsize(srv.data_dir / r["segment"]) - 24  # a client sees the name; minus the header
         finally:
             srv.stop()
             shutil.rmtree(root, ignore_errors=True)

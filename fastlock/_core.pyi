@@ -36,7 +36,7 @@ MAX_MS: int  # (1 << 53) - 1: largest now / ttl_ms / wait_ms / until_ms accepted
 MAX_LIMIT: int  # (1 << 31) - 1: largest semaphore limit
 MAX_MANY: int  # 64: most names in one acquire_many() request
 DEADLOCK_PASSES: int  # 4: most searches of one break_deadlocks() call
-DEADLOCK_WORK: int  # 100_000: no further search once a call's searches visited this many nodes
+DEADLOCK_WORK: int  # 10_000: steps of one break_deadlocks() call (waiters looked at, nodes entered or left)
 
 
 class NotHolder(LookupError):
@@ -307,8 +307,17 @@ class LockTable:
         then owner) that reaches another party: it gets EV_DEADLOCK with
         Event.cycle = ((session, name), ...) starting with its own step, and its
         locks are settled (grants may follow).  At most DEADLOCK_PASSES searches
-        per call, a further one only while they visited < max_work nodes.
+        per call, a further one only while they made < max_work steps.
+        Bounded work: roots are the parties that hold a name somebody waits for;
+        a call makes at most max_work steps (a waiter looked at, a node entered or
+        left), a search stopped there goes on at the next call (its graph search
+        anew, over what still waits, if waiters or holders changed): see
+        deadlock_backlog.
         """
+
+    @property
+    def deadlock_backlog(self) -> bool:
+        """True while a deadlock search is left unfinished at its call's max_work."""
 
     def lock_delays(self) -> list[tuple[str, int]]:
         """Every running lock-delay as (name, until_ms) (monotonic ms): what a snapshot keeps.

@@ -123,9 +123,10 @@ MAX_LIMIT = _MAX_LIMIT
 MAX_MANY = 64
 #: Most searches of one break_deadlocks() call (each fails one request per deadlock found).
 DEADLOCK_PASSES = 4
-#: break_deadlocks() starts another search only while its searches so far visited
-#: fewer graph nodes than this (its default ``max_work``).
-DEADLOCK_WORK = 100_000
+#: Steps one break_deadlocks() call makes (its default ``max_work``; a step is a waiter
+#: looked at or a graph node entered or left): a search stopped there goes on at the next
+#: call (see LockTable.deadlock_backlog).
+DEADLOCK_WORK = 10_000
 
 cdef enum:
     K_LEASE = 1   # a lock's lease deadline
@@ -475,6 +476,7 @@ cdef class _Node:
     multi-lock request, a lock or a party.  Its search fields are valid while
     ``dl_search`` is the number of the current search."""
     cdef int64_t dl_search
+    cdef int64_t dl_mark  # a lock: the search that found it has a waiter
     cdef int dl_index
     cdef int dl_low
     cdef int dl_comp      # its deadlocked component (numbered from 1), 0 if none
@@ -486,7 +488,33 @@ cdef class _Party(_Node):
     """A party of the wait-for graph: ``(session, actor)`` and its waiting requests."""
     cdef int64_t session
     cdef int64_t actor
-    cdef list requests   # _Waiter or _Group, ascending by _request_key
+    cdef list requests   # _Waiter or _Group, ascending by _request_key once ``ordered``
+    cdef bint ordered
+
+
+@cython.final
+cdef class _Search:
+    """A deadlock search (Tarjan's algorithm, iterative) that can stop after any node
+    and go on at a later call while the wait-for graph is unchanged (its ``gen``)."""
+    cdef int64_t search      # its number (_Node.dl_search)
+    cdef int64_t gen         # LockTable._graph_gen when it began
+    cdef int64_t t           # its ``now`` and ``min_wait`` (ms)
+    cdef int64_t min_wait
+    cdef dict holders        # keys of the parties holding a name somebody waits for
+    cdef bint marked         # holders is complete
+    cdef bint changed        # the graph changed while the parties were being made
+    cdef list pending        # every waiter (to find holders), then the waiters of the holders' sessions
+    cdef Py_ssize_t j        # the next of them
+    cdef dict parties
+    cdef list keys           # the parties' keys (None until they are made)
+    cdef Py_ssize_t start    # the first root, an index into keys
+    cdef Py_ssize_t i        # the root searched from, as an offset from start
+    cdef list stack
+    cdef list path
+    cdef list todo
+    cdef list positions
+    cdef int counter         # nodes entered
+    cdef int n_comp
 
 
 cdef class _Entry(_Node):
@@ -609,6 +637,8 @@ cdef class LockTable:
     cdef int64_t _deadlocks
     cdef int64_t _searches       # deadlock searches made (numbers _Node.dl_search)
     cdef int64_t _search_nodes   # nodes the last deadlock search visited
+    cdef _Search _dl_search      # a search stopped at its work bound, or None
+    cdef int64_t _graph_gen      # bumped by every change of waiters or holders (a stopped search's check)
     # the snapshot in progress (snapshot_begin): its number (0: none), the locks it
     # covers, the next one to encode, the holders encoded so far and their count
     cdef int64_t _snap_gen
@@ -906,6 +936,7 @@ cdef class LockTable:
     cdef void _unlink(self, _Waiter w):
         """Take ``w`` out of its lock's queue, its session index and the heap."""
         cdef _Lock lock = w.lock
+        self._graph_gen += 1
         if w.prev is None:
             lock.head = w.next
         else:
@@ -946,6 +977,7 @@ cdef class LockTable:
         """A new waiter of ``o`` at the tail of ``lock``'s queue, indexed by owner and in
         ``sess`` (session ``s``'s index); not scheduled."""
         cdef _Waiter w = _Waiter.__new__(_Waiter)
+        self._graph_gen += 1
         w.index = -1
         w.kind = K_WAIT
         w.lock = lock
@@ -1336,6 +1368,7 @@ cdef class LockTable:
             m.ttl_ms = ttl
             m.lock_delay_ms = delay
             m.enqueued_ms = t  # the reply answers this request: its wait counts from now
+            self._graph_gen += 1
             m.meta = meta
         if wait > 0:
             self._schedule(entry, t + wait)
@@ -1827,6 +1860,7 @@ cdef class LockTable:
     cdef inline void _cow(self, _Lock lock):
         """Before ``lock``'s holders change: a snapshot in progress that has not encoded
         them yet does now.  A failure (out of memory) ends the snapshot, never the change."""
+        self._graph_gen += 1
         if self._snap_gen != 0 and lock.snap_gen != self._snap_gen:
             try:
                 self._snap_lock(lock)
@@ -2196,39 +2230,111 @@ cdef class LockTable:
 
     # -- deadlock detection ----------------------------------------------------------
 
-    cdef dict _waiting_parties(self, int64_t t, int64_t min_wait):
-        """Every party ``(session, actor)`` with a request waiting at least ``min_wait``
-        ms on a lock (not a semaphore), session 0 left out: (session, actor) -> _Party."""
-        cdef dict out = {}
-        cdef dict sess
+    cdef Py_ssize_t _find_holders(self, _Search sr, Py_ssize_t budget) except -1:
+        """Add to ``sr.holders`` the parties ``(session, actor)`` (session 0 left out)
+        holding a lease of a name one of ``sr.pending`` waits for - only a lock leads to a
+        party in the wait-for graph, so no other party is in a cycle.  Allocates only per
+        name.  Stops after ``budget`` waiters (at least one); returns the waiters looked at."""
+        cdef Py_ssize_t done = 0
+        cdef Py_ssize_t n = len(sr.pending)
+        cdef dict holders = sr.holders
+        cdef int64_t search = sr.search
+        cdef _Waiter w
+        cdef _Lock lock
+        cdef _Lease lease
+        while sr.j < n:
+            if done >= budget and done > 0:
+                return done
+            w = <_Waiter>sr.pending[sr.j]
+            sr.j += 1
+            done += 1
+            lock = w.lock
+            if lock is None or lock.dl_mark == search:  # (gone since the search began)
+                continue
+            lock.dl_mark = search
+            if lock.held:
+                if lock.session:
+                    holders[(lock.session, lock.actor)] = None
+            elif lock.n_leases:
+                for lease in lock.leases.values():
+                    if lease.session:
+                        holders[(lease.session, lease.actor)] = None
+        return done
+
+    cdef int _restart_search(self, _Search sr) except -1:
+        """Start ``sr``'s graph search again (a new search number) from the party it was
+        searching from, its parties keeping only their requests still waiting as theirs."""
+        cdef _Party p
+        cdef _Waiter w
+        cdef dict parties = {}
+        current = sr.keys[(sr.start + sr.i) % len(sr.keys)] if sr.keys and sr.i >= 0 else None
+        for key, p in sr.parties.items():
+            kept = []
+            for req in p.requests:
+                w = <_Waiter>req if type(req) is _Waiter else <_Waiter>(<_Group>req).members[0]
+                if w.lock is not None and w.session == p.session and w.actor == p.actor:
+                    kept.append(req)
+            if kept:
+                p.requests = kept
+                p.ordered = False
+                parties[key] = p
+        self._searches += 1
+        sr.search = self._searches
+        sr.parties = parties
+        sr.keys = list(parties)
+        sr.start = 0
+        if current is not None and current in parties:
+            sr.start = sr.keys.index(current)
+        sr.i = -1
+        sr.stack = []
+        sr.path = []
+        sr.todo = []
+        sr.positions = []
+        sr.counter = 0
+        sr.n_comp = 0
+        return 0
+
+    cdef Py_ssize_t _make_parties(self, _Search sr, Py_ssize_t budget) except -1:
+        """Make the search's parties from ``sr.pending``: each holder party with a request
+        waiting at least ``min_wait`` ms on a lock (not a semaphore).  Stops after
+        ``budget`` waiters (at least one); returns the waiters looked at."""
+        cdef Py_ssize_t done = 0
+        cdef Py_ssize_t n = len(sr.pending)
         cdef _Waiter w
         cdef _Party p
-        for s, sess in self._sessions.items():
-            if s == 0:
+        while sr.j < n:
+            if done >= budget and done > 0:
+                return done
+            w = <_Waiter>sr.pending[sr.j]
+            sr.j += 1
+            done += 1
+            if w.lock is None or w.lock.limit or sr.t - w.enqueued_ms < sr.min_wait:
+                continue  # (gone since the search began, a semaphore wait, or too young)
+            key = (w.session, w.actor)
+            if key not in sr.holders:
                 continue
-            for w in sess:
-                if w.lock.limit or t - w.enqueued_ms < min_wait:
-                    continue
-                if w.group is None:
-                    req = w
-                elif w is (<_Group>w.group).members[0]:  # a multi-lock once, by its first waiter
-                    req = w.group
-                else:
-                    continue
-                key = (s, w.actor)
-                p = <_Party>out.get(key)
-                if p is None:
-                    p = _Party.__new__(_Party)
-                    p.session = s
-                    p.actor = w.actor
-                    p.requests = [req]
-                    out[key] = p
-                else:
-                    p.requests.append(req)
-        for p in out.values():
-            if len(p.requests) > 1:
-                p.requests.sort(key=_request_key)
-        return out
+            if w.group is None:
+                req = w
+            elif w is (<_Group>w.group).members[0]:  # a multi-lock once, by its first waiter
+                req = w.group
+            else:
+                continue
+            p = <_Party>sr.parties.get(key)
+            if p is None:
+                p = _Party.__new__(_Party)
+                p.session = w.session
+                p.actor = w.actor
+                p.requests = [req]
+                sr.parties[key] = p
+            else:
+                p.requests.append(req)
+        return done
+
+    @property
+    def deadlock_backlog(self):
+        """True while a deadlock search stopped at its call's ``max_work`` with parties
+        left to search from: the next break_deadlocks() call goes on from there."""
+        return self._dl_search is not None
 
     def break_deadlocks(self, now, min_wait_ms, max_work=DEADLOCK_WORK):
         """Find and break deadlocks among waiters; returns the cycles broken (a list of
@@ -2264,8 +2370,25 @@ cdef class LockTable:
         party on it, starting with the failed request's.  Victims are failed in
         ascending age order.  This is repeated while it finds a deadlock, at
         most DEADLOCK_PASSES times per call, and only while the searches so far
-        visited fewer than ``max_work`` (int >= 0) nodes (each search is linear
-        in the waiters and holders); a later call finds what is left.
+        made fewer than ``max_work`` (int >= 0) steps; a later call finds what
+        is left.
+
+        Bounded work: a search starts only from the parties that can be in a
+        cycle - those with a request waiting at least ``min_wait_ms`` that hold
+        a lease of a name somebody waits for (every other party has no edge
+        into it) - and a call makes at most ``max_work`` steps (at least one):
+        a step is a waiter looked at (every waiter once, to find the names
+        waited for and their holders, allocating only per name; then the
+        waiters of the holders' sessions, to make the parties) or a node of
+        the graph entered or left.  A search that reaches the bound stops and
+        the next call goes on with it; if waiters or holders changed meanwhile,
+        finding the holders and making the parties go on over what is still
+        there (a party that began to hold meanwhile is left to the next
+        search), and the graph search starts again from the party it was
+        searching from.  Components found before the bound are broken at once
+        (:attr:`deadlock_backlog` is True while a search is left unfinished).
+        A call whose search fits in ``max_work`` steps is a full search, as
+        above; what it breaks does not depend on the bound.
 
         Raises TypeError / ValueError for a bad argument (state unchanged).
         """
@@ -2280,9 +2403,9 @@ cdef class LockTable:
         for _ in range(DEADLOCK_PASSES):
             if broken and work >= budget:
                 break
-            victims = self._deadlock_pass(t, min_wait)
+            victims = self._deadlock_pass(t, min_wait, budget - work)
             work += self._search_nodes
-            if not victims:
+            if not victims:  # none found, or the search stopped at the bound (None)
                 break
             victims.sort(key=_victim_key)
             for req, cycle in victims:
@@ -2294,80 +2417,164 @@ cdef class LockTable:
                 self._withdraw(w, _EV_DEADLOCK, cycle, None, t, t)
         return broken
 
-    cdef list _deadlock_pass(self, int64_t t, int64_t min_wait):
-        """One search (Tarjan's algorithm, iterative): [(victim request, cycle)] per
-        deadlocked component."""
-        cdef dict parties = self._waiting_parties(t, min_wait)
-        cdef list stack = []
+    cdef object _deadlock_pass(self, int64_t t, int64_t min_wait, int64_t budget):
+        """One search (Tarjan's algorithm, iterative) from each party in turn, or the
+        search kept from the last call: [(victim request, cycle)] per deadlocked
+        component found.  After ``budget`` steps (at least one; a step is a waiter looked
+        at to find the holders or make the parties, or a node entered or left) it stops
+        and is kept for the next call (which starts its graph search again from the
+        party it was searching from if the graph changed meanwhile, as breaking these
+        victims does): it returns the components found so far, or None if none.  Sets
+        _search_nodes to the steps this call made."""
+        cdef _Search sr = self._dl_search
         cdef list victims = []
-        cdef list path, todo, positions, nexts, members
+        cdef list stack, path, todo, positions, nexts, members
+        cdef dict parties
         cdef _Node root, node, nxt, m, parent
-        cdef Py_ssize_t pos, top
-        cdef int counter = 0, n_comp = 0, n_parties
+        cdef Py_ssize_t pos, top, n, made = 0
+        cdef int counter, n_comp, n_parties
+        cdef Py_ssize_t steps
         cdef int64_t search
+        self._dl_search = None
         self._search_nodes = 0
-        if len(parties) < 2:
+        if sr is not None and sr.gen != self._graph_gen:
+            # The graph changed.  Finding the holders and making the parties go on (over
+            # waiters since gone, skipped: at worst a party that began to hold meanwhile is
+            # left out, and is found by the next search); the graph search starts again
+            # from the party it was searching from, over the parties' requests still waiting.
+            if sr.keys is not None:
+                self._restart_search(sr)
+            else:
+                sr.changed = True
+            sr.gen = self._graph_gen
+        if sr is None:
+            self._searches += 1
+            sr = _Search.__new__(_Search)
+            sr.search = self._searches
+            sr.gen = self._graph_gen
+            sr.t = t
+            sr.min_wait = min_wait
+            sr.holders = {}
+            sr.marked = False
+            sr.changed = False
+            sr.pending = [w for sess in self._sessions.values() for w in <dict>sess]
+            sr.j = 0
+            sr.parties = {}
+            sr.keys = None
+            sr.i = -1
+            sr.stack = []
+            sr.path = []
+            sr.todo = []
+            sr.positions = []
+            sr.counter = 0
+            sr.n_comp = 0
+        if not sr.marked:
+            made = self._find_holders(sr, budget)
+            if sr.j < len(sr.pending):  # the bound: go on at the next call
+                self._search_nodes = made
+                self._dl_search = sr
+                return None
+            sr.marked = True
+            if len(sr.holders) < 2:
+                return victims
+            sr.pending = [w for s in {key[0]: None for key in sr.holders} for w in self._sessions.get(s, ())]
+            sr.j = 0
+        if sr.keys is None:
+            made += self._make_parties(sr, budget - made)
+            if sr.j < len(sr.pending):  # the bound: go on making them at the next call
+                self._search_nodes = made
+                self._dl_search = sr
+                return None
+            sr.pending = None
+            sr.holders = None
+            if sr.changed:  # requests made into parties may be gone since
+                self._restart_search(sr)
+            else:
+                sr.keys = list(sr.parties)
+                sr.start = 0
+        if len(sr.keys) < 2:
             return victims
-        self._searches += 1
-        search = self._searches
-        for root in parties.values():
-            if root.dl_search == search:
-                continue
-            _enter(root, search, counter)
-            counter += 1
-            stack.append(root)
-            path = [root]
-            todo = [_successors(root, parties)]
-            positions = [0]
-            while path:
-                top = len(path) - 1
-                node = <_Node>path[top]
-                nexts = <list>todo[top]
-                pos = positions[top]
-                if pos < len(nexts):
-                    positions[top] = pos + 1
-                    nxt = <_Node>nexts[pos]
-                    if nxt.dl_search != search:
-                        _enter(nxt, search, counter)
-                        counter += 1
-                        stack.append(nxt)
-                        path.append(nxt)
-                        todo.append(_successors(nxt, parties))
-                        positions.append(0)
-                    elif nxt.dl_on_stack and nxt.dl_index < node.dl_low:
-                        node.dl_low = nxt.dl_index
-                    continue
-                path.pop()
-                todo.pop()
-                positions.pop()
-                if top > 0:
-                    parent = <_Node>path[top - 1]
-                    if node.dl_low < parent.dl_low:
-                        parent.dl_low = node.dl_low
-                if node.dl_low != node.dl_index:
-                    continue
-                # node roots a component: pop it off the stack
-                if stack[len(stack) - 1] is node:
-                    stack.pop()
-                    node.dl_on_stack = False
-                    continue
-                members = []
-                n_parties = 0
+        search = sr.search
+        parties = sr.parties
+        stack, path, todo, positions = sr.stack, sr.path, sr.todo, sr.positions
+        counter, n_comp = sr.counter, sr.n_comp
+        n = len(sr.keys)
+        steps = made  # the waiters looked at count as work too
+        while True:
+            if not path:
+                # the next root not reached yet
                 while True:
-                    m = <_Node>stack.pop()
-                    m.dl_on_stack = False
-                    members.append(m)
-                    if type(m) is _Party:
-                        n_parties += 1
-                    if m is node:
+                    sr.i += 1
+                    if sr.i >= n:
                         break
-                if n_parties < 2:
-                    continue
-                n_comp += 1
-                for m in members:
-                    m.dl_comp = n_comp
-                victims.append(_component_victim(members, parties, n_comp, search))
-        self._search_nodes = counter
+                    root = <_Node>parties[sr.keys[(sr.start + sr.i) % n]]
+                    if root.dl_search != search:
+                        break
+                if sr.i >= n:
+                    break
+                _enter(root, search, counter)
+                counter += 1
+                steps += 1
+                stack.append(root)
+                path.append(root)
+                todo.append(_successors(root, parties))
+                positions.append(0)
+            elif steps >= budget and steps > 0:
+                # the bound: keep the search for the next call, or restart there after breaking
+                sr.counter, sr.n_comp = counter, n_comp
+                self._search_nodes = steps
+                self._dl_search = sr  # (breaking the victims changes the graph: it starts again there)
+                return victims if victims else None
+            top = len(path) - 1
+            node = <_Node>path[top]
+            nexts = <list>todo[top]
+            pos = positions[top]
+            if pos < len(nexts):
+                positions[top] = pos + 1
+                nxt = <_Node>nexts[pos]
+                if nxt.dl_search != search:
+                    _enter(nxt, search, counter)
+                    counter += 1
+                    steps += 1
+                    stack.append(nxt)
+                    path.append(nxt)
+                    todo.append(_successors(nxt, parties))
+                    positions.append(0)
+                elif nxt.dl_on_stack and nxt.dl_index < node.dl_low:
+                    node.dl_low = nxt.dl_index
+                continue
+            path.pop()
+            todo.pop()
+            positions.pop()
+            steps += 1
+            if top > 0:
+                parent = <_Node>path[top - 1]
+                if node.dl_low < parent.dl_low:
+                    parent.dl_low = node.dl_low
+            if node.dl_low != node.dl_index:
+                continue
+            # node roots a component: pop it off the stack
+            if stack[len(stack) - 1] is node:
+                stack.pop()
+                node.dl_on_stack = False
+                continue
+            members = []
+            n_parties = 0
+            while True:
+                m = <_Node>stack.pop()
+                m.dl_on_stack = False
+                members.append(m)
+                if type(m) is _Party:
+                    n_parties += 1
+                if m is node:
+                    break
+            if n_parties < 2:
+                continue
+            n_comp += 1
+            for m in members:
+                m.dl_comp = n_comp
+            victims.append(_component_victim(members, parties, n_comp, search))
+        self._search_nodes = steps
         return victims
 
     def lock_delays(self):
@@ -2498,8 +2705,14 @@ cdef list _successors(_Node node, dict parties):
     cdef _Lock lock
     cdef _Lease lease
     cdef _Waiter m
+    cdef _Party party
     if type(node) is _Party:
-        return (<_Party>node).requests
+        party = <_Party>node
+        if not party.ordered:  # (sorted when the search first reaches the party)
+            if len(party.requests) > 1:
+                party.requests.sort(key=_request_key)
+            party.ordered = True
+        return party.requests
     if type(node) is _Waiter:
         return _waiter_successors(<_Waiter>node, [])
     if type(node) is _Group:

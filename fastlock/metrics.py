@@ -35,6 +35,14 @@ held counts one for its lock; each refresh halves every lock's score, adds the n
 counts and keeps the top entries, and a scrape shows the :data:`TOP_CONTENDED` highest
 - so the ``lock`` label has at most that many values at any time, whatever the number
 of locks (bounded cardinality; lock names are escaped by prometheus_client).
+
+Exposure: the endpoint has no authentication of its own, so it binds only a loopback
+address unless the operator says otherwise (``--metrics-allow-remote``: e.g. behind a
+reverse proxy that authenticates the scraper over TLS, or on a network where every host
+may read the counters); and lock names, which belong to the principals that chose them,
+appear only with ``--metrics-lock-names`` - without it ``fastlock_lock_contention`` is not
+exported and no label carries a lock name.  The other labels are fastlock's own (roles,
+ops, versions).
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ import platform
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from .auth import is_loopback
 from .observe import TOP_CONTENDED, Observer
 from .roles import Role
 
@@ -92,11 +101,13 @@ def _principal_families(rows: list[dict]) -> Iterator:
 
 
 class _Collector:
-    """A prometheus_client collector over the last status snapshot."""
+    """A prometheus_client collector over the last status snapshot; ``lock_names``: export
+    ``fastlock_lock_contention`` with its ``lock`` label (off: not exported)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lock_names: bool = False) -> None:
         self.snapshot: dict = {}
         self.observer: Observer | None = None
+        self.lock_names = lock_names
 
     def collect(self) -> Iterator:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -154,6 +165,8 @@ class _Collector:
             for label_values, hist in hists:
                 family.add_metric(label_values, hist.buckets(), hist.sum)
             yield family
+        if not self.lock_names:
+            return
         contention = GaugeMetricFamily("fastlock_lock_contention",
                                        f"Recent contended acquires of the {TOP_CONTENDED} most contended locks "
                                        f"(decayed: halved each second)", labels=["lock"])
@@ -165,11 +178,23 @@ class _Collector:
 class MetricsExporter:
     """Serve Prometheus metrics for ``server`` on ``host:port``.
 
-    Raises ImportError with an install hint if prometheus_client is missing,
-    OSError if the address cannot be bound.
+    ``refresh_s`` (seconds): how often the loop copies its status for scrapes.
+    From ``server.config``: ``metrics_allow_remote`` lets ``host`` be a
+    non-loopback address (``--metrics-allow-remote``; loopback as
+    :func:`fastlock.auth.is_loopback` decides for protected mode), and
+    ``metrics_lock_names`` exports the contention gauge labelled with lock
+    names (``--metrics-lock-names``).
+
+    Raises PermissionError (so the server does not start) for a non-loopback
+    ``host`` without ``metrics_allow_remote``, ImportError with an install hint
+    if prometheus_client is missing, OSError if the address cannot be bound.
     """
 
     def __init__(self, server: LockServer, host: str, port: int, refresh_s: float = 1.0):
+        lock_names = server.config.metrics_lock_names
+        if not server.config.metrics_allow_remote and not is_loopback(host):
+            raise PermissionError(f"refusing to serve metrics on {host}: the endpoint has no authentication. "
+                                  f"Use a loopback address, or pass --metrics-allow-remote")
         try:
             from prometheus_client import (
                 CollectorRegistry,
@@ -182,7 +207,7 @@ class MetricsExporter:
             raise ImportError("--metrics needs prometheus_client: pip install 'fastlock[metrics]'") from None
         self.server = server
         self.refresh_s = refresh_s
-        self.collector = _Collector()
+        self.collector = _Collector(lock_names)
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self.collector)
         for default in (ProcessCollector, PlatformCollector, GCCollector):
@@ -193,7 +218,8 @@ class MetricsExporter:
         self.address = self._httpd.server_address[:2]
         self._timer: asyncio.TimerHandle | None = None
         self._refresh()
-        log.info("metrics on http://%s:%d/metrics", self.address[0], self.address[1])
+        log.info("metrics on http://%s:%d/metrics (lock names %s)", self.address[0], self.address[1],
+                 "exported" if lock_names else "not exported")
 
     def _refresh(self) -> None:
         self.observer.refresh()

@@ -10,8 +10,12 @@ Three pieces:
   from the same files by :meth:`ServerTLS.reload`, e.g. on SIGHUP, so new
   handshakes use a renewed certificate without a restart), and the listener
   that accepts TCP connections and runs each TLS handshake under a deadline
-  before the fastlock connection object sees a single byte.  A
-  handshake that fails or stalls costs one log line at most every
+  before the fastlock connection object sees a single byte.  Handshakes in
+  progress are bounded in all and per source address; at a bound the oldest
+  pending handshake (of that address at its bound, else of the address with
+  the most in progress) is dropped to make room, and under pressure stalled ones are dropped early, so a flood of
+  silent connections cannot keep a real client out.  A handshake that fails,
+  stalls or is dropped costs one log line at most every
   :data:`FAILURE_LOG_INTERVAL` seconds (the rest are counted), never a flood.
 * :func:`peer_identity`: the subject common name (CN) of a *verified* client
   certificate - the identity mutual TLS establishes, as etcd's
@@ -34,7 +38,7 @@ import socket
 import ssl
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import AuthError, InvalidArgument, WrongArgumentType
 
@@ -49,9 +53,15 @@ CLIENT_AUTH_MODES = ("none", "optional", "required")
 #: seconds a TLS handshake may take on the server before the connection is dropped
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
 #: handshakes in progress at once, in all and from one source address; a connection
-#: accepted past either bound is closed at once (counted as a failed handshake)
+#: accepted at either bound makes room by dropping the oldest pending handshake (of its
+#: address at the per-address bound, else of all), as ConnectionLimits evicts the oldest
+#: connection without HELLO
 DEFAULT_MAX_HANDSHAKES = 1024
 DEFAULT_MAX_HANDSHAKES_PER_ADDRESS = 64
+#: seconds a handshake may take while more than half of ``max_handshakes`` are in
+#: progress (never more than the configured timeout): a handshake begun under that
+#: pressure gets this deadline, and older ones past it are dropped at the next accept
+PRESSURE_HANDSHAKE_TIMEOUT = 1.0
 
 #: at most one failed-handshake log line per this many seconds (the rest are counted)
 FAILURE_LOG_INTERVAL = 10.0
@@ -183,6 +193,14 @@ def peer_identity(ssl_object: Any) -> str | None:
     return names[0] if names else None
 
 
+class PendingHandshake(NamedTuple):
+    """A TLS handshake in progress: its peer's source IP address, and when its
+    connection was accepted (``time.monotonic()`` seconds)."""
+
+    source: str
+    accepted: float
+
+
 class ServerTLS:
     """A server's TLS: the current context, its reload, and the bounded handshake.
 
@@ -190,11 +208,21 @@ class ServerTLS:
         cert, key, ca, client_auth: as :func:`server_context`.
         handshake_timeout: seconds (> 0) a handshake may take before the
             connection is dropped.
-        max_handshakes: handshakes in progress at once (default 1,024); a
-            connection accepted past it is closed at once, so a flood of
-            connections that never handshake holds at most this many sockets.
+        max_handshakes: handshakes in progress at once (default 1,024), so a
+            flood of connections that never handshake holds at most this many
+            sockets.  A connection accepted at the bound drops the oldest
+            pending handshake of the address with the most in progress to make
+            room (counted in ``handshakes_evicted``).
         max_handshakes_per_address: the same bound per source IP address
-            (default 64), so one address cannot take every slot.
+            (default 64), so one address cannot take every slot; at it, the
+            oldest pending handshake *of that address* is dropped.
+
+    Under pressure (more than half of ``max_handshakes`` in progress) a new
+    handshake gets :data:`PRESSURE_HANDSHAKE_TIMEOUT` seconds (or
+    ``handshake_timeout`` if shorter), and every pending one older than that is
+    dropped at the next accept: a flood of silent connections is recycled
+    within about a second while a real client's handshake, which takes
+    milliseconds, completes.
 
     :meth:`listen` accepts TCP connections on its own sockets and hands each
     one to ``loop.connect_accepted_socket`` with the context current at that
@@ -216,17 +244,20 @@ class ServerTLS:
             raise InvalidArgument("the handshake bounds must be at least 1")
         self.max_handshakes = max_handshakes
         self.max_handshakes_per_address = max_handshakes_per_address
-        self._pending_by_address: dict[str, int] = {}
-        self.refused = 0  # connections closed because too many handshakes were in progress
+        #: per source address, its handshakes in progress, oldest first (values unused)
+        self._pending_by_address: dict[str, dict[asyncio.Task, None]] = {}
+        self.evicted = 0  # pending handshakes dropped to make room, or stalled under pressure
         self.cert, self.key, self.ca, self.client_auth = cert, key, ca, client_auth
         self.handshake_timeout = handshake_timeout
+        self.pressure_timeout = min(handshake_timeout, PRESSURE_HANDSHAKE_TIMEOUT)
         self.context = server_context(cert, key, ca, client_auth)
         self.handshakes = 0  # completed
         self.failures = 0  # failed or timed out
         self.reloads = 0
         self._sockets: list[socket.socket] = []
         self._accepting: list[asyncio.Task] = []
-        self._pending: set[asyncio.Task] = set()  # handshakes in progress
+        self._pending: dict[asyncio.Task, PendingHandshake] = {}  # handshakes in progress, oldest first
+        self._unstarted: dict[asyncio.Task, socket.socket] = {}  # accepted, the handshake not begun yet
         self._unlogged = 0  # failures since the last failure log line
         self._logged_at = float("-inf")  # time.monotonic() of that line
 
@@ -274,7 +305,7 @@ class ServerTLS:
 
     def status(self) -> dict:
         return {"client_auth": self.client_auth, "handshakes": self.handshakes, "handshake_failures": self.failures,
-                "handshakes_in_progress": len(self._pending), "handshakes_refused": self.refused,
+                "handshakes_in_progress": len(self._pending), "handshakes_evicted": self.evicted,
                 "reloads": self.reloads}
 
     def close(self) -> None:
@@ -288,6 +319,9 @@ class ServerTLS:
         self._sockets.clear()
         for task in list(self._pending):
             task.cancel()
+        for sock in self._unstarted.values():
+            sock.close()
+        self._unstarted.clear()
 
     async def _accept(self, listening: socket.socket, make_connection: Callable[[], asyncio.Protocol]) -> None:
         loop = asyncio.get_running_loop()
@@ -299,38 +333,79 @@ class ServerTLS:
                 await asyncio.sleep(1.0)
                 continue
             source = addr[0] if isinstance(addr, tuple) and addr else "?"
-            from_source = self._pending_by_address.get(source, 0)
-            if len(self._pending) >= self.max_handshakes or from_source >= self.max_handshakes_per_address:
-                sock.close()
-                self.refused += 1
-                self._failed(f"{source}", ConnectionRefusedError(
-                    f"too many TLS handshakes in progress ({len(self._pending)} in all, {from_source} from "
-                    f"this address; limits {self.max_handshakes} and {self.max_handshakes_per_address})"))
-                continue
-            self._pending_by_address[source] = from_source + 1
-            task = asyncio.ensure_future(self._handshake(sock, addr, source, make_connection))
-            self._pending.add(task)
+            timeout = self._make_room(source)
+            task = asyncio.ensure_future(self._handshake(sock, addr, source, make_connection, timeout))
+            self._pending[task] = PendingHandshake(source, time.monotonic())
+            self._pending_by_address.setdefault(source, {})[task] = None
+            self._unstarted[task] = sock
             # (also from the handshake itself: a done callback runs a loop turn later, when the
             # peer's first request may already have been read and counted it as in progress)
             task.add_done_callback(functools.partial(self._handshake_ended, source=source))
 
+    def _make_room(self, source: str) -> float:
+        """Before a handshake from ``source`` starts: drop what the bounds require
+        (see the class docstring); returns the new handshake's timeout (seconds)."""
+        pending = self._pending
+        if len(pending) * 2 <= self.max_handshakes:
+            timeout = self.handshake_timeout
+        else:  # under pressure: drop the stalled ones, oldest first, and give the new one less time
+            timeout = self.pressure_timeout
+            cutoff = time.monotonic() - timeout
+            stalled = []
+            for task, handshake in pending.items():
+                if handshake.accepted > cutoff:
+                    break
+                stalled.append(task)
+            for task in stalled:
+                self._evict(task, f"stalled over {timeout:g} s while more than half of the "
+                                  f"{self.max_handshakes} handshake slots were taken")
+        from_source = self._pending_by_address.get(source)
+        if from_source is not None and len(from_source) >= self.max_handshakes_per_address:
+            self._evict(next(iter(from_source)), f"the oldest of {len(from_source)} from its address "
+                                                  f"(at most {self.max_handshakes_per_address})")
+        elif len(pending) >= self.max_handshakes:
+            # the address holding the most slots gives up its oldest (an address with one
+            # handshake in progress loses it only when every address has one: then the oldest)
+            busiest = max(self._pending_by_address.values(), key=len)
+            victim = next(iter(busiest if len(busiest) > 1 else pending))
+            self._evict(victim, f"the oldest of the address with the most of {len(pending)} "
+                                f"(at most {self.max_handshakes})")
+        return timeout
+
+    def _evict(self, task: asyncio.Task, why: str) -> None:
+        """Drop the pending handshake ``task`` (its connection is closed) and count it out at once."""
+        source, accepted = self._pending[task]
+        self._handshake_ended(task, source)
+        task.cancel()
+        sock = self._unstarted.pop(task, None)
+        if sock is not None:  # cancelled before it ran, it would never close its socket
+            sock.close()
+        self.evicted += 1
+        self._failed(source, ConnectionAbortedError(
+            f"pending TLS handshake dropped after {time.monotonic() - accepted:.3f} s to admit another: {why}"),
+            counted=False)
+
     def _handshake_ended(self, task: asyncio.Task | None, source: str) -> None:
-        if task not in self._pending:  # counted out already
+        if task is None or self._pending.pop(task, None) is None:  # counted out already
             return
-        self._pending.discard(task)
-        left = self._pending_by_address.get(source, 1) - 1
-        if left > 0:
-            self._pending_by_address[source] = left
-        else:
-            self._pending_by_address.pop(source, None)
+        self._unstarted.pop(task, None)
+        from_source = self._pending_by_address.get(source)
+        if from_source is not None:
+            from_source.pop(task, None)
+            if not from_source:
+                del self._pending_by_address[source]
 
     async def _handshake(self, sock: socket.socket, addr: Any, source: str,
-                         make_connection: Callable[[], asyncio.Protocol]) -> None:
+                         make_connection: Callable[[], asyncio.Protocol], timeout: float) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._unstarted.pop(task, None)  # from here on the transport closes the socket
         peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else "?"
-        # (on any failure the loop closes the transport, and the socket with it)
+        # (on any failure, or when the handshake is dropped (cancelled), the loop closes the
+        # transport, and the socket with it)
         try:
             await asyncio.get_running_loop().connect_accepted_socket(
-                make_connection, sock, ssl=self.context, ssl_handshake_timeout=self.handshake_timeout)
+                make_connection, sock, ssl=self.context, ssl_handshake_timeout=timeout)
         except Exception as exc:  # noqa: BLE001 - whatever the peer did, count it and go on
             self._failed(peer, exc)
             return
@@ -338,8 +413,11 @@ class ServerTLS:
             self._handshake_ended(asyncio.current_task(), source)
         self.handshakes += 1
 
-    def _failed(self, peer: str, exc: BaseException) -> None:
-        self.failures += 1
+    def _failed(self, peer: str, exc: BaseException, counted: bool = True) -> None:
+        """Log a failed or dropped handshake (at most one line per FAILURE_LOG_INTERVAL);
+        ``counted``: add it to ``failures`` (a dropped one is counted in ``evicted``)."""
+        if counted:
+            self.failures += 1
         log.debug("TLS handshake with %s failed: %s", peer, _describe(exc))
         now = time.monotonic()
         if now - self._logged_at < FAILURE_LOG_INTERVAL:

@@ -57,7 +57,7 @@ MAX_MS = (1 << 53) - 1
 MAX_LIMIT = (1 << 31) - 1
 MAX_MANY = 64
 DEADLOCK_PASSES = 4
-DEADLOCK_WORK = 100_000
+DEADLOCK_WORK = 10_000
 _INT64_MAX = (1 << 63) - 1
 _INT64_MIN = -(1 << 63)
 
@@ -927,7 +927,10 @@ class RefLockTable:
 
     # -- deadlock detection ------------------------------------------------------------
     # The same graph as the core's (see LockTable.break_deadlocks), built whole; its
-    # components come from pairwise reachability instead of Tarjan's algorithm.
+    # components come from pairwise reachability instead of Tarjan's algorithm.  Its
+    # searches are whole: ``max_work`` only stops a call from starting another search (the
+    # core also stops a search at the bound and goes on at the next call; a call over a
+    # graph smaller than the bound is the same in both).
 
     @staticmethod
     def _request_key(req):
@@ -937,11 +940,21 @@ class RefLockTable:
         return (req.enqueued_ms, req.lock.name, req.owner)
 
     def _waiting_parties(self, now, min_wait_ms) -> dict:
-        """(session, actor) -> its requests waiting >= min_wait_ms on locks, ascending by age key."""
+        """(session, actor) -> its requests waiting >= min_wait_ms on locks, ascending by age key,
+        for the parties that hold a lease of a name somebody waits for (no other party has an
+        edge into it, so no other is in a cycle)."""
+        holders = set()
+        for lock in self.locks.values():
+            if lock.waiters:
+                if lock.holder is not None:
+                    holders.add((lock.holder.session, lock.holder.actor))
+                holders.update((h.session, h.actor) for h in lock.shared.values())
         parties: dict = {}
         for lock in self.locks.values():
             for w in lock.waiters:
                 if lock.limit or w.session == 0 or now - w.enqueued_ms < min_wait_ms:
+                    continue
+                if (w.session, w.actor) not in holders:
                     continue
                 req = w.group if w.group is not None else w
                 reqs = parties.setdefault((w.session, w.actor), [])

@@ -431,6 +431,10 @@ def test_one_call_searches_again_while_it_finds_deadlocks_up_to_its_passes(impl)
 
 
 def test_one_call_searches_again_only_within_its_work_budget(impl):
+    """The model: ``max_work`` only stops further searches of a call (its searches are whole).
+    The core also stops a search at the bound: the tests below."""
+    if impl.mod is _core:
+        pytest.skip("the core's bound stops a search too (test_a_search_stops_at_its_work_bound_...)")
     _upgrade_deadlock(impl, 4)
     assert [c[0] for c in impl.t.break_deadlocks(10, 0, 1)] == [(4, "x")]  # the first search only
     assert [c[0] for c in impl.t.break_deadlocks(10, 0, 1)] == [(3, "x")]
@@ -624,3 +628,79 @@ def test_bad_sets_are_refused(impl, items, exc):
     with pytest.raises(exc):
         _many(impl, b"m", 0, items)
     assert impl.t.stats()["locks"] == 0
+
+
+# -- the core's bounded deadlock search (the model searches whole) ---------------------------
+
+
+def _break_until_found(t, now, max_work, calls=200):
+    """Call break_deadlocks() until it breaks something (at most ``calls`` times): (cycles, calls made)."""
+    for n in range(1, calls + 1):
+        cycles = t.break_deadlocks(now, 0, max_work)
+        if cycles:
+            return cycles, n
+        assert t.deadlock_backlog, "a search that found nothing and left nothing to do"
+    raise AssertionError(f"no deadlock broken in {calls} calls")
+
+
+def test_a_search_stops_at_its_work_bound_and_goes_on_at_the_next_call():
+    impl = Impl(_core, _core.LockTable)
+    _upgrade_deadlock(impl, 4)
+    cycles, calls = _break_until_found(impl.t, 10, 1)  # one node per call
+    assert calls > 1 and [c[0] for c in cycles] == [(4, "x")]  # the same victim as a whole search
+    found = [c[0] for _ in range(100) for c in impl.t.break_deadlocks(10, 0, 1)]
+    assert found == [(3, "x"), (2, "x")] and not impl.t.deadlock_backlog
+    assert impl.t.waiters("x") == [b"w1"]
+    assert impl.t.break_deadlocks(10, 0, 1) == [] and not impl.t.deadlock_backlog
+
+
+def test_a_stopped_search_starts_again_when_waiters_change():
+    impl = Impl(_core, _core.LockTable)
+    _upgrade_deadlock(impl, 3)
+    assert impl.t.break_deadlocks(10, 0, 2) == [] and impl.t.deadlock_backlog
+    # a new waiter elsewhere changes the graph: the stopped search is not trusted, a new one runs
+    assert _acq_as(impl, b"other", 11, "y", 9, 0) == impl.mod.GRANTED
+    assert _acq_as(impl, b"w9", 11, "y", 8, 0) == impl.mod.QUEUED
+    impl.t.drain_events()
+    cycles, _ = _break_until_found(impl.t, 12, 2)
+    assert [c[0] for c in cycles] == [(3, "x")]
+
+
+def test_a_long_wait_chain_is_searched_a_bounded_slice_per_call():
+    """2,000 parties in a chain (each holds one name and waits for the next one's), closed
+    into a cycle: every call enters at most its bound of nodes, and the cycle is broken."""
+    t = _core.LockTable()
+    n = 2000
+    for i in range(n):
+        t.acquire(f"c{i}", b"h%d" % i, 1, 0, 60_000, 0, 0, None, 0, False, 0, i + 1)
+    for i in range(n):
+        assert t.acquire(f"c{(i + 1) % n}", b"w%d" % i, 1, 0, 60_000, -1, 0, None, 1, False, 0,
+                         i + 1) == _core.QUEUED
+    t.drain_events()
+    cycles, calls = _break_until_found(t, 100, 500, calls=100)
+    assert calls >= (3 * n) // 500  # a party, its request and a lock per step of the chain
+    assert len(cycles) == 1 and len(cycles[0]) == n
+    assert t.stats()["deadlocks"] == 1 and t.break_deadlocks(100, 0) == []
+
+
+def test_a_deadlock_is_broken_while_waiters_change_between_every_call():
+    """A search spread over many calls (2,000 other waiters, 100 steps per call) is not thrown
+    away when waiters come and go between its calls: the deadlock is still broken."""
+    impl = Impl(_core, _core.LockTable)
+    t = impl.t
+    for i in range(20):
+        t.acquire(f"busy{i}", b"h%d" % i, 100 + i, 0, 60_000, 0, 0, None, 0)
+    for k in range(2000):
+        assert t.acquire(f"busy{k % 20}", b"q%d" % k, 200 + k, 0, 60_000, -1, 0, None, 0) == _core.QUEUED
+    _cross(impl, (1, 0), (2, 0), (1, 0), (2, 0))
+    t.drain_events()
+    broken = []
+    for call in range(200):
+        # churn: one more waiter and one fewer, between every two calls
+        assert t.acquire("busy0", b"churn%d" % call, 5000 + call, 0, 60_000, -1, 0, None, 10) == _core.QUEUED
+        t.cancel("busy1", b"q%d" % (1 + 20 * call), 10)
+        broken = t.break_deadlocks(10, 0, 100)
+        if broken:
+            break
+    assert broken == [((2, "a"), (1, "b"))] and call > 5
+    assert [e.owner for e in t.drain_events() if e.kind == _core.EV_DEADLOCK] == [b"a2"]

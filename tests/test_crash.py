@@ -108,7 +108,7 @@ async def _lose_tail_round(srv: ServerProcess, rnd: int, acked: list[int], fence
     assert wal["pending_bytes"] == 0 and wal["written_lsn"] == wal["last_lsn"]
     assert wal["durable_offset"] < wal["written_offset"], wal
     srv.kill()
-    seg = wal["active_segment"]
+    seg = str(srv.data_dir / wal["active_segment"])  # a client sees its file name
     with open(seg, "rb") as f:
         data = f.read()
     reader = FrameReader(data, SEG_HEADER.size, seg, 1, last=True)
@@ -183,7 +183,7 @@ def test_power_cut_in_always_mode_keeps_every_acknowledged_grant(tmp_path):
                 released.append(lease)
             wal = (await c.status())["wal"]
         srv.kill()
-        power_cut(wal["active_segment"], wal["durable_offset"])
+        power_cut(srv.data_dir / wal["active_segment"], wal["durable_offset"])
         await asyncio.to_thread(srv.start)
         async with fastlock.connect(srv.address, client_name="pc-check") as c:
             for lease in held:

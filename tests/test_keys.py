@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
+import msgpack
 import pytest
 from conftest import wait_until
 
 import fastlock
+from fastlock import protocol as P
 from fastlock.client import KeyEvent
 from fastlock.errors import InvalidArgument, KeyExists, KeyNotFound, LeaseLost, LimitExceeded, PermissionDenied
 from fastlock.wal.keyspace import KeySpace
@@ -228,3 +230,56 @@ def test_snapshot_files_with_and_without_keys(tmp_path):
     new = tmp_path / "new.snap"
     new.write_bytes(encode_snapshot(5, 0, 7, [holder], space.to_list()))
     assert load_snapshot(str(new)).keys.entries == space.entries
+
+
+async def test_a_value_at_the_max_value_bytes_limit_is_stored_and_one_over_it_is_refused(server, loop_errors):
+    """The request decoder follows ``--max-value-bytes`` (default 64 KiB): a value at the limit
+    is put and got back whole; one byte over it gets InvalidArgument, changes nothing, and the
+    same connection goes on serving."""
+    limit = 64 << 10
+    async with fastlock.connect(server.address) as c:
+        at_limit = bytes(range(256)) * (limit // 256)
+        assert len(at_limit) == limit
+        assert await c.put("big/v", at_limit) is True
+        assert (await c.get("big/v")).value == at_limit
+        with pytest.raises(InvalidArgument, match="max-value-bytes"):
+            await c.put("big/v", b"x" * (limit + 1))
+        with pytest.raises(InvalidArgument, match="max-value-bytes"):
+            await c.put("big/other", b"y" * (limit + 1))
+        assert (await c.get("big/v")).value == at_limit
+        assert await c.get("big/other") is None
+        assert await c.put("big/small", b"s") is True  # the connection is still usable
+        assert [kv.key for kv in await c.list_prefix("big/")] == ["big/small", "big/v"]
+
+
+async def test_max_value_bytes_above_the_frame_limit_raises_the_request_frame_bound(server_factory, loop_errors):
+    """``--max-value-bytes`` larger than ``--max-frame-bytes``: a value at the limit still fits one
+    request; a request larger than the raised bound closes only that connection."""
+    from fastlock.protocol import REQUEST_OVERHEAD_BYTES
+    from fastlock.protocol.ops import OP_KEY_PUT
+
+    limit = 200_000
+    srv = server_factory(args=["--max-value-bytes", str(limit), "--max-frame-bytes", "8192"])
+    async with fastlock.connect(srv.address) as c:
+        value = b"v" * limit
+        await c.put("wide", value)
+        assert (await c.get("wide")).value == value
+        with pytest.raises(InvalidArgument, match="max-value-bytes"):
+            await c.put("wide", value + b"!")
+    # past the raised bound: a ProtocolError reply (request id 0) and that connection closed
+    host, port = srv.address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    hello = msgpack.packb([1, P.OP_HELLO, P.PROTOCOL_VERSION, "raw", None], use_bin_type=True)
+    big = msgpack.packb([2, OP_KEY_PUT, "wide", b"w" * (limit + REQUEST_OVERHEAD_BYTES), None, 0, None, 0],
+                        use_bin_type=True)
+    writer.write(hello + big)
+    unpacker = msgpack.Unpacker(raw=False)
+    replies = []
+    while data := await asyncio.wait_for(reader.read(1 << 16), 10):
+        unpacker.feed(data)
+        replies.extend(unpacker)
+    writer.close()
+    assert replies[0][:2] == [1, P.STATUS_OK]
+    assert replies[-1][0] == 0 and "frame" in replies[-1][2], replies
+    async with fastlock.connect(srv.address) as c:
+        assert (await c.get("wide")).value == value

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import socket
 import time
 
 import pytest
@@ -14,7 +15,7 @@ from conftest import wait_until
 import fastlock
 from fastlock import protocol as P
 from fastlock._testbase import HistoryChecker
-from fastlock._testbase.cluster import RawNode, poll, status_of
+from fastlock._testbase.cluster import RawNode, poll, run, status_of
 from fastlock.errors import DeadlockDetected, InvalidArgument, LimitConflict, LockNotAcquired
 
 TIMEOUT = 10.0
@@ -558,3 +559,121 @@ async def test_a_lease_renewed_from_a_new_connection_counts_as_held_by_it(server
     finally:
         for node in (a, b):
             await node.close()
+
+
+def _pipeline(address: str, frames: list[bytes]) -> socket.socket:
+    """A raw connection that says HELLO and writes ``frames`` in one go (their replies are
+    left unread: a queued acquire has none until it is granted)."""
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(P.packb([1, P.OP_HELLO, P.PROTOCOL_VERSION, "waiters", None]) + b"".join(frames))
+    return sock
+
+
+class PingLag:
+    """PINGs the server from a thread on its own connection, one at a time, and keeps the
+    worst round trip (seconds): what a stall of the server's loop costs a client."""
+
+    def __init__(self, address: str):
+        import threading
+
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.decoder = P.FrameDecoder(limits=P.REPLY_LIMITS)
+        self.worst = 0.0
+        self.pings = 0
+        self._call(P.OP_HELLO, P.PROTOCOL_VERSION, "pinger", None)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ping-lag", daemon=True)
+
+    def _call(self, op: int, *args) -> None:
+        self.sock.sendall(P.packb([7, op, *args]))
+        while True:
+            data = self.sock.recv(65536)
+            assert data, "the server closed the pinging connection"
+            if self.decoder.feed(data):
+                return
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            t0 = time.perf_counter()
+            self._call(P.OP_PING)
+            self.worst = max(self.worst, time.perf_counter() - t0)
+            self.pings += 1
+
+    def __enter__(self) -> PingLag:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.sock.close()
+
+
+def test_eighty_thousand_waiters_cost_the_loop_no_stall_and_a_deadlock_among_them_is_broken(server_factory):
+    """Finding: with 81,000 waiters the deadlock detector walked all of them twice a second
+    (114 ms stalls).  80,000 waiters (8 connections x 10,000, each its own party - a distinct
+    actor - behind 1,000 held names), all older than --deadlock-timeout: a client's PINGs
+    meanwhile never wait 50 ms, and a real deadlock among them is still broken."""
+    n_names, per_conn, conns = 1000, 10_000, 8
+    srv = server_factory("dl-many", args=["--deadlock-timeout", "0.5", "--max-waiters", "100000",
+                                          "--max-waiters-per-principal", "100000"])
+    holder = _pipeline(srv.address, [P.packb([2 + i, P.OP_ACQUIRE, f"busy/{i}", b"holder-%d" % i, 600_000, 0, 0,
+                                              None]) for i in range(n_names)])
+    waiters = []
+
+    async def main():
+        async with fastlock.connect(srv.address) as watcher:
+            await poll(watcher.status, lambda st: st["locks_held"] == n_names, timeout=30, what="the holder's names")
+            for c in range(conns):
+                waiters.append(_pipeline(srv.address, [
+                    P.packb([2 + k, P.OP_ACQUIRE, f"busy/{(c * per_conn + k) % n_names}", b"w%d-%d" % (c, k),
+                             600_000, P.MAX_WAIT_MS, 0, None, False, 0, k + 1]) for k in range(per_conn)]))
+            total = conns * per_conn
+            await poll(watcher.status, lambda st: st["waiters"] == total, timeout=60, what=f"{total} waiters")
+            a = await fastlock.connect(srv.address, client_name="dl-a")
+            b = await fastlock.connect(srv.address, client_name="dl-b")
+            both_hold = asyncio.Event()
+            holding = []
+
+            async def cross(client, mine: str, theirs: str):
+                # one task holds its name and then waits for the other's: a real cycle
+                lease = await client.acquire(mine, ttl=30.0)
+                holding.append(mine)
+                if len(holding) == 2:
+                    both_hold.set()
+                await both_hold.wait()
+                try:
+                    other = await client.acquire(theirs, ttl=30.0, wait=TIMEOUT)
+                except DeadlockDetected:
+                    await client.release(lease)
+                    return "victim"
+                await client.release(other)
+                await client.release(lease)
+                return "served"
+
+            try:
+                with PingLag(srv.address) as lag:
+                    outcomes = await asyncio.wait_for(
+                        asyncio.gather(cross(a, "dl/a", "dl/b"), cross(b, "dl/b", "dl/a")), TIMEOUT + 5)
+                    # a few more detector rounds over the 80,000 old waiters (one every 0.25 s)
+                    deadline = time.monotonic() + 1.0
+                    while time.monotonic() < deadline:
+                        await watcher.ping()
+                        await asyncio.sleep(0.05)
+                return sorted(outcomes), lag.worst, lag.pings, (await watcher.status())
+            finally:
+                await a.close()
+                await b.close()
+
+    try:
+        outcomes, worst, pings, st = run(main(), timeout=150)
+    finally:
+        for sock in (holder, *waiters):
+            sock.close()
+    assert outcomes == ["served", "victim"]
+    assert st["deadlocks"] == 1 and st["waiters"] == conns * per_conn
+    assert pings > 50
+    assert worst < 0.050, f"a PING waited {worst * 1000:.1f} ms"

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
 import urllib.request
 
 import pytest
+from conftest import wait_until
 
 import fastlock
 
@@ -54,7 +57,7 @@ async def test_metrics_endpoint_reports_grants_holders_and_role(server_factory, 
 
 
 async def test_histograms_contention_build_info_and_sessions(server_factory, loop_errors):
-    srv = server_factory("hist-data", args=["--metrics", "127.0.0.1:0"])
+    srv = server_factory("hist-data", args=["--metrics", "127.0.0.1:0", "--metrics-lock-names"])
     line = srv.wait_for_log(r"metrics on http://")
     url = re.search(r"(http://\S+/metrics)", line).group(1)
     async with fastlock.connect(srv.address) as a, fastlock.connect(srv.address) as b:
@@ -83,3 +86,49 @@ async def test_histograms_contention_build_info_and_sessions(server_factory, loo
     assert values["fastlock_sessions"] == st["sessions"] == 2
     assert any(k.startswith("fastlock_build_info{") for k in values)
     assert "process_cpu_seconds_total" in values and any(k.startswith("python_info") for k in values)
+
+
+def _scrape_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return resp.read().decode()
+
+
+async def _has_waiter(client, name: str) -> bool:
+    return (await client.lock_info(name)).waiter_count > 0
+
+
+async def test_lock_names_are_not_in_labels_by_default(server_factory, loop_errors):
+    """Finding: the unauthenticated /metrics showed other principals' lock names.  Without
+    --metrics-lock-names no series names a lock, contended or not."""
+    secret = "payroll/acme-merger"
+    srv = server_factory("names-data", args=["--metrics", "127.0.0.1:0"])
+    url = re.search(r"(http://\S+/metrics)", srv.wait_for_log(r"metrics on http://")).group(1)
+    async with fastlock.connect(srv.address) as a, fastlock.connect(srv.address) as b:
+        for _ in range(3):  # contended: b queues behind a
+            lease = await a.acquire(secret, ttl=30.0)
+            queued = asyncio.ensure_future(b.acquire(secret, ttl=30.0, wait=10.0))
+            await wait_until(lambda: _has_waiter(a, secret), 10, "b queued")
+            await a.release(lease)
+            await b.release(await queued)
+        deadline = asyncio.get_running_loop().time() + 10
+        while True:  # the exporter refreshes once a second: wait until it has seen every hold
+            text = await asyncio.to_thread(_scrape_text, url)
+            if "fastlock_hold_seconds_count 6.0" in text:
+                break
+            assert asyncio.get_running_loop().time() < deadline, text[-2000:]
+            await asyncio.sleep(0.2)
+    assert "payroll" not in text and "acme" not in text
+    assert "fastlock_lock_contention" not in text
+    assert 'fastlock_request_seconds_count{op="acquire"} 6.0' in text  # the op labels stay
+
+
+@pytest.mark.parametrize("address", ["0.0.0.0:0", "[::]:0"])
+def test_metrics_off_loopback_needs_an_explicit_flag(tmp_path, address):
+    """The endpoint has no authentication: a non-loopback --metrics address is refused at start
+    (exit 1, a message naming --metrics-allow-remote), before the client port listens."""
+    data = tmp_path / "data"
+    res = subprocess.run([sys.executable, "-m", "fastlock", "serve", "--listen", "127.0.0.1:0",
+                          "--data-dir", str(data), "--metrics", address],
+                         capture_output=True, text=True, timeout=30, cwd=str(tmp_path))
+    assert res.returncode == 1, res.stderr
+    assert "--metrics-allow-remote" in res.stderr and "listening on" not in res.stderr

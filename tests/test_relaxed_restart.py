@@ -38,7 +38,7 @@ def test_a_lock_held_before_an_os_crash_is_not_granted_to_another_client_before_
             wal = (await first.status())["wal"]
             assert wal["durable_offset"] < wal["written_offset"], wal  # the grant is not fsynced
             srv.kill()
-            power_cut(wal["active_segment"], wal["durable_offset"])  # what a power cut leaves
+            power_cut(srv.data_dir / wal["active_segment"], wal["durable_offset"])  # what a power cut leaves
             restarted = time.monotonic()
             await asyncio.to_thread(srv.start)
             async with fastlock.connect(srv.address, client_name="second") as second:

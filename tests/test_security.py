@@ -527,3 +527,78 @@ def test_per_principal_quotas_count_authenticated_principals(server_factory, tmp
                 await c.close()
 
     run(main())
+
+
+# --------------------------------------------------------------------------- what STATUS tells a client
+
+
+def _strings(value) -> list[str]:
+    """Every str in a STATUS reply, keys included."""
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in (*_strings(k), *_strings(v))]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v)]
+    return [value] if isinstance(value, str) else []
+
+
+def test_status_shows_clients_no_path_no_peer_and_no_error_text(cluster):
+    """Finding: STATUS showed every client the data directory path.  A client principal (the app,
+    or anonymous) sees counters and role but no path on the server, nothing of who the standby
+    is, no task error text; an admin sees all of it."""
+    from fastlock.server.statusview import CLIENT_REPLICATION_FIELDS
+
+    p = cluster.primary()
+    s = cluster.standby(p.address)
+    creds = cluster.creds
+
+    async def main():
+        await poll(lambda: status_of(p.address), lambda st: st["replication"]["standbys"], timeout=10,
+                   what="the standby attached")
+        for node in (p, s):
+            full = await status_of(node.address)  # the cluster's admin
+            assert full["wal"]["active_segment"].startswith(str(node.data_dir.resolve()))
+            assert "last_error" in full["tasks"]
+            for token in (creds.token("app"), None):
+                raw = await RawNode.open(node.address, token=token)
+                try:
+                    seen = await raw.status()
+                finally:
+                    await raw.close()
+                assert raw.hello["kind"] == "client"
+                leaks = [text for text in _strings(seen) if str(cluster.root) in text or "/" in text]
+                assert leaks == [], leaks
+                assert seen["wal"]["active_segment"] == os.path.basename(full["wal"]["active_segment"])
+                assert "last_error" not in seen["tasks"]
+                assert set(seen["replication"]) <= CLIENT_REPLICATION_FIELDS
+                assert seen["role"] == full["role"] and seen["epoch"] == full["epoch"]
+                assert seen["locks_held"] == full["locks_held"]
+        standby_view = (await status_of(s.address))["replication"]
+        assert "pair_confirmed" in standby_view and "failover_after_ms" in standby_view
+
+    run(main())
+
+
+def test_client_status_keeps_only_plain_values_of_known_sections():
+    """Unit: a section STATUS gains later (per-principal usage, the coordinator's URL) stays
+    hidden from clients until it is listed; nested maps and lists inside a listed section too."""
+    from fastlock.server.statusview import client_status
+
+    status = {
+        "role": "primary", "epoch": 3, "locks_held": 2,
+        "wal": {"active_segment": "/srv/data/wal-00000000000000000001.log", "last_lsn": 9},
+        "tasks": {"running": 1, "failed": 1, "last_error": "open('/srv/data/x'): denied"},
+        "limits": {"connections": 4, "principals": {"billing": {"leases": 1}}},
+        "coordinator": {"url": "etcd://127.0.0.1:2379/fl", "node": "n1"},
+        "replication": {"fenced": False, "serving_alone": False, "standbys": [{"name": "node-2"}],
+                        "paired_standby": "node-2", "sync": {"in_sync": True}},
+        "sessions_by_principal": {"billing": 3},
+    }
+    view = client_status(status)
+    assert view == {
+        "role": "primary", "epoch": 3, "locks_held": 2,
+        "wal": {"active_segment": "wal-00000000000000000001.log", "last_lsn": 9},
+        "tasks": {"running": 1, "failed": 1},
+        "limits": {"connections": 4},
+        "replication": {"fenced": False, "serving_alone": False},
+    }
+    assert status["wal"]["active_segment"].startswith("/srv/")  # the input is not changed

@@ -9,6 +9,7 @@ from typing import Any
 from ..auth import Credentials, read_token_file
 from ..coordination.access import EtcdAccess
 from ..logformat import LOG_FORMATS, configure
+from ..protocol import REQUEST_OVERHEAD_BYTES
 from ..server import ServerConfig, serve
 from ..units import DEFAULT_PORT, format_address
 from .args import (
@@ -67,7 +68,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="client certificates: none (default), optional (verified if sent), required "
                         "(mutual TLS); needs --tls-ca")
     s.add_argument("--tls-handshake-timeout", type=seconds_arg, default=10.0, metavar="SECONDS",
-                   help="drop a connection whose TLS handshake takes longer (default 10)")
+                   help="drop a connection whose TLS handshake takes longer (default 10; at most 1 while more "
+                        "than half of the 1,024 handshake slots are taken)")
     add_limit_flags(s)
     s.add_argument("--standby-of", type=listen_address, metavar="HOST:PORT",
                    help="run as a standby of this primary: follow its log, answer clients NotPrimary")
@@ -85,7 +87,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "(default 1 s, as PostgreSQL's deadlock_timeout; 0: no detection)")
     s.add_argument("--name", metavar="NAME", help="this node's name in logs and replication status")
     s.add_argument("--metrics", type=listen_address, metavar="HOST:PORT",
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (needs prometheus_client)")
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (needs prometheus_client); "
+                        "HOST must be a loopback address unless --metrics-allow-remote")
+    s.add_argument("--metrics-allow-remote", action="store_true",
+                   help="let --metrics bind a non-loopback address (the endpoint has no authentication)")
+    s.add_argument("--metrics-lock-names", action="store_true",
+                   help="export lock names as metric labels (fastlock_lock_contention{lock}); default: none")
     s.add_argument("--wal-writer", choices=("auto", "thread", "inline"), default="auto",
                    help="auto (default): write+fdatasync on the loop itself while one client waits alone, on a "
                         "writer thread when clients wait together; thread: always on the writer thread (the loop "
@@ -164,7 +171,8 @@ def add_limit_flags(s: argparse.ArgumentParser) -> None:
     g = s.add_argument_group("limits", "bounds on what clients and standbys can make the server hold; "
                                        "a request beyond one gets a LimitExceeded error naming it")
     g.add_argument("--max-frame-bytes", type=frame_bytes_arg, default=d.max_frame_bytes, metavar="BYTES",
-                   help=f"largest request frame (default {d.max_frame_bytes}); a larger one closes the connection")
+                   help=f"largest request frame (default {d.max_frame_bytes}, raised to --max-value-bytes + "
+                        f"{REQUEST_OVERHEAD_BYTES}); a larger one closes the connection")
     g.add_argument("--max-connections", type=positive_int, default=None, metavar="N",
                    help="connections of client principals (default 10000, lowered to fit the open-files limit), "
                         "and 16 more that only replica and admin principals keep past HELLO; at the limit the "
@@ -340,6 +348,8 @@ def serve_command(args: argparse.Namespace) -> int:
         coordinator_ttl_ms=max(1000, -(-round(args.coordinator_ttl * 1000) // 1000) * 1000),
         coordinator_access=coordinator_access(args),
         metrics=args.metrics,
+        metrics_allow_remote=args.metrics_allow_remote,
+        metrics_lock_names=args.metrics_lock_names,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_ca=args.tls_ca,

@@ -24,7 +24,9 @@ by default), a declared str/bin/array/map length above msgpack's ``max_*_len``
 limits, containers nested too deep - is a :class:`~fastlock.errors.ProtocolError`
 and the connection is closed: after garbage there is no way to find the next
 frame boundary.  Requests, replies and the replication stream each have their
-own limits (:data:`REQUEST_LIMITS`, :data:`REPLY_LIMITS`, :func:`stream_limits`).
+own limits (:func:`request_limits` - :data:`REQUEST_LIMITS` sized to the
+server's ``--max-frame-bytes`` and ``--max-value-bytes`` -, :data:`REPLY_LIMITS`,
+:func:`stream_limits`).
 
 Messages (all positional arrays, for speed)
 -------------------------------------------
@@ -170,6 +172,7 @@ from .framing import (
     MIN_MAX_FRAME_BYTES,
     REPLY_LIMITS,
     REQUEST_LIMITS,
+    REQUEST_OVERHEAD_BYTES,
     DecodeLimits,
     FrameDecoder,
     encode_error,
@@ -177,6 +180,7 @@ from .framing import (
     encode_push,
     encode_request,
     packb,
+    request_limits,
     stream_limits,
 )
 from .ops import (
@@ -255,9 +259,9 @@ __all__ = [
     "OP_EXTEND", "OP_HELLO", "OP_HOLDER", "OP_LOCKS", "OP_LOCK_INFO", "OP_NAMES", "OP_PING", "OP_PROMOTE", "OP_RELEASE",
     "OP_REPLICATE", "OP_REPL_ACK", "OP_REVOKE", "OP_SERVE_ALONE", "OP_STATUS", "OP_STEP_DOWN", "OP_UNWATCH",
     "OP_WATCH", "PROTOCOL_VERSION", "PUSH_HEARTBEAT", "PUSH_RECORD", "PUSH_RECORDS", "PUSH_SNAPSHOT",
-    "PUSH_WATCH", "REPLICATION_PUSH_KINDS", "REPLY_LIMITS", "REQUEST_LIMITS", "STATUS_OK",
+    "PUSH_WATCH", "REPLICATION_PUSH_KINDS", "REPLY_LIMITS", "REQUEST_LIMITS", "REQUEST_OVERHEAD_BYTES", "STATUS_OK",
     "STEP_DOWN_FRESH_MS", "WATCH_REVOKED", "DecodeLimits", "FrameDecoder", "Op", "check_epoch", "check_lock_delay_ms",
     "check_name", "check_optional_str", "check_owner", "check_token", "check_ttl_ms", "check_wait_ms",
     "encode_error", "encode_ok", "encode_push", "encode_request", "packb", "seconds_to_ms",
-    "stream_limits", "OP_SYNC_ACK", "PUSH_SYNC",
+    "request_limits", "stream_limits", "OP_SYNC_ACK", "PUSH_SYNC",
 ]

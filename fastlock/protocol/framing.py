@@ -13,6 +13,7 @@ replies and the replication stream each have their own limits
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import msgpack
@@ -84,6 +85,29 @@ REQUEST_LIMITS = DecodeLimits(
 )
 
 
+#: bytes of a request beside its largest bin (a key's value): the request's array, op,
+#: key, lease name, token and owner key at their limits, with room to spare
+REQUEST_OVERHEAD_BYTES = MIN_MAX_FRAME_BYTES
+
+
+@functools.lru_cache(maxsize=8)
+def request_limits(max_frame_bytes: int, max_value_bytes: int) -> DecodeLimits:
+    """What a server accepts from a client, sized to its configuration.
+
+    ``max_frame_bytes`` (bytes, ``--max-frame-bytes``) bounds one request frame;
+    ``max_value_bytes`` (bytes, ``--max-value-bytes``) is the largest key value
+    the server stores.  The frame bound is raised to hold a value at that limit
+    with the rest of its request (:data:`REQUEST_OVERHEAD_BYTES`), and one bin
+    may fill the frame: a value over ``max_value_bytes`` that still fits the
+    frame is decoded, so the key store refuses it with ``InvalidArgument`` and
+    the connection stays usable; a frame beyond the bound is a
+    :class:`~fastlock.errors.ProtocolError` that closes the connection.  The
+    other limits are those of :data:`REQUEST_LIMITS`.
+    """
+    frame = max(max_frame_bytes, max_value_bytes + REQUEST_OVERHEAD_BYTES)
+    return REQUEST_LIMITS._replace(max_frame_bytes=frame, max_bin_len=frame)
+
+
 #: What a client accepts from a server: replies are small, STATUS is a map of a
 #: few dozen entries; a server is trusted more than a client, not blindly.
 REPLY_LIMITS = DecodeLimits(
@@ -91,7 +115,7 @@ REPLY_LIMITS = DecodeLimits(
     max_array_len=1 << 16,
     max_map_len=1024,
     max_str_len=1 << 20,
-    max_bin_len=1 << 20,
+    max_bin_len=64 << 20,  # a key's value: a server's --max-value-bytes may exceed a request's default frame
     max_depth=8,
     max_items=1 << 20,
 )

@@ -111,6 +111,8 @@ class ServerConfig:
     repair_wal: bool = False  # cut a damaged last WAL segment instead of refusing to start
     wal_writer: WalWriter = WalWriter.AUTO  # a member's string value is accepted too
     metrics: tuple[str, int] | None = None  # serve Prometheus metrics on this address
+    metrics_allow_remote: bool = False  # metrics may bind a non-loopback address (fastlock.metrics)
+    metrics_lock_names: bool = False  # metrics may carry lock names in labels (fastlock.metrics)
     # TLS (see fastlock.tls): this node's certificate and key serve clients and, on a standby,
     # are presented to the primary; the CA verifies client certificates and the primary's
     tls_cert: str | None = None

@@ -48,6 +48,7 @@ from .keys import KeyStore
 from .kinds import KindHandlers, limit_conflict
 from .lockadmin import LockAdmin
 from .session import Session, split_recorded_client
+from .statusview import client_status
 from .watches import WatchRegistry
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -477,13 +478,12 @@ class Handlers:
     # -- status -------------------------------------------------------------------------
     def op_status(self, conn: Session, req_id: int, msg: list) -> None:
         st = self.server.status()
-        repl = st["replication"]
-        if conn.kind == "client" and "standbys" in repl:
-            # a primary's standby, its identity and pairing are for operators and peers only
-            st["replication"] = {"fenced": repl["fenced"], "serving_alone": repl["serving_alone"]}
+        if conn.kind == "client":
+            st = client_status(st)
         # usage against quota per principal: every principal's for operators and peers, a client's own
         st["principals"] = [asdict(u) for u in self.quotas.report(conn.principal if conn.kind == "client" else None)]
         conn.send(P.encode_ok(req_id, st))
 
     def op_ping(self, conn: Session, req_id: int, msg: list) -> None:
         conn.send(P.encode_ok(req_id, None))
+

@@ -210,11 +210,19 @@ class KindHandlers:
         conn.send(P.encode_ok(req_id, {"holders": holders, "waiters": waiters}))
 
 
+#: seconds between two calls of break_deadlocks() while a search is left unfinished at its
+#: work bound (the loop serves everyone else in between)
+DEADLOCK_CONTINUE_S = 0.005
+
+
 class DeadlockTimer:
     """Breaks deadlocks: while the table has waiters on a primary, every half
     ``timeout_ms`` it calls ``table.break_deadlocks(now, timeout_ms)``, so a
     cycle is broken between ``timeout_ms`` and 1.5 x ``timeout_ms`` after it
-    formed.  ``timeout_ms`` 0 turns detection off."""
+    formed.  Each call does bounded work (the core's ``DEADLOCK_WORK`` nodes of
+    the wait-for graph, a few milliseconds); a larger search goes on every
+    :data:`DEADLOCK_CONTINUE_S` seconds until it is done, so a very large graph
+    adds its search time to that bound.  ``timeout_ms`` 0 turns detection off."""
 
     def __init__(self, server: LockServer, timeout_ms: int):
         self.server = server
@@ -235,6 +243,8 @@ class DeadlockTimer:
         cycles = server.table.break_deadlocks(now, self.timeout_ms)
         for cycle in cycles:
             log.warning("deadlock broken: %s", " -> ".join(f"session {s} waits for {quote(n)}" for s, n in cycle))
+        if server.table.deadlock_backlog:  # the search stopped at its work bound: go on shortly
+            self.handle = server.loop.call_later(DEADLOCK_CONTINUE_S, self._fire)
         server.after_batch()
         self.poke()
 

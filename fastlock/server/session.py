@@ -78,7 +78,9 @@ class Session(asyncio.Protocol):
         self.server = server
         self.session = session
         # until HELLO every frame is walked before it is decoded (see protocol.FrameDecoder)
-        self.decoder: P.FrameDecoder | None = P.FrameDecoder(server.config.max_frame_bytes, shape_all=True)
+        config = server.config
+        limits = P.request_limits(config.max_frame_bytes, config.max_value_bytes)
+        self.decoder: P.FrameDecoder | None = P.FrameDecoder(limits=limits, shape_all=True)
         self.transport: asyncio.Transport  # set by connection_made, before the server sees the session
         self.out: list[bytes] = []
         self.out_bytes = 0  # bytes in out
