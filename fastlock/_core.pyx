@@ -1686,23 +1686,32 @@ cdef class LockTable:
                 return self._lease_snapshot(lock, lease)
         return None
 
-    def holders_of(self, name, now):
+    def holders_of(self, name, now, start=0, limit=-1):
         """Every unexpired holder of ``name`` at ``now`` (:class:`Holder` snapshots):
-        the exclusive holder, or the shared holders / permits in grant order.  Pure query."""
+        the exclusive holder, or the shared holders / permits in grant order.  Pure query.
+        ``start`` (int >= 0) skips that many of them, ``limit`` (int; < 0: no limit)
+        returns at most that many: a page is built without the others' snapshots."""
         cdef str n = _name(name)
         cdef int64_t t = _ms(now, "now", 0)
+        cdef Py_ssize_t skip = start
+        cdef Py_ssize_t most = limit
         cdef _Lock lock = <_Lock>self._locks.get(n)
         cdef _Lease lease
         cdef list out = []
-        if lock is None:
+        if lock is None or most == 0:
             return out
         if lock.held:
-            if lock.deadline > t:
+            if lock.deadline > t and skip == 0:
                 out.append(self._snapshot(lock))
         elif lock.n_leases:
             for lease in lock.leases.values():
                 if lease.deadline > t:
+                    if skip > 0:
+                        skip -= 1
+                        continue
                     out.append(self._lease_snapshot(lock, lease))
+                    if len(out) == most:
+                        break
         return out
 
     cdef Holder _lease_snapshot(self, _Lock lock, _Lease lease):
@@ -1765,18 +1774,25 @@ cdef class LockTable:
                 w = w.next
         return out
 
-    def waiter_details(self, name):
+    def waiter_details(self, name, start=0, limit=-1):
         """The waiters of ``name`` in FIFO order, each as a tuple
         (session, shared, limit, meta, many): ``limit`` is the name's semaphore
         limit (0 for a lock), ``many`` whether the waiter is part of an
-        acquire_many() request.  For contenders(); owners are not included."""
+        acquire_many() request.  For contenders(); owners are not included.
+        ``start`` (int >= 0) skips that many waiters, ``limit`` (int; < 0: no limit)
+        returns at most that many: a page is built without the others' tuples."""
         cdef str n = _name(name)
+        cdef Py_ssize_t skip = start
+        cdef Py_ssize_t most = limit
         cdef _Lock lock = <_Lock>self._locks.get(n)
         cdef list out = []
         cdef _Waiter w
-        if lock is not None:
+        if lock is not None and most != 0:
             w = lock.head
-            while w is not None:
+            while w is not None and skip > 0:
+                w = w.next
+                skip -= 1
+            while w is not None and len(out) != most:
                 out.append((w.session, bool(w.shared) and lock.limit == 0, lock.limit, w.meta,
                             w.group is not None))
                 w = w.next

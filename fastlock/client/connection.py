@@ -77,9 +77,12 @@ class ClientConnection(RpcConnection):
         key_watches (dict[str, set[asyncio.Queue]]): the same for the key
             watches (:mod:`fastlock.client.keys`), by prefix; each receives the
             ``"value"`` pushes' payloads.
+        key_events_once (bool): the server's KEY_WATCH reply said ``once``: it pushes a
+            key change once per connection, and each watch whose prefix the key starts
+            with gets it (else a push goes to the watch of the prefix it names).
     """
 
-    __slots__ = ("watches", "key_watches")
+    __slots__ = ("watches", "key_watches", "key_events_once")
 
     def __init__(self, address: Address, on_close: Callable[[RpcConnection, ConnectionLost], Any],
                  liveness_timeout: float | None):
@@ -87,6 +90,7 @@ class ClientConnection(RpcConnection):
                          liveness_timeout=liveness_timeout)
         self.watches: dict[str, set[asyncio.Queue[Any]]] = {}
         self.key_watches: dict[str, set[asyncio.Queue[Any]]] = {}
+        self.key_events_once = False  # the server pushes a key change once per connection
 
     def _dispatch_push(self, kind: Any, payload: Any) -> None:
         if kind == P.PUSH_WATCH:
@@ -94,8 +98,17 @@ class ClientConnection(RpcConnection):
             for queue in self.watches.get(event.name, ()):
                 queue.put_nowait(event)
         elif kind == PUSH_VALUE and type(payload) is list and len(payload) == 4:
-            for queue in self.key_watches.get(payload[0], ()):
-                queue.put_nowait(payload)
+            key = payload[2]
+            if self.key_events_once and type(key) is str:
+                # one push per change, whichever of this connection's watches match: each gets it
+                for prefix, queues in self.key_watches.items():
+                    if key.startswith(prefix):
+                        item = [prefix, *payload[1:]]
+                        for queue in queues:
+                            queue.put_nowait(item)
+            else:  # a server that pushes once per matching prefix
+                for queue in self.key_watches.get(payload[0], ()):
+                    queue.put_nowait(payload)
 
 
 class Connector:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from .. import protocol as P
 from ..errors import InvalidArgument, LockNotHeld, PermissionDenied, WrongArgumentType
 from ..logsafe import quote
+from ..protocol.ops import MAX_PAGE_BYTES
 from ..roles import Action
 from ..units import monotonic_ms, wall_ms
 from .session import split_recorded_client
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 
 #: the most locks one LOCKS reply lists (a client may ask for fewer); the reply says how many matched
 MAX_LOCKS_LISTED = 10_000
+#: what a LOCKS row costs beside its name, principal, client name and correlation id (msgpack bytes, at most)
+LOCK_ROW_BYTES = 200
 #: the most waiters one LOCK_INFO reply lists; the reply gives the full count
 MAX_WAITERS_LISTED = 1_000
 #: the longest revocation reason kept in the log (characters)
@@ -80,8 +83,9 @@ class LockAdmin:
     def op_locks(self, conn: Session, req_id: int, msg: list) -> None:
         """LOCKS prefix, most[, after[, order]]: one page of the held leases whose name starts
         with ``prefix`` (str, "" for all), each with its lock's number of waiters; at most
-        ``most`` leases (int, None: :data:`MAX_LOCKS_LISTED`), a lock's leases never split
-        over two pages (a lock with more leases than that lists its first ``most``).
+        ``most`` leases (int, None: :data:`MAX_LOCKS_LISTED`) and about
+        :data:`~fastlock.protocol.ops.MAX_PAGE_BYTES` (one lock always goes), a lock's
+        leases never split over two pages (a lock with more leases than fit lists its first).
         ``order`` "name" (None, the default): by name, only names above ``after`` (str or
         None: the ``next`` of the previous page); "contended": the locks with the most
         waiters first, then by name (no ``after``).  Only the page's rows are built
@@ -113,11 +117,18 @@ class LockAdmin:
         page, matched = table.held_page(prefix, after, most, order == "contended", now)
         listed: list[dict] = []
         last = None
+        size = 0
         for name, waiters in page:
-            holders = table.holders_of(name, now)
-            if listed and len(listed) + len(holders) > most:
+            holders = table.holders_of(name, now, 0, most)
+            if listed and (len(listed) + len(holders) > most or size > MAX_PAGE_BYTES):
                 break
-            listed += [{**lease_info(h, now), "waiters": waiters} for h in holders[:most]]
+            for h in holders:
+                if listed and size > MAX_PAGE_BYTES:
+                    break  # a lock whose leases alone fill the page lists its first ones
+                row = {**lease_info(h, now), "waiters": waiters}
+                listed.append(row)
+                size += (LOCK_ROW_BYTES + len(name) + len(row["principal"] or "") + len(row["client"] or "")
+                         + len(row["correlation_id"] or ""))
             last = name
         truncated = len(listed) < matched
         conn.send(P.encode_ok(req_id, {"locks": listed, "matched": matched, "truncated": truncated,
