@@ -238,10 +238,12 @@ class LockTable:
         ``limit`` the name's semaphore limit (0 for a lock), ``many`` part of an
         acquire_many() request.  Owners are not included (for contenders()).  ``start``
         skips that many waiters, at most ``limit`` (< 0: all)."""
-    def waiter_info(self, name: str) -> list[tuple[bytes, int, Any, int, int, bool]]:
+    def queue_length(self, name: str) -> int:
+        """Number of waiters on ``name``."""
+    def waiter_info(self, name: str, limit: int = -1) -> list[tuple[bytes, int, Any, int, int, bool]]:
         """Waiters on ``name`` in FIFO order as ``(owner, session, meta, enqueued_ms,
         deadline_ms, shared)`` (ms; ``deadline_ms`` -1: waits without end; a member of an
-        acquire_many() request has the request's deadline)."""
+        acquire_many() request has the request's deadline); the first ``limit`` (< 0: all)."""
     def session_waiters(self, session: int) -> int: ...
     def snapshot_begin(self, pack: Callable[[Any], bytes]) -> None:
         """Begin a snapshot of every holder as the msgpack array a WAL snapshot stores,

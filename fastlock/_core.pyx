@@ -1798,24 +1798,31 @@ cdef class LockTable:
                 w = w.next
         return out
 
-    def waiter_info(self, name):
+    def waiter_info(self, name, limit=-1):
         """The waiters on ``name`` in FIFO order, each ``(owner, session, meta, enqueued_ms,
         deadline_ms, shared)``: ``enqueued_ms`` is the ``now`` of the acquire it answers,
         ``deadline_ms`` when its wait runs out (its acquire_many() request's, for a member
-        of one), -1 for a wait without end.  Times in milliseconds."""
+        of one), -1 for a wait without end.  Times in milliseconds.  At most ``limit``
+        (int; < 0: all), the first in the queue."""
         cdef str n = _name(name)
+        cdef Py_ssize_t most = limit
         cdef _Lock lock = <_Lock>self._locks.get(n)
         cdef list out = []
         cdef _Waiter w
         cdef _Entry e
-        if lock is not None:
+        if lock is not None and most != 0:
             w = lock.head
-            while w is not None:
+            while w is not None and len(out) != most:
                 e = w.group if w.group is not None else w
                 out.append((w.owner, w.session, w.meta, w.enqueued_ms,
                             e.deadline if e.index >= 0 else -1, bool(w.shared)))
                 w = w.next
         return out
+
+    def queue_length(self, name):
+        """Number of waiters on ``name`` (int)."""
+        cdef _Lock lock = <_Lock>self._locks.get(_name(name))
+        return 0 if lock is None or lock.by_owner is None else len(lock.by_owner)
 
     def session_waiters(self, session):
         """Number of waiters of ``session`` (int)."""

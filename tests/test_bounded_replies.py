@@ -210,6 +210,9 @@ async def test_contenders_of_100k_waiters_is_paged_bounded_and_complete(server_f
         for c in range(connections):  # FIFO: each connection's waiters in the order they queued
             mine = [x for x in listed if x.startswith(f"{c:02d}/")]
             assert mine == sorted(mine)
+        summary = await client.lock_info("queue")  # a bounded summary: about a page, the full count
+        assert summary.waiter_count == waiters and 1 <= len(summary.waiters) < 1000
+        assert summary.waiters[0].correlation_id == info["waiters"][0]["correlation_id"]
         few = await client.contenders("queue", most=10)
         assert few["truncated"] and len(few["holders"]) + len(few["waiters"]) == 10
     finally:

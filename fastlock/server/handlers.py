@@ -139,7 +139,7 @@ def _may_add_lease(table: Any, name: str, owner: bytes, non_exclusive: Any, now:
     holds it already, nor for an exclusive request on a held name (it queues)."""
     if table.holder(name, now, owner) is not None:
         return False
-    return bool(non_exclusive) or not table.holders_of(name, now)
+    return bool(non_exclusive) or not table.holders_of(name, now, 0, 1)
 
 
 class Handlers:

@@ -123,7 +123,7 @@ def deadlock_message(ev: Any) -> str:
 
 def limit_conflict(table: Any, name: str, limit: int, now: int) -> LimitConflict:
     """The error for an acquire whose ``limit`` disagrees with the name's."""
-    holders = table.holders_of(name, now)
+    holders = table.holders_of(name, now, 0, 1)
     current = (f"a semaphore of limit {holders[0].limit}" if holders and holders[0].limit
                else "a lock" if holders else "waited on under another limit")
     asked = f"a semaphore of limit {limit}" if limit else "a lock"
