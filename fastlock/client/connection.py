@@ -33,6 +33,7 @@ from ..logsafe import quote
 from ..protocol.ops import PUSH_VALUE
 from ..protocol.rpc import NotFastlockReply, RpcConnection, what_answered
 from ..units import parse_address
+from .keywatch import KeyWatches
 from .lease import WatchEvent
 
 log = logging.getLogger(__name__)
@@ -74,23 +75,18 @@ class ClientConnection(RpcConnection):
             open on this connection, by lock name; each receives
             :class:`~fastlock.client.WatchEvent` items, then ``None`` when the
             connection ends.
-        key_watches (dict[str, set[asyncio.Queue]]): the same for the key
-            watches (:mod:`fastlock.client.keys`), by prefix; each receives the
-            ``"value"`` pushes' payloads.
-        key_events_once (bool): the server's KEY_WATCH reply said ``once``: it pushes a
-            key change once per connection, and each watch whose prefix the key starts
-            with gets it (else a push goes to the watch of the prefix it names).
+        key_watches (KeyWatches): the same for the key watches
+            (:mod:`fastlock.client.keys`), by prefix (:mod:`fastlock.client.keywatch`).
     """
 
-    __slots__ = ("watches", "key_watches", "key_events_once")
+    __slots__ = ("watches", "key_watches")
 
     def __init__(self, address: Address, on_close: Callable[[RpcConnection, ConnectionLost], Any],
                  liveness_timeout: float | None):
         super().__init__(address, on_push=self._dispatch_push, on_close=on_close,
                          liveness_timeout=liveness_timeout)
         self.watches: dict[str, set[asyncio.Queue[Any]]] = {}
-        self.key_watches: dict[str, set[asyncio.Queue[Any]]] = {}
-        self.key_events_once = False  # the server pushes a key change once per connection
+        self.key_watches = KeyWatches()
 
     def _dispatch_push(self, kind: Any, payload: Any) -> None:
         if kind == P.PUSH_WATCH:
@@ -98,17 +94,7 @@ class ClientConnection(RpcConnection):
             for queue in self.watches.get(event.name, ()):
                 queue.put_nowait(event)
         elif kind == PUSH_VALUE and type(payload) is list and len(payload) == 4:
-            key = payload[2]
-            if self.key_events_once and type(key) is str:
-                # one push per change, whichever of this connection's watches match: each gets it
-                for prefix, queues in self.key_watches.items():
-                    if key.startswith(prefix):
-                        item = [prefix, *payload[1:]]
-                        for queue in queues:
-                            queue.put_nowait(item)
-            else:  # a server that pushes once per matching prefix
-                for queue in self.key_watches.get(payload[0], ()):
-                    queue.put_nowait(payload)
+            self.key_watches.deliver(payload)
 
 
 class Connector:

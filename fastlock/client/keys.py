@@ -15,7 +15,6 @@ watcher of its prefix - within the TTL after this process vanishes::
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -32,6 +31,7 @@ from ..protocol.ops import (
     OP_KEY_UNWATCH,
     OP_KEY_WATCH,
 )
+from .keywatch import KeyWatches
 from .lease import Lease, check_lease
 from .watch import subscribe, unsubscribe
 
@@ -193,14 +193,14 @@ class KeyMethods:
         return _watch_prefix(self._connector, prefix, self._op_timeout)
 
 
-def _key_watches(proto: ClientConnection) -> dict[str, set[asyncio.Queue[Any]]]:
+def _key_watches(proto: ClientConnection) -> KeyWatches:
     return proto.key_watches
 
 
 async def _watch_prefix(connector: Connector, prefix: str, timeout: float) -> AsyncIterator[KeyEvent]:
     proto, queue, reply = await subscribe(connector, timeout, _key_watches, OP_KEY_WATCH, prefix)
     if type(reply) is dict and reply.get("once") is True:
-        proto.key_events_once = True
+        proto.key_watches.once = True
     try:
         while True:
             item = await queue.get()

@@ -37,7 +37,8 @@ __all__ = ["kind_args", "check_semaphore", "Semaphore", "SyncSemaphore", "acquir
 MAX_CONTENDERS = 100_000
 
 
-async def list_contenders(request: Callable[..., Awaitable[Any]], name: str, most: int = MAX_CONTENDERS) -> dict:
+async def list_contenders(request: Callable[..., Awaitable[Any]], name: str,
+                          most: int = MAX_CONTENDERS) -> dict[str, Any]:
     """The holders (grant order) and waiters (FIFO order) of ``name``: ``{"holders": [...],
     "waiters": [...], "truncated": bool}``, following the server's CONTENDERS pages
     (``request(op, *args)`` sends one) until the last page or ``most`` contenders (int >= 1);

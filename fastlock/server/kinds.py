@@ -201,8 +201,7 @@ class KindHandlers:
         table = self.table
         page = ContendersPage()
         if part == 0:
-            found = table.holders_of(name, now, position, MAX_CONTENDERS_LISTED + 1)
-            for h in found:
+            for h in table.holders_of(name, now, position, MAX_CONTENDERS_LISTED + 1):
                 client, corr = h.meta if h.meta else (None, None)
                 principal, client = split_recorded_client(client)
                 if not page.add(page.holders, {"token": h.token, "shared": h.shared, "limit": h.limit,
@@ -213,8 +212,8 @@ class KindHandlers:
             else:
                 part, position = 1, 0
         if part == 1:
-            found = table.waiter_details(name, position, MAX_CONTENDERS_LISTED + 1 - len(page.holders))
-            for _session, shared, limit, meta, many in found:
+            queued = table.waiter_details(name, position, MAX_CONTENDERS_LISTED + 1 - len(page.holders))
+            for _session, shared, limit, meta, many in queued:
                 client, corr = meta if meta else (None, None)
                 principal, client = split_recorded_client(client)
                 if not page.add(page.waiters, {"shared": shared, "limit": limit, "principal": principal,
