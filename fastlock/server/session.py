@@ -50,7 +50,8 @@ FLUSH_EARLY_BYTES = 256 << 10
 #: common request (STATUS, ~30 microseconds) about 2 ms, while a turn of single small
 #: requests stays one read; the rest of a read waits for a later turn
 MAX_REQUESTS_PER_TURN = 64
-#: ... and about this long (nanoseconds, checked every 8 requests) however cheap they are
+#: ... and no more once this long (nanoseconds, checked after each request) has passed: a
+#: turn of C connections with backlogs is then about C ms however costly their requests
 TURN_BUDGET_NS = 1_000_000
 
 
@@ -196,13 +197,13 @@ class Session(asyncio.Protocol):
         i = intake.next
         end = min(len(pending), i + MAX_REQUESTS_PER_TURN)
         dispatch = server.handlers.dispatch
-        deadline = perf_counter_ns() + TURN_BUDGET_NS if end - i > 8 else 0
+        deadline = perf_counter_ns() + TURN_BUDGET_NS if end - i > 1 else 0
         while i < end and not self.closed:
             msg = pending[i]
             pending[i] = None  # dispatched: not kept alive by the backlog
             i += 1
             dispatch(self, msg)
-            if deadline and not i & 7 and perf_counter_ns() > deadline:
+            if deadline and perf_counter_ns() > deadline:
                 break
         if i >= len(pending) or self.closed:
             intake.clear()
