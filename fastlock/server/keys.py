@@ -34,7 +34,8 @@ operations ``put``, ``get`` and ``delete`` (a watch needs ``get``):
   "expired" (its lease expired) or "released" (its lease was released).  A change
   reaches a connection ONCE however many of its watched prefixes match (``prefix`` is
   the shortest of them): KEY_WATCH replies ``{"once": True}`` to say so, and the client
-  hands the push to each of its watches whose prefix the key starts with.
+  hands the push to each of its watches whose prefix the key starts with (a client that
+  does not read that reply hands it to the watch of the prefix it names only).
 
 Limits (:class:`~fastlock.server.ServerConfig`, ``fastlock serve`` flags): a key is
 1..512 bytes of UTF-8 like a lock name, a value at most ``max_value_bytes``; at most
