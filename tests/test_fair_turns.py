@@ -135,3 +135,57 @@ async def test_pipelined_acquires_keep_their_order_and_blocked_acquires_still_co
     finally:
         writer.close()
         await holder.close()
+
+
+#: many flooders: ``connections`` connections each HELLO, then write ``count`` pipelined STATUS
+#: requests in one go and read (and drop) whatever comes back; prints "written" once every
+#: connection's requests are handed to its transport, and runs until killed (at most 120 s)
+MANY_FLOODERS = r"""
+import asyncio, sys
+from fastlock import protocol as P
+host, port, connections, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+batch = b"".join(P.packb([2 + i, P.OP_STATUS]) for i in range(count))
+
+async def drop(reader):
+    while await reader.read(1 << 20):
+        pass
+
+async def main():
+    conns = [await asyncio.open_connection(host, port) for _ in range(connections)]
+    for _, writer in conns:
+        writer.write(P.packb([1, P.OP_HELLO, P.PROTOCOL_VERSION, "flooder", None]) + batch)
+    print("written", flush=True)
+    await asyncio.wait_for(asyncio.gather(*(drop(reader) for reader, _ in conns)), 120)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.one_loop
+async def test_a_hundred_pipelining_connections_do_not_keep_a_new_client_waiting(server):
+    """Finding: 100 connections that each wrote 243 KiB of STATUS requests left new
+    connections without a HELLO answer for 21-30 s.  Now a new client connects (TCP and
+    HELLO) and gets a PING answered within 1 s, each of 10 times, while they flood."""
+    host, _, port = server.address.rpartition(":")
+    flooder = subprocess.Popen([sys.executable, "-c", MANY_FLOODERS, host, port, "100", "24000"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        loop = asyncio.get_running_loop()
+        line = await asyncio.wait_for(loop.run_in_executor(None, flooder.stdout.readline), 60)
+        assert line.strip() == "written", line
+        served: list[float] = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            client = await asyncio.wait_for(fastlock.connect(server.address, client_name="newcomer"), 30)
+            try:
+                await asyncio.wait_for(client.ping(), 30)
+            finally:
+                await client.close()
+            served.append(time.perf_counter() - t0)
+        assert flooder.poll() is None, "the flood ended before the measurement"
+        assert max(served) < 1.0, [round(s, 3) for s in served]
+    finally:
+        if flooder.poll() is None:
+            flooder.kill()
+        flooder.wait(10)
+        flooder.stdout.close()

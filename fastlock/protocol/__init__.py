@@ -91,8 +91,9 @@ key) as its third argument ``after``.  A cursor is checked like any argument and
 a position, never state the server keeps.  A key change reaches a connection once
 however many of its key watches match (KEY_WATCH replies ``{"once": True}``).
 
-Work per connection is bounded per loop turn: the requests of one read are dispatched
-at most 64 (or about 1 ms) per turn, in order, with reading paused until they are done
+Work per connection is bounded per loop turn: a read is decoded a piece at a time and
+its requests are dispatched at most 64 (or about 1 ms, less when many connections
+pipeline) per turn, in order, with reading paused until they are done
 (:mod:`fastlock.server.session`), so a pipelining connection never holds the others.
 
 The number of arguments of every op is declared once, in :data:`OPS` (and so

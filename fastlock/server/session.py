@@ -7,17 +7,18 @@ and queues replies in memory until the end of the loop turn, when the server
 flushes every session written to once (one ``transport.write`` per session per
 turn).  A peer that leaves more than ``out_cap`` bytes of replies unread is
 dropped; while its transport's buffer is above the high-water mark its
-requests are not read (a standby's acknowledgements keep flowing).
-
-Work per loop turn is bounded per connection (:class:`Intake`): one read may
-carry tens of thousands of pipelined requests, of which at most
-:data:`MAX_REQUESTS_PER_TURN` (or about :data:`TURN_BUDGET_NS`) are dispatched
-in a turn; the rest wait, in order, for a later turn (``loop.call_soon``) while
-the connection's reading is paused, so every other connection is served in
-between.  Replies keep the order of their requests.  The
+requests are not read (a standby's acknowledgements keep flowing).  The
 transport's high-water mark is kept at or below ``out_cap``, so a buffer
 beyond the cap has always paused writing first: the cap is checked only
 while writing is paused, not on every flush.
+
+Work per loop turn is bounded per connection (:class:`Intake`): one read may
+carry tens of thousands of pipelined requests; it is decoded a piece
+(:data:`FEED_BYTES`) at a time, and at most :data:`MAX_REQUESTS_PER_TURN` (or
+about :data:`TURN_BUDGET_NS`) of its requests are dispatched in a turn; the
+rest wait, in order, for a later turn (``loop.call_soon``) while the
+connection's reading is paused, so every other connection is served in
+between.  Replies keep the order of their requests.
 
 Waiting goes by session (a waiter whose connection drops is removed at once);
 ownership goes by lease (a held lease outlives its connection until its TTL).
@@ -53,41 +54,98 @@ MAX_REQUESTS_PER_TURN = 64
 #: ... and no more once this long (nanoseconds, checked after each request) has passed: a
 #: turn of C connections with backlogs is then about C ms however costly their requests
 TURN_BUDGET_NS = 1_000_000
+#: the loop time the connections with a backlog share in one loop turn (nanoseconds): with
+#: more than ten, each gets its share of it (at least MIN_TURN_NS), so a new connection waits
+#: about this long for its turn however many connections pipeline
+LOOP_BUDGET_NS = 10_000_000
+MIN_TURN_NS = 100_000
+#: bytes of a read decoded at a time (about 1 ms of decoding at the worst: 5-byte requests)
+FEED_BYTES = 16 << 10
+#: ... before HELLO, when the decoder walks every byte first (about 1 ms of walking)
+FEED_BYTES_BEFORE_HELLO = 1 << 10
+
+
+class Backlogs:
+    """How many connections (of every server in this process) have a backlog of requests
+    now: each one's turn is a share of :data:`LOOP_BUDGET_NS`."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def turn_ns(self) -> int:
+        """One connection's share of a loop turn (nanoseconds)."""
+        return max(MIN_TURN_NS, min(TURN_BUDGET_NS, LOOP_BUDGET_NS // max(1, self.count)))
+
+
+#: the connections with a backlog now
+BACKLOGS = Backlogs()
 
 
 class Intake:
-    """A connection's request decoder and the requests decoded but not yet dispatched.
+    """A connection's request decoder, the bytes received but not yet decoded and the
+    requests decoded but not yet dispatched.
 
-    ``decoder`` (:class:`~fastlock.protocol.FrameDecoder`, None once closed);
-    ``pending``: the decoded requests of the reads not yet dispatched (from index
-    ``next`` on); ``held``: reading is paused until they are dispatched (a later turn's
-dispatch is queued with ``call_soon``).
+    ``decoder`` (:class:`~fastlock.protocol.FrameDecoder`, None once closed); ``raw``:
+    received bytes, decoded from offset ``raw_at`` on, a piece (:data:`FEED_BYTES`) at a
+    time; ``pending``: decoded requests, dispatched from index ``next`` on; ``held``:
+    reading is paused until the backlog is dispatched; ``scheduled``: a later turn's
+    dispatch is queued (``call_soon``).  The backlog is dispatched whether or not the
+    peer reads its replies: one that leaves more than the output cap unread is dropped.
     """
 
-    __slots__ = ("decoder", "pending", "next", "held")
+    __slots__ = ("decoder", "raw", "raw_at", "pending", "next", "held", "scheduled")
 
     def __init__(self, decoder: P.FrameDecoder):
         self.decoder: P.FrameDecoder | None = decoder
+        self.raw = b""
+        self.raw_at = 0
         self.pending: list[Any] = []
         self.next = 0
         self.held = False
+        self.scheduled = False
 
-    def take(self, messages: list[Any]) -> bool:
-        """Queue a read's requests behind any still pending; True if nothing was pending
-        (the caller dispatches now; else the queued turn does)."""
-        if not self.pending:
-            self.pending = messages
-            self.next = 0
-            return True
-        if self.next:
-            del self.pending[:self.next]
-            self.next = 0
-        self.pending.extend(messages)
-        return False
+    def add(self, data: bytes) -> None:
+        """Keep a read's bytes behind those not yet decoded."""
+        if self.raw_at >= len(self.raw):
+            self.raw = data
+        else:
+            self.raw = self.raw[self.raw_at:] + data
+        self.raw_at = 0
+
+    def feed(self) -> bool:
+        """Decode the next piece of the received bytes into ``pending`` (the requests before
+        are dispatched); False if no byte is left.  :raises ProtocolError: bad bytes."""
+        raw, at = self.raw, self.raw_at
+        decoder = self.decoder
+        if at >= len(raw) or decoder is None:
+            return False
+        end = at + (FEED_BYTES_BEFORE_HELLO if decoder.shape_all else FEED_BYTES)
+        self.raw_at = end
+        self.pending = decoder.feed(raw[at:end] if at or end < len(raw) else raw)
+        self.next = 0
+        return True
+
+    @property
+    def backlog(self) -> bool:
+        """Requests or bytes wait to be dispatched."""
+        return self.next < len(self.pending) or self.raw_at < len(self.raw)
+
+    def hold(self, held: bool) -> bool:
+        """Mark the backlog held (reading paused for it) or not; True if that changed."""
+        if held == self.held:
+            return False
+        self.held = held
+        BACKLOGS.count += 1 if held else -1
+        return True
 
     def clear(self) -> None:
+        self.raw = b""
+        self.raw_at = 0
         self.pending = []
         self.next = 0
+        self.hold(False)
 
 
 #: the principal of a connection before HELLO: granted nothing
@@ -167,57 +225,63 @@ class Session(asyncio.Protocol):
         self.server.limits.admit(self)
 
     def data_received(self, data: bytes) -> None:
-        server = self.server
         intake = self.intake
-        decoder = intake.decoder
-        if self.closed or decoder is None:  # closed: the decoder was freed
+        if self.closed or intake.decoder is None:  # closed: the decoder was freed
             return
-        if server.limits.idle_timeout_ms:
+        if self.server.limits.idle_timeout_ms:
             self.last_read_ms = monotonic_ms()
-        try:
-            messages = decoder.feed(data)
-        except ProtocolError as exc:
-            intake.clear()
-            self.fatal(exc)
-            server.after_batch()
-            return
-        if intake.take(messages):
+        intake.add(data)
+        if not intake.held and not intake.scheduled:
             self._dispatch_turn()
-        # else: a backlog waits (a read that arrived while reading was pausing): these follow it
+        # else: a backlog waits (a read that arrived while reading was pausing): these bytes follow it
 
     def _dispatch_turn(self) -> None:
-        """Dispatch this connection's pending requests, at most MAX_REQUESTS_PER_TURN or about
-        TURN_BUDGET_NS; if some remain, pause reading and continue in a later loop turn."""
+        """Decode and dispatch this connection's backlog, at most MAX_REQUESTS_PER_TURN or about
+        TURN_BUDGET_NS; if some remains, pause reading and continue in a later loop turn."""
         server = self.server
         intake = self.intake
+        intake.scheduled = False
         if server.source.fencing:
             # after a stall, see the clock before a request can make the table grant
             server.source.fence_if_due(monotonic_ms())
-        pending = intake.pending
-        i = intake.next
-        end = min(len(pending), i + MAX_REQUESTS_PER_TURN)
         dispatch = server.handlers.dispatch
-        deadline = perf_counter_ns() + TURN_BUDGET_NS if end - i > 1 else 0
-        while i < end and not self.closed:
+        deadline = perf_counter_ns() + BACKLOGS.turn_ns()
+        count = 0
+        while not self.closed:
+            pending = intake.pending
+            i = intake.next
+            if i >= len(pending):
+                try:
+                    if not intake.feed():
+                        break
+                except ProtocolError as exc:
+                    intake.clear()
+                    self.fatal(exc)
+                    break
+                continue
             msg = pending[i]
             pending[i] = None  # dispatched: not kept alive by the backlog
-            i += 1
+            intake.next = i + 1
             dispatch(self, msg)
-            if deadline and perf_counter_ns() > deadline:
+            count += 1
+            if count >= MAX_REQUESTS_PER_TURN or perf_counter_ns() > deadline:
                 break
-        if i >= len(pending) or self.closed:
+        if self.closed or not intake.backlog:
+            was_held = intake.held
             intake.clear()
-            if intake.held:
-                intake.held = False
-                if not self.closed and not self._writing_paused():
-                    self.transport.resume_reading()
+            if was_held and not self.closed and not self._writing_paused():
+                self.transport.resume_reading()
         else:
-            intake.next = i
-            if not intake.held:
-                intake.held = True
+            if intake.hold(True):
                 self.transport.pause_reading()
-            server.loop.call_soon(self._dispatch_turn)
+            self._next_turn()
         server.after_batch()
+
+    def _next_turn(self) -> None:
+        intake = self.intake
+        if not intake.scheduled:
+            intake.scheduled = True
+            self.server.loop.call_soon(self._dispatch_turn)
 
     def _writing_paused(self) -> bool:
         """Reading is held for writing: the transport's buffer is above its high-water mark
@@ -232,6 +296,7 @@ class Session(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.intake.clear()
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
         self.server.connection_lost(self)
