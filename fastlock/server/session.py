@@ -47,12 +47,12 @@ log = logging.getLogger(__name__)
 FLUSH_EARLY_BYTES = 256 << 10
 
 
-#: most requests of one connection dispatched in one loop turn (Intake): at the costliest
-#: common request (STATUS, ~30 microseconds) about 2 ms, while a turn of single small
-#: requests stays one read; the rest of a read waits for a later turn
+#: most requests of one connection dispatched in one loop turn (Intake); the rest of its
+#: reads wait for a later turn.  A count bounds a turn of cheap requests (a PING costs a
+#: few microseconds), the time below one of costly ones (a STATUS ~30 microseconds)
 MAX_REQUESTS_PER_TURN = 64
-#: ... and no more once this long (nanoseconds, checked after each request) has passed: a
-#: turn of C connections with backlogs is then about C ms however costly their requests
+#: ... and none after this long (nanoseconds, checked after each request): a loop turn
+#: with C connections pipelining is then about C ms (at most LOOP_BUDGET_NS, below)
 TURN_BUDGET_NS = 1_000_000
 #: the loop time the connections with a backlog share in one loop turn (nanoseconds): with
 #: more than ten, each gets its share of it (at least MIN_TURN_NS), so a new connection waits
