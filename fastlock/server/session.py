@@ -226,14 +226,34 @@ class Session(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         intake = self.intake
-        if self.closed or intake.decoder is None:  # closed: the decoder was freed
+        decoder = intake.decoder
+        if self.closed or decoder is None:  # closed: the decoder was freed
             return
         if self.server.limits.idle_timeout_ms:
             self.last_read_ms = monotonic_ms()
-        intake.add(data)
-        if not intake.held and not intake.scheduled:
-            self._dispatch_turn()
-        # else: a backlog waits (a read that arrived while reading was pausing): these bytes follow it
+        if intake.held or intake.scheduled:
+            intake.add(data)  # a backlog waits (a read that arrived while reading was pausing): these follow it
+            return
+        if len(data) > FEED_BYTES or decoder.shape_all:
+            intake.add(data)
+        else:  # the common case: a short read, decoded at once; one request is dispatched here
+            server = self.server
+            try:
+                messages = decoder.feed(data)
+            except ProtocolError as exc:
+                self.fatal(exc)
+                server.after_batch()
+                return
+            if len(messages) != 1:
+                intake.pending = messages
+                intake.next = 0
+            else:
+                if server.source.fencing:
+                    server.source.fence_if_due(monotonic_ms())  # after a stall, see the clock first
+                server.handlers.dispatch(self, messages[0])
+                server.after_batch()
+                return
+        self._dispatch_turn()
 
     def _dispatch_turn(self) -> None:
         """Decode and dispatch this connection's backlog, at most MAX_REQUESTS_PER_TURN or about
