@@ -383,3 +383,23 @@ async def test_locks_pages_are_bounded_by_bytes_and_cover_every_lock(server):
         assert listed == names
     finally:
         await client.close()
+
+
+def test_the_blocking_client_follows_the_pages_too(server):
+    """SyncClient.list_prefix and SyncClient.contenders follow the server's pages: 300 keys of
+    2 KiB (about 10 pages) listed whole and in order, the rest after ``cursor``; a free
+    lock's contenders: none, not truncated."""
+    from fastlock.sync import SyncClient
+
+    keys = [f"s/{i:04d}" for i in range(300)]
+    with SyncClient(server.address, client_name="sync") as c:
+        for k in keys:
+            c.put(k, b"v" * 2048)
+        listed = c.list_prefix("s/", limit=10_000)
+        assert [kv.key for kv in listed] == keys and not listed.more
+        first = c.list_prefix("s/", limit=100)
+        assert [kv.key for kv in first] == keys[:100] and first.more and first.cursor == keys[99]
+        rest = c.list_prefix("s/", limit=10_000, after=first.cursor)
+        assert [kv.key for kv in rest] == keys[100:]
+        info = c.contenders("s/none")
+        assert info == {"holders": [], "waiters": [], "truncated": False}
