@@ -226,6 +226,8 @@ class LockTable:
     def holder(self, name: str, now: int, owner: bytes | None = None) -> Holder | None:
         """An unexpired holder: without owner the exclusive one, else the earliest-granted
         shared holder / permit; with owner (bytes) that owner's lease of any kind."""
+    def holder_count(self, name: str, now: int) -> int:
+        """Number of unexpired holders of ``name`` (no snapshots built)."""
     def holders_of(self, name: str, now: int, start: int = 0, limit: int = -1) -> list[Holder]:
         """Every unexpired holder of ``name``: the exclusive one, or the shared holders /
         permits in grant order; ``start`` skips that many, at most ``limit`` (< 0: all)."""

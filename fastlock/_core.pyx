@@ -1714,6 +1714,23 @@ cdef class LockTable:
                         break
         return out
 
+    def holder_count(self, name, now):
+        """Number of unexpired holders of ``name`` at ``now`` (int), counted without
+        snapshots.  Pure query."""
+        cdef _Lock lock = <_Lock>self._locks.get(_name(name))
+        cdef int64_t t = _ms(now, "now", 0)
+        cdef _Lease lease
+        cdef int64_t n = 0
+        if lock is None:
+            return 0
+        if lock.held:
+            return 1 if lock.deadline > t else 0
+        if lock.n_leases:
+            for lease in lock.leases.values():
+                if lease.deadline > t:
+                    n += 1
+        return n
+
     cdef Holder _lease_snapshot(self, _Lock lock, _Lease lease):
         cdef Holder h = Holder.__new__(Holder)
         h.name = lock.name

@@ -403,3 +403,25 @@ def test_the_blocking_client_follows_the_pages_too(server):
         assert [kv.key for kv in rest] == keys[100:]
         info = c.contenders("s/none")
         assert info == {"holders": [], "waiters": [], "truncated": False}
+
+
+async def test_many_shared_holders_are_counted_and_paged(server):
+    """A lock with 3,000 shared holders: HOLDER counts them without listing them, and
+    CONTENDERS pages through the holders (then the waiter behind them) in grant order."""
+    holders = 3_000
+    await pipelined(server.address, [[P.OP_ACQUIRE, "shared", b"%08d" % i, 600_000, 0, 0, f"h{i:05d}", True]
+                                     for i in range(holders)])
+    client = await fastlock.connect(server.address, client_name="looker")
+    raw = await Raw.open(server.address)
+    try:
+        raw.send(P.OP_ACQUIRE, "shared", b"exclusive", 600_000, 600_000, 0, "x")  # waits behind them
+        info = await client.holder("shared")
+        assert info is not None and info["holders"] == holders and info["correlation_id"] == "h00000"
+        first = (await raw.call(P.OP_CONTENDERS, "shared"))[2]
+        assert first["cursor"][0] == 0 and 1 <= len(first["holders"]) < holders and not first["waiters"]
+        listed = await client.contenders("shared")
+        assert [h["correlation_id"] for h in listed["holders"]] == [f"h{i:05d}" for i in range(holders)]
+        assert [w["correlation_id"] for w in listed["waiters"]] == ["x"] and not listed["truncated"]
+    finally:
+        await raw.close()
+        await client.close()

@@ -484,13 +484,12 @@ class Handlers:
         """The holder (of a shared lock or a semaphore: the earliest granted, and how many hold it)."""
         now = monotonic_ms()
         h = self.table.holder(name, now)
-        holders = 1
         if h is None:
-            shared = self.table.holders_of(name, now)
+            shared = self.table.holders_of(name, now, 0, 1)  # the earliest; the others are only counted
             if not shared:
                 return None
             h = shared[0]
-            holders = len(shared)
+        holders = self.table.holder_count(name, now) if h.shared or h.limit else 1
         client, corr = h.meta if h.meta else (None, None)
         principal, client = split_recorded_client(client)
         return {"token": h.token, "principal": principal, "client": client, "correlation_id": corr,
