@@ -251,6 +251,17 @@ class Generator:
             return [rng.choice([0, 1, 2**62, -1, None]), rng.choice([0, 1, 2**62, "x"])]
         if op == P.OP_PROMOTE:
             return [rng.choice([True, False, None, 1])]
+        # paging: a list request with a cursor that is valid, out of range or junk
+        if op == ops.OP_KEY_LIST:
+            cursor = [rng.choice([name, None, "", _junk(rng)])] if rng.random() < 0.5 else []
+            return [rng.choice(["", "orders/", name]), rng.choice([1, 10, 10_000, 0, 10_001, None]), *cursor]
+        if op == P.OP_CONTENDERS:
+            cursor = rng.choice([None, [0, 0], [1, rng.randrange(100)], [1, 1 << 41], [2, 0], [0, -1], [True, 0],
+                                 _junk(rng)])
+            return [name, cursor] if rng.random() < 0.5 else [name]
+        if op == P.OP_LOCKS:
+            return [rng.choice(["", "orders/", _junk(rng)]), rng.choice([None, 1, 10_000, 0]),
+                    rng.choice([None, name]), rng.choice([None, "name", "contended", "x"])]
         return [_junk(rng) for _ in range(rng.randrange(0, 3))]
 
     def request(self, spec: Spec) -> tuple[int, list]:

@@ -226,21 +226,26 @@ class LockTable:
     def holder(self, name: str, now: int, owner: bytes | None = None) -> Holder | None:
         """An unexpired holder: without owner the exclusive one, else the earliest-granted
         shared holder / permit; with owner (bytes) that owner's lease of any kind."""
-    def holders_of(self, name: str, now: int) -> list[Holder]:
+    def holder_count(self, name: str, now: int) -> int:
+        """Number of unexpired holders of ``name`` (no snapshots built)."""
+    def holders_of(self, name: str, now: int, start: int = 0, limit: int = -1) -> list[Holder]:
         """Every unexpired holder of ``name``: the exclusive one, or the shared holders /
-        permits in grant order."""
+        permits in grant order; ``start`` skips that many, at most ``limit`` (< 0: all)."""
     def check(self, name: str, token: int, now: int) -> bool:
         """True iff ``token`` is an unexpired holder's token, of any kind (Chubby's sequencer check)."""
     def waiters(self, name: str) -> list[bytes]:
         """Owners waiting on ``name`` in FIFO order."""
-    def waiter_details(self, name: str) -> list[tuple[int, bool, int, Any, bool]]:
+    def waiter_details(self, name: str, start: int = 0, limit: int = -1) -> list[tuple[int, bool, int, Any, bool]]:
         """The waiters of ``name`` in FIFO order as (session, shared, limit, meta, many):
         ``limit`` the name's semaphore limit (0 for a lock), ``many`` part of an
-        acquire_many() request.  Owners are not included (for contenders())."""
-    def waiter_info(self, name: str) -> list[tuple[bytes, int, Any, int, int, bool]]:
+        acquire_many() request.  Owners are not included (for contenders()).  ``start``
+        skips that many waiters, at most ``limit`` (< 0: all)."""
+    def queue_length(self, name: str) -> int:
+        """Number of waiters on ``name``."""
+    def waiter_info(self, name: str, limit: int = -1) -> list[tuple[bytes, int, Any, int, int, bool]]:
         """Waiters on ``name`` in FIFO order as ``(owner, session, meta, enqueued_ms,
         deadline_ms, shared)`` (ms; ``deadline_ms`` -1: waits without end; a member of an
-        acquire_many() request has the request's deadline)."""
+        acquire_many() request has the request's deadline); the first ``limit`` (< 0: all)."""
     def session_waiters(self, session: int) -> int: ...
     def snapshot_begin(self, pack: Callable[[Any], bytes]) -> None:
         """Begin a snapshot of every holder as the msgpack array a WAL snapshot stores,

@@ -1719,24 +1719,50 @@ cdef class LockTable:
                 return self._lease_snapshot(lock, lease)
         return None
 
-    def holders_of(self, name, now):
+    def holders_of(self, name, now, start=0, limit=-1):
         """Every unexpired holder of ``name`` at ``now`` (:class:`Holder` snapshots):
-        the exclusive holder, or the shared holders / permits in grant order.  Pure query."""
+        the exclusive holder, or the shared holders / permits in grant order.  Pure query.
+        ``start`` (int >= 0) skips that many of them, ``limit`` (int; < 0: no limit)
+        returns at most that many: a page is built without the others' snapshots."""
         cdef str n = _name(name)
         cdef int64_t t = _ms(now, "now", 0)
+        cdef Py_ssize_t skip = start
+        cdef Py_ssize_t most = limit
         cdef _Lock lock = <_Lock>self._locks.get(n)
         cdef _Lease lease
         cdef list out = []
-        if lock is None:
+        if lock is None or most == 0:
             return out
         if lock.held:
-            if lock.deadline > t:
+            if lock.deadline > t and skip == 0:
                 out.append(self._snapshot(lock))
         elif lock.n_leases:
             for lease in lock.leases.values():
                 if lease.deadline > t:
+                    if skip > 0:
+                        skip -= 1
+                        continue
                     out.append(self._lease_snapshot(lock, lease))
+                    if len(out) == most:
+                        break
         return out
+
+    def holder_count(self, name, now):
+        """Number of unexpired holders of ``name`` at ``now`` (int), counted without
+        snapshots.  Pure query."""
+        cdef _Lock lock = <_Lock>self._locks.get(_name(name))
+        cdef int64_t t = _ms(now, "now", 0)
+        cdef _Lease lease
+        cdef int64_t n = 0
+        if lock is None:
+            return 0
+        if lock.held:
+            return 1 if lock.deadline > t else 0
+        if lock.n_leases:
+            for lease in lock.leases.values():
+                if lease.deadline > t:
+                    n += 1
+        return n
 
     cdef Holder _lease_snapshot(self, _Lock lock, _Lease lease):
         cdef Holder h = Holder.__new__(Holder)
@@ -1798,41 +1824,55 @@ cdef class LockTable:
                 w = w.next
         return out
 
-    def waiter_details(self, name):
+    def waiter_details(self, name, start=0, limit=-1):
         """The waiters of ``name`` in FIFO order, each as a tuple
         (session, shared, limit, meta, many): ``limit`` is the name's semaphore
         limit (0 for a lock), ``many`` whether the waiter is part of an
-        acquire_many() request.  For contenders(); owners are not included."""
+        acquire_many() request.  For contenders(); owners are not included.
+        ``start`` (int >= 0) skips that many waiters, ``limit`` (int; < 0: no limit)
+        returns at most that many: a page is built without the others' tuples."""
         cdef str n = _name(name)
+        cdef Py_ssize_t skip = start
+        cdef Py_ssize_t most = limit
         cdef _Lock lock = <_Lock>self._locks.get(n)
         cdef list out = []
         cdef _Waiter w
-        if lock is not None:
+        if lock is not None and most != 0:
             w = lock.head
-            while w is not None:
+            while w is not None and skip > 0:
+                w = w.next
+                skip -= 1
+            while w is not None and len(out) != most:
                 out.append((w.session, bool(w.shared) and lock.limit == 0, lock.limit, w.meta,
                             w.group is not None))
                 w = w.next
         return out
 
-    def waiter_info(self, name):
+    def waiter_info(self, name, limit=-1):
         """The waiters on ``name`` in FIFO order, each ``(owner, session, meta, enqueued_ms,
         deadline_ms, shared)``: ``enqueued_ms`` is the ``now`` of the acquire it answers,
         ``deadline_ms`` when its wait runs out (its acquire_many() request's, for a member
-        of one), -1 for a wait without end.  Times in milliseconds."""
+        of one), -1 for a wait without end.  Times in milliseconds.  At most ``limit``
+        (int; < 0: all), the first in the queue."""
         cdef str n = _name(name)
+        cdef Py_ssize_t most = limit
         cdef _Lock lock = <_Lock>self._locks.get(n)
         cdef list out = []
         cdef _Waiter w
         cdef _Entry e
-        if lock is not None:
+        if lock is not None and most != 0:
             w = lock.head
-            while w is not None:
+            while w is not None and len(out) != most:
                 e = w.group if w.group is not None else w
                 out.append((w.owner, w.session, w.meta, w.enqueued_ms,
                             e.deadline if e.index >= 0 else -1, bool(w.shared)))
                 w = w.next
         return out
+
+    def queue_length(self, name):
+        """Number of waiters on ``name`` (int)."""
+        cdef _Lock lock = <_Lock>self._locks.get(_name(name))
+        return 0 if lock is None or lock.by_owner is None else len(lock.by_owner)
 
     def session_waiters(self, session):
         """Number of waiters of ``session`` (int)."""

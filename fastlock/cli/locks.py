@@ -137,14 +137,17 @@ def _print_json(value: Any) -> None:
 
 #: leases asked for per LOCKS request when ``fastlock locks`` pages through the table
 PAGE = 1_000
+#: most leases ``fastlock locks`` lists (it then says how many matched)
+MAX_LISTED = 100_000
 
 
 async def _every_lock(client: Client, prefix: str) -> LockList:
-    """Every held lease whose name starts with ``prefix``, a page (:data:`PAGE`) per request,
-    so the server never builds the whole listing at once; ``matched`` as the first page said."""
+    """Every held lease whose name starts with ``prefix`` (at most :data:`MAX_LISTED`), a page
+    (:data:`PAGE` leases, about 64 KiB) per request, so the server never builds the whole
+    listing at once; ``matched`` as the first page said."""
     page = first = await client.locks(prefix, most=PAGE)
     leases = list(page.locks)
-    while page.truncated and page.next is not None:
+    while page.truncated and page.next is not None and len(leases) < MAX_LISTED:
         page = await client.locks(prefix, most=PAGE, after=page.next)
         leases += page.locks
     return LockList(leases, first.matched, page.truncated)

@@ -87,7 +87,8 @@ class WaiterInfo:
 @dataclass(frozen=True)
 class LockInfo:
     """A lock's holders (grant order; empty when free) and waiters (FIFO order; the
-    server lists at most 1000, ``waiter_count`` is the full number)."""
+    server lists at most 1000 of each and about 64 KiB in all, ``waiter_count`` is the
+    full number; :meth:`~fastlock.client.Client.contenders` lists every one)."""
 
     name: str
     holders: list[LeaseInfo]

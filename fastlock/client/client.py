@@ -35,7 +35,7 @@ from .connection import BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, Rid
 from .election import Election
 from .environment import addresses_from_env, tls_from_env
 from .keys import KeyMethods
-from .kinds import Semaphore, kind_args
+from .kinds import MAX_CONTENDERS, Semaphore, kind_args, list_contenders
 from .lease import HolderInfo, Lease, LeaseState, WatchEvent, check_fraction, check_lease
 from .multilock import LockManyContext, MultiLease, acquire_many, release_many, sorted_names
 from .owner_keys import new_owner_key
@@ -495,12 +495,14 @@ class Client(KeyMethods, LockAdminMethods):
         Raises InvalidArgument / WrongArgumentType for a bad name or limit."""
         return Semaphore(self, name, limit)
 
-    async def contenders(self, name: str) -> dict[str, Any]:
+    async def contenders(self, name: str, *, most: int = MAX_CONTENDERS) -> dict[str, Any]:
         """The holders and the FIFO-ordered waiters of lock or semaphore ``name``
-        (kazoo's ``contenders()``): ``{"holders": [...], "waiters": [...]}``, each a
-        dict (see :mod:`fastlock.protocol`, CONTENDERS)."""
-        info: dict[str, Any] = await self._request(P.OP_CONTENDERS, P.check_name(name))
-        return info
+        (kazoo's ``contenders()``): ``{"holders": [...], "waiters": [...], "truncated":
+        bool}``, each a dict (see :mod:`fastlock.protocol`, CONTENDERS), at most ``most``
+        (int >= 1, default 100,000) of them, the server's pages followed
+        (:func:`~fastlock.client.kinds.list_contenders`).  Raises InvalidArgument for a
+        bad name or ``most``."""
+        return await list_contenders(self._request, name, most)
 
     # -- several locks at once --------------------------------------------------------
     async def acquire_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None,

@@ -33,6 +33,7 @@ from ..logsafe import quote
 from ..protocol.ops import PUSH_VALUE
 from ..protocol.rpc import NotFastlockReply, RpcConnection, what_answered
 from ..units import parse_address
+from .keywatch import KeyWatches
 from .lease import WatchEvent
 
 log = logging.getLogger(__name__)
@@ -76,9 +77,8 @@ class ClientConnection(RpcConnection):
             open on this connection, by lock name; each receives
             :class:`~fastlock.client.WatchEvent` items, then ``None`` when the
             connection ends.
-        key_watches (dict[str, set[asyncio.Queue]]): the same for the key
-            watches (:mod:`fastlock.client.keys`), by prefix; each receives the
-            ``"value"`` pushes' payloads.
+        key_watches (KeyWatches): the same for the key watches
+            (:mod:`fastlock.client.keys`), by prefix (:mod:`fastlock.client.keywatch`).
     """
 
     __slots__ = ("watches", "key_watches")
@@ -88,7 +88,7 @@ class ClientConnection(RpcConnection):
         super().__init__(address, on_push=self._dispatch_push, on_close=on_close,
                          liveness_timeout=liveness_timeout)
         self.watches: dict[str, set[asyncio.Queue[Any]]] = {}
-        self.key_watches: dict[str, set[asyncio.Queue[Any]]] = {}
+        self.key_watches = KeyWatches()
 
     def _dispatch_push(self, kind: Any, payload: Any) -> None:
         if kind == P.PUSH_WATCH:
@@ -96,8 +96,7 @@ class ClientConnection(RpcConnection):
             for queue in self.watches.get(event.name, ()):
                 queue.put_nowait(event)
         elif kind == PUSH_VALUE and type(payload) is list and len(payload) == 4:
-            for queue in self.key_watches.get(payload[0], ()):
-                queue.put_nowait(payload)
+            self.key_watches.deliver(payload)
 
 
 class Connector:

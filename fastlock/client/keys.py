@@ -15,7 +15,6 @@ watcher of its prefix - within the TTL after this process vanishes::
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -32,6 +31,7 @@ from ..protocol.ops import (
     OP_KEY_UNWATCH,
     OP_KEY_WATCH,
 )
+from .keywatch import KeyWatches
 from .lease import Lease, check_lease
 from .watch import subscribe, unsubscribe
 
@@ -60,13 +60,16 @@ class KeyValue(NamedTuple):
 class KeyList(list[KeyValue]):
     """What :meth:`KeyMethods.list_prefix` returns: a list of :class:`KeyValue` in key
     order, and ``more`` (bool): True when more keys matched than the ``limit`` let the
-    server list (the list is then a prefix of them, not all)."""
+    server list (the list is then a prefix of them, not all); ``cursor`` (str or None):
+    when ``more``, the ``after`` that lists the next keys."""
 
     more: bool
+    cursor: str | None
 
-    def __init__(self, keys: list[KeyValue], more: bool):
+    def __init__(self, keys: list[KeyValue], more: bool, cursor: str | None = None):
         super().__init__(keys)
         self.more = more
+        self.cursor = cursor
 
 
 class KeyEvent(NamedTuple):
@@ -138,16 +141,38 @@ class KeyMethods:
         return KeyValue(key, info["value"], info["lease"], info["token"], info["created_wall_ms"],
                         info["updated_wall_ms"])
 
-    async def list_prefix(self, prefix: str, *, limit: int = 1000) -> KeyList:
+    async def list_prefix(self, prefix: str, *, limit: int = 1000, after: str | None = None) -> KeyList:
         """The keys that start with ``prefix`` ("" for every key the ACL lets one read), in
         key order, at most ``limit`` (1..10000); ``.more`` of the :class:`KeyList` tells
-        whether more matched.  Raises PermissionDenied unless the ACL
-        grants ``get`` on a prefix of ``prefix``."""
+        whether more matched, and its ``.cursor`` is the ``after`` that lists them.
+        ``after`` (a key, or None): only the keys above it.
+
+        The server answers in pages of about 64 KiB
+        (:data:`~fastlock.protocol.ops.MAX_PAGE_BYTES`); this follows them (at most
+        ``limit`` keys, so at most ``limit`` requests) until ``limit`` keys or the last one.
+        Pages are read one after another, not at one instant: a key changed meanwhile may
+        show its old or its new value, and one added or deleted meanwhile may be missing.
+
+        Raises:
+            PermissionDenied: the ACL does not grant ``get`` on a prefix of ``prefix``.
+            InvalidArgument: ``limit`` is not an int 1..10000, ``after`` not a key.
+        """
         _check_prefix(prefix)
         if type(limit) is not int or not 1 <= limit <= MAX_LIST:
             raise InvalidArgument(f"limit must be an int 1..{MAX_LIST}, not {limit!r}")
-        reply = await self._request(OP_KEY_LIST, prefix, limit)
-        return KeyList([KeyValue(*item) for item in reply["keys"]], bool(reply.get("more")))
+        if after is not None:
+            P.check_name(after)
+        keys: list[KeyValue] = []
+        while True:
+            args = (prefix, limit - len(keys)) if after is None else (prefix, limit - len(keys), after)
+            reply = await self._request(OP_KEY_LIST, *args)
+            keys += [KeyValue(*item) for item in reply["keys"]]
+            more = bool(reply.get("more"))
+            cursor = reply.get("cursor")
+            if not more or len(keys) >= limit or type(cursor) is not str or not reply["keys"]:
+                # the last page; or a server that does not page (no cursor): its one reply
+                return KeyList(keys, more, keys[-1].key if more and keys else None)
+            after = cursor
 
     async def delete(self, key: str) -> bool:
         """Delete ``key``; True if it existed (ACL operation ``delete``)."""
@@ -168,12 +193,14 @@ class KeyMethods:
         return _watch_prefix(self._connector, prefix, self._op_timeout)
 
 
-def _key_watches(proto: ClientConnection) -> dict[str, set[asyncio.Queue[Any]]]:
+def _key_watches(proto: ClientConnection) -> KeyWatches:
     return proto.key_watches
 
 
 async def _watch_prefix(connector: Connector, prefix: str, timeout: float) -> AsyncIterator[KeyEvent]:
-    proto, queue, _ = await subscribe(connector, timeout, _key_watches, OP_KEY_WATCH, prefix)
+    proto, queue, reply = await subscribe(connector, timeout, _key_watches, OP_KEY_WATCH, prefix)
+    if type(reply) is dict and reply.get("once") is True:
+        proto.key_watches.once = True
     try:
         while True:
             item = await queue.get()
@@ -204,9 +231,9 @@ class SyncKeyMethods:
         """As :meth:`KeyMethods.get`."""
         return self.call(self._client.get(key))  # type: ignore[no-any-return]
 
-    def list_prefix(self, prefix: str, *, limit: int = 1000) -> KeyList:
+    def list_prefix(self, prefix: str, *, limit: int = 1000, after: str | None = None) -> KeyList:
         """As :meth:`KeyMethods.list_prefix`."""
-        return self.call(self._client.list_prefix(prefix, limit=limit))  # type: ignore[no-any-return]
+        return self.call(self._client.list_prefix(prefix, limit=limit, after=after))  # type: ignore[no-any-return]
 
     def delete(self, key: str) -> bool:
         """As :meth:`KeyMethods.delete`."""

@@ -8,11 +8,14 @@
   the server grants all of them together or none, queues the request FIFO on
   every name, and holds none of them while it waits (see
   :meth:`fastlock.client.Client.acquire_many`).
+* :func:`list_contenders` follows ``CONTENDERS``' pages (a lock's holders, then
+  its waiters in FIFO order, about 64 KiB per reply) up to a bounded count.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
@@ -27,7 +30,39 @@ if TYPE_CHECKING:  # pragma: no cover
     from .renewer import LockContext
     from .sync import SyncClient, SyncLease, SyncLockContext
 
-__all__ = ["kind_args", "check_semaphore", "Semaphore", "SyncSemaphore", "acquire_set"]
+__all__ = ["kind_args", "check_semaphore", "Semaphore", "SyncSemaphore", "acquire_set", "list_contenders",
+           "MAX_CONTENDERS"]
+
+#: most contenders :func:`list_contenders` collects by default (the server's default ``--max-waiters``)
+MAX_CONTENDERS = 100_000
+
+
+async def list_contenders(request: Callable[..., Awaitable[Any]], name: str,
+                          most: int = MAX_CONTENDERS) -> dict[str, Any]:
+    """The holders (grant order) and waiters (FIFO order) of ``name``: ``{"holders": [...],
+    "waiters": [...], "truncated": bool}``, following the server's CONTENDERS pages
+    (``request(op, *args)`` sends one) until the last page or ``most`` contenders (int >= 1);
+    ``truncated``: more remained.  Pages are read one after another, not at one instant: a
+    contender that leaves or arrives meanwhile may be missed or listed twice.
+
+    Raises:
+        InvalidArgument / WrongArgumentType: a bad name, ``most`` not an int >= 1.
+    """
+    P.check_name(name)
+    if type(most) is not int or most < 1:
+        raise InvalidArgument(f"most must be an int >= 1, not {most!r}")
+    holders: list[Any] = []
+    waiters: list[Any] = []
+    cursor = None
+    while True:
+        page = await request(P.OP_CONTENDERS, *((name,) if cursor is None else (name, cursor)))
+        holders += page["holders"]
+        waiters += page["waiters"]
+        cursor = page.get("cursor")  # absent: a server that sends everything in one reply
+        if cursor is None or len(holders) + len(waiters) >= most or not (page["holders"] or page["waiters"]):
+            break
+    truncated = cursor is not None or len(holders) + len(waiters) > most
+    return {"holders": holders[:most], "waiters": waiters[:max(0, most - len(holders))], "truncated": truncated}
 
 
 def kind_args(shared: Any, limit: Any) -> tuple[Any, ...]:

@@ -49,7 +49,7 @@ from .admin import LeaseInfo, LockInfo, LockList, PrincipalRevocation
 from .client import Client
 from .forks import check_held_here, fork_lock, keep_inherited
 from .keys import SyncKeyMethods
-from .kinds import SyncSemaphore
+from .kinds import MAX_CONTENDERS, SyncSemaphore
 from .lease import HolderInfo, Lease, WatchEvent
 from .multilock import MultiLease
 from .sync_election import SyncElection
@@ -355,9 +355,9 @@ class SyncClient(SyncKeyMethods):
         """As :meth:`Client.semaphore <fastlock.client.Client.semaphore>`: ``acquire``/``lock`` take a permit."""
         return SyncSemaphore(self, name, limit)
 
-    def contenders(self, name: str) -> dict[str, Any]:
+    def contenders(self, name: str, *, most: int = MAX_CONTENDERS) -> dict[str, Any]:
         """As :meth:`Client.contenders <fastlock.client.Client.contenders>`."""
-        return self.call(self._client.contenders(name))
+        return self.call(self._client.contenders(name, most=most))
 
     def release(self, lease: SyncLease) -> None:
         """As :meth:`Client.release <fastlock.client.Client.release>`.

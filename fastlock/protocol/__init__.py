@@ -60,12 +60,12 @@ REPL_ACK   13  echoed_primary_ms, applied_lsn                         (no reply)
 PROMOTE    14  force                                                  dict (new epoch...)
 SERVE_ALONE 15 -                                                      None
 STEP_DOWN  16  epoch, seen_primary_ms                                 {"role", "epoch"}
-LOCKS      20  prefix, most|None                                      {"locks", "matched", "truncated"}
+LOCKS      20  prefix, most|None[, after, order]                      {"locks", "matched", "truncated", "next"}
 LOCK_INFO  21  name                                                   {"name", "holders", "waiters", ...}
 REVOKE     22  name, token|None, reason|None                          {"name", "revoked"}
 ACQUIRE_MANY 30 [[name, shared], ...], owner, ttl_ms, wait_ms,        [[token, ...], ttl_ms, waited_ms]
                lock_delay_ms, corr_id[, actor]
-CONTENDERS 31  name                                                   {"holders": [...], "waiters": [...]}
+CONTENDERS 31  name[, cursor]                                         {"holders", "waiters", "cursor"}
 SYNC_ACK   50  lsn (the primary's, at the sync ack point)             (no reply)
 =========  ==  =====================================================  ======================
 
@@ -83,6 +83,20 @@ together (one token per name, in request order, one lease per name, all with
 them.  CONTENDERS lists a lock's holders (token, shared, limit, principal,
 client, correlation_id, remaining_ms) and its waiters in FIFO order (shared,
 limit, principal, client, correlation_id, many), as kazoo's ``contenders()``.
+
+Lists are paged by bytes: a reply of CONTENDERS, LOCKS or KEY_LIST (key store, ops
+40-45: :mod:`fastlock.server.keys`) carries at most about ``MAX_PAGE_BYTES`` (64 KiB,
+:mod:`fastlock.protocol.ops`; one row alone always goes) and a cursor to the next page:
+CONTENDERS' ``cursor`` (``[part, position]``, None on the last page) goes back as its
+second argument, LOCKS' ``next`` as ``after``, KEY_LIST's ``cursor`` (the page's last
+key) as its third argument ``after``.  A cursor is checked like any argument and names
+a position, never state the server keeps.  A key change reaches a connection once
+however many of its key watches match (KEY_WATCH replies ``{"once": True}``).
+
+Work per connection is bounded per loop turn: a read is decoded a piece at a time and
+its requests are dispatched at most 64 (or about 1 ms, less when many connections
+pipeline) per turn, in order, with reading paused until they are done
+(:mod:`fastlock.server.session`), so a pipelining connection never holds the others.
 
 The number of arguments of every op is declared once, in :data:`OPS` (and so
 :data:`OP_ARITY`); the server refuses any other count with ``ProtocolError``

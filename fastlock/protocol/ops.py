@@ -37,7 +37,7 @@ OP_REVOKE = 22
 # the key/value store (fastlock.server.keys): small values, optionally attached to a lease
 OP_KEY_PUT = 40  # key, value, lease name or None, token, owner key, mode (KEY_UPSERT/KEY_CREATE/KEY_REPLACE)
 OP_KEY_GET = 41  # key
-OP_KEY_LIST = 42  # prefix, limit
+OP_KEY_LIST = 42  # prefix, limit[, after]
 OP_KEY_DELETE = 43  # key
 OP_KEY_WATCH = 44  # prefix
 OP_KEY_UNWATCH = 45  # prefix
@@ -81,7 +81,7 @@ OPS: tuple[Op, ...] = (
     Op(OP_STEP_DOWN, "step_down", 2, 2),
     Op(OP_KEY_PUT, "key_put", 6, 6),
     Op(OP_KEY_GET, "key_get", 1, 1),
-    Op(OP_KEY_LIST, "key_list", 2, 2),
+    Op(OP_KEY_LIST, "key_list", 2, 3),  # prefix, limit[, after (the cursor of the previous page)]
     Op(OP_KEY_DELETE, "key_delete", 1, 1),
     Op(OP_KEY_WATCH, "key_watch", 1, 1),
     Op(OP_KEY_UNWATCH, "key_unwatch", 1, 1),
@@ -89,7 +89,7 @@ OPS: tuple[Op, ...] = (
     Op(OP_LOCK_INFO, "lock_info", 1, 1),  # name
     Op(OP_REVOKE, "revoke", 3, 4),  # name, token (None: every holder), reason (None or text)[, principal]
     Op(OP_ACQUIRE_MANY, "acquire_many", 6, 7),  # [, actor]
-    Op(OP_CONTENDERS, "contenders", 1, 1),
+    Op(OP_CONTENDERS, "contenders", 1, 2),  # name[, cursor (the previous page's)]
     Op(OP_SYNC_ACK, "sync_ack", 1, 1),  # standby -> primary: primary LSN at the sync ack point
 )
 
@@ -98,6 +98,11 @@ OP_ARITY: dict[int, tuple[int, int]] = {op.code: (op.min_args, op.max_args) for 
 
 #: the name of each op
 OP_NAMES: dict[int, str] = {op.code: op.name for op in OPS}
+
+#: about the most bytes of rows one list reply (KEY_LIST, CONTENDERS, LOCKS) carries: a
+#: page stops at the first row beyond it (one row alone always goes), far under any output
+#: cap, and the reply names the cursor of the next page
+MAX_PAGE_BYTES = 64 << 10
 
 #: the status of a successful reply ``[req_id, 0, value]``; errors carry their
 #: class's code from :mod:`fastlock.errors`

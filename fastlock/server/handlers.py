@@ -244,7 +244,7 @@ class Handlers:
         retry = table.holder(name, now, owner) is not None
         # the global cap counts leases held: an exclusive request on a held name adds none now (it queues)
         if (not retry and len(table) >= config.max_leases
-                and (shared or limit or not table.holders_of(name, now))):
+                and (shared or limit or not table.holders_of(name, now, 0, 1))):
             raise limit_exceeded(config.max_leases, "the server", "leases", "max-leases")
         # the principal's quotas: a lease, granted now or reserved by a waiter (see PrincipalQuotas)
         usage = None if retry else quotas.check_acquire(conn.principal, 1, 1 if wait_ms != 0 else 0)
@@ -375,13 +375,12 @@ class Handlers:
         """The holder (of a shared lock or a semaphore: the earliest granted, and how many hold it)."""
         now = monotonic_ms()
         h = self.table.holder(name, now)
-        holders = 1
         if h is None:
-            shared = self.table.holders_of(name, now)
+            shared = self.table.holders_of(name, now, 0, 1)  # the earliest; the others are only counted
             if not shared:
                 return None
             h = shared[0]
-            holders = len(shared)
+        holders = self.table.holder_count(name, now) if h.shared or h.limit else 1
         client, corr = h.meta if h.meta else (None, None)
         principal, client = split_recorded_client(client)
         return {"token": h.token, "principal": principal, "client": client, "correlation_id": corr,

@@ -21,12 +21,21 @@ operations ``put``, ``get`` and ``delete`` (a watch needs ``get``):
   created, False if replaced, once the KEY_PUT record is durable.
 * KEY_GET ``key``: ``{"value", "lease", "token", "principal", "created_wall_ms",
   "updated_wall_ms"}`` or None.
-* KEY_LIST ``prefix, limit``: ``{"keys": [[key, value, lease, token, created_wall_ms,
-  updated_wall_ms], ...], "more": bool}``, in key order, at most ``limit`` (1..10000).
+* KEY_LIST ``prefix, limit[, after]``: one page, ``{"keys": [[key, value, lease, token,
+  created_wall_ms, updated_wall_ms], ...], "more": bool, "cursor": str or None}``, in key
+  order: the keys above ``after`` (None or absent: from the first), at most ``limit``
+  (1..10000) and about :data:`~fastlock.protocol.ops.MAX_PAGE_BYTES` (64 KiB; one key
+  alone always goes).  When ``more``, ``cursor`` is the ``after`` of the next page (the
+  page's last key: the server keeps nothing between pages).  The page is built by walking
+  the sorted keys from ``after`` and stopping at the budget, never the whole list.
 * KEY_DELETE ``key``: True if it was there (once the KEY_DELETE record is durable).
 * KEY_WATCH / KEY_UNWATCH ``prefix``: ``"value"`` pushes ``[prefix, what, key, value]``
   for every later change of a key under ``prefix``; ``what`` is "put", "delete",
-  "expired" (its lease expired) or "released" (its lease was released).
+  "expired" (its lease expired) or "released" (its lease was released).  A change
+  reaches a connection ONCE however many of its watched prefixes match (``prefix`` is
+  the shortest of them): KEY_WATCH replies ``{"once": True}`` to say so, and the client
+  hands the push to each of its watches whose prefix the key starts with (a client that
+  does not read that reply hands it to the watch of the prefix it names only).
 
 Limits (:class:`~fastlock.server.ServerConfig`, ``fastlock serve`` flags): a key is
 1..512 bytes of UTF-8 like a lock name, a value at most ``max_value_bytes``; at most
@@ -55,6 +64,7 @@ from ..protocol.ops import (
     KEY_CREATE,
     KEY_REPLACE,
     KEY_UPSERT,
+    MAX_PAGE_BYTES,
     OP_KEY_DELETE,
     OP_KEY_GET,
     OP_KEY_LIST,
@@ -74,8 +84,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-#: most keys one KEY_LIST reply carries
+#: most keys one KEY_LIST reply carries (and at most about MAX_PAGE_BYTES of them)
 MAX_LIST = 10_000
+#: what a listed key's row costs beside its key, value and lease name (msgpack bytes, at most)
+ROW_BYTES = 40
+
+#: KEY_WATCH's value: ``once`` - a change reaches the connection in one push however many of
+#: its watches match (the client hands it to each; see :meth:`KeyStore._notify`)
+WATCH_REPLY = {"once": True}
 
 #: the client ACL operation each key operation needs (checked on the key or prefix)
 PERMISSIONS: dict[int, str] = {OP_KEY_PUT: "put", OP_KEY_GET: "get", OP_KEY_LIST: "get",
@@ -131,14 +147,27 @@ class KeyStore:
 
     # -- watches -------------------------------------------------------------------------
     def _notify(self, what: str, key: str, value: bytes | None) -> None:
+        """Push the change to every connection watching a prefix of ``key``, ONCE per
+        connection however many of its watches match: the push names the connection's
+        shortest matching prefix, and the client hands it to each of its watches whose
+        prefix ``key`` starts with (KEY_WATCH's reply says so: ``{"once": True}``).  A
+        frame is built once per prefix named, not per connection or per match."""
         watchers = self.watchers
         if not watchers:
             return
+        told: set[Session] | None = None
         for n in range(len(key) + 1):
             conns = watchers.get(key[:n])
             if conns:
-                data = P.encode_push(PUSH_VALUE, [key[:n], what, key, value])
+                data = None
                 for conn in conns:
+                    if told is None:
+                        told = set()
+                    elif conn in told:
+                        continue
+                    told.add(conn)
+                    if data is None:
+                        data = P.encode_push(PUSH_VALUE, [key[:n], what, key, value])
                     conn.send(data)
 
     def forget(self, conn: Session) -> None:
@@ -205,15 +234,18 @@ class KeyStore:
         limit = msg[3]
         if type(limit) is not int or not 1 <= limit <= MAX_LIST:
             raise InvalidArgument(f"list limit must be an int 1..{MAX_LIST}, not {limit!r}")
+        after = P.check_name(msg[4]) if len(msg) > 4 and msg[4] is not None else None
         self.server.roles.admit(Action.READ)
         out: list[list[Any]] = []
         more = False
-        for key, e in self.space.with_prefix(prefix):
-            if len(out) == limit:
+        size = 0
+        for key, e in self.space.with_prefix(prefix, after):
+            if len(out) == limit or size > MAX_PAGE_BYTES:
                 more = True
                 break
             out.append([key, e.value, e.lease_name, e.token, e.created_wall_ms, e.updated_wall_ms])
-        conn.send(P.encode_ok(req_id, {"keys": out, "more": more}))
+            size += ROW_BYTES + len(key) + len(e.value) + (len(e.lease_name) if e.lease_name else 0)
+        conn.send(P.encode_ok(req_id, {"keys": out, "more": more, "cursor": out[-1][0] if more else None}))
 
     def op_delete(self, conn: Session, req_id: int, msg: list) -> None:
         key = P.check_name(msg[2])
@@ -241,7 +273,7 @@ class KeyStore:
             quotas.count_watches(conn, 1)
             mine.add(prefix)
             self.watchers.setdefault(prefix, set()).add(conn)
-        conn.send(P.encode_ok(req_id, None))
+        conn.send(P.encode_ok(req_id, WATCH_REPLY))
 
     def op_unwatch(self, conn: Session, req_id: int, msg: list) -> None:
         prefix = check_prefix(msg[2])

@@ -5,7 +5,8 @@
   :class:`ManyRequest`, which collects the one ``EV_GRANTED`` per name the core
   emits for it (in one drain) and answers once, with every token in request order.
 * ``CONTENDERS`` (:meth:`KindHandlers.op_contenders`): a lock's holders and its
-  ordered waiters, as kazoo's ``contenders()``.
+  ordered waiters, as kazoo's ``contenders()``, a page (about 64 KiB) per request
+  with a cursor to the next.
 * :class:`DeadlockTimer`: while anything waits, every ``deadlock_timeout_ms / 2``
   it asks the core to break the wait-for cycles older than ``deadlock_timeout_ms``
   (PostgreSQL's ``deadlock_timeout``); each victim's acquire fails with
@@ -33,6 +34,7 @@ from ..errors import (
     PermissionDenied,
 )
 from ..logsafe import quote
+from ..protocol.ops import MAX_PAGE_BYTES
 from ..roles import Action
 from ..units import monotonic_ms
 from .admission import PrincipalQuotas, limit_exceeded
@@ -121,7 +123,7 @@ def deadlock_message(ev: Any) -> str:
 
 def limit_conflict(table: Any, name: str, limit: int, now: int) -> LimitConflict:
     """The error for an acquire whose ``limit`` disagrees with the name's."""
-    holders = table.holders_of(name, now)
+    holders = table.holders_of(name, now, 0, 1)
     current = (f"a semaphore of limit {holders[0].limit}" if holders and holders[0].limit
                else "a lock" if holders else "waited on under another limit")
     asked = f"a semaphore of limit {limit}" if limit else "a lock"
@@ -190,24 +192,83 @@ class KindHandlers:
             raise LockNotAcquired(f"{len(items)} locks: not all free now")
 
     def op_contenders(self, conn: Session, req_id: int, msg: list) -> None:
-        """CONTENDERS: ``name`` -> {"holders": [...], "waiters": [...]} (FIFO order)."""
+        """CONTENDERS ``name[, cursor]``: one page of the lock's holders (grant order), then
+        its waiters (FIFO order): ``{"holders": [...], "waiters": [...], "cursor": ...}``.
+        A page holds at most :data:`MAX_CONTENDERS_LISTED` contenders and about
+        :data:`~fastlock.protocol.ops.MAX_PAGE_BYTES` (one alone always goes); ``cursor``
+        (None on the last page) is what the next request sends back: ``[part, position]``,
+        part 0 the holders, 1 the waiters, ``position`` how many of that part were listed
+        (checked, never server state).  Only the page's rows are built (the core skips the
+        earlier contenders and stops at the page's end)."""
         name = P.check_name(msg[2])
+        part, position = check_contenders_cursor(msg[3] if len(msg) > 3 else None)
         self.roles.admit(Action.READ)
         now = monotonic_ms()
         table = self.table
-        holders = []
-        for h in table.holders_of(name, now):
-            client, corr = h.meta if h.meta else (None, None)
-            principal, client = split_recorded_client(client)
-            holders.append({"token": h.token, "shared": h.shared, "limit": h.limit, "principal": principal,
-                            "client": client, "correlation_id": corr, "remaining_ms": h.deadline_ms - now})
-        waiters = []
-        for _session, shared, limit, meta, many in table.waiter_details(name):
-            client, corr = meta if meta else (None, None)
-            principal, client = split_recorded_client(client)
-            waiters.append({"shared": shared, "limit": limit, "principal": principal, "client": client,
-                            "correlation_id": corr, "many": many})
-        conn.send(P.encode_ok(req_id, {"holders": holders, "waiters": waiters}))
+        page = ContendersPage()
+        if part == 0:
+            for h in table.holders_of(name, now, position, MAX_CONTENDERS_LISTED + 1):
+                client, corr = h.meta if h.meta else (None, None)
+                principal, client = split_recorded_client(client)
+                if not page.add(page.holders, {"token": h.token, "shared": h.shared, "limit": h.limit,
+                                               "principal": principal, "client": client, "correlation_id": corr,
+                                               "remaining_ms": h.deadline_ms - now}):
+                    page.cursor = [0, position + len(page.holders)]
+                    break
+            else:
+                part, position = 1, 0
+        if part == 1:
+            queued = table.waiter_details(name, position, MAX_CONTENDERS_LISTED + 1 - len(page.holders))
+            for _session, shared, limit, meta, many in queued:
+                client, corr = meta if meta else (None, None)
+                principal, client = split_recorded_client(client)
+                if not page.add(page.waiters, {"shared": shared, "limit": limit, "principal": principal,
+                                               "client": client, "correlation_id": corr, "many": many}):
+                    page.cursor = [1, position + len(page.waiters)]
+                    break
+        conn.send(P.encode_ok(req_id, {"holders": page.holders, "waiters": page.waiters, "cursor": page.cursor}))
+
+
+#: most contenders (holders and waiters together) one CONTENDERS page lists
+MAX_CONTENDERS_LISTED = 1_000
+#: what a contender's row costs beside its principal, client name and correlation id (msgpack bytes, at most)
+CONTENDER_ROW_BYTES = 120
+#: the highest position a CONTENDERS cursor may name (no lock has more holders or waiters)
+MAX_CURSOR_POSITION = 1 << 40
+
+
+def check_contenders_cursor(cursor: Any) -> tuple[int, int]:
+    """``(part, position)`` from a CONTENDERS cursor: None (the first page) or
+    ``[part 0|1, position 0..2**40]``.  :raises InvalidArgument: anything else."""
+    if cursor is None:
+        return 0, 0
+    if (type(cursor) is not list or len(cursor) != 2 or cursor[0] not in (0, 1) or type(cursor[0]) is not int
+            or type(cursor[1]) is not int or not 0 <= cursor[1] <= MAX_CURSOR_POSITION):
+        raise InvalidArgument("a contenders cursor is None or the [part, position] the previous page returned, "
+                              f"not this {type(cursor).__name__}")
+    return cursor[0], cursor[1]
+
+
+class ContendersPage:
+    """One CONTENDERS page being built: its rows, their estimated size, the next page's cursor."""
+
+    __slots__ = ("holders", "waiters", "size", "cursor")
+
+    def __init__(self) -> None:
+        self.holders: list[dict] = []
+        self.waiters: list[dict] = []
+        self.size = 0
+        self.cursor: list[int] | None = None
+
+    def add(self, rows: list[dict], row: dict) -> bool:
+        """Add ``row`` to ``rows`` if the page has room; False if it is full."""
+        listed = len(self.holders) + len(self.waiters)
+        if listed and (listed >= MAX_CONTENDERS_LISTED or self.size > MAX_PAGE_BYTES):
+            return False
+        rows.append(row)
+        self.size += (CONTENDER_ROW_BYTES + len(row["principal"] or "") + len(row["client"] or "")
+                      + len(row["correlation_id"] or ""))
+        return True
 
 
 #: seconds between two calls of break_deadlocks() while a search is left unfinished at its

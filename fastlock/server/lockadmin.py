@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from .. import protocol as P
 from ..errors import FastlockError, InvalidArgument, LockNotHeld, PermissionDenied, WrongArgumentType
 from ..logsafe import quote
+from ..protocol.ops import MAX_PAGE_BYTES
 from ..roles import Action
 from ..units import monotonic_ms, wall_ms
 from .session import split_recorded_client
@@ -42,8 +43,12 @@ log = logging.getLogger(__name__)
 
 #: the most locks one LOCKS reply lists (a client may ask for fewer); the reply says how many matched
 MAX_LOCKS_LISTED = 10_000
+#: what a LOCKS row costs beside its name, principal, client name and correlation id (msgpack bytes, at most)
+LOCK_ROW_BYTES = 200
 #: the most waiters one LOCK_INFO reply lists; the reply gives the full count
 MAX_WAITERS_LISTED = 1_000
+#: the most holders (shared leases, permits) one LOCK_INFO reply lists (CONTENDERS pages through all)
+MAX_HOLDERS_LISTED = 1_000
 #: the longest revocation reason kept in the log (characters)
 MAX_REASON_CHARS = 256
 #: leases one loop turn of a revocation by principal revokes
@@ -66,6 +71,12 @@ def _who(meta: Any) -> dict:
     return {"principal": principal, "client": client, "correlation_id": corr}
 
 
+def _row_bytes(row: dict) -> int:
+    """About what a lease's or waiter's row costs in a reply (msgpack bytes, at most)."""
+    return (LOCK_ROW_BYTES + len(row.get("name") or "") + len(row["principal"] or "") + len(row["client"] or "")
+            + len(row["correlation_id"] or ""))
+
+
 def lease_info(h: Holder, now: int) -> dict:
     """One lease as LOCKS and LOCK_INFO show it (times in ms)."""
     return {"name": h.name, "token": h.token, **_who(h.meta), "ttl_ms": h.ttl_ms,
@@ -84,8 +95,9 @@ class LockAdmin:
     def op_locks(self, conn: Session, req_id: int, msg: list) -> None:
         """LOCKS prefix, most[, after[, order]]: one page of the held leases whose name starts
         with ``prefix`` (str, "" for all), each with its lock's number of waiters; at most
-        ``most`` leases (int, None: :data:`MAX_LOCKS_LISTED`), a lock's leases never split
-        over two pages (a lock with more leases than that lists its first ``most``).
+        ``most`` leases (int, None: :data:`MAX_LOCKS_LISTED`) and about
+        :data:`~fastlock.protocol.ops.MAX_PAGE_BYTES` (one lock always goes), a lock's
+        leases never split over two pages (a lock with more leases than fit lists its first).
         ``order`` "name" (None, the default): by name, only names above ``after`` (str or
         None: the ``next`` of the previous page); "contended": the locks with the most
         waiters first, then by name (no ``after``).  Only the page's rows are built
@@ -117,19 +129,26 @@ class LockAdmin:
         page, matched = table.held_page(prefix, after, most, order == "contended", now)
         listed: list[dict] = []
         last = None
+        size = 0
         for name, waiters in page:
-            holders = table.holders_of(name, now)
-            if listed and len(listed) + len(holders) > most:
+            holders = table.holders_of(name, now, 0, most)
+            if listed and (len(listed) + len(holders) > most or size > MAX_PAGE_BYTES):
                 break
-            listed += [{**lease_info(h, now), "waiters": waiters} for h in holders[:most]]
+            for h in holders:
+                if listed and size > MAX_PAGE_BYTES:
+                    break  # a lock whose leases alone fill the page lists its first ones
+                listed.append({**lease_info(h, now), "waiters": waiters})
+                size += _row_bytes(listed[-1])
             last = name
         truncated = len(listed) < matched
         conn.send(P.encode_ok(req_id, {"locks": listed, "matched": matched, "truncated": truncated,
                                        "next": last if truncated and order != "contended" else None}))
 
     def op_lock_info(self, conn: Session, req_id: int, msg: list) -> None:
-        """LOCK_INFO name: its holders (grant order) and its waiters (FIFO order, at most
-        :data:`MAX_WAITERS_LISTED`): each waiter's principal, client name, correlation id,
+        """LOCK_INFO name: its holders (grant order, at most :data:`MAX_HOLDERS_LISTED`) and
+        its waiters (FIFO order, at most :data:`MAX_WAITERS_LISTED`), together about
+        :data:`~fastlock.protocol.ops.MAX_PAGE_BYTES` (only those rows are built; CONTENDERS
+        pages through all of them): each waiter's principal, client name, correlation id,
         session, ``waiting_ms``, ``since_wall_ms`` (ms since the Unix epoch, this server's
         clock), ``wait_remaining_ms`` (None: waits without end) and ``shared``."""
         check_lock_admin(self.handlers, conn, "lock_info")
@@ -138,14 +157,23 @@ class LockAdmin:
         now = monotonic_ms()
         wall_now = wall_ms()
         table = self.table
-        queue = table.waiter_info(name)
-        waiters = [{**_who(meta), "session": session, "waiting_ms": now - enqueued,
-                    "since_wall_ms": wall_now - (now - enqueued),
-                    "wait_remaining_ms": None if deadline < 0 else max(0, deadline - now), "shared": shared}
-                   for _owner, session, meta, enqueued, deadline, shared in queue[:MAX_WAITERS_LISTED]]
-        conn.send(P.encode_ok(req_id, {
-            "name": name, "holders": [lease_info(h, now) for h in table.holders_of(name, now)],
-            "waiters": waiters, "waiter_count": len(queue)}))
+        size = 0
+        holders: list[dict] = []
+        for h in table.holders_of(name, now, 0, MAX_HOLDERS_LISTED):
+            if holders and size > MAX_PAGE_BYTES:
+                break
+            holders.append(lease_info(h, now))
+            size += _row_bytes(holders[-1])
+        waiters: list[dict] = []
+        for _owner, session, meta, enqueued, deadline, shared in table.waiter_info(name, MAX_WAITERS_LISTED):
+            if size > MAX_PAGE_BYTES:
+                break
+            waiters.append({**_who(meta), "session": session, "waiting_ms": now - enqueued,
+                            "since_wall_ms": wall_now - (now - enqueued),
+                            "wait_remaining_ms": None if deadline < 0 else max(0, deadline - now), "shared": shared})
+            size += _row_bytes(waiters[-1])
+        conn.send(P.encode_ok(req_id, {"name": name, "holders": holders, "waiters": waiters,
+                                       "waiter_count": table.queue_length(name)}))
 
     def op_revoke(self, conn: Session, req_id: int, msg: list) -> None:
         """REVOKE name, token, reason[, principal]: force-release the lease ``token`` of

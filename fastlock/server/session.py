@@ -12,6 +12,14 @@ transport's high-water mark is kept at or below ``out_cap``, so a buffer
 beyond the cap has always paused writing first: the cap is checked only
 while writing is paused, not on every flush.
 
+Work per loop turn is bounded per connection (:class:`Intake`): one read may
+carry tens of thousands of pipelined requests; it is decoded a piece
+(:data:`FEED_BYTES`) at a time, and at most :data:`MAX_REQUESTS_PER_TURN` (or
+about :data:`TURN_BUDGET_NS`) of its requests are dispatched in a turn; the
+rest wait, in order, for a later turn (``loop.call_soon``) while the
+connection's reading is paused, so every other connection is served in
+between.  Replies keep the order of their requests.
+
 Waiting goes by session (a waiter whose connection drops is removed at once);
 ownership goes by lease (a held lease outlives its connection until its TTL).
 """
@@ -21,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, cast
 
 from .. import protocol as P
@@ -36,6 +45,107 @@ log = logging.getLogger(__name__)
 
 #: replies queued in one loop turn beyond which they go to the transport at once
 FLUSH_EARLY_BYTES = 256 << 10
+
+
+#: most requests of one connection dispatched in one loop turn (Intake); the rest of its
+#: reads wait for a later turn.  A count bounds a turn of cheap requests (a PING costs a
+#: few microseconds), the time below one of costly ones (a STATUS ~30 microseconds)
+MAX_REQUESTS_PER_TURN = 64
+#: ... and none after this long (nanoseconds, checked after each request): a loop turn
+#: with C connections pipelining is then about C ms (at most LOOP_BUDGET_NS, below)
+TURN_BUDGET_NS = 1_000_000
+#: the loop time the connections with a backlog share in one loop turn (nanoseconds): with
+#: more than ten, each gets its share of it (at least MIN_TURN_NS), so a new connection waits
+#: about this long for its turn however many connections pipeline
+LOOP_BUDGET_NS = 10_000_000
+MIN_TURN_NS = 100_000
+#: bytes of a read decoded at a time (about 1 ms of decoding at the worst: 5-byte requests)
+FEED_BYTES = 16 << 10
+#: ... before HELLO, when the decoder walks every byte first (about 1 ms of walking)
+FEED_BYTES_BEFORE_HELLO = 1 << 10
+
+
+class Backlogs:
+    """How many connections (of every server in this process) have a backlog of requests
+    now: each one's turn is a share of :data:`LOOP_BUDGET_NS`."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def turn_ns(self) -> int:
+        """One connection's share of a loop turn (nanoseconds)."""
+        return max(MIN_TURN_NS, min(TURN_BUDGET_NS, LOOP_BUDGET_NS // max(1, self.count)))
+
+
+#: the connections with a backlog now
+BACKLOGS = Backlogs()
+
+
+class Intake:
+    """A connection's request decoder, the bytes received but not yet decoded and the
+    requests decoded but not yet dispatched.
+
+    ``decoder`` (:class:`~fastlock.protocol.FrameDecoder`, None once closed); ``raw``:
+    received bytes, decoded from offset ``raw_at`` on, a piece (:data:`FEED_BYTES`) at a
+    time; ``pending``: decoded requests, dispatched from index ``next`` on; ``held``:
+    reading is paused until the backlog is dispatched; ``scheduled``: a later turn's
+    dispatch is queued (``call_soon``).  The backlog is dispatched whether or not the
+    peer reads its replies: one that leaves more than the output cap unread is dropped.
+    """
+
+    __slots__ = ("decoder", "raw", "raw_at", "pending", "next", "held", "scheduled")
+
+    def __init__(self, decoder: P.FrameDecoder):
+        self.decoder: P.FrameDecoder | None = decoder
+        self.raw = b""
+        self.raw_at = 0
+        self.pending: list[Any] = []
+        self.next = 0
+        self.held = False
+        self.scheduled = False
+
+    def add(self, data: bytes) -> None:
+        """Keep a read's bytes behind those not yet decoded."""
+        if self.raw_at >= len(self.raw):
+            self.raw = data
+        else:
+            self.raw = self.raw[self.raw_at:] + data
+        self.raw_at = 0
+
+    def feed(self) -> bool:
+        """Decode the next piece of the received bytes into ``pending`` (the requests before
+        are dispatched); False if no byte is left.  :raises ProtocolError: bad bytes."""
+        raw, at = self.raw, self.raw_at
+        decoder = self.decoder
+        if at >= len(raw) or decoder is None:
+            return False
+        end = at + (FEED_BYTES_BEFORE_HELLO if decoder.shape_all else FEED_BYTES)
+        self.raw_at = end
+        self.pending = decoder.feed(raw[at:end] if at or end < len(raw) else raw)
+        self.next = 0
+        return True
+
+    @property
+    def backlog(self) -> bool:
+        """Requests or bytes wait to be dispatched."""
+        return self.next < len(self.pending) or self.raw_at < len(self.raw)
+
+    def hold(self, held: bool) -> bool:
+        """Mark the backlog held (reading paused for it) or not; True if that changed."""
+        if held == self.held:
+            return False
+        self.held = held
+        BACKLOGS.count += 1 if held else -1
+        return True
+
+    def clear(self) -> None:
+        self.raw = b""
+        self.raw_at = 0
+        self.pending = []
+        self.next = 0
+        self.hold(False)
 
 
 #: the principal of a connection before HELLO: granted nothing
@@ -70,7 +180,7 @@ class Session(asyncio.Protocol):
     and ``last_read_ms`` are monotonic milliseconds.
     """
 
-    __slots__ = ("server", "transport", "session", "decoder", "out", "ready", "client_name", "peer", "closed",
+    __slots__ = ("server", "transport", "session", "intake", "out", "ready", "client_name", "peer", "closed",
                  "watching", "grant", "recorded", "address", "accepted_ms", "last_read_ms", "_out_cap",
                  "out_bytes", "waiting", "_drain", "_owner")
 
@@ -80,7 +190,7 @@ class Session(asyncio.Protocol):
         # until HELLO every frame is walked before it is decoded (see protocol.FrameDecoder)
         config = server.config
         limits = P.request_limits(config.max_frame_bytes, config.max_value_bytes)
-        self.decoder: P.FrameDecoder | None = P.FrameDecoder(limits=limits, shape_all=True)
+        self.intake = Intake(P.FrameDecoder(limits=limits, shape_all=True))
         self.transport: asyncio.Transport  # set by connection_made, before the server sees the session
         self.out: list[bytes] = []
         self.out_bytes = 0  # bytes in out
@@ -117,30 +227,102 @@ class Session(asyncio.Protocol):
         self.server.limits.admit(self)
 
     def data_received(self, data: bytes) -> None:
-        server = self.server
-        decoder = self.decoder
+        intake = self.intake
+        decoder = intake.decoder
         if self.closed or decoder is None:  # closed: the decoder was freed
             return
-        if server.limits.idle_timeout_ms:
+        if self.server.limits.idle_timeout_ms:
             self.last_read_ms = monotonic_ms()
+        if intake.held or intake.scheduled:
+            intake.add(data)  # a backlog waits (a read that arrived while reading was pausing): these follow it
+            return
+        if len(data) > FEED_BYTES or decoder.shape_all:
+            intake.add(data)
+        else:  # the common case: a short read, decoded at once; one request is dispatched here
+            server = self.server
+            try:
+                messages = decoder.feed(data)
+            except ProtocolError as exc:
+                self.fatal(exc)
+                server.after_batch()
+                return
+            if len(messages) != 1:
+                intake.pending = messages
+                intake.next = 0
+            else:
+                if server.source.fencing:
+                    server.source.fence_if_due(monotonic_ms())  # after a stall, see the clock first
+                server.handlers.dispatch(self, messages[0])
+                server.after_batch()
+                return
+        self._dispatch_turn()
+
+    def _dispatch_turn(self) -> None:
+        """Decode and dispatch this connection's backlog, at most MAX_REQUESTS_PER_TURN or about
+        TURN_BUDGET_NS; if some remains, pause reading and continue in a later loop turn."""
+        server = self.server
+        intake = self.intake
+        intake.scheduled = False
         if server.source.fencing:
             # after a stall, see the clock before a request can make the table grant
             server.source.fence_if_due(monotonic_ms())
-        try:
-            messages = decoder.feed(data)
-        except ProtocolError as exc:
-            self.fatal(exc)
-            server.after_batch()
-            return
         dispatch = server.handlers.dispatch
-        for msg in messages:
-            if self.closed:
-                break
+        deadline = 0
+        count = 0
+        while not self.closed:
+            pending = intake.pending
+            i = intake.next
+            if i >= len(pending):
+                try:
+                    if not intake.feed():
+                        break
+                except ProtocolError as exc:
+                    intake.clear()
+                    self.fatal(exc)
+                    break
+                continue
+            msg = pending[i]
+            pending[i] = None  # dispatched: not kept alive by the backlog
+            intake.next = i + 1
             dispatch(self, msg)
+            count += 1
+            if count == 1:
+                if not intake.backlog:
+                    break  # the common case: one request per read, no clock read
+                deadline = perf_counter_ns() + BACKLOGS.turn_ns()  # the turn's share, from here
+            elif count >= MAX_REQUESTS_PER_TURN or perf_counter_ns() > deadline:
+                break
+        if self.closed or not intake.backlog:
+            was_held = intake.held
+            intake.clear()  # frees the read's bytes and requests
+            if was_held and not self.closed and not self._writing_paused():
+                self.transport.resume_reading()
+        else:
+            if intake.hold(True):
+                self.transport.pause_reading()
+            self._next_turn()
         server.after_batch()
+
+    def _next_turn(self) -> None:
+        intake = self.intake
+        if not intake.scheduled:
+            intake.scheduled = True
+            self.server.loop.call_soon(self._dispatch_turn)
+
+    def _writing_paused(self) -> bool:
+        """Reading is held for writing: the transport's buffer is above its high-water mark
+        (a standby's reading never is)."""
+        return (self._drain is not None and not self._drain.done()
+                and self.session not in self.server.source.replicas)
+
+    @property
+    def decoder(self) -> P.FrameDecoder | None:
+        """The connection's request decoder (None once closed)."""
+        return self.intake.decoder
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.intake.clear()
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
         self.server.connection_lost(self)
@@ -229,7 +411,7 @@ class Session(asyncio.Protocol):
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
         self._drain = None
-        if not self.closed and self.session not in self.server.source.replicas:
+        if not self.closed and self.session not in self.server.source.replicas and not self.intake.held:
             self.transport.resume_reading()
 
     def owner_hash(self, owner: Any) -> bytes:
@@ -271,7 +453,8 @@ class Session(asyncio.Protocol):
     def close(self) -> None:
         """Close after sending what is queued; frees the decoder's partial frame at once."""
         self.closed = True
-        self.decoder = None
+        self.intake.decoder = None
+        self.intake.clear()
         self.transport.close()
 
     def close_after_flush(self) -> None:
@@ -283,5 +466,6 @@ class Session(asyncio.Protocol):
     def abort(self) -> None:
         """Close at once, unsent replies discarded (a refused or evicted connection)."""
         self.closed = True
-        self.decoder = None
+        self.intake.decoder = None
+        self.intake.clear()
         self.transport.abort()

@@ -15,7 +15,7 @@ from the same records (:func:`fastlock.wal.records.apply`).
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -105,10 +105,10 @@ class KeySpace:
                 gone.append((key, entry))
         return gone
 
-    def with_prefix(self, prefix: str) -> Iterator[tuple[str, KeyEntry]]:
-        """The keys that start with ``prefix``, in key order."""
+    def with_prefix(self, prefix: str, after: str | None = None) -> Iterator[tuple[str, KeyEntry]]:
+        """The keys that start with ``prefix``, in key order (only those above ``after``, if given)."""
         keys = self._sorted
-        i = bisect_left(keys, prefix)
+        i = bisect_right(keys, after) if after is not None and after >= prefix else bisect_left(keys, prefix)
         while i < len(keys) and keys[i].startswith(prefix):
             key = keys[i]
             yield key, self.entries[key]
