@@ -40,6 +40,13 @@ mixed round an admin STATUS checks that no principal holds more than its quotas
 (leases plus waiting acquires, waiting acquires, watches, keys, connections): any
 excess is a **quota breach**.
 
+Each round also replays the handshake with REAL proofs (a legitimate exchange's
+client proof replayed after a fresh server nonce, its server proof reflected back as
+a client proof: any success is an unauthorised success), and one connection writes
+:data:`FLOOD_REQUESTS` pipelined status and list requests at once while the admin
+connection PINGs: the worst PING (milliseconds) is reported, as the server bounds a
+connection's work per loop turn and pages list replies.
+
 Every reply is checked: an ``internal server error`` reply is counted as an
 **internal error**; the server process exiting, or a traceback in its log, is a
 **crash**.  At the end the server's RSS (``VmRSS``) is read.  The generator
@@ -68,7 +75,7 @@ from typing import Any
 
 from fastlock import protocol as P
 from fastlock._testbase import ServerProcess, raw_hello_async
-from fastlock._testbase.handshake import key_lines
+from fastlock._testbase.handshake import handshake_for, key_lines
 from fastlock.auth import ANONYMOUS, hash_owner
 from fastlock.errors import InternalServerError, LimitExceeded
 from fastlock.protocol import ops
@@ -324,6 +331,9 @@ class Figures:
     unauthorised_successes: int = 0
     quota_breaches: int = 0
     quota_refusals: int = 0  # LimitExceeded naming a per-principal quota: the quotas were reached
+    proofs_replayed: int = 0  # real proofs replayed or reflected (each must be refused)
+    flood_requests: int = 0  # requests pipelined by the flooding connection
+    worst_ping_ms: float = 0.0  # another connection's slowest PING while one connection floods
     connections_closed_by_server: int = 0
     rounds: int = 0
     server_log_lines: int = 0
@@ -347,25 +357,32 @@ class Conn:
         self.next_id = 1
         self.closed = True
 
-    async def open(self, address: str) -> bool:
+    async def connect(self, address: str) -> None:
+        """Open the TCP connection only (no HELLO)."""
         host, _, port = address.rpartition(":")
         self.reader, self.writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5)
         self.decoder = P.FrameDecoder(64 << 20, limits=P.REPLY_LIMITS)
         self.closed = False
-        async def call(op: int, *args: Any) -> Any:
-            # one frame, no PING behind it: before HELLO completes, any other request closes the connection
-            rid = self.next_id
-            self.next_id += 1
-            self.writer.write(P.packb([rid, op, *args]))
-            while True:
-                data = await asyncio.wait_for(self.reader.read(1 << 16), 10)
-                if not data:
-                    return None
-                for msg in self.decoder.feed(data):
-                    if type(msg) is list and msg and msg[0] == rid:
-                        return msg
 
-        reply = await raw_hello_async(call, f"fuzz-{self.spec.name}", self.spec.token)
+    async def call(self, op: int, *args: Any) -> Any:
+        """One request and its reply (None if the server closed the connection first).
+        One frame, no PING behind it: before HELLO completes, any other request closes
+        the connection."""
+        rid = self.next_id
+        self.next_id += 1
+        self.writer.write(P.packb([rid, op, *args]))
+        while True:
+            data = await asyncio.wait_for(self.reader.read(1 << 16), 10)
+            if not data:
+                self.closed = True
+                return None
+            for msg in self.decoder.feed(data):
+                if type(msg) is list and msg and msg[0] == rid:
+                    return msg
+
+    async def open(self, address: str) -> bool:
+        await self.connect(address)
+        reply = await raw_hello_async(self.call, f"fuzz-{self.spec.name}", self.spec.token)
         ok = reply is not None and reply[1] == 0
         if not ok:
             await self.close()
@@ -518,6 +535,11 @@ async def fuzz_rounds(address: str, specs: list[Spec], rng: random.Random, round
                 for (op, args), reply in zip(reqs, replies):
                     if op == P.OP_ACQUIRE and reply is not None and reply[1] == 0 and len(owners) < 64:
                         owners.append(args[1])
+            # -- the handshake's real proofs replayed and reflected; one connection flooding
+            for spec in specs:
+                if spec.token is not None:
+                    await replayed_proofs(address, spec, figures)
+            await flood_and_ping(address, rng.choice(specs), admin, rng, figures)
             breaches = quota_breaches((await admin.batch([[P.OP_STATUS, []]]))[0][2])
             figures.quota_breaches += len(breaches)
             figures.examples += [{"quota breach": b} for b in breaches]
@@ -528,6 +550,87 @@ async def fuzz_rounds(address: str, specs: list[Spec], rng: random.Random, round
         await admin.close()
         for conn in legit.values():
             await conn.close()
+
+
+async def replayed_proofs(address: str, spec: Spec, figures: Figures) -> None:
+    """The handshake's replay and reflection shapes with REAL proofs (``spec`` has a
+    token): a legitimate exchange completes; then, on fresh connections that start
+    with the same first message (same client nonce, so a fresh server nonce), its
+    client proof is replayed, and its server proof is offered as a client proof
+    (reflected).  Neither may authenticate: a success is an unauthorised success."""
+    legit, replay, reflect = Conn(spec), Conn(spec), Conn(spec)
+    try:
+        for c in (legit, replay, reflect):
+            await c.connect(address)
+        hs = handshake_for(spec.token)
+        first = hs.first()
+        name = f"fuzz-{spec.name}"
+        challenge = await legit.call(P.OP_HELLO, P.PROTOCOL_VERSION, name, first)
+        if challenge is None or challenge[1] != 0:
+            return  # refused (a ban, a quota): nothing to replay this time
+        proof = hs.answer(challenge[2])
+        final = await legit.call(P.OP_HELLO, P.PROTOCOL_VERSION, name, proof)
+        if final is None or final[1] != 0:
+            return
+        hs.welcome(final[2])
+        for conn, offered in ((replay, proof), (reflect, {"proof": final[2]["server_proof"]})):
+            if (await conn.call(P.OP_HELLO, P.PROTOCOL_VERSION, name, first)) is None:
+                continue
+            reply = await conn.call(P.OP_HELLO, P.PROTOCOL_VERSION, name, offered)
+            figures.proofs_replayed += 1
+            if reply is not None and reply[1] == 0:
+                figures.unauthorised_successes += 1
+                figures.examples.append({"replayed or reflected proof accepted": [spec.name, repr(reply)[:200]]})
+    finally:
+        for c in (legit, replay, reflect):
+            await c.close()
+
+
+#: requests one flooding connection pipelines in one write per round
+FLOOD_REQUESTS = 4_000
+
+
+async def flood_and_ping(address: str, flooder: Spec, pinger: Conn, rng: random.Random, figures: Figures,
+                         pings: int = 20) -> None:
+    """One connection of ``flooder`` writes :data:`FLOOD_REQUESTS` pipelined list and
+    status requests at once (the large replies are paged) while ``pinger`` PINGs
+    ``pings`` times; the slowest PING (milliseconds) is kept in ``figures``.  The
+    server bounds a connection's work per loop turn, so the PINGs are served between."""
+    flood = Conn(flooder)
+    if not await flood.open(address):
+        return
+    shapes = [[P.OP_STATUS], [ops.OP_KEY_LIST, "", 10_000], [P.OP_CONTENDERS, rng.choice(NAMES[:5])],
+              [P.OP_HOLDER, rng.choice(NAMES[:5])], [P.OP_PING]]
+    frames = []
+    for _ in range(FLOOD_REQUESTS):
+        rid = flood.next_id
+        flood.next_id += 1
+        frames.append(P.packb([rid, *rng.choice(shapes)]))
+    figures.flood_requests += FLOOD_REQUESTS
+
+    async def drain() -> None:
+        # read (and drop) the replies until the flood is answered, bounded in time
+        left = FLOOD_REQUESTS
+        deadline = time.monotonic() + 30
+        while left > 0 and time.monotonic() < deadline:
+            try:
+                data = await asyncio.wait_for(flood.reader.read(1 << 20), 10)
+            except asyncio.TimeoutError:
+                return
+            if not data:
+                return
+            left -= sum(1 for _ in flood.decoder.feed(data))
+
+    try:
+        flood.writer.write(b"".join(frames))
+        reader = asyncio.ensure_future(drain())
+        for _ in range(pings):
+            t0 = time.perf_counter()
+            await pinger.batch([])
+            figures.worst_ping_ms = max(figures.worst_ping_ms, (time.perf_counter() - t0) * 1000)
+        await reader
+    finally:
+        await flood.close()
 
 
 def quota_breaches(status: dict) -> list[dict]:
@@ -621,6 +724,9 @@ def main(argv=None) -> int:
     print(f"crashes {figures.crashes}, internal errors {figures.internal_errors}, unauthorised state changes "
           f"{figures.unauthorised_state_changes}, unauthorised successes {figures.unauthorised_successes}, "
           f"quota breaches {figures.quota_breaches} ({figures.quota_refusals} refusals at a quota)")
+    print(f"real proofs replayed or reflected {figures.proofs_replayed} (every one refused unless counted above); "
+          f"flood: {figures.flood_requests} pipelined requests, another connection's worst PING "
+          f"{figures.worst_ping_ms:.1f} ms")
     print(f"server log: {figures.server_log_lines} lines; ", end="")
     print(f"server RSS at the end {figures.rss_kib / 1024:.1f} MiB (max seen {figures.max_rss_kib / 1024:.1f} MiB)")
     for ex in figures.examples[:5]:
