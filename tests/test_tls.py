@@ -400,6 +400,43 @@ async def test_a_certificate_with_two_common_names_authenticates_as_nobody(serve
         assert client.server_info["principal"] == "admin"
 
 
+async def test_a_replica_certificate_authenticates_only_at_a_primary(server_factory, certs, tmp_path, loop_errors):
+    """The rule a replica's token proof follows holds for a certificate identity too: a
+    standby authenticates no replica principal (NotPrimary), whatever proves it."""
+    from fastlock import protocol as P
+    from fastlock.auth import generate
+    from fastlock.errors import NotPrimary
+
+    paths = generate(tmp_path / "creds", clients=[("app", "")], replicas=["node-a", "node-b"], admins=["admin"],
+                     cert_identities={"node-a": ["node2"]})
+    creds = str(tmp_path / "creds" / "credentials.toml")
+    primary = server_factory("p", args=serve_args(certs.node1, certs.ca, "optional", "--credentials", creds))
+    standby = server_factory("s", args=serve_args(certs.node1, certs.ca, "optional", "--credentials", creds,
+                                                  "--standby-of", "127.0.0.1:1",
+                                                  "--standby-token-file", paths["node-b"]))
+
+    async def hello(address: str) -> list:
+        host, port = address.rsplit(":", 1)
+        ctx = client_context(certs.ca, certs.node2.cert, certs.node2.key)
+        reader, writer = await asyncio.open_connection(host, int(port), ssl=ctx, server_hostname="127.0.0.1")
+        try:
+            writer.write(P.packb([1, P.OP_HELLO, P.PROTOCOL_VERSION, "standby:test", None]))
+            decoder = P.FrameDecoder(1 << 20, limits=P.REPLY_LIMITS)
+            while True:
+                data = await asyncio.wait_for(reader.read(1 << 16), 10)
+                assert data, "the server closed the connection without a reply"
+                replies = decoder.feed(data)
+                if replies:
+                    return replies[0]
+        finally:
+            writer.close()
+
+    at_primary = await hello(primary.address)
+    assert at_primary[1] == 0 and at_primary[2]["principal"] == "node-a" and at_primary[2]["kind"] == "replica"
+    at_standby = await hello(standby.address)
+    assert at_standby[1] == NotPrimary.code, at_standby
+
+
 def test_client_tls_arguments_are_checked_before_connecting(certs):
     with pytest.raises(InvalidArgument):
         fastlock.Client(["127.0.0.1:1"], tls=False, tls_ca=certs.ca)

@@ -109,6 +109,7 @@ class Hello:
             return
         elif credential is None:
             principal, server_proof = self._without_token(conn, client_name), None
+            self._replica_here(principal)
         else:
             self.auth_failures.failed(conn.address, f"client name {quote(client_name)}", "a token sent in clear")
             raise AuthError("authentication failed: a token is proved, never sent (protocol "
@@ -169,12 +170,17 @@ class Hello:
         if reason is not None or principal is None or server_proof is None:
             self.auth_failures.failed(conn.address, f"client name {quote(client_name)}", reason or "")
             raise AuthError(f"authentication failed: {reason}")
+        self._replica_here(principal)  # only to a valid proof (anyone else learns nothing)
+        return principal, server_proof
+
+    def _replica_here(self, principal: Principal) -> None:
+        """A replica principal authenticates only at a primary (or a promoting node): a
+        standby or a deposed node answers NotPrimary, without a proof of its own.  The same
+        rule for a token's proof and a certificate's identity."""
         roles = self.server.roles
         if principal.kind == "replica" and roles.role not in (Role.PRIMARY, Role.PROMOTING):
-            # only to a valid proof (anyone else learns nothing), and without the server's proof
             raise NotPrimary(f"this node is {roles.role.value}, not primary: it authenticates no replica",
                              roles.primary_address if roles.role is Role.STANDBY else None)
-        return principal, server_proof
 
     def hello_info(self, conn: Session) -> dict[str, Any]:
         """What a HELLO answers: this node, its role and epoch, and the connection's principal."""
