@@ -53,6 +53,7 @@ import msgpack
 
 from benches import fsync_probe
 from benches.harness import ServerProcess, free_port, latency_stats, run_async
+from fastlock.protocol import PROTOCOL_VERSION
 
 WARMUP = 300  # pairs not counted at the start of each measurement
 PREALLOC = 8 << 20  # the reference server's file (bytes)
@@ -172,7 +173,7 @@ async def raw_pairs(port: int, pairs: int) -> list[int]:
                 raise ConnectionError("server closed the connection")
             unpacker.feed(chunk)
 
-    await call(1, 1, 1, "durable_path", None)  # HELLO
+    await call(1, 1, PROTOCOL_VERSION, "durable_path", None)  # HELLO, anonymous (open mode)
     owner = os.urandom(16)
     req = 2
     out = []
