@@ -25,7 +25,7 @@ import pytest
 import fastlock
 import fastlock.auth
 from fastlock import protocol as P
-from fastlock._testbase import CredentialsDir, ServerProcess, TcpProxy, raw_hello_async
+from fastlock._testbase import CredentialsDir, ServerProcess, TcpProxy, free_port, raw_hello_async
 from fastlock._testbase.cluster import RawNode, poll, run
 from fastlock.auth import derive_keys, hash_token, secret_of
 from fastlock.errors import AuthError, ConnectionLost, NotPrimary, PermissionDenied
@@ -113,8 +113,10 @@ class Frames:
 def test_no_token_its_hash_or_its_keys_ever_cross_the_wire(tmp_path):
     """Capture every byte a client, an admin command and a standby exchange with a primary."""
     creds = CredentialsDir(tmp_path / "creds")
-    primary = ServerProcess(tmp_path / "p", args=creds.server_args("node-1")).start()
-    proxy = TcpProxy(primary.address, record_bytes=8 << 20).start()
+    relay_port = free_port()  # the recording proxy's: the primary is told it is reachable there
+    primary = ServerProcess(tmp_path / "p", args=[*creds.server_args("node-1"),
+                                                  "--reachable-as", f"127.0.0.1:{relay_port}"]).start()
+    proxy = TcpProxy(primary.address, record_bytes=8 << 20, port=relay_port).start()
     standby = ServerProcess(tmp_path / "s", args=["--standby-of", proxy.address, *creds.server_args("node-2")])
     try:
         standby.start()
@@ -243,7 +245,10 @@ def test_a_squatter_relaying_the_standbys_handshake_to_the_standby_gets_no_proof
         async def reflect(conn: Frames, first, relabel: bool) -> None:
             own = await Frames.open(standby.address)
             try:
-                own.write(first)  # the standby's HELLO, to the standby's own listener
+                # the standby's HELLO, to the standby's own listener, claiming to have dialed it
+                # (else the listener refuses at once: the endpoint the standby dialed was the squatter's)
+                first[4]["to"] = standby.address
+                own.write(first)
                 challenge = await own.read()
                 if challenge is None or challenge[1] != 0:
                     return
@@ -268,6 +273,7 @@ def test_a_squatter_relaying_the_standbys_handshake_to_the_standby_gets_no_proof
             # a plain byte relay: the standby talks to a real primary with the credentials
             host, _, port = third.address.rpartition(":")
             reader, writer = await asyncio.open_connection(host, int(port))
+            first[4]["to"] = third.address  # past the third's endpoint check, to reach the node pinning
             writer.write(msgpack.packb(first, use_bin_type=True))
 
             async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, from_standby: bool) -> None:
@@ -592,6 +598,7 @@ def test_a_client_riding_through_a_failover_refuses_a_squatter_relaying_it_to_th
         async def relay(conn: Frames, first) -> None:
             host, _, port = standby.address.rpartition(":")
             reader, writer = await asyncio.open_connection(host, int(port))
+            first[4]["to"] = standby.address  # past the endpoint check, to reach the node pinning
             writer.write(msgpack.packb(first, use_bin_type=True))
 
             async def pump(src, dst, from_client: bool) -> None:
@@ -628,6 +635,70 @@ def test_a_client_riding_through_a_failover_refuses_a_squatter_relaying_it_to_th
             assert b"secret/lock" not in relayed
             for what, value in secrets_of(creds.token("app")).items():
                 assert value not in relayed, f"the app's {what} was relayed"
+
+        run(main(), 60)
+    finally:
+        standby.stop()
+        primary.stop()
+
+
+def test_a_new_client_or_command_relayed_from_a_dead_nodes_port_gets_no_session(tmp_path):
+    """The red team's relay: after the primary's kill -9 a process on its port relays, byte for
+    byte, whatever connects there to the promoted standby.  A client that has never been there
+    (a new process) and an admin command have no node to expect, so the proofs alone would
+    pass; but the handshake binds the endpoint the client dialed, and the new primary, reached
+    at another endpoint, refuses it: no session, so nothing the squatter could inject into."""
+    creds = CredentialsDir(tmp_path / "creds")
+    primary = ServerProcess(tmp_path / "p", args=creds.server_args("node-1")).start()
+    standby = ServerProcess(tmp_path / "s", args=["--standby-of", primary.address, "--failover-after", "1",
+                                                  *creds.server_args("node-2")])
+    relayed = bytearray()
+    try:
+        standby.start()
+        standby.wait_for_log(r"paired: primary", 10)
+
+        async def relay(conn: Frames, first) -> None:
+            host, _, port = standby.address.rpartition(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(msgpack.packb(first, use_bin_type=True))
+
+            async def pump(src, dst, from_client: bool) -> None:
+                while data := await src.read(1 << 16):
+                    if from_client:
+                        relayed.extend(data)
+                    dst.write(data)
+
+            pumps = [asyncio.ensure_future(pump(conn.reader, writer, True)),
+                     asyncio.ensure_future(pump(reader, conn.writer, False))]
+            try:
+                await asyncio.wait(pumps, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in pumps:
+                    task.cancel()
+                writer.close()
+
+        async def main():
+            primary.kill()
+            squatter = Squatter(primary.address, relay)
+            async with squatter:
+                await asyncio.to_thread(standby.wait_for_log, r"PROMOTED", 15)
+                # a new client, given only the dead primary's address
+                with pytest.raises(AuthError, match="dialed"):
+                    async with fastlock.connect(primary.address, token=creds.token("app"), connect_timeout=3) as c:
+                        await c.acquire("secret/lock", ttl=5, wait=0)
+                # an admin command, in a process of its own
+                res = await asyncio.to_thread(cli, "status", "--server", primary.address, "--token-file",
+                                              creds.token_file("admin"))
+                assert res.returncode != 0 and "dialed" in res.stderr, (res.returncode, res.stderr)
+                assert squatter.connections >= 2
+            frames = [*squatter.frames, *msgpack.Unpacker(io.BytesIO(bytes(relayed)), raw=False)]
+            assert frames and {m[1] for m in frames} == {P.OP_HELLO}, frames  # nothing but the handshake
+            assert b"secret/lock" not in relayed
+            # the same client at the new primary's own address is served
+            async with fastlock.connect(standby.address, token=creds.token("app")) as c:
+                lease = await c.acquire("secret/lock", ttl=5, wait=10)
+                assert lease.fencing_token > 0
+            assert standby.wait_for_log(r"dialed 127\.0\.0\.1:\d+ but reached this server", 1)
 
         run(main(), 60)
     finally:

@@ -116,6 +116,8 @@ class _Node:
         self.port = 0
         self.proc = None  # ServerProcess
         self.proxy = None  # TcpProxy: to this node's port (pair), or to etcd (group "etcd")
+        #: the port of this node's proxy (pair): the node is started with --reachable-as on it
+        self.relay_port = 0
         self.coordinator: str | None = None  # etcd://PROXY/PREFIX (group "etcd")
 
     @property
@@ -123,9 +125,12 @@ class _Node:
         return f"127.0.0.1:{self.port}"
 
     def start(self, standby_of: _Node | None) -> None:
-        from fastlock._testbase import ServerProcess
+        from fastlock._testbase import ServerProcess, free_port
 
         args = ["--name", self.name, *self.auth_args, *self.cfg.server_args]
+        if self.coordinator is None:  # pair: peers reach this node through its proxy
+            self.relay_port = self.relay_port or free_port()
+            args += ["--reachable-as", f"127.0.0.1:{self.relay_port}"]
         if self.coordinator is not None:  # the same flags at every (re)start, as a supervisor would
             args += ["--coordinator", self.coordinator, "--node-id", self.name,
                      "--coordinator-ttl", str(self.cfg.coordinator_ttl),
@@ -228,9 +233,9 @@ class Nemesis:
         a, b = self.nodes["a"], self.nodes["b"]
         a.start(None)
         # b needs a's proxy to start; a's and b's proxies target their fixed ports from then on
-        a.proxy = TcpProxy(a.address, classify=classify_fastlock).start()
+        a.proxy = TcpProxy(a.address, classify=classify_fastlock, port=a.relay_port).start()
         b.start(a)
-        b.proxy = TcpProxy(b.address, classify=classify_fastlock).start()
+        b.proxy = TcpProxy(b.address, classify=classify_fastlock, port=b.relay_port).start()
         b.proc.wait_for_log(r"paired: primary", 20)
 
     def start_group(self) -> None:

@@ -17,7 +17,9 @@ Five parts, each a module that can be read alone:
 :mod:`fastlock._testbase.proxy`
     :class:`TcpProxy`: a fault-injecting TCP proxy that can black-hole, cut
     and heal a link, per connection label (:func:`classify_fastlock` tells a
-    standby's replication connection from a client's).
+    standby's replication connection from a client's).  A server reached through
+    it must be told so (``--reachable-as``: the handshake binds the endpoint a
+    client dialed); :func:`free_port` picks the proxy's port before the server starts.
 :mod:`fastlock._testbase.handshake`
     :func:`raw_hello` / :func:`raw_hello_async`: the HELLO handshake (the token
     proved, never sent) for a test that speaks the protocol on a raw socket.
@@ -28,8 +30,9 @@ Five parts, each a module that can be read alone:
 
 Example: a primary, and a standby whose replication link can be cut::
 
-    primary = ServerProcess(tmp / "a").start()
-    with TcpProxy(primary.address, classify=classify_fastlock) as link:
+    port = free_port()
+    primary = ServerProcess(tmp / "a", args=["--reachable-as", f"127.0.0.1:{port}"]).start()
+    with TcpProxy(primary.address, classify=classify_fastlock, port=port) as link:
         standby = ServerProcess(tmp / "b", args=["--standby-of", link.address,
                                                  "--failover-after", "1"]).start()
         link.blackhole("replication")   # the standby promotes after 1 s
@@ -51,7 +54,7 @@ from fastlock._testbase.history import (
     check_holdings,
     check_store,
 )
-from fastlock._testbase.proxy import TcpProxy, classify_fastlock
+from fastlock._testbase.proxy import TcpProxy, classify_fastlock, free_port
 from fastlock._testbase.servers import CredentialsDir, ServerProcess, node_status, power_cut
 
 __all__ = [
@@ -68,6 +71,7 @@ __all__ = [
     "check_holdings",
     "check_store",
     "classify_fastlock",
+    "free_port",
     "handshake_for",
     "node_status",
     "poll",

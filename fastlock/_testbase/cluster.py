@@ -28,7 +28,7 @@ from types import EllipsisType
 from typing import Any
 
 from fastlock import protocol as P
-from fastlock._testbase.proxy import TcpProxy
+from fastlock._testbase.proxy import TcpProxy, free_port
 from fastlock._testbase.servers import CredentialsDir, ServerProcess
 from fastlock.auth import ClientHandshake, say_hello, secret_of
 from fastlock.errors import ConnectionLost
@@ -127,6 +127,10 @@ class Cluster:
         # a mutual-TLS certificate with CN "admin" is the admin (as in test_tls.py)
         self.creds = CredentialsDir(self.root / "credentials", cert_identities={"admin": ["admin"]})
         self._replicas: dict[str, str] = {}
+        #: data directory -> the port a proxy to that server listens on (see :meth:`proxy`): each
+        #: server is started with ``--reachable-as 127.0.0.1:PORT``, so a client's handshake through
+        #: the test's proxy is not taken for a relay's
+        self._relay_ports: dict[Path, int] = {}
         self._saved_env = os.environ.get("FASTLOCK_TOKEN_FILE")
         os.environ["FASTLOCK_TOKEN_FILE"] = self.creds.token_file("admin")
 
@@ -140,15 +144,19 @@ class Cluster:
         return self.creds.server_args(self.replica_of(name))
 
     def primary(self, name: str = "primary", *, args: Sequence[str] = (), **kw) -> ServerProcess:
-        return self._start(ServerProcess(self.root / name, args=["--name", name, *self.auth_args(name), *args],
-                                         **kw))
+        return self._start(ServerProcess(self.root / name, args=["--name", name, *self.auth_args(name),
+                                                                 *self._relay_args(name), *args], **kw))
+
+    def _relay_args(self, name: str) -> list[str]:
+        port = self._relay_ports.setdefault(self.root / name, free_port())
+        return ["--reachable-as", f"127.0.0.1:{port}"]
 
     def standby(self, of: str, name: str = "standby", *, failover_after: float | None = None,
                 grace: float | None = None, args: Sequence[str] = (), wait_sync: bool = True,
                 **kw) -> ServerProcess:
         """Start a standby of ``of`` (an address: a primary's or a proxy's); by default
         wait until it has attached (its "replicating from" log line)."""
-        argv = ["--standby-of", of, "--name", name, *self.auth_args(name)]
+        argv = ["--standby-of", of, "--name", name, *self.auth_args(name), *self._relay_args(name)]
         if failover_after is not None:
             argv += ["--failover-after", str(failover_after)]
         if grace is not None:
@@ -166,7 +174,13 @@ class Cluster:
         return self._start(fresh)
 
     def proxy(self, target: str) -> TcpProxy:
-        px = TcpProxy(target).start()
+        """A :class:`TcpProxy` to the server at ``target``, on the port that server was told
+        it is reachable as (a second proxy to one server gets a free port)."""
+        srv = next((s for s in self.servers if s.address == target), None)
+        port = self._relay_ports.get(Path(srv.data_dir), 0) if srv is not None else 0
+        if port in {p.port for p in self.proxies}:
+            port = 0
+        px = TcpProxy(target, port=port).start()
         self.proxies.append(px)
         return px
 

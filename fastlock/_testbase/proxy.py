@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
+import socket
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -189,6 +191,25 @@ class _Link:
                 side.transport.close()
 
 
+#: where :func:`free_port` looks: below Linux's ephemeral range (32768-60999), so that no
+#: server bound to port 0 and no outgoing connection takes the port before the proxy binds it
+RESERVED_PORTS = range(20_000, 32_000)
+
+
+def free_port() -> int:
+    """A loopback TCP port free at the time of the call, for a proxy to listen on later
+    (from :data:`RESERVED_PORTS`; raises OSError if 200 tries find none)."""
+    for _ in range(200):
+        port = random.choice(RESERVED_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError("no free loopback port below the ephemeral range")
+
+
 class TcpProxy:
     """Forward 127.0.0.1:<free port> to ``target`` (``"host:port"`` or a tuple).
 
@@ -204,21 +225,27 @@ class TcpProxy:
         max_connections: connections at once (default 1024); more are closed.
         record_bytes: bytes kept of each direction, every connection together
             (default 0: none): :meth:`recorded` returns them.
+        port: the loopback port to listen on (default 0: a free one).  A server
+            reached through the proxy refuses plain-TCP handshakes that name the
+            proxy's endpoint unless started with ``--reachable-as 127.0.0.1:PORT``
+            (the handshake binds the endpoint a client dialed): :func:`free_port`
+            picks the port before the server starts, as :class:`Cluster` does.
 
     Use as a context manager, or call :meth:`start` and :meth:`close`.  Every
     fault method is thread-safe and returns once the proxy applied it.
     """
 
     def __init__(self, target: str | tuple[str, int], *, classify: Callable[[bytes], str | None] | None = None,
-                 max_buffer_bytes: int = 1 << 20, max_connections: int = 1024, record_bytes: int = 0):
+                 max_buffer_bytes: int = 1 << 20, max_connections: int = 1024, record_bytes: int = 0,
+                 port: int = 0):
         if isinstance(target, str):
-            host, _, port = target.rpartition(":")
-            target = (host, int(port))
+            host, _, target_port = target.rpartition(":")
+            target = (host, int(target_port))
         self.target = target
         self.classify = classify
         self.max_buffer_bytes = max_buffer_bytes
         self.max_connections = max_connections
-        self.port = 0
+        self.port = port
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: asyncio.base_events.Server | None = None
@@ -263,7 +290,7 @@ class TcpProxy:
         return self
 
     async def _open(self) -> None:
-        self._server = await asyncio.get_running_loop().create_server(self._accept, "127.0.0.1", 0)
+        self._server = await asyncio.get_running_loop().create_server(self._accept, "127.0.0.1", self.port)
         self.port = self._server.sockets[0].getsockname()[1]
 
     def _accept(self) -> asyncio.Protocol:

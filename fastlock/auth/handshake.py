@@ -13,18 +13,27 @@ UTF-8)::
 
 The exchange (every nonce 32 random bytes)::
 
-    client -> HELLO credential {"principal", "nonce", "role", "node", "from"}
+    client -> HELLO credential {"principal", "nonce", "role", "node", "from", "to"}
     server -> {"challenge": {"nonce": server nonce, "node": server node id}}
     client -> HELLO credential {"proof": ClientKey XOR HMAC(StoredKey, "client" || AuthMessage)}
     server -> hello info + {"server_proof": HMAC(ServerKey, "server" || AuthMessage)}
 
 ``AuthMessage`` is the msgpack array ``[label, principal, role, client nonce,
-server nonce, server node id, client node id]`` (msgpack is unambiguous: no
+server nonce, server node id, client node id, dialed endpoint]`` (msgpack is unambiguous: no
 field can spill into the next).  So a proof names who gives it (principal
 and node), to whom (the server's node id), in which role and direction (the
 client proof and the server proof use different keys and labels), and for
 which exchange (both nonces): it cannot be replayed with a fresh server
 nonce, nor reflected to the node that asked for it, nor used at another node.
+
+The dialed endpoint (``"to"``: the ``ip:port`` the client's socket is connected to, as
+the client sees it) binds the proof to the TCP endpoint: a server on plain TCP refuses
+a handshake that names an endpoint other than the one the connection reached it at
+(or one of the addresses it is told it is reached as, for NAT), so a process that
+relays a client from another address (a squatter on a dead node's port, an address a
+rogue etcd record names) gets the connection refused instead of a session, in the
+spirit of SCRAM's channel binding (RFC 5929's endpoint binding, at the TCP layer).
+A relay cannot strip or change ``"to"``: it is inside ``AuthMessage``.
 
 The server keeps only ``StoredKey`` and ``ServerKey``: a stolen credentials
 file lets a thief pose as the *server* to a principal (as with SCRAM), never
@@ -65,6 +74,8 @@ __all__ = [
     "auth_message",
     "client_secret",
     "derive_keys",
+    "endpoint",
+    "format_endpoint",
 ]
 
 #: bytes of every nonce, either side
@@ -130,10 +141,25 @@ def derive_keys(token: str) -> ServerKeys:
 
 
 def auth_message(principal: str | None, role: str | None, client_nonce: bytes, server_nonce: bytes,
-                 server_node: str, client_node: str | None) -> bytes:
+                 server_node: str, client_node: str | None, dialed: str | None = None) -> bytes:
     """The bytes both proofs sign: every field of the exchange, as one msgpack array."""
-    return msgpack.packb([_LABEL, principal, role, client_nonce, server_nonce, server_node, client_node],
-                         use_bin_type=True)
+    return msgpack.packb([_LABEL, principal, role, client_nonce, server_nonce, server_node, client_node,
+                          dialed], use_bin_type=True)
+
+
+def endpoint(sockaddr: Any) -> str | None:
+    """``"ip:port"`` (``"[ip6]:port"``) of a socket address as asyncio reports it, or None."""
+    if not isinstance(sockaddr, tuple) or len(sockaddr) < 2:
+        return None
+    return format_endpoint(str(sockaddr[0]), sockaddr[1])
+
+
+def format_endpoint(host: str, port: int) -> str:
+    """``"ip:port"`` (``"[ip6]:port"``) as the handshake binds it; an IPv4 address on a
+    dual-stack socket (``::ffff:a.b.c.d``) as the IPv4 side sees it."""
+    if host.startswith("::ffff:") and "." in host:
+        host = host[7:]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _client_signature(stored_key: bytes, message: bytes) -> bytes:
@@ -171,6 +197,10 @@ class ClientHandshake:
         own_node: its own node id (a node's standby link), or None; a server that
             names this id is the client itself and is refused.
         nonce: the client nonce (tests only; default :func:`os.urandom`).
+        dialed: the endpoint (``"ip:port"``, see :func:`endpoint`) its socket is
+            connected to, which the proofs bind; None binds none (then a relay
+            could use the session: every fastlock client sets it, through
+            :func:`~fastlock.auth.say_hello`).
 
     Use: send :meth:`first` as HELLO's credential; if the reply is a challenge
     send :meth:`answer` as the next HELLO's credential; pass the final reply to
@@ -179,7 +209,7 @@ class ClientHandshake:
     """
 
     def __init__(self, secret: ClientSecret | None, *, role: str | None = None, expect_node: str | None = None,
-                 own_node: str | None = None, nonce: bytes | None = None):
+                 own_node: str | None = None, nonce: bytes | None = None, dialed: str | None = None):
         if role is not None and role not in ROLES:
             raise ValueError(f"role must be one of {ROLES} or None, not {role!r}")
         self.secret = secret
@@ -187,6 +217,7 @@ class ClientHandshake:
         self.expect_node = expect_node
         self.own_node = own_node
         self.nonce = nonce if nonce is not None else os.urandom(NONCE_BYTES)
+        self.dialed = dialed
         self._message: bytes | None = None  # the AuthMessage, once the challenge came
         #: the node id the server proved it is (after :meth:`welcome`)
         self.server_node: str | None = None
@@ -201,7 +232,7 @@ class ClientHandshake:
         if self.secret is None:
             return None
         return {"principal": self.secret.principal, "nonce": self.nonce, "role": self.role,
-                "node": self.expect_node, "from": self.own_node}
+                "node": self.expect_node, "from": self.own_node, "to": self.dialed}
 
     def answer(self, reply: Any) -> dict:
         """The second HELLO's credential: the proof, from the server's challenge ``reply``."""
@@ -222,7 +253,8 @@ class ClientHandshake:
         if self.expect_node is not None and node != self.expect_node:
             raise ServerNotProven(f"the server is node {node}, not the expected node {self.expect_node}")
         self.server_node = node
-        self._message = auth_message(secret.principal, self.role, self.nonce, nonce, node, self.own_node)
+        self._message = auth_message(secret.principal, self.role, self.nonce, nonce, node, self.own_node,
+                                     self.dialed)
         stored_key = hashlib.sha256(secret.client_key).digest()
         return {"proof": _xor(secret.client_key, _client_signature(stored_key, self._message))}
 
@@ -256,11 +288,12 @@ class ClientFirst:
     role: str | None
     expect_node: str | None
     client_node: str | None
+    dialed: str | None = None  # the endpoint the client's socket is connected to, as it says
 
     @classmethod
     def parse(cls, credential: dict) -> ClientFirst:
         """Raises ProtocolError naming the malformed field."""
-        unknown = set(credential) - {"principal", "nonce", "role", "node", "from"}
+        unknown = set(credential) - {"principal", "nonce", "role", "node", "from", "to"}
         if unknown:
             raise ProtocolError(f"unknown credential fields {sorted(map(str, unknown))}")
         principal = credential.get("principal")
@@ -273,7 +306,8 @@ class ClientFirst:
         if role is not None and role not in ROLES:
             raise ProtocolError(f"the credential's role is one of {', '.join(ROLES)} or None")
         return cls(principal, nonce, role, _node(credential.get("node"), "the expected node"),
-                   _node(credential.get("from"), "the client's node"))
+                   _node(credential.get("from"), "the client's node"),
+                   _node(credential.get("to"), "the dialed endpoint"))
 
 
 @dataclass(frozen=True)
@@ -290,7 +324,7 @@ class PendingProof:
 
     def message(self, server_node: str) -> bytes:
         f = self.first
-        return auth_message(f.principal, f.role, f.nonce, self.server_nonce, server_node, f.client_node)
+        return auth_message(f.principal, f.role, f.nonce, self.server_nonce, server_node, f.client_node, f.dialed)
 
 
 class ServerHandshake:

@@ -11,12 +11,14 @@ and says why it refuses the rest (exit status 2).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import sys
 from typing import Any
 
 from ..auth import CredentialsError, read_token_file, resolve_credential
+from ..auth.handshake import format_endpoint
 from ..errors import FastlockError
 from ..protocol import MIN_MAX_FRAME_BYTES, check_ttl_ms, check_wait_ms, seconds_to_ms
 from ..units import DEFAULT_PORT, MAX_SECONDS, check_seconds, parse_address
@@ -48,6 +50,28 @@ def server_address(value: str) -> tuple[str, int]:
         return parse_address(value, default_port=DEFAULT_PORT)
     except FastlockError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def reachable_as(value: str) -> tuple[str, ...]:
+    """argparse type of ``serve --reachable-as``: ``any``, or comma-separated ``IP:PORT``
+    endpoints (IPv6 as ``[IP]:PORT``), returned as the handshake writes them
+    (:func:`fastlock.auth.handshake.endpoint`)."""
+    if value.strip() == "any":
+        return ("any",)
+    out: list[str] = []
+    for part in (p.strip() for p in value.split(",")):
+        if not part:
+            continue
+        try:
+            host, port = parse_address(part, default_port=None)
+            ip = ipaddress.ip_address(host)
+        except (FastlockError, ValueError):
+            raise argparse.ArgumentTypeError(f"{part!r} is not IP:PORT (an IP address, not a name; IPv6 as "
+                                             "[IP]:PORT) nor 'any'") from None
+        out.append(format_endpoint(str(ip), port))
+    if not out:
+        raise argparse.ArgumentTypeError("give IP:PORT endpoints (comma-separated) or 'any'")
+    return tuple(out)
 
 
 def servers_from_env() -> list[str]:

@@ -18,6 +18,7 @@ from .args import (
     listen_address,
     positive_int,
     positive_seconds_arg,
+    reachable_as,
     read_secret,
     seconds_arg,
     server_address,
@@ -91,6 +92,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "HOST must be a loopback address unless --metrics-allow-remote")
     s.add_argument("--metrics-allow-remote", action="store_true",
                    help="let --metrics bind a non-loopback address (the endpoint has no authentication)")
+    s.add_argument("--reachable-as", type=reachable_as, default=(), metavar="IP:PORT[,IP:PORT...]|any",
+                   help="over plain TCP a client's handshake names the endpoint it dialed, and the server "
+                        "refuses one that names another than the connection arrived at (a relay: a process on "
+                        "a dead node's port, an address a rogue etcd record names); these endpoints are also "
+                        "accepted (NAT, port mapping, a TCP proxy); 'any' turns the check off. TLS connections "
+                        "are not checked (the certificate binds the server)")
     s.add_argument("--metrics-lock-names", action="store_true",
                    help="export lock names as metric labels (fastlock_lock_contention{lock}); default: none")
     s.add_argument("--wal-writer", choices=("auto", "thread", "inline"), default="auto",
@@ -350,6 +357,7 @@ def serve_command(args: argparse.Namespace) -> int:
         metrics=args.metrics,
         metrics_allow_remote=args.metrics_allow_remote,
         metrics_lock_names=args.metrics_lock_names,
+        reachable_as=args.reachable_as,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_ca=args.tls_ca,

@@ -113,6 +113,9 @@ class ServerConfig:
     metrics: tuple[str, int] | None = None  # serve Prometheus metrics on this address
     metrics_allow_remote: bool = False  # metrics may bind a non-loopback address (fastlock.metrics)
     metrics_lock_names: bool = False  # metrics may carry lock names in labels (fastlock.metrics)
+    #: endpoints ("ip:port") plain-TCP clients may dial to reach this node besides the one their
+    #: connection arrives at (NAT, port mapping); ("any",): any (the handshake's endpoint binding off)
+    reachable_as: tuple[str, ...] = ()
     # TLS (see fastlock.tls): this node's certificate and key serve clients and, on a standby,
     # are presented to the primary; the CA verifies client certificates and the primary's
     tls_cert: str | None = None

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 from .. import protocol as P
 from .._version import __version__
 from ..auth import AuthFailures, Credentials, Principal, token_principal
-from ..auth.handshake import ClientFirst, ServerHandshake
+from ..auth.handshake import ClientFirst, ServerHandshake, endpoint
 from ..errors import AuthError, NotPrimary, ProtocolError
-from ..logsafe import quote
+from ..logsafe import RateLimitedLog, quote
 from ..replication import node_id
 from ..roles import Role
 from ..units import monotonic_ms
@@ -42,6 +42,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .session import Session
 
 log = logging.getLogger(__name__)
+#: handshakes refused as relayed (the endpoint check): one line per 10 s, with a count of the rest
+_relayed_log = RateLimitedLog(log)
 
 
 class Hello:
@@ -102,6 +104,7 @@ class Hello:
                 raise AuthError("this server runs in open mode (no credentials): it holds no key to prove "
                                 "itself with, so a client with a token refuses it; connect without a token")
             first = ClientFirst.parse(credential)
+            self._check_endpoint(conn, first.dialed, client_name)
             found = self.credentials.lookup(first.principal)
             proof_pending, reply = self.verifier.challenge(first, found.keys if found is not None else None, found)
             pending[conn.session] = proof_pending
@@ -172,6 +175,29 @@ class Hello:
             raise AuthError(f"authentication failed: {reason}")
         self._replica_here(principal)  # only to a valid proof (anyone else learns nothing)
         return principal, server_proof
+
+    def _check_endpoint(self, conn: Session, dialed: str | None, client_name: str | None) -> None:
+        """Plain TCP: the endpoint a client's handshake says it dialed (and its proof
+        binds) must be the one this connection arrived at, ``--advertise`` or one of
+        ``--reachable-as``;
+        else the client reached this node through a relay (a process on a dead node's
+        port, an address a rogue etcd record names), which could act in its session.
+        Refused with AuthError and logged (at most one line per 10 s), but not counted
+        towards a ban: the client guessed nothing, and on one host the relay's address is
+        every local client's.  Not checked over
+        TLS (the certificate binds the server) nor for a handshake that binds no
+        endpoint (a client that does not bind it only gives up its own protection)."""
+        config = self.server.config
+        allowed = (*config.reachable_as, config.advertise)  # --advertise: where others reach this node
+        if dialed is None or "any" in allowed or conn.transport.get_extra_info("ssl_object") is not None:
+            return
+        here = endpoint(conn.transport.get_extra_info("sockname"))
+        if dialed == here or dialed in allowed:
+            return
+        reason = (f"the client dialed {dialed} but reached this server at {here}: a relay in between (a process "
+                  "on another node's address?), or address translation (serve --reachable-as)")
+        _relayed_log("refusing HELLO from %s (client name %s): %s", conn.peer, quote(client_name), reason)
+        raise AuthError(f"authentication failed: {reason}")
 
     def _replica_here(self, principal: Principal) -> None:
         """A replica principal authenticates only at a primary (or a promoting node): a
