@@ -68,9 +68,12 @@ not passwords: ``ClientKey = HMAC-SHA256(T, "fastlock client key v2")``,
 server key v2")``.  The client proves ``ClientKey``; the server, which keeps
 only ``StoredKey`` and ``ServerKey``, proves ``ServerKey``; both proofs sign
 one ``AuthMessage`` naming the principal, the role, both nonces, the server's
-node id and the client's (a standby's) node id, so a proof says who gives
-it, to whom, in which role and direction, and cannot be replayed, reflected
-to the node that asked for it, or used at another node.  The client checks
+node id and the client's (a standby's) node id, and the TCP endpoint the
+client dialed, so a proof says who gives it, to whom, where, in which role
+and direction, and cannot be replayed, reflected to the node that asked for
+it, used at another node, or relayed: a node on plain TCP refuses a
+handshake naming an endpoint other than the one the connection arrived at
+(``serve --advertise`` and ``--reachable-as`` add endpoints, for NAT).  The client checks
 the server's proof before it sends anything else, and a client with a token
 refuses a server that does not prove itself.  A node authenticates a replica
 principal only while it is primary (or promoting), and never the replica
