@@ -1,7 +1,8 @@
 """What a principal can make the server hold beyond its leases, against real servers.
 
 Running lock-delays count as leases (per-principal quota and --max-leases) until they
-end, and per-lease log lines on hot paths are rate limited.
+end; the bytes of key values are bounded per principal and in all; per-lease log lines
+on hot paths are rate limited.
 """
 
 from __future__ import annotations
@@ -10,10 +11,13 @@ import os
 import re
 import time
 
+import msgpack
 from test_limits import Raw, acquire_args, error_of
 
 from fastlock import protocol as P
+from fastlock._testbase import CredentialsDir
 from fastlock.errors import LimitExceeded
+from fastlock.protocol.ops import KEY_UPSERT, OP_KEY_DELETE, OP_KEY_GET, OP_KEY_PUT
 
 DAY_MS = 86_400_000
 
@@ -116,3 +120,59 @@ def test_lease_expiries_log_a_bounded_number_of_lines_with_a_summary(server_fact
         _wait_for("a summary line", summarised)
         left_out = sum(int(m.group(1)) for line in srv.lines if (m := summary.search(line)))
         assert left_out >= 2_560 - len(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# bytes of key values
+
+
+def _put(raw: Raw, key: str, size: int, fill: bytes = b"v") -> list:
+    return raw.call(OP_KEY_PUT, key, fill * size, None, 0, None, KEY_UPSERT)
+
+
+def _key_bytes(raw: Raw) -> int:
+    (row,) = raw.call(P.OP_STATUS)[2]["principals"]
+    return row["key_bytes"]
+
+
+def test_a_principals_key_value_bytes_are_bounded(server_factory):
+    """Every put counts the bytes it stores (a replacement the difference); a delete
+    gives them back; a refused put changes nothing."""
+    srv = server_factory("kbytes", args=["--max-key-bytes-per-principal", "200000"])
+    with Raw(srv.address) as raw:
+        for i in range(3):
+            assert _put(raw, f"k/{i}", 65_536)[1] == 0
+        _limit(_put(raw, "k/3", 65_536), "--max-key-bytes-per-principal")
+        assert raw.call(OP_KEY_GET, "k/3")[2] is None and _key_bytes(raw) == 196_608
+        # replacing a value counts only what it adds: the same size again fits, a larger one not
+        assert _put(raw, "k/0", 65_536, b"w")[1] == 0
+        assert _put(raw, "k/3", 3_392)[1] == 0 and _key_bytes(raw) == 200_000  # exactly the quota
+        _limit(_put(raw, "k/3", 3_393, b"w"), "--max-key-bytes-per-principal")
+        assert raw.call(OP_KEY_GET, "k/3")[2]["value"] == b"v" * 3_392
+        assert raw.call(OP_KEY_DELETE, "k/1")[2] is True
+        assert _key_bytes(raw) == 134_464
+        assert _put(raw, "k/4", 65_536)[1] == 0
+
+
+def test_key_value_bytes_of_all_principals_are_capped(server_factory):
+    srv = server_factory("kglobal", args=["--max-key-bytes", "150000"])
+    with Raw(srv.address) as raw:
+        assert _put(raw, "a", 65_536)[1] == 0 and _put(raw, "b", 65_536)[1] == 0
+        _limit(_put(raw, "c", 65_536), "--max-key-bytes")
+        assert raw.call(P.OP_STATUS)[2]["principals"][0]["key_bytes"] == 131_072
+
+
+def test_anonymous_upserting_64_kib_values_stops_at_its_share(server_factory, tmp_path):
+    """The finding at the defaults: anonymous puts 64 KiB values; it stops at a sixteenth
+    of --max-key-bytes (16 MiB: 256 values), and ``app`` still puts."""
+    creds = CredentialsDir(tmp_path / "credentials", replicas=1)
+    srv = server_factory("kflood", fsync="never", args=["--credentials", creds.file])
+    with Raw(srv.address, timeout=30) as raw:
+        raw.sock.sendall(b"".join(msgpack.packb([i + 1, OP_KEY_PUT, f"flood/{i}", b"x" * 65_536, None, 0, None,
+                                                 KEY_UPSERT], use_bin_type=True) for i in range(300)))
+        raw.next_id = 301
+        replies = [raw.recv() for _ in range(300)]
+        assert sum(r[1] == 0 for r in replies) == 256
+        assert all(r[1] == LimitExceeded.code and "--max-key-bytes-per-principal" in r[2] for r in replies if r[1])
+    with Raw(srv.address, credential=creds.token("app")) as app:
+        assert _put(app, "app/1", 65_536)[1] == 0

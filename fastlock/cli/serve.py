@@ -216,6 +216,10 @@ def add_limit_flags(s: argparse.ArgumentParser) -> None:
                         f"(default {d.anonymous_quota_divisor}: a sixteenth of each global limit)")
     g.add_argument("--max-value-bytes", type=positive_int, default=d.max_value_bytes, metavar="BYTES",
                    help=f"one key's value (default {d.max_value_bytes})")
+    g.add_argument("--max-key-bytes", type=positive_int, default=d.max_key_bytes, metavar="BYTES",
+                   help=f"bytes of every key's value together (default {d.max_key_bytes})")
+    g.add_argument("--max-key-bytes-per-principal", type=count_arg, default=None, metavar="BYTES",
+                   help=f"bytes of one principal's key values (default {_share('--max-key-bytes')}")
 
 
 def limit_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -242,6 +246,8 @@ def limit_config(args: argparse.Namespace) -> dict[str, Any]:
         max_connections_per_principal=args.max_connections_per_principal,
         anonymous_quota_divisor=args.anonymous_quota_divisor,
         max_value_bytes=args.max_value_bytes,
+        max_key_bytes=args.max_key_bytes,
+        max_key_bytes_per_principal=args.max_key_bytes_per_principal,
     )
 
 

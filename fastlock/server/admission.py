@@ -5,7 +5,7 @@ them: connections in all (sized to the open-files limit, plus a reserve for
 replica and admin principals), per client address, per principal, the HELLO
 deadline and the idle timeout.  :class:`PrincipalQuotas` holds the
 per-principal quotas (:class:`Quota`: leases, waiting acquires, watches, keys,
-connections) and each principal's :class:`Usage`, counted as the op that
+bytes of key values, connections) and each principal's :class:`Usage`, counted as the op that
 creates a resource runs.  By default each quota is a quarter of its global cap
 and the ``anonymous`` principal's a sixteenth (:func:`quota_limits`).  Every
 refusal is a :class:`~fastlock.errors.LimitExceeded` naming the flag that sets
@@ -161,6 +161,8 @@ class PrincipalUsage:
     connections_quota: int
     #: lock-delays running after its leases expired (each counts as a lease until it ends)
     lock_delays: int = 0
+    key_bytes: int = 0  # bytes of its key values
+    key_bytes_quota: int = 0
 
 
 def quota_limits(config: ServerConfig, single_principal: bool, max_connections: int) -> dict[str, tuple[int, int]]:
@@ -175,7 +177,7 @@ def quota_limits(config: ServerConfig, single_principal: bool, max_connections: 
     set quotas still apply.
     """
     caps = {"leases": config.max_leases, "waiters": config.max_waiters, "watches": config.max_watches,
-            "keys": config.max_keys, "connections": max_connections}
+            "keys": config.max_keys, "connections": max_connections, "key_bytes": config.max_key_bytes}
     out = {}
     for what, cap in caps.items():
         value = getattr(config, f"max_{what}_per_principal")
@@ -239,6 +241,7 @@ class PrincipalQuotas:
         self.watches = Quota(*limits["watches"], "watches", "max-watches-per-principal")
         self.keys = Quota(*limits["keys"], "keys", "max-keys-per-principal")
         self.connections = Quota(*limits["connections"], "connections", "max-connections-per-principal")
+        self.key_bytes = Quota(*limits["key_bytes"], "bytes of key values", "max-key-bytes-per-principal")
 
     def of(self, principal: str) -> Usage:
         """``principal``'s usage (made on first use; principals are the credentials' few)."""
@@ -405,7 +408,8 @@ class PrincipalQuotas:
         self.sync()
         if self._delays:
             self.lock_delays_ended(monotonic_ms())
-        keys = self.server.keys.space.per_principal
+        space = self.server.keys.space
+        keys = space.per_principal
         names = sorted(set(self.usage) | {p for p in keys if p is not None}) if principal is None else [principal]
         out = []
         for name in names:
@@ -413,7 +417,8 @@ class PrincipalQuotas:
             out.append(PrincipalUsage(
                 name, len(u.leases), self.leases.limit_for(name), u.waiting, self.waiters.limit_for(name),
                 u.watches, self.watches.limit_for(name), keys.get(name, 0), self.keys.limit_for(name),
-                u.connections, self.connections.limit_for(name), u.lock_delays))
+                u.connections, self.connections.limit_for(name), u.lock_delays,
+                space.value_bytes_per_principal.get(name, 0), self.key_bytes.limit_for(name)))
         return out
 
 
