@@ -176,3 +176,23 @@ def test_anonymous_upserting_64_kib_values_stops_at_its_share(server_factory, tm
         assert all(r[1] == LimitExceeded.code and "--max-key-bytes-per-principal" in r[2] for r in replies if r[1])
     with Raw(srv.address, credential=creds.token("app")) as app:
         assert _put(app, "app/1", 65_536)[1] == 0
+
+
+def _snapshots(directory) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("snap-") and p.name.endswith(".snap"))
+
+
+def test_the_log_is_snapshotted_by_bytes_as_well_as_by_records(server_factory):
+    """40 puts of 64 KiB are 40 records (far from --snapshot-every) but 2.6 MB of log:
+    with --snapshot-every-bytes 1 MiB a snapshot is written, and the next one follows the
+    next MiB; with 0 (records only) none is."""
+    srv = server_factory("bybytes", fsync="never", args=["--snapshot-every-bytes", str(1 << 20)])
+    records_only = server_factory("byrecords", fsync="never", args=["--snapshot-every-bytes", "0"])
+    for server in (srv, records_only):
+        with Raw(server.address, timeout=30) as raw:
+            for i in range(40):
+                assert _put(raw, f"big/{i}", 65_536)[1] == 0
+            raw.call(P.OP_STATUS)  # a batch after the last put: where a due snapshot starts
+    taken = _wait_for("snapshots by bytes", lambda: len(_snapshots(srv.data_dir)) >= 2 and _snapshots(srv.data_dir))
+    assert len(taken) == 2, taken  # 2.6 MB at one per MiB, two kept (the older ones compacted away)
+    assert _snapshots(records_only.data_dir) == []

@@ -41,6 +41,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     s.add_argument("--fsync-interval-ms", type=positive_int, default=1000, metavar="MS")
     s.add_argument("--snapshot-every", type=positive_int, default=200_000, metavar="RECORDS",
                    help="write a snapshot and drop old WAL segments after this many records")
+    s.add_argument("--snapshot-every-bytes", type=count_arg, default=128 << 20, metavar="BYTES",
+                   help="also write a snapshot after this many bytes of records, whichever of the two comes first "
+                        "(default 134217728: 128 MiB; 0: by records only), so that large key values cannot grow "
+                        "the log without bound between snapshots")
     s.add_argument("--credentials", metavar="FILE",
                    help="principals, the keys their tokens prove, and ACLs (TOML; make one with "
                         "`fastlock credentials init DIR`). "
@@ -330,6 +334,7 @@ def serve_command(args: argparse.Namespace) -> int:
         fsync=args.fsync,
         fsync_interval_ms=args.fsync_interval_ms,
         snapshot_every=args.snapshot_every,
+        snapshot_every_bytes=args.snapshot_every_bytes,
         auth_secret=secret,
         credentials=credentials,
         standby_token=standby_token,

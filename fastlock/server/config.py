@@ -73,6 +73,7 @@ class ServerConfig:
     fsync: FsyncMode = FsyncMode.ALWAYS  # a member's string value is accepted too
     fsync_interval_ms: int = 1000
     snapshot_every: int = 200_000
+    snapshot_every_bytes: int = 128 << 20  # also snapshot after this many WAL bytes (0: by records only)
     auth_secret: str | None = None  # legacy shared secret: the client principal "shared-secret", every name
     credentials: Credentials | None = None  # principals (None: open mode, or only the shared secret)
     allow_unauthenticated: bool = False  # open mode on a non-loopback address (protected mode off)

@@ -135,6 +135,7 @@ class LockServer:
             fsync=config.fsync.value,
             fsync_interval_ms=config.fsync_interval_ms,
             snapshot_every=config.snapshot_every,
+            snapshot_every_bytes=config.snapshot_every_bytes,
             on_fatal=self._wal_fatal,
             writer=config.wal_writer.value,
         )
@@ -434,11 +435,15 @@ class LockServer:
         events = table.drain_events()
         if events:
             self._process_events(events)
+        wal = self.wal
+        # every batch (key puts make no table events): due by records or by bytes of log
+        if wal.maybe_snapshot(self.snapshot_state):
+            lockdelays.relog_running(wal, self.table)
         nd = table.next_deadline()
         if nd >= 0 and (self.expiry.handle is None or nd < self.expiry.at_ms) and self.roles.expires_leases:
             self._rearm()
         self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
-        self.wal.poll()  # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
+        wal.poll()  # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
         dirty = self.dirty
         if dirty:
             for conn in dirty:
@@ -481,8 +486,6 @@ class LockServer:
                 deliver()
             else:  # acked once durable: in a burst, at the end of this turn with everything logged in it
                 wal.when_durable(deliver)
-        if wal.maybe_snapshot(self.snapshot_state):
-            lockdelays.relog_running(wal, self.table)
 
     def _deliver_grants(self, grants: list, refused_by: FastlockError | None = None) -> None:
         """Acknowledge a batch of grants once durable - if this node may still grant.
