@@ -4,18 +4,16 @@
 them: connections in all (sized to the open-files limit, plus a reserve for
 replica and admin principals), per client address, per principal, the HELLO
 deadline and the idle timeout.  :class:`PrincipalQuotas` holds the
-per-principal quotas (:class:`Quota`: leases, waiting acquires, watches, keys,
-bytes of key values, connections) and each principal's :class:`Usage`, counted as the op that
-creates a resource runs.  By default each quota is a quarter of its global cap
-and the ``anonymous`` principal's a sixteenth (:func:`quota_limits`).  Every
-refusal is a :class:`~fastlock.errors.LimitExceeded` naming the flag that sets
-the limit, and changes nothing.
+per-principal quotas (:class:`Quota`: leases, waiting acquires, watches, keys, key
+value bytes, connections) and each principal's :class:`Usage`, counted as the op
+that creates a resource runs.  Each quota is by default a quarter of its global
+cap, the ``anonymous`` principal's a sixteenth (:func:`quota_limits`).  Every
+refusal is a :class:`~fastlock.errors.LimitExceeded` naming its flag, and changes nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
 import logging
 import resource
 from collections.abc import Sequence
@@ -28,6 +26,7 @@ from ..errors import LimitExceeded
 from ..logsafe import RateLimitedLog
 from ..units import monotonic_ms
 from .config import ServerConfig
+from .lockdelays import RunningDelays
 from .session import UNAUTHENTICATED, Session, split_recorded_client
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -129,16 +128,14 @@ class Quota:
 
 class Usage:
     """What one principal holds now: ``leases`` (fencing token -> lock name), ``waiting``
-    (acquires queued, one per name of an ACQUIRE_MANY), ``lock_delays`` (lock-delays
-    running after its leases expired), ``watches`` (lock and key watches) and
-    ``connections`` (that completed HELLO)."""
+    (acquires queued, one per name of an ACQUIRE_MANY), ``watches`` (lock and key
+    watches) and ``connections`` (that completed HELLO)."""
 
-    __slots__ = ("leases", "waiting", "lock_delays", "watches", "connections")
+    __slots__ = ("leases", "waiting", "watches", "connections")
 
     def __init__(self) -> None:
         self.leases: dict[int, str] = {}
         self.waiting = 0
-        self.lock_delays = 0
         self.watches = 0
         self.connections = 0
 
@@ -159,8 +156,7 @@ class PrincipalUsage:
     keys_quota: int
     connections: int
     connections_quota: int
-    #: lock-delays running after its leases expired (each counts as a lease until it ends)
-    lock_delays: int = 0
+    lock_delays: int = 0  # running after its leases expired (each counts as a lease until it ends)
     key_bytes: int = 0  # bytes of its key values
     key_bytes_quota: int = 0
 
@@ -201,13 +197,9 @@ class PrincipalQuotas:
       waiter quota and the lease quota (it holds a reservation of the lease it
       will get), so a principal's leases plus waiters never pass its lease quota
       however its waiters are granted;
-    * a lock-delay (Chubby's) that an expiring lease starts, in :meth:`lease_expired`:
-      it counts as a lease of the expired lease's principal, against the lease
-      quota AND the global --max-leases (:meth:`lock_delay_count`), until the delay
-      ends.  The table keeps the lock entry that long, so a lease with a lock-delay
-      is one entry from its grant to its delay's end whatever its TTL: counting the
-      running delay (rather than guessing at the grant which leases will expire)
-      is exact, and bounds the entries a principal causes by its quota;
+    * a lock-delay an expiring lease starts (:meth:`lease_expired`) is a lease of its
+      principal and under --max-leases (:meth:`lock_delay_count`) until it ends, as
+      its lock entry lives that long (:mod:`fastlock.server.lockdelays`);
     * watches (lock and key) in :meth:`count_watches`, connections at HELLO
       (:class:`ConnectionLimits`), keys by the key space itself.
 
@@ -227,8 +219,7 @@ class PrincipalQuotas:
         #: leases that ended before their waiter's grant event was processed (this batch)
         self.ended_early: set[int] = set()
         self._epoch = -1  # the table's epoch the lease counts were taken at
-        #: running lock-delays, a heap of (end on the monotonic clock in ms, principal)
-        self._delays: list[tuple[int, str]] = []
+        self.delays = RunningDelays()
         #: a grant's recorded client -> its principal (the same str object for every grant of a connection)
         self._principal_of: dict[str, str] = {}
         self.configure(config.max_connections or DEFAULT_MAX_CONNECTIONS)
@@ -260,38 +251,24 @@ class PrincipalQuotas:
         if waiters:
             self.waiters.check(principal, u.waiting, waiters)
         if leases:
-            if self._delays:
-                self.lock_delays_ended(monotonic_ms())
-            self.leases.check(principal, len(u.leases) + u.waiting + u.lock_delays, leases)
+            held = len(u.leases) + u.waiting
+            if self.delays:
+                self.delays.ended(monotonic_ms())
+                held += self.delays.per_principal.get(principal, 0)
+            self.leases.check(principal, held, leases)
         return u
 
     def lock_delay_count(self, now: int) -> int:
-        """How many lock-delays run at ``now`` (monotonic ms): what the global
-        --max-leases counts besides the leases held."""
-        if self._delays:
-            self.lock_delays_ended(now)
-        return len(self._delays)
+        """Lock-delays running at ``now`` (monotonic ms): --max-leases counts them too."""
+        self.delays.ended(now)
+        return len(self.delays)
 
     def lease_expired(self, ev: Any, now: int) -> None:
-        """An EV_EXPIRED event: uncount its lease, and count the lock-delay it starts
-        (until ``ev.deadline_ms + ev.lock_delay_ms``, monotonic ms) against the same
-        principal."""
-        meta = ev.meta
-        self.lease_ended(ev.token, meta)
-        if ev.lock_delay_ms:
-            until = ev.deadline_ms + ev.lock_delay_ms
-            if until > now:
-                principal = self.principal_of(meta)
-                self.of(principal).lock_delays += 1
-                heapq.heappush(self._delays, (until, principal))
-
-    def lock_delays_ended(self, now: int) -> None:
-        """Uncount every lock-delay that ended by ``now`` (monotonic ms)."""
-        delays = self._delays
-        while delays and delays[0][0] <= now:
-            u = self.usage.get(heapq.heappop(delays)[1])
-            if u is not None and u.lock_delays:
-                u.lock_delays -= 1
+        """An EV_EXPIRED event at ``now`` (monotonic ms): uncount its lease, count the
+        lock-delay it starts (until its deadline + lock_delay_ms) against its principal."""
+        self.lease_ended(ev.token, ev.meta)
+        if ev.lock_delay_ms and ev.deadline_ms + ev.lock_delay_ms > now:
+            self.delays.started(self.principal_of(ev.meta), ev.deadline_ms + ev.lock_delay_ms)
 
     def principal_of(self, meta: Any) -> str:
         """:func:`principal_of`, remembered by recorded client (at most
@@ -377,14 +354,11 @@ class PrincipalQuotas:
         self._epoch = table.epoch
         for u in self.usage.values():
             u.leases.clear()
-            u.lock_delays = 0
         for h in table.holders():
             self.of(self.principal_of(h.meta)).leases[h.token] = h.name
-        # a recovered or replicated lock-delay names no principal: it counts against the global cap
+        # a recovered or replicated lock-delay names no principal: UNRECORDED's, under the global cap
         now = monotonic_ms()
-        self._delays = [(until, UNRECORDED) for _, until in table.lock_delays() if until > now]
-        heapq.heapify(self._delays)
-        self.of(UNRECORDED).lock_delays = len(self._delays)
+        self.delays.reset(UNRECORDED, [until for _, until in table.lock_delays() if until > now])
 
     # -- watches ------------------------------------------------------------------------
     def check_watch(self, conn: Session) -> None:
@@ -406,8 +380,7 @@ class PrincipalQuotas:
         ``principal`` only), by name.  On a standby the lease counts are those of its
         last epoch change (replicated grants are counted when it is promoted)."""
         self.sync()
-        if self._delays:
-            self.lock_delays_ended(monotonic_ms())
+        self.delays.ended(monotonic_ms())
         space = self.server.keys.space
         keys = space.per_principal
         names = sorted(set(self.usage) | {p for p in keys if p is not None}) if principal is None else [principal]
@@ -417,7 +390,7 @@ class PrincipalQuotas:
             out.append(PrincipalUsage(
                 name, len(u.leases), self.leases.limit_for(name), u.waiting, self.waiters.limit_for(name),
                 u.watches, self.watches.limit_for(name), keys.get(name, 0), self.keys.limit_for(name),
-                u.connections, self.connections.limit_for(name), u.lock_delays,
+                u.connections, self.connections.limit_for(name), self.delays.per_principal.get(name, 0),
                 space.value_bytes_per_principal.get(name, 0), self.key_bytes.limit_for(name)))
         return out
 

@@ -81,6 +81,14 @@ class ManyRequest:
         return self.req_id
 
 
+#: per-lease lines of the expiry and grant paths (fastlock.server.lockserver's logger): at most
+#: 10 of each kind a second, then one with the count left out, however fast leases come and go
+_server_log = logging.getLogger(__package__ + ".lockserver")
+expired_log = RateLimitedLog(_server_log, logging.INFO, 1.0, 10)
+undelivered_log = RateLimitedLog(_server_log, logging.INFO, 1.0, 10)
+unacked_log = RateLimitedLog(_server_log, logging.WARNING, 1.0, 10)
+
+
 def reply_id(request: Any) -> int | None:
     """The request id an error event answers: an ACQUIRE's own id, an ACQUIRE_MANY's
     once (None for its other names' events)."""

@@ -62,7 +62,7 @@ from .._core import EV_EXPIRED, EV_GRANTED, LockTable, NotHolder
 from .._version import __version__
 from ..auth import Credentials, is_loopback
 from ..errors import FastlockError, Unavailable
-from ..logsafe import RateLimitedLog, quote
+from ..logsafe import quote
 from ..replication import STATE_FILE, NodeState, ReplicationSource, StandbyFollower, node_id
 from ..roles import Action, NodeRole, Role
 from ..tls import ServerTLS, client_context
@@ -77,7 +77,7 @@ from .endpoints import Endpoints
 from .failover import FailoverPolicy
 from .handlers import Handlers, refusal
 from .keys import KeyStore
-from .kinds import grant_reply, reply_id, waiter_left
+from .kinds import expired_log, grant_reply, reply_id, unacked_log, undelivered_log, waiter_left
 from .session import Session
 from .tasks import BackgroundTasks
 
@@ -87,10 +87,6 @@ _pack = msgpack.Packer(use_bin_type=True).pack  # what LockTable.snapshot_step d
 
 #: exit status after a write-ahead log failure (so a supervisor restarts the server)
 EXIT_WAL_FAILED = 3
-#: per-lease log lines (a lease expired, a grant undelivered): at most LEASE_LOG_BURST of each
-#: kind every LEASE_LOG_INTERVAL_S seconds, then one line with the count left out
-LEASE_LOG_INTERVAL_S = 1.0
-LEASE_LOG_BURST = 10
 
 #: a waiter's end that is not a grant -> the error code and reason its acquire is answered with
 class ExpiryTimer:
@@ -178,10 +174,6 @@ class LockServer:
         # with one client principal at most (open mode, say) the default shares stay off
         self.quotas = PrincipalQuotas(config, self, single_principal=client_principals(credentials) <= 1)
         self.handlers = Handlers(self, credentials)
-        #: per-lease lines on hot paths: a few a second each, with the count of those left out
-        self.expired_log = RateLimitedLog(log, logging.INFO, LEASE_LOG_INTERVAL_S, LEASE_LOG_BURST)
-        self.undeliverable_log = RateLimitedLog(log, logging.INFO, LEASE_LOG_INTERVAL_S, LEASE_LOG_BURST)
-        self.unacknowledged_log = RateLimitedLog(log, logging.WARNING, LEASE_LOG_INTERVAL_S, LEASE_LOG_BURST)
         #: process exit status: non-zero after a fatal WAL failure
         self.exit_status = 0
         #: sessions written to in this loop turn (flushed once at the batch end)
@@ -435,15 +427,13 @@ class LockServer:
         events = table.drain_events()
         if events:
             self._process_events(events)
-        wal = self.wal
-        # every batch (key puts make no table events): due by records or by bytes of log
-        if wal.maybe_snapshot(self.snapshot_state):
-            lockdelays.relog_running(wal, self.table)
+        if self.wal.maybe_snapshot(self.snapshot_state):  # at every batch end: key puts make no table events
+            lockdelays.relog_running(self.wal, table)
         nd = table.next_deadline()
         if nd >= 0 and (self.expiry.handle is None or nd < self.expiry.at_ms) and self.roles.expires_leases:
             self._rearm()
         self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
-        wal.poll()  # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
+        self.wal.poll()  # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
         dirty = self.dirty
         if dirty:
             for conn in dirty:
@@ -475,8 +465,8 @@ class LockServer:
                 quotas.lease_expired(ev, monotonic_ms())  # its lock-delay counts as its lease until it ends
                 if ev.name in watchers:
                     self.handlers.watches.notify(ev.name, "expired", ev.token, ev.meta)
-                self.expired_log("lease expired: %s token %d (holder %s)", quote(ev.name), ev.token,
-                                 quote(ev.meta[0] if ev.meta else None))
+                expired_log("lease expired: %s token %d (holder %s)", quote(ev.name), ev.token,
+                            quote(ev.meta[0] if ev.meta else None))
             else:  # a waiter left (wait timeout, cancel, deadlock): its acquire fails
                 waiter_left(sessions.get(ev.session), ev, quotas)
         quotas.batch_done()
@@ -520,16 +510,15 @@ class LockServer:
                     continue
                 self.released(ev.name, ev.token, ev.meta)
                 undelivered = True
-                self.undeliverable_log("released undeliverable grant %s token %d (session %d gone)",
-                                       quote(ev.name), ev.token, ev.session)
+                undelivered_log("released undeliverable grant %s token %d (session %d gone)", quote(ev.name),
+                                ev.token, ev.session)
                 continue
             if refused is not None:
                 rid = reply_id(ev.request)
                 if rid is not None:
                     conn.send(P.encode_error(rid, refused.code, f"{ev.name!r}: {refused}",
                                              getattr(refused, "primary", None)))
-                self.unacknowledged_log("grant %s token %d decided but not acknowledged: %s", quote(ev.name),
-                                        ev.token, refused)
+                unacked_log("grant %s token %d decided but not acknowledged: %s", quote(ev.name), ev.token, refused)
                 continue
             reply = grant_reply(ev)
             if reply is not None:
