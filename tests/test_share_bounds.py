@@ -182,17 +182,27 @@ def _snapshots(directory) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.startswith("snap-") and p.name.endswith(".snap"))
 
 
+def _put_40_values(raw: Raw) -> None:
+    for i in range(40):
+        assert _put(raw, f"big/{i}", 65_536)[1] == 0
+
+
 def test_the_log_is_snapshotted_by_bytes_as_well_as_by_records(server_factory):
     """40 puts of 64 KiB are 40 records (far from --snapshot-every) but 2.6 MB of log:
     with --snapshot-every-bytes 1 MiB a snapshot is written, and the next one follows the
     next MiB; with 0 (records only) none is."""
     srv = server_factory("bybytes", fsync="never", args=["--snapshot-every-bytes", str(1 << 20)])
+    with Raw(srv.address, timeout=30) as raw:
+        _put_40_values(raw)
+
+        def snapshotted() -> list[str]:
+            raw.call(P.OP_STATUS)  # a batch end, where a due snapshot starts
+            return _snapshots(srv.data_dir) if len(_snapshots(srv.data_dir)) >= 2 else []
+
+        taken = _wait_for("snapshots by bytes", snapshotted)
+        assert len(taken) == 2, taken  # 2.6 MB at one per MiB; two kept (older ones compacted away)
     records_only = server_factory("byrecords", fsync="never", args=["--snapshot-every-bytes", "0"])
-    for server in (srv, records_only):
-        with Raw(server.address, timeout=30) as raw:
-            for i in range(40):
-                assert _put(raw, f"big/{i}", 65_536)[1] == 0
-            raw.call(P.OP_STATUS)  # a batch after the last put: where a due snapshot starts
-    taken = _wait_for("snapshots by bytes", lambda: len(_snapshots(srv.data_dir)) >= 2 and _snapshots(srv.data_dir))
-    assert len(taken) == 2, taken  # 2.6 MB at one per MiB, two kept (the older ones compacted away)
-    assert _snapshots(records_only.data_dir) == []
+    with Raw(records_only.address, timeout=30) as raw:
+        _put_40_values(raw)
+        raw.call(P.OP_STATUS)
+        assert _snapshots(records_only.data_dir) == []
