@@ -58,9 +58,9 @@ def text_value(value: Any) -> str:
 
 
 class RateLimitedLog:
-    """Log one kind of event at most once per ``interval_s`` seconds, with the
-    number of occurrences suppressed since the last line (so a flood of refused
-    connections cannot flood the log).
+    """Log one kind of event at most ``burst`` times per ``interval_s`` seconds, with
+    the number of occurrences suppressed in the last window on the next line
+    logged (so a flood of refused connections cannot flood the log).
 
     Usage::
 
@@ -68,21 +68,27 @@ class RateLimitedLog:
         refused("refusing connection from %s: %d connections", peer, n)
     """
 
-    __slots__ = ("logger", "level", "interval_s", "_next", "_suppressed")
+    __slots__ = ("logger", "level", "interval_s", "burst", "_next", "_left", "_suppressed")
 
-    def __init__(self, logger: logging.Logger, level: int = logging.WARNING, interval_s: float = 10.0):
+    def __init__(self, logger: logging.Logger, level: int = logging.WARNING, interval_s: float = 10.0,
+                 burst: int = 1):
         self.logger = logger
         self.level = level
         self.interval_s = interval_s
+        self.burst = max(1, burst)
         self._next = 0.0
+        self._left = 0  # lines still allowed in the window that ends at _next
         self._suppressed = 0
 
     def __call__(self, msg: str, *args: Any) -> None:
         now = time.monotonic()
-        if now < self._next:
+        if now >= self._next:
+            self._next = now + self.interval_s
+            self._left = self.burst
+        elif not self._left:
             self._suppressed += 1
             return
-        self._next = now + self.interval_s
+        self._left -= 1
         if self._suppressed:
             msg = msg + " (%d more like this in the last %g s)"
             args = (*args, self._suppressed, self.interval_s)

@@ -80,7 +80,7 @@ ROLES = tuple(role.value for role in Role)  # declared once, in fastlock.roles
 
 
 #: the resources counted per principal (fastlock.server.admission.PrincipalUsage)
-PRINCIPAL_RESOURCES = ("leases", "waiters", "watches", "keys", "connections")
+PRINCIPAL_RESOURCES = ("leases", "waiters", "watches", "keys", "key_bytes", "connections")
 
 
 def _principal_families(rows: list[dict]) -> Iterator:

@@ -39,7 +39,7 @@ from fastlock.server import ServerConfig
 from fastlock.server.admission import RESERVED_CONNECTIONS, quota_limits
 
 QUOTA_FLAGS = ("--max-leases-per-principal", "--max-waiters-per-principal", "--max-watches-per-principal",
-               "--max-keys-per-principal", "--max-connections-per-principal")
+               "--max-keys-per-principal", "--max-connections-per-principal", "--max-key-bytes-per-principal")
 
 
 def _limit(reply, flag: str) -> None:
@@ -101,7 +101,8 @@ def test_default_quotas_are_a_share_of_each_global_cap():
     config = ServerConfig()
     shared = quota_limits(config, single_principal=False, max_connections=10_000)
     assert shared == {"leases": (250_000, 62_500), "waiters": (25_000, 6_250), "watches": (25_000, 6_250),
-                      "keys": (25_000, 6_250), "connections": (2_500, 625)}
+                      "keys": (25_000, 6_250), "connections": (2_500, 625),
+                      "key_bytes": (64 << 20, 16 << 20)}
     # one principal only (open mode, the shared secret): nobody to share with, the global caps bound it
     assert set(quota_limits(config, single_principal=True, max_connections=10_000).values()) == {(0, 0)}
     # a set quota applies in every mode; 0 is none; the anonymous principal's follows its divisor
@@ -118,7 +119,7 @@ def test_the_help_names_each_quota_and_its_default():
     text = " ".join(build_parser()._subparsers._group_actions[0].choices["serve"].format_help().split())
     for flag in (*QUOTA_FLAGS, "--anonymous-quota-divisor"):
         assert flag in text, flag
-    assert text.count("a quarter of --max-") == 5 and "the anonymous principal's a sixteenth" in text
+    assert text.count("a quarter of --max-") == 6 and "the anonymous principal's a sixteenth" in text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -229,9 +229,11 @@ def principals_command(args: argparse.Namespace) -> int:
     if args.output == "json":
         _print_json(rows)
         return 0
-    print(table(("PRINCIPAL", "LEASES", "WAITERS", "WATCHES", "KEYS", "CONNECTIONS"),
+    print(table(("PRINCIPAL", "LEASES", "WAITERS", "WATCHES", "KEYS", "CONNECTIONS", "KEY BYTES", "LOCK-DELAYS"),
                 [(u["principal"], _of(u["leases"], u["leases_quota"]), _of(u["waiters"], u["waiters_quota"]),
                   _of(u["watches"], u["watches_quota"]), _of(u["keys"], u["keys_quota"]),
-                  _of(u["connections"], u["connections_quota"])) for u in rows]))
-    print("(used/quota; a lease quota counts leases plus waiting acquires)")
+                  _of(u["connections"], u["connections_quota"]),
+                  _of(u.get("key_bytes", 0), u.get("key_bytes_quota", 0)), str(u.get("lock_delays", 0)))
+                 for u in rows]))
+    print("(used/quota; a lease quota counts leases plus waiting acquires plus running lock-delays)")
     return 0

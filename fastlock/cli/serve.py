@@ -42,6 +42,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     s.add_argument("--fsync-interval-ms", type=positive_int, default=1000, metavar="MS")
     s.add_argument("--snapshot-every", type=positive_int, default=200_000, metavar="RECORDS",
                    help="write a snapshot and drop old WAL segments after this many records")
+    s.add_argument("--snapshot-every-bytes", type=count_arg, default=128 << 20, metavar="BYTES",
+                   help="also write a snapshot after this many bytes of records, whichever of the two comes first "
+                        "(default 134217728: 128 MiB; 0: by records only), so that large key values cannot grow "
+                        "the log without bound between snapshots")
     s.add_argument("--credentials", metavar="FILE",
                    help="principals, the keys their tokens prove, and ACLs (TOML; make one with "
                         "`fastlock credentials init DIR`). "
@@ -223,6 +227,10 @@ def add_limit_flags(s: argparse.ArgumentParser) -> None:
                         f"(default {d.anonymous_quota_divisor}: a sixteenth of each global limit)")
     g.add_argument("--max-value-bytes", type=positive_int, default=d.max_value_bytes, metavar="BYTES",
                    help=f"one key's value (default {d.max_value_bytes})")
+    g.add_argument("--max-key-bytes", type=positive_int, default=d.max_key_bytes, metavar="BYTES",
+                   help=f"bytes of every key's value together (default {d.max_key_bytes})")
+    g.add_argument("--max-key-bytes-per-principal", type=count_arg, default=None, metavar="BYTES",
+                   help=f"bytes of one principal's key values (default {_share('--max-key-bytes')}")
 
 
 def limit_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -249,6 +257,8 @@ def limit_config(args: argparse.Namespace) -> dict[str, Any]:
         max_connections_per_principal=args.max_connections_per_principal,
         anonymous_quota_divisor=args.anonymous_quota_divisor,
         max_value_bytes=args.max_value_bytes,
+        max_key_bytes=args.max_key_bytes,
+        max_key_bytes_per_principal=args.max_key_bytes_per_principal,
     )
 
 
@@ -331,6 +341,7 @@ def serve_command(args: argparse.Namespace) -> int:
         fsync=args.fsync,
         fsync_interval_ms=args.fsync_interval_ms,
         snapshot_every=args.snapshot_every,
+        snapshot_every_bytes=args.snapshot_every_bytes,
         auth_secret=secret,
         credentials=credentials,
         standby_token=standby_token,

@@ -117,7 +117,8 @@ class KeyMethods:
 
         Raises:
             LeaseLost: ``lease`` is no longer held.
-            LimitExceeded: ``--max-keys`` or ``--max-keys-per-principal`` reached.
+            LimitExceeded: ``--max-keys``, ``--max-keys-per-principal``, ``--max-key-bytes``
+                or ``--max-key-bytes-per-principal`` reached.
             PermissionDenied: the ACL does not grant ``put`` on ``key``.
         """
         P.check_name(key)

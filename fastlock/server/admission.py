@@ -4,12 +4,11 @@
 them: connections in all (sized to the open-files limit, plus a reserve for
 replica and admin principals), per client address, per principal, the HELLO
 deadline and the idle timeout.  :class:`PrincipalQuotas` holds the
-per-principal quotas (:class:`Quota`: leases, waiting acquires, watches, keys,
-connections) and each principal's :class:`Usage`, counted as the op that
-creates a resource runs.  By default each quota is a quarter of its global cap
-and the ``anonymous`` principal's a sixteenth (:func:`quota_limits`).  Every
-refusal is a :class:`~fastlock.errors.LimitExceeded` naming the flag that sets
-the limit, and changes nothing.
+per-principal quotas (:class:`Quota`: leases, waiting acquires, watches, keys, key
+value bytes, connections) and each principal's :class:`Usage`, counted as the op
+that creates a resource runs.  Each quota is by default a quarter of its global
+cap, the ``anonymous`` principal's a sixteenth (:func:`quota_limits`).  Every
+refusal is a :class:`~fastlock.errors.LimitExceeded` naming its flag, and changes nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from ..errors import LimitExceeded
 from ..logsafe import RateLimitedLog
 from ..units import monotonic_ms
 from .config import ServerConfig
+from .lockdelays import RunningDelays
 from .session import UNAUTHENTICATED, Session, split_recorded_client
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -156,6 +156,9 @@ class PrincipalUsage:
     keys_quota: int
     connections: int
     connections_quota: int
+    lock_delays: int = 0  # running after its leases expired (each counts as a lease until it ends)
+    key_bytes: int = 0  # bytes of its key values
+    key_bytes_quota: int = 0
 
 
 def quota_limits(config: ServerConfig, single_principal: bool, max_connections: int) -> dict[str, tuple[int, int]]:
@@ -170,7 +173,7 @@ def quota_limits(config: ServerConfig, single_principal: bool, max_connections: 
     set quotas still apply.
     """
     caps = {"leases": config.max_leases, "waiters": config.max_waiters, "watches": config.max_watches,
-            "keys": config.max_keys, "connections": max_connections}
+            "keys": config.max_keys, "connections": max_connections, "key_bytes": config.max_key_bytes}
     out = {}
     for what, cap in caps.items():
         value = getattr(config, f"max_{what}_per_principal")
@@ -194,6 +197,9 @@ class PrincipalQuotas:
       waiter quota and the lease quota (it holds a reservation of the lease it
       will get), so a principal's leases plus waiters never pass its lease quota
       however its waiters are granted;
+    * a lock-delay an expiring lease starts (:meth:`lease_expired`) is a lease of its
+      principal and under --max-leases (:meth:`lock_delay_count`) until it ends, as
+      its lock entry lives that long (:mod:`fastlock.server.lockdelays`);
     * watches (lock and key) in :meth:`count_watches`, connections at HELLO
       (:class:`ConnectionLimits`), keys by the key space itself.
 
@@ -213,6 +219,7 @@ class PrincipalQuotas:
         #: leases that ended before their waiter's grant event was processed (this batch)
         self.ended_early: set[int] = set()
         self._epoch = -1  # the table's epoch the lease counts were taken at
+        self.delays = RunningDelays()
         #: a grant's recorded client -> its principal (the same str object for every grant of a connection)
         self._principal_of: dict[str, str] = {}
         self.configure(config.max_connections or DEFAULT_MAX_CONNECTIONS)
@@ -225,6 +232,7 @@ class PrincipalQuotas:
         self.watches = Quota(*limits["watches"], "watches", "max-watches-per-principal")
         self.keys = Quota(*limits["keys"], "keys", "max-keys-per-principal")
         self.connections = Quota(*limits["connections"], "connections", "max-connections-per-principal")
+        self.key_bytes = Quota(*limits["key_bytes"], "bytes of key values", "max-key-bytes-per-principal")
 
     def of(self, principal: str) -> Usage:
         """``principal``'s usage (made on first use; principals are the credentials' few)."""
@@ -243,8 +251,24 @@ class PrincipalQuotas:
         if waiters:
             self.waiters.check(principal, u.waiting, waiters)
         if leases:
-            self.leases.check(principal, len(u.leases) + u.waiting, leases)
+            held = len(u.leases) + u.waiting
+            if self.delays:
+                self.delays.ended(monotonic_ms())
+                held += self.delays.per_principal.get(principal, 0)
+            self.leases.check(principal, held, leases)
         return u
+
+    def lock_delay_count(self, now: int) -> int:
+        """Lock-delays running at ``now`` (monotonic ms): --max-leases counts them too."""
+        self.delays.ended(now)
+        return len(self.delays)
+
+    def lease_expired(self, ev: Any, now: int) -> None:
+        """An EV_EXPIRED event at ``now`` (monotonic ms): uncount its lease, count the
+        lock-delay it starts (until its deadline + lock_delay_ms) against its principal."""
+        self.lease_ended(ev.token, ev.meta)
+        if ev.lock_delay_ms and ev.deadline_ms + ev.lock_delay_ms > now:
+            self.delays.started(self.principal_of(ev.meta), ev.deadline_ms + ev.lock_delay_ms)
 
     def principal_of(self, meta: Any) -> str:
         """:func:`principal_of`, remembered by recorded client (at most
@@ -332,6 +356,9 @@ class PrincipalQuotas:
             u.leases.clear()
         for h in table.holders():
             self.of(self.principal_of(h.meta)).leases[h.token] = h.name
+        # a recovered or replicated lock-delay names no principal: UNRECORDED's, under the global cap
+        now = monotonic_ms()
+        self.delays.reset(UNRECORDED, [until for _, until in table.lock_delays() if until > now])
 
     # -- watches ------------------------------------------------------------------------
     def check_watch(self, conn: Session) -> None:
@@ -353,7 +380,9 @@ class PrincipalQuotas:
         ``principal`` only), by name.  On a standby the lease counts are those of its
         last epoch change (replicated grants are counted when it is promoted)."""
         self.sync()
-        keys = self.server.keys.space.per_principal
+        self.delays.ended(monotonic_ms())
+        space = self.server.keys.space
+        keys = space.per_principal
         names = sorted(set(self.usage) | {p for p in keys if p is not None}) if principal is None else [principal]
         out = []
         for name in names:
@@ -361,7 +390,8 @@ class PrincipalQuotas:
             out.append(PrincipalUsage(
                 name, len(u.leases), self.leases.limit_for(name), u.waiting, self.waiters.limit_for(name),
                 u.watches, self.watches.limit_for(name), keys.get(name, 0), self.keys.limit_for(name),
-                u.connections, self.connections.limit_for(name)))
+                u.connections, self.connections.limit_for(name), self.delays.per_principal.get(name, 0),
+                space.value_bytes_per_principal.get(name, 0), self.key_bytes.limit_for(name)))
         return out
 
 

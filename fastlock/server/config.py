@@ -73,6 +73,7 @@ class ServerConfig:
     fsync: FsyncMode = FsyncMode.ALWAYS  # a member's string value is accepted too
     fsync_interval_ms: int = 1000
     snapshot_every: int = 200_000
+    snapshot_every_bytes: int = 128 << 20  # also snapshot after this many WAL bytes (0: by records only)
     auth_secret: str | None = None  # legacy shared secret: the client principal "shared-secret", every name
     credentials: Credentials | None = None  # principals (None: open mode, or only the shared secret)
     allow_unauthenticated: bool = False  # open mode on a non-loopback address (protected mode off)
@@ -102,6 +103,8 @@ class ServerConfig:
     max_connections_per_principal: int | None = None  # connections that completed HELLO
     anonymous_quota_divisor: int = 4  # the anonymous principal's quotas: a principal's divided by this
     max_value_bytes: int = 64 << 10  # one key's value, bytes
+    max_key_bytes: int = 256 << 20  # bytes of every key's value together
+    max_key_bytes_per_principal: int | None = None  # bytes of one principal's key values
     standby_of: tuple[str, int] | None = None  # run as a standby of this primary
     failover_after_ms: int = 0  # standby: promote after this much primary silence (0: on command only)
     promotion_grace_ms: int | None = None  # after promotion, no grants for this long (None: longest TTL seen)
@@ -154,7 +157,7 @@ def check_limits(config: ServerConfig) -> None:
     positive = ("max_frame_bytes", "max_connections_per_address", "max_output_bytes", "max_replica_output_bytes",
                 "max_stream_frame_bytes", "max_waiters", "max_waiters_per_connection", "max_leases",
                 "max_watches", "max_watches_per_connection", "max_keys", "max_value_bytes",
-                "anonymous_quota_divisor")
+                "max_key_bytes", "anonymous_quota_divisor")
     for field_name in positive:
         value = getattr(config, field_name)
         if type(value) is not int or value <= 0:
@@ -164,7 +167,7 @@ def check_limits(config: ServerConfig) -> None:
         if type(value) is not int or value < 0:
             raise ValueError(f"{field_name} must be an integer >= 0, not {value!r}")
     for field_name in ("max_leases_per_principal", "max_waiters_per_principal", "max_watches_per_principal",
-                       "max_keys_per_principal", "max_connections_per_principal"):
+                       "max_keys_per_principal", "max_connections_per_principal", "max_key_bytes_per_principal"):
         value = getattr(config, field_name)
         if value is not None and (type(value) is not int or value < 0):
             raise ValueError(f"{field_name} must be an integer >= 0 or None (the default share), not {value!r}")

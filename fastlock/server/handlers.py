@@ -243,7 +243,8 @@ class Handlers:
         # a retry of a held lease re-delivers it: it adds nothing
         retry = table.holder(name, now, owner) is not None
         # the global cap counts leases held: an exclusive request on a held name adds none now (it queues)
-        if (not retry and len(table) >= config.max_leases
+        # (running lock-delays count as leases: each keeps a lock entry until it ends)
+        if (not retry and len(table) + quotas.lock_delay_count(now) >= config.max_leases
                 and (shared or limit or not table.holders_of(name, now, 0, 1))):
             raise limit_exceeded(config.max_leases, "the server", "leases", "max-leases")
         # the principal's quotas: a lease, granted now or reserved by a waiter (see PrincipalQuotas)

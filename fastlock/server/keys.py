@@ -40,7 +40,10 @@ operations ``put``, ``get`` and ``delete`` (a watch needs ``get``):
 Limits (:class:`~fastlock.server.ServerConfig`, ``fastlock serve`` flags): a key is
 1..512 bytes of UTF-8 like a lock name, a value at most ``max_value_bytes``; at most
 ``max_keys`` keys and the principal's key quota (``--max-keys-per-principal``: by
-default a quarter of ``max_keys``, see :mod:`fastlock.server.admission`); key watches
+default a quarter of ``max_keys``, see :mod:`fastlock.server.admission`), at most
+``max_key_bytes`` bytes of values in all and the principal's quota of them
+(``--max-key-bytes-per-principal``, a quarter by default; a put that replaces a
+value counts the difference); key watches
 count against the connection's, the principal's and the server's watch limits.  A refusal changes nothing.
 
 Durability and replication: every change is a WAL record (KEY_PUT, KEY_DELETE;
@@ -58,7 +61,15 @@ from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
 from ..auth import hash_owner
-from ..errors import FastlockError, InvalidArgument, KeyExists, KeyNotFound, LeaseLost, WrongArgumentType
+from ..errors import (
+    FastlockError,
+    InvalidArgument,
+    KeyExists,
+    KeyNotFound,
+    LeaseLost,
+    LimitExceeded,
+    WrongArgumentType,
+)
 from ..logsafe import quote
 from ..protocol.ops import (
     KEY_CREATE,
@@ -219,6 +230,15 @@ class KeyStore:
             if old is None and len(space) >= config.max_keys:
                 raise limit_exceeded(config.max_keys, "the server", "keys", "max-keys")
             server.quotas.keys.check(principal, space.per_principal.get(principal, 0))
+        # bytes of values: the new value replaces the old one (counted against whoever wrote it)
+        size = len(value)
+        if space.value_bytes - (len(old.value) if old is not None else 0) + size > config.max_key_bytes:
+            raise LimitExceeded(f"the server has {space.value_bytes} of its {config.max_key_bytes} bytes of "
+                                f"key values: {size} more would pass the cap (--max-key-bytes)")
+        mine = space.value_bytes_per_principal.get(principal, 0)
+        adding = size - (len(old.value) if old is not None and old.principal == principal else 0)
+        if adding > 0:
+            server.quotas.key_bytes.check(principal, mine, adding)
         space.put(key, value, lease_name, token, principal, wall_ms())
         server.wal.log_key_put(key, value, lease_name, token, principal)
         self._when_durable(conn, req_id, old is None, ("put", key, value))

@@ -33,7 +33,7 @@ from ..errors import (
     LockNotAcquired,
     PermissionDenied,
 )
-from ..logsafe import quote
+from ..logsafe import RateLimitedLog, quote
 from ..protocol.ops import MAX_PAGE_BYTES
 from ..roles import Action
 from ..units import monotonic_ms
@@ -79,6 +79,14 @@ class ManyRequest:
             return None
         self.done = True
         return self.req_id
+
+
+#: per-lease lines of the expiry and grant paths (fastlock.server.lockserver's logger): at most
+#: 10 of each kind a second, then one with the count left out, however fast leases come and go
+_server_log = logging.getLogger(__package__ + ".lockserver")
+expired_log = RateLimitedLog(_server_log, logging.INFO, 1.0, 10)
+undelivered_log = RateLimitedLog(_server_log, logging.INFO, 1.0, 10)
+unacked_log = RateLimitedLog(_server_log, logging.WARNING, 1.0, 10)
 
 
 def reply_id(request: Any) -> int | None:
@@ -167,7 +175,7 @@ class KindHandlers:
                                      "max-waiters-per-connection")
             if table.waiter_count + len(items) > config.max_waiters:
                 raise limit_exceeded(config.max_waiters, "the server", "waiting acquires", "max-waiters")
-        if len(table) + len(items) > config.max_leases:
+        if len(table) + self.server.quotas.lock_delay_count(now) + len(items) > config.max_leases:
             raise limit_exceeded(config.max_leases, "the server", "leases", "max-leases")
         # the principal's quotas, all or nothing: the set's leases, granted now or reserved by its
         # waiters; a retry of a set the owner holds re-delivers it and adds nothing
@@ -289,6 +297,7 @@ class DeadlockTimer:
         self.server = server
         self.timeout_ms = timeout_ms
         self.handle: asyncio.TimerHandle | None = None
+        self.broken_log = RateLimitedLog(log, logging.WARNING, 1.0, 10)  # clients make cycles at will
 
     def poke(self) -> None:
         """Arm the timer if something waits and it is not armed (called at each batch end)."""
@@ -303,7 +312,7 @@ class DeadlockTimer:
         now = monotonic_ms()
         cycles = server.table.break_deadlocks(now, self.timeout_ms)
         for cycle in cycles:
-            log.warning("deadlock broken: %s", " -> ".join(f"session {s} waits for {quote(n)}" for s, n in cycle))
+            self.broken_log("deadlock broken: %s", " -> ".join(f"session {s} waits for {quote(n)}" for s, n in cycle))
         if server.table.deadlock_backlog:  # the search stopped at its work bound: go on shortly
             self.handle = server.loop.call_later(DEADLOCK_CONTINUE_S, self._fire)
         server.after_batch()

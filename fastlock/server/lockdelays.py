@@ -10,10 +10,16 @@ survive a restart, so the log holds it on the wall clock
 recovery (:func:`install_recovered`) with what is left of it, capped at the
 longest lock-delay so that a wall-clock jump cannot make it longer.  A standby
 applies the same records to its table, so a promoted standby keeps the delay.
+
+The table keeps a lock entry while its delay runs, so a lease with a lock-delay is
+one entry from its grant to its delay's end whatever its TTL: :class:`RunningDelays`
+counts each running delay against the principal whose lease started it, until it
+ends (:class:`~fastlock.server.admission.PrincipalQuotas` counts it as a lease).
 """
 
 from __future__ import annotations
 
+import heapq
 from typing import Any
 
 from .. import protocol as P
@@ -42,3 +48,39 @@ def install_recovered(table: Any, delays: list[tuple[str, int]], now: int) -> in
         if left > 0 and table.install_lock_delay(name, now + left, now):
             installed += 1
     return installed
+
+
+class RunningDelays:
+    """The running lock-delays, each counted against a principal until it ends:
+    ``per_principal`` (principal -> how many), ``len()`` all of them."""
+
+    __slots__ = ("_heap", "per_principal")
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, str]] = []  # (end on the monotonic clock in ms, principal)
+        self.per_principal: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def started(self, principal: str, until_ms: int) -> None:
+        """A lock-delay of ``principal``'s runs until ``until_ms`` (monotonic ms)."""
+        heapq.heappush(self._heap, (until_ms, principal))
+        self.per_principal[principal] = self.per_principal.get(principal, 0) + 1
+
+    def ended(self, now: int) -> None:
+        """Uncount every delay that ended by ``now`` (monotonic ms)."""
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            principal = heapq.heappop(heap)[1]
+            n = self.per_principal.get(principal, 0) - 1
+            if n > 0:
+                self.per_principal[principal] = n
+            else:
+                self.per_principal.pop(principal, None)
+
+    def reset(self, principal: str, ends_ms: list[int]) -> None:
+        """Count only the delays ending at ``ends_ms`` (monotonic ms), all ``principal``'s."""
+        self._heap = [(until, principal) for until in ends_ms]
+        heapq.heapify(self._heap)
+        self.per_principal = {principal: len(ends_ms)} if ends_ms else {}

@@ -77,7 +77,7 @@ from .endpoints import Endpoints
 from .failover import FailoverPolicy
 from .handlers import Handlers, refusal
 from .keys import KeyStore
-from .kinds import grant_reply, reply_id, waiter_left
+from .kinds import expired_log, grant_reply, reply_id, unacked_log, undelivered_log, waiter_left
 from .session import Session
 from .tasks import BackgroundTasks
 
@@ -131,6 +131,7 @@ class LockServer:
             fsync=config.fsync.value,
             fsync_interval_ms=config.fsync_interval_ms,
             snapshot_every=config.snapshot_every,
+            snapshot_every_bytes=config.snapshot_every_bytes,
             on_fatal=self._wal_fatal,
             writer=config.wal_writer.value,
         )
@@ -426,6 +427,8 @@ class LockServer:
         events = table.drain_events()
         if events:
             self._process_events(events)
+        if self.wal.maybe_snapshot(self.snapshot_state):  # at every batch end: key puts make no table events
+            lockdelays.relog_running(self.wal, table)
         nd = table.next_deadline()
         if nd >= 0 and (self.expiry.handle is None or nd < self.expiry.at_ms) and self.roles.expires_leases:
             self._rearm()
@@ -459,11 +462,11 @@ class LockServer:
                 self.keys.lease_ended(ev.name, ev.token, "expired")
                 if ev.lock_delay_ms:
                     lockdelays.log_expired(wal, ev)
-                quotas.lease_ended(ev.token, ev.meta)
+                quotas.lease_expired(ev, monotonic_ms())  # its lock-delay counts as its lease until it ends
                 if ev.name in watchers:
                     self.handlers.watches.notify(ev.name, "expired", ev.token, ev.meta)
-                log.info("lease expired: %s token %d (holder %s)", quote(ev.name), ev.token,
-                         quote(ev.meta[0] if ev.meta else None))
+                expired_log("lease expired: %s token %d (holder %s)", quote(ev.name), ev.token,
+                            quote(ev.meta[0] if ev.meta else None))
             else:  # a waiter left (wait timeout, cancel, deadlock): its acquire fails
                 waiter_left(sessions.get(ev.session), ev, quotas)
         quotas.batch_done()
@@ -473,8 +476,6 @@ class LockServer:
                 deliver()
             else:  # acked once durable: in a burst, at the end of this turn with everything logged in it
                 wal.when_durable(deliver)
-        if wal.maybe_snapshot(self.snapshot_state):
-            lockdelays.relog_running(wal, self.table)
 
     def _deliver_grants(self, grants: list, refused_by: FastlockError | None = None) -> None:
         """Acknowledge a batch of grants once durable - if this node may still grant.
@@ -509,15 +510,15 @@ class LockServer:
                     continue
                 self.released(ev.name, ev.token, ev.meta)
                 undelivered = True
-                log.info("released undeliverable grant %s token %d (session %d gone)", quote(ev.name), ev.token,
-                         ev.session)
+                undelivered_log("released undeliverable grant %s token %d (session %d gone)", quote(ev.name),
+                                ev.token, ev.session)
                 continue
             if refused is not None:
                 rid = reply_id(ev.request)
                 if rid is not None:
                     conn.send(P.encode_error(rid, refused.code, f"{ev.name!r}: {refused}",
                                              getattr(refused, "primary", None)))
-                log.warning("grant %s token %d decided but not acknowledged: %s", quote(ev.name), ev.token, refused)
+                unacked_log("grant %s token %d decided but not acknowledged: %s", quote(ev.name), ev.token, refused)
                 continue
             reply = grant_reply(ev)
             if reply is not None:

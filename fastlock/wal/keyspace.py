@@ -36,9 +36,9 @@ class KeyEntry(NamedTuple):
 
 class KeySpace:
     """Keys in sorted order (prefix listing is a binary search), their entries, the keys
-    of each lease, and the number of keys of each principal."""
+    of each lease, and the number of keys and of value bytes of each principal."""
 
-    __slots__ = ("entries", "_sorted", "by_lease", "per_principal")
+    __slots__ = ("entries", "_sorted", "by_lease", "per_principal", "value_bytes", "value_bytes_per_principal")
 
     def __init__(self) -> None:
         self.entries: dict[str, KeyEntry] = {}
@@ -46,6 +46,9 @@ class KeySpace:
         #: (lease name, token) -> the keys attached to that lease
         self.by_lease: dict[tuple[str, int], set[str]] = {}
         self.per_principal: dict[str | None, int] = {}
+        #: bytes of every value together, and of each principal's values
+        self.value_bytes = 0
+        self.value_bytes_per_principal: dict[str | None, int] = {}
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -68,6 +71,8 @@ class KeySpace:
         if lease_name is not None:
             self.by_lease.setdefault((lease_name, entry.token), set()).add(key)
         self.per_principal[principal] = self.per_principal.get(principal, 0) + 1
+        self.value_bytes += len(value)
+        self.value_bytes_per_principal[principal] = self.value_bytes_per_principal.get(principal, 0) + len(value)
         return entry
 
     def delete(self, key: str) -> KeyEntry | None:
@@ -92,6 +97,13 @@ class KeySpace:
             self.per_principal[entry.principal] = n
         else:
             self.per_principal.pop(entry.principal, None)
+        size = len(entry.value)
+        self.value_bytes -= size
+        n = self.value_bytes_per_principal.get(entry.principal, 0) - size
+        if n > 0:
+            self.value_bytes_per_principal[entry.principal] = n
+        else:
+            self.value_bytes_per_principal.pop(entry.principal, None)
 
     def lease_ended(self, lease_name: str, token: int) -> list[tuple[str, KeyEntry]]:
         """Remove every key attached to the lease ``(lease_name, token)``; returns them."""

@@ -106,6 +106,9 @@ class WriteAheadLog:
     :param segment_bytes: rotate a segment once it holds at least this many bytes (default 64 MiB).
     :param snapshot_every: :meth:`maybe_snapshot` writes a snapshot once this many
         records were logged since the last one (default 200,000).
+    :param snapshot_every_bytes: :meth:`maybe_snapshot` also writes one once this many
+        bytes of records were written since the last one, whichever comes first
+        (default 128 MiB; 0: by records only).
     :param reserve_block: ``interval``/``never``: counter values reserved ahead per
         reservation record (default 100,000).
     :param on_fatal: called on the loop with the exception when a write or fsync
@@ -134,6 +137,7 @@ class WriteAheadLog:
         fsync_interval_ms: int = 1000,
         segment_bytes: int = 64 << 20,
         snapshot_every: int = 200_000,
+        snapshot_every_bytes: int = 128 << 20,
         reserve_block: int = 100_000,
         on_fatal: Callable[[BaseException], Any] | None = None,
         keep_snapshots: int = 2,
@@ -148,6 +152,8 @@ class WriteAheadLog:
                          ("keep_snapshots", keep_snapshots)):
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{label} must be a positive integer, not {v!r}")
+        if not isinstance(snapshot_every_bytes, int) or snapshot_every_bytes < 0:
+            raise ValueError(f"snapshot_every_bytes must be an integer >= 0, not {snapshot_every_bytes!r}")
         self.directory = os.fspath(directory)
         self.fsync_mode = fsync
         self.fsync_interval_ms = fsync_interval_ms
@@ -157,7 +163,8 @@ class WriteAheadLog:
         # next grant's batch, or by the interval timer at the latest
         self._commit = GroupCommit(io, self._always, 0 if fsync == "never" else fsync_interval_ms,
                                    on_fatal or _default_on_fatal, adaptive=writer == "auto")
-        self._snapshots = Snapshotter(self.directory, io.segments, snapshot_every, keep_snapshots)
+        self._snapshots = Snapshotter(self.directory, io.segments, snapshot_every, keep_snapshots,
+                                      snapshot_every_bytes)
         self._counters = _Reservation(reserve_block)
         #: open(repair=True) cut records: acknowledged grants may be gone, and with
         #: them the evidence of the tokens they used (the server raises the epoch)
@@ -414,7 +421,8 @@ class WriteAheadLog:
 
     # -- snapshots ------------------------------------------------------------------------
     def maybe_snapshot(self, get_state: Callable[[], tuple], *, force: bool = False) -> bool:
-        """Write a snapshot if ``snapshot_every`` records were logged since the last one.
+        """Write a snapshot if ``snapshot_every`` records were logged since the last one,
+        or ``snapshot_every_bytes`` bytes of records written.
 
         ``get_state()`` is called synchronously and must return ``(epoch, counter,
         holders)`` or ``(epoch, counter, holders, keys)`` consistent with every record
@@ -430,16 +438,17 @@ class WriteAheadLog:
         snaps = self._snapshots
         commit = self._commit
         lsn = commit.next_lsn - 1
-        if not force and lsn < snaps.next_due:  # the common case, in one comparison
+        written = commit.io.bytes
+        if not force and lsn < snaps.next_due and written < snaps.next_due_bytes:  # the common case
             return False
         if commit.fatal is not None or self._phase is not _Phase.OPEN or commit.loop is None:
             return False
-        if not snaps.due(lsn, force):
+        if not snaps.due(lsn, force, written):
             return False
         epoch, counter, holders, *keys = get_state()
         c = self._counters
         snaps.start(commit.loop, lsn, max(epoch, c.epoch), max(counter, c.max_counter, c.reserved), holders,
-                    keys[0] if keys else None)
+                    keys[0] if keys else None, written)
         return True
 
     async def wait_snapshot(self) -> None:

@@ -181,12 +181,19 @@ class Snapshotter:
     :param segments: the segments on disk (compaction removes covered ones).
     :param every: a snapshot is due once this many records were logged since the last one.
     :param keep: snapshots kept on disk (the segments after the oldest kept one stay).
+    :param every_bytes: a snapshot is also due once this many bytes of records were
+        written since the last one (0: records only), so that large records (key
+        values) cannot grow the log without bound between snapshots.
     """
 
-    def __init__(self, directory: str, segments: SegmentList, every: int, keep: int):
+    def __init__(self, directory: str, segments: SegmentList, every: int, keep: int, every_bytes: int = 0):
         self.directory = directory
         self.segments = segments
         self.every = every
+        self.every_bytes = every_bytes
+        self._bytes_from = 0  # bytes written (since open) when the last snapshot started
+        #: the bytes written (since open) from which a snapshot is due
+        self.next_due_bytes = every_bytes if every_bytes else 1 << 62
         self.keep = keep
         self.lsn = 0  # LSN of the newest snapshot written (or recovered from)
         self._counted_from = 0  # records after this LSN count towards the next snapshot
@@ -201,23 +208,30 @@ class Snapshotter:
         self.lsn = snapshot_lsn
         self._counted_from = last_lsn
         self.next_due = last_lsn + self.every
+        self._bytes_from = 0
+        self.next_due_bytes = self.every_bytes if self.every_bytes else 1 << 62
 
     @property
     def running(self) -> bool:
         return self._future is not None
 
-    def due(self, last_lsn: int, force: bool) -> bool:
-        """Is a snapshot at ``last_lsn`` due (``force``: as soon as it covers anything new)?"""
+    def due(self, last_lsn: int, force: bool, written_bytes: int = 0) -> bool:
+        """Is a snapshot at ``last_lsn`` due (``force``: as soon as it covers anything new;
+        ``written_bytes``: bytes of records written since the log was opened)?"""
         if self._future is not None or last_lsn <= self.lsn:
             return False
-        return force or last_lsn - self._counted_from >= self.every
+        return force or last_lsn - self._counted_from >= self.every or written_bytes >= self.next_due_bytes
 
     def start(self, loop: asyncio.AbstractEventLoop, lsn: int, epoch: int, counter: int,
-              holders: Sequence[HolderRecord] | PackedHolders | HolderSlices, keys: list | None = None) -> None:
+              holders: Sequence[HolderRecord] | PackedHolders | HolderSlices, keys: list | None = None,
+              written_bytes: int = 0) -> None:
         """Write the snapshot at ``lsn`` on a thread (:class:`HolderSlices`: once their
         slices, one per loop turn, are done); the result is reported on ``loop``."""
         self._counted_from = lsn
         self.next_due = lsn + self.every
+        if self.every_bytes:
+            self._bytes_from = written_bytes
+            self.next_due_bytes = written_bytes + self.every_bytes
         self._future = loop.create_future()
         if isinstance(holders, HolderSlices):
             self._slices = holders
