@@ -18,7 +18,9 @@ async def say_hello(conn: RpcConnection, client_name: str | None, handshake: Cli
     """Say HELLO on ``conn`` as ``handshake`` says (one round trip without a secret,
     two with one) and return the server's hello info once the server proved itself.
 
-    Nothing but HELLO is sent before that; the caller bounds the wait.
+    Nothing but HELLO is sent before that: ``conn.handshaking`` is set meanwhile, so
+    its liveness watchdog sends no PING (the server closes a connection whose first
+    requests are not HELLO); the caller bounds the wait.
 
     Raises:
         ServerNotProven: the server did not prove itself (see
@@ -27,7 +29,11 @@ async def say_hello(conn: RpcConnection, client_name: str | None, handshake: Cli
         ConnectionLost: the connection ended.
     """
     extra = () if epoch_hint is None else (epoch_hint,)
-    reply = await conn.request(P.OP_HELLO, P.PROTOCOL_VERSION, client_name, handshake.first(), *extra)
-    if handshake.needs_challenge:
-        reply = await conn.request(P.OP_HELLO, P.PROTOCOL_VERSION, client_name, handshake.answer(reply), *extra)
-    return handshake.welcome(reply)
+    conn.handshaking = True
+    try:
+        reply = await conn.request(P.OP_HELLO, P.PROTOCOL_VERSION, client_name, handshake.first(), *extra)
+        if handshake.needs_challenge:
+            reply = await conn.request(P.OP_HELLO, P.PROTOCOL_VERSION, client_name, handshake.answer(reply), *extra)
+        return handshake.welcome(reply)
+    finally:
+        conn.handshaking = False

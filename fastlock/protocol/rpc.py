@@ -33,7 +33,10 @@ does exactly the connection-level bookkeeping of the protocol described in
   a ``PING`` goes out after a third of the timeout without a byte from the
   server, and after the full timeout of silence the connection is aborted
   (:attr:`RpcConnection.silent` is then True).  An idle connection is never
-  pinged nor aborted.
+  pinged nor aborted.  While :attr:`RpcConnection.handshaking` is set (the
+  HELLO exchange is under way: the server takes nothing but HELLO before it
+  ends), no ``PING`` goes out; the connection is aborted after the full
+  timeout of silence all the same.
 
 Framing uses :class:`fastlock.protocol.framing.FrameDecoder` (msgpack's streaming
 unpacker with a frame-size bound).  Everything here runs on the event loop's
@@ -136,11 +139,13 @@ class RpcConnection(asyncio.Protocol):
             closing the connection, if it gave one.
         silent (bool): aborted by the liveness watchdog.
         pings (int): liveness pings sent.
+        handshaking (bool): the HELLO exchange is under way (set by
+            :func:`fastlock.auth.say_hello`): the watchdog sends no PING.
         received (bool): any byte has arrived.
     """
 
     __slots__ = ("address", "transport", "closed", "pending", "subscriptions", "loop", "last_recv",
-                 "close_error", "silent", "pings", "liveness_timeout", "_decoder", "_next_id", "_on_push",
+                 "close_error", "silent", "pings", "liveness_timeout", "handshaking", "_decoder", "_next_id", "_on_push",
                  "_on_read_end", "_on_close", "_watchdog", "_armed_at", "_ping_sent", "_pinged")
 
     def __init__(self, address: tuple[str, int] = ("", 0), *,
@@ -161,6 +166,7 @@ class RpcConnection(asyncio.Protocol):
         self.silent = False
         self.pings = 0
         self.liveness_timeout = liveness_timeout
+        self.handshaking = False
         # what a server sends: replies and pushes (a standby's stream has its own limits)
         self._decoder = FrameDecoder(max_frame, limits=limits or REPLY_LIMITS)
         self._next_id = 1
@@ -365,7 +371,7 @@ class RpcConnection(asyncio.Protocol):
         since = max(self.last_recv, self._armed_at)
         silent = now - since
         pinged = self._pinged
-        if silent >= timeout and pinged:
+        if silent >= timeout and (pinged or self.handshaking):
             # a server that never answered at all: the handshake's caller reports it (one error, no log noise)
             log.log(logging.WARNING if self.received else logging.DEBUG,
                     "no reply from %s for %.1f s (timeout %s s); dropping the connection", self._where(), silent,
@@ -374,7 +380,7 @@ class RpcConnection(asyncio.Protocol):
             self.abort(ConnectionLost(f"no reply from the fastlock server at {self._where()} for "
                                       f"{silent:.1f} s (request_timeout {timeout} s)"))
             return
-        if silent >= interval and not pinged:
+        if silent >= interval and not pinged and not self.handshaking:
             self._ping_sent = now
             self._pinged = pinged = True
             self.pings += 1
@@ -384,7 +390,9 @@ class RpcConnection(asyncio.Protocol):
             fut.add_done_callback(_ignore_result)
             self.pending[req_id] = fut
             transport.write(packb([req_id, OP_PING]))
-        if pinged:
+        if self.handshaking:
+            nxt = since + (timeout if silent >= interval else interval)
+        elif pinged:
             nxt = max(since + timeout, self._ping_sent + interval)
         else:
             nxt = since + interval
