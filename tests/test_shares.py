@@ -118,7 +118,7 @@ def test_the_help_names_each_quota_and_its_default():
     text = " ".join(build_parser()._subparsers._group_actions[0].choices["serve"].format_help().split())
     for flag in (*QUOTA_FLAGS, "--anonymous-quota-divisor"):
         assert flag in text, flag
-    assert text.count("a quarter of --max-") == 5 and "the anonymous principal's a sixteenth" in text
+    assert text.count("a quarter of --max-") == 6 and "the anonymous principal's a sixteenth" in text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -145,8 +145,8 @@ class RpcConnection(asyncio.Protocol):
     """
 
     __slots__ = ("address", "transport", "closed", "pending", "subscriptions", "loop", "last_recv",
-                 "close_error", "silent", "pings", "liveness_timeout", "handshaking", "_decoder", "_next_id", "_on_push",
-                 "_on_read_end", "_on_close", "_watchdog", "_armed_at", "_ping_sent", "_pinged")
+                 "close_error", "silent", "pings", "liveness_timeout", "_decoder", "_next_id", "_on_push",
+                 "_on_read_end", "_on_close", "_watchdog", "_armed_at", "_ping_sent", "_pinged", "handshaking")
 
     def __init__(self, address: tuple[str, int] = ("", 0), *,
                  on_push: Callable[[Any, Any], Any] | None = None,
