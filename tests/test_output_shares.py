@@ -23,7 +23,7 @@ import fastlock
 from fastlock._testbase import CredentialsDir
 from fastlock._testbase.cluster import RawNode
 from fastlock.protocol.ops import OP_KEY_PUT
-from fastlock.server.admission import OutputShares
+from fastlock.server.admission import output_share
 from fastlock.server.config import ServerConfig, check_limits
 
 #: keys listed (values of 1,000 bytes: a KEY_LIST page of 64 KiB holds about 60 of them)
@@ -149,13 +149,27 @@ async def test_unread_replies_of_one_principal_are_bounded_by_its_share(server_f
 
 
 def test_the_share_defaults_and_their_checks():
-    shares = OutputShares(ServerConfig(), None, single_principal=False)
-    assert (shares.share.limit_for("app"), shares.share.limit_for("anonymous")) == (64 << 20, 16 << 20)
-    single = OutputShares(ServerConfig(), None, single_principal=True)
-    assert single.share.limit_for("anonymous") == 256 << 20
-    set_ = OutputShares(ServerConfig(max_output_bytes_total=1 << 30, max_output_bytes_per_principal=0), None,
-                        single_principal=False)
-    assert set_.budget == 1 << 30 and set_.share.limit_for("app") == 0
+    app, anonymous = output_share(ServerConfig(), False), output_share(ServerConfig(), False)
+    assert (app.limit_for("app"), anonymous.limit_for("anonymous")) == (64 << 20, 16 << 20)
+    assert output_share(ServerConfig(), True).limit_for("anonymous") == 256 << 20
+    assert output_share(ServerConfig(max_output_bytes_per_principal=0), False).limit_for("app") == 0
+    assert output_share(ServerConfig(max_output_bytes_per_principal=8 << 20), True).limit_for("anonymous") == 8 << 20
     for bad in (dict(max_output_bytes_total=0), dict(max_output_bytes_per_principal=-1)):
         with pytest.raises(ValueError):
             check_limits(ServerConfig(**bad))
+
+
+@pytest.mark.one_loop
+async def test_an_admin_sees_the_unread_replies_counted_and_a_client_does_not(server_factory, tmp_path):
+    creds = CredentialsDir(tmp_path / "creds")
+    srv = server_factory("status", fsync="never", args=["--credentials", creds.file])
+    seen = {}
+    for principal in ("admin", "app"):
+        node = await RawNode.open(srv.address, name="status", token=creds.token(principal))
+        try:
+            seen[principal] = (await asyncio.wait_for(node.status(), 10))["limits"]
+        finally:
+            await node.close()
+    assert seen["admin"]["unread_output_bytes"] == 0
+    assert seen["admin"]["max_output_bytes_total"] == 256 << 20
+    assert "unread_output_bytes" not in seen["app"] and seen["app"]["max_output_bytes_total"] == 256 << 20

@@ -146,7 +146,7 @@ class RpcConnection(asyncio.Protocol):
 
     __slots__ = ("address", "transport", "closed", "pending", "subscriptions", "loop", "last_recv",
                  "close_error", "silent", "pings", "liveness_timeout", "_decoder", "_next_id", "_on_push",
-                 "_on_read_end", "_on_close", "_watchdog", "_armed_at", "_ping_sent", "_pinged", "handshaking")
+                 "_on_read_end", "_on_close", "_watchdog", "_armed_at", "_ping_sent", "handshaking")
 
     def __init__(self, address: tuple[str, int] = ("", 0), *,
                  on_push: Callable[[Any, Any], Any] | None = None,
@@ -174,8 +174,8 @@ class RpcConnection(asyncio.Protocol):
         self._on_read_end = on_read_end
         self._on_close = on_close
         self._watchdog: asyncio.TimerHandle | None = None
+        # when the last ping went out (loop time); later than last_recv: no byte has come in since
         self._ping_sent = float("-inf")
-        self._pinged = False  # a ping went out and no byte has come in since
 
     @property
     def received(self) -> bool:
@@ -187,8 +187,7 @@ class RpcConnection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # a stream transport: create_connection made it
 
     def data_received(self, data: bytes) -> None:
-        self.last_recv = self.loop.time()
-        self._pinged = False
+        self.last_recv = self.loop.time()  # at or after _ping_sent: the ping is answered
         try:
             messages = self._decoder.feed(data)
         except ProtocolError as exc:
@@ -338,7 +337,7 @@ class RpcConnection(asyncio.Protocol):
         # Silence counts from when something became outstanding: an idle
         # connection's silence is expected and says nothing about the server.
         now = self._armed_at = self.loop.time()
-        self._pinged = False
+        self._ping_sent = float("-inf")
         due = now + timeout / 3.0
         self._watchdog = self.loop.call_at(due, self._check_liveness, due)
 
@@ -370,7 +369,7 @@ class RpcConnection(asyncio.Protocol):
             return
         since = max(self.last_recv, self._armed_at)
         silent = now - since
-        pinged = self._pinged
+        pinged = self._ping_sent > self.last_recv  # a ping went out and no byte has come in since
         if silent >= timeout and (pinged or self.handshaking):
             # a server that never answered at all: the handshake's caller reports it (one error, no log noise)
             log.log(logging.WARNING if self.received else logging.DEBUG,
@@ -382,7 +381,7 @@ class RpcConnection(asyncio.Protocol):
             return
         if silent >= interval and not pinged and not self.handshaking:
             self._ping_sent = now
-            self._pinged = pinged = True
+            pinged = True
             self.pings += 1
             # not through request(): that would re-arm (and restart the silence)
             req_id = self.next_id()

@@ -5,11 +5,12 @@ them: connections in all (sized to the open-files limit, plus a reserve for
 replica and admin principals), per client address, per principal, the HELLO
 deadline and the idle timeout.  :class:`PrincipalQuotas` holds the
 per-principal quotas (:class:`Quota`: leases, waiting acquires, watches, keys,
-connections) and each principal's :class:`Usage`, counted as the op that
-creates a resource runs.  By default each quota is a quarter of its global cap
-and the ``anonymous`` principal's a sixteenth (:func:`quota_limits`).  Every
-refusal is a :class:`~fastlock.errors.LimitExceeded` naming the flag that sets
-the limit, and changes nothing.
+connections; unread replies: :mod:`~fastlock.server.output`) and each
+principal's :class:`Usage`, counted as the op that creates a resource runs.
+By default each quota is a quarter of its global cap and the ``anonymous``
+principal's a sixteenth (:func:`quota_limits`).  Every refusal is a
+:class:`~fastlock.errors.LimitExceeded` naming the flag that sets the limit,
+and changes nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..errors import LimitExceeded
 from ..logsafe import RateLimitedLog
 from ..units import monotonic_ms
 from .config import ServerConfig
+from .output import OutputShares
 from .session import UNAUTHENTICATED, Session, split_recorded_client
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -182,6 +184,18 @@ def quota_limits(config: ServerConfig, single_principal: bool, max_connections: 
     return out
 
 
+def output_share(config: ServerConfig, single_principal: bool) -> Quota:
+    """Each principal's share of unread replies (bytes), as :func:`quota_limits` shares the
+    other caps: None is a quarter of ``--max-output-bytes-total`` (the anonymous principal's
+    a sixteenth); with one client principal at most, the total."""
+    share = config.max_output_bytes_per_principal
+    if share is None:
+        share = config.max_output_bytes_total if single_principal else default_share(config.max_output_bytes_total)
+    divisor = 1 if single_principal else config.anonymous_quota_divisor
+    return Quota(share, max(1, share // divisor) if share else 0, "bytes of unread replies",
+                 "max-output-bytes-per-principal")
+
+
 class PrincipalQuotas:
     """The per-principal quotas and what each principal holds against them.
 
@@ -215,6 +229,8 @@ class PrincipalQuotas:
         self._epoch = -1  # the table's epoch the lease counts were taken at
         #: a grant's recorded client -> its principal (the same str object for every grant of a connection)
         self._principal_of: dict[str, str] = {}
+        #: replies left unread, per principal and in all
+        self.output = OutputShares(server, config.max_output_bytes_total, output_share(config, single_principal))
         self.configure(config.max_connections or DEFAULT_MAX_CONNECTIONS)
 
     def configure(self, max_connections: int) -> None:
@@ -363,85 +379,6 @@ class PrincipalQuotas:
                 u.watches, self.watches.limit_for(name), keys.get(name, 0), self.keys.limit_for(name),
                 u.connections, self.connections.limit_for(name)))
         return out
-
-
-class OutputShares:
-    """Replies left unread (bytes in the connections' transport write buffers), per
-    principal and in all, and the share of them each principal may leave unread.
-
-    A connection's unread replies are measured (:meth:`count`) when it is flushed
-    while writing is paused (its buffer above the high-water mark, 64 KiB at most)
-    and when writing resumes; below the mark they are not counted, so the count is
-    low by at most that much per connection.  When a principal's connections together
-    leave more than its share unread (``--max-output-bytes-per-principal``; by default
-    a quarter of ``--max-output-bytes-total``, the anonymous principal's a sixteenth;
-    with one client principal at most, the total), or all clients together more than
-    ``--max-output-bytes-total``, the connections (of that principal, or of anyone)
-    with the most unread replies are closed until it is within again, each logged
-    (at most one line per 10 s), as Redis's client-output-buffer-limit closes a client
-    past its limit.  Each connection keeps its own cap too (``--max-output-bytes``).
-    A standby's stream is not counted (``--max-replica-output-bytes`` bounds it).
-    """
-
-    def __init__(self, config: ServerConfig, server: LockServer, *, single_principal: bool):
-        self.server = server
-        self.budget = config.max_output_bytes_total
-        share = config.max_output_bytes_per_principal
-        if share is None:
-            share = self.budget if single_principal else default_share(self.budget)
-        divisor = 1 if single_principal else config.anonymous_quota_divisor
-        self.share = Quota(share, max(1, share // divisor) if share else 0, "bytes of unread replies",
-                           "max-output-bytes-per-principal")
-        self.total = 0  # bytes counted, every principal together
-        self.by_principal: dict[str, int] = {}  # bytes counted per principal (none: absent)
-        self.closed_log = RateLimitedLog(log)
-
-    def count(self, conn: Session, unread: int) -> None:
-        """``conn`` leaves ``unread`` bytes of replies unread now (0: none, or closed);
-        past a share, close the connections with the most."""
-        delta = unread - conn.unread
-        if not delta:
-            return
-        conn.unread = unread
-        principal = conn.principal
-        held = self.by_principal.get(principal, 0) + delta
-        if held > 0:
-            self.by_principal[principal] = held
-        else:
-            self.by_principal.pop(principal, None)
-        self.total += delta
-        if delta > 0:
-            limit = self.share.limit_for(principal)
-            if limit and held > limit:
-                self._shed(principal, limit)
-            elif self.total > self.budget:
-                self._shed(None, self.budget)
-
-    def _shed(self, principal: str | None, limit: int) -> None:
-        """Close the connections of ``principal`` (None: of anyone) with the most unread
-        replies until what they leave unread is within ``limit`` bytes again."""
-        candidates = [c for c in self.server.limits.sessions.values()
-                      if c.unread and not c.closed and (principal is None or c.principal == principal)]
-        candidates.sort(key=lambda c: c.unread, reverse=True)
-        for conn in candidates:
-            held = self.total if principal is None else self.by_principal.get(principal, 0)
-            if held <= limit:
-                break
-            if principal is None:
-                self.closed_log("closing connection %s (session %d) of principal %r: %d bytes of replies unread; "
-                                "all clients leave %d unread (limit %d, --max-output-bytes-total)", conn.peer,
-                                conn.session, conn.principal, conn.unread, held, limit)
-            else:
-                self.closed_log("closing connection %s (session %d) of principal %r: %d bytes of replies unread; "
-                                "its principal's connections leave %d unread (share %d, "
-                                "--max-output-bytes-per-principal)", conn.peer, conn.session, principal,
-                                conn.unread, held, limit)
-            conn.abort()
-            self.count(conn, 0)
-
-    def status(self) -> dict:
-        """What STATUS shows: bytes of unread replies counted, every principal together, and the limit."""
-        return {"unread_output_bytes": self.total, "max_output_bytes_total": self.budget}
 
 
 class ConnectionLimits:

@@ -85,7 +85,7 @@ class ServerConfig:
     hello_timeout_ms: int = 5_000  # close a connection that has not completed HELLO by then
     idle_timeout_ms: int = 0  # close a connection silent this long (0: never; see admission.py)
     max_output_bytes: int = 32 << 20  # replies a client leaves unread before it is dropped
-    max_output_bytes_total: int = 256 << 20  # replies all clients together leave unread (admission.OutputShares)
+    max_output_bytes_total: int = 256 << 20  # replies all clients together leave unread (admission.output_share)
     # ... of one principal's connections together: None a quarter of the total (anonymous: a sixteenth), 0 none
     max_output_bytes_per_principal: int | None = None
     max_replica_output_bytes: int = 64 << 20  # stream a standby leaves unread before it is dropped

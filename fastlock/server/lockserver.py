@@ -70,7 +70,7 @@ from ..units import format_address, monotonic_ms
 from ..wal import DataDirInUse, HolderSlices, WriteAheadLog, secure_directory
 from ..wal.log import paused_gc
 from . import lockdelays
-from .admission import ConnectionLimits, OutputShares, PrincipalQuotas, client_principals
+from .admission import ConnectionLimits, PrincipalQuotas, client_principals
 from .config import ServerConfig, check_limits
 from .coordinated import CoordinatedNode, claim_data_dir
 from .endpoints import Endpoints
@@ -172,7 +172,6 @@ class LockServer:
         self.limits = ConnectionLimits(config, self)
         # with one client principal at most (open mode, say) the default shares stay off
         self.quotas = PrincipalQuotas(config, self, single_principal=client_principals(credentials) <= 1)
-        self.output = OutputShares(config, self, single_principal=client_principals(credentials) <= 1)
         self.handlers = Handlers(self, credentials)
         #: process exit status: non-zero after a fatal WAL failure
         self.exit_status = 0
@@ -585,7 +584,7 @@ class LockServer:
             grace_remaining_ms=self.roles.grace_remaining_ms(now),
             tasks=self.tasks.status(),
         )
-        st["limits"] = {**self.limits.status(), "watches": self.quotas.watch_count, **self.output.status()}
+        st["limits"] = {**self.limits.status(), "watches": self.quotas.watch_count, **self.quotas.output.status()}
         if self.tls is not None:
             st["tls"] = self.tls.status()
         if self.roles.role is Role.STANDBY and self.follower is not None:

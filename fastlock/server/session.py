@@ -7,7 +7,7 @@ and queues replies in memory until the end of the loop turn, when the server
 flushes every session written to once (one ``transport.write`` per session per
 turn).  A peer that leaves more than ``out_cap`` bytes of replies unread is
 dropped, and a principal whose connections together leave more than its share
-unread loses the ones with the most (:class:`~fastlock.server.admission.OutputShares`);
+unread loses the ones with the most (:class:`~fastlock.server.output.OutputShares`);
 while its transport's buffer is above the high-water mark its
 requests are not read (a standby's acknowledgements keep flowing).  The
 transport's high-water mark is kept at or below ``out_cap``, so a buffer
@@ -184,7 +184,7 @@ class Session(asyncio.Protocol):
 
     __slots__ = ("server", "transport", "session", "intake", "out", "ready", "client_name", "peer", "closed",
                  "watching", "grant", "recorded", "address", "accepted_ms", "last_read_ms", "_out_cap",
-                 "out_bytes", "waiting", "unread", "_drain", "_owner")
+                 "out_bytes", "waiting", "_drain", "_owner")
 
     def __init__(self, server: LockServer, session: int):
         self.server = server
@@ -207,7 +207,6 @@ class Session(asyncio.Protocol):
         self.accepted_ms = self.last_read_ms = monotonic_ms()
         self._out_cap = server.config.max_output_bytes
         self.waiting = 0  # this connection's waiters as last counted (per-principal waiter quota)
-        self.unread = 0  # bytes of replies unread as last counted (per-principal output share, OutputShares)
         # while writing is paused (the transport's buffer is above its high-water mark):
         # a future done when it resumes (or the connection closes); else None
         self._drain: asyncio.Future | None = None
@@ -326,8 +325,7 @@ class Session(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.intake.clear()
-        if self.unread:
-            self.server.output.count(self, 0)
+        self.server.quotas.output.count(self, 0)
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
         self.server.connection_lost(self)
@@ -373,10 +371,10 @@ class Session(asyncio.Protocol):
                                 self.peer, self.session, unsent, self.out_cap)
                 self.closed = True
                 transport.abort()
-                self.server.output.count(self, 0)
+                self.server.quotas.output.count(self, 0)
             elif self._drain is not None and self.session not in self.server.source.replicas:
                 # writing is paused: count what is unread against the principal's share
-                self.server.output.count(self, transport.get_write_buffer_size())
+                self.server.quotas.output.count(self, transport.get_write_buffer_size())
         out.clear()
 
     # Flow control: while the peer does not read our replies, stop reading its
@@ -420,8 +418,7 @@ class Session(asyncio.Protocol):
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
         self._drain = None
-        if self.unread:  # below the low-water mark: what is left is not counted
-            self.server.output.count(self, 0)
+        self.server.quotas.output.count(self, 0)  # below the low-water mark: what is left is not counted
         if not self.closed and self.session not in self.server.source.replicas and not self.intake.held:
             self.transport.resume_reading()
 
@@ -440,14 +437,10 @@ class Session(asyncio.Protocol):
     def authenticated(self, principal: Principal, client_name: str | None) -> None:
         """HELLO authenticated this connection as ``principal``: what its requests act as
         (its unread replies count against that principal's output share from here)."""
-        unread = self.unread
-        if unread:
-            self.server.output.count(self, 0)
+        self.server.quotas.output.moved(self, principal.name)
         self.client_name = client_name
         self.grant = principal
         self.recorded = recorded_client(self)
-        if unread:
-            self.server.output.count(self, unread)
 
     def drained(self) -> asyncio.Future:
         """A future done when the transport's write buffer is below its low-water
