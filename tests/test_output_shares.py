@@ -103,11 +103,21 @@ async def anonymous_connections(address: str, admin_token: str) -> bool:
     return sum(row["connections"] for row in status["principals"] if row["principal"] == "anonymous") == 1
 
 
+#: the limit the flood passes: (extra server flags, what the closing's log line says)
+BY_SHARE = ([], "its principal's connections leave")
+BY_TOTAL = (["--max-output-bytes-per-principal", "0", "--max-output-bytes-total", str(8 << 20)], "all clients leave")
+
+
 @pytest.mark.one_loop
-@pytest.mark.parametrize("connections", [50, 150])
-async def test_unread_replies_of_one_principal_are_bounded_by_its_share(server_factory, tmp_path, connections):
+@pytest.mark.parametrize("connections, limit", [(50, BY_SHARE), (150, BY_SHARE), (50, BY_TOTAL)],
+                         ids=["50-share", "150-share", "50-total"])
+async def test_unread_replies_are_bounded_by_the_principals_share_and_the_total(server_factory, tmp_path, connections,
+                                                                        limit):
+    """With the default share (the anonymous principal's: 16 MiB), or with no share and a
+    total of 8 MiB, every flooding connection is closed once it passes the limit."""
     creds = CredentialsDir(tmp_path / "creds")
-    srv = server_factory("out", fsync="never", args=["--credentials", creds.file])
+    flags, logged = limit
+    srv = server_factory("out", fsync="never", args=["--credentials", creds.file, *flags])
     value = b"v" * 1000
     await asyncio.wait_for(pipelined(srv.address, [[OP_KEY_PUT, f"k/{i:05d}", value, None, 0, None, 0]
                                                    for i in range(KEYS)]), 60)
@@ -141,7 +151,7 @@ async def test_unread_replies_of_one_principal_are_bounded_by_its_share(server_f
         pinger.stdin.flush()
         pings, worst = (await read_line(pinger, 30)).split()
         assert float(worst) < PING_BOUND_S, f"worst PING {float(worst) * 1000:.1f} ms over {pings} pings"
-        assert any("its principal's connections leave" in line and "'anonymous'" in line for line in srv.lines)
+        assert any(logged in line and "'anonymous'" in line for line in srv.lines)
     finally:
         await reader.close()
         stop(flooder)
