@@ -111,8 +111,8 @@ BY_TOTAL = (["--max-output-bytes-per-principal", "0", "--max-output-bytes-total"
 @pytest.mark.one_loop
 @pytest.mark.parametrize("connections, limit", [(50, BY_SHARE), (150, BY_SHARE), (50, BY_TOTAL)],
                          ids=["50-share", "150-share", "50-total"])
-async def test_unread_replies_are_bounded_by_the_principals_share_and_the_total(server_factory, tmp_path, connections,
-                                                                        limit):
+async def test_unread_replies_are_bounded_by_the_principals_share_and_the_total(server_factory, tmp_path,
+                                                                               connections, limit):
     """With the default share (the anonymous principal's: 16 MiB), or with no share and a
     total of 8 MiB, every flooding connection is closed once it passes the limit."""
     creds = CredentialsDir(tmp_path / "creds")
