@@ -21,7 +21,9 @@ async def say_hello(conn: RpcConnection, client_name: str | None, handshake: Cli
     Nothing but HELLO is sent before that; the caller bounds the wait.  The
     handshake binds the endpoint the connection reached (``handshake.dialed``, from
     the transport's peer address unless already set), so a server reached through
-    a relay refuses it.
+    a relay refuses it.  ``conn.handshaking`` is set meanwhile, so its liveness
+    watchdog sends no PING (the server closes a connection whose first requests
+    are not HELLO).
 
     Raises:
         ServerNotProven: the server did not prove itself (see
@@ -33,7 +35,11 @@ async def say_hello(conn: RpcConnection, client_name: str | None, handshake: Cli
         # the endpoint the socket reached, as this side sees it: the proofs bind it
         handshake.dialed = endpoint(conn.transport.get_extra_info("peername"))
     extra = () if epoch_hint is None else (epoch_hint,)
-    reply = await conn.request(P.OP_HELLO, P.PROTOCOL_VERSION, client_name, handshake.first(), *extra)
-    if handshake.needs_challenge:
-        reply = await conn.request(P.OP_HELLO, P.PROTOCOL_VERSION, client_name, handshake.answer(reply), *extra)
-    return handshake.welcome(reply)
+    conn.handshaking = True
+    try:
+        reply = await conn.request(P.OP_HELLO, P.PROTOCOL_VERSION, client_name, handshake.first(), *extra)
+        if handshake.needs_challenge:
+            reply = await conn.request(P.OP_HELLO, P.PROTOCOL_VERSION, client_name, handshake.answer(reply), *extra)
+        return handshake.welcome(reply)
+    finally:
+        conn.handshaking = False

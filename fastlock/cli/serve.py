@@ -198,6 +198,12 @@ def add_limit_flags(s: argparse.ArgumentParser) -> None:
                         "watches one or replicates (default 0: never)")
     g.add_argument("--max-output-bytes", type=positive_int, default=d.max_output_bytes, metavar="BYTES",
                    help=f"unread replies after which a client is disconnected (default {d.max_output_bytes})")
+    g.add_argument("--max-output-bytes-total", type=positive_int, default=d.max_output_bytes_total,
+                   metavar="BYTES", help=f"unread replies of all clients together; past it the connections with the "
+                                         f"most are disconnected (default {d.max_output_bytes_total})")
+    g.add_argument("--max-output-bytes-per-principal", type=count_arg, default=None, metavar="BYTES",
+                   help=f"unread replies of one principal's connections together; past it its connections with "
+                        f"the most are disconnected (default {_share('--max-output-bytes-total')}")
     g.add_argument("--max-replica-output-bytes", type=positive_int, default=d.max_replica_output_bytes,
                    metavar="BYTES", help=f"unsent stream after which a standby is disconnected; it resyncs "
                                          f"(default {d.max_replica_output_bytes})")
@@ -242,6 +248,8 @@ def limit_config(args: argparse.Namespace) -> dict[str, Any]:
         hello_timeout_ms=round(args.hello_timeout * 1000),
         idle_timeout_ms=round(args.idle_timeout * 1000),
         max_output_bytes=args.max_output_bytes,
+        max_output_bytes_total=args.max_output_bytes_total,
+        max_output_bytes_per_principal=args.max_output_bytes_per_principal,
         max_replica_output_bytes=args.max_replica_output_bytes,
         max_stream_frame_bytes=args.max_stream_frame_bytes,
         max_waiters=args.max_waiters,

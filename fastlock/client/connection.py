@@ -306,6 +306,8 @@ class Connector:
                     if isinstance(exc, NotFastlockReply):  # it answered, not in fastlock's protocol
                         what = what_answered(exc.head, self._ssl is not None, _ASK_FOR_TLS)
                         errors.append(f"{addr[0]}:{addr[1]}: {what} ({exc})")
+                    elif proto.received:  # it spoke fastlock and closed (its reason is in exc)
+                        errors.append(f"{addr[0]}:{addr[1]}: handshake failed: {exc}")
                     else:  # closed without a byte: most likely a TLS port (or a refused client certificate)
                         hint = _REFUSED_CERT_HINT if self._ssl is not None else _PLAIN_TO_TLS_HINT
                         errors.append(f"{addr[0]}:{addr[1]}: handshake failed: {exc}{hint}")

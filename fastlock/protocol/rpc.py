@@ -33,7 +33,10 @@ does exactly the connection-level bookkeeping of the protocol described in
   a ``PING`` goes out after a third of the timeout without a byte from the
   server, and after the full timeout of silence the connection is aborted
   (:attr:`RpcConnection.silent` is then True).  An idle connection is never
-  pinged nor aborted.
+  pinged nor aborted.  While :attr:`RpcConnection.handshaking` is set (the
+  HELLO exchange is under way: the server takes nothing but HELLO before it
+  ends), no ``PING`` goes out; the connection is aborted after the full
+  timeout of silence all the same.
 
 Framing uses :class:`fastlock.protocol.framing.FrameDecoder` (msgpack's streaming
 unpacker with a frame-size bound).  Everything here runs on the event loop's
@@ -136,12 +139,14 @@ class RpcConnection(asyncio.Protocol):
             closing the connection, if it gave one.
         silent (bool): aborted by the liveness watchdog.
         pings (int): liveness pings sent.
+        handshaking (bool): the HELLO exchange is under way (set by
+            :func:`fastlock.auth.say_hello`): the watchdog sends no PING.
         received (bool): any byte has arrived.
     """
 
     __slots__ = ("address", "transport", "closed", "pending", "subscriptions", "loop", "last_recv",
                  "close_error", "silent", "pings", "liveness_timeout", "_decoder", "_next_id", "_on_push",
-                 "_on_read_end", "_on_close", "_watchdog", "_armed_at", "_ping_sent", "_pinged")
+                 "_on_read_end", "_on_close", "_watchdog", "_armed_at", "_ping_sent", "handshaking")
 
     def __init__(self, address: tuple[str, int] = ("", 0), *,
                  on_push: Callable[[Any, Any], Any] | None = None,
@@ -161,6 +166,7 @@ class RpcConnection(asyncio.Protocol):
         self.silent = False
         self.pings = 0
         self.liveness_timeout = liveness_timeout
+        self.handshaking = False
         # what a server sends: replies and pushes (a standby's stream has its own limits)
         self._decoder = FrameDecoder(max_frame, limits=limits or REPLY_LIMITS)
         self._next_id = 1
@@ -168,8 +174,8 @@ class RpcConnection(asyncio.Protocol):
         self._on_read_end = on_read_end
         self._on_close = on_close
         self._watchdog: asyncio.TimerHandle | None = None
+        # when the last ping went out (loop time); later than last_recv: no byte has come in since
         self._ping_sent = float("-inf")
-        self._pinged = False  # a ping went out and no byte has come in since
 
     @property
     def received(self) -> bool:
@@ -181,8 +187,7 @@ class RpcConnection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # a stream transport: create_connection made it
 
     def data_received(self, data: bytes) -> None:
-        self.last_recv = self.loop.time()
-        self._pinged = False
+        self.last_recv = self.loop.time()  # at or after _ping_sent: the ping is answered
         try:
             messages = self._decoder.feed(data)
         except ProtocolError as exc:
@@ -332,7 +337,7 @@ class RpcConnection(asyncio.Protocol):
         # Silence counts from when something became outstanding: an idle
         # connection's silence is expected and says nothing about the server.
         now = self._armed_at = self.loop.time()
-        self._pinged = False
+        self._ping_sent = float("-inf")
         due = now + timeout / 3.0
         self._watchdog = self.loop.call_at(due, self._check_liveness, due)
 
@@ -364,8 +369,8 @@ class RpcConnection(asyncio.Protocol):
             return
         since = max(self.last_recv, self._armed_at)
         silent = now - since
-        pinged = self._pinged
-        if silent >= timeout and pinged:
+        pinged = self._ping_sent > self.last_recv  # a ping went out and no byte has come in since
+        if silent >= timeout and (pinged or self.handshaking):
             # a server that never answered at all: the handshake's caller reports it (one error, no log noise)
             log.log(logging.WARNING if self.received else logging.DEBUG,
                     "no reply from %s for %.1f s (timeout %s s); dropping the connection", self._where(), silent,
@@ -374,9 +379,9 @@ class RpcConnection(asyncio.Protocol):
             self.abort(ConnectionLost(f"no reply from the fastlock server at {self._where()} for "
                                       f"{silent:.1f} s (request_timeout {timeout} s)"))
             return
-        if silent >= interval and not pinged:
+        if silent >= interval and not pinged and not self.handshaking:
             self._ping_sent = now
-            self._pinged = pinged = True
+            pinged = True
             self.pings += 1
             # not through request(): that would re-arm (and restart the silence)
             req_id = self.next_id()
@@ -384,7 +389,9 @@ class RpcConnection(asyncio.Protocol):
             fut.add_done_callback(_ignore_result)
             self.pending[req_id] = fut
             transport.write(packb([req_id, OP_PING]))
-        if pinged:
+        if self.handshaking:
+            nxt = since + (timeout if silent >= interval else interval)
+        elif pinged:
             nxt = max(since + timeout, self._ping_sent + interval)
         else:
             nxt = since + interval

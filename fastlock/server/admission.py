@@ -5,10 +5,11 @@ them: connections in all (sized to the open-files limit, plus a reserve for
 replica and admin principals), per client address, per principal, the HELLO
 deadline and the idle timeout.  :class:`PrincipalQuotas` holds the
 per-principal quotas (:class:`Quota`: leases, waiting acquires, watches, keys, key
-value bytes, connections) and each principal's :class:`Usage`, counted as the op
-that creates a resource runs.  Each quota is by default a quarter of its global
-cap, the ``anonymous`` principal's a sixteenth (:func:`quota_limits`).  Every
-refusal is a :class:`~fastlock.errors.LimitExceeded` naming its flag, and changes nothing.
+value bytes, connections; unread replies: :mod:`~fastlock.server.output`) and each
+principal's :class:`Usage`, counted as the op that creates a resource runs.  Each quota
+is by default a quarter of its global cap, the ``anonymous`` principal's a sixteenth
+(:func:`quota_limits`).  Every refusal is a :class:`~fastlock.errors.LimitExceeded`
+naming its flag, and changes nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..logsafe import RateLimitedLog
 from ..units import monotonic_ms
 from .config import ServerConfig
 from .lockdelays import RunningDelays
+from .output import OutputShares
 from .session import UNAUTHENTICATED, Session, split_recorded_client
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -185,6 +187,18 @@ def quota_limits(config: ServerConfig, single_principal: bool, max_connections: 
     return out
 
 
+def output_share(config: ServerConfig, single_principal: bool) -> Quota:
+    """Each principal's share of unread replies (bytes), as :func:`quota_limits` shares the
+    other caps: None is a quarter of ``--max-output-bytes-total`` (the anonymous principal's
+    a sixteenth); with one client principal at most, the total."""
+    share = config.max_output_bytes_per_principal
+    if share is None:
+        share = config.max_output_bytes_total if single_principal else default_share(config.max_output_bytes_total)
+    divisor = 1 if single_principal else config.anonymous_quota_divisor
+    return Quota(share, max(1, share // divisor) if share else 0, "bytes of unread replies",
+                 "max-output-bytes-per-principal")
+
+
 class PrincipalQuotas:
     """The per-principal quotas and what each principal holds against them.
 
@@ -222,6 +236,8 @@ class PrincipalQuotas:
         self.delays = RunningDelays()
         #: a grant's recorded client -> its principal (the same str object for every grant of a connection)
         self._principal_of: dict[str, str] = {}
+        #: replies left unread, per principal and in all
+        self.output = OutputShares(server, config.max_output_bytes_total, output_share(config, single_principal))
         self.configure(config.max_connections or DEFAULT_MAX_CONNECTIONS)
 
     def configure(self, max_connections: int) -> None:

@@ -86,6 +86,9 @@ class ServerConfig:
     hello_timeout_ms: int = 5_000  # close a connection that has not completed HELLO by then
     idle_timeout_ms: int = 0  # close a connection silent this long (0: never; see admission.py)
     max_output_bytes: int = 32 << 20  # replies a client leaves unread before it is dropped
+    max_output_bytes_total: int = 256 << 20  # replies all clients together leave unread (admission.output_share)
+    # ... of one principal's connections together: None a quarter of the total (anonymous: a sixteenth), 0 none
+    max_output_bytes_per_principal: int | None = None
     max_replica_output_bytes: int = 64 << 20  # stream a standby leaves unread before it is dropped
     max_stream_frame_bytes: int = 256 << 20  # standby: one frame of the primary's stream
     max_waiters: int = 100_000  # waiting acquires, all connections together
@@ -154,7 +157,8 @@ class ServerConfig:
 
 def check_limits(config: ServerConfig) -> None:
     """Refuse nonsensical limits (ValueError naming the field)."""
-    positive = ("max_frame_bytes", "max_connections_per_address", "max_output_bytes", "max_replica_output_bytes",
+    positive = ("max_frame_bytes", "max_connections_per_address", "max_output_bytes", "max_output_bytes_total",
+                "max_replica_output_bytes",
                 "max_stream_frame_bytes", "max_waiters", "max_waiters_per_connection", "max_leases",
                 "max_watches", "max_watches_per_connection", "max_keys", "max_value_bytes",
                 "max_key_bytes", "anonymous_quota_divisor")
@@ -167,7 +171,8 @@ def check_limits(config: ServerConfig) -> None:
         if type(value) is not int or value < 0:
             raise ValueError(f"{field_name} must be an integer >= 0, not {value!r}")
     for field_name in ("max_leases_per_principal", "max_waiters_per_principal", "max_watches_per_principal",
-                       "max_keys_per_principal", "max_connections_per_principal", "max_key_bytes_per_principal"):
+                       "max_keys_per_principal", "max_connections_per_principal", "max_key_bytes_per_principal",
+                       "max_output_bytes_per_principal"):
         value = getattr(config, field_name)
         if value is not None and (type(value) is not int or value < 0):
             raise ValueError(f"{field_name} must be an integer >= 0 or None (the default share), not {value!r}")

@@ -585,7 +585,7 @@ class LockServer:
             grace_remaining_ms=self.roles.grace_remaining_ms(now),
             tasks=self.tasks.status(),
         )
-        st["limits"] = {**self.limits.status(), "watches": self.quotas.watch_count}
+        st["limits"] = {**self.limits.status(), "watches": self.quotas.watch_count, **self.quotas.output.status()}
         if self.tls is not None:
             st["tls"] = self.tls.status()
         if self.roles.role is Role.STANDBY and self.follower is not None:

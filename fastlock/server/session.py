@@ -6,7 +6,9 @@ request to the server's op handler table (:mod:`fastlock.server.handlers`),
 and queues replies in memory until the end of the loop turn, when the server
 flushes every session written to once (one ``transport.write`` per session per
 turn).  A peer that leaves more than ``out_cap`` bytes of replies unread is
-dropped; while its transport's buffer is above the high-water mark its
+dropped, and a principal whose connections together leave more than its share
+unread loses the ones with the most (:class:`~fastlock.server.output.OutputShares`);
+while its transport's buffer is above the high-water mark its
 requests are not read (a standby's acknowledgements keep flowing).  The
 transport's high-water mark is kept at or below ``out_cap``, so a buffer
 beyond the cap has always paused writing first: the cap is checked only
@@ -323,6 +325,7 @@ class Session(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.intake.clear()
+        self.server.quotas.output.count(self, 0)
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
         self.server.connection_lost(self)
@@ -368,6 +371,10 @@ class Session(asyncio.Protocol):
                                 self.peer, self.session, unsent, self.out_cap)
                 self.closed = True
                 transport.abort()
+                self.server.quotas.output.count(self, 0)
+            elif self._drain is not None and self.session not in self.server.source.replicas:
+                # writing is paused: count what is unread against the principal's share
+                self.server.quotas.output.count(self, transport.get_write_buffer_size())
         out.clear()
 
     # Flow control: while the peer does not read our replies, stop reading its
@@ -411,6 +418,7 @@ class Session(asyncio.Protocol):
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
         self._drain = None
+        self.server.quotas.output.count(self, 0)  # below the low-water mark: what is left is not counted
         if not self.closed and self.session not in self.server.source.replicas and not self.intake.held:
             self.transport.resume_reading()
 
@@ -427,7 +435,9 @@ class Session(asyncio.Protocol):
         return hashed
 
     def authenticated(self, principal: Principal, client_name: str | None) -> None:
-        """HELLO authenticated this connection as ``principal``: what its requests act as."""
+        """HELLO authenticated this connection as ``principal``: what its requests act as
+        (its unread replies count against that principal's output share from here)."""
+        self.server.quotas.output.moved(self, principal.name)
         self.client_name = client_name
         self.grant = principal
         self.recorded = recorded_client(self)

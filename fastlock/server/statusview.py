@@ -18,8 +18,9 @@ from typing import Any
 CLIENT_REPLICATION_FIELDS = frozenset({"fenced", "serving_alone", "primary", "connected", "synced", "applied_lsn",
                                        "primary_last_lsn", "lag_records"})
 #: the sections of STATUS a client sees, each without the fields named here (and without any
-#: nested section): a task's last error is free text that may quote paths and addresses
-CLIENT_SECTIONS = {"wal": frozenset(), "tasks": frozenset({"last_error"}), "limits": frozenset(),
+#: nested section): a task's last error is free text that may quote paths and addresses; the
+#: unread replies of all clients together tell of other principals' traffic
+CLIENT_SECTIONS = {"wal": frozenset(), "tasks": frozenset({"last_error"}), "limits": frozenset({"unread_output_bytes"}),
                    "tls": frozenset()}
 
 
