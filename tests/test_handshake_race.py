@@ -18,7 +18,7 @@ import pytest
 
 import fastlock
 from fastlock import protocol as P
-from fastlock._testbase import CredentialsDir, ServerProcess, TcpProxy
+from fastlock._testbase import CredentialsDir, ServerProcess, TcpProxy, free_port
 from fastlock._testbase.cluster import run
 from fastlock.errors import ConnectionLost
 
@@ -36,8 +36,10 @@ def _frames(data: bytes) -> list:
 @pytest.fixture
 def server_and_proxy(tmp_path):
     creds = CredentialsDir(tmp_path / "creds")
-    server = ServerProcess(tmp_path / "s", args=creds.server_args("node-1")).start()
-    proxy = TcpProxy(server.address, record_bytes=1 << 20).start()
+    port = free_port()  # the proxy's: the server is told it is reachable there
+    server = ServerProcess(tmp_path / "s", args=[*creds.server_args("node-1"),
+                                                 "--reachable-as", f"127.0.0.1:{port}"]).start()
+    proxy = TcpProxy(server.address, record_bytes=1 << 20, port=port).start()
     try:
         yield creds, proxy
     finally:

@@ -23,8 +23,8 @@ import fastlock
 from fastlock._testbase import CredentialsDir
 from fastlock._testbase.cluster import RawNode
 from fastlock.protocol.ops import OP_KEY_PUT
-from fastlock.server.admission import output_share
 from fastlock.server.config import ServerConfig, check_limits
+from fastlock.server.shares import output_share
 
 #: keys listed (values of 1,000 bytes: a KEY_LIST page of 64 KiB holds about 60 of them)
 KEYS = 600

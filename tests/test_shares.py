@@ -36,7 +36,8 @@ from fastlock.protocol.ops import (
     OP_SYNC_ACK,
 )
 from fastlock.server import ServerConfig
-from fastlock.server.admission import RESERVED_CONNECTIONS, quota_limits
+from fastlock.server.admission import RESERVED_CONNECTIONS
+from fastlock.server.shares import quota_limits
 
 QUOTA_FLAGS = ("--max-leases-per-principal", "--max-waiters-per-principal", "--max-watches-per-principal",
                "--max-keys-per-principal", "--max-connections-per-principal", "--max-key-bytes-per-principal")
@@ -119,7 +120,7 @@ def test_the_help_names_each_quota_and_its_default():
     text = " ".join(build_parser()._subparsers._group_actions[0].choices["serve"].format_help().split())
     for flag in (*QUOTA_FLAGS, "--anonymous-quota-divisor"):
         assert flag in text, flag
-    assert text.count("a quarter of --max-") == 6 and "the anonymous principal's a sixteenth" in text
+    assert text.count("a quarter of --max-") == 7 and "the anonymous principal's a sixteenth" in text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,13 +41,13 @@ from ..logsafe import quote
 from ..replication.syncrep import SYNC_PERMISSIONS
 from ..roles import Action, NodeRole
 from ..units import monotonic_ms
-from .admission import limit_exceeded
 from .hello import Hello
 from .keys import PERMISSIONS as KEY_PERMISSIONS
 from .keys import KeyStore
 from .kinds import KindHandlers, limit_conflict
 from .lockadmin import LockAdmin
 from .session import Session, split_recorded_client
+from .shares import limit_exceeded
 from .statusview import client_status
 from .watches import WatchRegistry
 

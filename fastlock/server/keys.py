@@ -87,7 +87,7 @@ from ..protocol.ops import (
 from ..roles import Action
 from ..units import monotonic_ms, wall_ms
 from ..wal.keyspace import KeyEntry, KeySpace
-from .admission import limit_exceeded
+from .shares import limit_exceeded
 
 if TYPE_CHECKING:  # pragma: no cover
     from .lockserver import LockServer

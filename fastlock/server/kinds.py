@@ -37,8 +37,9 @@ from ..logsafe import RateLimitedLog, quote
 from ..protocol.ops import MAX_PAGE_BYTES
 from ..roles import Action
 from ..units import monotonic_ms
-from .admission import PrincipalQuotas, limit_exceeded
+from .admission import PrincipalQuotas
 from .session import Session, recorded_client, split_recorded_client
+from .shares import limit_exceeded
 
 if TYPE_CHECKING:  # pragma: no cover
     from .handlers import Handlers

@@ -70,7 +70,7 @@ from ..units import format_address, monotonic_ms
 from ..wal import DataDirInUse, HolderSlices, WriteAheadLog, secure_directory
 from ..wal.log import paused_gc
 from . import lockdelays
-from .admission import ConnectionLimits, PrincipalQuotas, client_principals
+from .admission import ConnectionLimits, PrincipalQuotas
 from .config import ServerConfig, check_limits
 from .coordinated import CoordinatedNode, claim_data_dir
 from .endpoints import Endpoints
@@ -79,6 +79,7 @@ from .handlers import Handlers, refusal
 from .keys import KeyStore
 from .kinds import expired_log, grant_reply, reply_id, unacked_log, undelivered_log, waiter_left
 from .session import Session
+from .shares import client_principals
 from .tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)

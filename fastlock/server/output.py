@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 from ..logsafe import RateLimitedLog
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .admission import Quota
     from .lockserver import LockServer
     from .session import Session
+    from .shares import Quota
 
 log = logging.getLogger(__name__)
 
