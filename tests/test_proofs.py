@@ -210,6 +210,29 @@ class Squatter:
         return b"".join(msgpack.packb(f, use_bin_type=True) for f in self.frames)
 
 
+async def relay_bytes(conn: Frames, first: list, target: str, relayed: bytearray, timeout: float = 10.0) -> None:
+    """A squatter's plain byte relay of ``conn`` (whose first frame ``first`` it already
+    read) to the server at ``target``; what the client sends is added to ``relayed``."""
+    host, _, port = target.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(msgpack.packb(first, use_bin_type=True))
+
+    async def pump(src, dst, from_client: bool) -> None:
+        while data := await src.read(1 << 16):
+            if from_client:
+                relayed.extend(data)
+            dst.write(data)
+
+    pumps = [asyncio.ensure_future(pump(conn.reader, writer, True)),
+             asyncio.ensure_future(pump(reader, conn.writer, False))]
+    try:
+        await asyncio.wait(pumps, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in pumps:
+            task.cancel()
+        writer.close()
+
+
 async def _read_rest(conn: Frames, squatter: Squatter) -> None:
     while True:
         msg = await conn.read(2.0)
@@ -271,25 +294,8 @@ def test_a_squatter_relaying_the_standbys_handshake_to_the_standby_gets_no_proof
 
         async def relay_to_third(conn: Frames, first) -> None:
             # a plain byte relay: the standby talks to a real primary with the credentials
-            host, _, port = third.address.rpartition(":")
-            reader, writer = await asyncio.open_connection(host, int(port))
             first[4]["to"] = third.address  # past the third's endpoint check, to reach the node pinning
-            writer.write(msgpack.packb(first, use_bin_type=True))
-
-            async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, from_standby: bool) -> None:
-                while data := await src.read(1 << 16):
-                    if from_standby:
-                        squatter.raw += data
-                    dst.write(data)
-
-            pumps = [asyncio.ensure_future(pump(conn.reader, writer, True)),
-                     asyncio.ensure_future(pump(reader, conn.writer, False))]
-            try:
-                await asyncio.wait(pumps, timeout=5, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for task in pumps:
-                    task.cancel()
-                writer.close()
+            await relay_bytes(conn, first, third.address, squatter.raw, timeout=5)
 
         async def poison(conn: Frames, first) -> None:
             # no challenge at all: a server "in open mode" at the highest epoch
@@ -596,25 +602,8 @@ def test_a_client_riding_through_a_failover_refuses_a_squatter_relaying_it_to_th
         standby.wait_for_log(r"paired: primary", 10)
 
         async def relay(conn: Frames, first) -> None:
-            host, _, port = standby.address.rpartition(":")
-            reader, writer = await asyncio.open_connection(host, int(port))
             first[4]["to"] = standby.address  # past the endpoint check, to reach the node pinning
-            writer.write(msgpack.packb(first, use_bin_type=True))
-
-            async def pump(src, dst, from_client: bool) -> None:
-                while data := await src.read(1 << 16):
-                    if from_client:
-                        relayed.extend(data)
-                    dst.write(data)
-
-            pumps = [asyncio.ensure_future(pump(conn.reader, writer, True)),
-                     asyncio.ensure_future(pump(reader, conn.writer, False))]
-            try:
-                await asyncio.wait(pumps, timeout=10, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for task in pumps:
-                    task.cancel()
-                writer.close()
+            await relay_bytes(conn, first, standby.address, relayed)
 
         async def main():
             async with fastlock.connect(primary.address, token=creds.token("app"), connect_timeout=2) as c:
@@ -658,24 +647,7 @@ def test_a_new_client_or_command_relayed_from_a_dead_nodes_port_gets_no_session(
         standby.wait_for_log(r"paired: primary", 10)
 
         async def relay(conn: Frames, first) -> None:
-            host, _, port = standby.address.rpartition(":")
-            reader, writer = await asyncio.open_connection(host, int(port))
-            writer.write(msgpack.packb(first, use_bin_type=True))
-
-            async def pump(src, dst, from_client: bool) -> None:
-                while data := await src.read(1 << 16):
-                    if from_client:
-                        relayed.extend(data)
-                    dst.write(data)
-
-            pumps = [asyncio.ensure_future(pump(conn.reader, writer, True)),
-                     asyncio.ensure_future(pump(reader, conn.writer, False))]
-            try:
-                await asyncio.wait(pumps, timeout=10, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for task in pumps:
-                    task.cancel()
-                writer.close()
+            await relay_bytes(conn, first, standby.address, relayed)  # untouched: the endpoint is signed
 
         async def main():
             primary.kill()
