@@ -321,6 +321,8 @@ def test_a_standby_authenticated_by_its_certificate_reconnects_without_a_token()
     from fastlock.replication.link import PrimaryLink
 
     class OneHello:
+        transport = None  # no socket: the handshake binds no endpoint
+
         def __init__(self, node: str):
             self.sent: list = []
             self.node = node
