@@ -129,14 +129,12 @@ async def wait_until(predicate, timeout: float = 5.0, what: str = "condition"):
         delay = min(delay * 2, 0.02)
 
 
-@pytest.fixture(scope="session")
-def etcd_server():
-    """One throwaway etcd member for the whole session (tests/etcdserver.py); each test
-    uses its own key prefix.  Skips without the etcd binary unless FASTLOCK_REQUIRE_ETCD=1."""
+def _etcd_member(secured: bool):
+    """Start a throwaway etcd member (tests/etcdserver.py), plain or secured; yield it, stop it."""
     import etcdserver
 
     try:
-        server = etcdserver.EtcdServer()
+        server = etcdserver.EtcdServer(secured=secured)
     except etcdserver.EtcdUnavailable as exc:
         etcdserver.require_etcd(str(exc))
     server.start()
@@ -146,39 +144,37 @@ def etcd_server():
         server.stop()
 
 
+def _answering(server):
+    """``server``, resumed or restarted if a test paused or killed it."""
+    if server.paused:
+        server.resume()
+    if server.proc is None:
+        server.restart()
+    return server
+
+
+@pytest.fixture(scope="session")
+def etcd_server():
+    """One throwaway etcd member for the whole session (tests/etcdserver.py); each test
+    uses its own key prefix.  Skips without the etcd binary unless FASTLOCK_REQUIRE_ETCD=1."""
+    yield from _etcd_member(secured=False)
+
+
 @pytest.fixture
 def etcd(etcd_server):
     """The session's etcd member, running and answering (a test may have paused or killed it)."""
-    if etcd_server.paused:
-        etcd_server.resume()
-    if etcd_server.proc is None:
-        etcd_server.restart()
-    return etcd_server
+    return _answering(etcd_server)
 
 
 @pytest.fixture(scope="session")
 def secure_etcd_server():
     """One throwaway etcd member with client TLS (``--client-cert-auth``) and authentication
     enabled (tests/etcdserver.py's secured mode), for the whole session."""
-    import etcdserver
-
     pytest.importorskip("trustme")
-    try:
-        server = etcdserver.EtcdServer(secured=True)
-    except etcdserver.EtcdUnavailable as exc:
-        etcdserver.require_etcd(str(exc))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from _etcd_member(secured=True)
 
 
 @pytest.fixture
 def secure_etcd(secure_etcd_server):
     """The session's secured etcd member, running and answering."""
-    if secure_etcd_server.paused:
-        secure_etcd_server.resume()
-    if secure_etcd_server.proc is None:
-        secure_etcd_server.restart()
-    return secure_etcd_server
+    return _answering(secure_etcd_server)

@@ -13,6 +13,7 @@ import time
 
 import msgpack
 from test_limits import Raw, acquire_args, error_of
+from test_shares import wait_for
 
 from fastlock import protocol as P
 from fastlock._testbase import CredentialsDir
@@ -20,16 +21,6 @@ from fastlock.errors import LimitExceeded
 from fastlock.protocol.ops import KEY_UPSERT, OP_KEY_DELETE, OP_KEY_GET, OP_KEY_PUT
 
 DAY_MS = 86_400_000
-
-
-def _wait_for(what: str, check, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def _limit(reply, flag: str) -> None:
@@ -56,7 +47,7 @@ def _flood_with_lock_delays(raw: Raw, op: int, rounds: int, per_round: int, lock
             if reply[1] != 0:
                 return granted, reply
             granted += per_round if op == P.OP_ACQUIRE_MANY else 1
-        _wait_for("the leases to expire", lambda: _all_expired(raw))
+        wait_for("the leases to expire", lambda: _all_expired(raw))
     return granted, None
 
 
@@ -93,7 +84,7 @@ def test_a_lock_delay_stops_counting_when_it_ends(server_factory):
         granted, refusal = _flood_with_lock_delays(raw, P.OP_ACQUIRE_MANY, 5, 5, 1_500)
         assert granted == 5
         _limit(raw.call(P.OP_ACQUIRE, *acquire_args("after")), "--max-leases-per-principal")
-        _wait_for("the lock-delays to end",
+        wait_for("the lock-delays to end",
                   lambda: raw.call(P.OP_ACQUIRE, *acquire_args("after", ttl_ms=DAY_MS))[1] == 0)
         assert raw.call(P.OP_STATUS)[2]["principals"][0]["lock_delays"] == 0
 
@@ -107,7 +98,7 @@ def test_lease_expiries_log_a_bounded_number_of_lines_with_a_summary(server_fact
         for r in range(40):
             assert raw.call(P.OP_ACQUIRE_MANY, [[f"e{r}/{k}", False] for k in range(64)], os.urandom(16), 1, 0, 0,
                             None)[1] == 0
-        _wait_for("2,560 leases to expire", lambda: _all_expired(raw))
+        wait_for("2,560 leases to expire", lambda: _all_expired(raw))
         lines = [line for line in srv.lines if "lease expired:" in line]
         assert len(lines) <= 10 * (2 + (time.monotonic() - start)), len(lines)
         # the next expiry after the interval reports what was left out
@@ -117,7 +108,7 @@ def test_lease_expiries_log_a_bounded_number_of_lines_with_a_summary(server_fact
             raw.call(P.OP_ACQUIRE, *acquire_args("tick", ttl_ms=1))
             return any(summary.search(line) for line in srv.lines)
 
-        _wait_for("a summary line", summarised)
+        wait_for("a summary line", summarised)
         left_out = sum(int(m.group(1)) for line in srv.lines if (m := summary.search(line)))
         assert left_out >= 2_560 - len(lines)
 
@@ -199,7 +190,7 @@ def test_the_log_is_snapshotted_by_bytes_as_well_as_by_records(server_factory):
             raw.call(P.OP_STATUS)  # a batch end, where a due snapshot starts
             return _snapshots(srv.data_dir) if len(_snapshots(srv.data_dir)) >= 2 else []
 
-        taken = _wait_for("snapshots by bytes", snapshotted)
+        taken = wait_for("snapshots by bytes", snapshotted)
         assert len(taken) == 2, taken  # 2.6 MB at one per MiB; two kept (older ones compacted away)
     records_only = server_factory("byrecords", fsync="never", args=["--snapshot-every-bytes", "0"])
     with Raw(records_only.address, timeout=30) as raw:

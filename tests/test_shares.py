@@ -57,7 +57,8 @@ def _usage(admin: Raw) -> dict:
             "watches": st["limits"]["watches"]}
 
 
-def _wait_for(what: str, check, timeout: float = 10.0):
+def wait_for(what: str, check, timeout: float = 10.0):
+    """``check()``'s first truthy value, polled every 20 ms for at most ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         value = check()
@@ -280,7 +281,7 @@ def test_acquire_many_is_all_or_nothing_against_the_quota(server_factory):
         # a set that fits queues and reserves its leases: then nothing more fits
         queued = raw.send(P.OP_ACQUIRE_MANY, [[f"s0/{k}", False] for k in range(4)], os.urandom(16), 60_000, -1, 0,
                           None)
-        _wait_for("the set to queue", lambda: other.call(P.OP_STATUS)[2]["waiters"] == 4)
+        wait_for("the set to queue", lambda: other.call(P.OP_STATUS)[2]["waiters"] == 4)
         _limit(raw.call(P.OP_ACQUIRE, *acquire_args("one-more")), "--max-leases-per-principal")
         assert queued and raw.call(P.OP_STATUS)[2]["locks_held"] == 96
     finally:
@@ -325,7 +326,7 @@ def test_one_principal_at_its_quotas_cannot_push_another_into_a_global_cap(serve
             return row if full else None
 
         # each held at its quota: 64/16 leases (and waiters, which reserve leases), 32/16 of the rest
-        anon = _wait_for("the flood to reach anonymous's quotas", at_quotas, timeout=15)
+        anon = wait_for("the flood to reach anonymous's quotas", at_quotas, timeout=15)
         assert anon["waiters"] <= 2 and anon["connections"] == 2, anon
         st = _usage(admin)
         assert st["locks_held"] <= 4 and st["waiters"] <= 2 and st["watches"] == 2
@@ -338,7 +339,7 @@ def test_one_principal_at_its_quotas_cannot_push_another_into_a_global_cap(serve
         assert app[0].call(P.OP_ACQUIRE_MANY, [[f"app/m/{n}", False] for n in range(8)], os.urandom(16), 60_000,
                            0, 0, None)[1] == 0
         app[1].send(P.OP_ACQUIRE, "app/1", os.urandom(16), 60_000, -1, 0, None)
-        _wait_for("app's waiter", lambda: _usage(admin)["principals"]["app"]["waiters"] == 1)
+        wait_for("app's waiter", lambda: _usage(admin)["principals"]["app"]["waiters"] == 1)
         for n in range(4):
             assert app[2].call(P.OP_WATCH, f"app/w/{n}")[1] == 0
             assert app[2].call(OP_KEY_PUT, f"app/k/{n}", b"v", None, None, None, KEY_UPSERT)[1] == 0
@@ -455,7 +456,7 @@ def test_revoke_principal_revokes_every_lease_in_pages_and_replicates(server_fac
         rows = {u["principal"]: u for u in admin.call(P.OP_STATUS)[2]["principals"]}
         assert rows["app"]["leases"] == 0 and rows["anonymous"]["leases"] == 2
         assert admin.call(P.OP_STATUS)[2]["locks_held"] == 2
-        st = _wait_for("the standby to apply the revocations",
+        st = wait_for("the standby to apply the revocations",
                        lambda: _standby_caught_up(standby, creds.token("admin")), timeout=15)
         assert st["locks_held"] == 2
         # by name and token together is not a revocation by principal
@@ -474,7 +475,7 @@ def test_promoted_standby_counts_replicated_leases_against_their_principal(serve
     try:
         for i in range(10):
             assert app.call(P.OP_ACQUIRE, *acquire_args(f"r/{i}"))[1] == 0
-        _wait_for("the standby to apply the grants", lambda: _standby_caught_up(standby, creds.token("admin")),
+        wait_for("the standby to apply the grants", lambda: _standby_caught_up(standby, creds.token("admin")),
                   timeout=15)
     finally:
         app.close()
@@ -559,7 +560,7 @@ def test_metrics_show_usage_and_quota_per_principal(server_factory, tmp_path):
                 text = resp.read().decode()
             return text if 'fastlock_principal_usage{principal="app",resource="leases"} 1.0' in text else None
 
-        text = _wait_for("the exporter's refresh", scraped)
+        text = wait_for("the exporter's refresh", scraped)
         assert 'fastlock_principal_quota{principal="app",resource="leases"} 250000.0' in text
         assert 'fastlock_principal_usage{principal="app",resource="connections"} 1.0' in text
 
