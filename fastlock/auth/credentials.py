@@ -173,6 +173,25 @@ class Principal:
 _EVERY_NAME = (AclRule("", frozenset(CLIENT_OPS)),)
 
 
+
+def read_toml(path: str) -> dict:
+    """The TOML table of the credentials file at ``path``.
+
+    Raises CredentialsError naming the file: unreadable, not valid TOML, or a
+    Python without :mod:`tomllib` (3.10).
+    """
+    try:
+        import tomllib
+    except ImportError:  # pragma: no cover - Python 3.10
+        raise CredentialsError("credentials files need Python 3.11 or later (tomllib)") from None
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise CredentialsError(f"cannot read credentials file {path!r}: {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise CredentialsError(f"{path}: not valid TOML: {exc}") from None
+
 @dataclass
 class Credentials:
     """The principals a server knows.
@@ -216,17 +235,7 @@ class Credentials:
         Raises CredentialsError naming the file and what is wrong with it.
         """
         where = os.fspath(path)
-        try:
-            import tomllib
-        except ImportError:  # pragma: no cover - Python 3.10
-            raise CredentialsError("credentials files need Python 3.11 or later (tomllib)") from None
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except OSError as exc:
-            raise CredentialsError(f"cannot read credentials file {where!r}: {exc.strerror or exc}") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise CredentialsError(f"{where}: not valid TOML: {exc}") from None
+        data = read_toml(where)
         try:
             return cls._parse(data, where)
         except CredentialsError:

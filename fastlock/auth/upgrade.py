@@ -19,6 +19,7 @@ from .credentials import (
     hash_token,
     principal_lines,
     read_token_file,
+    read_toml,
 )
 from .handshake import derive_keys
 
@@ -41,17 +42,9 @@ def upgrade(directory: str | os.PathLike) -> list[str]:
             principal's token file is missing or holds another token; nothing
             is written then.
     """
-    import tomllib
-
     directory = os.fspath(directory)
     path = os.path.join(directory, "credentials.toml")
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as exc:
-        raise CredentialsError(f"cannot read credentials file {path!r}: {exc.strerror or exc}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise CredentialsError(f"{path}: not valid TOML: {exc}") from None
+    data = read_toml(path)
     if data.get("version", 1) != 1:
         raise CredentialsError(f"{path}: version {data.get('version')!r}, not format 1: nothing to upgrade")
     table = data.get("principals")
