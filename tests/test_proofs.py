@@ -586,20 +586,32 @@ def test_during_a_partition_nobody_without_the_standbys_token_keeps_the_old_prim
         cluster.stop_all()
 
 
+def _pair_that_fails_over(tmp_path) -> tuple[CredentialsDir, ServerProcess, ServerProcess]:
+    """A primary and its paired standby (automatic failover after 1 s), from one credentials
+    directory; the caller stops both."""
+    creds = CredentialsDir(tmp_path / "creds")
+    primary = ServerProcess(tmp_path / "p", args=creds.server_args("node-1")).start()
+    standby = ServerProcess(tmp_path / "s", args=["--standby-of", primary.address, "--failover-after", "1",
+                                                  *creds.server_args("node-2")])
+    try:
+        standby.start()
+        standby.wait_for_log(r"paired: primary", 10)
+    except BaseException:
+        standby.stop()
+        primary.stop()
+        raise
+    return creds, primary, standby
+
+
 def test_a_client_riding_through_a_failover_refuses_a_squatter_relaying_it_to_the_new_primary(tmp_path):
     """A client that knew the primary at an address: after its kill -9 a process on that port
     relays the client's handshake, byte for byte, to the promoted standby (a real server with
     the credentials, so its proof is good).  The client expects, at that address, the node
     that proved itself there before: it refuses, and the relay sees nothing but HELLO - no
     acquire, no owner key."""
-    creds = CredentialsDir(tmp_path / "creds")
-    primary = ServerProcess(tmp_path / "p", args=creds.server_args("node-1")).start()
-    standby = ServerProcess(tmp_path / "s", args=["--standby-of", primary.address, "--failover-after", "1",
-                                                  *creds.server_args("node-2")])
+    creds, primary, standby = _pair_that_fails_over(tmp_path)
     relayed = bytearray()
     try:
-        standby.start()
-        standby.wait_for_log(r"paired: primary", 10)
 
         async def relay(conn: Frames, first) -> None:
             first[4]["to"] = standby.address  # past the endpoint check, to reach the node pinning
@@ -637,14 +649,9 @@ def test_a_new_client_or_command_relayed_from_a_dead_nodes_port_gets_no_session(
     (a new process) and an admin command have no node to expect, so the proofs alone would
     pass; but the handshake binds the endpoint the client dialed, and the new primary, reached
     at another endpoint, refuses it: no session, so nothing the squatter could inject into."""
-    creds = CredentialsDir(tmp_path / "creds")
-    primary = ServerProcess(tmp_path / "p", args=creds.server_args("node-1")).start()
-    standby = ServerProcess(tmp_path / "s", args=["--standby-of", primary.address, "--failover-after", "1",
-                                                  *creds.server_args("node-2")])
+    creds, primary, standby = _pair_that_fails_over(tmp_path)
     relayed = bytearray()
     try:
-        standby.start()
-        standby.wait_for_log(r"paired: primary", 10)
 
         async def relay(conn: Frames, first) -> None:
             await relay_bytes(conn, first, standby.address, relayed)  # untouched: the endpoint is signed
