@@ -626,7 +626,7 @@ def test_a_client_riding_through_a_failover_refuses_a_squatter_relaying_it_to_th
                 async with squatter:
                     await asyncio.to_thread(standby.wait_for_log, r"PROMOTED", 15)
                     with pytest.raises(ConnectionLost, match="not the expected node"):
-                        await c.acquire("secret/lock", ttl=5, wait=3)
+                        await c.acquire("secret/lock", ttl=5, wait=10)
                     assert squatter.connections >= 1
             # the client stopped at the challenge: the new primary's node is not the one it knew there
             frames = [*squatter.frames, *msgpack.Unpacker(io.BytesIO(bytes(relayed)), raw=False)]

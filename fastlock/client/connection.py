@@ -532,7 +532,9 @@ class RideThrough:
             except ConnectionLost as exc:
                 if connector.closed:
                     raise
-                self.last = exc
+                left = self.left()
+                if self.last is None or left is None or left > 0:
+                    self.last = exc  # at the deadline, the error of a sweep that ended says more
                 pause = True
 
     async def send(self, op: int, args: tuple[Any, ...], proto: ClientConnection | None = None,
