@@ -1,7 +1,7 @@
 # fastlock server image.  Build:   docker build -t fastlock .
 # Run (credentials from `fastlock credentials init ./creds`, readable by uid 10001):
 #   docker run -d -p 7420:7420 -v fastlock-data:/var/lib/fastlock -v "$PWD/creds:/etc/fastlock:ro" fastlock
-# deploy/README.md has the details (credentials, the healthcheck's token, a standby).
+# docs/deployment.md has the details (credentials, the healthcheck's token, a standby).
 
 ARG PYTHON_VERSION=3.11
 
