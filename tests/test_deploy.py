@@ -146,3 +146,44 @@ def test_systemd_analyze_verify(tmp_path):
     problems = [line for line in (result.stdout + result.stderr).splitlines()
                 if "fastlock.service" in line]
     assert result.returncode == 0 and not problems, result.stdout + result.stderr
+
+
+def test_every_file_deploy_readme_names_exists():
+    readme = ROOT / "deploy" / "README.md"
+    targets = re.findall(r"\]\(([^)#\s]+)\)", readme.read_text())
+    assert {"fastlock.service", "../Dockerfile", "../docs/deployment.md"} <= set(targets)
+    missing = [t for t in targets if not (readme.parent / t).is_file()]
+    assert not missing, missing
+
+
+def test_the_unit_runs_the_command_make_install_puts_in_place():
+    prefix = re.search(r"^PREFIX \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert unit_settings()["Service"]["ExecStart"].split()[0] == f"{prefix}/bin/fastlock"
+
+
+WHEELS = sorted((ROOT / "dist").glob("fastlock-*.whl"))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not WHEELS, reason="no wheel in dist/: `make wheel` builds one (CI's make wheel-check does)")
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_install_then_the_unit_verifies(tmp_path):
+    """docs/deployment.md's steps: ``make install`` (here with PREFIX in a temporary directory, from
+    the wheel in dist/) puts an executable ``PREFIX/bin/fastlock``; the unit, with /usr/local
+    replaced by that PREFIX, passes ``systemd-analyze verify`` where systemd is installed."""
+    prefix = tmp_path / "usr" / "local"
+    out = subprocess.run(["make", "-s", "install", f"PREFIX={prefix}", f"PYTHON={sys.executable}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=540)
+    assert out.returncode == 0, out.stdout + out.stderr
+    command = prefix / "bin" / "fastlock"
+    assert command.is_symlink() and os.access(command, os.X_OK)
+    version = subprocess.run([str(command), "--version"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert version.returncode == 0 and version.stdout.startswith("fastlock "), version.stderr
+    if shutil.which("systemd-analyze") is None:
+        return  # the unit's settings are checked above; verify needs systemd
+    unit = tmp_path / "fastlock.service"
+    unit.write_text(UNIT.read_text().replace("/usr/local/bin/fastlock", str(command)))
+    result = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True,
+                            text=True, timeout=60)
+    problems = [line for line in (result.stdout + result.stderr).splitlines() if "fastlock.service" in line]
+    assert result.returncode == 0 and not problems, result.stdout + result.stderr

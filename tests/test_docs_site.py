@@ -7,14 +7,15 @@ docs name exists, and the site builds with ``mkdocs build --strict`` where mkdoc
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -123,15 +124,9 @@ def test_every_extra_the_docs_name_exists():
 def test_site_builds_strict(tmp_path):
     mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent))
     out = subprocess.run([mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=280, env={**_env(), "NO_MKDOCS_2_WARNING": "1"})
+                         capture_output=True, text=True, timeout=280, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert out.returncode == 0, out.stdout + out.stderr
     cli = (tmp_path / "site" / "cli" / "index.html").read_text()
     assert "--max-leases" in cli and "fastlock revoke" in cli  # the generated reference is in the page
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     assert "SyncClient" in api and "acquire" in api  # the API reference came from the docstrings
-
-
-def _env() -> dict[str, str]:
-    import os
-
-    return dict(os.environ)

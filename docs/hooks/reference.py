@@ -97,7 +97,7 @@ def _command(parser: argparse.ArgumentParser, summary: str, depth: int) -> list[
     rows = _argument_rows(parser)
     if rows:
         out += ["| argument | value | default | meaning |", "|---|---|---|---|", *rows, ""]
-    for name, text, sub in _subcommands(parser):
+    for _name, text, sub in _subcommands(parser):
         out += _command(sub, text, depth + 1)
     return out
 
@@ -107,7 +107,7 @@ def cli_reference() -> str:
     parser = build_parser()
     out = ["Generated from the argument parsers of the installed `fastlock` (`fastlock COMMAND --help`",
            "prints the same).", "", "```text", parser.format_usage().strip(), "```", ""]
-    for name, text, sub in _subcommands(parser):
+    for _name, text, sub in _subcommands(parser):
         out += _command(sub, text, 2)
     return "\n".join(out)
 
@@ -134,7 +134,7 @@ def config_reference() -> str:
 GENERATORS = {"cli": cli_reference, "config": config_reference}
 
 
-def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ARG001 (mkdocs' hook signature)
+def on_page_markdown(markdown: str, page, config, files) -> str:
     """Replace each marker line with its generated Markdown."""
     for marker, what in MARKERS.items():
         if marker in markdown:
