@@ -18,6 +18,7 @@ uses the same functions).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Iterator
 
@@ -132,6 +133,8 @@ def config_reference() -> str:
 
 
 GENERATORS = {"cli": cli_reference, "config": config_reference}
+#: a Sphinx cross-reference role left in a docstring, as Markdown renders it: ":class:<code>~a.b.C</code>"
+SPHINX_ROLE = re.compile(r":(?:mod|class|func|meth|data|attr|exc|obj|const):<code>(~?)([^<]+)</code>")
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
@@ -140,6 +143,12 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
         if marker in markdown:
             markdown = markdown.replace(marker, GENERATORS[what]())
     return markdown
+
+
+def on_page_content(html: str, page, config, files) -> str:
+    """Show a docstring's Sphinx roles as code: ``:class:`~fastlock.Lease``` as ``Lease``."""
+    return SPHINX_ROLE.sub(lambda m: f"<code>{m.group(2).rsplit('.', 1)[-1] if m.group(1) else m.group(2)}</code>",
+                           html)
 
 
 if __name__ == "__main__":
