@@ -1,6 +1,6 @@
 """fastlock: leased locks with fencing tokens, FIFO waiters, a write-ahead log and a standby.
 
-The public API is :func:`connect` and the error classes; see the README.
+The public API is :func:`connect` and the error classes; see README.md and docs/api.md.
 """
 
 from ._version import __version__

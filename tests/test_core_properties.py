@@ -1,5 +1,5 @@
 """Property tests: the compiled LockTable and the reference model agree on every
-random sequence of operations, and the invariants in README.md "Semantics" hold.
+random sequence of operations, and the invariants in docs/semantics.md hold.
 
 A hypothesis RuleBasedStateMachine applies each random operation to both
 tables and, after every step, compares return values, exception types, the

@@ -177,7 +177,7 @@ def _share(cap_flag: str) -> str:
 
 def add_limit_flags(s: argparse.ArgumentParser) -> None:
     """``fastlock serve`` flags for the limits on what peers can make the server
-    hold (README "Limits"); defaults are ServerConfig's."""
+    hold (docs/limits.md); defaults are ServerConfig's."""
     d = ServerConfig()
     g = s.add_argument_group("limits", "bounds on what clients and standbys can make the server hold; "
                                        "a request beyond one gets a LimitExceeded error naming it")

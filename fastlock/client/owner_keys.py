@@ -1,7 +1,7 @@
 """Owner keys: the 16 random bytes that prove which acquire a lease belongs to.
 
 Every acquire sends a fresh key; the server keeps only its hash and honours a
-release or extend only with the key itself (see "Security" in the README).  A
+release or extend only with the key itself (see docs/security.md).  A
 key must therefore be unguessable by other clients and never repeat, and it is
 drawn for every acquire, so :func:`new_owner_key` takes keys from a buffer
 filled by one ``os.urandom`` call per :data:`KEYS_PER_DRAW` keys instead of one

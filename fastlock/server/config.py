@@ -57,7 +57,7 @@ class ServerConfig:
     Units are in the names (``_ms``: milliseconds, ``_bytes``: bytes; other
     limits are counts).  The limits (from ``max_frame_bytes`` to
     ``max_watches_per_principal``) bound what peers can make the server hold;
-    README "Limits" gives each one's flag, default and what happens beyond it.
+    docs/limits.md gives each one's flag, default and what happens beyond it.
     A per-principal quota of None is the default share of its global cap (a
     quarter; the anonymous principal's a further ``anonymous_quota_divisor``:
     a sixteenth), 0 none beyond the global cap.
@@ -79,7 +79,7 @@ class ServerConfig:
     allow_unauthenticated: bool = False  # open mode on a non-loopback address (protected mode off)
     standby_token: str | None = None  # this node's replica token, to follow a primary
     auth_failures_before_ban: int = 5  # failed HELLOs from one address before it is banned (0: never)
-    # -- limits: everything a peer can make the server hold (README "Limits") --
+    # -- limits: everything a peer can make the server hold (docs/limits.md) --
     max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES  # one request, bytes
     max_connections: int | None = None  # None: 10,000, lowered to fit the open-files limit
     max_connections_per_address: int = 1_000  # per client IP address
