@@ -23,7 +23,7 @@ $(STAMP): $(SOURCES)
 	$(VENV)/bin/python -m pip install -q -U pip
 	rm -rf build/lib.*  # setuptools never removes a moved module's old copy from build/lib
 	@echo "fastlock: installing into $(VENV) with its test tools, then compiling the Cython core"
-	@echo "fastlock: (fastlock/_core.pyx, fastlock/wal/_syncer.pyx): about 2-3 minutes on 2 cores the first time"
+	@echo "fastlock: (fastlock/_core.pyx, fastlock/wal/_syncer.pyx): about 2 minutes on 2 cores the first time"
 	$(VENV)/bin/python -m pip install --progress-bar off ".[test,postgres,metrics]"
 	touch $@
 
@@ -44,7 +44,7 @@ bench: $(STAMP)
 # an sdist and a wheel built from it (the wheel needs no Cython or compiler to install)
 dist: $(STAMP)
 	rm -rf dist
-	@echo "fastlock: building dist/ (compiles the Cython core again, from the sdist: about 2-3 minutes)"
+	@echo "fastlock: building dist/ (compiles the Cython core again, from the sdist: about a minute)"
 	$(VENV)/bin/python -m build --outdir dist .
 
 wheel: dist
