@@ -205,3 +205,43 @@ async def test_status_all_shows_every_node_of_the_group(sync_group):
     assert rows[member]["IN SYNC"] == "true"
     assert [rows[n]["IN SYNC"] for n in rest if n != member] == ["false"]
     assert len({rows[n]["EPOCH"] for n in rows}) == 1
+
+
+def test_status_all_of_a_pair_learns_the_standby_from_the_primary_or_the_primary_from_the_standby():
+    """A pair has no etcd: asked at the primary, the standby comes from its replication peers
+    (no address); asked at the standby, the primary comes from the standby's primary address."""
+    from fastlock.cli.groupstatus import format_table, group_rows
+
+    primary = {"role": "primary", "epoch": 3, "replication": {
+        "fenced": False, "sync": {"mode": "sync", "state": "in_sync"},
+        "standbys": [{"name": "b@node-2/ff00", "lag_records": 4, "lag_ms": 7}]}}
+    standby = {"role": "standby", "epoch": 3, "name": "b", "replication": {
+        "primary": "127.0.0.1:7420", "ident": "node-2/ff00", "lag_records": 9,
+        "sync": {"in_sync": True}}}
+    statuses = {"127.0.0.1:7420": primary, "127.0.0.1:7421": standby}
+
+    def ask(address: str) -> dict:
+        return statuses[address]
+
+    rows = group_rows("127.0.0.1:7420", ask)
+    assert [(r.address, r.node, r.role, r.lag_records, r.lag_ms, r.in_sync) for r in rows] == [
+        ("127.0.0.1:7420", "?", "primary", 0, 0, None), ("?", "node-2/ff00", "standby", 4, 7, None)]
+    rows = group_rows("127.0.0.1:7421", ask)
+    assert [(r.address, r.node, r.role, r.lag_records, r.lag_ms, r.in_sync) for r in rows] == [
+        ("127.0.0.1:7421", "b", "standby", 4, 7, True), ("127.0.0.1:7420", "?", "primary", 0, 0, None)]
+    table = format_table(rows).splitlines()
+    assert table[1].split("|")[1].strip() == "ADDRESS" and len(table) == 6
+
+
+def test_status_all_shows_a_node_that_does_not_answer():
+    from fastlock.cli.groupstatus import group_rows
+
+    standby = {"role": "standby", "epoch": 2, "replication": {"primary": "127.0.0.1:7420", "ident": "r/x"}}
+
+    def ask(address: str) -> dict:
+        if address == "127.0.0.1:7420":
+            raise ConnectionRefusedError("refused")
+        return standby
+
+    rows = group_rows("127.0.0.1:7421", ask)
+    assert rows[1].address == "127.0.0.1:7420" and rows[1].role.startswith("unreachable: refused")
