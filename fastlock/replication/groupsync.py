@@ -40,8 +40,12 @@ Promotion without a grace period, and why it is safe
 A node that takes the primary key at epoch E+1 skips the promotion grace only
 when the ``PREFIX/sync`` its winning bid compared (same transaction) names the
 primary it was following, at epoch E, with E the epoch in ``PREFIX/epoch`` at
-the bid, and lists this node's identity; and the node has synced with that
-primary (its replicated epoch is E).  Claim: such a node has every grant and
+the bid, and lists this node's identity; the node has synced with that
+primary (its replicated epoch is E); and that primary's last ``"sync"`` push to
+it, over the authenticated replication link, said it is a member (the primary
+says so only to a standby in both its required and its published set, so a
+record forged in etcd alone makes no node skip the grace, unless the node was a
+member and missed the push that told it it left).  Claim: such a node has every grant and
 extend any client was told of that may still be live.
 
 1. *Invariant*: every identity in the published set at epoch E is in the old
@@ -314,6 +318,7 @@ class GroupSyncGate:
                 log.warning("standbys %s left the in-sync set (behind or detached)", sorted(left))
             self.published = target
             self.required = set(target)
+            self.status_push()  # the standbys hear whether they are members
             self._release_covered()
         if self._again:
             self._again = False
@@ -359,12 +364,20 @@ class GroupSyncGate:
             self._arm(min(self.waiting[0].since_ms + timeout, now + timeout))
 
     # -- what the standbys and STATUS see -------------------------------------------------------
-    def status_push(self) -> bytes:
-        """The ``"sync"`` push (every heartbeat): the standbys acknowledge at the ack point.
-        ``in_sync`` is always false here: a group's promotion reads ``PREFIX/sync``, never
-        this flag.  Also re-evaluates the set (a grace that ended, a standby that left)."""
+    def status_push(self) -> None:
+        """Send each standby its ``"sync"`` push (every heartbeat, and when the set changed):
+        the ack point, and ``in_sync`` true only for a member of both the required and the
+        published set (a promotion without grace needs this word from the primary, over the
+        authenticated link, besides ``PREFIX/sync``).  Also re-evaluates the set (a grace that
+        ended, a standby that left).  Returns None: nothing for the caller to send."""
         self.reconcile()
-        return P.encode_push(P.PUSH_SYNC, [self.settings.ack.value, False, self.settings.on_timeout.value])
+        members = self.published & self.required
+        for replica in self.source.replicas.values():
+            if not replica.conn.closed:
+                in_sync = standby_identity(replica.name) in members
+                replica.conn.send(P.encode_push(P.PUSH_SYNC, [self.settings.ack.value, in_sync,
+                                                              self.settings.on_timeout.value]))
+                replica.conn.flush()
 
     def handlers(self) -> dict[int, Callable[[Any, int, list], None]]:
         """The server's handler for ``SYNC_ACK``."""

@@ -121,6 +121,7 @@ class CoordinatedNode:
                                    ident=self.ident)
         if isinstance(server.source.sync, GroupSyncGate):
             server.source.sync.publisher = self.arbiter.publish
+        self.arbiter.hurry = self.lost_primary
         await self.arbiter.claim()
         server.source.coordinate(self.arbiter.fence_if_due)
         self.arbiter.start()
@@ -135,6 +136,11 @@ class CoordinatedNode:
             return int(server.wal.stats()["last_lsn"])
         follower = server.follower
         return follower.applied_lsn if follower is not None and follower.synced else 0
+
+    def lost_primary(self) -> bool:
+        """Is this node a standby not connected to a primary (none named, or its link is down)?"""
+        follower = self.server.follower
+        return self.server.roles.role is Role.STANDBY and (follower is None or not follower.connected)
 
     def candidate(self) -> bool:
         return self.server.roles.role is Role.STANDBY
@@ -214,14 +220,15 @@ class CoordinatedNode:
     def in_sync_at(self, epoch: int) -> str | None:
         """Why this node, elected at ``epoch``, may skip the promotion grace: the in-sync set its
         bid compared names the primary it followed at ``epoch - 1`` (the epoch etcd held) and
-        this node, and it synced with that primary (:mod:`fastlock.replication.groupsync`);
-        None: it keeps the grace."""
+        this node, it synced with that primary, and that primary's last ``"sync"`` push said it
+        is a member (:mod:`fastlock.replication.groupsync`); None: it keeps the grace."""
         arbiter, follower, following = self.arbiter, self.server.follower, self.following
         record = arbiter.sync_at_election if arbiter is not None else None
         if record is None or follower is None or following is None or not self.ident:
             return None
         if not (record.epoch == epoch - 1 and follower.ident in record.members and record.node == following.node
-                and following.epoch == record.epoch and follower.synced and follower.primary_epoch == record.epoch):
+                and following.epoch == record.epoch and follower.synced and follower.primary_epoch == record.epoch
+                and follower.sync.in_sync):  # the primary's own word, over the authenticated link, too
             return None
         return f"in the in-sync set of primary {record.node!r} at epoch {record.epoch} (etcd {arbiter.prefix}/sync)"
 
