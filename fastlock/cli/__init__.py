@@ -22,7 +22,8 @@ Subcommands::
 The package holds one module per concern: :mod:`~fastlock.cli.args` (argument
 types and shared options), :mod:`~fastlock.cli.serve`,
 :mod:`~fastlock.cli.admin` (status, promote, serve-alone, credentials, wal
-dump), :mod:`~fastlock.cli.groupstatus` (``status --all``), :mod:`~fastlock.cli.locks` (locks, lock, revoke, principals), :mod:`~fastlock.cli.elect`,
+dump), :mod:`~fastlock.cli.groupstatus` (``status --all``),
+:mod:`~fastlock.cli.locks` (locks, lock, revoke, principals), :mod:`~fastlock.cli.elect`,
 :mod:`~fastlock.cli.top`, :mod:`~fastlock.cli.run` and :mod:`~fastlock.cli.demo`.
 
 Client commands name their server with ``--server`` or the environment

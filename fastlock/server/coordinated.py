@@ -230,7 +230,7 @@ class CoordinatedNode:
                 and following.epoch == record.epoch and follower.synced and follower.primary_epoch == record.epoch
                 and follower.sync.in_sync):  # the primary's own word, over the authenticated link, too
             return None
-        return f"in the in-sync set of primary {record.node!r} at epoch {record.epoch} (etcd {arbiter.prefix}/sync)"
+        return f"in the in-sync set of primary {record.node!r} at epoch {record.epoch} (etcd {self.url.prefix}/sync)"
 
     def on_elected(self, epoch: int) -> None:
         server = self.server
