@@ -68,6 +68,7 @@ class SyncArbiter(EtcdArbiter):
         #: asked at each step of a node not holding the key: True while it has lost its link to the
         #: primary (dead, frozen or cut off), so that it sees the key go free and a new primary soon
         self.hurry: Callable[[], bool] | None = None
+        self._read_at = -(1 << 62)  # own clock (ms) of the last status reads
 
     @property
     def sync_key(self) -> str:
@@ -83,7 +84,8 @@ class SyncArbiter(EtcdArbiter):
         return self.sync
 
     async def step(self) -> None:
-        """One arbiter step, then read the in-sync set and the members (for STATUS).  While
+        """One arbiter step, then (at most every quarter TTL) read the in-sync set and the
+        members (for STATUS).  While
         :attr:`hurry` says so, the next step comes after :data:`HURRY_S` instead of a quarter TTL."""
         hurry = self.hurry is not None and not self.holding and self.hurry()
         try:
@@ -94,6 +96,10 @@ class SyncArbiter(EtcdArbiter):
 
     async def _step_and_read(self) -> None:
         await super().step()
+        now = self.clock()
+        if now - self._read_at < self.ttl_ms // 4:
+            return  # a hurried step: the status reads wait for the next regular one
+        self._read_at = now
         await self.read_sync()
         members = []
         for kv in await self.gateway.get_prefix(self.members_prefix, MAX_MEMBERS):

@@ -97,6 +97,7 @@ class CoordinatedNode:
         self.ident = ident
         self._stopping: asyncio.Task | None = None
         self.arbiter: SyncArbiter | None = None
+        self._lost_since: int | None = None  # since when (ms) this standby has had no primary link
         self._low_primary: PrimaryRecord | None = None  # the primary below this node's epoch last logged
         #: the primary etcd names that the follower is pointed at: its node id is the node the
         #: standby link must find at that address (etcd's word alone proves nothing)
@@ -138,9 +139,16 @@ class CoordinatedNode:
         return follower.applied_lsn if follower is not None and follower.synced else 0
 
     def lost_primary(self) -> bool:
-        """Is this node a standby not connected to a primary (none named, or its link is down)?"""
+        """Is this node a standby not connected to a primary (none named, or its link is down),
+        for at most three TTLs (a standby cut off for longer steps at the usual pace)?"""
         follower = self.server.follower
-        return self.server.roles.role is Role.STANDBY and (follower is None or not follower.connected)
+        if self.server.roles.role is not Role.STANDBY or (follower is not None and follower.connected):
+            self._lost_since = None
+            return False
+        now = monotonic_ms()
+        if self._lost_since is None:
+            self._lost_since = now
+        return now - self._lost_since < 3 * self.ttl_ms
 
     def candidate(self) -> bool:
         return self.server.roles.role is Role.STANDBY
