@@ -247,3 +247,32 @@ def test_status_all_shows_a_node_that_does_not_answer():
 
     rows = group_rows("127.0.0.1:7421", ask)
     assert rows[1].address == "127.0.0.1:7420" and rows[1].role.startswith("unreachable: refused")
+
+
+@pytest.mark.parametrize("value", [
+    b"", b"not json", b"[]", b'{"node": "a", "epoch": 3}', b'{"node": "a", "epoch": -1, "members": []}',
+    b'{"node": "a", "epoch": 8388608, "members": ["x"]}', b'{"node": 5, "epoch": 3, "members": ["x"]}',
+    b'{"node": "a", "epoch": 3, "members": "x"}', b'{"node": "a", "epoch": 3, "members": [1]}',
+    b'{"node": "a", "epoch": 3, "members": [""]}', b'{"node": "a", "epoch": true, "members": ["x"]}',
+    b'{"node": "a", "epoch": 3, "members": ["' + b"x" * 129 + b'"]}',
+    b'{"node": "a", "epoch": 3, "members": [' + b",".join([b'"x"'] * 65) + b']}',
+    b'{"node": "a", "epoch": 3, "members": ["x"], "pad": "' + b"y" * 5000 + b'"}',
+])
+def test_a_sync_record_that_no_primary_wrote_names_no_member(value):
+    """PREFIX/sync is untrusted input: anything but exactly what a primary writes names nobody
+    (so no standby skips its grace because of it), and decoding never raises."""
+    from fastlock.coordination.gateway import KeyValue
+    from fastlock.coordination.records import SyncRecord
+
+    record = SyncRecord.decode(KeyValue(b"/p/sync", value, 1, 7, 0))
+    assert record.members == frozenset() and record.epoch == 0 and record.mod_revision == 7
+
+
+def test_a_sync_record_round_trips():
+    from fastlock.coordination.gateway import KeyValue
+    from fastlock.coordination.records import SyncRecord
+
+    record = SyncRecord("n1", 12, frozenset({"node-2/ab", "node-3/cd"}))
+    assert SyncRecord.decode(KeyValue(b"/p/sync", record.encode(), 1, 9, 0)) == SyncRecord(
+        "n1", 12, record.members, 9)
+    assert SyncRecord.decode(None) == SyncRecord("", 0, frozenset(), 0)
