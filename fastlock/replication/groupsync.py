@@ -84,6 +84,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import protocol as P
 from ..errors import FastlockError, ProtocolError, Unavailable
+from ..logsafe import RateLimitedLog
 from ..roles import Role
 from ..units import monotonic_ms
 from .messages import standby_identity
@@ -97,6 +98,8 @@ __all__ = ["GroupSyncGate", "HeldReply", "StandbyAck"]
 
 log = logging.getLogger("fastlock.replication")
 
+#: a set etcd did not confirm is logged at most every 10 s (etcd may be down for long)
+_UNCONFIRMED = RateLimitedLog(log, logging.WARNING, 10.0)
 #: standbys whose acknowledgements are kept (beyond: those gone and not members are forgotten)
 MAX_ACKED = 64
 #: writes the in-sync set to etcd (True: confirmed); raises when etcd does not answer
@@ -307,8 +310,8 @@ class GroupSyncGate:
         try:
             ok = publisher is not None and await publisher(target)
         except Exception as exc:  # noqa: BLE001 - etcd did not answer: unknown outcome, keep waiting
-            log.warning("in-sync set %s not confirmed by etcd (%s): still waiting for its old members",
-                        sorted(target), exc)
+            _UNCONFIRMED("in-sync set %s not confirmed by etcd (%s): still waiting for its old members",
+                         sorted(target), exc)
             ok = False
         finally:
             self._publishing = None
@@ -360,6 +363,7 @@ class GroupSyncGate:
                 break
             self.refusals += 1
             _call(self.waiting.popleft().deliver, error)
+        self._release_covered()  # those behind a failed one may be covered
         if self.waiting:
             self._arm(min(self.waiting[0].since_ms + timeout, now + timeout))
 
