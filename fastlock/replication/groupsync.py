@@ -295,7 +295,8 @@ class GroupSyncGate:
         keep = {m for m in self.required if not self._behind(m, attached, now)}
         if self.host.roles.grace_remaining_ms(now) == 0:
             must = self._must_have()
-            fits = sorted((i for i in attached - keep if self._acked(i) >= must), key=self._acked, reverse=True)
+            fits = sorted((i for i in attached - keep if i in self.acked and self._acked(i) >= must),
+                          key=self._acked, reverse=True)
             joining = set(fits[:max(0, self.sync_standbys - len(keep))])
         else:
             joining = set()
