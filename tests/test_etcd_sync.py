@@ -12,6 +12,7 @@ FASTLOCK_REQUIRE_ETCD=1.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -276,3 +277,20 @@ def test_a_sync_record_round_trips():
     assert SyncRecord.decode(KeyValue(b"/p/sync", record.encode(), 1, 9, 0)) == SyncRecord(
         "n1", 12, record.members, 9)
     assert SyncRecord.decode(None) == SyncRecord("", 0, frozenset(), 0)
+
+
+async def test_status_all_of_a_real_pair_asked_at_the_standby(cluster):
+    primary = cluster.primary("p")
+    standby = cluster.standby(primary.address, "s")
+    argv = [sys.executable, "-m", "fastlock", "status", "--all", "--server", standby.address, "-o", "json"]
+
+    def rows_now():
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=os.environ.copy())
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    rows = await poll(lambda: asyncio.get_running_loop().run_in_executor(None, rows_now),
+                      lambda rs: len(rs) == 2 and rs[0]["lag_ms"] is not None, timeout=20,
+                      what="the pair's table with the primary's view of the standby")
+    assert [(r["address"], r["role"]) for r in rows] == [(standby.address, "standby"), (primary.address, "primary")]
+    assert rows[0]["epoch"] == rows[1]["epoch"] and rows[0]["lag_records"] == 0
