@@ -134,3 +134,25 @@ async def test_a_primary_in_its_grace_adds_nobody():
     host.roles.grace_remaining_ms = lambda now: 0
     g.status_push()
     assert g.required == {"r/1"}
+
+
+async def test_with_two_sync_standbys_a_reply_waits_for_both_members():
+    g, host, source, etcd = gate(k=2)
+    g.status_push()
+    s1, s2, s3 = attach(source, 1, "r/1"), attach(source, 2, "r/2"), attach(source, 3, "r/3")
+    g.on_ack(s1, 0)
+    g.on_ack(s2, 0)
+    await settle()
+    assert etcd.writes[-1][0] in ({"r/1", "r/2"}, {"r/1"})  # one write at a time
+    await etcd.answer(True)
+    g.status_push()
+    await settle()
+    if g.published != {"r/1", "r/2"}:
+        await etcd.answer(True)
+    assert g.published == {"r/1", "r/2"}  # at most k members: r/3 (no ack yet) stays asynchronous
+    out = reply(g, host, 4)
+    g.on_ack(s3, 4)
+    g.on_ack(s1, 4)
+    assert out == []  # one member still lacks it, though two standbys have it
+    g.on_ack(s2, 4)
+    assert out == ["ok"]
