@@ -34,7 +34,7 @@ import json
 import logging
 from collections.abc import Callable
 
-from .etcd import MAX_MEMBERS, EtcdArbiter
+from .etcd import MAX_MEMBERS, MAX_NODE_ID, EtcdArbiter
 from .gateway import b64
 from .records import SyncRecord, json_object, read_epoch
 
@@ -42,6 +42,8 @@ __all__ = ["SyncArbiter"]
 
 log = logging.getLogger("fastlock.coordination")
 
+#: the most member keys shown in STATUS (``coordinator.members``)
+STATUS_MEMBERS = 64
 #: seconds between two steps of a standby that lost its primary (see SyncArbiter.hurry)
 HURRY_S = 0.1
 
@@ -56,7 +58,7 @@ class SyncArbiter(EtcdArbiter):
         sync_at_election: the record this node's last bid compared (the winning one when
             ``on_elected`` runs; None: no bid yet).
         members: the live members' keys as last read (node, address, position, epoch, ident),
-            for STATUS (at most :data:`~fastlock.coordination.etcd.MAX_MEMBERS`).
+            for STATUS (at most :data:`STATUS_MEMBERS`, strings cut at 256 characters).
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -85,8 +87,8 @@ class SyncArbiter(EtcdArbiter):
 
     async def step(self) -> None:
         """One arbiter step, then (at most every quarter TTL) read the in-sync set and the
-        members (for STATUS).  While
-        :attr:`hurry` says so, the next step comes after :data:`HURRY_S` instead of a quarter TTL."""
+        members (for STATUS).  While :attr:`hurry` says so, the next step comes after
+        :data:`HURRY_S` instead of a quarter TTL."""
         hurry = self.hurry is not None and not self.holding and self.hurry()
         try:
             await self._step_and_read()
@@ -102,10 +104,11 @@ class SyncArbiter(EtcdArbiter):
         self._read_at = now
         await self.read_sync()
         members = []
-        for kv in await self.gateway.get_prefix(self.members_prefix, MAX_MEMBERS):
-            data = json_object(kv.value)
-            members.append({k: data.get(k) for k in ("node", "address", "position", "epoch", "ident")
-                            if type(data.get(k)) in (str, int)})
+        for kv in await self.gateway.get_prefix(self.members_prefix, STATUS_MEMBERS):
+            data = json_object(kv.value)  # untrusted: only short strings and ints are shown
+            members.append({k: v[:MAX_NODE_ID * 2] if type(v) is str else v
+                            for k in ("node", "address", "position", "epoch", "ident")
+                            if type(v := data.get(k)) in (str, int)})
         self.members = members
 
     async def bid_preferred(self) -> list[str]:
