@@ -1,6 +1,7 @@
-"""Failover time of a group whose primary etcd names (issue 16).
+"""Failover time of a group whose primary etcd names (issues 16 and 24).
 
-    python -m benches.etcd_failover [--kills 20] [--ttl 2] [--lock-ttl 1.0] [--promotion-grace G] [--json PATH]
+    python -m benches.etcd_failover [--kills 20] [--ttl 2] [--lock-ttl 1.0] [--promotion-grace G]
+                                    [--replication sync] [--sync-standbys K] [--load N] [--json PATH]
 
 One throwaway etcd member (tests/etcdserver.py: the ``etcd`` binary, Debian's
 ``etcd-server``) and three ``fastlock serve --coordinator`` nodes on 127.0.0.1,
@@ -12,6 +13,13 @@ this process's monotonic clock
 - kill -> the first grant of a free lock by it (retried through its grace period);
 
 then restart the killed node (it rejoins as a standby) before the next kill.
+With ``--load N`` (issue 24), N clients take locks of a 60 s TTL on the primary
+without pause while it is killed; after each failover every grant that was
+acknowledged to them is looked up on the new primary (``HOLDER``): a grant whose
+lock is not held there by the same token counts as *missing*.  With
+``--replication sync`` the nodes replicate synchronously (``--sync-standbys``),
+the bench waits for a full in-sync set before each kill, and the expected first
+free grant is within the etcd TTL + 0.5 s (no grace: the in-sync standby wins).
 Expected: at most the etcd lease TTL (the dead primary's lease runs out, a
 standby's next step a quarter TTL later at most takes the key) for the first,
 plus the grace period (default: the longest TTL seen) for the second.  The
@@ -87,6 +95,64 @@ async def _standbys_follow(nodes: dict[str, ServerProcess], primary: str, deadli
     raise TimeoutError("the standbys did not follow the primary")
 
 
+class Load:
+    """``workers`` clients taking fresh locks on ``address`` until stopped; every
+    acknowledged grant is kept as ``(name, token)``."""
+
+    def __init__(self, address: str, workers: int, round_no: int):
+        self.acked: list[tuple[str, int]] = []
+        self.errors = 0
+        self._stop = asyncio.Event()
+        self._tasks = [asyncio.ensure_future(self._worker(address, f"load-{round_no}-{w}")) for w in range(workers)]
+
+    async def _worker(self, address: str, prefix: str) -> None:
+        try:
+            node = await RawNode.open(address)
+        except (OSError, FastlockError):
+            return
+        try:
+            for seq in range(1_000_000):
+                if self._stop.is_set():
+                    return
+                name = f"{prefix}-{seq}"
+                try:
+                    token = (await asyncio.wait_for(node.acquire(name, 60_000, wait_ms=0), 5.0))[0]
+                except (OSError, FastlockError, asyncio.TimeoutError):
+                    self.errors += 1
+                    return  # the primary died (or refused): this worker is done
+                self.acked.append((name, token))
+        finally:
+            await node.close()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.wait(self._tasks, timeout=10)
+
+
+async def _missing(address: str, acked: list[tuple[str, int]]) -> list[tuple[str, int, Any]]:
+    """The acknowledged grants whose lock ``address`` does not hold by the same token."""
+    node = await RawNode.open(address)
+    try:
+        out = []
+        for name, token in acked:
+            holder = await node.holder(name)
+            if not holder or holder.get("token") != token:
+                out.append((name, token, holder and holder.get("token")))
+        return out
+    finally:
+        await node.close()
+
+
+async def _in_sync(address: str, count: int, deadline_s: float) -> None:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        st = await status_of(address)
+        if len((st["replication"].get("sync") or {}).get("members") or []) >= count:
+            return
+        await asyncio.sleep(0.02)
+    raise TimeoutError(f"fewer than {count} in-sync standbys after {deadline_s} s")
+
+
 async def run(args: argparse.Namespace, log) -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="fastlock-etcd-bench-")
     etcd = EtcdServer().start()
@@ -94,6 +160,8 @@ async def run(args: argparse.Namespace, log) -> dict[str, Any]:
     try:
         url = f"etcd://{etcd.address}{unique_prefix()}"
         extra = ["--promotion-grace", str(args.promotion_grace)] if args.promotion_grace is not None else []
+        if args.replication == "sync":
+            extra += ["--replication", "sync", "--sync-standbys", str(args.sync_standbys)]
         nodes = {}
         for name in ("a", "b", "c"):
             nodes[name] = cluster._start(ServerProcess(
@@ -102,12 +170,18 @@ async def run(args: argparse.Namespace, log) -> dict[str, Any]:
         ttl_ms = round(args.lock_ttl * 1000)
         to_primary, to_grant = [], []
         last_token = last_epoch = 0
+        acked = missing = graceless = 0
         for i in range(args.kills):
             name, st = await _primary(nodes, 30)
             await _standbys_follow(nodes, name, 30)
+            if args.replication == "sync":
+                await _in_sync(nodes[name].address, args.sync_standbys, 30)
             token = await _grant(nodes[name].address, f"held-{i}", ttl_ms, 30)
             assert token > last_token and st["epoch"] >= last_epoch, (token, last_token, st["epoch"], last_epoch)
             last_token, last_epoch = token, st["epoch"]
+            load = Load(nodes[name].address, args.load, i) if args.load else None
+            if load is not None:
+                await asyncio.sleep(0.3)  # the load runs before and through the kill
             nodes[name].kill()
             killed = time.monotonic()
             rest = {n: s for n, s in nodes.items() if n != name}
@@ -115,16 +189,29 @@ async def run(args: argparse.Namespace, log) -> dict[str, Any]:
             t_role = time.monotonic() - killed
             token2 = await _grant(nodes[new].address, f"free-{i}", ttl_ms, 30)
             t_grant = time.monotonic() - killed
+            graceless += st2.get("grace_remaining_ms", 1) == 0
+            if load is not None:
+                await load.stop()
+                lost = await _missing(nodes[new].address, load.acked)
+                acked += len(load.acked)
+                missing += len(lost)
+                if lost:
+                    log(f"  MISSING on {new}: {lost[:5]}")
+                last_token = max([last_token] + [t for _, t in load.acked])
             assert st2["epoch"] > last_epoch and token2 > last_token, (st2["epoch"], last_epoch, token2, last_token)
             last_token, last_epoch = token2, st2["epoch"]
             to_primary.append(t_role * 1000)
             to_grant.append(t_grant * 1000)
             log(f"kill {i + 1}: {name} -> {new} primary after {t_role * 1000:.0f} ms, first free grant after "
-                f"{t_grant * 1000:.0f} ms (epoch {st2['epoch']})")
+                f"{t_grant * 1000:.0f} ms (epoch {st2['epoch']}, grace {st2.get('grace_remaining_ms')} ms"
+                + (f", {len(load.acked)} acknowledged grants checked)" if load is not None else ")"))
             nodes[name] = cluster.restart(nodes[name])
         return {
             "kills": args.kills, "etcd_ttl_s": args.ttl, "lock_ttl_s": args.lock_ttl,
-            "promotion_grace_s": args.promotion_grace,
+            "promotion_grace_s": args.promotion_grace, "replication": args.replication,
+            "sync_standbys": args.sync_standbys if args.replication == "sync" else None, "load_clients": args.load,
+            "acknowledged_grants_checked": acked, "acknowledged_grants_missing": missing,
+            "promotions_without_grace": graceless,
             "kill_to_primary_ms": {"median": statistics.median(to_primary), "max": max(to_primary)},
             "kill_to_first_grant_ms": {"median": statistics.median(to_grant), "max": max(to_grant)},
         }
@@ -141,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lock-ttl", type=float, default=1.0, help="TTL of the locks taken, seconds (default 1)")
     ap.add_argument("--promotion-grace", type=float, default=None,
                     help="the nodes' --promotion-grace (default: theirs, the longest TTL seen)")
+    ap.add_argument("--replication", choices=("async", "sync"), default="async",
+                    help="the nodes' --replication (default async)")
+    ap.add_argument("--sync-standbys", type=int, default=1, help="with --replication sync, the nodes' --sync-standbys")
+    ap.add_argument("--load", type=int, default=0, metavar="N",
+                    help="N clients taking locks through each kill; their acknowledged grants are checked")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     result = asyncio.run(run(args, lambda msg: print(msg, flush=True)))

@@ -16,6 +16,7 @@ seconds, bytes)::
     fastlock_replication_lag_records, fastlock_replication_lag_seconds
     fastlock_promotion_grace_remaining_seconds
     fastlock_sync_degraded, fastlock_sync_held, fastlock_sync_degradations_total   (--replication sync)
+    fastlock_sync_members                members of an etcd group's in-sync set (PREFIX/sync)
     fastlock_build_info{version, python, implementation}
     fastlock_request_seconds{op}         histogram: time to handle a request on the loop
     fastlock_time_to_acquire_seconds     histogram: request arrival to grant decision
@@ -135,6 +136,8 @@ class _Collector:
                                 value=1 if sync.get("state") == "held" else 0)
         yield CounterMetricFamily("fastlock_sync_degradations", "Times synchronous replication degraded to async",
                                   value=sync.get("degradations", 0))
+        yield GaugeMetricFamily("fastlock_sync_members", "Standbys in an etcd group's in-sync set (PREFIX/sync)",
+                                value=len(sync.get("members") or []))
         wal = st.get("wal") or {}
         yield CounterMetricFamily("fastlock_wal_records", "WAL records logged since start", value=wal.get("records", 0))
         yield CounterMetricFamily("fastlock_wal_bytes", "WAL bytes written since start", value=wal.get("bytes", 0))

@@ -282,7 +282,8 @@ async def test_an_oversized_answer_is_refused(etcd, monkeypatch):
 @pytest.mark.parametrize("flags, message", [
     (["--coordinator", "etcd://127.0.0.1:2379"], "needs at least one HOST:PORT and a key prefix"),
     (["--coordinator", "etcd://127.0.0.1:2379/p", "--standby-of", "127.0.0.1:1"], "exclude each other"),
-    (["--coordinator", "etcd://127.0.0.1:2379/p", "--replication", "sync"], "not supported with --coordinator"),
+    (["--coordinator", "etcd://127.0.0.1:2379/p", "--sync-standbys", "2"], "only with --replication sync"),
+    (["--replication", "sync", "--sync-standbys", "2"], "only with --replication sync and --coordinator"),
     (["--node-id", "n1"], "only apply with --coordinator"),
     (["--coordinator", "etcd://127.0.0.1:2379/p", "--listen", "0.0.0.0:7420"], "needs --advertise"),
     (["--coordinator", "etcd://127.0.0.1:2379/p", "--node-id", ""], "--node-id must be printable"),

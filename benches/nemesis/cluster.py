@@ -384,9 +384,10 @@ class Nemesis:
         if p is None:
             return False, f"primary {self.primary.name} does not answer"
         coord = p.get("coordinator") or {}
-        if (p["role"] != "primary" or p["replication"]["fenced"] or p.get("grace_remaining_ms", 0) > 0
+        if (p["role"] != "primary" or p["replication"].get("fenced") or p.get("grace_remaining_ms", 0) > 0
                 or not coord.get("holding") or not coord.get("may_grant")):
-            return False, (f"primary {self.primary.name}: role {p['role']}, fenced {p['replication']['fenced']}, "
+            # (a node not yet primary reports its follower, which has no "fenced")
+            return False, (f"primary {self.primary.name}: role {p['role']}, fenced {p['replication'].get('fenced')}, "
                            f"grace {p.get('grace_remaining_ms')} ms, arbiter {coord}")
         for node in self.nodes.values():
             if node is self.primary:

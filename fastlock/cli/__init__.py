@@ -4,7 +4,7 @@ Subcommands::
 
     fastlock serve [--listen HOST:PORT] [--data-dir DIR] [--fsync always|interval|never] ...
     fastlock demo [--workers N] [--unfenced] [--quiet] [--keep] ...
-    fastlock status [--server HOST:PORT] [-o json]
+    fastlock status [--server HOST:PORT] [--all] [-o json]   one node, or the table of every node
     fastlock wal dump [--lock NAME] [--state] [-o json] DIR
     fastlock run NAME --ttl S [--wait S] [--server HOST:PORT] -- CMD ...
     fastlock promote --server HOST:PORT [--force] [--token-file FILE]
@@ -22,7 +22,8 @@ Subcommands::
 The package holds one module per concern: :mod:`~fastlock.cli.args` (argument
 types and shared options), :mod:`~fastlock.cli.serve`,
 :mod:`~fastlock.cli.admin` (status, promote, serve-alone, credentials, wal
-dump), :mod:`~fastlock.cli.locks` (locks, lock, revoke, principals), :mod:`~fastlock.cli.elect`,
+dump), :mod:`~fastlock.cli.groupstatus` (``status --all``),
+:mod:`~fastlock.cli.locks` (locks, lock, revoke, principals), :mod:`~fastlock.cli.elect`,
 :mod:`~fastlock.cli.top`, :mod:`~fastlock.cli.run` and :mod:`~fastlock.cli.demo`.
 
 Client commands name their server with ``--server`` or the environment

@@ -40,6 +40,7 @@ from .args import (
     server_address,
     servers_from_env,
 )
+from .groupstatus import group_status_command
 
 __all__ = ["ADMIN_TIMEOUT", "NotFastlock", "add_parsers", "admin_request", "resolve_server", "where"]
 
@@ -62,6 +63,9 @@ def add_parsers(sub: Any) -> None:
     st.add_argument("--server", type=server_address, metavar="HOST:PORT",
                     help=f"the node to ask (default: ${SERVER_VARIABLE} if it names one node, else "
                          f"127.0.0.1:7420); a standby answers for itself, no redirect to its primary")
+    st.add_argument("--all", action="store_true",
+                    help="a table of every node of the pair or etcd group (address, node, role, epoch, lag, "
+                         "in sync), learned from the node asked (as etcdctl endpoint status --cluster -w table)")
     _output_argument(st)
     add_connect_timeout_argument(st)
     add_token_arguments(st)
@@ -247,7 +251,11 @@ def admin_request(server: tuple[str, int], token: str | None, op: int, *args: An
 
 def status_command(args: argparse.Namespace) -> int:
     """Print the status of exactly the node named by ``--server`` (a direct
-    request: a standby reports itself, not its primary)."""
+    request: a standby reports itself, not its primary); with ``--all`` the table of
+    every node (:mod:`fastlock.cli.groupstatus`)."""
+    if args.all:
+        return group_status_command(args, lambda server: admin_request(
+            server, read_token(args), OP_STATUS, tls=client_tls_options(args), connect_timeout=args.connect_timeout))
     result = admin_request(args.server, read_token(args), OP_STATUS, tls=client_tls_options(args),
                            connect_timeout=args.connect_timeout)
     print(json.dumps(result, indent=2, sort_keys=True, default=str))

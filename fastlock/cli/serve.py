@@ -123,6 +123,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="with --replication sync, when the standby has not acknowledged in --sync-timeout: fence "
                         "(default: waiting replies fail with Unavailable, no grants until it is back) or degrade "
                         "(acknowledge without it, as async, until it catches up; logged CRITICAL, in metrics)")
+    s.add_argument("--sync-standbys", type=positive_int, default=1, metavar="K",
+                   help="with --replication sync and --coordinator, how many standbys must have a grant before it "
+                        "is acknowledged (default 1); the in-sync set in etcd holds up to K standbys, and only "
+                        "they are promoted without a grace period")
     s.add_argument("--coordinator", metavar="etcd://HOST:PORT[,HOST:PORT]/PREFIX",
                    help="let etcd decide which node of the group is primary (any number of standbys; needs "
                         "fastlock[etcd]); every node of the group names the same etcd and prefix")
@@ -292,8 +296,8 @@ def check_args(args: argparse.Namespace) -> None:
             args.subparser.error(str(exc))
     if args.coordinator and args.standby_of is not None:
         args.subparser.error("--coordinator and --standby-of exclude each other: etcd names the primary to follow")
-    if args.coordinator and args.replication == "sync":
-        args.subparser.error("--replication sync is not supported with --coordinator (it waits for one standby)")
+    if args.sync_standbys != 1 and not (args.coordinator and args.replication == "sync"):
+        args.subparser.error("--sync-standbys applies only with --replication sync and --coordinator")
     if args.coordinator and args.standby_token_file is None and not args.tls_cert:
         args.subparser.error("--coordinator needs --standby-token-file (or a --tls-cert that the credentials map "
                              "to a replica principal): each node follows the primary as a replica principal")
@@ -368,6 +372,7 @@ def serve_command(args: argparse.Namespace) -> int:
         sync_ack=args.sync_ack,
         sync_timeout_ms=max(1, round(args.sync_timeout * 1000)),
         sync_on_timeout=args.sync_on_timeout,
+        sync_standbys=args.sync_standbys,
         coordinator=args.coordinator,
         node_id=args.node_id,
         advertise=None if args.advertise is None else format_address(args.advertise),

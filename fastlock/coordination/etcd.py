@@ -58,7 +58,6 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ..errors import FastlockError, InvalidArgument
 from ..logsafe import RateLimitedLog
@@ -69,6 +68,7 @@ from .records import (
     EPOCH_ALLOWANCE,
     ArbiterListener,
     EpochReading,
+    MemberKey,
     PrimaryRecord,
     credible_epoch,
     json_object,
@@ -84,17 +84,6 @@ MAX_NODE_ID = 128
 
 #: a refused ``PREFIX/epoch`` is logged at most every 10 s (someone may rewrite it in a loop)
 _REFUSED_EPOCH = RateLimitedLog(log, logging.ERROR, 10.0)
-
-
-@dataclass
-class _MemberKey:
-    """This node's member key: the data directory identity kept in it, the value last
-    written under the current lease, and since when (own clock, ms) another live node
-    holds it (None: it does not)."""
-
-    ident: str
-    written: bytes = b""
-    taken_since: int | None = None
 
 
 class NodeIdInUse(FastlockError, RuntimeError):
@@ -158,7 +147,7 @@ class EtcdArbiter:
         self._task: asyncio.Task | None = None
         self._fence_timer: asyncio.TimerHandle | None = None
         self._wake: asyncio.Event | None = asyncio.Event()  # None once closed
-        self._member = _MemberKey(ident)
+        self._member = MemberKey(ident)
 
     @property
     def ttl_ms(self) -> int:
@@ -477,6 +466,7 @@ class EtcdArbiter:
                 ahead.append(f"{data.get('node')!r} at {position}")
             if type(epoch) is int and epoch > advertised and self.credible_epoch(epoch):
                 advertised = epoch
+        ahead += await self.bid_preferred()
         delay = self.timing[2]
         if ahead and now - self._free_since < delay:
             log.info("etcd: no primary, but %s ahead of this node (at %d): waiting %d ms before bidding",
@@ -560,11 +550,13 @@ class EtcdArbiter:
             return False
         value = json.dumps({"node": self.node, "address": self.address, "epoch": epoch}).encode()
         primary, epoch_b = b64(self.primary_key), b64(self.epoch_key)
+        compare, put = await self.bid_guard(epoch)
         answer = await self.gateway.txn(
             [{"target": "CREATE", "key": primary, "create_revision": "0", "result": "EQUAL"},
-             {"target": "MOD", "key": epoch_b, "mod_revision": str(kv.mod_revision if kv else 0), "result": "EQUAL"}],
+             {"target": "MOD", "key": epoch_b, "mod_revision": str(kv.mod_revision if kv else 0), "result": "EQUAL"},
+             *compare],
             [{"request_put": {"key": primary, "value": b64(value), "lease": str(self.lease)}},
-             {"request_put": {"key": epoch_b, "value": b64(str(epoch))}}])
+             {"request_put": {"key": epoch_b, "value": b64(str(epoch))}}, *put])
         if not answer.get("succeeded"):
             log.info("etcd: bid for epoch %d lost (another node took the key or the epoch first)", epoch)
             return False
@@ -579,6 +571,14 @@ class EtcdArbiter:
                     self.valid_until_ms - self.clock())
         self.listener.on_elected(epoch)
         return True
+
+    async def bid_preferred(self) -> list[str]:
+        """Live nodes a bid should wait for (``behind_delay_ms``) besides those ahead; none here."""
+        return []
+
+    async def bid_guard(self, epoch: int) -> tuple[list[dict], list[dict]]:
+        """More compares and puts for the bid's transaction at ``epoch``; none here."""
+        return [], []
 
     def status(self) -> dict:
         """The arbiter's state for STATUS."""

@@ -28,14 +28,16 @@ from typing import Protocol
 from ..protocol import MAX_EPOCH
 from .gateway import KeyValue
 
-__all__ = ["EPOCH_ALLOWANCE", "MAX_VALUE_BYTES", "ArbiterListener", "EpochReading", "PrimaryRecord",
-           "credible_epoch", "json_object", "read_epoch"]
+__all__ = ["EPOCH_ALLOWANCE", "MAX_SYNC_MEMBERS", "MAX_VALUE_BYTES", "ArbiterListener", "EpochReading",
+           "MemberKey", "PrimaryRecord", "SyncRecord", "credible_epoch", "json_object", "read_epoch"]
 
 #: the longest value the arbiter accepts from etcd for one of its keys (bytes)
 MAX_VALUE_BYTES = 4096
 #: how far (in epochs) ``PREFIX/epoch`` may be above the highest epoch a node has seen and
 #: still be believed: the elections a node may have missed while it was down or behind
 EPOCH_ALLOWANCE = 16
+#: the most standbys a ``PREFIX/sync`` record may name (a longer list names none)
+MAX_SYNC_MEMBERS = 64
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,53 @@ class PrimaryRecord:
         node, address, epoch = data.get("node"), data.get("address"), data.get("epoch")
         return cls(node if type(node) is str else "?", address if type(address) is str else "",
                    epoch if type(epoch) is int and 0 <= epoch <= MAX_EPOCH else 0, kv.lease)
+
+
+@dataclass
+class MemberKey:
+    """This node's member key: the data directory identity kept in it, the value last
+    written under the current lease, and since when (own clock, ms) another live node
+    holds it (None: it does not)."""
+
+    ident: str
+    written: bytes = b""
+    taken_since: int | None = None
+
+
+@dataclass(frozen=True)
+class SyncRecord:
+    """The in-sync set as ``PREFIX/sync`` names it (as Patroni's ``/sync`` key).
+
+    Attributes:
+        node: the primary that wrote it (its etcd node id).
+        epoch: that primary's epoch.
+        members: the identities (``replica principal/node id``) of the standbys that
+            have every grant and extend that primary acknowledged.
+        mod_revision: the key's etcd revision (0: absent); a bid compares it.
+    """
+
+    node: str
+    epoch: int
+    members: frozenset[str]
+    mod_revision: int = 0
+
+    @classmethod
+    def decode(cls, kv: KeyValue | None) -> SyncRecord:
+        """Never raises: an absent key, or a value this module did not write, names no member
+        (so no standby skips its promotion grace because of it)."""
+        if kv is None:
+            return cls("", 0, frozenset())
+        data = json_object(kv.value)
+        node, epoch, members = data.get("node"), data.get("epoch"), data.get("members")
+        if (type(node) is not str or type(epoch) is not int or not 0 < epoch <= MAX_EPOCH
+                or type(members) is not list or len(members) > MAX_SYNC_MEMBERS
+                or not all(type(m) is str and 0 < len(m) <= 128 for m in members)):
+            return cls("?", 0, frozenset(), kv.mod_revision)
+        return cls(node, epoch, frozenset(members), kv.mod_revision)
+
+    def encode(self) -> bytes:
+        """The JSON value a primary writes (members sorted)."""
+        return json.dumps({"node": self.node, "epoch": self.epoch, "members": sorted(self.members)}).encode()
 
 
 def json_object(value: bytes) -> dict:

@@ -415,6 +415,7 @@ class StandbyFollower:
         now = monotonic_ms()
         return {
             "primary": self.primary_address,
+            "ident": self.ident,  # as the primary names this standby (replication.standbys[].name)
             "connected": self.connected,
             "synced": self.synced,
             "applied_lsn": self.applied_lsn,

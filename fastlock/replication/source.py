@@ -28,6 +28,7 @@ from .node_state import Pairing, read_pairing, remove_pairing, write_pairing
 from .syncrep import SyncGate, SyncSettings
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .groupsync import GroupSyncGate
     from .host import ReplicaConnection, ReplicationHost
 
 log = logging.getLogger("fastlock.replication")
@@ -85,7 +86,7 @@ class ReplicationSource:
         self.incarnation = os.urandom(8).hex()  # changes on every start: a standby resyncs
         self.replicas: dict[int, _Replica] = {}  # by session
         #: synchronous replication: replies that wait for the standby (None settings: async, a no-op)
-        self.sync = SyncGate(host, self, sync)
+        self.sync: SyncGate | GroupSyncGate = SyncGate(host, self, sync)  # a group's: coordinated.py
         self.fence_margin_ms = fence_margin_ms
         self.serving_alone = False
         self.paired_id: str | None = None

@@ -134,6 +134,7 @@ class ServerConfig:
     sync_ack: SyncAck = SyncAck.FSYNCED  # where the standby has a record when it acknowledges it
     sync_timeout_ms: int = 2000  # the oldest reply waits this long for the standby, then sync_on_timeout
     sync_on_timeout: SyncOnTimeout = SyncOnTimeout.FENCE  # "fence" (hold grants) or "degrade" (to async)
+    sync_standbys: int = 1  # with a coordinator: standbys that must have a reply (k, fastlock.replication.groupsync)
     # etcd decides the primary (fastlock.server.coordinated): etcd://HOST:PORT[,HOST:PORT]/PREFIX, None: a pair
     coordinator: str | None = None
     node_id: str | None = None  # this node's id in etcd (None: the data directory's node-id file)
@@ -147,6 +148,8 @@ class ServerConfig:
         self.replication = parse_mode(self.replication)
         settings = SyncSettings(self.sync_ack, self.sync_timeout_ms, self.sync_on_timeout)  # checks all three
         self.sync_ack, self.sync_on_timeout = settings.ack, settings.on_timeout
+        if type(self.sync_standbys) is not int or self.sync_standbys < 1:
+            raise ValueError(f"sync_standbys must be a positive integer, not {self.sync_standbys!r}")
 
     def sync_settings(self) -> SyncSettings | None:
         """The synchronous replication settings, or None with ``replication="async"``."""

@@ -35,9 +35,11 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from ..coordination import EtcdArbiter, EtcdGateway, PrimaryRecord, parse_coordinator
+from ..coordination import EtcdGateway, PrimaryRecord, parse_coordinator
+from ..coordination.insync import SyncArbiter
 from ..coordination.records import credible_epoch
 from ..errors import DataDirInUse
+from ..replication.groupsync import GroupSyncGate
 from ..roles import Role
 from ..units import monotonic_ms, parse_address
 
@@ -94,13 +96,17 @@ class CoordinatedNode:
         self.ttl_ms = ttl_ms
         self.ident = ident
         self._stopping: asyncio.Task | None = None
-        self.arbiter: EtcdArbiter | None = None
+        self.arbiter: SyncArbiter | None = None
+        self._lost_since: int | None = None  # since when (ms) this standby has had no primary link
         self._low_primary: PrimaryRecord | None = None  # the primary below this node's epoch last logged
         #: the primary etcd names that the follower is pointed at: its node id is the node the
         #: standby link must find at that address (etcd's word alone proves nothing)
         self.following: PrimaryRecord | None = None
         self._gateway = EtcdGateway(self.url.endpoints, timeout_s=max(0.2, ttl_ms / 4000),
                                     access=server.config.coordinator_access)
+        settings = server.config.sync_settings()
+        if settings is not None:  # --replication sync: replies wait for the in-sync set (groupsync)
+            server.source.sync = GroupSyncGate(server, server.source, settings, server.config.sync_standbys)
         # httpx logs every request at INFO: several lines a second per node
         logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger("httpx").level))
 
@@ -112,8 +118,11 @@ class CoordinatedNode:
             NodeIdInUse: another live node holds this node id (see the module docstring).
         """
         server = self.server
-        self.arbiter = EtcdArbiter(self._gateway, self.url.prefix, self.node, address, self, ttl_ms=self.ttl_ms,
+        self.arbiter = SyncArbiter(self._gateway, self.url.prefix, self.node, address, self, ttl_ms=self.ttl_ms,
                                    ident=self.ident)
+        if isinstance(server.source.sync, GroupSyncGate):
+            server.source.sync.publisher = self.arbiter.publish
+        self.arbiter.hurry = self.lost_primary
         await self.arbiter.claim()
         server.source.coordinate(self.arbiter.fence_if_due)
         self.arbiter.start()
@@ -128,6 +137,18 @@ class CoordinatedNode:
             return int(server.wal.stats()["last_lsn"])
         follower = server.follower
         return follower.applied_lsn if follower is not None and follower.synced else 0
+
+    def lost_primary(self) -> bool:
+        """Is this node a standby not connected to a primary (none named, or its link is down),
+        for at most three TTLs (a standby cut off for longer steps at the usual pace)?"""
+        follower = self.server.follower
+        if self.server.roles.role is not Role.STANDBY or (follower is not None and follower.connected):
+            self._lost_since = None
+            return False
+        now = monotonic_ms()
+        if self._lost_since is None:
+            self._lost_since = now
+        return now - self._lost_since < 3 * self.ttl_ms
 
     def candidate(self) -> bool:
         return self.server.roles.role is Role.STANDBY
@@ -204,14 +225,30 @@ class CoordinatedNode:
         log.warning("following primary %r at %s (epoch %d, named by etcd)", primary.node, primary.address,
                     primary.epoch)
 
+    def in_sync_at(self, epoch: int) -> str | None:
+        """Why this node, elected at ``epoch``, may skip the promotion grace: the in-sync set its
+        bid compared names the primary it followed at ``epoch - 1`` (the epoch etcd held) and
+        this node, it synced with that primary, and that primary's last ``"sync"`` push said it
+        is a member (:mod:`fastlock.replication.groupsync`); None: it keeps the grace."""
+        arbiter, follower, following = self.arbiter, self.server.follower, self.following
+        record = arbiter.sync_at_election if arbiter is not None else None
+        if record is None or follower is None or following is None or not self.ident:
+            return None
+        if not (record.epoch == epoch - 1 and follower.ident in record.members and record.node == following.node
+                and following.epoch == record.epoch and follower.synced and follower.primary_epoch == record.epoch
+                and follower.sync.in_sync):  # the primary's own word, over the authenticated link, too
+            return None
+        return f"in the in-sync set of primary {record.node!r} at epoch {record.epoch} (etcd {self.url.prefix}/sync)"
+
     def on_elected(self, epoch: int) -> None:
         server = self.server
+        in_sync = self.in_sync_at(epoch)
 
         async def promote() -> None:
             arbiter = self.arbiter
             try:
                 await server.failover.promote(f"etcd named this node primary at epoch {epoch}", automatic=True,
-                                              epoch=epoch)
+                                              epoch=epoch, in_sync=in_sync)
             except BaseException:
                 if arbiter is not None and arbiter.holding:
                     await arbiter.resign()  # a standby again: free the key for another node (or a new bid)

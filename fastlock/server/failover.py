@@ -260,11 +260,13 @@ class FailoverPolicy:
         return self._auto
 
     async def promote(self, reason: str, *, force: bool = False, automatic: bool = False,
-                      epoch: int | None = None) -> dict:
+                      epoch: int | None = None, in_sync: str | None = None) -> dict:
         """Turn this standby into the primary (see the module docstring).
 
         ``epoch``: the epoch an arbiter handed out (``--coordinator``); it must
         be above every epoch this node has seen, else the promotion is refused.
+        ``in_sync``: why the arbiter found this node in the group's in-sync set
+        (:mod:`fastlock.replication.groupsync`): no grace period; None: the pair's rules.
 
         Returns ``{"epoch", "grace_ms", "leases", "primary_confirmed"}``.
 
@@ -290,7 +292,7 @@ class FailoverPolicy:
                               f"below 2**63)")
         roles.transition(Role.PROMOTING, reason)  # stops the watchdog and any concurrent promotion
         try:
-            return await self._promote(reason, epoch, force=force, automatic=automatic)
+            return await self._promote(reason, epoch, force=force, automatic=automatic, in_sync=in_sync)
         except BaseException as exc:
             if roles.role is Role.PROMOTING:
                 outcome = "refused" if isinstance(exc, FastlockError) else "failed"
@@ -302,7 +304,8 @@ class FailoverPolicy:
                     follower.start()
             raise
 
-    async def _promote(self, reason: str, epoch: int, *, force: bool, automatic: bool) -> dict:
+    async def _promote(self, reason: str, epoch: int, *, force: bool, automatic: bool,
+                       in_sync: str | None = None) -> dict:
         host = self.host
         follower = self._standby_follower()
         table = host.table
@@ -341,7 +344,8 @@ class FailoverPolicy:
                       + [h.ttl_ms for h in holders])
         grace = self.promotion_grace_ms if self.promotion_grace_ms is not None else longest
         # synchronous replication: in sync, this node has every grant a client was told of
-        no_grace = follower.sync.covers_promotion(confirmed=confirmed, forced=force, automatic=automatic)
+        no_grace = in_sync or follower.sync.covers_promotion(confirmed=confirmed, forced=force,
+                                                             automatic=automatic)
         if no_grace is not None:
             grace = 0
             log.warning("promotion without a grace period: %s", no_grace)
