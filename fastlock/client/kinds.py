@@ -28,7 +28,7 @@ from .owner_keys import new_owner_key
 if TYPE_CHECKING:  # pragma: no cover
     from .client import Client
     from .renewer import LockContext
-    from .sync import SyncClient, SyncLease, SyncLockContext
+    from .blocking import SyncClient, SyncLease, SyncLockContext
 
 __all__ = ["kind_args", "check_semaphore", "Semaphore", "SyncSemaphore", "acquire_set", "list_contenders",
            "MAX_CONTENDERS"]
@@ -131,7 +131,7 @@ class Semaphore:
 
 class SyncSemaphore:
     """:class:`Semaphore` for the blocking client (:meth:`SyncClient.semaphore
-    <fastlock.client.sync.SyncClient.semaphore>`)."""
+    <fastlock.client.blocking.SyncClient.semaphore>`)."""
 
     __slots__ = ("sync", "name", "limit")
 

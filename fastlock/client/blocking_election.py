@@ -1,5 +1,5 @@
 """Elections for threads: :class:`SyncElection` and :class:`SyncTerm`, made by
-:meth:`SyncClient.election <fastlock.client.sync.SyncClient.election>` (the
+:meth:`SyncClient.election <fastlock.client.blocking.SyncClient.election>` (the
 blocking face of :class:`~fastlock.client.election.Election`)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from .election import Election, Leader, Term
 from .forks import check_held_here
 
 if TYPE_CHECKING:
-    from .sync import SyncClient
+    from .blocking import SyncClient
 
 __all__ = ["SyncElection", "SyncTerm"]
 

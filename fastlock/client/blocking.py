@@ -52,7 +52,7 @@ from .keys import SyncKeyMethods
 from .kinds import MAX_CONTENDERS, SyncSemaphore
 from .lease import HolderInfo, Lease, WatchEvent
 from .multilock import MultiLease
-from .sync_election import SyncElection
+from .blocking_election import SyncElection
 
 log = logging.getLogger(__name__)
 
