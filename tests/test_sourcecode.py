@@ -7,7 +7,7 @@ source with :mod:`ast` (every ``import`` statement, including those inside
 functions; imports under ``if TYPE_CHECKING:`` are left out, since they never
 run):
 
-* ``errors``, ``units``, ``logsafe`` and ``_version`` are leaves: they import no other
+* ``errors``, ``units``, ``logsafe``, ``tokens`` and ``_version`` are leaves: they import no other
   layer (``units`` imports ``errors``);
 * the Cython core imports nothing from fastlock; ``protocol`` and ``wal``
   import only leaves;
@@ -50,7 +50,7 @@ pytestmark = pytest.mark.skipif(not (PACKAGE / "__init__.py").is_file(),
                                 reason="needs the source tree (tests/ beside fastlock/)")
 
 #: modules that import no other layer
-LEAVES = {"errors", "units", "logsafe", "_version"}
+LEAVES = {"errors", "units", "logsafe", "_version", "tokens"}
 #: the layers above everything else: nothing below them may import them
 TOP = {"cli", "_testbase", "testing"}  # testing: the pytest plugin, on top of _testbase
 #: what each layer may import, besides itself (None: anything below the top)
@@ -59,6 +59,7 @@ ALLOWED: dict[str, set[str] | None] = {
     "units": {"errors"},
     "logsafe": set(),
     "_version": set(),
+    "tokens": set(),
     "_core": set(),
     "protocol": LEAVES,
     "wal": LEAVES,

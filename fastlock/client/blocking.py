@@ -46,13 +46,13 @@ from typing import Any, Generic, TypeVar
 from ..errors import ConnectionLost, FastlockError, WrongArgumentType
 from .acquire import CALLER
 from .admin import LeaseInfo, LockInfo, LockList, PrincipalRevocation
+from .blocking_election import SyncElection
 from .client import Client
 from .forks import check_held_here, fork_lock, keep_inherited
 from .keys import SyncKeyMethods
 from .kinds import MAX_CONTENDERS, SyncSemaphore
 from .lease import HolderInfo, Lease, WatchEvent
 from .multilock import MultiLease
-from .blocking_election import SyncElection
 
 log = logging.getLogger(__name__)
 

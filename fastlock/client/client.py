@@ -28,6 +28,7 @@ from typing import Any
 from .. import protocol as P
 from ..errors import ConnectionLost, InvalidArgument, LeaseLost, WrongArgumentType
 from ..tls import client_ssl_context
+from ..tokens import epoch_of
 from ..units import check_seconds
 from .acquire import HeldLeases, acquire_retry, duration_ms, verify_late_grant, with_actor
 from .admin import LockAdminMethods
@@ -317,7 +318,7 @@ class Client(KeyMethods, LockAdminMethods):
         # server received the request after we sent it, then it waited).
         waited = reply[2] / 1000.0 if len(reply) > 2 else 0.0
         expires_at = sent + waited + granted_ttl
-        epoch = token >> 40
+        epoch = epoch_of(token)
         if epoch > connector.max_epoch:
             connector.max_epoch = epoch
         lease = Lease(name, token, granted_ttl, owner, LeaseState(expires_at))
@@ -378,7 +379,7 @@ class Client(KeyMethods, LockAdminMethods):
         # the server's TTL counts from when it handled the extend: after `sent`
         new_ttl = granted_ms / 1000.0
         lease.state.expires_at = sent + new_ttl  # shared by every copy of the lease
-        epoch = lease.fencing_token >> 40
+        epoch = epoch_of(lease.fencing_token)
         connector = self._connector
         if epoch > connector.max_epoch:
             connector.max_epoch = epoch

@@ -20,15 +20,16 @@ from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
 from ..errors import FastlockError, InvalidArgument, LeaseLost
+from ..tokens import epoch_of
 from .acquire import actor_id
 from .connection import RETRYABLE, RideThrough
 from .lease import Lease, LeaseState
 from .owner_keys import new_owner_key
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .blocking import SyncClient, SyncLease, SyncLockContext
     from .client import Client
     from .renewer import LockContext
-    from .blocking import SyncClient, SyncLease, SyncLockContext
 
 __all__ = ["kind_args", "check_semaphore", "Semaphore", "SyncSemaphore", "acquire_set", "list_contenders",
            "MAX_CONTENDERS"]
@@ -200,7 +201,7 @@ async def acquire_set(client: Client, items: list[tuple[str, bool]], ttl_ms: int
     tokens, granted_ms, waited_ms = reply
     ttl = granted_ms / 1000.0
     expires_at = sent + waited_ms / 1000.0 + ttl
-    epoch = max(tokens) >> 40
+    epoch = epoch_of(max(tokens))
     if epoch > connector.max_epoch:
         connector.max_epoch = epoch
     leases = [Lease(name, token, ttl, owner, LeaseState(expires_at)) for (name, _), token in zip(items, tokens)]

@@ -22,13 +22,13 @@ from typing import Any
 import msgpack
 
 from ..errors import WalFatal
+from ..tokens import counter_of, epoch_of
 from ..units import wall_ms
 from .backlog import read_records
 from .commit import GroupCommit
 from .files import fsync_dir, secure_directory, write_atomically
 from .format import MAX_RECORD_BYTES
 from .records import (
-    COUNTER_MASK,
     EPOCH,
     EXPIRE,
     EXTEND,
@@ -39,7 +39,6 @@ from .records import (
     RELEASE,
     RESERVE,
     REVOKE,
-    TOKEN_EPOCH_SHIFT,
     Record,
 )
 from .recovery import RecoveredState, recover
@@ -255,10 +254,10 @@ class WriteAheadLog:
         :raises WalFatal: after a failed write/fsync.  :raises TypeError: unencodable field.
         """
         c = self._counters
-        counter = token & COUNTER_MASK
+        counter = counter_of(token)
         if counter > c.max_counter:
             c.max_counter = counter
-        ep = token >> TOKEN_EPOCH_SHIFT
+        ep = epoch_of(token)
         if ep > c.epoch:
             c.epoch = ep
         if counter > c.reserved and not self._always:
