@@ -30,7 +30,7 @@ from ..errors import ConnectionLost, InvalidArgument, LeaseLost, WrongArgumentTy
 from ..tls import client_ssl_context
 from ..tokens import epoch_of
 from ..units import check_seconds
-from .acquire import HeldLeases, acquire_retry, duration_ms, verify_late_grant, with_actor
+from .acquire import AcquireRequest, HeldLeases, acquire_retry, duration_ms, verify_late_grant, with_actor
 from .admin import LockAdminMethods
 from .connection import BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election
@@ -304,14 +304,13 @@ class Client(KeyMethods, LockAdminMethods):
                 self._connector.withdraw(proto, name, owner)
                 raise
             except RETRYABLE as exc:
-                reply, sent = await acquire_retry(connector, self._connect_timeout,
-                                                  (name, ttl_ms, wait_ms, delay_ms, correlation_id, kind), owner,
-                                                  sent, proto, exc)
+                request = AcquireRequest(name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind)
+                reply, sent = await acquire_retry(connector, self._connect_timeout, request, sent, proto, exc)
         else:
             loop = asyncio.get_running_loop()
             started = loop.time()
-            reply, sent = await acquire_retry(connector, self._connect_timeout,
-                                              (name, ttl_ms, wait_ms, delay_ms, correlation_id, kind), owner, started)
+            request = AcquireRequest(name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind)
+            reply, sent = await acquire_retry(connector, self._connect_timeout, request, started)
         token = reply[0]
         granted_ttl = reply[1] / 1000.0
         # The grant happened no earlier than `sent + waited` on our clock (the
@@ -323,8 +322,8 @@ class Client(KeyMethods, LockAdminMethods):
             connector.max_epoch = epoch
         lease = Lease(name, token, granted_ttl, owner, LeaseState(expires_at))
         if expires_at - loop.time() < granted_ttl * LATE_GRANT_FRACTION:
-            lease = await verify_late_grant(self, lease, (name, ttl_ms, wait_ms, delay_ms, correlation_id, kind),
-                                            started)
+            request = AcquireRequest(name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind)
+            lease = await verify_late_grant(self, lease, request, started)
         self._held.remember(lease, not shared and not limit, loop)
         return lease
 
