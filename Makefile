@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 STAMP := $(VENV)/.fastlock-installed
-SOURCES := $(wildcard fastlock/*.py fastlock/*/*.py fastlock/*.pyx fastlock/*/*.pyx fastlock/*.pxd fastlock/*.pyi) setup.py pyproject.toml
+SOURCES := $(wildcard fastlock/*.py fastlock/*/*.py fastlock/*.pyx fastlock/*.pxi fastlock/*/*.pyx fastlock/*.pxd fastlock/*.pyi) setup.py pyproject.toml
 
 .PHONY: demo test serve bench clean dist wheel-check
 

@@ -289,11 +289,25 @@ def test_imports_follow_the_layer_rules(module):
     assert not wrong, f"{module} (layer {layer!r}) imports {', '.join(wrong)}"
 
 
+def _core_files() -> list[Path]:
+    """The Cython core: ``_core.pyx``, the concept files it includes, its stub."""
+    text = (PACKAGE / "_core.pyx").read_text(encoding="utf-8")
+    included = re.findall(r'^include\s+"([^"]+)"', text, re.M)
+    assert included, "_core.pyx includes no concept file"
+    return [PACKAGE / "_core.pyx", *(PACKAGE / name for name in included), PACKAGE / "_core.pyi"]
+
+
 def test_the_cython_core_imports_nothing_from_fastlock():
-    for name in ("_core.pyx", "_core.pyi"):
-        text = (PACKAGE / name).read_text(encoding="utf-8")
+    for path in _core_files():
+        text = path.read_text(encoding="utf-8")
         found = re.findall(r"^\s*(?:c?import|from)\s+(?:fastlock\b|\.)\S*", text, re.M)
-        assert not found, f"{name}: {found}"
+        assert not found, f"{path.name}: {found}"
+
+
+def test_the_cython_core_includes_every_concept_file_once():
+    included = [p.name for p in _core_files()[1:-1]]
+    assert len(set(included)) == len(included), f"_core.pyx includes a file twice: {included}"
+    assert sorted(included) == sorted(p.name for p in PACKAGE.glob("_core_*.pxi"))
 
 
 @pytest.mark.parametrize("module", _params("cycles"))
