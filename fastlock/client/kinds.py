@@ -134,24 +134,24 @@ class SyncSemaphore:
     """:class:`Semaphore` for the blocking client (:meth:`SyncClient.semaphore
     <fastlock.client.blocking.SyncClient.semaphore>`)."""
 
-    __slots__ = ("sync", "name", "limit")
+    __slots__ = ("client", "name", "limit")
 
-    def __init__(self, sync: SyncClient, name: str, limit: int):
+    def __init__(self, client: SyncClient, name: str, limit: int):
         check_semaphore(name, limit)
-        self.sync = sync
+        self.client = client
         self.name = name
         self.limit = limit
 
     def acquire(self, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
                 correlation_id: str | None = None) -> SyncLease:
         """Take a permit (not renewed); release it with ``client.release``."""
-        return self.sync.acquire(self.name, ttl=ttl, wait=wait, lock_delay=lock_delay,
+        return self.client.acquire(self.name, ttl=ttl, wait=wait, lock_delay=lock_delay,
                                  correlation_id=correlation_id, limit=self.limit)
 
     def lock(self, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
              correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> SyncLockContext[SyncLease]:
         """``with sem.lock(ttl=10.0) as permit:`` - take a permit, renew it, release on exit."""
-        return self.sync.lock(self.name, ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
+        return self.client.lock(self.name, ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
                               jeopardy_fraction=jeopardy_fraction, limit=self.limit)
 
 
