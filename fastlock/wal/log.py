@@ -232,7 +232,7 @@ class WriteAheadLog:
         self._commit.start(loop or asyncio.get_running_loop())
 
     # -- appending ------------------------------------------------------------------------
-    def _append(self, rec: list, sync: bool = False) -> None:
+    def _append(self, rec: list, fsync: bool = False) -> None:
         commit = self._commit
         if commit.fatal is not None or self._phase is not _Phase.OPEN:
             commit.check()
@@ -240,7 +240,7 @@ class WriteAheadLog:
         body = _pack(rec)
         if len(body) > MAX_RECORD_BYTES:
             raise ValueError(f"WAL record of {len(body)} bytes exceeds {MAX_RECORD_BYTES}")
-        commit.add(body, sync)
+        commit.add(body, fsync)
 
     # Each log_* method appends one record, ``[type, field, ...]`` in the order of the
     # fields of its type in fastlock.wal.records (built inline: this is the hot path).
@@ -262,7 +262,7 @@ class WriteAheadLog:
             c.epoch = ep
         if counter > c.reserved and not self._always:
             c.reserved = counter + c.block
-            self._append([RESERVE, c.reserved, wall_ms()], sync=True)
+            self._append([RESERVE, c.reserved, wall_ms()], fsync=True)
         if shared or limit:
             self._append([GRANT, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id, wall_ms(),
                           shared, limit])
@@ -309,7 +309,7 @@ class WriteAheadLog:
         """Log a new epoch; always fsynced before this batch's callbacks run, in every mode."""
         if epoch > self._counters.epoch:
             self._counters.epoch = epoch
-        self._append([EPOCH, epoch, wall_ms()], sync=True)
+        self._append([EPOCH, epoch, wall_ms()], fsync=True)
 
     def when_durable(self, callback: Callable[[], Any]) -> None:
         """Call ``callback()`` on the loop once every record logged so far is durable.

@@ -119,16 +119,16 @@ class SegmentList:
 
 
 class Batch:
-    """One batch of frames for the writer: LSNs ``first_lsn..last_lsn``; ``sync``:
+    """One batch of frames for the writer: LSNs ``first_lsn..last_lsn``; ``fsync``:
     fsync it before it counts as done."""
 
-    __slots__ = ("data", "first_lsn", "last_lsn", "sync")
+    __slots__ = ("data", "first_lsn", "last_lsn", "fsync")
 
-    def __init__(self, data: bytes, first_lsn: int, last_lsn: int, sync: bool):
+    def __init__(self, data: bytes, first_lsn: int, last_lsn: int, fsync: bool):
         self.data = data
         self.first_lsn = first_lsn
         self.last_lsn = last_lsn
-        self.sync = sync
+        self.fsync = fsync
 
 
 class SyncResult(NamedTuple):
@@ -248,7 +248,7 @@ class SegmentWriter:
         return (start, end) if end > start else (0, 0)
 
     def write(self, batch: Batch) -> None:
-        """Write (and, if ``batch.sync``, fdatasync) one batch; rotate first if due.
+        """Write (and, if ``batch.fsync``, fdatasync) one batch; rotate first if due.
         After a sync, zero-fill the next step if one is due.
 
         :raises OSError: a write or sync failed (the log must stop: see :mod:`fastlock.wal`);
@@ -270,7 +270,7 @@ class SegmentWriter:
             self.bytes += len(data)
             self.batches += 1
             self._dirty = True
-        if batch.sync and self._dirty:
+        if batch.fsync and self._dirty:
             try:
                 self._fsync()
             except OSError:
@@ -369,7 +369,7 @@ class SegmentWriter:
             worker.job, worker.job_call = batch, True
             worker.syncer.submit_call(lambda: self.write(batch))
             return True
-        if not batch.sync or not (data or self._dirty):
+        if not batch.fsync or not (data or self._dirty):
             return False
         if worker.syncer.zero_full:
             self._stop_preallocating(errno.ENOSPC)
