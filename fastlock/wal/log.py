@@ -42,7 +42,7 @@ from .records import (
     Record,
 )
 from .recovery import RecoveredState, recover
-from .snapshot import Snapshotter
+from .snapshot import SnapshotState, Snapshotter
 from .writer import SegmentList, SegmentWriter
 
 log = logging.getLogger("fastlock.wal")
@@ -419,16 +419,13 @@ class WriteAheadLog:
         return read_records(self.segments, lsn, self._commit.marks.written)
 
     # -- snapshots ------------------------------------------------------------------------
-    def maybe_snapshot(self, get_state: Callable[[], tuple], *, force: bool = False) -> bool:
+    def maybe_snapshot(self, get_state: Callable[[], SnapshotState | tuple], *, force: bool = False) -> bool:
         """Write a snapshot if ``snapshot_every`` records were logged since the last one,
         or ``snapshot_every_bytes`` bytes of records written.
 
-        ``get_state()`` is called synchronously and must return ``(epoch, counter,
-        holders)`` or ``(epoch, counter, holders, keys)`` consistent with every record
-        logged so far (``holders``: a list of :class:`~fastlock.wal.HolderRecord` or
-        equal 8-tuples, or :class:`~fastlock.wal.PackedHolders`, or
-        :class:`~fastlock.wal.HolderSlices` (encoded a slice per loop turn first); ``keys``:
-        :meth:`~fastlock.wal.keyspace.KeySpace.to_list`; not mutated afterwards).
+        ``get_state()`` is called synchronously and must return a
+        :class:`~fastlock.wal.SnapshotState` (or a tuple of its fields, ``keys`` optional)
+        consistent with every record logged so far, not mutated afterwards.
         Encoding, writing (temp file, fsync, rename, directory fsync) and deleting the
         covered segments happen on a background thread.  Returns True if a snapshot
         was started.  A failed snapshot is logged at ERROR and retried after another
@@ -444,10 +441,10 @@ class WriteAheadLog:
             return False
         if not snaps.due(lsn, force, written):
             return False
-        epoch, counter, holders, *keys = get_state()
+        state = SnapshotState(*get_state())
         c = self._counters
-        snaps.start(commit.loop, lsn, max(epoch, c.epoch), max(counter, c.max_counter, c.reserved), holders,
-                    keys[0] if keys else None, written)
+        snaps.start(commit.loop, lsn, max(state.epoch, c.epoch), max(state.counter, c.max_counter, c.reserved),
+                    state.holders, state.keys, written)
         return True
 
     async def wait_snapshot(self) -> None:
