@@ -9,7 +9,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 STAMP := $(VENV)/.fastlock-installed
-SOURCES := $(wildcard fastlock/*.py fastlock/*/*.py fastlock/*.pyx fastlock/*/*.pyx fastlock/*.pxd fastlock/*.pyi) setup.py pyproject.toml
+SOURCES := $(wildcard fastlock/*.py fastlock/*/*.py fastlock/*.pyx fastlock/*.pxi fastlock/*/*.pyx fastlock/*.pxd fastlock/*.pyi) setup.py pyproject.toml
 
 PREFIX ?= /usr/local
 EXTRAS ?= metrics

@@ -53,6 +53,7 @@ from typing import Any
 
 from benches import harness
 from benches.load import FastlockTarget, _env_with_fastlock
+from fastlock.tokens import epoch_of
 
 # --------------------------------------------------------------------------- helpers
 
@@ -301,7 +302,7 @@ async def _one_failover(run: int, root: str, args: argparse.Namespace,
         await asyncio.wait_for(asyncio.gather(*tasks), 30)
         granted_at, token = first[0]
         return {"run": run, "promoted_s": promoted_at - killed_at, "first_grant_s": granted_at - killed_at,
-                "epoch": token >> 40, "grants_before": loaded[0]}
+                "epoch": epoch_of(token), "grants_before": loaded[0]}
     finally:
         for t in tasks:
             t.cancel()

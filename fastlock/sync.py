@@ -1,9 +1,9 @@
-"""The blocking client; it lives in :mod:`fastlock.client.sync`.
+"""The blocking client; it lives in :mod:`fastlock.client.blocking`.
 
 ``from fastlock.sync import SyncClient`` keeps working.
 """
 
-from .client.sync import SyncClient, SyncLease, SyncLockContext, SyncMultiLease
-from .client.sync_election import SyncElection, SyncTerm
+from .client.blocking import SyncClient, SyncLease, SyncLockContext, SyncMultiLease
+from .client.blocking_election import SyncElection, SyncTerm
 
 __all__ = ["SyncClient", "SyncLease", "SyncMultiLease", "SyncElection", "SyncTerm", "SyncLockContext"]

@@ -33,10 +33,6 @@ GRACE = 0.2  # --promotion-grace, seconds
 TTL_MS = 6000
 
 
-def epoch(token: int) -> int:
-    return token >> 40
-
-
 async def log_line(srv, pattern: str, timeout: float) -> float:
     """Wait (in a thread) for a log line; return the monotonic time it was seen."""
     await asyncio.to_thread(srv.wait_for_log, pattern, timeout)

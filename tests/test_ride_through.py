@@ -31,6 +31,7 @@ import pytest
 import fastlock
 from fastlock._testbase.cluster import RawNode, poll, run, status_of
 from fastlock.errors import ConnectionLost, NotPrimary, Unavailable
+from fastlock.tokens import epoch_of as epoch
 
 FAILOVER = 1.0  # --failover-after, seconds
 GRACE = 0.3  # --promotion-grace, seconds
@@ -39,10 +40,6 @@ GRACE = 0.3  # --promotion-grace, seconds
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fastlock", *args], capture_output=True, text=True,
                           timeout=60, cwd=tempfile.gettempdir())
-
-
-def epoch(token: int) -> int:
-    return token >> 40
 
 
 class LoopErrors:

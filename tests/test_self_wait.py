@@ -122,7 +122,7 @@ def test_the_table_of_held_leases_stays_bounded_by_the_live_ones():
         for i in range(5 * SWEEP_MIN):
             held.remember(Lease(f"gone/{i}", 100 + i, 1.0, b"k" * 16, LeaseState(now - 1.0)), True)
             assert len(held.by_name) <= SWEEP_MIN
-        assert all(held.by_name[lease.name][0] is lease for lease in live)
+        assert all(held.by_name[lease.name].lease is lease for lease in live)
     asyncio.run(main())
 
 

@@ -7,7 +7,7 @@ source with :mod:`ast` (every ``import`` statement, including those inside
 functions; imports under ``if TYPE_CHECKING:`` are left out, since they never
 run):
 
-* ``errors``, ``units``, ``logsafe`` and ``_version`` are leaves: they import no other
+* ``errors``, ``units``, ``logsafe``, ``tokens`` and ``_version`` are leaves: they import no other
   layer (``units`` imports ``errors``);
 * the Cython core imports nothing from fastlock; ``protocol`` and ``wal``
   import only leaves;
@@ -17,9 +17,10 @@ run):
   (``python -m fastlock.x``) is an entry point of the top;
 * no import cycle between modules;
 * no module reads another module's private (``_x``) names, except the
-  Cython core's and the test base's;
-* no module over :data:`MAX_MODULE_LINES` lines (the Cython core excepted),
-  no class with more than :data:`MAX_INSTANCE_ATTRIBUTES` instance attributes.
+  Cython core's and the test base's.
+
+The lines per module and the instance attributes per class are a report, not a rule
+(``test_size_report`` prints them; ``python tests/source_sizes.py`` prints them alone).
 
 A check that a module fails today is marked ``xfail`` (not strict) with the
 reason, module by module, in :data:`PENDING`; files not yet clean for ruff or
@@ -40,6 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import source_sizes
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "fastlock"
@@ -47,11 +49,8 @@ PACKAGE = ROOT / "fastlock"
 pytestmark = pytest.mark.skipif(not (PACKAGE / "__init__.py").is_file(),
                                 reason="needs the source tree (tests/ beside fastlock/)")
 
-MAX_MODULE_LINES = 600
-MAX_INSTANCE_ATTRIBUTES = 20
-
 #: modules that import no other layer
-LEAVES = {"errors", "units", "logsafe", "_version"}
+LEAVES = {"errors", "units", "logsafe", "_version", "tokens"}
 #: the layers above everything else: nothing below them may import them
 TOP = {"cli", "_testbase", "testing"}  # testing: the pytest plugin, on top of _testbase
 #: what each layer may import, besides itself (None: anything below the top)
@@ -60,6 +59,7 @@ ALLOWED: dict[str, set[str] | None] = {
     "units": {"errors"},
     "logsafe": set(),
     "_version": set(),
+    "tokens": set(),
     "_core": set(),
     "protocol": LEAVES,
     "wal": LEAVES,
@@ -289,11 +289,25 @@ def test_imports_follow_the_layer_rules(module):
     assert not wrong, f"{module} (layer {layer!r}) imports {', '.join(wrong)}"
 
 
+def _core_files() -> list[Path]:
+    """The Cython core: ``_core.pyx``, the concept files it includes, its stub."""
+    text = (PACKAGE / "_core.pyx").read_text(encoding="utf-8")
+    included = re.findall(r'^include\s+"([^"]+)"', text, re.M)
+    assert included, "_core.pyx includes no concept file"
+    return [PACKAGE / "_core.pyx", *(PACKAGE / name for name in included), PACKAGE / "_core.pyi"]
+
+
 def test_the_cython_core_imports_nothing_from_fastlock():
-    for name in ("_core.pyx", "_core.pyi"):
-        text = (PACKAGE / name).read_text(encoding="utf-8")
+    for path in _core_files():
+        text = path.read_text(encoding="utf-8")
         found = re.findall(r"^\s*(?:c?import|from)\s+(?:fastlock\b|\.)\S*", text, re.M)
-        assert not found, f"{name}: {found}"
+        assert not found, f"{path.name}: {found}"
+
+
+def test_the_cython_core_includes_every_concept_file_once():
+    included = [p.name for p in _core_files()[1:-1]]
+    assert len(set(included)) == len(included), f"_core.pyx includes a file twice: {included}"
+    assert sorted(included) == sorted(p.name for p in PACKAGE.glob("_core_*.pxi"))
 
 
 @pytest.mark.parametrize("module", _params("cycles"))
@@ -318,39 +332,21 @@ def test_no_private_names_of_other_modules(module):
     assert not wrong, f"{module} reads private names of other modules: {', '.join(wrong)}"
 
 
-# -- size ------------------------------------------------------------------------------------------
+# -- sizes: a report, not a rule ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module", _params("size"))
-def test_module_size(module):
-    lines = GRAPH[module].text.count("\n")
-    assert lines <= MAX_MODULE_LINES, f"{module}: {lines} lines (at most {MAX_MODULE_LINES})"
+def test_size_report(capsys):
+    """Prints the lines per module and attributes per class (``tests/source_sizes.py``).
 
-
-def _instance_attributes(cls: ast.ClassDef) -> set[str]:
-    names: set[str] = set()
-    for node in ast.walk(cls):
-        targets: list[ast.expr] = []
-        if isinstance(node, ast.Assign):
-            targets = node.targets
-        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
-            targets = [node.target]
-        for t in targets:
-            for e in ast.walk(t):
-                if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
-                    names.add(e.attr)
-    return names
-
-
-@pytest.mark.parametrize("module", _params("attributes"))
-def test_class_instance_attributes(module):
-    big = {}
-    for node in ast.walk(GRAPH[module].tree):
-        if isinstance(node, ast.ClassDef):
-            n = len(_instance_attributes(node))
-            if n > MAX_INSTANCE_ATTRIBUTES:
-                big[node.name] = n
-    assert not big, f"{module}: classes with more than {MAX_INSTANCE_ATTRIBUTES} instance attributes: {big}"
+    A module is cut where its concepts part, never at a line count: the numbers are printed for
+    a reader to look at, and the test fails only if the report misses files it must see."""
+    modules = {m.path: m.lines for m in source_sizes.module_sizes()}
+    assert {f"fastlock/{p.relative_to(PACKAGE)}" for p in PACKAGE.rglob("*.py")} <= set(modules)
+    assert "fastlock/_core.pyx" in modules and all(n > 0 for n in modules.values())
+    classes = source_sizes.class_sizes()
+    assert any(c.name == "LockServer" and c.attributes > 0 for c in classes)
+    with capsys.disabled():  # on the terminal whatever pytest's capture
+        print("\n" + source_sizes.report())
 
 
 def test_the_checker_sees_imports_cycles_and_private_names(tmp_path):

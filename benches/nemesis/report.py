@@ -11,6 +11,8 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fastlock.tokens import epoch_of
+
 if TYPE_CHECKING:  # pragma: no cover
     from benches.nemesis.cluster import Nemesis
 
@@ -156,9 +158,9 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
     for g in grants:
         for f in nem.faults:
             if (f.new_epoch is not None and f.promoted_s is not None and g["at"] > f.at + f.promoted_s
-                    and g["sent"] < f.at + f.promoted_s and (g["token"] >> 40) < f.new_epoch):
+                    and g["sent"] < f.at + f.promoted_s and epoch_of(g["token"]) < f.new_epoch):
                 (known_late_grants if g["holding"] in released_ok else late_grants).append(
-                    {"holding": g["holding"], "lock": g["lock"], "token_epoch": g["token"] >> 40,
+                    {"holding": g["holding"], "lock": g["lock"], "token_epoch": epoch_of(g["token"]),
                      "new_epoch": f.new_epoch, "fault": f.index, "kind": f.kind,
                      "after_promotion_s": round(g["at"] - f.at - f.promoted_s, 3)})
     lost_mid = [e for e in lost_during if granted_mid_fault(e)]

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-EPOCH_SHIFT = 40  # token = (epoch << 40) | counter, see fastlock.protocol
+from ..tokens import counter_of, epoch_of
 
 
 class HistoryChecker:
@@ -90,7 +90,7 @@ class HistoryChecker:
 
 def token_str(token: int) -> str:
     """``epoch:counter`` - how tokens read in violation messages."""
-    return f"{token >> EPOCH_SHIFT}:{token & ((1 << EPOCH_SHIFT) - 1)}"
+    return f"{epoch_of(token)}:{counter_of(token)}"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The asyncio client (and, in :mod:`fastlock.client.sync`, the blocking one).
+"""The asyncio client (and, in :mod:`fastlock.client.blocking`, the blocking one).
 
 Modules, each readable alone:
 
@@ -15,7 +15,7 @@ Modules, each readable alone:
 - :mod:`~fastlock.client.connect` - :func:`connect`, the entry point;
 - :mod:`~fastlock.client.admin` - the operator's requests (``locks``, ``lock_info``, ``revoke``);
 - :mod:`~fastlock.client.election` - leader election on leases;
-- :mod:`~fastlock.client.sync` - :class:`~fastlock.client.sync.SyncClient` for threads.
+- :mod:`~fastlock.client.blocking` - :class:`~fastlock.client.blocking.SyncClient` for threads.
 
 The client imports only :mod:`fastlock.protocol` and leaf modules.  Every name
 ``fastlock.client`` had before it became a package is re-exported here.

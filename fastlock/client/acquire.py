@@ -21,7 +21,7 @@ import math
 import threading
 import weakref
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import protocol as P
 from ..errors import AlreadyHeld, FastlockError, LeaseLost
@@ -34,8 +34,28 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-__all__ = ["acquire_retry", "duration_ms", "verify_late_grant", "HeldLeases", "CALLER", "current_caller",
-           "actor_id", "with_actor"]
+__all__ = ["AcquireRequest", "SentReply", "acquire_retry", "duration_ms", "verify_late_grant", "HeldLease",
+           "HeldLeases", "CALLER", "current_caller", "actor_id", "with_actor"]
+
+
+class AcquireRequest(NamedTuple):
+    """One acquire as :meth:`Client.acquire <fastlock.client.Client.acquire>` checked it,
+    for its slow paths (a retry through a failover, a late grant's verification)."""
+
+    name: str
+    owner: bytes  #: the owner key: the same on every retry, so a grant is found again, never made twice
+    ttl_ms: int
+    wait_ms: int  #: -1: wait forever, 0: try once
+    lock_delay_ms: int
+    correlation_id: str | None
+    kind: tuple[Any, ...]  #: ACQUIRE's trailing kind arguments (see :func:`~fastlock.client.kinds.kind_args`)
+
+
+class SentReply(NamedTuple):
+    """An ACQUIRE's reply and when (``loop.time()``, seconds) its request was sent."""
+
+    reply: list[Any]
+    sent: float
 
 
 def duration_ms(value: Any, what: str, *, allow_zero: bool = False) -> int:
@@ -94,6 +114,14 @@ def kind_pair(kind: tuple[Any, ...]) -> tuple[bool, int]:
 SWEEP_MIN = 1024
 
 
+class HeldLease(NamedTuple):
+    """An entry of :attr:`HeldLeases.by_name`: the last lease granted of a name, to whom."""
+
+    lease: Lease
+    caller: object  #: the task or thread it went to (see :func:`current_caller`)
+    exclusive: bool  #: neither a shared lease nor a semaphore permit
+
+
 class HeldLeases:
     """The last lease a client was granted per lock name, and the task (or blocking
     client's thread) it went to: the self-wait check of :meth:`Client.acquire
@@ -104,55 +132,57 @@ class HeldLeases:
     __slots__ = ("by_name", "_sweep_at")
 
     def __init__(self) -> None:
-        #: lock name -> (lease, caller); read directly by ``Client.acquire`` (one lookup)
-        self.by_name: dict[str, tuple[Lease, object, bool]] = {}
+        #: lock name -> its entry; read directly by ``Client.acquire`` (one lookup)
+        self.by_name: dict[str, HeldLease] = {}
         self._sweep_at = SWEEP_MIN
 
     def remember(self, lease: Lease, exclusive: bool, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Record ``lease`` as the caller's grant of its name (``exclusive``: not a
         shared lease nor a semaphore permit; ``loop``: the running loop, if known)."""
         by_name = self.by_name
-        by_name[lease.name] = (lease, current_caller(loop), exclusive)
+        by_name[lease.name] = HeldLease(lease, current_caller(loop), exclusive)
         if len(by_name) >= self._sweep_at:
-            for name, (old, _, _) in list(by_name.items()):
-                if old.lost.is_set() or old.time_left() <= 0:
+            for name, entry in list(by_name.items()):
+                if entry.lease.lost.is_set() or entry.lease.time_left() <= 0:
                     del by_name[name]
             self._sweep_at = max(SWEEP_MIN, 2 * len(by_name))
 
     def forget(self, lease: Lease) -> None:
         """Drop ``lease`` if it is the entry of its name (any copy of it)."""
         entry = self.by_name.get(lease.name)
-        if entry is not None and entry[0].state is lease.state:
+        if entry is not None and entry.lease.state is lease.state:
             del self.by_name[lease.name]
 
-    def refuse_self_wait(self, entry: tuple[Lease, object, bool], exclusive: bool) -> None:
+    def refuse_self_wait(self, entry: HeldLease, exclusive: bool) -> None:
         """Raise :class:`AlreadyHeld` if ``entry`` (from :attr:`by_name`) belongs to the
         caller, is still live (not lost, its TTL not passed by the client's estimate)
         and either it or the request (``exclusive``) is exclusive: a shared lease or a
         permit asked by a holder of a shared lease or a permit can be granted beside it.
         A dead entry is dropped."""
-        lease, who, held_exclusive = entry
-        if not (held_exclusive or exclusive):
+        lease = entry.lease
+        if not (entry.exclusive or exclusive):
             return
         if lease.lost.is_set() or lease.time_left() <= 0:
             self.forget(lease)
             return
-        if who is not current_caller():
+        if entry.caller is not current_caller():
             return  # another task or thread of this client: waiting for it is no deadlock
         raise AlreadyHeld(f"this client already holds {quote(lease.name)} (fencing token {lease.fencing_token}); "
                           "a second acquire would wait for itself (pass queue_behind_self=True to queue anyway)",
                           lease.fencing_token)
 
 
-async def acquire_retry(connector: Connector, connect_timeout: float, request: tuple[Any, ...], owner: bytes,
+async def acquire_retry(connector: Connector, connect_timeout: float, request: AcquireRequest,
                         started: float, proto: ClientConnection | None = None,
-                        exc: BaseException | None = None) -> tuple[list[Any], float]:
+                        exc: BaseException | None = None) -> SentReply:
     """Ride an acquire through a failover: same owner key, the wait that is
-    left, until ``started + wait + connect_timeout``.  Returns the reply and
-    the ``loop.time()`` its request was sent.  ``request``: ``(name, ttl_ms,
-    wait_ms, delay_ms, correlation_id, kind)`` (``kind``: ACQUIRE's trailing
-    arguments, see :func:`~fastlock.client.kinds.kind_args`); ``connect_timeout`` in seconds."""
-    name, ttl_ms, wait_ms, delay_ms, correlation_id, kind = request
+    left, until ``started + wait + connect_timeout`` (``started``: ``loop.time()``;
+    ``connect_timeout`` in seconds).  ``proto`` and ``exc``: the connection of a first
+    attempt and the error it ended with.  Returns the reply and when its request was sent.
+
+    :raises: the last retryable error once the deadline has passed; ``asyncio.CancelledError``
+        (the waiter is withdrawn by owner key)."""
+    name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind = request
     loop = asyncio.get_running_loop()
     wait_end = None if wait_ms < 0 else started + wait_ms / 1000.0
     deadline = None if wait_end is None else wait_end + connect_timeout
@@ -179,7 +209,7 @@ async def acquire_retry(connector: Connector, connect_timeout: float, request: t
         try:
             reply = await proto.request(P.OP_ACQUIRE, name, owner, ttl_ms, left_ms, delay_ms, correlation_id,
                                         *with_actor(connector, kind))
-            return reply, sent
+            return SentReply(reply, sent)
         except asyncio.CancelledError:
             connector.withdraw(proto, name, owner)
             raise
@@ -190,13 +220,12 @@ async def acquire_retry(connector: Connector, connect_timeout: float, request: t
             pause = pacing.failed(proto, err)
 
 
-async def verify_late_grant(client: Client, lease: Lease, request: tuple[Any, ...], started: float) -> Lease:
+async def verify_late_grant(client: Client, lease: Lease, request: AcquireRequest, started: float) -> Lease:
     """A grant read with less than :data:`LATE_GRANT_FRACTION` of its TTL
     left by the conservative estimate: verify it with one EXTEND, or give
     it back and queue again while the wait allows (see :meth:`Client.acquire`)."""
     loop = asyncio.get_running_loop()
-    name, ttl_ms, wait_ms, delay_ms, correlation_id, kind = request
-    shared, limit = kind_pair(kind)
+    shared, limit = kind_pair(request.kind)
     log.warning("grant of %s token %d was read with %.3f s of its %.3f s TTL left (this process or the "
                 "network stalled); verifying it with the server", quote(lease.name), lease.fencing_token,
                 lease.expires_at - loop.time(), lease.ttl)
@@ -212,12 +241,11 @@ async def verify_late_grant(client: Client, lease: Lease, request: tuple[Any, ..
             return verified
         lease.lost.set()
         client.release_nowait(lease)
-    if wait_ms < 0:
-        return await client.acquire(name, ttl=ttl_ms / 1000.0, wait=None, lock_delay=delay_ms / 1000.0,
-                                    correlation_id=correlation_id, shared=shared, limit=limit)
-    left = started + wait_ms / 1000.0 - loop.time()
-    if wait_ms > 0 and left > 0:
-        return await client.acquire(name, ttl=ttl_ms / 1000.0, wait=left, lock_delay=delay_ms / 1000.0,
-                                    correlation_id=correlation_id, shared=shared, limit=limit)
-    raise LeaseLost(f"{name!r} was granted (token {lease.fencing_token}) but the grant was read too late to "
+    left = started + request.wait_ms / 1000.0 - loop.time()
+    if request.wait_ms < 0 or (request.wait_ms > 0 and left > 0):
+        return await client.acquire(request.name, ttl=request.ttl_ms / 1000.0,
+                                    wait=None if request.wait_ms < 0 else left,
+                                    lock_delay=request.lock_delay_ms / 1000.0,
+                                    correlation_id=request.correlation_id, shared=shared, limit=limit)
+    raise LeaseLost(f"{request.name!r} was granted (token {lease.fencing_token}) but the grant was read too late to "
                     f"prove the lease alive, and the wait had no time left to queue again")

@@ -28,8 +28,9 @@ from typing import Any
 from .. import protocol as P
 from ..errors import ConnectionLost, InvalidArgument, LeaseLost, WrongArgumentType
 from ..tls import client_ssl_context
+from ..tokens import epoch_of
 from ..units import check_seconds
-from .acquire import HeldLeases, acquire_retry, duration_ms, verify_late_grant, with_actor
+from .acquire import AcquireRequest, HeldLeases, acquire_retry, duration_ms, verify_late_grant, with_actor
 from .admin import LockAdminMethods
 from .connection import BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election
@@ -303,27 +304,26 @@ class Client(KeyMethods, LockAdminMethods):
                 self._connector.withdraw(proto, name, owner)
                 raise
             except RETRYABLE as exc:
-                reply, sent = await acquire_retry(connector, self._connect_timeout,
-                                                  (name, ttl_ms, wait_ms, delay_ms, correlation_id, kind), owner,
-                                                  sent, proto, exc)
+                request = AcquireRequest(name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind)
+                reply, sent = await acquire_retry(connector, self._connect_timeout, request, sent, proto, exc)
         else:
             loop = asyncio.get_running_loop()
             started = loop.time()
-            reply, sent = await acquire_retry(connector, self._connect_timeout,
-                                              (name, ttl_ms, wait_ms, delay_ms, correlation_id, kind), owner, started)
+            request = AcquireRequest(name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind)
+            reply, sent = await acquire_retry(connector, self._connect_timeout, request, started)
         token = reply[0]
         granted_ttl = reply[1] / 1000.0
         # The grant happened no earlier than `sent + waited` on our clock (the
         # server received the request after we sent it, then it waited).
         waited = reply[2] / 1000.0 if len(reply) > 2 else 0.0
         expires_at = sent + waited + granted_ttl
-        epoch = token >> 40
+        epoch = epoch_of(token)
         if epoch > connector.max_epoch:
             connector.max_epoch = epoch
         lease = Lease(name, token, granted_ttl, owner, LeaseState(expires_at))
         if expires_at - loop.time() < granted_ttl * LATE_GRANT_FRACTION:
-            lease = await verify_late_grant(self, lease, (name, ttl_ms, wait_ms, delay_ms, correlation_id, kind),
-                                            started)
+            request = AcquireRequest(name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind)
+            lease = await verify_late_grant(self, lease, request, started)
         self._held.remember(lease, not shared and not limit, loop)
         return lease
 
@@ -378,7 +378,7 @@ class Client(KeyMethods, LockAdminMethods):
         # the server's TTL counts from when it handled the extend: after `sent`
         new_ttl = granted_ms / 1000.0
         lease.state.expires_at = sent + new_ttl  # shared by every copy of the lease
-        epoch = lease.fencing_token >> 40
+        epoch = epoch_of(lease.fencing_token)
         connector = self._connector
         if epoch > connector.max_epoch:
             connector.max_epoch = epoch

@@ -1,5 +1,5 @@
 """The client's settings from the environment: one rule for :func:`fastlock.connect`,
-:class:`~fastlock.client.sync.SyncClient` and every ``fastlock`` command.
+:class:`~fastlock.client.blocking.SyncClient` and every ``fastlock`` command.
 
 An explicit argument always wins; a variable fills in only what the caller left out:
 

@@ -2,7 +2,7 @@
 
 A process that forks (Celery's prefork pool, gunicorn ``--preload``,
 ``multiprocessing`` with the ``fork`` start method) gives its child a copy of
-every :class:`~fastlock.client.sync.SyncClient`, but not the client's
+every :class:`~fastlock.client.blocking.SyncClient`, but not the client's
 background thread: the parent's event loop can never run in the child, and a
 call handed to it would wait for ever.  So:
 

@@ -20,15 +20,16 @@ from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
 from ..errors import FastlockError, InvalidArgument, LeaseLost
+from ..tokens import epoch_of
 from .acquire import actor_id
 from .connection import RETRYABLE, RideThrough
 from .lease import Lease, LeaseState
 from .owner_keys import new_owner_key
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .blocking import SyncClient, SyncLease, SyncLockContext
     from .client import Client
     from .renewer import LockContext
-    from .sync import SyncClient, SyncLease, SyncLockContext
 
 __all__ = ["kind_args", "check_semaphore", "Semaphore", "SyncSemaphore", "acquire_set", "list_contenders",
            "MAX_CONTENDERS"]
@@ -131,26 +132,26 @@ class Semaphore:
 
 class SyncSemaphore:
     """:class:`Semaphore` for the blocking client (:meth:`SyncClient.semaphore
-    <fastlock.client.sync.SyncClient.semaphore>`)."""
+    <fastlock.client.blocking.SyncClient.semaphore>`)."""
 
-    __slots__ = ("sync", "name", "limit")
+    __slots__ = ("client", "name", "limit")
 
-    def __init__(self, sync: SyncClient, name: str, limit: int):
+    def __init__(self, client: SyncClient, name: str, limit: int):
         check_semaphore(name, limit)
-        self.sync = sync
+        self.client = client
         self.name = name
         self.limit = limit
 
     def acquire(self, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
                 correlation_id: str | None = None) -> SyncLease:
         """Take a permit (not renewed); release it with ``client.release``."""
-        return self.sync.acquire(self.name, ttl=ttl, wait=wait, lock_delay=lock_delay,
+        return self.client.acquire(self.name, ttl=ttl, wait=wait, lock_delay=lock_delay,
                                  correlation_id=correlation_id, limit=self.limit)
 
     def lock(self, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
              correlation_id: str | None = None, jeopardy_fraction: float = 0.5) -> SyncLockContext[SyncLease]:
         """``with sem.lock(ttl=10.0) as permit:`` - take a permit, renew it, release on exit."""
-        return self.sync.lock(self.name, ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
+        return self.client.lock(self.name, ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
                               jeopardy_fraction=jeopardy_fraction, limit=self.limit)
 
 
@@ -200,7 +201,7 @@ async def acquire_set(client: Client, items: list[tuple[str, bool]], ttl_ms: int
     tokens, granted_ms, waited_ms = reply
     ttl = granted_ms / 1000.0
     expires_at = sent + waited_ms / 1000.0 + ttl
-    epoch = max(tokens) >> 40
+    epoch = epoch_of(max(tokens))
     if epoch > connector.max_epoch:
         connector.max_epoch = epoch
     leases = [Lease(name, token, ttl, owner, LeaseState(expires_at)) for (name, _), token in zip(items, tokens)]

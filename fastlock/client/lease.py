@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from ..errors import InvalidArgument, WrongArgumentType
+from ..tokens import epoch_of
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +288,7 @@ class Lease:
     @property
     def epoch(self) -> int:
         """The fencing epoch (the token's high bits; raised by each promotion)."""
-        return self.fencing_token >> 40
+        return epoch_of(self.fencing_token)
 
     @property
     def health(self) -> LeaseHealth:

@@ -58,6 +58,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 from ..errors import FastlockError, InvalidArgument
 from ..logsafe import RateLimitedLog
@@ -82,8 +83,14 @@ MAX_MEMBERS = 1000
 #: the longest node id (characters)
 MAX_NODE_ID = 128
 
-#: a refused ``PREFIX/epoch`` is logged at most every 10 s (someone may rewrite it in a loop)
-_REFUSED_EPOCH = RateLimitedLog(log, logging.ERROR, 10.0)
+
+
+class ArbiterTiming(NamedTuple):
+    """An arbiter's times, all in milliseconds."""
+
+    ttl_ms: int  #: the etcd lease TTL (whole seconds)
+    margin_ms: int  #: how long before the lease's end (own clock) the node stops granting
+    behind_delay_ms: int  #: how long a standby behind another live one waits before it bids
 
 
 class NodeIdInUse(FastlockError, RuntimeError):
@@ -126,8 +133,7 @@ class EtcdArbiter:
         if not 0 <= margin < ttl // 2:
             raise InvalidArgument(f"coordinator margin must be 0..{ttl // 2 - 1} ms (under half the "
                                   f"{ttl} ms lease TTL), not {margin}")
-        #: (lease TTL, self-fencing margin, delay of a standby behind another), ms
-        self.timing = (ttl, margin, ttl // 2 if behind_delay_ms is None else behind_delay_ms)
+        self.timing = ArbiterTiming(ttl, margin, ttl // 2 if behind_delay_ms is None else behind_delay_ms)
         self.gateway = gateway
         self.prefix = prefix.rstrip("/")
         self.node = node
@@ -148,16 +154,18 @@ class EtcdArbiter:
         self._fence_timer: asyncio.TimerHandle | None = None
         self._wake: asyncio.Event | None = asyncio.Event()  # None once closed
         self._member = MemberKey(ident)
+        #: a refused ``PREFIX/epoch`` is logged at most every 10 s (someone may rewrite it in a loop)
+        self._refused_epoch = RateLimitedLog(log, logging.ERROR, 10.0)
 
     @property
     def ttl_ms(self) -> int:
         """The etcd lease TTL (ms, whole seconds)."""
-        return self.timing[0]
+        return self.timing.ttl_ms
 
     @property
     def margin_ms(self) -> int:
         """How long before the lease's end (own clock) this node stops granting (ms)."""
-        return self.timing[1]
+        return self.timing.margin_ms
 
     # -- the keys -----------------------------------------------------------------------------
     @property
@@ -467,7 +475,7 @@ class EtcdArbiter:
             if type(epoch) is int and epoch > advertised and self.credible_epoch(epoch):
                 advertised = epoch
         ahead += await self.bid_preferred()
-        delay = self.timing[2]
+        delay = self.timing.behind_delay_ms
         if ahead and now - self._free_since < delay:
             log.info("etcd: no primary, but %s ahead of this node (at %d): waiting %d ms before bidding",
                      ", ".join(ahead[:3]), mine, delay)
@@ -496,9 +504,9 @@ class EtcdArbiter:
         if reading.refused:
             kv = reading.kv
             assert kv is not None
-            _REFUSED_EPOCH("etcd: refusing %s = %r: not an epoch at most %d above the highest this node has seen "
-                           "(%d); the next epoch comes from what the nodes know", self.epoch_key, kv.value[:40],
-                           EPOCH_ALLOWANCE, seen)
+            self._refused_epoch("etcd: refusing %s = %r: not an epoch at most %d above the highest this node has "
+                                "seen (%d); the next epoch comes from what the nodes know", self.epoch_key,
+                                kv.value[:40], EPOCH_ALLOWANCE, seen)
             if self.holding:
                 await self.gateway.txn(
                     [{"target": "MOD", "key": b64(self.epoch_key), "mod_revision": str(kv.mod_revision),

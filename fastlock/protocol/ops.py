@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .. import tokens
+
 PROTOCOL_VERSION = 2  # 2: tokens are proved, never sent (fastlock.auth.handshake)
 
 OP_HELLO = 1
@@ -125,6 +127,6 @@ REPLICATION_PUSH_KINDS = frozenset({PUSH_SNAPSHOT, PUSH_RECORDS, PUSH_RECORD, PU
 #: the standby waits a little longer than this for the answer
 STEP_DOWN_FRESH_MS = 1500
 
-#: the highest epoch: a fencing token is ``epoch << 40 | counter`` and must stay below 2**63
+#: the highest epoch: a fencing token (:mod:`fastlock.tokens`) must stay below 2**63
 #: (equal to ``fastlock._core.MAX_EPOCH``; a test checks they agree)
-MAX_EPOCH = (1 << 23) - 1
+MAX_EPOCH = tokens.MAX_EPOCH

@@ -12,12 +12,12 @@ small injected interfaces instead of the server.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover
     from .._core import LockTable
     from ..roles import NodeRole
-    from ..wal import HolderSlices, WriteAheadLog
+    from ..wal import SnapshotState, WriteAheadLog
     from ..wal.keyspace import KeySpace
     from .node_state import NodeState
 
@@ -100,8 +100,8 @@ class ReplicationHost(Protocol):
         """The event loop (timers)."""
         ...
 
-    def snapshot_state(self) -> tuple[int, int, HolderSlices, list[Any]]:
-        """``(epoch, counter, holders, keys)`` of the table and the key store now, for a snapshot."""
+    def snapshot_state(self) -> SnapshotState:
+        """The table and the key store now, for a snapshot."""
         ...
 
     def after_batch(self) -> None:

@@ -39,9 +39,11 @@ a mutual-TLS certificate identity, or the anonymous principal - see
 refused request changes nothing.  Owner keys are hashed as they arrive
 (:func:`fastlock.auth.hash_owner`).
 
-Sessions: each connection is a session.  Waiting goes by connection; ownership goes
-by lease (see :mod:`fastlock.server.session`).  A grant whose connection has already
-closed is released at once: a client that died while queued is never a ghost holder.
+Sessions: each connection is a session.  Waiting goes by connection (a waiter
+whose connection drops is removed at once); ownership goes by lease (a held
+lease outlives its connection until its TTL; see :mod:`fastlock.server.session`).
+A grant that cannot be delivered because its connection has already closed is
+released at once, so a client that died while queued never becomes a ghost holder.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ from ..replication import STATE_FILE, NodeState, ReplicationSource, StandbyFollo
 from ..roles import Action, NodeRole, Role
 from ..tls import ServerTLS, client_context
 from ..units import format_address, monotonic_ms
-from ..wal import DataDirInUse, HolderSlices, WriteAheadLog, secure_directory
+from ..wal import DataDirInUse, HolderSlices, SnapshotState, WriteAheadLog, secure_directory
 from ..wal.log import paused_gc
 from . import lockdelays
 from .admission import ConnectionLimits, PrincipalQuotas
@@ -560,10 +562,16 @@ class LockServer:
         if self.expiry.handle is None:
             self._rearm()
 
-    def snapshot_state(self) -> tuple[int, int, HolderSlices, list[Any]]:
-        """``(epoch, counter, holders, keys)`` now, for a snapshot (holders encoded in C, a slice per turn)."""
+    def snapshot_state(self) -> SnapshotState:
+        """The table and the key store now, for a snapshot.
+
+        The holders are encoded by the table itself (:class:`~fastlock.wal.HolderSlices`, a
+        slice per loop turn, as the table was when begun): this runs on the event loop, and a
+        Python object per holder would make it, and the cyclic garbage collections those
+        objects trigger, cost seconds with a million leases."""
         keys, t = self.keys.space.to_list(), self.table
-        return t.epoch, t.counter, HolderSlices(t, _pack), keys  # (begun last: nothing can fail after it)
+        # the slices are begun last: nothing can fail after them
+        return SnapshotState(t.epoch, t.counter, HolderSlices(t, _pack), keys)
 
     # -- status -----------------------------------------------------------------------------
     def status(self) -> dict:

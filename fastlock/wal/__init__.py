@@ -242,7 +242,7 @@ from .records import (
     apply,
 )
 from .recovery import RecoveredState
-from .snapshot import HolderSlices, PackedHolders
+from .snapshot import HolderSlices, PackedHolders, SnapshotState
 
 __all__ = [
     "WriteAheadLog",
@@ -250,6 +250,7 @@ __all__ = [
     "HolderRecord",
     "PackedHolders",
     "HolderSlices",
+    "SnapshotState",
     "StorageError",
     "WalCorruption",
     "WalFatal",

@@ -10,7 +10,7 @@ disk (a :class:`~fastlock.wal.writer.SegmentList`) and raise
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, NamedTuple
 
 from ..errors import WalCompacted, WalCorruption
 from .files import read_file
@@ -20,6 +20,14 @@ from .writer import SegmentList
 
 if TYPE_CHECKING:  # pragma: no cover
     from .log import WriteAheadLog
+
+
+class FrameRun(NamedTuple):
+    """Whole frames of consecutive records, as the log holds them (a standby checks each CRC)."""
+
+    first_lsn: int
+    last_lsn: int
+    frames: bytes
 
 
 class BacklogReader:
@@ -55,8 +63,8 @@ class BacklogReader:
         self._seg_first, self._seg_path = first, path
         self._offset, self._seg_lsn = SEG_HEADER.size, first
 
-    def read(self, max_bytes: int, upto: int) -> tuple[int, int, bytes] | None:
-        """Return ``(first_lsn, last_lsn, frames)`` - whole frames, about
+    def read(self, max_bytes: int, upto: int) -> FrameRun | None:
+        """Return the :class:`FrameRun` of whole frames, about
         ``max_bytes`` of them, from ``next_lsn`` and at most up to LSN ``upto`` -
         or None when ``next_lsn > upto``.
 
@@ -83,7 +91,7 @@ class BacklogReader:
             self._seg_first, self._seg_path = nxt[0]
             self._offset, self._seg_lsn = SEG_HEADER.size, self._seg_first
 
-    def _read_segment(self, f: IO[bytes], max_bytes: int, upto: int) -> tuple[int, int, bytes] | None:
+    def _read_segment(self, f: IO[bytes], max_bytes: int, upto: int) -> FrameRun | None:
         unpack_from = FRAME.unpack_from
         # skip the frames before next_lsn (headers only, a block at a time)
         while self._seg_lsn < self.next_lsn:
@@ -117,7 +125,7 @@ class BacklogReader:
         first = self._seg_lsn
         self._offset += pos
         self._seg_lsn = self.next_lsn = lsn
-        return first, lsn - 1, data[:pos]
+        return FrameRun(first, lsn - 1, data[:pos])
 
 
 def read_records(segments: SegmentList, lsn: int, upto: int) -> Iterator[tuple[int, Record]]:

@@ -30,14 +30,14 @@ log = logging.getLogger("fastlock.wal")
 class _Pending:
     """The batch being built: frames not yet handed to the writer."""
 
-    __slots__ = ("buf", "first_lsn", "last_frame", "sync", "sync_requested")
+    __slots__ = ("buf", "first_lsn", "last_frame", "fsync", "fsync_requested")
 
     def __init__(self, first_lsn: int):
         self.buf = bytearray()
         self.first_lsn = first_lsn  # LSN of the first record in buf
         self.last_frame = -1  # offset in buf of the last frame
-        self.sync = False  # the batch must be fsynced before its acks (epoch, reservation)
-        self.sync_requested = False  # fsync at the next hand-off even if nobody waits
+        self.fsync = False  # the batch must be fsynced before its acks (epoch, reservation)
+        self.fsync_requested = False  # fsync at the next hand-off even if nobody waits
 
 
 class Marks:
@@ -111,9 +111,9 @@ class GroupCommit:
         if self._pending.buf or self._waiters:
             self._schedule()
 
-    def add(self, body: bytes, sync: bool = False) -> None:
+    def add(self, body: bytes, fsync: bool = False) -> None:
         """Append one record body as a frame of the pending batch (the next LSN);
-        ``sync``: the batch must be fsynced before its callbacks run."""
+        ``fsync``: the batch must be fsynced before its callbacks run."""
         lenb = U32.pack(len(body))
         pending = self._pending
         buf = pending.buf
@@ -121,8 +121,8 @@ class GroupCommit:
         buf += U32.pack(crc32(body, crc32(lenb)))
         buf += lenb
         buf += body
-        if sync:
-            pending.sync = True
+        if fsync:
+            pending.fsync = True
         self.next_lsn += 1
         if not self._scheduled and self._inflight is None and self.loop is not None:
             self._scheduled = True
@@ -139,7 +139,7 @@ class GroupCommit:
         self._scheduled = False
         self._flushed_in_turn = False
         pending = self._pending
-        if pending.buf or pending.sync_requested:
+        if pending.buf or pending.fsync_requested:
             self._kick()
 
     def _kick(self, concurrent: bool = False) -> None:
@@ -149,9 +149,9 @@ class GroupCommit:
             return
         pending = self._pending
         buf = pending.buf
-        if not buf and not pending.sync_requested:
+        if not buf and not pending.fsync_requested:
             return
-        sync = (pending.sync or pending.sync_requested
+        fsync = (pending.fsync or pending.fsync_requested
                 or (self.always and bool(buf) and (bool(self._waiters) or bool(self._sync_waiters))))
         if buf:
             # batch marks on the first and last frames (recompute their CRCs)
@@ -167,12 +167,12 @@ class GroupCommit:
                 buf[7] |= 0xC0
                 U32.pack_into(buf, 0, crc32(buf[4:]))
         next_lsn = self.next_lsn
-        batch = Batch(bytes(buf), pending.first_lsn, next_lsn - 1, sync)
+        batch = Batch(bytes(buf), pending.first_lsn, next_lsn - 1, fsync)
         # the next batch starts empty (as a new _Pending would)
         pending.buf = bytearray()
         pending.first_lsn = next_lsn
         pending.last_frame = -1
-        pending.sync = pending.sync_requested = False
+        pending.fsync = pending.fsync_requested = False
         self._inflight = batch
         # The thread earns its hand-off cost only when the batch blocks on the disk
         # (an fsync, or a rotation, which fsyncs); a write() to the page cache is done
@@ -182,7 +182,7 @@ class GroupCommit:
         lone = (self.adaptive and not concurrent and waiters <= 1 and self._last_waiters <= 1
                 and not io.rotation_due)
         self._last_waiters = waiters
-        if (sync or io.seg_size >= io.segment_bytes) and not lone and io.submit(batch):
+        if (fsync or io.seg_size >= io.segment_bytes) and not lone and io.submit(batch):
             return
         try:
             io.write(batch)
@@ -202,7 +202,7 @@ class GroupCommit:
         last = batch.last_lsn
         marks = self.marks
         marks.written = last
-        if batch.sync:
+        if batch.fsync:
             marks.synced = last
         ack = marks.ack = marks.synced if self.always else last
         if batch.data:
@@ -233,7 +233,7 @@ class GroupCommit:
                 fn(marks.written, marks.synced)
             except Exception as exc:  # noqa: BLE001 - reported; the other listeners still run
                 self._report(exc, "WAL progress listener failed")
-        if self._pending.buf or self._pending.sync_requested:
+        if self._pending.buf or self._pending.fsync_requested:
             self._kick(concurrent)
 
     def _report(self, exc: BaseException, message: str) -> None:
@@ -261,7 +261,7 @@ class GroupCommit:
             return
         self._timer = self.loop.call_later(self.interval_ms / 1000.0, self._on_interval)
         if self.marks.written > self.marks.synced or self._pending.buf:
-            self._pending.sync_requested = True
+            self._pending.fsync_requested = True
             self._schedule()
 
     def _cancel_timer(self) -> None:
@@ -279,7 +279,7 @@ class GroupCommit:
         else:
             self._waiters.append((lsn, callback))
             if self.always and lsn > self.marks.synced:
-                self._pending.sync_requested = True  # the records may be written already, unsynced
+                self._pending.fsync_requested = True  # the records may be written already, unsynced
                 self._schedule()
 
     def poll(self) -> None:
@@ -290,7 +290,7 @@ class GroupCommit:
     def request_sync(self) -> None:
         """Fsync at the next hand-off, whatever the mode (without waiting for it)."""
         if self.fatal is None:
-            self._pending.sync_requested = True
+            self._pending.fsync_requested = True
             self._schedule()
 
     def flush_now(self) -> bool:
@@ -299,7 +299,7 @@ class GroupCommit:
             self.check()
         pending = self._pending
         if (self.always or self._inflight is not None or self.stopped or self.loop is None
-                or pending.sync or pending.sync_requested or self.io.rotation_due):
+                or pending.fsync or pending.fsync_requested or self.io.rotation_due):
             return False
         if pending.buf:
             self._kick()
@@ -328,7 +328,7 @@ class GroupCommit:
         fut = self.loop.create_future()
         self._sync_waiters.append((lsn, fut))
         if force:
-            self._pending.sync_requested = True
+            self._pending.fsync_requested = True
             self._schedule()
         await fut
 
@@ -341,7 +341,7 @@ class GroupCommit:
         if self.fatal is not None:
             return
         if self.loop is None:
-            self._pending.sync_requested = True
+            self._pending.fsync_requested = True
             self.loop = asyncio.get_running_loop()
             self._kick()
         else:

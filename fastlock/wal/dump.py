@@ -16,12 +16,11 @@ import sys
 from typing import Any, TextIO
 
 from ..logsafe import text_value
+from ..tokens import format_token
 from .files import read_file
 from .format import FrameReader, parse_segment
 from .records import (
-    COUNTER_MASK,
     RECORD_NAMES,
-    TOKEN_EPOCH_SHIFT,
     Epoch,
     Extend,
     Grant,
@@ -46,7 +45,7 @@ def _iso(ms: int | None) -> str:
 
 
 def _tok(token: int) -> str:
-    return f"{token} ({token >> TOKEN_EPOCH_SHIFT}/{token & COUNTER_MASK})"
+    return format_token(token)
 
 
 #: record keys left out of a text line when None (the others show ``-``)

@@ -22,13 +22,13 @@ from typing import Any
 import msgpack
 
 from ..errors import WalFatal
+from ..tokens import counter_of, epoch_of
 from ..units import wall_ms
 from .backlog import read_records
 from .commit import GroupCommit
 from .files import fsync_dir, secure_directory, write_atomically
 from .format import MAX_RECORD_BYTES
 from .records import (
-    COUNTER_MASK,
     EPOCH,
     EXPIRE,
     EXTEND,
@@ -39,11 +39,10 @@ from .records import (
     RELEASE,
     RESERVE,
     REVOKE,
-    TOKEN_EPOCH_SHIFT,
     Record,
 )
 from .recovery import RecoveredState, recover
-from .snapshot import Snapshotter
+from .snapshot import SnapshotState, Snapshotter
 from .writer import SegmentList, SegmentWriter
 
 log = logging.getLogger("fastlock.wal")
@@ -233,7 +232,7 @@ class WriteAheadLog:
         self._commit.start(loop or asyncio.get_running_loop())
 
     # -- appending ------------------------------------------------------------------------
-    def _append(self, rec: list, sync: bool = False) -> None:
+    def _append(self, rec: list, fsync: bool = False) -> None:
         commit = self._commit
         if commit.fatal is not None or self._phase is not _Phase.OPEN:
             commit.check()
@@ -241,7 +240,7 @@ class WriteAheadLog:
         body = _pack(rec)
         if len(body) > MAX_RECORD_BYTES:
             raise ValueError(f"WAL record of {len(body)} bytes exceeds {MAX_RECORD_BYTES}")
-        commit.add(body, sync)
+        commit.add(body, fsync)
 
     # Each log_* method appends one record, ``[type, field, ...]`` in the order of the
     # fields of its type in fastlock.wal.records (built inline: this is the hot path).
@@ -255,15 +254,15 @@ class WriteAheadLog:
         :raises WalFatal: after a failed write/fsync.  :raises TypeError: unencodable field.
         """
         c = self._counters
-        counter = token & COUNTER_MASK
+        counter = counter_of(token)
         if counter > c.max_counter:
             c.max_counter = counter
-        ep = token >> TOKEN_EPOCH_SHIFT
+        ep = epoch_of(token)
         if ep > c.epoch:
             c.epoch = ep
         if counter > c.reserved and not self._always:
             c.reserved = counter + c.block
-            self._append([RESERVE, c.reserved, wall_ms()], sync=True)
+            self._append([RESERVE, c.reserved, wall_ms()], fsync=True)
         if shared or limit:
             self._append([GRANT, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id, wall_ms(),
                           shared, limit])
@@ -310,7 +309,7 @@ class WriteAheadLog:
         """Log a new epoch; always fsynced before this batch's callbacks run, in every mode."""
         if epoch > self._counters.epoch:
             self._counters.epoch = epoch
-        self._append([EPOCH, epoch, wall_ms()], sync=True)
+        self._append([EPOCH, epoch, wall_ms()], fsync=True)
 
     def when_durable(self, callback: Callable[[], Any]) -> None:
         """Call ``callback()`` on the loop once every record logged so far is durable.
@@ -420,16 +419,13 @@ class WriteAheadLog:
         return read_records(self.segments, lsn, self._commit.marks.written)
 
     # -- snapshots ------------------------------------------------------------------------
-    def maybe_snapshot(self, get_state: Callable[[], tuple], *, force: bool = False) -> bool:
+    def maybe_snapshot(self, get_state: Callable[[], SnapshotState | tuple], *, force: bool = False) -> bool:
         """Write a snapshot if ``snapshot_every`` records were logged since the last one,
         or ``snapshot_every_bytes`` bytes of records written.
 
-        ``get_state()`` is called synchronously and must return ``(epoch, counter,
-        holders)`` or ``(epoch, counter, holders, keys)`` consistent with every record
-        logged so far (``holders``: a list of :class:`~fastlock.wal.HolderRecord` or
-        equal 8-tuples, or :class:`~fastlock.wal.PackedHolders`, or
-        :class:`~fastlock.wal.HolderSlices` (encoded a slice per loop turn first); ``keys``:
-        :meth:`~fastlock.wal.keyspace.KeySpace.to_list`; not mutated afterwards).
+        ``get_state()`` is called synchronously and must return a
+        :class:`~fastlock.wal.SnapshotState` (or a tuple of its fields, ``keys`` optional)
+        consistent with every record logged so far, not mutated afterwards.
         Encoding, writing (temp file, fsync, rename, directory fsync) and deleting the
         covered segments happen on a background thread.  Returns True if a snapshot
         was started.  A failed snapshot is logged at ERROR and retried after another
@@ -445,10 +441,10 @@ class WriteAheadLog:
             return False
         if not snaps.due(lsn, force, written):
             return False
-        epoch, counter, holders, *keys = get_state()
+        state = SnapshotState(*get_state())
         c = self._counters
-        snaps.start(commit.loop, lsn, max(epoch, c.epoch), max(counter, c.max_counter, c.reserved), holders,
-                    keys[0] if keys else None, written)
+        snaps.start(commit.loop, lsn, max(state.epoch, c.epoch), max(state.counter, c.max_counter, c.reserved),
+                    state.holders, state.keys, written)
         return True
 
     async def wait_snapshot(self) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Protocol
 
+from ..tokens import COUNTER_MASK, TOKEN_EPOCH_SHIFT, epoch_of
 from .keyspace import KeySpace
 
 __all__ = [
@@ -58,10 +59,6 @@ RECORD_NAMES = {GRANT: "grant", RELEASE: "release", EXPIRE: "expire", EXTEND: "e
                 EPOCH: "epoch", RESERVE: "reserve", REVOKE: "revoke",
                 KEY_PUT: "key_put", KEY_DELETE: "key_delete", LOCK_DELAY: "lock_delay"}
 
-#: token = (epoch << TOKEN_EPOCH_SHIFT) | counter (mirrors fastlock._core, kept
-#: here so that the WAL and its tools do not need the compiled core).
-TOKEN_EPOCH_SHIFT = 40
-COUNTER_MASK = (1 << TOKEN_EPOCH_SHIFT) - 1
 
 
 class Grant(NamedTuple):
@@ -457,8 +454,8 @@ class LogState:
         token = grant.token
         if token & COUNTER_MASK > self.counter:
             self.counter = token & COUNTER_MASK
-        if token >> TOKEN_EPOCH_SHIFT > self.epoch:
-            self.epoch = token >> TOKEN_EPOCH_SHIFT
+        if epoch_of(token) > self.epoch:
+            self.epoch = epoch_of(token)
 
     def remove(self, record: Release | Expire | Revoke) -> None:
         by_token = self.holders[record.name]

@@ -29,7 +29,7 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -121,6 +121,19 @@ def snapshot_parts(lsn: int, epoch: int, counter: int, holders: Sequence[HolderR
     for part in parts:
         crc = crc32(part, crc)  # (zlib lets the GIL go for a big buffer)
     return [head, *parts, U32.pack(crc)]
+
+
+class SnapshotState(NamedTuple):
+    """What a snapshot holds, as the server gives it to :meth:`WriteAheadLog.maybe_snapshot
+    <fastlock.wal.WriteAheadLog.maybe_snapshot>`: consistent with every record logged so far."""
+
+    epoch: int
+    counter: int
+    #: :class:`HolderRecord`s (or equal 8- or 10-tuples), :class:`PackedHolders`, or
+    #: :class:`HolderSlices` (encoded a slice per loop turn before the snapshot is written)
+    holders: Any
+    #: the key store (:meth:`~fastlock.wal.keyspace.KeySpace.to_list`); None: no keys
+    keys: list | None = None
 
 
 class Snapshot:

@@ -41,7 +41,7 @@ import os
 import threading
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._syncer import Syncer, datasync, pwrite_all, zero_fill
 from .files import FILE_MODE, DirectoryLock, fsync_dir, io_error
@@ -119,21 +119,32 @@ class SegmentList:
 
 
 class Batch:
-    """One batch of frames for the writer: LSNs ``first_lsn..last_lsn``; ``sync``:
+    """One batch of frames for the writer: LSNs ``first_lsn..last_lsn``; ``fsync``:
     fsync it before it counts as done."""
 
-    __slots__ = ("data", "first_lsn", "last_lsn", "sync")
+    __slots__ = ("data", "first_lsn", "last_lsn", "fsync")
 
-    def __init__(self, data: bytes, first_lsn: int, last_lsn: int, sync: bool):
+    def __init__(self, data: bytes, first_lsn: int, last_lsn: int, fsync: bool):
         self.data = data
         self.first_lsn = first_lsn
         self.last_lsn = last_lsn
-        self.sync = sync
+        self.fsync = fsync
 
 
-#: a job the writer thread finished: ``(batch, (errno, the operation that failed or None,
-#: fdatasync seconds or -1.0, the exception of a call job or None))``
-FinishedJob = tuple[Batch, tuple[int, str | None, float, BaseException | None]]
+class SyncResult(NamedTuple):
+    """How the writer thread's job ended (``_syncer.Syncer.take_result``)."""
+
+    errno: int  #: 0: done
+    operation: str | None  #: the operation that failed (``"pwrite"``, ``"fdatasync"``, ...), None if none did
+    fdatasync_seconds: float  #: how long the job's fdatasync took (seconds; -1.0: none ran)
+    error: BaseException | None  #: what a call job (a Python function run on the thread) raised
+
+
+class FinishedJob(NamedTuple):
+    """A batch the writer thread is done with, and how it ended."""
+
+    batch: Batch
+    result: SyncResult
 
 
 class SegmentWriter:
@@ -169,7 +180,8 @@ class SegmentWriter:
         self.fsync_seconds: collections.deque[float] = collections.deque(maxlen=4096)
         self.batches = 0
         self._worker: WriterThread | None = None
-        self._report: tuple[Callable[[Batch], Any], Callable[[BaseException], Any]] | None = None
+        self._on_done: Callable[[Batch], Any] | None = None  # the thread's reports (see start)
+        self._on_failed: Callable[[BaseException], Any] | None = None
         self._dir_lock: DirectoryLock | None = None
         #: the I/O primitives (``pwrite_all``, ``datasync``, ``zero_fill``): the compiled ones;
         #: tests substitute slow or failing ones, and the thread then runs :meth:`write` for them
@@ -236,7 +248,7 @@ class SegmentWriter:
         return (start, end) if end > start else (0, 0)
 
     def write(self, batch: Batch) -> None:
-        """Write (and, if ``batch.sync``, fdatasync) one batch; rotate first if due.
+        """Write (and, if ``batch.fsync``, fdatasync) one batch; rotate first if due.
         After a sync, zero-fill the next step if one is due.
 
         :raises OSError: a write or sync failed (the log must stop: see :mod:`fastlock.wal`);
@@ -258,7 +270,7 @@ class SegmentWriter:
             self.bytes += len(data)
             self.batches += 1
             self._dirty = True
-        if batch.sync and self._dirty:
+        if batch.fsync and self._dirty:
             try:
                 self._fsync()
             except OSError:
@@ -341,7 +353,7 @@ class SegmentWriter:
         failure nothing more is submitted."""
         if not self.threaded:
             return
-        self._report = (on_done, on_failed)
+        self._on_done, self._on_failed = on_done, on_failed
         self._worker = WriterThread(loop, self._on_wake)
 
     def submit(self, batch: Batch) -> bool:
@@ -357,7 +369,7 @@ class SegmentWriter:
             worker.job, worker.job_call = batch, True
             worker.syncer.submit_call(lambda: self.write(batch))
             return True
-        if not batch.sync or not (data or self._dirty):
+        if not batch.fsync or not (data or self._dirty):
             return False
         if worker.syncer.zero_full:
             self._stop_preallocating(errno.ENOSPC)
@@ -382,12 +394,13 @@ class SegmentWriter:
     def _completed(self, done: FinishedJob | None) -> None:
         """Account for a batch the thread finished and report it on the loop."""
         worker = self._worker
-        if worker is None or done is None or self._report is None:
+        on_done, on_failed = self._on_done, self._on_failed
+        if worker is None or done is None or on_done is None or on_failed is None:
             return
-        batch, (err, op, seconds, exc) = done
-        on_done, on_failed = self._report
-        if err:
-            exc = io_error(op or "write", self.seg_path, err)
+        batch, result = done
+        exc = result.error
+        if result.errno:
+            exc = io_error(result.operation or "write", self.seg_path, result.errno)
             if not worker.job_call:  # (a call job is SegmentWriter.write, which cuts for itself)
                 self.cut_failed_batch()
         if exc is not None:
@@ -400,7 +413,7 @@ class SegmentWriter:
                 self.bytes += n
                 self.batches += 1
             self.alloc_end = max(self.alloc_end, self.seg_size, worker.job_zero_end)
-            self.fsync_seconds.append(seconds)
+            self.fsync_seconds.append(result.fdatasync_seconds)
             self.fsyncs += 1
             self._dirty = False
             self.durable_offset = self.seg_size
@@ -449,8 +462,7 @@ class WriterThread:
         self.thread.start()
 
     def take(self) -> FinishedJob | None:
-        """``(batch, (errno, failed operation, fdatasync seconds, exception))`` of the finished
-        job, or None (a spurious wake-up: the job is still running, or :meth:`poll` took it);
+        """The finished job, or None (a spurious wake-up: the job is still running, or :meth:`poll` took it);
         empties the slot."""
         try:
             os.read(self.wake_r, 4096)
@@ -475,7 +487,7 @@ class WriterThread:
         if batch is None or result is None:
             return None
         self.job = None
-        return batch, result
+        return FinishedJob(batch, SyncResult(*result))
 
     def stop(self) -> None:
         """Stop the thread after the job it is doing; stop watching and close the wake-up fds."""

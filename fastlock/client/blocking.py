@@ -46,13 +46,13 @@ from typing import Any, Generic, TypeVar
 from ..errors import ConnectionLost, FastlockError, WrongArgumentType
 from .acquire import CALLER
 from .admin import LeaseInfo, LockInfo, LockList, PrincipalRevocation
+from .blocking_election import SyncElection
 from .client import Client
 from .forks import check_held_here, fork_lock, keep_inherited
 from .keys import SyncKeyMethods
 from .kinds import MAX_CONTENDERS, SyncSemaphore
 from .lease import HolderInfo, Lease, WatchEvent
 from .multilock import MultiLease
-from .sync_election import SyncElection
 
 log = logging.getLogger(__name__)
 
@@ -503,19 +503,19 @@ class SyncLockContext(Generic[_Held]):
     :meth:`SyncClient.lock_many` (``SyncLockContext[SyncMultiLease]``): a
     context manager, or call :meth:`acquire` to hold until released."""
 
-    __slots__ = ("_sync", "_make", "_ctx", "_ctx_client", "_held")
+    __slots__ = ("_blocking", "_make", "_ctx", "_ctx_client", "_held")
 
-    def __init__(self, sync: SyncClient, make: Callable[[Client], Any]):
-        self._sync = sync
+    def __init__(self, blocking: SyncClient, make: Callable[[Client], Any]):
+        self._blocking = blocking
         self._make = make  # make(client): the asyncio context (arguments checked now)
-        self._ctx_client = sync.client
+        self._ctx_client = blocking.client
         self._ctx = make(self._ctx_client)
         self._held: Any = None
 
     def acquire(self) -> _Held:
         """Acquire and start renewing; returns a :class:`SyncLease` (or
         :class:`SyncMultiLease` for ``lock_many``)."""
-        client = self._sync.client
+        client = self._blocking.client
         if self._ctx_client is not client:  # made before a fork: make it on this process's client
             self._ctx, self._ctx_client = self._make(client), client
         ctx = self._ctx
@@ -523,7 +523,7 @@ class SyncLockContext(Generic[_Held]):
         async def run() -> Any:
             held = await ctx
             return SyncMultiLease(held) if isinstance(held, MultiLease) else SyncLease(held)
-        acquired: _Held = self._sync.call(run())
+        acquired: _Held = self._blocking.call(run())
         return acquired
 
     def __enter__(self) -> _Held:
@@ -537,9 +537,9 @@ class SyncLockContext(Generic[_Held]):
             return
         try:
             if isinstance(held, SyncMultiLease):
-                self._sync.release_many(held)
+                self._blocking.release_many(held)
             else:
-                self._sync.release(held)
+                self._blocking.release(held)
         except FastlockError:  # as the asyncio lock(): never into the caller's code
             held.lost.set()
 

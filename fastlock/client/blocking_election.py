@@ -1,5 +1,5 @@
 """Elections for threads: :class:`SyncElection` and :class:`SyncTerm`, made by
-:meth:`SyncClient.election <fastlock.client.sync.SyncClient.election>` (the
+:meth:`SyncClient.election <fastlock.client.blocking.SyncClient.election>` (the
 blocking face of :class:`~fastlock.client.election.Election`)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from .election import Election, Leader, Term
 from .forks import check_held_here
 
 if TYPE_CHECKING:
-    from .sync import SyncClient
+    from .blocking import SyncClient
 
 __all__ = ["SyncElection", "SyncTerm"]
 
@@ -22,15 +22,15 @@ __all__ = ["SyncElection", "SyncTerm"]
 class SyncElection:
     """:class:`~fastlock.election.Election` for threads (from :meth:`SyncClient.election`)."""
 
-    __slots__ = ("_sync", "election")
+    __slots__ = ("_blocking", "election")
 
-    def __init__(self, sync: SyncClient, election: Election):
-        self._sync = sync
+    def __init__(self, blocking: SyncClient, election: Election):
+        self._blocking = blocking
         self.election = election
 
     def _current(self) -> Election:
         """The election, on this process's client (made anew after a fork)."""
-        client = self._sync.client
+        client = self._blocking.client
         e = self.election
         if e.client is not client:
             self.election = e = Election(client, e.name, e.candidate_id, lease_duration=e.lease_duration,
@@ -44,7 +44,7 @@ class SyncElection:
 
         async def run() -> SyncTerm:
             return SyncTerm(await election.campaign(wait=wait))
-        return self._sync.call(run())
+        return self._blocking.call(run())
 
     def leadership(self, *, wait: float | None = None) -> _SyncLeadership:
         """``with election.leadership() as term:`` - campaign, lead, resign on exit."""
@@ -54,11 +54,11 @@ class SyncElection:
         if not isinstance(term, SyncTerm):
             raise WrongArgumentType(f"expected a SyncTerm, not {type(term).__name__}")
         check_held_here(term, "term")
-        self._sync.call(term.term.resign())
+        self._blocking.call(term.term.resign())
 
     def leader(self) -> Leader | None:
         """The current leader (candidate id, token), or None."""
-        return self._sync.call(self._current().leader())
+        return self._blocking.call(self._current().leader())
 
 
 class _SyncLeadership:
