@@ -13,6 +13,9 @@ $(STAMP): $(SOURCES)
 	$(VENV)/bin/python -m pip install -q -U pip
 	rm -rf build/lib.*  # setuptools never removes a moved module's old copy from build/lib
 	$(VENV)/bin/python -m pip install -q ".[test,postgres,metrics]"
+	# the same compiled modules beside their sources, so that commands run from the repository root
+	# (python -m benches.load, python -m fastlock.wal dump), where ./fastlock is imported, find them
+	cd build/lib.* && find fastlock -name '*.so' -exec cp {} $(CURDIR)/{} \;
 	touch $@
 
 demo: $(STAMP)
