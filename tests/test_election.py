@@ -85,6 +85,22 @@ async def test_observe_reports_every_leader_in_order(connect):
     assert seen[0] is None and seen[1:] == [leaders[0], None, leaders[1], None, leaders[2]]
 
 
+async def test_the_candidate_id_is_named_whatever_the_client_name(connect):
+    """docs/client-features.md: the candidate id travels as the term's correlation id, so a
+    candidate needs no ``client_name=candidate_id``."""
+    observer = await connect("observer")
+    view = observer.election("cid", "observer", lease_duration=LEASE, renew_deadline=DEADLINE, retry_period=RETRY)
+    events = view.observe()
+    assert await asyncio.wait_for(anext(events), TIMEOUT) is None
+    candidate = await connect("web-7")  # a client name that is not the candidate id
+    election = candidate.election("cid", "node-a", lease_duration=LEASE, renew_deadline=DEADLINE,
+                                  retry_period=RETRY)
+    async with election.leadership() as term:
+        assert await view.leader() == ("node-a", term.fencing_token)
+        assert await asyncio.wait_for(anext(events), TIMEOUT) == ("node-a", term.fencing_token)
+    await events.aclose()
+
+
 async def test_leader_steps_down_when_it_cannot_renew_within_the_deadline(client, server):
     election = client.election("sd", "solo", lease_duration=LEASE, renew_deadline=DEADLINE, retry_period=RETRY)
     states: list[str] = []
