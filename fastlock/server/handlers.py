@@ -30,7 +30,6 @@ from ..errors import (
     FastlockError,
     InternalServerError,
     InvalidArgument,
-    LeaseLost,
     LockNotAcquired,
     PermissionDenied,
     ProtocolError,
@@ -45,7 +44,7 @@ from .hello import Hello
 from .keys import PERMISSIONS as KEY_PERMISSIONS
 from .keys import KeyStore
 from .kinds import KindHandlers, limit_conflict
-from .lockadmin import LockAdmin
+from .lockadmin import LockAdmin, not_the_holder
 from .session import Session, split_recorded_client
 from .shares import limit_exceeded
 from .statusview import client_status
@@ -291,8 +290,7 @@ class Handlers:
         try:
             table.release(name, token, owner, now)
         except NotHolder:
-            raise LeaseLost(f"{name!r}: token {token} is not the current holder "
-                            "(expired, released or never held)") from None
+            raise not_the_holder(self.lock_admin.revocations, name, token) from None
         self.server.released(name, token, meta)
         conn.send(P.encode_ok(req_id, None))
 
@@ -308,8 +306,7 @@ class Handlers:
         try:
             table.extend(name, token, owner, ttl_ms, now, conn.session)  # the lease is held from this connection
         except NotHolder:
-            raise LeaseLost(f"{name!r}: token {token} is not the current holder "
-                            "(expired, released or never held)") from None
+            raise not_the_holder(self.lock_admin.revocations, name, token) from None
         server = self.server
         if ttl_ms > server.max_ttl_ms:  # only the holder's extend counts towards the grace period
             server.max_ttl_ms = ttl_ms
