@@ -185,7 +185,8 @@ def test_standby_keeps_keys_and_a_promoted_standby_serves_them(cluster):
 
     async def main():
         async with fastlock.connect(p.address) as c:
-            short = await c.acquire("sess/short", ttl=1.5)
+            # long enough to outlive the standby's start, catch-up and promotion on a loaded machine
+            short = await c.acquire("sess/short", ttl=6.0)
             await c.put("svc/early", b"e")  # before the standby: in its snapshot
             s = await asyncio.to_thread(cluster.standby, p.address, grace=0.1)
             await asyncio.to_thread(s.wait_for_log, r"applied snapshot", 5)
@@ -200,7 +201,7 @@ def test_standby_keeps_keys_and_a_promoted_standby_serves_them(cluster):
         async with fastlock.connect(s.address) as c2:
             assert [kv.key for kv in await c2.list_prefix("svc/")] == ["svc/early", "svc/late"]
             assert (await c2.get("svc/late")).lease == "sess/short"
-            await poll(lambda: c2.get("svc/late"), lambda kv: kv is None, timeout=10,
+            await poll(lambda: c2.get("svc/late"), lambda kv: kv is None, timeout=20,
                        what="the key of the expired lease to go")
             assert (await c2.get("svc/early")).value == b"e"
 

@@ -310,6 +310,8 @@ async def test_a_revoked_holder_hears_who_revoked_its_lease_and_why(server, conn
         await holder.extend(lease)
     with pytest.raises(LeaseLost, match=expected):
         await holder.release(lease)
+    with pytest.raises(LeaseLost, match=r"was revoked by anonymous: stuck since Monday; key 'k' not put$"):
+        await holder.put("k", b"v", lease=lease)
     second = await holder.acquire("jobs/8", ttl=60.0)
     await admin.revoke("jobs/8")  # no reason given
     with pytest.raises(LeaseLost, match=r"was revoked by anonymous \(no reason given\)$"):
