@@ -291,7 +291,7 @@ class Handlers:
         if status == NOT_ACQUIRED:
             grace_ms = self.roles.grace_remaining_ms(now)
             if grace_ms:
-                raise LockNotAcquired(f"{name!r}: no grants during the promotion grace period "
+                raise LockNotAcquired(f"{name!r}: no grants of free locks during {self.roles.grace_reason} "
                                       f"({grace_ms} ms left)")
             raise LockNotAcquired(_why_not_granted(table, name, now, conn.session))
 
