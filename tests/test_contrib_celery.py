@@ -155,10 +155,16 @@ PARENT_CLIENT.ping()
 @exclusive_task(key="prefork:{n}", ttl=30)
 def job(n, *, fencing_token):
     client = _default_client.get()
-    # both tasks hold their lease at once: two children of the pool serve them
+    # both tasks hold their lease at once (two children of the pool serve them): each one says
+    # when it saw the other holding, and keeps its own lease until the other said so too
     deadline = time.monotonic() + 60
-    while client.holder(f"prefork:{1 - n}") is None:
+    other = 1 - n
+    while client.holder(f"prefork:{other}") is None and client.get(f"seen/{other}") is None:
         assert time.monotonic() < deadline, "the other task never ran"
+        time.sleep(0.05)
+    client.put(f"seen/{n}", b"")
+    while client.get(f"seen/{other}") is None:
+        assert time.monotonic() < deadline, "the other task never saw this one"
         time.sleep(0.05)
     return {"pid": os.getpid(), "token": fencing_token, "holder": client.holder(f"prefork:{n}")["token"],
             "client_pid": _default_client._pid, "client": id(client), "parent_client": id(PARENT_CLIENT)}
@@ -187,9 +193,13 @@ def test_a_prefork_worker_gives_each_child_its_own_client(server, tmp_path):
     sender = celery.Celery("sender", broker="filesystem://", backend=f"file://{tmp_path / 'results'}")
     sender.conf.broker_transport_options = {"data_folder_in": str(tmp_path / "queue"),
                                             "data_folder_out": str(tmp_path / "queue"), "store_processed": False}
+    runs, failure = [], None
     try:
         results = [sender.send_task("prefork_tasks.job", args=[n]) for n in (0, 1)]
-        runs = [r.get(timeout=120) for r in results]
+        try:
+            runs = [r.get(timeout=120) for r in results]
+        except Exception as exc:  # noqa: BLE001 - reported below with the worker's output
+            failure = exc
     finally:
         worker.send_signal(signal.SIGTERM)  # warm shutdown of the worker and its pool
         try:
@@ -197,6 +207,7 @@ def test_a_prefork_worker_gives_each_child_its_own_client(server, tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(worker.pid, signal.SIGKILL)
             output, _ = worker.communicate(timeout=30)
+    assert failure is None, f"{failure!r}\n{output}"
     assert len({run["pid"] for run in runs}) == 2, (runs, output)
     for run in runs:
         assert run["pid"] != worker.pid, (runs, output)  # a child of the pool ran it
