@@ -86,6 +86,10 @@ def test_grants_releases_and_expiries_reach_the_standby(cluster):
             pst = await poll(lambda: status_of(p.address), acked, timeout=5, what="standby ack")
             sb = pst["replication"]["standbys"][0]
             assert sb["name"].startswith("standby@") and sb["lag_records"] == 0
+            # the lag's units: the standby's status gives records only; the primary's gives each
+            # standby's lag in records and in milliseconds (0: nothing sent is unacknowledged)
+            assert "lag_ms" not in sst["replication"]
+            assert type(sb["lag_ms"]) is int and sb["lag_ms"] == 0
             assert not pst["replication"]["fenced"]
         finally:
             await a.close()
