@@ -52,8 +52,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 LANGUAGES = {"python": "python", "py": "python", "sh": "sh", "bash": "sh", "shell": "sh", "toml": "toml"}
-MARKER = re.compile(r"^<!--\s*docs-test:\s*(?P<what>skip|output|repository-root)\b\s*(?P<reason>.*?)\s*-->\s*$")
-FENCE = re.compile(r"^```(\w*)\s*$")
+MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<what>skip|output|repository-root)\b\s*(?P<reason>.*?)\s*-->\s*$")
+#: a fence, indented or not (mkdocs admonitions and tabs indent their blocks)
+FENCE = re.compile(r"^(?P<indent>\s*)```(?P<language>\w*)\s*$")
 TIMEOUT = 60.0
 #: a user's test file runs whole servers (a primary and a standby, a failover)
 PYTEST_TIMEOUT = 300.0
@@ -84,9 +85,13 @@ class Document(NamedTuple):
 def _fence_end(lines: list[str], start: int) -> int:
     """The index of the closing fence of the block opened at ``start`` (or len(lines))."""
     i = start + 1
-    while i < len(lines) and not lines[i].startswith("```"):
+    while i < len(lines) and not lines[i].lstrip().startswith("```"):
         i += 1
     return i
+
+
+def _dedent(lines: list[str], indent: str) -> list[str]:
+    return [line[len(indent):] if line.startswith(indent) else line.lstrip() for line in lines]
 
 
 def _markers(lines: list[str], fence: int) -> dict[str, str]:
@@ -112,7 +117,7 @@ def parse(path: Path) -> Document:
             continue
         start, end = i, _fence_end(lines, i)
         i = end + 1
-        language = LANGUAGES.get(m.group(1))
+        language = LANGUAGES.get(m["language"])
         if language is None:
             continue
         markers = _markers(lines, start)
@@ -124,11 +129,13 @@ def parse(path: Path) -> Document:
             if (j + 1 < len(lines) and (om := MARKER.match(lines[j])) and om["what"] == "output"
                     and lines[j + 1].strip() == "```text"):
                 text_end = _fence_end(lines, j + 1)
-                output = lines[j + 2:text_end]
+                text_fence = FENCE.match(lines[j + 1])
+                output = _dedent(lines[j + 2:text_end], text_fence["indent"] if text_fence else "")
                 attached.add(j)
                 i = text_end + 1
         blocks.append(Block(where=f"{path.relative_to(ROOT)}:{start + 1}", language=language,
-                            code="\n".join(lines[start + 1:end]) + "\n", skip=markers.get("skip"),
+                            code="\n".join(_dedent(lines[start + 1:end], m["indent"])) + "\n",
+                            skip=markers.get("skip"),
                             from_root="repository-root" in markers, output=output))
     stray = [f"{path.relative_to(ROOT)}:{n + 1}" for n, line in enumerate(lines)
              if (m := MARKER.match(line)) and m["what"] == "output" and n not in attached]
@@ -202,6 +209,10 @@ def test_the_parser_attaches_output_and_markers(tmp_path, monkeypatch):
     assert got.stray_outputs == []  # the second output follows the python block: attached
     doc.write_text("text\n\n<!-- docs-test: output -->\n```text\norphan\n```\n")
     assert parse(doc).stray_outputs == ["doc.md:3"]
+    # a block indented under an admonition or a tab runs too, dedented
+    doc.write_text('!!! note\n    ```python\n    if True:\n        print(1)\n    ```\n\n'
+                   '    <!-- docs-test: output -->\n    ```text\n    1\n    ```\n')
+    assert parse(doc).blocks == [Block("doc.md:2", "python", "if True:\n    print(1)\n", None, False, ["1"])]
 
 
 @pytest.fixture(scope="module")
