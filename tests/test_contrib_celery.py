@@ -143,7 +143,8 @@ from fastlock.contrib.celery import _default_client, exclusive_task
 HERE = os.path.dirname(os.path.abspath(__file__))
 app = Celery("prefork_tasks", broker="filesystem://", backend="file://" + os.path.join(HERE, "results"))
 app.conf.broker_transport_options = {"data_folder_in": os.path.join(HERE, "queue"),
-                                     "data_folder_out": os.path.join(HERE, "queue"), "store_processed": False}
+                                     "data_folder_out": os.path.join(HERE, "queue"), "store_processed": False,
+                                     "control_folder": os.path.join(HERE, "control")}
 app.conf.worker_prefetch_multiplier = 1
 app.conf.fastlock = {"SERVERS": [os.environ["FASTLOCK_TEST_SERVER"]], "CLIENT_NAME": "prefork"}
 # the worker's parent process uses the client before the pool forks its children
@@ -181,7 +182,7 @@ def test_a_prefork_worker_gives_each_child_its_own_client(server, tmp_path):
     import sys
 
     (tmp_path / "prefork_tasks.py").write_text(PREFORK_TASKS)
-    for folder in ("queue", "results"):
+    for folder in ("queue", "results", "control"):
         (tmp_path / folder).mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOCK_")}
     env["FASTLOCK_TEST_SERVER"] = server.address
@@ -192,7 +193,8 @@ def test_a_prefork_worker_gives_each_child_its_own_client(server, tmp_path):
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     sender = celery.Celery("sender", broker="filesystem://", backend=f"file://{tmp_path / 'results'}")
     sender.conf.broker_transport_options = {"data_folder_in": str(tmp_path / "queue"),
-                                            "data_folder_out": str(tmp_path / "queue"), "store_processed": False}
+                                            "data_folder_out": str(tmp_path / "queue"), "store_processed": False,
+                                            "control_folder": str(tmp_path / "control")}
     runs, failure = [], None
     try:
         results = [sender.send_task("prefork_tasks.job", args=[n]) for n in (0, 1)]
