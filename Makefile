@@ -9,7 +9,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 STAMP := $(VENV)/.fastlock-installed
-SOURCES := $(wildcard fastlock/*.py fastlock/*/*.py fastlock/*.pyx fastlock/*.pxi fastlock/*/*.pyx fastlock/*.pxd fastlock/*.pyi) setup.py pyproject.toml
+SOURCES := $(wildcard fastlock/*.py fastlock/*/*.py fastlock/*.pyx fastlock/*.pxi fastlock/*/*.pyx fastlock/*.pxd fastlock/*.pyi) setup.py pyproject.toml Makefile
 
 PREFIX ?= /usr/local
 EXTRAS ?= metrics
@@ -25,6 +25,9 @@ $(STAMP): $(SOURCES)
 	@echo "fastlock: installing into $(VENV) with its test tools, then compiling the Cython core"
 	@echo "fastlock: (fastlock/_core.pyx, fastlock/wal/_syncer.pyx): about 2 minutes on 2 cores the first time"
 	$(VENV)/bin/python -m pip install --progress-bar off ".[test,postgres,metrics]"
+	# the same compiled modules beside their sources, so that commands run from the repository root
+	# (python -m benches.load, python -m fastlock.wal dump), where ./fastlock is imported, find them
+	cd build/lib.* && find fastlock -name '*.so' -exec cp {} $(CURDIR)/{} \;
 	touch $@
 
 demo: $(STAMP)

@@ -83,8 +83,8 @@ from fastlock.protocol import ops
 NAMES = ["orders/1", "orders/2", "orders/x/y", "public/a", "public/b", "billing/1", "admin", "order", "",
          "x" * 600, "nul\x00", "ünïcode/1"]
 PROBE_NAMES = [n for n in NAMES if n and len(n.encode()) <= 512 and "\x00" not in n]
-VALID_TTLS = [43_200_000, 86_400_000]  # 12 h, 24 h: nothing expires during a run (--max-seconds)
-BAD_TTLS = [0, -5, 2**64 - 1, 1.5, True, None, "10", 86_400_001]
+VALID_TTLS = [1_800_000, 3_600_000]  # 30 min, 1 h (the longest): nothing expires during a run (--max-seconds)
+BAD_TTLS = [0, -5, 2**64 - 1, 1.5, True, None, "10", 3_600_001]
 OPS = sorted(P.OP_NAMES) + [0, 16, 17, 99, -1, 1 << 40]
 LOCK_OPS = {P.OP_ACQUIRE: "acquire", P.OP_RELEASE: "release", P.OP_EXTEND: "extend", P.OP_CANCEL: "cancel",
             P.OP_CHECK: "check", P.OP_HOLDER: "holder", P.OP_WATCH: "watch", P.OP_CONTENDERS: "holder",

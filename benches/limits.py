@@ -26,6 +26,7 @@ Prints one JSON object per probe.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -266,7 +267,14 @@ PROBES = {"nested": probe_nested, "replica": probe_replica, "backlog": probe_bac
 
 
 def main(argv: list[str]) -> int:
-    names = argv or list(PROBES)
+    ap = argparse.ArgumentParser(prog="python -m benches.limits", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("probes", nargs="*", metavar="PROBE",
+                    help=f"probes to run, of {', '.join(PROBES)} (default: all)")
+    names = ap.parse_args(argv).probes or list(PROBES)
+    unknown = [name for name in names if name not in PROBES]
+    if unknown:
+        ap.error(f"unknown probe {unknown[0]!r} (choose from {', '.join(PROBES)})")
     with tempfile.TemporaryDirectory(prefix="fastlock-limits-") as tmp:
         for name in names:
             print(json.dumps(PROBES[name](Path(tmp))), flush=True)

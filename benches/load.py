@@ -2,7 +2,7 @@
 
     python -m benches.load [--duration 3] [--warmup 1] [--concurrency 32]
                            [--fsync never,always] [--uvloop | --no-uvloop]
-                           [--shared-connection] [--json PATH]
+                           [--shared-connection] [--json PATH] [--quick]
 
 Starts a ``python -m fastlock serve`` subprocess per fsync mode (free port,
 throwaway data dir, stopped afterwards) and the echo server, runs W1/W2/W3 from
@@ -291,7 +291,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="all fastlock clients share one pipelined connection (default: one each)")
     ap.add_argument("--no-floor", dest="floor", action="store_false", help="skip the echo floor")
     ap.add_argument("--no-fastlock", dest="fastlock", action="store_false", help="run the echo floor only")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run (`make bench`): 1 s per workload after 0.5 s warmup, --fsync never only")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.duration, args.warmup, args.fsync = 1.0, 0.5, "never"
     wls = harness.workloads_from_args(args)
     rows: list[dict] = []
     busy = harness.wait_for_quiet(args.quiet_wait, log=lambda s: print(s, flush=True))

@@ -56,6 +56,9 @@ from .errors import NotPrimary, Unavailable
 
 log = logging.getLogger(__name__)
 
+#: the grace period of a promoted primary, as a refused acquire names it
+PROMOTION_GRACE = "the promotion grace period (leases the old primary granted may still be held)"
+
 #: far enough in the future (ms) to mean "never" for a grant hold, within the table's range
 HOLD_FOREVER_MS = 10 * 365 * 24 * 3600 * 1000
 
@@ -134,7 +137,7 @@ class NodeRole:
     """
 
     __slots__ = ("_role", "_fenced", "_sync_held", "_grace_until_ms", "_hold", "_now_ms", "_admitted",
-                 "primary_address", "expires_leases")
+                 "primary_address", "expires_leases", "grace_reason")
 
     def __init__(self, initial: Role, *, hold_grants_until: Callable[[int], None],
                  now_ms: Callable[[], int], primary_address: str | None = None):
@@ -144,6 +147,8 @@ class NodeRole:
         self._fenced = False
         self._sync_held = False
         self._grace_until_ms = 0
+        #: what the grace period in force is, as a refused acquire names it
+        self.grace_reason = ""
         self._hold = hold_grants_until
         self._now_ms = now_ms
         self.primary_address = primary_address
@@ -182,13 +187,16 @@ class NodeRole:
             self._fenced = self._sync_held = False  # the fence and the sync hold qualify a primary only
         if grace_until_ms is not None:
             self._grace_until_ms = grace_until_ms
+            self.grace_reason = PROMOTION_GRACE
         log.warning("role: %s -> %s (%s)", frm.value, to.value, why)
         self._changed()
 
-    def hold_grace(self, until_ms: int, why: str) -> None:
+    def hold_grace(self, until_ms: int, why: str, *, reason: str = PROMOTION_GRACE) -> None:
         """Hold this primary's grants of free locks until ``until_ms`` (monotonic
         ms) at least: a grace period on a node that is already the primary (one
-        restarted during its promotion grace).
+        restarted during its promotion grace, or after an unclean stop of a relaxed
+        fsync run).  ``why`` is logged; ``reason`` names the grace period in the
+        refusals of acquires while it lasts (:attr:`grace_reason`).
 
         Raises:
             IllegalTransition: this node is not the primary.
@@ -197,6 +205,7 @@ class NodeRole:
             raise IllegalTransition(f"only a primary has a grace period (this node is {self._role.value})")
         if until_ms > self._grace_until_ms:
             self._grace_until_ms = until_ms
+            self.grace_reason = reason
             log.warning("role: primary in grace for %d ms (%s)", until_ms - self._now_ms(), why)
             self._changed()
 

@@ -78,6 +78,10 @@ def test_a_bad_setting_is_a_usage_error_naming_its_source(tmp_path, content, env
     (tmp_path / "f.toml").write_text(content)
     out = run_fastlock("serve", "--config", "f.toml", "--print-config", cwd=tmp_path, env=env)
     assert out.returncode == 2 and needle in out.stderr, out.stderr
+    # a one-line usage pointing to --help, not serve's 40-odd lines of usage above the error
+    usage, error = out.stderr.splitlines()
+    assert usage == "usage: fastlock serve [OPTION ...] (`fastlock serve --help` lists every option)", out.stderr
+    assert error.startswith("fastlock serve: error: ") and needle in error, out.stderr
 
 
 def test_a_server_runs_from_its_config_file(tmp_path):

@@ -68,7 +68,6 @@ def test_sigkill_under_load(tmp_path):
     assert report.grants >= 200 and report.writes >= 200
     assert report.ledger_rows == report.writes
     assert report.held_at_kill >= 5, "too few leases were held at a kill to mean anything"
-    assert report.elapsed_s < 60
 
 
 @pytest.mark.timeout(90)

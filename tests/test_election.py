@@ -85,6 +85,22 @@ async def test_observe_reports_every_leader_in_order(connect):
     assert seen[0] is None and seen[1:] == [leaders[0], None, leaders[1], None, leaders[2]]
 
 
+async def test_the_candidate_id_is_named_whatever_the_client_name(connect):
+    """docs/client-features.md: the candidate id travels as the term's correlation id, so a
+    candidate needs no ``client_name=candidate_id``."""
+    observer = await connect("observer")
+    view = observer.election("cid", "observer", lease_duration=LEASE, renew_deadline=DEADLINE, retry_period=RETRY)
+    events = view.observe()
+    assert await asyncio.wait_for(anext(events), TIMEOUT) is None
+    candidate = await connect("web-7")  # a client name that is not the candidate id
+    election = candidate.election("cid", "node-a", lease_duration=LEASE, renew_deadline=DEADLINE,
+                                  retry_period=RETRY)
+    async with election.leadership() as term:
+        assert await view.leader() == ("node-a", term.fencing_token)
+        assert await asyncio.wait_for(anext(events), TIMEOUT) == ("node-a", term.fencing_token)
+    await events.aclose()
+
+
 async def test_leader_steps_down_when_it_cannot_renew_within_the_deadline(client, server):
     election = client.election("sd", "solo", lease_duration=LEASE, renew_deadline=DEADLINE, retry_period=RETRY)
     states: list[str] = []
@@ -212,7 +228,8 @@ async def first_leader(cands: list[Candidate], exclude=()) -> tuple[Candidate, d
             t.cancel()
 
 
-async def test_killed_leader_is_replaced_within_lease_duration_plus_retry(client, server, tmp_path):
+async def test_killed_leader_is_replaced_once_its_lease_runs_out(client, server, tmp_path):
+    """How soon (median about lease_duration): ``python -m benches.election_failover``."""
     cands = await start_candidates(server, tmp_path, 3)
     try:
         old, elected = await first_leader(cands)
@@ -223,9 +240,7 @@ async def test_killed_leader_is_replaced_within_lease_duration_plus_retry(client
         killed_at = time.monotonic()
         old.proc.kill()  # SIGKILL: no release, the lease must expire
         new, new_elected = await first_leader(others)
-        took = new_elected["t"] - killed_at
-        assert took <= LEASE + RETRY, f"failover took {took:.3f} s"
-        assert new_elected["token"] > elected["token"]
+        assert new_elected["t"] > killed_at and new_elected["token"] > elected["token"]
         leader = await client.election("leader", "x", lease_duration=LEASE, renew_deadline=DEADLINE,
                                        retry_period=RETRY).leader()
         assert leader == (new.cid, new_elected["token"])

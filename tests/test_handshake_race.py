@@ -90,6 +90,6 @@ def test_a_server_that_never_answers_the_hello_is_dropped_after_the_liveness_tim
         return time.monotonic() - started, str(info.value)
 
     waited, message = run(main())
-    assert "no handshake reply" in message, message
+    # the liveness timeout ended the wait, not the 30 s connect timeout: the message names it
+    assert f"no handshake reply within {REQUEST_TIMEOUT:g} s" in message, (message, waited)
     assert "first request must be HELLO" not in message
-    assert waited < 15.0, waited  # the liveness timeout, not the 30 s connect timeout

@@ -312,7 +312,7 @@ async def test_same_client_is_not_reentrant(client):
         (dict(name="x", ttl=float("inf")), ValueError),
         (dict(name="x", ttl=True), TypeError),
         (dict(name="x", ttl="1"), TypeError),
-        (dict(name="x", ttl=86401.0), ValueError),
+        (dict(name="x", ttl=3600.001), ValueError),
         (dict(name="x", ttl=1.0, wait=-0.5), ValueError),
         (dict(name="x", ttl=1.0, lock_delay=61), ValueError),
     ],
@@ -325,6 +325,22 @@ async def test_bad_arguments_raise_before_sending(client, kwargs, exc):
     assert isinstance(info.value, fastlock.FastlockError)
     st = await client.status()
     assert st["grants"] == 0 and st["waiters"] == 0
+
+
+async def test_a_ttl_in_milliseconds_is_refused_naming_the_units(client, connect):
+    """acquire(ttl=10000) (the Redis PX habit) would be a 2.8-hour lease: it is refused before
+    anything is sent, saying that a TTL is in seconds; one hour is the longest."""
+    with pytest.raises(fastlock.InvalidArgument) as refused:
+        await client.acquire("px", ttl=10000)
+    assert str(refused.value) == ("ttl 10000 s (2.8 hours) is above the longest lease TTL, 3600 s (1 hour): a TTL "
+                                  "is in seconds in the Python API and the command line (ttl=10 is 10 s); hold a "
+                                  "lock longer by renewing it (lock(), extend())")
+    lease = await client.acquire("px", ttl=3600)
+    with pytest.raises(fastlock.InvalidArgument, match="above the longest lease TTL"):
+        await client.extend(lease, ttl=3601)
+    with pytest.raises(fastlock.InvalidArgument, match="above the longest lease TTL"):
+        await client.acquire_many(["px2", "px3"], ttl=5000)
+    await client.release(lease)
 
 
 async def test_watch_delivers_every_holder_change_in_order(client, connect):

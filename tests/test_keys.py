@@ -51,14 +51,17 @@ async def test_a_listing_says_whether_it_was_cut_at_its_limit(client, server):
 
 
 async def test_key_lives_with_its_lease(client):
+    events = client.watch_prefix("members/")
+    first = asyncio.ensure_future(events.__anext__())
+    # the watch counts on its connection once the server answered it: later changes are pushed
+    await wait_until(lambda: client._connector.proto.subscriptions == 1, timeout=5.0,
+                     what="the server to answer the prefix watch")
     lease = await client.acquire("sess/1", ttl=0.5)
     await client.put("members/1", b"caps", lease=lease)
     assert (await client.get("members/1")).lease == "sess/1"
-    events = client.watch_prefix("members/")
-    first = asyncio.ensure_future(events.__anext__())
-    await asyncio.sleep(0)  # the watch request goes out before the lease expires
-    await wait_until(lambda: first.done(), timeout=5.0, what="the key's expiry event")
-    assert first.result() == KeyEvent("members/", "expired", "members/1", None)
+    assert (await asyncio.wait_for(first, 5)).what == "put"
+    expired = await asyncio.wait_for(events.__anext__(), 5)
+    assert expired == KeyEvent("members/", "expired", "members/1", None)
     assert await client.get("members/1") is None
     await events.aclose()
 
@@ -67,7 +70,9 @@ async def test_release_deletes_keys_and_watchers_hear_it(client, connect):
     other = await connect("watcher")
     events = other.watch_prefix("grp/")
     put_seen = asyncio.ensure_future(events.__anext__())
-    await asyncio.sleep(0.05)
+    # the watch counts on its connection once the server answered it (the put below is then pushed)
+    await wait_until(lambda: other._connector.proto is not None and other._connector.proto.subscriptions == 1,
+                     timeout=5.0, what="the server to answer the prefix watch")
     async with client.lock("sess/2", ttl=5.0) as lease:
         await client.put("grp/m", b"v", lease=lease, create=True)
         assert (await asyncio.wait_for(put_seen, 5)).what == "put"
@@ -180,7 +185,8 @@ def test_standby_keeps_keys_and_a_promoted_standby_serves_them(cluster):
 
     async def main():
         async with fastlock.connect(p.address) as c:
-            short = await c.acquire("sess/short", ttl=1.5)
+            # long enough to outlive the standby's start, catch-up and promotion on a loaded machine
+            short = await c.acquire("sess/short", ttl=6.0)
             await c.put("svc/early", b"e")  # before the standby: in its snapshot
             s = await asyncio.to_thread(cluster.standby, p.address, grace=0.1)
             await asyncio.to_thread(s.wait_for_log, r"applied snapshot", 5)
@@ -195,7 +201,7 @@ def test_standby_keeps_keys_and_a_promoted_standby_serves_them(cluster):
         async with fastlock.connect(s.address) as c2:
             assert [kv.key for kv in await c2.list_prefix("svc/")] == ["svc/early", "svc/late"]
             assert (await c2.get("svc/late")).lease == "sess/short"
-            await poll(lambda: c2.get("svc/late"), lambda kv: kv is None, timeout=10,
+            await poll(lambda: c2.get("svc/late"), lambda kv: kv is None, timeout=20,
                        what="the key of the expired lease to go")
             assert (await c2.get("svc/early")).value == b"e"
 

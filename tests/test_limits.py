@@ -18,6 +18,7 @@ import time
 
 import msgpack
 import pytest
+from conftest import STALL_S
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -524,7 +525,8 @@ def test_replicate_from_lsn_1_on_a_large_log_keeps_other_clients_served(server_f
         print(f"\n{line}\n{len(latencies) - during} pings meanwhile, worst {worst * 1000:.1f} ms, "
               f"{received} bytes streamed")
         assert len(latencies) - during > 10 and received > 10 << 20
-        assert worst < 0.050, f"a PING waited {worst * 1000:.1f} ms while the backlog streamed"
+        # served throughout (the worst PING itself: python -m benches.limits backlog)
+        assert worst < STALL_S, f"a PING waited {worst * 1000:.1f} ms while the backlog streamed"
     finally:
         stop.set()
         if raw is not None:

@@ -10,7 +10,7 @@ import socket
 import time
 
 import pytest
-from conftest import wait_until
+from conftest import STALL_S, wait_until
 
 import fastlock
 from fastlock import protocol as P
@@ -676,4 +676,21 @@ def test_eighty_thousand_waiters_cost_the_loop_no_stall_and_a_deadlock_among_the
     assert outcomes == ["served", "victim"]
     assert st["deadlocks"] == 1 and st["waiters"] == conns * per_conn
     assert pings > 50
-    assert worst < 0.050, f"a PING waited {worst * 1000:.1f} ms"
+    assert worst < STALL_S, f"a PING waited {worst * 1000:.1f} ms"
+
+
+async def test_a_full_semaphore_says_its_permits_are_held_and_how_many_are_this_connections(connect):
+    """The refusal of a try-acquire names what holds the name: all of a semaphore's permits
+    (not "held by this same connection" because the first permit happens to be its own)."""
+    mine, other = await connect("mine"), await connect("other")
+    first = await mine.semaphore("pool2", 2).acquire(ttl=30.0)
+    await other.semaphore("pool2", 2).acquire(ttl=30.0)
+    with pytest.raises(LockNotAcquired) as refused:
+        await mine.semaphore("pool2", 2).acquire(ttl=30.0, wait=0)
+    assert str(refused.value) == (f"all 2 permits of semaphore 'pool2' are held, 1 of them by this same "
+                                  f"connection (token {first.fencing_token})")
+    with pytest.raises(LockNotAcquired, match=r"^all 2 permits of semaphore 'pool2' are held$"):
+        await (await connect("third")).semaphore("pool2", 2).acquire(ttl=30.0, wait=0)
+    await other.acquire("rw", ttl=30.0, shared=True)
+    with pytest.raises(LockNotAcquired, match=r"^'rw' is held shared by 1 lease$"):
+        await mine.acquire("rw", ttl=30.0, wait=0)

@@ -86,6 +86,10 @@ def test_grants_releases_and_expiries_reach_the_standby(cluster):
             pst = await poll(lambda: status_of(p.address), acked, timeout=5, what="standby ack")
             sb = pst["replication"]["standbys"][0]
             assert sb["name"].startswith("standby@") and sb["lag_records"] == 0
+            # the lag's units: the standby's status gives records only; the primary's gives each
+            # standby's lag in records and in milliseconds (0: nothing sent is unacknowledged)
+            assert "lag_ms" not in sst["replication"]
+            assert type(sb["lag_ms"]) is int and sb["lag_ms"] == 0
             assert not pst["replication"]["fenced"]
         finally:
             await a.close()
@@ -212,7 +216,7 @@ def test_manual_promotion_new_epoch_holders_keep_their_leases(cluster):
                 assert await b.extend(name, token, owner, 3000) == 3000
                 assert (await b.holder(name))["token"] == token
             # a free lock is not granted during the grace period
-            with pytest.raises(LockNotAcquired, match="grace"):
+            with pytest.raises(LockNotAcquired, match=r"during the promotion grace period \(leases the old primary"):
                 await b.acquire("free", 3000)
             # but a waiter is, once it ends; with a token of the new epoch
             token, _, _ = await asyncio.wait_for(b.acquire("free", 3000, wait_ms=5000), 5)

@@ -20,7 +20,7 @@ import pytest
 
 from fastlock import protocol as P
 from fastlock._testbase.cluster import RawNode, poll, run, status_of
-from fastlock.errors import ConnectionLost, InvalidArgument, NotPrimary, PermissionDenied, Unavailable
+from fastlock.errors import Cancelled, ConnectionLost, InvalidArgument, NotPrimary, PermissionDenied, Unavailable
 
 FAILOVER = 1.0
 GRACE = 0.2
@@ -104,7 +104,7 @@ def test_a_fenced_primary_refuses_release_check_holder_and_a_releasing_cancel(cl
             assert after["last_token"] == token and after["waiters"] == 2
             # withdrawing a queued waiter is local, so it is served
             assert await w1.request(P.OP_CANCEL, "k", w1_owner) == "cancelled"
-            with pytest.raises(Exception):
+            with pytest.raises(Cancelled):
                 await q1
             assert (await holder.status())["waiters"] == 1
             # a whole window after the last echo the standby may have promoted: the waiting

@@ -20,7 +20,7 @@ from fastlock._testbase import CredentialsDir
 from fastlock.errors import LimitExceeded
 from fastlock.protocol.ops import KEY_UPSERT, OP_KEY_DELETE, OP_KEY_GET, OP_KEY_PUT
 
-DAY_MS = 86_400_000
+LONG_TTL_MS = P.MAX_TTL_MS  # 1 hour: nothing expires during a test
 
 
 def _limit(reply, flag: str) -> None:
@@ -75,7 +75,7 @@ def test_running_lock_delays_count_against_max_leases(server_factory):
         granted, refusal = _flood_with_lock_delays(raw, P.OP_ACQUIRE, 20, 10, 60_000)
         assert granted == 30
         _limit(refusal, "--max-leases")
-        _limit(raw.call(P.OP_ACQUIRE_MANY, [["m/0", False]], os.urandom(16), DAY_MS, 0, 0, None), "--max-leases")
+        _limit(raw.call(P.OP_ACQUIRE_MANY, [["m/0", False]], os.urandom(16), LONG_TTL_MS, 0, 0, None), "--max-leases")
 
 
 def test_a_lock_delay_stops_counting_when_it_ends(server_factory):
@@ -85,7 +85,7 @@ def test_a_lock_delay_stops_counting_when_it_ends(server_factory):
         assert granted == 5
         _limit(raw.call(P.OP_ACQUIRE, *acquire_args("after")), "--max-leases-per-principal")
         wait_for("the lock-delays to end",
-                  lambda: raw.call(P.OP_ACQUIRE, *acquire_args("after", ttl_ms=DAY_MS))[1] == 0)
+                  lambda: raw.call(P.OP_ACQUIRE, *acquire_args("after", ttl_ms=LONG_TTL_MS))[1] == 0)
         assert raw.call(P.OP_STATUS)[2]["principals"][0]["lock_delays"] == 0
 
 

@@ -241,7 +241,7 @@ def test_one_pipelined_write_of_2000_acquires_grants_exactly_the_quota(server_fa
     srv = server_factory("pipelined", args=["--max-leases-per-principal", "200"])
     raw = Raw(srv.address, timeout=30)
     try:
-        frames = b"".join(msgpack.packb([i + 1, P.OP_ACQUIRE, *acquire_args(f"p/{i}", ttl_ms=86_400_000)],
+        frames = b"".join(msgpack.packb([i + 1, P.OP_ACQUIRE, *acquire_args(f"p/{i}", ttl_ms=P.MAX_TTL_MS)],
                                         use_bin_type=True) for i in range(2_000))
         raw.next_id = 2_001
         raw.sock.sendall(frames)
@@ -262,7 +262,7 @@ def test_acquire_many_is_all_or_nothing_against_the_quota(server_factory):
     raw, other = Raw(srv.address, timeout=30), Raw(srv.address)
     try:
         frames = b"".join(msgpack.packb([i + 1, P.OP_ACQUIRE_MANY, [[f"s{i}/{k}", False] for k in range(8)],
-                                         os.urandom(16), 86_400_000, 0, 0, None], use_bin_type=True)
+                                         os.urandom(16), P.MAX_TTL_MS, 0, 0, None], use_bin_type=True)
                           for i in range(40))  # 320 names asked, 100 allowed: 12 sets of 8
         raw.next_id = 41
         raw.sock.sendall(frames)
@@ -295,7 +295,7 @@ def test_acquire_many_is_all_or_nothing_against_the_quota(server_factory):
 
 def test_one_principal_at_its_quotas_cannot_push_another_into_a_global_cap(server_factory, tmp_path):
     """The issue's scenario scaled down, with the default shares: anonymous connections
-    from five addresses pipeline every kind of request with day-long TTLs; anonymous
+    from five addresses pipeline every kind of request with hour-long TTLs (the longest); anonymous
     ends at a sixteenth of each global cap, and ``app`` still acquires, waits,
     watches, puts and connects."""
     creds = CredentialsDir(tmp_path / "credentials", replicas=1)
@@ -305,7 +305,7 @@ def test_one_principal_at_its_quotas_cannot_push_another_into_a_global_cap(serve
     flood: list[socket.socket] = []
     app: list[Raw] = []
     try:
-        day = 86_400_000
+        day = P.MAX_TTL_MS
         for i in range(20):
             s, reply = _hello_from(srv.address, f"127.0.0.{2 + i % 5}", None)
             flood.append(s)
@@ -372,12 +372,11 @@ def test_anonymous_connections_from_many_addresses_leave_room_for_credentialed_c
             flood.append(s)
             ready += reply is not None and reply[1] == 0
         assert ready == 48 // 16  # the anonymous principal's share of connections
-        t0 = time.monotonic()
+        # each call is bounded by its socket timeout (15 s): the credentialed principals get in
         with Raw(srv.address, credential=creds.token("app"), timeout=15) as app:
             assert app.call(P.OP_PING)[1] == 0
         with Raw(srv.address, credential=creds.token("admin"), timeout=15) as admin:
             rows = {u["principal"]: u for u in admin.call(P.OP_STATUS)[2]["principals"]}
-        assert time.monotonic() - t0 < 15
         assert rows["anonymous"]["connections"] == 3 and rows["anonymous"]["connections_quota"] == 3
     finally:
         for s in flood:
@@ -440,7 +439,7 @@ def test_revoke_principal_revokes_every_lease_in_pages_and_replicates(server_fac
         sets = 40  # 2,560 leases: three pages of the revocation
         app.next_id = sets + 1
         app.sock.sendall(b"".join(msgpack.packb([i + 1, P.OP_ACQUIRE_MANY, [[f"a{i}/{k}", False] for k in range(64)],
-                                                 os.urandom(16), 86_400_000, 0, 0, None], use_bin_type=True)
+                                                 os.urandom(16), P.MAX_TTL_MS, 0, 0, None], use_bin_type=True)
                                   for i in range(sets)))
         assert all(app.recv()[1] == 0 for _ in range(sets))
         assert anon.call(P.OP_ACQUIRE, *acquire_args("anon/1"))[1] == 0
@@ -567,7 +566,7 @@ def test_metrics_show_usage_and_quota_per_principal(server_factory, tmp_path):
 
 def test_the_issue_flood_at_the_default_quotas(server_factory, tmp_path):
     """The finding itself, at the defaults: eight token-less connections pipeline
-    ACQUIRE_MANY of 64 names with day-long TTLs.  Anonymous stops at its sixteenth of
+    ACQUIRE_MANY of 64 names with hour-long TTLs (the longest).  Anonymous stops at its sixteenth of
     --max-leases (62,500; every set all or nothing), and ``app`` still acquires."""
     creds = CredentialsDir(tmp_path / "credentials", replicas=1)
     srv = server_factory("flood", args=["--credentials", creds.file])
@@ -578,7 +577,7 @@ def test_the_issue_flood_at_the_default_quotas(server_factory, tmp_path):
             peer.next_id = per_peer + 1
             peer.sock.sendall(b"".join(
                 msgpack.packb([i + 1, P.OP_ACQUIRE_MANY, [[f"f{p}/{i}/{k}", False] for k in range(64)],
-                               os.urandom(16), 86_400_000, 0, 0, None], use_bin_type=True) for i in range(per_peer)))
+                               os.urandom(16), P.MAX_TTL_MS, 0, 0, None], use_bin_type=True) for i in range(per_peer)))
         replies = [peer.recv() for peer in peers for _ in range(per_peer)]
         granted = sum(r[1] == 0 for r in replies)
         assert granted == 62_500 // 64  # 976 sets: the 977th would pass the quota

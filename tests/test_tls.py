@@ -223,6 +223,24 @@ def test_plaintext_and_silence_on_a_tls_port_fail_cleanly(server_factory, certs)
     assert len(failures) == 1, failures
 
 
+def test_a_plain_client_of_a_tls_port_is_told_it_is_a_tls_port(server_factory, certs):
+    """A TLS server never speaks first: a plain client hears nothing until its own timeout.
+    Then a probe (a TLS client hello on a new connection) tells a TLS port apart, and the
+    CLI and the library say so - not "not a fastlock server"."""
+    srv = server_factory(args=serve_args(certs.node1))  # the handshake deadline (10 s) outlasts the client's
+    for command, hint in (("status", "pass --tls-ca or --tls"), ("locks", "fastlock commands: --tls-ca")):
+        out = cli(command, "--server", srv.address, "--connect-timeout", "1")
+        assert out.returncode == 1, out.stderr
+        assert "but a TLS hello is answered: a TLS port" in out.stderr and hint in out.stderr, out.stderr
+        assert "not a fastlock server" not in out.stderr, out.stderr
+
+    async def main():
+        with pytest.raises(ConnectionLost, match=r"a TLS port \(pass tls_ca=\.\.\. or tls=True"):
+            await fastlock.connect(srv.address, connect_timeout=1)
+
+    run(main())
+
+
 def test_handshakes_in_progress_are_bounded_per_address(server_factory, certs):
     """Connections that never start their handshake hold a socket each until the
     handshake deadline; from one source address at most 64 at once: each one past

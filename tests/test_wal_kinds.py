@@ -95,7 +95,9 @@ async def test_recovery_restores_shared_leases_permits_and_running_lock_delays(t
     wal.log_grant("pool", tok(3), b"p", 10_000, 0, "c", None, False, 2)
     until = int(time.time() * 1000) + 5000
     wal.log_lock_delay("job", until)
+    logged_from = int(time.time() * 1000)
     wal.log_lock_delays([("gone", 10), ("late", 1500)], 1000)  # (name, until_ms) at monotonic now 1000
+    logged_to = int(time.time() * 1000)
     await wal.sync()
     await wal.close()
     again = WriteAheadLog(str(tmp_path))
@@ -105,7 +107,8 @@ async def test_recovery_restores_shared_leases_permits_and_running_lock_delays(t
     assert by == [("doc", tok(1), True, 0), ("doc", tok(2), True, 0), ("pool", tok(3), False, 2)]
     delays = dict(state.lock_delays)
     assert delays["job"] == until and "gone" not in delays
-    assert 0 < delays["late"] - int(time.time() * 1000) <= 500
+    # 500 ms left at the log call, recorded as a wall-clock deadline then
+    assert logged_from + 500 - 1 <= delays["late"] <= logged_to + 500 + 1  # (1 ms: rounding)
 
 
 def _table_with_every_kind(n_exclusive: int) -> LockTable:

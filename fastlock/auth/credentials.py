@@ -213,8 +213,10 @@ class Credentials:
 
     @classmethod
     def open_mode(cls) -> Credentials:
-        """No credentials file: every connection is the anonymous client with every name;
-        replica and admin operations are refused (nobody can authenticate as those)."""
+        """No credentials file: every connection is the anonymous client with every name (which
+        may also list and revoke leases, see :mod:`fastlock.server.lockadmin`); replica and
+        admin-only operations (replication, promote, serve-alone) are refused: nobody can
+        authenticate as those."""
         return cls(anonymous=Principal(ANONYMOUS, "client", acl=_EVERY_NAME), source="open mode")
 
     def with_shared_secret(self, secret: str) -> Credentials:

@@ -25,7 +25,7 @@ from .. import wal
 from ..auth import ClientHandshake, ServerNotProven, generate, say_hello, secret_of, upgrade
 from ..errors import ConnectionLost, FastlockError
 from ..protocol import OP_PROMOTE, OP_SERVE_ALONE, OP_STATUS
-from ..protocol.rpc import NotFastlockReply, open_connection, what_answered
+from ..protocol.rpc import NotFastlockReply, answers_tls_hello, open_connection, what_answered
 from ..tls import client_ssl_context
 from ..units import DEFAULT_PORT, format_address
 from .args import (
@@ -211,8 +211,11 @@ def admin_request(server: tuple[str, int], token: str | None, op: int, *args: An
             try:  # a port that does not speak fastlock: fail within the connect timeout, saying so
                 info = await asyncio.wait_for(hello, min(reply_timeout, connect_timeout))
             except asyncio.TimeoutError:
-                raise NotFastlock(f"not a fastlock server (no answer to HELLO within "
-                                  f"{min(reply_timeout, connect_timeout):g} s)") from None
+                waited = min(reply_timeout, connect_timeout)
+                if ctx is None and await answers_tls_hello(host, port):  # a TLS server never speaks first
+                    raise NotFastlock(f"no answer to HELLO within {waited:g} s, but a TLS hello is answered: "
+                                      f"a TLS port (pass --tls-ca or --tls)") from None
+                raise NotFastlock(f"not a fastlock server (no answer to HELLO within {waited:g} s)") from None
             except ServerNotProven:
                 raise
             except ConnectionLost as exc:

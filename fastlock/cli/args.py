@@ -20,7 +20,7 @@ from typing import Any
 from ..auth import CredentialsError, read_token_file, resolve_credential
 from ..auth.handshake import format_endpoint
 from ..errors import FastlockError
-from ..protocol import MIN_MAX_FRAME_BYTES, check_ttl_ms, check_wait_ms, seconds_to_ms
+from ..protocol import MAX_TTL_MS, MIN_MAX_FRAME_BYTES, check_ttl_ms, check_wait_ms, seconds_to_ms
 from ..units import DEFAULT_PORT, MAX_SECONDS, check_seconds, parse_address
 
 __all__ = [
@@ -154,12 +154,13 @@ def add_connect_timeout_argument(p: argparse.ArgumentParser) -> None:
 
 
 def ttl_arg(value: str) -> float:
-    """argparse type: a lease TTL in seconds, > 0 and at most 24 h (the protocol's limits)."""
+    """argparse type: a lease TTL in seconds, > 0 and at most 1 hour (the protocol's limits)."""
     seconds = _seconds(value, "ttl", allow_zero=False)
     try:
         check_ttl_ms(seconds_to_ms(seconds, "ttl"))
     except FastlockError:
-        raise argparse.ArgumentTypeError(f"a TTL must be > 0 and at most 86400 seconds, got {value!r}") from None
+        raise argparse.ArgumentTypeError(f"a TTL is in seconds, > 0 and at most {MAX_TTL_MS // 1000} (1 hour; "
+                                         f"a longer hold is renewed), got {value!r}") from None
     return seconds
 
 

@@ -44,6 +44,9 @@ CONFIG_VARIABLE = "FASTLOCK_CONFIG"
 #: the ``serve`` options that only the command line sets
 NOT_CONFIGURABLE = frozenset({"help", "config", "print_config"})
 
+#: a usage error shows the usage only up to this many lines; a longer one gets a pointer to --help
+MAX_USAGE_LINES = 8
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -53,8 +56,9 @@ class RecordingParser(argparse.ArgumentParser):
     :attr:`options` (argparse has no public list of them).  It takes no abbreviated
     option (``allow_abbrev=False``): ``--conf`` is refused, not read as ``--config``
     (which the config layers would not see).  A usage error is argparse's text with exit
-    status 2, or, when the command line asks for ``-o json``, one JSON object on stderr,
-    ``{"command": ..., "error": "usage", "message": ...}`` (as a runtime error under
+    status 2 (a one-line usage pointing to ``--help`` instead of a usage longer than
+    :data:`MAX_USAGE_LINES` lines), or, when the command line asks for ``-o json``,
+    one JSON object on stderr, ``{"command": ..., "error": "usage", "message": ...}`` (as a runtime error under
     ``-o json``: :func:`~fastlock.cli.args.print_error`), still with exit status 2."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -69,7 +73,11 @@ class RecordingParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> Any:
         if not asks_json(self.argv):
-            return super().error(message)
+            if self.format_usage().count("\n") <= MAX_USAGE_LINES:
+                return super().error(message)
+            # a long usage (serve's is 40-odd lines) would bury the one line that says what is wrong
+            self.exit(2, f"usage: {self.prog} [OPTION ...] (`{self.prog} --help` lists every option)\n"
+                         f"{self.prog}: error: {message}\n")
         command = " ".join(self.prog.split()[1:])  # "fastlock wal dump": "wal dump"
         if not command:  # the top parser: the command is its first argument
             first = self.argv[0]

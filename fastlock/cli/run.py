@@ -118,7 +118,7 @@ def _limit_arg(value: str) -> int:
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", metavar="NAME", help="the lock to hold while the command runs (1-512 bytes of UTF-8)")
     p.add_argument("--ttl", type=ttl_arg, default=10.0, metavar="S",
-                   help="lease TTL in seconds, > 0 and at most 86400, renewed about every ttl/3 (default 10)")
+                   help="lease TTL in seconds, > 0 and at most 3600 (1 hour), renewed about every ttl/3 (default 10)")
     p.add_argument("--wait", type=wait_arg, default=None, metavar="S",
                    help="give up if not acquired within S seconds, at most 86400 (default: wait forever; "
                         "0: try once)")

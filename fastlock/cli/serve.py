@@ -49,8 +49,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     s.add_argument("--credentials", metavar="FILE",
                    help="principals, the keys their tokens prove, and ACLs (TOML; make one with "
                         "`fastlock credentials init DIR`). "
-                        "Without it: open mode, loopback only - every connection is a client of every lock, "
-                        "and replica and admin operations are refused")
+                        "Without it: open mode, loopback only - every connection is a client of every lock "
+                        "that may also list and revoke leases (locks, lock, revoke); replication, promote and "
+                        "serve-alone are refused")
     s.add_argument("--standby-token-file", metavar="FILE",
                    help="this node's replica token, presented to the primary it follows (needed with "
                         "--standby-of; keep it for a primary too, for when it is restarted as a standby)")

@@ -213,7 +213,7 @@ class Client(KeyMethods, LockAdminMethods):
 
         Args:
             name: lock name, non-empty, at most 512 bytes of UTF-8.
-            ttl: lease time to live in seconds (1 ms .. 24 h), counted on the
+            ttl: lease time to live in seconds (1 ms .. 1 hour), counted on the
                 server's monotonic clock from the grant.
             wait: seconds to wait in the lock's FIFO queue; ``0`` tries once,
                 ``None`` waits forever.  The whole call, failovers included,

@@ -31,7 +31,7 @@ from ..auth import ClientHandshake, ServerNotProven, resolve_credential, say_hel
 from ..errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost, NotPrimary, Unavailable
 from ..logsafe import quote
 from ..protocol.ops import PUSH_VALUE
-from ..protocol.rpc import NotFastlockReply, RpcConnection, what_answered
+from ..protocol.rpc import NotFastlockReply, RpcConnection, answers_tls_hello, what_answered
 from ..units import parse_address
 from .keywatch import KeyWatches
 from .lease import WatchEvent
@@ -316,8 +316,12 @@ class Connector:
                 proto.abort(ConnectionLost("handshake timed out"))
                 self._suspects.add(addr)
                 waited = self._request_timeout if isinstance(exc, ConnectionLost) else self._connect_timeout
-                errors.append(f"{addr[0]}:{addr[1]}: no handshake reply within {waited:g} s: not a fastlock "
-                              f"server (or a stalled one)")
+                if self._ssl is None and await answers_tls_hello(*addr):  # a TLS server never speaks first
+                    errors.append(f"{addr[0]}:{addr[1]}: no handshake reply within {waited:g} s, but a TLS hello "
+                                  f"is answered: a TLS port ({_ASK_FOR_TLS})")
+                else:
+                    errors.append(f"{addr[0]}:{addr[1]}: no handshake reply within {waited:g} s: not a fastlock "
+                                  f"server (or a stalled one)")
                 continue
             except BaseException:
                 proto.abort(ConnectionLost("handshake failed"))

@@ -14,7 +14,7 @@ URL options (all optional):
 ``client_name``
     the name the server logs and records with grants (default: the member id).
 ``timeout``
-    seconds (default 30, at most 86400): the TTL of the member's session lease and of every
+    seconds (default 30, at most 3600): the TTL of the member's session lease and of every
     lock; :meth:`heartbeat` (tooz's ``Heart`` thread with ``start_heart=True``)
     extends them.  A member that stops beating leaves its groups within this.
 ``token`` / ``token_file``

@@ -246,6 +246,7 @@ from .validation import (
     MAX_MANY,
     MAX_NAME_BYTES,
     MAX_OWNER_BYTES,
+    MAX_RECORDED_TTL_MS,
     MAX_TTL_MS,
     MAX_WAIT_MS,
     MIN_TTL_MS,
@@ -257,6 +258,7 @@ from .validation import (
     check_name,
     check_optional_str,
     check_owner,
+    check_recorded_ttl_ms,
     check_shared,
     check_token,
     check_ttl_ms,
@@ -277,5 +279,5 @@ __all__ = [
     "STEP_DOWN_FRESH_MS", "WATCH_REVOKED", "DecodeLimits", "FrameDecoder", "Op", "check_epoch", "check_lock_delay_ms",
     "check_name", "check_optional_str", "check_owner", "check_token", "check_ttl_ms", "check_wait_ms",
     "encode_error", "encode_ok", "encode_push", "encode_request", "packb", "seconds_to_ms",
-    "request_limits", "stream_limits", "OP_SYNC_ACK", "PUSH_SYNC",
+    "request_limits", "stream_limits", "OP_SYNC_ACK", "PUSH_SYNC", "MAX_RECORDED_TTL_MS", "check_recorded_ttl_ms",
 ]

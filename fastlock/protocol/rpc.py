@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -65,7 +66,8 @@ from .ops import OP_PING
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NotFastlockReply", "RpcConnection", "looks_like_tls", "open_connection", "what_answered"]
+__all__ = ["NotFastlockReply", "RpcConnection", "TLS_PROBE_TIMEOUT", "answers_tls_hello", "looks_like_tls",
+           "open_connection", "what_answered"]
 
 #: default bound of one frame from a server, bytes (a status or a snapshot
 #: reply can be large; a standby's link passes a larger one)
@@ -104,6 +106,42 @@ def what_answered(head: bytes, tls: bool, tls_hint: str) -> str:
     if looks_like_tls(head) and not tls:
         return f"it answered in TLS: a TLS port ({tls_hint})"
     return f"not a fastlock server (it answered {head!r})"
+
+
+#: seconds a TLS probe (:func:`answers_tls_hello`) waits, at most, for the connection and the answer
+TLS_PROBE_TIMEOUT = 1.0
+
+
+async def answers_tls_hello(host: str, port: int, timeout: float = TLS_PROBE_TIMEOUT) -> bool:
+    """Whether ``host:port`` answers a TLS client hello with a TLS record (a server hello
+    or an alert), within ``timeout`` seconds for the connection and again for the answer.
+
+    For an error message only: a TLS server never speaks first, so a client that spoke
+    plain TCP to it hears nothing until the server's handshake deadline.  The probe is
+    a new connection that sends the client hello of a throwaway context (no certificate
+    checked, nothing else sent) and reads the first bytes back (:func:`looks_like_tls`);
+    any failure means "no".
+    """
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    outgoing = ssl.MemoryBIO()
+    tls = ctx.wrap_bio(ssl.MemoryBIO(), outgoing)
+    try:
+        tls.do_handshake()
+    except ssl.SSLWantReadError:  # the client hello is written, the server's answer awaited
+        pass
+    writer = None
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        writer.write(outgoing.read())
+        head = await asyncio.wait_for(reader.read(HEAD_BYTES), timeout)
+        return looks_like_tls(head)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    finally:
+        if writer is not None:
+            writer.transport.abort()
 
 
 def _ignore_result(fut: asyncio.Future[Any]) -> None:

@@ -19,15 +19,21 @@ from .ops import MAX_EPOCH
 __all__ = [
     "MAX_CLIENT_NAME_CHARS", "MAX_CORRELATION_ID_CHARS", "MAX_LIMIT", "MAX_LOCK_DELAY_MS", "MAX_MANY",
     "MAX_NAME_BYTES", "MAX_ACTOR", "check_actor", "check_limit", "check_many_items",
-    "MAX_OWNER_BYTES", "MAX_TTL_MS", "MAX_WAIT_MS", "MIN_TTL_MS", "check_epoch", "check_lock_delay_ms",
-    "check_name", "check_optional_str", "check_owner", "check_shared", "check_token", "check_ttl_ms", "check_wait_ms",
-    "seconds_to_ms",
+    "MAX_OWNER_BYTES", "MAX_RECORDED_TTL_MS", "MAX_TTL_MS", "MAX_WAIT_MS", "MIN_TTL_MS", "check_epoch",
+    "check_lock_delay_ms", "check_name", "check_optional_str", "check_owner", "check_recorded_ttl_ms", "check_shared",
+    "check_token", "check_ttl_ms", "check_wait_ms", "seconds_to_ms",
 ]
 
 # limits of the arguments (units in the names)
 MAX_NAME_BYTES = 512
 MIN_TTL_MS = 1
-MAX_TTL_MS = 24 * 3600 * 1000
+#: the longest TTL an acquire or extend may ask: 1 hour.  A lease held longer is renewed
+#: (``lock()``, ``extend()``); a longer TTL is almost always milliseconds given where seconds
+#: are meant (Redis's ``PX`` habit: ``ttl=10000`` would be 2.8 hours), and a promoted standby
+#: waits out the longest TTL granted before it grants free locks
+MAX_TTL_MS = 3600 * 1000
+#: the longest TTL a recorded lease may carry (a snapshot from a fastlock that allowed 24 h)
+MAX_RECORDED_TTL_MS = 24 * 3600 * 1000
 MAX_WAIT_MS = 24 * 3600 * 1000
 MAX_LOCK_DELAY_MS = 60_000
 MAX_OWNER_BYTES = 64
@@ -63,8 +69,26 @@ def check_name(name: Any) -> str:
 def check_ttl_ms(ttl_ms: Any) -> int:
     if type(ttl_ms) is not int:  # bool is refused on purpose
         raise WrongArgumentType(f"ttl must be an integer number of milliseconds, not {type(ttl_ms).__name__}")
-    if not MIN_TTL_MS <= ttl_ms <= MAX_TTL_MS:
-        raise InvalidArgument(f"ttl must be between {MIN_TTL_MS} ms and {MAX_TTL_MS} ms (24 h), got {ttl_ms} ms")
+    if ttl_ms > MAX_TTL_MS:
+        raise InvalidArgument(f"ttl {ttl_ms / 1000:g} s ({ttl_ms / 3_600_000:.1f} hours) is above the longest "
+                              f"lease TTL, {MAX_TTL_MS // 1000} s (1 hour): a TTL is in seconds in the Python API "
+                              f"and the command line (ttl=10 is 10 s); hold a lock longer by renewing it "
+                              f"(lock(), extend())")
+    if ttl_ms < MIN_TTL_MS:
+        raise InvalidArgument(f"ttl must be at least {MIN_TTL_MS} ms, got {ttl_ms} ms")
+    return ttl_ms
+
+
+def check_recorded_ttl_ms(ttl_ms: Any) -> int:
+    """A recorded lease's TTL (a snapshot's holder): ``MIN_TTL_MS..MAX_RECORDED_TTL_MS`` ms.
+
+    Raises:
+        WrongArgumentType: not an int.  InvalidArgument: out of that range.
+    """
+    if type(ttl_ms) is not int:
+        raise WrongArgumentType(f"ttl must be an integer number of milliseconds, not {type(ttl_ms).__name__}")
+    if not MIN_TTL_MS <= ttl_ms <= MAX_RECORDED_TTL_MS:
+        raise InvalidArgument(f"a recorded ttl must be {MIN_TTL_MS}..{MAX_RECORDED_TTL_MS} ms, got {ttl_ms} ms")
     return ttl_ms
 
 

@@ -66,7 +66,7 @@ class SnapshotHolder(NamedTuple):
         """
         if type(h) is not list or len(h) not in (8, 9, 11):
             raise ProtocolError("snapshot holder must be a list of 8, 9 or 11 items")
-        ttl_ms = P.check_ttl_ms(h[3])
+        ttl_ms = P.check_recorded_ttl_ms(h[3])
         remaining_ms = h[8] if len(h) >= 9 else ttl_ms
         if type(remaining_ms) is not int or not 0 <= remaining_ms <= ttl_ms:
             raise ProtocolError(f"snapshot holder remaining_ms must be an int in 0..{ttl_ms}, not {remaining_ms!r}")

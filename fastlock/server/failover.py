@@ -121,7 +121,9 @@ class FailoverPolicy:
             grace = host.node_state.grace_ms
             if grace:
                 host.roles.hold_grace(self.clock() + grace, "restarted during its promotion grace: "
-                                                          "no new grants for the whole grace again")
+                                                          "no new grants for the whole grace again",
+                                      reason="the promotion grace period, again from the start (this node "
+                                             "restarted during it)")
                 self._end_grace_later(grace)
             self._unsynced_restart_grace()
 
@@ -141,7 +143,10 @@ class FailoverPolicy:
         wal.keep_unsynced_marker = True
         host.roles.hold_grace(self.clock() + grace, f"restarted after an unclean stop of a run with --fsync "
                                                     f"interval or never (an OS crash may have lost acknowledged "
-                                                    f"grants): no new grants for the longest TTL, {grace} ms")
+                                                    f"grants): no new grants for the longest TTL, {grace} ms",
+                              reason="the grace period after an unclean stop of a run with --fsync interval or "
+                                     "never (grants it acknowledged may have been lost: their holders may "
+                                     "still act)")
 
         def ended() -> None:
             left = host.roles.grace_remaining_ms(self.clock())

@@ -23,14 +23,13 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
-from .._core import LIMIT_CONFLICT, NOT_ACQUIRED, NotHolder
+from .._core import LIMIT_CONFLICT, NOT_ACQUIRED, LockTable, NotHolder
 from ..auth import Credentials
 from ..errors import (
     AuthError,
     FastlockError,
     InternalServerError,
     InvalidArgument,
-    LeaseLost,
     LockNotAcquired,
     PermissionDenied,
     ProtocolError,
@@ -45,7 +44,7 @@ from .hello import Hello
 from .keys import PERMISSIONS as KEY_PERMISSIONS
 from .keys import KeyStore
 from .kinds import KindHandlers, limit_conflict
-from .lockadmin import LockAdmin
+from .lockadmin import LockAdmin, not_the_holder
 from .session import Session, split_recorded_client
 from .shares import limit_exceeded
 from .statusview import client_status
@@ -127,6 +126,33 @@ def _authorize(conn: Session, op: int, need: str, msg: list) -> None:
     if type(name) is str and (conn.grant is None or not conn.grant.allows(need, name)):
         # a name of the wrong type is left to the handler's validation (no state change either way)
         raise PermissionDenied(f"principal {conn.principal!r} may not {need} {name!r}")
+
+
+#: the most holders of one name a refusal looks at to count the caller's own (permits, shared leases)
+_HOLDERS_EXAMINED = 1_000
+
+
+def _why_not_granted(table: LockTable, name: str, now: int, session: int) -> str:
+    """Why an acquire with ``wait=0`` of ``name`` by connection ``session`` was not granted:
+    in its lock-delay, held (exclusively, shared or all of a semaphore's permits), and how
+    much of that this same connection holds (a client that forgot its own lease)."""
+    holders = table.holders_of(name, now, 0, _HOLDERS_EXAMINED)
+    if not holders:  # free, yet refused: a lease of it expired and its lock-delay runs
+        return f"{name!r} is in its lock-delay (a lease of it expired; see lock_delay)"
+    first = holders[0]
+    if not first.shared and not first.limit:
+        if first.session == session:
+            return (f"{name!r} is held by this same connection (token {first.token}): "
+                    "another acquire on it waits for that lease to end")
+        return f"{name!r} is held"
+    count = table.holder_count(name, now)
+    mine = [h.token for h in holders if h.session == session]
+    what = (f"all {first.limit} permits of semaphore {name!r} are held" if first.limit
+            else f"{name!r} is held shared by {count} lease{'s' if count != 1 else ''}")
+    if mine:
+        tokens = ", ".join(map(str, mine[:3])) + (", ..." if len(mine) > 3 else "")
+        what += f", {len(mine)} of them by this same connection (token{'s' if len(mine) > 1 else ''} {tokens})"
+    return what
 
 
 class Handlers:
@@ -265,15 +291,9 @@ class Handlers:
         if status == NOT_ACQUIRED:
             grace_ms = self.roles.grace_remaining_ms(now)
             if grace_ms:
-                raise LockNotAcquired(f"{name!r}: no grants during the promotion grace period "
+                raise LockNotAcquired(f"{name!r}: no grants of free locks during {self.roles.grace_reason} "
                                       f"({grace_ms} ms left)")
-            held = table.holder(name, now)
-            if held is not None and held.session == conn.session:  # a client that forgot its own lease
-                raise LockNotAcquired(f"{name!r} is held by this same connection (token {held.token}): "
-                                      f"another acquire on it waits for that lease to end")
-            if held is None:  # free, yet refused: a lease of it expired and its lock-delay runs
-                raise LockNotAcquired(f"{name!r} is in its lock-delay (a lease of it expired; see lock_delay)")
-            raise LockNotAcquired(f"{name!r} is held")
+            raise LockNotAcquired(_why_not_granted(table, name, now, conn.session))
 
     def op_release(self, conn: Session, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])
@@ -291,8 +311,7 @@ class Handlers:
         try:
             table.release(name, token, owner, now)
         except NotHolder:
-            raise LeaseLost(f"{name!r}: token {token} is not the current holder "
-                            "(expired, released or never held)") from None
+            raise not_the_holder(self.lock_admin.revocations, name, token) from None
         self.server.released(name, token, meta)
         conn.send(P.encode_ok(req_id, None))
 
@@ -308,8 +327,7 @@ class Handlers:
         try:
             table.extend(name, token, owner, ttl_ms, now, conn.session)  # the lease is held from this connection
         except NotHolder:
-            raise LeaseLost(f"{name!r}: token {token} is not the current holder "
-                            "(expired, released or never held)") from None
+            raise not_the_holder(self.lock_admin.revocations, name, token) from None
         server = self.server
         if ttl_ms > server.max_ttl_ms:  # only the holder's extend counts towards the grace period
             server.max_ttl_ms = ttl_ms

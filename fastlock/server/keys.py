@@ -215,8 +215,11 @@ class KeyStore:
             token = P.check_token(token)
             holder = server.table.holder(lease_name, monotonic_ms(), hash_owner(P.check_owner(owner)))
             if holder is None or holder.token != token:
-                raise LeaseLost(f"{lease_name!r}: token {token} is not a current lease of this owner "
-                                f"(expired, released or never held): key {key!r} not put")
+                revoked = server.handlers.lock_admin.revocations.get(lease_name, token)
+                why = (f"was revoked by {revoked.principal}" + (f": {revoked.reason}" if revoked.reason else "")
+                       if revoked is not None else "is not a current lease of this owner (expired, released or "
+                       "never held)")
+                raise LeaseLost(f"{lease_name!r}: token {token} {why}; key {key!r} not put")
         else:
             token = 0
         space = self.space

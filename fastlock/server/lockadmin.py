@@ -24,10 +24,11 @@ record is durable.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import protocol as P
-from ..errors import FastlockError, InvalidArgument, LockNotHeld, PermissionDenied, WrongArgumentType
+from ..errors import FastlockError, InvalidArgument, LeaseLost, LockNotHeld, PermissionDenied, WrongArgumentType
 from ..logsafe import quote
 from ..protocol.ops import MAX_PAGE_BYTES
 from ..roles import Action
@@ -53,6 +54,8 @@ MAX_HOLDERS_LISTED = 1_000
 MAX_REASON_CHARS = 256
 #: leases one loop turn of a revocation by principal revokes
 REVOKE_PAGE = 1_000
+#: the most revocations remembered to tell their holders who revoked them and why
+MAX_REVOCATIONS_KEPT = 4_096
 #: the longest principal name a revocation accepts (credentials allow 64)
 MAX_PRINCIPAL_CHARS = 64
 
@@ -84,13 +87,58 @@ def lease_info(h: Holder, now: int) -> dict:
             "shared": bool(h.shared), "limit": h.limit}
 
 
+class Revocation(NamedTuple):
+    """Who revoked a lease, and why (None: no reason given)."""
+
+    principal: str
+    reason: str | None
+
+
+class RecentRevocations:
+    """The last :data:`MAX_REVOCATIONS_KEPT` revocations by (lock name, token), oldest
+    dropped first: what a revoked holder's next release or extend is told (its lease
+    was revoked, by whom, why) instead of "not the current holder".  Bounded in count,
+    each reason in length (:data:`MAX_REASON_CHARS`); kept in memory only (after a
+    restart or a promotion the holder hears "not the current holder")."""
+
+    def __init__(self, limit: int = MAX_REVOCATIONS_KEPT):
+        self.limit = limit
+        self._by_lease: OrderedDict[tuple[str, int], Revocation] = OrderedDict()
+
+    def add(self, name: str, token: int, principal: str, reason: str | None) -> None:
+        by_lease = self._by_lease
+        by_lease[(name, token)] = Revocation(principal, reason)
+        if len(by_lease) > self.limit:
+            by_lease.popitem(last=False)
+
+    def get(self, name: str, token: int) -> Revocation | None:
+        return self._by_lease.get((name, token))
+
+    def __len__(self) -> int:
+        return len(self._by_lease)
+
+
+def not_the_holder(revocations: RecentRevocations, name: str, token: int) -> LeaseLost:
+    """The LeaseLost for a release or extend of ``name`` with a ``token`` that does not
+    hold it: revoked (by whom, why) if it is a recent revocation, else the general case."""
+    revoked = revocations.get(name, token)
+    if revoked is None:
+        return LeaseLost(f"{name!r}: token {token} is not the current holder (expired, released or never held)")
+    why = f": {revoked.reason}" if revoked.reason else " (no reason given)"
+    return LeaseLost(f"{name!r}: token {token} was revoked by {revoked.principal}{why}")
+
+
 class LockAdmin:
-    """The LOCKS, LOCK_INFO and REVOKE handlers of ``handlers``' server."""
+    """The LOCKS, LOCK_INFO and REVOKE handlers of ``handlers``' server.
+
+    ``revocations``: the recent revocations (:class:`RecentRevocations`), for the
+    revoked holders' next requests."""
 
     def __init__(self, handlers: Handlers):
         self.handlers = handlers
         self.table = handlers.table
         self.roles = handlers.roles
+        self.revocations = RecentRevocations()
 
     def op_locks(self, conn: Session, req_id: int, msg: list) -> None:
         """LOCKS prefix, most[, after[, order]]: one page of the held leases whose name starts
@@ -205,6 +253,7 @@ class LockAdmin:
             info = lease_info(h, now)
             table.remove_holder(name, h.token, now)
             handlers.wal.log_revoke(name, h.token, conn.principal, reason)
+            self.revocations.add(name, h.token, conn.principal, reason)
             quotas.lease_ended(h.token, h.meta)
             if name in handlers.watchers:
                 handlers.watches.notify(name, P.WATCH_REVOKED, h.token, h.meta)
@@ -267,6 +316,7 @@ class LockAdmin:
                     if h.token == token:
                         table.remove_holder(name, token, now)
                         handlers.wal.log_revoke(name, token, conn.principal, reason)
+                        self.revocations.add(name, token, conn.principal, reason)
                         quotas.lease_ended(token, h.meta)
                         if name in handlers.watchers:
                             handlers.watches.notify(name, P.WATCH_REVOKED, token, h.meta)

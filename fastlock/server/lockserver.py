@@ -293,8 +293,9 @@ class LockServer:
         )
         creds = self.credentials
         if creds.open:
-            log.warning("open mode (no --credentials): every connection is the anonymous client with every "
-                        "lock name; replica and admin operations are refused")
+            log.warning("open mode (no --credentials): every connection is the anonymous client: it may take "
+                        "any lock name and list or revoke anyone's lease (fastlock locks, lock, revoke); "
+                        "replication, promote and serve-alone are refused (they need credentials)")
         else:
             log.info("credentials: %d principals from %s%s%s", len(creds.principals), creds.source,
                      ", shared secret accepted" if creds.shared_secret is not None else "",
