@@ -31,7 +31,7 @@ from ..tls import client_ssl_context
 from ..units import check_seconds
 from .acquire import HeldLeases, acquire_retry, duration_ms, verify_late_grant, with_actor
 from .admin import LockAdminMethods
-from .connection import BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
+from .connection import BACKOFF_FIRST, BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election
 from .environment import addresses_from_env, tls_from_env
 from .keys import KeyMethods
@@ -40,6 +40,7 @@ from .lease import HolderInfo, Lease, LeaseState, WatchEvent, check_fraction, ch
 from .multilock import LockManyContext, MultiLease, acquire_many, release_many, sorted_names
 from .owner_keys import new_owner_key
 from .renewer import LockContext, Renewer, Renewers
+from .sweep import FAILOVER_TIMEOUT, find_primary
 from .watch import watch_events
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,8 @@ class Client(KeyMethods, LockAdminMethods):
                  connect_timeout: float = 5.0, request_timeout: float | None = 5.0, token: str | None = None,
                  token_file: str | os.PathLike[str] | None = None,
                  tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, server_hostname: str | None = None):
+                 tls_key: str | None = None, server_hostname: str | None = None,
+                 failover_timeout: float | None = FAILOVER_TIMEOUT):
         addresses = addresses_from_env(addresses)
         tls, files = tls_from_env(tls, {"tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key,
                                         "server_hostname": server_hostname})
@@ -106,6 +108,7 @@ class Client(KeyMethods, LockAdminMethods):
         client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
         self._connect_timeout = check_seconds(connect_timeout, "connect_timeout")
         self._request_timeout = check_seconds(request_timeout, "request_timeout", allow_none=True)
+        self._failover_timeout = check_seconds(failover_timeout, "failover_timeout", allow_none=True, allow_zero=True)
         ssl_context = client_ssl_context(tls, tls_ca, tls_cert, tls_key)
         if server_hostname is not None:
             if type(server_hostname) is not str or not server_hostname:
@@ -158,14 +161,11 @@ class Client(KeyMethods, LockAdminMethods):
         return self._request_timeout
 
     async def ensure_connected(self, deadline: float | None = None) -> ClientConnection:
-        """Connect to the primary now if not connected (:func:`connect` does
-        this); ``deadline`` is a ``loop.time()`` bound.
-
-        Raises:
-            ConnectionLost: no address accepted a connection as primary.
-            AuthError: the credential was refused.
-        """
-        return await self._connector.ensure_connected(deadline)
+        """Connect to the primary now if not connected (:func:`connect` does this), riding through
+        a failover under way until ``deadline`` (``loop.time()`` s; default: ``failover_timeout``
+        from now) as :func:`fastlock.client.sweep.find_primary` says (its errors: ``NoPrimaryFound``,
+        a ``ConnectionLost`` giving each address's answer; ``AuthError``)."""
+        return await find_primary(self._connector, deadline, self._failover_timeout, BACKOFF_FIRST, BACKOFF_MAX)
 
     async def _request(self, op: int, *args: Any) -> Any:
         """Send one request and return its reply's value, riding through a
