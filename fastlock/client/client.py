@@ -31,7 +31,16 @@ from ..tls import client_ssl_context
 from ..units import check_seconds
 from .acquire import HeldLeases, acquire_retry, duration_ms, verify_late_grant, with_actor
 from .admin import LockAdminMethods
-from .connection import BACKOFF_FIRST, BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
+from .calls import call
+from .connection import (
+    BACKOFF_FIRST,
+    BACKOFF_MAX,
+    RETRYABLE,
+    ClientConnection,
+    Connector,
+    RideThrough,
+    resolve_credential,
+)
 from .election import Election
 from .environment import addresses_from_env, tls_from_env
 from .keys import KeyMethods
@@ -169,18 +178,8 @@ class Client(KeyMethods, LockAdminMethods):
 
     async def _request(self, op: int, *args: Any) -> Any:
         """Send one request and return its reply's value, riding through a
-        failover within ``request_timeout`` (see :class:`Client`)."""
-        proto = self._connector.proto
-        if proto is not None and not proto.closed:
-            started = proto.loop.time()
-            try:
-                return await proto.request(op, *args)
-            except RETRYABLE as exc:
-                if self._connector.closed:
-                    raise
-                return await RideThrough(self._connector, started + self._op_timeout).send(op, args, proto, exc)
-        deadline = asyncio.get_running_loop().time() + self._op_timeout
-        return await RideThrough(self._connector, deadline).send(op, args)
+        failover within ``request_timeout`` (see :class:`Client` and :mod:`fastlock.client.calls`)."""
+        return await call(self._connector, op, args, self._op_timeout)
 
     async def close(self) -> None:
         """Stop auto-renewals and close the connection.

@@ -281,7 +281,8 @@ class Connector:
             except (OSError, OverflowError) as exc:
                 hint = _REFUSED_CERT_HINT if self._ssl is not None and isinstance(exc, ConnectionResetError) else ""
                 final = isinstance(exc, (ssl.SSLError, OverflowError))  # a certificate refused, a bad port
-                said = os.strerror(exc.errno) if not final and getattr(exc, "errno", None) else exc
+                errno = exc.errno if isinstance(exc, OSError) and not final else None
+                said = os.strerror(errno) if errno else exc  # asyncio's own text repeats the address
                 answer(addr, f"{said or type(exc).__name__}{hint}", Outcome.FINAL if final else Outcome.DOWN)
                 continue
             handshake = ClientHandshake(self._auth, expect_node=self._nodes.get(addr))
