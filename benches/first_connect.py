@@ -4,7 +4,7 @@
     python -m benches.first_connect --group [--coordinator-ttl 2] [--trials 20] [--run-trials 5]
     (either) [--wait 20] [--seed N] [--json PATH]
 
-Pair (default): each trial starts a fresh primary and standby (``fastlock serve``
+Pair (default): each trial starts a new primary and standby (empty data dirs) (``fastlock serve``
 on 127.0.0.1, free ports, ``--failover-after F --promotion-grace G`` on the standby,
 through :class:`fastlock._testbase.cluster.Cluster`), SIGKILLs the primary, waits a
 random moment in [0, F + 1 s] (the failover window plus a second; seeded), then starts
@@ -34,6 +34,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -106,8 +107,8 @@ async def run_pair(args: argparse.Namespace, rng: random.Random, log) -> list[Tr
     try:
         plan = ["client"] * args.trials + ["run"] * args.run_trials
         for i, how in enumerate(plan):
-            p = cluster.primary(f"p{i}")
-            s = cluster.standby(p.address, f"s{i}", failover_after=args.failover_after, grace=args.grace)
+            p = cluster.primary("primary")
+            s = cluster.standby(p.address, "standby", failover_after=args.failover_after, grace=args.grace)
             try:
                 delay = rng.uniform(0.0, args.failover_after + 1.0)
                 p.kill()
@@ -115,6 +116,7 @@ async def run_pair(args: argparse.Namespace, rng: random.Random, log) -> list[Tr
             finally:
                 for srv in (p, s):
                     srv.stop(5)
+                    shutil.rmtree(srv.data_dir, ignore_errors=True)  # the next trial's pair starts afresh
             trials.append(trial)
             log(f"{how} {i + 1}: started {delay:.2f} s after the kill, "
                 + (f"lock after {trial.to_lock_s:.3f} s" if trial.ok else f"FAILED {trial.error}"))
