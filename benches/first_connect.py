@@ -178,6 +178,13 @@ async def run_group(args: argparse.Namespace, rng: random.Random, log) -> list[T
     return trials
 
 
+def _figures(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {"median": round(statistics.median(values), 3), "p99": round(_pct(values, 99), 3),
+            "max": round(max(values), 3)}
+
+
 def summary(trials: list[Trial]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for how in ("client", "run"):
@@ -185,10 +192,10 @@ def summary(trials: list[Trial]) -> dict[str, Any]:
         if not mine:
             continue
         times = [t.to_lock_s for t in mine if t.ok and t.to_lock_s is not None]
+        since_kill = [t.delay_s + t.to_lock_s for t in mine if t.ok and t.to_lock_s is not None]
         out[how] = {
             "trials": len(mine), "successes": len(times),
-            "to_lock_s": {"median": round(statistics.median(times), 3), "p99": round(_pct(times, 99), 3),
-                          "max": round(max(times), 3)} if times else None,
+            "to_lock_s": _figures(times), "kill_to_lock_s": _figures(since_kill),
             "failures": [asdict(t) for t in mine if not t.ok],
         }
     return out
@@ -218,9 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     for how in ("client", "run"):
         r = result.get(how)
         if r:
-            t = r["to_lock_s"] or {}
-            print(f"{result['shape']} {how}: {r['successes']}/{r['trials']} got the lock; time to lock median "
-                  f"{t.get('median')} s, p99 {t.get('p99')} s, max {t.get('max')} s")
+            t, k = r["to_lock_s"] or {}, r["kill_to_lock_s"] or {}
+            print(f"{result['shape']} {how}: {r['successes']}/{r['trials']} got the lock; client start -> lock "
+                  f"median {t.get('median')} s, p99 {t.get('p99')} s, max {t.get('max')} s; kill -> lock median "
+                  f"{k.get('median')} s, max {k.get('max')} s")
             for f in r["failures"][:10]:
                 print(f"  failed: trial {f['index']} (started {f['delay_s']:.2f} s after the kill): {f['error']}")
     if args.json:
