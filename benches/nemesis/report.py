@@ -152,6 +152,9 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
             slot["messages"][_normalise(e.get("msg") or "")] += 1
         return {k: {"count": v["count"], "messages": v["messages"].most_common(4)} for k, v in sorted(out.items())}
 
+    wall_minus_monotonic = time.time() - time.monotonic()
+    set_fence_times(nem.faults, {name: fence_times(path.read_text(errors="replace"), wall_minus_monotonic)
+                                 for name in nem.nodes if (path := nem.root / f"{name}.log").exists()})
     grant_times = sorted(g["at"] for g in grants)
     windows = []  # (start, end, fault) of every fault, until healthy (or the next fault)
     for n, f in enumerate(nem.faults):
@@ -183,9 +186,6 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
         return "steady"
 
     grant_of = {g["holding"]: g for g in grants}
-    wall_minus_monotonic = time.time() - time.monotonic()
-    set_fence_times(nem.faults, {name: fence_times(path.read_text(errors="replace"), wall_minus_monotonic)
-                                 for name in nem.nodes if (path := nem.root / f"{name}.log").exists()})
 
     def granted_mid_fault(e: dict) -> bool:
         """Was this holding granted by a fault's old primary between the fault and its own fence?"""
@@ -355,11 +355,12 @@ def print_report(r: dict) -> None:
     print("  longest window without a grant, by fault kind: "
           + ", ".join(f"{k} {v:.2f}" for k, v in a["no_grant_max_s_by_kind"].items())
           + f"; outside faults (baseline): {a['steady_no_grant_max_s']:.2f}")
-    print("  fault log (s after the fault: promoted / ended / re-paired / healthy / first grant / longest no-grant):")
+    print("  fault log (s after the fault: promoted / old primary fenced / ended / re-paired / healthy / first grant "
+          "/ longest no-grant):")
     for f in r["fault_log"]:
         kind = f["kind"] + (f"/{f['mode']}" if f["mode"] else "")
         print(f"    {f['index']:3d} {kind:20s} {f['old_primary']}->{f['new_primary']}  {_s(f['promoted_s']):>7} "
-              f"{_s(f['ended_s']):>7} {_s(f['repaired_s']):>7} {_s(f['healthy_s']):>7} "
+              f"{_s(f.get('fenced_s')):>7} {_s(f['ended_s']):>7} {_s(f['repaired_s']):>7} {_s(f['healthy_s']):>7} "
               f"{_s(f['first_grant_s']):>7} {_s(f['no_grant_s']):>7}  {f['note']}")
     if r["client_log_warnings"]:
         print("  client log warnings (normalised):")
