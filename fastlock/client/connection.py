@@ -339,7 +339,8 @@ class Connector:
             if info.get("role") != "primary":
                 proto.close()
                 primary = info.get("primary")
-                answer(addr, f"not the primary (role {info.get('role')}, primary: {primary})", Outcome.WAITING)
+                waits = Outcome.DOWN if info.get("role") == "deposed" else Outcome.WAITING  # deposed: none soon
+                answer(addr, f"not the primary (role {info.get('role')}, primary: {primary})", waits)
                 if primary:
                     redirect(primary)
                 if info.get("role") != "standby":  # deposed, promoting: not a primary soon

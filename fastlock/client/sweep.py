@@ -11,7 +11,8 @@ primary:
   may appear, so looking again is worth it.
 - ``DOWN``: nothing usable answered - the TCP connect was refused, timed out
   or was reset, or the connection ended (or went silent) before the
-  handshake's reply.  A dead or frozen node, or one restarting.
+  handshake's reply; or a deposed node, which names no primary and will not
+  become one.  A dead, frozen, restarting or deposed node.
 - ``FINAL``: the address answered and looking again will not change it - a
   TLS failure (an untrusted or mismatched certificate), a peer that does not
   speak fastlock, a server that did not prove it holds this client's
