@@ -386,6 +386,40 @@ def test_6_a_release_refused_by_a_fenced_old_primary_takes_effect_at_the_new_pri
     run(main())
 
 
+def test_7_a_release_and_an_extend_sent_to_a_frozen_primary_ride_through_within_request_timeout(cluster):
+    """The primary freezes (SIGSTOP) with a release and an extend in flight: each is given up
+    on after half its deadline (the server sent nothing since), leaving the other half to
+    reach the promoted standby - the liveness watchdog alone would take the whole
+    ``request_timeout`` and surface ConnectionLost (the nemesis's failed releases)."""
+    p = cluster.primary()
+    s = cluster.standby(p.address, failover_after=FAILOVER, grace=GRACE)
+    request_timeout = 4 * FAILOVER  # half of it: longer than the failover window
+
+    async def main():
+        errors = LoopErrors()
+        async with fastlock.connect(p.address, s.address, client_name="frozen-primary", connect_timeout=1.0,
+                                    request_timeout=request_timeout) as client:
+            released = await client.acquire("released", ttl=30.0)
+            extended = await client.acquire("extended", ttl=30.0)
+            await poll(lambda: status_of(s.address), lambda st: st["locks_held"] == 2, timeout=5,
+                       what="the leases replicated")
+            p.pause()
+            try:
+                release, extend = await asyncio.gather(client.release(released), client.extend(extended, ttl=40.0),
+                                                       return_exceptions=True)
+            finally:
+                p.resume()
+            assert release is None, f"release raised {release!r}"
+            assert not isinstance(extend, BaseException), f"extend raised {extend!r}"
+            assert extend.ttl == 40.0 and client.server_info["epoch"] == 1
+            assert client.connection.address[1] == s.port
+            assert await client.holder("released") is None
+            assert (await client.holder("extended"))["token"] == extended.fencing_token
+        errors.check()
+
+    run(main())
+
+
 def test_errors_that_ride_through_are_the_documented_ones():
     """The classes the client retries (the docs' table) - and nothing that means
     "the server refused this request" for good."""

@@ -154,6 +154,23 @@ async def test_mutual_tls_refuses_clients_without_a_certificate_from_its_ca(serv
     assert st["tls"]["handshake_failures"] == 2
 
 
+async def test_an_untrusted_certificate_is_a_final_answer_even_for_an_acquire_without_deadline(server_factory, certs,
+                                                                                               loop_errors):
+    """Sweeping again cannot make a certificate trusted: an acquire with ``wait=None`` (no
+    deadline) on a client that never connected fails at once instead of looking forever."""
+    from fastlock.client import NoPrimaryFound
+    from fastlock.client.sweep import Outcome
+
+    srv = server_factory(args=serve_args(certs.impostor))  # signed by the other CA
+    client = fastlock.Client([srv.address], connect_timeout=3, tls_ca=certs.ca, failover_timeout=None)
+    try:
+        with pytest.raises(NoPrimaryFound, match="CERTIFICATE_VERIFY_FAILED") as info:
+            await asyncio.wait_for(client.acquire("tls/never", ttl=5.0, wait=None), 60)  # bound: a hang fails
+    finally:
+        await client.close()
+    assert info.value.final and [a.outcome for a in info.value.answers] == [Outcome.FINAL]
+
+
 async def test_client_refuses_a_server_certificate_it_does_not_trust(server_factory, certs, loop_errors):
     srv = server_factory(args=serve_args(certs.impostor))  # signed by the other CA
     with pytest.raises(ConnectionLost, match="CERTIFICATE_VERIFY_FAILED"):

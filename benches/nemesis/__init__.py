@@ -107,10 +107,15 @@ Availability (the acceptance figures of issue 10, reported and checked):
 * leases lost by ``lock()`` holders (``lease.lost`` set while holding), with
   TTL > F + request_timeout; and releases that failed at ``lock()``'s exit
   (it swallows ``LeaseLost``/``ConnectionLost`` and sets ``lease.lost``).
-  Counted apart: leases granted after a fault began and before the standby
-  promoted - by a partitioned or freezing primary whose records could no
-  longer reach the standby (asynchronous replication: the new primary never
-  knew them; its grace period, not the lease, protects the lock);
+  Counted apart, and only these: leases the fault's old primary granted
+  between the fault and its own fence - the grant reached its client after
+  the fault began, its acquire was sent before the moment the old primary's
+  log says it stopped granting ("role: primary fenced", or a role change away
+  from primary; a kill: the kill itself), and its token's epoch is below the
+  promoted node's (:func:`benches.nemesis.report.granted_before_fence`).
+  With asynchronous replication their records may never have reached the
+  standby; its grace period, not the lease, protects the lock.  A fault after
+  which the old primary never fenced exempts nothing;
 * grants that reached a client after the standby promoted but carry an
   older epoch's token (decided by the old primary just before it froze or
   lost its link, acknowledged after the promotion): a lease the new primary

@@ -68,6 +68,7 @@ class Fault:
     new_primary: str = ""
     at: float = 0.0                 # monotonic, the fault began
     promoted_s: float | None = None  # the standby logged PROMOTED, after the fault began
+    fenced_s: float | None = None   # the old primary stopped granting (its log; 0 for a kill), see report.py
     new_epoch: int | None = None    # the epoch it logged
     ended_s: float | None = None    # SIGCONT / heal / promote returned
     repaired_s: float | None = None  # the old primary answered as a standby of the new one

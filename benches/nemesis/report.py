@@ -7,6 +7,7 @@ import dataclasses
 import json
 import re
 import sqlite3
+import time
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +19,57 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: fault kinds after which no node is expected to promote (group "etcd")
 NO_FAILOVER_KINDS = ("kill-standby", "etcd-restart")
+
+#: a server log line (text format) saying the node stopped granting as a primary: it fenced
+#: itself (or its arbiter fenced it), or it left the primary role (fastlock/roles.py's lines)
+_STOPPED_GRANTING = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ \S+: "
+                               r"role: (?:primary fenced$|primary -> )")
+
+
+def fence_times(log_text: str, wall_minus_monotonic: float) -> list[float]:
+    """The moments (``time.monotonic()`` of this host, sorted) at which a server's log says
+    it stopped granting as a primary; ``wall_minus_monotonic``: ``time.time() -
+    time.monotonic()`` here (the log's local wall-clock time, to the millisecond)."""
+    import datetime
+
+    out = []
+    for line in log_text.splitlines():
+        m = _STOPPED_GRANTING.match(line)
+        if m:
+            wall = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            out.append(wall - wall_minus_monotonic)
+    return sorted(out)
+
+
+def set_fence_times(faults: list, fences: dict[str, list[float]]) -> None:
+    """Fill each fault's ``fenced_s``: 0 for a kill of the primary (a dead node grants
+    nothing), else the first moment at or after the fault, and before the next fault, at
+    which its old primary's log (``fences``: node name -> :func:`fence_times`) says it
+    stopped granting; None if it did not (it kept serving: nothing it granted is exempt)."""
+    for n, f in enumerate(faults):
+        if f.kind == "kill":
+            f.fenced_s = 0.0
+            continue
+        until = faults[n + 1].at if n + 1 < len(faults) else float("inf")
+        times = fences.get(f.old_primary, [])
+        i = bisect.bisect_left(times, f.at)
+        f.fenced_s = times[i] - f.at if i < len(times) and times[i] < until else None
+
+
+def granted_before_fence(grant: dict, faults: list) -> bool:
+    """Is ``grant`` (a worker's "grant" event: ``token``, ``sent``, ``at``) one a fault's old
+    primary made between the fault and its own fence - the only lost leases the verdict
+    exempts?  It reached its client at or after the fault began, its acquire was sent
+    before the old primary's fence (``fenced_s``), and its token is of an epoch below the
+    promoted node's (any epoch when nothing promoted).  With asynchronous replication such
+    a grant may never have reached the standby; the promoted node's grace period, not the
+    lease, protects the lock."""
+    for f in faults:
+        if f.fenced_s is None or grant["at"] < f.at or grant["sent"] > f.at + f.fenced_s:
+            continue
+        if f.new_epoch is None or (grant["token"] >> 40) < f.new_epoch:
+            return True
+    return False
 
 def _longest_gap(times: list[float], start: float, end: float, clip: bool = False) -> float | None:
     """The longest interval from ``start`` without any of ``times`` (sorted):
@@ -102,6 +154,9 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
             slot["messages"][_normalise(e.get("msg") or "")] += 1
         return {k: {"count": v["count"], "messages": v["messages"].most_common(4)} for k, v in sorted(out.items())}
 
+    wall_minus_monotonic = time.time() - time.monotonic()
+    set_fence_times(nem.faults, {name: fence_times(path.read_text(errors="replace"), wall_minus_monotonic)
+                                 for name in nem.nodes if (path := nem.root / f"{name}.log").exists()})
     grant_times = sorted(g["at"] for g in grants)
     windows = []  # (start, end, fault) of every fault, until healthy (or the next fault)
     for n, f in enumerate(nem.faults):
@@ -135,15 +190,9 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
     grant_of = {g["holding"]: g for g in grants}
 
     def granted_mid_fault(e: dict) -> bool:
-        """Was this holding granted after a fault began and before the standby promoted?
-        (by the old primary, whose records could no longer reach the standby)"""
+        """Was this holding granted by a fault's old primary between the fault and its own fence?"""
         g = grant_of.get(e.get("holding"))
-        if g is None:
-            return False
-        for f in nem.faults:
-            if f.at <= g["at"] <= f.at + (f.promoted_s if f.promoted_s is not None else cfg.heal_timeout):
-                return True
-        return False
+        return g is not None and granted_before_fence(g, nem.faults)
 
     # grants that reached a client after the standby had promoted, with a token of an older epoch:
     # decided by the old primary (before it froze or lost its link), acknowledged after the promotion.
@@ -268,9 +317,9 @@ def print_report(r: dict) -> None:
     print(f"  leases lost by lock() holders (ttl > F + request_timeout: "
           f"{a['ttl_exceeds_failover_plus_request_timeout']}): {a['leases_lost']}; releases failed at lock() exit "
           f"(lease.lost set by the exit): {a['releases_failed_at_exit']}")
-    print(f"    not counted above - granted by the old primary after the fault began, before the promotion "
-          f"(never replicated): {a['leases_lost_granted_mid_fault']} lost, {a['releases_failed_granted_mid_fault']} "
-          f"failed releases")
+    print(f"    not counted above - granted by the old primary between the fault and its own fence (its log; "
+          f"maybe never replicated): {a['leases_lost_granted_mid_fault']} lost, "
+          f"{a['releases_failed_granted_mid_fault']} failed releases")
     print(f"  locks still held on the primary after every worker stopped (orphans): {a['held_after_workers_stopped']}")
     print(f"  stale writes refused by the fence: {a['stale_writes_refused']}")
     print(f"  errors surfaced to worker code: {a['errors_surfaced']} (ConnectionLost {a['connection_lost_surfaced']}); "
@@ -308,11 +357,12 @@ def print_report(r: dict) -> None:
     print("  longest window without a grant, by fault kind: "
           + ", ".join(f"{k} {v:.2f}" for k, v in a["no_grant_max_s_by_kind"].items())
           + f"; outside faults (baseline): {a['steady_no_grant_max_s']:.2f}")
-    print("  fault log (s after the fault: promoted / ended / re-paired / healthy / first grant / longest no-grant):")
+    print("  fault log (s after the fault: promoted / old primary fenced / ended / re-paired / healthy / first grant "
+          "/ longest no-grant):")
     for f in r["fault_log"]:
         kind = f["kind"] + (f"/{f['mode']}" if f["mode"] else "")
         print(f"    {f['index']:3d} {kind:20s} {f['old_primary']}->{f['new_primary']}  {_s(f['promoted_s']):>7} "
-              f"{_s(f['ended_s']):>7} {_s(f['repaired_s']):>7} {_s(f['healthy_s']):>7} "
+              f"{_s(f.get('fenced_s')):>7} {_s(f['ended_s']):>7} {_s(f['repaired_s']):>7} {_s(f['healthy_s']):>7} "
               f"{_s(f['first_grant_s']):>7} {_s(f['no_grant_s']):>7}  {f['note']}")
     if r["client_log_warnings"]:
         print("  client log warnings (normalised):")

@@ -43,6 +43,7 @@ import ssl
 import sys
 
 from .._version import __version__
+from ..client import NoPrimaryFound
 from ..errors import FastlockError
 from ..wal import WalCorruption
 from . import admin, config, demo, elect, locks, run, serve, top
@@ -105,8 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if not isinstance(exc, (FastlockError, WalCorruption, OSError, TimeoutError, ValueError)):
             raise  # a bug: keep the traceback
-        print_error(args, command, describe(args, exc), type(exc).__name__)
+        print_error(args, command, describe(args, exc), public_name(exc))
         return 1
+
+
+def public_name(exc: BaseException) -> str:
+    """The error's class name for a script: a failed search for the primary is a ``ConnectionLost``."""
+    return "ConnectionLost" if isinstance(exc, NoPrimaryFound) else type(exc).__name__
 
 
 def describe(args: argparse.Namespace, exc: BaseException) -> str:
@@ -120,4 +126,4 @@ def describe(args: argparse.Namespace, exc: BaseException) -> str:
         return f"{where}{'cannot connect: ' if where and not exc.filename else ''}{what}"
     if isinstance(exc, (OSError, TimeoutError)):
         return f"{where}{exc or type(exc).__name__}"
-    return f"{where}{type(exc).__name__}: {exc}"
+    return f"{where}{public_name(exc)}: {exc}"

@@ -10,7 +10,9 @@ shared (read) lock that any number of commands hold together while no
 exclusive holder does.
 
 Acquires ``NAME`` (waiting in the lock's FIFO queue at most ``--wait``
-seconds; forever by default), starts ``CMD`` with the lease's fencing token in
+seconds, finding the primary included: a failover under way is waited out
+within it, or within 15 s without ``--wait``; the lock itself is waited for
+forever by default), starts ``CMD`` with the lease's fencing token in
 its environment, renews the lease in the background (about every ttl/3, with
 jitter) while ``CMD`` runs, and releases it when ``CMD`` exits.
 
@@ -62,7 +64,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..auth import read_token_file
-from ..client import connect, resolve_credential
+from ..client import FAILOVER_TIMEOUT, connect, resolve_credential
 from ..errors import (
     AuthError,
     ConnectionLost,
@@ -120,7 +122,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttl", type=ttl_arg, default=10.0, metavar="S",
                    help="lease TTL in seconds, > 0 and at most 3600 (1 hour), renewed about every ttl/3 (default 10)")
     p.add_argument("--wait", type=wait_arg, default=None, metavar="S",
-                   help="give up if not acquired within S seconds, at most 86400 (default: wait forever; "
+                   help="give up if not acquired within S seconds, finding the primary during a failover "
+                        "included; at most 86400 (default: wait forever, after finding the primary within 15 s; "
                         "0: try once)")
     kind = p.add_mutually_exclusive_group()
     kind.add_argument("--limit", type=_limit_arg, default=0, metavar="N",
@@ -234,10 +237,15 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
     client = None
     try:
         try:
-            client = await connect(*servers, auth=secret, client_name=client_name, **client_tls_options(args))
+            # --wait covers finding the primary: a connect during a failover rides through it that long
+            started = loop.time()
+            client = await connect(*servers, auth=secret, client_name=client_name,
+                                   failover_timeout=FAILOVER_TIMEOUT if args.wait is None else args.wait,
+                                   **client_tls_options(args))
+            wait = None if args.wait is None else max(0.0, args.wait - (loop.time() - started))
             reporter = asyncio.ensure_future(_report_holder(client, args.name))
             try:
-                lease = await client.lock(args.name, ttl=args.ttl, wait=args.wait,
+                lease = await client.lock(args.name, ttl=args.ttl, wait=wait,
                                           correlation_id=f"fastlock run: {' '.join(command)}"[:256],
                                           shared=args.shared, limit=args.limit)
             finally:

@@ -4,6 +4,8 @@ Modules, each readable alone:
 
 - :mod:`~fastlock.client.connection` - finding the primary, the connection,
   riding through a failover, liveness;
+- :mod:`~fastlock.client.sweep` - what each address answered in a sweep, and the
+  first connect's wait for a primary during a failover;
 - :mod:`~fastlock.client.lease` - :class:`Lease` (immutable), its shared
   :class:`LeaseState`, :class:`LeaseHealth`, :class:`WatchEvent`;
 - :mod:`~fastlock.client.renewer` - the one renewal loop (locks, multi-locks,
@@ -32,9 +34,11 @@ from .kinds import Semaphore
 from .lease import IN_JEOPARDY, LOST, SAFE, HolderInfo, Lease, LeaseHealth, LeaseState, WatchEvent
 from .multilock import LockManyContext, MultiLease
 from .renewer import Renewer
+from .sweep import FAILOVER_TIMEOUT, AddressAnswer, NoPrimaryFound
 
 __all__ = ["connect", "Client", "Lease", "LeaseState", "LeaseHealth", "LockContext", "MultiLease",
            "LockManyContext", "WatchEvent", "HolderInfo", "Election", "Term", "Leader", "Renewer", "resolve_credential",
            "DEFAULT_PORT", "LATE_GRANT_FRACTION", "SAFE", "IN_JEOPARDY", "LOST", "RETRYABLE", "ClientConnection",
            "Connector", "RideThrough", "KeyValue", "KeyList", "KeyEvent",
-           "LeaseInfo", "LockInfo", "LockList", "WaiterInfo", "Semaphore", "PrincipalRevocation"]
+           "LeaseInfo", "LockInfo", "LockList", "WaiterInfo", "Semaphore", "PrincipalRevocation",
+           "FAILOVER_TIMEOUT", "AddressAnswer", "NoPrimaryFound"]

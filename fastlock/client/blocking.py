@@ -53,6 +53,7 @@ from .keys import SyncKeyMethods
 from .kinds import MAX_CONTENDERS, SyncSemaphore
 from .lease import HolderInfo, Lease, WatchEvent
 from .multilock import MultiLease
+from .sweep import FAILOVER_TIMEOUT
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,9 @@ class SyncClient(SyncKeyMethods):
     Args:
         *addresses: ``"host:port"`` strings or ``(host, port)`` tuples (as
             :func:`fastlock.connect`; default ``127.0.0.1:7420``).
-        auth, token, token_file, client_name, connect_timeout: as :func:`fastlock.connect`.
+        auth, token, token_file, client_name, connect_timeout, failover_timeout: as
+            :func:`fastlock.connect` (connecting rides through a failover under way
+            for at most ``failover_timeout`` seconds).
         tls, tls_ca, tls_cert, tls_key, server_hostname: TLS, as :func:`fastlock.connect`.
         request_timeout: seconds of server silence, while any call is
             outstanding, after which the connection is dropped and the calls
@@ -168,7 +171,8 @@ class SyncClient(SyncKeyMethods):
     ``loop.time()`` is ``time.monotonic()``, so threads can compare deadlines).
 
     Raises:
-        ConnectionLost: no address accepted a connection as primary.
+        ConnectionLost: no address accepted a connection as primary
+            (``NoPrimaryFound``: each address's answer is in it).
         AuthError: the token or secret was refused.
     """
 
@@ -176,12 +180,13 @@ class SyncClient(SyncKeyMethods):
                  connect_timeout: float = 5.0, request_timeout: float | None = 5.0, token: str | None = None,
                  token_file: Any = None,
                  tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, server_hostname: str | None = None):
+                 tls_key: str | None = None, server_hostname: str | None = None,
+                 failover_timeout: float | None = FAILOVER_TIMEOUT):
         self._closed = False
         self._make_client: Callable[[], Client] = lambda: Client(
             addresses, auth=auth, client_name=client_name, connect_timeout=connect_timeout,
             request_timeout=request_timeout, token=token, token_file=token_file, tls=tls, tls_ca=tls_ca,
-            tls_cert=tls_cert, tls_key=tls_key, server_hostname=server_hostname)
+            tls_cert=tls_cert, tls_key=tls_key, server_hostname=server_hostname, failover_timeout=failover_timeout)
         self._open()
         try:
             self.call(self._async_client.ensure_connected())

@@ -32,7 +32,16 @@ from ..tokens import epoch_of
 from ..units import check_seconds
 from .acquire import AcquireRequest, HeldLeases, acquire_retry, duration_ms, verify_late_grant, with_actor
 from .admin import LockAdminMethods
-from .connection import BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
+from .calls import call
+from .connection import (
+    BACKOFF_FIRST,
+    BACKOFF_MAX,
+    RETRYABLE,
+    ClientConnection,
+    Connector,
+    RideThrough,
+    resolve_credential,
+)
 from .election import Election
 from .environment import addresses_from_env, tls_from_env
 from .keys import KeyMethods
@@ -41,6 +50,7 @@ from .lease import HolderInfo, Lease, LeaseState, WatchEvent, check_fraction, ch
 from .multilock import LockManyContext, MultiLease, acquire_many, release_many, sorted_names
 from .owner_keys import new_owner_key
 from .renewer import LockContext, Renewer, Renewers
+from .sweep import FAILOVER_TIMEOUT, find_primary
 from .watch import watch_events
 
 log = logging.getLogger(__name__)
@@ -97,7 +107,8 @@ class Client(KeyMethods, LockAdminMethods):
                  connect_timeout: float = 5.0, request_timeout: float | None = 5.0, token: str | None = None,
                  token_file: str | os.PathLike[str] | None = None,
                  tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, server_hostname: str | None = None):
+                 tls_key: str | None = None, server_hostname: str | None = None,
+                 failover_timeout: float | None = FAILOVER_TIMEOUT):
         addresses = addresses_from_env(addresses)
         tls, files = tls_from_env(tls, {"tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key,
                                         "server_hostname": server_hostname})
@@ -107,6 +118,7 @@ class Client(KeyMethods, LockAdminMethods):
         client_name = P.check_optional_str(client_name, "client name", P.MAX_CLIENT_NAME_CHARS)
         self._connect_timeout = check_seconds(connect_timeout, "connect_timeout")
         self._request_timeout = check_seconds(request_timeout, "request_timeout", allow_none=True)
+        self._failover_timeout = check_seconds(failover_timeout, "failover_timeout", allow_none=True, allow_zero=True)
         ssl_context = client_ssl_context(tls, tls_ca, tls_cert, tls_key)
         if server_hostname is not None:
             if type(server_hostname) is not str or not server_hostname:
@@ -159,29 +171,16 @@ class Client(KeyMethods, LockAdminMethods):
         return self._request_timeout
 
     async def ensure_connected(self, deadline: float | None = None) -> ClientConnection:
-        """Connect to the primary now if not connected (:func:`connect` does
-        this); ``deadline`` is a ``loop.time()`` bound.
-
-        Raises:
-            ConnectionLost: no address accepted a connection as primary.
-            AuthError: the credential was refused.
-        """
-        return await self._connector.ensure_connected(deadline)
+        """Connect to the primary now if not connected (:func:`connect` does this), riding through
+        a failover under way until ``deadline`` (``loop.time()`` s; default: ``failover_timeout``
+        from now) as :func:`fastlock.client.sweep.find_primary` says (its errors: ``NoPrimaryFound``,
+        a ``ConnectionLost`` giving each address's answer; ``AuthError``)."""
+        return await find_primary(self._connector, deadline, self._failover_timeout, BACKOFF_FIRST, BACKOFF_MAX)
 
     async def _request(self, op: int, *args: Any) -> Any:
         """Send one request and return its reply's value, riding through a
-        failover within ``request_timeout`` (see :class:`Client`)."""
-        proto = self._connector.proto
-        if proto is not None and not proto.closed:
-            started = proto.loop.time()
-            try:
-                return await proto.request(op, *args)
-            except RETRYABLE as exc:
-                if self._connector.closed:
-                    raise
-                return await RideThrough(self._connector, started + self._op_timeout).send(op, args, proto, exc)
-        deadline = asyncio.get_running_loop().time() + self._op_timeout
-        return await RideThrough(self._connector, deadline).send(op, args)
+        failover within ``request_timeout`` (see :class:`Client` and :mod:`fastlock.client.calls`)."""
+        return await call(self._connector, op, args, self._op_timeout)
 
     async def close(self) -> None:
         """Stop auto-renewals and close the connection.

@@ -9,6 +9,7 @@ from collections.abc import Generator
 from typing import Any
 
 from .client import Client
+from .sweep import FAILOVER_TIMEOUT
 
 __all__ = ["connect"]
 
@@ -40,7 +41,8 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
             connect_timeout: float = 5.0, request_timeout: float | None = 5.0, token: str | None = None,
             token_file: str | os.PathLike[str] | None = None,
             tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-            tls_key: str | None = None, server_hostname: str | None = None) -> _ConnectContext:
+            tls_key: str | None = None, server_hostname: str | None = None,
+            failover_timeout: float | None = FAILOVER_TIMEOUT) -> _ConnectContext:
     """Connect to a fastlock primary.
 
     Args:
@@ -78,6 +80,15 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
         server_hostname: the name the server certificates must carry (default:
             the host of each address, so an IP address must be in the
             certificate's subjectAltName).
+        failover_timeout: seconds (default 15; ``None``: no limit; 0: one
+            sweep) that connecting keeps looking for the primary while a
+            failover is under way: while no address is a primary but some
+            answers as a fastlock node that is not one now (a standby, a node
+            promoting, a fenced primary), the addresses are swept again with
+            backoff (20 ms doubling to 0.5 s, with jitter).  A sweep in which
+            no address answers so (every one refused, unreachable, timed out,
+            or a TLS or protocol failure) fails at once.  Also the bound of
+            every later reconnect made by :meth:`Client.ensure_connected`.
 
     Example::
 
@@ -86,9 +97,10 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
             ...
 
     Raises (when awaited):
-        ConnectionLost: no address accepted a connection as primary (an
-            untrusted server certificate, or one refusing this client's, is
-            named in the message).
+        NoPrimaryFound: (a :class:`ConnectionLost`) no address accepted a
+            connection as primary; its ``answers`` and its message say what
+            each address answered (an untrusted server certificate, or one
+            refusing this client's, is named there).
         AuthError: the token or secret was refused (or needed and missing).
 
     Raises at once: ``InvalidArgument`` for contradictory TLS arguments;
@@ -102,6 +114,6 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
                                   connect_timeout=connect_timeout, request_timeout=request_timeout,
                                   token=token, token_file=token_file,
                                   tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-                                  server_hostname=server_hostname))
+                                  server_hostname=server_hostname, failover_timeout=failover_timeout))
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import random
 import ssl
 from collections.abc import Callable, Iterable
@@ -35,6 +36,7 @@ from ..protocol.rpc import NotFastlockReply, RpcConnection, answers_tls_hello, w
 from ..units import parse_address
 from .keywatch import KeyWatches
 from .lease import WatchEvent
+from .sweep import AddressAnswer, NoPrimaryFound, Outcome
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +237,11 @@ class Connector:
         deposed/fenced/``Unavailable`` (a fenced primary is used only when no
         other address is a primary)."""
         loop = asyncio.get_running_loop()
-        errors = []
+        answers: list[AddressAnswer] = []
+
+        def answer(addr: Address, reason: str, outcome: Outcome) -> None:
+            answers.append(AddressAnswer(addr[0], addr[1], reason, outcome))
+
         later = self._suspects | self._demoted
         candidates = [a for a in self.addresses if a not in later]
         candidates += [a for a in self.addresses if a in self._suspects and a not in self._demoted]
@@ -270,11 +276,14 @@ class Connector:
                 )
             except asyncio.TimeoutError:
                 self._suspects.add(addr)
-                errors.append(f"{addr[0]}:{addr[1]}: connect timed out after {self._connect_timeout} s")
+                answer(addr, f"connect timed out after {self._connect_timeout} s", Outcome.DOWN)
                 continue
             except (OSError, OverflowError) as exc:
                 hint = _REFUSED_CERT_HINT if self._ssl is not None and isinstance(exc, ConnectionResetError) else ""
-                errors.append(f"{addr[0]}:{addr[1]}: {exc or type(exc).__name__}{hint}")
+                final = isinstance(exc, (ssl.SSLError, OverflowError))  # a certificate refused, a bad port
+                errno = exc.errno if isinstance(exc, OSError) and not final else None
+                said = os.strerror(errno) if errno else exc  # asyncio's own text repeats the address
+                answer(addr, f"{said or type(exc).__name__}{hint}", Outcome.FINAL if final else Outcome.DOWN)
                 continue
             handshake = ClientHandshake(self._auth, expect_node=self._nodes.get(addr))
             try:
@@ -284,7 +293,7 @@ class Connector:
                     self._nodes[addr] = handshake.server_node
             except NotPrimary as exc:
                 proto.close()
-                errors.append(f"{addr[0]}:{addr[1]}: not primary (primary: {exc.primary})")
+                answer(addr, f"not primary (primary: {exc.primary})", Outcome.WAITING)
                 if exc.primary:
                     redirect(exc.primary)
                 else:
@@ -293,48 +302,49 @@ class Connector:
             except Unavailable as exc:
                 proto.close()
                 self._demoted.add(addr)
-                errors.append(f"{addr[0]}:{addr[1]}: unavailable: {exc}")
+                answer(addr, f"unavailable: {exc}", Outcome.WAITING)
                 continue
             except ServerNotProven as exc:  # nothing but HELLO went to it: try the others
                 proto.abort(exc)
                 self._demoted.add(addr)
-                errors.append(f"{addr[0]}:{addr[1]}: {exc}")
+                answer(addr, str(exc), Outcome.FINAL)
                 continue
             except (asyncio.TimeoutError, ConnectionLost) as exc:
                 if isinstance(exc, ConnectionLost) and not proto.silent:
                     proto.abort(exc)
                     if isinstance(exc, NotFastlockReply):  # it answered, not in fastlock's protocol
                         what = what_answered(exc.head, self._ssl is not None, _ASK_FOR_TLS)
-                        errors.append(f"{addr[0]}:{addr[1]}: {what} ({exc})")
+                        answer(addr, f"{what} ({exc})", Outcome.FINAL)
                     elif proto.received:  # it spoke fastlock and closed (its reason is in exc)
-                        errors.append(f"{addr[0]}:{addr[1]}: handshake failed: {exc}")
+                        answer(addr, f"handshake failed: {exc}", Outcome.DOWN)
                     else:  # closed without a byte: most likely a TLS port (or a refused client certificate)
                         hint = _REFUSED_CERT_HINT if self._ssl is not None else _PLAIN_TO_TLS_HINT
-                        errors.append(f"{addr[0]}:{addr[1]}: handshake failed: {exc}{hint}")
+                        answer(addr, f"handshake failed: {exc}{hint}", Outcome.DOWN)
                     continue
                 # silent (the handshake's deadline, or the liveness watchdog on the same timeout)
                 proto.abort(ConnectionLost("handshake timed out"))
                 self._suspects.add(addr)
                 waited = self._request_timeout if isinstance(exc, ConnectionLost) else self._connect_timeout
                 if self._ssl is None and await answers_tls_hello(*addr):  # a TLS server never speaks first
-                    errors.append(f"{addr[0]}:{addr[1]}: no handshake reply within {waited:g} s, but a TLS hello "
-                                  f"is answered: a TLS port ({_ASK_FOR_TLS})")
+                    answer(addr, f"no handshake reply within {waited:g} s, but a TLS hello is answered: a TLS port "
+                                 f"({_ASK_FOR_TLS})", Outcome.FINAL)
                 else:
-                    errors.append(f"{addr[0]}:{addr[1]}: no handshake reply within {waited:g} s: not a fastlock "
-                                  f"server (or a stalled one)")
+                    answer(addr, f"no handshake reply within {waited:g} s: not a fastlock server (or a stalled one)",
+                           Outcome.DOWN)
                 continue
             except BaseException:
                 proto.abort(ConnectionLost("handshake failed"))
                 raise
             if not isinstance(info, dict):
                 proto.abort(ConnectionLost("bad handshake reply"))
-                errors.append(f"{addr[0]}:{addr[1]}: bad handshake reply {info!r}")
+                answer(addr, f"bad handshake reply {info!r}", Outcome.FINAL)
                 continue
             self.max_epoch = max(self.max_epoch, info.get("epoch", 0) if type(info.get("epoch")) is int else 0)
             if info.get("role") != "primary":
                 proto.close()
                 primary = info.get("primary")
-                errors.append(f"{addr[0]}:{addr[1]}: not the primary (role {info.get('role')}, primary: {primary})")
+                waits = Outcome.DOWN if info.get("role") == "deposed" else Outcome.WAITING  # deposed: none soon
+                answer(addr, f"not the primary (role {info.get('role')}, primary: {primary})", waits)
                 if primary:
                     redirect(primary)
                 if info.get("role") != "standby":  # deposed, promoting: not a primary soon
@@ -344,7 +354,7 @@ class Connector:
                 # a primary that is not granting (its standby may have taken over): try the
                 # other addresses first, and come back to it only if none is a primary
                 proto.close()
-                errors.append(f"{addr[0]}:{addr[1]}: primary is fenced (not granting)")
+                answer(addr, "primary is fenced (not granting)", Outcome.WAITING)
                 self._demoted.add(addr)
                 deferred.add(addr)
                 tried.discard(addr)
@@ -352,7 +362,7 @@ class Connector:
                 continue
             log.debug("connected to %s:%d (session %s)", addr[0], addr[1], info.get("session"))
             return proto, info
-        raise ConnectionLost("could not connect to a fastlock primary: " + "; ".join(errors))
+        raise NoPrimaryFound(tuple(answers))
 
     def _tls_arguments(self, addr: Address) -> dict[str, Any]:
         """``create_connection`` arguments for TLS to ``addr`` (none for plain TCP): the
@@ -534,8 +544,8 @@ class RideThrough:
             try:
                 return await connector.ensure_connected(self.deadline)
             except ConnectionLost as exc:
-                if connector.closed:
-                    raise
+                if connector.closed or (isinstance(exc, NoPrimaryFound) and exc.final):
+                    raise  # closed, or every address gave an answer that sweeping again cannot change
                 left = self.left()
                 if self.last is None or left is None or left > 0:
                     self.last = exc  # at the deadline, the error of a sweep that ended says more
