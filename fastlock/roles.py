@@ -258,8 +258,9 @@ class NodeRole:
         if action in self._admitted:
             return
         if self._sync_held and not self._fenced and self._role is Role.PRIMARY:  # only ACQUIRE is refused then
-            raise Unavailable(f"this primary's synchronous standby has not acknowledged within --sync-timeout: "
-                              f"{action.name.lower()} refused, nothing changed; retry")
+            raise Unavailable(f"this primary's synchronous standby has not acknowledged within --sync-timeout "
+                              f"(strict: --sync-on-timeout fence): {action.name.lower()} refused, nothing "
+                              f"changed; retry")
         role = self._role
         if role is Role.STANDBY:
             raise NotPrimary(f"this node is a standby (primary: {self.primary_address})", self.primary_address)

@@ -119,10 +119,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     s.add_argument("--sync-timeout", type=positive_seconds_arg, default=2.0, metavar="SECONDS",
                    help="with --replication sync, how long a reply waits for the standby before "
                         "--sync-on-timeout applies (default 2)")
-    s.add_argument("--sync-on-timeout", choices=("fence", "degrade"), default="fence",
-                   help="with --replication sync, when the standby has not acknowledged in --sync-timeout: fence "
-                        "(default: waiting replies fail with Unavailable, no grants until it is back) or degrade "
-                        "(acknowledge without it, as async, until it catches up; logged CRITICAL, in metrics)")
+    s.add_argument("--sync-on-timeout", choices=("degrade", "fence"), default="degrade",
+                   help="with --replication sync, when the standby has not acknowledged in --sync-timeout, or "
+                        "none is attached: degrade (default, as Patroni's synchronous_mode: acknowledge without "
+                        "it, as async, until it catches up; logged CRITICAL, in status and metrics) or fence (the "
+                        "strict mode, as Patroni's synchronous_mode_strict: waiting replies fail with Unavailable "
+                        "and no lock is granted until a standby has caught up)")
     s.add_argument("--coordinator", metavar="etcd://HOST:PORT[,HOST:PORT]/PREFIX",
                    help="let etcd decide which node of the group is primary (any number of standbys; needs "
                         "fastlock[etcd]); every node of the group names the same etcd and prefix")

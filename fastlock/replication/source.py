@@ -356,6 +356,7 @@ class ReplicationSource:
             replica.contact_ms = echoed_ms
             if echoed_ms > self._contact_ms:
                 self._contact_ms = echoed_ms
+            self.sync.on_contact(echoed_ms)  # a degrade waits for the standby to hear it
             if not self.coordinated and (self.paired_id is None or self._paired_window_ms != replica.failover_after_ms
                     or self.paired_id != replica.name):
                 # a standby that echoed our heartbeat is real: pair with it (persisted)
