@@ -78,7 +78,8 @@ TRANSITIONS: dict[tuple[Role, Role], str] = {
         "stepped down: a newer epoch exists (a standby's STEP_DOWN, deposed.json at start, or the "
         "etcd primary key lost)",
     (Role.DEPOSED, Role.STANDBY):
-        "rejoining: the coordinator (--coordinator) names the primary to follow, or none (it may bid again)",
+        "rejoining: the coordinator (--coordinator) names the primary to follow, or none (it may bid again); "
+        "or, in a pair, the paired standby answers as the primary at a higher epoch",
 }
 
 

@@ -207,9 +207,11 @@ def test_manual_promote_of_an_unreachable_primary_waits_for_its_fence(cluster):
         assert json.loads(res.stdout)["primary_confirmed"] is False
         assert "promote: still working: role promoting" in res.stderr, res.stderr  # progress while it waits
         assert any("did not confirm stepping down" in line for line in s.lines)
-        # by the time the standby serves, the old primary has fenced itself
-        assert (await status_of(p.address))["replication"]["fenced"]
-        with pytest.raises(Unavailable):  # to be repeated at the new primary
+        # by the time the standby serves, the old primary has fenced itself - and, as it reaches the new
+        # primary's own address (only the link through the proxy is cut), may have rejoined it already
+        st = await status_of(p.address)
+        assert st["role"] == "standby" or st["replication"]["fenced"], st
+        with pytest.raises((Unavailable, NotPrimary, ConnectionLost)):  # to be repeated at the new primary
             await holder.request(P.OP_RELEASE, "x", token, owner)
         with pytest.raises(ConnectionLost):  # fenced a whole window: told to look elsewhere, never granted
             await asyncio.wait_for(queued, 5)

@@ -25,6 +25,22 @@ Promotion (:meth:`FailoverPolicy.promote`)
     (logged), following its primary again unless the new epoch already
     reached the log; it never stays ``PROMOTING``.
 
+Rejoining (:meth:`FailoverPolicy.check_peer`)
+    A primary fenced while paired with a standby that fails over by itself
+    (restarted while paired, or resumed after a pause, or cut off) asks the
+    node at the standby's announced address, once a second while it stays
+    fenced, what it is now (:func:`~fastlock.replication.rejoin.ask_peer`,
+    with this node's replica credential and the standby's node id expected).
+    If that node is the primary at a higher epoch, this node steps down
+    (``deposed.json``, as on ``STEP_DOWN``), forgets its pairing and follows
+    it as its standby: the new primary's snapshot replaces its table, and
+    every lease it held that the new primary does not - granted or extended
+    here and never acknowledged by the standby, or released there since - is
+    discarded and logged one by one (as pg_rewind discards a diverged
+    primary's tail).  It never grants meanwhile: it is fenced until it steps
+    down.  When it cannot follow (no replica credential, the node refuses
+    it), its log names the address to restart it ``--standby-of``.
+
 Stepping down (:meth:`FailoverPolicy.on_step_down_request`)
     Only on an explicit ``STEP_DOWN`` whose epoch is exactly above the node's
     own (at most epoch + 1, within ``MAX_EPOCH``); a client's HELLO never
@@ -44,8 +60,10 @@ from typing import TYPE_CHECKING, Any
 from .. import protocol as P
 from ..errors import FastlockError, InvalidArgument, NotPrimary, Unavailable
 from ..replication import DEPOSED_FILE, ReplicationSource, StandbyFollower, read_deposed, write_deposed
+from ..replication.messages import standby_identity
+from ..replication.rejoin import PeerAnswer, ask_peer
 from ..roles import Role
-from ..units import monotonic_ms
+from ..units import monotonic_ms, parse_address
 from .tasks import BackgroundTasks
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -53,6 +71,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from .coordinated import CoordinatedNode
 
 log = logging.getLogger(__name__)
+
+#: how often a fenced paired primary asks its standby's address what is there (seconds)
+PEER_CHECK_INTERVAL_S = 1.0
 
 
 def check_step_down_epoch(epoch: Any, own_epoch: int) -> int:
@@ -102,6 +123,8 @@ class FailoverPolicy:
         #: etcd decides who is primary (``--coordinator``); None: the pair decides
         self.coordinated: CoordinatedNode | None = None
         self._auto_retry_at_ms = 0
+        self._peer_check: asyncio.Task | None = None
+        self._peer_said: str | None = None  # the last thing logged about the peer (each said once)
 
     # -- start ---------------------------------------------------------------------------------
     def on_start(self) -> None:
@@ -118,6 +141,8 @@ class FailoverPolicy:
                          marker.get("epoch"), marker.get("why"), DEPOSED_FILE)
         else:
             self.source.load_pairing()
+            if self.coordinated is None:
+                self._arm_peer_check()
             grace = host.node_state.grace_ms
             if grace:
                 host.roles.hold_grace(self.clock() + grace, "restarted during its promotion grace: "
@@ -159,6 +184,81 @@ class FailoverPolicy:
                 self.host.node_state.grace_ended()
 
         self.host.loop.call_later(grace_ms / 1000.0, ended)
+
+    # -- rejoining as the new primary's standby -------------------------------------------------
+    def _arm_peer_check(self) -> None:
+        self.host.loop.call_later(PEER_CHECK_INTERVAL_S, self._peer_tick)
+
+    def _peer_tick(self) -> None:
+        if self.host.roles.role is not Role.PRIMARY:
+            return  # a standby or deposed node: nothing more to find
+        if self.host.roles.fenced and (self._peer_check is None or self._peer_check.done()):
+            self._peer_check = self.tasks.spawn(self.check_peer(), "ask the paired standby's address")
+        self._arm_peer_check()
+
+    def _say(self, level: int, message: str, *args: object) -> None:
+        text = message % args
+        if text != self._peer_said:
+            self._peer_said = text
+            log.log(level, "%s", text)
+
+    async def check_peer(self) -> PeerAnswer | None:
+        """A fenced paired primary: ask the paired standby's address what is there, and
+        rejoin as its standby if it is the primary at a higher epoch (see the module
+        docstring).  Returns the answer, or None when there was nothing to ask."""
+        host = self.host
+        roles = host.roles
+        address = self.source.paired_address
+        if roles.role is not Role.PRIMARY or not roles.fenced or self.coordinated is not None or address is None:
+            return None
+        if self.follower is None:
+            self._say(logging.CRITICAL, "fenced, and this node has no replica credential (--standby-token-file or "
+                      "a replica --tls-cert) to ask its paired standby at %s whether it was promoted: if it was, "
+                      "restart this node with --standby-of %s", address, address)
+            return None
+        expect = standby_identity(self.source.paired_id or "").partition("/")[2] or None
+        answer = await ask_peer(self.follower.link, address, expect, host.table.epoch)
+        if roles.role is not Role.PRIMARY or not roles.fenced:
+            return answer  # unfenced (the standby came back) or stepped down meanwhile
+        if answer.role == "primary" and answer.epoch > host.table.epoch:
+            self.rejoin(answer)
+        elif answer.role == "primary":
+            self._say(logging.WARNING, "the paired standby's address %s answers as a primary at epoch %d, not above "
+                      "this node's %d: not following it; still fenced", address, answer.epoch, host.table.epoch)
+        elif answer.role == "standby":
+            self._say(logging.INFO, "the paired standby at %s is a standby (of %s): waiting for it to attach",
+                      address, answer.follows)
+        else:
+            self._say(logging.WARNING, "fenced: cannot ask the paired standby at %s whether it was promoted (%s); "
+                      "retrying every %g s - if another node is the primary, restart this node with --standby-of "
+                      "it", address, answer.error, PEER_CHECK_INTERVAL_S)
+        return answer
+
+    def rejoin(self, answer: PeerAnswer) -> None:
+        """Step down for the primary ``answer`` names and follow it as its standby.
+
+        Raises:
+            NotPrimary: this node is not a primary with a follower (nothing changes).
+        """
+        host = self.host
+        follower = self._standby_follower()
+        if host.roles.role is not Role.PRIMARY:
+            raise NotPrimary(f"this node is {host.roles.role.value}: it has nothing to rejoin from", None)
+        address = answer.address
+        self.step_down(f"the paired standby at {address} is the primary at epoch {answer.epoch}", answer.epoch)
+        self.source.stand_down()  # no pairing, no heartbeats: a standby from now on
+        host.roles.transition(Role.STANDBY, f"rejoining: following the new primary at {address} "
+                                            f"(epoch {answer.epoch})")
+        host.roles.primary_address = address
+        host.node_state.set_standby_of(address)  # a restart follows it too
+        follower.link.primary = parse_address(address, default_port=None)
+        follower.refused = None
+        follower.synced = False
+        follower.rejoining = True  # the first snapshot logs every lease it discards
+        follower.start()
+        log.warning("REJOINING as a standby of %s (epoch %d, this node's was %d): its snapshot replaces this "
+                    "node's table; leases it lacks are discarded (logged)", address, answer.epoch,
+                    host.table.epoch)
 
     # -- stepping down ------------------------------------------------------------------------
     def on_step_down_request(self, epoch: Any, seen_primary_ms: Any, requester: str) -> dict:
