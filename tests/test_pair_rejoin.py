@@ -1,0 +1,211 @@
+"""A pair that keeps serving and heals itself, against real processes (kill -9, SIGSTOP).
+
+- a sync pair run with the README's flags (``--replication sync`` on both nodes)
+  keeps granting after an automatic failover: the promoted node has no standby,
+  so it degrades (Patroni's default), says so in its status, and returns to
+  ``in_sync`` once the old primary is back as its standby;
+- with ``--sync-on-timeout fence`` (strict) the promoted node refuses grants
+  with ``Unavailable`` naming the strict mode, and says why in its status;
+- a sync primary whose standby is killed: without ``--failover-after`` it keeps
+  granting (degraded); with it, the heartbeat fence holds grants until the
+  standby is back (restarted by its supervisor with the same flags) - no operator;
+- an old primary restarted with its original flags after a failover becomes
+  the new primary's standby by itself, discards (and logs, lease by lease) the
+  grants it made that never reached the standby, and every token keeps rising;
+  restarted again with the same flags it follows the new primary again;
+- a paused old primary, resumed after the standby promoted, rejoins it too.
+
+Every wait has a deadline; servers are stopped by PID (the ``cluster`` fixture).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fastlock._testbase.cluster import RawNode, poll, run, status_of
+from fastlock.errors import LockNotAcquired, NotPrimary, Unavailable
+
+FAILOVER = 1.0  # --failover-after, seconds
+SYNC = ["--replication", "sync"]
+EPOCH_SHIFT = 40
+
+
+def epoch(token: int) -> int:
+    return token >> EPOCH_SHIFT
+
+
+def sync_of(status: dict) -> dict:
+    return status["replication"]["sync"]
+
+
+async def log_line(srv, pattern: str, timeout: float, start: int = 0) -> str:
+    return await asyncio.to_thread(srv.wait_for_log, pattern, timeout, start)
+
+
+async def grant(address: str, name: str, ttl_ms: int = 30_000, timeout: float = 15) -> int:
+    """A grant of the free lock ``name`` at ``address`` (retried while it is refused), its token."""
+    node = await RawNode.open(address)
+    try:
+        async def attempt():
+            try:
+                return (await asyncio.wait_for(node.acquire(name, ttl_ms), 5))[0]
+            except (LockNotAcquired, Unavailable, NotPrimary, asyncio.TimeoutError):
+                return None
+
+        return await poll(attempt, lambda t: t is not None, timeout=timeout, what=f"a grant of {name!r}")
+    finally:
+        await node.close()
+
+
+def test_sync_pair_with_the_readme_flags_keeps_granting_after_a_failover_and_heals(cluster):
+    a = cluster.primary("a", args=SYNC)
+    b = cluster.standby(a.address, "b", failover_after=FAILOVER, args=SYNC)
+
+    async def main():
+        await poll(lambda: status_of(a.address), lambda st: sync_of(st)["state"] == "in_sync", timeout=10,
+                   what="in sync")
+        before = await grant(a.address, "before")
+        a.kill()
+        line = await log_line(b, r"PROMOTED to primary", 15)
+        assert "no new grants for 0 ms (grace)" in line, line  # in sync: no grace under the default policy
+        tokens = [await grant(b.address, f"after/{i}", timeout=5) for i in range(5)]  # never held, never hung
+        assert all(epoch(t) == 1 for t in tokens) and min(tokens) > before
+        st = await status_of(b.address)
+        assert sync_of(st)["state"] == "degraded" and sync_of(st)["degraded_because"] == "no standby is attached"
+        await log_line(b, r"DEGRADED to asynchronous: no standby is attached", 5)
+
+        # the old primary restarted by its supervisor with its original flags: b's standby by itself
+        a2 = cluster.restart(a)
+        await log_line(a2, r"REJOINING as a standby of " + b.address, 15)
+        await poll(lambda: status_of(b.address), lambda st: sync_of(st)["state"] == "in_sync", timeout=15,
+                   what="the new primary back in sync with the old one as its standby")
+        st = await status_of(a2.address)
+        assert st["role"] == "standby" and st["replication"]["primary"] == b.address, st
+        assert (await grant(b.address, "healed")) > max(tokens)
+
+    run(main(), timeout=90)
+
+
+def test_strict_mode_refuses_grants_without_a_standby_and_says_why(cluster):
+    strict = [*SYNC, "--sync-on-timeout", "fence", "--sync-timeout", "0.5"]
+    a = cluster.primary("a", args=strict)
+    b = cluster.standby(a.address, "b", failover_after=FAILOVER, args=strict)
+
+    async def main():
+        await poll(lambda: status_of(a.address), lambda st: sync_of(st)["state"] == "in_sync", timeout=10,
+                   what="in sync")
+        a.kill()
+        await log_line(b, r"PROMOTED to primary", 15)
+        node = await RawNode.open(b.address)
+        try:
+            with pytest.raises(Unavailable, match="synchronous replication timed out"):
+                await asyncio.wait_for(node.acquire("x", 30_000), 10)  # waited --sync-timeout for a standby
+            with pytest.raises(Unavailable, match=r"strict: --sync-on-timeout fence"):
+                await asyncio.wait_for(node.acquire("y", 30_000), 5)  # refused at once while held
+        finally:
+            await node.close()
+        st = await status_of(b.address)
+        assert sync_of(st)["state"] == "held" and "not acknowledged" in sync_of(st)["held_because"], st
+        await log_line(b, r"--sync-on-timeout fence: strict", 5)
+
+    run(main(), timeout=60)
+
+
+@pytest.mark.parametrize("failover_after", [None, FAILOVER], ids=["manual-failover", "automatic-failover"])
+def test_a_sync_primary_keeps_granting_when_its_standby_is_killed(cluster, failover_after):
+    a = cluster.primary("a", args=SYNC)
+    b = cluster.standby(a.address, "b", failover_after=failover_after, args=SYNC)
+
+    async def main():
+        await poll(lambda: status_of(a.address), lambda st: sync_of(st)["state"] == "in_sync", timeout=10,
+                   what="in sync")
+        first = await grant(a.address, "first")
+        b.kill()
+        if failover_after is None:
+            # nothing can promote without the operator: it degrades and keeps granting
+            assert (await grant(a.address, "alone", timeout=10)) > first
+            st = await status_of(a.address)
+            assert sync_of(st)["state"] == "degraded", st
+        else:
+            # a standby that fails over by itself may be alive behind a partition: the primary fences
+            # until it is back; its supervisor restarts it with the same flags, and grants resume
+            await poll(lambda: status_of(a.address), lambda st: st["replication"]["fenced"], timeout=10,
+                       what="the fence")
+        b2 = cluster.restart(b)
+        await log_line(b2, r"replicating from", 10)
+        await poll(lambda: status_of(a.address), lambda st: sync_of(st)["state"] == "in_sync", timeout=15,
+                   what="back in sync")
+        assert (await grant(a.address, "again")) > first
+
+    run(main(), timeout=60)
+
+
+def test_old_primary_restarted_with_its_flags_discards_its_unacknowledged_tail_and_follows(cluster):
+    # async, so that the old primary can acknowledge grants its standby never receives: the
+    # standby follows through a proxy, and the proxy stops passing bytes first
+    a = cluster.primary("a")
+    px = cluster.proxy(a.address)
+    b = cluster.standby(px.address, "b", failover_after=3.0, grace=0.5)
+
+    async def main():
+        shared = await grant(a.address, "shared")  # replicated: the same lease on both
+        await poll(lambda: status_of(b.address), lambda st: st["locks_held"] == 1, timeout=5, what="replicated")
+        px.pause()  # the link is cut: a keeps granting until its fence closes (3 s - 0.75 s)
+        tail = [await grant(a.address, f"tail/{i}", timeout=1) for i in range(3)]
+        assert (await status_of(a.address))["replication"]["fenced"] is False
+        a.kill()
+        await log_line(b, r"PROMOTED to primary", 15)
+        taken = await grant(b.address, "tail/0")  # b never heard of a's tail/0: free there after the grace
+        assert epoch(taken) == 1 and taken > max(tail)
+
+        a2 = cluster.restart(a)  # the original flags, a new port
+        fenced = await log_line(a2, r"no word from the standby", 10)
+        assert "since this node started" in fenced and b.address in fenced, fenced
+        await log_line(a2, r"REJOINING as a standby of " + b.address, 15)
+        summary = await log_line(a2, r"rejoined .* discarding what its snapshot", 15)
+        assert "3 leases" in summary, summary
+        for i, token in enumerate(tail):
+            await log_line(a2, rf"rejoin discarded lease 'tail/{i}' token {token} ", 5)
+        st = await poll(lambda: status_of(a2.address), lambda s: s["role"] == "standby"
+                        and s["replication"]["synced"], timeout=10, what="a2 synced as a standby")
+        assert st["epoch"] == 1 and st["locks_held"] == 2, st  # shared and b's tail/0
+        node = await RawNode.open(a2.address)
+        try:
+            with pytest.raises(NotPrimary):
+                await node.acquire("tail/1", 1000)  # a standby grants nothing, at any epoch
+        finally:
+            await node.close()
+        later = await grant(b.address, "later")
+        assert later > taken > max(tail) > shared  # tokens keep rising across the whole sequence
+
+        # restarted again with the same flags: it follows b again (its node-state.json says so)
+        a2.stop()
+        a3 = cluster.restart(a2)
+        await log_line(a3, r"started without --standby-of: following " + b.address, 10)
+        await log_line(a3, r"replicating from", 10)
+        assert (await status_of(a3.address))["role"] == "standby"
+
+    run(main(), timeout=120)
+
+
+def test_a_paused_old_primary_rejoins_the_promoted_standby_when_resumed(cluster):
+    a = cluster.primary("a")
+    b = cluster.standby(a.address, "b", failover_after=FAILOVER, grace=0.5)
+
+    async def main():
+        before = await grant(a.address, "x")
+        a.pause()
+        try:
+            await log_line(b, r"PROMOTED to primary", 15)
+        finally:
+            a.resume()
+        await log_line(a, r"REJOINING as a standby of " + b.address, 15)
+        st = await poll(lambda: status_of(a.address), lambda s: s["role"] == "standby" and s["replication"]["synced"],
+                        timeout=10, what="the old primary synced as a standby")
+        assert st["epoch"] == 1, st
+        assert (await grant(b.address, "y")) > before
+
+    run(main(), timeout=60)
+
