@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
 from ..errors import FastlockError, ProtocolError
+from ..logsafe import quote
 from ..roles import Role
 from ..units import monotonic_ms, wall_ms
 from ..wal import Epoch, Expire, Extend, Grant, LeaseMeta, LockDelay, Record, Release, Revoke, apply, decode_frames
 from ..wal.keyspace import KeySpace
 from ..wal.records import KeyDelete, KeyPut
 from ..wal.records import decode as decode_record
-from ..logsafe import quote
 from .link import PrimaryLink
 from .messages import Heartbeat, SnapshotHolder, heartbeat_interval_ms, standby_identity
 from .syncrep import SyncStatus

@@ -559,5 +559,5 @@ class SyncStatus:
             # fence: it never acknowledges a grant its standby lacks; degrade: not before this
             # standby has heard that it is no longer in sync (it would not be in sync then)
             policy = self.on_timeout.value if self.on_timeout is not None else "sync"
-            return f"in sync with a primary that never acknowledges a grant its standby lacks while it says so ({policy})"
+            return f"in sync with a primary that acknowledges no grant its standby lacks while it says so ({policy})"
         return None

@@ -59,7 +59,15 @@ from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
 from ..errors import FastlockError, InvalidArgument, NotPrimary, Unavailable
-from ..replication import DEPOSED_FILE, ReplicationSource, StandbyFollower, read_deposed, write_deposed
+from ..replication import (
+    DEPOSED_FILE,
+    STATE_FILE,
+    NodeState,
+    ReplicationSource,
+    StandbyFollower,
+    read_deposed,
+    write_deposed,
+)
 from ..replication.messages import standby_identity
 from ..replication.rejoin import PeerAnswer, ask_peer
 from ..roles import Role
@@ -68,12 +76,33 @@ from .tasks import BackgroundTasks
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..replication.host import ReplicationHost
+    from .config import ServerConfig
     from .coordinated import CoordinatedNode
 
 log = logging.getLogger(__name__)
 
 #: how often a fenced paired primary asks its standby's address what is there (seconds)
 PEER_CHECK_INTERVAL_S = 1.0
+
+
+def primary_to_follow(config: ServerConfig, state: NodeState) -> tuple[str, int] | None:
+    """The primary a node follows at start: ``--standby-of`` (recorded in ``state``); else, for
+    a node with a replica credential outside an etcd group, the one its ``node-state.json``
+    names (a standby, or an old primary that rejoined its promoted standby, restarted without
+    ``--standby-of``); else None (the node starts as a primary, and a standby's data directory
+    is refused there)."""
+    if config.standby_of is not None:
+        state.set_standby_of(f"{config.standby_of[0]}:{config.standby_of[1]}")
+        return config.standby_of
+    may_follow = config.standby_token is not None or bool(config.tls_cert)
+    if config.coordinator or not may_follow or not state.standby_of:
+        return None
+    try:
+        address = parse_address(state.standby_of, default_port=None)
+    except FastlockError:
+        return None
+    log.warning("started without --standby-of: following %s, the primary %s names", state.standby_of, STATE_FILE)
+    return address
 
 
 def check_step_down_epoch(epoch: Any, own_epoch: int) -> int:
@@ -186,6 +215,12 @@ class FailoverPolicy:
         self.host.loop.call_later(grace_ms / 1000.0, ended)
 
     # -- rejoining as the new primary's standby -------------------------------------------------
+    def listening(self, address: str) -> None:
+        """The node serves clients at ``address`` (``host:port``): a standby announces it to its
+        primary, which looks for it there after a failover."""
+        if self.follower is not None:
+            self.follower.link.advertise = address
+
     def _arm_peer_check(self) -> None:
         self.host.loop.call_later(PEER_CHECK_INTERVAL_S, self._peer_tick)
 

@@ -66,7 +66,7 @@ from ..logsafe import quote
 from ..replication import STATE_FILE, NodeState, ReplicationSource, StandbyFollower, node_id
 from ..roles import Action, NodeRole, Role
 from ..tls import ServerTLS, client_context
-from ..units import format_address, monotonic_ms, parse_address
+from ..units import format_address, monotonic_ms
 from ..wal import DataDirInUse, HolderSlices, WriteAheadLog, secure_directory
 from ..wal.log import paused_gc
 from . import lockdelays
@@ -74,7 +74,7 @@ from .admission import ConnectionLimits, PrincipalQuotas
 from .config import ServerConfig, check_limits
 from .coordinated import CoordinatedNode, claim_data_dir
 from .endpoints import Endpoints
-from .failover import FailoverPolicy
+from .failover import FailoverPolicy, primary_to_follow
 from .handlers import Handlers, refusal
 from .keys import KeyStore
 from .kinds import expired_log, grant_reply, reply_id, unacked_log, undelivered_log, waiter_left
@@ -137,17 +137,7 @@ class LockServer:
             writer=config.wal_writer.value,
         )
         self.node_state = NodeState(config.data_dir)
-        # a replica credential to follow a primary with: a primary may rejoin its new primary as a standby
-        may_follow = config.standby_token is not None or bool(config.tls_cert)
-        standby_of = config.standby_of
-        #: the primary this node follows because its node-state.json says so (started without --standby-of)
-        self.follows_recorded: str | None = None
-        if standby_of is None and not config.coordinator and may_follow and self.node_state.standby_of:
-            try:
-                standby_of = parse_address(self.node_state.standby_of, default_port=None)
-                self.follows_recorded = self.node_state.standby_of
-            except FastlockError:
-                standby_of = None  # refused at start as a standby's data directory
+        standby_of = primary_to_follow(config, self.node_state)  # --standby-of, or the one it followed
         primary_address = f"{standby_of[0]}:{standby_of[1]}" if standby_of else None
         #: the node's role, fence and grace: every "may this node ... now?" is asked here
         self.roles = NodeRole(Role.STANDBY if standby_of or config.coordinator else Role.PRIMARY,
@@ -164,12 +154,9 @@ class LockServer:
         # source.sync: synchronous replication, grant and extend replies wait for the standby (async: a no-op)
         self.source = ReplicationSource(self, fence_margin_ms=config.fence_margin_ms, sync=config.sync_settings())
         self.follower: StandbyFollower | None = None
-        if standby_of or config.coordinator or may_follow:
-            if config.standby_of:
-                self.node_state.set_standby_of(primary_address)
+        if standby_of or config.coordinator or config.standby_token is not None or config.tls_cert:
             ident = node_id(config.data_dir)
-            # coordinated: follows nobody until etcd names a primary (CoordinatedNode.on_primary);
-            # a primary: nobody until it rejoins a promoted standby (FailoverPolicy.rejoin)
+            # nobody until etcd names a primary (CoordinatedNode.on_primary), or it rejoins one (FailoverPolicy)
             self.follower = StandbyFollower(self, standby_of or ("127.0.0.1", 0), config.failover_after_ms,
                                             token=config.standby_token,
                                             name=f"{config.name}@{ident}" if config.name else ident,
@@ -296,8 +283,7 @@ class LockServer:
         self.failover.on_start()  # a deposed primary stays deposed; a paired one may start fenced
         self._rearm()
         host, port = await self.endpoints.listen(config.host, config.port, self._make_session)
-        if self.follower is not None:  # announced to the primary: where it finds this node after a failover
-            self.follower.link.advertise = config.advertise or format_address((host, port))
+        self.failover.listening(config.advertise or format_address((host, port)))
         log.info(
             "listening on %s:%d (fastlock %s, %s, fsync=%s, data dir %s, %s)",
             host, port, __version__, self.role, config.fsync.value, os.path.abspath(config.data_dir),
@@ -318,9 +304,6 @@ class LockServer:
                 await self.close()
                 raise
         elif self.follower is not None and self.roles.role is Role.STANDBY:
-            if self.follows_recorded is not None:
-                log.warning("started without --standby-of: following %s, the primary %s names", self.follows_recorded,
-                            STATE_FILE)
             self.follower.start()
         self.limits.start()
 
