@@ -209,3 +209,27 @@ def test_a_paused_old_primary_rejoins_the_promoted_standby_when_resumed(cluster)
 
     run(main(), timeout=60)
 
+
+
+def test_both_nodes_with_the_same_flags_fail_over_and_back_by_themselves(cluster):
+    # --failover-after on the primary too: the window it follows with once it has rejoined
+    a = cluster.primary("a", args=[*SYNC, "--failover-after", str(FAILOVER)])
+    b = cluster.standby(a.address, "b", failover_after=FAILOVER, args=SYNC)
+
+    async def main():
+        first = await grant(a.address, "first")
+        a.kill()
+        await log_line(b, r"PROMOTED to primary", 15)
+        second = await grant(b.address, "second")
+        a2 = cluster.restart(a)
+        await log_line(a2, r"REJOINING as a standby of " + b.address, 15)
+        await log_line(a2, r"paired: primary .* fences itself for this standby \(failover window 1000 ms\)", 15)
+        await poll(lambda: status_of(b.address), lambda st: sync_of(st)["state"] == "in_sync", timeout=15,
+                   what="b in sync with a as its standby")
+        b.kill()
+        line = await log_line(a2, r"PROMOTED to primary", 15)
+        assert "no new grants for 0 ms (grace)" in line, line
+        third = await grant(a2.address, "third")
+        assert [epoch(t) for t in (first, second, third)] == [0, 1, 2] and first < second < third
+
+    run(main(), timeout=90)
