@@ -15,7 +15,8 @@ A fastlock node is in exactly one :class:`Role` at a time:
     A former primary that learned of a newer epoch; refuses every lock
     operation with ``NotPrimary(primary=None)``, for good (it is restarted as a
     standby of the new primary) - or, run with ``--coordinator``, until etcd
-    names the primary it then follows as a standby.
+    names the primary it then follows as a standby; or, in a pair, at once when
+    it found its paired standby promoted (it follows it).
 
 Two conditions qualify a primary:
 

@@ -328,3 +328,43 @@ def test_serve_alone_stops_waiting_for_a_stopped_sync_standby(cluster):
         await node.close()
 
     run(main(), timeout=30)
+
+
+@pytest.mark.parametrize("heard", [True, False], ids=["standby-hears", "standby-silent"])
+def test_a_degrade_acknowledges_nothing_until_a_paired_standby_heard_it(monkeypatch, heard):
+    """A paired standby with a failover window, last told "in sync", may promote without a
+    grace period: a degrading primary holds the replies until the standby echoes a heartbeat
+    sent after the "not in sync" status, and fails them a further --sync-timeout later."""
+    from fastlock.replication import syncrep
+
+    clock = [1_000]
+    monkeypatch.setattr(syncrep, "monotonic_ms", lambda: clock[0])
+    gate, host, standby = _gate(monkeypatch, waiting=8)
+    gate.source.fencing = True  # paired with a standby that fails over by itself
+    outcomes: list = []
+
+    def grant(lsn: int) -> None:
+        host.wal.logged_lsn = lsn
+        gate.after(lambda error=None: outcomes.append((lsn, error)))()
+
+    grant(1)
+    gate.on_ack(standby, 1)
+    assert gate.in_sync and gate.status_push() is not None  # the standby is told "in sync"
+    grant(2)
+    clock[0] += 2_000  # --sync-timeout (2 s) without an acknowledgement
+    host.timers.pop()()
+    st = gate.status()
+    assert st["state"] == "degraded" and st["standby_heard_degrade"] is False, st
+    assert outcomes == [(1, None)]  # LSN 2 still waits: the standby may believe it is in sync
+    gate.on_contact(clock[0] - 1)  # an echo of a heartbeat sent before the degrade proves nothing
+    assert outcomes == [(1, None)]
+    if heard:
+        gate.on_contact(clock[0] + 1)
+        assert outcomes == [(1, None), (2, None)] and gate.status()["standby_heard_degrade"]
+        grant(3)  # degraded and heard: acknowledged at once
+        assert outcomes[-1] == (3, None)
+    else:
+        clock[0] += 2_000  # another --sync-timeout: the silent standby is fenced against anyway
+        host.timers.pop()()
+        assert outcomes[-1][0] == 2 and isinstance(outcomes[-1][1], Unavailable)
+        assert "has not confirmed" in str(outcomes[-1][1])

@@ -351,24 +351,26 @@ class SyncGate:
             return
         now = monotonic_ms()
         lsn, _, since = self.waiting[0]
-        deadline = since + self._timeout_ms()
+        unheard = self.degraded and self.unheard_since_ms is not None
+        # degraded and not yet heard: a reply waits a whole timeout from the degrade at least
+        deadline = (max(since, self.unheard_since_ms or 0) if unheard else since) + self._timeout_ms()
         if now < deadline:
             self._arm(deadline)
             return
         why = (f"the standby has not acknowledged LSN {lsn} within --sync-timeout {self._timeout_ms()} ms "
                f"(it has LSN {self.acked_lsn})")
-        if self.degraded and self.unheard_since_ms is not None:
+        if unheard:
             # the standby has not heard of the degrade: what waited a whole timeout fails (it is
             # silent, and the heartbeat fence stops this primary soon), what is younger waits on
             error = self._refusal("degraded, and the standby has not confirmed it heard so")
             while self.waiting and self.waiting[0][2] + self._timeout_ms() <= now:
                 _call(self.waiting.popleft()[1], error)
-            if self.waiting:
-                self._arm(self.waiting[0][2] + self._timeout_ms())
         elif self._degrades():
             self._degrade(why)
         else:
             self._fence(why)
+        if self.waiting and self._timer is None:  # still unheard: the next check
+            self._arm(max(self.waiting[0][2], self.unheard_since_ms or 0) + self._timeout_ms())
 
     def _fence(self, why: str) -> None:
         self.held_upto = self.host.wal.logged_lsn
