@@ -233,3 +233,37 @@ def test_both_nodes_with_the_same_flags_fail_over_and_back_by_themselves(cluster
         assert [epoch(t) for t in (first, second, third)] == [0, 1, 2] and first < second < third
 
     run(main(), timeout=90)
+
+
+def test_a_degrade_waits_until_the_paused_standby_has_heard_it(cluster):
+    # the standby fails over by itself and was told "in sync": the degraded primary acknowledges
+    # nothing without it until it has read "not in sync" (it could promote without a grace otherwise)
+    # --sync-timeout 1: degraded after 1 s, the held replies fail 1 s later, the fence is at 2.25 s
+    a = cluster.primary("a", args=[*SYNC, "--sync-timeout", "1"])
+    b = cluster.standby(a.address, "b", failover_after=3.0, args=SYNC)
+
+    async def main():
+        await poll(lambda: status_of(a.address), lambda st: sync_of(st)["state"] == "in_sync", timeout=10,
+                   what="in sync")
+        node = await RawNode.open(a.address)
+        try:
+            b.pause()  # well within the fence (3 s - 0.75 s)
+            try:
+                acquire = asyncio.ensure_future(node.acquire("during", 30_000))
+                await log_line(a, r"DEGRADED to asynchronous", 5)
+                done, _ = await asyncio.wait({acquire}, timeout=0.2)
+                assert not done, "acknowledged while the standby may still believe it is in sync"
+                st = await status_of(a.address)
+                assert sync_of(st)["state"] == "degraded" and not sync_of(st)["standby_heard_degrade"], st
+            finally:
+                b.resume()
+            token, _, _ = await asyncio.wait_for(acquire, 5)  # released once the standby has echoed
+            await log_line(b, r"primary says this standby is not in sync", 5)
+            await log_line(a, r"heard that it is no longer in sync", 5)
+            await poll(lambda: status_of(a.address), lambda st: sync_of(st)["state"] == "in_sync", timeout=10,
+                       what="back in sync")
+            assert (await asyncio.wait_for(node.acquire("after", 30_000), 5))[0] > token
+        finally:
+            await node.close()
+
+    run(main(), timeout=60)
