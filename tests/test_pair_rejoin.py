@@ -267,3 +267,30 @@ def test_a_degrade_waits_until_the_paused_standby_has_heard_it(cluster):
             await node.close()
 
     run(main(), timeout=60)
+
+
+def test_a_sync_primary_alone_degrades_once_and_says_so_in_status_and_metrics(cluster):
+    import re
+    import urllib.request
+
+    a = cluster.primary("a", args=[*SYNC, "--metrics", "127.0.0.1:0"])
+    url = re.search(r"(http://\S+/metrics)", a.wait_for_log(r"metrics on http://")).group(1)
+
+    def scrape() -> dict[str, float]:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(fastlock_sync_\w+) (\S+)$", text, re.M)}
+
+    async def main():
+        tokens = [await grant(a.address, f"alone/{i}", timeout=5) for i in range(3)]  # no --sync-timeout wait
+        assert tokens == sorted(tokens)
+        st = await status_of(a.address)
+        assert sync_of(st)["state"] == "degraded" and sync_of(st)["degradations"] == 1, st
+        # the exporter refreshes its snapshot once a second
+        values = await poll(lambda: asyncio.to_thread(scrape), lambda v: v.get("fastlock_sync_degraded") == 1,
+                            timeout=5, what="fastlock_sync_degraded 1", interval=0.1)
+        assert values["fastlock_sync_degraded"] == 1 and values["fastlock_sync_held"] == 0, values
+        assert values["fastlock_sync_degradations_total"] == 1, values
+        assert sum("DEGRADED to asynchronous" in line for line in a.lines) == 1  # once per transition
+
+    run(main(), timeout=40)
