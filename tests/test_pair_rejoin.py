@@ -294,3 +294,26 @@ def test_a_sync_primary_alone_degrades_once_and_says_so_in_status_and_metrics(cl
         assert sum("DEGRADED to asynchronous" in line for line in a.lines) == 1  # once per transition
 
     run(main(), timeout=40)
+
+
+def test_paused_primaries_rejoin_each_other_back_and_forth(cluster):
+    # both nodes with the same --failover-after: each pause promotes the other, each resume rejoins
+    a = cluster.primary("a", args=["--failover-after", str(FAILOVER), "--promotion-grace", "0.5"])
+    b = cluster.standby(a.address, "b", failover_after=FAILOVER, grace=0.5)
+
+    async def main():
+        tokens = [await grant(a.address, "t0")]
+        for n, (old, new) in enumerate([(a, b), (b, a)], start=1):
+            start_new, start_old = len(new.lines), len(old.lines)
+            old.pause()
+            try:
+                await log_line(new, r"PROMOTED to primary", 15, start_new)
+            finally:
+                old.resume()
+            await log_line(old, r"REJOINING as a standby of " + new.address, 15, start_old)
+            await log_line(old, r"paired: primary .* fences itself for this standby", 15, start_old)
+            tokens.append(await grant(new.address, f"t{n}"))
+            assert epoch(tokens[-1]) == n
+        assert tokens == sorted(tokens)
+
+    run(main(), timeout=90)

@@ -153,6 +153,7 @@ class FailoverPolicy:
         self.coordinated: CoordinatedNode | None = None
         self._auto_retry_at_ms = 0
         self._peer_check: asyncio.Task | None = None
+        self._peer_timer: asyncio.TimerHandle | None = None  # the next look at the fence (a primary's)
         self._peer_said: str | None = None  # the last thing logged about the peer (each said once)
 
     # -- start ---------------------------------------------------------------------------------
@@ -170,8 +171,7 @@ class FailoverPolicy:
                          marker.get("epoch"), marker.get("why"), DEPOSED_FILE)
         else:
             self.source.load_pairing()
-            if self.coordinated is None:
-                self._arm_peer_check()
+            self._arm_peer_check()
             grace = host.node_state.grace_ms
             if grace:
                 host.roles.hold_grace(self.clock() + grace, "restarted during its promotion grace: "
@@ -222,11 +222,21 @@ class FailoverPolicy:
             self.follower.link.advertise = address
 
     def _arm_peer_check(self) -> None:
-        self.host.loop.call_later(PEER_CHECK_INTERVAL_S, self._peer_tick)
+        """Look at the fence once a second while this node is a primary of a pair (started as
+        one, or promoted): fenced, it asks its paired standby's address (:meth:`check_peer`)."""
+        if self._peer_timer is None and self.coordinated is None:
+            self._peer_timer = self.host.loop.call_later(PEER_CHECK_INTERVAL_S, self._peer_tick)
+
+    def close(self) -> None:
+        """Stop looking at the fence (the server is closing)."""
+        if self._peer_timer is not None:
+            self._peer_timer.cancel()
+            self._peer_timer = None
 
     def _peer_tick(self) -> None:
+        self._peer_timer = None
         if self.host.roles.role is not Role.PRIMARY:
-            return  # a standby or deposed node: nothing more to find
+            return  # a standby or deposed node: nothing more to find (a promotion arms it again)
         if self.host.roles.fenced and (self._peer_check is None or self._peer_check.done()):
             self._peer_check = self.tasks.spawn(self.check_peer(), "ask the paired standby's address")
         self._arm_peer_check()
@@ -498,6 +508,7 @@ class FailoverPolicy:
                                  max(0, deadline - h.ttl_ms), h.shared, h.limit)
         table.drain_events()
         host.roles.transition(Role.PRIMARY, f"promoted ({reason}) at epoch {epoch}", grace_until_ms=now + grace)
+        self._arm_peer_check()  # fenced later (its new standby silent), it looks for a newer primary
         table.expire(now)  # leases whose kept deadline passed: logged and WAL-recorded like any expiry
         host.after_batch()
         if grace:

@@ -338,6 +338,7 @@ class LockServer:
         log.info("shutting down: %d sessions, %d locks held", len(self.limits.sessions), len(self.table))
         self.endpoints.close()
         self.source.close()
+        self.failover.close()
         if self.failover.coordinated is not None:
             await self.failover.coordinated.close()
         if self.follower is not None:
