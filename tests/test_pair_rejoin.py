@@ -21,6 +21,7 @@ Every wait has a deadline; servers are stopped by PID (the ``cluster`` fixture).
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 
@@ -317,3 +318,25 @@ def test_paused_primaries_rejoin_each_other_back_and_forth(cluster):
         assert tokens == sorted(tokens)
 
     run(main(), timeout=90)
+
+
+def test_a_primary_deposed_by_a_manual_promotion_follows_the_new_primary(cluster):
+    a = cluster.primary("a")
+    b = cluster.standby(a.address, "b")  # promotion by command only
+
+    async def main():
+        first = await grant(a.address, "first", ttl_ms=1_000)  # the longest TTL: b's grace after the promotion
+        await poll(lambda: status_of(b.address), lambda st: st["replication"]["applied_lsn"] >= 1, timeout=5,
+                   what="replicated")
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "fastlock", "promote", "--server",
+                                                    b.address, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0, err
+        await log_line(a, r"REJOINING as a standby of " + b.address, 15)
+        st = await poll(lambda: status_of(a.address), lambda s: s["role"] == "standby" and s["replication"]["synced"],
+                        timeout=10, what="the deposed primary synced as a standby")
+        assert st["epoch"] == 1 and st["locks_held"] == 0, st  # "first" ran out on b (1 s): a discards it too
+        assert (await grant(b.address, "second")) > first
+
+    run(main(), timeout=60)

@@ -31,9 +31,9 @@ if TYPE_CHECKING:  # pragma: no cover
 class PeerAnswer(NamedTuple):
     """What the node at the paired standby's address said.
 
-    ``role`` is ``"primary"`` (it authenticated this node as a replica, so it is
-    a primary or promoting), ``"standby"`` (it answered ``NotPrimary`` naming
-    ``follows``), or None when it could not be asked (``error`` says why).
+    ``role`` is ``"primary"`` or ``"promoting"`` (it authenticated this node as a
+    replica), ``"standby"`` (it answered ``NotPrimary`` naming ``follows``), or
+    None when it could not be asked (``error`` says why).
     ``epoch`` is its epoch (0 when unknown).
     """
 
@@ -75,4 +75,4 @@ async def ask_peer(link: PrimaryLink, address: str, expect_node: str | None, own
     if type(epoch) is not int or not 0 <= epoch <= P.MAX_EPOCH or hello.get("role") not in ("primary", "promoting"):
         return PeerAnswer(address, None, 0, None, f"an unexpected answer: role {hello.get('role')!r}, "
                                                   f"epoch {epoch!r}")
-    return PeerAnswer(address, "primary", epoch, None, None)
+    return PeerAnswer(address, hello["role"], epoch, None, None)

@@ -27,9 +27,9 @@ Promotion (:meth:`FailoverPolicy.promote`)
 
 Rejoining (:meth:`FailoverPolicy.check_peer`)
     A primary fenced while paired with a standby that fails over by itself
-    (restarted while paired, or resumed after a pause, or cut off) asks the
-    node at the standby's announced address, once a second while it stays
-    fenced, what it is now (:func:`~fastlock.replication.rejoin.ask_peer`,
+    (restarted while paired, or resumed after a pause, or cut off), or one
+    deposed by its standby's ``STEP_DOWN``, asks the node at the standby's
+    announced address, once a second while it stays so, what it is now (:func:`~fastlock.replication.rejoin.ask_peer`,
     with this node's replica credential and the standby's node id expected).
     If that node is the primary at a higher epoch, this node steps down
     (``deposed.json``, as on ``STEP_DOWN``), forgets its pairing and follows
@@ -66,6 +66,7 @@ from ..replication import (
     ReplicationSource,
     StandbyFollower,
     read_deposed,
+    read_pairing,
     write_deposed,
 )
 from ..replication.messages import standby_identity
@@ -166,9 +167,14 @@ class FailoverPolicy:
         marker = read_deposed(host.data_dir)
         if marker is not None and marker.get("epoch", 0) > host.table.epoch:
             host.roles.transition(Role.DEPOSED, f"{DEPOSED_FILE}: stepped down for epoch {marker.get('epoch')}")
-            log.critical("this node stepped down for epoch %s (%s) and stays deposed: restart it with "
-                         "--standby-of the current primary (or delete %s to override)",
-                         marker.get("epoch"), marker.get("why"), DEPOSED_FILE)
+            pairing = read_pairing(host.data_dir)
+            self.source.paired_address = pairing.address if pairing is not None else None
+            log.critical("this node stepped down for epoch %s (%s) and stays deposed until it follows the primary "
+                         "at its paired standby's address (%s) once that answers, or it is restarted with "
+                         "--standby-of the current primary (or %s is deleted to override)",
+                         marker.get("epoch"), marker.get("why"), self.source.paired_address or "never announced",
+                         DEPOSED_FILE)
+            self._arm_peer_check()
         else:
             self.source.load_pairing()
             self._arm_peer_check()
@@ -235,9 +241,10 @@ class FailoverPolicy:
 
     def _peer_tick(self) -> None:
         self._peer_timer = None
-        if self.host.roles.role is not Role.PRIMARY:
-            return  # a standby or deposed node: nothing more to find (a promotion arms it again)
-        if self.host.roles.fenced and (self._peer_check is None or self._peer_check.done()):
+        roles = self.host.roles
+        if roles.role not in (Role.PRIMARY, Role.DEPOSED):
+            return  # a standby: nothing more to find (a promotion arms it again)
+        if (roles.fenced or roles.role is Role.DEPOSED) and (self._peer_check is None or self._peer_check.done()):
             self._peer_check = self.tasks.spawn(self.check_peer(), "ask the paired standby's address")
         self._arm_peer_check()
 
@@ -247,14 +254,19 @@ class FailoverPolicy:
             self._peer_said = text
             log.log(level, "%s", text)
 
+    def _looking(self) -> bool:
+        """Is this node one that looks for a newer primary: a fenced primary, or a deposed node?"""
+        roles = self.host.roles
+        return self.coordinated is None and ((roles.role is Role.PRIMARY and roles.fenced)
+                                             or roles.role is Role.DEPOSED)
+
     async def check_peer(self) -> PeerAnswer | None:
-        """A fenced paired primary: ask the paired standby's address what is there, and
-        rejoin as its standby if it is the primary at a higher epoch (see the module
-        docstring).  Returns the answer, or None when there was nothing to ask."""
+        """A fenced paired primary, or a deposed one: ask the paired standby's address what
+        is there, and rejoin as its standby if it is the primary at a higher epoch (see the
+        module docstring).  Returns the answer, or None when there was nothing to ask."""
         host = self.host
-        roles = host.roles
         address = self.source.paired_address
-        if roles.role is not Role.PRIMARY or not roles.fenced or self.coordinated is not None or address is None:
+        if not self._looking() or address is None:
             return None
         if self.follower is None:
             self._say(logging.CRITICAL, "fenced, and this node has no replica credential (--standby-token-file or "
@@ -263,13 +275,15 @@ class FailoverPolicy:
             return None
         expect = standby_identity(self.source.paired_id or "").partition("/")[2] or None
         answer = await ask_peer(self.follower.link, address, expect, host.table.epoch)
-        if roles.role is not Role.PRIMARY or not roles.fenced:
-            return answer  # unfenced (the standby came back) or stepped down meanwhile
+        if not self._looking():
+            return answer  # unfenced (the standby came back) meanwhile
         if answer.role == "primary" and answer.epoch > host.table.epoch:
             self.rejoin(answer)
         elif answer.role == "primary":
             self._say(logging.WARNING, "the paired standby's address %s answers as a primary at epoch %d, not above "
                       "this node's %d: not following it; still fenced", address, answer.epoch, host.table.epoch)
+        elif answer.role == "promoting":
+            self._say(logging.INFO, "the paired standby at %s is promoting", address)
         elif answer.role == "standby":
             self._say(logging.INFO, "the paired standby at %s is a standby (of %s): waiting for it to attach",
                       address, answer.follows)
@@ -283,14 +297,15 @@ class FailoverPolicy:
         """Step down for the primary ``answer`` names and follow it as its standby.
 
         Raises:
-            NotPrimary: this node is not a primary with a follower (nothing changes).
+            NotPrimary: this node is not a primary or deposed, with a follower (nothing changes).
         """
         host = self.host
         follower = self._standby_follower()
-        if host.roles.role is not Role.PRIMARY:
+        if host.roles.role not in (Role.PRIMARY, Role.DEPOSED):
             raise NotPrimary(f"this node is {host.roles.role.value}: it has nothing to rejoin from", None)
         address = answer.address
-        self.step_down(f"the paired standby at {address} is the primary at epoch {answer.epoch}", answer.epoch)
+        if host.roles.role is Role.PRIMARY:
+            self.step_down(f"the paired standby at {address} is the primary at epoch {answer.epoch}", answer.epoch)
         self.source.stand_down()  # no pairing, no heartbeats: a standby from now on
         host.roles.transition(Role.STANDBY, f"rejoining: following the new primary at {address} "
                                             f"(epoch {answer.epoch})")
