@@ -371,8 +371,8 @@ def test_a_deposed_primary_stays_deposed_after_a_restart(cluster):
                 await node.acquire("L", 1000)
         finally:
             await node.close()
-        st = await poll(lambda: status_of(old.address), lambda st: st["role"] == "standby", timeout=10,
-                        what="the deposed node to follow the new primary")
+        st = await poll(lambda: status_of(old.address), lambda st: st["role"] == "standby"
+                        and st["replication"]["synced"], timeout=20, what="the deposed node to follow the new primary")
         assert st["replication"]["primary"] == s.address and st["epoch"] == 1, st
 
     run(main())
