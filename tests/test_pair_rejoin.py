@@ -336,7 +336,7 @@ def test_a_primary_deposed_by_a_manual_promotion_follows_the_new_primary(cluster
         await log_line(a, r"REJOINING as a standby of " + b.address, 15)
         st = await poll(lambda: status_of(a.address), lambda s: s["role"] == "standby" and s["replication"]["synced"],
                         timeout=10, what="the deposed primary synced as a standby")
-        assert st["epoch"] == 1 and st["locks_held"] == 0, st  # "first" ran out on b (1 s): a discards it too
+        assert st["epoch"] == 1, st
         assert (await grant(b.address, "second")) > first
 
     run(main(), timeout=60)

@@ -181,8 +181,10 @@ class ReplicationSource:
             raise Unavailable(
                 f"this primary is paired with standby {self.paired_id!r}; fastlock supports one standby. "
                 f"Run `fastlock serve-alone` on the primary to unpair it first")
-        if not coordinated and self.paired_id is not None and failover_after_ms != self._paired_window_ms:
-            # the window decides when this primary fences: only an operator changes it (serve-alone, re-pair)
+        if (not coordinated and self.paired_id is not None and self._paired_window_ms
+                and failover_after_ms != self._paired_window_ms):
+            # the window decides when this primary fences: only an operator changes it (serve-alone, re-pair);
+            # from 0 (no fence: that standby never promotes by itself) any window only adds a fence
             raise PermissionDenied(
                 f"this primary is paired with standby {self.paired_id!r} at a failover window of "
                 f"{self._paired_window_ms} ms; a re-attach cannot change it (asked for {failover_after_ms} ms). "
