@@ -340,3 +340,23 @@ def test_a_primary_deposed_by_a_manual_promotion_follows_the_new_primary(cluster
         assert (await grant(b.address, "second")) > first
 
     run(main(), timeout=60)
+
+
+def test_a_rejoined_old_primary_restarted_the_documented_way_pairs_with_its_window(cluster):
+    # rejoined with its primary's flags (no --failover-after: window 0), then restarted by an operator
+    # with --standby-of the new primary and --failover-after: the new primary pairs at that window
+    a = cluster.primary("a")
+    b = cluster.standby(a.address, "b", failover_after=FAILOVER, grace=0.5)
+
+    async def main():
+        await grant(a.address, "x", ttl_ms=1_000)
+        a.kill()
+        await log_line(b, r"PROMOTED to primary", 15)
+        a2 = cluster.restart(a)
+        await log_line(a2, r"paired: primary .* \(failover window 0 ms\)", 15)
+        a2.stop()
+        a3 = cluster._start(type(a2)(a2.data_dir, args=["--standby-of", b.address, "--failover-after", "1",
+                                                        "--name", "a", *cluster.auth_args("a")]))
+        await log_line(a3, r"paired: primary .* \(failover window 1000 ms\)", 15)
+
+    run(main(), timeout=60)
