@@ -360,3 +360,42 @@ def test_a_rejoined_old_primary_restarted_the_documented_way_pairs_with_its_wind
         await log_line(a3, r"paired: primary .* \(failover window 1000 ms\)", 15)
 
     run(main(), timeout=60)
+
+
+# -- the announced address and the pairing that keeps it (no processes) ---------------------------
+
+@pytest.mark.parametrize("announced, peer, expected", [
+    ("127.0.0.1:7421", "10.0.0.9", "127.0.0.1:7421"),
+    ("0.0.0.0:7421", "10.0.0.9", "10.0.0.9:7421"),  # listens everywhere: where its connection came from
+    ("[::]:7421", "10.0.0.9", "10.0.0.9:7421"),
+    (None, "10.0.0.9", None),  # an older standby announces none
+])
+def test_a_standby_address_is_where_it_serves_clients(announced, peer, expected):
+    from fastlock.replication.messages import standby_address
+
+    assert standby_address(announced, peer) == expected
+
+
+@pytest.mark.parametrize("announced", ["x", "host:0", "host:70000", 7421, ["h", 1], "h" * 300 + ":1"])
+def test_a_bad_announced_address_is_refused_and_changes_nothing(announced):
+    from fastlock.errors import InvalidArgument
+    from fastlock.replication.messages import standby_address
+
+    with pytest.raises(InvalidArgument, match="a standby's address"):
+        standby_address(announced, "10.0.0.9")
+
+
+def test_the_pairing_keeps_the_address_and_reads_one_without(tmp_path):
+    import json
+
+    from fastlock.errors import NodeFileDamaged
+    from fastlock.replication import PAIRING_FILE, Pairing, read_pairing, write_pairing
+
+    write_pairing(str(tmp_path), Pairing("b@node-2/abc", 1000, "127.0.0.1:7421"))
+    assert read_pairing(str(tmp_path)) == Pairing("b@node-2/abc", 1000, "127.0.0.1:7421")
+    (tmp_path / PAIRING_FILE).write_text(json.dumps({"standby": "node-2/abc", "failover_after_ms": 0}))
+    assert read_pairing(str(tmp_path)) == Pairing("node-2/abc", 0, None)  # written before addresses were kept
+    (tmp_path / PAIRING_FILE).write_text(json.dumps({"standby": "node-2/abc", "failover_after_ms": 0,
+                                                     "address": 7421}))
+    with pytest.raises(NodeFileDamaged, match="address"):
+        read_pairing(str(tmp_path))
