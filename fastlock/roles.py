@@ -15,7 +15,8 @@ A fastlock node is in exactly one :class:`Role` at a time:
     A former primary that learned of a newer epoch; refuses every lock
     operation with ``NotPrimary(primary=None)``, for good (it is restarted as a
     standby of the new primary) - or, run with ``--coordinator``, until etcd
-    names the primary it then follows as a standby.
+    names the primary it then follows as a standby; or, in a pair, at once when
+    it found its paired standby promoted (it follows it).
 
 Two conditions qualify a primary:
 
@@ -81,7 +82,8 @@ TRANSITIONS: dict[tuple[Role, Role], str] = {
         "stepped down: a newer epoch exists (a standby's STEP_DOWN, deposed.json at start, or the "
         "etcd primary key lost)",
     (Role.DEPOSED, Role.STANDBY):
-        "rejoining: the coordinator (--coordinator) names the primary to follow, or none (it may bid again)",
+        "rejoining: the coordinator (--coordinator) names the primary to follow, or none (it may bid again); "
+        "or, in a pair, the paired standby answers as the primary at a higher epoch",
 }
 
 
@@ -267,8 +269,9 @@ class NodeRole:
         if action in self._admitted:
             return
         if self._sync_held and not self._fenced and self._role is Role.PRIMARY:  # only ACQUIRE is refused then
-            raise Unavailable(f"this primary's synchronous standby has not acknowledged within --sync-timeout: "
-                              f"{action.name.lower()} refused, nothing changed; retry")
+            raise Unavailable(f"this primary's synchronous standby has not acknowledged within --sync-timeout "
+                              f"(strict: --sync-on-timeout fence): {action.name.lower()} refused, nothing "
+                              f"changed; retry")
         role = self._role
         if role is Role.STANDBY:
             raise NotPrimary(f"this node is a standby (primary: {self.primary_address})", self.primary_address)

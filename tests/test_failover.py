@@ -409,8 +409,11 @@ def test_paused_primary_grants_nothing_after_the_standby_promotes(cluster, tmp_p
                     old_grants.append(("waiter", fut.result()[0]))
             assert not [g for g in old_grants if epoch(g[1]) == 0], f"the old primary granted: {old_grants}"
             st = await status_of(p.address)
-            assert st["last_token"] == last_token, "the old primary issued a token after the pause"
-            assert st["replication"]["fenced"] or st["role"] != "primary"
+            if st["role"] == "primary":
+                assert st["last_token"] == last_token, "the old primary issued a token after the pause"
+                assert st["replication"]["fenced"]
+            else:  # it rejoined the new primary as its standby: every token it knows is the new primary's
+                assert st["role"] in ("standby", "deposed") and st["last_token"] >= last_token, st
             # it refuses to extend the stale lease too: the client, which knows no other
             # address, rides through until its deadline, then surfaces the refusal
             with pytest.raises((ConnectionLost, LeaseLost)) as refused:
@@ -491,8 +494,11 @@ def test_replication_link_down_no_two_nodes_grant_at_once(cluster, how):
         assert min(g.token for g in new) > max(g.token for g in hammer.grants if g.node == p.address)
         assert hammer.check_no_overlap_across_nodes() > 30
         st = await status_of(p.address)
-        assert st["replication"]["fenced"], "the old primary unfenced itself after the link healed"
-        assert st["last_token"] == fenced["last_token"]
+        if st["role"] == "primary":
+            assert st["replication"]["fenced"], "the old primary unfenced itself after the link healed"
+            assert st["last_token"] == fenced["last_token"]
+        else:  # it reached the new primary's own address (only the link was cut) and rejoined it
+            assert st["role"] == "standby" and st["epoch"] == 1, st
         print(f"\n{how}: fenced {fenced_at - down_at:.3f} s after the link went down, promoted "
               f"{promoted_at - down_at:.3f} s; {len(hammer.grants)} grants; healed at +{healed_at - down_at:.1f} s")
 
@@ -850,10 +856,13 @@ def test_a_client_that_saw_the_new_epoch_does_not_depose_the_fenced_old_primary(
             with pytest.raises((ConnectionLost, Unavailable, NotPrimary)):
                 await c.acquire("y", ttl=2.0, wait=0)
         st = await status_of(p.address)
-        assert st["role"] == "primary" and st["epoch"] == 0 and st["replication"]["fenced"], st
+        # fenced at its old epoch, or rejoined the new primary (found at its address) before it stopped:
+        # never a primary the client's epoch hint unfenced or deposed
+        assert (st["role"] == "primary" and st["epoch"] == 0 and st["replication"]["fenced"]) or (
+            st["role"] == "standby" and st["replication"]["primary"] == s.address), st
         node = await RawNode.open(p.address, known_epoch=1)
         try:
-            with pytest.raises(Unavailable):
+            with pytest.raises((Unavailable, NotPrimary)):
                 await node.acquire("y", 1000)
         finally:
             await node.close()

@@ -131,18 +131,20 @@ async def _first_free_grant_after_kill(cluster, args: list[str]) -> tuple[dict, 
     return status, elapsed, line
 
 
-def test_in_sync_promotion_grants_a_free_lock_without_grace(cluster):
-    status, after_promotion, line = run(_first_free_grant_after_kill(cluster, SYNC))
+@pytest.mark.parametrize("policy", [[], ["--sync-on-timeout", "fence"]], ids=["degrade-default", "fence-strict"])
+def test_in_sync_promotion_grants_a_free_lock_without_grace(cluster, policy):
+    # degrade (the default) acknowledges nothing without the standby while the standby's last word
+    # is "in sync" (it waits until the standby has heard otherwise): no grace, as strict
+    status, after_promotion, line = run(_first_free_grant_after_kill(cluster, [*SYNC, *policy]))
     assert "no new grants for 0 ms (grace)" in line, line
     assert any("promotion without a grace period: in sync" in x for x in cluster.servers[1].lines)
     assert status["grace_remaining_ms"] == 0, status
     assert after_promotion < 0.5, f"free lock granted {after_promotion:.2f} s after promotion"
 
 
-@pytest.mark.parametrize("args", [[], [*SYNC, "--sync-on-timeout", "degrade"]], ids=["async", "sync-degrade"])
-def test_promotion_keeps_the_grace_after_async_or_a_degrade_primary(cluster, args):
-    # a degrade primary may have degraded after the standby last heard it: grace, as async
-    status, after_promotion, line = run(_first_free_grant_after_kill(cluster, args))
+def test_promotion_keeps_the_grace_after_async(cluster):
+    # the standby of an asynchronous primary may lack grants the primary acknowledged: grace
+    status, after_promotion, line = run(_first_free_grant_after_kill(cluster, []))
     assert "no new grants for 2000 ms (grace)" in line, line
     assert status["grace_remaining_ms"] > 0, status
     assert after_promotion > 1.0, f"free lock granted {after_promotion:.2f} s after promotion (grace is 2 s)"
@@ -306,7 +308,7 @@ def test_a_bad_sync_ack_is_a_protocol_error_and_changes_nothing(monkeypatch, lsn
 def test_serve_alone_stops_waiting_for_a_stopped_sync_standby(cluster):
     from fastlock import protocol as P
 
-    primary = cluster.primary(args=[*SYNC, "--sync-timeout", "0.3"])
+    primary = cluster.primary(args=[*SYNC, "--sync-timeout", "0.3", "--sync-on-timeout", "fence"])
     standby = cluster.standby(primary.address, args=SYNC)
 
     async def main() -> None:
@@ -326,3 +328,43 @@ def test_serve_alone_stops_waiting_for_a_stopped_sync_standby(cluster):
         await node.close()
 
     run(main(), timeout=30)
+
+
+@pytest.mark.parametrize("heard", [True, False], ids=["standby-hears", "standby-silent"])
+def test_a_degrade_acknowledges_nothing_until_a_paired_standby_heard_it(monkeypatch, heard):
+    """A paired standby with a failover window, last told "in sync", may promote without a
+    grace period: a degrading primary holds the replies until the standby echoes a heartbeat
+    sent after the "not in sync" status, and fails them a further --sync-timeout later."""
+    from fastlock.replication import syncrep
+
+    clock = [1_000]
+    monkeypatch.setattr(syncrep, "monotonic_ms", lambda: clock[0])
+    gate, host, standby = _gate(monkeypatch, waiting=8)
+    gate.source.fencing = True  # paired with a standby that fails over by itself
+    outcomes: list = []
+
+    def grant(lsn: int) -> None:
+        host.wal.logged_lsn = lsn
+        gate.after(lambda error=None: outcomes.append((lsn, error)))()
+
+    grant(1)
+    gate.on_ack(standby, 1)
+    assert gate.in_sync and gate.status_push() is not None  # the standby is told "in sync"
+    grant(2)
+    clock[0] += 2_000  # --sync-timeout (2 s) without an acknowledgement
+    host.timers.pop()()
+    st = gate.status()
+    assert st["state"] == "degraded" and st["standby_heard_degrade"] is False, st
+    assert outcomes == [(1, None)]  # LSN 2 still waits: the standby may believe it is in sync
+    gate.on_contact(clock[0] - 1)  # an echo of a heartbeat sent before the degrade proves nothing
+    assert outcomes == [(1, None)]
+    if heard:
+        gate.on_contact(clock[0] + 1)
+        assert outcomes == [(1, None), (2, None)] and gate.status()["standby_heard_degrade"]
+        grant(3)  # degraded and heard: acknowledged at once
+        assert outcomes[-1] == (3, None)
+    else:
+        clock[0] += 2_000  # another --sync-timeout: the silent standby is fenced against anyway
+        host.timers.pop()()
+        assert outcomes[-1][0] == 2 and isinstance(outcomes[-1][1], Unavailable)
+        assert "has not confirmed" in str(outcomes[-1][1])

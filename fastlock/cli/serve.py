@@ -81,7 +81,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="run as a standby of this primary: follow its log, answer clients NotPrimary")
     s.add_argument("--failover-after", type=seconds_arg, default=0.0, metavar="SECONDS",
                    help="standby: promote itself after the primary has been silent this long (default: "
-                        "only on `fastlock promote`); the primary then fences itself earlier (see --fence-margin)")
+                        "only on `fastlock promote`); the primary then fences itself earlier (see --fence-margin). "
+                        "On a primary with a replica credential: the window it follows with once it has rejoined "
+                        "its promoted standby as a standby")
     s.add_argument("--promotion-grace", type=seconds_arg, default=None, metavar="SECONDS",
                    help="after promotion, grant nothing new for this long (default: the longest TTL seen); "
                         "shorten only when every writer enforces fencing tokens")
@@ -120,10 +122,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     s.add_argument("--sync-timeout", type=positive_seconds_arg, default=2.0, metavar="SECONDS",
                    help="with --replication sync, how long a reply waits for the standby before "
                         "--sync-on-timeout applies (default 2)")
-    s.add_argument("--sync-on-timeout", choices=("fence", "degrade"), default="fence",
-                   help="with --replication sync, when the standby has not acknowledged in --sync-timeout: fence "
-                        "(default: waiting replies fail with Unavailable, no grants until it is back) or degrade "
-                        "(acknowledge without it, as async, until it catches up; logged CRITICAL, in metrics)")
+    s.add_argument("--sync-on-timeout", choices=("degrade", "fence"), default="degrade",
+                   help="with --replication sync, when the standby has not acknowledged in --sync-timeout, or "
+                        "none is attached: degrade (default, as Patroni's synchronous_mode: acknowledge without "
+                        "it, as async, until it catches up; logged CRITICAL, in status and metrics) or fence (the "
+                        "strict mode, as Patroni's synchronous_mode_strict: waiting replies fail with Unavailable "
+                        "and no lock is granted until a standby has caught up)")
     s.add_argument("--sync-standbys", type=positive_int, default=1, metavar="K",
                    help="with --replication sync and --coordinator, how many standbys must have a grant before it "
                         "is acknowledged (default 1); the in-sync set in etcd holds up to K standbys, and only "
@@ -319,8 +323,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.coordinator and args.advertise is None and args.listen[0] in ("0.0.0.0", "::", ""):
         args.subparser.error(f"--coordinator with --listen {args.listen[0]} needs --advertise HOST:PORT: etcd "
                              f"tells the other nodes where this one is, and a wildcard address reaches nothing")
-    if args.failover_after and args.standby_of is None:
-        args.subparser.error("--failover-after only applies to a standby (it needs --standby-of): a primary "
+    if args.failover_after and args.standby_of is None and args.standby_token_file is None and not args.tls_cert:
+        args.subparser.error("--failover-after only applies to a standby (it needs --standby-of, or a replica "
+                             "credential with which a primary rejoins its promoted standby as a standby): a primary "
                              "learns its standby's failover window from the standby itself")
 
 

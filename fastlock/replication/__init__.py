@@ -95,7 +95,10 @@ may send ``STEP_DOWN`` (see :mod:`fastlock.auth`).  A node that
 steps down refuses every lock operation from then on, records it in
 ``deposed.json`` (fsynced before it answers) so that a restart does not bring
 it back as a primary, and closes its client connections so that their waiters
-and renewals look for the new primary at once.
+and renewals look for the new primary at once.  A fenced primary also asks
+its paired standby's address (announced in ``REPLICATE``) what is there, and
+steps down and follows it when it is the primary at a higher epoch
+(:mod:`~fastlock.replication.rejoin`, :mod:`fastlock.server.failover`).
 
 With ``--coordinator`` (:mod:`fastlock.coordination`, :mod:`fastlock.server.coordinated`)
 etcd decides instead: the primary's etcd lease is its fence (the source is
@@ -129,7 +132,8 @@ Wire messages (see :mod:`fastlock.protocol` for the framing, and
 
     standby -> primary  [id, HELLO, version, name, {"principal", "challenge"}]      -> {"principal", "proof"}
                         [id, HELLO, version, name, replica_token, epoch]          -> hello info
-                        [id, REPLICATE, from_lsn, incarnation|None, failover_after_ms, "[label@]node_id"]
+                        [id, REPLICATE, from_lsn, incarnation|None, failover_after_ms, "[label@]node_id"
+                         (, "host:port" where it serves clients: kept in pairing.json)]
                         [id, REPL_ACK, echoed_primary_ms, applied_lsn]          (no reply)
                         [id, STEP_DOWN, new_epoch, echoed_primary_ms]           -> {"role", "epoch"}
                         [id, SYNC_ACK, lsn]          (no reply; --replication sync, see syncrep)

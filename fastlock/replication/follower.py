@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
 from ..errors import FastlockError, ProtocolError
+from ..logsafe import quote
 from ..roles import Role
 from ..units import monotonic_ms, wall_ms
 from ..wal import Epoch, Expire, Extend, Grant, LeaseMeta, LockDelay, Record, Release, Revoke, apply, decode_frames
@@ -162,6 +163,8 @@ class StandbyFollower:
         self._watchdog: asyncio.TimerHandle | None = None
         #: synchronous replication: the primary's ack point, and whether it says this node is in sync
         self.sync = SyncStatus(self)
+        #: an old primary following the new one: its first snapshot logs every lease it discards
+        self.rejoining = False
 
     @property
     def tls(self) -> ssl.SSLContext | None:
@@ -299,24 +302,34 @@ class StandbyFollower:
             wanted_keys = KeySpace.from_list(keys if keys is not None else [])
         except ValueError as exc:
             raise ProtocolError(f"snapshot keys: {exc}") from None
+        own_epoch = table.epoch
         if epoch > table.epoch:
             target.raise_epoch(epoch)
         table.advance_counter(counter)
         have = {}
+        discarded: list[tuple[str, int, int]] = []  # (name, token, ttl_ms) of leases the primary lacks
         for h in table.holders():
             w = wanted.get(h.token)
             if w is None or w.name != h.name:
+                discarded.append((h.name, h.token, h.ttl_ms))
                 apply(Release(h.name, h.token, 0), target)
             else:
                 have[h.token] = h
         self.lease_deadlines.clear()
+        changed: list[tuple[str, int, int, int]] = []  # (name, token, own ttl_ms, the primary's)
         for w in wanted.values():
             current = have.get(w.token)
             if current is None or current.ttl_ms != w.ttl_ms or current.shared != w.shared or current.limit != w.limit:
+                if current is not None:
+                    changed.append((w.name, w.token, current.ttl_ms, w.ttl_ms))
                 apply(w.grant(), target)
             self.track(w.name, w.token, w.remaining_ms)
         space = target.keys
-        for key in [k for k, e in space.entries.items() if wanted_keys.get(k) != e]:
+        stale_keys = [k for k, e in space.entries.items() if wanted_keys.get(k) != e]
+        if self.rejoining:
+            self.rejoining = False
+            self._log_rewind(lsn, epoch, own_epoch, discarded, changed, stale_keys)
+        for key in stale_keys:
             apply(KeyDelete(key, 0), target)
         for key, e in wanted_keys.entries.items():
             if space.get(key) is None:
@@ -327,6 +340,27 @@ class StandbyFollower:
         self.primary_epoch = max(self.primary_epoch, epoch)
         self.synced = True
         log.info("applied snapshot at primary LSN %d: %d leases, epoch %d", lsn, len(wanted), epoch)
+
+    def _log_rewind(self, lsn: int, epoch: int, own_epoch: int, discarded: list, changed: list,
+                    stale_keys: list) -> None:
+        """An old primary's first snapshot from the new one: say exactly what it discards."""
+        primary = self.primary_address
+        if not discarded and not changed and not stale_keys:
+            log.warning("rejoined %s (epoch %d, this node's was %d): this node's table matches its snapshot at "
+                        "LSN %d - nothing discarded", primary, epoch, own_epoch, lsn)
+            return
+        log.warning("rejoined %s (epoch %d, this node's was %d): discarding what its snapshot at LSN %d lacks - %d "
+                    "leases, %d lease TTLs, %d keys (granted, extended or written here and never acknowledged "
+                    "by the standby, or changed there since)", primary, epoch, own_epoch, lsn, len(discarded),
+                    len(changed), len(stale_keys))
+        for name, token, ttl_ms in discarded:
+            log.warning("rejoin discarded lease %s token %d (TTL %d ms): not held on the new primary",
+                        quote(name), token, ttl_ms)
+        for name, token, own_ttl, ttl in changed:
+            log.warning("rejoin discarded lease %s token %d's TTL %d ms: the new primary has %d ms",
+                        quote(name), token, own_ttl, ttl)
+        for key in stale_keys:
+            log.warning("rejoin discarded key %s: not the new primary's", quote(key))
 
     def saw_ttl(self, ttl_ms: int, persist: bool = True) -> None:
         """Remember the longest TTL seen (the default promotion grace); ``persist``:

@@ -27,9 +27,9 @@ acknowledged.  At most k standbys are in it.  The primary changes it by one rule
   the primary keeps waiting for the member, and the next heartbeat retries.
   A member that left joins again once it has caught up.
 
-Replies that wait longer than ``--sync-timeout``: with ``fence`` (the default)
+Replies that wait longer than ``--sync-timeout``: with ``fence`` (strict)
 they fail with ``Unavailable`` (retryable: the same owner key finds its lease);
-with ``degrade`` the primary stops asking for (c), loudly (CRITICAL log,
+with ``degrade`` (the default) the primary stops asking for (c), loudly (CRITICAL log,
 ``sync.degradations``, ``fastlock_sync_degradations_total``, ``sync.state =
 "degraded"``), until k standbys have everything again; (b) always holds, so a
 reply still waits for a member until etcd confirmed that member's removal (at

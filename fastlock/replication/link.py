@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
 from ..auth import ClientHandshake, ServerNotProven, say_hello, secret_of, token_principal
-from ..errors import AuthError, FastlockError, NotPrimary, PermissionDenied
+from ..errors import AuthError, FastlockError, NotPrimary, PermissionDenied, ProtocolError
 from ..logsafe import quote
 from ..protocol import rpc
 
@@ -75,6 +75,10 @@ class PrimaryLink:
         self._ack_id = 0  # the request id every REPL_ACK on the connection carries (acks get no reply)
         self.ack_due = False  # a push arrived since the last acknowledgement
         self._said: dict[str, str] = {}  # problems that do not fix themselves, logged once: kind -> message
+        #: ``host:port`` where this node serves clients, announced in REPLICATE so that the primary,
+        #: restarted or resumed after a failover, can find this node (None: not announced)
+        self.advertise: str | None = None
+        self._announce = True  # False once a primary refused REPLICATE's fifth argument (an older one)
 
     @property
     def address(self) -> str:
@@ -199,9 +203,17 @@ class PrimaryLink:
                     link.close()
                     return
                 follower.sync.reset()  # not in sync with this connection until its primary says so
-                info = await asyncio.wait_for(
-                    link.request(P.OP_REPLICATE, follower.applied_lsn + 1 if follower.synced else 0,
-                                  follower.incarnation, follower.failover_after_ms, self.name), 5.0)
+                args = [follower.applied_lsn + 1 if follower.synced else 0, follower.incarnation,
+                        follower.failover_after_ms, self.name]
+                announced = self._announce and self.advertise is not None
+                if announced:
+                    args.append(self.advertise)
+                try:
+                    info = await asyncio.wait_for(link.request(P.OP_REPLICATE, *args), 5.0)
+                except ProtocolError:
+                    if announced:
+                        self._announce = False  # a primary without the announced address: retry without
+                    raise
                 self.connected = True
                 self._said.clear()
                 backoff = 0.05

@@ -21,7 +21,8 @@ from typing import Any, NamedTuple
 import msgpack
 
 from .. import protocol as P
-from ..errors import ProtocolError
+from ..errors import FastlockError, InvalidArgument, ProtocolError
+from ..units import format_address, parse_address
 from ..wal import Grant
 
 
@@ -30,6 +31,34 @@ def heartbeat_interval_ms(failover_after_ms: int) -> int:
     if failover_after_ms <= 0:
         return 500
     return max(10, min(500, failover_after_ms // 8))
+
+
+#: the longest ``host:port`` a standby may announce (a DNS name plus a port)
+MAX_ADDRESS_CHARS = 262
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+def standby_address(announced: Any, peer_ip: str) -> str | None:
+    """Where a standby serves clients, from the address it announced in REPLICATE
+    (``host:port``; a wildcard host - it listens on every interface - is replaced by
+    ``peer_ip``, the address its connection came from); None when it announced none.
+
+    Raises:
+        InvalidArgument: not a string of at most :data:`MAX_ADDRESS_CHARS` that parses
+            as ``host:port`` with a port in 1..65535 (nothing changes).
+    """
+    if announced is None:
+        return None
+    if type(announced) is not str or len(announced) > MAX_ADDRESS_CHARS:
+        raise InvalidArgument(f"a standby's address must be a host:port string of at most {MAX_ADDRESS_CHARS} "
+                              f"characters")
+    try:
+        host, port = parse_address(announced, default_port=None)
+    except FastlockError as exc:
+        raise InvalidArgument(f"a standby's address: {exc}") from None
+    if host in _WILDCARD_HOSTS:
+        host = peer_ip
+    return format_address((host, port))
 
 
 def standby_identity(name: str) -> str:

@@ -43,10 +43,12 @@ class _Replica:
     """One attached standby, as the source tracks it."""
 
     __slots__ = ("conn", "name", "ident", "failover_after_ms", "acked_lsn", "contact_ms", "sent",
-                 "last_ack_ms", "catching_up", "task", "base_cap")
+                 "last_ack_ms", "catching_up", "task", "base_cap", "address")
 
-    def __init__(self, conn: ReplicaConnection, name: str | None, failover_after_ms: int):
+    def __init__(self, conn: ReplicaConnection, name: str | None, failover_after_ms: int,
+                 address: str | None = None):
         self.conn = conn
+        self.address = address  # where it serves clients (as it announced it), or None
         self.name = name or conn.peer
         self.ident = standby_identity(self.name)
         self.last_ack_ms = 0  # primary time of the last acknowledgement received
@@ -90,6 +92,8 @@ class ReplicationSource:
         self.fence_margin_ms = fence_margin_ms
         self.serving_alone = False
         self.paired_id: str | None = None
+        #: where the paired standby serves clients (from pairing.json; None: unknown)
+        self.paired_address: str | None = None
         # the strictest failover window of any standby that ever attached (ms, 0 = none)
         self._paired_window_ms = 0
         self._contact_ms = 0
@@ -117,20 +121,24 @@ class ReplicationSource:
         if pairing is None:
             return
         self.paired_id = pairing.standby
+        self.paired_address = pairing.address
         self._paired_window_ms = pairing.failover_after_ms
         if self._paired_window_ms > 0:
             log.warning(
-                "restarted while paired with standby %s (failover window %d ms): not granting until it "
-                "attaches again - it may have been promoted meanwhile - or `fastlock serve-alone`",
-                quote(self.paired_id), self._paired_window_ms,
+                "restarted while paired with standby %s at %s (failover window %d ms): not granting until it "
+                "attaches again - it may have been promoted meanwhile: then this node follows it once it "
+                "answers there, or restart this node with --standby-of %s - or `fastlock serve-alone`",
+                quote(self.paired_id), self.paired_address or "an address it never announced",
+                self._paired_window_ms, self.paired_address or "<its address>",
             )
             self._fence(monotonic_ms())
 
     def _pair(self, replica: _Replica) -> None:
         self.paired_id = replica.name
+        self.paired_address = replica.address
         self._paired_window_ms = replica.failover_after_ms
         self.serving_alone = False
-        write_pairing(self.host.data_dir, Pairing(replica.name, replica.failover_after_ms))
+        write_pairing(self.host.data_dir, Pairing(replica.name, replica.failover_after_ms, replica.address))
         log.info("paired with standby %s (failover window %d ms)", quote(replica.name), replica.failover_after_ms)
         window = replica.failover_after_ms
         if (window and self.fence_margin_ms is not None
@@ -150,11 +158,20 @@ class ReplicationSource:
     def _unpair(self) -> None:
         remove_pairing(self.host.data_dir)
         self.paired_id = None
+        self.paired_address = None
         self._paired_window_ms = 0
+
+    def stand_down(self) -> None:
+        """This node stops being a primary for good (it rejoins as a standby): forget the
+        pairing (durably) and stop the heartbeats and the fence timers."""
+        self._unpair()
+        self.close()
 
     # -- attach / detach ------------------------------------------------------------------
     def attach(self, conn: ReplicaConnection, req_id: int, from_lsn: int, incarnation: Any,
-               failover_after_ms: int, name: str | None) -> None:
+               failover_after_ms: int, name: str | None, address: str | None = None) -> None:
+        """Attach a standby (see the class docstring); ``address``: where it serves clients,
+        as it announced it (kept in the pairing)."""
         host = self.host
         wal = host.wal
         if not name:
@@ -165,8 +182,10 @@ class ReplicationSource:
             raise Unavailable(
                 f"this primary is paired with standby {self.paired_id!r}; fastlock supports one standby. "
                 f"Run `fastlock serve-alone` on the primary to unpair it first")
-        if not coordinated and self.paired_id is not None and failover_after_ms != self._paired_window_ms:
-            # the window decides when this primary fences: only an operator changes it (serve-alone, re-pair)
+        if (not coordinated and self.paired_id is not None and self._paired_window_ms
+                and failover_after_ms != self._paired_window_ms):
+            # the window decides when this primary fences: only an operator changes it (serve-alone, re-pair);
+            # from 0 (no fence: that standby never promotes by itself) any window only adds a fence
             raise PermissionDenied(
                 f"this primary is paired with standby {self.paired_id!r} at a failover window of "
                 f"{self._paired_window_ms} ms; a re-attach cannot change it (asked for {failover_after_ms} ms). "
@@ -187,7 +206,7 @@ class ReplicationSource:
             log.warning("standby %s reconnected; dropping its previous connection", quote(name))
             self.replicas.pop(other.conn.session, None)
             other.conn.abort()
-        replica = _Replica(conn, name, failover_after_ms)
+        replica = _Replica(conn, name, failover_after_ms, address)
         # Contact comes only from echoes of heartbeats sent from now on: this REPLICATE may have
         # been delayed in the network and come from a standby that has promoted since.
         replica.contact_ms = self._contact_ms
@@ -357,8 +376,10 @@ class ReplicationSource:
             replica.contact_ms = echoed_ms
             if echoed_ms > self._contact_ms:
                 self._contact_ms = echoed_ms
+            self.sync.on_contact(echoed_ms)  # a degrade waits for the standby to hear it
             if not self.coordinated and (self.paired_id is None or self._paired_window_ms != replica.failover_after_ms
-                    or self.paired_id != replica.name):
+                    or self.paired_id != replica.name
+                    or (replica.address is not None and self.paired_address != replica.address)):
                 # a standby that echoed our heartbeat is real: pair with it (persisted)
                 self._pair(replica)
         if applied_lsn > replica.acked_lsn:
@@ -436,10 +457,14 @@ class ReplicationSource:
             return  # a standby, promoting or deposed node grants nothing anyway
         window = self._paired_window_ms
         roles.set_fenced(True)  # holds every grant (the role decides the table's hold)
+        # no contact since this process started: its monotonic clock says nothing about the silence
+        silence = f"for {now - self._contact_ms} ms" if self._contact_ms else "since this node started"
         log.warning(
-            "no word from the standby for %d ms (failover window %d ms, margin %d ms): "
-            "holding all grants, refusing extends and releases until it is back or `fastlock serve-alone`",
-            now - self._contact_ms, window, self._margin(),
+            "no word from the standby %s %s (failover window %d ms, margin %d ms): holding all grants, refusing "
+            "extends and releases until it is back or `fastlock serve-alone`; if it was promoted, this node "
+            "follows it once it answers there (or restart this node with --standby-of %s)",
+            self.paired_address or "(address not announced)", silence, window, self._margin(),
+            self.paired_address or "<the new primary>",
         )
         if self._takeover_timer is None:
             at = self._contact_ms + window  # from then on the standby may have promoted

@@ -33,25 +33,44 @@ When the standby does not acknowledge
 The oldest waiting reply has waited ``--sync-timeout`` (milliseconds on the
 wire and here, seconds on the command line); then, per ``--sync-on-timeout``:
 
-``fence`` (:attr:`SyncOnTimeout.FENCE`, the default)
+``degrade`` (:attr:`SyncOnTimeout.DEGRADE`, the default, as Patroni's
+``synchronous_mode`` without ``synchronous_mode_strict``)
+    the primary switches to asynchronous replication, loudly (one CRITICAL log
+    per switch, ``sync.degradations`` and ``sync.degraded_because`` in the
+    status, ``fastlock_sync_degraded`` and ``fastlock_sync_degradations_total``,
+    ``sync.state = "degraded"``), tells the standby it is no longer in sync,
+    and acknowledges the waiting replies - once the standby has *heard* that
+    it is no longer in sync, when it may promote without a grace period (see
+    below); it returns to ``in_sync`` by itself once the standby has
+    acknowledged everything acknowledged meanwhile.  A primary with **no
+    standby attached** (at start, after a promotion, after its standby left)
+    degrades at the first grant instead of waiting ``--sync-timeout``.
+``fence`` (:attr:`SyncOnTimeout.FENCE`, the *strict* mode, as Patroni's
+``synchronous_mode_strict``)
     every waiting reply fails with ``Unavailable`` (retryable: the lease stays
     with its owner key, and the same acquire gets it once the standby is back),
     and the primary is *sync-held* (:mod:`fastlock.roles`): new acquires get
-    ``Unavailable`` at once and no lock is handed to a waiter, until the
-    standby acknowledges everything logged up to the hold.  The primary never
-    acknowledges a grant the standby lacks, so a standby promoted at any time
-    has every acknowledged grant.
-``degrade``
-    the primary switches to asynchronous replication, loudly (a CRITICAL log,
-    ``sync.degradations`` in the status and ``fastlock_sync_degradations_total``,
-    ``sync.state = "degraded"``), tells the standby it is no longer in sync,
-    and acknowledges the waiting replies; it returns to ``in_sync`` by itself
-    once the standby has acknowledged everything acknowledged meanwhile.
+    ``Unavailable`` at once (its message names ``--sync-on-timeout fence``) and
+    no lock is handed to a waiter, until the standby acknowledges everything
+    logged up to the hold.  A primary with no standby attached waits the same
+    way: it grants nothing until a standby attaches and catches up.  A client
+    retries ``Unavailable`` within its deadline: one with a deadline gets
+    ``ConnectionLost`` naming that refusal when it runs out; one that waits
+    without a deadline (``wait=None``) keeps waiting, and the reason is the
+    primary's CRITICAL log, ``sync.state = "held"`` with ``sync.held_because``
+    in ``fastlock status``, and ``fastlock_sync_held`` in the metrics.
+
+When a degrading primary waits for its standby to hear it: only when a paired
+standby with a failover window may be told "in sync" (the last status sent
+said so and the heartbeat fence applies).  The replies then wait until the
+standby echoes a heartbeat sent after the "not in sync" status (the link is
+ordered, so it has read the status by then), or fail with ``Unavailable`` a
+further ``--sync-timeout`` later (a standby that is silent is fenced against
+anyway).  So neither policy ever acknowledges a grant the standby lacks while
+the standby's last word from the primary is "in sync".
 
 At most :data:`MAX_WAITING` batches wait at once; beyond that a reply fails
-with ``Unavailable`` at once (memory stays bounded).  A primary with no standby
-attached (at start, or after it left) holds replies the same way: with
-``fence`` it grants nothing until a standby attaches and catches up.
+with ``Unavailable`` at once (memory stays bounded).
 
 The in-sync promise and the promotion grace
 -------------------------------------------
@@ -68,9 +87,9 @@ status said ``in_sync`` and either
 
 * the old primary confirmed it stepped down (``fastlock promote`` answered by
   ``STEP_DOWN``: every status it sent before is read by then), or
-* the policy is ``fence`` and the promotion was automatic (``--failover-after``)
-  or waited for the old primary's fence: a ``fence`` primary never acknowledges
-  a grant its standby lacks, whenever it dies.
+* the promotion was automatic (``--failover-after``) or waited for the old
+  primary's fence: neither policy acknowledges a grant the standby lacks while
+  the standby's last word is "in sync", whenever the primary dies.
 
 Both only for the primary's one *paired* standby (the pairing the primary's
 heartbeats confirm): the primary never pairs with a second standby while the
@@ -78,9 +97,8 @@ first may come back (only ``serve-alone``, which degrades, unpairs it), so no
 other standby's acknowledgement can release a reply this one lacks.
 
 Otherwise - asynchronous replication, a standby that was catching up or never
-told it was in sync, a standby that is not the confirmed pair, a ``degrade`` primary that may have degraded after the
-standby last heard it, a forced promotion (``--force``) of an unconfirmed
-primary - the grace period applies as with asynchronous replication.  The
+told it was in sync, a standby that is not the confirmed pair, a forced
+promotion (``--force``) of an unconfirmed primary - the grace period applies as with asynchronous replication.  The
 epoch is raised at every promotion either way, so tokens never go backwards;
 replicated leases are kept to their replicated deadlines, so a lock whose
 holder was acknowledged is never granted to another before its lease ends.
@@ -132,9 +150,9 @@ class SyncAck(str, enum.Enum):
 class SyncOnTimeout(str, enum.Enum):
     """``--sync-on-timeout``: what the primary does when the standby stops acknowledging."""
 
-    #: fail the waiting replies (Unavailable) and hold grants until the standby is back
+    #: strict: fail the waiting replies (Unavailable) and hold grants until the standby is back
     FENCE = "fence"
-    #: acknowledge without the standby (asynchronous) until it catches up, loudly
+    #: the default: acknowledge without the standby (asynchronous) until it catches up, loudly
     DEGRADE = "degrade"
 
 
@@ -153,7 +171,7 @@ class SyncSettings:
 
     ack: SyncAck = SyncAck.FSYNCED
     timeout_ms: int = 2000
-    on_timeout: SyncOnTimeout = SyncOnTimeout.FENCE
+    on_timeout: SyncOnTimeout = SyncOnTimeout.DEGRADE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ack", _choice(SyncAck, self.ack, "sync_ack"))
@@ -210,7 +228,12 @@ class SyncGate:
         self._floor: int | None = None  # the LSN logged when this node became the primary
         self.waiting: deque[tuple[int, Deliver, int]] = deque()  # (lsn, deliver, since ms)
         self.degraded = False
+        self.degraded_because: str | None = None
+        #: degraded, and the paired standby may still believe it is in sync: replies wait until it
+        #: echoes a heartbeat sent after this time (primary monotonic ms); None: nothing to wait for
+        self.unheard_since_ms: int | None = None
         self.held_upto = 0  # fence policy: held until the standby acknowledges this LSN (0: not held)
+        self.held_because: str | None = None
         self.degradations = 0
         self.holds = 0
         self._timer: Any = None
@@ -236,7 +259,7 @@ class SyncGate:
             _call(deliver)  # refused there: this node does not grant
             return
         self._must_have()
-        if lsn <= self.acked_lsn or self.degraded:
+        if lsn <= self.acked_lsn or (self.degraded and self.unheard_since_ms is None):
             self._release(lsn, deliver)
         elif self.held_upto:
             _call(deliver, self._refusal("is held: the standby has not caught up since it stopped acknowledging"))
@@ -246,8 +269,13 @@ class SyncGate:
         else:
             now = monotonic_ms()
             self.waiting.append((lsn, deliver, now))
-            if self._timer is None:
+            if not self.degraded and not self.source.replicas and self._degrades():
+                self._degrade("no standby is attached")  # Patroni's default: serve without one, loudly
+            if self.waiting and self._timer is None:
                 self._arm(now + self._timeout_ms())
+
+    def _degrades(self) -> bool:
+        return self.settings is not None and self.settings.on_timeout is SyncOnTimeout.DEGRADE
 
     def _release(self, lsn: int, deliver: Deliver) -> None:
         if lsn > self.released_lsn:
@@ -279,6 +307,7 @@ class SyncGate:
             self._release(held_lsn, deliver)
         if self.held_upto and self.acked_lsn >= self.held_upto:
             self.held_upto = 0
+            self.held_because = None
             self.host.roles.set_sync_held(False)
             log.warning("synchronous standby acknowledged LSN %d: granting again", self.acked_lsn)
             if self.host.roles.expires_leases:
@@ -286,13 +315,28 @@ class SyncGate:
             self.host.after_batch()
         if self.degraded and self.acked_lsn >= self._must_have():
             self.degraded = False
+            self.degraded_because = None
+            self.unheard_since_ms = None
             log.warning("synchronous standby caught up (LSN %d): replication is synchronous again", self.acked_lsn)
         self._push_if_changed()
 
     def serve_alone(self) -> None:
-        """The operator's ``serve-alone``: stop waiting for the standby (as a degrade)."""
+        """The operator's ``serve-alone``: stop waiting for the standby (as a degrade, without
+        waiting for the standby to hear it: the operator says it is gone)."""
         if self.enabled:
-            self._degrade("the operator ran `fastlock serve-alone`")
+            self._degrade("the operator ran `fastlock serve-alone`", operator=True)
+
+    def on_contact(self, echoed_ms: int) -> None:
+        """The standby echoed a heartbeat the primary sent at ``echoed_ms`` (its monotonic ms):
+        if that was after the "not in sync" status of a degrade, the standby has read it, and
+        the replies that waited for that are acknowledged."""
+        since = self.unheard_since_ms
+        if since is None or echoed_ms <= since:
+            return
+        self.unheard_since_ms = None
+        log.warning("synchronous standby heard that it is no longer in sync: acknowledging %d waiting "
+                    "replies without it", len(self.waiting))
+        self._release_all()
 
     # -- timing out ---------------------------------------------------------------------------
     def _timeout_ms(self) -> int:
@@ -307,38 +351,62 @@ class SyncGate:
             return
         now = monotonic_ms()
         lsn, _, since = self.waiting[0]
-        deadline = since + self._timeout_ms()
+        unheard = self.degraded and self.unheard_since_ms is not None
+        # degraded and not yet heard: a reply waits a whole timeout from the degrade at least
+        deadline = (max(since, self.unheard_since_ms or 0) if unheard else since) + self._timeout_ms()
         if now < deadline:
             self._arm(deadline)
             return
         why = (f"the standby has not acknowledged LSN {lsn} within --sync-timeout {self._timeout_ms()} ms "
                f"(it has LSN {self.acked_lsn})")
-        if self.settings is not None and self.settings.on_timeout is SyncOnTimeout.DEGRADE:
+        if unheard:
+            # the standby has not heard of the degrade: what waited a whole timeout fails (it is
+            # silent, and the heartbeat fence stops this primary soon), what is younger waits on
+            error = self._refusal("degraded, and the standby has not confirmed it heard so")
+            while self.waiting and self.waiting[0][2] + self._timeout_ms() <= now:
+                _call(self.waiting.popleft()[1], error)
+        elif self._degrades():
             self._degrade(why)
         else:
             self._fence(why)
+        if self.waiting and self._timer is None:  # still unheard: the next check
+            self._arm(max(self.waiting[0][2], self.unheard_since_ms or 0) + self._timeout_ms())
 
     def _fence(self, why: str) -> None:
         self.held_upto = self.host.wal.logged_lsn
+        self.held_because = why
         self.holds += 1
         self.host.roles.set_sync_held(True)
         log.critical("synchronous replication: %s; refusing new grants until it has LSN %d "
-                     "(--sync-on-timeout fence)", why, self.held_upto)
+                     "(--sync-on-timeout fence: strict)", why, self.held_upto)
         error = self._refusal("timed out")
         while self.waiting:
             _call(self.waiting.popleft()[1], error)
 
-    def _degrade(self, why: str) -> None:
+    def _degrade(self, why: str, *, operator: bool = False) -> None:
         if not self.degraded:
+            # a paired standby that fails over by itself and was last told "in sync" may promote
+            # without a grace period: nothing goes out without it until it has heard otherwise
+            unheard = bool(self._sent_in_sync) and self.source.fencing and not operator
             self.degraded = True
+            self.degraded_because = why
             self.degradations += 1
+            self.unheard_since_ms = monotonic_ms() if unheard else None
             log.critical("synchronous replication DEGRADED to asynchronous: %s; grants are acknowledged "
-                         "without the standby until it catches up, and a promotion of it will wait a grace "
-                         "period (--sync-on-timeout degrade)", why)
+                         "without the standby%s until it catches up (--sync-on-timeout degrade)", why,
+                         " (once it has heard it is no longer in sync)" if unheard else "")
+        if operator:
+            self.unheard_since_ms = None
         self._push_if_changed()  # the standby hears it before any unreplicated reply goes out
         if self.held_upto:
             self.held_upto = 0
+            self.held_because = None
             self.host.roles.set_sync_held(False)
+        if self.unheard_since_ms is None:
+            self._release_all()
+
+    def _release_all(self) -> None:
+        """Acknowledge every waiting reply without the standby (degraded, and heard)."""
         while self.waiting:
             lsn, deliver, _ = self.waiting.popleft()
             self._release(lsn, deliver)
@@ -400,7 +468,9 @@ class SyncGate:
         return {"mode": ReplicationMode.SYNC.value, "ack": self.settings.ack.value,
                 "on_timeout": self.settings.on_timeout.value, "timeout_ms": self.settings.timeout_ms,
                 "state": state, "standby_acked_lsn": self.acked_lsn, "waiting": len(self.waiting),
-                "degradations": self.degradations, "holds": self.holds}
+                "degradations": self.degradations, "holds": self.holds,
+                "degraded_because": self.degraded_because, "held_because": self.held_because,
+                "standby_heard_degrade": self.unheard_since_ms is None}
 
     def close(self) -> None:
         if self._timer is not None:
@@ -487,6 +557,9 @@ class SyncStatus:
             return None
         if confirmed:
             return "in sync with a primary that confirmed it stepped down"
-        if self.on_timeout is SyncOnTimeout.FENCE and (automatic or not forced):
-            return "in sync with a primary that never acknowledges a grant its standby lacks (fence)"
+        if automatic or not forced:
+            # fence: it never acknowledges a grant its standby lacks; degrade: not before this
+            # standby has heard that it is no longer in sync (it would not be in sync then)
+            policy = self.on_timeout.value if self.on_timeout is not None else "sync"
+            return f"in sync with a primary that acknowledges no grant its standby lacks while it says so ({policy})"
         return None

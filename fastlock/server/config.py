@@ -133,7 +133,7 @@ class ServerConfig:
     replication: ReplicationMode = ReplicationMode.ASYNC
     sync_ack: SyncAck = SyncAck.FSYNCED  # where the standby has a record when it acknowledges it
     sync_timeout_ms: int = 2000  # the oldest reply waits this long for the standby, then sync_on_timeout
-    sync_on_timeout: SyncOnTimeout = SyncOnTimeout.FENCE  # "fence" (hold grants) or "degrade" (to async)
+    sync_on_timeout: SyncOnTimeout = SyncOnTimeout.DEGRADE  # "degrade" (to async) or "fence" (strict: hold grants)
     sync_standbys: int = 1  # with a coordinator: standbys that must have a reply (k, fastlock.replication.groupsync)
     # etcd decides the primary (fastlock.server.coordinated): etcd://HOST:PORT[,HOST:PORT]/PREFIX, None: a pair
     coordinator: str | None = None

@@ -25,6 +25,22 @@ Promotion (:meth:`FailoverPolicy.promote`)
     (logged), following its primary again unless the new epoch already
     reached the log; it never stays ``PROMOTING``.
 
+Rejoining (:meth:`FailoverPolicy.check_peer`)
+    A primary fenced while paired with a standby that fails over by itself
+    (restarted while paired, or resumed after a pause, or cut off), or one
+    deposed by its standby's ``STEP_DOWN``, asks the node at the standby's
+    announced address, once a second while it stays so, what it is now (:func:`~fastlock.replication.rejoin.ask_peer`,
+    with this node's replica credential and the standby's node id expected).
+    If that node is the primary at a higher epoch, this node steps down
+    (``deposed.json``, as on ``STEP_DOWN``), forgets its pairing and follows
+    it as its standby: the new primary's snapshot replaces its table, and
+    every lease it held that the new primary does not - granted or extended
+    here and never acknowledged by the standby, or released there since - is
+    discarded and logged one by one (as pg_rewind discards a diverged
+    primary's tail).  It never grants meanwhile: it is fenced until it steps
+    down.  When it cannot follow (no replica credential, the node refuses
+    it), its log names the address to restart it ``--standby-of``.
+
 Stepping down (:meth:`FailoverPolicy.on_step_down_request`)
     Only on an explicit ``STEP_DOWN`` whose epoch is exactly above the node's
     own (at most epoch + 1, within ``MAX_EPOCH``); a client's HELLO never
@@ -43,16 +59,51 @@ from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
 from ..errors import FastlockError, InvalidArgument, NotPrimary, Unavailable
-from ..replication import DEPOSED_FILE, ReplicationSource, StandbyFollower, read_deposed, write_deposed
+from ..replication import (
+    DEPOSED_FILE,
+    STATE_FILE,
+    NodeState,
+    ReplicationSource,
+    StandbyFollower,
+    read_deposed,
+    read_pairing,
+    write_deposed,
+)
+from ..replication.messages import standby_identity
+from ..replication.rejoin import PeerAnswer, ask_peer
 from ..roles import Role
-from ..units import monotonic_ms
+from ..units import monotonic_ms, parse_address
 from .tasks import BackgroundTasks
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..replication.host import ReplicationHost
+    from .config import ServerConfig
     from .coordinated import CoordinatedNode
 
 log = logging.getLogger(__name__)
+
+#: how often a fenced paired primary asks its standby's address what is there (seconds)
+PEER_CHECK_INTERVAL_S = 1.0
+
+
+def primary_to_follow(config: ServerConfig, state: NodeState) -> tuple[str, int] | None:
+    """The primary a node follows at start: ``--standby-of`` (recorded in ``state``); else, for
+    a node with a replica credential outside an etcd group, the one its ``node-state.json``
+    names (a standby, or an old primary that rejoined its promoted standby, restarted without
+    ``--standby-of``); else None (the node starts as a primary, and a standby's data directory
+    is refused there)."""
+    if config.standby_of is not None:
+        state.set_standby_of(f"{config.standby_of[0]}:{config.standby_of[1]}")
+        return config.standby_of
+    may_follow = config.standby_token is not None or bool(config.tls_cert)
+    if config.coordinator or not may_follow or not state.standby_of:
+        return None
+    try:
+        address = parse_address(state.standby_of, default_port=None)
+    except FastlockError:
+        return None
+    log.warning("started without --standby-of: following %s, the primary %s names", state.standby_of, STATE_FILE)
+    return address
 
 
 def check_step_down_epoch(epoch: Any, own_epoch: int) -> int:
@@ -102,6 +153,9 @@ class FailoverPolicy:
         #: etcd decides who is primary (``--coordinator``); None: the pair decides
         self.coordinated: CoordinatedNode | None = None
         self._auto_retry_at_ms = 0
+        self._peer_check: asyncio.Task | None = None
+        self._peer_timer: asyncio.TimerHandle | None = None  # the next look at the fence (a primary's)
+        self._peer_said: str | None = None  # the last thing logged about the peer (each said once)
 
     # -- start ---------------------------------------------------------------------------------
     def on_start(self) -> None:
@@ -113,11 +167,17 @@ class FailoverPolicy:
         marker = read_deposed(host.data_dir)
         if marker is not None and marker.get("epoch", 0) > host.table.epoch:
             host.roles.transition(Role.DEPOSED, f"{DEPOSED_FILE}: stepped down for epoch {marker.get('epoch')}")
-            log.critical("this node stepped down for epoch %s (%s) and stays deposed: restart it with "
-                         "--standby-of the current primary (or delete %s to override)",
-                         marker.get("epoch"), marker.get("why"), DEPOSED_FILE)
+            pairing = read_pairing(host.data_dir)
+            self.source.paired_address = pairing.address if pairing is not None else None
+            log.critical("this node stepped down for epoch %s (%s) and stays deposed until it follows the primary "
+                         "at its paired standby's address (%s) once that answers, or it is restarted with "
+                         "--standby-of the current primary (or %s is deleted to override)",
+                         marker.get("epoch"), marker.get("why"), self.source.paired_address or "never announced",
+                         DEPOSED_FILE)
+            self._arm_peer_check()
         else:
             self.source.load_pairing()
+            self._arm_peer_check()
             grace = host.node_state.grace_ms
             if grace:
                 host.roles.hold_grace(self.clock() + grace, "restarted during its promotion grace: "
@@ -164,6 +224,106 @@ class FailoverPolicy:
                 self.host.node_state.grace_ended()
 
         self.host.loop.call_later(grace_ms / 1000.0, ended)
+
+    # -- rejoining as the new primary's standby -------------------------------------------------
+    def listening(self, address: str) -> None:
+        """The node serves clients at ``address`` (``host:port``): a standby announces it to its
+        primary, which looks for it there after a failover."""
+        if self.follower is not None:
+            self.follower.link.advertise = address
+
+    def _arm_peer_check(self) -> None:
+        """Look at the fence once a second while this node is a primary of a pair (started as
+        one, or promoted): fenced, it asks its paired standby's address (:meth:`check_peer`)."""
+        if self._peer_timer is None and self.coordinated is None:
+            self._peer_timer = self.host.loop.call_later(PEER_CHECK_INTERVAL_S, self._peer_tick)
+
+    def close(self) -> None:
+        """Stop looking at the fence (the server is closing)."""
+        if self._peer_timer is not None:
+            self._peer_timer.cancel()
+            self._peer_timer = None
+
+    def _peer_tick(self) -> None:
+        self._peer_timer = None
+        roles = self.host.roles
+        if roles.role not in (Role.PRIMARY, Role.DEPOSED):
+            return  # a standby: nothing more to find (a promotion arms it again)
+        if (roles.fenced or roles.role is Role.DEPOSED) and (self._peer_check is None or self._peer_check.done()):
+            self._peer_check = self.tasks.spawn(self.check_peer(), "ask the paired standby's address")
+        self._arm_peer_check()
+
+    def _say(self, level: int, message: str, *args: object) -> None:
+        text = message % args
+        if text != self._peer_said:
+            self._peer_said = text
+            log.log(level, "%s", text)
+
+    def _looking(self) -> bool:
+        """Is this node one that looks for a newer primary: a fenced primary, or a deposed node?"""
+        roles = self.host.roles
+        return self.coordinated is None and ((roles.role is Role.PRIMARY and roles.fenced)
+                                             or roles.role is Role.DEPOSED)
+
+    async def check_peer(self) -> PeerAnswer | None:
+        """A fenced paired primary, or a deposed one: ask the paired standby's address what
+        is there, and rejoin as its standby if it is the primary at a higher epoch (see the
+        module docstring).  Returns the answer, or None when there was nothing to ask."""
+        host = self.host
+        address = self.source.paired_address
+        if not self._looking() or address is None:
+            return None
+        if self.follower is None:
+            self._say(logging.CRITICAL, "fenced, and this node has no replica credential (--standby-token-file or "
+                      "a replica --tls-cert) to ask its paired standby at %s whether it was promoted: if it was, "
+                      "restart this node with --standby-of %s", address, address)
+            return None
+        expect = standby_identity(self.source.paired_id or "").partition("/")[2] or None
+        answer = await ask_peer(self.follower.link, address, expect, host.table.epoch)
+        if not self._looking():
+            return answer  # unfenced (the standby came back) meanwhile
+        if answer.role == "primary" and answer.epoch > host.table.epoch:
+            self.rejoin(answer)
+        elif answer.role == "primary":
+            self._say(logging.WARNING, "the paired standby's address %s answers as a primary at epoch %d, not above "
+                      "this node's %d: not following it; still fenced", address, answer.epoch, host.table.epoch)
+        elif answer.role == "promoting":
+            self._say(logging.INFO, "the paired standby at %s is promoting", address)
+        elif answer.role == "standby":
+            self._say(logging.INFO, "the paired standby at %s is a standby (of %s): waiting for it to attach",
+                      address, answer.follows)
+        else:
+            self._say(logging.WARNING, "fenced: cannot ask the paired standby at %s whether it was promoted (%s); "
+                      "retrying every %g s - if another node is the primary, restart this node with --standby-of "
+                      "it", address, answer.error, PEER_CHECK_INTERVAL_S)
+        return answer
+
+    def rejoin(self, answer: PeerAnswer) -> None:
+        """Step down for the primary ``answer`` names and follow it as its standby.
+
+        Raises:
+            NotPrimary: this node is not a primary or deposed, with a follower (nothing changes).
+        """
+        host = self.host
+        follower = self._standby_follower()
+        if host.roles.role not in (Role.PRIMARY, Role.DEPOSED):
+            raise NotPrimary(f"this node is {host.roles.role.value}: it has nothing to rejoin from", None)
+        address = answer.address
+        if host.roles.role is Role.PRIMARY:
+            self.step_down(f"the paired standby at {address} is the primary at epoch {answer.epoch}", answer.epoch)
+        self.source.stand_down()  # no pairing, no heartbeats: a standby from now on
+        host.roles.transition(Role.STANDBY, f"rejoining: following the new primary at {address} "
+                                            f"(epoch {answer.epoch})")
+        host.roles.primary_address = address
+        host.node_state.set_standby_of(address)  # a restart follows it too
+        follower.link.primary = parse_address(address, default_port=None)
+        follower.refused = None
+        follower.synced = False
+        follower.rejoining = True  # the first snapshot logs every lease it discards
+        follower.start()
+        log.warning("REJOINING as a standby of %s (epoch %d, this node's was %d): its snapshot replaces this "
+                    "node's table; leases it lacks are discarded (logged)", address, answer.epoch,
+                    host.table.epoch)
 
     # -- stepping down ------------------------------------------------------------------------
     def on_step_down_request(self, epoch: Any, seen_primary_ms: Any, requester: str) -> dict:
@@ -372,6 +532,7 @@ class FailoverPolicy:
                                  max(0, deadline - h.ttl_ms), h.shared, h.limit)
         table.drain_events()
         host.roles.transition(Role.PRIMARY, f"promoted ({reason}) at epoch {epoch}", grace_until_ms=now + grace)
+        self._arm_peer_check()  # fenced later (its new standby silent), it looks for a newer primary
         table.expire(now)  # leases whose kept deadline passed: logged and WAL-recorded like any expiry
         host.after_batch()
         if grace:

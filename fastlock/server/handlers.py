@@ -37,6 +37,7 @@ from ..errors import (
     Unavailable,
 )
 from ..logsafe import quote
+from ..replication.messages import standby_address
 from ..replication.syncrep import SYNC_PERMISSIONS
 from ..roles import Action, NodeRole
 from ..units import monotonic_ms
@@ -442,6 +443,7 @@ class Handlers:
         name = P.check_optional_str(name, "standby name", P.MAX_CLIENT_NAME_CHARS)
         if not name:
             raise InvalidArgument("a standby must name itself ([label@]node id)")
+        address = standby_address(msg[6] if len(msg) > 6 else None, conn.address)
         self.roles.admit(Action.SERVE_STANDBY)
         # Pairing goes by the authenticated replica principal, plus the node id it declares
         # (which the credentials may pin): one replica credential cannot pose as another standby.
@@ -452,7 +454,7 @@ class Handlers:
         identity = f"{label}@{conn.principal}/{node}" if label else f"{conn.principal}/{node}"
         conn.out_cap = self.config.max_replica_output_bytes  # (plus its snapshot: see ReplicationSource)
         try:
-            self.source.attach(conn, req_id, from_lsn, incarnation, failover_after_ms, identity)
+            self.source.attach(conn, req_id, from_lsn, incarnation, failover_after_ms, identity, address)
         except BaseException:
             conn.out_cap = self.config.max_output_bytes
             raise

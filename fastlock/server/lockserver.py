@@ -76,7 +76,7 @@ from .admission import ConnectionLimits, PrincipalQuotas
 from .config import ServerConfig, check_limits
 from .coordinated import CoordinatedNode, claim_data_dir
 from .endpoints import Endpoints
-from .failover import FailoverPolicy
+from .failover import FailoverPolicy, primary_to_follow
 from .handlers import Handlers, refusal
 from .keys import KeyStore
 from .kinds import expired_log, grant_reply, reply_id, unacked_log, undelivered_log, waiter_left
@@ -138,9 +138,11 @@ class LockServer:
             on_fatal=self._wal_fatal,
             writer=config.wal_writer.value,
         )
-        primary_address = f"{config.standby_of[0]}:{config.standby_of[1]}" if config.standby_of else None
+        self.node_state = NodeState(config.data_dir)
+        standby_of = primary_to_follow(config, self.node_state)  # --standby-of, or the one it followed
+        primary_address = f"{standby_of[0]}:{standby_of[1]}" if standby_of else None
         #: the node's role, fence and grace: every "may this node ... now?" is asked here
-        self.roles = NodeRole(Role.STANDBY if config.standby_of or config.coordinator else Role.PRIMARY,
+        self.roles = NodeRole(Role.STANDBY if standby_of or config.coordinator else Role.PRIMARY,
                               hold_grants_until=self.table.hold_grants_until, now_ms=monotonic_ms,
                               primary_address=primary_address)
         credentials = config.credentials if config.credentials is not None else Credentials.open_mode()
@@ -149,18 +151,15 @@ class LockServer:
         #: the longest TTL this node has granted, extended or recovered (ms): a
         #: standby's default promotion grace (sent in heartbeats)
         self.max_ttl_ms = 0
-        self.node_state = NodeState(config.data_dir)
         self.endpoints = Endpoints(config)
         self.tasks = BackgroundTasks()
         # source.sync: synchronous replication, grant and extend replies wait for the standby (async: a no-op)
         self.source = ReplicationSource(self, fence_margin_ms=config.fence_margin_ms, sync=config.sync_settings())
         self.follower: StandbyFollower | None = None
-        if config.standby_of or config.coordinator:
-            if config.standby_of:
-                self.node_state.set_standby_of(primary_address)
+        if standby_of or config.coordinator or config.standby_token is not None or config.tls_cert:
             ident = node_id(config.data_dir)
-            # coordinated: follows nobody until etcd names a primary (CoordinatedNode.on_primary)
-            self.follower = StandbyFollower(self, config.standby_of or ("127.0.0.1", 0), config.failover_after_ms,
+            # nobody until etcd names a primary (CoordinatedNode.on_primary), or it rejoins one (FailoverPolicy)
+            self.follower = StandbyFollower(self, standby_of or ("127.0.0.1", 0), config.failover_after_ms,
                                             token=config.standby_token,
                                             name=f"{config.name}@{ident}" if config.name else ident,
                                             on_primary_silent=lambda: self.failover.on_primary_silent(),
@@ -286,6 +285,7 @@ class LockServer:
         self.failover.on_start()  # a deposed primary stays deposed; a paired one may start fenced
         self._rearm()
         host, port = await self.endpoints.listen(config.host, config.port, self._make_session)
+        self.failover.listening(config.advertise or format_address((host, port)))
         log.info(
             "listening on %s:%d (fastlock %s, %s, fsync=%s, data dir %s, %s)",
             host, port, __version__, self.role, config.fsync.value, os.path.abspath(config.data_dir),
@@ -306,7 +306,7 @@ class LockServer:
             except BaseException:
                 await self.close()
                 raise
-        elif self.follower is not None:
+        elif self.follower is not None and self.roles.role is Role.STANDBY:
             self.follower.start()
         self.limits.start()
 
@@ -341,6 +341,7 @@ class LockServer:
         log.info("shutting down: %d sessions, %d locks held", len(self.limits.sessions), len(self.table))
         self.endpoints.close()
         self.source.close()
+        self.failover.close()
         if self.failover.coordinated is not None:
             await self.failover.coordinated.close()
         if self.follower is not None:
