@@ -22,6 +22,7 @@ The client imports only :mod:`fastlock.protocol` and leaf modules.  Every name
 """
 
 from ..units import DEFAULT_PORT
+from .acquire import new_caller
 from .admin import LeaseInfo, LockInfo, LockList, PrincipalRevocation, WaiterInfo
 from .client import LATE_GRANT_FRACTION, Client, LockContext
 from .connect import connect
@@ -37,4 +38,5 @@ __all__ = ["connect", "Client", "Lease", "LeaseState", "LeaseHealth", "LockConte
            "LockManyContext", "WatchEvent", "HolderInfo", "Election", "Term", "Leader", "Renewer", "resolve_credential",
            "DEFAULT_PORT", "LATE_GRANT_FRACTION", "SAFE", "IN_JEOPARDY", "LOST", "RETRYABLE", "ClientConnection",
            "Connector", "RideThrough", "KeyValue", "KeyList", "KeyEvent",
-           "LeaseInfo", "LockInfo", "LockList", "WaiterInfo", "Semaphore", "PrincipalRevocation"]
+           "LeaseInfo", "LockInfo", "LockList", "WaiterInfo", "Semaphore", "PrincipalRevocation",
+           "new_caller"]

@@ -122,7 +122,7 @@ class Client(KeyMethods, LockAdminMethods):
         #: the last lease this client was granted per lock name, and the task
         #: (or blocking client's thread) it was granted to: the self-wait check
         #: of :meth:`acquire`; dropped on release
-        self._held = HeldLeases()
+        self._held = HeldLeases(self._connector)
 
     @property
     def closed(self) -> bool:
