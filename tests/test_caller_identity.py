@@ -7,13 +7,14 @@ deadlock detection.  Unrelated tasks, and siblings, sharing a client queue as us
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 from conftest import wait_until
 
 import fastlock
 from fastlock import AlreadyHeld
-from fastlock.client.acquire import Caller, acts_for, actor_id, current_caller
+from fastlock.client.acquire import Caller, actor_id, acts_for, current_caller
 from fastlock.errors import DeadlockDetected
 
 TIMEOUT = 10.0
@@ -28,11 +29,12 @@ async def test_wait_for_gather_task_group_and_create_task_self_waits_get_already
             results = await asyncio.wait_for(
                 asyncio.gather(client.acquire("sc/1", ttl=5.0, wait=None), return_exceptions=True), TIMEOUT)
             assert [type(r) for r in results] == [AlreadyHeld]
-            with pytest.raises(ExceptionGroup) as group:
-                async with asyncio.timeout(TIMEOUT):
-                    async with asyncio.TaskGroup() as tg:
-                        tg.create_task(client.acquire("sc/1", ttl=5.0, wait=None))
-            assert [type(e) for e in group.value.exceptions] == [AlreadyHeld]
+            if sys.version_info >= (3, 11):
+                with pytest.raises(Exception) as group:  # an ExceptionGroup
+                    async with asyncio.timeout(TIMEOUT):
+                        async with asyncio.TaskGroup() as tg:
+                            tg.create_task(client.acquire("sc/1", ttl=5.0, wait=None))
+                assert [type(e) for e in group.value.exceptions] == [AlreadyHeld]
 
             async def grandchild():  # two generations down: still the holder's
                 return await asyncio.create_task(client.acquire("sc/1", ttl=5.0, wait=None))
@@ -95,6 +97,7 @@ async def test_new_caller_makes_a_child_queue_as_an_unrelated_task(server):
         assert lease.fencing_token > held.fencing_token
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.TaskGroup")
 async def test_a_deadlock_through_a_parent_and_its_child_tasks_is_broken(server_factory):
     # client a: a parent holds x and awaits children, one of which waits for y; client b
     # holds y and waits for x.  The child's wait is its parent's: the server sees the cycle.

@@ -68,15 +68,16 @@ class Caller:
     __slots__ = ("task", "parent", "held", "actor")
 
     def __init__(self, task: asyncio.Task[Any], parent: Caller | None):
-        self.task = weakref.ref(task)
+        self.task: weakref.ref[asyncio.Task[Any]] = weakref.ref(task)
         while parent is not None and _ended(parent):
             parent = parent.parent
-        self.parent = parent
+        self.parent: Caller | None = parent
         self.held: dict[int, int] | None = None
         self.actor = next(_NEXT_ACTOR)
 
     def __repr__(self) -> str:
-        return f"<Caller actor={self.actor} held={self.held} parent={None if self.parent is None else self.parent.actor}>"
+        parent = None if self.parent is None else self.parent.actor
+        return f"<Caller actor={self.actor} held={self.held} parent={parent}>"
 
 
 def party(who: Caller, key: int) -> Caller:
@@ -118,9 +119,9 @@ def current_caller(loop: asyncio.AbstractEventLoop | None = None) -> object:
     task = asyncio.current_task(loop)
     if task is None:
         return None
-    if who is not None and who.task() is task:  # type: ignore[union-attr]
+    if who is not None and who.task() is task:
         return who
-    node = Caller(task, who)  # type: ignore[arg-type]
+    node = Caller(task, who)
     CALLER.set(node)
     return node
 

@@ -35,13 +35,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import InvalidArgument, LeaseExpiring, WrongArgumentType
 from ..logsafe import quote
+from ..units import check_seconds
 
 if TYPE_CHECKING:  # pragma: no cover
     from .lease import Lease
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DRIFT_BOUND", "WorkBound", "earliest_regrant", "stop_at", "check_margin", "BoundedWork", "ProcessGuard"]
+__all__ = ["DRIFT_BOUND", "WorkBound", "earliest_regrant", "stop_at", "check_margin", "lock_bound", "BoundedWork",
+           "ProcessGuard"]
 
 #: the default bound on how much the server's and this process's monotonic clocks may
 #: differ in rate, as a fraction (1e-3: 0.1 %, ten times a quartz crystal's worst drift
@@ -78,6 +80,25 @@ def check_margin(margin: Any, drift: Any = DRIFT_BOUND) -> WorkBound:
     if not 0 <= drift < 0.5:
         raise InvalidArgument(f"drift must be in [0, 0.5), got {drift!r}")
     return WorkBound(float(margin), float(drift))
+
+
+def lock_bound(bounded: bool, margin: Any, drift: Any, ttl: Any) -> WorkBound | None:
+    """The :class:`WorkBound` of ``client.lock(..., bounded=, margin=, drift=)``, or None
+    when not bounded.  ``margin`` None: a tenth of ``ttl`` (seconds).
+
+    Raises:
+        InvalidArgument / WrongArgumentType: a bad margin, drift or TTL; a margin not
+            shorter than the TTL; a margin given without ``bounded=True``.
+    """
+    if not bounded:
+        if margin is not None:
+            raise InvalidArgument("margin is only meaningful with bounded=True")
+        return None
+    ttl = check_seconds(ttl, "ttl")
+    bound = check_margin(ttl / 10.0 if margin is None else margin, drift)
+    if bound.margin >= ttl * (1.0 - bound.drift):
+        raise InvalidArgument(f"margin ({bound.margin:g} s) must be shorter than the TTL ({ttl:g} s)")
+    return bound
 
 
 def earliest_regrant(confirmed_sent: float, ttl: float, drift: float = DRIFT_BOUND) -> float:

@@ -31,7 +31,7 @@ from ..tls import client_ssl_context
 from ..units import check_seconds
 from .acquire import HeldLeases, acquire_retry, duration_ms, verify_late_grant, with_actor
 from .admin import LockAdminMethods
-from .bounded import DRIFT_BOUND, check_margin
+from .bounded import lock_bound
 from .connection import BACKOFF_MAX, RETRYABLE, ClientConnection, Connector, RideThrough, resolve_credential
 from .election import Election
 from .environment import addresses_from_env, tls_from_env
@@ -464,8 +464,8 @@ class Client(KeyMethods, LockAdminMethods):
     def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
              correlation_id: str | None = None, renew: bool = True,
              jeopardy_fraction: float = 0.5, shared: bool = False, limit: int = 0,
-             queue_behind_self: bool = False, bounded: bool = False, margin: float | None = None,
-             drift: float = DRIFT_BOUND) -> LockContext:
+             queue_behind_self: bool = False, bounded: bool = False, margin: float | None = None, drift: float = 1e-3,
+             ) -> LockContext:
         """Acquire ``name`` and keep renewing it.
 
         ``async with client.lock(...) as lease:`` acquires, renews at about a
@@ -478,39 +478,18 @@ class Client(KeyMethods, LockAdminMethods):
 
         ``lease.health`` (:class:`LeaseHealth`) turns ``"in_jeopardy"`` when
         renewals have failed and less than ``jeopardy_fraction`` (0 < f < 1,
-        default 0.5) of the TTL is left, and ``"safe"`` again when one succeeds.
-
-        **Bounded execution** (``bounded=True``, with ``async with`` only): the body is
-        stopped before the server could grant ``name`` to another holder.  From the send
-        time of the last grant or renewal the server confirmed, the lock cannot be
-        re-granted before ``sent + ttl * (1 - drift)`` on this process's clock; at that
-        moment less ``margin`` seconds (default a tenth of the TTL), or as soon as the
-        lease is known lost, the body's task is cancelled, and the ``async with``
-        raises :class:`~fastlock.errors.LeaseExpiring` (a ``LeaseLost``) once the lease
-        is released.  ``drift``: the bound on the server's and this process's clock-rate
-        difference, a fraction (default 1e-3).  A body blocked in synchronous code, or a
-        stopped process, is not stopped: see ``docs/bounded-execution.md``.
+        default 0.5) of the TTL is left, and ``"safe"`` again when one succeeds.  ``bounded=True``: the
+        body is cancelled ``margin`` s (default ttl/10) before a possible re-grant (:mod:`.bounded`).
 
         Arguments and errors are those of :meth:`acquire` (``AlreadyHeld``
         when this client holds ``name`` already, unless ``queue_behind_self``).
-        ``InvalidArgument`` for a bad ``margin`` or ``drift``, or a margin given without
-        ``bounded=True`` (nothing sent).
         """
         P.check_name(name)
         check_fraction(jeopardy_fraction)
         kind_args(shared, limit)
-        bound = None
-        if bounded:
-            if margin is None:
-                margin = check_seconds(ttl, "ttl") / 10.0
-            bound = check_margin(margin, drift)
-            if bound.margin >= check_seconds(ttl, "ttl") * (1.0 - bound.drift):
-                raise InvalidArgument(f"margin ({bound.margin:g} s) must be shorter than the TTL ({ttl:g} s)")
-        elif margin is not None:
-            raise InvalidArgument("margin is only meaningful with bounded=True")
         return LockContext(self, name, dict(ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
                                             shared=shared, limit=limit, queue_behind_self=queue_behind_self), renew,
-                           jeopardy_fraction, bound)
+                           jeopardy_fraction, lock_bound(bounded, margin, drift, ttl))
 
     def semaphore(self, name: str, limit: int) -> Semaphore:
         """The counting semaphore ``name`` with at most ``limit`` holders (1 .. 2**31-1):

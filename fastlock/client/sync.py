@@ -45,8 +45,8 @@ from typing import Any, Generic, TypeVar
 
 from ..errors import ConnectionLost, FastlockError, WrongArgumentType
 from .acquire import CALLER
-from .bounded import DRIFT_BOUND, ProcessGuard, check_margin
 from .admin import LeaseInfo, LockInfo, LockList, PrincipalRevocation
+from .bounded import DRIFT_BOUND, ProcessGuard, check_margin
 from .client import Client
 from .forks import check_held_here, fork_lock, keep_inherited
 from .keys import SyncKeyMethods
