@@ -26,7 +26,7 @@ the fencing token of its lease, not the power to act as this client.
 
 Bounded execution: the command is stopped before the server could grant NAME to
 another holder.  From the send time of the last renewal the server confirmed, the
-lock cannot be re-granted before ``sent + ttl * (1 - drift)`` (drift: 1e-3); the
+lock cannot be re-granted before ``sent + ttl * (1 - drift) - 2 ms`` (drift: 1e-3); the
 command's process group gets SIGKILL ``--margin`` seconds before that moment and
 SIGTERM ``--grace`` seconds before the SIGKILL (both at once when a renewal is
 refused: the lock may be free already).  Every renewal moves both.  A thread of

@@ -42,13 +42,17 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DRIFT_BOUND", "WorkBound", "earliest_regrant", "stop_at", "check_margin", "lock_bound", "BoundedWork",
+__all__ = ["DRIFT_BOUND", "SERVER_CLOCK_STEP", "WorkBound", "earliest_regrant", "stop_at", "check_margin", "lock_bound", "BoundedWork",
            "ProcessGuard"]
 
 #: the default bound on how much the server's and this process's monotonic clocks may
 #: differ in rate, as a fraction (1e-3: 0.1 %, ten times a quartz crystal's worst drift
 #: and twice the fastest slew NTP applies to CLOCK_MONOTONIC, 500 ppm)
 DRIFT_BOUND = 1e-3
+
+#: seconds: the server reads its monotonic clock in whole milliseconds (truncated), so a TTL
+#: counted from a request's receipt, and a reported queue wait, may each start up to 1 ms early
+SERVER_CLOCK_STEP = 0.002
 
 
 class WorkBound(NamedTuple):
@@ -103,7 +107,8 @@ def lock_bound(bounded: bool, margin: Any, drift: Any, ttl: Any) -> WorkBound | 
 
 def earliest_regrant(confirmed_sent: float, ttl: float, drift: float = DRIFT_BOUND) -> float:
     """The earliest moment, on this process's monotonic clock (seconds), at which the
-    server could grant a lock to another holder: ``confirmed_sent + ttl * (1 - drift)``.
+    server could grant a lock to another holder: ``confirmed_sent + ttl * (1 - drift)``,
+    less :data:`SERVER_CLOCK_STEP` (the server's millisecond clock).
 
     Args:
         confirmed_sent: when this process sent the last request the server confirmed for
@@ -111,7 +116,7 @@ def earliest_regrant(confirmed_sent: float, ttl: float, drift: float = DRIFT_BOU
         ttl: the TTL in seconds that request gave the lease.
         drift: the bound on the two clocks' rate difference (a fraction).
     """
-    return confirmed_sent + ttl * (1.0 - drift)
+    return confirmed_sent + ttl * (1.0 - drift) - SERVER_CLOCK_STEP
 
 
 def stop_at(lease: Lease, bound: WorkBound) -> float:
