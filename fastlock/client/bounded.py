@@ -42,8 +42,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DRIFT_BOUND", "SERVER_CLOCK_STEP", "WorkBound", "earliest_regrant", "stop_at", "check_margin", "lock_bound", "BoundedWork",
-           "ProcessGuard"]
+__all__ = ["DRIFT_BOUND", "SERVER_CLOCK_STEP", "WorkBound", "earliest_regrant", "stop_at", "check_margin",
+           "lock_bound", "BoundedWork", "ProcessGuard"]
 
 #: the default bound on how much the server's and this process's monotonic clocks may
 #: differ in rate, as a fraction (1e-3: 0.1 %, ten times a quartz crystal's worst drift
