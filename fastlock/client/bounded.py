@@ -170,7 +170,9 @@ class BoundedWork:
         self._check()
 
     def _check(self) -> None:
-        self._timer = None
+        if self._timer is not None:  # called by a health transition: one timer at a time
+            self._timer.cancel()
+            self._timer = None
         if self.fired is not None or self._remove is None:
             return
         lost = self.lease.lost.is_set()
