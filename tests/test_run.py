@@ -101,6 +101,11 @@ def test_unknown_command_and_unreachable_server(server, tmp_path):
     out = subprocess.run([sys.executable, "-m", "fastlock", "run", "x"], capture_output=True, text=True,
                          timeout=TIMEOUT, cwd=tmp_path)
     assert out.returncode == 2 and "command" in out.stderr
+    # SIGTERM would come between two renewals that succeed: refused before anything is sent
+    out = subprocess.run([sys.executable, "-m", "fastlock", "run", "x", "--ttl", "1", "--grace", "0.5", "--margin",
+                          "0.2", "--server", dead, "--", "true"], capture_output=True, text=True, timeout=TIMEOUT,
+                         cwd=tmp_path)
+    assert out.returncode == 2 and "two thirds of --ttl" in out.stderr
 
 
 CHILD = """
