@@ -228,10 +228,10 @@ class Client(KeyMethods, LockAdminMethods):
                 already through this client (see below), for a task that
                 waits for a lease another task will release.
 
-        **No waiting for yourself**: a waiting acquire (``wait`` not 0) by a task
-        (a ``SyncClient`` thread) that holds a live exclusive lease on ``name``
-        through this client, or asks for one while holding a shared lease or a
-        permit, raises :class:`AlreadyHeld` at once (see there); other tasks queue.
+        **No waiting for yourself**: a waiting acquire (``wait`` not 0) by a task, or a task it
+        created (``wait_for``, ``gather``...; a ``SyncClient`` thread), that holds a live exclusive
+        lease on ``name`` through this client, or asks for one while holding a shared lease or a
+        permit, raises :class:`AlreadyHeld` at once (see there); unrelated tasks queue.
 
         A lost connection, a standby or deposed node (``NotPrimary``) or a
         fenced primary (``Unavailable``) does not end the call: the client
