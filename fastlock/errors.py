@@ -19,6 +19,7 @@ __all__ = [
     "FastlockError",
     "LockNotAcquired",
     "LeaseLost",
+    "LeaseExpiring",
     "NotPrimary",
     "ConnectionLost",
     "ProtocolError",
@@ -93,7 +94,7 @@ class AlreadyHeld(LockNotAcquired):
     counts: granted, not released, not known lost, its TTL not passed by the
     client's estimate (a lease revoked by an operator counts until the client
     learns of it).  A shared lease or a permit asked beside a shared lease or a
-    permit is not refused; other tasks of the client queue as usual.  With
+    permit is not refused; unrelated tasks of the client queue as usual.  With
     ``wait=0`` the server answers (its message names a same-connection holder).
     ``token`` is the held lease's fencing token.  Pass ``queue_behind_self=True``
     to queue anyway (a task waiting for a lease it handed to another to release)."""
@@ -107,6 +108,22 @@ class AlreadyHeld(LockNotAcquired):
 class LeaseLost(FastlockError):
     """The lease is not the lock's current holder any more: it expired, was
     released, or never existed.  Nothing was changed on the server."""
+
+
+class LeaseExpiring(LeaseLost):
+    """Raised by the client, never sent: the protected work of a bounded lock
+    (``client.lock(..., bounded=True)``) was stopped because the earliest moment the
+    server could grant the lock to another holder, less the work's margin, came
+    before a renewal moved it (see ``docs/bounded-execution.md``).  The lease may
+    still be held on the server (it is released on the way out); ``name`` and
+    ``token`` say which one, ``stop_at`` the moment (``loop.time()`` seconds) at
+    which the work was stopped."""
+
+    def __init__(self, message: str, name: str = "", token: int = 0, stop_at: float = 0.0):
+        super().__init__(message)
+        self.name = name
+        self.token = token
+        self.stop_at = stop_at
 
 
 @_register(5)

@@ -292,12 +292,18 @@ async def test_tasks_of_one_client_waiting_behind_another_clients_holder_are_no_
 
 
 async def test_a_client_holding_in_one_task_and_waiting_in_another_is_no_deadlock(two_clients):
-    # a's main task holds x; another task of a waits for y, held by b, which waits for x:
-    # a's main task can still release x, so nobody is failed
+    # a's main task holds x; another task of a, a caller of its own (made with
+    # new_caller(): not acting for the task that created it), waits for y, held by b,
+    # which waits for x: a's main task can still release x, so nobody is failed
     a, b = two_clients
     x = await a.acquire("x", ttl=10.0)
     y = await b.acquire("y", ttl=10.0)
-    a_waits = asyncio.ensure_future(a.acquire("y", ttl=10.0, wait=TIMEOUT))
+
+    async def on_its_own():
+        fastlock.client.new_caller()
+        return await a.acquire("y", ttl=10.0, wait=TIMEOUT)
+
+    a_waits = asyncio.ensure_future(on_its_own())
     await _queued(a, "y", 1)
     b_waits = asyncio.ensure_future(b.acquire("x", ttl=10.0, wait=TIMEOUT))
     await _queued(a, "x", 1)

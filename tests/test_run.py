@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from fastlock.cli.run import EXIT_LOST, EXIT_NOT_ACQUIRED
+from fastlock._testbase.proxy import TcpProxy
+from fastlock.cli.run import EXIT_LOST, EXIT_NOT_ACQUIRED, EXIT_OVERRAN
 from fastlock.sync import SyncClient
 
 TIMEOUT = 15.0
@@ -99,6 +101,11 @@ def test_unknown_command_and_unreachable_server(server, tmp_path):
     out = subprocess.run([sys.executable, "-m", "fastlock", "run", "x"], capture_output=True, text=True,
                          timeout=TIMEOUT, cwd=tmp_path)
     assert out.returncode == 2 and "command" in out.stderr
+    # SIGTERM would come between two renewals that succeed: refused before anything is sent
+    out = subprocess.run([sys.executable, "-m", "fastlock", "run", "x", "--ttl", "1", "--grace", "0.5", "--margin",
+                          "0.2", "--server", dead, "--", "true"], capture_output=True, text=True, timeout=TIMEOUT,
+                         cwd=tmp_path)
+    assert out.returncode == 2 and "two thirds of --ttl" in out.stderr
 
 
 CHILD = """
@@ -117,7 +124,7 @@ while True:
 
 
 @pytest.mark.parametrize("child_mode", ["obey", "ignore"])
-def test_lost_lease_stops_the_command_and_exits_75(server, sync, tmp_path, child_mode):
+def test_a_runner_frozen_past_its_ttl_kills_the_command_and_exits_76(server, sync, tmp_path, child_mode):
     started = tmp_path / "started"
     proc = subprocess.Popen(
         run_cmd(server, "lose", "--ttl", "0.6", "--grace", "0.3",
@@ -133,11 +140,10 @@ def test_lost_lease_stops_the_command_and_exits_75(server, sync, tmp_path, child
             os.kill(proc.pid, signal.SIGCONT)
         assert taker.fencing_token > int(token_text)
         code = proc.wait(TIMEOUT)
-        assert code == EXIT_LOST, proc.stderr.read()
-        assert "lost" in proc.stderr.read()
-        if child_mode == "obey":
-            assert (tmp_path / "started.term").read_text() == "terminated\n"
-        with pytest.raises(ProcessLookupError):  # SIGKILLed after the grace if it ignored SIGTERM
+        # the command outlived the earliest re-grant (its runner was frozen): it says so
+        assert code == EXIT_OVERRAN, proc.stderr.read()
+        assert "could not be shown" in proc.stderr.read()
+        with pytest.raises(ProcessLookupError):  # SIGKILLed at once: the moment had passed
             os.kill(int(pid_text), 0)
         assert sync.check("lose", taker.fencing_token)  # the new holder was not disturbed
         sync.release(taker)
@@ -145,6 +151,41 @@ def test_lost_lease_stops_the_command_and_exits_75(server, sync, tmp_path, child
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.mark.parametrize("child_mode", ["obey", "ignore"])
+def test_a_partitioned_runner_stops_the_command_before_the_regrant_and_exits_75(server, sync, tmp_path,
+                                                                                 child_mode):
+    started = tmp_path / "started"
+    with TcpProxy(server.address) as proxy:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fastlock", "run", "part", "--ttl", "1.2", "--grace", "0.3", "--margin", "0.2",
+             "--server", proxy.address, "--", sys.executable, "-c", CHILD, str(started), child_mode],
+            cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+        try:
+            pid_text, token_text = wait_for_file(started, proc).split()
+            pidfd = os.pidfd_open(int(pid_text))
+            try:
+                proxy.blackhole()  # renewals go unanswered; the runner keeps running
+                taker = sync.acquire("part", ttl=10.0, wait=TIMEOUT)
+                # the command is dead once the next holder has the lock (benches/bounded.py
+                # measures that it died before the grant itself)
+                assert select.select([pidfd], [], [], 0)[0] == [pidfd]
+            finally:
+                os.close(pidfd)
+            assert taker.fencing_token > int(token_text)
+            proxy.heal()
+            code = proc.wait(TIMEOUT)
+            assert code == EXIT_LOST, proc.stderr.read()
+            err = proc.stderr.read()
+            assert "before the server's earliest re-grant" in err
+            if child_mode == "obey":  # SIGTERM came --grace before the SIGKILL
+                assert (tmp_path / "started.term").read_text() == "terminated\n"
+            sync.release(taker)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
 
 
 def test_sigterm_is_forwarded_and_the_lock_released(server, sync, tmp_path):

@@ -26,12 +26,25 @@ Environment given to the command:
 command's environment unless ``--pass-credentials`` is given: the command gets
 the fencing token of its lease, not the power to act as this client.
 
+Bounded execution: the command is stopped before the server could grant NAME to
+another holder.  From the send time of the last renewal the server confirmed, the
+lock cannot be re-granted before ``sent + ttl * (1 - drift) - 2 ms`` (drift: 1e-3); the
+command's process group gets SIGKILL ``--margin`` seconds before that moment and
+SIGTERM ``--grace`` seconds before the SIGKILL (both at once when a renewal is
+refused: the lock may be free already).  Every renewal moves both.  A thread of
+its own sends them.  ``fastlock run`` itself stopped (SIGSTOP, a stalled VM) sends
+nothing; then exit status 76 says so (see ``docs/bounded-execution.md``).
+
 Exit status:
     the command's own     when it exits normally (128 + N if it was killed by signal N)
-    75 (EX_TEMPFAIL)      the lease was lost while the command ran (a renewal was refused, or
-                          none succeeded within the TTL): the command was sent SIGTERM, then
-                          SIGKILL after ``--grace`` seconds.  Reported even if the command exited
-                          on its own meanwhile, since part of its work may have run unprotected.
+    75 (EX_TEMPFAIL)      the lease could not be kept while the command ran (renewals failed):
+                          the command was stopped (SIGTERM, then SIGKILL) and was seen dead
+                          before the server's earliest re-grant of NAME.  Reported even if the
+                          command exited on its own meanwhile.
+    76 (EX_PROTOCOL)      as 75, but the command could not be shown dead before the earliest
+                          re-grant: a renewal was refused (an operator revoked the lease, or it
+                          had expired), or ``fastlock run`` was stalled past the moment; part of
+                          the command's work may have overlapped the next holder's
     73                    not acquired within ``--wait`` (``--conflict-exit-code`` changes it,
                           as flock(1)'s ``-E``); the command was not started
     69 (EX_UNAVAILABLE)   no server could be reached (or the connection was lost while waiting)
@@ -65,6 +78,7 @@ from typing import Any
 
 from ..auth import read_token_file
 from ..client import FAILOVER_TIMEOUT, connect, resolve_credential
+from ..client.bounded import ProcessGuard, WorkBound, check_margin, stop_at
 from ..errors import (
     AuthError,
     ConnectionLost,
@@ -91,6 +105,7 @@ from .args import (
 log = logging.getLogger(__name__)
 
 EXIT_LOST = 75  # EX_TEMPFAIL
+EXIT_OVERRAN = 76  # EX_PROTOCOL
 EXIT_NOT_ACQUIRED = 73
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE
 EXIT_NOT_FOUND = 127
@@ -103,7 +118,8 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: removed from the command's environment unless --pass-credentials
 CREDENTIAL_VARIABLES = ("FASTLOCK_TOKEN_FILE", "FASTLOCK_AUTH_SECRET")
 
-__all__ = ["main", "add_parser", "build_parser", "run_from_args", "EXIT_LOST", "EXIT_NOT_ACQUIRED", "EXIT_UNAVAILABLE"]
+__all__ = ["main", "add_parser", "build_parser", "run_from_args", "EXIT_LOST", "EXIT_OVERRAN", "EXIT_NOT_ACQUIRED",
+           "EXIT_UNAVAILABLE"]
 
 
 def _limit_arg(value: str) -> int:
@@ -143,8 +159,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "(by default they are removed, so the command cannot act as this client)")
     p.add_argument("--client-name", metavar="NAME",
                    help="client name shown by the server (default fastlock-run@HOST:PID)")
-    p.add_argument("--grace", type=seconds_arg, default=10.0, metavar="S",
-                   help="after the lease is lost: seconds between SIGTERM and SIGKILL to the command (default 10)")
+    p.add_argument("--grace", type=seconds_arg, default=None, metavar="S",
+                   help="seconds between SIGTERM and SIGKILL when the command is stopped (default: a quarter "
+                        "of --ttl, at most 10)")
+    p.add_argument("--margin", type=seconds_arg, default=None, metavar="S",
+                   help="send SIGKILL this many seconds before the server's earliest possible re-grant of NAME "
+                        "(default: a tenth of --ttl); --margin + --grace must be under two thirds of --ttl")
     p.add_argument("--conflict-exit-code", type=exit_code_arg, default=EXIT_NOT_ACQUIRED, metavar="N",
                    help=f"exit status when not acquired within --wait (default {EXIT_NOT_ACQUIRED})")
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -195,9 +215,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_name(args.name)
         check_optional_str(args.client_name, "client name", MAX_CLIENT_NAME_CHARS)
+        stop_times(args)
     except FastlockError as exc:
         parser.error(str(exc))  # exits 2
     return run_from_args(args, command)
+
+
+def stop_times(args: argparse.Namespace) -> tuple[WorkBound, float]:
+    """The command's stop bound (``--margin``) and ``--grace``, defaults filled in (seconds).
+
+    Raises:
+        InvalidArgument: ``--margin + --grace`` not under two thirds of ``--ttl`` (the
+            command would be sent SIGTERM between two renewals that succeed).
+    """
+    ttl = args.ttl
+    grace = min(10.0, ttl / 4.0) if getattr(args, "grace", None) is None else args.grace
+    margin = ttl / 10.0 if getattr(args, "margin", None) is None else args.margin
+    if margin + grace >= ttl * 2.0 / 3.0:
+        raise InvalidArgument(f"--margin ({margin:g} s) + --grace ({grace:g} s) must be under two thirds of --ttl "
+                              f"({ttl:g} s): renewals go out about every third of it")
+    return check_margin(margin), grace
 
 
 def run_from_args(args: argparse.Namespace, command: list[str]) -> int:
@@ -291,12 +328,12 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
             code = EXIT_NOT_EXECUTABLE
         else:
             state["proc"] = proc
-            code = await _supervise(proc, lease, args.grace)
+            code = await _supervise(proc, lease, *stop_times(args))
         try:
             # bounded: a lost lease may be lost because the server is unreachable
             await asyncio.wait_for(client.release(lease), max(1.0, min(args.ttl, 10.0)))
         except (LeaseLost, ConnectionLost, asyncio.TimeoutError) as exc:
-            if code != EXIT_LOST:
+            if code not in (EXIT_LOST, EXIT_OVERRAN):
                 log.warning("releasing %r: %s", args.name, exc or type(exc).__name__)
                 if isinstance(exc, LeaseLost):
                     code = EXIT_LOST
@@ -327,25 +364,33 @@ async def _report_holder(client: Any, name: str) -> None:
         await asyncio.sleep(REPORT_EVERY)
 
 
-async def _supervise(proc: asyncio.subprocess.Process, lease, grace: float) -> int:
-    waiting = asyncio.ensure_future(proc.wait())
-    lost = asyncio.ensure_future(lease.lost.wait())
+async def _supervise(proc: asyncio.subprocess.Process, lease, bound: WorkBound, grace: float) -> int:
+    loop = asyncio.get_running_loop()
+    lost_at: list[float] = []
+    lease.health.when_lost(lambda: lost_at.append(loop.time()))
+    guard = ProcessGuard(lease, proc.pid, bound, grace, group=True).start()
     try:
-        await asyncio.wait({waiting, lost}, return_when=asyncio.FIRST_COMPLETED)
+        returncode = await proc.wait()
     finally:
-        lost.cancel()
-    if not lease.lost.is_set():
-        return _status(await waiting)
-    log.error("lease on %r (token %d) lost; stopping the command", lease.name, lease.fencing_token)
-    if not waiting.done():
-        _signal_group(proc.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(asyncio.shield(waiting), grace)
-        except asyncio.TimeoutError:
-            log.error("the command did not exit within %s s of SIGTERM; SIGKILL", grace)
-            _signal_group(proc.pid, signal.SIGKILL)
-            await waiting
-    return EXIT_LOST
+        guard.stop()
+    seen_dead = loop.time()  # the command died at or before this moment
+    if guard.termed is None and not lease.lost.is_set():
+        return _status(returncode)
+    # the earliest re-grant from the last renewal the server confirmed (no margin)
+    regrant = stop_at(lease, WorkBound(0.0, bound.drift))
+    in_time = seen_dead <= regrant and (not lost_at or seen_dead <= lost_at[0])
+    if guard.termed is not None:
+        log.error("lease on %r (token %d) could not be kept: the command was sent SIGTERM%s", lease.name,
+                  lease.fencing_token, " and SIGKILL" if guard.killed is not None else "")
+    else:
+        log.error("lease on %r (token %d) lost", lease.name, lease.fencing_token)
+    if in_time:
+        log.error("the command ended %.3f s before the server's earliest re-grant of %r", regrant - seen_dead,
+                  lease.name)
+        return EXIT_LOST
+    log.error("the command could not be shown to have ended before the server's earliest re-grant of %r "
+              "(lost, a renewal refused, or this process stalled)", lease.name)
+    return EXIT_OVERRAN
 
 
 def _signal_group(pid: int, signum: int) -> None:

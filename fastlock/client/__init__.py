@@ -24,6 +24,7 @@ The client imports only :mod:`fastlock.protocol` and leaf modules.  Every name
 """
 
 from ..units import DEFAULT_PORT
+from .acquire import new_caller
 from .admin import LeaseInfo, LockInfo, LockList, PrincipalRevocation, WaiterInfo
 from .client import LATE_GRANT_FRACTION, Client, LockContext
 from .connect import connect
@@ -41,4 +42,4 @@ __all__ = ["connect", "Client", "Lease", "LeaseState", "LeaseHealth", "LockConte
            "DEFAULT_PORT", "LATE_GRANT_FRACTION", "SAFE", "IN_JEOPARDY", "LOST", "RETRYABLE", "ClientConnection",
            "Connector", "RideThrough", "KeyValue", "KeyList", "KeyEvent",
            "LeaseInfo", "LockInfo", "LockList", "WaiterInfo", "Semaphore", "PrincipalRevocation",
-           "FAILOVER_TIMEOUT", "AddressAnswer", "NoPrimaryFound"]
+           "FAILOVER_TIMEOUT", "AddressAnswer", "NoPrimaryFound", "new_caller"]

@@ -47,6 +47,7 @@ from ..errors import ConnectionLost, FastlockError, WrongArgumentType
 from .acquire import CALLER
 from .admin import LeaseInfo, LockInfo, LockList, PrincipalRevocation
 from .blocking_election import SyncElection
+from .bounded import DRIFT_BOUND, ProcessGuard, check_margin
 from .client import Client
 from .forks import check_held_here, fork_lock, keep_inherited
 from .keys import SyncKeyMethods
@@ -108,6 +109,34 @@ class SyncLease:
     def time_left(self) -> float:
         """Seconds until the client's conservative expiry estimate (negative once passed)."""
         return self.lease.expires_at - time.monotonic()
+
+    def deadline(self, margin: float = 0.0, drift: float = DRIFT_BOUND) -> float:
+        """The ``time.monotonic()`` moment by which work protected by this lease must have
+        stopped: the server's earliest possible re-grant of the lock, from the send time of
+        the last grant or renewal it confirmed, less ``margin`` seconds (-inf once known
+        lost).  As :meth:`Lease.deadline <fastlock.client.Lease.deadline>`; moved forward
+        by every renewal.  Raises InvalidArgument for a bad margin or drift."""
+        return self.lease.deadline(margin, drift)
+
+    def remaining(self, margin: float = 0.0, drift: float = DRIFT_BOUND) -> float:
+        """Seconds left until :meth:`deadline` (negative once passed): check it before
+        each step of the protected work and stop when it is not more than the step takes."""
+        return self.lease.deadline(margin, drift) - time.monotonic()
+
+    def guard_process(self, pid: int, *, margin: float = 0.0, grace: float = 1.0, group: bool = False,
+                      drift: float = DRIFT_BOUND) -> ProcessGuard:
+        """Stop process ``pid`` (with ``group=True`` its process group, which it leads) before
+        the server could re-grant this lock: SIGTERM at ``deadline(margin) - grace``, SIGKILL
+        at ``deadline(margin)`` seconds (or both at once when the lease is known lost), from a
+        thread of its own.  Returns the started :class:`~fastlock.client.bounded.ProcessGuard`;
+        call its ``stop()`` once the process has exited, before releasing the lease.
+
+        Raises:
+            InvalidArgument / WrongArgumentType: a bad margin, drift or grace.
+        """
+        bound = check_margin(margin, drift)
+        check_margin(grace)
+        return ProcessGuard(self.lease, pid, bound, float(grace), group=group).start()
 
     def __repr__(self) -> str:
         return f"<SyncLease {self.name!r} token {self.fencing_token} {self.health_state}>"

@@ -32,6 +32,7 @@ from ..tokens import epoch_of
 from ..units import check_seconds
 from .acquire import AcquireRequest, HeldLeases, acquire_retry, duration_ms, verify_late_grant, with_actor
 from .admin import LockAdminMethods
+from .bounded import lock_bound
 from .calls import call
 from .connection import (
     BACKOFF_FIRST,
@@ -135,7 +136,7 @@ class Client(KeyMethods, LockAdminMethods):
         #: the last lease this client was granted per lock name, and the task
         #: (or blocking client's thread) it was granted to: the self-wait check
         #: of :meth:`acquire`; dropped on release
-        self._held = HeldLeases()
+        self._held = HeldLeases(self._connector)
 
     @property
     def closed(self) -> bool:
@@ -227,10 +228,10 @@ class Client(KeyMethods, LockAdminMethods):
                 already through this client (see below), for a task that
                 waits for a lease another task will release.
 
-        **No waiting for yourself**: a waiting acquire (``wait`` not 0) by a task
-        (a ``SyncClient`` thread) that holds a live exclusive lease on ``name``
-        through this client, or asks for one while holding a shared lease or a
-        permit, raises :class:`AlreadyHeld` at once (see there); other tasks queue.
+        **No waiting for yourself**: a waiting acquire (``wait`` not 0) by a task, or a task it
+        created (``wait_for``, ``gather``...; a ``SyncClient`` thread), that holds a live exclusive
+        lease on ``name`` through this client, or asks for one while holding a shared lease or a
+        permit, raises :class:`AlreadyHeld` at once (see there); unrelated tasks queue.
 
         A lost connection, a standby or deposed node (``NotPrimary``) or a
         fenced primary (``Unavailable``) does not end the call: the client
@@ -462,7 +463,8 @@ class Client(KeyMethods, LockAdminMethods):
     def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
              correlation_id: str | None = None, renew: bool = True,
              jeopardy_fraction: float = 0.5, shared: bool = False, limit: int = 0,
-             queue_behind_self: bool = False) -> LockContext:
+             queue_behind_self: bool = False, bounded: bool = False, margin: float | None = None, drift: float = 1e-3,
+             ) -> LockContext:
         """Acquire ``name`` and keep renewing it.
 
         ``async with client.lock(...) as lease:`` acquires, renews at about a
@@ -475,7 +477,8 @@ class Client(KeyMethods, LockAdminMethods):
 
         ``lease.health`` (:class:`LeaseHealth`) turns ``"in_jeopardy"`` when
         renewals have failed and less than ``jeopardy_fraction`` (0 < f < 1,
-        default 0.5) of the TTL is left, and ``"safe"`` again when one succeeds.
+        default 0.5) of the TTL is left, and ``"safe"`` again when one succeeds.  ``bounded=True``: the
+        body is cancelled ``margin`` s (default ttl/10) before a possible re-grant (:mod:`.bounded`).
 
         Arguments and errors are those of :meth:`acquire` (``AlreadyHeld``
         when this client holds ``name`` already, unless ``queue_behind_self``).
@@ -485,7 +488,7 @@ class Client(KeyMethods, LockAdminMethods):
         kind_args(shared, limit)
         return LockContext(self, name, dict(ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
                                             shared=shared, limit=limit, queue_behind_self=queue_behind_self), renew,
-                           jeopardy_fraction)
+                           jeopardy_fraction, lock_bound(bounded, margin, drift, ttl))
 
     def semaphore(self, name: str, limit: int) -> Semaphore:
         """The counting semaphore ``name`` with at most ``limit`` holders (1 .. 2**31-1):

@@ -185,7 +185,7 @@ async def acquire_set(client: Client, items: list[tuple[str, bool]], ttl_ms: int
         left_ms = -1 if wait_end is None else max(0, int((wait_end - loop.time()) * 1000))
         sent = loop.time()
         try:
-            actor = (actor_id(),) if connector.server_info.get("actors") else ()
+            actor = (actor_id(connector),) if connector.server_info.get("actors") else ()
             reply = await proto.request(P.OP_ACQUIRE_MANY, wire, owner, ttl_ms, left_ms, delay_ms, correlation_id,
                                         *actor)
             break

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from typing import Any, TypedDict
 
 from ..errors import InvalidArgument, WrongArgumentType
 from ..tokens import epoch_of
+from .bounded import DRIFT_BOUND, check_margin, stop_at
 
 log = logging.getLogger(__name__)
 
@@ -306,6 +308,27 @@ class Lease:
         ``lost``, this needs no task to have run: a process that was frozen
         sees at once, on its own clock, that its lease may be gone."""
         return self.state.expires_at - asyncio.get_running_loop().time()
+
+    def deadline(self, margin: float = 0.0, drift: float = DRIFT_BOUND) -> float:
+        """The moment (``loop.time()`` seconds; ``time.monotonic()`` for the stdlib and
+        uvloop loops) by which work protected by this lease must have stopped: the
+        earliest moment the server could grant the lock to another holder, from the send
+        time of the last grant or renewal it confirmed, less ``margin`` seconds (see
+        :func:`fastlock.client.bounded.earliest_regrant`; ``drift``: the clock-rate bound,
+        a fraction).  Moved forward by every renewal; -inf once the lease is known lost.
+
+        Raises:
+            InvalidArgument / WrongArgumentType: a bad margin or drift.
+        """
+        if self.state.lost.is_set():
+            return -math.inf
+        return stop_at(self, check_margin(margin, drift))
+
+    def remaining(self, margin: float = 0.0, drift: float = DRIFT_BOUND) -> float:
+        """Seconds left until :meth:`deadline` (negative once passed; -inf once known lost).
+        Reads the clock itself: a process resumed after a freeze sees at once that it is
+        past, before any timer or task has run."""
+        return self.deadline(margin, drift) - asyncio.get_running_loop().time()
 
     def with_ttl(self, ttl: float) -> Lease:
         """A copy with TTL ``ttl`` seconds, sharing this lease's state."""

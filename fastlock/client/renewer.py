@@ -33,8 +33,9 @@ import random
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConnectionLost, FastlockError, LeaseLost
+from ..errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost
 from ..logsafe import quote
+from .bounded import BoundedWork, WorkBound
 from .lease import Lease, LeaseState
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -239,15 +240,19 @@ class LockContext:
     """Returned by :meth:`Client.lock`: awaitable and an async context manager
     (as asyncpg's ``pool.acquire()``)."""
 
-    __slots__ = ("_client", "_name", "_kwargs", "_renew", "_lease", "_jeopardy_fraction")
+    __slots__ = ("_client", "_name", "_kwargs", "_renew", "_lease", "_jeopardy_fraction", "_bound", "_work")
 
-    def __init__(self, client: Client, name: str, kwargs: dict[str, Any], renew: bool, jeopardy_fraction: float = 0.5):
+    def __init__(self, client: Client, name: str, kwargs: dict[str, Any], renew: bool, jeopardy_fraction: float = 0.5,
+                 bound: WorkBound | None = None):
         self._client = client
         self._name = name
         self._kwargs = kwargs
         self._renew = renew
         self._lease: Lease | None = None
         self._jeopardy_fraction = jeopardy_fraction
+        #: stop the body at the lease's earliest re-grant less a margin (``bounded=True``)
+        self._bound = bound
+        self._work: BoundedWork | None = None
 
     async def _acquire(self) -> Lease:
         lease = await self._client.acquire(self._name, **self._kwargs)
@@ -256,13 +261,30 @@ class LockContext:
         return lease
 
     def __await__(self) -> Generator[Any, None, Lease]:
+        if self._bound is not None:
+            raise InvalidArgument("bounded=True stops the body of `async with client.lock(...)`: it cannot be awaited "
+                                  "(check lease.remaining(margin) in the work instead)")
         return self._acquire().__await__()
 
     async def __aenter__(self) -> Lease:
         self._lease = await self._acquire()
+        if self._bound is not None:
+            task = asyncio.current_task()
+            assert task is not None  # async with runs in a task
+            self._work = BoundedWork(self._lease, task, self._bound).start()
         return self._lease
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: object) -> None:
+        work, self._work = self._work, None
+        expiring = None if work is None else await work.settle(exc_type)
+        try:
+            await self._release()
+        finally:
+            if expiring is not None:
+                raise expiring from exc
+
+    async def _release(self) -> None:
         lease, self._lease = self._lease, None
         if lease is None:
             return

@@ -234,6 +234,14 @@ class GroupSyncGate:
             held = waiting.popleft()
             self._release(held.lsn, held.deliver)
 
+    def on_contact(self, echoed_ms: int) -> None:
+        """A standby echoed a heartbeat sent at ``echoed_ms`` (the primary's monotonic ms).
+        Nothing waits on it here: a group's degrade stops asking only for (c), and a member
+        leaves the set in etcd before the primary stops waiting for it, so no standby that
+        may be promoted without grace lacks an acknowledged reply (the pair's
+        :meth:`SyncGate.on_contact <fastlock.replication.syncrep.SyncGate.on_contact>` waits
+        for its one standby to hear a degrade instead)."""
+
     def on_ack(self, conn: ReplicaConnection, lsn: Any) -> None:
         """A standby's ``SYNC_ACK``: it has every record up to ``lsn`` at the ack point.
 
