@@ -203,3 +203,56 @@ def test_two_spellings_of_one_setting_are_refused_naming_both(tmp_path, content)
     assert out.returncode == 2, out.stdout
     assert "'max-leases' and 'max_leases'" in out.stderr or "'max_leases' and 'max-leases'" in out.stderr
     assert "config file f.toml" in out.stderr, out.stderr
+
+
+def _serve_parser():
+    """``fastlock``'s top parser with only ``serve``, and ``serve``'s parser."""
+    from fastlock.cli import serve
+    from fastlock.cli.config import RecordingParser
+
+    top = RecordingParser(prog="fastlock")
+    return top, serve.add_parser(top.add_subparsers(dest="command", parser_class=RecordingParser))
+
+
+def _round_trip(tmp_path, flags: list[str]) -> tuple[dict, dict]:
+    """Every configurable setting parsed from ``flags``, and parsed again from the file
+    ``--print-config`` wrote for them."""
+    from fastlock.cli.config import NOT_CONFIGURABLE, layer_defaults, render
+
+    top, serve_parser = _serve_parser()
+    given = top.parse_args(["serve", *flags])
+    toml = render(serve_parser, given, flags, layer_defaults(serve_parser, flags, env={}))
+    (tmp_path / "printed.toml").write_text(toml + "\n")
+    top, serve_parser = _serve_parser()
+    argv = ["--config", str(tmp_path / "printed.toml")]
+    layer_defaults(serve_parser, argv, env={})
+    loaded = top.parse_args(["serve", *argv])
+    dests = {a.dest for a in serve_parser.options if a.option_strings and a.dest not in NOT_CONFIGURABLE}
+    assert len(dests) > 50  # every serve flag, not an empty set
+    return {d: getattr(given, d) for d in dests}, {d: getattr(loaded, d) for d in dests}
+
+
+def test_print_config_of_the_defaults_loads_back_unchanged(tmp_path):
+    given, loaded = _round_trip(tmp_path, [])
+    assert loaded == given
+
+
+@pytest.mark.parametrize("reachable", ["127.0.0.1:7420", "127.0.0.1:7420,[::1]:7421", "any",
+                                       "10.0.0.1:1,10.0.0.2:2,10.0.0.3:3"])
+def test_print_config_of_every_list_and_address_setting_loads_back_unchanged(tmp_path, reachable):
+    given, loaded = _round_trip(tmp_path, [
+        "--listen", "[::1]:7430", "--standby-of", "127.0.0.1:7431", "--metrics", "127.0.0.1:9100",
+        "--advertise", "127.0.0.2:7432", "--reachable-as", reachable, "--name", "n1",
+        "--fence-margin", "0.25", "--promotion-grace", "1e-3", "--sync-timeout", "0.5"])
+    assert given["reachable_as"] and given["listen"] == ("::1", 7430)  # the flags took effect
+    assert loaded == given
+
+
+def test_print_config_output_is_a_config_file_serve_accepts(tmp_path):
+    printed = run_fastlock("serve", "--reachable-as", "127.0.0.1:7420,127.0.0.2:7420", "--print-config",
+                           cwd=tmp_path)
+    assert printed.returncode == 0, printed.stderr
+    (tmp_path / "f.toml").write_text(printed.stdout)
+    again = run_fastlock("serve", "--config", "f.toml", "--print-config", cwd=tmp_path)
+    assert {k: v for k, (v, _) in settings(again).items()} == {k: v for k, (v, _) in settings(printed).items()}
+    assert settings(again)["reachable-as"] == ('"127.0.0.1:7420,127.0.0.2:7420"', "file f.toml")

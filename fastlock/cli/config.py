@@ -227,13 +227,18 @@ def toml_string(text: str) -> str:
 
 
 def _toml(value: Any) -> str:
+    """``value`` as the TOML value its flag reads back: a switch a boolean, a number a
+    number, an address ``(host, port)`` ``"HOST:PORT"`` (``"[IPv6]:PORT"``), a tuple of
+    strings (``--reachable-as``) its items comma-separated, anything else a string."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    if isinstance(value, tuple) and len(value) == 2:  # an address
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], int):  # an address
         host, port = value
         value = f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    elif isinstance(value, tuple):
+        value = ",".join(map(str, value))
     return toml_string(str(value))
 
 
@@ -246,7 +251,7 @@ def render(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequ
         key = _flag(action).lstrip("-")
         source = display("flag" if dest in given else sources.get(dest, "default"))  # a file's path: one line
         value = getattr(args, dest, None)
-        if value is None:
+        if value is None or value == ():  # an empty tuple: no item given (no flag value spells it)
             lines.append(f"# {key} =  (not set; {source})")
         else:
             lines.append(f"{key} = {_toml(value)}  # {source}")
