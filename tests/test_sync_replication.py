@@ -262,7 +262,7 @@ class _Gatehost:
             cancel=lambda: None))
 
 
-def _gate(monkeypatch, waiting: int):
+def _gate(monkeypatch, waiting: int, settings: SyncSettings | None = None):
     from types import SimpleNamespace
 
     from fastlock.replication import syncrep
@@ -272,7 +272,7 @@ def _gate(monkeypatch, waiting: int):
     standby = SimpleNamespace(session=7, closed=False)
     source = SimpleNamespace(replicas={7: SimpleNamespace(conn=SimpleNamespace(closed=False, send=lambda m: None,
                                                                                flush=lambda: None))})
-    return syncrep.SyncGate(host, source, SyncSettings()), host, standby
+    return syncrep.SyncGate(host, source, settings or SyncSettings()), host, standby
 
 
 def test_the_gate_releases_in_lsn_order_and_bounds_what_waits(monkeypatch):
@@ -368,3 +368,32 @@ def test_a_degrade_acknowledges_nothing_until_a_paired_standby_heard_it(monkeypa
         host.timers.pop()()
         assert outcomes[-1][0] == 2 and isinstance(outcomes[-1][1], Unavailable)
         assert "has not confirmed" in str(outcomes[-1][1])
+
+
+@pytest.mark.parametrize("attached", [False, True], ids=["no-standby", "standby-silent"])
+def test_a_strict_hold_names_a_missing_standby_as_missing(monkeypatch, caplog, attached):
+    """--sync-on-timeout fence: the first grant waits --sync-timeout, then the hold's reason
+    (held_because, the CRITICAL log) says whether no standby is attached or the attached one is silent."""
+    from fastlock.replication import syncrep
+    from fastlock.replication.syncrep import SyncOnTimeout
+
+    clock = [1_000]
+    monkeypatch.setattr(syncrep, "monotonic_ms", lambda: clock[0])
+    gate, host, _ = _gate(monkeypatch, waiting=8, settings=SyncSettings(on_timeout=SyncOnTimeout.FENCE))
+    if not attached:
+        gate.source.replicas = {}
+    outcomes: list = []
+    host.wal.logged_lsn = 4
+    gate.after(lambda error=None: outcomes.append(error))()
+    assert outcomes == [] and gate.status()["state"] != "held"  # the grant waits --sync-timeout first
+    clock[0] += 2_000
+    with caplog.at_level("CRITICAL", logger=syncrep.__name__):
+        host.timers.pop()()
+    assert len(outcomes) == 1 and isinstance(outcomes[0], Unavailable)
+    why = gate.status()["held_because"]
+    critical = [r.getMessage() for r in caplog.records if r.levelname == "CRITICAL"]
+    assert len(critical) == 1 and why in critical[0]
+    if attached:
+        assert why.startswith("the standby has not acknowledged LSN 4") and "(it has LSN 0)" in why, why
+    else:
+        assert why.startswith("no standby is attached") and "the standby has not" not in why, why

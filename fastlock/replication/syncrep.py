@@ -357,8 +357,12 @@ class SyncGate:
         if now < deadline:
             self._arm(deadline)
             return
-        why = (f"the standby has not acknowledged LSN {lsn} within --sync-timeout {self._timeout_ms()} ms "
-               f"(it has LSN {self.acked_lsn})")
+        if self.source.replicas:
+            why = (f"the standby has not acknowledged LSN {lsn} within --sync-timeout {self._timeout_ms()} ms "
+                   f"(it has LSN {self.acked_lsn})")
+        else:
+            why = (f"no standby is attached: nothing acknowledged LSN {lsn} within --sync-timeout "
+                   f"{self._timeout_ms()} ms")
         if unheard:
             # the standby has not heard of the degrade: what waited a whole timeout fails (it is
             # silent, and the heartbeat fence stops this primary soon), what is younger waits on
