@@ -247,3 +247,27 @@ def test_wal_dump_errors_are_json_with_o_json(tmp_path):
     assert out.returncode == 1 and out.stdout == ""
     assert json.loads(out.stderr) == {"command": "wal dump", "error": "FileNotFoundError",
                                       "message": f"{tmp_path / 'missing'}: no such directory"}
+
+
+@pytest.mark.parametrize("command", [["status"], ["promote"], ["serve-alone"]])
+def test_a_node_command_refuses_a_repeated_server(tmp_path, refused, command):
+    """A command that targets one node says so for a second --server, never silently uses the last."""
+    line = one_clear_line(fastlock(*command, "--server", "127.0.0.1:7001", "--server", refused, cwd=tmp_path), 2,
+                          "--server given more than once", "127.0.0.1:7001", refused, "one node")
+    assert line.startswith(f"fastlock {command[0]}: error: ")
+
+
+@pytest.mark.parametrize("command", [["locks"], ["lock", "a"], ["principals"], ["top", "--once"]])
+def test_a_primary_command_finds_the_primary_among_repeated_servers(tmp_path, server, refused, command):
+    """``--server A --server B`` names both nodes (as the client's list): the command finds the
+    answering primary, whichever --server names it."""
+    out = fastlock(*command, "--server", server.address, "--server", refused, "--connect-timeout", "2",
+                   cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    out = fastlock(*command, "--server", f"{refused},{server.address}", "--connect-timeout", "2", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+
+
+def test_status_help_says_several_nodes_in_the_environment_are_refused(tmp_path):
+    out = fastlock("status", "--help", cwd=tmp_path)
+    assert "several nodes there are an error" in " ".join(out.stdout.split()), out.stdout
