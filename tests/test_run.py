@@ -254,3 +254,25 @@ def test_says_who_holds_the_lock_it_waits_for(server, sync, tmp_path):
     assert out.returncode == EXIT_NOT_ACQUIRED, out.stderr
     assert (f"waiting for 'busy': held by anonymous:observer (token {held.fencing_token}, "
             f"correlation id nightly-report") in out.stderr
+
+
+def test_on_a_sync_pair_its_own_pending_grant_is_not_reported_as_another_holder(cluster, tmp_path):
+    """On a sync primary the grant waits for the standby's acknowledgement (here: a paused
+    standby, until --sync-timeout) before the acquire is answered; meanwhile the holder report
+    must not name this run's own grant as the hold it waits for."""
+    primary = cluster.primary(args=["--replication", "sync", "--sync-timeout", "3"])
+    standby = cluster.standby(primary.address)
+    deadline = time.monotonic() + TIMEOUT
+    while primary.status()["replication"]["sync"].get("state") != "in_sync":
+        assert time.monotonic() < deadline, primary.status()["replication"]
+        time.sleep(0.05)
+    standby.pause()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOCK_")}  # anonymous client
+        out = subprocess.run(run_cmd(primary, "self5", "--wait", "10", command=py("pass"), tmp_path=tmp_path),
+                             capture_output=True, text=True, timeout=TIMEOUT + 10, cwd=tmp_path, env=env)
+    finally:
+        standby.resume()
+    assert out.returncode == 0, out.stderr
+    assert "acquired 'self5'" in out.stderr, out.stderr
+    assert "waiting for" not in out.stderr, out.stderr
