@@ -415,8 +415,10 @@ class Connector:
             self._refusal_logs[reason] = line  # the most recent last
             while len(self._refusal_logs) > REFUSALS_KEPT:
                 del self._refusal_logs[next(iter(self._refusal_logs))]
-            line("%s:%d refused a request (%s: %s); looking for the primary", addr[0], addr[1], reason[1],
-                 quote(reason[2]))
+            text = ("%s:%d refused a request (%s: %s); looking for the primary", addr[0], addr[1], reason[1],
+                    quote(reason[2]))
+            if not line(*text):
+                log.debug(*text)  # each one at DEBUG, the INFO line counts them
             proto.abort(ConnectionLost(f"{addr[0]}:{addr[1]} cannot serve: {exc}"))
 
     def reset(self, reason: str) -> None:
