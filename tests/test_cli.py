@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -271,3 +272,20 @@ def test_a_primary_command_finds_the_primary_among_repeated_servers(tmp_path, se
 def test_status_help_says_several_nodes_in_the_environment_are_refused(tmp_path):
     out = fastlock("status", "--help", cwd=tmp_path)
     assert "several nodes there are an error" in " ".join(out.stdout.split()), out.stdout
+
+
+def test_status_all_of_a_sync_pair_names_both_nodes_from_either(tmp_path, cluster):
+    """Asked at the primary or at the standby, every cell a node's STATUS can fill is filled:
+    NODE (its --name), the standby's ADDRESS (as it announced it) and IN SYNC."""
+    primary = cluster.primary("a", args=["--replication", "sync"])
+    standby = cluster.standby(primary.address, "b", failover_after=1.0)
+    deadline = time.monotonic() + TIMEOUT
+    while primary.status()["replication"]["sync"].get("state") != "in_sync":
+        assert time.monotonic() < deadline, primary.status()["replication"]
+        time.sleep(0.05)
+    expected = {("a", primary.address, "primary", None), ("b", standby.address, "standby", True)}
+    for asked in (primary, standby):
+        out = fastlock("status", "--all", "-o", "json", "--server", asked.address, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        rows = json.loads(out.stdout)
+        assert {(r["node"], r["address"], r["role"], r["in_sync"]) for r in rows} == expected, rows

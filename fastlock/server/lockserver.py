@@ -578,7 +578,8 @@ class LockServer:
     # -- status -----------------------------------------------------------------------------
     def status(self) -> dict:
         """The node's status (``fastlock status``): the table's counters, role, epoch,
-        WAL, limits, TLS, replication, and ``tasks`` (background tasks: running,
+        WAL, limits, TLS, replication (with ``node_name``, the ``--name``, and ``node_id``),
+        and ``tasks`` (background tasks: running,
         failed, last_error - a failed automatic promotion shows there)."""
         t = self.table
         now = monotonic_ms()
@@ -604,6 +605,8 @@ class LockServer:
         else:
             st["replication"] = self.source.status()
         st["replication"].setdefault("sync", self.source.sync.status())  # a standby's: its follower's view
+        # who this node is (as `fastlock status --all` names it): its --name, and its data directory's node id
+        st["replication"].update(node_name=self.config.name, node_id=self.handlers.hello.node)
         if self.failover.coordinated is not None:
             st["coordinator"] = self.failover.coordinated.status()
         return st
