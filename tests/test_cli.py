@@ -289,3 +289,18 @@ def test_status_all_of_a_sync_pair_names_both_nodes_from_either(tmp_path, cluste
         assert out.returncode == 0, out.stderr
         rows = json.loads(out.stdout)
         assert {(r["node"], r["address"], r["role"], r["in_sync"]) for r in rows} == expected, rows
+
+
+def test_a_holder_without_a_client_name_is_shown_by_its_principal_alone(tmp_path, server):
+    """A SyncClient that gives no client name: the expiry log line and the WAL dump name its
+    principal, never a dangling ``anonymous:``."""
+    from fastlock.sync import SyncClient
+
+    with SyncClient(server.address) as client:
+        lease = client.acquire("nameless", ttl=0.2)  # not renewed: it expires
+        line = server.wait_for_log(r"lease expired: 'nameless'", timeout=TIMEOUT)
+    assert f"token {lease.fencing_token} (holder 'anonymous')" in line, line
+    out = fastlock("wal", "dump", "--lock", "nameless", str(server.data_dir), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    grant = next(line for line in out.stdout.splitlines() if " grant " in line)
+    assert " client=anonymous " in grant and "anonymous:" not in out.stdout, out.stdout

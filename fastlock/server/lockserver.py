@@ -80,7 +80,7 @@ from .failover import FailoverPolicy, primary_to_follow
 from .handlers import Handlers, refusal
 from .keys import KeyStore
 from .kinds import expired_log, grant_reply, reply_id, unacked_log, undelivered_log, waiter_left
-from .session import Session
+from .session import Session, shown_client
 from .shares import client_principals
 from .tasks import BackgroundTasks
 
@@ -471,7 +471,7 @@ class LockServer:
                 if ev.name in watchers:
                     self.handlers.watches.notify(ev.name, "expired", ev.token, ev.meta)
                 expired_log("lease expired: %s token %d (holder %s)", quote(ev.name), ev.token,
-                            quote(ev.meta[0] if ev.meta else None))
+                            quote(shown_client(ev.meta[0]) if ev.meta else None))
             else:  # a waiter left (wait timeout, cancel, deadlock): its acquire fails
                 waiter_left(sessions.get(ev.session), ev, quotas)
         quotas.batch_done()
