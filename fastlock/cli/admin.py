@@ -75,7 +75,8 @@ def add_parsers(sub: Any) -> None:
 
     pr = sub.add_parser("promote", help="promote a standby to primary (new epoch, grace period)")
     pr.set_defaults(handler=promote_command, subparser=pr, default_server=None)
-    pr.add_argument("--server", type=server_address, action=OneServer, metavar="HOST:PORT", help=f"the standby {server_help}")
+    pr.add_argument("--server", type=server_address, action=OneServer, metavar="HOST:PORT",
+                    help=f"the standby {server_help}")
     pr.add_argument("--force", action="store_true",
                     help="the operator's word that the old primary is dead: promote even if it cannot "
                          "confirm stepping down and does not fence itself, or if this standby never "
@@ -89,7 +90,8 @@ def add_parsers(sub: Any) -> None:
 
     sa = sub.add_parser("serve-alone", help="tell a primary its standby is gone: stop fencing itself")
     sa.set_defaults(handler=serve_alone_command, subparser=sa, default_server=None)
-    sa.add_argument("--server", type=server_address, action=OneServer, metavar="HOST:PORT", help=f"the primary {server_help}")
+    sa.add_argument("--server", type=server_address, action=OneServer, metavar="HOST:PORT",
+                    help=f"the primary {server_help}")
     _output_argument(sa)
     add_token_arguments(sa)
     add_client_tls_arguments(sa)

@@ -24,10 +24,10 @@ from ..protocol import MAX_TTL_MS, MIN_MAX_FRAME_BYTES, check_ttl_ms, check_wait
 from ..units import DEFAULT_PORT, MAX_SECONDS, check_seconds, format_address, parse_address
 
 __all__ = [
-    "COMMAND_NAMES", "CONNECT_TIMEOUT", "SERVER_VARIABLE", "OneServer", "add_client_tls_arguments", "add_connect_timeout_argument",
-    "add_token_arguments", "asks_json", "client_tls_options", "count_arg", "exit_code_arg", "frame_bytes_arg",
-    "listen_address", "positive_int", "positive_seconds_arg", "print_error", "read_secret", "read_token",
-    "seconds_arg", "server_address", "servers_from_env", "ttl_arg", "wait_arg",
+    "COMMAND_NAMES", "CONNECT_TIMEOUT", "SERVER_VARIABLE", "OneServer", "add_client_tls_arguments",
+    "add_connect_timeout_argument", "add_token_arguments", "asks_json", "client_tls_options", "count_arg",
+    "exit_code_arg", "frame_bytes_arg", "listen_address", "positive_int", "positive_seconds_arg", "print_error",
+    "read_secret", "read_token", "seconds_arg", "server_address", "servers_from_env", "ttl_arg", "wait_arg",
 ]
 
 #: the environment variable naming the server(s) a client command talks to

@@ -131,6 +131,7 @@ def group_rows(first: str, ask: Callable[[str], dict]) -> list[NodeRow]:
         ident = own.get("ident")
         peer = peers.get(ident) if ident else None
         seen.add(ident)
+        in_sync: bool | None
         if members is not None:
             in_sync = ident in members
         else:
