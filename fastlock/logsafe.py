@@ -80,17 +80,19 @@ class RateLimitedLog:
         self._left = 0  # lines still allowed in the window that ends at _next
         self._suppressed = 0
 
-    def __call__(self, msg: str, *args: Any) -> None:
+    def __call__(self, msg: str, *args: Any) -> bool:
+        """Log ``msg % args`` unless the window's lines are spent; True when it was logged."""
         now = time.monotonic()
         if now >= self._next:
             self._next = now + self.interval_s
             self._left = self.burst
         elif not self._left:
             self._suppressed += 1
-            return
+            return False
         self._left -= 1
         if self._suppressed:
             msg = msg + " (%d more like this in the last %g s)"
             args = (*args, self._suppressed, self.interval_s)
             self._suppressed = 0
         self.logger.log(self.level, msg, *args)
+        return True

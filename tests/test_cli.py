@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -247,3 +248,59 @@ def test_wal_dump_errors_are_json_with_o_json(tmp_path):
     assert out.returncode == 1 and out.stdout == ""
     assert json.loads(out.stderr) == {"command": "wal dump", "error": "FileNotFoundError",
                                       "message": f"{tmp_path / 'missing'}: no such directory"}
+
+
+@pytest.mark.parametrize("command", [["status"], ["promote"], ["serve-alone"]])
+def test_a_node_command_refuses_a_repeated_server(tmp_path, refused, command):
+    """A command that targets one node says so for a second --server, never silently uses the last."""
+    line = one_clear_line(fastlock(*command, "--server", "127.0.0.1:7001", "--server", refused, cwd=tmp_path), 2,
+                          "--server given more than once", "127.0.0.1:7001", refused, "one node")
+    assert line.startswith(f"fastlock {command[0]}: error: ")
+
+
+@pytest.mark.parametrize("command", [["locks"], ["lock", "a"], ["principals"], ["top", "--once"]])
+def test_a_primary_command_finds_the_primary_among_repeated_servers(tmp_path, server, refused, command):
+    """``--server A --server B`` names both nodes (as the client's list): the command finds the
+    answering primary, whichever --server names it."""
+    out = fastlock(*command, "--server", server.address, "--server", refused, "--connect-timeout", "2",
+                   cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    out = fastlock(*command, "--server", f"{refused},{server.address}", "--connect-timeout", "2", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+
+
+def test_status_help_says_several_nodes_in_the_environment_are_refused(tmp_path):
+    out = fastlock("status", "--help", cwd=tmp_path)
+    assert "several nodes there are an error" in " ".join(out.stdout.split()), out.stdout
+
+
+def test_status_all_of_a_sync_pair_names_both_nodes_from_either(tmp_path, cluster):
+    """Asked at the primary or at the standby, every cell a node's STATUS can fill is filled:
+    NODE (its --name), the standby's ADDRESS (as it announced it) and IN SYNC."""
+    primary = cluster.primary("a", args=["--replication", "sync"])
+    standby = cluster.standby(primary.address, "b", failover_after=1.0)
+    deadline = time.monotonic() + TIMEOUT
+    while primary.status()["replication"]["sync"].get("state") != "in_sync":
+        assert time.monotonic() < deadline, primary.status()["replication"]
+        time.sleep(0.05)
+    expected = {("a", primary.address, "primary", None), ("b", standby.address, "standby", True)}
+    for asked in (primary, standby):
+        out = fastlock("status", "--all", "-o", "json", "--server", asked.address, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        rows = json.loads(out.stdout)
+        assert {(r["node"], r["address"], r["role"], r["in_sync"]) for r in rows} == expected, rows
+
+
+def test_a_holder_without_a_client_name_is_shown_by_its_principal_alone(tmp_path, server):
+    """A SyncClient that gives no client name: the expiry log line and the WAL dump name its
+    principal, never a dangling ``anonymous:``."""
+    from fastlock.sync import SyncClient
+
+    with SyncClient(server.address) as client:
+        lease = client.acquire("nameless", ttl=0.2)  # not renewed: it expires
+        line = server.wait_for_log(r"lease expired: 'nameless'", timeout=TIMEOUT)
+    assert f"token {lease.fencing_token} (holder 'anonymous')" in line, line
+    out = fastlock("wal", "dump", "--lock", "nameless", str(server.data_dir), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    grant = next(line for line in out.stdout.splitlines() if " grant " in line)
+    assert " client=anonymous " in grant and "anonymous:" not in out.stdout, out.stdout

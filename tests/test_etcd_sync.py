@@ -211,15 +211,17 @@ async def test_status_all_shows_every_node_of_the_group(sync_group):
 
 
 def test_status_all_of_a_pair_learns_the_standby_from_the_primary_or_the_primary_from_the_standby():
-    """A pair has no etcd: asked at the primary, the standby comes from its replication peers
-    (no address); asked at the standby, the primary comes from the standby's primary address."""
+    """A pair has no etcd: asked at the primary, the standby comes from the address it announced
+    (its replication peer entry); asked at the standby, the primary comes from the standby's
+    primary address.  NODE is each node's --name, IN SYNC the sync primary's word."""
     from fastlock.cli.groupstatus import format_table, group_rows
 
     primary = {"role": "primary", "epoch": 3, "replication": {
-        "fenced": False, "sync": {"mode": "sync", "state": "in_sync"},
-        "standbys": [{"name": "b@node-2/ff00", "lag_records": 4, "lag_ms": 7}]}}
-    standby = {"role": "standby", "epoch": 3, "name": "b", "replication": {
-        "primary": "127.0.0.1:7420", "ident": "node-2/ff00", "lag_records": 9,
+        "fenced": False, "sync": {"mode": "sync", "state": "in_sync"}, "node_name": "a", "node_id": "ee00",
+        "paired_standby": "b@node-2/ff00", "paired_standby_address": "127.0.0.1:7421",
+        "standbys": [{"name": "b@node-2/ff00", "lag_records": 4, "lag_ms": 7, "address": "127.0.0.1:7421"}]}}
+    standby = {"role": "standby", "epoch": 3, "replication": {
+        "primary": "127.0.0.1:7420", "ident": "node-2/ff00", "lag_records": 9, "node_name": "b", "node_id": "ff00",
         "sync": {"in_sync": True}}}
     statuses = {"127.0.0.1:7420": primary, "127.0.0.1:7421": standby}
 
@@ -228,12 +230,17 @@ def test_status_all_of_a_pair_learns_the_standby_from_the_primary_or_the_primary
 
     rows = group_rows("127.0.0.1:7420", ask)
     assert [(r.address, r.node, r.role, r.lag_records, r.lag_ms, r.in_sync) for r in rows] == [
-        ("127.0.0.1:7420", "?", "primary", 0, 0, None), ("?", "node-2/ff00", "standby", 4, 7, None)]
+        ("127.0.0.1:7420", "a", "primary", 0, 0, None), ("127.0.0.1:7421", "b", "standby", 4, 7, True)]
     rows = group_rows("127.0.0.1:7421", ask)
     assert [(r.address, r.node, r.role, r.lag_records, r.lag_ms, r.in_sync) for r in rows] == [
-        ("127.0.0.1:7421", "b", "standby", 4, 7, True), ("127.0.0.1:7420", "?", "primary", 0, 0, None)]
+        ("127.0.0.1:7421", "b", "standby", 4, 7, True), ("127.0.0.1:7420", "a", "primary", 0, 0, None)]
     table = format_table(rows).splitlines()
     assert table[1].split("|")[1].strip() == "ADDRESS" and len(table) == 6
+    # a standby that announced no address: its row from the primary's peer entry, no name given
+    del primary["replication"]["paired_standby_address"], primary["replication"]["standbys"][0]["address"]
+    primary["replication"]["standbys"][0]["name"] = primary["replication"]["paired_standby"] = "node-2/ff00"
+    rows = group_rows("127.0.0.1:7420", ask)
+    assert [(r.address, r.node, r.in_sync) for r in rows] == [("127.0.0.1:7420", "a", None), ("?", "ff00", True)]
 
 
 def test_status_all_shows_a_node_that_does_not_answer():

@@ -55,7 +55,8 @@ class LoopErrors:
 
 
 class Refusals(list):
-    """The ride-through log lines (one per refusal the client followed)."""
+    """The ride-through log lines (one per refusal the client followed: INFO, or DEBUG when the
+    INFO line for the same refusal is rate-limited)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -70,7 +71,7 @@ class Refusals(list):
         self._logger = logging.getLogger("fastlock.client")
         self._logger.addHandler(self._handler)
         self._level = self._logger.level
-        self._logger.setLevel(logging.INFO)
+        self._logger.setLevel(logging.DEBUG)
 
     def close(self) -> None:
         self._logger.removeHandler(self._handler)

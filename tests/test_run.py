@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fastlock._testbase.proxy import TcpProxy
-from fastlock.cli.run import EXIT_LOST, EXIT_NOT_ACQUIRED, EXIT_OVERRAN
+from fastlock.cli.run import EXIT_LOST, EXIT_NOT_ACQUIRED, EXIT_OVERRAN, EXIT_UNAVAILABLE
 from fastlock.sync import SyncClient
 
 TIMEOUT = 15.0
@@ -254,3 +254,50 @@ def test_says_who_holds_the_lock_it_waits_for(server, sync, tmp_path):
     assert out.returncode == EXIT_NOT_ACQUIRED, out.stderr
     assert (f"waiting for 'busy': held by anonymous:observer (token {held.fencing_token}, "
             f"correlation id nightly-report") in out.stderr
+
+
+def test_on_a_sync_pair_its_own_pending_grant_is_not_reported_as_another_holder(cluster, tmp_path):
+    """On a sync primary the grant waits for the standby's acknowledgement (here: a paused
+    standby, until --sync-timeout) before the acquire is answered; meanwhile the holder report
+    must not name this run's own grant as the hold it waits for."""
+    primary = cluster.primary(args=["--replication", "sync", "--sync-timeout", "3"])
+    standby = cluster.standby(primary.address)
+    deadline = time.monotonic() + TIMEOUT
+    while primary.status()["replication"]["sync"].get("state") != "in_sync":
+        assert time.monotonic() < deadline, primary.status()["replication"]
+        time.sleep(0.05)
+    standby.pause()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOCK_")}  # anonymous client
+        out = subprocess.run(run_cmd(primary, "self5", "--wait", "10", command=py("pass"), tmp_path=tmp_path),
+                             capture_output=True, text=True, timeout=TIMEOUT + 10, cwd=tmp_path, env=env)
+    finally:
+        standby.resume()
+    assert out.returncode == 0, out.stderr
+    assert "acquired 'self5'" in out.stderr, out.stderr
+    assert "waiting for" not in out.stderr, out.stderr
+
+
+def test_a_fenced_sync_primary_is_logged_once_per_reason_and_window_then_the_error(cluster, tmp_path):
+    """A strict sync primary whose standby is stopped refuses every acquire (Unavailable): the
+    ride-through retries it many times a second, and says so in one INFO line per distinct
+    refusal per REFUSAL_LOG_EVERY seconds, then the final error."""
+    primary = cluster.primary(args=["--replication", "sync", "--sync-timeout", "0.3", "--sync-on-timeout", "fence"])
+    standby = cluster.standby(primary.address)
+    deadline = time.monotonic() + TIMEOUT
+    while primary.status()["replication"]["sync"].get("state") != "in_sync":
+        assert time.monotonic() < deadline, primary.status()["replication"]
+        time.sleep(0.05)
+    standby.pause()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOCK_")}  # anonymous client
+        out = subprocess.run(run_cmd(primary, "fenced", "--wait", "4", command=py("pass"), tmp_path=tmp_path),
+                             capture_output=True, text=True, timeout=TIMEOUT + 10, cwd=tmp_path, env=env)
+    finally:
+        standby.resume()
+    assert out.returncode == EXIT_UNAVAILABLE, out.stderr
+    refusals = [line for line in out.stderr.splitlines() if "looking for the primary" in line]
+    reasons = {line.split("refused a request", 1)[1].split(" more like this")[0] for line in refusals}
+    assert 1 <= len(refusals) <= 2 * len(reasons), out.stderr  # the first of each, one more per 5 s at most
+    last = out.stderr.splitlines()[-1]
+    assert "ERROR" in last and "has not acknowledged" in last, out.stderr  # the final error stays

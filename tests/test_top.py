@@ -50,6 +50,9 @@ def test_top_once_shows_the_most_contended_locks_first(server):
     assert cells[2].endswith("holder") and cells[5] == "2", out    # HOLDER ... WAITERS
     assert "wait so far p50/p90/p99:" in out and "(n=3)" in out, out
     assert "hold (ended, seen by top) p50/p90/p99: -" in out, out
+    # one frame has no previous one: it shows the totals, never a promise of a next frame
+    assert "after the next frame" not in out, out
+    assert "totals since the server started: grants 3 " in " ".join(out.split()), out
 
 
 async def run_cli(server, *args: str, columns: int = 200) -> tuple[int, str, str]:

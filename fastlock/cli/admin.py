@@ -31,6 +31,7 @@ from ..units import DEFAULT_PORT, format_address
 from .args import (
     CONNECT_TIMEOUT,
     SERVER_VARIABLE,
+    OneServer,
     add_client_tls_arguments,
     add_connect_timeout_argument,
     add_token_arguments,
@@ -57,12 +58,13 @@ _WAL_FILE = re.compile(r"^(wal-\d{20}\.log|snap-\d{20}\.snap)$")
 
 def add_parsers(sub: Any) -> None:
     """Add the admin commands to ``fastlock``'s subparsers."""
-    server_help = f"(default: ${SERVER_VARIABLE} if it names one node)"
+    server_help = f"(one node; default: ${SERVER_VARIABLE} if it names exactly one node)"
     st = sub.add_parser("status", help="show one node's role, epoch, counters and replication state")
     st.set_defaults(handler=status_command, subparser=st, default_server=("127.0.0.1", DEFAULT_PORT))
-    st.add_argument("--server", type=server_address, metavar="HOST:PORT",
-                    help=f"the node to ask (default: ${SERVER_VARIABLE} if it names one node, else "
-                         f"127.0.0.1:7420); a standby answers for itself, no redirect to its primary")
+    st.add_argument("--server", type=server_address, action=OneServer, metavar="HOST:PORT",
+                    help=f"the one node to ask (default: ${SERVER_VARIABLE} if it names exactly one node, "
+                         f"127.0.0.1:7420 if it is unset; several nodes there are an error); a standby answers "
+                         f"for itself, no redirect to its primary")
     st.add_argument("--all", action="store_true",
                     help="a table of every node of the pair or etcd group (address, node, role, epoch, lag, "
                          "in sync), learned from the node asked (as etcdctl endpoint status --cluster -w table)")
@@ -73,7 +75,8 @@ def add_parsers(sub: Any) -> None:
 
     pr = sub.add_parser("promote", help="promote a standby to primary (new epoch, grace period)")
     pr.set_defaults(handler=promote_command, subparser=pr, default_server=None)
-    pr.add_argument("--server", type=server_address, metavar="HOST:PORT", help=f"the standby {server_help}")
+    pr.add_argument("--server", type=server_address, action=OneServer, metavar="HOST:PORT",
+                    help=f"the standby {server_help}")
     pr.add_argument("--force", action="store_true",
                     help="the operator's word that the old primary is dead: promote even if it cannot "
                          "confirm stepping down and does not fence itself, or if this standby never "
@@ -87,7 +90,8 @@ def add_parsers(sub: Any) -> None:
 
     sa = sub.add_parser("serve-alone", help="tell a primary its standby is gone: stop fencing itself")
     sa.set_defaults(handler=serve_alone_command, subparser=sa, default_server=None)
-    sa.add_argument("--server", type=server_address, metavar="HOST:PORT", help=f"the primary {server_help}")
+    sa.add_argument("--server", type=server_address, action=OneServer, metavar="HOST:PORT",
+                    help=f"the primary {server_help}")
     _output_argument(sa)
     add_token_arguments(sa)
     add_client_tls_arguments(sa)

@@ -21,13 +21,13 @@ from ..auth import CredentialsError, read_token_file, resolve_credential
 from ..auth.handshake import format_endpoint
 from ..errors import FastlockError
 from ..protocol import MAX_TTL_MS, MIN_MAX_FRAME_BYTES, check_ttl_ms, check_wait_ms, seconds_to_ms
-from ..units import DEFAULT_PORT, MAX_SECONDS, check_seconds, parse_address
+from ..units import DEFAULT_PORT, MAX_SECONDS, check_seconds, format_address, parse_address
 
 __all__ = [
-    "COMMAND_NAMES", "CONNECT_TIMEOUT", "SERVER_VARIABLE", "add_client_tls_arguments", "add_connect_timeout_argument",
-    "add_token_arguments", "asks_json", "client_tls_options", "count_arg", "exit_code_arg", "frame_bytes_arg",
-    "listen_address", "positive_int", "positive_seconds_arg", "print_error", "read_secret", "read_token",
-    "seconds_arg", "server_address", "servers_from_env", "ttl_arg", "wait_arg",
+    "COMMAND_NAMES", "CONNECT_TIMEOUT", "SERVER_VARIABLE", "OneServer", "add_client_tls_arguments",
+    "add_connect_timeout_argument", "add_token_arguments", "asks_json", "client_tls_options", "count_arg",
+    "exit_code_arg", "frame_bytes_arg", "listen_address", "positive_int", "positive_seconds_arg", "print_error",
+    "read_secret", "read_token", "seconds_arg", "server_address", "servers_from_env", "ttl_arg", "wait_arg",
 ]
 
 #: the environment variable naming the server(s) a client command talks to
@@ -50,6 +50,20 @@ def server_address(value: str) -> tuple[str, int]:
         return parse_address(value, default_port=DEFAULT_PORT)
     except FastlockError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+class OneServer(argparse.Action):
+    """argparse action of a node-targeting command's ``--server``: the value once;
+    a second ``--server`` is a usage error (exit 2) naming both, never a silent choice."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        given = getattr(namespace, self.dest, None)
+        if given is not None:
+            parser.error(f"{option_string} given more than once ({format_address(given)}, then "
+                         f"{format_address(values)}): "
+                         f"this command targets one node; name only that node")
+        setattr(namespace, self.dest, values)
 
 
 def reachable_as(value: str) -> tuple[str, ...]:

@@ -8,14 +8,16 @@ status and learns the other nodes from it:
   node id and address of each live node) and the primary etcd names; the CLI never
   talks to etcd itself;
 * in a pair, from the standby's primary address (``replication.primary``), or, asked
-  at the primary, from its replication peers (a standby's address is not known to the
-  primary: its row shows ``?``).
+  at the primary, from the addresses its standbys announce (``replication.standbys``,
+  and ``paired_standby_address`` from its ``pairing.json`` while the standby is away).
 
 Then it asks each node for its status (one request each, at most :data:`MAX_NODES`) and
-prints one row per node: address, node id, role, epoch, lag (records and milliseconds,
+prints one row per node: address, node (its etcd node id in a group; in a pair its
+``--name``, else its data directory's node id), role, epoch, lag (records and milliseconds,
 as the primary measures them for its standbys) and the in-sync flag (in a group with
-``--replication sync``: a member of ``PREFIX/sync``; in a sync pair: the standby's
-primary says it is in sync).  A node that does not answer shows its error as its role.
+``--replication sync``: a member of ``PREFIX/sync``; in a sync pair: the primary's
+``replication.sync.state`` is ``in_sync`` for its paired standby, or, with no primary
+answering, the standby's own view).  A node that does not answer shows its error as its role.
 Addresses read from etcd are untrusted: the admin token is proved to them, never sent.
 """
 
@@ -52,6 +54,20 @@ def _ident(name: Any) -> str:
     return str(name).rpartition("@")[2]
 
 
+def _peer_node(name: Any) -> str:
+    """How a primary names a standby (``[label@]principal/node``) -> the standby's NODE cell:
+    its label (its ``--name``) when it has one, else its node id."""
+    label, at, ident = str(name).rpartition("@")
+    return label if at and label else ident.rpartition("/")[2]
+
+
+def _own_node(st: dict, fallback: str) -> str:
+    """A node's NODE cell from its own STATUS: its etcd node id in a group, else its ``--name``,
+    else its data directory's node id (``replication.node_name`` / ``node_id``)."""
+    own = st.get("replication") or {}
+    return str((st.get("coordinator") or {}).get("node") or own.get("node_name") or own.get("node_id") or fallback)
+
+
 def group_rows(first: str, ask: Callable[[str], dict]) -> list[NodeRow]:
     """The table's rows, learned from the node at ``first`` (``host:port``).
 
@@ -70,8 +86,15 @@ def group_rows(first: str, ask: Callable[[str], dict]) -> list[NodeRow]:
             names[m["address"]] = str(m.get("node", "?"))
     if isinstance(coordinator.get("primary"), dict) and coordinator["primary"].get("address"):
         names.setdefault(coordinator["primary"]["address"], str(coordinator["primary"].get("node", "?")))
-    if st0.get("role") == "standby" and (st0.get("replication") or {}).get("primary"):
-        names.setdefault(st0["replication"]["primary"], "?")
+    repl0 = st0.get("replication") or {}
+    if st0.get("role") == "standby" and repl0.get("primary"):
+        names.setdefault(repl0["primary"], "?")
+    if st0.get("role") == "primary":  # a pair: its standbys announce where they serve clients
+        for p in repl0.get("standbys") or []:
+            if isinstance(p, dict) and type(p.get("address")) is str and p["address"]:
+                names.setdefault(p["address"], _peer_node(p.get("name")))
+        if type(repl0.get("paired_standby_address")) is str and repl0["paired_standby_address"]:
+            names.setdefault(repl0["paired_standby_address"], _peer_node(repl0.get("paired_standby")))
     for address in list(names)[:MAX_NODES]:
         if address not in statuses:
             try:
@@ -86,13 +109,20 @@ def group_rows(first: str, ask: Callable[[str], dict]) -> list[NodeRow]:
     peers = {_ident(p.get("name")): p for p in repl.get("standbys") or [] if isinstance(p, dict)}
     sync = repl.get("sync") or {}
     members = set(sync.get("members") or []) if "members" in sync else None
+
+    def pair_in_sync(ident: str | None) -> bool | None:
+        """A pair's in-sync flag of the standby ``ident`` as its sync primary says it (None: not a sync pair)."""
+        if sync.get("mode") != "sync" or not ident:
+            return None
+        return sync.get("state") == "in_sync" and _ident(repl.get("paired_standby")) == ident
+
     rows, seen = [], set()
     for address, st in statuses.items():
         node = names.get(address, "?")
         if not isinstance(st, dict):
             rows.append(NodeRow(address, node, f"unreachable: {st}"[:60], None, None, None, None))
             continue
-        node = str((st.get("coordinator") or {}).get("node") or st.get("name") or node)
+        node = _own_node(st, node)
         own = st.get("replication") or {}
         role = st.get("role", "?") + (" fenced" if own.get("fenced") and st.get("role") == "primary" else "")
         if st.get("role") == "primary":
@@ -101,14 +131,21 @@ def group_rows(first: str, ask: Callable[[str], dict]) -> list[NodeRow]:
         ident = own.get("ident")
         peer = peers.get(ident) if ident else None
         seen.add(ident)
-        in_sync = (ident in members) if members is not None else (own.get("sync") or {}).get("in_sync")
+        in_sync: bool | None
+        if members is not None:
+            in_sync = ident in members
+        else:
+            in_sync = pair_in_sync(ident) if primary is not None else None
+            if in_sync is None:
+                in_sync = (own.get("sync") or {}).get("in_sync")
         rows.append(NodeRow(address, node, role, st.get("epoch"),
                             peer["lag_records"] if peer else own.get("lag_records"),
                             peer["lag_ms"] if peer else None, in_sync))
     for ident, peer in peers.items():
         if ident not in seen:  # a standby the primary streams to, not reached by address
-            rows.append(NodeRow("?", ident, "standby", None, peer.get("lag_records"), peer.get("lag_ms"),
-                                (ident in members) if members is not None else None))
+            rows.append(NodeRow(str(peer.get("address") or "?"), _peer_node(peer.get("name")), "standby", None,
+                                peer.get("lag_records"), peer.get("lag_ms"),
+                                (ident in members) if members is not None else pair_in_sync(ident)))
     return rows
 
 

@@ -51,9 +51,10 @@ def _token_arg(value: str) -> int:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--server", metavar="HOST:PORT[,HOST:PORT]",
-                   help=f"the servers (the primary is found among them; default ${SERVER_VARIABLE}, "
-                        f"else 127.0.0.1:{DEFAULT_PORT})")
+    p.add_argument("--server", action="append", metavar="HOST:PORT[,HOST:PORT]",
+                   help=f"a server; repeat it (or separate with commas) for each node of a pair or group: the "
+                        f"primary is found among them, riding through a failover as the client does (default "
+                        f"${SERVER_VARIABLE}, comma-separated, else 127.0.0.1:{DEFAULT_PORT})")
     p.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
     add_connect_timeout_argument(p)
     add_token_arguments(p)
@@ -91,8 +92,9 @@ def add_parsers(sub: Any) -> None:
 
 
 def _servers(args: argparse.Namespace) -> list[str]:
-    if args.server:
-        return [s.strip() for s in args.server.split(",") if s.strip()]
+    named = [s.strip() for given in args.server or [] for s in given.split(",") if s.strip()]
+    if named:
+        return named
     return servers_from_env() or [f"127.0.0.1:{DEFAULT_PORT}"]
 
 

@@ -351,13 +351,15 @@ REPORT_EVERY = 10.0
 
 async def _report_holder(client: Any, name: str) -> None:
     """While the lock is being waited for: say who holds it (INFO), at once and every
-    :data:`REPORT_EVERY` seconds; quiet when it is free, and if the principal may not ask."""
+    :data:`REPORT_EVERY` seconds; quiet when it is free, when the holder is this connection
+    (its own grant, which on a sync primary waits for the standby's acknowledgement before the
+    acquire is answered), and if the principal may not ask."""
     while True:
         try:
             holder = await client.holder(name)
         except FastlockError:
             return
-        if holder is not None:
+        if holder is not None and not holder.get("this_session"):
             who = ":".join(p for p in (holder.get("principal"), holder.get("client")) if p) or "an unnamed client"
             log.info("waiting for %r: held by %s (token %d, correlation id %s, %.1f s left on its lease)",
                      name, who, holder["token"], holder.get("correlation_id"), holder["remaining_ms"] / 1000)

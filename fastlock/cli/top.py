@@ -5,7 +5,8 @@ the server (the ``--rows`` locks with the most waiters, then by name: one page, 
 locks are held) and ``lock`` for those with waiters (their waiters, oldest first), then shows:
 
 - a header: role, epoch, sessions, held locks, waiters, and the grants, releases,
-  expiries and wait timeouts per second since the previous frame;
+  expiries and wait timeouts per second since the previous frame (with ``--once``, which
+  has no previous frame: their totals since the server started);
 - the locks with the deepest queues first (then the most handovers), one row each (a
   name or holder as :func:`fastlock.logsafe.text_value` shows it, never wrapped): the
   fencing token, the holder, how long top has seen this holder hold it, the TTL
@@ -132,15 +133,19 @@ def console() -> Console:
 
 
 def render(sampler: TopSampler, now: float, status: dict[str, Any], leases: list[LeaseInfo],
-           infos: dict[str, LockInfo], rows: int) -> Group:
-    """One frame (see the module docstring)."""
+           infos: dict[str, LockInfo], rows: int, once: bool = False) -> Group:
+    """One frame (see the module docstring); ``once``: the only frame (totals, not rates)."""
     rates = sampler.rates(now, status)
     head = Text()
     head.append(f"fastlock {status.get('version', '')}  {status.get('role', '?')}  epoch {status.get('epoch', 0)}",
                 style="bold")
     head.append(f"   sessions {status.get('sessions', 0)}  held {status.get('locks_held', 0)}  "
                 f"waiters {status.get('waiters', 0)}\n")
-    if rates is None:
+    if rates is None and once:
+        head.append("totals since the server started: "
+                    + "  ".join(f"{k.replace('_', ' ')} {status.get(k, 0)}" for k in RATES)
+                    + " (per-second rates need a second frame: run top without --once)")
+    elif rates is None:
         head.append("rates: after the next frame")
     else:
         head.append("per second: " + "  ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in rates.items()))
@@ -177,10 +182,10 @@ async def sample(client: Client, sampler: TopSampler, rows: int) -> Sample:
     return now, status, listing.locks, infos
 
 
-async def frame(client: Client, sampler: TopSampler, rows: int) -> Group:
-    """Sample the primary once and render a frame."""
+async def frame(client: Client, sampler: TopSampler, rows: int, once: bool = False) -> Group:
+    """Sample the primary once and render a frame (``once``: see :func:`render`)."""
     now, status, leases, infos = await sample(client, sampler, rows)
-    return render(sampler, now, status, leases, infos, rows)
+    return render(sampler, now, status, leases, infos, rows, once)
 
 
 def _percentile_fields(values: list[float]) -> dict[str, Any]:
@@ -253,7 +258,7 @@ def top_command(args: argparse.Namespace) -> int:
                 print(json.dumps(snapshot(sampler, *await sample(client, sampler, args.rows), args.rows)))
                 return 0
             if args.once:
-                console().print(await frame(client, sampler, args.rows))
+                console().print(await frame(client, sampler, args.rows, once=True))
                 return 0
             if not sys.stdout.isatty():  # a pipe or a file: one plain frame per refresh, no screen control
                 plain = console()

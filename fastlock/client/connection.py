@@ -30,7 +30,7 @@ from typing import Any
 from .. import protocol as P
 from ..auth import ClientHandshake, ServerNotProven, resolve_credential, say_hello, secret_of
 from ..errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost, NotPrimary, Unavailable
-from ..logsafe import quote
+from ..logsafe import RateLimitedLog, quote
 from ..protocol.ops import PUSH_VALUE
 from ..protocol.rpc import NotFastlockReply, RpcConnection, answers_tls_hello, what_answered
 from ..units import parse_address
@@ -48,6 +48,11 @@ __all__ = ["ClientConnection", "Connector", "RideThrough", "RETRYABLE", "resolve
 RETRYABLE = (ConnectionLost, NotPrimary, Unavailable)
 BACKOFF_FIRST = 0.02  # seconds: the first pause between sweeps of the address list
 BACKOFF_MAX = 0.5  # seconds: the longest pause (doubling from the first, with jitter)
+#: seconds between two INFO lines for one refusal (same node, error and message): the later line
+#: counts the ones left out (a ride-through retries a refusing node many times a second)
+REFUSAL_LOG_EVERY = 5.0
+#: the most distinct refusals a connector rate-limits at once (the oldest is forgotten first)
+REFUSALS_KEPT = 32
 
 #: why a TLS server most likely closed or reset a connection during the handshake
 _REFUSED_CERT_HINT = (" (a TLS server that requires client certificates drops the connection when it refuses "
@@ -130,7 +135,7 @@ class Connector:
     __slots__ = ("addresses", "proto", "closed", "server_info", "max_epoch", "orphans", "no_acquire_many",
                  "_auth", "_client_name",
                  "_connect_timeout", "_request_timeout", "_ssl", "_server_hostname", "_connecting",
-                 "_connect_task", "_attempt", "_suspects", "_demoted", "_preferred", "_nodes")
+                 "_connect_task", "_attempt", "_suspects", "_demoted", "_preferred", "_nodes", "_refusal_logs")
 
     def __init__(self, addresses: Iterable[Any], *, auth: str | None, client_name: str | None,
                  connect_timeout: float, request_timeout: float | None, ssl_context: ssl.SSLContext | None,
@@ -160,6 +165,8 @@ class Connector:
         #: address -> the node id that proved itself there: a later handshake at that address expects
         #: it (a process on a dead server's port relaying to another node is refused)
         self._nodes: dict[Address, str] = {}
+        #: (address, error, message) -> its rate-limited "refused a request" line (REFUSAL_LOG_EVERY)
+        self._refusal_logs: dict[tuple[Address, str, str], RateLimitedLog] = {}
 
     async def ensure_connected(self, deadline: float | None = None) -> ClientConnection:
         """The connection to the primary, connecting first if needed (one
@@ -403,8 +410,15 @@ class Connector:
             self._preferred = target
         self._demoted.add(addr)
         if not proto.closed:
-            log.info("%s:%d refused a request (%s: %s); looking for the primary", addr[0], addr[1],
-                     type(exc).__name__, quote(str(exc)))
+            reason = (addr, type(exc).__name__, str(exc))
+            line = self._refusal_logs.pop(reason, None) or RateLimitedLog(log, logging.INFO, REFUSAL_LOG_EVERY)
+            self._refusal_logs[reason] = line  # the most recent last
+            while len(self._refusal_logs) > REFUSALS_KEPT:
+                del self._refusal_logs[next(iter(self._refusal_logs))]
+            text = ("%s:%d refused a request (%s: %s); looking for the primary", addr[0], addr[1], reason[1],
+                    quote(reason[2]))
+            if not line(*text):
+                log.debug(*text)  # each one at DEBUG, the INFO line counts them
             proto.abort(ConnectionLost(f"{addr[0]}:{addr[1]} cannot serve: {exc}"))
 
     def reset(self, reason: str) -> None:

@@ -363,7 +363,13 @@ class WatchEvent:
     principal: str | None = None
 
 
-class HolderInfo(TypedDict):
+class _HolderInfoExtras(TypedDict, total=False):
+    """The keys of :class:`HolderInfo` that a server may leave out."""
+
+    this_session: bool
+
+
+class HolderInfo(_HolderInfoExtras):
     """A lock's current holder, as :meth:`Client.holder <fastlock.client.Client.holder>` reports it.
 
     ``token``: the holder's fencing token; ``principal``: the authenticated
@@ -371,7 +377,9 @@ class HolderInfo(TypedDict):
     name it gave (self-declared: not verified), or None; ``correlation_id``:
     the acquire's correlation id, or None; ``ttl_ms``: the lease's TTL in
     milliseconds; ``remaining_ms``: milliseconds until the server expires it
-    unless renewed (on the server's monotonic clock).
+    unless renewed (on the server's monotonic clock); ``this_session``: this
+    connection holds it (on a sync primary also its own grant that still waits for
+    the standby's acknowledgement; absent from servers before it).
     """
 
     token: int

@@ -519,6 +519,7 @@ class ReplicationSource:
                 "lag_ms": (now - r.sent[0][1]) if r.sent else 0,
                 "contact_age_ms": now - r.contact_ms,
                 "failover_after_ms": r.failover_after_ms,
+                "address": r.address,
             })
         return {
             "standbys": standbys,
@@ -526,6 +527,7 @@ class ReplicationSource:
             "serving_alone": self.serving_alone,
             "paired_window_ms": self._paired_window_ms,
             "paired_standby": self.paired_id,
+            "paired_standby_address": self.paired_address,
             "incarnation": self.incarnation,
         }
 

@@ -389,10 +389,12 @@ class Handlers:
     def op_holder(self, conn: Session, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])
         self.roles.admit(Action.READ)
-        conn.send(P.encode_ok(req_id, self._holder_info(name)))
+        conn.send(P.encode_ok(req_id, self._holder_info(name, conn)))
 
-    def _holder_info(self, name: str) -> dict | None:
-        """The holder (of a shared lock or a semaphore: the earliest granted, and how many hold it)."""
+    def _holder_info(self, name: str, asker: Session | None = None) -> dict | None:
+        """The holder (of a shared lock or a semaphore: the earliest granted, and how many hold it);
+        ``this_session``: the connection ``asker`` holds it (on a sync primary also while its
+        grant waits for the standby's acknowledgement, before the acquire is answered)."""
         now = monotonic_ms()
         h = self.table.holder(name, now)
         if h is None:
@@ -405,7 +407,7 @@ class Handlers:
         principal, client = split_recorded_client(client)
         return {"token": h.token, "principal": principal, "client": client, "correlation_id": corr,
                 "ttl_ms": h.ttl_ms, "remaining_ms": h.deadline_ms - now, "shared": h.shared, "limit": h.limit,
-                "holders": holders}
+                "holders": holders, "this_session": asker is not None and h.session == asker.session}
 
     # -- watches ------------------------------------------------------------------------
     def op_watch(self, conn: Session, req_id: int, msg: list) -> None:

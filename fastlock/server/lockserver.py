@@ -80,7 +80,7 @@ from .failover import FailoverPolicy, primary_to_follow
 from .handlers import Handlers, refusal
 from .keys import KeyStore
 from .kinds import expired_log, grant_reply, reply_id, unacked_log, undelivered_log, waiter_left
-from .session import Session
+from .session import Session, shown_client
 from .shares import client_principals
 from .tasks import BackgroundTasks
 
@@ -471,7 +471,7 @@ class LockServer:
                 if ev.name in watchers:
                     self.handlers.watches.notify(ev.name, "expired", ev.token, ev.meta)
                 expired_log("lease expired: %s token %d (holder %s)", quote(ev.name), ev.token,
-                            quote(ev.meta[0] if ev.meta else None))
+                            quote(shown_client(ev.meta[0]) if ev.meta else None))
             else:  # a waiter left (wait timeout, cancel, deadlock): its acquire fails
                 waiter_left(sessions.get(ev.session), ev, quotas)
         quotas.batch_done()
@@ -578,7 +578,8 @@ class LockServer:
     # -- status -----------------------------------------------------------------------------
     def status(self) -> dict:
         """The node's status (``fastlock status``): the table's counters, role, epoch,
-        WAL, limits, TLS, replication, and ``tasks`` (background tasks: running,
+        WAL, limits, TLS, replication (with ``node_name``, the ``--name``, and ``node_id``),
+        and ``tasks`` (background tasks: running,
         failed, last_error - a failed automatic promotion shows there)."""
         t = self.table
         now = monotonic_ms()
@@ -604,6 +605,8 @@ class LockServer:
         else:
             st["replication"] = self.source.status()
         st["replication"].setdefault("sync", self.source.sync.status())  # a standby's: its follower's view
+        # who this node is (as `fastlock status --all` names it): its --name, and its data directory's node id
+        st["replication"].update(node_name=self.config.name, node_id=self.handlers.hello.node)
         if self.failover.coordinated is not None:
             st["coordinator"] = self.failover.coordinated.status()
         return st

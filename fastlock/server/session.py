@@ -171,6 +171,14 @@ def split_recorded_client(recorded: Any) -> tuple[str | None, str | None]:
     return principal, name or None
 
 
+def shown_client(recorded: Any) -> str | None:
+    """A grant's recorded client as logs show it: ``principal:client name``, the principal
+    alone for a client that gave no name (never a dangling ``principal:``)."""
+    if type(recorded) is str and recorded.endswith(":"):
+        return recorded[:-1]
+    return recorded if type(recorded) is str else None
+
+
 class Session(asyncio.Protocol):
     """One client connection = one session.
 

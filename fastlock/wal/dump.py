@@ -92,9 +92,15 @@ def _owner_tag(owner: bytes) -> str:
     return hashlib.blake2b(owner, digest_size=4, person=b"fastlock-dump").hexdigest()
 
 
+def _shown_client(recorded: str | None) -> str | None:
+    """A grant's recorded client (``principal:client name``) with the principal alone for a
+    client that gave no name (recorded as ``principal:``)."""
+    return recorded[:-1] if recorded is not None and recorded.endswith(":") else recorded
+
+
 def _holder_entry(lsn: int, kind: str, h: HolderRecord) -> dict[str, Any]:
-    return _entry(lsn, h.granted_wall_ms, kind, h.name, h.token, h.client_name, h.correlation_id, h.ttl_ms,
-                  owner=_owner_tag(h.owner), lock_delay_ms=h.lock_delay_ms, shared=bool(h.shared),
+    return _entry(lsn, h.granted_wall_ms, kind, h.name, h.token, _shown_client(h.client_name), h.correlation_id,
+                  h.ttl_ms, owner=_owner_tag(h.owner), lock_delay_ms=h.lock_delay_ms, shared=bool(h.shared),
                   limit=h.limit or None)
 
 
@@ -125,7 +131,8 @@ def dump(directory: str | os.PathLike, *, lock: str | None = None, file: TextIO 
     Starts from the oldest usable snapshot (its holders first, marked ``snapshot``
     and shown with the snapshot's LSN), then every later record still on disk.
     Columns: LSN, wall time (ISO-8601 UTC, ``-`` if unknown), type, ``lock=``,
-    ``token=`` value (epoch/counter), ``client=``, ``corr=`` (correlation id),
+    ``token=`` value (epoch/counter), ``client=`` (``principal:client name``, the principal
+    alone when the client gave no name), ``corr=`` (correlation id),
     ``ttl_ms=``; grants add ``owner=`` (an 8-hex-digit tag derived from the stored
     owner hash: it tells grants of one acquire apart, and shows neither the key
     nor its stored hash), ``lock_delay_ms=`` and, for a shared or counted lease,
