@@ -108,7 +108,7 @@ def test_strict_mode_refuses_grants_without_a_standby_and_says_why(cluster):
         finally:
             await node.close()
         st = await status_of(b.address)
-        assert sync_of(st)["state"] == "held" and "not acknowledged" in sync_of(st)["held_because"], st
+        assert sync_of(st)["state"] == "held" and "no standby is attached" in sync_of(st)["held_because"], st
         await log_line(b, r"--sync-on-timeout fence: strict", 5)
 
     run(main(), timeout=60)
