@@ -45,6 +45,12 @@ async def log_line(srv, pattern: str, timeout: float, start: int = 0) -> str:
     return await asyncio.to_thread(srv.wait_for_log, pattern, timeout, start)
 
 
+async def synced_standby(srv, what: str) -> dict:
+    """The status of ``srv`` once it is a standby that has synced (bounded wait)."""
+    return await poll(lambda: status_of(srv.address), lambda s: s["role"] == "standby" and s["replication"]["synced"],
+                      timeout=10, what=what)
+
+
 async def grant(address: str, name: str, ttl_ms: int = 30_000, timeout: float = 15) -> int:
     """A grant of the free lock ``name`` at ``address`` (retried while it is refused), its token."""
     node = await RawNode.open(address)
@@ -169,8 +175,7 @@ def test_old_primary_restarted_with_its_flags_discards_its_unacknowledged_tail_a
         assert "3 leases" in summary, summary
         for i, token in enumerate(tail):
             await log_line(a2, rf"rejoin discarded lease 'tail/{i}' token {token} ", 5)
-        st = await poll(lambda: status_of(a2.address), lambda s: s["role"] == "standby"
-                        and s["replication"]["synced"], timeout=10, what="a2 synced as a standby")
+        st = await synced_standby(a2, "a2 synced as a standby")
         assert st["epoch"] == 1 and st["locks_held"] == 2, st  # shared and b's tail/0
         node = await RawNode.open(a2.address)
         try:
@@ -203,8 +208,7 @@ def test_a_paused_old_primary_rejoins_the_promoted_standby_when_resumed(cluster)
         finally:
             a.resume()
         await log_line(a, r"REJOINING as a standby of " + b.address, 15)
-        st = await poll(lambda: status_of(a.address), lambda s: s["role"] == "standby" and s["replication"]["synced"],
-                        timeout=10, what="the old primary synced as a standby")
+        st = await synced_standby(a, "the old primary synced as a standby")
         assert st["epoch"] == 1, st
         assert (await grant(b.address, "y")) > before
 
@@ -334,8 +338,7 @@ def test_a_primary_deposed_by_a_manual_promotion_follows_the_new_primary(cluster
         out, err = await asyncio.wait_for(proc.communicate(), 30)
         assert proc.returncode == 0, err
         await log_line(a, r"REJOINING as a standby of " + b.address, 15)
-        st = await poll(lambda: status_of(a.address), lambda s: s["role"] == "standby" and s["replication"]["synced"],
-                        timeout=10, what="the deposed primary synced as a standby")
+        st = await synced_standby(a, "the deposed primary synced as a standby")
         assert st["epoch"] == 1, st
         assert (await grant(b.address, "second")) > first
 

@@ -256,11 +256,10 @@ def test_says_who_holds_the_lock_it_waits_for(server, sync, tmp_path):
             f"correlation id nightly-report") in out.stderr
 
 
-def test_on_a_sync_pair_its_own_pending_grant_is_not_reported_as_another_holder(cluster, tmp_path):
-    """On a sync primary the grant waits for the standby's acknowledgement (here: a paused
-    standby, until --sync-timeout) before the acquire is answered; meanwhile the holder report
-    must not name this run's own grant as the hold it waits for."""
-    primary = cluster.primary(args=["--replication", "sync", "--sync-timeout", "3"])
+def _run_with_the_sync_standby_paused(cluster, tmp_path, sync_args: list[str], name: str, wait: str):
+    """``fastlock run NAME --wait WAIT`` (anonymous) against a sync primary (``sync_args``)
+    whose standby was in sync, then paused (SIGSTOP) for the run; the finished process."""
+    primary = cluster.primary(args=["--replication", "sync", *sync_args])
     standby = cluster.standby(primary.address)
     deadline = time.monotonic() + TIMEOUT
     while primary.status()["replication"]["sync"].get("state") != "in_sync":
@@ -269,10 +268,17 @@ def test_on_a_sync_pair_its_own_pending_grant_is_not_reported_as_another_holder(
     standby.pause()
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOCK_")}  # anonymous client
-        out = subprocess.run(run_cmd(primary, "self5", "--wait", "10", command=py("pass"), tmp_path=tmp_path),
-                             capture_output=True, text=True, timeout=TIMEOUT + 10, cwd=tmp_path, env=env)
+        return subprocess.run(run_cmd(primary, name, "--wait", wait, command=py("pass"), tmp_path=tmp_path),
+                              capture_output=True, text=True, timeout=TIMEOUT + 10, cwd=tmp_path, env=env)
     finally:
         standby.resume()
+
+
+def test_on_a_sync_pair_its_own_pending_grant_is_not_reported_as_another_holder(cluster, tmp_path):
+    """On a sync primary the grant waits for the standby's acknowledgement (here: a paused
+    standby, until --sync-timeout) before the acquire is answered; meanwhile the holder report
+    must not name this run's own grant as the hold it waits for."""
+    out = _run_with_the_sync_standby_paused(cluster, tmp_path, ["--sync-timeout", "3"], "self5", "10")
     assert out.returncode == 0, out.stderr
     assert "acquired 'self5'" in out.stderr, out.stderr
     assert "waiting for" not in out.stderr, out.stderr
@@ -282,19 +288,8 @@ def test_a_fenced_sync_primary_is_logged_once_per_reason_and_window_then_the_err
     """A strict sync primary whose standby is stopped refuses every acquire (Unavailable): the
     ride-through retries it many times a second, and says so in one INFO line per distinct
     refusal per REFUSAL_LOG_EVERY seconds, then the final error."""
-    primary = cluster.primary(args=["--replication", "sync", "--sync-timeout", "0.3", "--sync-on-timeout", "fence"])
-    standby = cluster.standby(primary.address)
-    deadline = time.monotonic() + TIMEOUT
-    while primary.status()["replication"]["sync"].get("state") != "in_sync":
-        assert time.monotonic() < deadline, primary.status()["replication"]
-        time.sleep(0.05)
-    standby.pause()
-    try:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOCK_")}  # anonymous client
-        out = subprocess.run(run_cmd(primary, "fenced", "--wait", "4", command=py("pass"), tmp_path=tmp_path),
-                             capture_output=True, text=True, timeout=TIMEOUT + 10, cwd=tmp_path, env=env)
-    finally:
-        standby.resume()
+    out = _run_with_the_sync_standby_paused(cluster, tmp_path, ["--sync-timeout", "0.3", "--sync-on-timeout", "fence"],
+                                            "fenced", "4")
     assert out.returncode == EXIT_UNAVAILABLE, out.stderr
     refusals = [line for line in out.stderr.splitlines() if "looking for the primary" in line]
     reasons = {line.split("refused a request", 1)[1].split(" more like this")[0] for line in refusals}
