@@ -19,6 +19,7 @@ from .client import (
     connect,
 )
 from .errors import (
+    AcquireLimitReached,
     AlreadyHeld,
     AuthError,
     Cancelled,
@@ -75,4 +76,5 @@ __all__ = [
     "StaleFencingToken",
     "LimitConflict",
     "DeadlockDetected",
+    "AcquireLimitReached",
 ]

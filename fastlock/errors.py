@@ -35,6 +35,7 @@ __all__ = [
     "LimitConflict",
     "DeadlockDetected",
     "LockNotHeld",
+    "AcquireLimitReached",
     "error_from_wire",
 ]
 
@@ -102,6 +103,18 @@ class AlreadyHeld(LockNotAcquired):
     def __init__(self, message: str, token: int = 0):
         super().__init__(message)
         self.token = token
+
+
+class AcquireLimitReached(AlreadyHeld):
+    """Raised by the client, at once and sending nothing, for a re-entry into a
+    re-entrant lock (:meth:`Client.reentrant_lock <fastlock.client.Client.reentrant_lock>`)
+    whose calling task (or thread) holds it already ``acquire_limit`` times, as
+    Hazelcast's ``LockAcquireLimitReachedException``: it never waits (waiting would be
+    for itself).  ``token`` is the held lease's fencing token, ``count`` the hold count."""
+
+    def __init__(self, message: str, token: int = 0, count: int = 0):
+        super().__init__(message, token)
+        self.count = count
 
 
 @_register(4)

@@ -47,6 +47,7 @@ from ..errors import ConnectionLost, FastlockError, WrongArgumentType
 from .acquire import CALLER
 from .admin import LeaseInfo, LockInfo, LockList, PrincipalRevocation
 from .blocking_election import SyncElection
+from .blocking_recipes import SyncRecipeMethods
 from .bounded import DRIFT_BOUND, ProcessGuard, check_margin
 from .client import Client
 from .forks import check_held_here, fork_lock, keep_inherited
@@ -178,7 +179,7 @@ class SyncMultiLease:
         return len(self.leases)
 
 
-class SyncClient(SyncKeyMethods):
+class SyncClient(SyncKeyMethods, SyncRecipeMethods):
     """A blocking fastlock client, safe to share between threads.
 
     Args:
@@ -372,6 +373,10 @@ class SyncClient(SyncKeyMethods):
         self.close()
 
     # -- operations ------------------------------------------------------------------
+    def wrap_lease(self, lease: Lease) -> SyncLease:
+        """``lease`` (of :attr:`client`) as a :class:`SyncLease`; call it on the client's loop thread."""
+        return SyncLease(lease)
+
     def acquire(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
                 correlation_id: str | None = None, shared: bool = False, limit: int = 0,
                 queue_behind_self: bool = False) -> SyncLease:

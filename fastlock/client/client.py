@@ -50,6 +50,7 @@ from .kinds import MAX_CONTENDERS, Semaphore, kind_args, list_contenders
 from .lease import HolderInfo, Lease, LeaseState, WatchEvent, check_fraction, check_lease
 from .multilock import LockManyContext, MultiLease, acquire_many, release_many, sorted_names
 from .owner_keys import new_owner_key
+from .recipes import RecipeMethods
 from .renewer import LockContext, Renewer, Renewers
 from .sweep import FAILOVER_TIMEOUT, find_primary
 from .watch import watch_events
@@ -63,7 +64,7 @@ __all__ = ["Client", "LockContext", "LATE_GRANT_FRACTION"]
 LATE_GRANT_FRACTION = 0.5
 
 
-class Client(KeyMethods, LockAdminMethods):
+class Client(KeyMethods, LockAdminMethods, RecipeMethods):
     """A connection to a fastlock primary.  Create it with :func:`connect`.
 
     Many tasks may share one client; their requests are pipelined on one

@@ -1,0 +1,104 @@
+"""The recipes for threads: :class:`SyncReentrantLock` and :class:`SyncOncePerWindow`, made by
+:meth:`SyncClient.reentrant_lock <fastlock.client.blocking.SyncClient.reentrant_lock>` and
+:meth:`SyncClient.once_per <fastlock.client.blocking.SyncClient.once_per>` (the blocking faces of
+:mod:`fastlock.client.reentrant` and :mod:`fastlock.client.window`).  With the blocking
+client the caller of a re-entrant lock is the calling thread."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from .lease import Lease
+from .reentrant import ReentrantLock
+from .window import OncePerWindow
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .blocking import SyncClient, SyncLease
+
+__all__ = ["SyncReentrantLock", "SyncOncePerWindow", "SyncRecipeMethods"]
+
+
+class SyncReentrantLock:
+    """:class:`~fastlock.client.reentrant.ReentrantLock` for threads: ``with lock as lease:``."""
+
+    __slots__ = ("_blocking", "lock")
+
+    def __init__(self, blocking: SyncClient, lock: ReentrantLock):
+        self._blocking = blocking
+        self.lock = lock
+
+    @property
+    def hold_count(self) -> int:
+        """How many times the calling thread holds the lock now."""
+        return self.lock.count_of(threading.current_thread())
+
+    def acquire(self) -> SyncLease:
+        """As :meth:`ReentrantLock.acquire <fastlock.client.reentrant.ReentrantLock.acquire>`."""
+        lock = self.lock
+
+        async def run() -> SyncLease:
+            return self._blocking.wrap_lease(await lock.acquire())
+        return self._blocking.call(run())
+
+    def release(self) -> None:
+        """As :meth:`ReentrantLock.release <fastlock.client.reentrant.ReentrantLock.release>`."""
+        self._blocking.call(self.lock.release())
+
+    def __enter__(self) -> SyncLease:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._blocking.call(self.lock.__aexit__())
+
+
+class SyncOncePerWindow:
+    """:class:`~fastlock.client.window.OncePerWindow` for threads: ``with run as lease:``."""
+
+    __slots__ = ("_blocking", "run")
+
+    def __init__(self, blocking: SyncClient, run: OncePerWindow):
+        self._blocking = blocking
+        self.run = run
+
+    def start(self) -> SyncLease:
+        """As :meth:`OncePerWindow.start <fastlock.client.window.OncePerWindow.start>`."""
+        run = self.run
+
+        async def go() -> SyncLease:
+            return self._blocking.wrap_lease(await run.start())
+        return self._blocking.call(go())
+
+    def finish(self) -> None:
+        """As :meth:`OncePerWindow.finish <fastlock.client.window.OncePerWindow.finish>`."""
+        self._blocking.call(self.run.finish())
+
+    def __enter__(self) -> SyncLease:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.finish()
+
+
+class SyncRecipeMethods:
+    """The recipes' entry points, mixed into :class:`~fastlock.client.blocking.SyncClient`."""
+
+    def wrap_lease(self, lease: Lease) -> SyncLease:  # pragma: no cover - SyncClient's
+        """``lease`` as the blocking client's :class:`~fastlock.client.blocking.SyncLease`."""
+        raise NotImplementedError
+
+    def reentrant_lock(self, name: str, *, ttl: float, wait: float | None = None, acquire_limit: int | None = None,
+                       lock_delay: float = 0.0, correlation_id: str | None = None,
+                       renew: bool = True) -> SyncReentrantLock:
+        """As :meth:`Client.reentrant_lock <fastlock.client.Client.reentrant_lock>`; the caller is the thread."""
+        blocking: SyncClient = self  # type: ignore[assignment]
+        return SyncReentrantLock(blocking, blocking.client.reentrant_lock(
+            name, ttl=ttl, wait=wait, acquire_limit=acquire_limit, lock_delay=lock_delay,
+            correlation_id=correlation_id, renew=renew))
+
+    def once_per(self, name: str, window: float, *, ttl: float = 30.0,
+                 correlation_id: str | None = None) -> SyncOncePerWindow:
+        """As :meth:`Client.once_per <fastlock.client.Client.once_per>`."""
+        blocking: SyncClient = self  # type: ignore[assignment]
+        return SyncOncePerWindow(blocking, blocking.client.once_per(name, window, ttl=ttl,
+                                                                    correlation_id=correlation_id))

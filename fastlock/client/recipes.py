@@ -1,0 +1,58 @@
+"""Coordination recipes on top of leases, mixed into :class:`~fastlock.client.Client`:
+re-entrant locks (:mod:`fastlock.client.reentrant`) and once-per-window runs
+(:mod:`fastlock.client.window`).  Each hands out the fencing token of a server lease."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .reentrant import ReentrantLock
+from .window import OncePerWindow
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .client import Client
+
+__all__ = ["RecipeMethods"]
+
+
+class RecipeMethods:
+    """The recipes' entry points, mixed into :class:`~fastlock.client.Client`."""
+
+    def reentrant_lock(self, name: str, *, ttl: float, wait: float | None = None, acquire_limit: int | None = None,
+                       lock_delay: float = 0.0, correlation_id: str | None = None,
+                       renew: bool = True) -> ReentrantLock:
+        """A re-entrant lock on ``name`` (opt-in; see :mod:`fastlock.client.reentrant`).
+
+        ``async with lock as lease:`` acquires, or re-enters when the calling task (or a
+        task it created) holds it, returning the same lease and fencing token and
+        counting; the lease is released on the server when the count is back at zero.
+
+        Args:
+            ttl: the lease's TTL in seconds, renewed in the background while held (``renew``).
+            wait: seconds the first acquire waits (None: forever, 0: try once).
+            acquire_limit: the largest hold count (1 .. 2**31 - 1; None: no limit but that);
+                a re-entry at the limit raises :class:`~fastlock.errors.AcquireLimitReached`
+                at once.
+            lock_delay, correlation_id: as :meth:`Client.acquire <fastlock.client.Client.acquire>`.
+
+        Raises (at once, nothing sent): InvalidArgument / WrongArgumentType for a bad argument.
+        """
+        client: Client = self  # type: ignore[assignment]
+        return ReentrantLock(client, name, ttl=ttl, wait=wait, acquire_limit=acquire_limit,
+                             lock_delay=lock_delay, correlation_id=correlation_id, renew=renew)
+
+    def once_per(self, name: str, window: float, *, ttl: float = 30.0,
+                 correlation_id: str | None = None) -> OncePerWindow:
+        """At most one run per ``window`` seconds of the job ``name``, across every client
+        (ShedLock's ``lockAtLeastFor``; see :mod:`fastlock.client.window`).
+
+        ``async with client.once_per("reports/daily", 900.0) as lease:`` enters only if no
+        run of ``name`` started in the last ``window`` seconds (by the server's clock),
+        else raises :class:`~fastlock.errors.LockNotAcquired` at once.  The lease stays
+        held after the body ends until ``window`` seconds after its grant; while the body
+        runs past that, it is renewed with ``ttl`` (seconds) and released on exit.
+
+        Raises (at once, nothing sent): InvalidArgument / WrongArgumentType for a bad argument.
+        """
+        client: Client = self  # type: ignore[assignment]
+        return OncePerWindow(client, name, window, ttl=ttl, correlation_id=correlation_id)
