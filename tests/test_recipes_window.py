@@ -16,13 +16,13 @@ import sys
 import time
 
 import pytest
+from test_replication import caught_up
 
 import fastlock
 from fastlock import LockNotAcquired
 from fastlock._testbase.cluster import run
 from fastlock.sync import SyncClient
 from fastlock.wal.dump import dump
-from test_replication import caught_up
 
 TIMEOUT = 20.0
 
