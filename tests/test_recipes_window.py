@@ -221,3 +221,35 @@ def test_twenty_skewed_workers_run_once_per_window(server):
     # the same by the server's wall clock at logging (a record is logged a little after its grant)
     assert all(gap >= window - 0.05 for gap in gaps), gaps
     assert len(runs) >= span / window / 2, runs  # (a run in most windows: workers try every 50 ms)
+
+
+# -- fastlock run --once-per ----------------------------------------------------------------
+
+def _fastlock_run(server, *args, command=("true",)):
+    return subprocess.run([sys.executable, "-m", "fastlock", "run", *args, "--server", server.address, "--",
+                           *command], capture_output=True, text=True, timeout=60)
+
+
+def test_cli_runs_once_per_window(server, tmp_path):
+    marker = tmp_path / "ran"
+    first = _fastlock_run(server, "jobs/cli", "--once-per", "15m", "--ttl", "5",
+                          command=(sys.executable, "-c", f"open({str(marker)!r}, 'a').write('x')"))
+    assert first.returncode == 0, first.stderr
+    assert marker.read_text() == "x"
+    second = _fastlock_run(server, "jobs/cli", "--once-per", "15m", "--ttl", "5",
+                           command=(sys.executable, "-c", f"open({str(marker)!r}, 'a').write('y')"))
+    assert second.returncode == 73, second.stderr
+    assert "not run in this window" in second.stderr
+    assert marker.read_text() == "x"
+    third = _fastlock_run(server, "jobs/cli", "--once-per", "900s", "--ttl", "5", "--conflict-exit-code", "0")
+    assert third.returncode == 0
+    with SyncClient(server.address) as c:
+        holder = c.holder("jobs/cli")
+        assert holder is not None and holder["ttl_ms"] == 900_000  # the first run's window, still running
+
+
+def test_cli_once_per_arguments(server):
+    for args in (["--once-per", "2h"], ["--once-per", "abc"], ["--once-per", "1s", "--ttl", "5"],
+                 ["--once-per", "1m", "--wait", "1"], ["--once-per", "1m", "--shared"]):
+        out = _fastlock_run(server, "jobs/cli-bad", *args)
+        assert out.returncode == 2, (args, out.stderr)

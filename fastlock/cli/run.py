@@ -3,6 +3,7 @@
 ::
 
     fastlock run NAME [--ttl S] [--wait S] [--limit N | --shared] [--server HOST:PORT ...] -- CMD [ARG ...]
+    fastlock run NAME --once-per WINDOW [--ttl S] [--server HOST:PORT ...] -- CMD [ARG ...]
 
 With ``--limit N``, ``NAME`` is a counting semaphore and up to N commands run at
 once, each with its own permit (as ``consul lock -n N``); with ``--shared``, a
@@ -15,6 +16,13 @@ within it, or within 15 s without ``--wait``; the lock itself is waited for
 forever by default), starts ``CMD`` with the lease's fencing token in
 its environment, renews the lease in the background (about every ttl/3, with
 jitter) while ``CMD`` runs, and releases it when ``CMD`` exits.
+
+With ``--once-per WINDOW`` (seconds, or with a unit: ``500ms``, ``90s``, ``15m``, ``1h``;
+at most 1 hour, at least ``--ttl``), the command runs at most once per window across every
+machine that runs the same line (ShedLock's ``lockAtLeastFor``): the lock is tried once
+(no waiting), and when the command ends early the lock stays taken until WINDOW after its
+grant, by the server's clock (see :mod:`fastlock.client.window`).  A run refused because
+the window is taken exits with ``--conflict-exit-code`` (73; 0 suits cron).
 
 Environment given to the command:
     ``FASTLOCK_FENCING_TOKEN``  the lease's fencing token (decimal); pass it to every
@@ -165,6 +173,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--margin", type=seconds_arg, default=None, metavar="S",
                    help="send SIGKILL this many seconds before the server's earliest possible re-grant of NAME "
                         "(default: a tenth of --ttl); --margin + --grace must be under two thirds of --ttl")
+    p.add_argument("--once-per", type=window_arg, default=None, metavar="WINDOW",
+                   help="run at most once per WINDOW across every client (e.g. 15m; at most 1h, at least --ttl): "
+                        "the lock is tried once and stays taken for the window even after an early end")
     p.add_argument("--conflict-exit-code", type=exit_code_arg, default=EXIT_NOT_ACQUIRED, metavar="N",
                    help=f"exit status when not acquired within --wait (default {EXIT_NOT_ACQUIRED})")
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -173,7 +184,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 _DESCRIPTION = "run a command while holding a lock (exit codes: see `pydoc fastlock.cli.run`)"
-_USAGE = ("fastlock run NAME [--ttl S] [--wait S] [--limit N | --shared] [--server HOST:PORT ...] [options] "
+_USAGE = ("fastlock run NAME [--ttl S] [--wait S | --once-per WINDOW] [--limit N | --shared] [--server HOST:PORT ...] "
+          "[options] "
           "-- CMD [ARG ...]")
 
 
@@ -216,6 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_name(args.name)
         check_optional_str(args.client_name, "client name", MAX_CLIENT_NAME_CHARS)
         stop_times(args)
+        check_once_per(args)
     except FastlockError as exc:
         parser.error(str(exc))  # exits 2
     return run_from_args(args, command)
@@ -235,6 +248,36 @@ def stop_times(args: argparse.Namespace) -> tuple[WorkBound, float]:
         raise InvalidArgument(f"--margin ({margin:g} s) + --grace ({grace:g} s) must be under two thirds of --ttl "
                               f"({ttl:g} s): renewals go out about every third of it")
     return check_margin(margin), grace
+
+
+#: the units ``--once-per`` accepts, in seconds
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def window_arg(value: str) -> float:
+    """argparse type: a window in seconds, a number with an optional unit (ms, s, m, h), > 0, at most 1 hour."""
+    text = value.strip().lower()
+    scale = 1.0
+    for unit in ("ms", "s", "m", "h"):
+        if text.endswith(unit):
+            text, scale = text[:-len(unit)], _UNITS[unit]
+            break
+    try:
+        return ttl_arg(repr(float(text) * scale))
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"--once-per is a window of at most 1h (e.g. 15m, 90s, 500ms), "
+                                         f"got {value!r}") from None
+
+
+def check_once_per(args: argparse.Namespace) -> None:
+    """Raise InvalidArgument when ``--once-per`` is combined with what it excludes."""
+    window = getattr(args, "once_per", None)
+    if window is None:
+        return
+    if args.wait is not None or args.limit or args.shared:
+        raise InvalidArgument("--once-per tries the lock once: it takes no --wait, --limit or --shared")
+    if window < args.ttl:
+        raise InvalidArgument(f"--once-per ({window:g} s) must be at least --ttl ({args.ttl:g} s)")
 
 
 def run_from_args(args: argparse.Namespace, command: list[str]) -> int:
@@ -272,6 +315,7 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
     for sig in FORWARDED_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
     client = None
+    window_run = None
     try:
         try:
             # --wait covers finding the primary: a connect during a failover rides through it that long
@@ -280,20 +324,28 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
                                    failover_timeout=FAILOVER_TIMEOUT if args.wait is None else args.wait,
                                    **client_tls_options(args))
             wait = None if args.wait is None else max(0.0, args.wait - (loop.time() - started))
-            reporter = asyncio.ensure_future(_report_holder(client, args.name))
-            try:
-                lease = await client.lock(args.name, ttl=args.ttl, wait=wait,
-                                          correlation_id=f"fastlock run: {' '.join(command)}"[:256],
-                                          shared=args.shared, limit=args.limit)
-            finally:
-                reporter.cancel()
+            correlation_id = f"fastlock run: {' '.join(command)}"[:256]
+            if getattr(args, "once_per", None) is not None:
+                window_run = client.once_per(args.name, args.once_per, ttl=args.ttl, correlation_id=correlation_id)
+                lease = await window_run.start()
+            else:
+                reporter = asyncio.ensure_future(_report_holder(client, args.name))
+                try:
+                    lease = await client.lock(args.name, ttl=args.ttl, wait=wait, correlation_id=correlation_id,
+                                              shared=args.shared, limit=args.limit)
+                finally:
+                    reporter.cancel()
         except asyncio.CancelledError:
             return 128 + (state["signal"] or signal.SIGINT)
         except LimitConflict as exc:  # another --limit holds NAME: a usage error, not a timeout
             log.error("%s", exc)
             return EXIT_USAGE
         except LockNotAcquired:
-            log.warning("%r not acquired within %s s", args.name, args.wait)
+            if getattr(args, "once_per", None) is not None:
+                log.warning("%r ran less than %g s ago (or runs now): not run in this window", args.name,
+                            args.once_per)
+            else:
+                log.warning("%r not acquired within %s s", args.name, args.wait)
             return args.conflict_exit_code
         except ConnectionLost as exc:
             log.error("%s", exc)
@@ -331,7 +383,8 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
             code = await _supervise(proc, lease, *stop_times(args))
         try:
             # bounded: a lost lease may be lost because the server is unreachable
-            await asyncio.wait_for(client.release(lease), max(1.0, min(args.ttl, 10.0)))
+            end = client.release(lease) if window_run is None else window_run.finish()  # a window keeps its lease
+            await asyncio.wait_for(end, max(1.0, min(args.ttl, 10.0)))
         except (LeaseLost, ConnectionLost, asyncio.TimeoutError) as exc:
             if code not in (EXIT_LOST, EXIT_OVERRAN):
                 log.warning("releasing %r: %s", args.name, exc or type(exc).__name__)

@@ -16,8 +16,9 @@ window does too; a run that dies keeps the window taken just the same.  The
 clients' clocks play no part in that: a client whose wall clock is an hour off
 (or whose process is frozen) cannot shorten a window.
 
-A run still going near the end of its window (``min(ttl, window) / 3`` seconds
-before the client's conservative estimate of the server's deadline) extends its
+A run still going near the end of its window (two thirds of ``min(ttl, window)``
+before the client's conservative estimate of the server's deadline: as early, before
+the end, as a renewal of a ``ttl`` lease comes before its expiry) extends its
 lease by ``ttl`` and renews it in the background from then on, as
 :meth:`Client.lock <fastlock.client.Client.lock>` does, so a long run keeps the
 lock.  When such a run ends, the lease is released if the window has passed by
@@ -103,7 +104,7 @@ class OncePerWindow:
     async def _keep(self, lease: Lease) -> None:
         """Extend the lease just before its window ends, then renew it, while the run goes on."""
         loop = asyncio.get_running_loop()
-        margin = min(self.ttl, self.window) / 3.0
+        margin = min(self.ttl, self.window) * 2.0 / 3.0
         await asyncio.sleep(max(0.0, lease.expires_at - margin - loop.time()))
         self._extended = True
         try:
