@@ -33,6 +33,7 @@ from fastlock.protocol.ops import (
     OP_KEY_PUT,
     OP_KEY_UNWATCH,
     OP_KEY_WATCH,
+    OP_RATE_LIMIT,
     OP_SYNC_ACK,
 )
 from fastlock.server import ServerConfig
@@ -185,6 +186,7 @@ def _ops_at_quota(address: str, app_token: str, owner: bytes, peer: Raw) -> dict
         P.OP_REVOKE: [((None, None, "x", "anonymous"), None)],
         P.OP_CONTENDERS: [(("held/1",), None)],
         OP_SYNC_ACK: [((1,), None)],
+        OP_RATE_LIMIT: [(("rl/1", 1000, 1000, 10, 1), None)],  # a limiter: bounded apart (server/ratelimit.py)
     }
 
 

@@ -10,13 +10,14 @@ import threading
 from typing import TYPE_CHECKING
 
 from .lease import Lease
+from .ratelimit import RateDecision, RateLimiter
 from .reentrant import ReentrantLock
 from .window import OncePerWindow
 
 if TYPE_CHECKING:  # pragma: no cover
     from .blocking import SyncClient, SyncLease
 
-__all__ = ["SyncReentrantLock", "SyncOncePerWindow", "SyncRecipeMethods"]
+__all__ = ["SyncReentrantLock", "SyncOncePerWindow", "SyncRateLimiter", "SyncRecipeMethods"]
 
 
 class SyncReentrantLock:
@@ -80,6 +81,24 @@ class SyncOncePerWindow:
         self.finish()
 
 
+class SyncRateLimiter:
+    """:class:`~fastlock.client.ratelimit.RateLimiter` for threads."""
+
+    __slots__ = ("_blocking", "limiter")
+
+    def __init__(self, blocking: SyncClient, limiter: RateLimiter):
+        self._blocking = blocking
+        self.limiter = limiter
+
+    def try_take(self, cost: int = 1) -> RateDecision:
+        """As :meth:`RateLimiter.try_take <fastlock.client.ratelimit.RateLimiter.try_take>`."""
+        return self._blocking.call(self.limiter.try_take(cost))
+
+    def take(self, cost: int = 1, *, timeout: float | None = None) -> None:
+        """As :meth:`RateLimiter.take <fastlock.client.ratelimit.RateLimiter.take>` (blocks the thread)."""
+        self._blocking.call(self.limiter.take(cost, timeout=timeout))
+
+
 class SyncRecipeMethods:
     """The recipes' entry points, mixed into :class:`~fastlock.client.blocking.SyncClient`."""
 
@@ -102,3 +121,13 @@ class SyncRecipeMethods:
         blocking: SyncClient = self  # type: ignore[assignment]
         return SyncOncePerWindow(blocking, blocking.client.once_per(name, window, ttl=ttl,
                                                                     correlation_id=correlation_id))
+
+    def limit(self, name: str, rate: int, burst: int, *, per: float = 1.0, cost: int = 1) -> RateDecision:
+        """As :meth:`Client.limit <fastlock.client.Client.limit>`."""
+        blocking: SyncClient = self  # type: ignore[assignment]
+        return blocking.call(blocking.client.limit(name, rate, burst, per=per, cost=cost))
+
+    def rate_limiter(self, name: str, rate: int, burst: int, *, per: float = 1.0) -> SyncRateLimiter:
+        """As :meth:`Client.rate_limiter <fastlock.client.Client.rate_limiter>`."""
+        blocking: SyncClient = self  # type: ignore[assignment]
+        return SyncRateLimiter(blocking, blocking.client.rate_limiter(name, rate, burst, per=per))

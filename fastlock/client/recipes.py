@@ -1,11 +1,15 @@
-"""Coordination recipes on top of leases, mixed into :class:`~fastlock.client.Client`:
-re-entrant locks (:mod:`fastlock.client.reentrant`) and once-per-window runs
-(:mod:`fastlock.client.window`).  Each hands out the fencing token of a server lease."""
+"""Coordination recipes, mixed into :class:`~fastlock.client.Client`: re-entrant locks
+(:mod:`fastlock.client.reentrant`) and once-per-window runs (:mod:`fastlock.client.window`),
+each handing out the fencing token of a server lease, and rate limits
+(:mod:`fastlock.client.ratelimit`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from .. import protocol as P
+from ..protocol.ops import OP_RATE_LIMIT
+from .ratelimit import RateDecision, RateLimiter, rate_args
 from .reentrant import ReentrantLock
 from .window import OncePerWindow
 
@@ -17,6 +21,9 @@ __all__ = ["RecipeMethods"]
 
 class RecipeMethods:
     """The recipes' entry points, mixed into :class:`~fastlock.client.Client`."""
+
+    async def _request(self, op: int, *args: Any) -> Any:  # pragma: no cover - Client's
+        raise NotImplementedError
 
     def reentrant_lock(self, name: str, *, ttl: float, wait: float | None = None, acquire_limit: int | None = None,
                        lock_delay: float = 0.0, correlation_id: str | None = None,
@@ -56,3 +63,27 @@ class RecipeMethods:
         """
         client: Client = self  # type: ignore[assignment]
         return OncePerWindow(client, name, window, ttl=ttl, correlation_id=correlation_id)
+
+    async def limit(self, name: str, rate: int, burst: int, *, per: float = 1.0, cost: int = 1) -> RateDecision:
+        """Take ``cost`` from the rate limiter ``name`` (``rate`` takes per ``per`` seconds,
+        ``burst`` at once; shared by every client; the server's clock only), now or not at
+        all: one request, never waits.  See :mod:`fastlock.server.ratelimit`.
+
+        Returns:
+            a :class:`~fastlock.client.ratelimit.RateDecision`: ``admitted``, ``retry_after``
+            (seconds), ``remaining``.
+
+        Raises:
+            LimitConflict: the limiter is live with another rate, period or burst.
+            LimitExceeded: too many live limiters (the server's or this principal's).
+            InvalidArgument / WrongArgumentType: a bad argument (nothing sent).
+        """
+        P.check_name(name)
+        admitted, retry_ms, remaining = await self._request(OP_RATE_LIMIT, name, *rate_args(rate, per, burst, cost))
+        return RateDecision(bool(admitted), retry_ms / 1000.0, remaining)
+
+    def rate_limiter(self, name: str, rate: int, burst: int, *, per: float = 1.0) -> RateLimiter:
+        """The rate limiter ``name`` as an object: ``try_take()`` (as :meth:`limit`) and
+        ``take()``, which waits until admitted."""
+        client: Client = self  # type: ignore[assignment]
+        return RateLimiter(client, name, rate, burst, per)

@@ -51,6 +51,7 @@ KEY_REPLACE = 2
 OP_ACQUIRE_MANY = 30
 OP_CONTENDERS = 31
 OP_SYNC_ACK = 50  # synchronous replication (ops 50-54 are reserved for it)
+OP_RATE_LIMIT = 80  # name, rate, period_ms, burst, cost (recipes: ops 80-89)
 
 
 class Op(NamedTuple):
@@ -93,6 +94,7 @@ OPS: tuple[Op, ...] = (
     Op(OP_ACQUIRE_MANY, "acquire_many", 6, 7),  # [, actor]
     Op(OP_CONTENDERS, "contenders", 1, 2),  # name[, cursor (the previous page's)]
     Op(OP_SYNC_ACK, "sync_ack", 1, 1),  # standby -> primary: primary LSN at the sync ack point
+    Op(OP_RATE_LIMIT, "rate_limit", 5, 5),  # name, rate, period_ms, burst, cost
 )
 
 #: (fewest, most) arguments of each op, after ``[req_id, op]``

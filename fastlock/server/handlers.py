@@ -37,6 +37,7 @@ from ..errors import (
     Unavailable,
 )
 from ..logsafe import quote
+from ..protocol.ops import OP_RATE_LIMIT
 from ..replication.messages import standby_address
 from ..replication.syncrep import SYNC_PERMISSIONS
 from ..roles import Action, NodeRole
@@ -46,6 +47,7 @@ from .keys import PERMISSIONS as KEY_PERMISSIONS
 from .keys import KeyStore
 from .kinds import KindHandlers, limit_conflict
 from .lockadmin import LockAdmin, not_the_holder
+from .ratelimit import RateLimitHandler
 from .session import Session, split_recorded_client
 from .shares import limit_exceeded
 from .statusview import client_status
@@ -84,6 +86,7 @@ PERMISSION: dict[int, str | None] = {
     P.OP_REVOKE: None,
     P.OP_ACQUIRE_MANY: "acquire",  # checked on every name by the handler
     P.OP_CONTENDERS: "holder",
+    OP_RATE_LIMIT: "acquire",  # taking from a name's rate limiter (fastlock.server.ratelimit)
 }
 
 _ARTICLE = {"client": "a", "replica": "a", "admin": "an"}
@@ -179,6 +182,8 @@ class Handlers:
         #: ACQUIRE_MANY, CONTENDERS and the deadlock timer
         self.kinds = kinds = KindHandlers(self)
         self.lock_admin = LockAdmin(self)
+        #: RATE_LIMIT: the rate limiters (fastlock.server.ratelimit)
+        self.rate_limits = RateLimitHandler(self.roles, self.table)
         handlers: dict[int, Handler] = {
             P.OP_HELLO: self.hello.op_hello,
             P.OP_ACQUIRE: self.op_acquire,
@@ -203,6 +208,7 @@ class Handlers:
             P.OP_REVOKE: self.lock_admin.op_revoke,
             P.OP_ACQUIRE_MANY: kinds.op_acquire_many,
             P.OP_CONTENDERS: kinds.op_contenders,
+            OP_RATE_LIMIT: self.rate_limits.op_rate_limit,
         }
         #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
         self.by_op: dict[int, tuple[Handler, int, int]] = {
