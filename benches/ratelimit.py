@@ -5,7 +5,8 @@
 
 A primary and a standby (``--failover-after``) on 127.0.0.1 with throwaway data dirs.
 ``--clients`` clients (one connection each, through ``fastlock.connect(primary,
-standby)``) take from one limiter (``--rate`` per second, ``--burst``) in a closed
+standby)``, all connected before the clock starts) take from one limiter (``--rate`` per
+second, ``--burst``) in a closed
 loop: a refused take waits the ``retry_after`` the server gave (at most 0.1 s).
 Halfway through, the primary is SIGKILLed; the clients ride through to the promoted
 standby.  Counted on this process's clock from the first take sent to the end:
@@ -33,8 +34,8 @@ from fastlock._testbase.cluster import Cluster
 RETRYABLE = (fastlock.ConnectionLost, fastlock.NotPrimary, fastlock.Unavailable)
 
 
-async def _client(address: list[str], args: argparse.Namespace, stop: float, admitted: list[float]) -> None:
-    async with await fastlock.connect(*address, connect_timeout=2.0, request_timeout=2.0) as c:
+async def _client(c: fastlock.Client, args: argparse.Namespace, stop: float, admitted: list[float]) -> None:
+    async with c:
         while time.monotonic() < stop:
             try:
                 d = await c.limit("bench/limit", args.rate, args.burst)
@@ -53,9 +54,11 @@ async def _run(args: argparse.Namespace, cluster: Cluster) -> dict:
     addresses = [p.address, s.address]
     await asyncio.sleep(1.0)  # the standby attached (a take needs none)
     admitted: list[float] = []
+    clients = [await fastlock.connect(*addresses, connect_timeout=2.0, request_timeout=2.0)
+               for _ in range(args.clients)]  # every client connected before the clock starts
     start = time.monotonic()
     stop = start + args.duration
-    tasks = [asyncio.ensure_future(_client(addresses, args, stop, admitted)) for _ in range(args.clients)]
+    tasks = [asyncio.ensure_future(_client(c, args, stop, admitted)) for c in clients]
     killed_at = None
     if args.failover:
         await asyncio.sleep(args.duration / 2)

@@ -22,6 +22,7 @@ from .errors import (
     AcquireLimitReached,
     AlreadyHeld,
     AuthError,
+    BrokenBarrier,
     Cancelled,
     ConnectionLost,
     DeadlockDetected,
@@ -77,4 +78,5 @@ __all__ = [
     "LimitConflict",
     "DeadlockDetected",
     "AcquireLimitReached",
+    "BrokenBarrier",
 ]

@@ -36,6 +36,7 @@ __all__ = [
     "DeadlockDetected",
     "LockNotHeld",
     "AcquireLimitReached",
+    "BrokenBarrier",
     "error_from_wire",
 ]
 
@@ -115,6 +116,13 @@ class AcquireLimitReached(AlreadyHeld):
     def __init__(self, message: str, token: int = 0, count: int = 0):
         super().__init__(message, token)
         self.count = count
+
+
+class BrokenBarrier(FastlockError):
+    """Raised by the client to every participant waiting at a barrier or double barrier
+    (:mod:`fastlock.client.barriers`) when a participant that had entered left without
+    passing it: its lease ended (its process died, or its renewals failed, and the TTL
+    passed) or its entry was deleted.  As ``threading.BrokenBarrierError``; never sent."""
 
 
 @_register(4)

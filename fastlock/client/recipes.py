@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
 from ..protocol.ops import OP_RATE_LIMIT
+from .barriers import CountDownLatch, DoubleBarrier
 from .ratelimit import RateDecision, RateLimiter, rate_args
 from .reentrant import ReentrantLock
 from .window import OncePerWindow
@@ -87,3 +88,19 @@ class RecipeMethods:
         ``take()``, which waits until admitted."""
         client: Client = self  # type: ignore[assignment]
         return RateLimiter(client, name, rate, burst, per)
+
+    def double_barrier(self, name: str, count: int, *, participant: str | None = None,
+                       ttl: float = 10.0) -> DoubleBarrier:
+        """This client as one participant of the double barrier ``name`` of ``count``
+        participants (:mod:`fastlock.client.barriers`): ``await b.enter()`` waits until
+        all have entered, ``await b.leave()`` until all have left; a participant whose
+        lease (``ttl`` seconds, renewed) ends breaks the round for the others
+        (:class:`~fastlock.errors.BrokenBarrier`).  ``participant``: its id (default random)."""
+        client: Client = self  # type: ignore[assignment]
+        return DoubleBarrier(client, name, count, participant=participant, ttl=ttl)
+
+    def latch(self, name: str) -> CountDownLatch:
+        """The countdown latch ``name`` (:mod:`fastlock.client.barriers`): ``create(count)``,
+        ``count_down(party)``, ``wait()``; kept on the server across failovers and restarts."""
+        client: Client = self  # type: ignore[assignment]
+        return CountDownLatch(client, name)
