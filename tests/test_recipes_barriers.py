@@ -146,3 +146,33 @@ def test_a_latch_keeps_its_count_across_a_primary_sigkill(cluster):
                 await waiter
 
     run(main(), timeout=90.0)
+
+
+def test_blocking_client(server):
+    import threading
+
+    from fastlock.sync import SyncClient
+
+    with SyncClient(server.address) as a, SyncClient(server.address) as b:
+        latch = a.latch("latch/sync")
+        assert latch.create(1)
+        latch.count_down("only")
+        b.latch("latch/sync").wait(timeout=TIMEOUT)
+        errors: list[BaseException] = []
+
+        def other():
+            try:
+                with b.double_barrier("bar/sync", 2, participant="b", ttl=5.0) as barrier:
+                    assert barrier.barrier.round == 1
+                barrier.close()
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        t = threading.Thread(target=other)
+        t.start()
+        mine = a.double_barrier("bar/sync", 2, participant="a", ttl=5.0)
+        with mine:
+            pass
+        mine.close()
+        t.join(TIMEOUT)
+        assert not t.is_alive() and not errors

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
+from .barriers import CountDownLatch, DoubleBarrier
 from .lease import Lease
 from .ratelimit import RateDecision, RateLimiter
 from .reentrant import ReentrantLock
@@ -17,7 +18,8 @@ from .window import OncePerWindow
 if TYPE_CHECKING:  # pragma: no cover
     from .blocking import SyncClient, SyncLease
 
-__all__ = ["SyncReentrantLock", "SyncOncePerWindow", "SyncRateLimiter", "SyncRecipeMethods"]
+__all__ = ["SyncReentrantLock", "SyncOncePerWindow", "SyncRateLimiter", "SyncDoubleBarrier", "SyncCountDownLatch",
+           "SyncRecipeMethods"]
 
 
 class SyncReentrantLock:
@@ -99,6 +101,65 @@ class SyncRateLimiter:
         self._blocking.call(self.limiter.take(cost, timeout=timeout))
 
 
+class SyncDoubleBarrier:
+    """:class:`~fastlock.client.barriers.DoubleBarrier` for threads: ``with barrier:`` enters and leaves."""
+
+    __slots__ = ("_blocking", "barrier")
+
+    def __init__(self, blocking: SyncClient, barrier: DoubleBarrier):
+        self._blocking = blocking
+        self.barrier = barrier
+
+    def enter(self, *, timeout: float | None = None) -> None:
+        """As :meth:`DoubleBarrier.enter <fastlock.client.barriers.DoubleBarrier.enter>`."""
+        self._blocking.call(self.barrier.enter(timeout=timeout))
+
+    def leave(self, *, timeout: float | None = None) -> None:
+        """As :meth:`DoubleBarrier.leave <fastlock.client.barriers.DoubleBarrier.leave>`."""
+        self._blocking.call(self.barrier.leave(timeout=timeout))
+
+    def close(self) -> None:
+        """As :meth:`DoubleBarrier.close <fastlock.client.barriers.DoubleBarrier.close>`."""
+        self._blocking.call(self.barrier.close())
+
+    def __enter__(self) -> SyncDoubleBarrier:
+        self.enter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.leave()
+
+
+class SyncCountDownLatch:
+    """:class:`~fastlock.client.barriers.CountDownLatch` for threads."""
+
+    __slots__ = ("_blocking", "latch")
+
+    def __init__(self, blocking: SyncClient, latch: CountDownLatch):
+        self._blocking = blocking
+        self.latch = latch
+
+    def create(self, count: int) -> bool:
+        """As :meth:`CountDownLatch.create <fastlock.client.barriers.CountDownLatch.create>`."""
+        return self._blocking.call(self.latch.create(count))
+
+    def count_down(self, party: str) -> bool:
+        """As :meth:`CountDownLatch.count_down <fastlock.client.barriers.CountDownLatch.count_down>`."""
+        return self._blocking.call(self.latch.count_down(party))
+
+    def remaining(self) -> int:
+        """As :meth:`CountDownLatch.remaining <fastlock.client.barriers.CountDownLatch.remaining>`."""
+        return self._blocking.call(self.latch.remaining())
+
+    def wait(self, *, timeout: float | None = None) -> None:
+        """As :meth:`CountDownLatch.wait <fastlock.client.barriers.CountDownLatch.wait>`."""
+        self._blocking.call(self.latch.wait(timeout=timeout))
+
+    def delete(self) -> None:
+        """As :meth:`CountDownLatch.delete <fastlock.client.barriers.CountDownLatch.delete>`."""
+        self._blocking.call(self.latch.delete())
+
+
 class SyncRecipeMethods:
     """The recipes' entry points, mixed into :class:`~fastlock.client.blocking.SyncClient`."""
 
@@ -131,3 +192,15 @@ class SyncRecipeMethods:
         """As :meth:`Client.rate_limiter <fastlock.client.Client.rate_limiter>`."""
         blocking: SyncClient = self  # type: ignore[assignment]
         return SyncRateLimiter(blocking, blocking.client.rate_limiter(name, rate, burst, per=per))
+
+    def double_barrier(self, name: str, count: int, *, participant: str | None = None,
+                       ttl: float = 10.0) -> SyncDoubleBarrier:
+        """As :meth:`Client.double_barrier <fastlock.client.Client.double_barrier>`."""
+        blocking: SyncClient = self  # type: ignore[assignment]
+        return SyncDoubleBarrier(blocking, blocking.client.double_barrier(name, count, participant=participant,
+                                                                          ttl=ttl))
+
+    def latch(self, name: str) -> SyncCountDownLatch:
+        """As :meth:`Client.latch <fastlock.client.Client.latch>`."""
+        blocking: SyncClient = self  # type: ignore[assignment]
+        return SyncCountDownLatch(blocking, blocking.client.latch(name))
