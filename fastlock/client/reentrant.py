@@ -195,7 +195,7 @@ class ReentrantLock:
             holds[self.name] = mine
         try:
             lease = await self.client.acquire(self.name, ttl=self.ttl, wait=self.wait, lock_delay=self.lock_delay,
-                                              correlation_id=self.correlation_id, queue_behind_self=True)
+                                              correlation_id=self.correlation_id)
         except BaseException as exc:
             if holds.get(self.name) is mine:
                 del holds[self.name]
