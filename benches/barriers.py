@@ -1,6 +1,6 @@
 """Double barriers across processes (issue 29, item 2).
 
-    python -m benches.barriers [--processes 50] [--rounds 100] [--json PATH]
+    python -m benches.barriers [--processes 50] [--rounds 100] [--kill] [--ttl 2.0] [--json PATH]
 
 One ``fastlock serve`` on 127.0.0.1 (throwaway data dir, stopped in a ``finally``
 block).  ``--processes`` participant processes, each with its own client, pass
@@ -13,6 +13,11 @@ when it returned, when it called ``leave`` and when it returned.  Reported:
 - ``round_ms`` p50 / p99: from the last ``enter`` call of a round to the last ``leave``
   return;
 - ``rounds_per_s``.
+
+``--kill``: instead, the processes enter a round of a barrier of one more participant
+than there are (it never completes), with leases of ``--ttl`` seconds; one is killed
+with SIGKILL; every other reports when it got ``BrokenBarrier``.  Reported: the latest
+``detect_s`` after the kill, against the target ``ttl + 0.5`` s.
 """
 
 from __future__ import annotations
@@ -51,6 +56,56 @@ asyncio.run(main())
 """
 
 
+WAITER = r"""
+import asyncio, sys, time
+import fastlock
+
+async def main():
+    address, count, me, ttl = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+    async with await fastlock.connect(address) as c:
+        barrier = c.double_barrier("bench/broken", count, participant=me, ttl=ttl)
+        entering = asyncio.ensure_future(barrier.enter())
+        while len(await c.list_prefix("bench/broken/1/")) < 1 or barrier.lease is None:
+            await asyncio.sleep(0.01)
+        print("ready", flush=True)
+        try:
+            await entering
+            print("passed", flush=True)
+        except fastlock.BrokenBarrier:
+            print(time.monotonic(), flush=True)
+
+asyncio.run(main())
+"""
+
+
+def run_kill(args: argparse.Namespace) -> dict:
+    """The ``--kill`` measurement (see the module's text)."""
+    with tempfile.TemporaryDirectory(prefix="fastlock-bench-barriers-") as root:
+        server = ServerProcess(Path(root) / "data", fsync="never").start()
+        procs: list[subprocess.Popen] = []
+        try:
+            for i in range(args.processes):
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-c", WAITER, server.address, str(args.processes + 1), f"p{i}", str(args.ttl)],
+                    stdout=subprocess.PIPE, text=True))
+            for p in procs:
+                assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+            time.sleep(1.0)  # every entry written (each process waits for its own and the first)
+            killed_at = time.monotonic()
+            procs[0].kill()
+            outs = [p.communicate(timeout=60 + 10 * args.ttl)[0].strip() for p in procs[1:]]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            server.stop()
+    detect = [float(out) - killed_at for out in outs if out and out != "passed"]
+    return {"processes": args.processes, "ttl_s": args.ttl, "broken": len(detect), "others": len(outs),
+            "detect_s_max": round(max(detect, default=float("nan")), 3),
+            "detect_s_p50": round(_pct(detect, 50), 3), "target_s": args.ttl + 0.5}
+
+
 def _pct(values: list[float], p: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(p / 100.0 * len(s)))] if s else 0.0
@@ -60,8 +115,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benches.barriers", description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--kill", action="store_true", help="measure how fast a SIGKILLed participant breaks a round")
+    parser.add_argument("--ttl", type=float, default=2.0, help="--kill: the participants' lease TTL (s)")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     args = parser.parse_args(argv)
+    if args.kill:
+        result = run_kill(args)
+        print(json.dumps(result, indent=2))
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(result, f, indent=2)
+        return 0 if result["broken"] == result["others"] else 1
     with tempfile.TemporaryDirectory(prefix="fastlock-bench-barriers-") as root:
         server = ServerProcess(Path(root) / "data", fsync="never").start()
         procs: list[subprocess.Popen] = []
