@@ -88,8 +88,12 @@ def test_conflicting_configuration_and_bounds(monkeypatch):
     limits.take("q", 10, 1000, 5, 1, "other", 10_000)
     with pytest.raises(LimitExceeded):
         limits.take("r", 10, 1000, 5, 1, "third", 10_000)
-    # once their buckets are full again, limiters are the same as none: room again
+    # once their buckets are full again, limiters are the same as none: room again (the
+    # table is swept at most every SWEEP_EVERY_MS)
     assert limits.take("o", 10, 1000, 5, 1, "p", 20_000).admitted
+    assert limits.take("n", 10, 1000, 5, 5, "p", 20_000).admitted  # "p" at its 2 again, both live
+    with pytest.raises(LimitExceeded):  # and no pass over the table until SWEEP_EVERY_MS has passed
+        limits.take("s", 10, 1000, 5, 1, "p", 20_000 + RL.SWEEP_EVERY_MS - 1)
     assert len(limits) <= 3
 
 

@@ -67,6 +67,7 @@ ACQUIRE_MANY 30 [[name, shared], ...], owner, ttl_ms, wait_ms,        [[token, .
                lock_delay_ms, corr_id[, actor]
 CONTENDERS 31  name[, cursor]                                         {"holders", "waiters", "cursor"}
 SYNC_ACK   50  lsn (the primary's, at the sync ack point)             (no reply)
+RATE_LIMIT 80  name, rate, period_ms, burst, cost                     [admitted, retry_after_ms, remaining]
 =========  ==  =====================================================  ======================
 
 ACQUIRE's optional ``shared`` (bool: a shared lease) and ``limit`` (int: the
@@ -83,6 +84,8 @@ together (one token per name, in request order, one lease per name, all with
 them.  CONTENDERS lists a lock's holders (token, shared, limit, principal,
 client, correlation_id, remaining_ms) and its waiters in FIFO order (shared,
 limit, principal, client, correlation_id, many), as kazoo's ``contenders()``.
+RATE_LIMIT takes ``cost`` from the rate limiter ``name`` (``rate`` per ``period_ms``,
+``burst`` at once; :mod:`fastlock.server.ratelimit`), or says when it could.
 
 Lists are paged by bytes: a reply of CONTENDERS, LOCKS or KEY_LIST (key store, ops
 40-45: :mod:`fastlock.server.keys`) carries at most about ``MAX_PAGE_BYTES`` (64 KiB,

@@ -46,6 +46,9 @@ __all__ = ["RateLimits", "RateLimiter", "RateLimitHandler", "RateDecision", "che
 MAX_LIMITERS = 100_000
 #: most limiters one principal's requests may have created and keep live
 MAX_LIMITERS_PER_PRINCIPAL = 10_000
+#: ms: the least time between two passes over the limiters to drop the full ones (each pass
+#: is at most MAX_LIMITERS steps; a request at a bound in between is refused)
+SWEEP_EVERY_MS = 100
 #: the largest rate (requests per period) and burst
 MAX_RATE = 1_000_000
 MAX_BURST = 1_000_000
@@ -102,7 +105,7 @@ def check_rate_args(rate: object, period_ms: object, burst: object, cost: object
 class RateLimits:
     """Every live limiter of the server (sans-IO: every method takes ``now``, monotonic ms)."""
 
-    __slots__ = ("by_name", "per_principal", "serving_since", "epoch")
+    __slots__ = ("by_name", "per_principal", "serving_since", "epoch", "_swept_at")
 
     def __init__(self, now: int, epoch: int = 0) -> None:
         self.by_name: dict[str, RateLimiter] = {}
@@ -111,6 +114,7 @@ class RateLimits:
         #: burst * emission`` starts drained at ``serving_since``
         self.serving_since = now
         self.epoch = epoch
+        self._swept_at = now - SWEEP_EVERY_MS  # when the full limiters were last dropped
 
     def serving(self, epoch: int, now: int) -> None:
         """The node serves under fencing epoch ``epoch``: a new epoch (a promotion) drops
@@ -170,9 +174,11 @@ class RateLimits:
     def _make_room(self, principal: str, now: int) -> None:
         if len(self.by_name) < MAX_LIMITERS and self.per_principal.get(principal, 0) < MAX_LIMITERS_PER_PRINCIPAL:
             return
-        for name, limiter in list(self.by_name.items()):  # drop the full ones (a bounded table: amortised)
-            if limiter.tat <= now:
-                self._drop(name, limiter)
+        if now - self._swept_at >= SWEEP_EVERY_MS:  # one pass over the table at most this often
+            self._swept_at = now
+            for name, limiter in list(self.by_name.items()):  # drop the full ones
+                if limiter.tat <= now:
+                    self._drop(name, limiter)
         if len(self.by_name) >= MAX_LIMITERS:
             raise LimitExceeded(f"the server already has {MAX_LIMITERS} live rate limiters")
         if self.per_principal.get(principal, 0) >= MAX_LIMITERS_PER_PRINCIPAL:
