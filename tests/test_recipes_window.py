@@ -253,3 +253,11 @@ def test_cli_once_per_arguments(server):
                  ["--once-per", "1m", "--wait", "1"], ["--once-per", "1m", "--shared"]):
         out = _fastlock_run(server, "jobs/cli-bad", *args)
         assert out.returncode == 2, (args, out.stderr)
+
+
+def test_cli_a_run_longer_than_its_window_is_renewed_not_stopped(server):
+    out = _fastlock_run(server, "jobs/cli-long", "--once-per", "1s", "--ttl", "1",
+                        command=(sys.executable, "-c", "import time; time.sleep(2.5)"))
+    assert out.returncode == 0, out.stderr  # not stopped by the process guard (75/76)
+    with SyncClient(server.address) as c:
+        assert c.holder("jobs/cli-long") is None  # released at its end: the window had passed

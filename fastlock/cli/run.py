@@ -21,8 +21,10 @@ With ``--once-per WINDOW`` (seconds, or with a unit: ``500ms``, ``90s``, ``15m``
 at most 1 hour, at least ``--ttl``), the command runs at most once per window across every
 machine that runs the same line (ShedLock's ``lockAtLeastFor``): the lock is tried once
 (no waiting), and when the command ends early the lock stays taken until WINDOW after its
-grant, by the server's clock (see :mod:`fastlock.client.window`).  A run refused because
-the window is taken exits with ``--conflict-exit-code`` (73; 0 suits cron).
+grant, by the server's clock (see :mod:`fastlock.client.window`); a run still going is
+renewed with WINDOW as its TTL, so one that dies keeps NAME for up to a window after its
+last renewal.  A run refused because the window is taken exits with
+``--conflict-exit-code`` (73; 0 suits cron).
 
 Environment given to the command:
     ``FASTLOCK_FENCING_TOKEN``  the lease's fencing token (decimal); pass it to every
@@ -326,7 +328,9 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
             wait = None if args.wait is None else max(0.0, args.wait - (loop.time() - started))
             correlation_id = f"fastlock run: {' '.join(command)}"[:256]
             if getattr(args, "once_per", None) is not None:
-                window_run = client.once_per(args.name, args.once_per, ttl=args.ttl, correlation_id=correlation_id)
+                # renewed with the window as its TTL: the process guard's bound follows one TTL throughout
+                window_run = client.once_per(args.name, args.once_per, ttl=args.once_per,
+                                             correlation_id=correlation_id)
                 lease = await window_run.start()
             else:
                 reporter = asyncio.ensure_future(_report_holder(client, args.name))
