@@ -66,7 +66,7 @@ class Op(NamedTuple):
 #: every operation of the protocol, by code
 OPS: tuple[Op, ...] = (
     Op(OP_HELLO, "hello", 3, 4),
-    Op(OP_ACQUIRE, "acquire", 6, 9),  # [, shared[, limit[, actor]]]
+    Op(OP_ACQUIRE, "acquire", 6, 10),  # [, shared[, limit[, actor[, sequencer]]]]
     Op(OP_RELEASE, "release", 3, 3),
     Op(OP_EXTEND, "extend", 4, 4),
     Op(OP_CANCEL, "cancel", 2, 2),

@@ -13,7 +13,9 @@
   :class:`~fastlock.errors.DeadlockDetected` naming the cycle.
 
 Shared locks and semaphores need no op of their own: ACQUIRE carries ``shared``
-and ``limit`` (see :mod:`fastlock.protocol`).
+and ``limit`` (see :mod:`fastlock.protocol`).  An ACQUIRE that asks for a signed
+sequencer (its optional ``sequencer`` flag) has a :class:`SequencedRequest` as its
+request: its grant reply carries the sequencer, signed when the grant is acknowledged.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
+from .. import sequencer
 from .._core import EV_DEADLOCK, EV_WAIT_CANCELLED, EV_WAIT_TIMEOUT, LIMIT_CONFLICT, NOT_ACQUIRED
 from ..auth import hash_owner
 from ..errors import (
@@ -32,6 +35,7 @@ from ..errors import (
     LimitConflict,
     LockNotAcquired,
     PermissionDenied,
+    WrongArgumentType,
 )
 from ..logsafe import RateLimitedLog, quote
 from ..protocol.ops import MAX_PAGE_BYTES
@@ -82,6 +86,47 @@ class ManyRequest:
         return self.req_id
 
 
+class SequencedRequest:
+    """The request object of an ACQUIRE that asked for a sequencer (:mod:`fastlock.sequencer`):
+    its grant reply is ``[token, ttl_ms, waited_ms, {"sequencer": bytes}]``, the sequencer
+    signed with the group's ``key`` when the grant is acknowledged (so only a node that may
+    grant, never a standby, signs), its expiry the server's wall clock plus what is left of
+    the lease."""
+
+    __slots__ = ("req_id", "principal", "key")
+
+    def __init__(self, req_id: int, principal: str, key: sequencer.SigningKey):
+        self.req_id = req_id
+        self.principal = principal
+        self.key = key
+
+    def reply(self, ev: Any) -> bytes:
+        """The grant reply frame for ``EV_GRANTED`` event ``ev``, with its sequencer."""
+        mode = sequencer.PERMIT if ev.limit else sequencer.SHARED if ev.shared else sequencer.EXCLUSIVE
+        blob = sequencer.sign(self.key, ev.name, ev.token, self.principal, mode, ev.deadline_ms - monotonic_ms())
+        return P.packb([self.req_id, 0, [ev.token, ev.ttl_ms, ev.waited_ms, {"sequencer": blob}]])
+
+    def error_id(self) -> int:
+        """The request id an error event answers (one ACQUIRE: every time its own)."""
+        return self.req_id
+
+
+def sequenced_request(handlers: Handlers, conn: Session, req_id: int, flag: Any) -> Any:
+    """The core's request object for an ACQUIRE whose ``sequencer`` argument is ``flag``:
+    ``req_id`` itself when false, else a :class:`SequencedRequest`.
+
+    :raises WrongArgumentType: ``flag`` is not a bool.
+    :raises InvalidArgument: this server has no signing key in its credentials."""
+    if type(flag) is not bool:
+        raise WrongArgumentType(f"sequencer must be a bool, not {type(flag).__name__}")
+    if not flag:
+        return req_id
+    key = handlers.credentials.sequencer_keys.signing
+    if key is None:
+        raise InvalidArgument("this server has no sequencer key (see `fastlock credentials sequencer-key`)")
+    return SequencedRequest(req_id, conn.principal or "", key)
+
+
 #: per-lease lines of the expiry and grant paths (fastlock.server.lockserver's logger): at most
 #: 10 of each kind a second, then one with the count left out, however fast leases come and go
 _server_log = logging.getLogger(__package__ + ".lockserver")
@@ -102,6 +147,8 @@ def grant_reply(ev: Any) -> bytes | None:
     request = ev.request
     if type(request) is int:
         return P.packb([request, 0, [ev.token, ev.ttl_ms, ev.waited_ms]])
+    if type(request) is SequencedRequest:
+        return request.reply(ev)
     return request.granted(ev.token, ev.ttl_ms, ev.waited_ms)
 
 
