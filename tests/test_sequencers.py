@@ -141,7 +141,7 @@ def test_fuzz_no_mutated_sequencer_is_accepted():
     count = int(os.environ.get("FASTLOCK_SEQUENCER_FUZZ", "20000"))
     result = fuzz(count)
     assert result.accepted == 0
-    assert result.refused + result.unchanged == count and result.refused > count * 0.95
+    assert result.refused == count
     # every kind of refusal is reached, the signature check included (not only malformed bytes)
     assert {"MalformedSequencer", "BadSequencerSignature", "UnknownSequencerKey"} <= set(result.by_error)
 
