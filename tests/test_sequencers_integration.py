@@ -23,7 +23,7 @@ from fastlock._testbase.cluster import RawNode, poll, run, status_of
 from fastlock._testbase.servers import CredentialsDir, ServerProcess
 from fastlock.auth.sequencer_keys import read_keys
 from fastlock.contrib.asgi import FencingMiddleware
-from fastlock.errors import InvalidArgument, StaleFencingToken
+from fastlock.errors import InvalidArgument, NotPrimary, StaleFencingToken
 from fastlock.fencing import PostgresFence, SQLiteFence
 from fastlock.sync import SyncClient
 from fastlock.tokens import epoch_of
@@ -211,6 +211,12 @@ def test_a_stale_holder_across_an_async_failover_is_refused_by_sqlite_postgres_a
                        what="standby caught up")
         finally:
             await a.close()
+        standby = await RawNode.open(s.address, token=app_token)
+        try:  # a standby never grants, so it never signs
+            with pytest.raises(NotPrimary):
+                await _sequenced_acquire(standby, "other", 1000, 0)
+        finally:
+            await standby.close()
         await asyncio.to_thread(p.kill)
         await asyncio.to_thread(s.wait_for_log, r"PROMOTED", 10)
         # a sequencer of epoch 0 verifies after the promotion (the same keys)
@@ -245,3 +251,33 @@ def test_a_stale_holder_across_an_async_failover_is_refused_by_sqlite_postgres_a
     assert written == [token_b]
     assert sqlite_fence.highest("ledger") == pg_fence.highest("ledger") == token_b
     pg.close()
+
+
+async def test_the_async_postgres_fence_takes_only_verified_sequencers(pg_server):
+    import psycopg
+
+    from fastlock.fencing import AsyncPostgresFence
+    from fastlock.tokens import make_token
+
+    key = S.SigningKey.of("hmac-sha256", bytes(range(32)))
+    conn = await psycopg.AsyncConnection.connect(pg_server.dsn, autocommit=True)
+    try:
+        fence = AsyncPostgresFence(conn, "seq_async_fence", keys=[key.verify_key], skew=None)
+        await fence.ensure_schema()
+        old = S.sign(key, "acct", make_token(0, 9), "app", S.EXCLUSIVE, 1000)
+        new = S.sign(key, "acct", make_token(1, 2), "app", S.EXCLUSIVE, 1000)
+        with pytest.raises(S.MalformedSequencer):
+            async with fence.fenced("acct", 2**62):
+                pass
+        with pytest.raises(S.WrongSequencerName):
+            async with fence.fenced("other", new):
+                pass
+        async with fence.fenced("acct", new):
+            pass
+        with pytest.raises(StaleFencingToken):
+            async with fence.fenced("acct", old):
+                pass
+        assert await fence.highest("acct") == make_token(1, 2)
+        assert await fence.highest("other") is None
+    finally:
+        await conn.close()
