@@ -51,6 +51,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import re
 import struct
 import time
 from collections.abc import Iterable, Mapping
@@ -91,6 +92,7 @@ SIGNATURE_BYTES = {ED25519: 64, HMAC_SHA256: 32}
 MAX_BYTES = 34 + MAX_NAME_BYTES + MAX_PRINCIPAL_BYTES + 64
 MAX_TEXT_CHARS = (MAX_BYTES * 4 + 2) // 3
 
+_BASE64URL = re.compile(r"[A-Za-z0-9_-]*\Z")
 _DOMAIN = b"fastlock-sequencer\0"
 _KEY_DOMAIN = b"fastlock-sequencer-key\0"
 _HEAD = struct.Struct(">BB8sQIQBH")  # version, algorithm, key id, token, epoch, expires ms, mode, name length
@@ -302,6 +304,8 @@ def from_text(text: str) -> bytes:
     :raises MalformedSequencer: not base64url, or longer than :data:`MAX_TEXT_CHARS`."""
     if len(text) > MAX_TEXT_CHARS:
         raise MalformedSequencer(f"sequencer text longer than {MAX_TEXT_CHARS} characters")
+    if not _BASE64URL.match(text) or len(text) % 4 == 1:  # strict: one text per sequencer
+        raise MalformedSequencer("sequencer text is not base64url without padding")
     try:
         raw = text.encode("ascii")
         return base64.urlsafe_b64decode(raw + b"=" * (-len(raw) % 4))

@@ -118,7 +118,9 @@ def test_each_refusal_says_what_is_wrong():
         S.verify(blob, [key.verify_key], now=EXPIRES_MS / 1000 + S.DEFAULT_SKEW + 0.01)
     assert S.verify(blob, [key.verify_key], now=EXPIRES_MS / 1000 + S.DEFAULT_SKEW - 0.01)  # within the skew
     assert S.verify(blob, [key.verify_key], now=NOW + 10**6, skew=None)  # expiry not checked
-    for bad in (b"", blob[:20], blob[:-1], blob + b"\0", b"\x02" + blob[1:], "not base64!", "A" * 5000, 42):
+    text = S.to_text(blob)
+    for bad in (b"", blob[:20], blob[:-1], blob + b"\0", b"\x02" + blob[1:], "not base64!", "A" * 5000, 42,
+                text + "=", text[:10] + " " + text[10:], text + "\n", text[:-1] + "+"):
         with pytest.raises(S.MalformedSequencer):
             S.verify(bad, [key.verify_key], now=NOW)
     # an HMAC key with the Ed25519 key's id cannot be used to pass an HMAC-signed blob off

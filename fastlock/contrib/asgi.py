@@ -105,7 +105,7 @@ class FencingMiddleware:
         try:
             async with lock:
                 try:
-                    verified = await self.fence.check_async(name, value.decode("latin-1"))
+                    verified = await self.fence.check_async(name, value.decode("latin-1").strip())
                 except SequencerRejected as exc:
                     await _answer(send, 403, str(exc))
                     return
