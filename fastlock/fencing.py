@@ -364,6 +364,8 @@ def fenced_execute(
     params: Sequence[Any] | dict[str, Any] = (),
     *,
     table: str = DEFAULT_TABLE,
+    keys: Any = None,
+    skew: float | None = seq.DEFAULT_SKEW,
 ) -> int:
     """One-shot fenced write to SQLite: create the token table if needed, then
     run ``sql`` with ``params`` in the same transaction as the token check.
@@ -374,6 +376,7 @@ def fenced_execute(
     :param sql: the caller's statement (``?`` or ``:name`` placeholders).
     :param params: its parameters.
     :param table: the token table, default ``"fastlock_fence"``.
+    :param keys, skew: signed sequencers only, as :class:`SQLiteFence`.
     :returns: the statement's ``rowcount``.
     :raises StaleFencingToken: ``token`` is lower than the highest recorded
         for ``resource``; nothing was written.
@@ -384,7 +387,7 @@ def fenced_execute(
         fenced_execute(conn, "ledger", lease.fencing_token,
                        "INSERT INTO ledger (amount) VALUES (?)", (10,))
     """
-    fence = SQLiteFence(conn, table)
+    fence = SQLiteFence(conn, table, keys=keys, skew=skew)
     fence.ensure_schema()
     return fence.execute(resource, token, sql, params)
 

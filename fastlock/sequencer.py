@@ -278,7 +278,7 @@ def _signature(key: SigningKey, message: bytes) -> bytes:
     if key.algorithm == "hmac-sha256":
         return hmac.new(key.secret, message, hashlib.sha256).digest()
     _need_ed25519()
-    return _private_key(key.secret).sign(message)
+    return bytes(_private_key(key.secret).sign(message))
 
 
 _PRIVATE_CACHE: dict[bytes, Any] = {}

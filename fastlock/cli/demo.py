@@ -174,7 +174,7 @@ async def _worker(args: argparse.Namespace) -> int:
                         # Write as if nothing happened (no lease.lost check): a
                         # process that paused right before its write does just that.
                         writes += write_entry(token, balance, amount, lease.sequencer, stale_write_accepted=True)
-                        if not args.unfenced:
+                        if not args.unfenced and lease.sequencer is not None:
                             forge(lease.sequencer, balance)
                         try:
                             await asyncio.wait_for(lease.lost.wait(), 2 * args.ttl + 1.0)
