@@ -51,6 +51,9 @@ def _keys(creds: CredentialsDir) -> list[S.VerifyKey]:
 async def test_a_grant_carries_a_sequencer_of_its_name_token_principal_and_mode(keyed_server):
     srv, creds = keyed_server
     keys = _keys(creds)
+    signing = read_keys(creds.file).signing
+    srv.wait_for_log(rf"sequencers: signed with ed25519 key {signing.key_id.hex()} \(1 key", 10)
+    assert not any(signing.secret.hex() in line for line in srv.lines)
     async with fastlock.connect(srv.address, token_file=creds.token_file("app"), sequencers=True) as client:
         before = time.time()
         lease = await client.acquire("orders/1", ttl=5.0)
