@@ -66,6 +66,13 @@ async def test_a_grant_carries_a_sequencer_of_its_name_token_principal_and_mode(
             assert S.verify(shared.sequencer, keys, name="reports").mode == "shared"
         permit = await client.acquire("pool", ttl=5.0, limit=2)
         assert S.verify(permit.sequencer, keys, name="pool").mode == "permit"
+        # the one-request multi-lock: a sequencer per name, in the tokens' order
+        multi = await client.acquire_many(["b/2", "b/1", "b/3"], ttl=5.0, shared=["b/3"])
+        for lease in multi.leases:
+            seq = S.verify(lease.sequencer, keys, name=lease.name)
+            assert seq.token == lease.fencing_token
+            assert seq.mode == ("shared" if lease.name == "b/3" else "exclusive")
+        await client.release_many(multi)
     async with fastlock.connect(srv.address, token_file=creds.token_file("app")) as client:
         assert (await client.acquire("orders/2", ttl=5.0)).sequencer is None  # not asked for
 

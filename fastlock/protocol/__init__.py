@@ -63,8 +63,8 @@ STEP_DOWN  16  epoch, seen_primary_ms                                 {"role", "
 LOCKS      20  prefix, most|None[, after, order]                      {"locks", "matched", "truncated", "next"}
 LOCK_INFO  21  name                                                   {"name", "holders", "waiters", ...}
 REVOKE     22  name, token|None, reason|None                          {"name", "revoked"}
-ACQUIRE_MANY 30 [[name, shared], ...], owner, ttl_ms, wait_ms,        [[token, ...], ttl_ms, waited_ms]
-               lock_delay_ms, corr_id[, actor]
+ACQUIRE_MANY 30 [[name, shared], ...], owner, ttl_ms, wait_ms,        [[token, ...], ttl_ms, waited_ms
+               lock_delay_ms, corr_id[, actor[, sequencer]]           [, {"sequencers": [bytes, ...]}]]
 CONTENDERS 31  name[, cursor]                                         {"holders", "waiters", "cursor"}
 SYNC_ACK   50  lsn (the primary's, at the sync ack point)             (no reply)
 =========  ==  =====================================================  ======================
@@ -80,8 +80,9 @@ absent: the session as a whole) only tells deadlock detection's parties apart
 server.  ACQUIRE's optional ``sequencer`` (bool) asks for a signed sequencer
 (:mod:`fastlock.sequencer`) in the reply's fourth element, ``{"sequencer": bytes}``;
 a server with a signing key says ``"sequencers": True`` in its HELLO reply, and one
-without refuses the flag with InvalidArgument.  ACQUIRE_MANY takes up to 64 distinct names atomically: all are granted
-together (one token per name, in request order, one lease per name, all with
+without refuses the flag with InvalidArgument.  ACQUIRE_MANY's ``sequencer`` asks the
+same for every name: ``{"sequencers": [...]}``, in the tokens' order.  ACQUIRE_MANY
+takes up to 64 distinct names atomically: all are granted together (one token per name, in request order, one lease per name, all with
 ``owner``) or none; while it waits it holds none of
 them.  CONTENDERS lists a lock's holders (token, shared, limit, principal,
 client, correlation_id, remaining_ms) and its waiters in FIFO order (shared,

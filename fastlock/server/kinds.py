@@ -86,6 +86,32 @@ class ManyRequest:
         return self.req_id
 
 
+class SequencedManyRequest(ManyRequest):
+    """A :class:`ManyRequest` that asked for sequencers: one signed per name as its grant is
+    delivered; the reply is ``[[token, ...], ttl_ms, waited_ms, {"sequencers": [bytes, ...]}]``,
+    the sequencers in the tokens' order."""
+
+    __slots__ = ("principal", "key", "sequencers")
+
+    def __init__(self, req_id: int, count: int, principal: str, key: sequencer.SigningKey):
+        super().__init__(req_id, count)
+        self.principal = principal
+        self.key = key
+        self.sequencers: list[bytes] = []
+
+    def granted_event(self, ev: Any) -> bytes | None:
+        """Collect one name's grant (``EV_GRANTED`` event ``ev``) and its sequencer; the reply
+        frame once every name is granted, else None."""
+        if self.done:
+            return None
+        mode = sequencer.SHARED if ev.shared else sequencer.EXCLUSIVE
+        self.sequencers.append(sequencer.sign(self.key, ev.name, ev.token, self.principal, mode,
+                                              ev.deadline_ms - monotonic_ms()))
+        if self.granted(ev.token, ev.ttl_ms, ev.waited_ms) is None:
+            return None
+        return P.encode_ok(self.req_id, [self.tokens, ev.ttl_ms, ev.waited_ms, {"sequencers": self.sequencers}])
+
+
 class SequencedRequest:
     """The request object of an ACQUIRE that asked for a sequencer (:mod:`fastlock.sequencer`):
     its grant reply is ``[token, ttl_ms, waited_ms, {"sequencer": bytes}]``, the sequencer
@@ -149,6 +175,8 @@ def grant_reply(ev: Any) -> bytes | None:
         return P.packb([request, 0, [ev.token, ev.ttl_ms, ev.waited_ms]])
     if type(request) is SequencedRequest:
         return request.reply(ev)
+    if type(request) is SequencedManyRequest:
+        return request.granted_event(ev)
     return request.granted(ev.token, ev.ttl_ms, ev.waited_ms)
 
 
@@ -200,7 +228,8 @@ class KindHandlers:
 
     def op_acquire_many(self, conn: Session, req_id: int, msg: list) -> None:
         """ACQUIRE_MANY: ``[[name, shared], ...], owner, ttl_ms, wait_ms, lock_delay_ms,
-        corr_id[, actor]``; each name is checked against the principal's ACL for ``acquire``."""
+        corr_id[, actor[, sequencer]]``; each name is checked against the principal's ACL for
+        ``acquire``."""
         items = P.check_many_items(msg[2])
         owner = hash_owner(P.check_owner(msg[3]))
         ttl_ms = P.check_ttl_ms(msg[4])
@@ -208,6 +237,7 @@ class KindHandlers:
         delay_ms = P.check_lock_delay_ms(msg[6])
         corr = P.check_optional_str(msg[7], "correlation id", P.MAX_CORRELATION_ID_CHARS)
         actor = P.check_actor(msg[8]) if len(msg) > 8 else 0  # who waits in the session (absent: all of it)
+        signed = sequenced_request(self.handlers, conn, req_id, msg[9]) if len(msg) > 9 else req_id
         grant = conn.grant
         if conn.kind == "client":
             for name, _shared in items:
@@ -236,7 +266,9 @@ class KindHandlers:
             server.max_ttl_ms = ttl_ms
             server.node_state.raise_ttl(ttl_ms)
         try:
-            status = table.acquire_many(items, owner, conn.session, ManyRequest(req_id, len(items)), ttl_ms,
+            request = (ManyRequest(req_id, len(items)) if type(signed) is int
+                       else SequencedManyRequest(req_id, len(items), signed.principal, signed.key))
+            status = table.acquire_many(items, owner, conn.session, request, ttl_ms,
                                         wait_ms, delay_ms, (recorded_client(conn), corr), now, actor)
         except ValueError as exc:  # an owner key already holding or awaiting some name in another request
             raise InvalidArgument(f"acquire_many: {exc}") from None
