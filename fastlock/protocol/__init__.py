@@ -82,9 +82,9 @@ server.  ACQUIRE's optional ``sequencer`` (bool) asks for a signed sequencer
 a server with a signing key says ``"sequencers": True`` in its HELLO reply, and one
 without refuses the flag with InvalidArgument.  ACQUIRE_MANY's ``sequencer`` asks the
 same for every name: ``{"sequencers": [...]}``, in the tokens' order.  ACQUIRE_MANY
-takes up to 64 distinct names atomically: all are granted together (one token per name, in request order, one lease per name, all with
-``owner``) or none; while it waits it holds none of
-them.  CONTENDERS lists a lock's holders (token, shared, limit, principal,
+takes up to 64 distinct names atomically: all are granted together (one token
+per name, in request order, one lease per name, all with ``owner``) or none;
+while it waits it holds none of them.  CONTENDERS lists a lock's holders (token, shared, limit, principal,
 client, correlation_id, remaining_ms) and its waiters in FIFO order (shared,
 limit, principal, client, correlation_id, many), as kazoo's ``contenders()``.
 
