@@ -185,7 +185,7 @@ async def acquire_set(client: Client, items: list[tuple[str, bool]], ttl_ms: int
         left_ms = -1 if wait_end is None else max(0, int((wait_end - loop.time()) * 1000))
         sent = loop.time()
         try:
-            actor = (actor_id(connector),) if connector.server_info.get("actors") else ()
+            actor: tuple[Any, ...] = (actor_id(connector),) if connector.server_info.get("actors") else ()
             if connector.sequencers:  # a signed sequencer per name (see with_actor)
                 if not connector.server_info.get("sequencers"):
                     raise InvalidArgument("this client asks for sequencers and the server hands out none")

@@ -237,7 +237,7 @@ class KindHandlers:
         delay_ms = P.check_lock_delay_ms(msg[6])
         corr = P.check_optional_str(msg[7], "correlation id", P.MAX_CORRELATION_ID_CHARS)
         actor = P.check_actor(msg[8]) if len(msg) > 8 else 0  # who waits in the session (absent: all of it)
-        signed = sequenced_request(self.handlers, conn, req_id, msg[9]) if len(msg) > 9 else req_id
+        signed: Any = sequenced_request(self.handlers, conn, req_id, msg[9]) if len(msg) > 9 else req_id
         grant = conn.grant
         if conn.kind == "client":
             for name, _shared in items:
