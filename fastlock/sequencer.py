@@ -51,6 +51,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import importlib.util
 import re
 import struct
 import time
@@ -98,12 +99,9 @@ _KEY_DOMAIN = b"fastlock-sequencer-key\0"
 _HEAD = struct.Struct(">BB8sQIQBH")  # version, algorithm, key id, token, epoch, expires ms, mode, name length
 _MAX_U64 = (1 << 64) - 1
 
-try:  # Ed25519 needs the cryptography package; HMAC-SHA256 works without it
-    from cryptography.exceptions import InvalidSignature
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-    HAVE_ED25519 = True
-except ImportError:  # pragma: no cover - depends on the environment
-    HAVE_ED25519 = False
+#: Ed25519 needs the cryptography package (imported on first use, so that a process that only
+#: uses HMAC-SHA256, or no sequencer, does not pay for the import); HMAC-SHA256 works without it
+HAVE_ED25519 = importlib.util.find_spec("cryptography") is not None
 
 
 class SequencerRejected(FastlockError, ValueError):
@@ -210,16 +208,18 @@ def _check_key(algorithm: str, key: bytes, *, public: bool) -> None:
         raise MalformedSequencer(f"an HMAC-SHA256 secret is 32 to 128 bytes, not {len(key)}")
 
 
-def _need_ed25519() -> None:
+def _need_ed25519() -> Any:
+    """cryptography's Ed25519 module (imported once).  :raises ImportError: not installed."""
     if not HAVE_ED25519:
         raise ImportError("Ed25519 sequencers need the cryptography package: pip install cryptography")
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+    return ed25519
 
 
 def _public_of(algorithm: str, secret: bytes) -> bytes:
     if algorithm == "hmac-sha256":
         return bytes(secret)
-    _need_ed25519()
-    return Ed25519PrivateKey.from_private_bytes(bytes(secret)).public_key().public_bytes_raw()
+    return bytes(_need_ed25519().Ed25519PrivateKey.from_private_bytes(bytes(secret)).public_key().public_bytes_raw())
 
 
 def key_id_of(algorithm: str, key: bytes) -> bytes:
@@ -277,7 +277,6 @@ def sign(key: SigningKey, name: str, token: int, principal: str, mode: int, ttl_
 def _signature(key: SigningKey, message: bytes) -> bytes:
     if key.algorithm == "hmac-sha256":
         return hmac.new(key.secret, message, hashlib.sha256).digest()
-    _need_ed25519()
     return bytes(_private_key(key.secret).sign(message))
 
 
@@ -287,7 +286,7 @@ _PRIVATE_CACHE: dict[bytes, Any] = {}
 def _private_key(secret: bytes) -> Any:
     pk = _PRIVATE_CACHE.get(secret)
     if pk is None:
-        pk = Ed25519PrivateKey.from_private_bytes(secret)
+        pk = _need_ed25519().Ed25519PrivateKey.from_private_bytes(secret)
         if len(_PRIVATE_CACHE) < 16:  # a server holds one signing key at a time (a few across rotations)
             _PRIVATE_CACHE[secret] = pk
     return pk
@@ -396,9 +395,10 @@ def verify(blob: bytes | str, keys: Iterable[VerifyKey] | Mapping[bytes, VerifyK
         if not hmac.compare_digest(expected, signature):
             raise BadSequencerSignature("sequencer signature does not match (forged or altered)")
     else:
-        _need_ed25519()
+        public = _public_key(key.key)  # raises ImportError without cryptography
+        from cryptography.exceptions import InvalidSignature
         try:
-            _public_key(key.key).verify(signature, message)
+            public.verify(signature, message)
         except InvalidSignature:
             raise BadSequencerSignature("sequencer signature does not match (forged or altered)") from None
     if name is not None and seq.name != name:
@@ -418,7 +418,7 @@ _PUBLIC_CACHE: dict[bytes, Any] = {}
 def _public_key(raw: bytes) -> Any:
     pk = _PUBLIC_CACHE.get(raw)
     if pk is None:
-        pk = Ed25519PublicKey.from_public_bytes(raw)
+        pk = _need_ed25519().Ed25519PublicKey.from_public_bytes(raw)
         if len(_PUBLIC_CACHE) < 64:  # the keys of a few groups across rotations
             _PUBLIC_CACHE[raw] = pk
     return pk

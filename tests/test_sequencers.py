@@ -345,3 +345,14 @@ def test_cli_exports_public_keys_that_verify_the_servers_sequencers(tmp_path):
     assert secret_hex not in out and S.to_text(signer.secret) not in out
     listing = subprocess.run(fastlock, capture_output=True, text=True, check=True, timeout=60).stdout
     assert listing.split() == [signer.key_id.hex(), "ed25519", "signs"]
+
+
+def test_hmac_works_without_cryptography_and_ed25519_says_what_is_missing(monkeypatch):
+    monkeypatch.setattr(S, "HAVE_ED25519", False)
+    key = signing("hmac-sha256")
+    assert S.verify(make(key), [key.verify_key], now=NOW).algorithm == "hmac-sha256"
+    with pytest.raises(ImportError, match="cryptography"):
+        S.SigningKey.of("ed25519", SEED)
+    with pytest.raises(ImportError, match="cryptography"):
+        uncached = S.VerifyKey(bytes.fromhex("43c6789d8daec12a"), "ed25519", b"\1" * 32)
+        S.verify(bytes.fromhex(_vector("ed25519")), [uncached], skew=None)
