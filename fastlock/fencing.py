@@ -54,6 +54,23 @@ The token record lives in a small table (``fastlock_fence`` by default)::
 
     resource TEXT PRIMARY KEY, token INTEGER/BIGINT NOT NULL
 
+Signed sequencers
+-----------------
+A fence made with ``keys`` (the group's verify keys, :mod:`fastlock.sequencer`)
+takes **only signed sequencers**: ``lease.sequencer`` (a client connected with
+``sequencers=True``), the lease itself, the text or bytes of a sequencer, or a
+:class:`~fastlock.sequencer.Sequencer`.  Before the high-water mark is touched the
+sequencer is verified: signed by one of ``keys``, for this very resource, and not
+expired more than ``skew`` seconds ago; a bare integer is refused.  So a client
+that invents token ``2**62`` cannot lift the mark (the attack a bare token allows)::
+
+    fence = SQLiteFence(conn, keys=keys_from_text(open("group.pub").read()))
+    with fence.fenced("orders/42", lease.sequencer) as cur:
+        ...
+
+The errors are :class:`~fastlock.sequencer.SequencerRejected`'s subclasses (a
+``ValueError``), raised before anything is written.
+
 and is updated with one conditional upsert::
 
     INSERT INTO fastlock_fence (resource, token) VALUES (:r, :t)
@@ -97,6 +114,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any
 
+from . import sequencer as seq
 from .errors import InvalidArgument, StaleFencingToken, WrongArgumentType
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -142,6 +160,37 @@ def validate_token(token: Any) -> int:
     return int(token)
 
 
+class _Keys:
+    """A fence's sequencer keys (None: bare tokens) and clock skew allowance (seconds)."""
+
+    __slots__ = ("keys", "skew")
+
+    def __init__(self, keys: Any, skew: float | None):
+        if keys is None:
+            self.keys = None
+        elif isinstance(keys, seq.VerifyKey):
+            self.keys = {keys.key_id: keys}
+        else:
+            self.keys = {k.key_id: k for k in keys}
+            if not self.keys or not all(isinstance(k, seq.VerifyKey) for k in self.keys.values()):
+                raise WrongArgumentType("keys must be fastlock.sequencer.VerifyKey objects (at least one)")
+        self.skew = skew
+
+    def token(self, resource: str, token: Any) -> int:
+        """The token to record for ``resource``: ``token`` checked as a bare token, or
+        (with keys) the token of a verified sequencer for ``resource``."""
+        if self.keys is None:
+            return validate_token(token)
+        if isinstance(token, seq.Sequencer):
+            token = token.blob
+        elif not isinstance(token, (str, bytes, bytearray, memoryview)):
+            token = getattr(token, "sequencer", None)  # a Lease or SyncLease
+            if token is None:
+                raise seq.MalformedSequencer(f"this fence of {resource!r} takes signed sequencers only, not a bare "
+                                             "token (connect with sequencers=True and pass lease.sequencer)")
+        return seq.verify(token, self.keys, name=resource, skew=self.skew).token
+
+
 def _validate_resource(resource: Any) -> str:
     if not isinstance(resource, str):
         raise WrongArgumentType(f"resource must be a str, not {type(resource).__name__}")
@@ -182,6 +231,11 @@ class SQLiteFence:
         contention, as concurrent writers wait for SQLite's write lock.
     :param table: name of the token table (an SQL identifier), default
         ``"fastlock_fence"``.
+    :param keys: the group's verify keys (:class:`fastlock.sequencer.VerifyKey`, an
+        iterable or one): the fence then takes signed sequencers only (see the module
+        docstring).  None (default): bare tokens.
+    :param skew: seconds a sequencer stays accepted after its lease's expiry (clock
+        skew allowance); None: expiry not checked.
     :raises TypeError, ValueError: ``table`` is not a plain identifier.
 
     SQLite runs one write transaction at a time per database, so taking the
@@ -189,7 +243,8 @@ class SQLiteFence:
     respect to every other writer, in this process or another.
     """
 
-    def __init__(self, conn: sqlite3.Connection, table: str = DEFAULT_TABLE) -> None:
+    def __init__(self, conn: sqlite3.Connection, table: str = DEFAULT_TABLE, *, keys: Any = None,
+                 skew: float | None = seq.DEFAULT_SKEW) -> None:
         if not isinstance(conn, sqlite3.Connection):
             raise WrongArgumentType(f"conn must be a sqlite3.Connection, not {type(conn).__name__}")
         parts = _split_table(table)
@@ -198,6 +253,7 @@ class SQLiteFence:
         name = parts[0]
         self.conn = conn
         self.table = name
+        self._keys = _Keys(keys, skew)
         q = f'"{name}"'
         self._ddl = f"CREATE TABLE IF NOT EXISTS {q} (resource TEXT PRIMARY KEY, token INTEGER NOT NULL)"
         self._upsert = (
@@ -267,7 +323,11 @@ class SQLiteFence:
         back and the exception propagates.
 
         :param resource: the name of what is protected, usually the lock name.
-        :param token: the lease's fencing token (``int``, or the ``Lease``).
+        :param token: the lease's fencing token (``int``, or the ``Lease``); with
+            ``keys``, its signed sequencer (``lease.sequencer``, or the lease).
+        :raises SequencerRejected: (with ``keys``) forged, altered, for another
+            resource, signed by an unknown key, expired, or a bare token; nothing
+            is written.
         :raises StaleFencingToken: ``token`` is lower than the highest token
             recorded for ``resource``; ``.token`` and ``.highest`` say which.
             The block does not run and nothing is written.
@@ -277,7 +337,7 @@ class SQLiteFence:
             :meth:`ensure_schema`).
         """
         resource = _validate_resource(resource)
-        token = validate_token(token)
+        token = self._keys.token(resource, token)
         with self._transaction() as cur:
             cur.execute(self._upsert, (resource, token))
             if cur.rowcount != 1:
@@ -304,6 +364,8 @@ def fenced_execute(
     params: Sequence[Any] | dict[str, Any] = (),
     *,
     table: str = DEFAULT_TABLE,
+    keys: Any = None,
+    skew: float | None = seq.DEFAULT_SKEW,
 ) -> int:
     """One-shot fenced write to SQLite: create the token table if needed, then
     run ``sql`` with ``params`` in the same transaction as the token check.
@@ -314,6 +376,7 @@ def fenced_execute(
     :param sql: the caller's statement (``?`` or ``:name`` placeholders).
     :param params: its parameters.
     :param table: the token table, default ``"fastlock_fence"``.
+    :param keys, skew: signed sequencers only, as :class:`SQLiteFence`.
     :returns: the statement's ``rowcount``.
     :raises StaleFencingToken: ``token`` is lower than the highest recorded
         for ``resource``; nothing was written.
@@ -324,7 +387,7 @@ def fenced_execute(
         fenced_execute(conn, "ledger", lease.fencing_token,
                        "INSERT INTO ledger (amount) VALUES (?)", (10,))
     """
-    fence = SQLiteFence(conn, table)
+    fence = SQLiteFence(conn, table, keys=keys, skew=skew)
     fence.ensure_schema()
     return fence.execute(resource, token, sql, params)
 
@@ -374,6 +437,7 @@ class PostgresFence:
         commit stays the caller's, and only then is the write durable).
     :param table: the token table, an identifier or ``schema.table``; default
         ``"fastlock_fence"``.
+    :param keys, skew: signed sequencers only, as :class:`SQLiteFence`.
     :raises ImportError: psycopg 3 is not installed.
     :raises TypeError, ValueError: bad ``table``.
 
@@ -384,10 +448,12 @@ class PostgresFence:
     ``psycopg.errors.SerializationFailure``: retry the whole transaction.
     """
 
-    def __init__(self, conn: psycopg.Connection, table: str = DEFAULT_TABLE) -> None:
+    def __init__(self, conn: psycopg.Connection, table: str = DEFAULT_TABLE, *, keys: Any = None,
+                 skew: float | None = seq.DEFAULT_SKEW) -> None:
         self._sql = _pg_sql(table)
         self.conn = conn
         self.table = table
+        self._keys = _Keys(keys, skew)
 
     def ensure_schema(self) -> None:
         """Create the token table if it does not exist (idempotent, safe under
@@ -421,12 +487,13 @@ class PostgresFence:
         :raises StaleFencingToken: ``token`` is lower than the highest token
             recorded for ``resource``; the block does not run and nothing is
             written (the transaction or savepoint is rolled back).
+        :raises SequencerRejected: with ``keys``, as :meth:`SQLiteFence.fenced`.
         :raises TypeError, ValueError: bad ``resource`` or ``token``.
         :raises psycopg.Error: database errors, including
             ``SerializationFailure`` under REPEATABLE READ/SERIALIZABLE.
         """
         resource = _validate_resource(resource)
-        token = validate_token(token)
+        token = self._keys.token(resource, token)
         with self.conn.transaction(), self.conn.cursor() as cur:
             cur.execute(self._sql["upsert"], (resource, token))
             if cur.rowcount != 1:
@@ -457,10 +524,12 @@ class AsyncPostgresFence:
             await cur.execute("INSERT INTO ledger (amount) VALUES (%s)", (10,))
     """
 
-    def __init__(self, conn: psycopg.AsyncConnection, table: str = DEFAULT_TABLE) -> None:
+    def __init__(self, conn: psycopg.AsyncConnection, table: str = DEFAULT_TABLE, *, keys: Any = None,
+                 skew: float | None = seq.DEFAULT_SKEW) -> None:
         self._sql = _pg_sql(table)
         self.conn = conn
         self.table = table
+        self._keys = _Keys(keys, skew)
 
     async def ensure_schema(self) -> None:
         """Create the token table if it does not exist (idempotent)."""
@@ -488,7 +557,7 @@ class AsyncPostgresFence:
         :raises StaleFencingToken: ``token`` is stale; nothing is written.
         """
         resource = _validate_resource(resource)
-        token = validate_token(token)
+        token = self._keys.token(resource, token)
         async with self.conn.transaction(), self.conn.cursor() as cur:
             await cur.execute(self._sql["upsert"], (resource, token))
             if cur.rowcount != 1:

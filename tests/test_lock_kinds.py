@@ -527,6 +527,7 @@ async def test_the_actor_is_sent_only_to_a_server_that_reads_it():
 
     class Connector:
         server_info: dict = {}
+        sequencers = False
 
     old, new = Connector(), Connector()
     new.server_info = {"actors": True}
@@ -535,6 +536,10 @@ async def test_the_actor_is_sent_only_to_a_server_that_reads_it():
     assert me >= 1 and actor_id() == me  # one number per task, kept
     assert [with_actor(new, k) for k in [(), (True,), (False, 3)]] == [(False, 0, me), (True, 0, me), (False, 3, me)]
     assert kind_pair((True,)) == (True, 0)  # a late grant of a shared lease queues again as shared
+    signed = Connector()
+    signed.sequencers = True
+    signed.server_info = {"actors": True, "sequencers": True}
+    assert with_actor(signed, ()) == (False, 0, me, True)  # then ACQUIRE's sequencer flag
 
     async def in_another_task():
         return actor_id()

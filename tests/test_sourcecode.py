@@ -7,8 +7,8 @@ source with :mod:`ast` (every ``import`` statement, including those inside
 functions; imports under ``if TYPE_CHECKING:`` are left out, since they never
 run):
 
-* ``errors``, ``units``, ``logsafe``, ``tokens`` and ``_version`` are leaves: they import no other
-  layer (``units`` imports ``errors``);
+* ``errors``, ``units``, ``logsafe``, ``tokens``, ``sequencer`` and ``_version`` are leaves: they import no other
+  layer (``units`` imports ``errors``; ``sequencer`` ``errors`` and ``tokens``);
 * the Cython core imports nothing from fastlock; ``protocol`` and ``wal``
   import only leaves;
 * ``replication`` never imports ``server``;
@@ -50,7 +50,7 @@ pytestmark = pytest.mark.skipif(not (PACKAGE / "__init__.py").is_file(),
                                 reason="needs the source tree (tests/ beside fastlock/)")
 
 #: modules that import no other layer
-LEAVES = {"errors", "units", "logsafe", "_version", "tokens"}
+LEAVES = {"errors", "units", "logsafe", "_version", "tokens", "sequencer"}
 #: the layers above everything else: nothing below them may import them
 TOP = {"cli", "_testbase", "testing"}  # testing: the pytest plugin, on top of _testbase
 #: what each layer may import, besides itself (None: anything below the top)
@@ -60,6 +60,7 @@ ALLOWED: dict[str, set[str] | None] = {
     "logsafe": set(),
     "_version": set(),
     "tokens": set(),
+    "sequencer": {"errors", "tokens"},  # what a resource verifies with: never the client or the server
     "_core": set(),
     "protocol": LEAVES,
     "wal": LEAVES,

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..errors import FastlockError
 from .handshake import ClientSecret, ServerKeys, client_secret, derive_keys
+from .sequencer_keys import SequencerKeyError, SequencerKeys, parse_sequencer_keys, sequencer_key_lines
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +206,8 @@ class Credentials:
     anonymous: Principal | None = None
     shared_secret: Principal | None = None  # the legacy shared secret's principal, with its keys
     source: str = "open mode"
+    #: the group's sequencer keys (fastlock.auth.sequencer_keys): none in open mode
+    sequencer_keys: SequencerKeys = field(default_factory=SequencerKeys)
 
     @property
     def open(self) -> bool:
@@ -228,7 +231,7 @@ class Credentials:
         anonymous = None if self.open else self.anonymous
         shared = Principal(SHARED_SECRET_PRINCIPAL, "client", derive_keys(secret), _EVERY_NAME)
         return Credentials(dict(self.principals), anonymous, shared,
-                           self.source if not self.open else "shared secret")
+                           self.source if not self.open else "shared secret", self.sequencer_keys)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Credentials:
@@ -303,7 +306,11 @@ class Credentials:
                 anonymous = p
             else:
                 principals[name] = p
-        return cls(principals, anonymous, None, where)
+        try:
+            sequencer_keys = parse_sequencer_keys(data.get("sequencer_keys"), where)
+        except SequencerKeyError as exc:
+            raise CredentialsError(str(exc)) from None
+        return cls(principals, anonymous, None, where, sequencer_keys)
 
     # -- lookups ------------------------------------------------------------------------
     def lookup(self, principal: str | None) -> Principal | None:
@@ -367,7 +374,8 @@ def _toml_str(value: str) -> str:
 def generate(directory: str | os.PathLike, *, clients: Iterable[tuple[str, str]] = (("app", ""),),
              replicas: Iterable[str] = ("node-a", "node-b"), admins: Iterable[str] = ("admin",),
              anonymous_prefix: str | None = None,
-             cert_identities: dict[str, Iterable[str]] | None = None) -> dict[str, str]:
+             cert_identities: dict[str, Iterable[str]] | None = None,
+             sequencer_algorithm: str | None = "ed25519") -> dict[str, str]:
     """Make ``DIR/credentials.toml`` and one ``DIR/<principal>.token`` per principal.
 
     ``clients`` are ``(name, prefix)`` pairs (the client may do every client
@@ -375,6 +383,8 @@ def generate(directory: str | os.PathLike, *, clients: Iterable[tuple[str, str]]
     not None, lets connections without a token act as a client on that prefix.
     ``cert_identities`` maps principals to the subject CNs of mutual-TLS client
     certificates that authenticate as them (no token needed).
+    ``sequencer_algorithm``: the group's first sequencer key (``"ed25519"``,
+    ``"hmac-sha256"``; None: none, see :mod:`fastlock.auth.sequencer_keys`).
     The directory is made 0700 and every file 0600; existing files are never
     overwritten (CredentialsError).  Returns ``{principal: token file path}``.
     """
@@ -409,6 +419,11 @@ def generate(directory: str | os.PathLike, *, clients: Iterable[tuple[str, str]]
     if anonymous_prefix is not None:
         lines += [f"[principals.{ANONYMOUS}]", 'kind = "client"',
                   f'acl = [{{prefix = {_toml_str(anonymous_prefix)}, ops = ["*"]}}]', ""]
+    if sequencer_algorithm is not None:
+        from ..sequencer import HAVE_ED25519, new_signing_key
+        if sequencer_algorithm != "ed25519" or HAVE_ED25519:  # without cryptography: no Ed25519 key
+            key = new_signing_key(sequencer_algorithm)
+            lines += sequencer_key_lines((key,), key)
     _write_private(targets[0], "\n".join(lines))
     paths = {}
     for name, _, _ in entries:

@@ -28,6 +28,7 @@ from ..protocol import OP_PROMOTE, OP_SERVE_ALONE, OP_STATUS
 from ..protocol.rpc import NotFastlockReply, answers_tls_hello, open_connection, what_answered
 from ..tls import client_ssl_context
 from ..units import DEFAULT_PORT, format_address
+from . import seqkeys
 from .args import (
     CONNECT_TIMEOUT,
     SERVER_VARIABLE,
@@ -126,6 +127,11 @@ def add_parsers(sub: Any) -> None:
                     "if a token file is missing or holds another token.")
     cu.set_defaults(handler=credentials_upgrade_command)
     cu.add_argument("directory", metavar="DIR")
+    seqkeys.add_arguments(csub.add_parser(
+        "sequencer-key", help="list, add, switch, retire or export the group's sequencer keys",
+        description="The keys that sign sequencers (fastlock.sequencer), in DIR/credentials.toml. Rotation: "
+                    "--add, give --public to the resources, copy the file to every node, --sign ID, later "
+                    "--retire the old ID."))
 
     w = sub.add_parser("wal", help="inspect a write-ahead log")
     wsub = w.add_subparsers(dest="wal_command", required=True)

@@ -15,7 +15,11 @@ What it does, in about five seconds:
 4. resumes worker 1 (SIGCONT).  It goes on with its write as if nothing had
    happened, as a process after a long GC pause would.  The ledger refuses it
    (:class:`~fastlock.errors.StaleFencingToken`), and the worker's client
-   notices that its lease was lost;
+   notices that its lease was lost.  Beside it, worker 1 tries the write a hostile
+   client would, its sequencer with the token raised to ``2**62``: the ledger
+   refuses that too (:class:`~fastlock.sequencer.BadSequencerSignature`), since
+   the workers write with signed sequencers (:mod:`fastlock.sequencer`) and the
+   fence holds the server's public key;
 5. stops everything, checks the ledger and prints a report.
 
 The ledger is consistent when: tokens never decrease in commit order; every
@@ -54,9 +58,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..auth import generate
+from ..auth.sequencer_keys import read_keys
 from ..client import connect
 from ..errors import FastlockError, LockNotAcquired, StaleFencingToken
 from ..fencing import SQLiteFence
+from ..sequencer import SequencerRejected, from_text, keys_from_text, keys_to_text
 from .args import positive_seconds_arg, ttl_arg, wait_arg
 from .ledger import FENCE_TABLE, LOCK, LedgerCheck, append_entry, check_ledger, create_ledger, read_balance
 
@@ -114,21 +121,33 @@ async def _worker(args: argparse.Namespace) -> int:
     threading.Thread(target=read_commands, daemon=True).start()
     rng = random.Random(args.worker_id * 7919 + os.getpid())
     db = sqlite3.connect(args.db, timeout=10)
-    fence = SQLiteFence(db, FENCE_TABLE)
+    with open(args.keys, encoding="utf-8") as f:  # the server's public keys: signed sequencers only
+        fence = SQLiteFence(db, FENCE_TABLE, keys=keys_from_text(f.read()), skew=None)
     grants = writes = 0
 
-    def write_entry(token: int, balance: int, amount: int, **extra: Any) -> int:
-        """Append the ledger entry under ``token`` (fenced unless ``--unfenced``) and say
-        what happened; returns 1 if it was written, 0 if the fence refused it."""
+    def write_entry(token: int, balance: int, amount: int, proof: Any, **extra: Any) -> int:
+        """Append the ledger entry under ``token`` with its sequencer ``proof`` (fenced unless
+        ``--unfenced``) and say what happened; returns 1 if it was written, 0 if refused."""
         try:
-            append_entry(fence, name, token, balance, amount, not args.unfenced)
+            append_entry(fence, name, token, balance, amount, not args.unfenced, proof)
         except StaleFencingToken as exc:
             _emit(ev="stale", token=exc.token, highest=exc.highest, msg=str(exc))
             return 0
         _emit(ev="wrote", token=token, amount=amount, **extra)
         return 1
 
-    async with connect(args.server, client_name=name) as client:
+    def forge(sequencer: str, balance: int) -> None:
+        """The hostile write: this lease's sequencer with the token raised to 2**62."""
+        blob = bytearray(from_text(sequencer))
+        blob[10:22] = (2**62).to_bytes(8, "big") + (2**62 >> 40).to_bytes(4, "big")
+        try:
+            append_entry(fence, name, 2**62, balance, 1, True, bytes(blob))
+        except SequencerRejected as exc:
+            _emit(ev="forged", rejected=type(exc).__name__)
+        else:
+            _emit(ev="forged", rejected=None)
+
+    async with connect(args.server, client_name=name, sequencers=True) as client:
         _emit(ev="ready")
         waiters = [asyncio.ensure_future(e.wait()) for e in (start, stop)]
         try:
@@ -154,7 +173,9 @@ async def _worker(args: argparse.Namespace) -> int:
                         resumed = loop.time()
                         # Write as if nothing happened (no lease.lost check): a
                         # process that paused right before its write does just that.
-                        writes += write_entry(token, balance, amount, stale_write_accepted=True)
+                        writes += write_entry(token, balance, amount, lease.sequencer, stale_write_accepted=True)
+                        if not args.unfenced and lease.sequencer is not None:
+                            forge(lease.sequencer, balance)
                         try:
                             await asyncio.wait_for(lease.lost.wait(), 2 * args.ttl + 1.0)
                         except asyncio.TimeoutError:
@@ -164,7 +185,7 @@ async def _worker(args: argparse.Namespace) -> int:
                         stop.set()
                         continue
                     await asyncio.sleep(rng.uniform(0.005, 0.02))  # the "work" done under the lock
-                    writes += write_entry(token, balance, amount)
+                    writes += write_entry(token, balance, amount, lease.sequencer)
             except LockNotAcquired:
                 _emit(ev="not_acquired")
     db.close()
@@ -255,6 +276,7 @@ class _WorkerStats:
     lost_after: float | None = None
     holding_token: int | None = None
     stale_write_accepted: bool = False
+    forged_rejected: str | None = None  # the error class that refused the forged write
 
 
 class _Demo:
@@ -297,6 +319,8 @@ class _Demo:
                 st.stale_write_accepted = True
         elif ev == "stale":
             st.stale.append((msg["token"], msg["highest"]))
+        elif ev == "forged":
+            st.forged_rejected = msg["rejected"] or ""
         elif ev == "holding":
             st.holding_token = msg["token"]
         elif ev == "lost":
@@ -338,10 +362,16 @@ class _Demo:
         db = os.path.join(tmpdir, "ledger.db")
         create_ledger(db)
         data_dir = os.path.join(tmpdir, "server-data")
+        # credentials with a sequencer key (and every name for connections without a token)
+        generate(os.path.join(tmpdir, "credentials"), anonymous_prefix="")
+        credentials = os.path.join(tmpdir, "credentials", "credentials.toml")
+        keys = os.path.join(tmpdir, "sequencer-keys.pub")
+        with open(keys, "w", encoding="utf-8") as f:
+            f.write(keys_to_text(read_keys(credentials).verify_keys))
         self.server = _Child(
             "server",
-            _child_cmd(["-m", "fastlock", "serve", "--listen", "127.0.0.1:0", "--data-dir", data_dir],
-                       signal.SIGTERM),
+            _child_cmd(["-m", "fastlock", "serve", "--listen", "127.0.0.1:0", "--data-dir", data_dir,
+                        "--credentials", credentials], signal.SIGTERM),
             on_line=self._on_line, stdin=False, stdout_json=False,
         )
         self.wait_until("the server to listen", lambda: self.port is not None)
@@ -352,7 +382,7 @@ class _Demo:
         for i in range(1, a.workers + 1):
             label = f"worker-{i}"
             cmd = ["-m", "fastlock.cli.demo", "--worker", "--worker-id", str(i), "--server", addr, "--db", db,
-                   "--ttl", str(a.ttl), "--wait", str(a.timeout), "--timeout", str(a.timeout)]
+                   "--keys", keys, "--ttl", str(a.ttl), "--wait", str(a.timeout), "--timeout", str(a.timeout)]
             if label == victim:
                 cmd += ["--freeze-on-grant", "2"]
             if a.unfenced:
@@ -445,6 +475,10 @@ class _Demo:
             out(f"  stale write  {victim} resumed and wrote with token {frozen_token}: ACCEPTED ({why})")
         else:
             out(f"  stale write  {victim} did not report its write")
+        forged_ok = a.unfenced or bool(vst.forged_rejected)
+        if not a.unfenced:
+            out(f"  forged write {victim} wrote with its sequencer's token raised to 2**62: "
+                + (f"REJECTED ({vst.forged_rejected})" if vst.forged_rejected else "ACCEPTED or not tried"))
         noticed = bool(vst.lost_noticed)
         out(f"  lease lost   {victim} noticed: {'yes' if noticed else 'no'}"
             + (f" ({vst.lost_after:.2f} s after resuming)" if noticed and vst.lost_after is not None else ""))
@@ -461,7 +495,7 @@ class _Demo:
         out(f"  time         {elapsed:.1f} s")
         out(f"stale writes rejected: {rejected}")
         out(f"ledger consistent: {_yn(consistent)}")
-        ok = consistent and victim_rejected and noticed
+        ok = consistent and victim_rejected and noticed and forged_ok
         out(f"result: {'PASS' if ok else 'FAIL'}")
         return 0 if ok else 1
 
@@ -518,6 +552,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-id", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--server", help=argparse.SUPPRESS)
     p.add_argument("--db", help=argparse.SUPPRESS)
+    p.add_argument("--keys", help=argparse.SUPPRESS)
     p.add_argument("--wait", type=wait_arg, default=10.0, help=argparse.SUPPRESS)
     p.add_argument("--freeze-on-grant", type=int, default=0, help=argparse.SUPPRESS)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sqlite3
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..fencing import SQLiteFence
 
@@ -44,12 +45,13 @@ def read_balance(conn: sqlite3.Connection) -> int:
 
 
 def append_entry(fence: SQLiteFence, worker: str, token: int, balance_before: int, amount: int,
-                 fenced: bool = True) -> None:
+                 fenced: bool = True, proof: Any = None) -> None:
     """The fenced read-modify-write: a ledger row and the new balance, in one
     transaction that commits only if ``token`` is not stale.
 
     ``fenced=False`` (the demo's ``--unfenced``) skips the token check, to show
-    what goes wrong without it.
+    what goes wrong without it.  ``proof``: what the fence checks instead of ``token``
+    (the lease's signed sequencer, for a fence made with keys).
 
     :raises StaleFencingToken: a higher token already wrote to the ledger.
     """
@@ -61,7 +63,7 @@ def append_entry(fence: SQLiteFence, worker: str, token: int, balance_before: in
             )
             fence.conn.execute("UPDATE account SET balance = ? WHERE id = 1", (balance_before + amount,))
         return
-    with fence.fenced(LOCK, token) as cur:
+    with fence.fenced(LOCK, token if proof is None else proof) as cur:
         cur.execute(
             "INSERT INTO ledger (worker, token, balance_before, amount, balance_after) VALUES (?, ?, ?, ?, ?)",
             (worker, token, balance_before, amount, balance_before + amount),

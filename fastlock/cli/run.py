@@ -31,6 +31,9 @@ Environment given to the command:
                                 write the lock protects (see :mod:`fastlock.fencing`)
     ``FASTLOCK_LOCK_NAME``      the lock's name
     ``FASTLOCK_SERVER``         the server address(es) used, comma-separated
+    ``FASTLOCK_SEQUENCER``      with ``--sequencer``: the lease's signed sequencer (base64url
+                                text, :mod:`fastlock.sequencer`), for fences that check
+                                signatures
 
 ``FASTLOCK_TOKEN_FILE`` and ``FASTLOCK_AUTH_SECRET`` are removed from the
 command's environment unless ``--pass-credentials`` is given: the command gets
@@ -164,6 +167,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="this client's token file (default: env FASTLOCK_TOKEN_FILE)")
     p.add_argument("--auth-secret-file", metavar="FILE",
                    help="legacy: file holding the server's shared secret (or env FASTLOCK_AUTH_SECRET)")
+    p.add_argument("--sequencer", action="store_true",
+                   help="ask for a signed sequencer and give it to the command as FASTLOCK_SEQUENCER")
     p.add_argument("--pass-credentials", action="store_true",
                    help="leave FASTLOCK_TOKEN_FILE and FASTLOCK_AUTH_SECRET in the command's environment "
                         "(by default they are removed, so the command cannot act as this client)")
@@ -324,7 +329,7 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
             started = loop.time()
             client = await connect(*servers, auth=secret, client_name=client_name,
                                    failover_timeout=FAILOVER_TIMEOUT if args.wait is None else args.wait,
-                                   **client_tls_options(args))
+                                   sequencers=args.sequencer, **client_tls_options(args))
             wait = None if args.wait is None else max(0.0, args.wait - (loop.time() - started))
             correlation_id = f"fastlock run: {' '.join(command)}"[:256]
             if getattr(args, "once_per", None) is not None:
@@ -373,6 +378,8 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
                 env.pop(var, None)
         env.update(FASTLOCK_FENCING_TOKEN=str(lease.fencing_token), FASTLOCK_LOCK_NAME=args.name,
                    FASTLOCK_SERVER=",".join(servers))
+        if lease.sequencer is not None:
+            env["FASTLOCK_SEQUENCER"] = lease.sequencer
         group = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
         try:
             proc = await asyncio.create_subprocess_exec(*command, env=env, **group)

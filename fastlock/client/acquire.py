@@ -24,7 +24,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import protocol as P
-from ..errors import AlreadyHeld, FastlockError, LeaseLost
+from ..errors import AlreadyHeld, FastlockError, InvalidArgument, LeaseLost
 from ..logsafe import quote
 from .connection import RETRYABLE, ClientConnection, Connector, RideThrough
 from .lease import Lease
@@ -205,7 +205,15 @@ def actor_id(connector: object | None = None) -> int:
 
 def with_actor(connector: Connector, kind: tuple[Any, ...]) -> tuple[Any, ...]:
     """ACQUIRE's trailing arguments: ``kind`` (see :func:`~fastlock.client.kinds.kind_args`)
-    and, to a server that reads it (HELLO's ``"actors"``), the caller's :func:`actor_id`."""
+    and, to a server that reads it (HELLO's ``"actors"``), the caller's :func:`actor_id`;
+    then ``True`` when the client asks for sequencers (``connect(sequencers=True)``).
+
+    :raises InvalidArgument: sequencers asked for, and the server holds no sequencer key."""
+    if connector.sequencers:
+        if not connector.server_info.get("sequencers"):
+            raise InvalidArgument("this client asks for sequencers and the server hands out none "
+                                  "(no sequencer key in its credentials: `fastlock credentials sequencer-key`)")
+        return (*kind_pair(kind), actor_id(connector), True)
     if not connector.server_info.get("actors"):
         return kind
     return (*kind_pair(kind), actor_id(connector))

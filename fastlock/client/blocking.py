@@ -99,6 +99,11 @@ class SyncLease:
         return self.lease.epoch
 
     @property
+    def sequencer(self) -> str | None:
+        """The grant's signed sequencer (base64url text), or None: see :attr:`Lease.sequencer`."""
+        return self.lease.sequencer
+
+    @property
     def health_state(self) -> str:
         """``"safe"``, ``"in_jeopardy"`` or ``"lost"`` (see :class:`~fastlock.client.LeaseHealth`)."""
         return "lost" if self.lost.is_set() else self.lease.health.state
@@ -189,6 +194,8 @@ class SyncClient(SyncKeyMethods, SyncRecipeMethods):
             :func:`fastlock.connect` (connecting rides through a failover under way
             for at most ``failover_timeout`` seconds).
         tls, tls_ca, tls_cert, tls_key, server_hostname: TLS, as :func:`fastlock.connect`.
+        sequencers: a signed sequencer with every grant (``lease.sequencer``), as
+            :func:`fastlock.connect`.
         request_timeout: seconds of server silence, while any call is
             outstanding, after which the connection is dropped and the calls
             raise ``ConnectionLost`` (the next call reconnects); ``None``
@@ -211,12 +218,13 @@ class SyncClient(SyncKeyMethods, SyncRecipeMethods):
                  token_file: Any = None,
                  tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, server_hostname: str | None = None,
-                 failover_timeout: float | None = FAILOVER_TIMEOUT):
+                 failover_timeout: float | None = FAILOVER_TIMEOUT, sequencers: bool = False):
         self._closed = False
         self._make_client: Callable[[], Client] = lambda: Client(
             addresses, auth=auth, client_name=client_name, connect_timeout=connect_timeout,
             request_timeout=request_timeout, token=token, token_file=token_file, tls=tls, tls_ca=tls_ca,
-            tls_cert=tls_cert, tls_key=tls_key, server_hostname=server_hostname, failover_timeout=failover_timeout)
+            tls_cert=tls_cert, tls_key=tls_key, server_hostname=server_hostname, failover_timeout=failover_timeout,
+            sequencers=sequencers)
         self._open()
         try:
             self.call(self._async_client.ensure_connected())

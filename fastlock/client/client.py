@@ -110,7 +110,7 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods):
                  token_file: str | os.PathLike[str] | None = None,
                  tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, server_hostname: str | None = None,
-                 failover_timeout: float | None = FAILOVER_TIMEOUT):
+                 failover_timeout: float | None = FAILOVER_TIMEOUT, sequencers: bool = False):
         addresses = addresses_from_env(addresses)
         tls, files = tls_from_env(tls, {"tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key,
                                         "server_hostname": server_hostname})
@@ -130,6 +130,9 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods):
         self._connector = Connector(addresses, auth=auth, client_name=client_name,
                                     connect_timeout=self._connect_timeout, request_timeout=self._request_timeout,
                                     ssl_context=ssl_context, server_hostname=server_hostname)
+        if type(sequencers) is not bool:
+            raise WrongArgumentType(f"sequencers must be a bool, not {type(sequencers).__name__}")
+        self._connector.sequencers = sequencers  # with_actor asks for one in every ACQUIRE
         # the deadline of every call but acquire and renewals (seconds)
         self._op_timeout = self._request_timeout if self._request_timeout is not None else self._connect_timeout
         #: the auto-renewals this client runs (stopped by release and close)
@@ -322,6 +325,8 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods):
         if epoch > connector.max_epoch:
             connector.max_epoch = epoch
         lease = Lease(name, token, granted_ttl, owner, LeaseState(expires_at))
+        if len(reply) > 3 and type(reply[3]) is dict:  # a signed sequencer (fastlock.sequencer)
+            lease.state.sequencer = reply[3].get("sequencer")
         if expires_at - loop.time() < granted_ttl * LATE_GRANT_FRACTION:
             request = AcquireRequest(name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind)
             lease = await verify_late_grant(self, lease, request, started)

@@ -42,7 +42,7 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
             token_file: str | os.PathLike[str] | None = None,
             tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
             tls_key: str | None = None, server_hostname: str | None = None,
-            failover_timeout: float | None = FAILOVER_TIMEOUT) -> _ConnectContext:
+            failover_timeout: float | None = FAILOVER_TIMEOUT, sequencers: bool = False) -> _ConnectContext:
     """Connect to a fastlock primary.
 
     Args:
@@ -89,6 +89,10 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
             no address answers so (every one refused, unreachable, timed out,
             or a TLS or protocol failure) fails at once.  Also the bound of
             every later reconnect made by :meth:`Client.ensure_connected`.
+        sequencers: ask for a signed sequencer with every grant
+            (``lease.sequencer``, :mod:`fastlock.sequencer`); the server must hold a
+            sequencer key (its HELLO says ``"sequencers": True``), else every acquire
+            raises ``InvalidArgument`` before anything is sent.
 
     Example::
 
@@ -114,6 +118,7 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
                                   connect_timeout=connect_timeout, request_timeout=request_timeout,
                                   token=token, token_file=token_file,
                                   tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-                                  server_hostname=server_hostname, failover_timeout=failover_timeout))
+                                  server_hostname=server_hostname, failover_timeout=failover_timeout,
+                                  sequencers=sequencers))
 
 

@@ -127,6 +127,7 @@ class Connector:
             that a deposed primary that still runs learns it and steps down.
         orphans (list[tuple[str, bytes]]): acquires given up on (name, owner
             key), cancelled by owner on the next connection.
+        sequencers (bool): every ACQUIRE asks for a signed sequencer (set by the client).
 
     Raises:
         InvalidArgument / WrongArgumentType: no address, or a bad one.
@@ -135,7 +136,8 @@ class Connector:
     __slots__ = ("addresses", "proto", "closed", "server_info", "max_epoch", "orphans", "no_acquire_many",
                  "_auth", "_client_name",
                  "_connect_timeout", "_request_timeout", "_ssl", "_server_hostname", "_connecting",
-                 "_connect_task", "_attempt", "_suspects", "_demoted", "_preferred", "_nodes", "_refusal_logs")
+                 "_connect_task", "_attempt", "_suspects", "_demoted", "_preferred", "_nodes", "_refusal_logs",
+                 "sequencers")
 
     def __init__(self, addresses: Iterable[Any], *, auth: str | None, client_name: str | None,
                  connect_timeout: float, request_timeout: float | None, ssl_context: ssl.SSLContext | None,
@@ -154,6 +156,7 @@ class Connector:
         self.server_info: dict[str, Any] = {}
         self.max_epoch = 0
         self.orphans: list[tuple[str, bytes]] = []
+        self.sequencers = False
         #: set once a server refused ACQUIRE_MANY as unknown (an older fastlock): multi-locks go one by one
         self.no_acquire_many = False
         self._connecting: asyncio.Future[Any] | None = None  # result of the connection attempt in progress

@@ -185,7 +185,11 @@ async def acquire_set(client: Client, items: list[tuple[str, bool]], ttl_ms: int
         left_ms = -1 if wait_end is None else max(0, int((wait_end - loop.time()) * 1000))
         sent = loop.time()
         try:
-            actor = (actor_id(connector),) if connector.server_info.get("actors") else ()
+            actor: tuple[Any, ...] = (actor_id(connector),) if connector.server_info.get("actors") else ()
+            if connector.sequencers:  # a signed sequencer per name (see with_actor)
+                if not connector.server_info.get("sequencers"):
+                    raise InvalidArgument("this client asks for sequencers and the server hands out none")
+                actor = (actor_id(connector), True)
             reply = await proto.request(P.OP_ACQUIRE_MANY, wire, owner, ttl_ms, left_ms, delay_ms, correlation_id,
                                         *actor)
             break
@@ -198,13 +202,16 @@ async def acquire_set(client: Client, items: list[tuple[str, bool]], ttl_ms: int
                 raise
             pause = pacing.failed(proto, err)
             proto = None
-    tokens, granted_ms, waited_ms = reply
+    tokens, granted_ms, waited_ms = reply[:3]
     ttl = granted_ms / 1000.0
     expires_at = sent + waited_ms / 1000.0 + ttl
     epoch = epoch_of(max(tokens))
     if epoch > connector.max_epoch:
         connector.max_epoch = epoch
     leases = [Lease(name, token, ttl, owner, LeaseState(expires_at)) for (name, _), token in zip(items, tokens)]
+    if len(reply) > 3 and type(reply[3]) is dict:  # signed sequencers, in the tokens' order
+        for lease, blob in zip(leases, reply[3].get("sequencers", ())):
+            lease.state.sequencer = blob
     if expires_at - loop.time() >= ttl * 0.5:
         return leases
     # read late (a stalled loop or network): verified with one EXTEND each, as Client.acquire does

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from ..errors import InvalidArgument, WrongArgumentType
+from ..sequencer import to_text
 from ..tokens import epoch_of
 from .bounded import DRIFT_BOUND, check_margin, stop_at
 
@@ -206,16 +207,19 @@ class LeaseState:
             ``loop.time()`` seconds, of when the server will expire the lease;
             moved forward by every successful renewal.
         health (LeaseHealth): made on first use.
+        sequencer (bytes | None): the signed sequencer of the grant, when the
+            client asked for one (``connect(sequencers=True)``).
 
     Written only on the event loop's thread (by the client and its renewer).
     """
 
-    __slots__ = ("_lost", "expires_at", "_health")
+    __slots__ = ("_lost", "expires_at", "_health", "sequencer")
 
     def __init__(self, expires_at: float = 0.0, lost: asyncio.Event | None = None):
         self._lost = lost
         self.expires_at = expires_at
         self._health: LeaseHealth | None = None
+        self.sequencer: bytes | None = None
 
     @property
     def lost(self) -> asyncio.Event:
@@ -281,6 +285,14 @@ class Lease:
     def lost(self) -> asyncio.Event:
         """Set when the lease is lost (see :class:`LeaseState`)."""
         return self.state.lost
+
+    @property
+    def sequencer(self) -> str | None:
+        """The grant's signed sequencer as base64url text (:func:`fastlock.sequencer.to_text`;
+        pass it to a fence or an ``If-Fencing-Sequencer`` header), or None when the client
+        did not ask for one (``connect(sequencers=True)``)."""
+        blob = self.state.sequencer
+        return None if blob is None else to_text(blob)
 
     @property
     def expires_at(self) -> float:

@@ -44,8 +44,8 @@ Operations and their arguments:
 op         #   arguments                                              value
 =========  ==  =====================================================  ======================
 HELLO      1   version, client_name|None, credential[, known_epoch]   challenge, or dict (session, role, principal...)
-ACQUIRE    2   name, owner, ttl_ms, wait_ms, lock_delay_ms, corr_id   [token, ttl_ms, waited_ms]
-               [, shared[, limit[, actor]]]
+ACQUIRE    2   name, owner, ttl_ms, wait_ms, lock_delay_ms, corr_id   [token, ttl_ms, waited_ms
+               [, shared[, limit[, actor[, sequencer]]]]              [, {"sequencer": bytes}]]
 RELEASE    3   name, token, owner                                     None
 EXTEND     4   name, token, owner, ttl_ms                             ttl_ms
 CANCEL     5   name, owner                                            "cancelled"|"released"|None
@@ -63,8 +63,8 @@ STEP_DOWN  16  epoch, seen_primary_ms                                 {"role", "
 LOCKS      20  prefix, most|None[, after, order]                      {"locks", "matched", "truncated", "next"}
 LOCK_INFO  21  name                                                   {"name", "holders", "waiters", ...}
 REVOKE     22  name, token|None, reason|None                          {"name", "revoked"}
-ACQUIRE_MANY 30 [[name, shared], ...], owner, ttl_ms, wait_ms,        [[token, ...], ttl_ms, waited_ms]
-               lock_delay_ms, corr_id[, actor]
+ACQUIRE_MANY 30 [[name, shared], ...], owner, ttl_ms, wait_ms,        [[token, ...], ttl_ms, waited_ms
+               lock_delay_ms, corr_id[, actor[, sequencer]]           [, {"sequencers": [bytes, ...]}]]
 CONTENDERS 31  name[, cursor]                                         {"holders", "waiters", "cursor"}
 SYNC_ACK   50  lsn (the primary's, at the sync ack point)             (no reply)
 RATE_LIMIT 80  name, rate, period_ms, burst, cost                     [admitted, retry_after_ms, remaining]
@@ -78,10 +78,14 @@ every fastlock server reads.  The optional ``actor`` of ACQUIRE and ACQUIRE_MANY
 absent: the session as a whole) only tells deadlock detection's parties apart
 (see :class:`~fastlock.errors.DeadlockDetected`); a server that reads it says
 ``"actors": True`` in its HELLO reply, and a client sends it only to such a
-server.  ACQUIRE_MANY takes up to 64 distinct names atomically: all are granted
-together (one token per name, in request order, one lease per name, all with
-``owner``) or none; while it waits it holds none of
-them.  CONTENDERS lists a lock's holders (token, shared, limit, principal,
+server.  ACQUIRE's optional ``sequencer`` (bool) asks for a signed sequencer
+(:mod:`fastlock.sequencer`) in the reply's fourth element, ``{"sequencer": bytes}``;
+a server with a signing key says ``"sequencers": True`` in its HELLO reply, and one
+without refuses the flag with InvalidArgument.  ACQUIRE_MANY's ``sequencer`` asks the
+same for every name: ``{"sequencers": [...]}``, in the tokens' order.  ACQUIRE_MANY
+takes up to 64 distinct names atomically: all are granted together (one token
+per name, in request order, one lease per name, all with ``owner``) or none;
+while it waits it holds none of them.  CONTENDERS lists a lock's holders (token, shared, limit, principal,
 client, correlation_id, remaining_ms) and its waiters in FIFO order (shared,
 limit, principal, client, correlation_id, many), as kazoo's ``contenders()``.
 RATE_LIMIT takes ``cost`` from the rate limiter ``name`` (``rate`` per ``period_ms``,

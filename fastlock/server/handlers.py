@@ -45,7 +45,7 @@ from ..units import monotonic_ms
 from .hello import Hello
 from .keys import PERMISSIONS as KEY_PERMISSIONS
 from .keys import KeyStore
-from .kinds import KindHandlers, limit_conflict
+from .kinds import KindHandlers, limit_conflict, sequenced_request
 from .lockadmin import LockAdmin, not_the_holder
 from .ratelimit import RateLimitHandler
 from .session import Session, split_recorded_client
@@ -260,6 +260,8 @@ class Handlers:
         shared = len(msg) > 8 and P.check_shared(msg[8])  # a shared lease (absent: exclusive)
         limit = P.check_limit(msg[9]) if len(msg) > 9 else 0  # a semaphore's limit (absent: a lock)
         actor = P.check_actor(msg[10]) if len(msg) > 10 else 0  # who waits in the session (absent: all of it)
+        # a signed sequencer in the grant reply (absent: none; fastlock.sequencer)
+        request = sequenced_request(self, conn, req_id, msg[11]) if len(msg) > 11 else req_id
         if shared and limit:
             raise InvalidArgument("a semaphore permit (limit > 0) cannot also be shared")
         table = self.table
@@ -287,7 +289,7 @@ class Handlers:
             server.max_ttl_ms = ttl_ms
             server.node_state.raise_ttl(ttl_ms)  # rare: only a new longest TTL writes
         try:
-            status = table.acquire(name, owner, conn.session, req_id, ttl_ms, wait_ms, delay_ms,
+            status = table.acquire(name, owner, conn.session, request, ttl_ms, wait_ms, delay_ms,
                                    (conn.recorded, corr), now, shared, limit, actor)
         except ValueError as exc:  # the owner key waits on name in a multi-lock request
             raise InvalidArgument(f"{name!r}: {exc}") from None

@@ -227,4 +227,6 @@ class Hello:
             "principal": conn.principal,
             "kind": conn.kind,
             "actors": True,  # ACQUIRE and ACQUIRE_MANY read the optional actor
+            # ACQUIRE's optional sequencer flag is answered with a signed sequencer (fastlock.sequencer)
+            "sequencers": self.credentials.sequencer_keys.signing is not None,
         }

@@ -13,7 +13,9 @@
   :class:`~fastlock.errors.DeadlockDetected` naming the cycle.
 
 Shared locks and semaphores need no op of their own: ACQUIRE carries ``shared``
-and ``limit`` (see :mod:`fastlock.protocol`).
+and ``limit`` (see :mod:`fastlock.protocol`).  An ACQUIRE that asks for a signed
+sequencer (its optional ``sequencer`` flag) has a :class:`SequencedRequest` as its
+request: its grant reply carries the sequencer, signed when the grant is acknowledged.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
+from .. import sequencer
 from .._core import EV_DEADLOCK, EV_WAIT_CANCELLED, EV_WAIT_TIMEOUT, LIMIT_CONFLICT, NOT_ACQUIRED
 from ..auth import hash_owner
 from ..errors import (
@@ -32,6 +35,7 @@ from ..errors import (
     LimitConflict,
     LockNotAcquired,
     PermissionDenied,
+    WrongArgumentType,
 )
 from ..logsafe import RateLimitedLog, quote
 from ..protocol.ops import MAX_PAGE_BYTES
@@ -82,6 +86,73 @@ class ManyRequest:
         return self.req_id
 
 
+class SequencedManyRequest(ManyRequest):
+    """A :class:`ManyRequest` that asked for sequencers: one signed per name as its grant is
+    delivered; the reply is ``[[token, ...], ttl_ms, waited_ms, {"sequencers": [bytes, ...]}]``,
+    the sequencers in the tokens' order."""
+
+    __slots__ = ("principal", "key", "sequencers")
+
+    def __init__(self, req_id: int, count: int, principal: str, key: sequencer.SigningKey):
+        super().__init__(req_id, count)
+        self.principal = principal
+        self.key = key
+        self.sequencers: list[bytes] = []
+
+    def granted_event(self, ev: Any) -> bytes | None:
+        """Collect one name's grant (``EV_GRANTED`` event ``ev``) and its sequencer; the reply
+        frame once every name is granted, else None."""
+        if self.done:
+            return None
+        mode = sequencer.SHARED if ev.shared else sequencer.EXCLUSIVE
+        self.sequencers.append(sequencer.sign(self.key, ev.name, ev.token, self.principal, mode,
+                                              ev.deadline_ms - monotonic_ms()))
+        if self.granted(ev.token, ev.ttl_ms, ev.waited_ms) is None:
+            return None
+        return P.encode_ok(self.req_id, [self.tokens, ev.ttl_ms, ev.waited_ms, {"sequencers": self.sequencers}])
+
+
+class SequencedRequest:
+    """The request object of an ACQUIRE that asked for a sequencer (:mod:`fastlock.sequencer`):
+    its grant reply is ``[token, ttl_ms, waited_ms, {"sequencer": bytes}]``, the sequencer
+    signed with the group's ``key`` when the grant is acknowledged (so only a node that may
+    grant, never a standby, signs), its expiry the server's wall clock plus what is left of
+    the lease."""
+
+    __slots__ = ("req_id", "principal", "key")
+
+    def __init__(self, req_id: int, principal: str, key: sequencer.SigningKey):
+        self.req_id = req_id
+        self.principal = principal
+        self.key = key
+
+    def reply(self, ev: Any) -> bytes:
+        """The grant reply frame for ``EV_GRANTED`` event ``ev``, with its sequencer."""
+        mode = sequencer.PERMIT if ev.limit else sequencer.SHARED if ev.shared else sequencer.EXCLUSIVE
+        blob = sequencer.sign(self.key, ev.name, ev.token, self.principal, mode, ev.deadline_ms - monotonic_ms())
+        return P.packb([self.req_id, 0, [ev.token, ev.ttl_ms, ev.waited_ms, {"sequencer": blob}]])
+
+    def error_id(self) -> int:
+        """The request id an error event answers (one ACQUIRE: every time its own)."""
+        return self.req_id
+
+
+def sequenced_request(handlers: Handlers, conn: Session, req_id: int, flag: Any) -> Any:
+    """The core's request object for an ACQUIRE whose ``sequencer`` argument is ``flag``:
+    ``req_id`` itself when false, else a :class:`SequencedRequest`.
+
+    :raises WrongArgumentType: ``flag`` is not a bool.
+    :raises InvalidArgument: this server has no signing key in its credentials."""
+    if type(flag) is not bool:
+        raise WrongArgumentType(f"sequencer must be a bool, not {type(flag).__name__}")
+    if not flag:
+        return req_id
+    key = handlers.credentials.sequencer_keys.signing
+    if key is None:
+        raise InvalidArgument("this server has no sequencer key (see `fastlock credentials sequencer-key`)")
+    return SequencedRequest(req_id, conn.principal or "", key)
+
+
 #: per-lease lines of the expiry and grant paths (fastlock.server.lockserver's logger): at most
 #: 10 of each kind a second, then one with the count left out, however fast leases come and go
 _server_log = logging.getLogger(__package__ + ".lockserver")
@@ -102,6 +173,10 @@ def grant_reply(ev: Any) -> bytes | None:
     request = ev.request
     if type(request) is int:
         return P.packb([request, 0, [ev.token, ev.ttl_ms, ev.waited_ms]])
+    if type(request) is SequencedRequest:
+        return request.reply(ev)
+    if type(request) is SequencedManyRequest:
+        return request.granted_event(ev)
     return request.granted(ev.token, ev.ttl_ms, ev.waited_ms)
 
 
@@ -153,7 +228,8 @@ class KindHandlers:
 
     def op_acquire_many(self, conn: Session, req_id: int, msg: list) -> None:
         """ACQUIRE_MANY: ``[[name, shared], ...], owner, ttl_ms, wait_ms, lock_delay_ms,
-        corr_id[, actor]``; each name is checked against the principal's ACL for ``acquire``."""
+        corr_id[, actor[, sequencer]]``; each name is checked against the principal's ACL for
+        ``acquire``."""
         items = P.check_many_items(msg[2])
         owner = hash_owner(P.check_owner(msg[3]))
         ttl_ms = P.check_ttl_ms(msg[4])
@@ -161,6 +237,7 @@ class KindHandlers:
         delay_ms = P.check_lock_delay_ms(msg[6])
         corr = P.check_optional_str(msg[7], "correlation id", P.MAX_CORRELATION_ID_CHARS)
         actor = P.check_actor(msg[8]) if len(msg) > 8 else 0  # who waits in the session (absent: all of it)
+        signed: Any = sequenced_request(self.handlers, conn, req_id, msg[9]) if len(msg) > 9 else req_id
         grant = conn.grant
         if conn.kind == "client":
             for name, _shared in items:
@@ -189,7 +266,9 @@ class KindHandlers:
             server.max_ttl_ms = ttl_ms
             server.node_state.raise_ttl(ttl_ms)
         try:
-            status = table.acquire_many(items, owner, conn.session, ManyRequest(req_id, len(items)), ttl_ms,
+            request = (ManyRequest(req_id, len(items)) if type(signed) is int
+                       else SequencedManyRequest(req_id, len(items), signed.principal, signed.key))
+            status = table.acquire_many(items, owner, conn.session, request, ttl_ms,
                                         wait_ms, delay_ms, (recorded_client(conn), corr), now, actor)
         except ValueError as exc:  # an owner key already holding or awaiting some name in another request
             raise InvalidArgument(f"acquire_many: {exc}") from None

@@ -300,6 +300,10 @@ class LockServer:
             log.info("credentials: %d principals from %s%s%s", len(creds.principals), creds.source,
                      ", shared secret accepted" if creds.shared_secret is not None else "",
                      ", anonymous clients allowed" if creds.anonymous is not None else "")
+            signing = creds.sequencer_keys.signing
+            if signing is not None:  # the public key id only; the secret never reaches a log
+                log.info("sequencers: signed with %s key %s (%d key(s) in the file)", signing.algorithm,
+                         signing.key_id.hex(), len(creds.sequencer_keys.keys))
         if self.failover.coordinated is not None:
             try:
                 await self.failover.coordinated.start(config.advertise or format_address((host, port)))
