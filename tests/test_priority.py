@@ -1,0 +1,198 @@
+"""Priorities, cooperative preemption and directed hand-off against a real server
+(fastlock.server.preemption): queue order by priority, the holder's revoke-requested
+event, the revocation of a holder that does not yield, and transfer()."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import wait_until
+
+import fastlock
+from fastlock._testbase import CredentialsDir
+from fastlock.errors import InvalidArgument, LeaseLost, PermissionDenied, WrongArgumentType
+
+TIMEOUT = 10.0
+
+
+async def _waiting(client, name: str, n: int) -> None:
+    async def queued():
+        return len((await client.contenders(name))["waiters"]) >= n
+    await wait_until(queued, TIMEOUT, f"{n} waiters on {name}")
+
+
+async def test_priority_waiter_behind_50_is_granted_next(connect):
+    holder = await connect("holder")
+    crowd = await connect("crowd")
+    urgent = await connect("urgent")
+    lease = await holder.acquire("job", ttl=30)
+    tasks = [asyncio.create_task(crowd.acquire("job", ttl=30, correlation_id=f"low-{i}")) for i in range(50)]
+    await _waiting(holder, "job", 50)
+    high = asyncio.create_task(urgent.acquire("job", ttl=30, priority=10, correlation_id="high"))
+    await _waiting(holder, "job", 51)
+    waiters = (await holder.contenders("job"))["waiters"]
+    assert waiters[0]["correlation_id"] == "high"
+    assert [w["correlation_id"] for w in waiters[1:]] == [f"low-{i}" for i in range(50)]
+    await holder.release(lease)
+    granted = await asyncio.wait_for(high, TIMEOUT)
+    assert granted.fencing_token > lease.fencing_token
+    assert not any(t.done() for t in tasks)
+    # FIFO within a priority: the next 50 grants go in arrival order
+    await urgent.release(granted)
+    for i, task in enumerate(tasks):
+        got = await asyncio.wait_for(task, TIMEOUT)
+        info = await holder.holder("job")
+        assert info["correlation_id"] == f"low-{i}"
+        await crowd.release(got)
+
+
+async def test_equal_priorities_keep_arrival_order(connect):
+    holder = await connect("holder")
+    lease = await holder.acquire("q", ttl=30)
+    clients = [await connect(f"c{i}") for i in range(3)]
+    order = [(0, 5), (1, 5), (2, 7)]
+    tasks = []
+    for i, prio in order:
+        tasks.append(asyncio.create_task(clients[i].acquire("q", ttl=30, priority=prio, correlation_id=f"c{i}")))
+        await _waiting(holder, "q", len(tasks))
+    waiters = [w["correlation_id"] for w in (await holder.contenders("q"))["waiters"]]
+    assert waiters == ["c2", "c0", "c1"]
+    await holder.release(lease)
+    for i in (2, 0, 1):
+        got = await asyncio.wait_for(tasks[[o[0] for o in order].index(i)], TIMEOUT)
+        await clients[i].release(got)
+
+
+async def test_holder_sees_revoke_request_and_yields(connect):
+    holder = await connect("holder")
+    urgent = await connect("urgent")
+    lease = await holder.acquire("res", ttl=30)
+    want = asyncio.create_task(urgent.acquire("res", ttl=30, priority=5, preempt=30.0))
+    await asyncio.wait_for(lease.revoke_requested.wait(), TIMEOUT)
+    request = lease.revoke_request
+    assert request.client == "urgent" and request.grace <= 30.0
+    await holder.release(lease)
+    granted = await asyncio.wait_for(want, TIMEOUT)
+    assert granted.fencing_token > lease.fencing_token
+
+
+async def test_holder_that_does_not_yield_is_fenced_at_its_deadline(connect):
+    holder = await connect("holder")
+    urgent = await connect("urgent")
+    lease = await holder.acquire("db", ttl=60)
+    await holder.put("db-row", b"v1", lease=lease)  # a fenced write while the lease holds
+    granted = await asyncio.wait_for(urgent.acquire("db", ttl=30, priority=3, preempt=0.2), TIMEOUT)
+    assert lease.revoke_requested.is_set()
+    assert granted.fencing_token > lease.fencing_token
+    with pytest.raises(LeaseLost):
+        await holder.put("db-row", b"late", lease=lease)
+    with pytest.raises(LeaseLost):
+        await holder.release(lease)
+    await urgent.put("db-row", b"v2", lease=granted)
+    assert (await urgent.get("db-row")).value == b"v2"
+
+
+async def test_revoke_request_needs_a_higher_priority_waiter(connect):
+    holder = await connect("holder")
+    other = await connect("other")
+    lease = await holder.acquire("x", ttl=30, priority=5)
+    # equal priority: queued, but the request is refused and the holder never asked
+    waiting = asyncio.create_task(other.acquire("x", ttl=30, priority=5, preempt=0.05))
+    await _waiting(holder, "x", 1)
+    await holder.extend(lease, ttl=30)  # a round trip: the refused request came before it
+    assert not lease.revoke_requested.is_set()
+    assert (await holder.holder("x"))["token"] == lease.fencing_token
+    await holder.release(lease)
+    await other.release(await asyncio.wait_for(waiting, TIMEOUT))
+
+
+@pytest.mark.parametrize("bad, error", [(-1, InvalidArgument), (100, InvalidArgument), (1.5, WrongArgumentType),
+                                        (True, WrongArgumentType)])
+async def test_bad_priority_is_refused_before_sending(client, bad, error):
+    with pytest.raises(error):
+        await client.acquire("p", ttl=5, priority=bad)
+    with pytest.raises((InvalidArgument, WrongArgumentType)):
+        await client.acquire("p", ttl=5, priority=1, preempt=0)
+
+
+async def test_transfer_hands_the_lock_to_the_chosen_waiter(connect):
+    leader = await connect("leader")
+    a = await connect("a")
+    b = await connect("b")
+    lease = await leader.acquire("lead", ttl=30, correlation_id="leader")
+    await leader.put("lead-state", b"x", lease=lease)
+    ta = asyncio.create_task(a.acquire("lead", ttl=30, correlation_id="cand-a"))
+    await _waiting(leader, "lead", 1)
+    tb = asyncio.create_task(b.acquire("lead", ttl=30, correlation_id="cand-b"))
+    await _waiting(leader, "lead", 2)
+    with pytest.raises(InvalidArgument):
+        await leader.transfer(lease, "nobody")
+    await leader.transfer(lease, "cand-b")
+    assert lease.lost.is_set()
+    got = await asyncio.wait_for(tb, TIMEOUT)
+    assert got.fencing_token > lease.fencing_token
+    assert not ta.done()
+    with pytest.raises(LeaseLost):
+        await leader.put("lead-state", b"late", lease=lease)
+    with pytest.raises(LeaseLost):
+        await leader.transfer(lease, "cand-a")
+    await b.release(got)
+    await a.release(await asyncio.wait_for(ta, TIMEOUT))
+
+
+async def test_election_transfer_candidates_and_proclaim(connect):
+    clients = {cid: await connect(cid) for cid in ("n1", "n2", "n3")}
+    elections = {cid: c.election("sched", cid, lease_duration=5, renew_deadline=3, retry_period=1)
+                 for cid, c in clients.items()}
+    term1 = await elections["n1"].campaign()
+    await term1.proclaim(b"http://n1")
+    seen = await elections["n3"].proclaimed()
+    assert seen == (b"http://n1", term1.fencing_token)
+    t2 = asyncio.create_task(elections["n2"].campaign())
+    await _waiting(clients["n1"], "sched", 1)
+    t3 = asyncio.create_task(elections["n3"].campaign())
+    await _waiting(clients["n1"], "sched", 2)
+    assert await elections["n1"].candidates() == ["n2", "n3"]
+    await term1.transfer("n3")
+    assert term1.lost.is_set() and not term1.is_leader()
+    term3 = await asyncio.wait_for(t3, TIMEOUT)
+    assert term3.fencing_token > term1.fencing_token
+    assert await elections["n2"].proclaimed() is None  # the old term's value went with it
+    await term3.proclaim(b"http://n3")
+    assert await elections["n1"].proclaimed() == (b"http://n3", term3.fencing_token)
+    with pytest.raises(LeaseLost):
+        await term1.proclaim(b"stale")
+    await term3.resign()
+    term2 = await asyncio.wait_for(t2, TIMEOUT)
+    await term2.resign()
+
+
+def _restrict(creds: CredentialsDir, ops: list[str]) -> None:
+    """Give principal ``app`` only ``ops`` on every name."""
+    with open(creds.file) as f:
+        text = f.read()
+    start = text.index("[principals.app]")
+    full = 'acl = [{prefix = "", ops = ["*"]}]'
+    at = text.index(full, start)
+    quoted = ", ".join(f'"{op}"' for op in ops)
+    with open(creds.file, "w") as f:
+        f.write(text[:at] + f'acl = [{{prefix = "", ops = [{quoted}]}}]' + text[at + len(full):])
+
+
+async def test_priority_and_preemption_need_their_acl_rights(tmp_path, server_factory, loop_errors):
+    creds = CredentialsDir(tmp_path / "creds", anonymous=False)
+    _restrict(creds, ["acquire", "release", "extend", "cancel", "check", "holder"])
+    srv = server_factory(args=["--credentials", creds.file])
+    app = await fastlock.connect(srv.address, auth=creds.token("app"), client_name="app")
+    admin = await fastlock.connect(srv.address, auth=creds.token("admin"), client_name="admin")
+    try:
+        with pytest.raises(PermissionDenied):
+            await app.acquire("n", ttl=5, priority=1)
+        lease = await app.acquire("n", ttl=30)  # priority 0 needs no right
+        prio = await admin.acquire("other", ttl=30, priority=99)  # an admin may use any priority
+        await admin.release(prio)
+        await app.release(lease)
+    finally:
+        await app.close()
+        await admin.close()
