@@ -196,3 +196,10 @@ async def test_priority_and_preemption_need_their_acl_rights(tmp_path, server_fa
     finally:
         await app.close()
         await admin.close()
+
+
+def test_the_priority_range_is_the_cores():
+    from fastlock import _core
+    from fastlock.protocol.priority import MAX_PRIORITY
+
+    assert _core.MAX_PRIORITY == MAX_PRIORITY

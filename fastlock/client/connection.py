@@ -97,7 +97,7 @@ class ClientConnection(RpcConnection):
         self.watches: dict[str, set[asyncio.Queue[Any]]] = {}
         self.key_watches = KeyWatches()
         #: called with a PUSH_REVOKE_REQUESTED payload (set by the Connector that made it)
-        self.revoke_handler: Callable[[list], Any] | None = None
+        self.revoke_handler: Callable[[list[Any]], Any] | None = None
 
     def _dispatch_push(self, kind: Any, payload: Any) -> None:
         if kind == P.PUSH_WATCH:
@@ -164,7 +164,7 @@ class Connector:
         #: set once a server refused ACQUIRE_MANY as unknown (an older fastlock): multi-locks go one by one
         self.no_acquire_many = False
         #: given every PUSH_REVOKE_REQUESTED payload (the client finds the lease it names)
-        self.on_revoke_request: Callable[[list], Any] | None = None
+        self.on_revoke_request: Callable[[list[Any]], Any] | None = None
         self._connecting: asyncio.Future[Any] | None = None  # result of the connection attempt in progress
         self._connect_task: asyncio.Task[Any] | None = None
         self._attempt: dict[str, Any] = {}  # {"addr": the address the attempt in progress is trying}

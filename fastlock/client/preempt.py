@@ -52,7 +52,7 @@ def _consume(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
-def deliver_revoke_request(held: HeldLeases, payload: list) -> None:
+def deliver_revoke_request(held: HeldLeases, payload: list[Any]) -> None:
     """A PUSH_REVOKE_REQUESTED ``[name, token, principal, client, grace_ms]``: hand it to
     the held lease it names (ignored if this client no longer holds it)."""
     name, token, principal, client, grace = payload
