@@ -5,6 +5,7 @@ event, the revocation of a holder that does not yield, and transfer()."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from conftest import wait_until
@@ -203,3 +204,35 @@ def test_the_priority_range_is_the_cores():
     from fastlock.protocol.priority import MAX_PRIORITY
 
     assert _core.MAX_PRIORITY == MAX_PRIORITY
+
+
+def test_blocking_client_priority_revoke_request_and_transfer(server):
+    import threading
+
+    from fastlock.sync import SyncClient
+
+    with SyncClient(server.address, client_name="holder") as holder, \
+            SyncClient(server.address, client_name="urgent") as urgent, \
+            SyncClient(server.address, client_name="cand") as cand:
+        lease = holder.acquire("b", ttl=30)
+        got = {}
+        t = threading.Thread(target=lambda: got.setdefault("lease", urgent.acquire("b", ttl=30, priority=9,
+                                                                                   preempt=30.0)))
+        t.start()
+        request = holder.wait_revoke_request(lease, timeout=TIMEOUT)
+        assert request is not None and request.client == "urgent" and lease.revoke_request == request
+        holder.release(lease)
+        t.join(TIMEOUT)
+        urgent_lease = got["lease"]
+        assert urgent_lease.fencing_token > lease.fencing_token
+        waiter = threading.Thread(target=lambda: got.setdefault("cand", cand.acquire("b", ttl=30,
+                                                                                     correlation_id="c1")))
+        waiter.start()
+        deadline = time.monotonic() + TIMEOUT
+        while not urgent.contenders("b")["waiters"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        urgent.transfer(urgent_lease, "c1")
+        waiter.join(TIMEOUT)
+        assert urgent_lease.lost.is_set()
+        assert got["cand"].fencing_token > urgent_lease.fencing_token
+        cand.release(got["cand"])
