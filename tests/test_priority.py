@@ -236,3 +236,39 @@ def test_blocking_client_priority_revoke_request_and_transfer(server):
         assert urgent_lease.lost.is_set()
         assert got["cand"].fencing_token > urgent_lease.fencing_token
         cand.release(got["cand"])
+
+
+async def test_lock_context_carries_priority_and_preempt(connect):
+    holder = await connect("holder")
+    urgent = await connect("urgent")
+    async with holder.lock("ctx", ttl=5) as lease:
+        async def take():
+            async with urgent.lock("ctx", ttl=5, priority=2, preempt=30.0) as mine:
+                return mine.fencing_token
+        task = asyncio.create_task(take())
+        await asyncio.wait_for(lease.revoke_requested.wait(), TIMEOUT)
+    assert await asyncio.wait_for(task, TIMEOUT) > lease.fencing_token
+
+
+async def test_bad_revoke_requests_are_refused_and_change_nothing(connect):
+    from fastlock.errors import LockNotHeld
+    from fastlock.protocol.ops import OP_REQUEST_REVOKE, OP_TRANSFER
+
+    holder = await connect("holder")
+    other = await connect("other")
+    owner = b"k" * 16
+    with pytest.raises(LockNotHeld):  # nobody holds it
+        await other._request(OP_REQUEST_REVOKE, "free", owner, 100)
+    lease = await holder.acquire("held", ttl=30)
+    with pytest.raises(InvalidArgument):  # the caller does not wait on it
+        await other._request(OP_REQUEST_REVOKE, "held", owner, 100)
+    for grace in (0, 600_001, -1, 1.5, "1", None):  # out of range, not an int (the wire says InvalidArgument)
+        with pytest.raises(InvalidArgument):
+            await other._request(OP_REQUEST_REVOKE, "held", owner, grace)
+    with pytest.raises(InvalidArgument):  # no candidate named
+        await holder._request(OP_TRANSFER, "held", lease.fencing_token, lease.owner, "")
+    with pytest.raises(LeaseLost):  # not the holder's owner key
+        await other._request(OP_TRANSFER, "held", lease.fencing_token, owner, "x")
+    assert not lease.revoke_requested.is_set()
+    assert (await holder.holder("held"))["token"] == lease.fencing_token
+    await holder.release(lease)

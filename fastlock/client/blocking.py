@@ -476,7 +476,8 @@ class SyncClient(SyncKeyMethods):
 
     def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
              correlation_id: str | None = None, jeopardy_fraction: float = 0.5, shared: bool = False,
-             limit: int = 0, queue_behind_self: bool = False) -> SyncLockContext[SyncLease]:
+             limit: int = 0, queue_behind_self: bool = False, priority: int = 0,
+             preempt: float | None = None) -> SyncLockContext[SyncLease]:
         """``with client.lock(name, ttl=10.0) as lease:`` - acquire, renew in
         the background (about every ttl/3, with jitter), release on exit.
 
@@ -486,7 +487,8 @@ class SyncClient(SyncKeyMethods):
         """
         return SyncLockContext(self, lambda client: client.lock(
             name, ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
-            jeopardy_fraction=jeopardy_fraction, shared=shared, limit=limit, queue_behind_self=queue_behind_self))
+            jeopardy_fraction=jeopardy_fraction, shared=shared, limit=limit, queue_behind_self=queue_behind_self,
+            priority=priority, preempt=preempt))
 
     def acquire_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
                      correlation_id: str | None = None, shared: Iterable[str] = ()) -> SyncMultiLease:

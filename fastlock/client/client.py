@@ -505,7 +505,7 @@ class Client(KeyMethods, LockAdminMethods):
              correlation_id: str | None = None, renew: bool = True,
              jeopardy_fraction: float = 0.5, shared: bool = False, limit: int = 0,
              queue_behind_self: bool = False, bounded: bool = False, margin: float | None = None, drift: float = 1e-3,
-             ) -> LockContext:
+             priority: int = 0, preempt: float | None = None) -> LockContext:
         """Acquire ``name`` and keep renewing it.
 
         ``async with client.lock(...) as lease:`` acquires, renews at about a
@@ -528,7 +528,8 @@ class Client(KeyMethods, LockAdminMethods):
         check_fraction(jeopardy_fraction)
         kind_args(shared, limit)
         return LockContext(self, name, dict(ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
-                                            shared=shared, limit=limit, queue_behind_self=queue_behind_self), renew,
+                                            shared=shared, limit=limit, queue_behind_self=queue_behind_self,
+                                            priority=priority, preempt=preempt), renew,
                            jeopardy_fraction, lock_bound(bounded, margin, drift, ttl))
 
     def semaphore(self, name: str, limit: int) -> Semaphore:

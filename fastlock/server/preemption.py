@@ -21,6 +21,8 @@ record, replicated; watchers told ``"revoked"``), by the requesting principal: t
 lock goes to the head waiter with a higher fencing token, so a fenced write of the
 old holder is refused.  One deadline per lease: a later request never moves it later.
 A deadline is kept in this process only: after a failover the requester asks again.
+One principal has at most :data:`MAX_REVOKE_DEADLINES_PER_PRINCIPAL` deadlines running
+(``LimitExceeded`` beyond).
 
 **Directed hand-off** (Kubernetes' coordinated leader election): the exclusive holder
 releases to the waiter whose correlation id is ``candidate`` in one step
@@ -35,7 +37,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from .. import protocol as P
-from ..errors import FastlockError, InvalidArgument, LockNotHeld, PermissionDenied
+from ..errors import FastlockError, InvalidArgument, LimitExceeded, LockNotHeld, PermissionDenied
 from ..logsafe import quote
 from ..protocol.ops import OP_ACQUIRE_PRIORITY, OP_REQUEST_REVOKE, OP_TRANSFER, PUSH_REVOKE_REQUESTED
 from ..protocol.priority import check_grace_ms, check_priority
@@ -61,6 +63,9 @@ PERMISSIONS: dict[int, str | None] = {
 
 #: the most waiters a TRANSFER looks through for its candidate
 MAX_CANDIDATES_SCANNED = 1_000
+#: the most revoke deadlines one principal may have running (each lasts at most
+#: MAX_REVOKE_GRACE_MS): one principal's requests never crowd out another's
+MAX_REVOKE_DEADLINES_PER_PRINCIPAL = 1_000
 
 
 class Preemption:
@@ -73,6 +78,8 @@ class Preemption:
         self.roles = handlers.roles
         #: (name, token) -> the timer that revokes the lease at its deadline
         self.deadlines: dict[tuple[str, int], asyncio.TimerHandle] = {}
+        #: principal -> how many of those deadlines it asked for
+        self.deadlines_by_principal: dict[str, int] = {}
 
     def handlers_by_op(self) -> dict:
         """op code -> handler, for the server's handler table."""
@@ -117,6 +124,11 @@ class Preemption:
         key = (name, holder.token)
         timer = self.deadlines.get(key)
         if timer is None:
+            running = self.deadlines_by_principal.get(conn.principal, 0)
+            if running >= MAX_REVOKE_DEADLINES_PER_PRINCIPAL:
+                raise LimitExceeded(f"principal {conn.principal!r} already has {running} revoke requests running "
+                                    f"(at most {MAX_REVOKE_DEADLINES_PER_PRINCIPAL})")
+            self.deadlines_by_principal[conn.principal] = running + 1
             loop = self.handlers.server.loop
             timer = loop.call_later(grace_ms / 1000.0, self._deadline, name, holder.token, conn.principal)
             self.deadlines[key] = timer
@@ -133,6 +145,11 @@ class Preemption:
     def _deadline(self, name: str, token: int, principal: str) -> None:
         """A revoke request's deadline: take the lease if it still holds (primary only)."""
         self.deadlines.pop((name, token), None)
+        left = self.deadlines_by_principal.get(principal, 1) - 1
+        if left > 0:
+            self.deadlines_by_principal[principal] = left
+        else:
+            self.deadlines_by_principal.pop(principal, None)
         try:
             self.roles.admit(Action.RELEASE)
         except FastlockError:
