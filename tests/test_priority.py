@@ -272,3 +272,49 @@ async def test_bad_revoke_requests_are_refused_and_change_nothing(connect):
     assert not lease.revoke_requested.is_set()
     assert (await holder.holder("held"))["token"] == lease.fencing_token
     await holder.release(lease)
+
+
+def test_a_transfer_and_a_deadline_revocation_reach_the_standby(cluster):
+    """The hand-off is logged as a release and a grant, the revocation at a revoke
+    request's deadline as a REVOKE record: the standby holds what the primary holds."""
+    import os
+    import subprocess
+    import sys
+
+    from fastlock._testbase.cluster import poll, run, status_of
+
+    p = cluster.primary()
+    s = cluster.standby(p.address)
+    token = cluster.creds.token("app")
+
+    async def main() -> tuple[int, int, int, int]:
+        async with fastlock.connect(p.address, token=token, client_name="old") as old, \
+                fastlock.connect(p.address, token=token, client_name="new") as new:
+            lease = await old.acquire("ho", ttl=60)
+            want = asyncio.create_task(new.acquire("ho", ttl=60, correlation_id="c"))
+            await _waiting(old, "ho", 1)
+            await old.transfer(lease, "c")
+            moved = await asyncio.wait_for(want, TIMEOUT)
+            stuck = await old.acquire("pre", ttl=60)
+            taken = await asyncio.wait_for(new.acquire("pre", ttl=60, priority=5, preempt=0.1), TIMEOUT)
+            await poll(lambda: status_of(s.address), lambda st: st["locks_held"] == 2, timeout=TIMEOUT,
+                       what="both new holders on the standby")
+            return lease.fencing_token, moved.fencing_token, stuck.fencing_token, taken.fencing_token
+
+    old_ho, new_ho, old_pre, new_pre = run(main())
+    assert new_ho > old_ho and new_pre > old_pre
+    s.stop()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOCK_")}
+
+    def dump(name: str) -> list[str]:
+        out = subprocess.run([sys.executable, "-m", "fastlock", "wal", "dump", "--lock", name, str(s.data_dir)],
+                             capture_output=True, text=True, timeout=TIMEOUT, env=env)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()
+
+    ho = dump("ho")
+    assert any(" release " in line and f"token={old_ho} " in line for line in ho), ho
+    assert any(" grant " in line and f"token={new_ho} " in line and "corr=c " in line for line in ho), ho
+    pre = dump("pre")
+    assert any(" revoke " in line and f"token={old_pre} " in line for line in pre), pre
+    assert any(" grant " in line and f"token={new_pre} " in line for line in pre), pre
