@@ -591,8 +591,9 @@ cdef class LockTable(_DeadlockDetection):
     def release_to(self, name, token, owner, to_owner, now):
         """Release the exclusive lease (``token``, ``owner``) on ``name`` and hand it to the
         waiter ``to_owner`` in the same step: that waiter is moved to the head of the queue
-        first, so it is granted (EV_GRANTED, a fresh token) with no gap, unless grants are
-        held (hold_grants_until(); it then heads the queue).  A directed hand-off, as
+        first, taking the head's priority if that is higher, so it is granted (EV_GRANTED,
+        a fresh token) with no gap, unless grants are held (hold_grants_until(); it then
+        heads the queue).  A directed hand-off, as
         Kubernetes' coordinated leader election; a clean release (no lock-delay).
 
         Raises:
@@ -619,6 +620,9 @@ cdef class LockTable(_DeadlockDetection):
         if w.group is not None or w.shared:
             raise ValueError(f"{to!r} waits on {n!r} in an acquire_many() request or for a shared lease")
         if w is not lock.head:
+            # it takes the head's place and, if higher, its priority: the queue stays in
+            # priority order for whoever queues while a grant hold keeps it waiting
+            w.priority = _max(w.priority, lock.head.priority)
             self._relink_after(w, None)
         self._drop_holder(lock)
         self._releases += 1

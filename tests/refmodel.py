@@ -750,6 +750,7 @@ class RefLockTable:
             raise ValueError(f"{to_owner!r} does not wait on {name!r}")
         if w.group is not None or w.shared:
             raise ValueError(f"{to_owner!r} waits in an acquire_many() request or for a shared lease")
+        w.priority = max(w.priority, lock.waiters[0].priority)
         lock.waiters.remove(w)
         lock.waiters.insert(0, w)
         self._drop(lock, h)

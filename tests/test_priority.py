@@ -318,3 +318,25 @@ def test_a_transfer_and_a_deadline_revocation_reach_the_standby(cluster):
     pre = dump("pre")
     assert any(" revoke " in line and f"token={old_pre} " in line for line in pre), pre
     assert any(" grant " in line and f"token={new_pre} " in line for line in pre), pre
+
+
+def test_core_orders_by_priority_and_hands_off_under_a_grant_hold():
+    from fastlock import _core
+
+    t = _core.LockTable()
+    assert t.acquire("a", b"h", 1, 0, 1000, -1, 0, None, 0) == _core.GRANTED
+    for owner, prio in ((b"l0", 0), (b"m0", 5), (b"l1", 0), (b"m1", 5), (b"t", 9)):
+        assert t.acquire("a", owner, 1, 0, 1000, -1, 0, None, 0, False, 0, 0, prio) == _core.QUEUED
+    assert t.waiter_priorities("a") == [(b"t", 9), (b"m0", 5), (b"m1", 5), (b"l0", 0), (b"l1", 0)]
+    assert t.waiter_priority("a", b"l1") == 0 and t.waiter_priority("a", b"x") == -1
+    t.drain_events()
+    holder = t.holder("a", 1)
+    t.hold_grants_until(100)  # a failover's grant hold: the chosen waiter waits at the head
+    t.release_to("a", holder.token, b"h", b"l1", 1)
+    assert t.waiter_priorities("a")[0] == (b"l1", 9)  # the head's place and priority
+    t.acquire("a", b"late", 1, 0, 1000, -1, 0, None, 2, False, 0, 0, 9)
+    assert [o for o, _ in t.waiter_priorities("a")][:3] == [b"l1", b"t", b"late"]
+    t.expire(100)
+    granted = [e for e in t.drain_events() if e.kind == _core.EV_GRANTED]
+    assert [e.owner for e in granted] == [b"l1"] and granted[0].token > holder.token
+    assert t.holder_priority("a") == 9
