@@ -150,18 +150,20 @@ class Preemption:
             self.deadlines_by_principal[principal] = left
         else:
             self.deadlines_by_principal.pop(principal, None)
+        server = self.handlers.server
+        now = monotonic_ms()
+        server.source.fence_if_due(now)  # the revocation hands the lock to a waiter: not past the fence
         try:
             self.roles.admit(Action.RELEASE)
         except FastlockError:
-            return  # no longer the primary: the lease is the new primary's to keep or expire
-        now = monotonic_ms()
+            return  # no longer the serving primary: the lease is the new primary's to keep or expire
         holder = self.table.holder(name, now)
         if holder is None or holder.token != token:
             return  # it yielded (or expired) in time
         lock_admin = self.handlers.lock_admin
         lock_admin.revoke_lease(name, holder, principal, "did not yield to a revoke request by its deadline",
                                 now, None)
-        self.handlers.server.after_batch()
+        server.after_batch()
 
     def op_transfer(self, conn: Session, req_id: int, msg: list) -> None:
         """TRANSFER name, token, owner key, candidate: release the exclusive lease to the
