@@ -28,6 +28,7 @@ from typing import Any
 
 from .. import protocol as P
 from ..errors import ConnectionLost, InvalidArgument, LeaseLost, WrongArgumentType
+from ..protocol.ops import OP_TRANSFER
 from ..protocol.priority import check_priority
 from ..tls import client_ssl_context
 from ..tokens import epoch_of
@@ -52,7 +53,7 @@ from .kinds import MAX_CONTENDERS, Semaphore, kind_args, list_contenders
 from .lease import HolderInfo, Lease, LeaseState, WatchEvent, check_fraction, check_lease
 from .multilock import LockManyContext, MultiLease, acquire_many, release_many, sorted_names
 from .owner_keys import new_owner_key
-from .preempt import TRANSFER_OP, deliver_revoke_request, grace_ms, send_revoke_request
+from .preempt import deliver_revoke_request, grace_ms, send_revoke_request
 from .renewer import LockContext, Renewer, Renewers
 from .sweep import FAILOVER_TIMEOUT, find_primary
 from .watch import watch_events
@@ -363,7 +364,7 @@ class Client(KeyMethods, LockAdminMethods):
         P.check_optional_str(to, "to", P.MAX_CORRELATION_ID_CHARS)
         if not to:
             raise InvalidArgument("transfer needs the candidate's correlation id")
-        await self._request(TRANSFER_OP, lease.name, lease.fencing_token, lease.owner, to)
+        await self._request(OP_TRANSFER, lease.name, lease.fencing_token, lease.owner, to)
         self.renewers.stop(lease)
         self._held.forget(lease)
         lease.lost.set()

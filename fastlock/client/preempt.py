@@ -1,15 +1,15 @@
-"""The client's side of priorities, cooperative preemption and directed hand-off
+"""The client's side of priorities and cooperative preemption
 (the server's is :mod:`fastlock.server.preemption`): a revoke request pushed to a
 holder becomes its lease's :class:`~fastlock.client.lease.RevokeRequest`; an acquire
-that may preempt sends its revoke request right behind it; a holder hands its lock to
-a chosen waiter."""
+that may preempt sends its revoke request right behind it."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from ..protocol.ops import OP_REQUEST_REVOKE, OP_TRANSFER
+from ..errors import InvalidArgument, WrongArgumentType
+from ..protocol.ops import OP_REQUEST_REVOKE
 from ..protocol.priority import MAX_REVOKE_GRACE_MS, MIN_REVOKE_GRACE_MS
 from .lease import RevokeRequest
 
@@ -17,10 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..protocol.rpc import RpcConnection
     from .acquire import HeldLeases
 
-__all__ = ["deliver_revoke_request", "send_revoke_request", "TRANSFER_OP", "grace_ms"]
-
-#: the op a holder's hand-off sends (name, token, owner key, candidate)
-TRANSFER_OP = OP_TRANSFER
+__all__ = ["deliver_revoke_request", "send_revoke_request", "grace_ms"]
 
 
 def grace_ms(preempt: Any) -> int:
@@ -28,7 +25,6 @@ def grace_ms(preempt: Any) -> int:
 
     :raises WrongArgumentType: not a number.  :raises InvalidArgument: outside
         MIN..MAX_REVOKE_GRACE_MS."""
-    from ..errors import InvalidArgument, WrongArgumentType
     if isinstance(preempt, bool) or not isinstance(preempt, (int, float)):
         raise WrongArgumentType(f"preempt must be a number of seconds, not {type(preempt).__name__}")
     ms = round(preempt * 1000)
