@@ -33,7 +33,8 @@ async def test_priority_waiter_behind_50_is_granted_next(connect):
     high = asyncio.create_task(urgent.acquire("job", ttl=30, priority=10, correlation_id="high"))
     await _waiting(holder, "job", 51)
     waiters = (await holder.contenders("job"))["waiters"]
-    assert waiters[0]["correlation_id"] == "high"
+    assert (waiters[0]["correlation_id"], waiters[0]["priority"]) == ("high", 10)
+    assert {w["priority"] for w in waiters[1:]} == {0}
     assert [w["correlation_id"] for w in waiters[1:]] == [f"low-{i}" for i in range(50)]
     await holder.release(lease)
     granted = await asyncio.wait_for(high, TIMEOUT)

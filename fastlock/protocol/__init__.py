@@ -85,7 +85,7 @@ together (one token per name, in request order, one lease per name, all with
 ``owner``) or none; while it waits it holds none of
 them.  CONTENDERS lists a lock's holders (token, shared, limit, principal,
 client, correlation_id, remaining_ms) and its waiters in FIFO order (shared,
-limit, principal, client, correlation_id, many), as kazoo's ``contenders()``.
+limit, principal, client, correlation_id, many, priority), as kazoo's ``contenders()``.
 ACQUIRE_PRIORITY queues ahead of every waiter of a lower priority (FIFO within one);
 REQUEST_REVOKE asks the exclusive holder to yield within ``grace_ms`` (pushed to it as
 ``[0, "revoke_req", [name, token, principal, client, grace_ms]]``; revoked by the server
