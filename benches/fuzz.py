@@ -91,8 +91,10 @@ LOCK_OPS = {P.OP_ACQUIRE: "acquire", P.OP_RELEASE: "release", P.OP_EXTEND: "exte
             P.OP_ACQUIRE_MANY: "acquire",
             # the key store (fastlock.server.keys), checked on the key or prefix like a lock name
             ops.OP_KEY_PUT: "put", ops.OP_KEY_GET: "get", ops.OP_KEY_LIST: "get", ops.OP_KEY_DELETE: "delete",
-            ops.OP_KEY_WATCH: "get", ops.OP_KEY_UNWATCH: "get"}
-ALL_CLIENT_OPS = set(LOCK_OPS.values())
+            ops.OP_KEY_WATCH: "get", ops.OP_KEY_UNWATCH: "get",
+            # priorities (fastlock.server.preemption); a priority above 0 needs "prioritize" too
+            ops.OP_ACQUIRE_PRIORITY: "acquire", ops.OP_REQUEST_REVOKE: "preempt", ops.OP_TRANSFER: "release"}
+ALL_CLIENT_OPS = set(LOCK_OPS.values()) | {"prioritize"}
 REPLICA_OPS = {P.OP_REPLICATE, P.OP_REPL_ACK, P.OP_STEP_DOWN, P.OP_SYNC_ACK}
 OPEN_OPS = {P.OP_PING, P.OP_STATUS, P.OP_UNWATCH}
 ADMIN_OPS = {P.OP_PROMOTE, P.OP_SERVE_ALONE, P.OP_LOCKS, P.OP_LOCK_INFO, P.OP_REVOKE}
@@ -241,6 +243,14 @@ class Generator:
             wait = rng.choice([0, 0, 0, -1]) if rng.random() < 0.9 else rng.choice([-2, 86_400_001, 1 << 40, None, 1.5])
             delay = 0 if rng.random() < 0.9 else rng.choice([-1, 60_001, 1.0])
             return [name, self.owner(), ttl, wait, delay, rng.choice([None, "corr", 7])]
+        if op == ops.OP_ACQUIRE_PRIORITY:
+            return [name, self.owner(), ttl, rng.choice([0, 0, -1, 1.5]), 0, rng.choice([None, "corr"]),
+                    rng.choice([False, True, 1]), rng.choice([0, 0, 2, -1]), rng.choice([0, 1, -1]),
+                    rng.choice([0, 1, 99, 100, -1, 1.5, None])]
+        if op == ops.OP_REQUEST_REVOKE:
+            return [name, self.owner(), rng.choice([1, 100, 600_000, 0, 600_001, None, "x"])]
+        if op == ops.OP_TRANSFER:
+            return [name, token, self.owner(), rng.choice(["corr", "", None, 7, _junk(rng)])]
         if op == P.OP_RELEASE:
             return [name, token, self.owner()]
         if op == P.OP_EXTEND:

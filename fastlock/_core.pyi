@@ -35,6 +35,7 @@ MAX_COUNTER: int  # (1 << 40) - 1: a grant needing a larger counter raises Overf
 MAX_MS: int  # (1 << 53) - 1: largest now / ttl_ms / wait_ms / until_ms accepted (ValueError above)
 MAX_LIMIT: int  # (1 << 31) - 1: largest semaphore limit
 MAX_MANY: int  # 64: most names in one acquire_many() request
+MAX_PRIORITY: int  # 99: highest acquire() priority (0 the default)
 DEADLOCK_PASSES: int  # 4: most searches of one break_deadlocks() call
 DEADLOCK_WORK: int  # 10_000: steps of one break_deadlocks() call (waiters looked at, nodes entered or left)
 
@@ -131,8 +132,12 @@ class LockTable:
         shared: bool = False,
         limit: int = 0,
         actor: int = 0,
+        priority: int = 0,
     ) -> int:
         """Grant ``name`` to ``owner`` or queue the request.
+
+        priority: 0 (default)..MAX_PRIORITY; a queued request waits ahead of every
+          waiter of a lower priority, FIFO within a priority (ValueError outside).
 
         wait_ms: -1 waits forever, 0 tries once, > 0 waits that many ms.
         shared: a shared (read) lease instead of an exclusive one.
@@ -242,6 +247,20 @@ class LockTable:
         skips that many waiters, at most ``limit`` (< 0: all)."""
     def queue_length(self, name: str) -> int:
         """Number of waiters on ``name``."""
+    def release_to(self, name: str, token: int, owner: bytes, to_owner: bytes, now: int) -> None:
+        """Release the exclusive lease and grant it to the waiter ``to_owner`` at once
+        (moved to the head first).  NotHolder / ValueError (no such plain exclusive
+        waiter); nothing changes on an error."""
+
+    def holder_priority(self, name: str) -> int:
+        """The exclusive holder's request priority (-1: no exclusive holder)."""
+
+    def waiter_priority(self, name: str, owner: bytes) -> int:
+        """The priority of ``owner``'s waiting request on ``name`` (-1: it does not wait)."""
+
+    def waiter_priorities(self, name: str, limit: int = -1) -> list[tuple[bytes, int]]:
+        """``(owner, priority)`` of the waiters in queue order, the first ``limit``."""
+
     def waiter_info(self, name: str, limit: int = -1) -> list[tuple[bytes, int, Any, int, int, bool]]:
         """Waiters on ``name`` in FIFO order as ``(owner, session, meta, enqueued_ms,
         deadline_ms, shared)`` (ms; ``deadline_ms`` -1: waits without end; a member of an

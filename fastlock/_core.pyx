@@ -98,6 +98,7 @@ cdef extern from *:
     #define FL_MAX_LOCK_DELAY_MS 60000LL
     #define FL_MAX_MS ((((long long)1) << 53) - 1)
     #define FL_MAX_LIMIT ((((long long)1) << 31) - 1)
+    #define FL_MAX_PRIORITY 99LL
     """
     const int64_t _SHIFT "FL_SHIFT"
     const int64_t _MAX_COUNTER "FL_MAX_COUNTER"
@@ -105,6 +106,7 @@ cdef extern from *:
     const int64_t _MAX_LOCK_DELAY_MS "FL_MAX_LOCK_DELAY_MS"
     const int64_t _MAX_MS "FL_MAX_MS"
     const int64_t _MAX_LIMIT "FL_MAX_LIMIT"
+    const int64_t _MAX_PRIORITY "FL_MAX_PRIORITY"
 
 #: Bits of a fencing token below the epoch: token = (epoch << TOKEN_EPOCH_SHIFT) | counter
 TOKEN_EPOCH_SHIFT = _SHIFT
@@ -121,6 +123,8 @@ MAX_MS = _MAX_MS
 MAX_LIMIT = _MAX_LIMIT
 #: Most names in one acquire_many() request.
 MAX_MANY = 64
+#: Highest request priority (acquire()'s ``priority``: 0..MAX_PRIORITY, 0 the default).
+MAX_PRIORITY = _MAX_PRIORITY
 #: Most searches of one break_deadlocks() call (each fails one request per deadlock found).
 DEADLOCK_PASSES = 4
 #: Steps one break_deadlocks() call makes (its default ``max_work``; a step is a waiter
@@ -234,7 +238,7 @@ cdef class LockTable(_DeadlockDetection):
     # -- lock operations -----------------------------------------------------------
 
     def acquire(self, name, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now,
-                shared=False, limit=0, actor=0):
+                shared=False, limit=0, actor=0, priority=0):
         """Grant ``name`` to ``owner`` or queue the request (FIFO, as ZooKeeper's
         sequential nodes).
 
@@ -262,6 +266,11 @@ cdef class LockTable(_DeadlockDetection):
             task or thread), for deadlock detection only: the holder of a lease
             granted to this request is party ``(session, actor)`` of the wait-for
             graph (see break_deadlocks()).  0 (default): the session as a whole.
+          priority (int): 0 (default)..MAX_PRIORITY.  A queued request waits ahead of
+            every waiter of a lower priority and behind every one of its own or a higher
+            priority (FIFO within a priority, as Apache Helix's priority lock); a retry
+            keeps the place and priority it first had.  An exclusive lease granted to
+            it carries it (holder_priority()).
 
         FIFO across kinds (ZooKeeper's shared-lock recipe): a request is granted
         only at the head of the queue (or when the queue is empty) and only if it
@@ -299,6 +308,7 @@ cdef class LockTable(_DeadlockDetection):
         cdef int64_t delay = _lock_delay(lock_delay_ms)
         cdef int64_t t = _ms(now, "now", 0)
         cdef int64_t a = _actor(actor)
+        cdef int64_t prio = _priority(priority)
         cdef bint sh
         cdef int64_t lim
         cdef _Lock lock
@@ -317,6 +327,7 @@ cdef class LockTable(_DeadlockDetection):
                     self._grant_lease(lock, o, s, request, ttl, delay, meta, sh, t, 0, a)
                 else:
                     self._grant(lock, o, s, request, ttl, delay, meta, t, 0, a)
+                    lock.priority = prio
                 return _GRANTED
         else:
             if lock.held:
@@ -346,6 +357,7 @@ cdef class LockTable(_DeadlockDetection):
                     if not (sh or lim):
                         self._check_counter()
                         self._grant(lock, o, s, request, ttl, delay, meta, t, 0, a)
+                        lock.priority = prio
                         return _GRANTED
                 if lim == 0 or lock.n_leases < lim:
                     if sh or lim:
@@ -362,6 +374,8 @@ cdef class LockTable(_DeadlockDetection):
             self._cow(lock)
             lock.limit = lim
         w = self._enqueue(lock, o, s, request, ttl, delay, meta, t, sh, None, self._session_index(s), a)
+        if prio:
+            self._queue_by_priority(w, prio)
         if wait > 0:
             self._schedule(w, t + wait)
         self._settle(lock, t, t)
@@ -573,6 +587,77 @@ cdef class LockTable(_DeadlockDetection):
             self._drop_lease(lock, lease)
         self._releases += 1
         self._settle(lock, t, t)
+
+    def release_to(self, name, token, owner, to_owner, now):
+        """Release the exclusive lease (``token``, ``owner``) on ``name`` and hand it to the
+        waiter ``to_owner`` in the same step: that waiter is moved to the head of the queue
+        first, taking the head's priority if that is higher, so it is granted (EV_GRANTED,
+        a fresh token) with no gap, unless grants are held (hold_grants_until(); it then
+        heads the queue).  A directed hand-off, as
+        Kubernetes' coordinated leader election; a clean release (no lock-delay).
+
+        Raises:
+          NotHolder: (token, owner) is not the unexpired exclusive holder of ``name``.
+          ValueError: ``to_owner`` does not wait on ``name``, or waits in an
+            acquire_many() request or for a shared lease.  Nothing changes on any error.
+          TypeError: a bad argument (state unchanged).
+          OverflowError: as release().
+        """
+        cdef str n = _name(name)
+        cdef int64_t tok = _token(token)
+        cdef bytes o = _owner(owner)
+        cdef bytes to = _owner(to_owner)
+        cdef int64_t t = _ms(now, "now", 0)
+        cdef _Lock lock
+        cdef _Waiter w
+        self._advance(t)
+        lock = <_Lock>self._locks.get(n)
+        if not _holds(lock, tok, o):
+            raise NotHolder(f"lease {tok} of {o!r} does not hold {n!r} exclusively")
+        w = None if lock.head is None else <_Waiter>lock.by_owner.get(to)
+        if w is None:
+            raise ValueError(f"{to!r} does not wait on {n!r}")
+        if w.group is not None or w.shared:
+            raise ValueError(f"{to!r} waits on {n!r} in an acquire_many() request or for a shared lease")
+        if w is not lock.head:
+            # it takes the head's place and, if higher, its priority: the queue stays in
+            # priority order for whoever queues while a grant hold keeps it waiting
+            w.priority = _max(w.priority, lock.head.priority)
+            self._relink_after(w, None)
+        self._drop_holder(lock)
+        self._releases += 1
+        self._settle(lock, t, t)
+
+    def holder_priority(self, name):
+        """The priority (int) the exclusive holder of ``name`` was granted with (0 for a
+        lease recovered from a snapshot or the log), or -1 when nobody holds it
+        exclusively.  Read without processing deadlines."""
+        cdef _Lock lock = <_Lock>self._locks.get(_name(name))
+        return lock.priority if lock is not None and lock.held else -1
+
+    def waiter_priority(self, name, owner):
+        """The priority (int) of ``owner``'s waiting request on ``name``, -1 if it does
+        not wait on it.  O(1)."""
+        cdef _Lock lock = <_Lock>self._locks.get(_name(name))
+        cdef _Waiter w
+        if lock is None or lock.head is None:
+            return -1
+        w = <_Waiter>lock.by_owner.get(_owner(owner))
+        return -1 if w is None else w.priority
+
+    def waiter_priorities(self, name, limit=-1):
+        """``(owner, priority)`` of the waiters on ``name`` in queue order (highest
+        priority first, FIFO within one), at most ``limit`` (int; < 0: all)."""
+        cdef _Lock lock = <_Lock>self._locks.get(_name(name))
+        cdef Py_ssize_t most = limit
+        cdef list out = []
+        cdef _Waiter w
+        if lock is not None and most != 0:
+            w = lock.head
+            while w is not None and len(out) != most:
+                out.append((w.owner, w.priority))
+                w = w.next
+        return out
 
     cdef inline _Lease _lease_of(self, _Lock lock, int64_t tok, bytes o):
         """The non-exclusive lease (tok, o) of ``lock``, or None."""

@@ -57,6 +57,16 @@ cdef inline int64_t _actor(object v) except? -1:
     return r
 
 
+cdef inline int64_t _priority(object v) except? -1:
+    cdef int64_t r
+    if v is 0:
+        return 0
+    r = _int(v, "priority")
+    if r < 0 or r > _MAX_PRIORITY:
+        raise ValueError(f"priority must be in 0..{_MAX_PRIORITY}, got {r}")
+    return r
+
+
 cdef inline bint _shared(object v) except -1:
     if v is False:
         return False

@@ -69,6 +69,7 @@ cdef class _Waiter(_Entry):
     cdef object meta
     cdef bint shared          # asks for a shared lease (a permit when lock.limit > 0)
     cdef _Group group         # the multi-lock request this waiter is part of, or None
+    cdef int64_t priority     # 0..MAX_PRIORITY: queued ahead of every waiter of a lower one
     cdef _Waiter prev
     cdef _Waiter next
 
@@ -108,7 +109,8 @@ cdef class _Lock(_Entry):
     cdef object meta
     # no grant before this (lock-delay after an expiry); 0 when none
     cdef int64_t delay_until
-    # FIFO queue
+    cdef int64_t priority  # the holder's request priority (0 unless granted to one)
+    # waiter queue: by priority, highest first, FIFO within a priority
     cdef _Waiter head
     cdef _Waiter tail
     cdef dict by_owner   # owner -> _Waiter; None until the first waiter

@@ -82,6 +82,7 @@ cdef class _Transitions(_SnapshotTable):
         lock.owner = owner
         lock.session = session
         lock.actor = 0
+        lock.priority = 0
         lock.ttl_ms = ttl_ms
         lock.lock_delay_ms = lock_delay_ms
         lock.meta = meta
@@ -91,8 +92,10 @@ cdef class _Transitions(_SnapshotTable):
 
     cdef inline int _grant_waiter(self, _Lock lock, _Waiter w, int64_t now) except -1:
         """Grant ``lock`` exclusively to the (unlinked) waiter ``w``."""
-        return self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms,
-                           w.meta, now, now - w.enqueued_ms, w.actor)
+        self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms,
+                    w.meta, now, now - w.enqueued_ms, w.actor)
+        lock.priority = w.priority
+        return 0
 
     cdef inline int _grant_waiter_lease(self, _Lock lock, _Waiter w, int64_t now) except -1:
         """Grant the (unlinked) waiter ``w`` a non-exclusive lease on ``lock``."""
@@ -216,6 +219,7 @@ cdef class _Transitions(_SnapshotTable):
         w.meta = meta
         w.shared = shared
         w.group = group
+        w.priority = 0
         if lock.tail is None:
             lock.head = w
         else:
@@ -228,6 +232,43 @@ cdef class _Transitions(_SnapshotTable):
         sess[w] = None
         self._n_waiters += 1
         return w
+
+    cdef void _queue_by_priority(self, _Waiter w, int64_t priority):
+        """Give the tail waiter ``w`` ``priority`` and move it ahead of every waiter of
+        a lower priority (behind every one of its own or a higher priority: FIFO within
+        a priority, as Apache Helix's priority lock).  O(waiters it passes)."""
+        cdef _Lock lock = w.lock
+        cdef _Waiter after = w.prev
+        w.priority = priority
+        while after is not None and after.priority < priority:
+            after = after.prev
+        if after is w.prev:
+            return
+        self._relink_after(w, after)
+
+    cdef void _relink_after(self, _Waiter w, _Waiter after):
+        """Move the queued waiter ``w`` to just behind ``after`` (None: to the head)."""
+        cdef _Lock lock = w.lock
+        self._graph_gen += 1
+        if w.prev is None:
+            lock.head = w.next
+        else:
+            w.prev.next = w.next
+        if w.next is None:
+            lock.tail = w.prev
+        else:
+            w.next.prev = w.prev
+        w.prev = after
+        if after is None:
+            w.next = lock.head
+            lock.head = w
+        else:
+            w.next = after.next
+            after.next = w
+        if w.next is None:
+            lock.tail = w
+        else:
+            w.next.prev = w
 
     cdef Py_ssize_t _withdraw(self, _Waiter w, int kind, object cycle, _Lock skip, int64_t tau,
                               int64_t now) except -1:

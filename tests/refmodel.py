@@ -129,6 +129,7 @@ class _Lease:
     entry: _Entry
     shared: bool = False
     actor: int = 0  # the actor of the request it was granted to
+    priority: int = 0  # the priority of the request it was granted to (exclusive leases)
 
 
 @dataclass(eq=False)
@@ -145,6 +146,7 @@ class _Waiter:
     group: _Group | None = None  # its acquire_many() request
     lock: _Lock | None = None
     actor: int = 0  # who waits within the session (0: the session as a whole)
+    priority: int = 0  # 0..MAX_PRIORITY: queued ahead of every waiter of a lower one
 
 
 @dataclass(eq=False)
@@ -216,6 +218,16 @@ def _limit(v, shared):
         raise ValueError("limit out of range")
     if v and shared:
         raise ValueError("a semaphore permit cannot also be shared")
+    return v
+
+
+MAX_PRIORITY = 99
+
+
+def _priority(v):
+    v = _int(v, "priority")
+    if not 0 <= v <= MAX_PRIORITY:
+        raise ValueError(f"priority must be in 0..{MAX_PRIORITY}, got {v}")
     return v
 
 
@@ -336,13 +348,14 @@ class RefLockTable:
         return (self.epoch << TOKEN_EPOCH_SHIFT) | self._counter
 
     def _grant(self, lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now, waited_ms=0,
-               actor=0) -> None:
+               actor=0, priority=0) -> None:
         token = self._next_token()
         self._unschedule(lock.block)
         lock.block = None
         lock.delay_until = 0
         entry = self._schedule(LEASE, lock, now + ttl_ms)
-        lock.holder = _Lease(token, owner, session, ttl_ms, lock_delay_ms, meta, entry, actor=actor)
+        lock.holder = _Lease(token, owner, session, ttl_ms, lock_delay_ms, meta, entry, actor=actor,
+                             priority=priority)
         self.n["grants"] += 1
         self.events.append(
             Event(EV_GRANTED, lock.name, token, owner, session, request, ttl_ms, now + ttl_ms, meta,
@@ -411,7 +424,7 @@ class RefLockTable:
                     self._remove_waiter(lock, w)
                     if exclusive:
                         self._grant(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms, w.meta,
-                                    now, now - w.enqueued_ms, w.actor)
+                                    now, now - w.enqueued_ms, w.actor, w.priority)
                         break
                     self._grant_lease(lock, w.owner, w.session, w.request, w.ttl_ms, w.lock_delay_ms, w.meta,
                                       w.shared, now, now - w.enqueued_ms, w.actor)
@@ -474,7 +487,7 @@ class RefLockTable:
     # -- lock operations -----------------------------------------------------------
 
     def acquire(self, name, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now,
-                shared=False, limit=0, actor=0) -> int:
+                shared=False, limit=0, actor=0, priority=0) -> int:
         name = _name(name)
         owner = _owner(owner)
         session = _nonneg(session, "session")
@@ -483,6 +496,7 @@ class RefLockTable:
         lock_delay_ms = _lock_delay(lock_delay_ms)
         now = _ms(now, "now", 0)
         actor = _nonneg(actor, "actor")
+        priority = _priority(priority)
         shared = _bool(shared, "shared")
         limit = _limit(limit, shared)
         exclusive = not (shared or limit)
@@ -495,7 +509,7 @@ class RefLockTable:
                 lock = self.locks[name] = _Lock(name)
                 lock.limit = limit
                 if exclusive:
-                    self._grant(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now, 0, actor)
+                    self._grant(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now, 0, actor, priority)
                 else:
                     self._grant_lease(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, shared, now, 0,
                                       actor)
@@ -542,7 +556,7 @@ class RefLockTable:
                 if exclusive and not lock.shared:
                     if self._counter >= MAX_COUNTER:
                         raise OverflowError("fencing counter exhausted")
-                    self._grant(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now, 0, actor)
+                    self._grant(lock, owner, session, request, ttl_ms, lock_delay_ms, meta, now, 0, actor, priority)
                     return GRANTED
                 if not exclusive and (limit == 0 or len(lock.shared) < limit):
                     if self._counter >= MAX_COUNTER:
@@ -557,8 +571,13 @@ class RefLockTable:
             lock.limit = limit
         elif not lock.waiters and lock.holder is None and not lock.shared:
             lock.limit = limit
-        w = _Waiter(owner, session, request, ttl_ms, lock_delay_ms, meta, None, now, shared, None, lock, actor)
-        lock.waiters.append(w)
+        w = _Waiter(owner, session, request, ttl_ms, lock_delay_ms, meta, None, now, shared, None, lock, actor,
+                    priority)
+        # ahead of every waiter of a lower priority, behind the others (FIFO within a priority)
+        at = len(lock.waiters)
+        while at > 0 and lock.waiters[at - 1].priority < priority:
+            at -= 1
+        lock.waiters.insert(at, w)
         self.sessions.setdefault(session, []).append((name, owner))
         if wait_ms > 0:
             w.entry = self._schedule(WAIT, lock, now + wait_ms, w)
@@ -714,6 +733,42 @@ class RefLockTable:
         self._drop(lock, lease)
         self.n["releases"] += 1
         self._settle(lock, now, now)
+
+    def release_to(self, name, token, owner, to_owner, now) -> None:
+        name = _name(name)
+        token = _nonneg(token, "token")
+        owner = _owner(owner)
+        to_owner = _owner(to_owner)
+        now = _ms(now, "now", 0)
+        self._expire(now)
+        lock = self.locks.get(name)
+        h = None if lock is None else lock.holder
+        if h is None or h.token != token or h.owner != owner:
+            raise NotHolder(f"lease {token} of {owner!r} does not hold {name!r} exclusively")
+        w = self._find_waiter(lock, to_owner)
+        if w is None:
+            raise ValueError(f"{to_owner!r} does not wait on {name!r}")
+        if w.group is not None or w.shared:
+            raise ValueError(f"{to_owner!r} waits in an acquire_many() request or for a shared lease")
+        w.priority = max(w.priority, lock.waiters[0].priority)
+        lock.waiters.remove(w)
+        lock.waiters.insert(0, w)
+        self._drop(lock, h)
+        self.n["releases"] += 1
+        self._settle(lock, now, now)
+
+    def holder_priority(self, name) -> int:
+        lock = self.locks.get(_name(name))
+        return -1 if lock is None or lock.holder is None else lock.holder.priority
+
+    def waiter_priority(self, name, owner) -> int:
+        lock = self.locks.get(_name(name))
+        w = None if lock is None else self._find_waiter(lock, _owner(owner))
+        return -1 if w is None else w.priority
+
+    def waiter_priorities(self, name) -> list[tuple[bytes, int]]:
+        lock = self.locks.get(_name(name))
+        return [] if lock is None else [(w.owner, w.priority) for w in lock.waiters]
 
     def extend(self, name, token, owner, ttl_ms, now, session=None) -> int:
         name = _name(name)

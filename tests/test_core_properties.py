@@ -44,6 +44,8 @@ owners = st.sampled_from(OWNERS)
 sessions = st.sampled_from(SESSIONS)
 #: who waits within a session (deadlock detection's parties): 0 is the whole session
 actors = st.sampled_from([0, 0, 1, 2])
+#: a request's priority (0, the default, most often; MAX_PRIORITY the highest)
+priorities = st.sampled_from([0, 0, 0, 1, 5, refmodel.MAX_PRIORITY])
 
 
 def _event(e):
@@ -108,9 +110,9 @@ class CoreVsModel(RuleBasedStateMachine):
     def check_history(self, method, args, result, due_events, own_events, queues_before, holders_due):
         granted = {}
         self.follow(due_events, granted)
-        if method == "release" and result[0] == "ok":
+        if method in ("release", "release_to") and result[0] == "ok":
             # only a holder can release: (token, owner) was an unexpired holder
-            name, token, owner, _ = args
+            name, token, owner = args[:3]
             assert (token, owner) in [(h.token, h.owner) for h in holders_due[name]]
             del self.lease[name][token]
         if method == "remove_holder" and result == ("ok", True):
@@ -130,6 +132,11 @@ class CoreVsModel(RuleBasedStateMachine):
             self.lease[args[0]][args[1]][0] = result[1]
         left = {(e[1], e[3]) for e in due_events + own_events
                 if e[0] in (refmodel.EV_WAIT_TIMEOUT, refmodel.EV_WAIT_CANCELLED, refmodel.EV_DEADLOCK)}
+        if method == "release_to" and result[0] == "ok":
+            # the chosen waiter is granted first, then queue order goes on
+            name, chosen = args[0], args[3]
+            assert granted.get(name, [chosen])[0] == chosen or self.model.waiters(name)[:1] == [chosen]
+            queues_before[name] = [chosen] + [o for o in queues_before[name] if o != chosen]
         self.check_fifo(granted, queues_before, left)
         self.check_all_or_nothing(due_events + own_events)
 
@@ -192,11 +199,11 @@ class CoreVsModel(RuleBasedStateMachine):
     # (hypothesis picks rules uniformly: the common operations get several rules)
 
     @rule(name=names, owner=owners, session=sessions, ttl=TTLS, wait=WAITS, delay=DELAYS,
-          meta=st.sampled_from([None, 1, "m"]), kind=KINDS, actor=actors)
-    def acquire(self, name, owner, session, ttl, wait, delay, meta, kind, actor):
+          meta=st.sampled_from([None, 1, "m"]), kind=KINDS, actor=actors, priority=priorities)
+    def acquire(self, name, owner, session, ttl, wait, delay, meta, kind, actor, priority):
         self.request_id += 1
         self.both("acquire", name, owner, session, self.request_id, ttl, wait, delay, meta, self.now, *kind,
-                  actor)
+                  actor, priority)
 
     @rule(name=names, owner=owners, session=sessions, ttl=TTLS, wait=st.sampled_from([-1, 100, 1_000]),
           kind=KINDS)
@@ -224,6 +231,15 @@ class CoreVsModel(RuleBasedStateMachine):
     def release_by_holder(self, data):
         h = data.draw(st.sampled_from(sorted(self.model.holders(), key=lambda h: h.name)))
         self.both("release", h.name, h.token, h.owner, self.now)
+
+    @rule(name=names, which=st.sampled_from(["right", "right", "old", "wrong_owner"]), owner=owners,
+          to=owners)
+    def release_to(self, name, which, owner, to):
+        """A directed hand-off: the holder releases to a chosen waiter (or a bad one)."""
+        token, owner = self._token_owner(name, which, owner)
+        waiting = self.model.waiters(name)
+        pick = to if to not in waiting or len(waiting) < 2 else waiting[-1]
+        self.both("release_to", name, token, owner, pick, self.now)
 
     @rule(name=names, which=st.sampled_from(["right", "old", "next", "wrong_owner"]), owner=owners)
     def release(self, name, which, owner):
@@ -342,6 +358,7 @@ class CoreVsModel(RuleBasedStateMachine):
         ("release", "a", -1, b"o1"),
         ("extend", "a", 1, b"o1", 0),
         ("cancel", 3, b"o1"),
+        ("release_to", "a", 1, b"o1", "o2"),                         # to_owner not bytes
     ]))
     def bad_arguments(self, bad):
         method, *args = bad
@@ -371,6 +388,11 @@ class CoreVsModel(RuleBasedStateMachine):
         result = self.both("acquire", "a", b"o1", 1, None, 10, -1, 0, None, self.now, *bad)
         assert result[0] == "raised" and result[1] in ("TypeError", "ValueError")
 
+    @rule(bad=st.sampled_from([-1, refmodel.MAX_PRIORITY + 1, 1.0, True, "1"]))
+    def bad_priority(self, bad):
+        result = self.both("acquire", "a", b"o1", 1, None, 10, -1, 0, None, self.now, False, 0, 0, bad)
+        assert result[0] == "raised" and result[1] in ("TypeError", "ValueError")
+
     # -- invariants after every step ------------------------------------------------------
 
     @invariant()
@@ -382,6 +404,8 @@ class CoreVsModel(RuleBasedStateMachine):
             for owner in OWNERS[:3]:
                 assert _holder(c.holder(name, now, owner)) == _holder(m.holder(name, now, owner))
             assert c.waiters(name) == m.waiters(name), name
+            assert c.waiter_priorities(name) == m.waiter_priorities(name), name
+            assert c.holder_priority(name) == m.holder_priority(name), name
             for h in m.holders_of(name, now):
                 assert c.check(name, h.token, now) and m.check(name, h.token, now)
                 assert not c.check(name, self.model.last_token + 1, now)
@@ -403,6 +427,14 @@ class CoreVsModel(RuleBasedStateMachine):
         for name in NAMES:
             for h in self.model.holders_of(name, self.now):
                 assert self.lease[name][h.token] == [h.deadline_ms, h.shared, h.limit]
+
+    @invariant()
+    def queue_by_priority(self):
+        # highest priority first (a waiter a directed hand-off put first while grants are
+        # held takes the head's priority)
+        for name in NAMES:
+            prios = [p for _, p in self.model.waiter_priorities(name)]
+            assert prios == sorted(prios, reverse=True), (name, prios)
 
     @invariant()
     def fresh_tokens_strictly_increase(self):

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 from fastlock._testbase import ServerProcess
 
@@ -123,3 +124,26 @@ def test_listen_says_it_is_retrying_while_the_server_is_away_and_resumes(server)
         listen.stop(signal.SIGKILL)
         if restarted is not None:
             restarted.stop()
+
+
+def test_a_leader_stopped_with_transfer_hands_over_to_the_chosen_candidate(server):
+    a = Proc("roll", "node-a", "--transfer", "node-c", "--server", server.address)
+    b = c = None
+    try:
+        assert a.line() == "node-a"
+        b = Proc("roll", "node-b", "--server", server.address)
+        c = Proc("roll", "node-c", "--server", server.address)
+        deadline = time.monotonic() + TIMEOUT
+        while True:  # both queued (polled through the CLI, bounded)
+            out = subprocess.run([sys.executable, "-m", "fastlock", "elect", "--candidates", "roll", "-o", "json",
+                                  "--server", server.address], capture_output=True, text=True, timeout=TIMEOUT)
+            if sorted(json.loads(out.stdout)) == ["node-b", "node-c"]:
+                break
+            assert time.monotonic() < deadline, out
+        assert a.stop(signal.SIGTERM) == 0
+        assert c.line() == "node-c"          # the chosen one, not the first in line
+        assert b.proc.poll() is None and b.lines.empty()
+    finally:
+        for p in (a, b, c):
+            if p is not None:
+                p.stop()

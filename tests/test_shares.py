@@ -27,6 +27,7 @@ from fastlock._testbase import CredentialsDir, raw_hello
 from fastlock.errors import LimitExceeded
 from fastlock.protocol.ops import (
     KEY_UPSERT,
+    OP_ACQUIRE_PRIORITY,
     OP_KEY_DELETE,
     OP_KEY_GET,
     OP_KEY_LIST,
@@ -34,7 +35,9 @@ from fastlock.protocol.ops import (
     OP_KEY_UNWATCH,
     OP_KEY_WATCH,
     OP_RATE_LIMIT,
+    OP_REQUEST_REVOKE,
     OP_SYNC_ACK,
+    OP_TRANSFER,
 )
 from fastlock.server import ServerConfig
 from fastlock.server.admission import RESERVED_CONNECTIONS
@@ -187,6 +190,12 @@ def _ops_at_quota(address: str, app_token: str, owner: bytes, peer: Raw) -> dict
         P.OP_CONTENDERS: [(("held/1",), None)],
         OP_SYNC_ACK: [((1,), None)],
         OP_RATE_LIMIT: [(("rl/1", 1000, 1000, 10, 1), None)],  # a limiter: bounded apart (server/ratelimit.py)
+        # priorities (fastlock.server.preemption): a prioritized acquire counts as ACQUIRE does
+        OP_ACQUIRE_PRIORITY: [(("free/1", owner, 60_000, 0, 0, None, False, 0, 0, 5), "--max-leases-per-principal"),
+                              (("held/1", os.urandom(16), 60_000, 5_000, 0, None, False, 0, 0, 5),
+                               "--max-waiters-per-principal")],
+        OP_REQUEST_REVOKE: [(("held/1", owner, 100), None)],  # owner does not wait there: refused
+        OP_TRANSFER: [(("app/1", 1, owner, "nobody"), None)],
     }
 
 

@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 KINDS = ("client", "replica", "admin")
 #: the operations a client ACL rule may grant ("*" in a rule means all of them)
 CLIENT_OPS = ("acquire", "release", "extend", "cancel", "check", "holder", "watch",
-              "put", "get", "delete")  # the last three: keys of the key store (fastlock.server.keys)
+              "put", "get", "delete",  # keys of the key store (fastlock.server.keys)
+              "prioritize", "preempt")  # priorities above 0, revoke requests (fastlock.server.preemption)
 #: the principal of connections that present no token (when the credentials allow it)
 ANONYMOUS = "anonymous"
 #: the client principal the legacy ``--auth-secret-file`` secret stands for

@@ -14,6 +14,14 @@ SIGINT or SIGTERM.  While the server is away it says on stderr that it is retryi
 object ``{"command": "elect", "error": "Disconnected", "message": ...}``), and goes on
 once the server answers again.
 
+``fastlock elect NAME PROPOSAL --transfer TO`` campaigns the same way, but when stopped
+while leading it hands the leadership to the waiting candidate ``TO`` (its proposal) in
+one server step instead of resigning (Kubernetes' coordinated leader election: a
+rolling upgrade hands over to a chosen node with no gap); TO is elected at once with a
+higher fencing token.  If TO is not waiting, it says so on stderr and resigns.
+``fastlock elect --candidates NAME`` prints the waiting candidates' proposals in queue
+order (the next leader first), one a line (with ``-o json`` one list), and exits.
+
 The proposal is the candidate id of the term, kept with the grant as its correlation
 id (at most 256 characters), so ``fastlock lock NAME`` and ``fastlock locks`` show it
 too.  ``--ttl`` (seconds, default 15) is the term's lease TTL: a leader that dies
@@ -34,6 +42,7 @@ from typing import Any
 
 from ..client import Client
 from ..client.election import Election, Leader
+from ..errors import FastlockError
 from ..logsafe import display
 from ..protocol import MAX_CORRELATION_ID_CHARS
 from .args import client_tls_options, print_error, read_token, seconds_arg
@@ -57,6 +66,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("proposal", nargs="?", type=_proposal_arg, metavar="PROPOSAL",
                    help="this candidate's value, printed by listeners while it leads")
     p.add_argument("-l", "--listen", action="store_true", help="print the leader each time it changes")
+    p.add_argument("--transfer", type=_proposal_arg, metavar="TO",
+                   help="when stopped while leading, hand the leadership to the waiting candidate TO")
+    p.add_argument("--candidates", action="store_true",
+                   help="print the waiting candidates in queue order and exit")
     p.add_argument("--ttl", type=seconds_arg, default=15.0, metavar="S",
                    help="seconds; the term's lease TTL (default 15)")
     _common(p)
@@ -114,12 +127,19 @@ async def _campaign(election: Election, args: argparse.Namespace, stop: asyncio.
             return 1
         return 0
     finally:
+        if args.transfer is not None and not term.lost.is_set():
+            try:
+                await term.transfer(args.transfer)
+            except FastlockError as exc:
+                print_error(args, "elect", f"could not hand {display(args.name)} to {display(args.transfer)} "
+                                           f"({display(str(exc))}); resigning", type(exc).__name__)
         await term.resign()
 
 
 def elect_command(args: argparse.Namespace) -> int:
-    if args.listen == (args.proposal is not None):
-        print("fastlock elect: give either NAME PROPOSAL (campaign) or --listen NAME", file=sys.stderr)
+    if (args.listen or args.candidates) == (args.proposal is not None) or (args.listen and args.candidates):
+        print("fastlock elect: give either NAME PROPOSAL (campaign), --listen NAME or --candidates NAME",
+              file=sys.stderr)
         return 2
     token = read_token(args)
 
@@ -136,6 +156,14 @@ def elect_command(args: argparse.Namespace) -> int:
                                        renew_deadline=args.ttl * 2 / 3, retry_period=args.ttl * 2 / 15)
             if args.listen:
                 await _until_stopped(stop, _listen(election, args))
+                return 0
+            if args.candidates:
+                waiting = await election.candidates()
+                if args.output == "json":
+                    print(json.dumps(waiting), flush=True)
+                else:
+                    for candidate in waiting:
+                        print(candidate if candidate is not None else "-", flush=True)
                 return 0
             return await _campaign(election, args, stop)
         finally:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from .. import protocol as P
 from ..errors import AlreadyHeld, FastlockError, InvalidArgument, LeaseLost
 from ..logsafe import quote
+from ..protocol.ops import OP_ACQUIRE_PRIORITY
 from .connection import RETRYABLE, ClientConnection, Connector, RideThrough
 from .lease import Lease
 
@@ -50,6 +51,7 @@ class AcquireRequest(NamedTuple):
     lock_delay_ms: int
     correlation_id: str | None
     kind: tuple[Any, ...]  #: ACQUIRE's trailing kind arguments (see :func:`~fastlock.client.kinds.kind_args`)
+    priority: int = 0  #: 0..MAX_PRIORITY; above 0 it is sent as ACQUIRE_PRIORITY (see :func:`acquire_call`)
 
 
 class SentReply(NamedTuple):
@@ -219,6 +221,16 @@ def with_actor(connector: Connector, kind: tuple[Any, ...]) -> tuple[Any, ...]:
     return (*kind_pair(kind), actor_id(connector))
 
 
+def acquire_call(connector: Connector, kind: tuple[Any, ...], priority: int) -> tuple[int, tuple[Any, ...]]:
+    """The op and trailing arguments of an acquire: ACQUIRE with :func:`with_actor`'s, or for a
+    priority above 0, ACQUIRE_PRIORITY with shared, limit, actor and the priority
+    (:mod:`fastlock.server.preemption`)."""
+    if not priority:
+        return P.OP_ACQUIRE, with_actor(connector, kind)
+    actor = actor_id(connector) if connector.server_info.get("actors") else 0
+    return OP_ACQUIRE_PRIORITY, (*kind_pair(kind), actor, priority)
+
+
 def kind_pair(kind: tuple[Any, ...]) -> tuple[bool, int]:
     """``(shared, limit)`` of ACQUIRE's trailing kind arguments (``()``, ``(True,)`` or ``(False, limit)``)."""
     return (bool(kind[0]) if kind else False, kind[1] if len(kind) > 1 else 0)
@@ -322,7 +334,8 @@ async def acquire_retry(connector: Connector, connect_timeout: float, request: A
 
     :raises: the last retryable error once the deadline has passed; ``asyncio.CancelledError``
         (the waiter is withdrawn by owner key)."""
-    name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind = request
+    name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind = request[:7]
+    op, tail = acquire_call(connector, kind, request.priority)
     loop = asyncio.get_running_loop()
     wait_end = None if wait_ms < 0 else started + wait_ms / 1000.0
     deadline = None if wait_end is None else wait_end + connect_timeout
@@ -347,8 +360,7 @@ async def acquire_retry(connector: Connector, connect_timeout: float, request: A
             left_ms = max(0, int((wait_end - loop.time()) * 1000))
         sent = loop.time()
         try:
-            reply = await proto.request(P.OP_ACQUIRE, name, owner, ttl_ms, left_ms, delay_ms, correlation_id,
-                                        *with_actor(connector, kind))
+            reply = await proto.request(op, name, owner, ttl_ms, left_ms, delay_ms, correlation_id, *tail)
             return SentReply(reply, sent)
         except asyncio.CancelledError:
             connector.withdraw(proto, name, owner)
@@ -386,6 +398,7 @@ async def verify_late_grant(client: Client, lease: Lease, request: AcquireReques
         return await client.acquire(request.name, ttl=request.ttl_ms / 1000.0,
                                     wait=None if request.wait_ms < 0 else left,
                                     lock_delay=request.lock_delay_ms / 1000.0,
-                                    correlation_id=request.correlation_id, shared=shared, limit=limit)
+                                    correlation_id=request.correlation_id, shared=shared, limit=limit,
+                                    priority=request.priority)
     raise LeaseLost(f"{request.name!r} was granted (token {lease.fencing_token}) but the grant was read too late to "
                     f"prove the lease alive, and the wait had no time left to queue again")

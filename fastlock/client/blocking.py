@@ -53,7 +53,7 @@ from .client import Client
 from .forks import check_held_here, fork_lock, keep_inherited
 from .keys import SyncKeyMethods
 from .kinds import MAX_CONTENDERS, SyncSemaphore
-from .lease import HolderInfo, Lease, WatchEvent
+from .lease import HolderInfo, Lease, RevokeRequest, WatchEvent
 from .multilock import MultiLease
 from .sweep import FAILOVER_TIMEOUT
 
@@ -107,6 +107,12 @@ class SyncLease:
     def health_state(self) -> str:
         """``"safe"``, ``"in_jeopardy"`` or ``"lost"`` (see :class:`~fastlock.client.LeaseHealth`)."""
         return "lost" if self.lost.is_set() else self.lease.health.state
+
+    @property
+    def revoke_request(self) -> RevokeRequest | None:
+        """The :class:`~fastlock.client.lease.RevokeRequest` a waiter of higher priority
+        sent (who, deadline), or None (see :meth:`SyncClient.wait_revoke_request`)."""
+        return self.lease.state.revoke_request
 
     @property
     def in_jeopardy(self) -> bool:
@@ -387,15 +393,45 @@ class SyncClient(SyncKeyMethods, SyncRecipeMethods):
 
     def acquire(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
                 correlation_id: str | None = None, shared: bool = False, limit: int = 0,
-                queue_behind_self: bool = False) -> SyncLease:
+                queue_behind_self: bool = False, priority: int = 0, preempt: float | None = None) -> SyncLease:
         """As :meth:`Client.acquire <fastlock.client.Client.acquire>` (not renewed);
         raises ``AlreadyHeld`` at once if the calling thread holds ``name``
         already through this client, unless ``queue_behind_self`` (other
-        threads sharing the client queue as usual)."""
+        threads sharing the client queue as usual).  ``priority`` and ``preempt``
+        as there (see :meth:`wait_revoke_request` for the holder's side)."""
         async def run() -> SyncLease:
             return SyncLease(await self._client.acquire(name, ttl=ttl, wait=wait, lock_delay=lock_delay,
                                                         correlation_id=correlation_id, shared=shared, limit=limit,
-                                                        queue_behind_self=queue_behind_self))
+                                                        queue_behind_self=queue_behind_self, priority=priority,
+                                                        preempt=preempt))
+        return self.call(run())
+
+    def transfer(self, lease: SyncLease, to: str) -> None:
+        """As :meth:`Client.transfer <fastlock.client.Client.transfer>`: hand ``lease`` to
+        the waiter whose correlation id is ``to``; ``lease.lost`` is set.
+
+        Raises:
+            LeaseLost: the lease was no longer held.  InvalidArgument: no such waiter.
+        """
+        _check(lease, SyncLease)
+        check_held_here(lease, "lease")
+        self.call(self._client.transfer(lease.lease, to))
+        lease.lost.set()
+
+    def wait_revoke_request(self, lease: SyncLease, timeout: float | None = None) -> RevokeRequest | None:
+        """Block until a waiter of higher priority asks the holder of ``lease`` to yield,
+        at most ``timeout`` seconds (None: no bound); the :class:`RevokeRequest` (its
+        ``deadline`` is on the client's loop clock, ``time.monotonic()`` seconds), or
+        None when none came in time.  ``lease.revoke_request`` reads it without waiting."""
+        _check(lease, SyncLease)
+        state = lease.lease.state
+
+        async def run() -> RevokeRequest | None:
+            try:
+                await asyncio.wait_for(state.revoke_requested.wait(), timeout)
+            except asyncio.TimeoutError:
+                return None
+            return state.revoke_request
         return self.call(run())
 
     def semaphore(self, name: str, limit: int) -> SyncSemaphore:
@@ -453,7 +489,8 @@ class SyncClient(SyncKeyMethods, SyncRecipeMethods):
 
     def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
              correlation_id: str | None = None, jeopardy_fraction: float = 0.5, shared: bool = False,
-             limit: int = 0, queue_behind_self: bool = False) -> SyncLockContext[SyncLease]:
+             limit: int = 0, queue_behind_self: bool = False, priority: int = 0,
+             preempt: float | None = None) -> SyncLockContext[SyncLease]:
         """``with client.lock(name, ttl=10.0) as lease:`` - acquire, renew in
         the background (about every ttl/3, with jitter), release on exit.
 
@@ -463,7 +500,8 @@ class SyncClient(SyncKeyMethods, SyncRecipeMethods):
         """
         return SyncLockContext(self, lambda client: client.lock(
             name, ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
-            jeopardy_fraction=jeopardy_fraction, shared=shared, limit=limit, queue_behind_self=queue_behind_self))
+            jeopardy_fraction=jeopardy_fraction, shared=shared, limit=limit, queue_behind_self=queue_behind_self,
+            priority=priority, preempt=preempt))
 
     def acquire_many(self, names: Iterable[str], *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
                      correlation_id: str | None = None, shared: Iterable[str] = ()) -> SyncMultiLease:

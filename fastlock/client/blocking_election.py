@@ -10,7 +10,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..errors import WrongArgumentType
-from .election import Election, Leader, Term
+from .election import Election, Leader, Proclamation, Term
 from .forks import check_held_here
 
 if TYPE_CHECKING:
@@ -59,6 +59,29 @@ class SyncElection:
     def leader(self) -> Leader | None:
         """The current leader (candidate id, token), or None."""
         return self._blocking.call(self._current().leader())
+
+    def candidates(self) -> list[str | None]:
+        """The waiting candidates' ids in queue order (:meth:`Election.candidates`)."""
+        return self._blocking.call(self._current().candidates())
+
+    def proclaimed(self) -> Proclamation | None:
+        """The current term's proclaimed value and token, or None (:meth:`Election.proclaimed`)."""
+        return self._blocking.call(self._current().proclaimed())
+
+    def proclaim(self, term: SyncTerm, value: bytes) -> None:
+        """Publish ``value`` as ``term``'s (:meth:`Term.proclaim`; LeaseLost once it is over)."""
+        if not isinstance(term, SyncTerm):
+            raise WrongArgumentType(f"expected a SyncTerm, not {type(term).__name__}")
+        check_held_here(term, "term")
+        self._blocking.call(term.term.proclaim(value))
+
+    def transfer(self, term: SyncTerm, to: str) -> None:
+        """Hand leadership to the waiting candidate ``to`` (:meth:`Term.transfer`)."""
+        if not isinstance(term, SyncTerm):
+            raise WrongArgumentType(f"expected a SyncTerm, not {type(term).__name__}")
+        check_held_here(term, "term")
+        self._blocking.call(term.term.transfer(to))
+        term.lost.set()
 
 
 class _SyncLeadership:

@@ -19,6 +19,7 @@ a bad one raises :class:`~fastlock.errors.InvalidArgument` (a ValueError) or
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import ssl
@@ -27,10 +28,12 @@ from typing import Any
 
 from .. import protocol as P
 from ..errors import ConnectionLost, InvalidArgument, LeaseLost, WrongArgumentType
+from ..protocol.ops import OP_TRANSFER
+from ..protocol.priority import check_priority
 from ..tls import client_ssl_context
 from ..tokens import epoch_of
 from ..units import check_seconds
-from .acquire import AcquireRequest, HeldLeases, acquire_retry, duration_ms, verify_late_grant, with_actor
+from .acquire import AcquireRequest, HeldLeases, acquire_call, acquire_retry, duration_ms, verify_late_grant
 from .admin import LockAdminMethods
 from .bounded import lock_bound
 from .calls import call
@@ -51,6 +54,7 @@ from .lease import HolderInfo, Lease, LeaseState, WatchEvent, check_fraction, ch
 from .multilock import LockManyContext, MultiLease, acquire_many, release_many, sorted_names
 from .owner_keys import new_owner_key
 from .recipes import RecipeMethods
+from .preempt import deliver_revoke_request, grace_ms, send_revoke_request
 from .renewer import LockContext, Renewer, Renewers
 from .sweep import FAILOVER_TIMEOUT, find_primary
 from .watch import watch_events
@@ -141,6 +145,7 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods):
         #: (or blocking client's thread) it was granted to: the self-wait check
         #: of :meth:`acquire`; dropped on release
         self._held = HeldLeases(self._connector)
+        self._connector.on_revoke_request = functools.partial(deliver_revoke_request, self._held)
 
     @property
     def closed(self) -> bool:
@@ -206,7 +211,7 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods):
     # -- lock operations ----------------------------------------------------------------
     async def acquire(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
                       correlation_id: str | None = None, shared: bool = False, limit: int = 0,
-                      queue_behind_self: bool = False) -> Lease:
+                      queue_behind_self: bool = False, priority: int = 0, preempt: float | None = None) -> Lease:
         """Acquire ``name`` and return its :class:`Lease`.
 
         ``shared=True`` asks for a shared (read) lease: any number of shared
@@ -231,6 +236,18 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods):
             queue_behind_self: queue even if the calling task holds ``name``
                 already through this client (see below), for a task that
                 waits for a lease another task will release.
+            priority: 0 (default) .. 99: a waiting request is queued ahead of
+                every waiter of a lower priority, FIFO within a priority (as
+                Apache Helix's priority lock); above 0 it needs the ACL right
+                ``prioritize`` on the name (``PermissionDenied``).  See
+                ``preempt`` to ask the holder to yield.
+            preempt: seconds (0.001 .. 600); with a priority, ask the exclusive
+                holder to yield within that long (it sees
+                ``lease.revoke_requested``); if it has not released by then the
+                server revokes its lease.  Needs the ACL right ``preempt``; sent
+                with the first attempt only, and refused (silently) when the
+                request was granted at once or its priority is not above the
+                holder's.
 
         **No waiting for yourself**: a waiting acquire (``wait`` not 0) by a task, or a task it
         created (``wait_for``, ``gather``...; a ``SyncClient`` thread), that holds a live exclusive
@@ -294,26 +311,31 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods):
         if correlation_id is not None:
             P.check_optional_str(correlation_id, "correlation_id", P.MAX_CORRELATION_ID_CHARS)
         kind = kind_args(shared, limit)
+        if priority:
+            check_priority(priority)
+        grace = None if preempt is None else grace_ms(preempt)
         owner = new_owner_key()
         connector = self._connector
         proto = connector.proto
         if proto is not None and not proto.closed:
             loop = proto.loop
             sent = started = loop.time()
-            fut = proto.request(P.OP_ACQUIRE, name, owner, ttl_ms, wait_ms, delay_ms, correlation_id,
-                                *with_actor(connector, kind))
+            op, tail = acquire_call(connector, kind, priority)
+            fut = proto.request(op, name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, *tail)
+            if grace is not None and wait_ms != 0:
+                send_revoke_request(proto, name, owner, grace)
             try:
                 reply = await fut
             except asyncio.CancelledError:
                 self._connector.withdraw(proto, name, owner)
                 raise
             except RETRYABLE as exc:
-                request = AcquireRequest(name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind)
+                request = AcquireRequest(name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind, priority)
                 reply, sent = await acquire_retry(connector, self._connect_timeout, request, sent, proto, exc)
         else:
             loop = asyncio.get_running_loop()
             started = loop.time()
-            request = AcquireRequest(name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind)
+            request = AcquireRequest(name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind, priority)
             reply, sent = await acquire_retry(connector, self._connect_timeout, request, started)
         token = reply[0]
         granted_ttl = reply[1] / 1000.0
@@ -328,10 +350,30 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods):
         if len(reply) > 3 and type(reply[3]) is dict:  # a signed sequencer (fastlock.sequencer)
             lease.state.sequencer = reply[3].get("sequencer")
         if expires_at - loop.time() < granted_ttl * LATE_GRANT_FRACTION:
-            request = AcquireRequest(name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind)
+            request = AcquireRequest(name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind, priority)
             lease = await verify_late_grant(self, lease, request, started)
         self._held.remember(lease, not shared and not limit, loop)
         return lease
+
+    async def transfer(self, lease: Lease, to: str) -> None:
+        """Hand the exclusive ``lease`` to the waiter whose correlation id is ``to``, in
+        one server step (Kubernetes' coordinated leader election): the lease is released
+        and that waiter granted at once, with a higher fencing token; no other waiter
+        can come between.  The lease's renewals stop and ``lease.lost`` is set.
+
+        Raises:
+            LeaseLost: the lease no longer holds (nothing changed).
+            InvalidArgument: no waiter ``to`` (among the first 1,000), or it waits for a
+                shared lease or in a multi-lock request (nothing changed).
+        """
+        check_lease(lease)
+        P.check_optional_str(to, "to", P.MAX_CORRELATION_ID_CHARS)
+        if not to:
+            raise InvalidArgument("transfer needs the candidate's correlation id")
+        await self._request(OP_TRANSFER, lease.name, lease.fencing_token, lease.owner, to)
+        self.renewers.stop(lease)
+        self._held.forget(lease)
+        lease.lost.set()
 
     async def release(self, lease: Lease) -> None:
         """Release ``lease``; the next waiter (if any) is granted at once.
@@ -470,7 +512,7 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods):
              correlation_id: str | None = None, renew: bool = True,
              jeopardy_fraction: float = 0.5, shared: bool = False, limit: int = 0,
              queue_behind_self: bool = False, bounded: bool = False, margin: float | None = None, drift: float = 1e-3,
-             ) -> LockContext:
+             priority: int = 0, preempt: float | None = None) -> LockContext:
         """Acquire ``name`` and keep renewing it.
 
         ``async with client.lock(...) as lease:`` acquires, renews at about a
@@ -493,7 +535,8 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods):
         check_fraction(jeopardy_fraction)
         kind_args(shared, limit)
         return LockContext(self, name, dict(ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
-                                            shared=shared, limit=limit, queue_behind_self=queue_behind_self), renew,
+                                            shared=shared, limit=limit, queue_behind_self=queue_behind_self,
+                                            priority=priority, preempt=preempt), renew,
                            jeopardy_fraction, lock_bound(bounded, margin, drift, ttl))
 
     def semaphore(self, name: str, limit: int) -> Semaphore:

@@ -31,7 +31,7 @@ from .. import protocol as P
 from ..auth import ClientHandshake, ServerNotProven, resolve_credential, say_hello, secret_of
 from ..errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost, NotPrimary, Unavailable
 from ..logsafe import RateLimitedLog, quote
-from ..protocol.ops import PUSH_VALUE
+from ..protocol.ops import PUSH_REVOKE_REQUESTED, PUSH_VALUE
 from ..protocol.rpc import NotFastlockReply, RpcConnection, answers_tls_hello, what_answered
 from ..units import parse_address
 from .keywatch import KeyWatches
@@ -88,7 +88,7 @@ class ClientConnection(RpcConnection):
             (:mod:`fastlock.client.keys`), by prefix (:mod:`fastlock.client.keywatch`).
     """
 
-    __slots__ = ("watches", "key_watches")
+    __slots__ = ("watches", "key_watches", "revoke_handler")
 
     def __init__(self, address: Address, on_close: Callable[[RpcConnection, ConnectionLost], Any],
                  liveness_timeout: float | None):
@@ -96,6 +96,8 @@ class ClientConnection(RpcConnection):
                          liveness_timeout=liveness_timeout)
         self.watches: dict[str, set[asyncio.Queue[Any]]] = {}
         self.key_watches = KeyWatches()
+        #: called with a PUSH_REVOKE_REQUESTED payload (set by the Connector that made it)
+        self.revoke_handler: Callable[[list[Any]], Any] | None = None
 
     def _dispatch_push(self, kind: Any, payload: Any) -> None:
         if kind == P.PUSH_WATCH:
@@ -104,6 +106,10 @@ class ClientConnection(RpcConnection):
                 queue.put_nowait(event)
         elif kind == PUSH_VALUE and type(payload) is list and len(payload) == 4:
             self.key_watches.deliver(payload)
+        elif kind == PUSH_REVOKE_REQUESTED and type(payload) is list and len(payload) == 5:
+            handler = self.revoke_handler
+            if handler is not None:
+                handler(payload)
 
 
 class Connector:
@@ -134,6 +140,7 @@ class Connector:
     """
 
     __slots__ = ("addresses", "proto", "closed", "server_info", "max_epoch", "orphans", "no_acquire_many",
+                 "on_revoke_request",
                  "_auth", "_client_name",
                  "_connect_timeout", "_request_timeout", "_ssl", "_server_hostname", "_connecting",
                  "_connect_task", "_attempt", "_suspects", "_demoted", "_preferred", "_nodes", "_refusal_logs",
@@ -159,6 +166,8 @@ class Connector:
         self.sequencers = False
         #: set once a server refused ACQUIRE_MANY as unknown (an older fastlock): multi-locks go one by one
         self.no_acquire_many = False
+        #: given every PUSH_REVOKE_REQUESTED payload (the client finds the lease it names)
+        self.on_revoke_request: Callable[[list[Any]], Any] | None = None
         self._connecting: asyncio.Future[Any] | None = None  # result of the connection attempt in progress
         self._connect_task: asyncio.Task[Any] | None = None
         self._attempt: dict[str, Any] = {}  # {"addr": the address the attempt in progress is trying}
@@ -295,6 +304,7 @@ class Connector:
                 said = os.strerror(errno) if errno else exc  # asyncio's own text repeats the address
                 answer(addr, f"{said or type(exc).__name__}{hint}", Outcome.FINAL if final else Outcome.DOWN)
                 continue
+            proto.revoke_handler = self.on_revoke_request
             handshake = ClientHandshake(self._auth, expect_node=self._nodes.get(addr))
             try:
                 info = await asyncio.wait_for(say_hello(proto, self._client_name, handshake, self.max_epoch),

@@ -55,7 +55,15 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Election", "Term", "Leader"]
+__all__ = ["Election", "Term", "Leader", "Proclamation"]
+
+
+class Proclamation(NamedTuple):
+    """What the leader proclaimed (etcd's ``Proclaim``): its value and the fencing token
+    of the term that proclaimed it."""
+
+    value: bytes
+    fencing_token: int
 
 
 class Leader(NamedTuple):
@@ -155,6 +163,22 @@ class Election:
         return _Leadership(self, wait)
 
     # -- observing --------------------------------------------------------------------
+    async def candidates(self) -> list[str | None]:
+        """The waiting candidates' ids in queue order (the next leader first; the
+        leader itself is :meth:`leader`), from the server's CONTENDERS pages (at most
+        100,000).  An id is the candidate's correlation id (None if it gave none)."""
+        listing = await self.client.contenders(self.name)
+        return [w.get("correlation_id") for w in listing["waiters"]]
+
+    async def proclaimed(self) -> Proclamation | None:
+        """The current leader's proclaimed value with its term's fencing token, or None
+        (nothing proclaimed in the current term: the value is attached to the term's
+        lease and goes with it).  See :meth:`Term.proclaim`."""
+        kv = await self.client.get(self.name)
+        if kv is None or kv.lease != self.name:
+            return None
+        return Proclamation(kv.value, kv.token)
+
     async def leader(self) -> Leader | None:
         """The current leader, or None when nobody leads.
 
@@ -289,6 +313,28 @@ class Term:
     def time_left(self) -> float:
         """Seconds of leadership left unless a renewal succeeds (negative once passed)."""
         return self.deadline - self._loop.time()
+
+    async def proclaim(self, value: bytes) -> None:
+        """Publish ``value`` as this term's (etcd's ``Proclaim``): a key named like the
+        election, attached to the term's lease, so it carries the term's fencing token
+        and goes when the term ends; observers read it with :meth:`Election.proclaimed`
+        (or watch the key).  Raises LeaseLost when the term is over (nothing written)."""
+        await self.election.client.put(self.election.name, value, lease=self.lease)
+
+    async def transfer(self, to: str) -> None:
+        """Hand leadership to the waiting candidate ``to`` (its candidate id) in one
+        server step (Kubernetes' coordinated leader election): it is elected at once,
+        with a higher fencing token, and no other candidate can come between.  This
+        term ends (``lost`` set, renewals stopped) once the server has done it.
+
+        Raises:
+            LeaseLost: this term was already over (nothing changed).
+            InvalidArgument: ``to`` is not waiting (see :meth:`Election.candidates`).
+        """
+        await self.election.client.transfer(self.lease, to)
+        self.resigned = True
+        self._renewer.stop()
+        self.lost.set()
 
     async def resign(self) -> None:
         """Step down now: stop renewing and release the lease (next candidate

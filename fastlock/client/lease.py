@@ -28,7 +28,7 @@ from .bounded import DRIFT_BOUND, check_margin, stop_at
 log = logging.getLogger(__name__)
 
 __all__ = ["SAFE", "IN_JEOPARDY", "LOST", "Lease", "LeaseState", "LeaseHealth", "WatchEvent", "HolderInfo",
-           "check_fraction", "check_lease"]
+           "RevokeRequest", "check_fraction", "check_lease"]
 
 SAFE = "safe"
 IN_JEOPARDY = "in_jeopardy"
@@ -213,13 +213,35 @@ class LeaseState:
     Written only on the event loop's thread (by the client and its renewer).
     """
 
-    __slots__ = ("_lost", "expires_at", "_health", "sequencer")
+    __slots__ = ("_lost", "expires_at", "_health", "sequencer", "revoke_request", "_revoke_requested")
 
     def __init__(self, expires_at: float = 0.0, lost: asyncio.Event | None = None):
         self._lost = lost
         self.expires_at = expires_at
         self._health: LeaseHealth | None = None
         self.sequencer: bytes | None = None
+        #: the first :class:`RevokeRequest` the server delivered for this lease, or None
+        self.revoke_request: RevokeRequest | None = None
+        self._revoke_requested: asyncio.Event | None = None
+
+    @property
+    def revoke_requested(self) -> asyncio.Event:
+        """Set when a waiter of higher priority asked the holder to yield (see
+        ``revoke_request``).  Made on first use."""
+        event = self._revoke_requested
+        if event is None:
+            with _MAKING_LOST:
+                event = self._revoke_requested
+                if event is None:
+                    event = self._revoke_requested = asyncio.Event()
+        return event
+
+    def on_revoke_request(self, request: RevokeRequest) -> None:
+        """Record ``request`` (the first one counts: a later one never moves the
+        server's deadline later) and set :attr:`revoke_requested`."""
+        if self.revoke_request is None:
+            self.revoke_request = request
+        self.revoke_requested.set()
 
     @property
     def lost(self) -> asyncio.Event:
@@ -242,6 +264,26 @@ class LeaseState:
 
     def __repr__(self) -> str:
         return f"<LeaseState expires_at={self.expires_at:.3f}{' lost' if self.lost.is_set() else ''}>"
+
+
+@dataclass(frozen=True)
+class RevokeRequest:
+    """A waiter of higher priority asks this lease's holder to yield (Curator's Revoker,
+    Chubby's "conflicting lock request" event; see :mod:`fastlock.server.preemption`).
+
+    Attributes:
+        principal (str | None): the requester's principal.
+        client (str | None): the requester's client name.
+        grace (float): seconds the server gave from its sending of the request.
+        deadline (float): ``loop.time()`` by which to release: after it (server's
+            clock) the server revokes the lease and the next grant's token is
+            higher, so a fenced write made after it is refused.
+    """
+
+    principal: str | None
+    client: str | None
+    grace: float
+    deadline: float
 
 
 @dataclass(frozen=True, eq=False, init=False)
@@ -293,6 +335,17 @@ class Lease:
         did not ask for one (``connect(sequencers=True)``)."""
         blob = self.state.sequencer
         return None if blob is None else to_text(blob)
+
+    @property
+    def revoke_requested(self) -> asyncio.Event:
+        """Set when a waiter of higher priority asks the holder to yield; the
+        request (who, deadline) is :attr:`revoke_request`."""
+        return self.state.revoke_requested
+
+    @property
+    def revoke_request(self) -> RevokeRequest | None:
+        """The :class:`RevokeRequest` delivered for this lease, or None."""
+        return self.state.revoke_request
 
     @property
     def expires_at(self) -> float:

@@ -68,6 +68,9 @@ ACQUIRE_MANY 30 [[name, shared], ...], owner, ttl_ms, wait_ms,        [[token, .
 CONTENDERS 31  name[, cursor]                                         {"holders", "waiters", "cursor"}
 SYNC_ACK   50  lsn (the primary's, at the sync ack point)             (no reply)
 RATE_LIMIT 80  name, rate, period_ms, burst, cost                     [admitted, retry_after_ms, remaining]
+ACQUIRE_PRIORITY 90 ACQUIRE's 9 arguments, priority (0..99)           as ACQUIRE
+REQUEST_REVOKE 91 name, owner (of a waiting request), grace_ms        {"token", "deadline_ms", "delivered"}
+TRANSFER   92  name, token, owner, candidate (a correlation id)       None
 =========  ==  =====================================================  ======================
 
 ACQUIRE's optional ``shared`` (bool: a shared lease) and ``limit`` (int: the
@@ -87,9 +90,14 @@ takes up to 64 distinct names atomically: all are granted together (one token
 per name, in request order, one lease per name, all with ``owner``) or none;
 while it waits it holds none of them.  CONTENDERS lists a lock's holders (token, shared, limit, principal,
 client, correlation_id, remaining_ms) and its waiters in FIFO order (shared,
-limit, principal, client, correlation_id, many), as kazoo's ``contenders()``.
+limit, principal, client, correlation_id, many, priority), as kazoo's ``contenders()``.
 RATE_LIMIT takes ``cost`` from the rate limiter ``name`` (``rate`` per ``period_ms``,
 ``burst`` at once; :mod:`fastlock.server.ratelimit`), or says when it could.
+ACQUIRE_PRIORITY queues ahead of every waiter of a lower priority (FIFO within one);
+REQUEST_REVOKE asks the exclusive holder to yield within ``grace_ms`` (pushed to it as
+``[0, "revoke_req", [name, token, principal, client, grace_ms]]``; revoked by the server
+at the deadline); TRANSFER releases to the waiter whose correlation id is ``candidate``
+in one step (:mod:`fastlock.server.preemption`).
 
 Lists are paged by bytes: a reply of CONTENDERS, LOCKS or KEY_LIST (key store, ops
 40-45: :mod:`fastlock.server.keys`) carries at most about ``MAX_PAGE_BYTES`` (64 KiB,

@@ -52,6 +52,10 @@ OP_ACQUIRE_MANY = 30
 OP_CONTENDERS = 31
 OP_SYNC_ACK = 50  # synchronous replication (ops 50-54 are reserved for it)
 OP_RATE_LIMIT = 80  # name, rate, period_ms, burst, cost (recipes: ops 80-89)
+# priorities, cooperative preemption and directed hand-off (fastlock.server.preemption)
+OP_ACQUIRE_PRIORITY = 90  # the 9 ACQUIRE arguments (shared, limit, actor given), priority
+OP_REQUEST_REVOKE = 91  # name, owner key of the caller's waiting request, grace_ms
+OP_TRANSFER = 92  # name, token, owner key, candidate (the waiter's correlation id)
 
 
 class Op(NamedTuple):
@@ -95,6 +99,9 @@ OPS: tuple[Op, ...] = (
     Op(OP_CONTENDERS, "contenders", 1, 2),  # name[, cursor (the previous page's)]
     Op(OP_SYNC_ACK, "sync_ack", 1, 1),  # standby -> primary: primary LSN at the sync ack point
     Op(OP_RATE_LIMIT, "rate_limit", 5, 5),  # name, rate, period_ms, burst, cost
+    Op(OP_ACQUIRE_PRIORITY, "acquire_priority", 10, 10),
+    Op(OP_REQUEST_REVOKE, "request_revoke", 3, 3),
+    Op(OP_TRANSFER, "transfer", 4, 4),
 )
 
 #: (fewest, most) arguments of each op, after ``[req_id, op]``
@@ -122,6 +129,8 @@ PUSH_RECORDS = "repl"  # replication: [first_lsn, last_lsn, frames] (a WAL batch
 PUSH_RECORD = "rec"  # replication: [lsn, record] (one record: older primaries' backlog; still applied)
 PUSH_HEARTBEAT = "hb"  # replication: [primary_ms, last_lsn, epoch, longest_ttl_ms, paired_id, paired_window_ms]
 PUSH_SYNC = "sync"  # synchronous replication status: [ack_point or None, in_sync, on_timeout]
+#: to a holder: a waiter asks it to yield: [name, token, principal, client, correlation id, grace_ms]
+PUSH_REVOKE_REQUESTED = "revoke_req"
 
 REPLICATION_PUSH_KINDS = frozenset({PUSH_SNAPSHOT, PUSH_RECORDS, PUSH_RECORD, PUSH_HEARTBEAT, PUSH_SYNC})
 

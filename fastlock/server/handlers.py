@@ -48,6 +48,8 @@ from .keys import KeyStore
 from .kinds import KindHandlers, limit_conflict, sequenced_request
 from .lockadmin import LockAdmin, not_the_holder
 from .ratelimit import RateLimitHandler
+from .preemption import PERMISSIONS as PREEMPTION_PERMISSIONS
+from .preemption import Preemption
 from .session import Session, split_recorded_client
 from .shares import limit_exceeded
 from .statusview import client_status
@@ -87,6 +89,7 @@ PERMISSION: dict[int, str | None] = {
     P.OP_ACQUIRE_MANY: "acquire",  # checked on every name by the handler
     P.OP_CONTENDERS: "holder",
     OP_RATE_LIMIT: "acquire",  # taking from a name's rate limiter (fastlock.server.ratelimit)
+    **PREEMPTION_PERMISSIONS,  # priorities, revoke requests, transfers (fastlock.server.preemption)
 }
 
 _ARTICLE = {"client": "a", "replica": "a", "admin": "an"}
@@ -184,6 +187,8 @@ class Handlers:
         self.lock_admin = LockAdmin(self)
         #: RATE_LIMIT: the rate limiters (fastlock.server.ratelimit)
         self.rate_limits = RateLimitHandler(self.roles, self.table)
+        #: ACQUIRE_PRIORITY, REQUEST_REVOKE, TRANSFER and the revoke requests' deadlines
+        self.preemption = Preemption(self)
         handlers: dict[int, Handler] = {
             P.OP_HELLO: self.hello.op_hello,
             P.OP_ACQUIRE: self.op_acquire,
@@ -209,6 +214,7 @@ class Handlers:
             P.OP_ACQUIRE_MANY: kinds.op_acquire_many,
             P.OP_CONTENDERS: kinds.op_contenders,
             OP_RATE_LIMIT: self.rate_limits.op_rate_limit,
+            **self.preemption.handlers_by_op(),
         }
         #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
         self.by_op: dict[int, tuple[Handler, int, int]] = {
@@ -250,7 +256,7 @@ class Handlers:
             conn.send(P.packb([req_id, InternalServerError.code, "internal server error", None]))
 
     # -- leases -------------------------------------------------------------------------
-    def op_acquire(self, conn: Session, req_id: int, msg: list) -> None:
+    def op_acquire(self, conn: Session, req_id: int, msg: list, priority: int = 0) -> None:
         name = P.check_name(msg[2])
         owner = conn.owner_hash(msg[3])  # only the hash is kept, logged and replicated
         ttl_ms = P.check_ttl_ms(msg[4])
@@ -290,7 +296,7 @@ class Handlers:
             server.node_state.raise_ttl(ttl_ms)  # rare: only a new longest TTL writes
         try:
             status = table.acquire(name, owner, conn.session, request, ttl_ms, wait_ms, delay_ms,
-                                   (conn.recorded, corr), now, shared, limit, actor)
+                                   (conn.recorded, corr), now, shared, limit, actor, priority)
         except ValueError as exc:  # the owner key waits on name in a multi-lock request
             raise InvalidArgument(f"{name!r}: {exc}") from None
         if usage is not None:

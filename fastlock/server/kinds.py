@@ -281,7 +281,8 @@ class KindHandlers:
 
     def op_contenders(self, conn: Session, req_id: int, msg: list) -> None:
         """CONTENDERS ``name[, cursor]``: one page of the lock's holders (grant order), then
-        its waiters (FIFO order): ``{"holders": [...], "waiters": [...], "cursor": ...}``.
+        its waiters (queue order: by priority, FIFO within one; each with its ``priority``):
+        ``{"holders": [...], "waiters": [...], "cursor": ...}``.
         A page holds at most :data:`MAX_CONTENDERS_LISTED` contenders and about
         :data:`~fastlock.protocol.ops.MAX_PAGE_BYTES` (one alone always goes); ``cursor``
         (None on the last page) is what the next request sends back: ``[part, position]``,
@@ -307,11 +308,14 @@ class KindHandlers:
                 part, position = 1, 0
         if part == 1:
             queued = table.waiter_details(name, position, MAX_CONTENDERS_LISTED + 1 - len(page.holders))
-            for _session, shared, limit, meta, many in queued:
+            # the same waiters' priorities, in the same queue order
+            priorities = [p for _, p in table.waiter_priorities(name, position + len(queued))[position:]]
+            for (_session, shared, limit, meta, many), priority in zip(queued, priorities):
                 client, corr = meta if meta else (None, None)
                 principal, client = split_recorded_client(client)
                 if not page.add(page.waiters, {"shared": shared, "limit": limit, "principal": principal,
-                                               "client": client, "correlation_id": corr, "many": many}):
+                                               "client": client, "correlation_id": corr, "many": many,
+                                               "priority": priority}):
                     page.cursor = [1, position + len(page.waiters)]
                     break
         conn.send(P.encode_ok(req_id, {"holders": page.holders, "waiters": page.waiters, "cursor": page.cursor}))

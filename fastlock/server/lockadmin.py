@@ -247,21 +247,7 @@ class LockAdmin:
             which = f"lease with token {token}" if token is not None else "holder"
             raise LockNotHeld(f"{name!r} has no {which}")
         server = handlers.server
-        quotas = server.quotas
-        revoked = []
-        for h in leases:
-            info = lease_info(h, now)
-            table.remove_holder(name, h.token, now)
-            handlers.wal.log_revoke(name, h.token, conn.principal, reason)
-            self.revocations.add(name, h.token, conn.principal, reason)
-            quotas.lease_ended(h.token, h.meta)
-            if name in handlers.watchers:
-                handlers.watches.notify(name, P.WATCH_REVOKED, h.token, h.meta)
-            log.warning("lease %d on %s (principal %s, client %s) revoked by %s: %s", h.token, quote(name),
-                        info["principal"], quote(info["client"]), conn.principal, quote(reason),
-                        extra={"session": conn.session, "lock": name, "token": h.token, "principal": conn.principal,
-                               "client": info["client"], "correlation_id": info["correlation_id"]})
-            revoked.append(info)
+        revoked = [self.revoke_lease(name, h, conn.principal, reason, now, conn.session) for h in leases]
         reply = P.encode_ok(req_id, {"name": name, "revoked": revoked})
 
         def ack() -> None:
@@ -269,6 +255,25 @@ class LockAdmin:
             server.after_batch()
 
         handlers.wal.when_durable(ack)
+
+    def revoke_lease(self, name: str, h: Holder, principal: str, reason: str | None, now: int,
+                     session: int | None) -> dict:
+        """Take the lease ``h`` of ``name`` away (logged as a REVOKE record by ``principal``
+        with ``reason``; watchers told ``"revoked"``); its lease info (:func:`lease_info`).
+        ``session``: the connection that asked (None: the server itself)."""
+        handlers = self.handlers
+        info = lease_info(h, now)
+        self.table.remove_holder(name, h.token, now)
+        handlers.wal.log_revoke(name, h.token, principal, reason)
+        self.revocations.add(name, h.token, principal, reason)
+        handlers.server.quotas.lease_ended(h.token, h.meta)
+        if name in handlers.watchers:
+            handlers.watches.notify(name, P.WATCH_REVOKED, h.token, h.meta)
+        log.warning("lease %d on %s (principal %s, client %s) revoked by %s: %s", h.token, quote(name),
+                    info["principal"], quote(info["client"]), principal, quote(reason),
+                    extra={"session": session, "lock": name, "token": h.token, "principal": principal,
+                           "client": info["client"], "correlation_id": info["correlation_id"]})
+        return info
 
     def revoke_principal(self, conn: Session, req_id: int, msg: list) -> None:
         """REVOKE None, None, reason, principal: revoke every lease ``principal`` holds now,

@@ -1,0 +1,197 @@
+"""Priorities, cooperative preemption and directed hand-off: ``ACQUIRE_PRIORITY``,
+``REQUEST_REVOKE`` and ``TRANSFER`` (op codes in :mod:`fastlock.protocol.ops`).
+
+**Priorities** (Apache Helix's priority lock): an acquire may carry a priority,
+0 (the default, what ``ACQUIRE`` asks) to :data:`~fastlock.protocol.priority.MAX_PRIORITY`;
+a queued request waits ahead of every waiter of a lower priority and behind every one of
+its own or a higher one (FIFO within a priority; the lock table's queue, see
+``LockTable.acquire``).  Asking for a priority above 0 needs the ACL right
+``"prioritize"`` on the name: a priority is a claim on other principals' turns, so it
+is granted per name prefix like the other rights (invariant 12, fair shares: a
+principal without the right keeps the FIFO order among its peers).
+
+**Cooperative preemption** (Curator's Revoker, Chubby's "conflicting lock request"
+event): a principal with the right ``"preempt"`` on the name whose request waits on it
+with a priority above the exclusive holder's asks that holder to yield within
+``grace_ms``.  The holder's connection gets a ``PUSH_REVOKE_REQUESTED`` frame
+``[name, token, principal, client, grace_ms]`` (the requester's principal and client
+name; nothing secret).  If the lease still holds at the deadline (server's monotonic
+clock) the server revokes it exactly as ``fastlock revoke`` does (a ``REVOKE``
+record, replicated; watchers told ``"revoked"``), by the requesting principal: the
+lock goes to the head waiter with a higher fencing token, so a fenced write of the
+old holder is refused.  One deadline per lease: a later request never moves it later.
+A deadline is kept in this process only: after a failover the requester asks again.
+One principal has at most :data:`MAX_REVOKE_DEADLINES_PER_PRINCIPAL` deadlines running
+(``LimitExceeded`` beyond).
+
+**Directed hand-off** (Kubernetes' coordinated leader election): the exclusive holder
+releases to the waiter whose correlation id is ``candidate`` in one step
+(``LockTable.release_to``): that waiter is granted at once with a fresh, higher token;
+the release and the grant are logged as any release and grant.  The candidate must be
+among the first :data:`MAX_CANDIDATES_SCANNED` waiters.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from .. import protocol as P
+from ..errors import FastlockError, InvalidArgument, LimitExceeded, LockNotHeld, PermissionDenied
+from ..logsafe import quote
+from ..protocol.ops import OP_ACQUIRE_PRIORITY, OP_REQUEST_REVOKE, OP_TRANSFER, PUSH_REVOKE_REQUESTED
+from ..protocol.priority import check_grace_ms, check_priority
+from ..roles import Action
+from ..units import monotonic_ms
+from .lockadmin import not_the_holder
+from .session import split_recorded_client
+
+if TYPE_CHECKING:  # pragma: no cover
+    import asyncio
+
+    from .handlers import Handlers
+    from .session import Session
+
+log = logging.getLogger(__name__)
+
+#: what each operation needs (an ACL right checked on the name; see handlers.PERMISSION)
+PERMISSIONS: dict[int, str | None] = {
+    OP_ACQUIRE_PRIORITY: "acquire",  # and "prioritize" for a priority above 0 (checked by the handler)
+    OP_REQUEST_REVOKE: "preempt",
+    OP_TRANSFER: "release",
+}
+
+#: the most waiters a TRANSFER looks through for its candidate
+MAX_CANDIDATES_SCANNED = 1_000
+#: the most revoke deadlines one principal may have running (each lasts at most
+#: MAX_REVOKE_GRACE_MS): one principal's requests never crowd out another's
+MAX_REVOKE_DEADLINES_PER_PRINCIPAL = 1_000
+
+
+class Preemption:
+    """The handlers of the priority operations and the deadlines of revoke requests
+    (one asyncio timer per lease asked to yield, dropped when it fires)."""
+
+    def __init__(self, handlers: Handlers):
+        self.handlers = handlers
+        self.table = handlers.table
+        self.roles = handlers.roles
+        #: (name, token) -> the timer that revokes the lease at its deadline
+        self.deadlines: dict[tuple[str, int], asyncio.TimerHandle] = {}
+        #: principal -> how many of those deadlines it asked for
+        self.deadlines_by_principal: dict[str, int] = {}
+
+    def handlers_by_op(self) -> dict:
+        """op code -> handler, for the server's handler table."""
+        return {OP_ACQUIRE_PRIORITY: self.op_acquire_priority, OP_REQUEST_REVOKE: self.op_request_revoke,
+                OP_TRANSFER: self.op_transfer}
+
+    def op_acquire_priority(self, conn: Session, req_id: int, msg: list) -> None:
+        """ACQUIRE_PRIORITY: ACQUIRE's nine arguments, then ``priority`` (0..MAX_PRIORITY).
+        :raises PermissionDenied: a priority above 0 without the right ``"prioritize"``."""
+        priority = check_priority(msg[11])
+        if priority and conn.kind == "client":
+            name = msg[2]
+            if type(name) is str and (conn.grant is None or not conn.grant.allows("prioritize", name)):
+                raise PermissionDenied(f"principal {conn.principal!r} may not prioritize {name!r} "
+                                       f"(priority {priority} needs the right 'prioritize')")
+        self.handlers.op_acquire(conn, req_id, msg[:11], priority)
+
+    def op_request_revoke(self, conn: Session, req_id: int, msg: list) -> None:
+        """REQUEST_REVOKE name, owner key, grace_ms: ask the exclusive holder of ``name`` to
+        yield within ``grace_ms``; the caller's request (owner key) must wait on ``name``
+        with a priority above the holder's.  Value: ``{"token": the holder's token,
+        "deadline_ms": ms from now until the server takes the lock, "delivered": whether
+        the holder's connection was told}``.
+        :raises LockNotHeld: no exclusive holder.  :raises InvalidArgument: the owner key
+        does not wait on ``name``, or its priority is not above the holder's."""
+        name = P.check_name(msg[2])
+        owner = conn.owner_hash(msg[3])
+        grace_ms = check_grace_ms(msg[4])
+        self.roles.admit(Action.RELEASE)  # it may end in a revocation: a primary's work
+        table = self.table
+        now = monotonic_ms()
+        holder = table.holder(name, now)
+        holder_priority = table.holder_priority(name)
+        if holder is None or holder_priority < 0:
+            raise LockNotHeld(f"{name!r} has no exclusive holder to ask")
+        mine = table.waiter_priority(name, owner)
+        if mine < 0:
+            raise InvalidArgument(f"a revoke request needs a request waiting on {name!r}")
+        if mine <= holder_priority:
+            raise InvalidArgument(f"the waiting request's priority {mine} is not above the holder's "
+                                  f"({holder_priority}) on {name!r}")
+        key = (name, holder.token)
+        timer = self.deadlines.get(key)
+        if timer is None:
+            running = self.deadlines_by_principal.get(conn.principal, 0)
+            if running >= MAX_REVOKE_DEADLINES_PER_PRINCIPAL:
+                raise LimitExceeded(f"principal {conn.principal!r} already has {running} revoke requests running "
+                                    f"(at most {MAX_REVOKE_DEADLINES_PER_PRINCIPAL})")
+            self.deadlines_by_principal[conn.principal] = running + 1
+            loop = self.handlers.server.loop
+            timer = loop.call_later(grace_ms / 1000.0, self._deadline, name, holder.token, conn.principal)
+            self.deadlines[key] = timer
+        deadline_ms = max(0, round((timer.when() - self.handlers.server.loop.time()) * 1000))
+        target = self.handlers.server.sessions.get(holder.session)
+        principal, client = split_recorded_client(conn.recorded)
+        if target is not None:
+            target.send(P.encode_push(PUSH_REVOKE_REQUESTED, [name, holder.token, principal, client, deadline_ms]))
+        log.info("%s asks the holder of %s (token %d) to yield within %d ms", conn.principal, quote(name),
+                 holder.token, deadline_ms, extra={"session": conn.session, "lock": name, "token": holder.token})
+        conn.send(P.encode_ok(req_id, {"token": holder.token, "deadline_ms": deadline_ms,
+                                       "delivered": target is not None}))
+
+    def _deadline(self, name: str, token: int, principal: str) -> None:
+        """A revoke request's deadline: take the lease if it still holds (primary only)."""
+        self.deadlines.pop((name, token), None)
+        left = self.deadlines_by_principal.get(principal, 1) - 1
+        if left > 0:
+            self.deadlines_by_principal[principal] = left
+        else:
+            self.deadlines_by_principal.pop(principal, None)
+        server = self.handlers.server
+        now = monotonic_ms()
+        server.source.fence_if_due(now)  # the revocation hands the lock to a waiter: not past the fence
+        try:
+            self.roles.admit(Action.RELEASE)
+        except FastlockError:
+            return  # no longer the serving primary: the lease is the new primary's to keep or expire
+        holder = self.table.holder(name, now)
+        if holder is None or holder.token != token:
+            return  # it yielded (or expired) in time
+        lock_admin = self.handlers.lock_admin
+        lock_admin.revoke_lease(name, holder, principal, "did not yield to a revoke request by its deadline",
+                                now, None)
+        server.after_batch()
+
+    def op_transfer(self, conn: Session, req_id: int, msg: list) -> None:
+        """TRANSFER name, token, owner key, candidate: release the exclusive lease to the
+        waiter whose correlation id is ``candidate``, granted at once with a higher token.
+        :raises LeaseLost: not the holder.  :raises InvalidArgument: no such plain
+        exclusive waiter among the first MAX_CANDIDATES_SCANNED."""
+        name = P.check_name(msg[2])
+        token = P.check_token(msg[3])
+        owner = conn.owner_hash(msg[4])
+        candidate = P.check_optional_str(msg[5], "candidate", P.MAX_CORRELATION_ID_CHARS)
+        if not candidate:
+            raise InvalidArgument("a transfer names its candidate (a waiter's correlation id)")
+        self.roles.admit(Action.RELEASE)
+        table = self.table
+        now = monotonic_ms()
+        holder = table.holder(name, now, owner)
+        if holder is None or holder.token != token or holder.shared or holder.limit:
+            raise not_the_holder(self.handlers.lock_admin.revocations, name, token)
+        target = None
+        for w_owner, _session, meta, _enqueued, _deadline, shared in table.waiter_info(name, MAX_CANDIDATES_SCANNED):
+            if not shared and meta and meta[1] == candidate:
+                target = w_owner
+                break
+        if target is None:
+            raise InvalidArgument(f"no candidate {candidate!r} waits on {name!r}")
+        try:
+            table.release_to(name, token, owner, target, now)
+        except ValueError as exc:
+            raise InvalidArgument(f"{name!r}: {exc}") from None
+        self.handlers.server.released(name, token, holder.meta)
+        conn.send(P.encode_ok(req_id, None))
