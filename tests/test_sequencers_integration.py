@@ -62,6 +62,10 @@ async def test_a_grant_carries_a_sequencer_of_its_name_token_principal_and_mode(
         # the server's wall clock at signing plus what was left of the lease (both clocks are this host's)
         assert before * 1000 < seq.expires_at_ms <= time.time() * 1000 + 5000
         await client.release(lease)
+        # a prioritized acquire (ACQUIRE_PRIORITY) carries one as well
+        urgent = await client.acquire("orders/3", ttl=5.0, priority=5)
+        assert S.verify(urgent.sequencer, keys, name="orders/3").token == urgent.fencing_token
+        await client.release(urgent)
         async with client.lock("reports", ttl=5.0, shared=True) as shared:
             assert S.verify(shared.sequencer, keys, name="reports").mode == "shared"
         permit = await client.acquire("pool", ttl=5.0, limit=2)

@@ -211,23 +211,36 @@ def with_actor(connector: Connector, kind: tuple[Any, ...]) -> tuple[Any, ...]:
     then ``True`` when the client asks for sequencers (``connect(sequencers=True)``).
 
     :raises InvalidArgument: sequencers asked for, and the server holds no sequencer key."""
-    if connector.sequencers:
-        if not connector.server_info.get("sequencers"):
-            raise InvalidArgument("this client asks for sequencers and the server hands out none "
-                                  "(no sequencer key in its credentials: `fastlock credentials sequencer-key`)")
+    if asks_sequencers(connector):
         return (*kind_pair(kind), actor_id(connector), True)
     if not connector.server_info.get("actors"):
         return kind
     return (*kind_pair(kind), actor_id(connector))
 
 
+def asks_sequencers(connector: Connector) -> bool:
+    """True when the client asks for signed sequencers (``connect(sequencers=True)``).
+
+    :raises InvalidArgument: sequencers asked for, and the server holds no sequencer key."""
+    if not connector.sequencers:
+        return False
+    if not connector.server_info.get("sequencers"):
+        raise InvalidArgument("this client asks for sequencers and the server hands out none "
+                              "(no sequencer key in its credentials: `fastlock credentials sequencer-key`)")
+    return True
+
+
 def acquire_call(connector: Connector, kind: tuple[Any, ...], priority: int) -> tuple[int, tuple[Any, ...]]:
     """The op and trailing arguments of an acquire: ACQUIRE with :func:`with_actor`'s, or for a
-    priority above 0, ACQUIRE_PRIORITY with shared, limit, actor and the priority
-    (:mod:`fastlock.server.preemption`)."""
+    priority above 0, ACQUIRE_PRIORITY with shared, limit, actor and the priority, then ``True``
+    when the client asks for sequencers (:mod:`fastlock.server.preemption`).
+
+    :raises InvalidArgument: sequencers asked for, and the server holds no sequencer key."""
     if not priority:
         return P.OP_ACQUIRE, with_actor(connector, kind)
     actor = actor_id(connector) if connector.server_info.get("actors") else 0
+    if asks_sequencers(connector):
+        return OP_ACQUIRE_PRIORITY, (*kind_pair(kind), actor, priority, True)
     return OP_ACQUIRE_PRIORITY, (*kind_pair(kind), actor, priority)
 
 

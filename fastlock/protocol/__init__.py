@@ -68,7 +68,7 @@ ACQUIRE_MANY 30 [[name, shared], ...], owner, ttl_ms, wait_ms,        [[token, .
 CONTENDERS 31  name[, cursor]                                         {"holders", "waiters", "cursor"}
 SYNC_ACK   50  lsn (the primary's, at the sync ack point)             (no reply)
 RATE_LIMIT 80  name, rate, period_ms, burst, cost                     [admitted, retry_after_ms, remaining]
-ACQUIRE_PRIORITY 90 ACQUIRE's 9 arguments, priority (0..99)           as ACQUIRE
+ACQUIRE_PRIORITY 90 ACQUIRE's 9 arguments, priority (0..99)[, seq.]   as ACQUIRE
 REQUEST_REVOKE 91 name, owner (of a waiting request), grace_ms        {"token", "deadline_ms", "delivered"}
 TRANSFER   92  name, token, owner, candidate (a correlation id)       None
 =========  ==  =====================================================  ======================

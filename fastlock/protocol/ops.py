@@ -53,7 +53,7 @@ OP_CONTENDERS = 31
 OP_SYNC_ACK = 50  # synchronous replication (ops 50-54 are reserved for it)
 OP_RATE_LIMIT = 80  # name, rate, period_ms, burst, cost (recipes: ops 80-89)
 # priorities, cooperative preemption and directed hand-off (fastlock.server.preemption)
-OP_ACQUIRE_PRIORITY = 90  # the 9 ACQUIRE arguments (shared, limit, actor given), priority
+OP_ACQUIRE_PRIORITY = 90  # the 9 ACQUIRE arguments (shared, limit, actor given), priority[, sequencer]
 OP_REQUEST_REVOKE = 91  # name, owner key of the caller's waiting request, grace_ms
 OP_TRANSFER = 92  # name, token, owner key, candidate (the waiter's correlation id)
 
@@ -99,7 +99,7 @@ OPS: tuple[Op, ...] = (
     Op(OP_CONTENDERS, "contenders", 1, 2),  # name[, cursor (the previous page's)]
     Op(OP_SYNC_ACK, "sync_ack", 1, 1),  # standby -> primary: primary LSN at the sync ack point
     Op(OP_RATE_LIMIT, "rate_limit", 5, 5),  # name, rate, period_ms, burst, cost
-    Op(OP_ACQUIRE_PRIORITY, "acquire_priority", 10, 10),
+    Op(OP_ACQUIRE_PRIORITY, "acquire_priority", 10, 11),
     Op(OP_REQUEST_REVOKE, "request_revoke", 3, 3),
     Op(OP_TRANSFER, "transfer", 4, 4),
 )

@@ -87,7 +87,8 @@ class Preemption:
                 OP_TRANSFER: self.op_transfer}
 
     def op_acquire_priority(self, conn: Session, req_id: int, msg: list) -> None:
-        """ACQUIRE_PRIORITY: ACQUIRE's nine arguments, then ``priority`` (0..MAX_PRIORITY).
+        """ACQUIRE_PRIORITY: ACQUIRE's nine arguments, then ``priority`` (0..MAX_PRIORITY) and,
+        optionally, ACQUIRE's ``sequencer`` flag.
         :raises PermissionDenied: a priority above 0 without the right ``"prioritize"``."""
         priority = check_priority(msg[11])
         if priority and conn.kind == "client":
@@ -95,7 +96,7 @@ class Preemption:
             if type(name) is str and (conn.grant is None or not conn.grant.allows("prioritize", name)):
                 raise PermissionDenied(f"principal {conn.principal!r} may not prioritize {name!r} "
                                        f"(priority {priority} needs the right 'prioritize')")
-        self.handlers.op_acquire(conn, req_id, msg[:11], priority)
+        self.handlers.op_acquire(conn, req_id, msg[:11] + msg[12:13], priority)
 
     def op_request_revoke(self, conn: Session, req_id: int, msg: list) -> None:
         """REQUEST_REVOKE name, owner key, grace_ms: ask the exclusive holder of ``name`` to
