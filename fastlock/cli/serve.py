@@ -246,6 +246,12 @@ def add_limit_flags(s: argparse.ArgumentParser) -> None:
                    help=f"bytes of every key's value together (default {d.max_key_bytes})")
     g.add_argument("--max-key-bytes-per-principal", type=count_arg, default=None, metavar="BYTES",
                    help=f"bytes of one principal's key values (default {_share('--max-key-bytes')}")
+    g.add_argument("--watch-history", type=positive_int, default=d.watch_history, metavar="N",
+                   help=f"holder changes kept for watches that resume from a revision (default "
+                        f"{d.watch_history}, about 150 bytes each; an older revision gets Compacted)")
+    g.add_argument("--watch-progress-interval", type=seconds_arg, default=d.watch_progress_interval,
+                   metavar="SECONDS", help=f"a resumable watch hears the revision at least this often "
+                                           f"(default {d.watch_progress_interval:g} s; 0: never)")
 
 
 def limit_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -276,6 +282,8 @@ def limit_config(args: argparse.Namespace) -> dict[str, Any]:
         max_value_bytes=args.max_value_bytes,
         max_key_bytes=args.max_key_bytes,
         max_key_bytes_per_principal=args.max_key_bytes_per_principal,
+        watch_history=args.watch_history,
+        watch_progress_interval=args.watch_progress_interval,
     )
 
 

@@ -51,6 +51,7 @@ KEY_REPLACE = 2
 OP_ACQUIRE_MANY = 30
 OP_CONTENDERS = 31
 OP_SYNC_ACK = 50  # synchronous replication (ops 50-54 are reserved for it)
+OP_WATCH_FROM = 70  # name, revision to resume after (None: a new watch) - fastlock.server.watchlog
 
 
 class Op(NamedTuple):
@@ -93,6 +94,7 @@ OPS: tuple[Op, ...] = (
     Op(OP_ACQUIRE_MANY, "acquire_many", 6, 7),  # [, actor]
     Op(OP_CONTENDERS, "contenders", 1, 2),  # name[, cursor (the previous page's)]
     Op(OP_SYNC_ACK, "sync_ack", 1, 1),  # standby -> primary: primary LSN at the sync ack point
+    Op(OP_WATCH_FROM, "watch_from", 2, 2),  # name, revision or None
 )
 
 #: (fewest, most) arguments of each op, after ``[req_id, op]``
@@ -120,6 +122,10 @@ PUSH_RECORDS = "repl"  # replication: [first_lsn, last_lsn, frames] (a WAL batch
 PUSH_RECORD = "rec"  # replication: [lsn, record] (one record: older primaries' backlog; still applied)
 PUSH_HEARTBEAT = "hb"  # replication: [primary_ms, last_lsn, epoch, longest_ttl_ms, paired_id, paired_window_ms]
 PUSH_SYNC = "sync"  # synchronous replication status: [ack_point or None, in_sync, on_timeout]
+#: a WATCH_FROM watch's change: PUSH_WATCH's payload and the change's revision (fastlock.server.watchlog)
+PUSH_WATCH_REV = "wrev"
+#: a progress notice to a connection with WATCH_FROM watches: [revision] (every change up to it was sent)
+PUSH_WATCH_PROGRESS = "wprog"
 
 REPLICATION_PUSH_KINDS = frozenset({PUSH_SNAPSHOT, PUSH_RECORDS, PUSH_RECORD, PUSH_HEARTBEAT, PUSH_SYNC})
 

@@ -27,6 +27,7 @@ from .._core import LIMIT_CONFLICT, NOT_ACQUIRED, LockTable, NotHolder
 from ..auth import Credentials
 from ..errors import (
     AuthError,
+    Compacted,
     FastlockError,
     InternalServerError,
     InvalidArgument,
@@ -37,6 +38,7 @@ from ..errors import (
     Unavailable,
 )
 from ..logsafe import quote
+from ..protocol.ops import OP_WATCH_FROM, PUSH_WATCH_REV
 from ..replication.messages import standby_address
 from ..replication.syncrep import SYNC_PERMISSIONS
 from ..roles import Action, NodeRole
@@ -71,6 +73,7 @@ PERMISSION: dict[int, str | None] = {
     P.OP_CHECK: "check",
     P.OP_HOLDER: "holder",
     P.OP_WATCH: "watch",
+    OP_WATCH_FROM: "watch",
     P.OP_REPLICATE: "replica",
     P.OP_REPL_ACK: "replica",
     P.OP_STEP_DOWN: "replica",  # epoch news: only the paired standby's principal (see op_step_down)
@@ -203,6 +206,7 @@ class Handlers:
             P.OP_REVOKE: self.lock_admin.op_revoke,
             P.OP_ACQUIRE_MANY: kinds.op_acquire_many,
             P.OP_CONTENDERS: kinds.op_contenders,
+            OP_WATCH_FROM: self.op_watch_from,
         }
         #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
         self.by_op: dict[int, tuple[Handler, int, int]] = {
@@ -413,6 +417,39 @@ class Handlers:
     def op_watch(self, conn: Session, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])
         self.roles.admit(Action.READ)
+        self._add_watch(conn, name)
+        conn.send(P.encode_ok(req_id, self._holder_info(name)))
+
+    def op_watch_from(self, conn: Session, req_id: int, msg: list) -> None:
+        """WATCH_FROM ``[name, since]``: WATCH with revisions (:mod:`fastlock.server.watchlog`).
+
+        ``since`` None starts a new watch; a revision (int) resumes one: the published
+        changes of ``name`` after it are pushed first (``PUSH_WATCH_REV``), then the
+        live ones.  Replies ``{"holder": the holder now or None, "revision": every change
+        up to it was sent}``.  Refused with ``Compacted`` (extra: the oldest revision
+        kept) or ``WatchDiverged``, changing nothing."""
+        name = P.check_name(msg[2])
+        since = msg[3]
+        if since is not None and (type(since) is not int or not 0 <= since < 1 << 63):
+            raise InvalidArgument("watch_from takes a lock name and a revision (int, 0 <= r < 2**63) or None")
+        self.roles.admit(Action.READ)
+        revisions = self.server.revisions
+        try:
+            replay = [] if since is None else revisions.replay(name, since)
+        except Compacted as exc:
+            conn.send(P.encode_error(req_id, exc.code, str(exc), exc.oldest))
+            return
+        self._add_watch(conn, name)
+        self.watches.revisioned.add(conn.session)
+        for change in replay:
+            client, corr = change.meta if change.meta else (None, None)
+            principal, client = split_recorded_client(client)
+            conn.send(P.encode_push(PUSH_WATCH_REV, [name, change.what, change.token, client, corr, principal,
+                                                     change.revision]))
+        conn.send(P.encode_ok(req_id, {"holder": self._holder_info(name), "revision": revisions.progress()}))
+
+    def _add_watch(self, conn: Session, name: str) -> None:
+        """Add ``conn``'s watch of ``name`` (counted against the watch limits)."""
         if conn.watching is None:
             conn.watching = set()
         if name not in conn.watching:
@@ -425,7 +462,6 @@ class Handlers:
             quotas.count_watches(conn, 1)
         conn.watching.add(name)
         self.watches.add(conn, name)
-        conn.send(P.encode_ok(req_id, self._holder_info(name)))
 
     def op_unwatch(self, conn: Session, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])

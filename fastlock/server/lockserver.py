@@ -83,6 +83,7 @@ from .kinds import expired_log, grant_reply, reply_id, unacked_log, undelivered_
 from .session import Session, shown_client
 from .shares import client_principals
 from .tasks import BackgroundTasks
+from .watchlog import Revisions
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +177,10 @@ class LockServer:
         # with one client principal at most (open mode, say) the default shares stay off
         self.quotas = PrincipalQuotas(config, self, single_principal=client_principals(credentials) <= 1)
         self.handlers = Handlers(self, credentials)
+        #: watch revisions: the history resuming watches replay, progress notices (fastlock.server.watchlog)
+        self.revisions = Revisions(self, self.handlers.watches, config.watch_history, config.watch_progress_interval)
+        if self.follower is not None:
+            self.follower.revisions = self.revisions
         #: process exit status: non-zero after a fatal WAL failure
         self.exit_status = 0
         #: sessions written to in this loop turn (flushed once at the batch end)
@@ -283,6 +288,9 @@ class LockServer:
 
             self.endpoints.metrics = MetricsExporter(self, *config.metrics)
         self.failover.on_start()  # a deposed primary stays deposed; a paired one may start fenced
+        if self.roles.role is Role.PRIMARY:
+            self.revisions.started()
+        self.revisions.start_progress(loop)
         self._rearm()
         host, port = await self.endpoints.listen(config.host, config.port, self._make_session)
         self.failover.listening(config.advertise or format_address((host, port)))
@@ -418,6 +426,7 @@ class LockServer:
             watches = self.handlers.watches
             for name in conn.watching:
                 watches.remove(conn, name)
+            watches.revisioned.discard(conn.session)
             self.quotas.count_watches(conn, -len(conn.watching))
         dropped = self.table.drop_session(conn.session, self._table_now())
         self.quotas.waiters_dropped(conn.principal, dropped)
@@ -438,6 +447,7 @@ class LockServer:
         if nd >= 0 and (self.expiry.handle is None or nd < self.expiry.at_ms) and self.roles.expires_leases:
             self._rearm()
         self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
+        self.revisions.batch_end()  # the batch's holder changes reach the watchers once committed
         self.wal.poll()  # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
         dirty = self.dirty
         if dirty:
@@ -450,7 +460,7 @@ class LockServer:
         grants = None
         sessions = self.limits.sessions
         quotas = self.quotas
-        watchers = self.handlers.watches.by_name
+        revisions = self.revisions
         for ev in events:
             kind = ev.kind
             if kind == EV_GRANTED:
@@ -458,18 +468,18 @@ class LockServer:
                     meta = ev.meta
                     wal.log_grant(ev.name, ev.token, ev.owner, ev.ttl_ms, ev.lock_delay_ms, meta[0], meta[1],
                                   ev.shared, ev.limit)
+                    revisions.logged(ev.name, "granted", ev.token, meta)
                     quotas.grant_event(ev)
                 if grants is None:
                     grants = []
                 grants.append(ev)
             elif kind == EV_EXPIRED:
                 wal.log_expire(ev.name, ev.token)
+                revisions.logged(ev.name, "expired", ev.token, ev.meta)
                 self.keys.lease_ended(ev.name, ev.token, "expired")
                 if ev.lock_delay_ms:
                     lockdelays.log_expired(wal, ev)
                 quotas.lease_expired(ev, monotonic_ms())  # its lock-delay counts as its lease until it ends
-                if ev.name in watchers:
-                    self.handlers.watches.notify(ev.name, "expired", ev.token, ev.meta)
                 expired_log("lease expired: %s token %d (holder %s)", quote(ev.name), ev.token,
                             quote(shown_client(ev.meta[0]) if ev.meta else None))
             else:  # a waiter left (wait timeout, cancel, deadlock): its acquire fails
@@ -495,15 +505,11 @@ class LockServer:
         sessions = self.limits.sessions
         table = self.table
         undelivered = False
-        watches = self.handlers.watches
-        watchers = watches.by_name
         source = self.source
         if source.fencing:  # (not paired: nothing to check)
             source.fence_if_due(monotonic_ms())
         refused = refused_by or (None if self.roles.may(Action.ACQUIRE) else refusal(self.roles, Action.ACQUIRE))
         for ev in grants:
-            if refused is None and watchers and ev.name in watchers and ev.fresh:
-                watches.notify(ev.name, "granted", ev.token, ev.meta)
             conn = sessions.get(ev.session)
             if conn is None or conn.closed:
                 # Nobody can learn this token any more: release it now rather
@@ -535,11 +541,9 @@ class LockServer:
     def released(self, name: str, token: int, meta: tuple | None) -> None:
         """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id))."""
         self.wal.log_release(name, token)
+        self.revisions.logged(name, "released", token, meta)
         self.keys.lease_ended(name, token, "released")
         self.quotas.lease_ended(token, meta)
-        watches = self.handlers.watches
-        if name in watches.by_name:
-            watches.notify(name, "released", token, meta)
 
     # -- the expiry timer -------------------------------------------------------------------
     def _table_now(self) -> int:
