@@ -67,6 +67,7 @@ ACQUIRE_MANY 30 [[name, shared], ...], owner, ttl_ms, wait_ms,        [[token, .
                lock_delay_ms, corr_id[, actor]
 CONTENDERS 31  name[, cursor]                                         {"holders", "waiters", "cursor"}
 SYNC_ACK   50  lsn (the primary's, at the sync ack point)             (no reply)
+WATCH_FROM 70  name, revision|None                                    {"holder", "revision"}
 =========  ==  =====================================================  ======================
 
 ACQUIRE's optional ``shared`` (bool: a shared lease) and ``limit`` (int: the
@@ -113,6 +114,14 @@ principal|None]]``
 LOCKS, LOCK_INFO and REVOKE are the operator's (admins only, or anyone in open mode): see
 :mod:`fastlock.server.lockadmin`; "revoked" is pushed when an operator revokes the lease.
 A grant is pushed when it is durable (when its holder is told), never before.
+WATCH_FROM is WATCH with revisions (:mod:`fastlock.server.watchlog`): its connection
+hears each change as ``[0, "wrev", [the six fields above..., revision]]`` once the
+change is committed (durable, and under synchronous replication on the standby);
+given a revision, the committed changes of the lock after it are pushed first, then
+the reply, whose ``revision`` says every change up to it was sent; too old a
+revision is refused with ``Compacted`` (extra: the oldest revision kept), one the
+node never had with ``WatchDiverged``.  Such a connection also hears
+``[0, "wprog", [revision]]`` at least every ``--watch-progress-interval`` seconds.
 
 HELLO's ``credential`` is None (a verified mTLS certificate's identity, or the
 anonymous principal: one round trip) or a handshake message: first
