@@ -19,7 +19,7 @@ import random
 import pytest
 
 import fastlock
-from fastlock._testbase.cluster import RawNode, run
+from fastlock._testbase.cluster import RawNode, poll, run, status_of
 from fastlock._testbase.proxy import TcpProxy
 from fastlock.errors import Compacted, FastlockError, InvalidArgument, WatchDiverged
 from fastlock.protocol.ops import OP_WATCH_FROM
@@ -239,3 +239,47 @@ def test_an_idle_watch_hears_progress_notices(server_factory):
                     break
 
     run(main(), timeout=60)
+
+
+# --------------------------------------------------------------------------- FIFO through a failover
+
+def test_sixteen_waiters_keep_their_order_through_kill9_of_the_primary(cluster):
+    primary = cluster.primary(args=SYNC)
+    standby = cluster.standby(primary.address, failover_after=FAILOVER)
+
+    async def main() -> None:
+        addresses = (primary.address, standby.address)
+        clients = []
+        try:
+            holder = await fastlock.connect(*addresses, client_name="holder", connect_timeout=1.0)
+            clients.append(holder)
+            lease = await holder.acquire("fifo", ttl=30.0)
+            order: list[int] = []
+
+            async def wait_turn(i: int, c: fastlock.Client) -> None:
+                mine = await c.acquire("fifo", ttl=30.0, wait=60.0)
+                order.append(i)
+                await c.release(mine)
+
+            tasks = []
+            for i in range(16):
+                c = await fastlock.connect(*addresses, client_name=f"w{i}", connect_timeout=1.0)
+                clients.append(c)
+                tasks.append(asyncio.ensure_future(wait_turn(i, c)))
+                await poll(lambda: status_of(primary.address), lambda st, n=i + 1: st["waiters"] == n,
+                           timeout=20, what=f"waiter {i} queued")
+            # the standby mirrors the queue before the primary dies
+            await poll(lambda: status_of(standby.address),
+                       lambda st: st["replication"].get("mirrored_waiters") == 16, timeout=20,
+                       what="the queue mirrored on the standby")
+            primary.kill()
+            await poll(lambda: status_of(standby.address), lambda st: st["role"] == "primary", timeout=30,
+                       what="the standby promoted")
+            await holder.release(lease)  # rides through to the promoted standby
+            await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            assert order == list(range(16)), f"grants after the failover in the order {order}"
+        finally:
+            for c in clients:
+                await c.close()
+
+    run(main(), timeout=180)

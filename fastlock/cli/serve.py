@@ -252,6 +252,10 @@ def add_limit_flags(s: argparse.ArgumentParser) -> None:
     g.add_argument("--watch-progress-interval", type=seconds_arg, default=d.watch_progress_interval,
                    metavar="SECONDS", help=f"a resumable watch hears the revision at least this often "
                                            f"(default {d.watch_progress_interval:g} s; 0: never)")
+    g.add_argument("--queue-reclaim-window", type=seconds_arg, default=d.queue_reclaim_window, metavar="SECONDS",
+                   help=f"after a promotion, the old primary's waiters that ride through keep their places in "
+                        f"the lock queues this long; new arrivals queue behind them (default "
+                        f"{d.queue_reclaim_window:g} s; 0: no reclaim)")
 
 
 def limit_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -284,6 +288,7 @@ def limit_config(args: argparse.Namespace) -> dict[str, Any]:
         max_key_bytes_per_principal=args.max_key_bytes_per_principal,
         watch_history=args.watch_history,
         watch_progress_interval=args.watch_progress_interval,
+        queue_reclaim_window=args.queue_reclaim_window,
     )
 
 

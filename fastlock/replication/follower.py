@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from .. import protocol as P
 from ..errors import FastlockError, ProtocolError
 from ..logsafe import quote
+from ..protocol.ops import PUSH_QUEUES
 from ..roles import Role
 from ..units import monotonic_ms, wall_ms
 from ..wal import Epoch, Expire, Extend, Grant, LeaseMeta, LockDelay, Record, Release, Revoke, apply, decode_frames
@@ -31,6 +32,7 @@ from ..wal.records import KeyDelete, KeyPut
 from ..wal.records import decode as decode_record
 from .link import PrimaryLink
 from .messages import Heartbeat, SnapshotHolder, heartbeat_interval_ms, standby_identity
+from .queues import QueueMirror
 from .syncrep import SyncStatus
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -160,6 +162,8 @@ class StandbyFollower:
         self.applied_lsn = 0
         #: watch revisions (fastlock.server.watchlog.Revisions), set by the server: the changes applied are kept
         self.revisions: Any = None
+        #: the primary's waiter queues as last shipped (kept in place by a promotion: fastlock.server.reclaim)
+        self.queues = QueueMirror()
         self.incarnation: str | None = None
         self.primary_epoch = 0
         self.primary_last_lsn = 0
@@ -274,6 +278,9 @@ class StandbyFollower:
             self._apply_snapshot(*payload)
         elif kind == P.PUSH_SYNC:
             self.sync.on_status(payload)
+            return
+        elif kind == PUSH_QUEUES:
+            self.queues.apply(payload)
             return
         if self.sync.ack is not None:
             self.sync.applied(self.applied_lsn)
@@ -479,6 +486,7 @@ class StandbyFollower:
             "primary_epoch": self.primary_epoch,
             "refused": self.refused,
             "pair_confirmed": self.pair_confirmed,
+            "mirrored_waiters": sum(len(owners) for owners in self.queues.queues.values()),
             "sync": {"ack": self.sync.ack.value if self.sync.ack else None, "in_sync": self.sync.in_sync,
                      "acked_lsn": self.sync.acked_lsn},
         }

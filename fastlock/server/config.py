@@ -144,6 +144,8 @@ class ServerConfig:
     # resuming watches (fastlock.server.watchlog): holder changes kept, seconds between progress notices (0: none)
     watch_history: int = 100_000
     watch_progress_interval: float = 10.0
+    # a promoted primary keeps the old primary's waiters' places this long, seconds (fastlock.server.reclaim; 0: not)
+    queue_reclaim_window: float = 5.0
 
     def __post_init__(self) -> None:
         self.fsync = _member(FsyncMode, self.fsync, "fsync")

@@ -23,7 +23,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
-from .._core import LIMIT_CONFLICT, NOT_ACQUIRED, LockTable, NotHolder
+from .._core import LIMIT_CONFLICT, NOT_ACQUIRED, QUEUED, LockTable, NotHolder
 from ..auth import Credentials
 from ..errors import (
     AuthError,
@@ -251,6 +251,15 @@ class Handlers:
     def op_acquire(self, conn: Session, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])
         owner = conn.owner_hash(msg[3])  # only the hash is kept, logged and replicated
+        reclaim = self.server.reclaim
+        if reclaim.queues and name in reclaim.queues:  # a promoted primary's reclaim window (server.reclaim)
+            self.roles.admit(Action.ACQUIRE)
+            reclaim.park(conn, req_id, msg, name, owner, P.check_wait_ms(msg[5]))
+            return
+        self.enter_acquire(conn, req_id, msg, name, owner)
+
+    def enter_acquire(self, conn: Session, req_id: int, msg: list, name: str, owner: bytes) -> None:
+        """The ACQUIRE ``msg`` of ``name`` by ``owner`` (its hash) enters the lock's queue or is granted."""
         ttl_ms = P.check_ttl_ms(msg[4])
         wait_ms = P.check_wait_ms(msg[5])
         delay_ms = P.check_lock_delay_ms(msg[6])
@@ -291,6 +300,8 @@ class Handlers:
             raise InvalidArgument(f"{name!r}: {exc}") from None
         if usage is not None:
             quotas.acquired(usage, status, (name,), table.last_token)
+        if status == QUEUED:
+            server.queues.touched(name)  # shipped to the standby (fastlock.replication.queues)
         if status == LIMIT_CONFLICT:
             raise limit_conflict(table, name, limit, now)
         if status == NOT_ACQUIRED:
@@ -368,6 +379,11 @@ class Handlers:
         # that made the key can match it (a hash read from a replica's stream is hashed again).
         owner = conn.owner_hash(msg[3])
         self.roles.admit(Action.CANCEL_WAITER)  # withdrawing a queued waiter is local: fenced or not
+        reclaim = self.server.reclaim
+        if reclaim.queues and reclaim.cancel(name, owner):  # parked or expected in the reclaim window
+            conn.send(P.encode_ok(req_id, "cancelled"))
+            return
+        self.server.queues.touched(name)
         table = self.table
         now = monotonic_ms()
         result = None

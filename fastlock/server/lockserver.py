@@ -66,6 +66,7 @@ from ..auth import Credentials, is_loopback
 from ..errors import FastlockError, Unavailable
 from ..logsafe import quote
 from ..replication import STATE_FILE, NodeState, ReplicationSource, StandbyFollower, node_id
+from ..replication.queues import QueueShipper
 from ..roles import Action, NodeRole, Role
 from ..tls import ServerTLS, client_context
 from ..units import format_address, monotonic_ms
@@ -80,6 +81,7 @@ from .failover import FailoverPolicy, primary_to_follow
 from .handlers import Handlers, refusal
 from .keys import KeyStore
 from .kinds import expired_log, grant_reply, reply_id, unacked_log, undelivered_log, waiter_left
+from .reclaim import ReclaimGate
 from .session import Session, shown_client
 from .shares import client_principals
 from .tasks import BackgroundTasks
@@ -181,6 +183,11 @@ class LockServer:
         self.revisions = Revisions(self, self.handlers.watches, config.watch_history, config.watch_progress_interval)
         if self.follower is not None:
             self.follower.revisions = self.revisions
+        #: waiter queues: shipped to the standby, and kept in place by a promotion's reclaim window
+        self.queues = QueueShipper(self)
+        self.reclaim = ReclaimGate(self.handlers.enter_acquire, self.after_batch, config.queue_reclaim_window)
+        if self.follower is not None:
+            self.follower.queues.on_promoted = self._reclaim_queues
         #: process exit status: non-zero after a fatal WAL failure
         self.exit_status = 0
         #: sessions written to in this loop turn (flushed once at the batch end)
@@ -189,6 +196,12 @@ class LockServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = asyncio.Event()
         self._started_ms = monotonic_ms()
+
+    def _reclaim_queues(self, queues: dict[str, list[bytes]]) -> None:
+        """Promoted: the old primary's waiters keep their places for the reclaim window."""
+        table = self.table
+        self.reclaim.arm(queues, lambda name, owner: table.holder(name, monotonic_ms(), owner) is not None,
+                         self.loop)
 
     # -- what replication and failover see (fastlock.replication.host.ReplicationHost) -----------
     @property
@@ -357,6 +370,8 @@ class LockServer:
         for conn in list(self.limits.sessions.values()):
             conn.close_after_flush()
         self.expiry.cancel()
+        self.revisions.stop()
+        self.reclaim.stop()
         self.handlers.kinds.deadlocks.cancel()
         self.limits.close()
         self.tasks.cancel_all()
@@ -431,6 +446,7 @@ class LockServer:
         dropped = self.table.drop_session(conn.session, self._table_now())
         self.quotas.waiters_dropped(conn.principal, dropped)
         if dropped:
+            self.queues.sessions_dropped()
             log.debug("session %d closed; %d waiters removed", conn.session, dropped)
         self.after_batch()
 
@@ -448,6 +464,7 @@ class LockServer:
             self._rearm()
         self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
         self.revisions.batch_end()  # the batch's holder changes reach the watchers once committed
+        self.queues.batch_end()  # changed waiter queues go to the standby
         self.wal.poll()  # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
         dirty = self.dirty
         if dirty:
@@ -473,6 +490,7 @@ class LockServer:
                 if grants is None:
                     grants = []
                 grants.append(ev)
+                self.queues.granted(ev.name)
             elif kind == EV_EXPIRED:
                 wal.log_expire(ev.name, ev.token)
                 revisions.logged(ev.name, "expired", ev.token, ev.meta)
@@ -484,6 +502,7 @@ class LockServer:
                             quote(shown_client(ev.meta[0]) if ev.meta else None))
             else:  # a waiter left (wait timeout, cancel, deadlock): its acquire fails
                 waiter_left(sessions.get(ev.session), ev, quotas)
+                self.queues.touched(ev.name)
         quotas.batch_done()
         if grants is not None:  # sync replication: acked once the standby has them too (source.sync)
             deliver = self.source.sync.after(lambda refused=None: self._deliver_grants(grants, refused))
