@@ -185,7 +185,8 @@ class LockServer:
             self.follower.revisions = self.revisions
         #: waiter queues: shipped to the standby, and kept in place by a promotion's reclaim window
         self.queues = QueueShipper(self)
-        self.reclaim = ReclaimGate(self.handlers.enter_acquire, self.after_batch, config.queue_reclaim_window)
+        self.reclaim = ReclaimGate(self.handlers.enter_acquire, self.after_batch, config.queue_reclaim_window,
+                                   config.max_waiters)
         if self.follower is not None:
             self.follower.queues.on_promoted = self._reclaim_queues
         #: process exit status: non-zero after a fatal WAL failure

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import protocol as P
-from ..errors import Cancelled, FastlockError, LockNotAcquired
+from ..errors import Cancelled, FastlockError, LimitExceeded, LockNotAcquired
 
 if TYPE_CHECKING:  # pragma: no cover
     from .session import Session
@@ -65,10 +65,13 @@ class ReclaimGate:
     ``batch_end()`` ends the server's batch (events, flush)."""
 
     def __init__(self, enter: Callable[[Session, int, list, str, bytes], None], batch_end: Callable[[], None],
-                 window: float = DEFAULT_WINDOW) -> None:
+                 window: float = DEFAULT_WINDOW, limit: int = 100_000) -> None:
         self.enter = enter
         self.batch_end = batch_end
         self.window = window
+        #: acquires parked at most, all locks together (``--max-waiters``): beyond, ``LimitExceeded``
+        self.limit = limit
+        self.parked = 0
         self.queues: dict[str, _Queue] = {}
         self._timer: Any = None
 
@@ -93,16 +96,22 @@ class ReclaimGate:
     def park(self, conn: Session, req_id: int, msg: list, name: str, owner: bytes, wait_ms: int) -> None:
         """Hold this acquire of ``name`` until its place comes (it may enter at once).
 
-        :raises LockNotAcquired: ``wait_ms`` 0 by one that was not queued before the failover."""
+        :raises LockNotAcquired: ``wait_ms`` 0 by one that was not queued before the failover.
+        :raises LimitExceeded: ``limit`` acquires are parked already (by one not expected)."""
         queue = self.queues[name]
         if wait_ms == 0 and owner not in queue.expected:
             raise LockNotAcquired(f"{name!r}: waiters queued before the failover are reclaiming their places")
         for i, p in enumerate(queue.parked):
             if p.owner == owner:  # a retry of the same acquire (a new connection): it replaces the old
                 del queue.parked[i]
+                self.parked -= 1
                 _fail(p, Cancelled(f"{name!r}: superseded by a retry of the same acquire"))
                 break
+        if self.parked >= self.limit and owner not in queue.expected:  # a returning waiter is never refused
+            raise LimitExceeded(f"{self.limit} acquires already wait for the reclaim window after the "
+                                f"promotion (max-waiters); retry")
         queue.parked.append(Parked(conn, req_id, msg, owner))
+        self.parked += 1
         self._advance(name, queue)
 
     def cancel(self, name: str, owner: bytes) -> bool:
@@ -115,6 +124,7 @@ class ReclaimGate:
         for i, p in enumerate(queue.parked):
             if p.owner == owner:
                 del queue.parked[i]
+                self.parked -= 1
                 _fail(p, Cancelled(f"{name!r}: cancelled"))
                 found = True
                 break
@@ -133,8 +143,10 @@ class ReclaimGate:
                 return
             expected.pop(0)
             queue.parked.remove(nxt)
+            self.parked -= 1
             self._enter(nxt, name)
         del self.queues[name]
+        self.parked -= len(queue.parked)
         for p in queue.parked:
             self._enter(p, name)
 
@@ -144,12 +156,13 @@ class ReclaimGate:
         try:
             self.enter(p.conn, p.req_id, p.msg, name, p.owner)
         except FastlockError as exc:
-            _fail(p, exc)
+            p.conn.send(P.encode_error(p.req_id, exc.code, str(exc), getattr(exc, "primary", None)))
 
     def close(self) -> None:
         """The window ended: skip the waiters that did not come back, let everything parked in."""
         self._timer = None
         queues, self.queues = self.queues, {}
+        self.parked = 0
         skipped = 0
         for name, queue in queues.items():
             order = {o: i for i, o in enumerate(queue.expected)}

@@ -260,7 +260,8 @@ class Revisions:
 
     def _publish(self, upto: int, refused: Any = None) -> None:
         changes = self.log.publish(upto)
-        if changes and refused is None:
+        # a refused acknowledgement, or a node no longer primary: the changes may be taken back
+        if changes and refused is None and self.server.roles.role is Role.PRIMARY:
             self.registry.publish(changes)
             self.server.after_batch()
 
