@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 from ..errors import Compacted, WatchDiverged
 from ..protocol.framing import encode_push
 from ..protocol.ops import PUSH_WATCH_PROGRESS
-from ..roles import Role
+from ..roles import Action, Role
 from ..tokens import TOKEN_EPOCH_SHIFT, counter_of, epoch_of
 
 __all__ = ["DEFAULT_HISTORY", "DEFAULT_PROGRESS_INTERVAL", "Revisions", "WatchChange", "WatchLog", "revision",
@@ -242,7 +242,7 @@ class Revisions:
     def logged(self, name: str, what: str, token: int, meta: Any) -> None:
         """A holder change whose record was just logged (the last one logged)."""
         server = self.server
-        self.log.record(revision(server.table.epoch, server.wal.logged_lsn), name, what, token, meta)
+        self.log.record(server.table.epoch << TOKEN_EPOCH_SHIFT | server.wal.logged_lsn, name, what, token, meta)
 
     def batch_end(self) -> None:
         """At each batch end: publish the changes recorded in it once committed (durable
@@ -260,8 +260,9 @@ class Revisions:
 
     def _publish(self, upto: int, refused: Any = None) -> None:
         changes = self.log.publish(upto)
-        # a refused acknowledgement, or a node no longer primary: the changes may be taken back
-        if changes and refused is None and self.server.roles.role is Role.PRIMARY:
+        # a refused acknowledgement, or a node that may no longer write (deposed, fenced): the changes
+        # may be taken back by a promoted standby, so nobody hears of them (as key changes: server.keys)
+        if changes and refused is None and self.server.roles.may(Action.RELEASE):
             self.registry.publish(changes)
             self.server.after_batch()
 
