@@ -173,3 +173,51 @@ def test_pending_changes_are_not_replayed_until_published():
     assert log.progress(revision(1, 2)) == revision(1, 1)
     assert [c.token for c in log.publish(revision(1, 2))] == [5]
     assert [c.token for c in log.since("n", revision(1, 1), revision(1, 2))] == [5]
+
+
+class Table:
+    def __init__(self):
+        self.queues: dict[str, list[bytes]] = {}
+
+    def waiters(self, name):
+        return list(self.queues.get(name, []))
+
+
+class Replica:
+    def __init__(self):
+        self.conn = Conn("standby")
+        self.conn.flush = lambda: None
+
+
+class Host:
+    def __init__(self):
+        self.table = Table()
+        self.source = type("Source", (), {"replicas": {}})()
+
+
+def test_the_shipper_sends_changed_queues_and_the_whole_map_to_a_new_standby():
+    from fastlock.replication.queues import QueueShipper
+
+    host = Host()
+    shipper = QueueShipper(host)
+    host.table.queues["a"] = [b"1", b"2"]
+    shipper.touched("a")
+    shipper.batch_end()  # no standby: nothing sent, the change is remembered
+    first = Replica()
+    host.source.replicas[7] = first
+    shipper.batch_end()
+    assert [m[2] for m in first.conn.sent] == [[True, [["a", [b"1", b"2"]]]]]
+    host.table.queues["a"] = [b"2"]
+    shipper.granted("a")
+    shipper.granted("unrelated")  # no waiters shipped for it: not even looked at
+    shipper.batch_end()
+    assert first.conn.sent[-1][2] == [False, [["a", [b"2"]]]]
+    shipper.batch_end()  # nothing changed: nothing sent
+    assert len(first.conn.sent) == 2
+    second = Replica()
+    host.source.replicas[8] = second
+    del host.table.queues["a"]
+    shipper.sessions_dropped()
+    shipper.batch_end()
+    assert first.conn.sent[-1][2] == [False, [["a", []]]]
+    assert second.conn.sent[-1][2] == [True, []]

@@ -63,6 +63,11 @@ class QueueShipper:
     def batch_end(self) -> None:
         """Ship the queues that changed (to every standby), and the whole map to a new one."""
         replicas = self.host.source.replicas
+        if not replicas:  # nobody to ship to: the queues are read when a standby attaches
+            self.informed.clear()
+            if len(self.dirty) > MAX_QUEUES:  # a bound on the names remembered meanwhile
+                self.dirty.clear()
+            return
         if not self.dirty and replicas.keys() <= self.informed:
             return
         table = self.host.table
@@ -76,9 +81,6 @@ class QueueShipper:
                     self.shipped.pop(name, None)
                 changes.append([name, owners])
         self.dirty.clear()
-        if not replicas:
-            self.informed.clear()
-            return
         update = encode_push(PUSH_QUEUES, [False, changes]) if changes else None
         whole = None
         for session, replica in replicas.items():
