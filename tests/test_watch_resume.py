@@ -208,7 +208,10 @@ def test_compacted_diverged_and_bad_revisions(server_factory):
                     with pytest.raises(InvalidArgument):
                         await node.request(OP_WATCH_FROM, "x", bad)
                 # the refusals changed nothing: the one watch of the first request
-                assert (await c.status())["limits"]["watches"] == 1
+                st = await c.status()
+                assert st["limits"]["watches"] == 1
+                assert st["watch_history"]["kept"] == st["watch_history"]["limit"] == 10
+                assert st["watch_history"]["floor"] == info.value.oldest
                 # from the oldest kept it resumes (its changes are replayed first)
                 oldest = info.value.oldest
                 assert (await node.request(OP_WATCH_FROM, "x", oldest))["revision"] == now

@@ -633,4 +633,6 @@ class LockServer:
         st["replication"].update(node_name=self.config.name, node_id=self.handlers.hello.node)
         if self.failover.coordinated is not None:
             st["coordinator"] = self.failover.coordinated.status()
+        st["watch_history"] = self.revisions.status()  # docs/watches.md
+        st["queue_reclaim"] = self.reclaim.status()
         return st
