@@ -126,11 +126,11 @@ PUSH_SYNC = "sync"  # synchronous replication status: [ack_point or None, in_syn
 PUSH_WATCH_REV = "wrev"
 #: a progress notice to a connection with WATCH_FROM watches: [revision] (every change up to it was sent)
 PUSH_WATCH_PROGRESS = "wprog"
-#: replication: the primary's waiter queues, [whole, [[name, [owner hash, ...]], ...]] (fastlock.replication.queues)
+#: replication, beside REPLICATION_PUSH_KINDS (not part of the log's stream): the primary's waiter
+#: queues, [whole, [[name, [owner hash, ...]], ...]] (fastlock.replication.queues)
 PUSH_QUEUES = "queues"
 
-REPLICATION_PUSH_KINDS = frozenset({PUSH_SNAPSHOT, PUSH_RECORDS, PUSH_RECORD, PUSH_HEARTBEAT, PUSH_SYNC,
-                                    PUSH_QUEUES})
+REPLICATION_PUSH_KINDS = frozenset({PUSH_SNAPSHOT, PUSH_RECORDS, PUSH_RECORD, PUSH_HEARTBEAT, PUSH_SYNC})
 
 #: a STEP_DOWN is honoured only this long (ms, primary's clock) after the primary time it echoes;
 #: the standby waits a little longer than this for the answer

@@ -258,6 +258,8 @@ class StandbyFollower:
         the link drop the connection; the follower reconnects and resyncs.
         """
         if kind not in P.REPLICATION_PUSH_KINDS:
+            if kind == PUSH_QUEUES:  # the waiter queues (fastlock.replication.queues)
+                self.queues.apply(payload)
             return
         self.last_heard_ms = self._received_ms = monotonic_ms()
         self.link.ack_due = True
@@ -278,9 +280,6 @@ class StandbyFollower:
             self._apply_snapshot(*payload)
         elif kind == P.PUSH_SYNC:
             self.sync.on_status(payload)
-            return
-        elif kind == PUSH_QUEUES:
-            self.queues.apply(payload)
             return
         if self.sync.ack is not None:
             self.sync.applied(self.applied_lsn)
