@@ -157,7 +157,8 @@ def test_watches_resume_on_the_promoted_standby_after_kill9_of_a_sync_primary(cl
 
     async def main() -> None:
         addresses = (primary.address, standby.address)
-        async with fastlock.connect(*addresses, client_name="watcher", connect_timeout=1.0) as wc, \
+        async with fastlock.connect(*addresses, client_name="watcher", connect_timeout=1.0,
+                                    request_timeout=30.0) as wc, \
                 fastlock.connect(*addresses, client_name="writer", connect_timeout=1.0) as writer:
             watcher = Watcher(wc, names)
             await asyncio.wait_for(watcher.all_started.wait(), 60)
@@ -250,7 +251,8 @@ def test_an_idle_watch_hears_progress_notices(server_factory):
 
 def test_sixteen_waiters_keep_their_order_through_kill9_of_the_primary(cluster):
     primary = cluster.primary(args=SYNC)
-    standby = cluster.standby(primary.address, failover_after=FAILOVER)
+    # a window long enough for 16 clients to come back on a loaded machine (it ends once all are back)
+    standby = cluster.standby(primary.address, failover_after=FAILOVER, args=["--queue-reclaim-window", "30"])
 
     async def main() -> None:
         addresses = (primary.address, standby.address)
