@@ -171,7 +171,7 @@ def test_pending_changes_are_not_replayed_until_published():
     log.record(revision(1, 2), "n", "granted", 5, None)
     assert log.since("n", revision(1, 1), revision(1, 2)) == []
     assert log.progress(revision(1, 2)) == revision(1, 1)
-    assert [c.token for c in log.publish(revision(1, 2))] == [5]
+    assert [c[3] for c in log.publish(revision(1, 2))] == [5]  # (revision, name, what, token, meta)
     assert [c.token for c in log.since("n", revision(1, 1), revision(1, 2))] == [5]
 
 

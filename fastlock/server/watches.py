@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from .. import protocol as P
 from ..protocol.ops import PUSH_WATCH_REV
 from .session import split_recorded_client
-from .watchlog import WatchChange
+from .watchlog import Kept
 
 if TYPE_CHECKING:  # pragma: no cover
     from .session import Session
@@ -49,22 +49,23 @@ class WatchRegistry:
         for conn in self.by_name[name]:
             conn.send(data)
 
-    def publish(self, changes: list[WatchChange]) -> None:
-        """Push committed ``changes`` (in revision order) to their locks' watchers."""
+    def publish(self, changes: list[Kept]) -> None:
+        """Push committed ``changes`` (``(revision, name, what, token, meta)``, in revision
+        order) to their locks' watchers."""
         by_name = self.by_name
         revisioned = self.revisioned
-        for change in changes:
-            conns = by_name.get(change.name)
+        for rev, name, what, token, meta in changes:
+            conns = by_name.get(name)
             if not conns:
                 continue
-            client, corr = change.meta if change.meta else (None, None)
+            client, corr = meta if meta else (None, None)
             principal, client = split_recorded_client(client)
-            payload = [change.name, change.what, change.token, client, corr, principal]
+            payload = [name, what, token, client, corr, principal]
             plain = with_revision = None
             for conn in conns:
                 if conn.session in revisioned:
                     if with_revision is None:
-                        with_revision = P.encode_push(PUSH_WATCH_REV, [*payload, change.revision])
+                        with_revision = P.encode_push(PUSH_WATCH_REV, [*payload, rev])
                     conn.send(with_revision)
                 else:
                     if plain is None:

@@ -54,6 +54,10 @@ def shown_revision(rev: int) -> str:
     return f"{rev} ({epoch_of(rev)}/{counter_of(rev)})"
 
 
+#: a change as kept: (revision, name, what, token, meta) - a plain tuple, built on the hot path
+Kept = tuple[int, str, str, int, Any]
+
+
 class WatchChange(NamedTuple):
     """One holder change kept for resuming watches: its ``revision``, the lock
     ``name``, ``what`` happened ("granted", "released", "expired", "revoked"), the
@@ -79,10 +83,10 @@ class WatchLog:
         if limit < 1:
             raise ValueError(f"the watch history keeps at least 1 change, got {limit}")
         self.limit = limit
-        self.changes: deque[WatchChange] = deque()
-        self.by_name: dict[str, deque[WatchChange]] = {}
+        self.changes: deque[Kept] = deque()
+        self.by_name: dict[str, deque[Kept]] = {}
         #: changes recorded but not yet published (committed), in revision order
-        self.pending: deque[WatchChange] = deque()
+        self.pending: deque[Kept] = deque()
         self.floor: int | None = None
         #: the revision up to which everything is published (what a progress notice says)
         self.published = 0
@@ -105,10 +109,10 @@ class WatchLog:
         self.published = rev
         self.lineage[epoch_of(rev)] = counter_of(rev)
 
-    def record(self, rev: int, name: str, what: str, token: int, meta: Any, published: bool = False) -> WatchChange:
+    def record(self, rev: int, name: str, what: str, token: int, meta: Any, published: bool = False) -> None:
         """Keep a change (``published``: already committed, as a standby's), dropping
         the oldest beyond the limit."""
-        change = WatchChange(rev, name, what, token, meta)
+        change = (rev, name, what, token, meta)
         if self.floor is None:
             self.floor = rev - 1
         changes = self.changes
@@ -119,16 +123,15 @@ class WatchLog:
         group.append(change)
         if len(changes) > self.limit:
             old = changes.popleft()
-            self.floor = old.revision
-            same = self.by_name[old.name]
+            self.floor = old[0]
+            same = self.by_name[old[1]]
             same.popleft()
             if not same:
-                del self.by_name[old.name]
+                del self.by_name[old[1]]
         if published:
             self.published = rev
         else:
             self.pending.append(change)
-        return change
 
     def applied(self, epoch: int, lsn: int) -> None:
         """A standby applied the records of ``epoch``'s primary up to ``lsn``."""
@@ -139,14 +142,14 @@ class WatchLog:
         if not self.pending and rev > self.published:
             self.published = rev
 
-    def publish(self, upto: int) -> list[WatchChange]:
+    def publish(self, upto: int) -> list[Kept]:
         """The pending changes up to revision ``upto`` (now committed), in order."""
         pending = self.pending
         out = []
-        while pending and pending[0].revision <= upto:
+        while pending and pending[0][0] <= upto:
             out.append(pending.popleft())
         if out:
-            self.published = max(self.published, out[-1].revision)
+            self.published = max(self.published, out[-1][0])
         return out
 
     def drop_pending(self) -> None:
@@ -157,7 +160,7 @@ class WatchLog:
         """The revision up to which every change is published; ``current``: the revision
         of the last record logged."""
         if self.pending:
-            return self.pending[0].revision - 1
+            return self.pending[0][0] - 1
         return max(self.published, current)
 
     # -- resuming -----------------------------------------------------------------------
@@ -183,11 +186,8 @@ class WatchLog:
         group = self.by_name.get(name)
         if not group:
             return []
-        pending = self.pending
-        if pending:  # not committed yet: published live, after this reply
-            first = pending[0].revision
-            return [c for c in group if since < c.revision < first]
-        return [c for c in group if c.revision > since]
+        first = self.pending[0][0] if self.pending else 1 << 63  # not committed yet: published live, later
+        return [WatchChange(*c) for c in group if since < c[0] < first]
 
     def status(self) -> dict:
         """For ``fastlock status``: kept, limit, floor, published."""
@@ -250,7 +250,7 @@ class Revisions:
         pending = self.log.pending
         if not pending:
             return
-        upto = pending[-1].revision
+        upto = pending[-1][0]
         if upto <= self.scheduled:
             return
         self.scheduled = upto
