@@ -147,7 +147,10 @@ Replication pushes (primary -> standby, kinds in :data:`REPLICATION_PUSH_KINDS`;
 payloads described in :mod:`fastlock.replication`): ``"snap"`` a snapshot,
 ``"repl"`` a run of WAL frames (a live batch, or a chunk of the backlog a
 standby catches up on), ``"rec"`` one record (sent by older primaries; still
-applied), ``"hb"`` a heartbeat.
+applied), ``"hb"`` a heartbeat.  Beside them, ``"queues"`` carries the primary's
+waiter queues (owner-key hashes in FIFO order: :mod:`fastlock.replication.queues`),
+which a promoted standby keeps in place for its reclaim window; an older standby
+ignores it.
 
 Roles and what a client gets from a node that is not the serving primary
 (decided in one place, :mod:`fastlock.roles`; a client rides through by
