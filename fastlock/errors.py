@@ -267,6 +267,8 @@ def error_from_wire(code: int, message: str, extra: Any = None) -> FastlockError
         return ProtocolError(f"unknown error code {code}: {message}")
     if cls is NotPrimary:
         return NotPrimary(message, extra if isinstance(extra, str) else None)
+    if cls is Compacted:
+        return Compacted(message, extra if type(extra) is int else None)
     return cls(message)
 
 
@@ -314,3 +316,28 @@ class NodeFileDamaged(StorageError, RuntimeError):
     """A node state file (``node-state.json``, ``pairing.json``, ``deposed.json``)
     is not the JSON object, with the field types, this node writes: the server
     refuses to start rather than guess its epoch, pairing or role."""
+
+
+# -- watches that resume from a revision (fastlock.server.watchlog) --------------------------
+__all__ += ["Compacted", "WatchDiverged"]
+
+
+@_register(50)
+class Compacted(FastlockError, LookupError):
+    """A watch asked to resume from a revision older than the history the server keeps
+    (``--watch-history`` changes; as etcd's ``ErrCompacted``).  ``oldest`` (int or None)
+    is the oldest revision it can resume from.  Nothing changed: start a new watch,
+    which begins with the lock's state now."""
+
+    def __init__(self, message: str, oldest: int | None = None):
+        super().__init__(message)
+        self.oldest = oldest
+
+
+@_register(51)
+class WatchDiverged(FastlockError):
+    """A watch asked to resume from a revision this server never had: the primary
+    that delivered it lost changes its standby had not received (asynchronous
+    replication) before the standby was promoted.  The changes the watch saw after
+    the standby's promotion point are not in the new history; nothing changed: start
+    a new watch, which begins with the lock's state now."""

@@ -246,6 +246,16 @@ def add_limit_flags(s: argparse.ArgumentParser) -> None:
                    help=f"bytes of every key's value together (default {d.max_key_bytes})")
     g.add_argument("--max-key-bytes-per-principal", type=count_arg, default=None, metavar="BYTES",
                    help=f"bytes of one principal's key values (default {_share('--max-key-bytes')}")
+    g.add_argument("--watch-history", type=positive_int, default=d.watch_history, metavar="N",
+                   help=f"holder changes kept for watches that resume from a revision (default "
+                        f"{d.watch_history}, about 150 bytes each; an older revision gets Compacted)")
+    g.add_argument("--watch-progress-interval", type=seconds_arg, default=d.watch_progress_interval,
+                   metavar="SECONDS", help=f"a resumable watch hears the revision at least this often "
+                                           f"(default {d.watch_progress_interval:g} s; 0: never)")
+    g.add_argument("--queue-reclaim-window", type=seconds_arg, default=d.queue_reclaim_window, metavar="SECONDS",
+                   help=f"after a promotion, the old primary's waiters that ride through keep their places in "
+                        f"the lock queues this long; new arrivals queue behind them (default "
+                        f"{d.queue_reclaim_window:g} s; 0: no reclaim)")
 
 
 def limit_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -276,6 +286,9 @@ def limit_config(args: argparse.Namespace) -> dict[str, Any]:
         max_value_bytes=args.max_value_bytes,
         max_key_bytes=args.max_key_bytes,
         max_key_bytes_per_principal=args.max_key_bytes_per_principal,
+        watch_history=args.watch_history,
+        watch_progress_interval=args.watch_progress_interval,
+        queue_reclaim_window=args.queue_reclaim_window,
     )
 
 

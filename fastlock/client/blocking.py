@@ -538,7 +538,10 @@ class SyncClient(SyncKeyMethods, SyncRecipeMethods):
 
         Raises:
             TimeoutError: no event within ``timeout``.
-            ConnectionLost: the connection dropped.
+            ConnectionLost: the client was closed, or no primary answered in time (a
+                dropped connection or a failover is ridden through: the watch resumes
+                from its last revision, docs/watches.md).
+            Compacted, WatchDiverged: the watch could not resume from its last revision.
         """
         events: queue.Queue[Any] = queue.Queue()
         done = object()

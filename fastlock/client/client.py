@@ -490,23 +490,34 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods):
         holder: HolderInfo | None = await self._request(P.OP_HOLDER, name)
         return holder
 
-    def watch(self, name: str) -> AsyncIterator[WatchEvent]:
+    def watch(self, name: str, *, progress: bool = False) -> AsyncIterator[WatchEvent]:
         """Yield :class:`WatchEvent` for every change of ``name``'s holder.
 
         Pushed by the server (no polling), in the order it applied them.  The
         first event is the state when the watch began (``"held"`` with the
-        token, or ``"free"``).  A grant is reported once it is durable.  If the
-        connection drops the iterator raises :class:`ConnectionLost` (events
-        may have been missed: start a new watch, which begins with the state,
-        and rides through to the new primary).  Breaking out of the loop
-        unsubscribes.
+        token, or ``"free"``).  A change is reported once it is committed
+        (durable, and with synchronous replication on the standby too).  Every
+        event carries its ``revision``: if the connection drops, or the primary
+        fails over, the watch subscribes again on the connection the client
+        rides to (within the client's operation timeout, seconds) from the last
+        revision it delivered, and goes on with no change lost or repeated (see
+        docs/watches.md).  ``progress`` (bool): also yield ``"progress"`` events,
+        sent by the server at least every ``--watch-progress-interval`` seconds.
+        Breaking out of the loop unsubscribes.
+
+        :raises Compacted: on a resume, the server no longer keeps the changes
+            since the last revision (``--watch-history``).
+        :raises WatchDiverged: on a resume, the server never had the last revision:
+            the old primary delivered changes its standby never received
+            (asynchronous replication).
+        :raises ConnectionLost: the client was closed, or no primary answered in time.
 
         Example::
 
             async for event in client.watch("leader"):
                 print(event.kind, event.token, event.client)
         """
-        return watch_events(self._connector, name, self._op_timeout)
+        return watch_events(self._connector, name, self._op_timeout, progress)
 
     def lock(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
              correlation_id: str | None = None, renew: bool = True,

@@ -31,7 +31,7 @@ from .. import protocol as P
 from ..auth import ClientHandshake, ServerNotProven, resolve_credential, say_hello, secret_of
 from ..errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost, NotPrimary, Unavailable
 from ..logsafe import RateLimitedLog, quote
-from ..protocol.ops import PUSH_REVOKE_REQUESTED, PUSH_VALUE
+from ..protocol.ops import PUSH_REVOKE_REQUESTED, PUSH_VALUE, PUSH_WATCH_PROGRESS, PUSH_WATCH_REV
 from ..protocol.rpc import NotFastlockReply, RpcConnection, answers_tls_hello, what_answered
 from ..units import parse_address
 from .keywatch import KeyWatches
@@ -110,6 +110,15 @@ class ClientConnection(RpcConnection):
             handler = self.revoke_handler
             if handler is not None:
                 handler(payload)
+        elif kind == PUSH_WATCH_REV and type(payload) is list and len(payload) == 7:
+            event = WatchEvent(*payload)
+            for queue in self.watches.get(event.name, ()):
+                queue.put_nowait(event)
+        elif kind == PUSH_WATCH_PROGRESS and type(payload) is list and len(payload) == 1:
+            for name, queues in self.watches.items():
+                notice = WatchEvent(name, "progress", None, None, revision=payload[0])
+                for queue in queues:
+                    queue.put_nowait(notice)
 
 
 class Connector:

@@ -44,7 +44,16 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import protocol as P
-from ..errors import ConnectionLost, FastlockError, InvalidArgument, NotPrimary, Unavailable, WrongArgumentType
+from ..errors import (
+    Compacted,
+    ConnectionLost,
+    FastlockError,
+    InvalidArgument,
+    NotPrimary,
+    Unavailable,
+    WatchDiverged,
+    WrongArgumentType,
+)
 from ..logsafe import quote
 from ..units import check_seconds
 from .lease import Lease, LeaseHealth, LeaseState, check_fraction
@@ -220,7 +229,7 @@ class Election:
                     if current != last:
                         last = current
                         yield current
-            except (ConnectionLost, NotPrimary, Unavailable, OSError) as exc:
+            except (ConnectionLost, NotPrimary, Unavailable, OSError, Compacted, WatchDiverged) as exc:
                 failures += 1
                 log.info("election %s: watch interrupted (%s); retrying", quote(self.name), exc)
                 if on_retry is not None:

@@ -418,6 +418,11 @@ class WatchEvent:
     verified); ``correlation_id`` the acquire's correlation id, if the server
     reports it (None otherwise); ``principal`` the authenticated principal
     that acquired the lease (None if the server does not report it).
+    ``revision`` (int) is the change's revision (see docs/watches.md): the
+    same on the primary and its standbys, growing with every change; the watch
+    resumes after it if its connection drops.  A watch started with
+    ``progress=True`` also yields ``"progress"`` events: no change of the lock
+    up to ``revision``.  None from a server without revisions.
     """
 
     name: str
@@ -426,6 +431,7 @@ class WatchEvent:
     client: str | None
     correlation_id: str | None = None
     principal: str | None = None
+    revision: int | None = None
 
 
 class _HolderInfoExtras(TypedDict, total=False):

@@ -71,6 +71,7 @@ RATE_LIMIT 80  name, rate, period_ms, burst, cost                     [admitted,
 ACQUIRE_PRIORITY 90 ACQUIRE's 9 arguments, priority (0..99)[, seq.]   as ACQUIRE
 REQUEST_REVOKE 91 name, owner (of a waiting request), grace_ms        {"token", "deadline_ms", "delivered"}
 TRANSFER   92  name, token, owner, candidate (a correlation id)       None
+WATCH_FROM 70  name, revision|None                                    {"holder", "revision"}
 =========  ==  =====================================================  ======================
 
 ACQUIRE's optional ``shared`` (bool: a shared lease) and ``limit`` (int: the
@@ -128,6 +129,14 @@ principal|None]]``
 LOCKS, LOCK_INFO and REVOKE are the operator's (admins only, or anyone in open mode): see
 :mod:`fastlock.server.lockadmin`; "revoked" is pushed when an operator revokes the lease.
 A grant is pushed when it is durable (when its holder is told), never before.
+WATCH_FROM is WATCH with revisions (:mod:`fastlock.server.watchlog`): its connection
+hears each change as ``[0, "wrev", [the six fields above..., revision]]`` once the
+change is committed (durable, and under synchronous replication on the standby);
+given a revision, the committed changes of the lock after it are pushed first, then
+the reply, whose ``revision`` says every change up to it was sent; too old a
+revision is refused with ``Compacted`` (extra: the oldest revision kept), one the
+node never had with ``WatchDiverged``.  Such a connection also hears
+``[0, "wprog", [revision]]`` at least every ``--watch-progress-interval`` seconds.
 
 HELLO's ``credential`` is None (a verified mTLS certificate's identity, or the
 anonymous principal: one round trip) or a handshake message: first
@@ -153,7 +162,10 @@ Replication pushes (primary -> standby, kinds in :data:`REPLICATION_PUSH_KINDS`;
 payloads described in :mod:`fastlock.replication`): ``"snap"`` a snapshot,
 ``"repl"`` a run of WAL frames (a live batch, or a chunk of the backlog a
 standby catches up on), ``"rec"`` one record (sent by older primaries; still
-applied), ``"hb"`` a heartbeat.
+applied), ``"hb"`` a heartbeat.  Beside them, ``"queues"`` carries the primary's
+waiter queues (owner-key hashes in FIFO order: :mod:`fastlock.replication.queues`),
+which a promoted standby keeps in place for its reclaim window; an older standby
+ignores it.
 
 Roles and what a client gets from a node that is not the serving primary
 (decided in one place, :mod:`fastlock.roles`; a client rides through by

@@ -56,6 +56,7 @@ OP_RATE_LIMIT = 80  # name, rate, period_ms, burst, cost (recipes: ops 80-89)
 OP_ACQUIRE_PRIORITY = 90  # the 9 ACQUIRE arguments (shared, limit, actor given), priority[, sequencer]
 OP_REQUEST_REVOKE = 91  # name, owner key of the caller's waiting request, grace_ms
 OP_TRANSFER = 92  # name, token, owner key, candidate (the waiter's correlation id)
+OP_WATCH_FROM = 70  # name, revision to resume after (None: a new watch) - fastlock.server.watchlog
 
 
 class Op(NamedTuple):
@@ -102,6 +103,7 @@ OPS: tuple[Op, ...] = (
     Op(OP_ACQUIRE_PRIORITY, "acquire_priority", 10, 11),
     Op(OP_REQUEST_REVOKE, "request_revoke", 3, 3),
     Op(OP_TRANSFER, "transfer", 4, 4),
+    Op(OP_WATCH_FROM, "watch_from", 2, 2),  # name, revision or None
 )
 
 #: (fewest, most) arguments of each op, after ``[req_id, op]``
@@ -131,6 +133,13 @@ PUSH_HEARTBEAT = "hb"  # replication: [primary_ms, last_lsn, epoch, longest_ttl_
 PUSH_SYNC = "sync"  # synchronous replication status: [ack_point or None, in_sync, on_timeout]
 #: to a holder: a waiter asks it to yield: [name, token, principal, client, correlation id, grace_ms]
 PUSH_REVOKE_REQUESTED = "revoke_req"
+#: a WATCH_FROM watch's change: PUSH_WATCH's payload and the change's revision (fastlock.server.watchlog)
+PUSH_WATCH_REV = "wrev"
+#: a progress notice to a connection with WATCH_FROM watches: [revision] (every change up to it was sent)
+PUSH_WATCH_PROGRESS = "wprog"
+#: replication, beside REPLICATION_PUSH_KINDS (not part of the log's stream): the primary's waiter
+#: queues, [whole, [[name, [owner hash, ...]], ...]] (fastlock.replication.queues)
+PUSH_QUEUES = "queues"
 
 REPLICATION_PUSH_KINDS = frozenset({PUSH_SNAPSHOT, PUSH_RECORDS, PUSH_RECORD, PUSH_HEARTBEAT, PUSH_SYNC})
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from .. import protocol as P
 from ..errors import FastlockError, ProtocolError
 from ..logsafe import quote
+from ..protocol.ops import PUSH_QUEUES
 from ..roles import Role
 from ..units import monotonic_ms, wall_ms
 from ..wal import Epoch, Expire, Extend, Grant, LeaseMeta, LockDelay, Record, Release, Revoke, apply, decode_frames
@@ -31,6 +32,7 @@ from ..wal.records import KeyDelete, KeyPut
 from ..wal.records import decode as decode_record
 from .link import PrimaryLink
 from .messages import Heartbeat, SnapshotHolder, heartbeat_interval_ms, standby_identity
+from .queues import QueueMirror
 from .syncrep import SyncStatus
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -48,6 +50,8 @@ class StandbyApply:
         self.follower = follower
         self.table = follower.host.table
         self.wal = follower.host.wal
+        #: the primary's LSN of the record being applied (0: a snapshot's change, no revision)
+        self.lsn = 0
 
     @property
     def epoch(self) -> int:
@@ -67,8 +71,18 @@ class StandbyApply:
                            g.shared, g.limit)
         self.follower.track(g.name, g.token, g.ttl_ms)
         self.follower.saw_ttl(g.ttl_ms)
+        revisions = self.follower.revisions
+        if self.lsn and revisions is not None:
+            revisions.replicated(self.follower.primary_epoch, self.lsn, g.name, "granted", g.token,
+                                 (g.client, g.correlation_id))
 
     def remove(self, record: Release | Expire | Revoke) -> None:
+        revisions = self.follower.revisions
+        if self.lsn and revisions is not None:  # the lease's client and correlation id, for the watchers
+            held = next((h for h in self.table.holders_of(record.name, 0) if h.token == record.token), None)
+            what = "released" if isinstance(record, Release) else "revoked" if isinstance(record, Revoke) else "expired"
+            revisions.replicated(self.follower.primary_epoch, self.lsn, record.name, what, record.token,
+                                 held.meta if held is not None else None)
         self.table.remove_holder(record.name, record.token, 0)
         self.follower.lease_deadlines.pop(record.token, None)
         if isinstance(record, Release):
@@ -146,6 +160,10 @@ class StandbyFollower:
         self.link = PrimaryLink(self, primary, tls, token, name,
                                 stream_limits or P.stream_limits(256 << 20, 1_000_000))
         self.applied_lsn = 0
+        #: watch revisions (fastlock.server.watchlog.Revisions), set by the server: the changes applied are kept
+        self.revisions: Any = None
+        #: the primary's waiter queues as last shipped (kept in place by a promotion: fastlock.server.reclaim)
+        self.queues = QueueMirror()
         self.incarnation: str | None = None
         self.primary_epoch = 0
         self.primary_last_lsn = 0
@@ -240,6 +258,8 @@ class StandbyFollower:
         the link drop the connection; the follower reconnects and resyncs.
         """
         if kind not in P.REPLICATION_PUSH_KINDS:
+            if kind == PUSH_QUEUES:  # the waiter queues (fastlock.replication.queues)
+                self.queues.apply(payload)
             return
         self.last_heard_ms = self._received_ms = monotonic_ms()
         self.link.ack_due = True
@@ -339,6 +359,8 @@ class StandbyFollower:
         self.incarnation = incarnation
         self.primary_epoch = max(self.primary_epoch, epoch)
         self.synced = True
+        if self.revisions is not None:  # the changes before the snapshot are not known here
+            self.revisions.snapshot(self.primary_epoch, lsn)
         log.info("applied snapshot at primary LSN %d: %d leases, epoch %d", lsn, len(wanted), epoch)
 
     def _log_rewind(self, lsn: int, epoch: int, own_epoch: int, discarded: list, changed: list,
@@ -404,10 +426,13 @@ class StandbyFollower:
                 raise ProtocolError(f"replication gap: expected LSN {applied + 1}, got {lsn}")
             if type(rec) is Epoch:
                 self.primary_epoch = max(self.primary_epoch, P.check_epoch(rec.epoch, "epoch record"))
+            target.lsn = lsn
             apply(rec, target)
             applied = lsn
         table.drain_events()
         self.applied_lsn = applied
+        if self.revisions is not None:
+            self.revisions.applied(self.primary_epoch, applied)
         self.synced = True
 
     # -- failover ---------------------------------------------------------------------------
@@ -460,6 +485,7 @@ class StandbyFollower:
             "primary_epoch": self.primary_epoch,
             "refused": self.refused,
             "pair_confirmed": self.pair_confirmed,
+            "mirrored_waiters": sum(len(owners) for owners in self.queues.queues.values()),
             "sync": {"ack": self.sync.ack.value if self.sync.ack else None, "in_sync": self.sync.in_sync,
                      "acked_lsn": self.sync.acked_lsn},
         }

@@ -141,6 +141,11 @@ class ServerConfig:
     advertise: str | None = None  # "host:port" others reach this node at (None: the bound address)
     coordinator_ttl_ms: int = 2000  # the etcd lease TTL (whole seconds)
     coordinator_access: EtcdAccess | None = None  # etcd over TLS, as an etcd user (None: plain HTTP, no user)
+    # resuming watches (fastlock.server.watchlog): holder changes kept, seconds between progress notices (0: none)
+    watch_history: int = 100_000
+    watch_progress_interval: float = 10.0
+    # a promoted primary keeps the old primary's waiters' places this long, seconds (fastlock.server.reclaim; 0: not)
+    queue_reclaim_window: float = 5.0
 
     def __post_init__(self) -> None:
         self.fsync = _member(FsyncMode, self.fsync, "fsync")
@@ -164,7 +169,7 @@ def check_limits(config: ServerConfig) -> None:
                 "max_replica_output_bytes",
                 "max_stream_frame_bytes", "max_waiters", "max_waiters_per_connection", "max_leases",
                 "max_watches", "max_watches_per_connection", "max_keys", "max_value_bytes",
-                "max_key_bytes", "anonymous_quota_divisor")
+                "max_key_bytes", "anonymous_quota_divisor", "watch_history")
     for field_name in positive:
         value = getattr(config, field_name)
         if type(value) is not int or value <= 0:

@@ -532,6 +532,7 @@ class FailoverPolicy:
                                  max(0, deadline - h.ttl_ms), h.shared, h.limit)
         table.drain_events()
         host.roles.transition(Role.PRIMARY, f"promoted ({reason}) at epoch {epoch}", grace_until_ms=now + grace)
+        follower.queues.promoted()  # the old primary's waiters keep their places (fastlock.server.reclaim)
         self._arm_peer_check()  # fenced later (its new standby silent), it looks for a newer primary
         table.expire(now)  # leases whose kept deadline passed: logged and WAL-recorded like any expiry
         host.after_batch()

@@ -23,10 +23,11 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
-from .._core import LIMIT_CONFLICT, NOT_ACQUIRED, LockTable, NotHolder
+from .._core import LIMIT_CONFLICT, NOT_ACQUIRED, QUEUED, LockTable, NotHolder
 from ..auth import Credentials
 from ..errors import (
     AuthError,
+    Compacted,
     FastlockError,
     InternalServerError,
     InvalidArgument,
@@ -37,7 +38,7 @@ from ..errors import (
     Unavailable,
 )
 from ..logsafe import quote
-from ..protocol.ops import OP_RATE_LIMIT
+from ..protocol.ops import OP_RATE_LIMIT, OP_WATCH_FROM, PUSH_WATCH_REV
 from ..replication.messages import standby_address
 from ..replication.syncrep import SYNC_PERMISSIONS
 from ..roles import Action, NodeRole
@@ -75,6 +76,7 @@ PERMISSION: dict[int, str | None] = {
     P.OP_CHECK: "check",
     P.OP_HOLDER: "holder",
     P.OP_WATCH: "watch",
+    OP_WATCH_FROM: "watch",
     P.OP_REPLICATE: "replica",
     P.OP_REPL_ACK: "replica",
     P.OP_STEP_DOWN: "replica",  # epoch news: only the paired standby's principal (see op_step_down)
@@ -215,6 +217,7 @@ class Handlers:
             P.OP_CONTENDERS: kinds.op_contenders,
             OP_RATE_LIMIT: self.rate_limits.op_rate_limit,
             **self.preemption.handlers_by_op(),
+            OP_WATCH_FROM: self.op_watch_from,
         }
         #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
         self.by_op: dict[int, tuple[Handler, int, int]] = {
@@ -259,6 +262,15 @@ class Handlers:
     def op_acquire(self, conn: Session, req_id: int, msg: list, priority: int = 0) -> None:
         name = P.check_name(msg[2])
         owner = conn.owner_hash(msg[3])  # only the hash is kept, logged and replicated
+        reclaim = self.server.reclaim
+        if reclaim.queues and name in reclaim.queues:  # a promoted primary's reclaim window (server.reclaim)
+            self.roles.admit(Action.ACQUIRE)
+            reclaim.park(conn, req_id, msg, name, owner, P.check_wait_ms(msg[5]))
+            return
+        self.enter_acquire(conn, req_id, msg, name, owner)
+
+    def enter_acquire(self, conn: Session, req_id: int, msg: list, name: str, owner: bytes) -> None:
+        """The ACQUIRE ``msg`` of ``name`` by ``owner`` (its hash) enters the lock's queue or is granted."""
         ttl_ms = P.check_ttl_ms(msg[4])
         wait_ms = P.check_wait_ms(msg[5])
         delay_ms = P.check_lock_delay_ms(msg[6])
@@ -301,6 +313,8 @@ class Handlers:
             raise InvalidArgument(f"{name!r}: {exc}") from None
         if usage is not None:
             quotas.acquired(usage, status, (name,), table.last_token)
+        if status == QUEUED:
+            server.queues.touched(name)  # shipped to the standby (fastlock.replication.queues)
         if status == LIMIT_CONFLICT:
             raise limit_conflict(table, name, limit, now)
         if status == NOT_ACQUIRED:
@@ -378,6 +392,11 @@ class Handlers:
         # that made the key can match it (a hash read from a replica's stream is hashed again).
         owner = conn.owner_hash(msg[3])
         self.roles.admit(Action.CANCEL_WAITER)  # withdrawing a queued waiter is local: fenced or not
+        reclaim = self.server.reclaim
+        if reclaim.queues and reclaim.cancel(name, owner):  # parked or expected in the reclaim window
+            conn.send(P.encode_ok(req_id, "cancelled"))
+            return
+        self.server.queues.touched(name)
         table = self.table
         now = monotonic_ms()
         result = None
@@ -427,6 +446,39 @@ class Handlers:
     def op_watch(self, conn: Session, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])
         self.roles.admit(Action.READ)
+        self._add_watch(conn, name)
+        conn.send(P.encode_ok(req_id, self._holder_info(name)))
+
+    def op_watch_from(self, conn: Session, req_id: int, msg: list) -> None:
+        """WATCH_FROM ``[name, since]``: WATCH with revisions (:mod:`fastlock.server.watchlog`).
+
+        ``since`` None starts a new watch; a revision (int) resumes one: the published
+        changes of ``name`` after it are pushed first (``PUSH_WATCH_REV``), then the
+        live ones.  Replies ``{"holder": the holder now or None, "revision": every change
+        up to it was sent}``.  Refused with ``Compacted`` (extra: the oldest revision
+        kept) or ``WatchDiverged``, changing nothing."""
+        name = P.check_name(msg[2])
+        since = msg[3]
+        if since is not None and (type(since) is not int or not 0 <= since < 1 << 63):
+            raise InvalidArgument("watch_from takes a lock name and a revision (int, 0 <= r < 2**63) or None")
+        self.roles.admit(Action.READ)
+        revisions = self.server.revisions
+        try:
+            replay = [] if since is None else revisions.replay(name, since)
+        except Compacted as exc:
+            conn.send(P.encode_error(req_id, exc.code, str(exc), exc.oldest))
+            return
+        self._add_watch(conn, name)
+        self.watches.revisioned.add(conn.session)
+        for change in replay:
+            client, corr = change.meta if change.meta else (None, None)
+            principal, client = split_recorded_client(client)
+            conn.send(P.encode_push(PUSH_WATCH_REV, [name, change.what, change.token, client, corr, principal,
+                                                     change.revision]))
+        conn.send(P.encode_ok(req_id, {"holder": self._holder_info(name), "revision": revisions.progress()}))
+
+    def _add_watch(self, conn: Session, name: str) -> None:
+        """Add ``conn``'s watch of ``name`` (counted against the watch limits)."""
         if conn.watching is None:
             conn.watching = set()
         if name not in conn.watching:
@@ -439,7 +491,6 @@ class Handlers:
             quotas.count_watches(conn, 1)
         conn.watching.add(name)
         self.watches.add(conn, name)
-        conn.send(P.encode_ok(req_id, self._holder_info(name)))
 
     def op_unwatch(self, conn: Session, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])

@@ -267,8 +267,7 @@ class LockAdmin:
         handlers.wal.log_revoke(name, h.token, principal, reason)
         self.revocations.add(name, h.token, principal, reason)
         handlers.server.quotas.lease_ended(h.token, h.meta)
-        if name in handlers.watchers:
-            handlers.watches.notify(name, P.WATCH_REVOKED, h.token, h.meta)
+        handlers.server.revisions.logged(name, P.WATCH_REVOKED, h.token, h.meta)
         log.warning("lease %d on %s (principal %s, client %s) revoked by %s: %s", h.token, quote(name),
                     info["principal"], quote(info["client"]), principal, quote(reason),
                     extra={"session": session, "lock": name, "token": h.token, "principal": principal,
@@ -321,10 +320,9 @@ class LockAdmin:
                     if h.token == token:
                         table.remove_holder(name, token, now)
                         handlers.wal.log_revoke(name, token, conn.principal, reason)
+                        server.revisions.logged(name, P.WATCH_REVOKED, token, h.meta)
                         self.revocations.add(name, token, conn.principal, reason)
                         quotas.lease_ended(token, h.meta)
-                        if name in handlers.watchers:
-                            handlers.watches.notify(name, P.WATCH_REVOKED, token, h.meta)
                         revoked += 1
                         break
             if start + REVOKE_PAGE < len(leases):

@@ -66,6 +66,7 @@ from ..auth import Credentials, is_loopback
 from ..errors import FastlockError, Unavailable
 from ..logsafe import quote
 from ..replication import STATE_FILE, NodeState, ReplicationSource, StandbyFollower, node_id
+from ..replication.queues import QueueShipper
 from ..roles import Action, NodeRole, Role
 from ..tls import ServerTLS, client_context
 from ..units import format_address, monotonic_ms
@@ -80,9 +81,11 @@ from .failover import FailoverPolicy, primary_to_follow
 from .handlers import Handlers, refusal
 from .keys import KeyStore
 from .kinds import expired_log, grant_reply, reply_id, unacked_log, undelivered_log, waiter_left
+from .reclaim import ReclaimGate
 from .session import Session, shown_client
 from .shares import client_principals
 from .tasks import BackgroundTasks
+from .watchlog import Revisions
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +179,16 @@ class LockServer:
         # with one client principal at most (open mode, say) the default shares stay off
         self.quotas = PrincipalQuotas(config, self, single_principal=client_principals(credentials) <= 1)
         self.handlers = Handlers(self, credentials)
+        #: watch revisions: the history resuming watches replay, progress notices (fastlock.server.watchlog)
+        self.revisions = Revisions(self, self.handlers.watches, config.watch_history, config.watch_progress_interval)
+        if self.follower is not None:
+            self.follower.revisions = self.revisions
+        #: waiter queues: shipped to the standby, and kept in place by a promotion's reclaim window
+        self.queues = QueueShipper(self)
+        self.reclaim = ReclaimGate(self.handlers.enter_acquire, self.after_batch, config.queue_reclaim_window,
+                                   config.max_waiters)
+        if self.follower is not None:
+            self.follower.queues.on_promoted = self._reclaim_queues
         #: process exit status: non-zero after a fatal WAL failure
         self.exit_status = 0
         #: sessions written to in this loop turn (flushed once at the batch end)
@@ -184,6 +197,12 @@ class LockServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = asyncio.Event()
         self._started_ms = monotonic_ms()
+
+    def _reclaim_queues(self, queues: dict[str, list[bytes]]) -> None:
+        """Promoted: the old primary's waiters keep their places for the reclaim window."""
+        table = self.table
+        self.reclaim.arm(queues, lambda name, owner: table.holder(name, monotonic_ms(), owner) is not None,
+                         self.loop)
 
     # -- what replication and failover see (fastlock.replication.host.ReplicationHost) -----------
     @property
@@ -283,6 +302,9 @@ class LockServer:
 
             self.endpoints.metrics = MetricsExporter(self, *config.metrics)
         self.failover.on_start()  # a deposed primary stays deposed; a paired one may start fenced
+        if self.roles.role is Role.PRIMARY:
+            self.revisions.started()
+        self.revisions.start_progress(loop)
         self._rearm()
         host, port = await self.endpoints.listen(config.host, config.port, self._make_session)
         self.failover.listening(config.advertise or format_address((host, port)))
@@ -353,6 +375,8 @@ class LockServer:
         for conn in list(self.limits.sessions.values()):
             conn.close_after_flush()
         self.expiry.cancel()
+        self.revisions.stop()
+        self.reclaim.stop()
         self.handlers.kinds.deadlocks.cancel()
         self.limits.close()
         self.tasks.cancel_all()
@@ -422,10 +446,12 @@ class LockServer:
             watches = self.handlers.watches
             for name in conn.watching:
                 watches.remove(conn, name)
+            watches.revisioned.discard(conn.session)
             self.quotas.count_watches(conn, -len(conn.watching))
         dropped = self.table.drop_session(conn.session, self._table_now())
         self.quotas.waiters_dropped(conn.principal, dropped)
         if dropped:
+            self.queues.sessions_dropped()
             log.debug("session %d closed; %d waiters removed", conn.session, dropped)
         self.after_batch()
 
@@ -442,6 +468,8 @@ class LockServer:
         if nd >= 0 and (self.expiry.handle is None or nd < self.expiry.at_ms) and self.roles.expires_leases:
             self._rearm()
         self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
+        self.revisions.batch_end()  # the batch's holder changes reach the watchers once committed
+        self.queues.batch_end()  # changed waiter queues go to the standby
         self.wal.poll()  # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
         dirty = self.dirty
         if dirty:
@@ -454,7 +482,7 @@ class LockServer:
         grants = None
         sessions = self.limits.sessions
         quotas = self.quotas
-        watchers = self.handlers.watches.by_name
+        revisions = self.revisions
         for ev in events:
             kind = ev.kind
             if kind == EV_GRANTED:
@@ -462,22 +490,24 @@ class LockServer:
                     meta = ev.meta
                     wal.log_grant(ev.name, ev.token, ev.owner, ev.ttl_ms, ev.lock_delay_ms, meta[0], meta[1],
                                   ev.shared, ev.limit)
+                    revisions.logged(ev.name, "granted", ev.token, meta)
                     quotas.grant_event(ev)
                 if grants is None:
                     grants = []
                 grants.append(ev)
+                self.queues.granted(ev.name)
             elif kind == EV_EXPIRED:
                 wal.log_expire(ev.name, ev.token)
+                revisions.logged(ev.name, "expired", ev.token, ev.meta)
                 self.keys.lease_ended(ev.name, ev.token, "expired")
                 if ev.lock_delay_ms:
                     lockdelays.log_expired(wal, ev)
                 quotas.lease_expired(ev, monotonic_ms())  # its lock-delay counts as its lease until it ends
-                if ev.name in watchers:
-                    self.handlers.watches.notify(ev.name, "expired", ev.token, ev.meta)
                 expired_log("lease expired: %s token %d (holder %s)", quote(ev.name), ev.token,
                             quote(shown_client(ev.meta[0]) if ev.meta else None))
             else:  # a waiter left (wait timeout, cancel, deadlock): its acquire fails
                 waiter_left(sessions.get(ev.session), ev, quotas)
+                self.queues.touched(ev.name)
         quotas.batch_done()
         if grants is not None:  # sync replication: acked once the standby has them too (source.sync)
             deliver = self.source.sync.after(lambda refused=None: self._deliver_grants(grants, refused))
@@ -499,15 +529,11 @@ class LockServer:
         sessions = self.limits.sessions
         table = self.table
         undelivered = False
-        watches = self.handlers.watches
-        watchers = watches.by_name
         source = self.source
         if source.fencing:  # (not paired: nothing to check)
             source.fence_if_due(monotonic_ms())
         refused = refused_by or (None if self.roles.may(Action.ACQUIRE) else refusal(self.roles, Action.ACQUIRE))
         for ev in grants:
-            if refused is None and watchers and ev.name in watchers and ev.fresh:
-                watches.notify(ev.name, "granted", ev.token, ev.meta)
             conn = sessions.get(ev.session)
             if conn is None or conn.closed:
                 # Nobody can learn this token any more: release it now rather
@@ -539,11 +565,9 @@ class LockServer:
     def released(self, name: str, token: int, meta: tuple | None) -> None:
         """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id))."""
         self.wal.log_release(name, token)
+        self.revisions.logged(name, "released", token, meta)
         self.keys.lease_ended(name, token, "released")
         self.quotas.lease_ended(token, meta)
-        watches = self.handlers.watches
-        if name in watches.by_name:
-            watches.notify(name, "released", token, meta)
 
     # -- the expiry timer -------------------------------------------------------------------
     def _table_now(self) -> int:
@@ -613,4 +637,6 @@ class LockServer:
         st["replication"].update(node_name=self.config.name, node_id=self.handlers.hello.node)
         if self.failover.coordinated is not None:
             st["coordinator"] = self.failover.coordinated.status()
+        st["watch_history"] = self.revisions.status()  # docs/watches.md
+        st["queue_reclaim"] = self.reclaim.status()
         return st

@@ -3,7 +3,9 @@
 A watcher hears ``[name, what, token, client, correlation id, principal]``
 (``what``: "granted", "released" or "expired") as a ``PUSH_WATCH`` frame; the
 limits on how many watches a connection, a principal and the server may have
-are checked by the WATCH handler (:mod:`fastlock.server.handlers`).
+are checked by the WATCH handler (:mod:`fastlock.server.handlers`).  A connection
+that watches with WATCH_FROM (``revisioned``) hears the same payload and the
+change's revision as a ``PUSH_WATCH_REV`` frame (:mod:`fastlock.server.watchlog`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .. import protocol as P
+from ..protocol.ops import PUSH_WATCH_REV
 from .session import split_recorded_client
+from .watchlog import Kept
 
 if TYPE_CHECKING:  # pragma: no cover
     from .session import Session
@@ -23,6 +27,8 @@ class WatchRegistry:
 
     def __init__(self) -> None:
         self.by_name: dict[str, set[Session]] = {}
+        #: the session ids of the connections that watch with WATCH_FROM (revisioned pushes)
+        self.revisioned: set[int] = set()
 
     def add(self, conn: Session, name: str) -> None:
         self.by_name.setdefault(name, set()).add(conn)
@@ -42,3 +48,26 @@ class WatchRegistry:
         data = P.encode_push(P.PUSH_WATCH, [name, what, token, client, corr, principal])
         for conn in self.by_name[name]:
             conn.send(data)
+
+    def publish(self, changes: list[Kept]) -> None:
+        """Push committed ``changes`` (``(revision, name, what, token, meta)``, in revision
+        order) to their locks' watchers."""
+        by_name = self.by_name
+        revisioned = self.revisioned
+        for rev, name, what, token, meta in changes:
+            conns = by_name.get(name)
+            if not conns:
+                continue
+            client, corr = meta if meta else (None, None)
+            principal, client = split_recorded_client(client)
+            payload = [name, what, token, client, corr, principal]
+            plain = with_revision = None
+            for conn in conns:
+                if conn.session in revisioned:
+                    if with_revision is None:
+                        with_revision = P.encode_push(PUSH_WATCH_REV, [*payload, rev])
+                    conn.send(with_revision)
+                else:
+                    if plain is None:
+                        plain = P.encode_push(P.PUSH_WATCH, payload)
+                    conn.send(plain)

@@ -1,0 +1,310 @@
+"""Watch revisions: the bounded history of holder changes a resuming watch replays.
+
+Every holder change a lock watch can deliver (a grant, a release, an expiry, a
+revoke) carries a **revision**: ``epoch << 40 | lsn``, the epoch of the primary
+that logged the change's write-ahead-log record and that record's LSN in the
+primary's log (the layout of a fencing token, :mod:`fastlock.tokens`).  A standby
+replays the same records with the primary's LSNs, so it gives every change the
+same revision as the primary did; a promoted standby's own changes carry its new,
+higher epoch.  Revisions therefore only grow along the history of the lock table,
+on the primary and on its standbys alike.
+
+:class:`WatchLog` keeps the last ``limit`` changes (``--watch-history``, default
+:data:`DEFAULT_HISTORY` changes) by revision and by lock name.  A change is
+*published* (pushed to the watchers, and replayable) once its record is durable on
+this node and, under synchronous replication, acknowledged by the standby: a watch
+never sees a change a failover could take back.  A watch that resumes from
+revision ``since`` gets every published change of its lock after ``since``, then
+the live ones; ``since`` older than the history kept raises
+:class:`~fastlock.errors.Compacted` (with the oldest revision it could resume
+from); ``since`` a change this node never had (the old primary published it but
+its record never reached this standby: asynchronous replication) raises
+:class:`~fastlock.errors.WatchDiverged`.  This node knows which revisions of an
+older epoch it has: the last LSN it applied of each epoch it followed
+(:meth:`WatchLog.applied`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, NamedTuple
+
+from ..errors import Compacted, WatchDiverged
+from ..protocol.framing import encode_push
+from ..protocol.ops import PUSH_WATCH_PROGRESS
+from ..roles import Action, Role
+from ..tokens import TOKEN_EPOCH_SHIFT, counter_of, epoch_of
+
+__all__ = ["DEFAULT_HISTORY", "DEFAULT_PROGRESS_INTERVAL", "Revisions", "WatchChange", "WatchLog", "revision",
+           "shown_revision"]
+
+#: changes kept for resuming watches by default (about 150 bytes each)
+DEFAULT_HISTORY = 100_000
+#: seconds between the progress notices a resumable watch receives by default
+DEFAULT_PROGRESS_INTERVAL = 10.0
+
+
+def revision(epoch: int, lsn: int) -> int:
+    """The revision (int) of the record at ``lsn`` (int) logged by the primary of ``epoch`` (int)."""
+    return epoch << TOKEN_EPOCH_SHIFT | lsn
+
+
+def shown_revision(rev: int) -> str:
+    """``"<revision> (<epoch>/<lsn>)"``, for messages."""
+    return f"{rev} ({epoch_of(rev)}/{counter_of(rev)})"
+
+
+#: a change as kept: (revision, name, what, token, meta) - a plain tuple, built on the hot path
+Kept = tuple[int, str, str, int, Any]
+
+
+class WatchChange(NamedTuple):
+    """One holder change kept for resuming watches: its ``revision``, the lock
+    ``name``, ``what`` happened ("granted", "released", "expired", "revoked"), the
+    lease's ``token`` and its ``meta`` (recorded client, correlation id) or None."""
+
+    revision: int
+    name: str
+    what: str
+    token: int
+    meta: Any
+
+
+class WatchLog:
+    """The last ``limit`` holder changes, by revision and by lock name.
+
+    Changes are :meth:`record`-ed in revision order (as their records are logged)
+    and :meth:`publish`-ed up to a revision once committed; ``floor`` is the
+    revision after which every change is kept (None: not known yet, a standby
+    before its first record).
+    """
+
+    def __init__(self, limit: int = DEFAULT_HISTORY) -> None:
+        if limit < 1:
+            raise ValueError(f"the watch history keeps at least 1 change, got {limit}")
+        self.limit = limit
+        self.changes: deque[Kept] = deque()
+        self.by_name: dict[str, deque[Kept]] = {}
+        #: changes recorded but not yet published (committed), in revision order
+        self.pending: deque[Kept] = deque()
+        self.floor: int | None = None
+        #: the revision up to which everything is published (what a progress notice says)
+        self.published = 0
+        #: epoch -> the last LSN of it this node applied as a standby
+        self.lineage: dict[int, int] = {}
+
+    # -- recording ----------------------------------------------------------------------
+    def start(self, rev: int) -> None:
+        """Begin the history at ``rev`` (a node starting as primary: its last logged record)."""
+        if self.floor is None:
+            self.floor = rev
+            self.published = max(self.published, rev)
+
+    def reset(self, rev: int) -> None:
+        """Forget every change and begin again at ``rev`` (a standby installed a snapshot)."""
+        self.changes.clear()
+        self.by_name.clear()
+        self.pending.clear()
+        self.floor = rev
+        self.published = rev
+        self.lineage[epoch_of(rev)] = counter_of(rev)
+
+    def record(self, rev: int, name: str, what: str, token: int, meta: Any, published: bool = False) -> None:
+        """Keep a change (``published``: already committed, as a standby's), dropping
+        the oldest beyond the limit."""
+        change = (rev, name, what, token, meta)
+        if self.floor is None:
+            self.floor = rev - 1
+        changes = self.changes
+        changes.append(change)
+        group = self.by_name.get(name)
+        if group is None:
+            self.by_name[name] = group = deque()
+        group.append(change)
+        if len(changes) > self.limit:
+            old = changes.popleft()
+            self.floor = old[0]
+            same = self.by_name[old[1]]
+            same.popleft()
+            if not same:
+                del self.by_name[old[1]]
+        if published:
+            self.published = rev
+        else:
+            self.pending.append(change)
+
+    def applied(self, epoch: int, lsn: int) -> None:
+        """A standby applied the records of ``epoch``'s primary up to ``lsn``."""
+        self.lineage[epoch] = lsn
+        rev = revision(epoch, lsn)
+        if self.floor is None:
+            self.floor = rev
+        if not self.pending and rev > self.published:
+            self.published = rev
+
+    def publish(self, upto: int) -> list[Kept]:
+        """The pending changes up to revision ``upto`` (now committed), in order."""
+        pending = self.pending
+        out = []
+        while pending and pending[0][0] <= upto:
+            out.append(pending.popleft())
+        if out:
+            self.published = max(self.published, out[-1][0])
+        return out
+
+    def drop_pending(self) -> None:
+        """Changes this node will never publish (its acknowledgements were refused: deposed)."""
+        self.pending.clear()
+
+    def progress(self, current: int) -> int:
+        """The revision up to which every change is published; ``current``: the revision
+        of the last record logged."""
+        if self.pending:
+            return self.pending[0][0] - 1
+        return max(self.published, current)
+
+    # -- resuming -----------------------------------------------------------------------
+    def since(self, name: str, since: int, current: int) -> list[WatchChange]:
+        """The published changes of ``name`` after revision ``since``.
+
+        ``current``: this node's revision now (its epoch, its last logged LSN).
+        :raises Compacted: ``since`` is older than the history kept.
+        :raises WatchDiverged: ``since`` names a change this node never had.
+        """
+        floor = self.floor if self.floor is not None else current
+        if since < floor:
+            raise Compacted(f"revision {shown_revision(since)} is older than the watch history kept here (from "
+                            f"{shown_revision(floor)}): start a new watch", floor)
+        epoch = epoch_of(since)
+        here = epoch_of(current)
+        if epoch > here or (epoch == here and since > current) or (
+                epoch < here and counter_of(since) > self.lineage.get(epoch, -1)):
+            raise WatchDiverged(f"revision {shown_revision(since)} is not in this node's history (up to "
+                                f"{shown_revision(current)}; of epoch {epoch} it has up to LSN "
+                                f"{self.lineage.get(epoch, 'none')}): the primary that delivered it lost changes "
+                                f"its standby never received; start a new watch")
+        group = self.by_name.get(name)
+        if not group:
+            return []
+        first = self.pending[0][0] if self.pending else 1 << 63  # not committed yet: published live, later
+        return [WatchChange(*c) for c in group if since < c[0] < first]
+
+    def status(self) -> dict:
+        """For ``fastlock status``: kept, limit, floor, published."""
+        return {"kept": len(self.changes), "limit": self.limit, "floor": self.floor, "published": self.published,
+                "pending": len(self.pending)}
+
+
+class Revisions:
+    """The server's side of watch revisions: keeps the :class:`WatchLog`, publishes
+    committed changes to the lock watchers (:class:`~fastlock.server.watches.WatchRegistry`)
+    and sends progress notices.
+
+    ``server`` is the :class:`~fastlock.server.lockserver.LockServer`; ``history``:
+    changes kept (``--watch-history``); ``progress_interval``: seconds between
+    progress notices (``--watch-progress-interval``; 0: none).
+    """
+
+    def __init__(self, server: Any, registry: Any, history: int = DEFAULT_HISTORY,
+                 progress_interval: float = DEFAULT_PROGRESS_INTERVAL) -> None:
+        self.server = server
+        self.registry = registry
+        self.log = WatchLog(history)
+        self.progress_interval = progress_interval
+        #: the revision up to which a publication is already scheduled
+        self.scheduled = 0
+        self._timer: Any = None
+
+    # -- the revision now ----------------------------------------------------------------
+    def current(self) -> int:
+        """This node's revision now: a primary's epoch and last logged LSN; a standby's
+        primary's epoch and the last primary LSN it applied."""
+        server = self.server
+        follower = server.follower
+        if follower is not None and server.roles.role is not Role.PRIMARY and follower.applied_lsn:
+            return revision(follower.primary_epoch, follower.applied_lsn)
+        return revision(server.table.epoch, server.wal.logged_lsn)
+
+    def progress(self) -> int:
+        """The revision up to which every change is published (a progress notice's)."""
+        return self.log.progress(self.current())
+
+    def replay(self, name: str, since: int) -> list[WatchChange]:
+        """The published changes of ``name`` after ``since``.
+        :raises Compacted: too old.  :raises WatchDiverged: not in this node's history."""
+        return self.log.since(name, since, self.current())
+
+    # -- the primary's changes -----------------------------------------------------------
+    def started(self) -> None:
+        """The node started: its history begins at its revision now."""
+        self.log.start(self.current())
+
+    def logged(self, name: str, what: str, token: int, meta: Any) -> None:
+        """A holder change whose record was just logged (the last one logged)."""
+        server = self.server
+        self.log.record(server.table.epoch << TOKEN_EPOCH_SHIFT | server.wal.logged_lsn, name, what, token, meta)
+
+    def batch_end(self) -> None:
+        """At each batch end: publish the changes recorded in it once committed (durable
+        here and, under synchronous replication, acknowledged by the standby)."""
+        pending = self.log.pending
+        if not pending:
+            return
+        upto = pending[-1][0]
+        if upto <= self.scheduled:
+            return
+        self.scheduled = upto
+        server = self.server
+        deliver = server.source.sync.after(lambda refused=None: self._publish(upto, refused))
+        server.wal.when_durable(deliver)
+
+    def _publish(self, upto: int, refused: Any = None) -> None:
+        changes = self.log.publish(upto)
+        # a refused acknowledgement, or a node that may no longer write (deposed, fenced): the changes
+        # may be taken back by a promoted standby, so nobody hears of them (as key changes: server.keys)
+        if changes and refused is None and self.server.roles.may(Action.RELEASE):
+            self.registry.publish(changes)
+            self.server.after_batch()
+
+    # -- the standby's changes -----------------------------------------------------------
+    def replicated(self, epoch: int, lsn: int, name: str, what: str, token: int, meta: Any) -> None:
+        """A standby applied the holder change of the primary's record at ``lsn``."""
+        self.log.record(revision(epoch, lsn), name, what, token, meta, published=True)
+
+    def applied(self, epoch: int, lsn: int) -> None:
+        """A standby applied the primary's records up to ``lsn`` of ``epoch``."""
+        self.log.applied(epoch, lsn)
+
+    def snapshot(self, epoch: int, lsn: int) -> None:
+        """A standby installed the primary's snapshot at ``lsn`` of ``epoch``: the history
+        begins again there (the changes before it are not known here)."""
+        self.log.reset(revision(epoch, lsn))
+
+    # -- progress notices ----------------------------------------------------------------
+    def start_progress(self, loop: Any) -> None:
+        """Send a progress notice every ``progress_interval`` seconds to every connection
+        that watches with revisions (none if the interval is 0)."""
+        if self.progress_interval > 0:
+            self._timer = loop.call_later(self.progress_interval, self._tick, loop)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _tick(self, loop: Any) -> None:
+        self._timer = loop.call_later(self.progress_interval, self._tick, loop)
+        server = self.server
+        if not self.registry.revisioned or server.roles.role is not Role.PRIMARY:
+            return
+        data = encode_push(PUSH_WATCH_PROGRESS, [self.progress()])
+        sessions = server.sessions
+        for session in self.registry.revisioned:
+            conn = sessions.get(session)
+            if conn is not None and not conn.closed:
+                conn.send(data)
+        server.after_batch()
+
+    def status(self) -> dict:
+        """For ``fastlock status`` (``watch_history``)."""
+        return {**self.log.status(), "revision": self.current(), "progress_interval": self.progress_interval}
