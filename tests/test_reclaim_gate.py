@@ -37,11 +37,13 @@ class Loop:
         pass
 
 
-def make_gate(queues, limit=100, held=()):
+def make_gate(queues, limit=100, held=(), priorities=None):
     entered: list[tuple[str, str]] = []
 
-    def enter(conn, req_id, msg, name, owner):
+    def enter(conn, req_id, msg, name, owner, priority):
         entered.append((name, conn.name))
+        if priorities is not None:
+            priorities.append(priority)
 
     gate = ReclaimGate(enter, lambda: None, window=5.0, limit=limit)
     loop = Loop()
@@ -64,6 +66,15 @@ def test_returning_waiters_enter_in_their_old_order_whatever_the_order_they_come
     park(gate, a)
     assert entered == [("q", "a"), ("q", "b"), ("q", "c"), ("q", "new")]
     assert not gate.holds("q") and gate.parked == 0
+
+
+def test_a_parked_prioritized_acquire_enters_with_its_priority():
+    priorities: list[int] = []
+    gate, entered, _ = make_gate({"q": [b"a"]}, priorities=priorities)
+    a, urgent = Conn("a"), Conn("urgent")
+    gate.park(urgent, 1, ["acq", "q"], "q", b"urgent", 10_000, 7)
+    park(gate, a)
+    assert entered == [("q", "a"), ("q", "urgent")] and priorities == [0, 7]
 
 
 def test_an_absent_waiter_is_skipped_when_the_window_ends():

@@ -53,8 +53,8 @@ from .kinds import MAX_CONTENDERS, Semaphore, kind_args, list_contenders
 from .lease import HolderInfo, Lease, LeaseState, WatchEvent, check_fraction, check_lease
 from .multilock import LockManyContext, MultiLease, acquire_many, release_many, sorted_names
 from .owner_keys import new_owner_key
-from .recipes import RecipeMethods
 from .preempt import deliver_revoke_request, grace_ms, send_revoke_request
+from .recipes import RecipeMethods
 from .renewer import LockContext, Renewer, Renewers
 from .sweep import FAILOVER_TIMEOUT, find_primary
 from .watch import watch_events

@@ -48,9 +48,9 @@ from .keys import PERMISSIONS as KEY_PERMISSIONS
 from .keys import KeyStore
 from .kinds import KindHandlers, limit_conflict, sequenced_request
 from .lockadmin import LockAdmin, not_the_holder
-from .ratelimit import RateLimitHandler
 from .preemption import PERMISSIONS as PREEMPTION_PERMISSIONS
 from .preemption import Preemption
+from .ratelimit import RateLimitHandler
 from .session import Session, split_recorded_client
 from .shares import limit_exceeded
 from .statusview import client_status
@@ -265,12 +265,14 @@ class Handlers:
         reclaim = self.server.reclaim
         if reclaim.queues and name in reclaim.queues:  # a promoted primary's reclaim window (server.reclaim)
             self.roles.admit(Action.ACQUIRE)
-            reclaim.park(conn, req_id, msg, name, owner, P.check_wait_ms(msg[5]))
+            reclaim.park(conn, req_id, msg, name, owner, P.check_wait_ms(msg[5]), priority)
             return
-        self.enter_acquire(conn, req_id, msg, name, owner)
+        self.enter_acquire(conn, req_id, msg, name, owner, priority)
 
-    def enter_acquire(self, conn: Session, req_id: int, msg: list, name: str, owner: bytes) -> None:
-        """The ACQUIRE ``msg`` of ``name`` by ``owner`` (its hash) enters the lock's queue or is granted."""
+    def enter_acquire(self, conn: Session, req_id: int, msg: list, name: str, owner: bytes,
+                      priority: int = 0) -> None:
+        """The ACQUIRE ``msg`` of ``name`` by ``owner`` (its hash) enters the lock's queue at
+        ``priority`` (0..99, :mod:`fastlock.server.preemption`) or is granted."""
         ttl_ms = P.check_ttl_ms(msg[4])
         wait_ms = P.check_wait_ms(msg[5])
         delay_ms = P.check_lock_delay_ms(msg[6])

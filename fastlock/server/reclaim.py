@@ -42,12 +42,14 @@ DEFAULT_WINDOW = 5.0
 
 
 class Parked(NamedTuple):
-    """An acquire held by the gate: its connection, request id, request and owner-key hash."""
+    """An acquire held by the gate: its connection, request id, request, owner-key hash and
+    queue priority (ACQUIRE_PRIORITY's; 0 for ACQUIRE)."""
 
     conn: Session
     req_id: int
     msg: list
     owner: bytes
+    priority: int = 0
 
 
 class _Queue:
@@ -61,10 +63,10 @@ class _Queue:
 class ReclaimGate:
     """The locks whose old waiters may still reclaim their places (see the module).
 
-    ``enter(conn, req_id, msg, name, owner)`` runs an acquire now (the handler's);
+    ``enter(conn, req_id, msg, name, owner, priority)`` runs an acquire now (the handler's);
     ``batch_end()`` ends the server's batch (events, flush)."""
 
-    def __init__(self, enter: Callable[[Session, int, list, str, bytes], None], batch_end: Callable[[], None],
+    def __init__(self, enter: Callable[[Session, int, list, str, bytes, int], None], batch_end: Callable[[], None],
                  window: float = DEFAULT_WINDOW, limit: int = 100_000) -> None:
         self.enter = enter
         self.batch_end = batch_end
@@ -93,8 +95,9 @@ class ReclaimGate:
         """Does the gate hold acquires of ``name`` now?"""
         return name in self.queues
 
-    def park(self, conn: Session, req_id: int, msg: list, name: str, owner: bytes, wait_ms: int) -> None:
-        """Hold this acquire of ``name`` until its place comes (it may enter at once).
+    def park(self, conn: Session, req_id: int, msg: list, name: str, owner: bytes, wait_ms: int,
+             priority: int = 0) -> None:
+        """Hold this acquire of ``name`` (at queue ``priority``) until its place comes (it may enter at once).
 
         :raises LockNotAcquired: ``wait_ms`` 0 by one that was not queued before the failover.
         :raises LimitExceeded: ``limit`` acquires are parked already (by one not expected)."""
@@ -110,7 +113,7 @@ class ReclaimGate:
         if self.parked >= self.limit and owner not in queue.expected:  # a returning waiter is never refused
             raise LimitExceeded(f"{self.limit} acquires already wait for the reclaim window after the "
                                 f"promotion (max-waiters); retry")
-        queue.parked.append(Parked(conn, req_id, msg, owner))
+        queue.parked.append(Parked(conn, req_id, msg, owner, priority))
         self.parked += 1
         self._advance(name, queue)
 
@@ -154,7 +157,7 @@ class ReclaimGate:
         if p.conn.closed:
             return
         try:
-            self.enter(p.conn, p.req_id, p.msg, name, p.owner)
+            self.enter(p.conn, p.req_id, p.msg, name, p.owner, p.priority)
         except FastlockError as exc:
             p.conn.send(P.encode_error(p.req_id, exc.code, str(exc), getattr(exc, "primary", None)))
 
