@@ -97,6 +97,8 @@ class ReplicationSource:
         # the strictest failover window of any standby that ever attached (ms, 0 = none)
         self._paired_window_ms = 0
         self._contact_ms = 0
+        #: this primary's monotonic ms until which a witness lease lets it grant without its standby (0: none)
+        self._witness_until_ms = 0
         self._hb_timer: asyncio.TimerHandle | None = None
         self._fence_timer: asyncio.TimerHandle | None = None
         self._takeover_timer: asyncio.TimerHandle | None = None  # fenced: when the standby may promote
@@ -418,7 +420,23 @@ class ReplicationSource:
         return self.fence_margin_ms if self.fence_margin_ms is not None else self._paired_window_ms // 4
 
     def _fence_deadline(self) -> int:
-        return self._contact_ms + self._paired_window_ms - self._margin()
+        return max(self._contact_ms + self._paired_window_ms - self._margin(), self._witness_until_ms)
+
+    def lease_window_ms(self, own_window_ms: int) -> int:
+        """The witness lease this primary asks for (ms): its paired standby's failover window,
+        else ``own_window_ms`` (its own ``--failover-after``); 0: none."""
+        return self._paired_window_ms or own_window_ms
+
+    def witness_granted(self, sent_ms: int, lease_ms: int) -> None:
+        """The witness granted this primary the lease of its epoch for ``lease_ms`` (ms),
+        asked at ``sent_ms`` (this node's monotonic ms): grant until ``sent_ms + lease_ms``
+        minus the fence margin even when the standby is silent (see
+        :mod:`fastlock.replication.witness`)."""
+        margin = self.fence_margin_ms if self.fence_margin_ms is not None else lease_ms // 4
+        until = sent_ms + lease_ms - margin
+        if until > self._witness_until_ms:
+            self._witness_until_ms = until
+            self._check_fence(monotonic_ms())
 
     def _check_fence(self, now: int) -> bool:
         """Fence or unfence by the contact deadline; True if the primary may act at ``now``."""
@@ -528,6 +546,7 @@ class ReplicationSource:
             "paired_window_ms": self._paired_window_ms,
             "paired_standby": self.paired_id,
             "paired_standby_address": self.paired_address,
+            "witness_lease_ms_left": max(0, self._witness_until_ms - now),
             "incarnation": self.incarnation,
         }
 

@@ -77,6 +77,7 @@ from .tasks import BackgroundTasks
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..replication.host import ReplicationHost
+    from ..replication.witnesslink import WitnessLink
     from .config import ServerConfig
     from .coordinated import CoordinatedNode
 
@@ -152,6 +153,8 @@ class FailoverPolicy:
         self._auto: asyncio.Task | None = None
         #: etcd decides who is primary (``--coordinator``); None: the pair decides
         self.coordinated: CoordinatedNode | None = None
+        #: the pair's witness (``--witness``): a promotion takes its lease for the new epoch first
+        self.witness: WitnessLink | None = None
         self._auto_retry_at_ms = 0
         self._peer_check: asyncio.Task | None = None
         self._peer_timer: asyncio.TimerHandle | None = None  # the next look at the fence (a primary's)
@@ -493,6 +496,8 @@ class FailoverPolicy:
                         "fence has closed", follower.primary_address, wait_ms)
             if wait_ms > 0:
                 await asyncio.sleep(wait_ms / 1000.0)
+        if self.witness is not None:
+            await self._witness_vote(epoch, required=not (confirmed or force))
         table.set_epoch(epoch)
         host.wal.log_epoch(epoch)
         durable = host.loop.create_future()
@@ -543,6 +548,38 @@ class FailoverPolicy:
             "%d ms (grace)", reason, epoch, len(holders) - ran_out, unknown, ran_out, grace,
         )
         return {"epoch": epoch, "grace_ms": grace, "leases": len(holders) - ran_out, "primary_confirmed": confirmed}
+
+    async def _witness_vote(self, epoch: int, *, required: bool) -> None:
+        """Take the witness's lease for ``epoch`` (see :mod:`fastlock.replication.witness`):
+        the witness grants it only once the old primary's lease has expired, so asking again
+        after the time it says is left, for at most two failover windows and a second.
+        ``required`` False (the old primary confirmed stepping down, or ``force``): one try,
+        and a refusal is only logged.
+
+        Raises:
+            Unavailable: required, and the witness did not grant it (refused, or unreachable).
+        """
+        witness = self.witness
+        assert witness is not None
+        window = max(self._standby_follower().failover_after_ms, 1000)
+        deadline = self.clock() + 2 * window + 1000
+        while True:
+            answer = await witness.lease(epoch, window)
+            if answer.granted:
+                log.warning("witness %s granted this node the lease of epoch %d", witness.where, epoch)
+                return
+            why = answer.error or (f"its vote is epoch {answer.epoch} ({answer.holder}), "
+                                   f"{answer.remaining_ms} ms of its lease left")
+            if not required:
+                log.warning("witness %s did not grant the lease of epoch %d (%s): promoting anyway (the old "
+                            "primary confirmed stepping down, or forced)", witness.where, epoch, why)
+                return
+            left = deadline - self.clock()
+            if answer.epoch > epoch or left <= 0:
+                raise Unavailable(f"the witness {witness.where} did not grant the lease of epoch {epoch} ({why}): "
+                                  f"the primary may still be granting; no promotion")
+            wait_ms = answer.remaining_ms + 20 if answer.error is None else 200
+            await asyncio.sleep(min(wait_ms, left) / 1000.0)
 
     # -- the operator's word -----------------------------------------------------------------
     def serve_alone(self) -> dict:
