@@ -79,12 +79,27 @@ def test_a_restarted_witness_holds_its_vote_for_a_whole_lease(tmp_path):
     assert again.lease("r2/b", 4, 1000)["granted"]
 
 
+def test_an_out_of_sync_word_is_kept_and_handed_to_the_next_vote(tmp_path):
+    clock = Clock()
+    w = Witness(str(tmp_path), Credentials.open_mode(), clock=clock)
+    assert w.lease("r1/a", 1, 1000)["out_of_sync"] is False
+    assert w.lease("r1/a", 1, 1000, True)["out_of_sync"] is True
+    assert read_vote(str(tmp_path)).out_of_sync  # on disk before the answer
+    clock.now += 1000
+    vote = w.lease("r2/b", 2, 1000)
+    assert vote["granted"] and vote["previous_out_of_sync"] and not vote["out_of_sync"]
+    assert Witness(str(tmp_path), Credentials.open_mode(), clock=clock).lease("r2/b", 2, 1000)["previous_out_of_sync"]
+
+
 @pytest.mark.parametrize("epoch, lease_ms", [(-1, 1000), ("1", 1000), (1, 99), (1, 600_001), (1, 1.5), (2**63, 1000)])
 def test_bad_arguments_are_refused_and_change_nothing(tmp_path, epoch, lease_ms):
     w = Witness(str(tmp_path), Credentials.open_mode(), clock=Clock())
     with pytest.raises(InvalidArgument):
         w.lease("r1/a", epoch, lease_ms)
     assert w.vote.epoch == 0 and w.vote.holder is None
+    with pytest.raises(InvalidArgument):
+        w.lease("r1/a", 1, 1000, 1)  # out_of_sync is a bool
+    assert w.vote.epoch == 0
 
 
 # -- the handshake ----------------------------------------------------------------------------
@@ -146,10 +161,10 @@ async def _status(witness, token: str) -> dict:
 
 # -- a pair with a witness (real processes) ----------------------------------------------------
 
-def _pair(cluster, witness, *, through_proxy: bool = False):
-    a = cluster.primary("a", args=["--witness", witness.address])
+def _pair(cluster, witness, *, through_proxy: bool = False, args: tuple[str, ...] = ()):
+    a = cluster.primary("a", args=["--witness", witness.address, *args])
     target = cluster.proxy(a.address).address if through_proxy else a.address
-    b = cluster.standby(target, "b", failover_after=FAILOVER, args=["--witness", witness.address])
+    b = cluster.standby(target, "b", failover_after=FAILOVER, args=["--witness", witness.address, *args])
     a.wait_for_log(r"holding its lease for epoch", 10)
     return a, b
 
@@ -251,5 +266,46 @@ def test_witness_dead_pair_keeps_serving_and_cannot_promote(cluster, witness):
         await asyncio.to_thread(b.wait_for_log, r"did not grant the lease of epoch", 30)
         st = await status_of(b.address)
         assert st["role"] in ("standby", "promoting") and not any("PROMOTED" in line for line in b.lines)
+
+    run(main())
+
+
+SYNC = ("--replication", "sync", "--sync-timeout", "0.5")
+
+
+def test_sync_pair_standby_killed_primary_keeps_granting(cluster, witness):
+    a, b = _pair(cluster, witness, args=SYNC)
+
+    async def main():
+        await poll(lambda: status_of(a.address), lambda st: st["replication"]["sync"]["state"] == "in_sync",
+                   timeout=10, what="in sync")
+        b.kill()
+        # the degrade cannot be heard by a dead standby: the witness records it instead
+        await grant(a.address, "degraded")
+        await asyncio.to_thread(a.wait_for_log, r"the witness recorded that the standby is no longer in sync", 10)
+        assert await keeps_granting(a.address, "alone", 3 * FAILOVER) > 0
+        st = await status_of(a.address)
+        assert st["replication"]["sync"]["state"] == "degraded" and not st["replication"]["fenced"]
+
+    run(main())
+
+
+def test_sync_pair_cut_then_primary_killed_promotes_with_a_grace(cluster, witness):
+    """Grants the primary acknowledged without its (cut off) standby: the witness tells the
+    promoted node, which takes the grace period instead of promoting without one."""
+    a, b = _pair(cluster, witness, through_proxy=True, args=SYNC)
+    link = cluster.proxies[0]
+
+    async def main():
+        await poll(lambda: status_of(a.address), lambda st: st["replication"]["sync"]["state"] == "in_sync",
+                   timeout=10, what="in sync")
+        await grant(a.address, "before")  # the standby learns the longest TTL (its default grace)
+        link.blackhole()
+        await grant(a.address, "acknowledged-alone")
+        await asyncio.to_thread(a.wait_for_log, r"the witness recorded that the standby is no longer in sync", 10)
+        a.kill()
+        line = await asyncio.to_thread(b.wait_for_log, r"PROMOTED to primary", 30)
+        assert "no new grants for 0 ms" not in line, line
+        assert any("the witness says the old primary acknowledged grants without its standby" in x for x in b.lines)
 
     run(main())

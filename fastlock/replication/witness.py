@@ -19,6 +19,11 @@ The rule of :meth:`Witness.lease` (the whole state is :class:`WitnessVote`)::
                                             the vote (epoch, holder, lease_ms) is written
                                             and fsynced before the reply
 
+Synchronous replication: a degraded primary whose standby cannot hear that it
+is no longer in sync (dead, or cut off) tells the witness instead
+(``out_of_sync``, kept with the vote); the node voted in at the next epoch
+learns it (``previous_out_of_sync``) and takes the promotion grace period.
+
 A witness restarted with a vote holds that vote's lease for a whole
 ``lease_ms`` from its start (it cannot know how much of it was left).  The
 safety argument is in ``docs/failover-safety.md`` ("A pair with a witness").
@@ -56,7 +61,7 @@ from .node_state import load_json, node_id
 
 log = logging.getLogger("fastlock.witness")
 
-#: the witness's own op: ``[req_id, OP_WITNESS_LEASE, epoch, lease_ms]`` -> :meth:`Witness.lease`'s dict
+#: the witness's own op: ``[req_id, OP_WITNESS_LEASE, epoch, lease_ms[, out_of_sync]]`` -> :meth:`Witness.lease`'s dict
 OP_WITNESS_LEASE = 120
 #: what the witness's HELLO answer says it is (a node refuses any other server as its witness)
 WITNESS_SERVER = "fastlock-witness"
@@ -72,12 +77,16 @@ READ_BYTES = 64 << 10
 
 class WitnessVote(NamedTuple):
     """What the witness keeps (``witness.json``): the highest epoch it granted a lease
-    for, to whom (``principal/node``; None: nobody yet), and the longest lease it gave
-    at that epoch (ms)."""
+    for, to whom (``principal/node``; None: nobody yet), the longest lease it gave at that
+    epoch (ms), whether that holder last said its standby may lack acknowledged grants
+    (``out_of_sync``), and what the holder of the epoch below last said when this vote
+    was taken (``previous_out_of_sync``)."""
 
     epoch: int
     holder: str | None
     lease_ms: int
+    out_of_sync: bool = False
+    previous_out_of_sync: bool = False
 
 
 def read_vote(directory: str) -> WitnessVote:
@@ -86,10 +95,12 @@ def read_vote(directory: str) -> WitnessVote:
     Raises:
         NodeFileDamaged: the file is not what :func:`write_vote` writes.
     """
-    data = load_json(directory, VOTE_FILE, {"epoch": (int,), "holder": (str, type(None)), "lease_ms": (int,)})
+    data = load_json(directory, VOTE_FILE, {"epoch": (int,), "holder": (str, type(None)), "lease_ms": (int,),
+                                            "out_of_sync": (bool,), "previous_out_of_sync": (bool,)})
     if data is None:
         return WitnessVote(0, None, 0)
-    return WitnessVote(int(data.get("epoch", 0)), data.get("holder"), int(data.get("lease_ms", 0)))
+    return WitnessVote(int(data.get("epoch", 0)), data.get("holder"), int(data.get("lease_ms", 0)),
+                       bool(data.get("out_of_sync", False)), bool(data.get("previous_out_of_sync", False)))
 
 
 def write_vote(directory: str, vote: WitnessVote) -> None:
@@ -120,34 +131,45 @@ class Witness:
         self._connections = 0
 
     # -- the rule ---------------------------------------------------------------------------
-    def lease(self, holder: str, epoch: Any, lease_ms: Any) -> dict:
+    def lease(self, holder: str, epoch: Any, lease_ms: Any, out_of_sync: Any = False) -> dict:
         """Grant or refuse ``holder`` the lease for ``epoch`` for ``lease_ms`` (see the module
-        docstring).  Returns ``{"granted", "epoch", "holder", "remaining_ms"}``: the vote
-        after the request and how long its lease has left on this clock (ms).
+        docstring).  ``out_of_sync``: the holder's word that its standby may lack grants it
+        acknowledged (a degraded synchronous primary), kept with the vote (fsynced) when it
+        changes; a granted answer means it is recorded.
+
+        Returns ``{"granted", "epoch", "holder", "remaining_ms", "out_of_sync",
+        "previous_out_of_sync"}``: the vote after the request, how long its lease has left on
+        this clock (ms), its holder's last word, and the last word of the epoch below's holder
+        when this vote was taken (a node promoted with it takes the grace period if True).
 
         Raises:
-            InvalidArgument: ``epoch`` not an int in 0..MAX_EPOCH, or ``lease_ms`` out of
-                :data:`MIN_LEASE_MS`..:data:`MAX_LEASE_MS` (nothing changes).
+            InvalidArgument: ``epoch`` not an int in 0..MAX_EPOCH, ``lease_ms`` out of
+                :data:`MIN_LEASE_MS`..:data:`MAX_LEASE_MS`, or ``out_of_sync`` not a bool
+                (nothing changes).
         """
         P.check_epoch(epoch, "witness epoch")
         if type(lease_ms) is not int or not MIN_LEASE_MS <= lease_ms <= MAX_LEASE_MS:
             raise InvalidArgument(f"lease_ms must be an int in {MIN_LEASE_MS}..{MAX_LEASE_MS}")
+        if type(out_of_sync) is not bool:
+            raise InvalidArgument("out_of_sync must be a bool")
         now = self.clock()
         vote = self.vote
         granted = False
         if epoch == vote.epoch and holder == vote.holder:
-            if lease_ms > vote.lease_ms:
-                self._write(WitnessVote(epoch, holder, lease_ms))
+            if lease_ms > vote.lease_ms or out_of_sync != vote.out_of_sync:
+                self._write(vote._replace(lease_ms=max(lease_ms, vote.lease_ms), out_of_sync=out_of_sync))
             self.expires_ms = max(self.expires_ms, now + lease_ms)
             granted = True
         elif (epoch > vote.epoch or vote.holder is None) and (vote.holder is None or now >= self.expires_ms):
-            self._write(WitnessVote(epoch, holder, lease_ms))
-            log.warning("voted for %s at epoch %d (the lease of epoch %d, %s, %s)", quote(holder), epoch,
-                        vote.epoch, quote(vote.holder), "had expired" if vote.holder else "was never held")
+            self._write(WitnessVote(epoch, holder, lease_ms, out_of_sync, vote.out_of_sync))
+            log.warning("voted for %s at epoch %d (the lease of epoch %d, %s, %s%s)", quote(holder), epoch,
+                        vote.epoch, quote(vote.holder), "had expired" if vote.holder else "was never held",
+                        "; its holder said its standby was out of sync" if vote.out_of_sync else "")
             self.expires_ms = now + lease_ms
             granted = True
         return {"granted": granted, "epoch": self.vote.epoch, "holder": self.vote.holder,
-                "remaining_ms": max(0, self.expires_ms - now)}
+                "remaining_ms": max(0, self.expires_ms - now), "out_of_sync": self.vote.out_of_sync,
+                "previous_out_of_sync": self.vote.previous_out_of_sync}
 
     def _write(self, vote: WitnessVote) -> None:
         write_vote(self.data_dir, vote)
@@ -216,8 +238,8 @@ class _Session:
                 return
             if self.holder is None:
                 raise ProtocolError("the first request must be HELLO")
-            if op == OP_WITNESS_LEASE and len(args) == 2:
-                self.send(P.encode_ok(req_id, self.witness.lease(self.holder, args[0], args[1])))
+            if op == OP_WITNESS_LEASE and len(args) in (2, 3):
+                self.send(P.encode_ok(req_id, self.witness.lease(self.holder, *args)))
             elif op == P.OP_PING and not args:
                 self.send(P.encode_ok(req_id, None))
             elif op == P.OP_STATUS and not args:

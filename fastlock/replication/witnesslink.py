@@ -28,6 +28,7 @@ from ..protocol import rpc
 from ..roles import Role
 from ..units import monotonic_ms
 from .messages import heartbeat_interval_ms
+from .syncrep import SyncGate
 from .witness import MAX_LEASE_MS, MIN_LEASE_MS, OP_WITNESS_LEASE, WITNESS_SERVER
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -53,6 +54,8 @@ class WitnessAnswer(NamedTuple):
     remaining_ms: int
     sent_ms: int
     error: str | None
+    out_of_sync: bool = False
+    previous_out_of_sync: bool = False
 
 
 class WitnessLink:
@@ -93,9 +96,10 @@ class WitnessLink:
         self.proven = handshake.server_node
         return conn
 
-    async def lease(self, epoch: int, lease_ms: int) -> WitnessAnswer:
+    async def lease(self, epoch: int, lease_ms: int, out_of_sync: bool = False) -> WitnessAnswer:
         """Ask for (or renew) the lease of ``epoch`` for ``lease_ms`` (ms, clamped to the
-        witness's bounds).  Never raises for what the witness or the network does."""
+        witness's bounds), saying whether this node's standby may lack grants it acknowledged
+        (``out_of_sync``).  Never raises for what the witness or the network does."""
         lease_ms = max(MIN_LEASE_MS, min(MAX_LEASE_MS, lease_ms))
         async with self._lock:
             sent = monotonic_ms()
@@ -104,14 +108,15 @@ class WitnessLink:
                     self._conn = None
                     self._conn = await self._connect()
                     sent = monotonic_ms()  # the lease counts from the request, not the connect
-                reply: Any = await asyncio.wait_for(self._conn.request(OP_WITNESS_LEASE, epoch, lease_ms),
+                reply: Any = await asyncio.wait_for(self._conn.request(OP_WITNESS_LEASE, epoch, lease_ms, out_of_sync),
                                                     WITNESS_TIMEOUT_S)
                 if (not isinstance(reply, dict) or type(reply.get("granted")) is not bool
                         or type(reply.get("epoch")) is not int or type(reply.get("remaining_ms")) is not int):
                     raise FastlockError(f"malformed witness answer {type(reply).__name__}")
                 answer = WitnessAnswer(epoch, reply["granted"], reply["epoch"],
                                        reply.get("holder") if isinstance(reply.get("holder"), str) else None,
-                                       max(0, reply["remaining_ms"]), sent, None)
+                                       max(0, reply["remaining_ms"]), sent, None,
+                                       reply.get("out_of_sync") is True, reply.get("previous_out_of_sync") is True)
             except (OSError, asyncio.TimeoutError, FastlockError) as exc:
                 if self._conn is not None:
                     self._conn.close()
@@ -198,10 +203,14 @@ class PrimaryWitnessLease:
                 continue
             if self.host.roles.role is Role.PRIMARY and window > 0:
                 epoch = self.host.table.epoch
-                answer = await self.link.lease(epoch, window)
+                sync = self.source.sync
+                out_of_sync = isinstance(sync, SyncGate) and sync.degraded
+                answer = await self.link.lease(epoch, window, out_of_sync)
                 self.link.probed = answer.error
                 if answer.granted and self.host.table.epoch == epoch:
                     self.source.witness_granted(answer.sent_ms, window)
+                    if answer.out_of_sync and isinstance(sync, SyncGate):
+                        sync.on_witness_out_of_sync()
                     self._say(logging.INFO, f"witness {self.link.where}: holding its lease for epoch {epoch}")
                 elif answer.error is not None:
                     self._say(logging.WARNING, f"witness {self.link.where} unreachable ({answer.error}): granting "

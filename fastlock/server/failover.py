@@ -496,8 +496,9 @@ class FailoverPolicy:
                         "fence has closed", follower.primary_address, wait_ms)
             if wait_ms > 0:
                 await asyncio.sleep(wait_ms / 1000.0)
+        out_of_sync = False  # the witness's word that the old primary acknowledged grants this node may lack
         if self.witness is not None:
-            await self._witness_vote(epoch, required=not (confirmed or force))
+            out_of_sync = await self._witness_vote(epoch, required=not (confirmed or force))
         table.set_epoch(epoch)
         host.wal.log_epoch(epoch)
         durable = host.loop.create_future()
@@ -516,6 +517,10 @@ class FailoverPolicy:
         # synchronous replication: in sync, this node has every grant a client was told of
         no_grace = in_sync or follower.sync.covers_promotion(confirmed=confirmed, forced=force,
                                                              automatic=automatic)
+        if no_grace is not None and out_of_sync and not confirmed:  # a confirmed step-down: every status read
+            log.warning("no promotion without a grace period (%s): the witness says the old primary acknowledged "
+                        "grants without its standby", no_grace)
+            no_grace = None
         if no_grace is not None:
             grace = 0
             log.warning("promotion without a grace period: %s", no_grace)
@@ -549,12 +554,15 @@ class FailoverPolicy:
         )
         return {"epoch": epoch, "grace_ms": grace, "leases": len(holders) - ran_out, "primary_confirmed": confirmed}
 
-    async def _witness_vote(self, epoch: int, *, required: bool) -> None:
+    async def _witness_vote(self, epoch: int, *, required: bool) -> bool:
         """Take the witness's lease for ``epoch`` (see :mod:`fastlock.replication.witness`):
         the witness grants it only once the old primary's lease has expired, so asking again
         after the time it says is left, for at most two failover windows and a second.
         ``required`` False (the old primary confirmed stepping down, or ``force``): one try,
         and a refusal is only logged.
+
+        Returns whether the old primary told the witness its standby was out of sync (then an
+        unconfirmed promotion keeps its grace period).
 
         Raises:
             Unavailable: required, and the witness did not grant it (refused, or unreachable).
@@ -566,14 +574,16 @@ class FailoverPolicy:
         while True:
             answer = await witness.lease(epoch, window)
             if answer.granted:
-                log.warning("witness %s granted this node the lease of epoch %d", witness.where, epoch)
-                return
+                log.warning("witness %s granted this node the lease of epoch %d%s", witness.where, epoch,
+                            " (the old primary said its standby was out of sync)" if answer.previous_out_of_sync
+                            else "")
+                return answer.previous_out_of_sync
             why = answer.error or (f"its vote is epoch {answer.epoch} ({answer.holder}), "
                                    f"{answer.remaining_ms} ms of its lease left")
             if not required:
                 log.warning("witness %s did not grant the lease of epoch %d (%s): promoting anyway (the old "
                             "primary confirmed stepping down, or forced)", witness.where, epoch, why)
-                return
+                return False
             left = deadline - self.clock()
             if answer.epoch > epoch or left <= 0:
                 raise Unavailable(f"the witness {witness.where} did not grant the lease of epoch {epoch} ({why}): "
