@@ -309,3 +309,25 @@ def test_sync_pair_cut_then_primary_killed_promotes_with_a_grace(cluster, witnes
         assert any("the witness says the old primary acknowledged grants without its standby" in x for x in b.lines)
 
     run(main())
+
+
+def test_a_standby_without_the_witness_gets_no_witness_lease_on_the_primary(cluster, witness):
+    """The standby would promote without asking the witness: the primary's witness lease
+    proves nothing then, so a dead standby fences it as in a pair without a witness."""
+    a = cluster.primary("a", args=["--witness", witness.address])
+    b = cluster.standby(a.address, "b", failover_after=FAILOVER)
+    a.wait_for_log(r"holding its lease for epoch", 10)
+
+    async def main():
+        st = await status_of(a.address)
+        assert st["replication"]["paired_standby_witness"] is None
+        b.kill()
+        await asyncio.to_thread(a.wait_for_log, r"no word from the standby", 10)
+        node = await RawNode.open(a.address)
+        try:
+            with pytest.raises(Unavailable):
+                await grant_now(node, "fenced")
+        finally:
+            await node.close()
+
+    run(main())

@@ -174,6 +174,9 @@ class LockServer:
         if config.witness is not None and config.standby_token is not None:
             link = WitnessLink(config.witness, config.standby_token, node_id(config.data_dir))
             self.failover.witness = link
+            self.source.witness_address = link.where
+            if self.follower is not None:
+                self.follower.link.witness = link.where
             self.witness = PrimaryWitnessLease(self, self.source, link, config.failover_after_ms)
         if config.coordinator:  # etcd decides who is primary; otherwise the pair does
             ident = node_id(config.data_dir)
