@@ -158,6 +158,9 @@ class EtcdGateway:
         self._timeout_s = timeout_s
         self._client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=4),
                                          verify=context if context is not None else True)
+        #: the watch's own connection (a stream holds it for good: never one of the requests' four)
+        self._watch_client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=1),
+                                               verify=context if context is not None else True)
 
     async def probe(self) -> None:
         """Check the way to etcd before the first request, on one plain socket per endpoint
@@ -328,7 +331,8 @@ class EtcdGateway:
         timeout = self._httpx.Timeout(self._timeout_s, read=None)
         body = {"create_request": {"key": b64(key)}}
         try:
-            async with self._client.stream("POST", url, json=body, headers=headers, timeout=timeout) as response:
+            async with self._watch_client.stream("POST", url, json=body, headers=headers,
+                                                 timeout=timeout) as response:
                 if response.status_code != 200:
                     raise EtcdUnavailable(f"etcd {host}:{port}: watch answered HTTP {response.status_code}")
                 buffer = b""
@@ -397,6 +401,7 @@ class EtcdGateway:
 
     async def close(self) -> None:
         await self._client.aclose()
+        await self._watch_client.aclose()
 
 
 async def _read_until_closed(reader: asyncio.StreamReader, limit: int) -> bytes:

@@ -35,8 +35,9 @@ replayed, reflected or relayed), and the witness proves it holds the same
 credentials file.  Only replica principals are accepted; the holder of a
 lease is ``<replica principal>/<node id>`` from the proved handshake.
 
-Limits: at most :data:`MAX_CONNECTIONS` connections (more are closed at once),
-HELLO within :data:`HELLO_TIMEOUT_S`, a connection idle for
+Limits: at most :data:`MAX_CONNECTIONS` connections, :data:`MAX_CONNECTIONS_PER_ADDRESS`
+from one address (more are closed at once), HELLO done within :data:`HELLO_TIMEOUT_S` of
+the connect, a connection idle for
 :data:`IDLE_TIMEOUT_S` is closed, frames within the server's request limits,
 and ``lease_ms`` within :data:`MIN_LEASE_MS`..:data:`MAX_LEASE_MS`.
 """
@@ -70,6 +71,7 @@ VOTE_FILE = "witness.json"
 MIN_LEASE_MS = 100
 MAX_LEASE_MS = 600_000
 MAX_CONNECTIONS = 64
+MAX_CONNECTIONS_PER_ADDRESS = 16
 HELLO_TIMEOUT_S = 5.0
 IDLE_TIMEOUT_S = 60.0
 READ_BYTES = 64 << 10
@@ -129,6 +131,7 @@ class Witness:
         self.listen: str | None = None
         self._server: asyncio.AbstractServer | None = None
         self._connections = 0
+        self._per_address: dict[str | None, int] = {}
 
     # -- the rule ---------------------------------------------------------------------------
     def lease(self, holder: str, epoch: Any, lease_ms: Any, out_of_sync: Any = False) -> dict:
@@ -193,15 +196,22 @@ class Witness:
             self._server.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._connections >= MAX_CONNECTIONS:
+        peer = writer.get_extra_info("peername")
+        host = peer[0] if isinstance(peer, tuple) else None
+        if self._connections >= MAX_CONNECTIONS or self._per_address.get(host, 0) >= MAX_CONNECTIONS_PER_ADDRESS:
             writer.close()
             return
         self._connections += 1
+        self._per_address[host] = self._per_address.get(host, 0) + 1
         session = _Session(self, writer)
         decoder = P.FrameDecoder(limits=P.REQUEST_LIMITS)
+        hello_by = asyncio.get_running_loop().time() + HELLO_TIMEOUT_S  # one deadline, however bytes trickle in
         try:
             while not writer.is_closing():
-                timeout = IDLE_TIMEOUT_S if session.holder is not None else HELLO_TIMEOUT_S
+                if session.holder is not None:
+                    timeout = IDLE_TIMEOUT_S
+                else:
+                    timeout = max(0.0, hello_by - asyncio.get_running_loop().time())
                 data = await asyncio.wait_for(reader.read(READ_BYTES), timeout)
                 if not data:
                     break
@@ -212,6 +222,9 @@ class Witness:
             log.debug("witness connection from %s closed: %s", session.peer, exc)
         finally:
             self._connections -= 1
+            left = self._per_address.pop(host, 1) - 1
+            if left:
+                self._per_address[host] = left
             writer.close()
 
 
