@@ -259,8 +259,9 @@ def test_witness_dead_pair_keeps_serving_and_cannot_promote(cluster, witness):
 
     async def main():
         witness.kill()
-        await poll(lambda: status_of(b.address), lambda s: s["replication"]["witness"]["reachable"] is False,
-                   timeout=10, what="the standby saying the witness is unreachable")
+        st = await poll(lambda: status_of(b.address), lambda s: s["replication"]["witness"]["reachable"] is False,
+                        timeout=10, what="the standby saying the witness is unreachable")
+        assert st["replication"]["witness"]["automatic_promotion"].startswith("impossible")
         assert await keeps_granting(a.address, "no-witness", 1.0) > 0  # the standby is heard
         a.kill()
         await asyncio.to_thread(b.wait_for_log, r"did not grant the lease of epoch", 30)

@@ -153,7 +153,10 @@ class WitnessLink:
         """The witness as this node last saw it."""
         last = self.last
         out: dict[str, Any] = {"address": self.where, "node": self.proven, "reachable": self.probed is None,
-                               "error": self.probed}
+                               "error": self.probed,
+                               # a promotion (but for a forced or confirmed one) needs the witness's vote
+                               "automatic_promotion": "possible" if self.probed is None
+                               else "impossible while the witness does not answer"}
         if last is not None:
             out.update(asked_epoch=last.asked, granted=last.granted, epoch=last.epoch, holder=last.holder,
                        answer_age_ms=monotonic_ms() - last.sent_ms)
