@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import protocol as P
 from ..auth import ClientHandshake, say_hello, secret_of, token_principal
-from ..errors import FastlockError
+from ..errors import FastlockError, Unavailable
 from ..protocol import rpc
 from ..roles import Role
 from ..units import monotonic_ms
@@ -124,6 +124,41 @@ class WitnessLink:
                 answer = WitnessAnswer(epoch, False, 0, None, 0, sent, f"{type(exc).__name__}: {exc}")
         self.last = answer
         return answer
+
+    async def vote(self, epoch: int, window_ms: int, *, required: bool) -> bool:
+        """A promotion's vote: take the witness's lease for ``epoch`` (see
+        :mod:`fastlock.replication.witness`) for ``window_ms`` (ms).  The witness grants it
+        only once the old primary's lease has expired, so it is asked again after the time it
+        says is left, for at most two windows and a second.  ``required`` False (the old
+        primary confirmed stepping down, or the promotion is forced): one try, and a refusal
+        is only logged.
+
+        Returns whether the old primary told the witness its standby was out of sync (then an
+        unconfirmed promotion keeps its grace period).
+
+        Raises:
+            Unavailable: required, and the witness did not grant it (refused, or unreachable).
+        """
+        deadline = monotonic_ms() + 2 * window_ms + 1000
+        while True:
+            answer = await self.lease(epoch, window_ms)
+            if answer.granted:
+                log.warning("witness %s granted this node the lease of epoch %d%s", self.where, epoch,
+                            " (the old primary said its standby was out of sync)" if answer.previous_out_of_sync
+                            else "")
+                return answer.previous_out_of_sync
+            why = answer.error or (f"its vote is epoch {answer.epoch} ({answer.holder}), "
+                                   f"{answer.remaining_ms} ms of its lease left")
+            if not required:
+                log.warning("witness %s did not grant the lease of epoch %d (%s): promoting anyway (the old "
+                            "primary confirmed stepping down, or forced)", self.where, epoch, why)
+                return False
+            left = deadline - monotonic_ms()
+            if answer.epoch > epoch or left <= 0:
+                raise Unavailable(f"the witness {self.where} did not grant the lease of epoch {epoch} ({why}): "
+                                  f"the primary may still be granting; no promotion")
+            wait_ms = answer.remaining_ms + 20 if answer.error is None else 200
+            await asyncio.sleep(min(wait_ms, left) / 1000.0)
 
     async def probe(self) -> str | None:
         """Ask the witness for its status (a standby's check that a promotion could be

@@ -498,7 +498,8 @@ class FailoverPolicy:
                 await asyncio.sleep(wait_ms / 1000.0)
         out_of_sync = False  # the witness's word that the old primary acknowledged grants this node may lack
         if self.witness is not None:
-            out_of_sync = await self._witness_vote(epoch, required=not (confirmed or force))
+            out_of_sync = await self.witness.vote(epoch, max(follower.failover_after_ms, 1000),
+                                                  required=not (confirmed or force))
         table.set_epoch(epoch)
         host.wal.log_epoch(epoch)
         durable = host.loop.create_future()
@@ -553,43 +554,6 @@ class FailoverPolicy:
             "%d ms (grace)", reason, epoch, len(holders) - ran_out, unknown, ran_out, grace,
         )
         return {"epoch": epoch, "grace_ms": grace, "leases": len(holders) - ran_out, "primary_confirmed": confirmed}
-
-    async def _witness_vote(self, epoch: int, *, required: bool) -> bool:
-        """Take the witness's lease for ``epoch`` (see :mod:`fastlock.replication.witness`):
-        the witness grants it only once the old primary's lease has expired, so asking again
-        after the time it says is left, for at most two failover windows and a second.
-        ``required`` False (the old primary confirmed stepping down, or ``force``): one try,
-        and a refusal is only logged.
-
-        Returns whether the old primary told the witness its standby was out of sync (then an
-        unconfirmed promotion keeps its grace period).
-
-        Raises:
-            Unavailable: required, and the witness did not grant it (refused, or unreachable).
-        """
-        witness = self.witness
-        assert witness is not None
-        window = max(self._standby_follower().failover_after_ms, 1000)
-        deadline = self.clock() + 2 * window + 1000
-        while True:
-            answer = await witness.lease(epoch, window)
-            if answer.granted:
-                log.warning("witness %s granted this node the lease of epoch %d%s", witness.where, epoch,
-                            " (the old primary said its standby was out of sync)" if answer.previous_out_of_sync
-                            else "")
-                return answer.previous_out_of_sync
-            why = answer.error or (f"its vote is epoch {answer.epoch} ({answer.holder}), "
-                                   f"{answer.remaining_ms} ms of its lease left")
-            if not required:
-                log.warning("witness %s did not grant the lease of epoch %d (%s): promoting anyway (the old "
-                            "primary confirmed stepping down, or forced)", witness.where, epoch, why)
-                return False
-            left = deadline - self.clock()
-            if answer.epoch > epoch or left <= 0:
-                raise Unavailable(f"the witness {witness.where} did not grant the lease of epoch {epoch} ({why}): "
-                                  f"the primary may still be granting; no promotion")
-            wait_ms = answer.remaining_ms + 20 if answer.error is None else 200
-            await asyncio.sleep(min(wait_ms, left) / 1000.0)
 
     # -- the operator's word -----------------------------------------------------------------
     def serve_alone(self) -> dict:
