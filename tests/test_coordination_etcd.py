@@ -313,6 +313,43 @@ async def test_resign_frees_the_key_at_once(etcd):
         await b.close()
 
 
+async def test_a_watch_reports_each_change_of_the_key(etcd):
+    prefix = unique_prefix()
+    gw = EtcdGateway([("127.0.0.1", etcd.port)])
+    seen: list[str] = []
+    watch = asyncio.ensure_future(gw.watch(prefix + "/primary", seen.append))
+    try:
+        for _ in range(50):  # a change before the watch is created is not reported: put until one is
+            await gw.put(prefix + "/primary", b"x")
+            if seen:
+                break
+            await asyncio.sleep(0.1)
+        await wait_until(lambda: "PUT" in seen, 5, "the put to be seen")
+        await gw.txn([], [{"request_delete_range": {"key": b64(prefix + "/primary")}}])
+        await wait_until(lambda: "DELETE" in seen, 5, "the delete to be seen")
+        assert seen[-1] == "DELETE" and set(seen) == {"PUT", "DELETE"}
+    finally:
+        watch.cancel()
+        await gw.close()
+
+
+async def test_a_standby_sees_the_primary_key_freed_without_waiting_for_its_next_step(etcd):
+    """Steps every quarter TTL (15 s here): the watch of the primary key runs the next step
+    as soon as etcd frees it (how soon: python -m benches.etcd_failover)."""
+    a, ea, b, eb = pair(etcd.address, etcd.address)
+    a.timing = a.timing._replace(ttl_ms=60_000, margin_ms=15_000)
+    b.timing = b.timing._replace(ttl_ms=60_000, margin_ms=15_000)
+    try:
+        await primary_and_standby(a, b)
+        await asyncio.sleep(0.5)  # b's watch is open (its first step is over: the next one is 15 s away)
+        await a.resign()  # the key is free at once
+        await wait_until(lambda: b.holding, 10, "b to take the key before its next regular step")
+        assert b.epoch == a.epoch + 1
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_a_primary_below_an_epoch_another_node_has_seen_steps_down(etcd):
     """etcd lost its data: a node with no history took the key at epoch 1 while another
     node had seen epoch 11.  That node raises the group's epoch; the primary steps down

@@ -204,6 +204,19 @@ class ServerProcess:
         self.stop()
 
 
+class WitnessProcess(ServerProcess):
+    """A ``fastlock witness`` subprocess on 127.0.0.1 (:mod:`fastlock.replication.witness`):
+    ``data_dir`` its ``--data``, ``credentials`` the pair's credentials file; started,
+    killed, paused and stopped like a :class:`ServerProcess`."""
+
+    def __init__(self, data_dir: str | os.PathLike, credentials: str, *, port: int = 0, log_level: str = "INFO"):
+        super().__init__(data_dir, port=port, args=["--credentials", credentials], log_level=log_level)
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "fastlock", "witness", "--listen", f"127.0.0.1:{self.port}",
+                "--data", str(self.data_dir.resolve()), "--log-level", self.log_level, *self.args]
+
+
 class CredentialsDir:
     """A credentials directory for tests (made with :func:`fastlock.auth.generate`).
 

@@ -46,7 +46,7 @@ from .._version import __version__
 from ..client import NoPrimaryFound
 from ..errors import FastlockError
 from ..wal import WalCorruption
-from . import admin, config, demo, elect, locks, run, serve, top
+from . import admin, config, demo, elect, locks, run, serve, top, witness
 from .args import COMMAND_NAMES, add_client_tls_arguments, client_tls_options, print_error, seconds_arg
 
 __all__ = ["add_client_tls_arguments", "build_parser", "client_tls_options", "main", "seconds_arg"]
@@ -69,6 +69,7 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     elect.add_parser(sub)
     top.add_parser(sub)
     run.add_parser(sub)
+    witness.add_parser(sub)
     return parser, serve_parser
 
 
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["serve"]:  # flag > environment > config file > default (fastlock.cli.config)
         serve_parser.set_defaults(config_sources=config.layer_defaults(serve_parser, argv[1:]), argv=argv[1:])
     args = parser.parse_args(argv)
-    if args.command in ("serve", "demo", "run"):
+    if args.command in ("serve", "demo", "run", "witness"):
         return int(args.handler(args))  # each reports its own errors and exit status
     if args.command in ("status", "promote", "serve-alone"):
         admin.resolve_server(args)

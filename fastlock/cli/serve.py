@@ -84,6 +84,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "only on `fastlock promote`); the primary then fences itself earlier (see --fence-margin). "
                         "On a primary with a replica credential: the window it follows with once it has rejoined "
                         "its promoted standby as a standby")
+    s.add_argument("--witness", type=listen_address, metavar="HOST:PORT",
+                   help="a pair's third opinion (`fastlock witness`; needs --standby-token-file): the primary keeps "
+                        "granting while it hears its standby OR holds the witness's lease, and a standby promotes "
+                        "only with the witness's lease for the new epoch (docs/failover-safety.md)")
     s.add_argument("--promotion-grace", type=seconds_arg, default=None, metavar="SECONDS",
                    help="after promotion, grant nothing new for this long (default: the longest TTL seen); "
                         "shorten only when every writer enforces fencing tokens")
@@ -336,6 +340,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.coordinator and args.advertise is None and args.listen[0] in ("0.0.0.0", "::", ""):
         args.subparser.error(f"--coordinator with --listen {args.listen[0]} needs --advertise HOST:PORT: etcd "
                              f"tells the other nodes where this one is, and a wildcard address reaches nothing")
+    if args.witness is not None and (args.standby_token_file is None or args.coordinator):
+        args.subparser.error("--witness needs --standby-token-file (the node proves its replica token to the "
+                             "witness) and applies to a pair, not to a node run with --coordinator")
     if args.failover_after and args.standby_of is None and args.standby_token_file is None and not args.tls_cert:
         args.subparser.error("--failover-after only applies to a standby (it needs --standby-of, or a replica "
                              "credential with which a primary rejoins its promoted standby as a standby): a primary "
@@ -381,6 +388,7 @@ def serve_command(args: argparse.Namespace) -> int:
         **limit_config(args),
         standby_of=args.standby_of,
         failover_after_ms=int(args.failover_after * 1000),
+        witness=args.witness,
         promotion_grace_ms=None if args.promotion_grace is None else int(args.promotion_grace * 1000),
         fence_margin_ms=None if args.fence_margin is None else int(args.fence_margin * 1000),
         deadlock_timeout_ms=int(args.deadlock_timeout * 1000),

@@ -151,6 +151,7 @@ class EtcdArbiter:
         self._renewed_at = 0  # send time (own clock, ms) of the last successful grant or renewal
         self._free_since: int | None = None
         self._task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None  # the primary key's watch (see _watch_primary)
         self._fence_timer: asyncio.TimerHandle | None = None
         self._wake: asyncio.Event | None = asyncio.Event()  # None once closed
         self._member = MemberKey(ident)
@@ -201,6 +202,7 @@ class EtcdArbiter:
         """Start renewing, watching and bidding (on the running loop)."""
         if self._task is None:
             self._task = asyncio.ensure_future(self._run())
+            self._watch_task = asyncio.ensure_future(self._watch_primary())
 
     async def claim(self) -> None:
         """Take this node id's member key before :meth:`start` (see the module docstring):
@@ -236,6 +238,9 @@ class EtcdArbiter:
         if self._wake is None:
             return
         self._wake = None
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            self._watch_task = None
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -283,6 +288,10 @@ class EtcdArbiter:
     async def _run(self) -> None:
         interval = max(50, self.ttl_ms // 4) / 1000.0
         while True:
+            wake = self._wake
+            if wake is None:
+                return
+            wake.clear()  # before the step: a poke during it (the watch's) runs the next one at once
             try:
                 await self.step()
                 self.last_error = None
@@ -296,14 +305,30 @@ class EtcdArbiter:
                 self.last_error = str(exc)
             except Exception:
                 log.exception("etcd arbiter step failed")
-            wake = self._wake
-            if wake is None:
+            if self._wake is None:
                 return
-            wake.clear()
             try:
                 await asyncio.wait_for(wake.wait(), interval)
             except asyncio.TimeoutError:
                 pass
+
+    async def _watch_primary(self) -> None:
+        """Watch the primary key and run a step at each change: a standby sees the key freed
+        as soon as etcd frees it (not at its next step), a primary sees it taken or gone.
+        The steps still run every quarter TTL: a change missed while the watch reconnects
+        is seen then."""
+        backoff = 0.1
+        while self._wake is not None:
+            started = self.clock()
+            try:
+                await self.gateway.watch(self.primary_key, lambda kind: self.poke())
+            except EtcdUnavailable as exc:
+                log.debug("etcd: watch of %s: %s (again in %.1f s)", self.primary_key, exc, backoff)
+            except Exception:
+                log.exception("etcd: watch of %s failed", self.primary_key)
+            await asyncio.sleep(backoff)
+            long_lived = self.clock() - started > self.ttl_ms
+            backoff = 0.1 if long_lived else min(backoff * 2, self.ttl_ms / 4000.0)
 
     # -- one step -----------------------------------------------------------------------------
     async def step(self) -> None:

@@ -33,6 +33,8 @@ from .access import EtcdAccess, EtcdLogin
 
 #: the largest answer read from etcd (bytes): a member list at its limits fits several times
 MAX_RESPONSE_BYTES = 16 << 20
+#: the longest message of a watch stream (bytes); a watch of one key carries small ones
+MAX_WATCH_MESSAGE_BYTES = 1 << 20
 
 
 class EtcdUnavailable(ConnectionError):
@@ -156,6 +158,9 @@ class EtcdGateway:
         self._timeout_s = timeout_s
         self._client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=4),
                                          verify=context if context is not None else True)
+        #: the watch's own connection (a stream holds it for good: never one of the requests' four)
+        self._watch_client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=1),
+                                               verify=context if context is not None else True)
 
     async def probe(self) -> None:
         """Check the way to etcd before the first request, on one plain socket per endpoint
@@ -308,6 +313,61 @@ class EtcdGateway:
                 chunks.append(chunk)
             return response.status_code, b"".join(chunks)
 
+    async def watch(self, key: str, on_event: Any) -> None:
+        """Watch ``key`` (etcd's streaming ``POST /v3/watch``) and call ``on_event(kind)``
+        (``"PUT"`` or ``"DELETE"``) for each change, in order, until the stream ends.  Every
+        message is bounded by :data:`MAX_WATCH_MESSAGE_BYTES`; the connect by the gateway's
+        timeout (seconds), the stream by nothing (the caller cancels it).
+
+        Raises:
+            EtcdUnavailable: the stream could not start, ended, or carried what is not a
+                watch message (the caller opens a new one).
+        """
+        host, port = self.endpoints[self._current]
+        url = f"{self.scheme}://{host}:{port}/v3/watch"
+        headers = None
+        if self._login is not None:
+            headers = {"Authorization": self._token or await self._authenticate(None)}
+        timeout = self._httpx.Timeout(self._timeout_s, read=None)
+        body = {"create_request": {"key": b64(key)}}
+        try:
+            async with self._watch_client.stream("POST", url, json=body, headers=headers,
+                                                 timeout=timeout) as response:
+                if response.status_code != 200:
+                    raise EtcdUnavailable(f"etcd {host}:{port}: watch answered HTTP {response.status_code}")
+                buffer = b""
+                async for chunk in response.aiter_bytes():
+                    buffer += chunk
+                    while b"\n" in buffer:
+                        line, buffer = buffer.split(b"\n", 1)
+                        self._watch_message(line, on_event)
+                    if len(buffer) > MAX_WATCH_MESSAGE_BYTES:
+                        raise EtcdUnavailable(f"etcd {host}:{port}: a watch message over "
+                                              f"{MAX_WATCH_MESSAGE_BYTES} bytes")
+                if buffer.strip():
+                    self._watch_message(buffer, on_event)
+        except (self._httpx.HTTPError, OSError) as exc:
+            raise EtcdUnavailable(f"etcd {host}:{port}: watch: {_describe(exc)}") from None
+        raise EtcdUnavailable(f"etcd {host}:{port}: the watch stream ended")
+
+    @staticmethod
+    def _watch_message(line: bytes, on_event: Any) -> None:
+        if not line.strip():
+            return
+        try:
+            data = json.loads(line)
+        except ValueError:
+            raise EtcdUnavailable("etcd sent a watch message that is not JSON") from None
+        result = data.get("result") if type(data) is dict else None
+        if type(result) is not dict:
+            error = data.get("error") if type(data) is dict else None
+            raise EtcdUnavailable(f"etcd ended the watch: {str(error)[:200] if error else 'no result'}")
+        if result.get("canceled"):
+            raise EtcdUnavailable(f"etcd cancelled the watch: {str(result.get('cancel_reason'))[:200]}")
+        for event in result.get("events") or ():
+            if type(event) is dict:
+                on_event("DELETE" if event.get("type") == "DELETE" else "PUT")
+
     async def get(self, key: str) -> KeyValue | None:
         data = await self.call("kv/range", {"key": b64(key)})
         kvs = data.get("kvs") or []
@@ -341,6 +401,7 @@ class EtcdGateway:
 
     async def close(self) -> None:
         await self._client.aclose()
+        await self._watch_client.aclose()
 
 
 async def _read_until_closed(reader: asyncio.StreamReader, limit: int) -> bytes:

@@ -55,7 +55,7 @@ PING       8   -                                                      None
 WATCH      9   name                                                   holder info|None
 UNWATCH    10  name                                                   bool
 HOLDER     11  name                                                   holder info|None
-REPLICATE  12  from_lsn, incarnation, failover_after_ms, name[, addr] dict (see replication.py)
+REPLICATE  12  from_lsn, incarnation, failover_after_ms, name[, addr[, witness]] dict (see replication.py)
 REPL_ACK   13  echoed_primary_ms, applied_lsn                         (no reply)
 PROMOTE    14  force                                                  dict (new epoch...)
 SERVE_ALONE 15 -                                                      None

@@ -82,7 +82,7 @@ OPS: tuple[Op, ...] = (
     Op(OP_WATCH, "watch", 1, 1),
     Op(OP_UNWATCH, "unwatch", 1, 1),
     Op(OP_HOLDER, "holder", 1, 1),
-    Op(OP_REPLICATE, "replicate", 4, 5),
+    Op(OP_REPLICATE, "replicate", 4, 6),
     Op(OP_REPL_ACK, "repl_ack", 2, 2),
     Op(OP_PROMOTE, "promote", 1, 1),
     Op(OP_SERVE_ALONE, "serve_alone", 0, 0),

@@ -133,7 +133,8 @@ Wire messages (see :mod:`fastlock.protocol` for the framing, and
     standby -> primary  [id, HELLO, version, name, {"principal", "challenge"}]      -> {"principal", "proof"}
                         [id, HELLO, version, name, replica_token, epoch]          -> hello info
                         [id, REPLICATE, from_lsn, incarnation|None, failover_after_ms, "[label@]node_id"
-                         (, "host:port" where it serves clients: kept in pairing.json)]
+                         (, "host:port" where it serves clients or None (, "host:port" of the witness it
+                         asks before promoting, fastlock.replication.witness)): kept in pairing.json)]
                         [id, REPL_ACK, echoed_primary_ms, applied_lsn]          (no reply)
                         [id, STEP_DOWN, new_epoch, echoed_primary_ms]           -> {"role", "epoch"}
                         [id, SYNC_ACK, lsn]          (no reply; --replication sync, see syncrep)

@@ -79,6 +79,9 @@ class PrimaryLink:
         #: restarted or resumed after a failover, can find this node (None: not announced)
         self.advertise: str | None = None
         self._announce = True  # False once a primary refused REPLICATE's fifth argument (an older one)
+        #: the witness this node asks before promoting (``--witness`` as ``host:port``), announced in
+        #: REPLICATE's sixth argument: the primary counts its witness lease only for such a standby
+        self.witness: str | None = None
 
     @property
     def address(self) -> str:
@@ -205,9 +208,11 @@ class PrimaryLink:
                 follower.sync.reset()  # not in sync with this connection until its primary says so
                 args = [follower.applied_lsn + 1 if follower.synced else 0, follower.incarnation,
                         follower.failover_after_ms, self.name]
-                announced = self._announce and self.advertise is not None
+                announced = self._announce and (self.advertise is not None or self.witness is not None)
                 if announced:
                     args.append(self.advertise)
+                    if self.witness is not None:
+                        args.append(self.witness)
                 try:
                     info = await asyncio.wait_for(link.request(P.OP_REPLICATE, *args), 5.0)
                 except ProtocolError:

@@ -176,6 +176,8 @@ class Pairing(NamedTuple):
     #: ``host:port`` where it serves clients, as it announced it (None: not announced): where this
     #: node looks for the new primary when it finds itself fenced (see fastlock.server.failover)
     address: str | None = None
+    #: the witness it asks before it promotes (``host:port`` as it names it; None: none)
+    witness: str | None = None
 
 
 def read_pairing(directory: str) -> Pairing | None:
@@ -185,13 +187,13 @@ def read_pairing(directory: str) -> Pairing | None:
         NodeFileDamaged: the file is not what :func:`write_pairing` writes.
     """
     data = load_json(directory, PAIRING_FILE, {"standby": (str,), "failover_after_ms": (int,),
-                                                "address": (str, type(None))})
+                                                "address": (str, type(None)), "witness": (str, type(None))})
     if data is None:
         return None
     if "standby" not in data or "failover_after_ms" not in data:
         raise NodeFileDamaged(f"{os.path.join(directory, PAIRING_FILE)} is damaged (it must name "
                               f"'standby' and 'failover_after_ms'): restore it or repair it by hand")
-    return Pairing(data["standby"], int(data["failover_after_ms"]), data.get("address"))
+    return Pairing(data["standby"], int(data["failover_after_ms"]), data.get("address"), data.get("witness"))
 
 
 def write_pairing(directory: str, pairing: Pairing) -> None:

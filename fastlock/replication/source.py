@@ -43,11 +43,12 @@ class _Replica:
     """One attached standby, as the source tracks it."""
 
     __slots__ = ("conn", "name", "ident", "failover_after_ms", "acked_lsn", "contact_ms", "sent",
-                 "last_ack_ms", "catching_up", "task", "base_cap", "address")
+                 "last_ack_ms", "catching_up", "task", "base_cap", "address", "witness")
 
     def __init__(self, conn: ReplicaConnection, name: str | None, failover_after_ms: int,
-                 address: str | None = None):
+                 address: str | None = None, witness: str | None = None):
         self.conn = conn
+        self.witness = witness  # the witness it asks before promoting, as it names it (None: none)
         self.address = address  # where it serves clients (as it announced it), or None
         self.name = name or conn.peer
         self.ident = standby_identity(self.name)
@@ -94,9 +95,16 @@ class ReplicationSource:
         self.paired_id: str | None = None
         #: where the paired standby serves clients (from pairing.json; None: unknown)
         self.paired_address: str | None = None
+        #: the witness the paired standby asks before promoting (from pairing.json; None: none)
+        self.paired_witness: str | None = None
+        #: this node's own witness (``--witness``, ``host:port``); its lease counts only when the
+        #: paired standby names the same one (a standby without it would not ask it)
+        self.witness_address: str | None = None
         # the strictest failover window of any standby that ever attached (ms, 0 = none)
         self._paired_window_ms = 0
         self._contact_ms = 0
+        #: this primary's monotonic ms until which a witness lease lets it grant without its standby (0: none)
+        self._witness_until_ms = 0
         self._hb_timer: asyncio.TimerHandle | None = None
         self._fence_timer: asyncio.TimerHandle | None = None
         self._takeover_timer: asyncio.TimerHandle | None = None  # fenced: when the standby may promote
@@ -122,6 +130,7 @@ class ReplicationSource:
             return
         self.paired_id = pairing.standby
         self.paired_address = pairing.address
+        self.paired_witness = pairing.witness
         self._paired_window_ms = pairing.failover_after_ms
         if self._paired_window_ms > 0:
             log.warning(
@@ -136,9 +145,11 @@ class ReplicationSource:
     def _pair(self, replica: _Replica) -> None:
         self.paired_id = replica.name
         self.paired_address = replica.address
+        self.paired_witness = replica.witness
         self._paired_window_ms = replica.failover_after_ms
         self.serving_alone = False
-        write_pairing(self.host.data_dir, Pairing(replica.name, replica.failover_after_ms, replica.address))
+        write_pairing(self.host.data_dir, Pairing(replica.name, replica.failover_after_ms, replica.address,
+                                                  replica.witness))
         log.info("paired with standby %s (failover window %d ms)", quote(replica.name), replica.failover_after_ms)
         window = replica.failover_after_ms
         if (window and self.fence_margin_ms is not None
@@ -159,6 +170,7 @@ class ReplicationSource:
         remove_pairing(self.host.data_dir)
         self.paired_id = None
         self.paired_address = None
+        self.paired_witness = None
         self._paired_window_ms = 0
 
     def stand_down(self) -> None:
@@ -169,9 +181,11 @@ class ReplicationSource:
 
     # -- attach / detach ------------------------------------------------------------------
     def attach(self, conn: ReplicaConnection, req_id: int, from_lsn: int, incarnation: Any,
-               failover_after_ms: int, name: str | None, address: str | None = None) -> None:
+               failover_after_ms: int, name: str | None, address: str | None = None, *,
+               witness: str | None = None) -> None:
         """Attach a standby (see the class docstring); ``address``: where it serves clients,
-        as it announced it (kept in the pairing)."""
+        as it announced it, and ``witness``: the witness it asks before promoting, as it names
+        it (both kept in the pairing)."""
         host = self.host
         wal = host.wal
         if not name:
@@ -206,7 +220,7 @@ class ReplicationSource:
             log.warning("standby %s reconnected; dropping its previous connection", quote(name))
             self.replicas.pop(other.conn.session, None)
             other.conn.abort()
-        replica = _Replica(conn, name, failover_after_ms, address)
+        replica = _Replica(conn, name, failover_after_ms, address, witness)
         # Contact comes only from echoes of heartbeats sent from now on: this REPLICATE may have
         # been delayed in the network and come from a standby that has promoted since.
         replica.contact_ms = self._contact_ms
@@ -379,7 +393,8 @@ class ReplicationSource:
             self.sync.on_contact(echoed_ms)  # a degrade waits for the standby to hear it
             if not self.coordinated and (self.paired_id is None or self._paired_window_ms != replica.failover_after_ms
                     or self.paired_id != replica.name
-                    or (replica.address is not None and self.paired_address != replica.address)):
+                    or (replica.address is not None and self.paired_address != replica.address)
+                    or self.paired_witness != replica.witness):
                 # a standby that echoed our heartbeat is real: pair with it (persisted)
                 self._pair(replica)
         if applied_lsn > replica.acked_lsn:
@@ -418,7 +433,25 @@ class ReplicationSource:
         return self.fence_margin_ms if self.fence_margin_ms is not None else self._paired_window_ms // 4
 
     def _fence_deadline(self) -> int:
-        return self._contact_ms + self._paired_window_ms - self._margin()
+        return max(self._contact_ms + self._paired_window_ms - self._margin(), self._witness_until_ms)
+
+    def lease_window_ms(self, own_window_ms: int) -> int:
+        """The witness lease this primary asks for (ms): its paired standby's failover window,
+        else ``own_window_ms`` (its own ``--failover-after``); 0: none."""
+        return self._paired_window_ms or own_window_ms
+
+    def witness_granted(self, sent_ms: int, lease_ms: int) -> None:
+        """The witness granted this primary the lease of its epoch for ``lease_ms`` (ms),
+        asked at ``sent_ms`` (this node's monotonic ms): grant until ``sent_ms + lease_ms``
+        minus the fence margin even when the standby is silent (see
+        :mod:`fastlock.replication.witness`)."""
+        if self._paired_window_ms and self.paired_witness != self.witness_address:
+            return  # the paired standby would promote without asking this witness: its lease proves nothing
+        margin = self.fence_margin_ms if self.fence_margin_ms is not None else lease_ms // 4
+        until = sent_ms + lease_ms - margin
+        if until > self._witness_until_ms:
+            self._witness_until_ms = until
+            self._check_fence(monotonic_ms())
 
     def _check_fence(self, now: int) -> bool:
         """Fence or unfence by the contact deadline; True if the primary may act at ``now``."""
@@ -528,6 +561,8 @@ class ReplicationSource:
             "paired_window_ms": self._paired_window_ms,
             "paired_standby": self.paired_id,
             "paired_standby_address": self.paired_address,
+            "witness_lease_ms_left": max(0, self._witness_until_ms - now),
+            "paired_standby_witness": self.paired_witness,
             "incarnation": self.incarnation,
         }
 

@@ -338,6 +338,18 @@ class SyncGate:
                     "replies without it", len(self.waiting))
         self._release_all()
 
+    def on_witness_out_of_sync(self) -> None:
+        """The pair's witness recorded that this primary's standby may lack grants it
+        acknowledged (:mod:`fastlock.replication.witness`): the standby can be promoted
+        only with the witness's vote, which then tells it to take the grace period, so a
+        degrade no longer waits for the standby to hear it (a dead standby never does)."""
+        if self.unheard_since_ms is None:
+            return
+        self.unheard_since_ms = None
+        log.warning("the witness recorded that the standby is no longer in sync: acknowledging %d waiting "
+                    "replies without it", len(self.waiting))
+        self._release_all()
+
     # -- timing out ---------------------------------------------------------------------------
     def _timeout_ms(self) -> int:
         return self.settings.timeout_ms if self.settings is not None else 0

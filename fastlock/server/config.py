@@ -110,6 +110,7 @@ class ServerConfig:
     max_key_bytes_per_principal: int | None = None  # bytes of one principal's key values
     standby_of: tuple[str, int] | None = None  # run as a standby of this primary
     failover_after_ms: int = 0  # standby: promote after this much primary silence (0: on command only)
+    witness: tuple[str, int] | None = None  # the pair's witness (fastlock.replication.witness), or None
     promotion_grace_ms: int | None = None  # after promotion, no grants for this long (None: longest TTL seen)
     fence_margin_ms: int | None = None  # primary: stop granting this long before a standby may promote
     deadlock_timeout_ms: int = 1000  # a wait-for cycle this old is broken (0: no detection; PostgreSQL's default)

@@ -77,6 +77,7 @@ from .tasks import BackgroundTasks
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..replication.host import ReplicationHost
+    from ..replication.witnesslink import WitnessLink
     from .config import ServerConfig
     from .coordinated import CoordinatedNode
 
@@ -152,6 +153,8 @@ class FailoverPolicy:
         self._auto: asyncio.Task | None = None
         #: etcd decides who is primary (``--coordinator``); None: the pair decides
         self.coordinated: CoordinatedNode | None = None
+        #: the pair's witness (``--witness``): a promotion takes its lease for the new epoch first
+        self.witness: WitnessLink | None = None
         self._auto_retry_at_ms = 0
         self._peer_check: asyncio.Task | None = None
         self._peer_timer: asyncio.TimerHandle | None = None  # the next look at the fence (a primary's)
@@ -493,6 +496,10 @@ class FailoverPolicy:
                         "fence has closed", follower.primary_address, wait_ms)
             if wait_ms > 0:
                 await asyncio.sleep(wait_ms / 1000.0)
+        out_of_sync = False  # the witness's word that the old primary acknowledged grants this node may lack
+        if self.witness is not None:
+            out_of_sync = await self.witness.vote(epoch, max(follower.failover_after_ms, 1000),
+                                                  required=not (confirmed or force))
         table.set_epoch(epoch)
         host.wal.log_epoch(epoch)
         durable = host.loop.create_future()
@@ -511,6 +518,10 @@ class FailoverPolicy:
         # synchronous replication: in sync, this node has every grant a client was told of
         no_grace = in_sync or follower.sync.covers_promotion(confirmed=confirmed, forced=force,
                                                              automatic=automatic)
+        if no_grace is not None and out_of_sync and not confirmed:  # a confirmed step-down: every status read
+            log.warning("no promotion without a grace period (%s): the witness says the old primary acknowledged "
+                        "grants without its standby", no_grace)
+            no_grace = None
         if no_grace is not None:
             grace = 0
             log.warning("promotion without a grace period: %s", no_grace)

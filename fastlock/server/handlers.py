@@ -513,6 +513,8 @@ class Handlers:
         if not name:
             raise InvalidArgument("a standby must name itself ([label@]node id)")
         address = standby_address(msg[6] if len(msg) > 6 else None, conn.address)
+        # the witness it asks before promoting (fastlock.replication.witness), as it names it
+        witness = P.check_optional_str(msg[7] if len(msg) > 7 else None, "standby's witness", 300)
         self.roles.admit(Action.SERVE_STANDBY)
         # Pairing goes by the authenticated replica principal, plus the node id it declares
         # (which the credentials may pin): one replica credential cannot pose as another standby.
@@ -523,7 +525,8 @@ class Handlers:
         identity = f"{label}@{conn.principal}/{node}" if label else f"{conn.principal}/{node}"
         conn.out_cap = self.config.max_replica_output_bytes  # (plus its snapshot: see ReplicationSource)
         try:
-            self.source.attach(conn, req_id, from_lsn, incarnation, failover_after_ms, identity, address)
+            self.source.attach(conn, req_id, from_lsn, incarnation, failover_after_ms, identity, address,
+                               witness=witness)
         except BaseException:
             conn.out_cap = self.config.max_output_bytes
             raise

@@ -67,6 +67,7 @@ from ..errors import FastlockError, Unavailable
 from ..logsafe import quote
 from ..replication import STATE_FILE, NodeState, ReplicationSource, StandbyFollower, node_id
 from ..replication.queues import QueueShipper
+from ..replication.witnesslink import PrimaryWitnessLease, WitnessLink
 from ..roles import Action, NodeRole, Role
 from ..tls import ServerTLS, client_context
 from ..units import format_address, monotonic_ms
@@ -171,6 +172,15 @@ class LockServer:
                                                                           config.max_leases))
         self.failover = FailoverPolicy(self, self.source, self.follower,
                                        promotion_grace_ms=config.promotion_grace_ms, tasks=self.tasks)
+        #: the pair's witness (``--witness``): the primary renews its lease, a promotion takes one
+        self.witness: PrimaryWitnessLease | None = None
+        if config.witness is not None and config.standby_token is not None:
+            link = WitnessLink(config.witness, config.standby_token, node_id(config.data_dir))
+            self.failover.witness = link
+            self.source.witness_address = link.where
+            if self.follower is not None:
+                self.follower.link.witness = link.where
+            self.witness = PrimaryWitnessLease(self, self.source, link, config.failover_after_ms)
         if config.coordinator:  # etcd decides who is primary; otherwise the pair does
             ident = node_id(config.data_dir)
             self.failover.coordinated = CoordinatedNode(self, config.coordinator, config.node_id or ident,
@@ -334,6 +344,8 @@ class LockServer:
                 raise
         elif self.follower is not None and self.roles.role is Role.STANDBY:
             self.follower.start()
+        if self.witness is not None:
+            self.witness.start()
         self.limits.start()
 
     def _recover(self) -> None:
@@ -368,6 +380,8 @@ class LockServer:
         self.endpoints.close()
         self.source.close()
         self.failover.close()
+        if self.witness is not None:
+            self.witness.close()
         if self.failover.coordinated is not None:
             await self.failover.coordinated.close()
         if self.follower is not None:
@@ -639,4 +653,6 @@ class LockServer:
             st["coordinator"] = self.failover.coordinated.status()
         st["watch_history"] = self.revisions.status()  # docs/watches.md
         st["queue_reclaim"] = self.reclaim.status()
+        if self.failover.witness is not None:
+            st["replication"]["witness"] = self.failover.witness.status()
         return st

@@ -1,0 +1,306 @@
+"""The witness: a third opinion for a pair, holding no locks (``fastlock witness``).
+
+A pair alone cannot tell a dead standby from a partition, so a primary whose
+standby goes silent fences itself.  A witness (as Pacemaker's quorum device or
+MongoDB's arbiter) breaks the tie: it hands out one *lease* per epoch, and
+
+* the primary keeps granting while it hears its standby OR holds an unexpired
+  witness lease for its own epoch (:class:`~fastlock.replication.witnesslink.PrimaryWitnessLease`);
+* the standby promotes only after the primary's silence AND after the witness
+  granted it the lease for the new epoch, which the witness gives only once
+  the lease of the epoch below has expired on the witness's monotonic clock.
+
+The rule of :meth:`Witness.lease` (the whole state is :class:`WitnessVote`)::
+
+    epoch <  voted epoch                    refused (superseded)
+    epoch == voted epoch, same holder       granted: expires lease_ms from now
+    epoch == voted epoch, another holder    refused (one holder per epoch, ever)
+    epoch >  voted epoch (or none voted)    granted only once the current lease expired;
+                                            the vote (epoch, holder, lease_ms) is written
+                                            and fsynced before the reply
+
+Synchronous replication: a degraded primary whose standby cannot hear that it
+is no longer in sync (dead, or cut off) tells the witness instead
+(``out_of_sync``, kept with the vote); the node voted in at the next epoch
+learns it (``previous_out_of_sync``) and takes the promotion grace period.
+
+A witness restarted with a vote holds that vote's lease for a whole
+``lease_ms`` from its start (it cannot know how much of it was left).  The
+safety argument is in ``docs/failover-safety.md`` ("A pair with a witness").
+
+Authentication: a node proves its replica token with the HELLO handshake of
+:mod:`fastlock.auth.handshake` (no secret on the wire; the proof names the
+witness's node id, both nonces and the dialed endpoint, so it cannot be
+replayed, reflected or relayed), and the witness proves it holds the same
+credentials file.  Only replica principals are accepted; the holder of a
+lease is ``<replica principal>/<node id>`` from the proved handshake.
+
+Limits: at most :data:`MAX_CONNECTIONS` connections, :data:`MAX_CONNECTIONS_PER_ADDRESS`
+from one address (more are closed at once), HELLO done within :data:`HELLO_TIMEOUT_S` of
+the connect, a connection idle for
+:data:`IDLE_TIMEOUT_S` is closed, frames within the server's request limits,
+and ``lease_ms`` within :data:`MIN_LEASE_MS`..:data:`MAX_LEASE_MS`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from .. import protocol as P
+from .._version import __version__
+from ..auth import Credentials
+from ..auth.handshake import ClientFirst, PendingProof, ServerHandshake, endpoint
+from ..errors import AuthError, FastlockError, InvalidArgument, ProtocolError
+from ..logsafe import quote
+from ..units import monotonic_ms
+from ..wal import write_atomically
+from .node_state import load_json, node_id
+
+log = logging.getLogger("fastlock.witness")
+
+#: the witness's own op: ``[req_id, OP_WITNESS_LEASE, epoch, lease_ms[, out_of_sync]]`` -> :meth:`Witness.lease`'s dict
+OP_WITNESS_LEASE = 120
+#: what the witness's HELLO answer says it is (a node refuses any other server as its witness)
+WITNESS_SERVER = "fastlock-witness"
+#: where the vote is kept, in the witness's data directory
+VOTE_FILE = "witness.json"
+MIN_LEASE_MS = 100
+MAX_LEASE_MS = 600_000
+MAX_CONNECTIONS = 64
+MAX_CONNECTIONS_PER_ADDRESS = 16
+HELLO_TIMEOUT_S = 5.0
+IDLE_TIMEOUT_S = 60.0
+READ_BYTES = 64 << 10
+
+
+class WitnessVote(NamedTuple):
+    """What the witness keeps (``witness.json``): the highest epoch it granted a lease
+    for, to whom (``principal/node``; None: nobody yet), the longest lease it gave at that
+    epoch (ms), whether that holder last said its standby may lack acknowledged grants
+    (``out_of_sync``), and what the holder of the epoch below last said when this vote
+    was taken (``previous_out_of_sync``)."""
+
+    epoch: int
+    holder: str | None
+    lease_ms: int
+    out_of_sync: bool = False
+    previous_out_of_sync: bool = False
+
+
+def read_vote(directory: str) -> WitnessVote:
+    """The vote in ``<directory>/witness.json`` (none yet: epoch 0, no holder).
+
+    Raises:
+        NodeFileDamaged: the file is not what :func:`write_vote` writes.
+    """
+    data = load_json(directory, VOTE_FILE, {"epoch": (int,), "holder": (str, type(None)), "lease_ms": (int,),
+                                            "out_of_sync": (bool,), "previous_out_of_sync": (bool,)})
+    if data is None:
+        return WitnessVote(0, None, 0)
+    return WitnessVote(int(data.get("epoch", 0)), data.get("holder"), int(data.get("lease_ms", 0)),
+                       bool(data.get("out_of_sync", False)), bool(data.get("previous_out_of_sync", False)))
+
+
+def write_vote(directory: str, vote: WitnessVote) -> None:
+    """Write the vote atomically and fsync it (before anyone hears of it)."""
+    write_atomically(directory, VOTE_FILE, json.dumps(vote._asdict()).encode())
+
+
+class Witness:
+    """The witness's state and rule (sans-IO) plus its TCP listener (:meth:`start`).
+
+    Args:
+        data_dir: where the vote (``witness.json``) and the witness's ``node-id`` live.
+        credentials: the pair's credentials file (its replica principals prove themselves).
+        clock: the monotonic clock in milliseconds (tests pass their own).
+    """
+
+    def __init__(self, data_dir: str, credentials: Credentials, *, clock: Callable[[], int] = monotonic_ms):
+        self.data_dir = data_dir
+        self.credentials = credentials
+        self.clock = clock
+        self.vote = read_vote(data_dir)
+        self.node = node_id(data_dir)
+        self.verifier = ServerHandshake(self.node)
+        # a vote from before a restart: its holder may hold it for a whole lease from now
+        self.expires_ms = clock() + self.vote.lease_ms if self.vote.holder is not None else 0
+        self.listen: str | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._connections = 0
+        self._per_address: dict[str | None, int] = {}
+
+    # -- the rule ---------------------------------------------------------------------------
+    def lease(self, holder: str, epoch: Any, lease_ms: Any, out_of_sync: Any = False) -> dict:
+        """Grant or refuse ``holder`` the lease for ``epoch`` for ``lease_ms`` (see the module
+        docstring).  ``out_of_sync``: the holder's word that its standby may lack grants it
+        acknowledged (a degraded synchronous primary), kept with the vote (fsynced) when it
+        changes; a granted answer means it is recorded.
+
+        Returns ``{"granted", "epoch", "holder", "remaining_ms", "out_of_sync",
+        "previous_out_of_sync"}``: the vote after the request, how long its lease has left on
+        this clock (ms), its holder's last word, and the last word of the epoch below's holder
+        when this vote was taken (a node promoted with it takes the grace period if True).
+
+        Raises:
+            InvalidArgument: ``epoch`` not an int in 0..MAX_EPOCH, ``lease_ms`` out of
+                :data:`MIN_LEASE_MS`..:data:`MAX_LEASE_MS`, or ``out_of_sync`` not a bool
+                (nothing changes).
+        """
+        P.check_epoch(epoch, "witness epoch")
+        if type(lease_ms) is not int or not MIN_LEASE_MS <= lease_ms <= MAX_LEASE_MS:
+            raise InvalidArgument(f"lease_ms must be an int in {MIN_LEASE_MS}..{MAX_LEASE_MS}")
+        if type(out_of_sync) is not bool:
+            raise InvalidArgument("out_of_sync must be a bool")
+        now = self.clock()
+        vote = self.vote
+        granted = False
+        if epoch == vote.epoch and holder == vote.holder:
+            if lease_ms > vote.lease_ms or out_of_sync != vote.out_of_sync:
+                self._write(vote._replace(lease_ms=max(lease_ms, vote.lease_ms), out_of_sync=out_of_sync))
+            self.expires_ms = max(self.expires_ms, now + lease_ms)
+            granted = True
+        elif (epoch > vote.epoch or vote.holder is None) and (vote.holder is None or now >= self.expires_ms):
+            self._write(WitnessVote(epoch, holder, lease_ms, out_of_sync, vote.out_of_sync))
+            log.warning("voted for %s at epoch %d (the lease of epoch %d, %s, %s%s)", quote(holder), epoch,
+                        vote.epoch, quote(vote.holder), "had expired" if vote.holder else "was never held",
+                        "; its holder said its standby was out of sync" if vote.out_of_sync else "")
+            self.expires_ms = now + lease_ms
+            granted = True
+        return {"granted": granted, "epoch": self.vote.epoch, "holder": self.vote.holder,
+                "remaining_ms": max(0, self.expires_ms - now), "out_of_sync": self.vote.out_of_sync,
+                "previous_out_of_sync": self.vote.previous_out_of_sync}
+
+    def _write(self, vote: WitnessVote) -> None:
+        write_vote(self.data_dir, vote)
+        self.vote = vote
+
+    def status(self) -> dict:
+        """The vote and its lease's time left (ms)."""
+        return {"server": WITNESS_SERVER, "node": self.node, "epoch": self.vote.epoch, "holder": self.vote.holder,
+                "lease_ms": self.vote.lease_ms, "remaining_ms": max(0, self.expires_ms - self.clock())}
+
+    # -- the listener -----------------------------------------------------------------------
+    async def start(self, host: str, port: int) -> str:
+        """Listen on ``host:port`` (0: a free port); returns the ``host:port`` listened on."""
+        self._server = await asyncio.start_server(self._serve, host, port)
+        sock = self._server.sockets[0].getsockname()
+        self.listen = f"{sock[0]}:{sock[1]}"
+        return self.listen
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        host = peer[0] if isinstance(peer, tuple) else None
+        if self._connections >= MAX_CONNECTIONS or self._per_address.get(host, 0) >= MAX_CONNECTIONS_PER_ADDRESS:
+            writer.close()
+            return
+        self._connections += 1
+        self._per_address[host] = self._per_address.get(host, 0) + 1
+        session = _Session(self, writer)
+        decoder = P.FrameDecoder(limits=P.REQUEST_LIMITS)
+        hello_by = asyncio.get_running_loop().time() + HELLO_TIMEOUT_S  # one deadline, however bytes trickle in
+        try:
+            while not writer.is_closing():
+                if session.holder is not None:
+                    timeout = IDLE_TIMEOUT_S
+                else:
+                    timeout = max(0.0, hello_by - asyncio.get_running_loop().time())
+                data = await asyncio.wait_for(reader.read(READ_BYTES), timeout)
+                if not data:
+                    break
+                for msg in decoder.feed(data):
+                    session.handle(msg)
+                await writer.drain()
+        except (asyncio.TimeoutError, OSError, ProtocolError, AuthError) as exc:
+            log.debug("witness connection from %s closed: %s", session.peer, exc)
+        finally:
+            self._connections -= 1
+            left = self._per_address.pop(host, 1) - 1
+            if left:
+                self._per_address[host] = left
+            writer.close()
+
+
+class _Session:
+    """One connection to the witness: HELLO first, then leases and status."""
+
+    def __init__(self, witness: Witness, writer: asyncio.StreamWriter):
+        self.witness = witness
+        self.writer = writer
+        self.peer = writer.get_extra_info("peername")
+        self.pending: PendingProof | None = None
+        self.holder: str | None = None  # principal/node, once proved
+
+    def send(self, data: bytes) -> None:
+        self.writer.write(data)
+
+    def handle(self, msg: Any) -> None:
+        if type(msg) is not list or len(msg) < 2 or type(msg[0]) is not int or msg[0] < 1 or type(msg[1]) is not int:
+            raise ProtocolError("a request is [req_id, op, arg...]")
+        req_id, op, args = msg[0], msg[1], msg[2:]
+        try:
+            if op == P.OP_HELLO:
+                self.hello(req_id, args)
+                return
+            if self.holder is None:
+                raise ProtocolError("the first request must be HELLO")
+            if op == OP_WITNESS_LEASE and len(args) in (2, 3):
+                self.send(P.encode_ok(req_id, self.witness.lease(self.holder, *args)))
+            elif op == P.OP_PING and not args:
+                self.send(P.encode_ok(req_id, None))
+            elif op == P.OP_STATUS and not args:
+                self.send(P.encode_ok(req_id, self.witness.status()))
+            else:
+                raise ProtocolError(f"the witness answers HELLO, STATUS and WITNESS_LEASE only (op {op})")
+        except FastlockError as exc:
+            self.send(P.encode_error(req_id, exc.code, str(exc)))
+            if isinstance(exc, (ProtocolError, AuthError)):
+                raise
+
+    def hello(self, req_id: int, args: list) -> None:
+        if self.holder is not None or len(args) not in (3, 4):
+            raise ProtocolError("HELLO once: version, client_name, credential[, epoch]")
+        version, credential = args[0], args[2]
+        if version != P.PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {version!r} not supported (the witness speaks "
+                                f"{P.PROTOCOL_VERSION})")
+        if type(credential) is not dict:
+            raise AuthError("the witness takes replica principals only, proved with their token")
+        witness = self.witness
+        if "proof" not in credential:
+            if self.pending is not None:
+                raise ProtocolError("one handshake per connection")
+            first = ClientFirst.parse(credential)
+            here = endpoint(self.writer.get_extra_info("sockname"))
+            if first.dialed is not None and first.dialed != here:
+                raise AuthError(f"authentication failed: the node dialed {first.dialed} but reached the witness "
+                                f"at {here} (a relay in between?)")
+            found = witness.credentials.lookup(first.principal)
+            if found is not None and (found.kind != "replica" or found.keys is None):
+                found = None  # answered like an unknown principal: its proof fails
+            self.pending, reply = witness.verifier.challenge(first, found.keys if found is not None else None, found)
+            self.send(P.encode_ok(req_id, reply))
+            return
+        pending, self.pending = self.pending, None
+        if pending is None:
+            raise ProtocolError("a proof without a challenge")
+        server_proof = witness.verifier.verify(pending, credential)
+        first = pending.first
+        if server_proof is None or pending.principal is None or first.role != "replica" or not first.client_node:
+            log.warning("refused a node at %s: wrong proof, not a replica principal, or no node id", self.peer)
+            raise AuthError("authentication failed: wrong proof, or not a replica principal with a node id")
+        pinned = pending.principal.node_id
+        if pinned is not None and first.client_node != pinned:
+            raise AuthError(f"authentication failed: replica principal {pending.principal.name!r} may only act "
+                            f"as node {pinned!r}")
+        self.holder = f"{pending.principal.name}/{first.client_node}"
+        self.send(P.encode_ok(req_id, {"server": WITNESS_SERVER, "version": __version__,
+                                       "protocol": P.PROTOCOL_VERSION, "node": witness.node,
+                                       "principal": pending.principal.name, "server_proof": server_proof}))

@@ -1,0 +1,334 @@
+"""The witness (``fastlock witness``, ``serve --witness``): a pair that fails over by itself
+and keeps granting when its standby dies.
+
+- the witness's rule, on a fake clock: one holder per epoch, a higher epoch only once the
+  lease below has expired, the vote fsynced and held for a whole lease after a restart,
+  bad arguments refused without a change;
+- its handshake: a replica principal proves its token (never sent); a client or admin
+  principal, a wrong proof, or a request before HELLO is refused;
+- real processes (SIGKILL): the standby killed -> the primary keeps granting past its
+  standby fence; the primary killed -> the standby promotes with the witness's lease;
+  the primary|standby link cut with the witness reachable -> no promotion, the primary
+  keeps granting; the witness dead -> the pair keeps serving, the standby says it cannot
+  be promoted and, the primary killed, does not promote.
+
+Every wait has a deadline; processes are stopped by PID (the ``cluster`` fixture).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from fastlock import protocol as P
+from fastlock._testbase.cluster import RawNode, poll, run, status_of
+from fastlock._testbase.servers import WitnessProcess
+from fastlock.auth import ClientHandshake, Credentials, say_hello, secret_of
+from fastlock.errors import (
+    AuthError,
+    ConnectionLost,
+    InvalidArgument,
+    LockNotAcquired,
+    NotPrimary,
+    ProtocolError,
+    Unavailable,
+)
+from fastlock.protocol import rpc
+from fastlock.replication.witness import OP_WITNESS_LEASE, Witness, read_vote
+
+FAILOVER = 1.0  # --failover-after, seconds
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000
+
+    def __call__(self) -> int:
+        return self.now
+
+
+# -- the rule ---------------------------------------------------------------------------------
+
+def test_one_holder_per_epoch_and_a_higher_epoch_only_after_the_lease_expired(tmp_path):
+    clock = Clock()
+    w = Witness(str(tmp_path), Credentials.open_mode(), clock=clock)
+    assert w.lease("r1/a", 1, 1000)["granted"]
+    assert read_vote(str(tmp_path)).holder == "r1/a"  # on disk before the answer
+    refused = w.lease("r2/b", 2, 1000)
+    assert not refused["granted"] and refused["epoch"] == 1 and refused["remaining_ms"] == 1000
+    assert not w.lease("r2/b", 1, 1000)["granted"]  # never a second holder of epoch 1
+    clock.now += 600
+    assert w.lease("r1/a", 1, 1000)["granted"]  # renewed: 1000 ms from now
+    clock.now += 999
+    assert not w.lease("r2/b", 2, 1000)["granted"]
+    clock.now += 1
+    assert w.lease("r2/b", 2, 1000)["granted"]
+    assert not w.lease("r1/a", 1, 1000)["granted"]  # superseded
+    assert read_vote(str(tmp_path)).epoch == 2
+
+
+def test_a_restarted_witness_holds_its_vote_for_a_whole_lease(tmp_path):
+    clock = Clock()
+    w = Witness(str(tmp_path), Credentials.open_mode(), clock=clock)
+    assert w.lease("r1/a", 3, 2000)["granted"]
+    again = Witness(str(tmp_path), Credentials.open_mode(), clock=clock)
+    assert not again.lease("r2/b", 4, 1000)["granted"]
+    clock.now += 2000
+    assert again.lease("r2/b", 4, 1000)["granted"]
+
+
+def test_an_out_of_sync_word_is_kept_and_handed_to_the_next_vote(tmp_path):
+    clock = Clock()
+    w = Witness(str(tmp_path), Credentials.open_mode(), clock=clock)
+    assert w.lease("r1/a", 1, 1000)["out_of_sync"] is False
+    assert w.lease("r1/a", 1, 1000, True)["out_of_sync"] is True
+    assert read_vote(str(tmp_path)).out_of_sync  # on disk before the answer
+    clock.now += 1000
+    vote = w.lease("r2/b", 2, 1000)
+    assert vote["granted"] and vote["previous_out_of_sync"] and not vote["out_of_sync"]
+    assert Witness(str(tmp_path), Credentials.open_mode(), clock=clock).lease("r2/b", 2, 1000)["previous_out_of_sync"]
+
+
+@pytest.mark.parametrize("epoch, lease_ms", [(-1, 1000), ("1", 1000), (1, 99), (1, 600_001), (1, 1.5), (2**63, 1000)])
+def test_bad_arguments_are_refused_and_change_nothing(tmp_path, epoch, lease_ms):
+    w = Witness(str(tmp_path), Credentials.open_mode(), clock=Clock())
+    with pytest.raises(InvalidArgument):
+        w.lease("r1/a", epoch, lease_ms)
+    assert w.vote.epoch == 0 and w.vote.holder is None
+    with pytest.raises(InvalidArgument):
+        w.lease("r1/a", 1, 1000, 1)  # out_of_sync is a bool
+    assert w.vote.epoch == 0
+
+
+# -- the handshake ----------------------------------------------------------------------------
+
+@pytest.fixture
+def witness(cluster, tmp_path):
+    w = WitnessProcess(tmp_path / "witness", cluster.creds.file)
+    cluster.servers.append(w)  # stopped with the cluster
+    return w.start()
+
+
+async def _open(witness, token: str | None, node: str = "n1") -> rpc.RpcConnection:
+    conn = await rpc.open_connection("127.0.0.1", witness.port, timeout=5)
+    handshake = ClientHandshake(secret_of(token) if token else None, role="replica" if token else None,
+                                own_node=node)
+    try:
+        await asyncio.wait_for(say_hello(conn, "test", handshake), 5)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def test_only_a_replica_principal_that_proves_its_token_is_served(cluster, witness):
+    async def main():
+        conn = await _open(witness, cluster.creds.token("node-1"))
+        try:
+            answer = await conn.request(OP_WITNESS_LEASE, 5, 1000)
+            assert answer["granted"] and answer["holder"] == "node-1/n1"
+            with pytest.raises(InvalidArgument):
+                await conn.request(OP_WITNESS_LEASE, 6, 10)
+        finally:
+            conn.close()
+        for principal in ("app", "admin"):
+            with pytest.raises((AuthError, ConnectionLost)):
+                conn = await _open(witness, cluster.creds.token(principal))
+                conn.close()
+        with pytest.raises((AuthError, ConnectionLost)):
+            await _open(witness, None)  # no token: nothing to prove
+        raw = await rpc.open_connection("127.0.0.1", witness.port, timeout=5)
+        try:
+            with pytest.raises((ProtocolError, ConnectionLost)):
+                await asyncio.wait_for(raw.request(OP_WITNESS_LEASE, 7, 1000), 5)
+        finally:
+            raw.close()
+        st = await _status(witness, cluster.creds.token("node-2"))
+        assert st["epoch"] == 5 and st["holder"] == "node-1/n1"  # nothing else changed the vote
+
+    run(main())
+
+
+async def _status(witness, token: str) -> dict:
+    conn = await _open(witness, token, node="probe")
+    try:
+        return await conn.request(P.OP_STATUS)
+    finally:
+        conn.close()
+
+
+# -- a pair with a witness (real processes) ----------------------------------------------------
+
+def _pair(cluster, witness, *, through_proxy: bool = False, args: tuple[str, ...] = ()):
+    a = cluster.primary("a", args=["--witness", witness.address, *args])
+    target = cluster.proxy(a.address).address if through_proxy else a.address
+    b = cluster.standby(target, "b", failover_after=FAILOVER, args=["--witness", witness.address, *args])
+    a.wait_for_log(r"holding its lease for epoch", 10)
+    return a, b
+
+
+async def grant_now(node: RawNode, name: str) -> int:
+    """A grant without waiting: the primary is not fenced."""
+    token, _, _ = await asyncio.wait_for(node.acquire(name, 30_000), 5)
+    return token
+
+
+async def grant(address: str, name: str, timeout: float = 20) -> int:
+    node = await RawNode.open(address)
+    try:
+        async def attempt():
+            try:
+                return await grant_now(node, name)
+            except (LockNotAcquired, Unavailable, NotPrimary, asyncio.TimeoutError):
+                return None
+
+        return await poll(attempt, lambda t: t is not None, timeout=timeout, what=f"a grant of {name!r}")
+    finally:
+        await node.close()
+
+
+async def keeps_granting(address: str, prefix: str, seconds: float) -> int:
+    """Grant a new lock every 50 ms for ``seconds`` (bounded in count too); each must succeed at once."""
+    node = await RawNode.open(address)
+    try:
+        end = time.monotonic() + seconds
+        count = 0
+        while time.monotonic() < end and count < 400:
+            await grant_now(node, f"{prefix}/{count}")
+            count += 1
+            await asyncio.sleep(0.05)
+        return count
+    finally:
+        await node.close()
+
+
+def test_standby_killed_primary_keeps_granting(cluster, witness):
+    a, b = _pair(cluster, witness)
+
+    async def main():
+        b.kill()
+        # three failover windows: the standby fence alone would have closed after 0.75 s
+        assert await keeps_granting(a.address, "alone", 3 * FAILOVER) > 0
+        st = await status_of(a.address)
+        assert st["role"] == "primary" and not st["replication"]["fenced"]
+        assert st["replication"]["witness"]["reachable"]
+        assert not any("no word from the standby" in line for line in a.lines)
+
+    run(main())
+
+
+def test_primary_killed_standby_promotes_with_the_witness_lease(cluster, witness):
+    a, b = _pair(cluster, witness)
+
+    async def main():
+        before = await grant(a.address, "before")
+        a.kill()
+        await asyncio.to_thread(b.wait_for_log, r"PROMOTED to primary", 20)
+        assert any("granted this node the lease of epoch" in line for line in b.lines)
+        after = await grant(b.address, "after", timeout=40)  # after the grace period (async pair)
+        assert after > before
+        st = await _status(witness, cluster.creds.token("node-8"))
+        assert st["epoch"] == after >> 40 and st["holder"].startswith(cluster.replica_of("b") + "/")
+
+    run(main())
+
+
+def test_partition_between_the_pair_with_the_witness_reachable_no_promotion(cluster, witness):
+    a, b = _pair(cluster, witness, through_proxy=True)
+    link = cluster.proxies[0]
+
+    async def main():
+        link.blackhole()
+        await asyncio.to_thread(b.wait_for_log, r"did not grant the lease of epoch", 30)
+        assert await keeps_granting(a.address, "cut", 1.0) > 0
+        assert not any("PROMOTED" in line for line in b.lines)
+        assert (await status_of(b.address))["role"] in ("standby", "promoting")
+        assert (await status_of(a.address))["role"] == "primary"
+        link.heal()
+        await poll(lambda: status_of(b.address), lambda s: s["role"] == "standby" and s["replication"]["synced"],
+                   timeout=20, what="the standby following again")
+        assert not any("PROMOTED" in line for line in b.lines)
+
+    run(main())
+
+
+def test_witness_dead_pair_keeps_serving_and_cannot_promote(cluster, witness):
+    a, b = _pair(cluster, witness)
+
+    async def main():
+        witness.kill()
+        st = await poll(lambda: status_of(b.address), lambda s: s["replication"]["witness"]["reachable"] is False,
+                        timeout=10, what="the standby saying the witness is unreachable")
+        assert st["replication"]["witness"]["automatic_promotion"].startswith("impossible")
+        assert await keeps_granting(a.address, "no-witness", 1.0) > 0  # the standby is heard
+        a.kill()
+        await asyncio.to_thread(b.wait_for_log, r"did not grant the lease of epoch", 30)
+        st = await status_of(b.address)
+        assert st["role"] in ("standby", "promoting") and not any("PROMOTED" in line for line in b.lines)
+
+    run(main())
+
+
+SYNC = ("--replication", "sync", "--sync-timeout", "0.5")
+
+
+def test_sync_pair_standby_killed_primary_keeps_granting(cluster, witness):
+    a, b = _pair(cluster, witness, args=SYNC)
+
+    async def main():
+        await poll(lambda: status_of(a.address), lambda st: st["replication"]["sync"]["state"] == "in_sync",
+                   timeout=10, what="in sync")
+        b.kill()
+        # the degrade cannot be heard by a dead standby: the witness records it instead
+        await grant(a.address, "degraded")
+        await asyncio.to_thread(a.wait_for_log, r"the witness recorded that the standby is no longer in sync", 10)
+        assert await keeps_granting(a.address, "alone", 3 * FAILOVER) > 0
+        st = await status_of(a.address)
+        assert st["replication"]["sync"]["state"] == "degraded" and not st["replication"]["fenced"]
+
+    run(main())
+
+
+def test_sync_pair_cut_then_primary_killed_promotes_with_a_grace(cluster, witness):
+    """Grants the primary acknowledged without its (cut off) standby: the witness tells the
+    promoted node, which takes the grace period instead of promoting without one."""
+    a, b = _pair(cluster, witness, through_proxy=True, args=SYNC)
+    link = cluster.proxies[0]
+
+    async def main():
+        await poll(lambda: status_of(a.address), lambda st: st["replication"]["sync"]["state"] == "in_sync",
+                   timeout=10, what="in sync")
+        await grant(a.address, "before")  # the standby learns the longest TTL (its default grace)
+        link.blackhole()
+        await grant(a.address, "acknowledged-alone")
+        await asyncio.to_thread(a.wait_for_log, r"the witness recorded that the standby is no longer in sync", 10)
+        a.kill()
+        line = await asyncio.to_thread(b.wait_for_log, r"PROMOTED to primary", 30)
+        assert "no new grants for 0 ms" not in line, line
+        assert any("the witness says the old primary acknowledged grants without its standby" in x for x in b.lines)
+
+    run(main())
+
+
+def test_a_standby_without_the_witness_gets_no_witness_lease_on_the_primary(cluster, witness):
+    """The standby would promote without asking the witness: the primary's witness lease
+    proves nothing then, so a dead standby fences it as in a pair without a witness."""
+    a = cluster.primary("a", args=["--witness", witness.address])
+    b = cluster.standby(a.address, "b", failover_after=FAILOVER)
+    a.wait_for_log(r"holding its lease for epoch", 10)
+
+    async def main():
+        st = await status_of(a.address)
+        assert st["replication"]["paired_standby_witness"] is None
+        b.kill()
+        await asyncio.to_thread(a.wait_for_log, r"no word from the standby", 10)
+        node = await RawNode.open(a.address)
+        try:
+            with pytest.raises(Unavailable):
+                await grant_now(node, "fenced")
+        finally:
+            await node.close()
+
+    run(main())
