@@ -41,6 +41,8 @@ from ..replication.messages import standby_address
 from ..replication.syncrep import SYNC_PERMISSIONS
 from ..roles import Action, NodeRole
 from ..units import monotonic_ms
+from ._wire import dispatch as dispatch_request
+from ._wire import ok_int, ok_nil
 from .hello import Hello
 from .keys import PERMISSIONS as KEY_PERMISSIONS
 from .keys import KeyStore
@@ -212,36 +214,35 @@ class Handlers:
 
     # -- dispatch -----------------------------------------------------------------
     def dispatch(self, conn: Session, msg: Any) -> None:
-        """Run one decoded request ``msg`` from ``conn`` (its reply is queued on ``conn``)."""
-        if type(msg) is not list or len(msg) < 2 or type(msg[0]) is not int or type(msg[1]) is not int or msg[0] < 1:
-            conn.fatal(ProtocolError("a request must be an array [request_id >= 1, op, args...]"))
-            return
-        req_id = msg[0]
-        op = msg[1]
-        if not conn.ready and op != P.OP_HELLO:
-            conn.fatal(ProtocolError("the first request must be HELLO"))
-            return
-        entry = self.by_op.get(op)
-        try:
-            if entry is None:
-                raise ProtocolError(f"unknown operation {op}")
-            handler, fewest, most = entry
-            if not fewest <= len(msg) - 2 <= most:
-                expected = (fewest if fewest == most else f"{fewest} or {most}" if most == fewest + 1
-                            else f"{fewest} to {most}")
-                raise ProtocolError(f"{P.OP_NAMES[op]} takes {expected} arguments, got {len(msg) - 2}")
-            need = self.need_by_op.get(op, "admin")
-            # grant.everywhere: what the principal may do on every name (no per-name check needed)
-            if need is not None and need not in conn.grant.everywhere and (conn.kind != "admin" or need == "replica"):
-                _authorize(conn, op, need, msg)
-            handler(conn, req_id, msg)
-        except FastlockError as exc:
+        """Run one decoded request ``msg`` from ``conn`` (its reply is queued on ``conn``):
+        its shape, HELLO first, a known op, the op's arity and the principal's permission
+        are checked, in that order, before the op's handler runs (compiled:
+        :func:`fastlock.server._wire.dispatch`)."""
+        dispatch_request(self, conn, msg)
+
+    @staticmethod
+    def bad_arity(op: int, fewest: int, most: int, got: int) -> None:
+        """:raises ProtocolError: ``op`` takes ``fewest`` to ``most`` arguments, not ``got``."""
+        expected = (fewest if fewest == most else f"{fewest} or {most}" if most == fewest + 1
+                    else f"{fewest} to {most}")
+        raise ProtocolError(f"{P.OP_NAMES[op]} takes {expected} arguments, got {got}")
+
+    #: refuse (PermissionDenied) what a connection's principal is not granted
+    authorize = staticmethod(_authorize)
+
+    @staticmethod
+    def failed(conn: Session, req_id: int, op: int, exc: Exception) -> None:
+        """A request's handler (or a check before it) raised ``exc``: a
+        :class:`~fastlock.errors.FastlockError` is the reply (an
+        :class:`~fastlock.errors.AuthError` also closes the connection); any other
+        exception is a bug: logged, answered with InternalServerError."""
+        if isinstance(exc, FastlockError):
             conn.send(_error_reply(req_id, exc))
             if isinstance(exc, AuthError):
                 conn.close_after_flush()
-        except Exception:  # a bug: log it, answer InternalServerError, keep serving everyone else
-            log.exception("internal error handling %s from %s", P.OP_NAMES.get(op, op), conn.peer)
-            conn.send(P.packb([req_id, InternalServerError.code, "internal server error", None]))
+            return
+        log.error("internal error handling %s from %s", P.OP_NAMES.get(op, op), conn.peer, exc_info=exc)
+        conn.send(P.packb([req_id, InternalServerError.code, "internal server error", None]))
 
     # -- leases -------------------------------------------------------------------------
     def op_acquire(self, conn: Session, req_id: int, msg: list) -> None:
@@ -314,7 +315,7 @@ class Handlers:
         except NotHolder:
             raise not_the_holder(self.lock_admin.revocations, name, token) from None
         self.server.released(name, token, meta)
-        conn.send(P.encode_ok(req_id, None))
+        conn.send(ok_nil(req_id))
 
     def op_extend(self, conn: Session, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])
@@ -333,7 +334,7 @@ class Handlers:
         if ttl_ms > server.max_ttl_ms:  # only the holder's extend counts towards the grace period
             server.max_ttl_ms = ttl_ms
             server.node_state.raise_ttl(ttl_ms)
-        reply = P.encode_ok(req_id, ttl_ms)
+        reply = ok_int(req_id, ttl_ms)
         # Every extend is logged: the standby keeps each lease's deadline from the
         # records it receives, and a promoted standby keeps that deadline.
         wal = self.wal
@@ -507,5 +508,5 @@ class Handlers:
         conn.send(P.encode_ok(req_id, st))
 
     def op_ping(self, conn: Session, req_id: int, msg: list) -> None:
-        conn.send(P.encode_ok(req_id, None))
+        conn.send(ok_nil(req_id))
 
