@@ -18,11 +18,34 @@ templates (:func:`ok_nil`, :func:`ok_int`) as msgpack's own packer writes them.
 """
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
+
+cdef extern from "Python.h":
+    bint PyUnicode_IS_ASCII(object)
 from libc.stdint cimport int64_t, uint64_t
 
-from ..errors import ProtocolError
+from .._core import LIMIT_CONFLICT, NOT_ACQUIRED, NotHolder
+from ..errors import InvalidArgument, ProtocolError
+from ..protocol.validation import (
+    MAX_CORRELATION_ID_CHARS,
+    MAX_LOCK_DELAY_MS,
+    MAX_NAME_BYTES,
+    MAX_TTL_MS,
+    MAX_WAIT_MS,
+    MIN_TTL_MS,
+    check_actor,
+    check_limit,
+    check_lock_delay_ms,
+    check_name,
+    check_optional_str,
+    check_shared,
+    check_token,
+    check_ttl_ms,
+    check_wait_ms,
+)
+from ..roles import Action
 from ..protocol.ops import OP_HELLO
 from ..units import monotonic_ms
+from .shares import limit_exceeded
 
 cdef object _ProtocolError = ProtocolError
 cdef object _monotonic_ms = monotonic_ms
@@ -222,3 +245,164 @@ cpdef bytes ok_grant(object req_id, object token, object ttl_ms, object waited_m
     n += _put_int(buf + n, ttl_ms)
     n += _put_int(buf + n, waited_ms)
     return PyBytes_FromStringAndSize(<char *>buf, n)
+
+
+# -- the lock operations ---------------------------------------------------------------
+# Each mirrors its Python handler in fastlock/server/handlers.py (op_acquire, op_release,
+# op_extend): the same checks in the same order, the same calls into the lock table, the
+# quotas and the log; an argument that fails a check here goes through the shared
+# validator (fastlock.protocol.validation), which raises the same error the Python
+# handler raises.  An ACQUIRE with more arguments than these take goes to op_acquire.
+
+cdef object _check_name = check_name
+cdef object _check_token = check_token
+cdef object _check_ttl_ms = check_ttl_ms
+cdef object _check_wait_ms = check_wait_ms
+cdef object _check_lock_delay_ms = check_lock_delay_ms
+cdef object _check_optional_str = check_optional_str
+cdef object _check_shared = check_shared
+cdef object _check_limit = check_limit
+cdef object _check_actor = check_actor
+cdef object _InvalidArgument = InvalidArgument
+cdef object _NotHolder = NotHolder
+cdef object _limit_exceeded = limit_exceeded
+cdef object _ACQUIRE = Action.ACQUIRE
+cdef object _RELEASE = Action.RELEASE
+cdef object _EXTEND = Action.EXTEND
+cdef object _LIMIT_CONFLICT = LIMIT_CONFLICT
+cdef object _NOT_ACQUIRED = NOT_ACQUIRED
+cdef Py_ssize_t _MAX_NAME_BYTES = MAX_NAME_BYTES
+cdef long long _MIN_TTL_MS = MIN_TTL_MS
+cdef long long _MAX_TTL_MS = MAX_TTL_MS
+cdef long long _MAX_WAIT_MS = MAX_WAIT_MS
+cdef long long _MAX_LOCK_DELAY_MS = MAX_LOCK_DELAY_MS
+cdef Py_ssize_t _MAX_CORRELATION_ID_CHARS = MAX_CORRELATION_ID_CHARS
+#: the most arguments of an ACQUIRE handled here: name, owner, ttl, wait, lock-delay, correlation id,
+#: shared, limit, actor
+cdef Py_ssize_t ACQUIRE_ARGS = 9
+
+
+cdef inline object _name(object name):
+    """A checked lock name (check_name's common case inline: ASCII, 1..512 bytes, no NUL)."""
+    if (type(name) is str and PyUnicode_IS_ASCII(name) and 0 < len(<str>name) <= _MAX_NAME_BYTES
+            and "\x00" not in <str>name):
+        return name
+    return _check_name(name)
+
+
+cdef inline object _int_in(object value, long long low, long long high, object check):
+    """``value`` if it is an int in ``low..high``, else what ``check(value)`` returns (or raises)."""
+    if type(value) is int and low <= value <= high:
+        return value
+    return check(value)
+
+
+cpdef acquire(object handlers, SessionWire conn, object req_id, list msg):
+    """ACQUIRE ``[id, op, name, owner, ttl_ms, wait_ms, lock_delay_ms, correlation_id[, shared[, limit[,
+    actor]]]]``: Handlers.op_acquire compiled.  The grant (now or later) is a table event, replied to
+    at the batch end; a refusal raises its FastlockError."""
+    cdef Py_ssize_t n = len(msg)
+    if n - 2 > ACQUIRE_ARGS:
+        handlers.op_acquire(conn, req_id, msg)
+        return
+    name = _name(msg[2])
+    owner = conn.owner_hash(msg[3])  # only the hash is kept, logged and replicated
+    ttl_ms = _int_in(msg[4], _MIN_TTL_MS, _MAX_TTL_MS, _check_ttl_ms)
+    wait_ms = msg[5]
+    if not (type(wait_ms) is int and (wait_ms == -1 or 0 <= wait_ms <= _MAX_WAIT_MS)):
+        wait_ms = _check_wait_ms(wait_ms)
+    delay_ms = _int_in(msg[6], 0, _MAX_LOCK_DELAY_MS, _check_lock_delay_ms)
+    corr = msg[7]
+    if corr is not None and not (type(corr) is str and len(<str>corr) <= _MAX_CORRELATION_ID_CHARS):
+        corr = _check_optional_str(corr, "correlation id", _MAX_CORRELATION_ID_CHARS)
+    shared = n > 8 and _check_shared(msg[8])  # a shared lease (absent: exclusive)
+    limit = _check_limit(msg[9]) if n > 9 else 0  # a semaphore's limit (absent: a lock)
+    actor = _check_actor(msg[10]) if n > 10 else 0  # who waits in the session (absent: all of it)
+    if shared and limit:
+        raise _InvalidArgument("a semaphore permit (limit > 0) cannot also be shared")
+    table = handlers.table
+    now = _monotonic_ms()
+    handlers.roles.admit(_ACQUIRE)
+    config = handlers.config
+    quotas = handlers.quotas
+    if wait_ms != 0:
+        if table.session_waiters(conn.session) >= config.max_waiters_per_connection:
+            raise _limit_exceeded(config.max_waiters_per_connection, "this connection", "waiting acquires",
+                                  "max-waiters-per-connection")
+        if table.waiter_count >= config.max_waiters:
+            raise _limit_exceeded(config.max_waiters, "the server", "waiting acquires", "max-waiters")
+    # a retry of a held lease re-delivers it: it adds nothing
+    retry = table.holder(name, now, owner) is not None
+    # the global cap counts leases held: an exclusive request on a held name adds none now (it queues)
+    # (running lock-delays count as leases: each keeps a lock entry until it ends)
+    if (not retry and len(table) + quotas.lock_delay_count(now) >= config.max_leases
+            and (shared or limit or not table.holders_of(name, now, 0, 1))):
+        raise _limit_exceeded(config.max_leases, "the server", "leases", "max-leases")
+    # the principal's quotas: a lease, granted now or reserved by a waiter (see PrincipalQuotas)
+    usage = None if retry else quotas.check_acquire(conn.grant.name, 1, 1 if wait_ms != 0 else 0)
+    server = handlers.server
+    if ttl_ms > server.max_ttl_ms:
+        server.max_ttl_ms = ttl_ms
+        server.node_state.raise_ttl(ttl_ms)  # rare: only a new longest TTL writes
+    try:
+        status = table.acquire(name, owner, conn.session, req_id, ttl_ms, wait_ms, delay_ms,
+                               (conn.recorded, corr), now, shared, limit, actor)
+    except ValueError as exc:  # the owner key waits on name in a multi-lock request
+        raise _InvalidArgument(f"{name!r}: {exc}") from None
+    if usage is not None:
+        quotas.acquired(usage, status, (name,), table.last_token)
+    if status == _LIMIT_CONFLICT or status == _NOT_ACQUIRED:
+        handlers.acquire_refused(conn, name, limit, status, now)
+
+
+cpdef release(object handlers, SessionWire conn, object req_id, list msg):
+    """RELEASE ``[id, op, name, token, owner]``: Handlers.op_release compiled."""
+    name = _name(msg[2])
+    token = _int_in(msg[3], 1, 0x7FFFFFFFFFFFFFFF, _check_token)
+    owner = conn.owner_hash(msg[4])
+    # a fenced primary refuses too: the standby may have been promoted and would never
+    # see this release (the client repeats it at whichever node is primary)
+    handlers.roles.admit(_RELEASE)
+    table = handlers.table
+    now = _monotonic_ms()
+    meta = None
+    if name in handlers.watchers:  # watchers are told whose lease it was
+        holder = table.holder(name, now, owner)
+        meta = holder.meta if holder is not None else None
+    try:
+        table.release(name, token, owner, now)
+    except _NotHolder:
+        raise handlers.not_holder(name, token) from None
+    handlers.server.released(name, token, meta)
+    conn.send(ok_nil(req_id))
+
+
+cpdef extend(object handlers, SessionWire conn, object req_id, list msg):
+    """EXTEND ``[id, op, name, token, owner, ttl_ms]``: Handlers.op_extend compiled."""
+    name = _name(msg[2])
+    token = _int_in(msg[3], 1, 0x7FFFFFFFFFFFFFFF, _check_token)
+    owner = conn.owner_hash(msg[4])
+    ttl_ms = _int_in(msg[5], _MIN_TTL_MS, _MAX_TTL_MS, _check_ttl_ms)
+    table = handlers.table
+    now = _monotonic_ms()
+    handlers.roles.admit(_EXTEND)
+    holder = table.holder(name, now, owner)
+    try:
+        table.extend(name, token, owner, ttl_ms, now, conn.session)  # the lease is held from this connection
+    except _NotHolder:
+        raise handlers.not_holder(name, token) from None
+    server = handlers.server
+    if ttl_ms > server.max_ttl_ms:  # only the holder's extend counts towards the grace period
+        server.max_ttl_ms = ttl_ms
+        server.node_state.raise_ttl(ttl_ms)
+    reply = ok_int(req_id, ttl_ms)
+    # Every extend is logged: the standby keeps each lease's deadline from the
+    # records it receives, and a promoted standby keeps that deadline.
+    wal = handlers.wal
+    wal.log_extend(name, token, ttl_ms)
+    # sync replication: every extend waits for the standby (it moves the deadline); recovery restores
+    # the recorded TTL: a longer one must be durable before the holder relies on it (not a shorter one)
+    if handlers.source.sync.enabled or ((holder is None or ttl_ms > holder.ttl_ms) and not wal.flush_now()):
+        handlers.extend_when_durable(conn, req_id, name, token, reply)
+        return
+    conn.send(reply)

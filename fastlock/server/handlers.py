@@ -17,13 +17,14 @@ other exception is a server bug: logged with its traceback, answered with
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
-from .._core import LIMIT_CONFLICT, NOT_ACQUIRED, LockTable, NotHolder
+from .._core import LIMIT_CONFLICT, NOT_ACQUIRED, LockTable
 from ..auth import Credentials
 from ..errors import (
     AuthError,
@@ -41,8 +42,11 @@ from ..replication.messages import standby_address
 from ..replication.syncrep import SYNC_PERMISSIONS
 from ..roles import Action, NodeRole
 from ..units import monotonic_ms
+from ._wire import acquire as compiled_acquire
 from ._wire import dispatch as dispatch_request
-from ._wire import ok_int, ok_nil
+from ._wire import extend as compiled_extend
+from ._wire import ok_nil
+from ._wire import release as compiled_release
 from .hello import Hello
 from .keys import PERMISSIONS as KEY_PERMISSIONS
 from .keys import KeyStore
@@ -183,9 +187,10 @@ class Handlers:
         self.lock_admin = LockAdmin(self)
         handlers: dict[int, Handler] = {
             P.OP_HELLO: self.hello.op_hello,
-            P.OP_ACQUIRE: self.op_acquire,
-            P.OP_RELEASE: self.op_release,
-            P.OP_EXTEND: self.op_extend,
+            # compiled (server/_wire.pyx); an ACQUIRE with arguments it does not take goes to op_acquire
+            P.OP_ACQUIRE: functools.partial(compiled_acquire, self),
+            P.OP_RELEASE: functools.partial(compiled_release, self),
+            P.OP_EXTEND: functools.partial(compiled_extend, self),
             P.OP_CANCEL: self.op_cancel,
             P.OP_CHECK: self.op_check,
             P.OP_STATUS: self.op_status,
@@ -246,6 +251,8 @@ class Handlers:
 
     # -- leases -------------------------------------------------------------------------
     def op_acquire(self, conn: Session, req_id: int, msg: list) -> None:
+        """ACQUIRE in Python: what the compiled ACQUIRE (``server/_wire.pyx``, ``acquire``: the
+        same checks and calls) hands an ACQUIRE with more arguments than it takes."""
         name = P.check_name(msg[2])
         owner = conn.owner_hash(msg[3])  # only the hash is kept, logged and replicated
         ttl_ms = P.check_ttl_ms(msg[4])
@@ -288,76 +295,45 @@ class Handlers:
             raise InvalidArgument(f"{name!r}: {exc}") from None
         if usage is not None:
             quotas.acquired(usage, status, (name,), table.last_token)
+        if status == LIMIT_CONFLICT or status == NOT_ACQUIRED:
+            self.acquire_refused(conn, name, limit, status, now)
+
+    def acquire_refused(self, conn: Session, name: str, limit: int, status: int, now: int) -> None:
+        """Raise why the table did not take an acquire of ``name``: ``status`` LIMIT_CONFLICT
+        (:class:`~fastlock.errors.LimitConflict`) or NOT_ACQUIRED with ``wait=0``
+        (:class:`~fastlock.errors.LockNotAcquired`: held, in its lock-delay, or the grace period)."""
         if status == LIMIT_CONFLICT:
-            raise limit_conflict(table, name, limit, now)
-        if status == NOT_ACQUIRED:
-            grace_ms = self.roles.grace_remaining_ms(now)
-            if grace_ms:
-                raise LockNotAcquired(f"{name!r}: no grants of free locks during {self.roles.grace_reason} "
-                                      f"({grace_ms} ms left)")
-            raise LockNotAcquired(_why_not_granted(table, name, now, conn.session))
+            raise limit_conflict(self.table, name, limit, now)
+        grace_ms = self.roles.grace_remaining_ms(now)
+        if grace_ms:
+            raise LockNotAcquired(f"{name!r}: no grants of free locks during {self.roles.grace_reason} "
+                                  f"({grace_ms} ms left)")
+        raise LockNotAcquired(_why_not_granted(self.table, name, now, conn.session))
 
-    def op_release(self, conn: Session, req_id: int, msg: list) -> None:
-        name = P.check_name(msg[2])
-        token = P.check_token(msg[3])
-        owner = conn.owner_hash(msg[4])
-        # a fenced primary refuses too: the standby may have been promoted and would never
-        # see this release (the client repeats it at whichever node is primary)
-        self.roles.admit(Action.RELEASE)
-        table = self.table
-        now = monotonic_ms()
-        meta = None
-        if name in self.watchers:  # watchers are told whose lease it was
-            holder = table.holder(name, now, owner)
-            meta = holder.meta if holder is not None else None
-        try:
-            table.release(name, token, owner, now)
-        except NotHolder:
-            raise not_the_holder(self.lock_admin.revocations, name, token) from None
-        self.server.released(name, token, meta)
-        conn.send(ok_nil(req_id))
+    # RELEASE and EXTEND: compiled only (server/_wire.pyx, release and extend); these are theirs
+    def not_holder(self, name: str, token: int) -> FastlockError:
+        """The error for a release or extend of ``name`` by one that does not hold ``token``
+        (:class:`~fastlock.errors.LeaseLost`, saying so if an operator revoked it)."""
+        return not_the_holder(self.lock_admin.revocations, name, token)
 
-    def op_extend(self, conn: Session, req_id: int, msg: list) -> None:
-        name = P.check_name(msg[2])
-        token = P.check_token(msg[3])
-        owner = conn.owner_hash(msg[4])
-        ttl_ms = P.check_ttl_ms(msg[5])
-        table = self.table
-        now = monotonic_ms()
-        self.roles.admit(Action.EXTEND)
-        holder = table.holder(name, now, owner)
-        try:
-            table.extend(name, token, owner, ttl_ms, now, conn.session)  # the lease is held from this connection
-        except NotHolder:
-            raise not_the_holder(self.lock_admin.revocations, name, token) from None
+    def extend_when_durable(self, conn: Session, req_id: int, name: str, token: int, reply: bytes) -> None:
+        """Send an extend's ``reply`` once its record is durable (and, with sync replication,
+        on the standby) - if this node may still extend then; else its refusal."""
         server = self.server
-        if ttl_ms > server.max_ttl_ms:  # only the holder's extend counts towards the grace period
-            server.max_ttl_ms = ttl_ms
-            server.node_state.raise_ttl(ttl_ms)
-        reply = ok_int(req_id, ttl_ms)
-        # Every extend is logged: the standby keeps each lease's deadline from the
-        # records it receives, and a promoted standby keeps that deadline.
-        wal = self.wal
-        wal.log_extend(name, token, ttl_ms)
-        sync = self.source.sync  # sync replication: every extend waits for the standby (it moves the deadline)
-        if sync.enabled or ((holder is None or ttl_ms > holder.ttl_ms) and not wal.flush_now()):
-            # recovery restores the recorded TTL: a longer one must be durable
-            # before the holder relies on it (a shorter or equal one need not be)
-            def ack(refused: FastlockError | None = None) -> None:
-                # acknowledged only if this node may still extend (see LockServer.deliver_grants)
-                self.source.fence_if_due(monotonic_ms())
-                if refused is None and self.roles.may(Action.EXTEND):
-                    conn.send(reply)
-                else:
-                    refused = refused or refusal(self.roles, Action.EXTEND)
-                    conn.send(P.encode_error(req_id, refused.code, f"{name!r}: {refused}",
-                                             getattr(refused, "primary", None)))
-                    log.warning("extend of %s token %d not acknowledged: %s", quote(name), token, refused)
-                server.after_batch()
 
-            wal.when_durable(sync.after(ack))
-            return
-        conn.send(reply)
+        def ack(refused: FastlockError | None = None) -> None:
+            # acknowledged only if this node may still extend (see LockServer.deliver_grants)
+            self.source.fence_if_due(monotonic_ms())
+            if refused is None and self.roles.may(Action.EXTEND):
+                conn.send(reply)
+            else:
+                refused = refused or refusal(self.roles, Action.EXTEND)
+                conn.send(P.encode_error(req_id, refused.code, f"{name!r}: {refused}",
+                                         getattr(refused, "primary", None)))
+                log.warning("extend of %s token %d not acknowledged: %s", quote(name), token, refused)
+            server.after_batch()
+
+        self.wal.when_durable(self.source.sync.after(ack))
 
     def op_cancel(self, conn: Session, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])
