@@ -40,7 +40,7 @@ cdef class RpcWire:
     cdef public object _next_id
     cdef public object _watchdog
 
-    def data_received(self, bytes data):
+    def data_received(self, object data):
         self.last_recv = self.loop.time()  # at or after _ping_sent: the ping is answered
         try:
             messages = self._decoder.feed(data)

@@ -187,7 +187,7 @@ cdef class SessionWire:
     cdef public bint ready
     cdef public object last_read_ms
 
-    def data_received(self, bytes data):
+    def data_received(self, object data):
         intake = self.intake
         decoder = intake.decoder
         if self.closed or decoder is None:  # closed: the decoder was freed
