@@ -24,6 +24,7 @@ cdef extern from "Python.h":
 from libc.stdint cimport int64_t, uint64_t
 
 from .._core import LIMIT_CONFLICT, NOT_ACQUIRED, NotHolder
+from ..auth import hash_owner
 from ..errors import InvalidArgument, ProtocolError
 from ..protocol.validation import (
     MAX_CORRELATION_ID_CHARS,
@@ -37,6 +38,7 @@ from ..protocol.validation import (
     check_lock_delay_ms,
     check_name,
     check_optional_str,
+    check_owner,
     check_shared,
     check_token,
     check_ttl_ms,
@@ -186,6 +188,20 @@ cdef class SessionWire:
     cdef public bint closed
     cdef public bint ready
     cdef public object last_read_ms
+    cdef object owner_key  # the last owner key received (None: none yet) ...
+    cdef bytes owner_hashed  # ... and its hash
+
+    cpdef bytes owner_hash(self, object owner):
+        """:func:`fastlock.auth.hash_owner` of a checked owner key from this connection
+        (:func:`fastlock.protocol.check_owner` raises for a bad one).  The last key's hash
+        is kept: a client releases, extends or cancels with the key it acquired with, so
+        that request does not hash it again."""
+        if type(owner) is bytes and self.owner_key is not None and owner == self.owner_key:
+            return self.owner_hashed
+        hashed = _hash_owner(_check_owner(owner))
+        self.owner_key = owner
+        self.owner_hashed = hashed
+        return hashed
 
     def data_received(self, object data):
         intake = self.intake
@@ -255,6 +271,8 @@ cpdef bytes ok_grant(object req_id, object token, object ttl_ms, object waited_m
 # handler raises.  An ACQUIRE with more arguments than these take goes to op_acquire.
 
 cdef object _check_name = check_name
+cdef object _check_owner = check_owner
+cdef object _hash_owner = hash_owner
 cdef object _check_token = check_token
 cdef object _check_ttl_ms = check_ttl_ms
 cdef object _check_wait_ms = check_wait_ms

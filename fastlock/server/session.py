@@ -40,7 +40,7 @@ from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, cast
 
 from .. import protocol as P
-from ..auth import ANONYMOUS, Principal, hash_owner
+from ..auth import ANONYMOUS, Principal
 from ..errors import FastlockError, ProtocolError
 from ..tls import peer_identity
 from ..units import monotonic_ms
@@ -196,9 +196,10 @@ class Session(SessionWire, asyncio.Protocol):
     and ``last_read_ms`` are monotonic milliseconds.
     """
 
-    # (server, session, intake, transport, out, out_bytes, closed, ready, last_read_ms: SessionWire's)
+    # (server, session, intake, transport, out, out_bytes, closed, ready, last_read_ms and the last owner
+    # key with its hash: SessionWire's)
     __slots__ = ("client_name", "peer", "watching", "grant", "recorded", "address", "accepted_ms", "_out_cap",
-                 "waiting", "_drain", "_owner")
+                 "waiting", "_drain")
 
     def __init__(self, server: LockServer, session: int):
         self.server = server
@@ -224,7 +225,6 @@ class Session(SessionWire, asyncio.Protocol):
         # while writing is paused (the transport's buffer is above its high-water mark):
         # a future done when it resumes (or the connection closes); else None
         self._drain: asyncio.Future | None = None
-        self._owner: tuple[bytes | None, bytes] = (None, b"")  # the last owner key received, and its hash
 
     # -- asyncio callbacks ------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -397,17 +397,7 @@ class Session(SessionWire, asyncio.Protocol):
         if not self.closed and self.session not in self.server.source.replicas and not self.intake.held:
             self.transport.resume_reading()
 
-    def owner_hash(self, owner: Any) -> bytes:
-        """:func:`fastlock.auth.hash_owner` of a checked owner key from this
-        connection (:func:`fastlock.protocol.check_owner` raises for a bad one).
-        The last key's hash is kept: a client releases, extends or cancels with
-        the key it acquired with, so that request does not hash it again."""
-        last = self._owner
-        if type(owner) is bytes and owner == last[0]:
-            return last[1]
-        hashed = hash_owner(P.check_owner(owner))
-        self._owner = (owner, hashed)
-        return hashed
+    # owner_hash(owner) -> bytes: SessionWire's (compiled): the hash of a checked owner key
 
     def authenticated(self, principal: Principal, client_name: str | None) -> None:
         """HELLO authenticated this connection as ``principal``: what its requests act as
