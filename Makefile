@@ -23,7 +23,7 @@ $(STAMP): $(SOURCES)
 	$(VENV)/bin/python -m pip install -q -U pip
 	rm -rf build/lib.*  # setuptools never removes a moved module's old copy from build/lib
 	@echo "fastlock: installing into $(VENV) with its test tools, then compiling the Cython core"
-	@echo "fastlock: (fastlock/_core.pyx, fastlock/wal/_syncer.pyx): about 2 minutes on 2 cores the first time"
+	@echo "fastlock: (fastlock/_core.pyx, fastlock/wal/_syncer.pyx, fastlock/*/_wire.pyx): about 2 minutes on 2 cores the first time"
 	$(VENV)/bin/python -m pip install --progress-bar off ".[test,postgres,metrics]"
 	# the same compiled modules beside their sources, so that commands run from the repository root
 	# (python -m benches.load, python -m fastlock.wal dump), where ./fastlock is imported, find them
@@ -75,4 +75,4 @@ wheel-check: dist
 	$(VENV)/bin/python tests/wheel_check.py dist
 
 clean:
-	rm -rf build dist site $(VENV) fastlock/_core.c fastlock/wal/_syncer.c fastlock/*.so fastlock/*/*.so fastlock/*.html fastlock/*/*.html *.egg-info
+	rm -rf build dist site $(VENV) fastlock/_core.c fastlock/wal/_syncer.c fastlock/server/_wire.c fastlock/protocol/_wire.c fastlock/*.so fastlock/*/*.so fastlock/*.html fastlock/*/*.html *.egg-info

@@ -33,6 +33,18 @@ extensions = [
         ["fastlock/wal/_syncer.pyx"],
         extra_compile_args=["-O0", "-g"] if debug else ["-O2"],
     ),
+    # a server connection's input, dispatch and reply templates (fastlock/server/session.py)
+    Extension(
+        "fastlock.server._wire",
+        ["fastlock/server/_wire.pyx"],
+        extra_compile_args=["-O0", "-g"] if debug else ["-O2"],
+    ),
+    # a client connection's requests and replies (fastlock/protocol/rpc.py)
+    Extension(
+        "fastlock.protocol._wire",
+        ["fastlock/protocol/_wire.pyx"],
+        extra_compile_args=["-O0", "-g"] if debug else ["-O2"],
+    ),
 ]
 
 setup(

@@ -61,6 +61,7 @@ from typing import Any, cast
 from ..errors import ConnectionLost, FastlockError, ProtocolError, error_from_wire
 from ..logsafe import quote
 from ..units import format_address
+from ._wire import RpcWire
 from .framing import REPLY_LIMITS, DecodeLimits, FrameDecoder, packb
 from .ops import OP_PING
 
@@ -149,7 +150,7 @@ def _ignore_result(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
-class RpcConnection(asyncio.Protocol):
+class RpcConnection(RpcWire, asyncio.Protocol):
     """One protocol connection to one server (see the module docstring).
 
     Args:
@@ -182,9 +183,9 @@ class RpcConnection(asyncio.Protocol):
         received (bool): any byte has arrived.
     """
 
-    __slots__ = ("address", "transport", "closed", "pending", "subscriptions", "loop", "last_recv",
-                 "close_error", "silent", "pings", "liveness_timeout", "_decoder", "_next_id", "_on_push",
-                 "_on_read_end", "_on_close", "_watchdog", "_armed_at", "_ping_sent", "handshaking")
+    # (transport, closed, pending, loop, last_recv, liveness_timeout, _decoder, _next_id, _watchdog: RpcWire's)
+    __slots__ = ("address", "subscriptions", "close_error", "silent", "pings", "_on_push", "_on_read_end",
+                 "_on_close", "_armed_at", "_ping_sent", "handshaking")
 
     def __init__(self, address: tuple[str, int] = ("", 0), *,
                  on_push: Callable[[Any, Any], Any] | None = None,
@@ -224,56 +225,46 @@ class RpcConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # a stream transport: create_connection made it
 
-    def data_received(self, data: bytes) -> None:
-        self.last_recv = self.loop.time()  # at or after _ping_sent: the ping is answered
-        try:
-            messages = self._decoder.feed(data)
-        except ProtocolError as exc:
-            # in the first bytes: a port that speaks something else, which the handshake's caller reports
-            log.log(logging.ERROR if self._decoder.fed > len(data) else logging.DEBUG, "bad data from %s: %s",
-                    self._where(), exc)
-            self.abort(NotFastlockReply(f"bad data from the fastlock server at {self._where()}: {exc}",
-                                        data[:HEAD_BYTES]))
-            return
-        pending = self.pending
-        pushed = False
-        for msg in messages:
+    # data_received(data): RpcWire's (compiled): resolves each reply's future; these take the rest
+    def _bad_data(self, exc: ProtocolError, data: bytes) -> None:
+        """Bytes that are no msgpack, or a frame beyond the limits: abort."""
+        # in the first bytes: a port that speaks something else, which the handshake's caller reports
+        log.log(logging.ERROR if self._decoder.fed > len(data) else logging.DEBUG, "bad data from %s: %s",
+                self._where(), exc)
+        self.abort(NotFastlockReply(f"bad data from the fastlock server at {self._where()}: {exc}",
+                                    data[:HEAD_BYTES]))
+
+    def _malformed(self, data: bytes) -> None:
+        """A message that is no ``[id, status, ...]``: abort."""
+        self.abort(NotFastlockReply(f"malformed message from {self._where()}", data[:HEAD_BYTES]))
+
+    def _push(self, msg: Any) -> bool:
+        """A message with request id 0: the server's reason for closing the connection (an
+        int kind), or a push for ``on_push``.  False if the connection ended meanwhile."""
+        status = msg[1]
+        if type(status) is int:
+            if status != 0:  # the server's reason for closing the connection
+                self.close_error = error_from_wire(status, msg[2] if len(msg) > 2 else "",
+                                                   msg[3] if len(msg) > 3 else None)
+                log.warning("server %s closes the connection: %s", self._where(), quote(str(self.close_error)))
+            return True
+        if self._on_push is not None:
             try:
-                req_id = msg[0]
-                status = msg[1]
-            except (TypeError, IndexError, KeyError):
-                self.abort(NotFastlockReply(f"malformed message from {self._where()}", data[:HEAD_BYTES]))
-                return
-            if req_id == 0:
-                if type(status) is int:
-                    if status != 0:  # the server's reason for closing the connection
-                        self.close_error = error_from_wire(status, msg[2] if len(msg) > 2 else "",
-                                                           msg[3] if len(msg) > 3 else None)
-                        log.warning("server %s closes the connection: %s", self._where(),
-                                    quote(str(self.close_error)))
-                    continue
-                pushed = True
-                if self._on_push is not None:
-                    try:
-                        self._on_push(status, msg[2] if len(msg) > 2 else None)
-                    except Exception as exc:
-                        if isinstance(exc, FastlockError):
-                            log.error("push %r from %s refused: %s", status, self._where(), exc)
-                        else:
-                            log.exception("push %r from %s failed", status, self._where())
-                        self.abort(ConnectionLost(f"push {status!r} from {self._where()} failed: {exc}"))
-                        return
-                    if self.closed:
-                        return
-                continue
-            fut = pending.pop(req_id, None)
-            if fut is None or fut.done():
-                continue
-            if status == 0:
-                fut.set_result(msg[2])
-            else:
-                fut.set_exception(error_from_wire(status, msg[2], msg[3] if len(msg) > 3 else None))
-        if pushed and self._on_read_end is not None:
+                self._on_push(status, msg[2] if len(msg) > 2 else None)
+            except Exception as exc:
+                if isinstance(exc, FastlockError):
+                    log.error("push %r from %s refused: %s", status, self._where(), exc)
+                else:
+                    log.exception("push %r from %s failed", status, self._where())
+                self.abort(ConnectionLost(f"push {status!r} from {self._where()} failed: {exc}"))
+                return False
+            if self.closed:
+                return False
+        return True
+
+    def _read_end(self) -> None:
+        """After a read that delivered a push: ``on_read_end``."""
+        if self._on_read_end is not None:
             try:
                 self._on_read_end()
             except Exception as exc:
@@ -291,25 +282,7 @@ class RpcConnection(asyncio.Protocol):
         self.fail(error)
 
     # -- requests ----------------------------------------------------------------------
-    def request(self, op: int, *args: Any) -> asyncio.Future[Any]:
-        """Send ``[id, op, *args]``; return a future for its reply's value.
-
-        The future raises the server's error (a :class:`FastlockError`
-        subclass), or :class:`ConnectionLost` if the connection ends first
-        (at once if it has ended already).
-        """
-        fut = self.loop.create_future()
-        transport = self.transport
-        if self.closed or transport is None:
-            fut.set_exception(ConnectionLost(f"connection to {self._where()} is closed"))
-            return fut
-        req_id = self._next_id
-        self._next_id = req_id + 1
-        self.pending[req_id] = fut
-        transport.write(packb([req_id, op, *args]))
-        if self._watchdog is None and self.liveness_timeout is not None:
-            self._arm_watchdog(self.liveness_timeout)
-        return fut
+    # request(op, *args) -> asyncio.Future: RpcWire's (compiled): send [id, op, *args], a future for its reply
 
     def send(self, op: int, *args: Any) -> None:
         """Send a request whose reply nobody awaits (an error reply is dropped)."""

@@ -17,13 +17,14 @@ other exception is a server bug: logged with its traceback, answered with
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
-from .._core import LIMIT_CONFLICT, NOT_ACQUIRED, QUEUED, LockTable, NotHolder
+from .._core import LIMIT_CONFLICT, NOT_ACQUIRED, QUEUED, LockTable
 from ..auth import Credentials
 from ..errors import (
     AuthError,
@@ -43,6 +44,11 @@ from ..replication.messages import standby_address
 from ..replication.syncrep import SYNC_PERMISSIONS
 from ..roles import Action, NodeRole
 from ..units import monotonic_ms
+from ._wire import acquire as compiled_acquire
+from ._wire import dispatch as dispatch_request
+from ._wire import extend as compiled_extend
+from ._wire import ok_nil
+from ._wire import release as compiled_release
 from .hello import Hello
 from .keys import PERMISSIONS as KEY_PERMISSIONS
 from .keys import KeyStore
@@ -193,9 +199,10 @@ class Handlers:
         self.preemption = Preemption(self)
         handlers: dict[int, Handler] = {
             P.OP_HELLO: self.hello.op_hello,
-            P.OP_ACQUIRE: self.op_acquire,
-            P.OP_RELEASE: self.op_release,
-            P.OP_EXTEND: self.op_extend,
+            # compiled (server/_wire.pyx); an ACQUIRE with arguments it does not take goes to op_acquire
+            P.OP_ACQUIRE: functools.partial(compiled_acquire, self),
+            P.OP_RELEASE: functools.partial(compiled_release, self),
+            P.OP_EXTEND: functools.partial(compiled_extend, self),
             P.OP_CANCEL: self.op_cancel,
             P.OP_CHECK: self.op_check,
             P.OP_STATUS: self.op_status,
@@ -227,39 +234,41 @@ class Handlers:
 
     # -- dispatch -----------------------------------------------------------------
     def dispatch(self, conn: Session, msg: Any) -> None:
-        """Run one decoded request ``msg`` from ``conn`` (its reply is queued on ``conn``)."""
-        if type(msg) is not list or len(msg) < 2 or type(msg[0]) is not int or type(msg[1]) is not int or msg[0] < 1:
-            conn.fatal(ProtocolError("a request must be an array [request_id >= 1, op, args...]"))
-            return
-        req_id = msg[0]
-        op = msg[1]
-        if not conn.ready and op != P.OP_HELLO:
-            conn.fatal(ProtocolError("the first request must be HELLO"))
-            return
-        entry = self.by_op.get(op)
-        try:
-            if entry is None:
-                raise ProtocolError(f"unknown operation {op}")
-            handler, fewest, most = entry
-            if not fewest <= len(msg) - 2 <= most:
-                expected = (fewest if fewest == most else f"{fewest} or {most}" if most == fewest + 1
-                            else f"{fewest} to {most}")
-                raise ProtocolError(f"{P.OP_NAMES[op]} takes {expected} arguments, got {len(msg) - 2}")
-            need = self.need_by_op.get(op, "admin")
-            # grant.everywhere: what the principal may do on every name (no per-name check needed)
-            if need is not None and need not in conn.grant.everywhere and (conn.kind != "admin" or need == "replica"):
-                _authorize(conn, op, need, msg)
-            handler(conn, req_id, msg)
-        except FastlockError as exc:
+        """Run one decoded request ``msg`` from ``conn`` (its reply is queued on ``conn``):
+        its shape, HELLO first, a known op, the op's arity and the principal's permission
+        are checked, in that order, before the op's handler runs (compiled:
+        :func:`fastlock.server._wire.dispatch`)."""
+        dispatch_request(self, conn, msg)
+
+    @staticmethod
+    def bad_arity(op: int, fewest: int, most: int, got: int) -> None:
+        """:raises ProtocolError: ``op`` takes ``fewest`` to ``most`` arguments, not ``got``."""
+        expected = (fewest if fewest == most else f"{fewest} or {most}" if most == fewest + 1
+                    else f"{fewest} to {most}")
+        raise ProtocolError(f"{P.OP_NAMES[op]} takes {expected} arguments, got {got}")
+
+    #: refuse (PermissionDenied) what a connection's principal is not granted
+    authorize = staticmethod(_authorize)
+
+    @staticmethod
+    def failed(conn: Session, req_id: int, op: int, exc: Exception) -> None:
+        """A request's handler (or a check before it) raised ``exc``: a
+        :class:`~fastlock.errors.FastlockError` is the reply (an
+        :class:`~fastlock.errors.AuthError` also closes the connection); any other
+        exception is a bug: logged, answered with InternalServerError."""
+        if isinstance(exc, FastlockError):
             conn.send(_error_reply(req_id, exc))
             if isinstance(exc, AuthError):
                 conn.close_after_flush()
-        except Exception:  # a bug: log it, answer InternalServerError, keep serving everyone else
-            log.exception("internal error handling %s from %s", P.OP_NAMES.get(op, op), conn.peer)
-            conn.send(P.packb([req_id, InternalServerError.code, "internal server error", None]))
+            return
+        log.error("internal error handling %s from %s", P.OP_NAMES.get(op, op), conn.peer, exc_info=exc)
+        conn.send(P.packb([req_id, InternalServerError.code, "internal server error", None]))
 
     # -- leases -------------------------------------------------------------------------
     def op_acquire(self, conn: Session, req_id: int, msg: list, priority: int = 0) -> None:
+        """ACQUIRE in Python: ACQUIRE_PRIORITY's, an ACQUIRE with more arguments than the compiled
+        ACQUIRE takes (``server/_wire.pyx``, ``acquire``: the same checks and calls), and every
+        ACQUIRE of a lock in a promoted primary's reclaim window."""
         name = P.check_name(msg[2])
         owner = conn.owner_hash(msg[3])  # only the hash is kept, logged and replicated
         reclaim = self.server.reclaim
@@ -317,76 +326,45 @@ class Handlers:
             quotas.acquired(usage, status, (name,), table.last_token)
         if status == QUEUED:
             server.queues.touched(name)  # shipped to the standby (fastlock.replication.queues)
+        elif status == LIMIT_CONFLICT or status == NOT_ACQUIRED:
+            self.acquire_refused(conn, name, limit, status, now)
+
+    def acquire_refused(self, conn: Session, name: str, limit: int, status: int, now: int) -> None:
+        """Raise why the table did not take an acquire of ``name``: ``status`` LIMIT_CONFLICT
+        (:class:`~fastlock.errors.LimitConflict`) or NOT_ACQUIRED with ``wait=0``
+        (:class:`~fastlock.errors.LockNotAcquired`: held, in its lock-delay, or the grace period)."""
         if status == LIMIT_CONFLICT:
-            raise limit_conflict(table, name, limit, now)
-        if status == NOT_ACQUIRED:
-            grace_ms = self.roles.grace_remaining_ms(now)
-            if grace_ms:
-                raise LockNotAcquired(f"{name!r}: no grants of free locks during {self.roles.grace_reason} "
-                                      f"({grace_ms} ms left)")
-            raise LockNotAcquired(_why_not_granted(table, name, now, conn.session))
+            raise limit_conflict(self.table, name, limit, now)
+        grace_ms = self.roles.grace_remaining_ms(now)
+        if grace_ms:
+            raise LockNotAcquired(f"{name!r}: no grants of free locks during {self.roles.grace_reason} "
+                                  f"({grace_ms} ms left)")
+        raise LockNotAcquired(_why_not_granted(self.table, name, now, conn.session))
 
-    def op_release(self, conn: Session, req_id: int, msg: list) -> None:
-        name = P.check_name(msg[2])
-        token = P.check_token(msg[3])
-        owner = conn.owner_hash(msg[4])
-        # a fenced primary refuses too: the standby may have been promoted and would never
-        # see this release (the client repeats it at whichever node is primary)
-        self.roles.admit(Action.RELEASE)
-        table = self.table
-        now = monotonic_ms()
-        meta = None
-        if name in self.watchers:  # watchers are told whose lease it was
-            holder = table.holder(name, now, owner)
-            meta = holder.meta if holder is not None else None
-        try:
-            table.release(name, token, owner, now)
-        except NotHolder:
-            raise not_the_holder(self.lock_admin.revocations, name, token) from None
-        self.server.released(name, token, meta)
-        conn.send(P.encode_ok(req_id, None))
+    # RELEASE and EXTEND: compiled only (server/_wire.pyx, release and extend); these are theirs
+    def not_holder(self, name: str, token: int) -> FastlockError:
+        """The error for a release or extend of ``name`` by one that does not hold ``token``
+        (:class:`~fastlock.errors.LeaseLost`, saying so if an operator revoked it)."""
+        return not_the_holder(self.lock_admin.revocations, name, token)
 
-    def op_extend(self, conn: Session, req_id: int, msg: list) -> None:
-        name = P.check_name(msg[2])
-        token = P.check_token(msg[3])
-        owner = conn.owner_hash(msg[4])
-        ttl_ms = P.check_ttl_ms(msg[5])
-        table = self.table
-        now = monotonic_ms()
-        self.roles.admit(Action.EXTEND)
-        holder = table.holder(name, now, owner)
-        try:
-            table.extend(name, token, owner, ttl_ms, now, conn.session)  # the lease is held from this connection
-        except NotHolder:
-            raise not_the_holder(self.lock_admin.revocations, name, token) from None
+    def extend_when_durable(self, conn: Session, req_id: int, name: str, token: int, reply: bytes) -> None:
+        """Send an extend's ``reply`` once its record is durable (and, with sync replication,
+        on the standby) - if this node may still extend then; else its refusal."""
         server = self.server
-        if ttl_ms > server.max_ttl_ms:  # only the holder's extend counts towards the grace period
-            server.max_ttl_ms = ttl_ms
-            server.node_state.raise_ttl(ttl_ms)
-        reply = P.encode_ok(req_id, ttl_ms)
-        # Every extend is logged: the standby keeps each lease's deadline from the
-        # records it receives, and a promoted standby keeps that deadline.
-        wal = self.wal
-        wal.log_extend(name, token, ttl_ms)
-        sync = self.source.sync  # sync replication: every extend waits for the standby (it moves the deadline)
-        if sync.enabled or ((holder is None or ttl_ms > holder.ttl_ms) and not wal.flush_now()):
-            # recovery restores the recorded TTL: a longer one must be durable
-            # before the holder relies on it (a shorter or equal one need not be)
-            def ack(refused: FastlockError | None = None) -> None:
-                # acknowledged only if this node may still extend (see LockServer.deliver_grants)
-                self.source.fence_if_due(monotonic_ms())
-                if refused is None and self.roles.may(Action.EXTEND):
-                    conn.send(reply)
-                else:
-                    refused = refused or refusal(self.roles, Action.EXTEND)
-                    conn.send(P.encode_error(req_id, refused.code, f"{name!r}: {refused}",
-                                             getattr(refused, "primary", None)))
-                    log.warning("extend of %s token %d not acknowledged: %s", quote(name), token, refused)
-                server.after_batch()
 
-            wal.when_durable(sync.after(ack))
-            return
-        conn.send(reply)
+        def ack(refused: FastlockError | None = None) -> None:
+            # acknowledged only if this node may still extend (see LockServer.deliver_grants)
+            self.source.fence_if_due(monotonic_ms())
+            if refused is None and self.roles.may(Action.EXTEND):
+                conn.send(reply)
+            else:
+                refused = refused or refusal(self.roles, Action.EXTEND)
+                conn.send(P.encode_error(req_id, refused.code, f"{name!r}: {refused}",
+                                         getattr(refused, "primary", None)))
+                log.warning("extend of %s token %d not acknowledged: %s", quote(name), token, refused)
+            server.after_batch()
+
+        self.wal.when_durable(self.source.sync.after(ack))
 
     def op_cancel(self, conn: Session, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])
@@ -577,5 +555,5 @@ class Handlers:
         conn.send(P.encode_ok(req_id, st))
 
     def op_ping(self, conn: Session, req_id: int, msg: list) -> None:
-        conn.send(P.encode_ok(req_id, None))
+        conn.send(ok_nil(req_id))
 

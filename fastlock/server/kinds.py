@@ -41,6 +41,7 @@ from ..logsafe import RateLimitedLog, quote
 from ..protocol.ops import MAX_PAGE_BYTES
 from ..roles import Action
 from ..units import monotonic_ms
+from ._wire import ok_grant
 from .admission import PrincipalQuotas
 from .session import Session, recorded_client, split_recorded_client
 from .shares import limit_exceeded
@@ -172,7 +173,7 @@ def grant_reply(ev: Any) -> bytes | None:
     collecting its other names)."""
     request = ev.request
     if type(request) is int:
-        return P.packb([request, 0, [ev.token, ev.ttl_ms, ev.waited_ms]])
+        return ok_grant(request, ev.token, ev.ttl_ms, ev.waited_ms)
     if type(request) is SequencedRequest:
         return request.reply(ev)
     if type(request) is SequencedManyRequest:

@@ -22,6 +22,11 @@ rest wait, in order, for a later turn (``loop.call_soon``) while the
 connection's reading is paused, so every other connection is served in
 between.  Replies keep the order of their requests.
 
+The input and the reply queue are compiled (:class:`~fastlock.server._wire.SessionWire`,
+``fastlock/server/_wire.pyx``, the base of :class:`Session`): a short read is decoded and a
+lone request dispatched there (:func:`fastlock.server._wire.dispatch`); the backlog below,
+the output, flow control and closing are here.
+
 Waiting goes by session (a waiter whose connection drops is removed at once);
 ownership goes by lease (a held lease outlives its connection until its TTL).
 """
@@ -35,10 +40,11 @@ from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, cast
 
 from .. import protocol as P
-from ..auth import ANONYMOUS, Principal, hash_owner
+from ..auth import ANONYMOUS, Principal
 from ..errors import FastlockError, ProtocolError
 from ..tls import peer_identity
 from ..units import monotonic_ms
+from ._wire import SessionWire, dispatch
 
 if TYPE_CHECKING:  # pragma: no cover
     from .lockserver import LockServer
@@ -179,7 +185,7 @@ def shown_client(recorded: Any) -> str | None:
     return recorded if type(recorded) is str else None
 
 
-class Session(asyncio.Protocol):
+class Session(SessionWire, asyncio.Protocol):
     """One client connection = one session.
 
     ``grant`` (:class:`~fastlock.auth.Principal`) is who the connection
@@ -190,9 +196,10 @@ class Session(asyncio.Protocol):
     and ``last_read_ms`` are monotonic milliseconds.
     """
 
-    __slots__ = ("server", "transport", "session", "intake", "out", "ready", "client_name", "peer", "closed",
-                 "watching", "grant", "recorded", "address", "accepted_ms", "last_read_ms", "_out_cap",
-                 "out_bytes", "waiting", "_drain", "_owner")
+    # (server, session, intake, transport, out, out_bytes, closed, ready, last_read_ms and the last owner
+    # key with its hash: SessionWire's)
+    __slots__ = ("client_name", "peer", "watching", "grant", "recorded", "address", "accepted_ms", "_out_cap",
+                 "waiting", "_drain")
 
     def __init__(self, server: LockServer, session: int):
         self.server = server
@@ -218,7 +225,6 @@ class Session(asyncio.Protocol):
         # while writing is paused (the transport's buffer is above its high-water mark):
         # a future done when it resumes (or the connection closes); else None
         self._drain: asyncio.Future | None = None
-        self._owner: tuple[bytes | None, bytes] = (None, b"")  # the last owner key received, and its hash
 
     # -- asyncio callbacks ------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -236,36 +242,7 @@ class Session(asyncio.Protocol):
         self._cap_high_water()
         self.server.limits.admit(self)
 
-    def data_received(self, data: bytes) -> None:
-        intake = self.intake
-        decoder = intake.decoder
-        if self.closed or decoder is None:  # closed: the decoder was freed
-            return
-        if self.server.limits.idle_timeout_ms:
-            self.last_read_ms = monotonic_ms()
-        if intake.held or intake.scheduled:
-            intake.add(data)  # a backlog waits (a read that arrived while reading was pausing): these follow it
-            return
-        if len(data) > FEED_BYTES or decoder.shape_all:
-            intake.add(data)
-        else:  # the common case: a short read, decoded at once; one request is dispatched here
-            server = self.server
-            try:
-                messages = decoder.feed(data)
-            except ProtocolError as exc:
-                self.fatal(exc)
-                server.after_batch()
-                return
-            if len(messages) != 1:
-                intake.pending = messages
-                intake.next = 0
-            else:
-                if server.source.fencing:
-                    server.source.fence_if_due(monotonic_ms())  # after a stall, see the clock first
-                server.handlers.dispatch(self, messages[0])
-                server.after_batch()
-                return
-        self._dispatch_turn()
+    # data_received: SessionWire's (compiled)
 
     def _dispatch_turn(self) -> None:
         """Decode and dispatch this connection's backlog, at most MAX_REQUESTS_PER_TURN or about
@@ -276,7 +253,7 @@ class Session(asyncio.Protocol):
         if server.source.fencing:
             # after a stall, see the clock before a request can make the table grant
             server.source.fence_if_due(monotonic_ms())
-        dispatch = server.handlers.dispatch
+        handlers = server.handlers
         deadline = 0
         count = 0
         while not self.closed:
@@ -294,7 +271,7 @@ class Session(asyncio.Protocol):
             msg = pending[i]
             pending[i] = None  # dispatched: not kept alive by the backlog
             intake.next = i + 1
-            dispatch(self, msg)
+            dispatch(handlers, self, msg)
             count += 1
             if count == 1:
                 if not intake.backlog:
@@ -345,17 +322,7 @@ class Session(asyncio.Protocol):
         return peer_identity(self.transport.get_extra_info("ssl_object"))
 
     # -- output -----------------------------------------------------------------
-    def send(self, data: bytes) -> None:
-        """Queue ``data`` for this turn's flush (dropped if the connection is closing)."""
-        if not self.closed:
-            if not self.out:
-                self.server.dirty.append(self)
-            self.out.append(data)
-            self.out_bytes += len(data)
-            if self.out_bytes > FLUSH_EARLY_BYTES:
-                # one read of small requests can ask for far larger replies: hand them to
-                # the transport now, so the output cap applies within the batch too
-                self.flush()
+    # send(data): SessionWire's (compiled): queue ``data`` for this turn's flush
 
     def flush(self) -> None:
         """Hand the queued replies to the transport; drop the peer if it leaves more
@@ -430,17 +397,7 @@ class Session(asyncio.Protocol):
         if not self.closed and self.session not in self.server.source.replicas and not self.intake.held:
             self.transport.resume_reading()
 
-    def owner_hash(self, owner: Any) -> bytes:
-        """:func:`fastlock.auth.hash_owner` of a checked owner key from this
-        connection (:func:`fastlock.protocol.check_owner` raises for a bad one).
-        The last key's hash is kept: a client releases, extends or cancels with
-        the key it acquired with, so that request does not hash it again."""
-        last = self._owner
-        if type(owner) is bytes and owner == last[0]:
-            return last[1]
-        hashed = hash_owner(P.check_owner(owner))
-        self._owner = (owner, hashed)
-        return hashed
+    # owner_hash(owner) -> bytes: SessionWire's (compiled): the hash of a checked owner key
 
     def authenticated(self, principal: Principal, client_name: str | None) -> None:
         """HELLO authenticated this connection as ``principal``: what its requests act as

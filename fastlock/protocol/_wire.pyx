@@ -1,0 +1,100 @@
+# cython: language_level=3
+"""The compiled reply path of a connection to a server (see fastlock/protocol/rpc.py).
+
+:class:`RpcWire` is the compiled base of :class:`fastlock.protocol.rpc.RpcConnection`,
+the ``asyncio.Protocol`` under the client, the CLI and the standby's link: its
+``request`` gives a request the connection's next id, remembers one future for it and
+writes the frame; its ``data_received`` decodes a read (the connection's
+:class:`~fastlock.protocol.FrameDecoder`, under the same limits) and resolves each
+reply's future from the decoded reply (``[id, 0, value]``: the value; ``[id, code,
+message, extra]``: the error :func:`~fastlock.errors.error_from_wire` builds).  Pushes
+(request id 0), bad bytes and the liveness watchdog are ``RpcConnection``'s.
+"""
+
+from ..errors import ConnectionLost, ProtocolError, error_from_wire
+from .framing import packb
+
+cdef object _ProtocolError = ProtocolError
+cdef object _ConnectionLost = ConnectionLost
+cdef object _error_from_wire = error_from_wire
+cdef object _packb = packb
+
+
+cdef class RpcWire:
+    """The compiled part of a protocol connection to a server (see the module docstring).
+
+    ``transport`` (None before ``connection_made``); ``closed``; ``pending``: request id
+    -> future of the requests without a reply yet; ``loop``: the event loop;
+    ``last_recv``: ``loop.time()`` when bytes last arrived; ``liveness_timeout``
+    (seconds, None: no watchdog); ``_decoder``: the reply decoder; ``_next_id``: the
+    next request id; ``_watchdog``: the liveness timer while armed.
+    """
+
+    cdef public object transport
+    cdef public bint closed
+    cdef public dict pending
+    cdef public object loop
+    cdef public object last_recv
+    cdef public object liveness_timeout
+    cdef public object _decoder
+    cdef public object _next_id
+    cdef public object _watchdog
+
+    def data_received(self, object data):
+        self.last_recv = self.loop.time()  # at or after _ping_sent: the ping is answered
+        try:
+            messages = self._decoder.feed(data)
+        except _ProtocolError as exc:
+            self._bad_data(exc, data)
+            return
+        cdef dict pending = self.pending
+        cdef bint pushed = False
+        cdef list reply
+        for msg in messages:
+            if type(msg) is list and len(<list>msg) >= 2:
+                reply = <list>msg
+                req_id = reply[0]
+                status = reply[1]
+            else:
+                try:
+                    req_id = msg[0]
+                    status = msg[1]
+                except (TypeError, IndexError, KeyError):
+                    self._malformed(data)
+                    return
+                reply = None
+            if req_id == 0:
+                if not self._push(msg):
+                    return
+                if type(status) is not int:
+                    pushed = True
+                continue
+            fut = pending.pop(req_id, None)
+            if fut is None or fut.done():
+                continue
+            if status == 0:
+                fut.set_result(msg[2])
+            else:
+                fut.set_exception(_error_from_wire(status, msg[2], msg[3] if len(msg) > 3 else None))
+        if pushed:
+            self._read_end()
+
+    def request(self, op, *args):
+        """Send ``[id, op, *args]``; return a future for its reply's value.
+
+        The future raises the server's error (a :class:`~fastlock.errors.FastlockError`
+        subclass), or :class:`~fastlock.errors.ConnectionLost` if the connection ends
+        first (at once if it has ended already).
+        """
+        fut = self.loop.create_future()
+        transport = self.transport
+        if self.closed or transport is None:
+            fut.set_exception(_ConnectionLost(f"connection to {self._where()} is closed"))
+            return fut
+        req_id = self._next_id
+        self._next_id = req_id + 1
+        self.pending[req_id] = fut
+        transport.write(_packb([req_id, op, *args]))
+        if self._watchdog is None and self.liveness_timeout is not None:
+            self._arm_watchdog(self.liveness_timeout)
+        return fut

@@ -1,0 +1,433 @@
+# cython: language_level=3
+"""The compiled request path of a server connection (see fastlock/server/session.py).
+
+:class:`SessionWire` is the compiled base of :class:`fastlock.server.session.Session`,
+the ``asyncio.Protocol`` of every accepted connection: its ``data_received`` decodes a
+read (the connection's :class:`~fastlock.protocol.FrameDecoder`, under the same limits)
+and dispatches a lone request at once; a read of several requests, a long read or one
+before HELLO goes to the session's bounded backlog (``Session._dispatch_turn``).  Its
+``send`` queues replies for the batch end's flush.
+
+:func:`dispatch` runs one request with the checks of
+:meth:`fastlock.server.handlers.Handlers.dispatch`, in the same order: the request's
+shape, HELLO first, a known op, its arity, the principal's permission, then the op's
+handler: every op (the lock operations and any op added to the handler table, wrapped
+or not by the metrics) runs its handler from ``Handlers.by_op`` unchanged.  Errors go to
+``Handlers.failed``.  Replies ``[id, 0, nil]`` and ``[id, 0, int]`` are written from
+templates (:func:`ok_nil`, :func:`ok_int`) as msgpack's own packer writes them.
+"""
+
+from cpython.bytes cimport PyBytes_FromStringAndSize
+
+cdef extern from "Python.h":
+    bint PyUnicode_IS_ASCII(object)
+from libc.stdint cimport int64_t, uint64_t
+
+from .._core import LIMIT_CONFLICT, NOT_ACQUIRED, QUEUED, NotHolder
+from ..auth import hash_owner
+from ..errors import InvalidArgument, ProtocolError
+from ..protocol.validation import (
+    MAX_CORRELATION_ID_CHARS,
+    MAX_LOCK_DELAY_MS,
+    MAX_NAME_BYTES,
+    MAX_TTL_MS,
+    MAX_WAIT_MS,
+    MIN_TTL_MS,
+    check_actor,
+    check_limit,
+    check_lock_delay_ms,
+    check_name,
+    check_optional_str,
+    check_owner,
+    check_shared,
+    check_token,
+    check_ttl_ms,
+    check_wait_ms,
+)
+from ..roles import Action
+from ..protocol.ops import OP_HELLO
+from ..units import monotonic_ms
+from .shares import limit_exceeded
+
+cdef object _ProtocolError = ProtocolError
+cdef object _monotonic_ms = monotonic_ms
+
+#: reads longer than this go to the backlog, a piece at a time (session.FEED_BYTES)
+cdef Py_ssize_t FEED_BYTES = 16 << 10
+#: replies queued in one loop turn beyond which they go to the transport at once (session.FLUSH_EARLY_BYTES)
+cdef Py_ssize_t FLUSH_EARLY_BYTES = 256 << 10
+
+
+cdef inline Py_ssize_t _put_int(unsigned char *buf, object value) except -1:
+    """Write ``value`` (an int) as msgpack writes it (the shortest form); return its bytes."""
+    cdef uint64_t u
+    cdef int64_t i
+    cdef int k
+    if value >= 0:
+        u = value
+        if u < 0x80:
+            buf[0] = <unsigned char>u
+            return 1
+        if u < 0x100:
+            buf[0] = 0xCC
+            buf[1] = <unsigned char>u
+            return 2
+        if u < 0x10000:
+            buf[0] = 0xCD
+            buf[1] = <unsigned char>(u >> 8)
+            buf[2] = <unsigned char>u
+            return 3
+        if u < 0x100000000:
+            buf[0] = 0xCE
+            for k in range(4):
+                buf[1 + k] = <unsigned char>(u >> (24 - 8 * k))
+            return 5
+        buf[0] = 0xCF
+        for k in range(8):
+            buf[1 + k] = <unsigned char>(u >> (56 - 8 * k))
+        return 9
+    i = value
+    if i >= -32:
+        buf[0] = <unsigned char>(i & 0xFF)
+        return 1
+    if i >= -128:
+        buf[0] = 0xD0
+        buf[1] = <unsigned char>(i & 0xFF)
+        return 2
+    if i >= -32768:
+        buf[0] = 0xD1
+        buf[1] = <unsigned char>((i >> 8) & 0xFF)
+        buf[2] = <unsigned char>(i & 0xFF)
+        return 3
+    if i >= -2147483648:
+        buf[0] = 0xD2
+        for k in range(4):
+            buf[1 + k] = <unsigned char>((i >> (24 - 8 * k)) & 0xFF)
+        return 5
+    buf[0] = 0xD3
+    for k in range(8):
+        buf[1 + k] = <unsigned char>((i >> (56 - 8 * k)) & 0xFF)
+    return 9
+
+
+cpdef bytes ok_nil(object req_id):
+    """``[req_id, 0, nil]``, the reply of PING and RELEASE (``req_id``: an int of 64 bits)."""
+    cdef unsigned char buf[16]
+    cdef Py_ssize_t n
+    buf[0] = 0x93
+    n = 1 + _put_int(buf + 1, req_id)
+    buf[n] = 0x00
+    buf[n + 1] = 0xC0
+    return PyBytes_FromStringAndSize(<char *>buf, n + 2)
+
+
+cpdef bytes ok_int(object req_id, object value):
+    """``[req_id, 0, value]`` for an int ``value`` (EXTEND's TTL, ACQUIRE's token)."""
+    cdef unsigned char buf[24]
+    cdef Py_ssize_t n
+    buf[0] = 0x93
+    n = 1 + _put_int(buf + 1, req_id)
+    buf[n] = 0x00
+    n += 1 + _put_int(buf + n + 1, value)
+    return PyBytes_FromStringAndSize(<char *>buf, n)
+
+
+cpdef dispatch(object handlers, SessionWire conn, object msg):
+    """Run one decoded request ``msg`` from ``conn`` (its reply is queued on ``conn``);
+    the checks and their order are those of ``Handlers.dispatch``."""
+    cdef list req
+    cdef Py_ssize_t nargs
+    if type(msg) is not list:
+        conn.fatal(_ProtocolError("a request must be an array [request_id >= 1, op, args...]"))
+        return
+    req = <list>msg
+    if len(req) < 2 or type(req[0]) is not int or type(req[1]) is not int or req[0] < 1:
+        conn.fatal(_ProtocolError("a request must be an array [request_id >= 1, op, args...]"))
+        return
+    req_id = req[0]
+    op = req[1]
+    if not conn.ready and op != OP_HELLO:
+        conn.fatal(_ProtocolError("the first request must be HELLO"))
+        return
+    nargs = len(req) - 2
+    entry = handlers.by_op.get(op)
+    try:
+        if entry is None:
+            raise _ProtocolError(f"unknown operation {op}")
+        handler, fewest, most = entry
+        if not fewest <= nargs <= most:
+            handlers.bad_arity(op, fewest, most, nargs)
+        need = handlers.need_by_op.get(op, "admin")
+        # grant.everywhere: what the principal may do on every name (no per-name check needed)
+        if need is not None:
+            grant = conn.grant
+            if need not in grant.everywhere and (grant.kind != "admin" or need == "replica"):
+                handlers.authorize(conn, op, need, msg)
+        handler(conn, req_id, msg)
+    except Exception as exc:
+        handlers.failed(conn, req_id, op, exc)
+
+
+cdef class SessionWire:
+    """The compiled part of a server connection: input, dispatch of a lone request,
+    reply queueing (see the module docstring; the rest is ``Session``'s).
+
+    ``server``: the :class:`~fastlock.server.lockserver.LockServer`; ``session``: the
+    connection's id; ``intake``: its :class:`~fastlock.server.session.Intake`;
+    ``transport``: the asyncio transport; ``out``/``out_bytes``: replies queued this
+    turn and their bytes; ``closed``; ``ready``: HELLO is done; ``last_read_ms``:
+    monotonic milliseconds of the last read (kept while an idle timeout is set).
+    """
+
+    cdef public object server
+    cdef public object session
+    cdef public object intake
+    cdef public object transport
+    cdef public list out
+    cdef public Py_ssize_t out_bytes
+    cdef public bint closed
+    cdef public bint ready
+    cdef public object last_read_ms
+    cdef object owner_key  # the last owner key received (None: none yet) ...
+    cdef bytes owner_hashed  # ... and its hash
+
+    cpdef bytes owner_hash(self, object owner):
+        """:func:`fastlock.auth.hash_owner` of a checked owner key from this connection
+        (:func:`fastlock.protocol.check_owner` raises for a bad one).  The last key's hash
+        is kept: a client releases, extends or cancels with the key it acquired with, so
+        that request does not hash it again."""
+        if type(owner) is bytes and self.owner_key is not None and owner == self.owner_key:
+            return self.owner_hashed
+        hashed = _hash_owner(_check_owner(owner))
+        self.owner_key = owner
+        self.owner_hashed = hashed
+        return hashed
+
+    def data_received(self, object data):
+        intake = self.intake
+        decoder = intake.decoder
+        if self.closed or decoder is None:  # closed: the decoder was freed
+            return
+        server = self.server
+        if server.limits.idle_timeout_ms:
+            self.last_read_ms = _monotonic_ms()
+        if intake.held or intake.scheduled:
+            intake.add(data)  # a backlog waits (a read that arrived while reading was pausing): these follow it
+            return
+        if len(data) > FEED_BYTES or decoder.shape_all:
+            intake.add(data)
+        else:  # the common case: a short read, decoded at once; one request is dispatched here
+            try:
+                messages = decoder.feed(data)
+            except _ProtocolError as exc:
+                self.fatal(exc)
+                server.after_batch()
+                return
+            if len(messages) != 1:
+                intake.pending = messages
+                intake.next = 0
+            else:
+                source = server.source
+                if source.fencing:
+                    source.fence_if_due(_monotonic_ms())  # after a stall, see the clock first
+                dispatch(server.handlers, self, messages[0])
+                server.after_batch()
+                return
+        self._dispatch_turn()
+
+    cpdef send(self, object data):
+        """Queue ``data`` for this turn's flush (dropped if the connection is closing)."""
+        if not self.closed:
+            if not self.out:
+                self.server.dirty.append(self)
+            self.out.append(data)
+            self.out_bytes += len(data)
+            if self.out_bytes > FLUSH_EARLY_BYTES:
+                # one read of small requests can ask for far larger replies: hand them to
+                # the transport now, so the output cap applies within the batch too
+                self.flush()
+
+
+cpdef bytes ok_grant(object req_id, object token, object ttl_ms, object waited_ms):
+    """``[req_id, 0, [token, ttl_ms, waited_ms]]``, the reply of a granted ACQUIRE (ints)."""
+    cdef unsigned char buf[48]
+    cdef Py_ssize_t n
+    buf[0] = 0x93
+    n = 1 + _put_int(buf + 1, req_id)
+    buf[n] = 0x00
+    buf[n + 1] = 0x93
+    n += 2
+    n += _put_int(buf + n, token)
+    n += _put_int(buf + n, ttl_ms)
+    n += _put_int(buf + n, waited_ms)
+    return PyBytes_FromStringAndSize(<char *>buf, n)
+
+
+# -- the lock operations ---------------------------------------------------------------
+# Each mirrors its Python handler in fastlock/server/handlers.py (op_acquire, op_release,
+# op_extend): the same checks in the same order, the same calls into the lock table, the
+# quotas and the log; an argument that fails a check here goes through the shared
+# validator (fastlock.protocol.validation), which raises the same error the Python
+# handler raises.  An ACQUIRE with more arguments than these take goes to op_acquire.
+
+cdef object _check_name = check_name
+cdef object _check_owner = check_owner
+cdef object _hash_owner = hash_owner
+cdef object _check_token = check_token
+cdef object _check_ttl_ms = check_ttl_ms
+cdef object _check_wait_ms = check_wait_ms
+cdef object _check_lock_delay_ms = check_lock_delay_ms
+cdef object _check_optional_str = check_optional_str
+cdef object _check_shared = check_shared
+cdef object _check_limit = check_limit
+cdef object _check_actor = check_actor
+cdef object _InvalidArgument = InvalidArgument
+cdef object _NotHolder = NotHolder
+cdef object _limit_exceeded = limit_exceeded
+cdef object _ACQUIRE = Action.ACQUIRE
+cdef object _RELEASE = Action.RELEASE
+cdef object _EXTEND = Action.EXTEND
+cdef object _LIMIT_CONFLICT = LIMIT_CONFLICT
+cdef object _NOT_ACQUIRED = NOT_ACQUIRED
+cdef object _QUEUED = QUEUED
+cdef Py_ssize_t _MAX_NAME_BYTES = MAX_NAME_BYTES
+cdef long long _MIN_TTL_MS = MIN_TTL_MS
+cdef long long _MAX_TTL_MS = MAX_TTL_MS
+cdef long long _MAX_WAIT_MS = MAX_WAIT_MS
+cdef long long _MAX_LOCK_DELAY_MS = MAX_LOCK_DELAY_MS
+cdef Py_ssize_t _MAX_CORRELATION_ID_CHARS = MAX_CORRELATION_ID_CHARS
+#: the most arguments of an ACQUIRE handled here: name, owner, ttl, wait, lock-delay, correlation id,
+#: shared, limit, actor
+cdef Py_ssize_t ACQUIRE_ARGS = 9
+
+
+cdef inline object _name(object name):
+    """A checked lock name (check_name's common case inline: ASCII, 1..512 bytes, no NUL)."""
+    if (type(name) is str and PyUnicode_IS_ASCII(name) and 0 < len(<str>name) <= _MAX_NAME_BYTES
+            and "\x00" not in <str>name):
+        return name
+    return _check_name(name)
+
+
+cdef inline object _int_in(object value, long long low, long long high, object check):
+    """``value`` if it is an int in ``low..high``, else what ``check(value)`` returns (or raises)."""
+    if type(value) is int and low <= value <= high:
+        return value
+    return check(value)
+
+
+cpdef acquire(object handlers, SessionWire conn, object req_id, list msg):
+    """ACQUIRE ``[id, op, name, owner, ttl_ms, wait_ms, lock_delay_ms, correlation_id[, shared[, limit[,
+    actor]]]]``: Handlers.op_acquire compiled.  The grant (now or later) is a table event, replied to
+    at the batch end; a refusal raises its FastlockError."""
+    cdef Py_ssize_t n = len(msg)
+    if n - 2 > ACQUIRE_ARGS:
+        handlers.op_acquire(conn, req_id, msg)
+        return
+    name = _name(msg[2])
+    reclaim = handlers.server.reclaim
+    if reclaim.queues and name in reclaim.queues:  # a promoted primary's reclaim window (server.reclaim)
+        handlers.op_acquire(conn, req_id, msg)
+        return
+    owner = conn.owner_hash(msg[3])  # only the hash is kept, logged and replicated
+    ttl_ms = _int_in(msg[4], _MIN_TTL_MS, _MAX_TTL_MS, _check_ttl_ms)
+    wait_ms = msg[5]
+    if not (type(wait_ms) is int and (wait_ms == -1 or 0 <= wait_ms <= _MAX_WAIT_MS)):
+        wait_ms = _check_wait_ms(wait_ms)
+    delay_ms = _int_in(msg[6], 0, _MAX_LOCK_DELAY_MS, _check_lock_delay_ms)
+    corr = msg[7]
+    if corr is not None and not (type(corr) is str and len(<str>corr) <= _MAX_CORRELATION_ID_CHARS):
+        corr = _check_optional_str(corr, "correlation id", _MAX_CORRELATION_ID_CHARS)
+    shared = n > 8 and _check_shared(msg[8])  # a shared lease (absent: exclusive)
+    limit = _check_limit(msg[9]) if n > 9 else 0  # a semaphore's limit (absent: a lock)
+    actor = _check_actor(msg[10]) if n > 10 else 0  # who waits in the session (absent: all of it)
+    if shared and limit:
+        raise _InvalidArgument("a semaphore permit (limit > 0) cannot also be shared")
+    table = handlers.table
+    now = _monotonic_ms()
+    handlers.roles.admit(_ACQUIRE)
+    config = handlers.config
+    quotas = handlers.quotas
+    if wait_ms != 0:
+        if table.session_waiters(conn.session) >= config.max_waiters_per_connection:
+            raise _limit_exceeded(config.max_waiters_per_connection, "this connection", "waiting acquires",
+                                  "max-waiters-per-connection")
+        if table.waiter_count >= config.max_waiters:
+            raise _limit_exceeded(config.max_waiters, "the server", "waiting acquires", "max-waiters")
+    # a retry of a held lease re-delivers it: it adds nothing
+    retry = table.holder(name, now, owner) is not None
+    # the global cap counts leases held: an exclusive request on a held name adds none now (it queues)
+    # (running lock-delays count as leases: each keeps a lock entry until it ends)
+    if (not retry and len(table) + quotas.lock_delay_count(now) >= config.max_leases
+            and (shared or limit or not table.holders_of(name, now, 0, 1))):
+        raise _limit_exceeded(config.max_leases, "the server", "leases", "max-leases")
+    # the principal's quotas: a lease, granted now or reserved by a waiter (see PrincipalQuotas)
+    usage = None if retry else quotas.check_acquire(conn.grant.name, 1, 1 if wait_ms != 0 else 0)
+    server = handlers.server
+    if ttl_ms > server.max_ttl_ms:
+        server.max_ttl_ms = ttl_ms
+        server.node_state.raise_ttl(ttl_ms)  # rare: only a new longest TTL writes
+    try:
+        status = table.acquire(name, owner, conn.session, req_id, ttl_ms, wait_ms, delay_ms,
+                               (conn.recorded, corr), now, shared, limit, actor)
+    except ValueError as exc:  # the owner key waits on name in a multi-lock request
+        raise _InvalidArgument(f"{name!r}: {exc}") from None
+    if usage is not None:
+        quotas.acquired(usage, status, (name,), table.last_token)
+    if status == _QUEUED:
+        server.queues.touched(name)  # shipped to the standby (fastlock.replication.queues)
+    elif status == _LIMIT_CONFLICT or status == _NOT_ACQUIRED:
+        handlers.acquire_refused(conn, name, limit, status, now)
+
+
+cpdef release(object handlers, SessionWire conn, object req_id, list msg):
+    """RELEASE ``[id, op, name, token, owner]``: Handlers.op_release compiled."""
+    name = _name(msg[2])
+    token = _int_in(msg[3], 1, 0x7FFFFFFFFFFFFFFF, _check_token)
+    owner = conn.owner_hash(msg[4])
+    # a fenced primary refuses too: the standby may have been promoted and would never
+    # see this release (the client repeats it at whichever node is primary)
+    handlers.roles.admit(_RELEASE)
+    table = handlers.table
+    now = _monotonic_ms()
+    meta = None
+    if name in handlers.watchers:  # watchers are told whose lease it was
+        holder = table.holder(name, now, owner)
+        meta = holder.meta if holder is not None else None
+    try:
+        table.release(name, token, owner, now)
+    except _NotHolder:
+        raise handlers.not_holder(name, token) from None
+    handlers.server.released(name, token, meta)
+    conn.send(ok_nil(req_id))
+
+
+cpdef extend(object handlers, SessionWire conn, object req_id, list msg):
+    """EXTEND ``[id, op, name, token, owner, ttl_ms]``: Handlers.op_extend compiled."""
+    name = _name(msg[2])
+    token = _int_in(msg[3], 1, 0x7FFFFFFFFFFFFFFF, _check_token)
+    owner = conn.owner_hash(msg[4])
+    ttl_ms = _int_in(msg[5], _MIN_TTL_MS, _MAX_TTL_MS, _check_ttl_ms)
+    table = handlers.table
+    now = _monotonic_ms()
+    handlers.roles.admit(_EXTEND)
+    holder = table.holder(name, now, owner)
+    try:
+        table.extend(name, token, owner, ttl_ms, now, conn.session)  # the lease is held from this connection
+    except _NotHolder:
+        raise handlers.not_holder(name, token) from None
+    server = handlers.server
+    if ttl_ms > server.max_ttl_ms:  # only the holder's extend counts towards the grace period
+        server.max_ttl_ms = ttl_ms
+        server.node_state.raise_ttl(ttl_ms)
+    reply = ok_int(req_id, ttl_ms)
+    # Every extend is logged: the standby keeps each lease's deadline from the
+    # records it receives, and a promoted standby keeps that deadline.
+    wal = handlers.wal
+    wal.log_extend(name, token, ttl_ms)
+    # sync replication: every extend waits for the standby (it moves the deadline); recovery restores
+    # the recorded TTL: a longer one must be durable before the holder relies on it (not a shorter one)
+    if handlers.source.sync.enabled or ((holder is None or ttl_ms > holder.ttl_ms) and not wal.flush_now()):
+        handlers.extend_when_durable(conn, req_id, name, token, reply)
+        return
+    conn.send(reply)

@@ -1,0 +1,94 @@
+"""The compiled request paths (fastlock/server/_wire.pyx, fastlock/protocol/_wire.pyx).
+
+Replies written from templates are byte for byte what msgpack's packer writes for the
+same reply, over the whole range of request ids, tokens and milliseconds the wire
+carries; the compiled bases are what the server's and the client's connections are.
+(Every check the compiled server path keeps is proven against a real server by
+tests/test_request_path.py, test_security.py and test_bad_input.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fastlock import protocol as P
+from fastlock.errors import LeaseLost
+from fastlock.protocol._wire import RpcWire
+from fastlock.protocol.rpc import RpcConnection
+from fastlock.server._wire import SessionWire, ok_grant, ok_int, ok_nil
+from fastlock.server.session import Session
+
+#: a request id: what msgpack decodes as a positive int (the dispatch refuses ids below 1)
+REQUEST_IDS = st.integers(min_value=1, max_value=(1 << 64) - 1)
+#: an int of a reply: a token, a TTL, a wait (ms), or any int of 64 bits
+VALUES = st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1)
+
+
+@given(REQUEST_IDS)
+def test_ok_nil_is_what_msgpack_writes(req_id):
+    assert ok_nil(req_id) == msgpack.packb([req_id, 0, None])
+
+
+@given(REQUEST_IDS, VALUES)
+def test_ok_int_is_what_msgpack_writes(req_id, value):
+    assert ok_int(req_id, value) == msgpack.packb([req_id, 0, value])
+
+
+@given(REQUEST_IDS, VALUES, VALUES, VALUES)
+def test_ok_grant_is_what_msgpack_writes(req_id, token, ttl_ms, waited_ms):
+    assert ok_grant(req_id, token, ttl_ms, waited_ms) == msgpack.packb([req_id, 0, [token, ttl_ms, waited_ms]])
+
+
+def test_the_connections_are_the_compiled_protocols():
+    assert issubclass(Session, SessionWire) and issubclass(Session, asyncio.Protocol)
+    assert issubclass(RpcConnection, RpcWire) and issubclass(RpcConnection, asyncio.Protocol)
+    assert Session.data_received is SessionWire.data_received
+    assert RpcConnection.data_received is RpcWire.data_received
+    assert RpcConnection.request is RpcWire.request
+
+
+def test_a_reply_resolves_its_future_and_an_error_reply_raises():
+    async def main() -> None:
+        conn = RpcConnection(("127.0.0.1", 1))
+
+        written: list[bytes] = []
+
+        class Sink:
+            def write(self, data: bytes) -> None:
+                written.append(data)
+
+        conn.connection_made(Sink())  # type: ignore[arg-type]
+        ok = conn.request(P.OP_PING)
+        bad = conn.request(P.OP_RELEASE, "x", 1, b"k")
+        assert [msgpack.unpackb(w) for w in written] == [[1, P.OP_PING], [2, P.OP_RELEASE, "x", 1, b"k"]]
+        # one read holding both replies, the later one first
+        conn.data_received(msgpack.packb([2, LeaseLost.code, "not the holder", None]) + msgpack.packb([1, 0, "pong"]))
+        assert await ok == "pong"
+        with pytest.raises(LeaseLost, match="not the holder"):
+            await bad
+        assert not conn.pending
+
+    asyncio.run(main())
+
+
+def test_an_acquire_with_more_arguments_than_the_compiled_path_takes_goes_to_op_acquire():
+    """The seam other operations' arguments merge through: the compiled ACQUIRE takes up to
+    nine arguments; a longer one runs ``Handlers.op_acquire`` unchanged, before any check."""
+    from fastlock.server._wire import acquire
+
+    class Handlers:
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, list]] = []
+
+        def op_acquire(self, conn: SessionWire, req_id: int, msg: list) -> None:
+            self.seen.append((req_id, msg))
+
+    handlers = Handlers()
+    longer = [7, P.OP_ACQUIRE, "n", b"owner", 1000, 0, 0, None, False, 0, 0, "more"]
+    acquire(handlers, SessionWire(), 7, longer)
+    assert handlers.seen == [(7, longer)]
