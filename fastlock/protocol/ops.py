@@ -51,6 +51,13 @@ KEY_REPLACE = 2
 OP_ACQUIRE_MANY = 30
 OP_CONTENDERS = 31
 OP_SYNC_ACK = 50  # synchronous replication (ops 50-54 are reserved for it)
+# client sessions (fastlock.server.sessions; ops 60-69 are reserved for them)
+OP_SESSION_OPEN = 60  # session key, ttl_ms
+OP_SESSION_ATTACH = 61  # session key, [[name, token, owner key]...], [[name, token]...] (detach)
+OP_SESSION_KEEPALIVE = 62  # session key
+OP_SESSION_CLOSE = 63  # session key
+OP_SESSIONS = 64  # principal or None (an operator's list)
+OP_SESSION_REVOKE = 65  # session id, reason or None (an operator's close)
 
 
 class Op(NamedTuple):
@@ -93,6 +100,12 @@ OPS: tuple[Op, ...] = (
     Op(OP_ACQUIRE_MANY, "acquire_many", 6, 7),  # [, actor]
     Op(OP_CONTENDERS, "contenders", 1, 2),  # name[, cursor (the previous page's)]
     Op(OP_SYNC_ACK, "sync_ack", 1, 1),  # standby -> primary: primary LSN at the sync ack point
+    Op(OP_SESSION_OPEN, "session_open", 2, 2),
+    Op(OP_SESSION_ATTACH, "session_attach", 3, 3),
+    Op(OP_SESSION_KEEPALIVE, "session_keepalive", 1, 1),
+    Op(OP_SESSION_CLOSE, "session_close", 1, 1),
+    Op(OP_SESSIONS, "sessions", 1, 1),
+    Op(OP_SESSION_REVOKE, "session_revoke", 2, 2),
 )
 
 #: (fewest, most) arguments of each op, after ``[req_id, op]``

@@ -43,6 +43,7 @@ from ..roles import Action, NodeRole
 from ..units import monotonic_ms
 from .hello import Hello
 from .keys import PERMISSIONS as KEY_PERMISSIONS
+from .sessions import SessionRegistry
 from .keys import KeyStore
 from .kinds import KindHandlers, limit_conflict
 from .lockadmin import LockAdmin, not_the_holder
@@ -84,6 +85,15 @@ PERMISSION: dict[int, str | None] = {
     P.OP_REVOKE: None,
     P.OP_ACQUIRE_MANY: "acquire",  # checked on every name by the handler
     P.OP_CONTENDERS: "holder",
+    # client sessions (fastlock.server.sessions): a client's own, proved by its session key (the
+    # handler checks the principal, and "extend" on every name attached); SESSIONS and SESSION_REVOKE
+    # are an admin's (or the anonymous principal's in open mode), checked by the handler
+    P.OP_SESSION_OPEN: None,
+    P.OP_SESSION_ATTACH: None,
+    P.OP_SESSION_KEEPALIVE: None,
+    P.OP_SESSION_CLOSE: None,
+    P.OP_SESSIONS: None,
+    P.OP_SESSION_REVOKE: None,
 }
 
 _ARTICLE = {"client": "a", "replica": "a", "admin": "an"}
@@ -179,6 +189,8 @@ class Handlers:
         #: ACQUIRE_MANY, CONTENDERS and the deadlock timer
         self.kinds = kinds = KindHandlers(self)
         self.lock_admin = LockAdmin(self)
+        #: client sessions: one keep-alive renews every lease attached (fastlock.server.sessions)
+        self.sessions = SessionRegistry(self)
         handlers: dict[int, Handler] = {
             P.OP_HELLO: self.hello.op_hello,
             P.OP_ACQUIRE: self.op_acquire,
@@ -203,6 +215,7 @@ class Handlers:
             P.OP_REVOKE: self.lock_admin.op_revoke,
             P.OP_ACQUIRE_MANY: kinds.op_acquire_many,
             P.OP_CONTENDERS: kinds.op_contenders,
+            **self.sessions.handlers_table(),
         }
         #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
         self.by_op: dict[int, tuple[Handler, int, int]] = {

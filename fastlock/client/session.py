@@ -1,0 +1,229 @@
+"""The client's session: one keep-alive per renewal interval for every lease it renews.
+
+A :class:`SessionKeeper` belongs to one :class:`~fastlock.client.Client` and holds
+the auto-renewals (:class:`~fastlock.client.renewer.Renewer`) of every lease the
+client keeps alive - ``lock()``, ``lock_many()``, semaphores, election terms, and so
+the keys attached to those leases.  Instead of one EXTEND per lease it sends, per
+round:
+
+1. ``SESSION_OPEN`` with the session key, when the session is not open on the node
+   it talks to (first use, after a failover or a server restart: the same key gives
+   the same session id everywhere);
+2. ``SESSION_ATTACH`` pages naming the leases not yet attached there (each proved by
+   its own owner key) and those released since the last round;
+3. one ``SESSION_KEEPALIVE``, which renews every attached lease for its own TTL.
+
+A round runs every renewal interval: the shortest interval any of its renewers wants
+(about a third of the shortest TTL, minus 10-20 % jitter), sooner when a lease is added
+that needs it.  The reply names the leases the server no longer holds for the client
+(released elsewhere, revoked, expired): those are lost at once.  Every other lease
+attached before the keep-alive was sent is renewed from the *sending* time (the
+deadline each renewer keeps is conservative, as a single EXTEND's is).  A round that
+cannot reach a primary before the earliest renewal deadline leaves each renewer's own
+deadline timer to mark its lease lost, exactly as per-lease renewal does.
+
+A server without session ops (an older fastlock) answers the first ``SESSION_OPEN``
+with a protocol error: the keeper then hands every renewer its own EXTEND loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .. import protocol as P
+from ..errors import ConnectionLost, FastlockError, LeaseLost, ProtocolError
+from .connection import BACKOFF_MAX, RideThrough
+from .owner_keys import new_owner_key
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .client import Client
+    from .renewer import Renewer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SessionKeeper", "ATTACH_PAGE", "DEFAULT_SESSION_TTL"]
+
+#: leases per SESSION_ATTACH request (the server's fastlock.server.sessions.MAX_ATTACH_PER_REQUEST)
+ATTACH_PAGE = 60
+#: the session's own TTL (seconds): how long the server keeps it with no lease attached
+DEFAULT_SESSION_TTL = 10.0
+#: keep-alives sent again in one round while the server says it listed only part of the lost leases
+MAX_MORE_ROUNDS = 64
+
+
+class SessionKeeper:
+    """One client's session (module docstring).
+
+    ``id``: the session id the server gave (None until opened); ``keepalives``: the
+    SESSION_KEEPALIVE requests sent; ``supported``: False once a server refused the ops.
+    """
+
+    def __init__(self, client: Client, ttl: float = DEFAULT_SESSION_TTL):
+        self.client = client
+        self.ttl = ttl
+        self.key = new_owner_key()
+        self.id: str | None = None
+        self.keepalives = 0
+        self.supported: bool | None = None
+        self._renewers: dict[int, Renewer] = {}  # by id(renewer)
+        self._attached: set[int] = set()  # renewers attached on the node the session is open on
+        self._detach: list[list[Any]] = []  # [name, token] released since the last round
+        self._open = False
+        self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self._next_at = 0.0  # loop.time() of the next round
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._renewers)
+
+    def add(self, renewer: Renewer) -> bool:
+        """Keep ``renewer``'s lease alive from now on; False if sessions are not
+        available (closed keeper, a server without them): the renewer runs its own loop."""
+        if self._closed or self.supported is False:
+            return False
+        self._renewers[id(renewer)] = renewer
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = asyncio.ensure_future(self._run())
+        elif self._wake is not None and asyncio.get_running_loop().time() + renewer.session_interval() < self._next_at:
+            self._wake.set()  # this lease needs the next round sooner
+        return True
+
+    def discard(self, renewer: Renewer) -> None:
+        """Stop keeping ``renewer``'s lease alive (released, lost or stopped)."""
+        key = id(renewer)
+        if self._renewers.pop(key, None) is None:
+            return
+        if key in self._attached:
+            self._attached.discard(key)
+            lease = renewer.lease
+            self._detach.append([lease.name, lease.fencing_token])
+
+    def close(self) -> None:
+        """Stop the keeper (the server ends the session by its TTL)."""
+        self._closed = True
+        if self._task is not None and self._task is not asyncio.current_task():
+            self._task.cancel()
+
+    # -- the rounds --------------------------------------------------------------------------
+    def _interval(self) -> float:
+        renewers = list(self._renewers.values())
+        if not renewers:
+            return self.ttl / 3.0
+        return min(r.session_interval() for r in renewers)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._renewers and not self._closed:
+                wake = self._wake
+                assert wake is not None
+                wake.clear()
+                started = loop.time()
+                while True:  # a renewer added meanwhile may need a sooner round
+                    self._next_at = started + self._interval()
+                    left = self._next_at - loop.time()
+                    if left <= 0:
+                        break
+                    try:
+                        await asyncio.wait_for(wake.wait(), left)
+                    except asyncio.TimeoutError:
+                        break
+                    wake.clear()
+                if not self._renewers:
+                    break
+                try:
+                    await self._round(loop)
+                except ConnectionLost as exc:
+                    if self.client.connector.closed:
+                        return
+                    log.info("session keep-alive found no primary in time: %s", exc)
+                except ProtocolError as exc:
+                    if self.supported is None:
+                        log.info("the server has no sessions (%s): each lease renews itself", exc)
+                        self._fall_back()
+                        return
+                    raise
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("session keep-alive failed unexpectedly; each lease renews itself")
+            self._fall_back()
+
+    def _fall_back(self) -> None:
+        self.supported = False
+        renewers = list(self._renewers.values())
+        self._renewers.clear()
+        self._attached.clear()
+        for renewer in renewers:
+            renewer.run_alone()
+
+    async def _send(self, op: int, args: tuple[Any, ...], deadline: float) -> Any:
+        pacing = RideThrough(self.client.connector, deadline, max_backoff=min(BACKOFF_MAX, self.ttl / 10.0))
+        left = deadline - asyncio.get_running_loop().time()
+        return await pacing.send(op, args, attempt_timeout=max(0.05, left / 3.0))
+
+    async def _round(self, loop: asyncio.AbstractEventLoop) -> None:
+        renewers = self._renewers
+        deadline = min(r.state.expires_at for r in renewers.values())
+        if deadline <= loop.time():
+            deadline = loop.time() + self.ttl / 3.0  # leases already past it are lost by their own timers
+        for attempt in range(2):
+            if not self._open:
+                opened = await self._send(P.OP_SESSION_OPEN, (self.key, P.seconds_to_ms(self.ttl, "ttl")), deadline)
+                self.supported = True
+                self.id = opened["id"]
+                self._open = True
+                self._attached.clear()  # attach every lease again there (proved by its owner key)
+                self._detach.clear()
+            try:
+                await self._attach_pending(deadline)
+                await self._keepalive(loop, deadline)
+                return
+            except LeaseLost as exc:  # no such session there: a failover, a restart, an operator
+                if attempt:
+                    raise ConnectionLost(f"the session could not be opened again: {exc}") from exc
+                log.info("session %s not found on the primary (%s): opening it again", self.id, exc)
+                self._open = False
+
+    async def _attach_pending(self, deadline: float) -> None:
+        pending = [r for key, r in self._renewers.items() if key not in self._attached]
+        while pending or self._detach:
+            page, pending = pending[:ATTACH_PAGE], pending[ATTACH_PAGE:]
+            room = ATTACH_PAGE - len(page)
+            detach, self._detach = self._detach[:room], self._detach[room:]
+            leases = [[r.lease.name, r.lease.fencing_token, r.lease.owner] for r in page]
+            reply = await self._send(P.OP_SESSION_ATTACH, (self.key, leases, detach), deadline)
+            lost = {(name, token) for name, token in reply["lost"]}
+            for r in page:
+                if id(r) not in self._renewers:
+                    continue
+                if (r.lease.name, r.lease.fencing_token) in lost:
+                    self._renewers.pop(id(r), None)
+                    r.lose_by_session("the server no longer holds it (attaching it to the session)")
+                else:
+                    self._attached.add(id(r))
+
+    async def _keepalive(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        for _ in range(MAX_MORE_ROUNDS):
+            attached = [r for key, r in self._renewers.items() if key in self._attached]
+            sent = loop.time()
+            self.keepalives += 1
+            reply = await self._send(P.OP_SESSION_KEEPALIVE, (self.key,), deadline)
+            lost = {(name, token) for name, token in reply["lost"]}
+            if lost:
+                for r in list(self._renewers.values()):
+                    if (r.lease.name, r.lease.fencing_token) in lost:
+                        self._renewers.pop(id(r), None)
+                        self._attached.discard(id(r))
+                        r.lose_by_session("the server no longer holds it (session keep-alive)")
+            if reply["more"]:
+                continue  # renewed only part: every one is renewed by the next keep-alive
+            for r in attached:
+                if id(r) in self._renewers:
+                    r.renewed_by_session(sent)
+            return
+        raise FastlockError("the session keep-alive kept naming lost leases")
