@@ -51,7 +51,7 @@ from .lease import HolderInfo, Lease, LeaseState, WatchEvent, check_fraction, ch
 from .multilock import LockManyContext, MultiLease, acquire_many, release_many, sorted_names
 from .owner_keys import new_owner_key
 from .renewer import LockContext, Renewer, Renewers
-from .session import DEFAULT_SESSION_TTL, SessionKeeper
+from .session import DEFAULT_SESSION_TTL, SessionAdminMethods, SessionKeeper
 from .sweep import FAILOVER_TIMEOUT, find_primary
 from .watch import watch_events
 
@@ -64,7 +64,7 @@ __all__ = ["Client", "LockContext", "LATE_GRANT_FRACTION"]
 LATE_GRANT_FRACTION = 0.5
 
 
-class Client(KeyMethods, LockAdminMethods):
+class Client(KeyMethods, LockAdminMethods, SessionAdminMethods):
     """A connection to a fastlock primary.  Create it with :func:`connect`.
 
     Many tasks may share one client; their requests are pipelined on one

@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
-from ..errors import ConnectionLost, FastlockError, LeaseLost, ProtocolError
+from ..errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost, ProtocolError, WrongArgumentType
 from .connection import BACKOFF_MAX, RideThrough
 from .owner_keys import new_owner_key
 
@@ -43,7 +44,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SessionKeeper", "ATTACH_PAGE", "DEFAULT_SESSION_TTL"]
+__all__ = ["SessionKeeper", "SessionInfo", "SessionClosed", "SessionAdminMethods", "ATTACH_PAGE",
+           "DEFAULT_SESSION_TTL"]
 
 #: leases per SESSION_ATTACH request (the server's fastlock.server.sessions.MAX_ATTACH_PER_REQUEST)
 ATTACH_PAGE = 60
@@ -227,3 +229,69 @@ class SessionKeeper:
                     r.renewed_by_session(sent)
             return
         raise FastlockError("the session keep-alive kept naming lost leases")
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """One client session as ``fastlock sessions`` lists it: ``id``, the ``principal``
+    (authenticated), the ``client`` name it declared (not verified), its ``address``,
+    the number of ``leases`` attached, and seconds: ``last_heard`` (since the last
+    request on it), ``ttl`` (the session's own), ``ttl_left`` (until the server ends it
+    unless heard from), ``age``."""
+
+    id: str
+    principal: str
+    client: str | None
+    address: str
+    leases: int
+    last_heard: float
+    ttl: float
+    ttl_left: float
+    age: float
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> SessionInfo:
+        return cls(d["id"], d["principal"], d.get("client"), d.get("address") or "?", d["leases"],
+                   d["last_heard_ms"] / 1000.0, d["ttl_ms"] / 1000.0, d["ttl_left_ms"] / 1000.0,
+                   d["age_ms"] / 1000.0)
+
+
+@dataclass(frozen=True)
+class SessionClosed:
+    """What :meth:`SessionAdminMethods.close_session` did: session ``id`` of
+    ``principal`` is closed and ``revoked`` of its leases were revoked."""
+
+    id: str
+    principal: str
+    revoked: int
+
+
+class SessionAdminMethods:
+    """The operator's session requests (server side: :mod:`fastlock.server.sessions`; an
+    admin principal, or anyone in open mode, else :class:`~fastlock.errors.PermissionDenied`)."""
+
+    async def _request(self, op: int, *args: Any) -> Any:  # pragma: no cover - Client's
+        raise NotImplementedError
+
+    async def sessions(self, principal: str | None = None) -> list[SessionInfo]:
+        """The open client sessions (of ``principal``; None: of everyone), most recently
+        heard first, at most 1,000 (:data:`fastlock.server.sessions.MAX_SESSIONS_LISTED`)."""
+        if principal is not None and type(principal) is not str:
+            raise WrongArgumentType("principal must be a str or None")
+        reply = await self._request(P.OP_SESSIONS, principal)
+        return [SessionInfo.from_wire(row) for row in reply["sessions"]]
+
+    async def close_session(self, session_id: str, *, reason: str | None = None) -> SessionClosed:
+        """Close session ``session_id`` and revoke every lease attached to it at once (each
+        next grant gets a higher fencing token; REVOKE records name who and why).
+
+        Raises:
+            LockNotHeld: no such session on the primary.
+            PermissionDenied: not an admin (outside open mode).
+        """
+        if type(session_id) is not str or not session_id:
+            raise WrongArgumentType("a session id is a non-empty str")
+        if reason is not None and (type(reason) is not str or len(reason) > 256):
+            raise InvalidArgument("reason must be a str of at most 256 characters")
+        reply = await self._request(P.OP_SESSION_REVOKE, session_id, reason)
+        return SessionClosed(reply["id"], reply["principal"], reply["revoked"])
