@@ -9,9 +9,10 @@ round:
 1. ``SESSION_OPEN`` with the session key, when the session is not open on the node
    it talks to (first use, after a failover or a server restart: the same key gives
    the same session id everywhere);
-2. ``SESSION_ATTACH`` pages naming the leases not yet attached there (each proved by
-   its own owner key) and those released since the last round;
-3. one ``SESSION_KEEPALIVE``, which renews every attached lease for its own TTL.
+2. one ``SESSION_KEEPALIVE``, which renews every attached lease for its own TTL;
+3. ``SESSION_ATTACH`` pages (pipelined) naming the leases not yet attached there (each
+   proved by its own owner key; granted since the last round, so with most of their
+   TTL left) and those released since the last round.
 
 A round runs every renewal interval: the shortest interval any of its renewers wants
 (about a third of the shortest TTL, minus 10-20 % jitter), sooner when a lease is added
@@ -23,7 +24,8 @@ cannot reach a primary before the earliest renewal deadline leaves each renewer'
 deadline timer to mark its lease lost, exactly as per-lease renewal does.
 
 A server without session ops (an older fastlock) answers the first ``SESSION_OPEN``
-with a protocol error: the keeper then hands every renewer its own EXTEND loop.
+with a protocol error (a replica principal: PermissionDenied): the keeper then hands
+every renewer its own EXTEND loop.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
-from ..errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost, ProtocolError, WrongArgumentType
+from ..errors import (ConnectionLost, FastlockError, InvalidArgument, LeaseLost, PermissionDenied, ProtocolError,
+                      WrongArgumentType)
 from .connection import BACKOFF_MAX, RideThrough
 from .owner_keys import new_owner_key
 
@@ -49,6 +52,8 @@ __all__ = ["SessionKeeper", "SessionInfo", "SessionClosed", "SessionAdminMethods
 
 #: leases per SESSION_ATTACH request (the server's fastlock.server.sessions.MAX_ATTACH_PER_REQUEST)
 ATTACH_PAGE = 60
+#: SESSION_ATTACH requests in flight at once
+ATTACH_IN_FLIGHT = 8
 #: the session's own TTL (seconds): how long the server keeps it with no lease attached
 DEFAULT_SESSION_TTL = 10.0
 #: keep-alives sent again in one round while the server says it listed only part of the lost leases
@@ -119,12 +124,12 @@ class SessionKeeper:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        started = loop.time()  # rounds are paced from the start of the one before (not its end)
         try:
             while self._renewers and not self._closed:
                 wake = self._wake
                 assert wake is not None
                 wake.clear()
-                started = loop.time()
                 while True:  # a renewer added meanwhile may need a sooner round
                     self._next_at = started + self._interval()
                     left = self._next_at - loop.time()
@@ -137,13 +142,14 @@ class SessionKeeper:
                     wake.clear()
                 if not self._renewers:
                     break
+                started = loop.time()
                 try:
                     await self._round(loop)
                 except ConnectionLost as exc:
                     if self.client.connector.closed:
                         return
                     log.info("session keep-alive found no primary in time: %s", exc)
-                except ProtocolError as exc:
+                except (ProtocolError, PermissionDenied) as exc:
                     if self.supported is None:
                         log.info("the server has no sessions (%s): each lease renews itself", exc)
                         self._fall_back()
@@ -174,7 +180,8 @@ class SessionKeeper:
         if deadline <= loop.time():
             deadline = loop.time() + self.ttl / 3.0  # leases already past it are lost by their own timers
         for attempt in range(2):
-            if not self._open:
+            reopened = not self._open
+            if reopened:
                 opened = await self._send(P.OP_SESSION_OPEN, (self.key, P.seconds_to_ms(self.ttl, "ttl")), deadline)
                 self.supported = True
                 self.id = opened["id"]
@@ -182,8 +189,13 @@ class SessionKeeper:
                 self._attached.clear()  # attach every lease again there (proved by its owner key)
                 self._detach.clear()
             try:
+                # the leases attached already are renewed first; the new ones (granted
+                # since the last round, with their full TTL) are attached after it
+                if self._attached:
+                    await self._keepalive(loop, deadline)
                 await self._attach_pending(deadline)
-                await self._keepalive(loop, deadline)
+                if reopened and self._attached:  # attached again after a failover or restart: renew now
+                    await self._keepalive(loop, deadline)
                 return
             except LeaseLost as exc:  # no such session there: a failover, a restart, an operator
                 if attempt:
@@ -193,21 +205,28 @@ class SessionKeeper:
 
     async def _attach_pending(self, deadline: float) -> None:
         pending = [r for key, r in self._renewers.items() if key not in self._attached]
+        pages = []
         while pending or self._detach:
             page, pending = pending[:ATTACH_PAGE], pending[ATTACH_PAGE:]
             room = ATTACH_PAGE - len(page)
             detach, self._detach = self._detach[:room], self._detach[room:]
-            leases = [[r.lease.name, r.lease.fencing_token, r.lease.owner] for r in page]
-            reply = await self._send(P.OP_SESSION_ATTACH, (self.key, leases, detach), deadline)
-            lost = {(name, token) for name, token in reply["lost"]}
-            for r in page:
-                if id(r) not in self._renewers:
-                    continue
-                if (r.lease.name, r.lease.fencing_token) in lost:
-                    self._renewers.pop(id(r), None)
-                    r.lose_by_session("the server no longer holds it (attaching it to the session)")
-                else:
-                    self._attached.add(id(r))
+            pages.append((page, detach))
+        for first in range(0, len(pages), ATTACH_IN_FLIGHT):  # pipelined, a few pages at a time
+            await asyncio.gather(*(self._attach_page(page, detach, deadline)
+                                   for page, detach in pages[first:first + ATTACH_IN_FLIGHT]))
+
+    async def _attach_page(self, page: list[Renewer], detach: list[list[Any]], deadline: float) -> None:
+        leases = [[r.lease.name, r.lease.fencing_token, r.lease.owner] for r in page]
+        reply = await self._send(P.OP_SESSION_ATTACH, (self.key, leases, detach), deadline)
+        lost = {(name, token) for name, token in reply["lost"]}
+        for r in page:
+            if id(r) not in self._renewers:
+                continue
+            if (r.lease.name, r.lease.fencing_token) in lost:
+                self._renewers.pop(id(r), None)
+                r.lose_by_session("the server no longer holds it (attaching it to the session)")
+            else:
+                self._attached.add(id(r))
 
     async def _keepalive(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
         for _ in range(MAX_MORE_ROUNDS):

@@ -169,8 +169,8 @@ class SessionRegistry:
             self._remove(s)
 
     def _find(self, conn: Session, key: Any) -> ClientSession:
-        if conn.kind != "client":
-            raise PermissionDenied(f"sessions are for client principals; {conn.principal!r} is a {conn.kind}")
+        if conn.kind == "replica":
+            raise PermissionDenied(f"sessions are for clients and admins; {conn.principal!r} is a replica")
         s = self.by_hash.get(hash_owner(P.check_owner(key)))
         if s is None:
             raise LeaseLost("no such session (closed, ended, or opened on another node): open it again")
@@ -189,8 +189,8 @@ class SessionRegistry:
     def op_open(self, conn: Session, req_id: int, msg: list) -> None:
         """SESSION_OPEN key, ttl_ms: open (or resume, with the same key) the session.
         Value: ``{"id": str, "ttl_ms": int, "resumed": bool, "leases": int}``."""
-        if conn.kind != "client":
-            raise PermissionDenied(f"sessions are for client principals; {conn.principal!r} is a {conn.kind}")
+        if conn.kind == "replica":
+            raise PermissionDenied(f"sessions are for clients and admins; {conn.principal!r} is a replica")
         key_hash = hash_owner(P.check_owner(msg[2]))
         ttl_ms = P.check_ttl_ms(msg[3])
         self.roles.admit(Action.EXTEND)
