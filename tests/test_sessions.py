@@ -18,6 +18,7 @@ import sys
 import time
 
 import pytest
+from conftest import wait_until
 
 import fastlock
 from fastlock import protocol as P
@@ -26,8 +27,6 @@ from fastlock._testbase.cluster import RawNode, poll, status_of
 from fastlock._testbase.proxy import free_port
 from fastlock._testbase.servers import CredentialsDir
 from fastlock.errors import LeaseLost, LimitExceeded, LockNotHeld, PermissionDenied
-
-from conftest import wait_until
 
 #: leases taken concurrently at a time while a test builds up its holdings
 BATCH = 500

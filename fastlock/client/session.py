@@ -36,8 +36,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
-from ..errors import (ConnectionLost, FastlockError, InvalidArgument, LeaseLost, PermissionDenied, ProtocolError,
-                      WrongArgumentType)
+from ..errors import (
+    ConnectionLost,
+    FastlockError,
+    InvalidArgument,
+    LeaseLost,
+    PermissionDenied,
+    ProtocolError,
+    WrongArgumentType,
+)
 from .connection import BACKOFF_MAX, RideThrough
 from .owner_keys import new_owner_key
 

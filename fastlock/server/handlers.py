@@ -43,11 +43,11 @@ from ..roles import Action, NodeRole
 from ..units import monotonic_ms
 from .hello import Hello
 from .keys import PERMISSIONS as KEY_PERMISSIONS
-from .sessions import SessionRegistry
 from .keys import KeyStore
 from .kinds import KindHandlers, limit_conflict
 from .lockadmin import LockAdmin, not_the_holder
 from .session import Session, split_recorded_client
+from .sessions import SessionRegistry
 from .shares import limit_exceeded
 from .statusview import client_status
 from .watches import WatchRegistry

@@ -40,8 +40,15 @@ from typing import TYPE_CHECKING, Any
 from .. import protocol as P
 from .._core import NotHolder
 from ..auth import hash_owner
-from ..errors import (FastlockError, InvalidArgument, LeaseLost, LimitExceeded, LockNotHeld, PermissionDenied,
-                      WrongArgumentType)
+from ..errors import (
+    FastlockError,
+    InvalidArgument,
+    LeaseLost,
+    LimitExceeded,
+    LockNotHeld,
+    PermissionDenied,
+    WrongArgumentType,
+)
 from ..logsafe import quote
 from ..roles import Action
 from ..units import monotonic_ms
