@@ -19,9 +19,11 @@ A round runs every renewal interval: the shortest interval any of its renewers w
 that needs it.  The reply names the leases the server no longer holds for the client
 (released elsewhere, revoked, expired): those are lost at once.  Every other lease
 attached before the keep-alive was sent is renewed from the *sending* time (the
-deadline each renewer keeps is conservative, as a single EXTEND's is).  A round that
-cannot reach a primary before the earliest renewal deadline leaves each renewer's own
-deadline timer to mark its lease lost, exactly as per-lease renewal does.
+deadline each renewer keeps is conservative, as a single EXTEND's is).  Each request
+of a round rides through a failover as a lease's own renewal does (an attempt bounded
+by a third of the shortest renewal window, the round by one window); a lease whose
+deadline passes first is marked lost by its own deadline timer, exactly as with
+per-lease renewal.
 
 A server without session ops (an older fastlock) answers the first ``SESSION_OPEN``
 with a protocol error (a replica principal: PermissionDenied): the keeper then hands
@@ -88,6 +90,7 @@ class SessionKeeper:
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._next_at = 0.0  # loop.time() of the next round
+        self._window = ttl  # the shortest renewal window (seconds) of the leases, as of the last round
         self._closed = False
 
     def __len__(self) -> int:
@@ -177,15 +180,16 @@ class SessionKeeper:
             renewer.run_alone()
 
     async def _send(self, op: int, args: tuple[Any, ...], deadline: float) -> Any:
-        pacing = RideThrough(self.client.connector, deadline, max_backoff=min(BACKOFF_MAX, self.ttl / 10.0))
-        left = deadline - asyncio.get_running_loop().time()
-        return await pacing.send(op, args, attempt_timeout=max(0.05, left / 3.0))
+        pacing = RideThrough(self.client.connector, deadline, max_backoff=min(BACKOFF_MAX, self._window / 10.0))
+        return await pacing.send(op, args, attempt_timeout=self._window / 3.0)
 
     async def _round(self, loop: asyncio.AbstractEventLoop) -> None:
         renewers = self._renewers
-        deadline = min(r.state.expires_at for r in renewers.values())
-        if deadline <= loop.time():
-            deadline = loop.time() + self.ttl / 3.0  # leases already past it are lost by their own timers
+        # as a lease's own renewal: each attempt bounded by a third of the (shortest) renewal
+        # window, the round by one window; a lease whose deadline passes first is lost by its
+        # own timer, the round goes on for the others
+        self._window = min(r.window for r in renewers.values())
+        deadline = loop.time() + self._window
         for attempt in range(2):
             reopened = not self._open
             if reopened:
