@@ -69,6 +69,11 @@ DEFAULT_SESSION_TTL = 10.0
 MAX_MORE_ROUNDS = 64
 
 
+def _lost(reply: dict) -> dict[tuple[str, int], str]:
+    """The lost leases a SESSION_ATTACH or SESSION_KEEPALIVE reply names: (name, token) -> why."""
+    return {(item[0], item[1]): str(item[2]) if len(item) > 2 else "not held" for item in reply["lost"]}
+
+
 class SessionKeeper:
     """One client's session (module docstring).
 
@@ -229,13 +234,14 @@ class SessionKeeper:
     async def _attach_page(self, page: list[Renewer], detach: list[list[Any]], deadline: float) -> None:
         leases = [[r.lease.name, r.lease.fencing_token, r.lease.owner] for r in page]
         reply = await self._send(P.OP_SESSION_ATTACH, (self.key, leases, detach), deadline)
-        lost = {(name, token) for name, token in reply["lost"]}
+        lost = _lost(reply)
         for r in page:
             if id(r) not in self._renewers:
                 continue
-            if (r.lease.name, r.lease.fencing_token) in lost:
+            why = lost.get((r.lease.name, r.lease.fencing_token))
+            if why is not None:
                 self._renewers.pop(id(r), None)
-                r.lose_by_session("the server no longer holds it (attaching it to the session)")
+                r.lose_by_session(f"attaching it to the session: {why}")
             else:
                 self._attached.add(id(r))
 
@@ -245,13 +251,14 @@ class SessionKeeper:
             sent = loop.time()
             self.keepalives += 1
             reply = await self._send(P.OP_SESSION_KEEPALIVE, (self.key,), deadline)
-            lost = {(name, token) for name, token in reply["lost"]}
+            lost = _lost(reply)
             if lost:
                 for r in list(self._renewers.values()):
-                    if (r.lease.name, r.lease.fencing_token) in lost:
+                    why = lost.get((r.lease.name, r.lease.fencing_token))
+                    if why is not None:
                         self._renewers.pop(id(r), None)
                         self._attached.discard(id(r))
-                        r.lose_by_session("the server no longer holds it (session keep-alive)")
+                        r.lose_by_session(f"session keep-alive: {why}")
             if reply["more"]:
                 continue  # renewed only part: every one is renewed by the next keep-alive
             for r in attached:

@@ -52,7 +52,7 @@ from ..errors import (
 from ..logsafe import quote
 from ..roles import Action
 from ..units import monotonic_ms
-from .lockadmin import MAX_REASON_CHARS, REVOKE_PAGE, check_lock_admin
+from .lockadmin import MAX_REASON_CHARS, REVOKE_PAGE, check_lock_admin, not_the_holder
 
 if TYPE_CHECKING:  # pragma: no cover
     from .handlers import Handlers
@@ -192,6 +192,10 @@ class SessionRegistry:
             s.address = conn.peer
             s.client = conn.client_name
 
+    def _why_lost(self, name: str, token: int) -> str:
+        """Why lease ``token`` of ``name`` is not held: revoked (by whom, why), or the general case."""
+        return str(not_the_holder(self.handlers.lock_admin.revocations, name, token))
+
     # -- client ops ------------------------------------------------------------------------
     def op_open(self, conn: Session, req_id: int, msg: list) -> None:
         """SESSION_OPEN key, ttl_ms: open (or resume, with the same key) the session.
@@ -231,7 +235,8 @@ class SessionRegistry:
         ``leases`` that is the current holder (proved by its owner key; on a name the
         principal may extend), and detach each ``[name, token]`` of ``detach``.  Together at
         most :data:`MAX_ATTACH_PER_REQUEST`.  Value: ``{"attached": int, "lost": [[name,
-        token], ...]}`` (the leases of ``leases`` that are not held)."""
+        token, why], ...]}`` (the leases of ``leases`` that are not held, and why: revoked
+        by whom, or not the current holder)."""
         s = self._find(conn, msg[2])
         leases, detach = msg[3], msg[4]
         if type(leases) is not list or type(detach) is not list:
@@ -261,7 +266,7 @@ class SessionRegistry:
         for name, token, owner in checked:
             holder = table.holder(name, now, owner)
             if holder is None or holder.token != token:
-                lost.append([name, token])
+                lost.append([name, token, self._why_lost(name, token)])
                 continue
             s.leases[(name, token)] = AttachedLease(owner, holder.ttl_ms)
         conn.send(P.encode_ok(req_id, {"attached": len(checked) - len(lost), "lost": lost}))
@@ -269,7 +274,7 @@ class SessionRegistry:
     def op_keepalive(self, conn: Session, req_id: int, msg: list) -> None:
         """SESSION_KEEPALIVE key: renew every attached lease for its own TTL from now (an
         EXTEND record each, as an EXTEND request writes).  Value: ``{"renewed": int,
-        "lost": [[name, token], ...], "more": bool}``: the attached leases that are no
+        "lost": [[name, token, why], ...], "more": bool}``: the attached leases that are no
         longer held (detached now), at most :data:`MAX_LOST_LISTED` (``more``: others were
         not looked at; ask again).  With synchronous replication the reply waits for the
         standby, as an EXTEND's does."""
@@ -294,7 +299,7 @@ class SessionRegistry:
                     more = True
                     break
                 del s.leases[key]
-                lost.append([name, token])
+                lost.append([name, token, self._why_lost(name, token)])
                 continue
             wal.log_extend(name, token, attached.ttl_ms)
             renewed += 1
