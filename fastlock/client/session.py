@@ -11,8 +11,8 @@ round:
    the same session id everywhere);
 2. one ``SESSION_KEEPALIVE``, which renews every attached lease for its own TTL;
 3. ``SESSION_ATTACH`` pages (pipelined) naming the leases not yet attached there (each
-   proved by its own owner key; granted since the last round, so with most of their
-   TTL left) and those released since the last round.
+   proved by its own owner key, and renewed by being attached) and those released
+   since the last round.
 
 A round runs every renewal interval: the shortest interval any of its renewers wants
 (about a third of the shortest TTL, minus 10-20 % jitter), sooner when a lease is added
@@ -21,7 +21,7 @@ that needs it.  The reply names the leases the server no longer holds for the cl
 attached before the keep-alive was sent is renewed from the *sending* time (the
 deadline each renewer keeps is conservative, as a single EXTEND's is).  Each request
 of a round rides through a failover as a lease's own renewal does (an attempt bounded
-by a third of the shortest renewal window, the round by one window); a lease whose
+by a third of the shortest renewal window, the request by one window); a lease whose
 deadline passes first is marked lost by its own deadline timer, exactly as with
 per-lease renewal.
 
@@ -184,21 +184,22 @@ class SessionKeeper:
         for renewer in renewers:
             renewer.run_alone()
 
-    async def _send(self, op: int, args: tuple[Any, ...], deadline: float) -> Any:
+    async def _send(self, op: int, args: tuple[Any, ...]) -> Any:
+        # each request has one renewal window (from its own start) to find a primary
+        deadline = asyncio.get_running_loop().time() + self._window
         pacing = RideThrough(self.client.connector, deadline, max_backoff=min(BACKOFF_MAX, self._window / 10.0))
         return await pacing.send(op, args, attempt_timeout=self._window / 3.0)
 
     async def _round(self, loop: asyncio.AbstractEventLoop) -> None:
         renewers = self._renewers
         # as a lease's own renewal: each attempt bounded by a third of the (shortest) renewal
-        # window, the round by one window; a lease whose deadline passes first is lost by its
+        # window, each request by one window; a lease whose deadline passes first is lost by its
         # own timer, the round goes on for the others
         self._window = min(r.window for r in renewers.values())
-        deadline = loop.time() + self._window
         for attempt in range(2):
             reopened = not self._open
             if reopened:
-                opened = await self._send(P.OP_SESSION_OPEN, (self.key, P.seconds_to_ms(self.ttl, "ttl")), deadline)
+                opened = await self._send(P.OP_SESSION_OPEN, (self.key, P.seconds_to_ms(self.ttl, "ttl")))
                 self.supported = True
                 self.id = opened["id"]
                 self._open = True
@@ -208,10 +209,8 @@ class SessionKeeper:
                 # the leases attached already are renewed first; the new ones (granted
                 # since the last round, with their full TTL) are attached after it
                 if self._attached:
-                    await self._keepalive(loop, deadline)
-                await self._attach_pending(deadline)
-                if reopened and self._attached:  # attached again after a failover or restart: renew now
-                    await self._keepalive(loop, deadline)
+                    await self._keepalive(loop)
+                await self._attach_pending(loop)  # attaching renews each lease it attaches
                 return
             except LeaseLost as exc:  # no such session there: a failover, a restart, an operator
                 if attempt:
@@ -219,7 +218,7 @@ class SessionKeeper:
                 log.info("session %s not found on the primary (%s): opening it again", self.id, exc)
                 self._open = False
 
-    async def _attach_pending(self, deadline: float) -> None:
+    async def _attach_pending(self, loop: asyncio.AbstractEventLoop) -> None:
         pending = [r for key, r in self._renewers.items() if key not in self._attached]
         pages = []
         while pending or self._detach:
@@ -228,12 +227,14 @@ class SessionKeeper:
             detach, self._detach = self._detach[:room], self._detach[room:]
             pages.append((page, detach))
         for first in range(0, len(pages), ATTACH_IN_FLIGHT):  # pipelined, a few pages at a time
-            await asyncio.gather(*(self._attach_page(page, detach, deadline)
+            await asyncio.gather(*(self._attach_page(loop, page, detach)
                                    for page, detach in pages[first:first + ATTACH_IN_FLIGHT]))
 
-    async def _attach_page(self, page: list[Renewer], detach: list[list[Any]], deadline: float) -> None:
+    async def _attach_page(self, loop: asyncio.AbstractEventLoop, page: list[Renewer],
+                           detach: list[list[Any]]) -> None:
         leases = [[r.lease.name, r.lease.fencing_token, r.lease.owner] for r in page]
-        reply = await self._send(P.OP_SESSION_ATTACH, (self.key, leases, detach), deadline)
+        sent = loop.time()
+        reply = await self._send(P.OP_SESSION_ATTACH, (self.key, leases, detach))
         lost = _lost(reply)
         for r in page:
             if id(r) not in self._renewers:
@@ -244,13 +245,14 @@ class SessionKeeper:
                 r.lose_by_session(f"attaching it to the session: {why}")
             else:
                 self._attached.add(id(r))
+                r.renewed_by_session(sent)
 
-    async def _keepalive(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+    async def _keepalive(self, loop: asyncio.AbstractEventLoop) -> None:
         for _ in range(MAX_MORE_ROUNDS):
             attached = [r for key, r in self._renewers.items() if key in self._attached]
             sent = loop.time()
             self.keepalives += 1
-            reply = await self._send(P.OP_SESSION_KEEPALIVE, (self.key,), deadline)
+            reply = await self._send(P.OP_SESSION_KEEPALIVE, (self.key,))
             lost = _lost(reply)
             if lost:
                 for r in list(self._renewers.values()):

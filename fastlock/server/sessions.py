@@ -233,7 +233,8 @@ class SessionRegistry:
     def op_attach(self, conn: Session, req_id: int, msg: list) -> None:
         """SESSION_ATTACH key, leases, detach: attach each ``[name, token, owner key]`` of
         ``leases`` that is the current holder (proved by its owner key; on a name the
-        principal may extend), and detach each ``[name, token]`` of ``detach``.  Together at
+        principal may extend), renewing it for its own TTL (an EXTEND record), and detach
+        each ``[name, token]`` of ``detach``.  Together at
         most :data:`MAX_ATTACH_PER_REQUEST`.  Value: ``{"attached": int, "lost": [[name,
         token, why], ...]}`` (the leases of ``leases`` that are not held, and why: revoked
         by whom, or not the current holder)."""
@@ -263,13 +264,40 @@ class SessionRegistry:
             s.leases.pop(key, None)
         lost = []
         table = self.table
+        wal = self.handlers.wal
         for name, token, owner in checked:
             holder = table.holder(name, now, owner)
             if holder is None or holder.token != token:
                 lost.append([name, token, self._why_lost(name, token)])
                 continue
+            # attaching renews it (as a keep-alive would): proved by its owner key, as an EXTEND is
+            table.extend(name, token, owner, holder.ttl_ms, now, conn.session)
+            wal.log_extend(name, token, holder.ttl_ms)
             s.leases[(name, token)] = AttachedLease(owner, holder.ttl_ms)
-        conn.send(P.encode_ok(req_id, {"attached": len(checked) - len(lost), "lost": lost}))
+        self._reply_renewed(conn, req_id, {"attached": len(checked) - len(lost), "lost": lost})
+
+    def _reply_renewed(self, conn: Session, req_id: int, value: dict) -> None:
+        """Send ``value``, the reply of a request that renewed leases: with synchronous
+        replication once the standby has the EXTEND records, as an EXTEND's reply."""
+        handlers = self.handlers
+        reply = P.encode_ok(req_id, value)
+        sync = handlers.source.sync
+        if not sync.enabled:
+            conn.send(reply)
+            return
+        server = handlers.server
+
+        def ack(refused: FastlockError | None = None) -> None:
+            handlers.source.fence_if_due(monotonic_ms())
+            if refused is None and self.roles.may(Action.EXTEND):
+                conn.send(reply)
+            else:
+                refused = refused or FastlockError("this node may no longer extend leases")
+                conn.send(P.encode_error(req_id, refused.code or 0, f"session: {refused}",
+                                         getattr(refused, "primary", None)))
+            server.after_batch()
+
+        handlers.wal.when_durable(sync.after(ack))
 
     def op_keepalive(self, conn: Session, req_id: int, msg: list) -> None:
         """SESSION_KEEPALIVE key: renew every attached lease for its own TTL from now (an
@@ -304,24 +332,7 @@ class SessionRegistry:
             wal.log_extend(name, token, attached.ttl_ms)
             renewed += 1
         self.renewals += renewed
-        reply = P.encode_ok(req_id, {"renewed": renewed, "lost": lost, "more": more})
-        sync = handlers.source.sync
-        if not sync.enabled:
-            conn.send(reply)
-            return
-        server = handlers.server
-
-        def ack(refused: FastlockError | None = None) -> None:
-            handlers.source.fence_if_due(monotonic_ms())
-            if refused is None and self.roles.may(Action.EXTEND):
-                conn.send(reply)
-            else:
-                refused = refused or FastlockError("this node may no longer extend leases")
-                conn.send(P.encode_error(req_id, refused.code or 0, f"keep-alive: {refused}",
-                                         getattr(refused, "primary", None)))
-            server.after_batch()
-
-        wal.when_durable(sync.after(ack))
+        self._reply_renewed(conn, req_id, {"renewed": renewed, "lost": lost, "more": more})
 
     def op_close(self, conn: Session, req_id: int, msg: list) -> None:
         """SESSION_CLOSE key: end the session (its leases stay held until released or
