@@ -69,7 +69,7 @@ DEFAULT_SESSION_TTL = 10.0
 MAX_MORE_ROUNDS = 64
 
 
-def _lost(reply: dict) -> dict[tuple[str, int], str]:
+def _lost(reply: dict[str, Any]) -> dict[tuple[str, int], str]:
     """The lost leases a SESSION_ATTACH or SESSION_KEEPALIVE reply names: (name, token) -> why."""
     return {(item[0], item[1]): str(item[2]) if len(item) > 2 else "not held" for item in reply["lost"]}
 
