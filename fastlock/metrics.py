@@ -15,6 +15,8 @@ seconds, bytes)::
     fastlock_wal_records_total, fastlock_wal_bytes_total, fastlock_wal_fsyncs_total
     fastlock_replication_lag_records, fastlock_replication_lag_seconds
     fastlock_promotion_grace_remaining_seconds
+    fastlock_client_sessions, fastlock_client_session_leases   client sessions open, leases attached
+    fastlock_session_keepalives_total, fastlock_session_renewals_total   keep-alives received, leases renewed
     fastlock_sync_degraded, fastlock_sync_held, fastlock_sync_degradations_total   (--replication sync)
     fastlock_sync_members                members of an etcd group's in-sync set (PREFIX/sync)
     fastlock_build_info{version, python, implementation}
@@ -142,6 +144,15 @@ class _Collector:
         yield CounterMetricFamily("fastlock_wal_records", "WAL records logged since start", value=wal.get("records", 0))
         yield CounterMetricFamily("fastlock_wal_bytes", "WAL bytes written since start", value=wal.get("bytes", 0))
         yield CounterMetricFamily("fastlock_wal_fsyncs", "WAL fsyncs since start", value=wal.get("fsyncs", 0))
+        sessions = st.get("client_sessions") or {}
+        yield GaugeMetricFamily("fastlock_client_sessions", "Client sessions open (fastlock sessions)",
+                                value=sessions.get("open", 0))
+        yield GaugeMetricFamily("fastlock_client_session_leases", "Leases attached to client sessions",
+                                value=sessions.get("leases", 0))
+        yield CounterMetricFamily("fastlock_session_keepalives", "Session keep-alives received since start",
+                                  value=sessions.get("keepalives", 0))
+        yield CounterMetricFamily("fastlock_session_renewals", "Leases renewed by session keep-alives since start",
+                                  value=sessions.get("renewals", 0))
         if "lag_records" in repl:  # a standby's own view
             lag_records, lag_ms = repl.get("lag_records", 0), 0
         else:  # a primary: its (single) standby's lag

@@ -15,6 +15,9 @@ Subcommands::
     fastlock lock NAME [-o json]                      one lock's holders and ordered waiters
     fastlock revoke NAME [--token T] [--reason TEXT]  force-release (audit record in the WAL)
     fastlock revoke --principal P [--reason TEXT]     every lease of a principal
+    fastlock revoke --session ID [--reason TEXT]      every lease of a client session
+    fastlock sessions [--principal P] [-o json]       the client sessions
+    fastlock sessions close ID [--reason TEXT]        close one, revoking its leases
     fastlock principals [-o json]                     usage per principal against its quotas
     fastlock elect NAME PROPOSAL | --listen NAME      campaign / print each new leader
     fastlock top [--once] [--rows N] [-o json]        live view of the busiest and most contended locks
@@ -23,7 +26,8 @@ The package holds one module per concern: :mod:`~fastlock.cli.args` (argument
 types and shared options), :mod:`~fastlock.cli.serve`,
 :mod:`~fastlock.cli.admin` (status, promote, serve-alone, credentials, wal
 dump), :mod:`~fastlock.cli.groupstatus` (``status --all``),
-:mod:`~fastlock.cli.locks` (locks, lock, revoke, principals), :mod:`~fastlock.cli.elect`,
+:mod:`~fastlock.cli.locks` (locks, lock, revoke, principals), :mod:`~fastlock.cli.sessions`,
+:mod:`~fastlock.cli.elect`,
 :mod:`~fastlock.cli.top`, :mod:`~fastlock.cli.run` and :mod:`~fastlock.cli.demo`.
 
 Client commands name their server with ``--server`` or the environment
@@ -46,7 +50,7 @@ from .._version import __version__
 from ..client import NoPrimaryFound
 from ..errors import FastlockError
 from ..wal import WalCorruption
-from . import admin, config, demo, elect, locks, run, serve, top, witness
+from . import admin, config, demo, elect, locks, run, serve, sessions, top, witness
 from .args import COMMAND_NAMES, add_client_tls_arguments, client_tls_options, print_error, seconds_arg
 
 __all__ = ["add_client_tls_arguments", "build_parser", "client_tls_options", "main", "seconds_arg"]
@@ -66,6 +70,7 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     demo.add_parser(sub)
     admin.add_parsers(sub)
     locks.add_parsers(sub)
+    sessions.add_parser(sub)
     elect.add_parser(sub)
     top.add_parser(sub)
     run.add_parser(sub)

@@ -33,7 +33,7 @@ from .args import (
     servers_from_env,
 )
 
-__all__ = ["add_parsers", "table"]
+__all__ = ["add_parsers", "table", "common_options", "print_json", "run_with_client", "close_session"]
 
 
 def _name_arg(value: str) -> str:
@@ -81,6 +81,8 @@ def add_parsers(sub: Any) -> None:
                                                                   "(default: every holder)")
     rv.add_argument("--principal", metavar="P", help="instead of NAME: every lease principal P holds (its "
                                                      "waiting acquires stay queued)")
+    rv.add_argument("--session", metavar="ID", help="instead of NAME: close client session ID and revoke "
+                                                    "every lease attached to it (as `fastlock sessions close`)")
     rv.add_argument("--reason", metavar="TEXT", help="why, kept in the WAL's audit record (at most 256 characters)")
     _common(rv)
 
@@ -135,6 +137,12 @@ def _holder(h: LeaseInfo | WaiterInfo) -> str | None:
 
 def _print_json(value: Any) -> None:
     print(json.dumps(value, indent=2, sort_keys=True, default=str))
+
+
+#: the shared options, the client and JSON output of these commands, for fastlock.cli.sessions
+common_options = _common
+run_with_client = _with_client
+print_json = _print_json
 
 
 #: leases asked for per LOCKS request when ``fastlock locks`` pages through the table
@@ -198,7 +206,23 @@ def lock_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def close_session(args: argparse.Namespace, session_id: str) -> int:
+    """Close client session ``session_id`` and print what was revoked (``revoke --session``
+    and ``sessions close``, :mod:`fastlock.cli.sessions`)."""
+    done = _with_client(args, lambda c: c.close_session(session_id, reason=args.reason))
+    if args.output == "json":
+        _print_json(dataclasses.asdict(done))
+        return 0
+    print(f"closed session {text_value(done.id)} of principal {text_value(done.principal)}: "
+          f"revoked {done.revoked} leases")
+    return 0
+
+
 def revoke_command(args: argparse.Namespace) -> int:
+    if args.session is not None:
+        if args.name is not None or args.principal is not None or args.token is not None:
+            args.subparser.error("--session goes alone (no NAME, --principal or --token)")
+        return close_session(args, args.session)
     if (args.name is None) == (args.principal is None):
         args.subparser.error("give a lock NAME or --principal P (not both)")
     if args.principal is not None:

@@ -17,7 +17,9 @@ Modules, each readable alone:
 - :mod:`~fastlock.client.connect` - :func:`connect`, the entry point;
 - :mod:`~fastlock.client.admin` - the operator's requests (``locks``, ``lock_info``, ``revoke``);
 - :mod:`~fastlock.client.election` - leader election on leases;
-- :mod:`~fastlock.client.blocking` - :class:`~fastlock.client.blocking.SyncClient` for threads.
+- :mod:`~fastlock.client.blocking` - :class:`~fastlock.client.blocking.SyncClient` for threads;
+- :mod:`~fastlock.client.session` - the client's session: one keep-alive for every renewed
+  lease, and the operator's ``sessions`` / ``close_session``.
 
 The client imports only :mod:`fastlock.protocol` and leaf modules.  Every name
 ``fastlock.client`` had before it became a package is re-exported here.
@@ -35,6 +37,7 @@ from .kinds import Semaphore
 from .lease import IN_JEOPARDY, LOST, SAFE, HolderInfo, Lease, LeaseHealth, LeaseState, WatchEvent
 from .multilock import LockManyContext, MultiLease
 from .renewer import Renewer
+from .session import SessionClosed, SessionInfo, SessionKeeper
 from .sweep import FAILOVER_TIMEOUT, AddressAnswer, NoPrimaryFound
 
 __all__ = ["connect", "Client", "Lease", "LeaseState", "LeaseHealth", "LockContext", "MultiLease",
@@ -42,4 +45,5 @@ __all__ = ["connect", "Client", "Lease", "LeaseState", "LeaseHealth", "LockConte
            "DEFAULT_PORT", "LATE_GRANT_FRACTION", "SAFE", "IN_JEOPARDY", "LOST", "RETRYABLE", "ClientConnection",
            "Connector", "RideThrough", "KeyValue", "KeyList", "KeyEvent",
            "LeaseInfo", "LockInfo", "LockList", "WaiterInfo", "Semaphore", "PrincipalRevocation",
-           "FAILOVER_TIMEOUT", "AddressAnswer", "NoPrimaryFound", "new_caller"]
+           "FAILOVER_TIMEOUT", "AddressAnswer", "NoPrimaryFound", "new_caller",
+           "SessionInfo", "SessionClosed", "SessionKeeper"]

@@ -56,6 +56,7 @@ from .owner_keys import new_owner_key
 from .preempt import deliver_revoke_request, grace_ms, send_revoke_request
 from .recipes import RecipeMethods
 from .renewer import LockContext, Renewer, Renewers
+from .session import DEFAULT_SESSION_TTL, SessionAdminMethods, SessionKeeper
 from .sweep import FAILOVER_TIMEOUT, find_primary
 from .watch import watch_events
 
@@ -68,7 +69,7 @@ __all__ = ["Client", "LockContext", "LATE_GRANT_FRACTION"]
 LATE_GRANT_FRACTION = 0.5
 
 
-class Client(KeyMethods, LockAdminMethods, RecipeMethods):
+class Client(KeyMethods, LockAdminMethods, RecipeMethods, SessionAdminMethods):
     """A connection to a fastlock primary.  Create it with :func:`connect`.
 
     Many tasks may share one client; their requests are pipelined on one
@@ -103,6 +104,13 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods):
     waiting acquire is therefore never failed by its own ``wait`` being long:
     only by the server going silent.
 
+    **Session.**  With ``session=True`` (the default) every lease the client
+    renews - :meth:`lock`, :meth:`lock_many`, semaphores, election terms - is
+    kept alive by one ``SESSION_KEEPALIVE`` per renewal interval instead of one
+    EXTEND per lease (:mod:`fastlock.client.session`, docs/sessions.md);
+    ``session_ttl`` (seconds, default 10) is how long the server keeps the
+    session with no lease attached.  ``session=False``: each lease renews itself.
+
     **Processes.**  A client belongs to the event loop, and so to the
     process, that uses it: after ``fork()`` a child must make its own (the
     blocking :class:`~fastlock.sync.SyncClient` does so by itself).  Leases
@@ -114,7 +122,8 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods):
                  token_file: str | os.PathLike[str] | None = None,
                  tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, server_hostname: str | None = None,
-                 failover_timeout: float | None = FAILOVER_TIMEOUT, sequencers: bool = False):
+                 failover_timeout: float | None = FAILOVER_TIMEOUT, sequencers: bool = False,
+                 session: bool = True, session_ttl: float = DEFAULT_SESSION_TTL):
         addresses = addresses_from_env(addresses)
         tls, files = tls_from_env(tls, {"tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key,
                                         "server_hostname": server_hostname})
@@ -146,6 +155,9 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods):
         #: of :meth:`acquire`; dropped on release
         self._held = HeldLeases(self._connector)
         self._connector.on_revoke_request = functools.partial(deliver_revoke_request, self._held)
+        #: the client's session: one keep-alive renews every auto-renewed lease (None: session=False)
+        self.session_keeper = (SessionKeeper(self, check_seconds(session_ttl, "session_ttl")) if session
+                               else None)
 
     @property
     def closed(self) -> bool:
@@ -200,6 +212,8 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods):
         later call.  Held leases stay held on the server until their TTL
         (release them first if you want them freed now)."""
         self.renewers.stop_all()
+        if self.session_keeper is not None:
+            self.session_keeper.close()
         self._connector.close()
 
     async def __aenter__(self) -> Client:
@@ -523,7 +537,7 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods):
              correlation_id: str | None = None, renew: bool = True,
              jeopardy_fraction: float = 0.5, shared: bool = False, limit: int = 0,
              queue_behind_self: bool = False, bounded: bool = False, margin: float | None = None, drift: float = 1e-3,
-             priority: int = 0, preempt: float | None = None) -> LockContext:
+             priority: int = 0, preempt: float | None = None, session: bool = True) -> LockContext:
         """Acquire ``name`` and keep renewing it.
 
         ``async with client.lock(...) as lease:`` acquires, renews at about a
@@ -538,6 +552,8 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods):
         renewals have failed and less than ``jeopardy_fraction`` (0 < f < 1,
         default 0.5) of the TTL is left, and ``"safe"`` again when one succeeds.  ``bounded=True``: the
         body is cancelled ``margin`` s (default ttl/10) before a possible re-grant (:mod:`.bounded`).
+        ``session`` (default True): renewed by the client's one session keep-alive (the lease keeps
+        its TTL); False: by its own EXTENDs (docs/sessions.md).
 
         Arguments and errors are those of :meth:`acquire` (``AlreadyHeld``
         when this client holds ``name`` already, unless ``queue_behind_self``).
@@ -548,7 +564,7 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods):
         return LockContext(self, name, dict(ttl=ttl, wait=wait, lock_delay=lock_delay, correlation_id=correlation_id,
                                             shared=shared, limit=limit, queue_behind_self=queue_behind_self,
                                             priority=priority, preempt=preempt), renew,
-                           jeopardy_fraction, lock_bound(bounded, margin, drift, ttl))
+                           jeopardy_fraction, lock_bound(bounded, margin, drift, ttl), session)
 
     def semaphore(self, name: str, limit: int) -> Semaphore:
         """The counting semaphore ``name`` with at most ``limit`` holders (1 .. 2**31-1):
@@ -628,14 +644,17 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods):
         connector = self._connector
         connector.withdraw(connector.proto, lease.name, lease.owner, P.OP_RELEASE, lease.fencing_token, lease.owner)
 
-    def start_renewing(self, lease: Lease, jeopardy_fraction: float | None = None) -> Renewer:
+    def start_renewing(self, lease: Lease, jeopardy_fraction: float | None = None, *,
+                       session: bool = True) -> Renewer:
         """Renew ``lease`` in the background, as :meth:`lock` does (about every
         third of the TTL, with jitter), until :meth:`release`, :meth:`close` or
         its loss (``lease.lost``).  ``jeopardy_fraction``: see :meth:`lock`.
+        ``session``: renewed by the client's session keep-alive (the default, when
+        the client has a session); False: by its own EXTENDs.
         Returns the running :class:`~fastlock.client.renewer.Renewer`."""
         if jeopardy_fraction is not None:
             lease.health.jeopardy_fraction = check_fraction(jeopardy_fraction)
-        return Renewer(self, lease).start()
+        return Renewer(self, lease, session=session).start()
 
     async def release_many(self, multi: MultiLease) -> None:
         """Release every lease of ``multi`` (all of them, even if one fails).

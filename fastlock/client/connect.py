@@ -9,6 +9,7 @@ from collections.abc import Generator
 from typing import Any
 
 from .client import Client
+from .session import DEFAULT_SESSION_TTL
 from .sweep import FAILOVER_TIMEOUT
 
 __all__ = ["connect"]
@@ -42,7 +43,8 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
             token_file: str | os.PathLike[str] | None = None,
             tls: bool | ssl.SSLContext | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
             tls_key: str | None = None, server_hostname: str | None = None,
-            failover_timeout: float | None = FAILOVER_TIMEOUT, sequencers: bool = False) -> _ConnectContext:
+            failover_timeout: float | None = FAILOVER_TIMEOUT, sequencers: bool = False, session: bool = True,
+            session_ttl: float = DEFAULT_SESSION_TTL) -> _ConnectContext:
     """Connect to a fastlock primary.
 
     Args:
@@ -93,6 +95,10 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
             (``lease.sequencer``, :mod:`fastlock.sequencer`); the server must hold a
             sequencer key (its HELLO says ``"sequencers": True``), else every acquire
             raises ``InvalidArgument`` before anything is sent.
+        session: renew every auto-renewed lease by one session keep-alive
+            (default True; docs/sessions.md); False: each lease by its own EXTENDs.
+        session_ttl: seconds (default 10) the server keeps the session with
+            no lease attached.
 
     Example::
 
@@ -119,6 +125,6 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
                                   token=token, token_file=token_file,
                                   tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
                                   server_hostname=server_hostname, failover_timeout=failover_timeout,
-                                  sequencers=sequencers))
+                                  sequencers=sequencers, session=session, session_ttl=session_ttl))
 
 

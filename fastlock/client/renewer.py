@@ -101,17 +101,20 @@ class Renewer:
         ttl: seconds each renewal asks for (default: the lease's TTL).
         on_lost: ``on_lost(why)``, called once when the lease is lost
             (default: log a warning and set ``state.lost``).
+        session: renew through the client's session (one keep-alive for all its
+            leases, :mod:`fastlock.client.session`) when the client has one and
+            ``ttl`` is the lease's own; False: this lease sends its own EXTENDs.
 
     :meth:`start` it on the event loop; the client's :class:`Renewers` stops
     it on release and on close.
     """
 
     __slots__ = ("client", "lease", "state", "_period", "_window", "_ttl", "_on_lost", "_task", "_timer", "_loop",
-                 "_done")
+                 "_done", "_session", "_keeper")
 
     def __init__(self, client: Client, lease: Lease, *, state: LeaseState | None = None,
                  period: float | None = None, window: float | None = None, ttl: float | None = None,
-                 on_lost: Callable[[str], None] | None = None):
+                 on_lost: Callable[[str], None] | None = None, session: bool = True):
         self.client = client
         self.lease = lease
         self.state = lease.state if state is None else state
@@ -123,6 +126,8 @@ class Renewer:
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done = False
+        self._session = session and (ttl is None or ttl == lease.ttl)
+        self._keeper: Any = None  # the client's SessionKeeper while it renews this lease
 
     @property
     def window(self) -> float:
@@ -133,9 +138,37 @@ class Renewer:
         self._loop = asyncio.get_running_loop()
         self.state.health.renewed(self.state.expires_at, self.window)
         self._arm_deadline()
-        self._task = asyncio.ensure_future(self._run())
+        keeper = getattr(self.client, "session_keeper", None) if self._session else None
+        if keeper is not None and keeper.add(self):
+            self._keeper = keeper
+        else:
+            self._task = asyncio.ensure_future(self._run())
         self.client.renewers.add(self)
         return self
+
+    def run_alone(self) -> None:
+        """Leave the session: send this lease's own EXTENDs from now on."""
+        self._keeper = None
+        if not self._done and self._task is None:
+            self._task = asyncio.ensure_future(self._run())
+
+    def session_interval(self) -> float:
+        """Seconds until this lease wants its next renewal (with jitter): the session's round comes then."""
+        return self._interval()
+
+    def renewed_by_session(self, sent: float) -> None:
+        """The session's keep-alive sent at ``sent`` (``loop.time()``) renewed the lease."""
+        if self._done or self.state.lost.is_set():
+            return
+        state = self.state
+        state.expires_at = sent + self.window
+        self._arm_deadline()
+        state.health.renewed(state.expires_at, self.window)
+
+    def lose_by_session(self, why: str) -> None:
+        """The server said the lease is no longer held: it is lost."""
+        self._keeper = None
+        self._lose(why)
 
     def stop(self) -> None:
         """Stop renewing (the lease is not released, nor marked lost).  Idempotent."""
@@ -148,6 +181,9 @@ class Renewer:
         task = self._task
         if task is not None and task is not asyncio.current_task():
             task.cancel()
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            keeper.discard(self)
         self.state.health.stop_timer()
         self.client.renewers.discard(self)
 
@@ -240,10 +276,11 @@ class LockContext:
     """Returned by :meth:`Client.lock`: awaitable and an async context manager
     (as asyncpg's ``pool.acquire()``)."""
 
-    __slots__ = ("_client", "_name", "_kwargs", "_renew", "_lease", "_jeopardy_fraction", "_bound", "_work")
+    __slots__ = ("_client", "_name", "_kwargs", "_renew", "_lease", "_jeopardy_fraction", "_bound", "_work",
+                 "_session")
 
     def __init__(self, client: Client, name: str, kwargs: dict[str, Any], renew: bool, jeopardy_fraction: float = 0.5,
-                 bound: WorkBound | None = None):
+                 bound: WorkBound | None = None, session: bool = True):
         self._client = client
         self._name = name
         self._kwargs = kwargs
@@ -253,11 +290,12 @@ class LockContext:
         #: stop the body at the lease's earliest re-grant less a margin (``bounded=True``)
         self._bound = bound
         self._work: BoundedWork | None = None
+        self._session = session  # renewed by the client's session keep-alive (False: by its own EXTENDs)
 
     async def _acquire(self) -> Lease:
         lease = await self._client.acquire(self._name, **self._kwargs)
         if self._renew:
-            self._client.start_renewing(lease, self._jeopardy_fraction)
+            self._client.start_renewing(lease, self._jeopardy_fraction, session=self._session)
         return lease
 
     def __await__(self) -> Generator[Any, None, Lease]:

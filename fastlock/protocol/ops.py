@@ -57,6 +57,13 @@ OP_ACQUIRE_PRIORITY = 90  # the 9 ACQUIRE arguments (shared, limit, actor given)
 OP_REQUEST_REVOKE = 91  # name, owner key of the caller's waiting request, grace_ms
 OP_TRANSFER = 92  # name, token, owner key, candidate (the waiter's correlation id)
 OP_WATCH_FROM = 70  # name, revision to resume after (None: a new watch) - fastlock.server.watchlog
+# client sessions (fastlock.server.sessions; ops 60-69 are reserved for them)
+OP_SESSION_OPEN = 60  # session key, ttl_ms
+OP_SESSION_ATTACH = 61  # session key, [[name, token, owner key]...], [[name, token]...] (detach)
+OP_SESSION_KEEPALIVE = 62  # session key
+OP_SESSION_CLOSE = 63  # session key
+OP_SESSIONS = 64  # principal or None (an operator's list)
+OP_SESSION_REVOKE = 65  # session id, reason or None (an operator's close)
 
 
 class Op(NamedTuple):
@@ -104,6 +111,12 @@ OPS: tuple[Op, ...] = (
     Op(OP_REQUEST_REVOKE, "request_revoke", 3, 3),
     Op(OP_TRANSFER, "transfer", 4, 4),
     Op(OP_WATCH_FROM, "watch_from", 2, 2),  # name, revision or None
+    Op(OP_SESSION_OPEN, "session_open", 2, 2),
+    Op(OP_SESSION_ATTACH, "session_attach", 3, 3),
+    Op(OP_SESSION_KEEPALIVE, "session_keepalive", 1, 1),
+    Op(OP_SESSION_CLOSE, "session_close", 1, 1),
+    Op(OP_SESSIONS, "sessions", 1, 1),
+    Op(OP_SESSION_REVOKE, "session_revoke", 2, 2),
 )
 
 #: (fewest, most) arguments of each op, after ``[req_id, op]``

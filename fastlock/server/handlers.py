@@ -58,6 +58,7 @@ from .preemption import PERMISSIONS as PREEMPTION_PERMISSIONS
 from .preemption import Preemption
 from .ratelimit import RateLimitHandler
 from .session import Session, split_recorded_client
+from .sessions import SessionRegistry
 from .shares import limit_exceeded
 from .statusview import client_status
 from .watches import WatchRegistry
@@ -98,6 +99,15 @@ PERMISSION: dict[int, str | None] = {
     P.OP_CONTENDERS: "holder",
     OP_RATE_LIMIT: "acquire",  # taking from a name's rate limiter (fastlock.server.ratelimit)
     **PREEMPTION_PERMISSIONS,  # priorities, revoke requests, transfers (fastlock.server.preemption)
+    # client sessions (fastlock.server.sessions): a client's own, proved by its session key (the
+    # handler checks the principal, and "extend" on every name attached); SESSIONS and SESSION_REVOKE
+    # are an admin's (or the anonymous principal's in open mode), checked by the handler
+    P.OP_SESSION_OPEN: None,
+    P.OP_SESSION_ATTACH: None,
+    P.OP_SESSION_KEEPALIVE: None,
+    P.OP_SESSION_CLOSE: None,
+    P.OP_SESSIONS: None,
+    P.OP_SESSION_REVOKE: None,
 }
 
 _ARTICLE = {"client": "a", "replica": "a", "admin": "an"}
@@ -197,6 +207,8 @@ class Handlers:
         self.rate_limits = RateLimitHandler(self.roles, self.table)
         #: ACQUIRE_PRIORITY, REQUEST_REVOKE, TRANSFER and the revoke requests' deadlines
         self.preemption = Preemption(self)
+        #: client sessions: one keep-alive renews every lease attached (fastlock.server.sessions)
+        self.sessions = SessionRegistry(self)
         handlers: dict[int, Handler] = {
             P.OP_HELLO: self.hello.op_hello,
             # compiled (server/_wire.pyx); an ACQUIRE with arguments it does not take goes to op_acquire
@@ -225,6 +237,7 @@ class Handlers:
             OP_RATE_LIMIT: self.rate_limits.op_rate_limit,
             **self.preemption.handlers_by_op(),
             OP_WATCH_FROM: self.op_watch_from,
+            **self.sessions.handlers_table(),
         }
         #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
         self.by_op: dict[int, tuple[Handler, int, int]] = {

@@ -258,21 +258,30 @@ class LockAdmin:
 
     def revoke_lease(self, name: str, h: Holder, principal: str, reason: str | None, now: int,
                      session: int | None) -> dict:
-        """Take the lease ``h`` of ``name`` away (logged as a REVOKE record by ``principal``
-        with ``reason``; watchers told ``"revoked"``); its lease info (:func:`lease_info`).
-        ``session``: the connection that asked (None: the server itself)."""
-        handlers = self.handlers
+        """Take the lease ``h`` of ``name`` away (:meth:`take_lease`) and log it; its lease
+        info (:func:`lease_info`).  ``session``: the connection that asked (None: the server itself)."""
         info = lease_info(h, now)
-        self.table.remove_holder(name, h.token, now)
-        handlers.wal.log_revoke(name, h.token, principal, reason)
-        self.revocations.add(name, h.token, principal, reason)
-        handlers.server.quotas.lease_ended(h.token, h.meta)
-        handlers.server.revisions.logged(name, P.WATCH_REVOKED, h.token, h.meta)
+        self.take_lease(name, h.token, h.meta, principal, reason, now)
         log.warning("lease %d on %s (principal %s, client %s) revoked by %s: %s", h.token, quote(name),
                     info["principal"], quote(info["client"]), principal, quote(reason),
                     extra={"session": session, "lock": name, "token": h.token, "principal": principal,
                            "client": info["client"], "correlation_id": info["correlation_id"]})
         return info
+
+    def take_lease(self, name: str, token: int, meta: object, principal: str, reason: str | None,
+                   now: int) -> None:
+        """Take the lease ``token`` of ``name`` (recorded ``meta``) away as ``principal`` revoking it
+        for ``reason``: a REVOKE record, its keys deleted (as the record ends them on a standby
+        and in recovery), its quota given back, watchers told ``"revoked"``.  No log line of its
+        own: a bulk revocation logs one for all."""
+        handlers = self.handlers
+        self.table.remove_holder(name, token, now)
+        handlers.wal.log_revoke(name, token, principal, reason)
+        self.revocations.add(name, token, principal, reason)
+        server = handlers.server
+        server.quotas.lease_ended(token, meta)
+        server.keys.lease_ended(name, token, "revoked")
+        server.revisions.logged(name, P.WATCH_REVOKED, token, meta)
 
     def revoke_principal(self, conn: Session, req_id: int, msg: list) -> None:
         """REVOKE None, None, reason, principal: revoke every lease ``principal`` holds now,
@@ -318,11 +327,7 @@ class LockAdmin:
             for token, name in leases[start:start + REVOKE_PAGE]:
                 for h in table.holders_of(name, now):
                     if h.token == token:
-                        table.remove_holder(name, token, now)
-                        handlers.wal.log_revoke(name, token, conn.principal, reason)
-                        server.revisions.logged(name, P.WATCH_REVOKED, token, h.meta)
-                        self.revocations.add(name, token, conn.principal, reason)
-                        quotas.lease_ended(token, h.meta)
+                        self.take_lease(name, token, h.meta, conn.principal, reason, now)
                         revoked += 1
                         break
             if start + REVOKE_PAGE < len(leases):

@@ -639,6 +639,7 @@ class LockServer:
             grace_remaining_ms=self.roles.grace_remaining_ms(now),
             tasks=self.tasks.status(),
         )
+        st["client_sessions"] = self.handlers.sessions.status()
         st["limits"] = {**self.limits.status(), "watches": self.quotas.watch_count, **self.quotas.output.status()}
         if self.tls is not None:
             st["tls"] = self.tls.status()

@@ -1,0 +1,416 @@
+"""Client sessions: one keep-alive renews every lease a client attached to its session.
+
+A client session (see docs/sessions.md) is server state kept per client process and
+node connection: an id, the principal, the client's name and address, a TTL, when it
+was last heard and the leases attached to it.  The leases keep their own TTLs and
+their own durable deadlines (every renewal is an EXTEND record, replicated and
+recovered as today); what a session adds is the fan-out: one ``SESSION_KEEPALIVE``
+renews each attached lease for its own TTL, so a client holding 10,000 leases sends
+one request per renewal interval instead of 10,000.
+
+Proof, not trust: a session is named by the hash of a 16-byte session key the client
+draws (as an owner key, :func:`fastlock.auth.hash_owner`); every session op sends the
+key, and the session must belong to the same principal.  A lease is attached only with
+its own owner key (``SESSION_ATTACH``), checked against the table exactly as an EXTEND
+is, and only on names the principal may extend.  Nothing else can renew a lease.
+
+Sessions are soft state rebuilt by proof: after a failover or a restart the client opens
+the same session (same key, so the same id) on the new primary and attaches its leases
+again with their owner keys; until then every lease keeps the deadline its last EXTEND
+record gave it (a promoted standby keeps it; recovery gives a full TTL).  So there are
+no session WAL records: the leases are the durable state, the session is how they are
+renewed.
+
+Operators list sessions (``SESSIONS``) and close one (``SESSION_REVOKE``): every lease
+attached to it is revoked at once (REVOKE records; each next grant gets a higher token),
+as ``fastlock revoke`` does by name.
+
+Limits (each with a clear :class:`~fastlock.errors.LimitExceeded`):
+:data:`MAX_SESSIONS_PER_PRINCIPAL`, :data:`MAX_SESSIONS_PER_CONNECTION`,
+:data:`MAX_SESSIONS`, :data:`MAX_ATTACH_PER_REQUEST`; a session's attached leases are
+bounded by the leases the principal may hold (each must be held to be attached).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .. import protocol as P
+from .._core import NotHolder
+from ..auth import hash_owner
+from ..errors import (
+    FastlockError,
+    InvalidArgument,
+    LeaseLost,
+    LimitExceeded,
+    LockNotHeld,
+    PermissionDenied,
+    WrongArgumentType,
+)
+from ..logsafe import quote
+from ..roles import Action
+from ..units import monotonic_ms
+from .lockadmin import MAX_REASON_CHARS, REVOKE_PAGE, check_lock_admin, not_the_holder
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .handlers import Handlers
+    from .session import Session
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ClientSession", "SessionRegistry", "MAX_SESSIONS_PER_PRINCIPAL", "MAX_SESSIONS_PER_CONNECTION",
+           "MAX_SESSIONS", "MAX_ATTACH_PER_REQUEST", "MAX_LOST_LISTED", "MAX_SESSIONS_LISTED"]
+
+#: the most open sessions of one principal (a client keeps one per node connection)
+MAX_SESSIONS_PER_PRINCIPAL = 1_024
+#: the most sessions one connection may open
+MAX_SESSIONS_PER_CONNECTION = 4
+#: the most open sessions of the server
+MAX_SESSIONS = 65_536
+#: the most leases one SESSION_ATTACH request names (attach and detach together; a
+#: request's decoder takes at most 256 items, fastlock.protocol.REQUEST_LIMITS)
+MAX_ATTACH_PER_REQUEST = 60
+#: the most lost leases one SESSION_KEEPALIVE or SESSION_ATTACH reply names (``more`` says there are others)
+MAX_LOST_LISTED = 1_000
+#: the most sessions one SESSIONS reply lists (the reply gives the total)
+MAX_SESSIONS_LISTED = 1_000
+
+
+def session_id(key_hash: bytes) -> str:
+    """The public id of the session whose key hashes to ``key_hash``: 16 hex digits of
+    BLAKE2b (person ``fastlock-sessid``) of the hash.  The same key gives the same id on
+    every node, so a session keeps its id across failover; the id proves nothing."""
+    return hashlib.blake2b(key_hash, digest_size=8, person=b"fastlock-sessid").hexdigest()
+
+
+class AttachedLease:
+    """A lease attached to a session: its owner key's hash and its TTL (ms)."""
+
+    __slots__ = ("owner", "ttl_ms")
+
+    def __init__(self, owner: bytes, ttl_ms: int):
+        self.owner = owner
+        self.ttl_ms = ttl_ms
+
+
+class ClientSession:
+    """One client session (module docstring).  Times are this server's monotonic ms."""
+
+    __slots__ = ("id", "key_hash", "principal", "client", "address", "ttl_ms", "opened_ms", "last_heard_ms",
+                 "connection", "leases")
+
+    def __init__(self, key_hash: bytes, principal: str, client: str | None, address: str, ttl_ms: int,
+                 now: int, connection: int):
+        self.id = session_id(key_hash)
+        self.key_hash = key_hash
+        self.principal = principal
+        self.client = client
+        self.address = address
+        self.ttl_ms = ttl_ms
+        self.opened_ms = now
+        self.last_heard_ms = now
+        #: the connection (server session number) last heard from
+        self.connection = connection
+        #: (lock name, token) -> AttachedLease
+        self.leases: dict[tuple[str, int], AttachedLease] = {}
+
+    def deadline_ms(self) -> int:
+        """When the session ends unless heard from: last heard + the longest of its TTL and its leases'."""
+        longest = max((a.ttl_ms for a in self.leases.values()), default=0) if self.leases else 0
+        return self.last_heard_ms + max(self.ttl_ms, longest)
+
+    def row(self, now: int) -> dict:
+        """The session as ``fastlock sessions`` lists it (times in ms)."""
+        return {"id": self.id, "principal": self.principal, "client": self.client, "address": self.address,
+                "leases": len(self.leases), "ttl_ms": self.ttl_ms, "last_heard_ms": now - self.last_heard_ms,
+                "ttl_left_ms": max(0, self.deadline_ms() - now), "age_ms": now - self.opened_ms}
+
+
+class SessionRegistry:
+    """The client sessions of one server and their ops (SESSION_OPEN, SESSION_ATTACH,
+    SESSION_KEEPALIVE, SESSION_CLOSE, SESSIONS, SESSION_REVOKE).
+
+    ``keepalives``: SESSION_KEEPALIVE requests received (in STATUS ``client_sessions``
+    and the metrics), ``renewals``: leases renewed by them."""
+
+    def __init__(self, handlers: Handlers):
+        self.handlers = handlers
+        self.table = handlers.table
+        self.roles = handlers.roles
+        self.by_hash: dict[bytes, ClientSession] = {}
+        self.by_id: dict[str, ClientSession] = {}
+        self.per_principal: dict[str, int] = {}
+        self.keepalives = 0
+        self.renewals = 0
+
+    def handlers_table(self) -> dict[int, Any]:
+        """op code -> handler, for :class:`~fastlock.server.handlers.Handlers`."""
+        return {P.OP_SESSION_OPEN: self.op_open, P.OP_SESSION_ATTACH: self.op_attach,
+                P.OP_SESSION_KEEPALIVE: self.op_keepalive, P.OP_SESSION_CLOSE: self.op_close,
+                P.OP_SESSIONS: self.op_sessions, P.OP_SESSION_REVOKE: self.op_revoke}
+
+    def status(self) -> dict:
+        """``client_sessions`` in STATUS: open sessions, leases attached, keep-alives received."""
+        self.sweep(monotonic_ms())
+        return {"open": len(self.by_id), "leases": sum(len(s.leases) for s in self.by_id.values()),
+                "keepalives": self.keepalives, "renewals": self.renewals}
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    def _remove(self, s: ClientSession) -> None:
+        if self.by_id.pop(s.id, None) is None:
+            return
+        del self.by_hash[s.key_hash]
+        left = self.per_principal.get(s.principal, 1) - 1
+        if left > 0:
+            self.per_principal[s.principal] = left
+        else:
+            self.per_principal.pop(s.principal, None)
+
+    def sweep(self, now: int, most: int = 10_000) -> None:
+        """Remove sessions not heard from past their deadline (at most ``most`` looked at)."""
+        for s in [s for _, s in zip(range(most), self.by_id.values(), strict=False) if s.deadline_ms() <= now]:
+            log.info("client session %s of %s ended: not heard from for %d ms", s.id, s.principal,
+                     now - s.last_heard_ms)
+            self._remove(s)
+
+    def _find(self, conn: Session, key: Any) -> ClientSession:
+        if conn.kind == "replica":
+            raise PermissionDenied(f"sessions are for clients and admins; {conn.principal!r} is a replica")
+        s = self.by_hash.get(hash_owner(P.check_owner(key)))
+        if s is None:
+            raise LeaseLost("no such session (closed, ended, or opened on another node): open it again")
+        if s.principal != conn.principal:
+            raise PermissionDenied("this session belongs to another principal")
+        return s
+
+    def _heard(self, s: ClientSession, conn: Session, now: int) -> None:
+        s.last_heard_ms = now
+        if s.connection != conn.session:
+            s.connection = conn.session
+            s.address = conn.peer
+            s.client = conn.client_name
+
+    def _why_lost(self, name: str, token: int) -> str:
+        """Why lease ``token`` of ``name`` is not held: revoked (by whom, why), or the general case."""
+        return str(not_the_holder(self.handlers.lock_admin.revocations, name, token))
+
+    # -- client ops ------------------------------------------------------------------------
+    def op_open(self, conn: Session, req_id: int, msg: list) -> None:
+        """SESSION_OPEN key, ttl_ms: open (or resume, with the same key) the session.
+        Value: ``{"id": str, "ttl_ms": int, "resumed": bool, "leases": int}``."""
+        if conn.kind == "replica":
+            raise PermissionDenied(f"sessions are for clients and admins; {conn.principal!r} is a replica")
+        key_hash = hash_owner(P.check_owner(msg[2]))
+        ttl_ms = P.check_ttl_ms(msg[3])
+        self.roles.admit(Action.EXTEND)
+        now = monotonic_ms()
+        self.sweep(now)
+        s = self.by_hash.get(key_hash)
+        if s is not None:
+            if s.principal != conn.principal:
+                raise PermissionDenied("this session belongs to another principal")
+            s.ttl_ms = ttl_ms
+            self._heard(s, conn, now)
+            conn.send(P.encode_ok(req_id, {"id": s.id, "ttl_ms": ttl_ms, "resumed": True, "leases": len(s.leases)}))
+            return
+        mine = sum(1 for x in self.by_id.values() if x.connection == conn.session)
+        if mine >= MAX_SESSIONS_PER_CONNECTION:
+            raise LimitExceeded(f"this connection has {mine} sessions open, the most allowed "
+                                f"({MAX_SESSIONS_PER_CONNECTION}): close one first")
+        if self.per_principal.get(conn.principal, 0) >= MAX_SESSIONS_PER_PRINCIPAL:
+            raise LimitExceeded(f"principal {conn.principal!r} has {MAX_SESSIONS_PER_PRINCIPAL} sessions open, "
+                                f"the most allowed: close some, or wait for idle ones to end")
+        if len(self.by_id) >= MAX_SESSIONS:
+            raise LimitExceeded(f"the server has {MAX_SESSIONS} sessions open, the most allowed")
+        s = ClientSession(key_hash, conn.principal, conn.client_name, conn.peer, ttl_ms, now, conn.session)
+        self.by_hash[key_hash] = s
+        self.by_id[s.id] = s
+        self.per_principal[conn.principal] = self.per_principal.get(conn.principal, 0) + 1
+        conn.send(P.encode_ok(req_id, {"id": s.id, "ttl_ms": ttl_ms, "resumed": False, "leases": 0}))
+
+    def op_attach(self, conn: Session, req_id: int, msg: list) -> None:
+        """SESSION_ATTACH key, leases, detach: attach each ``[name, token, owner key]`` of
+        ``leases`` that is the current holder (proved by its owner key; on a name the
+        principal may extend), renewing it for its own TTL (an EXTEND record), and detach
+        each ``[name, token]`` of ``detach``.  Together at
+        most :data:`MAX_ATTACH_PER_REQUEST`.  Value: ``{"attached": int, "lost": [[name,
+        token, why], ...]}`` (the leases of ``leases`` that are not held, and why: revoked
+        by whom, or not the current holder)."""
+        s = self._find(conn, msg[2])
+        leases, detach = msg[3], msg[4]
+        if type(leases) is not list or type(detach) is not list:
+            raise WrongArgumentType("leases and detach must be arrays")
+        if len(leases) + len(detach) > MAX_ATTACH_PER_REQUEST:
+            raise InvalidArgument(f"at most {MAX_ATTACH_PER_REQUEST} leases per SESSION_ATTACH")
+        checked = []
+        for item in leases:
+            if type(item) is not list or len(item) != 3:
+                raise InvalidArgument("each lease to attach is [name, token, owner key]")
+            name = P.check_name(item[0])
+            if conn.grant is None or not conn.grant.allows("extend", name):
+                raise PermissionDenied(f"principal {conn.principal!r} may not extend {name!r}")
+            checked.append((name, P.check_token(item[1]), hash_owner(P.check_owner(item[2]))))
+        gone = []
+        for item in detach:
+            if type(item) is not list or len(item) != 2:
+                raise InvalidArgument("each lease to detach is [name, token]")
+            gone.append((P.check_name(item[0]), P.check_token(item[1])))
+        self.roles.admit(Action.EXTEND)
+        now = monotonic_ms()
+        self._heard(s, conn, now)
+        for key in gone:
+            s.leases.pop(key, None)
+        lost = []
+        table = self.table
+        wal = self.handlers.wal
+        for name, token, owner in checked:
+            holder = table.holder(name, now, owner)
+            if holder is None or holder.token != token:
+                lost.append([name, token, self._why_lost(name, token)])
+                continue
+            # attaching renews it (as a keep-alive would): proved by its owner key, as an EXTEND is
+            table.extend(name, token, owner, holder.ttl_ms, now, conn.session)
+            wal.log_extend(name, token, holder.ttl_ms)
+            s.leases[(name, token)] = AttachedLease(owner, holder.ttl_ms)
+        self._reply_renewed(conn, req_id, {"attached": len(checked) - len(lost), "lost": lost})
+
+    def _reply_renewed(self, conn: Session, req_id: int, value: dict) -> None:
+        """Send ``value``, the reply of a request that renewed leases: with synchronous
+        replication once the standby has the EXTEND records, as an EXTEND's reply."""
+        handlers = self.handlers
+        reply = P.encode_ok(req_id, value)
+        sync = handlers.source.sync
+        if not sync.enabled:
+            conn.send(reply)
+            return
+        server = handlers.server
+
+        def ack(refused: FastlockError | None = None) -> None:
+            handlers.source.fence_if_due(monotonic_ms())
+            if refused is None and self.roles.may(Action.EXTEND):
+                conn.send(reply)
+            else:
+                refused = refused or FastlockError("this node may no longer extend leases")
+                conn.send(P.encode_error(req_id, refused.code or 0, f"session: {refused}",
+                                         getattr(refused, "primary", None)))
+            server.after_batch()
+
+        handlers.wal.when_durable(sync.after(ack))
+
+    def op_keepalive(self, conn: Session, req_id: int, msg: list) -> None:
+        """SESSION_KEEPALIVE key: renew every attached lease for its own TTL from now (an
+        EXTEND record each, as an EXTEND request writes).  Value: ``{"renewed": int,
+        "lost": [[name, token, why], ...], "more": bool}``: the attached leases that are no
+        longer held (detached now), at most :data:`MAX_LOST_LISTED` (``more``: others were
+        not looked at; ask again).  With synchronous replication the reply waits for the
+        standby, as an EXTEND's does."""
+        s = self._find(conn, msg[2])
+        self.roles.admit(Action.EXTEND)
+        self.keepalives += 1
+        now = monotonic_ms()
+        self._heard(s, conn, now)
+        handlers = self.handlers
+        table = self.table
+        wal = handlers.wal
+        lost: list[list] = []
+        renewed = 0
+        more = False
+        session = conn.session
+        for key, attached in list(s.leases.items()):
+            name, token = key
+            try:
+                table.extend(name, token, attached.owner, attached.ttl_ms, now, session)
+            except NotHolder:
+                if len(lost) >= MAX_LOST_LISTED:
+                    more = True
+                    break
+                del s.leases[key]
+                lost.append([name, token, self._why_lost(name, token)])
+                continue
+            wal.log_extend(name, token, attached.ttl_ms)
+            renewed += 1
+        self.renewals += renewed
+        self._reply_renewed(conn, req_id, {"renewed": renewed, "lost": lost, "more": more})
+
+    def op_close(self, conn: Session, req_id: int, msg: list) -> None:
+        """SESSION_CLOSE key: end the session (its leases stay held until released or
+        expired by their own TTLs).  Value: None."""
+        self._remove(self._find(conn, msg[2]))
+        conn.send(P.encode_ok(req_id, None))
+
+    # -- operator ops ----------------------------------------------------------------------
+    def op_sessions(self, conn: Session, req_id: int, msg: list) -> None:
+        """SESSIONS principal: the open sessions (of ``principal``, None: of everyone),
+        most recently heard first, at most :data:`MAX_SESSIONS_LISTED`.  Value:
+        ``{"sessions": [row...], "total": int}`` (rows: :meth:`ClientSession.row`)."""
+        check_lock_admin(self.handlers, conn, "sessions")
+        principal = msg[2]
+        if principal is not None and type(principal) is not str:
+            raise WrongArgumentType("principal must be a str or None")
+        now = monotonic_ms()
+        self.sweep(now)
+        chosen = [s for s in self.by_id.values() if principal is None or s.principal == principal]
+        chosen.sort(key=lambda s: -s.last_heard_ms)
+        rows = [s.row(now) for s in chosen[:MAX_SESSIONS_LISTED]]
+        conn.send(P.encode_ok(req_id, {"sessions": rows, "total": len(chosen)}))
+
+    def op_revoke(self, conn: Session, req_id: int, msg: list) -> None:
+        """SESSION_REVOKE id, reason: close session ``id`` and revoke every lease attached
+        to it (REVOKE records, as ``fastlock revoke``: watchers told, the first waiter of
+        each lock granted with a higher token), :data:`~.lockadmin.REVOKE_PAGE` per loop
+        turn.  Value, once the records are durable: ``{"id", "principal", "revoked": int}``.
+        :raises LockNotHeld: no such session."""
+        check_lock_admin(self.handlers, conn, "sessions close")
+        sid = msg[2]
+        if type(sid) is not str:
+            raise WrongArgumentType("a session id is a str")
+        reason = P.check_optional_str(msg[3], "reason", MAX_REASON_CHARS)
+        s = self.by_id.get(sid)
+        if s is None:
+            raise LockNotHeld(f"no session {quote(sid)} on this node")
+        self.roles.admit(Action.RELEASE)
+        self._remove(s)
+        leases = list(s.leases.items())
+        handlers = self.handlers
+        server = handlers.server
+        admin = handlers.lock_admin
+        why = reason if reason is not None else f"session {sid} closed"
+        revoked = 0
+        log.warning("closing session %s of %s (%d leases), asked by %s: %s", sid, s.principal, len(leases),
+                    conn.principal, quote(reason), extra={"session": conn.session, "principal": conn.principal})
+
+        def page(start: int) -> None:
+            nonlocal revoked
+            try:
+                self.roles.admit(Action.RELEASE)
+            except FastlockError as exc:
+                conn.send(P.encode_error(req_id, exc.code, f"revoked {revoked} of {len(leases)}, then: {exc}",
+                                         getattr(exc, "primary", None)))
+                server.after_batch()
+                return
+            table = self.table
+            now = monotonic_ms()
+            for (name, token), attached in leases[start:start + REVOKE_PAGE]:
+                holder = table.holder(name, now, attached.owner)
+                if holder is None or holder.token != token:
+                    continue
+                admin.take_lease(name, token, holder.meta, conn.principal, why, now)
+                revoked += 1
+            if start + REVOKE_PAGE < len(leases):
+                server.loop.call_soon(page, start + REVOKE_PAGE)
+                if start:
+                    server.after_batch()
+                return
+            reply = P.encode_ok(req_id, {"id": sid, "principal": s.principal, "revoked": revoked})
+
+            def ack() -> None:
+                conn.send(reply)
+                server.after_batch()
+
+            handlers.wal.when_durable(ack)
+            if start:
+                server.after_batch()
+
+        page(0)
