@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import protocol as P
@@ -309,22 +310,40 @@ class LockAdmin:
         quotas.sync()
         usage = quotas.usage.get(principal)
         leases = list(usage.leases.items()) if usage is not None else []  # (token, name) held now
-        revoked = 0
         log.warning("revoking the %d leases of principal %s, asked by %s: %s", len(leases), principal,
                     conn.principal, quote(reason), extra={"session": conn.session, "principal": conn.principal})
+
+        def value(revoked: int) -> dict:
+            waiting = usage.waiting if usage is not None else 0
+            log.warning("revoked %d leases of principal %s (%d of its acquires still wait)", revoked, principal,
+                        waiting)
+            return {"principal": principal, "revoked": revoked, "waiting": waiting}
+
+        self.revoke_paged(conn, req_id, [(name, token) for token, name in leases], reason,
+                          f"the {len(leases)} leases of {principal!r}", value)
+
+    def revoke_paged(self, conn: Session, req_id: int, leases: list[tuple[str, int]], reason: str | None,
+                     what: str, value: Callable[[int], dict]) -> None:
+        """Revoke ``leases`` (``(name, token)`` pairs; one no longer held is skipped) as
+        ``conn``'s principal for ``reason``, :data:`REVOKE_PAGE` per loop turn (other clients
+        are served between pages), each by :meth:`take_lease`; reply ``value(revoked)`` once
+        the last REVOKE record is durable.  If this node stops being the primary part way,
+        the request fails (Unavailable / NotPrimary), saying how many of ``what`` went first."""
+        server = self.handlers.server
+        revoked = 0
 
         def page(start: int) -> None:
             nonlocal revoked
             try:
                 self.roles.admit(Action.RELEASE)
             except FastlockError as exc:
-                why = f"revoked {revoked} of the {len(leases)} leases of {principal!r}, then: {exc}"
+                why = f"revoked {revoked} of {what}, then: {exc}"
                 conn.send(P.encode_error(req_id, exc.code, why, getattr(exc, "primary", None)))
                 server.after_batch()
                 return
             table = self.table
             now = monotonic_ms()
-            for token, name in leases[start:start + REVOKE_PAGE]:
+            for name, token in leases[start:start + REVOKE_PAGE]:
                 for h in table.holders_of(name, now):
                     if h.token == token:
                         self.take_lease(name, token, h.meta, conn.principal, reason, now)
@@ -335,16 +354,13 @@ class LockAdmin:
                 if start:  # (the first page runs inside the request: its read's batch end follows)
                     server.after_batch()
                 return
-            waiting = usage.waiting if usage is not None else 0
-            reply = P.encode_ok(req_id, {"principal": principal, "revoked": revoked, "waiting": waiting})
-            log.warning("revoked %d leases of principal %s (%d of its acquires still wait)", revoked, principal,
-                        waiting)
+            reply = P.encode_ok(req_id, value(revoked))
 
             def ack() -> None:
                 conn.send(reply)
                 server.after_batch()
 
-            handlers.wal.when_durable(ack)
+            self.handlers.wal.when_durable(ack)
             if start:
                 server.after_batch()
 

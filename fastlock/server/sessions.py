@@ -52,7 +52,7 @@ from ..errors import (
 from ..logsafe import quote
 from ..roles import Action
 from ..units import monotonic_ms
-from .lockadmin import MAX_REASON_CHARS, REVOKE_PAGE, check_lock_admin, not_the_holder
+from .lockadmin import MAX_REASON_CHARS, check_lock_admin, not_the_holder
 
 if TYPE_CHECKING:  # pragma: no cover
     from .handlers import Handlers
@@ -373,44 +373,9 @@ class SessionRegistry:
         self.roles.admit(Action.RELEASE)
         self._remove(s)
         leases = list(s.leases.items())
-        handlers = self.handlers
-        server = handlers.server
-        admin = handlers.lock_admin
         why = reason if reason is not None else f"session {sid} closed"
-        revoked = 0
         log.warning("closing session %s of %s (%d leases), asked by %s: %s", sid, s.principal, len(leases),
                     conn.principal, quote(reason), extra={"session": conn.session, "principal": conn.principal})
-
-        def page(start: int) -> None:
-            nonlocal revoked
-            try:
-                self.roles.admit(Action.RELEASE)
-            except FastlockError as exc:
-                conn.send(P.encode_error(req_id, exc.code, f"revoked {revoked} of {len(leases)}, then: {exc}",
-                                         getattr(exc, "primary", None)))
-                server.after_batch()
-                return
-            table = self.table
-            now = monotonic_ms()
-            for (name, token), attached in leases[start:start + REVOKE_PAGE]:
-                holder = table.holder(name, now, attached.owner)
-                if holder is None or holder.token != token:
-                    continue
-                admin.take_lease(name, token, holder.meta, conn.principal, why, now)
-                revoked += 1
-            if start + REVOKE_PAGE < len(leases):
-                server.loop.call_soon(page, start + REVOKE_PAGE)
-                if start:
-                    server.after_batch()
-                return
-            reply = P.encode_ok(req_id, {"id": sid, "principal": s.principal, "revoked": revoked})
-
-            def ack() -> None:
-                conn.send(reply)
-                server.after_batch()
-
-            handlers.wal.when_durable(ack)
-            if start:
-                server.after_batch()
-
-        page(0)
+        self.handlers.lock_admin.revoke_paged(
+            conn, req_id, [key for key, _ in leases], why, f"the {len(leases)} leases of session {sid}",
+            lambda revoked: {"id": sid, "principal": s.principal, "revoked": revoked})
