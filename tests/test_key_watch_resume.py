@@ -337,3 +337,49 @@ def test_the_blocking_clients_prefix_watch(server):
         events.close()
         assert [(e.what, e.key, e.value) for e in got] == [("put", "b/1", b"one"), ("delete", "b/1", None)]
         assert first.revision < got[0].revision < got[1].revision
+
+
+def test_a_tooz_group_watcher_keeps_its_view_exact_across_kill9_of_the_primary(cluster):
+    """tooz's join/leave watchers on a synchronous pair: members that join before and after a
+    kill -9 of the primary, and one that leaves after it, are each seen once; the watcher's
+    view equals the members listed on the promoted standby."""
+    pytest.importorskip("tooz", reason="the tooz extra is part of the test extra")
+    from tooz import coordination
+
+    primary = cluster.primary(args=SYNC)
+    standby = cluster.standby(primary.address, failover_after=FAILOVER)
+    url = f"fastlock://{primary.address},{standby.address}?timeout=30&connect_timeout=1"
+    coords = []
+
+    def coordinator(member: bytes):
+        c = coordination.get_coordinator(url, member)
+        c.start()
+        coords.append(c)
+        return c
+
+    try:
+        watcher = coordinator(b"watcher")
+        watcher.create_group(b"g").get(timeout=30)
+        joined: list[bytes] = []
+        left: list[bytes] = []
+        watcher.watch_join_group(b"g", lambda event: joined.append(event.member_id))
+        watcher.watch_leave_group(b"g", lambda event: left.append(event.member_id))
+        members = [coordinator(b"m%d" % i) for i in range(3)]
+        for m in members:
+            m.join_group(b"g").get(timeout=30)
+        watcher.run_watchers(timeout=30)
+        assert sorted(joined) == [b"m0", b"m1", b"m2"] and left == []
+        primary.kill()
+        late = coordinator(b"late")  # connects to whichever node answers: the promoted standby
+        late.join_group(b"g").get(timeout=60)
+        members[0].leave_group(b"g").get(timeout=60)
+        watcher.run_watchers(timeout=60)
+        assert sorted(joined) == [b"late", b"m0", b"m1", b"m2"], joined
+        assert left == [b"m0"], left
+        assert watcher.get_members(b"g").get(timeout=30) == {b"m1", b"m2", b"late"}
+        watcher.run_watchers(timeout=30)  # nothing changed: nothing more seen
+        assert len(joined) == 4 and len(left) == 1
+    finally:
+        for c in coords:
+            if c.is_started:
+                c.stop()
