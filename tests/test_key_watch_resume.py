@@ -383,3 +383,43 @@ def test_a_tooz_group_watcher_keeps_its_view_exact_across_kill9_of_the_primary(c
         for c in coords:
             if c.is_started:
                 c.stop()
+
+
+def test_a_key_put_on_a_sync_primary_waits_for_the_standby_and_so_does_its_watcher(cluster):
+    """Under synchronous replication a put is acknowledged, and pushed to a prefix watcher,
+    only once the standby has it: with the standby stopped neither happens; the policy
+    (fence) then refuses the put, and the watcher never hears of it."""
+    from fastlock._testbase.cluster import poll, status_of
+    from fastlock.errors import ConnectionLost, Unavailable
+
+    primary = cluster.primary(args=[*SYNC, "--sync-timeout", "0.5", "--sync-on-timeout", "fence"])
+    standby = cluster.standby(primary.address, args=SYNC)
+
+    async def main() -> None:
+        await poll(lambda: status_of(primary.address), lambda st: st["replication"]["sync"]["state"] == "in_sync",
+                   timeout=10, what="in sync")
+        async with fastlock.connect(primary.address, client_name="w") as wc, \
+                fastlock.connect(primary.address, client_name="c", request_timeout=10.0) as c:
+            view = View(wc, "s/")
+            await asyncio.wait_for(view.started.wait(), 30)
+            await c.put("s/1", b"in sync")  # acknowledged with the standby's ack
+            await view.wait(lambda v: "s/1" in v.keys, 30, "the first put")
+            standby.pause()
+            try:
+                async with fastlock.connect(primary.address, client_name="alone", request_timeout=2.0) as lone:
+                    put = asyncio.ensure_future(lone.put("s/2", b"alone"))
+                    done, _ = await asyncio.wait({put}, timeout=0.3)
+                    assert not done, "a put was acknowledged while the synchronous standby was stopped"
+                    # refused (Unavailable), retried until the client's deadline: never acknowledged
+                    with pytest.raises((Unavailable, ConnectionLost)):
+                        await asyncio.wait_for(put, 10)
+            finally:
+                standby.resume()
+            await poll(lambda: status_of(primary.address),
+                       lambda st: st["replication"]["sync"]["state"] == "in_sync", timeout=10, what="back in sync")
+            await c.put("s/3", b"again")
+            await view.wait(lambda v: "s/3" in v.keys, 30, "the put after the standby resumed")
+            await view.stop()
+            assert "s/2" not in view.keys and [e.key for e in view.events] == ["s/1", "s/3"]
+
+    run(main(), timeout=60)

@@ -375,29 +375,37 @@ class KeyStore:
         conn.send(P.encode_ok(req_id, was))
 
     def _when_durable(self, conn: Session, req_id: int, value: object) -> None:
-        """Answer once the change's record is durable - and only if this node may still write
-        then (as an extend's acknowledgement).  The watchers hear of it once it is committed
+        """Answer once the change's record is durable and, under synchronous replication, on
+        the standby (as an extend's acknowledgement) - and only if this node may still write
+        then.  The watchers hear of it once it is committed
         (:class:`~fastlock.server.keyrevisions.KeyRevisions`), so that nobody hears of a
         change a promoted standby never saw."""
         server = self.server
         reply = P.encode_ok(req_id, value)
         wal = server.wal
-        if wal.flush_now():
-            conn.send(reply)
-            return
 
-        def ack() -> None:
+        def ack(refused: FastlockError | None = None) -> None:
             server.source.fence_if_due(monotonic_ms())
-            if server.roles.may(Action.RELEASE):
+            if refused is None and server.roles.may(Action.RELEASE):
                 conn.send(reply)
             else:
-                try:
-                    server.roles.admit(Action.RELEASE)
-                except FastlockError as exc:  # the refusal a client sees (NotPrimary, Unavailable)
-                    conn.send(P.encode_error(req_id, exc.code, str(exc), getattr(exc, "primary", None)))
+                if refused is None:
+                    try:
+                        server.roles.admit(Action.RELEASE)
+                    except FastlockError as exc:  # the refusal a client sees (NotPrimary, Unavailable)
+                        refused = exc
+                if refused is not None:
+                    conn.send(P.encode_error(req_id, refused.code, str(refused), getattr(refused, "primary", None)))
             server.after_batch()
 
-        wal.when_durable(ack)
+        sync = server.source.sync
+        if wal.flush_now():  # relaxed fsync modes: written now
+            if not sync.enabled:
+                conn.send(reply)
+                return
+            sync.after(ack)()  # a synchronous standby still acknowledges it
+            return
+        wal.when_durable(sync.after(ack))
 
 
 def _entry_info(e: KeyEntry) -> dict:
