@@ -423,3 +423,34 @@ def test_a_key_put_on_a_sync_primary_waits_for_the_standby_and_so_does_its_watch
             assert "s/2" not in view.keys and [e.key for e in view.events] == ["s/1", "s/3"]
 
     run(main(), timeout=60)
+
+
+def test_both_walks_of_a_resume_give_the_same_changes():
+    """A resume walks back from the newest change or through the keys under the prefix,
+    whichever is cheaper: every prefix and position gives what a full scan gives."""
+    rng = random.Random(7)
+    log = KeyChangeLog(300)
+    log.start(revision(0, 1))
+    keys = [f"{a}/{b}" for a in "abc" for b in range(8)] + ["a", "ab/x", "b/1/deep"]
+    lsn = 2
+    kept_positions = []
+    for _ in range(500):
+        n = rng.choice([1, 1, 1, 3])
+        for i, key in enumerate(rng.sample(keys, n)):
+            log.record(revision(0, lsn), i, key, "put" if n == 1 else "released", None, published=rng.random() < 0.9)
+            kept_positions.append((revision(0, lsn), i))
+        if rng.random() < 0.8:
+            log.publish(revision(0, lsn))
+        lsn += 1
+    now = revision(0, lsn - 1)
+    first = log.pending[0][0] if log.pending else 1 << 127
+    floor = log.floor
+    for prefix in ["", "a", "a/", "a/1", "b/", "b/1", "c/7", "ab", "zz", "b/1/"]:
+        for rev, index in rng.sample(kept_positions[-320:], 40) + [(now, None), (floor >> 32, None)]:
+            if position(rev, index) < floor:
+                continue
+            since = position(rev, index)
+            want = [c[1:] for c in log.changes if since < c[0] < first and c[3].startswith(prefix)]
+            assert [tuple(c) for c in log.since(prefix, rev, index, now)] == want, (prefix, rev, index)
+    assert sorted(log.keys) == log.keys == sorted(log.by_key)
+    assert sum(len(d) for d in log.by_key.values()) == len(log.changes)

@@ -123,7 +123,8 @@ class KeyMethods:
             create: only create (:class:`~fastlock.errors.KeyExists` if it exists).
             replace: only replace (:class:`~fastlock.errors.KeyNotFound` if absent).
 
-        Acknowledged once durable on the server (like a grant).  A retry after a lost
+        Acknowledged once durable on the server and, under synchronous replication, on
+        its standby (like a grant).  A retry after a lost
         reply (failover) repeats the put, so ``create=True`` may then raise KeyExists
         for the caller's own key.
 

@@ -33,6 +33,7 @@ lock watches' history (:func:`fastlock.server.watchlog.check_lineage`).
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections import deque
 from typing import Any, NamedTuple
 
@@ -51,6 +52,8 @@ INDEX_BITS = 32
 WHOLE = (1 << INDEX_BITS) - 1
 #: what a kept change costs beside its key and value (bytes, about)
 CHANGE_BYTES = 120
+#: above every character a key may hold after a prefix (for the end of a prefix's range of keys)
+TOP = "\U0010ffff"
 
 
 def position(revision: int, index: int | None) -> int:
@@ -90,6 +93,9 @@ class KeyChangeLog:
         self.limit = limit
         self.max_bytes = max_bytes
         self.changes: deque[Kept] = deque()
+        #: the kept changes of each key, and the keys that have some, in key order (a prefix is a range)
+        self.by_key: dict[str, deque[Kept]] = {}
+        self.keys: list[str] = []
         self.pending: deque[Kept] = deque()
         self.floor: int | None = None
         #: the revision up to which every change is published
@@ -107,6 +113,8 @@ class KeyChangeLog:
     def reset(self, rev: int) -> None:
         """Forget every change and begin again at ``rev`` (a standby installed a snapshot)."""
         self.changes.clear()
+        self.by_key.clear()
+        self.keys.clear()
         self.pending.clear()
         self.bytes = 0
         self.floor = position(rev, None)
@@ -122,11 +130,21 @@ class KeyChangeLog:
             self.floor = position(rev - 1, None)
         changes = self.changes
         changes.append(change)
+        same = self.by_key.get(key)
+        if same is None:
+            self.by_key[key] = same = deque()
+            insort(self.keys, key)
+        same.append(change)
         self.bytes += CHANGE_BYTES + len(key) + (len(value) if value is not None else 0)
         while len(changes) > self.limit or (self.bytes > self.max_bytes and len(changes) > 1):
             old = changes.popleft()
             self.floor = old[0]
             self.bytes -= CHANGE_BYTES + len(old[3]) + (len(old[5]) if old[5] is not None else 0)
+            same = self.by_key[old[3]]
+            same.popleft()
+            if not same:
+                del self.by_key[old[3]]
+                del self.keys[bisect_left(self.keys, old[3])]
         if published:
             self.published = rev
         else:
@@ -171,16 +189,38 @@ class KeyChangeLog:
                             f"kept here (from {shown_revision(oldest)}): start a new watch", oldest)
         check_lineage(rev, current, self.lineage)
         first = self.pending[0][0] if self.pending else 1 << 127  # not committed yet: published live, later
-        out: list[KeyChange] = []
-        # walk back from the newest to the first change after the position (a resume is usually recent)
+        keys = self.keys
+        lo = bisect_left(keys, prefix)
+        matching = bisect_left(keys, prefix + TOP, lo) - lo  # about how many keys under prefix have changes
+        # the cheaper of two walks: back from the newest change to the position (a resume is
+        # usually recent), or through the changes of the keys under the prefix - never more
+        # than twice the smaller of the two, whatever the position and the prefix
+        found: list[Kept] = []
+        steps = 0
         for change in reversed(self.changes):
             pos = change[0]
             if pos <= since:
+                found.reverse()
+                return [KeyChange(*c[1:]) for c in found]
+            steps += 1
+            if steps > matching:
                 break
             if pos < first and change[3].startswith(prefix):
-                out.append(KeyChange(*change[1:]))
-        out.reverse()
-        return out
+                found.append(change)
+        found = []
+        by_key = self.by_key
+        for i in range(lo, len(keys)):
+            key = keys[i]
+            if not key.startswith(prefix):
+                break
+            for change in reversed(by_key[key]):
+                pos = change[0]
+                if pos <= since:
+                    break
+                if pos < first:
+                    found.append(change)
+        found.sort()
+        return [KeyChange(*c[1:]) for c in found]
 
     def status(self) -> dict:
         """For ``fastlock status``: kept, limit, floor (revision), published, pending, bytes."""
