@@ -29,13 +29,14 @@ operations ``put``, ``get`` and ``delete`` (a watch needs ``get``):
   page's last key: the server keeps nothing between pages).  The page is built by walking
   the sorted keys from ``after`` and stopping at the budget, never the whole list.
 * KEY_DELETE ``key``: True if it was there (once the KEY_DELETE record is durable).
-* KEY_WATCH_FROM ``prefix, revision, index``: KEY_WATCH with positions, a watch that
-  resumes (:mod:`fastlock.server.keyrevisions`): ``revision, index`` None, None starts a
-  new watch; a position resumes one.  The server pushes ``"vbeg"`` ``[prefix]`` (what the
-  connection received before it is replayed after it), then every published change under
+* KEY_WATCH_FROM ``prefix, revision, offset``: KEY_WATCH with positions, a watch that
+  resumes (:mod:`fastlock.server.keyrevisions`): ``revision, offset`` None, None starts a
+  new watch; a position (revision, offset within its record) resumes one.  The server
+  pushes ``"vbeg"`` ``[prefix]`` (what the connection received before it is replayed
+  after it), then every published change under
   ``prefix`` after the position, then replies ``{"once": True, "revision": r}`` (every key
   change up to ``r`` was sent); later changes come live.  The connection's key changes
-  are pushed as ``"vrev"`` ``[prefix, what, key, value, revision, index]`` from then on,
+  are pushed as ``"vrev"`` ``[prefix, what, key, value, revision, offset]`` from then on,
   and progress notices as ``"vprog"`` ``[revision]``.  Refused with ``Compacted`` (extra:
   the oldest revision it can resume from) or ``WatchDiverged``, changing nothing.
 * KEY_WATCH / KEY_UNWATCH ``prefix``: ``"value"`` pushes ``[prefix, what, key, value]``
@@ -324,16 +325,16 @@ class KeyStore:
         conn.send(P.encode_ok(req_id, WATCH_REPLY))
 
     def op_watch_from(self, conn: Session, req_id: int, msg: list) -> None:
-        """KEY_WATCH_FROM ``[prefix, revision, index]`` (see the module docstring)."""
+        """KEY_WATCH_FROM ``[prefix, revision, offset]`` (see the module docstring)."""
         prefix = check_prefix(msg[2])
         rev, index = msg[3], msg[4]
         if rev is None:
             if index is not None:
-                raise InvalidArgument("key_watch_from: an index needs a revision")
+                raise InvalidArgument("key_watch_from: an offset needs a revision")
         elif type(rev) is not int or not 0 <= rev < 1 << 63 or (
                 index is not None and (type(index) is not int or not 0 <= index < WHOLE)):
             raise InvalidArgument(f"key_watch_from takes a prefix, a revision (int, 0 <= r < 2**63) or None, and an "
-                                  f"index (int, 0 <= i < {WHOLE}) or None")
+                                  f"offset (int, 0 <= i < {WHOLE}) or None")
         server = self.server
         server.roles.admit(Action.READ)
         revisions = server.key_revisions
