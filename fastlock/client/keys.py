@@ -262,8 +262,8 @@ async def _watch_prefix(connector: Connector, prefix: str, timeout: float,
             if item is BEGIN:
                 begun = True
                 continue
-            if not begun:
-                continue  # sent before this watch's replay, which has it
+            if not begun or len(item) < 6:
+                continue  # sent before this watch's replay, which has it (or without a position)
             at: tuple[int, float] = (item[4], INF if item[5] is None else item[5])
             if at <= last:
                 continue  # delivered already
