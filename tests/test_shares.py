@@ -34,6 +34,7 @@ from fastlock.protocol.ops import (
     OP_KEY_PUT,
     OP_KEY_UNWATCH,
     OP_KEY_WATCH,
+    OP_KEY_WATCH_FROM,
     OP_RATE_LIMIT,
     OP_REQUEST_REVOKE,
     OP_SYNC_ACK,
@@ -164,6 +165,7 @@ def _ops_at_quota(address: str, app_token: str, owner: bytes, peer: Raw) -> dict
                              "--max-waiters-per-principal")],
         P.OP_WATCH: [(("w/new",), "--max-watches-per-principal")],
         OP_KEY_WATCH: [(("kw/new/",), "--max-watches-per-principal")],
+        OP_KEY_WATCH_FROM: [(("kw/new/", None, None), "--max-watches-per-principal")],
         OP_KEY_PUT: [(("k/new", b"v", None, None, None, KEY_UPSERT), "--max-keys-per-principal"),
                        (("k/1", b"w", None, None, None, KEY_UPSERT), None)],  # replaces its own key: no new one
         # the rest create nothing: each sent with arguments that would act if they could

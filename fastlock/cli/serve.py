@@ -251,8 +251,9 @@ def add_limit_flags(s: argparse.ArgumentParser) -> None:
     g.add_argument("--max-key-bytes-per-principal", type=count_arg, default=None, metavar="BYTES",
                    help=f"bytes of one principal's key values (default {_share('--max-key-bytes')}")
     g.add_argument("--watch-history", type=positive_int, default=d.watch_history, metavar="N",
-                   help=f"holder changes kept for watches that resume from a revision (default "
-                        f"{d.watch_history}, about 150 bytes each; an older revision gets Compacted)")
+                   help=f"holder changes, and key changes, kept for watches that resume from a revision "
+                        f"(default {d.watch_history} of each, about 150 bytes each plus a key change's value, "
+                        f"at most --max-key-bytes of values; an older revision gets Compacted)")
     g.add_argument("--watch-progress-interval", type=seconds_arg, default=d.watch_progress_interval,
                    metavar="SECONDS", help=f"a resumable watch hears the revision at least this often "
                                            f"(default {d.watch_progress_interval:g} s; 0: never)")

@@ -40,7 +40,7 @@ import queue
 import ssl
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 from ..errors import ConnectionLost, FastlockError, WrongArgumentType
@@ -543,12 +543,18 @@ class SyncClient(SyncKeyMethods, SyncRecipeMethods):
                 from its last revision, docs/watches.md).
             Compacted, WatchDiverged: the watch could not resume from its last revision.
         """
+        return self._follow(lambda: self._client.watch(name), timeout, repr(name))
+
+    def _follow(self, make: Callable[[], AsyncIterator[_T]], timeout: float | None, what: str) -> Iterator[_T]:
+        """Iterate, in the calling thread, the async iterator ``make()`` runs on the client's
+        loop (a watch); ``timeout``: seconds for each item (None: forever).
+        :raises TimeoutError: no item within ``timeout``."""
         events: queue.Queue[Any] = queue.Queue()
         done = object()
 
         async def pump() -> None:
             try:
-                async for event in self._client.watch(name):
+                async for event in make():
                     events.put(event)
             except BaseException as exc:  # noqa: BLE001 - handed to the iterating thread
                 events.put(exc)
@@ -562,7 +568,7 @@ class SyncClient(SyncKeyMethods, SyncRecipeMethods):
                 try:
                     item = events.get(timeout=timeout)
                 except queue.Empty:
-                    raise TimeoutError(f"no event on {name!r} within {timeout} s") from None
+                    raise TimeoutError(f"no event on {what} within {timeout} s") from None
                 if item is done:
                     return
                 if isinstance(item, BaseException):

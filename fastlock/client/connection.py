@@ -31,7 +31,15 @@ from .. import protocol as P
 from ..auth import ClientHandshake, ServerNotProven, resolve_credential, say_hello, secret_of
 from ..errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost, NotPrimary, Unavailable
 from ..logsafe import RateLimitedLog, quote
-from ..protocol.ops import PUSH_REVOKE_REQUESTED, PUSH_VALUE, PUSH_WATCH_PROGRESS, PUSH_WATCH_REV
+from ..protocol.ops import (
+    PUSH_KEY_BEGIN,
+    PUSH_KEY_PROGRESS,
+    PUSH_REVOKE_REQUESTED,
+    PUSH_VALUE,
+    PUSH_VALUE_REV,
+    PUSH_WATCH_PROGRESS,
+    PUSH_WATCH_REV,
+)
 from ..protocol.rpc import NotFastlockReply, RpcConnection, answers_tls_hello, what_answered
 from ..units import parse_address
 from .keywatch import KeyWatches
@@ -114,6 +122,12 @@ class ClientConnection(RpcConnection):
             event = WatchEvent(*payload)
             for queue in self.watches.get(event.name, ()):
                 queue.put_nowait(event)
+        elif kind == PUSH_VALUE_REV and type(payload) is list and len(payload) == 6:
+            self.key_watches.deliver(payload)
+        elif kind == PUSH_KEY_BEGIN and type(payload) is list and len(payload) == 1:
+            self.key_watches.begin(payload[0])
+        elif kind == PUSH_KEY_PROGRESS and type(payload) is list and len(payload) == 1:
+            self.key_watches.progress(payload[0])
         elif kind == PUSH_WATCH_PROGRESS and type(payload) is list and len(payload) == 1:
             for name, queues in self.watches.items():
                 notice = WatchEvent(name, "progress", None, None, revision=payload[0])

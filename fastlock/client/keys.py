@@ -15,11 +15,11 @@ watcher of its prefix - within the TTL after this process vanishes::
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import protocol as P
-from ..errors import ConnectionLost, InvalidArgument, WrongArgumentType
+from ..errors import ConnectionLost, InvalidArgument, ProtocolError, WrongArgumentType
 from ..protocol.ops import (
     KEY_CREATE,
     KEY_REPLACE,
@@ -30,8 +30,9 @@ from ..protocol.ops import (
     OP_KEY_PUT,
     OP_KEY_UNWATCH,
     OP_KEY_WATCH,
+    OP_KEY_WATCH_FROM,
 )
-from .keywatch import KeyWatches
+from .keywatch import BEGIN, KeyWatches
 from .lease import Lease, check_lease
 from .watch import subscribe, unsubscribe
 
@@ -74,13 +75,24 @@ class KeyList(list[KeyValue]):
 
 class KeyEvent(NamedTuple):
     """A change of a key under a watched ``prefix``: ``what`` is ``"put"`` (``value``
-    is the new value), ``"delete"``, ``"expired"`` (its lease expired) or
-    ``"released"`` (its lease was released); ``value`` is None but for a put."""
+    is the new value), ``"delete"``, ``"expired"`` (its lease expired), ``"released"``
+    (its lease was released) or ``"revoked"`` (an operator revoked its lease); ``value``
+    is None but for a put.
+
+    ``revision`` (int) and ``offset`` (int) are the change's position: the revision of
+    the write-ahead-log record that made it and its index within that record (0; a
+    lease's end deletes its keys in one record, numbered 0, 1, ... in key order); positions grow
+    in the order the changes were applied, on the primary and its standbys alike (see
+    docs/watches.md).  None from a server without KEY_WATCH_FROM.  A ``"progress"``
+    event (``watch_prefix(..., progress=True)``) has ``key`` "", ``offset`` None and the
+    revision up to which every change was sent."""
 
     prefix: str
     what: str
     key: str
     value: bytes | None
+    revision: int | None = None
+    offset: int | None = None
 
 
 def _check_prefix(prefix: Any) -> str:
@@ -111,7 +123,8 @@ class KeyMethods:
             create: only create (:class:`~fastlock.errors.KeyExists` if it exists).
             replace: only replace (:class:`~fastlock.errors.KeyNotFound` if absent).
 
-        Acknowledged once durable on the server (like a grant).  A retry after a lost
+        Acknowledged once durable on the server and, under synchronous replication, on
+        its standby (like a grant).  A retry after a lost
         reply (failover) repeats the put, so ``create=True`` may then raise KeyExists
         for the caller's own key.
 
@@ -180,25 +193,97 @@ class KeyMethods:
         P.check_name(key)
         return bool(await self._request(OP_KEY_DELETE, key))
 
-    def watch_prefix(self, prefix: str) -> AsyncIterator[KeyEvent]:
+    def watch_prefix(self, prefix: str, *, progress: bool = False) -> AsyncIterator[KeyEvent]:
         """Yield a :class:`KeyEvent` for every later change of a key under ``prefix``.
 
-        Pushed by the server in the order it applied the changes (no polling).  To
-        see the current keys too, list them after the first event or after the watch
-        started (:meth:`list_prefix`): a change between the two shows in both.  If the
-        connection drops the iterator raises :class:`~fastlock.errors.ConnectionLost`
-        (changes may have been missed: watch again and list again).  Breaking out of
-        the loop unsubscribes.
+        Pushed by the server in the order it applied the changes (no polling), each
+        once the server committed it.  When the connection drops, or the primary
+        fails over, the watch subscribes again on the node the client rides to, from
+        the position of the last change it delivered (KEY_WATCH_FROM): no change is
+        lost or repeated (docs/watches.md).  To see the current keys too, list them
+        after the watch started (:meth:`list_prefix`): a change between the two shows
+        in both.  ``progress``: yield the server's progress notices too (``"progress"``
+        events; the first one is the watch's start: every change after its revision
+        follows).  Breaking out of the loop unsubscribes.
+
+        Raises:
+            Compacted: the server no longer keeps the changes since the last position
+                (``--watch-history``); start a new watch and list again.
+            WatchDiverged: the promoted standby never had the last change delivered
+                (asynchronous replication).
+            ConnectionLost: the client closed, or no primary answered within the
+                client's ``request_timeout``; from a server without KEY_WATCH_FROM, when
+                the connection drops.
         """
         _check_prefix(prefix)
-        return _watch_prefix(self._connector, prefix, self._op_timeout)
+        return _watch_prefix(self._connector, prefix, self._op_timeout, progress)
 
 
 def _key_watches(proto: ClientConnection) -> KeyWatches:
     return proto.key_watches
 
 
-async def _watch_prefix(connector: Connector, prefix: str, timeout: float) -> AsyncIterator[KeyEvent]:
+async def _watch_prefix(connector: Connector, prefix: str, timeout: float,
+                        progress: bool = False) -> AsyncIterator[KeyEvent]:
+    """A prefix watch that resumes from the position of its last change (KEY_WATCH_FROM).
+
+    Its queue holds, in the connection's order: what came before the server's
+    ``"vbeg"`` (:data:`~fastlock.client.keywatch.BEGIN`: dropped, the replay after it
+    has it), the replay, then the live changes; a change at or below the last
+    position delivered is dropped (another watch's replay on the same connection)."""
+    try:
+        proto, queue, reply = await subscribe(connector, timeout, _key_watches, OP_KEY_WATCH_FROM, prefix,
+                                              (None, None))
+    except ProtocolError:  # a server without KEY_WATCH_FROM
+        async for event in _plain_watch_prefix(connector, prefix, timeout):
+            yield event
+        return
+    proto.key_watches.once = True
+    last: tuple[int, float] = (reply["revision"], INF)  # (revision, index); INF: every change of the revision
+    begun = False
+    subscribed = True
+    try:
+        if progress:  # the watch's start: every change after it follows
+            yield KeyEvent(prefix, "progress", "", None, reply["revision"], None)
+        while True:
+            item = await queue.get()
+            if item is None:
+                unsubscribe(proto, _key_watches, prefix, queue, OP_KEY_UNWATCH)
+                subscribed = False
+                if connector.closed:
+                    raise ConnectionLost(f"connection lost while watching keys under {prefix!r}")
+                rev, index = last
+                proto, queue, reply = await subscribe(connector, timeout, _key_watches, OP_KEY_WATCH_FROM, prefix,
+                                                      (rev, None if index == INF else index))
+                proto.key_watches.once = True
+                subscribed = True
+                begun = False
+                continue
+            if item is BEGIN:
+                begun = True
+                continue
+            if not begun or len(item) < 6:
+                continue  # sent before this watch's replay, which has it (or without a position)
+            at: tuple[int, float] = (item[4], INF if item[5] is None else item[5])
+            if at <= last:
+                continue  # delivered already
+            last = at
+            if item[1] == "progress":
+                if progress:
+                    yield KeyEvent(prefix, "progress", "", None, item[4], None)
+                continue
+            yield KeyEvent(*item)
+    finally:
+        if subscribed:
+            unsubscribe(proto, _key_watches, prefix, queue, OP_KEY_UNWATCH)
+
+
+#: the index of a position that covers every change of its revision (a progress notice's)
+INF = float("inf")
+
+
+async def _plain_watch_prefix(connector: Connector, prefix: str, timeout: float) -> AsyncIterator[KeyEvent]:
+    """A KEY_WATCH without positions: it ends with ``ConnectionLost`` when its connection does."""
     proto, queue, reply = await subscribe(connector, timeout, _key_watches, OP_KEY_WATCH, prefix)
     if type(reply) is dict and reply.get("once") is True:
         proto.key_watches.once = True
@@ -207,6 +292,8 @@ async def _watch_prefix(connector: Connector, prefix: str, timeout: float) -> As
             item = await queue.get()
             if item is None:
                 raise ConnectionLost(f"connection lost while watching keys under {prefix!r}")
+            if item is BEGIN or item[1] == "progress":
+                continue
             yield KeyEvent(*item)
     finally:
         unsubscribe(proto, _key_watches, prefix, queue, OP_KEY_UNWATCH)
@@ -214,7 +301,7 @@ async def _watch_prefix(connector: Connector, prefix: str, timeout: float) -> As
 
 class SyncKeyMethods:
     """The key store's methods of :class:`~fastlock.sync.SyncClient` (a mixin: it uses the
-    blocking client's ``call`` and ``_client``).  Prefix watches are asyncio-only."""
+    blocking client's ``call``, ``_follow`` and ``_client``)."""
 
     @property
     def _client(self) -> KeyMethods:  # pragma: no cover - the SyncClient's
@@ -222,6 +309,27 @@ class SyncKeyMethods:
 
     def call(self, coro: Any) -> Any:  # pragma: no cover - the SyncClient's
         raise NotImplementedError
+
+    def _follow(self, make: Any, timeout: float | None, what: str) -> Iterator[Any]:  # pragma: no cover
+        raise NotImplementedError
+
+    def watch_prefix(self, prefix: str, *, timeout: float | None = None,
+                     progress: bool = False) -> Iterator[KeyEvent]:
+        """Yield :class:`KeyEvent` as :meth:`KeyMethods.watch_prefix` does (it resumes across
+        a dropped connection and a failover); close the generator (or break out of the
+        loop) to unsubscribe.
+
+        Args:
+            timeout: seconds to wait for each event; ``None`` waits forever.
+            progress: yield the server's progress notices too.
+
+        Raises:
+            TimeoutError: no event within ``timeout``.
+            Compacted, WatchDiverged, ConnectionLost: as :meth:`KeyMethods.watch_prefix`.
+        """
+        _check_prefix(prefix)
+        return self._follow(lambda: self._client.watch_prefix(prefix, progress=progress), timeout,
+                            f"keys under {prefix!r}")
 
     def put(self, key: str, value: bytes, *, lease: Any = None, create: bool = False, replace: bool = False) -> bool:
         """As :meth:`KeyMethods.put`; ``lease``: a :class:`~fastlock.sync.SyncLease` of this client, or None."""

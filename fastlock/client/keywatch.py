@@ -6,6 +6,12 @@
 however many of its watched prefixes match; :meth:`KeyWatches.deliver` then hands it to
 every watch whose prefix the key starts with, each under its own prefix.  From a server
 without that reply, a push goes to the watches of the prefix it names.
+
+A watch that resumes (KEY_WATCH_FROM, :mod:`fastlock.server.keyrevisions`) hears
+``"vrev"`` pushes (the change and its position), a ``"vbeg"`` marker before its replay
+(:data:`BEGIN` in the queues of that prefix: what came before it is replayed after it)
+and ``"vprog"`` progress notices (a ``[prefix, "progress", "", None, revision, WHOLE]``
+item in every queue).
 """
 
 from __future__ import annotations
@@ -13,7 +19,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-__all__ = ["KeyWatches"]
+__all__ = ["BEGIN", "KeyWatches"]
+
+#: the item a KEY_WATCH_FROM's ``"vbeg"`` push puts in the queues of its prefix
+BEGIN = "begin"
 
 
 class KeyWatches(dict[str, set[asyncio.Queue[Any]]]):
@@ -24,9 +33,10 @@ class KeyWatches(dict[str, set[asyncio.Queue[Any]]]):
     once = False
 
     def deliver(self, payload: list[Any]) -> None:
-        """Hand a ``"value"`` push's payload ``[prefix, what, key, value]`` to its watches."""
+        """Hand a ``"value"`` push's payload ``[prefix, what, key, value]`` (or a ``"vrev"``
+        push's, with ``revision, index``: always once per connection) to its watches."""
         key = payload[2]
-        if self.once and type(key) is str:
+        if (self.once or len(payload) == 6) and type(key) is str:
             for prefix, queues in self.items():
                 if key.startswith(prefix):
                     item = [prefix, *payload[1:]]
@@ -35,3 +45,15 @@ class KeyWatches(dict[str, set[asyncio.Queue[Any]]]):
         else:
             for queue in self.get(payload[0], ()):
                 queue.put_nowait(payload)
+
+    def begin(self, prefix: Any) -> None:
+        """A ``"vbeg"`` push: the replay of a KEY_WATCH_FROM of ``prefix`` follows."""
+        for queue in self.get(prefix, ()):
+            queue.put_nowait(BEGIN)
+
+    def progress(self, revision: Any) -> None:
+        """A ``"vprog"`` push: every key change up to ``revision`` was sent."""
+        for prefix, queues in self.items():
+            item = [prefix, "progress", "", None, revision, None]
+            for queue in queues:
+                queue.put_nowait(item)

@@ -57,6 +57,7 @@ OP_ACQUIRE_PRIORITY = 90  # the 9 ACQUIRE arguments (shared, limit, actor given)
 OP_REQUEST_REVOKE = 91  # name, owner key of the caller's waiting request, grace_ms
 OP_TRANSFER = 92  # name, token, owner key, candidate (the waiter's correlation id)
 OP_WATCH_FROM = 70  # name, revision to resume after (None: a new watch) - fastlock.server.watchlog
+OP_KEY_WATCH_FROM = 71  # prefix, revision, offset to resume after (None, None: a new watch) - server.keyrevisions
 # client sessions (fastlock.server.sessions; ops 60-69 are reserved for them)
 OP_SESSION_OPEN = 60  # session key, ttl_ms
 OP_SESSION_ATTACH = 61  # session key, [[name, token, owner key]...], [[name, token]...] (detach)
@@ -117,6 +118,7 @@ OPS: tuple[Op, ...] = (
     Op(OP_SESSION_CLOSE, "session_close", 1, 1),
     Op(OP_SESSIONS, "sessions", 1, 1),
     Op(OP_SESSION_REVOKE, "session_revoke", 2, 2),
+    Op(OP_KEY_WATCH_FROM, "key_watch_from", 3, 3),  # prefix, revision or None, offset or None
 )
 
 #: (fewest, most) arguments of each op, after ``[req_id, op]``
@@ -153,6 +155,14 @@ PUSH_WATCH_PROGRESS = "wprog"
 #: replication, beside REPLICATION_PUSH_KINDS (not part of the log's stream): the primary's waiter
 #: queues, [whole, [[name, [owner hash, ...]], ...]] (fastlock.replication.queues)
 PUSH_QUEUES = "queues"
+
+#: a KEY_WATCH_FROM connection's key change: [prefix, what, key, value, revision, offset]
+#: (fastlock.server.keyrevisions)
+PUSH_VALUE_REV = "vrev"
+#: before a KEY_WATCH_FROM's replay: [prefix] (what the connection received before it is in the replay)
+PUSH_KEY_BEGIN = "vbeg"
+#: a progress notice to a connection with KEY_WATCH_FROM watches: [revision] (every key change up to it was sent)
+PUSH_KEY_PROGRESS = "vprog"
 
 REPLICATION_PUSH_KINDS = frozenset({PUSH_SNAPSHOT, PUSH_RECORDS, PUSH_RECORD, PUSH_HEARTBEAT, PUSH_SYNC})
 

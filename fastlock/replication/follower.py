@@ -52,6 +52,8 @@ class StandbyApply:
         self.wal = follower.host.wal
         #: the primary's LSN of the record being applied (0: a snapshot's change, no revision)
         self.lsn = 0
+        #: what ended the lease of the record being applied ("released", "expired", "revoked")
+        self.ended = "released"
 
     @property
     def epoch(self) -> int:
@@ -78,9 +80,10 @@ class StandbyApply:
 
     def remove(self, record: Release | Expire | Revoke) -> None:
         revisions = self.follower.revisions
+        what = "released" if isinstance(record, Release) else "revoked" if isinstance(record, Revoke) else "expired"
+        self.ended = what  # the ``what`` of the lease's keys, if it has some (lease_ended, next)
         if self.lsn and revisions is not None:  # the lease's client and correlation id, for the watchers
             held = next((h for h in self.table.holders_of(record.name, 0) if h.token == record.token), None)
-            what = "released" if isinstance(record, Release) else "revoked" if isinstance(record, Revoke) else "expired"
             revisions.replicated(self.follower.primary_epoch, self.lsn, record.name, what, record.token,
                                  held.meta if held is not None else None)
         self.table.remove_holder(record.name, record.token, 0)
@@ -121,13 +124,23 @@ class StandbyApply:
     def put_key(self, record: KeyPut) -> None:
         self.keys.put(record.key, record.value, record.lease_name, record.token, record.principal, record.wall_ms)
         self.wal.log_key_put(record.key, record.value, record.lease_name, record.token, record.principal)
+        self._key_changed(0, record.key, "put", record.value)
 
     def delete_key(self, record: KeyDelete) -> None:
         self.keys.delete(record.key)
         self.wal.log_key_delete(record.key)
+        self._key_changed(0, record.key, "delete", None)
 
     def lease_ended(self, name: str, token: int) -> None:
-        self.keys.lease_ended(name, token)  # the standby's own RELEASE/EXPIRE record implies it
+        # the standby's own RELEASE/EXPIRE/REVOKE record implies it; the keys go in key order, as on the primary
+        for index, (key, _) in enumerate(self.keys.lease_ended(name, token)):
+            self._key_changed(index, key, self.ended, None)
+
+    def _key_changed(self, index: int, key: str, what: str, value: bytes | None) -> None:
+        """Keep a key change of the primary's record being applied (none for a snapshot's)."""
+        key_revisions = self.follower.key_revisions
+        if self.lsn and key_revisions is not None:
+            key_revisions.replicated(self.follower.primary_epoch, self.lsn, index, key, what, value)
 
 
 class StandbyFollower:
@@ -162,6 +175,8 @@ class StandbyFollower:
         self.applied_lsn = 0
         #: watch revisions (fastlock.server.watchlog.Revisions), set by the server: the changes applied are kept
         self.revisions: Any = None
+        #: key revisions (fastlock.server.keyrevisions.KeyRevisions), set by the server, likewise
+        self.key_revisions: Any = None
         #: the primary's waiter queues as last shipped (kept in place by a promotion: fastlock.server.reclaim)
         self.queues = QueueMirror()
         self.incarnation: str | None = None
@@ -361,6 +376,8 @@ class StandbyFollower:
         self.synced = True
         if self.revisions is not None:  # the changes before the snapshot are not known here
             self.revisions.snapshot(self.primary_epoch, lsn)
+        if self.key_revisions is not None:
+            self.key_revisions.snapshot(self.primary_epoch, lsn)
         log.info("applied snapshot at primary LSN %d: %d leases, epoch %d", lsn, len(wanted), epoch)
 
     def _log_rewind(self, lsn: int, epoch: int, own_epoch: int, discarded: list, changed: list,
@@ -433,6 +450,8 @@ class StandbyFollower:
         self.applied_lsn = applied
         if self.revisions is not None:
             self.revisions.applied(self.primary_epoch, applied)
+        if self.key_revisions is not None:
+            self.key_revisions.applied(self.primary_epoch, applied)
         self.synced = True
 
     # -- failover ---------------------------------------------------------------------------

@@ -29,6 +29,16 @@ operations ``put``, ``get`` and ``delete`` (a watch needs ``get``):
   page's last key: the server keeps nothing between pages).  The page is built by walking
   the sorted keys from ``after`` and stopping at the budget, never the whole list.
 * KEY_DELETE ``key``: True if it was there (once the KEY_DELETE record is durable).
+* KEY_WATCH_FROM ``prefix, revision, offset``: KEY_WATCH with positions, a watch that
+  resumes (:mod:`fastlock.server.keyrevisions`): ``revision, offset`` None, None starts a
+  new watch; a position (revision, offset within its record) resumes one.  The server
+  pushes ``"vbeg"`` ``[prefix]`` (what the connection received before it is replayed
+  after it), then every published change under
+  ``prefix`` after the position, then replies ``{"once": True, "revision": r}`` (every key
+  change up to ``r`` was sent); later changes come live.  The connection's key changes
+  are pushed as ``"vrev"`` ``[prefix, what, key, value, revision, offset]`` from then on,
+  and progress notices as ``"vprog"`` ``[revision]``.  Refused with ``Compacted`` (extra:
+  the oldest revision it can resume from) or ``WatchDiverged``, changing nothing.
 * KEY_WATCH / KEY_UNWATCH ``prefix``: ``"value"`` pushes ``[prefix, what, key, value]``
   for every later change of a key under ``prefix``; ``what`` is "put", "delete",
   "expired" (its lease expired) or "released" (its lease was released).  A change
@@ -62,6 +72,7 @@ from typing import TYPE_CHECKING, Any
 from .. import protocol as P
 from ..auth import hash_owner
 from ..errors import (
+    Compacted,
     FastlockError,
     InvalidArgument,
     KeyExists,
@@ -82,11 +93,15 @@ from ..protocol.ops import (
     OP_KEY_PUT,
     OP_KEY_UNWATCH,
     OP_KEY_WATCH,
+    OP_KEY_WATCH_FROM,
+    PUSH_KEY_BEGIN,
     PUSH_VALUE,
+    PUSH_VALUE_REV,
 )
 from ..roles import Action
 from ..units import monotonic_ms, wall_ms
 from ..wal.keyspace import KeyEntry, KeySpace
+from .keyrevisions import WHOLE, Kept
 from .shares import limit_exceeded
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -106,7 +121,8 @@ WATCH_REPLY = {"once": True}
 
 #: the client ACL operation each key operation needs (checked on the key or prefix)
 PERMISSIONS: dict[int, str] = {OP_KEY_PUT: "put", OP_KEY_GET: "get", OP_KEY_LIST: "get",
-                               OP_KEY_DELETE: "delete", OP_KEY_WATCH: "get", OP_KEY_UNWATCH: "get"}
+                               OP_KEY_DELETE: "delete", OP_KEY_WATCH: "get", OP_KEY_UNWATCH: "get",
+                               OP_KEY_WATCH_FROM: "get"}
 
 
 def check_prefix(prefix: object) -> str:
@@ -125,11 +141,14 @@ class KeyStore:
         #: prefix -> sessions watching it; session id -> its prefixes
         self.watchers: dict[str, set[Session]] = {}
         self.watching: dict[int, set[str]] = {}
+        #: the session ids of the connections that watch with KEY_WATCH_FROM (pushes with positions)
+        self.revisioned: set[int] = set()
 
     def handlers(self) -> dict[int, Callable[[Session, int, list], None]]:
         """The handler of each key operation, for the server's op table."""
         return {OP_KEY_PUT: self.op_put, OP_KEY_GET: self.op_get, OP_KEY_LIST: self.op_list,
-                OP_KEY_DELETE: self.op_delete, OP_KEY_WATCH: self.op_watch, OP_KEY_UNWATCH: self.op_unwatch}
+                OP_KEY_DELETE: self.op_delete, OP_KEY_WATCH: self.op_watch, OP_KEY_UNWATCH: self.op_unwatch,
+                OP_KEY_WATCH_FROM: self.op_watch_from}
 
     # -- state from the log ---------------------------------------------------------------
     def recovered(self, space: KeySpace | None) -> None:
@@ -149,41 +168,57 @@ class KeyStore:
             log.info("recovered %d keys", len(space))
 
     def lease_ended(self, name: str, token: int, why: str) -> None:
-        """The lease ``(name, token)`` was released or expired (``why``): its keys go
-        (the RELEASE / EXPIRE record already logged says so: no record of their own)."""
+        """The lease ``(name, token)`` was released, expired or revoked (``why``): its keys
+        go (the RELEASE / EXPIRE / REVOKE record just logged says so: no record of their own),
+        each a change of that record numbered in key order (:mod:`fastlock.server.keyrevisions`)."""
         if (name, token) not in self.space.by_lease:
             return
-        for key, _ in self.space.lease_ended(name, token):
-            self._notify(why, key, None)
+        logged = self.server.key_revisions.logged
+        for index, (key, _) in enumerate(self.space.lease_ended(name, token)):
+            logged(index, key, why, None)
 
     # -- watches -------------------------------------------------------------------------
-    def _notify(self, what: str, key: str, value: bytes | None) -> None:
+    def publish(self, changes: list[Kept]) -> None:
+        """Push committed key ``changes`` (in position order) to their watchers."""
+        if not self.watchers:
+            return
+        for _, rev, index, key, what, value in changes:
+            self._notify(what, key, value, rev, index)
+
+    def _notify(self, what: str, key: str, value: bytes | None, rev: int, index: int) -> None:
         """Push the change to every connection watching a prefix of ``key``, ONCE per
         connection however many of its watches match: the push names the connection's
         shortest matching prefix, and the client hands it to each of its watches whose
         prefix ``key`` starts with (KEY_WATCH's reply says so: ``{"once": True}``).  A
-        frame is built once per prefix named, not per connection or per match."""
+        connection with KEY_WATCH_FROM watches gets ``"vrev"`` pushes with the change's
+        position, the others ``"value"``.  A frame is built once per prefix and kind named,
+        not per connection or per match."""
         watchers = self.watchers
-        if not watchers:
-            return
+        revisioned = self.revisioned
         told: set[Session] | None = None
         for n in range(len(key) + 1):
             conns = watchers.get(key[:n])
             if conns:
-                data = None
+                plain = with_position = None
                 for conn in conns:
                     if told is None:
                         told = set()
                     elif conn in told:
                         continue
                     told.add(conn)
-                    if data is None:
-                        data = P.encode_push(PUSH_VALUE, [key[:n], what, key, value])
-                    conn.send(data)
+                    if conn.session in revisioned:
+                        if with_position is None:
+                            with_position = P.encode_push(PUSH_VALUE_REV, [key[:n], what, key, value, rev, index])
+                        conn.send(with_position)
+                    else:
+                        if plain is None:
+                            plain = P.encode_push(PUSH_VALUE, [key[:n], what, key, value])
+                        conn.send(plain)
 
     def forget(self, conn: Session) -> None:
         """``conn`` closed: drop its watches."""
         prefixes = self.watching.pop(conn.session, None)
+        self.revisioned.discard(conn.session)
         if prefixes:
             for prefix in prefixes:
                 self._unwatch(conn, prefix)
@@ -244,7 +279,8 @@ class KeyStore:
             server.quotas.key_bytes.check(principal, mine, adding)
         space.put(key, value, lease_name, token, principal, wall_ms())
         server.wal.log_key_put(key, value, lease_name, token, principal)
-        self._when_durable(conn, req_id, old is None, ("put", key, value))
+        server.key_revisions.logged(0, key, "put", value)
+        self._when_durable(conn, req_id, old is None)
 
     def op_get(self, conn: Session, req_id: int, msg: list) -> None:
         key = P.check_name(msg[2])
@@ -279,12 +315,44 @@ class KeyStore:
             conn.send(P.encode_ok(req_id, False))
             return
         server.wal.log_key_delete(key)
-        self._when_durable(conn, req_id, True, ("delete", key, None))
+        server.key_revisions.logged(0, key, "delete", None)
+        self._when_durable(conn, req_id, True)
 
     def op_watch(self, conn: Session, req_id: int, msg: list) -> None:
         prefix = check_prefix(msg[2])
+        self.server.roles.admit(Action.READ)
+        self._add_watch(conn, prefix)
+        conn.send(P.encode_ok(req_id, WATCH_REPLY))
+
+    def op_watch_from(self, conn: Session, req_id: int, msg: list) -> None:
+        """KEY_WATCH_FROM ``[prefix, revision, offset]`` (see the module docstring)."""
+        prefix = check_prefix(msg[2])
+        rev, index = msg[3], msg[4]
+        if rev is None:
+            if index is not None:
+                raise InvalidArgument("key_watch_from: an offset needs a revision")
+        elif type(rev) is not int or not 0 <= rev < 1 << 63 or (
+                index is not None and (type(index) is not int or not 0 <= index < WHOLE)):
+            raise InvalidArgument(f"key_watch_from takes a prefix, a revision (int, 0 <= r < 2**63) or None, and an "
+                                  f"offset (int, 0 <= i < {WHOLE}) or None")
         server = self.server
         server.roles.admit(Action.READ)
+        revisions = server.key_revisions
+        try:
+            replay = [] if rev is None else revisions.replay(prefix, rev, index)
+        except Compacted as exc:
+            conn.send(P.encode_error(req_id, exc.code, str(exc), exc.oldest))
+            return
+        self._add_watch(conn, prefix)
+        self.revisioned.add(conn.session)
+        conn.send(P.encode_push(PUSH_KEY_BEGIN, [prefix]))
+        for c in replay:
+            conn.send(P.encode_push(PUSH_VALUE_REV, [prefix, c.what, c.key, c.value, c.revision, c.offset]))
+        conn.send(P.encode_ok(req_id, {**WATCH_REPLY, "revision": revisions.progress()}))
+
+    def _add_watch(self, conn: Session, prefix: str) -> None:
+        """Add ``conn``'s watch of ``prefix`` (counted against the watch limits)."""
+        server = self.server
         mine = self.watching.setdefault(conn.session, set())
         if prefix not in mine:
             config = server.config
@@ -296,7 +364,6 @@ class KeyStore:
             quotas.count_watches(conn, 1)
             mine.add(prefix)
             self.watchers.setdefault(prefix, set()).add(conn)
-        conn.send(P.encode_ok(req_id, WATCH_REPLY))
 
     def op_unwatch(self, conn: Session, req_id: int, msg: list) -> None:
         prefix = check_prefix(msg[2])
@@ -308,31 +375,38 @@ class KeyStore:
             self.server.quotas.count_watches(conn, -1)
         conn.send(P.encode_ok(req_id, was))
 
-    def _when_durable(self, conn: Session, req_id: int, value: object, event: tuple[str, str, bytes | None]) -> None:
-        """Tell the watchers (``event``: what, key, value) and answer once the change's record
-        is durable - and only if this node may still write then (as an extend's
-        acknowledgement), so that nobody hears of a change a promoted standby never saw."""
+    def _when_durable(self, conn: Session, req_id: int, value: object) -> None:
+        """Answer once the change's record is durable and, under synchronous replication, on
+        the standby (as an extend's acknowledgement) - and only if this node may still write
+        then.  The watchers hear of it once it is committed
+        (:class:`~fastlock.server.keyrevisions.KeyRevisions`), so that nobody hears of a
+        change a promoted standby never saw."""
         server = self.server
         reply = P.encode_ok(req_id, value)
         wal = server.wal
-        if wal.flush_now():
-            self._notify(*event)
-            conn.send(reply)
-            return
 
-        def ack() -> None:
+        def ack(refused: FastlockError | None = None) -> None:
             server.source.fence_if_due(monotonic_ms())
-            if server.roles.may(Action.RELEASE):
-                self._notify(*event)
+            if refused is None and server.roles.may(Action.RELEASE):
                 conn.send(reply)
             else:
-                try:
-                    server.roles.admit(Action.RELEASE)
-                except FastlockError as exc:  # the refusal a client sees (NotPrimary, Unavailable)
-                    conn.send(P.encode_error(req_id, exc.code, str(exc), getattr(exc, "primary", None)))
+                if refused is None:
+                    try:
+                        server.roles.admit(Action.RELEASE)
+                    except FastlockError as exc:  # the refusal a client sees (NotPrimary, Unavailable)
+                        refused = exc
+                if refused is not None:
+                    conn.send(P.encode_error(req_id, refused.code, str(refused), getattr(refused, "primary", None)))
             server.after_batch()
 
-        wal.when_durable(ack)
+        sync = server.source.sync
+        if wal.flush_now():  # relaxed fsync modes: written now
+            if not sync.enabled:
+                conn.send(reply)
+                return
+            sync.after(ack)()  # a synchronous standby still acknowledges it
+            return
+        wal.when_durable(sync.after(ack))
 
 
 def _entry_info(e: KeyEntry) -> dict:

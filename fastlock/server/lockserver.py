@@ -80,6 +80,7 @@ from .coordinated import CoordinatedNode, claim_data_dir
 from .endpoints import Endpoints
 from .failover import FailoverPolicy, primary_to_follow
 from .handlers import Handlers, refusal
+from .keyrevisions import KeyRevisions
 from .keys import KeyStore
 from .kinds import expired_log, grant_reply, reply_id, unacked_log, undelivered_log, waiter_left
 from .reclaim import ReclaimGate
@@ -193,6 +194,11 @@ class LockServer:
         self.revisions = Revisions(self, self.handlers.watches, config.watch_history, config.watch_progress_interval)
         if self.follower is not None:
             self.follower.revisions = self.revisions
+        #: key revisions: the history resuming prefix watches replay (fastlock.server.keyrevisions)
+        self.key_revisions = KeyRevisions(self, config.watch_history, config.max_key_bytes,
+                                          config.watch_progress_interval)
+        if self.follower is not None:
+            self.follower.key_revisions = self.key_revisions
         #: waiter queues: shipped to the standby, and kept in place by a promotion's reclaim window
         self.queues = QueueShipper(self)
         self.reclaim = ReclaimGate(self.handlers.enter_acquire, self.after_batch, config.queue_reclaim_window,
@@ -314,7 +320,9 @@ class LockServer:
         self.failover.on_start()  # a deposed primary stays deposed; a paired one may start fenced
         if self.roles.role is Role.PRIMARY:
             self.revisions.started()
+            self.key_revisions.started()
         self.revisions.start_progress(loop)
+        self.key_revisions.start_progress(loop)
         self._rearm()
         host, port = await self.endpoints.listen(config.host, config.port, self._make_session)
         self.failover.listening(config.advertise or format_address((host, port)))
@@ -390,6 +398,7 @@ class LockServer:
             conn.close_after_flush()
         self.expiry.cancel()
         self.revisions.stop()
+        self.key_revisions.stop()
         self.reclaim.stop()
         self.handlers.kinds.deadlocks.cancel()
         self.limits.close()
@@ -483,6 +492,7 @@ class LockServer:
             self._rearm()
         self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
         self.revisions.batch_end()  # the batch's holder changes reach the watchers once committed
+        self.key_revisions.batch_end()  # and its key changes the prefix watchers
         self.queues.batch_end()  # changed waiter queues go to the standby
         self.wal.poll()  # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
         dirty = self.dirty
@@ -653,6 +663,7 @@ class LockServer:
         if self.failover.coordinated is not None:
             st["coordinator"] = self.failover.coordinated.status()
         st["watch_history"] = self.revisions.status()  # docs/watches.md
+        st["key_watch_history"] = self.key_revisions.status()
         st["queue_reclaim"] = self.reclaim.status()
         if self.failover.witness is not None:
             st["replication"]["witness"] = self.failover.witness.status()

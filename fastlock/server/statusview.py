@@ -21,7 +21,8 @@ CLIENT_REPLICATION_FIELDS = frozenset({"fenced", "serving_alone", "primary", "co
 #: nested section): a task's last error is free text that may quote paths and addresses; the
 #: unread replies of all clients together tell of other principals' traffic
 CLIENT_SECTIONS = {"wal": frozenset(), "tasks": frozenset({"last_error"}), "limits": frozenset({"unread_output_bytes"}),
-                   "tls": frozenset(), "watch_history": frozenset(), "client_sessions": frozenset()}
+                   "tls": frozenset(), "watch_history": frozenset(), "client_sessions": frozenset(),
+                   "key_watch_history": frozenset()}
 
 
 def is_plain(value: Any) -> bool:

@@ -35,8 +35,8 @@ from ..protocol.ops import PUSH_WATCH_PROGRESS
 from ..roles import Action, Role
 from ..tokens import TOKEN_EPOCH_SHIFT, counter_of, epoch_of
 
-__all__ = ["DEFAULT_HISTORY", "DEFAULT_PROGRESS_INTERVAL", "Revisions", "WatchChange", "WatchLog", "revision",
-           "shown_revision"]
+__all__ = ["DEFAULT_HISTORY", "DEFAULT_PROGRESS_INTERVAL", "Revisions", "WatchChange", "WatchLog", "check_lineage",
+           "revision", "shown_revision"]
 
 #: changes kept for resuming watches by default (about 150 bytes each)
 DEFAULT_HISTORY = 100_000
@@ -52,6 +52,23 @@ def revision(epoch: int, lsn: int) -> int:
 def shown_revision(rev: int) -> str:
     """``"<revision> (<epoch>/<lsn>)"``, for messages."""
     return f"{rev} ({epoch_of(rev)}/{counter_of(rev)})"
+
+
+def check_lineage(since: int, current: int, lineage: dict[int, int]) -> None:
+    """Check that revision ``since`` is in this node's history: ``current`` is its
+    revision now, ``lineage`` the last LSN it applied of each older epoch it followed.
+
+    :raises WatchDiverged: the primary that delivered ``since`` lost changes its
+        standby never received (asynchronous replication), or ``since`` is from the future.
+    """
+    epoch = epoch_of(since)
+    here = epoch_of(current)
+    if epoch > here or (epoch == here and since > current) or (
+            epoch < here and counter_of(since) > lineage.get(epoch, -1)):
+        raise WatchDiverged(f"revision {shown_revision(since)} is not in this node's history (up to "
+                            f"{shown_revision(current)}; of epoch {epoch} it has up to LSN "
+                            f"{lineage.get(epoch, 'none')}): the primary that delivered it lost changes "
+                            f"its standby never received; start a new watch")
 
 
 #: a change as kept: (revision, name, what, token, meta) - a plain tuple, built on the hot path
@@ -175,14 +192,7 @@ class WatchLog:
         if since < floor:
             raise Compacted(f"revision {shown_revision(since)} is older than the watch history kept here (from "
                             f"{shown_revision(floor)}): start a new watch", floor)
-        epoch = epoch_of(since)
-        here = epoch_of(current)
-        if epoch > here or (epoch == here and since > current) or (
-                epoch < here and counter_of(since) > self.lineage.get(epoch, -1)):
-            raise WatchDiverged(f"revision {shown_revision(since)} is not in this node's history (up to "
-                                f"{shown_revision(current)}; of epoch {epoch} it has up to LSN "
-                                f"{self.lineage.get(epoch, 'none')}): the primary that delivered it lost changes "
-                                f"its standby never received; start a new watch")
+        check_lineage(since, current, self.lineage)
         group = self.by_name.get(name)
         if not group:
             return []
