@@ -39,6 +39,7 @@ from fastlock.protocol.ops import (
     OP_REQUEST_REVOKE,
     OP_SYNC_ACK,
     OP_TRANSFER,
+    OP_WATCH_FROM,
 )
 from fastlock.server import ServerConfig
 from fastlock.server.admission import RESERVED_CONNECTIONS
@@ -166,6 +167,7 @@ def _ops_at_quota(address: str, app_token: str, owner: bytes, peer: Raw) -> dict
         P.OP_WATCH: [(("w/new",), "--max-watches-per-principal")],
         OP_KEY_WATCH: [(("kw/new/",), "--max-watches-per-principal")],
         OP_KEY_WATCH_FROM: [(("kw/new/", None, None), "--max-watches-per-principal")],
+        OP_WATCH_FROM: [(("w/new", None), "--max-watches-per-principal")],
         OP_KEY_PUT: [(("k/new", b"v", None, None, None, KEY_UPSERT), "--max-keys-per-principal"),
                        (("k/1", b"w", None, None, None, KEY_UPSERT), None)],  # replaces its own key: no new one
         # the rest create nothing: each sent with arguments that would act if they could
@@ -198,6 +200,14 @@ def _ops_at_quota(address: str, app_token: str, owner: bytes, peer: Raw) -> dict
                                "--max-waiters-per-principal")],
         OP_REQUEST_REVOKE: [(("held/1", owner, 100), None)],  # owner does not wait there: refused
         OP_TRANSFER: [(("app/1", 1, owner, "nobody"), None)],
+        # client sessions (fastlock.server.sessions): bounded apart (per connection, principal and server);
+        # an unknown session key is refused, and a new session holds no lease, waiter, watch or key
+        P.OP_SESSION_OPEN: [((os.urandom(16), 10_000), None)],
+        P.OP_SESSION_ATTACH: [((os.urandom(16), [["app/1", 1, owner]], []), None)],
+        P.OP_SESSION_KEEPALIVE: [((os.urandom(16),), None)],
+        P.OP_SESSION_CLOSE: [((os.urandom(16),), None)],
+        P.OP_SESSIONS: [((None,), None)],
+        P.OP_SESSION_REVOKE: [(("0" * 16, None), None)],
     }
 
 
