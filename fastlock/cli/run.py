@@ -89,9 +89,9 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import socket
-import shutil
 import sys
 import tempfile
 from collections.abc import Sequence

@@ -311,12 +311,13 @@ class SessionRegistry:
             # attaching renews it (as a keep-alive would): proved by its owner key, as an EXTEND is
             table.extend(name, token, owner, holder.ttl_ms, now, conn.session)
             wal.log_extend(name, token, holder.ttl_ms)
-            signed_as = sequenced_as(holder) if flag and key is not None else None
-            s.leases[(name, token)] = AttachedLease(owner, holder.ttl_ms, signed_as)
-            if signed_as is not None:
+            if flag and key is not None:
+                signed_as = sequenced_as(holder)
+                s.leases[(name, token)] = AttachedLease(owner, holder.ttl_ms, signed_as)
                 s.sequenced.add((name, token))
                 signed.append([name, token, renewal_sequencer(key, name, token, signed_as, holder.ttl_ms)])
             else:
+                s.leases[(name, token)] = AttachedLease(owner, holder.ttl_ms)
                 s.sequenced.discard((name, token))
         value: dict[str, Any] = {"attached": len(checked) - len(lost), "lost": lost}
         if signed:
