@@ -17,7 +17,7 @@ import pytest
 import fastlock
 from fastlock import protocol as P
 from fastlock import sequencer as S
-from fastlock._testbase.cluster import RawNode, poll
+from fastlock._testbase.cluster import RawNode, poll, run, status_of
 from fastlock._testbase.servers import CredentialsDir, ServerProcess
 from fastlock.auth.sequencer_keys import read_keys
 from fastlock.errors import InvalidArgument, LimitExceeded
@@ -196,3 +196,35 @@ async def test_the_wire_refuses_bad_flags_and_bounds_what_a_session_re_signs(key
         assert "sequencers" not in await node.request(P.OP_SESSION_ATTACH, key, [["w", token, owner]], [])
     finally:
         await node.close()
+
+
+def test_after_a_failover_the_new_primary_re_signs_the_held_lease(cluster):
+    """The primary dies (kill -9); the promoted standby renews the client's lease when the
+    session is opened there again, and re-signs its sequencer: the same token (epoch 0), an
+    expiry only a signature made after the kill can have."""
+    p = cluster.primary()
+    s = cluster.standby(p.address, failover_after=1.0, grace=0.2)
+    keys = _keys(cluster.creds)
+    ttl = 5.0
+
+    async def main():
+        async with fastlock.connect(p.address, s.address, token_file=cluster.creds.token_file("app"),
+                                    sequencers=True) as client:
+            async with client.lock("ledger", ttl=ttl) as lease:
+                first = S.verify(lease.sequencer, keys, name="ledger")
+                await poll(lambda: status_of(s.address), lambda st: st["locks_held"] == 1, timeout=10,
+                           what="standby caught up")
+                killed_ms = int(time.time() * 1000)
+                await asyncio.to_thread(p.kill)
+                await asyncio.to_thread(s.wait_for_log, r"PROMOTED", 15)
+
+                async def current() -> S.Sequencer:
+                    return S.verify(lease.sequencer, keys, name="ledger")
+
+                # signed by the old primary: expiry <= killed_ms + ttl; by the new one: later
+                fresh = await poll(current, lambda seq: seq.expires_at_ms > killed_ms + ttl * 1000 + 1,
+                                   timeout=30, what="a sequencer re-signed by the promoted standby")
+                assert not lease.lost.is_set()
+                assert (fresh.token, fresh.epoch, fresh.principal) == (first.token, 0, "app")
+
+    run(main(), timeout=90)

@@ -171,7 +171,7 @@ def sequenced_as(holder: Any) -> SequencedAs:
     the principal recorded with its grant (as the grant's sequencer names it), the mode
     of its kind."""
     meta = holder.meta
-    principal = split_recorded_client(meta[0])[0] if type(meta) in (tuple, list) and meta else None
+    principal = split_recorded_client(meta[0])[0] if isinstance(meta, (tuple, list)) and meta else None
     mode = sequencer.PERMIT if holder.limit else sequencer.SHARED if holder.shared else sequencer.EXCLUSIVE
     return SequencedAs(principal or "", mode)
 
