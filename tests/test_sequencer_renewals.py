@@ -20,6 +20,7 @@ from fastlock import sequencer as S
 from fastlock._testbase.cluster import RawNode, poll, run, status_of
 from fastlock._testbase.servers import CredentialsDir, ServerProcess
 from fastlock.auth.sequencer_keys import read_keys
+from fastlock.client.session import MAX_SEQUENCED
 from fastlock.errors import InvalidArgument, LimitExceeded
 from fastlock.server.sessions import MAX_SEQUENCED_PER_SESSION
 from fastlock.sync import SyncClient
@@ -228,3 +229,20 @@ def test_after_a_failover_the_new_primary_re_signs_the_held_lease(cluster):
                 assert (fresh.token, fresh.epoch, fresh.principal) == (first.token, 0, "app")
 
     run(main(), timeout=90)
+
+
+async def test_leases_past_the_session_bound_re_sign_with_their_own_extends(keyed_server):
+    srv, creds = keyed_server
+    keys = _keys(creds)
+    async with fastlock.connect(srv.address, token_file=creds.token_file("app"), sequencers=True) as client:
+        leases = [await client.lock(f"many/{i}", ttl=2.0) for i in range(MAX_SEQUENCED + 1)]
+        keeper = client.session_keeper
+        assert keeper is not None and len(keeper) == MAX_SEQUENCED  # the last one renews itself
+        reader = _Reader(lambda: leases[-1].sequencer)
+        await _outlives_first(reader, keys, leases[-1].name, leases[-1].fencing_token)
+        now = time.time()
+        for lease in leases:  # every one, through the session or its own EXTENDs, is current
+            assert not lease.lost.is_set()
+            assert S.verify(lease.sequencer, keys, name=lease.name, now=now, skew=0).token == lease.fencing_token
+        for lease in leases:
+            await client.release(lease)
