@@ -15,7 +15,14 @@ and the grant path (W1 and W2 with and without sequencers) in one run.
    W1 (one client, acquire+release: pair latency) and W2 (``--concurrency`` clients, each on
    its own lock: pairs/s) on both, the order swapped every round; the report gives the
    median over rounds and the with/without ratio, and the server CPU µs per pair.
-3. ``--fuzz N``: N mutated sequencers through ``verify``
+3. **The renewal path** (``--renewals``, on unless ``--skip-load``): one ``fastlock serve``
+   with the key; one raw connection renews (a) one lease by EXTEND, without and with its
+   ``sequencer`` flag (re-signed in the reply), in alternating blocks of 200 sequential
+   requests: µs per round trip and server CPU µs per EXTEND; (b) ``--session-leases``
+   leases (default 256, the most one session re-signs) through two client sessions, one
+   attached with the flag and one without, keep-alives alternating: ms per keep-alive
+   and server CPU µs per lease renewed.
+4. ``--fuzz N``: N mutated sequencers through ``verify``
    (:mod:`fastlock._testbase.sequencer_fuzz`): how many were accepted (must be 0), refused
    by error class, and the time taken.
 """
@@ -121,6 +128,86 @@ def grant_path(args: argparse.Namespace) -> tuple[dict, dict]:
     return rows, summary
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _renewals(address: str, pid: int, seconds: float, session_leases: int) -> dict[str, dict[str, float]]:
+    """The renewal path on the server at ``address`` (process ``pid``): see the module docstring (3)."""
+    from fastlock import protocol as P
+    from fastlock._testbase.cluster import RawNode
+
+    node = await RawNode.open(address, token=None)
+    out: dict[str, dict[str, float]] = {}
+    try:
+        owner = os.urandom(16)
+        token = (await node.request(P.OP_ACQUIRE, "renew/one", owner, 60_000, 0, 0, None, False, 0, 0, True))[0]
+        spent = {False: [0.0, 0.0, 0], True: [0.0, 0.0, 0]}  # flag -> [wall s, server CPU s, requests]
+        end = time.perf_counter() + 2 * seconds
+        while time.perf_counter() < end:
+            for flag in (False, True):
+                extra = (True,) if flag else ()
+                cpu0, t0 = _cpu_seconds(pid), time.perf_counter()
+                for _ in range(200):
+                    await node.request(P.OP_EXTEND, "renew/one", token, owner, 60_000, *extra)
+                row = spent[flag]
+                row[0] += time.perf_counter() - t0
+                row[1] += _cpu_seconds(pid) - cpu0
+                row[2] += 200
+        for flag, (wall, cpu, n) in spent.items():
+            out[f"EXTEND {'with' if flag else 'without'}"] = {"us_per_request": wall / n * 1e6,
+                                                              "server_cpu_us": cpu / n * 1e6}
+        leases = []
+        for i in range(session_leases):
+            o = os.urandom(16)
+            r = await node.request(P.OP_ACQUIRE, f"renew/{i}", o, 60_000, 0, 0, None, False, 0, 0, True)
+            leases.append((f"renew/{i}", r[0], o))
+        keys = {flag: os.urandom(16) for flag in (False, True)}
+        for flag, key in keys.items():
+            await node.request(P.OP_SESSION_OPEN, key, 60_000)
+            for start in range(0, len(leases), 60):
+                page = [[n, t, o, True] if flag else [n, t, o] for n, t, o in leases[start:start + 60]]
+                await node.request(P.OP_SESSION_ATTACH, key, page, [])
+        rounds = {False: [0.0, 0.0, 0], True: [0.0, 0.0, 0]}
+        end = time.perf_counter() + 2 * seconds
+        while time.perf_counter() < end:
+            for flag, key in keys.items():
+                cpu0, t0 = _cpu_seconds(pid), time.perf_counter()
+                for _ in range(5):
+                    reply = await node.request(P.OP_SESSION_KEEPALIVE, key)
+                    assert reply["renewed"] == session_leases and bool(reply.get("sequencers")) == flag
+                row = rounds[flag]
+                row[0] += time.perf_counter() - t0
+                row[1] += _cpu_seconds(pid) - cpu0
+                row[2] += 5
+        for flag, (wall, cpu, n) in rounds.items():
+            out[f"keep-alive with {session_leases} leases {'with' if flag else 'without'}"] = {
+                "ms_per_keepalive": wall / n * 1e3, "server_cpu_us_per_lease": cpu / n / session_leases * 1e6}
+    finally:
+        await node.close()
+    return out
+
+
+def renewal_path(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Run :func:`_renewals` against a fresh server with an Ed25519 key (``--fsync`` as given)."""
+    import asyncio
+
+    from fastlock._testbase.servers import ServerProcess
+    from fastlock.auth import generate
+
+    with tempfile.TemporaryDirectory(prefix="fastlock-seq-renew-") as d:
+        generate(os.path.join(d, "c"), anonymous_prefix="")
+        srv = ServerProcess(os.path.join(d, "data"), fsync=args.fsync,
+                            args=["--credentials", os.path.join(d, "c", "credentials.toml")]).start()
+        try:
+            return asyncio.run(_renewals(srv.address, srv.pid, args.seconds, args.session_leases))
+        finally:
+            srv.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benches.sequencers", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -132,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="both servers' --fsync (default never: leave the disk out)")
     ap.add_argument("--fuzz", type=int, default=0, metavar="N", help="also verify N mutated sequencers")
     ap.add_argument("--skip-load", action="store_true", help="only the per-core and fuzz parts (no servers)")
+    ap.add_argument("--no-renewals", dest="renewals", action="store_false", help="leave out the renewal path")
+    ap.add_argument("--no-grants", dest="grants", action="store_false", help="leave out the grant path (W1/W2)")
+    ap.add_argument("--session-leases", type=int, default=256,
+                    help="leases one session keep-alive renews in the renewal path (default 256)")
     args = ap.parse_args(argv)
     payload: dict[str, Any] = {"machine": harness.machine_info(), "args": vars(args)}
     print(f"benches.sequencers: verify/sign {args.seconds:g} s each on one core", flush=True)
@@ -149,7 +240,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fuzz: {args.fuzz:,} mutants in {took:.1f} s: accepted {result.accepted}, refused "
               f"{result.refused:,}, unchanged {result.unchanged:,}; refusals {result.by_error}", flush=True)
         failed = result.accepted != 0
-    if not args.skip_load:
+    if not args.skip_load and args.renewals:
+        print(f"renewal path: EXTEND and session keep-alives without/with re-signing, fsync={args.fsync}", flush=True)
+        renewals = renewal_path(args)
+        payload["renewals"] = renewals
+        for what, r in renewals.items():
+            print("  " + f"{what:<40}" + "  ".join(f"{k} {v:,.1f}" for k, v in r.items()), flush=True)
+    if not args.skip_load and args.grants:
         busy = harness.wait_for_quiet(args.quiet_wait, log=lambda s: print(s, flush=True))
         print(f"grant path: W1/W2 x {args.rounds} alternating rounds, {args.duration:g} s each after "
               f"{args.warmup:g} s warmup; fsync={args.fsync}; machine busy before start: {busy:.0f}% of a core",

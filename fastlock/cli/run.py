@@ -33,7 +33,13 @@ Environment given to the command:
     ``FASTLOCK_SERVER``         the server address(es) used, comma-separated
     ``FASTLOCK_SEQUENCER``      with ``--sequencer``: the lease's signed sequencer (base64url
                                 text, :mod:`fastlock.sequencer`), for fences that check
-                                signatures
+                                signatures; its expiry is the grant's
+    ``FASTLOCK_SEQUENCER_FILE`` with ``--sequencer``: a file (in a directory of its own, mode
+                                0700, removed at the end) holding the current sequencer:
+                                rewritten (an atomic rename) within
+                                :data:`SEQUENCER_FILE_POLL` s of each renewal, which re-signs
+                                it with the renewed expiry.  A command that runs longer than
+                                the TTL reads it before each fenced write
 
 ``FASTLOCK_TOKEN_FILE`` and ``FASTLOCK_AUTH_SECRET`` are removed from the
 command's environment unless ``--pass-credentials`` is given: the command gets
@@ -83,9 +89,11 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -127,6 +135,9 @@ EXIT_USAGE = 2
 EXIT_NOPERM = 77  # EX_NOPERM
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: seconds between two looks at the lease's sequencer for FASTLOCK_SEQUENCER_FILE (at most;
+#: a tenth of the TTL when that is shorter)
+SEQUENCER_FILE_POLL = 0.5
 
 #: removed from the command's environment unless --pass-credentials
 CREDENTIAL_VARIABLES = ("FASTLOCK_TOKEN_FILE", "FASTLOCK_AUTH_SECRET")
@@ -378,8 +389,12 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
                 env.pop(var, None)
         env.update(FASTLOCK_FENCING_TOKEN=str(lease.fencing_token), FASTLOCK_LOCK_NAME=args.name,
                    FASTLOCK_SERVER=",".join(servers))
+        follower = None
         if lease.sequencer is not None:
             env["FASTLOCK_SEQUENCER"] = lease.sequencer
+            env["FASTLOCK_SEQUENCER_FILE"] = sequencer_file = _sequencer_file(lease.sequencer)
+            follower = asyncio.ensure_future(_follow_sequencer(lease, sequencer_file,
+                                                               min(SEQUENCER_FILE_POLL, args.ttl / 10.0)))
         group = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
         try:
             proc = await asyncio.create_subprocess_exec(*command, env=env, **group)
@@ -392,6 +407,10 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
         else:
             state["proc"] = proc
             code = await _supervise(proc, lease, *stop_times(args))
+        finally:
+            if follower is not None:
+                follower.cancel()
+                shutil.rmtree(os.path.dirname(env["FASTLOCK_SEQUENCER_FILE"]), ignore_errors=True)
         try:
             # bounded: a lost lease may be lost because the server is unreachable
             end = client.release(lease) if window_run is None else window_run.finish()  # a window keeps its lease
@@ -407,6 +426,38 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
             loop.remove_signal_handler(sig)
         if client is not None:
             await client.close()
+
+
+def _write_sequencer(path: str, text: str) -> None:
+    """Replace the file at ``path`` by one holding ``text`` and a newline (an atomic rename)."""
+    part = path + ".part"
+    with open(part, "w", encoding="ascii") as f:
+        f.write(text + "\n")
+    os.replace(part, path)
+
+
+def _sequencer_file(text: str) -> str:
+    """A new file holding sequencer ``text`` (FASTLOCK_SEQUENCER_FILE), in a directory of its
+    own (mode 0700, :func:`tempfile.mkdtemp`); the caller removes the directory."""
+    path = os.path.join(tempfile.mkdtemp(prefix="fastlock-run-"), "sequencer")
+    _write_sequencer(path, text)
+    return path
+
+
+async def _follow_sequencer(lease: Any, path: str, every: float) -> None:
+    """Rewrite FASTLOCK_SEQUENCER_FILE ``path`` whenever a renewal re-signed ``lease``'s
+    sequencer, looking every ``every`` seconds, until cancelled or the lease is lost."""
+    written = lease.state.sequencer
+    while not lease.lost.is_set():
+        await asyncio.sleep(every)
+        blob = lease.state.sequencer
+        if blob is not written:
+            try:
+                _write_sequencer(path, lease.sequencer)
+            except OSError as exc:
+                log.warning("could not rewrite %s: %s", path, exc)
+                continue
+            written = blob
 
 
 #: seconds between two "waiting for" lines while ``fastlock run`` waits for its lock

@@ -24,7 +24,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import protocol as P
-from ..errors import AlreadyHeld, FastlockError, InvalidArgument, LeaseLost
+from ..errors import AlreadyHeld, FastlockError, InvalidArgument, LeaseLost, ProtocolError
 from ..logsafe import quote
 from ..protocol.ops import OP_ACQUIRE_PRIORITY
 from .connection import RETRYABLE, ClientConnection, Connector, RideThrough
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["AcquireRequest", "SentReply", "acquire_retry", "duration_ms", "verify_late_grant", "HeldLease",
            "HeldLeases", "CALLER", "Caller", "current_caller", "new_caller", "acts_for", "party", "actor_id",
-           "with_actor"]
+           "with_actor", "extend_args", "extended_ms"]
 
 
 class AcquireRequest(NamedTuple):
@@ -415,3 +415,28 @@ async def verify_late_grant(client: Client, lease: Lease, request: AcquireReques
                                     priority=request.priority)
     raise LeaseLost(f"{request.name!r} was granted (token {lease.fencing_token}) but the grant was read too late to "
                     f"prove the lease alive, and the wait had no time left to queue again")
+
+
+def extend_args(lease: Lease, ttl_ms: int) -> tuple[Any, ...]:
+    """EXTEND's arguments for ``lease`` renewed for ``ttl_ms`` milliseconds: with the
+    ``sequencer`` flag when the lease carries a signed sequencer, so the reply brings it
+    re-signed with the renewed expiry (:func:`extended_ms`)."""
+    if lease.state.sequencer is not None:
+        return (lease.name, lease.fencing_token, lease.owner, ttl_ms, True)
+    return (lease.name, lease.fencing_token, lease.owner, ttl_ms)
+
+
+def extended_ms(lease: Lease, granted: Any) -> int:
+    """The TTL (milliseconds) an EXTEND reply ``granted`` gave ``lease``; a reply
+    ``[ttl_ms, {"sequencer": bytes}]`` (an EXTEND with the ``sequencer`` flag) also replaces
+    the lease's sequencer by the re-signed one (every copy of the lease sees it).
+
+    :raises ProtocolError: a reply of another shape."""
+    if type(granted) is int:
+        return granted
+    if type(granted) is list and len(granted) == 2 and type(granted[0]) is int and type(granted[1]) is dict:
+        blob = granted[1].get("sequencer")
+        if type(blob) is bytes:
+            lease.state.sequencer = blob
+        return granted[0]
+    raise ProtocolError(f"unexpected EXTEND reply: {type(granted).__name__}")

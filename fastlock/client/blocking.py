@@ -100,7 +100,8 @@ class SyncLease:
 
     @property
     def sequencer(self) -> str | None:
-        """The grant's signed sequencer (base64url text), or None: see :attr:`Lease.sequencer`."""
+        """The lease's current signed sequencer (base64url text; re-signed by each renewal), or
+        None: see :attr:`Lease.sequencer`."""
         return self.lease.sequencer
 
     @property

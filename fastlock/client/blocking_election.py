@@ -119,6 +119,13 @@ class SyncTerm:
         return self.term.fencing_token
 
     @property
+    def sequencer(self) -> str | None:
+        """The term's signed sequencer (base64url text; :attr:`Term.sequencer`), or None
+        when the client did not ask for sequencers.  Re-signed by each renewal: read it
+        again before each fenced write."""
+        return self.term.sequencer
+
+    @property
     def health_state(self) -> str:
         return "lost" if self.lost.is_set() else self.term.health.state
 

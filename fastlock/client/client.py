@@ -33,7 +33,16 @@ from ..protocol.priority import check_priority
 from ..tls import client_ssl_context
 from ..tokens import epoch_of
 from ..units import check_seconds
-from .acquire import AcquireRequest, HeldLeases, acquire_call, acquire_retry, duration_ms, verify_late_grant
+from .acquire import (
+    AcquireRequest,
+    HeldLeases,
+    acquire_call,
+    acquire_retry,
+    duration_ms,
+    extend_args,
+    extended_ms,
+    verify_late_grant,
+)
 from .admin import LockAdminMethods
 from .bounded import lock_bound
 from .calls import call
@@ -430,15 +439,15 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods, SessionAdminMethods):
         loop = asyncio.get_running_loop()
         sent = loop.time()
         try:
-            granted = await self._request(P.OP_EXTEND, lease.name, lease.fencing_token, lease.owner, ttl_ms)
+            granted = await self._request(P.OP_EXTEND, *extend_args(lease, ttl_ms))
         except LeaseLost:
             lease.lost.set()
             raise
         return self._extended(lease, granted, sent)
 
-    def _extended(self, lease: Lease, granted_ms: int, sent: float) -> Lease:
+    def _extended(self, lease: Lease, granted: Any, sent: float) -> Lease:
         # the server's TTL counts from when it handled the extend: after `sent`
-        new_ttl = granted_ms / 1000.0
+        new_ttl = extended_ms(lease, granted) / 1000.0
         lease.state.expires_at = sent + new_ttl  # shared by every copy of the lease
         epoch = epoch_of(lease.fencing_token)
         connector = self._connector
@@ -466,7 +475,7 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods, SessionAdminMethods):
         sent = loop.time()
         try:
             pacing = RideThrough(self._connector, deadline, max_backoff=min(BACKOFF_MAX, ttl_s / 10.0))
-            granted = await pacing.send(P.OP_EXTEND, (lease.name, lease.fencing_token, lease.owner, ttl_ms),
+            granted = await pacing.send(P.OP_EXTEND, extend_args(lease, ttl_ms),
                                         attempt_timeout=attempt_timeout or ttl_s / 3.0)
         except ConnectionLost as exc:
             if self._connector.closed:

@@ -30,7 +30,9 @@ its defaults):
 Unlike Kubernetes, fastlock gives every term a fencing token that strictly
 increases across terms (and server restarts and failovers): pass
 ``term.fencing_token`` to every side effect so that a deposed leader's late
-writes are refused (see :mod:`fastlock.fencing`).
+writes are refused (see :mod:`fastlock.fencing`).  A client that asks for signed
+sequencers (``connect(sequencers=True)``) gets ``term.sequencer`` too, for fences that
+check signatures (see docs/sequencers.md).
 
 ``python -m fastlock.election`` runs one candidate process (see
 :mod:`fastlock.election`).
@@ -272,6 +274,8 @@ class Term:
         lease (Lease): the underlying lease.
         fencing_token (int): this term's token; strictly greater than every
             earlier term's.
+        sequencer (str | None): this term's signed sequencer, when the client asked
+            for sequencers (re-signed by each renewal).
         lost (asyncio.Event): set when this candidate is no longer leader
             (stepped down, resigned, or the lease was lost).
         health (LeaseHealth): ``"safe"`` / ``"in_jeopardy"`` (less than
@@ -306,6 +310,15 @@ class Term:
     def lost(self) -> asyncio.Event:
         """Set when this candidate is no longer leader."""
         return self._state.lost
+
+    @property
+    def sequencer(self) -> str | None:
+        """The term's signed sequencer (base64url text, :mod:`fastlock.sequencer`) when the
+        client asked for sequencers (``connect(sequencers=True)``), else None: the lease's
+        :attr:`~fastlock.client.lease.Lease.sequencer`, re-signed by every renewal with the
+        renewed expiry (the same token all term long).  Read it again before each fenced
+        write: an old one expires with the renewal it came from."""
+        return self.lease.sequencer
 
     @property
     def deadline(self) -> float:

@@ -207,8 +207,9 @@ class LeaseState:
             ``loop.time()`` seconds, of when the server will expire the lease;
             moved forward by every successful renewal.
         health (LeaseHealth): made on first use.
-        sequencer (bytes | None): the signed sequencer of the grant, when the
-            client asked for one (``connect(sequencers=True)``).
+        sequencer (bytes | None): the lease's signed sequencer, when the client
+            asked for one (``connect(sequencers=True)``): the grant's, replaced by the
+            re-signed one each renewal brings (its renewed expiry).
 
     Written only on the event loop's thread (by the client and its renewer).
     """
@@ -330,9 +331,11 @@ class Lease:
 
     @property
     def sequencer(self) -> str | None:
-        """The grant's signed sequencer as base64url text (:func:`fastlock.sequencer.to_text`;
+        """The lease's signed sequencer as base64url text (:func:`fastlock.sequencer.to_text`;
         pass it to a fence or an ``If-Fencing-Sequencer`` header), or None when the client
-        did not ask for one (``connect(sequencers=True)``)."""
+        did not ask for one (``connect(sequencers=True)``).  Each renewal (session keep-alive
+        or EXTEND) replaces it by one re-signed with the renewed expiry, the same token:
+        read it again before each fenced write."""
         blob = self.state.sequencer
         return None if blob is None else to_text(blob)
 

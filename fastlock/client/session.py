@@ -25,6 +25,13 @@ by a third of the shortest renewal window, the request by one window); a lease w
 deadline passes first is marked lost by its own deadline timer, exactly as with
 per-lease renewal.
 
+A lease that carries a signed sequencer (``connect(sequencers=True)``) is attached with
+the ``sequencer`` flag: each attach and keep-alive reply brings its sequencer re-signed
+with the renewed expiry, and ``lease.sequencer`` is replaced at once.  At most
+:data:`MAX_SEQUENCED` such leases are kept alive by the session (the server's bound on
+what one keep-alive signs); the others renew themselves with EXTENDs that ask for the
+same re-signing.
+
 A server without session ops (an older fastlock) answers the first ``SESSION_OPEN``
 with a protocol error (a replica principal: PermissionDenied): the keeper then hands
 every renewer its own EXTEND loop.
@@ -67,6 +74,23 @@ ATTACH_IN_FLIGHT = 8
 DEFAULT_SESSION_TTL = 10.0
 #: keep-alives sent again in one round while the server says it listed only part of the lost leases
 MAX_MORE_ROUNDS = 64
+#: leases with a signed sequencer one session renews (the server's
+#: fastlock.server.sessions.MAX_SEQUENCED_PER_SESSION); the others send their own EXTENDs
+MAX_SEQUENCED = 256
+
+
+def _sequenced(renewer: Renewer) -> bool:
+    """Does ``renewer``'s lease carry a signed sequencer (re-signed at each renewal)?"""
+    return renewer.lease.state.sequencer is not None
+
+
+def _resigned(reply: dict[str, Any]) -> dict[tuple[str, int], bytes]:
+    """The re-signed sequencers a SESSION_ATTACH or SESSION_KEEPALIVE reply carries: (name, token) -> bytes."""
+    out: dict[tuple[str, int], bytes] = {}
+    for item in reply.get("sequencers", ()):
+        if type(item) is list and len(item) == 3 and type(item[2]) is bytes:
+            out[(item[0], item[1])] = item[2]
+    return out
 
 
 def _lost(reply: dict[str, Any]) -> dict[tuple[str, int], str]:
@@ -97,6 +121,7 @@ class SessionKeeper:
         self._next_at = 0.0  # loop.time() of the next round
         self._window = ttl  # the shortest renewal window (seconds) of the leases, as of the last round
         self._closed = False
+        self._sequenced: set[int] = set()  # renewers whose leases carry sequencers (at most MAX_SEQUENCED)
 
     def __len__(self) -> int:
         return len(self._renewers)
@@ -106,6 +131,10 @@ class SessionKeeper:
         available (closed keeper, a server without them): the renewer runs its own loop."""
         if self._closed or self.supported is False:
             return False
+        if _sequenced(renewer):
+            if len(self._sequenced) >= MAX_SEQUENCED:
+                return False
+            self._sequenced.add(id(renewer))
         self._renewers[id(renewer)] = renewer
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
@@ -119,6 +148,7 @@ class SessionKeeper:
         key = id(renewer)
         if self._renewers.pop(key, None) is None:
             return
+        self._sequenced.discard(key)
         if key in self._attached:
             self._attached.discard(key)
             lease = renewer.lease
@@ -181,6 +211,7 @@ class SessionKeeper:
         renewers = list(self._renewers.values())
         self._renewers.clear()
         self._attached.clear()
+        self._sequenced.clear()
         for renewer in renewers:
             renewer.run_alone()
 
@@ -222,9 +253,10 @@ class SessionKeeper:
         pending = [r for key, r in self._renewers.items() if key not in self._attached]
         pages = []
         while pending or self._detach:
-            page, pending = pending[:ATTACH_PAGE], pending[ATTACH_PAGE:]
-            room = ATTACH_PAGE - len(page)
-            detach, self._detach = self._detach[:room], self._detach[room:]
+            # the detached first: the server counts the leases it re-signs for (MAX_SEQUENCED)
+            detach, self._detach = self._detach[:ATTACH_PAGE], self._detach[ATTACH_PAGE:]
+            room = ATTACH_PAGE - len(detach)
+            page, pending = pending[:room], pending[room:]
             pages.append((page, detach))
         for first in range(0, len(pages), ATTACH_IN_FLIGHT):  # pipelined, a few pages at a time
             await asyncio.gather(*(self._attach_page(loop, page, detach)
@@ -232,9 +264,11 @@ class SessionKeeper:
 
     async def _attach_page(self, loop: asyncio.AbstractEventLoop, page: list[Renewer],
                            detach: list[list[Any]]) -> None:
-        leases = [[r.lease.name, r.lease.fencing_token, r.lease.owner] for r in page]
+        leases = [[r.lease.name, r.lease.fencing_token, r.lease.owner, True] if _sequenced(r)
+                  else [r.lease.name, r.lease.fencing_token, r.lease.owner] for r in page]
         sent = loop.time()
         reply = await self._send(P.OP_SESSION_ATTACH, (self.key, leases, detach))
+        self._take_sequencers(reply)
         lost = _lost(reply)
         for r in page:
             if id(r) not in self._renewers:
@@ -242,6 +276,7 @@ class SessionKeeper:
             why = lost.get((r.lease.name, r.lease.fencing_token))
             if why is not None:
                 self._renewers.pop(id(r), None)
+                self._sequenced.discard(id(r))
                 r.lose_by_session(f"attaching it to the session: {why}")
             else:
                 self._attached.add(id(r))
@@ -253,12 +288,14 @@ class SessionKeeper:
             sent = loop.time()
             self.keepalives += 1
             reply = await self._send(P.OP_SESSION_KEEPALIVE, (self.key,))
+            self._take_sequencers(reply)
             lost = _lost(reply)
             if lost:
                 for r in list(self._renewers.values()):
                     why = lost.get((r.lease.name, r.lease.fencing_token))
                     if why is not None:
                         self._renewers.pop(id(r), None)
+                        self._sequenced.discard(id(r))
                         self._attached.discard(id(r))
                         r.lose_by_session(f"session keep-alive: {why}")
             if reply["more"]:
@@ -268,6 +305,18 @@ class SessionKeeper:
                     r.renewed_by_session(sent)
             return
         raise FastlockError("the session keep-alive kept naming lost leases")
+
+    def _take_sequencers(self, reply: dict[str, Any]) -> None:
+        """Give each lease the sequencer ``reply`` brings re-signed for it (its renewed expiry)."""
+        resigned = _resigned(reply)
+        if not resigned:
+            return
+        for key in self._sequenced:
+            r = self._renewers.get(key)
+            if r is not None:
+                blob = resigned.get((r.lease.name, r.lease.fencing_token))
+                if blob is not None:
+                    r.lease.state.sequencer = blob
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,8 @@ HELLO      1   version, client_name|None, credential[, known_epoch]   challenge,
 ACQUIRE    2   name, owner, ttl_ms, wait_ms, lock_delay_ms, corr_id   [token, ttl_ms, waited_ms
                [, shared[, limit[, actor[, sequencer]]]]              [, {"sequencer": bytes}]]
 RELEASE    3   name, token, owner                                     None
-EXTEND     4   name, token, owner, ttl_ms                             ttl_ms
+EXTEND     4   name, token, owner, ttl_ms[, sequencer]                ttl_ms; with sequencer true:
+                                                                      [ttl_ms, {"sequencer": bytes}]
 CANCEL     5   name, owner                                            "cancelled"|"released"|None
 CHECK      6   name, token                                            bool
 STATUS     7   -                                                      dict

@@ -60,7 +60,7 @@ OP_WATCH_FROM = 70  # name, revision to resume after (None: a new watch) - fastl
 OP_KEY_WATCH_FROM = 71  # prefix, revision, offset to resume after (None, None: a new watch) - server.keyrevisions
 # client sessions (fastlock.server.sessions; ops 60-69 are reserved for them)
 OP_SESSION_OPEN = 60  # session key, ttl_ms
-OP_SESSION_ATTACH = 61  # session key, [[name, token, owner key]...], [[name, token]...] (detach)
+OP_SESSION_ATTACH = 61  # session key, [[name, token, owner key[, sequencer]]...], [[name, token]...] (detach)
 OP_SESSION_KEEPALIVE = 62  # session key
 OP_SESSION_CLOSE = 63  # session key
 OP_SESSIONS = 64  # principal or None (an operator's list)
@@ -82,7 +82,7 @@ OPS: tuple[Op, ...] = (
     Op(OP_HELLO, "hello", 3, 4),
     Op(OP_ACQUIRE, "acquire", 6, 10),  # [, shared[, limit[, actor[, sequencer]]]]
     Op(OP_RELEASE, "release", 3, 3),
-    Op(OP_EXTEND, "extend", 4, 4),
+    Op(OP_EXTEND, "extend", 4, 5),
     Op(OP_CANCEL, "cancel", 2, 2),
     Op(OP_CHECK, "check", 2, 2),
     Op(OP_STATUS, "status", 0, 0),

@@ -403,7 +403,11 @@ cpdef release(object handlers, SessionWire conn, object req_id, list msg):
 
 
 cpdef extend(object handlers, SessionWire conn, object req_id, list msg):
-    """EXTEND ``[id, op, name, token, owner, ttl_ms]``: Handlers.op_extend compiled."""
+    """EXTEND ``[id, op, name, token, owner, ttl_ms]``: Handlers.op_extend compiled.  An EXTEND
+    with its optional ``sequencer`` flag goes to Handlers.op_extend_sequenced."""
+    if len(msg) > 6:
+        handlers.op_extend_sequenced(conn, req_id, msg)
+        return
     name = _name(msg[2])
     token = _int_in(msg[3], 1, 0x7FFFFFFFFFFFFFFF, _check_token)
     owner = conn.owner_hash(msg[4])

@@ -52,7 +52,7 @@ from ._wire import release as compiled_release
 from .hello import Hello
 from .keys import PERMISSIONS as KEY_PERMISSIONS
 from .keys import KeyStore
-from .kinds import KindHandlers, limit_conflict, sequenced_request
+from .kinds import KindHandlers, extend_sequenced, limit_conflict, sequenced_request
 from .lockadmin import LockAdmin, not_the_holder
 from .preemption import PERMISSIONS as PREEMPTION_PERMISSIONS
 from .preemption import Preemption
@@ -359,6 +359,11 @@ class Handlers:
         """The error for a release or extend of ``name`` by one that does not hold ``token``
         (:class:`~fastlock.errors.LeaseLost`, saying so if an operator revoked it)."""
         return not_the_holder(self.lock_admin.revocations, name, token)
+
+    def op_extend_sequenced(self, conn: Session, req_id: int, msg: list) -> None:
+        """EXTEND with its optional ``sequencer`` flag (:func:`fastlock.server.kinds.extend_sequenced`):
+        the compiled EXTEND hands it here."""
+        extend_sequenced(self, conn, req_id, msg)
 
     def extend_when_durable(self, conn: Session, req_id: int, name: str, token: int, reply: bytes) -> None:
         """Send an extend's ``reply`` once its record is durable (and, with sync replication,

@@ -21,6 +21,13 @@ record gave it (a promoted standby keeps it; recovery gives a full TTL).  So the
 no session WAL records: the leases are the durable state, the session is how they are
 renewed.
 
+Signed sequencers follow the renewals: a lease attached with its ``sequencer`` flag (a
+client that asked for sequencers, :mod:`fastlock.sequencer`) gets its sequencer re-signed
+by every renewal the session gives it (attach and keep-alive), with the renewed expiry
+(:func:`fastlock.server.kinds.renewal_sequencer`), in the reply: ``"sequencers": [[name,
+token, bytes], ...]``.  At most :data:`MAX_SEQUENCED_PER_SESSION` such leases per session
+(each keep-alive signs them all: a bound on the loop time one request costs).
+
 Operators list sessions (``SESSIONS``) and close one (``SESSION_REVOKE``): every lease
 attached to it is revoked at once (REVOKE records; each next grant gets a higher token),
 as ``fastlock revoke`` does by name.
@@ -52,6 +59,7 @@ from ..errors import (
 from ..logsafe import quote
 from ..roles import Action
 from ..units import monotonic_ms
+from .kinds import SequencedAs, renewal_sequencer, sequenced_as
 from .lockadmin import MAX_REASON_CHARS, check_lock_admin, not_the_holder
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,7 +69,8 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 __all__ = ["ClientSession", "SessionRegistry", "MAX_SESSIONS_PER_PRINCIPAL", "MAX_SESSIONS_PER_CONNECTION",
-           "MAX_SESSIONS", "MAX_ATTACH_PER_REQUEST", "MAX_LOST_LISTED", "MAX_SESSIONS_LISTED"]
+           "MAX_SESSIONS", "MAX_ATTACH_PER_REQUEST", "MAX_LOST_LISTED", "MAX_SESSIONS_LISTED",
+           "MAX_SEQUENCED_PER_SESSION"]
 
 #: the most open sessions of one principal (a client keeps one per node connection)
 MAX_SESSIONS_PER_PRINCIPAL = 1_024
@@ -76,6 +85,10 @@ MAX_ATTACH_PER_REQUEST = 60
 MAX_LOST_LISTED = 1_000
 #: the most sessions one SESSIONS reply lists (the reply gives the total)
 MAX_SESSIONS_LISTED = 1_000
+#: the most leases of one session whose sequencers its renewals re-sign (the client's
+#: fastlock.client.session.MAX_SEQUENCED: its other leases send their own EXTENDs); one
+#: Ed25519 signature costs about 0.1 ms, so a keep-alive signs for at most about 30 ms
+MAX_SEQUENCED_PER_SESSION = 256
 
 
 def session_id(key_hash: bytes) -> str:
@@ -86,20 +99,22 @@ def session_id(key_hash: bytes) -> str:
 
 
 class AttachedLease:
-    """A lease attached to a session: its owner key's hash and its TTL (ms)."""
+    """A lease attached to a session: its owner key's hash, its TTL (ms) and, when its
+    sequencer is re-signed at each renewal, what that sequencer carries (else None)."""
 
-    __slots__ = ("owner", "ttl_ms")
+    __slots__ = ("owner", "ttl_ms", "signed_as")
 
-    def __init__(self, owner: bytes, ttl_ms: int):
+    def __init__(self, owner: bytes, ttl_ms: int, signed_as: SequencedAs | None = None):
         self.owner = owner
         self.ttl_ms = ttl_ms
+        self.signed_as = signed_as
 
 
 class ClientSession:
     """One client session (module docstring).  Times are this server's monotonic ms."""
 
     __slots__ = ("id", "key_hash", "principal", "client", "address", "ttl_ms", "opened_ms", "last_heard_ms",
-                 "connection", "leases")
+                 "connection", "leases", "sequenced")
 
     def __init__(self, key_hash: bytes, principal: str, client: str | None, address: str, ttl_ms: int,
                  now: int, connection: int):
@@ -115,6 +130,13 @@ class ClientSession:
         self.connection = connection
         #: (lock name, token) -> AttachedLease
         self.leases: dict[tuple[str, int], AttachedLease] = {}
+        #: the keys of ``leases`` whose sequencers are re-signed (at most MAX_SEQUENCED_PER_SESSION)
+        self.sequenced: set[tuple[str, int]] = set()
+
+    def drop(self, key: tuple[str, int]) -> None:
+        """Detach lease ``key`` (name, token), if attached."""
+        if self.leases.pop(key, None) is not None:
+            self.sequenced.discard(key)
 
     def deadline_ms(self) -> int:
         """When the session ends unless heard from: last heard + the longest of its TTL and its leases'."""
@@ -231,13 +253,19 @@ class SessionRegistry:
         conn.send(P.encode_ok(req_id, {"id": s.id, "ttl_ms": ttl_ms, "resumed": False, "leases": 0}))
 
     def op_attach(self, conn: Session, req_id: int, msg: list) -> None:
-        """SESSION_ATTACH key, leases, detach: attach each ``[name, token, owner key]`` of
-        ``leases`` that is the current holder (proved by its owner key; on a name the
-        principal may extend), renewing it for its own TTL (an EXTEND record), and detach
-        each ``[name, token]`` of ``detach``.  Together at
+        """SESSION_ATTACH key, leases, detach: attach each ``[name, token, owner key[,
+        sequencer]]`` of ``leases`` that is the current holder (proved by its owner key; on a
+        name the principal may extend), renewing it for its own TTL (an EXTEND record), and
+        detach each ``[name, token]`` of ``detach``.  Together at
         most :data:`MAX_ATTACH_PER_REQUEST`.  Value: ``{"attached": int, "lost": [[name,
         token, why], ...]}`` (the leases of ``leases`` that are not held, and why: revoked
-        by whom, or not the current holder)."""
+        by whom, or not the current holder), with ``"sequencers": [[name, token, bytes],
+        ...]`` when a lease was attached with ``sequencer`` true and this server holds a
+        signing key: its sequencer re-signed with the renewed expiry, and re-signed by
+        every keep-alive after.
+
+        :raises LimitExceeded: more than :data:`MAX_SEQUENCED_PER_SESSION` leases with
+            ``sequencer`` true would be attached (nothing changed)."""
         s = self._find(conn, msg[2])
         leases, detach = msg[3], msg[4]
         if type(leases) is not list or type(detach) is not list:
@@ -246,26 +274,36 @@ class SessionRegistry:
             raise InvalidArgument(f"at most {MAX_ATTACH_PER_REQUEST} leases per SESSION_ATTACH")
         checked = []
         for item in leases:
-            if type(item) is not list or len(item) != 3:
-                raise InvalidArgument("each lease to attach is [name, token, owner key]")
+            if type(item) is not list or not 3 <= len(item) <= 4:
+                raise InvalidArgument("each lease to attach is [name, token, owner key[, sequencer]]")
             name = P.check_name(item[0])
             if conn.grant is None or not conn.grant.allows("extend", name):
                 raise PermissionDenied(f"principal {conn.principal!r} may not extend {name!r}")
-            checked.append((name, P.check_token(item[1]), hash_owner(P.check_owner(item[2]))))
+            flag = item[3] if len(item) == 4 else False
+            if type(flag) is not bool:
+                raise WrongArgumentType(f"sequencer must be a bool, not {type(flag).__name__}")
+            checked.append((name, P.check_token(item[1]), hash_owner(P.check_owner(item[2])), flag))
         gone = []
         for item in detach:
             if type(item) is not list or len(item) != 2:
                 raise InvalidArgument("each lease to detach is [name, token]")
             gone.append((P.check_name(item[0]), P.check_token(item[1])))
+        key = self.handlers.credentials.sequencer_keys.signing
+        if key is not None:
+            asked = {(name, token) for name, token, _, flag in checked if flag} - s.sequenced
+            if asked and len(s.sequenced - set(gone)) + len(asked) > MAX_SEQUENCED_PER_SESSION:
+                raise LimitExceeded(f"a session re-signs the sequencers of at most {MAX_SEQUENCED_PER_SESSION} "
+                                    f"leases: renew the others with EXTEND")
         self.roles.admit(Action.EXTEND)
         now = monotonic_ms()
         self._heard(s, conn, now)
-        for key in gone:
-            s.leases.pop(key, None)
+        for gone_key in gone:
+            s.drop(gone_key)
         lost = []
+        signed: list[list] = []
         table = self.table
         wal = self.handlers.wal
-        for name, token, owner in checked:
+        for name, token, owner, flag in checked:
             holder = table.holder(name, now, owner)
             if holder is None or holder.token != token:
                 lost.append([name, token, self._why_lost(name, token)])
@@ -273,8 +311,18 @@ class SessionRegistry:
             # attaching renews it (as a keep-alive would): proved by its owner key, as an EXTEND is
             table.extend(name, token, owner, holder.ttl_ms, now, conn.session)
             wal.log_extend(name, token, holder.ttl_ms)
-            s.leases[(name, token)] = AttachedLease(owner, holder.ttl_ms)
-        self._reply_renewed(conn, req_id, {"attached": len(checked) - len(lost), "lost": lost})
+            if flag and key is not None:
+                signed_as = sequenced_as(holder)
+                s.leases[(name, token)] = AttachedLease(owner, holder.ttl_ms, signed_as)
+                s.sequenced.add((name, token))
+                signed.append([name, token, renewal_sequencer(key, name, token, signed_as, holder.ttl_ms)])
+            else:
+                s.leases[(name, token)] = AttachedLease(owner, holder.ttl_ms)
+                s.sequenced.discard((name, token))
+        value: dict[str, Any] = {"attached": len(checked) - len(lost), "lost": lost}
+        if signed:
+            value["sequencers"] = signed
+        self._reply_renewed(conn, req_id, value)
 
     def _reply_renewed(self, conn: Session, req_id: int, value: dict) -> None:
         """Send ``value``, the reply of a request that renewed leases: with synchronous
@@ -304,8 +352,10 @@ class SessionRegistry:
         EXTEND record each, as an EXTEND request writes).  Value: ``{"renewed": int,
         "lost": [[name, token, why], ...], "more": bool}``: the attached leases that are no
         longer held (detached now), at most :data:`MAX_LOST_LISTED` (``more``: others were
-        not looked at; ask again).  With synchronous replication the reply waits for the
-        standby, as an EXTEND's does."""
+        not looked at; ask again), and ``"sequencers": [[name, token, bytes], ...]`` for
+        the renewed leases attached with their ``sequencer`` flag: each re-signed with the
+        renewed expiry.  With synchronous replication the reply waits for the standby, as
+        an EXTEND's does."""
         s = self._find(conn, msg[2])
         self.roles.admit(Action.EXTEND)
         self.keepalives += 1
@@ -315,6 +365,8 @@ class SessionRegistry:
         table = self.table
         wal = handlers.wal
         lost: list[list] = []
+        signed: list[list] = []
+        signing = handlers.credentials.sequencer_keys.signing if s.sequenced else None
         renewed = 0
         more = False
         session = conn.session
@@ -326,13 +378,19 @@ class SessionRegistry:
                 if len(lost) >= MAX_LOST_LISTED:
                     more = True
                     break
-                del s.leases[key]
+                s.drop(key)
                 lost.append([name, token, self._why_lost(name, token)])
                 continue
             wal.log_extend(name, token, attached.ttl_ms)
             renewed += 1
+            if attached.signed_as is not None and signing is not None:
+                signed.append([name, token, renewal_sequencer(signing, name, token, attached.signed_as,
+                                                              attached.ttl_ms)])
         self.renewals += renewed
-        self._reply_renewed(conn, req_id, {"renewed": renewed, "lost": lost, "more": more})
+        value: dict[str, Any] = {"renewed": renewed, "lost": lost, "more": more}
+        if signed:
+            value["sequencers"] = signed
+        self._reply_renewed(conn, req_id, value)
 
     def op_close(self, conn: Session, req_id: int, msg: list) -> None:
         """SESSION_CLOSE key: end the session (its leases stay held until released or
