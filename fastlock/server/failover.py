@@ -543,6 +543,7 @@ class FailoverPolicy:
                                  max(0, deadline - h.ttl_ms), h.shared, h.limit)
         table.drain_events()
         host.roles.transition(Role.PRIMARY, f"promoted ({reason}) at epoch {epoch}", grace_until_ms=now + grace)
+        revokes = host.revoke_deadlines.arm_all()  # replicated revoke requests: revoked at their deadline
         follower.queues.promoted()  # the old primary's waiters keep their places (fastlock.server.reclaim)
         self._arm_peer_check()  # fenced later (its new standby silent), it looks for a newer primary
         table.expire(now)  # leases whose kept deadline passed: logged and WAL-recorded like any expiry
@@ -551,8 +552,9 @@ class FailoverPolicy:
             self._end_grace_later(grace)
         log.warning(
             "PROMOTED to primary (%s): epoch %d, %d replicated leases kept until their replicated deadline "
-            "(%d with an unknown one given a full TTL from now, %d ran out and expired), no new grants for "
-            "%d ms (grace)", reason, epoch, len(holders) - ran_out, unknown, ran_out, grace,
+            "(%d with an unknown one given a full TTL from now, %d ran out and expired), %d revoke requests "
+            "kept, no new grants for %d ms (grace)", reason, epoch, len(holders) - ran_out, unknown, ran_out,
+            revokes, grace,
         )
         return {"epoch": epoch, "grace_ms": grace, "leases": len(holders) - ran_out, "primary_confirmed": confirmed}
 
