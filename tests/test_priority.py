@@ -361,9 +361,10 @@ def test_fastlock_run_waits_at_its_priority(server, tmp_path):
         deadline = time.monotonic() + TIMEOUT
         while len(holder.contenders("cli/prio")["waiters"]) < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
+        child = f"import os; open({str(order)!r}, 'a').write(os.environ['FASTLOCK_FENCING_TOKEN'])"
         proc = subprocess.Popen([sys.executable, "-m", "fastlock", "run", "cli/prio", "--priority", "7", "--ttl", "5",
-                                 "--server", server.address, "--", sys.executable, "-c",
-                                 f"import os; open({str(order)!r}, 'a').write(os.environ['FASTLOCK_FENCING_TOKEN'])"], stderr=subprocess.PIPE, text=True)
+                                 "--server", server.address, "--", sys.executable, "-c", child],
+                                stderr=subprocess.PIPE, text=True)
         try:
             while len(holder.contenders("cli/prio")["waiters"]) < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)

@@ -2,7 +2,8 @@
 
 ::
 
-    fastlock run NAME [--ttl S] [--wait S] [--limit N | --shared] [--priority N] [--server HOST:PORT ...] -- CMD [ARG ...]
+    fastlock run NAME [--ttl S] [--wait S] [--limit N | --shared] [--priority N] [--server HOST:PORT ...]
+        -- CMD [ARG ...]
     fastlock run NAME --once-per WINDOW [--ttl S] [--server HOST:PORT ...] -- CMD [ARG ...]
 
 With ``--limit N``, ``NAME`` is a counting semaphore and up to N commands run at
