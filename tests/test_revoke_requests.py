@@ -21,6 +21,7 @@ from fastlock._testbase.cluster import run
 from fastlock.errors import LeaseLost
 from fastlock.roles import Role
 from fastlock.server.preemption import RevokeDeadline, RevokeDeadlines
+from fastlock.units import monotonic_ms
 from fastlock.wal import WriteAheadLog, apply
 from fastlock.wal.records import REVOKE_REQUEST, Grant, LogState, Release, RevokeRequest, decode, encode
 
@@ -93,12 +94,15 @@ def test_a_standby_keeps_a_replicated_request_until_its_lease_ends(tmp_path):
     host = FakeHost(str(tmp_path), Role.STANDBY)
     follower = StandbyFollower(host, ("127.0.0.1", 1))
     grant = Grant("db", TOKEN, b"o", 60_000, 0, "app:h", None, 0)
-    follower._apply_records([(1, grant), (2, _request(grace_ms=700)), (3, _request("other", TOKEN + 1))])
+    before = monotonic_ms()
+    for lsn, record in enumerate((grant, _request(grace_ms=700), _request("other", TOKEN + 1)), 1):
+        follower.on_push("rec", [lsn, encode(record)])
     kept = host.revoke_deadlines.get("db", TOKEN)
     assert kept is not None and kept.principal == "urgent"
+    assert kept.due_ms >= before + 700  # counted from the record's arrival: never before the primary's
     assert host.revoke_deadlines.get("other", TOKEN + 1) is None  # not a lease it holds
     assert ("revoke_request", "db", TOKEN, "urgent", 2_000_000, 700) in host.wal.records
-    follower._apply_records([(4, Release("db", TOKEN, 0))])
+    follower.on_push("rec", [4, encode(Release("db", TOKEN, 0))])
     assert len(host.revoke_deadlines) == 0
 
 
