@@ -18,6 +18,7 @@ from test_replication import caught_up
 
 import fastlock
 from fastlock._testbase.cluster import run
+from fastlock._testbase.proxy import TcpProxy
 from fastlock.errors import LeaseLost
 from fastlock.roles import Role
 from fastlock.server.preemption import RevokeDeadline, RevokeDeadlines
@@ -104,6 +105,32 @@ def test_a_standby_keeps_a_replicated_request_until_its_lease_ends(tmp_path):
     assert ("revoke_request", "db", TOKEN, "urgent", 2_000_000, 700) in host.wal.records
     follower.on_push("rec", [4, encode(Release("db", TOKEN, 0))])
     assert len(host.revoke_deadlines) == 0
+
+
+async def test_an_acquire_that_rides_through_a_lost_connection_asks_again(server, connect):
+    """The revoke request goes with every attempt of the acquire that may wait: after its
+    connection is lost (its waiter dropped with it) the retry asks whoever holds now."""
+    first = await connect("first")
+    second = await connect("second")
+    with TcpProxy(server.address) as proxy:
+        urgent = await connect("urgent", proxy.address)
+        lease = await first.acquire("q", ttl=60)
+        want = asyncio.ensure_future(urgent.acquire("q", ttl=60, priority=5, preempt=60.0))
+        await asyncio.wait_for(lease.revoke_requested.wait(), TIMEOUT)
+        proxy.blackhole()  # new connections are held too, until heal()
+        proxy.cut()
+        async with asyncio.timeout(TIMEOUT):  # the server dropped the waiter with its connection
+            while (await first.contenders("q"))["waiters"]:
+                await asyncio.sleep(0.02)
+        await first.release(lease)
+        now_held = await second.acquire("q", ttl=60, wait=0)
+        proxy.heal()
+        await asyncio.wait_for(now_held.revoke_requested.wait(), TIMEOUT)
+        assert now_held.revoke_request.client == "urgent"
+        await second.release(now_held)
+        granted = await asyncio.wait_for(want, TIMEOUT)
+        assert granted.fencing_token > now_held.fencing_token
+        await urgent.release(granted)
 
 
 def _dump_json(data_dir: str, lock: str) -> list[dict]:
