@@ -180,3 +180,36 @@ def test_a_promoted_standby_revokes_a_holder_that_does_not_yield(cluster):
     assert revoked["by"] == "app"
     revoked_at = datetime.datetime.fromisoformat(revoked["time"].replace("Z", "+00:00")).timestamp()
     assert revoked_at >= asked + grace_s - 0.01  # not before the deadline (one wall clock: this machine's)
+
+
+async def test_a_fenced_primary_keeps_a_due_deadline_and_revokes_once_it_may():
+    """At a deadline a fenced primary may not revoke: it keeps the deadline and tries again
+    (every REVOKE_RETRY_MS) until it may, or until the lease is gone."""
+    from types import SimpleNamespace
+
+    from fastlock._core import LockTable
+    from fastlock.roles import NodeRole
+    from fastlock.server.preemption import Preemption
+
+    table = LockTable()
+    now = monotonic_ms()
+    table.acquire("db", b"h", 1, 0, 60_000, -1, 0, None, now)
+    token = table.holder("db", now).token
+    roles = NodeRole(Role.PRIMARY, hold_grants_until=table.hold_grants_until, now_ms=monotonic_ms)
+    roles.set_fenced(True)
+    revoked: list[tuple[str, int, str]] = []
+    server = SimpleNamespace(loop=asyncio.get_running_loop(), source=SimpleNamespace(fence_if_due=lambda now: None),
+                             after_batch=lambda: None)
+    lock_admin = SimpleNamespace(revoke_lease=lambda name, h, principal, *rest: revoked.append((name, h.token,
+                                                                                                 principal)))
+    preemption = Preemption(SimpleNamespace(table=table, roles=roles, server=server, lock_admin=lock_admin))
+    preemption.deadlines.add(RevokeDeadline("db", token, "urgent", now), armed=True)
+    async with asyncio.timeout(TIMEOUT):  # due at once, refused, kept for a later try
+        while (kept := preemption.deadlines.get("db", token)) is None or kept.due_ms <= now:
+            await asyncio.sleep(0.01)
+    assert revoked == []
+    roles.set_fenced(False)
+    async with asyncio.timeout(TIMEOUT):
+        while not revoked:
+            await asyncio.sleep(0.01)
+    assert revoked == [("db", token, "urgent")] and len(preemption.deadlines) == 0

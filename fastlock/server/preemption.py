@@ -30,7 +30,9 @@ standby keeps each one (:class:`RevokeDeadlines`, no timer) on its own monotonic
 clock, counted from the record's arrival, until the lease ends; a promotion arms
 them, so the promoted primary revokes a lease still held at its deadline (at once
 if that has passed).  Recovery arms the recovered ones on the wall clock, capped at
-the longest grace.  A request answered less than the replication lag before the
+the longest grace.  A primary that may not revoke at a deadline (fenced, or held by
+strict synchronous replication) keeps it and tries again every
+:data:`REVOKE_RETRY_MS` while the lease holds.  A request answered less than the replication lag before the
 primary died may be missing on the standby (asynchronous replication): the
 requester's client asks again when it waits on the new primary.
 
@@ -52,7 +54,7 @@ from ..errors import FastlockError, InvalidArgument, LimitExceeded, LockNotHeld,
 from ..logsafe import quote
 from ..protocol.ops import OP_ACQUIRE_PRIORITY, OP_REQUEST_REVOKE, OP_TRANSFER, PUSH_REVOKE_REQUESTED
 from ..protocol.priority import MAX_REVOKE_GRACE_MS, check_grace_ms, check_priority
-from ..roles import Action
+from ..roles import Action, Role
 from ..units import monotonic_ms, wall_ms
 from .lockadmin import not_the_holder
 from .session import split_recorded_client
@@ -77,6 +79,9 @@ MAX_CANDIDATES_SCANNED = 1_000
 #: the most revoke deadlines one principal may have running (each lasts at most
 #: MAX_REVOKE_GRACE_MS): one principal's requests never crowd out another's
 MAX_REVOKE_DEADLINES_PER_PRINCIPAL = 1_000
+#: ms: how long a primary that may not revoke at a deadline (fenced, or held by strict
+#: synchronous replication) waits before it tries that deadline again
+REVOKE_RETRY_MS = 250
 
 
 class RevokeDeadline(NamedTuple):
@@ -265,13 +270,15 @@ class Preemption:
         server = self.handlers.server
         now = monotonic_ms()
         server.source.fence_if_due(now)  # the revocation hands the lock to a waiter: not past the fence
-        try:
-            self.roles.admit(Action.RELEASE)
-        except FastlockError:
-            return  # no longer the serving primary: the lease is the new primary's to keep or expire
         holder = self.table.holder(name, now)
         if holder is None or holder.token != token:
             return  # it yielded (or expired) in time
+        try:
+            self.roles.admit(Action.RELEASE)
+        except FastlockError:
+            if self.roles.role is Role.PRIMARY:  # fenced for now: the deadline stays, tried again
+                self.deadlines.add(deadline._replace(due_ms=now + REVOKE_RETRY_MS), armed=True)
+            return  # no longer a primary: the lease is the new primary's to keep or expire
         lock_admin = self.handlers.lock_admin
         lock_admin.revoke_lease(name, holder, principal, "did not yield to a revoke request by its deadline",
                                 now, None)
