@@ -139,7 +139,7 @@ class NodeRole:
     """
 
     __slots__ = ("_role", "_fenced", "_sync_held", "_grace_until_ms", "_hold", "_now_ms", "_admitted",
-                 "primary_address", "expires_leases", "grace_reason")
+                 "primary_address", "expires_leases", "grace_reason", "alone_since")
 
     def __init__(self, initial: Role, *, hold_grants_until: Callable[[int], None],
                  now_ms: Callable[[], int], primary_address: str | None = None):
@@ -154,6 +154,10 @@ class NodeRole:
         self._hold = hold_grants_until
         self._now_ms = now_ms
         self.primary_address = primary_address
+        #: ``(epoch, monotonic ms)`` set by a promotion to ``epoch``: from that time on no other
+        #: node serves (the old primary's fence had closed, or it confirmed its step-down);
+        #: None when unknown (fastlock.server.ratelimit starts its limiters from it)
+        self.alone_since: tuple[int, int] | None = None
         self._changed()
 
     # -- state ---------------------------------------------------------------------------------

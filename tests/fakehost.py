@@ -16,6 +16,7 @@ from fastlock import protocol as P
 from fastlock._core import LockTable
 from fastlock.replication import NodeState
 from fastlock.roles import NodeRole, Role
+from fastlock.server.preemption import RevokeDeadlines
 from fastlock.wal import HolderRecord
 from fastlock.wal.keyspace import KeySpace
 
@@ -122,6 +123,9 @@ class FakeWal:
     def log_key_delete(self, *args) -> None:
         self._log("key_delete", *args)
 
+    def log_revoke_request(self, *args) -> None:
+        self._log("revoke_request", *args)
+
     def when_durable(self, callback: Callable[[], Any]) -> None:
         if self.fail_durability is not None:
             raise self.fail_durability
@@ -169,6 +173,7 @@ class FakeHost:
         self.loop = FakeLoop(self.clock)
         self.max_ttl_ms = 0
         self.keys = SimpleNamespace(space=KeySpace())  # the key store as replication sees it
+        self.revoke_deadlines = RevokeDeadlines(lambda: self.loop, lambda deadline: None)
         self.roles = NodeRole(role, hold_grants_until=self.table.hold_grants_until, now_ms=self.clock,
                               primary_address=primary_address)
         self.batches = 0

@@ -46,6 +46,21 @@ async def test_an_automatic_promotion_raises_the_epoch_keeps_leases_and_holds_gr
     assert host.node_state.standby_of is None
 
 
+async def test_a_promotion_marks_when_no_other_node_serves(standby):
+    host, follower, policy, _ = standby(failover_after_ms=1000)
+    follower.pair_confirmed = True
+    follower.last_heard_ms = heard = host.clock() - 1500  # silent for longer than the window
+    await policy.promote("primary silent", automatic=True)
+    # the old primary stopped by its own fence, F after this node last heard it
+    assert host.roles.alone_since == (1, heard + 1000)
+
+
+async def test_a_forced_promotion_does_not_know_when_the_old_primary_stopped(standby):
+    host, follower, policy, _ = standby(failover_after_ms=0)
+    await policy.promote("operator", force=True)
+    assert host.roles.role is Role.PRIMARY and host.roles.alone_since is None
+
+
 async def test_a_refused_manual_promotion_returns_to_standby_and_keeps_following(standby):
     host, follower, policy, restarts = standby()  # no failover window, primary not reachable
     with pytest.raises(Unavailable, match="did not confirm"):

@@ -341,3 +341,44 @@ def test_core_orders_by_priority_and_hands_off_under_a_grant_hold():
     granted = [e for e in t.drain_events() if e.kind == _core.EV_GRANTED]
     assert [e.owner for e in granted] == [b"l1"] and granted[0].token > holder.token
     assert t.holder_priority("a") == 9
+
+
+def test_fastlock_run_waits_at_its_priority(server, tmp_path):
+    """``fastlock run --priority 7`` queues ahead of an earlier priority-0 waiter, and runs first."""
+    import subprocess
+    import sys
+    import threading
+
+    from fastlock.sync import SyncClient
+
+    order = tmp_path / "order"
+    with SyncClient(server.address, client_name="holder") as holder, \
+            SyncClient(server.address, client_name="plain") as plain:
+        lease = holder.acquire("cli/prio", ttl=30)
+        got = {}
+        t = threading.Thread(target=lambda: got.setdefault("plain", plain.acquire("cli/prio", ttl=30)))
+        t.start()
+        deadline = time.monotonic() + TIMEOUT
+        while len(holder.contenders("cli/prio")["waiters"]) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        child = f"import os; open({str(order)!r}, 'a').write(os.environ['FASTLOCK_FENCING_TOKEN'])"
+        proc = subprocess.Popen([sys.executable, "-m", "fastlock", "run", "cli/prio", "--priority", "7", "--ttl", "5",
+                                 "--server", server.address, "--", sys.executable, "-c", child],
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            while len(holder.contenders("cli/prio")["waiters"]) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            waiters = holder.contenders("cli/prio")["waiters"]
+            assert [w["priority"] for w in waiters] == [7, 0], waiters
+            holder.release(lease)
+            assert proc.wait(TIMEOUT) == 0, proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(TIMEOUT)
+        t.join(TIMEOUT)
+        assert lease.fencing_token < int(order.read_text()) < got["plain"].fencing_token  # the run went first
+        plain.release(got["plain"])
+    bad = subprocess.run([sys.executable, "-m", "fastlock", "run", "cli/prio", "--priority", "100", "--server",
+                          server.address, "--", "true"], capture_output=True, text=True, timeout=TIMEOUT)
+    assert bad.returncode == 2 and "--priority" in bad.stderr

@@ -75,6 +75,21 @@ def test_a_node_starts_its_limiters_drained_and_again_at_a_new_epoch():
     assert limits.take("n", 10, 1000, 5, 1, "p", 60_100).admitted
 
 
+def test_a_promoted_node_drains_its_limiters_from_when_the_old_primary_stopped():
+    limits = RateLimits(now=1_000, epoch=1)
+    # promoted to epoch 2 at 60_000; the old primary stopped admitting by 59_000 (its fence):
+    # 10 per second, burst 5 refilled in 500 ms, so the bucket is full at the first take
+    limits.serving(2, 60_000, (2, 59_000))
+    assert [limits.take("n", 10, 1000, 5, 1, "p", 60_000).admitted for _ in range(6)] == [True] * 5 + [False]
+    # a mark of another epoch (an earlier promotion) is not this one's: drained from now
+    limits.serving(3, 70_000, (2, 59_000))
+    assert not limits.take("n", 10, 1000, 5, 1, "p", 70_000).admitted
+    # a mark later than the first request served counts from that request
+    limits.serving(4, 80_000, (4, 90_000))
+    assert not limits.take("n", 10, 1000, 5, 1, "p", 80_050).admitted
+    assert limits.take("n", 10, 1000, 5, 1, "p", 80_100).admitted
+
+
 def test_conflicting_configuration_and_bounds(monkeypatch):
     limits = RateLimits(now=0)
     limits.take("n", 10, 1000, 5, 1, "p", 10_000)

@@ -2,13 +2,16 @@
 
 ::
 
-    fastlock run NAME [--ttl S] [--wait S] [--limit N | --shared] [--server HOST:PORT ...] -- CMD [ARG ...]
+    fastlock run NAME [--ttl S] [--wait S] [--limit N | --shared] [--priority N] [--server HOST:PORT ...]
+        -- CMD [ARG ...]
     fastlock run NAME --once-per WINDOW [--ttl S] [--server HOST:PORT ...] -- CMD [ARG ...]
 
 With ``--limit N``, ``NAME`` is a counting semaphore and up to N commands run at
 once, each with its own permit (as ``consul lock -n N``); with ``--shared``, a
 shared (read) lock that any number of commands hold together while no
-exclusive holder does.
+exclusive holder does.  With ``--priority N`` (0..99) the command's acquire waits
+ahead of every waiter of a lower priority, FIFO within its own (Apache Helix's priority
+lock; see ``docs/recipes/priority.md``); above 0 it needs the ACL right ``prioritize``.
 
 Acquires ``NAME`` (waiting in the lock's FIFO queue at most ``--wait``
 seconds, finding the primary included: a failover under way is waited out
@@ -112,6 +115,7 @@ from ..errors import (
     WrongArgumentType,
 )
 from ..protocol import MAX_CLIENT_NAME_CHARS, MAX_LIMIT, check_name, check_optional_str
+from ..protocol.priority import MAX_PRIORITY, check_priority
 from ..units import DEFAULT_PORT
 from .args import (
     add_client_tls_arguments,
@@ -157,6 +161,16 @@ def _limit_arg(value: str) -> int:
     return limit
 
 
+def _priority_arg(value: str) -> int:
+    """argparse type: an acquire priority, 0..MAX_PRIORITY."""
+    try:
+        return check_priority(int(value))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--priority must be an integer, not {value!r}") from None
+    except FastlockError as exc:
+        raise argparse.ArgumentTypeError(f"--priority: {exc}") from None
+
+
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", metavar="NAME", help="the lock to hold while the command runs (1-512 bytes of UTF-8)")
     p.add_argument("--ttl", type=ttl_arg, default=10.0, metavar="S",
@@ -171,6 +185,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                            "every holder must give the same N")
     kind.add_argument("--shared", action="store_true",
                       help="take NAME as a shared (read) lock: held together with other shared holders")
+    p.add_argument("--priority", type=_priority_arg, default=0, metavar="N",
+                   help=f"wait ahead of every waiter of a lower priority (0..{MAX_PRIORITY}, default 0; FIFO "
+                        "within a priority); above 0 needs the ACL right 'prioritize' on NAME")
     p.add_argument("--server", action="append", metavar="HOST:PORT",
                    help="server address; repeat for a primary and standbys "
                         "(default: $FASTLOCK_SERVER or 127.0.0.1:7420)")
@@ -292,8 +309,8 @@ def check_once_per(args: argparse.Namespace) -> None:
     window = getattr(args, "once_per", None)
     if window is None:
         return
-    if args.wait is not None or args.limit or args.shared:
-        raise InvalidArgument("--once-per tries the lock once: it takes no --wait, --limit or --shared")
+    if args.wait is not None or args.limit or args.shared or getattr(args, "priority", 0):
+        raise InvalidArgument("--once-per tries the lock once: it takes no --wait, --limit, --shared or --priority")
     if window < args.ttl:
         raise InvalidArgument(f"--once-per ({window:g} s) must be at least --ttl ({args.ttl:g} s)")
 
@@ -352,7 +369,8 @@ async def _run(args: argparse.Namespace, command: list[str], servers: list[str],
                 reporter = asyncio.ensure_future(_report_holder(client, args.name))
                 try:
                     lease = await client.lock(args.name, ttl=args.ttl, wait=wait, correlation_id=correlation_id,
-                                              shared=args.shared, limit=args.limit)
+                                              shared=args.shared, limit=args.limit,
+                                              priority=getattr(args, "priority", 0))
                 finally:
                     reporter.cancel()
         except asyncio.CancelledError:

@@ -29,6 +29,7 @@ from ..logsafe import quote
 from ..protocol.ops import OP_ACQUIRE_PRIORITY
 from .connection import RETRYABLE, ClientConnection, Connector, RideThrough
 from .lease import Lease
+from .preempt import send_revoke_request
 
 if TYPE_CHECKING:  # pragma: no cover
     from .client import Client
@@ -52,6 +53,8 @@ class AcquireRequest(NamedTuple):
     correlation_id: str | None
     kind: tuple[Any, ...]  #: ACQUIRE's trailing kind arguments (see :func:`~fastlock.client.kinds.kind_args`)
     priority: int = 0  #: 0..MAX_PRIORITY; above 0 it is sent as ACQUIRE_PRIORITY (see :func:`acquire_call`)
+    #: ms: the grace of the revoke request sent right behind each attempt that may wait (None: none)
+    preempt_ms: int | None = None
 
 
 class SentReply(NamedTuple):
@@ -373,7 +376,11 @@ async def acquire_retry(connector: Connector, connect_timeout: float, request: A
             left_ms = max(0, int((wait_end - loop.time()) * 1000))
         sent = loop.time()
         try:
-            reply = await proto.request(op, name, owner, ttl_ms, left_ms, delay_ms, correlation_id, *tail)
+            fut = proto.request(op, name, owner, ttl_ms, left_ms, delay_ms, correlation_id, *tail)
+            if request.preempt_ms is not None and left_ms != 0:
+                # asked again at each node: a deadline the new primary already has (replicated) stays
+                send_revoke_request(proto, name, owner, request.preempt_ms)
+            reply = await fut
             return SentReply(reply, sent)
         except asyncio.CancelledError:
             connector.withdraw(proto, name, owner)

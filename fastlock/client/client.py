@@ -353,12 +353,13 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods, SessionAdminMethods):
                 self._connector.withdraw(proto, name, owner)
                 raise
             except RETRYABLE as exc:
-                request = AcquireRequest(name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind, priority)
+                request = AcquireRequest(name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind, priority,
+                                         grace)
                 reply, sent = await acquire_retry(connector, self._connect_timeout, request, sent, proto, exc)
         else:
             loop = asyncio.get_running_loop()
             started = loop.time()
-            request = AcquireRequest(name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind, priority)
+            request = AcquireRequest(name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind, priority, grace)
             reply, sent = await acquire_retry(connector, self._connect_timeout, request, started)
         token = reply[0]
         granted_ttl = reply[1] / 1000.0

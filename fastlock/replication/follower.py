@@ -24,9 +24,23 @@ from .. import protocol as P
 from ..errors import FastlockError, ProtocolError
 from ..logsafe import quote
 from ..protocol.ops import PUSH_QUEUES
+from ..protocol.priority import MAX_REVOKE_GRACE_MS
 from ..roles import Role
 from ..units import monotonic_ms, wall_ms
-from ..wal import Epoch, Expire, Extend, Grant, LeaseMeta, LockDelay, Record, Release, Revoke, apply, decode_frames
+from ..wal import (
+    Epoch,
+    Expire,
+    Extend,
+    Grant,
+    LeaseMeta,
+    LockDelay,
+    Record,
+    Release,
+    Revoke,
+    RevokeRequest,
+    apply,
+    decode_frames,
+)
 from ..wal.keyspace import KeySpace
 from ..wal.records import KeyDelete, KeyPut
 from ..wal.records import decode as decode_record
@@ -88,6 +102,9 @@ class StandbyApply:
                                  held.meta if held is not None else None)
         self.table.remove_holder(record.name, record.token, 0)
         self.follower.lease_deadlines.pop(record.token, None)
+        revokes = self.follower.host.revoke_deadlines
+        if revokes.running:
+            revokes.drop(record.name, record.token)
         if isinstance(record, Release):
             self.wal.log_release(record.name, record.token)
         elif isinstance(record, Revoke):
@@ -141,6 +158,14 @@ class StandbyApply:
         key_revisions = self.follower.key_revisions
         if self.lsn and key_revisions is not None:
             key_revisions.replicated(self.follower.primary_epoch, self.lsn, index, key, what, value)
+
+    def request_revoke(self, record: RevokeRequest) -> None:
+        # kept without a timer until a promotion arms it; the deadline counts from the
+        # push's arrival, so it is never earlier than the primary's (as track does)
+        grace_ms = min(max(0, record.grace_ms), MAX_REVOKE_GRACE_MS)
+        self.follower.host.revoke_deadlines.replicated(record, self.follower._received_ms + grace_ms)
+        self.wal.log_revoke_request(record.name, record.token, record.principal, record.until_wall_ms,
+                                    record.grace_ms)
 
 
 class StandbyFollower:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:  # pragma: no cover
     from .._core import LockTable
     from ..roles import NodeRole
-    from ..wal import SnapshotState, WriteAheadLog
+    from ..wal import RevokeRequest, SnapshotState, WriteAheadLog
     from ..wal.keyspace import KeySpace
     from .node_state import NodeState
 
@@ -61,6 +61,29 @@ class KeyHost(Protocol):
     space: KeySpace
 
 
+class RevokeHost(Protocol):
+    """The server's running revoke requests as replication and failover see them
+    (``fastlock.server.preemption.RevokeDeadlines``)."""
+
+    running: dict
+
+    def replicated(self, record: RevokeRequest, due_ms: int) -> bool:
+        """Keep a replicated request without a timer, due at ``due_ms`` (this node's monotonic ms)."""
+        ...
+
+    def drop(self, name: str, token: int) -> object:
+        """Forget the request to the lease (``name``, ``token``), if any."""
+        ...
+
+    def arm_all(self) -> int:
+        """Run a timer for every request kept without one (a promotion)."""
+        ...
+
+    def relog(self, wal: WriteAheadLog, now: int) -> None:
+        """Log every running request again (``now``: this node's monotonic ms)."""
+        ...
+
+
 class ReplicationHost(Protocol):
     """The server as replication and failover see it.
 
@@ -88,6 +111,12 @@ class ReplicationHost(Protocol):
     @property
     def keys(self) -> KeyHost:
         """The key store: snapshots carry it, the standby applies KEY_PUT / KEY_DELETE to it."""
+        ...
+
+    @property
+    def revoke_deadlines(self) -> RevokeHost:
+        """The running revoke requests (:mod:`fastlock.server.preemption`): the standby
+        keeps the replicated ones, a promotion arms them, a snapshot sent re-logs them."""
         ...
 
     @property

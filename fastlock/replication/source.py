@@ -289,6 +289,7 @@ class ReplicationSource:
         snapshot = wal.stats()["last_lsn"], table.epoch, table.counter, table.holders(), monotonic_ms()
         # a snapshot holds leases only: running lock-delays follow it in the stream
         wal.log_lock_delays(table.lock_delays(), snapshot[4])
+        self.host.revoke_deadlines.relog(wal, snapshot[4])  # and running revoke requests
         return snapshot
 
     async def _send_snapshot(self, replica: _Replica) -> int:

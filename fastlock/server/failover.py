@@ -490,6 +490,15 @@ class FailoverPolicy:
         # From here on this node acknowledges nothing more to the old primary, so its
         # fence (if any) can only close: stop following before waiting for it.
         follower.stop()
+        # from when no other node serves (this node's monotonic ms): the old primary answered
+        # that it stepped down, or it stopped by its own fence, F after the standby last heard
+        # it (F - margin on its own clock: docs/failover-safety.md); None: not known (forced)
+        if confirmed:
+            alone_since: int | None = self.clock()
+        elif follower.failover_after_ms > 0 and follower.pair_confirmed and follower.last_heard_ms:
+            alone_since = follower.last_heard_ms + follower.failover_after_ms
+        else:
+            alone_since = None
         if not confirmed and not force and not automatic:
             wait_ms = max(0, follower.last_heard_ms + follower.failover_after_ms - self.clock())
             log.warning("primary %s did not confirm stepping down: waiting %d ms until its own "
@@ -542,7 +551,9 @@ class FailoverPolicy:
             table.install_holder(h.name, h.token, h.owner, h.ttl_ms, h.lock_delay_ms, h.meta,
                                  max(0, deadline - h.ttl_ms), h.shared, h.limit)
         table.drain_events()
+        host.roles.alone_since = None if alone_since is None else (epoch, min(alone_since, now))
         host.roles.transition(Role.PRIMARY, f"promoted ({reason}) at epoch {epoch}", grace_until_ms=now + grace)
+        revokes = host.revoke_deadlines.arm_all()  # replicated revoke requests: revoked at their deadline
         follower.queues.promoted()  # the old primary's waiters keep their places (fastlock.server.reclaim)
         self._arm_peer_check()  # fenced later (its new standby silent), it looks for a newer primary
         table.expire(now)  # leases whose kept deadline passed: logged and WAL-recorded like any expiry
@@ -551,8 +562,9 @@ class FailoverPolicy:
             self._end_grace_later(grace)
         log.warning(
             "PROMOTED to primary (%s): epoch %d, %d replicated leases kept until their replicated deadline "
-            "(%d with an unknown one given a full TTL from now, %d ran out and expired), no new grants for "
-            "%d ms (grace)", reason, epoch, len(holders) - ran_out, unknown, ran_out, grace,
+            "(%d with an unknown one given a full TTL from now, %d ran out and expired), %d revoke requests "
+            "kept, no new grants for %d ms (grace)", reason, epoch, len(holders) - ran_out, unknown, ran_out,
+            revokes, grace,
         )
         return {"epoch": epoch, "grace_ms": grace, "leases": len(holders) - ran_out, "primary_confirmed": confirmed}
 

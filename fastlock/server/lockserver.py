@@ -83,6 +83,7 @@ from .handlers import Handlers, refusal
 from .keyrevisions import KeyRevisions
 from .keys import KeyStore
 from .kinds import expired_log, grant_reply, reply_id, unacked_log, undelivered_log, waiter_left
+from .preemption import RevokeDeadlines
 from .reclaim import ReclaimGate
 from .session import Session, shown_client
 from .shares import client_principals
@@ -225,6 +226,12 @@ class LockServer:
     def keys(self) -> KeyStore:
         """The key store (values attached to leases)."""
         return self.handlers.keys
+
+    @property
+    def revoke_deadlines(self) -> RevokeDeadlines:
+        """The running revoke requests (:mod:`fastlock.server.preemption`)."""
+        return self.handlers.preemption.deadlines
+
     @property
     def role(self) -> str:
         """The node's role as a string ("primary", "standby", "promoting", "deposed")."""
@@ -369,6 +376,7 @@ class LockServer:
             self.max_ttl_ms = max(self.node_state.max_ttl_ms, table.install_holders(state.holders, now))
             gc.freeze()  # nor later: the recovered objects are out of the collector's view
         delays = lockdelays.install_recovered(table, state.lock_delays, now)
+        revokes = self.revoke_deadlines.recovered(state.revoke_requests, now, armed=self.roles.expires_leases)
         table.drain_events()
         self.keys.recovered(state.keys)
         if not self.roles.expires_leases:
@@ -377,8 +385,8 @@ class LockServer:
                 table.install_holder(held.name, held.token, held.owner, held.ttl_ms, held.lock_delay_ms, held.meta, 0,
                                      held.shared, held.limit)
         log.info("recovered %d leases, epoch %d, counter %d (%d records replayed, %d torn bytes cut) in %.1f ms; "
-                 "%d running lock-delays", len(state.holders), state.epoch, table.counter, state.records_replayed,
-                 state.torn_bytes, (time.perf_counter() - t0) * 1000, delays)
+                 "%d running lock-delays, %d revoke requests", len(state.holders), state.epoch, table.counter,
+                 state.records_replayed, state.torn_bytes, (time.perf_counter() - t0) * 1000, delays, revokes)
 
     async def close(self) -> None:
         """Stop accepting, close every connection, flush and close the WAL."""
@@ -487,6 +495,7 @@ class LockServer:
             self._process_events(events)
         if self.wal.maybe_snapshot(self.snapshot_state):  # at every batch end: key puts make no table events
             lockdelays.relog_running(self.wal, table)
+            self.revoke_deadlines.relog(self.wal, monotonic_ms())
         nd = table.next_deadline()
         if nd >= 0 and (self.expiry.handle is None or nd < self.expiry.at_ms) and self.roles.expires_leases:
             self._rearm()

@@ -20,9 +20,21 @@ clock) the server revokes it exactly as ``fastlock revoke`` does (a ``REVOKE``
 record, replicated; watchers told ``"revoked"``), by the requesting principal: the
 lock goes to the head waiter with a higher fencing token, so a fenced write of the
 old holder is refused.  One deadline per lease: a later request never moves it later.
-A deadline is kept in this process only: after a failover the requester asks again.
 One principal has at most :data:`MAX_REVOKE_DEADLINES_PER_PRINCIPAL` deadlines running
 (``LimitExceeded`` beyond).
+
+A deadline survives a restart and a failover: the request is a ``REVOKE_REQUEST``
+record (:class:`fastlock.wal.records.RevokeRequest`), logged when it is made and again
+for every running request after each snapshot, replicated like every record.  A
+standby keeps each one (:class:`RevokeDeadlines`, no timer) on its own monotonic
+clock, counted from the record's arrival, until the lease ends; a promotion arms
+them, so the promoted primary revokes a lease still held at its deadline (at once
+if that has passed).  Recovery arms the recovered ones on the wall clock, capped at
+the longest grace.  A primary that may not revoke at a deadline (fenced, or held by
+strict synchronous replication) keeps it and tries again every
+:data:`REVOKE_RETRY_MS` while the lease holds.  A request answered less than the replication lag before the
+primary died may be missing on the standby (asynchronous replication): the
+requester's client asks again when it waits on the new primary.
 
 **Directed hand-off** (Kubernetes' coordinated leader election): the exclusive holder
 releases to the waiter whose correlation id is ``candidate`` in one step
@@ -34,15 +46,16 @@ among the first :data:`MAX_CANDIDATES_SCANNED` waiters.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import protocol as P
 from ..errors import FastlockError, InvalidArgument, LimitExceeded, LockNotHeld, PermissionDenied
 from ..logsafe import quote
 from ..protocol.ops import OP_ACQUIRE_PRIORITY, OP_REQUEST_REVOKE, OP_TRANSFER, PUSH_REVOKE_REQUESTED
-from ..protocol.priority import check_grace_ms, check_priority
-from ..roles import Action
-from ..units import monotonic_ms
+from ..protocol.priority import MAX_REVOKE_GRACE_MS, check_grace_ms, check_priority
+from ..roles import Action, Role
+from ..units import monotonic_ms, wall_ms
 from .lockadmin import not_the_holder
 from .session import split_recorded_client
 
@@ -66,20 +79,129 @@ MAX_CANDIDATES_SCANNED = 1_000
 #: the most revoke deadlines one principal may have running (each lasts at most
 #: MAX_REVOKE_GRACE_MS): one principal's requests never crowd out another's
 MAX_REVOKE_DEADLINES_PER_PRINCIPAL = 1_000
+#: ms: how long a primary that may not revoke at a deadline (fenced, or held by strict
+#: synchronous replication) waits before it tries that deadline again
+REVOKE_RETRY_MS = 250
+
+
+class RevokeDeadline(NamedTuple):
+    """A running revoke request: the lease (``name``, ``token``) asked to yield, the
+    ``principal`` that asked, and ``due_ms``, when the lease is revoked if it still
+    holds (this node's monotonic clock, milliseconds)."""
+
+    name: str
+    token: int
+    principal: str
+    due_ms: int
+
+
+class RevokeDeadlines:
+    """The running revoke requests of this node, at most one per lease.
+
+    On a primary each runs a timer on the event loop ``get_loop()`` that calls
+    ``on_due(deadline)`` at its ``due_ms``; a standby keeps the replicated ones without
+    a timer until a promotion arms them (:meth:`arm_all`).  ``by_principal``: how many
+    each principal asked for.
+    """
+
+    def __init__(self, get_loop: Callable[[], Any], on_due: Callable[[RevokeDeadline], None]):
+        self.get_loop = get_loop
+        self.on_due = on_due
+        #: (name, token) -> its running request
+        self.running: dict[tuple[str, int], RevokeDeadline] = {}
+        #: principal -> how many of the running requests it made
+        self.by_principal: dict[str, int] = {}
+        self._timers: dict[tuple[str, int], asyncio.TimerHandle] = {}
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    def get(self, name: str, token: int) -> RevokeDeadline | None:
+        """The running request to the lease (``name``, ``token``), or None."""
+        return self.running.get((name, token))
+
+    def add(self, deadline: RevokeDeadline, *, armed: bool) -> bool:
+        """Keep ``deadline`` unless its lease has one already (a later request never
+        moves it); ``armed``: run its timer now (a primary).  True if kept."""
+        key = (deadline.name, deadline.token)
+        if key in self.running:
+            return False
+        self.running[key] = deadline
+        self.by_principal[deadline.principal] = self.by_principal.get(deadline.principal, 0) + 1
+        if armed:
+            self._arm(key, deadline.due_ms)
+        return True
+
+    def replicated(self, record: Any, due_ms: int) -> bool:
+        """Keep the replicated request ``record`` (:class:`fastlock.wal.records.RevokeRequest`)
+        without a timer, due at ``due_ms`` (this node's monotonic ms); True if kept."""
+        return self.add(RevokeDeadline(record.name, record.token, record.principal, due_ms), armed=False)
+
+    def drop(self, name: str, token: int) -> RevokeDeadline | None:
+        """Forget the request to the lease (``name``, ``token``) (its timer cancelled); it, or None."""
+        key = (name, token)
+        deadline = self.running.pop(key, None)
+        if deadline is None:
+            return None
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        left = self.by_principal.get(deadline.principal, 1) - 1
+        if left > 0:
+            self.by_principal[deadline.principal] = left
+        else:
+            self.by_principal.pop(deadline.principal, None)
+        return deadline
+
+    def arm_all(self) -> int:
+        """Run a timer for every request kept without one (a promotion); returns how many."""
+        armed = 0
+        for key, deadline in list(self.running.items()):
+            if key not in self._timers:
+                self._arm(key, deadline.due_ms)
+                armed += 1
+        return armed
+
+    def relog(self, wal: Any, now: int) -> None:
+        """Log every running request again (after a snapshot, which holds leases only);
+        ``now``: this node's monotonic ms."""
+        wall = wall_ms()
+        for d in self.running.values():
+            left = max(0, d.due_ms - now)
+            wal.log_revoke_request(d.name, d.token, d.principal, wall + left, left)
+
+    def recovered(self, requests: list, now: int, *, armed: bool) -> int:
+        """Keep the recovered requests (:class:`fastlock.wal.records.RevokeRequest` of leases
+        recovered as held) on the monotonic clock ``now`` (ms): what is left of each by the
+        wall clock, at most :data:`MAX_REVOKE_GRACE_MS`; returns how many."""
+        wall = wall_ms()
+        kept = 0
+        for r in requests:
+            left = min(max(0, r.until_wall_ms - wall), MAX_REVOKE_GRACE_MS)
+            kept += self.add(RevokeDeadline(r.name, r.token, r.principal, now + left), armed=armed)
+        return kept
+
+    def _arm(self, key: tuple[str, int], due_ms: int) -> None:
+        delay_s = max(0, due_ms - monotonic_ms()) / 1000.0
+        self._timers[key] = self.get_loop().call_later(delay_s, lambda: self._fire(key))
+
+    def _fire(self, key: tuple[str, int]) -> None:
+        self._timers.pop(key, None)
+        deadline = self.drop(*key)
+        if deadline is not None:
+            self.on_due(deadline)
 
 
 class Preemption:
     """The handlers of the priority operations and the deadlines of revoke requests
-    (one asyncio timer per lease asked to yield, dropped when it fires)."""
+    (:class:`RevokeDeadlines`: one timer per lease asked to yield, dropped when it fires)."""
 
     def __init__(self, handlers: Handlers):
         self.handlers = handlers
         self.table = handlers.table
         self.roles = handlers.roles
-        #: (name, token) -> the timer that revokes the lease at its deadline
-        self.deadlines: dict[tuple[str, int], asyncio.TimerHandle] = {}
-        #: principal -> how many of those deadlines it asked for
-        self.deadlines_by_principal: dict[str, int] = {}
+        #: the running revoke requests (replicated; armed on a primary)
+        self.deadlines = RevokeDeadlines(lambda: handlers.server.loop, self._deadline)
 
     def handlers_by_op(self) -> dict:
         """op code -> handler, for the server's handler table."""
@@ -122,18 +244,17 @@ class Preemption:
         if mine <= holder_priority:
             raise InvalidArgument(f"the waiting request's priority {mine} is not above the holder's "
                                   f"({holder_priority}) on {name!r}")
-        key = (name, holder.token)
-        timer = self.deadlines.get(key)
-        if timer is None:
-            running = self.deadlines_by_principal.get(conn.principal, 0)
+        deadlines = self.deadlines
+        deadline = deadlines.get(name, holder.token)
+        if deadline is None:
+            running = deadlines.by_principal.get(conn.principal, 0)
             if running >= MAX_REVOKE_DEADLINES_PER_PRINCIPAL:
                 raise LimitExceeded(f"principal {conn.principal!r} already has {running} revoke requests running "
                                     f"(at most {MAX_REVOKE_DEADLINES_PER_PRINCIPAL})")
-            self.deadlines_by_principal[conn.principal] = running + 1
-            loop = self.handlers.server.loop
-            timer = loop.call_later(grace_ms / 1000.0, self._deadline, name, holder.token, conn.principal)
-            self.deadlines[key] = timer
-        deadline_ms = max(0, round((timer.when() - self.handlers.server.loop.time()) * 1000))
+            deadline = RevokeDeadline(name, holder.token, conn.principal, now + grace_ms)
+            deadlines.add(deadline, armed=True)
+            self.handlers.wal.log_revoke_request(name, holder.token, conn.principal, wall_ms() + grace_ms, grace_ms)
+        deadline_ms = max(0, deadline.due_ms - now)
         target = self.handlers.server.sessions.get(holder.session)
         principal, client = split_recorded_client(conn.recorded)
         if target is not None:
@@ -143,24 +264,21 @@ class Preemption:
         conn.send(P.encode_ok(req_id, {"token": holder.token, "deadline_ms": deadline_ms,
                                        "delivered": target is not None}))
 
-    def _deadline(self, name: str, token: int, principal: str) -> None:
+    def _deadline(self, deadline: RevokeDeadline) -> None:
         """A revoke request's deadline: take the lease if it still holds (primary only)."""
-        self.deadlines.pop((name, token), None)
-        left = self.deadlines_by_principal.get(principal, 1) - 1
-        if left > 0:
-            self.deadlines_by_principal[principal] = left
-        else:
-            self.deadlines_by_principal.pop(principal, None)
+        name, token, principal = deadline.name, deadline.token, deadline.principal
         server = self.handlers.server
         now = monotonic_ms()
         server.source.fence_if_due(now)  # the revocation hands the lock to a waiter: not past the fence
-        try:
-            self.roles.admit(Action.RELEASE)
-        except FastlockError:
-            return  # no longer the serving primary: the lease is the new primary's to keep or expire
         holder = self.table.holder(name, now)
         if holder is None or holder.token != token:
             return  # it yielded (or expired) in time
+        try:
+            self.roles.admit(Action.RELEASE)
+        except FastlockError:
+            if self.roles.role is Role.PRIMARY:  # fenced for now: the deadline stays, tried again
+                self.deadlines.add(deadline._replace(due_ms=now + REVOKE_RETRY_MS), armed=True)
+            return  # no longer a primary: the lease is the new primary's to keep or expire
         lock_admin = self.handlers.lock_admin
         lock_admin.revoke_lease(name, holder, principal, "did not yield to a revoke request by its deadline",
                                 now, None)

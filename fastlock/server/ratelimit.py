@@ -11,15 +11,20 @@ would be admitted.  Over any span of ``d`` seconds a limiter admits at most
 ``burst + rate * d / period``.  Only the server's clock is read; a client's clock
 never counts.
 
-**Across a failover and a restart.**  The limiters are not logged or replicated.  A
-node starts each limiter *drained* at the moment it began to serve (its start, or the
-promotion that raised the fencing epoch): the bucket refills from then at the rate,
-as if ``burst`` had just been taken.  The old primary admits nothing once it is fenced
-or dead, and the new one serves only after that (see ``docs/failover-safety.md``), so
-admissions on the two nodes together never exceed one limiter's bound over any span:
-a failover costs at most ``burst`` admissions (plus those the outage itself costs) and
-never admits one too many.  The price is that a limiter's configuration is not kept
-either: every request carries it.
+**Across a failover and a restart.**  The limiters are not logged or replicated: none
+needs to be.  A node starts each limiter *drained* at the moment from which it is the
+only node serving (``serving_since``), as if ``burst`` had just been taken then; the
+bucket refills from that moment at the rate.  After a promotion that moment is when
+the old primary had stopped admitting for sure (``NodeRole.alone_since``): the time it
+confirmed its step-down, or its own fence, ``F`` after this node last heard it (it
+stops by ``F - margin`` on its clock; see ``docs/failover-safety.md``); after a start
+or a forced promotion (unknown), the first request served.  The old primary's limiter
+had at most ``burst`` outstanding at its last admission (the GCRA bound), so a limiter
+drained at the moment it stopped is never fuller than the true one: admissions on the
+two nodes together never exceed one limiter's bound over any span (``burst + rate *
+d / period``), and a failover whose outage lasts ``burst * emission`` or longer costs
+only the outage (the bucket is full again when the new primary serves).  The price is
+that a limiter's configuration is not kept either: every request carries it.
 
 **Bounds.**  At most :data:`MAX_LIMITERS` limiters on the server and
 :data:`MAX_LIMITERS_PER_PRINCIPAL` per principal; a limiter whose bucket is full again
@@ -116,13 +121,16 @@ class RateLimits:
         self.epoch = epoch
         self._swept_at = now - SWEEP_EVERY_MS  # when the full limiters were last dropped
 
-    def serving(self, epoch: int, now: int) -> None:
+    def serving(self, epoch: int, now: int, alone_since: tuple[int, int] | None = None) -> None:
         """The node serves under fencing epoch ``epoch``: a new epoch (a promotion) drops
-        every limiter and starts them again drained from ``now``."""
+        every limiter and starts them again drained from the time no other node serves:
+        ``alone_since`` (``(epoch, monotonic ms)``, :attr:`fastlock.roles.NodeRole.alone_since`)
+        if it is this epoch's, else ``now``."""
         if epoch != self.epoch:
             self.by_name.clear()
             self.per_principal.clear()
-            self.serving_since = now
+            since = alone_since[1] if alone_since is not None and alone_since[0] == epoch else now
+            self.serving_since = min(since, now)
             self.epoch = epoch
 
     def __len__(self) -> int:
@@ -203,6 +211,6 @@ class RateLimitHandler:
         self.roles.admit(Action.ACQUIRE)
         now = monotonic_ms()
         limits = self.limits
-        limits.serving(self.table.epoch, now)
+        limits.serving(self.table.epoch, now, self.roles.alone_since)
         decision = limits.take(name, rate, period_ms, burst, cost, conn.principal, now)
         conn.send(P.encode_ok(req_id, list(decision)))

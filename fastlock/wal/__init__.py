@@ -62,6 +62,7 @@ REVOKE      10  name, token, principal, reason, wall_ms  (an operator's force-re
 LOCK_DELAY  20  name, until_wall_ms, wall_ms   (no grant of ``name`` before ``until_wall_ms``)
 KEY_PUT     30  key, value, lease_name, token, principal, wall_ms   (lease_name None: no lease)
 KEY_DELETE  31  key, wall_ms
+REVOKE_REQ  70  name, token, principal, until_wall_ms, grace_ms, wall_ms  (a revoke request's deadline)
 ==========  ==  ==================================================================
 
 A GRANT of a shared lease or a semaphore permit has two more fields, ``shared``
@@ -70,6 +71,10 @@ them, as before, so every earlier log reads the same.  LOCK_DELAY records a
 running lock-delay (logged at the expiry that starts it and again after every
 snapshot, which holds leases only); recovery and a promoted standby keep the lock
 unavailable until its wall-clock end, capped at 60 s from recovery.
+REVOKE_REQUEST (``revoke_request`` in the dump) keeps the deadline of a revoke
+request (:mod:`fastlock.server.preemption`) while its lease holds: logged at the
+request and again after every snapshot; recovery and a promoted standby revoke
+the lease at that deadline if it still holds.
 
 ``owner_hash`` is BLAKE2b-128 of the client's owner key (see :func:`fastlock.auth.hash_owner`):
 the key never reaches the disk, a snapshot or a standby.  A log written by a fastlock
@@ -239,6 +244,7 @@ from .records import (
     Release,
     Reserve,
     Revoke,
+    RevokeRequest,
     apply,
 )
 from .recovery import RecoveredState
@@ -285,6 +291,7 @@ __all__ = [
     "Epoch",
     "Reserve",
     "Revoke",
+    "RevokeRequest",
     "Record",
     "LeaseMeta",
     "LogState",

@@ -32,6 +32,7 @@ from .records import (
     Record,
     Reserve,
     Revoke,
+    RevokeRequest,
     apply,
 )
 from .recovery import LogFiles
@@ -121,6 +122,8 @@ def _record_entry(lsn: int, r: Record) -> dict[str, Any]:
         return _entry(lsn, r.wall_ms, "key_delete", key=r.key)
     if isinstance(r, Revoke):
         return _entry(lsn, r.wall_ms, "revoke", r.name, r.token, by=r.principal, reason=r.reason)
+    if isinstance(r, RevokeRequest):
+        return _entry(lsn, r.wall_ms, "revoke_request", r.name, r.token, by=r.principal, until=r.until_wall_ms)
     return _entry(lsn, r.wall_ms, RECORD_NAMES[r.kind], r.name, r.token)  # release, expire
 
 

@@ -39,6 +39,7 @@ from .records import (
     RELEASE,
     RESERVE,
     REVOKE,
+    REVOKE_REQUEST,
     Record,
 )
 from .recovery import RecoveredState, recover
@@ -296,6 +297,12 @@ class WriteAheadLog:
         for name, until_ms in delays:
             if until_ms > now_ms:
                 self._append([LOCK_DELAY, name, wall + until_ms - now_ms, wall])
+
+    def log_revoke_request(self, name: str, token: int, principal: str, until_wall_ms: int, grace_ms: int) -> None:
+        """Log that ``principal`` asked the lease ``token`` on ``name`` to yield by ``until_wall_ms``
+        (wall clock ms), ``grace_ms`` (milliseconds) from now."""
+        self._append([REVOKE_REQUEST, name, token, principal, until_wall_ms, grace_ms, wall_ms()])
+
     def log_key_put(self, key: str, value: bytes, lease_name: str | None, token: int,
                     principal: str | None) -> None:
         """Log that ``key`` holds ``value``, attached to the lease ``(lease_name, token)`` or to none."""

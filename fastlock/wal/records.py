@@ -28,7 +28,10 @@ The rules:
   KEY_DELETE removes a key; a RELEASE or EXPIRE that removes a holder also
   removes every key attached to that lease (see :mod:`fastlock.wal.keyspace`);
 * LOCK_DELAY keeps, per name, the latest wall-clock end of a running
-  lock-delay (recovery installs those still running; see :class:`LockDelay`).
+  lock-delay (recovery installs those still running; see :class:`LockDelay`);
+* REVOKE_REQUEST keeps the deadline of a revoke request made to the lease
+  (name, token) while that lease holds (the end of the lease drops it; see
+  :class:`RevokeRequest`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ __all__ = [
     "GRANT", "RELEASE", "EXPIRE", "EXTEND", "EPOCH", "RESERVE", "REVOKE", "KEY_PUT", "KEY_DELETE", "LOCK_DELAY",
     "RECORD_NAMES", "TOKEN_EPOCH_SHIFT", "COUNTER_MASK", "SHORT_GRANT",
     "Grant", "Release", "Expire", "Extend", "Epoch", "Reserve", "Revoke", "KeyPut", "KeyDelete", "LockDelay", "Record",
+    "REVOKE_REQUEST", "RevokeRequest",
     "HolderRecord", "LeaseMeta", "encode", "decode", "apply", "ApplyTarget", "LogState",
 ]
 
@@ -55,9 +59,11 @@ REVOKE = 10
 LOCK_DELAY = 20
 KEY_PUT = 30
 KEY_DELETE = 31
+REVOKE_REQUEST = 70
 RECORD_NAMES = {GRANT: "grant", RELEASE: "release", EXPIRE: "expire", EXTEND: "extend",
                 EPOCH: "epoch", RESERVE: "reserve", REVOKE: "revoke",
-                KEY_PUT: "key_put", KEY_DELETE: "key_delete", LOCK_DELAY: "lock_delay"}
+                KEY_PUT: "key_put", KEY_DELETE: "key_delete", LOCK_DELAY: "lock_delay",
+                REVOKE_REQUEST: "revoke_request"}
 
 
 
@@ -214,11 +220,36 @@ class LockDelay(NamedTuple):
         return LOCK_DELAY
 
 
-Record = Grant | Release | Expire | Extend | Epoch | Reserve | Revoke | KeyPut | KeyDelete | LockDelay
+class RevokeRequest(NamedTuple):
+    """REVOKE_REQUEST: ``principal`` asked the holder of the lease ``token`` on ``name``
+    to yield (:mod:`fastlock.server.preemption`); unless it has ended by then, the
+    serving primary revokes it at the deadline.  The deadline is written twice:
+    ``grace_ms``, the milliseconds it had left when the record was logged (a standby
+    counts them from the record's arrival, so its deadline is never earlier than the
+    primary's), and ``until_wall_ms`` (wall clock, ms since the Unix epoch: the only
+    clock that survives a restart; recovery caps what is left at the longest grace).
+    Logged at the request, and again for every running request right after a
+    snapshot (which holds leases only)."""
+
+    name: str
+    token: int
+    principal: str
+    until_wall_ms: int
+    grace_ms: int
+    wall_ms: int
+
+    @property
+    def kind(self) -> int:
+        """The record type (``REVOKE_REQUEST``), the first item of the array on disk."""
+        return REVOKE_REQUEST
+
+
+Record = Grant | Release | Expire | Extend | Epoch | Reserve | Revoke | KeyPut | KeyDelete | LockDelay | RevokeRequest
 
 _TYPES: dict[int, Any] = {GRANT: Grant, RELEASE: Release, EXPIRE: Expire, EXTEND: Extend,
                           EPOCH: Epoch, RESERVE: Reserve, REVOKE: Revoke,
-                          KEY_PUT: KeyPut, KEY_DELETE: KeyDelete, LOCK_DELAY: LockDelay}
+                          KEY_PUT: KeyPut, KEY_DELETE: KeyDelete, LOCK_DELAY: LockDelay,
+                          REVOKE_REQUEST: RevokeRequest}
 #: (type, length of the array) -> record class: the shape of every record body with all
 #: its fields (an exclusive grant's shorter body is decoded by :func:`decode`)
 SHAPES: dict[tuple[int, int], Any] = {(kind, len(cls._fields) + 1): cls for kind, cls in _TYPES.items()}
@@ -360,6 +391,10 @@ class ApplyTarget(Protocol):
         """Remove every key attached to the lease ``(name, token)`` (there are some)."""
         ...
 
+    def request_revoke(self, record: RevokeRequest) -> None:
+        """Keep the deadline of a revoke request to the lease ``(record.name, record.token)`` (it holds)."""
+        ...
+
 
 def apply(record: Record, target: ApplyTarget) -> bool:
     """Apply one record to ``target`` by the rules in the module docstring;
@@ -400,6 +435,11 @@ def apply(record: Record, target: ApplyTarget) -> bool:
             return False
         target.delete_key(record)
         return True
+    if type(record) is RevokeRequest:
+        if not target.holds(record.name, record.token):
+            return False
+        target.request_revoke(record)
+        return True
     return False
 
 
@@ -415,7 +455,7 @@ class LogState:
     :class:`HolderRecord`; :meth:`holder_records` gives them all as HolderRecords.
     """
 
-    __slots__ = ("holders", "epoch", "counter", "keys", "lock_delays")
+    __slots__ = ("holders", "epoch", "counter", "keys", "lock_delays", "revoke_requests")
 
     def __init__(self, epoch: int = 0, counter: int = 0, holders: list[HolderRecord] | None = None,
                  keys: KeySpace | None = None):
@@ -427,6 +467,8 @@ class LogState:
         self.keys = keys if keys is not None else KeySpace()
         #: name -> wall-clock ms until which its lock-delay runs (past ones too: recovery filters)
         self.lock_delays: dict[str, int] = {}
+        #: (name, token) -> the latest revoke request to that lease while it holds
+        self.revoke_requests: dict[tuple[str, int], RevokeRequest] = {}
 
     def holder_records(self) -> list[HolderRecord]:
         """Every holder, as :class:`HolderRecord`."""
@@ -462,6 +504,8 @@ class LogState:
         del by_token[record.token]
         if not by_token:
             del self.holders[record.name]
+        if self.revoke_requests:
+            self.revoke_requests.pop((record.name, record.token), None)
 
     def set_ttl(self, record: Extend) -> None:
         by_token = self.holders[record.name]
@@ -486,3 +530,6 @@ class LogState:
 
     def lease_ended(self, name: str, token: int) -> None:
         self.keys.lease_ended(name, token)
+
+    def request_revoke(self, record: RevokeRequest) -> None:
+        self.revoke_requests[(record.name, record.token)] = record

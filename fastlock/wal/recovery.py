@@ -21,7 +21,7 @@ from ..errors import WalCorruption
 from .files import fsync_dir, read_file
 from .format import FrameReader, list_dir, parse_segment
 from .keyspace import KeySpace
-from .records import HolderRecord, LogState, apply
+from .records import HolderRecord, LogState, RevokeRequest, apply
 from .snapshot import Snapshot, load_snapshot
 
 log = logging.getLogger("fastlock.wal")
@@ -40,6 +40,8 @@ class RecoveredState(NamedTuple):
     keys: KeySpace | None = None  # the key store (fastlock.wal.keyspace)
     #: (name, until_wall_ms): the latest lock-delay logged per name (wall clock ms; ended ones too)
     lock_delays: list[tuple[str, int]] = []
+    #: the revoke requests to leases recovered as held (fastlock.server.preemption)
+    revoke_requests: list[RevokeRequest] = []
 
 
 class LogFiles:
@@ -178,5 +180,6 @@ def recover(directory: str, *, repair: bool = False) -> Recovery:
         snapshot_lsn=base,
         keys=state.keys,
         lock_delays=list(state.lock_delays.items()),
+        revoke_requests=[r for r in state.revoke_requests.values() if state.holds(r.name, r.token)],
     )
     return Recovery(recovered, list(files.segs), repaired)
