@@ -20,6 +20,7 @@ import time
 import pytest
 
 from fastlock._testbase.cluster import Cluster, RawNode, poll, run, status_of
+from fastlock._testbase.servers import WitnessProcess
 from fastlock.errors import LockNotAcquired, NotPrimary, Unavailable
 
 SHORT_MS = 1000  # the TTL the standby hears of before the cut
@@ -137,8 +138,52 @@ def test_a_lone_primary_has_no_bound(cluster):
         try:
             await asyncio.wait_for(node.acquire(os.urandom(4).hex(), LONG_MS), 10)
             st = (await status_of(p.address))["replication"]["ttl_bound"]
-            assert st == {"bound_ms": None, "waiting": 0, "waited": 0}
+            assert st == {"bound_ms": None, "witness_ms": 0, "waiting": 0, "waited": 0}
         finally:
             await node.close()
 
     run(main(), 30)
+
+
+# -- a pair with a witness: the primary keeps granting while its standby is silent ----------
+
+@pytest.fixture
+def witness(cluster, tmp_path):
+    w = WitnessProcess(tmp_path / "witness", cluster.creds.file)
+    cluster.servers.append(w)  # stopped with the cluster
+    return w.start()
+
+
+def test_a_witness_pair_cut_off_primary_reports_the_long_ttl_and_the_promotion_keeps_it(cluster, witness):
+    """The link cut, the witness reachable: the primary keeps granting on the witness's lease,
+    and a new longest TTL is acknowledged only once the witness recorded it; killed, its
+    standby promotes with the witness's vote, which hands it that TTL as its grace."""
+    p = cluster.primary(args=["--witness", witness.address])
+    px = cluster.proxy(p.address)
+    s = cluster.standby(px.address, failover_after=1.0, args=["--witness", witness.address])
+    p.wait_for_log(r"holding its lease for epoch", 10)
+
+    async def main():
+        old = await RawNode.open(p.address)
+        try:
+            await old.acquire("warm-up", SHORT_MS)
+            await poll(lambda: status_of(p.address),
+                       lambda st: st["replication"]["ttl_bound"]["bound_ms"] == SHORT_MS,
+                       timeout=10, what="the standby to confirm the short TTL")
+            px.blackhole()
+            await asyncio.to_thread(s.wait_for_log, r"did not grant the lease of epoch", 30)
+            # the standby cannot be told: the witness records the TTL before the reply goes out
+            await asyncio.wait_for(old.acquire("ledger", LONG_MS), 10)
+            acked_at = time.monotonic()
+            st = (await status_of(p.address))["replication"]["ttl_bound"]
+            assert st["witness_ms"] >= LONG_MS and st["bound_ms"] >= LONG_MS
+        finally:
+            await old.close()
+        p.kill()
+        line = await asyncio.to_thread(s.wait_for_log, r"PROMOTED to primary", 40)
+        grace_ms = int(line.rsplit(" ms (grace)", 1)[0].rsplit(" ", 1)[1])
+        assert grace_ms >= LONG_MS, line  # the witness's word: the old primary's longest TTL
+        if time.monotonic() < acked_at + LONG_MS / 1000 - 5:
+            assert not await _granted_on(s.address, "ledger", 3.0)
+
+    run(main(), 120)

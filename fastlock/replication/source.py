@@ -26,7 +26,7 @@ from ..wal import BacklogReader, WalCompacted
 from .messages import encode_snapshot, heartbeat_interval_ms, standby_identity
 from .node_state import Pairing, read_pairing, remove_pairing, write_pairing
 from .syncrep import SyncGate, SyncSettings
-from .ttlbound import MAX_UNCONFIRMED_HEARTBEATS, SentTtl, TtlBound
+from .ttlbound import MAX_UNCONFIRMED_HEARTBEATS, SentTtl, TtlBound, TtlCounted
 
 if TYPE_CHECKING:  # pragma: no cover
     from .groupsync import GroupSyncGate
@@ -364,14 +364,19 @@ class ReplicationSource:
             conn.flush()  # drops a standby too far behind (it resyncs): see the server's output caps
             replica.sent.append((last_lsn, now))
 
-    def _ttl_counted(self) -> list[str] | None:
-        """The standbys whose known TTL bounds what this primary acknowledges (ttlbound.py):
-        the paired one, in a group every attached one; None: nothing promotes on its silence."""
+    def _ttl_counted(self) -> TtlCounted | None:
+        """Whose known TTL bounds what this primary acknowledges (ttlbound.py): the paired
+        standby, or the witness it asks before promoting; in a group every attached standby;
+        None: nothing promotes on this primary's silence."""
         if not self.fencing:
             return None
         if self.coordinated:
-            return [r.ident for r in self.replicas.values()] or None
-        return [standby_identity(self.paired_id)] if self.paired_id is not None else None
+            idents = [r.ident for r in self.replicas.values()]
+            return TtlCounted(idents, False) if idents else None
+        if self.paired_id is None:
+            return None
+        witness = self.witness_address is not None and self.paired_witness == self.witness_address
+        return TtlCounted([standby_identity(self.paired_id)], witness)
 
     def _heartbeat_now(self) -> None:
         """Send a heartbeat at once (it carries a new longest TTL), and the next ones on time."""
@@ -480,13 +485,15 @@ class ReplicationSource:
         else ``own_window_ms`` (its own ``--failover-after``); 0: none."""
         return self._paired_window_ms or own_window_ms
 
-    def witness_granted(self, sent_ms: int, lease_ms: int) -> None:
+    def witness_granted(self, sent_ms: int, lease_ms: int, max_ttl_ms: int = 0) -> None:
         """The witness granted this primary the lease of its epoch for ``lease_ms`` (ms),
         asked at ``sent_ms`` (this node's monotonic ms): grant until ``sent_ms + lease_ms``
         minus the fence margin even when the standby is silent (see
-        :mod:`fastlock.replication.witness`)."""
+        :mod:`fastlock.replication.witness`); it recorded ``max_ttl_ms`` (ms) as this
+        primary's longest TTL, which the next epoch's holder learns (ttlbound.py)."""
         if self._paired_window_ms and self.paired_witness != self.witness_address:
             return  # the paired standby would promote without asking this witness: its lease proves nothing
+        self.ttl.witness_confirmed(max_ttl_ms)
         margin = self.fence_margin_ms if self.fence_margin_ms is not None else lease_ms // 4
         until = sent_ms + lease_ms - margin
         if until > self._witness_until_ms:

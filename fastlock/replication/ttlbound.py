@@ -18,11 +18,13 @@ as a fenced primary's undelivered grants do) when the primary fences first, stop
 primary, or after :attr:`TtlBound.wait_ms` (a primary serving on its witness's lease while
 its standby is gone: it grants no TTL longer than that standby knows).
 
-Which standbys count: a pair's paired standby (whether attached or not: a cut-off standby is
-the one that promotes), in an etcd group (coordinated) every attached standby; no bound
-when nothing can promote on this primary's silence (no paired failover window, serving
-alone, or a group primary with no standby attached).  The whole argument:
-``docs/failover-safety.md``.
+Who counts: a pair's paired standby (whether attached or not: a cut-off standby is the one
+that promotes), or the pair's witness when the standby asks it before promoting (the
+witness keeps the longest TTL the primary reported with its lease renewal and hands it
+to the node it votes in next: :mod:`fastlock.replication.witness`); in an etcd group
+(coordinated) every attached standby.  No bound when nothing can promote on this
+primary's silence (no paired failover window, serving alone, or a group primary with no
+standby attached).  The whole argument: ``docs/failover-safety.md``.
 """
 
 from __future__ import annotations
@@ -59,6 +61,14 @@ class SentTtl(NamedTuple):
     ttl_ms: int
 
 
+class TtlCounted(NamedTuple):
+    """Whose word bounds the TTLs a primary acknowledges: ``standbys`` (idents; each must
+    know a TTL) or, when ``witness``, the witness alone."""
+
+    standbys: list[str]
+    witness: bool
+
+
 class TtlWaiter(NamedTuple):
     """A reply held until the standbys know ``ttl_ms`` (``since_ms``: primary monotonic ms)."""
 
@@ -73,18 +83,20 @@ class TtlBound:
 
     Args:
         host: the server as replication sees it (its role and loop).
-        bound_source: returns the idents of the standbys whose knowledge counts, or None
-            when nothing can promote on this primary's silence (no bound).
+        bound_source: returns whose knowledge counts (:class:`TtlCounted`), or None when
+            nothing can promote on this primary's silence (no bound).
         heartbeat_now: sends a heartbeat at once (it carries the primary's longest TTL).
     """
 
-    def __init__(self, host: ReplicationHost, bound_source: Callable[[], list[str] | None],
+    def __init__(self, host: ReplicationHost, bound_source: Callable[[], TtlCounted | None],
                  heartbeat_now: Callable[[], None]):
         self.host = host
         self._counted = bound_source
         self._heartbeat_now = heartbeat_now
         #: by standby ident: the longest TTL (ms) it acknowledged knowing (an echoed heartbeat carried it)
         self.confirmed_ms: dict[str, int] = {}
+        #: the longest TTL (ms) the witness recorded for this primary (its lease renewal carried it)
+        self.witness_ms = 0
         #: the longest TTL (ms) a heartbeat has carried so far
         self.sent_ttl_ms = 0
         self.waiting: list[TtlWaiter] = []
@@ -97,11 +109,12 @@ class TtlBound:
     # -- the bound ------------------------------------------------------------------------
     def bound_ms(self) -> int | None:
         """The longest TTL (ms) a reply may acknowledge without waiting; None: no bound."""
-        idents = self._counted()
-        if idents is None:
+        counted = self._counted()
+        if counted is None:
             return None
         confirmed = self.confirmed_ms
-        return min((confirmed.get(i, 0) for i in idents), default=0)
+        bound = min((confirmed.get(i, 0) for i in counted.standbys), default=0)
+        return max(bound, self.witness_ms) if counted.witness else bound
 
     def covers(self, ttl_ms: int) -> bool:
         """May a reply acknowledge a lease of ``ttl_ms`` (ms) without waiting?"""
@@ -119,6 +132,13 @@ class TtlBound:
             self.confirmed_ms[ident] = ttl_ms
         if self.waiting:
             self.recheck()
+
+    def witness_confirmed(self, ttl_ms: int) -> None:
+        """The witness recorded ``ttl_ms`` (ms) as this primary's longest TTL: release what it covers."""
+        if ttl_ms > self.witness_ms:
+            self.witness_ms = ttl_ms
+            if self.waiting:
+                self.recheck()
 
     # -- held replies -----------------------------------------------------------------------
     def after(self, deliver: Deliver, ttl_ms: int) -> Deliver:
@@ -212,8 +232,9 @@ class TtlBound:
                            f"grace it would keep): not acknowledged; retry")
 
     def status(self) -> dict:
-        """``{"bound_ms": int | None, "waiting": int, "waited": int}`` (ms; counters)."""
-        return {"bound_ms": self.bound_ms(), "waiting": len(self.waiting), "waited": self.waited}
+        """``{"bound_ms": int | None, "witness_ms": int, "waiting": int, "waited": int}`` (ms; counters)."""
+        return {"bound_ms": self.bound_ms(), "witness_ms": self.witness_ms, "waiting": len(self.waiting),
+                "waited": self.waited}
 
     def close(self) -> None:
         if self._timer is not None:
