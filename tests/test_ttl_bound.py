@@ -8,7 +8,8 @@ primary acknowledged could be live: so the old primary must not acknowledge it (
 for the standby's echo of a heartbeat carrying the new TTL, which never comes, and fails
 with Unavailable when it fences).  With the link up the same request costs one round trip.
 
-Real processes (``Cluster``), a ``TcpProxy`` between the pair; every wait is bounded.
+Real processes (the ``cluster`` fixture), a ``TcpProxy`` between the pair; every wait is
+bounded.  The etcd group's case: ``test_ttl_bound_group.py``.
 """
 
 from __future__ import annotations
@@ -19,22 +20,13 @@ import time
 
 import pytest
 
-from fastlock._testbase.cluster import Cluster, RawNode, poll, run, status_of
+from fastlock._testbase.cluster import RawNode, poll, run, status_of
 from fastlock._testbase.servers import WitnessProcess
 from fastlock.errors import LockNotAcquired, NotPrimary, Unavailable
 
 SHORT_MS = 1000  # the TTL the standby hears of before the cut
 LONG_MS = 60_000  # the TTL asked of the old primary after the cut
 FAILOVER = 2.0  # --failover-after, seconds
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.stop_all()
 
 
 def _cut_pair(cluster, args=()):
