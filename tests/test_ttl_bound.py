@@ -22,7 +22,9 @@ import pytest
 
 from fastlock._testbase.cluster import RawNode, poll, run, status_of
 from fastlock._testbase.servers import WitnessProcess
-from fastlock.errors import LockNotAcquired, NotPrimary, Unavailable
+from fastlock.auth import Credentials
+from fastlock.errors import InvalidArgument, LockNotAcquired, NotPrimary, Unavailable
+from fastlock.replication.witness import Witness, read_vote
 
 SHORT_MS = 1000  # the TTL the standby hears of before the cut
 LONG_MS = 60_000  # the TTL asked of the old primary after the cut
@@ -179,3 +181,38 @@ def test_a_witness_pair_cut_off_primary_reports_the_long_ttl_and_the_promotion_k
             assert not await _granted_on(s.address, "ledger", 3.0)
 
     run(main(), 120)
+
+
+# -- the witness's record of the longest TTL (its rule, on a fake clock) ----------------------
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def test_the_witness_keeps_the_longest_ttl_reported_and_hands_it_to_the_next_vote(tmp_path):
+    clock = Clock()
+    w = Witness(str(tmp_path), Credentials.open_mode(), clock=clock)
+    assert w.lease("r1/a", 1, 1000, False, SHORT_MS)["max_ttl_ms"] == SHORT_MS
+    assert w.lease("r1/a", 1, 1000, False, LONG_MS)["max_ttl_ms"] == LONG_MS
+    assert read_vote(str(tmp_path)).max_ttl_ms == LONG_MS  # on disk before the answer
+    assert w.lease("r1/a", 1, 1000, False, SHORT_MS)["max_ttl_ms"] == LONG_MS  # never lowered
+    clock.now += 1000
+    vote = w.lease("r2/b", 2, 1000)  # a promotion's vote: it learns the old primary's longest TTL
+    assert vote["granted"] and vote["previous_max_ttl_ms"] == LONG_MS and vote["max_ttl_ms"] == 0
+    clock.now += 1000
+    # voted in but never heard from again (it died promoting): the next one still learns it
+    assert w.lease("r3/c", 3, 1000)["previous_max_ttl_ms"] == LONG_MS
+    again = Witness(str(tmp_path), Credentials.open_mode(), clock=clock)
+    assert again.vote.previous_max_ttl_ms == LONG_MS
+
+
+@pytest.mark.parametrize("max_ttl_ms", [-1, "1000", 1.5, 10**12, True])
+def test_a_bad_longest_ttl_is_refused_and_changes_nothing(tmp_path, max_ttl_ms):
+    w = Witness(str(tmp_path), Credentials.open_mode(), clock=Clock())
+    with pytest.raises(InvalidArgument):
+        w.lease("r1/a", 1, 1000, False, max_ttl_ms)
+    assert w.vote.epoch == 0 and w.vote.holder is None
