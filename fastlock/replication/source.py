@@ -370,8 +370,8 @@ class ReplicationSource:
         None: nothing promotes on this primary's silence."""
         if not self.fencing:
             return None
-        if self.coordinated:
-            idents = [r.ident for r in self.replicas.values()]
+        if self.coordinated:  # those that have echoed (one still catching up from a snapshot has not)
+            idents = [r.ident for r in self.replicas.values() if r.last_ack_ms]
             return TtlCounted(idents, False) if idents else None
         if self.paired_id is None:
             return None

@@ -22,7 +22,7 @@ Who counts: a pair's paired standby (whether attached or not: a cut-off standby 
 that promotes), or the pair's witness when the standby asks it before promoting (the
 witness keeps the longest TTL the primary reported with its lease renewal and hands it
 to the node it votes in next: :mod:`fastlock.replication.witness`); in an etcd group
-(coordinated) every attached standby.  No bound when nothing can promote on this
+(coordinated) every attached standby that has echoed a heartbeat.  No bound when nothing can promote on this
 primary's silence (no paired failover window, serving alone, or a group primary with no
 standby attached).  The whole argument: ``docs/failover-safety.md``.
 """
