@@ -26,7 +26,7 @@ from ..wal import BacklogReader, WalCompacted
 from .messages import encode_snapshot, heartbeat_interval_ms, standby_identity
 from .node_state import Pairing, read_pairing, remove_pairing, write_pairing
 from .syncrep import SyncGate, SyncSettings
-from .ttlbound import MAX_UNCONFIRMED_HEARTBEATS, SentTtl, TtlBound, TtlCounted
+from .ttlbound import GROUP_LIVE_MS, MAX_UNCONFIRMED_HEARTBEATS, SentTtl, TtlBound, TtlCounted
 
 if TYPE_CHECKING:  # pragma: no cover
     from .groupsync import GroupSyncGate
@@ -370,8 +370,11 @@ class ReplicationSource:
         None: nothing promotes on this primary's silence."""
         if not self.fencing:
             return None
-        if self.coordinated:  # those that have echoed (one still catching up from a snapshot has not)
-            idents = [r.ident for r in self.replicas.values() if r.last_ack_ms]
+        if self.coordinated:  # those heard from lately (one catching up or stalled does not hold grants up)
+            now = monotonic_ms()
+            echoed = [r for r in self.replicas.values() if r.last_ack_ms]
+            live = [r.ident for r in echoed if now - r.last_ack_ms < GROUP_LIVE_MS]
+            idents = live or [r.ident for r in echoed]  # none heard lately: this primary may be the one cut off
             return TtlCounted(idents, False) if idents else None
         if self.paired_id is None:
             return None

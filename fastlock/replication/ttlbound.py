@@ -22,7 +22,9 @@ Who counts: a pair's paired standby (whether attached or not: a cut-off standby 
 that promotes), or the pair's witness when the standby asks it before promoting (the
 witness keeps the longest TTL the primary reported with its lease renewal and hands it
 to the node it votes in next: :mod:`fastlock.replication.witness`); in an etcd group
-(coordinated) every attached standby that has echoed a heartbeat.  No bound when nothing can promote on this
+(coordinated) every attached standby heard from within :data:`GROUP_LIVE_MS` (one still
+catching up, or stalled, does not hold grants up for longer than that while another is
+heard; none heard: every attached one that has echoed).  No bound when nothing can promote on this
 primary's silence (no paired failover window, serving alone, or a group primary with no
 standby attached).  The whole argument: ``docs/failover-safety.md``.
 """
@@ -47,6 +49,8 @@ log = logging.getLogger("fastlock.replication")
 MAX_WAITING = 10_000
 #: the shortest wait for a confirmation before the reply fails (ms)
 MIN_WAIT_MS = 1000
+#: an etcd group's standby counts while its last acknowledgement is this recent (ms)
+GROUP_LIVE_MS = 500
 #: heartbeats whose TTL a standby has not confirmed yet, kept per standby at most (a longer
 #: list merges its newest entries: the later send time only delays a confirmation)
 MAX_UNCONFIRMED_HEARTBEATS = 64
@@ -207,6 +211,7 @@ class TtlBound:
 
     def _on_timer(self) -> None:
         self._timer = None
+        self.recheck()  # a group's stalled standby may have stopped counting meanwhile
         now = monotonic_ms()
         late = [w for w in self.waiting if now - w.since_ms >= self.wait_ms]
         if late:
