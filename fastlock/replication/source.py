@@ -26,6 +26,7 @@ from ..wal import BacklogReader, WalCompacted
 from .messages import encode_snapshot, heartbeat_interval_ms, standby_identity
 from .node_state import Pairing, read_pairing, remove_pairing, write_pairing
 from .syncrep import SyncGate, SyncSettings
+from .ttlbound import GROUP_LIVE_MS, MAX_UNCONFIRMED_HEARTBEATS, SentTtl, TtlBound, TtlCounted
 
 if TYPE_CHECKING:  # pragma: no cover
     from .groupsync import GroupSyncGate
@@ -43,7 +44,7 @@ class _Replica:
     """One attached standby, as the source tracks it."""
 
     __slots__ = ("conn", "name", "ident", "failover_after_ms", "acked_lsn", "contact_ms", "sent",
-                 "last_ack_ms", "catching_up", "task", "base_cap", "address", "witness")
+                 "last_ack_ms", "catching_up", "task", "base_cap", "address", "witness", "unconfirmed")
 
     def __init__(self, conn: ReplicaConnection, name: str | None, failover_after_ms: int,
                  address: str | None = None, witness: str | None = None):
@@ -60,6 +61,8 @@ class _Replica:
         self.catching_up = False  # the backlog is being streamed; live batches wait
         self.task: asyncio.Future | None = None
         self.base_cap = 0  # the connection's output cap before any snapshot was added to it
+        #: heartbeats sent to it that carried a longer TTL than the one before, not echoed yet
+        self.unconfirmed: deque[SentTtl] = deque()
 
 
 class ReplicationSource:
@@ -90,6 +93,9 @@ class ReplicationSource:
         self.replicas: dict[int, _Replica] = {}  # by session
         #: synchronous replication: replies that wait for the standby (None settings: async, a no-op)
         self.sync: SyncGate | GroupSyncGate = SyncGate(host, self, sync)  # a group's: coordinated.py
+        #: replies acknowledging a TTL the standbys may not know wait for their echo (ttlbound.py)
+        self.ttl = TtlBound(host, self._ttl_counted, self._heartbeat_now)
+        self._last_hb_ms = 0  # when the last heartbeat went out (monotonic ms)
         self.fence_margin_ms = fence_margin_ms
         self.serving_alone = False
         self.paired_id: str | None = None
@@ -359,17 +365,53 @@ class ReplicationSource:
             conn.flush()  # drops a standby too far behind (it resyncs): see the server's output caps
             replica.sent.append((last_lsn, now))
 
+    def _ttl_counted(self) -> TtlCounted | None:
+        """Whose known TTL bounds what this primary acknowledges (ttlbound.py): the paired
+        standby, or the witness it asks before promoting; in a group every attached standby;
+        None: nothing promotes on this primary's silence."""
+        if not self.fencing:
+            return None
+        if self.coordinated:  # those heard from lately (one catching up or stalled does not hold grants up)
+            now = monotonic_ms()
+            echoed = [r for r in self.replicas.values() if r.last_ack_ms]
+            live = [r.ident for r in echoed if now - r.last_ack_ms < GROUP_LIVE_MS]
+            idents = live or [r.ident for r in echoed]  # none heard lately: this primary may be the one cut off
+            return TtlCounted(idents, False) if idents else None
+        if self.paired_id is None:
+            return None
+        witness = self.witness_address is not None and self.paired_witness == self.witness_address
+        return TtlCounted([standby_identity(self.paired_id)], witness)
+
+    def _heartbeat_now(self) -> None:
+        """Send a heartbeat at once (it carries a new longest TTL), and the next ones on time."""
+        if self._hb_timer is not None:
+            self._hb_timer.cancel()
+        self._heartbeat()
+
     def _heartbeat(self) -> None:
         self._hb_timer = None
         if not self.replicas:
             return
         host = self.host
         now = monotonic_ms()
+        max_ttl_ms = host.max_ttl_ms
+        if now <= self._last_hb_ms and max_ttl_ms > self.ttl.sent_ttl_ms:
+            # an echo names a heartbeat by its send time: one with a longer TTL goes in the next ms
+            self._hb_timer = host.loop.call_later(0.002, self._heartbeat)
+            return
+        self._last_hb_ms = now
         msg = P.encode_push(P.PUSH_HEARTBEAT, [now, host.wal.stats()["last_lsn"], host.table.epoch,
-                                              host.max_ttl_ms, self.paired_id, self._paired_window_ms])
+                                              max_ttl_ms, self.paired_id, self._paired_window_ms])
+        self.ttl.heartbeat_sent(max_ttl_ms)
+        self.ttl.wait_ms = max(self.ttl.wait_ms, self._paired_window_ms)
         interval = 500
         extra = self.sync.status_push()  # synchronous replication's status (None: async)
         for replica in self.replicas.values():
+            unconfirmed = replica.unconfirmed
+            if not unconfirmed or max_ttl_ms > unconfirmed[-1].ttl_ms:
+                if len(unconfirmed) >= MAX_UNCONFIRMED_HEARTBEATS:
+                    unconfirmed.pop()
+                unconfirmed.append(SentTtl(now, max_ttl_ms))
             if not replica.conn.closed:
                 replica.conn.send(msg)
                 if extra is not None:
@@ -387,11 +429,15 @@ class ReplicationSource:
             raise ProtocolError("REPL_ACK takes two integers")
         now = monotonic_ms()
         replica.last_ack_ms = now
+        known = 0  # the longest TTL (ms) of the heartbeats this echo confirms
         if replica.contact_ms < echoed_ms <= now:
             replica.contact_ms = echoed_ms
             if echoed_ms > self._contact_ms:
                 self._contact_ms = echoed_ms
             self.sync.on_contact(echoed_ms)  # a degrade waits for the standby to hear it
+            unconfirmed = replica.unconfirmed
+            while unconfirmed and unconfirmed[0].sent_ms <= echoed_ms:
+                known = unconfirmed.popleft().ttl_ms
             if not self.coordinated and (self.paired_id is None or self._paired_window_ms != replica.failover_after_ms
                     or self.paired_id != replica.name
                     or (replica.address is not None and self.paired_address != replica.address)
@@ -404,6 +450,8 @@ class ReplicationSource:
             while sent and sent[0][0] <= applied_lsn:
                 sent.popleft()
         self._check_fence(now)
+        if known:
+            self.ttl.confirmed(replica.ident, known)  # releases replies that waited for it
 
     # -- fencing ----------------------------------------------------------------------------
     @property
@@ -441,13 +489,15 @@ class ReplicationSource:
         else ``own_window_ms`` (its own ``--failover-after``); 0: none."""
         return self._paired_window_ms or own_window_ms
 
-    def witness_granted(self, sent_ms: int, lease_ms: int) -> None:
+    def witness_granted(self, sent_ms: int, lease_ms: int, max_ttl_ms: int = 0) -> None:
         """The witness granted this primary the lease of its epoch for ``lease_ms`` (ms),
         asked at ``sent_ms`` (this node's monotonic ms): grant until ``sent_ms + lease_ms``
         minus the fence margin even when the standby is silent (see
-        :mod:`fastlock.replication.witness`)."""
+        :mod:`fastlock.replication.witness`); it recorded ``max_ttl_ms`` (ms) as this
+        primary's longest TTL, which the next epoch's holder learns (ttlbound.py)."""
         if self._paired_window_ms and self.paired_witness != self.witness_address:
             return  # the paired standby would promote without asking this witness: its lease proves nothing
+        self.ttl.witness_confirmed(max_ttl_ms)
         margin = self.fence_margin_ms if self.fence_margin_ms is not None else lease_ms // 4
         until = sent_ms + lease_ms - margin
         if until > self._witness_until_ms:
@@ -491,6 +541,7 @@ class ReplicationSource:
             return  # a standby, promoting or deposed node grants nothing anyway
         window = self._paired_window_ms
         roles.set_fenced(True)  # holds every grant (the role decides the table's hold)
+        self.ttl.recheck()  # replies waiting for the standby to confirm a TTL fail
         # no contact since this process started: its monotonic clock says nothing about the silence
         silence = f"for {now - self._contact_ms} ms" if self._contact_ms else "since this node started"
         log.warning(
@@ -565,6 +616,7 @@ class ReplicationSource:
             "witness_lease_ms_left": max(0, self._witness_until_ms - now),
             "paired_standby_witness": self.paired_witness,
             "incarnation": self.incarnation,
+            "ttl_bound": self.ttl.status(),
         }
 
     def close(self) -> None:
@@ -577,6 +629,8 @@ class ReplicationSource:
         if self._fence_timer is not None:
             self._fence_timer.cancel()
             self._fence_timer = None
+        self.ttl.fail_all("this node stopped")
+        self.ttl.close()
         self.sync.close()
 
 

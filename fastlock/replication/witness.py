@@ -24,6 +24,12 @@ is no longer in sync (dead, or cut off) tells the witness instead
 (``out_of_sync``, kept with the vote); the node voted in at the next epoch
 learns it (``previous_out_of_sync``) and takes the promotion grace period.
 
+The longest TTL: the holder reports the longest lease TTL it has granted (``max_ttl_ms``,
+kept with the vote, the highest reported at that epoch); the node voted in at the next
+epoch learns it (``previous_max_ttl_ms``) and keeps a promotion grace at least that long.
+A primary whose standby is silent may so acknowledge a lease up to the TTL the witness
+confirmed (:mod:`fastlock.replication.ttlbound`).
+
 A witness restarted with a vote holds that vote's lease for a whole
 ``lease_ms`` from its start (it cannot know how much of it was left).  The
 safety argument is in ``docs/failover-safety.md`` ("A pair with a witness").
@@ -62,7 +68,8 @@ from .node_state import load_json, node_id
 
 log = logging.getLogger("fastlock.witness")
 
-#: the witness's own op: ``[req_id, OP_WITNESS_LEASE, epoch, lease_ms[, out_of_sync]]`` -> :meth:`Witness.lease`'s dict
+#: the witness's own op: ``[req_id, OP_WITNESS_LEASE, epoch, lease_ms[, out_of_sync[, max_ttl_ms]]]``
+#: -> :meth:`Witness.lease`'s dict
 OP_WITNESS_LEASE = 120
 #: what the witness's HELLO answer says it is (a node refuses any other server as its witness)
 WITNESS_SERVER = "fastlock-witness"
@@ -82,13 +89,17 @@ class WitnessVote(NamedTuple):
     for, to whom (``principal/node``; None: nobody yet), the longest lease it gave at that
     epoch (ms), whether that holder last said its standby may lack acknowledged grants
     (``out_of_sync``), and what the holder of the epoch below last said when this vote
-    was taken (``previous_out_of_sync``)."""
+    was taken (``previous_out_of_sync``); the longest lease TTL the holder reported granting at
+    that epoch (``max_ttl_ms``, ms) and the one the holder of the epoch below had reported
+    (``previous_max_ttl_ms``)."""
 
     epoch: int
     holder: str | None
     lease_ms: int
     out_of_sync: bool = False
     previous_out_of_sync: bool = False
+    max_ttl_ms: int = 0
+    previous_max_ttl_ms: int = 0
 
 
 def read_vote(directory: str) -> WitnessVote:
@@ -98,11 +109,13 @@ def read_vote(directory: str) -> WitnessVote:
         NodeFileDamaged: the file is not what :func:`write_vote` writes.
     """
     data = load_json(directory, VOTE_FILE, {"epoch": (int,), "holder": (str, type(None)), "lease_ms": (int,),
-                                            "out_of_sync": (bool,), "previous_out_of_sync": (bool,)})
+                                            "out_of_sync": (bool,), "previous_out_of_sync": (bool,),
+                                            "max_ttl_ms": (int,), "previous_max_ttl_ms": (int,)})
     if data is None:
         return WitnessVote(0, None, 0)
     return WitnessVote(int(data.get("epoch", 0)), data.get("holder"), int(data.get("lease_ms", 0)),
-                       bool(data.get("out_of_sync", False)), bool(data.get("previous_out_of_sync", False)))
+                       bool(data.get("out_of_sync", False)), bool(data.get("previous_out_of_sync", False)),
+                       int(data.get("max_ttl_ms", 0)), int(data.get("previous_max_ttl_ms", 0)))
 
 
 def write_vote(directory: str, vote: WitnessVote) -> None:
@@ -134,37 +147,46 @@ class Witness:
         self._per_address: dict[str | None, int] = {}
 
     # -- the rule ---------------------------------------------------------------------------
-    def lease(self, holder: str, epoch: Any, lease_ms: Any, out_of_sync: Any = False) -> dict:
+    def lease(self, holder: str, epoch: Any, lease_ms: Any, out_of_sync: Any = False, max_ttl_ms: Any = 0) -> dict:
         """Grant or refuse ``holder`` the lease for ``epoch`` for ``lease_ms`` (see the module
         docstring).  ``out_of_sync``: the holder's word that its standby may lack grants it
         acknowledged (a degraded synchronous primary), kept with the vote (fsynced) when it
-        changes; a granted answer means it is recorded.
+        changes; a granted answer means it is recorded.  ``max_ttl_ms``: the longest lease
+        TTL the holder has granted (ms), kept likewise (the highest reported at the epoch).
 
         Returns ``{"granted", "epoch", "holder", "remaining_ms", "out_of_sync",
-        "previous_out_of_sync"}``: the vote after the request, how long its lease has left on
-        this clock (ms), its holder's last word, and the last word of the epoch below's holder
-        when this vote was taken (a node promoted with it takes the grace period if True).
+        "previous_out_of_sync", "max_ttl_ms", "previous_max_ttl_ms"}``: the vote after the
+        request, how long its lease has left on this clock (ms), its holder's last word and
+        longest TTL, and the last word and longest TTL of the epoch below's holder when this
+        vote was taken (a node promoted with it takes the grace period if True, and a grace
+        at least that long).
 
         Raises:
             InvalidArgument: ``epoch`` not an int in 0..MAX_EPOCH, ``lease_ms`` out of
-                :data:`MIN_LEASE_MS`..:data:`MAX_LEASE_MS`, or ``out_of_sync`` not a bool
-                (nothing changes).
+                :data:`MIN_LEASE_MS`..:data:`MAX_LEASE_MS`, ``out_of_sync`` not a bool, or
+                ``max_ttl_ms`` not an int in 0..the longest recorded TTL (nothing changes).
         """
         P.check_epoch(epoch, "witness epoch")
         if type(lease_ms) is not int or not MIN_LEASE_MS <= lease_ms <= MAX_LEASE_MS:
             raise InvalidArgument(f"lease_ms must be an int in {MIN_LEASE_MS}..{MAX_LEASE_MS}")
         if type(out_of_sync) is not bool:
             raise InvalidArgument("out_of_sync must be a bool")
+        if type(max_ttl_ms) is not int or not 0 <= max_ttl_ms <= P.MAX_RECORDED_TTL_MS:
+            raise InvalidArgument(f"max_ttl_ms must be an int in 0..{P.MAX_RECORDED_TTL_MS}")
         now = self.clock()
         vote = self.vote
         granted = False
         if epoch == vote.epoch and holder == vote.holder:
-            if lease_ms > vote.lease_ms or out_of_sync != vote.out_of_sync:
-                self._write(vote._replace(lease_ms=max(lease_ms, vote.lease_ms), out_of_sync=out_of_sync))
+            if lease_ms > vote.lease_ms or out_of_sync != vote.out_of_sync or max_ttl_ms > vote.max_ttl_ms:
+                self._write(vote._replace(lease_ms=max(lease_ms, vote.lease_ms), out_of_sync=out_of_sync,
+                                          max_ttl_ms=max(max_ttl_ms, vote.max_ttl_ms)))
             self.expires_ms = max(self.expires_ms, now + lease_ms)
             granted = True
         elif (epoch > vote.epoch or vote.holder is None) and (vote.holder is None or now >= self.expires_ms):
-            self._write(WitnessVote(epoch, holder, lease_ms, out_of_sync, vote.out_of_sync))
+            # the longest TTL any holder below reported: a node voted in but never heard from
+            # since (it died promoting) does not hide it from the next one
+            self._write(WitnessVote(epoch, holder, lease_ms, out_of_sync, vote.out_of_sync, max_ttl_ms,
+                                    max(vote.max_ttl_ms, vote.previous_max_ttl_ms)))
             log.warning("voted for %s at epoch %d (the lease of epoch %d, %s, %s%s)", quote(holder), epoch,
                         vote.epoch, quote(vote.holder), "had expired" if vote.holder else "was never held",
                         "; its holder said its standby was out of sync" if vote.out_of_sync else "")
@@ -172,7 +194,8 @@ class Witness:
             granted = True
         return {"granted": granted, "epoch": self.vote.epoch, "holder": self.vote.holder,
                 "remaining_ms": max(0, self.expires_ms - now), "out_of_sync": self.vote.out_of_sync,
-                "previous_out_of_sync": self.vote.previous_out_of_sync}
+                "previous_out_of_sync": self.vote.previous_out_of_sync, "max_ttl_ms": self.vote.max_ttl_ms,
+                "previous_max_ttl_ms": self.vote.previous_max_ttl_ms}
 
     def _write(self, vote: WitnessVote) -> None:
         write_vote(self.data_dir, vote)
@@ -251,7 +274,7 @@ class _Session:
                 return
             if self.holder is None:
                 raise ProtocolError("the first request must be HELLO")
-            if op == OP_WITNESS_LEASE and len(args) in (2, 3):
+            if op == OP_WITNESS_LEASE and len(args) in (2, 3, 4):
                 self.send(P.encode_ok(req_id, self.witness.lease(self.holder, *args)))
             elif op == P.OP_PING and not args:
                 self.send(P.encode_ok(req_id, None))

@@ -45,7 +45,9 @@ class WitnessAnswer(NamedTuple):
     """One answer of the witness: ``granted`` the lease for ``asked`` epoch or not, its vote
     (``epoch``, ``holder``) and lease time left (``remaining_ms``, ms, witness clock),
     ``sent_ms`` (this node's monotonic ms when the request left), or ``error`` (why there
-    is no answer: unreachable, not proven...; the other fields are then 0/None)."""
+    is no answer: unreachable, not proven...; the other fields are then 0/None); the
+    holders' word on their standby (``out_of_sync``, ``previous_out_of_sync``) and the
+    longest TTL they reported (``max_ttl_ms``, ``previous_max_ttl_ms``, ms)."""
 
     asked: int
     granted: bool
@@ -56,6 +58,21 @@ class WitnessAnswer(NamedTuple):
     error: str | None
     out_of_sync: bool = False
     previous_out_of_sync: bool = False
+    max_ttl_ms: int = 0
+    previous_max_ttl_ms: int = 0
+
+
+class WitnessVerdict(NamedTuple):
+    """What a promotion learns from the witness's vote about the old primary: whether it
+    said its standby was out of sync, and the longest lease TTL it reported (ms)."""
+
+    out_of_sync: bool
+    max_ttl_ms: int
+
+
+def _ttl_of(reply: dict, key: str) -> int:
+    value = reply.get(key)
+    return value if type(value) is int and 0 <= value <= P.MAX_RECORDED_TTL_MS else 0
 
 
 class WitnessLink:
@@ -96,10 +113,12 @@ class WitnessLink:
         self.proven = handshake.server_node
         return conn
 
-    async def lease(self, epoch: int, lease_ms: int, out_of_sync: bool = False) -> WitnessAnswer:
+    async def lease(self, epoch: int, lease_ms: int, out_of_sync: bool = False,
+                    max_ttl_ms: int = 0) -> WitnessAnswer:
         """Ask for (or renew) the lease of ``epoch`` for ``lease_ms`` (ms, clamped to the
         witness's bounds), saying whether this node's standby may lack grants it acknowledged
-        (``out_of_sync``).  Never raises for what the witness or the network does."""
+        (``out_of_sync``) and the longest lease TTL it has granted (``max_ttl_ms``, ms).
+        Never raises for what the witness or the network does."""
         lease_ms = max(MIN_LEASE_MS, min(MAX_LEASE_MS, lease_ms))
         async with self._lock:
             sent = monotonic_ms()
@@ -108,7 +127,8 @@ class WitnessLink:
                     self._conn = None
                     self._conn = await self._connect()
                     sent = monotonic_ms()  # the lease counts from the request, not the connect
-                reply: Any = await asyncio.wait_for(self._conn.request(OP_WITNESS_LEASE, epoch, lease_ms, out_of_sync),
+                reply: Any = await asyncio.wait_for(self._conn.request(OP_WITNESS_LEASE, epoch, lease_ms, out_of_sync,
+                                                                       max_ttl_ms),
                                                     WITNESS_TIMEOUT_S)
                 if (not isinstance(reply, dict) or type(reply.get("granted")) is not bool
                         or type(reply.get("epoch")) is not int or type(reply.get("remaining_ms")) is not int):
@@ -116,7 +136,8 @@ class WitnessLink:
                 answer = WitnessAnswer(epoch, reply["granted"], reply["epoch"],
                                        reply.get("holder") if isinstance(reply.get("holder"), str) else None,
                                        max(0, reply["remaining_ms"]), sent, None,
-                                       reply.get("out_of_sync") is True, reply.get("previous_out_of_sync") is True)
+                                       reply.get("out_of_sync") is True, reply.get("previous_out_of_sync") is True,
+                                       _ttl_of(reply, "max_ttl_ms"), _ttl_of(reply, "previous_max_ttl_ms"))
             except (OSError, asyncio.TimeoutError, FastlockError) as exc:
                 if self._conn is not None:
                     self._conn.close()
@@ -125,7 +146,7 @@ class WitnessLink:
         self.last = answer
         return answer
 
-    async def vote(self, epoch: int, window_ms: int, *, required: bool) -> bool:
+    async def vote(self, epoch: int, window_ms: int, *, required: bool) -> WitnessVerdict:
         """A promotion's vote: take the witness's lease for ``epoch`` (see
         :mod:`fastlock.replication.witness`) for ``window_ms`` (ms).  The witness grants it
         only once the old primary's lease has expired, so it is asked again after the time it
@@ -134,7 +155,8 @@ class WitnessLink:
         is only logged.
 
         Returns whether the old primary told the witness its standby was out of sync (then an
-        unconfirmed promotion keeps its grace period).
+        unconfirmed promotion keeps its grace period) and the longest TTL it reported (the
+        promotion's grace is at least that long); a refusal not required: nothing learned.
 
         Raises:
             Unavailable: required, and the witness did not grant it (refused, or unreachable).
@@ -146,13 +168,13 @@ class WitnessLink:
                 log.warning("witness %s granted this node the lease of epoch %d%s", self.where, epoch,
                             " (the old primary said its standby was out of sync)" if answer.previous_out_of_sync
                             else "")
-                return answer.previous_out_of_sync
+                return WitnessVerdict(answer.previous_out_of_sync, answer.previous_max_ttl_ms)
             why = answer.error or (f"its vote is epoch {answer.epoch} ({answer.holder}), "
                                    f"{answer.remaining_ms} ms of its lease left")
             if not required:
                 log.warning("witness %s did not grant the lease of epoch %d (%s): promoting anyway (the old "
                             "primary confirmed stepping down, or forced)", self.where, epoch, why)
-                return False
+                return WitnessVerdict(False, 0)
             left = deadline - monotonic_ms()
             if answer.epoch > epoch or left <= 0:
                 raise Unavailable(f"the witness {self.where} did not grant the lease of epoch {epoch} ({why}): "
@@ -243,10 +265,11 @@ class PrimaryWitnessLease:
                 epoch = self.host.table.epoch
                 sync = self.source.sync
                 out_of_sync = isinstance(sync, SyncGate) and sync.degraded
-                answer = await self.link.lease(epoch, window, out_of_sync)
+                max_ttl_ms = self.host.max_ttl_ms
+                answer = await self.link.lease(epoch, window, out_of_sync, max_ttl_ms)
                 self.link.probed = answer.error
                 if answer.granted and self.host.table.epoch == epoch:
-                    self.source.witness_granted(answer.sent_ms, window)
+                    self.source.witness_granted(answer.sent_ms, window, max_ttl_ms)
                     if answer.out_of_sync and isinstance(sync, SyncGate):
                         sync.on_witness_out_of_sync()
                     self._say(logging.INFO, f"witness {self.link.where}: holding its lease for epoch {epoch}")

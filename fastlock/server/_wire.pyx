@@ -431,7 +431,9 @@ cpdef extend(object handlers, SessionWire conn, object req_id, list msg):
     wal.log_extend(name, token, ttl_ms)
     # sync replication: every extend waits for the standby (it moves the deadline); recovery restores
     # the recorded TTL: a longer one must be durable before the holder relies on it (not a shorter one)
-    if handlers.source.sync.enabled or ((holder is None or ttl_ms > holder.ttl_ms) and not wal.flush_now()):
-        handlers.extend_when_durable(conn, req_id, name, token, reply)
+    # a longer TTL than the standbys know waits for their word (fastlock.replication.ttlbound)
+    if handlers.source.sync.enabled or ((holder is None or ttl_ms > holder.ttl_ms)
+                                        and (not handlers.source.ttl.covers(ttl_ms) or not wal.flush_now())):
+        handlers.extend_when_durable(conn, req_id, name, token, reply, ttl_ms)
         return
     conn.send(reply)

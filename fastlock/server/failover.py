@@ -506,9 +506,11 @@ class FailoverPolicy:
             if wait_ms > 0:
                 await asyncio.sleep(wait_ms / 1000.0)
         out_of_sync = False  # the witness's word that the old primary acknowledged grants this node may lack
+        witnessed_ttl_ms = 0  # the longest TTL the old primary told the witness (replication/ttlbound.py)
         if self.witness is not None:
-            out_of_sync = await self.witness.vote(epoch, max(follower.failover_after_ms, 1000),
-                                                  required=not (confirmed or force))
+            verdict = await self.witness.vote(epoch, max(follower.failover_after_ms, 1000),
+                                              required=not (confirmed or force))
+            out_of_sync, witnessed_ttl_ms = verdict.out_of_sync, verdict.max_ttl_ms
         table.set_epoch(epoch)
         host.wal.log_epoch(epoch)
         durable = host.loop.create_future()
@@ -521,7 +523,7 @@ class FailoverPolicy:
         await durable
         host.node_state.raise_epoch(epoch)
         holders = table.holders()
-        longest = max([follower.max_ttl_ms, host.max_ttl_ms, host.node_state.max_ttl_ms]
+        longest = max([follower.max_ttl_ms, host.max_ttl_ms, host.node_state.max_ttl_ms, witnessed_ttl_ms]
                       + [h.ttl_ms for h in holders])
         grace = self.promotion_grace_ms if self.promotion_grace_ms is not None else longest
         # synchronous replication: in sync, this node has every grant a client was told of

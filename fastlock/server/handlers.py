@@ -365,9 +365,11 @@ class Handlers:
         the compiled EXTEND hands it here."""
         extend_sequenced(self, conn, req_id, msg)
 
-    def extend_when_durable(self, conn: Session, req_id: int, name: str, token: int, reply: bytes) -> None:
+    def extend_when_durable(self, conn: Session, req_id: int, name: str, token: int, reply: bytes,
+                            ttl_ms: int = 0) -> None:
         """Send an extend's ``reply`` once its record is durable (and, with sync replication,
-        on the standby) - if this node may still extend then; else its refusal."""
+        on the standby; and once the standbys know ``ttl_ms``, the new TTL in ms: see
+        :mod:`fastlock.replication.ttlbound`) - if this node may still extend then; else its refusal."""
         server = self.server
 
         def ack(refused: FastlockError | None = None) -> None:
@@ -382,7 +384,7 @@ class Handlers:
                 log.warning("extend of %s token %d not acknowledged: %s", quote(name), token, refused)
             server.after_batch()
 
-        self.wal.when_durable(self.source.sync.after(ack))
+        self.wal.when_durable(self.source.sync.after(self.source.ttl.after(ack, ttl_ms)))
 
     def op_cancel(self, conn: Session, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])

@@ -223,8 +223,11 @@ def extend_sequenced(handlers: Handlers, conn: Session, req_id: int, msg: list) 
     reply = P.encode_ok(req_id, value)
     wal = handlers.wal
     wal.log_extend(name, token, ttl_ms)
-    if handlers.source.sync.enabled or ((holder is None or ttl_ms > holder.ttl_ms) and not wal.flush_now()):
-        handlers.extend_when_durable(conn, req_id, name, token, reply)
+    # as the compiled EXTEND: a longer TTL waits for durability and for the standbys to know it
+    # (fastlock.replication.ttlbound)
+    if handlers.source.sync.enabled or ((holder is None or ttl_ms > holder.ttl_ms)
+                                        and (not handlers.source.ttl.covers(ttl_ms) or not wal.flush_now())):
+        handlers.extend_when_durable(conn, req_id, name, token, reply, ttl_ms)
         return
     conn.send(reply)
 

@@ -543,7 +543,12 @@ class LockServer:
                 self.queues.touched(ev.name)
         quotas.batch_done()
         if grants is not None:  # sync replication: acked once the standby has them too (source.sync)
-            deliver = self.source.sync.after(lambda refused=None: self._deliver_grants(grants, refused))
+            ttl_bound = self.source.ttl
+            if ttl_bound.covers(self.max_ttl_ms):
+                deliver = self.source.sync.after(lambda refused=None: self._deliver_grants(grants, refused))
+            else:  # rare: a TTL the standbys may not know yet waits for their word (replication/ttlbound.py)
+                deliver = self.source.sync.after(ttl_bound.after(
+                    lambda refused=None: self._deliver_grants(grants, refused), max(ev.ttl_ms for ev in grants)))
             if wal.flush_first():  # relaxed fsync modes: a lone request's grant is written and acked now
                 deliver()
             else:  # acked once durable: in a burst, at the end of this turn with everything logged in it
