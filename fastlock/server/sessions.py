@@ -61,7 +61,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 __all__ = ["ClientSession", "SessionRegistry", "MAX_SESSIONS_PER_PRINCIPAL", "MAX_SESSIONS_PER_CONNECTION",
-           "MAX_SESSIONS", "MAX_ATTACH_PER_REQUEST", "MAX_LOST_LISTED", "MAX_SESSIONS_LISTED"]
+           "MAX_SESSIONS", "MAX_ATTACH_PER_REQUEST", "MAX_LOST_LISTED", "MAX_SESSIONS_LISTED", "KEEPALIVE_PAGE"]
 
 #: the most open sessions of one principal (a client keeps one per node connection)
 MAX_SESSIONS_PER_PRINCIPAL = 1_024
@@ -76,6 +76,8 @@ MAX_ATTACH_PER_REQUEST = 60
 MAX_LOST_LISTED = 1_000
 #: the most sessions one SESSIONS reply lists (the reply gives the total)
 MAX_SESSIONS_LISTED = 1_000
+#: the attached leases one SESSION_KEEPALIVE renews per loop turn (the rest in later turns)
+KEEPALIVE_PAGE = 1_000
 
 
 def session_id(key_hash: bytes) -> str:
@@ -132,8 +134,8 @@ class SessionRegistry:
     """The client sessions of one server and their ops (SESSION_OPEN, SESSION_ATTACH,
     SESSION_KEEPALIVE, SESSION_CLOSE, SESSIONS, SESSION_REVOKE).
 
-    ``keepalives``: SESSION_KEEPALIVE requests received (in STATUS ``client_sessions``
-    and the metrics), ``renewals``: leases renewed by them."""
+    ``keepalives``: SESSION_KEEPALIVE requests handled to their last page (in STATUS
+    ``client_sessions`` and the metrics), ``renewals``: leases renewed by them."""
 
     def __init__(self, handlers: Handlers):
         self.handlers = handlers
@@ -301,38 +303,74 @@ class SessionRegistry:
 
     def op_keepalive(self, conn: Session, req_id: int, msg: list) -> None:
         """SESSION_KEEPALIVE key: renew every attached lease for its own TTL from now (an
-        EXTEND record each, as an EXTEND request writes).  Value: ``{"renewed": int,
-        "lost": [[name, token, why], ...], "more": bool}``: the attached leases that are no
-        longer held (detached now), at most :data:`MAX_LOST_LISTED` (``more``: others were
-        not looked at; ask again).  With synchronous replication the reply waits for the
-        standby, as an EXTEND's does."""
+        EXTEND record each, as an EXTEND request writes), :data:`KEEPALIVE_PAGE` leases
+        per loop turn (other clients are served between pages, as between the pages of a
+        revoke).  Value: ``{"renewed": int, "lost": [[name, token, why], ...], "more":
+        bool}``: the attached leases that are no longer held (detached now), at most
+        :data:`MAX_LOST_LISTED` (``more``: others were not looked at; ask again).  With
+        synchronous replication the reply waits for the standby, as an EXTEND's does.
+
+        :raises LeaseLost: no such session, or it was closed or ended before its last page.
+        """
         s = self._find(conn, msg[2])
         self.roles.admit(Action.EXTEND)
-        self.keepalives += 1
-        now = monotonic_ms()
-        self._heard(s, conn, now)
+        self._heard(s, conn, monotonic_ms())
         handlers = self.handlers
-        table = self.table
-        wal = handlers.wal
+        server = handlers.server
+        attached = list(s.leases.items())
         lost: list[list] = []
         renewed = 0
-        more = False
         session = conn.session
-        for key, attached in list(s.leases.items()):
-            name, token = key
-            try:
-                table.extend(name, token, attached.owner, attached.ttl_ms, now, session)
-            except NotHolder:
-                if len(lost) >= MAX_LOST_LISTED:
-                    more = True
-                    break
-                del s.leases[key]
-                lost.append([name, token, self._why_lost(name, token)])
-                continue
-            wal.log_extend(name, token, attached.ttl_ms)
-            renewed += 1
-        self.renewals += renewed
-        self._reply_renewed(conn, req_id, {"renewed": renewed, "lost": lost, "more": more})
+
+        def page(start: int) -> None:
+            nonlocal renewed
+            if start:  # a later turn: the node may have stepped down, the session ended meanwhile
+                refused: FastlockError | None = None
+                try:
+                    self.roles.admit(Action.EXTEND)
+                except FastlockError as exc:
+                    refused = exc
+                if refused is None and self.by_id.get(s.id) is not s:
+                    refused = LeaseLost("the session was closed or ended during its keep-alive: open it again")
+                if refused is not None:
+                    self.keepalives += 1
+                    self.renewals += renewed
+                    conn.send(P.encode_error(req_id, refused.code or 0, f"session keep-alive: {refused}",
+                                             getattr(refused, "primary", None)))
+                    server.after_batch()
+                    return
+            now = monotonic_ms()
+            table = self.table
+            wal = handlers.wal
+            leases = s.leases
+            more = False
+            for key, lease in attached[start:start + KEEPALIVE_PAGE]:
+                if leases.get(key) is not lease:
+                    continue  # detached since the keep-alive came (released by the client)
+                name, token = key
+                try:
+                    table.extend(name, token, lease.owner, lease.ttl_ms, now, session)
+                except NotHolder:
+                    if len(lost) >= MAX_LOST_LISTED:
+                        more = True
+                        break
+                    del leases[key]
+                    lost.append([name, token, self._why_lost(name, token)])
+                    continue
+                wal.log_extend(name, token, lease.ttl_ms)
+                renewed += 1
+            if not more and start + KEEPALIVE_PAGE < len(attached):
+                server.loop.call_soon(page, start + KEEPALIVE_PAGE)
+                if start:
+                    server.after_batch()
+                return
+            self.keepalives += 1
+            self.renewals += renewed
+            self._reply_renewed(conn, req_id, {"renewed": renewed, "lost": lost, "more": more})
+            if start:
+                server.after_batch()
+
+        page(0)
 
     def op_close(self, conn: Session, req_id: int, msg: list) -> None:
         """SESSION_CLOSE key: end the session (its leases stay held until released or
