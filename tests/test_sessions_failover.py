@@ -93,3 +93,53 @@ async def test_session_leases_ride_a_sigkill_of_a_sync_pairs_primary(cluster, lo
         await ride_a_kill(client, p, promoted)
     finally:
         await client.close()
+
+
+@pytest.mark.one_loop
+async def test_a_session_left_on_a_node_that_is_primary_again_is_not_resumed_stale(group, loop_errors):
+    """A primary frozen while a client's session is open there rejoins as a standby without a
+    restart, so it still has the session, with the leases attached then.  When it is primary
+    again (a later epoch), that session is stale: the client's keep-alive must not find it, or
+    a lease attached on the other node meanwhile would not be renewed while the client believes
+    it is.  The client opens the session again there and attaches every lease it holds."""
+    names = three(group)
+    first, _ = await group.primary()
+    rest = [n for n in names if n != first]
+    await group.followers_of(first, rest)
+    client = await fastlock.connect(*(group.nodes[n].address for n in names), client_name="stale-rider",
+                                    request_timeout=REQUEST_TIMEOUT)
+    try:
+        early = await client.lock("stale/early", ttl=LEASE_TTL)
+        await poll(lambda: status_of(group.nodes[first].address),
+                   lambda st: st["client_sessions"]["leases"] == 1, timeout=30, what="the lease attached")
+        old = group.nodes[first]
+        old.pause()
+        try:
+            second, _ = await group.primary(rest, timeout=15)
+        finally:
+            old.resume()
+        (third,) = [n for n in rest if n != second]
+        await poll(lambda: status_of(group.nodes[second].address),
+                   lambda st: st["client_sessions"]["leases"] == 1, timeout=30,
+                   what="the session re-opened on the second primary")
+        late = await client.lock("stale/late", ttl=LEASE_TTL)
+        await poll(lambda: status_of(group.nodes[second].address),
+                   lambda st: st["client_sessions"]["leases"] == 2, timeout=30, what="the late lease attached")
+        await group.followers_of(second, [first, third], timeout=30)  # the first node follows, unrestarted
+        # the first node is the only one left to take the key: primary again, at a later epoch
+        group.nodes[third].kill()
+        group.nodes[second].kill()
+        back, _ = await group.primary([first], timeout=15)
+        assert back == first
+        st = await poll(lambda: status_of(old.address), lambda st: st["client_sessions"]["leases"] == 2,
+                        timeout=30, what="the session re-opened on the first node with both leases attached")
+        # keep-alives there for longer than a TTL: both leases stay held under their tokens
+        await poll(lambda: status_of(old.address),
+                   lambda x: x["client_sessions"]["keepalives"] >= st["client_sessions"]["keepalives"] + 6,
+                   timeout=60, what="keep-alives on the first node")
+        assert not early.lost.is_set() and not late.lost.is_set()
+        for lease in (early, late):
+            holder = await client.holder(lease.name)
+            assert holder is not None and holder["token"] == lease.fencing_token
+    finally:
+        await client.close()

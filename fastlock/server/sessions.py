@@ -101,10 +101,10 @@ class ClientSession:
     """One client session (module docstring).  Times are this server's monotonic ms."""
 
     __slots__ = ("id", "key_hash", "principal", "client", "address", "ttl_ms", "opened_ms", "last_heard_ms",
-                 "connection", "leases")
+                 "connection", "leases", "epoch")
 
     def __init__(self, key_hash: bytes, principal: str, client: str | None, address: str, ttl_ms: int,
-                 now: int, connection: int):
+                 now: int, connection: int, epoch: int):
         self.id = session_id(key_hash)
         self.key_hash = key_hash
         self.principal = principal
@@ -117,6 +117,9 @@ class ClientSession:
         self.connection = connection
         #: (lock name, token) -> AttachedLease
         self.leases: dict[tuple[str, int], AttachedLease] = {}
+        #: the node's epoch when the session was opened: a session of an earlier epoch is stale
+        #: (this node stopped being the primary since, and the leases may have changed elsewhere)
+        self.epoch = epoch
 
     def deadline_ms(self) -> int:
         """When the session ends unless heard from: last heard + the longest of its TTL and its leases'."""
@@ -171,18 +174,38 @@ class SessionRegistry:
             self.per_principal.pop(s.principal, None)
 
     def sweep(self, now: int, most: int = 10_000) -> None:
-        """Remove sessions not heard from past their deadline (at most ``most`` looked at)."""
-        for s in [s for _, s in zip(range(most), self.by_id.values(), strict=False) if s.deadline_ms() <= now]:
+        """Remove sessions not heard from past their deadline, and stale ones (at most ``most`` looked at)."""
+        epoch = self.table.epoch
+        for s in [s for _, s in zip(range(most), self.by_id.values(), strict=False)
+                  if s.deadline_ms() <= now or s.epoch != epoch]:
+            if s.epoch != epoch:
+                self._stale(s)
+                continue
             log.info("client session %s of %s ended: not heard from for %d ms", s.id, s.principal,
                      now - s.last_heard_ms)
             self._remove(s)
 
+    def _stale(self, s: ClientSession) -> None:
+        """Remove ``s``, opened at an earlier epoch: this node was not the primary for a while (a
+        failover away and back), so the leases attached to it may have been released, and others
+        attached, on another node.  Its client opens it again and attaches what it holds."""
+        log.info("client session %s of %s dropped: opened at epoch %d, this node is at epoch %d", s.id,
+                 s.principal, s.epoch, self.table.epoch)
+        self._remove(s)
+
+    def _current(self, s: ClientSession | None) -> ClientSession | None:
+        """``s`` unless it is None or stale (then removed): see :meth:`_stale`."""
+        if s is not None and s.epoch != self.table.epoch:
+            self._stale(s)
+            return None
+        return s
+
     def _find(self, conn: Session, key: Any) -> ClientSession:
         if conn.kind == "replica":
             raise PermissionDenied(f"sessions are for clients and admins; {conn.principal!r} is a replica")
-        s = self.by_hash.get(hash_owner(P.check_owner(key)))
+        s = self._current(self.by_hash.get(hash_owner(P.check_owner(key))))
         if s is None:
-            raise LeaseLost("no such session (closed, ended, or opened on another node): open it again")
+            raise LeaseLost("no such session (closed, ended, or opened on another node or epoch): open it again")
         if s.principal != conn.principal:
             raise PermissionDenied("this session belongs to another principal")
         return s
@@ -209,7 +232,7 @@ class SessionRegistry:
         self.roles.admit(Action.EXTEND)
         now = monotonic_ms()
         self.sweep(now)
-        s = self.by_hash.get(key_hash)
+        s = self._current(self.by_hash.get(key_hash))
         if s is not None:
             if s.principal != conn.principal:
                 raise PermissionDenied("this session belongs to another principal")
@@ -226,7 +249,8 @@ class SessionRegistry:
                                 f"the most allowed: close some, or wait for idle ones to end")
         if len(self.by_id) >= MAX_SESSIONS:
             raise LimitExceeded(f"the server has {MAX_SESSIONS} sessions open, the most allowed")
-        s = ClientSession(key_hash, conn.principal, conn.client_name, conn.peer, ttl_ms, now, conn.session)
+        s = ClientSession(key_hash, conn.principal, conn.client_name, conn.peer, ttl_ms, now, conn.session,
+                          self.table.epoch)
         self.by_hash[key_hash] = s
         self.by_id[s.id] = s
         self.per_principal[conn.principal] = self.per_principal.get(conn.principal, 0) + 1
@@ -405,7 +429,7 @@ class SessionRegistry:
         if type(sid) is not str:
             raise WrongArgumentType("a session id is a str")
         reason = P.check_optional_str(msg[3], "reason", MAX_REASON_CHARS)
-        s = self.by_id.get(sid)
+        s = self._current(self.by_id.get(sid))
         if s is None:
             raise LockNotHeld(f"no session {quote(sid)} on this node")
         self.roles.admit(Action.RELEASE)
