@@ -374,3 +374,48 @@ def test_a_session_closed_during_its_keepalive_ends_the_keepalive_with_lease_los
         assert reopened["resumed"] is False and reopened["leases"] == 0
     finally:
         raw.close()
+
+
+async def test_a_keepalive_reply_that_accounts_for_fewer_leases_renews_none():
+    """A SESSION_KEEPALIVE reply whose renewed and lost leases number fewer than the leases
+    the client attached comes from a session that is not the one they were attached to: no
+    lease counts as renewed, and the keeper raises LeaseLost (its round opens the session
+    again and attaches every lease)."""
+    from types import SimpleNamespace
+
+    from fastlock.client.session import SessionKeeper
+
+    renewed = []
+
+    class Attached:
+        window = 5.0
+
+        def __init__(self, i):
+            self.lease = SimpleNamespace(name=f"acct/{i}", fencing_token=i + 1)
+
+        def renewed_by_session(self, sent):
+            renewed.append(self.lease.name)
+
+        def lose_by_session(self, why):
+            raise AssertionError(f"{self.lease.name} lost: {why}")
+
+    keeper = SessionKeeper(SimpleNamespace())
+    for i in range(3):
+        r = Attached(i)
+        keeper._renewers[id(r)] = r
+        keeper._attached.add(id(r))
+
+    def reply(renewed_count):
+        async def send(op, args):
+            assert op == P.OP_SESSION_KEEPALIVE
+            return {"renewed": renewed_count, "lost": [], "more": False}
+        keeper._send = send
+
+    loop = asyncio.get_running_loop()
+    reply(2)
+    with pytest.raises(LeaseLost, match="knows 2 of the 3 leases"):
+        await keeper._keepalive(loop)
+    assert renewed == []
+    reply(3)
+    await keeper._keepalive(loop)
+    assert sorted(renewed) == ["acct/0", "acct/1", "acct/2"]
