@@ -1,6 +1,6 @@
 """Client sessions: keep-alives per interval, and how soon a killed client's leases are free.
 
-    python -m benches.sessions [--leases 10000] [--ttl 3.0] [--trials 3] [--intervals 5]
+    python -m benches.sessions [--leases 10000] [--ttl 3.0] [--trials 3] [--intervals 5] [--no-ping]
 
 What runs
 ---------
@@ -12,7 +12,13 @@ renewal intervals (TTL/3) and prints the keep-alives received and the leases eac
 renewed.  Then it sends SIGKILL to the holder and polls ``status`` (every 5 ms) until
 the server holds no lease: the time from the kill to that moment is printed beside the
 TTL.  Target (issue 26): at most one keep-alive per renewal interval, and every lease
-free within TTL + 0.5 s of the kill.  Every loop is bounded in count and time.
+free within TTL + 0.5 s of the kill.
+
+While the counters are read, another client (no session) sends PINGs one after the
+other (1 ms apart) and the bench prints their worst and 99th-percentile round trip in
+ms: what a 10,000-lease keep-alive costs the server's other clients (the server renews
+the leases of one keep-alive in pages, fastlock.server.sessions.KEEPALIVE_PAGE per loop
+turn).  ``--no-ping`` leaves it out.  Every loop is bounded in count and time.
 """
 
 from __future__ import annotations
@@ -44,7 +50,24 @@ async def _counters(client) -> dict:
     return (await client.status())["client_sessions"]
 
 
-async def _trial(address: str, leases: int, ttl: float, intervals: int) -> dict:
+async def _pings(address: str, stop: asyncio.Event) -> list[float]:
+    """PING round trips (seconds) of a client without a session, one after the other
+    (1 ms apart), until ``stop`` is set (at most HOLD_TIMEOUT s)."""
+    import fastlock
+
+    pinger = await fastlock.connect(address, client_name="bench-pinger", session=False)
+    rtts: list[float] = []
+    try:
+        deadline = time.monotonic() + HOLD_TIMEOUT
+        while not stop.is_set() and time.monotonic() < deadline:
+            rtts.append(await pinger.ping())
+            await asyncio.sleep(0.001)
+    finally:
+        await pinger.close()
+    return rtts
+
+
+async def _trial(address: str, leases: int, ttl: float, intervals: int, ping: bool = True) -> dict:
     import fastlock
 
     waiter = await fastlock.connect(address, client_name="bench-observer", session=False)
@@ -65,7 +88,11 @@ async def _trial(address: str, leases: int, ttl: float, intervals: int) -> dict:
             await asyncio.sleep(0.05)
         first = await _counters(observer)
         started = time.monotonic()
+        stop = asyncio.Event()
+        pinging = asyncio.ensure_future(_pings(address, stop)) if ping else None
         await asyncio.sleep(intervals * ttl / 3.0)
+        stop.set()
+        rtts = sorted(await pinging) if pinging is not None else []
         last = await _counters(observer)
         elapsed = time.monotonic() - started
         keepalives = last["keepalives"] - first["keepalives"]
@@ -77,7 +104,9 @@ async def _trial(address: str, leases: int, ttl: float, intervals: int) -> dict:
             await asyncio.sleep(0.005)
         freed = time.monotonic() - killed
         return {"keepalives": keepalives, "seconds": elapsed, "per_interval": keepalives / (elapsed / (ttl / 3.0)),
-                "renewed_each": (last["renewals"] - first["renewals"]) / max(1, keepalives), "freed_after": freed}
+                "renewed_each": (last["renewals"] - first["renewals"]) / max(1, keepalives), "freed_after": freed,
+                "pings": len(rtts), "ping_max_ms": rtts[-1] * 1000.0 if rtts else None,
+                "ping_p99_ms": rtts[int(len(rtts) * 0.99)] * 1000.0 if rtts else None}
     finally:
         if holder.poll() is None:
             holder.kill()
@@ -95,12 +124,15 @@ async def _main(args: argparse.Namespace) -> int:
                   f"(less 10-20 % jitter)")
             worst = 0.0
             for n in range(args.trials):
-                r = await _trial(srv.address, args.leases, args.ttl, args.intervals)
+                r = await _trial(srv.address, args.leases, args.ttl, args.intervals, not args.no_ping)
                 worst = max(worst, r["freed_after"])
                 print(f"trial {n + 1}: {r['keepalives']} keep-alives in {r['seconds']:.2f} s "
                       f"({r['per_interval']:.2f} per ttl/3), {r['renewed_each']:.0f} leases renewed by each; "
                       f"kill -9 -> every lease free after {r['freed_after']:.3f} s (ttl + "
                       f"{r['freed_after'] - args.ttl:+.3f} s)")
+                if r["pings"]:
+                    print(f"  another client's PING meanwhile: {r['pings']} pings, worst {r['ping_max_ms']:.1f} ms, "
+                          f"p99 {r['ping_p99_ms']:.1f} ms")
             print(f"worst: free {worst:.3f} s after the kill; target ttl + 0.5 s = {args.ttl + 0.5:.3f} s: "
                   f"{'met' if worst <= args.ttl + 0.5 else 'MISSED'}")
         finally:
@@ -114,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttl", type=float, default=3.0, help="each lease's TTL, seconds (default 3)")
     parser.add_argument("--trials", type=int, default=3, help="holders killed, one after the other (default 3)")
     parser.add_argument("--intervals", type=int, default=5, help="renewal intervals observed per trial (default 5)")
+    parser.add_argument("--no-ping", action="store_true", help="no PINGs from another client meanwhile")
     parser.add_argument("--holder", metavar="ADDRESS", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.holder:

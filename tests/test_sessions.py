@@ -283,3 +283,139 @@ async def test_session_limits_answer_clearly(server):
             await other.close()
     finally:
         await node.close()
+
+
+class RawSocket:
+    """A blocking protocol connection in open mode whose requests go out together in one write
+    (so the server reads them in one turn): what the tests of a sliced keep-alive need."""
+
+    def __init__(self, address: str):
+        import socket
+
+        import msgpack
+
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=30)
+        self.unpacker = msgpack.Unpacker()
+        self.packb = msgpack.packb
+        self.next_id = 1
+        self.send([(P.OP_HELLO, P.PROTOCOL_VERSION, "raw", None)])
+
+    def send(self, requests: list[tuple]) -> list[list]:
+        """Send ``requests`` (op, *args) in one write; return their replies in arrival order."""
+        out = b""
+        for op, *args in requests:
+            out += self.packb([self.next_id, op, *args])
+            self.next_id += 1
+        self.sock.sendall(out)
+        replies: list[list] = []
+        while len(replies) < len(requests):
+            chunk = self.sock.recv(1 << 20)
+            assert chunk, "the server closed the connection"
+            self.unpacker.feed(chunk)
+            replies.extend(r for r in self.unpacker if r[0] != 0)  # (pushes have id 0)
+        return replies
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def attached_session(raw: RawSocket, leases: int) -> bytes:
+    """Open a session on ``raw`` and attach ``leases`` fresh leases (TTL 60 s) to it; its key."""
+    from fastlock.server.sessions import MAX_ATTACH_PER_REQUEST
+
+    key = os.urandom(16)
+    assert raw.send([(P.OP_SESSION_OPEN, key, 60_000)])[0][1] == 0
+    owners = [os.urandom(16) for _ in range(leases)]
+    acquired = raw.send([(P.OP_ACQUIRE, f"sliced/{i}", owners[i], 60_000, 0, 0, None) for i in range(leases)])
+    assert all(r[1] == 0 for r in acquired)
+    tokens = {r[0]: r[2][0] for r in acquired}
+    items = [[f"sliced/{i}", tokens[acquired[0][0] + i], owners[i]] for i in range(leases)]
+    pages = [(P.OP_SESSION_ATTACH, key, items[i:i + MAX_ATTACH_PER_REQUEST], [])
+             for i in range(0, leases, MAX_ATTACH_PER_REQUEST)]
+    assert sum(r[2]["attached"] for r in raw.send(pages)) == leases
+    return key
+
+
+def test_a_large_keepalive_lets_requests_behind_it_be_answered_first(server):
+    """A keep-alive renews KEEPALIVE_PAGE leases per loop turn: a PING sent right behind it, in
+    the same write, is answered before the keep-alive, which still renews every lease."""
+    from fastlock.server.sessions import KEEPALIVE_PAGE
+
+    raw = RawSocket(server.address)
+    try:
+        leases = 2 * KEEPALIVE_PAGE + 500
+        key = attached_session(raw, leases)
+        keepalive_id = raw.next_id
+        replies = raw.send([(P.OP_SESSION_KEEPALIVE, key), (P.OP_PING,)])
+        assert [r[0] for r in replies] == [keepalive_id + 1, keepalive_id]  # the PING first
+        assert replies[1][1] == 0 and replies[1][2] == {"renewed": leases, "lost": [], "more": False}
+        st = raw.send([(P.OP_STATUS,)])[0][2]["client_sessions"]
+        assert st["keepalives"] == 1 and st["renewals"] == leases
+    finally:
+        raw.close()
+
+
+def test_a_session_closed_during_its_keepalive_ends_the_keepalive_with_lease_lost(server):
+    """A SESSION_CLOSE handled between two pages of a keep-alive: the keep-alive stops at the
+    next page with LeaseLost (the client opens the session again and re-attaches its leases)."""
+    from fastlock.server.sessions import KEEPALIVE_PAGE
+
+    raw = RawSocket(server.address)
+    try:
+        key = attached_session(raw, KEEPALIVE_PAGE + 10)
+        keepalive_id = raw.next_id
+        replies = {r[0]: r for r in raw.send([(P.OP_SESSION_KEEPALIVE, key), (P.OP_SESSION_CLOSE, key)])}
+        assert replies[keepalive_id + 1][1] == 0
+        refused = replies[keepalive_id]
+        assert refused[1] == LeaseLost.code and "closed or ended during its keep-alive" in refused[2]
+        # the session key opens it again, empty
+        reopened = raw.send([(P.OP_SESSION_OPEN, key, 60_000)])[0][2]
+        assert reopened["resumed"] is False and reopened["leases"] == 0
+    finally:
+        raw.close()
+
+
+async def test_a_keepalive_reply_that_accounts_for_fewer_leases_renews_none():
+    """A SESSION_KEEPALIVE reply whose renewed and lost leases number fewer than the leases
+    the client attached comes from a session that is not the one they were attached to: no
+    lease counts as renewed, and the keeper raises LeaseLost (its round opens the session
+    again and attaches every lease)."""
+    from types import SimpleNamespace
+
+    from fastlock.client.session import SessionKeeper
+
+    renewed = []
+
+    class Attached:
+        window = 5.0
+
+        def __init__(self, i):
+            self.lease = SimpleNamespace(name=f"acct/{i}", fencing_token=i + 1)
+
+        def renewed_by_session(self, sent):
+            renewed.append(self.lease.name)
+
+        def lose_by_session(self, why):
+            raise AssertionError(f"{self.lease.name} lost: {why}")
+
+    keeper = SessionKeeper(SimpleNamespace())
+    for i in range(3):
+        r = Attached(i)
+        keeper._renewers[id(r)] = r
+        keeper._attached.add(id(r))
+
+    def reply(renewed_count):
+        async def send(op, args):
+            assert op == P.OP_SESSION_KEEPALIVE
+            return {"renewed": renewed_count, "lost": [], "more": False}
+        keeper._send = send
+
+    loop = asyncio.get_running_loop()
+    reply(2)
+    with pytest.raises(LeaseLost, match="knows 2 of the 3 leases"):
+        await keeper._keepalive(loop)
+    assert renewed == []
+    reply(3)
+    await keeper._keepalive(loop)
+    assert sorted(renewed) == ["acct/0", "acct/1", "acct/2"]

@@ -19,7 +19,10 @@ A round runs every renewal interval: the shortest interval any of its renewers w
 that needs it.  The reply names the leases the server no longer holds for the client
 (released elsewhere, revoked, expired): those are lost at once.  Every other lease
 attached before the keep-alive was sent is renewed from the *sending* time (the
-deadline each renewer keeps is conservative, as a single EXTEND's is).  Each request
+deadline each renewer keeps is conservative, as a single EXTEND's is).  A reply whose
+renewed and lost leases number fewer than the leases attached (the server's session is
+not the one they were attached to) renews none of them: the keeper opens the session
+again at once and attaches every lease (each renewed by being attached).  Each request
 of a round rides through a failover as a lease's own renewal does (an attempt bounded
 by a third of the shortest renewal window, the request by one window); a lease whose
 deadline passes first is marked lost by its own deadline timer, exactly as with
@@ -300,6 +303,11 @@ class SessionKeeper:
                         r.lose_by_session(f"session keep-alive: {why}")
             if reply["more"]:
                 continue  # renewed only part: every one is renewed by the next keep-alive
+            if reply["renewed"] + len(lost) < len(attached):
+                # the server's session names fewer leases than were attached to it: it is not the
+                # session they were attached to (a stale one); which were renewed is unknown
+                raise LeaseLost(f"the session on the primary knows {reply['renewed'] + len(lost)} of the "
+                                f"{len(attached)} leases attached to it: open it again")
             for r in attached:
                 if id(r) in self._renewers:
                     r.renewed_by_session(sent)

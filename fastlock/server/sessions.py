@@ -70,7 +70,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ClientSession", "SessionRegistry", "MAX_SESSIONS_PER_PRINCIPAL", "MAX_SESSIONS_PER_CONNECTION",
            "MAX_SESSIONS", "MAX_ATTACH_PER_REQUEST", "MAX_LOST_LISTED", "MAX_SESSIONS_LISTED",
-           "MAX_SEQUENCED_PER_SESSION"]
+           "MAX_SEQUENCED_PER_SESSION", "KEEPALIVE_PAGE"]
 
 #: the most open sessions of one principal (a client keeps one per node connection)
 MAX_SESSIONS_PER_PRINCIPAL = 1_024
@@ -89,6 +89,8 @@ MAX_SESSIONS_LISTED = 1_000
 #: fastlock.client.session.MAX_SEQUENCED: its other leases send their own EXTENDs); one
 #: Ed25519 signature costs about 0.1 ms, so a keep-alive signs for at most about 30 ms
 MAX_SEQUENCED_PER_SESSION = 256
+#: the attached leases one SESSION_KEEPALIVE renews per loop turn (the rest in later turns)
+KEEPALIVE_PAGE = 1_000
 
 
 def session_id(key_hash: bytes) -> str:
@@ -114,10 +116,10 @@ class ClientSession:
     """One client session (module docstring).  Times are this server's monotonic ms."""
 
     __slots__ = ("id", "key_hash", "principal", "client", "address", "ttl_ms", "opened_ms", "last_heard_ms",
-                 "connection", "leases", "sequenced")
+                 "connection", "leases", "sequenced", "epoch")
 
     def __init__(self, key_hash: bytes, principal: str, client: str | None, address: str, ttl_ms: int,
-                 now: int, connection: int):
+                 now: int, connection: int, epoch: int):
         self.id = session_id(key_hash)
         self.key_hash = key_hash
         self.principal = principal
@@ -132,6 +134,9 @@ class ClientSession:
         self.leases: dict[tuple[str, int], AttachedLease] = {}
         #: the keys of ``leases`` whose sequencers are re-signed (at most MAX_SEQUENCED_PER_SESSION)
         self.sequenced: set[tuple[str, int]] = set()
+        #: the node's epoch when the session was opened: a session of an earlier epoch is stale
+        #: (this node stopped being the primary since, and the leases may have changed elsewhere)
+        self.epoch = epoch
 
     def drop(self, key: tuple[str, int]) -> None:
         """Detach lease ``key`` (name, token), if attached."""
@@ -154,8 +159,8 @@ class SessionRegistry:
     """The client sessions of one server and their ops (SESSION_OPEN, SESSION_ATTACH,
     SESSION_KEEPALIVE, SESSION_CLOSE, SESSIONS, SESSION_REVOKE).
 
-    ``keepalives``: SESSION_KEEPALIVE requests received (in STATUS ``client_sessions``
-    and the metrics), ``renewals``: leases renewed by them."""
+    ``keepalives``: SESSION_KEEPALIVE requests handled to their last page (in STATUS
+    ``client_sessions`` and the metrics), ``renewals``: leases renewed by them."""
 
     def __init__(self, handlers: Handlers):
         self.handlers = handlers
@@ -191,18 +196,38 @@ class SessionRegistry:
             self.per_principal.pop(s.principal, None)
 
     def sweep(self, now: int, most: int = 10_000) -> None:
-        """Remove sessions not heard from past their deadline (at most ``most`` looked at)."""
-        for s in [s for _, s in zip(range(most), self.by_id.values(), strict=False) if s.deadline_ms() <= now]:
+        """Remove sessions not heard from past their deadline, and stale ones (at most ``most`` looked at)."""
+        epoch = self.table.epoch
+        for s in [s for _, s in zip(range(most), self.by_id.values(), strict=False)
+                  if s.deadline_ms() <= now or s.epoch != epoch]:
+            if s.epoch != epoch:
+                self._stale(s)
+                continue
             log.info("client session %s of %s ended: not heard from for %d ms", s.id, s.principal,
                      now - s.last_heard_ms)
             self._remove(s)
 
+    def _stale(self, s: ClientSession) -> None:
+        """Remove ``s``, opened at an earlier epoch: this node was not the primary for a while (a
+        failover away and back), so the leases attached to it may have been released, and others
+        attached, on another node.  Its client opens it again and attaches what it holds."""
+        log.info("client session %s of %s dropped: opened at epoch %d, this node is at epoch %d", s.id,
+                 s.principal, s.epoch, self.table.epoch)
+        self._remove(s)
+
+    def _current(self, s: ClientSession | None) -> ClientSession | None:
+        """``s`` unless it is None or stale (then removed): see :meth:`_stale`."""
+        if s is not None and s.epoch != self.table.epoch:
+            self._stale(s)
+            return None
+        return s
+
     def _find(self, conn: Session, key: Any) -> ClientSession:
         if conn.kind == "replica":
             raise PermissionDenied(f"sessions are for clients and admins; {conn.principal!r} is a replica")
-        s = self.by_hash.get(hash_owner(P.check_owner(key)))
+        s = self._current(self.by_hash.get(hash_owner(P.check_owner(key))))
         if s is None:
-            raise LeaseLost("no such session (closed, ended, or opened on another node): open it again")
+            raise LeaseLost("no such session (closed, ended, or opened on another node or epoch): open it again")
         if s.principal != conn.principal:
             raise PermissionDenied("this session belongs to another principal")
         return s
@@ -229,7 +254,7 @@ class SessionRegistry:
         self.roles.admit(Action.EXTEND)
         now = monotonic_ms()
         self.sweep(now)
-        s = self.by_hash.get(key_hash)
+        s = self._current(self.by_hash.get(key_hash))
         if s is not None:
             if s.principal != conn.principal:
                 raise PermissionDenied("this session belongs to another principal")
@@ -246,7 +271,8 @@ class SessionRegistry:
                                 f"the most allowed: close some, or wait for idle ones to end")
         if len(self.by_id) >= MAX_SESSIONS:
             raise LimitExceeded(f"the server has {MAX_SESSIONS} sessions open, the most allowed")
-        s = ClientSession(key_hash, conn.principal, conn.client_name, conn.peer, ttl_ms, now, conn.session)
+        s = ClientSession(key_hash, conn.principal, conn.client_name, conn.peer, ttl_ms, now, conn.session,
+                          self.table.epoch)
         self.by_hash[key_hash] = s
         self.by_id[s.id] = s
         self.per_principal[conn.principal] = self.per_principal.get(conn.principal, 0) + 1
@@ -349,48 +375,84 @@ class SessionRegistry:
 
     def op_keepalive(self, conn: Session, req_id: int, msg: list) -> None:
         """SESSION_KEEPALIVE key: renew every attached lease for its own TTL from now (an
-        EXTEND record each, as an EXTEND request writes).  Value: ``{"renewed": int,
-        "lost": [[name, token, why], ...], "more": bool}``: the attached leases that are no
-        longer held (detached now), at most :data:`MAX_LOST_LISTED` (``more``: others were
-        not looked at; ask again), and ``"sequencers": [[name, token, bytes], ...]`` for
-        the renewed leases attached with their ``sequencer`` flag: each re-signed with the
-        renewed expiry.  With synchronous replication the reply waits for the standby, as
-        an EXTEND's does."""
+        EXTEND record each, as an EXTEND request writes), :data:`KEEPALIVE_PAGE` leases
+        per loop turn (other clients are served between pages, as between the pages of a
+        revoke).  Value: ``{"renewed": int, "lost": [[name, token, why], ...], "more":
+        bool}``: the attached leases that are no longer held (detached now), at most
+        :data:`MAX_LOST_LISTED` (``more``: others were not looked at; ask again), and
+        ``"sequencers": [[name, token, bytes], ...]`` for the renewed leases attached with
+        their ``sequencer`` flag: each re-signed with the renewed expiry.  With synchronous
+        replication the reply waits for the standby, as an EXTEND's does.
+
+        :raises LeaseLost: no such session, or it was closed or ended before its last page.
+        """
         s = self._find(conn, msg[2])
         self.roles.admit(Action.EXTEND)
-        self.keepalives += 1
-        now = monotonic_ms()
-        self._heard(s, conn, now)
+        self._heard(s, conn, monotonic_ms())
         handlers = self.handlers
-        table = self.table
-        wal = handlers.wal
+        server = handlers.server
+        attached = list(s.leases.items())
         lost: list[list] = []
         signed: list[list] = []
         signing = handlers.credentials.sequencer_keys.signing if s.sequenced else None
         renewed = 0
-        more = False
         session = conn.session
-        for key, attached in list(s.leases.items()):
-            name, token = key
-            try:
-                table.extend(name, token, attached.owner, attached.ttl_ms, now, session)
-            except NotHolder:
-                if len(lost) >= MAX_LOST_LISTED:
-                    more = True
-                    break
-                s.drop(key)
-                lost.append([name, token, self._why_lost(name, token)])
-                continue
-            wal.log_extend(name, token, attached.ttl_ms)
-            renewed += 1
-            if attached.signed_as is not None and signing is not None:
-                signed.append([name, token, renewal_sequencer(signing, name, token, attached.signed_as,
-                                                              attached.ttl_ms)])
-        self.renewals += renewed
-        value: dict[str, Any] = {"renewed": renewed, "lost": lost, "more": more}
-        if signed:
-            value["sequencers"] = signed
-        self._reply_renewed(conn, req_id, value)
+
+        def page(start: int) -> None:
+            nonlocal renewed
+            if start:  # a later turn: the node may have stepped down, the session ended meanwhile
+                refused: FastlockError | None = None
+                try:
+                    self.roles.admit(Action.EXTEND)
+                except FastlockError as exc:
+                    refused = exc
+                if refused is None and self.by_id.get(s.id) is not s:
+                    refused = LeaseLost("the session was closed or ended during its keep-alive: open it again")
+                if refused is not None:
+                    self.keepalives += 1
+                    self.renewals += renewed
+                    conn.send(P.encode_error(req_id, refused.code or 0, f"session keep-alive: {refused}",
+                                             getattr(refused, "primary", None)))
+                    server.after_batch()
+                    return
+            now = monotonic_ms()
+            table = self.table
+            wal = handlers.wal
+            leases = s.leases
+            more = False
+            for key, lease in attached[start:start + KEEPALIVE_PAGE]:
+                if leases.get(key) is not lease:
+                    continue  # detached since the keep-alive came (released by the client)
+                name, token = key
+                try:
+                    table.extend(name, token, lease.owner, lease.ttl_ms, now, session)
+                except NotHolder:
+                    if len(lost) >= MAX_LOST_LISTED:
+                        more = True
+                        break
+                    s.drop(key)
+                    lost.append([name, token, self._why_lost(name, token)])
+                    continue
+                wal.log_extend(name, token, lease.ttl_ms)
+                renewed += 1
+                if lease.signed_as is not None and signing is not None:
+                    signed.append([name, token, renewal_sequencer(signing, name, token, lease.signed_as,
+                                                                  lease.ttl_ms)])
+            if not more and start + KEEPALIVE_PAGE < len(attached):
+                server.loop.call_soon(page, start + KEEPALIVE_PAGE)
+                if start:
+                    server.after_batch()
+                return
+            self.keepalives += 1
+            self.renewals += renewed
+            value: dict[str, Any] = {"renewed": renewed, "lost": lost, "more": more}
+            if signed:
+                value["sequencers"] = signed
+            self._reply_renewed(conn, req_id, value)
+            if start:
+                server.after_batch()
+
+        page(0)
 
     def op_close(self, conn: Session, req_id: int, msg: list) -> None:
         """SESSION_CLOSE key: end the session (its leases stay held until released or
@@ -425,7 +487,7 @@ class SessionRegistry:
         if type(sid) is not str:
             raise WrongArgumentType("a session id is a str")
         reason = P.check_optional_str(msg[3], "reason", MAX_REASON_CHARS)
-        s = self.by_id.get(sid)
+        s = self._current(self.by_id.get(sid))
         if s is None:
             raise LockNotHeld(f"no session {quote(sid)} on this node")
         self.roles.admit(Action.RELEASE)
