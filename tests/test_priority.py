@@ -12,7 +12,14 @@ from conftest import wait_until
 
 import fastlock
 from fastlock._testbase import CredentialsDir
-from fastlock.errors import InvalidArgument, LeaseLost, PermissionDenied, WrongArgumentType
+from fastlock.errors import (
+    ConnectionLost,
+    InvalidArgument,
+    LeaseLost,
+    LockNotAcquired,
+    PermissionDenied,
+    WrongArgumentType,
+)
 
 TIMEOUT = 10.0
 
@@ -93,6 +100,37 @@ async def test_holder_that_does_not_yield_is_fenced_at_its_deadline(connect):
         await holder.release(lease)
     await urgent.put("db-row", b"v2", lease=granted)
     assert (await urgent.get("db-row")).value == b"v2"
+
+
+@pytest.mark.parametrize("give_up", ["wait runs out", "cancelled", "connection closed"])
+async def test_a_revoke_request_lapses_when_its_requester_stops_waiting(server, connect, give_up):
+    holder = await connect("holder")
+    urgent = await connect("urgent")
+    plain = await connect("plain")
+    lease = await holder.acquire("gpu", ttl=60)
+    low = asyncio.create_task(plain.acquire("gpu", ttl=30, wait=60))  # priority 0, queued first
+    await _waiting(holder, "gpu", 1)
+    if give_up == "wait runs out":
+        with pytest.raises(LockNotAcquired):
+            await urgent.acquire("gpu", ttl=30, priority=50, preempt=1.0, wait=0.2)
+    else:
+        want = asyncio.create_task(urgent.acquire("gpu", ttl=30, priority=50, preempt=1.0))
+        await asyncio.wait_for(lease.revoke_requested.wait(), TIMEOUT)
+        if give_up == "cancelled":
+            want.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await want
+        else:
+            await urgent.close()
+            with pytest.raises(ConnectionLost):
+                await want
+    await asyncio.wait_for(lease.revoke_requested.wait(), TIMEOUT)
+    await asyncio.to_thread(server.wait_for_log, r"revoke request on \S*gpu\S* \(token \d+\) lapsed", TIMEOUT)
+    assert not lease.lost.is_set()
+    assert (await holder.holder("gpu"))["token"] == lease.fencing_token
+    assert not low.done()
+    await holder.release(lease)
+    await plain.release(await asyncio.wait_for(low, TIMEOUT))
 
 
 async def test_revoke_request_needs_a_higher_priority_waiter(connect):

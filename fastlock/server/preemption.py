@@ -20,6 +20,12 @@ clock) the server revokes it exactly as ``fastlock revoke`` does (a ``REVOKE``
 record, replicated; watchers told ``"revoked"``), by the requesting principal: the
 lock goes to the head waiter with a higher fencing token, so a fenced write of the
 old holder is refused.  One deadline per lease: a later request never moves it later.
+A request lasts only while its requester waits: at the deadline the lease is revoked
+only if a request that asked still waits on the name with a priority above the
+holder's (attributed to the first such requester).  When every requester stopped
+waiting (its wait ran out, it cancelled, its connection closed), the request lapses:
+the lease is kept and the holder is not told (its ``revoke_requested`` stays set; it
+may go on, or yield anyway).
 A deadline is kept in this process only: after a failover the requester asks again.
 One principal has at most :data:`MAX_REVOKE_DEADLINES_PER_PRINCIPAL` deadlines running
 (``LimitExceeded`` beyond).
@@ -66,6 +72,8 @@ MAX_CANDIDATES_SCANNED = 1_000
 #: the most revoke deadlines one principal may have running (each lasts at most
 #: MAX_REVOKE_GRACE_MS): one principal's requests never crowd out another's
 MAX_REVOKE_DEADLINES_PER_PRINCIPAL = 1_000
+#: the most requests kept per revoke deadline (the ones still waiting are the deadline's reason)
+MAX_REQUESTERS_KEPT = 64
 
 
 class Preemption:
@@ -80,6 +88,9 @@ class Preemption:
         self.deadlines: dict[tuple[str, int], asyncio.TimerHandle] = {}
         #: principal -> how many of those deadlines it asked for
         self.deadlines_by_principal: dict[str, int] = {}
+        #: (name, token) -> the requests that asked (owner hash -> principal), in order;
+        #: at most one entry per waiting request on the name
+        self.requesters: dict[tuple[str, int], dict[bytes, str]] = {}
 
     def handlers_by_op(self) -> dict:
         """op code -> handler, for the server's handler table."""
@@ -133,6 +144,13 @@ class Preemption:
             loop = self.handlers.server.loop
             timer = loop.call_later(grace_ms / 1000.0, self._deadline, name, holder.token, conn.principal)
             self.deadlines[key] = timer
+            self.requesters[key] = {}
+        requesters = self.requesters[key]
+        if owner not in requesters and len(requesters) >= MAX_REQUESTERS_KEPT:
+            for gone in [o for o in requesters if table.waiter_priority(name, o) <= holder_priority]:
+                del requesters[gone]  # stopped waiting: its request lapsed
+        if len(requesters) < MAX_REQUESTERS_KEPT:  # else as many still wait: the deadline stands for them
+            requesters.setdefault(owner, conn.principal)
         deadline_ms = max(0, round((timer.when() - self.handlers.server.loop.time()) * 1000))
         target = self.handlers.server.sessions.get(holder.session)
         principal, client = split_recorded_client(conn.recorded)
@@ -146,6 +164,7 @@ class Preemption:
     def _deadline(self, name: str, token: int, principal: str) -> None:
         """A revoke request's deadline: take the lease if it still holds (primary only)."""
         self.deadlines.pop((name, token), None)
+        requesters = self.requesters.pop((name, token), {})
         left = self.deadlines_by_principal.get(principal, 1) - 1
         if left > 0:
             self.deadlines_by_principal[principal] = left
@@ -161,8 +180,15 @@ class Preemption:
         holder = self.table.holder(name, now)
         if holder is None or holder.token != token:
             return  # it yielded (or expired) in time
+        holder_priority = self.table.holder_priority(name)
+        asking = next((who for owner, who in requesters.items()
+                       if self.table.waiter_priority(name, owner) > holder_priority), None)
+        if asking is None:
+            log.info("the revoke request on %s (token %d) lapsed: no requester waits any more", quote(name), token,
+                     extra={"lock": name, "token": token})
+            return
         lock_admin = self.handlers.lock_admin
-        lock_admin.revoke_lease(name, holder, principal, "did not yield to a revoke request by its deadline",
+        lock_admin.revoke_lease(name, holder, asking, "did not yield to a revoke request by its deadline",
                                 now, None)
         server.after_batch()
 
