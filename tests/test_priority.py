@@ -30,6 +30,12 @@ async def _waiting(client, name: str, n: int) -> None:
     await wait_until(queued, TIMEOUT, f"{n} waiters on {name}")
 
 
+async def _waiting_at_most(client, name: str, n: int) -> None:
+    async def left():
+        return len((await client.contenders(name))["waiters"]) <= n
+    await wait_until(left, TIMEOUT, f"at most {n} waiters on {name}")
+
+
 async def test_priority_waiter_behind_50_is_granted_next(connect):
     holder = await connect("holder")
     crowd = await connect("crowd")
@@ -179,6 +185,30 @@ async def test_transfer_hands_the_lock_to_the_chosen_waiter(connect):
         await leader.transfer(lease, "cand-a")
     await b.release(got)
     await a.release(await asyncio.wait_for(ta, TIMEOUT))
+
+
+async def test_a_transfer_to_an_id_two_waiters_carry_is_refused(connect):
+    leader = await connect("leader")
+    impostor = await connect("impostor")
+    real = await connect("real")
+    lease = await leader.acquire("lead2", ttl=30, correlation_id="leader")
+    first = asyncio.create_task(impostor.acquire("lead2", ttl=30, correlation_id="n3"))
+    await _waiting(leader, "lead2", 1)
+    second = asyncio.create_task(real.acquire("lead2", ttl=30, correlation_id="n3"))
+    await _waiting(leader, "lead2", 2)
+    with pytest.raises(InvalidArgument, match="2 waiters .* carry the candidate id 'n3'"):
+        await leader.transfer(lease, "n3")
+    assert not lease.lost.is_set()
+    assert (await leader.holder("lead2"))["token"] == lease.fencing_token
+    assert not first.done() and not second.done()
+    second.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    await _waiting_at_most(leader, "lead2", 1)
+    await leader.transfer(lease, "n3")  # one waiter carries the id: unambiguous
+    got = await asyncio.wait_for(first, TIMEOUT)
+    assert got.fencing_token > lease.fencing_token
+    await impostor.release(got)
 
 
 async def test_election_transfer_candidates_and_proclaim(connect):

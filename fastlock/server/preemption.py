@@ -34,7 +34,9 @@ One principal has at most :data:`MAX_REVOKE_DEADLINES_PER_PRINCIPAL` deadlines r
 releases to the waiter whose correlation id is ``candidate`` in one step
 (``LockTable.release_to``): that waiter is granted at once with a fresh, higher token;
 the release and the grant are logged as any release and grant.  The candidate must be
-among the first :data:`MAX_CANDIDATES_SCANNED` waiters.
+among the first :data:`MAX_CANDIDATES_SCANNED` waiters, and the only one of them
+carrying that id: a correlation id is chosen by its client, so when several waiters
+carry it the transfer is refused (``InvalidArgument``) rather than handed to the first.
 """
 
 from __future__ import annotations
@@ -196,7 +198,7 @@ class Preemption:
         """TRANSFER name, token, owner key, candidate: release the exclusive lease to the
         waiter whose correlation id is ``candidate``, granted at once with a higher token.
         :raises LeaseLost: not the holder.  :raises InvalidArgument: no such plain
-        exclusive waiter among the first MAX_CANDIDATES_SCANNED."""
+        exclusive waiter among the first MAX_CANDIDATES_SCANNED, or more than one."""
         name = P.check_name(msg[2])
         token = P.check_token(msg[3])
         owner = conn.owner_hash(msg[4])
@@ -209,13 +211,15 @@ class Preemption:
         holder = table.holder(name, now, owner)
         if holder is None or holder.token != token or holder.shared or holder.limit:
             raise not_the_holder(self.handlers.lock_admin.revocations, name, token)
-        target = None
-        for w_owner, _session, meta, _enqueued, _deadline, shared in table.waiter_info(name, MAX_CANDIDATES_SCANNED):
-            if not shared and meta and meta[1] == candidate:
-                target = w_owner
-                break
-        if target is None:
+        matches = [(w_owner, meta[0]) for w_owner, _session, meta, _enqueued, _deadline, shared
+                   in table.waiter_info(name, MAX_CANDIDATES_SCANNED) if not shared and meta and meta[1] == candidate]
+        if not matches:
             raise InvalidArgument(f"no candidate {candidate!r} waits on {name!r}")
+        if len(matches) > 1:
+            who = sorted({split_recorded_client(recorded)[0] or "-" for _owner, recorded in matches})
+            raise InvalidArgument(f"{len(matches)} waiters on {name!r} carry the candidate id {candidate!r} "
+                                  f"(principals {', '.join(who)}): the hand-off is refused, its target is ambiguous")
+        target = matches[0][0]
         try:
             table.release_to(name, token, owner, target, now)
         except ValueError as exc:
