@@ -36,7 +36,13 @@ from fastlock.errors import (
     Unavailable,
 )
 from fastlock.protocol import rpc
-from fastlock.replication.witness import OP_WITNESS_LEASE, Witness, read_vote
+from fastlock.replication.witness import (
+    MAX_CONNECTIONS,
+    MAX_CONNECTIONS_PER_ADDRESS,
+    OP_WITNESS_LEASE,
+    Witness,
+    read_vote,
+)
 
 FAILOVER = 1.0  # --failover-after, seconds
 
@@ -157,6 +163,52 @@ async def _status(witness, token: str) -> dict:
         return await conn.request(P.OP_STATUS)
     finally:
         conn.close()
+
+
+async def _flood(port: int, source: str, stop: asyncio.Event, opened: list[int]) -> None:
+    """Hold a connection to the witness from ``source`` that never says HELLO; open
+    another each time the witness closes it, until ``stop`` (at most 500 times)."""
+    for _ in range(500):
+        if stop.is_set():
+            return
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+        except OSError:
+            await asyncio.sleep(0.01)
+            continue
+        opened[0] += 1
+        try:
+            read = asyncio.ensure_future(reader.read(1))
+            stopped = asyncio.ensure_future(stop.wait())
+            await asyncio.wait([read, stopped], return_when=asyncio.FIRST_COMPLETED)
+            read.cancel()
+            stopped.cancel()
+        finally:
+            writer.close()
+
+
+def test_a_flood_of_unauthenticated_connections_never_keeps_a_node_out(cluster, witness):
+    async def main():
+        proved = await _open(witness, cluster.creds.token("node-1"))  # in before the flood
+        stop = asyncio.Event()
+        opened = [0]
+        sources = [f"127.0.0.{2 + i // MAX_CONNECTIONS_PER_ADDRESS}"
+                   for i in range(MAX_CONNECTIONS + 2 * MAX_CONNECTIONS_PER_ADDRESS)]  # from 6 addresses
+        flood = [asyncio.ensure_future(_flood(witness.port, src, stop, opened)) for src in sources]
+        try:
+            async def count() -> int:
+                return opened[0]
+            await poll(count, lambda n: n >= len(sources), timeout=20, what="the flood's connections")
+            for _ in range(5):  # the nodes get in while the flood goes on
+                st = await _status(witness, cluster.creds.token("node-2"))
+                assert st["server"] == "fastlock-witness"
+            assert (await proved.request(OP_WITNESS_LEASE, 3, 1000))["granted"]  # a proved node stays in
+        finally:
+            stop.set()
+            await asyncio.gather(*flood)
+            proved.close()
+
+    run(main())
 
 
 # -- a pair with a witness (real processes) ----------------------------------------------------
