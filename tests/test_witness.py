@@ -24,6 +24,7 @@ import pytest
 
 from fastlock import protocol as P
 from fastlock._testbase.cluster import RawNode, poll, run, status_of
+from fastlock._testbase.proxy import TcpProxy, free_port
 from fastlock._testbase.servers import WitnessProcess
 from fastlock.auth import ClientHandshake, Credentials, say_hello, secret_of
 from fastlock.errors import (
@@ -117,8 +118,8 @@ def witness(cluster, tmp_path):
     return w.start()
 
 
-async def _open(witness, token: str | None, node: str = "n1") -> rpc.RpcConnection:
-    conn = await rpc.open_connection("127.0.0.1", witness.port, timeout=5)
+async def _open(witness, token: str | None, node: str = "n1", port: int | None = None) -> rpc.RpcConnection:
+    conn = await rpc.open_connection("127.0.0.1", port or witness.port, timeout=5)
     handshake = ClientHandshake(secret_of(token) if token else None, role="replica" if token else None,
                                 own_node=node)
     try:
@@ -207,6 +208,27 @@ def test_a_flood_of_unauthenticated_connections_never_keeps_a_node_out(cluster, 
             stop.set()
             await asyncio.gather(*flood)
             proved.close()
+
+    run(main())
+
+
+def test_a_relayed_node_is_refused_unless_the_witness_is_reachable_as_the_relay(cluster, witness, tmp_path):
+    port = free_port()
+    behind = WitnessProcess(tmp_path / "behind", cluster.creds.file, args=["--reachable-as", f"127.0.0.1:{port}"])
+    cluster.servers.append(behind)
+    behind.start()
+    to_behind = TcpProxy(behind.address, port=port).start()
+    to_plain = TcpProxy(witness.address).start()
+    cluster.proxies += [to_behind, to_plain]
+
+    async def main():
+        conn = await _open(behind, cluster.creds.token("node-1"), port=to_behind.port)
+        try:
+            assert (await conn.request(P.OP_STATUS))["server"] == "fastlock-witness"
+        finally:
+            conn.close()
+        with pytest.raises(AuthError, match="dialed"):
+            await _open(witness, cluster.creds.token("node-1"), port=to_plain.port)
 
     run(main())
 

@@ -31,7 +31,8 @@ safety argument is in ``docs/failover-safety.md`` ("A pair with a witness").
 Authentication: a node proves its replica token with the HELLO handshake of
 :mod:`fastlock.auth.handshake` (no secret on the wire; the proof names the
 witness's node id, both nonces and the dialed endpoint, so it cannot be
-replayed, reflected or relayed), and the witness proves it holds the same
+replayed, reflected or relayed; ``--reachable-as`` names further endpoints a node may
+have dialed, as ``serve``'s), and the witness proves it holds the same
 credentials file.  Only replica principals are accepted; the holder of a
 lease is ``<replica principal>/<node id>`` from the proved handshake.
 
@@ -121,10 +122,16 @@ class Witness:
         data_dir: where the vote (``witness.json``) and the witness's ``node-id`` live.
         credentials: the pair's credentials file (its replica principals prove themselves).
         clock: the monotonic clock in milliseconds (tests pass their own).
+        reachable_as: endpoints (``IP:PORT``, as :func:`~fastlock.auth.handshake.endpoint`
+            writes them) a node's handshake may name as the one it dialed besides the one
+            its connection arrived at (NAT, port mapping, a TCP proxy), or ``("any",)``: the
+            check is off.  As ``fastlock serve --reachable-as``.
     """
 
-    def __init__(self, data_dir: str, credentials: Credentials, *, clock: Callable[[], int] = monotonic_ms):
+    def __init__(self, data_dir: str, credentials: Credentials, *, clock: Callable[[], int] = monotonic_ms,
+                 reachable_as: tuple[str, ...] = ()):
         self.data_dir = data_dir
+        self.reachable_as = reachable_as
         self.credentials = credentials
         self.clock = clock
         self.vote = read_vote(data_dir)
@@ -324,9 +331,11 @@ class _Session:
                 raise ProtocolError("one handshake per connection")
             first = ClientFirst.parse(credential)
             here = endpoint(self.writer.get_extra_info("sockname"))
-            if first.dialed is not None and first.dialed != here:
+            allowed = witness.reachable_as
+            if first.dialed is not None and first.dialed != here and first.dialed not in allowed \
+                    and "any" not in allowed:
                 raise AuthError(f"authentication failed: the node dialed {first.dialed} but reached the witness "
-                                f"at {here} (a relay in between?)")
+                                f"at {here} (a relay in between, or address translation: witness --reachable-as)")
             found = witness.credentials.lookup(first.principal)
             if found is not None and (found.kind != "replica" or found.keys is None):
                 found = None  # answered like an unknown principal: its proof fails
