@@ -122,6 +122,19 @@ async def test_closing_a_session_revokes_every_lease_at_once_with_higher_tokens(
         await operator.close_session("0" * 16)
 
 
+async def test_a_closed_client_closes_its_session_on_the_server(connect):
+    operator = await connect("operator")
+    leaving = await connect("leaving")
+    lease = await leaving.lock("leaving/1", ttl=30.0)
+    await poll(lambda: sessions_status(leaving), lambda st: st["leases"] == 1, timeout=30, what="attached")
+    session_id = leaving.session_keeper.id
+    assert [s.client for s in await operator.sessions() if s.id == session_id] == ["leaving"]
+    await leaving.close()
+    assert not [s for s in await operator.sessions() if s.id == session_id]  # not kept for its TTL
+    assert (await operator.holder("leaving/1"))["token"] == lease.fencing_token  # the lease keeps its TTL
+    await leaving.close()  # closing again sends nothing and raises nothing
+
+
 async def test_a_revoked_lease_takes_its_keys_with_it_however_it_was_revoked(connect):
     """A REVOKE record ends the lease's keys on a standby and in recovery; the primary deletes
     them too, whether the lease was revoked by name, by principal or by closing its session."""

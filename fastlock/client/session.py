@@ -47,6 +47,7 @@ from ..errors import (
     ProtocolError,
     WrongArgumentType,
 )
+from .calls import call
 from .connection import BACKOFF_MAX, RideThrough
 from .owner_keys import new_owner_key
 
@@ -67,6 +68,8 @@ ATTACH_IN_FLIGHT = 8
 DEFAULT_SESSION_TTL = 10.0
 #: keep-alives sent again in one round while the server says it listed only part of the lost leases
 MAX_MORE_ROUNDS = 64
+#: seconds a client's close waits for SESSION_CLOSE's answer at most
+SESSION_CLOSE_TIMEOUT = 1.0
 
 
 def _lost(reply: dict[str, Any]) -> dict[tuple[str, int], str]:
@@ -129,6 +132,19 @@ class SessionKeeper:
         self._closed = True
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
+
+    async def end(self, timeout: float = SESSION_CLOSE_TIMEOUT) -> None:
+        """Stop the keeper and end the session on the server (``SESSION_CLOSE``), best
+        effort: at most ``timeout`` seconds, any error ignored (the server then ends it by
+        its TTL).  Its leases stay held until released or expired by their own TTLs."""
+        ended, self._closed = self._closed, True
+        self.close()
+        if ended or self.id is None or self.supported is False:
+            return  # ended already, or never opened: nothing to end
+        try:
+            await asyncio.wait_for(call(self.client.connector, P.OP_SESSION_CLOSE, (self.key,), timeout), timeout)
+        except (FastlockError, asyncio.TimeoutError, OSError) as exc:
+            log.debug("session %s not closed on the server (it ends by its TTL): %s", self.id, exc)
 
     # -- the rounds --------------------------------------------------------------------------
     def _interval(self) -> float:
