@@ -43,6 +43,7 @@ from ..errors import (
     FastlockError,
     InvalidArgument,
     LeaseLost,
+    LimitExceeded,
     PermissionDenied,
     ProtocolError,
     WrongArgumentType,
@@ -186,6 +187,10 @@ class SessionKeeper:
                         self._fall_back()
                         return
                     raise
+                except LimitExceeded as exc:  # a session limit of the server: expected, not a fault
+                    log.warning("the server refused this client a session (%s): each lease renews itself", exc)
+                    self._fall_back()
+                    return
         except asyncio.CancelledError:
             raise
         except Exception:
