@@ -12,7 +12,14 @@ from conftest import wait_until
 
 import fastlock
 from fastlock._testbase import CredentialsDir
-from fastlock.errors import InvalidArgument, LeaseLost, PermissionDenied, WrongArgumentType
+from fastlock.errors import (
+    ConnectionLost,
+    InvalidArgument,
+    LeaseLost,
+    LockNotAcquired,
+    PermissionDenied,
+    WrongArgumentType,
+)
 
 TIMEOUT = 10.0
 
@@ -21,6 +28,12 @@ async def _waiting(client, name: str, n: int) -> None:
     async def queued():
         return len((await client.contenders(name))["waiters"]) >= n
     await wait_until(queued, TIMEOUT, f"{n} waiters on {name}")
+
+
+async def _waiting_at_most(client, name: str, n: int) -> None:
+    async def left():
+        return len((await client.contenders(name))["waiters"]) <= n
+    await wait_until(left, TIMEOUT, f"at most {n} waiters on {name}")
 
 
 async def test_priority_waiter_behind_50_is_granted_next(connect):
@@ -95,6 +108,37 @@ async def test_holder_that_does_not_yield_is_fenced_at_its_deadline(connect):
     assert (await urgent.get("db-row")).value == b"v2"
 
 
+@pytest.mark.parametrize("give_up", ["wait runs out", "cancelled", "connection closed"])
+async def test_a_revoke_request_lapses_when_its_requester_stops_waiting(server, connect, give_up):
+    holder = await connect("holder")
+    urgent = await connect("urgent")
+    plain = await connect("plain")
+    lease = await holder.acquire("gpu", ttl=60)
+    low = asyncio.create_task(plain.acquire("gpu", ttl=30, wait=60))  # priority 0, queued first
+    await _waiting(holder, "gpu", 1)
+    if give_up == "wait runs out":
+        with pytest.raises(LockNotAcquired):
+            await urgent.acquire("gpu", ttl=30, priority=50, preempt=1.0, wait=0.2)
+    else:
+        want = asyncio.create_task(urgent.acquire("gpu", ttl=30, priority=50, preempt=1.0))
+        await asyncio.wait_for(lease.revoke_requested.wait(), TIMEOUT)
+        if give_up == "cancelled":
+            want.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await want
+        else:
+            await urgent.close()
+            with pytest.raises(ConnectionLost):
+                await want
+    await asyncio.wait_for(lease.revoke_requested.wait(), TIMEOUT)
+    await asyncio.to_thread(server.wait_for_log, r"revoke request on \S*gpu\S* \(token \d+\) lapsed", TIMEOUT)
+    assert not lease.lost.is_set()
+    assert (await holder.holder("gpu"))["token"] == lease.fencing_token
+    assert not low.done()
+    await holder.release(lease)
+    await plain.release(await asyncio.wait_for(low, TIMEOUT))
+
+
 async def test_revoke_request_needs_a_higher_priority_waiter(connect):
     holder = await connect("holder")
     other = await connect("other")
@@ -141,6 +185,30 @@ async def test_transfer_hands_the_lock_to_the_chosen_waiter(connect):
         await leader.transfer(lease, "cand-a")
     await b.release(got)
     await a.release(await asyncio.wait_for(ta, TIMEOUT))
+
+
+async def test_a_transfer_to_an_id_two_waiters_carry_is_refused(connect):
+    leader = await connect("leader")
+    impostor = await connect("impostor")
+    real = await connect("real")
+    lease = await leader.acquire("lead2", ttl=30, correlation_id="leader")
+    first = asyncio.create_task(impostor.acquire("lead2", ttl=30, correlation_id="n3"))
+    await _waiting(leader, "lead2", 1)
+    second = asyncio.create_task(real.acquire("lead2", ttl=30, correlation_id="n3"))
+    await _waiting(leader, "lead2", 2)
+    with pytest.raises(InvalidArgument, match="2 waiters .* carry the candidate id 'n3'"):
+        await leader.transfer(lease, "n3")
+    assert not lease.lost.is_set()
+    assert (await leader.holder("lead2"))["token"] == lease.fencing_token
+    assert not first.done() and not second.done()
+    second.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    await _waiting_at_most(leader, "lead2", 1)
+    await leader.transfer(lease, "n3")  # one waiter carries the id: unambiguous
+    got = await asyncio.wait_for(first, TIMEOUT)
+    assert got.fencing_token > lease.fencing_token
+    await impostor.release(got)
 
 
 async def test_election_transfer_candidates_and_proclaim(connect):

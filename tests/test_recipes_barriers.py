@@ -113,6 +113,19 @@ async def test_a_latch_opens_when_every_party_counted_down(connect):
     assert await a.list_prefix("latch/open/") == []
 
 
+@pytest.mark.parametrize("stored", [b"0", b"-1", b"abc", b"", b" 3", b"3_0", b"10000", b"\xff"])
+async def test_a_latch_with_a_malformed_count_key_raises_and_never_opens(connect, stored):
+    c = await connect("c")
+    await c.put("latch/bad/count", stored)
+    latch = c.latch("latch/bad")
+    for call in (latch.wait, latch.remaining, latch.count_total):
+        with pytest.raises(fastlock.InvalidArgument, match="malformed count key"):
+            await call()
+    with pytest.raises(fastlock.InvalidArgument, match="malformed count key"):
+        await latch.create(3)
+    assert (await c.get("latch/bad/count")).value == stored  # nothing changed
+
+
 async def _no_latch_wait(client):
     latch = client.latch("latch/slow")
     await latch.create(2)

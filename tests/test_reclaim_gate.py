@@ -172,8 +172,10 @@ def test_a_promoted_node_refuses_revisions_past_its_promotion_point():
     log.record(revision(2, 7), "n", "granted", 1, None, published=True)
     current = revision(2, 7)
     assert [c.token for c in log.since("n", revision(1, 100), current)] == [1]
-    with pytest.raises(WatchDiverged):
+    with pytest.raises(WatchDiverged, match="lost changes"):
         log.since("n", revision(1, 101), current)
+    with pytest.raises(WatchDiverged, match="ahead of this node's history"):
+        log.since("n", revision(2, 8), current)
 
 
 def test_pending_changes_are_not_replayed_until_published():

@@ -24,7 +24,7 @@ from fastlock._testbase.sequencer_fuzz import fuzz
 from fastlock.auth import CredentialsError, generate
 from fastlock.auth.credentials import Credentials
 from fastlock.auth.sequencer_keys import SequencerKeyError, add_key, read_keys, retire_key, set_signing
-from fastlock.contrib.asgi import FencingMiddleware
+from fastlock.contrib.asgi import FencingMiddleware, path_resource
 from fastlock.errors import StaleFencingToken
 from fastlock.fencing import SQLiteFence
 from fastlock.tokens import make_token
@@ -271,6 +271,20 @@ async def test_asgi_middleware_answers_428_403_409_and_lets_valid_writes_through
     assert not fenced._locks  # no per-resource lock left behind
 
 
+async def test_asgi_middleware_fences_a_path_on_the_lock_of_its_name_by_default():
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    fenced = FencingMiddleware(app, SequencerFence([signing().verify_key], skew=None))
+    orders = S.to_text(make(signing(), "orders/1", make_token(0, 1)))
+    assert (await _call(fenced, "PUT", "/orders/1", orders))[0] == 204
+    assert (await _call(fenced, "PUT", "/orders/2", orders))[0] == 403  # another lock's
+    slashed = S.to_text(make(signing(), "/orders/1", make_token(0, 2)))
+    assert (await _call(fenced, "PUT", "/orders/1", slashed))[0] == 403  # the lock is "orders/1"
+    assert path_resource({"type": "http"}) is None
+
+
 async def test_asgi_middleware_runs_one_fenced_write_per_resource_at_a_time():
     inside = 0
     most = 0
@@ -286,7 +300,7 @@ async def test_asgi_middleware_runs_one_fenced_write_per_resource_at_a_time():
         await send({"type": "http.response.body", "body": b""})
 
     fenced = FencingMiddleware(app, SequencerFence([signing().verify_key], skew=None))
-    seq = S.to_text(make(signing(), "/r", make_token(0, 1)))
+    seq = S.to_text(make(signing(), "r", make_token(0, 1)))
     calls = [asyncio.ensure_future(_call(fenced, "PUT", "/r", seq)) for _ in range(3)]
     while inside == 0:
         await asyncio.sleep(0)

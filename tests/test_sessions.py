@@ -11,6 +11,7 @@ The time figures (kill -9 to freed) are measured in benches/sessions.py.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from fastlock._testbase.cluster import RawNode, poll, status_of
 from fastlock._testbase.proxy import free_port
 from fastlock._testbase.servers import CredentialsDir
 from fastlock.errors import LeaseLost, LimitExceeded, LockNotHeld, PermissionDenied
+from fastlock.server.sessions import MAX_SESSIONS_PER_CONNECTION, MAX_SESSIONS_PER_PRINCIPAL
 
 #: leases taken concurrently at a time while a test builds up its holdings
 BATCH = 500
@@ -120,6 +122,44 @@ async def test_closing_a_session_revokes_every_lease_at_once_with_higher_tokens(
     assert all(s.leases == 0 for s in await operator.sessions() if s.id == closed.id)
     with pytest.raises(LockNotHeld):
         await operator.close_session("0" * 16)
+
+
+async def test_a_closed_client_closes_its_session_on_the_server(connect):
+    operator = await connect("operator")
+    leaving = await connect("leaving")
+    lease = await leaving.lock("leaving/1", ttl=30.0)
+    await poll(lambda: sessions_status(leaving), lambda st: st["leases"] == 1, timeout=30, what="attached")
+    session_id = leaving.session_keeper.id
+    assert [s.client for s in await operator.sessions() if s.id == session_id] == ["leaving"]
+    await leaving.close()
+    assert not [s for s in await operator.sessions() if s.id == session_id]  # not kept for its TTL
+    assert (await operator.holder("leaving/1"))["token"] == lease.fencing_token  # the lease keeps its TTL
+    await leaving.close()  # closing again sends nothing and raises nothing
+
+
+async def test_a_principal_at_its_session_limit_renews_each_lease_itself(server, connect, caplog):
+    nodes = []
+    try:
+        for _ in range(MAX_SESSIONS_PER_PRINCIPAL // MAX_SESSIONS_PER_CONNECTION):  # the principal's every session
+            node = await RawNode.open(server.address, token=None)
+            nodes.append(node)
+            for _ in range(MAX_SESSIONS_PER_CONNECTION):
+                await node.request(P.OP_SESSION_OPEN, os.urandom(16), 600_000)
+        over = await connect("over")
+        with caplog.at_level(logging.INFO, logger="fastlock.client.session"):
+            lease = await over.lock("over/1", ttl=1.0)
+            first = lease.state.expires_at
+            await wait_until(lambda: "refused this client a session" in caplog.text, timeout=30,
+                             what="the refusal logged")
+            await wait_until(lambda: lease.state.expires_at > first, timeout=30, what="a renewal by its own EXTEND")
+        assert not lease.lost.is_set()
+        mine = [r for r in caplog.records if r.name == "fastlock.client.session"]
+        refused = [r for r in mine if "refused this client a session" in r.getMessage()]
+        assert len(refused) == 1 and refused[0].levelno == logging.WARNING
+        assert all(r.exc_info is None for r in mine) and "unexpectedly" not in caplog.text
+    finally:
+        for node in nodes:
+            await node.close()
 
 
 async def test_a_revoked_lease_takes_its_keys_with_it_however_it_was_revoked(connect):

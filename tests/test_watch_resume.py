@@ -204,10 +204,11 @@ def test_compacted_diverged_and_bad_revisions(server_factory):
                     await node.request(OP_WATCH_FROM, "x", now - 12)
                 assert info.value.oldest is not None and now - 12 < info.value.oldest <= now
                 epoch_now = now >> 40
-                with pytest.raises(WatchDiverged):  # a later epoch than this node's
+                with pytest.raises(WatchDiverged, match="ahead of this node's history"):  # a later epoch
                     await node.request(OP_WATCH_FROM, "x", make_token(epoch_now + 1, 1))
-                with pytest.raises(WatchDiverged):  # an LSN this node has not logged
+                with pytest.raises(WatchDiverged, match="ahead of this node's history") as ahead:  # an LSN not logged
                     await node.request(OP_WATCH_FROM, "x", now + 1000)
+                assert "lost changes" not in str(ahead.value)
                 for bad in (-1, "1", 1 << 63, 1.5):
                     with pytest.raises(InvalidArgument):
                         await node.request(OP_WATCH_FROM, "x", bad)

@@ -24,6 +24,7 @@ import pytest
 
 from fastlock import protocol as P
 from fastlock._testbase.cluster import RawNode, poll, run, status_of
+from fastlock._testbase.proxy import TcpProxy, free_port
 from fastlock._testbase.servers import WitnessProcess
 from fastlock.auth import ClientHandshake, Credentials, say_hello, secret_of
 from fastlock.errors import (
@@ -36,7 +37,13 @@ from fastlock.errors import (
     Unavailable,
 )
 from fastlock.protocol import rpc
-from fastlock.replication.witness import OP_WITNESS_LEASE, Witness, read_vote
+from fastlock.replication.witness import (
+    MAX_CONNECTIONS,
+    MAX_CONNECTIONS_PER_ADDRESS,
+    OP_WITNESS_LEASE,
+    Witness,
+    read_vote,
+)
 
 FAILOVER = 1.0  # --failover-after, seconds
 
@@ -111,8 +118,8 @@ def witness(cluster, tmp_path):
     return w.start()
 
 
-async def _open(witness, token: str | None, node: str = "n1") -> rpc.RpcConnection:
-    conn = await rpc.open_connection("127.0.0.1", witness.port, timeout=5)
+async def _open(witness, token: str | None, node: str = "n1", port: int | None = None) -> rpc.RpcConnection:
+    conn = await rpc.open_connection("127.0.0.1", port or witness.port, timeout=5)
     handshake = ClientHandshake(secret_of(token) if token else None, role="replica" if token else None,
                                 own_node=node)
     try:
@@ -157,6 +164,73 @@ async def _status(witness, token: str) -> dict:
         return await conn.request(P.OP_STATUS)
     finally:
         conn.close()
+
+
+async def _flood(port: int, source: str, stop: asyncio.Event, opened: list[int]) -> None:
+    """Hold a connection to the witness from ``source`` that never says HELLO; open
+    another each time the witness closes it, until ``stop`` (at most 500 times)."""
+    for _ in range(500):
+        if stop.is_set():
+            return
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+        except OSError:
+            await asyncio.sleep(0.01)
+            continue
+        opened[0] += 1
+        try:
+            read = asyncio.ensure_future(reader.read(1))
+            stopped = asyncio.ensure_future(stop.wait())
+            await asyncio.wait([read, stopped], return_when=asyncio.FIRST_COMPLETED)
+            read.cancel()
+            stopped.cancel()
+        finally:
+            writer.close()
+
+
+def test_a_flood_of_unauthenticated_connections_never_keeps_a_node_out(cluster, witness):
+    async def main():
+        proved = await _open(witness, cluster.creds.token("node-1"))  # in before the flood
+        stop = asyncio.Event()
+        opened = [0]
+        sources = [f"127.0.0.{2 + i // MAX_CONNECTIONS_PER_ADDRESS}"
+                   for i in range(MAX_CONNECTIONS + 2 * MAX_CONNECTIONS_PER_ADDRESS)]  # from 6 addresses
+        flood = [asyncio.ensure_future(_flood(witness.port, src, stop, opened)) for src in sources]
+        try:
+            async def count() -> int:
+                return opened[0]
+            await poll(count, lambda n: n >= len(sources), timeout=20, what="the flood's connections")
+            for _ in range(5):  # the nodes get in while the flood goes on
+                st = await _status(witness, cluster.creds.token("node-2"))
+                assert st["server"] == "fastlock-witness"
+            assert (await proved.request(OP_WITNESS_LEASE, 3, 1000))["granted"]  # a proved node stays in
+        finally:
+            stop.set()
+            await asyncio.gather(*flood)
+            proved.close()
+
+    run(main())
+
+
+def test_a_relayed_node_is_refused_unless_the_witness_is_reachable_as_the_relay(cluster, witness, tmp_path):
+    port = free_port()
+    behind = WitnessProcess(tmp_path / "behind", cluster.creds.file, args=["--reachable-as", f"127.0.0.1:{port}"])
+    cluster.servers.append(behind)
+    behind.start()
+    to_behind = TcpProxy(behind.address, port=port).start()
+    to_plain = TcpProxy(witness.address).start()
+    cluster.proxies += [to_behind, to_plain]
+
+    async def main():
+        conn = await _open(behind, cluster.creds.token("node-1"), port=to_behind.port)
+        try:
+            assert (await conn.request(P.OP_STATUS))["server"] == "fastlock-witness"
+        finally:
+            conn.close()
+        with pytest.raises(AuthError, match="dialed"):
+            await _open(witness, cluster.creds.token("node-1"), port=to_plain.port)
+
+    run(main())
 
 
 # -- a pair with a witness (real processes) ----------------------------------------------------

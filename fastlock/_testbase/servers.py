@@ -209,8 +209,9 @@ class WitnessProcess(ServerProcess):
     ``data_dir`` its ``--data``, ``credentials`` the pair's credentials file; started,
     killed, paused and stopped like a :class:`ServerProcess`."""
 
-    def __init__(self, data_dir: str | os.PathLike, credentials: str, *, port: int = 0, log_level: str = "INFO"):
-        super().__init__(data_dir, port=port, args=["--credentials", credentials], log_level=log_level)
+    def __init__(self, data_dir: str | os.PathLike, credentials: str, *, port: int = 0, log_level: str = "INFO",
+                 args: Sequence[str] = ()):
+        super().__init__(data_dir, port=port, args=["--credentials", credentials, *args], log_level=log_level)
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "fastlock", "witness", "--listen", f"127.0.0.1:{self.port}",

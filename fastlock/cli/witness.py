@@ -20,7 +20,7 @@ from typing import Any
 from ..auth import Credentials
 from ..logformat import LOG_FORMATS, configure
 from ..replication.witness import Witness
-from .args import listen_address
+from .args import listen_address, reachable_as
 
 __all__ = ["add_parser"]
 
@@ -37,6 +37,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--data", required=True, metavar="DIR", help="where the vote (witness.json) is kept")
     p.add_argument("--credentials", required=True, metavar="FILE",
                    help="the pair's credentials file (its replica principals prove themselves)")
+    p.add_argument("--reachable-as", type=reachable_as, default=(), metavar="IP:PORT[,IP:PORT...]|any",
+                   help="a node's handshake names the endpoint it dialed, and the witness refuses one that names "
+                        "another than the connection arrived at (a relay); these endpoints are also accepted "
+                        "(NAT, port mapping, a TCP proxy); 'any' turns the check off (as serve --reachable-as)")
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="the least severe messages logged (default INFO)")
     p.add_argument("--log-format", choices=LOG_FORMATS, default="text", type=str.lower,
@@ -48,7 +52,7 @@ def witness_command(args: argparse.Namespace) -> int:
     configure(args.log_level, args.log_format, sys.stderr)
     try:
         credentials = Credentials.load(args.credentials)
-        witness = Witness(args.data, credentials)
+        witness = Witness(args.data, credentials, reachable_as=args.reachable_as)
     except (OSError, ValueError) as exc:
         print(f"fastlock witness: {exc}", file=sys.stderr)
         return 1

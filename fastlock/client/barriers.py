@@ -276,11 +276,24 @@ class CountDownLatch:
             return False
 
     async def count_total(self) -> int:
-        """The count the latch was created with.  Raises KeyNotFound if it was not created."""
+        """The count the latch was created with (1 .. 9,999).
+
+        Raises:
+            KeyNotFound: it was not created.
+            InvalidArgument: its count key does not hold a count (decimal digits, 1 ..
+                9,999): written by something else than :meth:`create`; the latch is
+                never taken as open for it.
+        """
         kv = await self.client.get(f"{self.name}/count")
         if kv is None:
             raise KeyNotFound(f"latch {self.name!r} does not exist")
-        return int(kv.value)
+        raw = kv.value
+        count = int(raw) if isinstance(raw, bytes) and raw.isdigit() and len(raw) <= len(str(MAX_PARTICIPANTS)) else 0
+        if not 1 <= count <= MAX_PARTICIPANTS:
+            raise InvalidArgument(f"latch {self.name!r} has a malformed count key {self.name}/count "
+                                  f"({bytes(raw)[:16]!r}: not a count in 1 .. {MAX_PARTICIPANTS}); delete the latch "
+                                  f"and create it again")
+        return count
 
     async def count_down(self, party: str) -> bool:
         """``party`` counts down (once: again changes nothing); True if this call counted."""

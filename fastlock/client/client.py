@@ -219,10 +219,12 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods, SessionAdminMethods):
         Every request still pending (a waiting acquire included) raises
         :class:`ConnectionLost` ("client is closed") at once, and so does any
         later call.  Held leases stay held on the server until their TTL
-        (release them first if you want them freed now)."""
+        (release them first if you want them freed now).  The client's session, if
+        it opened one, is closed on the server (``SESSION_CLOSE``, best effort, at
+        most 1 s), so ``fastlock sessions`` no longer lists it."""
         self.renewers.stop_all()
         if self.session_keeper is not None:
-            self.session_keeper.close()
+            await self.session_keeper.end()
         self._connector.close()
 
     async def __aenter__(self) -> Client:

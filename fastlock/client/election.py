@@ -351,7 +351,9 @@ class Term:
 
         Raises:
             LeaseLost: this term was already over (nothing changed).
-            InvalidArgument: ``to`` is not waiting (see :meth:`Election.candidates`).
+            InvalidArgument: ``to`` is not waiting (see :meth:`Election.candidates`),
+                or several waiters carry the id ``to`` (a candidate id is chosen by
+                its client: the hand-off is refused rather than guessed).
         """
         await self.election.client.transfer(self.lease, to)
         self.resigned = True

@@ -53,10 +53,12 @@ from ..errors import (
     FastlockError,
     InvalidArgument,
     LeaseLost,
+    LimitExceeded,
     PermissionDenied,
     ProtocolError,
     WrongArgumentType,
 )
+from .calls import call
 from .connection import BACKOFF_MAX, RideThrough
 from .owner_keys import new_owner_key
 
@@ -77,6 +79,10 @@ ATTACH_IN_FLIGHT = 8
 DEFAULT_SESSION_TTL = 10.0
 #: keep-alives sent again in one round while the server says it listed only part of the lost leases
 MAX_MORE_ROUNDS = 64
+#: seconds a client's close waits for SESSION_CLOSE's answer at most
+SESSION_CLOSE_TIMEOUT = 1.0
+
+
 #: leases with a signed sequencer one session renews (the server's
 #: fastlock.server.sessions.MAX_SEQUENCED_PER_SESSION); the others send their own EXTENDs
 MAX_SEQUENCED = 256
@@ -163,6 +169,19 @@ class SessionKeeper:
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
 
+    async def end(self, timeout: float = SESSION_CLOSE_TIMEOUT) -> None:
+        """Stop the keeper and end the session on the server (``SESSION_CLOSE``), best
+        effort: at most ``timeout`` seconds, any error ignored (the server then ends it by
+        its TTL).  Its leases stay held until released or expired by their own TTLs."""
+        ended, self._closed = self._closed, True
+        self.close()
+        if ended or self.id is None or self.supported is False:
+            return  # ended already, or never opened: nothing to end
+        try:
+            await asyncio.wait_for(call(self.client.connector, P.OP_SESSION_CLOSE, (self.key,), timeout), timeout)
+        except (FastlockError, asyncio.TimeoutError, OSError) as exc:
+            log.debug("session %s not closed on the server (it ends by its TTL): %s", self.id, exc)
+
     # -- the rounds --------------------------------------------------------------------------
     def _interval(self) -> float:
         renewers = list(self._renewers.values())
@@ -203,6 +222,10 @@ class SessionKeeper:
                         self._fall_back()
                         return
                     raise
+                except LimitExceeded as exc:  # a session limit of the server: expected, not a fault
+                    log.warning("the server refused this client a session (%s): each lease renews itself", exc)
+                    self._fall_back()
+                    return
         except asyncio.CancelledError:
             raise
         except Exception:

@@ -46,7 +46,7 @@ from ..errors import StaleFencingToken
 from ..sequencer import SequencerRejected
 from ..watermarks import SequencerFence
 
-__all__ = ["FencingMiddleware", "HEADER"]
+__all__ = ["FencingMiddleware", "HEADER", "path_resource"]
 
 #: the request header that carries the sequencer (base64url text)
 HEADER = "If-Fencing-Sequencer"
@@ -58,13 +58,22 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
+def path_resource(scope: Scope) -> str | None:
+    """The default fenced resource of a request: its path without the one leading ``/``
+    (``/orders/1`` -> ``orders/1``, the lock name a client acquires); None without a path."""
+    path = scope.get("path")
+    return path.removeprefix("/") if isinstance(path, str) else None
+
+
 class FencingMiddleware:
     """Refuse forged (403) and stale (409) fenced writes (see the module docstring).
 
     :param app: the ASGI app to wrap.
     :param fence: verifies sequencers and keeps the marks (:class:`SequencerFence`).
     :param resource: the fenced resource (the lock name the sequencer must carry) of a
-        request, from its ASGI scope; None: the request is not fenced.  Default: the path.
+        request, from its ASGI scope; None: the request is not fenced.  Default:
+        :func:`path_resource`, the path without its leading ``/`` (a lock ``orders/1``
+        fences ``PUT /orders/1``).
     :param methods: the fenced HTTP methods (default: every method but GET, HEAD, OPTIONS).
     """
 
@@ -73,7 +82,7 @@ class FencingMiddleware:
                  methods: frozenset[str] | None = None) -> None:
         self.app = app
         self.fence = fence
-        self.resource = resource or (lambda scope: scope.get("path"))
+        self.resource = resource or path_resource
         self.methods = methods
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}  # resource -> (lock, requests holding it)
 

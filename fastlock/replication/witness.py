@@ -37,13 +37,18 @@ safety argument is in ``docs/failover-safety.md`` ("A pair with a witness").
 Authentication: a node proves its replica token with the HELLO handshake of
 :mod:`fastlock.auth.handshake` (no secret on the wire; the proof names the
 witness's node id, both nonces and the dialed endpoint, so it cannot be
-replayed, reflected or relayed), and the witness proves it holds the same
+replayed, reflected or relayed; ``--reachable-as`` names further endpoints a node may
+have dialed, as ``serve``'s), and the witness proves it holds the same
 credentials file.  Only replica principals are accepted; the holder of a
 lease is ``<replica principal>/<node id>`` from the proved handshake.
 
 Limits: at most :data:`MAX_CONNECTIONS` connections, :data:`MAX_CONNECTIONS_PER_ADDRESS`
-from one address (more are closed at once), HELLO done within :data:`HELLO_TIMEOUT_S` of
-the connect, a connection idle for
+from one address, HELLO done within :data:`HELLO_TIMEOUT_S` of the connect.  A node that
+proved itself is never crowded out by connections that did not: when a limit is reached,
+a new connection closes the oldest connection still in its handshake (from its own
+address when that address is at its limit, else from the address with the most such
+connections; a fair share per address, as invariant 12) and is refused only when every
+connection it could replace has proved itself.  A connection idle for
 :data:`IDLE_TIMEOUT_S` is closed, frames within the server's request limits,
 and ``lease_ms`` within :data:`MIN_LEASE_MS`..:data:`MAX_LEASE_MS`.
 """
@@ -79,7 +84,7 @@ MIN_LEASE_MS = 100
 MAX_LEASE_MS = 600_000
 MAX_CONNECTIONS = 64
 MAX_CONNECTIONS_PER_ADDRESS = 16
-HELLO_TIMEOUT_S = 5.0
+HELLO_TIMEOUT_S = 2.0
 IDLE_TIMEOUT_S = 60.0
 READ_BYTES = 64 << 10
 
@@ -130,10 +135,16 @@ class Witness:
         data_dir: where the vote (``witness.json``) and the witness's ``node-id`` live.
         credentials: the pair's credentials file (its replica principals prove themselves).
         clock: the monotonic clock in milliseconds (tests pass their own).
+        reachable_as: endpoints (``IP:PORT``, as :func:`~fastlock.auth.handshake.endpoint`
+            writes them) a node's handshake may name as the one it dialed besides the one
+            its connection arrived at (NAT, port mapping, a TCP proxy), or ``("any",)``: the
+            check is off.  As ``fastlock serve --reachable-as``.
     """
 
-    def __init__(self, data_dir: str, credentials: Credentials, *, clock: Callable[[], int] = monotonic_ms):
+    def __init__(self, data_dir: str, credentials: Credentials, *, clock: Callable[[], int] = monotonic_ms,
+                 reachable_as: tuple[str, ...] = ()):
         self.data_dir = data_dir
+        self.reachable_as = reachable_as
         self.credentials = credentials
         self.clock = clock
         self.vote = read_vote(data_dir)
@@ -145,6 +156,8 @@ class Witness:
         self._server: asyncio.AbstractServer | None = None
         self._connections = 0
         self._per_address: dict[str | None, int] = {}
+        #: address -> its connections still in their handshake, oldest first
+        self._unproved: dict[str | None, dict[_Session, None]] = {}
 
     # -- the rule ---------------------------------------------------------------------------
     def lease(self, holder: str, epoch: Any, lease_ms: Any, out_of_sync: Any = False, max_ttl_ms: Any = 0) -> dict:
@@ -221,12 +234,14 @@ class Witness:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         host = peer[0] if isinstance(peer, tuple) else None
-        if self._connections >= MAX_CONNECTIONS or self._per_address.get(host, 0) >= MAX_CONNECTIONS_PER_ADDRESS:
+        if not self._make_room(host):
+            log.debug("witness connection from %s refused: every connection it could replace proved itself", peer)
             writer.close()
             return
         self._connections += 1
         self._per_address[host] = self._per_address.get(host, 0) + 1
-        session = _Session(self, writer)
+        session = _Session(self, writer, host)
+        self._unproved.setdefault(host, {})[session] = None
         decoder = P.FrameDecoder(limits=P.REQUEST_LIMITS)
         hello_by = asyncio.get_running_loop().time() + HELLO_TIMEOUT_S  # one deadline, however bytes trickle in
         try:
@@ -240,23 +255,60 @@ class Witness:
                     break
                 for msg in decoder.feed(data):
                     session.handle(msg)
+                if session.holder is not None:
+                    self._proved(session)
                 await writer.drain()
         except (asyncio.TimeoutError, OSError, ProtocolError, AuthError) as exc:
             log.debug("witness connection from %s closed: %s", session.peer, exc)
         finally:
-            self._connections -= 1
-            left = self._per_address.pop(host, 1) - 1
-            if left:
-                self._per_address[host] = left
+            self._drop(session)
             writer.close()
+
+    def _make_room(self, host: str | None) -> bool:
+        """Room for a new connection from ``host``: True if under both limits, or once the
+        oldest connection still in its handshake that it may replace is closed (its own
+        address's at that address's limit, else the one of the address with the most)."""
+        if self._per_address.get(host, 0) >= MAX_CONNECTIONS_PER_ADDRESS:
+            victims = self._unproved.get(host)
+        elif self._connections >= MAX_CONNECTIONS:
+            victims = max(self._unproved.values(), key=len, default=None)
+        else:
+            return True
+        if not victims:
+            return False
+        victim = next(iter(victims))
+        log.debug("witness connection from %s closed in its handshake to make room", victim.peer)
+        self._drop(victim)
+        victim.writer.close()
+        return True
+
+    def _proved(self, session: _Session) -> None:
+        """``session`` proved itself: it no longer counts as one a newcomer may replace."""
+        mine = self._unproved.get(session.host)
+        if mine is not None:
+            mine.pop(session, None)
+            if not mine:
+                del self._unproved[session.host]
+
+    def _drop(self, session: _Session) -> None:
+        """Stop counting ``session`` (once; its connection is closing)."""
+        if session.counted:
+            session.counted = False
+            self._proved(session)
+            self._connections -= 1
+            left = self._per_address.pop(session.host, 1) - 1
+            if left:
+                self._per_address[session.host] = left
 
 
 class _Session:
     """One connection to the witness: HELLO first, then leases and status."""
 
-    def __init__(self, witness: Witness, writer: asyncio.StreamWriter):
+    def __init__(self, witness: Witness, writer: asyncio.StreamWriter, host: str | None = None):
         self.witness = witness
         self.writer = writer
+        self.host = host  # the peer's address, as the witness counts its connections
+        self.counted = True  # counted in the witness's connection limits until dropped
         self.peer = writer.get_extra_info("peername")
         self.pending: PendingProof | None = None
         self.holder: str | None = None  # principal/node, once proved
@@ -302,9 +354,11 @@ class _Session:
                 raise ProtocolError("one handshake per connection")
             first = ClientFirst.parse(credential)
             here = endpoint(self.writer.get_extra_info("sockname"))
-            if first.dialed is not None and first.dialed != here:
+            allowed = witness.reachable_as
+            if first.dialed is not None and first.dialed != here and first.dialed not in allowed \
+                    and "any" not in allowed:
                 raise AuthError(f"authentication failed: the node dialed {first.dialed} but reached the witness "
-                                f"at {here} (a relay in between?)")
+                                f"at {here} (a relay in between, or address translation: witness --reachable-as)")
             found = witness.credentials.lookup(first.principal)
             if found is not None and (found.kind != "replica" or found.keys is None):
                 found = None  # answered like an unknown principal: its proof fails

@@ -20,6 +20,16 @@ clock) the server revokes it exactly as ``fastlock revoke`` does (a ``REVOKE``
 record, replicated; watchers told ``"revoked"``), by the requesting principal: the
 lock goes to the head waiter with a higher fencing token, so a fenced write of the
 old holder is refused.  One deadline per lease: a later request never moves it later.
+A request lasts only while its requester waits: at the deadline the lease is revoked
+only if a request that asked still waits on the name with a priority above the
+holder's (attributed to the first such requester).  When every requester stopped
+waiting (its wait ran out, it cancelled, its connection closed), the request lapses:
+the lease is kept and the holder is not told (its ``revoke_requested`` stays set; it
+may go on, or yield anyway).
+A deadline is replicated (the REVOKE_REQUEST record); who asked is kept by the node that
+heard the request: on a promoted node a replicated deadline revokes only while some
+waiter of a priority above the holder's still waits (the requester, riding through the
+failover, asks again and is kept once more).
 One principal has at most :data:`MAX_REVOKE_DEADLINES_PER_PRINCIPAL` deadlines running
 (``LimitExceeded`` beyond).
 
@@ -40,7 +50,9 @@ requester's client asks again when it waits on the new primary.
 releases to the waiter whose correlation id is ``candidate`` in one step
 (``LockTable.release_to``): that waiter is granted at once with a fresh, higher token;
 the release and the grant are logged as any release and grant.  The candidate must be
-among the first :data:`MAX_CANDIDATES_SCANNED` waiters.
+among the first :data:`MAX_CANDIDATES_SCANNED` waiters, and the only one of them
+carrying that id: a correlation id is chosen by its client, so when several waiters
+carry it the transfer is refused (``InvalidArgument``) rather than handed to the first.
 """
 
 from __future__ import annotations
@@ -101,10 +113,12 @@ class RevokeDeadlines:
     On a primary each runs a timer on the event loop ``get_loop()`` that calls
     ``on_due(deadline)`` at its ``due_ms``; a standby keeps the replicated ones without
     a timer until a promotion arms them (:meth:`arm_all`).  ``by_principal``: how many
-    each principal asked for.
+    each principal asked for.  ``on_due(deadline, requesters)`` gets who asked on this node
+    (None: nobody here, a replicated or recovered deadline).
     """
 
-    def __init__(self, get_loop: Callable[[], Any], on_due: Callable[[RevokeDeadline], None]):
+    def __init__(self, get_loop: Callable[[], Any],
+                 on_due: Callable[[RevokeDeadline, dict[bytes, str] | None], None]):
         self.get_loop = get_loop
         self.on_due = on_due
         #: (name, token) -> its running request
@@ -112,6 +126,9 @@ class RevokeDeadlines:
         #: principal -> how many of the running requests it made
         self.by_principal: dict[str, int] = {}
         self._timers: dict[tuple[str, int], asyncio.TimerHandle] = {}
+        #: (name, token) -> the requests that asked on this node (owner hash -> principal), in
+        #: order, at most MAX_REQUESTERS_KEPT; a replicated or recovered deadline has none
+        self.requesters: dict[tuple[str, int], dict[bytes, str]] = {}
 
     def __len__(self) -> int:
         return len(self.running)
@@ -143,6 +160,7 @@ class RevokeDeadlines:
         deadline = self.running.pop(key, None)
         if deadline is None:
             return None
+        self.requesters.pop(key, None)
         timer = self._timers.pop(key, None)
         if timer is not None:
             timer.cancel()
@@ -187,9 +205,12 @@ class RevokeDeadlines:
 
     def _fire(self, key: tuple[str, int]) -> None:
         self._timers.pop(key, None)
+        requesters = self.requesters.get(key)
         deadline = self.drop(*key)
         if deadline is not None:
-            self.on_due(deadline)
+            self.on_due(deadline, requesters)
+#: the most requests kept per revoke deadline (the ones still waiting are the deadline's reason)
+MAX_REQUESTERS_KEPT = 64
 
 
 class Preemption:
@@ -254,6 +275,12 @@ class Preemption:
             deadline = RevokeDeadline(name, holder.token, conn.principal, now + grace_ms)
             deadlines.add(deadline, armed=True)
             self.handlers.wal.log_revoke_request(name, holder.token, conn.principal, wall_ms() + grace_ms, grace_ms)
+        requesters = deadlines.requesters.setdefault((name, holder.token), {})
+        if owner not in requesters and len(requesters) >= MAX_REQUESTERS_KEPT:
+            for gone in [o for o in requesters if table.waiter_priority(name, o) <= holder_priority]:
+                del requesters[gone]  # stopped waiting: its request lapsed
+        if len(requesters) < MAX_REQUESTERS_KEPT:  # else as many still wait: the deadline stands for them
+            requesters.setdefault(owner, conn.principal)
         deadline_ms = max(0, deadline.due_ms - now)
         target = self.handlers.server.sessions.get(holder.session)
         principal, client = split_recorded_client(conn.recorded)
@@ -264,7 +291,7 @@ class Preemption:
         conn.send(P.encode_ok(req_id, {"token": holder.token, "deadline_ms": deadline_ms,
                                        "delivered": target is not None}))
 
-    def _deadline(self, deadline: RevokeDeadline) -> None:
+    def _deadline(self, deadline: RevokeDeadline, requesters: dict[bytes, str] | None) -> None:
         """A revoke request's deadline: take the lease if it still holds (primary only)."""
         name, token, principal = deadline.name, deadline.token, deadline.principal
         server = self.handlers.server
@@ -278,9 +305,22 @@ class Preemption:
         except FastlockError:
             if self.roles.role is Role.PRIMARY:  # fenced for now: the deadline stays, tried again
                 self.deadlines.add(deadline._replace(due_ms=now + REVOKE_RETRY_MS), armed=True)
+                if requesters is not None:
+                    self.deadlines.requesters[(name, token)] = requesters
             return  # no longer a primary: the lease is the new primary's to keep or expire
+        table = self.table
+        holder_priority = table.holder_priority(name)
+        if requesters is not None:  # who asked here: the first that still waits above the holder
+            asking = next((who for owner, who in requesters.items()
+                           if table.waiter_priority(name, owner) > holder_priority), None)
+        else:  # replicated or recovered: any waiter above the holder keeps the request standing
+            asking = principal if any(p > holder_priority for _, p in table.waiter_priorities(name, 1)) else None
+        if asking is None:
+            log.info("the revoke request on %s (token %d) lapsed: no requester waits any more", quote(name), token,
+                     extra={"lock": name, "token": token})
+            return
         lock_admin = self.handlers.lock_admin
-        lock_admin.revoke_lease(name, holder, principal, "did not yield to a revoke request by its deadline",
+        lock_admin.revoke_lease(name, holder, asking, "did not yield to a revoke request by its deadline",
                                 now, None)
         server.after_batch()
 
@@ -288,7 +328,7 @@ class Preemption:
         """TRANSFER name, token, owner key, candidate: release the exclusive lease to the
         waiter whose correlation id is ``candidate``, granted at once with a higher token.
         :raises LeaseLost: not the holder.  :raises InvalidArgument: no such plain
-        exclusive waiter among the first MAX_CANDIDATES_SCANNED."""
+        exclusive waiter among the first MAX_CANDIDATES_SCANNED, or more than one."""
         name = P.check_name(msg[2])
         token = P.check_token(msg[3])
         owner = conn.owner_hash(msg[4])
@@ -301,13 +341,15 @@ class Preemption:
         holder = table.holder(name, now, owner)
         if holder is None or holder.token != token or holder.shared or holder.limit:
             raise not_the_holder(self.handlers.lock_admin.revocations, name, token)
-        target = None
-        for w_owner, _session, meta, _enqueued, _deadline, shared in table.waiter_info(name, MAX_CANDIDATES_SCANNED):
-            if not shared and meta and meta[1] == candidate:
-                target = w_owner
-                break
-        if target is None:
+        matches = [(w_owner, meta[0]) for w_owner, _session, meta, _enqueued, _deadline, shared
+                   in table.waiter_info(name, MAX_CANDIDATES_SCANNED) if not shared and meta and meta[1] == candidate]
+        if not matches:
             raise InvalidArgument(f"no candidate {candidate!r} waits on {name!r}")
+        if len(matches) > 1:
+            who = sorted({split_recorded_client(recorded)[0] or "-" for _owner, recorded in matches})
+            raise InvalidArgument(f"{len(matches)} waiters on {name!r} carry the candidate id {candidate!r} "
+                                  f"(principals {', '.join(who)}): the hand-off is refused, its target is ambiguous")
+        target = matches[0][0]
         try:
             table.release_to(name, token, owner, target, now)
         except ValueError as exc:

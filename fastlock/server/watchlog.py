@@ -63,8 +63,12 @@ def check_lineage(since: int, current: int, lineage: dict[int, int]) -> None:
     """
     epoch = epoch_of(since)
     here = epoch_of(current)
-    if epoch > here or (epoch == here and since > current) or (
-            epoch < here and counter_of(since) > lineage.get(epoch, -1)):
+    if epoch > here or (epoch == here and since > current):
+        # this node logged every change of its own epoch: none that could have been lost
+        raise WatchDiverged(f"revision {shown_revision(since)} is ahead of this node's history (latest "
+                            f"{shown_revision(current)}): no node of this history delivered it (a revision "
+                            f"from another cluster, or made up); start a new watch")
+    if epoch < here and counter_of(since) > lineage.get(epoch, -1):
         raise WatchDiverged(f"revision {shown_revision(since)} is not in this node's history (up to "
                             f"{shown_revision(current)}; of epoch {epoch} it has up to LSN "
                             f"{lineage.get(epoch, 'none')}): the primary that delivered it lost changes "
@@ -186,7 +190,10 @@ class WatchLog:
 
         ``current``: this node's revision now (its epoch, its last logged LSN).
         :raises Compacted: ``since`` is older than the history kept.
-        :raises WatchDiverged: ``since`` names a change this node never had.
+        :raises WatchDiverged: ``since`` names a change this node never had: one of an
+            older epoch past what this node received of it (the primary that delivered it
+            lost changes its standby never received), or one ahead of this node's history
+            (a later epoch, or past its last record in its own epoch).
         """
         floor = self.floor if self.floor is not None else current
         if since < floor:
