@@ -184,7 +184,9 @@ def test_a_promoted_standby_revokes_a_holder_that_does_not_yield(cluster):
 
 async def test_a_fenced_primary_keeps_a_due_deadline_and_revokes_once_it_may():
     """At a deadline a fenced primary may not revoke: it keeps the deadline and tries again
-    (every REVOKE_RETRY_MS) until it may, or until the lease is gone."""
+    (every REVOKE_RETRY_MS) until it may, or until the lease is gone.  A deadline nobody
+    asked for on this node (replicated or recovered) stands while a waiter of a priority
+    above the holder's waits."""
     from types import SimpleNamespace
 
     from fastlock._core import LockTable
@@ -195,6 +197,7 @@ async def test_a_fenced_primary_keeps_a_due_deadline_and_revokes_once_it_may():
     now = monotonic_ms()
     table.acquire("db", b"h", 1, 0, 60_000, -1, 0, None, now)
     token = table.holder("db", now).token
+    table.acquire("db", b"w", 2, 0, 60_000, -1, 0, None, now, False, 0, 0, 5)  # waits at priority 5
     roles = NodeRole(Role.PRIMARY, hold_grants_until=table.hold_grants_until, now_ms=monotonic_ms)
     roles.set_fenced(True)
     revoked: list[tuple[str, int, str]] = []
@@ -213,3 +216,31 @@ async def test_a_fenced_primary_keeps_a_due_deadline_and_revokes_once_it_may():
         while not revoked:
             await asyncio.sleep(0.01)
     assert revoked == [("db", token, "urgent")] and len(preemption.deadlines) == 0
+
+
+async def test_a_deadline_nobody_here_asked_for_lapses_when_no_waiter_ranks_above_the_holder():
+    """A replicated or recovered deadline (no requester known on this node) revokes only
+    while a waiter of a priority above the holder's waits: with none, it lapses."""
+    from types import SimpleNamespace
+
+    from fastlock._core import LockTable
+    from fastlock.roles import NodeRole
+    from fastlock.server.preemption import Preemption
+
+    table = LockTable()
+    now = monotonic_ms()
+    table.acquire("db", b"h", 1, 0, 60_000, -1, 0, None, now)
+    token = table.holder("db", now).token
+    table.acquire("db", b"w", 2, 0, 60_000, -1, 0, None, now)  # waits at priority 0: not above the holder
+    roles = NodeRole(Role.PRIMARY, hold_grants_until=table.hold_grants_until, now_ms=monotonic_ms)
+    revoked: list[tuple[str, int, str]] = []
+    server = SimpleNamespace(loop=asyncio.get_running_loop(), source=SimpleNamespace(fence_if_due=lambda now: None),
+                             after_batch=lambda: None)
+    lock_admin = SimpleNamespace(revoke_lease=lambda name, h, principal, *rest: revoked.append((name, h.token,
+                                                                                                 principal)))
+    preemption = Preemption(SimpleNamespace(table=table, roles=roles, server=server, lock_admin=lock_admin))
+    preemption.deadlines.add(RevokeDeadline("db", token, "urgent", now), armed=True)
+    async with asyncio.timeout(TIMEOUT):
+        while len(preemption.deadlines):
+            await asyncio.sleep(0.01)
+    assert revoked == [] and table.holder("db", monotonic_ms()).token == token
