@@ -93,11 +93,17 @@ LOCK_OPS = {P.OP_ACQUIRE: "acquire", P.OP_RELEASE: "release", P.OP_EXTEND: "exte
             ops.OP_KEY_PUT: "put", ops.OP_KEY_GET: "get", ops.OP_KEY_LIST: "get", ops.OP_KEY_DELETE: "delete",
             ops.OP_KEY_WATCH: "get", ops.OP_KEY_UNWATCH: "get",
             # priorities (fastlock.server.preemption); a priority above 0 needs "prioritize" too
-            ops.OP_ACQUIRE_PRIORITY: "acquire", ops.OP_REQUEST_REVOKE: "preempt", ops.OP_TRANSFER: "release"}
+            ops.OP_ACQUIRE_PRIORITY: "acquire", ops.OP_REQUEST_REVOKE: "preempt", ops.OP_TRANSFER: "release",
+            # watches that resume (fastlock.server.watchlog, keyrevisions) and rate limits (server.ratelimit)
+            ops.OP_WATCH_FROM: "watch", ops.OP_KEY_WATCH_FROM: "get", ops.OP_RATE_LIMIT: "acquire"}
+#: a client's own sessions (fastlock.server.sessions): proved by the session key, each attached
+#: name checked for "extend" by the handler: left to validation; never a replica's
+SESSION_OPS = {ops.OP_SESSION_OPEN, ops.OP_SESSION_ATTACH, ops.OP_SESSION_KEEPALIVE, ops.OP_SESSION_CLOSE}
 ALL_CLIENT_OPS = set(LOCK_OPS.values()) | {"prioritize"}
 REPLICA_OPS = {P.OP_REPLICATE, P.OP_REPL_ACK, P.OP_STEP_DOWN, P.OP_SYNC_ACK}
 OPEN_OPS = {P.OP_PING, P.OP_STATUS, P.OP_UNWATCH}
-ADMIN_OPS = {P.OP_PROMOTE, P.OP_SERVE_ALONE, P.OP_LOCKS, P.OP_LOCK_INFO, P.OP_REVOKE}
+ADMIN_OPS = {P.OP_PROMOTE, P.OP_SERVE_ALONE, P.OP_LOCKS, P.OP_LOCK_INFO, P.OP_REVOKE, ops.OP_SESSIONS,
+             ops.OP_SESSION_REVOKE}
 #: per-principal quotas small enough for the mixed rounds to reach (the anonymous principal's: a quarter)
 QUOTA_ARGS = ["--max-leases-per-principal", "24", "--max-waiters-per-principal", "8",
               "--max-watches-per-principal", "8", "--max-keys-per-principal", "8"]
@@ -105,7 +111,7 @@ QUOTA_ARGS = ["--max-leases-per-principal", "24", "--max-waiters-per-principal",
 
 def unclassified_ops() -> set[int]:
     """Protocol operations the fuzzer's policy does not know (a new op must be added to it)."""
-    known = OPEN_OPS | REPLICA_OPS | ADMIN_OPS | set(LOCK_OPS) | {P.OP_HELLO}
+    known = OPEN_OPS | REPLICA_OPS | ADMIN_OPS | set(LOCK_OPS) | SESSION_OPS | {P.OP_HELLO}
     return set(P.OP_NAMES) - known
 
 
@@ -134,6 +140,8 @@ class Spec:
             return True
         if self.kind != "client":
             return False
+        if op in SESSION_OPS:
+            return None
         if not args or type(args[0]) is not str:
             return None
         if op not in LOCK_OPS:
@@ -251,6 +259,18 @@ class Generator:
             return [name, self.owner(), rng.choice([1, 100, 600_000, 0, 600_001, None, "x"])]
         if op == ops.OP_TRANSFER:
             return [name, token, self.owner(), rng.choice(["corr", "", None, 7, _junk(rng)])]
+        if op == ops.OP_WATCH_FROM:
+            return [name, rng.choice([None, 0, 1, (1 << 40) | 5, 2**62, -1, "1"])]
+        if op == ops.OP_KEY_WATCH_FROM:
+            return [name, rng.choice([None, 0, 1 << 40, 2**62, -1]), rng.choice([None, 0, 3, -1, "0"])]
+        if op == ops.OP_RATE_LIMIT:
+            return [name, rng.choice([1, 100, 0, -1, 2**40]), rng.choice([1000, 0, -5]), rng.choice([1, 10, 0]),
+                    rng.choice([1, 0, 11, -1])]
+        if op in (ops.OP_SESSION_OPEN, ops.OP_SESSION_KEEPALIVE, ops.OP_SESSION_CLOSE):
+            key = rng.choice([self.owner(), b"", b"x" * 17, None, "k"])
+            return [key, rng.choice([10_000, 0, -1, 2**40])] if op == ops.OP_SESSION_OPEN else [key]
+        if op == ops.OP_SESSION_ATTACH:
+            return [self.owner(), [[name, token, self.owner()]], rng.choice([[], [[name, token]], None])]
         if op == P.OP_RELEASE:
             return [name, token, self.owner()]
         if op == P.OP_EXTEND:

@@ -119,7 +119,7 @@ async def watch_events(connector: Connector, name: str, timeout: float,
                 continue
             rev = event.revision
             if event.kind == "progress":
-                if rev > last:
+                if rev >= last:  # (an idle watch hears the same revision again: still a notice)
                     last = rev
                     if progress:
                         yield event

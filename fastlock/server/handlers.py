@@ -446,7 +446,7 @@ class Handlers:
     def op_watch(self, conn: Session, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])
         self.roles.admit(Action.READ)
-        self._add_watch(conn, name)
+        self._add_watch(conn, name, self.server.revisions.current())
         conn.send(P.encode_ok(req_id, self._holder_info(name)))
 
     def op_watch_from(self, conn: Session, req_id: int, msg: list) -> None:
@@ -454,8 +454,10 @@ class Handlers:
 
         ``since`` None starts a new watch; a revision (int) resumes one: the published
         changes of ``name`` after it are pushed first (``PUSH_WATCH_REV``), then the
-        live ones.  Replies ``{"holder": the holder now or None, "revision": every change
-        up to it was sent}``.  Refused with ``Compacted`` (extra: the oldest revision
+        live ones.  Replies ``{"holder": the holder now or None, "revision": R}``: for a
+        resumed watch every change up to R was sent; for a new one R is the revision the
+        holder state has (every change logged up to it, so none up to it is pushed later).
+        Refused with ``Compacted`` (extra: the oldest revision
         kept) or ``WatchDiverged``, changing nothing."""
         name = P.check_name(msg[2])
         since = msg[3]
@@ -468,17 +470,21 @@ class Handlers:
         except Compacted as exc:
             conn.send(P.encode_error(req_id, exc.code, str(exc), exc.oldest))
             return
-        self._add_watch(conn, name)
+        # a new watch begins at the revision its holder state has; a resumed one after ``since``
+        start = revisions.current() if since is None else None
+        self._add_watch(conn, name, start)
         self.watches.revisioned.add(conn.session)
         for change in replay:
             client, corr = change.meta if change.meta else (None, None)
             principal, client = split_recorded_client(client)
             conn.send(P.encode_push(PUSH_WATCH_REV, [name, change.what, change.token, client, corr, principal,
                                                      change.revision]))
-        conn.send(P.encode_ok(req_id, {"holder": self._holder_info(name), "revision": revisions.progress()}))
+        conn.send(P.encode_ok(req_id, {"holder": self._holder_info(name),
+                                       "revision": start if start is not None else revisions.progress()}))
 
-    def _add_watch(self, conn: Session, name: str) -> None:
-        """Add ``conn``'s watch of ``name`` (counted against the watch limits)."""
+    def _add_watch(self, conn: Session, name: str, start: int | None = None) -> None:
+        """Add ``conn``'s watch of ``name`` (counted against the watch limits), beginning at
+        revision ``start`` (see :class:`~fastlock.server.watches.WatchRegistry`)."""
         if conn.watching is None:
             conn.watching = set()
         if name not in conn.watching:
@@ -490,7 +496,7 @@ class Handlers:
             quotas.check_watch(conn)
             quotas.count_watches(conn, 1)
         conn.watching.add(name)
-        self.watches.add(conn, name)
+        self.watches.add(conn, name, start)
 
     def op_unwatch(self, conn: Session, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])

@@ -29,11 +29,20 @@ class WatchRegistry:
         self.by_name: dict[str, set[Session]] = {}
         #: the session ids of the connections that watch with WATCH_FROM (revisioned pushes)
         self.revisioned: set[int] = set()
+        #: (session id, lock name) -> the revision a new watch began at: its reply showed the
+        #: holder with every change logged up to it, so the changes up to it published later
+        #: are not pushed to it again (dropped once a later change reaches it)
+        self.starts: dict[tuple[int, str], int] = {}
 
-    def add(self, conn: Session, name: str) -> None:
+    def add(self, conn: Session, name: str, start: int | None = None) -> None:
+        """``conn`` watches ``name``; ``start``: the revision its reply's holder state has (None:
+        a resumed watch, which hears every change after the revision it resumed from)."""
         self.by_name.setdefault(name, set()).add(conn)
+        if start is not None:
+            self.starts[(conn.session, name)] = start
 
     def remove(self, conn: Session, name: str) -> None:
+        self.starts.pop((conn.session, name), None)
         group = self.by_name.get(name)
         if group is not None:
             group.discard(conn)
@@ -54,6 +63,7 @@ class WatchRegistry:
         order) to their locks' watchers."""
         by_name = self.by_name
         revisioned = self.revisioned
+        starts = self.starts
         for rev, name, what, token, meta in changes:
             conns = by_name.get(name)
             if not conns:
@@ -63,6 +73,12 @@ class WatchRegistry:
             payload = [name, what, token, client, corr, principal]
             plain = with_revision = None
             for conn in conns:
+                if starts:
+                    start = starts.get((conn.session, name))
+                    if start is not None:
+                        if rev <= start:
+                            continue  # already in the holder state its watch began with
+                        del starts[(conn.session, name)]
                 if conn.session in revisioned:
                     if with_revision is None:
                         with_revision = P.encode_push(PUSH_WATCH_REV, [*payload, rev])
