@@ -26,7 +26,7 @@ from fastlock import protocol as P
 from fastlock._testbase import HistoryChecker, ServerProcess
 from fastlock._testbase.cluster import RawNode, poll, status_of
 from fastlock._testbase.proxy import CLASSIFY_BYTES, TcpProxy, classify_fastlock
-from fastlock.errors import FastlockError, InvalidArgument, NotPrimary, Unavailable
+from fastlock.errors import ConnectionLost, FastlockError, InvalidArgument, NotPrimary, Unavailable
 from fastlock.protocol import FrameDecoder
 from fastlock.tokens import epoch_of
 
@@ -106,11 +106,13 @@ async def grant(address: str, name: str, timeout: float = 10.0) -> int:
         await node.close()
 
 
-async def refuses(address: str, name: str) -> FastlockError:
-    """Exactly ``address`` refuses to grant free lock ``name``; the error."""
+async def refuses(address: str, name: str, *, or_closes: bool = False) -> FastlockError:
+    """Exactly ``address`` refuses to grant free lock ``name``; the error.  ``or_closes``: the
+    node may instead close the connection (it is stepping down: it grants nothing either)."""
     node = await RawNode.open(address)
     try:
-        with pytest.raises((NotPrimary, Unavailable)) as info:
+        with pytest.raises((NotPrimary, Unavailable, ConnectionLost) if or_closes else
+                           (NotPrimary, Unavailable)) as info:
             await node.acquire(name, LOCK_TTL_MS)
         return info.value
     finally:
@@ -194,8 +196,9 @@ async def test_sigstop_of_the_primary(group):
         assert st2["epoch"] > st["epoch"]
     finally:
         old.resume()
-    # at once after the resume, before it may have heard from etcd: no grant
-    await refuses(old.address, "fresh")
+    # at once after the resume, before or while it hears from etcd that it was deposed: no grant
+    # (a node that sees the changed primary key steps down and closes its client connections)
+    await refuses(old.address, "fresh", or_closes=True)
     await poll(lambda: status_of(old.address), lambda s: s["role"] in ("deposed", "standby"), timeout=5,
                what="the old primary to step down")
     assert any("stepping down" in line for line in old.lines)
