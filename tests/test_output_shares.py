@@ -121,12 +121,13 @@ async def test_unread_replies_are_bounded_by_the_principals_share_and_the_total(
     value = b"v" * 1000
     await asyncio.wait_for(pipelined(srv.address, [[OP_KEY_PUT, f"k/{i:05d}", value, None, 0, None, 0]
                                                    for i in range(KEYS)]), 60)
+    # anonymous too, and reads; connected before the flood starts (the flood is about reading)
+    reader = await fastlock.connect(srv.address, client_name="reader")
     pinger = subprocess.Popen([sys.executable, "-c", PINGER, srv.address, creds.token("app")],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     flooder = subprocess.Popen([sys.executable, "-c", FLOODER, srv.address, str(connections), str(EACH)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     admin = creds.token("admin")
-    reader = await fastlock.connect(srv.address, client_name="reader")  # anonymous too, and reads
     try:
         assert (await read_line(pinger, 30)).strip() == "ready"
         base = vm_kib(srv.pid, "VmRSS")
