@@ -38,11 +38,9 @@ from collections import deque
 from typing import Any, NamedTuple
 
 from ..errors import Compacted
-from ..protocol.framing import encode_push
 from ..protocol.ops import PUSH_KEY_PROGRESS
-from ..roles import Action, Role
 from ..tokens import TOKEN_EPOCH_SHIFT
-from .watchlog import DEFAULT_HISTORY, check_lineage, shown_revision
+from .watchlog import DEFAULT_HISTORY, CommittedPublisher, check_lineage, shown_revision
 
 __all__ = ["INDEX_BITS", "WHOLE", "KeyChange", "KeyChangeLog", "KeyRevisions", "position"]
 
@@ -229,7 +227,7 @@ class KeyChangeLog:
                 "pending": len(self.pending), "bytes": self.bytes, "max_bytes": self.max_bytes}
 
 
-class KeyRevisions:
+class KeyRevisions(CommittedPublisher):
     """The server's side of key revisions: keeps the :class:`KeyChangeLog`, publishes
     committed key changes to the prefix watchers (:class:`~fastlock.server.keys.KeyStore`)
     and sends their progress notices.
@@ -243,19 +241,12 @@ class KeyRevisions:
 
     def __init__(self, server: Any, history: int = DEFAULT_HISTORY, max_bytes: int = 1 << 62,
                  progress_interval: float = 10.0) -> None:
-        self.server = server
+        super().__init__(server, progress_interval, PUSH_KEY_PROGRESS)
         self.log = KeyChangeLog(history, max_bytes, server.revisions.log.lineage)
-        self.progress_interval = progress_interval
-        self.scheduled = 0
-        self._timer: Any = None
 
     def current(self) -> int:
         """This node's revision now (as the lock watches')."""
         return int(self.server.revisions.current())
-
-    def progress(self) -> int:
-        """The revision up to which every key change is published."""
-        return self.log.progress(self.current())
 
     def replay(self, prefix: str, rev: int, index: int | None) -> list[KeyChange]:
         """The published changes under ``prefix`` after ``(rev, index)``.
@@ -272,25 +263,15 @@ class KeyRevisions:
         server = self.server
         self.log.record(server.table.epoch << TOKEN_EPOCH_SHIFT | server.wal.logged_lsn, index, key, what, value)
 
-    def batch_end(self) -> None:
-        """At each batch end: publish the key changes recorded in it once committed."""
+    def last_pending(self) -> int:
         pending = self.log.pending
-        if not pending:
-            return
-        upto = pending[-1][1]
-        if upto <= self.scheduled:
-            return
-        self.scheduled = upto
-        server = self.server
-        deliver = server.source.sync.after(lambda refused=None: self._publish(upto, refused))
-        server.wal.when_durable(deliver)
+        return pending[-1][1] if pending else 0
 
-    def _publish(self, upto: int, refused: Any = None) -> None:
-        changes = self.log.publish(upto)
-        # a refused acknowledgement, or a node that may no longer write: nobody hears of them
-        if changes and refused is None and self.server.roles.may(Action.RELEASE):
-            self.server.keys.publish(changes)
-            self.server.after_batch()
+    def deliver(self, changes: list) -> None:
+        self.server.keys.publish(changes)
+
+    def watching(self) -> Any:
+        return self.server.keys.revisioned
 
     # -- the standby's changes -----------------------------------------------------------
     def replicated(self, epoch: int, lsn: int, index: int, key: str, what: str, value: bytes | None) -> None:
@@ -304,32 +285,6 @@ class KeyRevisions:
     def snapshot(self, epoch: int, lsn: int) -> None:
         """A standby installed the primary's snapshot at ``lsn`` of ``epoch``."""
         self.log.reset(epoch << TOKEN_EPOCH_SHIFT | lsn)
-
-    # -- progress notices ----------------------------------------------------------------
-    def start_progress(self, loop: Any) -> None:
-        """Send a progress notice every ``progress_interval`` seconds to every connection
-        with a resumable prefix watch (none if the interval is 0)."""
-        if self.progress_interval > 0:
-            self._timer = loop.call_later(self.progress_interval, self._tick, loop)
-
-    def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _tick(self, loop: Any) -> None:
-        self._timer = loop.call_later(self.progress_interval, self._tick, loop)
-        server = self.server
-        revisioned = server.keys.revisioned
-        if not revisioned or server.roles.role is not Role.PRIMARY:
-            return
-        data = encode_push(PUSH_KEY_PROGRESS, [self.progress()])
-        sessions = server.sessions
-        for session in revisioned:
-            conn = sessions.get(session)
-            if conn is not None and not conn.closed:
-                conn.send(data)
-        server.after_batch()
 
     def status(self) -> dict:
         """For ``fastlock status`` (``key_watch_history``)."""

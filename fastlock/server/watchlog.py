@@ -35,7 +35,8 @@ from ..protocol.ops import PUSH_WATCH_PROGRESS
 from ..roles import Action, Role
 from ..tokens import TOKEN_EPOCH_SHIFT, counter_of, epoch_of
 
-__all__ = ["DEFAULT_HISTORY", "DEFAULT_PROGRESS_INTERVAL", "Revisions", "WatchChange", "WatchLog", "check_lineage",
+__all__ = ["CommittedPublisher", "DEFAULT_HISTORY", "DEFAULT_PROGRESS_INTERVAL", "Revisions", "WatchChange",
+           "WatchLog", "check_lineage",
            "revision", "shown_revision"]
 
 #: changes kept for resuming watches by default (about 150 bytes each)
@@ -212,7 +213,98 @@ class WatchLog:
                 "pending": len(self.pending)}
 
 
-class Revisions:
+class CommittedPublisher:
+    """Publishes a change history's committed changes and sends its progress notices:
+    what the lock watches' :class:`Revisions` and the key watches'
+    :class:`~fastlock.server.keyrevisions.KeyRevisions` share.
+
+    A change is published once its record is committed: durable on this node
+    (``wal.when_durable``) and, under synchronous replication, acknowledged by the
+    standby (``source.sync.after``); a refused acknowledgement, or a node that may no
+    longer write (deposed, fenced), publishes nothing - a promoted standby may take
+    those changes back.  A subclass names its history (``log``: ``pending``,
+    ``publish(upto)``, ``progress(current)``), the revision of its last pending
+    change, who hears of the published ones, and the connections a progress notice
+    goes to.
+
+    ``server``: the :class:`~fastlock.server.lockserver.LockServer`;
+    ``progress_interval``: seconds between progress notices (0: none);
+    ``progress_kind``: the push kind of a progress notice.
+    """
+
+    log: Any
+
+    def __init__(self, server: Any, progress_interval: float, progress_kind: str) -> None:
+        self.server = server
+        self.progress_interval = progress_interval
+        self.progress_kind = progress_kind
+        #: the revision up to which a publication is already scheduled
+        self.scheduled = 0
+        self._timer: Any = None
+
+    def current(self) -> int:
+        """This node's revision now."""
+        raise NotImplementedError
+
+    def last_pending(self) -> int:
+        """The revision of the last change recorded and not yet published (0: none)."""
+        raise NotImplementedError
+
+    def deliver(self, changes: list) -> None:
+        """Hand published ``changes`` (in order) to their watchers."""
+        raise NotImplementedError
+
+    def watching(self) -> Any:
+        """The session ids of the connections that receive progress notices."""
+        raise NotImplementedError
+
+    def progress(self) -> int:
+        """The revision up to which every change is published (a progress notice's)."""
+        return int(self.log.progress(self.current()))
+
+    def batch_end(self) -> None:
+        """At each batch end: publish the changes recorded in it once committed."""
+        upto = self.last_pending()
+        if upto <= self.scheduled:
+            return
+        self.scheduled = upto
+        server = self.server
+        deliver = server.source.sync.after(lambda refused=None: self._publish(upto, refused))
+        server.wal.when_durable(deliver)
+
+    def _publish(self, upto: int, refused: Any = None) -> None:
+        changes = self.log.publish(upto)
+        if changes and refused is None and self.server.roles.may(Action.RELEASE):
+            self.deliver(changes)
+            self.server.after_batch()
+
+    def start_progress(self, loop: Any) -> None:
+        """Send a progress notice every ``progress_interval`` seconds to every connection
+        :meth:`watching` names (none if the interval is 0)."""
+        if self.progress_interval > 0:
+            self._timer = loop.call_later(self.progress_interval, self._tick, loop)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _tick(self, loop: Any) -> None:
+        self._timer = loop.call_later(self.progress_interval, self._tick, loop)
+        server = self.server
+        watching = self.watching()
+        if not watching or server.roles.role is not Role.PRIMARY:
+            return
+        data = encode_push(self.progress_kind, [self.progress()])
+        sessions = server.sessions
+        for session in watching:
+            conn = sessions.get(session)
+            if conn is not None and not conn.closed:
+                conn.send(data)
+        server.after_batch()
+
+
+class Revisions(CommittedPublisher):
     """The server's side of watch revisions: keeps the :class:`WatchLog`, publishes
     committed changes to the lock watchers (:class:`~fastlock.server.watches.WatchRegistry`)
     and sends progress notices.
@@ -224,13 +316,9 @@ class Revisions:
 
     def __init__(self, server: Any, registry: Any, history: int = DEFAULT_HISTORY,
                  progress_interval: float = DEFAULT_PROGRESS_INTERVAL) -> None:
-        self.server = server
+        super().__init__(server, progress_interval, PUSH_WATCH_PROGRESS)
         self.registry = registry
         self.log = WatchLog(history)
-        self.progress_interval = progress_interval
-        #: the revision up to which a publication is already scheduled
-        self.scheduled = 0
-        self._timer: Any = None
 
     # -- the revision now ----------------------------------------------------------------
     def current(self) -> int:
@@ -241,10 +329,6 @@ class Revisions:
         if follower is not None and server.roles.role is not Role.PRIMARY and follower.applied_lsn:
             return revision(follower.primary_epoch, follower.applied_lsn)
         return revision(server.table.epoch, server.wal.logged_lsn)
-
-    def progress(self) -> int:
-        """The revision up to which every change is published (a progress notice's)."""
-        return self.log.progress(self.current())
 
     def replay(self, name: str, since: int) -> list[WatchChange]:
         """The published changes of ``name`` after ``since``.
@@ -261,27 +345,15 @@ class Revisions:
         server = self.server
         self.log.record(server.table.epoch << TOKEN_EPOCH_SHIFT | server.wal.logged_lsn, name, what, token, meta)
 
-    def batch_end(self) -> None:
-        """At each batch end: publish the changes recorded in it once committed (durable
-        here and, under synchronous replication, acknowledged by the standby)."""
+    def last_pending(self) -> int:
         pending = self.log.pending
-        if not pending:
-            return
-        upto = pending[-1][0]
-        if upto <= self.scheduled:
-            return
-        self.scheduled = upto
-        server = self.server
-        deliver = server.source.sync.after(lambda refused=None: self._publish(upto, refused))
-        server.wal.when_durable(deliver)
+        return pending[-1][0] if pending else 0
 
-    def _publish(self, upto: int, refused: Any = None) -> None:
-        changes = self.log.publish(upto)
-        # a refused acknowledgement, or a node that may no longer write (deposed, fenced): the changes
-        # may be taken back by a promoted standby, so nobody hears of them (as key changes: server.keys)
-        if changes and refused is None and self.server.roles.may(Action.RELEASE):
-            self.registry.publish(changes)
-            self.server.after_batch()
+    def deliver(self, changes: list) -> None:
+        self.registry.publish(changes)
+
+    def watching(self) -> Any:
+        return self.registry.revisioned
 
     # -- the standby's changes -----------------------------------------------------------
     def replicated(self, epoch: int, lsn: int, name: str, what: str, token: int, meta: Any) -> None:
@@ -296,31 +368,6 @@ class Revisions:
         """A standby installed the primary's snapshot at ``lsn`` of ``epoch``: the history
         begins again there (the changes before it are not known here)."""
         self.log.reset(revision(epoch, lsn))
-
-    # -- progress notices ----------------------------------------------------------------
-    def start_progress(self, loop: Any) -> None:
-        """Send a progress notice every ``progress_interval`` seconds to every connection
-        that watches with revisions (none if the interval is 0)."""
-        if self.progress_interval > 0:
-            self._timer = loop.call_later(self.progress_interval, self._tick, loop)
-
-    def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _tick(self, loop: Any) -> None:
-        self._timer = loop.call_later(self.progress_interval, self._tick, loop)
-        server = self.server
-        if not self.registry.revisioned or server.roles.role is not Role.PRIMARY:
-            return
-        data = encode_push(PUSH_WATCH_PROGRESS, [self.progress()])
-        sessions = server.sessions
-        for session in self.registry.revisioned:
-            conn = sessions.get(session)
-            if conn is not None and not conn.closed:
-                conn.send(data)
-        server.after_batch()
 
     def status(self) -> dict:
         """For ``fastlock status`` (``watch_history``)."""
