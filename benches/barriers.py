@@ -32,6 +32,8 @@ from pathlib import Path
 
 from fastlock._testbase.servers import ServerProcess
 
+from .harness import print_result
+
 PARTICIPANT = r"""
 import asyncio, json, sys, time
 import fastlock
@@ -124,10 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.kill:
         result = run_kill(args)
-        print(json.dumps(result, indent=2))
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(result, f, indent=2)
+        print_result(result, args.json)
         return 0 if result["broken"] == result["others"] else 1
     with tempfile.TemporaryDirectory(prefix="fastlock-bench-barriers-") as root:
         server = ServerProcess(Path(root) / "data", fsync="never").start()
@@ -164,10 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"processes": args.processes, "rounds": args.rounds, "early_leavers": early,
               "round_ms_p50": round(_pct(round_ms, 50), 1), "round_ms_p99": round(_pct(round_ms, 99), 1),
               "rounds_per_s": round(args.rounds / elapsed, 2)}
-    print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+    print_result(result, args.json)
     return 0 if early == 0 else 1
 
 

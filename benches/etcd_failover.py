@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -42,6 +41,8 @@ from typing import Any
 from fastlock._testbase.cluster import Cluster, RawNode, status_of
 from fastlock._testbase.servers import ServerProcess
 from fastlock.errors import FastlockError
+
+from .harness import print_result
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "tests"))
 from etcdserver import EtcdServer, unique_prefix
@@ -236,10 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     result = asyncio.run(run(args, lambda msg: print(msg, flush=True)))
-    print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    print_result(result, args.json)
     return 0
 
 

@@ -737,6 +737,16 @@ def write_json(path: str, payload: Any) -> None:
         json.dump(payload, f, indent=2, default=str)
 
 
+def print_result(result: dict[str, Any], json_path: str | None = None, problems: Iterable[str] = ()) -> None:
+    """Print a bench's ``result`` as JSON, each of ``problems`` on stderr, and write the
+    result to ``json_path`` too when given."""
+    print(json.dumps(result, indent=2))
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    if json_path:
+        write_json(json_path, result)
+
+
 def machine_info() -> dict[str, Any]:
     import platform
     info: dict[str, Any] = {"python": sys.version.split()[0], "platform": platform.platform(),

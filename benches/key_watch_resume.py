@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 import time
@@ -27,6 +26,8 @@ import time
 import fastlock
 from fastlock._testbase.cluster import Cluster, poll, status_of
 from fastlock.errors import FastlockError
+
+from .harness import print_result
 
 GROUP = 4  # keys on one lease
 
@@ -124,12 +125,7 @@ async def main_async(args: argparse.Namespace) -> int:
                       len({r for r, o in at if o}), "connections_cut": cut,
                       "primary_killed_at_s": round(killed, 3), "seconds": round(took, 3),
                       "changes_per_s": round(len(events) / took), "problems": len(problems)}
-            print(json.dumps(result, indent=2))
-            for p in problems:
-                print(p, file=sys.stderr)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(result, f, indent=2)
+            print_result(result, args.json, problems)
             return 1 if problems else 0
         finally:
             cluster.stop_all()

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 import time
 
 import fastlock
 from fastlock._testbase.cluster import Cluster
+
+from .harness import print_result
 
 RETRYABLE = (fastlock.ConnectionLost, fastlock.NotPrimary, fastlock.Unavailable)
 
@@ -91,10 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             result = asyncio.run(_run(args, cluster))
         finally:
             cluster.stop_all()
-    print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+    print_result(result, args.json)
     return 0 if result["within_bound"] else 1
 
 

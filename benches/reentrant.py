@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import fastlock
 from fastlock._testbase.servers import ServerProcess
+
+from .harness import print_result
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -75,10 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             result = asyncio.run(_measure(server.address, args.iterations))
         finally:
             server.stop()
-    print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+    print_result(result, args.json)
     return 0
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 import time
@@ -26,6 +25,8 @@ import time
 import fastlock
 from fastlock._testbase.cluster import Cluster, poll, status_of
 from fastlock.errors import FastlockError
+
+from .harness import print_result
 
 
 def problems(events: list, granted: list[int]) -> list[str]:
@@ -130,12 +131,7 @@ async def main_async(args: argparse.Namespace) -> int:
                       "grants_acknowledged": sum(len(g) for g in granted.values()),
                       "connections_cut": cut, "primary_killed_at_s": round(killed, 3), "seconds": round(took, 3),
                       "changes_per_s": round((total - args.names) / took), "names_wrong": len(wrong)}
-            print(json.dumps(result, indent=2))
-            for n, p in list(wrong.items())[:10]:
-                print(f"{n}: {'; '.join(p)}", file=sys.stderr)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(result, f, indent=2)
+            print_result(result, args.json, [f"{n}: {'; '.join(p)}" for n, p in list(wrong.items())[:10]])
             return 1 if wrong else 0
         finally:
             cluster.stop_all()
