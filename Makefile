@@ -1,6 +1,8 @@
 # Two entry points that work on a fresh machine (Python 3.10+, a C compiler):
 #   make demo   - build fastlock into .venv, start a server and worker processes writing a fenced ledger
 #   make test   - build fastlock into .venv and run the test suite against the installed package
+#                 (each async test on one event loop; make test-both-loops: on asyncio and uvloop;
+#                 make test-quick: only the tests that start no server process through a fixture)
 # and for users and operators (docs/install.md):
 #   make wheel  - dist/: an sdist and a wheel that installs into any venv without Cython or a compiler
 #   make install [PREFIX=/usr/local] [EXTRAS=metrics] - a venv in PREFIX/lib/fastlock and the command
@@ -16,7 +18,7 @@ EXTRAS ?= metrics
 # what `make install` installs: the wheel `make wheel` built, else the source tree
 INSTALL_FROM = $(or $(firstword $(wildcard dist/fastlock-*.whl)),.)
 
-.PHONY: demo test serve bench clean dist wheel wheel-check install docs
+.PHONY: demo test test-quick test-both-loops serve bench clean dist wheel wheel-check install docs
 
 $(STAMP): $(SOURCES)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +39,12 @@ demo: $(STAMP)
 # package, never the uncompiled source tree
 test: $(STAMP)
 	cd tests && $(CURDIR)/$(VENV)/bin/pytest -q
+
+test-quick: $(STAMP)
+	cd tests && $(CURDIR)/$(VENV)/bin/pytest -q -x -m "not integration"
+
+test-both-loops: $(STAMP)
+	cd tests && FASTLOCK_BOTH_LOOPS=1 $(CURDIR)/$(VENV)/bin/pytest -q
 
 serve: $(STAMP)
 	$(VENV)/bin/fastlock serve

@@ -1,17 +1,26 @@
 """Shared fixtures: real server processes on free loopback ports, both event loops.
 
-Every async test runs twice, on the stdlib asyncio loop and on uvloop (the
-uvloop project's own pattern), with a loop exception handler that fails the
-test if any callback or task raised unseen.  A test marked ``one_loop`` runs
-on the asyncio loop only: one whose subject is a server process (its restart,
-its WAL, its endpoints), where the test's own loop only drives a client that
-the other tests cover on both loops.
+Every async test runs on the stdlib asyncio loop or on uvloop, with a loop
+exception handler that fails the test if any callback or task raised unseen.
+By default each test runs on one of the two, chosen by a stable hash of its id,
+so that both loops drive about half of the suite each and ``make test`` stays
+short; with ``FASTLOCK_BOTH_LOOPS=1`` (``make test-both-loops``) every async
+test runs twice, once on each loop (the uvloop project's own pattern).  A test
+marked ``one_loop`` runs on the asyncio loop only: one whose subject is a server
+process (its restart, its WAL, its endpoints), where the test's own loop only
+drives a client that the other tests cover on both loops.
+
+A test that uses the ``server``, ``cluster`` or ``server_factory`` fixture is
+marked ``integration``; ``make test-quick`` runs the others (no server process
+started by a fixture) for the inner loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+import zlib
 
 import pytest
 
@@ -22,17 +31,35 @@ try:
 except ImportError:  # pragma: no cover
     uvloop = None
 
+#: every async test on both loops (else on one, chosen by a hash of its id)
+BOTH_LOOPS = os.environ.get("FASTLOCK_BOTH_LOOPS", "") not in ("", "0")
+#: the fixtures that start server processes: a test using one is marked ``integration``
+SERVER_FIXTURES = frozenset({"server", "cluster", "server_factory"})
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "one_loop: run this async test on the asyncio loop only (see conftest.py)")
+    config.addinivalue_line("markers", "integration: the test starts server processes through a fixture")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
 
 
 def pytest_asyncio_loop_factories(config, item):
-    """Run every async test on each available loop (pytest-asyncio >= 1.5 hook), a ``one_loop``
-    test on the asyncio loop only."""
-    factories = {"asyncio": asyncio.new_event_loop}
-    if uvloop is not None and item.get_closest_marker("one_loop") is None:
-        factories["uvloop"] = uvloop.new_event_loop
-    return factories
+    """The loops an async test runs on (pytest-asyncio >= 1.5 hook): the asyncio loop for a
+    ``one_loop`` test; both with ``FASTLOCK_BOTH_LOOPS=1``; else one of the two, by a
+    stable hash (CRC-32) of the test's id without its parameters."""
+    if uvloop is None or item.get_closest_marker("one_loop") is not None:
+        return {"asyncio": asyncio.new_event_loop}
+    if BOTH_LOOPS:
+        return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    base = item.nodeid.split("[", 1)[0]
+    if zlib.crc32(base.encode()) & 1:
+        return {"uvloop": uvloop.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop}
 
 
 @pytest.fixture
