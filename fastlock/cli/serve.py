@@ -178,6 +178,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "environment, which wins over the file (see fastlock.cli.config)")
     s.add_argument("--print-config", action="store_true",
                    help="print the resulting settings and where each came from (TOML), and exit")
+    s.add_argument("--shard-map", metavar="FILE",
+                   help="serve as one group of a sharded deployment: the shard map (JSON, or TOML if FILE ends in "
+                        ".toml; docs/sharding.md); names whose slots other groups own get WrongShard")
+    s.add_argument("--shard-group", metavar="NAME", help="this node's group in --shard-map")
+    s.add_argument("--shards", type=positive_int, metavar="N",
+                   help="shard-per-core: run N shard processes on ports P..P+N-1 of --listen, data directories "
+                        "DIR/shard-K of --data-dir, each a group of its own, under this process, which writes "
+                        "their shard map to DIR/shard-map.json and stops them all on SIGTERM/SIGINT")
 
     return s
 
@@ -341,6 +349,11 @@ def check_args(args: argparse.Namespace) -> None:
     if args.coordinator and args.advertise is None and args.listen[0] in ("0.0.0.0", "::", ""):
         args.subparser.error(f"--coordinator with --listen {args.listen[0]} needs --advertise HOST:PORT: etcd "
                              f"tells the other nodes where this one is, and a wildcard address reaches nothing")
+    if (args.shard_map is None) != (args.shard_group is None):
+        args.subparser.error("--shard-map and --shard-group go together: the map, and this node's group in it")
+    if args.shards is not None and (args.shard_map is not None or args.coordinator or args.standby_of):
+        args.subparser.error("--shards runs its own shard processes and writes their map: it excludes "
+                             "--shard-map, --coordinator and --standby-of")
     if args.witness is not None and (args.standby_token_file is None or args.coordinator):
         args.subparser.error("--witness needs --standby-token-file (the node proves its replica token to the "
                              "witness) and applies to a pair, not to a node run with --coordinator")
@@ -415,5 +428,7 @@ def serve_command(args: argparse.Namespace) -> int:
         tls_ca=args.tls_ca,
         tls_client_auth=args.tls_client_auth,
         tls_handshake_timeout_ms=int(args.tls_handshake_timeout * 1000),
+        shard_map=args.shard_map,
+        shard_group=args.shard_group,
     )
     return serve(config, use_uvloop=not args.no_uvloop)

@@ -86,6 +86,7 @@ from .kinds import expired_log, grant_reply, reply_id, unacked_log, undelivered_
 from .preemption import RevokeDeadlines
 from .reclaim import ReclaimGate
 from .session import Session, shown_client
+from .sharded import ShardGate
 from .shares import client_principals
 from .tasks import BackgroundTasks
 from .watchlog import Revisions
@@ -190,7 +191,11 @@ class LockServer:
         self.limits = ConnectionLimits(config, self)
         # with one client principal at most (open mode, say) the default shares stay off
         self.quotas = PrincipalQuotas(config, self, single_principal=client_principals(credentials) <= 1)
+        #: the shard map this node serves by and its group (fastlock.server.sharded); None: not sharded
+        self.shard_gate = ShardGate.from_config(config.shard_map, config.shard_group)
         self.handlers = Handlers(self, credentials)
+        if self.shard_gate is not None:
+            self.shard_gate.install(self.handlers)
         #: watch revisions: the history resuming watches replay, progress notices (fastlock.server.watchlog)
         self.revisions = Revisions(self, self.handlers.watches, config.watch_history, config.watch_progress_interval)
         if self.follower is not None:

@@ -53,7 +53,7 @@ MAX_MAP_EPOCH = (1 << 63) - 1
 #: the largest map file read (bytes)
 MAX_MAP_FILE_BYTES = 16 << 20
 
-_GROUP_NAME = re.compile(r"[A-Za-z0-9._-]{1,%d}\Z" % MAX_GROUP_NAME_CHARS)
+_GROUP_NAME = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_GROUP_NAME_CHARS}}}\Z")
 
 
 class ShardMapError(InvalidArgument):
@@ -188,7 +188,8 @@ def _check_ranges(ranges: Any, by_name: dict[str, ShardGroup]) -> None:
         if not isinstance(r, SlotRange) or type(r.first) is not int or type(r.last) is not int:
             raise ShardMapError(f"a slot range is first, last (ints) and a group, not {r!r:.200}")
         if r.first != expected:
-            what = "overlaps the one before it" if r.first < expected else f"leaves slots {expected}..{r.first - 1} unowned"
+            what = ("overlaps the one before it" if r.first < expected
+                    else f"leaves slots {expected}..{r.first - 1} unowned")
             raise ShardMapError(f"slot range {r.first}..{r.last} {what} (ranges go in slot order, each "
                                 f"beginning where the last ended)")
         if not r.first <= r.last < SLOTS:
