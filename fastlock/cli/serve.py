@@ -431,4 +431,8 @@ def serve_command(args: argparse.Namespace) -> int:
         shard_map=args.shard_map,
         shard_group=args.shard_group,
     )
+    if args.shards is not None:  # shard-per-core (fastlock.cli.shards)
+        from .shards import run_shards
+
+        return run_shards(config, args.shards, args)
     return serve(config, use_uvloop=not args.no_uvloop)

@@ -672,6 +672,8 @@ class LockServer:
         st["limits"] = {**self.limits.status(), "watches": self.quotas.watch_count, **self.quotas.output.status()}
         if self.tls is not None:
             st["tls"] = self.tls.status()
+        if self.shard_gate is not None:  # its group in the shard map (fastlock.server.sharded)
+            st["shard"] = self.shard_gate.info()
         if self.roles.role is Role.STANDBY and self.follower is not None:
             st["replication"] = self.follower.status()
         else:
