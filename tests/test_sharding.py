@@ -164,3 +164,13 @@ def test_sharding_errors_carry_their_redirect_over_the_wire():
     odd = error_from_wire(WrongShard.code, "moved", {"slot": "x", "addresses": [1], "group": None})
     assert isinstance(odd, WrongShard) and odd.slot is None and odd.addresses == () and odd.group is None
     assert isinstance(error_from_wire(WrongShard.code, "moved", [1, 2]), WrongShard)
+
+
+def test_with_addresses_replaces_a_group_or_adds_one_and_moves_no_slot():
+    m = two_groups(3)
+    changed = m.with_addresses("b", ("127.0.0.1:9",))
+    assert changed.epoch == 4 and changed.group("b").addresses == ("127.0.0.1:9",) and changed.ranges == m.ranges
+    added = m.with_addresses("c", ("127.0.0.1:10",))
+    assert [g.name for g in added.groups] == ["a", "b", "c"] and added.slot_count("c") == 0
+    with pytest.raises(ShardMapError, match="host:port"):
+        m.with_addresses("b", ("nowhere",))

@@ -151,6 +151,7 @@ class ServerConfig:
     # node's group in it; both None: not sharded (every name is served)
     shard_map: Any = None
     shard_group: str | None = None
+    shard_map_etcd: str | None = None  # etcd://HOST:PORT/PREFIX whose map the node follows (newer epochs)
 
     def __post_init__(self) -> None:
         self.fsync = _member(FsyncMode, self.fsync, "fsync")

@@ -330,6 +330,9 @@ class LockServer:
 
             self.endpoints.metrics = MetricsExporter(self, *config.metrics)
         self.failover.on_start()  # a deposed primary stays deposed; a paired one may start fenced
+        if self.shard_gate is not None and config.shard_map_etcd is not None:
+            self.tasks.spawn(self.shard_gate.follow_etcd(config.shard_map_etcd, config.coordinator_access),
+                             "following the shard map in etcd")
         if self.roles.role is Role.PRIMARY:
             self.revisions.started()
             self.key_revisions.started()

@@ -19,6 +19,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..coordination.access import EtcdAccess
+from ..coordination.shardmap import load_from_etcd
 from ..errors import CrossShard, InvalidArgument, WrongShard
 from ..sharding import SLOTS, ShardMap, load_map_file, slot_of
 from ..sharding.scope import NAMES_OF_OP, NamesAt, names_in
@@ -144,6 +146,24 @@ class ShardGate:
             handler(conn, req_id, msg)
 
         return names
+
+    def offer(self, shard_map: ShardMap) -> None:
+        """Serve by ``shard_map`` if its epoch is above this node's map's; a newer map that names
+        no group of this node's is logged and refused (the node keeps the map it has)."""
+        if shard_map.epoch <= self.shard_map.epoch:
+            return
+        try:
+            self.set_map(shard_map)
+        except InvalidArgument as exc:
+            log.error("not applying shard map epoch %d: %s", shard_map.epoch, exc)
+
+    async def follow_etcd(self, url: str, access: EtcdAccess | None) -> None:
+        """Follow the map kept in etcd at ``url`` (:mod:`fastlock.coordination.shardmap`) until cancelled."""
+        stored = await load_from_etcd(url, access)
+        try:
+            await stored.follow(self.offer)
+        finally:
+            await stored.gateway.close()
 
     def info(self) -> dict[str, Any]:
         """This node's place in the map: ``group``, ``epoch``, ``slots`` (how many it owns)."""

@@ -156,6 +156,14 @@ class ShardMap:
         """This map at ``epoch``."""
         return ShardMap(epoch, self.groups, self.ranges)
 
+    def with_addresses(self, group: str, addresses: tuple[str, ...]) -> ShardMap:
+        """The next map (epoch + 1): group ``group``'s addresses replaced, or a new group (owning
+        no slot yet) added.  No slot changes owner.  :raises ShardMapError: an invalid result."""
+        groups = tuple(ShardGroup(g.name, addresses) if g.name == group else g for g in self.groups)
+        if group not in self._by_name:
+            groups += (ShardGroup(group, addresses),)
+        return ShardMap(self.epoch + 1, groups, self.ranges)
+
 
 def _check_groups(epoch: Any, groups: Any) -> dict[str, ShardGroup]:
     if type(epoch) is not int or not 1 <= epoch <= MAX_MAP_EPOCH:
