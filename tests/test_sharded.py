@@ -201,3 +201,41 @@ async def test_concurrent_calls_over_groups(shards):
         leases = await asyncio.gather(*(client.acquire(n, ttl=10) for n in names))
         assert len({lease.name for lease in leases}) == 40
         await asyncio.gather(*(client.release(lease) for lease in leases))
+
+
+async def test_locks_lists_every_group_page_by_page(shards):
+    names = sorted(owned(shards, "g0", 5, "L") + owned(shards, "g1", 5, "L"))
+    async with fastlock.connect(shards.address("g0")) as client:
+        leases = [await client.acquire(n, ttl=10) for n in names]
+        try:
+            everything = await client.locks("L")
+            assert [lease.name for lease in everything.locks] == names and not everything.truncated
+            seen: list[str] = []
+            page = await client.locks("L", most=3)
+            for _ in range(20):  # bounded: 10 names, at most 3 a page
+                assert len(page.locks) <= 3
+                seen += [lease.name for lease in page.locks]
+                if not page.truncated:
+                    break
+                page = await client.locks("L", most=3, after=page.next)
+            assert seen == names
+            by_waiters = await client.locks("L", most=4, order="contended")
+            assert len(by_waiters.locks) == 4 and by_waiters.truncated
+        finally:
+            for lease in leases:
+                await client.release(lease)
+
+
+def test_the_locks_command_lists_every_group(shards, capsys):
+    from fastlock.cli import main
+
+    names = owned(shards, "g0", 1, "cli") + owned(shards, "g1", 1, "cli")
+    with SyncClient(shards.address("g1")) as client:
+        leases = [client.acquire(n, ttl=10) for n in names]
+        try:
+            assert main(["locks", "cli", "--server", shards.address("g0"), "-o", "json"]) == 0
+            listed = {row["name"] for row in json.loads(capsys.readouterr().out)["locks"]}
+            assert listed == set(names)
+        finally:
+            for lease in leases:
+                client.release(lease)

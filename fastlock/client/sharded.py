@@ -33,6 +33,7 @@ from typing import Any
 from ..errors import CrossShard, ProtocolError, WrongShard
 from ..protocol.ops import OP_SHARD_MAP
 from ..sharding import ShardMap
+from .admin import LockList
 from .calls import call
 from .client import Client
 
@@ -267,8 +268,28 @@ class ShardedClient(Client):
     async def ping(self, *args: Any, **kwargs: Any) -> Any:
         return await self.seed.ping(*args, **kwargs)
 
-    async def locks(self, *args: Any, **kwargs: Any) -> Any:
-        return await self.seed.locks(*args, **kwargs)
+    async def locks(self, prefix: str = "", *, most: int | None = None, after: str | None = None,
+                    order: str = "name") -> LockList:
+        """One page of the held leases of every group (as :meth:`Client.locks`), merged: by name,
+        the page stops where the first group whose own page was cut stopped (``next`` goes on
+        from there in every group); by waiters, the ``most`` most contended of all groups."""
+        pages = await asyncio.gather(*(c.locks(prefix, most=most, after=after, order=order)
+                                       for c in self.group_clients().values()))
+        leases = [lease for page in pages for lease in page.locks]
+        matched = sum(page.matched for page in pages)
+        limit = most if most is not None else 10_000
+        if order != "name":
+            leases.sort(key=lambda lease: (-lease.waiters, lease.name))
+            return LockList(leases[:limit], matched, any(p.truncated for p in pages) or len(leases) > limit)
+        leases.sort(key=lambda lease: lease.name)
+        cut = min((p.locks[-1].name for p in pages if p.truncated and p.locks), default=None)
+        if cut is not None:
+            leases = [lease for lease in leases if lease.name <= cut]
+        if len(leases) > limit:  # at a lock's boundary: a lock's leases stay on one page
+            last = leases[limit - 1].name
+            leases = [lease for lease in leases if lease.name <= last]
+            cut = last
+        return LockList(leases, matched, cut is not None, cut)
 
     async def list_prefix(self, *args: Any, **kwargs: Any) -> Any:
         return await self.seed.list_prefix(*args, **kwargs)
