@@ -174,3 +174,38 @@ def test_with_addresses_replaces_a_group_or_adds_one_and_moves_no_slot():
     assert [g.name for g in added.groups] == ["a", "b", "c"] and added.slot_count("c") == 0
     with pytest.raises(ShardMapError, match="host:port"):
         m.with_addresses("b", ("nowhere",))
+
+
+def test_a_sharded_node_refuses_to_start_with_an_op_it_cannot_check():
+    """A new op missing from NAMES_OF_OP stops a sharded node at start, never runs unchecked."""
+    from types import SimpleNamespace
+
+    from fastlock.server.sharded import ShardGate
+
+    gate = ShardGate(two_groups(), "a")
+    handlers = SimpleNamespace(by_op={P.OP_PING: (print, 0, 0), 199: (print, 0, 0)})
+    with pytest.raises(RuntimeError, match=r"ops \[199\] are not in"):
+        gate.install(handlers)
+    calls = []
+    handlers = SimpleNamespace(by_op={P.OP_HOLDER: (lambda conn, req_id, msg: calls.append(msg), 1, 1),
+                                      P.OP_PING: (print, 0, 0)})
+    gate.install(handlers)
+    assert handlers.by_op[P.OP_PING][0] is print  # an op that names no name is left as it was
+    mine = next(f"x{i}" for i in range(1000) if gate.shard_map.owner(f"x{i}").name == "a")
+    theirs = next(f"x{i}" for i in range(1000) if gate.shard_map.owner(f"x{i}").name == "b")
+    handlers.by_op[P.OP_HOLDER][0](None, 1, [1, P.OP_HOLDER, mine])
+    with pytest.raises(WrongShard):
+        handlers.by_op[P.OP_HOLDER][0](None, 2, [2, P.OP_HOLDER, theirs])
+    assert calls == [[1, P.OP_HOLDER, mine]]
+
+
+def test_a_newer_map_is_applied_and_an_older_or_foreign_one_is_not():
+    from fastlock.server.sharded import ShardGate
+
+    gate = ShardGate(two_groups(2), "a")
+    gate.offer(two_groups(1))
+    assert gate.shard_map.epoch == 2
+    gate.offer(two_groups(3).with_addresses("b", ("127.0.0.1:1",)))
+    assert gate.shard_map.epoch == 4 and gate.info() == {"group": "a", "epoch": 4, "slots": 8192}
+    gate.offer(ShardMap(9, (ShardGroup("z", ("h:1",)),), (SlotRange(0, SLOTS - 1, "z"),)))  # names no "a"
+    assert gate.shard_map.epoch == 4
