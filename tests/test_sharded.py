@@ -239,3 +239,31 @@ def test_the_locks_command_lists_every_group(shards, capsys):
         finally:
             for lease in leases:
                 client.release(lease)
+
+
+async def test_a_group_failover_is_ridden_through_by_its_client(cluster, tmp_path):
+    """Group g1 is a primary and a standby: the routing client's g1 connection follows the promotion."""
+    from fastlock._testbase.proxy import free_port
+    from fastlock.sharding import even_ranges, write_map_file
+
+    ports = {"g0": free_port(), "g1p": free_port(), "g1s": free_port()}
+    shard_map = ShardMap(1, (ShardGroup("g0", (f"127.0.0.1:{ports['g0']}",)),
+                             ShardGroup("g1", (f"127.0.0.1:{ports['g1p']}", f"127.0.0.1:{ports['g1s']}"))),
+                         even_ranges(["g0", "g1"]))
+    write_map_file(tmp_path / "map.json", shard_map)
+
+    def shard_args(group: str) -> list[str]:
+        return ["--shard-map", str(tmp_path / "map.json"), "--shard-group", group]
+
+    cluster.primary("g0", port=ports["g0"], args=shard_args("g0"), fsync="never")
+    g1 = cluster.primary("g1p", port=ports["g1p"], args=shard_args("g1"), fsync="never")
+    cluster.standby(g1.address, "g1s", failover_after=1.0, grace=0.0, port=ports["g1s"], args=shard_args("g1"),
+                    fsync="never")
+    names = names_owned_by(shard_map, "g1", 2)
+    async with fastlock.connect(f"127.0.0.1:{ports['g0']}", connect_timeout=2.0, failover_timeout=30) as client:
+        first = await client.acquire(names[0], ttl=5)
+        g1.kill()
+        second = await client.acquire(names[1], ttl=5, wait=30)  # rides through to the promoted standby
+        assert second.epoch > first.epoch
+        assert (await client.group_clients()["g1"].status())["role"] == "primary"
+        await client.release(second)
