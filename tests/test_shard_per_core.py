@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -37,6 +38,10 @@ async def test_shards_serve_their_slots_and_stop_together(tmp_path):
             parent.wait_for_log(f"listening on {re.escape(group.addresses[0])}", timeout=20)
         pids = _shard_pids(parent)
         assert set(pids) == {"shard-0", "shard-1"} and all(_alive(p) for p in pids.values())
+        status = json.loads((tmp_path / "data" / "shards.json").read_text())
+        assert status["parent"] == parent.pid
+        assert {row["group"]: row["pid"] for row in status["shards"]} == pids
+        assert [row["address"] for row in status["shards"]] == [g.addresses[0] for g in shard_map.groups]
         assert {p.name for p in (tmp_path / "data").iterdir() if p.is_dir()} == {"shard-0", "shard-1"}
         async with fastlock.connect(shard_map.groups[1].addresses[0]) as client:
             assert isinstance(client, ShardedClient)
@@ -51,6 +56,7 @@ async def test_shards_serve_their_slots_and_stop_together(tmp_path):
     finally:
         assert parent.stop() == 0
     assert not any(_alive(p) for p in pids.values())
+    assert not (tmp_path / "data" / "shards.json").exists()
 
 
 def test_another_shard_count_on_the_same_data_is_refused(tmp_path):

@@ -4,7 +4,9 @@ The parent writes the shard map of N groups ``shard-0`` .. ``shard-{N-1}`` (the 
 split evenly, :mod:`fastlock.sharding`) to ``DIR/shard-map.json``, then runs one server
 process per group: ``--listen HOST:P+K`` (with port 0: free ports it picks), data
 directory ``DIR/shard-K``, each a group of its own with its own write-ahead log and
-group commit, all with the other settings given to ``serve``.  It forwards SIGTERM and
+group commit, all with the other settings given to ``serve``.  It writes each shard's pid
+and address to ``DIR/shards.json`` and, once every shard listens, tells systemd it is ready
+(the shards themselves do not talk to systemd).  It forwards SIGTERM and
 SIGINT to every shard and waits for them; when a shard exits on its own the parent stops
 the others and exits with that shard's status (a supervisor restarts the whole set).
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import multiprocessing
 import os
@@ -23,15 +26,18 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
+from .. import sdnotify
 from ..auth import Credentials
 from ..logformat import configure
 from ..server import ServerConfig, serve
 from ..sharding import ShardGroup, ShardMap, ShardMapError, even_ranges, load_map_file, write_map_file
 from ..units import format_address
 
-__all__ = ["shard_configs", "run_shards", "MAP_FILE"]
+__all__ = ["shard_configs", "run_shards", "MAP_FILE", "STATUS_FILE"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +45,10 @@ log = logging.getLogger(__name__)
 MAP_FILE = "shard-map.json"
 #: seconds a shard has to stop after SIGTERM before it is killed
 STOP_TIMEOUT = 30.0
+#: the file naming each running shard's pid and address (removed when they stop)
+STATUS_FILE = "shards.json"
+#: seconds the shards have to listen before the parent tells systemd it is ready (it runs on regardless)
+READY_TIMEOUT = 120.0
 
 
 def _ports(host: str, port: int, count: int) -> list[int]:
@@ -105,15 +115,24 @@ def run_shards(config: ServerConfig, count: int, args: argparse.Namespace) -> in
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda _sig, _frame: stop.set())
     processes = []
-    for shard in configs:
-        process = context.Process(target=_run_one, name=shard.shard_group,
-                                  args=(dataclasses.replace(shard, credentials=None), args.credentials,
-                                        args.log_level, args.log_format, not args.no_uvloop))
-        process.start()
-        processes.append(process)
-        log.info("%s (pid %d) on %s, data directory %s", shard.shard_group, process.pid,
-                 format_address((shard.host, shard.port)), shard.data_dir)
-    log.info("shard-per-core: %d shards, map in %s", count, Path(config.data_dir) / MAP_FILE)
+    notify_socket = os.environ.pop("NOTIFY_SOCKET", None)  # systemd hears the parent only
+    try:
+        for shard in configs:
+            process = context.Process(target=_run_one, name=shard.shard_group,
+                                      args=(dataclasses.replace(shard, credentials=None), args.credentials,
+                                            args.log_level, args.log_format, not args.no_uvloop))
+            process.start()
+            processes.append(process)
+            log.info("%s (pid %d) on %s, data directory %s", shard.shard_group, process.pid,
+                     format_address((shard.host, shard.port)), shard.data_dir)
+    finally:
+        if notify_socket is not None:
+            os.environ["NOTIFY_SOCKET"] = notify_socket
+    _write_status(Path(config.data_dir) / STATUS_FILE, configs, processes)
+    log.info("shard-per-core: %d shards, map in %s, their pids in %s", count, Path(config.data_dir) / MAP_FILE,
+             Path(config.data_dir) / STATUS_FILE)
+    if _listening(configs, processes, stop):
+        sdnotify.ready(f"{count} shards on {', '.join(format_address((c.host, c.port)) for c in configs)}")
     status = 0
     while not stop.is_set():
         ended = [p for p in processes if p.exitcode is not None]
@@ -133,5 +152,32 @@ def run_shards(config: ServerConfig, count: int, args: argparse.Namespace) -> in
             process.join()
     if stop.is_set():
         status = max((p.exitcode or 0 for p in processes), default=0)
+    (Path(config.data_dir) / STATUS_FILE).unlink(missing_ok=True)
     log.info("every shard stopped")
     return status
+
+
+def _write_status(path: Path, configs: list[ServerConfig], processes: list[Any]) -> None:
+    """``DIR/shards.json``: each running shard's group, pid, address and data directory."""
+    rows = [{"group": c.shard_group, "pid": p.pid, "address": format_address((c.host, c.port)),
+             "data_dir": c.data_dir} for c, p in zip(configs, processes)]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"parent": os.getpid(), "shards": rows}, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _listening(configs: list[ServerConfig], processes: list[Any], stop: threading.Event) -> bool:
+    """Wait (at most READY_TIMEOUT s) until every shard accepts connections; False if one exited
+    or a signal came first."""
+    deadline = time.monotonic() + READY_TIMEOUT
+    for c in configs:
+        host = "127.0.0.1" if c.host in ("0.0.0.0", "") else "::1" if c.host == "::" else c.host
+        while True:
+            if stop.is_set() or any(p.exitcode is not None for p in processes) or time.monotonic() > deadline:
+                return False
+            try:
+                socket.create_connection((host, c.port), timeout=0.5).close()
+                break
+            except OSError:
+                stop.wait(0.05)
+    return True
