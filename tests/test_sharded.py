@@ -267,3 +267,20 @@ async def test_a_group_failover_is_ridden_through_by_its_client(cluster, tmp_pat
         assert second.epoch > first.epoch
         assert (await client.group_clients()["g1"].status())["role"] == "primary"
         await client.release(second)
+
+
+def test_a_forked_blocking_client_routes_again(shards):
+    """A SyncClient made before fork(): the child's own client reads the map and routes too."""
+    from test_sync import _run_in_fork
+
+    name = owned(shards, "g1", 1, "fork")[0]
+    with SyncClient(shards.address("g0")) as client:
+        assert isinstance(client.client, ShardedClient)
+
+        def child() -> dict:
+            lease = client.acquire(name, ttl=5, wait=10)
+            client.release(lease)
+            return {"routed": isinstance(client.client, ShardedClient), "token": lease.fencing_token}
+
+        result = _run_in_fork(child, 60)
+        assert result.get("routed") is True and result["token"] > 0, result
