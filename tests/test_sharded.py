@@ -284,3 +284,18 @@ def test_a_forked_blocking_client_routes_again(shards):
 
         result = _run_in_fork(child, 60)
         assert result.get("routed") is True and result["token"] > 0, result
+
+
+def test_top_ranks_the_locks_of_every_group(shards, capsys):
+    from fastlock.cli import main
+
+    names = owned(shards, "g0", 1, "top") + owned(shards, "g1", 1, "top")
+    with SyncClient(shards.address("g1")) as client:
+        leases = [client.acquire(n, ttl=10) for n in names]
+        try:
+            assert main(["top", "--server", shards.address("g0"), "-o", "json"]) == 0
+            shown = json.dumps(json.loads(capsys.readouterr().out))
+            assert all(n in shown for n in names)
+        finally:
+            for lease in leases:
+                client.release(lease)
