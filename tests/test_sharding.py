@@ -209,3 +209,6 @@ def test_a_newer_map_is_applied_and_an_older_or_foreign_one_is_not():
     assert gate.shard_map.epoch == 4 and gate.info() == {"group": "a", "epoch": 4, "slots": 8192}
     gate.offer(ShardMap(9, (ShardGroup("z", ("h:1",)),), (SlotRange(0, SLOTS - 1, "z"),)))  # names no "a"
     assert gate.shard_map.epoch == 4
+    # slots that change owner without a move: refused
+    gate.offer(ShardMap(10, gate.shard_map.groups, (SlotRange(0, 99, "b"), SlotRange(100, SLOTS - 1, "a"))))
+    assert gate.shard_map.epoch == 4 and gate.owned[0] == 1

@@ -148,9 +148,17 @@ class ShardGate:
         return names
 
     def offer(self, shard_map: ShardMap) -> None:
-        """Serve by ``shard_map`` if its epoch is above this node's map's; a newer map that names
-        no group of this node's is logged and refused (the node keeps the map it has)."""
+        """Serve by ``shard_map`` if its epoch is above this node's map's.  A newer map that names
+        no group of this node's, or gives a slot to another group than this node's map does, is
+        logged and refused (the node keeps the map it has): a slot changes owner only by a move,
+        which ships its leases and token high-water mark (not done yet), else the new owner
+        would grant names the old one still holds."""
         if shard_map.epoch <= self.shard_map.epoch:
+            return
+        if shard_map.ranges != self.shard_map.ranges:
+            log.error("not applying shard map epoch %d: it gives slots to other groups than epoch %d does, "
+                      "and slots change owner only by a move (not done yet)", shard_map.epoch,
+                      self.shard_map.epoch)
             return
         try:
             self.set_map(shard_map)
