@@ -356,6 +356,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.shards is not None and (args.shard_map is not None or args.coordinator or args.standby_of):
         args.subparser.error("--shards runs its own shard processes and writes their map: it excludes "
                              "--shard-map, --coordinator and --standby-of")
+    if args.shards is not None and args.listen[0] in ("0.0.0.0", "::", ""):
+        args.subparser.error(f"--shards with --listen {args.listen[0]}: the shard map names each shard's address "
+                             f"for clients, and a wildcard address reaches nothing; listen on the host's address")
     if args.witness is not None and (args.standby_token_file is None or args.coordinator):
         args.subparser.error("--witness needs --standby-token-file (the node proves its replica token to the "
                              "witness) and applies to a pair, not to a node run with --coordinator")

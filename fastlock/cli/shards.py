@@ -72,9 +72,8 @@ def shard_configs(config: ServerConfig, count: int) -> tuple[ShardMap, list[Serv
     each shard's config.  :raises ShardMapError: ``config.data_dir`` holds a different map."""
     host = config.host
     ports = _ports(host, config.port, count)
-    advertised = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
     names = [f"shard-{k}" for k in range(count)]
-    groups = tuple(ShardGroup(name, (format_address((advertised, ports[k])),)) for k, name in enumerate(names))
+    groups = tuple(ShardGroup(name, (format_address((host, ports[k])),)) for k, name in enumerate(names))
     shard_map = ShardMap(1, groups, even_ranges(names))
     path = Path(config.data_dir) / MAP_FILE
     if path.exists():
@@ -171,12 +170,11 @@ def _listening(configs: list[ServerConfig], processes: list[Any], stop: threadin
     or a signal came first."""
     deadline = time.monotonic() + READY_TIMEOUT
     for c in configs:
-        host = "127.0.0.1" if c.host in ("0.0.0.0", "") else "::1" if c.host == "::" else c.host
         while True:
             if stop.is_set() or any(p.exitcode is not None for p in processes) or time.monotonic() > deadline:
                 return False
             try:
-                socket.create_connection((host, c.port), timeout=0.5).close()
+                socket.create_connection((c.host, c.port), timeout=0.5).close()
                 break
             except OSError:
                 stop.wait(0.05)
