@@ -299,3 +299,14 @@ def test_top_ranks_the_locks_of_every_group(shards, capsys):
         finally:
             for lease in leases:
                 client.release(lease)
+
+
+async def test_a_latch_with_a_hash_tag_keeps_its_keys_in_one_group(shards):
+    async with fastlock.connect(shards.address("g0")) as client:
+        tag = "{" + owned(shards, "g1", 1, "latch")[0] + "}"
+        latch = client.latch(tag)  # made by g1's client; its keys NAME/... hash to the tag's slot, g1's
+        assert await latch.create(2)
+        assert await latch.count_down("a") and await latch.count_down("b")
+        assert await latch.remaining() == 0
+        await latch.wait(timeout=10)
+        await latch.delete()
