@@ -310,3 +310,13 @@ async def test_a_latch_with_a_hash_tag_keeps_its_keys_in_one_group(shards):
         assert await latch.remaining() == 0
         await latch.wait(timeout=10)
         await latch.delete()
+
+
+async def test_bad_multi_lock_arguments_are_refused_as_without_shards(shards):
+    from fastlock.errors import InvalidArgument
+
+    async with fastlock.connect(shards.address("g0")) as client:
+        with pytest.raises(InvalidArgument):
+            await client.acquire_many([], ttl=5)
+        with pytest.raises(TypeError):
+            await client.acquire_many([5], ttl=5)

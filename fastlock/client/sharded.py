@@ -110,7 +110,9 @@ class ShardedClient(Client):
 
         :raises CrossShard: they span groups (put a hash tag in them: ``{tag}:name``).
         """
-        groups = sorted({self.shard_map.owner(n).name for n in names})
+        groups = sorted({self.shard_map.owner(n).name for n in names if type(n) is str})
+        if not groups:  # no name (or none of the right type): the seed's client refuses them as usual
+            return self.seed_group
         if len(groups) != 1:
             raise CrossShard(f"these names span shard groups {', '.join(groups)} (shard map epoch "
                              f"{self.shard_map.epoch}): one call's names must be in one group; put a hash tag "
