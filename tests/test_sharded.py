@@ -320,3 +320,15 @@ async def test_bad_multi_lock_arguments_are_refused_as_without_shards(shards):
             await client.acquire_many([], ttl=5)
         with pytest.raises(TypeError):
             await client.acquire_many([5], ttl=5)
+
+
+async def test_bad_names_and_leases_are_refused_as_without_shards(shards):
+    from fastlock.errors import WrongArgumentType
+
+    async with fastlock.connect(shards.address("g0")) as client:
+        with pytest.raises(WrongArgumentType):
+            await client.acquire(5, ttl=5)
+        with pytest.raises(TypeError):
+            await client.release("not a lease")
+        with pytest.raises(TypeError):
+            client.lock(b"bytes", ttl=5)

@@ -91,8 +91,12 @@ class ShardedClient(Client):
 
     # -- the router -------------------------------------------------------------------------
     def client_for(self, name: str) -> Client:
-        """The client of the group that owns ``name`` (opened on its first call)."""
-        return self.group_client(self.shard_map.owner(name).name)
+        """The client of the group that owns ``name`` (opened on its first call); for a
+        ``name`` that is not a str, the seed's client (whose checks refuse it as usual)."""
+        return self.group_client(self._group_for(name))
+
+    def _group_for(self, name: Any) -> str:
+        return self.shard_map.owner(name).name if type(name) is str else self.seed_group
 
     def group_client(self, group: str) -> Client:
         """The client of group ``group`` of the map.  :raises ShardMapError: no such group."""
@@ -148,12 +152,12 @@ class ShardedClient(Client):
     async def _routed(self, name: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``client_for(name).method(*args, **kwargs)``; on WrongShard the map is read again and
         the call retried once if the name's owner changed."""
-        group = self.shard_map.owner(name).name
+        group = self._group_for(name)
         try:
             return await getattr(self.group_client(group), method)(*args, **kwargs)
         except WrongShard as exc:
             await self.refresh(exc)
-            if self.shard_map.owner(name).name == group:
+            if self._group_for(name) == group:
                 raise
         return await getattr(self.client_for(name), method)(*args, **kwargs)
 
@@ -218,22 +222,22 @@ class ShardedClient(Client):
 
     # -- calls on a lease: its name's group ------------------------------------------------------
     async def release(self, lease: Any, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(lease.name, "release", (lease, *args), kwargs)
+        return await self._routed(_lease_name(lease), "release", (lease, *args), kwargs)
 
     async def extend(self, lease: Any, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(lease.name, "extend", (lease, *args), kwargs)
+        return await self._routed(_lease_name(lease), "extend", (lease, *args), kwargs)
 
     async def renew_before(self, lease: Any, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(lease.name, "renew_before", (lease, *args), kwargs)
+        return await self._routed(_lease_name(lease), "renew_before", (lease, *args), kwargs)
 
     async def transfer(self, lease: Any, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(lease.name, "transfer", (lease, *args), kwargs)
+        return await self._routed(_lease_name(lease), "transfer", (lease, *args), kwargs)
 
     def release_nowait(self, lease: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(lease.name).release_nowait(lease, *args, **kwargs)
+        return self.client_for(_lease_name(lease)).release_nowait(lease, *args, **kwargs)
 
     def start_renewing(self, lease: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(lease.name).start_renewing(lease, *args, **kwargs)
+        return self.client_for(_lease_name(lease)).start_renewing(lease, *args, **kwargs)
 
     # -- calls that name several names: one group's ---------------------------------------------
     async def acquire_many(self, names: Iterable[str], *args: Any, **kwargs: Any) -> Any:
@@ -245,7 +249,8 @@ class ShardedClient(Client):
         return self.group_client(self.group_of(names)).lock_many(names, *args, **kwargs)
 
     async def release_many(self, multi: Any, *args: Any, **kwargs: Any) -> Any:
-        return await self.group_client(self.group_of(multi.names)).release_many(multi, *args, **kwargs)
+        names = getattr(multi, "names", ())  # not a MultiLease: the seed's client refuses it
+        return await self.group_client(self.group_of(names)).release_many(multi, *args, **kwargs)
 
     # -- calls that name none, or a prefix: the seed's group --------------------------------------
     @property
@@ -314,3 +319,8 @@ class ShardedClient(Client):
         self._clients.clear()
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
         await super().close()
+
+
+def _lease_name(lease: Any) -> Any:
+    """A lease's name, or None for what is not a lease (the seed's client refuses it)."""
+    return getattr(lease, "name", None)
