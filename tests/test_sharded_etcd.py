@@ -88,3 +88,26 @@ async def test_a_change_from_a_stale_read_is_refused(etcd):
         assert now is not None and [g.name for g in now[0].groups] == ["a", "b"] and now[0].epoch == 2
     finally:
         await stored.gateway.close()
+
+
+async def test_the_map_in_a_secured_etcd_as_a_confined_user(secure_etcd, tmp_path, capsys):
+    """TLS and an etcd user confined to the prefix: `fastlock shard` and `serve` take the same flags."""
+    prefix = unique_prefix()
+    user = secure_etcd.confine(prefix)
+    flags = secure_etcd.serve_flags(user)
+    url = f"etcd://{secure_etcd.address}{prefix}"
+    port = free_port()
+    assert await shard(["shard", "init", "--coordinator", url, f"--group=a=127.0.0.1:{port}", *flags]) == 0
+    assert await shard(["shard", "status", "--coordinator", url]) == 1  # plain HTTP to a TLS etcd: refused
+    capsys.readouterr()
+    server = ServerProcess(tmp_path / "a", fsync="never", port=port,
+                           args=["--shard-map", url, "--shard-group", "a", *flags])
+    try:
+        server.start()
+        node = await RawNode.open(server.address)
+        try:
+            assert node.hello["shard_map_epoch"] == 1
+        finally:
+            await node.close()
+    finally:
+        server.stop()

@@ -337,9 +337,9 @@ def check_args(args: argparse.Namespace) -> None:
     if (args.node_id is not None or args.advertise is not None) and not args.coordinator:
         args.subparser.error("--node-id and --advertise only apply with --coordinator")
     access = coordinator_access(args)
-    if access != EtcdAccess() and not args.coordinator:
+    if access != EtcdAccess() and not args.coordinator and not (args.shard_map or "").startswith("etcd://"):
         args.subparser.error("--coordinator-protocol, -cacert, -cert, -key, -user and -password-file only apply "
-                             "with --coordinator")
+                             "with --coordinator (or a --shard-map kept in etcd)")
     try:
         access.check()
     except ValueError as exc:

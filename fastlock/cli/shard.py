@@ -15,6 +15,7 @@ import asyncio
 import json
 from typing import Any
 
+from ..coordination.access import EtcdAccess
 from ..coordination.shardmap import load_from_etcd
 from ..sharding import ShardGroup, ShardMap, ShardMapError, even_ranges, load_map_file
 
@@ -39,6 +40,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         p.add_argument("--coordinator", required=True, metavar="etcd://HOST:PORT[,HOST:PORT]/PREFIX",
                        help="the etcd and key prefix the groups use; the map is the key PREFIX/shard-map")
         p.add_argument("-o", "--output", choices=("text", "json"), default="text")
+        p.add_argument("--coordinator-protocol", choices=("http", "https"), default="http",
+                       help="how to reach etcd: https verifies etcd's certificate (docs/etcd.md); default http")
+        p.add_argument("--coordinator-cacert", metavar="FILE", help="the CA that signed etcd's certificate (PEM)")
+        p.add_argument("--coordinator-cert", metavar="FILE", help="a client certificate for etcd (PEM)")
+        p.add_argument("--coordinator-key", metavar="FILE", help="its private key (default: in --coordinator-cert)")
+        p.add_argument("--coordinator-user", metavar="NAME", help="the etcd user to log in as")
+        p.add_argument("--coordinator-password-file", metavar="FILE",
+                       help="the --coordinator-user's password, on the file's first line")
         if name == "init":
             p.add_argument("--group", dest="groups", type=_group_arg, action="append", metavar="NAME=HOST:PORT,...",
                            help="a group and its nodes' addresses, in slot order (the slots are split evenly)")
@@ -60,7 +69,10 @@ def _print(shard_map: ShardMap, output: str) -> None:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    stored = await load_from_etcd(args.coordinator)
+    access = EtcdAccess(args.coordinator_protocol, args.coordinator_cacert, args.coordinator_cert,
+                        args.coordinator_key, args.coordinator_user, args.coordinator_password_file)
+    access.check()
+    stored = await load_from_etcd(args.coordinator, access)
     try:
         if args.shard_command == "init":
             if bool(args.groups) == bool(args.from_file):
