@@ -592,4 +592,3 @@ class Handlers:
         gate = self.server.shard_gate
         conn.send(P.encode_ok(req_id, None if gate is None else {"group": gate.group,
                                                                  "map": gate.shard_map.to_wire()}))
-
