@@ -111,3 +111,11 @@ async def test_the_map_in_a_secured_etcd_as_a_confined_user(secure_etcd, tmp_pat
             await node.close()
     finally:
         server.stop()
+
+
+def test_serve_without_a_map_in_etcd_does_not_start(etcd, tmp_path):
+    server = ServerProcess(tmp_path / "a", fsync="never",
+                           args=["--shard-map", f"etcd://{etcd.address}{unique_prefix()}", "--shard-group", "a"])
+    with pytest.raises(RuntimeError, match="no map at .*shard-map"):
+        server.start(timeout=20)
+    assert server.stop() == 1
