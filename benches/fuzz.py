@@ -101,7 +101,7 @@ LOCK_OPS = {P.OP_ACQUIRE: "acquire", P.OP_RELEASE: "release", P.OP_EXTEND: "exte
 SESSION_OPS = {ops.OP_SESSION_OPEN, ops.OP_SESSION_ATTACH, ops.OP_SESSION_KEEPALIVE, ops.OP_SESSION_CLOSE}
 ALL_CLIENT_OPS = set(LOCK_OPS.values()) | {"prioritize"}
 REPLICA_OPS = {P.OP_REPLICATE, P.OP_REPL_ACK, P.OP_STEP_DOWN, P.OP_SYNC_ACK}
-OPEN_OPS = {P.OP_PING, P.OP_STATUS, P.OP_UNWATCH}
+OPEN_OPS = {P.OP_PING, P.OP_STATUS, P.OP_UNWATCH, ops.OP_SHARD_MAP}  # SHARD_MAP: the map holds no secret
 ADMIN_OPS = {P.OP_PROMOTE, P.OP_SERVE_ALONE, P.OP_LOCKS, P.OP_LOCK_INFO, P.OP_REVOKE, ops.OP_SESSIONS,
              ops.OP_SESSION_REVOKE}
 #: per-principal quotas small enough for the mixed rounds to reach (the anonymous principal's: a quarter)

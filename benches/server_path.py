@@ -1,6 +1,6 @@
 """The server's own CPU per acquire+release pair, with no socket and no client process.
 
-    python -m benches.server_path [--pairs 20000] [--rounds 5] [--tag NAME]
+    python -m benches.server_path [--pairs 20000] [--rounds 5] [--tag NAME] [--sharded]
 
 An in-process :class:`fastlock.server.LockServer` (``--fsync never``, a throwaway data
 dir, its port unused) is given one session whose transport keeps what is written to
@@ -13,6 +13,8 @@ calls, which dominate and blur :mod:`benches.cpu_per_pair` on a shared machine.
 Prints the process CPU microseconds per pair (min and median of the rounds; each
 pair also decodes its two replies, the same cost for every build compared).  Two
 installs are compared by running this module with each one's python, alternately.
+``--sharded``: the server serves by a shard map whose one group it is (every name its
+own), so each request also passes the shard check (:mod:`fastlock.server.sharded`).
 """
 
 from __future__ import annotations
@@ -69,12 +71,15 @@ class _KeptTransport:
         pass
 
 
-async def _measure(pairs: int, rounds: int) -> list[float]:
+async def _measure(pairs: int, rounds: int, sharded: bool = False) -> list[float]:
     from fastlock import protocol as P
     from fastlock.server import LockServer, ServerConfig
+    from fastlock.sharding import ShardGroup, ShardMap, even_ranges
 
+    shard_map = ShardMap(1, (ShardGroup("a", ("127.0.0.1:1",)),), even_ranges(["a"])) if sharded else None
     with tempfile.TemporaryDirectory() as data:
-        server = LockServer(ServerConfig(port=0, data_dir=data, fsync="never"))
+        server = LockServer(ServerConfig(port=0, data_dir=data, fsync="never", shard_map=shard_map,
+                                         shard_group="a" if sharded else None))
         await server.start()
         try:
             session = server.limits.new_session()
@@ -125,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     for flag, default in (("--pairs", 20000), ("--rounds", 5)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--tag", default="fastlock")
+    ap.add_argument("--sharded", action="store_true", help="serve by a one-group shard map (the shard check's cost)")
     args = ap.parse_args(argv)
-    per_pair = run_async(_measure(args.pairs, args.rounds))  # on uvloop when it is installed
+    per_pair = run_async(_measure(args.pairs, args.rounds, args.sharded))  # on uvloop when it is installed
     print(f"{args.tag}: server CPU {min(per_pair):6.2f} us/pair (min), {statistics.median(per_pair):6.2f} (median) "
           f"of {args.rounds} rounds of {args.pairs}")
     return 0

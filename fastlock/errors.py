@@ -269,6 +269,8 @@ def error_from_wire(code: int, message: str, extra: Any = None) -> FastlockError
         return NotPrimary(message, extra if isinstance(extra, str) else None)
     if cls is Compacted:
         return Compacted(message, extra if type(extra) is int else None)
+    if cls is WrongShard or cls is CrossShard:
+        return cls.from_wire_extra(message, extra)
     return cls(message)
 
 
@@ -341,3 +343,76 @@ class WatchDiverged(FastlockError):
     replication) before the standby was promoted.  The changes the watch saw after
     the standby's promotion point are not in the new history; nothing changed: start
     a new watch, which begins with the lock's state now."""
+
+
+# -- sharding (fastlock.sharding; error codes 60-64 are reserved for it) --------------------------
+__all__ += ["WrongShard", "CrossShard"]
+
+
+def _redirect_fields(extra: Any) -> dict[str, Any]:
+    """The fields of a sharding error's wire ``extra`` that have their types (others dropped)."""
+    if not isinstance(extra, dict):
+        return {}
+    fields: dict[str, Any] = {}
+    for key in ("slot", "epoch"):
+        if type(extra.get(key)) is int:
+            fields[key] = extra[key]
+    if type(extra.get("group")) is str:
+        fields["group"] = extra["group"]
+    addresses = extra.get("addresses")
+    if isinstance(addresses, list) and all(type(a) is str for a in addresses):
+        fields["addresses"] = tuple(addresses)
+    groups = extra.get("groups")
+    if isinstance(groups, list) and all(type(g) is str for g in groups):
+        fields["groups"] = tuple(groups)
+    return fields
+
+
+@_register(60)
+class WrongShard(FastlockError):
+    """The node does not own the name's slot in its shard map: another group does (as Redis
+    Cluster's ``MOVED``).  Nothing changed.  ``slot`` (int, 0..16383) is the name's slot,
+    ``group`` the owning group's name, ``addresses`` its nodes' ``host:port`` addresses (a
+    tuple of str), ``epoch`` the epoch of the node's map (int).  A routing client
+    (:mod:`fastlock.client.sharded`) fetches the map again and sends the call to the owner."""
+
+    def __init__(self, message: str, slot: int | None = None, group: str | None = None,
+                 addresses: tuple[str, ...] = (), epoch: int | None = None):
+        super().__init__(message)
+        self.slot = slot
+        self.group = group
+        self.addresses = addresses
+        self.epoch = epoch
+
+    def wire_extra(self) -> dict[str, Any]:
+        """The reply's ``extra``: ``{"slot", "group", "addresses", "epoch"}``."""
+        return {"slot": self.slot, "group": self.group, "addresses": list(self.addresses), "epoch": self.epoch}
+
+    @classmethod
+    def from_wire_extra(cls, message: str, extra: Any) -> WrongShard:
+        fields = _redirect_fields(extra)
+        return cls(message, fields.get("slot"), fields.get("group"), fields.get("addresses", ()),
+                   fields.get("epoch"))
+
+
+@_register(61)
+class CrossShard(FastlockError, ValueError):
+    """One request names several lock or key names whose slots different groups own (as Redis
+    Cluster's ``CROSSSLOT``): a multi-lock, or a key attached to a lease, must stay in one
+    group.  Nothing changed.  Put a hash tag in the names (``{order-17}:a``, ``{order-17}:b``)
+    to keep them in one slot.  ``groups`` (a tuple of str) are the groups named, ``epoch``
+    the epoch of the map that says so (int or None)."""
+
+    def __init__(self, message: str, groups: tuple[str, ...] = (), epoch: int | None = None):
+        super().__init__(message)
+        self.groups = groups
+        self.epoch = epoch
+
+    def wire_extra(self) -> dict[str, Any]:
+        """The reply's ``extra``: ``{"groups", "epoch"}``."""
+        return {"groups": list(self.groups), "epoch": self.epoch}
+
+    @classmethod
+    def from_wire_extra(cls, message: str, extra: Any) -> CrossShard:
+        fields = _redirect_fields(extra)
+        return cls(message, fields.get("groups", ()), fields.get("epoch"))

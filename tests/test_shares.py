@@ -37,6 +37,7 @@ from fastlock.protocol.ops import (
     OP_KEY_WATCH_FROM,
     OP_RATE_LIMIT,
     OP_REQUEST_REVOKE,
+    OP_SHARD_MAP,
     OP_SYNC_ACK,
     OP_TRANSFER,
     OP_WATCH_FROM,
@@ -208,6 +209,7 @@ def _ops_at_quota(address: str, app_token: str, owner: bytes, peer: Raw) -> dict
         P.OP_SESSION_CLOSE: [((os.urandom(16),), None)],
         P.OP_SESSIONS: [((None,), None)],
         P.OP_SESSION_REVOKE: [(("0" * 16, None), None)],
+        OP_SHARD_MAP: [((), None)],  # reads the shard map (None: not sharded): holds nothing
     }
 
 

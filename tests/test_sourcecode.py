@@ -64,7 +64,8 @@ ALLOWED: dict[str, set[str] | None] = {
     "_core": set(),
     "protocol": LEAVES,
     "wal": LEAVES,
-    "client": {"protocol", "tls", "auth", *LEAVES},
+    "client": {"protocol", "tls", "auth", "sharding", *LEAVES},
+    "sharding": {"protocol", *LEAVES},  # slots, the shard map, each op's names: no client, no server
     "replication": None,  # and never "server", below
     "server": None,
 }

@@ -21,6 +21,7 @@ Subcommands::
     fastlock principals [-o json]                     usage per principal against its quotas
     fastlock elect NAME PROPOSAL | --listen NAME      campaign / print each new leader
     fastlock top [--once] [--rows N] [-o json]        live view of the busiest and most contended locks
+    fastlock shard init|status|addresses --coordinator etcd://HOST:PORT/PREFIX   the shard map in etcd
 
 The package holds one module per concern: :mod:`~fastlock.cli.args` (argument
 types and shared options), :mod:`~fastlock.cli.serve`,
@@ -50,7 +51,7 @@ from .._version import __version__
 from ..client import NoPrimaryFound
 from ..errors import FastlockError
 from ..wal import WalCorruption
-from . import admin, config, demo, elect, locks, run, serve, sessions, top, witness
+from . import admin, config, demo, elect, locks, run, serve, sessions, shard, top, witness
 from .args import COMMAND_NAMES, add_client_tls_arguments, client_tls_options, print_error, seconds_arg
 
 __all__ = ["add_client_tls_arguments", "build_parser", "client_tls_options", "main", "seconds_arg"]
@@ -75,6 +76,7 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     top.add_parser(sub)
     run.add_parser(sub)
     witness.add_parser(sub)
+    shard.add_parser(sub)
     return parser, serve_parser
 
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..client import Client, LeaseInfo, LockList, WaiterInfo
+from ..client.sharded import route_if_sharded
 from ..logsafe import text_value
 from ..protocol import check_name, check_token
 from ..units import DEFAULT_PORT
@@ -104,11 +105,14 @@ def _with_client(args: argparse.Namespace, work: Any) -> Any:
     """Run ``work(client)`` on a client connected as the command's options say."""
     token = read_token(args)
 
+    def make_client(addresses: Any) -> Client:
+        return Client(addresses, token=token, client_name="fastlock-cli", connect_timeout=args.connect_timeout,
+                      **client_tls_options(args))
+
     async def run() -> Any:
-        client = Client(_servers(args), token=token, client_name="fastlock-cli", connect_timeout=args.connect_timeout,
-                        **client_tls_options(args))
+        client = make_client(_servers(args))
         try:
-            await client.ensure_connected()
+            client = await route_if_sharded(client, make_client)  # a sharded deployment: every group
             return await work(client)
         finally:
             await client.close()

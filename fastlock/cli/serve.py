@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from typing import Any
 
@@ -178,6 +179,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "environment, which wins over the file (see fastlock.cli.config)")
     s.add_argument("--print-config", action="store_true",
                    help="print the resulting settings and where each came from (TOML), and exit")
+    s.add_argument("--shard-map", metavar="FILE|etcd://HOST:PORT/PREFIX",
+                   help="serve as one group of a sharded deployment: the shard map (JSON, or TOML if FILE ends in "
+                        ".toml; or the map kept in etcd, which the node follows: `fastlock shard init`; "
+                        "docs/sharding.md); names whose slots other groups own get WrongShard")
+    s.add_argument("--shard-group", metavar="NAME", help="this node's group in --shard-map")
+    s.add_argument("--shards", type=positive_int, metavar="N",
+                   help="shard-per-core: run N shard processes on ports P..P+N-1 of --listen, data directories "
+                        "DIR/shard-K of --data-dir, each a group of its own, under this process, which writes "
+                        "their shard map to DIR/shard-map.json and stops them all on SIGTERM/SIGINT")
 
     return s
 
@@ -327,9 +337,9 @@ def check_args(args: argparse.Namespace) -> None:
     if (args.node_id is not None or args.advertise is not None) and not args.coordinator:
         args.subparser.error("--node-id and --advertise only apply with --coordinator")
     access = coordinator_access(args)
-    if access != EtcdAccess() and not args.coordinator:
+    if access != EtcdAccess() and not args.coordinator and not (args.shard_map or "").startswith("etcd://"):
         args.subparser.error("--coordinator-protocol, -cacert, -cert, -key, -user and -password-file only apply "
-                             "with --coordinator")
+                             "with --coordinator (or a --shard-map kept in etcd)")
     try:
         access.check()
     except ValueError as exc:
@@ -341,6 +351,14 @@ def check_args(args: argparse.Namespace) -> None:
     if args.coordinator and args.advertise is None and args.listen[0] in ("0.0.0.0", "::", ""):
         args.subparser.error(f"--coordinator with --listen {args.listen[0]} needs --advertise HOST:PORT: etcd "
                              f"tells the other nodes where this one is, and a wildcard address reaches nothing")
+    if (args.shard_map is None) != (args.shard_group is None):
+        args.subparser.error("--shard-map and --shard-group go together: the map, and this node's group in it")
+    if args.shards is not None and (args.shard_map is not None or args.coordinator or args.standby_of):
+        args.subparser.error("--shards runs its own shard processes and writes their map: it excludes "
+                             "--shard-map, --coordinator and --standby-of")
+    if args.shards is not None and args.listen[0] in ("0.0.0.0", "::", ""):
+        args.subparser.error(f"--shards with --listen {args.listen[0]}: the shard map names each shard's address "
+                             f"for clients, and a wildcard address reaches nothing; listen on the host's address")
     if args.witness is not None and (args.standby_token_file is None or args.coordinator):
         args.subparser.error("--witness needs --standby-token-file (the node proves its replica token to the "
                              "witness) and applies to a pair, not to a node run with --coordinator")
@@ -356,6 +374,20 @@ def coordinator_access(args: argparse.Namespace) -> EtcdAccess:
                       args.coordinator_key, args.coordinator_user, args.coordinator_password_file)
 
 
+async def _read_etcd_map(url: str, access: EtcdAccess) -> Any:
+    """The shard map kept in etcd at ``url`` (``etcd://HOST:PORT/PREFIX``).  :raises RuntimeError: none there."""
+    from ..coordination.shardmap import load_from_etcd
+
+    stored = await load_from_etcd(url, access)
+    try:
+        found = await stored.read()
+    finally:
+        await stored.gateway.close()
+    if found is None:
+        raise RuntimeError(f"no map at {stored.key} (`fastlock shard init` writes one)")
+    return found[0]
+
+
 def serve_command(args: argparse.Namespace) -> int:
     """``fastlock serve``: run a server until it is stopped; returns the exit status.
 
@@ -366,6 +398,13 @@ def serve_command(args: argparse.Namespace) -> int:
         print(render(args.subparser, args, getattr(args, "argv", ()), getattr(args, "config_sources", {})))
         return 0
     configure(args.log_level, args.log_format, sys.stderr)
+    shard_map: Any = args.shard_map
+    if shard_map is not None and shard_map.startswith("etcd://"):  # the map kept in etcd, followed
+        try:
+            shard_map = asyncio.run(_read_etcd_map(shard_map, coordinator_access(args)))
+        except (OSError, ValueError, RuntimeError) as exc:
+            print(f"fastlock serve: the shard map in etcd: {exc}", file=sys.stderr)
+            return 1
     try:
         secret = read_secret(args.auth_secret_file)
         credentials = Credentials.load(args.credentials) if args.credentials else None
@@ -415,5 +454,12 @@ def serve_command(args: argparse.Namespace) -> int:
         tls_ca=args.tls_ca,
         tls_client_auth=args.tls_client_auth,
         tls_handshake_timeout_ms=int(args.tls_handshake_timeout * 1000),
+        shard_map=shard_map,
+        shard_group=args.shard_group,
+        shard_map_etcd=args.shard_map if shard_map is not args.shard_map else None,
     )
+    if args.shards is not None:  # shard-per-core (fastlock.cli.shards)
+        from .shards import run_shards
+
+        return run_shards(config, args.shards, args)
     return serve(config, use_uvloop=not args.no_uvloop)

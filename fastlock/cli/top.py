@@ -43,6 +43,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..client import Client, LeaseInfo, LockInfo
+from ..client.sharded import route_if_sharded
 from ..errors import NotPrimary, Unavailable
 from ..logsafe import display, text_value
 from .args import client_tls_options, read_token
@@ -236,9 +237,12 @@ def top_command(args: argparse.Namespace) -> int:
         raise ValueError("--rows must be at least 1 and --interval 0.1..60 seconds")
     token = read_token(args)
 
+    def make_client(addresses: Any) -> Client:
+        return Client(addresses, token=token, client_name="fastlock-top", connect_timeout=args.connect_timeout,
+                      **client_tls_options(args))
+
     async def run() -> int:
-        client = Client(_servers(args), token=token, client_name="fastlock-top",
-                        connect_timeout=args.connect_timeout, **client_tls_options(args))
+        client = make_client(_servers(args))
         sampler = TopSampler()
         down_since: float | None = None
 
@@ -253,7 +257,8 @@ def top_command(args: argparse.Namespace) -> int:
             return shown
 
         try:
-            await client.ensure_connected()
+            # a sharded deployment: the locks of every group (the counters are the first node's group's)
+            client = await route_if_sharded(client, make_client)
             if args.output == "json":
                 print(json.dumps(snapshot(sampler, *await sample(client, sampler, args.rows), args.rows)))
                 return 0

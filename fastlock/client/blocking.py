@@ -55,6 +55,7 @@ from .keys import SyncKeyMethods
 from .kinds import MAX_CONTENDERS, SyncSemaphore
 from .lease import HolderInfo, Lease, RevokeRequest, WatchEvent
 from .multilock import MultiLease
+from .sharded import ShardedClient, route_if_sharded
 from .sweep import FAILOVER_TIMEOUT
 
 log = logging.getLogger(__name__)
@@ -227,14 +228,17 @@ class SyncClient(SyncKeyMethods, SyncRecipeMethods):
                  tls_key: str | None = None, server_hostname: str | None = None,
                  failover_timeout: float | None = FAILOVER_TIMEOUT, sequencers: bool = False):
         self._closed = False
-        self._make_client: Callable[[], Client] = lambda: Client(
-            addresses, auth=auth, client_name=client_name, connect_timeout=connect_timeout,
+        self._make_client: Callable[..., Client] = lambda group_addresses=addresses: Client(
+            group_addresses, auth=auth, client_name=client_name, connect_timeout=connect_timeout,
             request_timeout=request_timeout, token=token, token_file=token_file, tls=tls, tls_ca=tls_ca,
             tls_cert=tls_cert, tls_key=tls_key, server_hostname=server_hostname, failover_timeout=failover_timeout,
             sequencers=sequencers)
+        self._routed = False  # True: calls are routed over a sharded deployment (made again after a fork)
         self._open()
-        try:
-            self.call(self._async_client.ensure_connected())
+        try:  # a sharded deployment: calls are routed by name (fastlock.client.sharded)
+            routed: Client = self.call(route_if_sharded(self._client, self._make_client))
+            self._async_client = routed
+            self._routed = isinstance(routed, ShardedClient)
         except BaseException:
             self.close()
             raise
@@ -276,6 +280,8 @@ class SyncClient(SyncKeyMethods, SyncRecipeMethods):
             log.info("SyncClient: running in process %d, a fork of %d: opening a new connection (the "
                      "parent's leases stay the parent's)", os.getpid(), parent)
             self._open()
+            if self._routed:  # a sharded deployment: read the map again in this process
+                self._async_client = self.call(route_if_sharded(self._async_client, self._make_client))
 
     @property
     def _client(self) -> Client:

@@ -10,6 +10,7 @@ from typing import Any
 
 from .client import Client
 from .session import DEFAULT_SESSION_TTL
+from .sharded import ClientFactory, route_if_sharded
 from .sweep import FAILOVER_TIMEOUT
 
 __all__ = ["connect"]
@@ -19,13 +20,14 @@ class _ConnectContext:
     """Returned by :func:`connect`: ``await`` it for a :class:`Client`, or use
     it as ``async with`` to close the client on exit."""
 
-    __slots__ = ("_client",)
+    __slots__ = ("_client", "_make_client")
 
-    def __init__(self, client: Client):
+    def __init__(self, client: Client, make_client: ClientFactory):
         self._client = client
+        self._make_client = make_client  # a sharded deployment's other groups (fastlock.client.sharded)
 
     async def _open(self) -> Client:
-        await self._client.ensure_connected()
+        self._client = await route_if_sharded(self._client, self._make_client)
         return self._client
 
     def __await__(self) -> Generator[Any, None, Client]:
@@ -119,12 +121,19 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
     ``token_file`` cannot be read or is empty.
 
     Operations the principal is not granted raise :class:`PermissionDenied`.
+
+    Against a node of a sharded deployment (docs/sharding.md) the client returned is a
+    :class:`~fastlock.client.sharded.ShardedClient`: it reads the shard map and sends each
+    call to the primary of the group that owns its name, with the options given here.
     """
-    return _ConnectContext(Client(addresses, auth=auth, client_name=client_name,
-                                  connect_timeout=connect_timeout, request_timeout=request_timeout,
-                                  token=token, token_file=token_file,
-                                  tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-                                  server_hostname=server_hostname, failover_timeout=failover_timeout,
-                                  sequencers=sequencers, session=session, session_ttl=session_ttl))
+    def make_client(group_addresses: Any) -> Client:
+        return Client(group_addresses, auth=auth, client_name=client_name,
+                      connect_timeout=connect_timeout, request_timeout=request_timeout,
+                      token=token, token_file=token_file,
+                      tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+                      server_hostname=server_hostname, failover_timeout=failover_timeout,
+                      sequencers=sequencers, session=session, session_ttl=session_ttl)
+
+    return _ConnectContext(make_client(addresses), make_client)
 
 

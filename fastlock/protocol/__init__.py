@@ -73,6 +73,7 @@ ACQUIRE_PRIORITY 90 ACQUIRE's 9 arguments, priority (0..99)[, seq.]   as ACQUIRE
 REQUEST_REVOKE 91 name, owner (of a waiting request), grace_ms        {"token", "deadline_ms", "delivered"}
 TRANSFER   92  name, token, owner, candidate (a correlation id)       None
 WATCH_FROM 70  name, revision|None                                    {"holder", "revision"}
+SHARD_MAP  100 -                                                      {"group", "map"}|None
 =========  ==  =====================================================  ======================
 
 ACQUIRE's optional ``shared`` (bool: a shared lease) and ``limit`` (int: the
@@ -138,6 +139,10 @@ the reply, whose ``revision`` says every change up to it was sent; too old a
 revision is refused with ``Compacted`` (extra: the oldest revision kept), one the
 node never had with ``WatchDiverged``.  Such a connection also hears
 ``[0, "wprog", [revision]]`` at least every ``--watch-progress-interval`` seconds.
+SHARD_MAP returns a sharded node's map and group (:mod:`fastlock.sharding`), None from a
+node that is not sharded; a sharded node refuses a name another group owns with
+``WrongShard`` (extra: ``{"slot", "group", "addresses", "epoch"}``) and names that span
+groups with ``CrossShard`` (extra: ``{"groups", "epoch"}``): :mod:`fastlock.server.sharded`.
 
 HELLO's ``credential`` is None (a verified mTLS certificate's identity, or the
 anonymous principal: one round trip) or a handshake message: first

@@ -65,6 +65,8 @@ OP_SESSION_KEEPALIVE = 62  # session key
 OP_SESSION_CLOSE = 63  # session key
 OP_SESSIONS = 64  # principal or None (an operator's list)
 OP_SESSION_REVOKE = 65  # session id, reason or None (an operator's close)
+# sharding (fastlock.sharding; ops 100-119 are reserved for it)
+OP_SHARD_MAP = 100  # no arguments: the shard map this node serves by (None: not sharded)
 
 
 class Op(NamedTuple):
@@ -119,6 +121,7 @@ OPS: tuple[Op, ...] = (
     Op(OP_SESSIONS, "sessions", 1, 1),
     Op(OP_SESSION_REVOKE, "session_revoke", 2, 2),
     Op(OP_KEY_WATCH_FROM, "key_watch_from", 3, 3),  # prefix, revision or None, offset or None
+    Op(OP_SHARD_MAP, "shard_map", 0, 0),
 )
 
 #: (fewest, most) arguments of each op, after ``[req_id, op]``

@@ -147,6 +147,11 @@ class ServerConfig:
     watch_progress_interval: float = 10.0
     # a promoted primary keeps the old primary's waiters' places this long, seconds (fastlock.server.reclaim; 0: not)
     queue_reclaim_window: float = 5.0
+    # sharding (fastlock.server.sharded): the shard map (a ShardMap, or a map file's path) and this
+    # node's group in it; both None: not sharded (every name is served)
+    shard_map: Any = None
+    shard_group: str | None = None
+    shard_map_etcd: str | None = None  # etcd://HOST:PORT/PREFIX whose map the node follows (newer epochs)
 
     def __post_init__(self) -> None:
         self.fsync = _member(FsyncMode, self.fsync, "fsync")

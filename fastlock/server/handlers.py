@@ -39,7 +39,7 @@ from ..errors import (
     Unavailable,
 )
 from ..logsafe import quote
-from ..protocol.ops import OP_RATE_LIMIT, OP_WATCH_FROM, PUSH_WATCH_REV
+from ..protocol.ops import OP_RATE_LIMIT, OP_SHARD_MAP, OP_WATCH_FROM, PUSH_WATCH_REV
 from ..replication.messages import standby_address
 from ..replication.syncrep import SYNC_PERMISSIONS
 from ..roles import Action, NodeRole
@@ -108,6 +108,7 @@ PERMISSION: dict[int, str | None] = {
     P.OP_SESSION_CLOSE: None,
     P.OP_SESSIONS: None,
     P.OP_SESSION_REVOKE: None,
+    OP_SHARD_MAP: None,  # the shard map holds no secret: any principal that may connect reads it
 }
 
 _ARTICLE = {"client": "a", "replica": "a", "admin": "an"}
@@ -133,7 +134,8 @@ def _error_reply(req_id: int, exc: FastlockError) -> bytes:
         wire: FastlockError = (Unavailable(f"this node cannot serve: {exc}") if isinstance(exc, StorageError)
                                else InternalServerError(f"internal server error: {exc}"))
         exc = wire
-    return P.packb([req_id, exc.code, str(exc), getattr(exc, "primary", None)])
+    wire_extra = getattr(exc, "wire_extra", None)  # a sharding error's redirect (fastlock.errors.WrongShard)
+    return P.packb([req_id, exc.code, str(exc), wire_extra() if wire_extra else getattr(exc, "primary", None)])
 
 
 def _authorize(conn: Session, op: int, need: str, msg: list) -> None:
@@ -238,6 +240,7 @@ class Handlers:
             **self.preemption.handlers_by_op(),
             OP_WATCH_FROM: self.op_watch_from,
             **self.sessions.handlers_table(),
+            OP_SHARD_MAP: self.op_shard_map,
         }
         #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
         self.by_op: dict[int, tuple[Handler, int, int]] = {
@@ -583,3 +586,9 @@ class Handlers:
     def op_ping(self, conn: Session, req_id: int, msg: list) -> None:
         conn.send(ok_nil(req_id))
 
+    def op_shard_map(self, conn: Session, req_id: int, msg: list) -> None:
+        """SHARD_MAP: ``{"group": this node's group, "map": the map's plain form}``
+        (:mod:`fastlock.sharding.shardmap`), or None from a node that is not sharded."""
+        gate = self.server.shard_gate
+        conn.send(P.encode_ok(req_id, None if gate is None else {"group": gate.group,
+                                                                 "map": gate.shard_map.to_wire()}))

@@ -229,4 +229,10 @@ class Hello:
             "actors": True,  # ACQUIRE and ACQUIRE_MANY read the optional actor
             # ACQUIRE's optional sequencer flag is answered with a signed sequencer (fastlock.sequencer)
             "sequencers": self.credentials.sequencer_keys.signing is not None,
+            **self._shard_info(),
         }
+
+    def _shard_info(self) -> dict[str, Any]:
+        """A sharded node's HELLO names its shard map's epoch and its group (SHARD_MAP reads the map)."""
+        gate = self.server.shard_gate
+        return {} if gate is None else {"shard_map_epoch": gate.shard_map.epoch, "shard_group": gate.group}

@@ -86,6 +86,7 @@ from .kinds import expired_log, grant_reply, reply_id, unacked_log, undelivered_
 from .preemption import RevokeDeadlines
 from .reclaim import ReclaimGate
 from .session import Session, shown_client
+from .sharded import ShardGate
 from .shares import client_principals
 from .tasks import BackgroundTasks
 from .watchlog import Revisions
@@ -190,7 +191,11 @@ class LockServer:
         self.limits = ConnectionLimits(config, self)
         # with one client principal at most (open mode, say) the default shares stay off
         self.quotas = PrincipalQuotas(config, self, single_principal=client_principals(credentials) <= 1)
+        #: the shard map this node serves by and its group (fastlock.server.sharded); None: not sharded
+        self.shard_gate = ShardGate.from_config(config.shard_map, config.shard_group)
         self.handlers = Handlers(self, credentials)
+        if self.shard_gate is not None:
+            self.shard_gate.install(self.handlers)
         #: watch revisions: the history resuming watches replay, progress notices (fastlock.server.watchlog)
         self.revisions = Revisions(self, self.handlers.watches, config.watch_history, config.watch_progress_interval)
         if self.follower is not None:
@@ -325,6 +330,9 @@ class LockServer:
 
             self.endpoints.metrics = MetricsExporter(self, *config.metrics)
         self.failover.on_start()  # a deposed primary stays deposed; a paired one may start fenced
+        if self.shard_gate is not None and config.shard_map_etcd is not None:
+            self.tasks.spawn(self.shard_gate.follow_etcd(config.shard_map_etcd, config.coordinator_access),
+                             "following the shard map in etcd")
         if self.roles.role is Role.PRIMARY:
             self.revisions.started()
             self.key_revisions.started()
@@ -667,6 +675,8 @@ class LockServer:
         st["limits"] = {**self.limits.status(), "watches": self.quotas.watch_count, **self.quotas.output.status()}
         if self.tls is not None:
             st["tls"] = self.tls.status()
+        if self.shard_gate is not None:  # its group in the shard map (fastlock.server.sharded)
+            st["shard"] = self.shard_gate.info()
         if self.roles.role is Role.STANDBY and self.follower is not None:
             st["replication"] = self.follower.status()
         else:

@@ -22,7 +22,7 @@ CLIENT_REPLICATION_FIELDS = frozenset({"fenced", "serving_alone", "primary", "co
 #: unread replies of all clients together tell of other principals' traffic
 CLIENT_SECTIONS = {"wal": frozenset(), "tasks": frozenset({"last_error"}), "limits": frozenset({"unread_output_bytes"}),
                    "tls": frozenset(), "watch_history": frozenset(), "client_sessions": frozenset(),
-                   "key_watch_history": frozenset()}
+                   "key_watch_history": frozenset(), "shard": frozenset()}  # shard: the group, map epoch, slots
 
 
 def is_plain(value: Any) -> bool:

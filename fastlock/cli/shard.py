@@ -1,0 +1,103 @@
+"""``fastlock shard init|status|addresses``: the shard map kept in etcd (docs/sharding.md).
+
+``init`` writes the first map (the slots split evenly over the groups given, or a map
+file) if none exists; ``status`` prints the map; ``addresses`` replaces a group's
+addresses, or adds a group that owns no slot yet, as the next epoch.  Every write is an
+etcd transaction that fails if the map changed since it was read
+(:mod:`fastlock.coordination.shardmap`); the nodes that follow the map apply the new
+epoch.  Moving slots between groups is not done yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from typing import Any
+
+from ..coordination.access import EtcdAccess
+from ..coordination.shardmap import load_from_etcd
+from ..sharding import ShardGroup, ShardMap, ShardMapError, even_ranges, load_map_file
+
+__all__ = ["add_parser"]
+
+
+def _group_arg(value: str) -> ShardGroup:
+    name, eq, addresses = value.partition("=")
+    if not eq or not name or not addresses:
+        raise argparse.ArgumentTypeError(f"a group is NAME=HOST:PORT[,HOST:PORT...], not {value!r}")
+    return ShardGroup(name, tuple(a.strip() for a in addresses.split(",")))
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add ``shard`` to ``fastlock``'s subparsers."""
+    s = sub.add_parser("shard", help="the shard map kept in etcd (init, status, addresses)")
+    s.set_defaults(handler=shard_command)
+    commands = s.add_subparsers(dest="shard_command", required=True)
+    for name, what in (("init", "write the first shard map"), ("status", "print the shard map"),
+                       ("addresses", "replace a group's addresses, or add a group (the next epoch)")):
+        p = commands.add_parser(name, help=what)
+        p.add_argument("--coordinator", required=True, metavar="etcd://HOST:PORT[,HOST:PORT]/PREFIX",
+                       help="the etcd and key prefix the groups use; the map is the key PREFIX/shard-map")
+        p.add_argument("-o", "--output", choices=("text", "json"), default="text")
+        p.add_argument("--coordinator-protocol", choices=("http", "https"), default="http",
+                       help="how to reach etcd: https verifies etcd's certificate (docs/etcd.md); default http")
+        p.add_argument("--coordinator-cacert", metavar="FILE", help="the CA that signed etcd's certificate (PEM)")
+        p.add_argument("--coordinator-cert", metavar="FILE", help="a client certificate for etcd (PEM)")
+        p.add_argument("--coordinator-key", metavar="FILE", help="its private key (default: in --coordinator-cert)")
+        p.add_argument("--coordinator-user", metavar="NAME", help="the etcd user to log in as")
+        p.add_argument("--coordinator-password-file", metavar="FILE",
+                       help="the --coordinator-user's password, on the file's first line")
+        if name == "init":
+            p.add_argument("--group", dest="groups", type=_group_arg, action="append", metavar="NAME=HOST:PORT,...",
+                           help="a group and its nodes' addresses, in slot order (the slots are split evenly)")
+            p.add_argument("--from-file", metavar="FILE", help="a map file (JSON or TOML) instead of --group")
+        if name == "addresses":
+            p.add_argument("group", type=_group_arg, metavar="NAME=HOST:PORT,...")
+    return s
+
+
+def _print(shard_map: ShardMap, output: str) -> None:
+    if output == "json":
+        print(json.dumps(shard_map.to_wire()))
+        return
+    print(f"epoch {shard_map.epoch}")
+    for g in shard_map.groups:
+        print(f"group {g.name}: {shard_map.slot_count(g.name)} slots, {', '.join(g.addresses)}")
+    for r in shard_map.ranges:
+        print(f"slots {r.first}..{r.last}: {r.group}")
+
+
+async def _run(args: argparse.Namespace) -> int:
+    access = EtcdAccess(args.coordinator_protocol, args.coordinator_cacert, args.coordinator_cert,
+                        args.coordinator_key, args.coordinator_user, args.coordinator_password_file)
+    access.check()
+    stored = await load_from_etcd(args.coordinator, access)
+    try:
+        if args.shard_command == "init":
+            if bool(args.groups) == bool(args.from_file):
+                raise ShardMapError("give either --group (one or more) or --from-file")
+            if args.from_file:
+                shard_map = load_map_file(args.from_file)
+            else:
+                shard_map = ShardMap(1, tuple(args.groups), even_ranges([g.name for g in args.groups]))
+            await stored.create(shard_map)
+            _print(shard_map, args.output)
+            return 0
+        found = await stored.read()
+        if found is None:
+            raise ShardMapError(f"no shard map in etcd at {stored.key}: `fastlock shard init` writes one")
+        shard_map, revision = found
+        if args.shard_command == "addresses":
+            new = shard_map.with_addresses(args.group.name, args.group.addresses)
+            await stored.replace(revision, shard_map, new)
+            shard_map = new
+        _print(shard_map, args.output)
+        return 0
+    finally:
+        await stored.gateway.close()
+
+
+def shard_command(args: argparse.Namespace) -> int:
+    """``fastlock shard ...``; errors reach :func:`fastlock.cli.main`, which prints them."""
+    return asyncio.run(_run(args))

@@ -1,0 +1,69 @@
+"""``fastlock serve --shards N``: N shard processes under one parent (fastlock.cli.shards)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+import fastlock
+from fastlock._testbase.servers import ServerProcess
+from fastlock._testbase.shards import names_owned_by
+from fastlock.client.sharded import ShardedClient
+from fastlock.sharding import load_map_file
+
+
+def _shard_pids(server: ServerProcess) -> dict[str, int]:
+    return {m.group(1): int(m.group(2)) for line in list(server.lines)
+            for m in [re.search(r"(shard-\d+) \(pid (\d+)\)", line)] if m}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_shards_serve_their_slots_and_stop_together(tmp_path):
+    parent = ServerProcess(tmp_path / "data", fsync="never", args=["--shards", "2"])
+    parent.start()
+    try:
+        shard_map = load_map_file(tmp_path / "data" / "shard-map.json")
+        assert [g.name for g in shard_map.groups] == ["shard-0", "shard-1"]
+        for group in shard_map.groups:  # every shard listens (the first did before start() returned)
+            parent.wait_for_log(f"listening on {re.escape(group.addresses[0])}", timeout=20)
+        pids = _shard_pids(parent)
+        assert set(pids) == {"shard-0", "shard-1"} and all(_alive(p) for p in pids.values())
+        status = json.loads((tmp_path / "data" / "shards.json").read_text())
+        assert status["parent"] == parent.pid
+        assert {row["group"]: row["pid"] for row in status["shards"]} == pids
+        assert [row["address"] for row in status["shards"]] == [g.addresses[0] for g in shard_map.groups]
+        assert {p.name for p in (tmp_path / "data").iterdir() if p.is_dir()} == {"shard-0", "shard-1"}
+        async with fastlock.connect(shard_map.groups[1].addresses[0]) as client:
+            assert isinstance(client, ShardedClient)
+            names = names_owned_by(shard_map, "shard-0", 2) + names_owned_by(shard_map, "shard-1", 2)
+            leases = [await client.acquire(n, ttl=10) for n in names]
+            for group in ("shard-0", "shard-1"):
+                status = await client.group_clients()[group].status()
+                assert status["shard"] == {"group": group, "epoch": 1, "slots": shard_map.slot_count(group)}
+                assert status["locks_held"] == 2
+            for lease in leases:
+                await client.release(lease)
+    finally:
+        assert parent.stop() == 0
+    assert not any(_alive(p) for p in pids.values())
+    assert not (tmp_path / "data" / "shards.json").exists()
+
+
+def test_another_shard_count_on_the_same_data_is_refused(tmp_path):
+    first = ServerProcess(tmp_path / "data", fsync="never", args=["--shards", "2"])
+    first.start()
+    first.stop()
+    again = ServerProcess(tmp_path / "data", fsync="never", args=["--shards", "3"])
+    with pytest.raises(RuntimeError, match="moving slots is not done"):
+        again.start(timeout=20)
+    again.stop()

@@ -1,0 +1,334 @@
+"""A sharded deployment: lone shard servers with a static map (fastlock.server.sharded), the
+SHARD_MAP op, WrongShard / CrossShard for every op that names names, and the routing client
+(fastlock.client.sharded), asyncio and blocking."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+import fastlock
+from fastlock import protocol as P
+from fastlock._testbase.cluster import RawNode
+from fastlock._testbase.servers import ServerProcess
+from fastlock._testbase.shards import ShardSet, names_owned_by
+from fastlock.client.sharded import ShardedClient
+from fastlock.errors import CrossShard, WrongShard
+from fastlock.protocol import ops
+from fastlock.protocol.ops import OP_SHARD_MAP
+from fastlock.sharding import ShardGroup, ShardMap, SlotRange, slot_of
+from fastlock.sharding.scope import NAMES_OF_OP
+from fastlock.sync import SyncClient
+
+OWNER = b"o" * 16
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """Two lone shard servers, g0 and g1, serving the map at epoch 2."""
+    with ShardSet.start(tmp_path_factory.mktemp("shards"), 2, epoch=2) as shard_set:
+        yield shard_set
+
+
+def owned(shards: ShardSet, group: str, count: int = 1, prefix: str = "n") -> list[str]:
+    return names_owned_by(shards.shard_map, group, count, prefix)
+
+
+async def test_hello_names_the_epoch_and_shard_map_returns_the_map(shards):
+    node = await RawNode.open(shards.address("g0"))
+    try:
+        assert node.hello["shard_map_epoch"] == 2 and node.hello["shard_group"] == "g0"
+        reply = await node.request(OP_SHARD_MAP)
+        assert reply["group"] == "g0"
+        assert ShardMap.from_wire(reply["map"]) == shards.shard_map
+    finally:
+        await node.close()
+
+
+async def test_a_name_of_another_group_is_redirected_and_changes_nothing(shards):
+    foreign = owned(shards, "g1")[0]
+    node = await RawNode.open(shards.address("g0"))
+    try:
+        with pytest.raises(WrongShard) as caught:
+            await node.request(P.OP_ACQUIRE, foreign, OWNER, 5000, 0, 0, None)
+        exc = caught.value
+        assert (exc.slot, exc.group, exc.addresses, exc.epoch) == (
+            slot_of(foreign), "g1", (shards.address("g1"),), 2)
+        assert (await node.request(P.OP_LOCKS, "", None))["locks"] == []
+        mine = owned(shards, "g0")[0]
+        token, _, _ = await node.request(P.OP_ACQUIRE, mine, OWNER, 5000, 0, 0, None)
+        await node.request(P.OP_RELEASE, mine, token, OWNER)
+    finally:
+        await node.close()
+
+
+def _request_naming(op: int, name: str) -> list:
+    """Arguments for ``op`` with ``name`` wherever it takes names, None elsewhere (the check runs first)."""
+    where = NAMES_OF_OP[op]
+    assert where is not None
+    fewest = P.OP_ARITY[op][0]
+    args: list = [None] * max(fewest, *(i + 1 for i in (*where.names, *where.rows)))
+    for i in where.names:
+        args[i] = name
+    for i in where.rows:
+        args[i] = [[name, 1, OWNER]]
+    return args
+
+
+async def test_every_op_that_names_a_name_checks_it(shards):
+    """Enumerates the ops: a new op that takes a name cannot skip the check (see NAMES_OF_OP)."""
+    foreign = owned(shards, "g1")[0]
+    node = await RawNode.open(shards.address("g0"))
+    try:
+        checked = [op for op, where in NAMES_OF_OP.items() if where is not None]
+        assert {P.OP_ACQUIRE, P.OP_RELEASE, P.OP_EXTEND, P.OP_ACQUIRE_MANY, ops.OP_KEY_PUT} <= set(checked)
+        for op in checked:
+            with pytest.raises(WrongShard, match="owned by shard group g1"):
+                await node.request(op, *_request_naming(op, foreign))
+        # the compiled EXTEND's and ACQUIRE's longer forms too
+        with pytest.raises(WrongShard):
+            await node.request(P.OP_EXTEND, foreign, 1, OWNER, 5000, True)
+        with pytest.raises(WrongShard):
+            await node.request(P.OP_ACQUIRE, foreign, OWNER, 5000, 0, 0, None, False, 0, 1)
+        assert (await node.request(P.OP_LOCKS, "", None))["locks"] == []
+    finally:
+        await node.close()
+
+
+async def test_names_that_span_groups_are_refused_as_cross_shard(shards):
+    here, there = owned(shards, "g0")[0], owned(shards, "g1")[0]
+    node = await RawNode.open(shards.address("g0"))
+    try:
+        with pytest.raises(CrossShard) as caught:
+            await node.request(P.OP_ACQUIRE_MANY, [[here, False], [there, False]], OWNER, 5000, 0, 0, None)
+        assert caught.value.groups == ("g0", "g1") and caught.value.epoch == 2
+        with pytest.raises(CrossShard):  # a key attached to a lease in another group
+            await node.request(ops.OP_KEY_PUT, here, b"v", there, 1, OWNER, ops.KEY_UPSERT)
+        with pytest.raises(WrongShard):  # every name in one other group: a redirect to it
+            await node.request(P.OP_ACQUIRE_MANY, [[there, False]], OWNER, 5000, 0, 0, None)
+        assert (await node.request(P.OP_LOCKS, "", None))["locks"] == []
+        # names with one hash tag share a slot, so a multi-lock over them is one group's
+        tagged = [f"{{{here}}}:a", f"{{{here}}}:b"]
+        tokens, _, _ = await node.request(P.OP_ACQUIRE_MANY, [[n, False] for n in tagged], OWNER, 5000, 0, 0, None)
+        for name, token in zip(tagged, tokens):
+            await node.request(P.OP_RELEASE, name, token, OWNER)
+    finally:
+        await node.close()
+
+
+async def test_the_client_routes_each_name_to_its_group(shards):
+    g0_names, g1_names = owned(shards, "g0", 3), owned(shards, "g1", 3)
+    async with fastlock.connect(shards.address("g0"), client_name="router") as client:
+        assert isinstance(client, ShardedClient)
+        leases = [await client.acquire(n, ttl=10) for n in g0_names + g1_names]
+        for group, names in (("g0", g0_names), ("g1", g1_names)):
+            node = await RawNode.open(shards.address(group))
+            try:
+                held = {row["name"] for row in (await node.request(P.OP_LOCKS, "", None))["locks"]}
+                assert held == set(names)
+            finally:
+                await node.close()
+        assert (await client.holder(g1_names[0]))["token"] == leases[3].fencing_token
+        assert await client.check(g1_names[1], leases[4].fencing_token)
+        for lease in leases:
+            await client.release(lease)
+        async with client.lock(g1_names[2], ttl=5) as lease:
+            assert await client.client_for(g1_names[2]).check(g1_names[2], lease.fencing_token)
+        await client.put(g1_names[0], b"value")
+        assert (await client.get(g1_names[0])).value == b"value"
+        with pytest.raises(CrossShard, match="span shard groups g0, g1"):
+            await client.acquire_many([g0_names[0], g1_names[0]], ttl=5)
+        tag = f"{{{g1_names[0]}}}"
+        multi = await client.acquire_many([f"{tag}:x", f"{tag}:y"], ttl=5)
+        await client.release_many(multi)
+        assert set(client.group_clients()) == {"g0", "g1"}
+
+
+async def test_a_stale_map_is_refreshed_on_the_first_redirect(shards):
+    """A client whose map (epoch 1) gives every slot to g0 learns the servers' map (epoch 2)."""
+    stale = ShardMap(1, shards.shard_map.groups, (SlotRange(0, 16383, "g0"),))
+    seed = fastlock.Client([shards.address("g0")])
+    await seed.ensure_connected()
+    client = ShardedClient(seed, "g0", stale, lambda addresses: fastlock.Client(addresses))
+    try:
+        name = owned(shards, "g1")[0]
+        lease = await client.acquire(name, ttl=5)
+        assert client.shard_map.epoch == 2 and client.client_for(name) is client.group_clients()["g1"]
+        await client.release(lease)
+    finally:
+        await client.close()
+
+
+async def test_an_unsharded_server_gives_a_plain_client(server):
+    node = await RawNode.open(server.address)
+    try:
+        assert "shard_map_epoch" not in node.hello
+        assert await node.request(OP_SHARD_MAP) is None
+    finally:
+        await node.close()
+    async with fastlock.connect(server.address) as client:
+        assert type(client) is fastlock.Client
+
+
+def test_the_blocking_client_routes(shards):
+    name = owned(shards, "g1")[0]
+    with SyncClient(shards.address("g0")) as client:
+        lease = client.acquire(name, ttl=5)
+        assert client.check(name, lease.fencing_token)
+        client.release(lease)
+        assert client.holder(name) is None
+
+
+def test_serve_refuses_a_bad_shard_configuration(tmp_path):
+    shard_map = ShardMap(1, (ShardGroup("a", ("127.0.0.1:1",)),), (SlotRange(0, 16383, "a"),))
+    (tmp_path / "map.json").write_text(json.dumps(shard_map.to_wire()))
+    server = ServerProcess(tmp_path / "d", args=["--shard-map", str(tmp_path / "map.json"), "--shard-group", "zz"])
+    with pytest.raises(RuntimeError, match="no group 'zz'"):
+        server.start(timeout=20)
+    server.stop()
+    (tmp_path / "bad.json").write_text('{"epoch": 1, "groups": [], "ranges": []}')
+    server = ServerProcess(tmp_path / "d", args=["--shard-map", str(tmp_path / "bad.json"), "--shard-group", "a"])
+    with pytest.raises(RuntimeError, match="1 to 1024 groups"):
+        server.start(timeout=20)
+    server.stop()
+
+
+async def test_concurrent_calls_over_groups(shards):
+    names = owned(shards, "g0", 20, "c") + owned(shards, "g1", 20, "c")
+    async with fastlock.connect(shards.address("g1")) as client:
+        leases = await asyncio.gather(*(client.acquire(n, ttl=10) for n in names))
+        assert len({lease.name for lease in leases}) == 40
+        await asyncio.gather(*(client.release(lease) for lease in leases))
+
+
+async def test_locks_lists_every_group_page_by_page(shards):
+    names = sorted(owned(shards, "g0", 5, "L") + owned(shards, "g1", 5, "L"))
+    async with fastlock.connect(shards.address("g0")) as client:
+        leases = [await client.acquire(n, ttl=10) for n in names]
+        try:
+            everything = await client.locks("L")
+            assert [lease.name for lease in everything.locks] == names and not everything.truncated
+            seen: list[str] = []
+            page = await client.locks("L", most=3)
+            for _ in range(20):  # bounded: 10 names, at most 3 a page
+                assert len(page.locks) <= 3
+                seen += [lease.name for lease in page.locks]
+                if not page.truncated:
+                    break
+                page = await client.locks("L", most=3, after=page.next)
+            assert seen == names
+            by_waiters = await client.locks("L", most=4, order="contended")
+            assert len(by_waiters.locks) == 4 and by_waiters.truncated
+        finally:
+            for lease in leases:
+                await client.release(lease)
+
+
+def test_the_locks_command_lists_every_group(shards, capsys):
+    from fastlock.cli import main
+
+    names = owned(shards, "g0", 1, "cli") + owned(shards, "g1", 1, "cli")
+    with SyncClient(shards.address("g1")) as client:
+        leases = [client.acquire(n, ttl=10) for n in names]
+        try:
+            assert main(["locks", "cli", "--server", shards.address("g0"), "-o", "json"]) == 0
+            listed = {row["name"] for row in json.loads(capsys.readouterr().out)["locks"]}
+            assert listed == set(names)
+        finally:
+            for lease in leases:
+                client.release(lease)
+
+
+async def test_a_group_failover_is_ridden_through_by_its_client(cluster, tmp_path):
+    """Group g1 is a primary and a standby: the routing client's g1 connection follows the promotion."""
+    from fastlock._testbase.proxy import free_port
+    from fastlock.sharding import even_ranges, write_map_file
+
+    ports = {"g0": free_port(), "g1p": free_port(), "g1s": free_port()}
+    shard_map = ShardMap(1, (ShardGroup("g0", (f"127.0.0.1:{ports['g0']}",)),
+                             ShardGroup("g1", (f"127.0.0.1:{ports['g1p']}", f"127.0.0.1:{ports['g1s']}"))),
+                         even_ranges(["g0", "g1"]))
+    write_map_file(tmp_path / "map.json", shard_map)
+
+    def shard_args(group: str) -> list[str]:
+        return ["--shard-map", str(tmp_path / "map.json"), "--shard-group", group]
+
+    cluster.primary("g0", port=ports["g0"], args=shard_args("g0"), fsync="never")
+    g1 = cluster.primary("g1p", port=ports["g1p"], args=shard_args("g1"), fsync="never")
+    cluster.standby(g1.address, "g1s", failover_after=1.0, grace=0.0, port=ports["g1s"], args=shard_args("g1"),
+                    fsync="never")
+    names = names_owned_by(shard_map, "g1", 2)
+    async with fastlock.connect(f"127.0.0.1:{ports['g0']}", connect_timeout=2.0, failover_timeout=30) as client:
+        first = await client.acquire(names[0], ttl=5)
+        g1.kill()
+        second = await client.acquire(names[1], ttl=5, wait=30)  # rides through to the promoted standby
+        assert second.epoch > first.epoch
+        assert (await client.group_clients()["g1"].status())["role"] == "primary"
+        await client.release(second)
+
+
+def test_a_forked_blocking_client_routes_again(shards):
+    """A SyncClient made before fork(): the child's own client reads the map and routes too."""
+    from test_sync import _run_in_fork
+
+    name = owned(shards, "g1", 1, "fork")[0]
+    with SyncClient(shards.address("g0")) as client:
+        assert isinstance(client.client, ShardedClient)
+
+        def child() -> dict:
+            lease = client.acquire(name, ttl=5, wait=10)
+            client.release(lease)
+            return {"routed": isinstance(client.client, ShardedClient), "token": lease.fencing_token}
+
+        result = _run_in_fork(child, 60)
+        assert result.get("routed") is True and result["token"] > 0, result
+
+
+def test_top_ranks_the_locks_of_every_group(shards, capsys):
+    from fastlock.cli import main
+
+    names = owned(shards, "g0", 1, "top") + owned(shards, "g1", 1, "top")
+    with SyncClient(shards.address("g1")) as client:
+        leases = [client.acquire(n, ttl=10) for n in names]
+        try:
+            assert main(["top", "--server", shards.address("g0"), "-o", "json"]) == 0
+            shown = json.dumps(json.loads(capsys.readouterr().out))
+            assert all(n in shown for n in names)
+        finally:
+            for lease in leases:
+                client.release(lease)
+
+
+async def test_a_latch_with_a_hash_tag_keeps_its_keys_in_one_group(shards):
+    async with fastlock.connect(shards.address("g0")) as client:
+        tag = "{" + owned(shards, "g1", 1, "latch")[0] + "}"
+        latch = client.latch(tag)  # made by g1's client; its keys NAME/... hash to the tag's slot, g1's
+        assert await latch.create(2)
+        assert await latch.count_down("a") and await latch.count_down("b")
+        assert await latch.remaining() == 0
+        await latch.wait(timeout=10)
+        await latch.delete()
+
+
+async def test_bad_multi_lock_arguments_are_refused_as_without_shards(shards):
+    from fastlock.errors import InvalidArgument
+
+    async with fastlock.connect(shards.address("g0")) as client:
+        with pytest.raises(InvalidArgument):
+            await client.acquire_many([], ttl=5)
+        with pytest.raises(TypeError):
+            await client.acquire_many([5], ttl=5)
+
+
+async def test_bad_names_and_leases_are_refused_as_without_shards(shards):
+    from fastlock.errors import WrongArgumentType
+
+    async with fastlock.connect(shards.address("g0")) as client:
+        with pytest.raises(WrongArgumentType):
+            await client.acquire(5, ttl=5)
+        with pytest.raises(TypeError):
+            await client.release("not a lease")
+        with pytest.raises(TypeError):
+            client.lock(b"bytes", ttl=5)

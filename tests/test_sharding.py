@@ -1,0 +1,214 @@
+"""Slots and the shard map (fastlock.sharding): the slot rule, the map's validation, lookups, files."""
+
+from __future__ import annotations
+
+import json
+from binascii import crc_hqx
+
+import msgpack
+import pytest
+
+from fastlock import protocol as P
+from fastlock.errors import CrossShard, WrongShard, error_from_wire
+from fastlock.sharding import (
+    SLOTS,
+    ShardGroup,
+    ShardMap,
+    ShardMapError,
+    SlotRange,
+    even_ranges,
+    hash_tag,
+    load_map_file,
+    slot_of,
+    write_map_file,
+)
+from fastlock.sharding.scope import NAMES_OF_OP, NamesAt, names_in
+
+
+def two_groups(epoch: int = 1) -> ShardMap:
+    return ShardMap(epoch, (ShardGroup("a", ("127.0.0.1:7420",)), ShardGroup("b", ("127.0.0.1:7421", "h:1"))),
+                    (SlotRange(0, 8191, "a"), SlotRange(8192, SLOTS - 1, "b")))
+
+
+# -- the slot rule -------------------------------------------------------------------------------
+
+def test_slots_agree_with_redis_cluster_documented_values():
+    # Redis Cluster specification, appendix A: CRC16 (XMODEM) of "123456789" is 0x31C3 (12739 mod 16384)
+    assert slot_of("123456789") == 0x31C3 % SLOTS
+    # Redis's CLUSTER KEYSLOT documentation: "somekey" is slot 11058, "foo{hash_tag}" slot 2515
+    assert slot_of("somekey") == 11058
+    assert slot_of("foo{hash_tag}") == 2515
+    assert slot_of("bar{hash_tag}") == 2515
+
+
+def test_hash_tags_follow_redis_cluster_rules():
+    # the specification's examples: the first '{' and the first '}' after it
+    assert slot_of("{user1000}.following") == slot_of("{user1000}.followers") == slot_of("user1000")
+    assert hash_tag("foo{}{bar}") is None  # an empty tag: the whole name is hashed
+    assert slot_of("foo{}{bar}") == crc_hqx(b"foo{}{bar}", 0) % SLOTS != slot_of("bar")
+    assert hash_tag("foo{{bar}}zap") == "{bar"
+    assert hash_tag("foo{bar}{zap}") == "bar"
+    assert hash_tag("no tag {here") is None
+    assert all(0 <= slot_of(f"lock-{i}") < SLOTS for i in range(2000))
+
+
+def test_non_ascii_names_hash_their_utf8_bytes():
+    assert slot_of("é") == slot_of("{é}x")
+    assert 0 <= slot_of("\udcff") < SLOTS  # a lone surrogate (msgpack can carry one) still has a slot
+
+
+# -- the map ----------------------------------------------------------------------------------
+
+def test_lookups_find_each_slots_owner():
+    m = two_groups()
+    assert m.owner_of_slot(0).name == "a" and m.owner_of_slot(8191).name == "a"
+    assert m.owner_of_slot(8192).name == "b" and m.owner_of_slot(SLOTS - 1).name == "b"
+    assert m.owner("somekey").name == "b"  # slot 11058
+    assert m.owner("foo{hash_tag}").name == "a"  # slot 2515
+    assert m.slot_count("a") == 8192 and m.slots_of("b")[8192] == 1 and m.slots_of("b")[8191] == 0
+    assert m.group("b").addresses == ("127.0.0.1:7421", "h:1")
+    with pytest.raises(ShardMapError, match="no group 'c'"):
+        m.group("c")
+
+
+def test_even_ranges_cover_every_slot():
+    for n in (1, 2, 3, 7):
+        ranges = even_ranges([f"g{k}" for k in range(n)])
+        m = ShardMap(1, tuple(ShardGroup(f"g{k}", ("127.0.0.1:1",)) for k in range(n)), ranges)
+        assert sum(m.slot_count(f"g{k}") for k in range(n)) == SLOTS
+
+
+@pytest.mark.parametrize("ranges, match", [
+    ((SlotRange(0, 8191, "a"),), "slots 8192..16383 are owned by no group"),
+    ((SlotRange(0, 8191, "a"), SlotRange(8000, SLOTS - 1, "b")), "overlaps"),
+    ((SlotRange(0, 100, "a"), SlotRange(200, SLOTS - 1, "b")), "leaves slots 101..199 unowned"),
+    ((SlotRange(0, SLOTS, "a"),), "first <= last"),
+    ((SlotRange(0, SLOTS - 1, "c"),), "names no group"),
+    ((SlotRange(1, SLOTS - 1, "a"),), "leaves slots 0..0 unowned"),
+    ((SlotRange(0, 5.5, "a"),), "first, last"),
+    ((), "1 to"),
+])
+def test_invalid_ranges_are_refused_with_the_reason(ranges, match):
+    with pytest.raises(ShardMapError, match=match):
+        ShardMap(1, (ShardGroup("a", ("h:1",)), ShardGroup("b", ("h:2",))), ranges)
+
+
+@pytest.mark.parametrize("epoch, groups, match", [
+    (0, (ShardGroup("a", ("h:1",)),), "epoch"),
+    (True, (ShardGroup("a", ("h:1",)),), "epoch"),
+    (1, (ShardGroup("a", ("h:1",)), ShardGroup("a", ("h:2",))), "named twice"),
+    (1, (ShardGroup("a b", ("h:1",)),), "group name"),
+    (1, (ShardGroup("a", ()),), "1 to 16 addresses"),
+    (1, (ShardGroup("a", ("nohostport",)),), "host:port"),
+    (1, (ShardGroup("a", ("h:1",) * 17),), "1 to 16 addresses"),
+    (1, tuple(ShardGroup(f"g{i}", ("h:1",)) for i in range(1025)), "1 to 1024 groups"),
+])
+def test_invalid_groups_are_refused(epoch, groups, match):
+    with pytest.raises(ShardMapError, match=match):
+        ShardMap(epoch, groups, (SlotRange(0, SLOTS - 1, groups[0].name),))
+
+
+def test_the_plain_form_round_trips_and_bad_forms_are_refused():
+    m = two_groups(7)
+    assert ShardMap.from_wire(m.to_wire()) == m
+    assert ShardMap.from_wire(msgpack.unpackb(P.packb(m.to_wire()))) == m
+    for bad in (None, [], {"epoch": 1}, {**m.to_wire(), "extra": 1}, {**m.to_wire(), "groups": "a"},
+                {**m.to_wire(), "ranges": [[0, SLOTS - 1, "a"]]},
+                {**m.to_wire(), "groups": [{"name": "a", "addresses": "h:1"}]}):
+        with pytest.raises(ShardMapError):
+            ShardMap.from_wire(bad)
+
+
+def test_map_files_json_and_toml(tmp_path):
+    m = two_groups(3)
+    write_map_file(tmp_path / "map.json", m)
+    assert load_map_file(tmp_path / "map.json") == m
+    (tmp_path / "map.toml").write_text(
+        'epoch = 3\n'
+        '[[groups]]\nname = "a"\naddresses = ["127.0.0.1:7420"]\n'
+        '[[groups]]\nname = "b"\naddresses = ["127.0.0.1:7421", "h:1"]\n'
+        '[[ranges]]\nfirst = 0\nlast = 8191\ngroup = "a"\n'
+        '[[ranges]]\nfirst = 8192\nlast = 16383\ngroup = "b"\n')
+    assert load_map_file(tmp_path / "map.toml") == m
+    (tmp_path / "bad.json").write_text(json.dumps({**m.to_wire(), "epoch": -1}))
+    with pytest.raises(ShardMapError, match="bad.json: .*epoch"):
+        load_map_file(tmp_path / "bad.json")
+    (tmp_path / "garbage.json").write_text("{not json")
+    with pytest.raises(ShardMapError, match="not a shard map file"):
+        load_map_file(tmp_path / "garbage.json")
+
+
+# -- where ops carry names, and the errors ------------------------------------------------------
+
+def test_every_op_says_where_its_names_are():
+    """A new op must be classified in NAMES_OF_OP, or a sharded node could serve a name it does not own."""
+    assert set(NAMES_OF_OP) == set(P.OP_ARITY)
+
+
+def test_names_in_reads_names_and_rows_and_skips_other_types():
+    assert list(names_in(NamesAt(names=(0, 2)), ["k", b"v", None, b"t"])) == ["k"]
+    assert list(names_in(NamesAt(names=(0, 2)), ["k", b"v", "lease"])) == ["k", "lease"]
+    assert list(names_in(NamesAt(rows=(0,)), [[["a", False], ["b", True], [1], []], b"o"])) == ["a", "b"]
+    assert list(names_in(NamesAt(rows=(1, 2)), [b"s", "not a list"])) == []
+
+
+def test_sharding_errors_carry_their_redirect_over_the_wire():
+    exc = WrongShard("moved", 11058, "b", ("127.0.0.1:7421",), 4)
+    back = error_from_wire(exc.code, str(exc), msgpack.unpackb(P.packb(exc.wire_extra())))
+    assert isinstance(back, WrongShard) and back.code == 60
+    assert (back.slot, back.group, back.addresses, back.epoch) == (11058, "b", ("127.0.0.1:7421",), 4)
+    cross = error_from_wire(CrossShard.code, "spans", {"groups": ["a", "b"], "epoch": 2})
+    assert isinstance(cross, CrossShard) and isinstance(cross, ValueError) and cross.code == 61
+    assert cross.groups == ("a", "b") and cross.epoch == 2
+    # a malformed extra from a peer gives the error without the bad fields
+    odd = error_from_wire(WrongShard.code, "moved", {"slot": "x", "addresses": [1], "group": None})
+    assert isinstance(odd, WrongShard) and odd.slot is None and odd.addresses == () and odd.group is None
+    assert isinstance(error_from_wire(WrongShard.code, "moved", [1, 2]), WrongShard)
+
+
+def test_with_addresses_replaces_a_group_or_adds_one_and_moves_no_slot():
+    m = two_groups(3)
+    changed = m.with_addresses("b", ("127.0.0.1:9",))
+    assert changed.epoch == 4 and changed.group("b").addresses == ("127.0.0.1:9",) and changed.ranges == m.ranges
+    added = m.with_addresses("c", ("127.0.0.1:10",))
+    assert [g.name for g in added.groups] == ["a", "b", "c"] and added.slot_count("c") == 0
+    with pytest.raises(ShardMapError, match="host:port"):
+        m.with_addresses("b", ("nowhere",))
+
+
+def test_a_sharded_node_refuses_to_start_with_an_op_it_cannot_check():
+    """A new op missing from NAMES_OF_OP stops a sharded node at start, never runs unchecked."""
+    from types import SimpleNamespace
+
+    from fastlock.server.sharded import ShardGate
+
+    gate = ShardGate(two_groups(), "a")
+    handlers = SimpleNamespace(by_op={P.OP_PING: (print, 0, 0), 199: (print, 0, 0)})
+    with pytest.raises(RuntimeError, match=r"ops \[199\] are not in"):
+        gate.install(handlers)
+    calls = []
+    handlers = SimpleNamespace(by_op={P.OP_HOLDER: (lambda conn, req_id, msg: calls.append(msg), 1, 1),
+                                      P.OP_PING: (print, 0, 0)})
+    gate.install(handlers)
+    assert handlers.by_op[P.OP_PING][0] is print  # an op that names no name is left as it was
+    mine = next(f"x{i}" for i in range(1000) if gate.shard_map.owner(f"x{i}").name == "a")
+    theirs = next(f"x{i}" for i in range(1000) if gate.shard_map.owner(f"x{i}").name == "b")
+    handlers.by_op[P.OP_HOLDER][0](None, 1, [1, P.OP_HOLDER, mine])
+    with pytest.raises(WrongShard):
+        handlers.by_op[P.OP_HOLDER][0](None, 2, [2, P.OP_HOLDER, theirs])
+    assert calls == [[1, P.OP_HOLDER, mine]]
+
+
+def test_a_newer_map_is_applied_and_an_older_or_foreign_one_is_not():
+    from fastlock.server.sharded import ShardGate
+
+    gate = ShardGate(two_groups(2), "a")
+    gate.offer(two_groups(1))
+    assert gate.shard_map.epoch == 2
+    gate.offer(two_groups(3).with_addresses("b", ("127.0.0.1:1",)))
+    assert gate.shard_map.epoch == 4 and gate.info() == {"group": "a", "epoch": 4, "slots": 8192}
+    gate.offer(ShardMap(9, (ShardGroup("z", ("h:1",)),), (SlotRange(0, SLOTS - 1, "z"),)))  # names no "a"
+    assert gate.shard_map.epoch == 4
+    # slots that change owner without a move: refused
+    gate.offer(ShardMap(10, gate.shard_map.groups, (SlotRange(0, 99, "b"), SlotRange(100, SLOTS - 1, "a"))))
+    assert gate.shard_map.epoch == 4 and gate.owned[0] == 1
