@@ -280,8 +280,8 @@ class Revisions:
         # a refused acknowledgement, or a node that may no longer write (deposed, fenced): the changes
         # may be taken back by a promoted standby, so nobody hears of them (as key changes: server.keys)
         if changes and refused is None and self.server.roles.may(Action.RELEASE):
-            self.registry.publish(changes)
-            self.server.after_batch()
+            if self.registry.publish(changes):
+                self.server.after_batch()  # the pushes go out
 
     # -- the standby's changes -----------------------------------------------------------
     def replicated(self, epoch: int, lsn: int, name: str, what: str, token: int, meta: Any) -> None:
