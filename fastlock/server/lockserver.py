@@ -210,8 +210,6 @@ class LockServer:
         self.exit_status = 0
         #: sessions written to in this loop turn (flushed once at the batch end)
         self.dirty: list[Session] = []
-        #: the batch end is processing the table's events (grants acknowledged then need no batch end of their own)
-        self._in_batch_end = False
         self.expiry = ExpiryTimer(self._on_timer)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = asyncio.Event()
@@ -494,11 +492,7 @@ class LockServer:
         table = self.table
         events = table.drain_events()
         if events:
-            self._in_batch_end = True  # grants acknowledged inside are flushed by this batch end
-            try:
-                self._process_events(events)
-            finally:
-                self._in_batch_end = False
+            self._process_events(events)
         if self.wal.maybe_snapshot(self.snapshot_state):  # at every batch end: key puts make no table events
             lockdelays.relog_running(self.wal, table)
             self.revoke_deadlines.relog(self.wal, monotonic_ms())
@@ -604,8 +598,6 @@ class LockServer:
                 conn.send(reply)
         if undelivered:
             table.expire(monotonic_ms())
-        elif self._in_batch_end:  # acknowledged at once, inside a batch end: its rest sends these replies
-            return
         self.after_batch()
 
     def released(self, name: str, token: int, meta: tuple | None) -> None:

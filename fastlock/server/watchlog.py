@@ -272,15 +272,21 @@ class Revisions:
             return
         self.scheduled = upto
         server = self.server
-        deliver = server.source.sync.after(lambda refused=None: self._publish(upto, refused))
+        sync = server.source.sync
+        if not sync.enabled and counter_of(upto) <= server.wal.acked_lsn:
+            # already durable (a relaxed fsync mode wrote this batch at once): published in this
+            # batch end, whose flush sends the pushes
+            self._publish(upto, None, False)
+            return
+        deliver = sync.after(lambda refused=None: self._publish(upto, refused))
         server.wal.when_durable(deliver)
 
-    def _publish(self, upto: int, refused: Any = None) -> None:
+    def _publish(self, upto: int, refused: Any = None, flush: bool = True) -> None:
         changes = self.log.publish(upto)
         # a refused acknowledgement, or a node that may no longer write (deposed, fenced): the changes
         # may be taken back by a promoted standby, so nobody hears of them (as key changes: server.keys)
         if changes and refused is None and self.server.roles.may(Action.RELEASE):
-            if self.registry.publish(changes):
+            if self.registry.publish(changes) and flush:
                 self.server.after_batch()  # the pushes go out
 
     # -- the standby's changes -----------------------------------------------------------
