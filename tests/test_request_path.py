@@ -26,6 +26,7 @@ from fastlock._testbase.cluster import RawNode
 from fastlock._testbase.handshake import key_lines
 from fastlock.auth import CLIENT_OPS, AclRule, Principal, generate, hash_owner, make_token
 from fastlock.errors import InvalidArgument, LeaseLost, PermissionDenied
+from fastlock.protocol.ops import OP_ACQUIRE_PRIORITY
 
 
 @pytest.mark.parametrize("cap", [4096, 300_000], ids=["below-high-water", "above-high-water"])
@@ -207,3 +208,51 @@ def test_owner_hashes_are_blake2b_128_personalised_as_in_every_log_written_befor
 
     for key in (b"k", os.urandom(16), os.urandom(64)):
         assert hash_owner(key) == hashlib.blake2b(key, digest_size=16, person=b"fastlock-owner").digest()
+
+
+#: ACQUIRE's arguments after name and owner, each bad in one way (ttl, wait, lock-delay,
+#: correlation id, shared, limit, actor, shared and limit together)
+_BAD_ACQUIRE_ARGS = [
+    (0, 0, 0, None, False, 0, 0),
+    (10_000, -5, 0, None, False, 0, 0),
+    (10_000, 0, -1, None, False, 0, 0),
+    (10_000, 0, 0, 7, False, 0, 0),
+    (10_000, 0, 0, None, 1, 0, 0),
+    (10_000, 0, 0, None, False, -1, 0),
+    (10_000, 0, 0, None, False, 0, "a"),
+    (10_000, 0, 0, None, True, 2, 0),
+]
+
+
+async def test_every_form_of_acquire_runs_the_same_checks(server):
+    """ACQUIRE, ACQUIRE with its sequencer flag and ACQUIRE_PRIORITY are one implementation
+    (``server/_wire.pyx``, ``enter_acquire``): each bad argument gets the same error in every
+    form, the lock stays free, and a good request of each form is granted."""
+    node = await RawNode.open(server.address)
+    try:
+        owner = os.urandom(16)
+        for args in _BAD_ACQUIRE_ARGS:
+            forms = {"acquire": (P.OP_ACQUIRE, "form/x", owner, *args),
+                     "sequencer flag": (P.OP_ACQUIRE, "form/x", owner, *args, False),
+                     "priority": (OP_ACQUIRE_PRIORITY, "form/x", owner, *args, 5),
+                     "priority with sequencer flag": (OP_ACQUIRE_PRIORITY, "form/x", owner, *args, 5, False)}
+            errors = {}
+            for form, request in forms.items():
+                with pytest.raises(InvalidArgument) as caught:
+                    await node.request(*request)
+                errors[form] = str(caught.value)
+            assert len(set(errors.values())) == 1, errors
+        assert await node.holder("form/x") is None
+        for op, extra in ((P.OP_ACQUIRE, ()), (P.OP_ACQUIRE, (False,)), (OP_ACQUIRE_PRIORITY, (5,)),
+                          (OP_ACQUIRE_PRIORITY, (5, False))):
+            key = os.urandom(16)
+            token, ttl_ms, _ = await node.request(op, "form/y", key, 10_000, 0, 0, None, False, 0, 0, *extra)
+            assert ttl_ms == 10_000
+            assert (await node.holder("form/y"))["token"] == token
+            with pytest.raises(InvalidArgument, match="sequencer must be a bool"):  # EXTEND's flag, one path
+                await node.request(P.OP_EXTEND, "form/y", token, key, 10_000, "yes")
+            assert await node.request(P.OP_EXTEND, "form/y", token, key, 20_000, False) == 20_000
+            assert await node.request(P.OP_EXTEND, "form/y", token, key, 20_000) == 20_000
+            await node.release("form/y", token, key)
+    finally:
+        await node.close()

@@ -74,21 +74,3 @@ def test_a_reply_resolves_its_future_and_an_error_reply_raises():
         assert not conn.pending
 
     asyncio.run(main())
-
-
-def test_an_acquire_with_more_arguments_than_the_compiled_path_takes_goes_to_op_acquire():
-    """The seam other operations' arguments merge through: the compiled ACQUIRE takes up to
-    nine arguments; a longer one runs ``Handlers.op_acquire`` unchanged, before any check."""
-    from fastlock.server._wire import acquire
-
-    class Handlers:
-        def __init__(self) -> None:
-            self.seen: list[tuple[int, list]] = []
-
-        def op_acquire(self, conn: SessionWire, req_id: int, msg: list) -> None:
-            self.seen.append((req_id, msg))
-
-    handlers = Handlers()
-    longer = [7, P.OP_ACQUIRE, "n", b"owner", 1000, 0, 0, None, False, 0, 0, "more"]
-    acquire(handlers, SessionWire(), 7, longer)
-    assert handlers.seen == [(7, longer)]

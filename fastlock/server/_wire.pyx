@@ -25,7 +25,7 @@ from libc.stdint cimport int64_t, uint64_t
 
 from .._core import LIMIT_CONFLICT, NOT_ACQUIRED, QUEUED, NotHolder
 from ..auth import hash_owner
-from ..errors import InvalidArgument, ProtocolError
+from ..errors import InvalidArgument, ProtocolError, WrongArgumentType
 from ..protocol.validation import (
     MAX_CORRELATION_ID_CHARS,
     MAX_LOCK_DELAY_MS,
@@ -264,11 +264,10 @@ cpdef bytes ok_grant(object req_id, object token, object ttl_ms, object waited_m
 
 
 # -- the lock operations ---------------------------------------------------------------
-# Each mirrors its Python handler in fastlock/server/handlers.py (op_acquire, op_release,
-# op_extend): the same checks in the same order, the same calls into the lock table, the
-# quotas and the log; an argument that fails a check here goes through the shared
-# validator (fastlock.protocol.validation), which raises the same error the Python
-# handler raises.  An ACQUIRE with more arguments than these take goes to op_acquire.
+# ACQUIRE (every form, ACQUIRE_PRIORITY's too), RELEASE and EXTEND (with or without a
+# sequencer) exist only here.  An argument's common case is checked inline; one that
+# fails it goes through the shared validator (fastlock.protocol.validation), which
+# accepts it or raises the error for it.
 
 cdef object _check_name = check_name
 cdef object _check_owner = check_owner
@@ -282,6 +281,7 @@ cdef object _check_shared = check_shared
 cdef object _check_limit = check_limit
 cdef object _check_actor = check_actor
 cdef object _InvalidArgument = InvalidArgument
+cdef object _WrongArgumentType = WrongArgumentType
 cdef object _NotHolder = NotHolder
 cdef object _limit_exceeded = limit_exceeded
 cdef object _ACQUIRE = Action.ACQUIRE
@@ -296,9 +296,6 @@ cdef long long _MAX_TTL_MS = MAX_TTL_MS
 cdef long long _MAX_WAIT_MS = MAX_WAIT_MS
 cdef long long _MAX_LOCK_DELAY_MS = MAX_LOCK_DELAY_MS
 cdef Py_ssize_t _MAX_CORRELATION_ID_CHARS = MAX_CORRELATION_ID_CHARS
-#: the most arguments of an ACQUIRE handled here: name, owner, ttl, wait, lock-delay, correlation id,
-#: shared, limit, actor
-cdef Py_ssize_t ACQUIRE_ARGS = 9
 
 
 cdef inline object _name(object name):
@@ -316,24 +313,40 @@ cdef inline object _int_in(object value, long long low, long long high, object c
     return check(value)
 
 
-cpdef acquire(object handlers, SessionWire conn, object req_id, list msg):
+cdef inline object _wait_ms(object wait_ms):
+    """A checked wait in ms (-1: forever; check_wait_ms's common case inline)."""
+    if type(wait_ms) is int and (wait_ms == -1 or 0 <= wait_ms <= _MAX_WAIT_MS):
+        return wait_ms
+    return _check_wait_ms(wait_ms)
+
+
+cpdef acquire(object handlers, SessionWire conn, object req_id, list msg, object priority=0):
     """ACQUIRE ``[id, op, name, owner, ttl_ms, wait_ms, lock_delay_ms, correlation_id[, shared[, limit[,
-    actor]]]]``: Handlers.op_acquire compiled.  The grant (now or later) is a table event, replied to
-    at the batch end; a refusal raises its FastlockError."""
-    cdef Py_ssize_t n = len(msg)
-    if n - 2 > ACQUIRE_ARGS:
-        handlers.op_acquire(conn, req_id, msg)
-        return
+    actor[, sequencer]]]]]``, every form of it: ACQUIRE_PRIORITY's too, at queue ``priority`` (0..99,
+    :mod:`fastlock.server.preemption`, which checked it).  An acquire of a lock in a promoted primary's
+    reclaim window is parked there (:mod:`fastlock.server.reclaim`), any other enters the lock's queue
+    (:func:`enter_acquire`).  The grant (now or later) is a table event, replied to at the batch end; a
+    refusal raises its FastlockError."""
     name = _name(msg[2])
+    owner = conn.owner_hash(msg[3])  # only the hash is kept, logged and replicated
     reclaim = handlers.server.reclaim
     if reclaim.queues and name in reclaim.queues:  # a promoted primary's reclaim window (server.reclaim)
-        handlers.op_acquire(conn, req_id, msg)
+        handlers.roles.admit(_ACQUIRE)
+        reclaim.park(conn, req_id, msg, name, owner, _wait_ms(msg[5]), priority)
         return
-    owner = conn.owner_hash(msg[3])  # only the hash is kept, logged and replicated
+    enter_acquire(handlers, conn, req_id, msg, name, owner, priority)
+
+
+cpdef enter_acquire(object handlers, SessionWire conn, object req_id, list msg, object name, bytes owner,
+                    object priority=0):
+    """The ACQUIRE ``msg`` of the checked ``name`` by ``owner`` (its hash) enters the lock's queue at
+    ``priority`` or is granted: its other arguments are checked, then the node's role, the waiter
+    limits, --max-leases and the principal's quotas, in that order (the reclaim window's parked
+    acquires enter here when their place comes).  A true ``sequencer`` flag makes the request a
+    :class:`fastlock.server.kinds.SequencedRequest` (its grant reply carries a signed sequencer)."""
+    cdef Py_ssize_t n = len(msg)
     ttl_ms = _int_in(msg[4], _MIN_TTL_MS, _MAX_TTL_MS, _check_ttl_ms)
-    wait_ms = msg[5]
-    if not (type(wait_ms) is int and (wait_ms == -1 or 0 <= wait_ms <= _MAX_WAIT_MS)):
-        wait_ms = _check_wait_ms(wait_ms)
+    wait_ms = _wait_ms(msg[5])
     delay_ms = _int_in(msg[6], 0, _MAX_LOCK_DELAY_MS, _check_lock_delay_ms)
     corr = msg[7]
     if corr is not None and not (type(corr) is str and len(<str>corr) <= _MAX_CORRELATION_ID_CHARS):
@@ -341,6 +354,8 @@ cpdef acquire(object handlers, SessionWire conn, object req_id, list msg):
     shared = n > 8 and _check_shared(msg[8])  # a shared lease (absent: exclusive)
     limit = _check_limit(msg[9]) if n > 9 else 0  # a semaphore's limit (absent: a lock)
     actor = _check_actor(msg[10]) if n > 10 else 0  # who waits in the session (absent: all of it)
+    # a signed sequencer in the grant reply (absent: none; fastlock.sequencer)
+    request = handlers.sequenced_request(conn, req_id, msg[11]) if n > 11 else req_id
     if shared and limit:
         raise _InvalidArgument("a semaphore permit (limit > 0) cannot also be shared")
     table = handlers.table
@@ -368,8 +383,8 @@ cpdef acquire(object handlers, SessionWire conn, object req_id, list msg):
         server.max_ttl_ms = ttl_ms
         server.node_state.raise_ttl(ttl_ms)  # rare: only a new longest TTL writes
     try:
-        status = table.acquire(name, owner, conn.session, req_id, ttl_ms, wait_ms, delay_ms,
-                               (conn.recorded, corr), now, shared, limit, actor)
+        status = table.acquire(name, owner, conn.session, request, ttl_ms, wait_ms, delay_ms,
+                               (conn.recorded, corr), now, shared, limit, actor, priority)
     except ValueError as exc:  # the owner key waits on name in a multi-lock request
         raise _InvalidArgument(f"{name!r}: {exc}") from None
     if usage is not None:
@@ -403,15 +418,21 @@ cpdef release(object handlers, SessionWire conn, object req_id, list msg):
 
 
 cpdef extend(object handlers, SessionWire conn, object req_id, list msg):
-    """EXTEND ``[id, op, name, token, owner, ttl_ms]``: Handlers.op_extend compiled.  An EXTEND
-    with its optional ``sequencer`` flag goes to Handlers.op_extend_sequenced."""
-    if len(msg) > 6:
-        handlers.op_extend_sequenced(conn, req_id, msg)
-        return
+    """EXTEND ``[id, op, name, token, owner, ttl_ms[, sequencer]]``: renews the lease ``token`` of
+    ``name`` held by ``owner`` from this connection for ``ttl_ms``.  Replies ``ttl_ms``; with a true
+    ``sequencer`` flag ``[ttl_ms, {"sequencer": bytes}]``, the lease's sequencer re-signed with the
+    renewed expiry (``{}`` when this server holds no signing key: the lease is renewed all the same;
+    :func:`fastlock.server.kinds.renewal_sequencer`).
+
+    :raises WrongArgumentType: ``sequencer`` is not a bool (nothing renewed).
+    :raises LeaseLost: not the holder."""
     name = _name(msg[2])
     token = _int_in(msg[3], 1, 0x7FFFFFFFFFFFFFFF, _check_token)
     owner = conn.owner_hash(msg[4])
     ttl_ms = _int_in(msg[5], _MIN_TTL_MS, _MAX_TTL_MS, _check_ttl_ms)
+    flag = msg[6] if len(msg) > 6 else False
+    if type(flag) is not bool:
+        raise _WrongArgumentType(f"sequencer must be a bool, not {type(flag).__name__}")
     table = handlers.table
     now = _monotonic_ms()
     handlers.roles.admit(_EXTEND)
@@ -424,7 +445,10 @@ cpdef extend(object handlers, SessionWire conn, object req_id, list msg):
     if ttl_ms > server.max_ttl_ms:  # only the holder's extend counts towards the grace period
         server.max_ttl_ms = ttl_ms
         server.node_state.raise_ttl(ttl_ms)
-    reply = ok_int(req_id, ttl_ms)
+    if flag:
+        reply = handlers.renewed_sequencer_reply(req_id, name, token, holder, ttl_ms)
+    else:
+        reply = ok_int(req_id, ttl_ms)
     # Every extend is logged: the standby keeps each lease's deadline from the
     # records it receives, and a promoted standby keeps that deadline.
     wal = handlers.wal

@@ -24,7 +24,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
-from .._core import LIMIT_CONFLICT, NOT_ACQUIRED, QUEUED, LockTable
+from .._core import LIMIT_CONFLICT, LockTable
 from ..auth import Credentials
 from ..errors import (
     AuthError,
@@ -46,13 +46,14 @@ from ..roles import Action, NodeRole
 from ..units import monotonic_ms
 from ._wire import acquire as compiled_acquire
 from ._wire import dispatch as dispatch_request
+from ._wire import enter_acquire as compiled_enter_acquire
 from ._wire import extend as compiled_extend
 from ._wire import ok_nil
 from ._wire import release as compiled_release
 from .hello import Hello
 from .keys import PERMISSIONS as KEY_PERMISSIONS
 from .keys import KeyStore
-from .kinds import KindHandlers, extend_sequenced, limit_conflict, sequenced_request
+from .kinds import KindHandlers, limit_conflict, renewed_sequencer_reply, sequenced_request
 from .lockadmin import LockAdmin, not_the_holder
 from .preemption import PERMISSIONS as PREEMPTION_PERMISSIONS
 from .preemption import Preemption
@@ -211,10 +212,15 @@ class Handlers:
         self.preemption = Preemption(self)
         #: client sessions: one keep-alive renews every lease attached (fastlock.server.sessions)
         self.sessions = SessionRegistry(self)
+        #: ACQUIRE ``(conn, req_id, msg, priority=0)``, every form of it (server/_wire.pyx, acquire)
+        self.acquire: Callable[..., None] = functools.partial(compiled_acquire, self)
+        #: an ACQUIRE enters its lock's queue ``(conn, req_id, msg, name, owner, priority)``: the
+        #: reclaim window's parked ones (server/_wire.pyx, enter_acquire)
+        self.enter_acquire: Callable[..., None] = functools.partial(compiled_enter_acquire, self)
         handlers: dict[int, Handler] = {
             P.OP_HELLO: self.hello.op_hello,
-            # compiled (server/_wire.pyx); an ACQUIRE with arguments it does not take goes to op_acquire
-            P.OP_ACQUIRE: functools.partial(compiled_acquire, self),
+            # compiled (server/_wire.pyx)
+            P.OP_ACQUIRE: self.acquire,
             P.OP_RELEASE: functools.partial(compiled_release, self),
             P.OP_EXTEND: functools.partial(compiled_extend, self),
             P.OP_CANCEL: self.op_cancel,
@@ -281,70 +287,8 @@ class Handlers:
         conn.send(P.packb([req_id, InternalServerError.code, "internal server error", None]))
 
     # -- leases -------------------------------------------------------------------------
-    def op_acquire(self, conn: Session, req_id: int, msg: list, priority: int = 0) -> None:
-        """ACQUIRE in Python: ACQUIRE_PRIORITY's, an ACQUIRE with more arguments than the compiled
-        ACQUIRE takes (``server/_wire.pyx``, ``acquire``: the same checks and calls), and every
-        ACQUIRE of a lock in a promoted primary's reclaim window."""
-        name = P.check_name(msg[2])
-        owner = conn.owner_hash(msg[3])  # only the hash is kept, logged and replicated
-        reclaim = self.server.reclaim
-        if reclaim.queues and name in reclaim.queues:  # a promoted primary's reclaim window (server.reclaim)
-            self.roles.admit(Action.ACQUIRE)
-            reclaim.park(conn, req_id, msg, name, owner, P.check_wait_ms(msg[5]), priority)
-            return
-        self.enter_acquire(conn, req_id, msg, name, owner, priority)
-
-    def enter_acquire(self, conn: Session, req_id: int, msg: list, name: str, owner: bytes,
-                      priority: int = 0) -> None:
-        """The ACQUIRE ``msg`` of ``name`` by ``owner`` (its hash) enters the lock's queue at
-        ``priority`` (0..99, :mod:`fastlock.server.preemption`) or is granted."""
-        ttl_ms = P.check_ttl_ms(msg[4])
-        wait_ms = P.check_wait_ms(msg[5])
-        delay_ms = P.check_lock_delay_ms(msg[6])
-        corr = P.check_optional_str(msg[7], "correlation id", P.MAX_CORRELATION_ID_CHARS)
-        shared = len(msg) > 8 and P.check_shared(msg[8])  # a shared lease (absent: exclusive)
-        limit = P.check_limit(msg[9]) if len(msg) > 9 else 0  # a semaphore's limit (absent: a lock)
-        actor = P.check_actor(msg[10]) if len(msg) > 10 else 0  # who waits in the session (absent: all of it)
-        # a signed sequencer in the grant reply (absent: none; fastlock.sequencer)
-        request = sequenced_request(self, conn, req_id, msg[11]) if len(msg) > 11 else req_id
-        if shared and limit:
-            raise InvalidArgument("a semaphore permit (limit > 0) cannot also be shared")
-        table = self.table
-        now = monotonic_ms()
-        self.roles.admit(Action.ACQUIRE)
-        config = self.config
-        quotas = self.quotas
-        if wait_ms != 0:
-            if table.session_waiters(conn.session) >= config.max_waiters_per_connection:
-                raise limit_exceeded(config.max_waiters_per_connection, "this connection", "waiting acquires",
-                                     "max-waiters-per-connection")
-            if table.waiter_count >= config.max_waiters:
-                raise limit_exceeded(config.max_waiters, "the server", "waiting acquires", "max-waiters")
-        # a retry of a held lease re-delivers it: it adds nothing
-        retry = table.holder(name, now, owner) is not None
-        # the global cap counts leases held: an exclusive request on a held name adds none now (it queues)
-        # (running lock-delays count as leases: each keeps a lock entry until it ends)
-        if (not retry and len(table) + quotas.lock_delay_count(now) >= config.max_leases
-                and (shared or limit or not table.holders_of(name, now, 0, 1))):
-            raise limit_exceeded(config.max_leases, "the server", "leases", "max-leases")
-        # the principal's quotas: a lease, granted now or reserved by a waiter (see PrincipalQuotas)
-        usage = None if retry else quotas.check_acquire(conn.principal, 1, 1 if wait_ms != 0 else 0)
-        server = self.server
-        if ttl_ms > server.max_ttl_ms:
-            server.max_ttl_ms = ttl_ms
-            server.node_state.raise_ttl(ttl_ms)  # rare: only a new longest TTL writes
-        try:
-            status = table.acquire(name, owner, conn.session, request, ttl_ms, wait_ms, delay_ms,
-                                   (conn.recorded, corr), now, shared, limit, actor, priority)
-        except ValueError as exc:  # the owner key waits on name in a multi-lock request
-            raise InvalidArgument(f"{name!r}: {exc}") from None
-        if usage is not None:
-            quotas.acquired(usage, status, (name,), table.last_token)
-        if status == QUEUED:
-            server.queues.touched(name)  # shipped to the standby (fastlock.replication.queues)
-        elif status == LIMIT_CONFLICT or status == NOT_ACQUIRED:
-            self.acquire_refused(conn, name, limit, status, now)
-
+    # ACQUIRE (every form), RELEASE and EXTEND are compiled (server/_wire.pyx): acquire,
+    # enter_acquire, release, extend; the methods below are theirs
     def acquire_refused(self, conn: Session, name: str, limit: int, status: int, now: int) -> None:
         """Raise why the table did not take an acquire of ``name``: ``status`` LIMIT_CONFLICT
         (:class:`~fastlock.errors.LimitConflict`) or NOT_ACQUIRED with ``wait=0``
@@ -357,16 +301,20 @@ class Handlers:
                                   f"({grace_ms} ms left)")
         raise LockNotAcquired(_why_not_granted(self.table, name, now, conn.session))
 
-    # RELEASE and EXTEND: compiled only (server/_wire.pyx, release and extend); these are theirs
     def not_holder(self, name: str, token: int) -> FastlockError:
         """The error for a release or extend of ``name`` by one that does not hold ``token``
         (:class:`~fastlock.errors.LeaseLost`, saying so if an operator revoked it)."""
         return not_the_holder(self.lock_admin.revocations, name, token)
 
-    def op_extend_sequenced(self, conn: Session, req_id: int, msg: list) -> None:
-        """EXTEND with its optional ``sequencer`` flag (:func:`fastlock.server.kinds.extend_sequenced`):
-        the compiled EXTEND hands it here."""
-        extend_sequenced(self, conn, req_id, msg)
+    def sequenced_request(self, conn: Session, req_id: int, flag: Any) -> Any:
+        """The core's request object for an ACQUIRE whose ``sequencer`` argument is ``flag``
+        (:func:`fastlock.server.kinds.sequenced_request`)."""
+        return sequenced_request(self, conn, req_id, flag)
+
+    def renewed_sequencer_reply(self, req_id: int, name: str, token: int, holder: Any, ttl_ms: int) -> bytes:
+        """The reply of an EXTEND that asked for a sequencer
+        (:func:`fastlock.server.kinds.renewed_sequencer_reply`)."""
+        return renewed_sequencer_reply(self, req_id, name, token, holder, ttl_ms)
 
     def extend_when_durable(self, conn: Session, req_id: int, name: str, token: int, reply: bytes,
                             ttl_ms: int = 0) -> None:

@@ -267,8 +267,10 @@ class KeyRevisions(CommittedPublisher):
         pending = self.log.pending
         return pending[-1][1] if pending else 0
 
-    def deliver(self, changes: list) -> None:
-        self.server.keys.publish(changes)
+    def deliver(self, changes: list) -> bool:
+        keys = self.server.keys
+        keys.publish(changes)
+        return bool(keys.watchers)
 
     def watching(self) -> Any:
         return self.server.keys.revisioned

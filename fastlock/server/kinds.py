@@ -16,7 +16,7 @@ Shared locks and semaphores need no op of their own: ACQUIRE carries ``shared``
 and ``limit`` (see :mod:`fastlock.protocol`).  An ACQUIRE that asks for a signed
 sequencer (its optional ``sequencer`` flag) has a :class:`SequencedRequest` as its
 request: its grant reply carries the sequencer, signed when the grant is acknowledged.
-An EXTEND that asks for one (:func:`extend_sequenced`) and a client session's renewals
+An EXTEND that asks for one (:func:`renewed_sequencer_reply`) and a client session's renewals
 (:mod:`fastlock.server.sessions`) re-sign it with the renewed expiry
 (:func:`renewal_sequencer`).
 """
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import protocol as P
 from .. import sequencer
-from .._core import EV_DEADLOCK, EV_WAIT_CANCELLED, EV_WAIT_TIMEOUT, LIMIT_CONFLICT, NOT_ACQUIRED, NotHolder
+from .._core import EV_DEADLOCK, EV_WAIT_CANCELLED, EV_WAIT_TIMEOUT, LIMIT_CONFLICT, NOT_ACQUIRED
 from ..auth import hash_owner
 from ..errors import (
     Cancelled,
@@ -185,51 +185,18 @@ def renewal_sequencer(key: sequencer.SigningKey, name: str, token: int, signed_a
     return sequencer.sign(key, name, token, signed_as.principal, signed_as.mode, ttl_left_ms)
 
 
-def extend_sequenced(handlers: Handlers, conn: Session, req_id: int, msg: list) -> None:
-    """EXTEND ``[id, op, name, token, owner, ttl_ms, sequencer]``: the compiled EXTEND
-    (``server/_wire.pyx``, ``extend``: the same checks and calls) whose reply, when
-    ``sequencer`` is true, is ``[ttl_ms, {"sequencer": bytes}]``: the lease's sequencer
-    re-signed with the renewed expiry (``{}`` when this server holds no signing key: the
-    lease is renewed all the same).  False: the plain reply ``ttl_ms``.
-
-    :raises WrongArgumentType: ``sequencer`` is not a bool (nothing renewed).
-    :raises LeaseLost: as EXTEND (not the holder)."""
-    name = P.check_name(msg[2])
-    token = P.check_token(msg[3])
-    owner = conn.owner_hash(msg[4])
-    ttl_ms = P.check_ttl_ms(msg[5])
-    flag = msg[6]
-    if type(flag) is not bool:
-        raise WrongArgumentType(f"sequencer must be a bool, not {type(flag).__name__}")
-    table = handlers.table
-    now = monotonic_ms()
-    handlers.roles.admit(Action.EXTEND)
-    holder = table.holder(name, now, owner)
-    try:
-        table.extend(name, token, owner, ttl_ms, now, conn.session)
-    except NotHolder:
-        raise handlers.not_holder(name, token) from None
-    server = handlers.server
-    if ttl_ms > server.max_ttl_ms:
-        server.max_ttl_ms = ttl_ms
-        server.node_state.raise_ttl(ttl_ms)
-    value: Any = ttl_ms
-    if flag:
-        key = handlers.credentials.sequencer_keys.signing
-        signed: dict[str, bytes] = {}
-        if key is not None and holder is not None:
-            signed["sequencer"] = renewal_sequencer(key, name, token, sequenced_as(holder), ttl_ms)
-        value = [ttl_ms, signed]
-    reply = P.encode_ok(req_id, value)
-    wal = handlers.wal
-    wal.log_extend(name, token, ttl_ms)
-    # as the compiled EXTEND: a longer TTL waits for durability and for the standbys to know it
-    # (fastlock.replication.ttlbound)
-    if handlers.source.sync.enabled or ((holder is None or ttl_ms > holder.ttl_ms)
-                                        and (not handlers.source.ttl.covers(ttl_ms) or not wal.flush_now())):
-        handlers.extend_when_durable(conn, req_id, name, token, reply, ttl_ms)
-        return
-    conn.send(reply)
+def renewed_sequencer_reply(handlers: Handlers, req_id: int, name: str, token: int, holder: Any,
+                             ttl_ms: int) -> bytes:
+    """The reply frame of an EXTEND with a true ``sequencer`` flag (the compiled EXTEND,
+    ``server/_wire.pyx``, ``extend``, renewed the lease ``token`` of ``name`` for ``ttl_ms``
+    ms; ``holder``: its :class:`fastlock._core.Holder` before, or None):
+    ``[ttl_ms, {"sequencer": bytes}]``, the lease's sequencer re-signed with the renewed
+    expiry, ``{}`` when this server holds no signing key."""
+    key = handlers.credentials.sequencer_keys.signing
+    signed: dict[str, bytes] = {}
+    if key is not None and holder is not None:
+        signed["sequencer"] = renewal_sequencer(key, name, token, sequenced_as(holder), ttl_ms)
+    return P.encode_ok(req_id, [ttl_ms, signed])
 
 
 #: per-lease lines of the expiry and grant paths (fastlock.server.lockserver's logger): at most

@@ -239,7 +239,7 @@ class Preemption:
             if type(name) is str and (conn.grant is None or not conn.grant.allows("prioritize", name)):
                 raise PermissionDenied(f"principal {conn.principal!r} may not prioritize {name!r} "
                                        f"(priority {priority} needs the right 'prioritize')")
-        self.handlers.op_acquire(conn, req_id, msg[:11] + msg[12:13], priority)
+        self.handlers.acquire(conn, req_id, msg[:11] + msg[12:13], priority)
 
     def op_request_revoke(self, conn: Session, req_id: int, msg: list) -> None:
         """REQUEST_REVOKE name, owner key, grace_ms: ask the exclusive holder of ``name`` to

@@ -58,10 +58,13 @@ class WatchRegistry:
         for conn in self.by_name[name]:
             conn.send(data)
 
-    def publish(self, changes: list[Kept]) -> None:
+    def publish(self, changes: list[Kept]) -> bool:
         """Push committed ``changes`` (``(revision, name, what, token, meta)``, in revision
-        order) to their locks' watchers."""
+        order) to their locks' watchers; returns whether any push was queued."""
         by_name = self.by_name
+        if not by_name:
+            return False
+        sent = False
         revisioned = self.revisioned
         starts = self.starts
         for rev, name, what, token, meta in changes:
@@ -87,3 +90,5 @@ class WatchRegistry:
                     if plain is None:
                         plain = P.encode_push(P.PUSH_WATCH, payload)
                     conn.send(plain)
+                sent = True
+        return sent

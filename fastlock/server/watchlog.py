@@ -250,8 +250,8 @@ class CommittedPublisher:
         """The revision of the last change recorded and not yet published (0: none)."""
         raise NotImplementedError
 
-    def deliver(self, changes: list) -> None:
-        """Hand published ``changes`` (in order) to their watchers."""
+    def deliver(self, changes: list) -> bool:
+        """Hand published ``changes`` (in order) to their watchers; True if a push was queued."""
         raise NotImplementedError
 
     def watching(self) -> Any:
@@ -269,14 +269,20 @@ class CommittedPublisher:
             return
         self.scheduled = upto
         server = self.server
-        deliver = server.source.sync.after(lambda refused=None: self._publish(upto, refused))
+        sync = server.source.sync
+        if not sync.enabled and counter_of(upto) <= server.wal.acked_lsn:
+            # already durable (a relaxed fsync mode wrote this batch at once): published in this
+            # batch end, whose flush sends the pushes
+            self._publish(upto, None, False)
+            return
+        deliver = sync.after(lambda refused=None: self._publish(upto, refused))
         server.wal.when_durable(deliver)
 
-    def _publish(self, upto: int, refused: Any = None) -> None:
+    def _publish(self, upto: int, refused: Any = None, flush: bool = True) -> None:
         changes = self.log.publish(upto)
         if changes and refused is None and self.server.roles.may(Action.RELEASE):
-            self.deliver(changes)
-            self.server.after_batch()
+            if self.deliver(changes) and flush:
+                self.server.after_batch()  # the pushes go out
 
     def start_progress(self, loop: Any) -> None:
         """Send a progress notice every ``progress_interval`` seconds to every connection
@@ -349,8 +355,8 @@ class Revisions(CommittedPublisher):
         pending = self.log.pending
         return pending[-1][0] if pending else 0
 
-    def deliver(self, changes: list) -> None:
-        self.registry.publish(changes)
+    def deliver(self, changes: list) -> bool:
+        return bool(self.registry.publish(changes))
 
     def watching(self) -> Any:
         return self.registry.revisioned

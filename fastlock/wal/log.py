@@ -390,6 +390,12 @@ class WriteAheadLog:
         return self._commit.marks.synced
 
     @property
+    def acked_lsn(self) -> int:
+        """The last LSN durable per the fsync mode (fsynced in ``always``, written to the OS
+        otherwise): ``when_durable`` callbacks registered before it was logged are due."""
+        return self._commit.marks.ack
+
+    @property
     def logged_lsn(self) -> int:
         """The LSN of the last record logged (maybe not yet written)."""
         return self._commit.next_lsn - 1
