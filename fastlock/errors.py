@@ -341,3 +341,15 @@ class WatchDiverged(FastlockError):
     replication) before the standby was promoted.  The changes the watch saw after
     the standby's promotion point are not in the new history; nothing changed: start
     a new watch, which begins with the lock's state now."""
+
+
+__all__ += ["Wounded"]
+
+
+@_register(65)
+class Wounded(LockNotAcquired):
+    """A cross-shard multi-lock's reservation was wounded by an older one (the wound-wait
+    rule, :mod:`fastlock.server.woundwait`): its parts on that shard were taken away, or
+    it is gone (wounded, expired, or never made on this connection) when it was to be
+    committed.  :func:`fastlock.client.across.lock_across` releases every part it took
+    and tries again with the same age stamp; nothing of the wounded attempt stays held."""

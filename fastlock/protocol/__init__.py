@@ -73,6 +73,9 @@ ACQUIRE_PRIORITY 90 ACQUIRE's 9 arguments, priority (0..99)[, seq.]   as ACQUIRE
 REQUEST_REVOKE 91 name, owner (of a waiting request), grace_ms        {"token", "deadline_ms", "delivered"}
 TRANSFER   92  name, token, owner, candidate (a correlation id)       None
 WATCH_FROM 70  name, revision|None                                    {"holder", "revision"}
+RESERVE   120  [name, ...], owner, ttl_ms, wait_ms, corr_id,         as ACQUIRE_MANY
+               stamp_ms, multi_id
+COMMIT_RESERVATION 121 multi_id                                       None
 =========  ==  =====================================================  ======================
 
 ACQUIRE's optional ``shared`` (bool: a shared lease) and ``limit`` (int: the

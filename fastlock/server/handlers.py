@@ -62,6 +62,8 @@ from .sessions import SessionRegistry
 from .shares import limit_exceeded
 from .statusview import client_status
 from .watches import WatchRegistry
+from .woundwait import PERMISSIONS as WOUND_WAIT_PERMISSIONS
+from .woundwait import WoundWait
 
 if TYPE_CHECKING:  # pragma: no cover
     from .lockserver import LockServer
@@ -108,6 +110,7 @@ PERMISSION: dict[int, str | None] = {
     P.OP_SESSION_CLOSE: None,
     P.OP_SESSIONS: None,
     P.OP_SESSION_REVOKE: None,
+    **WOUND_WAIT_PERMISSIONS,  # cross-shard multi-locks' reservations (fastlock.server.woundwait)
 }
 
 _ARTICLE = {"client": "a", "replica": "a", "admin": "an"}
@@ -209,6 +212,8 @@ class Handlers:
         self.preemption = Preemption(self)
         #: client sessions: one keep-alive renews every lease attached (fastlock.server.sessions)
         self.sessions = SessionRegistry(self)
+        #: RESERVE, COMMIT_RESERVATION: cross-shard multi-locks, wound-wait (fastlock.server.woundwait)
+        self.wound_wait = WoundWait(self)
         handlers: dict[int, Handler] = {
             P.OP_HELLO: self.hello.op_hello,
             # compiled (server/_wire.pyx); an ACQUIRE with arguments it does not take goes to op_acquire
@@ -238,6 +243,7 @@ class Handlers:
             **self.preemption.handlers_by_op(),
             OP_WATCH_FROM: self.op_watch_from,
             **self.sessions.handlers_table(),
+            **self.wound_wait.handlers_by_op(),
         }
         #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
         self.by_op: dict[int, tuple[Handler, int, int]] = {
@@ -395,6 +401,9 @@ class Handlers:
         reclaim = self.server.reclaim
         if reclaim.queues and reclaim.cancel(name, owner):  # parked or expected in the reclaim window
             conn.send(P.encode_ok(req_id, "cancelled"))
+            return
+        if self.wound_wait.parked and self.wound_wait.cancel_parked(conn.session, name, owner):
+            conn.send(P.encode_ok(req_id, "cancelled"))  # a reservation waiting behind an older one
             return
         self.server.queues.touched(name)
         table = self.table
