@@ -74,7 +74,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Router", "SyncRouter", "CrossShardLease", "AcrossContext", "lock_across", "acquire_across",
            "release_across",
-           "lock_across_sync", "SyncCrossShardLease", "STAMP_REFRESH_S"]
+           "lock_across_sync", "SyncCrossShardLease", "STAMP_REFRESH_S", "shard_key"]
 
 #: seconds: a multi-lock still trying after this long takes a fresh age stamp (servers refuse
 #: stamps older than MAX_STAMP_AGE_MS, 60 s)
@@ -98,6 +98,12 @@ class SyncRouter(Protocol):
     def client_for(self, name: str) -> SyncClient: ...
 
 
+def shard_key(client: Client) -> tuple[str, ...]:
+    """A shard's place in the global order of shards that every multi-lock follows: its
+    client's addresses, as text, sorted."""
+    return tuple(sorted(str(a) for a in client.connector.addresses))
+
+
 class _Shard:
     """One shard's client, and the event loop it runs on (None: the caller's)."""
 
@@ -106,8 +112,8 @@ class _Shard:
     def __init__(self, client: Client, loop: asyncio.AbstractEventLoop | None):
         self.client = client
         self.loop = loop
-        #: the shard's place in the global order: its addresses
-        self.order = tuple(sorted(str(a) for a in client.connector.addresses))
+        #: the shard's place in the global order
+        self.order = shard_key(client)
 
     async def run(self, fn: Callable[..., Coroutine[Any, Any, _T]], *args: Any) -> _T:
         """``fn(client, *args)`` on this shard's loop."""
