@@ -306,13 +306,15 @@ async def test_lock_across_holds_every_name_on_its_shard_and_releases_all(shards
         assert await router.client_for("a/1").holder("a/1") is None
 
 
-async def test_a_wound_lets_go_of_every_part_and_the_retry_keeps_its_stamp(shards, loop_errors):
+@pytest.mark.parametrize("in_order", [True, False], ids=["in-order", "all-at-once"])
+async def test_a_wound_lets_go_of_every_part_and_the_retry_keeps_its_stamp(shards, loop_errors, in_order):
     """The younger multi-lock holds a/1 and waits for b/1 (held plainly); an older
-    reservation takes a/1: the younger is told, withdraws from b/1 and holds nothing, then
-    waits behind the older one and ends up with both names."""
+    reservation takes a/1: the younger is told, lets go of everything, and waits again
+    behind the older one (in the global order: at the first shard only, holding nothing)
+    and ends up with both names."""
     async with routed(shards, "young") as router:
         plain = await router.client_for("b/1").acquire("b/1", ttl=30)
-        young = asyncio.ensure_future(acquire_across(router, ["a/1", "b/1"], ttl=10, wait=30))
+        young = asyncio.ensure_future(acquire_across(router, ["a/1", "b/1"], ttl=10, wait=30, in_order=in_order))
         with Raw(shards[1].address) as look_b, Raw(shards[0].address) as old:
             await wait_for(lambda: len(contenders(look_b, "b/1")["waiters"]) == 1, "the younger waits for b/1")
             assert holder_token(old, "a/1") is not None  # its part on the first shard
@@ -320,8 +322,10 @@ async def test_a_wound_lets_go_of_every_part_and_the_retry_keeps_its_stamp(shard
             rid = reserve(old, ["a/1"], now_ms() - 10_000, b"older", wait_ms=30_000, owner=old_owner)
             reply = reply_to(old, rid)
             assert reply[1] == 0
-            await wait_for(lambda: not contenders(look_b, "b/1")["waiters"], "the younger withdrew from b/1")
+            await wait_for(lambda: len(contenders(old, "a/1")["waiters"]) == 1, "the retry waits for a/1")
             assert not young.done()
+            if in_order:
+                assert not contenders(look_b, "b/1")["waiters"]
             # nothing of the wounded attempt is held anywhere: a/1 is the older one's, b/1 the plain lease's
             assert holder_token(old, "a/1") == reply[2][0][0]
             assert holder_token(look_b, "b/1") == plain.fencing_token

@@ -8,14 +8,16 @@ none, and returns a :class:`CrossShardLease` with each name's fencing token:
 1. it takes a multi-lock id (16 random bytes) and an **age stamp** (this host's wall clock,
    milliseconds), both kept across retries;
 2. it takes each shard's names with one ``RESERVE`` (atomic on that shard, as
-   ``ACQUIRE_MANY``), one shard after the other in one global order of shards (by the
-   shards' addresses);
+   ``ACQUIRE_MANY``): to every shard at once (the default: one round trip), or, with
+   ``in_order=True``, one shard after the other in one global order of shards (by the
+   shards' addresses; a multi-lock then waits on at most one shard at a time);
 3. if a part is **wounded** (an older multi-lock needed one of its names: the server
    revoked that part and pushed ``PUSH_WOUNDED``, or answered a waiting ``RESERVE`` with
    :class:`~fastlock.errors.Wounded`), it lets go of every part it took (a waiting
    ``RESERVE`` is cancelled) and starts again with the same stamp and id;
-4. once every part is held it commits each (``COMMIT_RESERVATION``): a committed part is an
-   ordinary lease nobody can wound.  A commit refused as wounded is step 3.
+4. once every part is held it commits each (``COMMIT_RESERVATION``, to every shard at once):
+   a committed part is an ordinary lease nobody can wound.  A commit refused as wounded is
+   step 3 (the parts already committed are released too).
    The leases are renewed from the moment each part is granted (so a long wait at a
    later shard does not lose an earlier part) until released.
 
@@ -27,7 +29,8 @@ waits for nothing of this protocol (a committed multi-lock holds everything it n
 (b) an older uncommitted reservation (one that holds or waits on the name: the server wounds
 any younger one it finds there, parks a younger newcomer behind a waiting older one, and
 wounds a younger one granted while an older one waits).  Every wait between multi-locks
-goes from younger to older, so the waits-for graph has no cycle.
+goes from younger to older, so the waits-for graph has no cycle - whatever order the parts
+are taken in (the global order is not needed for this; it is kept as an option).
 **No starvation.**  Ranks are total (stamp, then id) and a multi-lock keeps its stamp
 across retries: the oldest multi-lock in the system is never wounded (nothing is older)
 and never parked, so it waits only for plain or committed leases, which end; then it
@@ -51,7 +54,8 @@ import concurrent.futures
 import functools
 import logging
 import secrets
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Iterator
+import threading
+from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from .. import protocol as P
@@ -127,6 +131,45 @@ class _Shard:
             fn(self.client, *args)
         else:
             self.loop.call_soon_threadsafe(fn, self.client, *args)
+
+
+class _Wound:
+    """One attempt's wound: set once (from any thread) by a push or a failed part; each
+    shard's request waits on a future of its own loop (:meth:`waiter`)."""
+
+    __slots__ = ("flag", "_lock", "_waiters")
+
+    def __init__(self) -> None:
+        self.flag = False
+        self._lock = threading.Lock()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    def set(self) -> None:
+        with self._lock:
+            if self.flag:
+                return
+            self.flag = True
+            waiters, self._waiters = self._waiters, []
+        for loop, fut in waiters:
+            loop.call_soon_threadsafe(_resolve, fut)
+
+    def is_set(self) -> bool:
+        return self.flag
+
+    def waiter(self) -> asyncio.Future[None]:
+        """A future of the running loop, done once the wound is set."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        with self._lock:
+            if not self.flag:
+                self._waiters.append((asyncio.get_running_loop(), fut))
+                return fut
+        fut.set_result(None)
+        return fut
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class _Part:
@@ -215,17 +258,17 @@ def _shards(router: Any, names: Iterable[str], sync: bool) -> list[tuple[_Shard,
 
 
 async def _reserve(client: Client, part: _Part, names: tuple[str, ...], ttl_ms: int, wait_ms: int,
-                   corr: str | None, stamp: int, multi_id: bytes, wounded: Callable[[], Awaitable[Any]],
-                   renew_fraction: float | None) -> list[Lease]:
+                   corr: str | None, stamp: int, multi_id: bytes, wound: _Wound,
+                   renew: bool, renew_fraction: float | None) -> list[Lease]:
     """One RESERVE of ``names`` on ``client``'s shard, given up (and withdrawn) as soon as
-    ``wounded()`` completes first (:class:`Wounded`)."""
+    ``wound`` is set first (:class:`Wounded`); the leases renewed from the grant when ``renew``."""
     connector = client.connector
     proto = await client.ensure_connected()
     owner = new_owner_key()
     loop = asyncio.get_running_loop()
     sent = loop.time()
     reply_fut = proto.request(OP_RESERVE, list(names), owner, ttl_ms, wait_ms, corr, stamp, multi_id)
-    wound_task = asyncio.ensure_future(wounded())
+    wound_task = wound.waiter()
     try:
         await asyncio.wait({reply_fut, wound_task}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
@@ -249,7 +292,8 @@ async def _reserve(client: Client, part: _Part, names: tuple[str, ...], ttl_ms: 
     for lease in leases:
         if renew_fraction is not None:
             lease.health.jeopardy_fraction = check_fraction(renew_fraction)
-        Renewer(client, lease, on_lost=functools.partial(_part_lost, part, lease)).start()
+        if renew:
+            Renewer(client, lease, on_lost=functools.partial(_part_lost, part, lease)).start()
     part.leases = leases
     return leases
 
@@ -295,7 +339,8 @@ def _let_go_nowait(parts: list[_Part]) -> None:
 
 
 async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: float | None,
-                correlation_id: str | None, renew_fraction: float | None) -> CrossShardLease:
+                correlation_id: str | None, renew: bool, renew_fraction: float | None,
+                in_order: bool) -> CrossShardLease:
     ttl_ms = P.check_ttl_ms(P.seconds_to_ms(ttl, "ttl"))
     wait_ms = P.check_wait_ms(P.seconds_to_ms(wait, "wait", allow_none=True, allow_zero=True))
     P.check_optional_str(correlation_id, "correlation_id", P.MAX_CORRELATION_ID_CHARS)
@@ -304,10 +349,10 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
     deadline = None if wait_ms < 0 else started + wait_ms / 1000.0
     multi_id = secrets.token_bytes(16)
     stamp, stamped_at = wall_ms(), started
-    wounded = asyncio.Event()
+    wounded = _Wound()
 
     def on_wound(_payload: list[Any]) -> None:  # on the shard's loop
-        loop.call_soon_threadsafe(wounded.set)
+        wounded.set()
 
     for shard, _names in shards:
         shard.call(lambda client: client.connector.wound_listeners.__setitem__(multi_id, on_wound))
@@ -317,19 +362,44 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
             attempts += 1
             if loop.time() - stamped_at > STAMP_REFRESH_S:
                 stamp, stamped_at = wall_ms(), loop.time()
-            wounded.clear()
+            wounded = _Wound()  # this attempt's
             parts: list[_Part] = []
             try:
-                for shard, names in shards:
+                if in_order:
+                    for shard, names in shards:
+                        left_ms = -1 if deadline is None else max(0, int((deadline - loop.time()) * 1000))
+                        part = _Part(shard, [])
+                        await shard.run(_reserve, part, names, ttl_ms, left_ms, correlation_id, stamp, multi_id,
+                                        wounded, renew, renew_fraction)
+                        parts.append(part)
+                else:
                     left_ms = -1 if deadline is None else max(0, int((deadline - loop.time()) * 1000))
-                    part = _Part(shard, [])
-                    await shard.run(_reserve, part, names, ttl_ms, left_ms, correlation_id, stamp, multi_id,
-                                    _event_waiter(wounded, loop), renew_fraction)
-                    parts.append(part)
+                    parts = [_Part(shard, []) for shard, _names in shards]
+
+                    async def one(part: _Part, names: tuple[str, ...], left_ms: int, stamp: int,
+                                  wounded: _Wound) -> None:
+                        try:
+                            await part.shard.run(_reserve, part, names, ttl_ms, left_ms, correlation_id, stamp,
+                                                 multi_id, wounded, renew, renew_fraction)
+                        except Exception:
+                            wounded.set()  # the other shards' requests are withdrawn too
+                            raise
+
+                    results = await asyncio.gather(*(one(part, names, left_ms, stamp, wounded)
+                                                     for part, (_shard, names) in zip(parts, shards)),
+                                                   return_exceptions=True)
+                    failed = [r for r in results if isinstance(r, BaseException)]
+                    if failed:  # the cause, rather than the withdrawals it caused
+                        raise next((r for r in failed if not isinstance(r, Wounded)), failed[0])
+                if wounded.is_set():
+                    raise Wounded("wounded by an older multi-lock")
+                # every part is held: commit them all at once (any order will do)
+                results = await asyncio.gather(*(part.shard.run(_commit, multi_id) for part in parts),
+                                               return_exceptions=True)
+                failed = [r for r in results if isinstance(r, BaseException)]
+                if failed:
+                    raise failed[0]
                 for part in parts:
-                    if wounded.is_set():
-                        raise Wounded("wounded by an older multi-lock")
-                    await part.shard.run(_commit, multi_id)
                     part.committed = True
             except (Wounded, LeaseLost, *RETRYABLE) as exc:
                 await _let_go(parts)
@@ -352,29 +422,21 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
             shard.call(lambda client: client.connector.wound_listeners.pop(multi_id, None))
 
 
-def _event_waiter(event: asyncio.Event, loop: asyncio.AbstractEventLoop) -> Callable[[], Awaitable[Any]]:
-    """A coroutine function, to run on any loop, that returns once ``event`` (of ``loop``) is set."""
-
-    async def wait() -> None:
-        if asyncio.get_running_loop() is loop:
-            await event.wait()
-            return
-        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(event.wait(), loop))
-
-    return wait
-
-
 def lock_across(router: Router, names: Iterable[str], *, ttl: float, wait: float | None = None,
-                correlation_id: str | None = None, jeopardy_fraction: float | None = None) -> AcrossContext:
+                correlation_id: str | None = None, jeopardy_fraction: float | None = None,
+                in_order: bool = False) -> AcrossContext:
     """Lock every name of ``names``, over the shards ``router`` names, all or none.
 
     Args:
         router: which shard's client owns each name (:class:`Router`).
         names: the lock names (at most 64 per shard; distinct).
-        ttl: each lease's TTL, seconds; the leases are renewed until released.
+        ttl: each lease's TTL, seconds; the leases are renewed (from each part's grant) until released.
         wait: seconds to keep trying, over every retry (None: without end; 0: once).
         correlation_id: recorded with every lease.
         jeopardy_fraction: as :meth:`Client.lock <fastlock.client.Client.lock>`.
+        in_order: take the shards' parts one after the other in the global order of
+            shards (False, the default: every shard's part at once - one round trip
+            instead of one per shard; wound-wait alone keeps it free of deadlock).
 
     Returns an :class:`AcrossContext`: await it for a :class:`CrossShardLease`
     (released with :func:`release_across`), or ``async with`` it.
@@ -385,14 +447,17 @@ def lock_across(router: Router, names: Iterable[str], *, ttl: float, wait: float
         PermissionDenied, LimitExceeded: a shard refused (nothing is held).
         ConnectionLost: a shard could not be reached and ``wait`` is None.
     """
-    return AcrossContext(lambda: _lock(_shards(router, names, False), ttl, wait, correlation_id, jeopardy_fraction))
+    return AcrossContext(lambda: _lock(_shards(router, names, False), ttl, wait, correlation_id, True,
+                                       jeopardy_fraction, in_order))
 
 
 async def acquire_across(router: Router, names: Iterable[str], *, ttl: float, wait: float | None = None,
-                         correlation_id: str | None = None, jeopardy_fraction: float | None = None) -> CrossShardLease:
+                         correlation_id: str | None = None, jeopardy_fraction: float | None = None,
+                         in_order: bool = False, renew: bool = False) -> CrossShardLease:
     """:func:`lock_across` as a coroutine: the :class:`CrossShardLease` (release it with
-    :func:`release_across`); the same arguments and errors."""
-    return await _lock(_shards(router, names, False), ttl, wait, correlation_id, jeopardy_fraction)
+    :func:`release_across`); the same arguments and errors.  As ``Client.acquire_many``,
+    the leases are renewed only when ``renew`` is True (:func:`lock_across` always renews)."""
+    return await _lock(_shards(router, names, False), ttl, wait, correlation_id, renew, jeopardy_fraction, in_order)
 
 
 async def release_across(multi: CrossShardLease) -> None:
@@ -476,7 +541,8 @@ class SyncCrossShardLease:
 
 
 def lock_across_sync(router: SyncRouter, names: Iterable[str], *, ttl: float, wait: float | None = None,
-                     correlation_id: str | None = None, jeopardy_fraction: float | None = None) -> SyncCrossShardLease:
+                     correlation_id: str | None = None, jeopardy_fraction: float | None = None,
+                     in_order: bool = False) -> SyncCrossShardLease:
     """:func:`lock_across` for threads: ``router`` returns each name's
     :class:`~fastlock.client.blocking.SyncClient`.  The multi-lock runs on the first
     shard's loop (each shard's requests on its own); blocks until it holds every name or
@@ -485,7 +551,7 @@ def lock_across_sync(router: SyncRouter, names: Iterable[str], *, ttl: float, wa
     loop = shards[0][0].loop
     assert loop is not None
     fut: concurrent.futures.Future[CrossShardLease] = asyncio.run_coroutine_threadsafe(
-        _lock(shards, ttl, wait, correlation_id, jeopardy_fraction), loop)
+        _lock(shards, ttl, wait, correlation_id, True, jeopardy_fraction, in_order), loop)
     try:
         return SyncCrossShardLease(fut.result(), loop)
     except BaseException:
