@@ -421,3 +421,113 @@ async def wait_for(predicate, what: str, timeout: float = 10.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting: {what}"
         await asyncio.sleep(0.01)
+
+
+def test_a_random_model_run_never_leaves_an_older_reservation_waiting_on_a_younger_holder(server):
+    """A model of the rule, driven at random on one shard: four peers reserve 1-3 of four names
+    with random stamps, commit, release; after every step every frame is read and the model
+    updated (grants, Wounded answers, wound pushes).  Invariant: no reservation still waiting
+    has, on one of its names, a holder that is a younger uncommitted reservation.  At the end,
+    once everything held is released, every waiting reservation is granted (none is stuck)."""
+    rng = random.Random(30)
+    names = [f"a/{i}" for i in range(4)]
+    base = now_ms()
+    used_stamps: set[int] = set()
+    with peers(server.address, 5) as all_peers:
+        look, workers = all_peers[0], all_peers[1:]
+        # per peer: None, or {"rid", "stamp", "names", "owner", "id", "state": waiting|held|committed, "tokens"}
+        model: list[dict | None] = [None] * len(workers)
+        by_token: dict[tuple[str, int], int] = {}  # (name, token) -> the peer whose reservation holds it
+        wounds = grants = 0
+
+        def drain(i: int) -> None:
+            nonlocal wounds, grants
+            peer = workers[i]
+            rid = peer.send(P.OP_PING)
+            while True:
+                msg = peer.recv()
+                assert msg is not None
+                if msg[0] == rid:
+                    return
+                r = model[i]
+                if msg[0] == 0:
+                    assert msg[1] == PUSH_WOUNDED, msg
+                    if r is not None and msg[2][0] == r["id"] and r["state"] != "committed":
+                        assert msg[2][2] < r["stamp"]  # wounded by an older one only
+                        model[i] = None
+                        wounds += 1
+                    continue
+                if r is not None and msg[0] == r["rid"]:
+                    if msg[1] == 0:
+                        r["state"], r["tokens"] = "held", msg[2][0]
+                        for name, token in zip(r["names"], r["tokens"]):
+                            by_token[(name, token)] = i
+                        grants += 1
+                    else:
+                        assert msg[1] == Wounded.code, msg
+                        model[i] = None
+                        wounds += 1
+
+        def check() -> None:
+            for i in range(len(workers)):
+                drain(i)
+            for i, r in enumerate(model):
+                if r is None or r["state"] != "waiting":
+                    continue
+                for name in r["names"]:
+                    holders = contenders(look, name)["holders"]
+                    for h in holders:
+                        j = by_token.get((name, h["token"]))
+                        other = model[j] if j is not None else None
+                        if other is None or other["state"] != "held" or j == i:
+                            continue
+                        assert other["stamp"] < r["stamp"], (
+                            f"the reservation of stamp {r['stamp']} waits on {name!r} held by a younger "
+                            f"uncommitted one (stamp {other['stamp']})")
+
+        def release(i: int) -> None:
+            r = model[i]
+            assert r is not None
+            for name, token in zip(r["names"], r["tokens"]):
+                workers[i].send(P.OP_RELEASE, name, token, r["owner"])
+            model[i] = None
+
+        for step in range(120):
+            i = rng.randrange(len(workers))
+            r = model[i]
+            if r is None:
+                stamp = base - rng.randrange(0, 20_000)
+                while stamp in used_stamps:
+                    stamp -= 1
+                used_stamps.add(stamp)
+                chosen = rng.sample(names, rng.randrange(1, 4))
+                owner = os.urandom(16)
+                multi_id = f"m{step}".encode()
+                rid = reserve(workers[i], chosen, stamp, multi_id, wait_ms=60_000, owner=owner)
+                model[i] = {"rid": rid, "stamp": stamp, "names": chosen, "owner": owner, "id": multi_id,
+                            "state": "waiting", "tokens": []}
+            elif r["state"] == "held" and rng.random() < 0.6:
+                reply = workers[i].call(OP_COMMIT_RESERVATION, r["id"])
+                if reply[0] == 0:  # a wound push came first: the commit's answer follows
+                    model[i] = None
+                    wounds += 1
+                    reply = workers[i].call(P.OP_PING)
+                elif reply[1] == 0:
+                    r["state"] = "committed"
+                else:
+                    assert reply[1] == Wounded.code, reply
+                    model[i] = None
+            elif r["state"] in ("held", "committed"):
+                release(i)
+            check()
+        # the end: release what is held, until every reservation is granted and released
+        for _ in range(200):
+            check()
+            if all(r is None for r in model):
+                break
+            for i, r in enumerate(model):
+                if r is not None and r["state"] in ("held", "committed"):
+                    release(i)
+            time.sleep(0.01)
+        assert all(r is None for r in model), model
+        assert grants > 10 and wounds > 0, (grants, wounds)
