@@ -340,7 +340,6 @@ class WoundWait:
         with its waiters; its held parts stay until their TTL and can still be wounded)."""
         gone = [r for key, r in self.parked.items() if key[0] == session]
         for r in gone:
-            self._unpark(r)
             self._forget(r)
         if self.waiting_on:
             self._wake_soon()
@@ -463,7 +462,6 @@ class WoundWait:
 
     def _park_timeout(self, r: Reservation) -> None:
         r.timer = None
-        self._unpark(r)
         self._forget(r)
         conn = self.server.limits.sessions.get(r.session)
         if conn is not None:
