@@ -531,3 +531,25 @@ def test_a_random_model_run_never_leaves_an_older_reservation_waiting_on_a_young
             time.sleep(0.01)
         assert all(r is None for r in model), model
         assert grants > 10 and wounds > 0, (grants, wounds)
+
+
+def test_reservations_that_waited_before_the_queue_and_ended_leave_the_principals_count(server):
+    """More reservations than MAX_RESERVATIONS_PER_PRINCIPAL park behind an older waiter one
+    after the other, each ending when its wait runs out: none stays counted, so the principal
+    can still reserve."""
+    from fastlock.server.woundwait import MAX_RESERVATIONS_PER_PRINCIPAL
+
+    with peers(server.address, 3) as (old, young, look):
+        plain_owner = os.urandom(16)
+        assert look.call(P.OP_ACQUIRE, "a/1", plain_owner, TTL_MS, 0, 0, None)[1] == 0
+        stamp = now_ms()
+        rid_old = reserve(old, ["a/1"], stamp - 5_000, b"old", wait_ms=60_000)
+        assert len(contenders(look, "a/1")["waiters"]) == 1
+        for i in range(MAX_RESERVATIONS_PER_PRINCIPAL + 5):
+            reply = reply_to(young, reserve(young, ["a/1"], stamp, f"y{i}".encode(), wait_ms=1))
+            assert reply[1] == LockNotAcquired.code, reply
+        token = holder_token(look, "a/1")
+        assert look.call(P.OP_RELEASE, "a/1", token, plain_owner)[1] == 0
+        assert reply_to(old, rid_old)[1] == 0
+        assert old.call(OP_COMMIT_RESERVATION, b"old")[1] == 0
+        assert reply_to(young, reserve(young, ["a/2"], stamp, b"last"))[1] == 0
