@@ -95,13 +95,17 @@ LOCK_OPS = {P.OP_ACQUIRE: "acquire", P.OP_RELEASE: "release", P.OP_EXTEND: "exte
             # priorities (fastlock.server.preemption); a priority above 0 needs "prioritize" too
             ops.OP_ACQUIRE_PRIORITY: "acquire", ops.OP_REQUEST_REVOKE: "preempt", ops.OP_TRANSFER: "release",
             # watches that resume (fastlock.server.watchlog, keyrevisions) and rate limits (server.ratelimit)
-            ops.OP_WATCH_FROM: "watch", ops.OP_KEY_WATCH_FROM: "get", ops.OP_RATE_LIMIT: "acquire"}
+            ops.OP_WATCH_FROM: "watch", ops.OP_KEY_WATCH_FROM: "get", ops.OP_RATE_LIMIT: "acquire",
+            # a cross-shard multi-lock's reservation (fastlock.server.woundwait): "acquire" on every name
+            ops.OP_RESERVE: "acquire"}
 #: a client's own sessions (fastlock.server.sessions): proved by the session key, each attached
 #: name checked for "extend" by the handler: left to validation; never a replica's
 SESSION_OPS = {ops.OP_SESSION_OPEN, ops.OP_SESSION_ATTACH, ops.OP_SESSION_KEEPALIVE, ops.OP_SESSION_CLOSE}
 ALL_CLIENT_OPS = set(LOCK_OPS.values()) | {"prioritize"}
 REPLICA_OPS = {P.OP_REPLICATE, P.OP_REPL_ACK, P.OP_STEP_DOWN, P.OP_SYNC_ACK}
-OPEN_OPS = {P.OP_PING, P.OP_STATUS, P.OP_UNWATCH, ops.OP_SHARD_MAP}  # SHARD_MAP: the map holds no secret
+#: SHARD_MAP: the map holds no secret; COMMIT_RESERVATION acts only on the calling connection's own
+#: reservation (fastlock.server.woundwait)
+OPEN_OPS = {P.OP_PING, P.OP_STATUS, P.OP_UNWATCH, ops.OP_SHARD_MAP, ops.OP_COMMIT_RESERVATION}
 ADMIN_OPS = {P.OP_PROMOTE, P.OP_SERVE_ALONE, P.OP_LOCKS, P.OP_LOCK_INFO, P.OP_REVOKE, ops.OP_SESSIONS,
              ops.OP_SESSION_REVOKE}
 #: per-principal quotas small enough for the mixed rounds to reach (the anonymous principal's: a quarter)
@@ -263,6 +267,14 @@ class Generator:
             return [name, rng.choice([None, 0, 1, (1 << 40) | 5, 2**62, -1, "1"])]
         if op == ops.OP_KEY_WATCH_FROM:
             return [name, rng.choice([None, 0, 1 << 40, 2**62, -1]), rng.choice([None, 0, 3, -1, "0"])]
+        if op == ops.OP_RESERVE:
+            now = int(time.time() * 1000)
+            return [rng.choice([[name], [name, f"{name}/2"], [name, name], [], name]), self.owner(), ttl,
+                    rng.choice([0, 0, 1.5, -2]), rng.choice([None, "corr"]),
+                    rng.choice([now, now - 120_000, now + 60_000, -1, None]),
+                    rng.choice([self.owner(), b"", b"x" * 33])]
+        if op == ops.OP_COMMIT_RESERVATION:
+            return [rng.choice([self.owner(), b"", None, "x"])]
         if op == ops.OP_RATE_LIMIT:
             return [name, rng.choice([1, 100, 0, -1, 2**40]), rng.choice([1000, 0, -5]), rng.choice([1, 10, 0]),
                     rng.choice([1, 0, 11, -1])]

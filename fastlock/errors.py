@@ -416,3 +416,13 @@ class CrossShard(FastlockError, ValueError):
     def from_wire_extra(cls, message: str, extra: Any) -> CrossShard:
         fields = _redirect_fields(extra)
         return cls(message, fields.get("groups", ()), fields.get("epoch"))
+__all__ += ["Wounded"]
+
+
+@_register(65)
+class Wounded(LockNotAcquired):
+    """A cross-shard multi-lock's reservation was wounded by an older one (the wound-wait
+    rule, :mod:`fastlock.server.woundwait`): its parts on that shard were taken away, or
+    it is gone (wounded, expired, or never made on this connection) when it was to be
+    committed.  :func:`fastlock.client.across.lock_across` releases every part it took
+    and tries again with the same age stamp; nothing of the wounded attempt stays held."""

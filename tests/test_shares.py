@@ -28,6 +28,7 @@ from fastlock.errors import LimitExceeded
 from fastlock.protocol.ops import (
     KEY_UPSERT,
     OP_ACQUIRE_PRIORITY,
+    OP_COMMIT_RESERVATION,
     OP_KEY_DELETE,
     OP_KEY_GET,
     OP_KEY_LIST,
@@ -38,6 +39,7 @@ from fastlock.protocol.ops import (
     OP_RATE_LIMIT,
     OP_REQUEST_REVOKE,
     OP_SHARD_MAP,
+    OP_RESERVE,
     OP_SYNC_ACK,
     OP_TRANSFER,
     OP_WATCH_FROM,
@@ -210,6 +212,13 @@ def _ops_at_quota(address: str, app_token: str, owner: bytes, peer: Raw) -> dict
         P.OP_SESSIONS: [((None,), None)],
         P.OP_SESSION_REVOKE: [(("0" * 16, None), None)],
         OP_SHARD_MAP: [((), None)],  # reads the shard map (None: not sharded): holds nothing
+        # a cross-shard multi-lock's reservation (fastlock.server.woundwait) counts as ACQUIRE_MANY does;
+        # a commit creates nothing (no such reservation here: refused)
+        OP_RESERVE: [((["r/1", "r/2"], owner, 60_000, 0, None, int(time.time() * 1000), b"m1"),
+                      "--max-leases-per-principal"),
+                     ((["held/2"], os.urandom(16), 60_000, -1, None, int(time.time() * 1000), b"m2"),
+                      "--max-waiters-per-principal")],
+        OP_COMMIT_RESERVATION: [((b"m1",), None)],
     }
 
 

@@ -39,6 +39,7 @@ from ..protocol.ops import (
     PUSH_VALUE_REV,
     PUSH_WATCH_PROGRESS,
     PUSH_WATCH_REV,
+    PUSH_WOUNDED,
 )
 from ..protocol.rpc import NotFastlockReply, RpcConnection, answers_tls_hello, what_answered
 from ..units import parse_address
@@ -96,7 +97,7 @@ class ClientConnection(RpcConnection):
             (:mod:`fastlock.client.keys`), by prefix (:mod:`fastlock.client.keywatch`).
     """
 
-    __slots__ = ("watches", "key_watches", "revoke_handler")
+    __slots__ = ("watches", "key_watches", "revoke_handler", "wound_handler")
 
     def __init__(self, address: Address, on_close: Callable[[RpcConnection, ConnectionLost], Any],
                  liveness_timeout: float | None):
@@ -106,6 +107,8 @@ class ClientConnection(RpcConnection):
         self.key_watches = KeyWatches()
         #: called with a PUSH_REVOKE_REQUESTED payload (set by the Connector that made it)
         self.revoke_handler: Callable[[list[Any]], Any] | None = None
+        #: called with a PUSH_WOUNDED payload (set by the Connector that made it)
+        self.wound_handler: Callable[[list[Any]], Any] | None = None
 
     def _dispatch_push(self, kind: Any, payload: Any) -> None:
         if kind == P.PUSH_WATCH:
@@ -128,6 +131,10 @@ class ClientConnection(RpcConnection):
             self.key_watches.begin(payload[0])
         elif kind == PUSH_KEY_PROGRESS and type(payload) is list and len(payload) == 1:
             self.key_watches.progress(payload[0])
+        elif kind == PUSH_WOUNDED and type(payload) is list and len(payload) == 3:
+            handler = self.wound_handler
+            if handler is not None:
+                handler(payload)
         elif kind == PUSH_WATCH_PROGRESS and type(payload) is list and len(payload) == 1:
             for name, queues in self.watches.items():
                 notice = WatchEvent(name, "progress", None, None, revision=payload[0])
@@ -163,7 +170,7 @@ class Connector:
     """
 
     __slots__ = ("addresses", "proto", "closed", "server_info", "max_epoch", "orphans", "no_acquire_many",
-                 "on_revoke_request",
+                 "on_revoke_request", "wound_listeners",
                  "_auth", "_client_name",
                  "_connect_timeout", "_request_timeout", "_ssl", "_server_hostname", "_connecting",
                  "_connect_task", "_attempt", "_suspects", "_demoted", "_preferred", "_nodes", "_refusal_logs",
@@ -191,6 +198,8 @@ class Connector:
         self.no_acquire_many = False
         #: given every PUSH_REVOKE_REQUESTED payload (the client finds the lease it names)
         self.on_revoke_request: Callable[[list[Any]], Any] | None = None
+        #: multi-lock id -> called with each PUSH_WOUNDED payload naming it (fastlock.client.across)
+        self.wound_listeners: dict[bytes, Callable[[list[Any]], Any]] = {}
         self._connecting: asyncio.Future[Any] | None = None  # result of the connection attempt in progress
         self._connect_task: asyncio.Task[Any] | None = None
         self._attempt: dict[str, Any] = {}  # {"addr": the address the attempt in progress is trying}
@@ -328,6 +337,7 @@ class Connector:
                 answer(addr, f"{said or type(exc).__name__}{hint}", Outcome.FINAL if final else Outcome.DOWN)
                 continue
             proto.revoke_handler = self.on_revoke_request
+            proto.wound_handler = self._wounded
             handshake = ClientHandshake(self._auth, expect_node=self._nodes.get(addr))
             try:
                 info = await asyncio.wait_for(say_hello(proto, self._client_name, handshake, self.max_epoch),
@@ -495,6 +505,11 @@ class Connector:
     def connect_timeout(self) -> float:
         """Seconds allowed to find a primary (per attempt, and after a wait for riding through)."""
         return self._connect_timeout
+
+    def _wounded(self, payload: list[Any]) -> None:
+        listener = self.wound_listeners.get(payload[0]) if type(payload[0]) is bytes else None
+        if listener is not None:
+            listener(payload)
 
     def withdraw(self, proto: ClientConnection | None, name: str, owner: bytes, op: int = P.OP_CANCEL,
                  *args: Any) -> None:

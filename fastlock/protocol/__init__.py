@@ -74,6 +74,9 @@ REQUEST_REVOKE 91 name, owner (of a waiting request), grace_ms        {"token", 
 TRANSFER   92  name, token, owner, candidate (a correlation id)       None
 WATCH_FROM 70  name, revision|None                                    {"holder", "revision"}
 SHARD_MAP  100 -                                                      {"group", "map"}|None
+RESERVE   120  [name, ...], owner, ttl_ms, wait_ms, corr_id,         as ACQUIRE_MANY
+               stamp_ms, multi_id
+COMMIT_RESERVATION 121 multi_id                                       None
 =========  ==  =====================================================  ======================
 
 ACQUIRE's optional ``shared`` (bool: a shared lease) and ``limit`` (int: the
@@ -101,6 +104,13 @@ REQUEST_REVOKE asks the exclusive holder to yield within ``grace_ms`` (pushed to
 ``[0, "revoke_req", [name, token, principal, client, grace_ms]]``; revoked by the server
 at the deadline); TRANSFER releases to the waiter whose correlation id is ``candidate``
 in one step (:mod:`fastlock.server.preemption`).
+RESERVE takes this shard's part of a cross-shard multi-lock as ACQUIRE_MANY does (exclusive
+names only), tagged with the multi-lock's age stamp (the client's wall clock, ms: at most
+``MAX_STAMP_SKEW_MS`` ahead and ``MAX_STAMP_AGE_MS`` behind the server's) and id (1-32 bytes);
+an older reservation wounds a younger uncommitted one (its leases revoked, its waiting request
+answered Wounded, its connection told ``[0, "wounded", [multi_id, stamp, wounder's stamp]]``);
+COMMIT_RESERVATION makes the connection's held reservation of that id ordinary leases
+(:mod:`fastlock.server.woundwait`).
 
 Lists are paged by bytes: a reply of CONTENDERS, LOCKS or KEY_LIST (key store, ops
 40-45: :mod:`fastlock.server.keys`) carries at most about ``MAX_PAGE_BYTES`` (64 KiB,

@@ -67,6 +67,13 @@ OP_SESSIONS = 64  # principal or None (an operator's list)
 OP_SESSION_REVOKE = 65  # session id, reason or None (an operator's close)
 # sharding (fastlock.sharding; ops 100-119 are reserved for it)
 OP_SHARD_MAP = 100  # no arguments: the shard map this node serves by (None: not sharded)
+# cross-shard multi-locks, wound-wait (fastlock.server.woundwait; ops 120-129 are reserved for them)
+OP_RESERVE = 120  # [name, ...], owner, ttl_ms, wait_ms, corr_id, age stamp (wall ms), multi-lock id
+OP_COMMIT_RESERVATION = 121  # multi-lock id
+#: ms: how far ahead of a server's wall clock a RESERVE's age stamp may be (clock skew between hosts)
+MAX_STAMP_SKEW_MS = 1_000
+#: ms: how far behind a server's wall clock a RESERVE's age stamp may be (the most seniority a multi-lock claims)
+MAX_STAMP_AGE_MS = 60_000
 
 
 class Op(NamedTuple):
@@ -122,6 +129,8 @@ OPS: tuple[Op, ...] = (
     Op(OP_SESSION_REVOKE, "session_revoke", 2, 2),
     Op(OP_KEY_WATCH_FROM, "key_watch_from", 3, 3),  # prefix, revision or None, offset or None
     Op(OP_SHARD_MAP, "shard_map", 0, 0),
+    Op(OP_RESERVE, "reserve", 7, 7),
+    Op(OP_COMMIT_RESERVATION, "commit_reservation", 1, 1),
 )
 
 #: (fewest, most) arguments of each op, after ``[req_id, op]``
@@ -166,6 +175,9 @@ PUSH_VALUE_REV = "vrev"
 PUSH_KEY_BEGIN = "vbeg"
 #: a progress notice to a connection with KEY_WATCH_FROM watches: [revision] (every key change up to it was sent)
 PUSH_KEY_PROGRESS = "vprog"
+#: to the holder of a cross-shard reservation an older one wounded: [multi-lock id, its age stamp,
+#: the wounding one's age stamp] (fastlock.server.woundwait)
+PUSH_WOUNDED = "wounded"
 
 REPLICATION_PUSH_KINDS = frozenset({PUSH_SNAPSHOT, PUSH_RECORDS, PUSH_RECORD, PUSH_HEARTBEAT, PUSH_SYNC})
 

@@ -63,6 +63,8 @@ from .sessions import SessionRegistry
 from .shares import limit_exceeded
 from .statusview import client_status
 from .watches import WatchRegistry
+from .woundwait import PERMISSIONS as WOUND_WAIT_PERMISSIONS
+from .woundwait import WoundWait
 
 if TYPE_CHECKING:  # pragma: no cover
     from .lockserver import LockServer
@@ -110,6 +112,7 @@ PERMISSION: dict[int, str | None] = {
     P.OP_SESSIONS: None,
     P.OP_SESSION_REVOKE: None,
     OP_SHARD_MAP: None,  # the shard map holds no secret: any principal that may connect reads it
+    **WOUND_WAIT_PERMISSIONS,  # cross-shard multi-locks' reservations (fastlock.server.woundwait)
 }
 
 _ARTICLE = {"client": "a", "replica": "a", "admin": "an"}
@@ -217,6 +220,8 @@ class Handlers:
         #: an ACQUIRE enters its lock's queue ``(conn, req_id, msg, name, owner, priority)``: the
         #: reclaim window's parked ones (server/_wire.pyx, enter_acquire)
         self.enter_acquire: Callable[..., None] = functools.partial(compiled_enter_acquire, self)
+        #: RESERVE, COMMIT_RESERVATION: cross-shard multi-locks, wound-wait (fastlock.server.woundwait)
+        self.wound_wait = WoundWait(self)
         handlers: dict[int, Handler] = {
             P.OP_HELLO: self.hello.op_hello,
             # compiled (server/_wire.pyx)
@@ -247,6 +252,7 @@ class Handlers:
             OP_WATCH_FROM: self.op_watch_from,
             **self.sessions.handlers_table(),
             OP_SHARD_MAP: self.op_shard_map,
+            **self.wound_wait.handlers_by_op(),
         }
         #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
         self.by_op: dict[int, tuple[Handler, int, int]] = {
@@ -346,6 +352,9 @@ class Handlers:
         reclaim = self.server.reclaim
         if reclaim.queues and reclaim.cancel(name, owner):  # parked or expected in the reclaim window
             conn.send(P.encode_ok(req_id, "cancelled"))
+            return
+        if self.wound_wait.parked and self.wound_wait.cancel_parked(conn.session, name, owner):
+            conn.send(P.encode_ok(req_id, "cancelled"))  # a reservation waiting behind an older one
             return
         self.server.queues.touched(name)
         table = self.table

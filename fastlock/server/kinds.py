@@ -284,6 +284,17 @@ class KindHandlers:
         corr = P.check_optional_str(msg[7], "correlation id", P.MAX_CORRELATION_ID_CHARS)
         actor = P.check_actor(msg[8]) if len(msg) > 8 else 0  # who waits in the session (absent: all of it)
         signed: Any = sequenced_request(self.handlers, conn, req_id, msg[9]) if len(msg) > 9 else req_id
+        request = (ManyRequest(req_id, len(items)) if type(signed) is int
+                   else SequencedManyRequest(req_id, len(items), signed.principal, signed.key))
+        self.take_many(conn, request, items, owner, ttl_ms, wait_ms, delay_ms, corr, actor)
+
+    def take_many(self, conn: Session, request: ManyRequest, items: list, owner: bytes, ttl_ms: int, wait_ms: int,
+                  delay_ms: int, corr: str | None, actor: int = 0) -> int:
+        """ACQUIRE_MANY's work once its arguments are checked: the ACL on every name, the limits
+        and quotas, then the core's ``acquire_many`` with ``request`` (its grant and error
+        replies); returns the core's status (GRANTED or QUEUED).
+        :raises LimitConflict: a name is a semaphore.  :raises LockNotAcquired: ``wait_ms`` 0
+        and not all free."""
         grant = conn.grant
         if conn.kind == "client":
             for name, _shared in items:
@@ -312,8 +323,6 @@ class KindHandlers:
             server.max_ttl_ms = ttl_ms
             server.node_state.raise_ttl(ttl_ms)
         try:
-            request = (ManyRequest(req_id, len(items)) if type(signed) is int
-                       else SequencedManyRequest(req_id, len(items), signed.principal, signed.key))
             status = table.acquire_many(items, owner, conn.session, request, ttl_ms,
                                         wait_ms, delay_ms, (recorded_client(conn), corr), now, actor)
         except ValueError as exc:  # an owner key already holding or awaiting some name in another request
@@ -324,6 +333,7 @@ class KindHandlers:
             raise LimitConflict("acquire_many takes locks, not semaphores: one of the names is a semaphore")
         if status == NOT_ACQUIRED:
             raise LockNotAcquired(f"{len(items)} locks: not all free now")
+        return status
 
     def op_contenders(self, conn: Session, req_id: int, msg: list) -> None:
         """CONTENDERS ``name[, cursor]``: one page of the lock's holders (grant order), then

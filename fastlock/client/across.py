@@ -1,0 +1,559 @@
+"""An atomic multi-lock across shards, with no coordinator: :func:`lock_across` (asyncio)
+and :func:`lock_across_sync` (threads, over :class:`~fastlock.client.blocking.SyncClient`).
+
+Each name belongs to one shard; a :class:`Router` says which (``client_for(name)``: the
+client of the shard that owns the name).  :func:`lock_across` takes every name, all or
+none, and returns a :class:`CrossShardLease` with each name's fencing token:
+
+1. it takes a multi-lock id (16 random bytes) and an **age stamp** (this host's wall clock,
+   milliseconds), both kept across retries;
+2. it takes each shard's names with one ``RESERVE`` (atomic on that shard, as
+   ``ACQUIRE_MANY``): to every shard at once (the default: one round trip), or, with
+   ``in_order=True``, one shard after the other in one global order of shards (by the
+   shards' addresses; a multi-lock then waits on at most one shard at a time);
+3. if a part is **wounded** (an older multi-lock needed one of its names: the server
+   revoked that part and pushed ``PUSH_WOUNDED``, or answered a waiting ``RESERVE`` with
+   :class:`~fastlock.errors.Wounded`), it lets go of every part it took (a waiting
+   ``RESERVE`` is cancelled) and starts again with the same stamp and id;
+4. once every part is held it commits each (``COMMIT_RESERVATION``, to every shard at once):
+   a committed part is an ordinary lease nobody can wound.  A commit refused as wounded is
+   step 3 (the parts already committed are released too).
+   The leases are renewed from the moment each part is granted (so a long wait at a
+   later shard does not lose an earlier part) until released.
+
+The servers' side is :mod:`fastlock.server.woundwait` (the wound-wait rule, the limits on
+untrusted stamps).
+
+**No deadlock.**  A multi-lock waits only for (a) a plain or committed lease - whose holder
+waits for nothing of this protocol (a committed multi-lock holds everything it needs) - or
+(b) an older uncommitted reservation (one that holds or waits on the name: the server wounds
+any younger one it finds there, parks a younger newcomer behind a waiting older one, and
+wounds a younger one granted while an older one waits).  Every wait between multi-locks
+goes from younger to older, so the waits-for graph has no cycle - whatever order the parts
+are taken in (the global order is not needed for this; it is kept as an option).
+**No starvation.**  Ranks are total (stamp, then id) and a multi-lock keeps its stamp
+across retries: the oldest multi-lock in the system is never wounded (nothing is older)
+and never parked, so it waits only for plain or committed leases, which end; then it
+holds everything and commits.  Every other one becomes the oldest in time (new ones are
+younger, up to the clocks' skew).  This holds while its stamp is accepted: a server
+refuses stamps older than :data:`~fastlock.protocol.ops.MAX_STAMP_AGE_MS` (60 s), so a
+multi-lock still trying after :data:`STAMP_REFRESH_S` (55 s) takes a fresh stamp
+(loses its seniority once).
+
+What is not covered: names also taken by plain ``acquire_many`` across shards with the
+same names (a plain set that waits for a reservation while holding nothing is fine; one
+taken one by one, holding some, can close a cycle across shards that no server sees);
+shared parts; after a failover of a shard, that shard's uncommitted parts are plain
+leases until committed or released (see :mod:`fastlock.server.woundwait`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import secrets
+import threading
+from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from .. import protocol as P
+from ..errors import ConnectionLost, FastlockError, LeaseLost, LockNotAcquired, Wounded
+from ..logsafe import quote
+from ..protocol.ops import MAX_STAMP_AGE_MS, OP_COMMIT_RESERVATION, OP_RESERVE
+from ..tokens import epoch_of
+from ..units import wall_ms
+from .connection import RETRYABLE
+from .lease import Lease, LeaseState, check_fraction
+from .multilock import sorted_names
+from .owner_keys import new_owner_key
+from .renewer import Renewer
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .blocking import SyncClient
+    from .client import Client
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Router", "SyncRouter", "CrossShardLease", "AcrossContext", "lock_across", "acquire_across",
+           "release_across",
+           "lock_across_sync", "SyncCrossShardLease", "STAMP_REFRESH_S", "shard_key"]
+
+#: seconds: a multi-lock still trying after this long takes a fresh age stamp (servers refuse
+#: stamps older than MAX_STAMP_AGE_MS, 60 s)
+STAMP_REFRESH_S = (MAX_STAMP_AGE_MS - 5_000) / 1000.0
+
+_T = TypeVar("_T")
+
+
+class Router(Protocol):
+    """Which shard owns a name: ``client_for(name)`` returns the asyncio
+    :class:`~fastlock.client.Client` of that shard's group (the same object for every
+    name of one shard)."""
+
+    def client_for(self, name: str) -> Client: ...
+
+
+class SyncRouter(Protocol):
+    """:class:`Router` for threads: ``client_for(name)`` returns the shard's
+    :class:`~fastlock.client.blocking.SyncClient`."""
+
+    def client_for(self, name: str) -> SyncClient: ...
+
+
+def shard_key(client: Client) -> tuple[str, ...]:
+    """A shard's place in the global order of shards that every multi-lock follows: its
+    client's addresses, as text, sorted."""
+    return tuple(sorted(str(a) for a in client.connector.addresses))
+
+
+class _Shard:
+    """One shard's client, and the event loop it runs on (None: the caller's)."""
+
+    __slots__ = ("client", "loop", "order")
+
+    def __init__(self, client: Client, loop: asyncio.AbstractEventLoop | None):
+        self.client = client
+        self.loop = loop
+        #: the shard's place in the global order
+        self.order = shard_key(client)
+
+    async def run(self, fn: Callable[..., Coroutine[Any, Any, _T]], *args: Any) -> _T:
+        """``fn(client, *args)`` on this shard's loop."""
+        if self.loop is None or self.loop is asyncio.get_running_loop():
+            return await fn(self.client, *args)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(fn(self.client, *args), self.loop))
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(client, *args)`` on this shard's loop, without waiting."""
+        if self.loop is None:
+            fn(self.client, *args)
+        else:
+            self.loop.call_soon_threadsafe(fn, self.client, *args)
+
+
+class _Wound:
+    """One attempt's wound: set once (from any thread) by a push or a failed part; each
+    shard's request waits on a future of its own loop (:meth:`waiter`)."""
+
+    __slots__ = ("flag", "_lock", "_waiters")
+
+    def __init__(self) -> None:
+        self.flag = False
+        self._lock = threading.Lock()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    def set(self) -> None:
+        with self._lock:
+            if self.flag:
+                return
+            self.flag = True
+            waiters, self._waiters = self._waiters, []
+        for loop, fut in waiters:
+            loop.call_soon_threadsafe(_resolve, fut)
+
+    def is_set(self) -> bool:
+        return self.flag
+
+    def waiter(self) -> asyncio.Future[None]:
+        """A future of the running loop, done once the wound is set."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        with self._lock:
+            if not self.flag:
+                self._waiters.append((asyncio.get_running_loop(), fut))
+                return fut
+        fut.set_result(None)
+        return fut
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class _Part:
+    """The leases one shard granted a multi-lock."""
+
+    __slots__ = ("shard", "leases", "committed")
+
+    def __init__(self, shard: _Shard, leases: list[Lease]):
+        self.shard = shard
+        self.leases = leases
+        self.committed = False
+
+
+class CrossShardLease:
+    """The leases of :func:`lock_across`, every one committed.
+
+    Attributes:
+        leases (tuple[Lease, ...]): in the shards' order, names in UTF-8 byte order within a shard.
+        lost (asyncio.Event): set as soon as any one of the leases is lost (on the loop
+            that ran :func:`lock_across`).
+        attempts (int): how many times the multi-lock was tried (1: never wounded).
+
+    ``multi["orders/42"]`` is that name's :class:`Lease`; ``multi.fencing_tokens``
+    maps each name to its token.  Release with :func:`release_across` (or leave the
+    ``async with`` of :class:`AcrossContext`).
+    """
+
+    __slots__ = ("parts", "leases", "lost", "attempts", "_by_name")
+
+    def __init__(self, parts: list[_Part], attempts: int):
+        self.parts = tuple(parts)
+        self.leases = tuple(lease for part in parts for lease in part.leases)
+        self.lost = asyncio.Event()
+        self.attempts = attempts
+        self._by_name = {lease.name: lease for lease in self.leases}
+        loop = asyncio.get_running_loop()
+        for part in parts:
+            for lease in part.leases:
+                if part.shard.loop is None or part.shard.loop is loop:
+                    lease.health.when_lost(self.lost.set)
+                else:
+                    lease.health.when_lost(lambda: loop.call_soon_threadsafe(self.lost.set))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(lease.name for lease in self.leases)
+
+    @property
+    def fencing_tokens(self) -> dict[str, int]:
+        return {lease.name: lease.fencing_token for lease in self.leases}
+
+    def lost_names(self) -> list[str]:
+        """The names whose lease is lost."""
+        return [lease.name for lease in self.leases if lease.lost.is_set()]
+
+    def __getitem__(self, name: str) -> Lease:
+        return self._by_name[name]
+
+    def __iter__(self) -> Iterator[Lease]:
+        return iter(self.leases)
+
+    def __len__(self) -> int:
+        return len(self.leases)
+
+    def __repr__(self) -> str:
+        return f"<CrossShardLease {self.fencing_tokens}{' lost' if self.lost.is_set() else ''}>"
+
+
+def _shards(router: Any, names: Iterable[str], sync: bool) -> list[tuple[_Shard, tuple[str, ...]]]:
+    """The names grouped by shard (``router``: a :class:`Router`, or a :class:`SyncRouter`
+    when ``sync``), the shards in the global order."""
+    groups: dict[int, tuple[_Shard, list[str]]] = {}
+    for name in sorted_names(names):
+        owner: Any = router.client_for(name)
+        entry = groups.get(id(owner))
+        if entry is None:
+            shard = _Shard(owner.client, owner.loop) if sync else _Shard(owner, None)
+            entry = groups[id(owner)] = (shard, [])
+        entry[1].append(name)
+    ordered = sorted(groups.values(), key=lambda e: e[0].order)
+    for a, b in zip(ordered, ordered[1:]):
+        if a[0].order == b[0].order:
+            raise FastlockError(f"two clients of the router talk to the same addresses {a[0].order}: "
+                                "one shard, one client")
+    return [(shard, tuple(names)) for shard, names in ordered]
+
+
+async def _reserve(client: Client, part: _Part, names: tuple[str, ...], ttl_ms: int, wait_ms: int,
+                   corr: str | None, stamp: int, multi_id: bytes, wound: _Wound,
+                   renew: bool, renew_fraction: float | None) -> list[Lease]:
+    """One RESERVE of ``names`` on ``client``'s shard, given up (and withdrawn) as soon as
+    ``wound`` is set first (:class:`Wounded`); the leases renewed from the grant when ``renew``."""
+    connector = client.connector
+    proto = await client.ensure_connected()
+    owner = new_owner_key()
+    loop = asyncio.get_running_loop()
+    sent = loop.time()
+    reply_fut = proto.request(OP_RESERVE, list(names), owner, ttl_ms, wait_ms, corr, stamp, multi_id)
+    wound_task = wound.waiter()
+    try:
+        await asyncio.wait({reply_fut, wound_task}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        wound_task.cancel()
+        reply_fut.add_done_callback(_retrieve)
+        _withdraw(connector, proto, names, owner)
+        raise
+    if not reply_fut.done():
+        reply_fut.add_done_callback(_retrieve)  # its answer (Cancelled, a grant released) is not needed
+        _withdraw(connector, proto, names, owner)
+        raise Wounded("wounded by an older multi-lock on another shard")
+    wound_task.cancel()
+    reply = reply_fut.result()
+    tokens, granted_ms, waited_ms = reply[:3]
+    ttl = granted_ms / 1000.0
+    expires_at = sent + waited_ms / 1000.0 + ttl
+    epoch = epoch_of(max(tokens))
+    if epoch > connector.max_epoch:
+        connector.max_epoch = epoch
+    leases = [Lease(name, token, ttl, owner, LeaseState(expires_at)) for name, token in zip(names, tokens)]
+    for lease in leases:
+        if renew_fraction is not None:
+            lease.health.jeopardy_fraction = check_fraction(renew_fraction)
+        if renew:
+            Renewer(client, lease, on_lost=functools.partial(_part_lost, part, lease)).start()
+    part.leases = leases
+    return leases
+
+
+def _part_lost(part: _Part, lease: Lease, why: str) -> None:
+    """A part's lease is lost: a warning once committed (before, a wound is the usual reason)."""
+    if part.committed and not lease.state.lost.is_set():
+        log.warning("lease %s token %d of a multi-lock lost: %s", quote(lease.name), lease.fencing_token, why)
+    lease.state.lost.set()
+
+
+def _withdraw(connector: Any, proto: Any, names: tuple[str, ...], owner: bytes) -> None:
+    """A CANCEL by owner per name: the first withdraws a waiting request (all its names);
+    each releases its name if the grant raced with the withdrawal."""
+    for name in names:
+        connector.withdraw(proto, name, owner)
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+async def _commit(client: Client, multi_id: bytes) -> None:
+    proto = await client.ensure_connected()
+    await proto.request(OP_COMMIT_RESERVATION, multi_id)
+
+
+async def _release_leases(client: Client, leases: list[Lease]) -> list[BaseException]:
+    results = await asyncio.gather(*(client.release(lease) for lease in leases), return_exceptions=True)
+    return [r for r in results if isinstance(r, BaseException)]
+
+
+async def _let_go(parts: list[_Part]) -> None:
+    """Release every lease of ``parts`` (the ones already revoked answer LeaseLost: ignored)."""
+    await asyncio.gather(*(part.shard.run(_release_leases, part.leases) for part in parts), return_exceptions=True)
+
+
+def _let_go_nowait(parts: list[_Part]) -> None:
+    for part in parts:
+        for lease in part.leases:
+            part.shard.call(lambda client, lease=lease: client.release_nowait(lease))
+
+
+async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: float | None,
+                correlation_id: str | None, renew: bool, renew_fraction: float | None,
+                in_order: bool) -> CrossShardLease:
+    ttl_ms = P.check_ttl_ms(P.seconds_to_ms(ttl, "ttl"))
+    wait_ms = P.check_wait_ms(P.seconds_to_ms(wait, "wait", allow_none=True, allow_zero=True))
+    P.check_optional_str(correlation_id, "correlation_id", P.MAX_CORRELATION_ID_CHARS)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    deadline = None if wait_ms < 0 else started + wait_ms / 1000.0
+    multi_id = secrets.token_bytes(16)
+    stamp, stamped_at = wall_ms(), started
+    wounded = _Wound()
+
+    def on_wound(_payload: list[Any]) -> None:  # on the shard's loop
+        wounded.set()
+
+    for shard, _names in shards:
+        shard.call(lambda client: client.connector.wound_listeners.__setitem__(multi_id, on_wound))
+    attempts = 0
+    try:
+        while True:
+            attempts += 1
+            if loop.time() - stamped_at > STAMP_REFRESH_S:
+                stamp, stamped_at = wall_ms(), loop.time()
+            wounded = _Wound()  # this attempt's
+            parts: list[_Part] = []
+            try:
+                if in_order:
+                    for shard, names in shards:
+                        left_ms = -1 if deadline is None else max(0, int((deadline - loop.time()) * 1000))
+                        part = _Part(shard, [])
+                        await shard.run(_reserve, part, names, ttl_ms, left_ms, correlation_id, stamp, multi_id,
+                                        wounded, renew, renew_fraction)
+                        parts.append(part)
+                else:
+                    left_ms = -1 if deadline is None else max(0, int((deadline - loop.time()) * 1000))
+                    parts = [_Part(shard, []) for shard, _names in shards]
+
+                    async def one(part: _Part, names: tuple[str, ...], left_ms: int, stamp: int,
+                                  wounded: _Wound) -> None:
+                        try:
+                            await part.shard.run(_reserve, part, names, ttl_ms, left_ms, correlation_id, stamp,
+                                                 multi_id, wounded, renew, renew_fraction)
+                        except Exception:
+                            wounded.set()  # the other shards' requests are withdrawn too
+                            raise
+
+                    results = await asyncio.gather(*(one(part, names, left_ms, stamp, wounded)
+                                                     for part, (_shard, names) in zip(parts, shards)),
+                                                   return_exceptions=True)
+                    failed = [r for r in results if isinstance(r, BaseException)]
+                    if failed:  # the cause, rather than the withdrawals it caused
+                        raise next((r for r in failed if not isinstance(r, Wounded)), failed[0])
+                if wounded.is_set():
+                    raise Wounded("wounded by an older multi-lock")
+                # every part is held: commit them all at once (any order will do)
+                results = await asyncio.gather(*(part.shard.run(_commit, multi_id) for part in parts),
+                                               return_exceptions=True)
+                failed = [r for r in results if isinstance(r, BaseException)]
+                if failed:
+                    raise failed[0]
+                for part in parts:
+                    part.committed = True
+            except (Wounded, LeaseLost, *RETRYABLE) as exc:
+                await _let_go(parts)
+                if isinstance(exc, ConnectionLost) and not isinstance(exc, Wounded) and deadline is None:
+                    raise
+                if deadline is not None and loop.time() >= deadline:
+                    raise LockNotAcquired(f"{sum(len(n) for _, n in shards)} locks across {len(shards)} shards: "
+                                          f"wait ran out after {attempts} attempts ({exc})") from None
+                log.debug("multi-lock attempt %d: %s; trying again with the same age stamp", attempts, exc)
+                continue
+            except asyncio.CancelledError:
+                _let_go_nowait(parts)
+                raise
+            except BaseException:
+                await _let_go(parts)
+                raise
+            return CrossShardLease(parts, attempts)
+    finally:
+        for shard, _names in shards:
+            shard.call(lambda client: client.connector.wound_listeners.pop(multi_id, None))
+
+
+def lock_across(router: Router, names: Iterable[str], *, ttl: float, wait: float | None = None,
+                correlation_id: str | None = None, jeopardy_fraction: float | None = None,
+                in_order: bool = False) -> AcrossContext:
+    """Lock every name of ``names``, over the shards ``router`` names, all or none.
+
+    Args:
+        router: which shard's client owns each name (:class:`Router`).
+        names: the lock names (at most 64 per shard; distinct).
+        ttl: each lease's TTL, seconds; the leases are renewed (from each part's grant) until released.
+        wait: seconds to keep trying, over every retry (None: without end; 0: once).
+        correlation_id: recorded with every lease.
+        jeopardy_fraction: as :meth:`Client.lock <fastlock.client.Client.lock>`.
+        in_order: take the shards' parts one after the other in the global order of
+            shards (False, the default: every shard's part at once - one round trip
+            instead of one per shard; wound-wait alone keeps it free of deadlock).
+
+    Returns an :class:`AcrossContext`: await it for a :class:`CrossShardLease`
+    (released with :func:`release_across`), or ``async with`` it.
+
+    Raises:
+        LockNotAcquired: ``wait`` ran out (nothing is held).
+        InvalidArgument / WrongArgumentType: bad names or arguments (nothing sent).
+        PermissionDenied, LimitExceeded: a shard refused (nothing is held).
+        ConnectionLost: a shard could not be reached and ``wait`` is None.
+    """
+    return AcrossContext(lambda: _lock(_shards(router, names, False), ttl, wait, correlation_id, True,
+                                       jeopardy_fraction, in_order))
+
+
+async def acquire_across(router: Router, names: Iterable[str], *, ttl: float, wait: float | None = None,
+                         correlation_id: str | None = None, jeopardy_fraction: float | None = None,
+                         in_order: bool = False, renew: bool = False) -> CrossShardLease:
+    """:func:`lock_across` as a coroutine: the :class:`CrossShardLease` (release it with
+    :func:`release_across`); the same arguments and errors.  As ``Client.acquire_many``,
+    the leases are renewed only when ``renew`` is True (:func:`lock_across` always renews)."""
+    return await _lock(_shards(router, names, False), ttl, wait, correlation_id, renew, jeopardy_fraction, in_order)
+
+
+async def release_across(multi: CrossShardLease) -> None:
+    """Release every lease of ``multi`` (all of them, even if one fails).
+    :raises LeaseLost: a lease had ended already (the others are released)."""
+    results = await asyncio.gather(*(part.shard.run(_release_leases, part.leases) for part in multi.parts),
+                                   return_exceptions=True)
+    errors = [e for r in results for e in (r if isinstance(r, list) else [r])]
+    for err in errors:
+        if not isinstance(err, LeaseLost):
+            raise err
+    if errors:
+        multi.lost.set()
+        raise errors[0]
+
+
+class AcrossContext:
+    """Returned by :func:`lock_across`: awaitable (a :class:`CrossShardLease`) and an async
+    context manager (released on exit)."""
+
+    __slots__ = ("_make", "_multi")
+
+    def __init__(self, make: Callable[[], Coroutine[Any, Any, CrossShardLease]]):
+        self._make = make
+        self._multi: CrossShardLease | None = None
+
+    def __await__(self) -> Generator[Any, None, CrossShardLease]:
+        return self._make().__await__()
+
+    async def __aenter__(self) -> CrossShardLease:
+        self._multi = await self._make()
+        return self._multi
+
+    async def __aexit__(self, *exc: object) -> None:
+        multi, self._multi = self._multi, None
+        if multi is None:
+            return
+        try:
+            await release_across(multi)
+        except FastlockError as err:
+            if not multi.lost.is_set():
+                log.warning("could not release all of %d locks across shards: %s", len(multi), err)
+            multi.lost.set()
+
+
+class SyncCrossShardLease:
+    """:class:`CrossShardLease` for threads (:func:`lock_across_sync`): ``fencing_tokens``,
+    ``names``, ``lost`` (a threading-safe check: ``lost.is_set()``), ``release()``, and a
+    context manager that releases on exit."""
+
+    __slots__ = ("multi", "_loop")
+
+    def __init__(self, multi: CrossShardLease, loop: asyncio.AbstractEventLoop):
+        self.multi = multi
+        self._loop = loop
+
+    @property
+    def fencing_tokens(self) -> dict[str, int]:
+        return self.multi.fencing_tokens
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.multi.names
+
+    @property
+    def lost(self) -> asyncio.Event:
+        return self.multi.lost
+
+    def release(self) -> None:
+        """As :func:`release_across`."""
+        asyncio.run_coroutine_threadsafe(release_across(self.multi), self._loop).result()
+
+    def __enter__(self) -> SyncCrossShardLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.release()
+        except FastlockError as err:
+            log.warning("could not release all of %d locks across shards: %s", len(self.multi), err)
+
+
+def lock_across_sync(router: SyncRouter, names: Iterable[str], *, ttl: float, wait: float | None = None,
+                     correlation_id: str | None = None, jeopardy_fraction: float | None = None,
+                     in_order: bool = False) -> SyncCrossShardLease:
+    """:func:`lock_across` for threads: ``router`` returns each name's
+    :class:`~fastlock.client.blocking.SyncClient`.  The multi-lock runs on the first
+    shard's loop (each shard's requests on its own); blocks until it holds every name or
+    fails with :func:`lock_across`'s errors."""
+    shards = _shards(router, names, True)
+    loop = shards[0][0].loop
+    assert loop is not None
+    fut: concurrent.futures.Future[CrossShardLease] = asyncio.run_coroutine_threadsafe(
+        _lock(shards, ttl, wait, correlation_id, True, jeopardy_fraction, in_order), loop)
+    try:
+        return SyncCrossShardLease(fut.result(), loop)
+    except BaseException:
+        fut.cancel()
+        raise
