@@ -356,3 +356,14 @@ async def test_operator_calls_reach_every_group(shards):
         assert revoked.revoked == 4
         for lease in leases:
             assert not await operator.check(lease.name, lease.fencing_token)
+
+
+def test_shard_status_reads_the_map_a_node_serves(shards, server, capsys):
+    from fastlock.cli import main
+
+    assert main(["shard", "status", "--server", shards.address("g1"), "-o", "json"]) == 0
+    assert ShardMap.from_wire(json.loads(capsys.readouterr().out)) == shards.shard_map
+    assert main(["shard", "status", "--server", server.address]) == 1
+    assert "is not sharded" in capsys.readouterr().err
+    assert main(["shard", "status"]) == 1
+    assert "either --coordinator or --server" in capsys.readouterr().err
