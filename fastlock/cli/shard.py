@@ -1,8 +1,9 @@
 """``fastlock shard init|status|addresses``: the shard map kept in etcd (docs/sharding.md).
 
 ``init`` writes the first map (the slots split evenly over the groups given, or a map
-file) if none exists; ``status`` prints the map (``--server``: the one a node serves by); ``addresses`` replaces a group's
-addresses, or adds a group that owns no slot yet, as the next epoch.  Every write is an
+file) if none exists; ``status`` prints the map (``--server``: the one a node serves by);
+``addresses`` replaces a group's addresses, or adds a group that owns no slot yet, as the
+next epoch.  Every write is an
 etcd transaction that fails if the map changed since it was read
 (:mod:`fastlock.coordination.shardmap`); the nodes that follow the map apply the new
 epoch.  Moving slots between groups is not done yet.
