@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import pytest
+from conftest import wait_until
 
 import fastlock
 from fastlock import protocol as P
@@ -332,3 +333,37 @@ async def test_bad_names_and_leases_are_refused_as_without_shards(shards):
             await client.release("not a lease")
         with pytest.raises(TypeError):
             client.lock(b"bytes", ttl=5)
+
+
+async def test_operator_calls_reach_every_group(shards):
+    from fastlock.errors import LockNotHeld
+
+    names = owned(shards, "g0", 2, "op") + owned(shards, "g1", 2, "op")
+    async with fastlock.connect(shards.address("g1"), client_name="holder") as holder, \
+            fastlock.connect(shards.address("g0"), client_name="operator") as operator:
+        async with holder.lock(names[0], ttl=10), holder.lock(names[2], ttl=10):  # a session in each group
+            async def both_sessions() -> list:
+                mine = [s for s in await operator.sessions() if s.client == "holder" and s.leases]
+                return mine if len(mine) == 2 else []
+
+            listed = await wait_until(both_sessions, 20, "a session with a lease in each group")
+            with pytest.raises(LockNotHeld):
+                await operator.close_session("0" * 16)
+            closed = await operator.close_session(listed[0].id)
+            assert closed.revoked == 1
+        leases = [await holder.acquire(n, ttl=10) for n in names]
+        revoked = await operator.revoke_principal("anonymous", reason="test")
+        assert revoked.revoked == 4
+        for lease in leases:
+            assert not await operator.check(lease.name, lease.fencing_token)
+
+
+def test_shard_status_reads_the_map_a_node_serves(shards, server, capsys):
+    from fastlock.cli import main
+
+    assert main(["shard", "status", "--server", shards.address("g1"), "-o", "json"]) == 0
+    assert ShardMap.from_wire(json.loads(capsys.readouterr().out)) == shards.shard_map
+    assert main(["shard", "status", "--server", server.address]) == 1
+    assert "is not sharded" in capsys.readouterr().err
+    assert main(["shard", "status"]) == 1
+    assert "either --coordinator or --server" in capsys.readouterr().err

@@ -22,6 +22,7 @@ Subcommands::
     fastlock elect NAME PROPOSAL | --listen NAME      campaign / print each new leader
     fastlock top [--once] [--rows N] [-o json]        live view of the busiest and most contended locks
     fastlock shard init|status|addresses --coordinator etcd://HOST:PORT/PREFIX   the shard map in etcd
+    fastlock shard status --server HOST:PORT          the shard map a node serves by
 
 The package holds one module per concern: :mod:`~fastlock.cli.args` (argument
 types and shared options), :mod:`~fastlock.cli.serve`,

@@ -1,8 +1,9 @@
 """``fastlock shard init|status|addresses``: the shard map kept in etcd (docs/sharding.md).
 
 ``init`` writes the first map (the slots split evenly over the groups given, or a map
-file) if none exists; ``status`` prints the map; ``addresses`` replaces a group's
-addresses, or adds a group that owns no slot yet, as the next epoch.  Every write is an
+file) if none exists; ``status`` prints the map (``--server``: the one a node serves by);
+``addresses`` replaces a group's addresses, or adds a group that owns no slot yet, as the
+next epoch.  Every write is an
 etcd transaction that fails if the map changed since it was read
 (:mod:`fastlock.coordination.shardmap`); the nodes that follow the map apply the new
 epoch.  Moving slots between groups is not done yet.
@@ -15,6 +16,8 @@ import asyncio
 import json
 from typing import Any
 
+from ..client import Client
+from ..client.sharded import read_shard_map
 from ..coordination.access import EtcdAccess
 from ..coordination.shardmap import load_from_etcd
 from ..sharding import ShardGroup, ShardMap, ShardMapError, even_ranges, load_map_file
@@ -37,8 +40,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     for name, what in (("init", "write the first shard map"), ("status", "print the shard map"),
                        ("addresses", "replace a group's addresses, or add a group (the next epoch)")):
         p = commands.add_parser(name, help=what)
-        p.add_argument("--coordinator", required=True, metavar="etcd://HOST:PORT[,HOST:PORT]/PREFIX",
+        p.add_argument("--coordinator", required=name != "status", metavar="etcd://HOST:PORT[,HOST:PORT]/PREFIX",
                        help="the etcd and key prefix the groups use; the map is the key PREFIX/shard-map")
+        if name == "status":
+            p.add_argument("--server", metavar="HOST:PORT",
+                           help="instead of --coordinator: the map a node serves by (SHARD_MAP; a static map "
+                                "file's too); its token from FASTLOCK_TOKEN_FILE, as every client's")
         p.add_argument("-o", "--output", choices=("text", "json"), default="text")
         p.add_argument("--coordinator-protocol", choices=("http", "https"), default="http",
                        help="how to reach etcd: https verifies etcd's certificate (docs/etcd.md); default http")
@@ -68,7 +75,25 @@ def _print(shard_map: ShardMap, output: str) -> None:
         print(f"slots {r.first}..{r.last}: {r.group}")
 
 
+async def _served_map(server: str) -> ShardMap:
+    """The map the node at ``server`` serves by.  :raises ShardMapError: it is not sharded."""
+    client = Client([server], client_name="fastlock-shard")
+    try:
+        await client.ensure_connected()
+        found = await read_shard_map(client)
+    finally:
+        await client.close()
+    if found is None:
+        raise ShardMapError(f"{server} is not sharded: it serves every name")
+    return found[1]
+
+
 async def _run(args: argparse.Namespace) -> int:
+    if args.shard_command == "status" and (args.server is None) == (args.coordinator is None):
+        raise ShardMapError("give either --coordinator or --server")
+    if args.shard_command == "status" and args.server is not None:
+        _print(await _served_map(args.server), args.output)
+        return 0
     access = EtcdAccess(args.coordinator_protocol, args.coordinator_cacert, args.coordinator_cert,
                         args.coordinator_key, args.coordinator_user, args.coordinator_password_file)
     access.check()

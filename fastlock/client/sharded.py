@@ -30,12 +30,13 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..errors import CrossShard, ProtocolError, WrongShard
+from ..errors import CrossShard, LockNotHeld, ProtocolError, WrongShard
 from ..protocol.ops import OP_SHARD_MAP
 from ..sharding import ShardMap
-from .admin import LockList
+from .admin import LockList, PrincipalRevocation
 from .calls import call
 from .client import Client
+from .session import SessionClosed, SessionInfo
 
 __all__ = ["ShardedClient", "read_shard_map", "route_if_sharded"]
 
@@ -304,14 +305,31 @@ class ShardedClient(Client):
     def watch_prefix(self, *args: Any, **kwargs: Any) -> Any:
         return self.seed.watch_prefix(*args, **kwargs)
 
-    async def sessions(self, *args: Any, **kwargs: Any) -> Any:
-        return await self.seed.sessions(*args, **kwargs)
+    async def sessions(self, principal: str | None = None) -> list[SessionInfo]:
+        """Every group's client sessions (as :meth:`Client.sessions`; a client has one per group)."""
+        pages = await asyncio.gather(*(c.sessions(principal) for c in self.group_clients().values()))
+        return [info for page in pages for info in page]
 
-    async def close_session(self, *args: Any, **kwargs: Any) -> Any:
-        return await self.seed.close_session(*args, **kwargs)
+    async def close_session(self, session_id: str, *, reason: str | None = None) -> SessionClosed:
+        """Close session ``session_id`` in the group that has it (as :meth:`Client.close_session`).
 
-    async def revoke_principal(self, *args: Any, **kwargs: Any) -> Any:
-        return await self.seed.revoke_principal(*args, **kwargs)
+        :raises LockNotHeld: no group has it.
+        """
+        missing: LockNotHeld | None = None
+        for client in self.group_clients().values():
+            try:
+                return await client.close_session(session_id, reason=reason)
+            except LockNotHeld as exc:
+                missing = exc
+        assert missing is not None  # a map names at least one group
+        raise missing
+
+    async def revoke_principal(self, principal: str, *, reason: str | None = None) -> PrincipalRevocation:
+        """Revoke every lease ``principal`` holds in every group (as :meth:`Client.revoke_principal`):
+        the counts are the groups' sums."""
+        done = await asyncio.gather(*(c.revoke_principal(principal, reason=reason)
+                                      for c in self.group_clients().values()))
+        return PrincipalRevocation(principal, sum(d.revoked for d in done), sum(d.waiting for d in done))
 
     async def close(self) -> None:
         """Close every group's client (each as :meth:`Client.close`)."""
