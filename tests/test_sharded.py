@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from conftest import wait_until
@@ -70,11 +71,13 @@ def _request_naming(op: int, name: str) -> list:
     where = NAMES_OF_OP[op]
     assert where is not None
     fewest = P.OP_ARITY[op][0]
-    args: list = [None] * max(fewest, *(i + 1 for i in (*where.names, *where.rows)))
+    args: list = [None] * max(fewest, *(i + 1 for i in (*where.names, *where.rows, *where.lists)))
     for i in where.names:
         args[i] = name
     for i in where.rows:
         args[i] = [[name, 1, OWNER]]
+    for i in where.lists:
+        args[i] = [name]
     return args
 
 
@@ -367,3 +370,36 @@ def test_shard_status_reads_the_map_a_node_serves(shards, server, capsys):
     assert "is not sharded" in capsys.readouterr().err
     assert main(["shard", "status"]) == 1
     assert "either --coordinator or --server" in capsys.readouterr().err
+
+
+async def test_a_multi_lock_across_groups_through_the_routing_client(shards):
+    """ShardedClient.lock_across takes names of both groups all or none (wound-wait
+    reservations, fastlock.client.across) with the map as its router; a RESERVE that names
+    another group's name is redirected and holds nothing."""
+    g0_names, g1_names = owned(shards, "g0", 2, "x"), owned(shards, "g1", 2, "x")
+    names = g0_names + g1_names
+    async with fastlock.connect(shards.address("g0"), client_name="across") as client:
+        async with client.lock_across(names, ttl=10, wait=10) as multi:
+            assert set(multi.names) == set(names)
+            for name in names:  # each group holds its own names under the tokens returned
+                assert await client.client_for(name).check(name, multi.fencing_tokens[name])
+            async with fastlock.connect(shards.address("g1"), client_name="other") as other:
+                with pytest.raises(fastlock.LockNotAcquired):
+                    await other.acquire_across([g0_names[0], g1_names[1]], ttl=5, wait=0)
+        for group in ("g0", "g1"):
+            node = await RawNode.open(shards.address(group))
+            try:
+                assert (await node.request(P.OP_LOCKS, "", None))["locks"] == []
+            finally:
+                await node.close()
+    node = await RawNode.open(shards.address("g0"))
+    try:
+        with pytest.raises((WrongShard, CrossShard)):
+            await node.request(ops.OP_RESERVE, [g0_names[0], g1_names[0]], OWNER, 5000, 0, None,
+                               int(time.time() * 1000), b"m" * 16)
+        with pytest.raises(WrongShard):
+            await node.request(ops.OP_RESERVE, [g1_names[0]], OWNER, 5000, 0, None, int(time.time() * 1000),
+                               b"m" * 16)
+        assert (await node.request(P.OP_LOCKS, "", None))["locks"] == []
+    finally:
+        await node.close()

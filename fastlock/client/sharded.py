@@ -33,6 +33,7 @@ from typing import Any
 from ..errors import CrossShard, LockNotHeld, ProtocolError, WrongShard
 from ..protocol.ops import OP_SHARD_MAP
 from ..sharding import ShardMap
+from .across import AcrossContext, CrossShardLease, acquire_across, lock_across, release_across
 from .admin import LockList, PrincipalRevocation
 from .calls import call
 from .client import Client
@@ -121,7 +122,8 @@ class ShardedClient(Client):
         if len(groups) != 1:
             raise CrossShard(f"these names span shard groups {', '.join(groups)} (shard map epoch "
                              f"{self.shard_map.epoch}): one call's names must be in one group; put a hash tag "
-                             f"in them, e.g. '{{tag}}:name', to keep them together", tuple(groups),
+                             f"in them, e.g. '{{tag}}:name', to keep them together, or take them all or none "
+                             f"across groups with lock_across", tuple(groups),
                              self.shard_map.epoch)
         return groups[0]
 
@@ -252,6 +254,24 @@ class ShardedClient(Client):
     async def release_many(self, multi: Any, *args: Any, **kwargs: Any) -> Any:
         names = getattr(multi, "names", ())  # not a MultiLease: the seed's client refuses it
         return await self.group_client(self.group_of(names)).release_many(multi, *args, **kwargs)
+
+    # -- several names over several groups: a cross-shard multi-lock (fastlock.client.across) ------
+    def lock_across(self, names: Iterable[str], *, ttl: float, wait: float | None = None,
+                    **kwargs: Any) -> AcrossContext:
+        """``async with client.lock_across(names, ttl=10.0) as multi:`` - every name, all or
+        none, wherever the map puts each (wound-wait reservations, one per group): as
+        :func:`fastlock.client.across.lock_across` with this client as the router; ``ttl``
+        and ``wait`` in seconds, the same keyword arguments and errors."""
+        return lock_across(self, names, ttl=ttl, wait=wait, **kwargs)
+
+    async def acquire_across(self, names: Iterable[str], *, ttl: float, wait: float | None = None,
+                             **kwargs: Any) -> CrossShardLease:
+        """:meth:`lock_across` as a coroutine (release with :meth:`release_across`)."""
+        return await acquire_across(self, names, ttl=ttl, wait=wait, **kwargs)
+
+    async def release_across(self, multi: CrossShardLease) -> None:
+        """Release every lease of ``multi`` (:func:`fastlock.client.across.release_across`)."""
+        await release_across(multi)
 
     # -- calls that name none, or a prefix: the seed's group --------------------------------------
     @property

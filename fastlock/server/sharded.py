@@ -131,7 +131,7 @@ class ShardGate:
                 handlers.by_op[op] = (self._checked(handler, where), fewest, most)
 
     def _checked(self, handler: Handler, where: NamesAt) -> Handler:
-        if where.names == (0,) and not where.rows:  # one name, the first argument: the common case
+        if where.names == (0,) and not where.rows and not where.lists:  # one name, the first argument: the common case
             check_name = self.check_name
 
             def one_name(conn: Any, req_id: int, msg: list) -> None:

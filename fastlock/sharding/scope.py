@@ -30,6 +30,8 @@ class NamesAt(NamedTuple):
     #: each holds a list of rows whose first item is a name (ACQUIRE_MANY's ``[name, shared]``,
     #: SESSION_ATTACH's ``[name, token, ...]``)
     rows: tuple[int, ...] = ()
+    #: each holds a list of names (RESERVE's)
+    lists: tuple[int, ...] = ()
 
 
 _FIRST = NamesAt(names=(0,))
@@ -77,6 +79,8 @@ NAMES_OF_OP: dict[int, NamesAt | None] = {
     P.OP_SESSION_REVOKE: None,
     P.OP_KEY_WATCH_FROM: None,  # a prefix: this group's keys
     P.OP_SHARD_MAP: None,
+    P.OP_RESERVE: NamesAt(lists=(0,)),  # one shard's part of a cross-shard multi-lock: this group's names
+    P.OP_COMMIT_RESERVATION: None,  # a multi-lock id
 }
 
 
@@ -93,3 +97,9 @@ def names_in(where: NamesAt, args: list) -> Iterator[str]:
             for row in rows:
                 if type(row) is list and row and type(row[0]) is str:
                     yield row[0]
+    for i in where.lists:
+        names = args[i] if i < count else None
+        if type(names) is list:
+            for name in names:
+                if type(name) is str:
+                    yield name
