@@ -217,7 +217,11 @@ def test_compacted_diverged_and_bad_revisions(server_factory):
                 assert st["limits"]["watches"] == 1
                 assert st["watch_history"]["kept"] == st["watch_history"]["limit"] == 10
                 assert st["watch_history"]["floor"] >= info.value.oldest
-                # from the oldest kept it resumes (its changes are replayed first)
+                # from the oldest kept it resumes (its changes are replayed first); its revision is the
+                # published one: the last release is published once its record is durable (an fsync that
+                # may still run), so wait for that first
+                await poll(c.status, lambda s: s["watch_history"]["pending"] == 0, timeout=30,
+                           what="every change published")
                 assert (await node.request(OP_WATCH_FROM, "x", st["watch_history"]["floor"]))["revision"] >= now
                 assert (await c.status())["limits"]["watches"] == 1
             finally:
