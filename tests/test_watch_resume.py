@@ -219,7 +219,8 @@ def test_compacted_diverged_and_bad_revisions(server_factory):
                 assert st["limits"]["watches"] == 1
                 assert st["watch_history"]["kept"] == st["watch_history"]["limit"] == 10
                 assert st["watch_history"]["floor"] >= info.value.oldest
-                # from the oldest kept it resumes (its changes are replayed first)
+                # from the oldest kept it resumes (its changes are replayed first); its revision is the
+                # published one (every change is, from the status read above)
                 assert (await node.request(OP_WATCH_FROM, "x", st["watch_history"]["floor"]))["revision"] >= now
                 assert (await c.status())["limits"]["watches"] == 1
             finally:

@@ -74,3 +74,33 @@ def test_a_reply_resolves_its_future_and_an_error_reply_raises():
         assert not conn.pending
 
     asyncio.run(main())
+
+
+def test_grant_delivery_queues_plain_acquires_and_returns_the_rest_in_order():
+    """``deliver_grants``: a plain ACQUIRE's grant to a live connection is queued on it as
+    msgpack writes ``[id, 0, [token, ttl_ms, waited_ms]]``; a grant to a closed or unknown
+    connection, or one whose request is an object (sequencer, ACQUIRE_MANY), is returned
+    for the Python path, in the order given."""
+    from types import SimpleNamespace
+
+    from fastlock.server._wire import deliver_grants
+
+    server = SimpleNamespace(dirty=[])
+
+    def wire(session: int, closed: bool = False) -> SessionWire:
+        conn = SessionWire()
+        conn.server, conn.session, conn.out, conn.out_bytes, conn.closed = server, session, [], 0, closed
+        return conn
+
+    live, closed = wire(1), wire(2, closed=True)
+    sessions = {1: live, 2: closed}
+
+    def grant(session: int, request: object, token: int) -> SimpleNamespace:
+        return SimpleNamespace(session=session, request=request, token=token, ttl_ms=10_000, waited_ms=3)
+
+    many = object()
+    grants = [grant(1, 5, 100), grant(2, 6, 101), grant(3, 7, 102), grant(1, many, 103), grant(1, 8, 104)]
+    rest = deliver_grants(sessions, grants)
+    assert [ev.token for ev in rest] == [101, 102, 103]
+    assert live.out == [msgpack.packb([5, 0, [100, 10_000, 3]]), msgpack.packb([8, 0, [104, 10_000, 3]])]
+    assert closed.out == [] and server.dirty == [live]

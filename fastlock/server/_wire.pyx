@@ -461,3 +461,28 @@ cpdef extend(object handlers, SessionWire conn, object req_id, list msg):
         handlers.extend_when_durable(conn, req_id, name, token, reply, ttl_ms)
         return
     conn.send(reply)
+
+
+# -- grant delivery ----------------------------------------------------------------------
+
+cpdef list deliver_grants(dict sessions, list grants):
+    """Queue the reply of each acknowledged ``EV_GRANTED`` event of ``grants`` whose request
+    is a plain ACQUIRE (its request id, an int) on its live connection (``sessions``: session
+    id -> connection), as :func:`ok_grant` writes it.  Returns the others, in order: a grant
+    whose connection is gone or closing, or whose request is an object (a sequencer's, an
+    ACQUIRE_MANY's), for :meth:`fastlock.server.lockserver.LockServer.deliver_grants` to
+    handle."""
+    cdef list rest = []
+    cdef SessionWire conn
+    for ev in grants:
+        request = ev.request
+        wire = sessions.get(ev.session)
+        if type(request) is not int or wire is None or not isinstance(wire, SessionWire):
+            rest.append(ev)
+            continue
+        conn = <SessionWire>wire
+        if conn.closed:
+            rest.append(ev)
+            continue
+        conn.send(ok_grant(request, ev.token, ev.ttl_ms, ev.waited_ms))
+    return rest

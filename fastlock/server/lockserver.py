@@ -74,6 +74,7 @@ from ..units import format_address, monotonic_ms
 from ..wal import DataDirInUse, HolderSlices, SnapshotState, WriteAheadLog, secure_directory
 from ..wal.log import paused_gc
 from . import lockdelays
+from ._wire import deliver_grants
 from .admission import ConnectionLimits, PrincipalQuotas
 from .config import ServerConfig, check_limits
 from .coordinated import CoordinatedNode, claim_data_dir
@@ -580,6 +581,8 @@ class LockServer:
         if source.fencing:  # (not paired: nothing to check)
             source.fence_if_due(monotonic_ms())
         refused = refused_by or (None if self.roles.may(Action.ACQUIRE) else refusal(self.roles, Action.ACQUIRE))
+        if refused is None:  # plain ACQUIREs to live connections: compiled (server/_wire.pyx)
+            grants = deliver_grants(sessions, grants)
         for ev in grants:
             conn = sessions.get(ev.session)
             if conn is None or conn.closed:
