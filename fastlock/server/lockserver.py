@@ -533,6 +533,7 @@ class LockServer:
                 wal.log_expire(ev.name, ev.token)
                 revisions.logged(ev.name, "expired", ev.token, ev.meta)
                 self.keys.lease_ended(ev.name, ev.token, "expired")
+                self.handlers.sessions.lease_ended(ev.name, ev.token)
                 if ev.lock_delay_ms:
                     lockdelays.log_expired(wal, ev)
                 quotas.lease_expired(ev, monotonic_ms())  # its lock-delay counts as its lease until it ends
@@ -605,6 +606,7 @@ class LockServer:
         self.wal.log_release(name, token)
         self.revisions.logged(name, "released", token, meta)
         self.keys.lease_ended(name, token, "released")
+        self.handlers.sessions.lease_ended(name, token)
         self.quotas.lease_ended(token, meta)
 
     # -- the expiry timer -------------------------------------------------------------------
