@@ -522,3 +522,23 @@ def test_a_lease_is_attached_to_one_session_at_a_time(server):
         assert renewed == [0, 0, 0, 1]  # the last session it was attached to renews it
     finally:
         raw.close()
+
+
+def test_the_per_connection_session_limit_follows_a_session_to_the_connection_it_was_last_heard_from(server):
+    """Sessions count against the connection each was last heard from: a keep-alive from
+    another connection moves one there, and a closed session frees its place."""
+    a, b = RawSocket(server.address), RawSocket(server.address)
+    try:
+        keys = [os.urandom(16) for _ in range(MAX_SESSIONS_PER_CONNECTION)]
+        assert all(r[1] == 0 for r in a.send([(P.OP_SESSION_OPEN, k, 60_000) for k in keys]))
+        refused = a.send([(P.OP_SESSION_OPEN, os.urandom(16), 60_000)])[0]
+        assert refused[1] == LimitExceeded.code and "sessions open" in refused[2]
+        assert b.send([(P.OP_SESSION_KEEPALIVE, keys[0])])[0][1] == 0  # heard from b now
+        assert a.send([(P.OP_SESSION_OPEN, os.urandom(16), 60_000)])[0][1] == 0
+        more = b.send([(P.OP_SESSION_OPEN, os.urandom(16), 60_000) for _ in range(MAX_SESSIONS_PER_CONNECTION)])
+        assert [r[1] for r in more] == [0] * (MAX_SESSIONS_PER_CONNECTION - 1) + [LimitExceeded.code]
+        assert b.send([(P.OP_SESSION_CLOSE, keys[0])])[0][1] == 0
+        assert b.send([(P.OP_SESSION_OPEN, os.urandom(16), 60_000)])[0][1] == 0
+    finally:
+        a.close()
+        b.close()

@@ -121,7 +121,7 @@ class ClientSession:
     """One client session (module docstring).  Times are this server's monotonic ms."""
 
     __slots__ = ("id", "key_hash", "principal", "client", "address", "ttl_ms", "opened_ms", "last_heard_ms",
-                 "connection", "leases", "sequenced", "epoch", "ended")
+                 "connection", "leases", "sequenced", "epoch", "ended", "longest_ms")
 
     def __init__(self, key_hash: bytes, principal: str, client: str | None, address: str, ttl_ms: int,
                  now: int, connection: int, epoch: int):
@@ -145,6 +145,8 @@ class ClientSession:
         #: the (name, token) of attached leases that ended since the last keep-alive, oldest first
         #: (at most MAX_LOST_LISTED): the next keep-alive names them as lost
         self.ended: deque[tuple[str, int]] = deque(maxlen=MAX_LOST_LISTED)
+        #: the longest TTL (ms) of the leases attached to it since it was opened
+        self.longest_ms = 0
 
     def drop(self, key: tuple[str, int]) -> bool:
         """Detach lease ``key`` (name, token), if attached; True if it was."""
@@ -154,9 +156,10 @@ class ClientSession:
         return True
 
     def deadline_ms(self) -> int:
-        """When the session ends unless heard from: last heard + the longest of its TTL and its leases'."""
-        longest = max((a.ttl_ms for a in self.leases.values()), default=0) if self.leases else 0
-        return self.last_heard_ms + max(self.ttl_ms, longest)
+        """When the session ends unless heard from: last heard + the longest of its TTL and
+        the TTLs of the leases attached to it since it was opened (O(1): a sweep looks at
+        every session, whatever their leases)."""
+        return self.last_heard_ms + max(self.ttl_ms, self.longest_ms)
 
     def row(self, now: int) -> dict:
         """The session as ``fastlock sessions`` lists it (times in ms)."""
@@ -179,6 +182,8 @@ class SessionRegistry:
         self.by_hash: dict[bytes, ClientSession] = {}
         self.by_id: dict[str, ClientSession] = {}
         self.per_principal: dict[str, int] = {}
+        #: connection (server session number) -> the sessions last heard from it
+        self.per_connection: dict[int, int] = {}
         #: (name, token) -> the session the lease is attached to (one at a time)
         self.attached_to: dict[tuple[str, int], ClientSession] = {}
         self.keepalives = 0
@@ -210,6 +215,14 @@ class SessionRegistry:
             self.per_principal[s.principal] = left
         else:
             self.per_principal.pop(s.principal, None)
+        self._left_connection(s.connection)
+
+    def _left_connection(self, connection: int) -> None:
+        left = self.per_connection.get(connection, 1) - 1
+        if left > 0:
+            self.per_connection[connection] = left
+        else:
+            self.per_connection.pop(connection, None)
 
     def sweep(self, now: int, most: int = 10_000) -> None:
         """Remove sessions not heard from past their deadline, and stale ones (at most ``most`` looked at)."""
@@ -260,6 +273,8 @@ class SessionRegistry:
             before.drop(key)
         self.attached_to[key] = s
         s.leases[key] = lease
+        if lease.ttl_ms > s.longest_ms:
+            s.longest_ms = lease.ttl_ms
 
     def lease_ended(self, name: str, token: int) -> None:
         """The lease (``name``, ``token``) was released, expired or revoked: detach it from its
@@ -271,6 +286,8 @@ class SessionRegistry:
     def _heard(self, s: ClientSession, conn: Session, now: int) -> None:
         s.last_heard_ms = now
         if s.connection != conn.session:
+            self._left_connection(s.connection)
+            self.per_connection[conn.session] = self.per_connection.get(conn.session, 0) + 1
             s.connection = conn.session
             s.address = conn.peer
             s.client = conn.client_name
@@ -298,7 +315,7 @@ class SessionRegistry:
             self._heard(s, conn, now)
             conn.send(P.encode_ok(req_id, {"id": s.id, "ttl_ms": ttl_ms, "resumed": True, "leases": len(s.leases)}))
             return
-        mine = sum(1 for x in self.by_id.values() if x.connection == conn.session)
+        mine = self.per_connection.get(conn.session, 0)
         if mine >= MAX_SESSIONS_PER_CONNECTION:
             raise LimitExceeded(f"this connection has {mine} sessions open, the most allowed "
                                 f"({MAX_SESSIONS_PER_CONNECTION}): close one first")
@@ -312,6 +329,7 @@ class SessionRegistry:
         self.by_hash[key_hash] = s
         self.by_id[s.id] = s
         self.per_principal[conn.principal] = self.per_principal.get(conn.principal, 0) + 1
+        self.per_connection[conn.session] = self.per_connection.get(conn.session, 0) + 1
         conn.send(P.encode_ok(req_id, {"id": s.id, "ttl_ms": ttl_ms, "resumed": False, "leases": 0}))
 
     def op_attach(self, conn: Session, req_id: int, msg: list) -> None:
