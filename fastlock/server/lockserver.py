@@ -88,7 +88,7 @@ from .reclaim import ReclaimGate
 from .session import Session, shown_client
 from .shares import client_principals
 from .tasks import BackgroundTasks
-from .watchlog import Revisions
+from .watchlog import ReplayPager, Revisions
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +193,8 @@ class LockServer:
         self.handlers = Handlers(self, credentials)
         #: watch revisions: the history resuming watches replay, progress notices (fastlock.server.watchlog)
         self.revisions = Revisions(self, self.handlers.watches, config.watch_history, config.watch_progress_interval)
+        #: the replays of resuming watches, a page per connection per loop turn (fastlock.server.watchlog)
+        self.replays = ReplayPager(self)
         if self.follower is not None:
             self.follower.revisions = self.revisions
         #: key revisions: the history resuming prefix watches replay (fastlock.server.keyrevisions)
