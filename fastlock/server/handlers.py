@@ -492,20 +492,24 @@ class Handlers:
         # a long replay: REPLAY_PAGE pushes per loop turn (server.replays), the live watch
         # started in the turn it has caught up with what is published
         self._check_watch_room(conn, name)
-        after = since if since is not None else 0  # (a new watch replays nothing: never paged)
+        after = since
 
-        def next_page(limit: int) -> list[bytes]:
+        def next_page(limit: int) -> tuple[list[bytes], bool]:
             nonlocal after
             self.roles.admit(Action.READ)
+            if after is None:  # a new watch (queued behind a resume): nothing to replay
+                return [], True
             changes = revisions.replay(name, after, limit)
             if changes:
                 after = changes[-1].revision
-            return [_watch_rev_push(name, change) for change in changes]
+            return [_watch_rev_push(name, change) for change in changes], len(changes) < limit
 
         def finish() -> None:
-            self._add_watch(conn, name, None)
+            begins = revisions.current() if since is None else None
+            self._add_watch(conn, name, begins)
             self.watches.revisioned.add(conn.session)
-            conn.send(P.encode_ok(req_id, {"holder": self._holder_info(name), "revision": revisions.progress()}))
+            conn.send(P.encode_ok(req_id, {"holder": self._holder_info(name),
+                                           "revision": begins if begins is not None else revisions.progress()}))
 
         pager.add(conn, req_id, next_page, finish)
 

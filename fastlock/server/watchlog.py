@@ -39,8 +39,8 @@ from ..protocol.ops import PUSH_WATCH_PROGRESS
 from ..roles import Action, Role
 from ..tokens import TOKEN_EPOCH_SHIFT, counter_of, epoch_of
 
-__all__ = ["DEFAULT_HISTORY", "DEFAULT_PROGRESS_INTERVAL", "REPLAY_PAGE", "ReplayPager", "Revisions", "WatchChange",
-           "WatchLog", "check_lineage", "revision", "shown_revision"]
+__all__ = ["DEFAULT_HISTORY", "DEFAULT_PROGRESS_INTERVAL", "REPLAY_PAGE", "REPLAY_PAGE_BYTES", "ReplayPager",
+           "Revisions", "WatchChange", "WatchLog", "check_lineage", "revision", "shown_revision"]
 
 #: changes kept for resuming watches by default (about 150 bytes each)
 DEFAULT_HISTORY = 100_000
@@ -48,6 +48,8 @@ DEFAULT_HISTORY = 100_000
 DEFAULT_PROGRESS_INTERVAL = 10.0
 #: the replayed changes one connection is sent per loop turn (a resume's others in later turns)
 REPLAY_PAGE = 1_000
+#: about the most bytes of key values one page of a key watch's replay carries (one value more at most)
+REPLAY_PAGE_BYTES = 1 << 20
 
 
 def revision(epoch: int, lsn: int) -> int:
@@ -357,8 +359,9 @@ class ReplayPager:
 
     Each connection's resumes run one after the other, in the order they came.  A resume
     is ``next_page(limit)``, which returns its next pushes (at most ``limit`` encoded
-    frames, fewer once it has caught up with what is published), and ``finish()``, called
-    in the turn it caught up: it starts the live watch and replies.  A
+    frames; fewer when they carry many bytes) and whether it has caught up with what is
+    published, and ``finish()``, called in the turn it caught up: it starts the live watch
+    and replies.  A
     :class:`~fastlock.errors.FastlockError` either raises is the request's error reply
     (``Compacted`` with the oldest revision kept).  A connection that closes drops its
     resumes.
@@ -367,13 +370,13 @@ class ReplayPager:
     def __init__(self, server: Any) -> None:
         self.server = server
         #: connection (server session number) -> its resumes not yet finished, oldest first
-        self.queues: dict[int, deque[tuple[int, Callable[[int], list[bytes]], Callable[[], None]]]] = {}
+        self.queues: dict[int, deque[tuple[int, Callable[[int], tuple[list[bytes], bool]], Callable[[], None]]]] = {}
 
     def busy(self, conn: Any) -> bool:
         """Whether ``conn`` has a resume still being sent (a later one must queue behind it)."""
         return conn.session in self.queues
 
-    def add(self, conn: Any, req_id: int, next_page: Callable[[int], list[bytes]],
+    def add(self, conn: Any, req_id: int, next_page: Callable[[int], tuple[list[bytes], bool]],
             finish: Callable[[], None]) -> None:
         """Queue the resume of request ``req_id`` (see the class docstring)."""
         queue = self.queues.get(conn.session)
@@ -394,12 +397,12 @@ class ReplayPager:
         while queue and budget > 0:
             req_id, next_page, finish = queue[0]
             try:
-                frames = next_page(budget)
+                frames, done = next_page(budget)
                 for frame in frames:
                     conn.send(frame)
                 budget -= len(frames)
-                if budget <= 0:
-                    break  # perhaps more: the next turn asks again
+                if not done:
+                    break  # the next turn asks again
                 queue.popleft()
                 finish()
             except FastlockError as exc:
