@@ -461,6 +461,7 @@ def test_a_long_key_replay_goes_out_a_page_per_turn_and_misses_nothing(server):
     most REPLAY_PAGE changes, about REPLAY_PAGE_BYTES of values): a PING sent right behind it is
     answered first, and every change still comes once, in order, before the reply."""
     import os
+    import time
 
     from test_sessions import RawSocket
 
@@ -476,6 +477,10 @@ def test_a_long_key_replay_goes_out_a_page_per_turn_and_misses_nothing(server):
         puts = 3 * REPLAY_PAGE_BYTES // len(value) + 2
         for i in range(puts):
             assert raw.send([(OP_KEY_PUT, f"big/{i % 3}", value, None, 0, None, KEY_UPSERT)])[0][1] == 0
+        deadline = time.monotonic() + 30  # every change published (else the last may come live, after the reply)
+        while raw.send([(P.OP_STATUS,)])[0][2]["key_watch_history"]["pending"]:
+            assert time.monotonic() < deadline, "key changes still unpublished after 30 s"
+            time.sleep(0.01)
         first = resumer.next_id
         resumer.sock.sendall(resumer.packb([first, OP_KEY_WATCH_FROM, "big/", origin, None])
                              + resumer.packb([first + 1, P.OP_PING]))

@@ -340,13 +340,16 @@ class KeyStore:
         server = self.server
         server.roles.admit(Action.READ)
         revisions = server.key_revisions
+        pager = server.replays
+        busy = pager.busy(conn)
         try:
-            replay = [] if rev is None else revisions.replay(prefix, rev, index)
+            # (behind another resume of this connection: listed when its turn comes, so that only
+            # the resume being sent holds its list)
+            replay = [] if rev is None or busy else revisions.replay(prefix, rev, index)
         except Compacted as exc:
             conn.send(P.encode_error(req_id, exc.code, str(exc), exc.oldest))
             return
-        pager = server.replays
-        if len(replay) <= REPLAY_PAGE and not pager.busy(conn) and sum(
+        if not busy and len(replay) <= REPLAY_PAGE and sum(
                 len(c.value) for c in replay if c.value is not None) <= REPLAY_PAGE_BYTES:
             self._add_watch(conn, prefix)
             self.revisioned.add(conn.session)

@@ -33,7 +33,7 @@ from itertools import islice
 from operator import itemgetter
 from typing import Any, NamedTuple
 
-from ..errors import Compacted, FastlockError, WatchDiverged
+from ..errors import Compacted, FastlockError, LimitExceeded, WatchDiverged
 from ..protocol.framing import encode_error, encode_push
 from ..protocol.ops import PUSH_WATCH_PROGRESS
 from ..roles import Action, Role
@@ -50,6 +50,8 @@ DEFAULT_PROGRESS_INTERVAL = 10.0
 REPLAY_PAGE = 1_000
 #: about the most bytes of key values one page of a key watch's replay carries (one value more at most)
 REPLAY_PAGE_BYTES = 1 << 20
+#: the most resumes one connection may have waiting behind a long replay (LimitExceeded beyond)
+MAX_QUEUED_RESUMES = 256
 
 
 def revision(epoch: int, lsn: int) -> int:
@@ -364,7 +366,7 @@ class ReplayPager:
     and replies.  A
     :class:`~fastlock.errors.FastlockError` either raises is the request's error reply
     (``Compacted`` with the oldest revision kept).  A connection that closes drops its
-    resumes.
+    resumes.  At most :data:`MAX_QUEUED_RESUMES` wait per connection.
     """
 
     def __init__(self, server: Any) -> None:
@@ -378,9 +380,14 @@ class ReplayPager:
 
     def add(self, conn: Any, req_id: int, next_page: Callable[[int], tuple[list[bytes], bool]],
             finish: Callable[[], None]) -> None:
-        """Queue the resume of request ``req_id`` (see the class docstring)."""
+        """Queue the resume of request ``req_id`` (see the class docstring).
+
+        :raises LimitExceeded: :data:`MAX_QUEUED_RESUMES` resumes of ``conn`` wait already."""
         queue = self.queues.get(conn.session)
         if queue is not None:
+            if len(queue) >= MAX_QUEUED_RESUMES:
+                raise LimitExceeded(f"this connection has {len(queue)} watch resumes waiting behind a long replay, "
+                                    f"the most allowed ({MAX_QUEUED_RESUMES}): resume the others once they are done")
             queue.append((req_id, next_page, finish))
             return
         self.queues[conn.session] = deque([(req_id, next_page, finish)])
