@@ -174,7 +174,7 @@ class _Keys:
             self.keys = {k.key_id: k for k in keys}
             if not self.keys or not all(isinstance(k, seq.VerifyKey) for k in self.keys.values()):
                 raise WrongArgumentType("keys must be fastlock.sequencer.VerifyKey objects (at least one)")
-        self.skew = skew
+        self.skew = seq.check_skew(skew)
         self.modes = seq.check_modes(modes)
 
     def token(self, resource: str, token: Any) -> int:

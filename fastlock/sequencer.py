@@ -61,14 +61,14 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from .errors import FastlockError
+from .errors import FastlockError, InvalidArgument
 from .tokens import TOKEN_EPOCH_SHIFT
 
 __all__ = [
     "VERSION", "ED25519", "HMAC_SHA256", "EXCLUSIVE", "SHARED", "PERMIT", "MODES", "DEFAULT_SKEW",
     "Sequencer", "VerifyKey", "SigningKey", "SequencerRejected", "MalformedSequencer",
     "UnknownSequencerKey", "BadSequencerSignature", "WrongSequencerName", "ExpiredSequencer",
-    "WrongSequencerMode", "WRITE_MODES", "check_modes",
+    "WrongSequencerMode", "WRITE_MODES", "check_modes", "check_skew",
     "verify", "sign", "encode", "decode", "to_text", "from_text", "key_id_of", "new_signing_key",
     "keys_from_text", "keys_to_text", "HAVE_ED25519",
 ]
@@ -137,6 +137,19 @@ class ExpiredSequencer(SequencerRejected):
 class WrongSequencerMode(SequencerRejected):
     """A valid sequencer of a mode the verifier does not take (a shared lease or a
     semaphore permit, held by several clients at once, offered to a write fence)."""
+
+
+def check_skew(skew: Any) -> float | None:
+    """``skew`` (seconds a sequencer stays accepted after its expiry) as a float, or None
+    (expiry not checked).
+
+    :raises InvalidArgument: not None and not a finite number >= 0 (a NaN would make every
+        expiry comparison false, and so accept every expired sequencer)."""
+    if skew is None:
+        return None
+    if isinstance(skew, bool) or not isinstance(skew, (int, float)) or not 0 <= skew < float("inf"):
+        raise InvalidArgument(f"skew must be None or a finite number of seconds >= 0, not {skew!r}")
+    return float(skew)
 
 
 def check_modes(modes: Iterable[str] | None) -> frozenset[str] | None:
@@ -414,8 +427,10 @@ def verify(blob: bytes | str, keys: Iterable[VerifyKey] | Mapping[bytes, VerifyK
     :raises WrongSequencerName: valid, but for another name than ``name``.
     :raises ExpiredSequencer: its lease ended more than ``skew`` seconds before ``now``.
     :raises WrongSequencerMode: valid, but of a mode not in ``modes``.
+    :raises InvalidArgument: ``skew`` is not None or a finite number >= 0.
     """
     taken = check_modes(modes)
+    skew = check_skew(skew)
     seq, message, signature = decode(blob)
     table = _key_table(keys)
     key = table.get(seq.key_id)

@@ -168,7 +168,7 @@ class SequencerFence:
             raise WrongArgumentType("keys must be fastlock.sequencer.VerifyKey objects (at least one)")
         self.keys = table
         self.marks = marks if marks is not None else MemoryHighWaterMarks()
-        self.skew = skew
+        self.skew = seq.check_skew(skew)
         self.modes = seq.check_modes(modes)
 
     def verify(self, resource: str, sequencer: Any) -> seq.Sequencer:

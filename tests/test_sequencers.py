@@ -400,3 +400,20 @@ def test_hmac_works_without_cryptography_and_ed25519_says_what_is_missing(monkey
     with pytest.raises(ImportError, match="cryptography"):
         uncached = S.VerifyKey(bytes.fromhex("43c6789d8daec12a"), "ed25519", b"\1" * 32)
         S.verify(bytes.fromhex(_vector("ed25519")), [uncached], skew=None)
+
+
+@pytest.mark.parametrize("skew", [float("nan"), float("inf"), -1.0, "2", True])
+def test_a_skew_that_is_not_a_finite_number_of_seconds_is_refused_not_ignored(skew, tmp_path):
+    """A NaN skew made every expiry comparison false: an expired sequencer passed, silently.
+    verify() and every fence refuse such a skew (None turns the check off, and says so)."""
+    from fastlock.errors import InvalidArgument
+
+    expired = make(signing(), "ledger", make_token(0, 1), expires_at_ms=int(NOW * 1000) - 3_600_000)
+    with pytest.raises(InvalidArgument, match="skew"):
+        S.verify(expired, [signing().verify_key], name="ledger", now=NOW, skew=skew)
+    with pytest.raises(InvalidArgument, match="skew"):
+        SequencerFence(signing().verify_key, skew=skew)
+    with pytest.raises(InvalidArgument, match="skew"):
+        SQLiteFence(sqlite3.connect(tmp_path / "x.db"), keys=[signing().verify_key], skew=skew)
+    with pytest.raises(S.ExpiredSequencer):
+        S.verify(expired, [signing().verify_key], name="ledger", now=NOW)
