@@ -163,9 +163,9 @@ def validate_token(token: Any) -> int:
 class _Keys:
     """A fence's sequencer keys (None: bare tokens) and clock skew allowance (seconds)."""
 
-    __slots__ = ("keys", "skew")
+    __slots__ = ("keys", "skew", "modes")
 
-    def __init__(self, keys: Any, skew: float | None):
+    def __init__(self, keys: Any, skew: float | None, modes: Any = seq.WRITE_MODES):
         if keys is None:
             self.keys = None
         elif isinstance(keys, seq.VerifyKey):
@@ -174,7 +174,8 @@ class _Keys:
             self.keys = {k.key_id: k for k in keys}
             if not self.keys or not all(isinstance(k, seq.VerifyKey) for k in self.keys.values()):
                 raise WrongArgumentType("keys must be fastlock.sequencer.VerifyKey objects (at least one)")
-        self.skew = skew
+        self.skew = seq.check_skew(skew)
+        self.modes = seq.check_modes(modes)
 
     def token(self, resource: str, token: Any) -> int:
         """The token to record for ``resource``: ``token`` checked as a bare token, or
@@ -188,7 +189,7 @@ class _Keys:
             if token is None:
                 raise seq.MalformedSequencer(f"this fence of {resource!r} takes signed sequencers only, not a bare "
                                              "token (connect with sequencers=True and pass lease.sequencer)")
-        return seq.verify(token, self.keys, name=resource, skew=self.skew).token
+        return seq.verify(token, self.keys, name=resource, skew=self.skew, modes=self.modes).token
 
 
 def _validate_resource(resource: Any) -> str:
@@ -236,6 +237,10 @@ class SQLiteFence:
         docstring).  None (default): bare tokens.
     :param skew: seconds a sequencer stays accepted after its lease's expiry (clock
         skew allowance); None: expiry not checked.
+    :param modes: with ``keys``, the lease modes whose sequencers pass (default
+        :data:`fastlock.sequencer.WRITE_MODES`, exclusive only: a shared lease or a semaphore
+        permit has several holders at once, :class:`~fastlock.sequencer.WrongSequencerMode`
+        otherwise); None: any mode.
     :raises TypeError, ValueError: ``table`` is not a plain identifier.
 
     SQLite runs one write transaction at a time per database, so taking the
@@ -244,7 +249,7 @@ class SQLiteFence:
     """
 
     def __init__(self, conn: sqlite3.Connection, table: str = DEFAULT_TABLE, *, keys: Any = None,
-                 skew: float | None = seq.DEFAULT_SKEW) -> None:
+                 skew: float | None = seq.DEFAULT_SKEW, modes: Any = seq.WRITE_MODES) -> None:
         if not isinstance(conn, sqlite3.Connection):
             raise WrongArgumentType(f"conn must be a sqlite3.Connection, not {type(conn).__name__}")
         parts = _split_table(table)
@@ -253,7 +258,7 @@ class SQLiteFence:
         name = parts[0]
         self.conn = conn
         self.table = name
-        self._keys = _Keys(keys, skew)
+        self._keys = _Keys(keys, skew, modes)
         q = f'"{name}"'
         self._ddl = f"CREATE TABLE IF NOT EXISTS {q} (resource TEXT PRIMARY KEY, token INTEGER NOT NULL)"
         self._upsert = (
@@ -366,6 +371,7 @@ def fenced_execute(
     table: str = DEFAULT_TABLE,
     keys: Any = None,
     skew: float | None = seq.DEFAULT_SKEW,
+    modes: Any = seq.WRITE_MODES,
 ) -> int:
     """One-shot fenced write to SQLite: create the token table if needed, then
     run ``sql`` with ``params`` in the same transaction as the token check.
@@ -376,7 +382,7 @@ def fenced_execute(
     :param sql: the caller's statement (``?`` or ``:name`` placeholders).
     :param params: its parameters.
     :param table: the token table, default ``"fastlock_fence"``.
-    :param keys, skew: signed sequencers only, as :class:`SQLiteFence`.
+    :param keys, skew, modes: signed sequencers only, as :class:`SQLiteFence`.
     :returns: the statement's ``rowcount``.
     :raises StaleFencingToken: ``token`` is lower than the highest recorded
         for ``resource``; nothing was written.
@@ -387,7 +393,7 @@ def fenced_execute(
         fenced_execute(conn, "ledger", lease.fencing_token,
                        "INSERT INTO ledger (amount) VALUES (?)", (10,))
     """
-    fence = SQLiteFence(conn, table, keys=keys, skew=skew)
+    fence = SQLiteFence(conn, table, keys=keys, skew=skew, modes=modes)
     fence.ensure_schema()
     return fence.execute(resource, token, sql, params)
 
@@ -437,7 +443,7 @@ class PostgresFence:
         commit stays the caller's, and only then is the write durable).
     :param table: the token table, an identifier or ``schema.table``; default
         ``"fastlock_fence"``.
-    :param keys, skew: signed sequencers only, as :class:`SQLiteFence`.
+    :param keys, skew, modes: signed sequencers only, as :class:`SQLiteFence`.
     :raises ImportError: psycopg 3 is not installed.
     :raises TypeError, ValueError: bad ``table``.
 
@@ -449,11 +455,11 @@ class PostgresFence:
     """
 
     def __init__(self, conn: psycopg.Connection, table: str = DEFAULT_TABLE, *, keys: Any = None,
-                 skew: float | None = seq.DEFAULT_SKEW) -> None:
+                 skew: float | None = seq.DEFAULT_SKEW, modes: Any = seq.WRITE_MODES) -> None:
         self._sql = _pg_sql(table)
         self.conn = conn
         self.table = table
-        self._keys = _Keys(keys, skew)
+        self._keys = _Keys(keys, skew, modes)
 
     def ensure_schema(self) -> None:
         """Create the token table if it does not exist (idempotent, safe under
@@ -525,11 +531,11 @@ class AsyncPostgresFence:
     """
 
     def __init__(self, conn: psycopg.AsyncConnection, table: str = DEFAULT_TABLE, *, keys: Any = None,
-                 skew: float | None = seq.DEFAULT_SKEW) -> None:
+                 skew: float | None = seq.DEFAULT_SKEW, modes: Any = seq.WRITE_MODES) -> None:
         self._sql = _pg_sql(table)
         self.conn = conn
         self.table = table
-        self._keys = _Keys(keys, skew)
+        self._keys = _Keys(keys, skew, modes)
 
     async def ensure_schema(self) -> None:
         """Create the token table if it does not exist (idempotent)."""

@@ -40,9 +40,12 @@ What :func:`verify` refuses, each with its own error (all :class:`SequencerRejec
 malformed bytes or an unknown version/algorithm (:class:`MalformedSequencer`), a key id the
 verifier does not hold (:class:`UnknownSequencerKey`), a bad signature
 (:class:`BadSequencerSignature`), a sequencer for another name
-(:class:`WrongSequencerName`), and one whose lease expired more than ``skew`` seconds ago
-(:class:`ExpiredSequencer`).  It does NOT know whether a later holder exists: that is the
-fence's high-water mark (:mod:`fastlock.fencing`, :class:`HighWaterMarks`).
+(:class:`WrongSequencerName`), one whose lease expired more than ``skew`` seconds ago
+(:class:`ExpiredSequencer`), and, when the caller names the modes it takes, one of another
+mode (:class:`WrongSequencerMode`: a shared lease or a semaphore permit is held by several
+clients at once, so a write fence takes exclusive sequencers only, :data:`WRITE_MODES`).
+It does NOT know whether a later holder exists: that is the fence's high-water mark
+(:mod:`fastlock.fencing`, :class:`HighWaterMarks`).
 """
 
 from __future__ import annotations
@@ -58,13 +61,14 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from .errors import FastlockError
+from .errors import FastlockError, InvalidArgument
 from .tokens import TOKEN_EPOCH_SHIFT
 
 __all__ = [
     "VERSION", "ED25519", "HMAC_SHA256", "EXCLUSIVE", "SHARED", "PERMIT", "MODES", "DEFAULT_SKEW",
     "Sequencer", "VerifyKey", "SigningKey", "SequencerRejected", "MalformedSequencer",
     "UnknownSequencerKey", "BadSequencerSignature", "WrongSequencerName", "ExpiredSequencer",
+    "WrongSequencerMode", "WRITE_MODES", "check_modes", "check_skew",
     "verify", "sign", "encode", "decode", "to_text", "from_text", "key_id_of", "new_signing_key",
     "keys_from_text", "keys_to_text", "HAVE_ED25519",
 ]
@@ -81,6 +85,8 @@ EXCLUSIVE = 0
 SHARED = 1
 PERMIT = 2
 MODES = {EXCLUSIVE: "exclusive", SHARED: "shared", PERMIT: "permit"}
+#: the modes a write fence takes by default: only an exclusive lease has one holder at a time
+WRITE_MODES = frozenset({"exclusive"})
 #: how long (seconds) after its expiry a sequencer is still accepted by default (clock skew)
 DEFAULT_SKEW = 2.0
 #: the longest lock name in a sequencer (bytes of UTF-8)
@@ -126,6 +132,41 @@ class WrongSequencerName(SequencerRejected):
 
 class ExpiredSequencer(SequencerRejected):
     """The lease it was granted for expired more than the skew allowance ago."""
+
+
+class WrongSequencerMode(SequencerRejected):
+    """A valid sequencer of a mode the verifier does not take (a shared lease or a
+    semaphore permit, held by several clients at once, offered to a write fence)."""
+
+
+def check_skew(skew: Any) -> float | None:
+    """``skew`` (seconds a sequencer stays accepted after its expiry) as a float, or None
+    (expiry not checked).
+
+    :raises InvalidArgument: not None and not a finite number >= 0 (a NaN would make every
+        expiry comparison false, and so accept every expired sequencer)."""
+    if skew is None:
+        return None
+    if isinstance(skew, bool) or not isinstance(skew, (int, float)) or not 0 <= skew < float("inf"):
+        raise InvalidArgument(f"skew must be None or a finite number of seconds >= 0, not {skew!r}")
+    return float(skew)
+
+
+def check_modes(modes: Iterable[str] | None) -> frozenset[str] | None:
+    """``modes`` as a frozenset of mode names (``"exclusive"``, ``"shared"``, ``"permit"``),
+    or None (every mode).
+
+    :raises MalformedSequencer: an unknown mode name, a bare string, or none at all."""
+    if modes is None:
+        return None
+    if isinstance(modes, str):
+        raise MalformedSequencer(f"modes is a collection of mode names, not the string {modes!r}")
+    chosen = frozenset(modes)
+    unknown = sorted(str(m) for m in chosen - set(MODES.values()))
+    if unknown or not chosen:
+        raise MalformedSequencer(f"unknown sequencer mode {', '.join(unknown) or '(none given)'}: the modes are "
+                                 f"{', '.join(MODES.values())}")
+    return chosen
 
 
 class Sequencer(NamedTuple):
@@ -364,7 +405,8 @@ def _key_table(keys: Iterable[VerifyKey] | Mapping[bytes, VerifyKey] | VerifyKey
 
 
 def verify(blob: bytes | str, keys: Iterable[VerifyKey] | Mapping[bytes, VerifyKey] | VerifyKey, *,
-           name: str | None = None, now: float | None = None, skew: float | None = DEFAULT_SKEW) -> Sequencer:
+           name: str | None = None, now: float | None = None, skew: float | None = DEFAULT_SKEW,
+           modes: Iterable[str] | None = None) -> Sequencer:
     """Check a sequencer and return what it says.
 
     :param blob: the sequencer's bytes, or its base64url text.
@@ -376,13 +418,19 @@ def verify(blob: bytes | str, keys: Iterable[VerifyKey] | Mapping[bytes, VerifyK
     :param skew: seconds a sequencer stays accepted after its expiry, for clock skew
         between the server and this host (default 2.0); None: expiry not checked (the
         high-water mark alone orders writers).
+    :param modes: the lease modes taken (``"exclusive"``, ``"shared"``, ``"permit"``); None
+        (default): any (read ``Sequencer.mode``).  A write fence passes :data:`WRITE_MODES`.
     :returns: the :class:`Sequencer`.
     :raises MalformedSequencer: not a sequencer of this format.
     :raises UnknownSequencerKey: its key id is not among ``keys``.
     :raises BadSequencerSignature: forged or altered.
     :raises WrongSequencerName: valid, but for another name than ``name``.
     :raises ExpiredSequencer: its lease ended more than ``skew`` seconds before ``now``.
+    :raises WrongSequencerMode: valid, but of a mode not in ``modes``.
+    :raises InvalidArgument: ``skew`` is not None or a finite number >= 0.
     """
+    taken = check_modes(modes)
+    skew = check_skew(skew)
     seq, message, signature = decode(blob)
     table = _key_table(keys)
     key = table.get(seq.key_id)
@@ -403,6 +451,9 @@ def verify(blob: bytes | str, keys: Iterable[VerifyKey] | Mapping[bytes, VerifyK
             raise BadSequencerSignature("sequencer signature does not match (forged or altered)") from None
     if name is not None and seq.name != name:
         raise WrongSequencerName(f"sequencer is for {seq.name!r}, not {name!r}")
+    if taken is not None and seq.mode not in taken:
+        raise WrongSequencerMode(f"sequencer for {seq.name!r} token {seq.token} is of a {seq.mode} lease, held by "
+                                 f"several clients at once; this verifier takes {', '.join(sorted(taken))} only")
     if skew is not None:
         wall = time.time() if now is None else now
         late_ms = wall * 1000 - seq.expires_at_ms

@@ -148,6 +148,10 @@ class SequencerFence:
     :param marks: the store (default: a :class:`MemoryHighWaterMarks`).
     :param skew: seconds a sequencer stays accepted after its lease's expiry (default
         :data:`fastlock.sequencer.DEFAULT_SKEW`); None: expiry not checked.
+    :param modes: the lease modes whose sequencers pass (default
+        :data:`fastlock.sequencer.WRITE_MODES`, exclusive only: a shared lease or a semaphore
+        permit has several holders at once); None: any mode.
+    :raises MalformedSequencer: an unknown mode in ``modes``.
 
     Example (a file store shared by the workers of one host)::
 
@@ -158,26 +162,28 @@ class SequencerFence:
     """
 
     def __init__(self, keys: Iterable[seq.VerifyKey] | seq.VerifyKey, marks: HighWaterMarks | None = None, *,
-                 skew: float | None = seq.DEFAULT_SKEW) -> None:
+                 skew: float | None = seq.DEFAULT_SKEW, modes: Iterable[str] | None = seq.WRITE_MODES) -> None:
         table = {keys.key_id: keys} if isinstance(keys, seq.VerifyKey) else {k.key_id: k for k in keys}
         if not table or not all(isinstance(k, seq.VerifyKey) for k in table.values()):
             raise WrongArgumentType("keys must be fastlock.sequencer.VerifyKey objects (at least one)")
         self.keys = table
         self.marks = marks if marks is not None else MemoryHighWaterMarks()
-        self.skew = skew
+        self.skew = seq.check_skew(skew)
+        self.modes = seq.check_modes(modes)
 
     def verify(self, resource: str, sequencer: Any) -> seq.Sequencer:
         """Step 1 alone: the verified :class:`~fastlock.sequencer.Sequencer` for ``resource``.
 
         :raises SequencerRejected: forged, altered, another resource's, an unknown key's,
-            expired, or not a sequencer."""
+            expired, of a mode the fence does not take (:class:`WrongSequencerMode`), or
+            not a sequencer."""
         if isinstance(sequencer, seq.Sequencer):
             sequencer = sequencer.blob
         elif not isinstance(sequencer, (str, bytes, bytearray, memoryview)):
             sequencer = getattr(sequencer, "sequencer", None)  # a Lease
             if sequencer is None:
                 raise seq.MalformedSequencer(f"{resource!r} is fenced by signed sequencers only, not a bare token")
-        return seq.verify(sequencer, self.keys, name=resource, skew=self.skew)
+        return seq.verify(sequencer, self.keys, name=resource, skew=self.skew, modes=self.modes)
 
     def check(self, resource: str, sequencer: Any) -> seq.Sequencer:
         """Verify ``sequencer`` for ``resource`` and advance the mark to its token.

@@ -454,3 +454,50 @@ def test_both_walks_of_a_resume_give_the_same_changes():
             assert [tuple(c) for c in log.since(prefix, rev, index, now)] == want, (prefix, rev, index)
     assert sorted(log.keys) == log.keys == sorted(log.by_key)
     assert sum(len(d) for d in log.by_key.values()) == len(log.changes)
+
+
+def test_a_long_key_replay_goes_out_a_page_per_turn_and_misses_nothing(server):
+    """A prefix watch resumed behind megabytes of changes is replayed a page per loop turn (at
+    most REPLAY_PAGE changes, about REPLAY_PAGE_BYTES of values): a PING sent right behind it is
+    answered first, and every change still comes once, in order, before the reply."""
+    import os
+    import time
+
+    from test_sessions import RawSocket
+
+    from fastlock import protocol as P
+    from fastlock.protocol.ops import KEY_UPSERT, OP_KEY_PUT, PUSH_KEY_BEGIN, PUSH_VALUE_REV
+    from fastlock.server.watchlog import REPLAY_PAGE_BYTES
+
+    raw = RawSocket(server.address)
+    resumer = RawSocket(server.address)
+    try:
+        origin = raw.send([(OP_KEY_WATCH_FROM, "big/", None, None)])[0][2]["revision"]
+        value = os.urandom(60_000)
+        puts = 3 * REPLAY_PAGE_BYTES // len(value) + 2
+        for i in range(puts):
+            assert raw.send([(OP_KEY_PUT, f"big/{i % 3}", value, None, 0, None, KEY_UPSERT)])[0][1] == 0
+        deadline = time.monotonic() + 30  # every change published (else the last may come live, after the reply)
+        while raw.send([(P.OP_STATUS,)])[0][2]["key_watch_history"]["pending"]:
+            assert time.monotonic() < deadline, "key changes still unpublished after 30 s"
+            time.sleep(0.01)
+        first = resumer.next_id
+        resumer.sock.sendall(resumer.packb([first, OP_KEY_WATCH_FROM, "big/", origin, None])
+                             + resumer.packb([first + 1, P.OP_PING]))
+        resumer.next_id += 2
+        frames: list[list] = []
+        while not any(f[0] == first for f in frames):
+            chunk = resumer.sock.recv(1 << 20)
+            assert chunk, "the server closed the connection"
+            resumer.unpacker.feed(chunk)
+            frames.extend(resumer.unpacker)
+        assert [f[0] for f in frames if f[0] != 0] == [first + 1, first]  # the PING between two pages
+        assert frames[-1][1] == 0
+        pushes = [f for f in frames if f[0] == 0 and f[1] in (PUSH_KEY_BEGIN, PUSH_VALUE_REV)]
+        assert pushes[0][1] == PUSH_KEY_BEGIN
+        positions = [(p[2][4], p[2][5]) for p in pushes[1:]]
+        assert len(positions) == puts and positions == sorted(set(positions))
+        assert all(p[2][3] == value for p in pushes[1:])
+    finally:
+        raw.close()
+        resumer.close()

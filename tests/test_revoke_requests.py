@@ -244,3 +244,37 @@ async def test_a_deadline_nobody_here_asked_for_lapses_when_no_waiter_ranks_abov
         while len(preemption.deadlines):
             await asyncio.sleep(0.01)
     assert revoked == [] and table.holder("db", monotonic_ms()).token == token
+
+
+def test_repeated_revoke_requests_tell_the_holder_once(server):
+    """One waiting request that asks again and again (50 times) gets the same deadline each
+    time, and the holder's connection is told once: a principal cannot flood another's
+    connection (or the server's log) with revoke notices."""
+    from test_sessions import RawSocket
+
+    from fastlock import protocol as P
+    from fastlock.protocol.ops import OP_ACQUIRE_PRIORITY, OP_REQUEST_REVOKE, PUSH_REVOKE_REQUESTED
+
+    holder, asker = RawSocket(server.address), RawSocket(server.address)
+    try:
+        token = holder.send([(P.OP_ACQUIRE, "contested", os.urandom(16), 60_000, 0, 0, None)])[0][2][0]
+        waiter = os.urandom(16)
+        asker.sock.sendall(asker.packb([asker.next_id, OP_ACQUIRE_PRIORITY, "contested", waiter, 60_000, 30_000, 0,
+                                        None, False, 0, 0, 5]))
+        asker.next_id += 1
+        replies = asker.send([(OP_REQUEST_REVOKE, "contested", waiter, 20_000) for _ in range(50)])
+        assert all(r[1] == 0 and r[2]["token"] == token and r[2]["delivered"] for r in replies)
+        assert len({r[2]["deadline_ms"] // 1000 for r in replies}) <= 2  # one deadline, counting down
+        ping = holder.next_id
+        holder.sock.sendall(holder.packb([ping, P.OP_PING]))  # the notices came before its reply
+        frames: list[list] = []
+        while not any(f[0] == ping for f in frames):
+            chunk = holder.sock.recv(1 << 20)
+            assert chunk, "the server closed the connection"
+            holder.unpacker.feed(chunk)
+            frames.extend(holder.unpacker)
+        notices = [f for f in frames if f[0] == 0 and f[1] == PUSH_REVOKE_REQUESTED]
+        assert len(notices) == 1 and notices[0][2][:2] == ["contested", token]
+    finally:
+        holder.close()
+        asker.close()

@@ -196,6 +196,36 @@ def test_sqlite_fence_with_keys_orders_holders_by_their_signed_tokens(sqlite_fen
     assert fence.conn.execute("SELECT amount FROM ledger").fetchall() == [(1,)]
 
 
+def test_a_fence_takes_exclusive_sequencers_only_unless_told_otherwise(sqlite_fence):
+    """A shared lease or a semaphore permit is held by several clients at once: its sequencer is
+    genuine, but a write fence that took it would let them all write together.  Every fence
+    refuses those modes (WrongSequencerMode, the mark untouched) unless given ``modes``;
+    :func:`verify` checks the mode only when asked."""
+    insert = "INSERT INTO ledger (amount) VALUES (?)"
+    shared = make(signing(), "ledger", make_token(0, 7), mode=S.SHARED)
+    permit = make(signing(), "ledger", make_token(0, 8), mode=S.PERMIT)
+    for blob in (shared, permit):
+        with pytest.raises(S.WrongSequencerMode, match="exclusive"):
+            sqlite_fence.execute("ledger", blob, insert, (1,))
+    assert sqlite_fence.highest("ledger") is None
+    fence = SequencerFence(signing().verify_key, skew=None)
+    for blob in (shared, permit):
+        with pytest.raises(S.WrongSequencerMode):
+            fence.check("ledger", blob)
+        with pytest.raises(S.WrongSequencerMode):
+            asyncio.run(fence.check_async("ledger", blob))
+    assert fence.marks.highest("ledger") is None
+    assert S.verify(permit, [signing().verify_key], name="ledger", skew=None).mode == "permit"
+    with pytest.raises(S.WrongSequencerMode):
+        S.verify(permit, [signing().verify_key], name="ledger", skew=None, modes=("exclusive", "shared"))
+    wider = SequencerFence(signing().verify_key, skew=None, modes=("exclusive", "permit"))
+    assert wider.check("ledger", permit).token == make_token(0, 8)
+    with pytest.raises(S.WrongSequencerMode):
+        wider.check("ledger", shared)
+    with pytest.raises(S.MalformedSequencer, match="mode"):
+        SequencerFence(signing().verify_key, modes=("exclusive", "writer"))
+
+
 @pytest.mark.parametrize("store", ["memory", "file"])
 def test_sequencer_fence_on_a_high_water_mark_store(store, tmp_path):
     marks = MemoryHighWaterMarks() if store == "memory" else FileHighWaterMarks(tmp_path / "marks.json")
@@ -370,3 +400,20 @@ def test_hmac_works_without_cryptography_and_ed25519_says_what_is_missing(monkey
     with pytest.raises(ImportError, match="cryptography"):
         uncached = S.VerifyKey(bytes.fromhex("43c6789d8daec12a"), "ed25519", b"\1" * 32)
         S.verify(bytes.fromhex(_vector("ed25519")), [uncached], skew=None)
+
+
+@pytest.mark.parametrize("skew", [float("nan"), float("inf"), -1.0, "2", True])
+def test_a_skew_that_is_not_a_finite_number_of_seconds_is_refused_not_ignored(skew, tmp_path):
+    """A NaN skew made every expiry comparison false: an expired sequencer passed, silently.
+    verify() and every fence refuse such a skew (None turns the check off, and says so)."""
+    from fastlock.errors import InvalidArgument
+
+    expired = make(signing(), "ledger", make_token(0, 1), expires_at_ms=int(NOW * 1000) - 3_600_000)
+    with pytest.raises(InvalidArgument, match="skew"):
+        S.verify(expired, [signing().verify_key], name="ledger", now=NOW, skew=skew)
+    with pytest.raises(InvalidArgument, match="skew"):
+        SequencerFence(signing().verify_key, skew=skew)
+    with pytest.raises(InvalidArgument, match="skew"):
+        SQLiteFence(sqlite3.connect(tmp_path / "x.db"), keys=[signing().verify_key], skew=skew)
+    with pytest.raises(S.ExpiredSequencer):
+        S.verify(expired, [signing().verify_key], name="ledger", now=NOW)

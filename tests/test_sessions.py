@@ -459,3 +459,86 @@ async def test_a_keepalive_reply_that_accounts_for_fewer_leases_renews_none():
     reply(3)
     await keeper._keepalive(loop)
     assert sorted(renewed) == ["acct/0", "acct/1", "acct/2"]
+
+
+def churned_leases(raw: RawSocket, key: bytes, rounds: int, prefix: str) -> None:
+    """``rounds`` times: take 60 leases, attach them to session ``key``, release them (no keep-alive)."""
+    from fastlock.server.sessions import MAX_ATTACH_PER_REQUEST
+
+    for r in range(rounds):
+        names = [f"{prefix}/{r}/{i}" for i in range(MAX_ATTACH_PER_REQUEST)]
+        owners = [os.urandom(16) for _ in names]
+        first = raw.next_id
+        acquired = {x[0]: x for x in raw.send([(P.OP_ACQUIRE, n, o, 60_000, 0, 0, None)
+                                               for n, o in zip(names, owners, strict=True)])}
+        tokens = [acquired[first + i][2][0] for i in range(len(names))]
+        attached = raw.send([(P.OP_SESSION_ATTACH, key, [[n, t, o] for n, t, o in zip(names, tokens, owners,
+                                                                                        strict=True)], [])])
+        assert attached[0][1] == 0 and attached[0][2]["attached"] == len(names)
+        released = raw.send([(P.OP_RELEASE, n, t, o) for n, t, o in zip(names, tokens, owners, strict=True)])
+        assert all(x[1] == 0 for x in released)
+
+
+def test_a_session_keeps_no_lease_that_ended_beyond_a_bound(server):
+    """A client that attaches leases, releases them and never sends a keep-alive (nor a detach)
+    cannot make its session hold more than the leases it holds plus a bounded list of ended
+    ones; the keep-alive still names each lease that ended since the last one as lost."""
+    from fastlock.server.sessions import MAX_LOST_LISTED
+
+    raw = RawSocket(server.address)
+    try:
+        key = os.urandom(16)
+        assert raw.send([(P.OP_SESSION_OPEN, key, 60_000)])[0][1] == 0
+        churned_leases(raw, key, 2, "told")
+        keepalive = raw.send([(P.OP_SESSION_KEEPALIVE, key)])[0]
+        assert keepalive[1] == 0
+        assert keepalive[2]["renewed"] == 0 and len(keepalive[2]["lost"]) == 120 and not keepalive[2]["more"]
+        rounds = 2 * MAX_LOST_LISTED // 60 + 2
+        churned_leases(raw, key, rounds, "churn")
+        st = raw.send([(P.OP_STATUS,)])[0][2]["client_sessions"]
+        assert st["leases"] == 0  # none is held
+        keepalive = raw.send([(P.OP_SESSION_KEEPALIVE, key)])[0]
+        assert keepalive[1] == 0 and keepalive[2]["renewed"] == 0
+        assert 0 < len(keepalive[2]["lost"]) <= MAX_LOST_LISTED
+    finally:
+        raw.close()
+
+
+def test_a_lease_is_attached_to_one_session_at_a_time(server):
+    """Attaching a lease to a second session moves it there: the sessions of one principal
+    never hold a lease more than once between them (each would be renewed and listed again)."""
+    raw = RawSocket(server.address)
+    try:
+        keys = [os.urandom(16) for _ in range(4)]
+        assert all(r[1] == 0 for r in raw.send([(P.OP_SESSION_OPEN, k, 60_000) for k in keys]))
+        owner = os.urandom(16)
+        acquired = raw.send([(P.OP_ACQUIRE, "shared-by-sessions", owner, 60_000, 0, 0, None)])[0]
+        token = acquired[2][0]
+        attached = raw.send([(P.OP_SESSION_ATTACH, k, [["shared-by-sessions", token, owner]], []) for k in keys])
+        assert all(r[1] == 0 and r[2]["attached"] == 1 for r in attached)
+        st = raw.send([(P.OP_STATUS,)])[0][2]["client_sessions"]
+        assert st["open"] == 4 and st["leases"] == 1
+        renewed = [r[2]["renewed"] for r in raw.send([(P.OP_SESSION_KEEPALIVE, k) for k in keys])]
+        assert renewed == [0, 0, 0, 1]  # the last session it was attached to renews it
+    finally:
+        raw.close()
+
+
+def test_the_per_connection_session_limit_follows_a_session_to_the_connection_it_was_last_heard_from(server):
+    """Sessions count against the connection each was last heard from: a keep-alive from
+    another connection moves one there, and a closed session frees its place."""
+    a, b = RawSocket(server.address), RawSocket(server.address)
+    try:
+        keys = [os.urandom(16) for _ in range(MAX_SESSIONS_PER_CONNECTION)]
+        assert all(r[1] == 0 for r in a.send([(P.OP_SESSION_OPEN, k, 60_000) for k in keys]))
+        refused = a.send([(P.OP_SESSION_OPEN, os.urandom(16), 60_000)])[0]
+        assert refused[1] == LimitExceeded.code and "sessions open" in refused[2]
+        assert b.send([(P.OP_SESSION_KEEPALIVE, keys[0])])[0][1] == 0  # heard from b now
+        assert a.send([(P.OP_SESSION_OPEN, os.urandom(16), 60_000)])[0][1] == 0
+        more = b.send([(P.OP_SESSION_OPEN, os.urandom(16), 60_000) for _ in range(MAX_SESSIONS_PER_CONNECTION)])
+        assert [r[1] for r in more] == [0] * (MAX_SESSIONS_PER_CONNECTION - 1) + [LimitExceeded.code]
+        assert b.send([(P.OP_SESSION_CLOSE, keys[0])])[0][1] == 0
+        assert b.send([(P.OP_SESSION_OPEN, os.urandom(16), 60_000)])[0][1] == 0
+    finally:
+        a.close()
+        b.close()

@@ -25,7 +25,7 @@ import fastlock
 from fastlock._testbase.cluster import RawNode, poll, run, status_of
 from fastlock._testbase.proxy import TcpProxy
 from fastlock.errors import Compacted, FastlockError, InvalidArgument, WatchDiverged
-from fastlock.protocol.ops import OP_WATCH_FROM
+from fastlock.protocol.ops import OP_WATCH_FROM, PUSH_WATCH_REV
 from fastlock.tokens import make_token
 
 FAILOVER = 1.0  # --failover-after, seconds
@@ -331,3 +331,99 @@ def test_a_change_the_promoted_standby_never_had_gives_watch_diverged(cluster):
             assert st["role"] == "primary" and st["watch_history"]["revision"] >> 40 == 1
 
     run(main(), timeout=120)
+
+
+def published_all(raw) -> None:
+    """Wait (at most 30 s) until the server has published every change it logged."""
+    import time
+
+    from fastlock import protocol as P
+
+    deadline = time.monotonic() + 30
+    while raw.send([(P.OP_STATUS,)])[0][2]["watch_history"]["pending"]:
+        assert time.monotonic() < deadline, "changes still unpublished after 30 s"
+        time.sleep(0.01)
+
+
+def test_a_long_replay_goes_out_a_page_per_turn_and_misses_nothing(server):
+    """A resume from an old revision is replayed REPLAY_PAGE pushes per loop turn: a PING sent
+    right behind it in the same write is answered before its reply, every change still comes
+    once and in order, and a change made while the pages go out arrives after them."""
+    import os
+
+    from test_sessions import RawSocket
+
+    from fastlock import protocol as P
+    from fastlock.server.watchlog import REPLAY_PAGE
+
+    raw = RawSocket(server.address)
+    resumer = RawSocket(server.address)
+    try:
+        origin = raw.send([(OP_WATCH_FROM, "hot", None)])[0][2]["revision"]
+        owner = os.urandom(16)
+        changes = 2 * REPLAY_PAGE + 100
+        for _ in range(changes // 2):
+            token = raw.send([(P.OP_ACQUIRE, "hot", owner, 60_000, 0, 0, None)])[0][2][0]
+            assert raw.send([(P.OP_RELEASE, "hot", token, owner)])[0][1] == 0
+        published_all(raw)
+        first = resumer.next_id
+        resumer.sock.sendall(resumer.packb([first, OP_WATCH_FROM, "hot", origin])
+                             + resumer.packb([first + 1, P.OP_PING]))
+        resumer.next_id += 2
+        frames: list[list] = []
+        while not any(f[0] == first for f in frames):
+            chunk = resumer.sock.recv(1 << 20)
+            assert chunk, "the server closed the connection"
+            resumer.unpacker.feed(chunk)
+            frames.extend(resumer.unpacker)
+        replies = [f[0] for f in frames if f[0] != 0]
+        assert replies == [first + 1, first]  # the PING between two pages
+        assert frames[-1][1] == 0  # the resume succeeded
+        revisions = [f[2][-1] for f in frames if f[0] == 0 and f[1] == PUSH_WATCH_REV]
+        assert len(revisions) == changes and revisions == sorted(set(revisions)) and revisions[0] > origin
+        # the live watch follows: the next change is pushed once
+        token = raw.send([(P.OP_ACQUIRE, "hot", owner, 60_000, 0, 0, None)])[0][2][0]
+        live: list[list] = []
+        while not live:
+            resumer.unpacker.feed(resumer.sock.recv(1 << 20))
+            live.extend(f for f in resumer.unpacker if f[0] == 0 and f[1] == PUSH_WATCH_REV)
+        assert live[0][2][2] == token and live[0][2][-1] > revisions[-1]
+    finally:
+        raw.close()
+        resumer.close()
+
+
+def test_resumes_waiting_behind_a_long_replay_are_bounded_per_connection(server):
+    """Resumes pipelined behind a long replay wait their turn, at most MAX_QUEUED_RESUMES of them:
+    the others get LimitExceeded at once, the waiting ones are answered in order, and the
+    server goes on serving."""
+    import os
+
+    from test_sessions import RawSocket
+
+    from fastlock import protocol as P
+    from fastlock.errors import LimitExceeded
+    from fastlock.server.watchlog import MAX_QUEUED_RESUMES, REPLAY_PAGE
+
+    raw = RawSocket(server.address)
+    resumer = RawSocket(server.address)
+    try:
+        origin = raw.send([(OP_WATCH_FROM, "long", None)])[0][2]["revision"]
+        owner = os.urandom(16)
+        for _ in range(4 * REPLAY_PAGE):
+            token = raw.send([(P.OP_ACQUIRE, "long", owner, 60_000, 0, 0, None)])[0][2][0]
+            assert raw.send([(P.OP_RELEASE, "long", token, owner)])[0][1] == 0
+        latest = raw.send([(OP_WATCH_FROM, "long", None)])[0][2]["revision"]
+        behind = 2 * MAX_QUEUED_RESUMES
+        requests = [(OP_WATCH_FROM, "long", origin)] + [(OP_WATCH_FROM, f"short/{i}", latest) for i in range(behind)]
+        replies = {r[0]: r for r in resumer.send(requests)}
+        assert len(replies) == 1 + behind
+        codes = [r[1] for _, r in sorted(replies.items())]
+        assert codes[0] == 0
+        refused = [r for r in replies.values() if r[1] == LimitExceeded.code]
+        assert refused and all("watch resumes waiting" in r[2] for r in refused)
+        assert codes.count(0) >= MAX_QUEUED_RESUMES
+        assert resumer.send([(P.OP_PING,)])[0][1] == 0
+    finally:
+        raw.close()
+        resumer.close()

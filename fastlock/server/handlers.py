@@ -63,6 +63,7 @@ from .sessions import SessionRegistry
 from .shares import limit_exceeded
 from .statusview import client_status
 from .watches import WatchRegistry
+from .watchlog import REPLAY_PAGE
 from .woundwait import PERMISSIONS as WOUND_WAIT_PERMISSIONS
 from .woundwait import WoundWait
 
@@ -161,6 +162,13 @@ def _authorize(conn: Session, op: int, need: str, msg: list) -> None:
 
 #: the most holders of one name a refusal looks at to count the caller's own (permits, shared leases)
 _HOLDERS_EXAMINED = 1_000
+
+
+def _watch_rev_push(name: str, change: Any) -> bytes:
+    """The PUSH_WATCH_REV of ``change`` (a :class:`~fastlock.server.watchlog.WatchChange`) of lock ``name``."""
+    client, corr = change.meta if change.meta else (None, None)
+    principal, client = split_recorded_client(client)
+    return P.encode_push(PUSH_WATCH_REV, [name, change.what, change.token, client, corr, principal, change.revision])
 
 
 def _why_not_granted(table: LockTable, name: str, now: int, session: int) -> str:
@@ -426,21 +434,54 @@ class Handlers:
         self.roles.admit(Action.READ)
         revisions = self.server.revisions
         try:
-            replay = [] if since is None else revisions.replay(name, since)
+            replay = [] if since is None else revisions.replay(name, since, REPLAY_PAGE + 1)
         except Compacted as exc:
             conn.send(P.encode_error(req_id, exc.code, str(exc), exc.oldest))
             return
         # a new watch begins at the revision its holder state has; a resumed one after ``since``
         start = revisions.current() if since is None else None
-        self._add_watch(conn, name, start)
-        self.watches.revisioned.add(conn.session)
-        for change in replay:
-            client, corr = change.meta if change.meta else (None, None)
-            principal, client = split_recorded_client(client)
-            conn.send(P.encode_push(PUSH_WATCH_REV, [name, change.what, change.token, client, corr, principal,
-                                                     change.revision]))
-        conn.send(P.encode_ok(req_id, {"holder": self._holder_info(name),
-                                       "revision": start if start is not None else revisions.progress()}))
+        pager = self.server.replays
+        if len(replay) <= REPLAY_PAGE and not pager.busy(conn):
+            self._add_watch(conn, name, start)
+            self.watches.revisioned.add(conn.session)
+            for change in replay:
+                conn.send(_watch_rev_push(name, change))
+            conn.send(P.encode_ok(req_id, {"holder": self._holder_info(name),
+                                           "revision": start if start is not None else revisions.progress()}))
+            return
+        # a long replay: REPLAY_PAGE pushes per loop turn (server.replays), the live watch
+        # started in the turn it has caught up with what is published
+        self._check_watch_room(conn, name)
+        after = since
+
+        def next_page(limit: int) -> tuple[list[bytes], bool]:
+            nonlocal after
+            self.roles.admit(Action.READ)
+            if after is None:  # a new watch (queued behind a resume): nothing to replay
+                return [], True
+            changes = revisions.replay(name, after, limit)
+            if changes:
+                after = changes[-1].revision
+            return [_watch_rev_push(name, change) for change in changes], len(changes) < limit
+
+        def finish() -> None:
+            begins = revisions.current() if since is None else None
+            self._add_watch(conn, name, begins)
+            self.watches.revisioned.add(conn.session)
+            conn.send(P.encode_ok(req_id, {"holder": self._holder_info(name),
+                                           "revision": begins if begins is not None else revisions.progress()}))
+
+        pager.add(conn, req_id, next_page, finish)
+
+    def _check_watch_room(self, conn: Session, name: str) -> None:
+        """Raise what :meth:`_add_watch` would for a new watch of ``name``, adding nothing."""
+        if conn.watching is not None and name in conn.watching:
+            return
+        config = self.config
+        if conn.watching is not None and len(conn.watching) >= config.max_watches_per_connection:
+            raise limit_exceeded(config.max_watches_per_connection, "this connection", "watches",
+                                 "max-watches-per-connection")
+        self.quotas.check_watch(conn)
 
     def _add_watch(self, conn: Session, name: str, start: int | None = None) -> None:
         """Add ``conn``'s watch of ``name`` (counted against the watch limits), beginning at

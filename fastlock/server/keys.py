@@ -66,6 +66,7 @@ A write is admitted like a release: a fenced primary refuses it.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -103,6 +104,7 @@ from ..units import monotonic_ms, wall_ms
 from ..wal.keyspace import KeyEntry, KeySpace
 from .keyrevisions import WHOLE, Kept
 from .shares import limit_exceeded
+from .watchlog import REPLAY_PAGE, REPLAY_PAGE_BYTES
 
 if TYPE_CHECKING:  # pragma: no cover
     from .lockserver import LockServer
@@ -338,17 +340,70 @@ class KeyStore:
         server = self.server
         server.roles.admit(Action.READ)
         revisions = server.key_revisions
+        pager = server.replays
+        busy = pager.busy(conn)
         try:
-            replay = [] if rev is None else revisions.replay(prefix, rev, index)
+            # (behind another resume of this connection: listed when its turn comes, so that only
+            # the resume being sent holds its list)
+            replay = [] if rev is None or busy else revisions.replay(prefix, rev, index)
         except Compacted as exc:
             conn.send(P.encode_error(req_id, exc.code, str(exc), exc.oldest))
             return
-        self._add_watch(conn, prefix)
-        self.revisioned.add(conn.session)
-        conn.send(P.encode_push(PUSH_KEY_BEGIN, [prefix]))
-        for c in replay:
-            conn.send(P.encode_push(PUSH_VALUE_REV, [prefix, c.what, c.key, c.value, c.revision, c.offset]))
-        conn.send(P.encode_ok(req_id, {**WATCH_REPLY, "revision": revisions.progress()}))
+        if not busy and len(replay) <= REPLAY_PAGE and sum(
+                len(c.value) for c in replay if c.value is not None) <= REPLAY_PAGE_BYTES:
+            self._add_watch(conn, prefix)
+            self.revisioned.add(conn.session)
+            conn.send(P.encode_push(PUSH_KEY_BEGIN, [prefix]))
+            for c in replay:
+                conn.send(_value_rev_push(prefix, c))
+            conn.send(P.encode_ok(req_id, {**WATCH_REPLY, "revision": revisions.progress()}))
+            return
+        # a long replay: a page per loop turn (at most REPLAY_PAGE changes and about
+        # REPLAY_PAGE_BYTES of values; server.replays), then what was published meanwhile,
+        # and the live watch from the turn it has caught up
+        self._check_watch_room(conn, prefix)
+        pending = deque(replay)
+        cursor = (rev, index)
+        begun = False
+
+        def next_page(limit: int) -> tuple[list[bytes], bool]:
+            nonlocal begun, cursor
+            server.roles.admit(Action.READ)
+            frames = []
+            if not begun:
+                frames.append(P.encode_push(PUSH_KEY_BEGIN, [prefix]))
+                begun = True
+            if cursor[0] is None:  # a new watch (queued behind a resume): nothing to replay
+                return frames, True
+            size = 0
+            if not pending:  # what was published while it waited or the pages went out
+                pending.extend(revisions.replay(prefix, *cursor))
+            while pending and len(frames) < limit and size <= REPLAY_PAGE_BYTES:
+                c = pending.popleft()
+                cursor = (c.revision, c.offset)
+                frames.append(_value_rev_push(prefix, c))
+                size += len(c.value) if c.value is not None else 0
+                if not pending:
+                    pending.extend(revisions.replay(prefix, *cursor))
+            return frames, not pending
+
+        def finish() -> None:
+            self._add_watch(conn, prefix)
+            self.revisioned.add(conn.session)
+            conn.send(P.encode_ok(req_id, {**WATCH_REPLY, "revision": revisions.progress()}))
+
+        pager.add(conn, req_id, next_page, finish)
+
+    def _check_watch_room(self, conn: Session, prefix: str) -> None:
+        """Raise what :meth:`_add_watch` would for a new watch of ``prefix``, adding nothing."""
+        mine = self.watching.get(conn.session, ())
+        if prefix in mine:
+            return
+        config = self.server.config
+        if len(mine) + len(conn.watching or ()) >= config.max_watches_per_connection:
+            raise limit_exceeded(config.max_watches_per_connection, "this connection", "watches",
+                                 "max-watches-per-connection")
+        self.server.quotas.check_watch(conn)
 
     def _add_watch(self, conn: Session, prefix: str) -> None:
         """Add ``conn``'s watch of ``prefix`` (counted against the watch limits)."""
@@ -407,6 +462,12 @@ class KeyStore:
             sync.after(ack)()  # a synchronous standby still acknowledges it
             return
         wal.when_durable(sync.after(ack))
+
+
+def _value_rev_push(prefix: str, c: Any) -> bytes:
+    """The PUSH_VALUE_REV of key change ``c`` (a
+    :class:`~fastlock.server.keyrevisions.KeyChange`) to a watch of ``prefix``."""
+    return P.encode_push(PUSH_VALUE_REV, [prefix, c.what, c.key, c.value, c.revision, c.offset])
 
 
 def _entry_info(e: KeyEntry) -> dict:

@@ -282,6 +282,7 @@ class LockAdmin:
         server = handlers.server
         server.quotas.lease_ended(token, meta)
         server.keys.lease_ended(name, token, "revoked")
+        handlers.sessions.lease_ended(name, token)
         server.revisions.logged(name, P.WATCH_REVOKED, token, meta)
 
     def revoke_principal(self, conn: Session, req_id: int, msg: list) -> None:

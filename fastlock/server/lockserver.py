@@ -90,7 +90,7 @@ from .session import Session, shown_client
 from .sharded import ShardGate
 from .shares import client_principals
 from .tasks import BackgroundTasks
-from .watchlog import Revisions
+from .watchlog import ReplayPager, Revisions
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +199,8 @@ class LockServer:
             self.shard_gate.install(self.handlers)
         #: watch revisions: the history resuming watches replay, progress notices (fastlock.server.watchlog)
         self.revisions = Revisions(self, self.handlers.watches, config.watch_history, config.watch_progress_interval)
+        #: the replays of resuming watches, a page per connection per loop turn (fastlock.server.watchlog)
+        self.replays = ReplayPager(self)
         if self.follower is not None:
             self.follower.revisions = self.revisions
         #: key revisions: the history resuming prefix watches replay (fastlock.server.keyrevisions)
@@ -543,6 +545,7 @@ class LockServer:
                 wal.log_expire(ev.name, ev.token)
                 revisions.logged(ev.name, "expired", ev.token, ev.meta)
                 self.keys.lease_ended(ev.name, ev.token, "expired")
+                self.handlers.sessions.lease_ended(ev.name, ev.token)
                 if ev.lock_delay_ms:
                     lockdelays.log_expired(wal, ev)
                 quotas.lease_expired(ev, monotonic_ms())  # its lock-delay counts as its lease until it ends
@@ -617,6 +620,7 @@ class LockServer:
         self.wal.log_release(name, token)
         self.revisions.logged(name, "released", token, meta)
         self.keys.lease_ended(name, token, "released")
+        self.handlers.sessions.lease_ended(name, token)
         self.quotas.lease_ended(token, meta)
 
     # -- the expiry timer -------------------------------------------------------------------

@@ -129,6 +129,8 @@ class RevokeDeadlines:
         #: (name, token) -> the requests that asked on this node (owner hash -> principal), in
         #: order, at most MAX_REQUESTERS_KEPT; a replicated or recovered deadline has none
         self.requesters: dict[tuple[str, int], dict[bytes, str]] = {}
+        #: (name, token) -> the holder's connection (server session number) told of the request
+        self.told: dict[tuple[str, int], int] = {}
 
     def __len__(self) -> int:
         return len(self.running)
@@ -161,6 +163,7 @@ class RevokeDeadlines:
         if deadline is None:
             return None
         self.requesters.pop(key, None)
+        self.told.pop(key, None)
         timer = self._timers.pop(key, None)
         if timer is not None:
             timer.cancel()
@@ -284,10 +287,13 @@ class Preemption:
         deadline_ms = max(0, deadline.due_ms - now)
         target = self.handlers.server.sessions.get(holder.session)
         principal, client = split_recorded_client(conn.recorded)
-        if target is not None:
+        # the holder's connection is told once per deadline (again only if it holds from another
+        # connection now): a request asked again and again does not flood it, or the log
+        if target is not None and deadlines.told.get((name, holder.token)) != target.session:
+            deadlines.told[(name, holder.token)] = target.session
             target.send(P.encode_push(PUSH_REVOKE_REQUESTED, [name, holder.token, principal, client, deadline_ms]))
-        log.info("%s asks the holder of %s (token %d) to yield within %d ms", conn.principal, quote(name),
-                 holder.token, deadline_ms, extra={"session": conn.session, "lock": name, "token": holder.token})
+            log.info("%s asks the holder of %s (token %d) to yield within %d ms", conn.principal, quote(name),
+                     holder.token, deadline_ms, extra={"session": conn.session, "lock": name, "token": holder.token})
         conn.send(P.encode_ok(req_id, {"token": holder.token, "deadline_ms": deadline_ms,
                                        "delivered": target is not None}))
 

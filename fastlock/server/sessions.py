@@ -35,13 +35,18 @@ as ``fastlock revoke`` does by name.
 Limits (each with a clear :class:`~fastlock.errors.LimitExceeded`):
 :data:`MAX_SESSIONS_PER_PRINCIPAL`, :data:`MAX_SESSIONS_PER_CONNECTION`,
 :data:`MAX_SESSIONS`, :data:`MAX_ATTACH_PER_REQUEST`; a session's attached leases are
-bounded by the leases the principal may hold (each must be held to be attached).
+bounded by the leases the principal holds: each must be held to be attached, a lease is
+attached to one session at a time (attaching it to another moves it), and a lease that
+ends (released, expired, revoked) is detached at once (:meth:`SessionRegistry.lease_ended`),
+its key kept in the session's list of ended leases (at most :data:`MAX_LOST_LISTED`, the
+oldest dropped) until a keep-alive names it as lost.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
@@ -116,7 +121,7 @@ class ClientSession:
     """One client session (module docstring).  Times are this server's monotonic ms."""
 
     __slots__ = ("id", "key_hash", "principal", "client", "address", "ttl_ms", "opened_ms", "last_heard_ms",
-                 "connection", "leases", "sequenced", "epoch")
+                 "connection", "leases", "sequenced", "epoch", "ended", "longest_ms")
 
     def __init__(self, key_hash: bytes, principal: str, client: str | None, address: str, ttl_ms: int,
                  now: int, connection: int, epoch: int):
@@ -137,16 +142,24 @@ class ClientSession:
         #: the node's epoch when the session was opened: a session of an earlier epoch is stale
         #: (this node stopped being the primary since, and the leases may have changed elsewhere)
         self.epoch = epoch
+        #: the (name, token) of attached leases that ended since the last keep-alive, oldest first
+        #: (at most MAX_LOST_LISTED): the next keep-alive names them as lost
+        self.ended: deque[tuple[str, int]] = deque(maxlen=MAX_LOST_LISTED)
+        #: the longest TTL (ms) of the leases attached to it since it was opened
+        self.longest_ms = 0
 
-    def drop(self, key: tuple[str, int]) -> None:
-        """Detach lease ``key`` (name, token), if attached."""
-        if self.leases.pop(key, None) is not None:
-            self.sequenced.discard(key)
+    def drop(self, key: tuple[str, int]) -> bool:
+        """Detach lease ``key`` (name, token), if attached; True if it was."""
+        if self.leases.pop(key, None) is None:
+            return False
+        self.sequenced.discard(key)
+        return True
 
     def deadline_ms(self) -> int:
-        """When the session ends unless heard from: last heard + the longest of its TTL and its leases'."""
-        longest = max((a.ttl_ms for a in self.leases.values()), default=0) if self.leases else 0
-        return self.last_heard_ms + max(self.ttl_ms, longest)
+        """When the session ends unless heard from: last heard + the longest of its TTL and
+        the TTLs of the leases attached to it since it was opened (O(1): a sweep looks at
+        every session, whatever their leases)."""
+        return self.last_heard_ms + max(self.ttl_ms, self.longest_ms)
 
     def row(self, now: int) -> dict:
         """The session as ``fastlock sessions`` lists it (times in ms)."""
@@ -169,6 +182,10 @@ class SessionRegistry:
         self.by_hash: dict[bytes, ClientSession] = {}
         self.by_id: dict[str, ClientSession] = {}
         self.per_principal: dict[str, int] = {}
+        #: connection (server session number) -> the sessions last heard from it
+        self.per_connection: dict[int, int] = {}
+        #: (name, token) -> the session the lease is attached to (one at a time)
+        self.attached_to: dict[tuple[str, int], ClientSession] = {}
         self.keepalives = 0
         self.renewals = 0
 
@@ -189,11 +206,23 @@ class SessionRegistry:
         if self.by_id.pop(s.id, None) is None:
             return
         del self.by_hash[s.key_hash]
+        attached_to = self.attached_to
+        for key in s.leases:
+            if attached_to.get(key) is s:
+                del attached_to[key]
         left = self.per_principal.get(s.principal, 1) - 1
         if left > 0:
             self.per_principal[s.principal] = left
         else:
             self.per_principal.pop(s.principal, None)
+        self._left_connection(s.connection)
+
+    def _left_connection(self, connection: int) -> None:
+        left = self.per_connection.get(connection, 1) - 1
+        if left > 0:
+            self.per_connection[connection] = left
+        else:
+            self.per_connection.pop(connection, None)
 
     def sweep(self, now: int, most: int = 10_000) -> None:
         """Remove sessions not heard from past their deadline, and stale ones (at most ``most`` looked at)."""
@@ -232,9 +261,33 @@ class SessionRegistry:
             raise PermissionDenied("this session belongs to another principal")
         return s
 
+    def _detach(self, s: ClientSession, key: tuple[str, int]) -> None:
+        """Detach lease ``key`` (name, token) from session ``s``."""
+        if s.drop(key) and self.attached_to.get(key) is s:
+            del self.attached_to[key]
+
+    def _attach(self, s: ClientSession, key: tuple[str, int], lease: AttachedLease) -> None:
+        """Attach lease ``key`` (name, token) to session ``s``, detaching it from any other session."""
+        before = self.attached_to.get(key)
+        if before is not None and before is not s:
+            before.drop(key)
+        self.attached_to[key] = s
+        s.leases[key] = lease
+        if lease.ttl_ms > s.longest_ms:
+            s.longest_ms = lease.ttl_ms
+
+    def lease_ended(self, name: str, token: int) -> None:
+        """The lease (``name``, ``token``) was released, expired or revoked: detach it from its
+        session, which names it as lost at its next keep-alive (the last MAX_LOST_LISTED ended)."""
+        s = self.attached_to.pop((name, token), None)
+        if s is not None and s.drop((name, token)):
+            s.ended.append((name, token))
+
     def _heard(self, s: ClientSession, conn: Session, now: int) -> None:
         s.last_heard_ms = now
         if s.connection != conn.session:
+            self._left_connection(s.connection)
+            self.per_connection[conn.session] = self.per_connection.get(conn.session, 0) + 1
             s.connection = conn.session
             s.address = conn.peer
             s.client = conn.client_name
@@ -262,7 +315,7 @@ class SessionRegistry:
             self._heard(s, conn, now)
             conn.send(P.encode_ok(req_id, {"id": s.id, "ttl_ms": ttl_ms, "resumed": True, "leases": len(s.leases)}))
             return
-        mine = sum(1 for x in self.by_id.values() if x.connection == conn.session)
+        mine = self.per_connection.get(conn.session, 0)
         if mine >= MAX_SESSIONS_PER_CONNECTION:
             raise LimitExceeded(f"this connection has {mine} sessions open, the most allowed "
                                 f"({MAX_SESSIONS_PER_CONNECTION}): close one first")
@@ -276,6 +329,7 @@ class SessionRegistry:
         self.by_hash[key_hash] = s
         self.by_id[s.id] = s
         self.per_principal[conn.principal] = self.per_principal.get(conn.principal, 0) + 1
+        self.per_connection[conn.session] = self.per_connection.get(conn.session, 0) + 1
         conn.send(P.encode_ok(req_id, {"id": s.id, "ttl_ms": ttl_ms, "resumed": False, "leases": 0}))
 
     def op_attach(self, conn: Session, req_id: int, msg: list) -> None:
@@ -324,7 +378,7 @@ class SessionRegistry:
         now = monotonic_ms()
         self._heard(s, conn, now)
         for gone_key in gone:
-            s.drop(gone_key)
+            self._detach(s, gone_key)
         lost = []
         signed: list[list] = []
         table = self.table
@@ -339,11 +393,11 @@ class SessionRegistry:
             wal.log_extend(name, token, holder.ttl_ms)
             if flag and key is not None:
                 signed_as = sequenced_as(holder)
-                s.leases[(name, token)] = AttachedLease(owner, holder.ttl_ms, signed_as)
+                self._attach(s, (name, token), AttachedLease(owner, holder.ttl_ms, signed_as))
                 s.sequenced.add((name, token))
                 signed.append([name, token, renewal_sequencer(key, name, token, signed_as, holder.ttl_ms)])
             else:
-                s.leases[(name, token)] = AttachedLease(owner, holder.ttl_ms)
+                self._attach(s, (name, token), AttachedLease(owner, holder.ttl_ms))
                 s.sequenced.discard((name, token))
         value: dict[str, Any] = {"attached": len(checked) - len(lost), "lost": lost}
         if signed:
@@ -430,7 +484,7 @@ class SessionRegistry:
                     if len(lost) >= MAX_LOST_LISTED:
                         more = True
                         break
-                    s.drop(key)
+                    self._detach(s, key)
                     lost.append([name, token, self._why_lost(name, token)])
                     continue
                 wal.log_extend(name, token, lease.ttl_ms)
@@ -443,6 +497,11 @@ class SessionRegistry:
                 if start:
                     server.after_batch()
                 return
+            ended = s.ended
+            while ended and len(lost) < MAX_LOST_LISTED:  # the attached leases that ended meanwhile
+                name, token = ended.popleft()
+                lost.append([name, token, self._why_lost(name, token)])
+            more = more or bool(ended)
             self.keepalives += 1
             self.renewals += renewed
             value: dict[str, Any] = {"renewed": renewed, "lost": lost, "more": more}

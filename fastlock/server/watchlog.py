@@ -26,23 +26,32 @@ older epoch it has: the last LSN it applied of each epoch it followed
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
+from collections.abc import Callable
+from itertools import islice
+from operator import itemgetter
 from typing import Any, NamedTuple
 
-from ..errors import Compacted, WatchDiverged
-from ..protocol.framing import encode_push
+from ..errors import Compacted, FastlockError, LimitExceeded, WatchDiverged
+from ..protocol.framing import encode_error, encode_push
 from ..protocol.ops import PUSH_WATCH_PROGRESS
 from ..roles import Action, Role
 from ..tokens import TOKEN_EPOCH_SHIFT, counter_of, epoch_of
 
-__all__ = ["CommittedPublisher", "DEFAULT_HISTORY", "DEFAULT_PROGRESS_INTERVAL", "Revisions", "WatchChange",
-           "WatchLog", "check_lineage",
-           "revision", "shown_revision"]
+__all__ = ["CommittedPublisher", "DEFAULT_HISTORY", "DEFAULT_PROGRESS_INTERVAL", "REPLAY_PAGE", "REPLAY_PAGE_BYTES",
+           "ReplayPager", "Revisions", "WatchChange", "WatchLog", "check_lineage", "revision", "shown_revision"]
 
 #: changes kept for resuming watches by default (about 150 bytes each)
 DEFAULT_HISTORY = 100_000
 #: seconds between the progress notices a resumable watch receives by default
 DEFAULT_PROGRESS_INTERVAL = 10.0
+#: the replayed changes one connection is sent per loop turn (a resume's others in later turns)
+REPLAY_PAGE = 1_000
+#: about the most bytes of key values one page of a key watch's replay carries (one value more at most)
+REPLAY_PAGE_BYTES = 1 << 20
+#: the most resumes one connection may have waiting behind a long replay (LimitExceeded beyond)
+MAX_QUEUED_RESUMES = 256
 
 
 def revision(epoch: int, lsn: int) -> int:
@@ -78,6 +87,7 @@ def check_lineage(since: int, current: int, lineage: dict[int, int]) -> None:
 
 #: a change as kept: (revision, name, what, token, meta) - a plain tuple, built on the hot path
 Kept = tuple[int, str, str, int, Any]
+_REVISION = itemgetter(0)
 
 
 class WatchChange(NamedTuple):
@@ -186,8 +196,9 @@ class WatchLog:
         return max(self.published, current)
 
     # -- resuming -----------------------------------------------------------------------
-    def since(self, name: str, since: int, current: int) -> list[WatchChange]:
-        """The published changes of ``name`` after revision ``since``.
+    def since(self, name: str, since: int, current: int, limit: int | None = None) -> list[WatchChange]:
+        """The published changes of ``name`` after revision ``since`` (the first ``limit``
+        of them; None: all), found by bisection: the cost is that of what is returned.
 
         ``current``: this node's revision now (its epoch, its last logged LSN).
         :raises Compacted: ``since`` is older than the history kept.
@@ -205,7 +216,22 @@ class WatchLog:
         if not group:
             return []
         first = self.pending[0][0] if self.pending else 1 << 63  # not committed yet: published live, later
-        return [WatchChange(*c) for c in group if since < c[0] < first]
+        start = bisect_right(group, since, key=_REVISION)
+        if start >= len(group):
+            return []
+        out: list[WatchChange] = []
+        # from the nearer end of the deque (islice walks it from the left, reversed from the right)
+        if start <= len(group) // 2 or limit is not None:
+            for c in islice(group, start, None):
+                if c[0] >= first or len(out) == limit:
+                    break
+                out.append(WatchChange(*c))
+        else:
+            for c in islice(reversed(group), len(group) - start):
+                if c[0] < first:
+                    out.append(WatchChange(*c))
+            out.reverse()
+        return out
 
     def status(self) -> dict:
         """For ``fastlock status``: kept, limit, floor, published."""
@@ -336,10 +362,10 @@ class Revisions(CommittedPublisher):
             return revision(follower.primary_epoch, follower.applied_lsn)
         return revision(server.table.epoch, server.wal.logged_lsn)
 
-    def replay(self, name: str, since: int) -> list[WatchChange]:
-        """The published changes of ``name`` after ``since``.
+    def replay(self, name: str, since: int, limit: int | None = None) -> list[WatchChange]:
+        """The published changes of ``name`` after ``since`` (the first ``limit``; None: all).
         :raises Compacted: too old.  :raises WatchDiverged: not in this node's history."""
-        return self.log.since(name, since, self.current())
+        return self.log.since(name, since, self.current(), limit)
 
     # -- the primary's changes -----------------------------------------------------------
     def started(self) -> None:
@@ -378,3 +404,73 @@ class Revisions(CommittedPublisher):
     def status(self) -> dict:
         """For ``fastlock status`` (``watch_history``)."""
         return {**self.log.status(), "revision": self.current(), "progress_interval": self.progress_interval}
+
+
+class ReplayPager:
+    """Sends the replays of resuming watches :data:`REPLAY_PAGE` pushes per connection per
+    loop turn, so that a resume from an old revision (up to the whole history) never holds
+    the event loop for more than a page: other connections are served between pages.
+
+    Each connection's resumes run one after the other, in the order they came.  A resume
+    is ``next_page(limit)``, which returns its next pushes (at most ``limit`` encoded
+    frames; fewer when they carry many bytes) and whether it has caught up with what is
+    published, and ``finish()``, called in the turn it caught up: it starts the live watch
+    and replies.  A
+    :class:`~fastlock.errors.FastlockError` either raises is the request's error reply
+    (``Compacted`` with the oldest revision kept).  A connection that closes drops its
+    resumes.  At most :data:`MAX_QUEUED_RESUMES` wait per connection.
+    """
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        #: connection (server session number) -> its resumes not yet finished, oldest first
+        self.queues: dict[int, deque[tuple[int, Callable[[int], tuple[list[bytes], bool]], Callable[[], None]]]] = {}
+
+    def busy(self, conn: Any) -> bool:
+        """Whether ``conn`` has a resume still being sent (a later one must queue behind it)."""
+        return conn.session in self.queues
+
+    def add(self, conn: Any, req_id: int, next_page: Callable[[int], tuple[list[bytes], bool]],
+            finish: Callable[[], None]) -> None:
+        """Queue the resume of request ``req_id`` (see the class docstring).
+
+        :raises LimitExceeded: :data:`MAX_QUEUED_RESUMES` resumes of ``conn`` wait already."""
+        queue = self.queues.get(conn.session)
+        if queue is not None:
+            if len(queue) >= MAX_QUEUED_RESUMES:
+                raise LimitExceeded(f"this connection has {len(queue)} watch resumes waiting behind a long replay, "
+                                    f"the most allowed ({MAX_QUEUED_RESUMES}): resume the others once they are done")
+            queue.append((req_id, next_page, finish))
+            return
+        self.queues[conn.session] = deque([(req_id, next_page, finish)])
+        self.server.loop.call_soon(self._run, conn)
+
+    def _run(self, conn: Any) -> None:
+        queue = self.queues.get(conn.session)
+        if queue is None:
+            return
+        if conn.closed:
+            del self.queues[conn.session]
+            return
+        budget = REPLAY_PAGE
+        while queue and budget > 0:
+            req_id, next_page, finish = queue[0]
+            try:
+                frames, done = next_page(budget)
+                for frame in frames:
+                    conn.send(frame)
+                budget -= len(frames)
+                if not done:
+                    break  # the next turn asks again
+                queue.popleft()
+                finish()
+            except FastlockError as exc:
+                if queue and queue[0][0] == req_id:
+                    queue.popleft()
+                extra = exc.oldest if isinstance(exc, Compacted) else getattr(exc, "primary", None)
+                conn.send(encode_error(req_id, exc.code or 0, str(exc), extra))
+        if queue:
+            self.server.loop.call_soon(self._run, conn)
+        else:
+            del self.queues[conn.session]
+        self.server.after_batch()
