@@ -55,7 +55,7 @@ import functools
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Generator, Iterable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from .. import protocol as P
@@ -66,7 +66,7 @@ from ..tokens import epoch_of
 from ..units import wall_ms
 from .connection import RETRYABLE
 from .lease import Lease, LeaseState, check_fraction
-from .multilock import sorted_names
+from .multilock import LeaseSet, sorted_names
 from .owner_keys import new_owner_key
 from .renewer import Renewer
 
@@ -183,7 +183,7 @@ class _Part:
         self.committed = False
 
 
-class CrossShardLease:
+class CrossShardLease(LeaseSet):
     """The leases of :func:`lock_across`, every one committed.
 
     Attributes:
@@ -212,30 +212,6 @@ class CrossShardLease:
                     lease.health.when_lost(self.lost.set)
                 else:
                     lease.health.when_lost(lambda: loop.call_soon_threadsafe(self.lost.set))
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(lease.name for lease in self.leases)
-
-    @property
-    def fencing_tokens(self) -> dict[str, int]:
-        return {lease.name: lease.fencing_token for lease in self.leases}
-
-    def lost_names(self) -> list[str]:
-        """The names whose lease is lost."""
-        return [lease.name for lease in self.leases if lease.lost.is_set()]
-
-    def __getitem__(self, name: str) -> Lease:
-        return self._by_name[name]
-
-    def __iter__(self) -> Iterator[Lease]:
-        return iter(self.leases)
-
-    def __len__(self) -> int:
-        return len(self.leases)
-
-    def __repr__(self) -> str:
-        return f"<CrossShardLease {self.fencing_tokens}{' lost' if self.lost.is_set() else ''}>"
 
 
 def _shards(router: Any, names: Iterable[str], sync: bool) -> list[tuple[_Shard, tuple[str, ...]]]:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MultiLease", "LockManyContext", "SortedNames", "sorted_names", "acquire_many", "release_many"]
+__all__ = ["LeaseSet", "MultiLease", "LockManyContext", "SortedNames", "sorted_names", "acquire_many", "release_many"]
 
 
 class SortedNames(tuple[str, ...]):
@@ -61,26 +61,17 @@ def sorted_names(names: Iterable[str]) -> SortedNames:
     return SortedNames(n for _, n in keyed)
 
 
-class MultiLease:
-    """The leases of :meth:`Client.acquire_many` / :meth:`Client.lock_many`.
+class LeaseSet:
+    """What every set of leases taken together offers (:class:`MultiLease`,
+    :class:`~fastlock.client.across.CrossShardLease`): ``leases`` (a tuple of
+    :class:`Lease`), ``lost`` (an :class:`asyncio.Event` set as soon as any one of them
+    is lost), ``multi["orders/42"]`` (that name's lease), ``names``, ``fencing_tokens``
+    (name -> token), iteration and ``len``."""
 
-    Attributes:
-        leases (tuple[Lease, ...]): in acquisition order (UTF-8 byte order of
-            the names).
-        lost (asyncio.Event): set as soon as any one of the leases is lost.
-
-    ``multi["orders/42"]`` is that name's :class:`Lease`;
-    ``multi.fencing_tokens`` maps each name to its token.
-    """
-
-    __slots__ = ("leases", "lost", "_by_name", "__weakref__")
-
-    def __init__(self, leases: tuple[Lease, ...], lost: asyncio.Event | None = None):
-        self.leases = leases
-        self.lost = lost if lost is not None else asyncio.Event()
-        self._by_name = {lease.name: lease for lease in leases}
-        for lease in leases:
-            lease.health.when_lost(self.lost.set)
+    __slots__ = ()
+    leases: tuple[Lease, ...]
+    lost: asyncio.Event
+    _by_name: dict[str, Lease]
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -104,7 +95,29 @@ class MultiLease:
         return len(self.leases)
 
     def __repr__(self) -> str:
-        return f"<MultiLease {self.fencing_tokens}{' lost' if self.lost.is_set() else ''}>"
+        return f"<{type(self).__name__} {self.fencing_tokens}{' lost' if self.lost.is_set() else ''}>"
+
+
+class MultiLease(LeaseSet):
+    """The leases of :meth:`Client.acquire_many` / :meth:`Client.lock_many`.
+
+    Attributes:
+        leases (tuple[Lease, ...]): in acquisition order (UTF-8 byte order of
+            the names).
+        lost (asyncio.Event): set as soon as any one of the leases is lost.
+
+    ``multi["orders/42"]`` is that name's :class:`Lease`;
+    ``multi.fencing_tokens`` maps each name to its token.
+    """
+
+    __slots__ = ("leases", "lost", "_by_name", "__weakref__")
+
+    def __init__(self, leases: tuple[Lease, ...], lost: asyncio.Event | None = None):
+        self.leases = leases
+        self.lost = lost if lost is not None else asyncio.Event()
+        self._by_name = {lease.name: lease for lease in leases}
+        for lease in leases:
+            lease.health.when_lost(self.lost.set)
 
 
 def shared_names(shared: Iterable[str], names: SortedNames) -> frozenset[str]:
