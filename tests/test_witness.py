@@ -406,3 +406,80 @@ def test_a_standby_without_the_witness_gets_no_witness_lease_on_the_primary(clus
             await node.close()
 
     run(main())
+
+
+# -- a witness that restarts (kill -9) ---------------------------------------------------------
+
+def _restart(cluster, witness) -> WitnessProcess:
+    """The same witness again after a kill -9: its data directory, on its port (the pair names it)."""
+    again = WitnessProcess(witness.data_dir, cluster.creds.file, port=witness.port, args=witness.args[2:])
+    cluster.servers.append(again)
+    return again.start()
+
+
+def test_a_witness_killed_and_restarted_is_used_again(cluster, witness):
+    """kill -9 of the witness: the pair keeps serving (its standby is heard); restarted on
+    its data directory, the primary holds its lease again, and a standby killed then
+    leaves the primary granting on the restarted witness's lease alone."""
+    a, b = _pair(cluster, witness)
+
+    async def main():
+        epoch = (await status_of(a.address))["epoch"]
+        witness.kill()
+        await asyncio.to_thread(a.wait_for_log, r"witness .* unreachable", 10)
+        assert await keeps_granting(a.address, "witness-down", 1.0) > 0
+        held_before = sum("holding its lease for epoch" in line for line in a.lines)
+        again = _restart(cluster, witness)
+        assert f"vote: epoch {epoch}," in again.wait_for_log(r"vote: epoch", 10)  # kept on disk
+        await poll(lambda: asyncio.sleep(0, sum("holding its lease for epoch" in line for line in a.lines)),
+                   lambda n: n > held_before, timeout=15, what="the primary holding the restarted witness's lease")
+        await poll(lambda: status_of(b.address), lambda s: s["replication"]["witness"]["reachable"] is True,
+                   timeout=10, what="the standby reaching the restarted witness")
+        b.kill()
+        # three failover windows: the standby fence alone would have closed after 0.75 s
+        assert await keeps_granting(a.address, "alone", 3 * FAILOVER) > 0
+        st = await status_of(a.address)
+        assert st["role"] == "primary" and not st["replication"]["fenced"]
+
+    run(main())
+
+
+def test_a_restarted_witness_never_votes_a_second_node_into_an_epoch_it_gave(cluster, witness):
+    """The standby paused and the primary killed; another replica node takes the witness's
+    vote for the next epoch (as a standby promoting would) and is never heard from again; the
+    witness is killed (kill -9) between that vote and any promotion, and restarted.  The
+    pair's standby, resumed, asks for the same epoch: refused (one holder per epoch, ever,
+    across the restart), so it does not promote; the node voted in keeps its epoch."""
+    a, b = _pair(cluster, witness)
+    voter = cluster.creds.token("node-7")
+
+    async def main():
+        epoch = (await status_of(a.address))["epoch"]
+        b.pause()  # the vote below goes to the test's node, not to a racing promotion of b
+        a.kill()
+        conn = await _open(witness, voter, node="elsewhere")
+        try:
+            async def take():
+                return await conn.request(OP_WITNESS_LEASE, epoch + 1, 60_000)
+
+            # granted once the killed primary's lease of `epoch` has expired on the witness
+            got = await poll(take, lambda r: r["granted"], timeout=20, what="the vote for the next epoch")
+            assert got["holder"] == "node-7/elsewhere"
+        finally:
+            conn.close()
+        witness.kill()  # after the vote (fsynced before the answer), before any promotion
+        again = _restart(cluster, witness)
+        assert read_vote(str(witness.data_dir)).holder == "node-7/elsewhere"
+        b.resume()
+        line = await asyncio.to_thread(b.wait_for_log, rf"did not grant the lease of epoch {epoch + 1}", 30)
+        assert "node-7/elsewhere" in line, line
+        st = await status_of(b.address)
+        assert st["role"] in ("standby", "promoting") and not any("PROMOTED" in x for x in b.lines)
+        conn = await _open(again, voter, node="elsewhere")
+        try:  # the node voted in still holds its epoch on the restarted witness
+            renewed = await conn.request(OP_WITNESS_LEASE, epoch + 1, 60_000)
+        finally:
+            conn.close()
+        assert renewed["granted"] and renewed["epoch"] == epoch + 1 and renewed["holder"] == "node-7/elsewhere"
+
+    run(main(), timeout=80)
