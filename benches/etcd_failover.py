@@ -306,6 +306,10 @@ async def run(args: argparse.Namespace, log) -> dict[str, Any]:
                                for v, d in zip(breakdown[key], breakdown["deleted"])])
                 for key in ("taken", "promoted", "granted", "client")},
         }
+    except BaseException:
+        for name, srv in (locals().get("nodes") or {}).items():  # what each node said, for the post-mortem
+            log(f"--- node {name} ({srv.address}), last 80 log lines:\n" + "\n".join(srv.lines[-80:]))
+        raise
     finally:
         if watch is not None:
             await watch.close()
