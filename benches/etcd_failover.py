@@ -51,8 +51,8 @@ from typing import Any
 
 import fastlock
 from fastlock._testbase.cluster import Cluster, RawNode, status_of
-from fastlock.coordination.gateway import EtcdGateway, EtcdUnavailable
 from fastlock._testbase.servers import ServerProcess
+from fastlock.coordination.gateway import EtcdGateway, EtcdUnavailable
 from fastlock.errors import FastlockError
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "tests"))

@@ -25,9 +25,10 @@ from ..units import DEFAULT_PORT, MAX_SECONDS, check_seconds, format_address, pa
 
 __all__ = [
     "COMMAND_NAMES", "CONNECT_TIMEOUT", "SERVER_VARIABLE", "OneServer", "add_client_tls_arguments",
-    "add_connect_timeout_argument", "add_server_tls_arguments", "add_token_arguments", "check_server_tls_arguments", "asks_json", "client_tls_options", "count_arg",
-    "exit_code_arg", "frame_bytes_arg", "listen_address", "positive_int", "positive_seconds_arg", "print_error",
-    "read_secret", "read_token", "seconds_arg", "server_address", "servers_from_env", "ttl_arg", "wait_arg",
+    "add_connect_timeout_argument", "add_server_tls_arguments", "add_token_arguments", "asks_json",
+    "check_server_tls_arguments", "client_tls_options", "count_arg", "exit_code_arg", "frame_bytes_arg",
+    "listen_address", "positive_int", "positive_seconds_arg", "print_error", "read_secret", "read_token",
+    "seconds_arg", "server_address", "servers_from_env", "ttl_arg", "wait_arg",
 ]
 
 #: the environment variable naming the server(s) a client command talks to

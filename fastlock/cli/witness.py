@@ -67,7 +67,8 @@ def witness_command(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"fastlock witness: {exc}", file=sys.stderr)
         return 1
-    return asyncio.run(_run(witness, *args.listen, tls))
+    host, port = args.listen
+    return asyncio.run(_run(witness, host, port, tls))
 
 
 async def _run(witness: Witness, host: str, port: int, tls: ServerTLS | None) -> int:
