@@ -75,6 +75,7 @@ class PrimaryLink:
         #: expects that node (a relay to another node holding the credentials is refused)
         self.proven: tuple[tuple[str, int], str] | None = None
         self.stream_limits = stream_limits
+        self._not_primary_yet = False  # the last HELLO was refused as NotPrimary (not a credential refusal)
         self.connected = False
         self._rpc: rpc.RpcConnection | None = None
         self._task: asyncio.Task | None = None
@@ -193,7 +194,7 @@ class PrimaryLink:
                 hello = await self._hello(link)
                 if hello is None:
                     link.close()
-                    await asyncio.sleep(refused_pause())
+                    await asyncio.sleep(refused_pause() if self._not_primary_yet else backoff)
                     backoff = min(backoff * 2, 5.0)
                     continue
                 if self.principal is None and type(hello.get("principal")) is str:
@@ -259,6 +260,7 @@ class PrimaryLink:
         ``follower.refused`` says why until a primary does)."""
         follower = self.follower
         proven = self.proven
+        self._not_primary_yet = False
         handshake = ClientHandshake(self.secret, role="replica" if self.secret is not None else None,
                                     own_node=self.own_node,
                                     expect_node=proven[1] if proven is not None and proven[0] == self.primary else None)
@@ -271,6 +273,7 @@ class PrimaryLink:
                 raise ServerNotProven(f"the server is node {hello.get('node')}, not the expected node "
                                       f"{handshake.expect_node}")
         except NotPrimary as exc:  # a standby or a deposed node authenticates no replica
+            self._not_primary_yet = True  # (it may be about to promote: asked again soon, see FRESH_TARGET_S)
             follower.refused = f"{self.address} is not a primary: {exc}"
             if self._say_once("not primary", str(exc)):
                 log.error("not following %s: %s (retrying)", self.address, quote(str(exc)))
