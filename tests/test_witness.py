@@ -535,6 +535,7 @@ def test_a_pair_reaches_its_witness_over_mutual_tls_and_fails_over(cluster, tls_
     b = cluster.standby(a.address, "b", failover_after=FAILOVER, wait_sync=False,
                         args=["--witness", w.address, *_tls_node(tls_files, "b")])
     b.wait_for_log(r"replicating from", 15)
+    b.wait_for_log(r"paired: primary", 15)  # automatic failover is armed once the primary has paired
     a.wait_for_log(r"holding its lease for epoch", 15)
 
     async def main():
