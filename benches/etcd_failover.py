@@ -13,6 +13,16 @@ this process's monotonic clock
 - kill -> the first grant of a free lock by it (retried through its grace period);
 
 then restart the killed node (it rejoins as a standby) before the next kill.
+Each kill's line breaks the time down (ms from the kill, this process's clock):
+``deleted`` (etcd freed the dead primary's key: seen by this bench's own watch of
+``PREFIX/primary``), ``taken`` (a node's bid put the key: the same watch),
+``promoted`` (a node reports itself an unfenced primary), ``granted`` (the first
+free grant by this bench, which knows the new primary from STATUS) and ``client``
+(a ``fastlock.connect`` client of the three addresses, connected before the
+kill, that asks for a free lock at the kill and rides through the failover).
+etcd 3.4 frees an expired lease's keys at its next expiry check (every 500 ms),
+so ``deleted`` is the TTL after the dead primary's last keepalive plus up to
+500 ms; everything after ``deleted`` is fastlock's.
 With ``--load N`` (issue 24), N clients take locks of a 60 s TTL on the primary
 without pause while it is killed; after each failover every grant that was
 acknowledged to them is looked up on the new primary (``HOLDER``): a grant whose
@@ -38,8 +48,10 @@ import tempfile
 import time
 from typing import Any
 
+import fastlock
 from fastlock._testbase.cluster import Cluster, RawNode, status_of
 from fastlock._testbase.servers import ServerProcess
+from fastlock.coordination.gateway import EtcdGateway, EtcdUnavailable
 from fastlock.errors import FastlockError
 
 from .harness import print_result
@@ -154,12 +166,66 @@ async def _in_sync(address: str, count: int, deadline_s: float) -> None:
     raise TimeoutError(f"fewer than {count} in-sync standbys after {deadline_s} s")
 
 
+class KeyWatch:
+    """This bench's own watch of one etcd key: every change as ``(monotonic s, "PUT"|"DELETE")``."""
+
+    def __init__(self, etcd_address: str, key: str):
+        host, _, port = etcd_address.rpartition(":")
+        self.events: list[tuple[float, str]] = []
+        self.ready = asyncio.Event()
+        self._gateway = EtcdGateway([(host, int(port))], timeout_s=2.0)
+        self._key = key
+        self._task = asyncio.ensure_future(self._run())
+
+    def _on(self, kind: str) -> None:
+        self.events.append((time.monotonic(), kind))
+
+    async def _run(self) -> None:
+        for _ in range(1000):  # reconnects, bounded
+            self.ready.set()
+            try:
+                await self._gateway.watch(self._key, self._on)
+            except EtcdUnavailable:
+                await asyncio.sleep(0.05)
+
+    def first(self, kind: str, after: float) -> float | None:
+        """The first ``kind`` change at or after ``after`` (monotonic s), or None."""
+        return next((t for t, k in self.events if k == kind and t >= after), None)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        await self._gateway.close()
+
+
+async def _waiting_client(addresses: list[str], name: str, ttl_s: float, started: asyncio.Event) -> float:
+    """Connect before the kill; at ``started`` (the kill) ask for the free lock ``name``
+    and ride the failover through; the monotonic time (s) of the grant."""
+    async with fastlock.connect(*addresses, client_name="etcd-failover-waiter", failover_timeout=30) as client:
+        await started.wait()
+        lease = await client.acquire(name, ttl=ttl_s, wait=30)
+        granted = time.monotonic()
+        await client.release(lease)
+        return granted
+
+
+def _ms(t: float | None, since: float) -> float | None:
+    return None if t is None else round((t - since) * 1000)
+
+
+def _summary(values: list[float | None]) -> dict[str, float] | None:
+    seen = [v for v in values if v is not None]
+    return {"median": statistics.median(seen), "max": max(seen), "count": len(seen)} if seen else None
+
+
 async def run(args: argparse.Namespace, log) -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="fastlock-etcd-bench-")
     etcd = EtcdServer().start()
     cluster = Cluster(root)
+    watch: KeyWatch | None = None
     try:
-        url = f"etcd://{etcd.address}{unique_prefix()}"
+        prefix = unique_prefix()
+        url = f"etcd://{etcd.address}{prefix}"
         extra = ["--promotion-grace", str(args.promotion_grace)] if args.promotion_grace is not None else []
         if args.replication == "sync":
             extra += ["--replication", "sync", "--sync-standbys", str(args.sync_standbys)]
@@ -169,7 +235,11 @@ async def run(args: argparse.Namespace, log) -> dict[str, Any]:
                 os.path.join(root, name), args=["--name", name, *cluster.auth_args(name), "--coordinator", url,
                                                 "--node-id", name, "--coordinator-ttl", str(args.ttl), *extra]))
         ttl_ms = round(args.lock_ttl * 1000)
+        watch = KeyWatch(etcd.address, f"{prefix}/primary")
+        await watch.ready.wait()
         to_primary, to_grant = [], []
+        breakdown: dict[str, list[float | None]] = {"deleted": [], "taken": [], "promoted": [], "granted": [],
+                                                    "client": []}
         last_token = last_epoch = 0
         acked = missing = graceless = 0
         for i in range(args.kills):
@@ -181,16 +251,31 @@ async def run(args: argparse.Namespace, log) -> dict[str, Any]:
             assert token > last_token and st["epoch"] >= last_epoch, (token, last_token, st["epoch"], last_epoch)
             last_token, last_epoch = token, st["epoch"]
             load = Load(nodes[name].address, args.load, i) if args.load else None
-            if load is not None:
-                await asyncio.sleep(0.3)  # the load runs before and through the kill
+            kill_now = asyncio.Event()
+            waiter = asyncio.ensure_future(_waiting_client([s.address for s in nodes.values()], f"waiting-{i}",
+                                                           args.lock_ttl, kill_now))
+            await asyncio.sleep(0.3)  # the load runs before and through the kill; the waiter connects
             nodes[name].kill()
             killed = time.monotonic()
+            kill_now.set()
             rest = {n: s for n, s in nodes.items() if n != name}
             new, st2 = await _primary(rest, 30)
             t_role = time.monotonic() - killed
             token2 = await _grant(nodes[new].address, f"free-{i}", ttl_ms, 30)
             t_grant = time.monotonic() - killed
             graceless += st2.get("grace_remaining_ms", 1) == 0
+            try:
+                client_at: float | None = await asyncio.wait_for(waiter, 40)
+            except Exception as exc:  # noqa: BLE001 - reported, the bench goes on
+                log(f"  the waiting client failed: {type(exc).__name__}: {exc}")
+                client_at = None
+            deleted = watch.first("DELETE", killed)
+            parts = {"deleted": _ms(deleted, killed),
+                     "taken": _ms(watch.first("PUT", deleted if deleted is not None else killed), killed),
+                     "promoted": round(t_role * 1000), "granted": round(t_grant * 1000),
+                     "client": _ms(client_at, killed)}
+            for key, value in parts.items():
+                breakdown[key].append(value)
             if load is not None:
                 await load.stop()
                 lost = await _missing(nodes[new].address, load.acked)
@@ -206,6 +291,7 @@ async def run(args: argparse.Namespace, log) -> dict[str, Any]:
             log(f"kill {i + 1}: {name} -> {new} primary after {t_role * 1000:.0f} ms, first free grant after "
                 f"{t_grant * 1000:.0f} ms (epoch {st2['epoch']}, grace {st2.get('grace_remaining_ms')} ms"
                 + (f", {len(load.acked)} acknowledged grants checked)" if load is not None else ")"))
+            log("  ms after the kill: " + ", ".join(f"{k} {v}" for k, v in parts.items()))
             nodes[name] = cluster.restart(nodes[name])
         return {
             "kills": args.kills, "etcd_ttl_s": args.ttl, "lock_ttl_s": args.lock_ttl,
@@ -215,8 +301,19 @@ async def run(args: argparse.Namespace, log) -> dict[str, Any]:
             "promotions_without_grace": graceless,
             "kill_to_primary_ms": {"median": statistics.median(to_primary), "max": max(to_primary)},
             "kill_to_first_grant_ms": {"median": statistics.median(to_grant), "max": max(to_grant)},
+            "breakdown_ms": {key: _summary(values) for key, values in breakdown.items()},
+            "after_deleted_ms": {
+                key: _summary([None if v is None or d is None else v - d
+                               for v, d in zip(breakdown[key], breakdown["deleted"])])
+                for key in ("taken", "promoted", "granted", "client")},
         }
+    except BaseException:
+        for name, srv in (locals().get("nodes") or {}).items():  # what each node said, for the post-mortem
+            log(f"--- node {name} ({srv.address}), last 80 log lines:\n" + "\n".join(srv.lines[-80:]))
+        raise
     finally:
+        if watch is not None:
+            await watch.close()
         cluster.stop_all()
         etcd.stop()
 

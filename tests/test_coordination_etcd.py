@@ -117,6 +117,47 @@ async def test_racing_nodes_one_wins_and_epochs_grow(etcd):
             await arb.close()
 
 
+async def test_a_step_between_two_regular_ones_skips_a_fresh_renewal(etcd):
+    """A standby's step right after one that renewed its lease (as its watch or a hurry runs
+    one) sends no lease renewal and no member write, only the read of the primary key; the
+    next regular step renews again.  Node b's TTL is 4 s (a quarter: 1 s) so that "right
+    after" holds on a loaded machine; a dead primary is still replaced."""
+    prefix = unique_prefix()
+    a, _ = arbiter(etcd.address, prefix, "a")
+    eb = Events()
+    b = EtcdArbiter(EtcdGateway([parse_address(etcd.address)], timeout_s=0.3), prefix, "b", "127.0.0.1:7001", eb,
+                    ttl_ms=4000)
+    paths: list[str] = []
+    call = b.gateway.call
+
+    async def counted(path: str, body: dict) -> dict:
+        paths.append(path)
+        return await call(path, body)
+
+    b.gateway.call = counted  # type: ignore[method-assign]
+    try:
+        a.start()
+        await wait_until(lambda: a.holding, 5, "a to take the key")
+        for _ in range(50):  # until a step renews (the first one does: b has no lease yet)
+            paths.clear()
+            await b.step()
+            if "lease/keepalive" in paths or "lease/grant" in paths:
+                break
+        else:
+            raise AssertionError("no step of b renewed its lease")
+        paths.clear()
+        await b.step()
+        assert paths == ["kv/range"], paths  # the primary key only: a holds it, no renewal, no member write
+        assert b.primary is not None and b.primary.node == "a"
+        a._task.cancel()  # a dies: its lease runs out in etcd
+        b.start()
+        await wait_until(lambda: b.holding, 10, "b to take the key")
+        assert b.may_grant() and eb.first("elected") is not None
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_dead_primary_replaced_within_ttl(etcd):
     a, ea, b, eb = pair(etcd.address, etcd.address)
     try:
@@ -387,6 +428,13 @@ async def live_a_and_b(etcd) -> tuple[str, EtcdArbiter, EtcdArbiter]:
     await a.claim()
     a.start()
     await wait_until(lambda: a.holding, 5, "a to take the key")
+    # the step its election's watch event runs rewrites its member key (its epoch): a test
+    # that changes the key by hand does so after it, not racing it
+    for _ in range(250):
+        member = await a.gateway.get(f"{prefix}/members/n1")
+        if member is not None and json.loads(member.value).get("epoch") == a.epoch:
+            break
+        await asyncio.sleep(0.02)
     return prefix, a, b
 
 

@@ -406,3 +406,177 @@ def test_a_standby_without_the_witness_gets_no_witness_lease_on_the_primary(clus
             await node.close()
 
     run(main())
+
+
+# -- a witness that restarts (kill -9) ---------------------------------------------------------
+
+def _restart(cluster, witness) -> WitnessProcess:
+    """The same witness again after a kill -9: its data directory, on its port (the pair names it)."""
+    again = WitnessProcess(witness.data_dir, cluster.creds.file, port=witness.port, args=witness.args[2:])
+    cluster.servers.append(again)
+    return again.start()
+
+
+def test_a_witness_killed_and_restarted_is_used_again(cluster, witness):
+    """kill -9 of the witness: the pair keeps serving (its standby is heard); restarted on
+    its data directory, the primary holds its lease again, and a standby killed then
+    leaves the primary granting on the restarted witness's lease alone."""
+    a, b = _pair(cluster, witness)
+
+    async def main():
+        epoch = (await status_of(a.address))["epoch"]
+        witness.kill()
+        await asyncio.to_thread(a.wait_for_log, r"witness .* unreachable", 10)
+        assert await keeps_granting(a.address, "witness-down", 1.0) > 0
+        held_before = sum("holding its lease for epoch" in line for line in a.lines)
+        again = _restart(cluster, witness)
+        assert f"vote: epoch {epoch}," in again.wait_for_log(r"vote: epoch", 10)  # kept on disk
+        await poll(lambda: asyncio.sleep(0, sum("holding its lease for epoch" in line for line in a.lines)),
+                   lambda n: n > held_before, timeout=15, what="the primary holding the restarted witness's lease")
+        await poll(lambda: status_of(b.address), lambda s: s["replication"]["witness"]["reachable"] is True,
+                   timeout=10, what="the standby reaching the restarted witness")
+        b.kill()
+        # three failover windows: the standby fence alone would have closed after 0.75 s
+        assert await keeps_granting(a.address, "alone", 3 * FAILOVER) > 0
+        st = await status_of(a.address)
+        assert st["role"] == "primary" and not st["replication"]["fenced"]
+
+    run(main())
+
+
+def test_a_restarted_witness_never_votes_a_second_node_into_an_epoch_it_gave(cluster, witness):
+    """The standby paused and the primary killed; another replica node takes the witness's
+    vote for the next epoch (as a standby promoting would) and is never heard from again; the
+    witness is killed (kill -9) between that vote and any promotion, and restarted.  The
+    pair's standby, resumed, asks for the same epoch: refused (one holder per epoch, ever,
+    across the restart), so it does not promote; the node voted in keeps its epoch."""
+    a, b = _pair(cluster, witness)
+    voter = cluster.creds.token("node-7")
+
+    async def main():
+        epoch = (await status_of(a.address))["epoch"]
+        b.pause()  # the vote below goes to the test's node, not to a racing promotion of b
+        a.kill()
+        conn = await _open(witness, voter, node="elsewhere")
+        try:
+            async def take():
+                return await conn.request(OP_WITNESS_LEASE, epoch + 1, 60_000)
+
+            # granted once the killed primary's lease of `epoch` has expired on the witness
+            got = await poll(take, lambda r: r["granted"], timeout=20, what="the vote for the next epoch")
+            assert got["holder"] == "node-7/elsewhere"
+        finally:
+            conn.close()
+        witness.kill()  # after the vote (fsynced before the answer), before any promotion
+        again = _restart(cluster, witness)
+        assert read_vote(str(witness.data_dir)).holder == "node-7/elsewhere"
+        b.resume()
+        line = await asyncio.to_thread(b.wait_for_log, rf"did not grant the lease of epoch {epoch + 1}", 30)
+        assert "node-7/elsewhere" in line, line
+        st = await status_of(b.address)
+        assert st["role"] in ("standby", "promoting") and not any("PROMOTED" in x for x in b.lines)
+        conn = await _open(again, voter, node="elsewhere")
+        try:  # the node voted in still holds its epoch on the restarted witness
+            renewed = await conn.request(OP_WITNESS_LEASE, epoch + 1, 60_000)
+        finally:
+            conn.close()
+        assert renewed["granted"] and renewed["epoch"] == epoch + 1 and renewed["holder"] == "node-7/elsewhere"
+
+    run(main(), timeout=80)
+
+
+# -- the witness over TLS ----------------------------------------------------------------------
+
+def _issue(ca, directory, stem: str) -> tuple[str, str]:
+    leaf = ca.issue_cert("127.0.0.1", "localhost", common_name=stem)
+    cert, key = directory / f"{stem}.pem", directory / f"{stem}-key.pem"
+    leaf.cert_chain_pems[0].write_to_path(str(cert))
+    leaf.private_key_pem.write_to_path(str(key))
+    return str(cert), str(key)
+
+
+@pytest.fixture
+def tls_files(tmp_path):
+    """CA ``ca`` signs the nodes' and the witness's certificates; CA ``other`` a look-alike witness's."""
+    trustme = pytest.importorskip("trustme")
+    d = tmp_path / "certs"
+    d.mkdir()
+    ca, other = trustme.CA(), trustme.CA()
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    files = {"ca": str(d / "ca.pem")}
+    for stem in ("a", "b", "witness"):
+        files[stem], files[f"{stem}-key"] = _issue(ca, d, stem)
+    files["impostor"], files["impostor-key"] = _issue(other, d, "impostor")
+    return files
+
+
+def _tls_node(files: dict, stem: str) -> list[str]:
+    return ["--tls-cert", files[stem], "--tls-key", files[f"{stem}-key"], "--tls-ca", files["ca"]]
+
+
+async def _tls_status(address: str, ca: str) -> dict:
+    import fastlock
+
+    async with fastlock.connect(address, tls_ca=ca, connect_timeout=5, failover_timeout=0) as client:
+        return await client.status()
+
+
+def test_a_pair_reaches_its_witness_over_mutual_tls_and_fails_over(cluster, tls_files, tmp_path):
+    """Witness and nodes with the serve TLS flags (the witness asks for client certificates):
+    the primary holds the witness's lease over TLS, and the primary killed, the standby
+    promotes with the witness's lease for the next epoch."""
+    w = WitnessProcess(tmp_path / "tls-witness", cluster.creds.file,
+                       args=["--tls-cert", tls_files["witness"], "--tls-key", tls_files["witness-key"],
+                             "--tls-ca", tls_files["ca"], "--tls-client-auth", "required"])
+    cluster.servers.append(w)
+    w.start()
+    assert any("(TLS)" in line for line in w.lines)
+    a = cluster.primary("a", args=["--witness", w.address, *_tls_node(tls_files, "a")])
+    b = cluster.standby(a.address, "b", failover_after=FAILOVER, wait_sync=False,
+                        args=["--witness", w.address, *_tls_node(tls_files, "b")])
+    b.wait_for_log(r"replicating from", 15)
+    b.wait_for_log(r"paired: primary", 15)  # automatic failover is armed once the primary has paired
+    a.wait_for_log(r"holding its lease for epoch", 15)
+
+    async def main():
+        st = await _tls_status(a.address, tls_files["ca"])
+        assert st["replication"]["witness"]["tls"] is True and st["replication"]["witness"]["reachable"]
+        a.kill()
+        await asyncio.to_thread(b.wait_for_log, r"PROMOTED to primary", 30)
+        assert any("granted this node the lease of epoch" in line for line in b.lines)
+        # a plain (non-TLS) connection to the TLS witness is refused and changes nothing
+        with pytest.raises((ConnectionLost, OSError, asyncio.TimeoutError, ProtocolError)):
+            await _open(w, cluster.creds.token("node-7"))
+
+    run(main(), timeout=60)
+
+
+def test_a_node_refuses_a_witness_its_ca_did_not_sign(cluster, tls_files, tmp_path):
+    """A witness whose certificate another CA signed: the node's TLS handshake fails, its
+    status says why (the certificate), and the primary holds no witness lease."""
+    w = WitnessProcess(tmp_path / "impostor-witness", cluster.creds.file,
+                       args=["--tls-cert", tls_files["impostor"], "--tls-key", tls_files["impostor-key"]])
+    cluster.servers.append(w)
+    w.start()
+    a = cluster.primary("a", args=["--witness", w.address, *_tls_node(tls_files, "a")])
+    b = cluster.standby(a.address, "b", failover_after=FAILOVER, wait_sync=False,
+                        args=["--witness", w.address, *_tls_node(tls_files, "b")])
+
+    async def main():
+        st = await poll(lambda: _tls_status(b.address, tls_files["ca"]),
+                        lambda s: s["replication"]["witness"]["error"] is not None, timeout=15,
+                        what="the standby's witness error")
+        assert "CERTIFICATE_VERIFY_FAILED" in st["replication"]["witness"]["error"], st["replication"]["witness"]
+        assert not any("holding its lease for epoch" in line for line in a.lines)
+
+    run(main())
+
+
+def test_witness_tls_flags_that_do_not_go_together_are_refused(tmp_path, cluster):
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "fastlock", "witness", "--listen", "127.0.0.1:0", "--data",
+                          str(tmp_path / "w"), "--credentials", cluster.creds.file, "--tls-key", "k.pem"],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and "need --tls-cert" in res.stderr

@@ -25,9 +25,10 @@ from ..units import DEFAULT_PORT, MAX_SECONDS, check_seconds, format_address, pa
 
 __all__ = [
     "COMMAND_NAMES", "CONNECT_TIMEOUT", "SERVER_VARIABLE", "OneServer", "add_client_tls_arguments",
-    "add_connect_timeout_argument", "add_token_arguments", "asks_json", "client_tls_options", "count_arg",
-    "exit_code_arg", "frame_bytes_arg", "listen_address", "positive_int", "positive_seconds_arg", "print_error",
-    "read_secret", "read_token", "seconds_arg", "server_address", "servers_from_env", "ttl_arg", "wait_arg",
+    "add_connect_timeout_argument", "add_server_tls_arguments", "add_token_arguments", "asks_json",
+    "check_server_tls_arguments", "client_tls_options", "count_arg", "exit_code_arg", "frame_bytes_arg",
+    "listen_address", "positive_int", "positive_seconds_arg", "print_error", "read_secret", "read_token",
+    "seconds_arg", "server_address", "servers_from_env", "ttl_arg", "wait_arg",
 ]
 
 #: the environment variable naming the server(s) a client command talks to
@@ -277,3 +278,30 @@ def print_error(args: argparse.Namespace, command: str, message: str, error: str
         print(json.dumps({"command": command, "error": error, "message": message}), file=sys.stderr, flush=True)
     else:
         print(f"fastlock {command}: {message}", file=sys.stderr, flush=True)
+
+
+def add_server_tls_arguments(p: argparse.ArgumentParser, *, cert_help: str, ca_help: str) -> None:
+    """The TLS flags of a listening command (``serve``, ``witness``): ``--tls-cert``,
+    ``--tls-key``, ``--tls-ca``, ``--tls-client-auth``, ``--tls-handshake-timeout``
+    (seconds), as :class:`fastlock.tls.ServerTLS` takes them; ``cert_help`` and ``ca_help``
+    say what the certificate and the CA are used for besides serving."""
+    p.add_argument("--tls-cert", metavar="FILE", help=cert_help)
+    p.add_argument("--tls-key", metavar="FILE", help="the certificate's private key (default: in --tls-cert)")
+    p.add_argument("--tls-ca", metavar="FILE", help=ca_help)
+    p.add_argument("--tls-client-auth", choices=("none", "optional", "required"), default="none",
+                   help="client certificates: none (default), optional (verified if sent), required "
+                        "(mutual TLS); needs --tls-ca")
+    p.add_argument("--tls-handshake-timeout", type=seconds_arg, default=10.0, metavar="SECONDS",
+                   help="drop a connection whose TLS handshake takes longer (default 10; at most 1 while more "
+                        "than half of the 1,024 handshake slots are taken)")
+
+
+def check_server_tls_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse the flags of :func:`add_server_tls_arguments` that do not go together (exit 2)."""
+    if (args.tls_key or args.tls_ca) and not args.tls_cert:
+        parser.error("--tls-key and --tls-ca need --tls-cert (this node's certificate)")
+    if args.tls_client_auth != "none" and not args.tls_ca:
+        parser.error(f"--tls-client-auth {args.tls_client_auth} needs --tls-ca (the CA that signs client "
+                     f"certificates)")
+    if args.tls_cert and args.tls_handshake_timeout <= 0:
+        parser.error("--tls-handshake-timeout must be > 0 seconds")

@@ -14,6 +14,8 @@ from ..protocol import REQUEST_OVERHEAD_BYTES
 from ..server import ServerConfig, serve
 from ..units import DEFAULT_PORT, format_address
 from .args import (
+    add_server_tls_arguments,
+    check_server_tls_arguments,
     count_arg,
     frame_bytes_arg,
     listen_address,
@@ -64,19 +66,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     s.add_argument("--auth-secret-file", metavar="FILE",
                    help="legacy: a shared secret (or env FASTLOCK_AUTH_SECRET) that makes a client of every "
                         "lock; not a replica nor an admin. Prefer --credentials")
-    s.add_argument("--tls-cert", metavar="FILE",
-                   help="serve TLS with this certificate (PEM, with its chain); a standby also presents it "
-                        "to its primary")
-    s.add_argument("--tls-key", metavar="FILE", help="the certificate's private key (default: in --tls-cert)")
-    s.add_argument("--tls-ca", metavar="FILE",
-                   help="CA certificate(s) that verify client certificates and, on a standby, the primary's "
-                        "(default for the latter: the system's CAs)")
-    s.add_argument("--tls-client-auth", choices=("none", "optional", "required"), default="none",
-                   help="client certificates: none (default), optional (verified if sent), required "
-                        "(mutual TLS); needs --tls-ca")
-    s.add_argument("--tls-handshake-timeout", type=seconds_arg, default=10.0, metavar="SECONDS",
-                   help="drop a connection whose TLS handshake takes longer (default 10; at most 1 while more "
-                        "than half of the 1,024 handshake slots are taken)")
+    add_server_tls_arguments(
+        s, cert_help="serve TLS with this certificate (PEM, with its chain); a standby also presents it to its "
+                     "primary, and a node to its --witness (which then must serve TLS too)",
+        ca_help="CA certificate(s) that verify client certificates and, on a standby, the primary's, on a "
+                "node with --witness, the witness's (default for the latter two: the system's CAs)")
     add_limit_flags(s)
     s.add_argument("--standby-of", type=listen_address, metavar="HOST:PORT",
                    help="run as a standby of this primary: follow its log, answer clients NotPrimary")
@@ -313,13 +307,7 @@ def check_args(args: argparse.Namespace) -> None:
         args.subparser.error("--standby-of needs --standby-token-file (or a --tls-cert that the primary's "
                              "credentials map to a replica principal): a standby authenticates to its "
                              "primary as a replica principal (see `fastlock credentials init`)")
-    if (args.tls_key or args.tls_ca) and not args.tls_cert:
-        args.subparser.error("--tls-key and --tls-ca need --tls-cert (this node's certificate)")
-    if args.tls_client_auth != "none" and not args.tls_ca:
-        args.subparser.error(f"--tls-client-auth {args.tls_client_auth} needs --tls-ca (the CA that signs "
-                             f"client certificates)")
-    if args.tls_cert and args.tls_handshake_timeout <= 0:
-        args.subparser.error("--tls-handshake-timeout must be > 0 seconds")
+    check_server_tls_arguments(args, args.subparser)
     if args.coordinator:
         from ..coordination import parse_coordinator  # (no httpx needed to check the URL)
 

@@ -149,6 +149,8 @@ class EtcdArbiter:
         self.stepped_down = False  # lost the key: no bids until the node rejoins (see rejoined)
         self.last_error: str | None = None
         self._renewed_at = 0  # send time (own clock, ms) of the last successful grant or renewal
+        self._advertised_at: int | None = None  # own clock (ms) when the member key was last found this node's
+        self._bid_epoch: EpochReading | None = None  # PREFIX/epoch as read for the bid under way
         self._free_since: int | None = None
         self._task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None  # the primary key's watch (see _watch_primary)
@@ -337,9 +339,10 @@ class EtcdArbiter:
         Raises:
             EtcdUnavailable: etcd did not answer; the fence timer still closes on time.
         """
-        await self._renew()
-        if not await self._advertise():
-            return  # another live node holds this node id: neither follow nor bid
+        if not self._checked_lately():
+            await self._renew()
+            if not await self._advertise():
+                return  # another live node holds this node id: neither follow nor bid
         kv = await self.gateway.get(self.primary_key)
         record = PrimaryRecord.decode(kv) if kv is not None else None
         if kv is not None and not kv.lease:
@@ -381,6 +384,24 @@ class EtcdArbiter:
         else:
             self._free_since = None
 
+    def _member_value(self) -> bytes:
+        """This node's member key value now (JSON)."""
+        return json.dumps({"node": self.node, "address": self.address, "position": self.listener.position(),
+                           "epoch": self.epoch, "lease": self.lease, "ident": self._member.ident}).encode()
+
+    def _checked_lately(self) -> bool:
+        """May this step skip the renewal and the member key check?  Only a node that does
+        not hold the primary key, whose lease was renewed and whose unchanged member key was
+        found its own less than a quarter TTL ago (own clock): a step the watch or a hurry
+        runs between two regular ones goes straight to the primary key.  A renewal is then at
+        most about half a TTL apart (the lease lives a whole TTL), and a bid still counts its
+        validity from the send time of the last renewal."""
+        now = self.clock()
+        quarter = self.ttl_ms // 4
+        return (not self.holding and self.lease != 0 and now - self._renewed_at < quarter
+                and self._advertised_at is not None and now - self._advertised_at < quarter
+                and self._member_value() == self._member.written)
+
     async def _advertise(self) -> bool:
         """Check that this node's member key is under its lease, writing it when its value
         changed (every write is an etcd revision), or create it if it is absent.  A key
@@ -394,8 +415,7 @@ class EtcdArbiter:
             EtcdUnavailable: etcd did not answer.
         """
         mine = self._member
-        member = json.dumps({"node": self.node, "address": self.address, "position": self.listener.position(),
-                             "epoch": self.epoch, "lease": self.lease, "ident": mine.ident}).encode()
+        member = self._member_value()
         key = b64(self.members_prefix + self.node)
         put = [{"request_put": {"key": key, "value": b64(member), "lease": str(self.lease)}}]
         read = [{"request_range": {"key": key}}]
@@ -406,6 +426,7 @@ class EtcdArbiter:
             if answer.get("succeeded"):
                 mine.written = member
                 mine.taken_since = None
+                self._advertised_at = self.clock()
                 return True
             kvs = ((answer.get("responses") or [{}])[0].get("response_range") or {}).get("kvs")
             if kvs:
@@ -492,14 +513,17 @@ class EtcdArbiter:
         mine = self.listener.position()
         ahead = []
         advertised = 0  # the highest credible epoch a live member advertises (its term as primary)
-        for kv in await self.gateway.get_prefix(self.members_prefix, MAX_MEMBERS):
+        self._bid_epoch = None
+        members, _ = await asyncio.gather(self.gateway.get_prefix(self.members_prefix, MAX_MEMBERS),
+                                          self.prefetch_for_bid())
+        for kv in members:
             data = json_object(kv.value)
             position, epoch = data.get("position"), data.get("epoch")
             if data.get("node") != self.node and type(position) is int and position > mine:
                 ahead.append(f"{data.get('node')!r} at {position}")
             if type(epoch) is int and epoch > advertised and self.credible_epoch(epoch):
                 advertised = epoch
-        ahead += await self.bid_preferred()
+        ahead += await self.bid_preferred(members)
         delay = self.timing.behind_delay_ms
         if ahead and now - self._free_since < delay:
             log.info("etcd: no primary, but %s ahead of this node (at %d): waiting %d ms before bidding",
@@ -575,7 +599,8 @@ class EtcdArbiter:
                 learned at the next step, which reads the key).
         """
         sent = self._renewed_at
-        reading = await self._read_epoch()
+        reading = await self.epoch_for_bid()
+        self._bid_epoch = None  # the next bid reads it again
         kv = reading.kv
         epoch = max(reading.stored, self.seen_epoch(), advertised if self.credible_epoch(advertised) else 0) + 1
         if epoch > MAX_EPOCH:
@@ -605,8 +630,24 @@ class EtcdArbiter:
         self.listener.on_elected(epoch)
         return True
 
-    async def bid_preferred(self) -> list[str]:
-        """Live nodes a bid should wait for (``behind_delay_ms``) besides those ahead; none here."""
+    async def prefetch_for_bid(self) -> None:
+        """Read what the bid will compare (``PREFIX/epoch``), together with the members."""
+        await self.epoch_for_bid()
+
+    async def epoch_for_bid(self) -> EpochReading:
+        """``PREFIX/epoch`` as read for the bid under way (read now if it was not yet): the bid's
+        transaction compares its revision, so a change since fails the bid.
+
+        Raises:
+            EtcdUnavailable: etcd did not answer.
+        """
+        if self._bid_epoch is None:
+            self._bid_epoch = await self._read_epoch()
+        return self._bid_epoch
+
+    async def bid_preferred(self, members: list[KeyValue]) -> list[str]:
+        """Live nodes a bid should wait for (``behind_delay_ms``) besides those ahead; none here.
+        ``members``: the member keys as just read."""
         return []
 
     async def bid_guard(self, epoch: int) -> tuple[list[dict], list[dict]]:

@@ -34,9 +34,9 @@ import json
 import logging
 from collections.abc import Callable
 
-from .etcd import MAX_MEMBERS, MAX_NODE_ID, EtcdArbiter
-from .gateway import b64
-from .records import SyncRecord, json_object, read_epoch
+from .etcd import MAX_NODE_ID, EtcdArbiter
+from .gateway import KeyValue, b64
+from .records import SyncRecord, json_object
 
 __all__ = ["SyncArbiter"]
 
@@ -70,6 +70,7 @@ class SyncArbiter(EtcdArbiter):
         #: asked at each step of a node not holding the key: True while it has lost its link to the
         #: primary (dead, frozen or cut off), so that it sees the key go free and a new primary soon
         self.hurry: Callable[[], bool] | None = None
+        self._bid_sync: SyncRecord | None = None  # PREFIX/sync as read for the bid under way
         self._read_at = -(1 << 62)  # own clock (ms) of the last status reads
 
     @property
@@ -111,20 +112,31 @@ class SyncArbiter(EtcdArbiter):
                             if type(v := data.get(k)) in (str, int)})
         self.members = members
 
-    async def bid_preferred(self) -> list[str]:
-        """The live members of the current in-sync set when this node is not one of them."""
-        record = await self.read_sync()
-        current = read_epoch(await self.gateway.get(self.epoch_key), self.seen_epoch()).stored
+    async def prefetch_for_bid(self) -> None:
+        """Read ``PREFIX/epoch`` and ``PREFIX/sync`` for the bid (both compared by its transaction)."""
+        self._bid_sync = None
+
+        async def read() -> None:
+            self._bid_sync = await self.read_sync()
+
+        await asyncio.gather(super().prefetch_for_bid(), read())
+
+    async def bid_preferred(self, members: list[KeyValue]) -> list[str]:
+        """The live members (of ``members``, the member keys as just read) of the current
+        in-sync set when this node is not one of them."""
+        record = self._bid_sync or await self.read_sync()
+        current = (await self.epoch_for_bid()).stored
         idents = {member.rpartition("/")[2] for member in record.members}  # "replica principal/node id"
         if not idents or self.ident in idents or record.epoch != current:
             return []
-        live = {json_object(kv.value).get("ident") for kv in await self.gateway.get_prefix(self.members_prefix,
-                                                                                             MAX_MEMBERS)}
+        live = {json_object(kv.value).get("ident") for kv in members}
         return [f"in-sync standby {ident!r}" for ident in sorted(idents & live)]
 
     async def bid_guard(self, epoch: int) -> tuple[list[dict], list[dict]]:
-        """Compare ``PREFIX/sync`` as read now, and replace it with this node's empty set."""
-        record = await self.read_sync()
+        """Compare ``PREFIX/sync`` as read for this bid (now if it was not), and replace it with
+        this node's empty set: a change since the read fails the bid."""
+        record = self._bid_sync or await self.read_sync()
+        self._bid_sync = None  # the next bid reads it again
         self.sync_at_election = record  # read by on_elected when this bid wins (bid calls it)
         key = b64(self.sync_key)
         fresh = SyncRecord(self.node, epoch, frozenset()).encode()

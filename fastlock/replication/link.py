@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
 from ..auth import ClientHandshake, ServerNotProven, say_hello, secret_of, token_principal
-from ..errors import AuthError, FastlockError, NotPrimary, PermissionDenied, ProtocolError
+from ..errors import AuthError, FastlockError, NotPrimary, PermissionDenied, ProtocolError, Unavailable
 from ..logsafe import quote
 from ..protocol import rpc
 
@@ -35,6 +35,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from .follower import StandbyFollower
 
 log = logging.getLogger("fastlock.replication")
+
+#: seconds after the link starts (is pointed at a primary) during which a node that refuses
+#: to be followed (not the primary yet: etcd named it and it is still promoting) is asked
+#: again every :data:`FRESH_RETRY_S` seconds, not at the doubling backoff: the first
+#: synchronous grant of a new group primary waits for a standby to attach
+FRESH_TARGET_S = 3.0
+FRESH_RETRY_S = 0.025
 
 
 class PrimaryLink:
@@ -68,6 +75,7 @@ class PrimaryLink:
         #: expects that node (a relay to another node holding the credentials is refused)
         self.proven: tuple[tuple[str, int], str] | None = None
         self.stream_limits = stream_limits
+        self._not_primary_yet = False  # the last HELLO was refused as NotPrimary (not a credential refusal)
         self.connected = False
         self._rpc: rpc.RpcConnection | None = None
         self._task: asyncio.Task | None = None
@@ -150,6 +158,11 @@ class PrimaryLink:
         follower = self.follower
         backoff = 0.05
         loop = asyncio.get_running_loop()
+        fresh_until = loop.time() + FRESH_TARGET_S  # at most FRESH_TARGET_S / FRESH_RETRY_S quick retries
+
+        def refused_pause() -> float:
+            return min(backoff, FRESH_RETRY_S) if loop.time() < fresh_until else backoff
+
         while not self._stopping:
             lost = loop.create_future()
 
@@ -181,7 +194,7 @@ class PrimaryLink:
                 hello = await self._hello(link)
                 if hello is None:
                     link.close()
-                    await asyncio.sleep(backoff)
+                    await asyncio.sleep(refused_pause() if self._not_primary_yet else backoff)
                     backoff = min(backoff * 2, 5.0)
                     continue
                 if self.principal is None and type(hello.get("principal")) is str:
@@ -230,10 +243,11 @@ class PrimaryLink:
                     if self._say_once("credentials", str(exc)):
                         log.error("primary %s refused this standby's credentials: %s (retrying)",
                                   self.address, quote(str(exc)))
-                else:
+                elif not isinstance(exc, (NotPrimary, Unavailable)) or self._say_once("refused", str(exc)):
+                    # (a refusal is said once: a promoting node is asked again every FRESH_RETRY_S)
                     log.warning("replication from %s failed: %s", self.address, quote(str(exc)))
                 link.close()
-                await asyncio.sleep(backoff)
+                await asyncio.sleep(refused_pause() if isinstance(exc, (NotPrimary, Unavailable)) else backoff)
                 backoff = min(backoff * 2, 1.0)
             finally:
                 self.connected = False
@@ -246,6 +260,7 @@ class PrimaryLink:
         ``follower.refused`` says why until a primary does)."""
         follower = self.follower
         proven = self.proven
+        self._not_primary_yet = False
         handshake = ClientHandshake(self.secret, role="replica" if self.secret is not None else None,
                                     own_node=self.own_node,
                                     expect_node=proven[1] if proven is not None and proven[0] == self.primary else None)
@@ -258,6 +273,7 @@ class PrimaryLink:
                 raise ServerNotProven(f"the server is node {hello.get('node')}, not the expected node "
                                       f"{handshake.expect_node}")
         except NotPrimary as exc:  # a standby or a deposed node authenticates no replica
+            self._not_primary_yet = True  # (it may be about to promote: asked again soon, see FRESH_TARGET_S)
             follower.refused = f"{self.address} is not a primary: {exc}"
             if self._say_once("not primary", str(exc)):
                 log.error("not following %s: %s (retrying)", self.address, quote(str(exc)))

@@ -42,6 +42,13 @@ have dialed, as ``serve``'s), and the witness proves it holds the same
 credentials file.  Only replica principals are accepted; the holder of a
 lease is ``<replica principal>/<node id>`` from the proved handshake.
 
+TLS (``fastlock witness --tls-cert ...``, the flags of ``fastlock serve``): the witness
+listens through :class:`~fastlock.tls.ServerTLS` (its handshakes bounded in time and
+count before a connection counts here), and a node run with ``--tls-cert`` reaches it
+over TLS, as it reaches its primary (its certificate as the client certificate,
+``--tls-ca`` verifying the witness's).  Over TLS the dialed endpoint is not checked
+(the certificate binds the witness), as ``serve``'s.
+
 Limits: at most :data:`MAX_CONNECTIONS` connections, :data:`MAX_CONNECTIONS_PER_ADDRESS`
 from one address, HELLO done within :data:`HELLO_TIMEOUT_S` of the connect.  A node that
 proved itself is never crowded out by connections that did not: when a limit is reached,
@@ -67,6 +74,7 @@ from ..auth import Credentials
 from ..auth.handshake import ClientFirst, PendingProof, ServerHandshake, endpoint
 from ..errors import AuthError, FastlockError, InvalidArgument, ProtocolError
 from ..logsafe import quote
+from ..tls import ServerTLS
 from ..units import monotonic_ms
 from ..wal import write_atomically
 from .node_state import load_json, node_id
@@ -154,6 +162,7 @@ class Witness:
         self.expires_ms = clock() + self.vote.lease_ms if self.vote.holder is not None else 0
         self.listen: str | None = None
         self._server: asyncio.AbstractServer | None = None
+        self._tls: ServerTLS | None = None
         self._connections = 0
         self._per_address: dict[str | None, int] = {}
         #: address -> its connections still in their handshake, oldest first
@@ -217,19 +226,39 @@ class Witness:
     def status(self) -> dict:
         """The vote and its lease's time left (ms)."""
         return {"server": WITNESS_SERVER, "node": self.node, "epoch": self.vote.epoch, "holder": self.vote.holder,
-                "lease_ms": self.vote.lease_ms, "remaining_ms": max(0, self.expires_ms - self.clock())}
+                "lease_ms": self.vote.lease_ms, "remaining_ms": max(0, self.expires_ms - self.clock()),
+                "tls": self._tls is not None}
 
     # -- the listener -----------------------------------------------------------------------
-    async def start(self, host: str, port: int) -> str:
-        """Listen on ``host:port`` (0: a free port); returns the ``host:port`` listened on."""
-        self._server = await asyncio.start_server(self._serve, host, port)
-        sock = self._server.sockets[0].getsockname()
-        self.listen = f"{sock[0]}:{sock[1]}"
+    async def start(self, host: str, port: int, tls: ServerTLS | None = None) -> str:
+        """Listen on ``host:port`` (0: a free port), over TLS when ``tls`` is given;
+        returns the ``host:port`` listened on.
+
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        if tls is not None:
+            self._tls = tls
+            where = await tls.listen(host, port, self._stream_protocol)
+        else:
+            self._server = await asyncio.start_server(self._serve, host, port)
+            where = self._server.sockets[0].getsockname()
+        self.listen = f"{where[0]}:{where[1]}"
         return self.listen
+
+    def _stream_protocol(self) -> asyncio.Protocol:
+        """A connection whose TLS handshake succeeded, served as a plain one (as ``start_server``)."""
+        return asyncio.StreamReaderProtocol(asyncio.StreamReader(), self._serve)
+
+    def reload_tls(self) -> bool:
+        """Reload the TLS files (SIGHUP): new connections use them; False without TLS or on an error."""
+        return self._tls is not None and self._tls.reload()
 
     def close(self) -> None:
         if self._server is not None:
             self._server.close()
+        if self._tls is not None:
+            self._tls.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
@@ -355,8 +384,9 @@ class _Session:
             first = ClientFirst.parse(credential)
             here = endpoint(self.writer.get_extra_info("sockname"))
             allowed = witness.reachable_as
+            over_tls = self.writer.get_extra_info("ssl_object") is not None  # the certificate binds the witness
             if first.dialed is not None and first.dialed != here and first.dialed not in allowed \
-                    and "any" not in allowed:
+                    and "any" not in allowed and not over_tls:
                 raise AuthError(f"authentication failed: the node dialed {first.dialed} but reached the witness "
                                 f"at {here} (a relay in between, or address translation: witness --reachable-as)")
             found = witness.credentials.lookup(first.principal)

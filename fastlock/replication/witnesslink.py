@@ -5,7 +5,8 @@ connection (re-made when it drops), proving this node's replica token
 (:mod:`fastlock.auth.handshake`: no secret on the wire) and checking that the
 server proves it holds the same credentials file, answers as a witness, is
 not this node itself, and is the node that proved itself at that address
-before.  Each answer comes back as a :class:`WitnessAnswer` (never an
+before; a node run with ``--tls-cert`` speaks TLS to the witness (see
+:mod:`fastlock.replication.witness`).  Each answer comes back as a :class:`WitnessAnswer` (never an
 exception for what the witness or the network does).
 
 :class:`PrimaryWitnessLease` runs on every node: while the node is the
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import protocol as P
@@ -82,10 +84,13 @@ class WitnessLink:
         address: ``(host, port)`` of the witness.
         token: this node's replica token (``--standby-token-file``).
         node: this node's id (the witness records ``<principal>/<node>`` as a lease's holder).
+        tls: the client TLS context that verifies the witness (and carries this node's
+            certificate), as the standby's link to its primary has; None: plain TCP.
     """
 
-    def __init__(self, address: tuple[str, int], token: str, node: str):
+    def __init__(self, address: tuple[str, int], token: str, node: str, tls: ssl.SSLContext | None = None):
         self.address = address
+        self.tls = tls
         self.secret = secret_of(token)
         self.principal = token_principal(token)
         self.node = node
@@ -101,7 +106,7 @@ class WitnessLink:
         return f"{self.address[0]}:{self.address[1]}"
 
     async def _connect(self) -> rpc.RpcConnection:
-        conn = await rpc.open_connection(*self.address, timeout=WITNESS_TIMEOUT_S)
+        conn = await rpc.open_connection(*self.address, timeout=WITNESS_TIMEOUT_S, ssl=self.tls)
         try:
             handshake = ClientHandshake(self.secret, role="replica", own_node=self.node, expect_node=self.proven)
             hello = await asyncio.wait_for(say_hello(conn, f"witness-of:{self.node}", handshake), WITNESS_TIMEOUT_S)
@@ -209,7 +214,8 @@ class WitnessLink:
     def status(self) -> dict:
         """The witness as this node last saw it."""
         last = self.last
-        out: dict[str, Any] = {"address": self.where, "node": self.proven, "reachable": self.probed is None,
+        out: dict[str, Any] = {"address": self.where, "tls": self.tls is not None, "node": self.proven,
+                               "reachable": self.probed is None,
                                "error": self.probed,
                                # a promotion (but for a forced or confirmed one) needs the witness's vote
                                "automatic_promotion": "possible" if self.probed is None

@@ -179,7 +179,8 @@ class LockServer:
         #: the pair's witness (``--witness``): the primary renews its lease, a promotion takes one
         self.witness: PrimaryWitnessLease | None = None
         if config.witness is not None and config.standby_token is not None:
-            link = WitnessLink(config.witness, config.standby_token, node_id(config.data_dir))
+            link = WitnessLink(config.witness, config.standby_token, node_id(config.data_dir),
+                               tls=self._standby_tls_context())
             self.failover.witness = link
             self.source.witness_address = link.where
             if self.follower is not None:
