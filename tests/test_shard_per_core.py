@@ -67,3 +67,23 @@ def test_another_shard_count_on_the_same_data_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match="moving slots is not done"):
         again.start(timeout=20)
     again.stop()
+
+
+def test_a_restart_on_free_ports_writes_a_map_of_a_higher_epoch(tmp_path):
+    # with --listen HOST:0 a restart picks other ports: the map it writes differs from the one
+    # clients may hold, so its epoch must rise (a client keeps only a map of a higher epoch)
+    first = ServerProcess(tmp_path / "data", fsync="never", args=["--shards", "2"])
+    first.start()
+    assert first.stop() == 0
+    before = load_map_file(tmp_path / "data" / "shard-map.json")
+    again = ServerProcess(tmp_path / "data", fsync="never", args=["--shards", "2"])
+    again.start()
+    try:
+        after = load_map_file(tmp_path / "data" / "shard-map.json")
+        assert after.ranges == before.ranges
+        if after.groups != before.groups:
+            assert after.epoch > before.epoch
+        else:
+            assert after.epoch == before.epoch
+    finally:
+        assert again.stop() == 0

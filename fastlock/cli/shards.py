@@ -69,7 +69,9 @@ def _ports(host: str, port: int, count: int) -> list[int]:
 
 def shard_configs(config: ServerConfig, count: int) -> tuple[ShardMap, list[ServerConfig]]:
     """The shard map of ``count`` shards of ``config`` (its host, port and data directory) and
-    each shard's config.  :raises ShardMapError: ``config.data_dir`` holds a different map."""
+    each shard's config.  A map in ``config.data_dir`` of the same slot ranges keeps its epoch, or
+    gets the next one when its addresses differ (port 0 picks other free ports).
+    :raises ShardMapError: ``config.data_dir`` holds a map of other ranges (or addresses, with a fixed port)."""
     host = config.host
     ports = _ports(host, config.port, count)
     names = [f"shard-{k}" for k in range(count)]
@@ -83,6 +85,10 @@ def shard_configs(config: ServerConfig, count: int) -> tuple[ShardMap, list[Serv
             raise ShardMapError(f"{path} is a map of {len(old.groups)} shards with other slot ranges or addresses: "
                                 f"each shard's locks are in its own data directory and moving slots is not "
                                 f"done; start with the same --shards and --listen, or a new --data-dir")
+        if old.groups != shard_map.groups:  # other free ports: a map clients must tell from the one they hold
+            shard_map = shard_map.with_epoch(old.epoch + 1)
+        else:
+            shard_map = shard_map.with_epoch(old.epoch)
     configs = [dataclasses.replace(config, port=ports[k], data_dir=os.path.join(config.data_dir, names[k]),
                                    name=f"{config.name or 'fastlock'}/{names[k]}", shard_map=shard_map,
                                    shard_group=names[k])
