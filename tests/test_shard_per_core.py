@@ -87,3 +87,22 @@ def test_a_restart_on_free_ports_writes_a_map_of_a_higher_epoch(tmp_path):
             assert after.epoch == before.epoch
     finally:
         assert again.stop() == 0
+
+
+def test_a_shard_killed_stops_the_set_and_the_parent_exits_as_a_shell_reports_it(tmp_path):
+    import signal
+
+    parent = ServerProcess(tmp_path / "data", fsync="never", args=["--shards", "2"])
+    parent.start()
+    try:
+        shard_map = load_map_file(tmp_path / "data" / "shard-map.json")
+        for group in shard_map.groups:
+            parent.wait_for_log(f"listening on {re.escape(group.addresses[0])}", timeout=20)
+        pids = _shard_pids(parent)
+        os.kill(pids["shard-1"], signal.SIGKILL)
+        status = parent.proc.wait(timeout=60)
+    finally:
+        parent.stop()
+    assert status == 128 + signal.SIGKILL  # as a shell reports a process a signal ended (not 256 - 9)
+    assert not _alive(pids["shard-0"])
+    assert not (tmp_path / "data" / "shards.json").exists()

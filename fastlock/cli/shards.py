@@ -142,7 +142,7 @@ def run_shards(config: ServerConfig, count: int, args: argparse.Namespace) -> in
     while not stop.is_set():
         ended = [p for p in processes if p.exitcode is not None]
         if ended:
-            status = ended[0].exitcode or 1
+            status = _exit_status(ended[0].exitcode)
             log.error("%s exited with status %s: stopping the other shards", ended[0].name, ended[0].exitcode)
             break
         stop.wait(0.2)
@@ -156,10 +156,20 @@ def run_shards(config: ServerConfig, count: int, args: argparse.Namespace) -> in
             process.kill()
             process.join()
     if stop.is_set():
-        status = max((p.exitcode or 0 for p in processes), default=0)
+        # a shard the forwarded SIGTERM ended before it set its handler (still starting) stopped as asked
+        status = max((_exit_status(p.exitcode) for p in processes if p.exitcode not in (0, -signal.SIGTERM)),
+                     default=0)
     (Path(config.data_dir) / STATUS_FILE).unlink(missing_ok=True)
     log.info("every shard stopped")
     return status
+
+
+def _exit_status(exitcode: int | None) -> int:
+    """A shard's exit status as the parent's: a signal's as a shell reports it (128 + its number),
+    1 for none."""
+    if not exitcode:
+        return 1
+    return 128 - exitcode if exitcode < 0 else exitcode
 
 
 def _write_status(path: Path, configs: list[ServerConfig], processes: list[Any]) -> None:
