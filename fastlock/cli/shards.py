@@ -9,6 +9,7 @@ and address to ``DIR/shards.json`` and, once every shard listens, tells systemd 
 (the shards themselves do not talk to systemd).  It forwards SIGTERM and
 SIGINT to every shard and waits for them; when a shard exits on its own the parent stops
 the others and exits with that shard's status (a supervisor restarts the whole set).
+A shard whose parent is gone (killed with -9) stops itself within a second or so.
 
 A map already in ``DIR`` that differs from the one N shards make is refused (exit 1):
 the names would move to other shards' data directories, and moving slots is not done.
@@ -47,6 +48,8 @@ MAP_FILE = "shard-map.json"
 STOP_TIMEOUT = 30.0
 #: the file naming each running shard's pid and address (removed when they stop)
 STATUS_FILE = "shards.json"
+#: seconds between a shard's checks that its parent still runs (it stops itself when not)
+PARENT_CHECK_INTERVAL = 1.0
 #: seconds the shards have to listen before the parent tells systemd it is ready (it runs on regardless)
 READY_TIMEOUT = 120.0
 
@@ -101,9 +104,19 @@ def _run_one(config: ServerConfig, credentials: str | None, log_level: str, log_
     """A shard process's body: its logging, its credentials (read again from the file: keys
     are not passed between processes), then the server."""
     configure(log_level, log_format, sys.stderr)
+    threading.Thread(target=_stop_when_orphaned, args=(os.getppid(),), name="parent-watch", daemon=True).start()
     if credentials is not None:
         config = dataclasses.replace(config, credentials=Credentials.load(credentials))
     sys.exit(serve(config, use_uvloop=use_uvloop))
+
+
+def _stop_when_orphaned(parent: int) -> None:
+    """In a shard: SIGTERM to itself (a clean stop) once its parent ``parent`` is gone (killed
+    with -9, it forwards no signal), checked every PARENT_CHECK_INTERVAL seconds."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_INTERVAL)
+    log.error("the parent process (pid %d) is gone: stopping", parent)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def run_shards(config: ServerConfig, count: int, args: argparse.Namespace) -> int:
