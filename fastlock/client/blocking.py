@@ -45,11 +45,11 @@ from typing import Any, Generic, TypeVar
 
 from ..errors import ConnectionLost, FastlockError, WrongArgumentType
 from .acquire import CALLER
+from .across import Router, SyncCrossShardLease, acquire_across
 from .admin import LeaseInfo, LockInfo, LockList, PrincipalRevocation
 from .blocking_election import SyncElection
 from .blocking_recipes import SyncRecipeMethods
 from .bounded import DRIFT_BOUND, ProcessGuard, check_margin
-from .across import SyncCrossShardLease, acquire_across
 from .client import Client
 from .forks import check_held_here, fork_lock, keep_inherited
 from .keys import SyncKeyMethods
@@ -545,7 +545,7 @@ class SyncClient(SyncKeyMethods, SyncRecipeMethods):
         :func:`fastlock.client.across.lock_across` with this client's routing (``ttl`` and
         ``wait`` in seconds; its errors: ``LockNotAcquired``, ``ConnectionLost``)."""
         names = list(names)
-        router = self._client if self._routed else _OneServer(self._client)
+        router: Router = self._client if isinstance(self._client, ShardedClient) else _OneServer(self._client)
         multi = self.call(acquire_across(router, names, ttl=ttl, wait=wait, correlation_id=correlation_id,
                                          jeopardy_fraction=jeopardy_fraction, in_order=in_order, renew=True))
         return SyncCrossShardLease(multi, self._loop)
