@@ -392,6 +392,20 @@ async def test_wait_zero_fails_at_once_and_holds_nothing(shards, loop_errors):
         await router.client_for("b/1").release(plain)
 
 
+async def test_a_shard_down_is_retried_with_pauses_until_the_wait_ends(shards, loop_errors):
+    """A shard that refuses connections: each attempt takes and lets go of the live shards'
+    parts, so attempts are paced (as a client rides through a failover), not spun."""
+    async with routed(shards) as router:
+        shards[2].kill()
+        before = (await router.client_for("a/1").status())["grants"]
+        with pytest.raises(LockNotAcquired, match="attempts"):
+            await acquire_across(router, ["a/1", "b/1", "c/1"], ttl=10, wait=3)
+        grants = (await router.client_for("a/1").status())["grants"] - before
+        assert 1 <= grants <= 30  # 3 s of pauses from 20 ms doubling to 0.5 s: about 10 attempts
+        assert await router.client_for("a/1").holder("a/1") is None
+        assert await router.client_for("b/1").holder("b/1") is None
+
+
 def test_the_blocking_client_locks_across_shards(shards):
     clients = [SyncClient(s.address, client_name=f"sync-{i}") for i, s in enumerate(shards)]
     try:

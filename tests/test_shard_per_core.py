@@ -67,3 +67,66 @@ def test_another_shard_count_on_the_same_data_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match="moving slots is not done"):
         again.start(timeout=20)
     again.stop()
+
+
+def test_a_restart_on_free_ports_writes_a_map_of_a_higher_epoch(tmp_path):
+    # with --listen HOST:0 a restart picks other ports: the map it writes differs from the one
+    # clients may hold, so its epoch must rise (a client keeps only a map of a higher epoch)
+    first = ServerProcess(tmp_path / "data", fsync="never", args=["--shards", "2"])
+    first.start()
+    assert first.stop() == 0
+    before = load_map_file(tmp_path / "data" / "shard-map.json")
+    again = ServerProcess(tmp_path / "data", fsync="never", args=["--shards", "2"])
+    again.start()
+    try:
+        after = load_map_file(tmp_path / "data" / "shard-map.json")
+        assert after.ranges == before.ranges
+        if after.groups != before.groups:
+            assert after.epoch > before.epoch
+        else:
+            assert after.epoch == before.epoch
+    finally:
+        assert again.stop() == 0
+
+
+def test_a_shard_killed_stops_the_set_and_the_parent_exits_as_a_shell_reports_it(tmp_path):
+    import signal
+
+    parent = ServerProcess(tmp_path / "data", fsync="never", args=["--shards", "2"])
+    parent.start()
+    try:
+        shard_map = load_map_file(tmp_path / "data" / "shard-map.json")
+        for group in shard_map.groups:
+            parent.wait_for_log(f"listening on {re.escape(group.addresses[0])}", timeout=20)
+        pids = _shard_pids(parent)
+        os.kill(pids["shard-1"], signal.SIGKILL)
+        status = parent.proc.wait(timeout=60)
+    finally:
+        parent.stop()
+    assert status == 128 + signal.SIGKILL  # as a shell reports a process a signal ended (not 256 - 9)
+    assert not _alive(pids["shard-0"])
+    assert not (tmp_path / "data" / "shards.json").exists()
+
+
+def test_shards_stop_when_their_parent_is_killed(tmp_path):
+    """A parent killed with -9 cannot forward a signal: each shard sees it gone and stops itself."""
+    import signal
+    import time
+
+    parent = ServerProcess(tmp_path / "data", fsync="never", args=["--shards", "2"])
+    parent.start()
+    try:
+        shard_map = load_map_file(tmp_path / "data" / "shard-map.json")
+        for group in shard_map.groups:
+            parent.wait_for_log(f"listening on {re.escape(group.addresses[0])}", timeout=20)
+        pids = _shard_pids(parent)
+        parent.kill()
+        deadline = time.monotonic() + 60
+        while any(_alive(p) for p in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [p for p in pids.values() if _alive(p)]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        assert not left, "shards outlived their killed parent"
+    finally:
+        parent.stop()

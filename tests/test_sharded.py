@@ -403,3 +403,22 @@ async def test_a_multi_lock_across_groups_through_the_routing_client(shards):
         assert (await node.request(P.OP_LOCKS, "", None))["locks"] == []
     finally:
         await node.close()
+
+
+def test_the_blocking_client_locks_names_across_shards(shards):
+    """SyncClient against a sharded deployment: lock_across takes every group's names, all or none."""
+    names = owned(shards, "g0", 2, "sync-across") + owned(shards, "g1", 2, "sync-across")
+    with SyncClient(shards.address("g0")) as client:
+        with client.lock_across(names, ttl=10, wait=10) as held:
+            assert set(held.fencing_tokens) == set(names) and not held.lost.is_set()
+            for name in names:
+                assert client.holder(name)["token"] == held.fencing_tokens[name]
+        for name in names:
+            assert client.holder(name) is None
+
+
+def test_the_blocking_clients_lock_across_on_one_unsharded_server(server):
+    with SyncClient(server.address) as client:
+        with client.lock_across(["x/1", "x/2"], ttl=10, wait=10) as held:
+            assert client.holder("x/1")["token"] == held.fencing_tokens["x/1"]
+        assert client.holder("x/1") is None and client.holder("x/2") is None

@@ -212,3 +212,43 @@ def test_a_newer_map_is_applied_and_an_older_or_foreign_one_is_not():
     # slots that change owner without a move: refused
     gate.offer(ShardMap(10, gate.shard_map.groups, (SlotRange(0, 99, "b"), SlotRange(100, SLOTS - 1, "a"))))
     assert gate.shard_map.epoch == 4 and gate.owned[0] == 1
+
+
+def _one_group(**changes) -> dict:
+    value = {"epoch": 1, "groups": [{"name": "a", "addresses": ["127.0.0.1:7420"]}],
+             "ranges": [{"first": 0, "last": SLOTS - 1, "group": "a"}]}
+    return {**value, **changes}
+
+
+@pytest.mark.parametrize("value, match", [
+    (_one_group(ranges=[{"first": 0, "last": SLOTS - 1, "group": ["a"]}]), "names no group"),
+    (_one_group(ranges=[{"first": 0, "last": SLOTS - 1, "group": {"a": 1}}]), "names no group"),
+    (_one_group(groups=[{"name": "a", "addresses": ["x:y"]}]), "host:port"),
+    (_one_group(groups=[{"name": "a", "addresses": ["127.0.0.1:70000"]}]), "host:port"),
+    (_one_group(groups=[{"name": "a", "addresses": ["127.0.0.1:0"]}]), "host:port"),
+])
+def test_wrong_types_and_ports_in_a_map_are_refused_as_shard_map_errors(value, match):
+    """From a file, a SHARD_MAP reply or etcd: a ShardMapError naming the fault, never a TypeError."""
+    with pytest.raises(ShardMapError, match=match):
+        ShardMap.from_wire(value)
+
+
+def test_a_map_file_nested_too_deep_is_refused_as_a_shard_map_error(tmp_path):
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ShardMapError, match="deep.json: not a shard map file"):
+        load_map_file(tmp_path / "deep.json")
+
+
+@pytest.mark.parametrize("body", [json.dumps(_one_group(ranges=[{"first": 0, "last": SLOTS - 1, "group": ["a"]}])),
+                                  "[" * 100_000 + "]" * 100_000], ids=["unhashable-group", "deep"])
+def test_serve_refuses_a_bad_map_file_with_exit_1_and_the_reason(tmp_path, body):
+    from fastlock._testbase.servers import ServerProcess
+
+    (tmp_path / "map.json").write_text(body)
+    server = ServerProcess(tmp_path / "data", fsync="never",
+                           args=["--shard-map", str(tmp_path / "map.json"), "--shard-group", "a"])
+    with pytest.raises(RuntimeError):
+        server.start(timeout=20)
+    assert server.stop() == 1
+    assert any("cannot start: " in line for line in server.lines)
+    assert not any("Traceback" in line for line in server.lines)

@@ -9,6 +9,7 @@ and address to ``DIR/shards.json`` and, once every shard listens, tells systemd 
 (the shards themselves do not talk to systemd).  It forwards SIGTERM and
 SIGINT to every shard and waits for them; when a shard exits on its own the parent stops
 the others and exits with that shard's status (a supervisor restarts the whole set).
+A shard whose parent is gone (killed with -9) stops itself within a second or so.
 
 A map already in ``DIR`` that differs from the one N shards make is refused (exit 1):
 the names would move to other shards' data directories, and moving slots is not done.
@@ -47,6 +48,8 @@ MAP_FILE = "shard-map.json"
 STOP_TIMEOUT = 30.0
 #: the file naming each running shard's pid and address (removed when they stop)
 STATUS_FILE = "shards.json"
+#: seconds between a shard's checks that its parent still runs (it stops itself when not)
+PARENT_CHECK_INTERVAL = 1.0
 #: seconds the shards have to listen before the parent tells systemd it is ready (it runs on regardless)
 READY_TIMEOUT = 120.0
 
@@ -69,7 +72,9 @@ def _ports(host: str, port: int, count: int) -> list[int]:
 
 def shard_configs(config: ServerConfig, count: int) -> tuple[ShardMap, list[ServerConfig]]:
     """The shard map of ``count`` shards of ``config`` (its host, port and data directory) and
-    each shard's config.  :raises ShardMapError: ``config.data_dir`` holds a different map."""
+    each shard's config.  A map in ``config.data_dir`` of the same slot ranges keeps its epoch, or
+    gets the next one when its addresses differ (port 0 picks other free ports).
+    :raises ShardMapError: ``config.data_dir`` holds a map of other ranges (or addresses, with a fixed port)."""
     host = config.host
     ports = _ports(host, config.port, count)
     names = [f"shard-{k}" for k in range(count)]
@@ -83,6 +88,10 @@ def shard_configs(config: ServerConfig, count: int) -> tuple[ShardMap, list[Serv
             raise ShardMapError(f"{path} is a map of {len(old.groups)} shards with other slot ranges or addresses: "
                                 f"each shard's locks are in its own data directory and moving slots is not "
                                 f"done; start with the same --shards and --listen, or a new --data-dir")
+        if old.groups != shard_map.groups:  # other free ports: a map clients must tell from the one they hold
+            shard_map = shard_map.with_epoch(old.epoch + 1)
+        else:
+            shard_map = shard_map.with_epoch(old.epoch)
     configs = [dataclasses.replace(config, port=ports[k], data_dir=os.path.join(config.data_dir, names[k]),
                                    name=f"{config.name or 'fastlock'}/{names[k]}", shard_map=shard_map,
                                    shard_group=names[k])
@@ -95,9 +104,19 @@ def _run_one(config: ServerConfig, credentials: str | None, log_level: str, log_
     """A shard process's body: its logging, its credentials (read again from the file: keys
     are not passed between processes), then the server."""
     configure(log_level, log_format, sys.stderr)
+    threading.Thread(target=_stop_when_orphaned, args=(os.getppid(),), name="parent-watch", daemon=True).start()
     if credentials is not None:
         config = dataclasses.replace(config, credentials=Credentials.load(credentials))
     sys.exit(serve(config, use_uvloop=use_uvloop))
+
+
+def _stop_when_orphaned(parent: int) -> None:
+    """In a shard: SIGTERM to itself (a clean stop) once its parent ``parent`` is gone (killed
+    with -9, it forwards no signal), checked every PARENT_CHECK_INTERVAL seconds."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_INTERVAL)
+    log.error("the parent process (pid %d) is gone: stopping", parent)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def run_shards(config: ServerConfig, count: int, args: argparse.Namespace) -> int:
@@ -136,7 +155,7 @@ def run_shards(config: ServerConfig, count: int, args: argparse.Namespace) -> in
     while not stop.is_set():
         ended = [p for p in processes if p.exitcode is not None]
         if ended:
-            status = ended[0].exitcode or 1
+            status = _exit_status(ended[0].exitcode)
             log.error("%s exited with status %s: stopping the other shards", ended[0].name, ended[0].exitcode)
             break
         stop.wait(0.2)
@@ -150,10 +169,20 @@ def run_shards(config: ServerConfig, count: int, args: argparse.Namespace) -> in
             process.kill()
             process.join()
     if stop.is_set():
-        status = max((p.exitcode or 0 for p in processes), default=0)
+        # a shard the forwarded SIGTERM ended before it set its handler (still starting) stopped as asked
+        status = max((_exit_status(p.exitcode) for p in processes if p.exitcode not in (0, -signal.SIGTERM)),
+                     default=0)
     (Path(config.data_dir) / STATUS_FILE).unlink(missing_ok=True)
     log.info("every shard stopped")
     return status
+
+
+def _exit_status(exitcode: int | None) -> int:
+    """A shard's exit status as the parent's: a signal's as a shell reports it (128 + its number),
+    1 for none."""
+    if not exitcode:
+        return 1
+    return 128 - exitcode if exitcode < 0 else exitcode
 
 
 def _write_status(path: Path, configs: list[ServerConfig], processes: list[Any]) -> None:

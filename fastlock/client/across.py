@@ -53,6 +53,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import random
 import secrets
 import threading
 from collections.abc import Callable, Coroutine, Generator, Iterable
@@ -64,7 +65,7 @@ from ..logsafe import quote
 from ..protocol.ops import MAX_STAMP_AGE_MS, OP_COMMIT_RESERVATION, OP_RESERVE
 from ..tokens import epoch_of
 from ..units import wall_ms
-from .connection import RETRYABLE
+from .connection import BACKOFF_FIRST, BACKOFF_MAX, RETRYABLE
 from .lease import Lease, LeaseState, check_fraction
 from .multilock import LeaseSet, sorted_names
 from .owner_keys import new_owner_key
@@ -326,6 +327,7 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
     multi_id = secrets.token_bytes(16)
     stamp, stamped_at = wall_ms(), started
     wounded = _Wound()
+    pause = BACKOFF_FIRST  # seconds before an attempt that follows a shard's failure (not a wound)
 
     def on_wound(_payload: list[Any]) -> None:  # on the shard's loop
         wounded.set()
@@ -385,6 +387,10 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
                     raise LockNotAcquired(f"{sum(len(n) for _, n in shards)} locks across {len(shards)} shards: "
                                           f"wait ran out after {attempts} attempts ({exc})") from None
                 log.debug("multi-lock attempt %d: %s; trying again with the same age stamp", attempts, exc)
+                if not isinstance(exc, Wounded):  # a shard down or failing over: paced, as a client rides through
+                    left = float("inf") if deadline is None else deadline - loop.time()
+                    await asyncio.sleep(min(left, pause * random.uniform(0.5, 1.0)))
+                    pause = min(2 * pause, BACKOFF_MAX)
                 continue
             except asyncio.CancelledError:
                 _let_go_nowait(parts)

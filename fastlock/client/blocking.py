@@ -45,6 +45,7 @@ from typing import Any, Generic, TypeVar
 
 from ..errors import ConnectionLost, FastlockError, WrongArgumentType
 from .acquire import CALLER
+from .across import Router, SyncCrossShardLease, acquire_across
 from .admin import LeaseInfo, LockInfo, LockList, PrincipalRevocation
 from .blocking_election import SyncElection
 from .blocking_recipes import SyncRecipeMethods
@@ -535,6 +536,20 @@ class SyncClient(SyncKeyMethods, SyncRecipeMethods):
         check_held_here(multi, "multi-lease")
         self.call(self._client.release_many(multi.multi))
 
+    def lock_across(self, names: Iterable[str], *, ttl: float, wait: float | None = None,
+                    correlation_id: str | None = None, jeopardy_fraction: float | None = None,
+                    in_order: bool = False) -> SyncCrossShardLease:
+        """``with client.lock_across(names, ttl=10.0, wait=30.0) as held:`` - every name, all or
+        none, wherever a sharded deployment's map puts each (one server's names when not
+        sharded), renewed in the background, all released on exit: as
+        :func:`fastlock.client.across.lock_across` with this client's routing (``ttl`` and
+        ``wait`` in seconds; its errors: ``LockNotAcquired``, ``ConnectionLost``)."""
+        names = list(names)
+        router: Router = self._client if isinstance(self._client, ShardedClient) else _OneServer(self._client)
+        multi = self.call(acquire_across(router, names, ttl=ttl, wait=wait, correlation_id=correlation_id,
+                                         jeopardy_fraction=jeopardy_fraction, in_order=in_order, renew=True))
+        return SyncCrossShardLease(multi, self._loop)
+
     def watch(self, name: str, *, timeout: float | None = None) -> Iterator[WatchEvent]:
         """Yield :class:`~fastlock.client.WatchEvent` as :meth:`Client.watch
         <fastlock.client.Client.watch>` does; close the generator (or break
@@ -648,3 +663,13 @@ class SyncLockContext(Generic[_Held]):
 def _check(obj: Any, cls: type) -> None:
     if not isinstance(obj, cls):
         raise WrongArgumentType(f"expected a {cls.__name__}, not {type(obj).__name__}")
+
+
+class _OneServer:
+    """The router of a client that is not sharded: every name is its one server's."""
+
+    def __init__(self, client: Client):
+        self.client = client
+
+    def client_for(self, name: str) -> Client:
+        return self.client

@@ -56,7 +56,7 @@ class EtcdShardMap:
             return None
         try:
             value = json.loads(kv.value)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep
             raise ShardMapError(f"etcd key {self.key} holds no JSON shard map") from None
         return ShardMap.from_wire(value), kv.mod_revision
 

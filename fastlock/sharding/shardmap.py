@@ -32,7 +32,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, WrongArgumentType
+from ..units import parse_address
 from .slots import SLOTS, slot_of
 
 __all__ = ["ShardMap", "ShardGroup", "SlotRange", "ShardMapError", "load_map_file", "write_map_file",
@@ -182,10 +183,19 @@ def _check_groups(epoch: Any, groups: Any) -> dict[str, ShardGroup]:
         if type(g.addresses) is not tuple or not 0 < len(g.addresses) <= MAX_ADDRESSES:
             raise ShardMapError(f"group {g.name!r} lists 1 to {MAX_ADDRESSES} addresses")
         for a in g.addresses:
-            if type(a) is not str or not 0 < len(a) <= MAX_ADDRESS_CHARS or ":" not in a:
-                raise ShardMapError(f"group {g.name!r}: an address is 'host:port', not {a!r:.100}")
+            if type(a) is not str or not 0 < len(a) <= MAX_ADDRESS_CHARS or not _is_address(a):
+                raise ShardMapError(f"group {g.name!r}: an address is 'host:port' (port 1-65535), not {a!r:.100}")
         by_name[g.name] = g
     return by_name
+
+
+def _is_address(text: str) -> bool:
+    """Whether ``text`` is ``host:port`` (or ``[IPv6]:port``) with a port 1-65535, as ``connect`` takes it."""
+    try:
+        parse_address(text, default_port=None)
+    except (InvalidArgument, WrongArgumentType):
+        return False
+    return True
 
 
 def _check_ranges(ranges: Any, by_name: dict[str, ShardGroup]) -> None:
@@ -202,7 +212,7 @@ def _check_ranges(ranges: Any, by_name: dict[str, ShardGroup]) -> None:
                                 f"beginning where the last ended)")
         if not r.first <= r.last < SLOTS:
             raise ShardMapError(f"slot range {r.first}..{r.last}: first <= last <= {SLOTS - 1}")
-        if r.group not in by_name:
+        if type(r.group) is not str or r.group not in by_name:
             raise ShardMapError(f"slot range {r.first}..{r.last} names no group of the map: {r.group!r:.100}")
         expected = r.last + 1
     if expected != SLOTS:
@@ -235,7 +245,7 @@ def load_map_file(path: str | os.PathLike[str]) -> ShardMap:
             value = tomllib.loads(data.decode("utf-8"))
         else:
             value = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError; RecursionError: nested too deep
         raise ShardMapError(f"{path}: not a shard map file: {exc}") from None
     try:
         return ShardMap.from_wire(value)
