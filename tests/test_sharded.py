@@ -422,3 +422,25 @@ def test_the_blocking_clients_lock_across_on_one_unsharded_server(server):
         with client.lock_across(["x/1", "x/2"], ttl=10, wait=10) as held:
             assert client.holder("x/1")["token"] == held.fencing_tokens["x/1"]
         assert client.holder("x/1") is None and client.holder("x/2") is None
+
+
+async def test_a_map_read_from_an_unreachable_redirect_closes_the_client_it_opened(shards):
+    """A redirect naming a group this client has no connection to opens one for the map read;
+    when that read fails the client is closed all the same (nothing left reconnecting)."""
+    from fastlock._testbase import free_port
+
+    async with fastlock.connect(shards.address("g0"), client_name="stale", connect_timeout=1.0,
+                                failover_timeout=1.0) as client:
+        made = []
+        make = client._make_client
+
+        def recording(addresses):
+            made.append(make(addresses))
+            return made[-1]
+
+        client._make_client = recording
+        redirect = WrongShard("moved", 1, "elsewhere", (f"127.0.0.1:{free_port()}",), 3)
+        with pytest.raises(fastlock.FastlockError):
+            await client.refresh(redirect)
+        assert len(made) == 1 and made[0].closed
+        assert client.shard_map.epoch == 2

@@ -134,6 +134,7 @@ class ShardedClient(Client):
             await asyncio.shield(self._refreshing)
             return self.shard_map
         self._refreshing = asyncio.get_running_loop().create_future()
+        source: Client | None = None
         try:
             source = self._clients.get(self.seed_group)
             if redirect is not None and redirect.group is not None:
@@ -145,11 +146,11 @@ class ShardedClient(Client):
             if found is not None and found[1].epoch > self.shard_map.epoch:
                 log.info("shard map epoch %d -> %d", self.shard_map.epoch, found[1].epoch)
                 self.shard_map = found[1]
-            if source not in self._clients.values():
-                await source.close()
         finally:
             self._refreshing.set_result(None)
             self._refreshing = None
+            if source is not None and source not in self._clients.values():
+                await source.close()  # a client opened for this read only, whether or not it answered
         return self.shard_map
 
     async def _routed(self, name: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
