@@ -444,3 +444,29 @@ async def test_a_map_read_from_an_unreachable_redirect_closes_the_client_it_open
             await client.refresh(redirect)
         assert len(made) == 1 and made[0].closed
         assert client.shard_map.epoch == 2
+
+
+async def test_locks_lists_the_live_groups_and_names_an_unreachable_one(tmp_path, capsys):
+    """With one group's server killed (SIGKILL), ``locks`` lists the other group's leases and names
+    the dead group as unreachable (the API's LockList.unreachable, and a line on stderr from
+    ``fastlock locks``) instead of failing the whole listing."""
+    from fastlock.cli import main
+
+    with ShardSet.start(tmp_path / "shards", 2) as shard_set:
+        names = owned(shard_set, "g0", 2, "live")
+        async with fastlock.connect(shard_set.address("g0"), client_name="lister", connect_timeout=1.0,
+                                    failover_timeout=1.0, request_timeout=2.0) as client:
+            leases = [await client.acquire(n, ttl=30) for n in names]
+            assert client.group_client("g1") is not None
+            shard_set.servers["g1"].kill()
+            listing = await client.locks("")
+            assert sorted(lease.name for lease in listing.locks) == sorted(names)
+            assert set(listing.unreachable) == {"g1"}
+            loop = asyncio.get_running_loop()
+            status = await loop.run_in_executor(None, main, ["locks", "--server", shard_set.address("g0")])
+            assert status == 0
+            captured = capsys.readouterr()
+            assert all(n in captured.out for n in names)
+            assert "shard group g1 could not be reached" in captured.err
+            for lease in leases:
+                await client.release(lease)

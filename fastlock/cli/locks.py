@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import datetime
 import json
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -161,10 +162,12 @@ async def _every_lock(client: Client, prefix: str) -> LockList:
     listing at once; ``matched`` as the first page said."""
     page = first = await client.locks(prefix, most=PAGE)
     leases = list(page.locks)
+    unreachable = dict(page.unreachable)
     while page.truncated and page.next is not None and len(leases) < MAX_LISTED:
         page = await client.locks(prefix, most=PAGE, after=page.next)
         leases += page.locks
-    return LockList(leases, first.matched, page.truncated)
+        unreachable.update(page.unreachable)
+    return LockList(leases, first.matched, page.truncated, unreachable=unreachable)
 
 
 def locks_command(args: argparse.Namespace) -> int:
@@ -177,6 +180,9 @@ def locks_command(args: argparse.Namespace) -> int:
                   _secs(h.lock_delay), h.waiters) for h in listing.locks]))
     if listing.truncated:
         print(f"({listing.matched} held locks match; the first {len(listing.locks)} shown)")
+    for group, error in sorted(listing.unreachable.items()):
+        print(f"fastlock: shard group {text_value(group)} could not be reached, its locks are not listed: "
+              f"{text_value(error)}", file=sys.stderr)
     return 0
 
 

@@ -9,7 +9,7 @@ of the API; the wire carries milliseconds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import protocol as P
@@ -101,12 +101,15 @@ class LockList:
     """One page of the held leases whose name starts with a prefix (by name, or most
     waiters first): ``matched`` of them exist (after the page's cursor), ``truncated``
     when more matched than were listed; ``next`` is then the cursor of the next page
-    (``locks(prefix, after=next)``; None by waiters, or from a server without paging)."""
+    (``locks(prefix, after=next)``; None by waiters, or from a server without paging).
+    ``unreachable``: for a sharded deployment (:class:`~fastlock.client.sharded.ShardedClient`),
+    the groups that could not be reached (group name -> the error), whose leases are not listed."""
 
     locks: list[LeaseInfo]
     matched: int
     truncated: bool
     next: str | None = None
+    unreachable: dict[str, str] = field(default_factory=dict)
 
 
 class LockAdminMethods:

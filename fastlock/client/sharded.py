@@ -37,6 +37,7 @@ from .across import AcrossContext, CrossShardLease, acquire_across, lock_across,
 from .admin import LockList, PrincipalRevocation
 from .calls import call
 from .client import Client
+from .connection import RETRYABLE
 from .session import SessionClosed, SessionInfo
 
 __all__ = ["ShardedClient", "read_shard_map", "route_if_sharded"]
@@ -301,15 +302,31 @@ class ShardedClient(Client):
                     order: str = "name") -> LockList:
         """One page of the held leases of every group (as :meth:`Client.locks`), merged: by name,
         the page stops where the first group whose own page was cut stopped (``next`` goes on
-        from there in every group); by waiters, the ``most`` most contended of all groups."""
-        pages = await asyncio.gather(*(c.locks(prefix, most=most, after=after, order=order)
-                                       for c in self.group_clients().values()))
+        from there in every group); by waiters, the ``most`` most contended of all groups.  A
+        group that cannot be reached (ConnectionLost, NotPrimary, Unavailable once its client's
+        deadline passed) is named in :attr:`LockList.unreachable` and the others are listed;
+        when no group answers, the first group's error is raised."""
+        clients = self.group_clients()
+        answers = await asyncio.gather(*(c.locks(prefix, most=most, after=after, order=order)
+                                         for c in clients.values()), return_exceptions=True)
+        pages: list[LockList] = []
+        unreachable: dict[str, str] = {}
+        for group, answer in zip(clients, answers):
+            if isinstance(answer, LockList):
+                pages.append(answer)
+            elif isinstance(answer, RETRYABLE) and len(answers) > 1:
+                unreachable[group] = str(answer)  # listed as such; the live groups' leases still are
+            elif isinstance(answer, BaseException):
+                raise answer
+        if not pages:  # no group answered
+            raise next(a for a in answers if isinstance(a, BaseException))
         leases = [lease for page in pages for lease in page.locks]
         matched = sum(page.matched for page in pages)
         limit = most if most is not None else 10_000
         if order != "name":
             leases.sort(key=lambda lease: (-lease.waiters, lease.name))
-            return LockList(leases[:limit], matched, any(p.truncated for p in pages) or len(leases) > limit)
+            return LockList(leases[:limit], matched, any(p.truncated for p in pages) or len(leases) > limit,
+                            unreachable=unreachable)
         leases.sort(key=lambda lease: lease.name)
         cut = min((p.locks[-1].name for p in pages if p.truncated and p.locks), default=None)
         if cut is not None:
@@ -318,7 +335,7 @@ class ShardedClient(Client):
             last = leases[limit - 1].name
             leases = [lease for lease in leases if lease.name <= last]
             cut = last
-        return LockList(leases, matched, cut is not None, cut)
+        return LockList(leases, matched, cut is not None, cut, unreachable)
 
     async def list_prefix(self, *args: Any, **kwargs: Any) -> Any:
         return await self.seed.list_prefix(*args, **kwargs)
