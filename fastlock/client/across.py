@@ -63,10 +63,10 @@ from .. import protocol as P
 from ..errors import ConnectionLost, FastlockError, LeaseLost, LockNotAcquired, Wounded
 from ..logsafe import quote
 from ..protocol.ops import MAX_STAMP_AGE_MS, OP_COMMIT_RESERVATION, OP_RESERVE
-from ..tokens import epoch_of
 from ..units import wall_ms
 from .connection import BACKOFF_FIRST, BACKOFF_MAX, RETRYABLE
-from .lease import Lease, LeaseState, check_fraction
+from .kinds import leases_granted
+from .lease import Lease, check_fraction
 from .multilock import LeaseSet, sorted_names
 from .owner_keys import new_owner_key
 from .renewer import Renewer
@@ -258,14 +258,7 @@ async def _reserve(client: Client, part: _Part, names: tuple[str, ...], ttl_ms: 
         _withdraw(connector, proto, names, owner)
         raise Wounded("wounded by an older multi-lock on another shard")
     wound_task.cancel()
-    reply = reply_fut.result()
-    tokens, granted_ms, waited_ms = reply[:3]
-    ttl = granted_ms / 1000.0
-    expires_at = sent + waited_ms / 1000.0 + ttl
-    epoch = epoch_of(max(tokens))
-    if epoch > connector.max_epoch:
-        connector.max_epoch = epoch
-    leases = [Lease(name, token, ttl, owner, LeaseState(expires_at)) for name, token in zip(names, tokens)]
+    leases = leases_granted(connector, names, owner, reply_fut.result(), sent)
     for lease in leases:
         if renew_fraction is not None:
             lease.health.jeopardy_fraction = check_fraction(renew_fraction)

@@ -202,17 +202,9 @@ async def acquire_set(client: Client, items: list[tuple[str, bool]], ttl_ms: int
                 raise
             pause = pacing.failed(proto, err)
             proto = None
-    tokens, granted_ms, waited_ms = reply[:3]
-    ttl = granted_ms / 1000.0
-    expires_at = sent + waited_ms / 1000.0 + ttl
-    epoch = epoch_of(max(tokens))
-    if epoch > connector.max_epoch:
-        connector.max_epoch = epoch
-    leases = [Lease(name, token, ttl, owner, LeaseState(expires_at)) for (name, _), token in zip(items, tokens)]
-    if len(reply) > 3 and type(reply[3]) is dict:  # signed sequencers, in the tokens' order
-        for lease, blob in zip(leases, reply[3].get("sequencers", ())):
-            lease.state.sequencer = blob
-    if expires_at - loop.time() >= ttl * 0.5:
+    leases = leases_granted(connector, [name for name, _ in items], owner, reply, sent)
+    ttl = leases[0].ttl
+    if leases[0].state.expires_at - loop.time() >= ttl * 0.5:
         return leases
     # read late (a stalled loop or network): verified with one EXTEND each, as Client.acquire does
     try:
@@ -223,6 +215,26 @@ async def acquire_set(client: Client, items: list[tuple[str, bool]], ttl_ms: int
             client.release_nowait(lease)
         raise LeaseLost(f"{len(leases)} locks were granted but the grant was read too late to prove "
                         f"every lease alive ({exc})") from None
+
+
+def leases_granted(connector: Any, names: list[str] | tuple[str, ...], owner: bytes, reply: list[Any],
+                   sent: float) -> list[Lease]:
+    """The leases of a grant of several ``names`` at once (an ACQUIRE_MANY's or a RESERVE's
+    ``reply``: ``[tokens, granted TTL ms, waited ms, {"sequencers": [...]}?]``, tokens in
+    ``names`` order), all with the owner key ``owner``; ``sent``: the loop time (seconds) the
+    request was sent at, from which each lease's expiry counts.  The connector's highest epoch
+    seen rises to the tokens'."""
+    tokens, granted_ms, waited_ms = reply[:3]
+    ttl = granted_ms / 1000.0
+    expires_at = sent + waited_ms / 1000.0 + ttl
+    epoch = epoch_of(max(tokens))
+    if epoch > connector.max_epoch:
+        connector.max_epoch = epoch
+    leases = [Lease(name, token, ttl, owner, LeaseState(expires_at)) for name, token in zip(names, tokens)]
+    if len(reply) > 3 and type(reply[3]) is dict:  # signed sequencers, in the tokens' order
+        for lease, blob in zip(leases, reply[3].get("sequencers", ())):
+            lease.state.sequencer = blob
+    return leases
 
 
 def _withdraw(connector: Any, items: list[tuple[str, bool]], owner: bytes, proto: Any = None) -> None:
