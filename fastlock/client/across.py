@@ -56,7 +56,7 @@ import logging
 import random
 import secrets
 import threading
-from collections.abc import Callable, Coroutine, Generator, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from .. import protocol as P
@@ -67,7 +67,7 @@ from ..units import wall_ms
 from .connection import BACKOFF_FIRST, BACKOFF_MAX, RETRYABLE
 from .kinds import leases_granted
 from .lease import Lease, check_fraction
-from .multilock import LeaseSet, sorted_names
+from .multilock import LeaseSet, LeaseSetContext, sorted_names
 from .owner_keys import new_owner_key
 from .renewer import Renewer
 
@@ -449,33 +449,21 @@ async def release_across(multi: CrossShardLease) -> None:
         raise errors[0]
 
 
-class AcrossContext:
+class AcrossContext(LeaseSetContext[CrossShardLease]):
     """Returned by :func:`lock_across`: awaitable (a :class:`CrossShardLease`) and an async
     context manager (released on exit)."""
 
-    __slots__ = ("_make", "_multi")
+    __slots__ = ("_make",)
 
     def __init__(self, make: Callable[[], Coroutine[Any, Any, CrossShardLease]]):
+        super().__init__()
         self._make = make
-        self._multi: CrossShardLease | None = None
 
-    def __await__(self) -> Generator[Any, None, CrossShardLease]:
-        return self._make().__await__()
+    def _acquire(self) -> Coroutine[Any, Any, CrossShardLease]:
+        return self._make()
 
-    async def __aenter__(self) -> CrossShardLease:
-        self._multi = await self._make()
-        return self._multi
-
-    async def __aexit__(self, *exc: object) -> None:
-        multi, self._multi = self._multi, None
-        if multi is None:
-            return
-        try:
-            await release_across(multi)
-        except FastlockError as err:
-            if not multi.lost.is_set():
-                log.warning("could not release all of %d locks across shards: %s", len(multi), err)
-            multi.lost.set()
+    async def _release(self, multi: CrossShardLease) -> None:
+        await release_across(multi)
 
 
 class SyncCrossShardLease:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine, Generator, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .. import protocol as P
 from ..errors import FastlockError, InvalidArgument, LeaseLost, ProtocolError, WrongArgumentType
@@ -30,7 +30,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LeaseSet", "MultiLease", "LockManyContext", "SortedNames", "sorted_names", "acquire_many", "release_many"]
+__all__ = ["LeaseSet", "LeaseSetContext", "MultiLease", "LockManyContext", "SortedNames", "sorted_names",
+           "acquire_many", "release_many"]
+
+#: the lease set a LeaseSetContext gives
+_Set = TypeVar("_Set", bound="LeaseSet")
 
 
 class SortedNames(tuple[str, ...]):
@@ -218,26 +222,28 @@ async def release_many(client: Client, multi: MultiLease) -> None:
         raise errors[0]
 
 
-class LockManyContext:
-    """Returned by :meth:`Client.lock_many`: awaitable and an async context manager."""
+class LeaseSetContext(Generic[_Set]):
+    """Awaitable (the :class:`LeaseSet` taken) and an async context manager that releases
+    it on exit: the shape of :meth:`Client.lock_many` and of
+    :func:`~fastlock.client.across.lock_across`.  A subclass says how to take the set
+    (``_acquire``) and release it (``_release``); a release that fails marks the set
+    lost and logs a warning once."""
 
-    __slots__ = ("_client", "_names", "_kwargs", "_wait", "_fraction", "_multi")
+    __slots__ = ("_multi",)
 
-    def __init__(self, client: Client, names: SortedNames, kwargs: dict[str, Any], wait: float | None, fraction: float):
-        self._client = client
-        self._names = names
-        self._kwargs = kwargs
-        self._wait = wait
-        self._fraction = fraction
-        self._multi: MultiLease | None = None
+    def __init__(self) -> None:
+        self._multi: _Set | None = None
 
-    def _acquire(self) -> Coroutine[Any, Any, MultiLease]:
-        return acquire_many(self._client, self._names, self._kwargs, self._wait, self._fraction)
+    def _acquire(self) -> Coroutine[Any, Any, _Set]:
+        raise NotImplementedError
 
-    def __await__(self) -> Generator[Any, None, MultiLease]:
+    async def _release(self, multi: _Set) -> None:
+        raise NotImplementedError
+
+    def __await__(self) -> Generator[Any, None, _Set]:
         return self._acquire().__await__()
 
-    async def __aenter__(self) -> MultiLease:
+    async def __aenter__(self) -> _Set:
         self._multi = await self._acquire()
         return self._multi
 
@@ -246,8 +252,28 @@ class LockManyContext:
         if multi is None:
             return
         try:
-            await release_many(self._client, multi)
+            await self._release(multi)
         except FastlockError as err:
             if not multi.lost.is_set():
                 log.warning("could not release all of %s: %s", [quote(n) for n in multi.names], err)
             multi.lost.set()
+
+
+class LockManyContext(LeaseSetContext[MultiLease]):
+    """Returned by :meth:`Client.lock_many`: awaitable and an async context manager."""
+
+    __slots__ = ("_client", "_names", "_kwargs", "_wait", "_fraction")
+
+    def __init__(self, client: Client, names: SortedNames, kwargs: dict[str, Any], wait: float | None, fraction: float):
+        super().__init__()
+        self._client = client
+        self._names = names
+        self._kwargs = kwargs
+        self._wait = wait
+        self._fraction = fraction
+
+    def _acquire(self) -> Coroutine[Any, Any, MultiLease]:
+        return acquire_many(self._client, self._names, self._kwargs, self._wait, self._fraction)
+
+    async def _release(self, multi: MultiLease) -> None:
+        await release_many(self._client, multi)
