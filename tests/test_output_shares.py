@@ -93,13 +93,9 @@ def stop(proc: subprocess.Popen) -> None:
     proc.stdin.close()
 
 
-async def anonymous_connections(address: str, admin_token: str) -> bool:
-    """Only one anonymous connection is left (the reader's)."""
-    node = await RawNode.open(address, name="usage", token=admin_token)
-    try:
-        status = await asyncio.wait_for(node.status(), 10)
-    finally:
-        await node.close()
+async def anonymous_connections(admin: RawNode) -> bool:
+    """Only one anonymous connection is left (the reader's), as the admin's connection reads it."""
+    status = await asyncio.wait_for(admin.status(), 10)
     return sum(row["connections"] for row in status["principals"] if row["principal"] == "anonymous") == 1
 
 
@@ -121,13 +117,14 @@ async def test_unread_replies_are_bounded_by_the_principals_share_and_the_total(
     value = b"v" * 1000
     await asyncio.wait_for(pipelined(srv.address, [[OP_KEY_PUT, f"k/{i:05d}", value, None, 0, None, 0]
                                                    for i in range(KEYS)]), 60)
-    # anonymous too, and reads; connected before the flood starts (the flood is about reading)
+    # anonymous too, and reads; connected before the flood starts (the flood is about reading), as is
+    # the admin's connection that counts the anonymous connections left
     reader = await fastlock.connect(srv.address, client_name="reader")
+    admin = await RawNode.open(srv.address, name="usage", token=creds.token("admin"))
     pinger = subprocess.Popen([sys.executable, "-c", PINGER, srv.address, creds.token("app")],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     flooder = subprocess.Popen([sys.executable, "-c", FLOODER, srv.address, str(connections), str(EACH)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    admin = creds.token("admin")
     try:
         assert (await read_line(pinger, 30)).strip() == "ready"
         base = vm_kib(srv.pid, "VmRSS")
@@ -145,7 +142,7 @@ async def test_unread_replies_are_bounded_by_the_principals_share_and_the_total(
             assert listed == [f"k/{i:05d}" for i in range(KEYS)]
         # every flooding connection leaves more than the share unread: each is closed in turn
         # (the reader is the one anonymous connection left)
-        await wait_until(lambda: anonymous_connections(srv.address, admin), 60, "every flooding connection closed")
+        await wait_until(lambda: anonymous_connections(admin), 60, "every flooding connection closed")
         growth = (vm_kib(srv.pid, "VmHWM") - base) << 10
         assert growth < RSS_BOUND, f"RSS grew {growth >> 20} MiB"
         pinger.stdin.write("stop\n")
@@ -155,6 +152,7 @@ async def test_unread_replies_are_bounded_by_the_principals_share_and_the_total(
         assert any(logged in line and "'anonymous'" in line for line in srv.lines)
     finally:
         await reader.close()
+        await admin.close()
         stop(flooder)
         stop(pinger)
 
