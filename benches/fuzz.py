@@ -104,8 +104,10 @@ SESSION_OPS = {ops.OP_SESSION_OPEN, ops.OP_SESSION_ATTACH, ops.OP_SESSION_KEEPAL
 ALL_CLIENT_OPS = set(LOCK_OPS.values()) | {"prioritize"}
 REPLICA_OPS = {P.OP_REPLICATE, P.OP_REPL_ACK, P.OP_STEP_DOWN, P.OP_SYNC_ACK}
 #: SHARD_MAP: the map holds no secret; COMMIT_RESERVATION acts only on the calling connection's own
-#: reservation (fastlock.server.woundwait)
-OPEN_OPS = {P.OP_PING, P.OP_STATUS, P.OP_UNWATCH, ops.OP_SHARD_MAP, ops.OP_COMMIT_RESERVATION}
+#: reservation (fastlock.server.woundwait); WAIT_IDENTITY sets the connection's own wait id and
+#: WAITS_FOR reads opaque ids only (fastlock.server.edgechase)
+OPEN_OPS = {P.OP_PING, P.OP_STATUS, P.OP_UNWATCH, ops.OP_SHARD_MAP, ops.OP_COMMIT_RESERVATION,
+            ops.OP_WAIT_IDENTITY, ops.OP_WAITS_FOR}
 ADMIN_OPS = {P.OP_PROMOTE, P.OP_SERVE_ALONE, P.OP_LOCKS, P.OP_LOCK_INFO, P.OP_REVOKE, ops.OP_SESSIONS,
              ops.OP_SESSION_REVOKE}
 #: per-principal quotas small enough for the mixed rounds to reach (the anonymous principal's: a quarter)
@@ -275,6 +277,11 @@ class Generator:
                     rng.choice([self.owner(), b"", b"x" * 33])]
         if op == ops.OP_COMMIT_RESERVATION:
             return [rng.choice([self.owner(), b"", None, "x"])]
+        if op == ops.OP_WAIT_IDENTITY:
+            return [rng.choice([rng.randbytes(32), rng.randbytes(16), self.owner(), b"", b"x" * 65, None, "x"])]
+        if op == ops.OP_WAITS_FOR:
+            return [rng.choice([self.owner(), b"", b"x" * 17, None]), rng.choice([0, 1, -1, 2**63, "1"]),
+                    rng.choice([0, 16, 17, -1, 2**40, None])]
         if op == ops.OP_RATE_LIMIT:
             return [name, rng.choice([1, 100, 0, -1, 2**40]), rng.choice([1000, 0, -5]), rng.choice([1, 10, 0]),
                     rng.choice([1, 0, 11, -1])]

@@ -343,6 +343,11 @@ class LockTable:
     def deadlock_backlog(self) -> bool:
         """True while a deadlock search is left unfinished at its call's max_work."""
 
+    def party_waits(self, session: int, actor: int, limit: int = ...) -> tuple[int, list[tuple[int, int]]]:
+        """What party (session, actor) waits for: (the latest enqueued_ms of its waits on
+        locks, -1 if none; at most ``limit`` distinct (session, actor) holding or waiting
+        ahead on those names, the holders first)."""
+
     def lock_delays(self) -> list[tuple[str, int]]:
         """Every running lock-delay as (name, until_ms) (monotonic ms): what a snapshot keeps.
         A delay starts when a lease with a lock-delay expires; EV_EXPIRED carries

@@ -114,6 +114,46 @@ cdef class _DeadlockDetection(_Recovery):
         left to search from: the next break_deadlocks() call goes on from there."""
         return self._dl_search is not None
 
+    def party_waits(self, session, actor, limit=64):
+        """What party ``(session, actor)`` waits for here, for deadlock detection across
+        servers (:mod:`fastlock.server.edgechase`): ``(latest, parties)`` where ``latest``
+        is the greatest ``enqueued_ms`` of its waiting requests on locks (-1: none; a
+        semaphore's wait, which any one holder can end, is left out as in
+        :meth:`break_deadlocks`) and ``parties`` the distinct ``(session, actor)`` pairs
+        (session 0 left out) that hold a conflicting lease of, or wait ahead of it on, a
+        name it waits for: at most ``limit`` (int >= 0) pairs, the holders first."""
+        cdef int64_t s = _session(session)
+        cdef int64_t a = actor
+        cdef Py_ssize_t most = limit
+        cdef dict sess = self._sessions.get(s)
+        cdef dict out = {}
+        cdef int64_t latest = -1
+        cdef _Waiter w, ahead
+        cdef _Lock lock
+        cdef _Lease lease
+        if sess is None:
+            return (-1, [])
+        for w in sess:
+            lock = w.lock
+            if w.actor != a or lock is None or lock.limit:
+                continue
+            if w.enqueued_ms > latest:
+                latest = w.enqueued_ms
+            if lock.held:
+                if lock.session and len(out) < most:
+                    out[(lock.session, lock.actor)] = None
+            elif lock.n_leases and not w.shared:
+                for lease in lock.leases.values():
+                    if lease.session and len(out) < most:
+                        out[(lease.session, lease.actor)] = None
+            ahead = w.prev
+            while ahead is not None and len(out) < most:
+                if ahead.session:
+                    out[(ahead.session, ahead.actor)] = None
+                ahead = ahead.prev
+        out.pop((s, a), None)
+        return (latest, list(out))
+
     def break_deadlocks(self, now, min_wait_ms, max_work=DEADLOCK_WORK):
         """Find and break deadlocks among waiters; returns the cycles broken (a list of
         tuples of ``(session, name)`` steps, as ``Event.cycle``).

@@ -42,6 +42,8 @@ from fastlock.protocol.ops import (
     OP_SHARD_MAP,
     OP_SYNC_ACK,
     OP_TRANSFER,
+    OP_WAIT_IDENTITY,
+    OP_WAITS_FOR,
     OP_WATCH_FROM,
 )
 from fastlock.server import ServerConfig
@@ -219,6 +221,10 @@ def _ops_at_quota(address: str, app_token: str, owner: bytes, peer: Raw) -> dict
                      ((["held/2"], os.urandom(16), 60_000, -1, None, int(time.time() * 1000), b"m2"),
                       "--max-waiters-per-principal")],
         OP_COMMIT_RESERVATION: [((b"m1",), None)],
+        # deadlock detection across shards (fastlock.server.edgechase): a connection's one wait id
+        # (bounded by the connections), read-only probes (bounded per principal per second)
+        OP_WAIT_IDENTITY: [((os.urandom(32),), None)],
+        OP_WAITS_FOR: [((os.urandom(16), 1, 0), None)],
     }
 
 

@@ -38,6 +38,7 @@ from .admin import LockList, PrincipalRevocation
 from .calls import call
 from .client import Client
 from .connection import RETRYABLE
+from .edgechase import EdgeChaser
 from .session import SessionClosed, SessionInfo
 
 __all__ = ["ShardedClient", "read_shard_map", "route_if_sharded"]
@@ -91,6 +92,9 @@ class ShardedClient(Client):
         #: group name -> its client (the seed's group: the seed)
         self._clients: dict[str, Client] = {seed_group: seed}
         self._refreshing: asyncio.Future[None] | None = None
+        #: deadlock detection across groups for waiting acquires (fastlock.client.edgechase):
+        #: ``edges.deadlock_timeout`` seconds before a wait's first probe (None: off)
+        self.edges = EdgeChaser(self)
 
     # -- the router -------------------------------------------------------------------------
     def client_for(self, name: str) -> Client:
@@ -168,7 +172,11 @@ class ShardedClient(Client):
 
     # -- calls that name one name -------------------------------------------------------------
     async def acquire(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(name, "acquire", (name, *args), kwargs)
+        """As :meth:`Client.acquire <fastlock.client.Client.acquire>` on the owner's group; a
+        waiting acquire is also checked for deadlocks across groups (:mod:`fastlock.client.edgechase`):
+        :raises DeadlockDetected: it was the youngest wait of a wait-for cycle across groups."""
+        return await self.edges.acquire(name, kwargs.get("wait"),
+                                        lambda: self._routed(name, "acquire", (name, *args), kwargs))
 
     async def check(self, name: str, *args: Any, **kwargs: Any) -> Any:
         return await self._routed(name, "check", (name, *args), kwargs)

@@ -77,6 +77,8 @@ SHARD_MAP  100 -                                                      {"group", 
 RESERVE   120  [name, ...], owner, ttl_ms, wait_ms, corr_id,         as ACQUIRE_MANY
                stamp_ms, multi_id
 COMMIT_RESERVATION 121 multi_id                                       None
+WAIT_IDENTITY 122 secret (16-64 bytes)                                 wait id (16 bytes)
+WAITS_FOR 123  wait_id, actor, hops                                   {"since_ms", "for"}
 =========  ==  =====================================================  ======================
 
 ACQUIRE's optional ``shared`` (bool: a shared lease) and ``limit`` (int: the
@@ -111,6 +113,9 @@ an older reservation wounds a younger uncommitted one (its leases revoked, its w
 answered Wounded, its connection told ``[0, "wounded", [multi_id, stamp, wounder's stamp]]``);
 COMMIT_RESERVATION makes the connection's held reservation of that id ordinary leases
 (:mod:`fastlock.server.woundwait`).
+WAIT_IDENTITY and WAITS_FOR carry deadlock detection across shards: a connection's wait id
+(a hash of its secret) and, for a party ``(wait id, actor)``, when its wait here began and
+the parties it waits for here (:mod:`fastlock.server.edgechase`).
 
 Lists are paged by bytes: a reply of CONTENDERS, LOCKS or KEY_LIST (key store, ops
 40-45: :mod:`fastlock.server.keys`) carries at most about ``MAX_PAGE_BYTES`` (64 KiB,

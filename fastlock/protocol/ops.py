@@ -70,6 +70,9 @@ OP_SHARD_MAP = 100  # no arguments: the shard map this node serves by (None: not
 # cross-shard multi-locks, wound-wait (fastlock.server.woundwait; ops 120-129 are reserved for them)
 OP_RESERVE = 120  # [name, ...], owner, ttl_ms, wait_ms, corr_id, age stamp (wall ms), multi-lock id
 OP_COMMIT_RESERVATION = 121  # multi-lock id
+# deadlock detection across shards, edge chasing (fastlock.server.edgechase)
+OP_WAIT_IDENTITY = 122  # secret (16-64 bytes): this connection's wait id
+OP_WAITS_FOR = 123  # wait id, actor, hops: what that party waits for here
 #: ms: how far ahead of a server's wall clock a RESERVE's age stamp may be (clock skew between hosts)
 MAX_STAMP_SKEW_MS = 1_000
 #: ms: how far behind a server's wall clock a RESERVE's age stamp may be (the most seniority a multi-lock claims)
@@ -131,6 +134,8 @@ OPS: tuple[Op, ...] = (
     Op(OP_SHARD_MAP, "shard_map", 0, 0),
     Op(OP_RESERVE, "reserve", 7, 7),
     Op(OP_COMMIT_RESERVATION, "commit_reservation", 1, 1),
+    Op(OP_WAIT_IDENTITY, "wait_identity", 1, 1),
+    Op(OP_WAITS_FOR, "waits_for", 3, 3),
 )
 
 #: (fewest, most) arguments of each op, after ``[req_id, op]``

@@ -50,6 +50,8 @@ from ._wire import enter_acquire as compiled_enter_acquire
 from ._wire import extend as compiled_extend
 from ._wire import ok_nil
 from ._wire import release as compiled_release
+from .edgechase import PERMISSIONS as EDGE_CHASE_PERMISSIONS
+from .edgechase import EdgeChase
 from .hello import Hello
 from .keys import PERMISSIONS as KEY_PERMISSIONS
 from .keys import KeyStore
@@ -114,6 +116,7 @@ PERMISSION: dict[int, str | None] = {
     P.OP_SESSION_REVOKE: None,
     OP_SHARD_MAP: None,  # the shard map holds no secret: any principal that may connect reads it
     **WOUND_WAIT_PERMISSIONS,  # cross-shard multi-locks' reservations (fastlock.server.woundwait)
+    **EDGE_CHASE_PERMISSIONS,  # deadlock detection across shards (fastlock.server.edgechase)
 }
 
 _ARTICLE = {"client": "a", "replica": "a", "admin": "an"}
@@ -230,6 +233,8 @@ class Handlers:
         self.enter_acquire: Callable[..., None] = functools.partial(compiled_enter_acquire, self)
         #: RESERVE, COMMIT_RESERVATION: cross-shard multi-locks, wound-wait (fastlock.server.woundwait)
         self.wound_wait = WoundWait(self)
+        #: WAIT_IDENTITY, WAITS_FOR: deadlock detection across shards (fastlock.server.edgechase)
+        self.edge_chase = EdgeChase(self)
         handlers: dict[int, Handler] = {
             P.OP_HELLO: self.hello.op_hello,
             # compiled (server/_wire.pyx)
@@ -261,6 +266,7 @@ class Handlers:
             **self.sessions.handlers_table(),
             OP_SHARD_MAP: self.op_shard_map,
             **self.wound_wait.handlers_by_op(),
+            **self.edge_chase.handlers_by_op(),
         }
         #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
         self.by_op: dict[int, tuple[Handler, int, int]] = {

@@ -493,6 +493,7 @@ class LockServer:
             self.quotas.count_watches(conn, -len(conn.watching))
         dropped = self.table.drop_session(conn.session, self._table_now())
         self.handlers.wound_wait.session_closed(conn.session)
+        self.handlers.edge_chase.session_closed(conn.session)
         self.quotas.waiters_dropped(conn.principal, dropped)
         if dropped:
             self.queues.sessions_dropped()
