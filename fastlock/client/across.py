@@ -320,14 +320,76 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
     multi_id = secrets.token_bytes(16)
     stamp, stamped_at = wall_ms(), started
     wounded = _Wound()
+    #: shard index -> the wound of that shard's part now (all at once: each part is re-reserved alone)
+    part_wounds: dict[int, _Wound] = {}
     pause = BACKOFF_FIRST  # seconds before an attempt that follows a shard's failure (not a wound)
 
-    def on_wound(_payload: list[Any]) -> None:  # on the shard's loop
-        wounded.set()
+    def listener(k: int) -> Callable[[list[Any]], None]:
+        def on_wound(_payload: list[Any]) -> None:  # on the shard's loop: a wound, or its connection lost
+            w = part_wounds.get(k)
+            if w is not None:
+                w.set()
+            wounded.set()
+        return on_wound
 
-    for shard, _names in shards:
-        shard.call(lambda client: client.connector.wound_listeners.__setitem__(multi_id, on_wound))
+    def listen(client: Client, on_wound: Callable[[list[Any]], None]) -> None:
+        client.connector.wound_listeners[multi_id] = on_wound
+
+    for k, (shard, _names) in enumerate(shards):
+        shard.call(listen, listener(k))
     attempts = 0
+    rereserved = 0  # parts taken again alone after a wound of theirs (all at once)
+    holding: set[int] = set()  # the shards whose part is held, in this round (all at once)
+    all_held = asyncio.Event()  # every part is held, in this round
+
+    def left_ms() -> int:
+        return -1 if deadline is None else max(0, int((deadline - loop.time()) * 1000))
+
+    async def hold_part(k: int, part: _Part, names: tuple[str, ...], aborted: list[bool]) -> None:
+        """Hold shard ``k``'s part: after a wound of that part alone, what is left of it is
+        released and it is reserved again at once, with the same stamp and id (the other
+        parts are kept: every wait still goes from younger to older)."""
+        nonlocal rereserved
+        while True:
+            w = part_wounds[k] = _Wound()
+            if aborted[0]:
+                raise Wounded("another shard's part failed")
+            try:
+                await part.shard.run(_reserve, part, names, ttl_ms, left_ms(), correlation_id, stamp, multi_id, w,
+                                     renew, renew_fraction)
+            except Wounded:
+                if aborted[0] or (deadline is not None and loop.time() >= deadline):
+                    raise
+            else:
+                # held: until every part is, a wound of this one is answered at once
+                holding.add(k)
+                if len(holding) == len(shards):
+                    all_held.set()
+                wound_fut = w.waiter()
+                all_fut: asyncio.Future[Any] = asyncio.ensure_future(all_held.wait())
+                either: set[asyncio.Future[Any]] = {wound_fut, all_fut}
+                try:
+                    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    wound_fut.cancel()
+                    all_fut.cancel()
+                if not w.is_set() or all_held.is_set():
+                    return  # (a wound once all are held: the caller's next round)
+                holding.discard(k)
+                if aborted[0]:
+                    raise Wounded("another shard's part failed")
+            await part.shard.run(_release_leases, part.leases)
+            part.leases = []
+            rereserved += 1
+
+    async def hold_or_abort(k: int, part: _Part, names: tuple[str, ...], aborted: list[bool]) -> None:
+        try:
+            await hold_part(k, part, names, aborted)
+        except Exception:
+            aborted[0] = True  # the other shards' requests are withdrawn too
+            for w in list(part_wounds.values()):
+                w.set()
+            raise
     try:
         while True:
             attempts += 1
@@ -338,32 +400,30 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
             try:
                 if in_order:
                     for shard, names in shards:
-                        left_ms = -1 if deadline is None else max(0, int((deadline - loop.time()) * 1000))
                         part = _Part(shard, [])
-                        await shard.run(_reserve, part, names, ttl_ms, left_ms, correlation_id, stamp, multi_id,
+                        await shard.run(_reserve, part, names, ttl_ms, left_ms(), correlation_id, stamp, multi_id,
                                         wounded, renew, renew_fraction)
                         parts.append(part)
+                    if wounded.is_set():
+                        raise Wounded("wounded by an older multi-lock")
                 else:
-                    left_ms = -1 if deadline is None else max(0, int((deadline - loop.time()) * 1000))
                     parts = [_Part(shard, []) for shard, _names in shards]
-
-                    async def one(part: _Part, names: tuple[str, ...], left_ms: int, stamp: int,
-                                  wounded: _Wound) -> None:
-                        try:
-                            await part.shard.run(_reserve, part, names, ttl_ms, left_ms, correlation_id, stamp,
-                                                 multi_id, wounded, renew, renew_fraction)
-                        except Exception:
-                            wounded.set()  # the other shards' requests are withdrawn too
-                            raise
-
-                    results = await asyncio.gather(*(one(part, names, left_ms, stamp, wounded)
-                                                     for part, (_shard, names) in zip(parts, shards)),
-                                                   return_exceptions=True)
-                    failed = [r for r in results if isinstance(r, BaseException)]
-                    if failed:  # the cause, rather than the withdrawals it caused
-                        raise next((r for r in failed if not isinstance(r, Wounded)), failed[0])
-                if wounded.is_set():
-                    raise Wounded("wounded by an older multi-lock")
+                    aborted = [False]
+                    todo = list(range(len(parts)))
+                    while todo:
+                        holding = set(range(len(parts))) - set(todo)
+                        all_held = asyncio.Event()
+                        results = await asyncio.gather(*(hold_or_abort(k, parts[k], shards[k][1], aborted)
+                                                         for k in todo), return_exceptions=True)
+                        failed = [r for r in results if isinstance(r, BaseException)]
+                        if failed:  # the cause, rather than the withdrawals it caused
+                            raise next((r for r in failed if not isinstance(r, Wounded)), failed[0])
+                        # a part wounded after its grant, while another shard's was still awaited: again, alone
+                        todo = [k for k in range(len(parts)) if part_wounds[k].is_set()]
+                        for k in todo:
+                            await parts[k].shard.run(_release_leases, parts[k].leases)
+                            parts[k].leases = []
+                            rereserved += 1
                 # every part is held: commit them all at once (any order will do)
                 results = await asyncio.gather(*(part.shard.run(_commit, multi_id) for part in parts),
                                                return_exceptions=True)
@@ -391,7 +451,7 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
             except BaseException:
                 await _let_go(parts)
                 raise
-            return CrossShardLease(parts, attempts)
+            return CrossShardLease(parts, attempts + rereserved)
     finally:
         for shard, _names in shards:
             shard.call(lambda client: client.connector.wound_listeners.pop(multi_id, None))

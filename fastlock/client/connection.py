@@ -438,6 +438,10 @@ class Connector:
                 for queue in queues:
                     queue.put_nowait(None)  # end of this watch
             watches.clear()
+        # a multi-lock's uncommitted reservations on this connection end with it (the server's
+        # table of them is per connection, and a new primary has none): told as a wound
+        for multi_id, listener in list(self.wound_listeners.items()):
+            listener([multi_id, None, None])
 
     def refused(self, proto: ClientConnection, exc: BaseException) -> None:
         """A request on ``proto`` was refused with ``NotPrimary`` or
