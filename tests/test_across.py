@@ -338,6 +338,36 @@ async def test_a_wound_lets_go_of_every_part_and_the_retry_keeps_its_stamp(shard
         await release_across(multi)
 
 
+async def test_a_part_is_reserved_again_alone_after_a_wound_and_after_its_shard_restarts(shards, loop_errors):
+    """The younger multi-lock holds a/1 and waits for b/1 (held plainly).  Its shard a
+    restarts (its table of reservations gone; the lease a/1 recovered as a plain one): the
+    client counts the lost connection as a wound, lets go of a/1 and reserves it again, so an
+    older reservation still takes a/1 while b/1 stays held - no wait nobody can break.  The
+    younger's wait on b/1 is kept throughout (only the wounded part is taken again)."""
+    async with routed(shards, "young") as router:
+        plain = await router.client_for("b/1").acquire("b/1", ttl=30)
+        # renewed from the grant: a/1 outlives its TTL (3 s) across the restart unless let go
+        young = asyncio.ensure_future(acquire_across(router, ["a/1", "b/1"], ttl=3, wait=60, renew=True))
+        with Raw(shards[1].address) as look_b:
+            await wait_for(lambda: len(contenders(look_b, "b/1")["waiters"]) == 1, "the younger waits for b/1")
+            first_wait = contenders(look_b, "b/1")["waiters"][0]
+            shards[0].stop()
+            shards[0].start()
+            with Raw(shards[0].address) as old:
+                old_owner = os.urandom(16)
+                rid = reserve(old, ["a/1"], now_ms() - 10_000, b"older", wait_ms=30_000, owner=old_owner)
+                reply = await asyncio.to_thread(reply_to, old, rid)
+                assert reply[1] == 0  # granted while b/1 is still held plainly
+                assert contenders(look_b, "b/1")["waiters"] == [first_wait]
+                assert not young.done()
+                assert old.call(OP_COMMIT_RESERVATION, b"older")[1] == 0
+                assert old.call(P.OP_RELEASE, "a/1", reply[2][0][0], old_owner)[1] == 0
+        await router.client_for("b/1").release(plain)
+        multi = await asyncio.wait_for(young, 30)
+        assert multi.attempts >= 2 and multi["a/1"].fencing_token > reply[2][0][0]
+        await release_across(multi)
+
+
 async def test_a_dead_clients_reservation_blocks_only_until_its_ttl(shards, loop_errors):
     """An older reservation whose client died cannot be wounded: it holds until its TTL."""
     dead = Raw(shards[0].address)
