@@ -13,11 +13,15 @@ none, and returns a :class:`CrossShardLease` with each name's fencing token:
    shards' addresses; a multi-lock then waits on at most one shard at a time);
 3. if a part is **wounded** (an older multi-lock needed one of its names: the server
    revoked that part and pushed ``PUSH_WOUNDED``, or answered a waiting ``RESERVE`` with
-   :class:`~fastlock.errors.Wounded`), it lets go of every part it took (a waiting
-   ``RESERVE`` is cancelled) and starts again with the same stamp and id;
+   :class:`~fastlock.errors.Wounded`), or the connection to its shard is lost (a failover:
+   the shard's table of reservations is gone), that part alone is released and reserved
+   again at once, with the same stamp and id, while the other parts are kept (held or
+   waiting: every wait still goes from younger to older, so keeping them closes no cycle);
+   with ``in_order=True`` it lets go of every part it took and starts again;
 4. once every part is held it commits each (``COMMIT_RESERVATION``, to every shard at once):
-   a committed part is an ordinary lease nobody can wound.  A commit refused as wounded is
-   step 3 (the parts already committed are released too).
+   a committed part is an ordinary lease nobody can wound.  A commit refused as wounded
+   releases every part (the ones already committed too: a committed part must never wait)
+   and the multi-lock starts again with the same stamp and id.
    The leases are renewed from the moment each part is granted (so a long wait at a
    later shard does not lose an earlier part) until released.
 
@@ -40,11 +44,17 @@ refuses stamps older than :data:`~fastlock.protocol.ops.MAX_STAMP_AGE_MS` (60 s)
 multi-lock still trying after :data:`STAMP_REFRESH_S` (55 s) takes a fresh stamp
 (loses its seniority once).
 
-What is not covered: names also taken by plain ``acquire_many`` across shards with the
-same names (a plain set that waits for a reservation while holding nothing is fine; one
-taken one by one, holding some, can close a cycle across shards that no server sees);
-shared parts; after a failover of a shard, that shard's uncommitted parts are plain
-leases until committed or released (see :mod:`fastlock.server.woundwait`).
+**Failover of a shard.**  A new primary has no table of reservations: it sees an
+uncommitted part as a plain lease.  The client lost its connection there, counts that
+as a wound of the part, releases it and reserves it again (see step 3), so the part is
+woundable again once the client has reconnected (:mod:`fastlock.server.woundwait` gives
+the argument that no record of reservations is needed).
+
+What is not covered: names also taken one by one with plain acquires while holding some
+(a plain set that waits for a reservation while holding nothing is fine): a routing
+client's incremental acquires are checked for cycles across shards by edge chasing
+(:mod:`fastlock.client.edgechase`), but a cycle through a multi-lock's reservation is not
+followed by it; shared parts.
 """
 
 from __future__ import annotations

@@ -41,15 +41,30 @@ about to be refused (a multi-lock trying for longer than 55 s loses its seniorit
 **Leases, TTLs and failover.**  A reservation's parts are ordinary leases with the
 request's TTL: a dead client's parts end by their TTL like any lease, and its waiting
 request ends with its connection.  The reservation table (who is a reservation, with
-which rank, committed or not) lives in the primary's memory only, and is not logged:
-what must survive a failover is the leases (granted, released, revoked - all logged and
-replicated as usual); a wound is a ``REVOKE`` record.  After a failover the new primary
-sees an uncommitted part as a plain lease: it can no longer be wounded, only waited on
-until its holder commits or releases it, or its TTL ends (it is renewed only by a live
-client) - liveness, never safety, and the client's ``COMMIT_RESERVATION`` at the new
-primary fails with :class:`~fastlock.errors.Wounded`, so the multi-lock lets go of every
-part and tries again.  Logging each reservation and commit (records 90-99 are reserved
-for them) would cost a WAL record per shard part and is not done.
+which rank, committed or not) lives in the primary's memory only and is not logged
+(records 90-94 are reserved for it and stay unused), because nothing the issue promises
+needs it after a failover:
+
+* *safety* rests on the leases (granted, released, revoked - logged and replicated as
+  usual; a wound is a ``REVOKE`` record);
+* *no deadlock*: a new primary sees an uncommitted part as a plain lease, which it cannot
+  wound, so an older multi-lock waiting for it could close a cycle with the part's holder
+  if that holder waited elsewhere for the older one.  But the holder's client lost its
+  connection to this shard in the failover (a new primary is a new connection; a fenced
+  old one refuses the part's renewal, which drops the connection), and the client counts a
+  lost connection as a wound of the part it held there
+  (:func:`fastlock.client.across.lock_across`): it releases the part at the new primary
+  and reserves it again, now in the new primary's table with its rank, woundable.  The
+  cycle ends within the client's ride-through, with no record;
+* *no starvation*: a rank is the client's (stamp and id, kept across retries and sent with
+  every ``RESERVE``), so the new primary learns each live multi-lock's rank from its next
+  ``RESERVE``; a ``COMMIT_RESERVATION`` at the new primary finds no reservation and fails
+  with :class:`~fastlock.errors.Wounded`, and the multi-lock tries again with its stamp;
+* *a dead client blocks nobody beyond a TTL*: its parts are leases, whose TTL a new
+  primary keeps.
+
+What a log would add is only speed: a new primary could wound a held part at once instead
+of after its client reconnects, at the cost of a WAL record per part and per commit.
 
 **Limits.**  At most :data:`MAX_RESERVATIONS_PER_PRINCIPAL` live reservations (parked,
 waiting or held uncommitted) per principal and :data:`MAX_PARKED` parked ones per
