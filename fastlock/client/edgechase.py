@@ -130,9 +130,12 @@ class EdgeChaser:
         try:
             return await call()
         except asyncio.CancelledError:
-            if not found or task.cancelling() > 1:
+            cancelling = getattr(task, "cancelling", None)  # (Python 3.11+: another cancel counts too)
+            if not found or (cancelling is not None and cancelling() > 1):
                 raise
-            task.uncancel()
+            uncancel = getattr(task, "uncancel", None)
+            if uncancel is not None:
+                uncancel()
             self.victims += 1
             steps = " -> ".join(f"party {p.wait_id.hex()[:8]}/{p.actor} waits for" for p in found[0])
             raise DeadlockDetected(f"{name!r}: deadlock across shard groups detected ({steps} the first); "
