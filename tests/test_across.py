@@ -307,16 +307,18 @@ async def test_lock_across_holds_every_name_on_its_shard_and_releases_all(shards
 
 
 @pytest.mark.parametrize("in_order", [True, False], ids=["in-order", "all-at-once"])
-async def test_a_wound_lets_go_of_every_part_and_the_retry_keeps_its_stamp(shards, loop_errors, in_order):
+async def test_a_wound_takes_the_part_again_and_the_retry_keeps_its_stamp(shards, loop_errors, in_order):
     """The younger multi-lock holds a/1 and waits for b/1 (held plainly); an older
-    reservation takes a/1: the younger is told, lets go of everything, and waits again
-    behind the older one (in the global order: at the first shard only, holding nothing)
-    and ends up with both names."""
+    reservation takes a/1: the younger is told and waits again for a/1 behind the older one
+    (all at once: that part alone, its wait for b/1 kept; in the global order: it lets go of
+    everything and waits at the first shard only, holding nothing) and ends up with both names."""
     async with routed(shards, "young") as router:
         plain = await router.client_for("b/1").acquire("b/1", ttl=30)
         young = asyncio.ensure_future(acquire_across(router, ["a/1", "b/1"], ttl=10, wait=30, in_order=in_order))
         with Raw(shards[1].address) as look_b, Raw(shards[0].address) as old:
             await wait_for(lambda: len(contenders(look_b, "b/1")["waiters"]) == 1, "the younger waits for b/1")
+            first_wait = contenders(look_b, "b/1")["waiters"][0]
+            cancels_b = status(look_b)["cancels"]
             assert holder_token(old, "a/1") is not None  # its part on the first shard
             old_owner = os.urandom(16)
             rid = reserve(old, ["a/1"], now_ms() - 10_000, b"older", wait_ms=30_000, owner=old_owner)
@@ -326,6 +328,9 @@ async def test_a_wound_lets_go_of_every_part_and_the_retry_keeps_its_stamp(shard
             assert not young.done()
             if in_order:
                 assert not contenders(look_b, "b/1")["waiters"]
+            else:
+                assert contenders(look_b, "b/1")["waiters"] == [first_wait]  # the same wait, kept:
+                assert status(look_b)["cancels"] == cancels_b  # never withdrawn
             # nothing of the wounded attempt is held anywhere: a/1 is the older one's, b/1 the plain lease's
             assert holder_token(old, "a/1") == reply[2][0][0]
             assert holder_token(look_b, "b/1") == plain.fencing_token
@@ -351,6 +356,7 @@ async def test_a_part_is_reserved_again_alone_after_a_wound_and_after_its_shard_
         with Raw(shards[1].address) as look_b:
             await wait_for(lambda: len(contenders(look_b, "b/1")["waiters"]) == 1, "the younger waits for b/1")
             first_wait = contenders(look_b, "b/1")["waiters"][0]
+            cancels_b = status(look_b)["cancels"]
             shards[0].stop()
             shards[0].start()
             with Raw(shards[0].address) as old:
@@ -359,6 +365,7 @@ async def test_a_part_is_reserved_again_alone_after_a_wound_and_after_its_shard_
                 reply = await asyncio.to_thread(reply_to, old, rid)
                 assert reply[1] == 0  # granted while b/1 is still held plainly
                 assert contenders(look_b, "b/1")["waiters"] == [first_wait]
+                assert status(look_b)["cancels"] == cancels_b  # the wait for b/1 was never withdrawn
                 assert not young.done()
                 assert old.call(OP_COMMIT_RESERVATION, b"older")[1] == 0
                 assert old.call(P.OP_RELEASE, "a/1", reply[2][0][0], old_owner)[1] == 0
