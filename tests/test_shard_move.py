@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import msgpack
 import pytest
 from conftest import wait_until
 from etcdserver import unique_prefix
@@ -121,7 +122,8 @@ async def test_a_held_lease_survives_a_move_and_tokens_keep_rising(groups, capsy
 
 async def test_moved_waiters_get_the_lock_in_their_old_order(groups):
     name = names_owned_by(groups.shard_map, "g0", 1, "queued")[0]
-    async with groups.connect() as holder, groups.connect() as first, groups.connect() as second:
+    admin = fastlock.connect(groups.servers["g0"].address, token=groups.creds.token("admin"), session=False)
+    async with groups.connect() as holder, groups.connect() as first, groups.connect() as second, admin as operator:
         lease = await holder.acquire(name, ttl=30)
         order: list[str] = []
 
@@ -131,9 +133,9 @@ async def test_moved_waiters_get_the_lock_in_their_old_order(groups):
             return got
 
         a = asyncio.ensure_future(wait_for(first, "first"))
-        await wait_until(lambda: _queue_length(holder, name, 1), 10, "the first waiter to queue")
+        await wait_until(lambda: _queue_length(operator, name, 1), 10, "the first waiter to queue")
         b = asyncio.ensure_future(wait_for(second, "second"))
-        await wait_until(lambda: _queue_length(holder, name, 2), 10, "the second waiter to queue")
+        await wait_until(lambda: _queue_length(operator, name, 2), 10, "the second waiter to queue")
         await groups.move(str(slot_of(name)), "g1")
         await holder.release(lease)  # on g1: the first waiter gets it
         got_a = await asyncio.wait_for(a, 30)
@@ -146,7 +148,7 @@ async def test_moved_waiters_get_the_lock_in_their_old_order(groups):
 
 async def _queue_length(client, name: str, n: int) -> bool:
     info = await client.lock_info(name)
-    return info is not None and len(info.get("waiters", ())) >= n
+    return info is not None and info.waiter_count >= n
 
 
 async def test_the_destination_keeps_an_adopted_lease_across_a_restart(groups):
@@ -157,7 +159,7 @@ async def test_the_destination_keeps_an_adopted_lease_across_a_restart(groups):
     groups.restart("g1")
     async with groups.connect() as client:
         g1 = client.group_client("g1")
-        assert (await g1.holder(name)).token == lease.fencing_token
+        assert (await g1.holder(name))["token"] == lease.fencing_token
         lease = await client.extend(lease, ttl=30)
         await client.release(lease)
         assert (await client.acquire(name, ttl=5)).fencing_token > lease.fencing_token
@@ -186,31 +188,35 @@ async def test_a_hostile_slot_import_is_refused_and_changes_nothing(groups):
     slot = slot_of(name)
     lease_row = [name, 1 << 50, b"x" * 32, 10_000, 0, False, 0, None, None]
     state = {"leases": [lease_row], "queues": [], "delays": [], "floor": 1 << 50}
+    packed = msgpack.packb(state)
     app = await RawNode.open(groups.servers["g1"].address, token=groups.app)
     admin = await RawNode.open(groups.servers["g1"].address, token=groups.creds.token("admin"))
     try:
         with pytest.raises(PermissionDenied):  # a client principal may not import
-            await app.request(OP_SLOT_IMPORT, slot, slot, state)
+            await app.request(OP_SLOT_IMPORT, slot, slot, packed)
         with pytest.raises(PermissionDenied):
             await app.request(OP_SLOT_EXPORT, slot, slot, None)
         bad_states = [
             {**state, "leases": [[*lease_row[:3], -5, *lease_row[4:]]]},  # a negative TTL
             {**state, "leases": [["a" * 10, *lease_row[1:]]]},  # a name outside the slots
             {**state, "leases": [lease_row[:5]]},  # too few fields
-            {**state, "leases": [lease_row] * 201},  # more rows than a page
+            {**state, "leases": [lease_row] * 21},  # more rows than a page
             {**state, "floor": "high"},
-            {**state, "queues": [[name, [b""]]]},
+            {**state, "queues": [[name, 0, [b""]]]},
+            {**state, "queues": [[name, 0, [b"x" * 32] * 21]]},  # a queue part too long
             {"leases": []},
             [1, 2, 3],
         ]
-        for bad in bad_states:
+        for bad in [msgpack.packb(b) for b in bad_states] + [b"\xc1", state, b"x" * (61 << 10)]:
             with pytest.raises(InvalidArgument):
                 await admin.request(OP_SLOT_IMPORT, slot, slot, bad)
+        with pytest.raises(InvalidArgument):
+            await admin.request(OP_SLOT_IMPORT, slot, -1, packed)
         # well formed, but the slot is not being moved to g1 (g1 owns it already): refused
         with pytest.raises(InvalidArgument, match="not marked moving"):
-            await admin.request(OP_SLOT_IMPORT, slot, slot, state)
-        with pytest.raises(FastlockError):
-            await admin.request(OP_SLOT_IMPORT, slot, slot, {**state, "pad": b"x" * (1 << 20)})
+            await admin.request(OP_SLOT_IMPORT, slot, slot, packed)
+        with pytest.raises(FastlockError):  # beyond a request's frame: the connection is closed
+            await admin.request(OP_SLOT_IMPORT, slot, slot, b"x" * (1 << 20))
     finally:
         await app.close()
         await admin.close()

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 from ..client import Client
 from ..client.calls import call
 from ..client.sharded import read_shard_map
@@ -84,14 +86,13 @@ async def _ship(source: Client, dest: Client, first: int, last: int, report: Mov
     after = None
     while True:
         page = await call(source.connector, OP_SLOT_EXPORT, (first, last, after), REQUEST_TIMEOUT_S)
-        done = await call(dest.connector, OP_SLOT_IMPORT, (first, last, page), REQUEST_TIMEOUT_S)
+        done = await call(dest.connector, OP_SLOT_IMPORT, (first, last, msgpack.packb(page)), REQUEST_TIMEOUT_S)
         report.leases += done["leases"]
         report.queues += done["queues"]
         report.delays += done["delays"]
         if not page["more"]:
             return
-        last_lease = page["leases"][-1]
-        after = [last_lease[0], last_lease[1]]
+        after = page["after"]
 
 
 async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,

@@ -8,14 +8,16 @@ table); a client principal gets ``PermissionDenied``.
 
 ``SLOT_EXPORT first, last, after`` (the source must serve a map marking ``first..last``
 moving, and be the primary): one page (:data:`EXPORT_PAGE` rows at most) of :class:`MovedState`'s
-plain form, the leases whose ``(name, token)`` follow ``after`` (None: from the first), and with
-the first page the waiter queues (owner-key hashes in FIFO order, as the freeze took them out),
-the running lock-delays and the token high-water mark (the table's last token: every token the
-source ever issued is at most that).
+plain form, the rows after the cursor ``after`` (None: from the first; a page names its own):
+the leases, the waiter queues in parts (owner-key hashes in FIFO order, as the freeze took them
+out), the running lock-delays, and the token high-water mark (the table's last token: every
+token the source ever issued is at most that).
 
 ``SLOT_IMPORT first, last, state`` (``G`` must serve a map marking ``first..last`` moving to
-``G``, and be the primary): validates every field of ``state`` (untrusted input: types, ranges,
-every name in ``first..last``, at most :data:`EXPORT_PAGE` rows of each kind), then raises the
+``G``, and be the primary): ``state`` is a page as msgpack bytes (at most
+:data:`MAX_STATE_BYTES`, decoded with small bounds of its own).  Every field is validated
+(untrusted input: types, ranges, every name in ``first..last``, at most :data:`EXPORT_PAGE`
+rows), then the import raises the
 token floor (an ``EPOCH`` record if the source's epoch is higher, a ``RESERVE`` record for the
 counter: every token ``G`` issues from then on is above the mark), installs each lease with its
 token, owner-key hash and remaining TTL (a ``GRANT`` record each, so ``G``'s standbys and its
@@ -30,6 +32,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import msgpack
+
 from .. import protocol as P
 from ..errors import InvalidArgument, NotPrimary, WrongArgumentType
 from ..protocol.ops import OP_SLOT_EXPORT, OP_SLOT_IMPORT
@@ -42,14 +46,19 @@ if TYPE_CHECKING:  # pragma: no cover
     from .handlers import Handlers
     from .session import Session
 
-__all__ = ["MovedLease", "MovedState", "SlotMoves", "EXPORT_PAGE"]
+__all__ = ["MovedLease", "MovedState", "QueuePart", "SlotMoves", "EXPORT_PAGE"]
 
 log = logging.getLogger(__name__)
 
-#: the most leases (and queues, lock-delays) one SLOT_EXPORT page or SLOT_IMPORT request carries
-EXPORT_PAGE = 200
+#: the most rows (leases, queue parts and lock-delays together) of one SLOT_EXPORT page and SLOT_IMPORT
+#: request: at their fields' limits 20 rows stay within a request's 64 KiB frame
+EXPORT_PAGE = 20
+#: the most waiters of one queue part (a longer queue is shipped in parts, by its offset)
+QUEUE_PART = 20
 #: the most waiters of one queue a move carries
-MAX_MOVED_WAITERS = 1_000
+MAX_MOVED_WAITERS = 100_000
+#: the largest SLOT_IMPORT state (bytes of msgpack)
+MAX_STATE_BYTES = 60 << 10
 #: the longest owner-key hash accepted (bytes)
 MAX_OWNER_BYTES = 64
 #: the longest remaining TTL or lock-delay accepted (ms): a day
@@ -73,21 +82,30 @@ class MovedLease(NamedTuple):
     correlation_id: str | None
 
 
+class QueuePart(NamedTuple):
+    """Waiters ``offset`` .. ``offset + len(owners) - 1`` of the queue of ``name`` (owner-key hashes, FIFO)."""
+
+    name: str
+    offset: int
+    owners: list[bytes]
+
+
 class MovedState(NamedTuple):
-    """One page of a move's state: ``leases``; ``queues`` (name -> owner-key hashes, FIFO);
-    ``delays`` (name -> remaining lock-delay, ms); ``floor`` the source's token high-water mark;
-    ``more``: another page follows (ask after the last lease)."""
+    """One page of a move's state: ``leases``; ``queues`` (:class:`QueuePart`); ``delays``
+    (``[name, remaining lock-delay ms]``); ``floor`` the source's token high-water mark;
+    ``more``: another page follows (ask after ``after``, the page's cursor)."""
 
     leases: list[MovedLease]
-    queues: dict[str, list[bytes]]
-    delays: dict[str, int]
+    queues: list[QueuePart]
+    delays: list[tuple[str, int]]
     floor: int
     more: bool
+    after: list | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"leases": [list(x) for x in self.leases],
-                "queues": [[n, list(q)] for n, q in self.queues.items()],
-                "delays": [[n, ms] for n, ms in self.delays.items()], "floor": self.floor, "more": self.more}
+        return {"leases": [list(x) for x in self.leases], "queues": [list(q) for q in self.queues],
+                "delays": [list(d) for d in self.delays], "floor": self.floor, "more": self.more,
+                "after": self.after}
 
 
 def _int(value: Any, what: str, low: int, high: int) -> int:
@@ -108,11 +126,27 @@ def _list(value: Any, what: str, most: int) -> list:
     return value
 
 
+def decode_state(data: Any, first: int, last: int) -> MovedState:
+    """The :class:`MovedState` of an import's ``state``: msgpack bytes (untrusted, at most
+    :data:`MAX_STATE_BYTES`, decoded with small bounds).  :raises InvalidArgument: any bad field."""
+    if type(data) is not bytes or len(data) > MAX_STATE_BYTES:
+        raise InvalidArgument(f"SLOT_IMPORT: the state is msgpack bytes, at most {MAX_STATE_BYTES}")
+    try:
+        value = msgpack.unpackb(data, raw=False, max_array_len=EXPORT_PAGE * 10, max_map_len=8,
+                                max_str_len=MAX_STATE_BYTES, max_bin_len=MAX_STATE_BYTES, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
+            RecursionError) as exc:
+        raise InvalidArgument(f"SLOT_IMPORT: the state is not msgpack: {exc}") from None
+    return parse_state(value, first, last)
+
+
 def parse_state(value: Any, first: int, last: int) -> MovedState:
-    """The :class:`MovedState` of an import's ``state`` (untrusted).  :raises InvalidArgument: any bad field."""
+    """The :class:`MovedState` of a decoded import state (untrusted).  :raises InvalidArgument: any bad field."""
     if type(value) is not dict or not {"leases", "queues", "delays", "floor"} <= set(value) <= {
-            "leases", "queues", "delays", "floor", "more"}:
-        raise InvalidArgument("SLOT_IMPORT: the state is {leases, queues, delays, floor[, more]}")
+            "leases", "queues", "delays", "floor", "more", "after"}:
+        raise InvalidArgument("SLOT_IMPORT: the state is {leases, queues, delays, floor[, more, after]}")
+    if len(value["leases"] or ()) + len(value["queues"] or ()) + len(value["delays"] or ()) > EXPORT_PAGE:
+        raise InvalidArgument(f"SLOT_IMPORT: at most {EXPORT_PAGE} rows of leases, queues and lock-delays")
 
     def name_in_range(name: Any) -> str:
         name = P.check_name(name)
@@ -134,24 +168,35 @@ def parse_state(value: Any, first: int, last: int) -> MovedState:
                                  _int(delay, "a lock-delay (ms)", 0, MAX_REMAINING_MS),
                                  shared, _int(limit, "a limit", 0, (1 << 31) - 1),
                                  _opt_str(client, "a client"), _opt_str(corr, "a correlation id")))
-    queues: dict[str, list[bytes]] = {}
+    queues: list[QueuePart] = []
     for row in _list(value["queues"], "queues", EXPORT_PAGE):
-        if type(row) is not list or len(row) != 2:
-            raise InvalidArgument("SLOT_IMPORT: a queue is [name, [owner-key hash, ...]]")
-        owners = _list(row[1], "a queue's waiters", MAX_MOVED_WAITERS)
-        if any(type(o) is not bytes or not 0 < len(o) <= MAX_OWNER_BYTES for o in owners):
-            raise InvalidArgument(f"SLOT_IMPORT: a waiter is an owner-key hash of 1..{MAX_OWNER_BYTES} bytes")
-        queues[name_in_range(row[0])] = owners
-    delays: dict[str, int] = {}
+        if type(row) is not list or len(row) != 3:
+            raise InvalidArgument("SLOT_IMPORT: a queue part is [name, offset, [owner-key hash, ...]]")
+        owners = _list(row[2], "a queue part's waiters", QUEUE_PART)
+        if not owners or any(type(o) is not bytes or not 0 < len(o) <= MAX_OWNER_BYTES for o in owners):
+            raise InvalidArgument(f"SLOT_IMPORT: a queue part lists 1..{QUEUE_PART} owner-key hashes of "
+                                  f"1..{MAX_OWNER_BYTES} bytes")
+        queues.append(QueuePart(name_in_range(row[0]),
+                                _int(row[1], "a queue part's offset", 0, MAX_MOVED_WAITERS - len(owners)), owners))
+    delays: list[tuple[str, int]] = []
     for row in _list(value["delays"], "delays", EXPORT_PAGE):
         if type(row) is not list or len(row) != 2:
             raise InvalidArgument("SLOT_IMPORT: a lock-delay is [name, remaining ms]")
-        delays[name_in_range(row[0])] = _int(row[1], "a lock-delay (ms)", 1, MAX_REMAINING_MS)
+        delays.append((name_in_range(row[0]), _int(row[1], "a lock-delay (ms)", 1, MAX_REMAINING_MS)))
     floor = _int(value["floor"], "the token floor", 0, (MAX_EPOCH << 40) | ((1 << 40) - 1))
     more = value.get("more", False)
     if type(more) is not bool:
         raise InvalidArgument("SLOT_IMPORT: more is a bool")
     return MovedState(leases, queues, delays, floor, more)
+
+
+def _cursor(after: Any) -> tuple[int, str, int] | None:
+    if after is None:
+        return None
+    if (type(after) is not list or len(after) != 3 or type(after[0]) is not int or type(after[1]) is not str
+            or type(after[2]) is not int):
+        raise WrongArgumentType("after is None or the previous page's cursor [kind, name, number]")
+    return after[0], after[1], after[2]
 
 
 def _slots(msg: list) -> tuple[int, int]:
@@ -191,41 +236,45 @@ class SlotMoves:
     def op_slot_export(self, conn: Session, req_id: int, msg: list) -> None:
         """SLOT_EXPORT first, last, after: a page of the frozen slots' state (module docstring)."""
         first, last = _slots(msg)
-        after = msg[4]
-        if after is not None and (type(after) is not list or len(after) != 2 or type(after[0]) is not str
-                                  or type(after[1]) is not int):
-            raise WrongArgumentType("after is None or [name, token] (the last lease of the previous page)")
+        after = _cursor(msg[4])
         gate = self._gate_and_check(first, last, None)
         table = self.handlers.table
         now = monotonic_ms()
-        rows = sorted((h for h in table.holders() if first <= slot_of(h.name) <= last and h.deadline_ms > now),
-                      key=lambda h: (h.name, h.token))
+        # every row of the slots under one order, (kind, name, number): the cursor of a page stays
+        # valid while leases expire between pages (nothing else changes on frozen slots)
+        items: list[tuple[tuple[int, str, int], Any]] = []
+        for h in table.holders():
+            if first <= slot_of(h.name) <= last and h.deadline_ms > now:
+                client, corr = h.meta if h.meta else (None, None)
+                items.append(((0, h.name, h.token), MovedLease(
+                    h.name, h.token, bytes(h.owner), h.deadline_ms - now, h.lock_delay_ms, bool(h.shared),
+                    h.limit, client, corr)))
+        for name, queue in gate.frozen_names(first, last).items():
+            owners = [o for o, _priority in queue]
+            for offset in range(0, min(len(owners), MAX_MOVED_WAITERS), QUEUE_PART):
+                items.append(((1, name, offset), QueuePart(name, offset, owners[offset:offset + QUEUE_PART])))
+        for name, until in table.lock_delays():
+            if first <= slot_of(name) <= last and until > now:
+                items.append(((2, name, 0), (name, until - now)))
+        items.sort(key=lambda item: item[0])
         if after is not None:
-            rows = [h for h in rows if (h.name, h.token) > (after[0], after[1])]
-        page = rows[:EXPORT_PAGE]
-        leases = []
-        for h in page:
-            client, corr = h.meta if h.meta else (None, None)
-            leases.append(MovedLease(h.name, h.token, bytes(h.owner), h.deadline_ms - now, h.lock_delay_ms,
-                                     bool(h.shared), h.limit, client, corr))
-        queues: dict[str, list[bytes]] = {}
-        delays: dict[str, int] = {}
-        if after is None:
-            queues = {n: [o for o, _p in q] for n, q in gate.frozen_names(first, last).items()}
-            delays = {n: until - now for n, until in table.lock_delays()
-                      if first <= slot_of(n) <= last and until > now}
-            if len(queues) > EXPORT_PAGE or len(delays) > EXPORT_PAGE:
-                raise InvalidArgument(f"more than {EXPORT_PAGE} queued locks or lock-delays in slots "
-                                      f"{first}..{last}: move fewer slots at a time")
-        state = MovedState(leases, queues, delays, table.last_token, len(rows) > len(page))
+            items = [item for item in items if item[0] > after]
+        page = items[:EXPORT_PAGE]
+        state = MovedState([x for k, x in page if k[0] == 0], [x for k, x in page if k[0] == 1],
+                           [x for k, x in page if k[0] == 2], table.last_token, len(items) > len(page),
+                           list(page[-1][0]) if page else None)
         conn.send(P.encode_ok(req_id, state.to_wire()))
 
     def op_slot_import(self, conn: Session, req_id: int, msg: list) -> None:
         """SLOT_IMPORT first, last, state: adopt a page of the moved slots' state (module docstring)."""
         first, last = _slots(msg)
-        state = parse_state(msg[4], first, last)
+        state = decode_state(msg[4], first, last)
         server = self.handlers.server
         gate = self._gate_and_check(first, last, server.shard_gate.group)
+        for part in state.queues:  # checked before anything changes
+            if part.offset > len(gate.imported_queues.get(part.name, ())):
+                raise InvalidArgument(f"SLOT_IMPORT: {part.name!r:.100}'s queue part at {part.offset} comes "
+                                      f"before the parts shipped so far")
         table = self.handlers.table
         wal = self.handlers.wal
         now = monotonic_ms()
@@ -244,10 +293,12 @@ class SlotMoves:
             wal.log_grant(x.name, x.token, x.owner, x.remaining_ms, x.lock_delay_ms, x.client, x.correlation_id,
                           x.shared, x.limit)
         wall = wall_ms()
-        for name, remaining in state.delays.items():
+        for name, remaining in state.delays:
             if table.install_lock_delay(name, now + remaining, now):
                 wal.log_lock_delay(name, wall + remaining)
-        gate.imported_queues.update(state.queues)
+        for part in state.queues:
+            queue = gate.imported_queues.setdefault(part.name, [])
+            queue[part.offset:part.offset + len(part.owners)] = part.owners
         gate.imported[first:last + 1] = b"\x01" * (last - first + 1)
         log.warning("slot move: imported %d leases, %d queues, %d lock-delays of slots %d..%d (token floor %d)",
                     len(state.leases), len(state.queues), len(state.delays), first, last, state.floor)
