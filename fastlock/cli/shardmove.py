@@ -77,7 +77,7 @@ async def _serves(client: Client, epoch: int) -> None:
         if found is not None and found[1].epoch >= epoch:
             return
         if time.monotonic() > deadline:
-            raise ShardMapError(f"{', '.join(client.connector.addresses)} did not serve shard map epoch {epoch} "
+            raise ShardMapError(f"{client.connector.addresses} did not serve shard map epoch {epoch} "
                                 f"within {SEEN_TIMEOUT_S:g} s (run the move again to resume)")
         await asyncio.sleep(SEEN_POLL_S)
 

@@ -33,15 +33,15 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from .._core import EV_WAIT_CANCELLED
 from ..coordination.access import EtcdAccess
 from ..coordination.shardmap import load_from_etcd
 from ..errors import CrossShard, FastlockError, InvalidArgument, SlotMoving, WrongShard
+from ..roles import Role
 from ..sharding import SLOTS, ShardMap, load_map_file, slot_of
 from ..sharding.moves import allowed_change
 from ..sharding.scope import NAMES_OF_OP, NamesAt, names_in
 from ..units import monotonic_ms
-from .._core import EV_WAIT_CANCELLED
-from ..roles import Role
 from .kinds import reply_id
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -189,7 +189,7 @@ class ShardGate:
         if missing:
             raise RuntimeError(f"ops {missing} are not in fastlock.sharding.scope.NAMES_OF_OP: a sharded "
                                f"node cannot check their names")
-        self.server = handlers.server
+        self.server = getattr(handlers, "server", None)
         for op, (handler, fewest, most) in list(handlers.by_op.items()):
             where = NAMES_OF_OP[op]
             if where is not None:

@@ -270,6 +270,8 @@ class SlotMoves:
         first, last = _slots(msg)
         state = decode_state(msg[4], first, last)
         server = self.handlers.server
+        if server.shard_gate is None:
+            raise InvalidArgument("this node is not sharded: it has no slots to move")
         gate = self._gate_and_check(first, last, server.shard_gate.group)
         for part in state.queues:  # checked before anything changes
             if part.offset > len(gate.imported_queues.get(part.name, ())):
