@@ -41,12 +41,16 @@ from ..roles import Role
 from ..sharding import SLOTS, slot_of
 from ..tokens import MAX_EPOCH, counter_of, epoch_of
 from ..units import monotonic_ms, wall_ms
+from .lockadmin import check_lock_admin
 
 if TYPE_CHECKING:  # pragma: no cover
     from .handlers import Handlers
     from .session import Session
 
-__all__ = ["MovedLease", "MovedState", "QueuePart", "SlotMoves", "EXPORT_PAGE"]
+__all__ = ["MovedLease", "MovedState", "QueuePart", "SlotMoves", "EXPORT_PAGE", "PERMISSIONS"]
+
+#: the dispatch's permission entries: checked by the handlers (check_lock_admin)
+PERMISSIONS: dict[int, str | None] = {OP_SLOT_EXPORT: None, OP_SLOT_IMPORT: None}
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +239,7 @@ class SlotMoves:
 
     def op_slot_export(self, conn: Session, req_id: int, msg: list) -> None:
         """SLOT_EXPORT first, last, after: a page of the frozen slots' state (module docstring)."""
+        check_lock_admin(self.handlers, conn, "slot_export")
         first, last = _slots(msg)
         after = _cursor(msg[4])
         gate = self._gate_and_check(first, last, None)
@@ -267,6 +272,7 @@ class SlotMoves:
 
     def op_slot_import(self, conn: Session, req_id: int, msg: list) -> None:
         """SLOT_IMPORT first, last, state: adopt a page of the moved slots' state (module docstring)."""
+        check_lock_admin(self.handlers, conn, "slot_import")
         first, last = _slots(msg)
         state = decode_state(msg[4], first, last)
         server = self.handlers.server
