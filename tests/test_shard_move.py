@@ -166,20 +166,37 @@ async def test_the_destination_keeps_an_adopted_lease_across_a_restart(groups):
 
 
 async def test_a_move_stopped_after_its_mark_is_finished_by_running_it_again(groups, capsys):
-    name = names_owned_by(groups.shard_map, "g0", 1, "resumed")[0]
+    """The mover died right after writing the mark: the slot is frozen on g0 (a new request for
+    it is held, not refused), and running the move again ships, flips and answers it."""
+    tag = names_owned_by(groups.shard_map, "g0", 1, "resumed")[0]
+    name, other = f"{{{tag}}}:a", f"{{{tag}}}:b"
     slot = slot_of(name)
+    assert slot_of(other) == slot
     async with groups.connect() as client:
         lease = await client.acquire(name, ttl=30)
         stored = await load_from_etcd(groups.url)
-        try:  # the mover died right after writing the mark
+        try:
             shard_map, revision = await stored.read()
             await stored.replace(revision, shard_map, mark_moving(shard_map, slot, slot, "g1"))
         finally:
             await stored.gateway.close()
         assert await shard(["shard", "status", "--coordinator", groups.url]) == 0
         assert f"slots {slot}..{slot}: g0 (moving to g1)" in capsys.readouterr().out
+
+        async def g0_shard(key: str, n: int) -> bool:
+            status = await asyncio.to_thread(groups.servers["g0"].status)
+            return status["shard"][key] == n
+
+        await wait_until(lambda: g0_shard("moving", 1), 20, "g0 to follow the mark")
+        held = asyncio.ensure_future(client.acquire(other, ttl=30))
+        await wait_until(lambda: g0_shard("held", 1), 10, "g0 to hold the acquire")
+        assert not held.done()
         await groups.move(str(slot), "g1")
         assert json.loads(capsys.readouterr().out)["steps"] == ["ship", "flip"]
+        second = await asyncio.wait_for(held, 30)  # answered WrongShard at the flip, granted by g1
+        assert second.fencing_token > lease.fencing_token
+        assert (await client.group_client("g1").holder(other))["token"] == second.fencing_token
+        await client.release(second)
         await client.release(lease)
 
 
