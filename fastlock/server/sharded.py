@@ -264,7 +264,9 @@ class ShardGate:
         server.after_batch()  # every event so far is delivered: what follows is the freeze's
         table = server.table
         now = monotonic_ms()
+        # a queue waits behind a holder, or behind a lock-delay after an expiry
         names = {h.name for h in table.holders() if moving[slot_of(h.name)]}
+        names.update(n for n, _until in table.lock_delays() if moving[slot_of(n)])
         for name in sorted(names):
             waiters = table.waiter_priorities(name)
             if not waiters:
