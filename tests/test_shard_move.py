@@ -120,6 +120,27 @@ async def test_a_held_lease_survives_a_move_and_tokens_keep_rising(groups, capsy
         assert json.loads(capsys.readouterr().out)["steps"] == []
 
 
+@pytest.mark.parametrize("session", [True, False])
+async def test_a_renewed_lock_keeps_renewing_on_its_new_group(groups, session):
+    """``client.lock()`` renewed by the session (or by its own EXTENDs): after the move its
+    renewals go to g1 and the lease outlives several TTLs there; the context's release is
+    routed to g1."""
+    name = names_owned_by(groups.shard_map, "g0", 1, f"renewed{session}")[0]
+    async with fastlock.connect(groups.servers["g0"].address, token=groups.app, session=session) as client:
+        async with client.lock(name, ttl=2) as lease:
+            await groups.move(str(slot_of(name)), "g1")
+            g1 = client.group_client("g1")
+            started = asyncio.get_running_loop().time()
+            # the lease outlives 3 TTLs after the move only if g1 renews it
+            while asyncio.get_running_loop().time() - started < 6:
+                assert not lease.lost.is_set()
+                await asyncio.sleep(0.5)
+            holder = await g1.holder(name)
+            assert holder is not None and holder["token"] == lease.fencing_token
+        assert not lease.lost.is_set()
+        assert await g1.holder(name) is None  # released on g1 at the context's exit
+
+
 async def test_moved_waiters_get_the_lock_in_their_old_order(groups):
     name = names_owned_by(groups.shard_map, "g0", 1, "queued")[0]
     admin = fastlock.connect(groups.servers["g0"].address, token=groups.creds.token("admin"), session=False)
