@@ -265,3 +265,26 @@ async def test_a_hostile_slot_import_is_refused_and_changes_nothing(groups):
         assert status["epoch"] < 1 << 10  # no floor was raised
     finally:
         await check.close()
+
+
+async def test_a_range_holding_keys_is_not_moved_and_the_mark_is_cleared(groups, capsys):
+    key = names_owned_by(groups.shard_map, "g0", 1, "key")[0]
+    slot = slot_of(key)
+    async with groups.connect() as client:
+        await client.put(key, b"v")
+        argv = ["shard", "move", "--coordinator", groups.url, "--slots", str(slot), "--to", "g1"]
+        assert await shard(argv) == 1
+        assert "hold 1 keys" in capsys.readouterr().err
+        stored = await load_from_etcd(groups.url)
+        try:
+            shard_map, _revision = await stored.read()
+        finally:
+            await stored.gateway.close()
+        assert shard_map.owner_of_slot(slot).name == "g0" and shard_map.moving_to_of_slot(slot) is None
+
+        async def g0_serves(epoch: int) -> bool:
+            status = await asyncio.to_thread(groups.servers["g0"].status)
+            return status["shard"]["epoch"] == epoch and status["shard"]["moving"] == 0
+
+        await wait_until(lambda: g0_serves(shard_map.epoch), 20, "g0 to follow the cleared mark")
+        assert await client.get(key) is not None  # served by g0 as before

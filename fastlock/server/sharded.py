@@ -241,6 +241,15 @@ class ShardGate:
         frozen = [s for s in range(SLOTS) if moving[s] and not old_moving[s]]
         lost = [s for s in range(SLOTS) if old_owned[s] and not owned[s]]
         gained = [s for s in range(SLOTS) if owned[s] and not old_owned[s]]
+        aborted = {s for s in range(SLOTS) if old_moving[s] and not moving[s] and owned[s]}
+        for name in [n for n in self.frozen_queues if slot_of(n) in aborted]:
+            del self.frozen_queues[name]  # their acquires are answered SlotMoving and asked again
+        if self.imported_queues or any(self.imported):  # a move to this group that was aborted
+            for slot in range(SLOTS):
+                if self.imported[slot] and not owned[slot] and shard_map.moving_to_of_slot(slot) != self.group:
+                    self.imported[slot] = 0
+            for name in [n for n in self.imported_queues if not self.imported[slot_of(n)] and not owned[slot_of(n)]]:
+                del self.imported_queues[name]
         if frozen:
             self._freeze(bytes(moving))
         if lost:

@@ -24,7 +24,9 @@ token, owner-key hash and remaining TTL (a ``GRANT`` record each, so ``G``'s sta
 recovery have them), each lock-delay (a ``LOCK_DELAY`` record) and keeps the queues for the
 flip.  The reply (``{"leases", "delays", "queues"}``: how many) comes once the records are
 durable.  Importing the same state twice installs the same leases again: it changes nothing.
-Keys (the key store) and session shares are not moved.
+Keys (the key store) are not moved: SLOT_EXPORT refuses slots that hold keys
+(:class:`SlotsHoldKeys`), and the mover then clears its mark.  Session shares are not moved
+(a routing client attaches a moved lease to its session on the new group).
 """
 
 from __future__ import annotations
@@ -110,6 +112,11 @@ class MovedState(NamedTuple):
         return {"leases": [list(x) for x in self.leases], "queues": [list(q) for q in self.queues],
                 "delays": [list(d) for d in self.delays], "floor": self.floor, "more": self.more,
                 "after": self.after}
+
+
+class SlotsHoldKeys(InvalidArgument):
+    """SLOT_EXPORT: the slots hold keys (the key store), which a move does not carry: nothing
+    was shipped.  An :class:`~fastlock.errors.InvalidArgument`."""
 
 
 def _int(value: Any, what: str, low: int, high: int) -> int:
@@ -243,6 +250,11 @@ class SlotMoves:
         first, last = _slots(msg)
         after = _cursor(msg[4])
         gate = self._gate_and_check(first, last, None)
+        space = self.handlers.server.keys.space
+        keys = sum(1 for key in space.entries if first <= slot_of(key) <= last)
+        if keys:
+            raise SlotsHoldKeys(f"slots {first}..{last} hold {keys} keys of the key store, which a move does not "
+                                f"carry: delete them, or abort the move (fastlock shard move --abort)")
         table = self.handlers.table
         now = monotonic_ms()
         # every row of the slots under one order, (kind, name, number): the cursor of a page stays
