@@ -307,9 +307,12 @@ class SlotMoves:
         if counter > table.counter:
             table.advance_counter(counter)
         wal.log_counter_floor(table.counter)
+        quotas = server.quotas
         for x in state.leases:
-            table.install_holder(x.name, x.token, x.owner, x.remaining_ms, x.lock_delay_ms,
-                                 (x.client, x.correlation_id), now, x.shared, x.limit)
+            meta = (x.client, x.correlation_id)
+            table.install_holder(x.name, x.token, x.owner, x.remaining_ms, x.lock_delay_ms, meta, now, x.shared,
+                                 x.limit)
+            quotas.of(quotas.principal_of(meta)).leases[x.token] = x.name  # counted as its principal's
             wal.log_grant(x.name, x.token, x.owner, x.remaining_ms, x.lock_delay_ms, x.client, x.correlation_id,
                           x.shared, x.limit)
         wall = wall_ms()
