@@ -21,7 +21,7 @@ from fastlock._testbase.shards import names_owned_by
 from fastlock.cli import main
 from fastlock.coordination.shardmap import load_from_etcd
 from fastlock.errors import FastlockError, InvalidArgument, PermissionDenied
-from fastlock.protocol.ops import OP_SLOT_EXPORT, OP_SLOT_IMPORT
+from fastlock.protocol.ops import OP_SHARD_MAP, OP_SLOT_EXPORT, OP_SLOT_IMPORT
 from fastlock.sharding import ShardGroup, ShardMap, even_ranges, slot_of
 from fastlock.sharding.moves import mark_moving
 
@@ -212,13 +212,31 @@ async def test_a_move_stopped_after_its_mark_is_finished_by_running_it_again(gro
         held = asyncio.ensure_future(client.acquire(other, ttl=30))
         await wait_until(lambda: g0_shard("held", 1), 10, "g0 to hold the acquire")
         assert not held.done()
+        # ... and died again after shipping once: the rerun ships the same state again (no change)
+        g1 = await RawNode.open(groups.servers["g1"].address, token=groups.creds.token("admin"))
+        g0 = await RawNode.open(groups.servers["g0"].address, token=groups.creds.token("admin"))
+        try:
+            await wait_until(lambda: _serves_mark(g1, groups), 20, "g1 to follow the mark")
+            page = await g0.request(OP_SLOT_EXPORT, slot, slot, None)
+            assert [row[1] for row in page["leases"]] == [lease.fencing_token] and not page["more"]
+            assert (await g1.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(page)))["leases"] == 1
+        finally:
+            await g0.close()
+            await g1.close()
         await groups.move(str(slot), "g1")
         assert json.loads(capsys.readouterr().out)["steps"] == ["ship", "flip"]
+        assert (await client.group_client("g1").holder(name))["token"] == lease.fencing_token
         second = await asyncio.wait_for(held, 30)  # answered WrongShard at the flip, granted by g1
         assert second.fencing_token > lease.fencing_token
         assert (await client.group_client("g1").holder(other))["token"] == second.fencing_token
         await client.release(second)
         await client.release(lease)
+
+
+async def _serves_mark(node: RawNode, groups: Groups) -> bool:
+    """Whether ``node`` serves the map with the mark (SHARD_MAP)."""
+    reply = await node.request(OP_SHARD_MAP)
+    return any(r.get("moving_to") == "g1" for r in reply["map"]["ranges"])
 
 
 async def test_a_hostile_slot_import_is_refused_and_changes_nothing(groups):
