@@ -62,7 +62,7 @@ MOVE_PRINCIPAL = "shard-move"
 class Held(NamedTuple):
     """A request held while its slot is moved: its connection, request id, request (None for
     a waiter taken out of a queue: its acquire is answered, never run again), the handler to
-    run if the move is aborted, the name and its slot."""
+    run if the move is aborted, the name, its slot and until when it is held (monotonic ms)."""
 
     conn: Any
     req_id: int
@@ -291,10 +291,13 @@ class ShardGate:
                 conn = sessions.get(ev.session)
                 rid = reply_id(ev.request)
                 if conn is not None and rid is not None:
-                    self.held.append(Held(conn, rid, None, None, ev.name, slot_of(ev.name), 0))
+                    self.held.append(Held(conn, rid, None, None, ev.name, slot_of(ev.name),
+                                          now + int(HOLD_S * 1000)))
             else:
                 others.append(ev)
         server.process_events(others)
+        if self.held and self._hold_timer is None:
+            self._hold_timer = asyncio.get_running_loop().call_later(HOLD_S / 4, self._hold_tick)
         if self.frozen_queues:
             log.warning("slot move: %d waiters of %d locks taken out of their queues until the move ends",
                         sum(len(q) for q in self.frozen_queues.values()), len(self.frozen_queues))
@@ -354,13 +357,13 @@ class ShardGate:
     def _hold_tick(self) -> None:
         self._hold_timer = None
         now = monotonic_ms()
-        late = [h for h in self.held if h.msg is not None and h.until_ms <= now]
-        if late:
-            self.held = [h for h in self.held if h.msg is None or h.until_ms > now]
+        late = [h for h in self.held if h.until_ms <= now]
+        if late:  # a waiter taken out of its queue asks again with the same owner key: its place is kept
+            self.held = [h for h in self.held if h.until_ms > now]
             for h in late:
                 self._answer(h, self.slot_moving(h.name, h.slot))
             self._batch_end()
-        if any(h.msg is not None for h in self.held):
+        if self.held:
             self._hold_timer = asyncio.get_running_loop().call_later(HOLD_S / 4, self._hold_tick)
 
     def _answer(self, h: Held, exc: FastlockError) -> None:
