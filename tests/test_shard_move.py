@@ -306,3 +306,35 @@ async def test_a_range_holding_keys_is_not_moved_and_the_mark_is_cleared(groups,
 
         await wait_until(lambda: g0_serves(shard_map.epoch), 20, "g0 to follow the cleared mark")
         assert await client.get(key) is not None  # served by g0 as before
+
+
+async def test_the_destination_standby_has_the_adopted_lease_and_the_source_standby_drops_it(groups):
+    """The import's records (GRANT, RESERVE) and the source's drop (REVOKE) are replicated as
+    every record is: each group's standby ends with the group's leases and token floor."""
+    standbys = {}
+    for k, group in enumerate(("g0", "g1")):
+        standbys[group] = ServerProcess(groups.tmp_path / f"{group}-standby", fsync="always",
+                                        args=["--standby-of", groups.servers[group].address,
+                                              "--shard-map", groups.url, "--shard-group", group,
+                                              *groups.creds.server_args(f"node-{3 + k}")])
+    try:
+        for standby in standbys.values():
+            standby.start()
+            standby.wait_for_log(r"replicating from", 20)
+        name = names_owned_by(groups.shard_map, "g0", 1, "replicated")[0]
+        async with groups.connect() as client:
+            lease = await client.acquire(name, ttl=60)
+            await groups.move(str(slot_of(name)), "g1")
+
+            async def standby_has(group: str, held: int) -> bool:
+                status = await asyncio.to_thread(standbys[group].status)
+                return status["locks_held"] == held and status["last_token"] >= lease.fencing_token
+
+            await wait_until(lambda: standby_has("g1", 1), 20, "g1's standby to hold the adopted lease")
+            await wait_until(lambda: standby_has("g0", 0), 20, "g0's standby to drop the moved lease")
+            await client.release(lease)
+            await wait_until(lambda: standby_has("g1", 0), 20, "g1's standby to see the release")
+    finally:
+        for standby in standbys.values():
+            if standby.proc is not None:
+                standby.stop()
