@@ -338,3 +338,18 @@ async def test_the_destination_standby_has_the_adopted_lease_and_the_source_stan
         for standby in standbys.values():
             if standby.proc is not None:
                 standby.stop()
+
+
+async def test_split_moves_the_upper_half_of_a_groups_largest_range(groups, capsys):
+    name = names_owned_by(groups.shard_map, "g0", 200, "split")[-1]
+    async with groups.connect() as client:
+        lease = await client.acquire(name, ttl=30)
+        assert await shard(["shard", "split", "g0", "--to", "g1", "--coordinator", groups.url, "-o", "json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert (report["first"], report["last"], report["steps"]) == (4096, 8191, ["mark", "ship", "flip"])
+        assert await shard(["shard", "status", "--coordinator", groups.url]) == 0
+        out = capsys.readouterr().out
+        assert "slots 0..4095: g0" in out and "slots 4096..16383: g1" in out
+        moved = slot_of(name) >= 4096
+        assert report["leases"] == (1 if moved else 0)
+        await client.release(lease)  # routed to whichever group owns it now
