@@ -353,3 +353,36 @@ async def test_split_moves_the_upper_half_of_a_groups_largest_range(groups, caps
         moved = slot_of(name) >= 4096
         assert report["leases"] == (1 if moved else 0)
         await client.release(lease)  # routed to whichever group owns it now
+
+
+async def test_acquires_during_a_move_pause_and_tokens_never_go_backwards(groups):
+    """Four clients acquire and release four names of the moving slot in a loop throughout a move:
+    every call succeeds (held during the freeze, re-routed after it) and each name's tokens rise."""
+    tag = names_owned_by(groups.shard_map, "g0", 1, "busy")[0]
+    names = [f"{{{tag}}}:{i}" for i in range(4)]
+    tokens: dict[str, list[int]] = {n: [] for n in names}
+    done = asyncio.Event()
+
+    async def worker(k: int) -> int:
+        pairs = 0
+        async with groups.connect() as client:
+            while not done.is_set() and pairs < 100_000:
+                name = names[(k + pairs) % len(names)]
+                lease = await client.acquire(name, ttl=10, wait=30)
+                tokens[name].append(lease.fencing_token)
+                await client.release(lease)
+                pairs += 1
+        return pairs
+
+    workers = [asyncio.ensure_future(worker(k)) for k in range(4)]
+    try:
+        await wait_until(lambda: all(len(t) >= 5 for t in tokens.values()), 20, "the workers to start")
+        await groups.move(str(slot_of(names[0])), "g1")
+        moved_at = {n: len(t) for n, t in tokens.items()}
+        await wait_until(lambda: all(len(tokens[n]) >= moved_at[n] + 5 for n in names), 30,
+                         "the workers to go on with g1")
+    finally:
+        done.set()
+    assert all(p > 0 for p in await asyncio.wait_for(asyncio.gather(*workers), 60))
+    for name, seen in tokens.items():
+        assert seen == sorted(seen) and len(set(seen)) == len(seen), name
