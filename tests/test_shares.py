@@ -40,6 +40,8 @@ from fastlock.protocol.ops import (
     OP_REQUEST_REVOKE,
     OP_RESERVE,
     OP_SHARD_MAP,
+    OP_SLOT_EXPORT,
+    OP_SLOT_IMPORT,
     OP_SYNC_ACK,
     OP_TRANSFER,
     OP_WAIT_IDENTITY,
@@ -225,6 +227,9 @@ def _ops_at_quota(address: str, app_token: str, owner: bytes, peer: Raw) -> dict
         # (bounded by the connections), read-only probes (bounded per principal per second)
         OP_WAIT_IDENTITY: [((os.urandom(32),), None)],
         OP_WAITS_FOR: [((os.urandom(16), 1, 0), None)],
+        # a slot move's ops (fastlock.server.slotmove): an admin's; an unsharded node refuses them
+        OP_SLOT_EXPORT: [((0, 0, None), None)],
+        OP_SLOT_IMPORT: [((0, 0, b""), None)],
     }
 
 

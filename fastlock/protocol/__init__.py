@@ -79,6 +79,8 @@ RESERVE   120  [name, ...], owner, ttl_ms, wait_ms, corr_id,         as ACQUIRE_
 COMMIT_RESERVATION 121 multi_id                                       None
 WAIT_IDENTITY 122 secret (16-64 bytes)                                 wait id (16 bytes)
 WAITS_FOR 123  wait_id, actor, hops                                   {"since_ms", "for"}
+SLOT_EXPORT 101 first, last, after ([name, token]|None)               {"leases", "queues", "delays", "floor", "more"}
+SLOT_IMPORT 102 first, last, state (a SLOT_EXPORT page)               {"leases", "queues", "delays"}
 =========  ==  =====================================================  ======================
 
 ACQUIRE's optional ``shared`` (bool: a shared lease) and ``limit`` (int: the

@@ -63,6 +63,8 @@ from .ratelimit import RateLimitHandler
 from .session import Session, split_recorded_client
 from .sessions import SessionRegistry
 from .shares import limit_exceeded
+from .slotmove import PERMISSIONS as SLOT_MOVE_PERMISSIONS
+from .slotmove import SlotMoves
 from .statusview import client_status
 from .watches import WatchRegistry
 from .watchlog import REPLAY_PAGE
@@ -117,6 +119,7 @@ PERMISSION: dict[int, str | None] = {
     OP_SHARD_MAP: None,  # the shard map holds no secret: any principal that may connect reads it
     **WOUND_WAIT_PERMISSIONS,  # cross-shard multi-locks' reservations (fastlock.server.woundwait)
     **EDGE_CHASE_PERMISSIONS,  # deadlock detection across shards (fastlock.server.edgechase)
+    **SLOT_MOVE_PERMISSIONS,  # a slot move's ops: an admin's, checked by the handler (fastlock.server.slotmove)
 }
 
 _ARTICLE = {"client": "a", "replica": "a", "admin": "an"}
@@ -235,6 +238,8 @@ class Handlers:
         self.wound_wait = WoundWait(self)
         #: WAIT_IDENTITY, WAITS_FOR: deadlock detection across shards (fastlock.server.edgechase)
         self.edge_chase = EdgeChase(self)
+        #: SLOT_EXPORT / SLOT_IMPORT: a slot move's ops (fastlock.server.slotmove)
+        self.slot_moves = SlotMoves(self)
         handlers: dict[int, Handler] = {
             P.OP_HELLO: self.hello.op_hello,
             # compiled (server/_wire.pyx)
@@ -267,6 +272,7 @@ class Handlers:
             OP_SHARD_MAP: self.op_shard_map,
             **self.wound_wait.handlers_by_op(),
             **self.edge_chase.handlers_by_op(),
+            **self.slot_moves.handlers_by_op(),  # fastlock.server.slotmove
         }
         #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
         self.by_op: dict[int, tuple[Handler, int, int]] = {

@@ -83,6 +83,8 @@ NAMES_OF_OP: dict[int, NamesAt | None] = {
     P.OP_COMMIT_RESERVATION: None,  # a multi-lock id
     P.OP_WAIT_IDENTITY: None,  # a secret
     P.OP_WAITS_FOR: None,  # a wait id
+    P.OP_SLOT_EXPORT: None,  # a slot range being moved (an admin's, fastlock.server.slotmove)
+    P.OP_SLOT_IMPORT: None,
 }
 
 

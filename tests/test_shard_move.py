@@ -1,0 +1,388 @@
+"""Moving slots between shard groups (`fastlock shard move|split`, fastlock.server.slotmove): real
+servers following a map in etcd; held leases survive a move, tokens keep rising, moved waiters keep
+their order, the destination keeps what it adopted across a restart, and a hostile SLOT_IMPORT
+changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import msgpack
+import pytest
+from conftest import wait_until
+from etcdserver import unique_prefix
+
+import fastlock
+from fastlock._testbase.cluster import RawNode
+from fastlock._testbase.proxy import free_port
+from fastlock._testbase.servers import CredentialsDir, ServerProcess
+from fastlock._testbase.shards import names_owned_by
+from fastlock.cli import main
+from fastlock.coordination.shardmap import load_from_etcd
+from fastlock.errors import FastlockError, InvalidArgument, PermissionDenied
+from fastlock.protocol.ops import OP_SHARD_MAP, OP_SLOT_EXPORT, OP_SLOT_IMPORT
+from fastlock.sharding import ShardGroup, ShardMap, even_ranges, slot_of
+from fastlock.sharding.moves import mark_moving
+
+
+async def shard(argv: list[str]) -> int:
+    """``fastlock shard ...`` in this process (on a thread: it runs its own event loop)."""
+    return await asyncio.to_thread(main, argv)
+
+
+class Groups:
+    """Two shard groups g0, g1 (one server each) following a map in etcd, with credentials."""
+
+    def __init__(self, etcd, tmp_path, monkeypatch):
+        self.url = f"etcd://{etcd.address}{unique_prefix()}"
+        self.creds = CredentialsDir(tmp_path / "credentials")
+        monkeypatch.setenv("FASTLOCK_TOKEN_FILE", self.creds.token_file("admin"))  # the mover is an admin
+        self.app = self.creds.token("app")
+        self.tmp_path = tmp_path
+        ports = [free_port(), free_port()]
+        self.shard_map = ShardMap(1, tuple(ShardGroup(f"g{k}", (f"127.0.0.1:{ports[k]}",)) for k in range(2)),
+                                  even_ranges(["g0", "g1"]))
+        self.servers = {f"g{k}": self._server(f"g{k}", ports[k]) for k in range(2)}
+
+    def _server(self, group: str, port: int) -> ServerProcess:
+        return ServerProcess(self.tmp_path / group, fsync="always", port=port,
+                             args=["--shard-map", self.url, "--shard-group", group,
+                                   *self.creds.server_args("node-1" if group == "g0" else "node-2")])
+
+    async def start(self) -> None:
+        stored = await load_from_etcd(self.url)
+        try:
+            await stored.create(self.shard_map)
+        finally:
+            await stored.gateway.close()
+        for server in self.servers.values():
+            server.start()
+
+    def restart(self, group: str) -> None:
+        old = self.servers[group]
+        old.stop()
+        self.servers[group] = self._server(group, old.port)
+        self.servers[group].start()
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            if server.proc is not None:
+                server.stop()
+
+    def connect(self) -> fastlock.connect:
+        return fastlock.connect(self.servers["g0"].address, token=self.app, session=False)
+
+    async def move(self, slots: str, to: str) -> dict:
+        argv = ["shard", "move", "--coordinator", self.url, "--slots", slots, "--to", to, "-o", "json"]
+        assert await shard(argv) == 0
+        return argv
+
+
+@pytest.fixture
+async def groups(etcd, tmp_path, monkeypatch):
+    g = Groups(etcd, tmp_path, monkeypatch)
+    try:
+        await g.start()
+        yield g
+    finally:
+        g.stop()
+
+
+async def test_a_held_lease_survives_a_move_and_tokens_keep_rising(groups, capsys):
+    name = names_owned_by(groups.shard_map, "g0", 1, "held")[0]
+    idle = names_owned_by(groups.shard_map, "g0", 1, "idle")[0]
+    async with groups.connect() as client:
+        lease = await client.acquire(name, ttl=30)
+        capsys.readouterr()
+        await groups.move(str(slot_of(name)), "g1")
+        report = json.loads(capsys.readouterr().out)
+        assert report["steps"] == ["mark", "ship", "flip"] and report["leases"] == 1 and report["freeze_ms"] > 0
+        # the old group redirects; the lease is held on g1 with its token and owner
+        g1 = await RawNode.open(groups.servers["g1"].address, token=groups.app)
+        try:
+            assert (await g1.holder(name))["token"] == lease.fencing_token
+        finally:
+            await g1.close()
+        lease = await client.extend(lease, ttl=20)  # a WrongShard from g0 re-routes it to g1
+        await client.release(lease)
+        again = await client.acquire(name, ttl=5)
+        assert again.fencing_token > lease.fencing_token
+        await client.release(again)
+        # a slot with nothing in it moves too, and is served by g1 after
+        await groups.move(str(slot_of(idle)), "g1")
+        other = await client.acquire(idle, ttl=5)
+        assert other.fencing_token > lease.fencing_token
+        await client.release(other)
+        # running the same move again finds it done and changes nothing
+        capsys.readouterr()
+        await groups.move(str(slot_of(idle)), "g1")
+        assert json.loads(capsys.readouterr().out)["steps"] == []
+
+
+@pytest.mark.parametrize("session", [True, False])
+async def test_a_renewed_lock_keeps_renewing_on_its_new_group(groups, session):
+    """``client.lock()`` renewed by the session (or by its own EXTENDs): after the move its
+    renewals go to g1 and the lease outlives several TTLs there; the context's release is
+    routed to g1."""
+    name = names_owned_by(groups.shard_map, "g0", 1, f"renewed{session}")[0]
+    async with fastlock.connect(groups.servers["g0"].address, token=groups.app, session=session) as client:
+        async with client.lock(name, ttl=2) as lease:
+            await groups.move(str(slot_of(name)), "g1")
+            g1 = client.group_client("g1")
+            started = asyncio.get_running_loop().time()
+            # the lease outlives 3 TTLs after the move only if g1 renews it
+            while asyncio.get_running_loop().time() - started < 6:
+                assert not lease.lost.is_set()
+                await asyncio.sleep(0.5)
+            holder = await g1.holder(name)
+            assert holder is not None and holder["token"] == lease.fencing_token
+        assert not lease.lost.is_set()
+        assert await g1.holder(name) is None  # released on g1 at the context's exit
+
+
+async def test_moved_waiters_get_the_lock_in_their_old_order(groups):
+    name = names_owned_by(groups.shard_map, "g0", 1, "queued")[0]
+    admin = fastlock.connect(groups.servers["g0"].address, token=groups.creds.token("admin"), session=False)
+    async with groups.connect() as holder, groups.connect() as first, groups.connect() as second, admin as operator:
+        lease = await holder.acquire(name, ttl=30)
+        order: list[str] = []
+
+        async def wait_for(client, who: str):
+            got = await client.acquire(name, ttl=30, wait=60)
+            order.append(who)
+            return got
+
+        a = asyncio.ensure_future(wait_for(first, "first"))
+        await wait_until(lambda: _queue_length(operator, name, 1), 10, "the first waiter to queue")
+        b = asyncio.ensure_future(wait_for(second, "second"))
+        await wait_until(lambda: _queue_length(operator, name, 2), 10, "the second waiter to queue")
+        await groups.move(str(slot_of(name)), "g1")
+        await holder.release(lease)  # on g1: the first waiter gets it
+        got_a = await asyncio.wait_for(a, 30)
+        assert order == ["first"] and got_a.fencing_token > lease.fencing_token
+        await first.release(got_a)
+        got_b = await asyncio.wait_for(b, 30)
+        assert order == ["first", "second"] and got_b.fencing_token > got_a.fencing_token
+        await second.release(got_b)
+
+
+async def _queue_length(client, name: str, n: int) -> bool:
+    info = await client.lock_info(name)
+    return info is not None and info.waiter_count >= n
+
+
+async def test_the_destination_keeps_an_adopted_lease_across_a_restart(groups):
+    name = names_owned_by(groups.shard_map, "g0", 1, "kept")[0]
+    async with groups.connect() as client:
+        lease = await client.acquire(name, ttl=60)
+    await groups.move(str(slot_of(name)), "g1")
+    groups.restart("g1")
+    async with groups.connect() as client:
+        g1 = client.group_client("g1")
+        assert (await g1.holder(name))["token"] == lease.fencing_token
+        lease = await client.extend(lease, ttl=30)
+        await client.release(lease)
+        assert (await client.acquire(name, ttl=5)).fencing_token > lease.fencing_token
+
+
+async def test_a_move_stopped_after_its_mark_is_finished_by_running_it_again(groups, capsys):
+    """The mover died right after writing the mark: the slot is frozen on g0 (a new request for
+    it is held, not refused), and running the move again ships, flips and answers it."""
+    tag = names_owned_by(groups.shard_map, "g0", 1, "resumed")[0]
+    name, other = f"{{{tag}}}:a", f"{{{tag}}}:b"
+    slot = slot_of(name)
+    assert slot_of(other) == slot
+    async with groups.connect() as client:
+        lease = await client.acquire(name, ttl=30)
+        stored = await load_from_etcd(groups.url)
+        try:
+            shard_map, revision = await stored.read()
+            await stored.replace(revision, shard_map, mark_moving(shard_map, slot, slot, "g1"))
+        finally:
+            await stored.gateway.close()
+        assert await shard(["shard", "status", "--coordinator", groups.url]) == 0
+        assert f"slots {slot}..{slot}: g0 (moving to g1)" in capsys.readouterr().out
+
+        async def g0_shard(key: str, n: int) -> bool:
+            status = await asyncio.to_thread(groups.servers["g0"].status)
+            return status["shard"][key] == n
+
+        await wait_until(lambda: g0_shard("moving", 1), 20, "g0 to follow the mark")
+        held = asyncio.ensure_future(client.acquire(other, ttl=30))
+        await wait_until(lambda: g0_shard("held", 1), 10, "g0 to hold the acquire")
+        assert not held.done()
+        # ... and died again after shipping once: the rerun ships the same state again (no change)
+        g1 = await RawNode.open(groups.servers["g1"].address, token=groups.creds.token("admin"))
+        g0 = await RawNode.open(groups.servers["g0"].address, token=groups.creds.token("admin"))
+        try:
+            await wait_until(lambda: _serves_mark(g1, groups), 20, "g1 to follow the mark")
+            page = await g0.request(OP_SLOT_EXPORT, slot, slot, None)
+            assert [row[1] for row in page["leases"]] == [lease.fencing_token] and not page["more"]
+            assert (await g1.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(page)))["leases"] == 1
+        finally:
+            await g0.close()
+            await g1.close()
+        await groups.move(str(slot), "g1")
+        assert json.loads(capsys.readouterr().out)["steps"] == ["ship", "flip"]
+        assert (await client.group_client("g1").holder(name))["token"] == lease.fencing_token
+        second = await asyncio.wait_for(held, 30)  # answered WrongShard at the flip, granted by g1
+        assert second.fencing_token > lease.fencing_token
+        assert (await client.group_client("g1").holder(other))["token"] == second.fencing_token
+        await client.release(second)
+        await client.release(lease)
+
+
+async def _serves_mark(node: RawNode, groups: Groups) -> bool:
+    """Whether ``node`` serves the map with the mark (SHARD_MAP)."""
+    reply = await node.request(OP_SHARD_MAP)
+    return any(r.get("moving_to") == "g1" for r in reply["map"]["ranges"])
+
+
+async def test_a_hostile_slot_import_is_refused_and_changes_nothing(groups):
+    name = names_owned_by(groups.shard_map, "g1", 1, "target")[0]
+    slot = slot_of(name)
+    lease_row = [name, 1 << 50, b"x" * 32, 10_000, 0, False, 0, None, None]
+    state = {"leases": [lease_row], "queues": [], "delays": [], "floor": 1 << 50}
+    packed = msgpack.packb(state)
+    app = await RawNode.open(groups.servers["g1"].address, token=groups.app)
+    admin = await RawNode.open(groups.servers["g1"].address, token=groups.creds.token("admin"))
+    try:
+        with pytest.raises(PermissionDenied):  # a client principal may not import
+            await app.request(OP_SLOT_IMPORT, slot, slot, packed)
+        with pytest.raises(PermissionDenied):
+            await app.request(OP_SLOT_EXPORT, slot, slot, None)
+        bad_states = [
+            {**state, "leases": [[*lease_row[:3], -5, *lease_row[4:]]]},  # a negative TTL
+            {**state, "leases": [["a" * 10, *lease_row[1:]]]},  # a name outside the slots
+            {**state, "leases": [lease_row[:5]]},  # too few fields
+            {**state, "leases": [lease_row] * 21},  # more rows than a page
+            {**state, "floor": "high"},
+            {**state, "queues": [[name, 0, [b""]]]},
+            {**state, "queues": [[name, 0, [b"x" * 32] * 21]]},  # a queue part too long
+            {"leases": []},
+            [1, 2, 3],
+        ]
+        for bad in [msgpack.packb(b) for b in bad_states] + [b"\xc1", state, b"x" * (61 << 10)]:
+            with pytest.raises(InvalidArgument):
+                await admin.request(OP_SLOT_IMPORT, slot, slot, bad)
+        with pytest.raises(InvalidArgument):
+            await admin.request(OP_SLOT_IMPORT, slot, -1, packed)
+        # well formed, but the slot is not being moved to g1 (g1 owns it already): refused
+        with pytest.raises(InvalidArgument, match="not marked moving"):
+            await admin.request(OP_SLOT_IMPORT, slot, slot, packed)
+        with pytest.raises(FastlockError):  # beyond a request's frame: the connection is closed
+            await admin.request(OP_SLOT_IMPORT, slot, slot, b"x" * (1 << 20))
+    finally:
+        await app.close()
+        await admin.close()
+    check = await RawNode.open(groups.servers["g1"].address, token=groups.app)
+    try:
+        assert await check.holder(name) is None
+        status = await check.status()
+        assert status["epoch"] < 1 << 10  # no floor was raised
+    finally:
+        await check.close()
+
+
+async def test_a_range_holding_keys_is_not_moved_and_the_mark_is_cleared(groups, capsys):
+    key = names_owned_by(groups.shard_map, "g0", 1, "key")[0]
+    slot = slot_of(key)
+    async with groups.connect() as client:
+        await client.put(key, b"v")
+        argv = ["shard", "move", "--coordinator", groups.url, "--slots", str(slot), "--to", "g1"]
+        assert await shard(argv) == 1
+        assert "hold 1 keys" in capsys.readouterr().err
+        stored = await load_from_etcd(groups.url)
+        try:
+            shard_map, _revision = await stored.read()
+        finally:
+            await stored.gateway.close()
+        assert shard_map.owner_of_slot(slot).name == "g0" and shard_map.moving_to_of_slot(slot) is None
+
+        async def g0_serves(epoch: int) -> bool:
+            status = await asyncio.to_thread(groups.servers["g0"].status)
+            return status["shard"]["epoch"] == epoch and status["shard"]["moving"] == 0
+
+        await wait_until(lambda: g0_serves(shard_map.epoch), 20, "g0 to follow the cleared mark")
+        assert await client.get(key) is not None  # served by g0 as before
+
+
+async def test_the_destination_standby_has_the_adopted_lease_and_the_source_standby_drops_it(groups):
+    """The import's records (GRANT, RESERVE) and the source's drop (REVOKE) are replicated as
+    every record is: each group's standby ends with the group's leases and token floor."""
+    standbys = {}
+    for k, group in enumerate(("g0", "g1")):
+        standbys[group] = ServerProcess(groups.tmp_path / f"{group}-standby", fsync="always",
+                                        args=["--standby-of", groups.servers[group].address,
+                                              "--shard-map", groups.url, "--shard-group", group,
+                                              *groups.creds.server_args(f"node-{3 + k}")])
+    try:
+        for standby in standbys.values():
+            standby.start()
+            standby.wait_for_log(r"replicating from", 20)
+        name = names_owned_by(groups.shard_map, "g0", 1, "replicated")[0]
+        async with groups.connect() as client:
+            lease = await client.acquire(name, ttl=60)
+            await groups.move(str(slot_of(name)), "g1")
+
+            async def standby_has(group: str, held: int) -> bool:
+                status = await asyncio.to_thread(standbys[group].status)
+                return status["locks_held"] == held and status["last_token"] >= lease.fencing_token
+
+            await wait_until(lambda: standby_has("g1", 1), 20, "g1's standby to hold the adopted lease")
+            await wait_until(lambda: standby_has("g0", 0), 20, "g0's standby to drop the moved lease")
+            await client.release(lease)
+            await wait_until(lambda: standby_has("g1", 0), 20, "g1's standby to see the release")
+    finally:
+        for standby in standbys.values():
+            if standby.proc is not None:
+                standby.stop()
+
+
+async def test_split_moves_the_upper_half_of_a_groups_largest_range(groups, capsys):
+    name = names_owned_by(groups.shard_map, "g0", 200, "split")[-1]
+    async with groups.connect() as client:
+        lease = await client.acquire(name, ttl=30)
+        assert await shard(["shard", "split", "g0", "--to", "g1", "--coordinator", groups.url, "-o", "json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert (report["first"], report["last"], report["steps"]) == (4096, 8191, ["mark", "ship", "flip"])
+        assert await shard(["shard", "status", "--coordinator", groups.url]) == 0
+        out = capsys.readouterr().out
+        assert "slots 0..4095: g0" in out and "slots 4096..16383: g1" in out
+        moved = slot_of(name) >= 4096
+        assert report["leases"] == (1 if moved else 0)
+        await client.release(lease)  # routed to whichever group owns it now
+
+
+async def test_acquires_during_a_move_pause_and_tokens_never_go_backwards(groups):
+    """Four clients acquire and release four names of the moving slot in a loop throughout a move:
+    every call succeeds (held during the freeze, re-routed after it) and each name's tokens rise."""
+    tag = names_owned_by(groups.shard_map, "g0", 1, "busy")[0]
+    names = [f"{{{tag}}}:{i}" for i in range(4)]
+    tokens: dict[str, list[int]] = {n: [] for n in names}
+    done = asyncio.Event()
+
+    async def worker(k: int) -> int:
+        pairs = 0
+        async with groups.connect() as client:
+            while not done.is_set() and pairs < 100_000:
+                name = names[(k + pairs) % len(names)]
+                lease = await client.acquire(name, ttl=10, wait=30)
+                tokens[name].append(lease.fencing_token)
+                await client.release(lease)
+                pairs += 1
+        return pairs
+
+    workers = [asyncio.ensure_future(worker(k)) for k in range(4)]
+    try:
+        await wait_until(lambda: all(len(t) >= 5 for t in tokens.values()), 20, "the workers to start")
+        await groups.move(str(slot_of(names[0])), "g1")
+        moved_at = {n: len(t) for n, t in tokens.items()}
+        await wait_until(lambda: all(len(tokens[n]) >= moved_at[n] + 5 for n in names), 30,
+                         "the workers to go on with g1")
+    finally:
+        done.set()
+    assert all(p > 0 for p in await asyncio.wait_for(asyncio.gather(*workers), 60))
+    for name, seen in tokens.items():
+        assert seen == sorted(seen) and len(set(seen)) == len(seen), name
