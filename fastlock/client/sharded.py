@@ -26,9 +26,10 @@ takes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import CrossShard, LockNotHeld, ProtocolError, WrongShard
 from ..protocol.ops import OP_SHARD_MAP
@@ -166,84 +167,6 @@ class ShardedClient(Client):
                 raise
         return await getattr(self.client_for(name), method)(*args, **kwargs)
 
-    # -- calls that name one name -------------------------------------------------------------
-    async def acquire(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(name, "acquire", (name, *args), kwargs)
-
-    async def check(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(name, "check", (name, *args), kwargs)
-
-    async def holder(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(name, "holder", (name, *args), kwargs)
-
-    async def contenders(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(name, "contenders", (name, *args), kwargs)
-
-    async def lock_info(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(name, "lock_info", (name, *args), kwargs)
-
-    async def revoke(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(name, "revoke", (name, *args), kwargs)
-
-    async def limit(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(name, "limit", (name, *args), kwargs)
-
-    async def get(self, key: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(key, "get", (key, *args), kwargs)
-
-    async def put(self, key: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(key, "put", (key, *args), kwargs)
-
-    async def delete(self, key: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(key, "delete", (key, *args), kwargs)
-
-    # objects that call later (context managers, iterators, recipes): made by the owner's client
-    def lock(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(name).lock(name, *args, **kwargs)
-
-    def semaphore(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(name).semaphore(name, *args, **kwargs)
-
-    def watch(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(name).watch(name, *args, **kwargs)
-
-    def election(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(name).election(name, *args, **kwargs)
-
-    def reentrant_lock(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(name).reentrant_lock(name, *args, **kwargs)
-
-    def once_per(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(name).once_per(name, *args, **kwargs)
-
-    def rate_limiter(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(name).rate_limiter(name, *args, **kwargs)
-
-    def latch(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(name).latch(name, *args, **kwargs)
-
-    def double_barrier(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(name).double_barrier(name, *args, **kwargs)
-
-    # -- calls on a lease: its name's group ------------------------------------------------------
-    async def release(self, lease: Any, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(_lease_name(lease), "release", (lease, *args), kwargs)
-
-    async def extend(self, lease: Any, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(_lease_name(lease), "extend", (lease, *args), kwargs)
-
-    async def renew_before(self, lease: Any, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(_lease_name(lease), "renew_before", (lease, *args), kwargs)
-
-    async def transfer(self, lease: Any, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(_lease_name(lease), "transfer", (lease, *args), kwargs)
-
-    def release_nowait(self, lease: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(_lease_name(lease)).release_nowait(lease, *args, **kwargs)
-
-    def start_renewing(self, lease: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(_lease_name(lease)).start_renewing(lease, *args, **kwargs)
-
     # -- calls that name several names: one group's ---------------------------------------------
     async def acquire_many(self, names: Iterable[str], *args: Any, **kwargs: Any) -> Any:
         names = list(names)
@@ -289,15 +212,6 @@ class ShardedClient(Client):
     def max_epoch(self) -> int:
         return self.seed.max_epoch
 
-    async def ensure_connected(self, *args: Any, **kwargs: Any) -> Any:
-        return await self.seed.ensure_connected(*args, **kwargs)
-
-    async def status(self, *args: Any, **kwargs: Any) -> Any:
-        return await self.seed.status(*args, **kwargs)
-
-    async def ping(self, *args: Any, **kwargs: Any) -> Any:
-        return await self.seed.ping(*args, **kwargs)
-
     async def locks(self, prefix: str = "", *, most: int | None = None, after: str | None = None,
                     order: str = "name") -> LockList:
         """One page of the held leases of every group (as :meth:`Client.locks`), merged: by name,
@@ -337,12 +251,6 @@ class ShardedClient(Client):
             cut = last
         return LockList(leases, matched, cut is not None, cut, unreachable)
 
-    async def list_prefix(self, *args: Any, **kwargs: Any) -> Any:
-        return await self.seed.list_prefix(*args, **kwargs)
-
-    def watch_prefix(self, *args: Any, **kwargs: Any) -> Any:
-        return self.seed.watch_prefix(*args, **kwargs)
-
     async def sessions(self, principal: str | None = None) -> list[SessionInfo]:
         """Every group's client sessions (as :meth:`Client.sessions`; a client has one per group)."""
         pages = await asyncio.gather(*(c.sessions(principal) for c in self.group_clients().values()))
@@ -380,3 +288,64 @@ class ShardedClient(Client):
 def _lease_name(lease: Any) -> Any:
     """A lease's name, or None for what is not a lease (the seed's client refuses it)."""
     return getattr(lease, "name", None)
+
+
+def _first(value: Any) -> Any:
+    return value
+
+
+class Forwarded(NamedTuple):
+    """How :class:`ShardedClient` forwards one :class:`Client` method: ``where`` picks the
+    client (``"owner"``: the group owning the name found from the first argument by
+    ``name_of``; ``"seed"``: the seed's group); ``awaited`` calls are retried once after a
+    redirect (``"owner"`` only); the others return an object made by that client."""
+
+    method: str
+    where: str
+    awaited: bool
+    name_of: Callable[[Any], Any] = _first
+
+
+#: every Client method a ShardedClient forwards as it is (the others are written out in the class)
+FORWARDED: tuple[Forwarded, ...] = (
+    # calls that name one name or key
+    *(Forwarded(m, "owner", True) for m in ("acquire", "check", "holder", "contenders", "lock_info", "revoke",
+                                            "limit", "get", "put", "delete")),
+    # objects that call later (context managers, iterators, recipes): made by the owner's client
+    *(Forwarded(m, "owner", False) for m in ("lock", "semaphore", "watch", "election", "reentrant_lock",
+                                             "once_per", "rate_limiter", "latch", "double_barrier")),
+    # calls on a lease: its name's group
+    *(Forwarded(m, "owner", True, _lease_name) for m in ("release", "extend", "renew_before", "transfer")),
+    *(Forwarded(m, "owner", False, _lease_name) for m in ("release_nowait", "start_renewing")),
+    # calls that name none, or a prefix: the seed's group
+    *(Forwarded(m, "seed", True) for m in ("ensure_connected", "status", "ping", "list_prefix")),
+    Forwarded("watch_prefix", "seed", False),
+)
+
+
+def _forwarder(entry: Forwarded) -> Callable[..., Any]:
+    """The ShardedClient method ``entry`` describes (documented as Client's)."""
+    method, name_of = entry.method, entry.name_of
+
+    async def to_seed(self: ShardedClient, *args: Any, **kwargs: Any) -> Any:
+        return await getattr(self.seed, method)(*args, **kwargs)
+
+    def made_by_seed(self: ShardedClient, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.seed, method)(*args, **kwargs)
+
+    async def to_owner(self: ShardedClient, first: Any, *args: Any, **kwargs: Any) -> Any:
+        return await self._routed(name_of(first), method, (first, *args), kwargs)
+
+    def made_by_owner(self: ShardedClient, first: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.client_for(name_of(first)), method)(first, *args, **kwargs)
+
+    forward: Callable[..., Any] = ((to_seed if entry.awaited else made_by_seed) if entry.where == "seed"
+                                   else (to_owner if entry.awaited else made_by_owner))
+    forward = functools.wraps(getattr(Client, method))(forward)
+    forward.__qualname__ = f"ShardedClient.{method}"
+    return forward
+
+
+for _entry in FORWARDED:
+    setattr(ShardedClient, _entry.method, _forwarder(_entry))
+del _entry
