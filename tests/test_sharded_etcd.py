@@ -119,3 +119,31 @@ def test_serve_without_a_map_in_etcd_does_not_start(etcd, tmp_path):
     with pytest.raises(RuntimeError, match="no map at .*shard-map"):
         server.start(timeout=20)
     assert server.stop() == 1
+
+
+async def test_a_client_reads_a_new_map_a_node_pushes_before_any_redirect(etcd, tmp_path, capsys):
+    url = f"etcd://{etcd.address}{unique_prefix()}"
+    ports = [free_port(), free_port()]
+    assert await shard(["shard", "init", "--coordinator", url,
+                        *(f"--group=g{k}=127.0.0.1:{ports[k]}" for k in range(2))]) == 0
+    servers = [ServerProcess(tmp_path / f"g{k}", fsync="never", port=ports[k],
+                             args=["--shard-map", url, "--shard-group", f"g{k}"]) for k in range(2)]
+    try:
+        for server in servers:
+            server.start()
+        async with fastlock.connect(servers[0].address) as client:
+            assert isinstance(client, ShardedClient) and client.shard_map.epoch == 1
+            g1 = client.group_client("g1")
+            await g1.ensure_connected()  # open connections to both groups, then no call at all
+            spare = free_port()
+            assert await shard(["shard", "addresses", "--coordinator", url,
+                                f"g1=127.0.0.1:{ports[1]},127.0.0.1:{spare}"]) == 0
+            capsys.readouterr()
+            await wait_until(lambda: client.shard_map.epoch == 2, 20, "the client to read epoch 2 pushed by a node")
+            assert client.shard_map.group("g1").addresses == (f"127.0.0.1:{ports[1]}", f"127.0.0.1:{spare}")
+            assert ("127.0.0.1", spare) in g1.connector.addresses  # its next connection attempt sweeps it
+            name = names_owned_by(client.shard_map, "g1", 1)[0]
+            await client.release(await client.acquire(name, ttl=5))
+    finally:
+        for server in servers:
+            server.stop()

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 from ..errors import CrossShard, LockNotHeld, ProtocolError, WrongShard
 from ..protocol.ops import OP_SHARD_MAP
 from ..sharding import ShardMap
+from ..units import parse_address
 from .across import AcrossContext, CrossShardLease, acquire_across, lock_across, release_across
 from .admin import LockList, PrincipalRevocation
 from .calls import call
@@ -92,6 +93,9 @@ class ShardedClient(Client):
         #: group name -> its client (the seed's group: the seed)
         self._clients: dict[str, Client] = {seed_group: seed}
         self._refreshing: asyncio.Future[None] | None = None
+        #: the re-read a node's newer epoch started (one at a time)
+        self._epoch_task: asyncio.Task[None] | None = None
+        self._listen(seed_group, seed)
 
     # -- the router -------------------------------------------------------------------------
     def client_for(self, name: str) -> Client:
@@ -107,7 +111,26 @@ class ShardedClient(Client):
         client = self._clients.get(group)
         if client is None:
             client = self._clients[group] = self._make_client(self.shard_map.group(group).addresses)
+            self._listen(group, client)
         return client
+
+    def _listen(self, group: str, client: Client) -> None:
+        client.connector.on_shard_map_epoch = lambda epoch: self._saw_epoch(group, epoch)
+
+    def _saw_epoch(self, group: str, epoch: int) -> None:
+        """A node of ``group`` named map epoch ``epoch`` (pushed, or in its HELLO): a newer one
+        than this client's is read from that group at once, one re-read at a time."""
+        if epoch <= self.shard_map.epoch or self._epoch_task is not None or not self._clients:
+            return
+        self._epoch_task = asyncio.get_running_loop().create_task(self._read_newer(group))
+
+    async def _read_newer(self, group: str) -> None:
+        try:
+            await self.refresh(group=group)
+        except Exception as exc:  # the next redirect or epoch notice reads it again
+            log.info("could not read shard map from group %s: %s", group, exc)
+        finally:
+            self._epoch_task = None
 
     def group_clients(self) -> dict[str, Client]:
         """A client for every group of the map, by group name."""
@@ -129,16 +152,21 @@ class ShardedClient(Client):
                              self.shard_map.epoch)
         return groups[0]
 
-    async def refresh(self, redirect: WrongShard | None = None) -> ShardMap:
-        """Read the map again (from the group ``redirect`` names, else the seed's) and keep it
-        if its epoch is newer; returns the map kept.  Concurrent refreshes share one read."""
+    async def refresh(self, redirect: WrongShard | None = None, *, group: str | None = None) -> ShardMap:
+        """Read the map again (from the group ``redirect`` names, else from ``group``, else the
+        seed's) and keep it if its epoch is newer (a group's changed addresses are its client's
+        from then on); returns the map kept.  Concurrent refreshes share one read.
+
+        :raises ConnectionLost: no answer within the request timeout.
+        :raises ShardMapError: the node sent no valid map.
+        """
         if self._refreshing is not None:
             await asyncio.shield(self._refreshing)
             return self.shard_map
         self._refreshing = asyncio.get_running_loop().create_future()
         source: Client | None = None
         try:
-            source = self._clients.get(self.seed_group)
+            source = self._clients.get(group or self.seed_group) or self._clients.get(self.seed_group)
             if redirect is not None and redirect.group is not None:
                 known = self._clients.get(redirect.group)
                 source = known if known is not None else (self._make_client(redirect.addresses)
@@ -147,13 +175,21 @@ class ShardedClient(Client):
             found = await read_shard_map(source, self.request_timeout or 5.0)
             if found is not None and found[1].epoch > self.shard_map.epoch:
                 log.info("shard map epoch %d -> %d", self.shard_map.epoch, found[1].epoch)
-                self.shard_map = found[1]
+                self._take_map(found[1])
         finally:
             self._refreshing.set_result(None)
             self._refreshing = None
             if source is not None and source not in self._clients.values():
                 await source.close()  # a client opened for this read only, whether or not it answered
         return self.shard_map
+
+    def _take_map(self, shard_map: ShardMap) -> None:
+        self.shard_map = shard_map
+        for group in shard_map.groups:
+            client = self._clients.get(group.name)
+            addresses = [parse_address(a) for a in group.addresses]
+            if client is not None and client.connector.addresses != addresses:
+                client.connector.addresses = addresses  # the next connection attempt sweeps these
 
     async def _routed(self, name: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``client_for(name).method(*args, **kwargs)``; on WrongShard the map is read again and
@@ -281,6 +317,8 @@ class ShardedClient(Client):
         """Close every group's client (each as :meth:`Client.close`)."""
         clients = list(self._clients.values())
         self._clients.clear()
+        if self._epoch_task is not None:
+            self._epoch_task.cancel()
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
         await super().close()
 

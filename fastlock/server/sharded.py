@@ -43,6 +43,8 @@ class ShardGate:
         self.group = group
         self.shard_map = shard_map
         self.owned = b""
+        #: called with each newer map this node takes (the server pushes its epoch to its clients)
+        self.on_change: Callable[[ShardMap], None] | None = None
         self.set_map(shard_map)
 
     @classmethod
@@ -164,6 +166,9 @@ class ShardGate:
             self.set_map(shard_map)
         except InvalidArgument as exc:
             log.error("not applying shard map epoch %d: %s", shard_map.epoch, exc)
+            return
+        if self.on_change is not None:
+            self.on_change(shard_map)
 
     async def follow_etcd(self, url: str, access: EtcdAccess | None) -> None:
         """Follow the map kept in etcd at ``url`` (:mod:`fastlock.coordination.shardmap`) until cancelled."""
