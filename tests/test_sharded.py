@@ -16,6 +16,7 @@ from fastlock import protocol as P
 from fastlock._testbase.cluster import RawNode
 from fastlock._testbase.servers import ServerProcess
 from fastlock._testbase.shards import ShardSet, names_owned_by
+from fastlock.client.connection import RETRYABLE
 from fastlock.client.sharded import ShardedClient
 from fastlock.errors import CrossShard, WrongShard
 from fastlock.protocol import ops
@@ -446,17 +447,19 @@ async def test_a_map_read_from_an_unreachable_redirect_closes_the_client_it_open
         assert client.shard_map.epoch == 2
 
 
-async def test_locks_lists_the_live_groups_and_names_an_unreachable_one(tmp_path, capsys):
-    """With one group's server killed (SIGKILL), ``locks`` lists the other group's leases and names
-    the dead group as unreachable (the API's LockList.unreachable, and a line on stderr from
-    ``fastlock locks``) instead of failing the whole listing."""
+async def test_calls_over_every_group_answer_for_the_live_groups_and_name_an_unreachable_one(tmp_path, capsys):
+    """With one group's server killed (SIGKILL), ``locks``, ``sessions``, ``revoke_principal`` and
+    ``top`` answer for the other group and name the dead group as unreachable (the API's
+    ``unreachable``; a line on stderr from the CLI, which exits EXIT_PARTIAL) instead of failing
+    whole; ``close_session`` of a session no live group has raises the dead group's error."""
     from fastlock.cli import main
+    from fastlock.cli.locks import EXIT_PARTIAL
 
     with ShardSet.start(tmp_path / "shards", 2) as shard_set:
         names = owned(shard_set, "g0", 2, "live")
         async with fastlock.connect(shard_set.address("g0"), client_name="lister", connect_timeout=1.0,
                                     failover_timeout=1.0, request_timeout=2.0) as client:
-            leases = [await client.acquire(n, ttl=30) for n in names]
+            leases = [await client.acquire(n, ttl=600) for n in names]
             assert client.group_client("g1") is not None
             shard_set.servers["g1"].kill()
             listing = await client.locks("")
@@ -464,9 +467,31 @@ async def test_locks_lists_the_live_groups_and_names_an_unreachable_one(tmp_path
             assert set(listing.unreachable) == {"g1"}
             loop = asyncio.get_running_loop()
             status = await loop.run_in_executor(None, main, ["locks", "--server", shard_set.address("g0")])
-            assert status == 0
+            assert status == EXIT_PARTIAL == 3
             captured = capsys.readouterr()
             assert all(n in captured.out for n in names)
             assert "shard group g1 could not be reached" in captured.err
+
+            sessions = await client.sessions()
+            assert set(sessions.unreachable) == {"g1"} and all(s.client != "lister" for s in sessions)
+            with pytest.raises(RETRYABLE):  # not in g0, and g1 may have it
+                await client.close_session("0" * 16)
+            server = ["--server", shard_set.address("g0"), "--connect-timeout", "1"]
+            printed = {}
+            for argv, shown in ((["sessions", *server], "PRINCIPAL"), (["top", "--once", *server], "live"),
+                                (["top", "-o", "json", *server], '"unreachable": {"g1"')):
+                status = await loop.run_in_executor(None, main, argv)
+                captured = capsys.readouterr()
+                assert status == EXIT_PARTIAL and shown in captured.out, (argv, captured)
+                assert "shard group g1 could not be reached" in captured.err, argv
+                printed[argv[1]] = captured.out
+            snapshot = json.loads(printed["-o"])
+            assert set(snapshot["groups"]) == {"g0"} and snapshot["locks_held"] == len(names)
+
+            revoked = await client.revoke_principal("anonymous", reason="test")
+            assert revoked.revoked == len(names) and set(revoked.unreachable) == {"g1"}
             for lease in leases:
-                await client.release(lease)
+                assert not await client.check(lease.name, lease.fencing_token)
+            status = await loop.run_in_executor(None, main, ["revoke", "--principal", "anonymous", *server])
+            assert status == EXIT_PARTIAL and "revoked 0 leases" in capsys.readouterr().out
+

@@ -150,6 +150,20 @@ run_with_client = _with_client
 print_json = _print_json
 
 
+#: the exit status of a command whose answer is incomplete: a shard group could not be reached
+#: (a stderr line names each); what the other groups answered is printed
+EXIT_PARTIAL = 3
+
+
+def report_unreachable(unreachable: dict[str, str], what: str) -> int:
+    """Name each unreachable shard group (group name -> the error) on stderr, saying ``what``
+    is missing; :data:`EXIT_PARTIAL` if any, else 0."""
+    for group, error in sorted(unreachable.items()):
+        print(f"fastlock: shard group {text_value(group)} could not be reached, {what}: {text_value(error)}",
+              file=sys.stderr)
+    return EXIT_PARTIAL if unreachable else 0
+
+
 #: leases asked for per LOCKS request when ``fastlock locks`` pages through the table
 PAGE = 1_000
 #: most leases ``fastlock locks`` lists (it then says how many matched)
@@ -174,16 +188,13 @@ def locks_command(args: argparse.Namespace) -> int:
     listing = _with_client(args, lambda c: _every_lock(c, args.prefix))
     if args.output == "json":
         _print_json(dataclasses.asdict(listing))
-        return 0
+        return report_unreachable(listing.unreachable, "its locks are not listed")
     print(table(("NAME", "TOKEN", "HOLDER", "CORRELATION", "REMAINING", "TTL", "LOCK-DELAY", "WAITERS"),
                 [(h.name, h.fencing_token, _holder(h), h.correlation_id, _secs(h.remaining), _secs(h.ttl),
                   _secs(h.lock_delay), h.waiters) for h in listing.locks]))
     if listing.truncated:
         print(f"({listing.matched} held locks match; the first {len(listing.locks)} shown)")
-    for group, error in sorted(listing.unreachable.items()):
-        print(f"fastlock: shard group {text_value(group)} could not be reached, its locks are not listed: "
-              f"{text_value(error)}", file=sys.stderr)
-    return 0
+    return report_unreachable(listing.unreachable, "its locks are not listed")
 
 
 def _iso(unix_seconds: float) -> str:
@@ -241,10 +252,10 @@ def revoke_command(args: argparse.Namespace) -> int:
         done = _with_client(args, lambda c: c.revoke_principal(args.principal, reason=args.reason))
         if args.output == "json":
             _print_json(dataclasses.asdict(done))
-            return 0
-        print(f"revoked {done.revoked} leases of principal {text_value(done.principal)} "
-              f"({done.waiting} of its acquires still waiting)")
-        return 0
+        else:
+            print(f"revoked {done.revoked} leases of principal {text_value(done.principal)} "
+                  f"({done.waiting} of its acquires still waiting)")
+        return report_unreachable(done.unreachable, "its leases of that principal are not revoked")
     revoked = _with_client(args, lambda c: c.revoke(args.name, fencing_token=args.token, reason=args.reason))
     if args.output == "json":
         _print_json([dataclasses.asdict(h) for h in revoked])

@@ -28,10 +28,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Generic, NamedTuple, TypeVar
 
-from ..errors import CrossShard, LockNotHeld, ProtocolError, WrongShard
+from ..errors import CrossShard, FastlockError, LockNotHeld, ProtocolError, WrongShard
 from ..protocol.ops import OP_SHARD_MAP
 from ..sharding import ShardMap
 from ..units import parse_address
@@ -42,12 +43,13 @@ from .client import Client
 from .connection import RETRYABLE
 from .session import SessionClosed, SessionInfo
 
-__all__ = ["ShardedClient", "read_shard_map", "route_if_sharded"]
+__all__ = ["GroupAnswers", "SessionList", "ShardedClient", "read_shard_map", "route_if_sharded"]
 
 log = logging.getLogger(__name__)
 
 #: makes a client of the given addresses with the options given to ``connect``
 ClientFactory = Callable[[tuple[str, ...]], Client]
+T = TypeVar("T")
 
 
 async def read_shard_map(client: Client, timeout: float = 5.0) -> tuple[str, ShardMap] | None:
@@ -127,7 +129,7 @@ class ShardedClient(Client):
     async def _read_newer(self, group: str) -> None:
         try:
             await self.refresh(group=group)
-        except Exception as exc:  # the next redirect or epoch notice reads it again
+        except FastlockError as exc:  # the next redirect or epoch notice reads it again
             log.info("could not read shard map from group %s: %s", group, exc)
         finally:
             self._epoch_task = None
@@ -248,28 +250,39 @@ class ShardedClient(Client):
     def max_epoch(self) -> int:
         return self.seed.max_epoch
 
+    async def over_groups(self, ask: Callable[[Client], Awaitable[T]]) -> GroupAnswers[T]:
+        """``ask`` every group's client at once: the answers of the groups that answered and
+        the errors of those that could not be reached (ConnectionLost, NotPrimary, Unavailable
+        once its client's deadline passed) -- the one rule of every call over the whole map.
+
+        :raises FastlockError: a group's other error (a refusal, a bad argument) as it came;
+            when no group answered, the first group's error.
+        """
+        clients = self.group_clients()
+        results = await asyncio.gather(*(ask(c) for c in clients.values()), return_exceptions=True)
+        answers: dict[str, T] = {}
+        unreachable: dict[str, BaseException] = {}
+        for group, result in zip(clients, results):
+            if not isinstance(result, BaseException):
+                answers[group] = result
+            elif isinstance(result, RETRYABLE):
+                unreachable[group] = result
+            else:
+                raise result
+        if not answers:
+            raise next(iter(unreachable.values()))
+        return GroupAnswers(answers, unreachable)
+
     async def locks(self, prefix: str = "", *, most: int | None = None, after: str | None = None,
                     order: str = "name") -> LockList:
         """One page of the held leases of every group (as :meth:`Client.locks`), merged: by name,
         the page stops where the first group whose own page was cut stopped (``next`` goes on
         from there in every group); by waiters, the ``most`` most contended of all groups.  A
-        group that cannot be reached (ConnectionLost, NotPrimary, Unavailable once its client's
-        deadline passed) is named in :attr:`LockList.unreachable` and the others are listed;
-        when no group answers, the first group's error is raised."""
-        clients = self.group_clients()
-        answers = await asyncio.gather(*(c.locks(prefix, most=most, after=after, order=order)
-                                         for c in clients.values()), return_exceptions=True)
-        pages: list[LockList] = []
-        unreachable: dict[str, str] = {}
-        for group, answer in zip(clients, answers):
-            if isinstance(answer, LockList):
-                pages.append(answer)
-            elif isinstance(answer, RETRYABLE) and len(answers) > 1:
-                unreachable[group] = str(answer)  # listed as such; the live groups' leases still are
-            elif isinstance(answer, BaseException):
-                raise answer
-        if not pages:  # no group answered
-            raise next(a for a in answers if isinstance(a, BaseException))
+        group that cannot be reached is named in :attr:`LockList.unreachable` and the others
+        are listed (:meth:`over_groups`)."""
+        found = await self.over_groups(lambda c: c.locks(prefix, most=most, after=after, order=order))
+        pages = list(found.answers.values())
+        unreachable = found.reasons()
         leases = [lease for page in pages for lease in page.locks]
         matched = sum(page.matched for page in pages)
         limit = most if most is not None else 10_000
@@ -287,31 +300,45 @@ class ShardedClient(Client):
             cut = last
         return LockList(leases, matched, cut is not None, cut, unreachable)
 
-    async def sessions(self, principal: str | None = None) -> list[SessionInfo]:
-        """Every group's client sessions (as :meth:`Client.sessions`; a client has one per group)."""
-        pages = await asyncio.gather(*(c.sessions(principal) for c in self.group_clients().values()))
-        return [info for page in pages for info in page]
+    async def sessions(self, principal: str | None = None) -> SessionList:
+        """Every group's client sessions (as :meth:`Client.sessions`; a client has one per group);
+        the groups that cannot be reached are named in :attr:`SessionList.unreachable`
+        (:meth:`over_groups`)."""
+        found = await self.over_groups(lambda c: c.sessions(principal))
+        return SessionList((info for page in found.answers.values() for info in page), found.reasons())
 
     async def close_session(self, session_id: str, *, reason: str | None = None) -> SessionClosed:
         """Close session ``session_id`` in the group that has it (as :meth:`Client.close_session`).
 
         :raises LockNotHeld: no group has it.
+        :raises ConnectionLost: (or NotPrimary, Unavailable) no group that answered has it and a
+            group could not be reached (it may be there).
         """
-        missing: LockNotHeld | None = None
-        for client in self.group_clients().values():
+        missing: list[LockNotHeld] = []
+
+        async def close(client: Client) -> SessionClosed | None:
             try:
                 return await client.close_session(session_id, reason=reason)
             except LockNotHeld as exc:
-                missing = exc
-        assert missing is not None  # a map names at least one group
-        raise missing
+                missing.append(exc)
+                return None
+
+        found = await self.over_groups(close)
+        for answer in found.answers.values():
+            if answer is not None:
+                return answer
+        if found.unreachable:
+            raise next(iter(found.unreachable.values()))
+        raise missing[0]
 
     async def revoke_principal(self, principal: str, *, reason: str | None = None) -> PrincipalRevocation:
         """Revoke every lease ``principal`` holds in every group (as :meth:`Client.revoke_principal`):
-        the counts are the groups' sums."""
-        done = await asyncio.gather(*(c.revoke_principal(principal, reason=reason)
-                                      for c in self.group_clients().values()))
-        return PrincipalRevocation(principal, sum(d.revoked for d in done), sum(d.waiting for d in done))
+        the counts are the sums of the groups that answered; those that cannot be reached are
+        named in :attr:`PrincipalRevocation.unreachable` (:meth:`over_groups`)."""
+        found = await self.over_groups(lambda c: c.revoke_principal(principal, reason=reason))
+        done = found.answers.values()
+        return PrincipalRevocation(principal, sum(d.revoked for d in done), sum(d.waiting for d in done),
+                                   found.reasons())
 
     async def close(self) -> None:
         """Close every group's client (each as :meth:`Client.close`)."""
@@ -321,6 +348,29 @@ class ShardedClient(Client):
             self._epoch_task.cancel()
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
         await super().close()
+
+
+@dataclass(frozen=True)
+class GroupAnswers(Generic[T]):
+    """A call over every group (:meth:`ShardedClient.over_groups`): ``answers`` (group name ->
+    its answer) of the groups that answered, ``unreachable`` (group name -> its error) of
+    those that could not be reached."""
+
+    answers: dict[str, T]
+    unreachable: dict[str, BaseException]
+
+    def reasons(self) -> dict[str, str]:
+        """``unreachable`` as group name -> the error's text (LockList's, SessionList's)."""
+        return {group: str(error) for group, error in self.unreachable.items()}
+
+
+class SessionList(list[SessionInfo]):
+    """:meth:`ShardedClient.sessions`' list of sessions, and ``unreachable`` (group name -> the
+    error) naming the groups that could not be reached, whose sessions are not listed."""
+
+    def __init__(self, sessions: Iterable[SessionInfo] = (), unreachable: dict[str, str] | None = None):
+        super().__init__(sessions)
+        self.unreachable: dict[str, str] = dict(unreachable or {})
 
 
 def _lease_name(lease: Any) -> Any:
