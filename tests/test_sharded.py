@@ -495,3 +495,16 @@ async def test_calls_over_every_group_answer_for_the_live_groups_and_name_an_unr
             status = await loop.run_in_executor(None, main, ["revoke", "--principal", "anonymous", *server])
             assert status == EXIT_PARTIAL and "revoked 0 leases" in capsys.readouterr().out
 
+
+
+def test_status_all_lists_the_nodes_of_every_group(shards, capsys):
+    from fastlock.cli import main
+
+    assert main(["status", "--all", "--server", shards.address("g1"), "-o", "json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["epoch"] == shards.shard_map.epoch and set(shown["groups"]) == {"g0", "g1"}
+    for group, rows in shown["groups"].items():
+        assert [(row["address"], row["role"]) for row in rows] == [(shards.address(group), "primary")]
+    assert main(["status", "--all", "--server", shards.address("g0")]) == 0
+    table = capsys.readouterr().out
+    assert "shard group g0" in table and "shard group g1" in table and shards.address("g1") in table
