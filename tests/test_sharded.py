@@ -508,3 +508,49 @@ def test_status_all_lists_the_nodes_of_every_group(shards, capsys):
     assert main(["status", "--all", "--server", shards.address("g0")]) == 0
     table = capsys.readouterr().out
     assert "shard group g0" in table and "shard group g1" in table and shards.address("g1") in table
+
+
+async def test_prefix_lists_and_watches_span_every_group(shards):
+    keys = owned(shards, "g0", 3, "kp/") + owned(shards, "g1", 3, "kp/")
+    async with fastlock.connect(shards.address("g0")) as client:
+        watch = client.watch_prefix("kp/", progress=True)
+        seen: list[str] = []
+        started = asyncio.Event()
+        starts = 0
+
+        async def follow() -> None:
+            nonlocal starts
+            async for event in watch:
+                if event.what == "progress":  # each group's watch begins with one
+                    starts += 1
+                    if starts == 2:
+                        started.set()
+                    continue
+                seen.append(event.key)
+                if len(seen) == len(keys):
+                    return
+
+        follower = asyncio.ensure_future(follow())
+        await asyncio.wait_for(started.wait(), 20)
+        try:
+            for key in keys:
+                await client.put(key, key.encode())
+            listed = await client.list_prefix("kp/")
+            assert [kv.key for kv in listed] == sorted(keys) and not listed.more and not listed.unreachable
+            paged: list[str] = []
+            after = None
+            while True:  # pages of 2 over both groups: every key once, in order
+                page = await client.list_prefix("kp/", limit=2, after=after)
+                paged += [kv.key for kv in page]
+                if not page.more:
+                    break
+                after = page.cursor
+            assert paged == sorted(keys)
+            tagged = [f"{{{keys[0]}}}:k{i}" for i in range(3)]
+            for key in tagged:
+                await client.put(key, b"t")
+            assert [kv.key for kv in await client.list_prefix(f"{{{keys[0]}}}:")] == sorted(tagged)
+            await asyncio.wait_for(follower, 20)
+        finally:
+            follower.cancel()
+        assert sorted(seen) == sorted(keys)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, TypeVar
 
@@ -41,6 +41,7 @@ from .admin import LockList, PrincipalRevocation
 from .calls import call
 from .client import Client
 from .connection import RETRYABLE
+from .keys import KeyEvent, KeyList
 from .session import SessionClosed, SessionInfo
 
 __all__ = ["GroupAnswers", "SessionList", "ShardedClient", "read_shard_map", "route_if_sharded"]
@@ -300,6 +301,45 @@ class ShardedClient(Client):
             cut = last
         return LockList(leases, matched, cut is not None, cut, unreachable)
 
+    def _prefix_group(self, prefix: Any) -> str | None:
+        """The one group owning every name that starts with ``prefix``: one that holds a whole
+        hash tag (``{user42}:``); else None (its names are in every group)."""
+        if type(prefix) is str:
+            start = prefix.find("{")
+            if start >= 0 and prefix.find("}", start + 1) > start + 1:
+                return self._group_for(prefix)
+        return None
+
+    async def list_prefix(self, prefix: str, *, limit: int = 1000, after: str | None = None) -> KeyList:
+        """The keys that start with ``prefix`` in every group (as :meth:`Client.list_prefix`),
+        merged in key order: the list stops where the first group whose own list was cut
+        stopped (``cursor`` goes on from there in every group).  A prefix holding a whole hash
+        tag is asked of its one group.  The groups that cannot be reached are named in
+        :attr:`KeyList.unreachable` (:meth:`over_groups`)."""
+        group = self._prefix_group(prefix)
+        if group is not None:
+            return await self.group_client(group).list_prefix(prefix, limit=limit, after=after)
+        found = await self.over_groups(lambda c: c.list_prefix(prefix, limit=limit, after=after))
+        pages = list(found.answers.values())
+        keys = sorted((kv for page in pages for kv in page), key=lambda kv: kv.key)
+        cut = min((page[-1].key for page in pages if page.more and page), default=None)
+        if cut is not None:
+            keys = [kv for kv in keys if kv.key <= cut]
+        more = cut is not None or len(keys) > limit
+        keys = keys[:limit]
+        return KeyList(keys, more, keys[-1].key if more and keys else None, found.reasons())
+
+    def watch_prefix(self, prefix: str, *, progress: bool = False) -> AsyncIterator[KeyEvent]:
+        """Every later change of a key under ``prefix`` in every group (as
+        :meth:`Client.watch_prefix` in each, merged as they arrive: each group's changes in
+        its order, the revisions each group's own).  A prefix holding a whole hash tag is
+        watched in its one group.  A group's error (ConnectionLost once its client's deadline
+        passed, Compacted, WatchDiverged) ends the whole watch."""
+        group = self._prefix_group(prefix)
+        if group is not None:
+            return self.group_client(group).watch_prefix(prefix, progress=progress)
+        return merge_streams([c.watch_prefix(prefix, progress=progress) for c in self.group_clients().values()])
+
     async def sessions(self, principal: str | None = None) -> SessionList:
         """Every group's client sessions (as :meth:`Client.sessions`; a client has one per group);
         the groups that cannot be reached are named in :attr:`SessionList.unreachable`
@@ -373,6 +413,44 @@ class SessionList(list[SessionInfo]):
         self.unreachable: dict[str, str] = dict(unreachable or {})
 
 
+#: items a merged watch holds for its reader beyond what each group's watch holds
+MERGED_BACKLOG = 64
+
+
+async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """The items of every stream of ``streams`` as they arrive (each stream's in its order);
+    the first error of any stream is raised; closing this closes them all."""
+    queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue(MERGED_BACKLOG)
+
+    async def pump(stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((True, item))
+            await queue.put((False, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            await queue.put((False, exc))
+        finally:
+            closing = getattr(stream, "aclose", None)
+            if closing is not None:
+                await closing()
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    running = len(tasks)
+    try:
+        while running:
+            is_item, value = await queue.get()
+            if is_item:
+                yield value
+            elif value is not None:
+                raise value
+            else:
+                running -= 1
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def _lease_name(lease: Any) -> Any:
     """A lease's name, or None for what is not a lease (the seed's client refuses it)."""
     return getattr(lease, "name", None)
@@ -406,8 +484,7 @@ FORWARDED: tuple[Forwarded, ...] = (
     *(Forwarded(m, "owner", True, _lease_name) for m in ("release", "extend", "renew_before", "transfer")),
     *(Forwarded(m, "owner", False, _lease_name) for m in ("release_nowait", "start_renewing")),
     # calls that name none, or a prefix: the seed's group
-    *(Forwarded(m, "seed", True) for m in ("ensure_connected", "status", "ping", "list_prefix")),
-    Forwarded("watch_prefix", "seed", False),
+    *(Forwarded(m, "seed", True) for m in ("ensure_connected", "status", "ping")),
 )
 
 
