@@ -13,11 +13,19 @@ connection).  No proxy stands in between, as Redis Cluster's clients route.
 A node answers a name its group does not own with
 :class:`~fastlock.errors.WrongShard`: an awaited call then reads the map again from
 the owner the redirect names and, if that map sends the name elsewhere, retries
-once.  A call whose names span groups (``acquire_many``, ``lock_many``) raises
-:class:`~fastlock.errors.CrossShard` before anything is sent.  Calls that take a
-prefix or none (``locks``, ``list_prefix``, ``watch_prefix``, ``status``,
-``ping``, ``sessions``) go to the group the addresses given to ``connect``
-belong to; :meth:`ShardedClient.group_clients` reaches each group.
+once.  A node that takes a newer map pushes its epoch (``PUSH_SHARD_MAP``), and a
+reconnection's HELLO names it: a newer epoch than the client's makes it read the map
+from that group at once (one read at a time).  A call whose names span groups
+(``acquire_many``, ``lock_many``) raises :class:`~fastlock.errors.CrossShard` before
+anything is sent.  :data:`FORWARDED` lists the calls forwarded to one group's client.
+
+Calls over every group (``locks``, ``sessions``, ``close_session``,
+``revoke_principal``, ``list_prefix``, ``watch_prefix``) follow one rule,
+:meth:`ShardedClient.over_groups`: the groups that answer are answered for, the ones
+that cannot be reached are named in the answer's ``unreachable``.  A prefix with a
+whole hash tag goes to its one group.  ``status`` and ``ping`` go to the group the
+addresses given to ``connect`` belong to; :meth:`ShardedClient.group_clients`
+reaches each group.
 
 ``ShardedClient.client_for(name)`` is the ``Router`` the cross-shard multi-lock
 takes.
