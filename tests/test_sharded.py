@@ -472,6 +472,8 @@ async def test_calls_over_every_group_answer_for_the_live_groups_and_name_an_unr
             assert all(n in captured.out for n in names)
             assert "shard group g1 could not be reached" in captured.err
 
+            keys = await client.list_prefix("")
+            assert set(keys.unreachable) == {"g1"}
             sessions = await client.sessions()
             assert set(sessions.unreachable) == {"g1"} and all(s.client != "lister" for s in sessions)
             with pytest.raises(RETRYABLE):  # not in g0, and g1 may have it
