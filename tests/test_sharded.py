@@ -556,3 +556,13 @@ async def test_prefix_lists_and_watches_span_every_group(shards):
         finally:
             follower.cancel()
         assert sorted(seen) == sorted(keys)
+
+
+def test_principals_lists_every_group(shards, capsys):
+    from fastlock.cli import main
+
+    assert main(["principals", "--server", shards.address("g0"), "-o", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(row["group"], row["principal"]) for row in rows} >= {("g0", "anonymous"), ("g1", "anonymous")}
+    assert main(["principals", "--server", shards.address("g1")]) == 0
+    assert capsys.readouterr().out.startswith("GROUP")

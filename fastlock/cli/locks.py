@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..client import Client, LeaseInfo, LockList, WaiterInfo
-from ..client.sharded import route_if_sharded
+from ..client.sharded import ShardedClient, route_if_sharded
 from ..logsafe import text_value
 from ..protocol import check_name, check_token
 from ..units import DEFAULT_PORT
@@ -270,17 +270,30 @@ def _of(used: int, quota: int) -> str:
     return f"{used}/{quota}" if quota else str(used)
 
 
+async def _principal_rows(client: Client) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """STATUS ``principals`` rows; for a sharded deployment every group's, each with its
+    ``group`` (quotas hold per group), and the unreachable groups."""
+    if not isinstance(client, ShardedClient):
+        return (await client.status())["principals"], {}
+    found = await client.over_groups(lambda c: c.status())
+    return [{**u, "group": group} for group, st in found.answers.items() for u in st["principals"]], found.reasons()
+
+
 def principals_command(args: argparse.Namespace) -> int:
-    """Print each principal's usage against its quotas (STATUS ``principals``; 0 quota: none)."""
-    rows = _with_client(args, lambda c: c.status())["principals"]
+    """Print each principal's usage against its quotas (STATUS ``principals``; 0 quota: none);
+    for a sharded deployment a row per principal and group (GROUP first)."""
+    rows, unreachable = _with_client(args, _principal_rows)
     if args.output == "json":
         _print_json(rows)
-        return 0
-    print(table(("PRINCIPAL", "LEASES", "WAITERS", "WATCHES", "KEYS", "CONNECTIONS", "KEY BYTES", "LOCK-DELAYS"),
-                [(u["principal"], _of(u["leases"], u["leases_quota"]), _of(u["waiters"], u["waiters_quota"]),
+        return report_unreachable(unreachable, "its principals are not listed")
+    grouped = any("group" in u for u in rows)
+    print(table((*(("GROUP",) if grouped else ()), "PRINCIPAL", "LEASES", "WAITERS", "WATCHES", "KEYS",
+                 "CONNECTIONS", "KEY BYTES", "LOCK-DELAYS"),
+                [(*((u["group"],) if grouped else ()), u["principal"], _of(u["leases"], u["leases_quota"]),
+                  _of(u["waiters"], u["waiters_quota"]),
                   _of(u["watches"], u["watches_quota"]), _of(u["keys"], u["keys_quota"]),
                   _of(u["connections"], u["connections_quota"]),
                   _of(u.get("key_bytes", 0), u.get("key_bytes_quota", 0)), str(u.get("lock_delays", 0)))
                  for u in rows]))
     print("(used/quota; a lease quota counts leases plus waiting acquires plus running lock-delays)")
-    return 0
+    return report_unreachable(unreachable, "its principals are not listed")
