@@ -566,3 +566,32 @@ def test_principals_lists_every_group(shards, capsys):
     assert {(row["group"], row["principal"]) for row in rows} >= {("g0", "anonymous"), ("g1", "anonymous")}
     assert main(["principals", "--server", shards.address("g1")]) == 0
     assert capsys.readouterr().out.startswith("GROUP")
+
+
+async def test_a_merged_watch_raises_a_group_s_error_and_closes_every_group_s_watch():
+    from fastlock.client.sharded import merge_streams
+    from fastlock.errors import ConnectionLost
+
+    closed: list[str] = []
+
+    async def failing():
+        try:
+            yield "a1"
+            raise ConnectionLost("group a is gone")
+        finally:
+            closed.append("a")
+
+    async def quiet():
+        try:
+            yield "b1"
+            await asyncio.Event().wait()  # no further change
+            yield "never"
+        finally:
+            closed.append("b")
+
+    seen = []
+    with pytest.raises(ConnectionLost, match="group a is gone"):
+        async for item in merge_streams([failing(), quiet()]):
+            seen.append(item)
+    assert seen[0] == "a1" and set(seen) <= {"a1", "b1"}  # b1 may come after a's error
+    assert sorted(closed) == ["a", "b"]
