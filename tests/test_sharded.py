@@ -16,6 +16,7 @@ from fastlock import protocol as P
 from fastlock._testbase.cluster import RawNode
 from fastlock._testbase.servers import ServerProcess
 from fastlock._testbase.shards import ShardSet, names_owned_by
+from fastlock.client.connection import RETRYABLE
 from fastlock.client.sharded import ShardedClient
 from fastlock.errors import CrossShard, WrongShard
 from fastlock.protocol import ops
@@ -446,17 +447,19 @@ async def test_a_map_read_from_an_unreachable_redirect_closes_the_client_it_open
         assert client.shard_map.epoch == 2
 
 
-async def test_locks_lists_the_live_groups_and_names_an_unreachable_one(tmp_path, capsys):
-    """With one group's server killed (SIGKILL), ``locks`` lists the other group's leases and names
-    the dead group as unreachable (the API's LockList.unreachable, and a line on stderr from
-    ``fastlock locks``) instead of failing the whole listing."""
+async def test_calls_over_every_group_answer_for_the_live_groups_and_name_an_unreachable_one(tmp_path, capsys):
+    """With one group's server killed (SIGKILL), ``locks``, ``sessions``, ``revoke_principal`` and
+    ``top`` answer for the other group and name the dead group as unreachable (the API's
+    ``unreachable``; a line on stderr from the CLI, which exits EXIT_PARTIAL) instead of failing
+    whole; ``close_session`` of a session no live group has raises the dead group's error."""
     from fastlock.cli import main
+    from fastlock.cli.locks import EXIT_PARTIAL
 
     with ShardSet.start(tmp_path / "shards", 2) as shard_set:
         names = owned(shard_set, "g0", 2, "live")
         async with fastlock.connect(shard_set.address("g0"), client_name="lister", connect_timeout=1.0,
                                     failover_timeout=1.0, request_timeout=2.0) as client:
-            leases = [await client.acquire(n, ttl=30) for n in names]
+            leases = [await client.acquire(n, ttl=600) for n in names]
             assert client.group_client("g1") is not None
             shard_set.servers["g1"].kill()
             listing = await client.locks("")
@@ -464,9 +467,131 @@ async def test_locks_lists_the_live_groups_and_names_an_unreachable_one(tmp_path
             assert set(listing.unreachable) == {"g1"}
             loop = asyncio.get_running_loop()
             status = await loop.run_in_executor(None, main, ["locks", "--server", shard_set.address("g0")])
-            assert status == 0
+            assert status == EXIT_PARTIAL == 3
             captured = capsys.readouterr()
             assert all(n in captured.out for n in names)
             assert "shard group g1 could not be reached" in captured.err
+
+            keys = await client.list_prefix("")
+            assert set(keys.unreachable) == {"g1"}
+            sessions = await client.sessions()
+            assert set(sessions.unreachable) == {"g1"} and all(s.client != "lister" for s in sessions)
+            with pytest.raises(RETRYABLE):  # not in g0, and g1 may have it
+                await client.close_session("0" * 16)
+            server = ["--server", shard_set.address("g0"), "--connect-timeout", "1"]
+            printed = {}
+            for argv, shown in ((["sessions", *server], "PRINCIPAL"), (["top", "--once", *server], "live"),
+                                (["top", "-o", "json", *server], '"unreachable": {"g1"')):
+                status = await loop.run_in_executor(None, main, argv)
+                captured = capsys.readouterr()
+                assert status == EXIT_PARTIAL and shown in captured.out, (argv, captured)
+                assert "shard group g1 could not be reached" in captured.err, argv
+                printed[argv[1]] = captured.out
+            snapshot = json.loads(printed["-o"])
+            assert set(snapshot["groups"]) == {"g0"} and snapshot["locks_held"] == len(names)
+
+            revoked = await client.revoke_principal("anonymous", reason="test")
+            assert revoked.revoked == len(names) and set(revoked.unreachable) == {"g1"}
             for lease in leases:
-                await client.release(lease)
+                assert not await client.check(lease.name, lease.fencing_token)
+            status = await loop.run_in_executor(None, main, ["revoke", "--principal", "anonymous", *server])
+            assert status == EXIT_PARTIAL and "revoked 0 leases" in capsys.readouterr().out
+
+
+
+def test_status_all_lists_the_nodes_of_every_group(shards, capsys):
+    from fastlock.cli import main
+
+    assert main(["status", "--all", "--server", shards.address("g1"), "-o", "json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["epoch"] == shards.shard_map.epoch and set(shown["groups"]) == {"g0", "g1"}
+    for group, rows in shown["groups"].items():
+        assert [(row["address"], row["role"]) for row in rows] == [(shards.address(group), "primary")]
+    assert main(["status", "--all", "--server", shards.address("g0")]) == 0
+    table = capsys.readouterr().out
+    assert "shard group g0" in table and "shard group g1" in table and shards.address("g1") in table
+
+
+async def test_prefix_lists_and_watches_span_every_group(shards):
+    keys = owned(shards, "g0", 3, "kp/") + owned(shards, "g1", 3, "kp/")
+    async with fastlock.connect(shards.address("g0")) as client:
+        watch = client.watch_prefix("kp/", progress=True)
+        seen: list[str] = []
+        started = asyncio.Event()
+        starts = 0
+
+        async def follow() -> None:
+            nonlocal starts
+            async for event in watch:
+                if event.what == "progress":  # each group's watch begins with one
+                    starts += 1
+                    if starts == 2:
+                        started.set()
+                    continue
+                seen.append(event.key)
+                if len(seen) == len(keys):
+                    return
+
+        follower = asyncio.ensure_future(follow())
+        await asyncio.wait_for(started.wait(), 20)
+        try:
+            for key in keys:
+                await client.put(key, key.encode())
+            listed = await client.list_prefix("kp/")
+            assert [kv.key for kv in listed] == sorted(keys) and not listed.more and not listed.unreachable
+            paged: list[str] = []
+            after = None
+            while True:  # pages of 2 over both groups: every key once, in order
+                page = await client.list_prefix("kp/", limit=2, after=after)
+                paged += [kv.key for kv in page]
+                if not page.more:
+                    break
+                after = page.cursor
+            assert paged == sorted(keys)
+            tagged = [f"{{{keys[0]}}}:k{i}" for i in range(3)]
+            for key in tagged:
+                await client.put(key, b"t")
+            assert [kv.key for kv in await client.list_prefix(f"{{{keys[0]}}}:")] == sorted(tagged)
+            await asyncio.wait_for(follower, 20)
+        finally:
+            follower.cancel()
+        assert sorted(seen) == sorted(keys)
+
+
+def test_principals_lists_every_group(shards, capsys):
+    from fastlock.cli import main
+
+    assert main(["principals", "--server", shards.address("g0"), "-o", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(row["group"], row["principal"]) for row in rows} >= {("g0", "anonymous"), ("g1", "anonymous")}
+    assert main(["principals", "--server", shards.address("g1")]) == 0
+    assert capsys.readouterr().out.startswith("GROUP")
+
+
+async def test_a_merged_watch_raises_a_group_s_error_and_closes_every_group_s_watch():
+    from fastlock.client.sharded import merge_streams
+    from fastlock.errors import ConnectionLost
+
+    closed: list[str] = []
+
+    async def failing():
+        try:
+            yield "a1"
+            raise ConnectionLost("group a is gone")
+        finally:
+            closed.append("a")
+
+    async def quiet():
+        try:
+            yield "b1"
+            await asyncio.Event().wait()  # no further change
+            yield "never"
+        finally:
+            closed.append("b")
+
+    seen = []
+    with pytest.raises(ConnectionLost, match="group a is gone"):
+        async for item in merge_streams([failing(), quiet()]):
+            seen.append(item)
+    assert seen[0] == "a1" and set(seen) <= {"a1", "b1"}  # b1 may come after a's error
+    assert sorted(closed) == ["a", "b"]

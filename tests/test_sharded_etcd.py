@@ -4,7 +4,9 @@ nodes started from it that follow a new epoch, and the transactions that refuse 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import Iterator
 
 import pytest
 from conftest import wait_until
@@ -26,6 +28,21 @@ async def shard(argv: list[str]) -> int:
     return await asyncio.to_thread(main, argv)
 
 
+@contextlib.contextmanager
+def nodes_of(url: str, ports: list[int], directory) -> Iterator[list[ServerProcess]]:
+    """One node per group ``g{k}`` on ``ports[k]``, serving the map at ``url``; stopped by PID after."""
+    servers = [ServerProcess(directory / f"g{k}", fsync="never", port=port,
+                             args=["--shard-map", url, "--shard-group", f"g{k}"]) for k, port in enumerate(ports)]
+    try:
+        for server in servers:
+            server.start()
+        yield servers
+    finally:
+        for server in servers:
+            if server.proc is not None:
+                server.stop()
+
+
 async def test_init_status_addresses_and_nodes_that_follow(etcd, tmp_path, capsys):
     url = f"etcd://{etcd.address}{unique_prefix()}"
     ports = [free_port(), free_port()]
@@ -39,11 +56,7 @@ async def test_init_status_addresses_and_nodes_that_follow(etcd, tmp_path, capsy
     shard_map = ShardMap.from_wire(json.loads(capsys.readouterr().out))
     assert shard_map.epoch == 1 and shard_map.slot_count("g0") == shard_map.slot_count("g1") == 8192
 
-    servers = [ServerProcess(tmp_path / f"g{k}", fsync="never", port=ports[k],
-                             args=["--shard-map", url, "--shard-group", f"g{k}"]) for k in range(2)]
-    try:
-        for server in servers:
-            server.start()
+    with nodes_of(url, ports, tmp_path) as servers:
         async with fastlock.connect(servers[0].address) as client:
             assert isinstance(client, ShardedClient) and client.shard_map == shard_map
             name = names_owned_by(shard_map, "g1", 1)[0]
@@ -62,9 +75,6 @@ async def test_init_status_addresses_and_nodes_that_follow(etcd, tmp_path, capsy
 
         for server in servers:
             await wait_until(lambda server=server: serves_epoch_2(server.address), 20, "the node to follow epoch 2")
-    finally:
-        for server in servers:
-            server.stop()
 
 
 async def test_a_change_from_a_stale_read_is_refused(etcd):
@@ -119,3 +129,24 @@ def test_serve_without_a_map_in_etcd_does_not_start(etcd, tmp_path):
     with pytest.raises(RuntimeError, match="no map at .*shard-map"):
         server.start(timeout=20)
     assert server.stop() == 1
+
+
+async def test_a_client_reads_a_new_map_a_node_pushes_before_any_redirect(etcd, tmp_path, capsys):
+    url = f"etcd://{etcd.address}{unique_prefix()}"
+    ports = [free_port(), free_port()]
+    assert await shard(["shard", "init", "--coordinator", url,
+                        *(f"--group=g{k}=127.0.0.1:{ports[k]}" for k in range(2))]) == 0
+    with nodes_of(url, ports, tmp_path) as servers:
+        async with fastlock.connect(servers[0].address) as client:
+            assert isinstance(client, ShardedClient) and client.shard_map.epoch == 1
+            g1 = client.group_client("g1")
+            await g1.ensure_connected()  # open connections to both groups, then no call at all
+            spare = free_port()
+            assert await shard(["shard", "addresses", "--coordinator", url,
+                                f"g1=127.0.0.1:{ports[1]},127.0.0.1:{spare}"]) == 0
+            capsys.readouterr()
+            await wait_until(lambda: client.shard_map.epoch == 2, 20, "the client to read epoch 2 pushed by a node")
+            assert client.shard_map.group("g1").addresses == (f"127.0.0.1:{ports[1]}", f"127.0.0.1:{spare}")
+            assert ("127.0.0.1", spare) in g1.connector.addresses  # its next connection attempt sweeps it
+            name = names_owned_by(client.shard_map, "g1", 1)[0]
+            await client.release(await client.acquire(name, ttl=5))

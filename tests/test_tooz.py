@@ -38,7 +38,21 @@ FULL_SUITE = bool(os.environ.get("FASTLOCK_TOOZ_FULL"))
 
 def test_tooz_functional_suite(server, tmp_path):
     """``TOOZ_TEST_URL=fastlock://... pytest --pyargs tooz.tests.test_coordination`` in a subprocess."""
-    env = dict(os.environ, TOOZ_TEST_URL=f"fastlock://{server.address}")
+    _run_tooz_suite(server.address, tmp_path)
+
+
+def test_tooz_functional_suite_over_shards(tmp_path):
+    """The same suite against one node of a sharded deployment of three groups: the driver
+    routes (each name to its group; a member's key and the session lease it is attached to
+    in one group)."""
+    from fastlock._testbase.shards import ShardSet
+
+    with ShardSet.start(tmp_path / "shards", 3) as shard_set:
+        _run_tooz_suite(shard_set.address("g0"), tmp_path)
+
+
+def _run_tooz_suite(address: str, tmp_path) -> None:
+    env = dict(os.environ, TOOZ_TEST_URL=f"fastlock://{address}")
     deselect = [] if FULL_SUITE else ["-k", " and ".join(f"not {name}" for name in SLOW_IN_SUITE)]
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:randomly",

@@ -267,8 +267,8 @@ def status_command(args: argparse.Namespace) -> int:
     request: a standby reports itself, not its primary); with ``--all`` the table of
     every node (:mod:`fastlock.cli.groupstatus`)."""
     if args.all:
-        return group_status_command(args, lambda server: admin_request(
-            server, read_token(args), OP_STATUS, tls=client_tls_options(args), connect_timeout=args.connect_timeout))
+        return group_status_command(args, lambda server, op: admin_request(
+            server, read_token(args), op, tls=client_tls_options(args), connect_timeout=args.connect_timeout))
     result = admin_request(args.server, read_token(args), OP_STATUS, tls=client_tls_options(args),
                            connect_timeout=args.connect_timeout)
     print(json.dumps(result, indent=2, sort_keys=True, default=str))

@@ -19,6 +19,10 @@ as the primary measures them for its standbys) and the in-sync flag (in a group 
 ``replication.sync.state`` is ``in_sync`` for its paired standby, or, with no primary
 answering, the standby's own view).  A node that does not answer shows its error as its role.
 Addresses read from etcd are untrusted: the admin token is proved to them, never sent.
+
+A node of a sharded deployment (its status names its ``shard`` group) serves the shard map
+(``SHARD_MAP``): the table then has a section per group of the map (:func:`sharded_rows`),
+each learned as above from the first of the group's map addresses that answers.
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ import json
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from ..protocol import OP_STATUS
+from ..protocol.ops import OP_SHARD_MAP
+from ..sharding import ShardMap
 from ..units import format_address, parse_address
 
-__all__ = ["MAX_NODES", "NodeRow", "format_table", "group_rows"]
+__all__ = ["MAX_NODES", "NodeRow", "format_table", "group_rows", "sharded_rows"]
 
 #: the most nodes asked (a group's member keys beyond are left out)
 MAX_NODES = 64
@@ -171,12 +178,48 @@ def format_table(rows: list[NodeRow]) -> str:
     return "\n".join(lines)
 
 
-def group_status_command(args: argparse.Namespace, ask: Callable[[tuple[str, int]], dict]) -> int:
-    """Print the table (``-o json``: a JSON list of rows); 0 when every node answered, else 1."""
-    rows = group_rows(format_address(args.server),
-                      lambda address: ask(parse_address(address, default_port=None)))
-    if args.output == "json":
-        print(json.dumps([row._asdict() for row in rows], indent=2))
+def sharded_rows(shard_map: ShardMap, ask: Callable[[str], dict]) -> dict[str, list[NodeRow]]:
+    """Each group's rows (:func:`group_rows`, learned from the first of the group's map
+    addresses that answers), by group name; a group none of whose addresses answers has a
+    row per address with its error as the role."""
+    groups: dict[str, list[NodeRow]] = {}
+    for group in shard_map.groups:
+        down: list[NodeRow] = []
+        for address in group.addresses[:MAX_NODES]:
+            try:
+                groups[group.name] = group_rows(address, ask)
+                break
+            except Exception as exc:  # noqa: BLE001 - shown in the table
+                down.append(NodeRow(address, "?", f"unreachable: {exc}"[:60], None, None, None, None))
+        else:
+            groups[group.name] = down
+    return groups
+
+
+def group_status_command(args: argparse.Namespace, request: Callable[[tuple[str, int], int], Any]) -> int:
+    """Print the table (``-o json``: a JSON list of rows; for a sharded deployment an object,
+    ``{"epoch": the map's, "groups": {group name: its rows}}`` and a section per group);
+    0 when every node answered, else 1.  ``request(server, op)`` sends one request to a node."""
+    def ask(address: str) -> dict:
+        return request(parse_address(address, default_port=None), OP_STATUS)
+
+    first = format_address(args.server)
+    st = ask(first)
+    if isinstance(st.get("shard"), dict):
+        reply = request(args.server, OP_SHARD_MAP)
+        shard_map = ShardMap.from_wire(reply.get("map") if isinstance(reply, dict) else None)
+        groups = sharded_rows(shard_map, lambda address: st if address == first else ask(address))
+        if args.output == "json":
+            print(json.dumps({"epoch": shard_map.epoch,
+                              "groups": {g: [row._asdict() for row in rows] for g, rows in groups.items()}}, indent=2))
+        else:
+            print("\n\n".join(f"shard group {g} (map epoch {shard_map.epoch}, {shard_map.slot_count(g)} slots)\n"
+                                f"{format_table(rows)}" for g, rows in groups.items()))
+        rows = [row for group_rows_ in groups.values() for row in group_rows_]
     else:
-        print(format_table(rows))
+        rows = group_rows(first, lambda address: st if address == first else ask(address))
+        if args.output == "json":
+            print(json.dumps([row._asdict() for row in rows], indent=2))
+        else:
+            print(format_table(rows))
     return 0 if all(not row.role.startswith("unreachable") for row in rows) else 1

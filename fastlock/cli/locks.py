@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..client import Client, LeaseInfo, LockList, WaiterInfo
-from ..client.sharded import route_if_sharded
+from ..client.sharded import ShardedClient, route_if_sharded
 from ..logsafe import text_value
 from ..protocol import check_name, check_token
 from ..units import DEFAULT_PORT
@@ -150,6 +150,20 @@ run_with_client = _with_client
 print_json = _print_json
 
 
+#: the exit status of a command whose answer is incomplete: a shard group could not be reached
+#: (a stderr line names each); what the other groups answered is printed
+EXIT_PARTIAL = 3
+
+
+def report_unreachable(unreachable: dict[str, str], what: str) -> int:
+    """Name each unreachable shard group (group name -> the error) on stderr, saying ``what``
+    is missing; :data:`EXIT_PARTIAL` if any, else 0."""
+    for group, error in sorted(unreachable.items()):
+        print(f"fastlock: shard group {text_value(group)} could not be reached, {what}: {text_value(error)}",
+              file=sys.stderr)
+    return EXIT_PARTIAL if unreachable else 0
+
+
 #: leases asked for per LOCKS request when ``fastlock locks`` pages through the table
 PAGE = 1_000
 #: most leases ``fastlock locks`` lists (it then says how many matched)
@@ -174,16 +188,13 @@ def locks_command(args: argparse.Namespace) -> int:
     listing = _with_client(args, lambda c: _every_lock(c, args.prefix))
     if args.output == "json":
         _print_json(dataclasses.asdict(listing))
-        return 0
+        return report_unreachable(listing.unreachable, "its locks are not listed")
     print(table(("NAME", "TOKEN", "HOLDER", "CORRELATION", "REMAINING", "TTL", "LOCK-DELAY", "WAITERS"),
                 [(h.name, h.fencing_token, _holder(h), h.correlation_id, _secs(h.remaining), _secs(h.ttl),
                   _secs(h.lock_delay), h.waiters) for h in listing.locks]))
     if listing.truncated:
         print(f"({listing.matched} held locks match; the first {len(listing.locks)} shown)")
-    for group, error in sorted(listing.unreachable.items()):
-        print(f"fastlock: shard group {text_value(group)} could not be reached, its locks are not listed: "
-              f"{text_value(error)}", file=sys.stderr)
-    return 0
+    return report_unreachable(listing.unreachable, "its locks are not listed")
 
 
 def _iso(unix_seconds: float) -> str:
@@ -241,10 +252,10 @@ def revoke_command(args: argparse.Namespace) -> int:
         done = _with_client(args, lambda c: c.revoke_principal(args.principal, reason=args.reason))
         if args.output == "json":
             _print_json(dataclasses.asdict(done))
-            return 0
-        print(f"revoked {done.revoked} leases of principal {text_value(done.principal)} "
-              f"({done.waiting} of its acquires still waiting)")
-        return 0
+        else:
+            print(f"revoked {done.revoked} leases of principal {text_value(done.principal)} "
+                  f"({done.waiting} of its acquires still waiting)")
+        return report_unreachable(done.unreachable, "its leases of that principal are not revoked")
     revoked = _with_client(args, lambda c: c.revoke(args.name, fencing_token=args.token, reason=args.reason))
     if args.output == "json":
         _print_json([dataclasses.asdict(h) for h in revoked])
@@ -259,17 +270,30 @@ def _of(used: int, quota: int) -> str:
     return f"{used}/{quota}" if quota else str(used)
 
 
+async def _principal_rows(client: Client) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """STATUS ``principals`` rows; for a sharded deployment every group's, each with its
+    ``group`` (quotas hold per group), and the unreachable groups."""
+    if not isinstance(client, ShardedClient):
+        return (await client.status())["principals"], {}
+    found = await client.over_groups(lambda c: c.status())
+    return [{**u, "group": group} for group, st in found.answers.items() for u in st["principals"]], found.reasons()
+
+
 def principals_command(args: argparse.Namespace) -> int:
-    """Print each principal's usage against its quotas (STATUS ``principals``; 0 quota: none)."""
-    rows = _with_client(args, lambda c: c.status())["principals"]
+    """Print each principal's usage against its quotas (STATUS ``principals``; 0 quota: none);
+    for a sharded deployment a row per principal and group (GROUP first)."""
+    rows, unreachable = _with_client(args, _principal_rows)
     if args.output == "json":
         _print_json(rows)
-        return 0
-    print(table(("PRINCIPAL", "LEASES", "WAITERS", "WATCHES", "KEYS", "CONNECTIONS", "KEY BYTES", "LOCK-DELAYS"),
-                [(u["principal"], _of(u["leases"], u["leases_quota"]), _of(u["waiters"], u["waiters_quota"]),
+        return report_unreachable(unreachable, "its principals are not listed")
+    grouped = any("group" in u for u in rows)
+    print(table((*(("GROUP",) if grouped else ()), "PRINCIPAL", "LEASES", "WAITERS", "WATCHES", "KEYS",
+                 "CONNECTIONS", "KEY BYTES", "LOCK-DELAYS"),
+                [(*((u["group"],) if grouped else ()), u["principal"], _of(u["leases"], u["leases_quota"]),
+                  _of(u["waiters"], u["waiters_quota"]),
                   _of(u["watches"], u["watches_quota"]), _of(u["keys"], u["keys_quota"]),
                   _of(u["connections"], u["connections_quota"]),
                   _of(u.get("key_bytes", 0), u.get("key_bytes_quota", 0)), str(u.get("lock_delays", 0)))
                  for u in rows]))
     print("(used/quota; a lease quota counts leases plus waiting acquires plus running lock-delays)")
-    return 0
+    return report_unreachable(unreachable, "its principals are not listed")

@@ -15,7 +15,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from .locks import close_session, common_options, print_json, run_with_client, table
+from .locks import close_session, common_options, print_json, report_unreachable, run_with_client, table
 
 __all__ = ["add_parser", "sessions_command"]
 
@@ -43,8 +43,9 @@ def sessions_command(args: argparse.Namespace) -> int:
     rows = run_with_client(args, lambda c: c.sessions(args.principal))
     if args.output == "json":
         print_json([dataclasses.asdict(s) for s in rows])
-        return 0
-    print(table(("ID", "PRINCIPAL", "CLIENT", "ADDRESS", "LEASES", "HEARD AGO", "TTL LEFT"),
-                [(s.id, s.principal, s.client, s.address, s.leases, f"{s.last_heard:.1f}s",
-                  f"{s.ttl_left:.1f}s") for s in rows]))
-    return 0
+    else:
+        print(table(("ID", "PRINCIPAL", "CLIENT", "ADDRESS", "LEASES", "HEARD AGO", "TTL LEFT"),
+                    [(s.id, s.principal, s.client, s.address, s.leases, f"{s.last_heard:.1f}s",
+                      f"{s.ttl_left:.1f}s") for s in rows]))
+    # a sharded deployment's SessionList names the groups that could not be reached
+    return report_unreachable(getattr(rows, "unreachable", {}), "its sessions are not listed")

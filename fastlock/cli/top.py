@@ -43,11 +43,11 @@ from rich.table import Table
 from rich.text import Text
 
 from ..client import Client, LeaseInfo, LockInfo
-from ..client.sharded import route_if_sharded
+from ..client.sharded import ShardedClient, route_if_sharded
 from ..errors import NotPrimary, Unavailable
 from ..logsafe import display, text_value
 from .args import client_tls_options, read_token
-from .locks import _common, _holder, _servers
+from .locks import _common, _holder, _servers, report_unreachable
 
 __all__ = ["add_parser", "snapshot", "TopSampler"]
 
@@ -142,6 +142,12 @@ def render(sampler: TopSampler, now: float, status: dict[str, Any], leases: list
                 style="bold")
     head.append(f"   sessions {status.get('sessions', 0)}  held {status.get('locks_held', 0)}  "
                 f"waiters {status.get('waiters', 0)}\n")
+    for group, st in sorted(status.get("groups", {}).items()):
+        head.append(f"  group {text_value(group)}: {st.get('role', '?')}  epoch {st.get('epoch', 0)}  sessions "
+                    f"{st.get('sessions', 0)}  held {st.get('locks_held', 0)}  waiters {st.get('waiters', 0)}  "
+                    + "  ".join(f"{k.replace('_', ' ')} {st.get(k, 0)}" for k in RATES) + "\n")
+    for group, error in sorted(status.get("unreachable", {}).items()):
+        head.append(f"  group {text_value(group)}: unreachable ({text_value(error)})\n", style="bold red")
     if rates is None and once:
         head.append("totals since the server started: "
                     + "  ".join(f"{k.replace('_', ' ')} {status.get(k, 0)}" for k in RATES)
@@ -172,9 +178,28 @@ def render(sampler: TopSampler, now: float, status: dict[str, Any], leases: list
 Sample = tuple[float, dict[str, Any], list[LeaseInfo], dict[str, LockInfo]]
 
 
+#: the status fields a sharded deployment's totals add up over its groups
+SUMMED = ("sessions", "locks_held", "waiters", *RATES)
+
+
+async def whole_status(client: Client) -> dict[str, Any]:
+    """The primary's ``status``; for a sharded deployment (:class:`ShardedClient`) every group's
+    (:meth:`ShardedClient.over_groups`), added up: the :data:`SUMMED` fields are the totals,
+    ``groups`` (group name -> its status) and ``unreachable`` (group name -> the error) name
+    each group, ``role`` says how many groups answered, ``epoch`` is the shard map's."""
+    if not isinstance(client, ShardedClient):
+        return await client.status()
+    found = await client.over_groups(lambda c: c.status())
+    first = next(iter(found.answers.values()))
+    totals = {k: sum(st.get(k, 0) for st in found.answers.values()) for k in SUMMED}
+    return {"version": first.get("version", ""), "role": f"{len(found.answers)} shard groups",
+            "epoch": client.shard_map.epoch, **totals, "groups": found.answers, "unreachable": found.reasons()}
+
+
 async def sample(client: Client, sampler: TopSampler, rows: int) -> Sample:
-    """Ask the primary once: ``(now, status, leases, infos of the most contended)``."""
-    status = await client.status()
+    """Ask the primary once (every group of a sharded deployment: :func:`whole_status`):
+    ``(now, status, leases, infos of the most contended)``."""
+    status = await whole_status(client)
     listing = await client.locks("", most=rows, order="contended")  # ranked by the server: one page
     now = time.monotonic()
     sampler.observe(now, listing.locks, complete=not listing.truncated)
@@ -205,7 +230,9 @@ def snapshot(sampler: TopSampler, now: float, status: dict[str, Any], leases: li
     most contended first: ``name``, ``token``, ``principal``, ``client``,
     ``correlation_id``, ``remaining`` and ``longest_wait`` in seconds or null,
     ``waiters``) and ``wait`` (``n``, ``p50``, ``p90``, ``p99`` in seconds of the
-    current waits of those locks)."""
+    current waits of those locks).  For a sharded deployment the counts are the totals of
+    every group, with ``groups`` (group name -> its ``role``, ``epoch``, ``sessions``,
+    ``locks_held``, ``waiters``, ``counters``) and ``unreachable`` (group name -> the error)."""
     waits: list[float] = []
     listed = []
     for h in _ranked(sampler, leases, rows):
@@ -215,8 +242,14 @@ def snapshot(sampler: TopSampler, now: float, status: dict[str, Any], leases: li
         listed.append({"name": h.name, "token": h.fencing_token, "principal": h.principal, "client": h.client,
                        "correlation_id": h.correlation_id, "remaining": h.remaining, "waiters": h.waiters,
                        "longest_wait": max(lock_waits) if lock_waits else None})
-    return {**{k: status.get(k) for k in ("role", "epoch", "sessions", "locks_held", "waiters")},
-            "counters": {k: status.get(k, 0) for k in RATES}, "locks": listed, "wait": _percentile_fields(waits)}
+    shown = {**{k: status.get(k) for k in ("role", "epoch", "sessions", "locks_held", "waiters")},
+             "counters": {k: status.get(k, 0) for k in RATES}, "locks": listed, "wait": _percentile_fields(waits)}
+    if "groups" in status:
+        shown["groups"] = {group: {**{k: st.get(k) for k in ("role", "epoch", "sessions", "locks_held", "waiters")},
+                                   "counters": {k: st.get(k, 0) for k in RATES}}
+                           for group, st in status["groups"].items()}
+        shown["unreachable"] = status["unreachable"]
+    return shown
 
 
 #: what a lost server looks like to top's requests: it shows "disconnected, retrying" and goes on
@@ -257,14 +290,16 @@ def top_command(args: argparse.Namespace) -> int:
             return shown
 
         try:
-            # a sharded deployment: the locks of every group (the counters are the first node's group's)
+            # a sharded deployment: the counters and the locks of every group
             client = await route_if_sharded(client, make_client)
             if args.output == "json":
-                print(json.dumps(snapshot(sampler, *await sample(client, sampler, args.rows), args.rows)))
-                return 0
+                taken = await sample(client, sampler, args.rows)
+                print(json.dumps(snapshot(sampler, *taken, args.rows)))
+                return report_unreachable(taken[1].get("unreachable", {}), "its counters and locks are not shown")
             if args.once:
-                console().print(await frame(client, sampler, args.rows, once=True))
-                return 0
+                now, status, leases, infos = await sample(client, sampler, args.rows)
+                console().print(render(sampler, now, status, leases, infos, args.rows, once=True))
+                return report_unreachable(status.get("unreachable", {}), "its counters and locks are not shown")
             if not sys.stdout.isatty():  # a pipe or a file: one plain frame per refresh, no screen control
                 plain = console()
                 while True:

@@ -510,13 +510,7 @@ async def release_across(multi: CrossShardLease) -> None:
     :raises LeaseLost: a lease had ended already (the others are released)."""
     results = await asyncio.gather(*(part.shard.run(_release_leases, part.leases) for part in multi.parts),
                                    return_exceptions=True)
-    errors = [e for r in results for e in (r if isinstance(r, list) else [r])]
-    for err in errors:
-        if not isinstance(err, LeaseLost):
-            raise err
-    if errors:
-        multi.lost.set()
-        raise errors[0]
+    multi.raise_failed_release(e for r in results for e in (r if isinstance(r, list) else [r]))
 
 
 class AcrossContext(LeaseSetContext[CrossShardLease]):

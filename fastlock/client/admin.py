@@ -25,11 +25,14 @@ MAX_REASON_CHARS = 256
 @dataclass(frozen=True)
 class PrincipalRevocation:
     """What :meth:`LockAdminMethods.revoke_principal` did: ``revoked`` leases of
-    ``principal``; ``waiting`` of its acquires still queued (left in place)."""
+    ``principal``; ``waiting`` of its acquires still queued (left in place); ``unreachable``:
+    for a sharded deployment, the groups that could not be reached (group name -> the error),
+    where nothing was revoked."""
 
     principal: str
     revoked: int
     waiting: int
+    unreachable: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from ..protocol.ops import (
     PUSH_KEY_BEGIN,
     PUSH_KEY_PROGRESS,
     PUSH_REVOKE_REQUESTED,
+    PUSH_SHARD_MAP,
     PUSH_VALUE,
     PUSH_VALUE_REV,
     PUSH_WATCH_PROGRESS,
@@ -97,7 +98,7 @@ class ClientConnection(RpcConnection):
             (:mod:`fastlock.client.keys`), by prefix (:mod:`fastlock.client.keywatch`).
     """
 
-    __slots__ = ("watches", "key_watches", "revoke_handler", "wound_handler")
+    __slots__ = ("watches", "key_watches", "revoke_handler", "wound_handler", "shard_map_handler")
 
     def __init__(self, address: Address, on_close: Callable[[RpcConnection, ConnectionLost], Any],
                  liveness_timeout: float | None):
@@ -109,6 +110,8 @@ class ClientConnection(RpcConnection):
         self.revoke_handler: Callable[[list[Any]], Any] | None = None
         #: called with a PUSH_WOUNDED payload (set by the Connector that made it)
         self.wound_handler: Callable[[list[Any]], Any] | None = None
+        #: called with a PUSH_SHARD_MAP's epoch (set by the Connector that made it)
+        self.shard_map_handler: Callable[[int], Any] | None = None
 
     def _dispatch_push(self, kind: Any, payload: Any) -> None:
         if kind == P.PUSH_WATCH:
@@ -135,6 +138,10 @@ class ClientConnection(RpcConnection):
             handler = self.wound_handler
             if handler is not None:
                 handler(payload)
+        elif kind == PUSH_SHARD_MAP and type(payload) is list and len(payload) == 1 and type(payload[0]) is int:
+            shard_map_handler = self.shard_map_handler
+            if shard_map_handler is not None:
+                shard_map_handler(payload[0])
         elif kind == PUSH_WATCH_PROGRESS and type(payload) is list and len(payload) == 1:
             for name, queues in self.watches.items():
                 notice = WatchEvent(name, "progress", None, None, revision=payload[0])
@@ -170,7 +177,7 @@ class Connector:
     """
 
     __slots__ = ("addresses", "proto", "closed", "server_info", "max_epoch", "orphans", "no_acquire_many",
-                 "on_revoke_request", "wound_listeners",
+                 "on_revoke_request", "wound_listeners", "on_shard_map_epoch",
                  "_auth", "_client_name",
                  "_connect_timeout", "_request_timeout", "_ssl", "_server_hostname", "_connecting",
                  "_connect_task", "_attempt", "_suspects", "_demoted", "_preferred", "_nodes", "_refusal_logs",
@@ -200,6 +207,8 @@ class Connector:
         self.on_revoke_request: Callable[[list[Any]], Any] | None = None
         #: multi-lock id -> called with each PUSH_WOUNDED payload naming it (fastlock.client.across)
         self.wound_listeners: dict[bytes, Callable[[list[Any]], Any]] = {}
+        #: given the shard map epoch a node names: pushed (PUSH_SHARD_MAP) or in its HELLO (fastlock.client.sharded)
+        self.on_shard_map_epoch: Callable[[int], Any] | None = None
         self._connecting: asyncio.Future[Any] | None = None  # result of the connection attempt in progress
         self._connect_task: asyncio.Task[Any] | None = None
         self._attempt: dict[str, Any] = {}  # {"addr": the address the attempt in progress is trying}
@@ -268,6 +277,8 @@ class Connector:
             return
         self.server_info = info
         self.max_epoch = max(self.max_epoch, info.get("epoch", 0))
+        if type(info.get("shard_map_epoch")) is int:
+            self._shard_map_epoch(info["shard_map_epoch"])
         self.proto = proto
         self._suspects.discard(proto.address)
         self._demoted.discard(proto.address)
@@ -338,6 +349,7 @@ class Connector:
                 continue
             proto.revoke_handler = self.on_revoke_request
             proto.wound_handler = self._wounded
+            proto.shard_map_handler = self._shard_map_epoch
             handshake = ClientHandshake(self._auth, expect_node=self._nodes.get(addr))
             try:
                 info = await asyncio.wait_for(say_hello(proto, self._client_name, handshake, self.max_epoch),
@@ -509,6 +521,11 @@ class Connector:
     def connect_timeout(self) -> float:
         """Seconds allowed to find a primary (per attempt, and after a wait for riding through)."""
         return self._connect_timeout
+
+    def _shard_map_epoch(self, epoch: int) -> None:
+        listener = self.on_shard_map_epoch
+        if listener is not None:
+            listener(epoch)
 
     def _wounded(self, payload: list[Any]) -> None:
         listener = self.wound_listeners.get(payload[0]) if type(payload[0]) is bytes else None

@@ -62,15 +62,20 @@ class KeyList(list[KeyValue]):
     """What :meth:`KeyMethods.list_prefix` returns: a list of :class:`KeyValue` in key
     order, and ``more`` (bool): True when more keys matched than the ``limit`` let the
     server list (the list is then a prefix of them, not all); ``cursor`` (str or None):
-    when ``more``, the ``after`` that lists the next keys."""
+    when ``more``, the ``after`` that lists the next keys; ``unreachable``: for a sharded
+    deployment, the groups that could not be reached (group name -> the error), whose keys
+    are not listed."""
 
     more: bool
     cursor: str | None
+    unreachable: dict[str, str]
 
-    def __init__(self, keys: list[KeyValue], more: bool, cursor: str | None = None):
+    def __init__(self, keys: list[KeyValue], more: bool, cursor: str | None = None,
+                 unreachable: dict[str, str] | None = None):
         super().__init__(keys)
         self.more = more
         self.cursor = cursor
+        self.unreachable = dict(unreachable or {})
 
 
 class KeyEvent(NamedTuple):

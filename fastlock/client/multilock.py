@@ -85,6 +85,19 @@ class LeaseSet:
     def fencing_tokens(self) -> dict[str, int]:
         return {lease.name: lease.fencing_token for lease in self.leases}
 
+    def raise_failed_release(self, results: Iterable[object]) -> None:
+        """Apply the releases' ``results`` (values or exceptions, as ``asyncio.gather``
+        returns them with ``return_exceptions=True``): an error other than
+        :class:`LeaseLost` is raised at once; else, if any lease was lost, the set is marked
+        lost and the first :class:`LeaseLost` raised; else nothing."""
+        errors = [r for r in results if isinstance(r, BaseException)]
+        for err in errors:
+            if not isinstance(err, LeaseLost):
+                raise err
+        if errors:
+            self.lost.set()
+            raise errors[0]
+
     def lost_names(self) -> list[str]:
         """The names whose lease is lost."""
         return [lease.name for lease in self.leases if lease.lost.is_set()]
@@ -213,13 +226,7 @@ async def release_many(client: Client, multi: MultiLease) -> None:
         raise WrongArgumentType(f"expected a fastlock MultiLease, not {type(multi).__name__}")
     results = await asyncio.gather(*(client.release(lease) for lease in reversed(multi.leases)),
                                    return_exceptions=True)
-    errors = [r for r in results if isinstance(r, BaseException)]
-    for err in errors:
-        if not isinstance(err, LeaseLost):
-            raise err
-    if errors:
-        multi.lost.set()
-        raise errors[0]
+    multi.raise_failed_release(results)
 
 
 class LeaseSetContext(Generic[_Set]):

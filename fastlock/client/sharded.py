@@ -13,11 +13,19 @@ connection).  No proxy stands in between, as Redis Cluster's clients route.
 A node answers a name its group does not own with
 :class:`~fastlock.errors.WrongShard`: an awaited call then reads the map again from
 the owner the redirect names and, if that map sends the name elsewhere, retries
-once.  A call whose names span groups (``acquire_many``, ``lock_many``) raises
-:class:`~fastlock.errors.CrossShard` before anything is sent.  Calls that take a
-prefix or none (``locks``, ``list_prefix``, ``watch_prefix``, ``status``,
-``ping``, ``sessions``) go to the group the addresses given to ``connect``
-belong to; :meth:`ShardedClient.group_clients` reaches each group.
+once.  A node that takes a newer map pushes its epoch (``PUSH_SHARD_MAP``), and a
+reconnection's HELLO names it: a newer epoch than the client's makes it read the map
+from that group at once (one read at a time).  A call whose names span groups
+(``acquire_many``, ``lock_many``) raises :class:`~fastlock.errors.CrossShard` before
+anything is sent.  :data:`FORWARDED` lists the calls forwarded to one group's client.
+
+Calls over every group (``locks``, ``sessions``, ``close_session``,
+``revoke_principal``, ``list_prefix``, ``watch_prefix``) follow one rule,
+:meth:`ShardedClient.over_groups`: the groups that answer are answered for, the ones
+that cannot be reached are named in the answer's ``unreachable``.  A prefix with a
+whole hash tag goes to its one group.  ``status`` and ``ping`` go to the group the
+addresses given to ``connect`` belong to; :meth:`ShardedClient.group_clients`
+reaches each group.
 
 ``ShardedClient.client_for(name)`` is the ``Router`` the cross-shard multi-lock
 takes.
@@ -26,13 +34,16 @@ takes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from ..errors import CrossShard, FastlockError, LockNotHeld, ProtocolError, WrongShard
 from ..protocol.ops import OP_SHARD_MAP
 from ..sharding import ShardMap
+from ..units import parse_address
 from .across import AcrossContext, CrossShardLease, acquire_across, lock_across, release_across
 from .admin import LockList, PrincipalRevocation
 from .calls import call
@@ -40,14 +51,16 @@ from .client import Client
 from .connection import RETRYABLE
 from .edgechase import EdgeChaser
 from .renewer import Renewer
+from .keys import KeyEvent, KeyList
 from .session import SessionClosed, SessionInfo
 
-__all__ = ["ShardedClient", "read_shard_map", "route_if_sharded"]
+__all__ = ["GroupAnswers", "SessionList", "ShardedClient", "read_shard_map", "route_if_sharded"]
 
 log = logging.getLogger(__name__)
 
 #: makes a client of the given addresses with the options given to ``connect``
 ClientFactory = Callable[[tuple[str, ...]], Client]
+T = TypeVar("T")
 
 
 async def read_shard_map(client: Client, timeout: float = 5.0) -> tuple[str, ShardMap] | None:
@@ -98,6 +111,9 @@ class ShardedClient(Client):
         self.edges = EdgeChaser(self)
         seed.lease_moved = self._lease_moved
         self._rehoming: set[asyncio.Future[None]] = set()
+        #: the re-read a node's newer epoch started (one at a time)
+        self._epoch_task: asyncio.Task[None] | None = None
+        self._listen(seed_group, seed)
 
     # -- the router -------------------------------------------------------------------------
     def client_for(self, name: str) -> Client:
@@ -114,7 +130,27 @@ class ShardedClient(Client):
         if client is None:
             client = self._clients[group] = self._make_client(self.shard_map.group(group).addresses)
             client.lease_moved = self._lease_moved
+            self._listen(group, client)
         return client
+
+    def _listen(self, group: str, client: Client) -> None:
+        client.connector.on_shard_map_epoch = lambda epoch: self._saw_epoch(group, epoch)
+
+    def _saw_epoch(self, group: str, epoch: int) -> None:
+        """A node of ``group`` named map epoch ``epoch`` (pushed, or in its HELLO): a newer one
+        than this client's is read from that group at once, one re-read at a time."""
+        if epoch <= self.shard_map.epoch or self._epoch_task is not None or not self._clients:
+            return
+        self._epoch_task = asyncio.get_running_loop().create_task(self._read_newer(group))
+
+    async def _read_newer(self, group: str) -> None:
+        try:
+            await self.refresh(group=group)
+        except FastlockError as exc:  # the next redirect or epoch notice reads it again
+            log.info("could not read shard map from group %s: %s", group, exc)
+        finally:
+            self._epoch_task = None
+
 
     # -- leases whose slot moved (fastlock shard move) -----------------------------------------
     def _lease_moved(self, renewer: Renewer, why: str) -> bool:
@@ -166,16 +202,21 @@ class ShardedClient(Client):
                              self.shard_map.epoch)
         return groups[0]
 
-    async def refresh(self, redirect: WrongShard | None = None) -> ShardMap:
-        """Read the map again (from the group ``redirect`` names, else the seed's) and keep it
-        if its epoch is newer; returns the map kept.  Concurrent refreshes share one read."""
+    async def refresh(self, redirect: WrongShard | None = None, *, group: str | None = None) -> ShardMap:
+        """Read the map again (from the group ``redirect`` names, else from ``group``, else the
+        seed's) and keep it if its epoch is newer (a group's changed addresses are its client's
+        from then on); returns the map kept.  Concurrent refreshes share one read.
+
+        :raises ConnectionLost: no answer within the request timeout.
+        :raises ShardMapError: the node sent no valid map.
+        """
         if self._refreshing is not None:
             await asyncio.shield(self._refreshing)
             return self.shard_map
         self._refreshing = asyncio.get_running_loop().create_future()
         source: Client | None = None
         try:
-            source = self._clients.get(self.seed_group)
+            source = self._clients.get(group or self.seed_group) or self._clients.get(self.seed_group)
             if redirect is not None and redirect.group is not None:
                 known = self._clients.get(redirect.group)
                 source = known if known is not None else (self._make_client(redirect.addresses)
@@ -184,13 +225,21 @@ class ShardedClient(Client):
             found = await read_shard_map(source, self.request_timeout or 5.0)
             if found is not None and found[1].epoch > self.shard_map.epoch:
                 log.info("shard map epoch %d -> %d", self.shard_map.epoch, found[1].epoch)
-                self.shard_map = found[1]
+                self._take_map(found[1])
         finally:
             self._refreshing.set_result(None)
             self._refreshing = None
             if source is not None and source not in self._clients.values():
                 await source.close()  # a client opened for this read only, whether or not it answered
         return self.shard_map
+
+    def _take_map(self, shard_map: ShardMap) -> None:
+        self.shard_map = shard_map
+        for group in shard_map.groups:
+            client = self._clients.get(group.name)
+            addresses = [parse_address(a) for a in group.addresses]
+            if client is not None and client.connector.addresses != addresses:
+                client.connector.addresses = addresses  # the next connection attempt sweeps these
 
     async def _routed(self, name: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``client_for(name).method(*args, **kwargs)``; on WrongShard the map is read again and
@@ -204,7 +253,7 @@ class ShardedClient(Client):
                 raise
         return await getattr(self.client_for(name), method)(*args, **kwargs)
 
-    # -- calls that name one name -------------------------------------------------------------
+    # -- calls written out (the others: FORWARDED, below the class) --------------------------
     async def acquire(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """As :meth:`Client.acquire <fastlock.client.Client.acquire>` on the owner's group; a
         waiting acquire is also checked for deadlocks across groups (:mod:`fastlock.client.edgechase`):
@@ -212,81 +261,10 @@ class ShardedClient(Client):
         return await self.edges.acquire(name, kwargs.get("wait"),
                                         lambda: self._routed(name, "acquire", (name, *args), kwargs))
 
-    async def check(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(name, "check", (name, *args), kwargs)
-
-    async def holder(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(name, "holder", (name, *args), kwargs)
-
-    async def contenders(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(name, "contenders", (name, *args), kwargs)
-
-    async def lock_info(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(name, "lock_info", (name, *args), kwargs)
-
-    async def revoke(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(name, "revoke", (name, *args), kwargs)
-
-    async def limit(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(name, "limit", (name, *args), kwargs)
-
-    async def get(self, key: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(key, "get", (key, *args), kwargs)
-
-    async def put(self, key: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(key, "put", (key, *args), kwargs)
-
-    async def delete(self, key: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(key, "delete", (key, *args), kwargs)
-
-    # objects that call later (context managers, iterators, recipes): made by the owner's client
     def lock(self, name: str, *args: Any, **kwargs: Any) -> Any:
         # the context acquires, renews and releases through this client: each call routed, a
         # release after a move sent to the name's new group
         return Client.lock(self, name, *args, **kwargs)
-
-    def semaphore(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(name).semaphore(name, *args, **kwargs)
-
-    def watch(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(name).watch(name, *args, **kwargs)
-
-    def election(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(name).election(name, *args, **kwargs)
-
-    def reentrant_lock(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(name).reentrant_lock(name, *args, **kwargs)
-
-    def once_per(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(name).once_per(name, *args, **kwargs)
-
-    def rate_limiter(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(name).rate_limiter(name, *args, **kwargs)
-
-    def latch(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(name).latch(name, *args, **kwargs)
-
-    def double_barrier(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(name).double_barrier(name, *args, **kwargs)
-
-    # -- calls on a lease: its name's group ------------------------------------------------------
-    async def release(self, lease: Any, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(_lease_name(lease), "release", (lease, *args), kwargs)
-
-    async def extend(self, lease: Any, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(_lease_name(lease), "extend", (lease, *args), kwargs)
-
-    async def renew_before(self, lease: Any, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(_lease_name(lease), "renew_before", (lease, *args), kwargs)
-
-    async def transfer(self, lease: Any, *args: Any, **kwargs: Any) -> Any:
-        return await self._routed(_lease_name(lease), "transfer", (lease, *args), kwargs)
-
-    def release_nowait(self, lease: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(_lease_name(lease)).release_nowait(lease, *args, **kwargs)
-
-    def start_renewing(self, lease: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(_lease_name(lease)).start_renewing(lease, *args, **kwargs)
 
     # -- calls that name several names: one group's ---------------------------------------------
     async def acquire_many(self, names: Iterable[str], *args: Any, **kwargs: Any) -> Any:
@@ -333,37 +311,39 @@ class ShardedClient(Client):
     def max_epoch(self) -> int:
         return self.seed.max_epoch
 
-    async def ensure_connected(self, *args: Any, **kwargs: Any) -> Any:
-        return await self.seed.ensure_connected(*args, **kwargs)
+    async def over_groups(self, ask: Callable[[Client], Awaitable[T]]) -> GroupAnswers[T]:
+        """``ask`` every group's client at once: the answers of the groups that answered and
+        the errors of those that could not be reached (ConnectionLost, NotPrimary, Unavailable
+        once its client's deadline passed) -- the one rule of every call over the whole map.
 
-    async def status(self, *args: Any, **kwargs: Any) -> Any:
-        return await self.seed.status(*args, **kwargs)
-
-    async def ping(self, *args: Any, **kwargs: Any) -> Any:
-        return await self.seed.ping(*args, **kwargs)
+        :raises FastlockError: a group's other error (a refusal, a bad argument) as it came;
+            when no group answered, the first group's error.
+        """
+        clients = self.group_clients()
+        results = await asyncio.gather(*(ask(c) for c in clients.values()), return_exceptions=True)
+        answers: dict[str, T] = {}
+        unreachable: dict[str, BaseException] = {}
+        for group, result in zip(clients, results):
+            if not isinstance(result, BaseException):
+                answers[group] = result
+            elif isinstance(result, RETRYABLE):
+                unreachable[group] = result
+            else:
+                raise result
+        if not answers:
+            raise next(iter(unreachable.values()))
+        return GroupAnswers(answers, unreachable)
 
     async def locks(self, prefix: str = "", *, most: int | None = None, after: str | None = None,
                     order: str = "name") -> LockList:
         """One page of the held leases of every group (as :meth:`Client.locks`), merged: by name,
         the page stops where the first group whose own page was cut stopped (``next`` goes on
         from there in every group); by waiters, the ``most`` most contended of all groups.  A
-        group that cannot be reached (ConnectionLost, NotPrimary, Unavailable once its client's
-        deadline passed) is named in :attr:`LockList.unreachable` and the others are listed;
-        when no group answers, the first group's error is raised."""
-        clients = self.group_clients()
-        answers = await asyncio.gather(*(c.locks(prefix, most=most, after=after, order=order)
-                                         for c in clients.values()), return_exceptions=True)
-        pages: list[LockList] = []
-        unreachable: dict[str, str] = {}
-        for group, answer in zip(clients, answers):
-            if isinstance(answer, LockList):
-                pages.append(answer)
-            elif isinstance(answer, RETRYABLE) and len(answers) > 1:
-                unreachable[group] = str(answer)  # listed as such; the live groups' leases still are
-            elif isinstance(answer, BaseException):
-                raise answer
-        if not pages:  # no group answered
-            raise next(a for a in answers if isinstance(a, BaseException))
+        group that cannot be reached is named in :attr:`LockList.unreachable` and the others
+        are listed (:meth:`over_groups`)."""
+        found = await self.over_groups(lambda c: c.locks(prefix, most=most, after=after, order=order))
+        pages = list(found.answers.values())
+        unreachable = found.reasons()
         leases = [lease for page in pages for lease in page.locks]
         matched = sum(page.matched for page in pages)
         limit = most if most is not None else 10_000
@@ -381,46 +361,217 @@ class ShardedClient(Client):
             cut = last
         return LockList(leases, matched, cut is not None, cut, unreachable)
 
-    async def list_prefix(self, *args: Any, **kwargs: Any) -> Any:
-        return await self.seed.list_prefix(*args, **kwargs)
+    def _prefix_group(self, prefix: Any) -> str | None:
+        """The one group owning every name that starts with ``prefix``: one that holds a whole
+        hash tag (``{user42}:``); else None (its names are in every group)."""
+        if type(prefix) is str:
+            start = prefix.find("{")
+            if start >= 0 and prefix.find("}", start + 1) > start + 1:
+                return self._group_for(prefix)
+        return None
 
-    def watch_prefix(self, *args: Any, **kwargs: Any) -> Any:
-        return self.seed.watch_prefix(*args, **kwargs)
+    async def list_prefix(self, prefix: str, *, limit: int = 1000, after: str | None = None) -> KeyList:
+        """The keys that start with ``prefix`` in every group (as :meth:`Client.list_prefix`),
+        merged in key order: the list stops where the first group whose own list was cut
+        stopped (``cursor`` goes on from there in every group).  A prefix holding a whole hash
+        tag is asked of its one group.  The groups that cannot be reached are named in
+        :attr:`KeyList.unreachable` (:meth:`over_groups`)."""
+        group = self._prefix_group(prefix)
+        if group is not None:
+            return await self.group_client(group).list_prefix(prefix, limit=limit, after=after)
+        found = await self.over_groups(lambda c: c.list_prefix(prefix, limit=limit, after=after))
+        pages = list(found.answers.values())
+        keys = sorted((kv for page in pages for kv in page), key=lambda kv: kv.key)
+        cut = min((page[-1].key for page in pages if page.more and page), default=None)
+        if cut is not None:
+            keys = [kv for kv in keys if kv.key <= cut]
+        more = cut is not None or len(keys) > limit
+        keys = keys[:limit]
+        return KeyList(keys, more, keys[-1].key if more and keys else None, found.reasons())
 
-    async def sessions(self, principal: str | None = None) -> list[SessionInfo]:
-        """Every group's client sessions (as :meth:`Client.sessions`; a client has one per group)."""
-        pages = await asyncio.gather(*(c.sessions(principal) for c in self.group_clients().values()))
-        return [info for page in pages for info in page]
+    def watch_prefix(self, prefix: str, *, progress: bool = False) -> AsyncIterator[KeyEvent]:
+        """Every later change of a key under ``prefix`` in every group (as
+        :meth:`Client.watch_prefix` in each, merged as they arrive: each group's changes in
+        its order, the revisions each group's own).  A prefix holding a whole hash tag is
+        watched in its one group.  A group's error (ConnectionLost once its client's deadline
+        passed, Compacted, WatchDiverged) ends the whole watch."""
+        group = self._prefix_group(prefix)
+        if group is not None:
+            return self.group_client(group).watch_prefix(prefix, progress=progress)
+        return merge_streams([c.watch_prefix(prefix, progress=progress) for c in self.group_clients().values()])
+
+    async def sessions(self, principal: str | None = None) -> SessionList:
+        """Every group's client sessions (as :meth:`Client.sessions`; a client has one per group);
+        the groups that cannot be reached are named in :attr:`SessionList.unreachable`
+        (:meth:`over_groups`)."""
+        found = await self.over_groups(lambda c: c.sessions(principal))
+        return SessionList((info for page in found.answers.values() for info in page), found.reasons())
 
     async def close_session(self, session_id: str, *, reason: str | None = None) -> SessionClosed:
         """Close session ``session_id`` in the group that has it (as :meth:`Client.close_session`).
 
         :raises LockNotHeld: no group has it.
+        :raises ConnectionLost: (or NotPrimary, Unavailable) no group that answered has it and a
+            group could not be reached (it may be there).
         """
-        missing: LockNotHeld | None = None
-        for client in self.group_clients().values():
+        missing: list[LockNotHeld] = []
+
+        async def close(client: Client) -> SessionClosed | None:
             try:
                 return await client.close_session(session_id, reason=reason)
             except LockNotHeld as exc:
-                missing = exc
-        assert missing is not None  # a map names at least one group
-        raise missing
+                missing.append(exc)
+                return None
+
+        found = await self.over_groups(close)
+        for answer in found.answers.values():
+            if answer is not None:
+                return answer
+        if found.unreachable:
+            raise next(iter(found.unreachable.values()))
+        raise missing[0]
 
     async def revoke_principal(self, principal: str, *, reason: str | None = None) -> PrincipalRevocation:
         """Revoke every lease ``principal`` holds in every group (as :meth:`Client.revoke_principal`):
-        the counts are the groups' sums."""
-        done = await asyncio.gather(*(c.revoke_principal(principal, reason=reason)
-                                      for c in self.group_clients().values()))
-        return PrincipalRevocation(principal, sum(d.revoked for d in done), sum(d.waiting for d in done))
+        the counts are the sums of the groups that answered; those that cannot be reached are
+        named in :attr:`PrincipalRevocation.unreachable` (:meth:`over_groups`)."""
+        found = await self.over_groups(lambda c: c.revoke_principal(principal, reason=reason))
+        done = found.answers.values()
+        return PrincipalRevocation(principal, sum(d.revoked for d in done), sum(d.waiting for d in done),
+                                   found.reasons())
 
     async def close(self) -> None:
         """Close every group's client (each as :meth:`Client.close`)."""
         clients = list(self._clients.values())
         self._clients.clear()
+        if self._epoch_task is not None:
+            self._epoch_task.cancel()
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
         await super().close()
+
+
+@dataclass(frozen=True)
+class GroupAnswers(Generic[T]):
+    """A call over every group (:meth:`ShardedClient.over_groups`): ``answers`` (group name ->
+    its answer) of the groups that answered, ``unreachable`` (group name -> its error) of
+    those that could not be reached."""
+
+    answers: dict[str, T]
+    unreachable: dict[str, BaseException]
+
+    def reasons(self) -> dict[str, str]:
+        """``unreachable`` as group name -> the error's text (LockList's, SessionList's)."""
+        return {group: str(error) for group, error in self.unreachable.items()}
+
+
+class SessionList(list[SessionInfo]):
+    """:meth:`ShardedClient.sessions`' list of sessions, and ``unreachable`` (group name -> the
+    error) naming the groups that could not be reached, whose sessions are not listed."""
+
+    def __init__(self, sessions: Iterable[SessionInfo] = (), unreachable: dict[str, str] | None = None):
+        super().__init__(sessions)
+        self.unreachable: dict[str, str] = dict(unreachable or {})
+
+
+#: items a merged watch holds for its reader beyond what each group's watch holds
+MERGED_BACKLOG = 64
+
+
+async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """The items of every stream of ``streams`` as they arrive (each stream's in its order);
+    the first error of any stream is raised; closing this closes them all."""
+    queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue(MERGED_BACKLOG)
+
+    async def pump(stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((True, item))
+            await queue.put((False, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            await queue.put((False, exc))
+        finally:
+            closing = getattr(stream, "aclose", None)
+            if closing is not None:
+                await closing()
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    running = len(tasks)
+    try:
+        while running:
+            is_item, value = await queue.get()
+            if is_item:
+                yield value
+            elif value is not None:
+                raise value
+            else:
+                running -= 1
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _lease_name(lease: Any) -> Any:
     """A lease's name, or None for what is not a lease (the seed's client refuses it)."""
     return getattr(lease, "name", None)
+
+
+def _first(value: Any) -> Any:
+    return value
+
+
+class Forwarded(NamedTuple):
+    """How :class:`ShardedClient` forwards one :class:`Client` method: ``where`` picks the
+    client (``"owner"``: the group owning the name found from the first argument by
+    ``name_of``; ``"seed"``: the seed's group); ``awaited`` calls are retried once after a
+    redirect (``"owner"`` only); the others return an object made by that client."""
+
+    method: str
+    where: str
+    awaited: bool
+    name_of: Callable[[Any], Any] = _first
+
+
+#: every Client method a ShardedClient forwards as it is (the others, ``acquire`` and ``lock`` among
+#: them, are written out in the class)
+FORWARDED: tuple[Forwarded, ...] = (
+    # calls that name one name or key
+    *(Forwarded(m, "owner", True) for m in ("check", "holder", "contenders", "lock_info", "revoke",
+                                            "limit", "get", "put", "delete")),
+    # objects that call later (context managers, iterators, recipes): made by the owner's client
+    *(Forwarded(m, "owner", False) for m in ("semaphore", "watch", "election", "reentrant_lock",
+                                             "once_per", "rate_limiter", "latch", "double_barrier")),
+    # calls on a lease: its name's group
+    *(Forwarded(m, "owner", True, _lease_name) for m in ("release", "extend", "renew_before", "transfer")),
+    *(Forwarded(m, "owner", False, _lease_name) for m in ("release_nowait", "start_renewing")),
+    # calls that name none, or a prefix: the seed's group
+    *(Forwarded(m, "seed", True) for m in ("ensure_connected", "status", "ping")),
+)
+
+
+def _forwarder(entry: Forwarded) -> Callable[..., Any]:
+    """The ShardedClient method ``entry`` describes (documented as Client's)."""
+    method, name_of = entry.method, entry.name_of
+
+    async def to_seed(self: ShardedClient, *args: Any, **kwargs: Any) -> Any:
+        return await getattr(self.seed, method)(*args, **kwargs)
+
+    def made_by_seed(self: ShardedClient, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.seed, method)(*args, **kwargs)
+
+    async def to_owner(self: ShardedClient, first: Any, *args: Any, **kwargs: Any) -> Any:
+        return await self._routed(name_of(first), method, (first, *args), kwargs)
+
+    def made_by_owner(self: ShardedClient, first: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.client_for(name_of(first)), method)(first, *args, **kwargs)
+
+    forward: Callable[..., Any] = ((to_seed if entry.awaited else made_by_seed) if entry.where == "seed"
+                                   else (to_owner if entry.awaited else made_by_owner))
+    forward = functools.wraps(getattr(Client, method))(forward)
+    forward.__qualname__ = f"ShardedClient.{method}"
+    return forward
+
+
+for _entry in FORWARDED:
+    setattr(ShardedClient, _entry.method, _forwarder(_entry))
+del _entry

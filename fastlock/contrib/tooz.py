@@ -54,6 +54,15 @@ How tooz's concepts map to fastlock:
   (tooz's cached watchers); an election is a lock per group
   (``leader-lock/<group>``) with a key naming the leader attached to its lease.
 
+**A sharded deployment** (the URL names a node of any group): the coordinator's client
+routes each name to its group (:mod:`fastlock.client.sharded`), listings span every
+group.  A key attached to a lease lives in the lease's group, so the member keys of each
+shard group hang on a session lease of that group (``<prefix>session/<member>/<random>``
+with a hash tag, ``{...}``, that puts it in the member key's slot, taken at the first
+join there; beaten and released with the others), and a leader lock's name carries the
+hash tag of its leader key's slot (``<prefix>leader-lock/<group>{...}``): both the same
+for every member.  An unsharded server sees the names above, unchanged.
+
 Member and group ids are bytes; in names they appear as hex.  Every call runs
 on the coordinator's own event loop thread, so a coordinator may be shared by
 threads (as tooz's tests do).
@@ -87,6 +96,7 @@ from .. import client as fl_client
 from ..client.acquire import CALLER
 from ..client.forks import keep_inherited
 from ..client.keys import MAX_LIST
+from ..client.sharded import ShardedClient
 from ..errors import (
     ConnectionLost,
     FastlockError,
@@ -97,6 +107,7 @@ from ..errors import (
     LockNotAcquired,
 )
 from ..protocol import MAX_TTL_MS
+from ..sharding import slot_of
 from ..units import check_seconds
 from .tooz_lock import FastlockLock
 
@@ -194,6 +205,9 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
         self._loop: _Loop | None = None
         self._fl: fl_client.Client | None = None
         self._session: fl_client.Lease | None = None
+        #: on a sharded deployment: shard group -> the session lease of the member keys there
+        #: (the home session's group excepted)
+        self._shard_sessions: dict[str, fl_client.Lease] = {}
         self._acquired_locks: set[FastlockLock] = set()
         self._leader_locks: dict[bytes, FastlockLock] = {}
         #: the process that started the coordinator (see "fork()" in the module docstring)
@@ -305,6 +319,22 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
     def _session_name(self) -> str:
         return self._name("session/", _hex(self._member_id), os.urandom(8).hex())
 
+    async def _session_for(self, key: str) -> fl_client.Lease:
+        """The session lease a key of this member hangs on: on a sharded deployment, one in
+        ``key``'s group (taken at the first need there); else the one session."""
+        client, session = self.fastlock_client(), self._session
+        assert session is not None
+        if not isinstance(client, ShardedClient):
+            return session
+        group = client.group_of([key])
+        if group == client.group_of([session.name]):
+            return session
+        lease = self._shard_sessions.get(group)
+        if lease is None:
+            lease = self._shard_sessions[group] = await client.acquire(
+                self._session_name() + slot_tag(slot_of(key)), ttl=self._timeout, wait=0)
+        return lease
+
     def _stop(self) -> None:
         loop, client = self._loop, self._fl
         if loop is None or client is None:
@@ -312,6 +342,7 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
         if self._pid != os.getpid():  # a forked child: the loop, connection and leases are the parent's
             keep_inherited(loop, client)
             self._loop = self._fl = self._session = None
+            self._shard_sessions = {}
             self._acquired_locks.clear()
             self._leader_locks.clear()
             return
@@ -319,6 +350,8 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
         leases = [lease for lock in list(self._acquired_locks) for lease in lock.forget()]
         if self._session is not None:
             leases.append(self._session)
+        leases += self._shard_sessions.values()
+        self._shard_sessions = {}
 
         async def stop() -> None:
             for lease in leases:  # the session's keys (memberships) go with it
@@ -350,6 +383,11 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
                 log.warning("tooz member %r: session lease expired; its group memberships are gone",
                             self._member_id)
                 self._session = await client.acquire(self._session_name(), ttl=self._timeout, wait=0)
+            for group, lease in list(self._shard_sessions.items()):
+                try:
+                    self._shard_sessions[group] = await client.extend(lease, ttl=self._timeout)
+                except LeaseLost:  # its memberships are gone: the next join there takes a new one
+                    del self._shard_sessions[group]
 
         self.call(beat())
         for lock in list(self._acquired_locks):
@@ -420,8 +458,8 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
             client = self.fastlock_client()
             await self._check_group(group_id)
             try:
-                await client.put(self._member_key(group_id, self._member_id), tooz_utils.dumps(capabilities),
-                                 lease=self._session, create=True)
+                key = self._member_key(group_id, self._member_id)
+                await client.put(key, tooz_utils.dumps(capabilities), lease=await self._session_for(key), create=True)
             except KeyExists:
                 raise coordination.MemberAlreadyExist(group_id, self._member_id) from None
             self._joined_groups.add(group_id)
@@ -478,8 +516,9 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
     def update_capabilities(self, group_id: bytes, capabilities: Any) -> coordination.CoordinatorResult[None]:
         async def update() -> None:
             try:
-                await self.fastlock_client().put(self._member_key(group_id, self._member_id),
-                                                 tooz_utils.dumps(capabilities), lease=self._session, replace=True)
+                key = self._member_key(group_id, self._member_id)
+                await self.fastlock_client().put(key, tooz_utils.dumps(capabilities),
+                                                 lease=await self._session_for(key), replace=True)
             except KeyNotFound:
                 await self._check_group(group_id)
                 raise coordination.MemberNotJoined(group_id, self._member_id) from None
@@ -506,7 +545,10 @@ class FastlockDriver(coordination.CoordinationDriverCachedRunWatchers):
             hooks.run(coordination.LeaderElected(group_id, self._member_id))
 
     def _leader_lock(self, group_id: bytes) -> FastlockLock:
-        return FastlockLock(self, group_id or b"-", self._name("leader-lock/", _hex(group_id)))
+        name = self._name("leader-lock/", _hex(group_id))
+        if isinstance(self._fl, ShardedClient):  # in its leader key's slot: the key hangs on its lease
+            name += slot_tag(slot_of(self._name("leader/", _hex(group_id))))
+        return FastlockLock(self, group_id or b"-", name)
 
     def run_watchers(self, timeout: float | None = None) -> list[Any]:
         result = super().run_watchers(timeout=timeout)
@@ -537,3 +579,23 @@ async def _translated(coro: Coroutine[Any, Any, T], serial: asyncio.Lock) -> T:
         raise coordination.ToozConnectionError(str(exc)) from exc
     except FastlockError as exc:
         raise tooz.ToozError(str(exc)) from exc
+
+
+#: slot -> the first hash tag ``{n}`` (n = 0, 1, ...) in that slot, as found
+_SLOT_TAGS: dict[int, str] = {}
+
+
+def slot_tag(slot: int) -> str:
+    """A hash tag, ``{n}``, that puts a name in ``slot`` (0..16383) when the name has no ``{``
+    before it; the same for every process (the first n whose slot it is: about 16,000 CRC16s
+    on average, bounded by 10**6, then remembered).
+
+    :raises ValueError: no n below 10**6 is in ``slot`` (a slot outside 0..16383).
+    """
+    tag = _SLOT_TAGS.get(slot)
+    if tag is None:
+        n = next((n for n in range(1_000_000) if slot_of(str(n)) == slot), None)
+        if n is None:
+            raise ValueError(f"no hash tag found for slot {slot}")
+        tag = _SLOT_TAGS[slot] = f"{{{n}}}"
+    return tag

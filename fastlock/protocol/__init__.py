@@ -307,6 +307,7 @@ from .validation import (
     MAX_WAIT_MS,
     MIN_TTL_MS,
     check_actor,
+    check_bytes,
     check_epoch,
     check_limit,
     check_lock_delay_ms,
@@ -337,5 +338,5 @@ __all__ = [
     "encode_error", "encode_ok", "encode_push", "encode_request", "packb", "seconds_to_ms",
     "request_limits", "stream_limits", "OP_SYNC_ACK", "PUSH_SYNC", "MAX_RECORDED_TTL_MS", "check_recorded_ttl_ms",
     "OP_SESSION_OPEN", "OP_SESSION_ATTACH", "OP_SESSION_KEEPALIVE", "OP_SESSION_CLOSE", "OP_SESSIONS",
-    "OP_SESSION_REVOKE",
+    "OP_SESSION_REVOKE", "check_bytes",
 ]

@@ -187,6 +187,9 @@ PUSH_KEY_PROGRESS = "vprog"
 #: to the holder of a cross-shard reservation an older one wounded: [multi-lock id, its age stamp,
 #: the wounding one's age stamp] (fastlock.server.woundwait)
 PUSH_WOUNDED = "wounded"
+#: to every client connection of a sharded node whose shard map changed: [the new map's epoch]
+#: (a routing client reads the map again: fastlock.client.sharded)
+PUSH_SHARD_MAP = "shardmap"
 
 REPLICATION_PUSH_KINDS = frozenset({PUSH_SNAPSHOT, PUSH_RECORDS, PUSH_RECORD, PUSH_HEARTBEAT, PUSH_SYNC})
 

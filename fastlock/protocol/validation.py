@@ -18,7 +18,7 @@ from .ops import MAX_EPOCH
 
 __all__ = [
     "MAX_CLIENT_NAME_CHARS", "MAX_CORRELATION_ID_CHARS", "MAX_LIMIT", "MAX_LOCK_DELAY_MS", "MAX_MANY",
-    "MAX_NAME_BYTES", "MAX_ACTOR", "check_actor", "check_limit", "check_many_items",
+    "MAX_NAME_BYTES", "MAX_ACTOR", "check_actor", "check_bytes", "check_limit", "check_many_items",
     "MAX_OWNER_BYTES", "MAX_RECORDED_TTL_MS", "MAX_TTL_MS", "MAX_WAIT_MS", "MIN_TTL_MS", "check_epoch",
     "check_lock_delay_ms", "check_name", "check_optional_str", "check_owner", "check_recorded_ttl_ms", "check_shared",
     "check_token", "check_ttl_ms", "check_wait_ms", "seconds_to_ms",
@@ -151,12 +151,22 @@ def check_many_items(items: Any) -> list[tuple[str, bool]]:
     return out
 
 
+def check_bytes(value: Any, what: str, most: int) -> bytes:
+    """``value`` if it is bytes of 1..``most`` bytes, named ``what`` in the error.
+
+    :raises WrongArgumentType: not bytes.
+    :raises InvalidArgument: empty or longer than ``most`` bytes.
+    """
+    if type(value) is not bytes:
+        raise WrongArgumentType(f"{what} must be bytes, not {type(value).__name__}")
+    if not 1 <= len(value) <= most:
+        raise InvalidArgument(f"{what} must be 1..{most} bytes, not {len(value)}")
+    return value
+
+
 def check_owner(owner: Any) -> bytes:
-    if type(owner) is not bytes:
-        raise WrongArgumentType(f"owner key must be bytes, not {type(owner).__name__}")
-    if not 1 <= len(owner) <= MAX_OWNER_BYTES:
-        raise InvalidArgument(f"owner key must be 1..{MAX_OWNER_BYTES} bytes")
-    return owner
+    """An owner key: 1..MAX_OWNER_BYTES bytes (:func:`check_bytes`)."""
+    return check_bytes(owner, "owner key", MAX_OWNER_BYTES)
 
 
 def check_token(token: Any) -> int:

@@ -65,10 +65,12 @@ from .._version import __version__
 from ..auth import Credentials, is_loopback
 from ..errors import FastlockError, Unavailable
 from ..logsafe import quote
+from ..protocol.ops import PUSH_SHARD_MAP
 from ..replication import STATE_FILE, NodeState, ReplicationSource, StandbyFollower, node_id
 from ..replication.queues import QueueShipper
 from ..replication.witnesslink import PrimaryWitnessLease, WitnessLink
 from ..roles import Action, NodeRole, Role
+from ..sharding import ShardMap
 from ..tls import ServerTLS, client_context
 from ..units import format_address, monotonic_ms
 from ..wal import DataDirInUse, HolderSlices, SnapshotState, WriteAheadLog, secure_directory
@@ -198,6 +200,7 @@ class LockServer:
         self.handlers = Handlers(self, credentials)
         if self.shard_gate is not None:
             self.shard_gate.install(self.handlers)
+            self.shard_gate.on_change = self._announce_shard_map
         #: watch revisions: the history resuming watches replay, progress notices (fastlock.server.watchlog)
         self.revisions = Revisions(self, self.handlers.watches, config.watch_history, config.watch_progress_interval)
         #: the replays of resuming watches, a page per connection per loop turn (fastlock.server.watchlog)
@@ -291,6 +294,16 @@ class LockServer:
                 conn.close_after_flush()
 
         self.loop.call_soon(close)
+
+    def _announce_shard_map(self, shard_map: ShardMap) -> None:
+        """Push ``shard_map``'s epoch to every client connection (PUSH_SHARD_MAP, one small
+        frame each, under each connection's output cap): routing clients read the map again."""
+        frame = P.encode_push(PUSH_SHARD_MAP, [shard_map.epoch])
+        replicas = self.source.replicas
+        for conn in list(self.limits.sessions.values()):
+            if conn.session not in replicas and not conn.closed:
+                conn.send(frame)
+        self.after_batch()
 
     # -- life cycle -----------------------------------------------------------------
     async def start(self) -> None:

@@ -96,6 +96,8 @@ class ShardGate:
         #: the server (set by install); None in unit tests of the check alone
         self.server: Any = None
         self._hold_timer: Any = None
+        #: called with each newer map this node takes (the server pushes its epoch to its clients)
+        self.on_change: Callable[[ShardMap], None] | None = None
         self.set_map(shard_map)
 
     @classmethod
@@ -258,6 +260,8 @@ class ShardGate:
             self._let_in(gained)
         if self.held and (lost or any(old_moving[s] and not moving[s] for s in range(SLOTS))):
             self._answer_held()
+        if self.on_change is not None:
+            self.on_change(shard_map)
 
     # -- a move's freeze, drop and let-in -------------------------------------------------------
     def _is_primary(self) -> bool:

@@ -182,12 +182,8 @@ class ReserveRequest(ManyRequest):
 
 
 def check_multi_id(value: Any) -> bytes:
-    """A multi-lock id: 1..MAX_MULTI_ID_BYTES bytes."""
-    if type(value) is not bytes:
-        raise WrongArgumentType(f"a multi-lock id must be bytes, not {type(value).__name__}")
-    if not 1 <= len(value) <= MAX_MULTI_ID_BYTES:
-        raise InvalidArgument(f"a multi-lock id has 1 to {MAX_MULTI_ID_BYTES} bytes, not {len(value)}")
-    return value
+    """A multi-lock id: 1..MAX_MULTI_ID_BYTES bytes (:func:`fastlock.protocol.check_bytes`)."""
+    return P.check_bytes(value, "multi-lock id", MAX_MULTI_ID_BYTES)
 
 
 def check_stamp(value: Any, now_wall_ms: int) -> int:
