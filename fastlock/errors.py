@@ -426,3 +426,14 @@ class Wounded(LockNotAcquired):
     it is gone (wounded, expired, or never made on this connection) when it was to be
     committed.  :func:`fastlock.client.across.lock_across` releases every part it took
     and tries again with the same age stamp; nothing of the wounded attempt stays held."""
+
+
+__all__ += ["SlotMoving"]
+
+
+@_register(62)
+class SlotMoving(Unavailable):
+    """The name's slot is being moved to another shard group (``fastlock shard move``) and the
+    request was held longer than the freeze allows, or too many are held: nothing changed.
+    An :class:`Unavailable`, so a client retries it; once the move ends the old owner answers
+    :class:`WrongShard` naming the new one."""

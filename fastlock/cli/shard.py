@@ -1,12 +1,14 @@
-"""``fastlock shard init|status|addresses``: the shard map kept in etcd (docs/sharding.md).
+"""``fastlock shard init|status|addresses|move|split``: the shard map kept in etcd (docs/sharding.md).
 
 ``init`` writes the first map (the slots split evenly over the groups given, or a map
-file) if none exists; ``status`` prints the map (``--server``: the one a node serves by);
-``addresses`` replaces a group's addresses, or adds a group that owns no slot yet, as the
-next epoch.  Every write is an
-etcd transaction that fails if the map changed since it was read
+file) if none exists; ``status`` prints the map (``--server``: the one a node serves by),
+with the ranges a move is moving; ``addresses`` replaces a group's addresses, or adds a
+group that owns no slot yet, as the next epoch; ``move --slots A[-B] --to GROUP`` moves
+slots to another group (:mod:`fastlock.cli.shardmove`; ``--abort`` undoes a move still
+marked); ``split GROUP --to GROUP`` moves the upper half of ``GROUP``'s largest range.
+Every write is an etcd transaction that fails if the map changed since it was read
 (:mod:`fastlock.coordination.shardmap`); the nodes that follow the map apply the new
-epoch.  Moving slots between groups is not done yet.
+epoch.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from ..client.sharded import read_shard_map
 from ..coordination.access import EtcdAccess
 from ..coordination.shardmap import load_from_etcd
 from ..sharding import ShardGroup, ShardMap, ShardMapError, even_ranges, load_map_file
+from ..sharding.moves import parse_slots, split_half
+from .shardmove import abort_slots, move_slots
 
 __all__ = ["add_parser"]
 
@@ -34,11 +38,13 @@ def _group_arg(value: str) -> ShardGroup:
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Add ``shard`` to ``fastlock``'s subparsers."""
-    s = sub.add_parser("shard", help="the shard map kept in etcd (init, status, addresses)")
+    s = sub.add_parser("shard", help="the shard map kept in etcd (init, status, addresses, move, split)")
     s.set_defaults(handler=shard_command)
     commands = s.add_subparsers(dest="shard_command", required=True)
     for name, what in (("init", "write the first shard map"), ("status", "print the shard map"),
-                       ("addresses", "replace a group's addresses, or add a group (the next epoch)")):
+                       ("addresses", "replace a group's addresses, or add a group (the next epoch)"),
+                       ("move", "move slots to another group (run again to resume a move that stopped)"),
+                       ("split", "move the upper half of a group's largest slot range to another group")):
         p = commands.add_parser(name, help=what)
         p.add_argument("--coordinator", required=name != "status", metavar="etcd://HOST:PORT[,HOST:PORT]/PREFIX",
                        help="the etcd and key prefix the groups use; the map is the key PREFIX/shard-map")
@@ -61,6 +67,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
             p.add_argument("--from-file", metavar="FILE", help="a map file (JSON or TOML) instead of --group")
         if name == "addresses":
             p.add_argument("group", type=_group_arg, metavar="NAME=HOST:PORT,...")
+        if name == "move":
+            p.add_argument("--slots", required=True, metavar="A[-B]", help="the slots to move (0..16383)")
+            p.add_argument("--abort", action="store_true",
+                           help="undo the move of these slots to --to while it is still marked")
+        if name == "split":
+            p.add_argument("group", metavar="GROUP", help="the group whose largest range is split")
+        if name in ("move", "split"):
+            p.add_argument("--to", required=True, metavar="GROUP", help="the group that gets the slots")
     return s
 
 
@@ -72,7 +86,8 @@ def _print(shard_map: ShardMap, output: str) -> None:
     for g in shard_map.groups:
         print(f"group {g.name}: {shard_map.slot_count(g.name)} slots, {', '.join(g.addresses)}")
     for r in shard_map.ranges:
-        print(f"slots {r.first}..{r.last}: {r.group}")
+        moving = f" (moving to {r.moving_to})" if r.moving_to is not None else ""
+        print(f"slots {r.first}..{r.last}: {r.group}{moving}")
 
 
 async def _served_map(server: str) -> ShardMap:
@@ -113,6 +128,22 @@ async def _run(args: argparse.Namespace) -> int:
         if found is None:
             raise ShardMapError(f"no shard map in etcd at {stored.key}: `fastlock shard init` writes one")
         shard_map, revision = found
+        if args.shard_command in ("move", "split"):
+            if args.shard_command == "split":
+                first, last = split_half(shard_map, args.group)
+            else:
+                first, last = parse_slots(args.slots)
+            if args.shard_command == "move" and args.abort:
+                _print(await abort_slots(stored, first, last, args.to), args.output)
+                return 0
+            report = await move_slots(stored, first, last, args.to,
+                                      progress=None if args.output == "json" else print)
+            if args.output == "json":
+                print(json.dumps(report.as_dict()))
+            elif report.freeze_ms is not None:
+                print(f"done: slots {first}..{last} moved from {report.source} to {args.to}; "
+                      f"frozen {report.freeze_ms:.0f} ms")
+            return 0
         if args.shard_command == "addresses":
             new = shard_map.with_addresses(args.group.name, args.group.addresses)
             await stored.replace(revision, shard_map, new)

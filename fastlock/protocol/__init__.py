@@ -77,6 +77,8 @@ SHARD_MAP  100 -                                                      {"group", 
 RESERVE   120  [name, ...], owner, ttl_ms, wait_ms, corr_id,         as ACQUIRE_MANY
                stamp_ms, multi_id
 COMMIT_RESERVATION 121 multi_id                                       None
+SLOT_EXPORT 101 first, last, after ([name, token]|None)               {"leases", "queues", "delays", "floor", "more"}
+SLOT_IMPORT 102 first, last, state (a SLOT_EXPORT page)               {"leases", "queues", "delays"}
 =========  ==  =====================================================  ======================
 
 ACQUIRE's optional ``shared`` (bool: a shared lease) and ``limit`` (int: the

@@ -67,6 +67,8 @@ OP_SESSIONS = 64  # principal or None (an operator's list)
 OP_SESSION_REVOKE = 65  # session id, reason or None (an operator's close)
 # sharding (fastlock.sharding; ops 100-119 are reserved for it)
 OP_SHARD_MAP = 100  # no arguments: the shard map this node serves by (None: not sharded)
+OP_SLOT_EXPORT = 101  # first, last, after (None or [name, token]): a page of a moving slot range's state
+OP_SLOT_IMPORT = 102  # first, last, state (a page of SLOT_EXPORT's): the destination adopts it
 # cross-shard multi-locks, wound-wait (fastlock.server.woundwait; ops 120-129 are reserved for them)
 OP_RESERVE = 120  # [name, ...], owner, ttl_ms, wait_ms, corr_id, age stamp (wall ms), multi-lock id
 OP_COMMIT_RESERVATION = 121  # multi-lock id
@@ -131,6 +133,8 @@ OPS: tuple[Op, ...] = (
     Op(OP_SHARD_MAP, "shard_map", 0, 0),
     Op(OP_RESERVE, "reserve", 7, 7),
     Op(OP_COMMIT_RESERVATION, "commit_reservation", 1, 1),
+    Op(OP_SLOT_EXPORT, "slot_export", 3, 3),  # fastlock.server.slotmove
+    Op(OP_SLOT_IMPORT, "slot_import", 3, 3),
 )
 
 #: (fewest, most) arguments of each op, after ``[req_id, op]``

@@ -61,6 +61,7 @@ from .ratelimit import RateLimitHandler
 from .session import Session, split_recorded_client
 from .sessions import SessionRegistry
 from .shares import limit_exceeded
+from .slotmove import SlotMoves
 from .statusview import client_status
 from .watches import WatchRegistry
 from .watchlog import REPLAY_PAGE
@@ -230,6 +231,8 @@ class Handlers:
         self.enter_acquire: Callable[..., None] = functools.partial(compiled_enter_acquire, self)
         #: RESERVE, COMMIT_RESERVATION: cross-shard multi-locks, wound-wait (fastlock.server.woundwait)
         self.wound_wait = WoundWait(self)
+        #: SLOT_EXPORT / SLOT_IMPORT: a slot move's ops (fastlock.server.slotmove)
+        self.slot_moves = SlotMoves(self)
         handlers: dict[int, Handler] = {
             P.OP_HELLO: self.hello.op_hello,
             # compiled (server/_wire.pyx)
@@ -261,6 +264,7 @@ class Handlers:
             **self.sessions.handlers_table(),
             OP_SHARD_MAP: self.op_shard_map,
             **self.wound_wait.handlers_by_op(),
+            **self.slot_moves.handlers_by_op(),  # an admin's (not in PERMISSION): fastlock.server.slotmove
         }
         #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
         self.by_op: dict[int, tuple[Handler, int, int]] = {

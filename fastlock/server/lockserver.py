@@ -523,6 +523,11 @@ class LockServer:
                 conn.flush()
             dirty.clear()
 
+    def process_events(self, events: list) -> None:
+        """Log and deliver ``events`` (drained from the table by the caller), as a batch end does."""
+        if events:
+            self._process_events(events)
+
     def _process_events(self, events: list) -> None:
         wal = self.wal
         grants = None

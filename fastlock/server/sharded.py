@@ -11,19 +11,38 @@ request with a name this group does not own is answered with
 addresses, the map's epoch; as Redis Cluster's ``MOVED``), one whose names span
 groups with :class:`~fastlock.errors.CrossShard` (as ``CROSSSLOT``); either changes
 nothing.  A node without a map installs nothing: its handlers are unchanged.
+
+During a slot move (:mod:`fastlock.sharding.moves`, :mod:`fastlock.server.slotmove`) the
+source group's slots marked ``moving_to`` are *frozen*: a request naming them is held
+(:class:`Held`; at most :data:`MAX_HELD` at once, each at most :data:`HOLD_S` seconds,
+beyond either :class:`~fastlock.errors.SlotMoving`, which a client retries), and the
+waiters already queued on them leave the lock table (their owner-key hashes and
+priorities are kept, in FIFO order, for the export) with their acquires held too, so
+nothing is granted on those names while their state is shipped.  When the map flips the
+slots to the destination, the source drops their leases (a ``REVOKE`` record each, by
+principal ``shard-move``, so its standby and its recovery drop them too) and answers every
+held request with ``WrongShard`` naming the new owner; the destination lets the moved
+waiters' acquires back in their old order (the promoted primary's reclaim window,
+:mod:`fastlock.server.reclaim`).  A move aborted (the mark cleared) runs the held requests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..coordination.access import EtcdAccess
 from ..coordination.shardmap import load_from_etcd
-from ..errors import CrossShard, InvalidArgument, WrongShard
+from ..errors import CrossShard, FastlockError, InvalidArgument, SlotMoving, WrongShard
 from ..sharding import SLOTS, ShardMap, load_map_file, slot_of
+from ..sharding.moves import allowed_change
 from ..sharding.scope import NAMES_OF_OP, NamesAt, names_in
+from ..units import monotonic_ms
+from .._core import EV_WAIT_CANCELLED
+from ..roles import Role
+from .kinds import reply_id
 
 if TYPE_CHECKING:  # pragma: no cover
     from .handlers import Handlers
@@ -31,6 +50,27 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Any, int, list], None]
+
+#: the most requests held at once for slots being moved (beyond: SlotMoving at once)
+MAX_HELD = 10_000
+#: seconds a request is held for a slot being moved before it is answered SlotMoving
+HOLD_S = 5.0
+#: the principal a move's drop of the source's leases is logged as (REVOKE records)
+MOVE_PRINCIPAL = "shard-move"
+
+
+class Held(NamedTuple):
+    """A request held while its slot is moved: its connection, request id, request (None for
+    a waiter taken out of a queue: its acquire is answered, never run again), the handler to
+    run if the move is aborted, the name and its slot."""
+
+    conn: Any
+    req_id: int
+    msg: list | None
+    handler: Handler | None
+    name: str
+    slot: int
+    until_ms: int
 
 
 class ShardGate:
@@ -43,6 +83,19 @@ class ShardGate:
         self.group = group
         self.shard_map = shard_map
         self.owned = b""
+        #: 1 at each owned slot a move is moving away (requests for it are held)
+        self.moving = b""
+        #: 1 at each slot whose state this group imported by a move (it may take their flip)
+        self.imported = bytearray(SLOTS)
+        #: requests held for moving slots, in arrival order
+        self.held: list[Held] = []
+        #: name -> the waiters (owner-key hash, priority) taken out of its queue by a move, FIFO
+        self.frozen_queues: dict[str, list[tuple[bytes, int]]] = {}
+        #: name -> owner-key hashes of an imported queue, FIFO: let back in that order at the flip
+        self.imported_queues: dict[str, list[bytes]] = {}
+        #: the server (set by install); None in unit tests of the check alone
+        self.server: Any = None
+        self._hold_timer: Any = None
         self.set_map(shard_map)
 
     @classmethod
@@ -69,19 +122,26 @@ class ShardGate:
         shard_map.group(self.group)  # raises ShardMapError (an InvalidArgument) if absent
         self.shard_map = shard_map
         self.owned = shard_map.slots_of(self.group)
+        self.moving = shard_map.moving_slots_of(self.group)
         log.info("shard map epoch %d: group %s owns %d of %d slots", shard_map.epoch, self.group,
                  sum(self.owned), SLOTS)
 
     # -- the check ------------------------------------------------------------------------
-    def check_name(self, name: Any) -> None:
-        """:raises WrongShard: this group does not own ``name``'s slot (a non-str is left to the handler)."""
+    def check_name(self, name: Any) -> int:
+        """-1, or the slot of ``name`` if a move is moving it (the request is to be held).
+
+        :raises WrongShard: this group does not own ``name``'s slot (a non-str is left to the handler)."""
         if type(name) is str:
             slot = slot_of(name)
             if not self.owned[slot]:
                 raise self.wrong_shard(name, slot)
+            if self.moving[slot]:
+                return slot
+        return -1
 
-    def check_names(self, where: NamesAt, args: list) -> None:
-        """Check every name of a request's arguments ``args`` at ``where``.
+    def check_names(self, where: NamesAt, args: list) -> tuple[str, int] | None:
+        """Check every name of a request's arguments ``args`` at ``where``; None, or a name
+        (and its slot) a move is moving (the request is to be held).
 
         :raises WrongShard: every name is another group's, all one group's.
         :raises CrossShard: the names span several groups.
@@ -90,11 +150,14 @@ class ShardGate:
         first: tuple[str, int] | None = None
         others: set[str] = set()
         mine = False
+        moving: tuple[str, int] | None = None
         shard_map = self.shard_map
         for name in names_in(where, args):
             slot = slot_of(name)
             if owned[slot]:
                 mine = True
+                if moving is None and self.moving[slot]:
+                    moving = (name, slot)
             else:
                 if first is None:
                     first = (name, slot)
@@ -106,6 +169,7 @@ class ShardGate:
                                  f"in them, e.g. '{{tag}}:name', to keep them together", groups, shard_map.epoch)
         if first is not None:
             raise self.wrong_shard(*first)
+        return moving
 
     def wrong_shard(self, name: str, slot: int) -> WrongShard:
         """The redirect for ``name`` (in ``slot``), which another group owns."""
@@ -125,6 +189,7 @@ class ShardGate:
         if missing:
             raise RuntimeError(f"ops {missing} are not in fastlock.sharding.scope.NAMES_OF_OP: a sharded "
                                f"node cannot check their names")
+        self.server = handlers.server
         for op, (handler, fewest, most) in list(handlers.by_op.items()):
             where = NAMES_OF_OP[op]
             if where is not None:
@@ -135,35 +200,187 @@ class ShardGate:
             check_name = self.check_name
 
             def one_name(conn: Any, req_id: int, msg: list) -> None:
-                check_name(msg[2])
+                slot = check_name(msg[2])
+                if slot >= 0:
+                    self.hold(conn, req_id, msg, handler, msg[2], slot)
+                    return
                 handler(conn, req_id, msg)
 
             return one_name
         check_names = self.check_names
 
         def names(conn: Any, req_id: int, msg: list) -> None:
-            check_names(where, msg[2:])
+            moving = check_names(where, msg[2:])
+            if moving is not None:
+                self.hold(conn, req_id, msg, handler, *moving)
+                return
             handler(conn, req_id, msg)
 
         return names
 
     def offer(self, shard_map: ShardMap) -> None:
         """Serve by ``shard_map`` if its epoch is above this node's map's.  A newer map that names
-        no group of this node's, or gives a slot to another group than this node's map does, is
-        logged and refused (the node keeps the map it has): a slot changes owner only by a move,
-        which ships its leases and token high-water mark (not done yet), else the new owner
-        would grant names the old one still holds."""
+        no group of this node's, or gives a slot to another group than by a move
+        (:func:`fastlock.sharding.moves.allowed_change`), is logged and refused (the node keeps
+        the map it has): else the new owner would grant names the old one still holds.  The
+        slots it marks moving are frozen, those it takes away dropped, those it gives by a
+        move let in (see the module docstring)."""
         if shard_map.epoch <= self.shard_map.epoch:
             return
-        if shard_map.ranges != self.shard_map.ranges:
-            log.error("not applying shard map epoch %d: it gives slots to other groups than epoch %d does, "
-                      "and slots change owner only by a move (not done yet)", shard_map.epoch,
-                      self.shard_map.epoch)
+        why = allowed_change(self.shard_map, shard_map, bytes(self.imported))
+        if why is not None:
+            log.error("not applying shard map epoch %d: %s", shard_map.epoch, why)
             return
+        old_owned, old_moving = self.owned, self.moving
         try:
             self.set_map(shard_map)
         except InvalidArgument as exc:
             log.error("not applying shard map epoch %d: %s", shard_map.epoch, exc)
+            return
+        owned, moving = self.owned, self.moving
+        frozen = [s for s in range(SLOTS) if moving[s] and not old_moving[s]]
+        lost = [s for s in range(SLOTS) if old_owned[s] and not owned[s]]
+        gained = [s for s in range(SLOTS) if owned[s] and not old_owned[s]]
+        if frozen:
+            self._freeze(bytes(moving))
+        if lost:
+            self._drop(lost)
+        if gained:
+            self._let_in(gained)
+        if self.held and (lost or any(old_moving[s] and not moving[s] for s in range(SLOTS))):
+            self._answer_held()
+
+    # -- a move's freeze, drop and let-in -------------------------------------------------------
+    def _is_primary(self) -> bool:
+        server = self.server
+        return server is not None and server.roles.role is Role.PRIMARY
+
+    def _freeze(self, moving: bytes) -> None:
+        """Take the waiters of the names in ``moving`` slots out of the lock table (kept in
+        :attr:`frozen_queues`; their acquires held), so nothing is granted on them."""
+        server = self.server
+        if not self._is_primary():
+            return
+        server.after_batch()  # every event so far is delivered: what follows is the freeze's
+        table = server.table
+        now = monotonic_ms()
+        names = {h.name for h in table.holders() if moving[slot_of(h.name)]}
+        for name in sorted(names):
+            waiters = table.waiter_priorities(name)
+            if not waiters:
+                continue
+            self.frozen_queues.setdefault(name, []).extend((bytes(o), p) for o, p in waiters)
+            for owner, _priority in waiters:
+                table.cancel(name, owner, now)
+        sessions = server.limits.sessions
+        others = []
+        for ev in table.drain_events():
+            if ev.name in self.frozen_queues and ev.kind == EV_WAIT_CANCELLED:
+                server.quotas.waiter_event(ev)
+                conn = sessions.get(ev.session)
+                rid = reply_id(ev.request)
+                if conn is not None and rid is not None:
+                    self.held.append(Held(conn, rid, None, None, ev.name, slot_of(ev.name), 0))
+            else:
+                others.append(ev)
+        server.process_events(others)
+        if self.frozen_queues:
+            log.warning("slot move: %d waiters of %d locks taken out of their queues until the move ends",
+                        sum(len(q) for q in self.frozen_queues.values()), len(self.frozen_queues))
+        server.after_batch()
+
+    def _drop(self, lost: list[int]) -> None:
+        """This group no longer owns the ``lost`` slots: drop their leases (REVOKE records)."""
+        server = self.server
+        lost_set = set(lost)
+        for name in [n for n in self.frozen_queues if slot_of(n) in lost_set]:
+            del self.frozen_queues[name]
+        if not self._is_primary():
+            return
+        table = server.table
+        now = monotonic_ms()
+        dropped = 0
+        for h in table.holders():
+            slot = slot_of(h.name)
+            if slot in lost_set:
+                owner = self.shard_map.owner_of_slot(slot).name
+                server.handlers.lock_admin.take_lease(h.name, h.token, h.meta, MOVE_PRINCIPAL,
+                                                      f"slot {slot} moved to shard group {owner}", now)
+                dropped += 1
+        log.warning("slot move: %d slots now owned by other groups; %d leases dropped here", len(lost), dropped)
+        server.after_batch()
+
+    def _let_in(self, gained: list[int]) -> None:
+        """This group owns the ``gained`` slots by a move: their moved waiters come back in order."""
+        server = self.server
+        gained_set = set(gained)
+        queues = {n: q for n, q in self.imported_queues.items() if slot_of(n) in gained_set}
+        for name in queues:
+            del self.imported_queues[name]
+        if queues and server is not None:
+            table = server.table
+            server.reclaim.arm(queues, lambda name, owner: table.holder(name, monotonic_ms(), owner) is not None,
+                               asyncio.get_running_loop())
+        log.warning("slot move: %d slots now owned here; %d moved queues keep their order", len(gained), len(queues))
+
+    # -- held requests ---------------------------------------------------------------------------
+    def hold(self, conn: Any, req_id: int, msg: list, handler: Handler, name: str, slot: int) -> None:
+        """Hold a request for ``name`` (in ``slot``, being moved) until the move ends or :data:`HOLD_S`.
+
+        :raises SlotMoving: :data:`MAX_HELD` requests are held already."""
+        if len(self.held) >= MAX_HELD:
+            raise self.slot_moving(name, slot)
+        self.held.append(Held(conn, req_id, msg, handler, name, slot, monotonic_ms() + int(HOLD_S * 1000)))
+        if self._hold_timer is None:
+            self._hold_timer = asyncio.get_running_loop().call_later(HOLD_S / 4, self._hold_tick)
+
+    def slot_moving(self, name: str, slot: int) -> SlotMoving:
+        """The retryable refusal of a request for ``name`` (in ``slot``, being moved)."""
+        to = self.shard_map.moving_to_of_slot(slot)
+        return SlotMoving(f"{name!r:.100} is in slot {slot}, being moved from shard group {self.group} to {to} "
+                          f"(shard map epoch {self.shard_map.epoch}); retry")
+
+    def _hold_tick(self) -> None:
+        self._hold_timer = None
+        now = monotonic_ms()
+        late = [h for h in self.held if h.msg is not None and h.until_ms <= now]
+        if late:
+            self.held = [h for h in self.held if h.msg is None or h.until_ms > now]
+            for h in late:
+                self._answer(h, self.slot_moving(h.name, h.slot))
+            self._batch_end()
+        if any(h.msg is not None for h in self.held):
+            self._hold_timer = asyncio.get_running_loop().call_later(HOLD_S / 4, self._hold_tick)
+
+    def _answer(self, h: Held, exc: FastlockError) -> None:
+        if not getattr(h.conn, "closed", False):
+            self.server.handlers.failed(h.conn, h.req_id, 0, exc)
+
+    def _batch_end(self) -> None:
+        if self.server is not None:
+            self.server.after_batch()
+
+    def _answer_held(self) -> None:
+        """After a map change: answer the held requests whose slot another group owns now
+        (WrongShard), run those whose move was aborted, keep those still moving."""
+        held, self.held = self.held, []
+        for h in held:
+            if not self.owned[h.slot]:
+                self._answer(h, self.wrong_shard(h.name, h.slot))
+            elif self.moving[h.slot]:
+                self.held.append(h)
+            elif h.msg is None or h.handler is None:  # a waiter taken out of its queue: it asks again
+                self._answer(h, self.slot_moving(h.name, h.slot))
+            elif not getattr(h.conn, "closed", False):
+                try:
+                    h.handler(h.conn, h.req_id, h.msg)
+                except Exception as exc:  # noqa: BLE001 - as the dispatch answers a handler's error
+                    self.server.handlers.failed(h.conn, h.req_id, h.msg[1], exc)
+        self._batch_end()
+
+    def frozen_names(self, first: int, last: int) -> dict[str, list[tuple[bytes, int]]]:
+        """The frozen queues of the names in slots ``first..last``."""
+        return {n: q for n, q in self.frozen_queues.items() if first <= slot_of(n) <= last}
 
     async def follow_etcd(self, url: str, access: EtcdAccess | None) -> None:
         """Follow the map kept in etcd at ``url`` (:mod:`fastlock.coordination.shardmap`) until cancelled."""
@@ -174,5 +391,7 @@ class ShardGate:
             await stored.gateway.close()
 
     def info(self) -> dict[str, Any]:
-        """This node's place in the map: ``group``, ``epoch``, ``slots`` (how many it owns)."""
-        return {"group": self.group, "epoch": self.shard_map.epoch, "slots": sum(self.owned)}
+        """This node's place in the map: ``group``, ``epoch``, ``slots`` (how many it owns),
+        ``moving`` (how many of them a move is moving away), ``held`` (requests held for them)."""
+        return {"group": self.group, "epoch": self.shard_map.epoch, "slots": sum(self.owned),
+                "moving": sum(self.moving), "held": len(self.held)}

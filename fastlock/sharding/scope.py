@@ -81,6 +81,8 @@ NAMES_OF_OP: dict[int, NamesAt | None] = {
     P.OP_SHARD_MAP: None,
     P.OP_RESERVE: NamesAt(lists=(0,)),  # one shard's part of a cross-shard multi-lock: this group's names
     P.OP_COMMIT_RESERVATION: None,  # a multi-lock id
+    P.OP_SLOT_EXPORT: None,  # a slot range being moved (an admin's, fastlock.server.slotmove)
+    P.OP_SLOT_IMPORT: None,
 }
 
 

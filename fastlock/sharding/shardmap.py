@@ -70,11 +70,14 @@ class ShardGroup(NamedTuple):
 
 
 class SlotRange(NamedTuple):
-    """Slots ``first`` to ``last`` (inclusive, 0..16383), owned by the group named ``group``."""
+    """Slots ``first`` to ``last`` (inclusive, 0..16383), owned by the group named ``group``;
+    ``moving_to``: the group a slot move (``fastlock shard move``) is moving them to, None
+    when no move is under way (:mod:`fastlock.sharding.moves`)."""
 
     first: int
     last: int
     group: str
+    moving_to: str | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,19 @@ class ShardMap:
                 table[r.first:r.last + 1] = b"\x01" * (r.last - r.first + 1)
         return bytes(table)
 
+    def moving_slots_of(self, group: str) -> bytes:
+        """A table of :data:`SLOTS` bytes: 1 at each slot ``group`` owns that a move is
+        moving away (its range's ``moving_to`` is set), 0 elsewhere."""
+        table = bytearray(SLOTS)
+        for r in self.ranges:
+            if r.group == group and r.moving_to is not None:
+                table[r.first:r.last + 1] = b"\x01" * (r.last - r.first + 1)
+        return bytes(table)
+
+    def moving_to_of_slot(self, slot: int) -> str | None:
+        """The group a move is moving ``slot`` to, or None."""
+        return self.ranges[bisect.bisect_right(self._starts, slot) - 1].moving_to
+
     def slot_count(self, group: str) -> int:
         """How many slots ``group`` owns."""
         return sum(r.last - r.first + 1 for r in self.ranges if r.group == group)
@@ -129,7 +145,7 @@ class ShardMap:
         """The plain form (msgpack and JSON encode it as it is)."""
         return {"epoch": self.epoch,
                 "groups": [{"name": g.name, "addresses": list(g.addresses)} for g in self.groups],
-                "ranges": [{"first": r.first, "last": r.last, "group": r.group} for r in self.ranges]}
+                "ranges": [_range_wire(r) for r in self.ranges]}
 
     @classmethod
     def from_wire(cls, value: Any) -> ShardMap:
@@ -148,9 +164,10 @@ class ShardMap:
             parsed_groups.append(ShardGroup(g["name"], tuple(g["addresses"])))
         parsed_ranges = []
         for r in ranges:
-            if not isinstance(r, dict) or set(r) != {"first", "last", "group"}:
-                raise ShardMapError(f"a range is an object with exactly: first, last, group; not {r!r:.200}")
-            parsed_ranges.append(SlotRange(r["first"], r["last"], r["group"]))
+            if not isinstance(r, dict) or not {"first", "last", "group"} <= set(r) <= _RANGE_KEYS:
+                raise ShardMapError(f"a range is an object with: first, last, group (and moving_to while a move "
+                                    f"is under way); not {r!r:.200}")
+            parsed_ranges.append(SlotRange(r["first"], r["last"], r["group"], r.get("moving_to")))
         return cls(value["epoch"], tuple(parsed_groups), tuple(parsed_ranges))
 
     def with_epoch(self, epoch: int) -> ShardMap:
@@ -164,6 +181,19 @@ class ShardMap:
         if group not in self._by_name:
             groups += (ShardGroup(group, addresses),)
         return ShardMap(self.epoch + 1, groups, self.ranges)
+
+
+#: the keys of a range's plain form (``moving_to`` only while a move is under way)
+_RANGE_KEYS = {"first", "last", "group", "moving_to"}
+
+
+def _range_wire(r: SlotRange) -> dict[str, Any]:
+    """A range's plain form; ``moving_to`` is written only when set, so a map with no move
+    under way is the same JSON every earlier fastlock wrote and reads."""
+    wire: dict[str, Any] = {"first": r.first, "last": r.last, "group": r.group}
+    if r.moving_to is not None:
+        wire["moving_to"] = r.moving_to
+    return wire
 
 
 def _check_groups(epoch: Any, groups: Any) -> dict[str, ShardGroup]:
@@ -214,6 +244,10 @@ def _check_ranges(ranges: Any, by_name: dict[str, ShardGroup]) -> None:
             raise ShardMapError(f"slot range {r.first}..{r.last}: first <= last <= {SLOTS - 1}")
         if type(r.group) is not str or r.group not in by_name:
             raise ShardMapError(f"slot range {r.first}..{r.last} names no group of the map: {r.group!r:.100}")
+        if r.moving_to is not None and (type(r.moving_to) is not str or r.moving_to not in by_name
+                                        or r.moving_to == r.group):
+            raise ShardMapError(f"slot range {r.first}..{r.last}: moving_to names another group of the map "
+                                f"than its owner {r.group!r}, not {r.moving_to!r:.100}")
         expected = r.last + 1
     if expected != SLOTS:
         raise ShardMapError(f"slots {expected}..{SLOTS - 1} are owned by no group (a map covers 0..{SLOTS - 1})")

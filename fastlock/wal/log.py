@@ -318,6 +318,18 @@ class WriteAheadLog:
             self._counters.epoch = epoch
         self._append([EPOCH, epoch, wall_ms()], fsync=True)
 
+    def log_counter_floor(self, counter: int) -> None:
+        """Log that the grant counter is at least ``counter`` (a RESERVE record, fsynced before
+        this batch's callbacks run): recovery and a standby raise the counter to it, as they do
+        for every reservation.  A slot move's import raises the destination's tokens above the
+        source's this way (:mod:`fastlock.server.slotmove`)."""
+        c = self._counters
+        if counter > c.max_counter:
+            c.max_counter = counter
+        if counter > c.reserved:
+            c.reserved = counter
+        self._append([RESERVE, c.reserved, wall_ms()], fsync=True)
+
     def when_durable(self, callback: Callable[[], Any]) -> None:
         """Call ``callback()`` on the loop once every record logged so far is durable.
 

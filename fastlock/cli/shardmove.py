@@ -1,0 +1,162 @@
+"""``fastlock shard move|split``: moving slots to another shard group (docs/sharding.md, "Moving slots").
+
+:func:`move_slots` drives a move of slots ``first..last`` to group ``to`` in steps, each of
+which may be run again (a move killed part way is finished by running the command again, or
+undone with ``--abort`` while the slots are still marked):
+
+1. *mark*: the map in etcd gets the range marked ``moving_to`` (epoch + 1, an etcd transaction
+   comparing the map's revision).  The source's nodes follow the map and freeze the slots
+   (:mod:`fastlock.server.sharded`: requests for them are held, their waiters taken out).
+2. *ship*: once both primaries serve the marked map, the frozen state is paged out of the
+   source (``SLOT_EXPORT``) and into the destination (``SLOT_IMPORT``,
+   :mod:`fastlock.server.slotmove`), as an admin principal (the token in ``FASTLOCK_TOKEN_FILE``).
+3. *flip*: the map gives the range to ``to`` (epoch + 1).  The source drops the slots' leases and
+   answers its held requests with ``WrongShard``; the destination lets the moved waiters back in
+   their old order.
+
+:class:`MoveReport` says what was done; ``freeze_ms`` is the time from the mark to the flip
+(milliseconds), the pause a client of those slots sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from ..client import Client
+from ..client.calls import call
+from ..client.sharded import read_shard_map
+from ..coordination.shardmap import EtcdShardMap
+from ..protocol.ops import OP_SLOT_EXPORT, OP_SLOT_IMPORT
+from ..sharding import ShardMap, ShardMapError
+from ..sharding.moves import abort_move, finish_move, mark_moving, move_state
+
+__all__ = ["MoveReport", "move_slots", "abort_slots", "SEEN_TIMEOUT_S"]
+
+#: seconds to wait for a primary to serve the new map before giving up (the move can be run again)
+SEEN_TIMEOUT_S = 30.0
+#: seconds between two looks at a primary's map
+SEEN_POLL_S = 0.05
+#: seconds one SLOT_EXPORT / SLOT_IMPORT may take
+REQUEST_TIMEOUT_S = 30.0
+
+
+@dataclass
+class MoveReport:
+    """What one run of a move did: the slots, the groups, the steps run (``"mark"``, ``"ship"``,
+    ``"flip"``; none if the move was done already), leases, queues and lock-delays shipped, the
+    map epoch at the end and ``freeze_ms`` (ms from the mark to the flip; None when this run did
+    not mark, or did not flip)."""
+
+    first: int
+    last: int
+    source: str | None
+    to: str
+    steps: list[str] = field(default_factory=list)
+    leases: int = 0
+    queues: int = 0
+    delays: int = 0
+    epoch: int = 0
+    freeze_ms: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+async def _serves(client: Client, epoch: int) -> None:
+    """Wait until ``client``'s primary serves a map of ``epoch`` or newer.
+
+    :raises ShardMapError: not within :data:`SEEN_TIMEOUT_S` seconds."""
+    deadline = time.monotonic() + SEEN_TIMEOUT_S
+    while True:
+        found = await read_shard_map(client)
+        if found is not None and found[1].epoch >= epoch:
+            return
+        if time.monotonic() > deadline:
+            raise ShardMapError(f"{', '.join(client.connector.addresses)} did not serve shard map epoch {epoch} "
+                                f"within {SEEN_TIMEOUT_S:g} s (run the move again to resume)")
+        await asyncio.sleep(SEEN_POLL_S)
+
+
+async def _ship(source: Client, dest: Client, first: int, last: int, report: MoveReport) -> None:
+    after = None
+    while True:
+        page = await call(source.connector, OP_SLOT_EXPORT, (first, last, after), REQUEST_TIMEOUT_S)
+        done = await call(dest.connector, OP_SLOT_IMPORT, (first, last, msgpack.packb(page)), REQUEST_TIMEOUT_S)
+        report.leases += done["leases"]
+        report.queues += done["queues"]
+        report.delays += done["delays"]
+        if not page["more"]:
+            return
+        after = page["after"]
+
+
+async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
+                     progress: Any = None) -> MoveReport:
+    """Move slots ``first..last`` to group ``to`` (see the module docstring); ``progress(text)``
+    is told each step.
+
+    :raises ShardMapError: the move cannot be made from the map in etcd (or a primary did not
+        follow it in time).  :raises MapConflict: the map changed under the move (run it again).
+    """
+    def tell(text: str) -> None:
+        if progress is not None:
+            progress(text)
+
+    found = await stored.read()
+    if found is None:
+        raise ShardMapError(f"no shard map in etcd at {stored.key}")
+    shard_map, revision = found
+    state = move_state(shard_map, first, last, to)
+    report = MoveReport(first, last, state.source, to, epoch=shard_map.epoch)
+    if state.step == "done":
+        tell(f"slots {first}..{last} are owned by {to} already (epoch {shard_map.epoch})")
+        return report
+    marked_at = None
+    if state.step == "start":
+        new = mark_moving(shard_map, first, last, to)
+        await stored.replace(revision, shard_map, new)
+        marked_at = time.monotonic()
+        shard_map = new
+        report.steps.append("mark")
+        tell(f"epoch {new.epoch}: slots {first}..{last} of {state.source} marked moving to {to}")
+    assert state.source is not None
+    source = Client(list(shard_map.group(state.source).addresses), client_name="fastlock-shard-move")
+    dest = Client(list(shard_map.group(to).addresses), client_name="fastlock-shard-move")
+    try:
+        await asyncio.gather(_serves(source, shard_map.epoch), _serves(dest, shard_map.epoch))
+        await _ship(source, dest, first, last, report)
+        report.steps.append("ship")
+        tell(f"shipped {report.leases} leases, {report.queues} waiter queues, {report.delays} lock-delays")
+        found = await stored.read()
+        if found is None:
+            raise ShardMapError(f"the shard map in etcd at {stored.key} is gone")
+        shard_map, revision = found
+        flipped = finish_move(shard_map, first, last, to)
+        await stored.replace(revision, shard_map, flipped)
+        if marked_at is not None:
+            report.freeze_ms = (time.monotonic() - marked_at) * 1000.0
+        report.steps.append("flip")
+        report.epoch = flipped.epoch
+        tell(f"epoch {flipped.epoch}: slots {first}..{last} owned by {to}")
+        await _serves(source, flipped.epoch)  # the source has dropped them and redirects
+    finally:
+        await asyncio.gather(source.close(), dest.close(), return_exceptions=True)
+    return report
+
+
+async def abort_slots(stored: EtcdShardMap, first: int, last: int, to: str) -> ShardMap:
+    """Undo a move of ``first..last`` to ``to`` still marked (epoch + 1): the source serves them
+    again.  Leases the destination imported stay there until they expire (it does not own the
+    slots, so nobody reaches them).  :raises ShardMapError: not marked so."""
+    found = await stored.read()
+    if found is None:
+        raise ShardMapError(f"no shard map in etcd at {stored.key}")
+    shard_map, revision = found
+    new = abort_move(shard_map, first, last, to)
+    await stored.replace(revision, shard_map, new)
+    return new

@@ -1,0 +1,229 @@
+"""Moving slots between shard groups (`fastlock shard move|split`, fastlock.server.slotmove): real
+servers following a map in etcd; held leases survive a move, tokens keep rising, moved waiters keep
+their order, the destination keeps what it adopted across a restart, and a hostile SLOT_IMPORT
+changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import msgpack
+import pytest
+from conftest import wait_until
+from etcdserver import unique_prefix
+
+import fastlock
+from fastlock._testbase.cluster import RawNode
+from fastlock._testbase.proxy import free_port
+from fastlock._testbase.servers import CredentialsDir, ServerProcess
+from fastlock._testbase.shards import names_owned_by
+from fastlock.cli import main
+from fastlock.coordination.shardmap import load_from_etcd
+from fastlock.errors import FastlockError, InvalidArgument, PermissionDenied
+from fastlock.protocol.ops import OP_SLOT_EXPORT, OP_SLOT_IMPORT
+from fastlock.sharding import ShardGroup, ShardMap, even_ranges, slot_of
+from fastlock.sharding.moves import mark_moving
+
+
+async def shard(argv: list[str]) -> int:
+    """``fastlock shard ...`` in this process (on a thread: it runs its own event loop)."""
+    return await asyncio.to_thread(main, argv)
+
+
+class Groups:
+    """Two shard groups g0, g1 (one server each) following a map in etcd, with credentials."""
+
+    def __init__(self, etcd, tmp_path, monkeypatch):
+        self.url = f"etcd://{etcd.address}{unique_prefix()}"
+        self.creds = CredentialsDir(tmp_path / "credentials")
+        monkeypatch.setenv("FASTLOCK_TOKEN_FILE", self.creds.token_file("admin"))  # the mover is an admin
+        self.app = self.creds.token("app")
+        self.tmp_path = tmp_path
+        ports = [free_port(), free_port()]
+        self.shard_map = ShardMap(1, tuple(ShardGroup(f"g{k}", (f"127.0.0.1:{ports[k]}",)) for k in range(2)),
+                                  even_ranges(["g0", "g1"]))
+        self.servers = {f"g{k}": self._server(f"g{k}", ports[k]) for k in range(2)}
+
+    def _server(self, group: str, port: int) -> ServerProcess:
+        return ServerProcess(self.tmp_path / group, fsync="always", port=port,
+                             args=["--shard-map", self.url, "--shard-group", group,
+                                   *self.creds.server_args("node-1" if group == "g0" else "node-2")])
+
+    async def start(self) -> None:
+        stored = await load_from_etcd(self.url)
+        try:
+            await stored.create(self.shard_map)
+        finally:
+            await stored.gateway.close()
+        for server in self.servers.values():
+            server.start()
+
+    def restart(self, group: str) -> None:
+        old = self.servers[group]
+        old.stop()
+        self.servers[group] = self._server(group, old.port)
+        self.servers[group].start()
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            if server.proc is not None:
+                server.stop()
+
+    def connect(self) -> fastlock.connect:
+        return fastlock.connect(self.servers["g0"].address, token=self.app, session=False)
+
+    async def move(self, slots: str, to: str) -> dict:
+        argv = ["shard", "move", "--coordinator", self.url, "--slots", slots, "--to", to, "-o", "json"]
+        assert await shard(argv) == 0
+        return argv
+
+
+@pytest.fixture
+async def groups(etcd, tmp_path, monkeypatch):
+    g = Groups(etcd, tmp_path, monkeypatch)
+    try:
+        await g.start()
+        yield g
+    finally:
+        g.stop()
+
+
+async def test_a_held_lease_survives_a_move_and_tokens_keep_rising(groups, capsys):
+    name = names_owned_by(groups.shard_map, "g0", 1, "held")[0]
+    idle = names_owned_by(groups.shard_map, "g0", 1, "idle")[0]
+    async with groups.connect() as client:
+        lease = await client.acquire(name, ttl=30)
+        capsys.readouterr()
+        await groups.move(str(slot_of(name)), "g1")
+        report = json.loads(capsys.readouterr().out)
+        assert report["steps"] == ["mark", "ship", "flip"] and report["leases"] == 1 and report["freeze_ms"] > 0
+        # the old group redirects; the lease is held on g1 with its token and owner
+        g1 = await RawNode.open(groups.servers["g1"].address, token=groups.app)
+        try:
+            assert (await g1.holder(name))["token"] == lease.fencing_token
+        finally:
+            await g1.close()
+        lease = await client.extend(lease, ttl=20)  # a WrongShard from g0 re-routes it to g1
+        await client.release(lease)
+        again = await client.acquire(name, ttl=5)
+        assert again.fencing_token > lease.fencing_token
+        await client.release(again)
+        # a slot with nothing in it moves too, and is served by g1 after
+        await groups.move(str(slot_of(idle)), "g1")
+        other = await client.acquire(idle, ttl=5)
+        assert other.fencing_token > lease.fencing_token
+        await client.release(other)
+        # running the same move again finds it done and changes nothing
+        capsys.readouterr()
+        await groups.move(str(slot_of(idle)), "g1")
+        assert json.loads(capsys.readouterr().out)["steps"] == []
+
+
+async def test_moved_waiters_get_the_lock_in_their_old_order(groups):
+    name = names_owned_by(groups.shard_map, "g0", 1, "queued")[0]
+    admin = fastlock.connect(groups.servers["g0"].address, token=groups.creds.token("admin"), session=False)
+    async with groups.connect() as holder, groups.connect() as first, groups.connect() as second, admin as operator:
+        lease = await holder.acquire(name, ttl=30)
+        order: list[str] = []
+
+        async def wait_for(client, who: str):
+            got = await client.acquire(name, ttl=30, wait=60)
+            order.append(who)
+            return got
+
+        a = asyncio.ensure_future(wait_for(first, "first"))
+        await wait_until(lambda: _queue_length(operator, name, 1), 10, "the first waiter to queue")
+        b = asyncio.ensure_future(wait_for(second, "second"))
+        await wait_until(lambda: _queue_length(operator, name, 2), 10, "the second waiter to queue")
+        await groups.move(str(slot_of(name)), "g1")
+        await holder.release(lease)  # on g1: the first waiter gets it
+        got_a = await asyncio.wait_for(a, 30)
+        assert order == ["first"] and got_a.fencing_token > lease.fencing_token
+        await first.release(got_a)
+        got_b = await asyncio.wait_for(b, 30)
+        assert order == ["first", "second"] and got_b.fencing_token > got_a.fencing_token
+        await second.release(got_b)
+
+
+async def _queue_length(client, name: str, n: int) -> bool:
+    info = await client.lock_info(name)
+    return info is not None and info.waiter_count >= n
+
+
+async def test_the_destination_keeps_an_adopted_lease_across_a_restart(groups):
+    name = names_owned_by(groups.shard_map, "g0", 1, "kept")[0]
+    async with groups.connect() as client:
+        lease = await client.acquire(name, ttl=60)
+    await groups.move(str(slot_of(name)), "g1")
+    groups.restart("g1")
+    async with groups.connect() as client:
+        g1 = client.group_client("g1")
+        assert (await g1.holder(name))["token"] == lease.fencing_token
+        lease = await client.extend(lease, ttl=30)
+        await client.release(lease)
+        assert (await client.acquire(name, ttl=5)).fencing_token > lease.fencing_token
+
+
+async def test_a_move_stopped_after_its_mark_is_finished_by_running_it_again(groups, capsys):
+    name = names_owned_by(groups.shard_map, "g0", 1, "resumed")[0]
+    slot = slot_of(name)
+    async with groups.connect() as client:
+        lease = await client.acquire(name, ttl=30)
+        stored = await load_from_etcd(groups.url)
+        try:  # the mover died right after writing the mark
+            shard_map, revision = await stored.read()
+            await stored.replace(revision, shard_map, mark_moving(shard_map, slot, slot, "g1"))
+        finally:
+            await stored.gateway.close()
+        assert await shard(["shard", "status", "--coordinator", groups.url]) == 0
+        assert f"slots {slot}..{slot}: g0 (moving to g1)" in capsys.readouterr().out
+        await groups.move(str(slot), "g1")
+        assert json.loads(capsys.readouterr().out)["steps"] == ["ship", "flip"]
+        await client.release(lease)
+
+
+async def test_a_hostile_slot_import_is_refused_and_changes_nothing(groups):
+    name = names_owned_by(groups.shard_map, "g1", 1, "target")[0]
+    slot = slot_of(name)
+    lease_row = [name, 1 << 50, b"x" * 32, 10_000, 0, False, 0, None, None]
+    state = {"leases": [lease_row], "queues": [], "delays": [], "floor": 1 << 50}
+    packed = msgpack.packb(state)
+    app = await RawNode.open(groups.servers["g1"].address, token=groups.app)
+    admin = await RawNode.open(groups.servers["g1"].address, token=groups.creds.token("admin"))
+    try:
+        with pytest.raises(PermissionDenied):  # a client principal may not import
+            await app.request(OP_SLOT_IMPORT, slot, slot, packed)
+        with pytest.raises(PermissionDenied):
+            await app.request(OP_SLOT_EXPORT, slot, slot, None)
+        bad_states = [
+            {**state, "leases": [[*lease_row[:3], -5, *lease_row[4:]]]},  # a negative TTL
+            {**state, "leases": [["a" * 10, *lease_row[1:]]]},  # a name outside the slots
+            {**state, "leases": [lease_row[:5]]},  # too few fields
+            {**state, "leases": [lease_row] * 21},  # more rows than a page
+            {**state, "floor": "high"},
+            {**state, "queues": [[name, 0, [b""]]]},
+            {**state, "queues": [[name, 0, [b"x" * 32] * 21]]},  # a queue part too long
+            {"leases": []},
+            [1, 2, 3],
+        ]
+        for bad in [msgpack.packb(b) for b in bad_states] + [b"\xc1", state, b"x" * (61 << 10)]:
+            with pytest.raises(InvalidArgument):
+                await admin.request(OP_SLOT_IMPORT, slot, slot, bad)
+        with pytest.raises(InvalidArgument):
+            await admin.request(OP_SLOT_IMPORT, slot, -1, packed)
+        # well formed, but the slot is not being moved to g1 (g1 owns it already): refused
+        with pytest.raises(InvalidArgument, match="not marked moving"):
+            await admin.request(OP_SLOT_IMPORT, slot, slot, packed)
+        with pytest.raises(FastlockError):  # beyond a request's frame: the connection is closed
+            await admin.request(OP_SLOT_IMPORT, slot, slot, b"x" * (1 << 20))
+    finally:
+        await app.close()
+        await admin.close()
+    check = await RawNode.open(groups.servers["g1"].address, token=groups.app)
+    try:
+        assert await check.holder(name) is None
+        status = await check.status()
+        assert status["epoch"] < 1 << 10  # no floor was raised
+    finally:
+        await check.close()
