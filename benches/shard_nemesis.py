@@ -66,21 +66,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import dataclasses
+import datetime
 import json
 import logging
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-from benches.nemesis.cluster import GROUP_KINDS, Nemesis, NemesisConfig
+from benches.nemesis.cluster import GROUP_KINDS, Fault, Nemesis, NemesisConfig
 from benches.nemesis.report import NO_FAILOVER_KINDS, _read_events, _s, build_report, print_report
+from fastlock.sharding import slot_of
 
-#: fault kinds of the sharded nemesis: the etcd group's
-SHARD_KINDS = GROUP_KINDS
+#: fault kinds of the sharded nemesis: the etcd group's, and a slot move
+SHARD_KINDS = (*GROUP_KINDS, "move")
+#: the slot moves of a run, kept next to nemesis-run.json
+MOVES = "moves.json"
 #: fault kinds that strike the whole deployment rather than one group
 DEPLOYMENT_KINDS = ("etcd-restart",)
 
@@ -93,6 +99,43 @@ async def _write_map(url: str, shard_map) -> None:
         await stored.create(shard_map)
     finally:
         await stored.gateway.close()
+
+
+async def _read_map(url: str):
+    from fastlock.coordination.shardmap import load_from_etcd
+
+    stored = await load_from_etcd(url)
+    try:
+        found = await stored.read()
+    finally:
+        await stored.gateway.close()
+    if found is None:
+        raise RuntimeError(f"no shard map at {url}")
+    return found[0]
+
+
+@dataclasses.dataclass
+class SlotMove:
+    """One ``fastlock shard move`` the controller ran; ``started``/``ended`` are
+    ``time.monotonic()`` seconds, ``report`` the command's JSON (its MoveReport)."""
+
+    first: int
+    last: int
+    source: str
+    to: str
+    started: float = 0.0
+    ended: float = 0.0
+    returncode: int | None = None
+    report: dict | None = None
+    error: str = ""
+
+    def summary(self) -> str:
+        what = f"slots {self.first}-{self.last} {self.source}->{self.to}"
+        if self.report is None:
+            return f"{what}: FAILED ({self.error[-160:]})"
+        r = self.report
+        return (f"{what}: {r.get('leases')} leases, {r.get('queues')} queues, freeze {r.get('freeze_ms') or 0:.0f} ms, "
+                f"epoch {r.get('epoch')}")
 
 
 class ShardNemesis(Nemesis):
@@ -110,7 +153,9 @@ class ShardNemesis(Nemesis):
         self.shard_groups = {f"g{k}": [self.nodes[f"g{k}a"], self.nodes[f"g{k}b"]] for k in range(cfg.shards)}
         self.primaries = {g: nodes[0] for g, nodes in self.shard_groups.items()}
         self.focus: str | None = None  # the group a fault is striking
-        self.shard_map = None
+        self.shard_map = None  # the map in etcd, as last read
+        self.map_url = ""  # etcd://ETCD/PREFIX, etcd itself (not a node's proxy)
+        self.moves: list[SlotMove] = []
 
     def node_names(self) -> tuple[str, ...]:
         return tuple(f"g{k}{n}" for k in range(self.cfg.shards) for n in "ab")
@@ -129,7 +174,8 @@ class ShardNemesis(Nemesis):
             node.port = free_port()
         groups = tuple(ShardGroup(g, tuple(n.address for n in nodes)) for g, nodes in self.shard_groups.items())
         self.shard_map = ShardMap(1, groups, even_ranges([g.name for g in groups]))
-        asyncio.run(_write_map(f"etcd://{self.etcd.address}{prefix}", self.shard_map))
+        self.map_url = f"etcd://{self.etcd.address}{prefix}"
+        asyncio.run(_write_map(self.map_url, self.shard_map))
         for group, nodes in self.shard_groups.items():
             for node in nodes:
                 node.proxy = TcpProxy(self.etcd.address).start()
@@ -169,7 +215,78 @@ class ShardNemesis(Nemesis):
             return False, "the prober was granted nothing since the fault ended"
         return True, "healthy"
 
+    # -- slot moves ------------------------------------------------------------------------------
+    def read_map(self):
+        """The shard map in etcd now (:attr:`shard_map` is set to it)."""
+        self.shard_map = asyncio.run(_read_map(self.map_url))
+        return self.shard_map
+
+    def plan_move(self, source: str, names: list[str]) -> tuple[int, int]:
+        """Slots to move out of ``source``: the shortest run of its slots that holds two of
+        ``names`` (the W3 workers' contended names: held leases and waiters), else the slot
+        of one of them, else ``source``'s first slot."""
+        shard_map = self.shard_map
+        slots = sorted({slot_of(n) for n in names if shard_map.owner(n).name == source})
+
+        def movable(first: int, last: int) -> bool:
+            return all(shard_map.owner_of_slot(s).name == source and shard_map.moving_to_of_slot(s) is None
+                       for s in range(first, last + 1))
+
+        pairs = sorted(zip(slots, slots[1:]), key=lambda p: p[1] - p[0])
+        for first, last in pairs:
+            if movable(first, last):
+                return first, last
+        for slot in slots:
+            if movable(slot, slot):
+                return slot, slot
+        first = next(r.first for r in shard_map.ranges if r.group == source)
+        return first, first
+
+    def move(self, first: int, last: int, to: str, timeout: float = 90.0) -> SlotMove:
+        """``fastlock shard move --slots FIRST-LAST --to TO`` as the admin, against etcd;
+        recorded in :attr:`moves` (monotonic times), :attr:`shard_map` read again after."""
+        source = self.shard_map.owner_of_slot(first).name
+        record = SlotMove(first, last, source, to, started=time.monotonic())
+        try:
+            res = subprocess.run([sys.executable, "-m", "fastlock", "shard", "move", "--coordinator", self.map_url,
+                                  "--slots", f"{first}-{last}", "--to", to, "-o", "json"],
+                                 capture_output=True, text=True, timeout=timeout, cwd=str(self.root),
+                                 env=dict(self.env, FASTLOCK_TOKEN_FILE=self.creds.token_file("admin")))
+            record.returncode = res.returncode
+            if res.returncode == 0:
+                record.report = json.loads(res.stdout.strip().splitlines()[-1])
+            else:
+                record.error = (res.stderr or res.stdout).strip()[-300:]
+        except subprocess.TimeoutExpired:
+            record.error = f"not done within {timeout:g} s"
+        record.ended = time.monotonic()
+        self.moves.append(record)
+        self.read_map()
+        return record
+
+    def inject_move(self) -> Fault:
+        """A slot move (:meth:`plan_move`) from a random group to another, under the load."""
+        source = self.rng.choice(sorted(self.shard_groups))
+        to = self.rng.choice(sorted(g for g in self.shard_groups if g != source))
+        p = self.primaries[source]
+        fault = Fault(index=len(self.faults) + 1, kind="move", old_primary=p.name, new_primary=p.name, group=source)
+        self.faults.append(fault)
+        self.read_map()
+        first, last = self.plan_move(source, [f"acct/{i}" for i in range(self.cfg.locks or 2 * self.cfg.workers)])
+        fault.at = time.monotonic()
+        record = self.move(first, last, to)
+        fault.ended_s = record.ended - fault.at
+        fault.note = record.summary()
+        fault.repaired_s = fault.ended_s
+        healthy_at = self.wait_healthy(record.ended, self.cfg.heal_timeout)
+        fault.healthy_s = None if healthy_at is None else healthy_at - fault.at
+        if record.error and not self.aborted:
+            self.aborted = f"slot move {record.first}-{record.last} {source}->{to} failed: {record.error}"
+        return fault
+
     def inject(self, kind: str):
+        if kind == "move":
+            return self.inject_move()
         group = "" if kind in DEPLOYMENT_KINDS else self.rng.choice(sorted(self.shard_groups))
         focus = group or "g0"
         self.focus = focus
@@ -191,6 +308,7 @@ class ShardNemesis(Nemesis):
 
         held = []
         try:
+            self.read_map()
             for i in range(self.cfg.locks or 2 * self.cfg.workers):
                 name = f"acct/{i}"
                 node = self.primaries[self.shard_map.owner(name).name]
@@ -232,6 +350,7 @@ def run_shard_nemesis(cfg: NemesisConfig, root: str | None = None) -> dict:
         nem.stop_all()
         atexit.unregister(nem.stop_all)
     nem.save_state(time.monotonic() - t0)
+    (base / MOVES).write_text(json.dumps([dataclasses.asdict(m) for m in nem.moves], indent=1))
     report = _report(nem, time.monotonic() - t0)
     report["run_dir"] = str(base)
     if own:
@@ -246,13 +365,19 @@ def _report(nem: ShardNemesis, elapsed: float) -> dict:
         by_group[f.group or "all"] = by_group.get(f.group or "all", 0) + 1
     report["faults_by_group"] = by_group
     report["shards"] = nem.cfg.shards
-    # promotions the servers logged, beyond each group's first: the faults' and any the load caused
-    promotions = {}
+    report["moves"] = [dataclasses.asdict(m) for m in getattr(nem, "moves", [])]
+    # promotions the servers logged before the run stopped, beyond each group's first: the faults'
+    # and any the load caused
+    offset = time.time() - time.monotonic()
+    promotions = 0
     for name in nem.all_nodes:
         path = nem.root / f"{name}.log"
         if path.exists():
-            promotions[name] = path.read_text(errors="replace").count("PROMOTED to primary")
-    report["promotions_after_start"] = sum(promotions.values()) - nem.cfg.shards
+            for line in path.read_text(errors="replace").splitlines():
+                if "PROMOTED to primary" in line:
+                    at = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp() - offset
+                    promotions += not nem.stopped_at or at < nem.stopped_at
+    report["promotions_after_start"] = promotions - nem.cfg.shards
     report["faults_that_promoted"] = sum(1 for f in nem.faults if f.promoted_s is not None)
     cfg = nem.cfg
     grants = [e for e in _read_events(nem.root, cfg.workers + 1 + cfg.pair_workers) if e["ev"] == "grant"]
@@ -268,6 +393,8 @@ def print_shard_report(report: dict) -> None:
           f"{cfg['coordinator_ttl']} s); W3 workers {cfg['workers']}, W2 workers {cfg['pair_workers']}; "
           f"faults by group: " + ", ".join(f"{g} {n}" for g, n in sorted(report["faults_by_group"].items())))
     print("  grants by group: " + ", ".join(f"{g} {n}" for g, n in report["grants_by_group"].items()))
+    for m in report["moves"]:
+        print(f"  move: {SlotMove(**m).summary()} ({m['ended'] - m['started']:.2f} s)")
     print(f"  promotions after the start: {report['promotions_after_start']} (faults followed by a promotion: "
           f"{report['faults_that_promoted']}; the rest: failovers the load or an etcd restart caused)")
 
@@ -297,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.report:
         nem, elapsed = ShardNemesis.load(args.report)
+        if (Path(args.report) / MOVES).exists():
+            nem.moves = [SlotMove(**m) for m in json.loads((Path(args.report) / MOVES).read_text())]
         report = _report(nem, elapsed)
     else:
         kinds = tuple(k for k in args.kinds.split(",") if k) or SHARD_KINDS

@@ -88,3 +88,34 @@ def test_a_fault_of_one_group_exempts_and_counts_only_that_groups_grants():
     assert granted_before_fence(unsharded, [kill])
     deployment = Fault(index=2, kind="etcd-restart", old_primary="g0a", at=5.0)  # no group: strikes all
     assert struck(deployment, in_g2)
+
+
+# --------------------------------------------------------------------------- found by the nemesis
+
+
+@pytest.fixture
+async def groups(etcd, tmp_path, monkeypatch):
+    from test_shard_move import Groups
+
+    g = Groups(etcd, tmp_path, monkeypatch)
+    try:
+        await g.start()
+        yield g
+    finally:
+        g.stop()
+
+
+async def test_a_lock_context_of_the_routing_client_follows_a_moved_name(groups):
+    """``client.lock()`` of a ShardedClient routes when it runs: a lease held across a move of its
+    slot is released at the exit on the new group, and a later ``lock()`` of the name goes there."""
+    from fastlock._testbase.shards import names_owned_by
+    from fastlock.sharding import slot_of
+
+    name = names_owned_by(groups.shard_map, "g0", 1, "ctx")[0]
+    async with groups.connect() as client:
+        async with client.lock(name, ttl=10) as lease:
+            await groups.move(str(slot_of(name)), "g1")
+        assert not lease.lost.is_set()  # the exit's release reached g1
+        async with client.lock(name, ttl=5) as again:
+            assert again.fencing_token > lease.fencing_token
+        assert not again.lost.is_set()

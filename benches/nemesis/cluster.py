@@ -51,6 +51,7 @@ class NemesisConfig:
     coordinator_ttl: int = 1        # s, the nodes' --coordinator-ttl (group "etcd" only)
     shards: int = 0                 # etcd groups sharing the slots (benches.shard_nemesis); 0: one group
     pair_workers: int = 0           # W2 worker processes: acquire+release pairs on names of their own
+    pair_pause: float = 0.02        # s between a W2 worker's pairs
 
     @property
     def failover_s(self) -> float:
@@ -278,6 +279,7 @@ class Nemesis:
         conn.close()
         wcfg = {"seed": cfg.seed, "workers": cfg.workers, "locks": cfg.locks or 2 * cfg.workers,
                 "ttl": cfg.ttl, "wait": cfg.wait, "pair_workers": cfg.pair_workers,
+                "pair_pause": cfg.pair_pause,
                 "request_timeout": cfg.request_timeout, "store": str(self.store),
                 "addresses": [node.address for node in self.nodes.values()]}
         (self.root / "config.json").write_text(json.dumps(wcfg))

@@ -17,8 +17,8 @@ from fastlock.tokens import epoch_of
 if TYPE_CHECKING:  # pragma: no cover
     from benches.nemesis.cluster import Nemesis
 
-#: fault kinds after which no node is expected to promote (group "etcd")
-NO_FAILOVER_KINDS = ("kill-standby", "etcd-restart")
+#: fault kinds after which no node is expected to promote (group "etcd"; "move": benches.shard_nemesis)
+NO_FAILOVER_KINDS = ("kill-standby", "etcd-restart", "move")
 
 #: a server log line (text format) saying the node stopped granting as a primary: it fenced
 #: itself (or its arbiter fenced it), or it left the primary role (fastlock/roles.py's lines)

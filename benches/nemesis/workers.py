@@ -166,7 +166,7 @@ class _Worker:
 
     async def pairs(self, client) -> None:
         """W2: one-shot ``acquire`` + ``release`` pairs on 16 names of this worker's own
-        (spread over every slot by their hash), one pair every 20 ms, until stopped."""
+        (spread over every slot by their hash), ``pair_pause`` s (20 ms) apart, until stopped."""
         from fastlock.errors import FastlockError, LockNotAcquired
 
         cfg = self.cfg
@@ -194,7 +194,7 @@ class _Worker:
                          sent=sent, type=type(exc).__name__, msg=str(exc))
                 if phase == "pair-release":
                     self.log("end", lock=name, token=lease.fencing_token, holding=holding, reason="release-error")
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(cfg.get("pair_pause", 0.02))
 
     async def hold(self, ctx, lease, name: str, sent: float, hold: float) -> None:
         """Act as the holder for ``hold`` s: a fenced write every 0.2 s while the lease

@@ -199,7 +199,9 @@ class ShardedClient(Client):
 
     # objects that call later (context managers, iterators, recipes): made by the owner's client
     def lock(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self.client_for(name).lock(name, *args, **kwargs)
+        # a lock context of this client: its acquire, renewals and release are routed when they
+        # run, so a name moved since (a WrongShard) is followed to its new group
+        return Client.lock(self, name, *args, **kwargs)
 
     def semaphore(self, name: str, *args: Any, **kwargs: Any) -> Any:
         return self.client_for(name).semaphore(name, *args, **kwargs)
