@@ -119,3 +119,77 @@ async def test_a_lock_context_of_the_routing_client_follows_a_moved_name(groups)
         async with client.lock(name, ttl=5) as again:
             assert again.fencing_token > lease.fencing_token
         assert not again.lost.is_set()
+
+
+def _maps(name: str):
+    from fastlock.sharding import ShardGroup, ShardMap, SlotRange, slot_of
+
+    groups = (ShardGroup("g0", ("127.0.0.1:1",)), ShardGroup("g1", ("127.0.0.1:2",)))
+    slot = slot_of(name)
+    assert 0 < slot < 16383
+    before = ShardMap(1, groups, (SlotRange(0, 16383, "g0"),))
+    after = ShardMap(3, groups, (SlotRange(0, slot - 1, "g0"), SlotRange(slot, slot, "g1"),
+                                 SlotRange(slot + 1, 16383, "g0")))
+    return before, before.with_epoch(2), after
+
+
+class _GroupClient:
+    """A group's client that answers ``acquire`` from a script (a value, or an error to raise)."""
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+        self.calls = 0
+
+    async def acquire(self, name, **kwargs):
+        self.calls += 1
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def close(self):
+        pass
+
+
+def _routing_client(shard_map, clients, reads, monkeypatch):
+    import fastlock.client.sharded as sharded
+    from fastlock.client import Client
+
+    served = list(reads)
+
+    async def read_shard_map(client, timeout=5.0):
+        return "g?", served.pop(0) if len(served) > 1 else served[0]
+
+    monkeypatch.setattr(sharded, "read_shard_map", read_shard_map)
+    routing = sharded.ShardedClient(Client(["127.0.0.1:1"], session=False), "g0", shard_map, lambda a: None)
+    routing._clients.update(clients)
+    return routing
+
+
+async def test_a_redirect_waits_for_its_owner_to_serve_the_redirects_epoch(monkeypatch):
+    """g0 has flipped a move (epoch 3) and redirects to g1, which still serves the marked map (epoch 2):
+    the client reads g1's map again until it is epoch 3, then acquires at g1."""
+    from fastlock.errors import WrongShard
+
+    before, marked, after = _maps("moved-name")
+    g0 = _GroupClient(WrongShard("moved", 1, "g1", ("127.0.0.1:2",), 3))
+    g1 = _GroupClient("lease")
+    routing = _routing_client(before, {"g0": g0, "g1": g1}, [marked, marked, after], monkeypatch)
+    assert await routing.acquire("moved-name", ttl=5) == "lease"
+    assert routing.shard_map.epoch == 3 and (g0.calls, g1.calls) == (1, 1)
+
+
+async def test_a_node_behind_the_clients_map_is_asked_again(monkeypatch):
+    """The client reads epoch 3 (the name is g1's); g1 has not read the flip yet and redirects with
+    epoch 2: the client asks g1 again instead of failing."""
+    from fastlock.errors import WrongShard
+
+    _before, _marked, after = _maps("moved-name")
+    g1 = _GroupClient(WrongShard("not yet", 1, "g0", ("127.0.0.1:1",), 2), "lease")
+    routing = _routing_client(after, {"g0": _GroupClient(), "g1": g1}, [after], monkeypatch)
+    assert await routing.acquire("moved-name", ttl=5) == "lease"
+    assert g1.calls == 2
+    # a redirect of the same epoch that names no other owner is the caller's error, at once
+    g1.answers = [WrongShard("no", 1, "g0", ("127.0.0.1:1",), 3)]
+    with pytest.raises(WrongShard):
+        await routing.acquire("moved-name", ttl=5)
