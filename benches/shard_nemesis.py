@@ -230,6 +230,14 @@ class ShardNemesis(Nemesis):
             return False, "the prober was granted nothing since the fault ended"
         return True, "healthy"
 
+    def find_primaries(self) -> None:
+        """Follow failovers no fault caused (the load's, a move's): each group's one node that
+        answers as its primary becomes :attr:`primaries`' entry."""
+        for group, nodes in self.shard_groups.items():
+            found = [n for n in nodes if (n.status() or {}).get("role") == "primary"]
+            if len(found) == 1:
+                self.primaries[group] = found[0]
+
     # -- slot moves ------------------------------------------------------------------------------
     def read_map(self):
         """The shard map in etcd now (:attr:`shard_map` is set to it)."""
@@ -305,6 +313,7 @@ class ShardNemesis(Nemesis):
             return self.inject_move()
         group = "" if kind in DEPLOYMENT_KINDS else self.rng.choice(sorted(self.shard_groups))
         focus = group or "g0"
+        self.find_primaries()
         self.focus = focus
         self.nodes = {n.name: n for n in self.shard_groups[focus]}
         self.primary = self.primaries[focus]
@@ -325,10 +334,7 @@ class ShardNemesis(Nemesis):
         held = []
         try:
             self.read_map()
-            for group, nodes in self.shard_groups.items():  # a failover no fault caused (the load's)
-                found = [n for n in nodes if (n.status() or {}).get("role") == "primary"]
-                if len(found) == 1:
-                    self.primaries[group] = found[0]
+            self.find_primaries()
             for i in range(self.cfg.locks or 2 * self.cfg.workers):
                 name = f"acct/{i}"
                 node = self.primaries[self.shard_map.owner(name).name]

@@ -157,6 +157,8 @@ class _Worker:
                          at=time.monotonic(), ttl=lease.ttl, probe=True)
                 phase = "probe-release"
                 await client.release(lease)
+                # a clean release: the primary holding the grant knew it (the report's rule for late grants)
+                self.log("end", lock=name, token=lease.fencing_token, holding=f"p#{n}", reason="done")
             except LockNotAcquired as exc:
                 self.log("not_acquired", op=phase, lock=name, sent=sent, msg=str(exc))
             except (FastlockError, OSError) as exc:
