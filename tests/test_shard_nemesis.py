@@ -193,3 +193,25 @@ async def test_a_node_behind_the_clients_map_is_asked_again(monkeypatch):
     g1.answers = [WrongShard("no", 1, "g0", ("127.0.0.1:1",), 3)]
     with pytest.raises(WrongShard):
         await routing.acquire("moved-name", ttl=5)
+
+
+async def test_a_call_follows_a_name_that_moves_on_while_it_follows(monkeypatch):
+    """The client's map says g0; g0 redirects to g1 (the move to g1 flipped), whose map has the slot
+    marked moving on to g2; g1 then redirects to g2 (that move flipped too): the call follows to g2."""
+    from fastlock.errors import WrongShard
+    from fastlock.sharding import ShardGroup, ShardMap, SlotRange, slot_of
+
+    groups = tuple(ShardGroup(f"g{k}", (f"127.0.0.1:{k + 1}",)) for k in range(3))
+    slot = slot_of("moved-name")
+
+    def owned_by(epoch: int, group: str) -> ShardMap:
+        return ShardMap(epoch, groups, (SlotRange(0, slot - 1, "g0"), SlotRange(slot, slot, group),
+                                        SlotRange(slot + 1, 16383, "g0")))
+
+    g0 = _GroupClient(WrongShard("moved", slot, "g1", ("127.0.0.1:2",), 3))
+    g1 = _GroupClient(WrongShard("moved on", slot, "g2", ("127.0.0.1:3",), 5))
+    g2 = _GroupClient("lease")
+    routing = _routing_client(owned_by(1, "g0"), {"g0": g0, "g1": g1, "g2": g2},
+                              [owned_by(3, "g1"), owned_by(5, "g2")], monkeypatch)
+    assert await routing.acquire("moved-name", ttl=5) == "lease"
+    assert (g0.calls, g1.calls, g2.calls) == (1, 1, 1) and routing.shard_map.epoch == 5
