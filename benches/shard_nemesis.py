@@ -46,7 +46,10 @@ against the group a seeded RNG picks (``etcd-restart`` strikes every group at on
                   of the source's slots holding two of the W3 names (leases held, waiters
                   queued), else one such slot, moved as ``fastlock shard move --slots A-B --to G``
                   moves it (:func:`fastlock.cli.shardmove.move_slots`, in the controller, as the
-                  admin); a move that fails ends the run.
+                  admin); a move that fails ends the run;
+``move-kill``     the same move, with the primary of its source or destination SIGKILLed
+                  0.05-0.4 s after the move starts and restarted 0-1.5 s later; a move the
+                  kill stopped is run again (at most twice), as an operator resumes one.
 
 After each fault the controller waits (``--heal-timeout``) until EVERY group is healthy
 (its primary holds the key, may grant and is past its grace; its standby is synced) and
@@ -80,6 +83,7 @@ import shlex
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -89,7 +93,7 @@ from benches.nemesis.report import NO_FAILOVER_KINDS, _read_events, _s, build_re
 from fastlock.sharding import slot_of
 
 #: fault kinds of the sharded nemesis: the etcd group's, and a slot move
-SHARD_KINDS = (*GROUP_KINDS, "move")
+SHARD_KINDS = (*GROUP_KINDS, "move", "move-kill")
 #: the slot moves of a run, kept next to nemesis-run.json
 MOVES = "moves.json"
 #: fault kinds that strike the whole deployment rather than one group
@@ -308,9 +312,60 @@ class ShardNemesis(Nemesis):
             self.aborted = f"slot move {record.first}-{record.last} {source}->{to} failed: {record.error}"
         return fault
 
+    def inject_move_kill(self) -> Fault:
+        """A slot move with the primary of its source or destination SIGKILLed while it runs
+        (0.05-0.4 s after it starts), restarted 0-1.5 s later; a move that failed is run
+        again (at most twice), as an operator resumes one."""
+        self.find_primaries()
+        source = self.rng.choice(sorted(self.shard_groups))
+        to = self.rng.choice(sorted(g for g in self.shard_groups if g != source))
+        victim_group = self.rng.choice([source, to])
+        p = self.primaries[victim_group]
+        fault = Fault(index=len(self.faults) + 1, kind="move-kill", old_primary=p.name, new_primary=p.name,
+                      group=victim_group)
+        self.faults.append(fault)
+        self.read_map()
+        first, last = self.plan_move(source, [f"acct/{i}" for i in range(self.cfg.locks or 2 * self.cfg.workers)])
+        st = p.status()
+        old_epoch = st["epoch"] if st else 0
+        records: list[SlotMove] = []
+        mover = threading.Thread(target=lambda: records.append(self.move(first, last, to)), daemon=True)
+        fault.at = time.monotonic()
+        mover.start()
+        time.sleep(self.rng.uniform(0.05, 0.4))
+        p.proc.kill()
+        time.sleep(self.rng.uniform(0.0, 1.5))
+        p.start(None)
+        self.focus, self.nodes, self.primary = victim_group, {n.name: n for n in self.shard_groups[victim_group]}, p
+        try:
+            self._group_promoted(fault, old_epoch)
+        finally:
+            self.primaries[victim_group] = self.primary
+            self.nodes, self.focus = self.all_nodes, None
+            fault.new_primary = self.primaries[victim_group].name
+        mover.join(120)
+        notes = [f"killed {p.name} ({'source' if victim_group == source else 'destination'})"]
+        record = records[0] if records else None
+        for _ in range(2):  # resume a move the kill stopped
+            if record is not None and not record.error:
+                break
+            notes.append(f"move failed ({record.error[:120] if record else 'no result'}); run again")
+            self.find_primaries()
+            record = self.move(first, last, to)
+        fault.ended_s = time.monotonic() - fault.at
+        fault.note = "; ".join(notes + [record.summary() if record else "no move result"])
+        fault.repaired_s = fault.ended_s
+        healthy_at = self.wait_healthy(time.monotonic(), self.cfg.heal_timeout)
+        fault.healthy_s = None if healthy_at is None else healthy_at - fault.at
+        if (record is None or record.error) and not self.aborted:
+            self.aborted = f"slot move {first}-{last} {source}->{to} not done after a kill and two resumes"
+        return fault
+
     def inject(self, kind: str):
         if kind == "move":
             return self.inject_move()
+        if kind == "move-kill":
+            return self.inject_move_kill()
         group = "" if kind in DEPLOYMENT_KINDS else self.rng.choice(sorted(self.shard_groups))
         focus = group or "g0"
         self.find_primaries()
