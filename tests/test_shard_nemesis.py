@@ -3,7 +3,8 @@ each, one etcd holding the map), routing clients over all of them, faults agains
 
 The short version of ``python -m benches.shard_nemesis`` (see its docstring for the
 deployment, the workers and the checks): one fault of each of ``kill``, ``pause`` and
-``partition``, each against a group the seeded RNG picks, 3 W3 workers (contended
+``partition``, each against a group the seeded RNG picks, and one ``move-kill`` (a slot move
+whose source's or destination's primary is killed while it runs, then resumed), 3 W3 workers (contended
 ``lock()`` hand-offs with fenced writes), 1 W2 worker (acquire+release pairs) and the
 prober.  ``FASTLOCK_SHARD_NEMESIS_SECONDS=120`` runs every kind of fault for that many
 seconds instead.  Skipped without the etcd binary unless FASTLOCK_REQUIRE_ETCD=1.
@@ -33,7 +34,7 @@ from benches.nemesis.report import granted_before_fence, struck  # noqa: E402
 from benches.shard_nemesis import SHARD_KINDS, print_shard_report, run_shard_nemesis  # noqa: E402
 
 SECONDS = os.environ.get("FASTLOCK_SHARD_NEMESIS_SECONDS")
-SHORT_KINDS = ("kill", "pause", "partition")
+SHORT_KINDS = ("kill", "pause", "partition", "move-kill")
 
 
 def _config() -> NemesisConfig:
