@@ -21,7 +21,7 @@ from fastlock._testbase.shards import names_owned_by
 from fastlock.cli import main
 from fastlock.coordination.shardmap import load_from_etcd
 from fastlock.errors import FastlockError, InvalidArgument, PermissionDenied
-from fastlock.protocol.ops import OP_SLOT_EXPORT, OP_SLOT_IMPORT
+from fastlock.protocol.ops import OP_SHARD_MAP, OP_SLOT_EXPORT, OP_SLOT_IMPORT
 from fastlock.sharding import ShardGroup, ShardMap, even_ranges, slot_of
 from fastlock.sharding.moves import mark_moving
 
@@ -120,6 +120,27 @@ async def test_a_held_lease_survives_a_move_and_tokens_keep_rising(groups, capsy
         assert json.loads(capsys.readouterr().out)["steps"] == []
 
 
+@pytest.mark.parametrize("session", [True, False])
+async def test_a_renewed_lock_keeps_renewing_on_its_new_group(groups, session):
+    """``client.lock()`` renewed by the session (or by its own EXTENDs): after the move its
+    renewals go to g1 and the lease outlives several TTLs there; the context's release is
+    routed to g1."""
+    name = names_owned_by(groups.shard_map, "g0", 1, f"renewed{session}")[0]
+    async with fastlock.connect(groups.servers["g0"].address, token=groups.app, session=session) as client:
+        async with client.lock(name, ttl=2) as lease:
+            await groups.move(str(slot_of(name)), "g1")
+            g1 = client.group_client("g1")
+            started = asyncio.get_running_loop().time()
+            # the lease outlives 3 TTLs after the move only if g1 renews it
+            while asyncio.get_running_loop().time() - started < 6:
+                assert not lease.lost.is_set()
+                await asyncio.sleep(0.5)
+            holder = await g1.holder(name)
+            assert holder is not None and holder["token"] == lease.fencing_token
+        assert not lease.lost.is_set()
+        assert await g1.holder(name) is None  # released on g1 at the context's exit
+
+
 async def test_moved_waiters_get_the_lock_in_their_old_order(groups):
     name = names_owned_by(groups.shard_map, "g0", 1, "queued")[0]
     admin = fastlock.connect(groups.servers["g0"].address, token=groups.creds.token("admin"), session=False)
@@ -166,21 +187,56 @@ async def test_the_destination_keeps_an_adopted_lease_across_a_restart(groups):
 
 
 async def test_a_move_stopped_after_its_mark_is_finished_by_running_it_again(groups, capsys):
-    name = names_owned_by(groups.shard_map, "g0", 1, "resumed")[0]
+    """The mover died right after writing the mark: the slot is frozen on g0 (a new request for
+    it is held, not refused), and running the move again ships, flips and answers it."""
+    tag = names_owned_by(groups.shard_map, "g0", 1, "resumed")[0]
+    name, other = f"{{{tag}}}:a", f"{{{tag}}}:b"
     slot = slot_of(name)
+    assert slot_of(other) == slot
     async with groups.connect() as client:
         lease = await client.acquire(name, ttl=30)
         stored = await load_from_etcd(groups.url)
-        try:  # the mover died right after writing the mark
+        try:
             shard_map, revision = await stored.read()
             await stored.replace(revision, shard_map, mark_moving(shard_map, slot, slot, "g1"))
         finally:
             await stored.gateway.close()
         assert await shard(["shard", "status", "--coordinator", groups.url]) == 0
         assert f"slots {slot}..{slot}: g0 (moving to g1)" in capsys.readouterr().out
+
+        async def g0_shard(key: str, n: int) -> bool:
+            status = await asyncio.to_thread(groups.servers["g0"].status)
+            return status["shard"][key] == n
+
+        await wait_until(lambda: g0_shard("moving", 1), 20, "g0 to follow the mark")
+        held = asyncio.ensure_future(client.acquire(other, ttl=30))
+        await wait_until(lambda: g0_shard("held", 1), 10, "g0 to hold the acquire")
+        assert not held.done()
+        # ... and died again after shipping once: the rerun ships the same state again (no change)
+        g1 = await RawNode.open(groups.servers["g1"].address, token=groups.creds.token("admin"))
+        g0 = await RawNode.open(groups.servers["g0"].address, token=groups.creds.token("admin"))
+        try:
+            await wait_until(lambda: _serves_mark(g1, groups), 20, "g1 to follow the mark")
+            page = await g0.request(OP_SLOT_EXPORT, slot, slot, None)
+            assert [row[1] for row in page["leases"]] == [lease.fencing_token] and not page["more"]
+            assert (await g1.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(page)))["leases"] == 1
+        finally:
+            await g0.close()
+            await g1.close()
         await groups.move(str(slot), "g1")
         assert json.loads(capsys.readouterr().out)["steps"] == ["ship", "flip"]
+        assert (await client.group_client("g1").holder(name))["token"] == lease.fencing_token
+        second = await asyncio.wait_for(held, 30)  # answered WrongShard at the flip, granted by g1
+        assert second.fencing_token > lease.fencing_token
+        assert (await client.group_client("g1").holder(other))["token"] == second.fencing_token
+        await client.release(second)
         await client.release(lease)
+
+
+async def _serves_mark(node: RawNode, groups: Groups) -> bool:
+    """Whether ``node`` serves the map with the mark (SHARD_MAP)."""
+    reply = await node.request(OP_SHARD_MAP)
+    return any(r.get("moving_to") == "g1" for r in reply["map"]["ranges"])
 
 
 async def test_a_hostile_slot_import_is_refused_and_changes_nothing(groups):
@@ -227,3 +283,73 @@ async def test_a_hostile_slot_import_is_refused_and_changes_nothing(groups):
         assert status["epoch"] < 1 << 10  # no floor was raised
     finally:
         await check.close()
+
+
+async def test_a_range_holding_keys_is_not_moved_and_the_mark_is_cleared(groups, capsys):
+    key = names_owned_by(groups.shard_map, "g0", 1, "key")[0]
+    slot = slot_of(key)
+    async with groups.connect() as client:
+        await client.put(key, b"v")
+        argv = ["shard", "move", "--coordinator", groups.url, "--slots", str(slot), "--to", "g1"]
+        assert await shard(argv) == 1
+        assert "hold 1 keys" in capsys.readouterr().err
+        stored = await load_from_etcd(groups.url)
+        try:
+            shard_map, _revision = await stored.read()
+        finally:
+            await stored.gateway.close()
+        assert shard_map.owner_of_slot(slot).name == "g0" and shard_map.moving_to_of_slot(slot) is None
+
+        async def g0_serves(epoch: int) -> bool:
+            status = await asyncio.to_thread(groups.servers["g0"].status)
+            return status["shard"]["epoch"] == epoch and status["shard"]["moving"] == 0
+
+        await wait_until(lambda: g0_serves(shard_map.epoch), 20, "g0 to follow the cleared mark")
+        assert await client.get(key) is not None  # served by g0 as before
+
+
+async def test_the_destination_standby_has_the_adopted_lease_and_the_source_standby_drops_it(groups):
+    """The import's records (GRANT, RESERVE) and the source's drop (REVOKE) are replicated as
+    every record is: each group's standby ends with the group's leases and token floor."""
+    standbys = {}
+    for k, group in enumerate(("g0", "g1")):
+        standbys[group] = ServerProcess(groups.tmp_path / f"{group}-standby", fsync="always",
+                                        args=["--standby-of", groups.servers[group].address,
+                                              "--shard-map", groups.url, "--shard-group", group,
+                                              *groups.creds.server_args(f"node-{3 + k}")])
+    try:
+        for standby in standbys.values():
+            standby.start()
+            standby.wait_for_log(r"replicating from", 20)
+        name = names_owned_by(groups.shard_map, "g0", 1, "replicated")[0]
+        async with groups.connect() as client:
+            lease = await client.acquire(name, ttl=60)
+            await groups.move(str(slot_of(name)), "g1")
+
+            async def standby_has(group: str, held: int) -> bool:
+                status = await asyncio.to_thread(standbys[group].status)
+                return status["locks_held"] == held and status["last_token"] >= lease.fencing_token
+
+            await wait_until(lambda: standby_has("g1", 1), 20, "g1's standby to hold the adopted lease")
+            await wait_until(lambda: standby_has("g0", 0), 20, "g0's standby to drop the moved lease")
+            await client.release(lease)
+            await wait_until(lambda: standby_has("g1", 0), 20, "g1's standby to see the release")
+    finally:
+        for standby in standbys.values():
+            if standby.proc is not None:
+                standby.stop()
+
+
+async def test_split_moves_the_upper_half_of_a_groups_largest_range(groups, capsys):
+    name = names_owned_by(groups.shard_map, "g0", 200, "split")[-1]
+    async with groups.connect() as client:
+        lease = await client.acquire(name, ttl=30)
+        assert await shard(["shard", "split", "g0", "--to", "g1", "--coordinator", groups.url, "-o", "json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert (report["first"], report["last"], report["steps"]) == (4096, 8191, ["mark", "ship", "flip"])
+        assert await shard(["shard", "status", "--coordinator", groups.url]) == 0
+        out = capsys.readouterr().out
+        assert "slots 0..4095: g0" in out and "slots 4096..16383: g1" in out
+        moved = slot_of(name) >= 4096
+        assert report["leases"] == (1 if moved else 0)
+        await client.release(lease)  # routed to whichever group owns it now

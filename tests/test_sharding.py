@@ -206,7 +206,8 @@ def test_a_newer_map_is_applied_and_an_older_or_foreign_one_is_not():
     gate.offer(two_groups(1))
     assert gate.shard_map.epoch == 2
     gate.offer(two_groups(3).with_addresses("b", ("127.0.0.1:1",)))
-    assert gate.shard_map.epoch == 4 and gate.info() == {"group": "a", "epoch": 4, "slots": 8192}
+    assert gate.shard_map.epoch == 4 and gate.info() == {"group": "a", "epoch": 4, "slots": 8192,
+                                                                 "moving": 0, "held": 0}
     gate.offer(ShardMap(9, (ShardGroup("z", ("h:1",)),), (SlotRange(0, SLOTS - 1, "z"),)))  # names no "a"
     assert gate.shard_map.epoch == 4
     # slots that change owner without a move: refused
@@ -252,3 +253,78 @@ def test_serve_refuses_a_bad_map_file_with_exit_1_and_the_reason(tmp_path, body)
     assert server.stop() == 1
     assert any("cannot start: " in line for line in server.lines)
     assert not any("Traceback" in line for line in server.lines)
+
+
+# -- slot moves on the map (fastlock.sharding.moves) -----------------------------------------------
+
+def test_a_move_marks_then_flips_a_range_and_each_map_round_trips():
+    from fastlock.sharding.moves import abort_move, finish_move, mark_moving, move_state
+
+    m = two_groups()
+    assert "moving_to" not in json.dumps(m.to_wire())  # a map with no move is the plain form every node reads
+    marked = mark_moving(m, 100, 199, "b")
+    assert marked.epoch == 2 and marked.moving_slots_of("a")[100:200] == b"\x01" * 100
+    assert marked.owner_of_slot(150).name == "a" and marked.moving_to_of_slot(150) == "b"
+    assert ShardMap.from_wire(json.loads(json.dumps(marked.to_wire()))) == marked
+    assert move_state(marked, 100, 199, "b").step == "moving"
+    flipped = finish_move(marked, 100, 199, "b")
+    assert flipped.epoch == 3 and flipped.owner_of_slot(150).name == "b" and flipped.slot_count("b") == 8292
+    assert move_state(flipped, 100, 199, "b").step == "done"
+    assert abort_move(marked, 100, 199, "b").ranges == m.ranges
+    with pytest.raises(ShardMapError):
+        mark_moving(marked, 100, 199, "b")  # marked already
+    with pytest.raises(ShardMapError):
+        mark_moving(m, 8000, 8300, "b")  # two owners
+    with pytest.raises(ShardMapError):
+        finish_move(m, 100, 199, "b")  # never marked
+    with pytest.raises(ShardMapError):
+        mark_moving(m, 100, 199, "nope")
+
+
+def test_a_map_with_a_bad_moving_to_is_refused():
+    wire = two_groups().to_wire()
+    for bad in ("a", "nope", 7, ""):  # its own owner, no such group, not a name
+        wire["ranges"][0]["moving_to"] = bad
+        with pytest.raises(ShardMapError):
+            ShardMap.from_wire(wire)
+    wire["ranges"][0] = {"first": 0, "last": 8191, "group": "a", "extra": 1}
+    with pytest.raises(ShardMapError):
+        ShardMap.from_wire(wire)
+
+
+def test_a_node_takes_a_slot_only_by_a_move():
+    from fastlock.sharding import SlotRange as R
+    from fastlock.sharding.moves import allowed_change, finish_move, mark_moving, parse_slots, split_half
+
+    m = two_groups()
+    marked = mark_moving(m, 0, 9, "b")
+    flipped = finish_move(marked, 0, 9, "b")
+    assert allowed_change(m, marked) is None and allowed_change(marked, flipped) is None
+    assert allowed_change(marked, m.with_epoch(3)) is None  # an abort
+    by_hand = ShardMap(2, m.groups, (R(0, 9, "b"), R(10, 8191, "a"), R(8192, SLOTS - 1, "b")))
+    assert "only by a move" in allowed_change(m, by_hand)
+    imported = bytearray(SLOTS)
+    imported[0:10] = b"\x01" * 10
+    assert allowed_change(m, by_hand, bytes(imported)) is None  # a destination that missed the mark
+    assert parse_slots("5") == (5, 5) and parse_slots("5-9") == (5, 9)
+    for bad in ("9-5", "x", "-1", "16384"):
+        with pytest.raises(ShardMapError):
+            parse_slots(bad)
+    assert split_half(m, "a") == (4096, 8191)
+
+
+def test_a_gate_freezes_marked_slots_and_redirects_after_the_flip():
+    from fastlock.server.sharded import ShardGate
+    from fastlock.sharding.moves import finish_move, mark_moving
+
+    gate = ShardGate(two_groups(), "a")
+    name = next(f"x{i}" for i in range(1000) if gate.shard_map.owner(f"x{i}").name == "a")
+    slot = slot_of(name)
+    assert gate.check_name(name) == -1
+    marked = mark_moving(gate.shard_map, slot, slot, "b")
+    gate.offer(marked)
+    assert gate.check_name(name) == slot  # to be held
+    gate.offer(finish_move(marked, slot, slot, "b"))
+    with pytest.raises(WrongShard) as caught:
+        gate.check_name(name)
+    assert caught.value.group == "b"

@@ -40,6 +40,8 @@ from fastlock.protocol.ops import (
     OP_REQUEST_REVOKE,
     OP_RESERVE,
     OP_SHARD_MAP,
+    OP_SLOT_EXPORT,
+    OP_SLOT_IMPORT,
     OP_SYNC_ACK,
     OP_TRANSFER,
     OP_WATCH_FROM,
@@ -219,6 +221,9 @@ def _ops_at_quota(address: str, app_token: str, owner: bytes, peer: Raw) -> dict
                      ((["held/2"], os.urandom(16), 60_000, -1, None, int(time.time() * 1000), b"m2"),
                       "--max-waiters-per-principal")],
         OP_COMMIT_RESERVATION: [((b"m1",), None)],
+        # a slot move's ops (fastlock.server.slotmove): an admin's; an unsharded node refuses them
+        OP_SLOT_EXPORT: [((0, 0, None), None)],
+        OP_SLOT_IMPORT: [((0, 0, b""), None)],
     }
 
 

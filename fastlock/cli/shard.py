@@ -68,7 +68,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         if name == "addresses":
             p.add_argument("group", type=_group_arg, metavar="NAME=HOST:PORT,...")
         if name == "move":
-            p.add_argument("--slots", required=True, metavar="A[-B]", help="the slots to move (0..16383)")
+            p.add_argument("--slots", required=True, metavar="SLOTS", help="the slots to move: A, or A-B (0..16383)")
             p.add_argument("--abort", action="store_true",
                            help="undo the move of these slots to --to while it is still marked")
         if name == "split":

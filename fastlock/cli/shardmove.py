@@ -31,6 +31,7 @@ from ..client import Client
 from ..client.calls import call
 from ..client.sharded import read_shard_map
 from ..coordination.shardmap import EtcdShardMap
+from ..errors import InvalidArgument
 from ..protocol.ops import OP_SLOT_EXPORT, OP_SLOT_IMPORT
 from ..sharding import ShardMap, ShardMapError
 from ..sharding.moves import abort_move, finish_move, mark_moving, move_state
@@ -77,7 +78,7 @@ async def _serves(client: Client, epoch: int) -> None:
         if found is not None and found[1].epoch >= epoch:
             return
         if time.monotonic() > deadline:
-            raise ShardMapError(f"{', '.join(client.connector.addresses)} did not serve shard map epoch {epoch} "
+            raise ShardMapError(f"{client.connector.addresses} did not serve shard map epoch {epoch} "
                                 f"within {SEEN_TIMEOUT_S:g} s (run the move again to resume)")
         await asyncio.sleep(SEEN_POLL_S)
 
@@ -129,7 +130,15 @@ async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
     dest = Client(list(shard_map.group(to).addresses), client_name="fastlock-shard-move")
     try:
         await asyncio.gather(_serves(source, shard_map.epoch), _serves(dest, shard_map.epoch))
-        await _ship(source, dest, first, last, report)
+        try:
+            await _ship(source, dest, first, last, report)
+        except InvalidArgument as exc:
+            if "hold" in str(exc) and "keys" in str(exc):  # SlotsHoldKeys: the move cannot be made
+                await abort_slots(stored, first, last, to)
+                report.steps.append("abort")
+                raise ShardMapError(f"{exc} (the mark is cleared: the slots are served by {state.source} again)") \
+                    from None
+            raise
         report.steps.append("ship")
         tell(f"shipped {report.leases} leases, {report.queues} waiter queues, {report.delays} lock-delays")
         found = await stored.read()

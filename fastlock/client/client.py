@@ -23,7 +23,7 @@ import functools
 import logging
 import os
 import ssl
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from .. import protocol as P
@@ -159,6 +159,9 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods, SessionAdminMethods):
         self._op_timeout = self._request_timeout if self._request_timeout is not None else self._connect_timeout
         #: the auto-renewals this client runs (stopped by release and close)
         self.renewers = Renewers()
+        #: a routing client's hook for a lease whose slot moved to another shard group
+        #: (``lease_moved(renewer, why)``: True if it takes the renewer over; fastlock.client.sharded)
+        self.lease_moved: Callable[[Any, str], bool] | None = None
         #: the last lease this client was granted per lock name, and the task
         #: (or blocking client's thread) it was granted to: the self-wait check
         #: of :meth:`acquire`; dropped on release

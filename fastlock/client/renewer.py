@@ -33,7 +33,7 @@ import random
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost
+from ..errors import ConnectionLost, FastlockError, InvalidArgument, LeaseLost, WrongShard
 from ..logsafe import quote
 from .bounded import BoundedWork, WorkBound
 from .lease import Lease, LeaseState
@@ -166,9 +166,33 @@ class Renewer:
         state.health.renewed(state.expires_at, self.window)
 
     def lose_by_session(self, why: str) -> None:
-        """The server said the lease is no longer held: it is lost."""
+        """The server said the lease is no longer held: it is lost, unless its slot moved to
+        another shard group (the routing client's ``lease_moved`` takes the renewer over)."""
         self._keeper = None
+        moved = self.client.lease_moved
+        if moved is not None and moved(self, why):
+            return
         self._lose(why)
+
+    def lose(self, why: str) -> None:
+        """The lease is lost (``on_lost(why)`` runs once) and renewal stops."""
+        self._lose(why)
+
+    def move_to(self, client: Client) -> None:
+        """Renew from ``client`` from now on: the lease's slot moved to ``client``'s shard group,
+        which adopted the lease (its owner key proves it there).  The deadline is unchanged."""
+        if self._done or self.state.lost.is_set():
+            return
+        self.client.renewers.discard(self)
+        self.client = client
+        client.renewers.add(self)
+        keeper = getattr(client, "session_keeper", None) if self._session else None
+        self._task = None
+        if keeper is not None and keeper.add(self):
+            self._keeper = keeper
+        else:
+            self._keeper = None
+            self._task = asyncio.ensure_future(self._run())
 
     def stop(self) -> None:
         """Stop renewing (the lease is not released, nor marked lost).  Idempotent."""
@@ -253,6 +277,13 @@ class Renewer:
                 except LeaseLost as exc:
                     self._lose(f"no renewal: {exc}")
                     return
+                except WrongShard as exc:
+                    moved = self.client.lease_moved
+                    if moved is not None and moved(self, str(exc)):
+                        self._task = None  # the routing client moves this renewer (move_to) or loses it
+                        return
+                    self._lose(f"no renewal: {exc}")
+                    return
                 if self._done or state.lost.is_set():
                     return
                 self.lease = renewed
@@ -269,7 +300,8 @@ class Renewer:
                           quote(self.lease.name), self.lease.fencing_token)
             self._lose("renewal failed unexpectedly")
         finally:
-            self.stop()
+            if self._task is not None:  # not handed to a routing client (a moved slot)
+                self.stop()
 
 
 class LockContext:

@@ -30,7 +30,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..errors import CrossShard, LockNotHeld, ProtocolError, WrongShard
+from ..errors import CrossShard, FastlockError, LockNotHeld, ProtocolError, WrongShard
 from ..protocol.ops import OP_SHARD_MAP
 from ..sharding import ShardMap
 from .across import AcrossContext, CrossShardLease, acquire_across, lock_across, release_across
@@ -38,6 +38,7 @@ from .admin import LockList, PrincipalRevocation
 from .calls import call
 from .client import Client
 from .connection import RETRYABLE
+from .renewer import Renewer
 from .session import SessionClosed, SessionInfo
 
 __all__ = ["ShardedClient", "read_shard_map", "route_if_sharded"]
@@ -96,6 +97,8 @@ class ShardedClient(Client):
         #: group name -> its client (the seed's group: the seed)
         self._clients: dict[str, Client] = {seed_group: seed}
         self._refreshing: asyncio.Future[None] | None = None
+        seed.lease_moved = self._lease_moved
+        self._rehoming: set[asyncio.Future[None]] = set()
 
     # -- the router -------------------------------------------------------------------------
     def client_for(self, name: str) -> Client:
@@ -111,7 +114,38 @@ class ShardedClient(Client):
         client = self._clients.get(group)
         if client is None:
             client = self._clients[group] = self._make_client(self.shard_map.group(group).addresses)
+            client.lease_moved = self._lease_moved
         return client
+
+    # -- leases whose slot moved (fastlock shard move) -----------------------------------------
+    def _lease_moved(self, renewer: Renewer, why: str) -> bool:
+        """A group client's renewer heard that its lease is not held there (``why``): take it
+        over; :meth:`_rehome` moves it to the name's new group, or loses it."""
+        task = asyncio.ensure_future(self._rehome(renewer, why))
+        self._rehoming.add(task)
+        task.add_done_callback(self._rehoming.discard)
+        return True
+
+    async def _rehome(self, renewer: Renewer, why: str) -> None:
+        """Read the map again; if another group owns the lease's name now, renew it there
+        (an EXTEND through the new group proves the lease was adopted; the renewer moves to that
+        group's client and session), else the lease is lost.  The renewer's deadline runs
+        throughout: a move that takes longer loses the lease, as a silent server does."""
+        old = renewer.client
+        name = renewer.lease.name
+        try:
+            await self.refresh()
+            new = self.client_for(name)
+            if new is old:
+                renewer.lose(why)
+                return
+            renewer.lease = await new.extend(renewer.lease)
+        except FastlockError as exc:
+            renewer.lose(f"{why}; after the shard map was read again: {exc}")
+            return
+        log.info("lease %s token %d moved to shard group %s", name, renewer.lease.fencing_token,
+                 self._group_for(name))
+        renewer.move_to(new)
 
     def group_clients(self) -> dict[str, Client]:
         """A client for every group of the map, by group name."""
@@ -226,8 +260,8 @@ class ShardedClient(Client):
 
     # objects that call later (context managers, iterators, recipes): made by the owner's client
     def lock(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        # a lock context of this client: its acquire, renewals and release are routed when they
-        # run, so a name moved since (a WrongShard) is followed to its new group
+        # the context acquires, renews and releases through this client: each call routed, a
+        # release after a move sent to the name's new group
         return Client.lock(self, name, *args, **kwargs)
 
     def semaphore(self, name: str, *args: Any, **kwargs: Any) -> Any:

@@ -61,6 +61,7 @@ from .ratelimit import RateLimitHandler
 from .session import Session, split_recorded_client
 from .sessions import SessionRegistry
 from .shares import limit_exceeded
+from .slotmove import PERMISSIONS as SLOT_MOVE_PERMISSIONS
 from .slotmove import SlotMoves
 from .statusview import client_status
 from .watches import WatchRegistry
@@ -115,6 +116,7 @@ PERMISSION: dict[int, str | None] = {
     P.OP_SESSION_REVOKE: None,
     OP_SHARD_MAP: None,  # the shard map holds no secret: any principal that may connect reads it
     **WOUND_WAIT_PERMISSIONS,  # cross-shard multi-locks' reservations (fastlock.server.woundwait)
+    **SLOT_MOVE_PERMISSIONS,  # a slot move's ops: an admin's, checked by the handler (fastlock.server.slotmove)
 }
 
 _ARTICLE = {"client": "a", "replica": "a", "admin": "an"}
@@ -264,7 +266,7 @@ class Handlers:
             **self.sessions.handlers_table(),
             OP_SHARD_MAP: self.op_shard_map,
             **self.wound_wait.handlers_by_op(),
-            **self.slot_moves.handlers_by_op(),  # an admin's (not in PERMISSION): fastlock.server.slotmove
+            **self.slot_moves.handlers_by_op(),  # fastlock.server.slotmove
         }
         #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
         self.by_op: dict[int, tuple[Handler, int, int]] = {

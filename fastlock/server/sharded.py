@@ -33,15 +33,15 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from .._core import EV_WAIT_CANCELLED
 from ..coordination.access import EtcdAccess
 from ..coordination.shardmap import load_from_etcd
 from ..errors import CrossShard, FastlockError, InvalidArgument, SlotMoving, WrongShard
+from ..roles import Role
 from ..sharding import SLOTS, ShardMap, load_map_file, slot_of
 from ..sharding.moves import allowed_change
 from ..sharding.scope import NAMES_OF_OP, NamesAt, names_in
 from ..units import monotonic_ms
-from .._core import EV_WAIT_CANCELLED
-from ..roles import Role
 from .kinds import reply_id
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,7 +62,7 @@ MOVE_PRINCIPAL = "shard-move"
 class Held(NamedTuple):
     """A request held while its slot is moved: its connection, request id, request (None for
     a waiter taken out of a queue: its acquire is answered, never run again), the handler to
-    run if the move is aborted, the name and its slot."""
+    run if the move is aborted, the name, its slot and until when it is held (monotonic ms)."""
 
     conn: Any
     req_id: int
@@ -189,7 +189,7 @@ class ShardGate:
         if missing:
             raise RuntimeError(f"ops {missing} are not in fastlock.sharding.scope.NAMES_OF_OP: a sharded "
                                f"node cannot check their names")
-        self.server = handlers.server
+        self.server = getattr(handlers, "server", None)
         for op, (handler, fewest, most) in list(handlers.by_op.items()):
             where = NAMES_OF_OP[op]
             if where is not None:
@@ -241,6 +241,15 @@ class ShardGate:
         frozen = [s for s in range(SLOTS) if moving[s] and not old_moving[s]]
         lost = [s for s in range(SLOTS) if old_owned[s] and not owned[s]]
         gained = [s for s in range(SLOTS) if owned[s] and not old_owned[s]]
+        aborted = {s for s in range(SLOTS) if old_moving[s] and not moving[s] and owned[s]}
+        for name in [n for n in self.frozen_queues if slot_of(n) in aborted]:
+            del self.frozen_queues[name]  # their acquires are answered SlotMoving and asked again
+        if self.imported_queues or any(self.imported):  # a move to this group that was aborted
+            for slot in range(SLOTS):
+                if self.imported[slot] and not owned[slot] and shard_map.moving_to_of_slot(slot) != self.group:
+                    self.imported[slot] = 0
+            for name in [n for n in self.imported_queues if not self.imported[slot_of(n)] and not owned[slot_of(n)]]:
+                del self.imported_queues[name]
         if frozen:
             self._freeze(bytes(moving))
         if lost:
@@ -264,7 +273,9 @@ class ShardGate:
         server.after_batch()  # every event so far is delivered: what follows is the freeze's
         table = server.table
         now = monotonic_ms()
+        # a queue waits behind a holder, or behind a lock-delay after an expiry
         names = {h.name for h in table.holders() if moving[slot_of(h.name)]}
+        names.update(n for n, _until in table.lock_delays() if moving[slot_of(n)])
         for name in sorted(names):
             waiters = table.waiter_priorities(name)
             if not waiters:
@@ -280,10 +291,13 @@ class ShardGate:
                 conn = sessions.get(ev.session)
                 rid = reply_id(ev.request)
                 if conn is not None and rid is not None:
-                    self.held.append(Held(conn, rid, None, None, ev.name, slot_of(ev.name), 0))
+                    self.held.append(Held(conn, rid, None, None, ev.name, slot_of(ev.name),
+                                          now + int(HOLD_S * 1000)))
             else:
                 others.append(ev)
         server.process_events(others)
+        if self.held and self._hold_timer is None:
+            self._hold_timer = asyncio.get_running_loop().call_later(HOLD_S / 4, self._hold_tick)
         if self.frozen_queues:
             log.warning("slot move: %d waiters of %d locks taken out of their queues until the move ends",
                         sum(len(q) for q in self.frozen_queues.values()), len(self.frozen_queues))
@@ -343,13 +357,13 @@ class ShardGate:
     def _hold_tick(self) -> None:
         self._hold_timer = None
         now = monotonic_ms()
-        late = [h for h in self.held if h.msg is not None and h.until_ms <= now]
-        if late:
-            self.held = [h for h in self.held if h.msg is None or h.until_ms > now]
+        late = [h for h in self.held if h.until_ms <= now]
+        if late:  # a waiter taken out of its queue asks again with the same owner key: its place is kept
+            self.held = [h for h in self.held if h.until_ms > now]
             for h in late:
                 self._answer(h, self.slot_moving(h.name, h.slot))
             self._batch_end()
-        if any(h.msg is not None for h in self.held):
+        if self.held:
             self._hold_timer = asyncio.get_running_loop().call_later(HOLD_S / 4, self._hold_tick)
 
     def _answer(self, h: Held, exc: FastlockError) -> None:

@@ -24,7 +24,9 @@ token, owner-key hash and remaining TTL (a ``GRANT`` record each, so ``G``'s sta
 recovery have them), each lock-delay (a ``LOCK_DELAY`` record) and keeps the queues for the
 flip.  The reply (``{"leases", "delays", "queues"}``: how many) comes once the records are
 durable.  Importing the same state twice installs the same leases again: it changes nothing.
-Keys (the key store) and session shares are not moved.
+Keys (the key store) are not moved: SLOT_EXPORT refuses slots that hold keys
+(:class:`SlotsHoldKeys`), and the mover then clears its mark.  Session shares are not moved
+(a routing client attaches a moved lease to its session on the new group).
 """
 
 from __future__ import annotations
@@ -41,12 +43,16 @@ from ..roles import Role
 from ..sharding import SLOTS, slot_of
 from ..tokens import MAX_EPOCH, counter_of, epoch_of
 from ..units import monotonic_ms, wall_ms
+from .lockadmin import check_lock_admin
 
 if TYPE_CHECKING:  # pragma: no cover
     from .handlers import Handlers
     from .session import Session
 
-__all__ = ["MovedLease", "MovedState", "QueuePart", "SlotMoves", "EXPORT_PAGE"]
+__all__ = ["MovedLease", "MovedState", "QueuePart", "SlotMoves", "EXPORT_PAGE", "PERMISSIONS"]
+
+#: the dispatch's permission entries: checked by the handlers (check_lock_admin)
+PERMISSIONS: dict[int, str | None] = {OP_SLOT_EXPORT: None, OP_SLOT_IMPORT: None}
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +112,11 @@ class MovedState(NamedTuple):
         return {"leases": [list(x) for x in self.leases], "queues": [list(q) for q in self.queues],
                 "delays": [list(d) for d in self.delays], "floor": self.floor, "more": self.more,
                 "after": self.after}
+
+
+class SlotsHoldKeys(InvalidArgument):
+    """SLOT_EXPORT: the slots hold keys (the key store), which a move does not carry: nothing
+    was shipped.  An :class:`~fastlock.errors.InvalidArgument`."""
 
 
 def _int(value: Any, what: str, low: int, high: int) -> int:
@@ -235,9 +246,15 @@ class SlotMoves:
 
     def op_slot_export(self, conn: Session, req_id: int, msg: list) -> None:
         """SLOT_EXPORT first, last, after: a page of the frozen slots' state (module docstring)."""
+        check_lock_admin(self.handlers, conn, "slot_export")
         first, last = _slots(msg)
         after = _cursor(msg[4])
         gate = self._gate_and_check(first, last, None)
+        space = self.handlers.server.keys.space
+        keys = sum(1 for key in space.entries if first <= slot_of(key) <= last)
+        if keys:
+            raise SlotsHoldKeys(f"slots {first}..{last} hold {keys} keys of the key store, which a move does not "
+                                f"carry: delete them, or abort the move (fastlock shard move --abort)")
         table = self.handlers.table
         now = monotonic_ms()
         # every row of the slots under one order, (kind, name, number): the cursor of a page stays
@@ -267,9 +284,12 @@ class SlotMoves:
 
     def op_slot_import(self, conn: Session, req_id: int, msg: list) -> None:
         """SLOT_IMPORT first, last, state: adopt a page of the moved slots' state (module docstring)."""
+        check_lock_admin(self.handlers, conn, "slot_import")
         first, last = _slots(msg)
         state = decode_state(msg[4], first, last)
         server = self.handlers.server
+        if server.shard_gate is None:
+            raise InvalidArgument("this node is not sharded: it has no slots to move")
         gate = self._gate_and_check(first, last, server.shard_gate.group)
         for part in state.queues:  # checked before anything changes
             if part.offset > len(gate.imported_queues.get(part.name, ())):
@@ -287,9 +307,12 @@ class SlotMoves:
         if counter > table.counter:
             table.advance_counter(counter)
         wal.log_counter_floor(table.counter)
+        quotas = server.quotas
         for x in state.leases:
-            table.install_holder(x.name, x.token, x.owner, x.remaining_ms, x.lock_delay_ms,
-                                 (x.client, x.correlation_id), now, x.shared, x.limit)
+            meta = (x.client, x.correlation_id)
+            table.install_holder(x.name, x.token, x.owner, x.remaining_ms, x.lock_delay_ms, meta, now, x.shared,
+                                 x.limit)
+            quotas.of(quotas.principal_of(meta)).leases[x.token] = x.name  # counted as its principal's
             wal.log_grant(x.name, x.token, x.owner, x.remaining_ms, x.lock_delay_ms, x.client, x.correlation_id,
                           x.shared, x.limit)
         wall = wall_ms()
