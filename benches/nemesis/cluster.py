@@ -392,6 +392,12 @@ class Nemesis:
         grace; every other node is a synced standby of it; the prober was granted
         something since ``since``."""
         ok, why = self.group_state(self.primary, self.nodes.values())
+        if not ok:  # a failover no fault caused (an etcd lease the load let run out): follow it
+            found = [n for n in self.nodes.values() if (n.status() or {}).get("role") == "primary"]
+            if len(found) == 1 and found[0] is not self.primary:
+                self.log.info("following a failover no fault caused: %s -> %s", self.primary.name, found[0].name)
+                self.primary = found[0]
+                ok, why = self.group_state(self.primary, self.nodes.values())
         if not ok:
             return ok, why
         if self.last_probe_grant() <= since:
