@@ -92,6 +92,10 @@ After each, the controller waits (``--heal-timeout``) for a healthy group:
 the primary holds the key, may grant and is past its grace, both others are
 synced standbys of it, and the prober was granted something since.
 
+W2 workers (``NemesisConfig.pair_workers``, 0 here; :mod:`benches.shard_nemesis` sets it)
+are more processes, after the prober: one-shot ``acquire`` + ``release`` pairs on 16 names of
+their own, ``pair_pause`` s apart, logged and checked as the others' grants are.
+
 Checks and figures
 ------------------
 Safety (:mod:`fastlock._testbase.history`), each violation listed:

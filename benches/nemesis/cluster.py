@@ -49,6 +49,9 @@ class NemesisConfig:
     server_args: tuple = ()         # more `fastlock serve` flags for every node (e.g. --replication sync)
     group: str = "pair"             # pair: a and b, two-node failover; etcd: a, b, c under --coordinator
     coordinator_ttl: int = 1        # s, the nodes' --coordinator-ttl (group "etcd" only)
+    shards: int = 0                 # etcd groups sharing the slots (benches.shard_nemesis); 0: one group
+    pair_workers: int = 0           # W2 worker processes: acquire+release pairs on names of their own
+    pair_pause: float = 0.02        # s between a W2 worker's pairs
 
     @property
     def failover_s(self) -> float:
@@ -64,6 +67,7 @@ class Fault:
     index: int
     kind: str
     mode: str = ""                  # partition: blackhole | reset
+    group: str = ""                 # the shard group it struck (benches.shard_nemesis); "": the whole deployment
     old_primary: str = ""
     new_primary: str = ""
     at: float = 0.0                 # monotonic, the fault began
@@ -120,6 +124,7 @@ class _Node:
         #: the port of this node's proxy (pair): the node is started with --reachable-as on it
         self.relay_port = 0
         self.coordinator: str | None = None  # etcd://PROXY/PREFIX (group "etcd")
+        self.extra_args: list[str] = []  # more flags of this node alone (a shard's --shard-map, --shard-group)
 
     @property
     def address(self) -> str:
@@ -128,7 +133,7 @@ class _Node:
     def start(self, standby_of: _Node | None) -> None:
         from fastlock._testbase import ServerProcess, free_port
 
-        args = ["--name", self.name, *self.auth_args, *self.cfg.server_args]
+        args = ["--name", self.name, *self.auth_args, *self.cfg.server_args, *self.extra_args]
         if self.coordinator is None:  # pair: peers reach this node through its proxy
             self.relay_port = self.relay_port or free_port()
             args += ["--reachable-as", f"127.0.0.1:{self.relay_port}"]
@@ -183,12 +188,12 @@ class Nemesis:
         from fastlock._testbase import CredentialsDir
 
         # each node follows with its own replica principal; workers stay anonymous clients
-        names = ("a", "b", "c") if cfg.group == "etcd" else ("a", "b")
+        names = self.node_names()
         self.creds = CredentialsDir(root / "credentials", replicas=len(names)) if new else None
         self.nodes = {n: _Node(n, root, cfg, self.env, self.creds.server_args(f"node-{i + 1}") if new else [],
                                self.creds.token("admin") if new else "")
                       for i, n in enumerate(names)}
-        self.primary, self.standby = self.nodes["a"], self.nodes["b"]
+        self.primary, self.standby = self.nodes[names[0]], self.nodes[names[1]]
         self.etcd = None  # tests/etcdserver.EtcdServer (group "etcd")
         self.workers: list[subprocess.Popen] = []
         self.faults: list[Fault] = []
@@ -202,6 +207,10 @@ class Nemesis:
         self.leftover: list[dict] | str = []
         self._probe_grant_at = 0.0
         self.log = logging.getLogger("nemesis")
+
+    def node_names(self) -> tuple[str, ...]:
+        """The names of the nodes, in start order."""
+        return ("a", "b", "c") if self.cfg.group == "etcd" else ("a", "b")
 
     # -- the run's record: enough to build the report again from a kept run dir ---------
     STATE = "nemesis-run.json"
@@ -269,11 +278,12 @@ class Nemesis:
         SQLiteFence(conn).ensure_schema()
         conn.close()
         wcfg = {"seed": cfg.seed, "workers": cfg.workers, "locks": cfg.locks or 2 * cfg.workers,
-                "ttl": cfg.ttl, "wait": cfg.wait,
+                "ttl": cfg.ttl, "wait": cfg.wait, "pair_workers": cfg.pair_workers,
+                "pair_pause": cfg.pair_pause,
                 "request_timeout": cfg.request_timeout, "store": str(self.store),
                 "addresses": [node.address for node in self.nodes.values()]}
         (self.root / "config.json").write_text(json.dumps(wcfg))
-        for i in range(cfg.workers + 1):  # the last one is the prober
+        for i in range(cfg.workers + 1 + cfg.pair_workers):  # then the prober, then the W2 workers
             err = open(self.root / f"worker-{i}.stderr", "w")
             self.workers.append(subprocess.Popen(
                 [sys.executable, "-m", "benches.nemesis", "--worker", str(self.root), "--index", str(i)],
@@ -381,27 +391,42 @@ class Nemesis:
         """Group "etcd": :attr:`primary` holds the key, may grant and is past its
         grace; every other node is a synced standby of it; the prober was granted
         something since ``since``."""
-        p = self.primary.status()
+        ok, why = self.group_state(self.primary, self.nodes.values())
+        if not ok:  # a failover no fault caused (an etcd lease the load let run out): follow it
+            found = [n for n in self.nodes.values() if (n.status() or {}).get("role") == "primary"]
+            if len(found) == 1 and found[0] is not self.primary:
+                self.log.info("following a failover no fault caused: %s -> %s", self.primary.name, found[0].name)
+                self.primary = found[0]
+                ok, why = self.group_state(self.primary, self.nodes.values())
+        if not ok:
+            return ok, why
+        if self.last_probe_grant() <= since:
+            return False, "the prober was granted nothing since the fault ended"
+        return True, "healthy"
+
+    @staticmethod
+    def group_state(primary: _Node, nodes) -> tuple[bool, str]:
+        """Is ``primary`` an etcd group's primary that holds the key, may grant and is past
+        its grace, with every other node of ``nodes`` a synced standby of it?"""
+        p = primary.status()
         if p is None:
-            return False, f"primary {self.primary.name} does not answer"
+            return False, f"primary {primary.name} does not answer"
         coord = p.get("coordinator") or {}
         if (p["role"] != "primary" or p["replication"].get("fenced") or p.get("grace_remaining_ms", 0) > 0
                 or not coord.get("holding") or not coord.get("may_grant")):
             # (a node not yet primary reports its follower, which has no "fenced")
-            return False, (f"primary {self.primary.name}: role {p['role']}, fenced {p['replication'].get('fenced')}, "
+            return False, (f"primary {primary.name}: role {p['role']}, fenced {p['replication'].get('fenced')}, "
                            f"grace {p.get('grace_remaining_ms')} ms, arbiter {coord}")
-        for node in self.nodes.values():
-            if node is self.primary:
+        for node in nodes:
+            if node is primary:
                 continue
             s = node.status()
             if s is None:
                 return False, f"standby {node.name} does not answer"
             r = s["replication"]
-            if s["role"] != "standby" or r.get("primary") != self.primary.address or not r.get("synced"):
+            if s["role"] != "standby" or r.get("primary") != primary.address or not r.get("synced"):
                 return False, (f"standby {node.name}: role {s['role']}, follows {r.get('primary')}, "
                                f"synced {r.get('synced')}")
-        if self.last_probe_grant() <= since:
-            return False, "the prober was granted nothing since the fault ended"
         return True, "healthy"
 
     def wait_healthy(self, since: float, timeout: float) -> float | None:

@@ -17,8 +17,8 @@ from fastlock.tokens import epoch_of
 if TYPE_CHECKING:  # pragma: no cover
     from benches.nemesis.cluster import Nemesis
 
-#: fault kinds after which no node is expected to promote (group "etcd")
-NO_FAILOVER_KINDS = ("kill-standby", "etcd-restart")
+#: fault kinds after which no node is expected to promote (group "etcd"; "move": benches.shard_nemesis)
+NO_FAILOVER_KINDS = ("kill-standby", "etcd-restart", "move")
 
 #: a server log line (text format) saying the node stopped granting as a primary: it fenced
 #: itself (or its arbiter fenced it), or it left the primary role (fastlock/roles.py's lines)
@@ -67,9 +67,17 @@ def granted_before_fence(grant: dict, faults: list) -> bool:
     for f in faults:
         if f.fenced_s is None or grant["at"] < f.at or grant["sent"] > f.at + f.fenced_s:
             continue
+        if not struck(f, grant):
+            continue
         if f.new_epoch is None or (grant["token"] >> 40) < f.new_epoch:
             return True
     return False
+
+def struck(fault, grant: dict) -> bool:
+    """Could ``fault`` have touched ``grant``?  Yes unless the fault struck one shard group
+    (``fault.group``) and the grant names another (a sharded run's grants carry ``group``)."""
+    return not fault.group or not grant.get("group") or grant["group"] == fault.group
+
 
 def _longest_gap(times: list[float], start: float, end: float, clip: bool = False) -> float | None:
     """The longest interval from ``start`` without any of ``times`` (sorted):
@@ -96,8 +104,9 @@ def _s(v: float | None) -> str:
 
 
 def _read_events(root: Path, workers: int) -> list[dict]:
+    """The event logs of ``workers`` worker processes (W3 workers, the prober, W2 workers)."""
     events = []
-    for i in range(workers + 1):
+    for i in range(workers):
         path = root / f"worker-{i}.jsonl"
         if not path.exists():
             continue
@@ -122,7 +131,8 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
     from fastlock._testbase import GrantRecord, Holding, StoreWrite, check_grants, check_holdings, check_store
 
     cfg = nem.cfg
-    events = _read_events(nem.root, cfg.workers)
+    processes = cfg.workers + 1 + cfg.pair_workers
+    events = _read_events(nem.root, processes)
     grants = [e for e in events if e["ev"] == "grant"]
     conn = sqlite3.connect(nem.store, timeout=10)
     try:
@@ -130,9 +140,10 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
     finally:
         conn.close()
     store_violations = check_store(StoreWrite(*r) for r in rows)
-    # the prober's locks are all fresh: its grants are checked as one sequence
-    grant_violations = check_grants(GrantRecord("probe/*" if g.get("probe") else g["lock"], g["token"], g["holding"],
-                                                g["sent"], g["at"]) for g in grants)
+    # the prober's locks are all fresh: its grants are checked as one sequence (one per shard group: each
+    # group has its own token counter)
+    grant_violations = check_grants(GrantRecord(f"probe/*@{g.get('group', '')}" if g.get("probe") else g["lock"],
+                                                g["token"], g["holding"], g["sent"], g["at"]) for g in grants)
     ends = {e["holding"]: e["at"] for e in events if e["ev"] == "end"}
     holdings = [Holding(g["lock"], g["token"], g["holding"], g["at"], ends[g["holding"]])
                 for g in grants if g["holding"] in ends]
@@ -158,6 +169,12 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
     set_fence_times(nem.faults, {name: fence_times(path.read_text(errors="replace"), wall_minus_monotonic)
                                  for name in nem.nodes if (path := nem.root / f"{name}.log").exists()})
     grant_times = sorted(g["at"] for g in grants)
+    group_grant_times: dict[str, list[float]] = {}
+    for g in grants:
+        if g.get("group"):
+            group_grant_times.setdefault(g["group"], []).append(g["at"])
+    for times in group_grant_times.values():
+        times.sort()
     windows = []  # (start, end, fault) of every fault, until healthy (or the next fault)
     for n, f in enumerate(nem.faults):
         end = f.at + (f.healthy_s if f.healthy_s is not None else cfg.heal_timeout)
@@ -166,9 +183,10 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
         windows.append((f.at, end, f))
     fault_rows = []
     for start, end, f in windows:
-        i = bisect.bisect_right(grant_times, start)
-        f.first_grant_s = grant_times[i] - start if i < len(grant_times) else None
-        f.no_grant_s = _longest_gap(grant_times, start, end)
+        times = group_grant_times.get(f.group, grant_times)  # a shard group's fault: that group's grants
+        i = bisect.bisect_right(times, start)
+        f.first_grant_s = times[i] - start if i < len(times) else None
+        f.no_grant_s = _longest_gap(times, start, end)
         fault_rows.append(dataclasses.asdict(f))
     steady_gap = 0.0  # the longest window without grants outside every fault window: the baseline
     prev = grant_times[0] if grant_times else nem.stopped_at
@@ -207,7 +225,7 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
     for g in grants:
         for f in nem.faults:
             if (f.new_epoch is not None and f.promoted_s is not None and g["at"] > f.at + f.promoted_s
-                    and g["sent"] < f.at + f.promoted_s and epoch_of(g["token"]) < f.new_epoch):
+                    and g["sent"] < f.at + f.promoted_s and epoch_of(g["token"]) < f.new_epoch and struck(f, g)):
                 (known_late_grants if g["holding"] in released_ok else late_grants).append(
                     {"holding": g["holding"], "lock": g["lock"], "token_epoch": epoch_of(g["token"]),
                      "new_epoch": f.new_epoch, "fault": f.index, "kind": f.kind,
@@ -222,10 +240,11 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
         slot = errors_by_fault.setdefault(phase_of(e["at"]), Counter())
         slot["lease lost" if e["ev"] == "end" else "release failed"] += 1
     # an acquire that failed after its whole wait ran out is a wait that ran out, whatever the error
-    ran_out = [e for e in errors if e["op"] in ("acquire", "probe-acquire") and e["at"] - e["sent"] >= cfg.wait - 0.1]
+    ran_out = [e for e in errors if e["op"] in ("acquire", "probe-acquire", "pair-acquire")
+               and e["at"] - e["sent"] >= cfg.wait - 0.1]
     # a release refused as LeaseLost for a grant the new primary never knew (made mid-fault, never replicated)
-    unreplicated = [e for e in errors if e["op"] in ("release", "probe-release") and e["type"] == "LeaseLost"
-                    and granted_mid_fault(e)]
+    unreplicated = [e for e in errors if e["op"] in ("release", "probe-release", "pair-release")
+                    and e["type"] == "LeaseLost" and granted_mid_fault(e)]
     # a LockNotAcquired before the wait ran out is an error surfaced early, not a wait that ran out
     # (0.1 s of slack: the server's wait timer works in whole milliseconds of its own clock)
     early_refusals = [e for e in not_acquired if e["at"] - e["sent"] < cfg.wait - 0.1]
@@ -234,7 +253,7 @@ def build_report(nem: Nemesis, elapsed: float) -> dict:
     counted += [dict(e, type="LockNotAcquired") for e in early_refusals]
     connection_lost = [e for e in counted if e["type"] == "ConnectionLost"]
     counter_msgs = Counter()
-    for i in range(cfg.workers + 1):
+    for i in range(processes):
         path = nem.root / f"worker-{i}.log"
         if path.exists():
             for line in path.read_text(errors="replace").splitlines():

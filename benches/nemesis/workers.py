@@ -46,9 +46,19 @@ class _Worker:
         self.fence = SQLiteFence(self.db)
         self.stop = asyncio.Event()
         self.holdings = 0
+        self.client = None  # the connected client (a ShardedClient against a sharded deployment)
+
+    def group_of(self, name: str) -> str | None:
+        """The shard group the client routes ``name`` to (None: not sharded)."""
+        shard_map = getattr(self.client, "shard_map", None)
+        return None if shard_map is None else shard_map.owner(name).name
 
     def log(self, ev: str, **fields: Any) -> None:
         fields["ev"] = ev
+        if ev == "grant":
+            group = self.group_of(fields["lock"])
+            if group is not None:
+                fields["group"] = group
         fields.setdefault("at", time.monotonic())
         self.events.write(json.dumps(fields) + "\n")
 
@@ -76,11 +86,13 @@ class _Worker:
         loop.add_signal_handler(signal.SIGTERM, self.stop.set)
         cfg = self.cfg
         probe = self.index == cfg["workers"]
+        pairs = self.index > cfg["workers"]
         client = await fastlock.connect(*cfg["addresses"], client_name=("prober" if probe else f"worker-{self.index}"),
                                         connect_timeout=1.0, request_timeout=cfg["request_timeout"])
+        self.client = client
         self.log("started", pid=os.getpid())
         try:
-            await (self.probe(client) if probe else self.work(client))
+            await (self.probe(client) if probe else self.pairs(client) if pairs else self.work(client))
         finally:
             self.log("stopped")
             await client.close()
@@ -145,12 +157,46 @@ class _Worker:
                          at=time.monotonic(), ttl=lease.ttl, probe=True)
                 phase = "probe-release"
                 await client.release(lease)
+                # a clean release: the primary holding the grant knew it (the report's rule for late grants)
+                self.log("end", lock=name, token=lease.fencing_token, holding=f"p#{n}", reason="done")
             except LockNotAcquired as exc:
                 self.log("not_acquired", op=phase, lock=name, sent=sent, msg=str(exc))
             except (FastlockError, OSError) as exc:
                 self.log("error", op=phase, lock=name, holding=f"p#{n}", sent=sent, type=type(exc).__name__,
                          msg=str(exc))
             await asyncio.sleep(0.05)
+
+    async def pairs(self, client) -> None:
+        """W2: one-shot ``acquire`` + ``release`` pairs on 16 names of this worker's own
+        (spread over every slot by their hash), ``pair_pause`` s (20 ms) apart, until stopped."""
+        from fastlock.errors import FastlockError, LockNotAcquired
+
+        cfg = self.cfg
+        names = [f"pairs/{self.index}/{k}" for k in range(16)]
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            name = names[n % len(names)]
+            holding = f"w{self.index}p#{n}"
+            sent = time.monotonic()
+            phase = "pair-acquire"
+            try:
+                entered, lease = await self._until_stopped(client.acquire(name, ttl=cfg["ttl"], wait=cfg["wait"]))
+                if not entered:
+                    break
+                self.log("grant", lock=name, token=lease.fencing_token, holding=holding, sent=sent,
+                         at=time.monotonic(), ttl=lease.ttl)
+                phase = "pair-release"
+                await client.release(lease)
+                self.log("end", lock=name, token=lease.fencing_token, holding=holding, reason="done")
+            except LockNotAcquired as exc:
+                self.log("not_acquired", op=phase, lock=name, sent=sent, msg=str(exc))
+            except (FastlockError, OSError) as exc:
+                self.log("error", op=phase, lock=name, holding=holding if phase == "pair-release" else None,
+                         sent=sent, type=type(exc).__name__, msg=str(exc))
+                if phase == "pair-release":
+                    self.log("end", lock=name, token=lease.fencing_token, holding=holding, reason="release-error")
+            await asyncio.sleep(cfg.get("pair_pause", 0.02))
 
     async def hold(self, ctx, lease, name: str, sent: float, hold: float) -> None:
         """Act as the holder for ``hold`` s: a fenced write every 0.2 s while the lease

@@ -58,6 +58,11 @@ __all__ = ["GroupAnswers", "SessionList", "ShardedClient", "read_shard_map", "ro
 
 log = logging.getLogger(__name__)
 
+#: seconds a redirect waits for its owner to serve a map as new as the redirect's epoch
+REDIRECT_CATCH_UP_S = 2.0
+#: how many times one call follows its name to a new owner
+REDIRECT_HOPS = 3
+
 #: makes a client of the given addresses with the options given to ``connect``
 ClientFactory = Callable[[tuple[str, ...]], Client]
 T = TypeVar("T")
@@ -223,6 +228,15 @@ class ShardedClient(Client):
                                                           if redirect.addresses else source)
             assert source is not None
             found = await read_shard_map(source, self.request_timeout or 5.0)
+            # the redirecting node may serve a newer map than the owner it names has read from etcd
+            # yet (a move's flip reaches the nodes one by one): read again, every 20 ms for at most
+            # REDIRECT_CATCH_UP_S, until the map is as new as the redirect's
+            wanted = redirect.epoch if redirect is not None and type(redirect.epoch) is int else 0
+            deadline = asyncio.get_running_loop().time() + REDIRECT_CATCH_UP_S
+            while (found is not None and found[1].epoch < wanted
+                   and asyncio.get_running_loop().time() < deadline):
+                await asyncio.sleep(0.02)
+                found = await read_shard_map(source, self.request_timeout or 5.0)
             if found is not None and found[1].epoch > self.shard_map.epoch:
                 log.info("shard map epoch %d -> %d", self.shard_map.epoch, found[1].epoch)
                 self._take_map(found[1])
@@ -243,15 +257,28 @@ class ShardedClient(Client):
 
     async def _routed(self, name: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``client_for(name).method(*args, **kwargs)``; on WrongShard the map is read again and
-        the call retried once if the name's owner changed."""
+        the call sent to the name's new owner if it changed (at most REDIRECT_HOPS times: a name
+        may move on while a call follows it), or, while the redirecting node's map is older than
+        this client's, asked again every 20 ms for at most REDIRECT_CATCH_UP_S seconds."""
         group = self._group_for(name)
-        try:
-            return await getattr(self.group_client(group), method)(*args, **kwargs)
-        except WrongShard as exc:
-            await self.refresh(exc)
-            if self._group_for(name) == group:
-                raise
-        return await getattr(self.client_for(name), method)(*args, **kwargs)
+        deadline = asyncio.get_running_loop().time() + REDIRECT_CATCH_UP_S
+        hops = 0
+        while True:
+            try:
+                return await getattr(self.group_client(group), method)(*args, **kwargs)
+            except WrongShard as exc:
+                await self.refresh(exc)
+                owner = self._group_for(name)
+                if owner != group and hops < REDIRECT_HOPS:
+                    hops += 1
+                    group = owner
+                    continue
+                lagging = type(exc.epoch) is int and exc.epoch < self.shard_map.epoch
+                if owner != group or not lagging or asyncio.get_running_loop().time() >= deadline:
+                    raise
+                # the node serves an older map than this client's (a move's flip reaches the nodes one
+                # by one): ask it again once it may have caught up
+                await asyncio.sleep(0.02)
 
     # -- calls written out (the others: FORWARDED, below the class) --------------------------
     async def acquire(self, name: str, *args: Any, **kwargs: Any) -> Any:
