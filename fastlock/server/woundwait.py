@@ -53,7 +53,8 @@ for them) would cost a WAL record per shard part and is not done.
 
 **Limits.**  At most :data:`MAX_RESERVATIONS_PER_PRINCIPAL` live reservations (parked,
 waiting or held uncommitted) per principal and :data:`MAX_PARKED` parked ones per
-server (``LimitExceeded``); a multi-lock id is at most :data:`MAX_MULTI_ID_BYTES` bytes and
+server (``LimitExceeded``); a parked reservation's names count against its principal's
+lease and waiter quotas as a queued request's do; a multi-lock id is at most :data:`MAX_MULTI_ID_BYTES` bytes and
 one connection has at most one reservation per id.  Names only: reservations are
 exclusive (no shared parts, no semaphores).  ``RESERVE`` needs the right ``"acquire"`` on
 every name; ``COMMIT_RESERVATION`` acts only on the calling connection's own reservation.
@@ -219,6 +220,8 @@ class WoundWait:
         self.parked: dict[tuple[int, bytes], Reservation] = {}
         #: principal -> how many live reservations it has
         self.per_principal: dict[str, int] = {}
+        #: principal -> how many names its parked reservations name (counted against its quotas)
+        self.parked_names: dict[str, int] = {}
         self._wake_pending = False
         #: how many reservations were wounded (a figure for benches and tests)
         self.wounds = 0
@@ -269,8 +272,9 @@ class WoundWait:
         if self._older_waiter(r, now) is not None and wait_ms != 0:
             if len(self.parked) >= MAX_PARKED:
                 raise LimitExceeded(f"the server already has {MAX_PARKED} reservations waiting behind older ones")
-            # the quotas a queued request would need, checked (counted once it enters the queues)
-            self.server.quotas.check_acquire(principal, len(names), len(names))
+            # the quotas a queued request would need, with the principal's parked ones counted as queued
+            wanted = len(names) + self.parked_names.get(principal, 0)
+            self.server.quotas.check_acquire(principal, wanted, wanted)
             self._park(r)
             return
         self._submit(conn, r, now)
@@ -450,12 +454,18 @@ class WoundWait:
         key = (r.session, r.rank.multi_id)
         self.parked[key] = r
         self.per_principal[r.principal] = self.per_principal.get(r.principal, 0) + 1
+        self.parked_names[r.principal] = self.parked_names.get(r.principal, 0) + len(r.names)
         if r.wait_until_ms is not None:
             delay = max(0, r.wait_until_ms - monotonic_ms()) / 1000.0
             r.timer = self.server.loop.call_later(delay, self._park_timeout, r)
 
     def _unpark(self, r: Reservation) -> None:
-        self.parked.pop((r.session, r.rank.multi_id), None)
+        if self.parked.pop((r.session, r.rank.multi_id), None) is r:
+            left = self.parked_names.get(r.principal, 0) - len(r.names)
+            if left > 0:
+                self.parked_names[r.principal] = left
+            else:
+                self.parked_names.pop(r.principal, None)
         if r.timer is not None:
             r.timer.cancel()
             r.timer = None
