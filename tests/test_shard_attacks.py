@@ -9,11 +9,17 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 from test_limits import Raw, error_of
 
+import fastlock
 from fastlock import protocol as P
-from fastlock.errors import LimitExceeded
+from fastlock._testbase.proxy import free_port
+from fastlock._testbase.shards import names_owned_by
+from fastlock.client.sharded import ShardedClient
+from fastlock.errors import LimitExceeded, LockNotHeld
 from fastlock.protocol.ops import OP_RESERVE
+from fastlock.sharding import ShardGroup, ShardMap, even_ranges, write_map_file
 
 TTL_MS = 60_000
 
@@ -59,3 +65,31 @@ def sent_until_ping(peer: Raw, *rids: int) -> dict:
             return got
         if msg[0] in rids:
             got[msg[0]] = msg
+
+
+async def test_a_group_that_owns_no_slot_is_not_dialled_by_calls_over_every_group(server_factory, tmp_path):
+    """A map may name a group that owns no slot yet (``fastlock shard addresses`` adds one before
+    its nodes run; a map writer may add any address): it holds no lease or session, so the calls
+    that reach every group (sessions, revoke_principal, close_session, locks) do not dial it,
+    and an unreachable one fails none of them."""
+    ports = {"g0": free_port(), "g1": free_port(), "new": free_port()}  # nothing listens on "new"'s
+    groups = tuple(ShardGroup(g, (f"127.0.0.1:{p}",)) for g, p in ports.items())
+    shard_map = ShardMap(1, groups, even_ranges(["g0", "g1"]))
+    write_map_file(tmp_path / "map.json", shard_map)
+    for g in ("g0", "g1"):
+        server_factory(g, fsync="never", port=ports[g],
+                       args=["--shard-map", str(tmp_path / "map.json"), "--shard-group", g])
+    async with fastlock.connect(f"127.0.0.1:{ports['g0']}", connect_timeout=1.0, request_timeout=2.0,
+                                failover_timeout=2.0) as client:
+        assert isinstance(client, ShardedClient)
+        name = names_owned_by(shard_map, "g1", 1)[0]
+        lease = await client.acquire(name, ttl=30)
+        assert set(client.group_clients()) == {"g0", "g1"}
+        assert isinstance(await client.sessions(), list)  # both groups answer; "new" is not dialled
+        listing = await client.locks()
+        assert [entry.name for entry in listing.locks] == [name] and not listing.unreachable
+        with pytest.raises(LockNotHeld):
+            await client.close_session("no-such-session")
+        revoked = await client.revoke_principal("nobody")
+        assert revoked.revoked == 0
+        await client.release(lease)
