@@ -6,20 +6,26 @@ client's raw RESERVE frames (fastlock.server.woundwait), hostile shard maps
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
 import pytest
+from conftest import wait_until
+from etcdserver import unique_prefix
 from test_limits import Raw, error_of
 
 import fastlock
 from fastlock import protocol as P
+from fastlock._testbase.cluster import RawNode
 from fastlock._testbase.proxy import free_port
+from fastlock._testbase.servers import ServerProcess
 from fastlock._testbase.shards import names_owned_by
 from fastlock.client.sharded import ShardedClient
+from fastlock.coordination.shardmap import load_from_etcd
 from fastlock.errors import LimitExceeded, LockNotHeld
-from fastlock.protocol.ops import OP_RESERVE
-from fastlock.sharding import ShardGroup, ShardMap, even_ranges, write_map_file
+from fastlock.protocol.ops import OP_RESERVE, OP_SHARD_MAP
+from fastlock.sharding import ShardGroup, ShardMap, SlotRange, even_ranges, write_map_file
 
 TTL_MS = 60_000
 
@@ -93,3 +99,56 @@ async def test_a_group_that_owns_no_slot_is_not_dialled_by_calls_over_every_grou
         revoked = await client.revoke_principal("nobody")
         assert revoked.revoked == 0
         await client.release(lease)
+
+
+async def test_a_hostile_writer_of_the_map_in_etcd_cannot_crash_a_node_or_move_its_slots(etcd, tmp_path):
+    """A writer of the map key only: garbage, JSON nested too deep, a map that gives slots to
+    other groups, a map of a lower epoch, and one as large as a map can be (1024 groups of 16
+    addresses).  The node logs and refuses each invalid one, keeps its slots, and serves on."""
+    url = f"etcd://{etcd.address}{unique_prefix()}"
+    ports = [free_port(), free_port()]
+    first = ShardMap(1, tuple(ShardGroup(f"g{k}", (f"127.0.0.1:{ports[k]}",)) for k in range(2)),
+                     even_ranges(["g0", "g1"]))
+    stored = await load_from_etcd(url)
+    try:
+        await stored.create(first)
+        node = ServerProcess(tmp_path / "g0", fsync="never", port=ports[0],
+                             args=["--shard-map", url, "--shard-group", "g0"]).start()
+        try:
+            async def served() -> ShardMap:
+                raw = await RawNode.open(node.address)
+                try:
+                    return ShardMap.from_wire((await raw.request(OP_SHARD_MAP))["map"])
+                finally:
+                    await raw.close()
+
+            for n, garbage in enumerate((b"\xff not json", b"[" * 200_000, b'{"epoch": 2}')):
+                start = len(node.lines)
+                await stored.gateway.put(stored.key, garbage)
+                node.wait_for_log("ignoring the shard map in etcd", timeout=20, start=start)
+            swapped = ShardMap(5, first.groups, tuple(SlotRange(r.first, r.last, "g1" if r.group == "g0" else "g0")
+                                                       for r in first.ranges))
+            start = len(node.lines)
+            await stored.gateway.put(stored.key, json.dumps(swapped.to_wire()).encode())
+            node.wait_for_log("not applying shard map epoch 5", timeout=20, start=start)
+            assert await served() == first
+            many = tuple(ShardGroup(f"x{k}", tuple(f"127.0.0.{1 + a}:{1 + k}" for a in range(16)))
+                         for k in range(1022))
+            largest = ShardMap(6, first.groups + many, first.ranges)
+            await stored.gateway.put(stored.key, json.dumps(largest.to_wire()).encode())
+            await wait_until(lambda: _epoch_is(served, 6), 20, "the node to serve the largest map")
+            lower = ShardMap(3, first.groups, first.ranges)
+            await stored.gateway.put(stored.key, json.dumps(lower.to_wire()).encode())
+            back = ShardMap(7, first.groups, first.ranges)  # a later valid map: the lower one was skipped
+            await stored.gateway.put(stored.key, json.dumps(back.to_wire()).encode())
+            await wait_until(lambda: _epoch_is(served, 7), 20, "the node to serve epoch 7")
+            assert (await served()).slots_of("g0") == first.slots_of("g0")
+            assert node.proc.poll() is None and not any("Traceback" in line for line in node.lines)
+        finally:
+            node.stop()
+    finally:
+        await stored.gateway.close()
+
+
+async def _epoch_is(served, epoch: int) -> bool:
+    return (await served()).epoch == epoch
