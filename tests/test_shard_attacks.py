@@ -152,3 +152,39 @@ async def test_a_hostile_writer_of_the_map_in_etcd_cannot_crash_a_node_or_move_i
 
 async def _epoch_is(served, epoch: int) -> bool:
     return (await served()).epoch == epoch
+
+
+def test_a_node_restarted_with_a_map_that_gives_its_slots_away_refuses_to_start(tmp_path):
+    """A running node refuses a newer map that moves slots; a restarted one compares the map it is
+    given with the last one it served by (kept in its data directory): a map changed while it was
+    down (a hostile writer of the etcd key, a file edited by hand) that gives its slots to another
+    group would have two groups grant the same names, so the node does not start (exit 1)."""
+    port = free_port()
+    groups = (ShardGroup("g0", (f"127.0.0.1:{port}",)), ShardGroup("g1", ("127.0.0.1:1",)))
+    first = ShardMap(1, groups, even_ranges(["g0", "g1"]))
+    swapped = ShardMap(2, groups, even_ranges(["g1", "g0"]))
+    write_map_file(tmp_path / "map.json", first)
+    args = ["--shard-map", str(tmp_path / "map.json"), "--shard-group", "g0"]
+    node = ServerProcess(tmp_path / "g0", fsync="never", port=port, args=args).start()
+    try:
+        name = names_owned_by(first, "g0", 1)[0]
+        with Raw(node.address) as peer:
+            assert peer.call(P.OP_ACQUIRE, name, os.urandom(16), TTL_MS, 0, 0, None)[1] == 0
+    finally:
+        node.stop()
+    write_map_file(tmp_path / "map.json", swapped)
+    node = ServerProcess(tmp_path / "g0", fsync="never", port=port, args=args)
+    try:
+        with pytest.raises(RuntimeError, match="gives slots to other groups than epoch 1"):
+            node.start(timeout=20)
+        assert node.proc.wait(timeout=20) == 1
+    finally:
+        node.stop()
+    # the same slots at a later epoch (other addresses) start as before
+    write_map_file(tmp_path / "map.json", first.with_addresses("g1", ("127.0.0.1:2",)))
+    node = ServerProcess(tmp_path / "g0", fsync="never", port=port, args=args).start()
+    try:
+        with Raw(node.address) as peer:
+            assert peer.call(P.OP_HOLDER, name)[2] is not None
+    finally:
+        node.stop()

@@ -16,13 +16,14 @@ nothing.  A node without a map installs nothing: its handlers are unchanged.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..coordination.access import EtcdAccess
 from ..coordination.shardmap import load_from_etcd
 from ..errors import CrossShard, InvalidArgument, WrongShard
-from ..sharding import SLOTS, ShardMap, load_map_file, slot_of
+from ..sharding import SLOTS, ShardMap, ShardMapError, load_map_file, slot_of, write_map_file
 from ..sharding.scope import NAMES_OF_OP, NamesAt, names_in
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -31,6 +32,9 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Any, int, list], None]
+
+#: the file in a sharded node's data directory holding the last map it served by
+SERVED_MAP_FILE = "served-shard-map.json"
 
 
 class ShardGate:
@@ -43,6 +47,8 @@ class ShardGate:
         self.group = group
         self.shard_map = shard_map
         self.owned = b""
+        #: where the map served by is recorded (``DATA_DIR/served-shard-map.json``), once :meth:`remember` ran
+        self.served_path: str | None = None
         self.set_map(shard_map)
 
     @classmethod
@@ -69,8 +75,30 @@ class ShardGate:
         shard_map.group(self.group)  # raises ShardMapError (an InvalidArgument) if absent
         self.shard_map = shard_map
         self.owned = shard_map.slots_of(self.group)
+        if self.served_path is not None:
+            write_map_file(self.served_path, shard_map)
         log.info("shard map epoch %d: group %s owns %d of %d slots", shard_map.epoch, self.group,
                  sum(self.owned), SLOTS)
+
+    def remember(self, data_dir: str | os.PathLike[str]) -> None:
+        """Check this node's map against the last one it served by, recorded in ``data_dir``
+        (:data:`SERVED_MAP_FILE`), then record it there, and every map it serves by from now on.
+
+        :raises ShardMapError: the recorded map gives a slot to another group than this map does
+            (a map file or etcd key changed by hand while the node was down): its leases of
+            those slots are in this data directory, and slots change owner only by a move.
+        :raises OSError: the file cannot be read or written.
+        """
+        path = os.path.join(data_dir, SERVED_MAP_FILE)
+        if os.path.exists(path):
+            served = load_map_file(path)
+            if served.ranges != self.shard_map.ranges:
+                raise ShardMapError(f"shard map epoch {self.shard_map.epoch} gives slots to other groups than epoch "
+                                    f"{served.epoch}, the map this node last served by ({path}): slots change "
+                                    f"owner only by a move, else two groups would grant the same names (remove "
+                                    f"that file only if this data directory holds no lease)")
+        self.served_path = path
+        write_map_file(path, self.shard_map)
 
     # -- the check ------------------------------------------------------------------------
     def check_name(self, name: Any) -> None:
