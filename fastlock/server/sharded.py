@@ -84,17 +84,17 @@ class ShardGate:
         """Check this node's map against the last one it served by, recorded in ``data_dir``
         (:data:`SERVED_MAP_FILE`), then record it there, and every map it serves by from now on.
 
-        :raises ShardMapError: the recorded map gives a slot to another group than this map does
-            (a map file or etcd key changed by hand while the node was down): its leases of
+        :raises ShardMapError: the recorded map gives this node's group other slots than this map
+            does (a map file or etcd key changed by hand while the node was down): its leases of
             those slots are in this data directory, and slots change owner only by a move.
         :raises OSError: the file cannot be read or written.
         """
         path = os.path.join(data_dir, SERVED_MAP_FILE)
         if os.path.exists(path):
             served = load_map_file(path)
-            if served.ranges != self.shard_map.ranges:
-                raise ShardMapError(f"shard map epoch {self.shard_map.epoch} gives slots to other groups than epoch "
-                                    f"{served.epoch}, the map this node last served by ({path}): slots change "
+            if served.slots_of(self.group) != self.owned:
+                raise ShardMapError(f"shard map epoch {self.shard_map.epoch} gives group {self.group} other slots than "
+                                    f"epoch {served.epoch}, the map this node last served by ({path}): slots change "
                                     f"owner only by a move, else two groups would grant the same names (remove "
                                     f"that file only if this data directory holds no lease)")
         self.served_path = path
