@@ -21,9 +21,10 @@ from fastlock._testbase.cluster import RawNode
 from fastlock._testbase.proxy import free_port
 from fastlock._testbase.servers import ServerProcess
 from fastlock._testbase.shards import names_owned_by
+from fastlock.auth import generate
 from fastlock.client.sharded import ShardedClient
 from fastlock.coordination.shardmap import load_from_etcd
-from fastlock.errors import LimitExceeded, LockNotHeld
+from fastlock.errors import AuthError, LimitExceeded, LockNotHeld, WrongShard
 from fastlock.protocol.ops import OP_RESERVE, OP_SHARD_MAP
 from fastlock.sharding import ShardGroup, ShardMap, SlotRange, even_ranges, write_map_file
 
@@ -188,3 +189,49 @@ def test_a_node_restarted_with_a_map_that_gives_its_slots_away_refuses_to_start(
             assert peer.call(P.OP_HOLDER, name)[2] is not None
     finally:
         node.stop()
+
+
+async def test_two_nodes_with_disagreeing_maps_redirect_a_client_once_not_forever(server_factory, tmp_path):
+    """Node a's map gives a name to group b, node b's (a later epoch) gives it back to a: a routing
+    client follows one redirect, reads the map again, and raises WrongShard instead of bouncing."""
+    ports = {"a": free_port(), "b": free_port()}
+    groups = tuple(ShardGroup(g, (f"127.0.0.1:{p}",)) for g, p in ports.items())
+    maps = {"a": ShardMap(1, groups, even_ranges(["a", "b"])), "b": ShardMap(2, groups, even_ranges(["b", "a"]))}
+    for g in ("a", "b"):
+        write_map_file(tmp_path / f"{g}.json", maps[g])
+        server_factory(g, fsync="never", port=ports[g],
+                       args=["--shard-map", str(tmp_path / f"{g}.json"), "--shard-group", g])
+    name = names_owned_by(maps["a"], "b", 1)[0]  # a's map: b's; b's map: a's
+    async with fastlock.connect(f"127.0.0.1:{ports['a']}", request_timeout=5.0) as client:
+        with pytest.raises(WrongShard) as caught:
+            await client.acquire(name, ttl=5)
+        assert caught.value.group == "a" and caught.value.epoch == 2
+        assert client.shard_map.epoch == 1  # a's map: the one the redirect's owner serves
+        with pytest.raises(WrongShard):
+            await client.acquire_across([name, names_owned_by(maps["a"], "a", 1)[0]], ttl=5, wait=5)
+        for g in ("a", "b"):
+            assert (await client.group_client(g).locks()).locks == []
+
+
+async def test_a_map_naming_an_impostor_gets_no_request_from_a_client_with_a_token(server_factory, tmp_path):
+    """A map (a hostile writer's) that gives a group the address of a server with other keys for
+    the same principal: the client's handshake proves neither side's key to the other, the
+    client refuses the impostor, and no acquire (no owner key) reaches it."""
+    real = generate(tmp_path / "real", clients=[("app", "")], replicas=[], admins=["admin"])
+    fake = generate(tmp_path / "fake", clients=[("app", "")], replicas=[], admins=["admin"])
+    ports = {"g0": free_port(), "g1": free_port()}
+    groups = tuple(ShardGroup(g, (f"127.0.0.1:{p}",)) for g, p in ports.items())
+    shard_map = ShardMap(1, groups, even_ranges(["g0", "g1"]))
+    write_map_file(tmp_path / "map.json", shard_map)
+    for g, creds in (("g0", "real"), ("g1", "fake")):
+        server_factory(g, fsync="never", port=ports[g],
+                       args=["--credentials", str(tmp_path / creds / "credentials.toml"),
+                             "--shard-map", str(tmp_path / "map.json"), "--shard-group", g])
+    name = names_owned_by(shard_map, "g1", 1)[0]
+    async with fastlock.connect(f"127.0.0.1:{ports['g0']}", token_file=real["app"], connect_timeout=1.0,
+                                request_timeout=2.0, failover_timeout=2.0) as client:
+        with pytest.raises(AuthError):
+            await client.acquire(name, ttl=5)
+    async with fastlock.connect(f"127.0.0.1:{ports['g1']}", token_file=fake["admin"]) as impostor_admin:
+        assert (await impostor_admin.seed.locks()).locks == []
+        assert not [s for s in await impostor_admin.seed.sessions() if s.principal == "app"]
