@@ -26,6 +26,7 @@ from fastlock.client.sharded import ShardedClient
 from fastlock.coordination.shardmap import load_from_etcd
 from fastlock.errors import AuthError, LimitExceeded, LockNotHeld, WrongShard
 from fastlock.protocol.ops import OP_RESERVE, OP_SHARD_MAP
+from fastlock.server.woundwait import MAX_RESERVATIONS_PER_PRINCIPAL
 from fastlock.sharding import ShardGroup, ShardMap, SlotRange, even_ranges, write_map_file
 
 TTL_MS = 60_000
@@ -235,3 +236,32 @@ async def test_a_map_naming_an_impostor_gets_no_request_from_a_client_with_a_tok
     async with fastlock.connect(f"127.0.0.1:{ports['g1']}", token_file=fake["admin"]) as impostor_admin:
         assert (await impostor_admin.seed.locks()).locks == []
         assert not [s for s in await impostor_admin.seed.sessions() if s.principal == "app"]
+
+
+def test_a_principal_at_its_reservation_limit_gets_room_back_as_its_reservations_end(server):
+    """At MAX_RESERVATIONS_PER_PRINCIPAL a RESERVE looks at a bounded number of the principal's own
+    reservations (round robin) to forget the ones that ended, not at every reservation of the
+    server: ended ones still give their room back, live ones never."""
+    with Raw(server.address, name="many", timeout=60) as peer:
+        stamp = now_ms()
+        owners, rids = {}, []
+        for i in range(MAX_RESERVATIONS_PER_PRINCIPAL):
+            owners[i] = os.urandom(16)
+            rids.append(peer.send(OP_RESERVE, [f"r/{i}"], owners[i], TTL_MS, 0, None, stamp, b"m%d" % i))
+        got: dict = {}
+        while len(got) < len(rids):  # granted at once, each answered once its grant is logged
+            msg = peer.recv()
+            assert msg is not None, "connection closed"
+            got[msg[0]] = msg
+        assert all(got[rid][1] == 0 for rid in rids)
+        code, message = error_of(peer.call(OP_RESERVE, ["r/x"], os.urandom(16), TTL_MS, 0, None, stamp, b"x"))
+        assert code == LimitExceeded.code and "1000 uncommitted reservations" in message
+        # half of them end (released without a commit): each RESERVE after finds room again
+        for i in range(0, MAX_RESERVATIONS_PER_PRINCIPAL, 2):
+            token = got[rids[i]][2][0][0]
+            assert peer.call(P.OP_RELEASE, f"r/{i}", token, owners[i])[1] == 0
+        for k in range(MAX_RESERVATIONS_PER_PRINCIPAL // 2):
+            reply = peer.call(OP_RESERVE, [f"s/{k}"], os.urandom(16), TTL_MS, 0, None, stamp, b"n%d" % k)
+            assert reply[1] == 0, (k, reply)
+        code, _ = error_of(peer.call(OP_RESERVE, ["r/y"], os.urandom(16), TTL_MS, 0, None, stamp, b"y"))
+        assert code == LimitExceeded.code

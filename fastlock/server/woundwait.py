@@ -100,6 +100,9 @@ MAX_PARKED = 10_000
 MAX_MULTI_ID_BYTES = 32
 #: how many reservations each RESERVE looks at to forget the ones that ended (released or expired)
 SWEEP_PER_REQUEST = 4
+#: how many of its own reservations a RESERVE of a principal at its limit looks at to forget the ones
+#: that ended (round robin: a refused request costs a bounded amount of work, not one per reservation)
+PURGE_PER_REQUEST = 64
 
 #: what each operation needs (an ACL right checked on the name; see handlers.PERMISSION):
 #: RESERVE's names are checked by the handler, COMMIT_RESERVATION touches the caller's own only
@@ -220,6 +223,8 @@ class WoundWait:
         self.parked: dict[tuple[int, bytes], Reservation] = {}
         #: principal -> how many live reservations it has
         self.per_principal: dict[str, int] = {}
+        #: principal -> its reservations of ``by_key`` (insertion order: its purge's order)
+        self.of_principal: dict[str, dict[tuple[int, bytes], Reservation]] = {}
         #: principal -> how many names its parked reservations name (counted against its quotas)
         self.parked_names: dict[str, int] = {}
         self._wake_pending = False
@@ -509,6 +514,7 @@ class WoundWait:
     def _remember(self, r: Reservation) -> None:
         self.by_owner[r.owner] = r
         self.by_key[(r.session, r.rank.multi_id)] = r
+        self.of_principal.setdefault(r.principal, {})[(r.session, r.rank.multi_id)] = r
         self.per_principal[r.principal] = self.per_principal.get(r.principal, 0) + 1
 
     def _forget(self, r: Reservation) -> None:
@@ -519,6 +525,11 @@ class WoundWait:
         key = (r.session, r.rank.multi_id)
         if self.by_key.get(key) is r:
             del self.by_key[key]
+            own = self.of_principal.get(r.principal)
+            if own is not None:
+                own.pop(key, None)
+                if not own:
+                    del self.of_principal[r.principal]
             left = self.per_principal.get(r.principal, 1) - 1
             if left > 0:
                 self.per_principal[r.principal] = left
@@ -550,7 +561,18 @@ class WoundWait:
                 self._forget(r)
 
     def _purge_principal(self, principal: str, now: int) -> None:
-        for r in [r for r in self.by_key.values() if r.principal == principal]:
-            if not self._alive(r, now):
+        """Forget up to PURGE_PER_REQUEST of ``principal``'s reservations that ended; the live
+        ones it looks at go to the back of its line."""
+        own = self.of_principal.get(principal)
+        for _ in range(min(PURGE_PER_REQUEST, len(own) if own else 0)):
+            assert own is not None
+            key = next(iter(own))
+            r = own[key]
+            if self._alive(r, now):
+                del own[key]
+                own[key] = r
+            else:
                 self._unwait(r)
                 self._forget(r)
+                if not own:
+                    return
