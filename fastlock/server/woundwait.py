@@ -32,7 +32,9 @@ reservation ever waits on a younger one: every wait goes from younger to older.
 a stamp more than :data:`MAX_STAMP_SKEW_MS` (1 s) ahead of its own wall clock or more than
 :data:`MAX_STAMP_AGE_MS` (60 s) behind it.  A principal that lies can therefore rank itself
 at most 60 s ahead of a multi-lock begun now - the rank an honest multi-lock has after
-trying for 60 s - never ahead of everyone forever; and every reservation counts against
+trying for 60 s (and, as an honest one takes a fresh stamp after 55 s, ahead of every honest
+one while it keeps asking: no more than holding the names with plain leases gives, which its
+right ``acquire`` allows); and every reservation counts against
 its principal's quotas (leases and waiters, as ``ACQUIRE_MANY``) plus at most
 :data:`MAX_RESERVATIONS_PER_PRINCIPAL` uncommitted ones, so a liar can only ever hold a
 bounded set of names ahead of others.  The client takes a fresh stamp when its own is
