@@ -265,3 +265,51 @@ def test_a_principal_at_its_reservation_limit_gets_room_back_as_its_reservations
             assert reply[1] == 0, (k, reply)
         code, _ = error_of(peer.call(OP_RESERVE, ["r/y"], os.urandom(16), TTL_MS, 0, None, stamp, b"y"))
         assert code == LimitExceeded.code
+
+
+def test_a_parked_reservation_goes_on_when_the_older_one_ahead_stops_waiting_however_it_stops(server):
+    """A wake looks only at the reservations parked on names an older one stopped waiting on (its
+    cost does not grow with every parked one of the server), and after a connection closes at
+    every parked one: a younger reservation parked behind an older waiter goes on whether the
+    older one is granted, cancelled or its connection closes, and one parked on other names stays."""
+    with Raw(server.address, name="holder") as holder, Raw(server.address, name="look") as look, \
+            Raw(server.address, name="young") as young, Raw(server.address, name="other") as other:
+        plain = {n: os.urandom(16) for n in ("x", "y", "z")}
+        tokens = {n: holder.call(P.OP_ACQUIRE, n, plain[n], TTL_MS, 0, 0, None)[2][0] for n in plain}
+        stamp = now_ms()
+        # z: an older waiter, and a younger one parked behind it that must stay parked throughout
+        older_z = Raw(server.address, name="older-z")
+        older_z.send(OP_RESERVE, ["z"], os.urandom(16), TTL_MS, 60_000, None, stamp - 9_000, b"oz")
+        assert older_z.call(P.OP_PING)[1] == 0
+        rid_other = other.send(OP_RESERVE, ["z"], os.urandom(16), TTL_MS, 60_000, None, stamp, b"pz")
+        for how, name in (("close", "x"), ("cancel", "y")):
+            older = Raw(server.address, name=f"older-{name}")
+            older_owner = os.urandom(16)
+            older.send(OP_RESERVE, [name], older_owner, TTL_MS, 60_000, None, stamp - 5_000, b"o" + name.encode())
+            assert older.call(P.OP_PING)[1] == 0
+            rid = young.send(OP_RESERVE, [name], os.urandom(16), TTL_MS, 60_000, None, stamp, b"y" + name.encode())
+            assert rid not in sent_until_ping(young, rid)  # parked: not answered, not in the queue
+            assert [w["client"] for w in look.call(P.OP_CONTENDERS, name)[2]["waiters"]] == [f"older-{name}"]
+            if how == "close":
+                older.close()
+            else:
+                assert older.call(P.OP_CANCEL, name, older_owner)[1] == 0
+                older.close()
+            wait_for_waiters(look, name, ["young"])  # the younger one, in the queue now
+            assert look.call(P.OP_RELEASE, name, tokens[name], plain[name])[1] == 0
+            reply = young.recv()
+            assert reply[0] == rid and reply[1] == 0, reply
+        assert rid_other not in sent_until_ping(other, rid_other)  # still parked behind the older one on z
+        assert [w["client"] for w in look.call(P.OP_CONTENDERS, "z")[2]["waiters"]] == ["older-z"]
+        older_z.close()
+
+
+def wait_for_waiters(peer: Raw, name: str, clients: list[str], timeout: float = 10.0) -> None:
+    """Wait (bounded) until the waiters in ``name``'s queue are those of ``clients`` (HELLO names)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        waiting = [w["client"] for w in peer.call(P.OP_CONTENDERS, name)[2]["waiters"]]
+        if waiting == clients:
+            return
+        assert time.monotonic() < deadline, f"{name!r} is waited on by {waiting}, not {clients}"
+        time.sleep(0.02)

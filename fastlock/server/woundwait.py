@@ -223,6 +223,12 @@ class WoundWait:
         self.waiting_on: dict[str, set[Reservation]] = {}
         #: the parked reservations, in arrival order
         self.parked: dict[tuple[int, bytes], Reservation] = {}
+        #: name -> the parked reservations that name it
+        self.parked_on: dict[str, set[Reservation]] = {}
+        #: names an older reservation stopped waiting on since the last wake (only their parked
+        #: reservations are looked at again); ``_wake_all``: every parked one is (a connection closed)
+        self._stopped_waiting: set[str] = set()
+        self._wake_all = False
         #: principal -> how many live reservations it has
         self.per_principal: dict[str, int] = {}
         #: principal -> its reservations of ``by_key`` (insertion order: its purge's order)
@@ -353,6 +359,7 @@ class WoundWait:
         for r in gone:
             self._forget(r)
         if self.waiting_on:
+            self._wake_all = True  # its waiting requests ended without a word to this table
             self._wake_soon()
 
     # -- the rule ----------------------------------------------------------------------------------
@@ -460,6 +467,8 @@ class WoundWait:
     def _park(self, r: Reservation) -> None:
         key = (r.session, r.rank.multi_id)
         self.parked[key] = r
+        for name in r.names:
+            self.parked_on.setdefault(name, set()).add(r)
         self.per_principal[r.principal] = self.per_principal.get(r.principal, 0) + 1
         self.parked_names[r.principal] = self.parked_names.get(r.principal, 0) + len(r.names)
         if r.wait_until_ms is not None:
@@ -468,6 +477,12 @@ class WoundWait:
 
     def _unpark(self, r: Reservation) -> None:
         if self.parked.pop((r.session, r.rank.multi_id), None) is r:
+            for name in r.names:
+                on = self.parked_on.get(name)
+                if on is not None:
+                    on.discard(r)
+                    if not on:
+                        del self.parked_on[name]
             left = self.parked_names.get(r.principal, 0) - len(r.names)
             if left > 0:
                 self.parked_names[r.principal] = left
@@ -492,11 +507,24 @@ class WoundWait:
             self.server.loop.call_soon(self._wake)
 
     def _wake(self) -> None:
-        """Move every parked reservation that no older one blocks any more into the queues."""
+        """Move every parked reservation that no older one blocks any more into the queues: the
+        ones parked on a name an older one stopped waiting on (all of them after a connection
+        closed), in arrival order, so a wake costs the reservations it may free, not every one."""
         self._wake_pending = False
+        if self._wake_all:
+            candidates = list(self.parked.values())
+        else:
+            touched: set[Reservation] = set()
+            for name in self._stopped_waiting:
+                touched.update(self.parked_on.get(name, ()))
+            candidates = [r for r in self.parked.values() if r in touched] if touched else []
+        self._wake_all = False
+        self._stopped_waiting.clear()
         now = monotonic_ms()
         sessions = self.server.limits.sessions
-        for r in list(self.parked.values()):
+        for r in candidates:
+            if self.parked.get((r.session, r.rank.multi_id)) is not r:
+                continue  # gone meanwhile (withdrawn by a wound this wake made)
             if self._older_waiter(r, now) is not None:
                 continue
             self._unpark(r)
@@ -544,6 +572,8 @@ class WoundWait:
         for name in r.names:
             waiters = self.waiting_on.get(name)
             if waiters is not None:
+                if self.parked and name in self.parked_on:
+                    self._stopped_waiting.add(name)
                 waiters.discard(r)
                 if not waiters:
                     del self.waiting_on[name]
