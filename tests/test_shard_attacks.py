@@ -146,6 +146,13 @@ async def test_a_hostile_writer_of_the_map_in_etcd_cannot_crash_a_node_or_move_i
             await wait_until(lambda: _epoch_is(served, 7), 20, "the node to serve epoch 7")
             assert (await served()).slots_of("g0") == first.slots_of("g0")
             assert node.proc.poll() is None and not any("Traceback" in line for line in node.lines)
+            # the slots given away while the node is down: it does not start with them
+            node.stop()
+            await stored.gateway.put(stored.key, json.dumps(swapped.with_epoch(8).to_wire()).encode())
+            node = ServerProcess(tmp_path / "g0", fsync="never", port=ports[0],
+                                 args=["--shard-map", url, "--shard-group", "g0"])
+            with pytest.raises(RuntimeError, match="gives group g0 other slots than epoch 7"):
+                node.start(timeout=20)
         finally:
             node.stop()
     finally:
