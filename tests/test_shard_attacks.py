@@ -24,7 +24,7 @@ from fastlock._testbase.shards import names_owned_by
 from fastlock.auth import generate
 from fastlock.client.sharded import ShardedClient
 from fastlock.coordination.shardmap import load_from_etcd
-from fastlock.errors import AuthError, LimitExceeded, LockNotHeld, WrongShard
+from fastlock.errors import AuthError, CrossShard, LimitExceeded, LockNotHeld, WrongShard, error_from_wire
 from fastlock.protocol.ops import OP_RESERVE, OP_SHARD_MAP
 from fastlock.server.woundwait import MAX_RESERVATIONS_PER_PRINCIPAL
 from fastlock.sharding import ShardGroup, ShardMap, SlotRange, even_ranges, write_map_file
@@ -320,3 +320,17 @@ def wait_for_waiters(peer: Raw, name: str, clients: list[str], timeout: float = 
             return
         assert time.monotonic() < deadline, f"{name!r} is waited on by {waiting}, not {clients}"
         time.sleep(0.02)
+
+
+def test_a_redirect_past_a_shard_maps_limits_names_no_address():
+    """A WrongShard's addresses are dialled by a routing client that does not know the group: a
+    reply naming more addresses (or longer ones) than a shard map may is read as naming none, so
+    the client reads the map from the group it knows instead."""
+    ok = error_from_wire(WrongShard.code, "moved", {"slot": 1, "group": "b", "epoch": 2,
+                                                    "addresses": [f"127.0.0.1:{p}" for p in range(1, 17)]})
+    assert isinstance(ok, WrongShard) and len(ok.addresses) == 16 and ok.group == "b"
+    for addresses in ([f"127.0.0.1:{p}" for p in range(1, 18)], ["h" * 300 + ":1"], [1]):
+        exc = error_from_wire(WrongShard.code, "moved", {"slot": 1, "group": "b", "epoch": 2, "addresses": addresses})
+        assert isinstance(exc, WrongShard) and exc.addresses == () and exc.group == "b"
+    crossed = error_from_wire(CrossShard.code, "spans", {"groups": [f"g{k}" for k in range(1025)], "epoch": 2})
+    assert isinstance(crossed, CrossShard) and crossed.groups == ()
