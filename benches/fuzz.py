@@ -721,11 +721,23 @@ def rss_kib(pid: int) -> int:
         return 0
 
 
-def start_server(root: Path, specs: list[Spec]) -> ServerProcess:
+def start_server(root: Path, specs: list[Spec], *, sharded: bool = False) -> ServerProcess:
+    """The fuzzed server; ``sharded``: a node of group ``fuzz`` of a shard map that gives half
+    the slots to a group ``elsewhere`` (an address nothing listens on), so about half the
+    names are answered with WrongShard and multi-name requests may span groups."""
     creds = root / "credentials.toml"
     write_credentials(creds, specs)
+    shard_args: list[str] = []
+    if sharded:
+        from fastlock.sharding import ShardGroup, ShardMap, even_ranges, write_map_file
+
+        shard_map = ShardMap(1, (ShardGroup("fuzz", ("127.0.0.1:1",)), ShardGroup("elsewhere", ("127.0.0.1:2",))),
+                             even_ranges(["fuzz", "elsewhere"]))
+        write_map_file(root / "shard-map.json", shard_map)
+        shard_args = ["--shard-map", str(root / "shard-map.json"), "--shard-group", "fuzz"]
     return ServerProcess(root / "data", fsync="never",
-                         args=["--credentials", str(creds), "--auth-failures-before-ban", "0", *QUOTA_ARGS]).start()
+                         args=["--credentials", str(creds), "--auth-failures-before-ban", "0", *QUOTA_ARGS,
+                               *shard_args]).start()
 
 
 def server_crashed(server: ServerProcess) -> bool:
@@ -740,6 +752,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=64, help="requests per connection per round")
     ap.add_argument("--max-seconds", type=float, default=3600.0, help="stop after this long in any case")
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    ap.add_argument("--sharded", action="store_true",
+                    help="fuzz a sharded node (a shard map giving half the slots to another group)")
     args = ap.parse_args(argv)
     seed = args.seed if args.seed is not None else random.randrange(1 << 32)
     rng = random.Random(seed)
@@ -747,7 +761,7 @@ def main(argv=None) -> int:
     figures = Figures()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fastlock-fuzz-") as tmp:
-        server = start_server(Path(tmp), specs)
+        server = start_server(Path(tmp), specs, sharded=args.sharded)
         owners: list[bytes] = []
         try:
             deadline = t0 + args.max_seconds

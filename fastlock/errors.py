@@ -360,10 +360,13 @@ def _redirect_fields(extra: Any) -> dict[str, Any]:
     if type(extra.get("group")) is str:
         fields["group"] = extra["group"]
     addresses = extra.get("addresses")
-    if isinstance(addresses, list) and all(type(a) is str for a in addresses):
+    # within a shard map's limits (fastlock.sharding.shardmap: 16 addresses of at most 300
+    # characters, 1024 groups); a redirect past them names none (the client reads its own map)
+    if (isinstance(addresses, list) and len(addresses) <= 16
+            and all(type(a) is str and len(a) <= 300 for a in addresses)):
         fields["addresses"] = tuple(addresses)
     groups = extra.get("groups")
-    if isinstance(groups, list) and all(type(g) is str for g in groups):
+    if isinstance(groups, list) and len(groups) <= 1024 and all(type(g) is str and len(g) <= 64 for g in groups):
         fields["groups"] = tuple(groups)
     return fields
 

@@ -188,8 +188,11 @@ class ShardedClient(Client):
         renewer.move_to(new)
 
     def group_clients(self) -> dict[str, Client]:
-        """A client for every group of the map, by group name."""
-        return {g.name: self.group_client(g.name) for g in self.shard_map.groups}
+        """A client for every group of the map that owns a slot, by group name.  A group that
+        owns none (added before any slot is assigned to it) holds no lease, key or session a
+        client made, so it is not dialled (and one not running yet fails no call)."""
+        owners = {r.group for r in self.shard_map.ranges}
+        return {g.name: self.group_client(g.name) for g in self.shard_map.groups if g.name in owners}
 
     def group_of(self, names: Iterable[str]) -> str:
         """The one group that owns every name of ``names``.

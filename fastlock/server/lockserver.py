@@ -330,6 +330,8 @@ class LockServer:
                 f"a second primary at the old epoch (delete {STATE_FILE} only if you know the old primary "
                 f"is gone for good)")
         claim_data_dir(self.node_state, self.failover.coordinated, config.data_dir)
+        if self.shard_gate is not None:  # the slots it owned before a restart stay its own
+            self.shard_gate.remember(config.data_dir)
         self._recover()
         self.wal.start(loop)
         if self.wal.repaired:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -38,7 +39,7 @@ from ..coordination.access import EtcdAccess
 from ..coordination.shardmap import load_from_etcd
 from ..errors import CrossShard, FastlockError, InvalidArgument, SlotMoving, WrongShard
 from ..roles import Role
-from ..sharding import SLOTS, ShardMap, load_map_file, slot_of
+from ..sharding import SLOTS, ShardMap, ShardMapError, load_map_file, slot_of, write_map_file
 from ..sharding.moves import allowed_change
 from ..sharding.scope import NAMES_OF_OP, NamesAt, names_in
 from ..units import monotonic_ms
@@ -50,6 +51,9 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Any, int, list], None]
+
+#: the file in a sharded node's data directory holding the last map it served by
+SERVED_MAP_FILE = "served-shard-map.json"
 
 #: the most requests held at once for slots being moved (beyond: SlotMoving at once)
 MAX_HELD = 10_000
@@ -98,6 +102,8 @@ class ShardGate:
         self._hold_timer: Any = None
         #: called with each newer map this node takes (the server pushes its epoch to its clients)
         self.on_change: Callable[[ShardMap], None] | None = None
+        #: where the map served by is recorded (``DATA_DIR/served-shard-map.json``), once :meth:`remember` ran
+        self.served_path: str | None = None
         self.set_map(shard_map)
 
     @classmethod
@@ -125,8 +131,38 @@ class ShardGate:
         self.shard_map = shard_map
         self.owned = shard_map.slots_of(self.group)
         self.moving = shard_map.moving_slots_of(self.group)
+        if self.served_path is not None:
+            write_map_file(self.served_path, shard_map)
         log.info("shard map epoch %d: group %s owns %d of %d slots", shard_map.epoch, self.group,
                  sum(self.owned), SLOTS)
+
+    def remember(self, data_dir: str | os.PathLike[str]) -> None:
+        """Check this node's map against the last one it served by, recorded in ``data_dir``
+        (:data:`SERVED_MAP_FILE`), then record it there, and every map it serves by from now on.
+
+        :raises ShardMapError: this map gives this node's group a slot the recorded map gave another
+            group and did not mark as moving here (a map file or etcd key changed by hand while the
+            node was down): that group may hold leases of it, and slots change owner only by a move.
+            Slots this map takes away are let go (a move that finished while the node was down).
+        :raises OSError: the file cannot be read or written.
+        """
+        path = os.path.join(data_dir, SERVED_MAP_FILE)
+        if os.path.exists(path):
+            served = load_map_file(path)
+            had = served.slots_of(self.group)
+            # a slot lost is safe (this node stops granting it: a move finished while it was down);
+            # a slot gained is safe only if the last map marked it as moving here (its state was imported)
+            gained = [s for s in range(SLOTS) if self.owned[s] and not had[s]
+                      and served.moving_to_of_slot(s) != self.group]
+            if gained:
+                raise ShardMapError(f"shard map epoch {self.shard_map.epoch} gives group {self.group} other slots than "
+                                    f"epoch {served.epoch}, the map this node last served by ({path}): "
+                                    f"{len(gained)} slots (the first {gained[0]}) it did not own and no move was "
+                                    f"bringing here; slots change owner only by a move, else two groups would "
+                                    f"grant the same names (remove that file only if no other group holds "
+                                    f"leases of those slots)")
+        self.served_path = path
+        write_map_file(path, self.shard_map)
 
     # -- the check ------------------------------------------------------------------------
     def check_name(self, name: Any) -> int:

@@ -32,7 +32,9 @@ reservation ever waits on a younger one: every wait goes from younger to older.
 a stamp more than :data:`MAX_STAMP_SKEW_MS` (1 s) ahead of its own wall clock or more than
 :data:`MAX_STAMP_AGE_MS` (60 s) behind it.  A principal that lies can therefore rank itself
 at most 60 s ahead of a multi-lock begun now - the rank an honest multi-lock has after
-trying for 60 s - never ahead of everyone forever; and every reservation counts against
+trying for 60 s (and, as an honest one takes a fresh stamp after 55 s, ahead of every honest
+one while it keeps asking: no more than holding the names with plain leases gives, which its
+right ``acquire`` allows); and every reservation counts against
 its principal's quotas (leases and waiters, as ``ACQUIRE_MANY``) plus at most
 :data:`MAX_RESERVATIONS_PER_PRINCIPAL` uncommitted ones, so a liar can only ever hold a
 bounded set of names ahead of others.  The client takes a fresh stamp when its own is
@@ -68,7 +70,8 @@ of after its client reconnects, at the cost of a WAL record per part and per com
 
 **Limits.**  At most :data:`MAX_RESERVATIONS_PER_PRINCIPAL` live reservations (parked,
 waiting or held uncommitted) per principal and :data:`MAX_PARKED` parked ones per
-server (``LimitExceeded``); a multi-lock id is at most :data:`MAX_MULTI_ID_BYTES` bytes and
+server (``LimitExceeded``); a parked reservation's names count against its principal's
+lease and waiter quotas as a queued request's do; a multi-lock id is at most :data:`MAX_MULTI_ID_BYTES` bytes and
 one connection has at most one reservation per id.  Names only: reservations are
 exclusive (no shared parts, no semaphores).  ``RESERVE`` needs the right ``"acquire"`` on
 every name; ``COMMIT_RESERVATION`` acts only on the calling connection's own reservation.
@@ -114,6 +117,9 @@ MAX_PARKED = 10_000
 MAX_MULTI_ID_BYTES = 32
 #: how many reservations each RESERVE looks at to forget the ones that ended (released or expired)
 SWEEP_PER_REQUEST = 4
+#: how many of its own reservations a RESERVE of a principal at its limit looks at to forget the ones
+#: that ended (round robin: a refused request costs a bounded amount of work, not one per reservation)
+PURGE_PER_REQUEST = 64
 
 #: what each operation needs (an ACL right checked on the name; see handlers.PERMISSION):
 #: RESERVE's names are checked by the handler, COMMIT_RESERVATION touches the caller's own only
@@ -228,8 +234,18 @@ class WoundWait:
         self.waiting_on: dict[str, set[Reservation]] = {}
         #: the parked reservations, in arrival order
         self.parked: dict[tuple[int, bytes], Reservation] = {}
+        #: name -> the parked reservations that name it
+        self.parked_on: dict[str, set[Reservation]] = {}
+        #: names an older reservation stopped waiting on since the last wake (only their parked
+        #: reservations are looked at again); ``_wake_all``: every parked one is (a connection closed)
+        self._stopped_waiting: set[str] = set()
+        self._wake_all = False
         #: principal -> how many live reservations it has
         self.per_principal: dict[str, int] = {}
+        #: principal -> its reservations of ``by_key`` (insertion order: its purge's order)
+        self.of_principal: dict[str, dict[tuple[int, bytes], Reservation]] = {}
+        #: principal -> how many names its parked reservations name (counted against its quotas)
+        self.parked_names: dict[str, int] = {}
         self._wake_pending = False
         #: how many reservations were wounded (a figure for benches and tests)
         self.wounds = 0
@@ -280,8 +296,9 @@ class WoundWait:
         if self._older_waiter(r, now) is not None and wait_ms != 0:
             if len(self.parked) >= MAX_PARKED:
                 raise LimitExceeded(f"the server already has {MAX_PARKED} reservations waiting behind older ones")
-            # the quotas a queued request would need, checked (counted once it enters the queues)
-            self.server.quotas.check_acquire(principal, len(names), len(names))
+            # the quotas a queued request would need, with the principal's parked ones counted as queued
+            wanted = len(names) + self.parked_names.get(principal, 0)
+            self.server.quotas.check_acquire(principal, wanted, wanted)
             self._park(r)
             return
         self._submit(conn, r, now)
@@ -353,6 +370,7 @@ class WoundWait:
         for r in gone:
             self._forget(r)
         if self.waiting_on:
+            self._wake_all = True  # its waiting requests ended without a word to this table
             self._wake_soon()
 
     # -- the rule ----------------------------------------------------------------------------------
@@ -460,13 +478,27 @@ class WoundWait:
     def _park(self, r: Reservation) -> None:
         key = (r.session, r.rank.multi_id)
         self.parked[key] = r
+        for name in r.names:
+            self.parked_on.setdefault(name, set()).add(r)
         self.per_principal[r.principal] = self.per_principal.get(r.principal, 0) + 1
+        self.parked_names[r.principal] = self.parked_names.get(r.principal, 0) + len(r.names)
         if r.wait_until_ms is not None:
             delay = max(0, r.wait_until_ms - monotonic_ms()) / 1000.0
             r.timer = self.server.loop.call_later(delay, self._park_timeout, r)
 
     def _unpark(self, r: Reservation) -> None:
-        self.parked.pop((r.session, r.rank.multi_id), None)
+        if self.parked.pop((r.session, r.rank.multi_id), None) is r:
+            for name in r.names:
+                on = self.parked_on.get(name)
+                if on is not None:
+                    on.discard(r)
+                    if not on:
+                        del self.parked_on[name]
+            left = self.parked_names.get(r.principal, 0) - len(r.names)
+            if left > 0:
+                self.parked_names[r.principal] = left
+            else:
+                self.parked_names.pop(r.principal, None)
         if r.timer is not None:
             r.timer.cancel()
             r.timer = None
@@ -486,11 +518,24 @@ class WoundWait:
             self.server.loop.call_soon(self._wake)
 
     def _wake(self) -> None:
-        """Move every parked reservation that no older one blocks any more into the queues."""
+        """Move every parked reservation that no older one blocks any more into the queues: the
+        ones parked on a name an older one stopped waiting on (all of them after a connection
+        closed), in arrival order, so a wake costs the reservations it may free, not every one."""
         self._wake_pending = False
+        if self._wake_all:
+            candidates = list(self.parked.values())
+        else:
+            touched: set[Reservation] = set()
+            for name in self._stopped_waiting:
+                touched.update(self.parked_on.get(name, ()))
+            candidates = [r for r in self.parked.values() if r in touched] if touched else []
+        self._wake_all = False
+        self._stopped_waiting.clear()
         now = monotonic_ms()
         sessions = self.server.limits.sessions
-        for r in list(self.parked.values()):
+        for r in candidates:
+            if self.parked.get((r.session, r.rank.multi_id)) is not r:
+                continue  # gone meanwhile (withdrawn by a wound this wake made)
             if self._older_waiter(r, now) is not None:
                 continue
             self._unpark(r)
@@ -510,6 +555,7 @@ class WoundWait:
     def _remember(self, r: Reservation) -> None:
         self.by_owner[r.owner] = r
         self.by_key[(r.session, r.rank.multi_id)] = r
+        self.of_principal.setdefault(r.principal, {})[(r.session, r.rank.multi_id)] = r
         self.per_principal[r.principal] = self.per_principal.get(r.principal, 0) + 1
 
     def _forget(self, r: Reservation) -> None:
@@ -520,6 +566,11 @@ class WoundWait:
         key = (r.session, r.rank.multi_id)
         if self.by_key.get(key) is r:
             del self.by_key[key]
+            own = self.of_principal.get(r.principal)
+            if own is not None:
+                own.pop(key, None)
+                if not own:
+                    del self.of_principal[r.principal]
             left = self.per_principal.get(r.principal, 1) - 1
             if left > 0:
                 self.per_principal[r.principal] = left
@@ -532,6 +583,8 @@ class WoundWait:
         for name in r.names:
             waiters = self.waiting_on.get(name)
             if waiters is not None:
+                if self.parked and name in self.parked_on:
+                    self._stopped_waiting.add(name)
                 waiters.discard(r)
                 if not waiters:
                     del self.waiting_on[name]
@@ -551,7 +604,18 @@ class WoundWait:
                 self._forget(r)
 
     def _purge_principal(self, principal: str, now: int) -> None:
-        for r in [r for r in self.by_key.values() if r.principal == principal]:
-            if not self._alive(r, now):
+        """Forget up to PURGE_PER_REQUEST of ``principal``'s reservations that ended; the live
+        ones it looks at go to the back of its line."""
+        own = self.of_principal.get(principal)
+        for _ in range(min(PURGE_PER_REQUEST, len(own) if own else 0)):
+            assert own is not None
+            key = next(iter(own))
+            r = own[key]
+            if self._alive(r, now):
+                del own[key]
+                own[key] = r
+            else:
                 self._unwait(r)
                 self._forget(r)
+                if not own:
+                    return
