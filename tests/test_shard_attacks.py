@@ -211,7 +211,8 @@ def test_a_node_restarted_with_a_map_that_gives_its_slots_away_refuses_to_start(
 
 async def test_two_nodes_with_disagreeing_maps_redirect_a_client_once_not_forever(server_factory, tmp_path):
     """Node a's map gives a name to group b, node b's (a later epoch) gives it back to a: a routing
-    client follows one redirect, reads the map again, and raises WrongShard instead of bouncing."""
+    client follows a bounded number of redirects (REDIRECT_HOPS, and a lagging node is asked again
+    for at most REDIRECT_CATCH_UP_S), then raises WrongShard instead of bouncing."""
     ports = {"a": free_port(), "b": free_port()}
     groups = tuple(ShardGroup(g, (f"127.0.0.1:{p}",)) for g, p in ports.items())
     maps = {"a": ShardMap(1, groups, even_ranges(["a", "b"])), "b": ShardMap(2, groups, even_ranges(["b", "a"]))}
@@ -223,8 +224,8 @@ async def test_two_nodes_with_disagreeing_maps_redirect_a_client_once_not_foreve
     async with fastlock.connect(f"127.0.0.1:{ports['a']}", request_timeout=5.0) as client:
         with pytest.raises(WrongShard) as caught:
             await client.acquire(name, ttl=5)
-        assert caught.value.group == "a" and caught.value.epoch == 2
-        assert client.shard_map.epoch == 1  # a's map: the one the redirect's owner serves
+        # the redirect named a group and an epoch of one of the two maps, and the call ended there
+        assert (caught.value.group, caught.value.epoch) in {("a", 2), ("b", 1)}
         with pytest.raises(WrongShard):
             await client.acquire_across([name, names_owned_by(maps["a"], "a", 1)[0]], ttl=5, wait=5)
         for g in ("a", "b"):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,7 @@ class _GroupClient:
     def __init__(self, *answers):
         self.answers = list(answers)
         self.calls = 0
+        self.connector = types.SimpleNamespace(addresses=[])  # a new map's addresses are set here
 
     async def acquire(self, name, **kwargs):
         self.calls += 1
@@ -164,6 +166,7 @@ def _routing_client(shard_map, clients, reads, monkeypatch):
     monkeypatch.setattr(sharded, "read_shard_map", read_shard_map)
     routing = sharded.ShardedClient(Client(["127.0.0.1:1"], session=False), "g0", shard_map, lambda a: None)
     routing._clients.update(clients)
+    routing.edges.deadlock_timeout = None  # the fake group clients answer no deadlock probe
     return routing
 
 

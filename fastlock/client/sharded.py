@@ -50,8 +50,8 @@ from .calls import call
 from .client import Client
 from .connection import RETRYABLE
 from .edgechase import EdgeChaser
-from .renewer import Renewer
 from .keys import KeyEvent, KeyList
+from .renewer import Renewer
 from .session import SessionClosed, SessionInfo
 
 __all__ = ["GroupAnswers", "SessionList", "ShardedClient", "read_shard_map", "route_if_sharded"]
