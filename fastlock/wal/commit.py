@@ -21,7 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import WalFatal
-from .format import LEN_MASK, U32, crc32
+from ._syncer import append_frame
+from .format import LEN_MASK, MAX_RECORD_BYTES, U32, crc32
 from .writer import Batch, SegmentWriter
 
 log = logging.getLogger("fastlock.wal")
@@ -113,14 +114,10 @@ class GroupCommit:
 
     def add(self, body: bytes, fsync: bool = False) -> None:
         """Append one record body as a frame of the pending batch (the next LSN);
-        ``fsync``: the batch must be fsynced before its callbacks run."""
-        lenb = U32.pack(len(body))
+        ``fsync``: the batch must be fsynced before its callbacks run.
+        :raises ValueError: ``body`` is longer than ``MAX_RECORD_BYTES`` (nothing is logged)."""
         pending = self._pending
-        buf = pending.buf
-        pending.last_frame = len(buf)
-        buf += U32.pack(crc32(body, crc32(lenb)))
-        buf += lenb
-        buf += body
+        pending.last_frame = append_frame(pending.buf, body, MAX_RECORD_BYTES)
         if fsync:
             pending.fsync = True
         self.next_lsn += 1
