@@ -46,6 +46,7 @@ from ..protocol.validation import (
 )
 from ..roles import Action
 from ..protocol.ops import OP_HELLO
+from ..protocol import feed_frames
 from .shares import limit_exceeded
 
 cdef object _ProtocolError = ProtocolError
@@ -232,7 +233,7 @@ cdef class SessionWire:
             intake.add(data)
         else:  # the common case: a short read, decoded at once; one request is dispatched here
             try:
-                messages = decoder.feed(data)
+                messages = feed_frames(decoder, data)
             except _ProtocolError as exc:
                 self.fatal(exc)
                 server.after_batch()

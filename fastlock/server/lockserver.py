@@ -522,7 +522,8 @@ class LockServer:
         nd = table.next_deadline()
         if nd >= 0 and (self.expiry.handle is None or nd < self.expiry.at_ms) and self.roles.expires_leases:
             self._rearm()
-        self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
+        if table.waiter_count:
+            self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
         self.revisions.batch_end()  # the batch's holder changes reach the watchers once committed
         self.key_revisions.batch_end()  # and its key changes the prefix watchers
         self.queues.batch_end()  # changed waiter queues go to the standby
