@@ -15,7 +15,8 @@ wake-up per batch; the thread never takes the GIL for a plain batch.
 
 :func:`append_frame` appends one record to the batch being built as a frame of
 :mod:`fastlock.wal.format` (the CRC-32 of zlib, computed in C), with no Python object
-per record beyond the record's bytes.
+per record beyond the record's bytes; :func:`seal_batch` marks a batch's first and last
+frames.
 
 The module-level functions :func:`pwrite_all`, :func:`datasync` and
 :func:`zero_fill` do the same I/O for callers on the loop (the ``inline``
@@ -169,6 +170,24 @@ def append_frame(bytearray buf, bytes body, Py_ssize_t most):
     memcpy(p + 8, PyBytes_AS_STRING(body), n)
     _put_u32(p, crc32(0, p + 4, <unsigned int>(n + 4)))
     return off
+
+
+def seal_batch(bytearray buf, Py_ssize_t last_frame):
+    """Mark the frames of ``buf`` (one batch, :func:`append_frame`'s frames, the last at offset
+    ``last_frame``) as a batch: START on the first frame's length, COMMIT on the last's (one
+    frame: both), and recompute those frames' CRC-32, as :mod:`fastlock.wal.format` reads them.
+    """
+    cdef unsigned char *p = <unsigned char *>PyByteArray_AS_STRING(buf)
+    cdef Py_ssize_t size = PyByteArray_GET_SIZE(buf)
+    cdef Py_ssize_t first_end
+    if size < 8 or last_frame < 0 or last_frame + 8 > size:
+        raise ValueError("seal_batch: no frame at the offset given")
+    p[last_frame + 7] |= 0x80
+    p[7] |= 0x40
+    _put_u32(p + last_frame, crc32(0, p + last_frame + 4, <unsigned int>(size - last_frame - 4)))
+    if last_frame:
+        first_end = 8 + ((p[4] | (p[5] << 8) | (p[6] << 16) | (<unsigned long>p[7] << 24)) & 0x3FFFFFFF)
+        _put_u32(p, crc32(0, p + 4, <unsigned int>(first_end - 4)))
 
 
 def pwrite_all(int fd, const unsigned char[::1] data, long long offset):

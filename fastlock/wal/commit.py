@@ -21,8 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import WalFatal
-from ._syncer import append_frame
-from .format import LEN_MASK, MAX_RECORD_BYTES, U32, crc32
+from ._syncer import append_frame, seal_batch
+from .format import MAX_RECORD_BYTES
 from .writer import Batch, SegmentWriter
 
 log = logging.getLogger("fastlock.wal")
@@ -151,18 +151,7 @@ class GroupCommit:
         fsync = (pending.fsync or pending.fsync_requested
                 or (self.always and bool(buf) and (bool(self._waiters) or bool(self._sync_waiters))))
         if buf:
-            # batch marks on the first and last frames (recompute their CRCs)
-            off = pending.last_frame
-            if off:
-                buf[off + 7] |= 0x80
-                buf[7] |= 0x40
-                with memoryview(buf) as mv:
-                    U32.pack_into(buf, off, crc32(mv[off + 4:]))
-                    first_end = 8 + (U32.unpack_from(buf, 4)[0] & LEN_MASK)
-                    U32.pack_into(buf, 0, crc32(mv[4:first_end]))
-            else:  # one frame, the first and the last
-                buf[7] |= 0xC0
-                U32.pack_into(buf, 0, crc32(buf[4:]))
+            seal_batch(buf, pending.last_frame)  # batch marks on the first and last frames, their CRCs
         next_lsn = self.next_lsn
         batch = Batch(bytes(buf), pending.first_lsn, next_lsn - 1, fsync)
         # the next batch starts empty (as a new _Pending would)
