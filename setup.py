@@ -31,6 +31,7 @@ extensions = [
     Extension(
         "fastlock.wal._syncer",
         ["fastlock/wal/_syncer.pyx"],
+        libraries=["z"],  # zlib's crc32 for the frames (append_frame), as the zlib module's
         extra_compile_args=["-O0", "-g"] if debug else ["-O2"],
     ),
     # a server connection's input, dispatch and reply templates (fastlock/server/session.py)

@@ -5,6 +5,8 @@ from typing import Any
 
 from .framing import FrameDecoder
 
+def feed_frames(decoder: FrameDecoder, data: bytes) -> list[Any]: ...
+
 class RpcWire:
     transport: asyncio.Transport | None
     closed: bool

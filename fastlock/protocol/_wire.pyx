@@ -9,15 +9,47 @@ writes the frame; its ``data_received`` decodes a read (the connection's
 reply's future from the decoded reply (``[id, 0, value]``: the value; ``[id, code,
 message, extra]``: the error :func:`~fastlock.errors.error_from_wire` builds).  Pushes
 (request id 0), bad bytes and the liveness watchdog are ``RpcConnection``'s.
+
+:func:`feed_frames` is :meth:`FrameDecoder.feed <fastlock.protocol.FrameDecoder.feed>`
+with its common case compiled (a read that is one whole frame, decoded by one
+``msgpack.unpackb`` under the decoder's limits); every other read goes to ``feed``.
+Both connection sides decode their reads with it.
 """
 
+from msgpack import unpackb
+
 from ..errors import ConnectionLost, ProtocolError, error_from_wire
-from .framing import packb
+from .framing import WHOLE_SKIP, packb
 
 cdef object _ProtocolError = ProtocolError
 cdef object _ConnectionLost = ConnectionLost
 cdef object _error_from_wire = error_from_wire
 cdef object _packb = packb
+cdef object _unpackb = unpackb
+
+
+cpdef list feed_frames(object decoder, object data):
+    """``decoder.feed(data)`` (a :class:`~fastlock.protocol.FrameDecoder`): every message now
+    complete.  A read that is one whole frame while none is in flight is decoded here as
+    ``feed`` decodes it (``msgpack.unpackb`` bounded by the read's length and the decoder's
+    limits); ``feed`` takes any other read, and one that is not a single whole frame (which
+    it then decodes with its streaming decoder, as its own first try would).
+
+    :raises ProtocolError: malformed msgpack or a frame beyond the limits (from ``feed``).
+    """
+    cdef Py_ssize_t n = len(data)
+    if (decoder._fed == decoder._frame_start and decoder._shape is None and not decoder.shape_all
+            and not decoder._whole_skip and n <= decoder._whole_max):
+        limits = decoder._limits
+        try:
+            frame = _unpackb(data, max_ext_len=0, max_map_len=limits.max_map_len,
+                             max_array_len=limits.max_array_len)
+        except Exception:  # several frames, part of one, or bad bytes: feed's streaming decoder
+            decoder._whole_skip = WHOLE_SKIP + 1  # (feed counts this read as one it skips)
+            return decoder.feed(data)
+        decoder._whole_bytes += n
+        return [frame]
+    return decoder.feed(data)
 
 
 cdef class RpcWire:
@@ -43,7 +75,7 @@ cdef class RpcWire:
     def data_received(self, object data):
         self.last_recv = self.loop.time()  # at or after _ping_sent: the ping is answered
         try:
-            messages = self._decoder.feed(data)
+            messages = feed_frames(self._decoder, data)
         except _ProtocolError as exc:
             self._bad_data(exc, data)
             return

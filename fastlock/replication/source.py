@@ -462,7 +462,7 @@ class ReplicationSource:
     @property
     def fencing(self) -> bool:
         """Is a standby with a failover window paired (so the fence applies)?"""
-        return self.coordinated or (self._paired_window_ms != 0 and not self.serving_alone)
+        return self._external_fence is not None or (self._paired_window_ms != 0 and not self.serving_alone)
 
     def fence_if_due(self, now: int) -> None:
         """Fence now if the deadline has passed; never unfences (acks and timers do that).

@@ -46,11 +46,26 @@ from ..protocol.validation import (
 )
 from ..roles import Action
 from ..protocol.ops import OP_HELLO
-from ..units import monotonic_ms
+from ..protocol import feed_frames
 from .shares import limit_exceeded
 
 cdef object _ProtocolError = ProtocolError
-cdef object _monotonic_ms = monotonic_ms
+
+cdef extern from "<time.h>" nogil:
+    ctypedef long time_t
+    cdef struct timespec:
+        time_t tv_sec
+        long tv_nsec
+    int clock_gettime(int clk_id, timespec *tp)
+    int CLOCK_MONOTONIC
+
+
+cdef inline object _monotonic_ms():
+    """:func:`fastlock.units.monotonic_ms` in C: the same clock (CLOCK_MONOTONIC, as
+    ``time.monotonic_ns``), integer milliseconds."""
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <int64_t>ts.tv_sec * 1000 + ts.tv_nsec // 1000000
 
 #: reads longer than this go to the backlog, a piece at a time (session.FEED_BYTES)
 cdef Py_ssize_t FEED_BYTES = 16 << 10
@@ -218,7 +233,7 @@ cdef class SessionWire:
             intake.add(data)
         else:  # the common case: a short read, decoded at once; one request is dispatched here
             try:
-                messages = decoder.feed(data)
+                messages = feed_frames(decoder, data)
             except _ProtocolError as exc:
                 self.fatal(exc)
                 server.after_batch()

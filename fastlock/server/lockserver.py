@@ -222,6 +222,8 @@ class LockServer:
         self.exit_status = 0
         #: sessions written to in this loop turn (flushed once at the batch end)
         self.dirty: list[Session] = []
+        #: after_batch is processing its events (a grant delivered then leaves the flush to it)
+        self.in_batch_end = False
         self.expiry = ExpiryTimer(self._on_timer)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = asyncio.Event()
@@ -521,14 +523,23 @@ class LockServer:
         table = self.table
         events = table.drain_events()
         if events:
-            self._process_events(events)
+            # grants acknowledged at once (a relaxed fsync mode) are delivered inside this loop and
+            # leave their flush to this batch end; what their delivery changes is drained again
+            outer, self.in_batch_end = self.in_batch_end, True
+            try:
+                while events:
+                    self._process_events(events)
+                    events = table.drain_events()
+            finally:
+                self.in_batch_end = outer
         if self.wal.maybe_snapshot(self.snapshot_state):  # at every batch end: key puts make no table events
             lockdelays.relog_running(self.wal, table)
             self.revoke_deadlines.relog(self.wal, monotonic_ms())
         nd = table.next_deadline()
         if nd >= 0 and (self.expiry.handle is None or nd < self.expiry.at_ms) and self.roles.expires_leases:
             self._rearm()
-        self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
+        if table.waiter_count:
+            self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
         self.revisions.batch_end()  # the batch's holder changes reach the watchers once committed
         self.key_revisions.batch_end()  # and its key changes the prefix watchers
         self.queues.batch_end()  # changed waiter queues go to the standby
@@ -635,7 +646,8 @@ class LockServer:
                 conn.send(reply)
         if undelivered:
             table.expire(monotonic_ms())
-        self.after_batch()
+        if not self.in_batch_end:  # inside after_batch, which continues with this batch end
+            self.after_batch()
 
     def released(self, name: str, token: int, meta: tuple | None) -> None:
         """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id))."""

@@ -290,6 +290,8 @@ class CommittedPublisher:
 
     def batch_end(self) -> None:
         """At each batch end: publish the changes recorded in it once committed."""
+        if not self.log.pending:  # nothing recorded and unpublished (the last_pending of 0)
+            return
         upto = self.last_pending()
         if upto <= self.scheduled:
             return

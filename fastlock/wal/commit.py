@@ -21,7 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import WalFatal
-from .format import LEN_MASK, U32, crc32
+from ._syncer import append_frame, seal_batch
+from .format import MAX_RECORD_BYTES
 from .writer import Batch, SegmentWriter
 
 log = logging.getLogger("fastlock.wal")
@@ -113,14 +114,10 @@ class GroupCommit:
 
     def add(self, body: bytes, fsync: bool = False) -> None:
         """Append one record body as a frame of the pending batch (the next LSN);
-        ``fsync``: the batch must be fsynced before its callbacks run."""
-        lenb = U32.pack(len(body))
+        ``fsync``: the batch must be fsynced before its callbacks run.
+        :raises ValueError: ``body`` is longer than ``MAX_RECORD_BYTES`` (nothing is logged)."""
         pending = self._pending
-        buf = pending.buf
-        pending.last_frame = len(buf)
-        buf += U32.pack(crc32(body, crc32(lenb)))
-        buf += lenb
-        buf += body
+        pending.last_frame = append_frame(pending.buf, body, MAX_RECORD_BYTES)
         if fsync:
             pending.fsync = True
         self.next_lsn += 1
@@ -154,18 +151,7 @@ class GroupCommit:
         fsync = (pending.fsync or pending.fsync_requested
                 or (self.always and bool(buf) and (bool(self._waiters) or bool(self._sync_waiters))))
         if buf:
-            # batch marks on the first and last frames (recompute their CRCs)
-            off = pending.last_frame
-            if off:
-                buf[off + 7] |= 0x80
-                buf[7] |= 0x40
-                with memoryview(buf) as mv:
-                    U32.pack_into(buf, off, crc32(mv[off + 4:]))
-                    first_end = 8 + (U32.unpack_from(buf, 4)[0] & LEN_MASK)
-                    U32.pack_into(buf, 0, crc32(mv[4:first_end]))
-            else:  # one frame, the first and the last
-                buf[7] |= 0xC0
-                U32.pack_into(buf, 0, crc32(buf[4:]))
+            seal_batch(buf, pending.last_frame)  # batch marks on the first and last frames, their CRCs
         next_lsn = self.next_lsn
         batch = Batch(bytes(buf), pending.first_lsn, next_lsn - 1, fsync)
         # the next batch starts empty (as a new _Pending would)

@@ -27,7 +27,6 @@ from ..units import wall_ms
 from .backlog import read_records
 from .commit import GroupCommit
 from .files import fsync_dir, secure_directory, write_atomically
-from .format import MAX_RECORD_BYTES
 from .records import (
     EPOCH,
     EXPIRE,
@@ -238,10 +237,7 @@ class WriteAheadLog:
         if commit.fatal is not None or self._phase is not _Phase.OPEN:
             commit.check()
             raise RuntimeError("write-ahead log is not open")
-        body = _pack(rec)
-        if len(body) > MAX_RECORD_BYTES:
-            raise ValueError(f"WAL record of {len(body)} bytes exceeds {MAX_RECORD_BYTES}")
-        commit.add(body, fsync)
+        commit.add(_pack(rec), fsync)  # :raises ValueError: a record over MAX_RECORD_BYTES
 
     # Each log_* method appends one record, ``[type, field, ...]`` in the order of the
     # fields of its type in fastlock.wal.records (built inline: this is the hot path).
