@@ -37,6 +37,10 @@ MAX_RESPONSE_BYTES = 16 << 20
 MAX_WATCH_MESSAGE_BYTES = 1 << 20
 
 
+#: the most watch streams one gateway holds open at once (an arbiter watches two keys)
+WATCHES = 2
+
+
 class EtcdUnavailable(ConnectionError):
     """No etcd endpoint answered the request (or answered with an error)."""
 
@@ -158,8 +162,9 @@ class EtcdGateway:
         self._timeout_s = timeout_s
         self._client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=4),
                                          verify=context if context is not None else True)
-        #: the watch's own connection (a stream holds it for good: never one of the requests' four)
-        self._watch_client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=1),
+        #: the watches' own connections, one per watched key (the primary key and the heartbeat: a
+        #: stream holds its connection for good, never one of the requests' four)
+        self._watch_client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=WATCHES),
                                                verify=context if context is not None else True)
 
     async def probe(self) -> None:
