@@ -884,8 +884,10 @@ class EtcdArbiter:
 
 def _int(value: object) -> int:
     """A revision as etcd's JSON gateway sends it (a decimal string); 0 if it is not one."""
+    if not isinstance(value, (int, str)):
+        return 0
     try:
-        return int(value) if type(value) in (int, str) else 0  # type: ignore[arg-type]
+        return int(value)
     except ValueError:
         return 0
 
