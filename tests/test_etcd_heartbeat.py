@@ -23,6 +23,7 @@ from test_coordination_etcd import TTL_MS, Events, arbiter, pair, primary_and_st
 from test_etcd_failover import Group, grant, refuses, three
 
 from fastlock._testbase.cluster import poll, status_of
+from fastlock._testbase.proxy import TcpProxy
 from fastlock.coordination import EtcdArbiter, EtcdGateway
 from fastlock.units import monotonic_ms, parse_address
 
@@ -83,6 +84,46 @@ async def test_a_silent_primary_whose_lease_lives_is_deleted_after_one_ttl(etcd)
     finally:
         await a.close(revoke=False)
         await b.close()
+
+
+async def test_a_primary_whose_heartbeats_fail_stops_granting_though_its_lease_is_renewed(etcd):
+    """The primary's validity is the earlier of its lease's and its last heartbeat's: with its
+    heartbeats failing (its transaction compares another create_revision, as after its key was
+    deleted and taken again) and its lease still renewed, it stops granting while its lease
+    alone would still let it."""
+    a, ea = arbiter(etcd.address, unique_prefix(), "a")
+    try:
+        a.start()
+        await wait_until(lambda: a.holding and a.may_grant(), 5, "a to take the key")
+        a._primary_rev += 1_000_000
+        await wait_until(lambda: not a.may_grant() and a.clock() < a._renewed_at + a.ttl_ms - a.margin_ms, 10,
+                         "a to stop granting with its lease still valid")
+        assert a.holding and ea.first("fenced") is not None
+    finally:
+        await a.close()
+
+
+async def test_a_primary_cut_off_from_etcd_stops_before_a_standby_deletes_its_key(etcd):
+    """Primary a reaches etcd through a proxy that goes silent while its lease is kept alive
+    (from the test, straight to etcd): its heartbeats fail, it fences itself, and only then
+    does standby b delete the key and take it."""
+    with TcpProxy(etcd.address) as proxy:
+        a, ea, b, eb = pair(proxy.address, etcd.address)
+        try:
+            await primary_and_standby(a, b)
+            proxy.blackhole()
+            async with lease_kept_alive(b.gateway, a.lease):
+                await wait_until(lambda: b.holding, 10, "b to take the key")
+            assert b.heartbeat_deletes == 1
+            fenced_at, elected_at = ea.first("fenced"), eb.first("elected")
+            assert fenced_at is not None and fenced_at < elected_at
+            assert not a.may_grant()
+            proxy.heal()
+            await wait_until(lambda: a.stepped_down, 10, "a to learn it lost the key")
+            assert not a.holding and b.epoch == a.epoch + 1
+        finally:
+            await a.close(revoke=False)
+            await b.close()
 
 
 async def test_a_heartbeat_racing_the_delete_exactly_one_wins(etcd):
