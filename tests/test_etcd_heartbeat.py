@@ -15,16 +15,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
+from collections import Counter
 
 import pytest
 from conftest import wait_until
 from etcdserver import unique_prefix
 from test_coordination_etcd import TTL_MS, Events, arbiter, pair, primary_and_standby
-from test_etcd_failover import Group, grant, refuses, three
+from test_etcd_failover import LOCK_TTL_MS, Group, grant, refuses, three
 
+import fastlock
+from fastlock._testbase import HistoryChecker
 from fastlock._testbase.cluster import poll, status_of
 from fastlock._testbase.proxy import TcpProxy
 from fastlock.coordination import EtcdArbiter, EtcdGateway
+from fastlock.errors import FastlockError
+from fastlock.tokens import epoch_of
 from fastlock.units import monotonic_ms, parse_address
 
 pytest.importorskip("httpx")
@@ -259,27 +265,59 @@ async def test_sigkill_of_the_primary_a_standby_deletes_its_key(group):
 async def test_sigstop_of_the_primary_beyond_the_ttl_it_grants_nothing_after(group):
     """SIGSTOP of the primary for longer than the TTL (its lease kept alive): a standby
     deletes its key and is primary; after SIGCONT the old primary grants nothing and steps
-    down."""
+    down.  Clients taking locks throughout: never two holders of a lock at once, tokens only
+    grow, and grants resume at the new epoch."""
     names = three(group)
     first, st = await group.primary()
     rest = [n for n in names if n != first]
     await group.followers_of(first, rest)
     before = await grant(group.nodes[first].address, "k1")
     old = group.nodes[first]
+    addresses = [srv.address for srv in group.nodes.values()]
+    history = HistoryChecker()
+    epochs: Counter[int] = Counter()
+    stop = asyncio.Event()
+
+    async def worker(i: int) -> None:
+        async with fastlock.connect(*addresses, request_timeout=2.0) as client:
+            while not stop.is_set():
+                try:
+                    lease = await client.acquire(f"h{i % 3}", ttl=LOCK_TTL_MS / 1000, wait=5.0)
+                except FastlockError:
+                    continue
+                history.held(lease.name, lease.fencing_token, time.monotonic())
+                epochs[epoch_of(lease.fencing_token)] += 1
+                await asyncio.sleep(0.005)
+                history.released(lease.name, lease.fencing_token, time.monotonic())
+                try:
+                    await client.release(lease)
+                except FastlockError:
+                    pass  # not replicated before the freeze: the new primary lets it expire
+
+    async def grants_in_epochs(n: int, what: str) -> None:
+        await poll(lambda: asyncio.sleep(0, sum(c >= 10 for c in epochs.values())), lambda k: k >= n,
+                   timeout=20, what=what)
+
     gw = group_gateway(group)
+    workers = [asyncio.ensure_future(worker(i)) for i in range(4)]
     try:
+        await grants_in_epochs(1, "grants")
         async with lease_kept_alive(gw, await _primary_lease(group)):
             old.pause()
             try:
                 second, st2 = await group.primary(rest, timeout=20)
                 assert st2["epoch"] > st["epoch"]
+                await grants_in_epochs(2, "grants at the new epoch")
             finally:
                 old.resume()
             await refuses(old.address, "fresh", or_closes=True)
             await poll(lambda: status_of(old.address), lambda s: s["role"] in ("deposed", "standby"), timeout=10,
                        what="the old primary to step down")
-        assert any("its heartbeat stood at revision" in line for n in rest for line in group.nodes[n].lines)
-        await refuses(old.address, "fresh")
-        assert await grant(group.nodes[second].address, "k2") > before
     finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*workers, return_exceptions=True), 20)
         await gw.close()
+    assert history.check() >= 20
+    assert any("its heartbeat stood at revision" in line for n in rest for line in group.nodes[n].lines)
+    await refuses(old.address, "fresh")
+    assert await grant(group.nodes[second].address, "k2") > before
