@@ -147,7 +147,7 @@ async def test_a_step_between_two_regular_ones_skips_a_fresh_renewal(etcd):
             raise AssertionError("no step of b renewed its lease")
         paths.clear()
         await b.step()
-        assert paths == ["kv/range"], paths  # the primary key only: a holds it, no renewal, no member write
+        assert paths == ["kv/txn"], paths  # the primary key and its heartbeat: no renewal, no member write
         assert b.primary is not None and b.primary.node == "a"
         a._task.cancel()  # a dies: its lease runs out in etcd
         b.start()

@@ -22,7 +22,6 @@ import asyncio
 import functools
 import logging
 import os
-import random
 import ssl
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -46,7 +45,7 @@ from ..protocol.rpc import NotFastlockReply, RpcConnection, answers_tls_hello, w
 from ..units import parse_address
 from .keywatch import KeyWatches
 from .lease import WatchEvent
-from .sweep import AddressAnswer, NoPrimaryFound, Outcome
+from .sweep import AddressAnswer, NoPrimaryFound, Outcome, SweepPacing
 
 log = logging.getLogger(__name__)
 
@@ -578,17 +577,17 @@ class Connector:
 class RideThrough:
     """The retry state of one operation: its deadline (``loop.time()``
     seconds, None: none), the last error, and the pause (backoff with
-    jitter, :data:`BACKOFF_FIRST` doubling to ``max_backoff`` seconds) before
-    the next sweep of the address list."""
+    jitter, :data:`BACKOFF_FIRST` doubling to ``max_backoff`` seconds, shorter
+    while a failover is under way: :class:`~fastlock.client.sweep.SweepPacing`)
+    before the next sweep of the address list."""
 
-    __slots__ = ("connector", "deadline", "last", "backoff", "max_backoff", "loop")
+    __slots__ = ("connector", "deadline", "last", "pacing", "loop")
 
     def __init__(self, connector: Connector, deadline: float | None, max_backoff: float = BACKOFF_MAX):
         self.connector = connector
         self.deadline = deadline
         self.last: BaseException | None = None
-        self.backoff = min(BACKOFF_FIRST, max_backoff)
-        self.max_backoff = max_backoff
+        self.pacing = SweepPacing(BACKOFF_FIRST, max_backoff)
         self.loop = asyncio.get_running_loop()
 
     def failed(self, conn: ClientConnection | None, exc: BaseException) -> bool:
@@ -617,8 +616,10 @@ class RideThrough:
             if connector.closed:
                 raise ConnectionLost("client is closed")
             if pause:
-                delay = random.uniform(0.5, 1.0) * self.backoff
-                self.backoff = min(self.backoff * 2.0, self.max_backoff)
+                last = self.last
+                waiting = (isinstance(last, NoPrimaryFound) and last.failover_under_way) or (
+                    isinstance(last, (NotPrimary, Unavailable)) and not (isinstance(last, NotPrimary) and last.primary))
+                delay = self.pacing.next_pause(waiting)
                 left = self.left()
                 if left is not None:
                     delay = min(delay, left)

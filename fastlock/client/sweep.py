@@ -25,6 +25,13 @@ A sweep that finds no primary raises :class:`NoPrimaryFound` (a
 while some address answered ``WAITING``, until its deadline - the connect's
 ``failover_timeout`` - and fails at once when no address did (a server that
 is simply down, or only ``FINAL`` answers).
+
+The pause between two sweeps (:class:`SweepPacing`) doubles from a first one to
+a longest one, with jitter; while some address answers ``WAITING`` (a standby
+or a promoting node: a new primary may appear at any moment) it is at most
+:data:`WAITING_BACKOFF_MAX` for the first :data:`WAITING_FAST_SWEEPS` pauses of
+one operation, so a client finds a new primary within about 0.1 s of its
+promotion, and one client's extra sweeps in one failover stay bounded.
 """
 
 from __future__ import annotations
@@ -43,12 +50,18 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FAILOVER_TIMEOUT", "AddressAnswer", "NoPrimaryFound", "Outcome", "find_primary"]
+__all__ = ["FAILOVER_TIMEOUT", "WAITING_BACKOFF_MAX", "WAITING_FAST_SWEEPS", "AddressAnswer", "NoPrimaryFound",
+           "Outcome", "SweepPacing", "find_primary"]
 
 #: seconds a client's first connect looks for a primary while a failover is under way
 #: (:func:`find_primary`): longer than a pair's ``--failover-after`` (the README's 3 s) plus
 #: its promotion, and an etcd group's ``--coordinator-ttl`` (2 s) plus its election
 FAILOVER_TIMEOUT = 15.0
+#: seconds: the longest pause between two sweeps while an address answers ``WAITING`` (jitter: half to all of it)
+WAITING_BACKOFF_MAX = 0.1
+#: how many pauses of one operation :data:`WAITING_BACKOFF_MAX` caps (about 4 s of sweeps: an etcd
+#: group's TTL plus its election); the later ones double to the usual longest pause
+WAITING_FAST_SWEEPS = 50
 
 
 class Outcome(enum.Enum):
@@ -94,12 +107,35 @@ class NoPrimaryFound(ConnectionLost):
         return bool(self.answers) and all(a.outcome is Outcome.FINAL for a in self.answers)
 
 
+class SweepPacing:
+    """The pauses (seconds) before the next sweeps of one operation: ``first`` doubling to
+    ``longest``, each a random half to all of the current value; while a failover is under
+    way (an address answered ``WAITING``) at most :data:`WAITING_BACKOFF_MAX` (with the same
+    jitter), for :data:`WAITING_FAST_SWEEPS` pauses."""
+
+    __slots__ = ("backoff", "longest", "fast_left")
+
+    def __init__(self, first: float, longest: float) -> None:
+        self.backoff = min(first, longest)
+        self.longest = longest
+        self.fast_left = WAITING_FAST_SWEEPS
+
+    def next_pause(self, waiting: bool) -> float:
+        """The next pause (seconds); ``waiting``: the last sweep or attempt heard a ``WAITING`` answer."""
+        delay = random.uniform(0.5, 1.0) * self.backoff
+        self.backoff = min(self.backoff * 2.0, self.longest)
+        if waiting and self.fast_left > 0:
+            self.fast_left -= 1
+            delay = min(delay, random.uniform(0.5, 1.0) * WAITING_BACKOFF_MAX)
+        return delay
+
+
 async def find_primary(connector: Connector, deadline: float | None, failover_timeout: float | None,
                        backoff_first: float, backoff_max: float) -> ClientConnection:
     """The first connection of a client: sweep the addresses (one attempt shared with
     every other caller, :meth:`Connector.ensure_connected`); while a sweep finds no
     primary but some address answered ``WAITING``, pause (``backoff_first`` seconds
-    doubling to ``backoff_max``, with jitter) and sweep again, until ``deadline``
+    doubling to ``backoff_max``, with jitter, :class:`SweepPacing`) and sweep again, until ``deadline``
     (``loop.time()``), or when that is None ``failover_timeout`` seconds from now
     (None too: no limit).  The first sweep always runs to its end, whatever the
     deadline.  An open connection is returned at once.
@@ -118,7 +154,7 @@ async def find_primary(connector: Connector, deadline: float | None, failover_ti
         deadline = started + failover_timeout
     timeout = None if deadline is None else deadline - started
     loop = asyncio.get_running_loop()
-    backoff = backoff_first
+    pacing = SweepPacing(backoff_first, backoff_max)
     last: NoPrimaryFound | None = None
     while True:
         if connector.closed:
@@ -144,6 +180,5 @@ async def find_primary(connector: Connector, deadline: float | None, failover_ti
             within = f"{max(0.0, timeout):g} s" if timeout is not None else "the deadline"
             raise NoPrimaryFound(last.answers, f"no fastlock primary within {within} (failover_timeout); "
                                                "the last sweep") from None
-        delay = random.uniform(0.5, 1.0) * backoff
-        backoff = min(backoff * 2.0, backoff_max)
+        delay = pacing.next_pause(True)
         await asyncio.sleep(delay if left is None else min(delay, left))

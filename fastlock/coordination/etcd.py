@@ -47,6 +47,60 @@ position with the other live members'; behind one of them it waits
 the transaction ``create_revision(primary) == 0 and mod_revision(epoch) ==
 <read>``; only one of several racing nodes can succeed.
 
+The heartbeat rule (``heartbeat=True``, the default): without it a dead
+primary's key goes only when etcd expires its lease, one TTL after etcd
+received the last renewal *plus* up to 500 ms (etcd 3.4 checks expiries every
+500 ms).  With it a standby deletes a silent primary's key itself:
+
+``PREFIX/heartbeat``
+    ``{"node", "epoch"}`` (JSON, no lease).  The bid that takes the primary key
+    writes it in the same transaction, and the primary key's value says
+    ``"heartbeat": TTL`` (the primary's TTL, ms).  At each of its steps (every quarter TTL) the
+    primary writes it again by a transaction conditional on the primary key's
+    ``create_revision`` being the one its bid created.
+
+The primary's clock
+    A heartbeat sent at local monotonic time ``t`` that succeeds makes the
+    primary valid until ``t + TTL * (1 - HEARTBEAT_DRIFT) - margin``; the
+    primary may grant until the *earlier* of that and the lease deadline
+    above (the key can go either way; the fence timer closes at the earlier).
+The standby's clock
+    A standby notes each heartbeat revision (from its watch of the key, or
+    read with the primary key at each step) with the time it *first* saw it
+    on its own monotonic clock, ``t_observed``.  etcd applied the heartbeat
+    before any reply or watch event could carry its revision, and the
+    primary sent it before etcd applied it: ``t_observed >= t_sent`` in real
+    time.  Once that revision has stood for one TTL on the standby's clock
+    (the longer of its own TTL and the one the primary key states) it
+    deletes the primary key by a transaction comparing the key's
+    ``create_revision`` and the heartbeat's ``mod_revision``.
+Why two primaries never grant at once
+    A heartbeat newer than the one the standby saw fails the delete; a
+    delete that succeeds makes every later heartbeat fail (the key is gone,
+    or re-created with another ``create_revision``).  So the old primary's
+    last successful heartbeat is the one the standby saw (or an older one),
+    and its validity ended ``TTL * (1 - HEARTBEAT_DRIFT) - margin`` after its
+    send on its clock, before the delete one TTL after ``t_observed`` on the
+    standby's clock, as long as the two clocks' rates differ by less than
+    the drift margin (1 %; ``margin`` adds a quarter TTL on top).  Only
+    then can a bid take the key.  A delete delayed in the network (or sent by
+    a standby partitioned from etcd, once it gets through) is only later:
+    its compares still hold or it fails.  Two standbys deleting at once
+    compare the same revisions: one succeeds, the other finds the key gone
+    (or new) and fails; either then bids as usual, and the bid's
+    ``create_revision == 0`` lets one win.  A primary cut off from etcd
+    cannot heartbeat: it fences itself by its own clock, before any standby's
+    TTL has passed.
+Fallback and mixed versions
+    The lease is untouched: a dead primary's key still goes with its lease
+    when no standby deletes it first (no standby reaching etcd, or the rule
+    off).  A standby deletes only a key whose value states a
+    ``"heartbeat"`` TTL: a primary that does not know the rule (an older version, or
+    ``heartbeat=False``) writes no such flag and keeps the lease-only
+    behaviour; a standby that does not know the rule never deletes.  Both
+    mixes are safe.  The pair witness (:mod:`fastlock.replication.witness`) is not
+    involved.
+
 This module speaks etcd's v3 JSON gateway through
 :class:`~fastlock.coordination.gateway.EtcdGateway` (httpx, the optional
 extra ``fastlock[etcd]``).
@@ -82,7 +136,20 @@ log = logging.getLogger("fastlock.coordination")
 MAX_MEMBERS = 1000
 #: the longest node id (characters)
 MAX_NODE_ID = 128
+#: the heartbeat rule's rate-drift margin: a heartbeat keeps the primary valid for
+#: ``TTL * (1 - HEARTBEAT_DRIFT) - margin`` (own clock), shorter than the TTL a standby waits
+#: (its own clock) by more than two clocks running at rates 1 % apart can make up
+HEARTBEAT_DRIFT = 0.01
+#: the longest primary TTL (ms) a standby accepts from a primary key's ``heartbeat`` field
+MAX_HEARTBEAT_TTL_MS = 3_600_000
 
+
+class BeatSighting(NamedTuple):
+    """A heartbeat revision as a standby first saw it."""
+
+    primary_rev: int  #: the primary key's create_revision read with it (0: none)
+    revision: int  #: the heartbeat key's mod_revision (0: no such key)
+    seen_at: int  #: own monotonic clock (ms) when this node first saw it (after etcd applied it)
 
 
 class ArbiterTiming(NamedTuple):
@@ -117,6 +184,10 @@ class EtcdArbiter:
         clock: monotonic ms.
         ident: this node's data directory identity (its ``node-id`` file), kept in its
             member key (a refusal says when the live holder has the same one: a copy).
+        heartbeat: follow the heartbeat rule (the module docstring): as a primary, write
+            ``PREFIX/heartbeat`` at each step and count validity from it too; as a standby,
+            delete the primary key of a primary that follows the rule once its heartbeat has
+            not moved for one TTL.  False: a dead primary's key goes only with its lease.
 
     Raises:
         InvalidArgument: a node id that is empty or too long, a TTL or margin out of range.
@@ -124,7 +195,7 @@ class EtcdArbiter:
 
     def __init__(self, gateway: EtcdGateway, prefix: str, node: str, address: str, listener: ArbiterListener, *,
                  ttl_ms: int = 2000, margin_ms: int | None = None, behind_delay_ms: int | None = None,
-                 clock: Callable[[], int] = monotonic_ms, ident: str = ""):
+                 clock: Callable[[], int] = monotonic_ms, ident: str = "", heartbeat: bool = True):
         if type(node) is not str or not 0 < len(node) <= MAX_NODE_ID or "/" in node or not node.isprintable():
             raise InvalidArgument(f"node id must be 1..{MAX_NODE_ID} printable characters without '/', "
                                   f"not {node!r}")
@@ -153,10 +224,19 @@ class EtcdArbiter:
         self._bid_epoch: EpochReading | None = None  # PREFIX/epoch as read for the bid under way
         self._free_since: int | None = None
         self._task: asyncio.Task | None = None
-        self._watch_task: asyncio.Task | None = None  # the primary key's watch (see _watch_primary)
+        self._watch_task: asyncio.Task | None = None  # the primary key's watch (see _watch_key)
         self._fence_timer: asyncio.TimerHandle | None = None
         self._wake: asyncio.Event | None = asyncio.Event()  # None once closed
         self._member = MemberKey(ident)
+        #: the heartbeat rule (see the module docstring); off: a dead primary's key goes with its lease
+        self.heartbeat = heartbeat
+        self._primary_rev = 0  # create_revision of the primary key this node took (the heartbeat's condition)
+        self._beat_at = 0  # send time (own clock, ms) of the last successful heartbeat (or bid)
+        self._beat: BeatSighting | None = None  # the heartbeat revision as this node first saw it
+        self._beat_timer: asyncio.TimerHandle | None = None
+        self._beat_watch_task: asyncio.Task | None = None
+        #: primary keys this node deleted by the heartbeat rule (for STATUS)
+        self.heartbeat_deletes = 0
         #: a refused ``PREFIX/epoch`` is logged at most every 10 s (someone may rewrite it in a loop)
         self._refused_epoch = RateLimitedLog(log, logging.ERROR, 10.0)
 
@@ -176,6 +256,10 @@ class EtcdArbiter:
         return f"{self.prefix}/primary"
 
     @property
+    def heartbeat_key(self) -> str:
+        return f"{self.prefix}/heartbeat"
+
+    @property
     def epoch_key(self) -> str:
         return f"{self.prefix}/epoch"
 
@@ -186,8 +270,12 @@ class EtcdArbiter:
     # -- the answer ----------------------------------------------------------------------------
     @property
     def valid_until_ms(self) -> int:
-        """Until when (own monotonic ms) this node may grant, if it holds the key."""
-        return self._renewed_at + self.ttl_ms - self.margin_ms
+        """Until when (own monotonic ms) this node may grant, if it holds the key: the lease's
+        deadline, and with the heartbeat rule the earlier of it and the last heartbeat's."""
+        lease_until = self._renewed_at + self.ttl_ms - self.margin_ms
+        if not self.heartbeat:
+            return lease_until
+        return min(lease_until, self._beat_at + int(self.ttl_ms * (1 - HEARTBEAT_DRIFT)) - self.margin_ms)
 
     def may_grant(self, now: int | None = None) -> bool:
         """Does this node hold the key with a lease not yet past its fencing deadline?"""
@@ -204,7 +292,10 @@ class EtcdArbiter:
         """Start renewing, watching and bidding (on the running loop)."""
         if self._task is None:
             self._task = asyncio.ensure_future(self._run())
-            self._watch_task = asyncio.ensure_future(self._watch_primary())
+            self._watch_task = asyncio.ensure_future(self._watch_key(self.primary_key, lambda kind: self.poke()))
+            if self.heartbeat:
+                self._beat_watch_task = asyncio.ensure_future(
+                    self._watch_key(self.heartbeat_key, lambda kind: None, self._on_beat_event))
 
     async def claim(self) -> None:
         """Take this node id's member key before :meth:`start` (see the module docstring):
@@ -240,9 +331,13 @@ class EtcdArbiter:
         if self._wake is None:
             return
         self._wake = None
-        if self._watch_task is not None:
-            self._watch_task.cancel()
-            self._watch_task = None
+        for watch in (self._watch_task, self._beat_watch_task):
+            if watch is not None:
+                watch.cancel()
+        self._watch_task = self._beat_watch_task = None
+        if self._beat_timer is not None:
+            self._beat_timer.cancel()
+            self._beat_timer = None
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -314,20 +409,23 @@ class EtcdArbiter:
             except asyncio.TimeoutError:
                 pass
 
-    async def _watch_primary(self) -> None:
-        """Watch the primary key and run a step at each change: a standby sees the key freed
-        as soon as etcd frees it (not at its next step), a primary sees it taken or gone.
-        The steps still run every quarter TTL: a change missed while the watch reconnects
-        is seen then."""
+    async def _watch_key(self, key: str, on_event: Callable[[str], None],
+                         on_value: Callable[[KeyValue], None] | None = None) -> None:
+        """Watch ``key`` until closed, reopening the stream after a pause.  The primary key's
+        watch runs a step at each change: a standby sees the key freed as soon as etcd frees
+        it (not at its next step), a primary sees it taken or gone.  The heartbeat's watch
+        notes each new heartbeat revision as soon as etcd applies it.  The steps still run
+        every quarter TTL and read both keys: a change missed while a watch reconnects is seen
+        then."""
         backoff = 0.1
         while self._wake is not None:
             started = self.clock()
             try:
-                await self.gateway.watch(self.primary_key, lambda kind: self.poke())
+                await self.gateway.watch(key, on_event, on_value)
             except EtcdUnavailable as exc:
-                log.debug("etcd: watch of %s: %s (again in %.1f s)", self.primary_key, exc, backoff)
+                log.debug("etcd: watch of %s: %s (again in %.1f s)", key, exc, backoff)
             except Exception:
-                log.exception("etcd: watch of %s failed", self.primary_key)
+                log.exception("etcd: watch of %s failed", key)
             await asyncio.sleep(backoff)
             long_lived = self.clock() - started > self.ttl_ms
             backoff = 0.1 if long_lived else min(backoff * 2, self.ttl_ms / 4000.0)
@@ -343,8 +441,10 @@ class EtcdArbiter:
             await self._renew()
             if not await self._advertise():
                 return  # another live node holds this node id: neither follow nor bid
-        kv = await self.gateway.get(self.primary_key)
+        kv = await self._read_primary()
         record = PrimaryRecord.decode(kv) if kv is not None else None
+        if kv is not None and kv.lease and not self.holding and await self._delete_silent(kv):
+            kv = record = None
         if kv is not None and not kv.lease:
             # fastlock writes this key only under a lease: one with none was put by hand
             # and would never expire, so no node could ever take the key
@@ -383,6 +483,99 @@ class EtcdArbiter:
             await self._maybe_bid()
         else:
             self._free_since = None
+
+    async def _read_primary(self) -> KeyValue | None:
+        """The primary key.  With the heartbeat rule a primary writes its heartbeat in the same
+        request, conditional on its primary key's create_revision (a success moves its validity
+        on, counted from the send time), and a standby reads the heartbeat with it (a new
+        revision is noted as first seen now, after etcd applied it).
+
+        Raises:
+            EtcdUnavailable: etcd did not answer.
+        """
+        if not self.heartbeat:
+            return await self.gateway.get(self.primary_key)
+        primary, beat = b64(self.primary_key), b64(self.heartbeat_key)
+        read = [{"request_range": {"key": primary}}]
+        if self.holding:
+            sent = self.clock()
+            answer = await self.gateway.txn(
+                [{"target": "CREATE", "key": primary, "create_revision": str(self._primary_rev), "result": "EQUAL"}],
+                [{"request_put": {"key": beat, "value": b64(self._beat_value())}}, *read], read)
+            if answer.get("succeeded") and self.holding:
+                self._beat_at = max(self._beat_at, sent)
+                self._arm_fence_timer()
+            return _range_kv(answer, -1)
+        answer = await self.gateway.txn([], [*read, {"request_range": {"key": beat}}])
+        kv, beat_kv = _range_kv(answer, 0), _range_kv(answer, 1)
+        self._note_beat(kv.create_revision if kv else 0, beat_kv.mod_revision if beat_kv else 0)
+        return kv
+
+    def _beat_value(self) -> bytes:
+        return json.dumps({"node": self.node, "epoch": self.epoch}).encode()
+
+    def _on_beat_event(self, kv: KeyValue) -> None:
+        """The heartbeat's watch: a new revision, first seen now."""
+        self._note_beat(self._beat.primary_rev if self._beat is not None else 0, kv.mod_revision)
+
+    def _note_beat(self, primary_rev: int, revision: int) -> None:
+        """Note the heartbeat ``revision`` with the primary key's create_revision ``primary_rev``
+        (read together, or the last one read): a new pair, or a newer revision of the same
+        primary key, is first seen now.  An older revision (a read sent before a watch event
+        arrived) changes nothing."""
+        beat = self._beat
+        if beat is not None and beat.primary_rev == primary_rev and revision <= beat.revision:
+            return
+        self._beat = BeatSighting(primary_rev, revision, self.clock())
+        if not self.holding:
+            self._arm_beat_timer()
+
+    def _arm_beat_timer(self, wait: int | None = None) -> None:
+        """Run a step when the heartbeat as last seen has stood for ``wait`` ms (default
+        one TTL; own clock)."""
+        if self._beat_timer is not None:
+            self._beat_timer.cancel()
+            self._beat_timer = None
+        beat = self._beat
+        if beat is None or self._wake is None or self._task is None:
+            return
+        delay = max(0, beat.seen_at + (wait or self.ttl_ms) - self.clock()) + 1
+        self._beat_timer = asyncio.get_running_loop().call_later(delay / 1000.0, self.poke)
+
+    async def _delete_silent(self, kv: KeyValue) -> bool:
+        """With the heartbeat rule, delete the primary key ``kv`` (another node's) if its
+        primary follows the rule and the heartbeat has stood at the revision this node saw
+        with ``kv`` for one TTL since it first saw it (own clock): one transaction compares
+        the key's create_revision and the heartbeat's mod_revision, so a newer heartbeat (or
+        a newer primary key) fails it.  True: this node deleted it.
+
+        Raises:
+            EtcdUnavailable: etcd did not answer (whether it was deleted is seen at the next step).
+        """
+        beat = self._beat
+        if not self.heartbeat or beat is None or beat.primary_rev != kv.create_revision:
+            return False
+        ttl = json_object(kv.value).get("heartbeat")
+        if type(ttl) is not int or not 0 < ttl <= MAX_HEARTBEAT_TTL_MS:
+            return False  # a primary that does not write heartbeats: its key goes with its lease
+        wait = max(self.ttl_ms, ttl)  # the primary's TTL, never shorter than this node's
+        if self.clock() - beat.seen_at < wait:
+            self._arm_beat_timer(wait)
+            return False
+        primary = b64(self.primary_key)
+        answer = await self.gateway.txn(
+            [{"target": "CREATE", "key": primary, "create_revision": str(kv.create_revision), "result": "EQUAL"},
+             {"target": "MOD", "key": b64(self.heartbeat_key), "mod_revision": str(beat.revision),
+              "result": "EQUAL"}],
+            [{"request_delete_range": {"key": primary}}])
+        if not answer.get("succeeded"):
+            log.info("etcd: %s not deleted: a newer heartbeat or primary key", self.primary_key)
+            return False
+        self.heartbeat_deletes += 1
+        log.warning("etcd: deleted %s (node %r, epoch %d): its heartbeat stood at revision %d for %d ms "
+                    "(one TTL)", self.primary_key, PrimaryRecord.decode(kv).node, PrimaryRecord.decode(kv).epoch,
+                    beat.revision, self.clock() - beat.seen_at)
+        return True
 
     def _member_value(self) -> bytes:
         """This node's member key value now (JSON)."""
@@ -606,9 +799,16 @@ class EtcdArbiter:
         if epoch > MAX_EPOCH:
             log.critical("etcd: cannot take the primary role: epoch %d would exceed %d", epoch, MAX_EPOCH)
             return False
-        value = json.dumps({"node": self.node, "address": self.address, "epoch": epoch}).encode()
-        primary, epoch_b = b64(self.primary_key), b64(self.epoch_key)
         compare, put = await self.bid_guard(epoch)
+        put = list(put)
+        fields = {"node": self.node, "address": self.address, "epoch": epoch}
+        if self.heartbeat:
+            fields["heartbeat"] = self.ttl_ms  # standbys may delete this key once its heartbeat stands this long
+            put.append({"request_put": {"key": b64(self.heartbeat_key),
+                                        "value": b64(json.dumps({"node": self.node, "epoch": epoch}))}})
+        value = json.dumps(fields).encode()
+        primary, epoch_b = b64(self.primary_key), b64(self.epoch_key)
+        beat_sent = self.clock()
         answer = await self.gateway.txn(
             [{"target": "CREATE", "key": primary, "create_revision": "0", "result": "EQUAL"},
              {"target": "MOD", "key": epoch_b, "mod_revision": str(kv.mod_revision if kv else 0), "result": "EQUAL"},
@@ -623,6 +823,12 @@ class EtcdArbiter:
         self.epoch = epoch
         self._free_since = None
         self._renewed_at = sent
+        self._beat_at = beat_sent  # the bid wrote the first heartbeat
+        header = answer.get("header")
+        self._primary_rev = _int(header.get("revision")) if type(header) is dict else 0
+        if self._beat_timer is not None:
+            self._beat_timer.cancel()
+            self._beat_timer = None
         self.primary = PrimaryRecord(self.node, self.address, epoch, self.lease)
         self._arm_fence_timer()
         log.warning("etcd: took the primary role at epoch %d (lease %x, valid %d ms more)", epoch, self.lease,
@@ -670,4 +876,28 @@ class EtcdArbiter:
             "primary": None if p is None else {"node": p.node, "address": p.address, "epoch": p.epoch},
             "stepped_down": self.stepped_down,
             "last_error": self.last_error,
+            "heartbeat": {"rule": self.heartbeat, "deletes": self.heartbeat_deletes,
+                          "seen_revision": self._beat.revision if self._beat else 0,
+                          "seen_ms_ago": now - self._beat.seen_at if self._beat else None},
         }
+
+
+def _int(value: object) -> int:
+    """A revision as etcd's JSON gateway sends it (a decimal string); 0 if it is not one."""
+    if not isinstance(value, (int, str)):
+        return 0
+    try:
+        return int(value)
+    except ValueError:
+        return 0
+
+
+def _range_kv(answer: dict, index: int) -> KeyValue | None:
+    """The first key of the ``index``-th range response of a transaction's answer (None: none)."""
+    responses = answer.get("responses")
+    if type(responses) is not list or not responses or not -len(responses) <= index < len(responses):
+        return None
+    response = responses[index]
+    found = response.get("response_range") if type(response) is dict else None
+    kvs = found.get("kvs") if type(found) is dict else None
+    return KeyValue.decode(kvs[0]) if type(kvs) is list and kvs and type(kvs[0]) is dict else None

@@ -37,6 +37,10 @@ MAX_RESPONSE_BYTES = 16 << 20
 MAX_WATCH_MESSAGE_BYTES = 1 << 20
 
 
+#: the most watch streams one gateway holds open at once (an arbiter watches two keys)
+WATCHES = 2
+
+
 class EtcdUnavailable(ConnectionError):
     """No etcd endpoint answered the request (or answered with an error)."""
 
@@ -158,8 +162,9 @@ class EtcdGateway:
         self._timeout_s = timeout_s
         self._client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=4),
                                          verify=context if context is not None else True)
-        #: the watch's own connection (a stream holds it for good: never one of the requests' four)
-        self._watch_client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=1),
+        #: the watches' own connections, one per watched key (the primary key and the heartbeat: a
+        #: stream holds its connection for good, never one of the requests' four)
+        self._watch_client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=WATCHES),
                                                verify=context if context is not None else True)
 
     async def probe(self) -> None:
@@ -313,9 +318,11 @@ class EtcdGateway:
                 chunks.append(chunk)
             return response.status_code, b"".join(chunks)
 
-    async def watch(self, key: str, on_event: Any) -> None:
+    async def watch(self, key: str, on_event: Any, on_value: Any = None) -> None:
         """Watch ``key`` (etcd's streaming ``POST /v3/watch``) and call ``on_event(kind)``
-        (``"PUT"`` or ``"DELETE"``) for each change, in order, until the stream ends.  Every
+        (``"PUT"`` or ``"DELETE"``) for each change, in order, until the stream ends, and
+        ``on_value(kv)`` (a :class:`KeyValue`: the key as put, or the deletion with its
+        revision) after it when given.  Every
         message is bounded by :data:`MAX_WATCH_MESSAGE_BYTES`; the connect by the gateway's
         timeout (seconds), the stream by nothing (the caller cancels it).
 
@@ -340,18 +347,18 @@ class EtcdGateway:
                     buffer += chunk
                     while b"\n" in buffer:
                         line, buffer = buffer.split(b"\n", 1)
-                        self._watch_message(line, on_event)
+                        self._watch_message(line, on_event, on_value)
                     if len(buffer) > MAX_WATCH_MESSAGE_BYTES:
                         raise EtcdUnavailable(f"etcd {host}:{port}: a watch message over "
                                               f"{MAX_WATCH_MESSAGE_BYTES} bytes")
                 if buffer.strip():
-                    self._watch_message(buffer, on_event)
+                    self._watch_message(buffer, on_event, on_value)
         except (self._httpx.HTTPError, OSError) as exc:
             raise EtcdUnavailable(f"etcd {host}:{port}: watch: {_describe(exc)}") from None
         raise EtcdUnavailable(f"etcd {host}:{port}: the watch stream ended")
 
     @staticmethod
-    def _watch_message(line: bytes, on_event: Any) -> None:
+    def _watch_message(line: bytes, on_event: Any, on_value: Any = None) -> None:
         if not line.strip():
             return
         try:
@@ -367,6 +374,13 @@ class EtcdGateway:
         for event in result.get("events") or ():
             if type(event) is dict:
                 on_event("DELETE" if event.get("type") == "DELETE" else "PUT")
+                kv = event.get("kv")
+                if on_value is not None and type(kv) is dict:
+                    try:
+                        value = KeyValue.decode(kv)
+                    except (ValueError, TypeError):
+                        raise EtcdUnavailable("etcd sent a watch event whose key is not one") from None
+                    on_value(value)
 
     async def get(self, key: str) -> KeyValue | None:
         data = await self.call("kv/range", {"key": b64(key)})
