@@ -37,15 +37,51 @@ BOTH_LOOPS = os.environ.get("FASTLOCK_BOTH_LOOPS", "") not in ("", "0")
 SERVER_FIXTURES = frozenset({"server", "cluster", "server_factory"})
 
 
+#: the xdist group of the tests that must not run beside one another (see :func:`xdist_group_of`)
+HEAVY_GROUP = "heavy"
+#: test files whose tests load the machine (a 200k-key listing, 100k waiters, thousands of
+#: connections, crash and nemesis runs) or measure a share of it (fair turns, output shares,
+#: peak memory): under ``pytest -n N --dist loadgroup`` all of them run on one worker, one
+#: after another, so no two of them share the machine
+HEAVY_FILES = frozenset({
+    "test_bad_input.py",
+    "test_bounded_replies.py",
+    "test_crash.py",
+    "test_fair_turns.py",
+    "test_limits.py",
+    "test_lock_kinds.py",
+    "test_nemesis.py",
+    "test_output_shares.py",
+    "test_share_bounds.py",
+})
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "one_loop: run this async test on the asyncio loop only (see conftest.py)")
     config.addinivalue_line("markers", "integration: the test starts server processes through a fixture")
+    config.addinivalue_line("markers", "xdist_group(name): run the tests of one group on one xdist worker")
 
 
+def xdist_group_of(item) -> str:
+    """The xdist group of a test (used by ``make test``: ``pytest -n 2 --dist loadgroup``):
+    :data:`HEAVY_GROUP` for a test of :data:`HEAVY_FILES` or one already marked
+    ``xdist_group("heavy")``, else its file's name, so that the tests of one file run on one
+    worker in their order and a module-scoped fixture starts once."""
+    marked = item.get_closest_marker("xdist_group")
+    if marked is not None:
+        return str(marked.args[0] if marked.args else marked.kwargs.get("name", "default"))
+    if item.path.name in HEAVY_FILES:
+        return HEAVY_GROUP
+    return item.path.name
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
 
 
 def pytest_asyncio_loop_factories(config, item):
