@@ -39,7 +39,7 @@ SERVER_FIXTURES = frozenset({"server", "cluster", "server_factory"})
 
 #: the xdist group of the tests that must not run beside one another (see :func:`xdist_group_of`)
 HEAVY_GROUP = "heavy"
-#: test files whose tests load the machine (a 200k-key listing, 100k waiters, thousands of
+#: test files whose tests load the machine (a 50k-key listing, 100k waiters, thousands of
 #: connections, crash and nemesis runs) or measure a share of it (fair turns, output shares,
 #: peak memory): under ``pytest -n N --dist loadgroup`` all of them run on one worker, one
 #: after another, so no two of them share the machine
