@@ -13,6 +13,12 @@ drives a client that the other tests cover on both loops.
 A test that uses the ``server``, ``cluster`` or ``server_factory`` fixture is
 marked ``integration``; ``make test-quick`` runs the others (no server process
 started by a fixture) for the inner loop.
+
+``make test`` runs the suite on pytest-xdist workers with ``--dist loadgroup``: every test
+is put in an xdist group, its file's name, or ``heavy`` for :data:`HEAVY_FILES`, so that a
+file's tests run on one worker in order and the heavy files one after another on one worker.
+Each worker starts its own session fixtures (etcd members, PostgreSQL servers) on free ports,
+in its own temporary directories.
 """
 
 from __future__ import annotations
