@@ -15,8 +15,9 @@ marked ``integration``; ``make test-quick`` runs the others (no server process
 started by a fixture) for the inner loop.
 
 ``make test`` runs the suite on pytest-xdist workers with ``--dist loadgroup``: every test
-is put in an xdist group, its file's name, or ``heavy`` for :data:`HEAVY_FILES`, so that a
-file's tests run on one worker in order and the heavy files one after another on one worker.
+is in a group (:func:`xdist_group_of`), its file's name, or ``heavy`` for :data:`HEAVY_FILES`,
+so that a file's tests run on one worker in order and the heavy files one after another on
+one worker.
 Each worker starts its own session fixtures (etcd members, PostgreSQL servers) on free ports,
 in its own temporary directories.
 """
@@ -65,29 +66,37 @@ HEAVY_FILES = frozenset({
 def pytest_configure(config):
     config.addinivalue_line("markers", "one_loop: run this async test on the asyncio loop only (see conftest.py)")
     config.addinivalue_line("markers", "integration: the test starts server processes through a fixture")
-    config.addinivalue_line("markers", "xdist_group(name): run the tests of one group on one xdist worker")
 
 
-def xdist_group_of(item) -> str:
-    """The xdist group of a test (used by ``make test``: ``pytest -n 2 --dist loadgroup``):
-    :data:`HEAVY_GROUP` for a test of :data:`HEAVY_FILES` or one already marked
-    ``xdist_group("heavy")``, else its file's name, so that the tests of one file run on one
-    worker in their order and a module-scoped fixture starts once."""
-    marked = item.get_closest_marker("xdist_group")
-    if marked is not None:
-        return str(marked.args[0] if marked.args else marked.kwargs.get("name", "default"))
-    if item.path.name in HEAVY_FILES:
-        return HEAVY_GROUP
-    return item.path.name
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
+
+
+def xdist_group_of(nodeid: str) -> str:
+    """The xdist group of the test ``nodeid`` (``make test``: ``pytest -n 2 --dist loadgroup``):
+    :data:`HEAVY_GROUP` for a test of :data:`HEAVY_FILES`, else its file's name, so that the
+    tests of one file run on one worker in their order and a module-scoped fixture starts once."""
+    name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    return HEAVY_GROUP if name in HEAVY_FILES else name
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup``: the groups of :func:`xdist_group_of` (pytest-xdist's hook; its own
+    loadgroup reads ``xdist_group`` marks, which it cannot attach to a test's id on pytest 9)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        """pytest-xdist's scope scheduling (the largest groups handed out first), by group."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid)
+
+    return FileGroups(config, log)
 
 
 def pytest_asyncio_loop_factories(config, item):
