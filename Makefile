@@ -39,7 +39,7 @@ demo: $(STAMP)
 # run from tests/: subprocesses (`python -m fastlock ...`) then import the installed
 # package, never the uncompiled source tree.  The suite mostly waits on server processes, so
 # TEST_WORKERS processes (pytest-xdist) share the cores; --dist loadgroup keeps each test file on
-# one worker and the heavy files (tests/conftest.py's HEAVY_FILES) one after another on one worker.
+# one worker and the heavy tests (tests/conftest.py's HEAVY_FILES, HEAVY_TESTS) one after another on one worker.
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 

@@ -61,6 +61,10 @@ HEAVY_FILES = frozenset({
     "test_output_shares.py",
     "test_share_bounds.py",
 })
+#: tests of other files that load the machine as much (``file::name``, without parameters)
+HEAVY_TESTS = frozenset({
+    "test_sessions.py::test_one_keepalive_per_interval_renews_ten_thousand_leases",
+})
 
 
 def pytest_configure(config):
@@ -76,10 +80,14 @@ def pytest_collection_modifyitems(config, items):
 
 def xdist_group_of(nodeid: str) -> str:
     """The xdist group of the test ``nodeid`` (``make test``: ``pytest -n 2 --dist loadgroup``):
-    :data:`HEAVY_GROUP` for a test of :data:`HEAVY_FILES`, else its file's name, so that the
-    tests of one file run on one worker in their order and a module-scoped fixture starts once."""
-    name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
-    return HEAVY_GROUP if name in HEAVY_FILES else name
+    :data:`HEAVY_GROUP` for a test of :data:`HEAVY_FILES` or :data:`HEAVY_TESTS`, else its
+    file's name, so that the tests of one file run on one worker in their order and a
+    module-scoped fixture starts once."""
+    path, _, test = nodeid.partition("::")
+    name = path.rsplit("/", 1)[-1]
+    if name in HEAVY_FILES or f"{name}::{test.split('[', 1)[0]}" in HEAVY_TESTS:
+        return HEAVY_GROUP
+    return name
 
 
 @pytest.hookimpl(optionalhook=True)
