@@ -1,8 +1,9 @@
 # Two entry points that work on a fresh machine (Python 3.10+, a C compiler):
 #   make demo   - build fastlock into .venv, start a server and worker processes writing a fenced ledger
 #   make test   - build fastlock into .venv and run the test suite against the installed package
-#                 (each async test on one event loop; make test-both-loops: on asyncio and uvloop;
-#                 make test-quick: only the tests that start no server process through a fixture)
+#                 on TEST_WORKERS pytest-xdist workers (default 2; each async test on one event loop;
+#                 make test-both-loops: on asyncio and uvloop; make test-serial: in one process, for
+#                 debugging; make test-quick: only the tests that start no server process through a fixture)
 # and for users and operators (docs/install.md):
 #   make wheel  - dist/: an sdist and a wheel that installs into any venv without Cython or a compiler
 #   make install [PREFIX=/usr/local] [EXTRAS=metrics] - a venv in PREFIX/lib/fastlock and the command
@@ -18,7 +19,7 @@ EXTRAS ?= metrics
 # what `make install` installs: the wheel `make wheel` built, else the source tree
 INSTALL_FROM = $(or $(firstword $(wildcard dist/fastlock-*.whl)),.)
 
-.PHONY: demo test test-quick test-both-loops serve bench clean dist wheel wheel-check install docs
+.PHONY: demo test test-serial test-quick test-both-loops serve bench clean dist wheel wheel-check install docs
 
 $(STAMP): $(SOURCES)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -36,15 +37,23 @@ demo: $(STAMP)
 	$(VENV)/bin/fastlock demo
 
 # run from tests/: subprocesses (`python -m fastlock ...`) then import the installed
-# package, never the uncompiled source tree
+# package, never the uncompiled source tree.  The suite mostly waits on server processes, so
+# TEST_WORKERS processes (pytest-xdist) share the cores; --dist loadgroup keeps each test file on
+# one worker and the heavy tests (tests/conftest.py's HEAVY_FILES, HEAVY_TESTS) one after another on one worker.
+TEST_WORKERS ?= 2
+PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+
 test: $(STAMP)
+	cd tests && $(CURDIR)/$(VENV)/bin/pytest -q $(PARALLEL)
+
+test-serial: $(STAMP)
 	cd tests && $(CURDIR)/$(VENV)/bin/pytest -q
 
 test-quick: $(STAMP)
 	cd tests && $(CURDIR)/$(VENV)/bin/pytest -q -x -m "not integration"
 
 test-both-loops: $(STAMP)
-	cd tests && FASTLOCK_BOTH_LOOPS=1 $(CURDIR)/$(VENV)/bin/pytest -q
+	cd tests && FASTLOCK_BOTH_LOOPS=1 $(CURDIR)/$(VENV)/bin/pytest -q $(PARALLEL)
 
 serve: $(STAMP)
 	$(VENV)/bin/fastlock serve

@@ -13,6 +13,13 @@ drives a client that the other tests cover on both loops.
 A test that uses the ``server``, ``cluster`` or ``server_factory`` fixture is
 marked ``integration``; ``make test-quick`` runs the others (no server process
 started by a fixture) for the inner loop.
+
+``make test`` runs the suite on pytest-xdist workers with ``--dist loadgroup``: every test
+is in a group (:func:`xdist_group_of`), its file's name, or ``heavy`` for :data:`HEAVY_FILES`,
+so that a file's tests run on one worker in order and the heavy files one after another on
+one worker.
+Each worker starts its own session fixtures (etcd members, PostgreSQL servers) on free ports,
+in its own temporary directories.
 """
 
 from __future__ import annotations
@@ -37,6 +44,29 @@ BOTH_LOOPS = os.environ.get("FASTLOCK_BOTH_LOOPS", "") not in ("", "0")
 SERVER_FIXTURES = frozenset({"server", "cluster", "server_factory"})
 
 
+#: the xdist group of the tests that must not run beside one another (see :func:`xdist_group_of`)
+HEAVY_GROUP = "heavy"
+#: test files whose tests load the machine (a 50k-key listing, 100k waiters, thousands of
+#: connections, crash and nemesis runs) or measure a share of it (fair turns, output shares,
+#: peak memory): under ``pytest -n N --dist loadgroup`` all of them run on one worker, one
+#: after another, so no two of them share the machine
+HEAVY_FILES = frozenset({
+    "test_bad_input.py",
+    "test_bounded_replies.py",
+    "test_crash.py",
+    "test_fair_turns.py",
+    "test_limits.py",
+    "test_lock_kinds.py",
+    "test_nemesis.py",
+    "test_output_shares.py",
+    "test_share_bounds.py",
+})
+#: tests of other files that load the machine as much (``file::name``, without parameters)
+HEAVY_TESTS = frozenset({
+    "test_sessions.py::test_one_keepalive_per_interval_renews_ten_thousand_leases",
+})
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "one_loop: run this async test on the asyncio loop only (see conftest.py)")
     config.addinivalue_line("markers", "integration: the test starts server processes through a fixture")
@@ -46,6 +76,35 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
+
+
+def xdist_group_of(nodeid: str) -> str:
+    """The xdist group of the test ``nodeid`` (``make test``: ``pytest -n 2 --dist loadgroup``):
+    :data:`HEAVY_GROUP` for a test of :data:`HEAVY_FILES` or :data:`HEAVY_TESTS`, else its
+    file's name, so that the tests of one file run on one worker in their order and a
+    module-scoped fixture starts once."""
+    path, _, test = nodeid.partition("::")
+    name = path.rsplit("/", 1)[-1]
+    if name in HEAVY_FILES or f"{name}::{test.split('[', 1)[0]}" in HEAVY_TESTS:
+        return HEAVY_GROUP
+    return name
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup``: the groups of :func:`xdist_group_of` (pytest-xdist's hook; its own
+    loadgroup reads ``xdist_group`` marks, which it cannot attach to a test's id on pytest 9)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        """pytest-xdist's scope scheduling (the largest groups handed out first), by group."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid)
+
+    return FileGroups(config, log)
 
 
 def pytest_asyncio_loop_factories(config, item):

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -78,20 +79,22 @@ def _subcommands(help_text: str) -> list[str]:
 
 
 def test_cli_reference_names_every_command_and_flag():
-    """The reference is generated from the parsers; checked here against each command's --help."""
+    """The reference is generated from the parsers; checked here against each command's --help
+    (the commands of one level of subcommands asked 4 at a time)."""
     reference = reference_hook().cli_reference()
     commands = [[name] for name in _subcommands(_fastlock_help())]
     assert len(commands) >= 10, commands
     seen = 0
-    while commands:
-        argv = commands.pop()
-        text = _fastlock_help(*argv)
-        assert f"`fastlock {' '.join(argv)}`" in reference, argv
-        specs = re.findall(r"^  (-.*?)(?:  |$)", text, re.M)  # "  -o, --output {table,json}   help..."
-        for flag in {f for spec in specs for f in re.findall(r"(?<![\w-])--?[a-zA-Z][\w-]*", spec)}:
-            assert f"`{flag}`" in reference, (argv, flag)
-            seen += 1
-        commands += [[*argv, sub] for sub in _subcommands(text)]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        while commands:
+            level, commands = commands, []
+            for argv, text in zip(level, pool.map(lambda argv: _fastlock_help(*argv), level)):
+                assert f"`fastlock {' '.join(argv)}`" in reference, argv
+                specs = re.findall(r"^  (-.*?)(?:  |$)", text, re.M)  # "  -o, --output {table,json}   help..."
+                for flag in {f for spec in specs for f in re.findall(r"(?<![\w-])--?[a-zA-Z][\w-]*", spec)}:
+                    assert f"`{flag}`" in reference, (argv, flag)
+                    seen += 1
+                commands += [[*argv, sub] for sub in _subcommands(text)]
     assert seen > 100
 
 

@@ -48,13 +48,13 @@ class Group:
         self.user = etcd.confine(self.prefix) if etcd.secured else None
 
     def start(self, name: str, etcd_address: str | None = None, *, port: int = 0,
-              advertise: str | None = None, node_id: str | None = None) -> ServerProcess:
+              advertise: str | None = None, node_id: str | None = None, ttl_s: int = TTL_S) -> ServerProcess:
         url = f"etcd://{etcd_address or self.etcd.address}{self.prefix}"
         extra = ["--advertise", advertise] if advertise else []
         srv = self.cluster._start(ServerProcess(
             self.cluster.root / name, port=port,
             args=["--name", name, *self.cluster.auth_args(name), "--coordinator", url, "--node-id", node_id or name,
-                  "--coordinator-ttl", str(TTL_S), *self.etcd.serve_flags(self.user), *extra]))
+                  "--coordinator-ttl", str(ttl_s), *self.etcd.serve_flags(self.user), *extra]))
         self.nodes[name] = srv
         return srv
 
@@ -461,8 +461,9 @@ async def test_a_primary_whose_id_another_live_node_took_steps_down_and_exits(gr
 async def test_a_node_restarted_after_sigkill_comes_back_under_its_id(group):
     """SIGKILL leaves the member key (and the primary key) under a live lease: the same
     data directory waits for that lease to run out (it revokes no lease it did not take)
-    and is primary again."""
-    a = group.start("a")
+    and is primary again.  Its etcd lease lasts 5 s: the restarted process finds it still live
+    on a loaded machine, where starting one takes longer than the group's 1 s TTL."""
+    a = group.start("a", ttl_s=5)
     await group.primary(["a"])
     a.kill()
     again = group.cluster._start(ServerProcess(a.data_dir, port=0, args=a.args))

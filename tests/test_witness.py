@@ -243,18 +243,19 @@ def _pair(cluster, witness, *, through_proxy: bool = False, args: tuple[str, ...
     return a, b
 
 
-async def grant_now(node: RawNode, name: str) -> int:
-    """A grant without waiting: the primary is not fenced."""
-    token, _, _ = await asyncio.wait_for(node.acquire(name, 30_000), 5)
+async def grant_now(node: RawNode, name: str, ttl_ms: int = 30_000) -> int:
+    """A grant without waiting (a lease of ``ttl_ms`` milliseconds): the primary is not fenced."""
+    token, _, _ = await asyncio.wait_for(node.acquire(name, ttl_ms), 5)
     return token
 
 
-async def grant(address: str, name: str, timeout: float = 20) -> int:
+async def grant(address: str, name: str, timeout: float = 20, ttl_ms: int = 30_000) -> int:
+    """A grant of ``name`` (a lease of ``ttl_ms`` milliseconds), retried until ``timeout`` seconds."""
     node = await RawNode.open(address)
     try:
         async def attempt():
             try:
-                return await grant_now(node, name)
+                return await grant_now(node, name, ttl_ms)
             except (LockNotAcquired, Unavailable, NotPrimary, asyncio.TimeoutError):
                 return None
 
@@ -297,11 +298,12 @@ def test_primary_killed_standby_promotes_with_the_witness_lease(cluster, witness
     a, b = _pair(cluster, witness)
 
     async def main():
-        before = await grant(a.address, "before")
+        # the longest TTL the standby has seen, so its promotion grace (an async pair): 5 s
+        before = await grant(a.address, "before", ttl_ms=5_000)
         a.kill()
         await asyncio.to_thread(b.wait_for_log, r"PROMOTED to primary", 20)
         assert any("granted this node the lease of epoch" in line for line in b.lines)
-        after = await grant(b.address, "after", timeout=40)  # after the grace period (async pair)
+        after = await grant(b.address, "after", timeout=40)  # after the grace period
         assert after > before
         st = await _status(witness, cluster.creds.token("node-8"))
         assert st["epoch"] == after >> 40 and st["holder"].startswith(cluster.replica_of("b") + "/")
