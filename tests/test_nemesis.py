@@ -57,6 +57,7 @@ from benches.nemesis.report import (  # noqa: E402
     NO_FAILOVER_KINDS,
     fence_times,
     granted_before_fence,
+    old_epoch_grants_after_promotion,
     set_fence_times,
 )
 
@@ -196,3 +197,23 @@ def test_a_kill_fences_the_old_primary_at_once():
     assert granted_before_fence(_grant(4.99, 5.01, 1), [kill])  # its reply was in flight at the kill
     assert not granted_before_fence(_grant(4.0, 4.5, 1), [kill])  # received before the kill: counted
     assert not granted_before_fence(_grant(5.5, 6.0, 1), [kill])
+
+
+def test_a_late_old_epoch_grant_released_cleanly_is_counted_as_known_to_the_new_primary():
+    partition = _fault("partition", at=10.0)
+    partition.promoted_s = 1.5  # the bench saw the new primary (epoch 2) at 11.5
+
+    def grant(holding: str, sent: float, at: float, epoch: int) -> dict:
+        return dict(_grant(sent, at, epoch), holding=holding, lock=f"probe/{holding}")
+
+    handed_back = grant("p#1", 11.4, 11.6, 1)  # refused by the fenced old primary, returned by the new one
+    never_released = grant("p#2", 11.3, 11.7, 1)
+    grants = [handed_back, never_released,
+              grant("p#3", 11.0, 11.4, 1),  # reached its client before the promotion
+              grant("p#4", 11.6, 11.8, 1),  # asked after the promotion
+              grant("p#5", 11.4, 11.6, 2)]  # the new primary's epoch
+    late = old_epoch_grants_after_promotion(grants, [partition], released_ok={"p#1", "p#3", "p#4", "p#5"})
+    assert [g["holding"] for g in late.known] == ["p#1"]
+    assert [g["holding"] for g in late.unknown] == ["p#2"]
+    assert late.unknown[0]["after_promotion_s"] == pytest.approx(0.2)
+    assert (late.unknown[0]["token_epoch"], late.unknown[0]["new_epoch"]) == (1, 2)
