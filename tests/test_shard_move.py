@@ -20,8 +20,9 @@ from fastlock._testbase.servers import CredentialsDir, ServerProcess
 from fastlock._testbase.shards import names_owned_by
 from fastlock.cli import main
 from fastlock.coordination.shardmap import load_from_etcd
-from fastlock.errors import FastlockError, InvalidArgument, PermissionDenied
-from fastlock.protocol.ops import OP_SHARD_MAP, OP_SLOT_EXPORT, OP_SLOT_IMPORT
+from fastlock.errors import FastlockError, InvalidArgument, PermissionDenied, SlotMoving, WrongShard
+from fastlock.protocol.ops import OP_ACQUIRE, OP_SHARD_MAP, OP_SLOT_EXPORT, OP_SLOT_IMPORT
+from fastlock.server.sharded import MAX_HELD
 from fastlock.sharding import ShardGroup, ShardMap, even_ranges, slot_of
 from fastlock.sharding.moves import mark_moving
 
@@ -231,6 +232,55 @@ async def test_a_move_stopped_after_its_mark_is_finished_by_running_it_again(gro
         assert (await client.group_client("g1").holder(other))["token"] == second.fencing_token
         await client.release(second)
         await client.release(lease)
+
+
+async def _mark(groups: Groups, slot: int) -> None:
+    """Mark ``slot`` as moving from g0 to g1 in etcd (a mover's first step) and wait for g0 to freeze it."""
+    stored = await load_from_etcd(groups.url)
+    try:
+        shard_map, revision = await stored.read()
+        await stored.replace(revision, shard_map, mark_moving(shard_map, slot, slot, "g1"))
+    finally:
+        await stored.gateway.close()
+
+    async def frozen() -> bool:
+        return (await asyncio.to_thread(groups.servers["g0"].status))["shard"]["moving"] == 1
+
+    await wait_until(frozen, 20, "g0 to follow the mark")
+
+
+async def test_one_principal_cannot_fill_the_held_requests_of_a_move(groups):
+    """The anonymous principal floods acquires on a frozen slot: past its share (a sixteenth of
+    MAX_HELD) it is answered SlotMoving at once; app's acquire is still held, and granted by g1
+    after the flip, while the anonymous principal's held ones are redirected."""
+    tag = names_owned_by(groups.shard_map, "g0", 1, "flood")[0]
+    slot = slot_of(tag)
+    share = MAX_HELD // 4 // 4
+    await _mark(groups, slot)
+    flooder = await RawNode.open(groups.servers["g0"].address, token=None)  # the anonymous principal
+    try:
+        floods = [flooder.request(OP_ACQUIRE, f"{{{tag}}}:{k}", bytes(16), 30_000, 0, 0, None)
+                  for k in range(share + 1)]
+        with pytest.raises(SlotMoving, match="'anonymous' already has"):
+            await asyncio.wait_for(floods[-1], 30)
+        assert not any(f.done() for f in floods[:-1])
+        async with groups.connect() as client:
+            held = asyncio.ensure_future(client.acquire(f"{{{tag}}}:app", ttl=30))
+
+            async def g0_holds(n: int) -> bool:
+                return (await asyncio.to_thread(groups.servers["g0"].status))["shard"]["held"] == n
+
+            await wait_until(lambda: g0_holds(share + 1), 20, "g0 to hold app's acquire")
+            assert not held.done()
+            await groups.move(str(slot), "g1")
+            lease = await asyncio.wait_for(held, 30)
+            assert (await client.group_client("g1").holder(f"{{{tag}}}:app"))["token"] == lease.fencing_token
+            await client.release(lease)
+        for f in floods[:-1]:  # the anonymous principal's held acquires: WrongShard naming g1
+            with pytest.raises(WrongShard):
+                await asyncio.wait_for(f, 30)
+    finally:
+        await flooder.close()
 
 
 async def _serves_mark(node: RawNode, groups: Groups) -> bool:
