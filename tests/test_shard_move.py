@@ -21,7 +21,14 @@ from fastlock._testbase.shards import names_owned_by
 from fastlock.cli import main
 from fastlock.coordination.shardmap import load_from_etcd
 from fastlock.errors import FastlockError, InvalidArgument, PermissionDenied, SlotMoving, WrongShard
-from fastlock.protocol.ops import OP_ACQUIRE, OP_SHARD_MAP, OP_SLOT_EXPORT, OP_SLOT_IMPORT
+from fastlock.protocol.ops import (
+    OP_ACQUIRE,
+    OP_SESSION_ATTACH,
+    OP_SESSION_OPEN,
+    OP_SHARD_MAP,
+    OP_SLOT_EXPORT,
+    OP_SLOT_IMPORT,
+)
 from fastlock.server.sharded import MAX_HELD
 from fastlock.sharding import ShardGroup, ShardMap, even_ranges, slot_of
 from fastlock.sharding.moves import mark_moving
@@ -281,6 +288,38 @@ async def test_one_principal_cannot_fill_the_held_requests_of_a_move(groups):
                 await asyncio.wait_for(f, 30)
     finally:
         await flooder.close()
+
+
+async def test_a_session_attach_naming_a_moved_lease_answers_it_lost_and_attaches_the_rest(groups):
+    """A session on g0 attaches a lease whose slot moved to g1 with one g0 still owns (and
+    detaches another moved one): no CrossShard; the moved lease is answered lost naming g1 (the
+    routing client re-homes it), the other is attached; the routing client's session renews a
+    lease taken just before a move on g1 without falling back to lone EXTENDs."""
+    moved, stays = names_owned_by(groups.shard_map, "g0", 2, "attach")
+    g0 = await RawNode.open(groups.servers["g0"].address, token=groups.app)
+    try:
+        token_m, _ttl, owner_m = await g0.acquire(moved, 30_000)
+        token_s, _ttl, owner_s = await g0.acquire(stays, 30_000)
+        await groups.move(str(slot_of(moved)), "g1")
+        key = bytes(range(16))
+        await g0.request(OP_SESSION_OPEN, key, 30_000)
+        reply = await g0.request(OP_SESSION_ATTACH, key, [[moved, token_m, owner_m], [stays, token_s, owner_s]],
+                                 [[moved, token_m]])
+        assert reply["attached"] == 1
+        assert [row[:2] for row in reply["lost"]] == [[moved, token_m]] and "g1" in reply["lost"][0][2]
+    finally:
+        await g0.close()
+    later, here = names_owned_by(groups.shard_map, "g0", 2, "keeper")
+    async with fastlock.connect(groups.servers["g0"].address, token=groups.app, session=True) as client:
+        async with client.lock(later, ttl=2) as lease, client.lock(here, ttl=2) as other:
+            await groups.move(str(slot_of(later)), "g1")
+            started = asyncio.get_running_loop().time()
+            while asyncio.get_running_loop().time() - started < 6:  # 3 TTLs: renewed only if g1 renews it
+                assert not lease.lost.is_set() and not other.lost.is_set()
+                await asyncio.sleep(0.5)
+            assert (await client.group_client("g1").holder(later))["token"] == lease.fencing_token
+            assert client.group_client("g0").session_keeper.supported is not False
+            assert client.group_client("g1").session_keeper.supported is not False
 
 
 async def _serves_mark(node: RawNode, groups: Groups) -> bool:

@@ -383,7 +383,12 @@ class SessionRegistry:
         signed: list[list] = []
         table = self.table
         wal = self.handlers.wal
+        gate = self.handlers.server.shard_gate
         for name, token, owner, flag in checked:
+            moved = None if gate is None else gate.owns(name)
+            if moved is not None:  # another shard group's name (its slot moved): not held here
+                lost.append([name, token, str(moved)])
+                continue
             holder = table.holder(name, now, owner)
             if holder is None or holder.token != token:
                 lost.append([name, token, self._why_lost(name, token)])

@@ -41,6 +41,7 @@ from ..auth import ANONYMOUS
 from ..coordination.access import EtcdAccess
 from ..coordination.shardmap import load_from_etcd
 from ..errors import CrossShard, FastlockError, InvalidArgument, SlotMoving, WrongShard
+from ..protocol.ops import OP_SESSION_ATTACH
 from ..roles import Role
 from ..sharding import SLOTS, ShardMap, ShardMapError, load_map_file, slot_of, write_map_file
 from ..sharding.moves import allowed_change
@@ -257,7 +258,9 @@ class ShardGate:
             self.held_share = held_share(quotas.single_principal, quotas.config.anonymous_quota_divisor)
         for op, (handler, fewest, most) in list(handlers.by_op.items()):
             where = NAMES_OF_OP[op]
-            if where is not None:
+            if op == OP_SESSION_ATTACH:
+                handlers.by_op[op] = (self._attach_checked(handler, where), fewest, most)
+            elif where is not None:
                 handlers.by_op[op] = (self._checked(handler, where), fewest, most)
 
     def _checked(self, handler: Handler, where: NamesAt) -> Handler:
@@ -282,6 +285,28 @@ class ShardGate:
             handler(conn, req_id, msg)
 
         return names
+
+    def _attach_checked(self, handler: Handler, where: NamesAt) -> Handler:
+        """SESSION_ATTACH's check: a session attaches leases of every group's names a client held
+        there (a lease whose slot moved away is still named by its old group's session), so the
+        request is never refused for another group's names: the handler answers a lease of a name
+        this group does not own as lost (:meth:`owns`; the routing client then re-homes it) and
+        detaching one changes nothing.  A request naming a slot being moved is held, as an EXTEND."""
+
+        def attach(conn: Any, req_id: int, msg: list) -> None:
+            for name in names_in(where, msg[2:]):
+                slot = slot_of(name)
+                if self.owned[slot] and self.moving[slot]:  # checked again when the move ends
+                    self.hold(conn, req_id, msg, attach, name, slot)
+                    return
+            handler(conn, req_id, msg)
+
+        return attach
+
+    def owns(self, name: str) -> WrongShard | None:
+        """None if this group owns ``name``'s slot, else the redirect naming its owner."""
+        slot = slot_of(name)
+        return None if self.owned[slot] else self.wrong_shard(name, slot)
 
     def offer(self, shard_map: ShardMap) -> None:
         """Serve by ``shard_map`` if its epoch is above this node's map's.  A newer map that names
@@ -462,11 +487,12 @@ class ShardGate:
 
     def _answer_held(self) -> None:
         """After a map change: answer the held requests whose slot another group owns now
-        (WrongShard), run those whose move was aborted, keep those still moving."""
+        (WrongShard; a SESSION_ATTACH runs, answering the moved leases as lost), run those whose
+        move was aborted, keep those still moving."""
         held = self.held
         self._set_held([])
         for h in held:
-            if not self.owned[h.slot]:
+            if not self.owned[h.slot] and not (h.msg is not None and h.msg[1] == OP_SESSION_ATTACH):
                 self._answer(h, self.wrong_shard(h.name, h.slot))
             elif self.moving[h.slot]:
                 self._keep(h)
