@@ -40,7 +40,7 @@ __all__ = ["MoveReport", "move_slots", "abort_slots", "SEEN_TIMEOUT_S"]
 
 #: seconds to wait for a primary to serve the new map before giving up (the move can be run again)
 SEEN_TIMEOUT_S = 30.0
-#: seconds between the first two looks at a primary's map (doubled after each look, up to SEEN_POLL_S)
+#: seconds between the first two looks at a primary's map (a quarter longer after each look, up to SEEN_POLL_S)
 SEEN_FIRST_POLL_S = 0.002
 #: the most seconds between two looks at a primary's map
 SEEN_POLL_S = 0.05
@@ -84,7 +84,7 @@ async def _serves(client: Client, epoch: int) -> None:
             raise ShardMapError(f"{client.connector.addresses} did not serve shard map epoch {epoch} "
                                 f"within {SEEN_TIMEOUT_S:g} s (run the move again to resume)")
         await asyncio.sleep(pause)
-        pause = min(pause * 2, SEEN_POLL_S)
+        pause = min(pause * 1.25, SEEN_POLL_S)
 
 
 async def _ship(source: Client, dest: Client, first: int, last: int, report: MoveReport) -> None:
