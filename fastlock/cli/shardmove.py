@@ -30,7 +30,7 @@ import msgpack
 from ..client import Client
 from ..client.calls import call
 from ..client.sharded import read_shard_map
-from ..coordination.shardmap import EtcdShardMap
+from ..coordination.shardmap import EtcdShardMap, MapConflict
 from ..errors import InvalidArgument
 from ..protocol.ops import OP_SLOT_EXPORT, OP_SLOT_IMPORT
 from ..sharding import ShardMap, ShardMapError
@@ -137,7 +137,7 @@ async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
             # both primaries reached (connected, handshaken) before the mark: not inside the freeze
             await asyncio.gather(_serves(source, shard_map.epoch), _serves(dest, shard_map.epoch))
             new = mark_moving(shard_map, first, last, to)
-            await stored.replace(revision, shard_map, new)
+            revision = await stored.replace(revision, shard_map, new)
             marked_at = time.monotonic()
             shard_map = new
             report.steps.append("mark")
@@ -154,12 +154,20 @@ async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
             raise
         report.steps.append("ship")
         tell(f"shipped {report.leases} leases, {report.queues} waiter queues, {report.delays} lock-delays")
-        found = await stored.read()
-        if found is None:
-            raise ShardMapError(f"the shard map in etcd at {stored.key} is gone")
-        shard_map, revision = found
-        flipped = finish_move(shard_map, first, last, to)
-        await stored.replace(revision, shard_map, flipped)
+        flipped = None
+        if marked_at is not None and revision:  # the map as this run marked it, unless it changed since
+            flipped = finish_move(shard_map, first, last, to)
+            try:
+                await stored.replace(revision, shard_map, flipped)
+            except MapConflict:
+                flipped = None
+        if flipped is None:
+            found = await stored.read()
+            if found is None:
+                raise ShardMapError(f"the shard map in etcd at {stored.key} is gone")
+            shard_map, revision = found
+            flipped = finish_move(shard_map, first, last, to)
+            await stored.replace(revision, shard_map, flipped)
         if marked_at is not None:
             report.freeze_ms = (time.monotonic() - marked_at) * 1000.0
         report.steps.append("flip")
