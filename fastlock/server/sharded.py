@@ -258,7 +258,7 @@ class ShardGate:
             self.held_share = held_share(quotas.single_principal, quotas.config.anonymous_quota_divisor)
         for op, (handler, fewest, most) in list(handlers.by_op.items()):
             where = NAMES_OF_OP[op]
-            if op == OP_SESSION_ATTACH:
+            if op == OP_SESSION_ATTACH and where is not None:
                 handlers.by_op[op] = (self._attach_checked(handler, where), fewest, most)
             elif where is not None:
                 handlers.by_op[op] = (self._checked(handler, where), fewest, most)
