@@ -24,6 +24,7 @@ from fastlock.errors import FastlockError, InvalidArgument, PermissionDenied, Sl
 from fastlock.protocol.ops import (
     OP_ACQUIRE,
     OP_SESSION_ATTACH,
+    OP_SESSION_KEEPALIVE,
     OP_SESSION_OPEN,
     OP_SHARD_MAP,
     OP_SLOT_EXPORT,
@@ -320,6 +321,36 @@ async def test_a_session_attach_naming_a_moved_lease_answers_it_lost_and_attache
             assert (await client.group_client("g1").holder(later))["token"] == lease.fencing_token
             assert client.group_client("g0").session_keeper.supported is not False
             assert client.group_client("g1").session_keeper.supported is not False
+
+
+async def test_a_session_keepalive_with_a_lease_in_a_frozen_slot_is_held_until_the_flip(groups):
+    """A keep-alive of a session with a lease in a frozen slot is held (not renewing it at the
+    source after its state may have been shipped); after the flip it answers that lease lost,
+    naming the move, and renews the session's other lease."""
+    moving, stays = names_owned_by(groups.shard_map, "g0", 2, "keepalive")
+    g0 = await RawNode.open(groups.servers["g0"].address, token=groups.app)
+    try:
+        token_m, _ttl, owner_m = await g0.acquire(moving, 30_000)
+        token_s, _ttl, owner_s = await g0.acquire(stays, 30_000)
+        key = bytes(range(1, 17))
+        await g0.request(OP_SESSION_OPEN, key, 30_000)
+        attached = await g0.request(OP_SESSION_ATTACH, key, [[moving, token_m, owner_m], [stays, token_s, owner_s]],
+                                    [])
+        assert attached["attached"] == 2
+        await _mark(groups, slot_of(moving))
+        keepalive = g0.request(OP_SESSION_KEEPALIVE, key)
+
+        async def g0_holds(n: int) -> bool:
+            return (await asyncio.to_thread(groups.servers["g0"].status))["shard"]["held"] == n
+
+        await wait_until(lambda: g0_holds(1), 20, "g0 to hold the keep-alive")
+        assert not keepalive.done()
+        await groups.move(str(slot_of(moving)), "g1")
+        reply = await asyncio.wait_for(keepalive, 30)
+        assert reply["renewed"] == 1
+        assert [row[:2] for row in reply["lost"]] == [[moving, token_m]] and "g1" in reply["lost"][0][2]
+    finally:
+        await g0.close()
 
 
 async def _serves_mark(node: RawNode, groups: Groups) -> bool:

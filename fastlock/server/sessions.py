@@ -261,6 +261,16 @@ class SessionRegistry:
             raise PermissionDenied("this session belongs to another principal")
         return s
 
+    def leases_of(self, key: Any) -> list[tuple[str, int]]:
+        """The ``(name, token)`` of each lease attached to the session of owner key ``key``
+        (none if there is no such session or ``key`` is not an owner key)."""
+        try:
+            found = self.by_hash.get(hash_owner(P.check_owner(key)))
+        except FastlockError:
+            return []
+        found = self._current(found)
+        return [] if found is None else list(found.leases)
+
     def _detach(self, s: ClientSession, key: tuple[str, int]) -> None:
         """Detach lease ``key`` (name, token) from session ``s``."""
         if s.drop(key) and self.attached_to.get(key) is s:

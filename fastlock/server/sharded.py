@@ -41,7 +41,7 @@ from ..auth import ANONYMOUS
 from ..coordination.access import EtcdAccess
 from ..coordination.shardmap import load_from_etcd
 from ..errors import CrossShard, FastlockError, InvalidArgument, SlotMoving, WrongShard
-from ..protocol.ops import OP_SESSION_ATTACH
+from ..protocol.ops import OP_SESSION_ATTACH, OP_SESSION_KEEPALIVE
 from ..roles import Role
 from ..sharding import SLOTS, ShardMap, ShardMapError, load_map_file, slot_of, write_map_file
 from ..sharding.moves import allowed_change
@@ -64,6 +64,8 @@ SERVED_MAP_FILE = "served-shard-map.json"
 MAX_HELD = 10_000
 #: the name of the held-requests share in SlotMoving refusals
 HELD_WHAT = "requests held for moving slots"
+#: the session ops a flip runs instead of redirecting (they name leases of several slots)
+RERUN_AFTER_FLIP = (OP_SESSION_ATTACH, OP_SESSION_KEEPALIVE)
 #: seconds a request is held for a slot being moved before it is answered SlotMoving
 HOLD_S = 5.0
 #: the principal a move's drop of the source's leases is logged as (REVOKE records)
@@ -156,6 +158,8 @@ class ShardGate:
         self.shard_map = shard_map
         self.owned = shard_map.slots_of(self.group)
         self.moving = shard_map.moving_slots_of(self.group)
+        #: whether a move is moving any of this group's slots
+        self.moving_any = 1 in self.moving
         if self.served_path is not None:
             write_map_file(self.served_path, shard_map)
         log.info("shard map epoch %d: group %s owns %d of %d slots", shard_map.epoch, self.group,
@@ -260,6 +264,8 @@ class ShardGate:
             where = NAMES_OF_OP[op]
             if op == OP_SESSION_ATTACH and where is not None:
                 handlers.by_op[op] = (self._attach_checked(handler, where), fewest, most)
+            elif op == OP_SESSION_KEEPALIVE:
+                handlers.by_op[op] = (self._keepalive_checked(handler), fewest, most)
             elif where is not None:
                 handlers.by_op[op] = (self._checked(handler, where), fewest, most)
 
@@ -302,6 +308,25 @@ class ShardGate:
             handler(conn, req_id, msg)
 
         return attach
+
+    def _keepalive_checked(self, handler: Handler) -> Handler:
+        """SESSION_KEEPALIVE's check: while a move freezes slots, a keep-alive of a session with a
+        lease attached in one of them is held as an EXTEND is (renewing it at the source after its
+        state was shipped would leave the destination's copy shorter than the client believes);
+        run when the move ends, it answers the leases the flip dropped as lost (the routing client
+        re-homes them) and renews the others."""
+
+        def keepalive(conn: Any, req_id: int, msg: list) -> None:
+            sessions = getattr(getattr(self.server, "handlers", None), "sessions", None)
+            if self.moving_any and sessions is not None and len(msg) > 2:
+                for name, _token in sessions.leases_of(msg[2]):
+                    slot = slot_of(name)
+                    if self.owned[slot] and self.moving[slot]:
+                        self.hold(conn, req_id, msg, keepalive, name, slot)
+                        return
+            handler(conn, req_id, msg)
+
+        return keepalive
 
     def owns(self, name: str) -> WrongShard | None:
         """None if this group owns ``name``'s slot, else the redirect naming its owner."""
@@ -487,12 +512,12 @@ class ShardGate:
 
     def _answer_held(self) -> None:
         """After a map change: answer the held requests whose slot another group owns now
-        (WrongShard; a SESSION_ATTACH runs, answering the moved leases as lost), run those whose
+        (WrongShard; a SESSION_ATTACH or SESSION_KEEPALIVE runs, answering the moved leases as lost), run those whose
         move was aborted, keep those still moving."""
         held = self.held
         self._set_held([])
         for h in held:
-            if not self.owned[h.slot] and not (h.msg is not None and h.msg[1] == OP_SESSION_ATTACH):
+            if not self.owned[h.slot] and not (h.msg is not None and h.msg[1] in RERUN_AFTER_FLIP):
                 self._answer(h, self.wrong_shard(h.name, h.slot))
             elif self.moving[h.slot]:
                 self._keep(h)
