@@ -300,7 +300,7 @@ class ShardGate:
         detaching one changes nothing.  A request naming a slot being moved is held, as an EXTEND."""
 
         def attach(conn: Any, req_id: int, msg: list) -> None:
-            for name in names_in(where, msg[2:]):
+            for name in names_in(where, msg[2:]) if self.moving_any else ():
                 slot = slot_of(name)
                 if self.owned[slot] and self.moving[slot]:  # checked again when the move ends
                     self.hold(conn, req_id, msg, attach, name, slot)
