@@ -20,7 +20,7 @@ from collections.abc import Callable
 from ..errors import FastlockError
 from ..sharding import ShardMap, ShardMapError
 from .access import EtcdAccess
-from .gateway import EtcdGateway, EtcdUnavailable, KeyValue, b64, parse_coordinator
+from .gateway import EtcdGateway, EtcdUnavailable, b64, parse_coordinator
 
 __all__ = ["EtcdShardMap", "MapConflict", "MAP_KEY", "load_from_etcd"]
 
@@ -90,13 +90,11 @@ class EtcdShardMap:
     async def follow(self, on_map: Callable[[ShardMap], None]) -> None:
         """Call ``on_map`` with the map now and after every change, until cancelled; etcd
         failures are logged and retried every second.  A key that holds no valid map is
-        logged and skipped (the node keeps the map it has).  A change is handed over from the
-        watch event's value at once, then read again (``on_map`` may see one map twice)."""
+        logged and skipped (the node keeps the map it has)."""
         changed = asyncio.Event()
         while True:
             changed.clear()
-            watch = asyncio.ensure_future(self.gateway.watch(self.key, lambda _kind: changed.set(),
-                                                             lambda kv: self._take_watched(kv, on_map)))
+            watch = asyncio.ensure_future(self.gateway.watch(self.key, lambda _kind: changed.set()))
             try:
                 while True:
                     try:
@@ -118,18 +116,6 @@ class EtcdShardMap:
             finally:
                 watch.cancel()
             await asyncio.sleep(RETRY_S)
-
-
-    def _take_watched(self, kv: KeyValue, on_map: Callable[[ShardMap], None]) -> None:
-        """``on_map`` of the map a watch event carries (a deletion or a bad value: left to the read)."""
-        if not kv.value:
-            return
-        try:
-            shard_map = ShardMap.from_wire(json.loads(kv.value))
-        except (ValueError, TypeError, KeyError, RecursionError, FastlockError) as exc:
-            log.error("ignoring the shard map a watch of etcd key %s brought: %s", self.key, exc)
-            return
-        on_map(shard_map)
 
 
 async def load_from_etcd(url: str, access: EtcdAccess | None = None) -> EtcdShardMap:
