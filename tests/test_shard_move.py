@@ -20,8 +20,17 @@ from fastlock._testbase.servers import CredentialsDir, ServerProcess
 from fastlock._testbase.shards import names_owned_by
 from fastlock.cli import main
 from fastlock.coordination.shardmap import load_from_etcd
-from fastlock.errors import FastlockError, InvalidArgument, PermissionDenied
-from fastlock.protocol.ops import OP_SHARD_MAP, OP_SLOT_EXPORT, OP_SLOT_IMPORT
+from fastlock.errors import FastlockError, InvalidArgument, PermissionDenied, SlotMoving, WrongShard
+from fastlock.protocol.ops import (
+    OP_ACQUIRE,
+    OP_SESSION_ATTACH,
+    OP_SESSION_KEEPALIVE,
+    OP_SESSION_OPEN,
+    OP_SHARD_MAP,
+    OP_SLOT_EXPORT,
+    OP_SLOT_IMPORT,
+)
+from fastlock.server.sharded import MAX_HELD
 from fastlock.sharding import ShardGroup, ShardMap, even_ranges, slot_of
 from fastlock.sharding.moves import mark_moving
 
@@ -231,6 +240,117 @@ async def test_a_move_stopped_after_its_mark_is_finished_by_running_it_again(gro
         assert (await client.group_client("g1").holder(other))["token"] == second.fencing_token
         await client.release(second)
         await client.release(lease)
+
+
+async def _mark(groups: Groups, slot: int) -> None:
+    """Mark ``slot`` as moving from g0 to g1 in etcd (a mover's first step) and wait for g0 to freeze it."""
+    stored = await load_from_etcd(groups.url)
+    try:
+        shard_map, revision = await stored.read()
+        await stored.replace(revision, shard_map, mark_moving(shard_map, slot, slot, "g1"))
+    finally:
+        await stored.gateway.close()
+
+    async def frozen() -> bool:
+        return (await asyncio.to_thread(groups.servers["g0"].status))["shard"]["moving"] == 1
+
+    await wait_until(frozen, 20, "g0 to follow the mark")
+
+
+async def test_one_principal_cannot_fill_the_held_requests_of_a_move(groups):
+    """The anonymous principal floods acquires on a frozen slot: past its share (a sixteenth of
+    MAX_HELD) it is answered SlotMoving at once; app's acquire is still held, and granted by g1
+    after the flip, while the anonymous principal's held ones are redirected."""
+    tag = names_owned_by(groups.shard_map, "g0", 1, "flood")[0]
+    slot = slot_of(tag)
+    share = MAX_HELD // 4 // 4
+    await _mark(groups, slot)
+    flooder = await RawNode.open(groups.servers["g0"].address, token=None)  # the anonymous principal
+    try:
+        floods = [flooder.request(OP_ACQUIRE, f"{{{tag}}}:{k}", bytes(16), 30_000, 0, 0, None)
+                  for k in range(share + 1)]
+        with pytest.raises(SlotMoving, match="'anonymous' already has"):
+            await asyncio.wait_for(floods[-1], 30)
+        assert not any(f.done() for f in floods[:-1])
+        async with groups.connect() as client:
+            held = asyncio.ensure_future(client.acquire(f"{{{tag}}}:app", ttl=30))
+
+            async def g0_holds(n: int) -> bool:
+                return (await asyncio.to_thread(groups.servers["g0"].status))["shard"]["held"] == n
+
+            await wait_until(lambda: g0_holds(share + 1), 20, "g0 to hold app's acquire")
+            assert not held.done()
+            await groups.move(str(slot), "g1")
+            lease = await asyncio.wait_for(held, 30)
+            assert (await client.group_client("g1").holder(f"{{{tag}}}:app"))["token"] == lease.fencing_token
+            await client.release(lease)
+        for f in floods[:-1]:  # the anonymous principal's held acquires: WrongShard naming g1
+            with pytest.raises(WrongShard):
+                await asyncio.wait_for(f, 30)
+    finally:
+        await flooder.close()
+
+
+async def test_a_session_attach_naming_a_moved_lease_answers_it_lost_and_attaches_the_rest(groups):
+    """A session on g0 attaches a lease whose slot moved to g1 with one g0 still owns (and
+    detaches another moved one): no CrossShard; the moved lease is answered lost naming g1 (the
+    routing client re-homes it), the other is attached; the routing client's session renews a
+    lease taken just before a move on g1 without falling back to lone EXTENDs."""
+    moved, stays = names_owned_by(groups.shard_map, "g0", 2, "attach")
+    g0 = await RawNode.open(groups.servers["g0"].address, token=groups.app)
+    try:
+        token_m, _ttl, owner_m = await g0.acquire(moved, 30_000)
+        token_s, _ttl, owner_s = await g0.acquire(stays, 30_000)
+        await groups.move(str(slot_of(moved)), "g1")
+        key = bytes(range(16))
+        await g0.request(OP_SESSION_OPEN, key, 30_000)
+        reply = await g0.request(OP_SESSION_ATTACH, key, [[moved, token_m, owner_m], [stays, token_s, owner_s]],
+                                 [[moved, token_m]])
+        assert reply["attached"] == 1
+        assert [row[:2] for row in reply["lost"]] == [[moved, token_m]] and "g1" in reply["lost"][0][2]
+    finally:
+        await g0.close()
+    later, here = names_owned_by(groups.shard_map, "g0", 2, "keeper")
+    async with fastlock.connect(groups.servers["g0"].address, token=groups.app, session=True) as client:
+        async with client.lock(later, ttl=2) as lease, client.lock(here, ttl=2) as other:
+            await groups.move(str(slot_of(later)), "g1")
+            started = asyncio.get_running_loop().time()
+            while asyncio.get_running_loop().time() - started < 6:  # 3 TTLs: renewed only if g1 renews it
+                assert not lease.lost.is_set() and not other.lost.is_set()
+                await asyncio.sleep(0.5)
+            assert (await client.group_client("g1").holder(later))["token"] == lease.fencing_token
+            assert client.group_client("g0").session_keeper.supported is not False
+            assert client.group_client("g1").session_keeper.supported is not False
+
+
+async def test_a_session_keepalive_with_a_lease_in_a_frozen_slot_is_held_until_the_flip(groups):
+    """A keep-alive of a session with a lease in a frozen slot is held (not renewing it at the
+    source after its state may have been shipped); after the flip it answers that lease lost,
+    naming the move, and renews the session's other lease."""
+    moving, stays = names_owned_by(groups.shard_map, "g0", 2, "keepalive")
+    g0 = await RawNode.open(groups.servers["g0"].address, token=groups.app)
+    try:
+        token_m, _ttl, owner_m = await g0.acquire(moving, 30_000)
+        token_s, _ttl, owner_s = await g0.acquire(stays, 30_000)
+        key = bytes(range(1, 17))
+        await g0.request(OP_SESSION_OPEN, key, 30_000)
+        attached = await g0.request(OP_SESSION_ATTACH, key, [[moving, token_m, owner_m], [stays, token_s, owner_s]],
+                                    [])
+        assert attached["attached"] == 2
+        await _mark(groups, slot_of(moving))
+        keepalive = g0.request(OP_SESSION_KEEPALIVE, key)
+
+        async def g0_holds(n: int) -> bool:
+            return (await asyncio.to_thread(groups.servers["g0"].status))["shard"]["held"] == n
+
+        await wait_until(lambda: g0_holds(1), 20, "g0 to hold the keep-alive")
+        assert not keepalive.done()
+        await groups.move(str(slot_of(moving)), "g1")
+        reply = await asyncio.wait_for(keepalive, 30)
+        assert reply["renewed"] == 1
+        assert [row[:2] for row in reply["lost"]] == [[moving, token_m]] and "g1" in reply["lost"][0][2]
+    finally:
+        await g0.close()
 
 
 async def _serves_mark(node: RawNode, groups: Groups) -> bool:

@@ -90,8 +90,15 @@ async def test_every_op_that_names_a_name_checks_it(shards):
         checked = [op for op, where in NAMES_OF_OP.items() if where is not None]
         assert {P.OP_ACQUIRE, P.OP_RELEASE, P.OP_EXTEND, P.OP_ACQUIRE_MANY, ops.OP_KEY_PUT} <= set(checked)
         for op in checked:
+            if op == P.OP_SESSION_ATTACH:  # answers another group's leases as lost (below)
+                continue
             with pytest.raises(WrongShard, match="owned by shard group g1"):
                 await node.request(op, *_request_naming(op, foreign))
+        key = bytes(range(16))
+        await node.request(P.OP_SESSION_OPEN, key, 30_000)
+        reply = await node.request(P.OP_SESSION_ATTACH, key, [[foreign, 1, OWNER]], [[foreign, 1]])
+        assert reply["attached"] == 0 and reply["lost"][0][:2] == [foreign, 1]
+        assert "owned by shard group g1" in reply["lost"][0][2]
         # the compiled EXTEND's and ACQUIRE's longer forms too
         with pytest.raises(WrongShard):
             await node.request(P.OP_EXTEND, foreign, 1, OWNER, 5000, True)

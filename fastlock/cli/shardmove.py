@@ -30,7 +30,7 @@ import msgpack
 from ..client import Client
 from ..client.calls import call
 from ..client.sharded import read_shard_map
-from ..coordination.shardmap import EtcdShardMap
+from ..coordination.shardmap import EtcdShardMap, MapConflict
 from ..errors import InvalidArgument
 from ..protocol.ops import OP_SLOT_EXPORT, OP_SLOT_IMPORT
 from ..sharding import ShardMap, ShardMapError
@@ -40,7 +40,9 @@ __all__ = ["MoveReport", "move_slots", "abort_slots", "SEEN_TIMEOUT_S"]
 
 #: seconds to wait for a primary to serve the new map before giving up (the move can be run again)
 SEEN_TIMEOUT_S = 30.0
-#: seconds between two looks at a primary's map
+#: seconds between the first two looks at a primary's map (a quarter longer after each look, up to SEEN_POLL_S)
+SEEN_FIRST_POLL_S = 0.002
+#: the most seconds between two looks at a primary's map
 SEEN_POLL_S = 0.05
 #: seconds one SLOT_EXPORT / SLOT_IMPORT may take
 REQUEST_TIMEOUT_S = 30.0
@@ -73,6 +75,7 @@ async def _serves(client: Client, epoch: int) -> None:
 
     :raises ShardMapError: not within :data:`SEEN_TIMEOUT_S` seconds."""
     deadline = time.monotonic() + SEEN_TIMEOUT_S
+    pause = SEEN_FIRST_POLL_S  # a node sees the map through etcd's watch within milliseconds, mostly
     while True:
         found = await read_shard_map(client)
         if found is not None and found[1].epoch >= epoch:
@@ -80,20 +83,28 @@ async def _serves(client: Client, epoch: int) -> None:
         if time.monotonic() > deadline:
             raise ShardMapError(f"{client.connector.addresses} did not serve shard map epoch {epoch} "
                                 f"within {SEEN_TIMEOUT_S:g} s (run the move again to resume)")
-        await asyncio.sleep(SEEN_POLL_S)
+        await asyncio.sleep(pause)
+        pause = min(pause * 1.25, SEEN_POLL_S)
 
 
 async def _ship(source: Client, dest: Client, first: int, last: int, report: MoveReport) -> None:
-    after = None
+    """Page the state out of ``source`` and into ``dest``: the export of the next page is asked
+    while the destination imports this one (exports only read the frozen state; the imports run
+    one at a time, in the pages' order)."""
+    page = await call(source.connector, OP_SLOT_EXPORT, (first, last, None), REQUEST_TIMEOUT_S)
     while True:
-        page = await call(source.connector, OP_SLOT_EXPORT, (first, last, after), REQUEST_TIMEOUT_S)
-        done = await call(dest.connector, OP_SLOT_IMPORT, (first, last, msgpack.packb(page)), REQUEST_TIMEOUT_S)
+        importing = call(dest.connector, OP_SLOT_IMPORT, (first, last, msgpack.packb(page)), REQUEST_TIMEOUT_S)
+        if page["more"]:
+            exporting = call(source.connector, OP_SLOT_EXPORT, (first, last, page["after"]), REQUEST_TIMEOUT_S)
+            done, following = await asyncio.gather(importing, exporting)
+        else:
+            done, following = await importing, None
         report.leases += done["leases"]
         report.queues += done["queues"]
         report.delays += done["delays"]
-        if not page["more"]:
+        if following is None:
             return
-        after = page["after"]
+        page = following
 
 
 async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
@@ -118,17 +129,19 @@ async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
         tell(f"slots {first}..{last} are owned by {to} already (epoch {shard_map.epoch})")
         return report
     marked_at = None
-    if state.step == "start":
-        new = mark_moving(shard_map, first, last, to)
-        await stored.replace(revision, shard_map, new)
-        marked_at = time.monotonic()
-        shard_map = new
-        report.steps.append("mark")
-        tell(f"epoch {new.epoch}: slots {first}..{last} of {state.source} marked moving to {to}")
     assert state.source is not None
     source = Client(list(shard_map.group(state.source).addresses), client_name="fastlock-shard-move")
     dest = Client(list(shard_map.group(to).addresses), client_name="fastlock-shard-move")
     try:
+        if state.step == "start":
+            # both primaries reached (connected, handshaken) before the mark: not inside the freeze
+            await asyncio.gather(_serves(source, shard_map.epoch), _serves(dest, shard_map.epoch))
+            new = mark_moving(shard_map, first, last, to)
+            revision = await stored.replace(revision, shard_map, new)
+            marked_at = time.monotonic()
+            shard_map = new
+            report.steps.append("mark")
+            tell(f"epoch {new.epoch}: slots {first}..{last} of {state.source} marked moving to {to}")
         await asyncio.gather(_serves(source, shard_map.epoch), _serves(dest, shard_map.epoch))
         try:
             await _ship(source, dest, first, last, report)
@@ -141,12 +154,20 @@ async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
             raise
         report.steps.append("ship")
         tell(f"shipped {report.leases} leases, {report.queues} waiter queues, {report.delays} lock-delays")
-        found = await stored.read()
-        if found is None:
-            raise ShardMapError(f"the shard map in etcd at {stored.key} is gone")
-        shard_map, revision = found
-        flipped = finish_move(shard_map, first, last, to)
-        await stored.replace(revision, shard_map, flipped)
+        flipped = None
+        if marked_at is not None and revision:  # the map as this run marked it, unless it changed since
+            flipped = finish_move(shard_map, first, last, to)
+            try:
+                await stored.replace(revision, shard_map, flipped)
+            except MapConflict:
+                flipped = None
+        if flipped is None:
+            found = await stored.read()
+            if found is None:
+                raise ShardMapError(f"the shard map in etcd at {stored.key} is gone")
+            shard_map, revision = found
+            flipped = finish_move(shard_map, first, last, to)
+            await stored.replace(revision, shard_map, flipped)
         if marked_at is not None:
             report.freeze_ms = (time.monotonic() - marked_at) * 1000.0
         report.steps.append("flip")

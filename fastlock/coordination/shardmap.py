@@ -68,8 +68,9 @@ class EtcdShardMap:
         if not answer.get("succeeded"):
             raise MapConflict(f"etcd key {self.key} already holds a shard map: change it, do not create one")
 
-    async def replace(self, read_revision: int, old: ShardMap, new: ShardMap) -> None:
-        """Write ``new`` in place of ``old``, read at ``read_revision``, if the key is unchanged since.
+    async def replace(self, read_revision: int, old: ShardMap, new: ShardMap) -> int:
+        """Write ``new`` in place of ``old``, read at ``read_revision``, if the key is unchanged since;
+        the key's revision with ``new`` (0 if etcd's answer named none).
 
         :raises MapConflict: it changed (read it again).  :raises ShardMapError: ``new``'s epoch is not above ``old``'s.
         """
@@ -80,6 +81,11 @@ class EtcdShardMap:
             [{"request_put": {"key": b64(self.key), "value": b64(_encode(new))}}])
         if not answer.get("succeeded"):
             raise MapConflict(f"the shard map in etcd changed since epoch {old.epoch} was read: read it again")
+        header = answer.get("header")
+        try:
+            return int(header.get("revision", 0)) if type(header) is dict else 0
+        except (TypeError, ValueError):
+            return 0
 
     async def follow(self, on_map: Callable[[ShardMap], None]) -> None:
         """Call ``on_map`` with the map now and after every change, until cancelled; etcd

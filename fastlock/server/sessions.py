@@ -261,6 +261,16 @@ class SessionRegistry:
             raise PermissionDenied("this session belongs to another principal")
         return s
 
+    def leases_of(self, key: Any) -> list[tuple[str, int]]:
+        """The ``(name, token)`` of each lease attached to the session of owner key ``key``
+        (none if there is no such session or ``key`` is not an owner key)."""
+        try:
+            found = self.by_hash.get(hash_owner(P.check_owner(key)))
+        except FastlockError:
+            return []
+        found = self._current(found)
+        return [] if found is None else list(found.leases)
+
     def _detach(self, s: ClientSession, key: tuple[str, int]) -> None:
         """Detach lease ``key`` (name, token) from session ``s``."""
         if s.drop(key) and self.attached_to.get(key) is s:
@@ -383,7 +393,12 @@ class SessionRegistry:
         signed: list[list] = []
         table = self.table
         wal = self.handlers.wal
+        gate = self.handlers.server.shard_gate
         for name, token, owner, flag in checked:
+            moved = None if gate is None else gate.owns(name)
+            if moved is not None:  # another shard group's name (its slot moved): not held here
+                lost.append([name, token, str(moved)])
+                continue
             holder = table.holder(name, now, owner)
             if holder is None or holder.token != token:
                 lost.append([name, token, self._why_lost(name, token)])

@@ -14,8 +14,10 @@ nothing.  A node without a map installs nothing: its handlers are unchanged.
 
 During a slot move (:mod:`fastlock.sharding.moves`, :mod:`fastlock.server.slotmove`) the
 source group's slots marked ``moving_to`` are *frozen*: a request naming them is held
-(:class:`Held`; at most :data:`MAX_HELD` at once, each at most :data:`HOLD_S` seconds,
-beyond either :class:`~fastlock.errors.SlotMoving`, which a client retries), and the
+(:class:`Held`; at most :data:`MAX_HELD` at once, a principal's share of them at most
+(:func:`held_share`: a quarter, the anonymous principal's a sixteenth, as the other global
+caps of :mod:`fastlock.server.shares`), each at most :data:`HOLD_S` seconds, beyond any
+:class:`~fastlock.errors.SlotMoving`, which a client retries), and the
 waiters already queued on them leave the lock table (their owner-key hashes and
 priorities are kept, in FIFO order, for the export) with their acquires held too, so
 nothing is granted on those names while their state is shipped.  When the map flips the
@@ -35,15 +37,18 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .._core import EV_WAIT_CANCELLED
+from ..auth import ANONYMOUS
 from ..coordination.access import EtcdAccess
 from ..coordination.shardmap import load_from_etcd
 from ..errors import CrossShard, FastlockError, InvalidArgument, SlotMoving, WrongShard
+from ..protocol.ops import OP_SESSION_ATTACH, OP_SESSION_KEEPALIVE
 from ..roles import Role
 from ..sharding import SLOTS, ShardMap, ShardMapError, load_map_file, slot_of, write_map_file
 from ..sharding.moves import allowed_change
 from ..sharding.scope import NAMES_OF_OP, NamesAt, names_in
 from ..units import monotonic_ms
 from .kinds import reply_id
+from .shares import Quota, default_share
 
 if TYPE_CHECKING:  # pragma: no cover
     from .handlers import Handlers
@@ -57,16 +62,33 @@ SERVED_MAP_FILE = "served-shard-map.json"
 
 #: the most requests held at once for slots being moved (beyond: SlotMoving at once)
 MAX_HELD = 10_000
+#: the name of the held-requests share in SlotMoving refusals
+HELD_WHAT = "requests held for moving slots"
+#: the session ops a flip runs instead of redirecting (they name leases of several slots)
+RERUN_AFTER_FLIP = (OP_SESSION_ATTACH, OP_SESSION_KEEPALIVE)
 #: seconds a request is held for a slot being moved before it is answered SlotMoving
 HOLD_S = 5.0
 #: the principal a move's drop of the source's leases is logged as (REVOKE records)
 MOVE_PRINCIPAL = "shard-move"
 
 
+def held_share(single_principal: bool, anonymous_divisor: int) -> Quota:
+    """Each principal's share of the :data:`MAX_HELD` requests held for moving slots: a quarter
+    (:func:`fastlock.server.shares.default_share`), the anonymous principal's a further
+    ``1/anonymous_divisor`` of that (``--anonymous-quota-divisor``); with one client principal at
+    most (``single_principal``), all of them.  Requests past a principal's share are answered
+    :class:`~fastlock.errors.SlotMoving` at once; the other principals' are still held."""
+    if single_principal:
+        return Quota(MAX_HELD, MAX_HELD, HELD_WHAT, "")
+    share = default_share(MAX_HELD)
+    return Quota(share, max(1, share // max(1, anonymous_divisor)), HELD_WHAT, "")
+
+
 class Held(NamedTuple):
     """A request held while its slot is moved: its connection, request id, request (None for
     a waiter taken out of a queue: its acquire is answered, never run again), the handler to
-    run if the move is aborted, the name, its slot and until when it is held (monotonic ms)."""
+    run if the move is aborted, the name, its slot, until when it is held (monotonic ms) and
+    the principal it counts against (:func:`held_share`)."""
 
     conn: Any
     req_id: int
@@ -75,6 +97,7 @@ class Held(NamedTuple):
     name: str
     slot: int
     until_ms: int
+    principal: str
 
 
 class ShardGate:
@@ -93,6 +116,10 @@ class ShardGate:
         self.imported = bytearray(SLOTS)
         #: requests held for moving slots, in arrival order
         self.held: list[Held] = []
+        #: principal -> how many of :attr:`held` count against it
+        self.held_by: dict[str, int] = {}
+        #: each principal's share of the held requests (set by install from the server's credentials)
+        self.held_share = held_share(True, 1)
         #: name -> the waiters (owner-key hash, priority) taken out of its queue by a move, FIFO
         self.frozen_queues: dict[str, list[tuple[bytes, int]]] = {}
         #: name -> owner-key hashes of an imported queue, FIFO: let back in that order at the flip
@@ -131,6 +158,8 @@ class ShardGate:
         self.shard_map = shard_map
         self.owned = shard_map.slots_of(self.group)
         self.moving = shard_map.moving_slots_of(self.group)
+        #: whether a move is moving any of this group's slots
+        self.moving_any = 1 in self.moving
         if self.served_path is not None:
             write_map_file(self.served_path, shard_map)
         log.info("shard map epoch %d: group %s owns %d of %d slots", shard_map.epoch, self.group,
@@ -228,9 +257,16 @@ class ShardGate:
             raise RuntimeError(f"ops {missing} are not in fastlock.sharding.scope.NAMES_OF_OP: a sharded "
                                f"node cannot check their names")
         self.server = getattr(handlers, "server", None)
+        quotas = getattr(self.server, "quotas", None)
+        if quotas is not None:
+            self.held_share = held_share(quotas.single_principal, quotas.config.anonymous_quota_divisor)
         for op, (handler, fewest, most) in list(handlers.by_op.items()):
             where = NAMES_OF_OP[op]
-            if where is not None:
+            if op == OP_SESSION_ATTACH and where is not None:
+                handlers.by_op[op] = (self._attach_checked(handler, where), fewest, most)
+            elif op == OP_SESSION_KEEPALIVE:
+                handlers.by_op[op] = (self._keepalive_checked(handler), fewest, most)
+            elif where is not None:
                 handlers.by_op[op] = (self._checked(handler, where), fewest, most)
 
     def _checked(self, handler: Handler, where: NamesAt) -> Handler:
@@ -255,6 +291,47 @@ class ShardGate:
             handler(conn, req_id, msg)
 
         return names
+
+    def _attach_checked(self, handler: Handler, where: NamesAt) -> Handler:
+        """SESSION_ATTACH's check: a session attaches leases of every group's names a client held
+        there (a lease whose slot moved away is still named by its old group's session), so the
+        request is never refused for another group's names: the handler answers a lease of a name
+        this group does not own as lost (:meth:`owns`; the routing client then re-homes it) and
+        detaching one changes nothing.  A request naming a slot being moved is held, as an EXTEND."""
+
+        def attach(conn: Any, req_id: int, msg: list) -> None:
+            for name in names_in(where, msg[2:]) if self.moving_any else ():
+                slot = slot_of(name)
+                if self.owned[slot] and self.moving[slot]:  # checked again when the move ends
+                    self.hold(conn, req_id, msg, attach, name, slot)
+                    return
+            handler(conn, req_id, msg)
+
+        return attach
+
+    def _keepalive_checked(self, handler: Handler) -> Handler:
+        """SESSION_KEEPALIVE's check: while a move freezes slots, a keep-alive of a session with a
+        lease attached in one of them is held as an EXTEND is (renewing it at the source after its
+        state was shipped would leave the destination's copy shorter than the client believes);
+        run when the move ends, it answers the leases the flip dropped as lost (the routing client
+        re-homes them) and renews the others."""
+
+        def keepalive(conn: Any, req_id: int, msg: list) -> None:
+            sessions = getattr(getattr(self.server, "handlers", None), "sessions", None)
+            if self.moving_any and sessions is not None and len(msg) > 2:
+                for name, _token in sessions.leases_of(msg[2]):
+                    slot = slot_of(name)
+                    if self.owned[slot] and self.moving[slot]:
+                        self.hold(conn, req_id, msg, keepalive, name, slot)
+                        return
+            handler(conn, req_id, msg)
+
+        return keepalive
+
+    def owns(self, name: str) -> WrongShard | None:
+        """None if this group owns ``name``'s slot, else the redirect naming its owner."""
+        slot = slot_of(name)
+        return None if self.owned[slot] else self.wrong_shard(name, slot)
 
     def offer(self, shard_map: ShardMap) -> None:
         """Serve by ``shard_map`` if its epoch is above this node's map's.  A newer map that names
@@ -330,9 +407,9 @@ class ShardGate:
                 server.quotas.waiter_event(ev)
                 conn = sessions.get(ev.session)
                 rid = reply_id(ev.request)
-                if conn is not None and rid is not None:
-                    self.held.append(Held(conn, rid, None, None, ev.name, slot_of(ev.name),
-                                          now + int(HOLD_S * 1000)))
+                if conn is not None and rid is not None:  # counted against its share, never refused
+                    self._keep(Held(conn, rid, None, None, ev.name, slot_of(ev.name),
+                                    now + int(HOLD_S * 1000), conn.principal))
             else:
                 others.append(ev)
         server.process_events(others)
@@ -381,25 +458,44 @@ class ShardGate:
     def hold(self, conn: Any, req_id: int, msg: list, handler: Handler, name: str, slot: int) -> None:
         """Hold a request for ``name`` (in ``slot``, being moved) until the move ends or :data:`HOLD_S`.
 
-        :raises SlotMoving: :data:`MAX_HELD` requests are held already."""
+        :raises SlotMoving: :data:`MAX_HELD` requests are held already, or the principal of ``conn``
+            has its share of them held (:func:`held_share`)."""
         if len(self.held) >= MAX_HELD:
             raise self.slot_moving(name, slot)
-        self.held.append(Held(conn, req_id, msg, handler, name, slot, monotonic_ms() + int(HOLD_S * 1000)))
+        principal = getattr(conn, "principal", ANONYMOUS)
+        limit = self.held_share.limit_for(principal)
+        have = self.held_by.get(principal, 0)
+        if have >= limit:
+            raise self.slot_moving(name, slot, f"; principal {principal!r} already has {limit} {HELD_WHAT}")
+        self._keep(Held(conn, req_id, msg, handler, name, slot, monotonic_ms() + int(HOLD_S * 1000), principal))
         if self._hold_timer is None:
             self._hold_timer = asyncio.get_running_loop().call_later(HOLD_S / 4, self._hold_tick)
 
-    def slot_moving(self, name: str, slot: int) -> SlotMoving:
-        """The retryable refusal of a request for ``name`` (in ``slot``, being moved)."""
+    def _keep(self, h: Held) -> None:
+        self.held.append(h)
+        self.held_by[h.principal] = self.held_by.get(h.principal, 0) + 1
+
+    def _set_held(self, held: list[Held]) -> None:
+        """Hold ``held`` (what is left of :attr:`held`) and count it per principal again."""
+        self.held = held
+        by: dict[str, int] = {}
+        for h in held:
+            by[h.principal] = by.get(h.principal, 0) + 1
+        self.held_by = by
+
+    def slot_moving(self, name: str, slot: int, why: str = "") -> SlotMoving:
+        """The retryable refusal of a request for ``name`` (in ``slot``, being moved); ``why``
+        is appended to the message."""
         to = self.shard_map.moving_to_of_slot(slot)
         return SlotMoving(f"{name!r:.100} is in slot {slot}, being moved from shard group {self.group} to {to} "
-                          f"(shard map epoch {self.shard_map.epoch}); retry")
+                          f"(shard map epoch {self.shard_map.epoch}){why}; retry")
 
     def _hold_tick(self) -> None:
         self._hold_timer = None
         now = monotonic_ms()
         late = [h for h in self.held if h.until_ms <= now]
         if late:  # a waiter taken out of its queue asks again with the same owner key: its place is kept
-            self.held = [h for h in self.held if h.until_ms > now]
+            self._set_held([h for h in self.held if h.until_ms > now])
             for h in late:
                 self._answer(h, self.slot_moving(h.name, h.slot))
             self._batch_end()
@@ -416,13 +512,15 @@ class ShardGate:
 
     def _answer_held(self) -> None:
         """After a map change: answer the held requests whose slot another group owns now
-        (WrongShard), run those whose move was aborted, keep those still moving."""
-        held, self.held = self.held, []
+        (WrongShard; a SESSION_ATTACH or SESSION_KEEPALIVE runs, answering the moved leases as lost), run those whose
+        move was aborted, keep those still moving."""
+        held = self.held
+        self._set_held([])
         for h in held:
-            if not self.owned[h.slot]:
+            if not self.owned[h.slot] and not (h.msg is not None and h.msg[1] in RERUN_AFTER_FLIP):
                 self._answer(h, self.wrong_shard(h.name, h.slot))
             elif self.moving[h.slot]:
-                self.held.append(h)
+                self._keep(h)
             elif h.msg is None or h.handler is None:  # a waiter taken out of its queue: it asks again
                 self._answer(h, self.slot_moving(h.name, h.slot))
             elif not getattr(h.conn, "closed", False):
