@@ -454,7 +454,8 @@ async def test_a_map_read_from_an_unreachable_redirect_closes_the_client_it_open
         assert client.shard_map.epoch == 2
 
 
-async def test_calls_over_every_group_answer_for_the_live_groups_and_name_an_unreachable_one(tmp_path, capsys):
+async def test_calls_over_every_group_answer_for_the_live_groups_and_name_an_unreachable_one(tmp_path, capsys,
+                                                                                           monkeypatch):
     """With one group's server killed (SIGKILL), ``locks``, ``sessions``, ``revoke_principal`` and
     ``top`` answer for the other group and name the dead group as unreachable (the API's
     ``unreachable``; a line on stderr from the CLI, which exits EXIT_PARTIAL) instead of failing
@@ -486,6 +487,7 @@ async def test_calls_over_every_group_answer_for_the_live_groups_and_name_an_unr
             with pytest.raises(RETRYABLE):  # not in g0, and g1 may have it
                 await client.close_session("0" * 16)
             server = ["--server", shard_set.address("g0"), "--connect-timeout", "1"]
+            monkeypatch.setenv("COLUMNS", "200")  # top's table is as wide as the console: names in full
             printed = {}
             for argv, shown in ((["sessions", *server], "PRINCIPAL"), (["top", "--once", *server], "live"),
                                 (["top", "-o", "json", *server], '"unreachable": {"g1"')):

@@ -70,7 +70,9 @@ The standby's clock
     on its own monotonic clock, ``t_observed``.  etcd applied the heartbeat
     before any reply or watch event could carry its revision, and the
     primary sent it before etcd applied it: ``t_observed >= t_sent`` in real
-    time.  Once that revision has stood for one TTL on the standby's clock
+    time (a step that cannot reach etcd forgets the sighting: the next
+    revision read is first seen then, so an etcd outage is never counted
+    against a live primary).  Once that revision has stood for one TTL on the standby's clock
     (the longer of its own TTL and the one the primary key states) it
     deletes the primary key by a transaction comparing the key's
     ``create_revision`` and the heartbeat's ``mod_revision``.
@@ -400,6 +402,7 @@ class EtcdArbiter:
                 if self.last_error is None:
                     log.warning("etcd: %s", exc)
                 self.last_error = str(exc)
+                self._forget_beat()
             except Exception:
                 log.exception("etcd arbiter step failed")
             if self._wake is None:
@@ -529,6 +532,17 @@ class EtcdArbiter:
         self._beat = BeatSighting(primary_rev, revision, self.clock())
         if not self.holding:
             self._arm_beat_timer()
+
+    def _forget_beat(self) -> None:
+        """A step could not reach etcd: forget the heartbeat sighting, so the revision read at
+        the next step that reaches etcd is first seen then.  While etcd cannot be reached the
+        primary cannot heartbeat either (an etcd restart, a partition of this node), and a
+        sighting kept across it would count the outage against a live primary; a later
+        ``t_observed`` only delays a delete."""
+        self._beat = None
+        if self._beat_timer is not None:
+            self._beat_timer.cancel()
+            self._beat_timer = None
 
     def _arm_beat_timer(self, wait: int | None = None) -> None:
         """Run a step when the heartbeat as last seen has stood for ``wait`` ms (default
