@@ -73,22 +73,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import dataclasses
 import datetime
 import json
 import logging
 import os
 import shlex
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 
-from benches.nemesis.cluster import GROUP_KINDS, Fault, Nemesis, NemesisConfig
+from benches.nemesis.cluster import GROUP_KINDS, Fault, Nemesis, NemesisConfig, run_nemesis
 from benches.nemesis.report import NO_FAILOVER_KINDS, _read_events, _s, build_report, print_report
 from fastlock.sharding import slot_of
 
@@ -175,6 +172,11 @@ class ShardNemesis(Nemesis):
         self.shard_map = None  # the map in etcd, as last read
         self.map_url = ""  # etcd://ETCD/PREFIX, etcd itself (not a node's proxy)
         self.moves: list[SlotMove] = []
+
+    def stop_all(self) -> None:
+        """Stop every group's nodes (not only the group a fault strikes), the workers and proxies."""
+        self.nodes = self.all_nodes
+        super().stop_all()
 
     def node_names(self) -> tuple[str, ...]:
         return tuple(f"g{k}{n}" for k in range(self.cfg.shards) for n in "ab")
@@ -415,31 +417,14 @@ def run_shard_nemesis(cfg: NemesisConfig, root: str | None = None) -> dict:
     """Run the sharded nemesis (see the module docstring); its report (a dict, as
     :func:`benches.nemesis.run_nemesis`'s, plus ``faults_by_group``).  ``root``: a directory
     kept afterwards (else a temporary one, removed)."""
-    own = root is None
-    base = Path(tempfile.mkdtemp(prefix="fastlock-shard-nemesis-") if own else root)
-    base.mkdir(parents=True, exist_ok=True)
-    nem = ShardNemesis(cfg, base)
-    atexit.register(nem.stop_all)
-    t0 = time.monotonic()
-    try:
-        nem.run()
-    except Exception as exc:
-        nem.aborted = f"{type(exc).__name__}: {exc}"
-        nem.log.exception("sharded nemesis run failed")
-    finally:
-        nem.nodes = nem.all_nodes
-        nem.stop_all()
-        atexit.unregister(nem.stop_all)
-    nem.save_state(time.monotonic() - t0)
-    (base / MOVES).write_text(json.dumps([dataclasses.asdict(m) for m in nem.moves], indent=1))
-    report = _report(nem, time.monotonic() - t0)
-    report["run_dir"] = str(base)
-    if own:
-        shutil.rmtree(base, ignore_errors=True)
-    return report
+    return run_nemesis(cfg, root, nemesis=ShardNemesis, prefix="fastlock-shard-nemesis-", report=_report)
 
 
-def _report(nem: ShardNemesis, elapsed: float) -> dict:
+def _report(nem: Nemesis, elapsed: float) -> dict:
+    """The sharded run's report: :func:`build_report`'s, per group; the moves are also kept
+    in the run's directory (``MOVES``)."""
+    assert isinstance(nem, ShardNemesis)
+    (nem.root / MOVES).write_text(json.dumps([dataclasses.asdict(m) for m in nem.moves], indent=1))
     report = build_report(nem, elapsed)
     by_group: dict[str, int] = {}
     for f in nem.faults:

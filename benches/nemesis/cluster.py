@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from benches.nemesis.report import NO_FAILOVER_KINDS, _s, build_report
@@ -638,17 +639,22 @@ def report_again(root: str | Path) -> dict:
     return report
 
 
-def run_nemesis(cfg: NemesisConfig, root: str | None = None) -> dict:
+def run_nemesis(cfg: NemesisConfig, root: str | None = None, *, nemesis: type[Nemesis] | None = None,
+                prefix: str = "fastlock-nemesis-",
+                report: Callable[[Nemesis, float], dict] | None = None) -> dict:
     """Run the nemesis (see the module docstring) and return its report (a dict).
 
     ``root``: a directory for data dirs, logs, the store, the worker event
     logs and ``nemesis-run.json`` (kept; :func:`report_again` reads them back);
-    by default a temporary one, removed afterwards.
+    by default a temporary one named ``prefix...``, removed afterwards.  ``nemesis``: the
+    class run (:class:`Nemesis` by default; the sharded nemesis passes its own) and
+    ``report``: what builds the report from it and the seconds elapsed
+    (:func:`build_report` by default).
     """
     own = root is None
-    base = Path(tempfile.mkdtemp(prefix="fastlock-nemesis-") if own else root)
+    base = Path(tempfile.mkdtemp(prefix=prefix) if own else root)
     base.mkdir(parents=True, exist_ok=True)
-    nem = Nemesis(cfg, base)
+    nem = (nemesis or Nemesis)(cfg, base)
     atexit.register(nem.stop_all)
     t0 = time.monotonic()
     try:
@@ -660,10 +666,10 @@ def run_nemesis(cfg: NemesisConfig, root: str | None = None) -> dict:
         nem.stop_all()
         atexit.unregister(nem.stop_all)
     nem.save_state(time.monotonic() - t0)
-    report = build_report(nem, time.monotonic() - t0)
-    report["run_dir"] = str(base)
+    result = (report or build_report)(nem, time.monotonic() - t0)
+    result["run_dir"] = str(base)
     if own:
         shutil.rmtree(base, ignore_errors=True)
-    return report
+    return result
 
 
