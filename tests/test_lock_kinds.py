@@ -470,6 +470,11 @@ async def _expired_with_delay(address: str, name: str, delay_ms: int) -> float:
 async def test_a_running_lock_delay_survives_a_restart(server_factory, how):
     srv = server_factory("delay")
     expired = await _expired_with_delay(srv.address, "job", 2500)
+    # the expiry is seen in memory before its record is durable: a kill before that would
+    # restart with the lease still held (it expires again, its delay starting then)
+    logged = (await status_of(srv.address))["wal"]["last_lsn"]
+    await poll(lambda: status_of(srv.address), lambda st: st["wal"]["durable_lsn"] >= logged,
+               timeout=5.0, what="the expiry record to be durable")
     getattr(srv, how)()
     srv = server_factory("delay")
     await asyncio.to_thread(srv.wait_for_log, r"1 running lock-delays", 5)
