@@ -405,29 +405,6 @@ async def test_a_hostile_slot_import_is_refused_and_changes_nothing(groups):
         await check.close()
 
 
-async def test_a_range_holding_keys_is_not_moved_and_the_mark_is_cleared(groups, capsys):
-    key = names_owned_by(groups.shard_map, "g0", 1, "key")[0]
-    slot = slot_of(key)
-    async with groups.connect() as client:
-        await client.put(key, b"v")
-        argv = ["shard", "move", "--coordinator", groups.url, "--slots", str(slot), "--to", "g1"]
-        assert await shard(argv) == 1
-        assert "hold 1 keys" in capsys.readouterr().err
-        stored = await load_from_etcd(groups.url)
-        try:
-            shard_map, _revision = await stored.read()
-        finally:
-            await stored.gateway.close()
-        assert shard_map.owner_of_slot(slot).name == "g0" and shard_map.moving_to_of_slot(slot) is None
-
-        async def g0_serves(epoch: int) -> bool:
-            status = await asyncio.to_thread(groups.servers["g0"].status)
-            return status["shard"]["epoch"] == epoch and status["shard"]["moving"] == 0
-
-        await wait_until(lambda: g0_serves(shard_map.epoch), 20, "g0 to follow the cleared mark")
-        assert await client.get(key) is not None  # served by g0 as before
-
-
 async def test_the_destination_standby_has_the_adopted_lease_and_the_source_standby_drops_it(groups):
     """The import's records (GRANT, RESERVE) and the source's drop (REVOKE) are replicated as
     every record is: each group's standby ends with the group's leases and token floor."""

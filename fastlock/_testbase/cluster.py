@@ -59,14 +59,17 @@ class RawNode:
 
     @classmethod
     async def open(cls, address: str, *, known_epoch: int | None = None, name: str = "raw",
-                   timeout: float = 5.0, token: str | None | EllipsisType = ...) -> RawNode:
+                   timeout: float = 5.0, token: str | None | EllipsisType = ...,
+                   on_push: Any = None) -> RawNode:
         """``token``: the credential for HELLO (default: the token in the file named by
-        ``FASTLOCK_TOKEN_FILE`` - a :class:`Cluster` sets it to its admin's - else None)."""
+        ``FASTLOCK_TOKEN_FILE`` - a :class:`Cluster` sets it to its admin's - else None);
+        ``on_push(kind, payload)``: called with each server push (None: pushes are ignored)."""
         if token is ...:
             path = os.environ.get("FASTLOCK_TOKEN_FILE")
             token = Path(path).read_text().strip() if path else None
         node = cls(address)
-        node._conn = await rpc.open_connection(node.host, node.port, timeout=timeout)
+        node._conn = await rpc.open_connection(node.host, node.port, timeout=timeout,
+                                               **({"on_push": on_push} if on_push is not None else {}))
         handshake = ClientHandshake(secret_of(token) if token else None)
         try:
             node.hello = await asyncio.wait_for(say_hello(node._conn, name, handshake, known_epoch), timeout)

@@ -51,7 +51,7 @@ REQUEST_TIMEOUT_S = 30.0
 @dataclass
 class MoveReport:
     """What one run of a move did: the slots, the groups, the steps run (``"mark"``, ``"ship"``,
-    ``"flip"``; none if the move was done already), leases, queues and lock-delays shipped, the
+    ``"flip"``; none if the move was done already), leases, queues, lock-delays and keys shipped, the
     map epoch at the end and ``freeze_ms`` (ms from the mark to the flip; None when this run did
     not mark, or did not flip)."""
 
@@ -64,6 +64,7 @@ class MoveReport:
     queues: int = 0
     delays: int = 0
     epoch: int = 0
+    keys: int = 0
     freeze_ms: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -102,6 +103,7 @@ async def _ship(source: Client, dest: Client, first: int, last: int, report: Mov
         report.leases += done["leases"]
         report.queues += done["queues"]
         report.delays += done["delays"]
+        report.keys += done.get("keys", 0)
         if following is None:
             return
         page = following
@@ -153,7 +155,8 @@ async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
                     from None
             raise
         report.steps.append("ship")
-        tell(f"shipped {report.leases} leases, {report.queues} waiter queues, {report.delays} lock-delays")
+        tell(f"shipped {report.leases} leases, {report.queues} waiter queues, {report.delays} lock-delays, "
+             f"{report.keys} keys")
         flipped = None
         if marked_at is not None and revision:  # the map as this run marked it, unless it changed since
             flipped = finish_move(shard_map, first, last, to)

@@ -81,8 +81,9 @@ class KeyList(list[KeyValue]):
 class KeyEvent(NamedTuple):
     """A change of a key under a watched ``prefix``: ``what`` is ``"put"`` (``value``
     is the new value), ``"delete"``, ``"expired"`` (its lease expired), ``"released"``
-    (its lease was released) or ``"revoked"`` (an operator revoked its lease); ``value``
-    is None but for a put.
+    (its lease was released), ``"revoked"`` (an operator revoked its lease) or ``"moved"``
+    (a slot move gave it to another shard group, where it lives on: not a deletion; that
+    group's watch reports it as a ``"put"``); ``value`` is None but for a put.
 
     ``revision`` (int) and ``offset`` (int) are the change's position: the revision of
     the write-ahead-log record that made it and its index within that record (0; a

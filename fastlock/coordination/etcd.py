@@ -791,6 +791,60 @@ class EtcdArbiter:
             log.critical("etcd: raised %s from %d to %d, the epoch this node has seen", self.epoch_key, stored,
                          epoch)
 
+    async def adopt_epoch(self, epoch: int) -> bool:
+        """Raise this primary's epoch to ``epoch`` in etcd without stepping down: one transaction,
+        while the primary key is still the one this node created (its ``create_revision``) and
+        ``PREFIX/epoch`` is as just read, puts ``PREFIX/epoch``, the primary key (same lease, same
+        node and address) and the heartbeat at ``epoch``, with :meth:`adopt_guard`'s.  A slot move's
+        destination adopting the source's token floor calls it (:mod:`fastlock.server.slotmove`)
+        before it logs the epoch, so that its standbys, which learn the epoch from the log, never
+        see their primary named in etcd below it (they would raise ``PREFIX/epoch`` and make the
+        primary step down).  Every later bid is above ``epoch`` (it reads ``PREFIX/epoch``).
+
+        Returns True when etcd names this node primary at ``epoch`` or above; False when this
+        node does not hold the primary key, etcd's epoch is at or above ``epoch`` already (a
+        newer history: the primary steps down at its next step), ``epoch`` is beyond
+        :data:`~fastlock.protocol.MAX_EPOCH`, or the key changed under the transaction.
+
+        Raises:
+            EtcdUnavailable: etcd did not answer (it may or may not have it: call again).
+        """
+        if self.holding and epoch <= self.epoch:
+            return True
+        if not self.holding or not self.lease or epoch > MAX_EPOCH:
+            return False
+        reading = await self._read_epoch()
+        kv = reading.kv
+        if reading.stored >= epoch or not self.holding:
+            return False
+        fields = {"node": self.node, "address": self.address, "epoch": epoch}
+        puts = [{"request_put": {"key": b64(self.epoch_key), "value": b64(str(epoch))}}]
+        if self.heartbeat:
+            fields["heartbeat"] = self.ttl_ms
+            puts.append({"request_put": {"key": b64(self.heartbeat_key),
+                                         "value": b64(json.dumps({"node": self.node, "epoch": epoch}))}})
+        puts.append({"request_put": {"key": b64(self.primary_key), "value": b64(json.dumps(fields)),
+                                     "lease": str(self.lease)}})
+        compare, put = await self.adopt_guard(epoch)
+        answer = await self.gateway.txn(
+            [{"target": "CREATE", "key": b64(self.primary_key), "create_revision": str(self._primary_rev),
+              "result": "EQUAL"},
+             {"target": "MOD", "key": b64(self.epoch_key), "mod_revision": str(kv.mod_revision if kv else 0),
+              "result": "EQUAL"}, *compare],
+            [*puts, *put])
+        if not answer.get("succeeded") or not self.holding:
+            log.warning("etcd: epoch %d not adopted (the primary key or %s changed meanwhile)", epoch, self.epoch_key)
+            return False
+        log.warning("etcd: primary %r raised its epoch from %d to %d (a slot move's token floor)", self.node,
+                    self.epoch, epoch)
+        self.epoch = epoch
+        self.primary = PrimaryRecord(self.node, self.address, epoch, self.lease)
+        return True
+
+    async def adopt_guard(self, epoch: int) -> tuple[list[dict], list[dict]]:
+        """More compares and puts for :meth:`adopt_epoch`'s transaction at ``epoch``; none here."""
+        return [], []
+
     async def bid(self, advertised: int = 0) -> bool:
         """Try to take the free primary key with the next epoch; True if this node took it.
 

@@ -143,6 +143,18 @@ class SyncArbiter(EtcdArbiter):
         return ([{"target": "MOD", "key": key, "mod_revision": str(record.mod_revision), "result": "EQUAL"}],
                 [{"request_put": {"key": key, "value": b64(fresh)}}])
 
+    async def adopt_guard(self, epoch: int) -> tuple[list[dict], list[dict]]:
+        """:meth:`~fastlock.coordination.etcd.EtcdArbiter.adopt_epoch`'s compares and puts:
+        ``PREFIX/sync`` as read now (a change since fails the adoption), written again at
+        ``epoch`` with the same members when this primary wrote it at its epoch (a bid prefers
+        the in-sync standbys only when the set's epoch is ``PREFIX/epoch``'s)."""
+        record = await self.read_sync()
+        key = b64(self.sync_key)
+        members = record.members if record.node == self.node and record.epoch == self.epoch else frozenset()
+        fresh = SyncRecord(self.node, epoch, members).encode()
+        return ([{"target": "MOD", "key": key, "mod_revision": str(record.mod_revision), "result": "EQUAL"}],
+                [{"request_put": {"key": key, "value": b64(fresh)}}])
+
     async def publish(self, members: frozenset[str]) -> bool:
         """Write the in-sync set ``members`` (data directory identities) for this primary's
         epoch, only while the primary key is under this node's lease.  True: etcd has it.

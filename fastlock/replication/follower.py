@@ -42,7 +42,7 @@ from ..wal import (
     decode_frames,
 )
 from ..wal.keyspace import KeySpace
-from ..wal.records import KeyDelete, KeyPut
+from ..wal.records import KeyDelete, KeyMoved, KeyPut
 from ..wal.records import decode as decode_record
 from .link import PrimaryLink
 from .messages import Heartbeat, SnapshotHolder, heartbeat_interval_ms, standby_identity
@@ -143,8 +143,12 @@ class StandbyApply:
         self.wal.log_key_put(record.key, record.value, record.lease_name, record.token, record.principal)
         self._key_changed(0, record.key, "put", record.value)
 
-    def delete_key(self, record: KeyDelete) -> None:
+    def delete_key(self, record: KeyDelete | KeyMoved) -> None:
         self.keys.delete(record.key)
+        if type(record) is KeyMoved:
+            self.wal.log_key_moved(record.key, record.to_group)
+            self._key_changed(0, record.key, "moved", None)
+            return
         self.wal.log_key_delete(record.key)
         self._key_changed(0, record.key, "delete", None)
 

@@ -49,6 +49,7 @@ from ..sharding.scope import NAMES_OF_OP, NamesAt, names_in
 from ..units import monotonic_ms
 from .kinds import reply_id
 from .shares import Quota, default_share
+from .slotmove import drop_keys
 
 if TYPE_CHECKING:  # pragma: no cover
     from .handlers import Handlers
@@ -360,9 +361,18 @@ class ShardGate:
         for name in [n for n in self.frozen_queues if slot_of(n) in aborted]:
             del self.frozen_queues[name]  # their acquires are answered SlotMoving and asked again
         if self.imported_queues or any(self.imported):  # a move to this group that was aborted
+            undone: set[int] = set()
             for slot in range(SLOTS):
                 if self.imported[slot] and not owned[slot] and shard_map.moving_to_of_slot(slot) != self.group:
                     self.imported[slot] = 0
+                    undone.add(slot)
+            if undone and self._is_primary() and len(self.server.keys.space):  # its imported keys go back
+                back: dict[str, set[int]] = {}
+                for slot in undone:
+                    back.setdefault(shard_map.owner_of_slot(slot).name, set()).add(slot)
+                for owner, slots in back.items():
+                    drop_keys(self.server, slots, owner)
+                self._batch_end()
             for name in [n for n in self.imported_queues if not self.imported[slot_of(n)] and not owned[slot_of(n)]]:
                 del self.imported_queues[name]
         if frozen:
@@ -430,6 +440,12 @@ class ShardGate:
             return
         table = server.table
         now = monotonic_ms()
+        keys = 0
+        if len(server.keys.space):  # the keys go first: the leases' REVOKE records would delete those attached
+            by_owner: dict[str, set[int]] = {}
+            for slot in lost:
+                by_owner.setdefault(self.shard_map.owner_of_slot(slot).name, set()).add(slot)
+            keys = sum(drop_keys(server, slots, owner) for owner, slots in by_owner.items())
         dropped = 0
         for h in table.holders():
             slot = slot_of(h.name)
@@ -438,7 +454,8 @@ class ShardGate:
                 server.handlers.lock_admin.take_lease(h.name, h.token, h.meta, MOVE_PRINCIPAL,
                                                       f"slot {slot} moved to shard group {owner}", now)
                 dropped += 1
-        log.warning("slot move: %d slots now owned by other groups; %d leases dropped here", len(lost), dropped)
+        log.warning("slot move: %d slots now owned by other groups; %d leases dropped here, %d keys moved", len(lost),
+                    dropped, keys)
         server.after_batch()
 
     def _let_in(self, gained: list[int]) -> None:

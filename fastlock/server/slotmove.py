@@ -10,23 +10,47 @@ table); a client principal gets ``PermissionDenied``.
 moving, and be the primary): one page (:data:`EXPORT_PAGE` rows at most) of :class:`MovedState`'s
 plain form, the rows after the cursor ``after`` (None: from the first; a page names its own):
 the leases, the waiter queues in parts (owner-key hashes in FIFO order, as the freeze took them
-out), the running lock-delays, and the token high-water mark (the table's last token: every
-token the source ever issued is at most that).
+out), the running lock-delays, the keys of the key store (:class:`MovedKey`: value, the lease it
+is attached to, who wrote it; a page holds at most :data:`PAGE_BYTES` of rows, one key alone
+always goes), and the token high-water mark (the table's last token: every token the source
+ever issued is at most that).
 
 ``SLOT_IMPORT first, last, state`` (``G`` must serve a map marking ``first..last`` moving to
 ``G``, and be the primary): ``state`` is a page as msgpack bytes (at most
-:data:`MAX_STATE_BYTES`, decoded with small bounds of its own).  Every field is validated
+:data:`MAX_STATE_BYTES`, or one key's value at ``--max-value-bytes`` and :data:`KEY_ROW_BYTES`
+more, decoded with small bounds of its own).  Every field is validated
 (untrusted input: types, ranges, every name in ``first..last``, at most :data:`EXPORT_PAGE`
 rows), then the import raises the
 token floor (an ``EPOCH`` record if the source's epoch is higher, a ``RESERVE`` record for the
-counter: every token ``G`` issues from then on is above the mark), installs each lease with its
+counter: every token ``G`` issues from then on is above the mark; in an etcd group the
+group's epoch in etcd is raised first, with its primary record, by the arbiter's own
+transaction, :meth:`~fastlock.coordination.etcd.EtcdArbiter.adopt_epoch`, so that its
+standbys never see their primary named below the epoch they replicate and it stays
+primary), installs each lease with its
 token, owner-key hash and remaining TTL (a ``GRANT`` record each, so ``G``'s standbys and its
-recovery have them), each lock-delay (a ``LOCK_DELAY`` record) and keeps the queues for the
-flip.  The reply (``{"leases", "delays", "queues"}``: how many) comes once the records are
-durable.  Importing the same state twice installs the same leases again: it changes nothing.
-Keys (the key store) are not moved: SLOT_EXPORT refuses slots that hold keys
-(:class:`SlotsHoldKeys`), and the mover then clears its mark.  Session shares are not moved
-(a routing client attaches a moved lease to its session on the new group).
+recovery have them), each lock-delay (a ``LOCK_DELAY`` record), each key (a ``KEY_PUT``
+record, after the leases: a key whose lease is not held here any more is skipped, as its
+lease's end would have deleted it) and keeps the queues for the flip.  The keys are admitted
+against the server's ``--max-keys`` and ``--max-key-bytes`` (the page is refused whole,
+``LimitExceeded``, beyond them) and counted against the principal that wrote them, without
+its own quota's check (it held them already on the source).  The reply (``{"leases",
+"delays", "queues", "keys"}``: how many) comes once the records are durable.  Importing the
+same state twice installs the same leases and keys again: it changes nothing (a key with the
+same value, lease and writer is not logged again).
+
+Keys and revisions.  A key change's revision is its group's (``epoch << 40 | lsn`` of the
+record there): every group numbers its own changes, rising.  The destination publishes each
+imported key as a ``"put"`` at its own next revision (above every revision it gave before; a
+watch of the destination resuming from a position it had sees it); at the flip the source
+removes each moved key with a ``KEY_MOVED`` record, published as ``"moved"`` (the key was not
+deleted: it lives in the group the record names), so a watch over every group
+(``ShardedClient.watch_prefix``) misses no change and sees no revision of one group go
+backwards; a consumer keeping the keys' values ignores ``"moved"``.  A key attached to a lease
+moves with it: SLOT_EXPORT refuses (:class:`SlotsHoldKeys`; the mover then clears its mark) a
+range where a key and its lease are in different slots, one inside the range and one outside
+(put them under one ``{tag}``).  A move aborted after keys were imported: the destination
+removes them again (``KEY_MOVED`` naming the source).  Session shares are not moved (a routing
+client attaches a moved lease to its session on the new group).
 """
 
 from __future__ import annotations
@@ -37,7 +61,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgpack
 
 from .. import protocol as P
-from ..errors import InvalidArgument, NotPrimary, WrongArgumentType
+from ..errors import InvalidArgument, LimitExceeded, NotPrimary, WrongArgumentType
 from ..protocol.ops import OP_SLOT_EXPORT, OP_SLOT_IMPORT
 from ..roles import Role
 from ..sharding import SLOTS, slot_of
@@ -49,7 +73,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .handlers import Handlers
     from .session import Session
 
-__all__ = ["MovedLease", "MovedState", "QueuePart", "SlotMoves", "EXPORT_PAGE", "PERMISSIONS"]
+__all__ = ["MovedLease", "MovedKey", "MovedState", "QueuePart", "SlotMoves", "EXPORT_PAGE", "PERMISSIONS",
+           "drop_keys"]
 
 #: the dispatch's permission entries: checked by the handlers (check_lock_admin)
 PERMISSIONS: dict[int, str | None] = {OP_SLOT_EXPORT: None, OP_SLOT_IMPORT: None}
@@ -69,8 +94,12 @@ MAX_STATE_BYTES = 60 << 10
 MAX_OWNER_BYTES = 64
 #: the longest remaining TTL or lock-delay accepted (ms): a day
 MAX_REMAINING_MS = 86_400_000
-#: the longest client name / correlation id kept with an imported lease
+#: the longest client name / correlation id kept with an imported lease, and principal of an imported key
 MAX_META_CHARS = 256
+#: the most bytes (msgpack) of the rows of one SLOT_EXPORT page; a page's first row always goes
+PAGE_BYTES = 48 << 10
+#: what a key's row and its page hold beside its value, at most (bytes): key, lease name, principal
+KEY_ROW_BYTES = 3 << 10
 
 
 class MovedLease(NamedTuple):
@@ -88,6 +117,17 @@ class MovedLease(NamedTuple):
     correlation_id: str | None
 
 
+class MovedKey(NamedTuple):
+    """One key of a moved slot (the key store): key, value, the lease it is attached to (lock
+    name and token; None and 0: none) and the principal that wrote it."""
+
+    key: str
+    value: bytes
+    lease_name: str | None
+    token: int
+    principal: str | None
+
+
 class QueuePart(NamedTuple):
     """Waiters ``offset`` .. ``offset + len(owners) - 1`` of the queue of ``name`` (owner-key hashes, FIFO)."""
 
@@ -99,7 +139,8 @@ class QueuePart(NamedTuple):
 class MovedState(NamedTuple):
     """One page of a move's state: ``leases``; ``queues`` (:class:`QueuePart`); ``delays``
     (``[name, remaining lock-delay ms]``); ``floor`` the source's token high-water mark;
-    ``more``: another page follows (ask after ``after``, the page's cursor)."""
+    ``more``: another page follows (ask after ``after``, the page's cursor); ``keys``
+    (:class:`MovedKey`)."""
 
     leases: list[MovedLease]
     queues: list[QueuePart]
@@ -107,16 +148,18 @@ class MovedState(NamedTuple):
     floor: int
     more: bool
     after: list | None = None
+    keys: list[MovedKey] = []
 
     def to_wire(self) -> dict[str, Any]:
         return {"leases": [list(x) for x in self.leases], "queues": [list(q) for q in self.queues],
                 "delays": [list(d) for d in self.delays], "floor": self.floor, "more": self.more,
-                "after": self.after}
+                "after": self.after, "keys": [list(k) for k in self.keys]}
 
 
 class SlotsHoldKeys(InvalidArgument):
-    """SLOT_EXPORT: the slots hold keys (the key store), which a move does not carry: nothing
-    was shipped.  An :class:`~fastlock.errors.InvalidArgument`."""
+    """SLOT_EXPORT: the slots hold keys attached to leases outside them (or leases holding keys
+    outside them), which a move cannot split: nothing was shipped.  An
+    :class:`~fastlock.errors.InvalidArgument`."""
 
 
 def _int(value: Any, what: str, low: int, high: int) -> int:
@@ -137,27 +180,37 @@ def _list(value: Any, what: str, most: int) -> list:
     return value
 
 
-def decode_state(data: Any, first: int, last: int) -> MovedState:
+def state_bytes(max_value_bytes: int) -> int:
+    """The largest SLOT_IMPORT state a server storing values of ``max_value_bytes`` (bytes) accepts."""
+    return max(MAX_STATE_BYTES, max_value_bytes + KEY_ROW_BYTES)
+
+
+def decode_state(data: Any, first: int, last: int, max_value_bytes: int = 0) -> MovedState:
     """The :class:`MovedState` of an import's ``state``: msgpack bytes (untrusted, at most
-    :data:`MAX_STATE_BYTES`, decoded with small bounds).  :raises InvalidArgument: any bad field."""
-    if type(data) is not bytes or len(data) > MAX_STATE_BYTES:
-        raise InvalidArgument(f"SLOT_IMPORT: the state is msgpack bytes, at most {MAX_STATE_BYTES}")
+    :func:`state_bytes` of ``max_value_bytes``, the largest key value accepted, decoded with
+    small bounds).  :raises InvalidArgument: any bad field."""
+    most = state_bytes(max_value_bytes)
+    if type(data) is not bytes or len(data) > most:
+        raise InvalidArgument(f"SLOT_IMPORT: the state is msgpack bytes, at most {most}")
     try:
         value = msgpack.unpackb(data, raw=False, max_array_len=EXPORT_PAGE * 10, max_map_len=8,
-                                max_str_len=MAX_STATE_BYTES, max_bin_len=MAX_STATE_BYTES, strict_map_key=True)
+                                max_str_len=most, max_bin_len=most, strict_map_key=True)
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
             RecursionError) as exc:
         raise InvalidArgument(f"SLOT_IMPORT: the state is not msgpack: {exc}") from None
-    return parse_state(value, first, last)
+    return parse_state(value, first, last, max_value_bytes)
 
 
-def parse_state(value: Any, first: int, last: int) -> MovedState:
-    """The :class:`MovedState` of a decoded import state (untrusted).  :raises InvalidArgument: any bad field."""
-    if type(value) is not dict or not {"leases", "queues", "delays", "floor"} <= set(value) <= {
-            "leases", "queues", "delays", "floor", "more", "after"}:
-        raise InvalidArgument("SLOT_IMPORT: the state is {leases, queues, delays, floor[, more, after]}")
-    if len(value["leases"] or ()) + len(value["queues"] or ()) + len(value["delays"] or ()) > EXPORT_PAGE:
-        raise InvalidArgument(f"SLOT_IMPORT: at most {EXPORT_PAGE} rows of leases, queues and lock-delays")
+def parse_state(value: Any, first: int, last: int, max_value_bytes: int = 0) -> MovedState:
+    """The :class:`MovedState` of a decoded import state (untrusted); a key's value is at most
+    ``max_value_bytes`` bytes.  :raises InvalidArgument: any bad field."""
+    fields = {"leases", "queues", "delays", "floor"}
+    if type(value) is not dict or not fields <= set(value) <= fields | {"more", "after", "keys"}:
+        raise InvalidArgument("SLOT_IMPORT: the state is {leases, queues, delays, floor[, more, after, keys]}")
+    rows = [value[f] for f in ("leases", "queues", "delays", "keys") if f in value]
+    if any(type(r) is not list for r in rows) or sum(len(r) for r in rows) > EXPORT_PAGE:
+        raise InvalidArgument(f"SLOT_IMPORT: leases, queues, lock-delays and keys are lists of at most "
+                              f"{EXPORT_PAGE} rows together")
 
     def name_in_range(name: Any) -> str:
         name = P.check_name(name)
@@ -194,11 +247,25 @@ def parse_state(value: Any, first: int, last: int) -> MovedState:
         if type(row) is not list or len(row) != 2:
             raise InvalidArgument("SLOT_IMPORT: a lock-delay is [name, remaining ms]")
         delays.append((name_in_range(row[0]), _int(row[1], "a lock-delay (ms)", 1, MAX_REMAINING_MS)))
+    keys: list[MovedKey] = []
+    for row in value.get("keys", ()):
+        if type(row) is not list or len(row) != len(MovedKey._fields):
+            raise InvalidArgument(f"SLOT_IMPORT: a key is a list of {len(MovedKey._fields)} fields")
+        key, data, lease_name, token, principal = row
+        if type(data) is not bytes or len(data) > max_value_bytes:
+            raise InvalidArgument(f"SLOT_IMPORT: a key's value is bytes, at most {max_value_bytes} "
+                                  f"(--max-value-bytes of this server)")
+        if lease_name is None:
+            token = _int(token, "the token of a key without lease", 0, 0)
+        else:
+            lease_name = name_in_range(lease_name)
+            token = _int(token, "a key's lease token", 1, (1 << 63) - 1)
+        keys.append(MovedKey(name_in_range(key), data, lease_name, token, _opt_str(principal, "a key's principal")))
     floor = _int(value["floor"], "the token floor", 0, (MAX_EPOCH << 40) | ((1 << 40) - 1))
     more = value.get("more", False)
     if type(more) is not bool:
         raise InvalidArgument("SLOT_IMPORT: more is a bool")
-    return MovedState(leases, queues, delays, floor, more)
+    return MovedState(leases, queues, delays, floor, more, None, keys)
 
 
 def _cursor(after: Any) -> tuple[int, str, int] | None:
@@ -251,10 +318,7 @@ class SlotMoves:
         after = _cursor(msg[4])
         gate = self._gate_and_check(first, last, None)
         space = self.handlers.server.keys.space
-        keys = sum(1 for key in space.entries if first <= slot_of(key) <= last)
-        if keys:
-            raise SlotsHoldKeys(f"slots {first}..{last} hold {keys} keys of the key store, which a move does not "
-                                f"carry: delete them, or abort the move (fastlock shard move --abort)")
+        _check_keys_move_whole(space, first, last)
         table = self.handlers.table
         now = monotonic_ms()
         # every row of the slots under one order, (kind, name, number): the cursor of a page stays
@@ -273,21 +337,32 @@ class SlotMoves:
         for name, until in table.lock_delays():
             if first <= slot_of(name) <= last and until > now:
                 items.append(((2, name, 0), (name, until - now)))
+        for key, entry in space.entries.items():
+            if first <= slot_of(key) <= last:
+                items.append(((3, key, 0), MovedKey(key, entry.value, entry.lease_name, entry.token,
+                                                    entry.principal)))
         items.sort(key=lambda item: item[0])
         if after is not None:
             items = [item for item in items if item[0] > after]
-        page = items[:EXPORT_PAGE]
+        page: list[tuple[tuple[int, str, int], Any]] = []
+        size = 0
+        for item in items[:EXPORT_PAGE]:
+            row = msgpack.packb(list(item[1]))
+            if page and size + len(row) > PAGE_BYTES:
+                break
+            page.append(item)
+            size += len(row)
         state = MovedState([x for k, x in page if k[0] == 0], [x for k, x in page if k[0] == 1],
                            [x for k, x in page if k[0] == 2], table.last_token, len(items) > len(page),
-                           list(page[-1][0]) if page else None)
+                           list(page[-1][0]) if page else None, [x for k, x in page if k[0] == 3])
         conn.send(P.encode_ok(req_id, state.to_wire()))
 
     def op_slot_import(self, conn: Session, req_id: int, msg: list) -> None:
         """SLOT_IMPORT first, last, state: adopt a page of the moved slots' state (module docstring)."""
         check_lock_admin(self.handlers, conn, "slot_import")
         first, last = _slots(msg)
-        state = decode_state(msg[4], first, last)
         server = self.handlers.server
+        state = decode_state(msg[4], first, last, server.config.max_value_bytes)
         if server.shard_gate is None:
             raise InvalidArgument("this node is not sharded: it has no slots to move")
         gate = self._gate_and_check(first, last, server.shard_gate.group)
@@ -295,10 +370,18 @@ class SlotMoves:
             if part.offset > len(gate.imported_queues.get(part.name, ())):
                 raise InvalidArgument(f"SLOT_IMPORT: {part.name!r:.100}'s queue part at {part.offset} comes "
                                       f"before the parts shipped so far")
+        new_keys = _admit_keys(server, state.keys)
         table = self.handlers.table
         wal = self.handlers.wal
         now = monotonic_ms()
         epoch = epoch_of(state.floor)
+        coordinated = server.failover.coordinated
+        arbiter = coordinated.arbiter if coordinated is not None else None
+        if epoch > table.epoch and arbiter is not None and arbiter.epoch < epoch:
+            # an etcd group: the group's epoch in etcd first, then the import (run again)
+            server.tasks.spawn(self._adopt_then_import(arbiter, epoch, conn, req_id, msg),
+                               "slot import: raise the group's epoch in etcd")
+            return
         if epoch > table.epoch:
             table.set_epoch(epoch)
             wal.log_epoch(epoch)
@@ -319,17 +402,97 @@ class SlotMoves:
         for name, remaining in state.delays:
             if table.install_lock_delay(name, now + remaining, now):
                 wal.log_lock_delay(name, wall + remaining)
+        space = server.keys.space
+        for k in new_keys:  # after the leases: a key's lease is installed first
+            if k.lease_name is not None and not table.check(k.lease_name, k.token, now):
+                continue  # its lease ended meanwhile: its end would have deleted the key
+            space.put(k.key, k.value, k.lease_name, k.token, k.principal, wall)
+            wal.log_key_put(k.key, k.value, k.lease_name, k.token, k.principal)
+            server.key_revisions.logged(0, k.key, "put", k.value)
         for part in state.queues:
             queue = gate.imported_queues.setdefault(part.name, [])
             queue[part.offset:part.offset + len(part.owners)] = part.owners
         gate.imported[first:last + 1] = b"\x01" * (last - first + 1)
-        log.warning("slot move: imported %d leases, %d queues, %d lock-delays of slots %d..%d (token floor %d)",
-                    len(state.leases), len(state.queues), len(state.delays), first, last, state.floor)
+        log.warning("slot move: imported %d leases, %d queues, %d lock-delays, %d keys of slots %d..%d (token "
+                    "floor %d)", len(state.leases), len(state.queues), len(state.delays), len(state.keys), first,
+                    last, state.floor)
         reply = P.encode_ok(req_id, {"leases": len(state.leases), "queues": len(state.queues),
-                                     "delays": len(state.delays)})
+                                     "delays": len(state.delays), "keys": len(state.keys)})
 
         def ack() -> None:
             conn.send(reply)
             server.after_batch()
 
         wal.when_durable(ack)
+
+    async def _adopt_then_import(self, arbiter: Any, epoch: int, conn: Session, req_id: int, msg: list) -> None:
+        """Raise the etcd group's epoch to ``epoch`` (the source's, from its token floor) by the
+        arbiter's own transaction (:meth:`~fastlock.coordination.etcd.EtcdArbiter.adopt_epoch`:
+        the primary stays primary), then run the import; an error is the import's reply."""
+        handlers = self.handlers
+        try:
+            if not await arbiter.adopt_epoch(epoch):
+                raise NotPrimary(f"SLOT_IMPORT: this node could not raise its group's epoch to {epoch} in etcd (it "
+                                 f"is not the primary any more, or the group's epoch changed): retry the move")
+            if getattr(conn, "closed", False):
+                return
+            self.op_slot_import(conn, req_id, msg)
+        except Exception as exc:  # noqa: BLE001 - answered as the dispatch answers a handler's error
+            handlers.failed(conn, req_id, OP_SLOT_IMPORT, exc)
+        handlers.server.after_batch()
+
+
+def _check_keys_move_whole(space: Any, first: int, last: int) -> None:
+    """:raises SlotsHoldKeys: a key in slots ``first..last`` is attached to a lease outside
+    them, or a lease inside them holds a key outside them (a move carries a key with its lease)."""
+    for (lease_name, _token), keys in space.by_lease.items():
+        inside = first <= slot_of(lease_name) <= last
+        split = [k for k in keys if (first <= slot_of(k) <= last) != inside]
+        if split:
+            raise SlotsHoldKeys(
+                f"slots {first}..{last} hold keys attached to a lease on the other side of the range (key "
+                f"{split[0]!r:.100} in slot {slot_of(split[0])}, its lease {lease_name!r:.100} in slot "
+                f"{slot_of(lease_name)}): a move carries a key with its lease; put both under one {{tag}}, or "
+                f"abort the move (fastlock shard move --abort)")
+
+
+def _admit_keys(server: Any, keys: list[MovedKey]) -> list[MovedKey]:
+    """The ``keys`` of an import page that change the key space (a key already held with the
+    same value, lease and writer is left alone).
+
+    :raises LimitExceeded: they would pass the server's ``--max-keys`` or ``--max-key-bytes``."""
+    space = server.keys.space
+    config = server.config
+    new: list[MovedKey] = []
+    added = grown = 0
+    for k in keys:
+        old = space.get(k.key)
+        if old is not None and (old.value, old.lease_name, old.token, old.principal) == (
+                k.value, k.lease_name, k.token, k.principal):
+            continue
+        new.append(k)
+        added += old is None
+        grown += len(k.value) - (len(old.value) if old is not None else 0)
+    if len(space) + added > config.max_keys:
+        raise LimitExceeded(f"SLOT_IMPORT: {added} more keys would pass this server's {config.max_keys} "
+                            f"(--max-keys); nothing was imported")
+    if space.value_bytes + grown > config.max_key_bytes:
+        raise LimitExceeded(f"SLOT_IMPORT: {grown} more bytes of key values would pass this server's "
+                            f"{config.max_key_bytes} (--max-key-bytes); nothing was imported")
+    return new
+
+
+def drop_keys(server: Any, slots: set[int], to_group: str) -> int:
+    """Remove every key of ``slots`` from this primary's key space, each by a ``KEY_MOVED``
+    record naming ``to_group`` (published as ``"moved"``): at a move's flip on the source (the
+    keys live in ``to_group`` now), and on a destination whose move was aborted (back to the
+    source).  Returns how many."""
+    space = server.keys.space
+    gone = [key for key in space.entries if slot_of(key) in slots]
+    wal = server.wal
+    logged = server.key_revisions.logged
+    for key in gone:
+        space.delete(key)
+        wal.log_key_moved(key, to_group)
+        logged(0, key, "moved", None)
+    return len(gone)

@@ -63,6 +63,7 @@ LOCK_DELAY  20  name, until_wall_ms, wall_ms   (no grant of ``name`` before ``un
 KEY_PUT     30  key, value, lease_name, token, principal, wall_ms   (lease_name None: no lease)
 KEY_DELETE  31  key, wall_ms
 REVOKE_REQ  70  name, token, principal, until_wall_ms, grace_ms, wall_ms  (a revoke request's deadline)
+KEY_MOVED   80  key, to_group, wall_ms   (a slot move gave the key to shard group ``to_group``)
 ==========  ==  ==================================================================
 
 A GRANT of a shared lease or a semaphore permit has two more fields, ``shared``
@@ -89,7 +90,8 @@ a shared one or a permit joins the compatible ones); RELEASE/EXPIRE/REVOKE remov
 the holder whose token matches; EXTEND sets the holder's ``ttl_ms`` when its
 token matches; EPOCH raises the epoch; RESERVE raises the counter; KEY_PUT sets
 a key if its lease is the current holder (or it has none), KEY_DELETE removes
-it, and a RELEASE/EXPIRE that removes a holder removes the keys of that lease
+it, KEY_MOVED removes it too (it moved to another shard group), and a
+RELEASE/EXPIRE that removes a holder removes the keys of that lease
 (:mod:`fastlock.wal.keyspace`); LOCK_DELAY keeps a running lock-delay.  The
 recovered epoch is the highest of every EPOCH record and every token's epoch;
 the recovered counter is the highest of every token's counter and every

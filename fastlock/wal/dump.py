@@ -26,6 +26,7 @@ from .records import (
     Grant,
     HolderRecord,
     KeyDelete,
+    KeyMoved,
     KeyPut,
     LockDelay,
     LogState,
@@ -120,6 +121,8 @@ def _record_entry(lsn: int, r: Record) -> dict[str, Any]:
         return _entry(lsn, r.wall_ms, "key_put", r.lease_name, r.token, key=r.key, bytes=len(r.value))
     if isinstance(r, KeyDelete):
         return _entry(lsn, r.wall_ms, "key_delete", key=r.key)
+    if isinstance(r, KeyMoved):
+        return _entry(lsn, r.wall_ms, "key_moved", key=r.key, to=r.to_group)
     if isinstance(r, Revoke):
         return _entry(lsn, r.wall_ms, "revoke", r.name, r.token, by=r.principal, reason=r.reason)
     if isinstance(r, RevokeRequest):

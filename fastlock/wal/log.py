@@ -33,6 +33,7 @@ from .records import (
     EXTEND,
     GRANT,
     KEY_DELETE,
+    KEY_MOVED,
     KEY_PUT,
     LOCK_DELAY,
     RELEASE,
@@ -307,6 +308,10 @@ class WriteAheadLog:
     def log_key_delete(self, key: str) -> None:
         """Log that ``key`` was deleted."""
         self._append([KEY_DELETE, key, wall_ms()])
+
+    def log_key_moved(self, key: str, to_group: str) -> None:
+        """Log that ``key`` left this shard group for group ``to_group`` (a slot move)."""
+        self._append([KEY_MOVED, key, to_group, wall_ms()])
 
     def log_epoch(self, epoch: int) -> None:
         """Log a new epoch; always fsynced before this batch's callbacks run, in every mode."""

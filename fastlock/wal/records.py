@@ -27,6 +27,8 @@ The rules:
   the current holder (a put attached to a lease already gone changes nothing);
   KEY_DELETE removes a key; a RELEASE or EXPIRE that removes a holder also
   removes every key attached to that lease (see :mod:`fastlock.wal.keyspace`);
+  KEY_MOVED removes a key as KEY_DELETE does (a slot move gave it to another
+  shard group: its watchers are told "moved", not "delete");
 * LOCK_DELAY keeps, per name, the latest wall-clock end of a running
   lock-delay (recovery installs those still running; see :class:`LockDelay`);
 * REVOKE_REQUEST keeps the deadline of a revoke request made to the lease
@@ -45,7 +47,7 @@ __all__ = [
     "GRANT", "RELEASE", "EXPIRE", "EXTEND", "EPOCH", "RESERVE", "REVOKE", "KEY_PUT", "KEY_DELETE", "LOCK_DELAY",
     "RECORD_NAMES", "TOKEN_EPOCH_SHIFT", "COUNTER_MASK", "SHORT_GRANT",
     "Grant", "Release", "Expire", "Extend", "Epoch", "Reserve", "Revoke", "KeyPut", "KeyDelete", "LockDelay", "Record",
-    "REVOKE_REQUEST", "RevokeRequest",
+    "REVOKE_REQUEST", "RevokeRequest", "KEY_MOVED", "KeyMoved",
     "HolderRecord", "LeaseMeta", "encode", "decode", "apply", "ApplyTarget", "LogState",
 ]
 
@@ -60,10 +62,11 @@ LOCK_DELAY = 20
 KEY_PUT = 30
 KEY_DELETE = 31
 REVOKE_REQUEST = 70
+KEY_MOVED = 80
 RECORD_NAMES = {GRANT: "grant", RELEASE: "release", EXPIRE: "expire", EXTEND: "extend",
                 EPOCH: "epoch", RESERVE: "reserve", REVOKE: "revoke",
                 KEY_PUT: "key_put", KEY_DELETE: "key_delete", LOCK_DELAY: "lock_delay",
-                REVOKE_REQUEST: "revoke_request"}
+                REVOKE_REQUEST: "revoke_request", KEY_MOVED: "key_moved"}
 
 
 
@@ -244,12 +247,27 @@ class RevokeRequest(NamedTuple):
         return REVOKE_REQUEST
 
 
-Record = Grant | Release | Expire | Extend | Epoch | Reserve | Revoke | KeyPut | KeyDelete | LockDelay | RevokeRequest
+class KeyMoved(NamedTuple):
+    """KEY_MOVED: ``key`` left this shard group for group ``to_group`` (a slot move,
+    :mod:`fastlock.server.slotmove`): removed here as by KEY_DELETE, but not deleted."""
+
+    key: str
+    to_group: str
+    wall_ms: int
+
+    @property
+    def kind(self) -> int:
+        """The record type (``KEY_MOVED``), the first item of the array on disk."""
+        return KEY_MOVED
+
+
+Record = (Grant | Release | Expire | Extend | Epoch | Reserve | Revoke | KeyPut | KeyDelete | LockDelay | RevokeRequest
+          | KeyMoved)
 
 _TYPES: dict[int, Any] = {GRANT: Grant, RELEASE: Release, EXPIRE: Expire, EXTEND: Extend,
                           EPOCH: Epoch, RESERVE: Reserve, REVOKE: Revoke,
                           KEY_PUT: KeyPut, KEY_DELETE: KeyDelete, LOCK_DELAY: LockDelay,
-                          REVOKE_REQUEST: RevokeRequest}
+                          REVOKE_REQUEST: RevokeRequest, KEY_MOVED: KeyMoved}
 #: (type, length of the array) -> record class: the shape of every record body with all
 #: its fields (an exclusive grant's shorter body is decoded by :func:`decode`)
 SHAPES: dict[tuple[int, int], Any] = {(kind, len(cls._fields) + 1): cls for kind, cls in _TYPES.items()}
@@ -383,8 +401,8 @@ class ApplyTarget(Protocol):
         """Set ``record.key`` (its lease, if any, is the current holder)."""
         ...
 
-    def delete_key(self, record: KeyDelete) -> None:
-        """Remove ``record.key`` (it is present)."""
+    def delete_key(self, record: KeyDelete | KeyMoved) -> None:
+        """Remove ``record.key`` (it is present; a KEY_MOVED's key went to another shard group)."""
         ...
 
     def lease_ended(self, name: str, token: int) -> None:
@@ -430,7 +448,7 @@ def apply(record: Record, target: ApplyTarget) -> bool:
             return False
         target.put_key(record)
         return True
-    if type(record) is KeyDelete:
+    if type(record) is KeyDelete or type(record) is KeyMoved:
         if target.keys.get(record.key) is None:
             return False
         target.delete_key(record)
@@ -525,7 +543,7 @@ class LogState:
     def put_key(self, record: KeyPut) -> None:
         self.keys.put(record.key, record.value, record.lease_name, record.token, record.principal, record.wall_ms)
 
-    def delete_key(self, record: KeyDelete) -> None:
+    def delete_key(self, record: KeyDelete | KeyMoved) -> None:
         self.keys.delete(record.key)
 
     def lease_ended(self, name: str, token: int) -> None:

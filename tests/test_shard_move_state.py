@@ -1,0 +1,323 @@
+"""What a slot move carries beside leases (fastlock.server.slotmove): the key store's keys, with the
+lease they hang on, and what a prefix watch of either group sees of them; real servers following a
+map in etcd (the two groups of tests/test_shard_move.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import msgpack
+import pytest
+from conftest import wait_until
+from etcdserver import unique_prefix
+from test_shard_move import Groups, _mark, _serves_mark, shard
+
+from fastlock._testbase.cluster import RawNode
+from fastlock._testbase.proxy import free_port
+from fastlock._testbase.servers import ServerProcess
+from fastlock._testbase.shards import names_owned_by
+from fastlock.cli.shardmove import abort_slots
+from fastlock.coordination.shardmap import load_from_etcd
+from fastlock.errors import FastlockError, InvalidArgument, LimitExceeded
+from fastlock.protocol.ops import OP_KEY_LIST, OP_KEY_WATCH_FROM, OP_SHARD_MAP, OP_SLOT_IMPORT, PUSH_VALUE_REV
+from fastlock.sharding import ShardGroup, ShardMap, slot_of
+from fastlock.sharding.moves import mark_moving
+
+
+@pytest.fixture
+async def groups(etcd, tmp_path, monkeypatch):
+    g = Groups(etcd, tmp_path, monkeypatch)
+    try:
+        await g.start()
+        yield g
+    finally:
+        g.stop()
+
+
+class KeyWatch:
+    """A KEY_WATCH_FROM of ``prefix`` on one node: the ``vrev`` pushes it got, as
+    ``(revision, offset, what, key, value)``."""
+
+    def __init__(self) -> None:
+        self.changes: list[tuple[int, int, str, str, bytes | None]] = []
+        self.node: RawNode | None = None
+        self.start = 0
+
+    def on_push(self, kind, payload) -> None:
+        if kind == PUSH_VALUE_REV:
+            _prefix, what, key, value, revision, offset = payload
+            self.changes.append((revision, offset, what, key, value))
+
+    @classmethod
+    async def open(cls, address: str, token: str, prefix: str, revision: int | None = None) -> KeyWatch:
+        watch = cls()
+        watch.node = await RawNode.open(address, token=token, on_push=watch.on_push)
+        reply = await watch.node.request(OP_KEY_WATCH_FROM, prefix, revision, None)
+        watch.start = reply["revision"]
+        return watch
+
+    def of(self, key: str) -> list[tuple[str, bytes | None]]:
+        return [(what, value) for _rev, _off, what, k, value in self.changes if k == key]
+
+    def positions_rise(self) -> bool:
+        positions = [(rev, off) for rev, off, *_ in self.changes]
+        return positions == sorted(positions) and len(set(positions)) == len(positions)
+
+    async def close(self) -> None:
+        if self.node is not None:
+            await self.node.close()
+
+
+async def _keys_on(address: str, token: str, prefix: str) -> list[str]:
+    """The keys under ``prefix`` that the node at ``address`` holds (KEY_LIST: its own, owned or not)."""
+    node = await RawNode.open(address, token=token)
+    try:
+        return [row[0] for row in (await node.request(OP_KEY_LIST, prefix, 1000))["keys"]]
+    finally:
+        await node.close()
+
+
+async def test_keys_move_with_their_slot_and_each_groups_watch_sees_every_change_in_rising_order(groups, capsys):
+    """A key without lease and a key on a lease (both under one tag) move with their slot: g1
+    publishes them as puts at its own rising revisions, g0 as "moved" (not deleted, not revoked);
+    a watch of g1 resuming from a position before the move replays every change since, in order;
+    the lease's release on g1 deletes its key there; restarts of both groups keep it so (the
+    KEY_PUT and KEY_MOVED records)."""
+    tag = names_owned_by(groups.shard_map, "g0", 1, "keytag")[0]
+    plain, leased, lease_name = f"mvk{{{tag}}}a", f"mvk{{{tag}}}b", f"{{{tag}}}:lease"
+    stays = next(n for n in names_owned_by(groups.shard_map, "g0", 20, "mvkstay") if slot_of(n) != slot_of(tag))
+    g0, g1 = groups.servers["g0"].address, groups.servers["g1"].address
+    async with groups.connect() as client:
+        lease = await client.acquire(lease_name, ttl=60)
+        await client.put(plain, b"A")
+        await client.put(leased, b"B", lease=lease)
+        await client.put(stays, b"S")
+        on_g0 = await KeyWatch.open(g0, groups.app, "mvk")
+        on_g1 = await KeyWatch.open(g1, groups.app, "mvk")
+        try:
+            capsys.readouterr()
+            await groups.move(str(slot_of(tag)), "g1")
+            assert json.loads(capsys.readouterr().out)["keys"] == 2
+            await wait_until(lambda: _async(len(on_g1.of(plain)) == 1 and len(on_g1.of(leased)) == 1), 20,
+                             "g1's watch to see the imported keys")
+            await wait_until(lambda: _async(len(on_g0.of(plain)) == 1 and len(on_g0.of(leased)) == 1), 20,
+                             "g0's watch to see the keys leave")
+            assert on_g1.of(plain) == [("put", b"A")] and on_g1.of(leased) == [("put", b"B")]
+            assert on_g0.of(plain) == [("moved", None)] and on_g0.of(leased) == [("moved", None)]
+            assert on_g0.of(stays) == [] and all(rev > on_g1.start for rev, *_ in on_g1.changes)
+            # the keys are served by g1 (routed there), the one of another slot by g0
+            got = await client.get(leased)
+            assert (got.value, got.lease, got.token) == (b"B", lease_name, lease.fencing_token)
+            assert (await client.get(plain)).value == b"A" and (await client.get(stays)).value == b"S"
+            assert sorted(await _keys_on(g1, groups.app, "mvk")) == sorted([plain, leased])
+            assert await _keys_on(g0, groups.app, "mvk") == [stays]
+            await client.put(plain, b"A2")  # routed to g1
+            await wait_until(lambda: _async(len(on_g1.of(plain)) == 2), 20, "g1's watch to see the new value")
+            assert on_g1.of(plain)[-1] == ("put", b"A2") and on_g1.positions_rise() and on_g0.positions_rise()
+            # a watch of g1 resuming from a position before the move misses nothing and goes forwards
+            resumed = await KeyWatch.open(g1, groups.app, "mvk", on_g1.start)
+            try:
+                assert [c[2:] for c in resumed.changes] == [c[2:] for c in on_g1.changes]
+                assert resumed.positions_rise()
+            finally:
+                await resumed.close()
+            await client.release(lease)  # on g1: its key goes with it, there
+            await wait_until(lambda: _async(len(on_g1.of(leased)) == 2), 20, "g1's watch to see the release")
+            assert on_g1.of(leased)[-1] == ("released", None)
+        finally:
+            await on_g0.close()
+            await on_g1.close()
+    groups.restart("g0")
+    groups.restart("g1")
+    assert await _keys_on(g0, groups.app, "mvk") == [stays]  # KEY_MOVED recovered: not back on g0
+    assert await _keys_on(g1, groups.app, "mvk") == [plain]  # KEY_PUT recovered on g1
+
+
+async def _async(value: bool) -> bool:
+    return value
+
+
+async def test_a_key_and_its_lease_in_different_slots_are_not_moved_and_the_mark_is_cleared(groups, capsys):
+    key, lease_name = names_owned_by(groups.shard_map, "g0", 2, "split")
+    assert slot_of(key) != slot_of(lease_name)
+    slot = slot_of(key)
+    async with groups.connect() as client:
+        lease = await client.acquire(lease_name, ttl=60)
+        await client.put(key, b"v", lease=lease)
+        argv = ["shard", "move", "--coordinator", groups.url, "--slots", str(slot), "--to", "g1"]
+        assert await shard(argv) == 1
+        assert "hold keys attached to a lease on the other side" in capsys.readouterr().err
+        stored = await load_from_etcd(groups.url)
+        try:
+            shard_map, _revision = await stored.read()
+        finally:
+            await stored.gateway.close()
+        assert shard_map.owner_of_slot(slot).name == "g0" and shard_map.moving_to_of_slot(slot) is None
+
+        async def g0_serves(epoch: int) -> bool:
+            status = await asyncio.to_thread(groups.servers["g0"].status)
+            return status["shard"]["epoch"] == epoch and status["shard"]["moving"] == 0
+
+        await wait_until(lambda: g0_serves(shard_map.epoch), 20, "g0 to follow the cleared mark")
+        got = await client.get(key)  # served by g0 as before, still on its lease
+        assert got is not None and got.token == lease.fencing_token
+        assert await _keys_on(groups.servers["g1"].address, groups.app, "") == []
+        await client.release(lease)
+
+
+async def test_hostile_key_rows_of_a_slot_import_are_refused_and_change_nothing(groups):
+    tag = names_owned_by(groups.shard_map, "g0", 1, "hostilekeys")[0]
+    slot = slot_of(tag)
+    key, lease_name = f"{{{tag}}}k", f"{{{tag}}}l"
+    outside = next(n for n in names_owned_by(groups.shard_map, "g0", 20, "out") if slot_of(n) != slot)
+    await _mark(groups, slot)
+    admin = await RawNode.open(groups.servers["g1"].address, token=groups.creds.token("admin"))
+    try:
+        await wait_until(lambda: _serves_mark(admin, groups), 20, "g1 to follow the mark")
+        base = {"leases": [], "queues": [], "delays": [], "floor": 0}
+        bad_keys = [
+            [[key, "text", None, 0, "app"]],  # a value that is not bytes
+            [[outside, b"v", None, 0, "app"]],  # a key outside the slots
+            [[key, b"v", outside, 5, "app"]],  # its lease outside the slots
+            [[key, b"v", None, 5, "app"]],  # a token without a lease
+            [[key, b"v", lease_name, 0, "app"]],  # a lease without a token
+            [[key, b"v", None, 0, "p" * 300]],  # a principal too long
+            [[key, b"v", None, 0]],  # too few fields
+            [[key, b"v" * ((64 << 10) + 1), None, 0, "app"]],  # a value over --max-value-bytes
+            [[f"{{{tag}}}{i}", b"v", None, 0, "app"] for i in range(21)],  # more rows than a page
+            "keys",
+        ]
+        for rows in bad_keys:
+            with pytest.raises(InvalidArgument):
+                await admin.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb({**base, "keys": rows}))
+        assert await _keys_on(groups.servers["g1"].address, groups.app, "") == []
+    finally:
+        await admin.close()
+
+
+async def test_an_import_past_the_destinations_key_limits_is_refused_whole(etcd, tmp_path, monkeypatch):
+    """A destination started with --max-keys 2 refuses a page of 3 new keys (LimitExceeded) and
+    holds none of them."""
+    g = Groups(etcd, tmp_path, monkeypatch)
+    g.servers["g1"].args.extend(["--max-keys", "2"])
+    try:
+        await g.start()
+        tag = names_owned_by(g.shard_map, "g0", 1, "limit")[0]
+        slot = slot_of(tag)
+        await _mark(g, slot)
+        admin = await RawNode.open(g.servers["g1"].address, token=g.creds.token("admin"))
+        try:
+            await wait_until(lambda: _serves_mark(admin, g), 20, "g1 to follow the mark")
+            rows = [[f"{{{tag}}}{i}", b"v", None, 0, "app"] for i in range(3)]
+            page = {"leases": [], "queues": [], "delays": [], "floor": 0, "keys": rows}
+            with pytest.raises(LimitExceeded, match="max-keys"):
+                await admin.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(page))
+            assert await _keys_on(g.servers["g1"].address, g.app, "") == []
+            page["keys"] = rows[:2]
+            assert (await admin.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(page)))["keys"] == 2
+            assert (await admin.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(page)))["keys"] == 2  # again
+            assert len(await _keys_on(g.servers["g1"].address, g.app, "")) == 2
+        finally:
+            await admin.close()
+    finally:
+        g.stop()
+
+
+async def _status(server: ServerProcess) -> dict:
+    return await asyncio.to_thread(server.status)
+
+
+async def test_a_destination_etcd_group_below_the_sources_epoch_raises_it_without_a_failover(
+        etcd, tmp_path, monkeypatch):
+    """g1 is an etcd group (a primary and a standby) at epoch 1; g0 serves at epoch 5 (raised by
+    an import of a move aborted after it).  Moving a held lease from g0 to g1 raises g1's epoch to
+    5 in etcd, with its primary record, before g1 logs it: g1's primary stays primary (its
+    standby, which replicates epoch 5, follows a primary etcd names at 5), and every token g1
+    grants after is above the moved one."""
+    g = Groups(etcd, tmp_path, monkeypatch)
+    coordinator = f"etcd://{etcd.address}{unique_prefix()}"
+    ports = [g.servers["g1"].port, free_port()]
+    g.shard_map = ShardMap(1, (g.shard_map.groups[0], ShardGroup("g1", tuple(f"127.0.0.1:{p}" for p in ports))),
+                           g.shard_map.ranges)
+
+    def member(k: int) -> ServerProcess:
+        return ServerProcess(tmp_path / f"g1-{k}", fsync="always", port=ports[k],
+                             args=["--shard-map", g.url, "--shard-group", "g1", "--coordinator", coordinator,
+                                   "--node-id", f"g1-{k}", "--coordinator-ttl", "2", *etcd.serve_flags(None),
+                                   *g.creds.server_args(f"node-{2 + k}")])
+
+    g.servers["g1"] = member(0)
+    try:
+        await g.start()
+
+        async def role(server: ServerProcess, wanted: str) -> bool:
+            try:
+                return (await _status(server))["role"] == wanted
+            except (OSError, FastlockError):
+                return False
+
+        await wait_until(lambda: role(g.servers["g1"], "primary"), 30, "g1's first node to take the primary key")
+        g.servers["g1-standby"] = standby = member(1)
+        standby.start()
+        await wait_until(lambda: role(standby, "standby"), 30, "g1's second node to follow")
+        primary = await _status(g.servers["g1"])
+        assert primary["epoch"] == 1
+        # g0 at epoch 5: a move of a g1 slot to g0 marked, an empty page with floor 5 imported, the move aborted
+        spare = names_owned_by(g.shard_map, "g1", 1, "spare")[0]
+        stored = await load_from_etcd(g.url)
+        try:
+            shard_map, revision = await stored.read()
+            await stored.replace(revision, shard_map, mark_moving(shard_map, slot_of(spare), slot_of(spare), "g0"))
+            admin = await RawNode.open(g.servers["g0"].address, token=g.creds.token("admin"))
+            try:
+                async def g0_serves_mark() -> bool:
+                    reply = await admin.request(OP_SHARD_MAP)
+                    return any(r.get("moving_to") == "g0" for r in reply["map"]["ranges"])
+
+                await wait_until(g0_serves_mark, 20, "g0 to follow the mark")
+                page = {"leases": [], "queues": [], "delays": [], "floor": 5 << 40 | 1}
+                await admin.request(OP_SLOT_IMPORT, slot_of(spare), slot_of(spare), msgpack.packb(page))
+            finally:
+                await admin.close()
+        finally:
+            await stored.gateway.close()
+        stored = await load_from_etcd(g.url)
+        try:
+            await abort_slots(stored, slot_of(spare), slot_of(spare), "g0")
+        finally:
+            await stored.gateway.close()
+        assert (await _status(g.servers["g0"]))["epoch"] == 5
+        name = names_owned_by(g.shard_map, "g0", 1, "epochs")[0]
+        async with g.connect() as client:
+            lease = await client.acquire(name, ttl=60)
+            assert lease.fencing_token >> 40 == 5
+            await g.move(str(slot_of(name)), "g1")
+            after = await _status(g.servers["g1"])
+            assert after["role"] == "primary" and after["epoch"] == 5
+            assert after["coordinator"]["holding"] and after["coordinator"]["epoch"] == 5
+
+            async def standby_at(epoch: int) -> bool:
+                st = await _status(standby)
+                return (st["role"] == "standby" and st["epoch"] == epoch and st["coordinator"]["primary"] is not None
+                        and st["coordinator"]["primary"]["epoch"] == epoch)
+
+            await wait_until(lambda: standby_at(5), 30, "g1's standby to replicate epoch 5 and see it in etcd")
+            # the standby's next steps would raise etcd's epoch above the primary's if etcd named it below:
+            # let it read three more heartbeats of the primary
+            seen = (await _status(standby))["coordinator"]["heartbeat"]["seen_revision"]
+
+            async def beats(n: int) -> bool:
+                return (await _status(standby))["coordinator"]["heartbeat"]["seen_revision"] >= seen + n
+
+            await wait_until(lambda: beats(3), 60, "g1's standby to see three more heartbeats")
+            still = await _status(g.servers["g1"])
+            assert still["role"] == "primary" and still["coordinator"]["holding"]
+            assert still["coordinator"]["epoch"] == 5 and not still["coordinator"]["stepped_down"]
+            assert (await client.group_client("g1").holder(name))["token"] == lease.fencing_token
+            await client.release(lease)
+            again = await client.acquire(name, ttl=5)
+            assert again.fencing_token > lease.fencing_token
+            await client.release(again)
+    finally:
+        g.stop()
