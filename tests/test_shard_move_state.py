@@ -13,16 +13,26 @@ from conftest import wait_until
 from etcdserver import unique_prefix
 from test_shard_move import Groups, _mark, _serves_mark, shard
 
+import fastlock
 from fastlock._testbase.cluster import RawNode
 from fastlock._testbase.proxy import free_port
 from fastlock._testbase.servers import ServerProcess
 from fastlock._testbase.shards import names_owned_by
+from fastlock.auth import hash_owner
 from fastlock.cli.shardmove import abort_slots
 from fastlock.coordination.shardmap import load_from_etcd
-from fastlock.errors import FastlockError, InvalidArgument, LimitExceeded
-from fastlock.protocol.ops import OP_KEY_LIST, OP_KEY_WATCH_FROM, OP_SHARD_MAP, OP_SLOT_IMPORT, PUSH_VALUE_REV
+from fastlock.errors import FastlockError, InvalidArgument, LimitExceeded, SlotMoving, WrongShard
+from fastlock.protocol.ops import (
+    OP_ACQUIRE,
+    OP_KEY_LIST,
+    OP_KEY_WATCH_FROM,
+    OP_SHARD_MAP,
+    OP_SLOT_EXPORT,
+    OP_SLOT_IMPORT,
+    PUSH_VALUE_REV,
+)
 from fastlock.sharding import ShardGroup, ShardMap, slot_of
-from fastlock.sharding.moves import mark_moving
+from fastlock.sharding.moves import finish_move, mark_moving
 
 
 @pytest.fixture
@@ -321,3 +331,69 @@ async def test_a_destination_etcd_group_below_the_sources_epoch_raises_it_withou
             await client.release(again)
     finally:
         g.stop()
+
+
+async def test_moved_waiters_keep_their_order_when_the_destination_restarts_before_the_flip(groups):
+    """Two waiters queued on g0 are shipped to g1, g1 restarts, then the map flips (no second
+    ship): g1 recorded the imported queue in its data directory, so the waiters, asking g1 again
+    in the opposite order, are granted in their old order."""
+    name = names_owned_by(groups.shard_map, "g0", 1, "restartq")[0]
+    slot = slot_of(name)
+    g0 = await RawNode.open(groups.servers["g0"].address, token=groups.app)
+    waiters = [await RawNode.open(groups.servers["g0"].address, token=groups.app) for _ in range(2)]
+    owners = [bytes([k + 1]) * 16 for k in range(2)]
+    again: list[RawNode] = []
+    try:
+        token, _ttl, owner = await g0.acquire(name, 60_000)
+        queued = []
+        admin = fastlock.connect(groups.servers["g0"].address, token=groups.creds.token("admin"), session=False)
+        async with admin as client:
+            for k, w in enumerate(waiters):
+                queued.append(w.request(OP_ACQUIRE, name, owners[k], 30_000, 60_000, 0, None))
+
+                async def queue_length(n: int) -> bool:
+                    info = await client.lock_info(name)
+                    return info is not None and info.waiter_count >= n
+
+                await wait_until(lambda k=k: queue_length(k + 1), 10, f"waiter {k} to queue")
+        await _mark(groups, slot)
+        admin0 = await RawNode.open(groups.servers["g0"].address, token=groups.creds.token("admin"))
+        admin1 = await RawNode.open(groups.servers["g1"].address, token=groups.creds.token("admin"))
+        try:
+            await wait_until(lambda: _serves_mark(admin1, groups), 20, "g1 to follow the mark")
+            page = await admin0.request(OP_SLOT_EXPORT, slot, slot, None)
+            assert page["queues"] == [[name, 0, [hash_owner(o) for o in owners]]]
+            assert (await admin1.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(page)))["queues"] == 1
+        finally:
+            await admin0.close()
+            await admin1.close()
+        groups.restart("g1")
+        stored = await load_from_etcd(groups.url)
+        try:
+            shard_map, revision = await stored.read()
+            flipped = finish_move(shard_map, slot, slot, "g1")
+            await stored.replace(revision, shard_map, flipped)
+        finally:
+            await stored.gateway.close()
+        for q in queued:  # held until the flip (WrongShard) or HOLD_S (SlotMoving): the client asks again
+            with pytest.raises((WrongShard, SlotMoving)):
+                await asyncio.wait_for(q, 30)
+        again = [await RawNode.open(groups.servers["g1"].address, token=groups.app) for _ in range(3)]
+
+        async def g1_serves(epoch: int) -> bool:
+            return (await again[2].request(OP_SHARD_MAP))["map"]["epoch"] >= epoch
+
+        await wait_until(lambda: g1_serves(flipped.epoch), 20, "g1 to follow the flip")
+        assert (await again[2].holder(name))["token"] == token  # the adopted lease, kept across the restart
+        second = again[1].request(OP_ACQUIRE, name, owners[1], 30_000, 60_000, 0, None)
+        await asyncio.sleep(0)  # sent before the first waiter's
+        first = again[0].request(OP_ACQUIRE, name, owners[0], 30_000, 60_000, 0, None)
+        await again[2].release(name, token, owner)
+        got_first = await asyncio.wait_for(first, 30)
+        assert not second.done() and got_first[0] > token
+        await again[0].release(name, got_first[0], owners[0])
+        got_second = await asyncio.wait_for(second, 30)
+        assert got_second[0] > got_first[0]
+    finally:
+        for node in [g0, *waiters, *again]:
+            await node.close()

@@ -351,6 +351,8 @@ class LockServer:
 
             self.endpoints.metrics = MetricsExporter(self, *config.metrics)
         self.failover.on_start()  # a deposed primary stays deposed; a paired one may start fenced
+        if self.shard_gate is not None:  # moved waiters imported before a restart, their flip come meanwhile
+            self.shard_gate.let_in_restored()
         if self.shard_gate is not None and config.shard_map_etcd is not None:
             self.tasks.spawn(self.shard_gate.follow_etcd(config.shard_map_etcd, config.coordinator_access),
                              "following the shard map in etcd")

@@ -49,7 +49,7 @@ from ..sharding.scope import NAMES_OF_OP, NamesAt, names_in
 from ..units import monotonic_ms
 from .kinds import reply_id
 from .shares import Quota, default_share
-from .slotmove import drop_keys
+from .slotmove import drop_keys, load_moved_queues, save_moved_queues
 
 if TYPE_CHECKING:  # pragma: no cover
     from .handlers import Handlers
@@ -132,6 +132,8 @@ class ShardGate:
         self.on_change: Callable[[ShardMap], None] | None = None
         #: where the map served by is recorded (``DATA_DIR/served-shard-map.json``), once :meth:`remember` ran
         self.served_path: str | None = None
+        #: the data directory (imported queues are recorded there), once :meth:`remember` ran
+        self.data_dir: str | None = None
         self.set_map(shard_map)
 
     @classmethod
@@ -193,6 +195,28 @@ class ShardGate:
                                     f"leases of those slots)")
         self.served_path = path
         write_map_file(path, self.shard_map)
+        self.data_dir = os.fspath(data_dir)
+        queues = load_moved_queues(data_dir)  # imported before a restart: the flip lets them in in order
+        for name, owners in queues.items():
+            slot = slot_of(name)
+            if self.owned[slot] or self.shard_map.moving_to_of_slot(slot) == self.group:
+                self.imported_queues[name] = owners
+                self.imported[slot] = 1
+        if len(queues) != len(self.imported_queues):
+            self.save_moved_queues()
+
+    def save_moved_queues(self) -> None:
+        """Record :attr:`imported_queues` in the data directory (once :meth:`remember` ran), so that
+        a restart of this node before the flip lets the moved waiters in in their order."""
+        if self.data_dir is not None:
+            save_moved_queues(self.data_dir, self.imported_queues)
+
+    def let_in_restored(self) -> None:
+        """Let in the moved queues restored by :meth:`remember` whose slots this group owns already
+        (the flip came while this node was down); on the primary, at its start."""
+        owned = sorted({slot_of(n) for n in self.imported_queues if self.owned[slot_of(n)]})
+        if owned and self._is_primary():
+            self._let_in(owned)
 
     # -- the check ------------------------------------------------------------------------
     def check_name(self, name: Any) -> int:
@@ -373,8 +397,11 @@ class ShardGate:
                 for owner, slots in back.items():
                     drop_keys(self.server, slots, owner)
                 self._batch_end()
-            for name in [n for n in self.imported_queues if not self.imported[slot_of(n)] and not owned[slot_of(n)]]:
+            undone_queues = [n for n in self.imported_queues if not self.imported[slot_of(n)] and not owned[slot_of(n)]]
+            for name in undone_queues:
                 del self.imported_queues[name]
+            if undone_queues:
+                self.save_moved_queues()
         if frozen:
             self._freeze(bytes(moving))
         if lost:
@@ -465,6 +492,8 @@ class ShardGate:
         queues = {n: q for n, q in self.imported_queues.items() if slot_of(n) in gained_set}
         for name in queues:
             del self.imported_queues[name]
+        if queues:
+            self.save_moved_queues()
         if queues and server is not None:
             table = server.table
             server.reclaim.arm(queues, lambda name, owner: table.holder(name, monotonic_ms(), owner) is not None,

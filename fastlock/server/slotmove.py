@@ -34,7 +34,8 @@ lease's end would have deleted it) and keeps the queues for the flip.  The keys 
 against the server's ``--max-keys`` and ``--max-key-bytes`` (the page is refused whole,
 ``LimitExceeded``, beyond them) and counted against the principal that wrote them, without
 its own quota's check (it held them already on the source).  The reply (``{"leases",
-"delays", "queues", "keys"}``: how many) comes once the records are durable.  Importing the
+"delays", "queues", "keys"}``: how many) comes once the records are durable (and, under
+synchronous replication, on the standby, as a grant's reply).  Importing the
 same state twice installs the same leases and keys again: it changes nothing (a key with the
 same value, lease and writer is not logged again).
 
@@ -51,22 +52,30 @@ range where a key and its lease are in different slots, one inside the range and
 (put them under one ``{tag}``).  A move aborted after keys were imported: the destination
 removes them again (``KEY_MOVED`` naming the source).  Session shares are not moved (a routing
 client attaches a moved lease to its session on the new group).
+
+Queue order.  The destination merges each queue part into the queue it has for the name (an
+owner shipped before keeps its place; new ones follow in the part's order) and records its
+imported queues in its data directory (:data:`MOVED_QUEUES_FILE`, fsynced before the reply)
+until the flip lets them in (:class:`~fastlock.server.sharded.ShardGate`), so a restart of the
+destination before the flip, or a failover of the source after a ship, keeps the old order.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgpack
 
 from .. import protocol as P
-from ..errors import InvalidArgument, LimitExceeded, NotPrimary, WrongArgumentType
+from ..errors import FastlockError, InvalidArgument, LimitExceeded, NotPrimary, WrongArgumentType
 from ..protocol.ops import OP_SLOT_EXPORT, OP_SLOT_IMPORT
 from ..roles import Role
 from ..sharding import SLOTS, slot_of
 from ..tokens import MAX_EPOCH, counter_of, epoch_of
 from ..units import monotonic_ms, wall_ms
+from ..wal.files import write_atomically
 from .lockadmin import check_lock_admin
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -367,9 +376,13 @@ class SlotMoves:
             raise InvalidArgument("this node is not sharded: it has no slots to move")
         gate = self._gate_and_check(first, last, server.shard_gate.group)
         for part in state.queues:  # checked before anything changes
-            if part.offset > len(gate.imported_queues.get(part.name, ())):
+            have = len(gate.imported_queues.get(part.name, ()))
+            if part.offset > have:
                 raise InvalidArgument(f"SLOT_IMPORT: {part.name!r:.100}'s queue part at {part.offset} comes "
                                       f"before the parts shipped so far")
+            if have + len(part.owners) > MAX_MOVED_WAITERS:
+                raise InvalidArgument(f"SLOT_IMPORT: {part.name!r:.100}'s queue would pass {MAX_MOVED_WAITERS} "
+                                      f"moved waiters")
         new_keys = _admit_keys(server, state.keys)
         table = self.handlers.table
         wal = self.handlers.wal
@@ -409,21 +422,27 @@ class SlotMoves:
             space.put(k.key, k.value, k.lease_name, k.token, k.principal, wall)
             wal.log_key_put(k.key, k.value, k.lease_name, k.token, k.principal)
             server.key_revisions.logged(0, k.key, "put", k.value)
-        for part in state.queues:
+        for part in state.queues:  # an owner shipped before keeps its place (see QUEUE ORDER in the docs)
             queue = gate.imported_queues.setdefault(part.name, [])
-            queue[part.offset:part.offset + len(part.owners)] = part.owners
+            known = set(queue)
+            queue.extend(o for o in dict.fromkeys(part.owners) if o not in known)
         gate.imported[first:last + 1] = b"\x01" * (last - first + 1)
+        if state.queues:
+            gate.save_moved_queues()
         log.warning("slot move: imported %d leases, %d queues, %d lock-delays, %d keys of slots %d..%d (token "
                     "floor %d)", len(state.leases), len(state.queues), len(state.delays), len(state.keys), first,
                     last, state.floor)
         reply = P.encode_ok(req_id, {"leases": len(state.leases), "queues": len(state.queues),
                                      "delays": len(state.delays), "keys": len(state.keys)})
 
-        def ack() -> None:
-            conn.send(reply)
+        def ack(refused: FastlockError | None = None) -> None:
+            if refused is None:
+                conn.send(reply)
+            else:  # a synchronous standby did not acknowledge it: the mover fails, and a rerun imports again
+                conn.send(P.encode_error(req_id, refused.code, str(refused), None))
             server.after_batch()
 
-        wal.when_durable(ack)
+        wal.when_durable(server.source.sync.after(ack))
 
     async def _adopt_then_import(self, arbiter: Any, epoch: int, conn: Session, req_id: int, msg: list) -> None:
         """Raise the etcd group's epoch to ``epoch`` (the source's, from its token floor) by the
@@ -480,6 +499,42 @@ def _admit_keys(server: Any, keys: list[MovedKey]) -> list[MovedKey]:
         raise LimitExceeded(f"SLOT_IMPORT: {grown} more bytes of key values would pass this server's "
                             f"{config.max_key_bytes} (--max-key-bytes); nothing was imported")
     return new
+
+
+#: the file in a sharded node's data directory holding the waiter queues its group imported by a
+#: move and has not let in yet (msgpack: name -> owner-key hashes in FIFO order)
+MOVED_QUEUES_FILE = "moved-queues.msgpack"
+
+
+def save_moved_queues(data_dir: str | os.PathLike[str], queues: dict[str, list[bytes]]) -> None:
+    """Record ``queues`` (name -> owner-key hashes, FIFO) in ``data_dir`` (:data:`MOVED_QUEUES_FILE`,
+    written atomically and fsynced), or remove the file when there are none.  :raises OSError: not written."""
+    path = os.path.join(data_dir, MOVED_QUEUES_FILE)
+    if queues:
+        write_atomically(os.fspath(data_dir), MOVED_QUEUES_FILE, msgpack.packb(queues))
+    elif os.path.exists(path):
+        os.remove(path)
+
+
+def load_moved_queues(data_dir: str | os.PathLike[str]) -> dict[str, list[bytes]]:
+    """The queues :func:`save_moved_queues` recorded in ``data_dir`` (none if there is no file; a
+    file that is not such a record is logged and ignored: the moved waiters then come back in the
+    order they ask again)."""
+    path = os.path.join(data_dir, MOVED_QUEUES_FILE)
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path, "rb") as f:
+            data = f.read(64 << 20)
+        value = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        if type(value) is not dict or not all(
+                type(n) is str and type(q) is list and len(q) <= MAX_MOVED_WAITERS
+                and all(type(o) is bytes and 0 < len(o) <= MAX_OWNER_BYTES for o in q) for n, q in value.items()):
+            raise ValueError("not a map of names to lists of owner-key hashes")
+    except (OSError, ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        log.error("ignoring %s: %s (moved waiters come back in the order they ask again)", path, exc)
+        return {}
+    return value
 
 
 def drop_keys(server: Any, slots: set[int], to_group: str) -> int:
