@@ -5,6 +5,7 @@ map in etcd (the two groups of tests/test_shard_move.py)."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 
 import msgpack
@@ -33,6 +34,7 @@ from fastlock.protocol.ops import (
 )
 from fastlock.sharding import ShardGroup, ShardMap, slot_of
 from fastlock.sharding.moves import finish_move, mark_moving
+from fastlock.wal.dump import dump
 
 
 @pytest.fixture
@@ -397,3 +399,48 @@ async def test_moved_waiters_keep_their_order_when_the_destination_restarts_befo
     finally:
         for node in [g0, *waiters, *again]:
             await node.close()
+
+
+def _key_records(data_dir) -> list[tuple[str, str]]:
+    """``(record type, key)`` of the key records in the WAL of ``data_dir`` (``fastlock wal dump``)."""
+    out = io.StringIO()
+    dump(data_dir, file=out, output="json")
+    rows = [json.loads(line) for line in out.getvalue().splitlines() if line.strip()]
+    return [(row["type"], row["key"]) for row in rows if row.get("type") in ("key_put", "key_delete", "key_moved")]
+
+
+async def test_standbys_log_the_moved_keys_as_their_primaries_do(groups):
+    """g1's standby logs the imported keys (KEY_PUT), g0's the keys leaving (KEY_MOVED naming
+    g1), from the replication stream, as every record."""
+    standbys = {}
+    for k, group in enumerate(("g0", "g1")):
+        standbys[group] = ServerProcess(groups.tmp_path / f"{group}-standby", fsync="always",
+                                        args=["--standby-of", groups.servers[group].address,
+                                              "--shard-map", groups.url, "--shard-group", group,
+                                              *groups.creds.server_args(f"node-{3 + k}")])
+    try:
+        for standby in standbys.values():
+            standby.start()
+            standby.wait_for_log(r"replicating from", 20)
+        tag = names_owned_by(groups.shard_map, "g0", 1, "standbykeys")[0]
+        plain, leased = f"{{{tag}}}:a", f"{{{tag}}}:b"
+        async with groups.connect() as client:
+            lease = await client.acquire(f"{{{tag}}}:lease", ttl=60)
+            await client.put(plain, b"A")
+            await client.put(leased, b"B", lease=lease)
+            await groups.move(str(slot_of(tag)), "g1")
+
+            async def logged(group: str, want: list[tuple[str, str]]) -> bool:
+                have = await asyncio.to_thread(_key_records, standbys[group].data_dir)
+                return all(w in have for w in want)
+
+            await wait_until(lambda: logged("g1", [("key_put", plain), ("key_put", leased)]), 20,
+                             "g1's standby to log the imported keys")
+            await wait_until(lambda: logged("g0", [("key_moved", plain), ("key_moved", leased)]), 20,
+                             "g0's standby to log the keys leaving")
+            assert ("key_delete", plain) not in await asyncio.to_thread(_key_records, standbys["g0"].data_dir)
+            await client.release(lease)
+    finally:
+        for standby in standbys.values():
+            if standby.proc is not None:
+                standby.stop()
