@@ -444,3 +444,26 @@ async def test_standbys_log_the_moved_keys_as_their_primaries_do(groups):
         for standby in standbys.values():
             if standby.proc is not None:
                 standby.stop()
+
+
+async def test_a_session_held_lease_joins_the_clients_session_on_the_new_group(groups):
+    """The session share of a move: a routing client's session holds two leases on g0; one's
+    slot moves to g1.  Afterwards g1 lists the client's session there with the moved lease
+    attached and g0 its session with the other one only: each group's keep-alive renews the
+    leases it holds, and each lease counts in one group's session (and principal) only."""
+    moved, stays = names_owned_by(groups.shard_map, "g0", 2, "sessionshare")
+    admin = fastlock.connect(groups.servers["g0"].address, token=groups.creds.token("admin"), session=False)
+    async with fastlock.connect(groups.servers["g0"].address, token=groups.app, session=True) as client, \
+            admin as operator:
+        async def attached(group: str, n: int) -> bool:
+            found = await operator.group_client(group).sessions("app")
+            return sum(s.leases for s in found) == n
+
+        async with client.lock(moved, ttl=2) as lease, client.lock(stays, ttl=2) as other:
+            await wait_until(lambda: attached("g0", 2), 20, "both leases to be attached to the session on g0")
+            await groups.move(str(slot_of(moved)), "g1")
+            await wait_until(lambda: attached("g1", 1), 20, "the moved lease to join the client's session on g1")
+            await wait_until(lambda: attached("g0", 1), 20, "g0's session to keep the other lease only")
+            g1_holder = await client.group_client("g1").holder(moved)
+            assert g1_holder is not None and g1_holder["token"] == lease.fencing_token
+            assert not lease.lost.is_set() and not other.lost.is_set()
