@@ -230,6 +230,8 @@ async def test_an_import_past_the_destinations_key_limits_is_refused_whole(etcd,
             assert (await admin.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(page)))["keys"] == 2
             assert (await admin.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(page)))["keys"] == 2  # again
             assert len(await _keys_on(g.servers["g1"].address, g.app, "")) == 2
+            async with g.connect() as client:  # a routing client lists a key from its slot's owner only
+                assert [kv.key for kv in await client.list_prefix(f"{{{tag}")] == []
         finally:
             await admin.close()
     finally:

@@ -402,16 +402,20 @@ class ShardedClient(Client):
 
     async def list_prefix(self, prefix: str, *, limit: int = 1000, after: str | None = None) -> KeyList:
         """The keys that start with ``prefix`` in every group (as :meth:`Client.list_prefix`),
-        merged in key order: the list stops where the first group whose own list was cut
-        stopped (``cursor`` goes on from there in every group).  A prefix holding a whole hash
-        tag is asked of its one group.  The groups that cannot be reached are named in
-        :attr:`KeyList.unreachable` (:meth:`over_groups`)."""
+        merged in key order, each from the group that owns its slot in the client's map (a slot
+        move's destination holds a copy from the ship to the flip): the list stops where the
+        first group whose own list was cut stopped (``cursor`` goes on from there in every
+        group).  A prefix holding a whole hash tag is asked of its one group.  The groups that
+        cannot be reached are named in :attr:`KeyList.unreachable` (:meth:`over_groups`)."""
         group = self._prefix_group(prefix)
         if group is not None:
             return await self.group_client(group).list_prefix(prefix, limit=limit, after=after)
         found = await self.over_groups(lambda c: c.list_prefix(prefix, limit=limit, after=after))
         pages = list(found.answers.values())
-        keys = sorted((kv for page in pages for kv in page), key=lambda kv: kv.key)
+        # a key is listed from the group owning its slot in this client's map only: during a slot
+        # move the destination holds the imported copy from the ship to the flip
+        owned = (kv for group, page in found.answers.items() for kv in page if self._group_for(kv.key) == group)
+        keys = sorted(owned, key=lambda kv: kv.key)
         cut = min((page[-1].key for page in pages if page.more and page), default=None)
         if cut is not None:
             keys = [kv for kv in keys if kv.key <= cut]
