@@ -469,3 +469,28 @@ async def test_a_session_held_lease_joins_the_clients_session_on_the_new_group(g
             g1_holder = await client.group_client("g1").holder(moved)
             assert g1_holder is not None and g1_holder["token"] == lease.fencing_token
             assert not lease.lost.is_set() and not other.lost.is_set()
+
+
+async def test_keys_imported_by_a_move_aborted_while_the_destination_was_down_go_back_at_its_start(groups):
+    tag = names_owned_by(groups.shard_map, "g0", 1, "abortdown")[0]
+    slot = slot_of(tag)
+    await _mark(groups, slot)
+    admin = await RawNode.open(groups.servers["g1"].address, token=groups.creds.token("admin"))
+    try:
+        await wait_until(lambda: _serves_mark(admin, groups), 20, "g1 to follow the mark")
+        rows = [[f"{{{tag}}}{i}", b"v", None, 0, "app"] for i in range(2)]
+        page = {"leases": [], "queues": [], "delays": [], "floor": 0, "keys": rows}
+        assert (await admin.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(page)))["keys"] == 2
+    finally:
+        await admin.close()
+    assert len(await _keys_on(groups.servers["g1"].address, groups.app, "")) == 2
+    old = groups.servers["g1"]
+    old.stop()
+    stored = await load_from_etcd(groups.url)
+    try:
+        await abort_slots(stored, slot, slot, "g1")
+    finally:
+        await stored.gateway.close()
+    groups.servers["g1"] = groups._server("g1", old.port)
+    groups.servers["g1"].start()
+    assert await _keys_on(groups.servers["g1"].address, groups.app, "") == []

@@ -49,7 +49,7 @@ from ..sharding.scope import NAMES_OF_OP, NamesAt, names_in
 from ..units import monotonic_ms
 from .kinds import reply_id
 from .shares import Quota, default_share
-from .slotmove import drop_keys, load_moved_queues, save_moved_queues
+from .slotmove import ImportedState, drop_keys, load_moved_queues, save_moved_queues
 
 if TYPE_CHECKING:  # pragma: no cover
     from .handlers import Handlers
@@ -134,6 +134,8 @@ class ShardGate:
         self.served_path: str | None = None
         #: the data directory (imported queues are recorded there), once :meth:`remember` ran
         self.data_dir: str | None = None
+        #: slots imported before a restart whose move was aborted meanwhile: their keys go back at the start
+        self.undone_at_start: set[int] = set()
         self.set_map(shard_map)
 
     @classmethod
@@ -196,27 +198,43 @@ class ShardGate:
         self.served_path = path
         write_map_file(path, self.shard_map)
         self.data_dir = os.fspath(data_dir)
-        queues = load_moved_queues(data_dir)  # imported before a restart: the flip lets them in in order
-        for name, owners in queues.items():
+        restored = load_moved_queues(data_dir)  # imported before a restart: the flip lets them in in order
+        for name, owners in restored.queues.items():
             slot = slot_of(name)
             if self.owned[slot] or self.shard_map.moving_to_of_slot(slot) == self.group:
                 self.imported_queues[name] = owners
+        for slot in restored.slots:
+            if self.shard_map.moving_to_of_slot(slot) == self.group:
                 self.imported[slot] = 1
-        if len(queues) != len(self.imported_queues):
-            self.save_moved_queues()
+            elif not self.owned[slot]:  # the move was aborted while this node was down
+                self.undone_at_start.add(slot)
 
     def save_moved_queues(self) -> None:
-        """Record :attr:`imported_queues` in the data directory (once :meth:`remember` ran), so that
-        a restart of this node before the flip lets the moved waiters in in their order."""
+        """Record :attr:`imported_queues` and the imported slots not flipped yet in the data
+        directory (once :meth:`remember` ran), so that a restart of this node before the flip lets
+        the moved waiters in in their order, and one after an abort sends the imported keys back."""
         if self.data_dir is not None:
-            save_moved_queues(self.data_dir, self.imported_queues)
+            slots = [s for s in range(SLOTS) if self.imported[s] and not self.owned[s]]
+            save_moved_queues(self.data_dir, ImportedState(self.imported_queues, slots + sorted(self.undone_at_start)))
 
     def let_in_restored(self) -> None:
-        """Let in the moved queues restored by :meth:`remember` whose slots this group owns already
-        (the flip came while this node was down); on the primary, at its start."""
+        """On the primary, at its start: let in the moved queues restored by :meth:`remember` whose
+        slots this group owns already (the flip came while this node was down), and send back the
+        keys of slots whose move was aborted while it was down (``KEY_MOVED`` naming the owner)."""
+        if not self._is_primary():
+            return
         owned = sorted({slot_of(n) for n in self.imported_queues if self.owned[slot_of(n)]})
-        if owned and self._is_primary():
+        if owned:
             self._let_in(owned)
+        if self.undone_at_start:
+            back: dict[str, set[int]] = {}
+            for slot in self.undone_at_start:
+                back.setdefault(self.shard_map.owner_of_slot(slot).name, set()).add(slot)
+            for owner, slots in back.items():
+                drop_keys(self.server, slots, owner)
+            self.undone_at_start.clear()
+            self.save_moved_queues()
+            self._batch_end()
 
     # -- the check ------------------------------------------------------------------------
     def check_name(self, name: Any) -> int:
@@ -390,6 +408,8 @@ class ShardGate:
                 if self.imported[slot] and not owned[slot] and shard_map.moving_to_of_slot(slot) != self.group:
                     self.imported[slot] = 0
                     undone.add(slot)
+            if undone:
+                self.save_moved_queues()
             if undone and self._is_primary() and len(self.server.keys.space):  # its imported keys go back
                 back: dict[str, set[int]] = {}
                 for slot in undone:
@@ -492,7 +512,10 @@ class ShardGate:
         queues = {n: q for n, q in self.imported_queues.items() if slot_of(n) in gained_set}
         for name in queues:
             del self.imported_queues[name]
-        if queues:
+        taken = [s for s in gained if self.imported[s]]
+        for slot in taken:
+            self.imported[slot] = 0
+        if queues or taken:
             self.save_moved_queues()
         if queues and server is not None:
             table = server.table

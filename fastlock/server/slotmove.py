@@ -55,8 +55,9 @@ client attaches a moved lease to its session on the new group).
 
 Queue order.  The destination merges each queue part into the queue it has for the name (an
 owner shipped before keeps its place; new ones follow in the part's order) and records its
-imported queues in its data directory (:data:`MOVED_QUEUES_FILE`, fsynced before the reply)
-until the flip lets them in (:class:`~fastlock.server.sharded.ShardGate`), so a restart of the
+imported queues and slots in its data directory (:data:`MOVED_QUEUES_FILE`, fsynced before the
+reply) until the flip lets them in (:class:`~fastlock.server.sharded.ShardGate`; an abort, seen
+then or at the node's next start, sends the imported keys back), so a restart of the
 destination before the flip, or a failover of the source after a ship, keeps the old order.
 """
 
@@ -426,8 +427,9 @@ class SlotMoves:
             queue = gate.imported_queues.setdefault(part.name, [])
             known = set(queue)
             queue.extend(o for o in dict.fromkeys(part.owners) if o not in known)
+        newly = not all(gate.imported[first:last + 1])
         gate.imported[first:last + 1] = b"\x01" * (last - first + 1)
-        if state.queues:
+        if state.queues or newly:
             gate.save_moved_queues()
         log.warning("slot move: imported %d leases, %d queues, %d lock-delays, %d keys of slots %d..%d (token "
                     "floor %d)", len(state.leases), len(state.queues), len(state.delays), len(state.keys), first,
@@ -501,40 +503,54 @@ def _admit_keys(server: Any, keys: list[MovedKey]) -> list[MovedKey]:
     return new
 
 
-#: the file in a sharded node's data directory holding the waiter queues its group imported by a
-#: move and has not let in yet (msgpack: name -> owner-key hashes in FIFO order)
+#: the file in a sharded node's data directory holding what its group imported by a move and
+#: has not taken yet (msgpack ``{"queues": {name: [owner-key hash, ...]}, "slots": [slot, ...]}``)
 MOVED_QUEUES_FILE = "moved-queues.msgpack"
 
 
-def save_moved_queues(data_dir: str | os.PathLike[str], queues: dict[str, list[bytes]]) -> None:
-    """Record ``queues`` (name -> owner-key hashes, FIFO) in ``data_dir`` (:data:`MOVED_QUEUES_FILE`,
-    written atomically and fsynced), or remove the file when there are none.  :raises OSError: not written."""
+class ImportedState(NamedTuple):
+    """What a destination keeps of a move until the flip: ``queues`` (name -> owner-key hashes,
+    FIFO) and ``slots``, the slots whose state it imported (their keys go back if the move is
+    aborted)."""
+
+    queues: dict[str, list[bytes]]
+    slots: list[int]
+
+
+def save_moved_queues(data_dir: str | os.PathLike[str], state: ImportedState) -> None:
+    """Record ``state`` in ``data_dir`` (:data:`MOVED_QUEUES_FILE`, written atomically and
+    fsynced), or remove the file when it holds nothing.  :raises OSError: not written."""
     path = os.path.join(data_dir, MOVED_QUEUES_FILE)
-    if queues:
-        write_atomically(os.fspath(data_dir), MOVED_QUEUES_FILE, msgpack.packb(queues))
+    if state.queues or state.slots:
+        write_atomically(os.fspath(data_dir), MOVED_QUEUES_FILE,
+                         msgpack.packb({"queues": state.queues, "slots": state.slots}))
     elif os.path.exists(path):
         os.remove(path)
 
 
-def load_moved_queues(data_dir: str | os.PathLike[str]) -> dict[str, list[bytes]]:
-    """The queues :func:`save_moved_queues` recorded in ``data_dir`` (none if there is no file; a
+def load_moved_queues(data_dir: str | os.PathLike[str]) -> ImportedState:
+    """What :func:`save_moved_queues` recorded in ``data_dir`` (nothing if there is no file; a
     file that is not such a record is logged and ignored: the moved waiters then come back in the
     order they ask again)."""
     path = os.path.join(data_dir, MOVED_QUEUES_FILE)
     if not os.path.exists(path):
-        return {}
+        return ImportedState({}, [])
     try:
         with open(path, "rb") as f:
             data = f.read(64 << 20)
         value = msgpack.unpackb(data, raw=False, strict_map_key=True)
-        if type(value) is not dict or not all(
-                type(n) is str and type(q) is list and len(q) <= MAX_MOVED_WAITERS
-                and all(type(o) is bytes and 0 < len(o) <= MAX_OWNER_BYTES for o in q) for n, q in value.items()):
-            raise ValueError("not a map of names to lists of owner-key hashes")
+        if type(value) is not dict or set(value) != {"queues", "slots"} or type(value["queues"]) is not dict:
+            raise ValueError("not {queues, slots}")
+        queues, slots = value["queues"], value["slots"]
+        if not all(type(n) is str and type(q) is list and len(q) <= MAX_MOVED_WAITERS
+                   and all(type(o) is bytes and 0 < len(o) <= MAX_OWNER_BYTES for o in q) for n, q in queues.items()):
+            raise ValueError("the queues are not a map of names to lists of owner-key hashes")
+        if type(slots) is not list or not all(type(x) is int and 0 <= x < SLOTS for x in slots):
+            raise ValueError(f"the slots are not a list of ints 0..{SLOTS - 1}")
     except (OSError, ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         log.error("ignoring %s: %s (moved waiters come back in the order they ask again)", path, exc)
-        return {}
-    return value
+        return ImportedState({}, [])
+    return ImportedState(queues, slots)
 
 
 def drop_keys(server: Any, slots: set[int], to_group: str) -> int:
