@@ -184,7 +184,7 @@ class PrincipalQuotas:
             self.waiters.check(principal, u.waiting, waiters)
         if leases:
             held = len(u.leases) + u.waiting
-            if self.delays:
+            if self.delays.per_principal:  # (empty exactly when no lock-delay runs)
                 self.delays.ended(monotonic_ms())
                 held += self.delays.per_principal.get(principal, 0)
             self.leases.check(principal, held, leases)
@@ -192,6 +192,8 @@ class PrincipalQuotas:
 
     def lock_delay_count(self, now: int) -> int:
         """Lock-delays running at ``now`` (monotonic ms): --max-leases counts them too."""
+        if not self.delays.per_principal:  # (empty exactly when no lock-delay runs)
+            return 0
         self.delays.ended(now)
         return len(self.delays)
 

@@ -540,9 +540,16 @@ class LockServer:
             self._rearm()
         if table.waiter_count:
             self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
-        self.revisions.batch_end()  # the batch's holder changes reach the watchers once committed
-        self.key_revisions.batch_end()  # and its key changes the prefix watchers
-        self.queues.batch_end()  # changed waiter queues go to the standby
+        # each collaborator is called only when it has work (its own first check, inline)
+        revisions = self.revisions
+        if revisions.log.pending:
+            revisions.batch_end()  # the batch's holder changes reach the watchers once committed
+        key_revisions = self.key_revisions
+        if key_revisions.log.pending:
+            key_revisions.batch_end()  # and its key changes the prefix watchers
+        queues = self.queues
+        if queues.dirty or queues.informed or self.source.replicas:
+            queues.batch_end()  # changed waiter queues go to the standby
         self.wal.poll()  # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
         dirty = self.dirty
         if dirty:
@@ -573,7 +580,8 @@ class LockServer:
                 if grants is None:
                     grants = []
                 grants.append(ev)
-                self.queues.granted(ev.name)
+                if self.queues.shipped:  # (a queue shipped to a standby may have changed)
+                    self.queues.granted(ev.name)
             elif kind == EV_EXPIRED:
                 wal.log_expire(ev.name, ev.token)
                 revisions.logged(ev.name, "expired", ev.token, ev.meta)
@@ -653,8 +661,11 @@ class LockServer:
         """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id))."""
         self.wal.log_release(name, token)
         self.revisions.logged(name, "released", token, meta)
-        self.keys.lease_ended(name, token, "released")
-        self.handlers.sessions.lease_ended(name, token)
+        handlers = self.handlers
+        if handlers.keys.space.by_lease:  # (keys attached to leases go with them)
+            handlers.keys.lease_ended(name, token, "released")
+        if handlers.sessions.attached_to:  # (leases attached to client sessions are detached)
+            handlers.sessions.lease_ended(name, token)
         self.quotas.lease_ended(token, meta)
 
     # -- the expiry timer -------------------------------------------------------------------
