@@ -236,7 +236,12 @@ class PrincipalQuotas:
     def grant_event(self, ev: Any) -> None:
         """A fresh EV_GRANTED: a waiter's grant moves it from waiting to holding
         (an immediate grant was counted by :meth:`acquired`)."""
-        u = self.usage.get(self.principal_of(ev.meta)) or self.of(self.principal_of(ev.meta))
+        meta = ev.meta
+        # principal_of's remembered answer, inline (the common case)
+        principal = self._principal_of.get(meta[0]) if meta and type(meta[0]) is str else None
+        if principal is None:
+            principal = self.principal_of(meta)
+        u = self.usage.get(principal) or self.of(principal)
         token = ev.token
         if token in u.leases:
             return
@@ -263,7 +268,9 @@ class PrincipalQuotas:
         principal from ``meta`` (the lease's), else ``principal`` (a likely one), else
         searched among all (principals are few)."""
         if meta:
-            principal = self.principal_of(meta)
+            # principal_of's remembered answer, inline (the common case)
+            recorded = self._principal_of.get(meta[0]) if type(meta[0]) is str else None
+            principal = recorded if recorded is not None else self.principal_of(meta)
         if principal is not None:
             u = self.usage.get(principal)
             if u is not None and u.leases.pop(token, None) is not None:

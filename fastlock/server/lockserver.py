@@ -595,13 +595,16 @@ class LockServer:
             else:  # a waiter left (wait timeout, cancel, deadlock): its acquire fails
                 waiter_left(sessions.get(ev.session), ev, quotas)
                 self.queues.touched(ev.name)
-        quotas.batch_done()
+        if quotas.ended_early:
+            quotas.batch_done()
         if grants is not None:  # sync replication: acked once the standby has them too (source.sync)
             ttl_bound = self.source.ttl
+            sync = self.source.sync
             if ttl_bound.covers(self.max_ttl_ms):
-                deliver = self.source.sync.after(lambda refused=None: self._deliver_grants(grants, refused))
+                deliver = (sync.after(lambda refused=None: self._deliver_grants(grants, refused)) if sync.enabled
+                           else lambda: self._deliver_grants(grants))  # (sync.after's own, without a standby)
             else:  # rare: a TTL the standbys may not know yet waits for their word (replication/ttlbound.py)
-                deliver = self.source.sync.after(ttl_bound.after(
+                deliver = sync.after(ttl_bound.after(
                     lambda refused=None: self._deliver_grants(grants, refused), max(ev.ttl_ms for ev in grants)))
             if wal.flush_first():  # relaxed fsync modes: a lone request's grant is written and acked now
                 deliver()
