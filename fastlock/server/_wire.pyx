@@ -185,7 +185,7 @@ cpdef dispatch(object handlers, SessionWire conn, object msg):
 
 cdef class SessionWire:
     """The compiled part of a server connection: input, dispatch of a lone request,
-    reply queueing (see the module docstring; the rest is ``Session``'s).
+    reply queueing and their flush (see the module docstring; the rest is ``Session``'s).
 
     ``server``: the :class:`~fastlock.server.lockserver.LockServer`; ``session``: the
     connection's id; ``intake``: its :class:`~fastlock.server.session.Intake`;
@@ -249,6 +249,17 @@ cdef class SessionWire:
                 server.after_batch()
                 return
         self._dispatch_turn()
+
+    cpdef flush(self):
+        """Hand the queued replies to the transport; while writing is paused
+        (``Session.paused_write``) drop the peer if it leaves more than ``out_cap`` bytes unread."""
+        cdef list out = self.out
+        self.out_bytes = 0
+        if out and not self.closed:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+            if (<object>self)._drain is not None:  # the transport paused writing once: the output cap
+                (<object>self).paused_write()
+        out.clear()
 
     cpdef send(self, object data):
         """Queue ``data`` for this turn's flush (dropped if the connection is closing)."""

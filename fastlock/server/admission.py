@@ -184,7 +184,7 @@ class PrincipalQuotas:
             self.waiters.check(principal, u.waiting, waiters)
         if leases:
             held = len(u.leases) + u.waiting
-            if self.delays:
+            if self.delays.per_principal:  # (empty exactly when no lock-delay runs)
                 self.delays.ended(monotonic_ms())
                 held += self.delays.per_principal.get(principal, 0)
             self.leases.check(principal, held, leases)
@@ -192,6 +192,8 @@ class PrincipalQuotas:
 
     def lock_delay_count(self, now: int) -> int:
         """Lock-delays running at ``now`` (monotonic ms): --max-leases counts them too."""
+        if not self.delays.per_principal:  # (empty exactly when no lock-delay runs)
+            return 0
         self.delays.ended(now)
         return len(self.delays)
 
@@ -234,7 +236,12 @@ class PrincipalQuotas:
     def grant_event(self, ev: Any) -> None:
         """A fresh EV_GRANTED: a waiter's grant moves it from waiting to holding
         (an immediate grant was counted by :meth:`acquired`)."""
-        u = self.usage.get(self.principal_of(ev.meta)) or self.of(self.principal_of(ev.meta))
+        meta = ev.meta
+        # principal_of's remembered answer, inline (the common case)
+        principal = self._principal_of.get(meta[0]) if meta and type(meta[0]) is str else None
+        if principal is None:
+            principal = self.principal_of(meta)
+        u = self.usage.get(principal) or self.of(principal)
         token = ev.token
         if token in u.leases:
             return
@@ -261,7 +268,9 @@ class PrincipalQuotas:
         principal from ``meta`` (the lease's), else ``principal`` (a likely one), else
         searched among all (principals are few)."""
         if meta:
-            principal = self.principal_of(meta)
+            # principal_of's remembered answer, inline (the common case)
+            recorded = self._principal_of.get(meta[0]) if type(meta[0]) is str else None
+            principal = recorded if recorded is not None else self.principal_of(meta)
         if principal is not None:
             u = self.usage.get(principal)
             if u is not None and u.leases.pop(token, None) is not None:

@@ -239,6 +239,8 @@ class KeyRevisions(CommittedPublisher):
     notices (``--watch-progress-interval``; 0: none).
     """
 
+    revision_at = 1  # a kept key change: (position, revision, index, key, what, value)
+
     def __init__(self, server: Any, history: int = DEFAULT_HISTORY, max_bytes: int = 1 << 62,
                  progress_interval: float = 10.0) -> None:
         super().__init__(server, progress_interval, PUSH_KEY_PROGRESS)
@@ -263,14 +265,13 @@ class KeyRevisions(CommittedPublisher):
         server = self.server
         self.log.record(server.table.epoch << TOKEN_EPOCH_SHIFT | server.wal.logged_lsn, index, key, what, value)
 
-    def last_pending(self) -> int:
-        pending = self.log.pending
-        return pending[-1][1] if pending else 0
-
     def deliver(self, changes: list) -> bool:
         keys = self.server.keys
         keys.publish(changes)
         return bool(keys.watchers)
+
+    def listening(self) -> bool:
+        return bool(self.server.keys.watchers)
 
     def watching(self) -> Any:
         return self.server.keys.revisioned

@@ -52,7 +52,7 @@ def install_recovered(table: Any, delays: list[tuple[str, int]], now: int) -> in
 
 class RunningDelays:
     """The running lock-delays, each counted against a principal until it ends:
-    ``per_principal`` (principal -> how many), ``len()`` all of them."""
+    ``per_principal`` (principal -> how many; empty exactly when none runs), ``len()`` all of them."""
 
     __slots__ = ("_heap", "per_principal")
 

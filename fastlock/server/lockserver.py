@@ -542,9 +542,16 @@ class LockServer:
             self._rearm()
         if table.waiter_count:
             self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
-        self.revisions.batch_end()  # the batch's holder changes reach the watchers once committed
-        self.key_revisions.batch_end()  # and its key changes the prefix watchers
-        self.queues.batch_end()  # changed waiter queues go to the standby
+        # each collaborator is called only when it has work (its own first check, inline)
+        revisions = self.revisions
+        if revisions.log.pending:
+            revisions.batch_end()  # the batch's holder changes reach the watchers once committed
+        key_revisions = self.key_revisions
+        if key_revisions.log.pending:
+            key_revisions.batch_end()  # and its key changes the prefix watchers
+        queues = self.queues
+        if queues.dirty or queues.informed or self.source.replicas:
+            queues.batch_end()  # changed waiter queues go to the standby
         self.wal.poll()  # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
         dirty = self.dirty
         if dirty:
@@ -575,7 +582,8 @@ class LockServer:
                 if grants is None:
                     grants = []
                 grants.append(ev)
-                self.queues.granted(ev.name)
+                if self.queues.shipped:  # (a queue shipped to a standby may have changed)
+                    self.queues.granted(ev.name)
             elif kind == EV_EXPIRED:
                 wal.log_expire(ev.name, ev.token)
                 revisions.logged(ev.name, "expired", ev.token, ev.meta)
@@ -589,13 +597,16 @@ class LockServer:
             else:  # a waiter left (wait timeout, cancel, deadlock): its acquire fails
                 waiter_left(sessions.get(ev.session), ev, quotas)
                 self.queues.touched(ev.name)
-        quotas.batch_done()
+        if quotas.ended_early:
+            quotas.batch_done()
         if grants is not None:  # sync replication: acked once the standby has them too (source.sync)
             ttl_bound = self.source.ttl
+            sync = self.source.sync
             if ttl_bound.covers(self.max_ttl_ms):
-                deliver = self.source.sync.after(lambda refused=None: self._deliver_grants(grants, refused))
+                deliver = (sync.after(lambda refused=None: self._deliver_grants(grants, refused)) if sync.enabled
+                           else lambda: self._deliver_grants(grants))  # (sync.after's own, without a standby)
             else:  # rare: a TTL the standbys may not know yet waits for their word (replication/ttlbound.py)
-                deliver = self.source.sync.after(ttl_bound.after(
+                deliver = sync.after(ttl_bound.after(
                     lambda refused=None: self._deliver_grants(grants, refused), max(ev.ttl_ms for ev in grants)))
             if wal.flush_first():  # relaxed fsync modes: a lone request's grant is written and acked now
                 deliver()
@@ -655,8 +666,11 @@ class LockServer:
         """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id))."""
         self.wal.log_release(name, token)
         self.revisions.logged(name, "released", token, meta)
-        self.keys.lease_ended(name, token, "released")
-        self.handlers.sessions.lease_ended(name, token)
+        handlers = self.handlers
+        if handlers.keys.space.by_lease:  # (keys attached to leases go with them)
+            handlers.keys.lease_ended(name, token, "released")
+        if handlers.sessions.attached_to:  # (leases attached to client sessions are detached)
+            handlers.sessions.lease_ended(name, token)
         self.quotas.lease_ended(token, meta)
 
     # -- the expiry timer -------------------------------------------------------------------

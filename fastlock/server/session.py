@@ -324,33 +324,31 @@ class Session(SessionWire, asyncio.Protocol):
     # -- output -----------------------------------------------------------------
     # send(data): SessionWire's (compiled): queue ``data`` for this turn's flush
 
-    def flush(self) -> None:
-        """Hand the queued replies to the transport; drop the peer if it leaves more
-        than ``out_cap`` bytes unread."""
-        out = self.out
-        self.out_bytes = 0
-        if out and not self.closed:
-            transport = self.transport
-            transport.write(out[0] if len(out) == 1 else b"".join(out))
-            # beyond out_cap is beyond the high-water mark (see out_cap): the
-            # transport has paused writing, inside this write() or before it
-            if self._drain is not None and transport.get_write_buffer_size() > self._out_cap:
-                unsent = transport.get_write_buffer_size()
-                # a peer that does not read (a stuck watcher, a standby too far behind): drop it,
-                # as Redis's client-output-buffer-limit does, rather than grow without bound
-                if self.session in self.server.source.replicas:
-                    log.error("standby on %s is too far behind (%d bytes unsent, limit %d): disconnecting "
-                              "it; it resyncs when it reconnects", self.peer, unsent, self.out_cap)
-                else:
-                    log.warning("closing connection %s (session %d): %d bytes of replies unread (limit %d)",
-                                self.peer, self.session, unsent, self.out_cap)
-                self.closed = True
-                transport.abort()
-                self.server.quotas.output.count(self, 0)
-            elif self._drain is not None and self.session not in self.server.source.replicas:
-                # writing is paused: count what is unread against the principal's share
-                self.server.quotas.output.count(self, transport.get_write_buffer_size())
-        out.clear()
+    # flush(): SessionWire's (compiled): hand the queued replies to the transport, then
+    # paused_write() if the transport ever paused writing
+    def paused_write(self) -> None:
+        """After a write to a transport that paused writing (once or now): drop the peer if
+        it leaves more than ``out_cap`` bytes unread, else count what is unread against its
+        principal's share."""
+        transport = self.transport
+        # beyond out_cap is beyond the high-water mark (see out_cap): the
+        # transport has paused writing, inside this write() or before it
+        if transport.get_write_buffer_size() > self._out_cap:
+            unsent = transport.get_write_buffer_size()
+            # a peer that does not read (a stuck watcher, a standby too far behind): drop it,
+            # as Redis's client-output-buffer-limit does, rather than grow without bound
+            if self.session in self.server.source.replicas:
+                log.error("standby on %s is too far behind (%d bytes unsent, limit %d): disconnecting "
+                          "it; it resyncs when it reconnects", self.peer, unsent, self.out_cap)
+            else:
+                log.warning("closing connection %s (session %d): %d bytes of replies unread (limit %d)",
+                            self.peer, self.session, unsent, self.out_cap)
+            self.closed = True
+            transport.abort()
+            self.server.quotas.output.count(self, 0)
+        elif self.session not in self.server.source.replicas:
+            # writing is paused: count what is unread against the principal's share
+            self.server.quotas.output.count(self, transport.get_write_buffer_size())
 
     # Flow control: while the peer does not read our replies, stop reading its
     # requests, so a pipelining client that never reads cannot grow our memory.

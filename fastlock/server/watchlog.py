@@ -37,7 +37,7 @@ from ..errors import Compacted, FastlockError, LimitExceeded, WatchDiverged
 from ..protocol.framing import encode_error, encode_push
 from ..protocol.ops import PUSH_WATCH_PROGRESS
 from ..roles import Action, Role
-from ..tokens import TOKEN_EPOCH_SHIFT, counter_of, epoch_of
+from ..tokens import COUNTER_MASK, TOKEN_EPOCH_SHIFT, counter_of, epoch_of
 
 __all__ = ["CommittedPublisher", "DEFAULT_HISTORY", "DEFAULT_PROGRESS_INTERVAL", "REPLAY_PAGE", "REPLAY_PAGE_BYTES",
            "ReplayPager", "Revisions", "WatchChange", "WatchLog", "check_lineage", "revision", "shown_revision"]
@@ -249,9 +249,9 @@ class CommittedPublisher:
     standby (``source.sync.after``); a refused acknowledgement, or a node that may no
     longer write (deposed, fenced), publishes nothing - a promoted standby may take
     those changes back.  A subclass names its history (``log``: ``pending``,
-    ``publish(upto)``, ``progress(current)``), the revision of its last pending
-    change, who hears of the published ones, and the connections a progress notice
-    goes to.
+    ``publish(upto)``, ``progress(current)``), where a pending change keeps its
+    revision (``revision_at``: its index in the change's tuple), who hears of the
+    published ones, and the connections a progress notice goes to.
 
     ``server``: the :class:`~fastlock.server.lockserver.LockServer`;
     ``progress_interval``: seconds between progress notices (0: none);
@@ -259,6 +259,8 @@ class CommittedPublisher:
     """
 
     log: Any
+    #: the index of the revision in a change the history keeps
+    revision_at: int
 
     def __init__(self, server: Any, progress_interval: float, progress_kind: str) -> None:
         self.server = server
@@ -272,10 +274,6 @@ class CommittedPublisher:
         """This node's revision now."""
         raise NotImplementedError
 
-    def last_pending(self) -> int:
-        """The revision of the last change recorded and not yet published (0: none)."""
-        raise NotImplementedError
-
     def deliver(self, changes: list) -> bool:
         """Hand published ``changes`` (in order) to their watchers; True if a push was queued."""
         raise NotImplementedError
@@ -284,31 +282,37 @@ class CommittedPublisher:
         """The session ids of the connections that receive progress notices."""
         raise NotImplementedError
 
+    def listening(self) -> bool:
+        """Does anyone watch now (False: a publication only marks its changes published)?"""
+        return True
+
     def progress(self) -> int:
         """The revision up to which every change is published (a progress notice's)."""
         return int(self.log.progress(self.current()))
 
     def batch_end(self) -> None:
         """At each batch end: publish the changes recorded in it once committed."""
-        if not self.log.pending:  # nothing recorded and unpublished (the last_pending of 0)
+        pending = self.log.pending
+        if not pending:  # nothing recorded and unpublished
             return
-        upto = self.last_pending()
+        upto = pending[-1][self.revision_at]  # the last change recorded and not yet published
         if upto <= self.scheduled:
             return
         self.scheduled = upto
         server = self.server
         sync = server.source.sync
-        if not sync.enabled and counter_of(upto) <= server.wal.acked_lsn:
+        if sync.enabled:
+            server.wal.when_durable(sync.after(lambda refused=None: self._publish(upto, refused)))
+        elif upto & COUNTER_MASK <= server.wal.acked_lsn:
             # already durable (a relaxed fsync mode wrote this batch at once): published in this
             # batch end, whose flush sends the pushes
             self._publish(upto, None, False)
-            return
-        deliver = sync.after(lambda refused=None: self._publish(upto, refused))
-        server.wal.when_durable(deliver)
+        else:
+            server.wal.when_durable(lambda: self._publish(upto))
 
     def _publish(self, upto: int, refused: Any = None, flush: bool = True) -> None:
         changes = self.log.publish(upto)
-        if changes and refused is None and self.server.roles.may(Action.RELEASE):
+        if changes and refused is None and self.listening() and self.server.roles.may(Action.RELEASE):
             if self.deliver(changes) and flush:
                 self.server.after_batch()  # the pushes go out
 
@@ -348,6 +352,8 @@ class Revisions(CommittedPublisher):
     progress notices (``--watch-progress-interval``; 0: none).
     """
 
+    revision_at = 0  # a Kept change: (revision, name, what, token, meta)
+
     def __init__(self, server: Any, registry: Any, history: int = DEFAULT_HISTORY,
                  progress_interval: float = DEFAULT_PROGRESS_INTERVAL) -> None:
         super().__init__(server, progress_interval, PUSH_WATCH_PROGRESS)
@@ -379,12 +385,11 @@ class Revisions(CommittedPublisher):
         server = self.server
         self.log.record(server.table.epoch << TOKEN_EPOCH_SHIFT | server.wal.logged_lsn, name, what, token, meta)
 
-    def last_pending(self) -> int:
-        pending = self.log.pending
-        return pending[-1][0] if pending else 0
-
     def deliver(self, changes: list) -> bool:
         return bool(self.registry.publish(changes))
+
+    def listening(self) -> bool:
+        return bool(self.registry.by_name)
 
     def watching(self) -> Any:
         return self.registry.revisioned

@@ -15,7 +15,9 @@ wake-up per batch; the thread never takes the GIL for a plain batch.
 
 :func:`append_frame` appends one record to the batch being built as a frame of
 :mod:`fastlock.wal.format` (the CRC-32 of zlib, computed in C), with no Python object
-per record beyond the record's bytes; :func:`seal_batch` marks a batch's first and last
+per record beyond the record's bytes; :func:`append_grant_record` and
+:func:`append_lease_record` encode a GRANT's and a RELEASE's (EXPIRE's) record body straight
+into that frame, as msgpack writes it; :func:`seal_batch` marks a batch's first and last
 frames.
 
 The module-level functions :func:`pwrite_all`, :func:`datasync` and
@@ -169,6 +171,193 @@ def append_frame(bytearray buf, bytes body, Py_ssize_t most):
     _put_u32(p + 4, <unsigned long>n)
     memcpy(p + 8, PyBytes_AS_STRING(body), n)
     _put_u32(p, crc32(0, p + 4, <unsigned int>(n + 4)))
+    return off
+
+
+# -- the hot records, encoded in C ----------------------------------------------------------
+# A grant's and a release's record body is written straight into the batch as msgpack's Packer
+# writes ``[kind, name, token, ...]`` (the shortest int, str and bin forms; str as UTF-8), with
+# no list, no body object and no packer call per record.
+
+cdef extern from "Python.h":
+    const char *PyUnicode_AsUTF8AndSize(object s, Py_ssize_t *size) except NULL
+
+
+cdef inline Py_ssize_t _int_size(long long v) noexcept nogil:
+    """Bytes of msgpack's shortest form of the int ``v``."""
+    if v >= 0:
+        if v < 0x80:
+            return 1
+        if v < 0x100:
+            return 2
+        if v < 0x10000:
+            return 3
+        if v < 0x100000000LL:
+            return 5
+        return 9
+    if v >= -32:
+        return 1
+    if v >= -128:
+        return 2
+    if v >= -32768:
+        return 3
+    if v >= -2147483648LL:
+        return 5
+    return 9
+
+
+cdef inline Py_ssize_t _put_be(unsigned char *p, unsigned char head, unsigned long long u, int width) noexcept nogil:
+    cdef int k
+    p[0] = head
+    for k in range(width):
+        p[1 + k] = <unsigned char>(u >> (8 * (width - 1 - k)))
+    return 1 + width
+
+
+cdef inline Py_ssize_t _put_int(unsigned char *p, long long v) noexcept nogil:
+    """Write ``v`` as msgpack's Packer does (the shortest form); return its bytes."""
+    if v >= 0:
+        if v < 0x80:
+            p[0] = <unsigned char>v
+            return 1
+        if v < 0x100:
+            return _put_be(p, 0xCC, <unsigned long long>v, 1)
+        if v < 0x10000:
+            return _put_be(p, 0xCD, <unsigned long long>v, 2)
+        if v < 0x100000000LL:
+            return _put_be(p, 0xCE, <unsigned long long>v, 4)
+        return _put_be(p, 0xCF, <unsigned long long>v, 8)
+    if v >= -32:
+        p[0] = <unsigned char>(v & 0xFF)
+        return 1
+    if v >= -128:
+        return _put_be(p, 0xD0, <unsigned long long>v, 1)
+    if v >= -32768:
+        return _put_be(p, 0xD1, <unsigned long long>v, 2)
+    if v >= -2147483648LL:
+        return _put_be(p, 0xD2, <unsigned long long>v, 4)
+    return _put_be(p, 0xD3, <unsigned long long>v, 8)
+
+
+cdef inline Py_ssize_t _str_head(Py_ssize_t n) noexcept nogil:
+    return 1 if n < 32 else 2 if n < 0x100 else 3 if n < 0x10000 else 5
+
+
+cdef inline Py_ssize_t _put_str(unsigned char *p, const char *s, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t h
+    if n < 32:
+        p[0] = <unsigned char>(0xA0 | n)
+        h = 1
+    elif n < 0x100:
+        h = _put_be(p, 0xD9, <unsigned long long>n, 1)
+    elif n < 0x10000:
+        h = _put_be(p, 0xDA, <unsigned long long>n, 2)
+    else:
+        h = _put_be(p, 0xDB, <unsigned long long>n, 4)
+    memcpy(p + h, s, n)
+    return h + n
+
+
+cdef inline Py_ssize_t _put_bin(unsigned char *p, const char *s, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t h
+    if n < 0x100:
+        h = _put_be(p, 0xC4, <unsigned long long>n, 1)
+    elif n < 0x10000:
+        h = _put_be(p, 0xC5, <unsigned long long>n, 2)
+    else:
+        h = _put_be(p, 0xC6, <unsigned long long>n, 4)
+    memcpy(p + h, s, n)
+    return h + n
+
+
+cdef unsigned char *_frame_space(bytearray buf, Py_ssize_t n, Py_ssize_t most, Py_ssize_t *off) except NULL:
+    """Grow ``buf`` by one frame of an ``n``-byte body; the body's first byte (``off``: the frame's)."""
+    if n > most:
+        raise ValueError(f"WAL record of {n} bytes exceeds {most}")
+    off[0] = PyByteArray_GET_SIZE(buf)
+    PyByteArray_Resize(buf, off[0] + 8 + n)
+    return <unsigned char *>PyByteArray_AS_STRING(buf) + off[0] + 8
+
+
+cdef inline void _seal_frame(bytearray buf, Py_ssize_t off, Py_ssize_t n) noexcept:
+    cdef unsigned char *p = <unsigned char *>PyByteArray_AS_STRING(buf) + off
+    _put_u32(p + 4, <unsigned long>n)
+    _put_u32(p, crc32(0, p + 4, <unsigned int>(n + 4)))
+
+
+def append_lease_record(bytearray buf, int kind, str name not None, long long token, long long wall_ms, Py_ssize_t most):
+    """Append the record ``[kind, name, token, wall_ms]`` (a RELEASE's, an EXPIRE's: kind 0..127)
+    to ``buf`` as a frame, as :func:`append_frame` does with msgpack's encoding of that list;
+    return the frame's offset in ``buf``.
+    :raises ValueError: the body is longer than ``most`` bytes (nothing is appended).
+    :raises UnicodeEncodeError: ``name`` has no UTF-8 form (nothing is appended)."""
+    cdef Py_ssize_t name_n, n, off
+    cdef const char *name_p = PyUnicode_AsUTF8AndSize(name, &name_n)
+    cdef unsigned char *p
+    n = 2 + _str_head(name_n) + name_n + _int_size(token) + _int_size(wall_ms)
+    p = _frame_space(buf, n, most, &off)
+    p[0] = 0x94
+    p[1] = <unsigned char>kind
+    p += 2
+    p += _put_str(p, name_p, name_n)
+    p += _put_int(p, token)
+    _put_int(p, wall_ms)
+    _seal_frame(buf, off, n)
+    return off
+
+
+def append_grant_record(bytearray buf, int kind, object name, long long token, bytes owner, long long ttl_ms,
+                        long long lock_delay_ms, object client_name, object correlation_id, long long wall_ms,
+                        Py_ssize_t most):
+    """Append a GRANT record ``[kind, name, token, owner, ttl_ms, lock_delay_ms, client_name,
+    correlation_id, wall_ms]`` (``client_name``, ``correlation_id``: str or None) to ``buf`` as a
+    frame, as :func:`append_frame` does with msgpack's encoding of that list; return the frame's
+    offset in ``buf``, or -1, appending nothing, when ``name`` is not a str or ``client_name`` or
+    ``correlation_id`` neither a str nor None (the caller encodes that record itself).
+    :raises ValueError: the body is longer than ``most`` bytes (nothing is appended).
+    :raises UnicodeEncodeError: a str has no UTF-8 form (nothing is appended)."""
+    cdef Py_ssize_t name_n, client_n = 0, corr_n = 0, owner_n, n, off
+    cdef const char *client_p = NULL
+    cdef const char *corr_p = NULL
+    cdef const char *name_p
+    cdef unsigned char *p
+    if type(name) is not str or owner is None:
+        return -1
+    if client_name is not None and type(client_name) is not str:
+        return -1
+    if correlation_id is not None and type(correlation_id) is not str:
+        return -1
+    name_p = PyUnicode_AsUTF8AndSize(name, &name_n)
+    if client_name is not None:
+        client_p = PyUnicode_AsUTF8AndSize(client_name, &client_n)
+    if correlation_id is not None:
+        corr_p = PyUnicode_AsUTF8AndSize(correlation_id, &corr_n)
+    owner_n = PyBytes_GET_SIZE(owner)
+    n = (2 + _str_head(name_n) + name_n + _int_size(token) + (2 if owner_n < 0x100 else 3 if owner_n < 0x10000 else 5)
+         + owner_n + _int_size(ttl_ms) + _int_size(lock_delay_ms) + _int_size(wall_ms)
+         + (1 if client_p == NULL else _str_head(client_n) + client_n)
+         + (1 if corr_p == NULL else _str_head(corr_n) + corr_n))
+    p = _frame_space(buf, n, most, &off)
+    p[0] = 0x99
+    p[1] = <unsigned char>kind
+    p += 2
+    p += _put_str(p, name_p, name_n)
+    p += _put_int(p, token)
+    p += _put_bin(p, PyBytes_AS_STRING(owner), owner_n)
+    p += _put_int(p, ttl_ms)
+    p += _put_int(p, lock_delay_ms)
+    if client_p == NULL:
+        p[0] = 0xC0
+        p += 1
+    else:
+        p += _put_str(p, client_p, client_n)
+    if corr_p == NULL:
+        p[0] = 0xC0
+        p += 1
+    else:
+        p += _put_str(p, corr_p, corr_n)
+    _put_int(p, wall_ms)
+    _seal_frame(buf, off, n)
     return off
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import WalFatal
-from ._syncer import append_frame, seal_batch
+from ._syncer import append_frame, append_grant_record, append_lease_record, seal_batch
 from .format import MAX_RECORD_BYTES
 from .writer import Batch, SegmentWriter
 
@@ -124,6 +124,33 @@ class GroupCommit:
         if not self._scheduled and self._inflight is None and self.loop is not None:
             self._scheduled = True
             self.loop.call_soon(self._kick_soon)
+
+    def add_lease_record(self, kind: int, name: str, token: int, wall_ms: int) -> None:
+        """:meth:`add` of the record ``[kind, name, token, wall_ms]`` (a RELEASE's, an EXPIRE's),
+        encoded in C (:func:`~fastlock.wal._syncer.append_lease_record`): the same frame."""
+        pending = self._pending
+        pending.last_frame = append_lease_record(pending.buf, kind, name, token, wall_ms, MAX_RECORD_BYTES)
+        self.next_lsn += 1
+        if not self._scheduled and self._inflight is None and self.loop is not None:
+            self._scheduled = True
+            self.loop.call_soon(self._kick_soon)
+
+    def add_grant_record(self, kind: int, name: str, token: int, owner: bytes, ttl_ms: int, lock_delay_ms: int,
+                         client_name: str | None, correlation_id: str | None, wall_ms: int) -> bool:
+        """:meth:`add` of a GRANT record of 9 fields, encoded in C
+        (:func:`~fastlock.wal._syncer.append_grant_record`): the same frame.  Returns False,
+        adding nothing, when a field is of a type only the general encoder writes."""
+        pending = self._pending
+        frame = append_grant_record(pending.buf, kind, name, token, owner, ttl_ms, lock_delay_ms, client_name,
+                                    correlation_id, wall_ms, MAX_RECORD_BYTES)
+        if frame < 0:
+            return False
+        pending.last_frame = frame
+        self.next_lsn += 1
+        if not self._scheduled and self._inflight is None and self.loop is not None:
+            self._scheduled = True
+            self.loop.call_soon(self._kick_soon)
+        return True
 
     def _schedule(self) -> None:
         if not self._scheduled and self._inflight is None and self.loop is not None:

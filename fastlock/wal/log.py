@@ -17,12 +17,13 @@ import gc
 import logging
 import os
 from collections.abc import Callable, Iterator
+from time import time_ns
 from typing import Any
 
 import msgpack
 
 from ..errors import WalFatal
-from ..tokens import counter_of, epoch_of
+from ..tokens import COUNTER_MASK, TOKEN_EPOCH_SHIFT
 from ..units import wall_ms
 from .backlog import read_records
 from .commit import GroupCommit
@@ -252,24 +253,31 @@ class WriteAheadLog:
         :raises WalFatal: after a failed write/fsync.  :raises TypeError: unencodable field.
         """
         c = self._counters
-        counter = counter_of(token)
+        counter = token & COUNTER_MASK
         if counter > c.max_counter:
             c.max_counter = counter
-        ep = epoch_of(token)
+        ep = token >> TOKEN_EPOCH_SHIFT
         if ep > c.epoch:
             c.epoch = ep
         if counter > c.reserved and not self._always:
             c.reserved = counter + c.block
             self._append([RESERVE, c.reserved, wall_ms()], fsync=True)
+        commit = self._commit
         if shared or limit:
             self._append([GRANT, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id, wall_ms(),
                           shared, limit])
-        else:
+        elif (commit.fatal is not None or self._phase is not _Phase.OPEN or type(owner) is not bytes
+              or not commit.add_grant_record(GRANT, name, token, owner, ttl_ms, lock_delay_ms, client_name,
+                                             correlation_id, time_ns() // 1_000_000)):  # (wall_ms, inline)
             self._append([GRANT, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id, wall_ms()])
 
     def log_release(self, name: str, token: int) -> None:
         """Log that the holder with ``token`` released ``name``."""
-        self._append([RELEASE, name, token, wall_ms()])
+        commit = self._commit
+        if commit.fatal is None and self._phase is _Phase.OPEN and type(name) is str:  # encoded in C
+            commit.add_lease_record(RELEASE, name, token, time_ns() // 1_000_000)  # (wall_ms, inline)
+        else:
+            self._append([RELEASE, name, token, wall_ms()])
 
     def log_expire(self, name: str, token: int) -> None:
         """Log that the lease with ``token`` on ``name`` expired."""
