@@ -103,19 +103,32 @@ def _principal_families(rows: list[dict]) -> Iterator:
     yield quota
 
 
+@dataclasses.dataclass(frozen=True)
+class Published:
+    """What one refresh gives scrapes: the server's ``status`` and copies of the histograms
+    (``(metric name, help, label names, [(label values, histogram)])``) taken after it, so a
+    scrape never pairs new histogram counts with an older status (an fsync histogram counting
+    more than ``fastlock_wal_fsyncs_total``)."""
+
+    status: dict
+    histograms: list
+
+
 class _Collector:
     """A prometheus_client collector over the last status snapshot; ``lock_names``: export
     ``fastlock_lock_contention`` with its ``lock`` label (off: not exported)."""
 
     def __init__(self, lock_names: bool = False) -> None:
-        self.snapshot: dict = {}
+        #: the status and the histograms of one refresh, replaced whole (a scrape reads one of them)
+        self.published = Published({}, [])
         self.observer: Observer | None = None
         self.lock_names = lock_names
 
     def collect(self) -> Iterator:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-        st = self.snapshot
+        published = self.published
+        st = published.status
         yield GaugeMetricFamily("fastlock_up", "1 while the server's loop refreshes these metrics",
                                 value=1 if st else 0)
         if not st:
@@ -174,7 +187,7 @@ class _Collector:
                                   labels=["version", "python", "implementation"])
         build.add_metric([str(st.get("version", "")), platform.python_version(), platform.python_implementation()], 1)
         yield build
-        for name, doc, labels, hists in observer.histograms():
+        for name, doc, labels, hists in published.histograms:
             family = HistogramMetricFamily(name, doc, labels=labels)
             for label_values, hist in hists:
                 family.add_metric(label_values, hist.buckets(), hist.sum)
@@ -236,10 +249,10 @@ class MetricsExporter:
                  "exported" if lock_names else "not exported")
 
     def _refresh(self) -> None:
-        self.observer.refresh()
+        self.observer.refresh()  # takes the fsync durations first: the status read next counts them all
         snapshot = self.server.status()
         snapshot["principals"] = [dataclasses.asdict(u) for u in self.server.quotas.report()]
-        self.collector.snapshot = snapshot
+        self.collector.published = Published(snapshot, self.observer.frozen_histograms())
         self._timer = asyncio.get_running_loop().call_later(self.refresh_s, self._refresh)
 
     def close(self) -> None:

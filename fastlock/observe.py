@@ -50,6 +50,13 @@ class Log2Histogram:
         self.counts[i if i <= _BUCKETS else _BUCKETS] += 1
         self.sum += seconds
 
+    def copy(self) -> Log2Histogram:
+        """A copy (its counts no longer change with this one's)."""
+        other = Log2Histogram()
+        other.counts = list(self.counts)
+        other.sum = self.sum
+        return other
+
     def buckets(self) -> list[tuple[str, int]]:
         """Cumulative ``(le, count)`` pairs as Prometheus wants them (``le`` in seconds)."""
         out = []
@@ -185,6 +192,11 @@ class Observer:
         """The :data:`TOP_CONTENDED` highest contention scores, highest first (scores below 0.01 dropped)."""
         return [kv for kv in heapq.nlargest(TOP_CONTENDED, list(self.scores.items()), key=lambda kv: kv[1])
                 if kv[1] >= 0.01]
+
+    def frozen_histograms(self) -> list[tuple[str, str, list[str], list[tuple[list[str], Log2Histogram]]]]:
+        """:meth:`histograms` with a copy of each histogram, for another thread to read."""
+        return [(name, doc, labels, [(values, hist.copy()) for values, hist in hists])
+                for name, doc, labels, hists in self.histograms()]
 
     def histograms(self) -> Iterator[tuple[str, str, list[str], list[tuple[list[str], Log2Histogram]]]]:
         """``(metric name, help, label names, [(label values, histogram)])`` of every histogram."""

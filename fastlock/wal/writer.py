@@ -323,8 +323,9 @@ class SegmentWriter:
     def _fsync(self) -> None:
         # fdatasync: within the zero-filled space only data pages change; past it,
         # fdatasync also writes the new size (needed to read the data back)
-        self.fsync_seconds.append(_io("fdatasync", self.seg_path, self.disk.datasync, self._fd))
-        self.fsyncs += 1
+        seconds = _io("fdatasync", self.seg_path, self.disk.datasync, self._fd)
+        self.fsyncs += 1  # counted before its duration is shown: a reader of both sees count >= durations
+        self.fsync_seconds.append(seconds)
         self._dirty = False
         self.durable_offset = self.seg_size
 
@@ -413,8 +414,8 @@ class SegmentWriter:
                 self.bytes += n
                 self.batches += 1
             self.alloc_end = max(self.alloc_end, self.seg_size, worker.job_zero_end)
-            self.fsync_seconds.append(result.fdatasync_seconds)
             self.fsyncs += 1
+            self.fsync_seconds.append(result.fdatasync_seconds)
             self._dirty = False
             self.durable_offset = self.seg_size
         on_done(batch)
