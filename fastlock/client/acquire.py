@@ -186,7 +186,7 @@ _ACTORS_LOCK = threading.Lock()
 _NEXT_ACTOR = itertools.count(1)
 
 
-def actor_id(connector: object | None = None) -> int:
+def actor_id(connector: object | None = None, who: object = None) -> int:
     """This process's number (1, 2, ...; never reused) for the party that waits when the
     caller waits: the ``actor`` by which the server's deadlock detection tells the waits
     of one connection apart; 0 outside a task.
@@ -195,8 +195,10 @@ def actor_id(connector: object | None = None) -> int:
     :func:`party` for the client ``connector`` (the nearest of itself and its live
     ancestors that holds a lease through it, else itself): a child's wait blocks the
     parent that awaits it, so a parent holding ``a`` whose child waits for ``b``, held
-    by a task waiting for ``a``, is a cycle the server sees."""
-    who = current_caller()
+    by a task waiting for ``a``, is a cycle the server sees.  ``who``: the
+    :func:`current_caller`, if the caller has it."""
+    if who is None:
+        who = current_caller()
     if who is None:
         return 0
     if type(who) is Caller:
@@ -208,17 +210,20 @@ def actor_id(connector: object | None = None) -> int:
     return n
 
 
-def with_actor(connector: Connector, kind: tuple[Any, ...]) -> tuple[Any, ...]:
+def with_actor(connector: Connector, kind: tuple[Any, ...], who: object = None) -> tuple[Any, ...]:
     """ACQUIRE's trailing arguments: ``kind`` (see :func:`~fastlock.client.kinds.kind_args`)
-    and, to a server that reads it (HELLO's ``"actors"``), the caller's :func:`actor_id`;
-    then ``True`` when the client asks for sequencers (``connect(sequencers=True)``).
+    and, to a server that reads it (HELLO's ``"actors"``), the caller's :func:`actor_id`
+    (``who``: the :func:`current_caller`, if the caller has it); then ``True`` when the
+    client asks for sequencers (``connect(sequencers=True)``).
 
     :raises InvalidArgument: sequencers asked for, and the server holds no sequencer key."""
     if asks_sequencers(connector):
-        return (*kind_pair(kind), actor_id(connector), True)
+        return (*kind_pair(kind), actor_id(connector, who), True)
     if not connector.server_info.get("actors"):
         return kind
-    return (*kind_pair(kind), actor_id(connector))
+    if type(who) is Caller and not kind:  # an exclusive lock asked by a task: the common case
+        return (False, 0, party(who, id(connector)).actor)
+    return (*kind_pair(kind), actor_id(connector, who))
 
 
 def asks_sequencers(connector: Connector) -> bool:
@@ -233,15 +238,19 @@ def asks_sequencers(connector: Connector) -> bool:
     return True
 
 
-def acquire_call(connector: Connector, kind: tuple[Any, ...], priority: int) -> tuple[int, tuple[Any, ...]]:
+def acquire_call(connector: Connector, kind: tuple[Any, ...], priority: int,
+                 who: object = None) -> tuple[int, tuple[Any, ...]]:
     """The op and trailing arguments of an acquire: ACQUIRE with :func:`with_actor`'s, or for a
     priority above 0, ACQUIRE_PRIORITY with shared, limit, actor and the priority, then ``True``
-    when the client asks for sequencers (:mod:`fastlock.server.preemption`).
+    when the client asks for sequencers (:mod:`fastlock.server.preemption`).  ``who``: the
+    :func:`current_caller`, if the caller has it.
 
     :raises InvalidArgument: sequencers asked for, and the server holds no sequencer key."""
     if not priority:
-        return P.OP_ACQUIRE, with_actor(connector, kind)
-    actor = actor_id(connector) if connector.server_info.get("actors") else 0
+        if not connector.sequencers and not connector.server_info.get("actors"):
+            return P.OP_ACQUIRE, kind
+        return P.OP_ACQUIRE, with_actor(connector, kind, who)
+    actor = actor_id(connector, who) if connector.server_info.get("actors") else 0
     if asks_sequencers(connector):
         return OP_ACQUIRE_PRIORITY, (*kind_pair(kind), actor, priority, True)
     return OP_ACQUIRE_PRIORITY, (*kind_pair(kind), actor, priority)
@@ -251,6 +260,9 @@ def kind_pair(kind: tuple[Any, ...]) -> tuple[bool, int]:
     """``(shared, limit)`` of ACQUIRE's trailing kind arguments (``()``, ``(True,)`` or ``(False, limit)``)."""
     return (bool(kind[0]) if kind else False, kind[1] if len(kind) > 1 else 0)
 
+
+#: a :class:`HeldLease` made without its Python-level ``__new__`` (one per grant)
+_new_entry = tuple.__new__
 
 #: the smallest size at which :class:`HeldLeases` sweeps out ended leases
 SWEEP_MIN = 1024
@@ -290,11 +302,14 @@ class HeldLeases:
         #: the client, for :func:`party` (the ``id`` of its connector)
         self._key = id(self if connector is None else connector)
 
-    def remember(self, lease: Lease, exclusive: bool, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def remember(self, lease: Lease, exclusive: bool, loop: asyncio.AbstractEventLoop | None = None,
+                 who: object = None) -> None:
         """Record ``lease`` as the caller's grant of its name (``exclusive``: not a
-        shared lease nor a semaphore permit; ``loop``: the running loop, if known)."""
+        shared lease nor a semaphore permit; ``loop``: the running loop, if known;
+        ``who``: the :func:`current_caller`, if the caller has it)."""
         by_name = self.by_name
-        who = current_caller(loop)
+        if who is None:
+            who = current_caller(loop)
         key = self._key
         node = None
         if type(who) is Caller:
@@ -304,7 +319,7 @@ class HeldLeases:
                 held = node.held = {}
             held[key] = held.get(key, 0) + 1
         old_entry = by_name.get(lease.name)
-        by_name[lease.name] = HeldLease(lease, who, exclusive, node)
+        by_name[lease.name] = _new_entry(HeldLease, (lease, who, exclusive, node))
         if old_entry is not None:
             _unhold(old_entry.party, key)
         if len(by_name) >= self._sweep_at:
@@ -319,7 +334,9 @@ class HeldLeases:
         entry = self.by_name.get(lease.name)
         if entry is not None and entry.lease.state is lease.state:
             del self.by_name[lease.name]
-            _unhold(entry.party, self._key)
+            node = entry.party
+            if node is not None and node.held:
+                _unhold(node, self._key)
 
     def refuse_self_wait(self, entry: HeldLease, exclusive: bool) -> None:
         """Raise :class:`AlreadyHeld` if ``entry`` (from :attr:`by_name`) belongs to the
