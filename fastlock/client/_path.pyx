@@ -16,8 +16,20 @@ the same error with the same message.  It draws the owner key and returns the
 the :class:`~fastlock.client.lease.Lease` (its :class:`~fastlock.client.lease.LeaseState`
 made without a Python ``__init__``) and raises the connector's ``max_epoch`` to the
 token's epoch.
+
+:func:`acquire_tail` is :func:`~fastlock.client.acquire.acquire_call` with its common
+shapes (no priority, no sequencer asked; a server that reads no actor, or an exclusive
+lock asked by an asyncio task) decided here.
+
+:func:`call` is :func:`fastlock.client.calls.call` (see that module): one request under
+one deadline, a compiled coroutine; :class:`AttemptBounds` keeps the attempt bounds of a
+connector's idempotent calls on one timer.
 """
 
+import math
+from asyncio import get_running_loop
+
+cimport cython
 from libc.math cimport ceil
 from cpython.float cimport PyFloat_AS_DOUBLE
 from cpython.long cimport PyLong_AsLongLongAndOverflow
@@ -31,8 +43,11 @@ from ..protocol.validation import (
     check_ttl_ms,
     check_wait_ms,
 )
+from ..protocol.ops import OP_ACQUIRE, OP_CHECK, OP_CONTENDERS, OP_EXTEND, OP_HOLDER, OP_KEY_GET, OP_KEY_LIST
+from ..protocol.ops import OP_LOCK_INFO, OP_LOCKS, OP_NAMES, OP_PING, OP_RELEASE, OP_STATUS
 from ..tokens import TOKEN_EPOCH_SHIFT
-from .acquire import AcquireRequest, duration_ms
+from .acquire import AcquireRequest, Caller, acquire_call, duration_ms, party
+from .connection import RETRYABLE, RideThrough
 from .kinds import kind_args
 from .lease import Lease, LeaseState
 from .owner_keys import new_owner_key
@@ -131,6 +146,8 @@ def acquire_request(name, ttl, wait, lock_delay, correlation_id, shared, limit, 
                                         priority, grace))
 
 
+@cython.boundscheck(True)  # the reply is the server's: an index out of range raises, as in Python
+@cython.wraparound(True)
 def grant_lease(name, owner, reply, double sent, connector):
     """The :class:`~fastlock.client.lease.Lease` an ACQUIRE reply ``[token, ttl_ms,
     waited_ms, extra]`` (the last two optional) grants for ``name`` and ``owner``, its
@@ -167,3 +184,160 @@ def grant_lease(name, owner, reply, double sent, connector):
     fields["owner"] = owner
     fields["state"] = state
     return lease
+
+
+cdef object _Caller = Caller
+cdef object _acquire_call = acquire_call
+cdef object _party = party
+
+
+def acquire_tail(connector, tuple kind, priority, who):
+    """:func:`~fastlock.client.acquire.acquire_call` ``(connector, kind, priority, who)``:
+    the op and trailing arguments of an acquire (``who``: the caller's
+    :func:`~fastlock.client.acquire.current_caller`).
+
+    :raises InvalidArgument: sequencers asked for, and the server holds no sequencer key."""
+    if not priority and not connector.sequencers:
+        if not connector.server_info.get("actors"):
+            return OP_ACQUIRE, kind
+        if type(who) is _Caller and not kind:
+            return OP_ACQUIRE, (False, 0, _party(who, id(connector)).actor)
+    return _acquire_call(connector, kind, priority, who)
+
+
+#: operations that may be sent again while an earlier attempt's outcome is unknown: a
+#: second RELEASE finds the lease gone (taken as released, see ``RideThrough.send``),
+#: a second EXTEND renews again, the rest only read
+IDEMPOTENT_OPS = frozenset({OP_RELEASE, OP_EXTEND, OP_CHECK, OP_STATUS, OP_PING, OP_HOLDER, OP_LOCKS, OP_LOCK_INFO,
+                            OP_KEY_GET, OP_KEY_LIST, OP_CONTENDERS})
+
+
+cdef class AttemptBound:
+    """One first attempt's bound (:class:`AttemptBounds`).
+
+    Attributes:
+        started (float): ``loop.time()`` when the request went out.
+        due (float): ``loop.time()`` by which the server must have sent something since ``started``.
+        op (int): the request's op, for the reason given.
+    """
+
+    cdef readonly double started
+    cdef readonly double due
+    cdef readonly object op
+
+    def __repr__(self):
+        return f"<AttemptBound op={self.op} started={self.started:.3f} due={self.due:.3f}>"
+
+
+cdef class AttemptBounds:
+    """The attempt bounds of one connector's calls, on one timer.
+
+    :meth:`begin` records a bound and :meth:`end` drops it when the reply comes.  The
+    timer is armed for the earliest bound outstanding; when it fires, each bound that
+    is due and still outstanding is checked as a timer of its own would check it
+    (:meth:`Connector.reset_if_silent_since
+    <fastlock.client.connection.Connector.reset_if_silent_since>`: the connection is
+    reset unless the server sent something since the request went out), then the timer
+    is armed for the earliest bound left.
+
+    Attributes:
+        connector (Connector): whose calls these are.
+        outstanding (dict[int, AttemptBound]): key -> the bound of an attempt whose
+            reply has not come, in the order they began.
+    """
+
+    cdef readonly object connector
+    cdef readonly dict outstanding
+    cdef object _loop
+    cdef object _timer
+    cdef double _timer_due
+    cdef long long _last_key
+
+    def __init__(self, connector, loop):
+        self.connector = connector
+        self.outstanding = {}
+        self._loop = loop
+        self._timer = None
+        self._timer_due = math.inf
+        self._last_key = 0
+
+    cpdef long long begin(self, double started, double attempt, object op):
+        """Record the bound of an attempt sent at ``started`` (``loop.time()``) that must
+        hear from the server within ``attempt`` seconds; return its key."""
+        cdef AttemptBound bound = AttemptBound.__new__(AttemptBound)
+        bound.started = started
+        bound.due = started + attempt
+        bound.op = op
+        self._last_key += 1
+        self.outstanding[self._last_key] = bound
+        if bound.due < self._timer_due:
+            self._arm(bound.due)
+        return self._last_key
+
+    cpdef void end(self, long long key):
+        """The reply of the attempt ``key`` came (or it failed): drop its bound."""
+        self.outstanding.pop(key, None)
+
+    cdef void _arm(self, double due):
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_due = due
+        self._timer = self._loop.call_at(due, self._fire)
+
+    def _fire(self):
+        self._timer = None
+        self._timer_due = math.inf
+        cdef double now = self._loop.time()
+        cdef dict outstanding = self.outstanding
+        cdef AttemptBound bound
+        due = [(key, bound) for key, bound in outstanding.items() if bound.due <= now]
+        for key, bound in due:
+            del outstanding[key]
+        for key, bound in due:
+            self.connector.reset_if_silent_since(bound.started, f"{OP_NAMES.get(bound.op, bound.op)} got no reply in time")
+        if outstanding:
+            self._arm(min([(<AttemptBound>b).due for b in outstanding.values()]))
+
+
+def attempt_bounds(connector, loop):
+    """The connector's :class:`AttemptBounds` (made on first use, on ``loop``)."""
+    bounds = connector.attempt_bounds
+    if bounds is None:
+        bounds = connector.attempt_bounds = AttemptBounds(connector, loop)
+    return bounds
+
+
+async def call(connector, op, tuple args, double op_timeout):
+    """Send ``op`` with ``args`` and return its reply's value, riding through a failover
+    within ``op_timeout`` seconds (see :mod:`fastlock.client.calls`).
+
+    :raises ConnectionLost: no primary answered before the deadline.
+    :raises FastlockError: any other error the server replied with.
+    """
+    cdef bint bounded = op in IDEMPOTENT_OPS
+    cdef double attempt = op_timeout / 2.0
+    cdef double started
+    cdef long long key = 0
+    cdef AttemptBounds bounds = None
+    proto = connector.proto
+    if proto is not None and not proto.closed:
+        loop = proto.loop
+        started = loop.time()
+        if bounded:
+            bounds = connector.attempt_bounds
+            if bounds is None:
+                bounds = attempt_bounds(connector, loop)
+            key = bounds.begin(started, attempt, op)
+        try:
+            return await proto.request(op, *args)
+        except RETRYABLE as exc:
+            failed = exc
+            if connector.closed:
+                raise
+        finally:
+            if bounds is not None:
+                bounds.end(key)
+        return await RideThrough(connector, started + op_timeout).send(op, args, proto, failed,
+                                                                        attempt_timeout=attempt if bounded else None)
+    return await RideThrough(connector, get_running_loop().time() + op_timeout).send(
+        op, args, attempt_timeout=attempt if bounded else None)

@@ -221,8 +221,6 @@ def with_actor(connector: Connector, kind: tuple[Any, ...], who: object = None) 
         return (*kind_pair(kind), actor_id(connector, who), True)
     if not connector.server_info.get("actors"):
         return kind
-    if type(who) is Caller and not kind:  # an exclusive lock asked by a task: the common case
-        return (False, 0, party(who, id(connector)).actor)
     return (*kind_pair(kind), actor_id(connector, who))
 
 
@@ -247,8 +245,6 @@ def acquire_call(connector: Connector, kind: tuple[Any, ...], priority: int,
 
     :raises InvalidArgument: sequencers asked for, and the server holds no sequencer key."""
     if not priority:
-        if not connector.sequencers and not connector.server_info.get("actors"):
-            return P.OP_ACQUIRE, kind
         return P.OP_ACQUIRE, with_actor(connector, kind, who)
     actor = actor_id(connector, who) if connector.server_info.get("actors") else 0
     if asks_sequencers(connector):

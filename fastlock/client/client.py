@@ -32,10 +32,10 @@ from ..protocol.ops import OP_TRANSFER
 from ..tls import client_ssl_context
 from ..tokens import epoch_of
 from ..units import check_seconds
+from ._path import acquire_request, acquire_tail, grant_lease
 from .acquire import (
     AcquireRequest,
     HeldLeases,
-    acquire_call,
     acquire_retry,
     current_caller,
     extend_args,
@@ -58,7 +58,6 @@ from .election import Election
 from .environment import addresses_from_env, tls_from_env
 from .keys import KeyMethods
 from .kinds import MAX_CONTENDERS, Semaphore, kind_args, list_contenders
-from ._path import acquire_request, grant_lease
 from .lease import HolderInfo, Lease, WatchEvent, check_fraction, check_lease
 from .multilock import LockManyContext, MultiLease, acquire_many, release_many, sorted_names
 from .preempt import deliver_revoke_request, send_revoke_request
@@ -339,7 +338,7 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods, SessionAdminMethods):
             loop = proto.loop
             sent = started = loop.time()
             who = current_caller(loop)
-            op, tail = acquire_call(connector, request.kind, priority, who)
+            op, tail = acquire_tail(connector, request.kind, priority, who)
             fut = proto.request(op, name, owner, request.ttl_ms, request.wait_ms, request.lock_delay_ms,
                                 correlation_id, *tail)
             if preempt is not None and request.wait_ms != 0:
@@ -403,7 +402,9 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods, SessionAdminMethods):
         """
         if type(lease) is not Lease:
             check_lease(lease)
-        self.renewers.stop(lease)
+        renewers = self.renewers
+        if renewers.by_state:
+            renewers.stop(lease)
         self._held.forget(lease)
         try:
             await call(self._connector, P.OP_RELEASE, (lease.name, lease.fencing_token, lease.owner), self._op_timeout)
