@@ -52,6 +52,12 @@ extensions = [
         ["fastlock/client/_path.pyx"],
         extra_compile_args=["-O0", "-g"] if debug else ["-O2"],
     ),
+    # who calls the client, and its self-wait table (fastlock/client/acquire.py)
+    Extension(
+        "fastlock.client._callers",
+        ["fastlock/client/_callers.pyx"],
+        extra_compile_args=["-O0", "-g"] if debug else ["-O2"],
+    ),
 ]
 
 setup(

@@ -46,7 +46,8 @@ from ..protocol.validation import (
 from ..protocol.ops import OP_ACQUIRE, OP_CHECK, OP_CONTENDERS, OP_EXTEND, OP_HOLDER, OP_KEY_GET, OP_KEY_LIST
 from ..protocol.ops import OP_LOCK_INFO, OP_LOCKS, OP_NAMES, OP_PING, OP_RELEASE, OP_STATUS
 from ..tokens import TOKEN_EPOCH_SHIFT
-from .acquire import AcquireRequest, Caller, acquire_call, duration_ms, party
+from ._callers import Caller, party
+from .acquire import AcquireRequest, acquire_call, duration_ms
 from .connection import RETRYABLE, RideThrough
 from .kinds import kind_args
 from .lease import Lease, LeaseState

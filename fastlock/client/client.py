@@ -341,8 +341,9 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods, SessionAdminMethods):
             op, tail = acquire_tail(connector, request.kind, priority, who)
             fut = proto.request(op, name, owner, request.ttl_ms, request.wait_ms, request.lock_delay_ms,
                                 correlation_id, *tail)
-            if preempt is not None and request.wait_ms != 0:
-                send_revoke_request(proto, name, owner, request.preempt_ms)
+            grace = request.preempt_ms
+            if grace is not None and request.wait_ms != 0:
+                send_revoke_request(proto, name, owner, grace)
             try:
                 reply = await fut
             except asyncio.CancelledError:
