@@ -46,6 +46,18 @@ extensions = [
         ["fastlock/protocol/_wire.pyx"],
         extra_compile_args=["-O0", "-g"] if debug else ["-O2"],
     ),
+    # the asyncio client's argument checks and grant decoding (fastlock/client/client.py)
+    Extension(
+        "fastlock.client._path",
+        ["fastlock/client/_path.pyx"],
+        extra_compile_args=["-O0", "-g"] if debug else ["-O2"],
+    ),
+    # who calls the client, and its self-wait table (fastlock/client/acquire.py)
+    Extension(
+        "fastlock.client._callers",
+        ["fastlock/client/_callers.pyx"],
+        extra_compile_args=["-O0", "-g"] if debug else ["-O2"],
+    ),
 ]
 
 setup(

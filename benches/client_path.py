@@ -1,6 +1,6 @@
 """The client's own CPU per acquire+release pair, with no socket and no server.
 
-    python -m benches.client_path [--pairs 20000] [--rounds 5] [--tag NAME]
+    python -m benches.client_path [--pairs 20000] [--rounds 5] [--tag NAME] [--profile]
 
 A :class:`fastlock.Client` is given a connection whose transport is an
 in-process fake server: each request frame written to it is answered (a grant
@@ -14,12 +14,21 @@ process CPU microseconds per pair (min and median of the rounds).  Two
 installs are compared by running this module with each one's python,
 alternately (from a directory outside the source tree, so that the installed
 package is imported).
+
+``--profile`` runs the pairs under ``cProfile`` instead and prints the client's
+Python-level calls per pair (a count that does not depend on the machine's load):
+the calls of functions of fastlock and asyncio, and the calls of built-in functions
+made from them; the fake server's and this bench's own are left out, and so is
+compiled code (a Cython function calling another is no Python-level call).  Then the
+most frequent of those functions, with their calls per pair.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -63,7 +72,28 @@ class _FakeServer:
         pass
 
 
-async def _measure(pairs: int, rounds: int) -> list[float]:
+def _ours(filename: str) -> bool:
+    """A function of the client's path: fastlock's or asyncio's, not the bench's nor msgpack's."""
+    return ("/fastlock/" in filename or "/asyncio/" in filename) and "/benches/" not in filename
+
+
+def client_calls(stats: pstats.Stats) -> dict[str, int]:
+    """Python-level calls of the client's path in ``stats``, by function (see the module docstring)."""
+    counts: dict[str, int] = {}
+    for (filename, line, name), (_, calls, _, _, callers) in stats.stats.items():  # type: ignore[attr-defined]
+        if filename == "~":
+            calls = sum(c[1] if isinstance(c, tuple) else c for (f, _, _), c in callers.items() if _ours(f))
+            label = name
+        elif _ours(filename):
+            label = f"{name} ({filename.rsplit('/', 1)[-1]}:{line})"
+        else:
+            continue
+        if calls:
+            counts[label] = counts.get(label, 0) + calls
+    return counts
+
+
+async def _measure(pairs: int, rounds: int, profile: bool = False) -> list[float]:
     from fastlock import protocol as P
     from fastlock.client import Client
     from fastlock.client.connection import ClientConnection
@@ -75,6 +105,18 @@ async def _measure(pairs: int, rounds: int) -> list[float]:
     client.connector.proto = proto
     for _ in range(2000):  # warm-up
         await client.release(await client.acquire("k", ttl=10))
+    if profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(pairs):
+            await client.release(await client.acquire("k", ttl=10))
+        profiler.disable()
+        proto.close()
+        counts = client_calls(pstats.Stats(profiler))
+        print(f"client Python-level calls per pair: {sum(counts.values()) / pairs:.1f}")
+        for label, calls in sorted(counts.items(), key=lambda kv: -kv[1])[:20]:
+            print(f"  {calls / pairs:6.2f}  {label}")
+        return []
     per_pair = []
     for _ in range(rounds):
         t0 = time.process_time()
@@ -91,8 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     for flag, default in (("--pairs", 20000), ("--rounds", 5)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--tag", default="fastlock")
+    ap.add_argument("--profile", action="store_true", help="count the client's Python-level calls per pair")
     args = ap.parse_args(argv)
-    per_pair = run_async(_measure(args.pairs, args.rounds))  # on uvloop when it is installed
+    per_pair = run_async(_measure(args.pairs, args.rounds, args.profile))  # on uvloop when it is installed
+    if args.profile:
+        return 0
     print(f"{args.tag}: client CPU {min(per_pair):6.2f} us/pair (min), {statistics.median(per_pair):6.2f} (median) "
           f"of {args.rounds} rounds of {args.pairs}")
     return 0

@@ -27,8 +27,9 @@ from fastlock.sync import SyncClient
 
 assert importlib.util.find_spec("Cython") is None, "Cython is installed in the fresh environment"
 assert fastlock._core.__file__.endswith(".so"), fastlock._core.__file__
-import fastlock.protocol._wire, fastlock.server._wire
-for compiled in (fastlock.protocol._wire, fastlock.server._wire):  # the connections' request paths
+import fastlock.client._callers, fastlock.client._path, fastlock.protocol._wire, fastlock.server._wire
+# the connections' request paths and the client's
+for compiled in (fastlock.protocol._wire, fastlock.server._wire, fastlock.client._path, fastlock.client._callers):
     assert compiled.__file__.endswith(".so"), compiled.__file__
 assert fastlock.__version__ == sys.argv[1], (fastlock.__version__, sys.argv[1])
 with tempfile.TemporaryDirectory() as tmp:

@@ -9,24 +9,36 @@
   with less than :data:`~fastlock.client.client.LATE_GRANT_FRACTION` of its
   TTL left, instead of returning a lease that may already be dead.
 
-The first attempt of an acquire (the normal path) stays in ``Client.acquire``.
+The first attempt of an acquire (the normal path) stays in ``Client.acquire``, its
+compiled steps in ``fastlock/client/_path.pyx``.  Who calls (:class:`Caller`,
+:func:`current_caller`, :func:`party`, :func:`actor_id`) and :class:`HeldLeases` are
+compiled in ``fastlock/client/_callers.pyx`` and named here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
-import threading
-import weakref
-from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import protocol as P
-from ..errors import AlreadyHeld, FastlockError, InvalidArgument, LeaseLost, ProtocolError
+from ..errors import FastlockError, InvalidArgument, LeaseLost, ProtocolError
 from ..logsafe import quote
 from ..protocol.ops import OP_ACQUIRE_PRIORITY
+from ._callers import (
+    CALLER,
+    MAX_ANCESTRY,
+    SWEEP_MIN,
+    Caller,
+    HeldLease,
+    HeldLeases,
+    actor_id,
+    acts_for,
+    current_caller,
+    new_caller,
+    party,
+)
 from .connection import RETRYABLE, ClientConnection, Connector, RideThrough
 from .lease import Lease
 from .preempt import send_revoke_request
@@ -36,9 +48,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AcquireRequest", "SentReply", "acquire_retry", "duration_ms", "verify_late_grant", "HeldLease",
-           "HeldLeases", "CALLER", "Caller", "current_caller", "new_caller", "acts_for", "party", "actor_id",
-           "with_actor", "extend_args", "extended_ms"]
+# Caller, party, current_caller, new_caller, acts_for, actor_id, CALLER, MAX_ANCESTRY, HeldLease, HeldLeases and
+# SWEEP_MIN are compiled (fastlock/client/_callers.pyx): imported from there, and named here
+__all__ = ["MAX_ANCESTRY", "SWEEP_MIN", "AcquireRequest", "SentReply", "acquire_retry", "duration_ms",
+           "verify_late_grant", "HeldLease", "HeldLeases", "CALLER", "Caller", "current_caller", "new_caller",
+           "acts_for", "party", "actor_id", "with_actor", "extend_args", "extended_ms"]
 
 
 class AcquireRequest(NamedTuple):
@@ -72,153 +86,20 @@ def duration_ms(value: Any, what: str, *, allow_zero: bool = False) -> int:
         return max(1, math.ceil(value * 1000))
     return P.seconds_to_ms(value, what, allow_zero=allow_zero)
 
-class Caller:
-    """An asyncio task's identity as a caller of the client, for the self-wait check and
-    the deadlock detector's ``actor``: a node of the tree of structured concurrency.
-
-    A task's node is made the first time it acquires (or asks who it is), in its own
-    context, with ``parent`` the node its context carried: the node of the task in whose
-    context it was created (``asyncio.wait_for`` on Python 3.10/3.11, ``gather``,
-    ``TaskGroup``, ``create_task``, ``ensure_future`` all copy the creating task's
-    context), skipping ancestors whose task has ended.  A task *acts for* its ancestors:
-    its waits are theirs.  See :func:`acts_for` and :func:`actor_id`.
-
-    Attributes:
-        task (weakref.ref[asyncio.Task]): the task this node stands for.
-        parent (Caller | None): the nearest live ancestor's node, or None.
-        held (dict[int, int] | None): per client (the ``id`` of its connector), the
-            leases granted with this node as their party and not yet forgotten.
-        actor (int): this process's number for the node (1, 2, ...; never reused).
-    """
-
-    __slots__ = ("task", "parent", "held", "actor")
-
-    def __init__(self, task: asyncio.Task[Any], parent: Caller | None):
-        self.task: weakref.ref[asyncio.Task[Any]] = weakref.ref(task)
-        while parent is not None and _ended(parent):
-            parent = parent.parent
-        self.parent: Caller | None = parent
-        self.held: dict[int, int] | None = None
-        self.actor = next(_NEXT_ACTOR)
-
-    def __repr__(self) -> str:
-        parent = None if self.parent is None else self.parent.actor
-        return f"<Caller actor={self.actor} held={self.held} parent={parent}>"
 
 
-def party(who: Caller, key: int) -> Caller:
-    """The node whose party a wait by ``who`` through the client ``key`` is: the nearest
-    of ``who`` and its live ancestors that holds a lease through that client (their
-    leases are what the wait keeps from being released), else ``who`` itself."""
-    node: Caller | None = who
-    for _ in range(MAX_ANCESTRY):
-        if node is None:
-            break
-        held = node.held
-        if held and held.get(key) and (node is who or not _ended(node)):
-            return node
-        node = node.parent
-    return who
-
-
-def _ended(node: Caller) -> bool:
-    task = node.task()
-    return task is None or task.done()
-
-
-#: who acquires: the blocking client sets its calling thread (its tasks inherit the
-#: context); otherwise the :class:`Caller` node of the current asyncio task, made on first use
-CALLER: ContextVar[object | None] = ContextVar("fastlock_caller", default=None)
-
-#: the longest chain of ancestors :func:`acts_for` and :func:`actor_id` walk
-MAX_ANCESTRY = 256
-
-
-def current_caller(loop: asyncio.AbstractEventLoop | None = None) -> object:
-    """The thread (blocking client) or the :class:`Caller` node of the asyncio task that
-    calls now (made, and set in the task's context, on first use); None outside a task.
-    ``loop``: the running loop, if the caller has it (CPython finds it with a
-    ``getpid()`` call otherwise)."""
-    who = CALLER.get()
-    if who is not None and type(who) is not Caller:
-        return who
-    task = asyncio.current_task(loop)
-    if task is None:
-        return None
-    if who is not None and who.task() is task:
-        return who
-    node = Caller(task, who)
-    CALLER.set(node)
-    return node
-
-
-def new_caller() -> None:
-    """Make the calling asyncio task a caller of its own, acting for no ancestor (from
-    now on, and for the tasks it creates afterwards): its waits for a lock an ancestor
-    holds queue as another task's would, and the deadlock detector does not count them
-    as its ancestors' waits.  For a long-lived task spawned by a lock holder that serves
-    on its own (a connection handler, a worker).  No effect outside a task."""
-    task = asyncio.current_task()
-    if task is not None:
-        CALLER.set(Caller(task, None))
-
-
-def acts_for(who: object, holder: object) -> bool:
-    """True if ``who`` (a :func:`current_caller`) is ``holder`` or a task created in
-    ``holder``'s context, directly or through other tasks: a wait by ``who`` for a
-    lease ``holder`` holds is a wait for itself."""
-    if who is holder:
-        return True
-    if type(who) is not Caller:
-        return False
-    node = who.parent
-    for _ in range(MAX_ANCESTRY):
-        if node is None:
-            return False
-        if node is holder:
-            return not _ended(node)
-        node = node.parent
-    return False
-
-
-_ACTORS: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
-_ACTORS_LOCK = threading.Lock()
-_NEXT_ACTOR = itertools.count(1)
-
-
-def actor_id(connector: object | None = None) -> int:
-    """This process's number (1, 2, ...; never reused) for the party that waits when the
-    caller waits: the ``actor`` by which the server's deadlock detection tells the waits
-    of one connection apart; 0 outside a task.
-
-    A blocking client's thread is its own party.  An asyncio task's party is
-    :func:`party` for the client ``connector`` (the nearest of itself and its live
-    ancestors that holds a lease through it, else itself): a child's wait blocks the
-    parent that awaits it, so a parent holding ``a`` whose child waits for ``b``, held
-    by a task waiting for ``a``, is a cycle the server sees."""
-    who = current_caller()
-    if who is None:
-        return 0
-    if type(who) is Caller:
-        return party(who, id(connector)).actor
-    with _ACTORS_LOCK:
-        n = _ACTORS.get(who)
-        if n is None:
-            n = _ACTORS[who] = next(_NEXT_ACTOR)
-    return n
-
-
-def with_actor(connector: Connector, kind: tuple[Any, ...]) -> tuple[Any, ...]:
+def with_actor(connector: Connector, kind: tuple[Any, ...], who: object = None) -> tuple[Any, ...]:
     """ACQUIRE's trailing arguments: ``kind`` (see :func:`~fastlock.client.kinds.kind_args`)
-    and, to a server that reads it (HELLO's ``"actors"``), the caller's :func:`actor_id`;
-    then ``True`` when the client asks for sequencers (``connect(sequencers=True)``).
+    and, to a server that reads it (HELLO's ``"actors"``), the caller's :func:`actor_id`
+    (``who``: the :func:`current_caller`, if the caller has it); then ``True`` when the
+    client asks for sequencers (``connect(sequencers=True)``).
 
     :raises InvalidArgument: sequencers asked for, and the server holds no sequencer key."""
     if asks_sequencers(connector):
-        return (*kind_pair(kind), actor_id(connector), True)
+        return (*kind_pair(kind), actor_id(connector, who), True)
     if not connector.server_info.get("actors"):
         return kind
-    return (*kind_pair(kind), actor_id(connector))
+    return (*kind_pair(kind), actor_id(connector, who))
 
 
 def asks_sequencers(connector: Connector) -> bool:
@@ -233,15 +114,17 @@ def asks_sequencers(connector: Connector) -> bool:
     return True
 
 
-def acquire_call(connector: Connector, kind: tuple[Any, ...], priority: int) -> tuple[int, tuple[Any, ...]]:
+def acquire_call(connector: Connector, kind: tuple[Any, ...], priority: int,
+                 who: object = None) -> tuple[int, tuple[Any, ...]]:
     """The op and trailing arguments of an acquire: ACQUIRE with :func:`with_actor`'s, or for a
     priority above 0, ACQUIRE_PRIORITY with shared, limit, actor and the priority, then ``True``
-    when the client asks for sequencers (:mod:`fastlock.server.preemption`).
+    when the client asks for sequencers (:mod:`fastlock.server.preemption`).  ``who``: the
+    :func:`current_caller`, if the caller has it.
 
     :raises InvalidArgument: sequencers asked for, and the server holds no sequencer key."""
     if not priority:
-        return P.OP_ACQUIRE, with_actor(connector, kind)
-    actor = actor_id(connector) if connector.server_info.get("actors") else 0
+        return P.OP_ACQUIRE, with_actor(connector, kind, who)
+    actor = actor_id(connector, who) if connector.server_info.get("actors") else 0
     if asks_sequencers(connector):
         return OP_ACQUIRE_PRIORITY, (*kind_pair(kind), actor, priority, True)
     return OP_ACQUIRE_PRIORITY, (*kind_pair(kind), actor, priority)
@@ -250,94 +133,6 @@ def acquire_call(connector: Connector, kind: tuple[Any, ...], priority: int) -> 
 def kind_pair(kind: tuple[Any, ...]) -> tuple[bool, int]:
     """``(shared, limit)`` of ACQUIRE's trailing kind arguments (``()``, ``(True,)`` or ``(False, limit)``)."""
     return (bool(kind[0]) if kind else False, kind[1] if len(kind) > 1 else 0)
-
-
-#: the smallest size at which :class:`HeldLeases` sweeps out ended leases
-SWEEP_MIN = 1024
-
-
-class HeldLease(NamedTuple):
-    """An entry of :attr:`HeldLeases.by_name`: the last lease granted of a name, to whom."""
-
-    lease: Lease
-    caller: object  #: the task or thread it went to (see :func:`current_caller`)
-    exclusive: bool  #: neither a shared lease nor a semaphore permit
-    party: Caller | None  #: the caller node its hold is counted against (see :func:`party`), None: a thread
-
-
-def _unhold(node: Caller | None, key: int) -> None:
-    if node is not None and node.held:
-        n = node.held.get(key, 0) - 1
-        if n > 0:
-            node.held[key] = n
-        else:
-            node.held.pop(key, None)
-
-
-class HeldLeases:
-    """The last lease a client was granted per lock name, and the caller (an asyncio
-    task's :class:`Caller` node, or a blocking client's thread) it went to: the self-wait check of :meth:`Client.acquire
-    <fastlock.client.Client.acquire>`.  An entry goes on release; entries of leases that
-    ended otherwise (expired, lost) are swept out whenever the table has doubled since
-    the last sweep, so it holds at most about twice the live leases."""
-
-    __slots__ = ("by_name", "_sweep_at", "_key")
-
-    def __init__(self, connector: object | None = None) -> None:
-        #: lock name -> its entry; read directly by ``Client.acquire`` (one lookup)
-        self.by_name: dict[str, HeldLease] = {}
-        self._sweep_at = SWEEP_MIN
-        #: the client, for :func:`party` (the ``id`` of its connector)
-        self._key = id(self if connector is None else connector)
-
-    def remember(self, lease: Lease, exclusive: bool, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Record ``lease`` as the caller's grant of its name (``exclusive``: not a
-        shared lease nor a semaphore permit; ``loop``: the running loop, if known)."""
-        by_name = self.by_name
-        who = current_caller(loop)
-        key = self._key
-        node = None
-        if type(who) is Caller:
-            node = party(who, key)
-            held = node.held
-            if held is None:
-                held = node.held = {}
-            held[key] = held.get(key, 0) + 1
-        old_entry = by_name.get(lease.name)
-        by_name[lease.name] = HeldLease(lease, who, exclusive, node)
-        if old_entry is not None:
-            _unhold(old_entry.party, key)
-        if len(by_name) >= self._sweep_at:
-            for name, entry in list(by_name.items()):
-                if entry.lease.lost.is_set() or entry.lease.time_left() <= 0:
-                    del by_name[name]
-                    _unhold(entry.party, key)
-            self._sweep_at = max(SWEEP_MIN, 2 * len(by_name))
-
-    def forget(self, lease: Lease) -> None:
-        """Drop ``lease`` if it is the entry of its name (any copy of it)."""
-        entry = self.by_name.get(lease.name)
-        if entry is not None and entry.lease.state is lease.state:
-            del self.by_name[lease.name]
-            _unhold(entry.party, self._key)
-
-    def refuse_self_wait(self, entry: HeldLease, exclusive: bool) -> None:
-        """Raise :class:`AlreadyHeld` if ``entry`` (from :attr:`by_name`) belongs to the
-        caller, is still live (not lost, its TTL not passed by the client's estimate)
-        and either it or the request (``exclusive``) is exclusive: a shared lease or a
-        permit asked by a holder of a shared lease or a permit can be granted beside it.
-        A dead entry is dropped."""
-        lease = entry.lease
-        if not (entry.exclusive or exclusive):
-            return
-        if lease.lost.is_set() or lease.time_left() <= 0:
-            self.forget(lease)
-            return
-        if not acts_for(current_caller(), entry.caller):
-            return  # an unrelated task or thread of this client: waiting for it is no deadlock
-        raise AlreadyHeld(f"this client already holds {quote(lease.name)} (fencing token {lease.fencing_token}); "
-                          "a second acquire would wait for itself (pass queue_behind_self=True to queue anyway)",
-                          lease.fencing_token)
 
 
 async def acquire_retry(connector: Connector, connect_timeout: float, request: AcquireRequest,

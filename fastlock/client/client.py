@@ -29,16 +29,15 @@ from typing import Any
 from .. import protocol as P
 from ..errors import ConnectionLost, InvalidArgument, LeaseLost, WrongArgumentType
 from ..protocol.ops import OP_TRANSFER
-from ..protocol.priority import check_priority
 from ..tls import client_ssl_context
 from ..tokens import epoch_of
 from ..units import check_seconds
+from ._path import acquire_request, acquire_tail, grant_lease
 from .acquire import (
     AcquireRequest,
     HeldLeases,
-    acquire_call,
     acquire_retry,
-    duration_ms,
+    current_caller,
     extend_args,
     extended_ms,
     verify_late_grant,
@@ -59,10 +58,9 @@ from .election import Election
 from .environment import addresses_from_env, tls_from_env
 from .keys import KeyMethods
 from .kinds import MAX_CONTENDERS, Semaphore, kind_args, list_contenders
-from .lease import HolderInfo, Lease, LeaseState, WatchEvent, check_fraction, check_lease
+from .lease import HolderInfo, Lease, WatchEvent, check_fraction, check_lease
 from .multilock import LockManyContext, MultiLease, acquire_many, release_many, sorted_names
-from .owner_keys import new_owner_key
-from .preempt import deliver_revoke_request, grace_ms, send_revoke_request
+from .preempt import deliver_revoke_request, send_revoke_request
 from .recipes import RecipeMethods
 from .renewer import LockContext, Renewer, Renewers
 from .session import DEFAULT_SESSION_TTL, SessionAdminMethods, SessionKeeper
@@ -331,26 +329,20 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods, SessionAdminMethods):
         held = self._held.by_name.get(name)
         if held is not None and wait != 0 and not queue_behind_self:
             self._held.refuse_self_wait(held, not shared and not limit)
-        P.check_name(name)
-        ttl_ms = P.check_ttl_ms(duration_ms(ttl, "ttl"))
-        wait_ms = P.check_wait_ms(-1 if wait is None else duration_ms(wait, "wait", allow_zero=True))
-        delay_ms = P.check_lock_delay_ms(0 if lock_delay == 0.0 and type(lock_delay) is float
-                                         else duration_ms(lock_delay, "lock_delay", allow_zero=True))
-        if correlation_id is not None:
-            P.check_optional_str(correlation_id, "correlation_id", P.MAX_CORRELATION_ID_CHARS)
-        kind = kind_args(shared, limit)
-        if priority:
-            check_priority(priority)
-        grace = None if preempt is None else grace_ms(preempt)
-        owner = new_owner_key()
+        # every argument checked, the owner key drawn (compiled: fastlock/client/_path.pyx)
+        request = acquire_request(name, ttl, wait, lock_delay, correlation_id, shared, limit, priority, preempt)
+        owner = request.owner
         connector = self._connector
         proto = connector.proto
         if proto is not None and not proto.closed:
             loop = proto.loop
             sent = started = loop.time()
-            op, tail = acquire_call(connector, kind, priority)
-            fut = proto.request(op, name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, *tail)
-            if grace is not None and wait_ms != 0:
+            who = current_caller(loop)
+            op, tail = acquire_tail(connector, request.kind, priority, who)
+            fut = proto.request(op, name, owner, request.ttl_ms, request.wait_ms, request.lock_delay_ms,
+                                correlation_id, *tail)
+            grace = request.preempt_ms
+            if grace is not None and request.wait_ms != 0:
                 send_revoke_request(proto, name, owner, grace)
             try:
                 reply = await fut
@@ -358,30 +350,18 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods, SessionAdminMethods):
                 self._connector.withdraw(proto, name, owner)
                 raise
             except RETRYABLE as exc:
-                request = AcquireRequest(name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind, priority,
-                                         grace)
                 reply, sent = await acquire_retry(connector, self._connect_timeout, request, sent, proto, exc)
         else:
             loop = asyncio.get_running_loop()
             started = loop.time()
-            request = AcquireRequest(name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind, priority, grace)
+            who = current_caller(loop)
             reply, sent = await acquire_retry(connector, self._connect_timeout, request, started)
-        token = reply[0]
-        granted_ttl = reply[1] / 1000.0
-        # The grant happened no earlier than `sent + waited` on our clock (the
-        # server received the request after we sent it, then it waited).
-        waited = reply[2] / 1000.0 if len(reply) > 2 else 0.0
-        expires_at = sent + waited + granted_ttl
-        epoch = epoch_of(token)
-        if epoch > connector.max_epoch:
-            connector.max_epoch = epoch
-        lease = Lease(name, token, granted_ttl, owner, LeaseState(expires_at))
-        if len(reply) > 3 and type(reply[3]) is dict:  # a signed sequencer (fastlock.sequencer)
-            lease.state.sequencer = reply[3].get("sequencer")
-        if expires_at - loop.time() < granted_ttl * LATE_GRANT_FRACTION:
-            request = AcquireRequest(name, owner, ttl_ms, wait_ms, delay_ms, correlation_id, kind, priority)
-            lease = await verify_late_grant(self, lease, request, started)
-        self._held.remember(lease, not shared and not limit, loop)
+        # The grant happened no earlier than `sent + waited` on our clock (the server received
+        # the request after we sent it, then it waited): the lease's expires_at counts from there
+        lease = grant_lease(name, owner, reply, sent, connector)
+        if lease.state.expires_at - loop.time() < lease.ttl * LATE_GRANT_FRACTION:
+            lease = await verify_late_grant(self, lease, AcquireRequest(*request[:8]), started)
+        self._held.remember(lease, not shared and not limit, loop, who)
         return lease
 
     async def transfer(self, lease: Lease, to: str) -> None:
@@ -421,11 +401,14 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods, SessionAdminMethods):
             ConnectionLost: no primary could be reached within ``request_timeout``;
                 the lease expires by its TTL.
         """
-        check_lease(lease)
-        self.renewers.stop(lease)
+        if type(lease) is not Lease:
+            check_lease(lease)
+        renewers = self.renewers
+        if renewers.by_state:
+            renewers.stop(lease)
         self._held.forget(lease)
         try:
-            await self._request(P.OP_RELEASE, lease.name, lease.fencing_token, lease.owner)
+            await call(self._connector, P.OP_RELEASE, (lease.name, lease.fencing_token, lease.owner), self._op_timeout)
         except LeaseLost:
             lease.lost.set()
             raise

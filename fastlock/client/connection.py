@@ -180,7 +180,7 @@ class Connector:
                  "_auth", "_client_name",
                  "_connect_timeout", "_request_timeout", "_ssl", "_server_hostname", "_connecting",
                  "_connect_task", "_attempt", "_suspects", "_demoted", "_preferred", "_nodes", "_refusal_logs",
-                 "sequencers")
+                 "sequencers", "attempt_bounds")
 
     def __init__(self, addresses: Iterable[Any], *, auth: str | None, client_name: str | None,
                  connect_timeout: float, request_timeout: float | None, ssl_context: ssl.SSLContext | None,
@@ -200,6 +200,9 @@ class Connector:
         self.max_epoch = 0
         self.orphans: list[tuple[str, bytes]] = []
         self.sequencers = False
+        #: the attempt bounds of the calls on this connector (a ``fastlock.client.calls.AttemptBounds``,
+        #: made by the first call that needs one)
+        self.attempt_bounds: Any = None
         #: set once a server refused ACQUIRE_MANY as unknown (an older fastlock): multi-locks go one by one
         self.no_acquire_many = False
         #: given every PUSH_REVOKE_REQUESTED payload (the client finds the lease it names)

@@ -30,7 +30,7 @@ def new_owner_key() -> bytes:
     ``os.urandom``), never returned before in this process."""
     if not _pool:
         raw = os.urandom(OWNER_KEY_BYTES * KEYS_PER_DRAW)
-        _pool.extend(raw[i:i + OWNER_KEY_BYTES] for i in range(0, len(raw), OWNER_KEY_BYTES))
+        _pool.extend([raw[i:i + OWNER_KEY_BYTES] for i in range(0, len(raw), OWNER_KEY_BYTES)])
     return _pool.pop()
 
 

@@ -51,36 +51,37 @@ class Renewers:
     :class:`~fastlock.client.lease.LeaseState`): a release stops the
     lease's renewer, closing the client stops them all."""
 
-    __slots__ = ("_by_state",)
+    __slots__ = ("by_state",)
 
     def __init__(self) -> None:
-        self._by_state: dict[int, Renewer] = {}
+        #: ``id`` of a lease's state -> its renewer (read by a release: one test when it is empty)
+        self.by_state: dict[int, Renewer] = {}
 
     def add(self, renewer: Renewer) -> None:
-        old = self._by_state.get(id(renewer.lease.state))
+        old = self.by_state.get(id(renewer.lease.state))
         if old is not None and old is not renewer:
             old.stop()
-        self._by_state[id(renewer.lease.state)] = renewer
+        self.by_state[id(renewer.lease.state)] = renewer
 
     def discard(self, renewer: Renewer) -> None:
         key = id(renewer.lease.state)
-        if self._by_state.get(key) is renewer:
-            del self._by_state[key]
+        if self.by_state.get(key) is renewer:
+            del self.by_state[key]
 
     def stop(self, lease: Lease) -> None:
         """Stop renewing ``lease`` (any copy of it), if it is being renewed."""
-        renewer = self._by_state.pop(id(lease.state), None)
+        renewer = self.by_state.pop(id(lease.state), None)
         if renewer is not None:
             renewer.stop()
 
     def stop_all(self) -> None:
-        renewers = list(self._by_state.values())
-        self._by_state.clear()
+        renewers = list(self.by_state.values())
+        self.by_state.clear()
         for renewer in renewers:
             renewer.stop()
 
     def __len__(self) -> int:
-        return len(self._by_state)
+        return len(self.by_state)
 
 
 class Renewer:

@@ -1,0 +1,344 @@
+# cython: language_level=3
+"""The compiled request path of the asyncio client (see fastlock/client/client.py).
+
+:func:`acquire_request` is every argument check of :meth:`Client.acquire
+<fastlock.client.Client.acquire>` in one compiled step: the common shapes (an ASCII name
+of at most 512 characters, durations given as ``float`` or ``int`` seconds inside their
+ranges, no correlation id, an exclusive lock) are decided in C; any other value of an
+argument goes to the Python check of that argument (:mod:`fastlock.protocol.validation`,
+:func:`~fastlock.client.acquire.duration_ms`, :func:`~fastlock.client.kinds.kind_args`,
+:func:`~fastlock.protocol.priority.check_priority`,
+:func:`~fastlock.client.preempt.grace_ms`), in the same order, so a bad argument raises
+the same error with the same message.  It draws the owner key and returns the
+:class:`~fastlock.client.acquire.AcquireRequest`.
+
+:func:`grant_lease` turns an ACQUIRE reply ``[token, ttl_ms, waited_ms, extra?]`` into
+the :class:`~fastlock.client.lease.Lease` (its :class:`~fastlock.client.lease.LeaseState`
+made without a Python ``__init__``) and raises the connector's ``max_epoch`` to the
+token's epoch.
+
+:func:`acquire_tail` is :func:`~fastlock.client.acquire.acquire_call` with its common
+shapes (no priority, no sequencer asked; a server that reads no actor, or an exclusive
+lock asked by an asyncio task) decided here.
+
+:func:`call` is :func:`fastlock.client.calls.call` (see that module): one request under
+one deadline, a compiled coroutine; :class:`AttemptBounds` keeps the attempt bounds of a
+connector's idempotent calls on one timer.
+"""
+
+import math
+from asyncio import get_running_loop
+
+cimport cython
+from libc.math cimport ceil
+from cpython.float cimport PyFloat_AS_DOUBLE
+from cpython.long cimport PyLong_AsLongLongAndOverflow
+
+from ..protocol.priority import check_priority
+from ..protocol.validation import (
+    MAX_CORRELATION_ID_CHARS,
+    check_lock_delay_ms,
+    check_name,
+    check_optional_str,
+    check_ttl_ms,
+    check_wait_ms,
+)
+from ..protocol.ops import OP_ACQUIRE, OP_CHECK, OP_CONTENDERS, OP_EXTEND, OP_HOLDER, OP_KEY_GET, OP_KEY_LIST
+from ..protocol.ops import OP_LOCK_INFO, OP_LOCKS, OP_NAMES, OP_PING, OP_RELEASE, OP_STATUS
+from ..tokens import TOKEN_EPOCH_SHIFT
+from ._callers import Caller, party
+from .acquire import AcquireRequest, acquire_call, duration_ms
+from .connection import RETRYABLE, RideThrough
+from .kinds import kind_args
+from .lease import Lease, LeaseState
+from .owner_keys import new_owner_key
+from .preempt import grace_ms
+
+cdef extern from "Python.h":
+    bint PyUnicode_IS_ASCII(object o)
+
+# the protocol's limits (fastlock.protocol.validation), as C constants
+from ..protocol.validation import MAX_LOCK_DELAY_MS as _MAX_LOCK_DELAY_MS
+from ..protocol.validation import MAX_NAME_BYTES as _MAX_NAME_BYTES
+from ..protocol.validation import MAX_TTL_MS as _MAX_TTL_MS
+from ..protocol.validation import MAX_WAIT_MS as _MAX_WAIT_MS
+from ..protocol.validation import MIN_TTL_MS as _MIN_TTL_MS
+
+cdef long long MAX_LOCK_DELAY_MS = _MAX_LOCK_DELAY_MS
+cdef Py_ssize_t MAX_NAME_BYTES = _MAX_NAME_BYTES
+cdef long long MAX_TTL_MS = _MAX_TTL_MS
+cdef long long MAX_WAIT_MS = _MAX_WAIT_MS
+cdef long long MIN_TTL_MS = _MIN_TTL_MS
+cdef object _tuple_new = tuple.__new__
+cdef object _object_new = object.__new__
+cdef object _AcquireRequest = AcquireRequest
+cdef object _Lease = Lease
+cdef object _LeaseState = LeaseState
+cdef object _new_owner_key = new_owner_key
+cdef object _EPOCH_SHIFT = TOKEN_EPOCH_SHIFT
+cdef tuple _EXCLUSIVE = ()
+
+
+cdef long long _common_ms(object value, bint allow_zero):
+    """``value`` seconds (a ``float``, or an ``int`` that fits in 64 bits) as milliseconds,
+    as :func:`~fastlock.client.acquire.duration_ms` gives them (``max(1, ceil(value *
+    1000))`` for 0 < value < 1e9, 0 for a zero when ``allow_zero``); -2 for any other
+    value (the Python check decides, and raises)."""
+    cdef double d
+    cdef int overflow = 0
+    cdef long long whole
+    if type(value) is float:
+        d = PyFloat_AS_DOUBLE(value)
+    elif type(value) is int:
+        whole = PyLong_AsLongLongAndOverflow(value, &overflow)
+        if overflow:
+            return -2
+        d = <double>whole
+    else:
+        return -2
+    if 0.0 < d < 1e9:  # NaN fails
+        d = ceil(d * 1000.0)
+        return 1 if d < 1.0 else <long long>d
+    if allow_zero and d == 0.0:
+        return 0
+    return -2
+
+
+cdef inline bint _common_name(object name):
+    """A lock name that needs no encoding to be checked: ASCII, 1..512 characters, no NUL."""
+    return (type(name) is str and PyUnicode_IS_ASCII(name) and 0 < len(<str>name) <= MAX_NAME_BYTES
+            and "\x00" not in <str>name)
+
+
+def acquire_request(name, ttl, wait, lock_delay, correlation_id, shared, limit, priority, preempt):
+    """The checked :class:`~fastlock.client.acquire.AcquireRequest` of one acquire, with a
+    fresh owner key (see the module docstring).  Arguments as :meth:`Client.acquire
+    <fastlock.client.Client.acquire>` takes them: ``ttl``, ``wait`` (None: forever),
+    ``lock_delay`` and ``preempt`` (None: none) in seconds.
+
+    :raises WrongArgumentType: an argument of a wrong type (as the Python checks raise it).
+    :raises InvalidArgument: an argument out of its range (as the Python checks raise it).
+    """
+    cdef long long ttl_ms, wait_ms, delay_ms
+    if not _common_name(name):
+        check_name(name)
+    ttl_ms = _common_ms(ttl, False)
+    if not MIN_TTL_MS <= ttl_ms <= MAX_TTL_MS:
+        ttl_ms = check_ttl_ms(duration_ms(ttl, "ttl"))
+    if wait is None:
+        wait_ms = -1
+    else:
+        wait_ms = _common_ms(wait, True)
+        if not 0 <= wait_ms <= MAX_WAIT_MS:
+            wait_ms = check_wait_ms(duration_ms(wait, "wait", allow_zero=True))
+    delay_ms = _common_ms(lock_delay, True)
+    if not 0 <= delay_ms <= MAX_LOCK_DELAY_MS:
+        delay_ms = check_lock_delay_ms(duration_ms(lock_delay, "lock_delay", allow_zero=True))
+    if correlation_id is not None:
+        check_optional_str(correlation_id, "correlation_id", MAX_CORRELATION_ID_CHARS)
+    if shared is False and type(limit) is int and limit == 0:
+        kind = _EXCLUSIVE
+    else:
+        kind = kind_args(shared, limit)
+    if priority:
+        check_priority(priority)
+    grace = None if preempt is None else grace_ms(preempt)
+    return _tuple_new(_AcquireRequest, (name, _new_owner_key(), ttl_ms, wait_ms, delay_ms, correlation_id, kind,
+                                        priority, grace))
+
+
+@cython.boundscheck(True)  # the reply is the server's: an index out of range raises, as in Python
+@cython.wraparound(True)
+def grant_lease(name, owner, reply, double sent, connector):
+    """The :class:`~fastlock.client.lease.Lease` an ACQUIRE reply ``[token, ttl_ms,
+    waited_ms, extra]`` (the last two optional) grants for ``name`` and ``owner``, its
+    request sent at ``sent`` (``loop.time()``, seconds): ``ttl`` the granted TTL in
+    seconds, ``expires_at`` ``sent + waited + ttl`` (the grant happened no earlier: see
+    :meth:`Client.acquire <fastlock.client.Client.acquire>`), the signed sequencer of
+    ``extra`` (a dict) if it holds one.  Raises ``connector.max_epoch`` to the token's epoch.
+
+    :raises TypeError, IndexError: a reply of another shape.
+    """
+    token = reply[0]
+    cdef double granted_ttl = reply[1] / 1000.0
+    cdef Py_ssize_t n = len(reply)
+    cdef double waited = reply[2] / 1000.0 if n > 2 else 0.0
+    epoch = token >> _EPOCH_SHIFT
+    if epoch > connector.max_epoch:
+        connector.max_epoch = epoch
+    state = _object_new(_LeaseState)  # LeaseState.__init__'s fields, set here
+    state._lost = None
+    state.expires_at = sent + waited + granted_ttl
+    state._health = None
+    state.sequencer = None
+    state.revoke_request = None
+    state._revoke_requested = None
+    if n > 3:
+        extra = reply[3]
+        if type(extra) is dict:  # a signed sequencer (fastlock.sequencer)
+            state.sequencer = (<dict>extra).get("sequencer")
+    lease = _object_new(_Lease)  # Lease.__init__'s fields, set here
+    cdef dict fields = lease.__dict__
+    fields["name"] = name
+    fields["fencing_token"] = token
+    fields["ttl"] = granted_ttl
+    fields["owner"] = owner
+    fields["state"] = state
+    return lease
+
+
+cdef object _Caller = Caller
+cdef object _acquire_call = acquire_call
+cdef object _party = party
+
+
+def acquire_tail(connector, tuple kind, priority, who):
+    """:func:`~fastlock.client.acquire.acquire_call` ``(connector, kind, priority, who)``:
+    the op and trailing arguments of an acquire (``who``: the caller's
+    :func:`~fastlock.client.acquire.current_caller`).
+
+    :raises InvalidArgument: sequencers asked for, and the server holds no sequencer key."""
+    if not priority and not connector.sequencers:
+        if not connector.server_info.get("actors"):
+            return OP_ACQUIRE, kind
+        if type(who) is _Caller and not kind:
+            return OP_ACQUIRE, (False, 0, _party(who, id(connector)).actor)
+    return _acquire_call(connector, kind, priority, who)
+
+
+#: operations that may be sent again while an earlier attempt's outcome is unknown: a
+#: second RELEASE finds the lease gone (taken as released, see ``RideThrough.send``),
+#: a second EXTEND renews again, the rest only read
+IDEMPOTENT_OPS = frozenset({OP_RELEASE, OP_EXTEND, OP_CHECK, OP_STATUS, OP_PING, OP_HOLDER, OP_LOCKS, OP_LOCK_INFO,
+                            OP_KEY_GET, OP_KEY_LIST, OP_CONTENDERS})
+
+
+cdef class AttemptBound:
+    """One first attempt's bound (:class:`AttemptBounds`).
+
+    Attributes:
+        started (float): ``loop.time()`` when the request went out.
+        due (float): ``loop.time()`` by which the server must have sent something since ``started``.
+        op (int): the request's op, for the reason given.
+    """
+
+    cdef readonly double started
+    cdef readonly double due
+    cdef readonly object op
+
+    def __repr__(self):
+        return f"<AttemptBound op={self.op} started={self.started:.3f} due={self.due:.3f}>"
+
+
+cdef class AttemptBounds:
+    """The attempt bounds of one connector's calls, on one timer.
+
+    :meth:`begin` records a bound and :meth:`end` drops it when the reply comes.  The
+    timer is armed for the earliest bound outstanding; when it fires, each bound that
+    is due and still outstanding is checked as a timer of its own would check it
+    (:meth:`Connector.reset_if_silent_since
+    <fastlock.client.connection.Connector.reset_if_silent_since>`: the connection is
+    reset unless the server sent something since the request went out), then the timer
+    is armed for the earliest bound left.
+
+    Attributes:
+        connector (Connector): whose calls these are.
+        outstanding (dict[int, AttemptBound]): key -> the bound of an attempt whose
+            reply has not come, in the order they began.
+    """
+
+    cdef readonly object connector
+    cdef readonly dict outstanding
+    cdef object _loop
+    cdef object _timer
+    cdef double _timer_due
+    cdef long long _last_key
+
+    def __init__(self, connector, loop):
+        self.connector = connector
+        self.outstanding = {}
+        self._loop = loop
+        self._timer = None
+        self._timer_due = math.inf
+        self._last_key = 0
+
+    cpdef long long begin(self, double started, double attempt, object op):
+        """Record the bound of an attempt sent at ``started`` (``loop.time()``) that must
+        hear from the server within ``attempt`` seconds; return its key."""
+        cdef AttemptBound bound = AttemptBound.__new__(AttemptBound)
+        bound.started = started
+        bound.due = started + attempt
+        bound.op = op
+        self._last_key += 1
+        self.outstanding[self._last_key] = bound
+        if bound.due < self._timer_due:
+            self._arm(bound.due)
+        return self._last_key
+
+    cpdef void end(self, long long key):
+        """The reply of the attempt ``key`` came (or it failed): drop its bound."""
+        self.outstanding.pop(key, None)
+
+    cdef void _arm(self, double due):
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_due = due
+        self._timer = self._loop.call_at(due, self._fire)
+
+    def _fire(self):
+        self._timer = None
+        self._timer_due = math.inf
+        cdef double now = self._loop.time()
+        cdef dict outstanding = self.outstanding
+        cdef AttemptBound bound
+        due = [(key, bound) for key, bound in outstanding.items() if bound.due <= now]
+        for key, bound in due:
+            del outstanding[key]
+        for key, bound in due:
+            self.connector.reset_if_silent_since(bound.started, f"{OP_NAMES.get(bound.op, bound.op)} got no reply in time")
+        if outstanding:
+            self._arm(min([(<AttemptBound>b).due for b in outstanding.values()]))
+
+
+def attempt_bounds(connector, loop):
+    """The connector's :class:`AttemptBounds` (made on first use, on ``loop``)."""
+    bounds = connector.attempt_bounds
+    if bounds is None:
+        bounds = connector.attempt_bounds = AttemptBounds(connector, loop)
+    return bounds
+
+
+async def call(connector, op, tuple args, double op_timeout):
+    """Send ``op`` with ``args`` and return its reply's value, riding through a failover
+    within ``op_timeout`` seconds (see :mod:`fastlock.client.calls`).
+
+    :raises ConnectionLost: no primary answered before the deadline.
+    :raises FastlockError: any other error the server replied with.
+    """
+    cdef bint bounded = op in IDEMPOTENT_OPS
+    cdef double attempt = op_timeout / 2.0
+    cdef double started
+    cdef long long key = 0
+    cdef AttemptBounds bounds = None
+    proto = connector.proto
+    if proto is not None and not proto.closed:
+        loop = proto.loop
+        started = loop.time()
+        if bounded:
+            bounds = connector.attempt_bounds
+            if bounds is None:
+                bounds = attempt_bounds(connector, loop)
+            key = bounds.begin(started, attempt, op)
+        try:
+            return await proto.request(op, *args)
+        except RETRYABLE as exc:
+            failed = exc
+            if connector.closed:
+                raise
+        finally:
+            if bounds is not None:
+                bounds.end(key)
+        return await RideThrough(connector, started + op_timeout).send(op, args, proto, failed,
+                                                                        attempt_timeout=attempt if bounded else None)
+    return await RideThrough(connector, get_running_loop().time() + op_timeout).send(
+        op, args, attempt_timeout=attempt if bounded else None)
