@@ -70,6 +70,14 @@ def pair(a_address: str, b_address: str) -> tuple[EtcdArbiter, Events, EtcdArbit
     return (*arbiter(a_address, prefix, "a"), *arbiter(b_address, prefix, "b"))
 
 
+def silence(a: EtcdArbiter) -> None:
+    """``a`` stops talking to etcd as a dead node would: its steps (renewals) and its
+    heartbeats between steps end (no revoke)."""
+    for task in (a._task, a._pulse_task):
+        if task is not None:
+            task.cancel()
+
+
 async def primary_and_standby(a: EtcdArbiter, b: EtcdArbiter) -> None:
     """Start ``a``, wait until it holds the key, then start ``b`` and wait until it sees ``a``."""
     a.start()
@@ -149,7 +157,7 @@ async def test_a_step_between_two_regular_ones_skips_a_fresh_renewal(etcd):
         await b.step()
         assert paths == ["kv/txn"], paths  # the primary key and its heartbeat: no renewal, no member write
         assert b.primary is not None and b.primary.node == "a"
-        a._task.cancel()  # a dies: its lease runs out in etcd
+        silence(a)  # a dies: its lease runs out in etcd
         b.start()
         await wait_until(lambda: b.holding, 10, "b to take the key")
         assert b.may_grant() and eb.first("elected") is not None
@@ -163,7 +171,7 @@ async def test_dead_primary_replaced_within_ttl(etcd):
     try:
         await primary_and_standby(a, b)
         # a dies: it renews no more (no revoke)
-        a._task.cancel()
+        silence(a)
         await wait_until(lambda: b.holding, 5, "b to take the key")  # how soon: python -m benches.etcd_failover
         assert b.epoch > a.epoch
         # a's own clock had closed its fence before b could take the key

@@ -102,7 +102,9 @@ class CoordinatedNode:
         #: the primary etcd names that the follower is pointed at: its node id is the node the
         #: standby link must find at that address (etcd's word alone proves nothing)
         self.following: PrimaryRecord | None = None
-        self._gateway = EtcdGateway(self.url.endpoints, timeout_s=max(0.2, ttl_ms / 4000),
+        # an etcd request may take up to half the TTL: a renewal or heartbeat answered that late
+        # still lands before a standby's wait (one TTL) ends, and a loaded node abandons none
+        self._gateway = EtcdGateway(self.url.endpoints, timeout_s=max(0.2, ttl_ms / 2000),
                                     access=server.config.coordinator_access)
         settings = server.config.sync_settings()
         if settings is not None:  # --replication sync: replies wait for the in-sync set (groupsync)
