@@ -28,6 +28,11 @@ from fastlock.units import monotonic_ms, parse_address
 pytest.importorskip("httpx")
 
 TTL_MS = 1000
+#: seconds one etcd request of a test's arbiter may take: the gateway's default, as for a node with
+#: a 2 s TTL.  A loaded machine's etcd can take longer than 0.3 s to answer, and a test calling
+#: ``step()`` would see that as etcd unavailable; a test that needs etcd unreachable cuts the
+#: path with a TcpProxy
+GATEWAY_TIMEOUT_S = 1.0
 
 
 class Events:
@@ -56,11 +61,16 @@ class Events:
         return next((t for t, k, _ in self.log if k == kind), None)
 
 
+def gateway_to(address: str) -> EtcdGateway:
+    """A gateway to etcd at ``address`` (``host:port``) whose requests may take :data:`GATEWAY_TIMEOUT_S`."""
+    return EtcdGateway([parse_address(address)], timeout_s=GATEWAY_TIMEOUT_S)
+
+
 def arbiter(address: str, prefix: str, node: str, position=lambda: 0, min_epoch=lambda: 0, candidate=lambda: True,
-            **kwargs) -> tuple[EtcdArbiter, Events]:
+            ttl_ms: int = TTL_MS, **kwargs) -> tuple[EtcdArbiter, Events]:
     events = Events(position, min_epoch, candidate)
-    arb = EtcdArbiter(EtcdGateway([parse_address(address)], timeout_s=0.3),
-                      prefix, node, f"127.0.0.1:{7000 + len(node)}", events, ttl_ms=TTL_MS, **kwargs)
+    arb = EtcdArbiter(gateway_to(address),
+                      prefix, node, f"127.0.0.1:{7000 + len(node)}", events, ttl_ms=ttl_ms, **kwargs)
     return arb, events
 
 
@@ -133,7 +143,7 @@ async def test_a_step_between_two_regular_ones_skips_a_fresh_renewal(etcd):
     prefix = unique_prefix()
     a, _ = arbiter(etcd.address, prefix, "a")
     eb = Events()
-    b = EtcdArbiter(EtcdGateway([parse_address(etcd.address)], timeout_s=0.3), prefix, "b", "127.0.0.1:7001", eb,
+    b = EtcdArbiter(gateway_to(etcd.address), prefix, "b", "127.0.0.1:7001", eb,
                     ttl_ms=4000)
     paths: list[str] = []
     call = b.gateway.call
@@ -423,7 +433,7 @@ async def test_a_primary_below_an_epoch_another_node_has_seen_steps_down(etcd):
 
 def same_id(etcd, prefix: str, ident: str, address: str, ttl_ms: int = TTL_MS) -> EtcdArbiter:
     """An arbiter of node "n1" with data directory identity ``ident``, advertising ``address``."""
-    return EtcdArbiter(EtcdGateway([parse_address(etcd.address)], timeout_s=0.3), prefix, "n1", address, Events(),
+    return EtcdArbiter(gateway_to(etcd.address), prefix, "n1", address, Events(),
                        ttl_ms=ttl_ms, ident=ident)
 
 

@@ -21,7 +21,7 @@ from collections import Counter
 import pytest
 from conftest import wait_until
 from etcdserver import unique_prefix
-from test_coordination_etcd import TTL_MS, Events, arbiter, pair, primary_and_standby, silence
+from test_coordination_etcd import TTL_MS, Events, arbiter, gateway_to, pair, primary_and_standby, silence
 from test_etcd_failover import LOCK_TTL_MS, Group, grant, refuses, three
 
 import fastlock
@@ -141,7 +141,7 @@ async def test_a_heartbeat_racing_the_delete_exactly_one_wins(etcd):
         prefix = unique_prefix()
         a, _ = arbiter(etcd.address, prefix, "a")
         eb = Events()
-        b = EtcdArbiter(EtcdGateway([parse_address(etcd.address)], timeout_s=0.3), prefix, "b", "127.0.0.1:7001",
+        b = EtcdArbiter(gateway_to(etcd.address), prefix, "b", "127.0.0.1:7001",
                         eb, ttl_ms=TTL_MS, clock=clock)
         try:
             await a.step()
@@ -206,9 +206,9 @@ async def test_a_standby_waits_the_primarys_longer_ttl(etcd):
     primary's before it deletes."""
     prefix = unique_prefix()
     clock = Clock()
-    a = EtcdArbiter(EtcdGateway([parse_address(etcd.address)], timeout_s=0.3), prefix, "a", "127.0.0.1:7000",
+    a = EtcdArbiter(gateway_to(etcd.address), prefix, "a", "127.0.0.1:7000",
                     Events(), ttl_ms=4000)
-    b = EtcdArbiter(EtcdGateway([parse_address(etcd.address)], timeout_s=0.3), prefix, "b", "127.0.0.1:7001",
+    b = EtcdArbiter(gateway_to(etcd.address), prefix, "b", "127.0.0.1:7001",
                     Events(), ttl_ms=TTL_MS, clock=clock)
     try:
         await a.step()
@@ -381,7 +381,7 @@ async def test_a_stall_under_the_ttl_keeps_the_primary_a_stall_of_three_ttls_dep
             stalls.append(await asyncio.to_thread(stopped_for, old, 0.6 * ttl_s))
             # the first heartbeat after the stall: on the same primary key, or a new key (deposed)
             await poll(lambda: gw.get(group.prefix + "/heartbeat"),
-                       lambda kv: kv is not None and kv.mod_revision > beat.mod_revision, timeout=10,
+                       lambda kv, seen=beat.mod_revision: kv is not None and kv.mod_revision > seen, timeout=10,
                        what="a heartbeat after the stall")
             now = await gw.get(group.prefix + "/primary")
             assert now is not None and now.create_revision == key.create_revision, (
