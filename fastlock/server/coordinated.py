@@ -216,13 +216,17 @@ class CoordinatedNode:
         if roles.role is not Role.STANDBY:
             return
         target = parse_address(primary.address, default_port=None)
-        self.following = primary  # the node id etcd names at the address the link is pointed at
+        previous, self.following = self.following, primary  # the node id etcd names at the link's address
         if follower.link.primary == target and not follower.stopped:
             return
         follower.stop()
         follower.link.primary = target
         follower.refused = None
-        follower.synced = False  # its position counts in the new primary's log once it has synced there
+        if previous != primary:
+            # its position counts in the new primary's log once it has synced there; following the
+            # same primary again (its link had ended) keeps it: its applied LSN is in that log, and
+            # a position of 0 would make the in-sync standby wait for the others before it bids
+            follower.synced = False
         follower.start()
         log.warning("following primary %r at %s (epoch %d, named by etcd)", primary.node, primary.address,
                     primary.epoch)
