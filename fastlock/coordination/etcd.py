@@ -557,11 +557,14 @@ class EtcdArbiter:
                 continue
             overdue = now - self._renewed_at >= self.beat_period_ms
             sends = [self.beat(), self._keep_lease()] if overdue else [self.beat()]
-            for outcome in await asyncio.gather(*sends, return_exceptions=True):
+            outcomes = await asyncio.gather(*sends, return_exceptions=True)
+            for outcome in outcomes:
                 if isinstance(outcome, EtcdUnavailable):
                     log.debug("etcd: heartbeat: %s", outcome)
                 elif isinstance(outcome, BaseException):
                     log.error("etcd: heartbeat failed: %r", outcome)
+            if self.fenced and self.holding and outcomes[0] is True and self.clock() < self.valid_until_ms:
+                self.poke()  # etcd answers again (after an outage or a stall): the step lifts the fence now
 
     async def _keep_lease(self) -> None:
         """Renew the held lease between steps (only a renewal: a lease gone is the step's to
