@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 from conftest import wait_until
@@ -23,6 +24,7 @@ from fastlock._testbase.proxy import TcpProxy
 from fastlock.coordination import EtcdArbiter, EtcdGateway, NodeIdInUse, PrimaryRecord, parse_coordinator
 from fastlock.coordination.gateway import b64
 from fastlock.errors import InvalidArgument
+from fastlock.roles import Role
 from fastlock.units import monotonic_ms, parse_address
 
 pytest.importorskip("httpx")
@@ -549,3 +551,47 @@ async def test_a_running_node_whose_id_another_live_node_took_stops(etcd):
     finally:
         await b.close()
         await a.close()
+
+
+class FakeFollower:
+    """A standby's follower as ``CoordinatedNode.on_primary`` drives it: where its link points,
+    whether it runs, whether it synced with that primary and how far it applied."""
+
+    def __init__(self) -> None:
+        self.link = types.SimpleNamespace(primary=None)
+        self.stopped = True
+        self.synced = False
+        self.refused = None
+        self.applied_lsn = 0
+        self.primary_epoch = 0
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def start(self) -> None:
+        self.stopped = False
+
+
+def test_a_standby_following_the_same_primary_again_keeps_its_position():
+    """A standby whose link to the primary ended follows the same primary again (etcd still
+    names it): its position stays its applied LSN in that primary's log, so an in-sync standby
+    does not look behind the others when it bids; a new primary's log starts it at 0 until it
+    has synced there."""
+    from fastlock.server.coordinated import CoordinatedNode
+
+    follower = FakeFollower()
+    server = types.SimpleNamespace(
+        roles=types.SimpleNamespace(role=Role.STANDBY, primary_address=None), follower=follower,
+        table=types.SimpleNamespace(epoch=3), node_state=types.SimpleNamespace(max_epoch_seen=3))
+    node = CoordinatedNode.__new__(CoordinatedNode)
+    node.server, node.node, node.arbiter, node.following, node._low_primary = server, "b", None, None, None
+    first = PrimaryRecord("a", "127.0.0.1:7001", 3, 11)
+    node.on_primary(first)
+    assert not follower.stopped and follower.link.primary == ("127.0.0.1", 7001) and node.position() == 0
+    follower.synced, follower.applied_lsn, follower.primary_epoch = True, 2155, 3
+    assert node.position() == 2155
+    follower.stopped = True  # the link ended (the primary died; etcd still names it)
+    node.on_primary(first)
+    assert not follower.stopped and follower.synced and node.position() == 2155
+    node.on_primary(PrimaryRecord("c", "127.0.0.1:7003", 4, 12))
+    assert follower.link.primary == ("127.0.0.1", 7003) and not follower.synced and node.position() == 0
