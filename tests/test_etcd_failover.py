@@ -463,15 +463,31 @@ async def test_a_primary_whose_id_another_live_node_took_steps_down_and_exits(gr
 async def test_a_node_restarted_after_sigkill_comes_back_under_its_id(group):
     """SIGKILL leaves the member key (and the primary key) under a live lease: the same
     data directory waits for that lease to run out (it revokes no lease it did not take)
-    and is primary again.  Its etcd lease lasts 5 s: the restarted process finds it still live
-    on a loaded machine, where starting one takes longer than the group's 1 s TTL."""
+    and is primary again.  Its etcd lease lasts 5 s, and the test renews it until the
+    restarted process says it waits for it: starting a process on a loaded machine can take
+    longer than any lease."""
+    from fastlock.coordination import EtcdGateway
+
     a = group.start("a", ttl_s=5)
     await group.primary(["a"])
-    a.kill()
-    again = group.cluster._start(ServerProcess(a.data_dir, port=0, args=a.args))
-    again.wait_for_log("held by this data directory's previous run")
+    gw = EtcdGateway([("127.0.0.1", group.etcd.port)], timeout_s=2.0)
+    try:
+        member = await gw.get(group.prefix + "/members/a")
+        assert member is not None and member.lease
+        a.kill()
+        again = group.cluster._start(ServerProcess(a.data_dir, port=0, args=a.args))
+        waiting = asyncio.ensure_future(asyncio.to_thread(again.wait_for_log,
+                                                          "held by this data directory's previous run", 60))
+        for _ in range(300):  # bounded: 60 s of renewals at most
+            if waiting.done():
+                break
+            assert await gw.keepalive(member.lease) > 0
+            await asyncio.wait([waiting], timeout=0.2)
+        await waiting
+    finally:
+        await gw.close()
     group.nodes["a"] = again
-    await group.primary(["a"])
+    await group.primary(["a"], timeout=30)
 
 
 # -- what a node believes of etcd, against a secured etcd -------------------------------------------
