@@ -78,8 +78,10 @@ class Group:
             return found[0] if len(found) == 1 else None
         return await poll(ask, timeout=timeout, what="one primary", interval=0.02)
 
-    async def followers_of(self, primary: str, names, timeout: float = 10.0, address: str | None = None) -> None:
-        """Wait until ``names`` are synced standbys of ``primary`` (reached at ``address``, default its own)."""
+    async def followers_of(self, primary: str, names, timeout: float = 30.0, address: str | None = None) -> None:
+        """Wait until ``names`` are synced standbys of ``primary`` (reached at ``address``, default its own);
+        the bound is generous: a standby's start and first snapshot on a loaded machine (TLS to etcd
+        in the secured group) took more than 10 s in CI-like runs."""
         address = address or self.nodes[primary].address
 
         async def ask():
