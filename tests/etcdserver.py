@@ -331,12 +331,14 @@ class EtcdServer:
                 os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
 
-    def restart(self) -> None:
-        """Kill and start again on the same ports with the same data (keys and leases survive).
+    def restart(self, down_s: float = 0.0) -> None:
+        """Kill and start again on the same ports with the same data (keys and leases survive),
+        ``down_s`` seconds after the kill (as a slow restart).
 
         :raises RuntimeError: it did not come back within ``start_timeout``.
         """
         self.kill()
+        time.sleep(down_s)
         if not self._launch():
             raise RuntimeError(f"etcd did not restart on port {self.port}:\n{self.log_tail()}")
 

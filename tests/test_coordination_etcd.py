@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 from conftest import wait_until
@@ -23,11 +24,17 @@ from fastlock._testbase.proxy import TcpProxy
 from fastlock.coordination import EtcdArbiter, EtcdGateway, NodeIdInUse, PrimaryRecord, parse_coordinator
 from fastlock.coordination.gateway import b64
 from fastlock.errors import InvalidArgument
+from fastlock.roles import Role
 from fastlock.units import monotonic_ms, parse_address
 
 pytest.importorskip("httpx")
 
 TTL_MS = 1000
+#: seconds one etcd request of a test's arbiter may take: the gateway's default, as for a node with
+#: a 2 s TTL.  A loaded machine's etcd can take longer than 0.3 s to answer, and a test calling
+#: ``step()`` would see that as etcd unavailable; a test that needs etcd unreachable cuts the
+#: path with a TcpProxy
+GATEWAY_TIMEOUT_S = 1.0
 
 
 class Events:
@@ -56,11 +63,16 @@ class Events:
         return next((t for t, k, _ in self.log if k == kind), None)
 
 
+def gateway_to(address: str) -> EtcdGateway:
+    """A gateway to etcd at ``address`` (``host:port``) whose requests may take :data:`GATEWAY_TIMEOUT_S`."""
+    return EtcdGateway([parse_address(address)], timeout_s=GATEWAY_TIMEOUT_S)
+
+
 def arbiter(address: str, prefix: str, node: str, position=lambda: 0, min_epoch=lambda: 0, candidate=lambda: True,
-            **kwargs) -> tuple[EtcdArbiter, Events]:
+            ttl_ms: int = TTL_MS, **kwargs) -> tuple[EtcdArbiter, Events]:
     events = Events(position, min_epoch, candidate)
-    arb = EtcdArbiter(EtcdGateway([parse_address(address)], timeout_s=0.3),
-                      prefix, node, f"127.0.0.1:{7000 + len(node)}", events, ttl_ms=TTL_MS, **kwargs)
+    arb = EtcdArbiter(gateway_to(address),
+                      prefix, node, f"127.0.0.1:{7000 + len(node)}", events, ttl_ms=ttl_ms, **kwargs)
     return arb, events
 
 
@@ -68,6 +80,14 @@ def pair(a_address: str, b_address: str) -> tuple[EtcdArbiter, Events, EtcdArbit
     """Nodes "a" and "b" on a fresh prefix, reaching etcd at the addresses given."""
     prefix = unique_prefix()
     return (*arbiter(a_address, prefix, "a"), *arbiter(b_address, prefix, "b"))
+
+
+def silence(a: EtcdArbiter) -> None:
+    """``a`` stops talking to etcd as a dead node would: its steps (renewals) and its
+    heartbeats between steps end (no revoke)."""
+    for task in (a._task, a._pulse_task):
+        if task is not None:
+            task.cancel()
 
 
 async def primary_and_standby(a: EtcdArbiter, b: EtcdArbiter) -> None:
@@ -125,7 +145,7 @@ async def test_a_step_between_two_regular_ones_skips_a_fresh_renewal(etcd):
     prefix = unique_prefix()
     a, _ = arbiter(etcd.address, prefix, "a")
     eb = Events()
-    b = EtcdArbiter(EtcdGateway([parse_address(etcd.address)], timeout_s=0.3), prefix, "b", "127.0.0.1:7001", eb,
+    b = EtcdArbiter(gateway_to(etcd.address), prefix, "b", "127.0.0.1:7001", eb,
                     ttl_ms=4000)
     paths: list[str] = []
     call = b.gateway.call
@@ -149,7 +169,7 @@ async def test_a_step_between_two_regular_ones_skips_a_fresh_renewal(etcd):
         await b.step()
         assert paths == ["kv/txn"], paths  # the primary key and its heartbeat: no renewal, no member write
         assert b.primary is not None and b.primary.node == "a"
-        a._task.cancel()  # a dies: its lease runs out in etcd
+        silence(a)  # a dies: its lease runs out in etcd
         b.start()
         await wait_until(lambda: b.holding, 10, "b to take the key")
         assert b.may_grant() and eb.first("elected") is not None
@@ -163,7 +183,7 @@ async def test_dead_primary_replaced_within_ttl(etcd):
     try:
         await primary_and_standby(a, b)
         # a dies: it renews no more (no revoke)
-        a._task.cancel()
+        silence(a)
         await wait_until(lambda: b.holding, 5, "b to take the key")  # how soon: python -m benches.etcd_failover
         assert b.epoch > a.epoch
         # a's own clock had closed its fence before b could take the key
@@ -415,7 +435,7 @@ async def test_a_primary_below_an_epoch_another_node_has_seen_steps_down(etcd):
 
 def same_id(etcd, prefix: str, ident: str, address: str, ttl_ms: int = TTL_MS) -> EtcdArbiter:
     """An arbiter of node "n1" with data directory identity ``ident``, advertising ``address``."""
-    return EtcdArbiter(EtcdGateway([parse_address(etcd.address)], timeout_s=0.3), prefix, "n1", address, Events(),
+    return EtcdArbiter(gateway_to(etcd.address), prefix, "n1", address, Events(),
                        ttl_ms=ttl_ms, ident=ident)
 
 
@@ -531,3 +551,47 @@ async def test_a_running_node_whose_id_another_live_node_took_stops(etcd):
     finally:
         await b.close()
         await a.close()
+
+
+class FakeFollower:
+    """A standby's follower as ``CoordinatedNode.on_primary`` drives it: where its link points,
+    whether it runs, whether it synced with that primary and how far it applied."""
+
+    def __init__(self) -> None:
+        self.link = types.SimpleNamespace(primary=None)
+        self.stopped = True
+        self.synced = False
+        self.refused = None
+        self.applied_lsn = 0
+        self.primary_epoch = 0
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def start(self) -> None:
+        self.stopped = False
+
+
+def test_a_standby_following_the_same_primary_again_keeps_its_position():
+    """A standby whose link to the primary ended follows the same primary again (etcd still
+    names it): its position stays its applied LSN in that primary's log, so an in-sync standby
+    does not look behind the others when it bids; a new primary's log starts it at 0 until it
+    has synced there."""
+    from fastlock.server.coordinated import CoordinatedNode
+
+    follower = FakeFollower()
+    server = types.SimpleNamespace(
+        roles=types.SimpleNamespace(role=Role.STANDBY, primary_address=None), follower=follower,
+        table=types.SimpleNamespace(epoch=3), node_state=types.SimpleNamespace(max_epoch_seen=3))
+    node = CoordinatedNode.__new__(CoordinatedNode)
+    node.server, node.node, node.arbiter, node.following, node._low_primary = server, "b", None, None, None
+    first = PrimaryRecord("a", "127.0.0.1:7001", 3, 11)
+    node.on_primary(first)
+    assert not follower.stopped and follower.link.primary == ("127.0.0.1", 7001) and node.position() == 0
+    follower.synced, follower.applied_lsn, follower.primary_epoch = True, 2155, 3
+    assert node.position() == 2155
+    follower.stopped = True  # the link ended (the primary died; etcd still names it)
+    node.on_primary(first)
+    assert not follower.stopped and follower.synced and node.position() == 2155
+    node.on_primary(PrimaryRecord("c", "127.0.0.1:7003", 4, 12))
+    assert follower.link.primary == ("127.0.0.1", 7003) and not follower.synced and node.position() == 0

@@ -7,12 +7,12 @@ docs name exists, and the site builds with ``mkdocs build --strict`` where mkdoc
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -72,6 +72,39 @@ def _fastlock_help(*argv: str) -> str:
     return out.stdout
 
 
+#: prints, as JSON, ``{"<argv joined>": [exit status, stdout]}`` of ``fastlock <argv> --help`` for
+#: each argv of the JSON list on stdin: argparse's own --help, in one interpreter for all of them
+HELPS = r"""
+import contextlib, io, json, sys
+from fastlock.cli import main
+answers = {}
+for argv in json.loads(sys.stdin.read()):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            status = main([*argv, "--help"])
+        except SystemExit as exc:
+            status = exc.code or 0
+    answers[" ".join(argv)] = [status, out.getvalue()]
+print(json.dumps(answers))
+"""
+
+
+def _fastlock_helps(argvs: list[list[str]]) -> list[str]:
+    """``fastlock <argv> --help`` of each of ``argvs``, from one Python process (its start and
+    fastlock's import are most of a --help's time on a loaded machine)."""
+    out = subprocess.run([sys.executable, "-c", HELPS], input=json.dumps(argvs), capture_output=True, text=True,
+                         timeout=600, cwd=DOCS)
+    assert out.returncode == 0, out.stderr
+    answers = json.loads(out.stdout)
+    texts = []
+    for argv in argvs:
+        status, text = answers[" ".join(argv)]
+        assert status == 0, (argv, out.stderr)
+        texts.append(text)
+    return texts
+
+
 def _subcommands(help_text: str) -> list[str]:
     usage = help_text.split("\n\n", 1)[0]
     choices = re.search(r"\{([\w,-]+)\}\s+\.\.\.", usage)  # a subcommand: "{dump} ..."
@@ -80,22 +113,23 @@ def _subcommands(help_text: str) -> list[str]:
 
 def test_cli_reference_names_every_command_and_flag():
     """The reference is generated from the parsers; checked here against each command's --help
-    (the commands of one level of subcommands asked 4 at a time)."""
+    (the commands of one level of subcommands asked of one Python process)."""
     reference = reference_hook().cli_reference()
     commands = [[name] for name in _subcommands(_fastlock_help())]
     assert len(commands) >= 10, commands
-    seen = 0
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        while commands:
-            level, commands = commands, []
-            for argv, text in zip(level, pool.map(lambda argv: _fastlock_help(*argv), level)):
-                assert f"`fastlock {' '.join(argv)}`" in reference, argv
-                specs = re.findall(r"^  (-.*?)(?:  |$)", text, re.M)  # "  -o, --output {table,json}   help..."
-                for flag in {f for spec in specs for f in re.findall(r"(?<![\w-])--?[a-zA-Z][\w-]*", spec)}:
-                    assert f"`{flag}`" in reference, (argv, flag)
-                    seen += 1
-                commands += [[*argv, sub] for sub in _subcommands(text)]
-    assert seen > 100
+    seen = asked = 0
+    while commands:
+        level, commands = commands, []
+        for argv, text in zip(level, _fastlock_helps(level)):
+            asked += 1
+            assert f"`fastlock {' '.join(argv)}`" in reference, argv
+            assert text.startswith("usage: fastlock " + " ".join(argv)), (argv, text[:200])
+            specs = re.findall(r"^  (-.*?)(?:  |$)", text, re.M)  # "  -o, --output {table,json}   help..."
+            for flag in {f for spec in specs for f in re.findall(r"(?<![\w-])--?[a-zA-Z][\w-]*", spec)}:
+                assert f"`{flag}`" in reference, (argv, flag)
+                seen += 1
+            commands += [[*argv, sub] for sub in _subcommands(text)]
+    assert seen > 100 and asked > 10
 
 
 def test_config_reference_names_every_serve_setting():

@@ -21,7 +21,7 @@ from collections import Counter
 import pytest
 from conftest import wait_until
 from etcdserver import unique_prefix
-from test_coordination_etcd import TTL_MS, Events, arbiter, pair, primary_and_standby
+from test_coordination_etcd import TTL_MS, Events, arbiter, gateway_to, pair, primary_and_standby, silence
 from test_etcd_failover import LOCK_TTL_MS, Group, grant, refuses, three
 
 import fastlock
@@ -77,7 +77,7 @@ async def test_a_silent_primary_whose_lease_lives_is_deleted_after_one_ttl(etcd)
     a, ea, b, eb = pair(etcd.address, etcd.address)
     try:
         await primary_and_standby(a, b)
-        a._task.cancel()
+        silence(a)
         async with lease_kept_alive(b.gateway, a.lease):
             await wait_until(lambda: b.holding, 10, "b to take the key")
         assert b.heartbeat_deletes == 1 and b.epoch == a.epoch + 1
@@ -141,7 +141,7 @@ async def test_a_heartbeat_racing_the_delete_exactly_one_wins(etcd):
         prefix = unique_prefix()
         a, _ = arbiter(etcd.address, prefix, "a")
         eb = Events()
-        b = EtcdArbiter(EtcdGateway([parse_address(etcd.address)], timeout_s=0.3), prefix, "b", "127.0.0.1:7001",
+        b = EtcdArbiter(gateway_to(etcd.address), prefix, "b", "127.0.0.1:7001",
                         eb, ttl_ms=TTL_MS, clock=clock)
         try:
             await a.step()
@@ -170,7 +170,7 @@ async def test_a_primary_without_the_rule_is_left_to_its_lease(etcd):
     b, _ = arbiter(etcd.address, prefix, "b")
     try:
         await primary_and_standby(a, b)
-        a._task.cancel()
+        silence(a)
         async with lease_kept_alive(b.gateway, a.lease):
             await wait_until(lambda: b._beat is not None and b.clock() - b._beat.seen_at > 3 * TTL_MS, 10,
                              "b to have seen the heartbeat stand for three TTLs")
@@ -189,7 +189,7 @@ async def test_a_standby_without_the_rule_never_deletes(etcd):
     b, _ = arbiter(etcd.address, prefix, "b", heartbeat=False)
     try:
         await primary_and_standby(a, b)
-        a._task.cancel()
+        silence(a)
         async with lease_kept_alive(a.gateway, a.lease):
             for _ in range(3 * TTL_MS // 250):  # as many steps as three TTLs hold
                 await b.step()
@@ -206,9 +206,9 @@ async def test_a_standby_waits_the_primarys_longer_ttl(etcd):
     primary's before it deletes."""
     prefix = unique_prefix()
     clock = Clock()
-    a = EtcdArbiter(EtcdGateway([parse_address(etcd.address)], timeout_s=0.3), prefix, "a", "127.0.0.1:7000",
+    a = EtcdArbiter(gateway_to(etcd.address), prefix, "a", "127.0.0.1:7000",
                     Events(), ttl_ms=4000)
-    b = EtcdArbiter(EtcdGateway([parse_address(etcd.address)], timeout_s=0.3), prefix, "b", "127.0.0.1:7001",
+    b = EtcdArbiter(gateway_to(etcd.address), prefix, "b", "127.0.0.1:7001",
                     Events(), ttl_ms=TTL_MS, clock=clock)
     try:
         await a.step()
@@ -321,3 +321,86 @@ async def test_sigstop_of_the_primary_beyond_the_ttl_it_grants_nothing_after(gro
     assert any("its heartbeat stood at revision" in line for n in rest for line in group.nodes[n].lines)
     await refuses(old.address, "fresh")
     assert await grant(group.nodes[second].address, "k2") > before
+
+
+def stopped_for(srv, seconds: float) -> float:
+    """SIGSTOP ``srv``, SIGCONT it ``seconds`` later (in a thread: not delayed by the test's
+    loop); the time between the two signals (seconds)."""
+    srv.pause()
+    stopped = time.monotonic()
+    try:
+        time.sleep(seconds)
+    finally:
+        srv.resume()
+    return time.monotonic() - stopped
+
+
+async def test_a_stall_under_the_ttl_keeps_the_primary_a_stall_of_three_ttls_deposes_it(group):
+    """Under load (four clients taking locks), SIGSTOP of the primary for 0.6 TTL, five times:
+    each time its next heartbeat (sent as it resumes, between its steps) lands on the primary
+    key its bid created, no standby deletes the key, and it grants again at its epoch.  Then
+    SIGSTOP for three TTLs: a standby deletes its key and is primary at a higher epoch, and
+    the old primary steps down.  TTL 2 s: a stall and the etcd requests after it stay in
+    proportion on a loaded machine (a request there can take a few hundred ms)."""
+    ttl_s = 2
+    names = ["a", "b", "c"]
+    for name in names:
+        group.start(name, ttl_s=ttl_s)
+    first, st = await group.primary(timeout=20)
+    rest = [n for n in names if n != first]
+    await group.followers_of(first, rest, timeout=20)
+    old = group.nodes[first]
+    addresses = [srv.address for srv in group.nodes.values()]
+    epochs: Counter[int] = Counter()
+    stop = asyncio.Event()
+
+    async def worker(i: int) -> None:
+        async with fastlock.connect(*addresses, request_timeout=2.0) as client:
+            while not stop.is_set():
+                try:
+                    lease = await client.acquire(f"s{i}", ttl=LOCK_TTL_MS / 1000, wait=5.0)
+                    epochs[epoch_of(lease.fencing_token)] += 1
+                    await client.release(lease)
+                except FastlockError:
+                    await asyncio.sleep(0.01)
+
+    async def grants_at(epoch: int, more: int, what: str) -> None:
+        target = epochs[epoch] + more
+        await poll(lambda: asyncio.sleep(0, epochs[epoch]), lambda n: n >= target, timeout=20, what=what)
+
+    gw = group_gateway(group)
+    workers = [asyncio.ensure_future(worker(i)) for i in range(4)]
+    try:
+        await grants_at(st["epoch"], 20, "grants before the stalls")
+        key = await gw.get(group.prefix + "/primary")
+        assert key is not None
+        stalls = []
+        for trial in range(5):
+            beat = await gw.get(group.prefix + "/heartbeat")
+            assert beat is not None
+            stalls.append(await asyncio.to_thread(stopped_for, old, 0.6 * ttl_s))
+            # the first heartbeat after the stall: on the same primary key, or a new key (deposed)
+            await poll(lambda: gw.get(group.prefix + "/heartbeat"),
+                       lambda kv, seen=beat.mod_revision: kv is not None and kv.mod_revision > seen, timeout=10,
+                       what="a heartbeat after the stall")
+            now = await gw.get(group.prefix + "/primary")
+            assert now is not None and now.create_revision == key.create_revision, (
+                f"trial {trial}: the primary was deposed by a stall of {stalls[-1]:.3f} s (stalls {stalls})")
+            await grants_at(st["epoch"], 5, f"grants after stall {trial}")
+        deletes = [(await status_of(group.nodes[n].address))["coordinator"]["heartbeat"]["deletes"] for n in rest]
+        assert deletes == [0, 0]
+        assert (await status_of(old.address))["role"] == "primary"
+        assert len(epochs) == 1, epochs
+
+        async with lease_kept_alive(gw, key.lease):  # only the heartbeat rule can free the key
+            long_stall = await asyncio.to_thread(stopped_for, old, 3.0 * ttl_s)
+            second, st2 = await group.primary(rest, timeout=20)
+        assert st2["epoch"] > st["epoch"], long_stall
+        await poll(lambda: status_of(old.address), lambda s: s["role"] in ("deposed", "standby"), timeout=10,
+                   what="the old primary to step down")
+        await grants_at(st2["epoch"], 5, "grants at the new epoch")
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*workers, return_exceptions=True), 20)
+        await gw.close()
+    assert any("its heartbeat stood at revision" in line for n in rest for line in group.nodes[n].lines)

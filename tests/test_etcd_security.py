@@ -33,6 +33,11 @@ pytest.importorskip("httpx")
 pytest.importorskip("trustme")
 
 
+#: the lease TTL (ms) of an arbiter whose steps the test drives by hand: a loaded machine's pause
+#: between two of its steps must not run its lease out (these tests are about epochs, not time)
+HAND_STEPPED_TTL_MS = 10_000
+
+
 def gateway(etcd, user=None, **changes) -> EtcdGateway:
     return EtcdGateway([("127.0.0.1", etcd.port)], timeout_s=2.0, access=etcd.access(user, **changes))
 
@@ -238,7 +243,8 @@ async def test_a_rogue_epoch_is_refused_rewritten_and_never_stops_elections(etcd
         await gw.put(prefix + "/epoch", str(MAX_EPOCH).encode())  # before the group's life
         seen = 0
         for i, rogue in enumerate(ROGUE_EPOCHS):
-            a, ea = arbiter(etcd.address, prefix, f"n{i}", min_epoch=lambda s=seen: s)
+            a, ea = arbiter(etcd.address, prefix, f"n{i}", min_epoch=lambda s=seen: s,
+                            ttl_ms=HAND_STEPPED_TTL_MS)
             try:
                 await a.step()
                 assert a.holding and a.epoch == seen + 1, (rogue, a.epoch, seen)
@@ -265,8 +271,8 @@ async def test_a_bid_goes_above_the_epoch_a_live_member_advertises(etcd):
 
     prefix = unique_prefix()
     gw = EtcdGateway([("127.0.0.1", etcd.port)])
-    a, _ = arbiter(etcd.address, prefix, "a", min_epoch=lambda: 2)
-    b, _ = arbiter(etcd.address, prefix, "b")
+    a, _ = arbiter(etcd.address, prefix, "a", min_epoch=lambda: 2, ttl_ms=HAND_STEPPED_TTL_MS)
+    b, _ = arbiter(etcd.address, prefix, "b", ttl_ms=HAND_STEPPED_TTL_MS)
     try:
         await a.step()
         await a.step()  # its member key now advertises its term
@@ -286,7 +292,7 @@ async def test_an_epoch_within_the_allowance_is_believed(etcd):
     seen is the group's, and its bid goes above it."""
     prefix = unique_prefix()
     gw = EtcdGateway([("127.0.0.1", etcd.port)])
-    a, _ = arbiter(etcd.address, prefix, "a", min_epoch=lambda: 3)
+    a, _ = arbiter(etcd.address, prefix, "a", min_epoch=lambda: 3, ttl_ms=HAND_STEPPED_TTL_MS)
     try:
         await gw.put(prefix + "/epoch", str(3 + EPOCH_ALLOWANCE).encode())
         await a.step()

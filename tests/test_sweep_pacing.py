@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from fastlock.client import sweep
 from fastlock.client.connection import BACKOFF_FIRST, BACKOFF_MAX
 from fastlock.client.sweep import (
     WAITING_BACKOFF_MAX,
@@ -29,7 +32,43 @@ def test_waiting_answers_cap_the_pause_for_a_bounded_number_of_sweeps():
     fast = [pacing.next_pause(True) for _ in range(WAITING_FAST_SWEEPS)]
     assert all(0 < p <= WAITING_BACKOFF_MAX for p in fast)
     later = [pacing.next_pause(True) for _ in range(20)]
-    assert all(BACKOFF_MAX / 2 <= p <= BACKOFF_MAX for p in later)
+    assert all(BACKOFF_MAX / 2 <= p <= BACKOFF_MAX for p in later[3:])
+
+
+@pytest.mark.parametrize("jitter", [0.5, 1.0])
+def test_after_the_fast_pauses_the_pause_doubles_from_the_fast_cap(monkeypatch, jitter):
+    """The pause sequence with the jitter pinned at its bounds: the fast pauses double from
+    the first pause to the fast cap and stay there; the pauses after them double from the
+    fast cap (0.1, 0.2, 0.4 s) to the longest, never jumping to the longest at once."""
+    monkeypatch.setattr(sweep.random, "uniform", lambda low, high: jitter)
+    pacing = SweepPacing(BACKOFF_FIRST, BACKOFF_MAX)
+    pauses = [pacing.next_pause(True) for _ in range(WAITING_FAST_SWEEPS + 6)]
+    fast_values = [BACKOFF_FIRST, 2 * BACKOFF_FIRST, 4 * BACKOFF_FIRST] + [WAITING_BACKOFF_MAX] * (
+        WAITING_FAST_SWEEPS - 3)
+    later_values = [WAITING_BACKOFF_MAX, 2 * WAITING_BACKOFF_MAX, 4 * WAITING_BACKOFF_MAX, BACKOFF_MAX,
+                    BACKOFF_MAX, BACKOFF_MAX]
+    assert pauses == pytest.approx([jitter * v for v in fast_values + later_values])
+
+
+def test_a_waiting_answer_after_long_pauses_brings_the_fast_cap_back(monkeypatch):
+    """Pauses grown to the longest (no address answered ``WAITING``) drop to the fast cap at
+    the first ``WAITING`` answer, and double from it once the fast pauses are spent."""
+    monkeypatch.setattr(sweep.random, "uniform", lambda low, high: high)
+    pacing = SweepPacing(BACKOFF_FIRST, BACKOFF_MAX)
+    grown = [pacing.next_pause(False) for _ in range(6)]
+    assert grown[-1] == pytest.approx(BACKOFF_MAX)
+    assert pacing.next_pause(True) == pytest.approx(WAITING_BACKOFF_MAX)
+    assert pacing.next_pause(False) == pytest.approx(WAITING_BACKOFF_MAX)
+    assert pacing.next_pause(False) == pytest.approx(2 * WAITING_BACKOFF_MAX)
+
+
+def test_a_longest_pause_below_the_fast_cap_bounds_every_pause(monkeypatch):
+    """A ride-through's longest pause may be below the fast cap (a short lease): every pause,
+    fast or not, stays within it."""
+    monkeypatch.setattr(sweep.random, "uniform", lambda low, high: high)
+    pacing = SweepPacing(BACKOFF_FIRST, 0.05)
+    pauses = [pacing.next_pause(i % 3 != 0) for i in range(WAITING_FAST_SWEEPS + 20)]
+    assert max(pauses) == pytest.approx(0.05) and pauses[0] == pytest.approx(BACKOFF_FIRST)
 
 
 def test_without_waiting_answers_the_pause_doubles_to_the_longest():

@@ -90,7 +90,8 @@ def connect(*addresses: Any, auth: str | None = None, client_name: str | None = 
             answers as a fastlock node that is not one now (a standby, a node
             promoting, a fenced primary), the addresses are swept again with
             backoff (20 ms doubling to 0.5 s, with jitter; at most 0.1 s for
-            the first 50 pauses: :class:`~fastlock.client.sweep.SweepPacing`).  A sweep in which
+            the first 50 pauses, then doubling from it:
+            :class:`~fastlock.client.sweep.SweepPacing`).  A sweep in which
             no address answers so (every one refused, unreachable, timed out,
             or a TLS or protocol failure) fails at once.  Also the bound of
             every later reconnect made by :meth:`Client.ensure_connected`.

@@ -31,7 +31,10 @@ a longest one, with jitter; while some address answers ``WAITING`` (a standby
 or a promoting node: a new primary may appear at any moment) it is at most
 :data:`WAITING_BACKOFF_MAX` for the first :data:`WAITING_FAST_SWEEPS` pauses of
 one operation, so a client finds a new primary within about 0.1 s of its
-promotion, and one client's extra sweeps in one failover stay bounded.
+promotion, and one client's extra sweeps in one failover stay bounded.  The
+doubling is held at :data:`WAITING_BACKOFF_MAX` during those fast pauses, so the
+pauses after them double from it (0.1, 0.2, 0.4 s, then the longest) rather than
+starting at the longest.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ FAILOVER_TIMEOUT = 15.0
 #: seconds: the longest pause between two sweeps while an address answers ``WAITING`` (jitter: half to all of it)
 WAITING_BACKOFF_MAX = 0.1
 #: how many pauses of one operation :data:`WAITING_BACKOFF_MAX` caps (about 4 s of sweeps: an etcd
-#: group's TTL plus its election); the later ones double to the usual longest pause
+#: group's TTL plus its election); the later ones double from :data:`WAITING_BACKOFF_MAX` to the
+#: usual longest pause
 WAITING_FAST_SWEEPS = 50
 
 
@@ -111,7 +115,9 @@ class SweepPacing:
     """The pauses (seconds) before the next sweeps of one operation: ``first`` doubling to
     ``longest``, each a random half to all of the current value; while a failover is under
     way (an address answered ``WAITING``) at most :data:`WAITING_BACKOFF_MAX` (with the same
-    jitter), for :data:`WAITING_FAST_SWEEPS` pauses."""
+    jitter), for :data:`WAITING_FAST_SWEEPS` pauses.  A fast pause doubles the current value
+    only up to :data:`WAITING_BACKOFF_MAX`, so the pauses after the fast ones double from
+    there to ``longest``."""
 
     __slots__ = ("backoff", "longest", "fast_left")
 
@@ -122,12 +128,14 @@ class SweepPacing:
 
     def next_pause(self, waiting: bool) -> float:
         """The next pause (seconds); ``waiting``: the last sweep or attempt heard a ``WAITING`` answer."""
-        delay = random.uniform(0.5, 1.0) * self.backoff
-        self.backoff = min(self.backoff * 2.0, self.longest)
         if waiting and self.fast_left > 0:
             self.fast_left -= 1
-            delay = min(delay, random.uniform(0.5, 1.0) * WAITING_BACKOFF_MAX)
-        return delay
+            current = min(self.backoff, WAITING_BACKOFF_MAX)
+            self.backoff = min(current * 2.0, WAITING_BACKOFF_MAX, self.longest)
+        else:
+            current = self.backoff
+            self.backoff = min(self.backoff * 2.0, self.longest)
+        return random.uniform(0.5, 1.0) * current
 
 
 async def find_primary(connector: Connector, deadline: float | None, failover_timeout: float | None,

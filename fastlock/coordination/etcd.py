@@ -57,7 +57,10 @@ received the last renewal *plus* up to 500 ms (etcd 3.4 checks expiries every
     writes it in the same transaction, and the primary key's value says
     ``"heartbeat": TTL`` (the primary's TTL, ms).  At each of its steps (every quarter TTL) the
     primary writes it again by a transaction conditional on the primary key's
-    ``create_revision`` being the one its bid created.
+    ``create_revision`` being the one its bid created, and between its steps whenever
+    :data:`BEATS_PER_TTL`-th of the TTL has passed since its last heartbeat was sent (a
+    heartbeat alone, one request, with a lease renewal beside it when the last one is as old:
+    after a stall both go out first, before the step's renewal and member key).
 
 The primary's clock
     A heartbeat sent at local monotonic time ``t`` that succeeds makes the
@@ -93,6 +96,16 @@ Why two primaries never grant at once
     ``create_revision == 0`` lets one win.  A primary cut off from etcd
     cannot heartbeat: it fences itself by its own clock, before any standby's
     TTL has passed.
+What a stall costs
+    A primary that stalls (SIGSTOP, a VM freeze, a loaded core) for ``S`` right after
+    a heartbeat, whose next heartbeat was due ``TTL / BEATS_PER_TTL`` later, sends it
+    (and a lease renewal) at once on resuming; a standby deletes the key only if that
+    heartbeat lands more than one TTL after its sighting of the previous one, and etcd
+    frees it only if the renewal lands more than one TTL after the previous one: a stall
+    of up to about ``TTL * (1 - 1 / BEATS_PER_TTL)`` minus one etcd request keeps the primary (it
+    may be fenced for a moment: its own validity ends ``TTL * (1 - HEARTBEAT_DRIFT) -
+    margin`` after its last heartbeat's send).  The standby's wait stays one TTL: a longer wait would add to every
+    failover after a crash.
 Fallback and mixed versions
     The lease is untouched: a dead primary's key still goes with its lease
     when no standby deletes it first (no standby reaching etcd, or the rule
@@ -144,6 +157,10 @@ MAX_NODE_ID = 128
 HEARTBEAT_DRIFT = 0.01
 #: the longest primary TTL (ms) a standby accepts from a primary key's ``heartbeat`` field
 MAX_HEARTBEAT_TTL_MS = 3_600_000
+#: a primary heartbeats and renews its lease at least every ``TTL / BEATS_PER_TTL`` (its steps do
+#: both every quarter TTL; its own heartbeats go between them): the longest stall a primary
+#: survives is about ``TTL`` less this period less one etcd request (the module docstring)
+BEATS_PER_TTL = 8
 
 
 class BeatSighting(NamedTuple):
@@ -234,6 +251,8 @@ class EtcdArbiter:
         self.heartbeat = heartbeat
         self._primary_rev = 0  # create_revision of the primary key this node took (the heartbeat's condition)
         self._beat_at = 0  # send time (own clock, ms) of the last successful heartbeat (or bid)
+        self._beat_sent = 0  # send time (own clock, ms) of the last heartbeat sent, answered or not
+        self._pulse_task: asyncio.Task | None = None  # the primary's heartbeats between steps (_pulse)
         self._beat: BeatSighting | None = None  # the heartbeat revision as this node first saw it
         self._beat_timer: asyncio.TimerHandle | None = None
         self._beat_watch_task: asyncio.Task | None = None
@@ -298,6 +317,7 @@ class EtcdArbiter:
             if self.heartbeat:
                 self._beat_watch_task = asyncio.ensure_future(
                     self._watch_key(self.heartbeat_key, lambda kind: None, self._on_beat_event))
+                self._pulse_task = asyncio.ensure_future(self._pulse())
 
     async def claim(self) -> None:
         """Take this node id's member key before :meth:`start` (see the module docstring):
@@ -333,10 +353,10 @@ class EtcdArbiter:
         if self._wake is None:
             return
         self._wake = None
-        for watch in (self._watch_task, self._beat_watch_task):
+        for watch in (self._watch_task, self._beat_watch_task, self._pulse_task):
             if watch is not None:
                 watch.cancel()
-        self._watch_task = self._beat_watch_task = None
+        self._watch_task = self._beat_watch_task = self._pulse_task = None
         if self._beat_timer is not None:
             self._beat_timer.cancel()
             self._beat_timer = None
@@ -501,7 +521,7 @@ class EtcdArbiter:
         primary, beat = b64(self.primary_key), b64(self.heartbeat_key)
         read = [{"request_range": {"key": primary}}]
         if self.holding:
-            sent = self.clock()
+            sent = self._beat_sent = self.clock()
             answer = await self.gateway.txn(
                 [{"target": "CREATE", "key": primary, "create_revision": str(self._primary_rev), "result": "EQUAL"}],
                 [{"request_put": {"key": beat, "value": b64(self._beat_value())}}, *read], read)
@@ -516,6 +536,72 @@ class EtcdArbiter:
 
     def _beat_value(self) -> bytes:
         return json.dumps({"node": self.node, "epoch": self.epoch}).encode()
+
+    @property
+    def beat_period_ms(self) -> int:
+        """The longest time (ms, own clock) between two heartbeats a primary sends."""
+        return max(25, self.ttl_ms // BEATS_PER_TTL)
+
+    async def _pulse(self) -> None:
+        """While this node holds the key, send a heartbeat whenever :attr:`beat_period_ms`
+        has passed since the last one was sent (by a step or here), until closed; with it a
+        lease renewal when the last successful one was sent that long ago too.  A stall makes
+        both overdue: they go out together, before the step's, as soon as the loop runs again."""
+        while self._wake is not None:
+            now = self.clock()
+            wait = self._beat_sent + self.beat_period_ms - now
+            if wait <= 0 and not self.holding:
+                wait = self.beat_period_ms
+            if wait > 0:
+                await asyncio.sleep(wait / 1000.0)
+                continue
+            overdue = now - self._renewed_at >= self.beat_period_ms
+            sends = [self.beat(), self._keep_lease()] if overdue else [self.beat()]
+            outcomes = await asyncio.gather(*sends, return_exceptions=True)
+            for outcome in outcomes:
+                if isinstance(outcome, EtcdUnavailable):
+                    log.debug("etcd: heartbeat: %s", outcome)
+                elif isinstance(outcome, BaseException):
+                    log.error("etcd: heartbeat failed: %r", outcome)
+            if self.fenced and self.holding and outcomes[0] is True and self.clock() < self.valid_until_ms:
+                self.poke()  # etcd answers again (after an outage or a stall): the step lifts the fence now
+
+    async def _keep_lease(self) -> None:
+        """Renew the held lease between steps (only a renewal: a lease gone is the step's to
+        handle, run at once).
+
+        Raises:
+            EtcdUnavailable: etcd did not answer.
+        """
+        lease, sent = self.lease, self.clock()
+        if not lease:
+            return
+        if await self.gateway.keepalive(lease) <= 0:
+            self.poke()
+        elif self.holding and self.lease == lease and sent > self._renewed_at:
+            self._renewed(sent)
+
+    async def beat(self) -> bool:
+        """Write this primary's heartbeat alone (a transaction conditional on its primary key's
+        create_revision); a success moves its validity on, counted from the send time.  A
+        failure means the key is gone or another's: the next step runs at once and finds
+        out.  True: the heartbeat landed.
+
+        Raises:
+            EtcdUnavailable: etcd did not answer.
+        """
+        rev = self._primary_rev
+        sent = self._beat_sent = self.clock()
+        answer = await self.gateway.txn(
+            [{"target": "CREATE", "key": b64(self.primary_key), "create_revision": str(rev), "result": "EQUAL"}],
+            [{"request_put": {"key": b64(self.heartbeat_key), "value": b64(self._beat_value())}}])
+        if not answer.get("succeeded"):
+            self.poke()
+            return False
+        if self.holding and self._primary_rev == rev:
+            self._beat_at = max(self._beat_at, sent)
+            self._arm_fence_timer()
+        return True
 
     def _on_beat_event(self, kv: KeyValue) -> None:
         """The heartbeat's watch: a new revision, first seen now."""

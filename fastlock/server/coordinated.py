@@ -102,7 +102,9 @@ class CoordinatedNode:
         #: the primary etcd names that the follower is pointed at: its node id is the node the
         #: standby link must find at that address (etcd's word alone proves nothing)
         self.following: PrimaryRecord | None = None
-        self._gateway = EtcdGateway(self.url.endpoints, timeout_s=max(0.2, ttl_ms / 4000),
+        # an etcd request may take up to half the TTL: a renewal or heartbeat answered that late
+        # still lands before a standby's wait (one TTL) ends, and a loaded node abandons none
+        self._gateway = EtcdGateway(self.url.endpoints, timeout_s=max(0.2, ttl_ms / 2000),
                                     access=server.config.coordinator_access)
         settings = server.config.sync_settings()
         if settings is not None:  # --replication sync: replies wait for the in-sync set (groupsync)
@@ -214,13 +216,17 @@ class CoordinatedNode:
         if roles.role is not Role.STANDBY:
             return
         target = parse_address(primary.address, default_port=None)
-        self.following = primary  # the node id etcd names at the address the link is pointed at
+        previous, self.following = self.following, primary  # the node id etcd names at the link's address
         if follower.link.primary == target and not follower.stopped:
             return
         follower.stop()
         follower.link.primary = target
         follower.refused = None
-        follower.synced = False  # its position counts in the new primary's log once it has synced there
+        if previous != primary:
+            # its position counts in the new primary's log once it has synced there; following the
+            # same primary again (its link had ended) keeps it: its applied LSN is in that log, and
+            # a position of 0 would make the in-sync standby wait for the others before it bids
+            follower.synced = False
         follower.start()
         log.warning("following primary %r at %s (epoch %d, named by etcd)", primary.node, primary.address,
                     primary.epoch)
