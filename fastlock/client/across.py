@@ -297,6 +297,13 @@ async def _reserve(client: Client, part: _Part, names: tuple[str, ...], ttl_ms: 
         _withdraw(connector, proto, names, owner)
         raise Wounded("wounded by an older multi-lock on another shard")
     wound_task.cancel()
+    error = reply_fut.exception()
+    if error is not None:  # raised with neither the future nor the error kept in this frame: no cycle
+        del reply_fut
+        try:
+            raise error
+        finally:
+            del error
     reply = reply_fut.result()
     part.granted = loop.time()
     part.waited_ms = reply[2]
@@ -322,6 +329,17 @@ def _withdraw(connector: Any, proto: Any, names: tuple[str, ...], owner: bytes) 
     each releases its name if the grant raced with the withdrawal."""
     for name in names:
         connector.withdraw(proto, name, owner)
+
+
+def _raise_dropped(error: BaseException, *lists: list[Any]) -> None:
+    """Raise ``error`` after emptying ``lists`` (which hold it): the caller's frame, which the
+    error's traceback holds, then keeps no reference back to it (no reference cycle)."""
+    for items in lists:
+        items.clear()
+    try:
+        raise error
+    finally:
+        del error
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
@@ -392,6 +410,7 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
         released and it is reserved again at once, with the same stamp and id (the other
         parts are kept: every wait still goes from younger to older)."""
         nonlocal rereserved
+        pause = BACKOFF_FIRST  # seconds before reserving again after the part's connection failed
         while True:
             w = part_wounds[k] = _Wound()
             if aborted[0]:
@@ -402,6 +421,13 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
             except Wounded:
                 if aborted[0] or (deadline is not None and loop.time() >= deadline):
                     raise
+            except RETRYABLE:
+                # the part's connection was lost under its RESERVE (a failover, a restart): a wound of
+                # this part alone, the others kept; paced as a client rides through, within the wait
+                if aborted[0] or deadline is None or loop.time() >= deadline:
+                    raise
+                await asyncio.sleep(min(max(0.0, deadline - loop.time()), pause * random.uniform(0.5, 1.0)))
+                pause = min(2 * pause, BACKOFF_MAX)
             else:
                 # held: until every part is, a wound of this one is answered at once
                 holding.add(k)
@@ -459,9 +485,8 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
                                                          for k in todo), return_exceptions=True)
                         failed = [r for r in results if isinstance(r, BaseException)]
                         if failed:  # the cause, rather than the withdrawals it caused
-                            cause = next((r for r in failed if not isinstance(r, Wounded)), failed[0])
-                            del results, failed  # raised here, the error's traceback holds this frame
-                            raise cause
+                            _raise_dropped(next((r for r in failed if not isinstance(r, Wounded)), failed[0]),
+                                           results, failed)
                         # a part wounded after its grant, while another shard's was still awaited: again, alone
                         todo = [k for k in range(len(parts)) if part_wounds[k].is_set()]
                         for k in todo:
@@ -474,9 +499,7 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
                                                return_exceptions=True)
                 failed = [r for r in results if isinstance(r, BaseException)]
                 if failed:
-                    cause = failed[0]
-                    del results, failed  # raised here, the error's traceback holds this frame
-                    raise cause
+                    _raise_dropped(failed[0], results, failed)
                 for part in parts:
                     part.committed = True
             except (Wounded, LeaseLost, *RETRYABLE) as exc:
