@@ -3,6 +3,7 @@ and many overlapping multi-locks under wound-wait.
 
     python -m benches.crossshard [--sets 2000] [--count 100000] [--clients 48] [--names 300]
                                  [--max-seconds 900] [--fsync never] [--in-order] [--reference]
+                                 [--processes 1]
     python -m benches.crossshard --quick      # --sets 500 --count 5000
 
 Starts three lone ``fastlock serve`` processes as the shards (free ports, throwaway data
@@ -22,7 +23,14 @@ dirs, stopped afterwards) and, from one client process (uvloop when installed):
    median), attempts (wounds) per multi-lock, and wounds counted by the clients.  Stops
    starting new ones after ``--max-seconds``.  ``--reference`` runs the same workload as
    ``acquire_many`` on one server too (the same names, FIFO queues, no shards): how much of
-   the tail is the workload's own.
+   the tail is the workload's own.  ``--processes N`` splits the workers over N client
+   processes (each its own loop and connections).
+
+   **What a wait is made of**: for the slowest thousandth and for the middle tenth, the mean
+   of: the wait; the longest time one part queued in a shard (the shard's figure); the longest
+   send-to-grant of a part beyond that (parked, wire, client loop); first to last part
+   granted; the time before the last try (wounds); the commit; how late the client's event
+   loop ran inside the wait (a 5 ms timer's lateness) and its GC pauses (``gc.callbacks``).
 """
 
 from __future__ import annotations

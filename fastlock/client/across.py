@@ -14,8 +14,9 @@ none, and returns a :class:`CrossShardLease` with each name's fencing token:
 3. if a part is **wounded** (an older multi-lock needed one of its names: the server
    revoked that part and pushed ``PUSH_WOUNDED``, or answered a waiting ``RESERVE`` with
    :class:`~fastlock.errors.Wounded`), or the connection to its shard is lost (a failover:
-   the shard's table of reservations is gone), that part alone is released and reserved
-   again at once, with the same stamp and id, while the other parts are kept (held or
+   the shard's table of reservations is gone; a ``RESERVE`` that fails for that reason is
+   tried again after a pause, 20 ms doubling to 0.5 s, within the wait), that part alone is
+   released and reserved again at once, with the same stamp and id, while the other parts are kept (held or
    waiting: every wait still goes from younger to older, so keeping them closes no cycle);
    with ``in_order=True`` it lets go of every part it took and starts again;
 4. once every part is held it commits each (``COMMIT_RESERVATION``, to every shard at once):
