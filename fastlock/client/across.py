@@ -401,7 +401,7 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
     attempts = 0
     rereserved = 0  # parts taken again alone after a wound of theirs (all at once)
     holding: set[int] = set()  # the shards whose part is held, in this round (all at once)
-    all_held: asyncio.Future[None] = loop.create_future()  # done once every part is held, in this round
+    all_held = asyncio.Event()  # every part is held, in this round
 
     def left_ms() -> int:
         return -1 if deadline is None else max(0, int((deadline - loop.time()) * 1000))
@@ -433,16 +433,17 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
                 # held: until every part is, a wound of this one is answered at once
                 holding.add(k)
                 if len(holding) == len(shards):
-                    if not all_held.done():
-                        all_held.set_result(None)
-                    return  # (a wound once all are held: the caller's next round)
+                    all_held.set()
                 wound_fut = w.waiter()
-                try:  # (no task per part: both are plain futures; the shared one is never cancelled)
-                    await asyncio.wait({wound_fut, all_held}, return_when=asyncio.FIRST_COMPLETED)
+                all_fut: asyncio.Future[Any] = asyncio.ensure_future(all_held.wait())
+                either: set[asyncio.Future[Any]] = {wound_fut, all_fut}
+                try:
+                    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     wound_fut.cancel()
-                if not w.is_set() or all_held.done():
-                    return
+                    all_fut.cancel()
+                if not w.is_set() or all_held.is_set():
+                    return  # (a wound once all are held: the caller's next round)
                 holding.discard(k)
                 if aborted[0]:
                     raise Wounded("another shard's part failed")
@@ -480,7 +481,7 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
                     todo = list(range(len(parts)))
                     while todo:
                         holding = set(range(len(parts))) - set(todo)
-                        all_held = loop.create_future()
+                        all_held = asyncio.Event()
                         results = await asyncio.gather(*(hold_or_abort(k, parts[k], shards[k][1], aborted)
                                                          for k in todo), return_exceptions=True)
                         failed = [r for r in results if isinstance(r, BaseException)]
