@@ -3,6 +3,7 @@ and many overlapping multi-locks under wound-wait.
 
     python -m benches.crossshard [--sets 2000] [--count 100000] [--clients 48] [--names 300]
                                  [--max-seconds 900] [--fsync never] [--in-order] [--reference]
+                                 [--processes 1]
     python -m benches.crossshard --quick      # --sets 500 --count 5000
 
 Starts three lone ``fastlock serve`` processes as the shards (free ports, throwaway data
@@ -22,24 +23,36 @@ dirs, stopped afterwards) and, from one client process (uvloop when installed):
    median), attempts (wounds) per multi-lock, and wounds counted by the clients.  Stops
    starting new ones after ``--max-seconds``.  ``--reference`` runs the same workload as
    ``acquire_many`` on one server too (the same names, FIFO queues, no shards): how much of
-   the tail is the workload's own.
+   the tail is the workload's own.  ``--processes N`` splits the workers over N client
+   processes (each its own loop and connections).
+
+   **What a wait is made of**: for the slowest thousandth and for the middle tenth, the mean
+   of: the wait; the longest time one part queued in a shard (the shard's figure); the longest
+   send-to-grant of a part beyond that (parked, wire, client loop); first to last part
+   granted; the time before the last try (wounds); the commit; how late the client's event
+   loop ran inside the wait (a 5 ms timer's lateness) and its GC pauses (``gc.callbacks``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
+import concurrent.futures
+import gc
+import multiprocessing
 import random
 import statistics
 import tempfile
 import time
 import zlib
+from typing import NamedTuple
 
 import fastlock
 from benches.harness import latency_stats, run_async
 from fastlock._testbase import ServerProcess
 from fastlock.client.across import acquire_across, release_across, shard_key
-from fastlock.errors import LockNotAcquired
+from fastlock.errors import LeaseLost, LockNotAcquired
 
 
 class HashRouter:
@@ -102,30 +115,107 @@ async def latency(addresses: list[str], sets: int, in_order: bool) -> None:
             await c.close()
 
 
-async def overlap(addresses: list[str], count: int, workers: int, names: int, max_seconds: float,
-                  in_order: bool, one_shard: bool = False) -> None:
-    """The overlap part (see the module); ``one_shard``: the same workload as ``acquire_many``
-    on the first server alone, for reference."""
+class Done(NamedTuple):
+    """One finished multi-lock of the overlap part, and what its wait was made of (seconds)."""
+
+    wait: float           # acquire's duration, as the worker saw it
+    attempts: int         # tries, counting a part reserved again after a wound (1: never wounded)
+    queued: float         # the longest time one of its parts waited in a shard's queues (the shard's figure)
+    parked_wire: float    # the longest send-to-grant of a part less its queue wait: parked behind an older
+                          # multi-lock, on the wire, and in the client's loop before the reply was read
+    spread: float         # from its first part granted to its last (a part held while another waits)
+    retries: float        # from the start to the first RESERVE of its last try (wounds, earlier tries)
+    commit: float         # the commit round trip
+    stall: float          # the client's event-loop lag (late timers) inside its wait
+    gc: float             # the client's GC pauses inside its wait
+
+
+class LoopWatch:
+    """The client loop's lag (a 5 ms timer's lateness) and GC pauses, with their times, so a
+    request's share of them can be summed over its wait."""
+
+    TICK = 0.005
+
+    def __init__(self) -> None:
+        self.lag_end: list[float] = []
+        self.lag_sum: list[float] = [0.0]
+        self.gc_end: list[float] = []
+        self.gc_sum: list[float] = [0.0]
+        self._gc_start = 0.0
+        self._stop = False
+
+    def _on_gc(self, phase: str, _info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.monotonic()
+        else:
+            now = time.monotonic()
+            self.gc_end.append(now)
+            self.gc_sum.append(self.gc_sum[-1] + now - self._gc_start)
+
+    async def run(self) -> None:
+        gc.callbacks.append(self._on_gc)
+        try:
+            while not self._stop:
+                t = time.monotonic()
+                await asyncio.sleep(self.TICK)
+                now = time.monotonic()
+                lag = now - t - self.TICK
+                if lag > 0.001:
+                    self.lag_end.append(now)
+                    self.lag_sum.append(self.lag_sum[-1] + lag)
+        finally:
+            gc.callbacks.remove(self._on_gc)
+
+    def stop(self) -> None:
+        self._stop = True
+
+    @staticmethod
+    def _within(ends: list[float], sums: list[float], t0: float, t1: float) -> float:
+        i, j = bisect.bisect_left(ends, t0), bisect.bisect_right(ends, t1)
+        return sums[j] - sums[i]
+
+    def stall(self, t0: float, t1: float) -> float:
+        return self._within(self.lag_end, self.lag_sum, t0, t1)
+
+    def gc_time(self, t0: float, t1: float) -> float:
+        return self._within(self.gc_end, self.gc_sum, t0, t1)
+
+
+class ProcessResult(NamedTuple):
+    done: list[tuple]  # Done's fields
+    stuck: int
+    lost: int      # multi-locks a lease of which had ended by its release
+    elapsed: float
+    stall: float   # the client loop's total lag, seconds
+    gc: float      # the client's total GC pauses, seconds
+
+
+async def overlap_one_process(addresses: list[str], count: int, workers: int, names: int, max_seconds: float,
+                              in_order: bool, one_shard: bool, seed: int) -> ProcessResult:
+    """``workers`` workers of one client process taking ``count`` multi-locks between them."""
     routers = []
     for k in range(2):
-        routers.append(HashRouter([await fastlock.connect(a, client_name=f"ov{k}-{i}")
+        routers.append(HashRouter([await fastlock.connect(a, client_name=f"ov{seed}-{k}-{i}")
                                    for i, a in enumerate(addresses)]))
     pool = [f"ov/{i}" for i in range(names)]
-    waits: list[float] = []
-    timed: list[float] = []  # the waits in the order of ``attempts``
-    attempts: list[int] = []
+    #: each a plain tuple of a Done's fields (plain tuples of numbers leave the collector's view: 100,000
+    #: tracked records would make every full collection of this process scan them)
+    done: list[tuple] = []
     stuck = 0
+    lost = 0  # multi-locks a lease of which had ended by its release (a safety figure: must be 0)
     started = 0
     end = time.monotonic() + max_seconds
+    watch = LoopWatch()
+    loop = asyncio.get_running_loop()
 
     async def worker(k: int) -> None:
-        nonlocal stuck, started
-        rng = random.Random(k)
+        nonlocal stuck, started, lost
+        rng = random.Random(seed + k)
         router = routers[k % 2]
         while started < count and time.monotonic() < end:
             started += 1
             chosen = rng.sample(pool, rng.randrange(2, 5))
-            t0 = time.monotonic()
+            t0, l0 = time.monotonic(), loop.time()
             try:
                 if one_shard:
                     held = await router.clients[0].acquire_many(chosen, ttl=30.0, wait=120.0)
@@ -134,40 +224,103 @@ async def overlap(addresses: list[str], count: int, workers: int, names: int, ma
             except LockNotAcquired:
                 stuck += 1
                 continue
-            waits.append(time.monotonic() - t0)
-            timed.append(waits[-1])
+            t1, l1 = time.monotonic(), loop.time()
             if one_shard:
-                attempts.append(1)
-                await router.clients[0].release_many(held)
+                done.append((t1 - t0, 1, 0.0, 0.0, 0.0, 0.0, 0.0, watch.stall(t0, t1), watch.gc_time(t0, t1)))
+                try:
+                    await router.clients[0].release_many(held)
+                except LeaseLost:
+                    lost += 1
             else:
-                attempts.append(multi.attempts)
-                await release_across(multi)
+                ts = multi.timings
+                done.append((
+                    t1 - t0, multi.attempts,
+                    max(p.waited_ms for p in ts) / 1e3,
+                    max(max(0.0, p.granted - p.sent - p.waited_ms / 1e3) for p in ts),
+                    max(p.granted for p in ts) - min(p.granted for p in ts),
+                    max(0.0, min(p.sent for p in ts) - l0),
+                    max(0.0, l1 - multi.commit_sent),
+                    watch.stall(t0, t1), watch.gc_time(t0, t1)))
+                try:
+                    await release_across(multi)
+                except LeaseLost as exc:
+                    lost += 1
+                    print(f"   a lease was lost before its release: {exc}; this multi-lock waited "
+                          f"{(t1 - t0) * 1e3:.0f} ms, {multi.attempts} attempts, parts granted "
+                          f"{', '.join(f'{(l1 - p.granted) * 1e3:.0f}' for p in multi.timings)} ms before the end")
 
+    watcher = asyncio.ensure_future(watch.run())
     t0 = time.monotonic()
     try:
         await asyncio.gather(*(worker(k) for k in range(workers)))
     finally:
+        watch.stop()
+        await watcher
         for router in routers:
             for c in router.clients:
                 await c.close()
+    return ProcessResult(done, stuck, lost, time.monotonic() - t0, watch.lag_sum[-1], watch.gc_sum[-1])
+
+
+def _overlap_in_child(addresses: list[str], count: int, workers: int, names: int, max_seconds: float,
+                      in_order: bool, one_shard: bool, seed: int, use_uvloop: bool) -> ProcessResult:
+    return run_async(overlap_one_process(addresses, count, workers, names, max_seconds, in_order, one_shard, seed),
+                     use_uvloop=use_uvloop)
+
+
+def _split(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+async def overlap(addresses: list[str], count: int, workers: int, names: int, max_seconds: float,
+                  in_order: bool, one_shard: bool = False, processes: int = 1, use_uvloop: bool = True) -> None:
+    """The overlap part (see the module); ``one_shard``: the same workload as ``acquire_many``
+    on the first server alone, for reference; ``processes`` > 1: the workers split over that
+    many client processes (each its own event loop and connections)."""
+    t0 = time.monotonic()
+    if processes <= 1:
+        results = [await overlap_one_process(addresses, count, workers, names, max_seconds, in_order, one_shard, 0)]
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        loop = asyncio.get_running_loop()
+        with concurrent.futures.ProcessPoolExecutor(max_workers=processes, mp_context=ctx) as ex:
+            futs = [loop.run_in_executor(ex, _overlap_in_child, addresses, c, w, names, max_seconds, in_order,
+                                         one_shard, 1000 * i, use_uvloop)
+                    for i, (c, w) in enumerate(zip(_split(count, processes), _split(workers, processes)))]
+            results = await asyncio.gather(*futs)
     elapsed = time.monotonic() - t0
-    waits.sort()
+    done = sorted((Done._make(d) for r in results for d in r.done), key=lambda d: d.wait)
+    stuck = sum(r.stuck for r in results)
+    waits = [d.wait for d in done]
     median = statistics.median(waits)
     p99 = waits[int(len(waits) * 0.99)]
+    attempts = [d.attempts for d in done]
     where = "ONE shard (acquire_many, for reference)" if one_shard else "3 shards"
     print(f"{'2b' if one_shard else '2'}. {len(waits):,} multi-locks of 2-4 names over {names} names on {where}, "
-          f"{workers} workers, "
-          f"{elapsed:.1f} s ({len(waits) / elapsed:,.0f}/s): stuck {stuck} (target 0)")
+          f"{workers} workers in {processes} client process{'es' if processes > 1 else ''}, "
+          f"{elapsed:.1f} s ({len(waits) / elapsed:,.0f}/s): stuck {stuck} (target 0), a lease lost before "
+          f"its release {sum(r.lost for r in results)} (target 0)")
     print(f"   wait p50 {median * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms, max {waits[-1] * 1e3:.2f} ms; "
           f"max/median {waits[-1] / median:.1f}x (target <= 10x); p99/median {p99 / median:.1f}x")
     print(f"   attempts per multi-lock: mean {statistics.mean(attempts):.3f}, max {max(attempts)}; "
           f"wounded at least once: {sum(a > 1 for a in attempts):,}")
-    # where the tail comes from: the slowest thousandth against the rest, by attempts
-    ranked = sorted(zip(timed, attempts), reverse=True)
-    tail = ranked[:max(1, len(ranked) // 1000)]
-    print(f"   the slowest {len(tail)}: wait {tail[-1][0] * 1e3:.0f}-{tail[0][0] * 1e3:.0f} ms, attempts mean "
-          f"{statistics.mean(a for _, a in tail):.2f} max {max(a for _, a in tail)}; "
-          f"of those tried once, the slowest waited {max((w for w, a in ranked if a == 1), default=0) * 1e3:.0f} ms")
+    print(f"   client loop lag {sum(r.stall for r in results):.1f} s and GC {sum(r.gc for r in results):.2f} s "
+          f"over the run (per process: {', '.join(f'{r.stall:.1f}/{r.gc:.2f}' for r in results)})")
+    # where the tail comes from: each component's mean, for the slowest thousandth against the middle
+    tail = done[-max(1, len(done) // 1000):]
+    middle = done[len(done) * 45 // 100: len(done) * 55 // 100] or done
+    fields = ("wait", "queued", "parked_wire", "spread", "retries", "commit", "stall", "gc")
+    print(f"   mean ms of {', '.join(fields)}; attempts:")
+    for label, rows in ((f"the slowest {len(tail)}", tail), ("p45-p55", middle)):
+        means = [statistics.mean(getattr(d, f) for d in rows) * 1e3 for f in fields]
+        print(f"     {label:>16}: {' '.join(f'{m:8.1f}' for m in means)}; "
+              f"{statistics.mean(d.attempts for d in rows):.2f} (max {max(d.attempts for d in rows)})")
+    net = sorted(max(0.0, d.wait - d.stall) for d in done)
+    print(f"   wait less the client's loop lag inside it: max/median {net[-1] / statistics.median(net):.1f}x; "
+          f"the slowest: wait {done[-1].wait * 1e3:.0f} ms = queued {done[-1].queued * 1e3:.0f} + parked/wire "
+          f"{done[-1].parked_wire * 1e3:.0f} + retries {done[-1].retries * 1e3:.0f} + commit "
+          f"{done[-1].commit * 1e3:.0f} ms (parts overlap), loop lag {done[-1].stall * 1e3:.0f} ms, "
+          f"attempts {done[-1].attempts}")
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -177,9 +330,12 @@ async def main_async(args: argparse.Namespace) -> None:
             addresses = [s.address for s in servers]
             print(f"parts taken {'in the global order of shards' if args.in_order else 'from every shard at once'}")
             await latency(addresses, args.sets, args.in_order)
-            await overlap(addresses, args.count, args.clients, args.names, args.max_seconds, args.in_order)
+            uv = not args.no_uvloop
+            await overlap(addresses, args.count, args.clients, args.names, args.max_seconds, args.in_order,
+                          False, args.processes, uv)
             if args.reference:
-                await overlap(addresses, args.count, args.clients, args.names, args.max_seconds, False, True)
+                await overlap(addresses, args.count, args.clients, args.names, args.max_seconds, False, True,
+                              args.processes, uv)
         finally:
             for s in servers:
                 s.stop()
@@ -197,11 +353,15 @@ def main() -> None:
                     help="take the shards' parts one after the other in the global order (default: all at once)")
     ap.add_argument("--reference", action="store_true",
                     help="also run the overlap workload as acquire_many on one server (the single-shard reference)")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="client processes the overlap part's workers are split over (default 1, at most 16)")
     ap.add_argument("--quick", action="store_true", help="--sets 500 --count 5000")
     ap.add_argument("--no-uvloop", action="store_true")
     args = ap.parse_args()
     if args.quick:
         args.sets, args.count = 500, 5000
+    if not 1 <= args.processes <= 16:
+        ap.error("--processes must be 1 to 16")
     run_async(main_async(args), use_uvloop=not args.no_uvloop)
 
 

@@ -236,6 +236,40 @@ def test_a_younger_newcomer_waits_before_the_queue_behind_an_older_waiter_and_ca
         assert reply[1] == 0 and reply[2][0][0] > old_reply[2][0][1]
 
 
+def test_parked_reservations_enter_the_queue_oldest_first_and_the_younger_is_not_wounded(server):
+    """Two reservations parked behind an older waiter: the younger parked first, the older
+    (a wounded multi-lock taking its part again with its stamp) after.  When the waiter is
+    granted, the older parked one enters the queue first and the younger one stays parked
+    behind it: it is granted in its turn, never wounded."""
+    with peers(server.address, 4) as (old, middle, young, look):
+        plain_owner = os.urandom(16)
+        assert look.call(P.OP_ACQUIRE, "a/1", plain_owner, TTL_MS, 0, 0, None)[1] == 0
+        stamp = now_ms()
+        old_owner, middle_owner = os.urandom(16), os.urandom(16)
+        rid_old = reserve(old, ["a/1", "a/2"], stamp - 5_000, b"old", wait_ms=30_000, owner=old_owner)
+        assert len(contenders(look, "a/2")["waiters"]) == 1
+        rid_young = reserve(young, ["a/2"], stamp, b"young", wait_ms=30_000)
+        assert young.call(P.OP_PING)[1] == 0
+        rid_middle = reserve(middle, ["a/2"], stamp - 2_000, b"middle", wait_ms=30_000, owner=middle_owner)
+        assert middle.call(P.OP_PING)[1] == 0
+        assert len(contenders(look, "a/2")["waiters"]) == 1  # both parked, the oldest waits alone
+        token = holder_token(look, "a/1")
+        assert look.call(P.OP_RELEASE, "a/1", token, plain_owner)[1] == 0
+        old_reply = reply_to(old, rid_old)
+        assert old_reply[1] == 0
+        assert old.call(OP_COMMIT_RESERVATION, b"old")[1] == 0
+        assert old.call(P.OP_RELEASE, "a/2", old_reply[2][0][1], old_owner)[1] == 0
+        middle_reply = reply_to(middle, rid_middle)
+        assert middle_reply[1] == 0, middle_reply
+        assert middle.call(OP_COMMIT_RESERVATION, b"middle")[1] == 0
+        assert middle.call(P.OP_RELEASE, "a/2", middle_reply[2][0][0], middle_owner)[1] == 0
+        pushes: list = []
+        young_reply = reply_to(young, rid_young, pushes)
+        assert young_reply[1] == 0, young_reply  # granted, not Wounded
+        assert young_reply[2][0][0] > middle_reply[2][0][0]
+        assert not [p for p in pushes if p[1] == PUSH_WOUNDED]
+
+
 def test_stamps_and_arguments_out_of_bounds_are_refused_and_change_nothing(server):
     with peers(server.address, 2) as (peer, look):
         now = now_ms()

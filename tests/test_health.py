@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 
 import pytest
 
@@ -80,6 +82,31 @@ async def test_health_is_shared_by_extended_copies_and_manual_leases_stay_safe(c
     assert lease.health.state == "safe"
     await client.release(longer)
     assert lease.health.state == "safe"  # a clean release is not a loss
+
+
+async def test_a_released_multi_lock_whose_health_was_read_is_freed_without_the_cyclic_collector(client):
+    """A lease's ``lost`` event and its health refer to each other; the event's reference is
+    weak, so a lease set released and dropped is freed by reference counting alone (no cyclic
+    garbage per lease: the collector's passes pause the client's loop), and a loss still
+    reaches the health's listeners while the lease is held."""
+    held = await client.acquire_many(["gc/1", "gc/2", "gc/3"], ttl=10.0)
+    healths = [weakref.ref(lease.health) for lease in held]  # the set's ``lost`` listens on each
+    lost_event = weakref.ref(held.leases[0].lost)
+    assert all(h() is not None for h in healths)
+    await client.release_many(held)
+    gc.disable()
+    try:
+        del held
+        assert [h() for h in healths] == [None, None, None]
+        assert lost_event() is None
+    finally:
+        gc.enable()
+    kept = await client.acquire_many(["gc/4", "gc/5"], ttl=10.0)
+    heard: list[str] = []
+    kept.leases[1].health.add_listener(heard.append)
+    kept.leases[1].lost.set()  # a loss found by whoever holds the event
+    assert heard == ["lost"] and kept.lost.is_set() and kept.leases[1].health.state == "lost"
+    await client.release(kept.leases[0])
 
 
 @pytest.mark.parametrize("fraction", [0, 1, 1.5, -0.1, float("nan"), True, "0.5"])

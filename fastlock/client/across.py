@@ -14,8 +14,9 @@ none, and returns a :class:`CrossShardLease` with each name's fencing token:
 3. if a part is **wounded** (an older multi-lock needed one of its names: the server
    revoked that part and pushed ``PUSH_WOUNDED``, or answered a waiting ``RESERVE`` with
    :class:`~fastlock.errors.Wounded`), or the connection to its shard is lost (a failover:
-   the shard's table of reservations is gone), that part alone is released and reserved
-   again at once, with the same stamp and id, while the other parts are kept (held or
+   the shard's table of reservations is gone; a ``RESERVE`` that fails for that reason is
+   tried again after a pause, 20 ms doubling to 0.5 s, within the wait), that part alone is
+   released and reserved again at once, with the same stamp and id, while the other parts are kept (held or
    waiting: every wait still goes from younger to older, so keeping them closes no cycle);
    with ``in_order=True`` it lets go of every part it took and starts again;
 4. once every part is held it commits each (``COMMIT_RESERVATION``, to every shard at once):
@@ -67,7 +68,7 @@ import random
 import secrets
 import threading
 from collections.abc import Callable, Coroutine, Iterable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from .. import protocol as P
 from ..errors import ConnectionLost, FastlockError, LeaseLost, LockNotAcquired, Wounded
@@ -88,7 +89,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 __all__ = ["Router", "SyncRouter", "CrossShardLease", "AcrossContext", "lock_across", "acquire_across",
-           "release_across",
+           "release_across", "PartTiming",
            "lock_across_sync", "SyncCrossShardLease", "STAMP_REFRESH_S", "shard_key"]
 
 #: seconds: a multi-lock still trying after this long takes a fresh age stamp (servers refuse
@@ -183,15 +184,38 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-class _Part:
-    """The leases one shard granted a multi-lock."""
+class PartTiming(NamedTuple):
+    """When one shard's part of a multi-lock was taken (``CrossShardLease.timings``).
 
-    __slots__ = ("shard", "leases", "committed")
+    Attributes:
+        sent (float): the loop time (seconds, ``loop.time()``) the part's last ``RESERVE`` was sent.
+        granted (float): the loop time (seconds) its grant was read.
+        waited_ms (int): how long the request waited in the shard's queues, milliseconds, as the
+            shard reported it (time parked behind an older multi-lock and on the wire are not in it).
+        reserves (int): how many ``RESERVE`` requests the part took (1: never wounded there).
+    """
+
+    sent: float
+    granted: float
+    waited_ms: int
+    reserves: int
+
+
+class _Part:
+    """The leases one shard granted a multi-lock, and when (:class:`PartTiming`)."""
+
+    __slots__ = ("shard", "leases", "committed", "sent", "granted", "waited_ms", "reserves")
 
     def __init__(self, shard: _Shard, leases: list[Lease]):
         self.shard = shard
         self.leases = leases
         self.committed = False
+        self.sent = self.granted = 0.0
+        self.waited_ms = 0
+        self.reserves = 0
+
+    def timing(self) -> PartTiming:
+        return PartTiming(self.sent, self.granted, self.waited_ms, self.reserves)
 
 
 class CrossShardLease(LeaseSet):
@@ -202,16 +226,20 @@ class CrossShardLease(LeaseSet):
         lost (asyncio.Event): set as soon as any one of the leases is lost (on the loop
             that ran :func:`lock_across`).
         attempts (int): how many times the multi-lock was tried (1: never wounded).
+        timings (tuple[PartTiming, ...]): when each shard's part was taken, in the shards' order.
+        commit_sent (float): the loop time (seconds) the commits were sent.
 
     ``multi["orders/42"]`` is that name's :class:`Lease`; ``multi.fencing_tokens``
     maps each name to its token.  Release with :func:`release_across` (or leave the
     ``async with`` of :class:`AcrossContext`).
     """
 
-    __slots__ = ("parts", "leases", "lost", "attempts", "_by_name")
+    __slots__ = ("parts", "leases", "lost", "attempts", "timings", "commit_sent", "_by_name")
 
-    def __init__(self, parts: list[_Part], attempts: int):
+    def __init__(self, parts: list[_Part], attempts: int, commit_sent: float = 0.0):
         self.parts = tuple(parts)
+        self.timings = tuple(part.timing() for part in parts)
+        self.commit_sent = commit_sent
         self.leases = tuple(lease for part in parts for lease in part.leases)
         self.lost = asyncio.Event()
         self.attempts = attempts
@@ -254,6 +282,8 @@ async def _reserve(client: Client, part: _Part, names: tuple[str, ...], ttl_ms: 
     owner = new_owner_key()
     loop = asyncio.get_running_loop()
     sent = loop.time()
+    part.sent = sent
+    part.reserves += 1
     reply_fut = proto.request(OP_RESERVE, list(names), owner, ttl_ms, wait_ms, corr, stamp, multi_id)
     wound_task = wound.waiter()
     try:
@@ -268,7 +298,17 @@ async def _reserve(client: Client, part: _Part, names: tuple[str, ...], ttl_ms: 
         _withdraw(connector, proto, names, owner)
         raise Wounded("wounded by an older multi-lock on another shard")
     wound_task.cancel()
-    leases = leases_granted(connector, names, owner, reply_fut.result(), sent)
+    error = reply_fut.exception()
+    if error is not None:  # raised with neither the future nor the error kept in this frame: no cycle
+        del reply_fut
+        try:
+            raise error
+        finally:
+            del error
+    reply = reply_fut.result()
+    part.granted = loop.time()
+    part.waited_ms = reply[2]
+    leases = leases_granted(connector, names, owner, reply, sent)
     for lease in leases:
         if renew_fraction is not None:
             lease.health.jeopardy_fraction = check_fraction(renew_fraction)
@@ -290,6 +330,17 @@ def _withdraw(connector: Any, proto: Any, names: tuple[str, ...], owner: bytes) 
     each releases its name if the grant raced with the withdrawal."""
     for name in names:
         connector.withdraw(proto, name, owner)
+
+
+def _raise_dropped(error: BaseException, *lists: list[Any]) -> None:
+    """Raise ``error`` after emptying ``lists`` (which hold it): the caller's frame, which the
+    error's traceback holds, then keeps no reference back to it (no reference cycle)."""
+    for items in lists:
+        items.clear()
+    try:
+        raise error
+    finally:
+        del error
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
@@ -360,6 +411,7 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
         released and it is reserved again at once, with the same stamp and id (the other
         parts are kept: every wait still goes from younger to older)."""
         nonlocal rereserved
+        pause = BACKOFF_FIRST  # seconds before reserving again after the part's connection failed
         while True:
             w = part_wounds[k] = _Wound()
             if aborted[0]:
@@ -370,6 +422,13 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
             except Wounded:
                 if aborted[0] or (deadline is not None and loop.time() >= deadline):
                     raise
+            except RETRYABLE:
+                # the part's connection was lost under its RESERVE (a failover, a restart): a wound of
+                # this part alone, the others kept; paced as a client rides through, within the wait
+                if aborted[0] or deadline is None or loop.time() >= deadline:
+                    raise
+                await asyncio.sleep(min(max(0.0, deadline - loop.time()), pause * random.uniform(0.5, 1.0)))
+                pause = min(2 * pause, BACKOFF_MAX)
             else:
                 # held: until every part is, a wound of this one is answered at once
                 holding.add(k)
@@ -427,7 +486,8 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
                                                          for k in todo), return_exceptions=True)
                         failed = [r for r in results if isinstance(r, BaseException)]
                         if failed:  # the cause, rather than the withdrawals it caused
-                            raise next((r for r in failed if not isinstance(r, Wounded)), failed[0])
+                            _raise_dropped(next((r for r in failed if not isinstance(r, Wounded)), failed[0]),
+                                           results, failed)
                         # a part wounded after its grant, while another shard's was still awaited: again, alone
                         todo = [k for k in range(len(parts)) if part_wounds[k].is_set()]
                         for k in todo:
@@ -435,11 +495,12 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
                             parts[k].leases = []
                             rereserved += 1
                 # every part is held: commit them all at once (any order will do)
+                commit_sent = loop.time()
                 results = await asyncio.gather(*(part.shard.run(_commit, multi_id) for part in parts),
                                                return_exceptions=True)
                 failed = [r for r in results if isinstance(r, BaseException)]
                 if failed:
-                    raise failed[0]
+                    _raise_dropped(failed[0], results, failed)
                 for part in parts:
                     part.committed = True
             except (Wounded, LeaseLost, *RETRYABLE) as exc:
@@ -461,7 +522,7 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
             except BaseException:
                 await _let_go(parts)
                 raise
-            return CrossShardLease(parts, attempts + rereserved)
+            return CrossShardLease(parts, attempts + rereserved, commit_sent)
     finally:
         for shard, _names in shards:
             shard.call(lambda client: client.connector.wound_listeners.pop(multi_id, None))

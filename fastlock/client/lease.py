@@ -16,6 +16,7 @@ import asyncio
 import logging
 import math
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
@@ -54,9 +55,21 @@ class _LostEvent(asyncio.Event):
     lease's :class:`LeaseHealth` (if one exists) when it is set, so health
     listeners hear of a loss however it was found."""
 
-    #: the lease's health, once someone asked for it (a class default: no
-    #: ``__init__`` of its own, as one is made per grant)
-    health: LeaseHealth | None = None
+    #: a weak reference to the lease's health, once someone asked for it (a class default:
+    #: no ``__init__`` of its own, as one is made per grant).  Weak because the health holds
+    #: this event: a strong reference back would make every lease whose health was read a
+    #: reference cycle, freed only by the cyclic garbage collector, whose passes pause the
+    #: client's event loop (the lease's :class:`LeaseState` keeps the health alive)
+    _health_ref: weakref.ref[LeaseHealth] | None = None
+
+    @property
+    def health(self) -> LeaseHealth | None:
+        ref = self._health_ref
+        return None if ref is None else ref()
+
+    @health.setter
+    def health(self, health: LeaseHealth) -> None:
+        self._health_ref = weakref.ref(health)
 
     def set(self) -> None:
         if not self.is_set():
@@ -94,7 +107,7 @@ class LeaseHealth:
     event loop's thread, at every transition.
     """
 
-    __slots__ = ("lost", "safe", "jeopardy", "jeopardy_fraction", "_state", "_listeners", "_timer")
+    __slots__ = ("lost", "safe", "jeopardy", "jeopardy_fraction", "_state", "_listeners", "_timer", "__weakref__")
 
     def __init__(self, lost: asyncio.Event, jeopardy_fraction: float = 0.5):
         self.lost = lost

@@ -187,6 +187,10 @@ class ReserveRequest(ManyRequest):
         return rid
 
 
+def _rank_of(r: Reservation) -> Rank:
+    return r.rank
+
+
 def check_multi_id(value: Any) -> bytes:
     """A multi-lock id: 1..MAX_MULTI_ID_BYTES bytes (:func:`fastlock.protocol.check_bytes`)."""
     return P.check_bytes(value, "multi-lock id", MAX_MULTI_ID_BYTES)
@@ -520,7 +524,10 @@ class WoundWait:
     def _wake(self) -> None:
         """Move every parked reservation that no older one blocks any more into the queues: the
         ones parked on a name an older one stopped waiting on (all of them after a connection
-        closed), in arrival order, so a wake costs the reservations it may free, not every one."""
+        closed), so a wake costs the reservations it may free, not every one; oldest first, so
+        an older one (a wounded multi-lock taking its part again keeps its stamp) enters a queue
+        before a younger one parked earlier, which then stays parked behind it instead of being
+        let in and wounded."""
         self._wake_pending = False
         if self._wake_all:
             candidates = list(self.parked.values())
@@ -529,6 +536,7 @@ class WoundWait:
             for name in self._stopped_waiting:
                 touched.update(self.parked_on.get(name, ()))
             candidates = [r for r in self.parked.values() if r in touched] if touched else []
+        candidates.sort(key=_rank_of)
         self._wake_all = False
         self._stopped_waiting.clear()
         now = monotonic_ms()
