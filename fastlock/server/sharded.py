@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from .._core import EV_WAIT_CANCELLED
 from ..auth import ANONYMOUS
 from ..coordination.access import EtcdAccess
-from ..coordination.shardmap import load_from_etcd
+from ..coordination.shardmap import EtcdShardMap, load_from_etcd
 from ..errors import CrossShard, FastlockError, InvalidArgument, SlotMoving, WrongShard
 from ..protocol.ops import OP_SESSION_ATTACH, OP_SESSION_KEEPALIVE
 from ..roles import Role
@@ -82,6 +82,23 @@ def held_share(single_principal: bool, anonymous_divisor: int) -> Quota:
         return Quota(MAX_HELD, MAX_HELD, HELD_WHAT, "")
     share = default_share(MAX_HELD)
     return Quota(share, max(1, share // max(1, anonymous_divisor)), HELD_WHAT, "")
+
+
+def _and_not(a: bytes, b: bytes) -> bytes:
+    """The table of 0/1 bytes that is 1 where ``a`` is 1 and ``b`` is 0 (tables of one length)."""
+    return (int.from_bytes(a, "big") & ~int.from_bytes(b, "big")).to_bytes(len(a), "big")
+
+
+def _ones(table: bytes) -> list[int]:
+    """The indexes of the 1 bytes of a table of 0/1 bytes, ascending (found run by run)."""
+    out: list[int] = []
+    start = table.find(1)
+    while start >= 0:
+        end = table.find(0, start)
+        end = len(table) if end < 0 else end
+        out.extend(range(start, end))
+        start = table.find(1, end)
+    return out
 
 
 class Held(NamedTuple):
@@ -129,8 +146,12 @@ class ShardGate:
         self._hold_timer: Any = None
         #: called with each newer map this node takes (the server pushes its epoch to its clients)
         self.on_change: Callable[[ShardMap], None] | None = None
+        #: also called with each newer map this node takes (SHARD_MAP_NOTICE's replies: server.mapnotice)
+        self.listeners: list[Callable[[ShardMap], None]] = []
         #: where the map served by is recorded (``DATA_DIR/served-shard-map.json``), once :meth:`remember` ran
         self.served_path: str | None = None
+        #: the map kept in etcd, while :meth:`follow_etcd` follows it (SHARD_MAP_NOTICE reads it: server.mapnotice)
+        self.stored: EtcdShardMap | None = None
         self.set_map(shard_map)
 
     @classmethod
@@ -353,15 +374,18 @@ class ShardGate:
             log.error("not applying shard map epoch %d: %s", shard_map.epoch, exc)
             return
         owned, moving = self.owned, self.moving
-        frozen = [s for s in range(SLOTS) if moving[s] and not old_moving[s]]
-        lost = [s for s in range(SLOTS) if old_owned[s] and not owned[s]]
-        gained = [s for s in range(SLOTS) if owned[s] and not old_owned[s]]
-        aborted = {s for s in range(SLOTS) if old_moving[s] and not moving[s] and owned[s]}
+        # the per-slot tables compared as whole numbers (one bit a slot set): every node takes
+        # each map change on its event loop, so this stays well under a millisecond
+        frozen = _ones(_and_not(moving, old_moving))
+        lost = _ones(_and_not(old_owned, owned))
+        gained = _ones(_and_not(owned, old_owned))
+        unmarked = _and_not(old_moving, moving)
+        aborted = set(_ones(_and_not(unmarked, _and_not(unmarked, owned))))
         for name in [n for n in self.frozen_queues if slot_of(n) in aborted]:
             del self.frozen_queues[name]  # their acquires are answered SlotMoving and asked again
-        if self.imported_queues or any(self.imported):  # a move to this group that was aborted
-            for slot in range(SLOTS):
-                if self.imported[slot] and not owned[slot] and shard_map.moving_to_of_slot(slot) != self.group:
+        if self.imported_queues or 1 in self.imported:  # a move to this group that was aborted
+            for slot in _ones(bytes(self.imported)):
+                if not owned[slot] and shard_map.moving_to_of_slot(slot) != self.group:
                     self.imported[slot] = 0
             for name in [n for n in self.imported_queues if not self.imported[slot_of(n)] and not owned[slot_of(n)]]:
                 del self.imported_queues[name]
@@ -371,10 +395,12 @@ class ShardGate:
             self._drop(lost)
         if gained:
             self._let_in(gained)
-        if self.held and (lost or any(old_moving[s] and not moving[s] for s in range(SLOTS))):
+        if self.held and (lost or 1 in unmarked):
             self._answer_held()
         if self.on_change is not None:
             self.on_change(shard_map)
+        for listener in self.listeners:
+            listener(shard_map)
 
     # -- a move's freeze, drop and let-in -------------------------------------------------------
     def _is_primary(self) -> bool:
@@ -537,9 +563,11 @@ class ShardGate:
     async def follow_etcd(self, url: str, access: EtcdAccess | None) -> None:
         """Follow the map kept in etcd at ``url`` (:mod:`fastlock.coordination.shardmap`) until cancelled."""
         stored = await load_from_etcd(url, access)
+        self.stored = stored
         try:
             await stored.follow(self.offer)
         finally:
+            self.stored = None
             await stored.gateway.close()
 
     def info(self) -> dict[str, Any]:

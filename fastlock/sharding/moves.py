@@ -135,7 +135,13 @@ def allowed_change(old: ShardMap, new: ShardMap, imported: bytes = b"") -> str |
     imported (a node that missed the map marking the move may take the flip of those)."""
     if old.ranges == new.ranges:
         return None
-    for slot, (was, now) in enumerate(zip(_per_slot(old), _per_slot(new))):
+    # judged run by run: the slots between two consecutive range starts of either map share
+    # their owner and moving_to in each map
+    starts = sorted({r.first for r in old.ranges} | {r.first for r in new.ranges})
+    for k, first in enumerate(starts):
+        last = starts[k + 1] - 1 if k + 1 < len(starts) else SLOTS - 1
+        was = (old.owner_of_slot(first).name, old.moving_to_of_slot(first))
+        now = (new.owner_of_slot(first).name, new.moving_to_of_slot(first))
         if was == now:
             continue
         (owner, moving_to), (new_owner, new_moving_to) = was, now
@@ -143,8 +149,13 @@ def allowed_change(old: ShardMap, new: ShardMap, imported: bytes = b"") -> str |
             continue  # marked, or aborted
         if moving_to is not None and new_owner == moving_to and new_moving_to is None:
             continue  # the flip of a move
-        if imported and imported[slot] and new_moving_to is None and moving_to is None:
-            continue  # the flip of a move whose mark this node did not see
+        slot = first
+        if imported and new_moving_to is None and moving_to is None:
+            # the flip of a move whose mark this node did not see: every slot of the run imported
+            missing = imported.find(0, first, last + 1)
+            if missing < 0:
+                continue
+            slot = missing
         return (f"slot {slot} goes from {owner} (moving to {moving_to}) to {new_owner} (moving to {new_moving_to}): "
                 f"a slot changes owner only by a move (fastlock shard move)")
     return None
