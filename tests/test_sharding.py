@@ -306,6 +306,12 @@ def test_a_node_takes_a_slot_only_by_a_move():
     imported = bytearray(SLOTS)
     imported[0:10] = b"\x01" * 10
     assert allowed_change(m, by_hand, bytes(imported)) is None  # a destination that missed the mark
+    # a bystander (group c, owning none of them) that missed the mark of a move between a and b takes the flip
+    three = ShardMap(1, (*m.groups, ShardGroup("c", ("127.0.0.1:7422",))),
+                     (R(0, 8191, "a"), R(8192, 12287, "b"), R(12288, SLOTS - 1, "c")))
+    flip_only = finish_move(mark_moving(three, 0, 9, "b"), 0, 9, "b")
+    assert allowed_change(three, flip_only, group="c") is None
+    assert "only by a move" in allowed_change(three, flip_only, group="b")  # the new owner did not import
     assert parse_slots("5") == (5, 5) and parse_slots("5-9") == (5, 9)
     for bad in ("9-5", "x", "-1", "16384"):
         with pytest.raises(ShardMapError):
@@ -330,7 +336,7 @@ def test_a_gate_freezes_marked_slots_and_redirects_after_the_flip():
     assert caught.value.group == "b"
 
 
-def _allowed_per_slot(old: ShardMap, new: ShardMap, imported: bytes) -> int | None:
+def _allowed_per_slot(old: ShardMap, new: ShardMap, imported: bytes, group: str | None = None) -> int | None:
     """The rule of fastlock.sharding.moves.allowed_change judged slot by slot: the first slot refused, or None."""
     for slot in range(SLOTS):
         owner, moving_to = old.owner_of_slot(slot).name, old.moving_to_of_slot(slot)
@@ -340,6 +346,8 @@ def _allowed_per_slot(old: ShardMap, new: ShardMap, imported: bytes) -> int | No
         if new_owner == owner and (moving_to is None or new_moving_to is None):
             continue
         if moving_to is not None and new_owner == moving_to and new_moving_to is None:
+            continue
+        if group is not None and group not in (owner, moving_to, new_owner, new_moving_to):
             continue
         if imported and imported[slot] and new_moving_to is None and moving_to is None:
             continue
@@ -392,6 +400,9 @@ def test_map_changes_are_judged_run_by_run_as_slot_by_slot():
         if expected is not None:
             refused += 1
             assert why.startswith(f"slot {expected} ")
+        expected_a = _allowed_per_slot(old, new, bytes(imported), "a")
+        why = allowed_change(old, new, bytes(imported), "a")  # as group a's node judges it
+        assert (why is None) == (expected_a is None), (old, new, why, expected_a)
         gate = ShardGate(old, "a")
         gate.imported[:] = imported
         gate.offer(new)

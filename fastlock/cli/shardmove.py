@@ -14,6 +14,10 @@ undone with ``--abort`` while the slots are still marked):
    answers its held requests with ``WrongShard``; the destination lets the moved waiters back in
    their old order.
 
+After the mark (both primaries at once) and after the flip (the destination, then the source)
+the command tells the primaries with ``SHARD_MAP_NOTICE`` (:mod:`fastlock.server.mapnotice`)
+to read the map in etcd at once rather than wait for their watch.
+
 :class:`MoveReport` says what was done; ``freeze_ms`` is the time from the mark to the flip
 (milliseconds), the pause a client of those slots sees.
 """
@@ -159,11 +163,12 @@ async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
         if mark_sent is not None:
             report.phases_ms[name] = round((time.monotonic() - mark_sent) * 1000.0, 1)
 
+    async def one(client: Client, side: str, epoch: int, what: str) -> None:
+        await _serves(client, epoch, notice=True)
+        step(f"{side}_serves_{what}")
+
     async def both_serve(epoch: int, what: str) -> None:
-        async def one(client: Client, side: str) -> None:
-            await _serves(client, epoch, notice=True)
-            step(f"{side}_serves_{what}")
-        await asyncio.gather(one(source, "source"), one(dest, "dest"))
+        await asyncio.gather(one(source, "source", epoch, what), one(dest, "dest", epoch, what))
 
     assert state.source is not None
     source = Client(list(shard_map.group(state.source).addresses), client_name="fastlock-shard-move")
@@ -213,8 +218,10 @@ async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
         report.steps.append("flip")
         report.epoch = flipped.epoch
         tell(f"epoch {flipped.epoch}: slots {first}..{last} owned by {to}")
-        # the source has dropped them and redirects; the destination serves them
-        await both_serve(flipped.epoch, "flip")
+        # the destination serves them first, then the source drops them and redirects its held
+        # requests there (its own watch may bring it the flip sooner)
+        await one(dest, "dest", flipped.epoch, "flip")
+        await one(source, "source", flipped.epoch, "flip")
         if report.phases_ms:
             tell(f"the freeze's steps (ms after the mark was sent): {report.phases_line()}")
     finally:

@@ -363,7 +363,7 @@ class ShardGate:
         move let in (see the module docstring)."""
         if shard_map.epoch <= self.shard_map.epoch:
             return
-        why = allowed_change(self.shard_map, shard_map, bytes(self.imported))
+        why = allowed_change(self.shard_map, shard_map, bytes(self.imported), self.group)
         if why is not None:
             log.error("not applying shard map epoch %d: %s", shard_map.epoch, why)
             return
