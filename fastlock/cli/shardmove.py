@@ -14,9 +14,9 @@ undone with ``--abort`` while the slots are still marked):
    answers its held requests with ``WrongShard``; the destination lets the moved waiters back in
    their old order.
 
-After the mark (both primaries at once) and after the flip (the destination, then the source)
-the command tells the primaries with ``SHARD_MAP_NOTICE`` (:mod:`fastlock.server.mapnotice`)
-to read the map in etcd at once rather than wait for their watch.
+After the mark the command tells both primaries with ``SHARD_MAP_NOTICE``
+(:mod:`fastlock.server.mapnotice`) to read the map in etcd at once rather than wait for their
+watch; the flip each takes from its watch.
 
 :class:`MoveReport` says what was done; ``freeze_ms`` is the time from the mark to the flip
 (milliseconds), the pause a client of those slots sees.
@@ -218,10 +218,13 @@ async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
         report.steps.append("flip")
         report.epoch = flipped.epoch
         tell(f"epoch {flipped.epoch}: slots {first}..{last} owned by {to}")
-        # the destination serves them first, then the source drops them and redirects its held
-        # requests there (its own watch may bring it the flip sooner)
-        await one(dest, "dest", flipped.epoch, "flip")
-        await one(source, "source", flipped.epoch, "flip")
+        # each primary takes the flip from its own watch (not told: moved waiters lost their place
+        # when the flip was told, tests/test_shard_move.py); the destination serves the slots, the
+        # source has dropped them and redirects
+        await _serves(dest, flipped.epoch)
+        step("dest_serves_flip")
+        await _serves(source, flipped.epoch)
+        step("source_serves_flip")
         if report.phases_ms:
             tell(f"the freeze's steps (ms after the mark was sent): {report.phases_line()}")
     finally:
