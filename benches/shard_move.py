@@ -16,7 +16,10 @@ that holds two of the W3 names (leases held, waiters queued:
 Printed:
 
 * per move: its slots, source and destination, the leases and waiter queues shipped, the
-  freeze (ms from the mark to the flip, the move's report) and the move's duration;
+  freeze (ms from the mark to the flip, the move's report) and the move's duration, and when
+  each step of the freeze ended (ms after the mark's transaction was sent: the mark's and the
+  flip's transactions, each primary serving the mark and the flip, the ship; the report's
+  ``phases_ms``);
 * acquire latency (ms, from the acquire sent to the grant received) of the W2 pairs and of the
   prober, p50 / p99 / max and the count, over the load before the first move and during the
   moves (while a move runs, from before its mark to after its flip), all names and the names of moved slots apart;
@@ -155,6 +158,10 @@ def print_move_report(r: dict) -> None:
         print(f"  ABORTED: {r['aborted']}")
     for m in r["moves"]:
         print(f"  move: {SlotMove(**m).summary()}; whole move {m['ended'] - m['started']:.2f} s")
+        phases = (m.get("report") or {}).get("phases_ms") or {}
+        if phases:
+            print("    freeze steps, ms after the mark was sent: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in sorted(phases.items(), key=lambda x: x[1])))
     lat = r["latency"]
     print("  acquire latency (W2 pairs and the prober):")
     for key, label in (("before", "before the moves, all names"), ("during", "during the moves, all names"),

@@ -306,6 +306,12 @@ def test_a_node_takes_a_slot_only_by_a_move():
     imported = bytearray(SLOTS)
     imported[0:10] = b"\x01" * 10
     assert allowed_change(m, by_hand, bytes(imported)) is None  # a destination that missed the mark
+    # a bystander (group c, owning none of them) that missed the mark of a move between a and b takes the flip
+    three = ShardMap(1, (*m.groups, ShardGroup("c", ("127.0.0.1:7422",))),
+                     (R(0, 8191, "a"), R(8192, 12287, "b"), R(12288, SLOTS - 1, "c")))
+    flip_only = finish_move(mark_moving(three, 0, 9, "b"), 0, 9, "b")
+    assert allowed_change(three, flip_only, group="c") is None
+    assert "only by a move" in allowed_change(three, flip_only, group="b")  # the new owner did not import
     assert parse_slots("5") == (5, 5) and parse_slots("5-9") == (5, 9)
     for bad in ("9-5", "x", "-1", "16384"):
         with pytest.raises(ShardMapError):
@@ -328,3 +334,82 @@ def test_a_gate_freezes_marked_slots_and_redirects_after_the_flip():
     with pytest.raises(WrongShard) as caught:
         gate.check_name(name)
     assert caught.value.group == "b"
+
+
+def _allowed_per_slot(old: ShardMap, new: ShardMap, imported: bytes, group: str | None = None) -> int | None:
+    """The rule of fastlock.sharding.moves.allowed_change judged slot by slot: the first slot refused, or None."""
+    for slot in range(SLOTS):
+        owner, moving_to = old.owner_of_slot(slot).name, old.moving_to_of_slot(slot)
+        new_owner, new_moving_to = new.owner_of_slot(slot).name, new.moving_to_of_slot(slot)
+        if (owner, moving_to) == (new_owner, new_moving_to):
+            continue
+        if new_owner == owner and (moving_to is None or new_moving_to is None):
+            continue
+        if moving_to is not None and new_owner == moving_to and new_moving_to is None:
+            continue
+        if group is not None and group not in (owner, moving_to, new_owner, new_moving_to):
+            continue
+        if imported and imported[slot] and new_moving_to is None and moving_to is None:
+            continue
+        return slot
+    return None
+
+
+def test_map_changes_are_judged_run_by_run_as_slot_by_slot():
+    # allowed_change and the gate's freeze/drop/let-in tables work on runs of slots (every node takes
+    # each map change on its event loop); random maps and changes agree with the slot-by-slot rule
+    import random
+
+    from fastlock.server.sharded import ShardGate
+    from fastlock.sharding.moves import allowed_change
+
+    rng = random.Random(30)
+    groups = (ShardGroup("a", ("127.0.0.1:7420",)), ShardGroup("b", ("127.0.0.1:7421",)),
+              ShardGroup("c", ("127.0.0.1:7422",)))
+
+    def random_map(epoch: int) -> ShardMap:
+        cuts = sorted(rng.sample(range(1, SLOTS), rng.randint(0, 6)))
+        starts = [0, *cuts]
+        ranges = []
+        for k, first in enumerate(starts):
+            last = starts[k + 1] - 1 if k + 1 < len(starts) else SLOTS - 1
+            owner = rng.choice("abc")
+            moving_to = rng.choice([None, None, *(g for g in "abc" if g != owner)])
+            ranges.append(SlotRange(first, last, owner, moving_to))
+        merged: list[SlotRange] = []
+        for r in ranges:  # adjacent equal ranges merged, as a valid map has them
+            if merged and (merged[-1].group, merged[-1].moving_to) == (r.group, r.moving_to):
+                merged[-1] = SlotRange(merged[-1].first, r.last, r.group, r.moving_to)
+            else:
+                merged.append(r)
+        return ShardMap(epoch, groups, tuple(merged))
+
+    refused = 0
+    for _ in range(60):
+        old = random_map(1)
+        new = random_map(2) if rng.random() < 0.5 else ShardMap(2, groups, tuple(
+            SlotRange(r.first, r.last, r.moving_to or r.group, None) if rng.random() < 0.7 else r for r in old.ranges))
+        imported = bytearray(SLOTS)
+        if rng.random() < 0.5:
+            a = rng.randrange(SLOTS)
+            b = min(SLOTS, a + rng.randint(1, 3000))
+            imported[a:b] = b"\x01" * (b - a)
+        expected = _allowed_per_slot(old, new, bytes(imported))
+        why = allowed_change(old, new, bytes(imported))
+        assert (why is None) == (expected is None), (old, new, why, expected)
+        if expected is not None:
+            refused += 1
+            assert why.startswith(f"slot {expected} ")
+        expected_a = _allowed_per_slot(old, new, bytes(imported), "a")
+        why = allowed_change(old, new, bytes(imported), "a")  # as group a's node judges it
+        assert (why is None) == (expected_a is None), (old, new, why, expected_a)
+        gate = ShardGate(old, "a")
+        gate.imported[:] = imported
+        gate.offer(new)
+        if why is None:  # taken: the gate's tables are the new map's
+            assert gate.shard_map is new and gate.owned == new.slots_of("a") and gate.moving == new.moving_slots_of("a")
+            assert all(not gate.imported[s] or gate.owned[s] or new.moving_to_of_slot(s) == "a"
+                       for s in range(SLOTS))
+        else:
+            assert gate.shard_map is old
+    assert 0 < refused < 60  # both kinds of change were judged

@@ -40,6 +40,7 @@ from fastlock.protocol.ops import (
     OP_REQUEST_REVOKE,
     OP_RESERVE,
     OP_SHARD_MAP,
+    OP_SHARD_MAP_NOTICE,
     OP_SLOT_EXPORT,
     OP_SLOT_IMPORT,
     OP_SYNC_ACK,
@@ -230,6 +231,8 @@ def _ops_at_quota(address: str, app_token: str, owner: bytes, peer: Raw) -> dict
         # a slot move's ops (fastlock.server.slotmove): an admin's; an unsharded node refuses them
         OP_SLOT_EXPORT: [((0, 0, None), None)],
         OP_SLOT_IMPORT: [((0, 0, b""), None)],
+        # a move's driver telling of a map change (fastlock.server.mapnotice): an admin's; an unsharded node refuses it
+        OP_SHARD_MAP_NOTICE: [((5,), None)],
     }
 
 

@@ -14,6 +14,10 @@ undone with ``--abort`` while the slots are still marked):
    answers its held requests with ``WrongShard``; the destination lets the moved waiters back in
    their old order.
 
+After the mark the command tells both primaries with ``SHARD_MAP_NOTICE``
+(:mod:`fastlock.server.mapnotice`) to read the map in etcd at once rather than wait for their
+watch; the flip each takes from its watch.
+
 :class:`MoveReport` says what was done; ``freeze_ms`` is the time from the mark to the flip
 (milliseconds), the pause a client of those slots sees.
 """
@@ -31,8 +35,8 @@ from ..client import Client
 from ..client.calls import call
 from ..client.sharded import read_shard_map
 from ..coordination.shardmap import EtcdShardMap, MapConflict
-from ..errors import InvalidArgument
-from ..protocol.ops import OP_SLOT_EXPORT, OP_SLOT_IMPORT
+from ..errors import FastlockError, InvalidArgument
+from ..protocol.ops import OP_SHARD_MAP_NOTICE, OP_SLOT_EXPORT, OP_SLOT_IMPORT
 from ..sharding import ShardMap, ShardMapError
 from ..sharding.moves import abort_move, finish_move, mark_moving, move_state
 
@@ -66,16 +70,40 @@ class MoveReport:
     epoch: int = 0
     keys: int = 0
     freeze_ms: float | None = None
+    #: when each step of this run's freeze ended, ms after the mark's transaction was sent:
+    #: ``mark_txn``, ``source_serves_mark``, ``dest_serves_mark``, ``shipped``, ``flip_txn``,
+    #: ``source_serves_flip``, ``dest_serves_flip`` (empty when this run did not mark)
+    phases_ms: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
+    def phases_line(self) -> str:
+        """The freeze's steps as one line: ``step +ms`` each, in order."""
+        return ", ".join(f"{step} +{ms:.1f}" for step, ms in sorted(self.phases_ms.items(), key=lambda x: x[1]))
 
-async def _serves(client: Client, epoch: int) -> None:
-    """Wait until ``client``'s primary serves a map of ``epoch`` or newer.
+
+async def _notice(client: Client, epoch: int) -> bool:
+    """Tell ``client``'s primary that etcd holds shard map ``epoch`` (SHARD_MAP_NOTICE,
+    :mod:`fastlock.server.mapnotice`: it reads the map from etcd at once, not waiting for its
+    watch); whether it serves that epoch or newer once it answered.  A node that cannot take
+    the notice (an older version, a map not kept in etcd, etcd not answering it) answers an
+    error: False, and the caller looks at its map until its watch brings the epoch."""
+    try:
+        answer = await call(client.connector, OP_SHARD_MAP_NOTICE, (epoch,), REQUEST_TIMEOUT_S)
+    except FastlockError:
+        return False
+    return type(answer) is dict and type(answer.get("epoch")) is int and answer["epoch"] >= epoch
+
+
+async def _serves(client: Client, epoch: int, notice: bool = False) -> None:
+    """Wait until ``client``'s primary serves a map of ``epoch`` or newer (first telling it of
+    that epoch, when ``notice``: :func:`_notice`).
 
     :raises ShardMapError: not within :data:`SEEN_TIMEOUT_S` seconds."""
     deadline = time.monotonic() + SEEN_TIMEOUT_S
+    if notice and await _notice(client, epoch):
+        return
     pause = SEEN_FIRST_POLL_S  # a node sees the map through etcd's watch within milliseconds, mostly
     while True:
         found = await read_shard_map(client)
@@ -131,6 +159,19 @@ async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
         tell(f"slots {first}..{last} are owned by {to} already (epoch {shard_map.epoch})")
         return report
     marked_at = None
+    mark_sent: float | None = None
+
+    def step(name: str) -> None:
+        if mark_sent is not None:
+            report.phases_ms[name] = round((time.monotonic() - mark_sent) * 1000.0, 1)
+
+    async def one(client: Client, side: str, epoch: int, what: str) -> None:
+        await _serves(client, epoch, notice=True)
+        step(f"{side}_serves_{what}")
+
+    async def both_serve(epoch: int, what: str) -> None:
+        await asyncio.gather(one(source, "source", epoch, what), one(dest, "dest", epoch, what))
+
     assert state.source is not None
     source = Client(list(shard_map.group(state.source).addresses), client_name="fastlock-shard-move")
     dest = Client(list(shard_map.group(to).addresses), client_name="fastlock-shard-move")
@@ -139,12 +180,14 @@ async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
             # both primaries reached (connected, handshaken) before the mark: not inside the freeze
             await asyncio.gather(_serves(source, shard_map.epoch), _serves(dest, shard_map.epoch))
             new = mark_moving(shard_map, first, last, to)
+            mark_sent = time.monotonic()
             revision = await stored.replace(revision, shard_map, new)
             marked_at = time.monotonic()
+            step("mark_txn")
             shard_map = new
             report.steps.append("mark")
             tell(f"epoch {new.epoch}: slots {first}..{last} of {state.source} marked moving to {to}")
-        await asyncio.gather(_serves(source, shard_map.epoch), _serves(dest, shard_map.epoch))
+        await both_serve(shard_map.epoch, "mark")
         try:
             await _ship(source, dest, first, last, report)
         except InvalidArgument as exc:
@@ -154,6 +197,7 @@ async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
                 raise ShardMapError(f"{exc} (the mark is cleared: the slots are served by {state.source} again)") \
                     from None
             raise
+        step("shipped")
         report.steps.append("ship")
         tell(f"shipped {report.leases} leases, {report.queues} waiter queues, {report.delays} lock-delays, "
              f"{report.keys} keys")
@@ -173,10 +217,19 @@ async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
             await stored.replace(revision, shard_map, flipped)
         if marked_at is not None:
             report.freeze_ms = (time.monotonic() - marked_at) * 1000.0
+        step("flip_txn")
         report.steps.append("flip")
         report.epoch = flipped.epoch
         tell(f"epoch {flipped.epoch}: slots {first}..{last} owned by {to}")
-        await _serves(source, flipped.epoch)  # the source has dropped them and redirects
+        # each primary takes the flip from its own watch (not told: moved waiters lost their place
+        # when the flip was told, tests/test_shard_move.py); the destination serves the slots, the
+        # source has dropped them and redirects
+        await _serves(dest, flipped.epoch)
+        step("dest_serves_flip")
+        await _serves(source, flipped.epoch)
+        step("source_serves_flip")
+        if report.phases_ms:
+            tell(f"the freeze's steps (ms after the mark was sent): {report.phases_line()}")
     finally:
         await asyncio.gather(source.close(), dest.close(), return_exceptions=True)
     return report

@@ -60,6 +60,10 @@ log = logging.getLogger(__name__)
 
 #: seconds a redirect waits for its owner to serve a map as new as the redirect's epoch
 REDIRECT_CATCH_UP_S = 2.0
+#: seconds before the first look again at a node whose map is older than a redirect's (doubling each look)
+CATCH_UP_FIRST_S = 0.002
+#: the most seconds between two such looks
+CATCH_UP_S = 0.02
 #: how many times one call follows its name to a new owner
 REDIRECT_HOPS = 3
 
@@ -232,13 +236,16 @@ class ShardedClient(Client):
             assert source is not None
             found = await read_shard_map(source, self.request_timeout or 5.0)
             # the redirecting node may serve a newer map than the owner it names has read from etcd
-            # yet (a move's flip reaches the nodes one by one): read again, every 20 ms for at most
-            # REDIRECT_CATCH_UP_S, until the map is as new as the redirect's
+            # yet (a move's flip reaches the nodes one by one): read again, 2 ms later, then twice as
+            # long each time up to every 20 ms, for at most REDIRECT_CATCH_UP_S, until the map is as
+            # new as the redirect's
             wanted = redirect.epoch if redirect is not None and type(redirect.epoch) is int else 0
             deadline = asyncio.get_running_loop().time() + REDIRECT_CATCH_UP_S
+            pause = CATCH_UP_FIRST_S
             while (found is not None and found[1].epoch < wanted
                    and asyncio.get_running_loop().time() < deadline):
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, CATCH_UP_S)
                 found = await read_shard_map(source, self.request_timeout or 5.0)
             if found is not None and found[1].epoch > self.shard_map.epoch:
                 log.info("shard map epoch %d -> %d", self.shard_map.epoch, found[1].epoch)
@@ -266,6 +273,7 @@ class ShardedClient(Client):
         group = self._group_for(name)
         deadline = asyncio.get_running_loop().time() + REDIRECT_CATCH_UP_S
         hops = 0
+        pause = CATCH_UP_FIRST_S
         while True:
             try:
                 return await getattr(self.group_client(group), method)(*args, **kwargs)
@@ -280,8 +288,9 @@ class ShardedClient(Client):
                 if owner != group or not lagging or asyncio.get_running_loop().time() >= deadline:
                     raise
                 # the node serves an older map than this client's (a move's flip reaches the nodes one
-                # by one): ask it again once it may have caught up
-                await asyncio.sleep(0.02)
+                # by one): ask it again once it may have caught up (2 ms, then twice as long up to 20 ms)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, CATCH_UP_S)
 
     # -- calls written out (the others: FORWARDED, below the class) --------------------------
     async def acquire(self, name: str, *args: Any, **kwargs: Any) -> Any:

@@ -57,6 +57,8 @@ from .keys import PERMISSIONS as KEY_PERMISSIONS
 from .keys import KeyStore
 from .kinds import KindHandlers, limit_conflict, renewed_sequencer_reply, sequenced_request
 from .lockadmin import LockAdmin, not_the_holder
+from .mapnotice import PERMISSIONS as MAP_NOTICE_PERMISSIONS
+from .mapnotice import MapNotices
 from .preemption import PERMISSIONS as PREEMPTION_PERMISSIONS
 from .preemption import Preemption
 from .ratelimit import RateLimitHandler
@@ -120,6 +122,7 @@ PERMISSION: dict[int, str | None] = {
     **WOUND_WAIT_PERMISSIONS,  # cross-shard multi-locks' reservations (fastlock.server.woundwait)
     **EDGE_CHASE_PERMISSIONS,  # deadlock detection across shards (fastlock.server.edgechase)
     **SLOT_MOVE_PERMISSIONS,  # a slot move's ops: an admin's, checked by the handler (fastlock.server.slotmove)
+    **MAP_NOTICE_PERMISSIONS,  # a move's driver telling of a map change: an admin's (fastlock.server.mapnotice)
 }
 
 _ARTICLE = {"client": "a", "replica": "a", "admin": "an"}
@@ -240,6 +243,8 @@ class Handlers:
         self.edge_chase = EdgeChase(self)
         #: SLOT_EXPORT / SLOT_IMPORT: a slot move's ops (fastlock.server.slotmove)
         self.slot_moves = SlotMoves(self)
+        #: SHARD_MAP_NOTICE: read the shard map in etcd now (fastlock.server.mapnotice)
+        self.map_notices = MapNotices(self)
         handlers: dict[int, Handler] = {
             P.OP_HELLO: self.hello.op_hello,
             # compiled (server/_wire.pyx)
@@ -273,6 +278,7 @@ class Handlers:
             **self.wound_wait.handlers_by_op(),
             **self.edge_chase.handlers_by_op(),
             **self.slot_moves.handlers_by_op(),  # fastlock.server.slotmove
+            **self.map_notices.handlers_by_op(),  # fastlock.server.mapnotice
         }
         #: op -> (handler, fewest, most arguments): the arity is declared in protocol.OP_ARITY
         self.by_op: dict[int, tuple[Handler, int, int]] = {

@@ -12,7 +12,8 @@ A move of slots ``first..last`` from their owner ``S`` to group ``G`` changes th
 :func:`abort_move` clears ``moving_to`` with ``S`` still the owner.  :func:`allowed_change` is
 the rule a node applies to a newer map: per slot, owner and ``moving_to`` may stay, be marked,
 be cleared, or flip to the group it was moving to; any other change of owner is refused (a slot
-changes owner only by a move, else the new owner would grant names the old one still holds).
+changes owner only by a move, else the new owner would grant names the old one still holds),
+except of a slot the node's group neither owns nor is moving to in either map.
 """
 
 from __future__ import annotations
@@ -129,13 +130,22 @@ def abort_move(shard_map: ShardMap, first: int, last: int, to: str) -> ShardMap:
     return _changed(shard_map, first, last, (state.source, None))
 
 
-def allowed_change(old: ShardMap, new: ShardMap, imported: bytes = b"") -> str | None:
+def allowed_change(old: ShardMap, new: ShardMap, imported: bytes = b"", group: str | None = None) -> str | None:
     """None if a node may go from ``old`` to ``new`` (see the module docstring), else why not.
     ``imported``: a table of :data:`SLOTS` bytes, 1 at each slot whose state this node's group
-    imported (a node that missed the map marking the move may take the flip of those)."""
+    imported (a node that missed the map marking the move may take the flip of those).
+    ``group``: the node's group; a slot this group neither owns nor is moving to in ``old`` or
+    ``new`` may change in any way (the node grants it in neither map: a bystander that missed a
+    move's mark takes its flip)."""
     if old.ranges == new.ranges:
         return None
-    for slot, (was, now) in enumerate(zip(_per_slot(old), _per_slot(new))):
+    # judged run by run: the slots between two consecutive range starts of either map share
+    # their owner and moving_to in each map
+    starts = sorted({r.first for r in old.ranges} | {r.first for r in new.ranges})
+    for k, first in enumerate(starts):
+        last = starts[k + 1] - 1 if k + 1 < len(starts) else SLOTS - 1
+        was = (old.owner_of_slot(first).name, old.moving_to_of_slot(first))
+        now = (new.owner_of_slot(first).name, new.moving_to_of_slot(first))
         if was == now:
             continue
         (owner, moving_to), (new_owner, new_moving_to) = was, now
@@ -143,8 +153,15 @@ def allowed_change(old: ShardMap, new: ShardMap, imported: bytes = b"") -> str |
             continue  # marked, or aborted
         if moving_to is not None and new_owner == moving_to and new_moving_to is None:
             continue  # the flip of a move
-        if imported and imported[slot] and new_moving_to is None and moving_to is None:
-            continue  # the flip of a move whose mark this node did not see
+        if group is not None and group not in (owner, moving_to, new_owner, new_moving_to):
+            continue  # another groups' slots before and after: this node grants none of them
+        slot = first
+        if imported and new_moving_to is None and moving_to is None:
+            # the flip of a move whose mark this node did not see: every slot of the run imported
+            missing = imported.find(0, first, last + 1)
+            if missing < 0:
+                continue
+            slot = missing
         return (f"slot {slot} goes from {owner} (moving to {moving_to}) to {new_owner} (moving to {new_moving_to}): "
                 f"a slot changes owner only by a move (fastlock shard move)")
     return None
