@@ -259,6 +259,20 @@ def etcd(etcd_server):
     return _answering(etcd_server)
 
 
+@pytest.fixture
+async def groups(etcd, tmp_path, monkeypatch):
+    """Three etcd-arbitrated shard groups (a primary and a standby each, the map in etcd:
+    ``test_shard_move.Groups``), stopped after the test."""
+    from test_shard_move import Groups
+
+    g = Groups(etcd, tmp_path, monkeypatch)
+    try:
+        await g.start()
+        yield g
+    finally:
+        g.stop()
+
+
 @pytest.fixture(scope="session")
 def secure_etcd_server():
     """One throwaway etcd member with client TLS (``--client-cert-auth``) and authentication

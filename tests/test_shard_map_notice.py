@@ -19,16 +19,6 @@ from fastlock.sharding import ShardMap, SlotRange, slot_of
 from fastlock.sharding.moves import mark_moving
 
 
-@pytest.fixture
-async def groups(etcd, tmp_path, monkeypatch):
-    g = Groups(etcd, tmp_path, monkeypatch)
-    try:
-        await g.start()
-        yield g
-    finally:
-        g.stop()
-
-
 async def _write(groups: Groups, change) -> ShardMap:
     """Write ``change(map in etcd)`` to etcd (an etcd transaction, as the map's writers do)."""
     stored = await load_from_etcd(groups.url)

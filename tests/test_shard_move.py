@@ -88,16 +88,6 @@ class Groups:
         return argv
 
 
-@pytest.fixture
-async def groups(etcd, tmp_path, monkeypatch):
-    g = Groups(etcd, tmp_path, monkeypatch)
-    try:
-        await g.start()
-        yield g
-    finally:
-        g.stop()
-
-
 async def test_a_held_lease_survives_a_move_and_tokens_keep_rising(groups, capsys):
     name = names_owned_by(groups.shard_map, "g0", 1, "held")[0]
     idle = names_owned_by(groups.shard_map, "g0", 1, "idle")[0]

@@ -37,16 +37,6 @@ from fastlock.sharding.moves import finish_move, mark_moving
 from fastlock.wal.dump import dump
 
 
-@pytest.fixture
-async def groups(etcd, tmp_path, monkeypatch):
-    g = Groups(etcd, tmp_path, monkeypatch)
-    try:
-        await g.start()
-        yield g
-    finally:
-        g.stop()
-
-
 class KeyWatch:
     """A KEY_WATCH_FROM of ``prefix`` on one node: the ``vrev`` pushes it got, as
     ``(revision, offset, what, key, value)``."""

@@ -95,18 +95,6 @@ def test_a_fault_of_one_group_exempts_and_counts_only_that_groups_grants():
 # --------------------------------------------------------------------------- found by the nemesis
 
 
-@pytest.fixture
-async def groups(etcd, tmp_path, monkeypatch):
-    from test_shard_move import Groups
-
-    g = Groups(etcd, tmp_path, monkeypatch)
-    try:
-        await g.start()
-        yield g
-    finally:
-        g.stop()
-
-
 async def test_a_lock_context_of_the_routing_client_follows_a_moved_name(groups):
     """``client.lock()`` of a ShardedClient routes when it runs: a lease held across a move of its
     slot is released at the exit on the new group, and a later ``lock()`` of the name goes there."""
