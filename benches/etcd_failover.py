@@ -334,8 +334,9 @@ async def run(args: argparse.Namespace, log) -> dict[str, Any]:
             log(f"kill {i + 1}: {name} -> {new} primary after {t_role * 1000:.0f} ms, first free grant after "
                 f"{t_grant * 1000:.0f} ms (epoch {st2['epoch']}, grace {st2.get('grace_remaining_ms')} ms"
                 + (f", {len(load.acked)} acknowledged grants checked)" if load is not None else ")"))
+            killed_at = time.strftime("%H:%M:%S", time.gmtime(killed_wall)) + f".{int(killed_wall % 1 * 1000):03d}"
             log("  ms after the kill: " + ", ".join(f"{k} {v}" for k, v in parts.items())
-                + time.strftime(" (killed at %H:%M:%S", time.gmtime(killed_wall)) + f".{int(killed_wall % 1 * 1000):03d} UTC)")
+                + f" (killed at {killed_at} UTC)")
             nodes[name] = cluster.restart(nodes[name])
         return {
             "kills": args.kills, "etcd_ttl_s": args.ttl, "lock_ttl_s": args.lock_ttl,
