@@ -151,6 +151,19 @@ class Load:
 FENCED_RETRY_S = 10.0
 
 
+async def _preload(address: str, count: int, ttl_ms: int, workers: int = 16) -> None:
+    """Take ``count`` locks with a TTL of ``ttl_ms`` on ``address`` (``workers`` connections at once)."""
+    async def worker(w: int) -> None:
+        node = await RawNode.open(address)
+        try:
+            for seq in range(w, count, workers):
+                await asyncio.wait_for(node.acquire(f"preload-{seq}", ttl_ms, wait_ms=0), 30.0)
+        finally:
+            await node.close()
+
+    await asyncio.gather(*(worker(w) for w in range(workers)))
+
+
 async def _holder(node: RawNode, name: str) -> Any:
     """``HOLDER name`` on ``node``, asked again every 20 ms (for at most :data:`FENCED_RETRY_S`)
     while it answers ``Unavailable``."""
@@ -255,7 +268,9 @@ async def run(args: argparse.Namespace, log) -> dict[str, Any]:
         for name in ("a", "b", "c"):
             nodes[name] = cluster._start(ServerProcess(
                 os.path.join(root, name), args=["--name", name, *cluster.auth_args(name), "--coordinator", url,
-                                                "--node-id", name, "--coordinator-ttl", str(args.ttl), *extra]))
+                                                "--node-id", name, "--coordinator-ttl", str(args.ttl), *extra],
+                log_level=args.log_level,
+                log_path=os.path.join(args.logs, f"{name}.log") if args.logs else None))
         ttl_ms = round(args.lock_ttl * 1000)
         watch = KeyWatch(etcd.address, f"{prefix}/primary")
         await watch.ready.wait()
@@ -264,6 +279,11 @@ async def run(args: argparse.Namespace, log) -> dict[str, Any]:
                                                     "client": []}
         last_token = last_epoch = 0
         acked = missing = graceless = 0
+        if args.preload:
+            name, _ = await _primary(nodes, 30)
+            await _standbys_follow(nodes, name, 30)
+            await _preload(nodes[name].address, args.preload, 3_600_000)
+            log(f"{args.preload} locks taken on {name} (TTL 1 h)")
         for i in range(args.kills):
             name, st = await _primary(nodes, 30)
             await _standbys_follow(nodes, name, 30)
@@ -279,6 +299,7 @@ async def run(args: argparse.Namespace, log) -> dict[str, Any]:
             await asyncio.sleep(0.3)  # the load runs before and through the kill; the waiter connects
             nodes[name].kill()
             killed = time.monotonic()
+            killed_wall = time.time()
             kill_now.set()
             rest = {n: s for n, s in nodes.items() if n != name}
             new, st2 = await _primary(rest, 30)
@@ -313,7 +334,9 @@ async def run(args: argparse.Namespace, log) -> dict[str, Any]:
             log(f"kill {i + 1}: {name} -> {new} primary after {t_role * 1000:.0f} ms, first free grant after "
                 f"{t_grant * 1000:.0f} ms (epoch {st2['epoch']}, grace {st2.get('grace_remaining_ms')} ms"
                 + (f", {len(load.acked)} acknowledged grants checked)" if load is not None else ")"))
-            log("  ms after the kill: " + ", ".join(f"{k} {v}" for k, v in parts.items()))
+            killed_at = time.strftime("%H:%M:%S", time.gmtime(killed_wall)) + f".{int(killed_wall % 1 * 1000):03d}"
+            log("  ms after the kill: " + ", ".join(f"{k} {v}" for k, v in parts.items())
+                + f" (killed at {killed_at} UTC)")
             nodes[name] = cluster.restart(nodes[name])
         return {
             "kills": args.kills, "etcd_ttl_s": args.ttl, "lock_ttl_s": args.lock_ttl,
@@ -354,6 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load", type=int, default=0, metavar="N",
                     help="N clients taking locks through each kill; their acknowledged grants are checked")
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--preload", type=int, default=0, metavar="N",
+                    help="N locks (TTL 1 h) taken before the first kill: a table of more than 10,000 leases "
+                         "reaches a re-following standby as a snapshot streamed after its attach")
+    ap.add_argument("--logs", metavar="DIR", help="append each node's log to DIR/<node>.log (kept after the run)")
+    ap.add_argument("--log-level", default="INFO", help="the nodes' --log-level (default INFO)")
     args = ap.parse_args(argv)
     result = asyncio.run(run(args, lambda msg: print(msg, flush=True)))
     print_result(result, args.json)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from fastlock.errors import Unavailable
 from fastlock.replication.groupsync import GroupSyncGate
-from fastlock.replication.syncrep import SyncOnTimeout, SyncSettings
+from fastlock.replication.syncrep import SyncOnTimeout, SyncSettings, SyncStatus
 from fastlock.roles import Role
 
 
@@ -156,3 +156,45 @@ async def test_with_two_sync_standbys_a_reply_waits_for_both_members():
     assert out == []  # one member still lacks it, though two standbys have it
     g.on_ack(s2, 4)
     assert out == ["ok"]
+
+
+class StandbyWal:
+    """The standby's WAL as :class:`SyncStatus` sees it: everything logged is written and fsynced."""
+
+    def __init__(self, lsn: int):
+        self.logged_lsn = self.written_lsn = self.synced_lsn = lsn
+
+    def log_up_to(self, lsn: int) -> None:
+        self.logged_lsn = self.written_lsn = self.synced_lsn = lsn
+
+    def add_progress_listener(self, listener) -> None:
+        pass
+
+    def request_sync(self) -> None:
+        pass
+
+
+def test_a_standby_acknowledges_to_a_new_primary_only_positions_in_that_primarys_log():
+    """A standby that follows a new primary still has the applied LSN of the old primary's
+    log until the new primary's snapshot arrives, and the ``"sync"`` push can come first (a
+    table of more than 10,000 leases is streamed after the attach): acknowledging that LSN
+    would make the standby withhold its acknowledgements of the snapshot and of every record
+    up to it, so the new primary's first grants would wait for a later record or the
+    sync timeout.  It acknowledges nothing until the snapshot, then the snapshot's LSN."""
+    acks: list[int] = []
+    wal = StandbyWal(12627)
+    follower = SimpleNamespace(host=SimpleNamespace(wal=wal), link=SimpleNamespace(send_sync_ack=acks.append),
+                               applied_lsn=12625, synced=False)  # LSN 12625 of the old primary's log
+    status = SyncStatus(follower)
+    status.reset()  # the new connection
+    status.on_status(["fsynced", False, "degrade"])
+    assert acks == []
+    # the new primary's snapshot, at its LSN 12624, applied and logged
+    follower.applied_lsn, follower.synced = 12624, True
+    wal.log_up_to(12640)
+    status.applied(follower.applied_lsn)
+    assert acks == [12624]
+    follower.applied_lsn = 12625
+    wal.log_up_to(12641)
+    status.applied(follower.applied_lsn)
+    assert acks == [12624, 12625]

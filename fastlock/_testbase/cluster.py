@@ -173,7 +173,8 @@ class Cluster:
 
     def restart(self, srv: ServerProcess) -> ServerProcess:
         """Start a stopped server again on the same data dir (on a new free port)."""
-        fresh = ServerProcess(srv.data_dir, fsync=srv.fsync, args=srv.args, log_level=srv.log_level, env=srv.env)
+        fresh = ServerProcess(srv.data_dir, fsync=srv.fsync, args=srv.args, log_level=srv.log_level, env=srv.env,
+                              log_path=srv.log_path)
         return self._start(fresh)
 
     def proxy(self, target: str) -> TcpProxy:

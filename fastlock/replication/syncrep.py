@@ -544,8 +544,16 @@ class SyncStatus:
             self.applied(self.follower.applied_lsn)
 
     def applied(self, primary_lsn: int) -> None:
-        """Records up to ``primary_lsn`` are applied and logged: acknowledge them at the ack point."""
-        if self.ack is None or primary_lsn <= self.acked_lsn:
+        """Records up to ``primary_lsn`` are applied and logged: acknowledge them at the ack point.
+
+        Nothing is acknowledged before the follower has synced with this primary (a snapshot
+        or records of its stream applied): until then its applied LSN may be a position in
+        another primary's log (a group standby that follows a new primary, whose snapshot of
+        more than :data:`~fastlock.replication.source.INLINE_SNAPSHOT_LEASES` leases comes
+        after the ``"sync"`` push).  The new primary would not count it, and this side would
+        withhold every acknowledgement up to it.
+        """
+        if self.ack is None or primary_lsn <= self.acked_lsn or not self.follower.synced:
             return
         wal = self.follower.host.wal
         self._pending.append((wal.logged_lsn, primary_lsn))
