@@ -213,6 +213,10 @@ def test_a_newer_map_is_applied_and_an_older_or_foreign_one_is_not():
     # slots that change owner without a move: refused
     gate.offer(ShardMap(10, gate.shard_map.groups, (SlotRange(0, 99, "b"), SlotRange(100, SLOTS - 1, "a"))))
     assert gate.shard_map.epoch == 4 and gate.owned[0] == 1
+    # a map that only takes slots from "a" (a move's flip its node read without the mark): taken, they are let go
+    gate.offer(ShardMap(11, gate.shard_map.groups,
+                        (SlotRange(0, 99, "b"), SlotRange(100, 8191, "a"), SlotRange(8192, SLOTS - 1, "b"))))
+    assert gate.shard_map.epoch == 11 and gate.owned[0] == 0 and gate.owned[100] == 1
 
 
 def _one_group(**changes) -> dict:
@@ -312,6 +316,8 @@ def test_a_node_takes_a_slot_only_by_a_move():
     flip_only = finish_move(mark_moving(three, 0, 9, "b"), 0, 9, "b")
     assert allowed_change(three, flip_only, group="c") is None
     assert "only by a move" in allowed_change(three, flip_only, group="b")  # the new owner did not import
+    assert allowed_change(three, flip_only, group="a") is None  # the source that missed the mark lets them go
+    assert "only by a move" in allowed_change(three, flip_only)  # judged for no group: a change of owner
     assert parse_slots("5") == (5, 5) and parse_slots("5-9") == (5, 9)
     for bad in ("9-5", "x", "-1", "16384"):
         with pytest.raises(ShardMapError):
@@ -347,7 +353,7 @@ def _allowed_per_slot(old: ShardMap, new: ShardMap, imported: bytes, group: str 
             continue
         if moving_to is not None and new_owner == moving_to and new_moving_to is None:
             continue
-        if group is not None and group not in (owner, moving_to, new_owner, new_moving_to):
+        if group is not None and group not in (new_owner, new_moving_to):
             continue
         if imported and imported[slot] and new_moving_to is None and moving_to is None:
             continue

@@ -20,7 +20,10 @@ Promotion (:meth:`FailoverPolicy.promote`)
     rate), expires those whose deadline has passed (logged and WAL-recorded
     like any expiry), gives a full TTL from now only to a lease recovered from
     the node's own log (its remaining time is unknown), and holds new grants
-    for the grace period.  A
+    for the grace period.  Before the new epoch, once the old primary serves
+    no more, a sharded node following its map in etcd reads the map there
+    (:attr:`FailoverPolicy.before_serving`), so it never serves slots a move
+    took from its group while its watch lagged.  A
     promotion that is refused or fails returns the node to ``STANDBY``
     (logged), following its primary again unless the new epoch already
     reached the log; it never stays ``PROMOTING``.
@@ -54,7 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
@@ -155,6 +158,10 @@ class FailoverPolicy:
         self.coordinated: CoordinatedNode | None = None
         #: the pair's witness (``--witness``): a promotion takes its lease for the new epoch first
         self.witness: WitnessLink | None = None
+        #: awaited by each promotion once the old primary serves no more, before the new epoch is
+        #: logged (a sharded node following the map in etcd reads it: ShardGate.take_stored_map);
+        #: raises Unavailable to refuse the promotion (the node stays a standby)
+        self.before_serving: Callable[[], Awaitable[None]] | None = None
         self._auto_retry_at_ms = 0
         self._peer_check: asyncio.Task | None = None
         self._peer_timer: asyncio.TimerHandle | None = None  # the next look at the fence (a primary's)
@@ -511,6 +518,8 @@ class FailoverPolicy:
             verdict = await self.witness.vote(epoch, max(follower.failover_after_ms, 1000),
                                               required=not (confirmed or force))
             out_of_sync, witnessed_ttl_ms = verdict.out_of_sync, verdict.max_ttl_ms
+        if self.before_serving is not None:  # once the old primary serves no more: it moves no slot after
+            await self.before_serving()
         table.set_epoch(epoch)
         host.wal.log_epoch(epoch)
         durable = host.loop.create_future()

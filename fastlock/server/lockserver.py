@@ -201,6 +201,8 @@ class LockServer:
         if self.shard_gate is not None:
             self.shard_gate.install(self.handlers)
             self.shard_gate.on_change = self._announce_shard_map
+            if config.shard_map_etcd is not None:  # a promoted node serves the map etcd holds, not its watch's
+                self.failover.before_serving = self.shard_gate.take_stored_map
         #: watch revisions: the history resuming watches replay, progress notices (fastlock.server.watchlog)
         self.revisions = Revisions(self, self.handlers.watches, config.watch_history, config.watch_progress_interval)
         #: the replays of resuming watches, a page per connection per loop turn (fastlock.server.watchlog)

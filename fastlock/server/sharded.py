@@ -26,6 +26,13 @@ principal ``shard-move``, so its standby and its recovery drop them too) and ans
 held request with ``WrongShard`` naming the new owner; the destination lets the moved
 waiters' acquires back in their old order (the promoted primary's reclaim window,
 :mod:`fastlock.server.reclaim`).  A move aborted (the mark cleared) runs the held requests.
+
+Failovers around a move: a node that is not primary takes its maps from its own watch, which
+may lag, fail, or bring the flip without the mark.  A node takes every map that takes slots
+away from its group (:func:`~fastlock.sharding.moves.allowed_change`), a standby also the flip
+of a move into its group whose mark it missed, and a promotion reads the map in etcd before
+the node serves (:meth:`ShardGate.take_stored_map`): a promoted node never grants the names of
+slots the map in etcd gave another group (tokens of a moved name never go backwards).
 """
 
 from __future__ import annotations
@@ -39,8 +46,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from .._core import EV_WAIT_CANCELLED
 from ..auth import ANONYMOUS
 from ..coordination.access import EtcdAccess
+from ..coordination.gateway import EtcdUnavailable
 from ..coordination.shardmap import EtcdShardMap, load_from_etcd
-from ..errors import CrossShard, FastlockError, InvalidArgument, SlotMoving, WrongShard
+from ..errors import CrossShard, FastlockError, InvalidArgument, SlotMoving, Unavailable, WrongShard
 from ..protocol.ops import OP_SESSION_ATTACH, OP_SESSION_KEEPALIVE
 from ..roles import Role
 from ..sharding import SLOTS, ShardMap, ShardMapError, load_map_file, slot_of, write_map_file
@@ -71,6 +79,8 @@ RERUN_AFTER_FLIP = (OP_SESSION_ATTACH, OP_SESSION_KEEPALIVE)
 HOLD_S = 5.0
 #: the principal a move's drop of the source's leases is logged as (REVOKE records)
 MOVE_PRINCIPAL = "shard-move"
+#: the imported table of a standby: its primary's imports are not known to it (see ShardGate.offer)
+_EVERY_SLOT = b"\x01" * SLOTS
 
 
 def held_share(single_principal: bool, anonymous_divisor: int) -> Quota:
@@ -399,14 +409,18 @@ class ShardGate:
 
     def offer(self, shard_map: ShardMap) -> None:
         """Serve by ``shard_map`` if its epoch is above this node's map's.  A newer map that names
-        no group of this node's, or gives a slot to another group than by a move
+        no group of this node's, or gives its group a slot other than by a move
         (:func:`fastlock.sharding.moves.allowed_change`), is logged and refused (the node keeps
-        the map it has): else the new owner would grant names the old one still holds.  The
+        the map it has): else it would grant names another group still holds.  A map that takes
+        slots away is taken (a node must stop granting what the map gave another group).  The
         slots it marks moving are frozen, those it takes away dropped, those it gives by a
         move let in (see the module docstring)."""
         if shard_map.epoch <= self.shard_map.epoch:
             return
-        why = allowed_change(self.shard_map, shard_map, bytes(self.imported), self.group)
+        # a standby takes the flip of a move into its group whose mark it missed: its primary imported
+        # the slots' state (the flip is written after the import), which only the primary records
+        imported = _EVERY_SLOT if self._is_standby() else bytes(self.imported)
+        why = allowed_change(self.shard_map, shard_map, imported, self.group)
         if why is not None:
             log.error("not applying shard map epoch %d: %s", shard_map.epoch, why)
             return
@@ -463,6 +477,11 @@ class ShardGate:
     def _is_primary(self) -> bool:
         server = self.server
         return server is not None and server.roles.role is Role.PRIMARY
+
+    def _is_standby(self) -> bool:
+        """A standby, or a standby being promoted (it grants nothing yet)."""
+        server = self.server
+        return server is not None and server.roles.role in (Role.STANDBY, Role.PROMOTING)
 
     def _freeze(self, moving: bytes) -> None:
         """Take the waiters of the names in ``moving`` slots out of the lock table (kept in
@@ -628,6 +647,33 @@ class ShardGate:
     def frozen_names(self, first: int, last: int) -> dict[str, list[tuple[bytes, int]]]:
         """The frozen queues of the names in slots ``first..last``."""
         return {n: q for n, q in self.frozen_queues.items() if first <= slot_of(n) <= last}
+
+    async def take_stored_map(self) -> None:
+        """Read the map in etcd now and take it (:meth:`offer`): run by a promotion before the
+        node serves as the primary.  A standby's watch may lag or be failing; a primary serving
+        an older map would grant the names of slots a move flipped away from its group meanwhile,
+        beside their new owner and with tokens that may be below the new owner's.  After this
+        read, a move's later flip comes after a mark this node serves (the mark precedes the
+        export, which only the primary answers).  For a node following the map in etcd
+        (:meth:`follow_etcd`; a map file changes only by a restart).
+
+        :raises Unavailable: the map is not being followed (yet), etcd did not answer or holds no
+            valid map, or this node cannot take the map it holds (logged by :meth:`offer`): the
+            node is not to be promoted.
+        """
+        stored = self.stored
+        if stored is None:
+            raise Unavailable("this node does not follow the shard map in etcd (yet): not serving as the primary")
+        try:
+            found = await stored.read()
+        except (EtcdUnavailable, ShardMapError) as exc:
+            raise Unavailable(f"could not read the shard map in etcd before serving as the primary: {exc}") from None
+        if found is None:
+            raise Unavailable(f"no shard map in etcd at {stored.key}: not serving as the primary")
+        self.offer(found[0])
+        if self.shard_map.epoch < found[0].epoch:
+            raise Unavailable(f"this node cannot take shard map epoch {found[0].epoch} from etcd (it serves epoch "
+                              f"{self.shard_map.epoch}; see its log): not serving as the primary")
 
     async def follow_etcd(self, url: str, access: EtcdAccess | None) -> None:
         """Follow the map kept in etcd at ``url`` (:mod:`fastlock.coordination.shardmap`) until cancelled."""

@@ -311,6 +311,9 @@ class SlotMoves:
             raise InvalidArgument("this node is not sharded: it has no slots to move")
         if server.roles.role is not Role.PRIMARY:
             raise NotPrimary("a slot move talks to each group's primary; this node is not one")
+        if server.roles.fenced:  # another node may be primary already, serving by the map it read then
+            raise NotPrimary("a slot move talks to each group's primary; this one is fenced (it may have been "
+                             "replaced): retry the move")
         shard_map = gate.shard_map
         for slot in range(first, last + 1):
             moving_to = shard_map.moving_to_of_slot(slot)

@@ -13,7 +13,10 @@ A move of slots ``first..last`` from their owner ``S`` to group ``G`` changes th
 the rule a node applies to a newer map: per slot, owner and ``moving_to`` may stay, be marked,
 be cleared, or flip to the group it was moving to; any other change of owner is refused (a slot
 changes owner only by a move, else the new owner would grant names the old one still holds),
-except of a slot the node's group neither owns nor is moving to in either map.
+except of a slot the node's group neither owns nor is moving to in the new map: a node always
+lets a slot go (it stops granting its names; a node of the source that missed a move's mark
+takes its flip, else it would keep serving the slot with the old map, and grant its names
+beside the destination, with tokens that may be below the destination's).
 """
 
 from __future__ import annotations
@@ -134,9 +137,9 @@ def allowed_change(old: ShardMap, new: ShardMap, imported: bytes = b"", group: s
     """None if a node may go from ``old`` to ``new`` (see the module docstring), else why not.
     ``imported``: a table of :data:`SLOTS` bytes, 1 at each slot whose state this node's group
     imported (a node that missed the map marking the move may take the flip of those).
-    ``group``: the node's group; a slot this group neither owns nor is moving to in ``old`` or
-    ``new`` may change in any way (the node grants it in neither map: a bystander that missed a
-    move's mark takes its flip)."""
+    ``group``: the node's group; a slot this group neither owns nor is moving to in ``new`` may
+    change in any way (the node grants it not in that map: a bystander, or the source, that
+    missed a move's mark takes its flip)."""
     if old.ranges == new.ranges:
         return None
     # judged run by run: the slots between two consecutive range starts of either map share
@@ -153,8 +156,8 @@ def allowed_change(old: ShardMap, new: ShardMap, imported: bytes = b"", group: s
             continue  # marked, or aborted
         if moving_to is not None and new_owner == moving_to and new_moving_to is None:
             continue  # the flip of a move
-        if group is not None and group not in (owner, moving_to, new_owner, new_moving_to):
-            continue  # another groups' slots before and after: this node grants none of them
+        if group is not None and group not in (new_owner, new_moving_to):
+            continue  # this node grants none of them in the new map: a slot is always let go
         slot = first
         if imported and new_moving_to is None and moving_to is None:
             # the flip of a move whose mark this node did not see: every slot of the run imported

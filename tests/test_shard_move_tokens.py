@@ -1,0 +1,207 @@
+"""Fencing tokens of a moved slot's names never go backwards when a group fails over around a
+move (issue 30): real etcd groups (a primary and an asynchronous standby each) following a map
+in etcd, a move, then the source's primary SIGKILLed.
+
+The source's standby may not follow the move as it happens: cut off from the map over it, it
+reads the flipped map afterwards without ever seeing the mark; cut off until it is promoted, it
+reads no map at all.  Promoted, it must not grant the moved names (the destination grants them, with tokens
+that may be above anything the source's next epoch issues): it takes every map that takes
+slots from its group, and a promotion reads the map in etcd before the node serves."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+from conftest import wait_until
+from etcdserver import unique_prefix
+
+import fastlock
+from fastlock._testbase.cluster import RawNode
+from fastlock._testbase.proxy import TcpProxy, free_port
+from fastlock._testbase.servers import CredentialsDir, ServerProcess
+from fastlock._testbase.shards import names_owned_by
+from fastlock.cli import main
+from fastlock.coordination.shardmap import load_from_etcd
+from fastlock.errors import FastlockError, WrongShard
+from fastlock.sharding import ShardGroup, ShardMap, even_ranges, slot_of
+from fastlock.tokens import format_token
+
+#: etcd's epoch of g1 before its first node bids: g1 serves at epoch 10, above every epoch g0 reaches here
+G1_EPOCH = 9
+#: lease TTL (ms): the longest a promoted node holds new grants for (its grace)
+TTL_MS = 3000
+
+
+async def shard(argv: list[str]) -> int:
+    """``fastlock shard ...`` in this process (on a thread: it runs its own event loop)."""
+    return await asyncio.to_thread(main, argv)
+
+
+async def _status(server: ServerProcess) -> dict | None:
+    try:
+        return await asyncio.to_thread(server.status)
+    except (OSError, FastlockError):
+        return None
+
+
+class EtcdGroups:
+    """Shard groups g0 and g1 of etcd-arbitrated nodes (``g0-0``, ``g0-1``, ``g1-0``, ...), the map
+    in etcd; each group's second node follows the map through a TCP proxy (:attr:`map_links`)."""
+
+    def __init__(self, etcd, tmp_path, monkeypatch, sizes: tuple[int, int]):
+        self.etcd = etcd
+        self.url = f"etcd://{etcd.address}{unique_prefix()}"
+        self.coordinators = {f"g{k}": f"etcd://{etcd.address}{unique_prefix()}" for k in range(2)}
+        self.creds = CredentialsDir(tmp_path / "credentials")
+        monkeypatch.setenv("FASTLOCK_TOKEN_FILE", self.creds.token_file("admin"))  # the mover is an admin
+        self.app = self.creds.token("app")
+        self.tmp_path = tmp_path
+        self.map_links = {node: TcpProxy(etcd.address).start() for node in ("g0-1", "g1-1")}
+        self.ports = {f"g{k}-{i}": free_port() for k in range(2) for i in range(sizes[k])}
+        self.shard_map = ShardMap(1, tuple(
+            ShardGroup(f"g{k}", tuple(f"127.0.0.1:{self.ports[f'g{k}-{i}']}" for i in range(sizes[k])))
+            for k in range(2)), even_ranges(["g0", "g1"]))
+        self.servers: dict[str, ServerProcess] = {}
+
+    def _server(self, node: str) -> ServerProcess:
+        group = node.split("-")[0]
+        link = self.map_links.get(node)
+        map_url = self.url if link is None else self.url.replace(self.etcd.address, link.address)
+        return ServerProcess(self.tmp_path / node, fsync="never", port=self.ports[node],
+                             args=["--shard-map", map_url, "--shard-group", group,
+                                   "--coordinator", self.coordinators[group], "--node-id", node,
+                                   "--coordinator-ttl", "2", *self.etcd.serve_flags(None),
+                                   *self.creds.server_args(f"node-{list(self.ports).index(node) + 1}")])
+
+    async def start(self) -> None:
+        stored = await load_from_etcd(self.url)
+        try:
+            await stored.create(self.shard_map)
+            prefix = self.coordinators["g1"].split(self.etcd.address, 1)[1]
+            await stored.gateway.put(f"{prefix}/epoch", str(G1_EPOCH).encode())
+        finally:
+            await stored.gateway.close()
+        for group in ("g0", "g1"):
+            nodes = [n for n in self.ports if n.startswith(group + "-")]
+            for k, node in enumerate(nodes):
+                self.servers[node] = self._server(node).start()
+                await wait_until(lambda node=node, k=k: self.is_role(node, "standby" if k else "primary"), 60,
+                                 f"{node} to be {'a standby' if k else 'the primary'}")
+
+    async def is_role(self, node: str, role: str) -> bool:
+        st = await _status(self.servers[node])
+        return st is not None and st["role"] == role and (role != "standby" or st.get("replication", {}).get(
+            "synced", True) is not False)
+
+    async def serves_epoch(self, node: str, epoch: int) -> bool:
+        st = await _status(self.servers[node])
+        return st is not None and st["shard"]["epoch"] >= epoch
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            if server.proc is not None and server.proc.poll() is None:
+                server.stop()
+        for link in self.map_links.values():
+            link.close()
+
+    async def move(self, slot: int, to: str) -> None:
+        argv = ["shard", "move", "--coordinator", self.url, "--slots", str(slot), "--to", to]
+        assert await shard(argv) == 0
+
+
+async def _acquire_on(address: str, token: str, name: str) -> int | FastlockError:
+    """A fencing token of ``name`` granted by the node at ``address`` (waiting up to 4 TTLs: a
+    promoted node's grace), or the error it answered."""
+    node = await RawNode.open(address, token=token)
+    try:
+        return (await asyncio.wait_for(node.acquire(name, TTL_MS, 4 * TTL_MS, os.urandom(16)), 60))[0]
+    except FastlockError as exc:
+        return exc
+    finally:
+        await node.close()
+
+
+def _rising(name: str, tokens: list[int]) -> None:
+    for before, after in zip(tokens, tokens[1:]):
+        assert after > before, (f"{name!r}: token went backwards: {format_token(after)} granted after "
+                                f"{format_token(before)} (all: {[format_token(t) for t in tokens]})")
+
+
+@pytest.fixture
+def groups_of(etcd, tmp_path, monkeypatch):
+    made: list[EtcdGroups] = []
+
+    async def make(sizes: tuple[int, int]) -> EtcdGroups:
+        groups = EtcdGroups(etcd, tmp_path, monkeypatch, sizes)
+        made.append(groups)
+        await groups.start()
+        return groups
+
+    try:
+        yield make
+    finally:
+        for groups in made:
+            groups.stop()
+
+
+async def _moved_and_regranted(g: EtcdGroups, name: str) -> list[int]:
+    """``name`` granted on g0, moved to g1 held, released there and granted again by g1: the tokens."""
+    async with fastlock.connect(g.servers["g0-0"].address, token=g.app, session=False) as client:
+        lease = await client.acquire(name, ttl=TTL_MS / 1000)
+        await g.move(slot_of(name), "g1")
+        await client.release(lease)  # routed to g1
+        again = await client.acquire(name, ttl=TTL_MS / 1000)
+        await client.release(again)
+        return [lease.fencing_token, again.fencing_token]
+
+
+async def test_standbys_that_missed_the_mark_take_the_flip_and_the_source_promoted_grants_no_moved_name(groups_of):
+    """Both groups' standbys are cut off from the map over the move: each reads the flipped map
+    without the mark.  g0's standby lets the slot go (else, promoted, it grants the moved name at
+    g0's next epoch, below g1's tokens) and g1's takes it; g0's primary is killed: its standby,
+    promoted, redirects."""
+    g = await groups_of((2, 2))
+    name = names_owned_by(g.shard_map, "g0", 1, "moved")[0]
+    starts = {node: len(g.servers[node].lines) for node in g.map_links}
+    for link in g.map_links.values():
+        link.blackhole()
+    try:
+        tokens = await _moved_and_regranted(g, name)
+    finally:
+        for link in g.map_links.values():
+            link.heal()
+    g0_standby_took = g.servers["g0-1"].wait_for_log(r"shard map epoch 3", timeout=60, start=starts["g0-1"])
+    g.servers["g0-0"].kill()
+    await wait_until(lambda: g.is_role("g0-1", "primary"), 60, "g0's standby to be promoted")
+    got = await _acquire_on(g.servers["g0-1"].address, g.app, name)
+    if isinstance(got, int):
+        tokens.append(got)
+    _rising(name, tokens)
+    assert isinstance(got, WrongShard) and got.group == "g1", got
+    assert "not applying" not in g0_standby_took
+    await wait_until(lambda: g.serves_epoch("g1-1", 3), 30, "g1's standby to take the flip it saw without the mark")
+
+
+async def test_a_standby_whose_map_link_is_cut_is_not_promoted_before_it_reads_the_map(groups_of):
+    """g0's standby reads no map (its link to etcd's map black-holed) over the move; g0's primary
+    is killed: promoted then, it would serve by its old map (its watch has not brought the flip)
+    and grant the moved name below g1's tokens.  It is promoted only once it reads the map."""
+    g = await groups_of((2, 1))
+    name = names_owned_by(g.shard_map, "g0", 1, "moved")[0]
+    g.map_links["g0-1"].blackhole()
+    tokens = await _moved_and_regranted(g, name)
+    start = len(g.servers["g0-1"].lines)
+    g.servers["g0-0"].kill()
+    g.servers["g0-1"].wait_for_log(r"took the primary role", timeout=60, start=start)
+    got = await _acquire_on(g.servers["g0-1"].address, g.app, name)  # while it has no map of etcd's
+    if isinstance(got, int):
+        tokens.append(got)
+    _rising(name, tokens)
+    assert not await g.is_role("g0-1", "primary")
+    g.map_links["g0-1"].heal()
+    await wait_until(lambda: g.is_role("g0-1", "primary"), 60, "g0's standby to be promoted once it reads the map")
+    assert await g.serves_epoch("g0-1", 3)
+    got = await _acquire_on(g.servers["g0-1"].address, g.app, name)
+    assert isinstance(got, WrongShard) and got.group == "g1", got
