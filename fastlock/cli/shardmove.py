@@ -149,10 +149,7 @@ async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
         if progress is not None:
             progress(text)
 
-    found = await stored.read()
-    if found is None:
-        raise ShardMapError(f"no shard map in etcd at {stored.key}")
-    shard_map, revision = found
+    shard_map, revision = await stored.read_existing()
     state = move_state(shard_map, first, last, to)
     report = MoveReport(first, last, state.source, to, epoch=shard_map.epoch)
     if state.step == "done":
@@ -209,12 +206,7 @@ async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
             except MapConflict:
                 flipped = None
         if flipped is None:
-            found = await stored.read()
-            if found is None:
-                raise ShardMapError(f"the shard map in etcd at {stored.key} is gone")
-            shard_map, revision = found
-            flipped = finish_move(shard_map, first, last, to)
-            await stored.replace(revision, shard_map, flipped)
+            flipped = await stored.rewrite(lambda read: finish_move(read, first, last, to))
         if marked_at is not None:
             report.freeze_ms = (time.monotonic() - marked_at) * 1000.0
         step("flip_txn")
@@ -239,10 +231,4 @@ async def abort_slots(stored: EtcdShardMap, first: int, last: int, to: str) -> S
     """Undo a move of ``first..last`` to ``to`` still marked (epoch + 1): the source serves them
     again.  Leases the destination imported stay there until they expire (it does not own the
     slots, so nobody reaches them).  :raises ShardMapError: not marked so."""
-    found = await stored.read()
-    if found is None:
-        raise ShardMapError(f"no shard map in etcd at {stored.key}")
-    shard_map, revision = found
-    new = abort_move(shard_map, first, last, to)
-    await stored.replace(revision, shard_map, new)
-    return new
+    return await stored.rewrite(lambda read: abort_move(read, first, last, to))

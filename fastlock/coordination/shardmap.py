@@ -60,6 +60,28 @@ class EtcdShardMap:
             raise ShardMapError(f"etcd key {self.key} holds no JSON shard map") from None
         return ShardMap.from_wire(value), kv.mod_revision
 
+    async def read_existing(self) -> tuple[ShardMap, int]:
+        """:meth:`read`, for a caller that needs a map there.
+
+        :raises ShardMapError: no map at the key (or not a valid one).  :raises EtcdUnavailable: etcd did not answer.
+        """
+        found = await self.read()
+        if found is None:
+            raise ShardMapError(f"no shard map in etcd at {self.key}")
+        return found
+
+    async def rewrite(self, change: Callable[[ShardMap], ShardMap]) -> ShardMap:
+        """Read the map and write ``change(map)`` in its place (one etcd transaction comparing the
+        key's revision, as :meth:`replace`); the map written.
+
+        :raises ShardMapError: no map, or ``change`` refused it.  :raises MapConflict: the map changed
+            between the read and the write (run it again).
+        """
+        shard_map, revision = await self.read_existing()
+        new = change(shard_map)
+        await self.replace(revision, shard_map, new)
+        return new
+
     async def create(self, shard_map: ShardMap) -> None:
         """Write ``shard_map`` if no map exists.  :raises MapConflict: one does."""
         answer = await self.gateway.txn(
