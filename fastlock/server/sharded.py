@@ -484,28 +484,28 @@ class ShardGate:
         return server is not None and server.roles.role in (Role.STANDBY, Role.PROMOTING)
 
     def _freeze(self, moving: bytes) -> None:
-        """Take the waiters of the names in ``moving`` slots out of the lock table (kept in
-        :attr:`frozen_queues`; their acquires held), so nothing is granted on them."""
+        """Take every waiter of the names in ``moving`` slots out of the lock table (kept in
+        :attr:`frozen_queues`, FIFO; their acquires held), whatever the name's state: held
+        (exclusive, shared or permits), free behind a lock-delay or the promotion grace, or an
+        acquire_many() member waiting for its other names.  The lock table then holds no waiter
+        of those slots and the gate holds every new request for them, so no grant is decided on
+        them (a grant needs a waiter or an acquire): not at a lease's expiry, a lock-delay's end
+        or the grace's end."""
         server = self.server
         if not self._is_primary():
             return
         server.after_batch()  # every event so far is delivered: what follows is the freeze's
         table = server.table
         now = monotonic_ms()
-        # a queue waits behind a holder, or behind a lock-delay after an expiry
-        names = {h.name for h in table.holders() if moving[slot_of(h.name)]}
-        names.update(n for n, _until in table.lock_delays() if moving[slot_of(n)])
-        for name in sorted(names):
-            waiters = table.waiter_priorities(name)
-            if not waiters:
-                continue
-            self.frozen_queues.setdefault(name, []).extend((bytes(o), p) for o, p in waiters)
-            for owner, _priority in waiters:
-                table.cancel(name, owner, now)
+        table.expire(now)  # what is due now (a grace's end, an expiry) happens before the freeze
+        server.process_events(table.drain_events())
+        taken = self._take_waiters(table.waited_names(lambda name: moving[slot_of(name)] == 1), now)
+        for name, waiters in taken.items():
+            self.frozen_queues.setdefault(name, []).extend(waiters)
         sessions = server.limits.sessions
         others = []
         for ev in table.drain_events():
-            if ev.name in self.frozen_queues and ev.kind == EV_WAIT_CANCELLED:
+            if ev.name in taken and ev.kind == EV_WAIT_CANCELLED:
                 server.quotas.waiter_event(ev)
                 conn = sessions.get(ev.session)
                 rid = reply_id(ev.request)
@@ -522,8 +522,30 @@ class ShardGate:
                         sum(len(q) for q in self.frozen_queues.values()), len(self.frozen_queues))
         server.after_batch()
 
+    @staticmethod
+    def _take_waiters_of(table: Any, name: str, now: int) -> list[tuple[bytes, int]]:
+        """Cancel every waiter of ``name``, the last first (taking out a queue's last waiter
+        lets nobody ahead of it in): the (owner-key hash, priority) of those cancelled, FIFO."""
+        waiters = table.waiter_priorities(name)
+        taken = [(bytes(o), p) for o, p in reversed(waiters) if table.cancel(name, o, now)]
+        taken.reverse()
+        return taken
+
+    def _take_waiters(self, names: list[str], now: int) -> dict[str, list[tuple[bytes, int]]]:
+        """Cancel every waiter of ``names`` (EV_WAIT_CANCELLED events left in the table for the
+        caller): name -> the waiters taken out (owner-key hash, priority), FIFO."""
+        table = self.server.table
+        taken: dict[str, list[tuple[bytes, int]]] = {}
+        for name in names:
+            waiters = self._take_waiters_of(table, name, now)
+            if waiters:
+                taken[name] = waiters
+        return taken
+
     def _drop(self, lost: list[int]) -> None:
-        """This group no longer owns the ``lost`` slots: drop their leases (REVOKE records)."""
+        """This group no longer owns the ``lost`` slots: take out any waiter left on their names
+        (logged at WARNING with the name; each acquire is answered WrongShard), then drop their
+        keys and leases (REVOKE records)."""
         server = self.server
         lost_set = set(lost)
         for name in [n for n in self.frozen_queues if slot_of(n) in lost_set]:
@@ -532,6 +554,9 @@ class ShardGate:
             return
         table = server.table
         now = monotonic_ms()
+        left = table.waited_names(lambda name: slot_of(name) in lost_set)
+        if left:  # the freeze took them all, unless one entered the table after it
+            self._redirect_waiters(left, now)
         keys = 0
         if len(server.keys.space):  # the keys go first: the leases' REVOKE records would delete those attached
             by_owner: dict[str, set[int]] = {}
@@ -549,6 +574,42 @@ class ShardGate:
         log.warning("slot move: %d slots now owned by other groups; %d leases dropped here, %d keys moved", len(lost),
                     dropped, keys)
         server.after_batch()
+
+    def _redirect_waiters(self, names: list[str], now: int) -> None:
+        """Take out the waiters of ``names`` (slots another group owns now), each acquire answered
+        WrongShard naming the owner; logged at WARNING with each name."""
+        server = self.server
+        table = server.table
+        server.after_batch()
+        taken = self._take_waiters(names, now)
+        for name, waiters in taken.items():
+            log.warning("slot move: %r (slot %d) still had %d waiters when its slot went to shard group %s: "
+                        "taken out, redirected", name, slot_of(name), len(waiters),
+                        self.shard_map.owner_of_slot(slot_of(name)).name)
+        sessions = server.limits.sessions
+        others = []
+        for ev in table.drain_events():
+            if ev.name in taken and ev.kind == EV_WAIT_CANCELLED:
+                server.quotas.waiter_event(ev)
+                conn = sessions.get(ev.session)
+                rid = reply_id(ev.request)
+                if conn is not None and rid is not None and not getattr(conn, "closed", False):
+                    server.handlers.failed(conn, rid, 0, self.wrong_shard(ev.name, slot_of(ev.name)))
+            else:
+                others.append(ev)
+        server.process_events(others)
+
+    def refusal(self, names: tuple[str, ...] | list[str]) -> FastlockError | None:
+        """Why a request for ``names`` admitted earlier may not enter the lock table now (a parked
+        multi-lock reservation let in later: :mod:`fastlock.server.woundwait`): WrongShard (a name
+        another group owns), SlotMoving (a name a move is moving), or None."""
+        for name in names:
+            slot = slot_of(name)
+            if not self.owned[slot]:
+                return self.wrong_shard(name, slot)
+            if self.moving[slot]:
+                return self.slot_moving(name, slot)
+        return None
 
     def _let_in(self, gained: list[int]) -> None:
         """This group owns the ``gained`` slots by a move: their moved waiters come back in order."""
