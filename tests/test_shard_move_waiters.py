@@ -26,11 +26,25 @@ from fastlock.tokens import format_token
 GRACE_TTL_MS = 30_000
 
 
+#: seconds a promoted node keeps the old primary's waiters' places (--queue-reclaim-window): it
+#: covers the move, and ends before the grace
+RECLAIM_WINDOW_S = 15
+
+
+class WindowedGroups(EtcdGroups):
+    """:class:`EtcdGroups` whose nodes keep a promotion's reclaim window for :data:`RECLAIM_WINDOW_S`."""
+
+    def _server(self, node: str):
+        server = super()._server(node)
+        server.args += ["--queue-reclaim-window", str(RECLAIM_WINDOW_S)]
+        return server
+
+
 @pytest.fixture
 async def etcd_groups(etcd, tmp_path, monkeypatch):
     """Shard groups g0 (a primary and a standby) and g1 (one node), etcd-arbitrated, the map in
     etcd (``test_shard_move_tokens.EtcdGroups``), stopped after the test."""
-    g = EtcdGroups(etcd, tmp_path, monkeypatch, (2, 1))
+    g = WindowedGroups(etcd, tmp_path, monkeypatch, (2, 1))
     try:
         await g.start()
         yield g
@@ -141,6 +155,50 @@ async def test_a_waiter_queued_in_the_sources_promotion_grace_is_redirected_by_t
         if not queued.done():
             queued.cancel()
         await waiter.close()
+
+
+async def test_an_acquire_parked_in_the_sources_reclaim_window_never_queues_on_a_moved_slot(etcd_groups):
+    """g0's old primary had a holder and a waiter of a name (its queue shipped to the standby);
+    promoted, the standby's reclaim window keeps the waiter's place and parks a newcomer's
+    acquire.  The name's slot moves to g1 within the window: when the window ends the parked
+    acquire does not enter g0's lock table (it would be granted there at the grace's end, the
+    moved lease being dropped from g0) but is answered WrongShard naming g1."""
+    g = etcd_groups
+    name = names_owned_by(g.shard_map, "g0", 1, "parked")[0]
+    primary, standby = g.servers["g0-0"], g.servers["g0-1"]
+    async with fastlock.connect(primary.address, token=g.app, session=False) as client:
+        lease = await client.acquire(name, ttl=GRACE_TTL_MS / 1000)
+        old_waiter = await RawNode.open(primary.address, token=g.app)
+        queued_before = asyncio.ensure_future(old_waiter.acquire(name, 5_000, 60_000))
+        await wait_until(lambda: _waiters_at_least(primary.address, g.app, 1), 10, "the old waiter to queue")
+        await wait_until(lambda: _holds_one(standby.address, g.app), 30, "the standby to have the lease")
+        start = len(standby.lines)
+        primary.kill()
+        await asyncio.to_thread(standby.wait_for_log, r"reclaim window: 1 locks", 60, start)
+    await old_waiter.close()
+    queued_before.cancel()
+    newcomer = await RawNode.open(standby.address, token=g.app)
+    parked = asyncio.ensure_future(newcomer.acquire(name, 5_000, 60_000))
+    try:
+        await g.move(slot_of(name), "g1")
+        reclaim = (await _status(standby.address, g.creds.token("admin")))["queue_reclaim"]
+        assert reclaim["locks"] == 1, f"the move ended after the reclaim window: this run does not test it ({reclaim})"
+        done, _ = await asyncio.wait([parked], timeout=60)
+        assert done, "the parked acquire was neither granted nor refused by the source"
+        exc = parked.exception()
+        assert exc is not None, (f"the source granted {name!r} (token {format_token(parked.result()[0])}) after its "
+                                 f"slot moved to g1 (which holds it with token {format_token(lease.fencing_token)})")
+        assert isinstance(exc, WrongShard) and exc.group == "g1", exc
+        assert (await _status(standby.address, g.app))["waiters"] == 0
+        g1 = await RawNode.open(g.servers["g1-0"].address, token=g.app)
+        try:
+            assert (await g1.holder(name))["token"] == lease.fencing_token
+        finally:
+            await g1.close()
+    finally:
+        if not parked.done():
+            parked.cancel()
+        await newcomer.close()
 
 
 async def _holds_one(address: str, token: str) -> bool:

@@ -599,6 +599,28 @@ class ShardGate:
                 others.append(ev)
         server.process_events(others)
 
+    def checked_enter(self, enter: Callable[..., None]) -> Callable[..., None]:
+        """The reclaim window's way into the lock table (:class:`~fastlock.server.reclaim.ReclaimGate`'s
+        ``enter(conn, req_id, msg, name, owner, priority)``) behind this gate: an acquire parked
+        there enters later, and by then its name's slot may be frozen by a move (the acquire is
+        held, as a new request for it is) or another group's (answered WrongShard), so it never
+        queues on a slot this group is moving or gave away."""
+
+        def enter_checked(conn: Any, req_id: int, msg: list, name: str, owner: bytes, priority: int = 0) -> None:
+            slot = slot_of(name)
+            try:
+                if not self.owned[slot]:
+                    raise self.wrong_shard(name, slot)
+                if self.moving[slot]:
+                    self.hold(conn, req_id, msg, lambda c, r, m: enter(c, r, m, name, owner, priority), name, slot)
+                    return
+            except FastlockError as exc:
+                self.server.handlers.failed(conn, req_id, 0, exc)
+                return
+            enter(conn, req_id, msg, name, owner, priority)
+
+        return enter_checked
+
     def refusal(self, names: tuple[str, ...] | list[str]) -> FastlockError | None:
         """Why a request for ``names`` admitted earlier may not enter the lock table now (a parked
         multi-lock reservation let in later: :mod:`fastlock.server.woundwait`): WrongShard (a name
