@@ -17,10 +17,12 @@ source group's slots marked ``moving_to`` are *frozen*: a request naming them is
 (:class:`Held`; at most :data:`MAX_HELD` at once, a principal's share of them at most
 (:func:`held_share`: a quarter, the anonymous principal's a sixteenth, as the other global
 caps of :mod:`fastlock.server.shares`), each at most :data:`HOLD_S` seconds, beyond any
-:class:`~fastlock.errors.SlotMoving`, which a client retries), and the
-waiters already queued on them leave the lock table (their owner-key hashes and
-priorities are kept, in FIFO order, for the export) with their acquires held too, so
-nothing is granted on those names while their state is shipped.  When the map flips the
+:class:`~fastlock.errors.SlotMoving`, which a client retries), and every
+waiter already queued on them leaves the lock table, whatever its name's state (their owner-key
+hashes and priorities are kept, in FIFO order, for the export) with their acquires held too;
+an acquire admitted earlier and let into the table later (a promotion's reclaim window, a
+parked multi-lock reservation) meets the same check then, so nothing is granted on those
+names while their state is shipped.  When the map flips the
 slots to the destination, the source drops their leases (a ``REVOKE`` record each, by
 principal ``shard-move``, so its standby and its recovery drop them too) and answers every
 held request with ``WrongShard`` naming the new owner; the destination lets the moved
@@ -524,12 +526,11 @@ class ShardGate:
 
     @staticmethod
     def _take_waiters_of(table: Any, name: str, now: int) -> list[tuple[bytes, int]]:
-        """Cancel every waiter of ``name``, the last first (taking out a queue's last waiter
-        lets nobody ahead of it in): the (owner-key hash, priority) of those cancelled, FIFO."""
-        waiters = table.waiter_priorities(name)
-        taken = [(bytes(o), p) for o, p in reversed(waiters) if table.cancel(name, o, now)]
-        taken.reverse()
-        return taken
+        """Cancel every waiter of ``name``, in queue order: the (owner-key hash, priority) of
+        those cancelled, FIFO.  A waiter granted meanwhile (a shared one behind a cancelled
+        exclusive head, with shared holders) is not among them: it holds a lease, shipped as
+        one by the export, which runs after the freeze."""
+        return [(bytes(o), p) for o, p in table.waiter_priorities(name) if table.cancel(name, o, now)]
 
     def _take_waiters(self, names: list[str], now: int) -> dict[str, list[tuple[bytes, int]]]:
         """Cancel every waiter of ``names`` (EV_WAIT_CANCELLED events left in the table for the
