@@ -284,6 +284,10 @@ class LockTable:
         """``(count, data)``: a whole snapshot at once (begin, every step, end)."""
     def holders(self) -> list[Holder]:
         """Every current lease of every kind (for snapshots), any order."""
+    def waited_names(self, select: Callable[[str], bool] | None = None, unheld: bool = False) -> list[str]:
+        """The names with a waiter, sorted, whatever their state; only those ``select(name)``
+        is true for; with ``unheld`` only those without any lease.  :raises TypeError:
+        ``select`` is not callable."""
     def held_page(self, prefix: str, after: str | None, limit: int, by_waiters: bool,
                   now: int) -> tuple[list[tuple[str, int]], int]:
         """One page of the held locks (name, queue length) by name or by waiters, and the

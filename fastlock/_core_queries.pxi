@@ -214,6 +214,30 @@ cdef class _Queries(_Transitions):
         return out
 
 
+    def waited_names(self, select=None, unheld=False):
+        """The names (str) whose queue holds a waiter, sorted: each whatever its state (held,
+        free behind a lock-delay or the promotion grace, an acquire_many() member waiting for
+        its other names); only those ``select(name)`` is true for (a callable; None: every
+        one); with ``unheld`` only those without any lease (exclusive, shared or permit; a
+        lease past its deadline that expire() has not processed counts as one, as holders()).
+        A slot move takes the waiters of its slots out with it (fastlock.server.sharded).
+
+        Raises TypeError if ``select`` is neither None nor callable (state unchanged); an
+        error ``select`` raises propagates (state unchanged).
+        """
+        cdef list out = []
+        cdef _Lock lock
+        cdef bint only_unheld = bool(unheld)
+        if select is not None and not callable(select):
+            raise TypeError("select must be None or a callable(name) -> bool")
+        for lock in self._locks.values():
+            if lock.head is None or (only_unheld and (lock.held or lock.n_leases)):
+                continue
+            if select is None or select(lock.name):
+                out.append(lock.name)
+        out.sort()
+        return out
+
     def held_page(self, prefix, after, limit, by_waiters, now):
         """One page of the locks held at ``now`` whose name starts with ``prefix``
         (str; "" for all), for the operator's listing: every lock is looked at in C,

@@ -892,6 +892,13 @@ class RefLockTable:
     def holders(self) -> list[Holder]:
         return [self._snapshot(lock, h) for lock in self.locks.values() for h in self._leases(lock)]
 
+    def waited_names(self, select=None, unheld=False) -> list[str]:
+        if select is not None and not callable(select):
+            raise TypeError("select must be None or a callable(name) -> bool")
+        return sorted(name for name, lock in self.locks.items()
+                      if lock.waiters and not (unheld and self._leases(lock))
+                      and (select is None or select(name)))
+
     def held_page(self, prefix, after, limit, by_waiters, now) -> tuple[list[tuple[str, int]], int]:
         now = _ms(now, "now", 0)
         rows = []  # (name, live leases, waiters) of every matching lock

@@ -732,3 +732,27 @@ def test_held_page_lists_one_page_by_name_or_by_waiters(impl):
     assert t.held_page("", None, 3, True, 100) == ([("b/3", 2), ("b/2", 1), ("a/1", 0)], 5)
     assert t.held_page("", "c", 3, False, 100) == ([], 0)
     assert t.held_page("", None, 10, False, 10)[1] == 6  # "shared" still held at 10
+
+
+def test_waited_names_lists_every_name_with_a_waiter_whatever_its_state(impl):
+    # what a slot move's freeze takes out: waiters behind a holder, behind shared holders, on a free
+    # name in the promotion grace, and an acquire_many() member waiting for its other name
+    t = impl.t
+    impl.grant(b"H", 0, name="held")
+    impl.acq(b"w1", 0, name="held")
+    t.acquire("shared", b"s1", 1, 1, TTL, -1, 0, None, 0, True)  # a shared holder
+    t.acquire("shared", b"x1", 2, 2, TTL, -1, 0, None, 0)  # an exclusive request behind a shared holder
+    t.acquire_many([("held", False), ("free-many", False)], b"m1", 3, 3, TTL, -1, 0, None, 0)
+    t.hold_grants_until(500)
+    impl.acq(b"g1", 1, name="graced")  # a free name: it waits for the grace's end
+    impl.events()
+    assert t.waited_names() == ["free-many", "graced", "held", "shared"]
+    assert t.waited_names(None, True) == ["free-many", "graced"]
+    assert t.waited_names(lambda name: name.startswith("g"), True) == ["graced"]
+    assert t.waited_names(lambda name: name.startswith("h")) == ["held"]
+    with pytest.raises(TypeError):
+        t.waited_names(7)
+    t.cancel("free-many", b"m1", 2)  # the whole acquire_many() request leaves both queues
+    assert t.waited_names() == ["graced", "held", "shared"]
+    t.expire(500)  # the grace ends: "graced" is granted
+    assert t.waited_names() == ["held", "shared"]

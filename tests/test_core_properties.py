@@ -422,6 +422,17 @@ class CoreVsModel(RuleBasedStateMachine):
             self.tokens_seen.append(token)
 
     @invariant()
+    def waited_names_agree(self):
+        # the names with waiters (a slot move takes their waiters out), all or those without a lease
+        c, m = self.core, self.model
+        for select in (None, lambda name: name != "b"):
+            for unheld in (False, True):
+                assert c.waited_names(select, unheld) == m.waited_names(select, unheld), (unheld,)
+        assert c.waited_names() == [n for n in NAMES if m.waiters(n)]
+        assert c.waited_names(None, True) == [n for n in NAMES if m.waiters(n) and m.locks[n].holder is None
+                                              and not m.locks[n].shared]
+
+    @invariant()
     def holders_agree_with_the_history(self):
         # every unexpired holder the table reports is a lease the history says is current
         for name in NAMES:

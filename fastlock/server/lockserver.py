@@ -218,6 +218,8 @@ class LockServer:
         self.queues = QueueShipper(self)
         self.reclaim = ReclaimGate(self.handlers.enter_acquire, self.after_batch, config.queue_reclaim_window,
                                    config.max_waiters)
+        if self.shard_gate is not None:  # a parked acquire enters behind the shard map's check
+            self.reclaim.enter = self.shard_gate.checked_enter(self.reclaim.enter)
         if self.follower is not None:
             self.follower.queues.on_promoted = self._reclaim_queues
         #: process exit status: non-zero after a fatal WAL failure

@@ -17,10 +17,12 @@ source group's slots marked ``moving_to`` are *frozen*: a request naming them is
 (:class:`Held`; at most :data:`MAX_HELD` at once, a principal's share of them at most
 (:func:`held_share`: a quarter, the anonymous principal's a sixteenth, as the other global
 caps of :mod:`fastlock.server.shares`), each at most :data:`HOLD_S` seconds, beyond any
-:class:`~fastlock.errors.SlotMoving`, which a client retries), and the
-waiters already queued on them leave the lock table (their owner-key hashes and
-priorities are kept, in FIFO order, for the export) with their acquires held too, so
-nothing is granted on those names while their state is shipped.  When the map flips the
+:class:`~fastlock.errors.SlotMoving`, which a client retries), and every
+waiter already queued on them leaves the lock table, whatever its name's state (their owner-key
+hashes and priorities are kept, in FIFO order, for the export) with their acquires held too;
+an acquire admitted earlier and let into the table later (a promotion's reclaim window, a
+parked multi-lock reservation) meets the same check then, so nothing is granted on those
+names while their state is shipped.  When the map flips the
 slots to the destination, the source drops their leases (a ``REVOKE`` record each, by
 principal ``shard-move``, so its standby and its recovery drop them too) and answers every
 held request with ``WrongShard`` naming the new owner; the destination lets the moved
@@ -484,28 +486,28 @@ class ShardGate:
         return server is not None and server.roles.role in (Role.STANDBY, Role.PROMOTING)
 
     def _freeze(self, moving: bytes) -> None:
-        """Take the waiters of the names in ``moving`` slots out of the lock table (kept in
-        :attr:`frozen_queues`; their acquires held), so nothing is granted on them."""
+        """Take every waiter of the names in ``moving`` slots out of the lock table (kept in
+        :attr:`frozen_queues`, FIFO; their acquires held), whatever the name's state: held
+        (exclusive, shared or permits), free behind a lock-delay or the promotion grace, or an
+        acquire_many() member waiting for its other names.  The lock table then holds no waiter
+        of those slots and the gate holds every new request for them, so no grant is decided on
+        them (a grant needs a waiter or an acquire): not at a lease's expiry, a lock-delay's end
+        or the grace's end."""
         server = self.server
         if not self._is_primary():
             return
         server.after_batch()  # every event so far is delivered: what follows is the freeze's
         table = server.table
         now = monotonic_ms()
-        # a queue waits behind a holder, or behind a lock-delay after an expiry
-        names = {h.name for h in table.holders() if moving[slot_of(h.name)]}
-        names.update(n for n, _until in table.lock_delays() if moving[slot_of(n)])
-        for name in sorted(names):
-            waiters = table.waiter_priorities(name)
-            if not waiters:
-                continue
-            self.frozen_queues.setdefault(name, []).extend((bytes(o), p) for o, p in waiters)
-            for owner, _priority in waiters:
-                table.cancel(name, owner, now)
+        table.expire(now)  # what is due now (a grace's end, an expiry) happens before the freeze
+        server.process_events(table.drain_events())
+        taken = self._take_waiters(table.waited_names(lambda name: moving[slot_of(name)] == 1), now)
+        for name, waiters in taken.items():
+            self.frozen_queues.setdefault(name, []).extend(waiters)
         sessions = server.limits.sessions
         others = []
         for ev in table.drain_events():
-            if ev.name in self.frozen_queues and ev.kind == EV_WAIT_CANCELLED:
+            if ev.name in taken and ev.kind == EV_WAIT_CANCELLED:
                 server.quotas.waiter_event(ev)
                 conn = sessions.get(ev.session)
                 rid = reply_id(ev.request)
@@ -522,8 +524,29 @@ class ShardGate:
                         sum(len(q) for q in self.frozen_queues.values()), len(self.frozen_queues))
         server.after_batch()
 
+    @staticmethod
+    def _take_waiters_of(table: Any, name: str, now: int) -> list[tuple[bytes, int]]:
+        """Cancel every waiter of ``name``, in queue order: the (owner-key hash, priority) of
+        those cancelled, FIFO.  A waiter granted meanwhile (a shared one behind a cancelled
+        exclusive head, with shared holders) is not among them: it holds a lease, shipped as
+        one by the export, which runs after the freeze."""
+        return [(bytes(o), p) for o, p in table.waiter_priorities(name) if table.cancel(name, o, now)]
+
+    def _take_waiters(self, names: list[str], now: int) -> dict[str, list[tuple[bytes, int]]]:
+        """Cancel every waiter of ``names`` (EV_WAIT_CANCELLED events left in the table for the
+        caller): name -> the waiters taken out (owner-key hash, priority), FIFO."""
+        table = self.server.table
+        taken: dict[str, list[tuple[bytes, int]]] = {}
+        for name in names:
+            waiters = self._take_waiters_of(table, name, now)
+            if waiters:
+                taken[name] = waiters
+        return taken
+
     def _drop(self, lost: list[int]) -> None:
-        """This group no longer owns the ``lost`` slots: drop their leases (REVOKE records)."""
+        """This group no longer owns the ``lost`` slots: take out any waiter left on their names
+        (logged at WARNING with the name; each acquire is answered WrongShard), then drop their
+        keys and leases (REVOKE records)."""
         server = self.server
         lost_set = set(lost)
         for name in [n for n in self.frozen_queues if slot_of(n) in lost_set]:
@@ -532,6 +555,9 @@ class ShardGate:
             return
         table = server.table
         now = monotonic_ms()
+        left = table.waited_names(lambda name: slot_of(name) in lost_set)
+        if left:  # the freeze took them all, unless one entered the table after it
+            self._redirect_waiters(left, now)
         keys = 0
         if len(server.keys.space):  # the keys go first: the leases' REVOKE records would delete those attached
             by_owner: dict[str, set[int]] = {}
@@ -549,6 +575,64 @@ class ShardGate:
         log.warning("slot move: %d slots now owned by other groups; %d leases dropped here, %d keys moved", len(lost),
                     dropped, keys)
         server.after_batch()
+
+    def _redirect_waiters(self, names: list[str], now: int) -> None:
+        """Take out the waiters of ``names`` (slots another group owns now), each acquire answered
+        WrongShard naming the owner; logged at WARNING with each name."""
+        server = self.server
+        table = server.table
+        server.after_batch()
+        taken = self._take_waiters(names, now)
+        for name, waiters in taken.items():
+            log.warning("slot move: %r (slot %d) still had %d waiters when its slot went to shard group %s: "
+                        "taken out, redirected", name, slot_of(name), len(waiters),
+                        self.shard_map.owner_of_slot(slot_of(name)).name)
+        sessions = server.limits.sessions
+        others = []
+        for ev in table.drain_events():
+            if ev.name in taken and ev.kind == EV_WAIT_CANCELLED:
+                server.quotas.waiter_event(ev)
+                conn = sessions.get(ev.session)
+                rid = reply_id(ev.request)
+                if conn is not None and rid is not None and not getattr(conn, "closed", False):
+                    server.handlers.failed(conn, rid, 0, self.wrong_shard(ev.name, slot_of(ev.name)))
+            else:
+                others.append(ev)
+        server.process_events(others)
+
+    def checked_enter(self, enter: Callable[..., None]) -> Callable[..., None]:
+        """The reclaim window's way into the lock table (:class:`~fastlock.server.reclaim.ReclaimGate`'s
+        ``enter(conn, req_id, msg, name, owner, priority)``) behind this gate: an acquire parked
+        there enters later, and by then its name's slot may be frozen by a move (the acquire is
+        held, as a new request for it is) or another group's (answered WrongShard), so it never
+        queues on a slot this group is moving or gave away."""
+
+        def enter_checked(conn: Any, req_id: int, msg: list, name: str, owner: bytes, priority: int = 0) -> None:
+            slot = slot_of(name)
+            try:
+                if not self.owned[slot]:
+                    raise self.wrong_shard(name, slot)
+                if self.moving[slot]:
+                    self.hold(conn, req_id, msg, lambda c, r, m: enter(c, r, m, name, owner, priority), name, slot)
+                    return
+            except FastlockError as exc:
+                self.server.handlers.failed(conn, req_id, 0, exc)
+                return
+            enter(conn, req_id, msg, name, owner, priority)
+
+        return enter_checked
+
+    def refusal(self, names: tuple[str, ...] | list[str]) -> FastlockError | None:
+        """Why a request for ``names`` admitted earlier may not enter the lock table now (a parked
+        multi-lock reservation let in later: :mod:`fastlock.server.woundwait`): WrongShard (a name
+        another group owns), SlotMoving (a name a move is moving), or None."""
+        for name in names:
+            slot = slot_of(name)
+            if not self.owned[slot]:
+                return self.wrong_shard(name, slot)
+            if self.moving[slot]:
+                return self.slot_moving(name, slot)
+        return None
 
     def _let_in(self, gained: list[int]) -> None:
         """This group owns the ``gained`` slots by a move: their moved waiters come back in order."""

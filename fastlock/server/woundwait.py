@@ -551,6 +551,11 @@ class WoundWait:
             conn = sessions.get(r.session)
             if conn is None or conn.closed:
                 continue
+            gate = self.server.shard_gate  # a name may have left this group, or be moving, while it was parked
+            refused = gate.refusal(r.names) if gate is not None else None
+            if refused is not None:
+                self.handlers.failed(conn, r.req_id, OP_RESERVE, refused)
+                continue
             try:
                 self.roles.admit(Action.ACQUIRE)
                 self._wound_younger(r, now)
