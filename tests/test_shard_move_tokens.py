@@ -19,13 +19,14 @@ from etcdserver import unique_prefix
 
 import fastlock
 from fastlock._testbase.cluster import RawNode
-from fastlock._testbase.proxy import TcpProxy, free_port
+from fastlock._testbase.proxy import TcpProxy, classify_fastlock, free_port
 from fastlock._testbase.servers import CredentialsDir, ServerProcess
 from fastlock._testbase.shards import names_owned_by
 from fastlock.cli import main
 from fastlock.coordination.shardmap import load_from_etcd
-from fastlock.errors import FastlockError, WrongShard
+from fastlock.errors import FastlockError, NotPrimary, WrongShard
 from fastlock.sharding import ShardGroup, ShardMap, even_ranges, slot_of
+from fastlock.sharding.moves import finish_move, mark_moving
 from fastlock.tokens import format_token
 
 #: etcd's epoch of g1 before its first node bids: g1 serves at epoch 10, above every epoch g0 reaches here
@@ -50,7 +51,8 @@ class EtcdGroups:
     """Shard groups g0 and g1 of etcd-arbitrated nodes (``g0-0``, ``g0-1``, ``g1-0``, ...), the map
     in etcd; each group's second node follows the map through a TCP proxy (:attr:`map_links`)."""
 
-    def __init__(self, etcd, tmp_path, monkeypatch, sizes: tuple[int, int]):
+    def __init__(self, etcd, tmp_path, monkeypatch, sizes: tuple[int, int], epochs: dict[str, int] | None = None,
+                 relayed: tuple[str, ...] = ()):
         self.etcd = etcd
         self.url = f"etcd://{etcd.address}{unique_prefix()}"
         self.coordinators = {f"g{k}": f"etcd://{etcd.address}{unique_prefix()}" for k in range(2)}
@@ -64,13 +66,20 @@ class EtcdGroups:
             ShardGroup(f"g{k}", tuple(f"127.0.0.1:{self.ports[f'g{k}-{i}']}" for i in range(sizes[k])))
             for k in range(2)), even_ranges(["g0", "g1"]))
         self.servers: dict[str, ServerProcess] = {}
+        #: etcd's epoch of each group before its first node bids
+        self.epochs = {"g1": G1_EPOCH} if epochs is None else epochs
+        #: the nodes others reach through a proxy (``--advertise``): their standbys' replication links go through it
+        self.relays = {node: TcpProxy(f"127.0.0.1:{self.ports[node]}", classify=classify_fastlock).start()
+                       for node in relayed}
 
     def _server(self, node: str) -> ServerProcess:
         group = node.split("-")[0]
         link = self.map_links.get(node)
         map_url = self.url if link is None else self.url.replace(self.etcd.address, link.address)
+        relay = self.relays.get(node)
         return ServerProcess(self.tmp_path / node, fsync="never", port=self.ports[node],
-                             args=["--shard-map", map_url, "--shard-group", group,
+                             args=[*(["--advertise", relay.address] if relay is not None else []),
+                                   "--shard-map", map_url, "--shard-group", group,
                                    "--coordinator", self.coordinators[group], "--node-id", node,
                                    "--coordinator-ttl", "2", *self.etcd.serve_flags(None),
                                    *self.creds.server_args(f"node-{list(self.ports).index(node) + 1}")])
@@ -79,8 +88,9 @@ class EtcdGroups:
         stored = await load_from_etcd(self.url)
         try:
             await stored.create(self.shard_map)
-            prefix = self.coordinators["g1"].split(self.etcd.address, 1)[1]
-            await stored.gateway.put(f"{prefix}/epoch", str(G1_EPOCH).encode())
+            for group, epoch in self.epochs.items():
+                prefix = self.coordinators[group].split(self.etcd.address, 1)[1]
+                await stored.gateway.put(f"{prefix}/epoch", str(epoch).encode())
         finally:
             await stored.gateway.close()
         for group in ("g0", "g1"):
@@ -103,7 +113,7 @@ class EtcdGroups:
         for server in self.servers.values():
             if server.proc is not None and server.proc.poll() is None:
                 server.stop()
-        for link in self.map_links.values():
+        for link in [*self.map_links.values(), *self.relays.values()]:
             link.close()
 
     async def move(self, slot: int, to: str) -> None:
@@ -133,8 +143,8 @@ def _rising(name: str, tokens: list[int]) -> None:
 def groups_of(etcd, tmp_path, monkeypatch):
     made: list[EtcdGroups] = []
 
-    async def make(sizes: tuple[int, int]) -> EtcdGroups:
-        groups = EtcdGroups(etcd, tmp_path, monkeypatch, sizes)
+    async def make(sizes: tuple[int, int], **options) -> EtcdGroups:
+        groups = EtcdGroups(etcd, tmp_path, monkeypatch, sizes, **options)
         made.append(groups)
         await groups.start()
         return groups
@@ -205,3 +215,81 @@ async def test_a_standby_whose_map_link_is_cut_is_not_promoted_before_it_reads_t
     assert await g.serves_epoch("g0-1", 3)
     got = await _acquire_on(g.servers["g0-1"].address, g.app, name)
     assert isinstance(got, WrongShard) and got.group == "g1", got
+
+
+async def _map_epoch(g: EtcdGroups) -> int:
+    """The epoch of the map in etcd."""
+    stored = await load_from_etcd(g.url)
+    try:
+        found = await stored.read()
+        return found[0].epoch if found is not None else 0
+    finally:
+        await stored.gateway.close()
+
+
+async def test_a_destination_primary_killed_after_the_import_leaves_a_standby_that_grants_above_the_source(groups_of):
+    """g0 serves at epoch 41, g1 at 2 with an asynchronous standby whose replication link is
+    black-holed while g1 imports a slot of g0 (raising g1's epoch to 41); g1's primary is
+    SIGKILLed once the import is logged, the link healed, the standby promoted.  The import is
+    answered only once the standby applied it (SLOTS_ADOPTED), so the map does not flip to a
+    group whose next primary knows neither the moved lease nor the epoch: the promoted standby
+    (at epoch 3: etcd's 41 is not credible to it) takes the slot only when the move is run again
+    through it, and grants the moved name above every token g0 granted."""
+    g = await groups_of((1, 2), epochs={"g0": 40, "g1": 1}, relayed=("g1-0",))
+    name = names_owned_by(g.shard_map, "g0", 1, "moved")[0]
+    relay = g.relays["g1-0"]
+    await wait_until(lambda: asyncio.to_thread(relay.count, "replication"), 30, "g1's standby to replicate via the relay")
+    async with fastlock.connect(g.servers["g0-0"].address, token=g.app, session=False) as client:
+        lease = await client.acquire(name, ttl=30)
+        tokens = [lease.fencing_token]
+        relay.blackhole("replication")
+        start = len(g.servers["g1-0"].lines)
+        argv = ["shard", "move", "--coordinator", g.url, "--slots", str(slot_of(name)), "--to", "g1"]
+        mover = asyncio.ensure_future(shard(argv))
+        await asyncio.to_thread(g.servers["g1-0"].wait_for_log, r"slot move: imported", 60, start)
+
+        async def flipped_or_waiting() -> bool:  # the flip in etcd, or the import's reply waiting for the standby
+            return (await _map_epoch(g) >= 3 or mover.done()
+                    or any("waits for standbys" in line for line in g.servers["g1-0"].lines[start:]))
+
+        await wait_until(flipped_or_waiting, 60, "the flip, or the import waiting for g1's standby")
+        g.servers["g1-0"].kill()
+        relay.heal()
+        await wait_until(lambda: g.is_role("g1-1", "primary"), 60, "g1's standby to be promoted")
+        await mover  # the first run fails at the import (the mark stays) or, retried on g1-1, completes
+        await g.move(slot_of(name), "g1")  # resumed (or done already)
+        try:
+            await client.release(lease)  # routed to g1
+        except FastlockError:
+            pass  # lost with the killed primary (it never reached the standby)
+        again = await client.acquire(name, ttl=30)
+        tokens.append(again.fencing_token)
+        await client.release(again)
+    _rising(name, tokens)
+
+
+async def test_a_map_gain_written_by_hand_is_not_served_by_a_promoted_standby(groups_of):
+    """A map giving one of g0's slots to g1 without a move is written to etcd by hand; g1's
+    primary is killed.  g1's standby, whose log shows no import of that slot, refuses that map (a
+    log line says why) and is not promoted by it: nobody in g1 grants the slot's names, whose
+    tokens g1 never learned the floor of."""
+    g = await groups_of((2, 2))
+    name = names_owned_by(g.shard_map, "g0", 1, "gained")[0]
+    slot = slot_of(name)
+    stored = await load_from_etcd(g.url)
+    try:
+        shard_map, revision = await stored.read()
+        given = ShardMap(shard_map.epoch + 1, shard_map.groups,
+                         finish_move(mark_moving(shard_map, slot, slot, "g1"), slot, slot, "g1").ranges)
+        start = len(g.servers["g1-1"].lines)
+        await stored.replace(revision, shard_map, given)
+    finally:
+        await stored.gateway.close()
+    refused = await asyncio.to_thread(g.servers["g1-1"].wait_for_log, r"not applying shard map epoch 2", 60, start)
+    assert "no SLOTS_ADOPTED record" in refused
+    start = len(g.servers["g1-1"].lines)
+    g.servers["g1-0"].kill()
+    await asyncio.to_thread(g.servers["g1-1"].wait_for_log, r"cannot take shard map epoch 2", 60, start)
+    got = await _acquire_on(g.servers["g1-1"].address, g.app, name)
+    assert isinstance(got, (NotPrimary, WrongShard)), got
+    assert not await g.is_role("g1-1", "primary")

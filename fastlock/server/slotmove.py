@@ -469,11 +469,16 @@ class SlotMoves:
         takes the flip and issues tokens above the adopted epoch."""
         server = self.handlers.server
         deadline = monotonic_ms() + int(STANDBY_WAIT_S * 1000)
+        told = False
         while True:
             behind = [r.name for r in list(server.source.replicas.values())
                       if not r.conn.closed and r.acked_lsn < lsn]
             if not behind or getattr(conn, "closed", False) or monotonic_ms() >= deadline:
                 break
+            if not told and monotonic_ms() + int(STANDBY_WAIT_S * 900) >= deadline:  # behind after a tenth
+                log.warning("slot move: the import's reply waits for standbys %s to apply it (LSN %d)",
+                            ", ".join(map(str, behind[:4])), lsn)
+                told = True
             await asyncio.sleep(STANDBY_POLL_S)
         if behind:
             log.warning("slot move: standbys %s did not apply the import (LSN %d) within %g s: the import is "
