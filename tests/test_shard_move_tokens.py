@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 
+import msgpack
 import pytest
 from conftest import wait_until
 from etcdserver import unique_prefix
@@ -23,9 +24,11 @@ from fastlock._testbase.cluster import RawNode
 from fastlock._testbase.proxy import TcpProxy, classify_fastlock, free_port
 from fastlock._testbase.servers import CredentialsDir, ServerProcess
 from fastlock._testbase.shards import names_owned_by
+from fastlock.auth import hash_owner
 from fastlock.cli import main
 from fastlock.coordination.shardmap import load_from_etcd
-from fastlock.errors import FastlockError, LeaseLost, NotPrimary, WrongShard
+from fastlock.errors import FastlockError, LeaseLost, NotPrimary, SlotMoving, WrongShard
+from fastlock.protocol.ops import OP_ACQUIRE, OP_SLOT_EXPORT, OP_SLOT_IMPORT
 from fastlock.replication.node_state import STATE_FILE
 from fastlock.sharding import ShardGroup, ShardMap, even_ranges, slot_of
 from fastlock.sharding.moves import finish_move, mark_moving
@@ -304,3 +307,70 @@ async def test_a_map_gain_written_by_hand_is_not_served_by_a_promoted_standby(gr
     got = await _acquire_on(g.servers["g1-1"].address, g.app, name)
     assert isinstance(got, (NotPrimary, WrongShard)), got
     assert not await g.is_role("g1-1", "primary")
+
+
+async def test_moved_waiters_keep_their_order_when_the_destination_fails_over_before_the_flip(groups_of):
+    """Two waiters queued on g0 are shipped to g1 (a primary and a standby); g1's primary is
+    SIGKILLed, its standby promoted, then the map flips: the standby learned the imported queue
+    from the log (SLOTS_ADOPTED), so the waiters, asking it again in the opposite order, are
+    granted in their old order."""
+    g = await groups_of((1, 2))
+    name = names_owned_by(g.shard_map, "g0", 1, "failoverq")[0]
+    slot = slot_of(name)
+    admin_token = g.creds.token("admin")
+    g0 = await RawNode.open(g.servers["g0-0"].address, token=g.app)
+    waiters = [await RawNode.open(g.servers["g0-0"].address, token=g.app) for _ in range(2)]
+    owners = [bytes([k + 1]) * 16 for k in range(2)]
+    again: list[RawNode] = []
+    try:
+        token, _ttl, owner = await g0.acquire(name, 15_000)  # g1's promoted node grants nothing for 15 s (its grace)
+        queued = []
+        async with fastlock.connect(g.servers["g0-0"].address, token=admin_token, session=False) as client:
+            for k, w in enumerate(waiters):
+                queued.append(w.request(OP_ACQUIRE, name, owners[k], 30_000, 60_000, 0, None))
+
+                async def queue_length(n: int) -> bool:
+                    info = await client.lock_info(name)
+                    return info is not None and info.waiter_count >= n
+
+                await wait_until(lambda k=k: queue_length(k + 1), 10, f"waiter {k} to queue")
+        stored = await load_from_etcd(g.url)
+        try:
+            shard_map, revision = await stored.read()
+            marked = mark_moving(shard_map, slot, slot, "g1")
+            revision = await stored.replace(revision, shard_map, marked)
+            for node in ("g0-0", "g1-0"):
+                await wait_until(lambda node=node: g.serves_epoch(node, marked.epoch), 20, f"{node} to follow the mark")
+            admin0 = await RawNode.open(g.servers["g0-0"].address, token=admin_token)
+            admin1 = await RawNode.open(g.servers["g1-0"].address, token=admin_token)
+            try:
+                page = await admin0.request(OP_SLOT_EXPORT, slot, slot, None)
+                assert page["queues"] == [[name, 0, [hash_owner(o) for o in owners]]]
+                assert (await admin1.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(page)))["queues"] == 1
+            finally:
+                await admin0.close()
+                await admin1.close()
+            g.servers["g1-0"].kill()
+            await wait_until(lambda: g.is_role("g1-1", "primary"), 60, "g1's standby to be promoted")
+            flipped = finish_move(marked, slot, slot, "g1")
+            await stored.replace(revision, marked, flipped)
+        finally:
+            await stored.gateway.close()
+        for q in queued:  # held until the flip (WrongShard) or HOLD_S (SlotMoving): the client asks again
+            with pytest.raises((WrongShard, SlotMoving)):
+                await asyncio.wait_for(q, 30)
+        again = [await RawNode.open(g.servers["g1-1"].address, token=g.app) for _ in range(3)]
+        await wait_until(lambda: g.serves_epoch("g1-1", flipped.epoch), 20, "g1's new primary to follow the flip")
+        assert (await again[2].holder(name))["token"] == token  # the adopted lease, replicated
+        second = again[1].request(OP_ACQUIRE, name, owners[1], 30_000, 60_000, 0, None)
+        await asyncio.sleep(0)  # sent before the first waiter's
+        first = again[0].request(OP_ACQUIRE, name, owners[0], 30_000, 60_000, 0, None)
+        await again[2].release(name, token, owner)
+        got_first = await asyncio.wait_for(first, 60)  # after the promoted node's grace (the lease's TTL)
+        assert not second.done() and got_first[0] > token
+        await again[0].release(name, got_first[0], owners[0])
+        got_second = await asyncio.wait_for(second, 30)
+        assert got_second[0] > got_first[0]
+    finally:
+        for node in [g0, *waiters, *again]:
+            await node.close()
