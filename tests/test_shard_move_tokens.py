@@ -249,7 +249,8 @@ async def test_a_destination_primary_killed_after_the_import_leaves_a_standby_th
     g = await groups_of((1, 2), epochs={"g0": 40, "g1": 1}, seen={"g0-0": 40}, relayed=("g1-0",))
     name = names_owned_by(g.shard_map, "g0", 1, "moved")[0]
     relay = g.relays["g1-0"]
-    await wait_until(lambda: asyncio.to_thread(relay.count, "replication"), 30, "g1's standby to replicate via the relay")
+    await wait_until(lambda: asyncio.to_thread(relay.count, "replication"), 30,
+                     "g1's standby to replicate through the relay")
     async with fastlock.connect(g.servers["g0-0"].address, token=g.app, session=False) as client:
         lease = await client.acquire(name, ttl=30)
         tokens = [lease.fencing_token]
