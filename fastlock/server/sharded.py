@@ -29,8 +29,10 @@ waiters' acquires back in their old order (the promoted primary's reclaim window
 
 Failovers around a move: a node that is not primary takes its maps from its own watch, which
 may lag, fail, or bring the flip without the mark.  A node takes every map that takes slots
-away from its group (:func:`~fastlock.sharding.moves.allowed_change`), a standby also the flip
-of a move into its group whose mark it missed, and a promotion reads the map in etcd before
+away from its group (:func:`~fastlock.sharding.moves.allowed_change`), and the flip of a move
+into its group whose mark it missed only for slots its log says its group imported (the
+primary's ``SLOTS_ADOPTED`` records, :meth:`ShardGate.adopted_by_log` on a standby; a map
+refused for lack of one is offered again when the record arrives), and a promotion reads the map in etcd before
 the node serves (:meth:`ShardGate.take_stored_map`): a promoted node never grants the names of
 slots the map in etcd gave another group (tokens of a moved name never go backwards).
 """

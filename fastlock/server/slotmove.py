@@ -35,7 +35,8 @@ against the server's ``--max-keys`` and ``--max-key-bytes`` (the page is refused
 ``LimitExceeded``, beyond them) and counted against the principal that wrote them, without
 its own quota's check (it held them already on the source).  The reply (``{"leases",
 "delays", "queues", "keys"}``: how many) comes once the records are durable (and, under
-synchronous replication, on the standby, as a grant's reply).  Importing the
+synchronous replication, on the standby, as a grant's reply) and applied by every attached
+standby (see "The adoption in the log" below).  Importing the
 same state twice installs the same leases and keys again: it changes nothing (a key with the
 same value, lease and writer is not logged again).
 
@@ -59,6 +60,15 @@ imported queues and slots in its data directory (:data:`MOVED_QUEUES_FILE`, fsyn
 reply) until the flip lets them in (:class:`~fastlock.server.sharded.ShardGate`; an abort, seen
 then or at the node's next start, sends the imported keys back), so a restart of the
 destination before the flip, or a failover of the source after a ship, keeps the old order.
+
+The adoption in the log.  After a page's records the import logs ``SLOTS_ADOPTED`` (the range,
+the token floor, the group's epoch after the import, the page's queue parts;
+:class:`~fastlock.wal.records.SlotsAdopted`): a standby applying it raises its highest epoch
+seen to that epoch and learns the imported slots and queues, so that, promoted, it takes
+their flip (and only theirs, of flips whose mark it missed), lets the queues in in their
+order and issues tokens above the floor.  The reply is sent once every standby attached to
+this primary has applied that record (at most :data:`STANDBY_WAIT_S`; else
+:class:`~fastlock.errors.Unavailable`): the mover writes the flip only after it.
 """
 
 from __future__ import annotations
