@@ -6,7 +6,13 @@ The source's standby may not follow the move as it happens: cut off from the map
 reads the flipped map afterwards without ever seeing the mark; cut off until it is promoted, it
 reads no map at all.  Promoted, it must not grant the moved names (the destination grants them, with tokens
 that may be above anything the source's next epoch issues): it takes every map that takes
-slots from its group, and a promotion reads the map in etcd before the node serves."""
+slots from its group, and a promotion reads the map in etcd before the node serves.
+
+On the destination's side its standby learns the import from the log (SLOTS_ADOPTED: the
+slots, the adopted epoch, the moved queues) before the import is answered: a primary killed
+right after an import leaves a standby that grants the moved names above the source's tokens
+and keeps the moved waiters' order, and a standby whose log shows no import refuses a map
+giving its group a slot without a move (written by hand)."""
 
 from __future__ import annotations
 

@@ -32,8 +32,8 @@ may lag, fail, or bring the flip without the mark.  A node takes every map that 
 away from its group (:func:`~fastlock.sharding.moves.allowed_change`), and the flip of a move
 into its group whose mark it missed only for slots its log says its group imported (the
 primary's ``SLOTS_ADOPTED`` records, :meth:`ShardGate.adopted_by_log` on a standby; a map
-refused for lack of one is offered again when the record arrives), and a promotion reads the map in etcd before
-the node serves (:meth:`ShardGate.take_stored_map`): a promoted node never grants the names of
+refused for lack of one is offered again when the record arrives); a promotion reads the map
+in etcd before the node serves (:meth:`ShardGate.take_stored_map`): a promoted node never grants the names of
 slots the map in etcd gave another group (tokens of a moved name never go backwards).
 """
 
