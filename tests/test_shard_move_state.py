@@ -393,17 +393,22 @@ async def test_moved_waiters_keep_their_order_when_the_destination_restarts_befo
             await node.close()
 
 
-def _key_records(data_dir) -> list[tuple[str, str]]:
-    """``(record type, key)`` of the key records in the WAL of ``data_dir`` (``fastlock wal dump``)."""
+def _rows(data_dir) -> list[dict]:
+    """The records of the WAL of ``data_dir`` as ``fastlock wal dump -o json`` prints them."""
     out = io.StringIO()
     dump(data_dir, file=out, output="json")
-    rows = [json.loads(line) for line in out.getvalue().splitlines() if line.strip()]
+    return [json.loads(line) for line in out.getvalue().splitlines() if line.strip()]
+
+
+def _key_records(data_dir) -> list[tuple[str, str]]:
+    """``(record type, key)`` of the key records in the WAL of ``data_dir`` (``fastlock wal dump``)."""
+    rows = _rows(data_dir)
     return [(row["type"], row["key"]) for row in rows if row.get("type") in ("key_put", "key_delete", "key_moved")]
 
 
 async def test_standbys_log_the_moved_keys_as_their_primaries_do(groups):
-    """g1's standby logs the imported keys (KEY_PUT), g0's the keys leaving (KEY_MOVED naming
-    g1), from the replication stream, as every record."""
+    """g1's standby logs the imported keys (KEY_PUT) and the adoption (SLOTS_ADOPTED), g0's the
+    keys leaving (KEY_MOVED naming g1), from the replication stream, as every record."""
     standbys = {}
     for k, group in enumerate(("g0", "g1")):
         standbys[group] = ServerProcess(groups.tmp_path / f"{group}-standby", fsync="always",
@@ -430,6 +435,9 @@ async def test_standbys_log_the_moved_keys_as_their_primaries_do(groups):
                              "g1's standby to log the imported keys")
             await wait_until(lambda: logged("g0", [("key_moved", plain), ("key_moved", leased)]), 20,
                              "g0's standby to log the keys leaving")
+            adopted = [row for row in await asyncio.to_thread(_rows, standbys["g1"].data_dir)
+                       if row.get("type") == "slots_adopted"]
+            assert adopted and adopted[0]["slots"] == f"{slot_of(tag)}..{slot_of(tag)}", adopted  # SLOTS_ADOPTED
             assert ("key_delete", plain) not in await asyncio.to_thread(_key_records, standbys["g0"].data_dir)
             await client.release(lease)
     finally:

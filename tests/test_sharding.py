@@ -342,6 +342,55 @@ def test_a_gate_freezes_marked_slots_and_redirects_after_the_flip():
     assert caught.value.group == "b"
 
 
+def test_a_gate_takes_a_gain_only_for_slots_its_log_says_were_imported():
+    # a map giving group b a slot of a without a move b's node saw is refused, whatever the node's role
+    # (a standby too); once the node applies its primary's SLOTS_ADOPTED record of that slot, the
+    # refused map is offered again and taken, and the record's queue is kept for the flip
+    from fastlock.server.sharded import ShardGate
+    from fastlock.sharding.moves import finish_move, mark_moving
+    from fastlock.wal.records import SlotsAdopted, apply, decode, encode
+
+    gate = ShardGate(two_groups(), "b")
+    name = next(f"x{i}" for i in range(1000) if gate.shard_map.owner(f"x{i}").name == "a")
+    slot = slot_of(name)
+    flipped = finish_move(mark_moving(gate.shard_map, slot, slot, "b"), slot, slot, "b")
+    gain = ShardMap(2, flipped.groups, flipped.ranges)  # the flip alone: the mark never seen
+    gate.offer(gain)
+    assert gate.shard_map.epoch == 1 and gate.refused is gain
+    with pytest.raises(WrongShard):
+        gate.check_name(name)
+    other = (slot + 1) % SLOTS if gate.shard_map.owner_of_slot((slot + 1) % SLOTS).name == "a" else slot - 1
+    record = decode(encode(SlotsAdopted(other, other, 5 << 40, 5, [], 0)))
+    gate.adopted_by_log(record)  # another slot's import: the map stays refused
+    assert gate.shard_map.epoch == 1 and gate.refused is gain
+    record = decode(encode(SlotsAdopted(slot, slot, (5 << 40) | 7, 5, [[name, [b"o1", b"o2", b"o1"]], ["y", [b"o"]]],
+                                        0)))
+    assert record.kind == 81 and record.queues == [[name, [b"o1", b"o2", b"o1"]], ["y", [b"o"]]]
+    gate.refused = None
+    gate.adopted_by_log(record)
+    assert gate.imported[slot] and gate.imported_queues == {name: [b"o1", b"o2"]}  # names outside the slots skipped
+    gate.offer(gain)
+    assert gate.shard_map.epoch == 2 and gate.check_name(name) == -1 and not gate.imported[slot]
+    gate = ShardGate(two_groups(), "b")
+    gate.offer(gain)
+    gate.adopted_by_log(record)  # the import arrives after the map: the refused map is taken then
+    assert gate.shard_map.epoch == 2 and gate.refused is None and gate.check_name(name) == -1
+    gate.adopted_by_log(SlotsAdopted(7, 3, 0, 0, [], 0))  # a malformed range changes nothing
+    assert not gate.imported[3:8].strip(b"\x00")
+
+    class Target:  # apply: the epoch raised, then the gate's target told
+        epoch, told = 2, []
+
+        def raise_epoch(self, epoch):
+            self.epoch = epoch
+
+        def adopt_slots(self, r):
+            self.told.append(r)
+
+    target = Target()
+    assert apply(record, target) and target.epoch == 5 and target.told == [record]
+
+
 def _allowed_per_slot(old: ShardMap, new: ShardMap, imported: bytes, group: str | None = None) -> int | None:
     """The rule of fastlock.sharding.moves.allowed_change judged slot by slot: the first slot refused, or None."""
     for slot in range(SLOTS):

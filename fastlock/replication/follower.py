@@ -42,7 +42,7 @@ from ..wal import (
     decode_frames,
 )
 from ..wal.keyspace import KeySpace
-from ..wal.records import KeyDelete, KeyMoved, KeyPut
+from ..wal.records import KeyDelete, KeyMoved, KeyPut, SlotsAdopted
 from ..wal.records import decode as decode_record
 from .link import PrimaryLink
 from .messages import Heartbeat, SnapshotHolder, heartbeat_interval_ms, standby_identity
@@ -170,6 +170,16 @@ class StandbyApply:
         self.follower.host.revoke_deadlines.replicated(record, self.follower._received_ms + grace_ms)
         self.wal.log_revoke_request(record.name, record.token, record.principal, record.until_wall_ms,
                                     record.grace_ms)
+
+    def adopt_slots(self, record: SlotsAdopted) -> None:
+        # the adopted epoch is kept beyond the log (node state: an election never goes below it), and
+        # the sharded node's gate learns the import (it takes a map giving those slots to its group)
+        host = self.follower.host
+        self.wal.log_slots_adopted(record.first, record.last, record.floor, record.epoch, record.queues)
+        host.node_state.raise_epoch(record.epoch)
+        gate = getattr(host, "shard_gate", None)
+        if gate is not None:
+            gate.adopted_by_log(record)
 
 
 class StandbyFollower:
@@ -470,7 +480,7 @@ class StandbyFollower:
                 continue  # already in the snapshot
             if lsn != applied + 1:
                 raise ProtocolError(f"replication gap: expected LSN {applied + 1}, got {lsn}")
-            if type(rec) is Epoch:
+            if type(rec) is Epoch or type(rec) is SlotsAdopted:
                 self.primary_epoch = max(self.primary_epoch, P.check_epoch(rec.epoch, "epoch record"))
             target.lsn = lsn
             apply(rec, target)

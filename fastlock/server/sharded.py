@@ -31,9 +31,11 @@ waiters' acquires back in their old order (the promoted primary's reclaim window
 
 Failovers around a move: a node that is not primary takes its maps from its own watch, which
 may lag, fail, or bring the flip without the mark.  A node takes every map that takes slots
-away from its group (:func:`~fastlock.sharding.moves.allowed_change`), a standby also the flip
-of a move into its group whose mark it missed, and a promotion reads the map in etcd before
-the node serves (:meth:`ShardGate.take_stored_map`): a promoted node never grants the names of
+away from its group (:func:`~fastlock.sharding.moves.allowed_change`), and the flip of a move
+into its group whose mark it missed only for slots its log says its group imported (the
+primary's ``SLOTS_ADOPTED`` records, :meth:`ShardGate.adopted_by_log` on a standby; a map
+refused for lack of one is offered again when the record arrives); a promotion reads the map
+in etcd before the node serves (:meth:`ShardGate.take_stored_map`): a promoted node never grants the names of
 slots the map in etcd gave another group (tokens of a moved name never go backwards).
 """
 
@@ -62,6 +64,7 @@ from .shares import Quota, default_share
 from .slotmove import ImportedState, drop_keys, load_moved_queues, save_moved_queues
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..wal.records import SlotsAdopted
     from .handlers import Handlers
 
 log = logging.getLogger(__name__)
@@ -81,8 +84,6 @@ RERUN_AFTER_FLIP = (OP_SESSION_ATTACH, OP_SESSION_KEEPALIVE)
 HOLD_S = 5.0
 #: the principal a move's drop of the source's leases is logged as (REVOKE records)
 MOVE_PRINCIPAL = "shard-move"
-#: the imported table of a standby: its primary's imports are not known to it (see ShardGate.offer)
-_EVERY_SLOT = b"\x01" * SLOTS
 
 
 def held_share(single_principal: bool, anonymous_divisor: int) -> Quota:
@@ -169,6 +170,12 @@ class ShardGate:
         self.undone_at_start: set[int] = set()
         #: the map kept in etcd, while :meth:`follow_etcd` follows it (SHARD_MAP_NOTICE reads it: server.mapnotice)
         self.stored: EtcdShardMap | None = None
+        #: the newest map refused for a slot gained without a known import (offered again when the log
+        #: brings that import: :meth:`adopted_by_log`)
+        self.refused: ShardMap | None = None
+        #: name -> owner-key hashes of a moved queue a standby saw flipped here: let in by its promotion
+        #: within the primary's reclaim window after the flip (:meth:`take_stored_map`)
+        self.promoted_queues: dict[str, list[bytes]] = {}
         self.set_map(shard_map)
 
     @classmethod
@@ -249,6 +256,31 @@ class ShardGate:
         if self.data_dir is not None:
             slots = [s for s in range(SLOTS) if self.imported[s] and not self.owned[s]]
             save_moved_queues(self.data_dir, ImportedState(self.imported_queues, slots + sorted(self.undone_at_start)))
+
+    def adopted_by_log(self, record: SlotsAdopted) -> None:
+        """A standby applied its primary's SLOTS_ADOPTED record: its group imported a page of
+        slots ``record.first..record.last`` (and their waiter queue parts, kept for the flip and
+        this node's promotion).  Kept in the data directory as the primary keeps its own
+        imports; a map refused for lack of that import is offered again."""
+        first, last = record.first, record.last
+        if type(first) is not int or type(last) is not int or not 0 <= first <= last < SLOTS:
+            log.error("ignoring a SLOTS_ADOPTED record of slots %r..%r: not 0 <= first <= last < %d", first, last,
+                      SLOTS)
+            return
+        for slot in range(first, last + 1):
+            if not self.owned[slot]:
+                self.imported[slot] = 1
+        for part in record.queues if type(record.queues) is list else ():
+            if (type(part) is list and len(part) == 2 and type(part[0]) is str and type(part[1]) is list
+                    and first <= slot_of(part[0]) <= last):
+                queue = self.imported_queues.setdefault(part[0], [])
+                known = set(queue)
+                queue.extend(o for o in dict.fromkeys(part[1]) if type(o) is bytes and o not in known)
+        self.save_moved_queues()
+        refused = self.refused
+        if refused is not None and refused.epoch > self.shard_map.epoch:
+            self.refused = None
+            self.offer(refused)
 
     def let_in_restored(self) -> None:
         """On the primary, at its start: let in the moved queues restored by :meth:`remember` whose
@@ -419,13 +451,17 @@ class ShardGate:
         move let in (see the module docstring)."""
         if shard_map.epoch <= self.shard_map.epoch:
             return
-        # a standby takes the flip of a move into its group whose mark it missed: its primary imported
-        # the slots' state (the flip is written after the import), which only the primary records
-        imported = _EVERY_SLOT if self._is_standby() else bytes(self.imported)
-        why = allowed_change(self.shard_map, shard_map, imported, self.group)
+        # a node (a standby too) takes the flip of a move into its group whose mark it missed only for
+        # slots its log says its group imported (SLOTS_ADOPTED records: a standby learns them by replication)
+        why = allowed_change(self.shard_map, shard_map, bytes(self.imported), self.group)
         if why is not None:
-            log.error("not applying shard map epoch %d: %s", shard_map.epoch, why)
+            log.error("not applying shard map epoch %d: %s; this node knows of no import of that slot by group %s "
+                      "(its log has no SLOTS_ADOPTED record of it)", shard_map.epoch, why, self.group)
+            if self.refused is None or shard_map.epoch > self.refused.epoch:
+                self.refused = shard_map
             return
+        if self.refused is not None and self.refused.epoch <= shard_map.epoch:
+            self.refused = None
         old_owned, old_moving = self.owned, self.moving
         try:
             self.set_map(shard_map)
@@ -644,6 +680,12 @@ class ShardGate:
         taken = [s for s in gained if self.imported[s]]
         for slot in taken:
             self.imported[slot] = 0
+        if queues and self._is_standby():
+            # kept for this node's promotion within the primary's reclaim window (take_stored_map), then forgotten
+            self.promoted_queues.update(queues)
+            window = getattr(getattr(server, "reclaim", None), "window", 0)
+            asyncio.get_running_loop().call_later(max(window, 0), self._forget_promoted_queues, list(queues))
+            queues = {}
         if queues or taken:
             self.save_moved_queues()
         if queues and server is not None:
@@ -651,6 +693,10 @@ class ShardGate:
             server.reclaim.arm(queues, lambda name, owner: table.holder(name, monotonic_ms(), owner) is not None,
                                asyncio.get_running_loop())
         log.warning("slot move: %d slots now owned here; %d moved queues keep their order", len(gained), len(queues))
+
+    def _forget_promoted_queues(self, names: list[str]) -> None:
+        for name in names:
+            self.promoted_queues.pop(name, None)
 
     # -- held requests ---------------------------------------------------------------------------
     def hold(self, conn: Any, req_id: int, msg: list, handler: Handler, name: str, slot: int) -> None:
@@ -758,6 +804,13 @@ class ShardGate:
         if self.shard_map.epoch < found[0].epoch:
             raise Unavailable(f"this node cannot take shard map epoch {found[0].epoch} from etcd (it serves epoch "
                               f"{self.shard_map.epoch}; see its log): not serving as the primary")
+        queues = {n: q for n, q in self.promoted_queues.items() if self.owned[slot_of(n)]}
+        self.promoted_queues.clear()
+        server = self.server
+        if queues and server is not None:  # moved waiters the old primary may not have let in yet keep their order
+            table = server.table
+            server.reclaim.arm(queues, lambda name, owner: table.holder(name, monotonic_ms(), owner) is not None,
+                               asyncio.get_running_loop())
 
     async def follow_etcd(self, url: str, access: EtcdAccess | None) -> None:
         """Follow the map kept in etcd at ``url`` (:mod:`fastlock.coordination.shardmap`) until cancelled."""

@@ -35,7 +35,8 @@ against the server's ``--max-keys`` and ``--max-key-bytes`` (the page is refused
 ``LimitExceeded``, beyond them) and counted against the principal that wrote them, without
 its own quota's check (it held them already on the source).  The reply (``{"leases",
 "delays", "queues", "keys"}``: how many) comes once the records are durable (and, under
-synchronous replication, on the standby, as a grant's reply).  Importing the
+synchronous replication, on the standby, as a grant's reply) and applied by every attached
+standby (see "The adoption in the log" below).  Importing the
 same state twice installs the same leases and keys again: it changes nothing (a key with the
 same value, lease and writer is not logged again).
 
@@ -59,10 +60,20 @@ imported queues and slots in its data directory (:data:`MOVED_QUEUES_FILE`, fsyn
 reply) until the flip lets them in (:class:`~fastlock.server.sharded.ShardGate`; an abort, seen
 then or at the node's next start, sends the imported keys back), so a restart of the
 destination before the flip, or a failover of the source after a ship, keeps the old order.
+
+The adoption in the log.  After a page's records the import logs ``SLOTS_ADOPTED`` (the range,
+the token floor, the group's epoch after the import, the page's queue parts;
+:class:`~fastlock.wal.records.SlotsAdopted`): a standby applying it raises its highest epoch
+seen to that epoch and learns the imported slots and queues, so that, promoted, it takes
+their flip (and only theirs, of flips whose mark it missed), lets the queues in in their
+order and issues tokens above the floor.  The reply is sent once every standby attached to
+this primary has applied that record (at most :data:`STANDBY_WAIT_S`; else
+:class:`~fastlock.errors.Unavailable`): the mover writes the flip only after it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -70,7 +81,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgpack
 
 from .. import protocol as P
-from ..errors import FastlockError, InvalidArgument, LimitExceeded, NotPrimary, WrongArgumentType
+from ..errors import FastlockError, InvalidArgument, LimitExceeded, NotPrimary, Unavailable, WrongArgumentType
 from ..protocol.ops import OP_SLOT_EXPORT, OP_SLOT_IMPORT
 from ..roles import Role
 from ..sharding import SLOTS, slot_of
@@ -110,6 +121,10 @@ MAX_META_CHARS = 256
 PAGE_BYTES = 48 << 10
 #: what a key's row and its page hold beside its value, at most (bytes): key, lease name, principal
 KEY_ROW_BYTES = 3 << 10
+#: the most seconds an import's reply waits for every attached standby to apply it
+STANDBY_WAIT_S = 10.0
+#: seconds between two looks at the standbys' applied positions while an import's reply waits
+STANDBY_POLL_S = 0.005
 
 
 class MovedLease(NamedTuple):
@@ -426,6 +441,10 @@ class SlotMoves:
             space.put(k.key, k.value, k.lease_name, k.token, k.principal, wall)
             wal.log_key_put(k.key, k.value, k.lease_name, k.token, k.principal)
             server.key_revisions.logged(0, k.key, "put", k.value)
+        # the adoption in the log, after the page's state: a standby that has it has the page (it takes the
+        # flip of these slots, and never takes a lower epoch than this one, only then; sharded.py)
+        wal.log_slots_adopted(first, last, state.floor, table.epoch, [[p.name, p.owners] for p in state.queues])
+        logged = wal.logged_lsn
         for part in state.queues:  # an owner shipped before keeps its place (see QUEUE ORDER in the docs)
             queue = gate.imported_queues.setdefault(part.name, [])
             known = set(queue)
@@ -442,12 +461,45 @@ class SlotMoves:
 
         def ack(refused: FastlockError | None = None) -> None:
             if refused is None:
-                conn.send(reply)
-            else:  # a synchronous standby did not acknowledge it: the mover fails, and a rerun imports again
-                conn.send(P.encode_error(req_id, refused.code, str(refused), None))
+                server.tasks.spawn(self._reply_once_standbys_have(conn, req_id, reply, logged),
+                                   "slot import: wait for the standbys")
+                return
+            # a synchronous standby did not acknowledge it: the mover fails, and a rerun imports again
+            conn.send(P.encode_error(req_id, refused.code, str(refused), None))
             server.after_batch()
 
         wal.when_durable(server.source.sync.after(ack))
+
+    async def _reply_once_standbys_have(self, conn: Session, req_id: int, reply: Any, lsn: int) -> None:
+        """Send an import's ``reply`` once every standby attached to this primary (asynchronous ones
+        too) has applied its records up to ``lsn`` (its SLOTS_ADOPTED record), polled every
+        :data:`STANDBY_POLL_S` seconds for at most :data:`STANDBY_WAIT_S` seconds; else answer
+        :class:`~fastlock.errors.Unavailable` (the mover stops before the flip; run it again).  The
+        flip is written after this reply: a standby promoted after it knows the import, so it
+        takes the flip and issues tokens above the adopted epoch."""
+        server = self.handlers.server
+        deadline = monotonic_ms() + int(STANDBY_WAIT_S * 1000)
+        told = False
+        while True:
+            behind = [r.name for r in list(server.source.replicas.values())
+                      if not r.conn.closed and r.acked_lsn < lsn]
+            if not behind or getattr(conn, "closed", False) or monotonic_ms() >= deadline:
+                break
+            if not told and monotonic_ms() + int(STANDBY_WAIT_S * 900) >= deadline:  # behind after a tenth
+                log.warning("slot move: the import's reply waits for standbys %s to apply it (LSN %d)",
+                            ", ".join(map(str, behind[:4])), lsn)
+                told = True
+            await asyncio.sleep(STANDBY_POLL_S)
+        if behind:
+            log.warning("slot move: standbys %s did not apply the import (LSN %d) within %g s: the import is "
+                        "answered Unavailable", ", ".join(map(str, behind[:4])), lsn, STANDBY_WAIT_S)
+            reply = P.encode_error(req_id, Unavailable.code, (
+                f"SLOT_IMPORT: {len(behind)} standbys of this group did not apply the import within "
+                f"{STANDBY_WAIT_S:g} s (a standby promoted without it would not know the slots' token floor): "
+                f"retry the move"), None)
+        if not getattr(conn, "closed", False):
+            conn.send(reply)
+        server.after_batch()
 
     async def _adopt_then_import(self, arbiter: Any, epoch: int, conn: Session, req_id: int, msg: list) -> None:
         """Raise the etcd group's epoch to ``epoch`` (the source's, from its token floor) by the

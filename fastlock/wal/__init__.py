@@ -64,6 +64,7 @@ KEY_PUT     30  key, value, lease_name, token, principal, wall_ms   (lease_name 
 KEY_DELETE  31  key, wall_ms
 REVOKE_REQ  70  name, token, principal, until_wall_ms, grace_ms, wall_ms  (a revoke request's deadline)
 KEY_MOVED   80  key, to_group, wall_ms   (a slot move gave the key to shard group ``to_group``)
+SLOTS_ADPT  81  first, last, floor, epoch, queues, wall_ms  (this group imported slots ``first..last``)
 ==========  ==  ==================================================================
 
 A GRANT of a shared lease or a semaphore permit has two more fields, ``shared``

@@ -34,6 +34,7 @@ from .records import (
     Reserve,
     Revoke,
     RevokeRequest,
+    SlotsAdopted,
     apply,
 )
 from .recovery import LogFiles
@@ -123,6 +124,9 @@ def _record_entry(lsn: int, r: Record) -> dict[str, Any]:
         return _entry(lsn, r.wall_ms, "key_delete", key=r.key)
     if isinstance(r, KeyMoved):
         return _entry(lsn, r.wall_ms, "key_moved", key=r.key, to=r.to_group)
+    if isinstance(r, SlotsAdopted):
+        return _entry(lsn, r.wall_ms, "slots_adopted", slots=f"{r.first}..{r.last}", floor=r.floor, epoch=r.epoch,
+                      queues=len(r.queues))
     if isinstance(r, Revoke):
         return _entry(lsn, r.wall_ms, "revoke", r.name, r.token, by=r.principal, reason=r.reason)
     if isinstance(r, RevokeRequest):

@@ -41,6 +41,7 @@ from .records import (
     RESERVE,
     REVOKE,
     REVOKE_REQUEST,
+    SLOTS_ADOPTED,
     Record,
 )
 from .recovery import RecoveredState, recover
@@ -320,6 +321,11 @@ class WriteAheadLog:
     def log_key_moved(self, key: str, to_group: str) -> None:
         """Log that ``key`` left this shard group for group ``to_group`` (a slot move)."""
         self._append([KEY_MOVED, key, to_group, wall_ms()])
+
+    def log_slots_adopted(self, first: int, last: int, floor: int, epoch: int, queues: list) -> None:
+        """Log that this shard group imported a page of slots ``first..last`` (a slot move) above
+        the token ``floor`` at ``epoch``, with ``queues`` (``[name, [owner-key hash, ...]]``)."""
+        self._append([SLOTS_ADOPTED, first, last, floor, epoch, queues, wall_ms()])
 
     def log_epoch(self, epoch: int) -> None:
         """Log a new epoch; always fsynced before this batch's callbacks run, in every mode."""

@@ -33,7 +33,10 @@ The rules:
   lock-delay (recovery installs those still running; see :class:`LockDelay`);
 * REVOKE_REQUEST keeps the deadline of a revoke request made to the lease
   (name, token) while that lease holds (the end of the lease drops it; see
-  :class:`RevokeRequest`).
+  :class:`RevokeRequest`);
+* SLOTS_ADOPTED raises the epoch to the adopted one and tells the target that this
+  shard group imported slots ``first..last`` by a move (a standby's shard gate takes
+  their flip only then, :mod:`fastlock.server.sharded`; see :class:`SlotsAdopted`).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ __all__ = [
     "GRANT", "RELEASE", "EXPIRE", "EXTEND", "EPOCH", "RESERVE", "REVOKE", "KEY_PUT", "KEY_DELETE", "LOCK_DELAY",
     "RECORD_NAMES", "TOKEN_EPOCH_SHIFT", "COUNTER_MASK", "SHORT_GRANT",
     "Grant", "Release", "Expire", "Extend", "Epoch", "Reserve", "Revoke", "KeyPut", "KeyDelete", "LockDelay", "Record",
-    "REVOKE_REQUEST", "RevokeRequest", "KEY_MOVED", "KeyMoved",
+    "REVOKE_REQUEST", "RevokeRequest", "KEY_MOVED", "KeyMoved", "SLOTS_ADOPTED", "SlotsAdopted",
     "HolderRecord", "LeaseMeta", "encode", "decode", "apply", "ApplyTarget", "LogState",
 ]
 
@@ -63,10 +66,11 @@ KEY_PUT = 30
 KEY_DELETE = 31
 REVOKE_REQUEST = 70
 KEY_MOVED = 80
+SLOTS_ADOPTED = 81
 RECORD_NAMES = {GRANT: "grant", RELEASE: "release", EXPIRE: "expire", EXTEND: "extend",
                 EPOCH: "epoch", RESERVE: "reserve", REVOKE: "revoke",
                 KEY_PUT: "key_put", KEY_DELETE: "key_delete", LOCK_DELAY: "lock_delay",
-                REVOKE_REQUEST: "revoke_request", KEY_MOVED: "key_moved"}
+                REVOKE_REQUEST: "revoke_request", KEY_MOVED: "key_moved", SLOTS_ADOPTED: "slots_adopted"}
 
 
 
@@ -261,13 +265,34 @@ class KeyMoved(NamedTuple):
         return KEY_MOVED
 
 
+class SlotsAdopted(NamedTuple):
+    """SLOTS_ADOPTED: this shard group's primary imported a page of the state of slots
+    ``first..last`` by a move (:mod:`fastlock.server.slotmove`), above the source's token
+    high-water mark ``floor`` (a fencing token), at ``epoch`` (the group's epoch after the
+    import: at least the floor's).  ``queues``: the page's waiter queue parts, each
+    ``[name, [owner-key hash, ...]]`` in FIFO order.  Written after the page's EPOCH,
+    RESERVE, GRANT and KEY_PUT records, so a standby that has it has the page's state."""
+
+    first: int
+    last: int
+    floor: int
+    epoch: int
+    queues: list
+    wall_ms: int
+
+    @property
+    def kind(self) -> int:
+        """The record type (``SLOTS_ADOPTED``), the first item of the array on disk."""
+        return SLOTS_ADOPTED
+
+
 Record = (Grant | Release | Expire | Extend | Epoch | Reserve | Revoke | KeyPut | KeyDelete | LockDelay | RevokeRequest
-          | KeyMoved)
+          | KeyMoved | SlotsAdopted)
 
 _TYPES: dict[int, Any] = {GRANT: Grant, RELEASE: Release, EXPIRE: Expire, EXTEND: Extend,
                           EPOCH: Epoch, RESERVE: Reserve, REVOKE: Revoke,
                           KEY_PUT: KeyPut, KEY_DELETE: KeyDelete, LOCK_DELAY: LockDelay,
-                          REVOKE_REQUEST: RevokeRequest, KEY_MOVED: KeyMoved}
+                          REVOKE_REQUEST: RevokeRequest, KEY_MOVED: KeyMoved, SLOTS_ADOPTED: SlotsAdopted}
 #: (type, length of the array) -> record class: the shape of every record body with all
 #: its fields (an exclusive grant's shorter body is decoded by :func:`decode`)
 SHAPES: dict[tuple[int, int], Any] = {(kind, len(cls._fields) + 1): cls for kind, cls in _TYPES.items()}
@@ -413,6 +438,10 @@ class ApplyTarget(Protocol):
         """Keep the deadline of a revoke request to the lease ``(record.name, record.token)`` (it holds)."""
         ...
 
+    def adopt_slots(self, record: SlotsAdopted) -> None:
+        """Know that this shard group imported slots ``record.first..record.last`` by a move."""
+        ...
+
 
 def apply(record: Record, target: ApplyTarget) -> bool:
     """Apply one record to ``target`` by the rules in the module docstring;
@@ -457,6 +486,11 @@ def apply(record: Record, target: ApplyTarget) -> bool:
         if not target.holds(record.name, record.token):
             return False
         target.request_revoke(record)
+        return True
+    if type(record) is SlotsAdopted:
+        if record.epoch > target.epoch:
+            target.raise_epoch(record.epoch)
+        target.adopt_slots(record)
         return True
     return False
 
@@ -551,3 +585,7 @@ class LogState:
 
     def request_revoke(self, record: RevokeRequest) -> None:
         self.revoke_requests[(record.name, record.token)] = record
+
+    def adopt_slots(self, record: SlotsAdopted) -> None:
+        """Nothing beyond the epoch: a node's imported slots and queues are kept in its data
+        directory (:data:`fastlock.server.slotmove.MOVED_QUEUES_FILE`) across its restart."""
