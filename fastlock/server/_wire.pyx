@@ -525,48 +525,55 @@ cdef class BatchEnd:
     (:meth:`after_batch`), the acknowledgement of a batch of grants (:meth:`deliver_granted`)
     and a release's bookkeeping (:meth:`released`).  The attributes they read are the
     server's (``table``, ``wal``, ``revisions``, ...); the uncommon cases are its Python
-    methods (``_process_events``, ``_rearm``, ``_deliver_rest``)."""
+    methods (``_process_events``, ``_rearm``, ``_deliver_rest``).  The collaborators read on
+    every batch are slots of this base (the server's ``__init__`` sets them as attributes), so
+    compiled code reads them without a dictionary lookup."""
+
+    cdef public object table, wal, roles, source, limits, quotas, handlers, revisions, key_revisions, queues
+    cdef public object expiry
+    cdef public list dirty
+    cdef public bint in_batch_end
 
     def after_batch(self):
         """The batch end: log and deliver the table's events, re-arm the timer, flush replies."""
         server = <object>self
-        table = server.table
+        table = self.table
         events = table.drain_events()
         if events:
             # grants acknowledged at once (a relaxed fsync mode) are delivered inside this loop and
             # leave their flush to this batch end; what their delivery changes is drained again
-            outer = server.in_batch_end
-            server.in_batch_end = True
+            outer = self.in_batch_end
+            self.in_batch_end = True
             try:
                 while events:
                     server._process_events(events)
                     events = table.drain_events()
             finally:
-                server.in_batch_end = outer
-        wal = server.wal
+                self.in_batch_end = outer
+        wal = self.wal
         if wal.maybe_snapshot(server.snapshot_state):  # at every batch end: key puts make no table events
             _relog_running(wal, table)
             server.revoke_deadlines.relog(wal, _monotonic_ms())
         nd = table.next_deadline()
-        expiry = server.expiry
-        if nd >= 0 and (expiry.handle is None or nd < expiry.at_ms) and server.roles.expires_leases:
+        expiry = self.expiry
+        if nd >= 0 and (expiry.handle is None or nd < expiry.at_ms) and self.roles.expires_leases:
             server._rearm()
         if table.waiter_count:
-            server.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
+            self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
         # each collaborator is called only when it has work (its own first check, inline)
-        revisions = server.revisions
+        revisions = self.revisions
         if revisions.log.pending:
             revisions.batch_end()  # the batch's holder changes reach the watchers once committed
-        key_revisions = server.key_revisions
+        key_revisions = self.key_revisions
         if key_revisions.log.pending:
             key_revisions.batch_end()  # and its key changes the prefix watchers
-        queues = server.queues
-        if queues.dirty or queues.informed or server.source.replicas:
+        queues = self.queues
+        if queues.dirty or queues.informed or self.source.replicas:
             queues.batch_end()  # changed waiter queues go to the standby
         # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
         # (WriteAheadLog.poll's own call)
         wal.group_commit.poll()
-        dirty = server.dirty
+        dirty = self.dirty
         if dirty:
             for conn in dirty:
                 conn.flush()
@@ -586,26 +593,25 @@ cdef class BatchEnd:
         when refused, by ``LockServer._deliver_rest``.
         """
         server = <object>self
-        source = server.source
+        source = self.source
         if source.fencing:  # (not paired: nothing to check)
             source.fence_if_due(_monotonic_ms())
-        if refused_by is None and server.roles.may(_ACQUIRE):
-            rest = deliver_grants(server.limits.sessions, grants)
+        if refused_by is None and self.roles.may(_ACQUIRE):
+            rest = deliver_grants(self.limits.sessions, grants)
             if rest:
                 server._deliver_rest(rest, None)
         else:
             server._deliver_rest(grants, refused_by)
-        if not server.in_batch_end:  # inside after_batch, which continues with this batch end
+        if not self.in_batch_end:  # inside after_batch, which continues with this batch end
             self.after_batch()
 
     def released(self, name, token, meta):
         """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id))."""
-        server = <object>self
-        server.wal.log_release(name, token)
-        server.revisions.logged(name, "released", token, meta)
-        handlers = server.handlers
+        self.wal.log_release(name, token)
+        self.revisions.logged(name, "released", token, meta)
+        handlers = self.handlers
         if handlers.keys.space.by_lease:  # (keys attached to leases go with them)
             handlers.keys.lease_ended(name, token, "released")
         if handlers.sessions.attached_to:  # (leases attached to client sessions are detached)
             handlers.sessions.lease_ended(name, token)
-        server.quotas.lease_ended(token, meta)
+        self.quotas.lease_ended(token, meta)
