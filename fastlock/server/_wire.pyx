@@ -579,6 +579,31 @@ cdef class BatchEnd:
                 conn.flush()
             dirty.clear()
 
+    def acknowledge(self, list grants):
+        """Acknowledge the batch's ``grants`` (``EV_GRANTED`` events, logged) with
+        :meth:`deliver_granted` once their records are durable and, under synchronous
+        replication, acknowledged by the standby (``source.sync``); a TTL longer than the
+        standbys know waits for their word too (:mod:`fastlock.replication.ttlbound`).  In the
+        relaxed fsync modes the first batch of a loop turn is written at once, and a lone
+        request's grant delivered within this batch end (``WriteAheadLog.flush_first``)."""
+        source = self.source
+        ttl_bound = source.ttl
+        sync = source.sync
+        if ttl_bound.covers((<object>self).max_ttl_ms):
+            if sync.enabled:
+                deliver = sync.after(lambda refused=None: self.deliver_granted(grants, refused))
+            else:  # (sync.after's own, without a standby)
+                deliver = lambda: self.deliver_granted(grants)
+        else:  # rare: a TTL the standbys may not know yet waits for their word (replication/ttlbound.py)
+            deliver = sync.after(ttl_bound.after(
+                lambda refused=None: self.deliver_granted(grants, refused), max([ev.ttl_ms for ev in grants])))
+        # (the group commit's own calls: WriteAheadLog.flush_first's and when_durable's)
+        commit = self.wal.group_commit
+        if commit.flush_first():  # relaxed fsync modes: a lone request's grant is written and acked now
+            deliver()
+        else:  # acked once durable: in a burst, at the end of this turn with everything logged in it
+            commit.when_durable(deliver)
+
     def deliver_granted(self, list grants, refused_by=None):
         """Acknowledge a batch of grants (``EV_GRANTED`` events) once durable - if this node may
         still grant (``refused_by``: the error replication refused them with, or None).

@@ -565,19 +565,8 @@ class LockServer(BatchEnd):
                 self.queues.touched(ev.name)
         if quotas.ended_early:
             quotas.batch_done()
-        if grants is not None:  # sync replication: acked once the standby has them too (source.sync)
-            ttl_bound = self.source.ttl
-            sync = self.source.sync
-            if ttl_bound.covers(self.max_ttl_ms):
-                deliver = (sync.after(lambda refused=None: self.deliver_granted(grants, refused)) if sync.enabled
-                           else lambda: self.deliver_granted(grants))  # (sync.after's own, without a standby)
-            else:  # rare: a TTL the standbys may not know yet waits for their word (replication/ttlbound.py)
-                deliver = sync.after(ttl_bound.after(
-                    lambda refused=None: self.deliver_granted(grants, refused), max(ev.ttl_ms for ev in grants)))
-            if wal.flush_first():  # relaxed fsync modes: a lone request's grant is written and acked now
-                deliver()
-            else:  # acked once durable: in a burst, at the end of this turn with everything logged in it
-                wal.when_durable(deliver)
+        if grants is not None:
+            self.acknowledge(grants)  # once durable (and replicated): compiled, BatchEnd
 
     def _deliver_rest(self, grants: list, refused_by: FastlockError | None) -> None:
         """The grants :meth:`deliver_granted` leaves: each one whose connection is gone is released
