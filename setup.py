@@ -58,6 +58,18 @@ extensions = [
         ["fastlock/client/_callers.pyx"],
         extra_compile_args=["-O0", "-g"] if debug else ["-O2"],
     ),
+    # the watch history's record of each holder change and its publication (fastlock/server/watchlog.py)
+    Extension(
+        "fastlock.server._watchlog",
+        ["fastlock/server/_watchlog.pyx"],
+        extra_compile_args=["-O0", "-g"] if debug else ["-O2"],
+    ),
+    # group commit: a record's append, the hand-off to the writer, a written batch's acknowledgement
+    Extension(
+        "fastlock.wal.commit",
+        ["fastlock/wal/commit.pyx"],
+        extra_compile_args=["-O0", "-g"] if debug else ["-O2"],
+    ),
 ]
 
 setup(

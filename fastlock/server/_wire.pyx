@@ -48,6 +48,7 @@ from ..roles import Action
 from ..protocol.ops import OP_HELLO
 from ..protocol import feed_frames
 from .shares import limit_exceeded
+from .lockdelays import relog_running
 
 cdef object _ProtocolError = ProtocolError
 
@@ -512,3 +513,130 @@ cpdef list deliver_grants(dict sessions, list grants):
             continue
         conn.send(ok_grant(request, ev.token, ev.ttl_ms, ev.waited_ms))
     return rest
+
+
+# -- the batch end -----------------------------------------------------------------------
+
+cdef object _relog_running = relog_running
+
+
+cdef class BatchEnd:
+    """The compiled base of :class:`fastlock.server.lockserver.LockServer`: the batch end
+    (:meth:`after_batch`), the acknowledgement of a batch of grants (:meth:`deliver_granted`)
+    and a release's bookkeeping (:meth:`released`).  The attributes they read are the
+    server's (``table``, ``wal``, ``revisions``, ...); the uncommon cases are its Python
+    methods (``_process_events``, ``_rearm``, ``_deliver_rest``).  The collaborators read on
+    every batch are slots of this base (the server's ``__init__`` sets them as attributes), so
+    compiled code reads them without a dictionary lookup."""
+
+    cdef public object table, wal, roles, source, limits, quotas, handlers, revisions, key_revisions, queues
+    cdef public object expiry
+    cdef public list dirty
+    cdef public bint in_batch_end
+
+    def after_batch(self):
+        """The batch end: log and deliver the table's events, re-arm the timer, flush replies."""
+        server = <object>self
+        table = self.table
+        events = table.drain_events()
+        if events:
+            # grants acknowledged at once (a relaxed fsync mode) are delivered inside this loop and
+            # leave their flush to this batch end; what their delivery changes is drained again
+            outer = self.in_batch_end
+            self.in_batch_end = True
+            try:
+                while events:
+                    server._process_events(events)
+                    events = table.drain_events()
+            finally:
+                self.in_batch_end = outer
+        wal = self.wal
+        if wal.maybe_snapshot(server.snapshot_state):  # at every batch end: key puts make no table events
+            _relog_running(wal, table)
+            server.revoke_deadlines.relog(wal, _monotonic_ms())
+        nd = table.next_deadline()
+        expiry = self.expiry
+        if nd >= 0 and (expiry.handle is None or nd < expiry.at_ms) and self.roles.expires_leases:
+            server._rearm()
+        if table.waiter_count:
+            self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
+        # each collaborator is called only when it has work (its own first check, inline)
+        revisions = self.revisions
+        if revisions.log.pending:
+            revisions.batch_end()  # the batch's holder changes reach the watchers once committed
+        key_revisions = self.key_revisions
+        if key_revisions.log.pending:
+            key_revisions.batch_end()  # and its key changes the prefix watchers
+        queues = self.queues
+        if queues.dirty or queues.informed or self.source.replicas:
+            queues.batch_end()  # changed waiter queues go to the standby
+        # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
+        # (WriteAheadLog.poll's own call)
+        wal.group_commit.poll()
+        dirty = self.dirty
+        if dirty:
+            for conn in dirty:
+                conn.flush()
+            dirty.clear()
+
+    def acknowledge(self, list grants):
+        """Acknowledge the batch's ``grants`` (``EV_GRANTED`` events, logged) with
+        :meth:`deliver_granted` once their records are durable and, under synchronous
+        replication, acknowledged by the standby (``source.sync``); a TTL longer than the
+        standbys know waits for their word too (:mod:`fastlock.replication.ttlbound`).  In the
+        relaxed fsync modes the first batch of a loop turn is written at once, and a lone
+        request's grant delivered within this batch end (``WriteAheadLog.flush_first``)."""
+        source = self.source
+        ttl_bound = source.ttl
+        sync = source.sync
+        if ttl_bound.covers((<object>self).max_ttl_ms):
+            if sync.enabled:
+                deliver = sync.after(lambda refused=None: self.deliver_granted(grants, refused))
+            else:  # (sync.after's own, without a standby)
+                deliver = lambda: self.deliver_granted(grants)
+        else:  # rare: a TTL the standbys may not know yet waits for their word (replication/ttlbound.py)
+            deliver = sync.after(ttl_bound.after(
+                lambda refused=None: self.deliver_granted(grants, refused), max([ev.ttl_ms for ev in grants])))
+        # (the group commit's own calls: WriteAheadLog.flush_first's and when_durable's)
+        commit = self.wal.group_commit
+        if commit.flush_first():  # relaxed fsync modes: a lone request's grant is written and acked now
+            deliver()
+        else:  # acked once durable: in a burst, at the end of this turn with everything logged in it
+            commit.when_durable(deliver)
+
+    def deliver_granted(self, list grants, refused_by=None):
+        """Acknowledge a batch of grants (``EV_GRANTED`` events) once durable - if this node may
+        still grant (``refused_by``: the error replication refused them with, or None).
+
+        The fence is checked again here, at the acknowledgement, not only when the grants were
+        decided: a primary frozen (SIGSTOP, a VM stall) between the two may find its standby
+        promoted meanwhile.  Then every waiting request gets ``Unavailable`` instead of its token
+        (the lease stays in this node's table); the client repeats the acquire with the same owner
+        key at whichever node is primary, which hands it the lease if it was replicated, or queues
+        it.  One check per batch: the normal path does not pay per grant.  The plain ACQUIREs to
+        live connections are answered here (:func:`deliver_grants`); the others, and every grant
+        when refused, by ``LockServer._deliver_rest``.
+        """
+        server = <object>self
+        source = self.source
+        if source.fencing:  # (not paired: nothing to check)
+            source.fence_if_due(_monotonic_ms())
+        if refused_by is None and self.roles.may(_ACQUIRE):
+            rest = deliver_grants(self.limits.sessions, grants)
+            if rest:
+                server._deliver_rest(rest, None)
+        else:
+            server._deliver_rest(grants, refused_by)
+        if not self.in_batch_end:  # inside after_batch, which continues with this batch end
+            self.after_batch()
+
+    def released(self, name, token, meta):
+        """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id))."""
+        self.wal.log_release(name, token)
+        self.revisions.logged(name, "released", token, meta)
+        handlers = self.handlers
+        if handlers.keys.space.by_lease:  # (keys attached to leases go with them)
+            handlers.keys.lease_ended(name, token, "released")
+        if handlers.sessions.attached_to:  # (leases attached to client sessions are detached)
+            handlers.sessions.lease_ended(name, token)
+        self.quotas.lease_ended(token, meta)

@@ -76,7 +76,7 @@ from ..units import format_address, monotonic_ms
 from ..wal import DataDirInUse, HolderSlices, SnapshotState, WriteAheadLog, secure_directory
 from ..wal.log import paused_gc
 from . import lockdelays
-from ._wire import deliver_grants
+from ._wire import BatchEnd
 from .admission import ConnectionLimits, PrincipalQuotas
 from .config import ServerConfig, check_limits
 from .coordinated import CoordinatedNode, claim_data_dir
@@ -128,7 +128,7 @@ class ExpiryTimer:
             self.handle = None
 
 
-class LockServer:
+class LockServer(BatchEnd):
     """The daemon.  ``await server.start()`` then ``await server.wait_closed()``.
 
     :raises ValueError: a nonsensical limit in ``config`` (see :func:`check_limits`).
@@ -524,44 +524,8 @@ class LockServer:
         self.after_batch()
 
     # -- the batch end: events, WAL, timer, output ------------------------------------
-    def after_batch(self) -> None:
-        """The batch end: log and deliver the table's events, re-arm the timer, flush replies."""
-        table = self.table
-        events = table.drain_events()
-        if events:
-            # grants acknowledged at once (a relaxed fsync mode) are delivered inside this loop and
-            # leave their flush to this batch end; what their delivery changes is drained again
-            outer, self.in_batch_end = self.in_batch_end, True
-            try:
-                while events:
-                    self._process_events(events)
-                    events = table.drain_events()
-            finally:
-                self.in_batch_end = outer
-        if self.wal.maybe_snapshot(self.snapshot_state):  # at every batch end: key puts make no table events
-            lockdelays.relog_running(self.wal, table)
-            self.revoke_deadlines.relog(self.wal, monotonic_ms())
-        nd = table.next_deadline()
-        if nd >= 0 and (self.expiry.handle is None or nd < self.expiry.at_ms) and self.roles.expires_leases:
-            self._rearm()
-        if table.waiter_count:
-            self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
-        # each collaborator is called only when it has work (its own first check, inline)
-        revisions = self.revisions
-        if revisions.log.pending:
-            revisions.batch_end()  # the batch's holder changes reach the watchers once committed
-        key_revisions = self.key_revisions
-        if key_revisions.log.pending:
-            key_revisions.batch_end()  # and its key changes the prefix watchers
-        queues = self.queues
-        if queues.dirty or queues.informed or self.source.replicas:
-            queues.batch_end()  # changed waiter queues go to the standby
-        self.wal.poll()  # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
-        dirty = self.dirty
-        if dirty:
-            for conn in dirty:
-                conn.flush()
-            dirty.clear()
+    # after_batch() (the batch end), deliver_granted() (a batch of grants acknowledged) and
+    # released() (a release's bookkeeping) are compiled, on BatchEnd (server/_wire.pyx)
 
     def process_events(self, events: list) -> None:
         """Log and deliver ``events`` (drained from the table by the caller), as a batch end does."""
@@ -603,39 +567,18 @@ class LockServer:
                 self.queues.touched(ev.name)
         if quotas.ended_early:
             quotas.batch_done()
-        if grants is not None:  # sync replication: acked once the standby has them too (source.sync)
-            ttl_bound = self.source.ttl
-            sync = self.source.sync
-            if ttl_bound.covers(self.max_ttl_ms):
-                deliver = (sync.after(lambda refused=None: self._deliver_grants(grants, refused)) if sync.enabled
-                           else lambda: self._deliver_grants(grants))  # (sync.after's own, without a standby)
-            else:  # rare: a TTL the standbys may not know yet waits for their word (replication/ttlbound.py)
-                deliver = sync.after(ttl_bound.after(
-                    lambda refused=None: self._deliver_grants(grants, refused), max(ev.ttl_ms for ev in grants)))
-            if wal.flush_first():  # relaxed fsync modes: a lone request's grant is written and acked now
-                deliver()
-            else:  # acked once durable: in a burst, at the end of this turn with everything logged in it
-                wal.when_durable(deliver)
+        if grants is not None:
+            self.acknowledge(grants)  # once durable (and replicated): compiled, BatchEnd
 
-    def _deliver_grants(self, grants: list, refused_by: FastlockError | None = None) -> None:
-        """Acknowledge a batch of grants once durable - if this node may still grant.
-
-        The fence is checked again here, at the acknowledgement, not only when the grants were
-        decided: a primary frozen (SIGSTOP, a VM stall) between the two may find its standby
-        promoted meanwhile.  Then every waiting request gets ``Unavailable`` instead of its token
-        (the lease stays in this node's table); the client repeats the acquire with the same owner
-        key at whichever node is primary, which hands it the lease if it was replicated, or queues
-        it.  One check per batch: the normal path does not pay per grant.
-        """
+    def _deliver_rest(self, grants: list, refused_by: FastlockError | None) -> None:
+        """The grants :meth:`deliver_granted` leaves: each one whose connection is gone is released
+        (nobody can learn its token); when this node may no longer grant (``refused_by``, or its
+        role now) each request is answered with the refusal; any other (a sequencer's, an
+        ACQUIRE_MANY's) gets its reply."""
         sessions = self.limits.sessions
         table = self.table
         undelivered = False
-        source = self.source
-        if source.fencing:  # (not paired: nothing to check)
-            source.fence_if_due(monotonic_ms())
         refused = refused_by or (None if self.roles.may(Action.ACQUIRE) else refusal(self.roles, Action.ACQUIRE))
-        if refused is None:  # plain ACQUIREs to live connections: compiled (server/_wire.pyx)
-            grants = deliver_grants(sessions, grants)
         for ev in grants:
             conn = sessions.get(ev.session)
             if conn is None or conn.closed:
@@ -663,19 +606,6 @@ class LockServer:
                 conn.send(reply)
         if undelivered:
             table.expire(monotonic_ms())
-        if not self.in_batch_end:  # inside after_batch, which continues with this batch end
-            self.after_batch()
-
-    def released(self, name: str, token: int, meta: tuple | None) -> None:
-        """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id))."""
-        self.wal.log_release(name, token)
-        self.revisions.logged(name, "released", token, meta)
-        handlers = self.handlers
-        if handlers.keys.space.by_lease:  # (keys attached to leases go with them)
-            handlers.keys.lease_ended(name, token, "released")
-        if handlers.sessions.attached_to:  # (leases attached to client sessions are detached)
-            handlers.sessions.lease_ended(name, token)
-        self.quotas.lease_ended(token, meta)
 
     # -- the expiry timer -------------------------------------------------------------------
     def _table_now(self) -> int:

@@ -38,6 +38,7 @@ from ..protocol.framing import encode_error, encode_push
 from ..protocol.ops import PUSH_WATCH_PROGRESS
 from ..roles import Action, Role
 from ..tokens import COUNTER_MASK, TOKEN_EPOCH_SHIFT, counter_of, epoch_of
+from ._watchlog import HistoryWire, RevisionsWire
 
 __all__ = ["CommittedPublisher", "DEFAULT_HISTORY", "DEFAULT_PROGRESS_INTERVAL", "REPLAY_PAGE", "REPLAY_PAGE_BYTES",
            "ReplayPager", "Revisions", "WatchChange", "WatchLog", "check_lineage", "revision", "shown_revision"]
@@ -102,13 +103,17 @@ class WatchChange(NamedTuple):
     meta: Any
 
 
-class WatchLog:
+class WatchLog(HistoryWire):
     """The last ``limit`` holder changes, by revision and by lock name.
 
     Changes are :meth:`record`-ed in revision order (as their records are logged)
     and :meth:`publish`-ed up to a revision once committed; ``floor`` is the
     revision after which every change is kept (None: not known yet, a standby
-    before its first record).
+    before its first record).  Both are compiled, on
+    :class:`~fastlock.server._watchlog.HistoryWire`: ``record(rev, name, what, token,
+    meta, published=False)`` keeps a change (``published``: already committed, as a
+    standby's), dropping the oldest beyond the limit; ``publish(upto)`` returns the
+    pending changes up to revision ``upto`` (now committed), in order.
     """
 
     def __init__(self, limit: int = DEFAULT_HISTORY) -> None:
@@ -141,30 +146,6 @@ class WatchLog:
         self.published = rev
         self.lineage[epoch_of(rev)] = counter_of(rev)
 
-    def record(self, rev: int, name: str, what: str, token: int, meta: Any, published: bool = False) -> None:
-        """Keep a change (``published``: already committed, as a standby's), dropping
-        the oldest beyond the limit."""
-        change = (rev, name, what, token, meta)
-        if self.floor is None:
-            self.floor = rev - 1
-        changes = self.changes
-        changes.append(change)
-        group = self.by_name.get(name)
-        if group is None:
-            self.by_name[name] = group = deque()
-        group.append(change)
-        if len(changes) > self.limit:
-            old = changes.popleft()
-            self.floor = old[0]
-            same = self.by_name[old[1]]
-            same.popleft()
-            if not same:
-                del self.by_name[old[1]]
-        if published:
-            self.published = rev
-        else:
-            self.pending.append(change)
-
     def applied(self, epoch: int, lsn: int) -> None:
         """A standby applied the records of ``epoch``'s primary up to ``lsn``."""
         self.lineage[epoch] = lsn
@@ -173,16 +154,6 @@ class WatchLog:
             self.floor = rev
         if not self.pending and rev > self.published:
             self.published = rev
-
-    def publish(self, upto: int) -> list[Kept]:
-        """The pending changes up to revision ``upto`` (now committed), in order."""
-        pending = self.pending
-        out = []
-        while pending and pending[0][0] <= upto:
-            out.append(pending.popleft())
-        if out:
-            self.published = max(self.published, out[-1][0])
-        return out
 
     def drop_pending(self) -> None:
         """Changes this node will never publish (its acknowledgements were refused: deposed)."""
@@ -342,10 +313,14 @@ class CommittedPublisher:
         server.after_batch()
 
 
-class Revisions(CommittedPublisher):
+class Revisions(RevisionsWire, CommittedPublisher):
     """The server's side of watch revisions: keeps the :class:`WatchLog`, publishes
     committed changes to the lock watchers (:class:`~fastlock.server.watches.WatchRegistry`)
-    and sends progress notices.
+    and sends progress notices.  What runs per change and per batch end is compiled, on
+    :class:`~fastlock.server._watchlog.RevisionsWire`: ``logged(name, what, token, meta)``
+    records a holder change whose record was just logged (the last one logged), and
+    ``batch_end()`` publishes the committed ones as :meth:`CommittedPublisher.batch_end`
+    does.
 
     ``server`` is the :class:`~fastlock.server.lockserver.LockServer`; ``history``:
     changes kept (``--watch-history``); ``progress_interval``: seconds between
@@ -359,6 +334,7 @@ class Revisions(CommittedPublisher):
         super().__init__(server, progress_interval, PUSH_WATCH_PROGRESS)
         self.registry = registry
         self.log = WatchLog(history)
+        self.commit = server.wal.group_commit  # its next_lsn and ack mark, read per change and batch end
 
     # -- the revision now ----------------------------------------------------------------
     def current(self) -> int:
@@ -379,11 +355,6 @@ class Revisions(CommittedPublisher):
     def started(self) -> None:
         """The node started: its history begins at its revision now."""
         self.log.start(self.current())
-
-    def logged(self, name: str, what: str, token: int, meta: Any) -> None:
-        """A holder change whose record was just logged (the last one logged)."""
-        server = self.server
-        self.log.record(server.table.epoch << TOKEN_EPOCH_SHIFT | server.wal.logged_lsn, name, what, token, meta)
 
     def deliver(self, changes: list) -> bool:
         return bool(self.registry.publish(changes))

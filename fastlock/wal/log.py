@@ -165,6 +165,9 @@ class WriteAheadLog:
         # next grant's batch, or by the interval timer at the latest
         self._commit = GroupCommit(io, self._always, 0 if fsync == "never" else fsync_interval_ms,
                                    on_fatal or _default_on_fatal, adaptive=writer == "auto")
+        #: the group commit itself, for the server's compiled batch end (its ``next_lsn`` and
+        #: ``marks``, read without a property call; see :mod:`fastlock.wal.commit`)
+        self.group_commit = self._commit
         self._snapshots = Snapshotter(self.directory, io.segments, snapshot_every, keep_snapshots,
                                       snapshot_every_bytes)
         self._counters = _Reservation(reserve_block)

@@ -1,3 +1,4 @@
+# cython: language_level=3, annotation_typing=False
 """Group commit on the event loop: batches, the one batch in flight, durability callbacks.
 
 :class:`GroupCommit` collects the frames logged during a turn of the loop
@@ -10,6 +11,11 @@ waits on it; a batch nobody waits for (releases, expiries, acknowledged
 without the disk) is only written and rides on the next fsync or the
 interval timer.  A failed write or fsync is final: ``on_fatal`` is called
 and nothing is acknowledged again (see :mod:`fastlock.wal`).
+
+Compiled (Cython; its classes are extension types, their calls to one another C
+calls): what runs per record and per batch - a record's append, the hand-off to
+the writer, the acknowledgement of a written batch - runs no Python frame.  The
+annotations are for readers and ``commit.pyi``; they give no C types (first line).
 """
 
 from __future__ import annotations
@@ -28,10 +34,14 @@ from .writer import Batch, SegmentWriter
 log = logging.getLogger("fastlock.wal")
 
 
-class _Pending:
+cdef class _Pending:
     """The batch being built: frames not yet handed to the writer."""
 
-    __slots__ = ("buf", "first_lsn", "last_frame", "fsync", "fsync_requested")
+    cdef public bytearray buf
+    cdef public object first_lsn
+    cdef public Py_ssize_t last_frame
+    cdef public bint fsync
+    cdef public bint fsync_requested
 
     def __init__(self, first_lsn: int):
         self.buf = bytearray()
@@ -41,18 +51,18 @@ class _Pending:
         self.fsync_requested = False  # fsync at the next hand-off even if nobody waits
 
 
-class Marks:
+cdef class Marks:
     """LSN progress: ``first`` (the next LSN at open), ``written`` to the OS,
     ``synced`` (fsynced), ``ack`` (durability callbacks released)."""
 
-    __slots__ = ("first", "written", "synced", "ack")
+    cdef public object first, written, synced, ack
 
     def __init__(self, next_lsn: int):
         self.first = next_lsn
         self.written = self.synced = self.ack = next_lsn - 1
 
 
-class GroupCommit:
+cdef class GroupCommit:
     """The loop side of the log's writes.
 
     :param io: the segment writer.
@@ -65,26 +75,47 @@ class GroupCommit:
         hand-off; concurrent clients keep the thread (and the loop keeps reading them).
     """
 
+    cdef public object io
+    cdef public bint always
+    cdef public object interval_ms
+    cdef public object on_fatal
+    cdef public object loop
+    cdef public object fatal
+    cdef public bint stopped
+    cdef public object next_lsn
+    cdef public Marks marks
+    cdef _Pending _pending
+    cdef bint _scheduled
+    cdef bint _flushed_in_turn
+    cdef object _inflight
+    cdef object _waiters
+    cdef list _sync_waiters
+    cdef public list listeners
+    cdef public list progress
+    cdef object _timer
+    cdef public bint adaptive
+    cdef Py_ssize_t _last_waiters
+
     def __init__(self, io: SegmentWriter, always: bool, interval_ms: int, on_fatal: Callable[[BaseException], Any],
                  adaptive: bool = False):
         self.io = io
         self.always = always
         self.interval_ms = interval_ms
         self.on_fatal = on_fatal
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.fatal: BaseException | None = None
+        self.loop = None
+        self.fatal = None
         self.stopped = False
         self.next_lsn = 1  # the LSN the next record gets
         self.marks = Marks(1)
         self._pending = _Pending(1)
         self._scheduled = False  # _kick_soon is scheduled on the loop (and has not run yet)
         self._flushed_in_turn = False  # flush_first wrote in this loop turn
-        self._inflight: Batch | None = None
-        self._waiters: collections.deque = collections.deque()  # (lsn, callback)
-        self._sync_waiters: list = []  # (lsn, future) resolved when synced >= lsn
-        self.listeners: list = []
-        self.progress: list = []  # fn(written_lsn, synced_lsn) after every batch (see add_progress_listener)
-        self._timer: asyncio.TimerHandle | None = None
+        self._inflight = None
+        self._waiters = collections.deque()  # (lsn, callback)
+        self._sync_waiters = []  # (lsn, future) resolved when synced >= lsn
+        self.listeners = []
+        self.progress = []  # fn(written_lsn, synced_lsn) after every batch (see add_progress_listener)
+        self._timer = None
         self.adaptive = adaptive
         self._last_waiters = 0  # waiters of the batch handed over before this one
 

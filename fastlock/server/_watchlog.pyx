@@ -1,0 +1,129 @@
+# cython: language_level=3
+"""The watch history's per-change path, compiled (see fastlock/server/watchlog.py).
+
+:class:`HistoryWire` is the compiled base of
+:class:`fastlock.server.watchlog.WatchLog`: it keeps a holder change
+(:meth:`HistoryWire.record`) and publishes the changes committed up to a revision
+(:meth:`HistoryWire.publish`) on the structures ``WatchLog`` reads to resume a
+watch (``changes``, ``by_name``, ``pending``, ``floor``, ``published``).
+
+:class:`RevisionsWire` is the compiled base of
+:class:`fastlock.server.watchlog.Revisions`: the revision of a change just logged
+(:meth:`RevisionsWire.logged`: the table's epoch and the log's last LSN, read from
+the :class:`~fastlock.wal.commit.GroupCommit` with no Python call) and the batch
+end's publication of the committed changes (:meth:`RevisionsWire.batch_end`), with
+the checks and the order of :class:`fastlock.server.watchlog.CommittedPublisher`.
+A change nobody watches is only marked published.
+"""
+
+from collections import deque
+
+from ..roles import Action
+from ..tokens import COUNTER_MASK, TOKEN_EPOCH_SHIFT
+
+cdef object _deque = deque
+cdef object _RELEASE = Action.RELEASE
+cdef object _COUNTER_MASK = COUNTER_MASK
+cdef int _SHIFT = TOKEN_EPOCH_SHIFT
+
+
+cdef class HistoryWire:
+    """The last ``limit`` holder changes, by revision (``changes``) and by lock name
+    (``by_name``: name -> its changes), each ``(revision, name, what, token, meta)``;
+    ``pending``: those recorded and not yet published, in revision order; ``floor``:
+    the revision after which every change is kept (None: not known yet);
+    ``published``: the revision up to which everything is published."""
+
+    cdef public Py_ssize_t limit
+    cdef public object changes
+    cdef public dict by_name
+    cdef public object pending
+    cdef public object floor
+    cdef public object published
+
+    cpdef record(self, object rev, object name, object what, object token, object meta, bint published=False):
+        """Keep a change (``published``: already committed, as a standby's), dropping
+        the oldest beyond the limit."""
+        change = (rev, name, what, token, meta)
+        if self.floor is None:
+            self.floor = rev - 1
+        changes = self.changes
+        changes.append(change)
+        group = self.by_name.get(name)
+        if group is None:
+            group = _deque()
+            self.by_name[name] = group
+        group.append(change)
+        if len(changes) > self.limit:
+            old = changes.popleft()
+            self.floor = old[0]
+            same = self.by_name[old[1]]
+            same.popleft()
+            if not same:
+                del self.by_name[old[1]]
+        if published:
+            self.published = rev
+        else:
+            self.pending.append(change)
+
+    cpdef list publish(self, object upto):
+        """The pending changes up to revision ``upto`` (now committed), in order."""
+        cdef list out = []
+        pending = self.pending
+        while pending and pending[0][0] <= upto:
+            out.append(pending.popleft())
+        if out:  # (indexes from the start: the module is compiled without wraparound)
+            last = out[len(out) - 1][0]
+            if last > self.published:
+                self.published = last
+        return out
+
+
+cdef class RevisionsWire:
+    """What :class:`fastlock.server.watchlog.Revisions` runs per change and per batch end.
+
+    ``server``: the :class:`~fastlock.server.lockserver.LockServer`; ``log``: the
+    :class:`~fastlock.server.watchlog.WatchLog`; ``registry``: the lock watchers
+    (:class:`~fastlock.server.watches.WatchRegistry`); ``commit``: the log's
+    :class:`~fastlock.wal.commit.GroupCommit` (``next_lsn``, ``marks.ack``);
+    ``scheduled``: the revision up to which a publication is already scheduled.
+    """
+
+    cdef public object server
+    cdef public HistoryWire log
+    cdef public object registry
+    cdef public object commit
+    cdef public object scheduled
+
+    cpdef logged(self, object name, object what, object token, object meta):
+        """A holder change whose record was just logged (the last one logged)."""
+        self.log.record(self.server.table.epoch << _SHIFT | (self.commit.next_lsn - 1), name, what, token, meta)
+
+    def batch_end(self):
+        """At each batch end: publish the changes recorded in it once committed
+        (:meth:`fastlock.server.watchlog.CommittedPublisher.batch_end`)."""
+        pending = self.log.pending
+        if not pending:  # nothing recorded and unpublished
+            return
+        upto = pending[len(pending) - 1][0]  # the last change recorded and not yet published
+        if upto <= self.scheduled:
+            return
+        self.scheduled = upto
+        server = self.server
+        sync = server.source.sync
+        # (self.commit.when_durable: WriteAheadLog.when_durable's own call)
+        if sync.enabled:
+            self.commit.when_durable(sync.after(lambda refused=None: self._publish(upto, refused)))
+        elif upto & _COUNTER_MASK <= self.commit.marks.ack:
+            # already durable (a relaxed fsync mode wrote this batch at once): published in this
+            # batch end, whose flush sends the pushes
+            self._publish(upto, None, False)
+        else:
+            self.commit.when_durable(lambda: self._publish(upto))
+
+    cpdef _publish(self, object upto, object refused=None, bint flush=True):
+        changes = self.log.publish(upto)
+        # nobody watching: the changes are only marked published
+        if changes and refused is None and self.registry.by_name and self.server.roles.may(_RELEASE):
+            if self.registry.publish(changes) and flush:
+                self.server.after_batch()  # the pushes go out
