@@ -22,6 +22,7 @@ from test_limits import Raw, error_of
 import fastlock
 from fastlock import protocol as P
 from fastlock._testbase import HistoryChecker
+from fastlock._testbase.proxy import TcpProxy
 from fastlock.auth import generate
 from fastlock.client.across import acquire_across, lock_across, lock_across_sync, release_across, shard_key
 from fastlock.errors import (
@@ -475,6 +476,50 @@ async def test_a_shard_down_is_retried_with_pauses_until_the_wait_ends(shards, l
         assert 1 <= grants <= 30  # 3 s of pauses from 20 ms doubling to 0.5 s: about 10 attempts
         assert await router.client_for("a/1").holder("a/1") is None
         assert await router.client_for("b/1").holder("b/1") is None
+
+
+class NamedRouter:
+    """``a/...``, ``b/...``, ``c/...``: the clients given, in that order (any addresses)."""
+
+    def __init__(self, clients):
+        self.clients = clients
+
+    def client_for(self, name: str):
+        return self.clients["abc".index(name[0])]
+
+
+async def test_a_part_granted_as_its_connection_failed_is_let_go_not_left_to_its_ttl(shards, loop_errors):
+    """Shard a is reached through a proxy.  The multi-lock's part a/1 waits behind a plain
+    lease; the proxy stops forwarding, the plain lease is released, so the server grants the
+    part while its reply cannot arrive; then the link is cut.  The client cannot know whether
+    it was granted: it withdraws it by owner on its next connection (CANCEL releases a grant)
+    before reserving the part again, so the new reservation gets a/1 at once instead of
+    queueing behind its own lost grant until that grant's TTL (60 s, longer than the wait)."""
+    with TcpProxy(shards[0].address) as proxy, Raw(shards[0].address) as look:
+        clients = [await fastlock.connect(proxy.address, client_name="cut-a")]
+        clients += [await fastlock.connect(s.address, client_name=f"cut-{i}") for i, s in enumerate(shards[1:])]
+        try:
+            router = NamedRouter(clients)
+            plain_client = await fastlock.connect(shards[0].address, client_name="plain")
+            plain = await plain_client.acquire("a/1", ttl=60)
+            multi_task = asyncio.ensure_future(acquire_across(router, ["a/1", "b/1"], ttl=60, wait=20))
+            await wait_for(lambda: len(contenders(look, "a/1")["waiters"]) == 1, "the part waits for a/1")
+            proxy.blackhole()
+            await plain_client.release(plain)
+            await plain_client.close()
+            await wait_for(lambda: holder_token(look, "a/1") not in (None, plain.fencing_token),
+                           "the part is granted on the server")
+            lost_grant = holder_token(look, "a/1")
+            proxy.cut()
+            proxy.heal()
+            multi = await asyncio.wait_for(multi_task, 30)
+            assert multi["a/1"].fencing_token > lost_grant
+            assert holder_token(look, "a/1") == multi["a/1"].fencing_token  # the lost grant is gone
+            await release_across(multi)
+            assert holder_token(look, "a/1") is None
+        finally:
+            for c in clients:
+                await c.close()
 
 
 def test_the_blocking_client_locks_across_shards(shards):

@@ -301,6 +301,11 @@ async def _reserve(client: Client, part: _Part, names: tuple[str, ...], ttl_ms: 
     error = reply_fut.exception()
     if error is not None:  # raised with neither the future nor the error kept in this frame: no cycle
         del reply_fut
+        if isinstance(error, RETRYABLE):
+            # the connection failed with the request's outcome unknown: the server may have granted it
+            # before the reply was lost, so it is withdrawn by owner (on the next connection if this one
+            # is dead: CANCEL releases a grant) instead of being left held until its TTL
+            _withdraw(connector, proto, names, owner)
         try:
             raise error
         finally:
@@ -359,8 +364,14 @@ async def _release_leases(client: Client, leases: list[Lease]) -> list[BaseExcep
 
 
 async def _let_go(parts: list[_Part]) -> None:
-    """Release every lease of ``parts`` (the ones already revoked answer LeaseLost: ignored)."""
-    await asyncio.gather(*(part.shard.run(_release_leases, part.leases) for part in parts), return_exceptions=True)
+    """Release every lease of ``parts`` (the ones already revoked answer LeaseLost: ignored); if
+    cancelled meanwhile, each release is sent without waiting (:func:`_let_go_nowait`)."""
+    try:
+        await asyncio.gather(*(part.shard.run(_release_leases, part.leases) for part in parts),
+                             return_exceptions=True)
+    except asyncio.CancelledError:
+        _let_go_nowait(parts)
+        raise
 
 
 def _let_go_nowait(parts: list[_Part]) -> None:
@@ -470,9 +481,9 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
                 if in_order:
                     for shard, names in shards:
                         part = _Part(shard, [])
+                        parts.append(part)  # first: a grant read on the shard's loop is let go if this is cancelled
                         await shard.run(_reserve, part, names, ttl_ms, left_ms(), correlation_id, stamp, multi_id,
                                         wounded, renew, renew_fraction)
-                        parts.append(part)
                     if wounded.is_set():
                         raise Wounded("wounded by an older multi-lock")
                 else:
@@ -567,10 +578,15 @@ async def acquire_across(router: Router, names: Iterable[str], *, ttl: float, wa
 
 
 async def release_across(multi: CrossShardLease) -> None:
-    """Release every lease of ``multi`` (all of them, even if one fails).
+    """Release every lease of ``multi`` (all of them, even if one fails; if cancelled, each
+    release is still sent, without waiting for its reply).
     :raises LeaseLost: a lease had ended already (the others are released)."""
-    results = await asyncio.gather(*(part.shard.run(_release_leases, part.leases) for part in multi.parts),
-                                   return_exceptions=True)
+    try:
+        results = await asyncio.gather(*(part.shard.run(_release_leases, part.leases) for part in multi.parts),
+                                       return_exceptions=True)
+    except asyncio.CancelledError:
+        _let_go_nowait(list(multi.parts))
+        raise
     multi.raise_failed_release(e for r in results for e in (r if isinstance(r, list) else [r]))
 
 
@@ -643,5 +659,7 @@ def lock_across_sync(router: SyncRouter, names: Iterable[str], *, ttl: float, wa
     try:
         return SyncCrossShardLease(fut.result(), loop)
     except BaseException:
-        fut.cancel()
+        if not fut.cancel() and fut.done() and not fut.cancelled() and fut.exception() is None:
+            # taken as the caller gave up (an interrupt while it waited): let go of it
+            loop.call_soon_threadsafe(_let_go_nowait, list(fut.result().parts))
         raise
