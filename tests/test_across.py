@@ -10,6 +10,7 @@ own age stamps; the client's behaviour with real clients.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import threading
@@ -520,6 +521,29 @@ async def test_a_part_granted_as_its_connection_failed_is_let_go_not_left_to_its
         finally:
             for c in clients:
                 await c.close()
+
+
+async def test_a_release_cancelled_before_its_requests_ran_still_releases_every_part(shards, loop_errors):
+    """``release_across`` cancelled at once (its per-shard requests scheduled, none sent yet):
+    every release is still sent, so no part is left held until its TTL (60 s)."""
+    async with routed(shards) as router:
+        multi = await acquire_across(router, ["a/1", "a/2", "b/1", "c/1"], ttl=60)
+        task = asyncio.ensure_future(release_across(multi))
+        await asyncio.sleep(0)  # it runs up to its first await: the requests are scheduled, not sent
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for name in multi.names:
+            owner = router.client_for(name)
+            await wait_for_async(functools.partial(owner.holder, name), f"{name} released")
+
+
+async def wait_for_async(ask, what: str, timeout: float = 10.0) -> None:
+    """Until ``await ask()`` is None (a freed name), for at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while await ask() is not None:
+        assert time.monotonic() < deadline, f"timed out waiting: {what}"
+        await asyncio.sleep(0.01)
 
 
 def test_the_blocking_client_locks_across_shards(shards):
