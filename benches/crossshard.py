@@ -26,6 +26,13 @@ dirs, stopped afterwards) and, from one client process (uvloop when installed):
    the tail is the workload's own.  ``--processes N`` splits the workers over N client
    processes (each its own loop and connections).
 
+   **Leases left held**: each request carries ``<process>.<worker>.<n>`` as its correlation id;
+   every second each shard's held leases are listed and any lease of a multi-lock that already
+   ended (released, or given up) and is older than ``LEAK_AGE`` is printed as ``LEAK:`` with the
+   multi-lock's timeline (each part's send, grant, queue time and reserves; the token the client
+   had; when it ended), and once every worker has finished every lease still held is one
+   (target 0).  The client process's CPU time per multi-lock is printed too (microseconds).
+
    **What a wait is made of**: for the slowest thousandth and for the middle tenth, the mean
    of: the wait; the longest time one part queued in a shard (the shard's figure); the longest
    send-to-grant of a part beyond that (parked, wire, client loop); first to last part
@@ -190,6 +197,7 @@ class ProcessResult(NamedTuple):
     elapsed: float
     stall: float   # the client loop's total lag, seconds
     gc: float      # the client's total GC pauses, seconds
+    cpu: float     # the client process's CPU time over its workers' run, seconds (user + system)
 
 
 #: seconds a lease of a multi-lock must have been held before the leak watch looks at it
@@ -355,10 +363,10 @@ async def overlap_one_process(addresses: list[str], count: int, workers: int, na
 
     watcher = asyncio.ensure_future(watch.run())
     leak_watcher = asyncio.ensure_future(leaks.run())
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), time.process_time()
     try:
         await asyncio.gather(*(worker(k) for k in range(workers)))
-        elapsed = time.monotonic() - t0
+        elapsed, cpu = time.monotonic() - t0, time.process_time() - cpu0
         leaks.stop()
         await leak_watcher
         await leaks.sweep(0.0)  # every multi-lock has ended: any lease of this process left is a leak
@@ -370,7 +378,7 @@ async def overlap_one_process(addresses: list[str], count: int, workers: int, na
         for router in routers:
             for c in router.clients:
                 await c.close()
-    return ProcessResult(done, stuck, lost, leaks.leaked, elapsed, watch.lag_sum[-1], watch.gc_sum[-1])
+    return ProcessResult(done, stuck, lost, leaks.leaked, elapsed, watch.lag_sum[-1], watch.gc_sum[-1], cpu)
 
 
 def _overlap_in_child(addresses: list[str], count: int, workers: int, names: int, max_seconds: float,
@@ -417,7 +425,8 @@ async def overlap(addresses: list[str], count: int, workers: int, names: int, ma
     print(f"   attempts per multi-lock: mean {statistics.mean(attempts):.3f}, max {max(attempts)}; "
           f"wounded at least once: {sum(a > 1 for a in attempts):,}")
     print(f"   client loop lag {sum(r.stall for r in results):.1f} s and GC {sum(r.gc for r in results):.2f} s "
-          f"over the run (per process: {', '.join(f'{r.stall:.1f}/{r.gc:.2f}' for r in results)})")
+          f"over the run (per process: {', '.join(f'{r.stall:.1f}/{r.gc:.2f}' for r in results)}); client CPU "
+          f"{sum(r.cpu for r in results) / len(waits) * 1e6:.0f} us per multi-lock")
     # where the tail comes from: each component's mean, for the slowest thousandth against the middle
     tail = done[-max(1, len(done) // 1000):]
     middle = done[len(done) * 45 // 100: len(done) * 55 // 100] or done
