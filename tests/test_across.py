@@ -29,6 +29,7 @@ from fastlock.client.across import acquire_across, lock_across, lock_across_sync
 from fastlock.errors import (
     Cancelled,
     InvalidArgument,
+    LeaseLost,
     LimitExceeded,
     LockNotAcquired,
     PermissionDenied,
@@ -536,6 +537,20 @@ async def test_a_release_cancelled_before_its_requests_ran_still_releases_every_
         for name in multi.names:
             owner = router.client_for(name)
             await wait_for_async(functools.partial(owner.holder, name), f"{name} released")
+
+
+async def test_a_part_released_in_one_write_reports_a_lost_lease_and_releases_the_others(shards, loop_errors):
+    """A shard's part of two leases, one of them revoked meanwhile: ``release_across`` releases
+    every other lease and raises LeaseLost, marking that lease and the set lost."""
+    async with routed(shards) as router:
+        multi = await acquire_across(router, ["a/1", "a/2", "b/1"], ttl=60)
+        await router.client_for("a/1").revoke("a/1", reason="test")
+        with pytest.raises(LeaseLost):
+            await release_across(multi)
+        assert multi["a/1"].lost.is_set() and multi.lost.is_set()
+        assert not multi["a/2"].lost.is_set()
+        for name in ("a/1", "a/2", "b/1"):
+            assert await router.client_for(name).holder(name) is None
 
 
 async def wait_for_async(ask, what: str, timeout: float = 10.0) -> None:
