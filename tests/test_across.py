@@ -147,6 +147,27 @@ def test_an_older_reservation_wounds_a_younger_holder_which_is_told_and_cannot_c
         assert old.call(OP_COMMIT_RESERVATION, b"old")[1] == 0
 
 
+def test_a_held_uncommitted_part_goes_with_its_connection_a_committed_one_stays(server):
+    """A reservation is committed only on its own connection: once that connection closes its
+    held uncommitted part can never become a lease anyone uses, so the server takes it away at
+    once (a REVOKE) and the plain acquire queued behind it is granted - not after the part's
+    TTL (60 s).  A committed part is an ordinary lease and stays."""
+    with peers(server.address, 2) as (waiter, look):
+        gone = Raw(server.address, name="gone")
+        reply = reply_to(gone, reserve(gone, ["a/1", "a/2"], now_ms(), b"gone"))
+        assert reply[1] == 0, reply
+        kept = Raw(server.address, name="kept")
+        kept_reply = reply_to(kept, reserve(kept, ["a/3"], now_ms(), b"kept"))
+        assert kept_reply[1] == 0 and kept.call(OP_COMMIT_RESERVATION, b"kept")[1] == 0
+        rid = waiter.send(P.OP_ACQUIRE, "a/1", os.urandom(16), TTL_MS, 30_000, 0, None)
+        gone.close()
+        kept.close()
+        granted = reply_to(waiter, rid)
+        assert granted[1] == 0 and granted[2][0] > reply[2][0][0]
+        assert holder_token(look, "a/2") is None
+        assert holder_token(look, "a/3") == kept_reply[2][0][0]
+
+
 def test_a_committed_part_an_older_holder_and_a_plain_lease_are_waited_on(server):
     with peers(server.address, 4) as (first, second, third, look):
         stamp = now_ms()
@@ -413,7 +434,8 @@ async def test_a_part_is_reserved_again_alone_after_a_wound_and_after_its_shard_
 
 
 async def test_a_dead_clients_reservation_blocks_only_until_its_ttl(shards, loop_errors):
-    """An older reservation whose client died cannot be wounded: it holds until its TTL."""
+    """An older reservation whose client died cannot be wounded: it blocks the younger only
+    until its TTL (its part goes sooner, with its connection)."""
     dead = Raw(shards[0].address)
     reply = reply_to(dead, reserve(dead, ["a/1"], now_ms() - 30_000, b"dead", ttl_ms=1_500))
     assert reply[1] == 0
