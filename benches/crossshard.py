@@ -26,6 +26,13 @@ dirs, stopped afterwards) and, from one client process (uvloop when installed):
    the tail is the workload's own.  ``--processes N`` splits the workers over N client
    processes (each its own loop and connections).
 
+   **Leases left held**: each request carries ``<process>.<worker>.<n>`` as its correlation id;
+   every second each shard's held leases are listed and any lease of a multi-lock that already
+   ended (released, or given up) and is older than ``LEAK_AGE`` is printed as ``LEAK:`` with the
+   multi-lock's timeline (each part's send, grant, queue time and reserves; the token the client
+   had; when it ended), and once every worker has finished every lease still held is one
+   (target 0).  The client process's CPU time per multi-lock is printed too (microseconds).
+
    **What a wait is made of**: for the slowest thousandth and for the middle tenth, the mean
    of: the wait; the longest time one part queued in a shard (the shard's figure); the longest
    send-to-grant of a part beyond that (parked, wire, client loop); first to last part
@@ -38,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import collections
 import concurrent.futures
 import gc
 import multiprocessing
@@ -185,9 +193,100 @@ class ProcessResult(NamedTuple):
     done: list[tuple]  # Done's fields
     stuck: int
     lost: int      # multi-locks a lease of which had ended by its release
+    leaked: int    # leases still held after their multi-lock was released or gave up
     elapsed: float
     stall: float   # the client loop's total lag, seconds
     gc: float      # the client's total GC pauses, seconds
+    cpu: float     # the client process's CPU time over its workers' run, seconds (user + system)
+
+
+#: seconds a lease of a multi-lock must have been held before the leak watch looks at it
+LEAK_AGE = 2.0
+#: how many ended multi-locks a client process remembers for the leak watch's reports
+ENDED_KEPT = 10_000
+
+
+class Ended(NamedTuple):
+    """How a multi-lock of the overlap part ended, for the leak watch (loop times, seconds).
+    Kept as a plain tuple of numbers and strings (``Ended(*row)`` to read one), which the
+    collector stops tracking: the kept records add nothing to the client's collections."""
+
+    how: str                   # "released", or why it gave up
+    started: float
+    acquired: float            # 0.0: never acquired
+    ended: float
+    attempts: int
+    timings: tuple             # per shard (sent, granted, waited_ms, reserves), as PartTiming; () if not acquired
+    tokens: tuple              # (name, the token the client held) pairs
+
+
+class LeakWatch:
+    """Leases of this process's multi-locks that the servers still hold after the multi-lock
+    was released or gave up (each request carries ``<seed>.<worker>.<n>`` as its correlation
+    id): every second, and once at the end for every lease left, each shard's held leases
+    (``locks``) are read and every lease of an ended multi-lock (held longer than
+    :data:`LEAK_AGE` while the run goes on) is reported with the multi-lock's timeline."""
+
+    def __init__(self, clients: list[fastlock.Client], prefix: str, loop: asyncio.AbstractEventLoop):
+        self.clients = clients
+        self.prefix = prefix
+        self.loop = loop
+        self.active: dict[str, float] = {}
+        self.ended: collections.OrderedDict[str, tuple] = collections.OrderedDict()  # Ended's fields
+        self.reported: set[tuple[str, int]] = set()
+        self.leaked = 0
+        self._stop = asyncio.Event()
+
+    def end(self, corr: str, how: str, started: float, acquired: float, attempts: int, timings: tuple,
+            tokens: dict) -> None:
+        self.active.pop(corr, None)
+        self.ended[corr] = (how, started, acquired, self.loop.time(), attempts, tuple(tuple(t) for t in timings),
+                            tuple(tokens.items()))
+        if len(self.ended) > ENDED_KEPT:
+            self.ended.popitem(last=False)
+
+    async def sweep(self, min_age: float) -> None:
+        for shard, client in enumerate(self.clients):
+            try:
+                page = await client.locks("ov/", most=10_000)
+            except fastlock.FastlockError as exc:
+                print(f"   leak watch: shard {shard} could not be read: {exc}")
+                continue
+            now = self.loop.time()
+            for info in page.locks:
+                corr = info.correlation_id or ""
+                age = info.ttl - info.remaining
+                key = (info.name, info.fencing_token)
+                if not corr.startswith(self.prefix) or age < min_age or key in self.reported:
+                    continue
+                row = self.ended.get(corr)
+                record = None if row is None else Ended(*row)
+                if record is None and corr in self.active:
+                    continue  # its multi-lock is still being taken: a part held while another waits
+                self.reported.add(key)
+                self.leaked += 1
+                print(f"   LEAK: {info.name} token {info.fencing_token} on shard {shard} held {age:.1f} s "
+                      f"({info.remaining:.1f} s of its TTL left, client {info.client}) by multi-lock {corr}: "
+                      + ("not remembered" if record is None else self.describe(record, info.name, now)))
+
+    @staticmethod
+    def describe(r: Ended, name: str, now: float) -> str:
+        parts = "; ".join(f"sent +{(sent - r.started) * 1e3:.0f} granted +{(granted - r.started) * 1e3:.0f} ms, "
+                          f"queued {waited_ms} ms, {reserves} reserves"
+                          for sent, granted, waited_ms, reserves in r.timings)
+        acquired = "never acquired" if not r.acquired else f"acquired +{(r.acquired - r.started) * 1e3:.0f} ms"
+        return (f"{r.how} +{(r.ended - r.started) * 1e3:.0f} ms ({(now - r.ended):.1f} s ago), {acquired}, "
+                f"{r.attempts} attempts, the client's token for it {dict(r.tokens).get(name)}; parts: {parts or '-'}")
+
+    async def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await asyncio.wait_for(self._stop.wait(), 1.0)
+            except asyncio.TimeoutError:
+                await self.sweep(LEAK_AGE)
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 async def overlap_one_process(addresses: list[str], count: int, workers: int, names: int, max_seconds: float,
@@ -207,30 +306,40 @@ async def overlap_one_process(addresses: list[str], count: int, workers: int, na
     end = time.monotonic() + max_seconds
     watch = LoopWatch()
     loop = asyncio.get_running_loop()
+    leaks = LeakWatch(routers[0].clients, f"{seed}.", loop)
 
     async def worker(k: int) -> None:
         nonlocal stuck, started, lost
         rng = random.Random(seed + k)
         router = routers[k % 2]
+        n = 0
         while started < count and time.monotonic() < end:
             started += 1
+            n += 1
             chosen = rng.sample(pool, rng.randrange(2, 5))
+            corr = f"{seed}.{k}.{n}"
             t0, l0 = time.monotonic(), loop.time()
+            leaks.active[corr] = l0
             try:
                 if one_shard:
-                    held = await router.clients[0].acquire_many(chosen, ttl=30.0, wait=120.0)
+                    held = await router.clients[0].acquire_many(chosen, ttl=30.0, wait=120.0, correlation_id=corr)
                 else:
-                    multi = await acquire_across(router, chosen, ttl=30.0, wait=120.0, in_order=in_order)
-            except LockNotAcquired:
+                    multi = await acquire_across(router, chosen, ttl=30.0, wait=120.0, in_order=in_order,
+                                                 correlation_id=corr)
+            except LockNotAcquired as exc:
                 stuck += 1
+                leaks.end(corr, f"gave up ({exc})", l0, 0.0, 0, (), {})
                 continue
             t1, l1 = time.monotonic(), loop.time()
             if one_shard:
                 done.append((t1 - t0, 1, 0.0, 0.0, 0.0, 0.0, 0.0, watch.stall(t0, t1), watch.gc_time(t0, t1)))
+                how = "released"
                 try:
                     await router.clients[0].release_many(held)
                 except LeaseLost:
                     lost += 1
+                    how = "released (a lease lost)"
+                leaks.end(corr, how, l0, l1, 1, (), held.fencing_tokens)
             else:
                 ts = multi.timings
                 done.append((
@@ -241,25 +350,35 @@ async def overlap_one_process(addresses: list[str], count: int, workers: int, na
                     max(0.0, min(p.sent for p in ts) - l0),
                     max(0.0, l1 - multi.commit_sent),
                     watch.stall(t0, t1), watch.gc_time(t0, t1)))
+                how = "released"
                 try:
                     await release_across(multi)
                 except LeaseLost as exc:
                     lost += 1
+                    how = "released (a lease lost)"
                     print(f"   a lease was lost before its release: {exc}; this multi-lock waited "
                           f"{(t1 - t0) * 1e3:.0f} ms, {multi.attempts} attempts, parts granted "
                           f"{', '.join(f'{(l1 - p.granted) * 1e3:.0f}' for p in multi.timings)} ms before the end")
+                leaks.end(corr, how, l0, l1, multi.attempts, ts, multi.fencing_tokens)
 
     watcher = asyncio.ensure_future(watch.run())
-    t0 = time.monotonic()
+    leak_watcher = asyncio.ensure_future(leaks.run())
+    t0, cpu0 = time.monotonic(), time.process_time()
     try:
         await asyncio.gather(*(worker(k) for k in range(workers)))
+        elapsed, cpu = time.monotonic() - t0, time.process_time() - cpu0
+        leaks.stop()
+        await leak_watcher
+        await leaks.sweep(0.0)  # every multi-lock has ended: any lease of this process left is a leak
     finally:
         watch.stop()
+        leaks.stop()
         await watcher
+        await leak_watcher
         for router in routers:
             for c in router.clients:
                 await c.close()
-    return ProcessResult(done, stuck, lost, time.monotonic() - t0, watch.lag_sum[-1], watch.gc_sum[-1])
+    return ProcessResult(done, stuck, lost, leaks.leaked, elapsed, watch.lag_sum[-1], watch.gc_sum[-1], cpu)
 
 
 def _overlap_in_child(addresses: list[str], count: int, workers: int, names: int, max_seconds: float,
@@ -299,13 +418,15 @@ async def overlap(addresses: list[str], count: int, workers: int, names: int, ma
     print(f"{'2b' if one_shard else '2'}. {len(waits):,} multi-locks of 2-4 names over {names} names on {where}, "
           f"{workers} workers in {processes} client process{'es' if processes > 1 else ''}, "
           f"{elapsed:.1f} s ({len(waits) / elapsed:,.0f}/s): stuck {stuck} (target 0), a lease lost before "
-          f"its release {sum(r.lost for r in results)} (target 0)")
+          f"its release {sum(r.lost for r in results)} (target 0), leases left held after their multi-lock "
+          f"ended {sum(r.leaked for r in results)} (target 0)")
     print(f"   wait p50 {median * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms, max {waits[-1] * 1e3:.2f} ms; "
           f"max/median {waits[-1] / median:.1f}x (target <= 10x); p99/median {p99 / median:.1f}x")
     print(f"   attempts per multi-lock: mean {statistics.mean(attempts):.3f}, max {max(attempts)}; "
           f"wounded at least once: {sum(a > 1 for a in attempts):,}")
     print(f"   client loop lag {sum(r.stall for r in results):.1f} s and GC {sum(r.gc for r in results):.2f} s "
-          f"over the run (per process: {', '.join(f'{r.stall:.1f}/{r.gc:.2f}' for r in results)})")
+          f"over the run (per process: {', '.join(f'{r.stall:.1f}/{r.gc:.2f}' for r in results)}); client CPU "
+          f"{sum(r.cpu for r in results) / len(waits) * 1e6:.0f} us per multi-lock")
     # where the tail comes from: each component's mean, for the slowest thousandth against the middle
     tail = done[-max(1, len(done) // 1000):]
     middle = done[len(done) * 45 // 100: len(done) * 55 // 100] or done

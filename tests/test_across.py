@@ -10,6 +10,7 @@ own age stamps; the client's behaviour with real clients.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import threading
@@ -22,11 +23,13 @@ from test_limits import Raw, error_of
 import fastlock
 from fastlock import protocol as P
 from fastlock._testbase import HistoryChecker
+from fastlock._testbase.proxy import TcpProxy
 from fastlock.auth import generate
 from fastlock.client.across import acquire_across, lock_across, lock_across_sync, release_across, shard_key
 from fastlock.errors import (
     Cancelled,
     InvalidArgument,
+    LeaseLost,
     LimitExceeded,
     LockNotAcquired,
     PermissionDenied,
@@ -142,6 +145,27 @@ def test_an_older_reservation_wounds_a_younger_holder_which_is_told_and_cannot_c
         assert holder_token(look, "a/1") is None  # every part of the wounded one went, not only a/2
         assert error_of(young.call(OP_COMMIT_RESERVATION, b"young"))[0] == Wounded.code
         assert old.call(OP_COMMIT_RESERVATION, b"old")[1] == 0
+
+
+def test_a_held_uncommitted_part_goes_with_its_connection_a_committed_one_stays(server):
+    """A reservation is committed only on its own connection: once that connection closes its
+    held uncommitted part can never become a lease anyone uses, so the server takes it away at
+    once (a REVOKE) and the plain acquire queued behind it is granted - not after the part's
+    TTL (60 s).  A committed part is an ordinary lease and stays."""
+    with peers(server.address, 2) as (waiter, look):
+        gone = Raw(server.address, name="gone")
+        reply = reply_to(gone, reserve(gone, ["a/1", "a/2"], now_ms(), b"gone"))
+        assert reply[1] == 0, reply
+        kept = Raw(server.address, name="kept")
+        kept_reply = reply_to(kept, reserve(kept, ["a/3"], now_ms(), b"kept"))
+        assert kept_reply[1] == 0 and kept.call(OP_COMMIT_RESERVATION, b"kept")[1] == 0
+        rid = waiter.send(P.OP_ACQUIRE, "a/1", os.urandom(16), TTL_MS, 30_000, 0, None)
+        gone.close()
+        kept.close()
+        granted = reply_to(waiter, rid)
+        assert granted[1] == 0 and granted[2][0] > reply[2][0][0]
+        assert holder_token(look, "a/2") is None
+        assert holder_token(look, "a/3") == kept_reply[2][0][0]
 
 
 def test_a_committed_part_an_older_holder_and_a_plain_lease_are_waited_on(server):
@@ -410,7 +434,8 @@ async def test_a_part_is_reserved_again_alone_after_a_wound_and_after_its_shard_
 
 
 async def test_a_dead_clients_reservation_blocks_only_until_its_ttl(shards, loop_errors):
-    """An older reservation whose client died cannot be wounded: it holds until its TTL."""
+    """An older reservation whose client died cannot be wounded: it blocks the younger only
+    until its TTL (its part goes sooner, with its connection)."""
     dead = Raw(shards[0].address)
     reply = reply_to(dead, reserve(dead, ["a/1"], now_ms() - 30_000, b"dead", ttl_ms=1_500))
     assert reply[1] == 0
@@ -475,6 +500,87 @@ async def test_a_shard_down_is_retried_with_pauses_until_the_wait_ends(shards, l
         assert 1 <= grants <= 30  # 3 s of pauses from 20 ms doubling to 0.5 s: about 10 attempts
         assert await router.client_for("a/1").holder("a/1") is None
         assert await router.client_for("b/1").holder("b/1") is None
+
+
+class NamedRouter:
+    """``a/...``, ``b/...``, ``c/...``: the clients given, in that order (any addresses)."""
+
+    def __init__(self, clients):
+        self.clients = clients
+
+    def client_for(self, name: str):
+        return self.clients["abc".index(name[0])]
+
+
+async def test_a_part_granted_as_its_connection_failed_is_let_go_not_left_to_its_ttl(shards, loop_errors):
+    """Shard a is reached through a proxy.  The multi-lock's part a/1 waits behind a plain
+    lease; the proxy stops forwarding, the plain lease is released, so the server grants the
+    part while its reply cannot arrive; then the link is cut.  The client cannot know whether
+    it was granted: it withdraws it by owner on its next connection (CANCEL releases a grant)
+    before reserving the part again, so the new reservation gets a/1 at once instead of
+    queueing behind its own lost grant until that grant's TTL (60 s, longer than the wait)."""
+    with TcpProxy(shards[0].address) as proxy, Raw(shards[0].address) as look:
+        clients = [await fastlock.connect(proxy.address, client_name="cut-a")]
+        clients += [await fastlock.connect(s.address, client_name=f"cut-{i}") for i, s in enumerate(shards[1:])]
+        try:
+            router = NamedRouter(clients)
+            plain_client = await fastlock.connect(shards[0].address, client_name="plain")
+            plain = await plain_client.acquire("a/1", ttl=60)
+            multi_task = asyncio.ensure_future(acquire_across(router, ["a/1", "b/1"], ttl=60, wait=20))
+            await wait_for(lambda: len(contenders(look, "a/1")["waiters"]) == 1, "the part waits for a/1")
+            proxy.blackhole()
+            await plain_client.release(plain)
+            await plain_client.close()
+            await wait_for(lambda: holder_token(look, "a/1") not in (None, plain.fencing_token),
+                           "the part is granted on the server")
+            lost_grant = holder_token(look, "a/1")
+            proxy.cut()
+            proxy.heal()
+            multi = await asyncio.wait_for(multi_task, 30)
+            assert multi["a/1"].fencing_token > lost_grant
+            assert holder_token(look, "a/1") == multi["a/1"].fencing_token  # the lost grant is gone
+            await release_across(multi)
+            assert holder_token(look, "a/1") is None
+        finally:
+            for c in clients:
+                await c.close()
+
+
+async def test_a_release_cancelled_before_its_requests_ran_still_releases_every_part(shards, loop_errors):
+    """``release_across`` cancelled at once (its per-shard requests scheduled, none sent yet):
+    every release is still sent, so no part is left held until its TTL (60 s)."""
+    async with routed(shards) as router:
+        multi = await acquire_across(router, ["a/1", "a/2", "b/1", "c/1"], ttl=60)
+        task = asyncio.ensure_future(release_across(multi))
+        await asyncio.sleep(0)  # it runs up to its first await: the requests are scheduled, not sent
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for name in multi.names:
+            owner = router.client_for(name)
+            await wait_for_async(functools.partial(owner.holder, name), f"{name} released")
+
+
+async def test_a_part_released_in_one_write_reports_a_lost_lease_and_releases_the_others(shards, loop_errors):
+    """A shard's part of two leases, one of them revoked meanwhile: ``release_across`` releases
+    every other lease and raises LeaseLost, marking that lease and the set lost."""
+    async with routed(shards) as router:
+        multi = await acquire_across(router, ["a/1", "a/2", "b/1"], ttl=60)
+        await router.client_for("a/1").revoke("a/1", reason="test")
+        with pytest.raises(LeaseLost):
+            await release_across(multi)
+        assert multi["a/1"].lost.is_set() and multi.lost.is_set()
+        assert not multi["a/2"].lost.is_set()
+        for name in ("a/1", "a/2", "b/1"):
+            assert await router.client_for(name).holder(name) is None
+
+
+async def wait_for_async(ask, what: str, timeout: float = 10.0) -> None:
+    """Until ``await ask()`` is None (a freed name), for at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while await ask() is not None:
+        assert time.monotonic() < deadline, f"timed out waiting: {what}"
+        await asyncio.sleep(0.01)
 
 
 def test_the_blocking_client_locks_across_shards(shards):

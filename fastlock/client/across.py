@@ -146,8 +146,9 @@ class _Shard:
 
 
 class _Wound:
-    """One attempt's wound: set once (from any thread) by a push or a failed part; each
-    shard's request waits on a future of its own loop (:meth:`waiter`)."""
+    """One attempt's wound (or any one-shot flag of a multi-lock): set once (from any thread)
+    by a push or a failed part; each shard's request waits on a future of its own loop
+    (:meth:`waiter`, :meth:`add`)."""
 
     __slots__ = ("flag", "_lock", "_waiters")
 
@@ -162,8 +163,15 @@ class _Wound:
                 return
             self.flag = True
             waiters, self._waiters = self._waiters, []
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
         for loop, fut in waiters:
-            loop.call_soon_threadsafe(_resolve, fut)
+            if loop is running:
+                _resolve(fut)
+            else:
+                loop.call_soon_threadsafe(_resolve, fut)
 
     def is_set(self) -> bool:
         return self.flag
@@ -171,12 +179,16 @@ class _Wound:
     def waiter(self) -> asyncio.Future[None]:
         """A future of the running loop, done once the wound is set."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.add(fut)
+        return fut
+
+    def add(self, fut: asyncio.Future[None]) -> None:
+        """Resolve ``fut`` (a future of the running loop) once the wound is set (at once if it is)."""
         with self._lock:
             if not self.flag:
                 self._waiters.append((asyncio.get_running_loop(), fut))
-                return fut
-        fut.set_result(None)
-        return fut
+                return
+        _resolve(fut)
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -285,11 +297,12 @@ async def _reserve(client: Client, part: _Part, names: tuple[str, ...], ttl_ms: 
     part.sent = sent
     part.reserves += 1
     reply_fut = proto.request(OP_RESERVE, list(names), owner, ttl_ms, wait_ms, corr, stamp, multi_id)
-    wound_task = wound.waiter()
+    woken = wound.waiter()  # done by the wound, or by the reply
+    if not woken.done():
+        reply_fut.add_done_callback(functools.partial(_wake, woken))
     try:
-        await asyncio.wait({reply_fut, wound_task}, return_when=asyncio.FIRST_COMPLETED)
+        await woken
     except asyncio.CancelledError:
-        wound_task.cancel()
         reply_fut.add_done_callback(_retrieve)
         _withdraw(connector, proto, names, owner)
         raise
@@ -297,10 +310,14 @@ async def _reserve(client: Client, part: _Part, names: tuple[str, ...], ttl_ms: 
         reply_fut.add_done_callback(_retrieve)  # its answer (Cancelled, a grant released) is not needed
         _withdraw(connector, proto, names, owner)
         raise Wounded("wounded by an older multi-lock on another shard")
-    wound_task.cancel()
     error = reply_fut.exception()
     if error is not None:  # raised with neither the future nor the error kept in this frame: no cycle
         del reply_fut
+        if isinstance(error, RETRYABLE):
+            # the connection failed with the request's outcome unknown: the server may have granted it
+            # before the reply was lost, so it is withdrawn by owner (on the next connection if this one
+            # is dead: CANCEL releases a grant) instead of being left held until its TTL
+            _withdraw(connector, proto, names, owner)
         try:
             raise error
         finally:
@@ -343,6 +360,10 @@ def _raise_dropped(error: BaseException, *lists: list[Any]) -> None:
         del error
 
 
+def _wake(woken: asyncio.Future[None], _reply: asyncio.Future[Any]) -> None:
+    _resolve(woken)
+
+
 def _retrieve(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()
@@ -354,13 +375,48 @@ async def _commit(client: Client, multi_id: bytes) -> None:
 
 
 async def _release_leases(client: Client, leases: list[Lease]) -> list[BaseException]:
-    results = await asyncio.gather(*(client.release(lease) for lease in leases), return_exceptions=True)
-    return [r for r in results if isinstance(r, BaseException)]
+    """Release ``leases`` (one shard's part): their RELEASEs in one write; one whose connection
+    failed under it is released again with :meth:`Client.release` (riding through a failover,
+    a ``LeaseLost`` then counting as released).  Returns the errors (``LeaseLost``: ``lease.lost``
+    is set)."""
+    proto = client.connector.proto
+    if not leases:
+        return []
+    if proto is None or proto.closed or len(leases) == 1:
+        results = await asyncio.gather(*(client.release(lease) for lease in leases), return_exceptions=True)
+        return [r for r in results if isinstance(r, BaseException)]
+    renewers = client.renewers
+    if renewers.by_state:
+        for lease in leases:
+            renewers.stop(lease)
+    futs = proto.request_batch([(P.OP_RELEASE, lease.name, lease.fencing_token, lease.owner) for lease in leases])
+    results = await asyncio.gather(*futs, return_exceptions=True)
+    errors: list[BaseException] = []
+    for lease, result in zip(leases, results):
+        if isinstance(result, RETRYABLE):
+            try:
+                await client.release(lease)
+            except LeaseLost:
+                pass  # the first attempt's outcome is unknown: it may have released it
+            except FastlockError as exc:
+                errors.append(exc)
+        elif isinstance(result, LeaseLost):
+            lease.lost.set()
+            errors.append(result)
+        elif isinstance(result, BaseException):
+            errors.append(result)
+    return errors
 
 
 async def _let_go(parts: list[_Part]) -> None:
-    """Release every lease of ``parts`` (the ones already revoked answer LeaseLost: ignored)."""
-    await asyncio.gather(*(part.shard.run(_release_leases, part.leases) for part in parts), return_exceptions=True)
+    """Release every lease of ``parts`` (the ones already revoked answer LeaseLost: ignored); if
+    cancelled meanwhile, each release is sent without waiting (:func:`_let_go_nowait`)."""
+    try:
+        await asyncio.gather(*(part.shard.run(_release_leases, part.leases) for part in parts),
+                             return_exceptions=True)
+    except asyncio.CancelledError:
+        _let_go_nowait(parts)
+        raise
 
 
 def _let_go_nowait(parts: list[_Part]) -> None:
@@ -401,7 +457,7 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
     attempts = 0
     rereserved = 0  # parts taken again alone after a wound of theirs (all at once)
     holding: set[int] = set()  # the shards whose part is held, in this round (all at once)
-    all_held = asyncio.Event()  # every part is held, in this round
+    all_held = _Wound()  # every part is held, in this round
 
     def left_ms() -> int:
         return -1 if deadline is None else max(0, int((deadline - loop.time()) * 1000))
@@ -434,14 +490,10 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
                 holding.add(k)
                 if len(holding) == len(shards):
                     all_held.set()
-                wound_fut = w.waiter()
-                all_fut: asyncio.Future[Any] = asyncio.ensure_future(all_held.wait())
-                either: set[asyncio.Future[Any]] = {wound_fut, all_fut}
-                try:
-                    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    wound_fut.cancel()
-                    all_fut.cancel()
+                either: asyncio.Future[None] = loop.create_future()  # done by a wound of the part, or all held
+                w.add(either)
+                all_held.add(either)
+                await either
                 if not w.is_set() or all_held.is_set():
                     return  # (a wound once all are held: the caller's next round)
                 holding.discard(k)
@@ -470,9 +522,9 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
                 if in_order:
                     for shard, names in shards:
                         part = _Part(shard, [])
+                        parts.append(part)  # first: a grant read on the shard's loop is let go if this is cancelled
                         await shard.run(_reserve, part, names, ttl_ms, left_ms(), correlation_id, stamp, multi_id,
                                         wounded, renew, renew_fraction)
-                        parts.append(part)
                     if wounded.is_set():
                         raise Wounded("wounded by an older multi-lock")
                 else:
@@ -481,7 +533,7 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
                     todo = list(range(len(parts)))
                     while todo:
                         holding = set(range(len(parts))) - set(todo)
-                        all_held = asyncio.Event()
+                        all_held = _Wound()
                         results = await asyncio.gather(*(hold_or_abort(k, parts[k], shards[k][1], aborted)
                                                          for k in todo), return_exceptions=True)
                         failed = [r for r in results if isinstance(r, BaseException)]
@@ -567,10 +619,15 @@ async def acquire_across(router: Router, names: Iterable[str], *, ttl: float, wa
 
 
 async def release_across(multi: CrossShardLease) -> None:
-    """Release every lease of ``multi`` (all of them, even if one fails).
+    """Release every lease of ``multi`` (all of them, even if one fails; if cancelled, each
+    release is still sent, without waiting for its reply).
     :raises LeaseLost: a lease had ended already (the others are released)."""
-    results = await asyncio.gather(*(part.shard.run(_release_leases, part.leases) for part in multi.parts),
-                                   return_exceptions=True)
+    try:
+        results = await asyncio.gather(*(part.shard.run(_release_leases, part.leases) for part in multi.parts),
+                                       return_exceptions=True)
+    except asyncio.CancelledError:
+        _let_go_nowait(list(multi.parts))
+        raise
     multi.raise_failed_release(e for r in results for e in (r if isinstance(r, list) else [r]))
 
 
@@ -643,5 +700,7 @@ def lock_across_sync(router: SyncRouter, names: Iterable[str], *, ttl: float, wa
     try:
         return SyncCrossShardLease(fut.result(), loop)
     except BaseException:
-        fut.cancel()
+        if not fut.cancel() and fut.done() and not fut.cancelled() and fut.exception() is None:
+            # taken as the caller gave up (an interrupt while it waited): let go of it
+            loop.call_soon_threadsafe(_let_go_nowait, list(fut.result().parts))
         raise

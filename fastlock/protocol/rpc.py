@@ -288,6 +288,18 @@ class RpcConnection(RpcWire, asyncio.Protocol):
         """Send a request whose reply nobody awaits (an error reply is dropped)."""
         self.request(op, *args).add_done_callback(_ignore_result)
 
+    def request_batch(self, requests: list[tuple[Any, ...]]) -> list[asyncio.Future[Any]]:
+        """Send several requests ``(op, *args)`` in one write; a future for each reply's value,
+        in order, each as :meth:`request`'s (all raise ConnectionLost at once if the connection
+        has ended)."""
+        futs = [self.expect(self.next_id()) for _ in requests]
+        if self.closed or self.transport is None:
+            return futs
+        first = self._next_id - len(requests)
+        self.transport.write(b"".join(packb([first + i, *req]) for i, req in enumerate(requests)))
+        self.rearm()
+        return futs
+
     def next_id(self) -> int:
         """Reserve a request id for a frame written with :meth:`write_raw`."""
         req_id = self._next_id

@@ -42,7 +42,8 @@ about to be refused (a multi-lock trying for longer than 55 s loses its seniorit
 
 **Leases, TTLs and failover.**  A reservation's parts are ordinary leases with the
 request's TTL: a dead client's parts end by their TTL like any lease, and its waiting
-request ends with its connection.  The reservation table (who is a reservation, with
+request and its held uncommitted parts end with its connection (:meth:`WoundWait.session_closed`).
+The reservation table (who is a reservation, with
 which rank, committed or not) lives in the primary's memory only and is not logged
 (records 90-94 are reserved for it and stay unused), because nothing the issue promises
 needs it after a failover:
@@ -369,13 +370,40 @@ class WoundWait:
 
     def session_closed(self, session: int) -> None:
         """Connection ``session`` closed: its parked reservations go (its waiting ones went
-        with its waiters; its held parts stay until their TTL and can still be wounded)."""
+        with its waiters), and so do its held uncommitted parts: a reservation is committed
+        only on its own connection, so none of them can become a lease its client uses (the
+        client counts the lost connection as a wound and reserves the part again); their
+        leases are taken away as a wound's are (a REVOKE record each).  A fenced node leaves
+        them to their TTL.  Committed parts are ordinary leases and stay until their TTL."""
         gone = [r for key, r in self.parked.items() if key[0] == session]
         for r in gone:
             self._forget(r)
+        orphaned = [r for key, r in self.by_key.items() if key[0] == session and r.state == HELD and not r.wounded]
+        if orphaned:
+            self._take_orphaned(orphaned)
         if self.waiting_on:
             self._wake_all = True  # its waiting requests ended without a word to this table
             self._wake_soon()
+
+    def _take_orphaned(self, orphaned: list[Reservation]) -> None:
+        """Take away the leases of held uncommitted reservations whose connection closed."""
+        try:
+            self.roles.admit(Action.RELEASE)
+        except FastlockError:
+            return
+        now = monotonic_ms()
+        self.server.source.fence_if_due(now)
+        table = self.table
+        lock_admin = self.handlers.lock_admin
+        for r in orphaned:
+            for name in r.names:
+                h = table.holder(name, now, r.owner)
+                if h is not None:
+                    lock_admin.take_lease(name, h.token, h.meta, r.principal,
+                                          "its connection closed before the multi-lock's commit", now)
+            self._unwait(r)
+            self._forget(r)
+        self._wake_soon()
 
     # -- the rule ----------------------------------------------------------------------------------
     def _alive(self, r: Reservation, now: int) -> bool:
