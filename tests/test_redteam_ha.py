@@ -1,0 +1,120 @@
+"""Attacks on the high-availability path (issue 24's red team), against real processes.
+
+- a peer holding a replica credential acknowledges (``SYNC_ACK``) records the primary has
+  not sent it yet: its snapshot of more than ``INLINE_SNAPSHOT_LEASES`` leases is still being
+  prepared. A primary that counts that acknowledgement says it is in sync with a standby that
+  holds nothing, and acknowledges grants no standby holds;
+- in an etcd group, a replica that no member key names (a plain ``--standby-of`` node, or a
+  peer with a replica credential under an unknown node id) is no in-sync copy: no election
+  can promote it.
+
+Every wait has a deadline; servers are stopped by PID (the ``cluster`` fixture).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fastlock import protocol as P
+from fastlock._testbase.cluster import RawNode, run, status_of
+from fastlock.errors import Unavailable
+from fastlock.replication.source import INLINE_SNAPSHOT_LEASES
+
+SYNC = ["--replication", "sync"]
+
+
+def no_reply(request: asyncio.Future) -> None:
+    """``SYNC_ACK`` has no reply: its future ends only when the connection closes."""
+    request.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
+def sync_of(status: dict) -> dict:
+    return status["replication"]["sync"]
+
+
+@pytest.mark.xfail(strict=True, reason="the primary counts a SYNC_ACK of records it has not sent yet "
+                   "(the primary-side ack guard is issue 24's s13-ackguard branch)")
+def test_an_ack_before_the_snapshot_was_sent_is_not_counted(cluster):
+    # the primary degrades (no standby attached) and keeps granting: fill its table past the
+    # size whose snapshot is prepared off the loop and streamed after the REPLICATE reply
+    primary = cluster.primary(args=SYNC)
+
+    async def main() -> None:
+        admin = await RawNode.open(primary.address)
+        leases = INLINE_SNAPSHOT_LEASES + 1
+        for start in range(0, leases, 2_000):
+            batch = [admin.acquire(f"fill/{i}", 600_000) for i in range(start, min(leases, start + 2_000))]
+            await asyncio.wait_for(asyncio.gather(*batch), 60)
+        st = await admin.status()
+        last = st["wal"]["last_lsn"]
+        assert last >= leases, st["wal"]
+        hostile = await RawNode.open(primary.address, token=cluster.creds.token(cluster.replica_of("evil")),
+                                     name="evil")
+        # REPLICATE from nothing (a snapshot), and in the same write an ack of every LSN logged:
+        # the primary has not sent the snapshot (it is encoded on a worker thread after the reply)
+        attach = hostile.request(P.OP_REPLICATE, 0, None, 0, "evil-node")
+        no_reply(hostile.request(P.OP_SYNC_ACK, last))
+        info = await asyncio.wait_for(attach, 10)
+        assert info["mode"] == "snapshot", info
+        st = await status_of(primary.address)
+        sync = sync_of(st)
+        await hostile.close()
+        await admin.close()
+        assert sync["standby_acked_lsn"] < last and sync["state"] != "in_sync", (
+            f"the primary counted an acknowledgement of LSN {last} from a standby it had sent nothing "
+            f"(its snapshot was still being prepared): {sync}")
+
+    run(main(), timeout=120)
+
+
+# -- an etcd group: only a member of the group counts as an in-sync copy ---------------------------
+
+etcd_sync = pytest.importorskip("test_etcd_sync")
+
+
+@pytest.fixture
+def sync_group(request, cluster, etcd):
+    if "uvloop" in request.node.name:
+        pytest.skip("process-level etcd tests run on the asyncio loop only")
+    return etcd_sync.SyncGroup(cluster, etcd, ("--sync-on-timeout", "fence"))
+
+
+async def test_a_replica_that_is_no_group_member_is_no_in_sync_copy(sync_group, cluster):
+    # One node (the primary, --sync-standbys 1, strict: fence): no standby, so no grant is acknowledged.
+    # A peer holding a replica credential attaches under a node id no member key names and
+    # acknowledges every LSN the primary logs. No etcd election can ever promote it: a grant
+    # acknowledged on its word alone is on no node that could take over.
+    sync_group.start("a")
+    await sync_group.primary(["a"])
+    address = sync_group.nodes["a"].address
+    admin = await RawNode.open(address)
+    hostile = await RawNode.open(address, token=cluster.creds.token(cluster.replica_of("evil")), name="evil")
+    await asyncio.wait_for(hostile.request(P.OP_REPLICATE, 0, None, 0, "not-a-member"), 10)
+    stop = asyncio.Event()
+
+    async def ack_everything() -> None:
+        for _ in range(400):  # bounded: 400 acks, 25 ms apart
+            if stop.is_set() or hostile.closed:
+                return
+            no_reply(hostile.request(P.OP_SYNC_ACK, (await admin.status())["wal"]["last_lsn"]))
+            await asyncio.sleep(0.025)
+
+    acking = asyncio.ensure_future(ack_everything())
+    try:
+        outcome = "acknowledged"
+        try:
+            await asyncio.wait_for(admin.acquire("only-on-the-primary", 60_000), 10)
+        except Unavailable as exc:
+            outcome = f"refused: {exc}"
+        st = await admin.status()
+    finally:
+        stop.set()
+        await acking
+        await hostile.close()
+        await admin.close()
+    members = st["replication"]["sync"]["members"]
+    assert outcome.startswith("refused") and not members, (
+        f"a grant was {outcome} with the in-sync set {members}: a replica with no member key in etcd "
+        f"counted as the group's synchronous copy")
