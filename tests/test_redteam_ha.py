@@ -6,7 +6,9 @@
   holds nothing, and acknowledges grants no standby holds;
 - in an etcd group, a replica that no member key names (a plain ``--standby-of`` node, or a
   peer with a replica credential under an unknown node id) is no in-sync copy: no election
-  can promote it.
+  can promote it;
+- in an etcd group, a peer with a replica credential cannot depose the primary (``STEP_DOWN``):
+  etcd alone decides who is primary.
 
 Every wait has a deadline; servers are stopped by PID (the ``cluster`` fixture).
 """
@@ -19,7 +21,7 @@ import pytest
 
 from fastlock import protocol as P
 from fastlock._testbase.cluster import RawNode, run, status_of
-from fastlock.errors import Unavailable
+from fastlock.errors import PermissionDenied, Unavailable
 from fastlock.replication.source import INLINE_SNAPSHOT_LEASES
 
 SYNC = ["--replication", "sync"]
@@ -118,3 +120,24 @@ async def test_a_replica_that_is_no_group_member_is_no_in_sync_copy(sync_group, 
     assert outcome.startswith("refused") and not members, (
         f"a grant was {outcome} with the in-sync set {members}: a replica with no member key in etcd "
         f"counted as the group's synchronous copy")
+
+
+async def test_a_replica_cannot_depose_the_groups_primary(request, cluster, etcd):
+    # etcd alone decides a group's primary: a STEP_DOWN from a peer holding a replica credential
+    # (the pair's way to depose its primary) would leave the group with a deposed primary that
+    # still holds the etcd key, and so with no primary at all, until someone restarts it
+    if "uvloop" in request.node.name:
+        pytest.skip("process-level etcd tests run on the asyncio loop only")
+    group = etcd_sync.Group(cluster, etcd)
+    for name in ("a", "b", "c"):
+        group.start(name)
+    first, st = await group.primary()
+    hostile = await RawNode.open(group.nodes[first].address, token=cluster.creds.token(cluster.replica_of("evil")),
+                                 name="evil")
+    try:
+        with pytest.raises(PermissionDenied, match="etcd"):
+            await asyncio.wait_for(hostile.request(P.OP_STEP_DOWN, st["epoch"] + 1, hostile.hello["clock_ms"]), 5)
+    finally:
+        await hostile.close()
+    after = await status_of(group.nodes[first].address)
+    assert (after["role"], after["epoch"]) == ("primary", st["epoch"]), after["role"]
