@@ -20,7 +20,7 @@ import asyncio
 import pytest
 
 from fastlock import protocol as P
-from fastlock._testbase.cluster import RawNode, run, status_of
+from fastlock._testbase.cluster import RawNode, poll, run, status_of
 from fastlock.errors import PermissionDenied, Unavailable
 from fastlock.replication.source import INLINE_SNAPSHOT_LEASES
 
@@ -141,3 +141,39 @@ async def test_a_replica_cannot_depose_the_groups_primary(request, cluster, etcd
         await hostile.close()
     after = await status_of(group.nodes[first].address)
     assert (after["role"], after["epoch"]) == ("primary", st["epoch"]), after["role"]
+
+
+# -- a pair whose two nodes both went down after a failover -------------------------------------
+
+@pytest.mark.xfail(strict=True, reason="both nodes restarted with their flags after a failover wait for each "
+                   "other: the promoted node follows its --standby-of (an older epoch) and refuses it, the old "
+                   "primary steps down for it and waits for it to attach")
+def test_a_sync_pair_restarted_with_its_flags_after_a_failover_grants_again(cluster):
+    from fastlock._testbase import ServerProcess
+    from test_pair_rejoin import grant
+
+    a = cluster.primary("a", args=[*SYNC, "--failover-after", "1"])
+    b = cluster.standby(a.address, "b", failover_after=1.0, args=SYNC)
+
+    def same_flags(srv: ServerProcess) -> ServerProcess:  # a supervisor's restart: same port, same flags
+        return cluster._start(ServerProcess(srv.data_dir, port=srv.port, args=srv.args))
+
+    async def main() -> None:
+        before = await grant(a.address, "before")
+        a.kill()
+        promoted = await grant(b.address, "after-failover", timeout=20)  # b promoted and granted
+        b.kill()  # the new primary goes down too; then both machines come back
+        nodes = [same_flags(a), same_flags(b)]
+
+        async def any_grant() -> int | None:
+            for srv in nodes:
+                try:
+                    return await grant(srv.address, "after-both", timeout=1)
+                except AssertionError:
+                    continue
+            return None
+
+        token = await poll(any_grant, lambda t: t is not None, timeout=30, what="a grant by either node")
+        assert token > promoted > before
+
+    run(main(), timeout=90)
