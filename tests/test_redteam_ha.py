@@ -8,7 +8,10 @@
   peer with a replica credential under an unknown node id) is no in-sync copy: no election
   can promote it;
 - in an etcd group, a peer with a replica credential cannot depose the primary (``STEP_DOWN``):
-  etcd alone decides who is primary.
+  etcd alone decides who is primary;
+- a sync pair whose two nodes went down after a failover and are restarted with their original
+  flags (the promoted node with its ``--standby-of`` the old primary) grants again with no
+  operator: the promoted node finds the old primary deposed below its epoch and promotes again.
 
 Every wait has a deadline; servers are stopped by PID (the ``cluster`` fixture).
 """
@@ -25,6 +28,7 @@ from fastlock.errors import PermissionDenied, Unavailable
 from fastlock.replication.source import INLINE_SNAPSHOT_LEASES
 
 SYNC = ["--replication", "sync"]
+SHORT_TTL_MS = 2_000  # the grants' TTL: a promotion's grace (the longest TTL seen) stays short
 
 
 def no_reply(request: asyncio.Future) -> None:
@@ -145,9 +149,6 @@ async def test_a_replica_cannot_depose_the_groups_primary(request, cluster, etcd
 
 # -- a pair whose two nodes both went down after a failover -------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="both nodes restarted with their flags after a failover wait for each "
-                   "other: the promoted node follows its --standby-of (an older epoch) and refuses it, the old "
-                   "primary steps down for it and waits for it to attach")
 def test_a_sync_pair_restarted_with_its_flags_after_a_failover_grants_again(cluster):
     from fastlock._testbase import ServerProcess
     from test_pair_rejoin import grant
@@ -159,21 +160,26 @@ def test_a_sync_pair_restarted_with_its_flags_after_a_failover_grants_again(clus
         return cluster._start(ServerProcess(srv.data_dir, port=srv.port, args=srv.args))
 
     async def main() -> None:
-        before = await grant(a.address, "before")
+        before = await grant(a.address, "before", SHORT_TTL_MS)
         a.kill()
-        promoted = await grant(b.address, "after-failover", timeout=20)  # b promoted and granted
+        promoted = await grant(b.address, "after-failover", SHORT_TTL_MS, timeout=20)  # b promoted
         b.kill()  # the new primary goes down too; then both machines come back
         nodes = [same_flags(a), same_flags(b)]
 
         async def any_grant() -> int | None:
             for srv in nodes:
                 try:
-                    return await grant(srv.address, "after-both", timeout=1)
+                    return await grant(srv.address, "after-both", SHORT_TTL_MS, timeout=1)
                 except AssertionError:
                     continue
             return None
 
+        # b (at the higher epoch) is the primary again, after its grace (the longest TTL seen)
         token = await poll(any_grant, lambda t: t is not None, timeout=30, what="a grant by either node")
         assert token > promoted > before
+        st = await poll(lambda: status_of(nodes[0].address), lambda st: st["role"] == "standby"
+                        and st["replication"]["primary"] == nodes[1].address and st["replication"]["synced"],
+                        timeout=20, what="the old primary a following b")
+        assert st["epoch"] == token >> 40, st["epoch"]
 
     run(main(), timeout=90)
