@@ -207,7 +207,10 @@ class PrimaryLink:
                     # a lower epoch, and ask it to step down (it may still think it is primary)
                     follower.refused = (f"{self.address} is at epoch {their_epoch}, below this "
                                     f"node's epoch {host.table.epoch}: it is a deposed primary")
-                    log.critical("refusing to follow: %s; restart this node as the primary, or point it "
+                    log.critical("refusing to follow: %s; this node's data is the newer: make it the primary "
+                                 "with `fastlock promote --force --server <this node>` (with --failover-after "
+                                 "it promotes itself once that node has stepped down; a restart without "
+                                 "--standby-of follows the same node, named in node-state.json), or point it "
                                  "at the current primary", follower.refused)
                     deposed = hello.get("role") == "deposed"
                     if hello.get("role") == "primary":
