@@ -153,8 +153,9 @@ async def test_a_replica_cannot_depose_the_groups_primary(request, cluster, etcd
 # -- a pair whose two nodes both went down after a failover -------------------------------------
 
 def test_a_sync_pair_restarted_with_its_flags_after_a_failover_grants_again(cluster):
-    from fastlock._testbase import ServerProcess
     from test_pair_rejoin import grant
+
+    from fastlock._testbase import ServerProcess
 
     a = cluster.primary("a", args=[*SYNC, "--failover-after", "1"])
     b = cluster.standby(a.address, "b", failover_after=1.0, args=SYNC)
