@@ -175,6 +175,12 @@ class SyncArbiter(EtcdArbiter):
         log.info("etcd: in-sync set at epoch %d is now %s", self.epoch, json.dumps(sorted(members)))
         return True
 
+    def member_idents(self) -> set[str]:
+        """The data directory identities the live member keys name, as last read (at most
+        :data:`STATUS_MEMBERS` keys), but this node's own: the standbys an election may promote."""
+        return {ident for member in self.members
+                if type(ident := member.get("ident")) is str and ident and ident != self.ident}
+
     def status(self) -> dict:
         """The arbiter's state for STATUS, with the in-sync set and the live members."""
         s = self.sync

@@ -7,7 +7,8 @@ grant or an extend (the replies :mod:`fastlock.replication.syncrep` holds) once
 (b) every standby of its *required set* has acknowledged it at the ack point
     (``--sync-ack``), and
 (c) at least ``--sync-standbys`` (k, default 1) standbys have acknowledged it,
-    unless the primary has *degraded* (``--sync-on-timeout degrade``).
+    counting only standbys a live member key of the group names, unless the
+    primary has *degraded* (``--sync-on-timeout degrade``).
 
 The in-sync set
 ---------------
@@ -16,8 +17,10 @@ the standbys (by data directory identity) that have every reply this primary
 acknowledged.  At most k standbys are in it.  The primary changes it by one rule:
 
 * **joining**: a standby whose acknowledged LSN covers everything the primary has
-  released (and everything logged before it became the primary) joins the
-  required set at once, in the same loop step as that check; only then is the
+  released (and everything logged before it became the primary), and whose data
+  directory identity a live member key of the group names (a standby that no
+  election can promote, such as a plain ``--standby-of`` node, is no copy a
+  promotion can rely on), joins the required set at once, in the same loop step as that check; only then is the
   set with it written to etcd.  A primary in its promotion grace adds nobody (its
   own table may lack grants a client holds).
 * **leaving**: a member that is detached, or has not acknowledged the oldest
@@ -143,6 +146,9 @@ class GroupSyncGate:
     Attributes:
         publisher: writes ``PREFIX/sync`` (set by the coordinated node; None: no set is
             published, nobody joins).
+        member_idents: returns the data directory identities of the group's live member
+            keys as last read in etcd (set by the coordinated node); only a standby one of
+            them names may join the set.  None: any attached standby may join.
 
     Raises:
         ValueError: ``sync_standbys`` is not a positive int.
@@ -158,6 +164,7 @@ class GroupSyncGate:
         self.sync_standbys = sync_standbys
         self.enabled = True
         self.publisher: Publisher | None = None
+        self.member_idents: Callable[[], set[str]] | None = None
         self.acked: dict[str, StandbyAck] = {}  # by standby identity
         self.required: set[str] = set()  # every release waits for each of these
         self.published: frozenset[str] = frozenset()  # the set etcd confirmed
@@ -215,7 +222,9 @@ class GroupSyncGate:
         return entry.lsn if entry is not None else 0
 
     def _copies(self, lsn: int) -> int:
-        return sum(1 for entry in self.acked.values() if entry.lsn >= lsn)
+        """The standbys a promotion may elect that acknowledged ``lsn``."""
+        electable = self._electable()
+        return sum(1 for ident, entry in self.acked.items() if entry.lsn >= lsn and electable(ident))
 
     def _covered(self, lsn: int) -> bool:
         """Rules (b) and (c) for ``lsn``."""
@@ -290,6 +299,14 @@ class GroupSyncGate:
         return (oldest is not None and now - oldest.since_ms >= self.settings.timeout_ms
                 and self._acked(ident) < oldest.lsn)
 
+    def _electable(self) -> Callable[[str], bool]:
+        """Whether a standby identity (``replica principal/node id``) names a live member of
+        the group (see :attr:`member_idents`)."""
+        if self.member_idents is None:
+            return lambda ident: True
+        live = self.member_idents()
+        return lambda ident: ident.rpartition("/")[2] in live
+
     def reconcile(self) -> None:
         """Compute the set (members that fell behind leave, caught-up standbys join up to k)
         and write it to etcd if it changed; one write at a time."""
@@ -303,7 +320,9 @@ class GroupSyncGate:
         keep = {m for m in self.required if not self._behind(m, attached, now)}
         if self.host.roles.grace_remaining_ms(now) == 0:
             must = self._must_have()
-            fits = sorted((i for i in attached - keep if i in self.acked and self._acked(i) >= must),
+            electable = self._electable()
+            fits = sorted((i for i in attached - keep
+                           if i in self.acked and self._acked(i) >= must and electable(i)),
                           key=self._acked, reverse=True)
             joining = set(fits[:max(0, self.sync_standbys - len(keep))])
         else:

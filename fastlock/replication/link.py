@@ -207,16 +207,29 @@ class PrimaryLink:
                     # a lower epoch, and ask it to step down (it may still think it is primary)
                     follower.refused = (f"{self.address} is at epoch {their_epoch}, below this "
                                     f"node's epoch {host.table.epoch}: it is a deposed primary")
-                    log.critical("refusing to follow: %s; restart this node as the primary, or point it "
+                    log.critical("refusing to follow: %s; this node's data is the newer: make it the primary "
+                                 "with `fastlock promote --force --server <this node>` (with --failover-after "
+                                 "it promotes itself once that node has stepped down; a restart without "
+                                 "--standby-of follows the same node, named in node-state.json), or point it "
                                  "at the current primary", follower.refused)
+                    deposed = hello.get("role") == "deposed"
                     if hello.get("role") == "primary":
                         try:
-                            await asyncio.wait_for(link.request(P.OP_STEP_DOWN, host.table.epoch,
-                                                                hello.get("clock_ms")), 5.0)
+                            answer = await asyncio.wait_for(link.request(P.OP_STEP_DOWN, host.table.epoch,
+                                                                         hello.get("clock_ms")), 5.0)
+                            deposed = type(answer) is dict and answer.get("role") == "deposed"
                         except (ConnectionError, asyncio.TimeoutError, FastlockError) as exc:
                             log.error("%s did not step down for epoch %d: %s", self.address,
                                       host.table.epoch, exc)
                     link.close()
+                    if deposed and follower.failover_after_ms > 0 and follower.on_primary_silent is not None:
+                        # A pair's node at a higher epoch than the node it is told to follow was promoted
+                        # (restarted with its original --standby-of): that node grants nothing (deposed,
+                        # durably), so this one is the pair's primary again, as after a silent primary.
+                        log.warning("%s is deposed at epoch %d, below this node's epoch %d: promoting this "
+                                    "node again (--failover-after); the deposed node rejoins it as its standby",
+                                    self.address, their_epoch, host.table.epoch)
+                        follower.on_primary_silent()
                     return
                 follower.sync.reset()  # not in sync with this connection until its primary says so
                 args = [follower.applied_lsn + 1 if follower.synced else 0, follower.incarnation,

@@ -124,6 +124,7 @@ class CoordinatedNode:
                                    ident=self.ident)
         if isinstance(server.source.sync, GroupSyncGate):
             server.source.sync.publisher = self.arbiter.publish
+            server.source.sync.member_idents = self.arbiter.member_idents
         self.arbiter.hurry = self.lost_primary
         await self.arbiter.claim()
         server.source.coordinate(self.arbiter.fence_if_due)

@@ -558,6 +558,11 @@ class Handlers:
         self.source.on_ack(conn, msg[2], msg[3])  # no reply: acks stream continuously
 
     def op_step_down(self, conn: Session, req_id: int, msg: list) -> None:
+        if self.source.coordinated:
+            # etcd alone deposes a group's primary (it loses the key); a deposed node holding the
+            # key would leave the group with no primary
+            raise PermissionDenied(f"this node's role is decided by etcd (--coordinator): replica "
+                                   f"{conn.principal!r} may not ask it to step down")
         if not self.source.may_announce_epoch(conn.principal):
             raise PermissionDenied(f"this primary is paired with another standby: replica {conn.principal!r} "
                                    f"may not ask it to step down")
