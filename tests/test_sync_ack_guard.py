@@ -284,3 +284,31 @@ def test_an_ack_outside_the_log_is_a_protocol_error_and_acknowledges_nothing(clu
         await client.close()
 
     run(main(), timeout=60)
+
+
+def test_a_standbys_reported_applied_lsn_counts_only_within_what_it_was_sent(cluster):
+    """The applied LSN of a heartbeat echo (``REPL_ACK``) is the standby's lag in STATUS, in
+    ``fastlock status --all`` and in ``fastlock_replication_lag_records``: one above what its
+    connection carried is not its progress (before the guard a standby could show no lag with
+    an echo of 10**9)."""
+    primary = cluster.primary()  # asynchronous replication: the grant needs no standby
+
+    async def main() -> None:
+        client = await RawNode.open(primary.address)
+        await client.acquire("guard/lag", 60_000)  # the snapshot's LSN is above 0
+        fake = await FakeStandby.open(cluster, primary.address)
+        await fake.replicate()
+        snap = await fake.snapshot()
+        assert snap[0] > 0
+        fake.node.request(P.OP_REPL_ACK, 0, 10**9)  # no reply: echoes stream
+        fake.node.request(P.OP_REPL_ACK, 0, snap[0])  # what it was sent: its progress
+
+        async def acked() -> int | None:
+            standbys = (await client.status())["replication"]["standbys"]
+            return standbys[0]["acked_lsn"] if standbys else None
+
+        assert await poll(acked, lambda lsn: lsn == snap[0], timeout=10, what="the snapshot's LSN acknowledged")
+        await fake.node.close()
+        await client.close()
+
+    run(main(), timeout=60)
