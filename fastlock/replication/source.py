@@ -86,6 +86,7 @@ class SentWindow:
         return self.floor <= lsn <= self.upto
 
     def describe(self) -> str:
+        """The window for a log line: ``"nothing yet"`` or ``"LSNs floor..upto"``."""
         return "nothing yet" if self.upto < 0 else f"LSNs {self.floor}..{self.upto}"
 
 
