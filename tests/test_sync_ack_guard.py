@@ -30,6 +30,7 @@ from fastlock.replication.groupsync import GroupSyncGate
 from fastlock.replication.source import ReplicationSource, SentWindow, _Replica
 from fastlock.replication.syncrep import SyncGate, SyncOnTimeout, SyncSettings
 from fastlock.roles import Role
+from fastlock.units import monotonic_ms
 
 REJECTED = "never carried"  # the primary's warning
 
@@ -312,3 +313,30 @@ def test_a_standbys_reported_applied_lsn_counts_only_within_what_it_was_sent(clu
         await client.close()
 
     run(main(), timeout=60)
+
+
+async def test_an_echo_of_a_heartbeat_never_sent_on_the_connection_proves_no_contact(tmp_path):
+    """The heartbeat echo (``REPL_ACK``'s first number) pairs a standby, keeps the primary
+    unfenced and confirms the TTLs its heartbeats carried (ttlbound.py): one naming a time after
+    the last heartbeat sent on that connection proves nothing."""
+    host = primary_host()
+    host.data_dir = tmp_path
+    host.max_ttl_ms = 5000
+    host.wal.stats = lambda: {"last_lsn": 0}
+    host.roles.fenced = False
+    source = ReplicationSource(host)
+    conn, _ = attach(source, 7, "r/standby")
+    replica = source.replicas[7]
+    replica.contact_ms = 0  # as attach sets it: no contact yet
+    try:
+        source.on_ack(conn, monotonic_ms(), 0)  # no heartbeat was sent on this connection yet
+        assert source.paired_id is None and replica.contact_ms == 0
+        source._heartbeat()  # one heartbeat (TTL 5000 ms) goes out on the connection
+        sent = replica.hb_sent_ms
+        assert sent > 0 and conn.sent
+        source.on_ack(conn, sent + 1, 0)  # a time after it: not heard
+        assert source.paired_id is None and replica.contact_ms == 0 and replica.unconfirmed
+        source.on_ack(conn, sent, 0)  # the heartbeat's own time: heard
+        assert source.paired_id == "r/standby" and replica.contact_ms == sent and not replica.unconfirmed
+    finally:
+        source.close()

@@ -95,7 +95,7 @@ class _Replica:
 
     __slots__ = ("conn", "name", "ident", "failover_after_ms", "acked_lsn", "contact_ms", "sent",
                  "last_ack_ms", "catching_up", "task", "base_cap", "address", "witness", "unconfirmed",
-                 "window", "ack_warned")
+                 "window", "ack_warned", "hb_sent_ms")
 
     def __init__(self, conn: ReplicaConnection, name: str | None, failover_after_ms: int,
                  address: str | None = None, witness: str | None = None):
@@ -117,6 +117,7 @@ class _Replica:
         #: the LSNs this connection carried: what an acknowledgement on it may name
         self.window = SentWindow()
         self.ack_warned = False  # an acknowledgement outside the window was logged (once per connection)
+        self.hb_sent_ms = 0  # primary time of the last heartbeat sent on this connection (an echo names no later one)
 
 
 class ReplicationSource:
@@ -511,6 +512,7 @@ class ReplicationSource:
                 unconfirmed.append(SentTtl(now, max_ttl_ms))
             if not replica.conn.closed:
                 replica.conn.send(msg)
+                replica.hb_sent_ms = now
                 if extra is not None:
                     replica.conn.send(extra)
                 replica.conn.flush()
@@ -527,7 +529,8 @@ class ReplicationSource:
         now = monotonic_ms()
         replica.last_ack_ms = now
         known = 0  # the longest TTL (ms) of the heartbeats this echo confirms
-        if replica.contact_ms < echoed_ms <= now:
+        if replica.contact_ms < echoed_ms <= min(now, replica.hb_sent_ms):
+            # (an echo of a time no heartbeat on this connection carried proves no contact, nor any TTL heard)
             replica.contact_ms = echoed_ms
             if echoed_ms > self._contact_ms:
                 self._contact_ms = echoed_ms
