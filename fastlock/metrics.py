@@ -19,6 +19,7 @@ seconds, bytes)::
     fastlock_session_keepalives_total, fastlock_session_renewals_total   keep-alives received, leases renewed
     fastlock_sync_degraded, fastlock_sync_held, fastlock_sync_degradations_total   (--replication sync)
     fastlock_sync_members                members of an etcd group's in-sync set (PREFIX/sync)
+    fastlock_sync_acks_rejected_total    SYNC_ACKs of an LSN their replication connection never carried
     fastlock_build_info{version, python, implementation}
     fastlock_request_seconds{op}         histogram: time to handle a request on the loop
     fastlock_time_to_acquire_seconds     histogram: request arrival to grant decision
@@ -151,6 +152,9 @@ class _Collector:
                                 value=1 if sync.get("state") == "held" else 0)
         yield CounterMetricFamily("fastlock_sync_degradations", "Times synchronous replication degraded to async",
                                   value=sync.get("degradations", 0))
+        yield CounterMetricFamily("fastlock_sync_acks_rejected",
+                                  "SYNC_ACKs not counted: an LSN their replication connection never carried",
+                                  value=sync.get("acks_rejected", 0))
         yield GaugeMetricFamily("fastlock_sync_members", "Standbys in an etcd group's in-sync set (PREFIX/sync)",
                                 value=len(sync.get("members") or []))
         wal = st.get("wal") or {}

@@ -52,7 +52,7 @@ def gate(timeout_ms: int = 60_000, on_timeout: SyncOnTimeout = SyncOnTimeout.FEN
     host = SimpleNamespace(roles=SimpleNamespace(role=Role.PRIMARY, grace_remaining_ms=lambda now: 0),
                            wal=SimpleNamespace(logged_lsn=0), table=SimpleNamespace(epoch=1),
                            loop=asyncio.get_running_loop())
-    source = SimpleNamespace(replicas={})
+    source = SimpleNamespace(replicas={}, admit_sync_ack=lambda conn, lsn: True)  # window: test_sync_ack_guard.py
     g = GroupSyncGate(host, source, SyncSettings(timeout_ms=timeout_ms, on_timeout=on_timeout), k)
     g.publisher = etcd = Etcd()
     return g, host, source, etcd

@@ -271,7 +271,8 @@ def _gate(monkeypatch, waiting: int, settings: SyncSettings | None = None):
     host = _Gatehost()
     standby = SimpleNamespace(session=7, closed=False)
     source = SimpleNamespace(replicas={7: SimpleNamespace(conn=SimpleNamespace(closed=False, send=lambda m: None,
-                                                                               flush=lambda: None))})
+                                                                               flush=lambda: None))},
+                             admit_sync_ack=lambda conn, lsn: True)  # the window rules: test_sync_ack_guard.py
     return syncrep.SyncGate(host, source, settings or SyncSettings()), host, standby
 
 

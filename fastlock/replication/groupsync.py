@@ -174,6 +174,7 @@ class GroupSyncGate:
         self.degraded = False
         self.degradations = 0
         self.refusals = 0
+        self.acks_rejected = 0  # SYNC_ACKs of an LSN their connection never carried
         self._timer: asyncio.TimerHandle | None = None
         self._publishing: asyncio.Future | None = None
         self._again = False
@@ -254,6 +255,10 @@ class GroupSyncGate:
     def on_ack(self, conn: ReplicaConnection, lsn: Any) -> None:
         """A standby's ``SYNC_ACK``: it has every record up to ``lsn`` at the ack point.
 
+        Counted only when its connection carried ``lsn``
+        (:meth:`ReplicationSource.admit_sync_ack <fastlock.replication.source.ReplicationSource.admit_sync_ack>`),
+        and only forward on one connection; another ack is ignored (``acks_rejected``).
+
         Raises:
             ProtocolError: not an attached standby, or ``lsn`` not an int in ``0..`` the
                 last LSN logged (the connection is dropped).
@@ -266,6 +271,9 @@ class GroupSyncGate:
         last = self.host.wal.logged_lsn
         if type(lsn) is not int or not 0 <= lsn <= last:
             raise ProtocolError(f"SYNC_ACK takes an LSN in 0..{last}, not {lsn!r}")
+        if not self.source.admit_sync_ack(conn, lsn):
+            self.acks_rejected += 1  # an LSN its connection never carried counts nothing (logged there)
+            return
         ident = standby_identity(replica.name)
         entry = self.acked.get(ident)
         if entry is None or entry.session != conn.session or lsn > entry.lsn:
@@ -428,7 +436,7 @@ class GroupSyncGate:
                 "members": sorted(self.published), "required": sorted(self.required),
                 "acked": {ident: entry.lsn for ident, entry in self.acked.items()},
                 "waiting": len(self.waiting), "degradations": self.degradations, "holds": 0,
-                "refusals": self.refusals}
+                "refusals": self.refusals, "acks_rejected": self.acks_rejected}
 
     def close(self) -> None:
         if self._timer is not None:

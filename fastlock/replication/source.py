@@ -38,13 +38,64 @@ log = logging.getLogger("fastlock.replication")
 BACKLOG_CHUNK_BYTES = 256 << 10
 #: a snapshot of at most this many leases is encoded on the loop (about 10 ms), a larger one off it
 INLINE_SNAPSHOT_LEASES = 10_000
+#: standby identities whose last sent LSN is kept for a resume (beyond: the oldest is forgotten,
+#: and that standby gets a snapshot instead of resuming)
+MAX_RESUMABLE = 256
+
+
+class SentWindow:
+    """The primary LSNs one replication connection carried: what its standby may acknowledge.
+
+    A standby acknowledges an LSN (``SYNC_ACK``, the applied LSN of ``REPL_ACK``) only once it
+    has applied that record, and it can have applied only what its connection carried: the
+    snapshot and the records after it, or the records after the position it resumed from.  So
+    an acknowledgement counts only inside ``floor..upto``:
+
+    * ``upto``: the highest LSN sent (a snapshot's LSN once its frame is written to the
+      connection, a batch's last LSN once the batch is); -1: nothing sent yet, nothing counts.
+    * ``floor``: the first snapshot's LSN (0 for a resumed stream): a lower number is a position
+      in another log (a previous primary's), not one this connection carried.
+    """
+
+    __slots__ = ("floor", "upto")
+
+    def __init__(self) -> None:
+        self.floor = 0
+        self.upto = -1
+
+    def resumed(self, lsn: int) -> None:
+        """The standby resumes after ``lsn``, which this primary had sent to it before."""
+        self.floor = 0
+        self.upto = lsn
+
+    def snapshot(self, lsn: int) -> None:
+        """A snapshot at ``lsn`` was written to the connection (a second one, after compaction,
+        keeps the first one's floor: what came between was carried too)."""
+        if self.upto < 0:
+            self.floor = lsn
+        if lsn > self.upto:
+            self.upto = lsn
+
+    def records(self, last_lsn: int) -> None:
+        """A batch of records up to ``last_lsn`` was written to the connection."""
+        if last_lsn > self.upto:
+            self.upto = last_lsn
+
+    def admits(self, lsn: int) -> bool:
+        """May the standby acknowledge ``lsn`` on this connection?"""
+        return self.floor <= lsn <= self.upto
+
+    def describe(self) -> str:
+        """The window for a log line: ``"nothing yet"`` or ``"LSNs floor..upto"``."""
+        return "nothing yet" if self.upto < 0 else f"LSNs {self.floor}..{self.upto}"
 
 
 class _Replica:
     """One attached standby, as the source tracks it."""
 
     __slots__ = ("conn", "name", "ident", "failover_after_ms", "acked_lsn", "contact_ms", "sent",
-                 "last_ack_ms", "catching_up", "task", "base_cap", "address", "witness", "unconfirmed")
+                 "last_ack_ms", "catching_up", "task", "base_cap", "address", "witness", "unconfirmed",
+                 "window", "ack_warned", "hb_sent_ms")
 
     def __init__(self, conn: ReplicaConnection, name: str | None, failover_after_ms: int,
                  address: str | None = None, witness: str | None = None):
@@ -63,6 +114,10 @@ class _Replica:
         self.base_cap = 0  # the connection's output cap before any snapshot was added to it
         #: heartbeats sent to it that carried a longer TTL than the one before, not echoed yet
         self.unconfirmed: deque[SentTtl] = deque()
+        #: the LSNs this connection carried: what an acknowledgement on it may name
+        self.window = SentWindow()
+        self.ack_warned = False  # an acknowledgement outside the window was logged (once per connection)
+        self.hb_sent_ms = 0  # primary time of the last heartbeat sent on this connection (an echo names no later one)
 
 
 class ReplicationSource:
@@ -118,6 +173,8 @@ class ReplicationSource:
         self._listening = False
         #: the arbiter's fence check (coordinated mode), called with the monotonic ms; None: the pair's own
         self._external_fence: Callable[[int], None] | None = None
+        #: standby identity -> the highest LSN this process sent it (a resume may not claim more)
+        self._sent_to: dict[str, int] = {}
 
     def coordinate(self, fence_if_due: Callable[[int], None]) -> None:
         """Hand fencing to an external arbiter (see the class docstring); ``fence_if_due(now_ms)``
@@ -183,6 +240,7 @@ class ReplicationSource:
         """This node stops being a primary for good (it rejoins as a standby): forget the
         pairing (durably) and stop the heartbeats and the fence timers."""
         self._unpair()
+        self._sent_to.clear()  # its log may be rewound: a standby that follows it again gets a snapshot
         self.close()
 
     # -- attach / detach ------------------------------------------------------------------
@@ -224,6 +282,7 @@ class ReplicationSource:
                     f"delete the copy's node-id file so it gets its own identity)")
             # the same standby reconnecting: its old connection is dead or half-open
             log.warning("standby %s reconnected; dropping its previous connection", quote(name))
+            self._remember_sent(other)
             self.replicas.pop(other.conn.session, None)
             other.conn.abort()
         replica = _Replica(conn, name, failover_after_ms, address, witness)
@@ -234,6 +293,14 @@ class ReplicationSource:
         mode = "stream"
         if incarnation != self.incarnation or from_lsn < 1 or not wal.has_lsn(from_lsn):
             mode = "snapshot"
+        elif from_lsn - 1 > self._sent_to.get(ident, 0):
+            # it claims records this primary never sent it (a copied data directory, a faulty
+            # or hostile peer): it gets them, as a snapshot, before any acknowledgement counts
+            log.warning("standby %s asks to resume after LSN %d, but this primary sent it only up to LSN %d: "
+                        "sending a snapshot", quote(name), from_lsn - 1, self._sent_to.get(ident, 0))
+            mode = "snapshot"
+        else:
+            replica.window.resumed(from_lsn - 1)
         conn.send(P.encode_ok(req_id, {"incarnation": self.incarnation, "mode": mode,
                                        "epoch": host.table.epoch}))
         replica.base_cap = conn.out_cap
@@ -317,6 +384,7 @@ class ReplicationSource:
         conn.out_cap = replica.base_cap + len(frame)
         conn.send(frame)
         conn.flush()
+        replica.window.snapshot(lsn)
         replica.acked_lsn = 0
         log.info("standby %s: sent a snapshot at LSN %d (%d leases, %d bytes)", quote(replica.name), lsn,
                  len(holders), len(frame))
@@ -339,6 +407,7 @@ class ReplicationSource:
             first, last, data = chunk
             conn.send(P.encode_push(P.PUSH_RECORDS, [first, last, data]))
             conn.flush()
+            replica.window.records(last)
             replica.sent.append((last, monotonic_ms()))
             records += last - first + 1
             await conn.drained()
@@ -347,9 +416,37 @@ class ReplicationSource:
     def detach(self, conn: ReplicaConnection) -> None:
         replica = self.replicas.pop(conn.session, None)
         if replica is not None:
+            self._remember_sent(replica)
             if replica.task is not None:
                 replica.task.cancel()
             log.warning("standby %s detached (acked LSN %d)", quote(replica.name), replica.acked_lsn)
+
+    def _remember_sent(self, replica: _Replica) -> None:
+        """Keep what ``replica``'s connection carried: its next connection may resume from there."""
+        upto = replica.window.upto
+        if upto <= self._sent_to.get(replica.ident, 0):
+            return
+        self._sent_to.pop(replica.ident, None)
+        self._sent_to[replica.ident] = upto
+        while len(self._sent_to) > MAX_RESUMABLE:
+            del self._sent_to[next(iter(self._sent_to))]
+
+    def admit_sync_ack(self, conn: ReplicaConnection, lsn: int) -> bool:
+        """May ``lsn``, a ``SYNC_ACK`` on ``conn``, count?  Only an LSN this connection carried
+        (:class:`SentWindow`); another is logged at WARNING once per connection and counts nothing
+        (the synchronous gates count the refusals: ``sync.acks_rejected`` in STATUS)."""
+        replica = self.replicas.get(conn.session)
+        if replica is None:
+            return False
+        if replica.window.admits(lsn):
+            return True
+        if not replica.ack_warned:
+            replica.ack_warned = True
+            log.warning("standby %s acknowledged LSN %d, which its connection never carried (it was sent %s): "
+                        "not counted - a standby of another version, a faulty one, or one acknowledging another "
+                        "primary's log (logged once per connection)", quote(replica.name), lsn,
+                        replica.window.describe())
+        return False
 
     # -- streaming ------------------------------------------------------------------------
     def _on_batch(self, first_lsn: int, last_lsn: int, data: bytes) -> None:
@@ -363,6 +460,7 @@ class ReplicationSource:
                 continue
             conn.send(msg)
             conn.flush()  # drops a standby too far behind (it resyncs): see the server's output caps
+            replica.window.records(last_lsn)
             replica.sent.append((last_lsn, now))
 
     def _ttl_counted(self) -> TtlCounted | None:
@@ -414,6 +512,7 @@ class ReplicationSource:
                 unconfirmed.append(SentTtl(now, max_ttl_ms))
             if not replica.conn.closed:
                 replica.conn.send(msg)
+                replica.hb_sent_ms = now
                 if extra is not None:
                     replica.conn.send(extra)
                 replica.conn.flush()
@@ -430,7 +529,8 @@ class ReplicationSource:
         now = monotonic_ms()
         replica.last_ack_ms = now
         known = 0  # the longest TTL (ms) of the heartbeats this echo confirms
-        if replica.contact_ms < echoed_ms <= now:
+        if replica.contact_ms < echoed_ms <= min(now, replica.hb_sent_ms):
+            # (an echo of a time no heartbeat on this connection carried proves no contact, nor any TTL heard)
             replica.contact_ms = echoed_ms
             if echoed_ms > self._contact_ms:
                 self._contact_ms = echoed_ms
@@ -444,7 +544,9 @@ class ReplicationSource:
                     or self.paired_witness != replica.witness):
                 # a standby that echoed our heartbeat is real: pair with it (persisted)
                 self._pair(replica)
-        if applied_lsn > replica.acked_lsn:
+        if applied_lsn > replica.acked_lsn and replica.window.admits(applied_lsn):
+            # (an applied LSN outside what the connection carried is a position in another log,
+            # as a standby's before its snapshot: not its progress here)
             replica.acked_lsn = applied_lsn
             sent = replica.sent
             while sent and sent[0][0] <= applied_lsn:

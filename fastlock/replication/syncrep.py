@@ -236,6 +236,7 @@ class SyncGate:
         self.held_because: str | None = None
         self.degradations = 0
         self.holds = 0
+        self.acks_rejected = 0  # SYNC_ACKs of an LSN their connection never carried
         self._timer: Any = None
         self._sent_in_sync: bool | None = None
 
@@ -285,6 +286,10 @@ class SyncGate:
     def on_ack(self, conn: ReplicaConnection, lsn: Any) -> None:
         """The standby's ``SYNC_ACK``: it has every record up to ``lsn`` at the ack point.
 
+        Counted only when its connection carried ``lsn``
+        (:meth:`ReplicationSource.admit_sync_ack <fastlock.replication.source.ReplicationSource.admit_sync_ack>`),
+        and only forward on one connection; another ack is ignored (``acks_rejected``).
+
         Raises:
             ProtocolError: not an attached standby, or ``lsn`` not an int in
                 ``0..`` the last LSN logged (the connection is dropped).
@@ -294,6 +299,9 @@ class SyncGate:
         last = self.host.wal.logged_lsn  # a snapshot's LSN may be logged and not yet written
         if type(lsn) is not int or not 0 <= lsn <= last:
             raise ProtocolError(f"SYNC_ACK takes an LSN in 0..{last}, not {lsn!r}")
+        if not self.source.admit_sync_ack(conn, lsn):
+            self.acks_rejected += 1  # an LSN its connection never carried counts nothing (logged there)
+            return
         if conn.session != self._acked_session:
             self._acked_session = conn.session  # a new connection: it has only what it says
             self.acked_lsn = lsn
@@ -484,7 +492,7 @@ class SyncGate:
         return {"mode": ReplicationMode.SYNC.value, "ack": self.settings.ack.value,
                 "on_timeout": self.settings.on_timeout.value, "timeout_ms": self.settings.timeout_ms,
                 "state": state, "standby_acked_lsn": self.acked_lsn, "waiting": len(self.waiting),
-                "degradations": self.degradations, "holds": self.holds,
+                "degradations": self.degradations, "holds": self.holds, "acks_rejected": self.acks_rejected,
                 "degraded_because": self.degraded_because, "held_because": self.held_because,
                 "standby_heard_degrade": self.unheard_since_ms is None}
 
