@@ -1,8 +1,8 @@
 """CPU time per acquire+release pair, server process and client process, in the W2 shape.
 
-    python -m benches.cpu_per_pair [--clients 32] [--pairs 32000] [--fsync never] [--tag NAME]
+    python -m benches.cpu_per_pair [--clients 32] [--tasks 1] [--pairs 32000] [--fsync never] [--tag NAME]
 
-C clients (one connection each) on distinct locks run a fixed number of pairs
+C clients (one connection each), each with T tasks, on distinct locks run a fixed number of pairs
 against a ``python -m fastlock serve`` subprocess (free port, throwaway data
 dir, stopped afterwards).  Prints the server's and this client process's CPU
 microseconds per pair (user + system), and pairs/s.  CPU time, not wall time:
@@ -36,7 +36,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _measure(clients: int, pairs: int, fsync: str) -> tuple[float, float, float]:
+async def _measure(clients: int, pairs: int, fsync: str, tasks: int = 1) -> tuple[float, float, float]:
     import fastlock
 
     port = _free_port()
@@ -60,12 +60,13 @@ async def _measure(clients: int, pairs: int, fsync: str) -> tuple[float, float, 
                 for _ in range(n):
                     await client.release(await client.acquire(f"k{i}", ttl=10))
 
-            await asyncio.gather(*(worker(i, c, 100) for i, c in enumerate(conns)))  # warm-up
-            per = pairs // clients
+            workers = [(i * tasks + t, c) for i, c in enumerate(conns) for t in range(tasks)]
+            await asyncio.gather(*(worker(i, c, 100) for i, c in workers))  # warm-up
+            per = pairs // len(workers)
             s0 = _cpu_seconds(srv.pid)
             r0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.perf_counter()
-            await asyncio.gather(*(worker(i, c, per) for i, c in enumerate(conns)))
+            await asyncio.gather(*(worker(i, c, per) for i, c in workers))
             t1 = time.perf_counter()
             s1 = _cpu_seconds(srv.pid)
             r1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -78,7 +79,7 @@ async def _measure(clients: int, pairs: int, fsync: str) -> tuple[float, float, 
             except subprocess.TimeoutExpired:
                 srv.kill()
                 srv.wait()
-    n = per * clients
+    n = per * clients * tasks
     client_s = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
     return 1e6 * (s1 - s0) / n, 1e6 * client_s / n, n / (t1 - t0)
 
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benches.cpu_per_pair", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--tasks", type=int, default=1, help="tasks per client, each on its own lock (default 1)")
     ap.add_argument("--pairs", type=int, default=32000)
     ap.add_argument("--fsync", default="never")
     ap.add_argument("--tag", default="fastlock")
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:  # pragma: no cover
         pass
-    server_us, client_us, rate = asyncio.run(_measure(args.clients, args.pairs, args.fsync))
+    server_us, client_us, rate = asyncio.run(_measure(args.clients, args.pairs, args.fsync, args.tasks))
     print(f"{args.tag}: server {server_us:6.1f} us/pair  client {client_us:6.1f} us/pair  wall {rate:7.0f} pairs/s")
     return 0
 

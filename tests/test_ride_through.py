@@ -508,3 +508,18 @@ async def test_a_server_without_waited_ms_is_still_understood(loop_errors):
     finally:
         srv.close()
         await srv.wait_closed()
+
+
+async def test_a_release_with_no_connection_open_reconnects_and_releases(connect):
+    client = await connect("release-reconnects")
+    other = await connect("release-waiter")
+    lease = await client.acquire("ride/no-conn", ttl=60)
+    proto = client.connector.proto
+    proto.abort(ConnectionLost("dropped by the test"))  # the connector forgets it: nothing is open
+    assert client.connector.proto is None
+    await asyncio.wait_for(client.release(lease), 30)  # sent on a new connection
+    assert client.connector.proto is not None and client.connector.proto is not proto
+    assert not lease.lost.is_set()
+    # released on the server, not left to its 60 s TTL: another client gets it at once
+    granted = await asyncio.wait_for(other.acquire("ride/no-conn", ttl=5, wait=0), 30)
+    assert granted.fencing_token > lease.fencing_token

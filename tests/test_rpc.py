@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 
+import msgpack
 import pytest
 
 from fastlock import protocol as P
@@ -122,3 +123,44 @@ async def test_malformed_reply_closes_only_that_connection(loop_errors):
     finally:
         srv.close()
         await srv.wait_closed()
+
+
+async def test_requests_behind_one_in_flight_go_out_in_one_write_per_loop_turn(server, loop_errors):
+    conn = await _open(server)
+    owner = os.urandom(16)
+    writes = conn.writes
+    first = conn.request(P.OP_PING)  # nothing in flight: written at once
+    assert conn.writes == writes + 1 and conn.out is None
+    behind = [conn.request(P.OP_PING) for _ in range(20)]
+    rid = conn.next_id()
+    raw = conn.expect(rid)
+    conn.write_raw(P.encode_request(rid, P.OP_PING))  # after the 20 requests, not ahead of them
+    acq = conn.request(P.OP_ACQUIRE, "rpc/turn", owner, 5000, 0, 0, None)
+    rel = conn.request(P.OP_RELEASE, "rpc/turn", 1, b"x" * 16)
+    assert conn.writes == writes + 1 and len(conn.out) == 23
+    kept = [msgpack.unpackb(frame) for frame in conn.out]  # in the order written
+    assert [m[0] for m in kept] == [*range(kept[0][0], kept[0][0] + 20), rid, rid + 1, rid + 2]
+    assert [m[1] for m in kept[-3:]] == [P.OP_PING, P.OP_ACQUIRE, P.OP_RELEASE]
+    await asyncio.sleep(0)  # the end of the turn: one write for the 23 frames
+    assert conn.writes == writes + 2 and conn.out is None
+    assert await asyncio.wait_for(asyncio.gather(first, *behind, raw), 10) == [None] * 22
+    assert (await asyncio.wait_for(acq, 10))[0] > 0
+    with pytest.raises(LeaseLost):
+        await asyncio.wait_for(rel, 10)
+    # requests written in the turn of a close go out before it: their replies are lost with
+    # the connection, but the server took them (a released lock is free for the next owner)
+    lease = await asyncio.wait_for(conn.request(P.OP_ACQUIRE, "rpc/turn2", owner, 60000, 0, 0, None), 10)
+    pending = conn.request(P.OP_PING)  # the first in flight: at once
+    release = conn.request(P.OP_RELEASE, "rpc/turn2", lease[0], owner)  # kept for the turn's write
+    assert conn.out is not None
+    conn.close()
+    for fut in (pending, release):
+        with pytest.raises(ConnectionLost):
+            await fut
+    other = await _open(server)
+    try:
+        granted = await asyncio.wait_for(other.request(P.OP_ACQUIRE, "rpc/turn2", os.urandom(16), 5000, 10000, 0,
+                                                       None), 15)
+        assert granted[0] > lease[0]
+    finally:
+        other.close()

@@ -65,6 +65,9 @@ def test_a_reply_resolves_its_future_and_an_error_reply_raises():
         conn.connection_made(Sink())  # type: ignore[arg-type]
         ok = conn.request(P.OP_PING)
         bad = conn.request(P.OP_RELEASE, "x", 1, b"k")
+        # the first at once (nothing was in flight), the second behind it at the end of the loop turn
+        assert [msgpack.unpackb(w) for w in written] == [[1, P.OP_PING]]
+        await asyncio.sleep(0)
         assert [msgpack.unpackb(w) for w in written] == [[1, P.OP_PING], [2, P.OP_RELEASE, "x", 1, b"k"]]
         # one read holding both replies, the later one first
         conn.data_received(msgpack.packb([2, LeaseLost.code, "not the holder", None]) + msgpack.packb([1, 0, "pong"]))

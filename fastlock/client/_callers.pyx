@@ -3,7 +3,8 @@
 the server's deadlock detection tells waits apart by, and :class:`HeldLeases`, the self-wait
 check's table of the last lease granted per name.
 
-This is Python code compiled as it is (Cython; no behaviour of its own): the grant and the
+This is Python code compiled as it is (Cython; no behaviour of its own; :class:`Caller` and
+:class:`HeldLeases` are C classes, a table entry read by index in C): the grant and the
 release of every lease go through :meth:`HeldLeases.remember` and :meth:`HeldLeases.forget`,
 and every acquire asks :func:`current_caller` and :func:`party`.  The names are
 :mod:`fastlock.client.acquire`'s (which imports them from here, and documents the slow
@@ -182,50 +183,59 @@ HeldLease.__module__ = "fastlock.client.acquire"
 HeldLease.__doc__ = "An entry of :attr:`HeldLeases.by_name`: the last lease granted of a name, to whom."
 
 
-def _unhold(node, key):
-    if node is not None and node.held:
-        n = node.held.get(key, 0) - 1
-        if n > 0:
-            node.held[key] = n
-        else:
-            node.held.pop(key, None)
+cdef _unhold(node, key):
+    cdef dict held
+    if node is not None:
+        held = (<Caller>node).held
+        if held:
+            n = held.get(key, 0) - 1
+            if n > 0:
+                held[key] = n
+            else:
+                held.pop(key, None)
 
 
-class HeldLeases:
+cdef class HeldLeases:
     """The last lease a client was granted per lock name, and the caller (an asyncio
     task's :class:`Caller` node, or a blocking client's thread) it went to: the self-wait check of :meth:`Client.acquire
     <fastlock.client.Client.acquire>`.  An entry goes on release; entries of leases that
     ended otherwise (expired, lost) are swept out whenever the table has doubled since
     the last sweep, so it holds at most about twice the live leases."""
 
-    __slots__ = ("by_name", "_sweep_at", "_key")
+    #: lock name -> its entry (a :class:`HeldLease`); read directly by ``Client.acquire`` (one lookup)
+    cdef public dict by_name
+    cdef Py_ssize_t _sweep_at
+    #: the client, for :func:`party` (the ``id`` of its connector)
+    cdef object _key
 
     def __init__(self, connector=None):
-        #: lock name -> its entry; read directly by ``Client.acquire`` (one lookup)
         self.by_name = {}
         self._sweep_at = SWEEP_MIN
-        #: the client, for :func:`party` (the ``id`` of its connector)
         self._key = id(self if connector is None else connector)
 
-    def remember(self, lease, exclusive, loop=None, who=None):
+    cpdef remember(self, lease, exclusive, loop=None, who=None):
         """Record ``lease`` as the caller's grant of its name (``exclusive``: not a
         shared lease nor a semaphore permit; ``loop``: the running loop, if known;
         ``who``: the :func:`current_caller`, if the caller has it)."""
-        by_name = self.by_name
+        cdef dict by_name = self.by_name
+        cdef dict held
+        cdef Caller node_of
         if who is None:
             who = current_caller(loop)
         key = self._key
         node = None
         if type(who) is Caller:
-            node = party(who, key)
-            held = node.held
+            node_of = party(<Caller>who, key)
+            node = node_of
+            held = node_of.held
             if held is None:
-                held = node.held = {}
+                held = node_of.held = {}
             held[key] = held.get(key, 0) + 1
-        old_entry = by_name.get(lease.name)
-        by_name[lease.name] = _new_entry(HeldLease, (lease, who, exclusive, node))
+        name = lease.name
+        old_entry = by_name.get(name)
+        by_name[name] = _new_entry(HeldLease, (lease, who, exclusive, node))
         if old_entry is not None:
-            _unhold(old_entry.party, key)
+            _unhold((<tuple>old_entry)[3], key)
         if len(by_name) >= self._sweep_at:
             for name, entry in list(by_name.items()):
                 if entry.lease.lost.is_set() or entry.lease.time_left() <= 0:
@@ -233,14 +243,14 @@ class HeldLeases:
                     _unhold(entry.party, key)
             self._sweep_at = max(SWEEP_MIN, 2 * len(by_name))
 
-    def forget(self, lease):
+    cpdef forget(self, lease):
         """Drop ``lease`` if it is the entry of its name (any copy of it)."""
-        entry = self.by_name.get(lease.name)
-        if entry is not None and entry.lease.state is lease.state:
-            del self.by_name[lease.name]
-            node = entry.party
-            if node is not None and node.held:
-                _unhold(node, self._key)
+        cdef dict by_name = self.by_name
+        name = lease.name
+        entry = by_name.get(name)
+        if entry is not None and (<tuple>entry)[0].state is lease.state:
+            del by_name[name]
+            _unhold((<tuple>entry)[3], self._key)
 
     def refuse_self_wait(self, entry, exclusive):
         """Raise :class:`AlreadyHeld` if ``entry`` (from :attr:`by_name`) belongs to the

@@ -21,6 +21,14 @@ token's epoch.
 shapes (no priority, no sequencer asked; a server that reads no actor, or an exclusive
 lock asked by an asyncio task) decided here.
 
+:func:`send_acquire` and :func:`take_grant` are :meth:`Client.acquire
+<fastlock.client.Client.acquire>` before and after the await of its reply: the request checked
+and sent on the open connection (a :class:`FirstAttempt`), then the grant turned into the
+lease and recorded; :func:`send_release` is :meth:`Client.release
+<fastlock.client.Client.release>` up to the await of the reply's future, and
+:meth:`FirstAttempt.ride_through` its ride through a failover.  The caller awaits the
+connection's future itself: no coroutine of its own per request.
+
 :func:`call` is :func:`fastlock.client.calls.call` (see that module): one request under
 one deadline, a compiled coroutine; :class:`AttemptBounds` keeps the attempt bounds of a
 connector's idempotent calls on one timer.
@@ -46,13 +54,13 @@ from ..protocol.validation import (
 from ..protocol.ops import OP_ACQUIRE, OP_CHECK, OP_CONTENDERS, OP_EXTEND, OP_HOLDER, OP_KEY_GET, OP_KEY_LIST
 from ..protocol.ops import OP_LOCK_INFO, OP_LOCKS, OP_NAMES, OP_PING, OP_RELEASE, OP_STATUS
 from ..tokens import TOKEN_EPOCH_SHIFT
-from ._callers import Caller, party
+from ._callers import Caller, current_caller, party
 from .acquire import AcquireRequest, acquire_call, duration_ms
 from .connection import RETRYABLE, RideThrough
 from .kinds import kind_args
-from .lease import Lease, LeaseState
+from .lease import Lease, LeaseState, check_lease
 from .owner_keys import new_owner_key
-from .preempt import grace_ms
+from .preempt import grace_ms, send_revoke_request
 
 cdef extern from "Python.h":
     bint PyUnicode_IS_ASCII(object o)
@@ -110,7 +118,7 @@ cdef inline bint _common_name(object name):
             and "\x00" not in <str>name)
 
 
-def acquire_request(name, ttl, wait, lock_delay, correlation_id, shared, limit, priority, preempt):
+cpdef acquire_request(name, ttl, wait, lock_delay, correlation_id, shared, limit, priority, preempt):
     """The checked :class:`~fastlock.client.acquire.AcquireRequest` of one acquire, with a
     fresh owner key (see the module docstring).  Arguments as :meth:`Client.acquire
     <fastlock.client.Client.acquire>` takes them: ``ttl``, ``wait`` (None: forever),
@@ -159,6 +167,14 @@ def grant_lease(name, owner, reply, double sent, connector):
 
     :raises TypeError, IndexError: a reply of another shape.
     """
+    cdef double expires_at, granted_ttl
+    return _grant_lease(name, owner, reply, sent, connector, &expires_at, &granted_ttl)
+
+
+@cython.boundscheck(True)
+@cython.wraparound(True)
+cdef object _grant_lease(name, owner, reply, double sent, connector, double* expires_at, double* ttl):
+    """:func:`grant_lease`, also giving the lease's ``expires_at`` and ``ttl`` (seconds)."""
     token = reply[0]
     cdef double granted_ttl = reply[1] / 1000.0
     cdef Py_ssize_t n = len(reply)
@@ -168,7 +184,9 @@ def grant_lease(name, owner, reply, double sent, connector):
         connector.max_epoch = epoch
     state = _object_new(_LeaseState)  # LeaseState.__init__'s fields, set here
     state._lost = None
-    state.expires_at = sent + waited + granted_ttl
+    expires_at[0] = sent + waited + granted_ttl
+    ttl[0] = granted_ttl
+    state.expires_at = expires_at[0]
     state._health = None
     state.sequencer = None
     state.revoke_request = None
@@ -342,3 +360,157 @@ async def call(connector, op, tuple args, double op_timeout):
                                                                         attempt_timeout=attempt if bounded else None)
     return await RideThrough(connector, get_running_loop().time() + op_timeout).send(
         op, args, attempt_timeout=attempt if bounded else None)
+
+
+cdef object _current_caller = current_caller
+cdef object _send_revoke_request = send_revoke_request
+cdef object _check_lease = check_lease
+
+
+@cython.freelist(16)
+cdef class FirstAttempt:
+    """The first attempt of one request of :meth:`Client.acquire <fastlock.client.Client.acquire>`
+    or :meth:`Client.release <fastlock.client.Client.release>`, made by :func:`send_acquire` or
+    :func:`send_release`.
+
+    Attributes:
+        fut (asyncio.Future | None): the future of its reply; None: no connection was open,
+            nothing was sent (the caller rides through).
+        proto (ClientConnection | None): the connection it went on.
+        loop (asyncio.AbstractEventLoop): the running loop.
+        started (float): ``loop.time()`` when the call began, seconds.
+        sent (float): ``loop.time()`` when the request went out, seconds (``started`` until then).
+        request (AcquireRequest | None): an acquire's checked request.
+        who: an acquire's :func:`~fastlock.client.acquire.current_caller`.
+        connector (Connector): the client's connector.
+        op (int): the request's op; ``args`` (tuple): its arguments (a release's).
+        op_timeout (float): a release's deadline from ``started``, seconds.
+    """
+
+    cdef public object fut
+    cdef public object proto
+    cdef public object loop
+    cdef public double started
+    cdef public double sent
+    cdef public object request
+    cdef public object who
+    cdef public object connector
+    cdef public object op
+    cdef public tuple args
+    cdef public double op_timeout
+    cdef AttemptBounds _bounds
+    cdef long long _key
+
+    cpdef end(self):
+        """The attempt has its answer (or failed): drop its attempt bound, if it has one."""
+        if self._bounds is not None:
+            self._bounds.end(self._key)
+            self._bounds = None
+
+    async def ride_through(self, failed=None):
+        """Send the request again until a primary answers, within ``op_timeout`` seconds of
+        ``started`` (:meth:`RideThrough.send <fastlock.client.connection.RideThrough.send>`,
+        each attempt bounded by half of it); ``failed``: the error the first attempt ended
+        with (None: it was never sent).  Returns the reply's value.
+
+        :raises ConnectionLost: no primary answered before the deadline.
+        :raises FastlockError: any other error the server replied with.
+        """
+        cdef double attempt = self.op_timeout / 2.0
+        if failed is None:
+            return await RideThrough(self.connector, self.loop.time() + self.op_timeout).send(
+                self.op, self.args, attempt_timeout=attempt)
+        return await RideThrough(self.connector, self.started + self.op_timeout).send(
+            self.op, self.args, self.proto, failed, attempt_timeout=attempt)
+
+
+def send_acquire(client, name, ttl, wait, lock_delay, correlation_id, shared, limit, priority, preempt):
+    """:meth:`Client.acquire <fastlock.client.Client.acquire>` up to the await of its reply: every
+    argument checked (:func:`acquire_request`), the owner key drawn, the caller found
+    (:func:`~fastlock.client.acquire.current_caller`), and the ACQUIRE (and a preempt's
+    revoke request) sent if the client's connection is open.  Returns the
+    :class:`FirstAttempt` (``fut`` None: nothing sent).
+
+    :raises WrongArgumentType, InvalidArgument: a bad argument (nothing sent).
+    """
+    request = acquire_request(name, ttl, wait, lock_delay, correlation_id, shared, limit, priority, preempt)
+    cdef tuple fields = <tuple>request  # an AcquireRequest (a tuple): read by index, in C
+    cdef FirstAttempt attempt = FirstAttempt.__new__(FirstAttempt)
+    attempt.request = request
+    connector = attempt.connector = client._connector
+    proto = connector.proto
+    if proto is not None and not proto.closed:
+        loop = attempt.loop = proto.loop
+        attempt.started = attempt.sent = loop.time()
+        who = attempt.who = _current_caller(loop)
+        op, tail = acquire_tail(connector, fields[6], priority, who)
+        owner = fields[1]
+        wait_ms = fields[3]
+        attempt.proto = proto
+        attempt.op = op
+        attempt.fut = proto.request(op, name, owner, fields[2], wait_ms, fields[4], correlation_id, *tail)
+        grace = fields[8]
+        if grace is not None and wait_ms != 0:
+            _send_revoke_request(proto, name, owner, grace)
+    else:
+        loop = attempt.loop = get_running_loop()
+        attempt.started = attempt.sent = loop.time()
+        attempt.who = _current_caller(loop)
+    return attempt
+
+
+def take_grant(client, FirstAttempt attempt, reply, bint exclusive, double late_fraction):
+    """:meth:`Client.acquire <fastlock.client.Client.acquire>` after its reply: the lease the
+    ACQUIRE reply grants (:func:`grant_lease`, from ``attempt.sent``), recorded in the client's
+    self-wait table (``exclusive``: neither a shared lease nor a permit) and returned; None
+    (nothing recorded) when less than ``late_fraction`` of its TTL is left by the client's
+    estimate (the caller verifies the late grant).
+
+    :raises TypeError, IndexError: a reply of another shape.
+    """
+    cdef tuple request = <tuple>attempt.request  # an AcquireRequest (a tuple)
+    cdef double expires_at, ttl
+    lease = _grant_lease(request[0], request[1], reply, attempt.sent, attempt.connector, &expires_at, &ttl)
+    if expires_at - attempt.loop.time() < ttl * late_fraction:
+        return None
+    client._held.remember(lease, exclusive, attempt.loop, attempt.who)
+    return lease
+
+
+def send_release(client, lease, double op_timeout):
+    """:meth:`Client.release <fastlock.client.Client.release>` up to the await of its reply:
+    ``lease`` checked, its renewal stopped, its entry of the self-wait table dropped, and the
+    RELEASE sent if the client's connection is open (under an attempt bound of half of
+    ``op_timeout`` seconds, as :func:`call` sends it).  Returns the :class:`FirstAttempt`
+    (``fut`` None: nothing sent; the caller rides through with
+    :meth:`FirstAttempt.ride_through`, and calls :meth:`FirstAttempt.end` once the reply came).
+
+    :raises WrongArgumentType: ``lease`` is no :class:`~fastlock.client.lease.Lease`.
+    """
+    if type(lease) is not _Lease:
+        _check_lease(lease)
+    renewers = client.renewers
+    if renewers.by_state:
+        renewers.stop(lease)
+    client._held.forget(lease)
+    cdef FirstAttempt attempt = FirstAttempt.__new__(FirstAttempt)
+    fields = lease.__dict__
+    args = attempt.args = (fields["name"], fields["fencing_token"], fields["owner"])
+    attempt.op = OP_RELEASE
+    attempt.op_timeout = op_timeout
+    connector = attempt.connector = client._connector
+    cdef AttemptBounds bounds
+    proto = connector.proto
+    if proto is not None and not proto.closed:
+        loop = attempt.loop = proto.loop
+        attempt.started = attempt.sent = loop.time()
+        bounds = connector.attempt_bounds
+        if bounds is None:
+            bounds = attempt_bounds(connector, loop)
+        attempt._key = bounds.begin(attempt.started, op_timeout / 2.0, OP_RELEASE)
+        attempt._bounds = bounds
+        attempt.proto = proto
+        attempt.fut = proto.request(OP_RELEASE, *args)
+    else:
+        attempt.loop = get_running_loop()
+    return attempt

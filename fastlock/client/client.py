@@ -32,12 +32,11 @@ from ..protocol.ops import OP_TRANSFER
 from ..tls import client_ssl_context
 from ..tokens import epoch_of
 from ..units import check_seconds
-from ._path import acquire_request, acquire_tail, grant_lease
+from ._path import grant_lease, send_acquire, send_release, take_grant
 from .acquire import (
     AcquireRequest,
     HeldLeases,
     acquire_retry,
-    current_caller,
     extend_args,
     extended_ms,
     verify_late_grant,
@@ -60,7 +59,7 @@ from .keys import KeyMethods
 from .kinds import MAX_CONTENDERS, Semaphore, kind_args, list_contenders
 from .lease import HolderInfo, Lease, WatchEvent, check_fraction, check_lease
 from .multilock import LockManyContext, MultiLease, acquire_many, release_many, sorted_names
-from .preempt import deliver_revoke_request, send_revoke_request
+from .preempt import deliver_revoke_request
 from .recipes import RecipeMethods
 from .renewer import LockContext, Renewer, Renewers
 from .session import DEFAULT_SESSION_TTL, SessionAdminMethods, SessionKeeper
@@ -329,39 +328,31 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods, SessionAdminMethods):
         held = self._held.by_name.get(name)
         if held is not None and wait != 0 and not queue_behind_self:
             self._held.refuse_self_wait(held, not shared and not limit)
-        # every argument checked, the owner key drawn (compiled: fastlock/client/_path.pyx)
-        request = acquire_request(name, ttl, wait, lock_delay, correlation_id, shared, limit, priority, preempt)
-        owner = request.owner
-        connector = self._connector
-        proto = connector.proto
-        if proto is not None and not proto.closed:
-            loop = proto.loop
-            sent = started = loop.time()
-            who = current_caller(loop)
-            op, tail = acquire_tail(connector, request.kind, priority, who)
-            fut = proto.request(op, name, owner, request.ttl_ms, request.wait_ms, request.lock_delay_ms,
-                                correlation_id, *tail)
-            grace = request.preempt_ms
-            if grace is not None and request.wait_ms != 0:
-                send_revoke_request(proto, name, owner, grace)
+        # every argument checked, the owner key drawn, the request sent on the open connection
+        # (compiled: fastlock/client/_path.pyx); this coroutine awaits the connection's future itself
+        attempt = send_acquire(self, name, ttl, wait, lock_delay, correlation_id, shared, limit, priority, preempt)
+        fut = attempt.fut
+        if fut is not None:
             try:
                 reply = await fut
             except asyncio.CancelledError:
-                self._connector.withdraw(proto, name, owner)
+                self._connector.withdraw(attempt.proto, name, attempt.request.owner)
                 raise
             except RETRYABLE as exc:
-                reply, sent = await acquire_retry(connector, self._connect_timeout, request, sent, proto, exc)
+                reply, attempt.sent = await acquire_retry(self._connector, self._connect_timeout, attempt.request,
+                                                          attempt.sent, attempt.proto, exc)
         else:
-            loop = asyncio.get_running_loop()
-            started = loop.time()
-            who = current_caller(loop)
-            reply, sent = await acquire_retry(connector, self._connect_timeout, request, started)
+            reply, attempt.sent = await acquire_retry(self._connector, self._connect_timeout, attempt.request,
+                                                      attempt.started)
         # The grant happened no earlier than `sent + waited` on our clock (the server received
         # the request after we sent it, then it waited): the lease's expires_at counts from there
-        lease = grant_lease(name, owner, reply, sent, connector)
-        if lease.state.expires_at - loop.time() < lease.ttl * LATE_GRANT_FRACTION:
-            lease = await verify_late_grant(self, lease, AcquireRequest(*request[:8]), started)
-        self._held.remember(lease, not shared and not limit, loop, who)
+        exclusive = not shared and not limit
+        lease = take_grant(self, attempt, reply, exclusive, LATE_GRANT_FRACTION)
+        if lease is None:  # less than LATE_GRANT_FRACTION of its TTL left: verified first
+            request = attempt.request
+            lease = grant_lease(name, request.owner, reply, attempt.sent, self._connector)
+            lease = await verify_late_grant(self, lease, AcquireRequest(*request[:8]), attempt.started)
+            self._held.remember(lease, exclusive, attempt.loop, attempt.who)
         return lease
 
     async def transfer(self, lease: Lease, to: str) -> None:
@@ -401,14 +392,23 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods, SessionAdminMethods):
             ConnectionLost: no primary could be reached within ``request_timeout``;
                 the lease expires by its TTL.
         """
-        if type(lease) is not Lease:
-            check_lease(lease)
-        renewers = self.renewers
-        if renewers.by_state:
-            renewers.stop(lease)
-        self._held.forget(lease)
+        # checked, renewal stopped, forgotten, sent (compiled: fastlock/client/_path.pyx)
+        attempt = send_release(self, lease, self._op_timeout)
         try:
-            await call(self._connector, P.OP_RELEASE, (lease.name, lease.fencing_token, lease.owner), self._op_timeout)
+            fut = attempt.fut
+            if fut is None:
+                await attempt.ride_through()
+                return
+            try:
+                await fut
+                return
+            except RETRYABLE as exc:
+                if self._connector.closed:
+                    raise
+                failed = exc
+            finally:
+                attempt.end()
+            await attempt.ride_through(failed)
         except LeaseLost:
             lease.lost.set()
             raise

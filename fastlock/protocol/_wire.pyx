@@ -4,7 +4,8 @@
 :class:`RpcWire` is the compiled base of :class:`fastlock.protocol.rpc.RpcConnection`,
 the ``asyncio.Protocol`` under the client, the CLI and the standby's link: its
 ``request`` gives a request the connection's next id, remembers one future for it and
-writes the frame; its ``data_received`` decodes a read (the connection's
+writes the frame (at once on an idle connection; behind requests still in flight, into one
+write per event-loop turn: :meth:`RpcWire.write_frame`); its ``data_received`` decodes a read (the connection's
 :class:`~fastlock.protocol.FrameDecoder`, under the same limits) and resolves each
 reply's future from the decoded reply (``[id, 0, value]``: the value; ``[id, code,
 message, extra]``: the error :func:`~fastlock.errors.error_from_wire` builds).  Pushes
@@ -59,7 +60,9 @@ cdef class RpcWire:
     -> future of the requests without a reply yet; ``loop``: the event loop;
     ``last_recv``: ``loop.time()`` when bytes last arrived; ``liveness_timeout``
     (seconds, None: no watchdog); ``_decoder``: the reply decoder; ``_next_id``: the
-    next request id; ``_watchdog``: the liveness timer while armed.
+    next request id; ``_watchdog``: the liveness timer while armed; ``out``: the frames
+    written in this loop turn and not yet handed to the transport (None: none), see
+    :meth:`write_frame`; ``writes``: transport writes made (an int, for tests and benches).
     """
 
     cdef public object transport
@@ -71,6 +74,8 @@ cdef class RpcWire:
     cdef public object _decoder
     cdef public object _next_id
     cdef public object _watchdog
+    cdef public list out
+    cdef public long long writes
 
     def data_received(self, object data):
         self.last_recv = self.loop.time()  # at or after _ping_sent: the ping is answered
@@ -125,8 +130,43 @@ cdef class RpcWire:
             return fut
         req_id = self._next_id
         self._next_id = req_id + 1
-        self.pending[req_id] = fut
-        transport.write(_packb([req_id, op, *args]))
+        cdef dict pending = self.pending
+        cdef bint idle = not pending
+        pending[req_id] = fut
+        frame = _packb([req_id, op, *args])
+        if idle and self.out is None:
+            self.writes += 1
+            transport.write(frame)  # nothing in flight: at once (one system call, as before)
+        else:
+            self.write_frame(frame)
         if self._watchdog is None and self.liveness_timeout is not None:
             self._arm_watchdog(self.liveness_timeout)
         return fut
+
+    cpdef write_frame(self, object frame):
+        """Write ``frame`` (bytes) behind the requests in flight: frames written in one turn of
+        the event loop go to the transport together, in the order written, in one
+        ``transport.write`` at the end of the turn (``loop.call_soon`` of :meth:`flush`, armed
+        by the first of them), so that many tasks pipelining on one connection cost one
+        system call per turn, not one each.  Dropped if the connection has ended."""
+        if self.closed or self.transport is None:
+            return
+        cdef list out = self.out
+        if out is None:
+            self.out = [frame]
+            self.loop.call_soon(self.flush)
+        else:
+            out.append(frame)
+
+    cpdef flush(self):
+        """Hand the frames :meth:`write_frame` kept to the transport now, in one write (none
+        if the connection has ended)."""
+        cdef list out = self.out
+        if out is None:
+            return
+        self.out = None
+        transport = self.transport
+        if self.closed or transport is None:
+            return
+        self.writes += 1
+        transport.write(out[0] if len(out) == 1 else b"".join(out))

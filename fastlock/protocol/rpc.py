@@ -8,7 +8,8 @@ does exactly the connection-level bookkeeping of the protocol described in
 
 * **request ids** - :meth:`RpcConnection.request` gives each request the next
   id of this connection (1, 2, ...), remembers a future for it and writes the
-  frame; the reply ``[id, 0, value]`` resolves the future with ``value``, an
+  frame (at once on an idle connection; behind requests still in flight, the frames of
+  one event-loop turn in one write at its end); the reply ``[id, 0, value]`` resolves the future with ``value``, an
   error reply ``[id, code, message, extra]`` with the exception
   :func:`~fastlock.errors.error_from_wire` builds (``NotPrimary`` keeps the
   primary it names).
@@ -201,6 +202,8 @@ class RpcConnection(RpcWire, asyncio.Protocol):
         self.subscriptions = 0
         self.loop = asyncio.get_running_loop()
         self.last_recv = self._armed_at = self.loop.time()
+        self.out = None
+        self.writes = 0
         self.close_error: FastlockError | None = None
         self.silent = False
         self.pings = 0
@@ -317,9 +320,14 @@ class RpcConnection(RpcWire, asyncio.Protocol):
         return fut
 
     def write_raw(self, data: bytes) -> None:
-        """Write pre-encoded frames as they are (dropped if the connection ended)."""
+        """Write pre-encoded frames as they are (dropped if the connection ended), after every
+        request written before them (behind frames still kept for this loop turn's write)."""
         if not self.closed and self.transport is not None:
-            self.transport.write(data)
+            if self.out is not None:
+                self.write_frame(data)
+            else:
+                self.writes += 1
+                self.transport.write(data)
 
     # -- ending ------------------------------------------------------------------------
     def fail(self, error: ConnectionLost) -> None:
@@ -351,6 +359,7 @@ class RpcConnection(RpcWire, asyncio.Protocol):
     def close(self, error: ConnectionLost | None = None) -> None:
         """:meth:`fail` (``ConnectionLost("connection closed")`` by default), then
         close the TCP connection after flushing what was written."""
+        self.flush()  # requests written in this loop turn go out before the close
         self.fail(error or ConnectionLost("connection closed"))
         if self.transport is not None:
             self.transport.close()
@@ -411,7 +420,7 @@ class RpcConnection(RpcWire, asyncio.Protocol):
             fut = loop.create_future()
             fut.add_done_callback(_ignore_result)
             self.pending[req_id] = fut
-            transport.write(packb([req_id, OP_PING]))
+            self.write_frame(packb([req_id, OP_PING]))
         if self.handshaking:
             nxt = since + (timeout if silent >= interval else interval)
         elif pinged:
