@@ -377,7 +377,10 @@ class WrongShard(FastlockError):
     Cluster's ``MOVED``).  Nothing changed.  ``slot`` (int, 0..16383) is the name's slot,
     ``group`` the owning group's name, ``addresses`` its nodes' ``host:port`` addresses (a
     tuple of str), ``epoch`` the epoch of the node's map (int).  A routing client
-    (:mod:`fastlock.client.sharded`) fetches the map again and sends the call to the owner."""
+    (:mod:`fastlock.client.sharded`) fetches the map again and sends the call to the owner.
+    ``owner`` (bytes or None) is set by the client on an acquire's redirect: the owner key the
+    acquire was sent with, so that the call sent to the owner asks with the same key (a waiter a
+    slot move shipped is recognised by it)."""
 
     def __init__(self, message: str, slot: int | None = None, group: str | None = None,
                  addresses: tuple[str, ...] = (), epoch: int | None = None):
@@ -386,6 +389,7 @@ class WrongShard(FastlockError):
         self.group = group
         self.addresses = addresses
         self.epoch = epoch
+        self.owner: bytes | None = None
 
     def wire_extra(self) -> dict[str, Any]:
         """The reply's ``extra``: ``{"slot", "group", "addresses", "epoch"}``."""

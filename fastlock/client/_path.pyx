@@ -424,9 +424,11 @@ cdef class FirstAttempt:
             self.op, self.args, self.proto, failed, attempt_timeout=attempt)
 
 
-def send_acquire(client, name, ttl, wait, lock_delay, correlation_id, shared, limit, priority, preempt):
+def send_acquire(client, name, ttl, wait, lock_delay, correlation_id, shared, limit, priority, preempt,
+                 owner=None):
     """:meth:`Client.acquire <fastlock.client.Client.acquire>` up to the await of its reply: every
-    argument checked (:func:`acquire_request`), the owner key drawn, the caller found
+    argument checked (:func:`acquire_request`), the owner key drawn (``owner``, bytes: that key
+    instead), the caller found
     (:func:`~fastlock.client.acquire.current_caller`), and the ACQUIRE (and a preempt's
     revoke request) sent if the client's connection is open.  Returns the
     :class:`FirstAttempt` (``fut`` None: nothing sent).
@@ -434,6 +436,8 @@ def send_acquire(client, name, ttl, wait, lock_delay, correlation_id, shared, li
     :raises WrongArgumentType, InvalidArgument: a bad argument (nothing sent).
     """
     request = acquire_request(name, ttl, wait, lock_delay, correlation_id, shared, limit, priority, preempt)
+    if owner is not None:
+        request = request._replace(owner=owner)
     cdef tuple fields = <tuple>request  # an AcquireRequest (a tuple): read by index, in C
     cdef FirstAttempt attempt = FirstAttempt.__new__(FirstAttempt)
     attempt.request = request

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from .. import protocol as P
-from ..errors import ConnectionLost, InvalidArgument, LeaseLost, WrongArgumentType
+from ..errors import ConnectionLost, InvalidArgument, LeaseLost, WrongArgumentType, WrongShard
 from ..protocol.ops import OP_TRANSFER
 from ..tls import client_ssl_context
 from ..tokens import epoch_of
@@ -236,7 +236,8 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods, SessionAdminMethods):
     # -- lock operations ----------------------------------------------------------------
     async def acquire(self, name: str, *, ttl: float, wait: float | None = None, lock_delay: float = 0.0,
                       correlation_id: str | None = None, shared: bool = False, limit: int = 0,
-                      queue_behind_self: bool = False, priority: int = 0, preempt: float | None = None) -> Lease:
+                      queue_behind_self: bool = False, priority: int = 0, preempt: float | None = None,
+                      _owner: bytes | None = None) -> Lease:
         """Acquire ``name`` and return its :class:`Lease`.
 
         ``shared=True`` asks for a shared (read) lease: any number of shared
@@ -324,26 +325,37 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods, SessionAdminMethods):
         Cancelling the awaiting task (``task.cancel()``, ``asyncio.timeout``)
         removes the waiter on the server; if the grant raced with the cancel,
         the server releases it (never a ghost holder).
+
+        ``_owner`` is the routing client's (:mod:`fastlock.client.sharded`): a
+        :class:`WrongShard` raised here carries the owner key the request was
+        sent with (``exc.owner``), and the call it sends to the name's new
+        group passes that key back, so a waiter a slot move shipped there keeps
+        its place in the queue (the new group's reclaim window knows it by key).
         """
         held = self._held.by_name.get(name)
         if held is not None and wait != 0 and not queue_behind_self:
             self._held.refuse_self_wait(held, not shared and not limit)
         # every argument checked, the owner key drawn, the request sent on the open connection
         # (compiled: fastlock/client/_path.pyx); this coroutine awaits the connection's future itself
-        attempt = send_acquire(self, name, ttl, wait, lock_delay, correlation_id, shared, limit, priority, preempt)
+        attempt = send_acquire(self, name, ttl, wait, lock_delay, correlation_id, shared, limit, priority, preempt,
+                               _owner)
         fut = attempt.fut
-        if fut is not None:
-            try:
-                reply = await fut
-            except asyncio.CancelledError:
-                self._connector.withdraw(attempt.proto, name, attempt.request.owner)
-                raise
-            except RETRYABLE as exc:
+        try:
+            if fut is not None:
+                try:
+                    reply = await fut
+                except asyncio.CancelledError:
+                    self._connector.withdraw(attempt.proto, name, attempt.request.owner)
+                    raise
+                except RETRYABLE as exc:
+                    reply, attempt.sent = await acquire_retry(self._connector, self._connect_timeout,
+                                                              attempt.request, attempt.sent, attempt.proto, exc)
+            else:
                 reply, attempt.sent = await acquire_retry(self._connector, self._connect_timeout, attempt.request,
-                                                          attempt.sent, attempt.proto, exc)
-        else:
-            reply, attempt.sent = await acquire_retry(self._connector, self._connect_timeout, attempt.request,
-                                                      attempt.started)
+                                                          attempt.started)
+        except WrongShard as exc:
+            exc.owner = attempt.request.owner
+            raise
         # The grant happened no earlier than `sent + waited` on our clock (the server received
         # the request after we sent it, then it waited): the lease's expires_at counts from there
         exclusive = not shared and not limit

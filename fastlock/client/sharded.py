@@ -269,7 +269,9 @@ class ShardedClient(Client):
         """``client_for(name).method(*args, **kwargs)``; on WrongShard the map is read again and
         the call sent to the name's new owner if it changed (at most REDIRECT_HOPS times: a name
         may move on while a call follows it), or, while the redirecting node's map is older than
-        this client's, asked again every 20 ms for at most REDIRECT_CATCH_UP_S seconds."""
+        this client's, asked again every 20 ms for at most REDIRECT_CATCH_UP_S seconds.  An
+        acquire asked again goes with the owner key of the one redirected (``WrongShard.owner``):
+        a waiter that a slot move shipped is known by that key at the new owner and keeps its place."""
         group = self._group_for(name)
         deadline = asyncio.get_running_loop().time() + REDIRECT_CATCH_UP_S
         hops = 0
@@ -278,6 +280,8 @@ class ShardedClient(Client):
             try:
                 return await getattr(self.group_client(group), method)(*args, **kwargs)
             except WrongShard as exc:
+                if exc.owner is not None and method == "acquire":
+                    kwargs = {**kwargs, "_owner": exc.owner}
                 await self.refresh(exc)
                 owner = self._group_for(name)
                 if owner != group and hops < REDIRECT_HOPS:
