@@ -73,7 +73,7 @@ from ..roles import Action, NodeRole, Role
 from ..sharding import ShardMap
 from ..tls import ServerTLS, client_context
 from ..units import format_address, monotonic_ms
-from ..wal import DataDirInUse, HolderSlices, SnapshotState, WriteAheadLog, secure_directory
+from ..wal import DataDirInUse, HolderSlices, SnapshotState, WalFatal, WriteAheadLog, secure_directory
 from ..wal.log import paused_gc
 from . import lockdelays
 from ._wire import BatchEnd
@@ -100,6 +100,9 @@ _pack = msgpack.Packer(use_bin_type=True).pack  # what LockTable.snapshot_step d
 
 #: exit status after a write-ahead log failure (so a supervisor restarts the server)
 EXIT_WAL_FAILED = 3
+#: seconds a step-down's closing of client connections waits at most for the replies of
+#: records logged before it (their refusals) when the log is slow
+CLOSE_AFTER_LOG_S = 1.0
 
 #: a waiter's end that is not a grant -> the error code and reason its acquire is answered with
 class ExpiryTimer:
@@ -288,8 +291,16 @@ class LockServer(BatchEnd):
 
     def close_client_connections(self, why: str, *, waiting_only: bool = False) -> None:
         """Close every connection but the standbys' (``waiting_only``: those with a
-        queued acquire or a watch), once this turn's replies are out."""
+        queued acquire or a watch), once this turn's replies are out and every reply that
+        waits for a record logged before now has been sent (a refusal, on a node no longer
+        primary), or CLOSE_AFTER_LOG_S seconds from now if the log is slower (or stopped)."""
+        closed = False
+
         def close() -> None:
+            nonlocal closed
+            if closed:
+                return
+            closed = True
             replicas = self.source.replicas
             table = self.table
             clients = [c for c in self.limits.sessions.values() if c.session not in replicas and not c.closed
@@ -299,7 +310,11 @@ class LockServer(BatchEnd):
             for conn in clients:
                 conn.close_after_flush()
 
-        self.loop.call_soon(close)
+        try:
+            self.wal.when_durable(close)  # after the callbacks of the records logged so far
+        except WalFatal:
+            pass
+        self.loop.call_later(CLOSE_AFTER_LOG_S, close)
 
     def _announce_shard_map(self, shard_map: ShardMap) -> None:
         """Push ``shard_map``'s epoch to every client connection (PUSH_SHARD_MAP, one small
