@@ -52,12 +52,15 @@ class Groups:
         ports = [free_port(), free_port()]
         self.shard_map = ShardMap(1, tuple(ShardGroup(f"g{k}", (f"127.0.0.1:{ports[k]}",)) for k in range(2)),
                                   even_ranges(["g0", "g1"]))
+        #: group -> more `fastlock serve` flags for its server (from its next (re)start)
+        self.args: dict[str, list[str]] = {}
         self.servers = {f"g{k}": self._server(f"g{k}", ports[k]) for k in range(2)}
 
     def _server(self, group: str, port: int) -> ServerProcess:
         return ServerProcess(self.tmp_path / group, fsync="always", port=port,
                              args=["--shard-map", self.url, "--shard-group", group,
-                                   *self.creds.server_args("node-1" if group == "g0" else "node-2")])
+                                   *self.creds.server_args("node-1" if group == "g0" else "node-2"),
+                                   *self.args.get(group, [])])
 
     async def start(self) -> None:
         stored = await load_from_etcd(self.url)

@@ -63,7 +63,7 @@ class EtcdGroups:
     in etcd; each group's second node follows the map through a TCP proxy (:attr:`map_links`)."""
 
     def __init__(self, etcd, tmp_path, monkeypatch, sizes: tuple[int, int], epochs: dict[str, int] | None = None,
-                 relayed: tuple[str, ...] = (), seen: dict[str, int] | None = None):
+                 relayed: tuple[str, ...] = (), seen: dict[str, int] | None = None, later: tuple[str, ...] = ()):
         self.etcd = etcd
         self.url = f"etcd://{etcd.address}{unique_prefix()}"
         self.coordinators = {f"g{k}": f"etcd://{etcd.address}{unique_prefix()}" for k in range(2)}
@@ -81,6 +81,8 @@ class EtcdGroups:
         self.epochs = {"g1": G1_EPOCH} if epochs is None else epochs
         #: node -> the highest epoch its data directory has seen before it starts (node-state.json)
         self.seen = seen or {}
+        #: the nodes :meth:`start` leaves out (a test starts them: ``servers[node] = _server(node).start()``)
+        self.later = later
         #: the nodes others reach through a proxy (``--advertise``): their standbys' replication links go through it
         self.relays = {node: TcpProxy(f"127.0.0.1:{self.ports[node]}", classify=classify_fastlock).start()
                        for node in relayed}
@@ -113,6 +115,8 @@ class EtcdGroups:
         for group in ("g0", "g1"):
             nodes = [n for n in self.ports if n.startswith(group + "-")]
             for k, node in enumerate(nodes):
+                if node in self.later:
+                    continue
                 self.servers[node] = self._server(node).start()
                 await wait_until(lambda node=node, k=k: self.is_role(node, "standby" if k else "primary"), 60,
                                  f"{node} to be {'a standby' if k else 'the primary'}")
@@ -369,6 +373,88 @@ async def test_moved_waiters_keep_their_order_when_the_destination_fails_over_be
         again = [await RawNode.open(g.servers["g1-1"].address, token=g.app) for _ in range(3)]
         await wait_until(lambda: g.serves_epoch("g1-1", flipped.epoch), 20, "g1's new primary to follow the flip")
         assert (await again[2].holder(name))["token"] == token  # the adopted lease, replicated
+        second = again[1].request(OP_ACQUIRE, name, owners[1], 30_000, 60_000, 0, None)
+        await asyncio.sleep(0)  # sent before the first waiter's
+        first = again[0].request(OP_ACQUIRE, name, owners[0], 30_000, 60_000, 0, None)
+        await again[2].release(name, token, owner)
+        got_first = await asyncio.wait_for(first, 60)  # after the promoted node's grace (the lease's TTL)
+        assert not second.done() and got_first[0] > token
+        await again[0].release(name, got_first[0], owners[0])
+        got_second = await asyncio.wait_for(second, 30)
+        assert got_second[0] > got_first[0]
+    finally:
+        for node in [g0, *waiters, *again]:
+            await node.close()
+
+
+async def test_a_destination_standby_joining_by_snapshot_after_an_import_takes_the_flip_and_is_promoted(groups_of):
+    """g1's second node starts after g1's first imported a slot of g0 with two waiters queued on
+    it: a new standby, it joins by a snapshot, and its link to the map in etcd is black-holed from
+    before the mark until after the flip.  A snapshot holds leases and keys only: the primary logs
+    its imports not yet flipped again right after it (SLOTS_ADOPTED), so the standby knows the
+    import; g1's primary is killed after the flip: the standby takes the flip whose mark it
+    missed, is promoted, holds the moved lease and lets the waiters, asking it again in the
+    opposite order, in in their old order."""
+    g = await groups_of((1, 2), relayed=("g1-0",), later=("g1-1",))
+    name = names_owned_by(g.shard_map, "g0", 1, "joinsnap")[0]
+    slot = slot_of(name)
+    relay = g.relays["g1-0"]
+    relay.blackhole("replication")  # g1-1 reaches g1-0 only after the import
+    g.servers["g1-1"] = g._server("g1-1").start()
+    await asyncio.to_thread(g.servers["g1-1"].wait_for_log, r"shard map epoch 1: group g1", 60)
+    g.map_links["g1-1"].blackhole()  # it sees neither the mark nor the flip
+    admin_token = g.creds.token("admin")
+    g0 = await RawNode.open(g.servers["g0-0"].address, token=g.app)
+    waiters = [await RawNode.open(g.servers["g0-0"].address, token=g.app) for _ in range(2)]
+    owners = [bytes([k + 1]) * 16 for k in range(2)]
+    again: list[RawNode] = []
+    try:
+        token, _ttl, owner = await g0.acquire(name, 15_000)  # g1's promoted node grants nothing for 15 s (its grace)
+        queued = []
+        async with fastlock.connect(g.servers["g0-0"].address, token=admin_token, session=False) as client:
+            for k, w in enumerate(waiters):
+                queued.append(w.request(OP_ACQUIRE, name, owners[k], 30_000, 60_000, 0, None))
+
+                async def queue_length(n: int) -> bool:
+                    info = await client.lock_info(name)
+                    return info is not None and info.waiter_count >= n
+
+                await wait_until(lambda k=k: queue_length(k + 1), 10, f"waiter {k} to queue")
+        stored = await load_from_etcd(g.url)
+        try:
+            shard_map, revision = await stored.read()
+            marked = mark_moving(shard_map, slot, slot, "g1")
+            revision = await stored.replace(revision, shard_map, marked)
+            for node in ("g0-0", "g1-0"):
+                await wait_until(lambda node=node: g.serves_epoch(node, marked.epoch), 20, f"{node} to follow the mark")
+            admin0 = await RawNode.open(g.servers["g0-0"].address, token=admin_token)
+            admin1 = await RawNode.open(g.servers["g1-0"].address, token=admin_token)
+            try:
+                page = await admin0.request(OP_SLOT_EXPORT, slot, slot, None)
+                assert page["queues"] == [[name, 0, [hash_owner(o) for o in owners]]]
+                assert (await admin1.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(page)))["queues"] == 1
+            finally:
+                await admin0.close()
+                await admin1.close()
+            start = len(g.servers["g1-0"].lines)
+            relay.cut("replication")
+            relay.heal()
+            await asyncio.to_thread(g.servers["g1-0"].wait_for_log, r"standby .* attached \(snapshot from", 60, start)
+            await wait_until(lambda: g.is_role("g1-1", "standby"), 60, "g1-1 to apply its snapshot")
+            flipped = finish_move(marked, slot, slot, "g1")
+            await stored.replace(revision, marked, flipped)
+        finally:
+            await stored.gateway.close()
+        assert not await g.serves_epoch("g1-1", marked.epoch)  # its map is still the one before the mark
+        g.servers["g1-0"].kill()
+        g.map_links["g1-1"].heal()
+        await wait_until(lambda: g.is_role("g1-1", "primary"), 60, "g1's standby to be promoted")
+        assert await g.serves_epoch("g1-1", flipped.epoch)
+        for q in queued:  # held until the flip (WrongShard) or HOLD_S (SlotMoving): the client asks again
+            with pytest.raises((WrongShard, SlotMoving)):
+                await asyncio.wait_for(q, 30)
+        again = [await RawNode.open(g.servers["g1-1"].address, token=g.app) for _ in range(3)]
+        assert (await again[2].holder(name))["token"] == token  # the adopted lease, in the snapshot
         second = again[1].request(OP_ACQUIRE, name, owners[1], 30_000, 60_000, 0, None)
         await asyncio.sleep(0)  # sent before the first waiter's
         first = again[0].request(OP_ACQUIRE, name, owners[0], 30_000, 60_000, 0, None)

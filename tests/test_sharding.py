@@ -468,3 +468,52 @@ def test_map_changes_are_judged_run_by_run_as_slot_by_slot():
         else:
             assert gate.shard_map is old
     assert 0 < refused < 60  # both kinds of change were judged
+
+
+def test_a_gate_keeps_its_imports_in_snapshots_and_relogs_them_for_a_standby_joining_by_snapshot():
+    # what a snapshot keeps (pending_imports) comes back by restore_imports; the records relogged after a
+    # standby's snapshot (relog_imports) teach a standby that never saw the import, which then takes the
+    # flip whose mark it missed; a restart leaves out what the node served before it (a flip's let-in)
+    from fastlock.server.sharded import RELOG_PART, ShardGate
+    from fastlock.sharding.moves import finish_move, mark_moving
+    from fastlock.wal.records import ImportedSlots, SlotsAdopted
+
+    base = two_groups()
+    name = next(f"x{i}" for i in range(1000) if base.owner(f"x{i}").name == "a")
+    slot = slot_of(name)
+    marked = mark_moving(base, slot, slot, "b")
+    flipped = finish_move(marked, slot, slot, "b")
+    owners = [bytes([k + 1]) * 16 for k in range(RELOG_PART + 3)]
+    primary = ShardGate(marked, "b")
+    assert primary.pending_imports() is None
+    primary.restore_imports(ImportedSlots([slot], {name: owners}))  # recovered before the flip
+    assert primary.imported[slot] and primary.imported_queues == {name: owners}
+    assert primary.pending_imports() == ImportedSlots([slot], {name: owners})
+
+    class Wal:
+        records: list = []
+
+        def log_slots_adopted(self, first, last, floor, epoch, queues):
+            self.records.append(SlotsAdopted(first, last, floor, epoch, queues, 0))
+
+    wal = Wal()
+    assert primary.relog_imports(wal, (4 << 40) | 9, 4) == 1
+    assert wal.records[0][:4] == (slot, slot, (4 << 40) | 9, 4)
+    assert wal.records[0].queues == [[name, owners[:RELOG_PART]], [name, owners[RELOG_PART:]]]
+    standby = ShardGate(base, "b")  # joined by a snapshot: its map never showed the mark
+    standby.offer(ShardMap(flipped.epoch, flipped.groups, flipped.ranges))
+    assert standby.refused is not None and standby.shard_map.epoch == 1
+    for record in wal.records:
+        standby.adopted_by_log(record)
+    assert standby.shard_map.epoch == flipped.epoch and standby.check_name(name) == -1
+    # a restart after the flip: the queue is let in only if the map served before the restart did not own the slot
+    for owned_before, kept in ((base.slots_of("b"), {name: owners}), (flipped.slots_of("b"), {})):
+        again = ShardGate(flipped, "b")
+        again.owned_before = owned_before
+        again.restore_imports(ImportedSlots([slot], {name: owners}))
+        assert again.imported_queues == kept and not again.imported[slot] and not again.undone_at_start
+        assert again.pending_imports() is None
+    aborted = ShardGate(base, "b")  # the move was aborted while the node was down: the slot's keys go back
+    aborted.restore_imports(ImportedSlots([slot], {name: owners}))
+    assert aborted.undone_at_start == {slot} and aborted.imported_queues == {}
+    assert aborted.pending_imports() == ImportedSlots([slot], {})

@@ -363,6 +363,9 @@ class ReplicationSource:
         # a snapshot holds leases only: running lock-delays follow it in the stream
         wal.log_lock_delays(table.lock_delays(), snapshot[4])
         self.host.revoke_deadlines.relog(wal, snapshot[4])  # and running revoke requests
+        gate = getattr(self.host, "shard_gate", None)
+        if gate is not None:  # and the slots a move imported here and has not flipped (SLOTS_ADOPTED)
+            gate.relog_imports(wal, table.last_token, table.epoch)
         return snapshot
 
     async def _send_snapshot(self, replica: _Replica) -> int:

@@ -429,6 +429,8 @@ class LockServer(BatchEnd):
         revokes = self.revoke_deadlines.recovered(state.revoke_requests, now, armed=self.roles.expires_leases)
         table.drain_events()
         self.keys.recovered(state.keys)
+        if self.shard_gate is not None:  # slots imported by a move and not taken yet (snapshot and log)
+            self.shard_gate.restore_imports(state.imports)
         if not self.roles.expires_leases:
             # a standby runs its table on frozen time: only a primary expires leases
             for held in table.holders():
@@ -653,8 +655,9 @@ class LockServer(BatchEnd):
         Python object per holder would make it, and the cyclic garbage collections those
         objects trigger, cost seconds with a million leases."""
         keys, t = self.keys.space.to_list(), self.table
+        imports = self.shard_gate.pending_imports() if self.shard_gate is not None else None
         # the slices are begun last: nothing can fail after them
-        return SnapshotState(t.epoch, t.counter, HolderSlices(t, _pack), keys)
+        return SnapshotState(t.epoch, t.counter, HolderSlices(t, _pack), keys, imports)
 
     # -- status -----------------------------------------------------------------------------
     def status(self) -> dict:

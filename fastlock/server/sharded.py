@@ -59,9 +59,10 @@ from ..sharding import SLOTS, ShardMap, ShardMapError, load_map_file, slot_of, w
 from ..sharding.moves import allowed_change
 from ..sharding.scope import NAMES_OF_OP, NamesAt, names_in
 from ..units import monotonic_ms
+from ..wal.records import ImportedSlots
 from .kinds import reply_id
 from .shares import Quota, default_share
-from .slotmove import ImportedState, drop_keys, load_moved_queues, save_moved_queues
+from .slotmove import drop_keys
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..wal.records import SlotsAdopted
@@ -84,6 +85,9 @@ RERUN_AFTER_FLIP = (OP_SESSION_ATTACH, OP_SESSION_KEEPALIVE)
 HOLD_S = 5.0
 #: the principal a move's drop of the source's leases is logged as (REVOKE records)
 MOVE_PRINCIPAL = "shard-move"
+#: the most waiters of one queue part of a SLOTS_ADOPTED record logged again (:meth:`ShardGate.relog_imports`),
+#: and the most parts of one such record (as an import's page: fastlock.server.slotmove.QUEUE_PART, EXPORT_PAGE)
+RELOG_PART = 20
 
 
 def held_share(single_principal: bool, anonymous_divisor: int) -> Quota:
@@ -164,8 +168,9 @@ class ShardGate:
         self.listeners: list[Callable[[ShardMap], None]] = []
         #: where the map served by is recorded (``DATA_DIR/served-shard-map.json``), once :meth:`remember` ran
         self.served_path: str | None = None
-        #: the data directory (imported queues are recorded there), once :meth:`remember` ran
-        self.data_dir: str | None = None
+        #: 1 at each slot this group owned in the map this node last served by before this start
+        #: (:meth:`remember`); None: no such map
+        self.owned_before: bytes | None = None
         #: slots imported before a restart whose move was aborted meanwhile: their keys go back at the start
         self.undone_at_start: set[int] = set()
         #: the map kept in etcd, while :meth:`follow_etcd` follows it (SHARD_MAP_NOTICE reads it: server.mapnotice)
@@ -224,6 +229,7 @@ class ShardGate:
         if os.path.exists(path):
             served = load_map_file(path)
             had = served.slots_of(self.group)
+            self.owned_before = had
             # a slot lost is safe (this node stops granting it: a move finished while it was down);
             # a slot gained is safe only if the last map marked it as moving here (its state was imported)
             gained = [s for s in range(SLOTS) if self.owned[s] and not had[s]
@@ -237,31 +243,72 @@ class ShardGate:
                                     f"leases of those slots)")
         self.served_path = path
         write_map_file(path, self.shard_map)
-        self.data_dir = os.fspath(data_dir)
-        restored = load_moved_queues(data_dir)  # imported before a restart: the flip lets them in in order
-        for name, owners in restored.queues.items():
-            slot = slot_of(name)
-            if self.owned[slot] or self.shard_map.moving_to_of_slot(slot) == self.group:
-                self.imported_queues[name] = owners
-        for slot in restored.slots:
+
+    def restore_imports(self, imports: ImportedSlots | None) -> None:
+        """Take what recovery found of this group's imports (``imports``: the snapshot's and the
+        SLOTS_ADOPTED records' after it; None: none), after :meth:`remember`.  A slot a move is
+        still bringing here is imported again (this node takes its flip, its queues wait for it);
+        a queue of a name whose slot this group owns now and did not own in the map the node last
+        served by is let in in its order at the primary's start (:meth:`let_in_restored`: the flip
+        came while the node was down); an imported slot this group neither owns nor is being given
+        (the move was aborted while the node was down) has its keys sent back at that start.  What
+        the node had served already before the restart (a flip's let-in) is left out: the log keeps
+        an import's record until a snapshot leaves it out (:meth:`pending_imports`)."""
+        if imports is None:
+            return
+        before = self.owned_before
+        for slot in imports.slots:
+            if not 0 <= slot < SLOTS or self.owned[slot]:
+                continue
             if self.shard_map.moving_to_of_slot(slot) == self.group:
                 self.imported[slot] = 1
-            elif not self.owned[slot]:  # the move was aborted while this node was down
+            else:  # the move was aborted (its keys go back; none left if that was done before)
                 self.undone_at_start.add(slot)
+        for name, owners in imports.queues.items():
+            slot = slot_of(name)
+            if self.imported[slot] or (self.owned[slot] and before is not None and not before[slot]):
+                self.imported_queues[name] = list(owners)
 
-    def save_moved_queues(self) -> None:
-        """Record :attr:`imported_queues` and the imported slots not flipped yet in the data
-        directory (once :meth:`remember` ran), so that a restart of this node before the flip lets
-        the moved waiters in their order, and one after an abort sends the imported keys back."""
-        if self.data_dir is not None:
-            slots = [s for s in range(SLOTS) if self.imported[s] and not self.owned[s]]
-            save_moved_queues(self.data_dir, ImportedState(self.imported_queues, slots + sorted(self.undone_at_start)))
+    def pending_imports(self) -> ImportedSlots | None:
+        """What a snapshot keeps of this group's imports (None: nothing): the slots imported and
+        neither flipped nor aborted yet, those whose abort's keys are still to go back, and the
+        moved queues of the slots imported (:meth:`restore_imports` takes it back)."""
+        pending = set(_ones(_and_not(bytes(self.imported), self.owned))) | self.undone_at_start
+        queues = {n: list(q) for n, q in self.imported_queues.items() if slot_of(n) in pending}
+        if not pending and not queues:
+            return None
+        return ImportedSlots(sorted(pending), queues)
+
+    def relog_imports(self, wal: Any, floor: int, epoch: int) -> int:
+        """Log the slots imported and not yet taken (flipped or aborted), with their moved queues,
+        as ``SLOTS_ADOPTED`` records again (one per run of consecutive slots; its queues in parts
+        of at most :data:`RELOG_PART` waiters, at most :data:`RELOG_PART` parts a record, in FIFO
+        order; ``floor``: the table's last fencing token, ``epoch``: its epoch).  Run right after
+        a standby's snapshot is taken (the snapshot holds leases and keys only): a standby joining
+        by it learns the imports from these records, as one that followed the import did
+        (:meth:`adopted_by_log`).  Returns how many records were logged."""
+        pending = _ones(_and_not(bytes(self.imported), self.owned))
+        runs: list[list[int]] = []
+        for slot in pending:
+            if runs and runs[-1][1] == slot - 1:
+                runs[-1][1] = slot
+            else:
+                runs.append([slot, slot])
+        logged = 0
+        for first, last in runs:
+            parts = [[name, queue[i:i + RELOG_PART]] for name, queue in self.imported_queues.items()
+                     if first <= slot_of(name) <= last for i in range(0, len(queue), RELOG_PART)]
+            for i in range(0, max(len(parts), 1), RELOG_PART):
+                wal.log_slots_adopted(first, last, floor, epoch, parts[i:i + RELOG_PART])
+                logged += 1
+        return logged
 
     def adopted_by_log(self, record: SlotsAdopted) -> None:
         """A standby applied its primary's SLOTS_ADOPTED record: its group imported a page of
         slots ``record.first..record.last`` (and their waiter queue parts, kept for the flip and
-        this node's promotion).  Kept in the data directory as the primary keeps its own
-        imports; a map refused for lack of that import is offered again."""
+        this node's promotion).  The standby logs the record too (its restart recovers the import
+        from its log and snapshots, as the primary's does); a map refused for lack of that import
+        is offered again."""
         first, last = record.first, record.last
         if type(first) is not int or type(last) is not int or not 0 <= first <= last < SLOTS:
             log.error("ignoring a SLOTS_ADOPTED record of slots %r..%r: not 0 <= first <= last < %d", first, last,
@@ -276,7 +323,6 @@ class ShardGate:
                 queue = self.imported_queues.setdefault(part[0], [])
                 known = set(queue)
                 queue.extend(o for o in dict.fromkeys(part[1]) if type(o) is bytes and o not in known)
-        self.save_moved_queues()
         refused = self.refused
         if refused is not None and refused.epoch > self.shard_map.epoch:
             self.refused = None
@@ -298,7 +344,6 @@ class ShardGate:
             for owner, slots in back.items():
                 drop_keys(self.server, slots, owner)
             self.undone_at_start.clear()
-            self.save_moved_queues()
             self._batch_end()
 
     # -- the check ------------------------------------------------------------------------
@@ -484,8 +529,6 @@ class ShardGate:
                 if not owned[slot] and shard_map.moving_to_of_slot(slot) != self.group:
                     self.imported[slot] = 0
                     undone.add(slot)
-            if undone:
-                self.save_moved_queues()
             if undone and self._is_primary() and len(self.server.keys.space):  # its imported keys go back
                 back: dict[str, set[int]] = {}
                 for slot in undone:
@@ -496,8 +539,6 @@ class ShardGate:
             undone_queues = [n for n in self.imported_queues if not self.imported[slot_of(n)] and not owned[slot_of(n)]]
             for name in undone_queues:
                 del self.imported_queues[name]
-            if undone_queues:
-                self.save_moved_queues()
         if frozen:
             self._freeze(bytes(moving))
         if lost:
@@ -686,8 +727,6 @@ class ShardGate:
             window = getattr(getattr(server, "reclaim", None), "window", 0)
             asyncio.get_running_loop().call_later(max(window, 0), self._forget_promoted_queues, list(queues))
             queues = {}
-        if queues or taken:
-            self.save_moved_queues()
         if queues and server is not None:
             table = server.table
             server.reclaim.arm(queues, lambda name, owner: table.holder(name, monotonic_ms(), owner) is not None,

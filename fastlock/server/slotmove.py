@@ -55,19 +55,23 @@ removes them again (``KEY_MOVED`` naming the source).  Session shares are not mo
 client attaches a moved lease to its session on the new group).
 
 Queue order.  The destination merges each queue part into the queue it has for the name (an
-owner shipped before keeps its place; new ones follow in the part's order) and records its
-imported queues and slots in its data directory (:data:`MOVED_QUEUES_FILE`, fsynced before the
-reply) until the flip lets them in (:class:`~fastlock.server.sharded.ShardGate`; an abort, seen
-then or at the node's next start, sends the imported keys back), so a restart of the
-destination before the flip, or a failover of the source after a ship, keeps the old order.
+owner shipped before keeps its place; new ones follow in the part's order) and keeps its
+imported queues and slots until the flip lets them in (:class:`~fastlock.server.sharded.ShardGate`;
+an abort, seen then or at the node's next start, sends the imported keys back), so a restart of
+the destination before the flip, or a failover of the source after a ship, keeps the old order.
 
 The adoption in the log.  After a page's records the import logs ``SLOTS_ADOPTED`` (the range,
 the token floor, the group's epoch after the import, the page's queue parts;
-:class:`~fastlock.wal.records.SlotsAdopted`): a standby applying it raises its highest epoch
-seen to that epoch and learns the imported slots and queues, so that, promoted, it takes
-their flip (and only theirs, of flips whose mark it missed), lets the queues in in their
-order and issues tokens above the floor.  The reply is sent once every standby attached to
-this primary has applied that record (at most :data:`STANDBY_WAIT_S`; else
+:class:`~fastlock.wal.records.SlotsAdopted`; fsynced before the reply in every fsync mode): a
+standby applying it raises its highest epoch seen to that epoch and learns the imported slots
+and queues, so that, promoted, it takes their flip (and only theirs, of flips whose mark it
+missed), lets the queues in in their order and issues tokens above the floor.  The import is
+kept by the log alone: a WAL snapshot holds the slots imported and not yet taken, with their
+queues (:class:`~fastlock.wal.records.ImportedSlots`), so a restart recovers them from the
+snapshot and the records after it; a standby that joins by a snapshot gets them as
+``SLOTS_ADOPTED`` records logged again right after it (:meth:`ShardGate.relog_imports
+<fastlock.server.sharded.ShardGate.relog_imports>`, as running lock-delays are).  The reply is
+sent once every standby attached to this primary has applied that record (at most :data:`STANDBY_WAIT_S`; else
 :class:`~fastlock.errors.Unavailable`): the mover writes the flip only after it.
 """
 
@@ -75,7 +79,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgpack
@@ -87,7 +90,6 @@ from ..roles import Role
 from ..sharding import SLOTS, slot_of
 from ..tokens import MAX_EPOCH, counter_of, epoch_of
 from ..units import monotonic_ms, wall_ms
-from ..wal.files import write_atomically
 from .lockadmin import check_lock_admin
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -449,10 +451,7 @@ class SlotMoves:
             queue = gate.imported_queues.setdefault(part.name, [])
             known = set(queue)
             queue.extend(o for o in dict.fromkeys(part.owners) if o not in known)
-        newly = not all(gate.imported[first:last + 1])
         gate.imported[first:last + 1] = b"\x01" * (last - first + 1)
-        if state.queues or newly:
-            gate.save_moved_queues()
         log.warning("slot move: imported %d leases, %d queues, %d lock-delays, %d keys of slots %d..%d (token "
                     "floor %d)", len(state.leases), len(state.queues), len(state.delays), len(state.keys), first,
                     last, state.floor)
@@ -556,56 +555,6 @@ def _admit_keys(server: Any, keys: list[MovedKey]) -> list[MovedKey]:
         raise LimitExceeded(f"SLOT_IMPORT: {grown} more bytes of key values would pass this server's "
                             f"{config.max_key_bytes} (--max-key-bytes); nothing was imported")
     return new
-
-
-#: the file in a sharded node's data directory holding what its group imported by a move and
-#: has not taken yet (msgpack ``{"queues": {name: [owner-key hash, ...]}, "slots": [slot, ...]}``)
-MOVED_QUEUES_FILE = "moved-queues.msgpack"
-
-
-class ImportedState(NamedTuple):
-    """What a destination keeps of a move until the flip: ``queues`` (name -> owner-key hashes,
-    FIFO) and ``slots``, the slots whose state it imported (their keys go back if the move is
-    aborted)."""
-
-    queues: dict[str, list[bytes]]
-    slots: list[int]
-
-
-def save_moved_queues(data_dir: str | os.PathLike[str], state: ImportedState) -> None:
-    """Record ``state`` in ``data_dir`` (:data:`MOVED_QUEUES_FILE`, written atomically and
-    fsynced), or remove the file when it holds nothing.  :raises OSError: not written."""
-    path = os.path.join(data_dir, MOVED_QUEUES_FILE)
-    if state.queues or state.slots:
-        write_atomically(os.fspath(data_dir), MOVED_QUEUES_FILE,
-                         msgpack.packb({"queues": state.queues, "slots": state.slots}))
-    elif os.path.exists(path):
-        os.remove(path)
-
-
-def load_moved_queues(data_dir: str | os.PathLike[str]) -> ImportedState:
-    """What :func:`save_moved_queues` recorded in ``data_dir`` (nothing if there is no file; a
-    file that is not such a record is logged and ignored: the moved waiters then come back in the
-    order they ask again)."""
-    path = os.path.join(data_dir, MOVED_QUEUES_FILE)
-    if not os.path.exists(path):
-        return ImportedState({}, [])
-    try:
-        with open(path, "rb") as f:
-            data = f.read(64 << 20)
-        value = msgpack.unpackb(data, raw=False, strict_map_key=True)
-        if type(value) is not dict or set(value) != {"queues", "slots"} or type(value["queues"]) is not dict:
-            raise ValueError("not {queues, slots}")
-        queues, slots = value["queues"], value["slots"]
-        if not all(type(n) is str and type(q) is list and len(q) <= MAX_MOVED_WAITERS
-                   and all(type(o) is bytes and 0 < len(o) <= MAX_OWNER_BYTES for o in q) for n, q in queues.items()):
-            raise ValueError("the queues are not a map of names to lists of owner-key hashes")
-        if type(slots) is not list or not all(type(x) is int and 0 <= x < SLOTS for x in slots):
-            raise ValueError(f"the slots are not a list of ints 0..{SLOTS - 1}")
-    except (OSError, ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        log.error("ignoring %s: %s (moved waiters come back in the order they ask again)", path, exc)
-        return ImportedState({}, [])
-    return ImportedState(queues, slots)
 
 
 def drop_keys(server: Any, slots: set[int], to_group: str) -> int:

@@ -43,7 +43,10 @@ On disk (one directory)
 ``snap-<lsn:020d>.snap``
     A snapshot of the lock table after applying every record up to ``lsn``:
     a header (magic ``FLOCKSNP``, version, lsn, epoch, counter, body length),
-    a msgpack array of holders, and a trailing CRC32 of everything before it.
+    a msgpack array of holders, then (when there are some) a msgpack array of keys
+    and a shard group's slots and queues imported by moves and not yet taken
+    (:class:`~fastlock.wal.records.ImportedSlots`; absent: none), and a trailing
+    CRC32 of everything before it.
     Written to ``*.tmp``, fsynced, renamed, directory fsynced (so a snapshot
     is either absent or complete).
 

@@ -327,8 +327,10 @@ class WriteAheadLog:
 
     def log_slots_adopted(self, first: int, last: int, floor: int, epoch: int, queues: list) -> None:
         """Log that this shard group imported a page of slots ``first..last`` (a slot move) above
-        the token ``floor`` at ``epoch``, with ``queues`` (``[name, [owner-key hash, ...]]``)."""
-        self._append([SLOTS_ADOPTED, first, last, floor, epoch, queues, wall_ms()])
+        the token ``floor`` at ``epoch``, with ``queues`` (``[name, [owner-key hash, ...]]``);
+        always fsynced before this batch's callbacks run, in every mode (the log is where a
+        restart finds the import)."""
+        self._append([SLOTS_ADOPTED, first, last, floor, epoch, queues, wall_ms()], fsync=True)
 
     def log_epoch(self, epoch: int) -> None:
         """Log a new epoch; always fsynced before this batch's callbacks run, in every mode."""
@@ -487,7 +489,7 @@ class WriteAheadLog:
         state = SnapshotState(*get_state())
         c = self._counters
         snaps.start(commit.loop, lsn, max(state.epoch, c.epoch), max(state.counter, c.max_counter, c.reserved),
-                    state.holders, state.keys, written)
+                    state.holders, state.keys, written, state.imports)
         return True
 
     async def wait_snapshot(self) -> None:

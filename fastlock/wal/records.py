@@ -36,7 +36,9 @@ The rules:
   :class:`RevokeRequest`);
 * SLOTS_ADOPTED raises the epoch to the adopted one and tells the target that this
   shard group imported slots ``first..last`` by a move (a standby's shard gate takes
-  their flip only then, :mod:`fastlock.server.sharded`; see :class:`SlotsAdopted`).
+  their flip only then, :mod:`fastlock.server.sharded`; see :class:`SlotsAdopted`);
+  recovery keeps the slots and the waiter queue parts in :class:`ImportedSlots`, which a
+  snapshot carries too (the slots imported and not yet taken when it was written).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ __all__ = [
     "RECORD_NAMES", "TOKEN_EPOCH_SHIFT", "COUNTER_MASK", "SHORT_GRANT",
     "Grant", "Release", "Expire", "Extend", "Epoch", "Reserve", "Revoke", "KeyPut", "KeyDelete", "LockDelay", "Record",
     "REVOKE_REQUEST", "RevokeRequest", "KEY_MOVED", "KeyMoved", "SLOTS_ADOPTED", "SlotsAdopted",
-    "HolderRecord", "LeaseMeta", "encode", "decode", "apply", "ApplyTarget", "LogState",
+    "ImportedSlots", "HolderRecord", "LeaseMeta", "encode", "decode", "apply", "ApplyTarget", "LogState",
 ]
 
 GRANT = 1
@@ -286,6 +288,49 @@ class SlotsAdopted(NamedTuple):
         return SLOTS_ADOPTED
 
 
+#: the most slots an :class:`ImportedSlots` may name (a sanity bound: a shard map has 16,384)
+MAX_IMPORTED_SLOT = 1 << 16
+#: the longest owner-key hash an :class:`ImportedSlots` queue may hold (bytes)
+MAX_IMPORTED_OWNER_BYTES = 64
+
+
+class ImportedSlots(NamedTuple):
+    """What a shard group imported by slot moves (SLOTS_ADOPTED records) and has not taken yet
+    by their flip or abort: ``slots``, the imported slots, ascending; ``queues``, name -> the
+    moved waiters' owner-key hashes in FIFO order (:class:`fastlock.server.sharded.ShardGate`'s
+    ``imported`` and ``imported_queues``).  A snapshot stores it as :meth:`to_list`; recovery
+    rebuilds it from the snapshot's and the SLOTS_ADOPTED records after it."""
+
+    slots: list[int]
+    queues: dict[str, list[bytes]]
+
+    def to_list(self) -> list:
+        """``[slots, [[name, [owner-key hash, ...]], ...]]``: what a snapshot stores."""
+        return [list(self.slots), [[name, list(owners)] for name, owners in self.queues.items()]]
+
+    @classmethod
+    def from_list(cls, value: Any) -> ImportedSlots:
+        """The value :meth:`to_list` gave, checked.
+
+        :raises ValueError: not that shape: slots that are not ints in 0..65535, a queue that is not
+            a str name and a list of owner-key hashes (bytes of 1..64), a name twice.
+        """
+        if type(value) is not list or len(value) != 2 or type(value[0]) is not list or type(value[1]) is not list:
+            raise ValueError("the imported slots are not [slots, queues]")
+        slots = value[0]
+        if not all(type(x) is int and 0 <= x < MAX_IMPORTED_SLOT for x in slots):
+            raise ValueError(f"the imported slots are not ints in 0..{MAX_IMPORTED_SLOT - 1}")
+        queues: dict[str, list[bytes]] = {}
+        for part in value[1]:
+            if (type(part) is not list or len(part) != 2 or type(part[0]) is not str or type(part[1]) is not list
+                    or not all(type(o) is bytes and 0 < len(o) <= MAX_IMPORTED_OWNER_BYTES for o in part[1])):
+                raise ValueError("an imported queue is not [name, [owner-key hash, ...]]")
+            if part[0] in queues:
+                raise ValueError(f"the imported queue of {part[0]!r:.100} is there twice")
+            queues[part[0]] = part[1]
+        return cls(sorted(set(slots)), queues)
+
+
 Record = (Grant | Release | Expire | Extend | Epoch | Reserve | Revoke | KeyPut | KeyDelete | LockDelay | RevokeRequest
           | KeyMoved | SlotsAdopted)
 
@@ -507,10 +552,11 @@ class LogState:
     :class:`HolderRecord`; :meth:`holder_records` gives them all as HolderRecords.
     """
 
-    __slots__ = ("holders", "epoch", "counter", "keys", "lock_delays", "revoke_requests")
+    __slots__ = ("holders", "epoch", "counter", "keys", "lock_delays", "revoke_requests", "imported_slots",
+                 "imported_queues")
 
     def __init__(self, epoch: int = 0, counter: int = 0, holders: list[HolderRecord] | None = None,
-                 keys: KeySpace | None = None):
+                 keys: KeySpace | None = None, imports: ImportedSlots | None = None):
         self.holders: dict[str, dict[int, Grant | HolderRecord]] = {}
         for h in holders or ():
             self.holders.setdefault(h.name, {})[h.token] = h
@@ -521,6 +567,18 @@ class LogState:
         self.lock_delays: dict[str, int] = {}
         #: (name, token) -> the latest revoke request to that lease while it holds
         self.revoke_requests: dict[tuple[str, int], RevokeRequest] = {}
+        #: the slots imported by moves (a snapshot's, then every SLOTS_ADOPTED record's after it)
+        self.imported_slots: set[int] = set(imports.slots) if imports is not None else set()
+        #: name -> the moved waiters' owner-key hashes, FIFO (merged as the shard gate merges them)
+        self.imported_queues: dict[str, list[bytes]] = (
+            {n: list(q) for n, q in imports.queues.items()} if imports is not None else {})
+
+    def imports(self) -> ImportedSlots | None:
+        """The slots and queues imported by moves, as the snapshot and the log after it say
+        (None: none); the shard gate takes off those whose flip or abort it served already."""
+        if not self.imported_slots and not self.imported_queues:
+            return None
+        return ImportedSlots(sorted(self.imported_slots), self.imported_queues)
 
     def holder_records(self) -> list[HolderRecord]:
         """Every holder, as :class:`HolderRecord`."""
@@ -587,5 +645,16 @@ class LogState:
         self.revoke_requests[(record.name, record.token)] = record
 
     def adopt_slots(self, record: SlotsAdopted) -> None:
-        """Nothing beyond the epoch: a node's imported slots and queues are kept in its data
-        directory (:data:`fastlock.server.slotmove.MOVED_QUEUES_FILE`) across its restart."""
+        """Add slots ``record.first..record.last`` and the record's queue parts (an owner known
+        already keeps its place; new ones follow in the part's order); a malformed part is left
+        out (the shard gate checks the slots' range)."""
+        first, last = record.first, record.last
+        if type(first) is not int or type(last) is not int or not 0 <= first <= last < MAX_IMPORTED_SLOT:
+            return
+        self.imported_slots.update(range(first, last + 1))
+        for part in record.queues if type(record.queues) is list else ():
+            if type(part) is list and len(part) == 2 and type(part[0]) is str and type(part[1]) is list:
+                queue = self.imported_queues.setdefault(part[0], [])
+                known = set(queue)
+                queue.extend(o for o in dict.fromkeys(part[1]) if type(o) is bytes
+                             and 0 < len(o) <= MAX_IMPORTED_OWNER_BYTES and o not in known)

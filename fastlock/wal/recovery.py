@@ -21,7 +21,7 @@ from ..errors import WalCorruption
 from .files import fsync_dir, read_file
 from .format import FrameReader, list_dir, parse_segment
 from .keyspace import KeySpace
-from .records import HolderRecord, LogState, RevokeRequest, apply
+from .records import HolderRecord, ImportedSlots, LogState, RevokeRequest, apply
 from .snapshot import Snapshot, load_snapshot
 
 log = logging.getLogger("fastlock.wal")
@@ -42,6 +42,9 @@ class RecoveredState(NamedTuple):
     lock_delays: list[tuple[str, int]] = []
     #: the revoke requests to leases recovered as held (fastlock.server.preemption)
     revoke_requests: list[RevokeRequest] = []
+    #: a shard group's slots and queues imported by moves (the snapshot's and the SLOTS_ADOPTED
+    #: records' after it); None: none (fastlock.server.sharded takes off those already taken)
+    imports: ImportedSlots | None = None
 
 
 class LogFiles:
@@ -116,7 +119,7 @@ def recover(directory: str, *, repair: bool = False) -> Recovery:
     """
     files = LogFiles(directory)
     base, snap = files.choose_base()
-    state = LogState() if snap is None else LogState(snap.epoch, snap.counter, snap.holders, snap.keys)
+    state = LogState() if snap is None else LogState(snap.epoch, snap.counter, snap.holders, snap.keys, snap.imports)
     segs = files.segments_after(base)
     replayed = 0
     torn = 0
@@ -181,5 +184,6 @@ def recover(directory: str, *, repair: bool = False) -> Recovery:
         keys=state.keys,
         lock_delays=list(state.lock_delays.items()),
         revoke_requests=[r for r in state.revoke_requests.values() if state.holds(r.name, r.token)],
+        imports=state.imports(),
     )
     return Recovery(recovered, list(files.segs), repaired)

@@ -7,7 +7,10 @@ body length), a msgpack array of holders (each the fields of
 10 for a shared lease or a semaphore permit), then (since the key
 store) a msgpack array of keys (each the 7 items of
 :meth:`fastlock.wal.keyspace.KeySpace.to_list`; absent in older snapshots,
-which load with no keys), and a CRC32 of everything before it.  It is written with
+which load with no keys), then (since shard groups record their imports there) the slots and
+waiter queues the group imported by slot moves and has not taken yet
+(:meth:`fastlock.wal.records.ImportedSlots.to_list`; written only when there are some, after an
+empty key array if there are no keys; absent: none), and a CRC32 of everything before it.  It is written with
 :func:`~fastlock.wal.files.write_atomically`, so it is either absent or whole.
 
 A server's snapshot is encoded by its lock table, a slice per event-loop turn
@@ -37,7 +40,7 @@ from ..errors import WalCorruption
 from .files import fsync_dir, read_file, write_atomically
 from .format import FORMAT_VERSION, SNAP_MAGIC, U32, crc32, list_dir, snap_name
 from .keyspace import KeySpace
-from .records import HolderRecord
+from .records import HolderRecord, ImportedSlots
 from .writer import SegmentList
 
 log = logging.getLogger(__name__)
@@ -92,15 +95,16 @@ class HolderSlices:
 
 
 def encode_snapshot(lsn: int, epoch: int, counter: int, holders: Sequence[HolderRecord] | PackedHolders,
-                    keys: list | None = None) -> bytes:
+                    keys: list | None = None, imports: ImportedSlots | None = None) -> bytes:
     """The bytes of a snapshot file (``holders``: HolderRecord or equal 8- or 10-tuples,
     or :class:`PackedHolders`; ``keys``: :meth:`KeySpace.to_list`, written only when not
-    empty so that a key-less snapshot stays readable by older builds)."""
-    return b"".join(snapshot_parts(lsn, epoch, counter, holders, keys))
+    empty so that a key-less snapshot stays readable by older builds; ``imports``: a shard
+    group's slots imported and not taken yet, written only when there are some)."""
+    return b"".join(snapshot_parts(lsn, epoch, counter, holders, keys, imports))
 
 
 def snapshot_parts(lsn: int, epoch: int, counter: int, holders: Sequence[HolderRecord] | PackedHolders,
-                   keys: list | None = None) -> list:
+                   keys: list | None = None, imports: ImportedSlots | None = None) -> list:
     """:func:`encode_snapshot`'s bytes as the buffers they are made of, in order, not copied
     into one (a million holders are tens of MB: joining them would hold the GIL)."""
     packer = msgpack.Packer()
@@ -114,8 +118,10 @@ def snapshot_parts(lsn: int, epoch: int, counter: int, holders: Sequence[HolderR
             # an exclusive lease is stored as its first 8 fields (as every earlier fastlock)
             parts.append(b"".join([pack(tuple(h) if len(h) != 10 or h[8] or h[9] else tuple(h)[:8])
                                    for h in holders[i:i + 1000]]))
-    if keys:
-        parts.append(pack(keys))
+    if keys or imports:
+        parts.append(pack(keys or []))
+    if imports:
+        parts.append(pack(imports.to_list()))
     head = SNAP_HEADER.pack(SNAP_MAGIC, FORMAT_VERSION, lsn, epoch, counter, sum(len(memoryview(p)) for p in parts))
     crc = crc32(head)
     for part in parts:
@@ -134,27 +140,31 @@ class SnapshotState(NamedTuple):
     holders: Any
     #: the key store (:meth:`~fastlock.wal.keyspace.KeySpace.to_list`); None: no keys
     keys: list | None = None
+    #: a shard group's slots and queues imported by moves and not taken yet; None: none
+    imports: ImportedSlots | None = None
 
 
 class Snapshot:
     """A snapshot read back: the table after LSN ``lsn``."""
 
-    __slots__ = ("lsn", "epoch", "counter", "holders", "keys")
+    __slots__ = ("lsn", "epoch", "counter", "holders", "keys", "imports")
 
     def __init__(self, lsn: int, epoch: int, counter: int, holders: list[HolderRecord],
-                 keys: KeySpace | None = None):
+                 keys: KeySpace | None = None, imports: ImportedSlots | None = None):
         self.lsn = lsn
         self.epoch = epoch
         self.counter = counter
         self.holders = holders
         self.keys = keys if keys is not None else KeySpace()
+        #: the slots and queues imported by moves and not taken yet (None: none, or an older snapshot)
+        self.imports = imports
 
 
 def load_snapshot(path: str) -> Snapshot:
     """Read and check a snapshot file.
 
-    :raises WalCorruption: truncated, wrong magic or version, CRC mismatch, or a
-        holder that is not 8 or 10 fields.
+    :raises WalCorruption: truncated, wrong magic or version, CRC mismatch, a
+        holder that is not 8 or 10 fields, keys or imports not of their shape.
     :raises OSError: the file cannot be read.
     """
     data = read_file(path)
@@ -178,13 +188,14 @@ def load_snapshot(path: str) -> Snapshot:
     finally:
         mv.release()
     try:
-        if not 1 <= len(parts) <= 2 or type(parts[0]) is not list:
+        if not 1 <= len(parts) <= 3 or type(parts[0]) is not list:
             raise ValueError("the holders are not a list")
         holders = [HolderRecord.from_list(h) for h in parts[0]]
-        keys = KeySpace.from_list(parts[1]) if len(parts) == 2 else None
+        keys = KeySpace.from_list(parts[1]) if len(parts) >= 2 else None
+        imports = ImportedSlots.from_list(parts[2]) if len(parts) == 3 else None
     except ValueError as exc:
         raise WalCorruption(f"{path}: {exc}", path, 0) from None
-    return Snapshot(lsn, epoch, counter, holders, keys)
+    return Snapshot(lsn, epoch, counter, holders, keys, imports)
 
 
 class Snapshotter:
@@ -237,7 +248,7 @@ class Snapshotter:
 
     def start(self, loop: asyncio.AbstractEventLoop, lsn: int, epoch: int, counter: int,
               holders: Sequence[HolderRecord] | PackedHolders | HolderSlices, keys: list | None = None,
-              written_bytes: int = 0) -> None:
+              written_bytes: int = 0, imports: ImportedSlots | None = None) -> None:
         """Write the snapshot at ``lsn`` on a thread (:class:`HolderSlices`: once their
         slices, one per loop turn, are done); the result is reported on ``loop``."""
         self._counted_from = lsn
@@ -248,12 +259,12 @@ class Snapshotter:
         self._future = loop.create_future()
         if isinstance(holders, HolderSlices):
             self._slices = holders
-            loop.call_soon(self._next_slice, loop, lsn, epoch, counter, holders, keys)
+            loop.call_soon(self._next_slice, loop, lsn, epoch, counter, holders, keys, imports)
         else:
-            self._spawn(loop, lsn, epoch, counter, holders, keys)
+            self._spawn(loop, lsn, epoch, counter, holders, keys, imports)
 
     def _next_slice(self, loop: asyncio.AbstractEventLoop, lsn: int, epoch: int, counter: int,
-                    slices: HolderSlices, keys: list | None) -> None:
+                    slices: HolderSlices, keys: list | None, imports: ImportedSlots | None = None) -> None:
         if self._slices is not slices:  # stopped meanwhile (join)
             return
         try:
@@ -263,16 +274,17 @@ class Snapshotter:
             self._done(lsn, exc)
             return
         if packed is None:
-            loop.call_soon(self._next_slice, loop, lsn, epoch, counter, slices, keys)
+            loop.call_soon(self._next_slice, loop, lsn, epoch, counter, slices, keys, imports)
         else:
             self._slices = None
-            self._spawn(loop, lsn, epoch, counter, packed, keys)
+            self._spawn(loop, lsn, epoch, counter, packed, keys, imports)
 
     def _spawn(self, loop: asyncio.AbstractEventLoop, lsn: int, epoch: int, counter: int,
-               holders: Sequence[HolderRecord] | PackedHolders, keys: list | None) -> None:
+               holders: Sequence[HolderRecord] | PackedHolders, keys: list | None,
+               imports: ImportedSlots | None = None) -> None:
         def run() -> None:
             try:
-                res: Any = self._write(lsn, epoch, counter, holders, keys)
+                res: Any = self._write(lsn, epoch, counter, holders, keys, imports)
             except BaseException as exc:  # noqa: BLE001 - reported on the loop
                 res = exc
             try:
@@ -284,9 +296,9 @@ class Snapshotter:
         self._thread.start()
 
     def _write(self, lsn: int, epoch: int, counter: int, holders: Sequence[HolderRecord] | PackedHolders,
-               keys: list | None = None) -> str:
+               keys: list | None = None, imports: ImportedSlots | None = None) -> str:
         t0 = time.perf_counter()
-        data = snapshot_parts(lsn, epoch, counter, holders, keys)
+        data = snapshot_parts(lsn, epoch, counter, holders, keys, imports)
         d = self.directory
         path = write_atomically(d, snap_name(lsn), data)
         # compaction: keep the newest `keep` snapshots and the segments after the oldest kept
