@@ -8,6 +8,7 @@ msgpack frames, malformed and over-limit bytes, and random splits of the stream 
 
 from __future__ import annotations
 
+import asyncio
 import struct
 
 import msgpack
@@ -144,3 +145,33 @@ def test_map_keys_are_interned_as_msgpack_interns_them():
     frame = msgpack.packb({"a-key-of-some-length": 1})
     one, two = P.WireDecoder(limits=P.REPLY_LIMITS).feed(frame)[0], msgpack.unpackb(frame)
     assert next(iter(one)) is next(iter(two))
+
+
+def test_a_client_connection_decodes_its_replies_with_it():
+    from fastlock.protocol.rpc import RpcConnection
+
+    async def decoder_type():
+        return type(RpcConnection()._decoder)
+
+    assert asyncio.run(decoder_type()) is P.WireDecoder
+
+
+async def test_a_server_session_decodes_its_requests_with_it(tmp_path):
+    """Before HELLO every frame is walked (``shape_all``), after it the compiled path decodes."""
+    from fastlock._testbase.cluster import RawNode
+    from fastlock.server import LockServer, ServerConfig
+
+    server = LockServer(ServerConfig(port=0, data_dir=str(tmp_path / "data"), fsync="never"))
+    await server.start()
+    node = await RawNode.open(f"{server.address[0]}:{server.address[1]}")
+    try:
+        [session] = server.sessions.values()
+        decoder = session.decoder
+        assert type(decoder) is P.WireDecoder and not decoder.shape_all and not decoder.reference.shape_all
+        before = decoder.reference.fed
+        for _ in range(3):
+            assert await node.request(P.OP_PING) is None
+        assert decoder.reference.fed == before and decoder.fed > before  # decoded without the reference
+    finally:
+        await node.close()
+        await server.close()
