@@ -6,7 +6,7 @@ the ``asyncio.Protocol`` under the client, the CLI and the standby's link: its
 ``request`` gives a request the connection's next id, remembers one future for it and
 writes the frame (at once on an idle connection; behind requests still in flight, into one
 write per event-loop turn: :meth:`RpcWire.write_frame`); its ``data_received`` decodes a read (the connection's
-:class:`~fastlock.protocol.FrameDecoder`, under the same limits) and resolves each
+:class:`WireDecoder`, under the reply limits) and resolves each
 reply's future from the decoded reply (``[id, 0, value]``: the value; ``[id, code,
 message, extra]``: the error :func:`~fastlock.errors.error_from_wire` builds).  Pushes
 (request id 0), bad bytes and the liveness watchdog are ``RpcConnection``'s.
@@ -51,9 +51,10 @@ cpdef list feed_frames(object decoder, object data):
     """``decoder.feed(data)`` (a :class:`WireDecoder` or a
     :class:`~fastlock.protocol.FrameDecoder`): every message now complete.  A
     :class:`WireDecoder`'s ``feed`` is called directly.  For a ``FrameDecoder``, a read
-    that is one whole frame while none is in flight is decoded here as ``feed`` decodes it (``msgpack.unpackb`` bounded by the read's length and the decoder's
-    limits); ``feed`` takes any other read, and one that is not a single whole frame (which
-    it then decodes with its streaming decoder, as its own first try would).
+    that is one whole frame while none is in flight is decoded here as ``feed`` decodes it
+    (``msgpack.unpackb`` bounded by the read's length and the decoder's limits); ``feed``
+    takes any other read, and one that is not a single whole frame (which it then decodes
+    with its streaming decoder, as its own first try would).
 
     :raises ProtocolError: malformed msgpack or a frame beyond the limits (from ``feed``).
     """
@@ -382,8 +383,8 @@ cdef class RpcWire:
     ``transport`` (None before ``connection_made``); ``closed``; ``pending``: request id
     -> future of the requests without a reply yet; ``loop``: the event loop;
     ``last_recv``: ``loop.time()`` when bytes last arrived; ``liveness_timeout``
-    (seconds, None: no watchdog); ``_decoder``: the reply decoder; ``_next_id``: the
-    next request id; ``_watchdog``: the liveness timer while armed; ``out``: the frames
+    (seconds, None: no watchdog); ``_decoder``: the reply decoder (a :class:`WireDecoder`);
+    ``_next_id``: the next request id; ``_watchdog``: the liveness timer while armed; ``out``: the frames
     written in this loop turn and not yet handed to the transport (None: none), see
     :meth:`write_frame`; ``writes``: transport writes made (an int, for tests and benches).
     """

@@ -39,8 +39,9 @@ does exactly the connection-level bookkeeping of the protocol described in
   ends), no ``PING`` goes out; the connection is aborted after the full
   timeout of silence all the same.
 
-Framing uses :class:`fastlock.protocol.framing.FrameDecoder` (msgpack's streaming
-unpacker with a frame-size bound).  Everything here runs on the event loop's
+Framing uses :class:`fastlock.protocol.WireDecoder` (the compiled
+:class:`fastlock.protocol.framing.FrameDecoder`: msgpack's streaming unpacker with a
+frame-size bound).  Everything here runs on the event loop's
 thread; nothing is thread-safe.
 
 Example::
