@@ -11,8 +11,9 @@ The package holds the protocol's parts, each readable alone:
   same message;
 - :mod:`fastlock.protocol.rpc` - :class:`RpcConnection`, the request/reply
   layer under every party that sends requests to a server;
-- ``fastlock.protocol._wire`` (compiled) - ``RpcConnection``'s base and :func:`feed_frames`,
-  :meth:`FrameDecoder.feed` with its one-whole-frame case compiled (both sides decode with it).
+- ``fastlock.protocol._wire`` (compiled) - ``RpcConnection``'s base, :class:`WireDecoder`
+  (:class:`FrameDecoder` compiled: the same frames and errors; both sides decode with it) and
+  :func:`feed_frames` (``feed`` of either).
 
 This module re-exports their public names (``from fastlock import protocol as
 P``; ``P.OP_ACQUIRE``, ``P.check_name``...) and describes the protocol.
@@ -234,7 +235,7 @@ also the proof of ownership (for CANCEL of a held lease): the server keeps
 only its hash, never sends it to anyone, and hashes whatever it receives.
 """
 
-from ._wire import feed_frames
+from ._wire import WireDecoder, feed_frames
 from .framing import (
     DEFAULT_MAX_FRAME_BYTES,
     MIN_MAX_FRAME_BYTES,
@@ -342,5 +343,5 @@ __all__ = [
     "encode_error", "encode_ok", "encode_push", "encode_request", "packb", "seconds_to_ms",
     "request_limits", "stream_limits", "OP_SYNC_ACK", "PUSH_SYNC", "MAX_RECORDED_TTL_MS", "check_recorded_ttl_ms",
     "OP_SESSION_OPEN", "OP_SESSION_ATTACH", "OP_SESSION_KEEPALIVE", "OP_SESSION_CLOSE", "OP_SESSIONS",
-    "OP_SESSION_REVOKE", "check_bytes", "feed_frames",
+    "OP_SESSION_REVOKE", "check_bytes", "feed_frames", "WireDecoder",
 ]

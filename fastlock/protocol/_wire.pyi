@@ -3,9 +3,20 @@
 import asyncio
 from typing import Any
 
-from .framing import FrameDecoder
+from .framing import DecodeLimits, FrameDecoder
 
-def feed_frames(decoder: FrameDecoder, data: bytes) -> list[Any]: ...
+def feed_frames(decoder: FrameDecoder | WireDecoder, data: bytes) -> list[Any]: ...
+
+class WireDecoder:
+    reference: FrameDecoder
+    shape_all: bool
+    def __init__(self, max_frame: int | None = None, *, limits: DecodeLimits | None = None,
+                 shape_all: bool = False) -> None: ...
+    @property
+    def limits(self) -> DecodeLimits: ...
+    @property
+    def fed(self) -> int: ...
+    def feed(self, data: bytes) -> list[Any]: ...
 
 class RpcWire:
     transport: asyncio.Transport | None
@@ -14,7 +25,7 @@ class RpcWire:
     loop: asyncio.AbstractEventLoop
     last_recv: float
     liveness_timeout: float | None
-    _decoder: FrameDecoder
+    _decoder: WireDecoder
     _next_id: int
     _watchdog: asyncio.TimerHandle | None
     out: list[bytes] | None

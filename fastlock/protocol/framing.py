@@ -306,6 +306,11 @@ class FrameDecoder:
         """Bytes fed so far (0: nothing has arrived)."""
         return self._fed + self._whole_bytes
 
+    @property
+    def between_frames(self) -> bool:
+        """No frame is in flight: every byte fed so far belongs to a complete frame."""
+        return self._fed == self._frame_start and self._shape is None
+
     def feed(self, data: bytes) -> list[Any]:
         """Add received bytes; return every message now complete (maybe none).
 

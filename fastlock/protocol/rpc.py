@@ -39,8 +39,9 @@ does exactly the connection-level bookkeeping of the protocol described in
   ends), no ``PING`` goes out; the connection is aborted after the full
   timeout of silence all the same.
 
-Framing uses :class:`fastlock.protocol.framing.FrameDecoder` (msgpack's streaming
-unpacker with a frame-size bound).  Everything here runs on the event loop's
+Framing uses :class:`fastlock.protocol.WireDecoder` (the compiled
+:class:`fastlock.protocol.framing.FrameDecoder`: msgpack's streaming unpacker with a
+frame-size bound).  Everything here runs on the event loop's
 thread; nothing is thread-safe.
 
 Example::
@@ -62,8 +63,8 @@ from typing import Any, cast
 from ..errors import ConnectionLost, FastlockError, ProtocolError, error_from_wire
 from ..logsafe import quote
 from ..units import format_address
-from ._wire import RpcWire
-from .framing import REPLY_LIMITS, DecodeLimits, FrameDecoder, packb
+from ._wire import RpcWire, WireDecoder
+from .framing import REPLY_LIMITS, DecodeLimits, packb
 from .ops import OP_PING
 
 log = logging.getLogger(__name__)
@@ -210,7 +211,7 @@ class RpcConnection(RpcWire, asyncio.Protocol):
         self.liveness_timeout = liveness_timeout
         self.handshaking = False
         # what a server sends: replies and pushes (a standby's stream has its own limits)
-        self._decoder = FrameDecoder(max_frame, limits=limits or REPLY_LIMITS)
+        self._decoder = WireDecoder(max_frame, limits=limits or REPLY_LIMITS)
         self._next_id = 1
         self._on_push = on_push
         self._on_read_end = on_read_end

@@ -95,7 +95,7 @@ class Intake:
     """A connection's request decoder, the bytes received but not yet decoded and the
     requests decoded but not yet dispatched.
 
-    ``decoder`` (:class:`~fastlock.protocol.FrameDecoder`, None once closed); ``raw``:
+    ``decoder`` (:class:`~fastlock.protocol.WireDecoder`, None once closed); ``raw``:
     received bytes, decoded from offset ``raw_at`` on, a piece (:data:`FEED_BYTES`) at a
     time; ``pending``: decoded requests, dispatched from index ``next`` on; ``held``:
     reading is paused until the backlog is dispatched; ``scheduled``: a later turn's
@@ -105,8 +105,8 @@ class Intake:
 
     __slots__ = ("decoder", "raw", "raw_at", "pending", "next", "held", "scheduled")
 
-    def __init__(self, decoder: P.FrameDecoder):
-        self.decoder: P.FrameDecoder | None = decoder
+    def __init__(self, decoder: P.WireDecoder):
+        self.decoder: P.WireDecoder | None = decoder
         self.raw = b""
         self.raw_at = 0
         self.pending: list[Any] = []
@@ -207,7 +207,7 @@ class Session(SessionWire, asyncio.Protocol):
         # until HELLO every frame is walked before it is decoded (see protocol.FrameDecoder)
         config = server.config
         limits = P.request_limits(config.max_frame_bytes, config.max_value_bytes)
-        self.intake = Intake(P.FrameDecoder(limits=limits, shape_all=True))
+        self.intake = Intake(P.WireDecoder(limits=limits, shape_all=True))
         self.transport: asyncio.Transport  # set by connection_made, before the server sees the session
         self.out: list[bytes] = []
         self.out_bytes = 0  # bytes in out
@@ -303,7 +303,7 @@ class Session(SessionWire, asyncio.Protocol):
                 and self.session not in self.server.source.replicas)
 
     @property
-    def decoder(self) -> P.FrameDecoder | None:
+    def decoder(self) -> P.WireDecoder | None:
         """The connection's request decoder (None once closed)."""
         return self.intake.decoder
 
