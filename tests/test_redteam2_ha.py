@@ -1,0 +1,80 @@
+"""Attacks on the high-availability path (issue 24's second red team), against real processes.
+
+- in an etcd group, a peer holding some replica credential attaches under the node id of a
+  live member (a standby that reaches etcd but not the primary: here a member key the test
+  writes, as such a standby's would be) and acknowledges every LSN. The standby it names may
+  be promoted without a grace period; a grant acknowledged on the peer's word alone is on no
+  node that could take over. Only the replica principal the member key names may speak for
+  that node id.
+
+Every wait has a deadline; servers are stopped by PID (the ``cluster`` fixture).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from fastlock import protocol as P
+from fastlock._testbase.cluster import RawNode, poll
+from fastlock.errors import Unavailable
+
+etcd_sync = pytest.importorskip("test_etcd_sync")
+
+
+def no_reply(request: asyncio.Future) -> None:
+    """``SYNC_ACK`` has no reply: its future ends only when the connection closes."""
+    request.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
+@pytest.fixture
+def sync_group(request, cluster, etcd):
+    if "uvloop" in request.node.name:
+        pytest.skip("process-level etcd tests run on the asyncio loop only")
+    return etcd_sync.SyncGroup(cluster, etcd, ("--sync-on-timeout", "fence"))
+
+
+async def test_a_replica_credential_cannot_speak_for_another_members_node_id(sync_group, cluster, etcd):
+    # One node (the primary, --sync-standbys 1, strict: fence) and a live member "ghost" that
+    # never attaches (it reaches etcd, not the primary). A peer with the replica credential of
+    # another node attaches under ghost's node id and acknowledges everything.
+    sync_group.start("a")
+    await sync_group.primary(["a"])
+    address = sync_group.nodes["a"].address
+    ghost = {"node": "ghost", "address": "127.0.0.1:9", "position": [0, 0], "epoch": 0, "lease": 0,
+             "ident": "ghost-ident", "principal": cluster.replica_of("ghost")}
+    etcd.etcdctl(f"etcdctl put {sync_group.prefix}/members/ghost '{json.dumps(ghost)}'")
+    admin = await RawNode.open(address)
+    await poll(admin.status, lambda s: any(m.get("ident") == "ghost-ident" for m in s["coordinator"]["members"]),
+               timeout=15, what="the primary reads ghost's member key")
+    hostile = await RawNode.open(address, token=cluster.creds.token(cluster.replica_of("evil")), name="evil")
+    await asyncio.wait_for(hostile.request(P.OP_REPLICATE, 0, None, 0, "ghost-ident"), 10)
+    stop = asyncio.Event()
+
+    async def ack_everything() -> None:
+        for _ in range(400):  # bounded: 400 acks, 25 ms apart
+            if stop.is_set() or hostile.closed:
+                return
+            no_reply(hostile.request(P.OP_SYNC_ACK, (await admin.status())["wal"]["last_lsn"]))
+            await asyncio.sleep(0.025)
+
+    acking = asyncio.ensure_future(ack_everything())
+    try:
+        outcome = "acknowledged"
+        try:
+            await asyncio.wait_for(admin.acquire("only-on-the-primary", 60_000), 10)
+        except Unavailable as exc:
+            outcome = f"refused: {exc}"
+        st = await admin.status()
+    finally:
+        stop.set()
+        await acking
+        await hostile.close()
+        await admin.close()
+    members = st["replication"]["sync"]["members"]
+    assert outcome.startswith("refused") and not members, (
+        f"a grant was {outcome} with the in-sync set {members}: a peer with another node's replica "
+        f"credential counted as member ghost's synchronous copy (ghost would be promoted without a grace "
+        f"period, without the grant)")
