@@ -309,11 +309,13 @@ class GroupSyncGate:
 
     def _electable(self) -> Callable[[str], bool]:
         """Whether a standby identity (``replica principal/node id``) names a live member of
-        the group (see :attr:`member_idents`)."""
+        the group (see :attr:`member_idents`): the whole identity when the member key names
+        its replica principal (another replica credential cannot speak for that node), the
+        node id alone when it names none."""
         if self.member_idents is None:
             return lambda ident: True
         live = self.member_idents()
-        return lambda ident: ident.rpartition("/")[2] in live
+        return lambda ident: ident in live or ident.rpartition("/")[2] in live
 
     def reconcile(self) -> None:
         """Compute the set (members that fell behind leave, caught-up standbys join up to k)
