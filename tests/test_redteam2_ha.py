@@ -5,7 +5,13 @@
   writes, as such a standby's would be) and acknowledges every LSN. The standby it names may
   be promoted without a grace period; a grant acknowledged on the peer's word alone is on no
   node that could take over. Only the replica principal the member key names may speak for
-  that node id.
+  that node id;
+- in an etcd group (any number of standbys), one replica credential asks for standbys in a
+  burst: every ``REPLICATE`` costs the primary a copy of its table and a snapshot. Pipelined on
+  one connection (150 of them, 12,000 leases) they held its event loop for seconds: it missed
+  its etcd lease renewal and was deposed. A connection replicates once, and one replica
+  principal has at most ``MAX_STANDBYS_PER_PRINCIPAL`` standbys attached; beyond, a clear error
+  and no snapshot.
 
 Every wait has a deadline; servers are stopped by PID (the ``cluster`` fixture).
 """
@@ -19,7 +25,7 @@ import pytest
 
 from fastlock import protocol as P
 from fastlock._testbase.cluster import RawNode, poll
-from fastlock.errors import Unavailable
+from fastlock.errors import InvalidArgument, LimitExceeded, Unavailable
 
 etcd_sync = pytest.importorskip("test_etcd_sync")
 
@@ -78,3 +84,40 @@ async def test_a_replica_credential_cannot_speak_for_another_members_node_id(syn
         f"a grant was {outcome} with the in-sync set {members}: a peer with another node's replica "
         f"credential counted as member ghost's synchronous copy (ghost would be promoted without a grace "
         f"period, without the grant)")
+
+
+async def test_one_replica_credential_gets_a_bounded_number_of_snapshots(request, cluster, etcd):
+    from fastlock.replication.source import MAX_STANDBYS_PER_PRINCIPAL
+
+    if "uvloop" in request.node.name:
+        pytest.skip("process-level etcd tests run on the asyncio loop only")
+    group = etcd_sync.Group(cluster, etcd)
+    group.start("a")
+    await group.primary(["a"])
+    srv = group.nodes["a"]
+    token = cluster.creds.token(cluster.replica_of("evil"))
+    conns = [await RawNode.open(srv.address, token=token, name="evil")
+             for _ in range(MAX_STANDBYS_PER_PRINCIPAL + 1)]
+    try:
+        first = conns[0]
+        await asyncio.wait_for(first.request(P.OP_REPLICATE, 0, None, 0, "n-0"), 10)
+        # a second REPLICATE on an attached connection: refused, no second snapshot
+        with pytest.raises(InvalidArgument, match="already"):
+            await asyncio.wait_for(first.request(P.OP_REPLICATE, 0, None, 0, "n-1"), 10)
+        for i, conn in enumerate(conns[1:MAX_STANDBYS_PER_PRINCIPAL], start=1):
+            await asyncio.wait_for(conn.request(P.OP_REPLICATE, 0, None, 0, f"n-{i}"), 10)
+        # one more standby of the same replica principal, under yet another node id: over the limit
+        with pytest.raises(LimitExceeded, match="standbys"):
+            await asyncio.wait_for(conns[-1].request(P.OP_REPLICATE, 0, None, 0, "n-extra"), 10)
+        snapshots = [line for line in srv.lines if "sent a snapshot" in line]
+        assert len(snapshots) == MAX_STANDBYS_PER_PRINCIPAL, snapshots
+        # the primary still serves its clients
+        admin = await RawNode.open(srv.address)
+        try:
+            token, _, _ = await asyncio.wait_for(admin.acquire("still-granting", 60_000), 10)
+            assert token > 0
+        finally:
+            await admin.close()
+    finally:
+        for conn in conns:
+            await conn.close()
