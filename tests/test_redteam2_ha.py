@@ -17,7 +17,12 @@
   ``fastlock serve-alone``. It accepts ``serve-alone`` at once and grants again at its old
   epoch: a lock the promoted node granted and acknowledged (synchronously) is granted a second
   time, with a lower fencing token (report only: the fix, ``serve-alone`` refused without
-  ``--force`` while the standby may have promoted, changes the op's arguments and the runbooks).
+  ``--force`` while the standby may have promoted, changes the op's arguments and the runbooks);
+- an etcd group cut apart between the primary and its standbys only (a TCP proxy in front of
+  the primary, which still reaches etcd): the in-sync member that stopped acknowledging must
+  leave the set (written to etcd), and with ``degrade`` the primary acknowledges alone. It
+  rejoined at once instead (it had every *released* reply, the bar to join), so the set never
+  changed and every grant failed after twice ``--sync-timeout``, ``degrade`` or not.
 
 Every wait has a deadline; servers are stopped by PID (the ``cluster`` fixture).
 """
@@ -32,7 +37,9 @@ import sys
 import pytest
 
 from fastlock import protocol as P
+from fastlock._testbase import ServerProcess
 from fastlock._testbase.cluster import RawNode, poll, run
+from fastlock._testbase.proxy import TcpProxy, free_port
 from fastlock.errors import InvalidArgument, LimitExceeded, Unavailable
 
 etcd_sync = pytest.importorskip("test_etcd_sync")
@@ -165,3 +172,45 @@ def test_serve_alone_on_a_restarted_old_primary_never_grants_below_the_promoted_
             f"below the promoted node's {promoted} for the same lock")
 
     run(main(), timeout=120)
+
+
+async def test_a_member_cut_off_from_the_primary_leaves_the_set_and_the_primary_degrades(cluster, etcd):
+    # two nodes, each reached by the other through a proxy (its --advertise); the test talks to them directly
+    from test_etcd_failover import TTL_S
+
+    group = etcd_sync.SyncGroup(cluster, etcd)  # --sync-on-timeout degrade (the default)
+    proxies: dict[str, TcpProxy] = {}
+    for name in ("a", "b"):
+        port, relay = free_port(), free_port()
+        proxies[name] = TcpProxy(f"127.0.0.1:{port}", port=relay).start()
+        group.nodes[name] = cluster._start(ServerProcess(cluster.root / name, port=port, args=[
+            "--name", name, *cluster.auth_args(name), "--coordinator", f"etcd://{etcd.address}{group.prefix}",
+            "--node-id", name, "--coordinator-ttl", str(TTL_S), *etcd.serve_flags(group.user), *group.extra,
+            "--advertise", f"127.0.0.1:{relay}", "--reachable-as", f"127.0.0.1:{relay},127.0.0.1:{port}"]))
+        if name == "a":
+            await group.primary(["a"])
+    try:
+        await group.followers_of("a", ["b"], address=f"127.0.0.1:{proxies['a'].port}")
+        assert await group.in_sync("a") == ["b"]
+        primary = group.nodes["a"]
+        proxies["a"].blackhole()  # b's link to a hangs; both still reach etcd
+        node = await RawNode.open(primary.address)
+        owner = b"o" * 16  # a refused reply leaves the lease decided: the same owner key finds it
+        try:
+            async def attempt() -> int | None:
+                try:
+                    return (await asyncio.wait_for(node.acquire("while-cut-off", 60_000, owner=owner), 10))[0]
+                except Unavailable:
+                    return None
+
+            token = await poll(attempt, lambda t: t is not None, timeout=30,
+                               what="a grant acknowledged by the primary without the cut-off member")
+            st = await node.status()
+        finally:
+            await node.close()
+        assert token > 0
+        assert st["replication"]["sync"]["members"] == [], st["replication"]["sync"]
+        assert any("left the in-sync set" in line for line in primary.lines)
+    finally:
+        for proxy in proxies.values():
+            proxy.close()
