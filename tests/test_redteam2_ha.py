@@ -193,6 +193,11 @@ async def test_a_member_cut_off_from_the_primary_leaves_the_set_and_the_primary_
         await group.followers_of("a", ["b"], address=f"127.0.0.1:{proxies['a'].port}")
         assert await group.in_sync("a") == ["b"]
         primary = group.nodes["a"]
+        warm = await RawNode.open(primary.address)  # the standby learns the TTL (a longer one would wait for it)
+        try:
+            await asyncio.wait_for(warm.acquire("before", 60_000), 10)
+        finally:
+            await warm.close()
         proxies["a"].blackhole()  # b's link to a hangs; both still reach etcd
         node = await RawNode.open(primary.address)
         owner = b"o" * 16  # a refused reply leaves the lease decided: the same owner key finds it
