@@ -331,8 +331,11 @@ class GroupSyncGate:
         if self.host.roles.grace_remaining_ms(now) == 0:
             must = self._must_have()
             electable = self._electable()
+            # a standby behind the oldest held reply (as a member would leave) does not join: a member
+            # that just left has every released reply, and would otherwise be back at once
             fits = sorted((i for i in attached - keep
-                           if i in self.acked and self._acked(i) >= must and electable(i)),
+                           if i in self.acked and self._acked(i) >= must and electable(i)
+                           and not self._behind(i, attached, now)),
                           key=self._acked, reverse=True)
             joining = set(fits[:max(0, self.sync_standbys - len(keep))])
         else:
