@@ -16,10 +16,11 @@ Keys under the coordinator's ``PREFIX`` (one prefix per fastlock group):
     (:mod:`~fastlock.coordination.records`) is refused and logged: a primary
     rewrites it to its own epoch, a bid to the one after what the node knows.
 ``PREFIX/members/NODE``
-    ``{"node", "address", "position", "epoch", "lease", "ident"}`` of each live
+    ``{"node", "address", "position", "epoch", "lease", "ident"[, "principal"]}`` of each live
     node (its WAL position: the applied LSN of a standby, the last LSN of the
     primary; ``ident``: its data directory's permanent identity, the
-    ``node-id`` file), attached to the node's lease; at every renewal one transaction
+    ``node-id`` file; ``principal``: the replica principal its standby token names,
+    absent for a node without a token), attached to the node's lease; at every renewal one transaction
     checks it is still under that lease, rewriting it if it changed, or creates it if
     it is absent: never over another lease, so one node id is one live
     process.  A node that finds the key under another lease waits up to twice
@@ -207,6 +208,9 @@ class EtcdArbiter:
             ``PREFIX/heartbeat`` at each step and count validity from it too; as a standby,
             delete the primary key of a primary that follows the rule once its heartbeat has
             not moved for one TTL.  False: a dead primary's key goes only with its lease.
+        principal: this node's replica principal (the name its standby token claims; "":
+            none), kept in its member key: a primary counts an in-sync copy of this node only
+            from a standby that authenticated as it (:mod:`fastlock.replication.groupsync`).
 
     Raises:
         InvalidArgument: a node id that is empty or too long, a TTL or margin out of range.
@@ -214,7 +218,8 @@ class EtcdArbiter:
 
     def __init__(self, gateway: EtcdGateway, prefix: str, node: str, address: str, listener: ArbiterListener, *,
                  ttl_ms: int = 2000, margin_ms: int | None = None, behind_delay_ms: int | None = None,
-                 clock: Callable[[], int] = monotonic_ms, ident: str = "", heartbeat: bool = True):
+                 clock: Callable[[], int] = monotonic_ms, ident: str = "", heartbeat: bool = True,
+                 principal: str = ""):
         if type(node) is not str or not 0 < len(node) <= MAX_NODE_ID or "/" in node or not node.isprintable():
             raise InvalidArgument(f"node id must be 1..{MAX_NODE_ID} printable characters without '/', "
                                   f"not {node!r}")
@@ -247,6 +252,8 @@ class EtcdArbiter:
         self._fence_timer: asyncio.TimerHandle | None = None
         self._wake: asyncio.Event | None = asyncio.Event()  # None once closed
         self._member = MemberKey(ident)
+        #: this node's replica principal (from its token; "": unknown), named in its member key
+        self.principal = principal
         #: the heartbeat rule (see the module docstring); off: a dead primary's key goes with its lease
         self.heartbeat = heartbeat
         self._primary_rev = 0  # create_revision of the primary key this node took (the heartbeat's condition)
@@ -679,8 +686,11 @@ class EtcdArbiter:
 
     def _member_value(self) -> bytes:
         """This node's member key value now (JSON)."""
-        return json.dumps({"node": self.node, "address": self.address, "position": self.listener.position(),
-                           "epoch": self.epoch, "lease": self.lease, "ident": self._member.ident}).encode()
+        value = {"node": self.node, "address": self.address, "position": self.listener.position(),
+                 "epoch": self.epoch, "lease": self.lease, "ident": self._member.ident}
+        if self.principal:  # the one replica principal a primary counts as this node's copy
+            value["principal"] = self.principal
+        return json.dumps(value).encode()
 
     def _checked_lately(self) -> bool:
         """May this step skip the renewal and the member key check?  Only a node that does

@@ -108,7 +108,7 @@ class SyncArbiter(EtcdArbiter):
         for kv in await self.gateway.get_prefix(self.members_prefix, STATUS_MEMBERS):
             data = json_object(kv.value)  # untrusted: only short strings and ints are shown
             members.append({k: v[:MAX_NODE_ID * 2] if type(v) is str else v
-                            for k in ("node", "address", "position", "epoch", "ident")
+                            for k in ("node", "address", "position", "epoch", "ident", "principal")
                             if type(v := data.get(k)) in (str, int)})
         self.members = members
 
@@ -176,10 +176,16 @@ class SyncArbiter(EtcdArbiter):
         return True
 
     def member_idents(self) -> set[str]:
-        """The data directory identities the live member keys name, as last read (at most
-        :data:`STATUS_MEMBERS` keys), but this node's own: the standbys an election may promote."""
-        return {ident for member in self.members
-                if type(ident := member.get("ident")) is str and ident and ident != self.ident}
+        """The standbys an election may promote, as the live member keys name them (as last
+        read, at most :data:`STATUS_MEMBERS` keys), but this node's own: ``replica
+        principal/identity`` for a key that names its node's replica principal, the data
+        directory identity alone for one that names none (a node without a standby token)."""
+        idents = set()
+        for member in self.members:
+            ident, principal = member.get("ident"), member.get("principal")
+            if type(ident) is str and ident and ident != self.ident:
+                idents.add(f"{principal}/{ident}" if type(principal) is str and principal else ident)
+        return idents
 
     def status(self) -> dict:
         """The arbiter's state for STATUS, with the in-sync set and the live members."""

@@ -309,11 +309,13 @@ class GroupSyncGate:
 
     def _electable(self) -> Callable[[str], bool]:
         """Whether a standby identity (``replica principal/node id``) names a live member of
-        the group (see :attr:`member_idents`)."""
+        the group (see :attr:`member_idents`): the whole identity when the member key names
+        its replica principal (another replica credential cannot speak for that node), the
+        node id alone when it names none."""
         if self.member_idents is None:
             return lambda ident: True
         live = self.member_idents()
-        return lambda ident: ident.rpartition("/")[2] in live
+        return lambda ident: ident in live or ident.rpartition("/")[2] in live
 
     def reconcile(self) -> None:
         """Compute the set (members that fell behind leave, caught-up standbys join up to k)
@@ -329,8 +331,11 @@ class GroupSyncGate:
         if self.host.roles.grace_remaining_ms(now) == 0:
             must = self._must_have()
             electable = self._electable()
+            # a standby behind the oldest held reply (as a member would leave) does not join: a member
+            # that just left has every released reply, and would otherwise be back at once
             fits = sorted((i for i in attached - keep
-                           if i in self.acked and self._acked(i) >= must and electable(i)),
+                           if i in self.acked and self._acked(i) >= must and electable(i)
+                           and not self._behind(i, attached, now)),
                           key=self._acked, reverse=True)
             joining = set(fits[:max(0, self.sync_standbys - len(keep))])
         else:

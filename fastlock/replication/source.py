@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
-from ..errors import InvalidArgument, PermissionDenied, ProtocolError, Unavailable
+from ..errors import InvalidArgument, LimitExceeded, PermissionDenied, ProtocolError, Unavailable
 from ..logsafe import quote
 from ..roles import Role
 from ..units import monotonic_ms
@@ -41,6 +41,9 @@ INLINE_SNAPSHOT_LEASES = 10_000
 #: standby identities whose last sent LSN is kept for a resume (beyond: the oldest is forgotten,
 #: and that standby gets a snapshot instead of resuming)
 MAX_RESUMABLE = 256
+#: standbys one replica principal may have attached at once (a group's primary; a pair's has one):
+#: each attach costs a copy of the table and a snapshot
+MAX_STANDBYS_PER_PRINCIPAL = 2
 
 
 class SentWindow:
@@ -199,7 +202,9 @@ class ReplicationSource:
             log.warning(
                 "restarted while paired with standby %s at %s (failover window %d ms): not granting until it "
                 "attaches again - it may have been promoted meanwhile: then this node follows it once it "
-                "answers there, or restart this node with --standby-of %s - or `fastlock serve-alone`",
+                "answers there, or restart this node with --standby-of %s - or, only if that standby is gone "
+                "and was never promoted, `fastlock serve-alone` (if it was, this node would grant its locks "
+                "again with lower fencing tokens)",
                 quote(self.paired_id), self.paired_address or "an address it never announced",
                 self._paired_window_ms, self.paired_address or "<its address>",
             )
@@ -255,7 +260,18 @@ class ReplicationSource:
         if not name:
             raise InvalidArgument("a standby must name itself (its node id)")
         ident = standby_identity(name)
+        if conn.session in self.replicas:
+            raise InvalidArgument(f"this connection already replicates as standby "
+                                  f"{self.replicas[conn.session].name!r}: one REPLICATE per connection")
         coordinated = self.coordinated
+        if coordinated:
+            principal = ident.partition("/")[0]
+            others = sum(1 for r in self.replicas.values()
+                         if r.ident != ident and r.ident.partition("/")[0] == principal and not r.conn.closed)
+            if others >= MAX_STANDBYS_PER_PRINCIPAL:
+                raise LimitExceeded(f"replica principal {principal!r} already has {others} standbys attached "
+                                    f"(at most {MAX_STANDBYS_PER_PRINCIPAL}); each node needs its own replica "
+                                    f"credential")
         if not coordinated and self.paired_id is not None and ident != standby_identity(self.paired_id):
             raise Unavailable(
                 f"this primary is paired with standby {self.paired_id!r}; fastlock supports one standby. "

@@ -35,6 +35,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from ..auth import token_principal
 from ..coordination import EtcdGateway, PrimaryRecord, parse_coordinator
 from ..coordination.insync import SyncArbiter
 from ..coordination.records import credible_epoch
@@ -120,8 +121,9 @@ class CoordinatedNode:
             NodeIdInUse: another live node holds this node id (see the module docstring).
         """
         server = self.server
+        token = server.config.standby_token
         self.arbiter = SyncArbiter(self._gateway, self.url.prefix, self.node, address, self, ttl_ms=self.ttl_ms,
-                                   ident=self.ident)
+                                   ident=self.ident, principal=(token_principal(token) or "") if token else "")
         if isinstance(server.source.sync, GroupSyncGate):
             server.source.sync.publisher = self.arbiter.publish
             server.source.sync.member_idents = self.arbiter.member_idents
