@@ -88,6 +88,9 @@ log = logging.getLogger(__name__)
 
 #: how often a fenced paired primary asks its standby's address what is there (seconds)
 PEER_CHECK_INTERVAL_S = 1.0
+#: epochs a fenced primary's ``serve-alone`` moves up: its standby may have promoted itself to
+#: the next one, so the one after that keeps every token this node grants above the standby's
+SERVE_ALONE_EPOCH_STEP = 2
 
 
 def primary_to_follow(config: ServerConfig, state: NodeState) -> tuple[str, int] | None:
@@ -582,6 +585,10 @@ class FailoverPolicy:
     # -- the operator's word -----------------------------------------------------------------
     def serve_alone(self) -> dict:
         """Unpair from the standby and stop fencing (see ``ReplicationSource.serve_alone``).
+        A fenced node first moves its epoch SERVE_ALONE_EPOCH_STEP above the highest it knows
+        (logged in its WAL), so its tokens stay above any its standby granted if that standby
+        was promoted meanwhile; ``epoch`` in the answer then.  Two holders of one lock remain
+        possible in that case (the operator's call): fencing tokens tell them apart.
 
         Raises:
             NotPrimary: this node is not the primary.
@@ -590,5 +597,20 @@ class FailoverPolicy:
             raise NotPrimary(f"this node is {self.host.roles.role.value}", self.host.roles.primary_address)
         if self.source.coordinated:
             raise InvalidArgument("this node is run with --coordinator: the coordinator decides, not serve-alone")
-        return self.source.serve_alone()
+        host = self.host
+        epoch = None
+        if self.source.fenced:
+            # Fenced, its standby may have been promoted meanwhile (a promotion takes the epoch one
+            # above the primary's) and have granted: this node serves at two epochs above the
+            # highest it knows, so that every token it grants is above any that standby granted.
+            epoch = max(host.table.epoch, host.node_state.max_epoch_seen) + SERVE_ALONE_EPOCH_STEP
+            host.table.set_epoch(epoch)
+            host.wal.log_epoch(epoch)  # before any grant of the new epoch in the log
+            host.node_state.raise_epoch(epoch)
+            log.warning("serving alone while fenced: epoch %d (its standby may have been promoted to %d and "
+                        "granted: every token of this node is above its)", epoch, epoch - 1)
+        answer = self.source.serve_alone()
+        if epoch is not None:
+            answer["epoch"] = epoch
+        return answer
 
