@@ -23,7 +23,7 @@ cdef extern from "Python.h":
     bint PyUnicode_IS_ASCII(object)
 from libc.stdint cimport int64_t, uint64_t
 
-from .._core import GRANTED, LIMIT_CONFLICT, NOT_ACQUIRED, QUEUED, NotHolder
+from .._core import EV_GRANTED, GRANTED, LIMIT_CONFLICT, NOT_ACQUIRED, QUEUED, NotHolder
 from ..auth import ANONYMOUS, hash_owner
 from ..errors import InvalidArgument, ProtocolError, WrongArgumentType
 from ..protocol.validation import (
@@ -536,7 +536,7 @@ cdef class BatchEnd:
     (:meth:`after_batch`), the acknowledgement of a batch of grants (:meth:`deliver_granted`)
     and a release's bookkeeping (:meth:`released`).  The attributes they read are the
     server's (``table``, ``wal``, ``revisions``, ...); the uncommon cases are its Python
-    methods (``_process_events``, ``_rearm``, ``_deliver_rest``).  The collaborators read on
+    methods (``_other_event``, ``_rearm``, ``_deliver_rest``).  The collaborators read on
     every batch are slots of this base (the server's ``__init__`` sets them as attributes), so
     compiled code reads them without a dictionary lookup."""
 
@@ -557,7 +557,7 @@ cdef class BatchEnd:
             self.in_batch_end = True
             try:
                 while events:
-                    server._process_events(events)
+                    self.process_events(events)
                     events = table.drain_events()
             finally:
                 self.in_batch_end = outer
@@ -594,6 +594,39 @@ cdef class BatchEnd:
             for conn in dirty:
                 conn.flush()
             dirty.clear()
+
+    def process_events(self, list events):
+        """Log and deliver ``events`` (drained from the table by the caller), as a batch end does:
+        each fresh grant is logged, recorded for the watchers and counted against its principal,
+        and the batch's grants acknowledged (:meth:`acknowledge`); any other event is the
+        server's ``_other_event`` (an expiry, a waiter that left)."""
+        if not events:
+            return
+        server = <object>self
+        wal = self.wal
+        quotas = self.quotas
+        revisions = self.revisions
+        queues = self.queues
+        grants = None
+        for ev in events:
+            if ev.kind == _EV_GRANTED:
+                if ev.fresh:
+                    meta = ev.meta
+                    wal.log_grant(ev.name, ev.token, ev.owner, ev.ttl_ms, ev.lock_delay_ms, meta[0], meta[1],
+                                  ev.shared, ev.limit)
+                    revisions.logged(ev.name, "granted", ev.token, meta)
+                    quotas.grant_event(ev)
+                if grants is None:
+                    grants = []
+                grants.append(ev)
+                if queues.shipped:  # (a queue shipped to a standby may have changed)
+                    queues.granted(ev.name)
+            else:
+                server._other_event(ev)
+        if quotas.ended_early:
+            quotas.batch_done()
+        if grants is not None:
+            self.acknowledge(grants)  # once durable (and replicated)
 
     def acknowledge(self, list grants):
         """Acknowledge the batch's ``grants`` (``EV_GRANTED`` events, logged) with
@@ -663,6 +696,7 @@ cdef class BatchEnd:
 
 cdef object _ANONYMOUS = ANONYMOUS
 cdef object _GRANTED = GRANTED
+cdef object _EV_GRANTED = EV_GRANTED
 
 
 cdef inline _quota_check(object quota, object principal, object have, object adding):
