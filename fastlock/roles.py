@@ -136,9 +136,12 @@ class NodeRole:
         expires_leases (bool): does this node expire leases itself?  Only a
             primary does (fenced or not: it extends nothing while fenced, so its
             leases run out as the standby's would).  Read at every batch end.
+        admitted (frozenset[Action]): the actions admitted in the current role, fence
+            and sync hold (:data:`ADMITTED`), kept on every change: the compiled request
+            path tests membership itself and calls :meth:`admit` only for a refusal.
     """
 
-    __slots__ = ("_role", "_fenced", "_sync_held", "_grace_until_ms", "_hold", "_now_ms", "_admitted",
+    __slots__ = ("_role", "_fenced", "_sync_held", "_grace_until_ms", "_hold", "_now_ms", "admitted",
                  "primary_address", "expires_leases", "grace_reason", "alone_since")
 
     def __init__(self, initial: Role, *, hold_grants_until: Callable[[int], None],
@@ -258,7 +261,7 @@ class NodeRole:
 
     def may(self, action: Action) -> bool:
         """Is ``action`` admitted in the current role and fence?"""
-        return action in self._admitted
+        return action in self.admitted
 
 
     def admit(self, action: Action) -> None:
@@ -270,7 +273,7 @@ class NodeRole:
             Unavailable: a fenced primary - the client tries the other nodes and
                 repeats the request at whichever is primary.
         """
-        if action in self._admitted:
+        if action in self.admitted:
             return
         if self._sync_held and not self._fenced and self._role is Role.PRIMARY:  # only ACQUIRE is refused then
             raise Unavailable(f"this primary's synchronous standby has not acknowledged within --sync-timeout "
@@ -285,9 +288,9 @@ class NodeRole:
                           f"nothing changed; the standby may have been promoted")
 
     def _changed(self) -> None:
-        self._admitted = ADMITTED[(self._role, self._fenced)]
+        self.admitted = ADMITTED[(self._role, self._fenced)]
         if self._sync_held and self._role is Role.PRIMARY:
-            self._admitted = self._admitted - {Action.ACQUIRE}
+            self.admitted = self.admitted - {Action.ACQUIRE}
         self.expires_leases = self._role is Role.PRIMARY
         self._hold(self.grants_held_until())
 

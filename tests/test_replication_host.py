@@ -145,6 +145,26 @@ def test_serve_alone_unpairs_and_unfences(host):
     assert not host.roles.fenced
 
 
+def test_the_fencing_flag_follows_the_pairing_serve_alone_and_the_arbiter(host, tmp_path):
+    """``fencing`` is an attribute the request path reads: every change of what it depends on sets it."""
+    source = ReplicationSource(host)
+    conn = attach(source)
+    assert source.fencing is False  # attached, not yet paired (no echo)
+    echo_last_heartbeat(source, conn)
+    assert source.fencing is True  # paired with a failover window
+    restarted = ReplicationSource(FakeHost(str(tmp_path), clock=host.clock))
+    assert restarted.fencing is False
+    restarted.load_pairing()
+    assert restarted.fencing is True  # the pairing restored from disk
+    restarted.stand_down()
+    assert restarted.fencing is False
+    source.serve_alone()
+    assert source.fencing is False
+    alone = ReplicationSource(FakeHost(str(tmp_path / "arbiter"), clock=host.clock))
+    alone.coordinate(lambda now: None)
+    assert alone.fencing is True  # an arbiter fences this primary
+
+
 def test_a_deposed_node_is_never_fenced(host):
     source, _ = paired(host)
     host.roles.transition(Role.DEPOSED, "test")

@@ -176,6 +176,9 @@ class ReplicationSource:
         self._listening = False
         #: the arbiter's fence check (coordinated mode), called with the monotonic ms; None: the pair's own
         self._external_fence: Callable[[int], None] | None = None
+        #: is a standby with a failover window paired, or an arbiter in charge (so the fence applies)?
+        #: (kept by _fencing_changed wherever what it depends on changes)
+        self.fencing = False
         #: standby identity -> the highest LSN this process sent it (a resume may not claim more)
         self._sent_to: dict[str, int] = {}
 
@@ -183,6 +186,7 @@ class ReplicationSource:
         """Hand fencing to an external arbiter (see the class docstring); ``fence_if_due(now_ms)``
         fences this primary if the arbiter's deadline has passed."""
         self._external_fence = fence_if_due
+        self._fencing_changed()
 
     @property
     def coordinated(self) -> bool:
@@ -198,6 +202,7 @@ class ReplicationSource:
         self.paired_address = pairing.address
         self.paired_witness = pairing.witness
         self._paired_window_ms = pairing.failover_after_ms
+        self._fencing_changed()
         if self._paired_window_ms > 0:
             log.warning(
                 "restarted while paired with standby %s at %s (failover window %d ms): not granting until it "
@@ -216,6 +221,7 @@ class ReplicationSource:
         self.paired_witness = replica.witness
         self._paired_window_ms = replica.failover_after_ms
         self.serving_alone = False
+        self._fencing_changed()
         write_pairing(self.host.data_dir, Pairing(replica.name, replica.failover_after_ms, replica.address,
                                                   replica.witness))
         log.info("paired with standby %s (failover window %d ms)", quote(replica.name), replica.failover_after_ms)
@@ -240,6 +246,7 @@ class ReplicationSource:
         self.paired_address = None
         self.paired_witness = None
         self._paired_window_ms = 0
+        self._fencing_changed()
 
     def stand_down(self) -> None:
         """This node stops being a primary for good (it rejoins as a standby): forget the
@@ -580,10 +587,10 @@ class ReplicationSource:
         """Is this primary fenced (as the node's role says)?"""
         return self.host.roles.fenced
 
-    @property
-    def fencing(self) -> bool:
-        """Is a standby with a failover window paired (so the fence applies)?"""
-        return self._external_fence is not None or (self._paired_window_ms != 0 and not self.serving_alone)
+    def _fencing_changed(self) -> None:
+        """Set :attr:`fencing` from what it depends on (the arbiter, the paired window, serve-alone);
+        called wherever one of them changes, so the request path reads a plain attribute."""
+        self.fencing = self._external_fence is not None or (self._paired_window_ms != 0 and not self.serving_alone)
 
     def fence_if_due(self, now: int) -> None:
         """Fence now if the deadline has passed; never unfences (acks and timers do that).
@@ -707,6 +714,7 @@ class ReplicationSource:
         was = self.paired_id
         self.sync.serve_alone()  # synchronous replication stops waiting for the standby too
         self.serving_alone = True
+        self._fencing_changed()
         self._unpair()
         self._check_fence(monotonic_ms())
         log.warning("operator: serving alone (unpaired from standby %s); a standby that attaches later "

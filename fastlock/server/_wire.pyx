@@ -23,8 +23,8 @@ cdef extern from "Python.h":
     bint PyUnicode_IS_ASCII(object)
 from libc.stdint cimport int64_t, uint64_t
 
-from .._core import LIMIT_CONFLICT, NOT_ACQUIRED, QUEUED, NotHolder
-from ..auth import hash_owner
+from .._core import EV_GRANTED, GRANTED, LIMIT_CONFLICT, NOT_ACQUIRED, QUEUED, NotHolder
+from ..auth import ANONYMOUS, hash_owner
 from ..errors import InvalidArgument, ProtocolError, WrongArgumentType
 from ..protocol.validation import (
     MAX_CORRELATION_ID_CHARS,
@@ -358,7 +358,9 @@ cpdef acquire(object handlers, SessionWire conn, object req_id, list msg, object
     owner = conn.owner_hash(msg[3])  # only the hash is kept, logged and replicated
     reclaim = handlers.server.reclaim
     if reclaim.queues and name in reclaim.queues:  # a promoted primary's reclaim window (server.reclaim)
-        handlers.roles.admit(_ACQUIRE)
+        roles = handlers.roles
+        if _ACQUIRE not in roles.admitted:  # (NodeRole.admit's own test: it raises the refusal)
+            roles.admit(_ACQUIRE)
         reclaim.park(conn, req_id, msg, name, owner, _wait_ms(msg[5]), priority)
         return
     enter_acquire(handlers, conn, req_id, msg, name, owner, priority)
@@ -387,7 +389,9 @@ cpdef enter_acquire(object handlers, SessionWire conn, object req_id, list msg, 
         raise _InvalidArgument("a semaphore permit (limit > 0) cannot also be shared")
     table = handlers.table
     now = _monotonic_ms()
-    handlers.roles.admit(_ACQUIRE)
+    roles = handlers.roles
+    if _ACQUIRE not in roles.admitted:  # (NodeRole.admit's own test: it raises the refusal)
+        roles.admit(_ACQUIRE)
     config = handlers.config
     quotas = handlers.quotas
     if wait_ms != 0:
@@ -400,7 +404,9 @@ cpdef enter_acquire(object handlers, SessionWire conn, object req_id, list msg, 
     retry = table.holder(name, now, owner) is not None
     # the global cap counts leases held: an exclusive request on a held name adds none now (it queues)
     # (running lock-delays count as leases: each keeps a lock entry until it ends)
-    if (not retry and len(table) + quotas.lock_delay_count(now) >= config.max_leases
+    # (PrincipalQuotas.lock_delay_count's own first check inline: no lock-delay runs)
+    if (not retry and len(table) + (quotas.lock_delay_count(now) if quotas.delays.per_principal else 0)
+            >= config.max_leases
             and (shared or limit or not table.holders_of(name, now, 0, 1))):
         raise _limit_exceeded(config.max_leases, "the server", "leases", "max-leases")
     # the principal's quotas: a lease, granted now or reserved by a waiter (see PrincipalQuotas)
@@ -429,7 +435,9 @@ cpdef release(object handlers, SessionWire conn, object req_id, list msg):
     owner = conn.owner_hash(msg[4])
     # a fenced primary refuses too: the standby may have been promoted and would never
     # see this release (the client repeats it at whichever node is primary)
-    handlers.roles.admit(_RELEASE)
+    roles = handlers.roles
+    if _RELEASE not in roles.admitted:  # (NodeRole.admit's own test: it raises the refusal)
+        roles.admit(_RELEASE)
     table = handlers.table
     now = _monotonic_ms()
     meta = None
@@ -462,7 +470,9 @@ cpdef extend(object handlers, SessionWire conn, object req_id, list msg):
         raise _WrongArgumentType(f"sequencer must be a bool, not {type(flag).__name__}")
     table = handlers.table
     now = _monotonic_ms()
-    handlers.roles.admit(_EXTEND)
+    roles = handlers.roles
+    if _EXTEND not in roles.admitted:  # (NodeRole.admit's own test: it raises the refusal)
+        roles.admit(_EXTEND)
     holder = table.holder(name, now, owner)
     try:
         table.extend(name, token, owner, ttl_ms, now, conn.session)  # the lease is held from this connection
@@ -483,8 +493,9 @@ cpdef extend(object handlers, SessionWire conn, object req_id, list msg):
     # sync replication: every extend waits for the standby (it moves the deadline); recovery restores
     # the recorded TTL: a longer one must be durable before the holder relies on it (not a shorter one)
     # a longer TTL than the standbys know waits for their word (fastlock.replication.ttlbound)
-    if handlers.source.sync.enabled or ((holder is None or ttl_ms > holder.ttl_ms)
-                                        and (not handlers.source.ttl.covers(ttl_ms) or not wal.flush_now())):
+    source = handlers.source
+    if source.sync.enabled or ((holder is None or ttl_ms > holder.ttl_ms)
+                               and ((source.fencing and not source.ttl.covers(ttl_ms)) or not wal.flush_now())):
         handlers.extend_when_durable(conn, req_id, name, token, reply, ttl_ms)
         return
     conn.send(reply)
@@ -525,7 +536,7 @@ cdef class BatchEnd:
     (:meth:`after_batch`), the acknowledgement of a batch of grants (:meth:`deliver_granted`)
     and a release's bookkeeping (:meth:`released`).  The attributes they read are the
     server's (``table``, ``wal``, ``revisions``, ...); the uncommon cases are its Python
-    methods (``_process_events``, ``_rearm``, ``_deliver_rest``).  The collaborators read on
+    methods (``_other_event``, ``_rearm``, ``_deliver_rest``).  The collaborators read on
     every batch are slots of this base (the server's ``__init__`` sets them as attributes), so
     compiled code reads them without a dictionary lookup."""
 
@@ -546,12 +557,17 @@ cdef class BatchEnd:
             self.in_batch_end = True
             try:
                 while events:
-                    server._process_events(events)
+                    self.process_events(events)
                     events = table.drain_events()
             finally:
                 self.in_batch_end = outer
         wal = self.wal
-        if wal.maybe_snapshot(server.snapshot_state):  # at every batch end: key puts make no table events
+        # at every batch end (key puts make no table events); maybe_snapshot's own first check inline:
+        # a snapshot is due from the snapshotter's next LSN or byte count on
+        snaps = wal.snapshotter
+        commit = wal.group_commit
+        if ((commit.next_lsn > snaps.next_due or commit.io.bytes >= snaps.next_due_bytes)
+                and wal.maybe_snapshot(server.snapshot_state)):
             _relog_running(wal, table)
             server.revoke_deadlines.relog(wal, _monotonic_ms())
         nd = table.next_deadline()
@@ -579,6 +595,39 @@ cdef class BatchEnd:
                 conn.flush()
             dirty.clear()
 
+    def process_events(self, list events):
+        """Log and deliver ``events`` (drained from the table by the caller), as a batch end does:
+        each fresh grant is logged, recorded for the watchers and counted against its principal,
+        and the batch's grants acknowledged (:meth:`acknowledge`); any other event is the
+        server's ``_other_event`` (an expiry, a waiter that left)."""
+        if not events:
+            return
+        server = <object>self
+        wal = self.wal
+        quotas = self.quotas
+        revisions = self.revisions
+        queues = self.queues
+        grants = None
+        for ev in events:
+            if ev.kind == _EV_GRANTED:
+                if ev.fresh:
+                    meta = ev.meta
+                    wal.log_grant(ev.name, ev.token, ev.owner, ev.ttl_ms, ev.lock_delay_ms, meta[0], meta[1],
+                                  ev.shared, ev.limit)
+                    revisions.logged(ev.name, "granted", ev.token, meta)
+                    quotas.grant_event(ev)
+                if grants is None:
+                    grants = []
+                grants.append(ev)
+                if queues.shipped:  # (a queue shipped to a standby may have changed)
+                    queues.granted(ev.name)
+            else:
+                server._other_event(ev)
+        if quotas.ended_early:
+            quotas.batch_done()
+        if grants is not None:
+            self.acknowledge(grants)  # once durable (and replicated)
+
     def acknowledge(self, list grants):
         """Acknowledge the batch's ``grants`` (``EV_GRANTED`` events, logged) with
         :meth:`deliver_granted` once their records are durable and, under synchronous
@@ -589,7 +638,8 @@ cdef class BatchEnd:
         source = self.source
         ttl_bound = source.ttl
         sync = source.sync
-        if ttl_bound.covers((<object>self).max_ttl_ms):
+        # unpaired (not fencing): nothing promotes on this primary's silence, no bound (TtlBound.covers's own answer)
+        if not source.fencing or ttl_bound.covers((<object>self).max_ttl_ms):
             if sync.enabled:
                 deliver = sync.after(lambda refused=None: self.deliver_granted(grants, refused))
             else:  # (sync.after's own, without a standby)
@@ -621,7 +671,7 @@ cdef class BatchEnd:
         source = self.source
         if source.fencing:  # (not paired: nothing to check)
             source.fence_if_due(_monotonic_ms())
-        if refused_by is None and self.roles.may(_ACQUIRE):
+        if refused_by is None and _ACQUIRE in self.roles.admitted:  # (NodeRole.may's own test)
             rest = deliver_grants(self.limits.sessions, grants)
             if rest:
                 server._deliver_rest(rest, None)
@@ -640,3 +690,105 @@ cdef class BatchEnd:
         if handlers.sessions.attached_to:  # (leases attached to client sessions are detached)
             handlers.sessions.lease_ended(name, token)
         self.quotas.lease_ended(token, meta)
+
+
+# -- the per-principal quotas ---------------------------------------------------------------
+
+cdef object _ANONYMOUS = ANONYMOUS
+cdef object _GRANTED = GRANTED
+cdef object _EV_GRANTED = EV_GRANTED
+
+
+cdef inline _quota_check(object quota, object principal, object have, object adding):
+    """:meth:`fastlock.server.shares.Quota.check`'s test inline: the method (which raises
+    :class:`~fastlock.errors.LimitExceeded`) runs only when ``have + adding`` passes the quota."""
+    limit = quota.anonymous_limit if principal == _ANONYMOUS else quota.limit
+    if limit and have + adding > limit:
+        quota.check(principal, have, adding)
+
+
+cdef class QuotaCounts:
+    """The compiled base of :class:`fastlock.server.admission.PrincipalQuotas`: the counts an
+    acquire, a grant and a lease's end change on the request path (:meth:`check_acquire`,
+    :meth:`lock_delay_count`, :meth:`acquired`, :meth:`grant_event`, :meth:`lease_ended`).
+    The attributes they read are slots of this base, set by ``PrincipalQuotas.__init__`` and
+    ``configure``; the rest (``sync``, ``of``, ``principal_of``) are its Python methods."""
+
+    cdef public object table, usage, delays, waiters, leases, ended_early, _principal_of, _epoch
+
+    def check_acquire(self, principal, leases, waiters):
+        """Refuse (:class:`~fastlock.errors.LimitExceeded`, nothing changed) a request of
+        ``principal`` (str) that may add ``leases`` leases (int), of which ``waiters`` may
+        wait; returns its :class:`~fastlock.server.admission.Usage`."""
+        quotas = <object>self
+        if self.table.epoch != self._epoch:
+            quotas.sync()
+        u = self.usage.get(principal) or quotas.of(principal)
+        if waiters:
+            _quota_check(self.waiters, principal, u.waiting, waiters)
+        if leases:
+            held = len(u.leases) + u.waiting
+            delays = self.delays
+            if delays.per_principal:  # (empty exactly when no lock-delay runs)
+                delays.ended(_monotonic_ms())
+                held += delays.per_principal.get(principal, 0)
+            _quota_check(self.leases, principal, held, leases)
+        return u
+
+    def lock_delay_count(self, now):
+        """Lock-delays running at ``now`` (monotonic ms): --max-leases counts them too."""
+        delays = self.delays
+        if not delays.per_principal:  # (empty exactly when no lock-delay runs)
+            return 0
+        delays.ended(now)
+        return len(delays)
+
+    def acquired(self, u, status, names, last_token):
+        """Count what an acquire of ``names`` (by ``u``'s principal) created: a lease per
+        name granted now (tokens up to ``last_token``, one per name in order), or a
+        waiter per name queued."""
+        if status == _GRANTED:
+            token = last_token - len(names) + 1
+            leases = u.leases
+            for name in names:
+                leases[token] = name
+                token += 1
+        elif status == _QUEUED:
+            u.waiting += len(names)
+
+    def grant_event(self, ev):
+        """A fresh EV_GRANTED: a waiter's grant moves it from waiting to holding
+        (an immediate grant was counted by :meth:`acquired`)."""
+        meta = ev.meta
+        # principal_of's remembered answer, inline (the common case)
+        principal = self._principal_of.get(meta[0]) if meta and type(meta[0]) is str else None
+        if principal is None:
+            principal = (<object>self).principal_of(meta)
+        u = self.usage.get(principal) or (<object>self).of(principal)
+        token = ev.token
+        if token in u.leases:
+            return
+        if u.waiting:
+            u.waiting -= 1
+        ended_early = self.ended_early
+        if token in ended_early:
+            ended_early.discard(token)
+            return
+        u.leases[token] = ev.name
+
+    def lease_ended(self, token, meta=None, principal=None):
+        """The lease ``token`` was released, expired or revoked: uncount it.  Its
+        principal from ``meta`` (the lease's), else ``principal`` (a likely one), else
+        searched among all (principals are few)."""
+        if meta:
+            # principal_of's remembered answer, inline (the common case)
+            recorded = self._principal_of.get(meta[0]) if type(meta[0]) is str else None
+            principal = recorded if recorded is not None else (<object>self).principal_of(meta)
+        if principal is not None:
+            u = self.usage.get(principal)
+            if u is not None and u.leases.pop(token, None) is not None:
+                return
+        for u in self.usage.values():
+            if u.leases.pop(token, None) is not None:
+                return
+        self.ended_early.add(token)  # a waiter's grant not yet processed (grant_event)

@@ -17,14 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._core import GRANTED, QUEUED
 from ..errors import LimitExceeded
 from ..logsafe import RateLimitedLog
 from ..units import monotonic_ms
+from ._wire import QuotaCounts
 from .config import ServerConfig
 from .lockdelays import RunningDelays
 from .output import OutputShares
@@ -115,7 +114,7 @@ class PrincipalUsage:
     key_bytes_quota: int = 0
 
 
-class PrincipalQuotas:
+class PrincipalQuotas(QuotaCounts):
     """The per-principal quotas and what each principal holds against them.
 
     Everything is counted as the op that creates it runs (not at the batch end):
@@ -174,29 +173,6 @@ class PrincipalQuotas:
         return u
 
     # -- acquires ---------------------------------------------------------------------
-    def check_acquire(self, principal: str, leases: int, waiters: int) -> Usage:
-        """Refuse (:class:`LimitExceeded`, nothing changed) a request of ``principal``
-        that may add ``leases`` leases, of which ``waiters`` may wait; returns its usage."""
-        if self.table.epoch != self._epoch:
-            self.sync()
-        u = self.usage.get(principal) or self.of(principal)
-        if waiters:
-            self.waiters.check(principal, u.waiting, waiters)
-        if leases:
-            held = len(u.leases) + u.waiting
-            if self.delays.per_principal:  # (empty exactly when no lock-delay runs)
-                self.delays.ended(monotonic_ms())
-                held += self.delays.per_principal.get(principal, 0)
-            self.leases.check(principal, held, leases)
-        return u
-
-    def lock_delay_count(self, now: int) -> int:
-        """Lock-delays running at ``now`` (monotonic ms): --max-leases counts them too."""
-        if not self.delays.per_principal:  # (empty exactly when no lock-delay runs)
-            return 0
-        self.delays.ended(now)
-        return len(self.delays)
-
     def lease_expired(self, ev: Any, now: int) -> None:
         """An EV_EXPIRED event at ``now`` (monotonic ms): uncount its lease, count the
         lock-delay it starts (until its deadline + lock_delay_ms) against its principal."""
@@ -220,38 +196,6 @@ class PrincipalQuotas:
             return principal
         return UNRECORDED
 
-    def acquired(self, u: Usage, status: int, names: Sequence[str], last_token: int) -> None:
-        """Count what an acquire of ``names`` (by ``u``'s principal) created: a lease per
-        name granted now (tokens up to ``last_token``, one per name in order), or a
-        waiter per name queued."""
-        if status == GRANTED:
-            token = last_token - len(names) + 1
-            leases = u.leases
-            for name in names:
-                leases[token] = name
-                token += 1
-        elif status == QUEUED:
-            u.waiting += len(names)
-
-    def grant_event(self, ev: Any) -> None:
-        """A fresh EV_GRANTED: a waiter's grant moves it from waiting to holding
-        (an immediate grant was counted by :meth:`acquired`)."""
-        meta = ev.meta
-        # principal_of's remembered answer, inline (the common case)
-        principal = self._principal_of.get(meta[0]) if meta and type(meta[0]) is str else None
-        if principal is None:
-            principal = self.principal_of(meta)
-        u = self.usage.get(principal) or self.of(principal)
-        token = ev.token
-        if token in u.leases:
-            return
-        if u.waiting:
-            u.waiting -= 1
-        if token in self.ended_early:
-            self.ended_early.discard(token)
-            return
-        u.leases[token] = ev.name
-
     def waiter_event(self, ev: Any) -> None:
         """A waiter left its queue without a grant (timeout, cancel, deadlock)."""
         u = self.of(self.principal_of(ev.meta))
@@ -262,23 +206,6 @@ class PrincipalQuotas:
         """A connection of ``principal`` closed with ``dropped`` waiters."""
         u = self.of(principal)
         u.waiting = max(0, u.waiting - dropped)
-
-    def lease_ended(self, token: int, meta: Any = None, principal: str | None = None) -> None:
-        """The lease ``token`` was released, expired or revoked: uncount it.  Its
-        principal from ``meta`` (the lease's), else ``principal`` (a likely one), else
-        searched among all (principals are few)."""
-        if meta:
-            # principal_of's remembered answer, inline (the common case)
-            recorded = self._principal_of.get(meta[0]) if type(meta[0]) is str else None
-            principal = recorded if recorded is not None else self.principal_of(meta)
-        if principal is not None:
-            u = self.usage.get(principal)
-            if u is not None and u.leases.pop(token, None) is not None:
-                return
-        for u in self.usage.values():
-            if u.leases.pop(token, None) is not None:
-                return
-        self.ended_early.add(token)  # a waiter's grant not yet processed (grant_event)
 
     def batch_done(self) -> None:
         """The batch's events were processed: a token left in ``ended_early`` was never counted."""

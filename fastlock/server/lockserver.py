@@ -60,7 +60,7 @@ from typing import Any
 import msgpack
 
 from .. import protocol as P
-from .._core import EV_EXPIRED, EV_GRANTED, LockTable, NotHolder
+from .._core import EV_EXPIRED, LockTable, NotHolder
 from .._version import __version__
 from ..auth import Credentials, is_loopback
 from ..errors import FastlockError, Unavailable
@@ -544,48 +544,24 @@ class LockServer(BatchEnd):
     # after_batch() (the batch end), deliver_granted() (a batch of grants acknowledged) and
     # released() (a release's bookkeeping) are compiled, on BatchEnd (server/_wire.pyx)
 
-    def process_events(self, events: list) -> None:
-        """Log and deliver ``events`` (drained from the table by the caller), as a batch end does."""
-        if events:
-            self._process_events(events)
-
-    def _process_events(self, events: list) -> None:
-        wal = self.wal
-        grants = None
-        sessions = self.limits.sessions
-        quotas = self.quotas
-        revisions = self.revisions
-        for ev in events:
-            kind = ev.kind
-            if kind == EV_GRANTED:
-                if ev.fresh:
-                    meta = ev.meta
-                    wal.log_grant(ev.name, ev.token, ev.owner, ev.ttl_ms, ev.lock_delay_ms, meta[0], meta[1],
-                                  ev.shared, ev.limit)
-                    revisions.logged(ev.name, "granted", ev.token, meta)
-                    quotas.grant_event(ev)
-                if grants is None:
-                    grants = []
-                grants.append(ev)
-                if self.queues.shipped:  # (a queue shipped to a standby may have changed)
-                    self.queues.granted(ev.name)
-            elif kind == EV_EXPIRED:
-                wal.log_expire(ev.name, ev.token)
-                revisions.logged(ev.name, "expired", ev.token, ev.meta)
-                self.keys.lease_ended(ev.name, ev.token, "expired")
-                self.handlers.sessions.lease_ended(ev.name, ev.token)
-                if ev.lock_delay_ms:
-                    lockdelays.log_expired(wal, ev)
-                quotas.lease_expired(ev, monotonic_ms())  # its lock-delay counts as its lease until it ends
-                expired_log("lease expired: %s token %d (holder %s)", quote(ev.name), ev.token,
-                            quote(shown_client(ev.meta[0]) if ev.meta else None))
-            else:  # a waiter left (wait timeout, cancel, deadlock): its acquire fails
-                waiter_left(sessions.get(ev.session), ev, quotas)
-                self.queues.touched(ev.name)
-        if quotas.ended_early:
-            quotas.batch_done()
-        if grants is not None:
-            self.acknowledge(grants)  # once durable (and replicated): compiled, BatchEnd
+    def _other_event(self, ev: Any) -> None:
+        """A table event other than a grant (the grants are ``BatchEnd.process_events``'s, compiled):
+        a lease expired (logged, watchers told, its keys, session and quota count released, its
+        lock-delay counted), or a waiter left its queue (wait timeout, cancel, deadlock: its acquire fails)."""
+        if ev.kind == EV_EXPIRED:
+            wal = self.wal
+            wal.log_expire(ev.name, ev.token)
+            self.revisions.logged(ev.name, "expired", ev.token, ev.meta)
+            self.keys.lease_ended(ev.name, ev.token, "expired")
+            self.handlers.sessions.lease_ended(ev.name, ev.token)
+            if ev.lock_delay_ms:
+                lockdelays.log_expired(wal, ev)
+            self.quotas.lease_expired(ev, monotonic_ms())  # its lock-delay counts as its lease until it ends
+            expired_log("lease expired: %s token %d (holder %s)", quote(ev.name), ev.token,
+                        quote(shown_client(ev.meta[0]) if ev.meta else None))
+        else:  # a waiter left (wait timeout, cancel, deadlock): its acquire fails
+            waiter_left(self.limits.sessions.get(ev.session), ev, self.quotas)
+            self.queues.touched(ev.name)
 
     def _deliver_rest(self, grants: list, refused_by: FastlockError | None) -> None:
         """The grants :meth:`deliver_granted` leaves: each one whose connection is gone is released

@@ -647,3 +647,18 @@ cdef class Syncer:
                     err = _datasync(fd)
                     self._zero_op = OP_DATASYNC
                 self._zero_err = err
+
+
+cdef class Batch:
+    """One batch of frames for the writer (:mod:`fastlock.wal.writer`): ``data`` (bytes), the
+    frames of LSNs ``first_lsn..last_lsn`` (ints); ``fsync``: fsync it before it counts as done.
+    Made by group commit (:mod:`fastlock.wal.commit`) for every batch, so compiled."""
+
+    cdef public object data, first_lsn, last_lsn
+    cdef public bint fsync
+
+    def __init__(self, data, first_lsn, last_lsn, bint fsync):
+        self.data = data
+        self.first_lsn = first_lsn
+        self.last_lsn = last_lsn
+        self.fsync = fsync

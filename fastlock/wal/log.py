@@ -170,6 +170,9 @@ class WriteAheadLog:
         self.group_commit = self._commit
         self._snapshots = Snapshotter(self.directory, io.segments, snapshot_every, keep_snapshots,
                                       snapshot_every_bytes)
+        #: the snapshotter, for the server's compiled batch end (its ``next_due`` and ``next_due_bytes``,
+        #: :meth:`maybe_snapshot`'s first check, read without a call)
+        self.snapshotter = self._snapshots
         self._counters = _Reservation(reserve_block)
         #: open(repair=True) cut records: acknowledged grants may be gone, and with
         #: them the evidence of the tokens they used (the server raises the epoch)

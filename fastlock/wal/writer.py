@@ -43,7 +43,7 @@ import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from ._syncer import Syncer, datasync, pwrite_all, zero_fill
+from ._syncer import Batch, Syncer, datasync, pwrite_all, zero_fill
 from .files import FILE_MODE, DirectoryLock, fsync_dir, io_error
 from .format import SEG_HEADER, seg_header, seg_name
 
@@ -116,19 +116,6 @@ class SegmentList:
             doomed = segs[:i]
             del segs[:i]
             return doomed
-
-
-class Batch:
-    """One batch of frames for the writer: LSNs ``first_lsn..last_lsn``; ``fsync``:
-    fsync it before it counts as done."""
-
-    __slots__ = ("data", "first_lsn", "last_lsn", "fsync")
-
-    def __init__(self, data: bytes, first_lsn: int, last_lsn: int, fsync: bool):
-        self.data = data
-        self.first_lsn = first_lsn
-        self.last_lsn = last_lsn
-        self.fsync = fsync
 
 
 class SyncResult(NamedTuple):
