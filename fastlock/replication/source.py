@@ -207,9 +207,10 @@ class ReplicationSource:
             log.warning(
                 "restarted while paired with standby %s at %s (failover window %d ms): not granting until it "
                 "attaches again - it may have been promoted meanwhile: then this node follows it once it "
-                "answers there, or restart this node with --standby-of %s - or, only if that standby is gone "
-                "and was never promoted, `fastlock serve-alone` (if it was, this node would grant its locks "
-                "again with lower fencing tokens)",
+                "answers there, or restart this node with --standby-of %s - or, if that standby is gone for "
+                "good, `fastlock serve-alone` (this node then serves at an epoch above any the standby could "
+                "have taken; if it was promoted and granted, a lock it granted can have a second holder here, "
+                "with a higher fencing token)",
                 quote(self.paired_id), self.paired_address or "an address it never announced",
                 self._paired_window_ms, self.paired_address or "<its address>",
             )
