@@ -35,19 +35,13 @@ import subprocess
 import sys
 
 import pytest
+from test_redteam_ha import etcd_sync, grant_while_a_peer_acks_everything
 
 from fastlock import protocol as P
 from fastlock._testbase import ServerProcess
 from fastlock._testbase.cluster import RawNode, poll, run
 from fastlock._testbase.proxy import TcpProxy, free_port
 from fastlock.errors import InvalidArgument, LimitExceeded, Unavailable
-
-etcd_sync = pytest.importorskip("test_etcd_sync")
-
-
-def no_reply(request: asyncio.Future) -> None:
-    """``SYNC_ACK`` has no reply: its future ends only when the connection closes."""
-    request.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 @pytest.fixture
@@ -72,29 +66,7 @@ async def test_a_replica_credential_cannot_speak_for_another_members_node_id(syn
                timeout=15, what="the primary reads ghost's member key")
     hostile = await RawNode.open(address, token=cluster.creds.token(cluster.replica_of("evil")), name="evil")
     await asyncio.wait_for(hostile.request(P.OP_REPLICATE, 0, None, 0, "ghost-ident"), 10)
-    stop = asyncio.Event()
-
-    async def ack_everything() -> None:
-        for _ in range(400):  # bounded: 400 acks, 25 ms apart
-            if stop.is_set() or hostile.closed:
-                return
-            no_reply(hostile.request(P.OP_SYNC_ACK, (await admin.status())["wal"]["last_lsn"]))
-            await asyncio.sleep(0.025)
-
-    acking = asyncio.ensure_future(ack_everything())
-    try:
-        outcome = "acknowledged"
-        try:
-            await asyncio.wait_for(admin.acquire("only-on-the-primary", 60_000), 10)
-        except Unavailable as exc:
-            outcome = f"refused: {exc}"
-        st = await admin.status()
-    finally:
-        stop.set()
-        await acking
-        await hostile.close()
-        await admin.close()
-    members = st["replication"]["sync"]["members"]
+    outcome, members = await grant_while_a_peer_acks_everything(admin, hostile)
     assert outcome.startswith("refused") and not members, (
         f"a grant was {outcome} with the in-sync set {members}: a peer with another node's replica "
         f"credential counted as member ghost's synchronous copy (ghost would be promoted without a grace "

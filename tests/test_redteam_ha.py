@@ -19,6 +19,7 @@ Every wait has a deadline; servers are stopped by PID (the ``cluster`` fixture).
 from __future__ import annotations
 
 import asyncio
+from typing import NamedTuple
 
 import pytest
 
@@ -38,6 +39,41 @@ def no_reply(request: asyncio.Future) -> None:
 
 def sync_of(status: dict) -> dict:
     return status["replication"]["sync"]
+
+
+class AckedGrant(NamedTuple):
+    """What a grant came to while a hostile peer acknowledged every LSN."""
+    outcome: str  #: "acknowledged", or "refused: <the error>"
+    members: list  #: the primary's in-sync set then
+
+
+async def grant_while_a_peer_acks_everything(admin, hostile) -> AckedGrant:
+    """``hostile`` (a replica connection that asked to replicate) acknowledges the primary's last
+    LSN every 25 ms (400 at most) while ``admin`` asks for a grant on the primary; both
+    connections are closed after it."""
+    stop = asyncio.Event()
+
+    async def ack_everything() -> None:
+        for _ in range(400):  # bounded: 400 acks, 25 ms apart
+            if stop.is_set() or hostile.closed:
+                return
+            no_reply(hostile.request(P.OP_SYNC_ACK, (await admin.status())["wal"]["last_lsn"]))
+            await asyncio.sleep(0.025)
+
+    acking = asyncio.ensure_future(ack_everything())
+    try:
+        outcome = "acknowledged"
+        try:
+            await asyncio.wait_for(admin.acquire("only-on-the-primary", 60_000), 10)
+        except Unavailable as exc:
+            outcome = f"refused: {exc}"
+        st = await admin.status()
+    finally:
+        stop.set()
+        await acking
+        await hostile.close()
+        await admin.close()
+    return AckedGrant(outcome, st["replication"]["sync"]["members"])
 
 
 def test_an_ack_before_the_snapshot_was_sent_is_not_counted(cluster):
@@ -99,29 +135,7 @@ async def test_a_replica_that_is_no_group_member_is_no_in_sync_copy(sync_group, 
     # a node id no member key names, or the primary's own (its member key is live; no standby has it)
     node_id = (await admin.status())["coordinator"]["ident"] if claimed == "the-primarys-own" else "not-a-member"
     await asyncio.wait_for(hostile.request(P.OP_REPLICATE, 0, None, 0, node_id), 10)
-    stop = asyncio.Event()
-
-    async def ack_everything() -> None:
-        for _ in range(400):  # bounded: 400 acks, 25 ms apart
-            if stop.is_set() or hostile.closed:
-                return
-            no_reply(hostile.request(P.OP_SYNC_ACK, (await admin.status())["wal"]["last_lsn"]))
-            await asyncio.sleep(0.025)
-
-    acking = asyncio.ensure_future(ack_everything())
-    try:
-        outcome = "acknowledged"
-        try:
-            await asyncio.wait_for(admin.acquire("only-on-the-primary", 60_000), 10)
-        except Unavailable as exc:
-            outcome = f"refused: {exc}"
-        st = await admin.status()
-    finally:
-        stop.set()
-        await acking
-        await hostile.close()
-        await admin.close()
-    members = st["replication"]["sync"]["members"]
+    outcome, members = await grant_while_a_peer_acks_everything(admin, hostile)
     assert outcome.startswith("refused") and not members, (
         f"a grant was {outcome} with the in-sync set {members}: a replica with no member key in etcd "
         f"counted as the group's synchronous copy")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from dataclasses import dataclass, field
 
 import msgpack
 import pytest
@@ -320,6 +321,66 @@ async def test_a_map_gain_written_by_hand_is_not_served_by_a_promoted_standby(gr
     assert not await g.is_role("g1-1", "primary")
 
 
+@dataclass
+class ShippedQueue:
+    """A holder's connection and two waiters' on g0, whose queue a test ships to g1."""
+    holder: RawNode
+    waiters: list[RawNode]
+    owners: list[bytes] = field(default_factory=lambda: [bytes([k + 1]) * 16 for k in range(2)])
+
+
+async def _hold_and_queue_two(g, q: ShippedQueue, name: str) -> tuple[int, bytes, list]:
+    """``name`` held on g0 and both waiters queued behind it, in order: (token, owner, their requests)."""
+    token, _ttl, owner = await q.holder.acquire(name, 15_000)  # g1's promoted node grants nothing for 15 s (its grace)
+    queued = []
+    async with fastlock.connect(g.servers["g0-0"].address, token=g.creds.token("admin"), session=False) as client:
+        for k, w in enumerate(q.waiters):
+            queued.append(w.request(OP_ACQUIRE, name, q.owners[k], 30_000, 60_000, 0, None))
+
+            async def queue_length(n: int) -> bool:
+                info = await client.lock_info(name)
+                return info is not None and info.waiter_count >= n
+
+            await wait_until(lambda k=k: queue_length(k + 1), 10, f"waiter {k} to queue")
+    return token, owner, queued
+
+
+async def _mark_and_import(g, stored, q: ShippedQueue, name: str, slot: int) -> tuple[ShardMap, int]:
+    """Mark ``slot`` moving to g1, and ship it (its queue of ``q``'s two owners) from g0-0 to g1-0:
+    (the marked map, its key's revision)."""
+    shard_map, revision = await stored.read()
+    marked = mark_moving(shard_map, slot, slot, "g1")
+    revision = await stored.replace(revision, shard_map, marked)
+    for node in ("g0-0", "g1-0"):
+        await wait_until(lambda node=node: g.serves_epoch(node, marked.epoch), 20, f"{node} to follow the mark")
+    admin_token = g.creds.token("admin")
+    admin0 = await RawNode.open(g.servers["g0-0"].address, token=admin_token)
+    admin1 = await RawNode.open(g.servers["g1-0"].address, token=admin_token)
+    try:
+        page = await admin0.request(OP_SLOT_EXPORT, slot, slot, None)
+        assert page["queues"] == [[name, 0, [hash_owner(o) for o in q.owners]]]
+        assert (await admin1.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(page)))["queues"] == 1
+    finally:
+        await admin0.close()
+        await admin1.close()
+    return marked, revision
+
+
+async def _granted_in_their_old_order(again: list[RawNode], owners: list[bytes], name: str, token: int,
+                                      owner: bytes) -> None:
+    """The two moved waiters ask g1's node again in the opposite order (``again[1]`` first); the
+    holder (``again[2]``) releases: the first waiter is granted first, then the second."""
+    second = again[1].request(OP_ACQUIRE, name, owners[1], 30_000, 60_000, 0, None)
+    await asyncio.sleep(0)  # sent before the first waiter's
+    first = again[0].request(OP_ACQUIRE, name, owners[0], 30_000, 60_000, 0, None)
+    await again[2].release(name, token, owner)
+    got_first = await asyncio.wait_for(first, 60)  # after the promoted node's grace (the lease's TTL)
+    assert not second.done() and got_first[0] > token
+    await again[0].release(name, got_first[0], owners[0])
+    got_second = await asyncio.wait_for(second, 30)
+    assert got_second[0] > got_first[0]
+
+
 async def test_moved_waiters_keep_their_order_when_the_destination_fails_over_before_the_flip(groups_of):
     """Two waiters queued on g0 are shipped to g1 (a primary and a standby); g1's primary is
     SIGKILLed, its standby promoted, then the map flips: the standby learned the imported queue
@@ -328,62 +389,29 @@ async def test_moved_waiters_keep_their_order_when_the_destination_fails_over_be
     g = await groups_of((1, 2))
     name = names_owned_by(g.shard_map, "g0", 1, "failoverq")[0]
     slot = slot_of(name)
-    admin_token = g.creds.token("admin")
-    g0 = await RawNode.open(g.servers["g0-0"].address, token=g.app)
-    waiters = [await RawNode.open(g.servers["g0-0"].address, token=g.app) for _ in range(2)]
-    owners = [bytes([k + 1]) * 16 for k in range(2)]
+    q = ShippedQueue(await RawNode.open(g.servers["g0-0"].address, token=g.app),
+                     [await RawNode.open(g.servers["g0-0"].address, token=g.app) for _ in range(2)])
     again: list[RawNode] = []
     try:
-        token, _ttl, owner = await g0.acquire(name, 15_000)  # g1's promoted node grants nothing for 15 s (its grace)
-        queued = []
-        async with fastlock.connect(g.servers["g0-0"].address, token=admin_token, session=False) as client:
-            for k, w in enumerate(waiters):
-                queued.append(w.request(OP_ACQUIRE, name, owners[k], 30_000, 60_000, 0, None))
-
-                async def queue_length(n: int) -> bool:
-                    info = await client.lock_info(name)
-                    return info is not None and info.waiter_count >= n
-
-                await wait_until(lambda k=k: queue_length(k + 1), 10, f"waiter {k} to queue")
+        token, owner, queued = await _hold_and_queue_two(g, q, name)
         stored = await load_from_etcd(g.url)
         try:
-            shard_map, revision = await stored.read()
-            marked = mark_moving(shard_map, slot, slot, "g1")
-            revision = await stored.replace(revision, shard_map, marked)
-            for node in ("g0-0", "g1-0"):
-                await wait_until(lambda node=node: g.serves_epoch(node, marked.epoch), 20, f"{node} to follow the mark")
-            admin0 = await RawNode.open(g.servers["g0-0"].address, token=admin_token)
-            admin1 = await RawNode.open(g.servers["g1-0"].address, token=admin_token)
-            try:
-                page = await admin0.request(OP_SLOT_EXPORT, slot, slot, None)
-                assert page["queues"] == [[name, 0, [hash_owner(o) for o in owners]]]
-                assert (await admin1.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(page)))["queues"] == 1
-            finally:
-                await admin0.close()
-                await admin1.close()
+            marked, revision = await _mark_and_import(g, stored, q, name, slot)
             g.servers["g1-0"].kill()
             await wait_until(lambda: g.is_role("g1-1", "primary"), 60, "g1's standby to be promoted")
             flipped = finish_move(marked, slot, slot, "g1")
             await stored.replace(revision, marked, flipped)
         finally:
             await stored.gateway.close()
-        for q in queued:  # held until the flip (WrongShard) or HOLD_S (SlotMoving): the client asks again
+        for request in queued:  # held until the flip (WrongShard) or HOLD_S (SlotMoving): the client asks again
             with pytest.raises((WrongShard, SlotMoving)):
-                await asyncio.wait_for(q, 30)
+                await asyncio.wait_for(request, 30)
         again = [await RawNode.open(g.servers["g1-1"].address, token=g.app) for _ in range(3)]
         await wait_until(lambda: g.serves_epoch("g1-1", flipped.epoch), 20, "g1's new primary to follow the flip")
         assert (await again[2].holder(name))["token"] == token  # the adopted lease, replicated
-        second = again[1].request(OP_ACQUIRE, name, owners[1], 30_000, 60_000, 0, None)
-        await asyncio.sleep(0)  # sent before the first waiter's
-        first = again[0].request(OP_ACQUIRE, name, owners[0], 30_000, 60_000, 0, None)
-        await again[2].release(name, token, owner)
-        got_first = await asyncio.wait_for(first, 60)  # after the promoted node's grace (the lease's TTL)
-        assert not second.done() and got_first[0] > token
-        await again[0].release(name, got_first[0], owners[0])
-        got_second = await asyncio.wait_for(second, 30)
-        assert got_second[0] > got_first[0]
+        await _granted_in_their_old_order(again, q.owners, name, token, owner)
     finally:
-        for node in [g0, *waiters, *again]:
+        for node in [q.holder, *q.waiters, *again]:
             await node.close()
 
 
@@ -403,39 +431,14 @@ async def test_a_destination_standby_joining_by_snapshot_after_an_import_takes_t
     g.servers["g1-1"] = g._server("g1-1").start()
     await asyncio.to_thread(g.servers["g1-1"].wait_for_log, r"shard map epoch 1: group g1", 60)
     g.map_links["g1-1"].blackhole()  # it sees neither the mark nor the flip
-    admin_token = g.creds.token("admin")
-    g0 = await RawNode.open(g.servers["g0-0"].address, token=g.app)
-    waiters = [await RawNode.open(g.servers["g0-0"].address, token=g.app) for _ in range(2)]
-    owners = [bytes([k + 1]) * 16 for k in range(2)]
+    q = ShippedQueue(await RawNode.open(g.servers["g0-0"].address, token=g.app),
+                     [await RawNode.open(g.servers["g0-0"].address, token=g.app) for _ in range(2)])
     again: list[RawNode] = []
     try:
-        token, _ttl, owner = await g0.acquire(name, 15_000)  # g1's promoted node grants nothing for 15 s (its grace)
-        queued = []
-        async with fastlock.connect(g.servers["g0-0"].address, token=admin_token, session=False) as client:
-            for k, w in enumerate(waiters):
-                queued.append(w.request(OP_ACQUIRE, name, owners[k], 30_000, 60_000, 0, None))
-
-                async def queue_length(n: int) -> bool:
-                    info = await client.lock_info(name)
-                    return info is not None and info.waiter_count >= n
-
-                await wait_until(lambda k=k: queue_length(k + 1), 10, f"waiter {k} to queue")
+        token, owner, queued = await _hold_and_queue_two(g, q, name)
         stored = await load_from_etcd(g.url)
         try:
-            shard_map, revision = await stored.read()
-            marked = mark_moving(shard_map, slot, slot, "g1")
-            revision = await stored.replace(revision, shard_map, marked)
-            for node in ("g0-0", "g1-0"):
-                await wait_until(lambda node=node: g.serves_epoch(node, marked.epoch), 20, f"{node} to follow the mark")
-            admin0 = await RawNode.open(g.servers["g0-0"].address, token=admin_token)
-            admin1 = await RawNode.open(g.servers["g1-0"].address, token=admin_token)
-            try:
-                page = await admin0.request(OP_SLOT_EXPORT, slot, slot, None)
-                assert page["queues"] == [[name, 0, [hash_owner(o) for o in owners]]]
-                assert (await admin1.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(page)))["queues"] == 1
-            finally:
-                await admin0.close()
-                await admin1.close()
+            marked, revision = await _mark_and_import(g, stored, q, name, slot)
             start = len(g.servers["g1-0"].lines)
             relay.cut("replication")
             relay.heal()
@@ -450,20 +453,12 @@ async def test_a_destination_standby_joining_by_snapshot_after_an_import_takes_t
         g.map_links["g1-1"].heal()
         await wait_until(lambda: g.is_role("g1-1", "primary"), 60, "g1's standby to be promoted")
         assert await g.serves_epoch("g1-1", flipped.epoch)
-        for q in queued:  # held until the flip (WrongShard) or HOLD_S (SlotMoving): the client asks again
+        for request in queued:  # held until the flip (WrongShard) or HOLD_S (SlotMoving): the client asks again
             with pytest.raises((WrongShard, SlotMoving)):
-                await asyncio.wait_for(q, 30)
+                await asyncio.wait_for(request, 30)
         again = [await RawNode.open(g.servers["g1-1"].address, token=g.app) for _ in range(3)]
         assert (await again[2].holder(name))["token"] == token  # the adopted lease, in the snapshot
-        second = again[1].request(OP_ACQUIRE, name, owners[1], 30_000, 60_000, 0, None)
-        await asyncio.sleep(0)  # sent before the first waiter's
-        first = again[0].request(OP_ACQUIRE, name, owners[0], 30_000, 60_000, 0, None)
-        await again[2].release(name, token, owner)
-        got_first = await asyncio.wait_for(first, 60)  # after the promoted node's grace (the lease's TTL)
-        assert not second.done() and got_first[0] > token
-        await again[0].release(name, got_first[0], owners[0])
-        got_second = await asyncio.wait_for(second, 30)
-        assert got_second[0] > got_first[0]
+        await _granted_in_their_old_order(again, q.owners, name, token, owner)
     finally:
-        for node in [g0, *waiters, *again]:
+        for node in [q.holder, *q.waiters, *again]:
             await node.close()
