@@ -581,19 +581,11 @@ class ShardGate:
         taken = self._take_waiters(table.waited_names(lambda name: moving[slot_of(name)] == 1), now)
         for name, waiters in taken.items():
             self.frozen_queues.setdefault(name, []).extend(waiters)
-        sessions = server.limits.sessions
-        others = []
-        for ev in table.drain_events():
-            if ev.name in taken and ev.kind == EV_WAIT_CANCELLED:
-                server.quotas.waiter_event(ev)
-                conn = sessions.get(ev.session)
-                rid = reply_id(ev.request)
-                if conn is not None and rid is not None:  # counted against its share, never refused
-                    self._keep(Held(conn, rid, None, None, ev.name, slot_of(ev.name),
-                                    now + int(HOLD_S * 1000), conn.principal))
-            else:
-                others.append(ev)
-        server.process_events(others)
+
+        def hold(conn: Any, rid: int, name: str) -> None:  # counted against its share, never refused
+            self._keep(Held(conn, rid, None, None, name, slot_of(name), now + int(HOLD_S * 1000), conn.principal))
+
+        self._answer_taken(taken, hold)
         if self.held and self._hold_timer is None:
             self._hold_timer = asyncio.get_running_loop().call_later(HOLD_S / 4, self._hold_tick)
         if self.frozen_queues:
@@ -657,22 +649,33 @@ class ShardGate:
         """Take out the waiters of ``names`` (slots another group owns now), each acquire answered
         WrongShard naming the owner; logged at WARNING with each name."""
         server = self.server
-        table = server.table
         server.after_batch()
         taken = self._take_waiters(names, now)
         for name, waiters in taken.items():
             log.warning("slot move: %r (slot %d) still had %d waiters when its slot went to shard group %s: "
                         "taken out, redirected", name, slot_of(name), len(waiters),
                         self.shard_map.owner_of_slot(slot_of(name)).name)
+
+        def redirect(conn: Any, rid: int, name: str) -> None:
+            if not getattr(conn, "closed", False):
+                server.handlers.failed(conn, rid, 0, self.wrong_shard(name, slot_of(name)))
+
+        self._answer_taken(taken, redirect)
+
+    def _answer_taken(self, taken: dict, answer: Callable[[Any, int, str], None]) -> None:
+        """Count each waiter of ``taken`` (name -> the waiters taken out of its queue) cancelled by
+        the table as it leaves, and ``answer(conn, request id, name)`` it if its connection is
+        there; every other event of the table goes its usual way."""
+        server = self.server
         sessions = server.limits.sessions
         others = []
-        for ev in table.drain_events():
+        for ev in server.table.drain_events():
             if ev.name in taken and ev.kind == EV_WAIT_CANCELLED:
                 server.quotas.waiter_event(ev)
                 conn = sessions.get(ev.session)
                 rid = reply_id(ev.request)
-                if conn is not None and rid is not None and not getattr(conn, "closed", False):
-                    server.handlers.failed(conn, rid, 0, self.wrong_shard(ev.name, slot_of(ev.name)))
+                if conn is not None and rid is not None:
+                    answer(conn, rid, ev.name)
             else:
                 others.append(ev)
         server.process_events(others)
