@@ -92,4 +92,4 @@ wheel-check: dist
 	$(VENV)/bin/python tests/wheel_check.py dist
 
 clean:
-	rm -rf build dist site $(VENV) fastlock/_core.c fastlock/wal/_syncer.c fastlock/server/_wire.c fastlock/protocol/_wire.c fastlock/*.so fastlock/*/*.so fastlock/*.html fastlock/*/*.html *.egg-info
+	rm -rf build dist site $(VENV) $(patsubst %.pyx,%.c,$(wildcard fastlock/*.pyx fastlock/*/*.pyx)) fastlock/*.so fastlock/*/*.so fastlock/*.html fastlock/*/*.html *.egg-info
