@@ -195,7 +195,8 @@ def test_manual_promotion_new_epoch_holders_keep_their_leases(cluster):
     async def main():
         a = await RawNode.open(p.address)
         try:
-            held = {f"h/{i}": await a.acquire(f"h/{i}", 3000) for i in range(3)}
+            # leases far longer than the two CLI processes below take to start on a loaded machine
+            held = {f"h/{i}": await a.acquire(f"h/{i}", 60_000) for i in range(3)}
             before = max(t for t, _, _ in held.values())
             await caught_up(s.address, p.address)
         finally:
@@ -213,7 +214,7 @@ def test_manual_promotion_new_epoch_holders_keep_their_leases(cluster):
             assert b.hello["role"] == "primary" and b.hello["epoch"] == 1
             # the holders extend on the new primary with the lease they have
             for name, (token, _, owner) in held.items():
-                assert await b.extend(name, token, owner, 3000) == 3000
+                assert await b.extend(name, token, owner, 60_000) == 60_000
                 assert (await b.holder(name))["token"] == token
             # a free lock is not granted during the grace period
             with pytest.raises(LockNotAcquired, match=r"during the promotion grace period \(leases the old primary"):
