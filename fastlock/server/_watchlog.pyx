@@ -7,13 +7,14 @@
 (:meth:`HistoryWire.publish`) on the structures ``WatchLog`` reads to resume a
 watch (``changes``, ``by_name``, ``pending``, ``floor``, ``published``).
 
-:class:`RevisionsWire` is the compiled base of
-:class:`fastlock.server.watchlog.Revisions`: the revision of a change just logged
-(:meth:`RevisionsWire.logged`: the table's epoch and the log's last LSN, read from
-the :class:`~fastlock.wal.commit.GroupCommit` with no Python call) and the batch
-end's publication of the committed changes (:meth:`RevisionsWire.batch_end`), with
-the checks and the order of :class:`fastlock.server.watchlog.CommittedPublisher`.
-A change nobody watches is only marked published.
+:class:`CommittedWire` is the compiled base of
+:class:`fastlock.server.watchlog.CommittedPublisher`, which the lock watches' and the
+key watches' histories share: the batch end's publication of the committed changes
+(:meth:`CommittedWire.batch_end`).  A change nobody watches is only marked published.
+:class:`RevisionsWire`, the compiled base of :class:`fastlock.server.watchlog.Revisions`,
+adds the revision of a change just logged (:meth:`RevisionsWire.logged`: the table's
+epoch and the log's last LSN, read from the :class:`~fastlock.wal.commit.GroupCommit`
+with no Python call) and the lock watchers it publishes to.
 """
 
 from collections import deque
@@ -79,38 +80,45 @@ cdef class HistoryWire:
         return out
 
 
-cdef class RevisionsWire:
-    """What :class:`fastlock.server.watchlog.Revisions` runs per change and per batch end.
+cdef class CommittedWire:
+    """The compiled base of :class:`fastlock.server.watchlog.CommittedPublisher`: a
+    change history's batch end, which publishes the changes recorded in the batch once
+    their records are committed -- durable on this node and, under synchronous
+    replication, acknowledged by the standby -- and nothing a refused acknowledgement
+    or a node that may no longer write (deposed, fenced) covers.
 
     ``server``: the :class:`~fastlock.server.lockserver.LockServer`; ``log``: the
-    :class:`~fastlock.server.watchlog.WatchLog`; ``registry``: the lock watchers
-    (:class:`~fastlock.server.watches.WatchRegistry`); ``commit``: the log's
-    :class:`~fastlock.wal.commit.GroupCommit` (``next_lsn``, ``marks.ack``);
-    ``scheduled``: the revision up to which a publication is already scheduled.
+    history (its ``pending`` changes, ``publish(upto)``); ``revision_at``: the index of
+    the revision in a pending change; ``commit``: the log's
+    :class:`~fastlock.wal.commit.GroupCommit` (``marks.ack``, ``when_durable``);
+    ``scheduled``: the revision up to which a publication is already scheduled.  A
+    subclass gives :meth:`listening` and :meth:`deliver`.
     """
 
     cdef public object server
-    cdef public HistoryWire log
-    cdef public object registry
+    cdef public object log
+    cdef public Py_ssize_t revision_at
     cdef public object commit
     cdef public object scheduled
 
-    cpdef logged(self, object name, object what, object token, object meta):
-        """A holder change whose record was just logged (the last one logged)."""
-        self.log.record(self.server.table.epoch << _SHIFT | (self.commit.next_lsn - 1), name, what, token, meta)
+    cpdef bint listening(self):
+        """Does anyone watch now (False: a publication only marks its changes published)?"""
+        return True
+
+    cpdef bint deliver(self, list changes):
+        """Hand published ``changes`` (in order) to their watchers; True if a push was queued."""
+        raise NotImplementedError
 
     def batch_end(self):
-        """At each batch end: publish the changes recorded in it once committed
-        (:meth:`fastlock.server.watchlog.CommittedPublisher.batch_end`)."""
+        """At each batch end: publish the changes recorded in it once committed."""
         pending = self.log.pending
         if not pending:  # nothing recorded and unpublished
             return
-        upto = pending[len(pending) - 1][0]  # the last change recorded and not yet published
+        upto = pending[len(pending) - 1][self.revision_at]  # the last change recorded and not yet published
         if upto <= self.scheduled:
             return
         self.scheduled = upto
-        server = self.server
-        sync = server.source.sync
+        sync = self.server.source.sync
         # (self.commit.when_durable: WriteAheadLog.when_durable's own call)
         if sync.enabled:
             self.commit.when_durable(sync.after(lambda refused=None: self._publish(upto, refused)))
@@ -124,6 +132,27 @@ cdef class RevisionsWire:
     cpdef _publish(self, object upto, object refused=None, bint flush=True):
         changes = self.log.publish(upto)
         # nobody watching: the changes are only marked published
-        if changes and refused is None and self.registry.by_name and self.server.roles.may(_RELEASE):
-            if self.registry.publish(changes) and flush:
+        if changes and refused is None and self.listening() and self.server.roles.may(_RELEASE):
+            if self.deliver(changes) and flush:
                 self.server.after_batch()  # the pushes go out
+
+
+cdef class RevisionsWire(CommittedWire):
+    """What :class:`fastlock.server.watchlog.Revisions` runs per change and per batch end:
+    :meth:`logged` and :class:`CommittedWire`'s batch end, publishing to the lock
+    watchers (``registry``, the :class:`~fastlock.server.watches.WatchRegistry`).
+    ``log`` is the :class:`~fastlock.server.watchlog.WatchLog` (a :class:`HistoryWire`).
+    """
+
+    cdef public object registry
+
+    cpdef logged(self, object name, object what, object token, object meta):
+        """A holder change whose record was just logged (the last one logged)."""
+        (<HistoryWire>self.log).record(self.server.table.epoch << _SHIFT | (self.commit.next_lsn - 1),
+                                       name, what, token, meta)
+
+    cpdef bint listening(self):
+        return bool(self.registry.by_name)
+
+    cpdef bint deliver(self, list changes):
+        return bool(self.registry.publish(changes))

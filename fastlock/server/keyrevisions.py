@@ -239,11 +239,10 @@ class KeyRevisions(CommittedPublisher):
     notices (``--watch-progress-interval``; 0: none).
     """
 
-    revision_at = 1  # a kept key change: (position, revision, index, key, what, value)
-
     def __init__(self, server: Any, history: int = DEFAULT_HISTORY, max_bytes: int = 1 << 62,
                  progress_interval: float = 10.0) -> None:
-        super().__init__(server, progress_interval, PUSH_KEY_PROGRESS)
+        # a kept key change: (position, revision, index, key, what, value)
+        super().__init__(server, 1, progress_interval, PUSH_KEY_PROGRESS)
         self.log = KeyChangeLog(history, max_bytes, server.revisions.log.lineage)
 
     def current(self) -> int:

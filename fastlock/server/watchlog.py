@@ -36,9 +36,9 @@ from typing import Any, NamedTuple
 from ..errors import Compacted, FastlockError, LimitExceeded, WatchDiverged
 from ..protocol.framing import encode_error, encode_push
 from ..protocol.ops import PUSH_WATCH_PROGRESS
-from ..roles import Action, Role
-from ..tokens import COUNTER_MASK, TOKEN_EPOCH_SHIFT, counter_of, epoch_of
-from ._watchlog import HistoryWire, RevisionsWire
+from ..roles import Role
+from ..tokens import TOKEN_EPOCH_SHIFT, counter_of, epoch_of
+from ._watchlog import CommittedWire, HistoryWire, RevisionsWire
 
 __all__ = ["CommittedPublisher", "DEFAULT_HISTORY", "DEFAULT_PROGRESS_INTERVAL", "REPLAY_PAGE", "REPLAY_PAGE_BYTES",
            "ReplayPager", "Revisions", "WatchChange", "WatchLog", "check_lineage", "revision", "shown_revision"]
@@ -210,7 +210,7 @@ class WatchLog(HistoryWire):
                 "pending": len(self.pending)}
 
 
-class CommittedPublisher:
+class CommittedPublisher(CommittedWire):
     """Publishes a change history's committed changes and sends its progress notices:
     what the lock watches' :class:`Revisions` and the key watches'
     :class:`~fastlock.server.keyrevisions.KeyRevisions` share.
@@ -219,22 +219,23 @@ class CommittedPublisher:
     (``wal.when_durable``) and, under synchronous replication, acknowledged by the
     standby (``source.sync.after``); a refused acknowledgement, or a node that may no
     longer write (deposed, fenced), publishes nothing - a promoted standby may take
-    those changes back.  A subclass names its history (``log``: ``pending``,
-    ``publish(upto)``, ``progress(current)``), where a pending change keeps its
-    revision (``revision_at``: its index in the change's tuple), who hears of the
-    published ones, and the connections a progress notice goes to.
+    those changes back.  That batch end is compiled, on
+    :class:`~fastlock.server._watchlog.CommittedWire`.  A subclass names its history
+    (``log``: ``pending``, ``publish(upto)``, ``progress(current)``), where a pending
+    change keeps its revision (``revision_at``: its index in the change's tuple), who
+    hears of the published ones (``deliver``, ``listening``), and the connections a
+    progress notice goes to (``watching``).
 
     ``server``: the :class:`~fastlock.server.lockserver.LockServer`;
+    ``revision_at``: the index of the revision in a change the history keeps;
     ``progress_interval``: seconds between progress notices (0: none);
     ``progress_kind``: the push kind of a progress notice.
     """
 
-    log: Any
-    #: the index of the revision in a change the history keeps
-    revision_at: int
-
-    def __init__(self, server: Any, progress_interval: float, progress_kind: str) -> None:
+    def __init__(self, server: Any, revision_at: int, progress_interval: float, progress_kind: str) -> None:
         self.server = server
+        self.revision_at = revision_at
+        self.commit = server.wal.group_commit  # its ack mark and when_durable, read per batch end
         self.progress_interval = progress_interval
         self.progress_kind = progress_kind
         #: the revision up to which a publication is already scheduled
@@ -245,47 +246,13 @@ class CommittedPublisher:
         """This node's revision now."""
         raise NotImplementedError
 
-    def deliver(self, changes: list) -> bool:
-        """Hand published ``changes`` (in order) to their watchers; True if a push was queued."""
-        raise NotImplementedError
-
     def watching(self) -> Any:
         """The session ids of the connections that receive progress notices."""
         raise NotImplementedError
 
-    def listening(self) -> bool:
-        """Does anyone watch now (False: a publication only marks its changes published)?"""
-        return True
-
     def progress(self) -> int:
         """The revision up to which every change is published (a progress notice's)."""
         return int(self.log.progress(self.current()))
-
-    def batch_end(self) -> None:
-        """At each batch end: publish the changes recorded in it once committed."""
-        pending = self.log.pending
-        if not pending:  # nothing recorded and unpublished
-            return
-        upto = pending[-1][self.revision_at]  # the last change recorded and not yet published
-        if upto <= self.scheduled:
-            return
-        self.scheduled = upto
-        server = self.server
-        sync = server.source.sync
-        if sync.enabled:
-            server.wal.when_durable(sync.after(lambda refused=None: self._publish(upto, refused)))
-        elif upto & COUNTER_MASK <= server.wal.acked_lsn:
-            # already durable (a relaxed fsync mode wrote this batch at once): published in this
-            # batch end, whose flush sends the pushes
-            self._publish(upto, None, False)
-        else:
-            server.wal.when_durable(lambda: self._publish(upto))
-
-    def _publish(self, upto: int, refused: Any = None, flush: bool = True) -> None:
-        changes = self.log.publish(upto)
-        if changes and refused is None and self.listening() and self.server.roles.may(Action.RELEASE):
-            if self.deliver(changes) and flush:
-                self.server.after_batch()  # the pushes go out
 
     def start_progress(self, loop: Any) -> None:
         """Send a progress notice every ``progress_interval`` seconds to every connection
@@ -319,22 +286,19 @@ class Revisions(RevisionsWire, CommittedPublisher):
     and sends progress notices.  What runs per change and per batch end is compiled, on
     :class:`~fastlock.server._watchlog.RevisionsWire`: ``logged(name, what, token, meta)``
     records a holder change whose record was just logged (the last one logged), and
-    ``batch_end()`` publishes the committed ones as :meth:`CommittedPublisher.batch_end`
-    does.
+    ``batch_end()`` publishes the committed ones to the lock watchers.
 
     ``server`` is the :class:`~fastlock.server.lockserver.LockServer`; ``history``:
     changes kept (``--watch-history``); ``progress_interval``: seconds between
     progress notices (``--watch-progress-interval``; 0: none).
     """
 
-    revision_at = 0  # a Kept change: (revision, name, what, token, meta)
-
     def __init__(self, server: Any, registry: Any, history: int = DEFAULT_HISTORY,
                  progress_interval: float = DEFAULT_PROGRESS_INTERVAL) -> None:
-        super().__init__(server, progress_interval, PUSH_WATCH_PROGRESS)
+        # a Kept change: (revision, name, what, token, meta)
+        super().__init__(server, 0, progress_interval, PUSH_WATCH_PROGRESS)
         self.registry = registry
         self.log = WatchLog(history)
-        self.commit = server.wal.group_commit  # its next_lsn and ack mark, read per change and batch end
 
     # -- the revision now ----------------------------------------------------------------
     def current(self) -> int:
@@ -355,12 +319,6 @@ class Revisions(RevisionsWire, CommittedPublisher):
     def started(self) -> None:
         """The node started: its history begins at its revision now."""
         self.log.start(self.current())
-
-    def deliver(self, changes: list) -> bool:
-        return bool(self.registry.publish(changes))
-
-    def listening(self) -> bool:
-        return bool(self.registry.by_name)
 
     def watching(self) -> Any:
         return self.registry.revisioned
