@@ -175,7 +175,7 @@ def test_keyspace_snapshot_round_trip():
 
 def test_standby_keeps_keys_and_a_promoted_standby_serves_them(cluster):
     """Keys reach a late standby in its snapshot and a following one in the stream; after
-    promotion they are there, and a key whose lease then expires goes with it."""
+    promotion they are there, and a key whose lease then ends goes with it."""
     import json
 
     from test_replication import caught_up, cli
@@ -186,7 +186,8 @@ def test_standby_keeps_keys_and_a_promoted_standby_serves_them(cluster):
 
     async def main():
         async with fastlock.connect(p.address) as c:
-            # long enough to outlive the standby's start, catch-up and promotion on a loaded machine
+            # the client renews its lease (its session's keep-alives, replicated as EXTEND records)
+            # until it closes, however long the standby's start and the promotion take
             short = await c.acquire("sess/short", ttl=6.0)
             await c.put("svc/early", b"e")  # before the standby: in its snapshot
             s = await asyncio.to_thread(cluster.standby, p.address, grace=0.1)
@@ -195,15 +196,18 @@ def test_standby_keeps_keys_and_a_promoted_standby_serves_them(cluster):
             await c.put("svc/gone", b"g")
             await c.delete("svc/gone")
             await caught_up(s.address, p.address)
-        res = await asyncio.to_thread(cli, "promote", "--server", s.address)
-        assert res.returncode == 0, res.stderr
-        assert json.loads(res.stdout)["epoch"] == 1
-        await poll(lambda: status_of(s.address), lambda st: st["role"] == "primary", timeout=5, what="promotion")
+            res = await asyncio.to_thread(cli, "promote", "--server", s.address)
+            assert res.returncode == 0, res.stderr
+            assert json.loads(res.stdout)["epoch"] == 1
+            await poll(lambda: status_of(s.address), lambda st: st["role"] == "primary", timeout=5,
+                       what="promotion")
+            async with fastlock.connect(s.address) as c2:
+                assert [kv.key for kv in await c2.list_prefix("svc/")] == ["svc/early", "svc/late"]
+                assert (await c2.get("svc/late")).lease == "sess/short"
+        # the client is gone: its lease ends (released or expired) and takes its key along
         async with fastlock.connect(s.address) as c2:
-            assert [kv.key for kv in await c2.list_prefix("svc/")] == ["svc/early", "svc/late"]
-            assert (await c2.get("svc/late")).lease == "sess/short"
             await poll(lambda: c2.get("svc/late"), lambda kv: kv is None, timeout=20,
-                       what="the key of the expired lease to go")
+                       what="the key of the ended lease to go")
             assert (await c2.get("svc/early")).value == b"e"
 
     run(main())
