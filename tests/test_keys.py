@@ -188,7 +188,7 @@ def test_standby_keeps_keys_and_a_promoted_standby_serves_them(cluster):
         async with fastlock.connect(p.address) as c:
             # the client renews its lease (its session's keep-alives, replicated as EXTEND records)
             # until it closes, however long the standby's start and the promotion take
-            short = await c.acquire("sess/short", ttl=6.0)
+            short = await c.lock("sess/short", ttl=6.0)  # a renewed lease
             await c.put("svc/early", b"e")  # before the standby: in its snapshot
             s = await asyncio.to_thread(cluster.standby, p.address, grace=0.1)
             await asyncio.to_thread(s.wait_for_log, r"applied snapshot", 5)
