@@ -294,6 +294,33 @@ def test_parked_reservations_enter_the_queue_oldest_first_and_the_younger_is_not
         assert not [p for p in pushes if p[1] == PUSH_WOUNDED]
 
 
+def test_a_parked_reservations_grant_counts_its_time_parked_in_the_wait_it_reports(server):
+    """A reservation parked behind an older waiter reports, with its grant, the time from its
+    RESERVE's arrival (parked, then queued), from which the client dates its leases' expiry
+    and the time its part waited in the shard."""
+    with peers(server.address, 3) as (old, young, look):
+        plain_owner, old_owner = os.urandom(16), os.urandom(16)
+        assert look.call(P.OP_ACQUIRE, "a/1", plain_owner, TTL_MS, 0, 0, None)[1] == 0
+        stamp = now_ms()
+        rid_old = reserve(old, ["a/1", "a/2"], stamp - 5_000, b"old", wait_ms=30_000, owner=old_owner)
+        assert len(contenders(look, "a/2")["waiters"]) == 1
+        sent = time.monotonic()
+        rid_young = reserve(young, ["a/2"], stamp, b"young", wait_ms=30_000)
+        assert young.call(P.OP_PING)[1] == 0
+        assert len(contenders(look, "a/2")["waiters"]) == 1  # parked: the older one waits alone
+        time.sleep(0.3)  # the time it stays parked, which its grant must report
+        assert look.call(P.OP_RELEASE, "a/1", holder_token(look, "a/1"), plain_owner)[1] == 0
+        old_reply = reply_to(old, rid_old)
+        assert old_reply[1] == 0
+        assert old.call(OP_COMMIT_RESERVATION, b"old")[1] == 0
+        assert old.call(P.OP_RELEASE, "a/2", old_reply[2][0][1], old_owner)[1] == 0
+        young_reply = reply_to(young, rid_young)
+        elapsed_ms = (time.monotonic() - sent) * 1000
+        assert young_reply[1] == 0, young_reply
+        waited_ms = young_reply[2][2]
+        assert 300 <= waited_ms <= elapsed_ms, (waited_ms, elapsed_ms)
+
+
 def test_stamps_and_arguments_out_of_bounds_are_refused_and_change_nothing(server):
     with peers(server.address, 2) as (peer, look):
         now = now_ms()

@@ -202,8 +202,9 @@ class PartTiming(NamedTuple):
     Attributes:
         sent (float): the loop time (seconds, ``loop.time()``) the part's last ``RESERVE`` was sent.
         granted (float): the loop time (seconds) its grant was read.
-        waited_ms (int): how long the request waited in the shard's queues, milliseconds, as the
-            shard reported it (time parked behind an older multi-lock and on the wire are not in it).
+        waited_ms (int): how long the request waited in the shard, milliseconds, as the shard
+            reported it: parked behind an older multi-lock, then in the names' queues (the time on
+            the wire and in this client's loop is not in it).
         reserves (int): how many ``RESERVE`` requests the part took (1: never wounded there).
     """
 

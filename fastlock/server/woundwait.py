@@ -141,13 +141,15 @@ class Reservation:
     """One multi-lock's part on this shard: its ``rank``, the core request's ``owner``
     (hash), the connection (``session``, ``principal``), its ``names``, its request
     (``req_id``, ``ttl_ms``, ``wait_until_ms`` on the monotonic clock or None, ``corr``),
-    ``state`` (:data:`PARKED`, :data:`WAITING`, :data:`HELD`), ``tokens`` once held."""
+    ``state`` (:data:`PARKED`, :data:`WAITING`, :data:`HELD`), ``tokens`` once held,
+    ``received_ms`` (monotonic clock, when its RESERVE arrived) and ``parked_ms`` (how long it
+    waited parked before it entered the queues, milliseconds)."""
 
     __slots__ = ("rank", "owner", "session", "principal", "names", "req_id", "ttl_ms", "wait_until_ms", "corr",
-                 "state", "tokens", "wounded", "request", "timer")
+                 "state", "tokens", "wounded", "request", "timer", "received_ms", "parked_ms")
 
     def __init__(self, rank: Rank, owner: bytes, session: int, principal: str, names: tuple[str, ...], req_id: int,
-                 ttl_ms: int, wait_until_ms: int | None, corr: str | None):
+                 ttl_ms: int, wait_until_ms: int | None, corr: str | None, received_ms: int = 0):
         self.rank = rank
         self.owner = owner
         self.session = session
@@ -162,11 +164,15 @@ class Reservation:
         self.wounded = False
         self.request: ReserveRequest | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.received_ms = received_ms
+        self.parked_ms = 0
 
 
 class ReserveRequest(ManyRequest):
     """The core request of a reservation: an ACQUIRE_MANY's, which also tells the
-    :class:`WoundWait` table when the set is granted or stops waiting."""
+    :class:`WoundWait` table when the set is granted or stops waiting.  Its reply's waited
+    milliseconds count the time the reservation was parked too (from its RESERVE's arrival
+    to the grant), from which the client dates each lease's expiry."""
 
     __slots__ = ("reservation", "wound_wait")
 
@@ -176,7 +182,7 @@ class ReserveRequest(ManyRequest):
         self.wound_wait = wound_wait
 
     def granted(self, token: int, ttl_ms: int, waited_ms: int) -> bytes | None:
-        reply = super().granted(token, ttl_ms, waited_ms)
+        reply = super().granted(token, ttl_ms, waited_ms + self.reservation.parked_ms)
         if reply is not None:
             self.wound_wait.granted(self.reservation, list(self.tokens))
         return reply
@@ -296,7 +302,7 @@ class WoundWait:
         if owner in self.by_owner:
             raise InvalidArgument("this owner key holds or awaits another reservation")
         r = Reservation(Rank(stamp, multi_id), owner, conn.session, principal, names, req_id, ttl_ms,
-                        None if wait_ms < 0 else now + wait_ms, corr)
+                        None if wait_ms < 0 else now + wait_ms, corr, now)
         self._wound_younger(r, now)
         if self._older_waiter(r, now) is not None and wait_ms != 0:
             if len(self.parked) >= MAX_PARKED:
@@ -575,6 +581,7 @@ class WoundWait:
             if self._older_waiter(r, now) is not None:
                 continue
             self._unpark(r)
+            r.parked_ms = max(0, now - r.received_ms)
             self.per_principal[r.principal] = max(0, self.per_principal.get(r.principal, 1) - 1)
             conn = sessions.get(r.session)
             if conn is None or conn.closed:
