@@ -318,7 +318,7 @@ def test_a_parked_reservations_grant_counts_its_time_parked_in_the_wait_it_repor
         elapsed_ms = (time.monotonic() - sent) * 1000
         assert young_reply[1] == 0, young_reply
         waited_ms = young_reply[2][2]
-        assert 300 <= waited_ms <= elapsed_ms, (waited_ms, elapsed_ms)
+        assert 300 <= waited_ms <= elapsed_ms + 1, (waited_ms, elapsed_ms)  # + 1: the server counts whole ms
 
 
 def test_stamps_and_arguments_out_of_bounds_are_refused_and_change_nothing(server):
