@@ -475,8 +475,8 @@ async def overlap(addresses: list[str], count: int, workers: int, names: int, ma
             f"of the slowest {len(tail)} {sum(len(d.parts) == k for d in tail)}"
             for k, w in sorted(by_shards.items())))
     for d in done[-show_slowest:] if show_slowest else ():
-        parts = "; ".join(f"sent +{sent * 1e3:.0f} granted +{granted * 1e3:.0f} queued {queued * 1e3:.0f} ms x{reserves}"
-                          for sent, granted, queued, reserves in d.parts)
+        parts = "; ".join(f"sent +{sent * 1e3:.0f} granted +{granted * 1e3:.0f} in the shard {queued * 1e3:.0f} ms "
+                          f"x{reserves}" for sent, granted, queued, reserves in d.parts)
         print(f"   slow: {d.wait * 1e3:.0f} ms, {d.names} names, {d.attempts} attempts, to commit "
               f"{d.to_commit * 1e3:.1f} ms, commit {d.commit * 1e3:.1f} ms, loop lag {d.stall * 1e3:.0f} ms, "
               f"gc {d.gc * 1e3:.0f} ms; parts: {parts or '-'}")
