@@ -530,8 +530,11 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
                 # held: until every part is, a wound of this one is answered at once
                 holding.add(k)
                 if len(holding) == len(shards):
-                    commits = _write_commits(parts_now, multi_id)
-                    commit_sent = loop.time()
+                    if not any(part_wounds[i].is_set() for i in holding):
+                        # none wounded since its grant (a wound read but not yet acted on is taken again
+                        # alone by the caller's next round, not by a failed commit and a restart)
+                        commits = _write_commits(parts_now, multi_id)
+                        commit_sent = loop.time()
                     all_held.set()
                 either: asyncio.Future[None] = loop.create_future()  # done by a wound of the part, or all held
                 w.add(either)
