@@ -3,7 +3,7 @@ and many overlapping multi-locks under wound-wait.
 
     python -m benches.crossshard [--sets 2000] [--count 100000] [--clients 48] [--names 300]
                                  [--max-seconds 900] [--fsync never] [--in-order] [--reference]
-                                 [--processes 1]
+                                 [--processes 1] [--show-slowest 0]
     python -m benches.crossshard --quick      # --sets 500 --count 5000
 
 Starts three lone ``fastlock serve`` processes as the shards (free ports, throwaway data
@@ -34,10 +34,14 @@ dirs, stopped afterwards) and, from one client process (uvloop when installed):
    (target 0).  The client process's CPU time per multi-lock is printed too (microseconds).
 
    **What a wait is made of**: for the slowest thousandth and for the middle tenth, the mean
-   of: the wait; the longest time one part queued in a shard (the shard's figure); the longest
-   send-to-grant of a part beyond that (parked, wire, client loop); first to last part
-   granted; the time before the last try (wounds); the commit; how late the client's event
-   loop ran inside the wait (a 5 ms timer's lateness) and its GC pauses (``gc.callbacks``).
+   of: the wait; the longest time one part waited in a shard (parked behind an older
+   multi-lock, then queued: the shard's figure); the longest send-to-grant of a part beyond
+   that (the wire, the client's loop); first to last part granted; the time before the last
+   try (wounds); from the last grant to the commits sent; the commit; how late the client's
+   event loop ran inside the wait (a 5 ms timer's lateness) and its GC pauses
+   (``gc.callbacks``); the waits by how many shards a multi-lock spans; and with
+   ``--show-slowest N`` the N slowest one by one (each part's send, grant, wait in the shard
+   and reserves, seconds from the multi-lock's start).
 """
 
 from __future__ import annotations
@@ -128,14 +132,19 @@ class Done(NamedTuple):
 
     wait: float           # acquire's duration, as the worker saw it
     attempts: int         # tries, counting a part reserved again after a wound (1: never wounded)
-    queued: float         # the longest time one of its parts waited in a shard's queues (the shard's figure)
-    parked_wire: float    # the longest send-to-grant of a part less its queue wait: parked behind an older
-                          # multi-lock, on the wire, and in the client's loop before the reply was read
+    queued: float         # the longest time one of its parts waited in a shard, parked behind an older multi-lock
+                          # and in the names' queues (the shard's figure)
+    wire: float           # the longest send-to-grant of a part less its wait in the shard: on the wire, and in
+                          # the client's loop before the request was written and the reply was read
     spread: float         # from its first part granted to its last (a part held while another waits)
     retries: float        # from the start to the first RESERVE of its last try (wounds, earlier tries)
     commit: float         # the commit round trip
     stall: float          # the client's event-loop lag (late timers) inside its wait
     gc: float             # the client's GC pauses inside its wait
+    names: int            # how many names it took
+    to_commit: float      # from its last part granted to its commits sent (the client's own delay)
+    parts: tuple          # per shard: (sent, granted, queued, reserves), seconds from its start (queued: the shard's
+                          # figure); () for the one-shard reference
 
 
 class LoopWatch:
@@ -151,14 +160,20 @@ class LoopWatch:
         self.gc_sum: list[float] = [0.0]
         self._gc_start = 0.0
         self._stop = False
+        #: per generation: collections, and the longest pause (seconds)
+        self.gc_count = [0, 0, 0]
+        self.gc_longest = [0.0, 0.0, 0.0]
 
-    def _on_gc(self, phase: str, _info: dict) -> None:
+    def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._gc_start = time.monotonic()
         else:
             now = time.monotonic()
             self.gc_end.append(now)
             self.gc_sum.append(self.gc_sum[-1] + now - self._gc_start)
+            generation = info.get("generation", 0)
+            self.gc_count[generation] += 1
+            self.gc_longest[generation] = max(self.gc_longest[generation], now - self._gc_start)
 
     async def run(self) -> None:
         gc.callbacks.append(self._on_gc)
@@ -198,6 +213,8 @@ class ProcessResult(NamedTuple):
     stall: float   # the client loop's total lag, seconds
     gc: float      # the client's total GC pauses, seconds
     cpu: float     # the client process's CPU time over its workers' run, seconds (user + system)
+    gc_count: tuple    # the client's collections per generation
+    gc_longest: tuple  # the client's longest collection per generation, seconds
 
 
 #: seconds a lease of a multi-lock must have been held before the leak watch looks at it
@@ -332,7 +349,8 @@ async def overlap_one_process(addresses: list[str], count: int, workers: int, na
                 continue
             t1, l1 = time.monotonic(), loop.time()
             if one_shard:
-                done.append((t1 - t0, 1, 0.0, 0.0, 0.0, 0.0, 0.0, watch.stall(t0, t1), watch.gc_time(t0, t1)))
+                done.append((t1 - t0, 1, 0.0, 0.0, 0.0, 0.0, 0.0, watch.stall(t0, t1), watch.gc_time(t0, t1),
+                             len(chosen), 0.0, ()))
                 how = "released"
                 try:
                     await router.clients[0].release_many(held)
@@ -349,7 +367,10 @@ async def overlap_one_process(addresses: list[str], count: int, workers: int, na
                     max(p.granted for p in ts) - min(p.granted for p in ts),
                     max(0.0, min(p.sent for p in ts) - l0),
                     max(0.0, l1 - multi.commit_sent),
-                    watch.stall(t0, t1), watch.gc_time(t0, t1)))
+                    watch.stall(t0, t1), watch.gc_time(t0, t1), len(chosen),
+                    max(0.0, multi.commit_sent - max(p.granted for p in ts)),
+                    tuple((round(p.sent - l0, 4), round(p.granted - l0, 4), p.waited_ms / 1e3, p.reserves)
+                          for p in ts)))
                 how = "released"
                 try:
                     await release_across(multi)
@@ -361,6 +382,10 @@ async def overlap_one_process(addresses: list[str], count: int, workers: int, na
                           f"{', '.join(f'{(l1 - p.granted) * 1e3:.0f}' for p in multi.timings)} ms before the end")
                 leaks.end(corr, how, l0, l1, multi.attempts, ts, multi.fencing_tokens)
 
+    # what the process holds before its workers start (modules, connections) leaves the collector's
+    # view: a full collection then scans only what the run made, not every object of the process
+    gc.collect()
+    gc.freeze()
     watcher = asyncio.ensure_future(watch.run())
     leak_watcher = asyncio.ensure_future(leaks.run())
     t0, cpu0 = time.monotonic(), time.process_time()
@@ -378,7 +403,8 @@ async def overlap_one_process(addresses: list[str], count: int, workers: int, na
         for router in routers:
             for c in router.clients:
                 await c.close()
-    return ProcessResult(done, stuck, lost, leaks.leaked, elapsed, watch.lag_sum[-1], watch.gc_sum[-1], cpu)
+    return ProcessResult(done, stuck, lost, leaks.leaked, elapsed, watch.lag_sum[-1], watch.gc_sum[-1], cpu,
+                         tuple(watch.gc_count), tuple(watch.gc_longest))
 
 
 def _overlap_in_child(addresses: list[str], count: int, workers: int, names: int, max_seconds: float,
@@ -392,10 +418,12 @@ def _split(total: int, parts: int) -> list[int]:
 
 
 async def overlap(addresses: list[str], count: int, workers: int, names: int, max_seconds: float,
-                  in_order: bool, one_shard: bool = False, processes: int = 1, use_uvloop: bool = True) -> None:
+                  in_order: bool, one_shard: bool = False, processes: int = 1, use_uvloop: bool = True,
+                  show_slowest: int = 0) -> None:
     """The overlap part (see the module); ``one_shard``: the same workload as ``acquire_many``
     on the first server alone, for reference; ``processes`` > 1: the workers split over that
-    many client processes (each its own event loop and connections)."""
+    many client processes (each its own event loop and connections); ``show_slowest``: print that many of
+    the slowest multi-locks one by one (each part's send, grant and queue time)."""
     t0 = time.monotonic()
     if processes <= 1:
         results = [await overlap_one_process(addresses, count, workers, names, max_seconds, in_order, one_shard, 0)]
@@ -427,19 +455,35 @@ async def overlap(addresses: list[str], count: int, workers: int, names: int, ma
     print(f"   client loop lag {sum(r.stall for r in results):.1f} s and GC {sum(r.gc for r in results):.2f} s "
           f"over the run (per process: {', '.join(f'{r.stall:.1f}/{r.gc:.2f}' for r in results)}); client CPU "
           f"{sum(r.cpu for r in results) / len(waits) * 1e6:.0f} us per multi-lock")
+    print("   client collections per generation (the longest, ms): " + "; ".join(
+        ", ".join(f"{n:,} ({longest * 1e3:.0f})" for n, longest in zip(r.gc_count, r.gc_longest)) for r in results))
     # where the tail comes from: each component's mean, for the slowest thousandth against the middle
     tail = done[-max(1, len(done) // 1000):]
     middle = done[len(done) * 45 // 100: len(done) * 55 // 100] or done
-    fields = ("wait", "queued", "parked_wire", "spread", "retries", "commit", "stall", "gc")
+    fields = ("wait", "queued", "wire", "spread", "retries", "to_commit", "commit", "stall", "gc")
     print(f"   mean ms of {', '.join(fields)}; attempts:")
     for label, rows in ((f"the slowest {len(tail)}", tail), ("p45-p55", middle)):
         means = [statistics.mean(getattr(d, f) for d in rows) * 1e3 for f in fields]
         print(f"     {label:>16}: {' '.join(f'{m:8.1f}' for m in means)}; "
               f"{statistics.mean(d.attempts for d in rows):.2f} (max {max(d.attempts for d in rows)})")
+    if not one_shard:
+        by_shards = collections.defaultdict(list)
+        for d in done:
+            by_shards[len(d.parts)].append(d.wait)
+        print("   by shards spanned: " + "; ".join(
+            f"{k}: {len(w):,} ({len(w) / len(done):.0%}), p50 {statistics.median(w) * 1e3:.1f} ms, "
+            f"of the slowest {len(tail)} {sum(len(d.parts) == k for d in tail)}"
+            for k, w in sorted(by_shards.items())))
+    for d in done[-show_slowest:] if show_slowest else ():
+        parts = "; ".join(f"sent +{sent * 1e3:.0f} granted +{granted * 1e3:.0f} in the shard {queued * 1e3:.0f} ms "
+                          f"x{reserves}" for sent, granted, queued, reserves in d.parts)
+        print(f"   slow: {d.wait * 1e3:.0f} ms, {d.names} names, {d.attempts} attempts, to commit "
+              f"{d.to_commit * 1e3:.1f} ms, commit {d.commit * 1e3:.1f} ms, loop lag {d.stall * 1e3:.0f} ms, "
+              f"gc {d.gc * 1e3:.0f} ms; parts: {parts or '-'}")
     net = sorted(max(0.0, d.wait - d.stall) for d in done)
     print(f"   wait less the client's loop lag inside it: max/median {net[-1] / statistics.median(net):.1f}x; "
-          f"the slowest: wait {done[-1].wait * 1e3:.0f} ms = queued {done[-1].queued * 1e3:.0f} + parked/wire "
-          f"{done[-1].parked_wire * 1e3:.0f} + retries {done[-1].retries * 1e3:.0f} + commit "
+          f"the slowest: wait {done[-1].wait * 1e3:.0f} ms = queued {done[-1].queued * 1e3:.0f} + wire "
+          f"{done[-1].wire * 1e3:.0f} + retries {done[-1].retries * 1e3:.0f} + commit "
           f"{done[-1].commit * 1e3:.0f} ms (parts overlap), loop lag {done[-1].stall * 1e3:.0f} ms, "
           f"attempts {done[-1].attempts}")
 
@@ -453,7 +497,7 @@ async def main_async(args: argparse.Namespace) -> None:
             await latency(addresses, args.sets, args.in_order)
             uv = not args.no_uvloop
             await overlap(addresses, args.count, args.clients, args.names, args.max_seconds, args.in_order,
-                          False, args.processes, uv)
+                          False, args.processes, uv, args.show_slowest)
             if args.reference:
                 await overlap(addresses, args.count, args.clients, args.names, args.max_seconds, False, True,
                               args.processes, uv)
@@ -476,6 +520,8 @@ def main() -> None:
                     help="also run the overlap workload as acquire_many on one server (the single-shard reference)")
     ap.add_argument("--processes", type=int, default=1,
                     help="client processes the overlap part's workers are split over (default 1, at most 16)")
+    ap.add_argument("--show-slowest", type=int, default=0, metavar="N",
+                    help="print the N slowest multi-locks of the overlap part one by one (default 0)")
     ap.add_argument("--quick", action="store_true", help="--sets 500 --count 5000")
     ap.add_argument("--no-uvloop", action="store_true")
     args = ap.parse_args()

@@ -125,6 +125,32 @@ async def test_malformed_reply_closes_only_that_connection(loop_errors):
         await srv.wait_closed()
 
 
+async def test_a_batch_goes_out_in_order_behind_the_frames_kept_for_the_turn(server, loop_errors):
+    """request_batch with requests in flight: its frames join the turn's one write, after the
+    frames written before it (a RELEASE never overtakes the ACQUIRE it follows); with nothing
+    in flight it is written at once."""
+    conn = await _open(server)
+    try:
+        owner = os.urandom(16)
+        writes = conn.writes
+        alone = conn.request_batch([(P.OP_PING,), (P.OP_PING,)])  # nothing in flight: at once
+        assert conn.writes == writes + 1 and conn.out is None
+        assert await asyncio.wait_for(asyncio.gather(*alone), 10) == [None, None]
+        first = conn.request(P.OP_PING)  # at once
+        acq = conn.request(P.OP_ACQUIRE, "rpc/batch", owner, 5000, 0, 0, None)  # kept for the turn's write
+        # CANCEL by owner releases the grant it follows (before it, it would find nothing)
+        futs = conn.request_batch([(P.OP_CANCEL, "rpc/batch", owner), (P.OP_PING,)])
+        assert conn.writes == writes + 2 and len(conn.out) == 2  # behind the acquire, not ahead of it
+        await asyncio.sleep(0)  # the end of the turn: one write
+        assert conn.writes == writes + 3 and conn.out is None
+        assert await asyncio.wait_for(first, 10) is None
+        assert (await asyncio.wait_for(acq, 10))[0] > 0
+        await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 10)
+        assert await asyncio.wait_for(conn.request(P.OP_HOLDER, "rpc/batch"), 10) is None
+    finally:
+        conn.close()
+
+
 async def test_requests_behind_one_in_flight_go_out_in_one_write_per_loop_turn(server, loop_errors):
     conn = await _open(server)
     owner = os.urandom(16)

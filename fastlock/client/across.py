@@ -202,8 +202,9 @@ class PartTiming(NamedTuple):
     Attributes:
         sent (float): the loop time (seconds, ``loop.time()``) the part's last ``RESERVE`` was sent.
         granted (float): the loop time (seconds) its grant was read.
-        waited_ms (int): how long the request waited in the shard's queues, milliseconds, as the
-            shard reported it (time parked behind an older multi-lock and on the wire are not in it).
+        waited_ms (int): how long the request waited in the shard, milliseconds, as the shard
+            reported it: parked behind an older multi-lock, then in the names' queues (the time on
+            the wire and in this client's loop is not in it).
         reserves (int): how many ``RESERVE`` requests the part took (1: never wounded there).
     """
 
@@ -369,6 +370,26 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
+def _write_commits(parts: list[_Part], multi_id: bytes) -> list[asyncio.Future[Any]] | None:
+    """Write every part's ``COMMIT_RESERVATION`` now, in the callback that saw the last part
+    held (no trip through the loop's queue of ready callbacks, which on a busy loop is where a
+    held part's time goes); the replies' futures.  None when a shard runs on another loop or
+    is not connected: the caller commits with :func:`_commit` instead."""
+    protos = []
+    for part in parts:
+        proto = part.shard.client.connector.proto if part.shard.loop is None else None
+        if proto is None or proto.closed:
+            return None
+        protos.append(proto)
+    return [proto.request(OP_COMMIT_RESERVATION, multi_id) for proto in protos]
+
+
+def _drop_commits(commits: list[asyncio.Future[Any]] | None) -> None:
+    """Commits written and no longer awaited (the attempt failed): their outcomes are not needed."""
+    for fut in commits or ():
+        fut.add_done_callback(_retrieve)
+
+
 async def _commit(client: Client, multi_id: bytes) -> None:
     proto = await client.ensure_connected()
     await proto.request(OP_COMMIT_RESERVATION, multi_id)
@@ -379,17 +400,31 @@ async def _release_leases(client: Client, leases: list[Lease]) -> list[BaseExcep
     failed under it is released again with :meth:`Client.release` (riding through a failover,
     a ``LeaseLost`` then counting as released).  Returns the errors (``LeaseLost``: ``lease.lost``
     is set)."""
+    return await _released(client, leases, _write_releases(client, leases))
+
+
+def _write_releases(client: Client, leases: list[Lease]) -> list[asyncio.Future[Any]] | None:
+    """Write the RELEASEs of ``leases`` now, in one write (their renewals stopped), when the
+    connection is up: the replies' futures for :func:`_released`; None otherwise."""
     proto = client.connector.proto
-    if not leases:
-        return []
-    if proto is None or proto.closed or len(leases) == 1:
-        results = await asyncio.gather(*(client.release(lease) for lease in leases), return_exceptions=True)
-        return [r for r in results if isinstance(r, BaseException)]
+    if not leases or proto is None or proto.closed:
+        return None
     renewers = client.renewers
     if renewers.by_state:
         for lease in leases:
             renewers.stop(lease)
-    futs = proto.request_batch([(P.OP_RELEASE, lease.name, lease.fencing_token, lease.owner) for lease in leases])
+    return proto.request_batch([(P.OP_RELEASE, lease.name, lease.fencing_token, lease.owner) for lease in leases])
+
+
+async def _released(client: Client, leases: list[Lease], futs: list[asyncio.Future[Any]] | None
+                    ) -> list[BaseException]:
+    """The outcomes of the RELEASEs :func:`_write_releases` wrote (``futs``), or, with None,
+    of releasing each lease with :meth:`Client.release`: the errors, as :func:`_release_leases`."""
+    if not leases:
+        return []
+    if futs is None:
+        results = await asyncio.gather(*(client.release(lease) for lease in leases), return_exceptions=True)
+        return [r for r in results if isinstance(r, BaseException)]
     results = await asyncio.gather(*futs, return_exceptions=True)
     errors: list[BaseException] = []
     for lease, result in zip(leases, results):
@@ -458,15 +493,21 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
     rereserved = 0  # parts taken again alone after a wound of theirs (all at once)
     holding: set[int] = set()  # the shards whose part is held, in this round (all at once)
     all_held = _Wound()  # every part is held, in this round
+    #: the commits' replies, once written at the moment the last part was held (all at once, every
+    #: shard on this loop and connected); None: not written yet
+    commits: list[asyncio.Future[Any]] | None = None
+    commit_sent = 0.0
 
     def left_ms() -> int:
         return -1 if deadline is None else max(0, int((deadline - loop.time()) * 1000))
+
+    parts_now: list[_Part] = []  # this attempt's parts (all at once)
 
     async def hold_part(k: int, part: _Part, names: tuple[str, ...], aborted: list[bool]) -> None:
         """Hold shard ``k``'s part: after a wound of that part alone, what is left of it is
         released and it is reserved again at once, with the same stamp and id (the other
         parts are kept: every wait still goes from younger to older)."""
-        nonlocal rereserved
+        nonlocal rereserved, commits, commit_sent
         pause = BACKOFF_FIRST  # seconds before reserving again after the part's connection failed
         while True:
             w = part_wounds[k] = _Wound()
@@ -489,6 +530,11 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
                 # held: until every part is, a wound of this one is answered at once
                 holding.add(k)
                 if len(holding) == len(shards):
+                    if not any(part_wounds[i].is_set() for i in holding):
+                        # none wounded since its grant (a wound read but not yet acted on is taken again
+                        # alone by the caller's next round, not by a failed commit and a restart)
+                        commits = _write_commits(parts_now, multi_id)
+                        commit_sent = loop.time()
                     all_held.set()
                 either: asyncio.Future[None] = loop.create_future()  # done by a wound of the part, or all held
                 w.add(either)
@@ -518,6 +564,7 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
                 stamp, stamped_at = wall_ms(), loop.time()
             wounded = _Wound()  # this attempt's
             parts: list[_Part] = []
+            commits = None
             try:
                 if in_order:
                     for shard, names in shards:
@@ -528,7 +575,7 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
                     if wounded.is_set():
                         raise Wounded("wounded by an older multi-lock")
                 else:
-                    parts = [_Part(shard, []) for shard, _names in shards]
+                    parts = parts_now[:] = [_Part(shard, []) for shard, _names in shards]
                     aborted = [False]
                     todo = list(range(len(parts)))
                     while todo:
@@ -540,6 +587,8 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
                         if failed:  # the cause, rather than the withdrawals it caused
                             _raise_dropped(next((r for r in failed if not isinstance(r, Wounded)), failed[0]),
                                            results, failed)
+                        if commits is not None:
+                            break  # written as the last part was held: a wound since fails its commit
                         # a part wounded after its grant, while another shard's was still awaited: again, alone
                         todo = [k for k in range(len(parts)) if part_wounds[k].is_set()]
                         for k in todo:
@@ -547,15 +596,19 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
                             parts[k].leases = []
                             rereserved += 1
                 # every part is held: commit them all at once (any order will do)
-                commit_sent = loop.time()
-                results = await asyncio.gather(*(part.shard.run(_commit, multi_id) for part in parts),
-                                               return_exceptions=True)
+                if commits is not None:
+                    results = await asyncio.gather(*commits, return_exceptions=True)
+                else:
+                    commit_sent = loop.time()
+                    results = await asyncio.gather(*(part.shard.run(_commit, multi_id) for part in parts),
+                                                   return_exceptions=True)
                 failed = [r for r in results if isinstance(r, BaseException)]
                 if failed:
                     _raise_dropped(failed[0], results, failed)
                 for part in parts:
                     part.committed = True
             except (Wounded, LeaseLost, *RETRYABLE) as exc:
+                _drop_commits(commits)
                 await _let_go(parts)
                 if isinstance(exc, ConnectionLost) and not isinstance(exc, Wounded) and deadline is None:
                     raise
@@ -569,9 +622,11 @@ async def _lock(shards: list[tuple[_Shard, tuple[str, ...]]], ttl: float, wait: 
                     pause = min(2 * pause, BACKOFF_MAX)
                 continue
             except asyncio.CancelledError:
+                _drop_commits(commits)
                 _let_go_nowait(parts)
                 raise
             except BaseException:
+                _drop_commits(commits)
                 await _let_go(parts)
                 raise
             return CrossShardLease(parts, attempts + rereserved, commit_sent)
@@ -620,10 +675,15 @@ async def acquire_across(router: Router, names: Iterable[str], *, ttl: float, wa
 
 async def release_across(multi: CrossShardLease) -> None:
     """Release every lease of ``multi`` (all of them, even if one fails; if cancelled, each
-    release is still sent, without waiting for its reply).
+    release is still sent, without waiting for its reply).  The releases of the shards on the
+    caller's loop are written before the first wait, so the names are free one round trip after
+    the call, however busy the loop.
     :raises LeaseLost: a lease had ended already (the others are released)."""
     try:
-        results = await asyncio.gather(*(part.shard.run(_release_leases, part.leases) for part in multi.parts),
+        results = await asyncio.gather(*(_released(part.shard.client, part.leases,
+                                                    _write_releases(part.shard.client, part.leases))
+                                          if part.shard.loop is None else part.shard.run(_release_leases, part.leases)
+                                          for part in multi.parts),
                                        return_exceptions=True)
     except asyncio.CancelledError:
         _let_go_nowait(list(multi.parts))

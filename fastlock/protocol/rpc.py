@@ -293,14 +293,21 @@ class RpcConnection(RpcWire, asyncio.Protocol):
         self.request(op, *args).add_done_callback(_ignore_result)
 
     def request_batch(self, requests: list[tuple[Any, ...]]) -> list[asyncio.Future[Any]]:
-        """Send several requests ``(op, *args)`` in one write; a future for each reply's value,
+        """Send several requests ``(op, *args)`` together; a future for each reply's value,
         in order, each as :meth:`request`'s (all raise ConnectionLost at once if the connection
-        has ended)."""
+        has ended).  As :meth:`request`: written at once when nothing else is in flight, else
+        behind the frames kept for this loop turn's write (:meth:`write_frame`), in order."""
+        idle = not self.pending and self.out is None
         futs = [self.expect(self.next_id()) for _ in requests]
         if self.closed or self.transport is None:
             return futs
         first = self._next_id - len(requests)
-        self.transport.write(b"".join(packb([first + i, *req]) for i, req in enumerate(requests)))
+        data = b"".join(packb([first + i, *req]) for i, req in enumerate(requests))
+        if idle:
+            self.writes += 1
+            self.transport.write(data)
+        else:
+            self.write_frame(data)
         self.rearm()
         return futs
 

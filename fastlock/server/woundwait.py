@@ -13,12 +13,16 @@ shard's part is held) turns it into ordinary leases that nobody can wound.
 **The wound-wait rule** (Rosenkrantz, Stearns and Lewis, 1978; Spanner's lock table):
 a reservation that needs a name
 
-* held by a *younger uncommitted* reservation, or waited on (in the name's queue) by one,
-  **wounds** it: that reservation's leases on this shard are revoked (a ``REVOKE``
-  record, replicated, as ``fastlock revoke`` does; its quota given back, watchers told
-  ``"revoked"``), its waiting request is withdrawn (answered :class:`~fastlock.errors.Wounded`),
-  and its connection is told at once with a ``PUSH_WOUNDED`` frame
-  ``[multi-lock id, its stamp, the wounder's stamp]``; the older one proceeds;
+* held by a *younger uncommitted* reservation **wounds** it: that reservation's leases on
+  this shard are revoked (a ``REVOKE`` record, replicated, as ``fastlock revoke`` does; its
+  quota given back, watchers told ``"revoked"``), and its connection is told at once with a
+  ``PUSH_WOUNDED`` frame ``[multi-lock id, its stamp, the wounder's stamp]``; the older one
+  proceeds;
+* waited on (in the name's queue) by a younger reservation, which holds nothing here while
+  it waits, takes it out of the queues: it is **parked again** behind the older one (below),
+  with its request, unanswered, and enters the queues again in its turn - no reply, no push,
+  no trip to its client (its connection closed, or the server's parked reservations at their
+  limit: it is wounded instead, its request answered :class:`~fastlock.errors.Wounded`);
 * held by an older reservation, a committed part or a plain lease **waits** (FIFO, as
   ``ACQUIRE_MANY``, no polling).
 
@@ -141,13 +145,15 @@ class Reservation:
     """One multi-lock's part on this shard: its ``rank``, the core request's ``owner``
     (hash), the connection (``session``, ``principal``), its ``names``, its request
     (``req_id``, ``ttl_ms``, ``wait_until_ms`` on the monotonic clock or None, ``corr``),
-    ``state`` (:data:`PARKED`, :data:`WAITING`, :data:`HELD`), ``tokens`` once held."""
+    ``state`` (:data:`PARKED`, :data:`WAITING`, :data:`HELD`), ``tokens`` once held,
+    ``received_ms`` (monotonic clock, when its RESERVE arrived) and ``parked_ms`` (how long it
+    waited parked before it entered the queues, milliseconds)."""
 
     __slots__ = ("rank", "owner", "session", "principal", "names", "req_id", "ttl_ms", "wait_until_ms", "corr",
-                 "state", "tokens", "wounded", "request", "timer")
+                 "state", "tokens", "wounded", "request", "timer", "received_ms", "parked_ms")
 
     def __init__(self, rank: Rank, owner: bytes, session: int, principal: str, names: tuple[str, ...], req_id: int,
-                 ttl_ms: int, wait_until_ms: int | None, corr: str | None):
+                 ttl_ms: int, wait_until_ms: int | None, corr: str | None, received_ms: int = 0):
         self.rank = rank
         self.owner = owner
         self.session = session
@@ -162,11 +168,15 @@ class Reservation:
         self.wounded = False
         self.request: ReserveRequest | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.received_ms = received_ms
+        self.parked_ms = 0
 
 
 class ReserveRequest(ManyRequest):
     """The core request of a reservation: an ACQUIRE_MANY's, which also tells the
-    :class:`WoundWait` table when the set is granted or stops waiting."""
+    :class:`WoundWait` table when the set is granted or stops waiting.  Its reply's waited
+    milliseconds count the time the reservation was parked too (from its RESERVE's arrival
+    to the grant), from which the client dates each lease's expiry."""
 
     __slots__ = ("reservation", "wound_wait")
 
@@ -176,7 +186,7 @@ class ReserveRequest(ManyRequest):
         self.wound_wait = wound_wait
 
     def granted(self, token: int, ttl_ms: int, waited_ms: int) -> bytes | None:
-        reply = super().granted(token, ttl_ms, waited_ms)
+        reply = super().granted(token, ttl_ms, waited_ms + self.reservation.parked_ms)
         if reply is not None:
             self.wound_wait.granted(self.reservation, list(self.tokens))
         return reply
@@ -296,7 +306,7 @@ class WoundWait:
         if owner in self.by_owner:
             raise InvalidArgument("this owner key holds or awaits another reservation")
         r = Reservation(Rank(stamp, multi_id), owner, conn.session, principal, names, req_id, ttl_ms,
-                        None if wait_ms < 0 else now + wait_ms, corr)
+                        None if wait_ms < 0 else now + wait_ms, corr, now)
         self._wound_younger(r, now)
         if self._older_waiter(r, now) is not None and wait_ms != 0:
             if len(self.parked) >= MAX_PARKED:
@@ -451,18 +461,25 @@ class WoundWait:
 
     def _wound(self, y: Reservation, by: Reservation, now: int) -> None:
         """Take ``y``'s parts away for the older ``by``: its leases revoked, its request withdrawn,
-        its connection told.  Nothing when this node may not release (fenced): ``by`` waits."""
+        its connection told.  A ``y`` that waits (holding nothing here) is parked again instead,
+        behind ``by``, with its request (:meth:`_park_again`).  Nothing when this node may not
+        release (fenced): ``by`` waits."""
         try:
             self.roles.admit(Action.RELEASE)
         except FastlockError:
             return
         self.server.source.fence_if_due(now)
-        y.wounded = True
         self.wounds += 1
         table = self.table
         conn = self.server.limits.sessions.get(y.session)
         request = y.request
-        if request is not None and not request.done and self._waits(y, y.names[0]):
+        waiting = request is not None and not request.done and self._waits(y, y.names[0])
+        if waiting and conn is not None and not conn.closed and len(self.parked) < MAX_PARKED:
+            self._park_again(y, now)
+            return
+        y.wounded = True
+        if waiting:
+            assert request is not None
             request.done = True  # its reply is the Wounded error below, not the core's Cancelled
             if conn is not None:
                 conn.send(P.encode_error(y.req_id, Wounded.code, "wounded by an older multi-lock"))
@@ -481,6 +498,29 @@ class WoundWait:
             conn.send(P.encode_push(PUSH_WOUNDED, [y.rank.multi_id, y.rank.stamp_ms, by.rank.stamp_ms]))
         log.debug("reservation of %s (stamp %d) wounded by stamp %d: %d leases taken", y.principal,
                   y.rank.stamp_ms, by.rank.stamp_ms, taken, extra={"session": y.session})
+
+    def _park_again(self, y: Reservation, now: int) -> None:
+        """``y`` waits in the queues (holding nothing here) where an older reservation needs a name:
+        its request leaves the queues unanswered and ``y`` is parked, as a younger newcomer would be,
+        with its place among the parked by its rank, its wait's end and its request id; it enters the
+        queues again once no older one waits on its names, and its grant answers its RESERVE.  Its
+        client is not told: nothing of its multi-lock changes but where this part waits, and no trip
+        to the client and back is spent on it."""
+        request = y.request
+        assert request is not None
+        request.done = True  # the core's Cancelled is not its reply: its grant, later, is
+        self.table.cancel(y.names[0], y.owner, now)
+        self._unwait(y)
+        self._forget(y)
+        y.state = PARKED
+        y.request = None
+        y.tokens = []
+        self._park(y)
+        # looked at by the next wake, whatever the older one does meanwhile (granted at once, it never waits)
+        self._stopped_waiting.update(y.names)
+        self._wake_soon()
+        log.debug("reservation of %s (stamp %d) parked again behind an older one", y.principal, y.rank.stamp_ms,
+                  extra={"session": y.session})
 
     def _check_granted(self, r: Reservation) -> None:
         if r.wounded or r.state != HELD or self.by_key.get((r.session, r.rank.multi_id)) is not r:
@@ -575,6 +615,7 @@ class WoundWait:
             if self._older_waiter(r, now) is not None:
                 continue
             self._unpark(r)
+            r.parked_ms = max(0, now - r.received_ms)
             self.per_principal[r.principal] = max(0, self.per_principal.get(r.principal, 1) - 1)
             conn = sessions.get(r.session)
             if conn is None or conn.closed:
