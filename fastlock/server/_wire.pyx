@@ -544,6 +544,7 @@ cdef class BatchEnd:
     cdef public object expiry
     cdef public list dirty
     cdef public bint in_batch_end
+    cdef public bint batch_end_owed  # a delivery left its flush to the batch end in progress
 
     def after_batch(self):
         """The batch end: log and deliver the table's events, re-arm the timer, flush replies."""
@@ -594,6 +595,7 @@ cdef class BatchEnd:
             for conn in dirty:
                 conn.flush()
             dirty.clear()
+        self.batch_end_owed = False
 
     def process_events(self, list events):
         """Log and deliver ``events`` (drained from the table by the caller), as a batch end does:
@@ -636,8 +638,15 @@ cdef class BatchEnd:
         relaxed fsync modes the first batch of a loop turn is written at once, and a lone
         request's grant delivered within this batch end (``WriteAheadLog.flush_first``)."""
         source = self.source
-        ttl_bound = source.ttl
         sync = source.sync
+        commit = self.wal.group_commit
+        if not source.fencing and not sync.enabled:  # (unpaired, no standby to wait for: the common case below)
+            if commit.flush_first():
+                self.deliver_granted(grants)
+            else:
+                commit.when_durable(lambda: self.deliver_granted(grants))
+            return
+        ttl_bound = source.ttl
         # unpaired (not fencing): nothing promotes on this primary's silence, no bound (TtlBound.covers's own answer)
         if not source.fencing or ttl_bound.covers((<object>self).max_ttl_ms):
             if sync.enabled:
@@ -648,7 +657,6 @@ cdef class BatchEnd:
             deliver = sync.after(ttl_bound.after(
                 lambda refused=None: self.deliver_granted(grants, refused), max([ev.ttl_ms for ev in grants])))
         # (the group commit's own calls: WriteAheadLog.flush_first's and when_durable's)
-        commit = self.wal.group_commit
         if commit.flush_first():  # relaxed fsync modes: a lone request's grant is written and acked now
             deliver()
         else:  # acked once durable: in a burst, at the end of this turn with everything logged in it
@@ -677,7 +685,11 @@ cdef class BatchEnd:
                 server._deliver_rest(rest, None)
         else:
             server._deliver_rest(grants, refused_by)
-        if not self.in_batch_end:  # inside after_batch, which continues with this batch end
+        # inside after_batch, or among the callbacks of a written batch (GroupCommit.batch_end):
+        # the batch end that follows flushes the replies
+        if self.in_batch_end:
+            self.batch_end_owed = True
+        else:
             self.after_batch()
 
     def released(self, name, token, meta):

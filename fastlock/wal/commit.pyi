@@ -26,6 +26,7 @@ class GroupCommit:
     listeners: list[Callable[[int, int, bytes], Any]]
     progress: list[Callable[[int, int], Any]]
     adaptive: bool
+    batch_end: Any
     def __init__(self, io: SegmentWriter, always: bool, interval_ms: int, on_fatal: Callable[[BaseException], Any],
                  adaptive: bool = False) -> None: ...
     def recovered(self, next_lsn: int) -> None: ...

@@ -119,6 +119,7 @@ cdef class GroupCommit:
     cdef object _timer
     cdef public bint adaptive
     cdef Py_ssize_t _last_waiters
+    cdef public object batch_end
 
     def __init__(self, io: SegmentFile, always: bool, interval_ms: int, on_fatal: Callable[[BaseException], Any],
                  adaptive: bool = False):
@@ -142,6 +143,11 @@ cdef class GroupCommit:
         self._timer = None
         self.adaptive = adaptive
         self._last_waiters = 0  # waiters of the batch handed over before this one
+        #: the server (a ``fastlock.server._wire.BatchEnd``): the ``when_durable`` callbacks a written
+        #: batch releases run as one batch of its, its ``in_batch_end`` set meanwhile, and its
+        #: ``after_batch`` runs once after them when one of them left it owed (``batch_end_owed``:
+        #: a delivery of grants whose replies wait for it); None: nothing around the callbacks
+        self.batch_end = None
 
     def recovered(self, next_lsn: int) -> None:
         """The log on disk ends before ``next_lsn``: number from there."""
@@ -281,11 +287,25 @@ cdef class GroupCommit:
                 except Exception as exc:  # noqa: BLE001 - one failed listener must not stop the others
                     self._report(exc, "WAL listener failed")
         waiters = self._waiters
-        while waiters and waiters[0][0] <= ack:
-            cb = waiters.popleft()[1]
+        owner = self.batch_end
+        outer = True  # (no batch of callbacks opened here)
+        if owner is not None and waiters and waiters[0][0] <= ack:
+            outer = owner.in_batch_end
+            owner.in_batch_end = True
+        try:
+            while waiters and waiters[0][0] <= ack:
+                cb = waiters.popleft()[1]
+                try:
+                    cb()
+                except Exception as exc:  # noqa: BLE001 - reported; the other waiters still run
+                    self._report(exc, "WAL when_durable callback failed")
+        finally:
+            if not outer:
+                owner.in_batch_end = False
+        if not outer and owner.batch_end_owed:  # the callbacks' batch end: their replies flushed
             try:
-                cb()
-            except Exception as exc:  # noqa: BLE001 - reported; the other waiters still run
+                owner.after_batch()
+            except Exception as exc:  # noqa: BLE001 - reported as a failed callback would be
                 self._report(exc, "WAL when_durable callback failed")
         if self._sync_waiters:
             synced = marks.synced
