@@ -31,13 +31,10 @@ import time
 
 import msgpack
 
-HELLO_OP = 1  # fastlock.protocol.OP_HELLO (checked in _ops)
-
-
 def _ops() -> tuple[int, int, int, int]:
+    """HELLO's op and protocol version, ACQUIRE's and RELEASE's ops."""
     from fastlock import protocol as P
 
-    assert P.OP_HELLO == HELLO_OP
     return P.OP_HELLO, P.PROTOCOL_VERSION, P.OP_ACQUIRE, P.OP_RELEASE
 
 
@@ -62,6 +59,7 @@ class _Client:
         self.sock.settimeout(120.0)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.unpacker = msgpack.Unpacker()
+        self.token = 1  # the last grant's token (the echo server: any int)
 
     def send(self, obj: list) -> None:
         self.sock.sendall(msgpack.packb(obj))
@@ -145,11 +143,11 @@ def measure(server: str, pairs: int, clients: int, keep: str | None) -> float:
             except subprocess.TimeoutExpired:
                 srv.kill()
                 srv.wait()
-        dumps = sorted(p for p in glob.glob(f"{out}.{srv.pid}.*") if not p.endswith(".0") or True)
-        dumps = [p for p in dumps if _total_ir(p) > 0]
+        # the explicit dump is part 1 (``OUT.PID.1``); the one at exit follows it
+        dumps = sorted(glob.glob(f"{out}.{srv.pid}.*"), key=lambda p: int(p.rsplit(".", 1)[1]))
         if not dumps:
             raise RuntimeError("callgrind wrote no dump")
-        dump = dumps[0]  # the explicit dump (the one at exit follows it)
+        dump = dumps[0]
         if keep:
             shutil.copy(dump, keep)
         return _total_ir(dump) / (rounds * clients)

@@ -23,6 +23,7 @@ cdef extern from "Python.h":
     bint PyUnicode_IS_ASCII(object)
 from libc.stdint cimport int64_t, uint64_t
 
+from ..wal.commit cimport GroupCommit
 from .._core import EV_GRANTED, GRANTED, LIMIT_CONFLICT, NOT_ACQUIRED, QUEUED, NotHolder
 from ..auth import ANONYMOUS, hash_owner
 from ..errors import InvalidArgument, ProtocolError, WrongArgumentType
@@ -542,6 +543,8 @@ cdef class BatchEnd:
 
     cdef public object table, wal, roles, source, limits, quotas, handlers, revisions, key_revisions, queues
     cdef public object expiry
+    cdef public GroupCommit commit  # the WAL's group commit (wal.group_commit) ...
+    cdef public object snapshots  # ... and snapshotter (wal.snapshotter)
     cdef public list dirty
     cdef public bint in_batch_end
     cdef public bint batch_end_owed  # a delivery left its flush to the batch end in progress
@@ -563,10 +566,10 @@ cdef class BatchEnd:
             finally:
                 self.in_batch_end = outer
         wal = self.wal
+        commit = self.commit
         # at every batch end (key puts make no table events); maybe_snapshot's own first check inline:
         # a snapshot is due from the snapshotter's next LSN or byte count on
-        snaps = wal.snapshotter
-        commit = wal.group_commit
+        snaps = self.snapshots
         if ((commit.next_lsn > snaps.next_due or commit.io.bytes >= snaps.next_due_bytes)
                 and wal.maybe_snapshot(server.snapshot_state)):
             _relog_running(wal, table)
@@ -589,7 +592,7 @@ cdef class BatchEnd:
             queues.batch_end()  # changed waiter queues go to the standby
         # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
         # (WriteAheadLog.poll's own call)
-        wal.group_commit.poll()
+        commit.poll()
         dirty = self.dirty
         if dirty:
             for conn in dirty:

@@ -151,6 +151,8 @@ class LockServer(BatchEnd):
             on_fatal=self._wal_fatal,
             writer=config.wal_writer.value,
         )
+        self.commit = self.wal.group_commit  # (read by the compiled batch end, BatchEnd)
+        self.snapshots = self.wal.snapshotter
         self.node_state = NodeState(config.data_dir)
         standby_of = primary_to_follow(config, self.node_state)  # --standby-of, or the one it followed
         primary_address = f"{standby_of[0]}:{standby_of[1]}" if standby_of else None

@@ -12,8 +12,8 @@ without the disk) is only written and rides on the next fsync or the
 interval timer.  A failed write or fsync is final: ``on_fatal`` is called
 and nothing is acknowledged again (see :mod:`fastlock.wal`).
 
-Compiled (Cython; its classes are extension types, their calls to one another C
-calls): what runs per record and per batch - a record's append, the hand-off to
+Compiled (Cython; its classes are extension types, declared in ``commit.pxd``, their
+calls to one another C calls): what runs per record and per batch - a record's append, the hand-off to
 the writer, the acknowledgement of a written batch - runs no Python frame.  The
 annotations are for readers and ``commit.pyi``; they give no C types (first line).
 """
@@ -29,7 +29,7 @@ from typing import Any
 from ..errors import WalFatal
 from ..tokens import COUNTER_MASK, TOKEN_EPOCH_SHIFT
 from .records import GRANT, RELEASE, RESERVE
-from ._syncer cimport Batch, SegmentFile
+from ._syncer cimport Batch
 from ._syncer import append_frame, append_grant_record, append_lease_record, seal_batch
 from .format import MAX_RECORD_BYTES
 
@@ -61,11 +61,6 @@ cdef inline long long _wall_ms() noexcept:
 cdef class _Pending:
     """The batch being built: frames not yet handed to the writer."""
 
-    cdef public bytearray buf
-    cdef public object first_lsn
-    cdef public Py_ssize_t last_frame
-    cdef public bint fsync
-    cdef public bint fsync_requested
 
     def __init__(self, first_lsn: int):
         self.buf = bytearray()
@@ -79,7 +74,6 @@ cdef class Marks:
     """LSN progress: ``first`` (the next LSN at open), ``written`` to the OS,
     ``synced`` (fsynced), ``ack`` (durability callbacks released)."""
 
-    cdef public object first, written, synced, ack
 
     def __init__(self, next_lsn: int):
         self.first = next_lsn
@@ -99,27 +93,6 @@ cdef class GroupCommit:
         hand-off; concurrent clients keep the thread (and the loop keeps reading them).
     """
 
-    cdef public SegmentFile io
-    cdef public bint always
-    cdef public object interval_ms
-    cdef public object on_fatal
-    cdef public object loop
-    cdef public object fatal
-    cdef public bint stopped
-    cdef public object next_lsn
-    cdef public Marks marks
-    cdef _Pending _pending
-    cdef bint _scheduled
-    cdef bint _flushed_in_turn
-    cdef object _inflight
-    cdef object _waiters
-    cdef list _sync_waiters
-    cdef public list listeners
-    cdef public list progress
-    cdef object _timer
-    cdef public bint adaptive
-    cdef Py_ssize_t _last_waiters
-    cdef public object batch_end
 
     def __init__(self, io: SegmentFile, always: bool, interval_ms: int, on_fatal: Callable[[BaseException], Any],
                  adaptive: bool = False):
@@ -371,7 +344,7 @@ cdef class GroupCommit:
                 self._pending.fsync_requested = True  # the records may be written already, unsynced
                 self._schedule()
 
-    def poll(self) -> None:
+    cpdef poll(self):
         """See :meth:`fastlock.wal.WriteAheadLog.poll`."""
         if self._inflight is not None:
             self.io.poll_completed()
@@ -451,8 +424,6 @@ cdef class Reservation:
     (``max_counter``) logged, and (``interval``/``never``) the counter ``reserved`` by
     RESERVE records, ``block`` values ahead at a time (ints, as C integers of 64 bits)."""
 
-    cdef public long long block, reserved, max_counter, epoch
-
     def __init__(self, block: int):
         self.block = block
         self.reserved = 0
@@ -469,10 +440,6 @@ cdef class LogAppender:
     semaphore permit's, a field of another type) and every error go through the log's
     ``_append``, as every other record does."""
 
-    cdef public GroupCommit _commit
-    cdef public Reservation _counters
-    cdef public bint _always
-    cdef public bint appending
 
     def log_grant(self, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id,
                   shared=False, limit=0):
