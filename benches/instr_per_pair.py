@@ -31,6 +31,7 @@ import time
 
 import msgpack
 
+
 def _ops() -> tuple[int, int, int, int]:
     """HELLO's op and protocol version, ACQUIRE's and RELEASE's ops."""
     from fastlock import protocol as P
