@@ -889,6 +889,78 @@ async def test_a_full_disk_names_the_operation_and_the_segment_file(tmp_path, wr
     wal.abort()
 
 
+@pytest.mark.parametrize("writer", ["thread", "auto"])
+async def test_a_full_disk_under_the_page_cache_write_cuts_the_batch_and_is_fatal(tmp_path, writer, caplog):
+    """``fsync="never"``: a batch goes to the page cache by the compiled write on the loop
+    (``SegmentFile.write_cached``); its descriptor turned into ``/dev/full`` -- the fatal
+    error names ``pwrite``, the segment file and the errno's text, nothing is acknowledged,
+    and the segment keeps only the records before the batch."""
+    loop = asyncio.get_running_loop()
+    fatal = loop.create_future()
+    wal = make(tmp_path, writer, fsync="never", on_fatal=lambda exc: fatal.set_result(exc))
+    wal.open()
+    wal.start(loop)
+    grant(wal, "a", 1)
+    await durable(wal)
+    io = wal._commit.io
+    size, written = io.seg_size, io.bytes
+    full = os.open("/dev/full", os.O_WRONLY)
+    saved = os.dup(io._fd)
+    try:
+        os.dup2(full, io._fd)
+        acked = []
+        grant(wal, "a", 2)
+        wal.when_durable(lambda: acked.append(2))
+        exc = await asyncio.wait_for(fatal, 10)
+    finally:
+        os.dup2(saved, io._fd)
+        os.close(saved)
+        os.close(full)
+    assert isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+    assert f"WAL pwrite failed on {io.seg_path}: {os.strerror(errno.ENOSPC)}" in str(exc), exc
+    await asyncio.sleep(0)
+    assert acked == [] and (io.seg_size, io.bytes) == (size, written)
+    wal.abort()
+    assert [h.token for h in reopen(tmp_path).holders] == [tok(1)]
+
+
+@pytest.mark.parametrize("owed", [True, False])
+async def test_callbacks_of_a_written_batch_end_as_one_batch(tmp_path, writer, owed):
+    """``GroupCommit.batch_end``: the ``when_durable`` callbacks one written batch releases run
+    with the owner's ``in_batch_end`` set, and its ``after_batch`` runs once after the last of
+    them when one left it owed (``batch_end_owed``), and not at all otherwise."""
+
+    class Owner:
+        in_batch_end = False
+        batch_end_owed = False
+
+        def __init__(self) -> None:
+            self.seen: list = []
+
+        def after_batch(self) -> None:
+            self.seen.append(("after_batch", self.in_batch_end))
+            self.batch_end_owed = False
+
+    owner = Owner()
+    wal, _ = await started(tmp_path, writer, fsync="never")
+    wal.group_commit.batch_end = owner
+
+    def cb(tag, owe=False):
+        def f():
+            owner.seen.append((tag, owner.in_batch_end))
+            if owe:
+                owner.batch_end_owed = True
+        return f
+
+    for i in range(1, 4):
+        grant(wal, "x", i)
+        wal.when_durable(cb(f"r{i}", owe=owed and i == 2))
+    await durable(wal)
+    assert owner.seen == [("r1", True), ("r2", True), ("r3", True)] + ([("after_batch", False)] if owed else [])
+    assert not owner.in_batch_end and not owner.batch_end_owed
+    await wal.close()
+
+
 async def test_default_on_fatal_logs_critical(tmp_path, monkeypatch, caplog):
     loop = asyncio.get_running_loop()
     handled = loop.create_future()

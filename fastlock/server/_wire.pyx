@@ -23,6 +23,7 @@ cdef extern from "Python.h":
     bint PyUnicode_IS_ASCII(object)
 from libc.stdint cimport int64_t, uint64_t
 
+from ..wal.commit cimport GroupCommit
 from .._core import EV_GRANTED, GRANTED, LIMIT_CONFLICT, NOT_ACQUIRED, QUEUED, NotHolder
 from ..auth import ANONYMOUS, hash_owner
 from ..errors import InvalidArgument, ProtocolError, WrongArgumentType
@@ -542,8 +543,11 @@ cdef class BatchEnd:
 
     cdef public object table, wal, roles, source, limits, quotas, handlers, revisions, key_revisions, queues
     cdef public object expiry
+    cdef public GroupCommit commit  # the WAL's group commit (wal.group_commit) ...
+    cdef public object snapshots  # ... and snapshotter (wal.snapshotter)
     cdef public list dirty
     cdef public bint in_batch_end
+    cdef public bint batch_end_owed  # a delivery left its flush to the batch end in progress
 
     def after_batch(self):
         """The batch end: log and deliver the table's events, re-arm the timer, flush replies."""
@@ -562,10 +566,10 @@ cdef class BatchEnd:
             finally:
                 self.in_batch_end = outer
         wal = self.wal
+        commit = self.commit
         # at every batch end (key puts make no table events); maybe_snapshot's own first check inline:
         # a snapshot is due from the snapshotter's next LSN or byte count on
-        snaps = wal.snapshotter
-        commit = wal.group_commit
+        snaps = self.snapshots
         if ((commit.next_lsn > snaps.next_due or commit.io.bytes >= snaps.next_due_bytes)
                 and wal.maybe_snapshot(server.snapshot_state)):
             _relog_running(wal, table)
@@ -588,12 +592,13 @@ cdef class BatchEnd:
             queues.batch_end()  # changed waiter queues go to the standby
         # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
         # (WriteAheadLog.poll's own call)
-        wal.group_commit.poll()
+        commit.poll()
         dirty = self.dirty
         if dirty:
             for conn in dirty:
                 conn.flush()
             dirty.clear()
+        self.batch_end_owed = False
 
     def process_events(self, list events):
         """Log and deliver ``events`` (drained from the table by the caller), as a batch end does:
@@ -636,8 +641,15 @@ cdef class BatchEnd:
         relaxed fsync modes the first batch of a loop turn is written at once, and a lone
         request's grant delivered within this batch end (``WriteAheadLog.flush_first``)."""
         source = self.source
-        ttl_bound = source.ttl
         sync = source.sync
+        commit = self.wal.group_commit
+        if not source.fencing and not sync.enabled:  # (unpaired, no standby to wait for: the common case below)
+            if commit.flush_first():
+                self.deliver_granted(grants)
+            else:
+                commit.when_durable(lambda: self.deliver_granted(grants))
+            return
+        ttl_bound = source.ttl
         # unpaired (not fencing): nothing promotes on this primary's silence, no bound (TtlBound.covers's own answer)
         if not source.fencing or ttl_bound.covers((<object>self).max_ttl_ms):
             if sync.enabled:
@@ -648,7 +660,6 @@ cdef class BatchEnd:
             deliver = sync.after(ttl_bound.after(
                 lambda refused=None: self.deliver_granted(grants, refused), max([ev.ttl_ms for ev in grants])))
         # (the group commit's own calls: WriteAheadLog.flush_first's and when_durable's)
-        commit = self.wal.group_commit
         if commit.flush_first():  # relaxed fsync modes: a lone request's grant is written and acked now
             deliver()
         else:  # acked once durable: in a burst, at the end of this turn with everything logged in it
@@ -677,7 +688,11 @@ cdef class BatchEnd:
                 server._deliver_rest(rest, None)
         else:
             server._deliver_rest(grants, refused_by)
-        if not self.in_batch_end:  # inside after_batch, which continues with this batch end
+        # inside after_batch, or among the callbacks of a written batch (GroupCommit.batch_end):
+        # the batch end that follows flushes the replies
+        if self.in_batch_end:
+            self.batch_end_owed = True
+        else:
             self.after_batch()
 
     def released(self, name, token, meta):

@@ -151,6 +151,8 @@ class LockServer(BatchEnd):
             on_fatal=self._wal_fatal,
             writer=config.wal_writer.value,
         )
+        self.commit = self.wal.group_commit  # (read by the compiled batch end, BatchEnd)
+        self.snapshots = self.wal.snapshotter
         self.node_state = NodeState(config.data_dir)
         standby_of = primary_to_follow(config, self.node_state)  # --standby-of, or the one it followed
         primary_address = f"{standby_of[0]}:{standby_of[1]}" if standby_of else None
@@ -229,8 +231,11 @@ class LockServer(BatchEnd):
         self.exit_status = 0
         #: sessions written to in this loop turn (flushed once at the batch end)
         self.dirty: list[Session] = []
-        #: after_batch is processing its events (a grant delivered then leaves the flush to it)
+        #: after_batch is processing its events, or the WAL runs the callbacks of a written batch
+        #: (a grant delivered then leaves the flush to the batch end that follows) ...
         self.in_batch_end = False
+        #: ... and one did (GroupCommit.batch_end runs after_batch after the callbacks then)
+        self.batch_end_owed = False
         self.expiry = ExpiryTimer(self._on_timer)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = asyncio.Event()
@@ -354,6 +359,8 @@ class LockServer(BatchEnd):
         if self.shard_gate is not None:  # the slots it owned before a restart stay its own
             self.shard_gate.remember(config.data_dir)
         self._recover()
+        # the grants a written batch acknowledges are delivered as one batch (one after_batch)
+        self.wal.group_commit.batch_end = self
         self.wal.start(loop)
         if self.wal.repaired:
             # The cut may have removed acknowledged grants, so the counter may be below

@@ -1,9 +1,11 @@
 """Type stub of the compiled :mod:`fastlock.wal._syncer` (see its ``.pyx`` docstring)."""
 
+import types
 from collections.abc import Callable
 from typing import Any
 
 OPS: tuple[str | None, ...]
+COMPILED_DISK: types.SimpleNamespace
 
 def append_frame(buf: bytearray, body: bytes, most: int) -> int: ...
 def append_lease_record(buf: bytearray, kind: int, name: str, token: int, wall_ms: int, most: int) -> int: ...
@@ -35,3 +37,21 @@ class Batch:
     last_lsn: int
     fsync: bool
     def __init__(self, data: bytes, first_lsn: int, last_lsn: int, fsync: bool) -> None: ...
+
+class SegmentFile:
+    _fd: int
+    seg_first: int
+    seg_path: str
+    segment_bytes: int
+    seg_size: int
+    alloc_end: int
+    durable_offset: int
+    bytes: int
+    batches: int
+    _dirty: bool
+    disk: Any
+    fill: Syncer | None
+    @property
+    def rotation_due(self) -> bool: ...
+    def cut_failed_batch(self) -> None: ...
+    def write_cached(self, batch: Batch) -> bool: ...

@@ -32,6 +32,7 @@ thread's job result names the operation that failed, see
 """
 
 import os
+import types
 
 from libc.errno cimport EDQUOT, EINTR, ENOSPC, errno
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
@@ -551,6 +552,16 @@ cdef class Syncer:
         The loop calls this before it writes a batch itself: its write may land in
         the range being zero-filled, and must not be overwritten by those zeros.
         """
+        self._wait_fill()
+
+    cdef void _wait_fill(self) noexcept:
+        # no step being written (the common case): the GIL stays held (the thread never
+        # takes the GIL while it holds the mutex)
+        pthread_mutex_lock(&self._mu)
+        if not self._filling:
+            pthread_mutex_unlock(&self._mu)
+            return
+        pthread_mutex_unlock(&self._mu)
         with nogil:
             pthread_mutex_lock(&self._mu)
             while self._filling:
@@ -652,13 +663,65 @@ cdef class Syncer:
 cdef class Batch:
     """One batch of frames for the writer (:mod:`fastlock.wal.writer`): ``data`` (bytes), the
     frames of LSNs ``first_lsn..last_lsn`` (ints); ``fsync``: fsync it before it counts as done.
-    Made by group commit (:mod:`fastlock.wal.commit`) for every batch, so compiled."""
-
-    cdef public object data, first_lsn, last_lsn
-    cdef public bint fsync
+    Made by group commit (:mod:`fastlock.wal.commit`) for every batch, so compiled
+    (its attributes are declared in ``_syncer.pxd``)."""
 
     def __init__(self, data, first_lsn, last_lsn, bint fsync):
         self.data = data
         self.first_lsn = first_lsn
         self.last_lsn = last_lsn
         self.fsync = fsync
+
+
+#: the compiled I/O primitives (the default ``SegmentWriter.disk``); tests substitute others
+COMPILED_DISK = types.SimpleNamespace(pwrite_all=pwrite_all, datasync=datasync, zero_fill=zero_fill)
+
+
+cdef class SegmentFile:
+    """The compiled base of :class:`fastlock.wal.writer.SegmentWriter`: the active segment's
+    state that every batch changes, as slots (``_fd``, ``seg_first``, ``seg_path``,
+    ``segment_bytes``, ``seg_size``, ``alloc_end``, ``durable_offset``, ``bytes``, ``batches``,
+    ``_dirty``, ``disk``; ``fill``: the writer thread's :class:`Syncer`, None without one),
+    and :meth:`write_cached`, the write of a batch into the page cache compiled.  Everything
+    else is ``SegmentWriter``'s."""
+
+    @property
+    def rotation_due(self):
+        """Does the next batch start a new segment (an fsync and a create)?"""
+        return self.seg_size >= self.segment_bytes
+
+    cpdef bint write_cached(self, Batch batch) except -1:
+        """``SegmentWriter.write(batch)`` for a batch of records that is not to be fsynced, while
+        no rotation is due and ``disk`` is :data:`COMPILED_DISK`: written at the write offset
+        (after the zeros of a preallocation step the thread may be writing there), counted;
+        returns True.  Returns False, doing nothing, for any other batch (the caller runs
+        ``write``).
+
+        :raises OSError: the write failed (:func:`~fastlock.wal.files.io_error`); the segment is
+            cut back to where the batch began, as ``write`` does.
+        """
+        cdef object data = batch.data
+        cdef Py_ssize_t n
+        cdef int err
+        if (batch.fsync or type(data) is not bytes or self.seg_size >= self.segment_bytes
+                or self.disk is not COMPILED_DISK):
+            return False
+        n = PyBytes_GET_SIZE(data)
+        if n == 0:
+            return False
+        if self.fill is not None:  # zeros being written where this batch goes must land first
+            (<Syncer>self.fill)._wait_fill()
+        err = _pwrite_all(self._fd, PyBytes_AS_STRING(data), n, self.seg_size)
+        if err:
+            from .files import io_error
+
+            exc = OSError(err, f"pwrite failed: {os.strerror(err)}")
+            self.cut_failed_batch()
+            raise io_error("pwrite", self.seg_path, exc) from exc
+        self.seg_size += n
+        if self.seg_size > self.alloc_end:
+            self.alloc_end = self.seg_size
+        self.bytes += n
+        self.batches += 1
+        self._dirty = True
+        return True

@@ -26,6 +26,7 @@ class GroupCommit:
     listeners: list[Callable[[int, int, bytes], Any]]
     progress: list[Callable[[int, int], Any]]
     adaptive: bool
+    batch_end: Any
     def __init__(self, io: SegmentWriter, always: bool, interval_ms: int, on_fatal: Callable[[BaseException], Any],
                  adaptive: bool = False) -> None: ...
     def recovered(self, next_lsn: int) -> None: ...
@@ -45,3 +46,21 @@ class GroupCommit:
     async def await_synced(self, lsn: int, force: bool) -> None: ...
     async def flush(self) -> None: ...
     def stop(self, drop: bool = False) -> None: ...
+
+class Reservation:
+    block: int
+    reserved: int
+    max_counter: int
+    epoch: int
+    def __init__(self, block: int) -> None: ...
+
+class LogAppender:
+    _commit: GroupCommit
+    _counters: Reservation
+    _always: bool
+    appending: bool
+    def _append(self, rec: list, fsync: bool = False) -> None: ...
+    def log_grant(self, name: str, token: int, owner: bytes, ttl_ms: int, lock_delay_ms: int,
+                  client_name: str | None, correlation_id: str | None, shared: bool = False,
+                  limit: int = 0) -> None: ...
+    def log_release(self, name: str, token: int) -> None: ...

@@ -12,8 +12,8 @@ without the disk) is only written and rides on the next fsync or the
 interval timer.  A failed write or fsync is final: ``on_fatal`` is called
 and nothing is acknowledged again (see :mod:`fastlock.wal`).
 
-Compiled (Cython; its classes are extension types, their calls to one another C
-calls): what runs per record and per batch - a record's append, the hand-off to
+Compiled (Cython; its classes are extension types, declared in ``commit.pxd``, their
+calls to one another C calls): what runs per record and per batch - a record's append, the hand-off to
 the writer, the acknowledgement of a written batch - runs no Python frame.  The
 annotations are for readers and ``commit.pyi``; they give no C types (first line).
 """
@@ -27,21 +27,40 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import WalFatal
+from ..tokens import COUNTER_MASK, TOKEN_EPOCH_SHIFT
+from .records import GRANT, RELEASE, RESERVE
+from ._syncer cimport Batch
 from ._syncer import append_frame, append_grant_record, append_lease_record, seal_batch
 from .format import MAX_RECORD_BYTES
-from .writer import Batch, SegmentWriter
 
 log = logging.getLogger("fastlock.wal")
+
+cdef extern from "<time.h>" nogil:
+    ctypedef long time_t
+    cdef struct timespec:
+        time_t tv_sec
+        long tv_nsec
+    int clock_gettime(int clk_id, timespec *tp)
+    int CLOCK_REALTIME
+
+cdef long long _COUNTER_MASK = COUNTER_MASK
+cdef int _EPOCH_SHIFT = TOKEN_EPOCH_SHIFT
+cdef int _GRANT = GRANT
+cdef int _RELEASE = RELEASE
+cdef object _RESERVE = RESERVE
+
+
+cdef inline long long _wall_ms() noexcept:
+    """:func:`fastlock.units.wall_ms` in C: the same clock (CLOCK_REALTIME, as ``time.time_ns``),
+    integer milliseconds since the Unix epoch."""
+    cdef timespec ts
+    clock_gettime(CLOCK_REALTIME, &ts)
+    return <long long>ts.tv_sec * 1000 + ts.tv_nsec // 1000000
 
 
 cdef class _Pending:
     """The batch being built: frames not yet handed to the writer."""
 
-    cdef public bytearray buf
-    cdef public object first_lsn
-    cdef public Py_ssize_t last_frame
-    cdef public bint fsync
-    cdef public bint fsync_requested
 
     def __init__(self, first_lsn: int):
         self.buf = bytearray()
@@ -55,7 +74,6 @@ cdef class Marks:
     """LSN progress: ``first`` (the next LSN at open), ``written`` to the OS,
     ``synced`` (fsynced), ``ack`` (durability callbacks released)."""
 
-    cdef public object first, written, synced, ack
 
     def __init__(self, next_lsn: int):
         self.first = next_lsn
@@ -75,28 +93,8 @@ cdef class GroupCommit:
         hand-off; concurrent clients keep the thread (and the loop keeps reading them).
     """
 
-    cdef public object io
-    cdef public bint always
-    cdef public object interval_ms
-    cdef public object on_fatal
-    cdef public object loop
-    cdef public object fatal
-    cdef public bint stopped
-    cdef public object next_lsn
-    cdef public Marks marks
-    cdef _Pending _pending
-    cdef bint _scheduled
-    cdef bint _flushed_in_turn
-    cdef object _inflight
-    cdef object _waiters
-    cdef list _sync_waiters
-    cdef public list listeners
-    cdef public list progress
-    cdef object _timer
-    cdef public bint adaptive
-    cdef Py_ssize_t _last_waiters
 
-    def __init__(self, io: SegmentWriter, always: bool, interval_ms: int, on_fatal: Callable[[BaseException], Any],
+    def __init__(self, io: SegmentFile, always: bool, interval_ms: int, on_fatal: Callable[[BaseException], Any],
                  adaptive: bool = False):
         self.io = io
         self.always = always
@@ -118,6 +116,11 @@ cdef class GroupCommit:
         self._timer = None
         self.adaptive = adaptive
         self._last_waiters = 0  # waiters of the batch handed over before this one
+        #: the server (a ``fastlock.server._wire.BatchEnd``): the ``when_durable`` callbacks a written
+        #: batch releases run as one batch of its, its ``in_batch_end`` set meanwhile, and its
+        #: ``after_batch`` runs once after them when one of them left it owed (``batch_end_owed``:
+        #: a delivery of grants whose replies wait for it); None: nothing around the callbacks
+        self.batch_end = None
 
     def recovered(self, next_lsn: int) -> None:
         """The log on disk ends before ``next_lsn``: number from there."""
@@ -156,7 +159,7 @@ cdef class GroupCommit:
             self._scheduled = True
             self.loop.call_soon(self._kick_soon)
 
-    def add_lease_record(self, kind: int, name: str, token: int, wall_ms: int) -> None:
+    cpdef add_lease_record(self, kind: int, name: str, token: int, wall_ms: int):
         """:meth:`add` of the record ``[kind, name, token, wall_ms]`` (a RELEASE's, an EXPIRE's),
         encoded in C (:func:`~fastlock.wal._syncer.append_lease_record`): the same frame."""
         pending = self._pending
@@ -166,8 +169,8 @@ cdef class GroupCommit:
             self._scheduled = True
             self.loop.call_soon(self._kick_soon)
 
-    def add_grant_record(self, kind: int, name: str, token: int, owner: bytes, ttl_ms: int, lock_delay_ms: int,
-                         client_name: str | None, correlation_id: str | None, wall_ms: int) -> bool:
+    cpdef add_grant_record(self, kind: int, name: str, token: int, owner: bytes, ttl_ms: int, lock_delay_ms: int,
+                           client_name: str | None, correlation_id: str | None, wall_ms: int):
         """:meth:`add` of a GRANT record of 9 fields, encoded in C
         (:func:`~fastlock.wal._syncer.append_grant_record`): the same frame.  Returns False,
         adding nothing, when a field is of a type only the general encoder writes."""
@@ -224,12 +227,13 @@ cdef class GroupCommit:
         io = self.io
         waiters = len(self._waiters) + len(self._sync_waiters)
         lone = (self.adaptive and not concurrent and waiters <= 1 and self._last_waiters <= 1
-                and not io.rotation_due)
+                and io.seg_size < io.segment_bytes)  # (no rotation due)
         self._last_waiters = waiters
         if (fsync or io.seg_size >= io.segment_bytes) and not lone and io.submit(batch):
             return
         try:
-            io.write(batch)
+            if not io.write_cached(batch):  # (the page-cache write, compiled; any other batch:)
+                io.write(batch)
         except BaseException as exc:  # noqa: BLE001 - any write failure makes the log fatal (never acknowledged)
             self._io_failed(exc)
             return
@@ -256,11 +260,25 @@ cdef class GroupCommit:
                 except Exception as exc:  # noqa: BLE001 - one failed listener must not stop the others
                     self._report(exc, "WAL listener failed")
         waiters = self._waiters
-        while waiters and waiters[0][0] <= ack:
-            cb = waiters.popleft()[1]
+        owner = self.batch_end
+        outer = True  # (no batch of callbacks opened here)
+        if owner is not None and waiters and waiters[0][0] <= ack:
+            outer = owner.in_batch_end
+            owner.in_batch_end = True
+        try:
+            while waiters and waiters[0][0] <= ack:
+                cb = waiters.popleft()[1]
+                try:
+                    cb()
+                except Exception as exc:  # noqa: BLE001 - reported; the other waiters still run
+                    self._report(exc, "WAL when_durable callback failed")
+        finally:
+            if not outer:
+                owner.in_batch_end = False
+        if not outer and owner.batch_end_owed:  # the callbacks' batch end: their replies flushed
             try:
-                cb()
-            except Exception as exc:  # noqa: BLE001 - reported; the other waiters still run
+                owner.after_batch()
+            except Exception as exc:  # noqa: BLE001 - reported as a failed callback would be
                 self._report(exc, "WAL when_durable callback failed")
         if self._sync_waiters:
             synced = marks.synced
@@ -326,7 +344,7 @@ cdef class GroupCommit:
                 self._pending.fsync_requested = True  # the records may be written already, unsynced
                 self._schedule()
 
-    def poll(self) -> None:
+    cpdef poll(self):
         """See :meth:`fastlock.wal.WriteAheadLog.poll`."""
         if self._inflight is not None:
             self.io.poll_completed()
@@ -343,7 +361,7 @@ cdef class GroupCommit:
             self.check()
         pending = self._pending
         if (self.always or self._inflight is not None or self.stopped or self.loop is None
-                or pending.fsync or pending.fsync_requested or self.io.rotation_due):
+                or pending.fsync or pending.fsync_requested or self.io.seg_size >= self.io.segment_bytes):
             return False
         if pending.buf:
             self._kick()
@@ -399,3 +417,67 @@ cdef class GroupCommit:
             self._pending = _Pending(self.next_lsn)
         self.stopped = True
         self.io.stop(trim=not drop and self.fatal is None)
+
+
+cdef class Reservation:
+    """The fencing-counter bookkeeping of the log: the highest ``epoch`` and counter
+    (``max_counter``) logged, and (``interval``/``never``) the counter ``reserved`` by
+    RESERVE records, ``block`` values ahead at a time (ints, as C integers of 64 bits)."""
+
+    def __init__(self, block: int):
+        self.block = block
+        self.reserved = 0
+        self.max_counter = 0
+        self.epoch = 0
+
+
+cdef class LogAppender:
+    """The compiled base of :class:`fastlock.wal.log.WriteAheadLog`: the two records every
+    acquire+release pair logs (:meth:`log_grant`, :meth:`log_release`), encoded in C into the
+    pending batch of ``_commit`` (the :class:`GroupCommit`).  ``_counters``: the
+    :class:`Reservation`; ``_always``: ``fsync="always"``; ``appending``: the log is open
+    (recovered, not closed).  A record these do not encode in C (a shared lease's, a
+    semaphore permit's, a field of another type) and every error go through the log's
+    ``_append``, as every other record does."""
+
+
+    def log_grant(self, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id,
+                  shared=False, limit=0):
+        """Log a grant of ``name`` (str) with fencing ``token`` (int; ``ttl_ms``/``lock_delay_ms``
+        in milliseconds, ``owner``: the owner key's hash, bytes; ``client_name``,
+        ``correlation_id``: str or None); ``shared``: a shared lease, ``limit``: a semaphore
+        permit's limit (0: a lock).
+
+        In ``interval``/``never`` mode, a counter beyond the reservation first logs a
+        RESERVE record and makes this batch wait for an fsync.
+        :raises WalFatal: after a failed write/fsync.  :raises TypeError: unencodable field.
+        :raises OverflowError: ``token`` beyond 64 bits (nothing logged).
+        """
+        cdef Reservation c = self._counters
+        cdef long long t = token
+        cdef long long counter = t & _COUNTER_MASK
+        cdef long long ep = t >> _EPOCH_SHIFT
+        cdef GroupCommit commit = self._commit
+        if counter > c.max_counter:
+            c.max_counter = counter
+        if ep > c.epoch:
+            c.epoch = ep
+        if counter > c.reserved and not self._always:
+            c.reserved = counter + c.block
+            self._append([_RESERVE, c.reserved, _wall_ms()], fsync=True)
+        if shared or limit:
+            self._append([_GRANT, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id,
+                          _wall_ms(), shared, limit])
+        elif (commit.fatal is not None or not self.appending or type(owner) is not bytes
+              or not commit.add_grant_record(_GRANT, name, token, owner, ttl_ms, lock_delay_ms, client_name,
+                                             correlation_id, _wall_ms())):
+            self._append([_GRANT, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id,
+                          _wall_ms()])
+
+    def log_release(self, name, token):
+        """Log that the holder with ``token`` (int) released ``name`` (str)."""
+        cdef GroupCommit commit = self._commit
+        if commit.fatal is None and self.appending and type(name) is str:  # encoded in C
+            commit.add_lease_record(_RELEASE, name, token, _wall_ms())
+        else:
+            self._append([_RELEASE, name, token, _wall_ms()])

@@ -17,27 +17,23 @@ import gc
 import logging
 import os
 from collections.abc import Callable, Iterator
-from time import time_ns
 from typing import Any
 
 import msgpack
 
 from ..errors import WalFatal
-from ..tokens import COUNTER_MASK, TOKEN_EPOCH_SHIFT
 from ..units import wall_ms
 from .backlog import read_records
-from .commit import GroupCommit
+from .commit import GroupCommit, LogAppender, Reservation
 from .files import fsync_dir, secure_directory, write_atomically
 from .records import (
     EPOCH,
     EXPIRE,
     EXTEND,
-    GRANT,
     KEY_DELETE,
     KEY_MOVED,
     KEY_PUT,
     LOCK_DELAY,
-    RELEASE,
     RESERVE,
     REVOKE,
     REVOKE_REQUEST,
@@ -72,19 +68,6 @@ def _default_on_fatal(exc: BaseException) -> None:
     raise exc
 
 
-class _Reservation:
-    """The fencing-counter bookkeeping of the log: the highest epoch and counter
-    logged, and (``interval``/``never``) the counter reserved by RESERVE records."""
-
-    __slots__ = ("block", "reserved", "max_counter", "epoch")
-
-    def __init__(self, block: int):
-        self.block = block
-        self.reserved = 0
-        self.max_counter = 0
-        self.epoch = 0
-
-
 @contextlib.contextmanager
 def paused_gc() -> Iterator[None]:
     """No cyclic garbage collection inside (restored after, if it was enabled): for code that
@@ -98,7 +81,7 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-class WriteAheadLog:
+class WriteAheadLog(LogAppender):
     """The write-ahead log of one server.
 
     :param directory: data directory (created by :meth:`open` if missing).
@@ -173,7 +156,7 @@ class WriteAheadLog:
         #: the snapshotter, for the server's compiled batch end (its ``next_due`` and ``next_due_bytes``,
         #: :meth:`maybe_snapshot`'s first check, read without a call)
         self.snapshotter = self._snapshots
-        self._counters = _Reservation(reserve_block)
+        self._counters = Reservation(reserve_block)
         #: open(repair=True) cut records: acknowledged grants may be gone, and with
         #: them the evidence of the tokens they used (the server raises the epoch)
         self.repaired = False
@@ -230,6 +213,7 @@ class WriteAheadLog:
         if not self._always and not self.unsynced_before:
             write_atomically(d, UNSYNCED_MARKER, f"fsync={self.fsync_mode}\n".encode())
         self._phase = _Phase.OPEN
+        self.appending = True
         return state
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -249,42 +233,8 @@ class WriteAheadLog:
         commit.add(_pack(rec), fsync)  # :raises ValueError: a record over MAX_RECORD_BYTES
 
     # Each log_* method appends one record, ``[type, field, ...]`` in the order of the
-    # fields of its type in fastlock.wal.records (built inline: this is the hot path).
-    def log_grant(self, name: str, token: int, owner: bytes, ttl_ms: int, lock_delay_ms: int,
-                  client_name: str | None, correlation_id: str | None, shared: bool = False, limit: int = 0) -> None:
-        """Log a grant of ``name`` with fencing ``token`` (ttl/lock-delay in milliseconds);
-        ``shared``: a shared lease, ``limit``: a semaphore permit's limit (0: a lock).
-
-        In ``interval``/``never`` mode, a counter beyond the reservation first logs a
-        RESERVE record and makes this batch wait for an fsync.
-        :raises WalFatal: after a failed write/fsync.  :raises TypeError: unencodable field.
-        """
-        c = self._counters
-        counter = token & COUNTER_MASK
-        if counter > c.max_counter:
-            c.max_counter = counter
-        ep = token >> TOKEN_EPOCH_SHIFT
-        if ep > c.epoch:
-            c.epoch = ep
-        if counter > c.reserved and not self._always:
-            c.reserved = counter + c.block
-            self._append([RESERVE, c.reserved, wall_ms()], fsync=True)
-        commit = self._commit
-        if shared or limit:
-            self._append([GRANT, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id, wall_ms(),
-                          shared, limit])
-        elif (commit.fatal is not None or self._phase is not _Phase.OPEN or type(owner) is not bytes
-              or not commit.add_grant_record(GRANT, name, token, owner, ttl_ms, lock_delay_ms, client_name,
-                                             correlation_id, time_ns() // 1_000_000)):  # (wall_ms, inline)
-            self._append([GRANT, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id, wall_ms()])
-
-    def log_release(self, name: str, token: int) -> None:
-        """Log that the holder with ``token`` released ``name``."""
-        commit = self._commit
-        if commit.fatal is None and self._phase is _Phase.OPEN and type(name) is str:  # encoded in C
-            commit.add_lease_record(RELEASE, name, token, time_ns() // 1_000_000)  # (wall_ms, inline)
-        else:
-            self._append([RELEASE, name, token, wall_ms()])
+    # fields of its type in fastlock.wal.records; log_grant and log_release (every pair's
+    # records) are the compiled base's (commit.LogAppender), encoded in C.
 
     def log_expire(self, name: str, token: int) -> None:
         """Log that the lease with ``token`` on ``name`` expired."""
@@ -546,6 +496,7 @@ class WriteAheadLog:
 
     def _stop(self, drop: bool = False) -> None:
         self._phase = _Phase.CLOSED
+        self.appending = False
         self._commit.stop(drop)  # stops the writer: closes the segment, releases the directory lock
         self._snapshots.join()
 

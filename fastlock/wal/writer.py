@@ -39,11 +39,10 @@ import errno
 import logging
 import os
 import threading
-import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from ._syncer import Batch, Syncer, datasync, pwrite_all, zero_fill
+from ._syncer import COMPILED_DISK, Batch, SegmentFile, Syncer
 from .files import FILE_MODE, DirectoryLock, fsync_dir, io_error
 from .format import SEG_HEADER, seg_header, seg_name
 
@@ -56,9 +55,6 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 #: zero-fill a segment this many bytes ahead of its write offset (bytes)
 PREALLOC_STEP = 1 << 20
-
-#: the compiled I/O primitives (the default :attr:`SegmentWriter.disk`)
-COMPILED_DISK = types.SimpleNamespace(pwrite_all=pwrite_all, datasync=datasync, zero_fill=zero_fill)
 
 
 def _io(op: str, path: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -134,7 +130,7 @@ class FinishedJob(NamedTuple):
     result: SyncResult
 
 
-class SegmentWriter:
+class SegmentWriter(SegmentFile):
     """Writes batches to numbered segments in ``directory``.
 
     :param directory: the data directory.
@@ -144,7 +140,10 @@ class SegmentWriter:
     :param preallocate: zero-fill segments ahead of the write offset (see the module docstring).
 
     Every method except :meth:`start`, :meth:`submit` and :meth:`stop` runs on
-    whoever does the I/O: the writer thread, or the loop when no thread runs.
+    whoever does the I/O: the writer thread, or the loop when no thread runs.  The state
+    every batch changes is kept in the slots of the compiled base
+    (:class:`~fastlock.wal._syncer.SegmentFile`), whose ``write_cached`` is :meth:`write`
+    compiled for a batch written to the page cache (group commit's common case).
     """
 
     def __init__(self, directory: str, segment_bytes: int, segments: SegmentList, threaded: bool,
@@ -185,11 +184,6 @@ class SegmentWriter:
         if self._dir_lock is not None:
             self._dir_lock.release()
             self._dir_lock = None
-
-    @property
-    def rotation_due(self) -> bool:
-        """Does the next batch start a new segment (an fsync and a create)?"""
-        return self.seg_size >= self.segment_bytes
 
     def open_segment(self, first_lsn: int) -> None:
         """Create and switch to a new segment starting at ``first_lsn`` (header, first
@@ -343,6 +337,7 @@ class SegmentWriter:
             return
         self._on_done, self._on_failed = on_done, on_failed
         self._worker = WriterThread(loop, self._on_wake)
+        self.fill = self._worker.syncer  # (write_cached waits for its zero-fill)
 
     def submit(self, batch: Batch) -> bool:
         """Hand ``batch`` to the thread if it blocks on the disk (a sync or a rotation)
@@ -412,6 +407,7 @@ class SegmentWriter:
         directory; ``trim``: first cut the zero-filled space after the last record
         (a clean close: everything is synced)."""
         if self._worker is not None:
+            self.fill = None
             self._worker.stop()
             self._worker = None
         if self._fd >= 0:

@@ -1,0 +1,22 @@
+# The compiled classes of fastlock/wal/_syncer.pyx that group commit (commit.pyx) reaches with C calls.
+
+cdef class Batch:
+    cdef public object data, first_lsn, last_lsn
+    cdef public bint fsync
+
+
+cdef class SegmentFile:
+    cdef public int _fd
+    cdef public object seg_first
+    cdef public object seg_path
+    cdef public long long segment_bytes
+    cdef public long long seg_size
+    cdef public long long alloc_end
+    cdef public long long durable_offset
+    cdef public long long bytes
+    cdef public long long batches
+    cdef public bint _dirty
+    cdef public object disk
+    cdef public object fill
+
+    cpdef bint write_cached(self, Batch batch) except -1

@@ -1,0 +1,56 @@
+# The compiled classes of fastlock/wal/commit.pyx, declared for the modules that reach them
+# with C calls and C field reads (the server's batch end, fastlock/server/_wire.pyx).
+
+from ._syncer cimport SegmentFile
+
+
+cdef class _Pending:
+    cdef public bytearray buf
+    cdef public object first_lsn
+    cdef public Py_ssize_t last_frame
+    cdef public bint fsync
+    cdef public bint fsync_requested
+
+
+cdef class Marks:
+    cdef public object first, written, synced, ack
+
+
+cdef class GroupCommit:
+    cdef public SegmentFile io
+    cdef public bint always
+    cdef public object interval_ms
+    cdef public object on_fatal
+    cdef public object loop
+    cdef public object fatal
+    cdef public bint stopped
+    cdef public object next_lsn
+    cdef public Marks marks
+    cdef _Pending _pending
+    cdef bint _scheduled
+    cdef bint _flushed_in_turn
+    cdef object _inflight
+    cdef object _waiters
+    cdef list _sync_waiters
+    cdef public list listeners
+    cdef public list progress
+    cdef object _timer
+    cdef public bint adaptive
+    cdef Py_ssize_t _last_waiters
+    cdef public object batch_end
+
+    cpdef add_lease_record(self, kind, name, token, wall_ms)
+    cpdef add_grant_record(self, kind, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id,
+                           wall_ms)
+    cpdef poll(self)
+
+
+cdef class Reservation:
+    cdef public long long block, reserved, max_counter, epoch
+
+
+cdef class LogAppender:
+    cdef public GroupCommit _commit
+    cdef public Reservation _counters
+    cdef public bint _always
+    cdef public bint appending
