@@ -5,8 +5,8 @@ A move's import raises the destination's token counter above the source's high-w
 (SLOTS_ADOPTED).  A mark followed by its flip written to etcd by hand (or by an interrupted or
 buggy driver) gives a group a slot with no import: the destination would grant the slot's
 names from its own counter, below tokens the source granted.  It answers them ``Unavailable``
-instead until the slot's floor is adopted (``fastlock shard adopt``), after a restart and on a
-promoted standby too."""
+instead until the slot's floor is adopted (``fastlock shard adopt``), after a restart, on a
+promoted standby and with a static map file too."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ from conftest import wait_until
 from test_shard_move_tokens import EtcdGroups, _acquire_on, _rising, _status, shard
 
 import fastlock
+from fastlock._testbase.proxy import free_port
+from fastlock._testbase.servers import ServerProcess
 from fastlock._testbase.shards import names_owned_by
 from fastlock.coordination.shardmap import load_from_etcd
 from fastlock.errors import Unavailable
-from fastlock.sharding import slot_of
+from fastlock.sharding import ShardGroup, ShardMap, even_ranges, slot_of, write_map_file
 from fastlock.sharding.moves import finish_move, mark_moving
 from fastlock.tokens import epoch_of
 
@@ -154,3 +156,34 @@ async def test_a_move_run_by_the_driver_leaves_no_slot_unadopted(groups_of):
     tokens.append(got)
     _rising(name, tokens)
     assert (await _status(g.servers["g1-0"]))["shard"]["unadopted"] == 0
+
+
+async def test_a_static_map_file_flipped_between_restarts_is_not_served_until_adopted(tmp_path):
+    """A node of group b with a static map file, restarted with a file marking a slot of a
+    moving to b, then with its flip (no import in between): it answers the slot's names
+    Unavailable (the code before granted them at b's epoch 1), and ``fastlock shard adopt --server
+    NODE --force --above-epoch 41`` lets it grant them at epoch 42."""
+    port = free_port()
+    first = ShardMap(1, (ShardGroup("a", (f"127.0.0.1:{free_port()}",)), ShardGroup("b", (f"127.0.0.1:{port}",))),
+                     even_ranges(["a", "b"]))
+    name = names_owned_by(first, "a", 1, "static")[0]
+    slot = slot_of(name)
+    marked = mark_moving(first, slot, slot, "b")
+    path = tmp_path / "map.json"
+    server = ServerProcess(tmp_path / "b", fsync="never", port=port,
+                           args=["--shard-map", str(path), "--shard-group", "b"])
+    try:
+        for shard_map in (first, marked, finish_move(marked, slot, slot, "b")):
+            write_map_file(path, shard_map)
+            if server.proc is not None:
+                server.stop()
+            server.start()
+        _refused_for_its_floor(await _acquire_on(server.address, None, name), slot)
+        assert (await _status(server))["shard"]["unadopted"] == 1
+        argv = ["shard", "adopt", "--server", server.address, "--slots", str(slot), "--force", "--above-epoch", "41"]
+        assert await shard(argv) == 0
+        got = await _acquire_on(server.address, None, name)
+        assert isinstance(got, int) and epoch_of(got) == 42, got
+    finally:
+        if server.proc is not None and server.proc.poll() is None:
+            server.stop()

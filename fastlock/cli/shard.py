@@ -52,9 +52,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        ("split", "move the upper half of a group's largest slot range to another group"),
                        ("adopt", "give slots their owner gained without a move's import their token floor")):
         p = commands.add_parser(name, help=what)
-        p.add_argument("--coordinator", required=name != "status", metavar="etcd://HOST:PORT[,HOST:PORT]/PREFIX",
+        p.add_argument("--coordinator", required=name not in ("status", "adopt"),
+                       metavar="etcd://HOST:PORT[,HOST:PORT]/PREFIX",
                        help="the etcd and key prefix the groups use; the map is the key PREFIX/shard-map")
-        if name == "status":
+        if name in ("status", "adopt"):
             p.add_argument("--server", metavar="HOST:PORT",
                            help="instead of --coordinator: the map a node serves by (SHARD_MAP; a static map "
                                 "file's too); its token from FASTLOCK_TOKEN_FILE, as every client's")
@@ -120,12 +121,30 @@ async def _served_map(server: str) -> ShardMap:
     return found[1]
 
 
+async def _adopt(args: argparse.Namespace, shard_map: ShardMap) -> int:
+    """``fastlock shard adopt`` by ``shard_map`` (etcd's, or the one ``--server`` serves by)."""
+    first, last = parse_slots(args.slots)
+    if not 0 <= args.above_epoch < MAX_EPOCH:
+        raise ShardMapError(f"--above-epoch is 0..{MAX_EPOCH - 1}")
+    adopted = await adopt_slots(shard_map, first, last, source=args.source, force=args.force,
+                                above_epoch=args.above_epoch, token=read_token(args),
+                                progress=None if args.output == "json" else print)
+    if args.output == "json":
+        print(json.dumps(adopted._asdict()))
+    else:
+        print(f"done: slots {first}..{last} of {adopted.owner} adopted the token floor {adopted.floor} "
+              f"({adopted.source}; {adopted.adopted} were unadopted); its epoch is {adopted.epoch}")
+    return 0
+
+
 async def _run(args: argparse.Namespace) -> int:
-    if args.shard_command == "status" and (args.server is None) == (args.coordinator is None):
+    if args.shard_command in ("status", "adopt") and (args.server is None) == (args.coordinator is None):
         raise ShardMapError("give either --coordinator or --server")
     if args.shard_command == "status" and args.server is not None:
         _print(await _served_map(args.server), args.output)
         return 0
+    if args.shard_command == "adopt" and args.server is not None:  # a static map file's deployment too
+        return await _adopt(args, await _served_map(args.server))
     access = EtcdAccess(args.coordinator_protocol, args.coordinator_cacert, args.coordinator_cert,
                         args.coordinator_key, args.coordinator_user, args.coordinator_password_file)
     access.check()
@@ -162,18 +181,7 @@ async def _run(args: argparse.Namespace) -> int:
                       f"frozen {report.freeze_ms:.0f} ms")
             return 0
         if args.shard_command == "adopt":
-            first, last = parse_slots(args.slots)
-            if not 0 <= args.above_epoch < MAX_EPOCH:
-                raise ShardMapError(f"--above-epoch is 0..{MAX_EPOCH - 1}")
-            adopted = await adopt_slots(shard_map, first, last, source=args.source, force=args.force,
-                                        above_epoch=args.above_epoch, token=read_token(args),
-                                        progress=None if args.output == "json" else print)
-            if args.output == "json":
-                print(json.dumps(adopted._asdict()))
-            else:
-                print(f"done: slots {first}..{last} of {adopted.owner} adopted the token floor {adopted.floor} "
-                      f"({adopted.source}; {adopted.adopted} were unadopted); its epoch is {adopted.epoch}")
-            return 0
+            return await _adopt(args, shard_map)
         if args.shard_command == "addresses":
             new = shard_map.with_addresses(args.group.name, args.group.addresses)
             await stored.replace(revision, shard_map, new)
