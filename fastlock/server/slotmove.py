@@ -1,4 +1,5 @@
-"""A slot move's two ops: SLOT_EXPORT on the source group's primary, SLOT_IMPORT on the destination's.
+"""A slot move's two ops: SLOT_EXPORT on the source group's primary, SLOT_IMPORT on the destination's;
+and SLOT_ADOPT, a slot's token floor set on its owner's primary without a move (``fastlock shard adopt``).
 
 ``fastlock shard move`` (:mod:`fastlock.cli.shardmove`) marks slots ``first..last`` moving to
 group ``G`` in the map, then pages the frozen slots' state out of the source with
@@ -73,6 +74,12 @@ snapshot and the records after it; a standby that joins by a snapshot gets them 
 <fastlock.server.sharded.ShardGate.relog_imports>`, as running lock-delays are).  The reply is
 sent once every standby attached to this primary has applied that record (at most :data:`STANDBY_WAIT_S`; else
 :class:`~fastlock.errors.Unavailable`): the mover writes the flip only after it.
+
+A slot gained without an import.  A group that gains a slot by a map change with no import of
+it (a mark and its flip written by hand) does not serve its names
+(:attr:`fastlock.server.sharded.ShardGate.unadopted`) until ``SLOT_ADOPT first, last, floor``
+(an admin's, on the owner's primary) raises its token floor above ``floor`` as an import does
+and logs ``SLOTS_ADOPTED`` with no queues (:meth:`SlotMoves.op_slot_adopt`).
 """
 
 from __future__ import annotations
