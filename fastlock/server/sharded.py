@@ -37,6 +37,15 @@ primary's ``SLOTS_ADOPTED`` records, :meth:`ShardGate.adopted_by_log` on a stand
 refused for lack of one is offered again when the record arrives); a promotion reads the map
 in etcd before the node serves (:meth:`ShardGate.take_stored_map`): a promoted node never grants the names of
 slots the map in etcd gave another group (tokens of a moved name never go backwards).
+
+A slot gained without its token floor: a map may give this group a slot by the flip of a move
+whose state the group never imported (the mark and the flip written by hand, or a map file
+restarted from the mark to the flip).  The node takes the map but answers every request naming
+that slot :class:`~fastlock.errors.Unavailable` (:attr:`ShardGate.unadopted`, kept in the data
+directory, ``unadopted-slots.json``) until a ``SLOTS_ADOPTED`` record of the slot arrives (an
+import, or ``SLOT_ADOPT``: ``fastlock shard adopt``), else its tokens could be below those the
+slot's previous group granted.  The slots a node owns in the first map it serves by on an empty
+data directory are taken as never served by another group.
 """
 
 from __future__ import annotations
