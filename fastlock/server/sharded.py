@@ -116,6 +116,11 @@ def held_share(single_principal: bool, anonymous_divisor: int) -> Quota:
     return Quota(share, max(1, share // max(1, anonymous_divisor)), HELD_WHAT, "")
 
 
+def _or(a: bytes, b: bytes) -> bytes:
+    """The table of 0/1 bytes that is 1 where ``a`` or ``b`` is 1 (tables of one length)."""
+    return (int.from_bytes(a, "big") | int.from_bytes(b, "big")).to_bytes(len(a), "big")
+
+
 def _and_not(a: bytes, b: bytes) -> bytes:
     """The table of 0/1 bytes that is 1 where ``a`` is 1 and ``b`` is 0 (tables of one length)."""
     return (int.from_bytes(a, "big") & ~int.from_bytes(b, "big")).to_bytes(len(a), "big")
@@ -235,6 +240,7 @@ class ShardGate:
         self.moving = shard_map.moving_slots_of(self.group)
         #: whether a move is moving any of this group's slots
         self.moving_any = 1 in self.moving
+        self._stopped()
         if self.served_path is not None:
             write_map_file(self.served_path, shard_map)
         log.info("shard map epoch %d: group %s owns %d of %d slots", shard_map.epoch, self.group,
@@ -304,8 +310,15 @@ class ShardGate:
                 changed = True
         if changed:
             self.unadopted_any = 1 in table
+            self._stopped()
             if write:
                 self._write_unadopted()
+
+    def _stopped(self) -> None:
+        """Set :attr:`stopped`: 1 at each slot a move is moving away or owned without its floor
+        (the one table :meth:`check_name` looks at for either, after ownership)."""
+        #: 1 at each slot of :attr:`moving` or :attr:`unadopted`
+        self.stopped = _or(self.moving, bytes(self.unadopted)) if self.unadopted_any else self.moving
 
     def _write_unadopted(self) -> None:
         """Write :attr:`unadopted` to :attr:`unadopted_path` (a new file renamed over the old one)."""
@@ -458,9 +471,9 @@ class ShardGate:
             slot = slot_of(name)
             if not self.owned[slot]:
                 raise self.wrong_shard(name, slot)
-            if self.moving[slot]:
-                return slot
-            if self.unadopted_any and self.unadopted[slot]:
+            if self.stopped[slot]:
+                if self.moving[slot]:
+                    return slot
                 raise self.not_adopted(name, slot)
         return -1
 
