@@ -1018,5 +1018,5 @@ class ShardGate:
         Unavailable) and ``unadopted_slots`` (those, as runs ``[first, last]``, the first
         :data:`INFO_RUNS`)."""
         return {"group": self.group, "epoch": self.shard_map.epoch, "slots": sum(self.owned),
-                "moving": sum(self.moving), "held": len(self.held), "unadopted": sum(self.unadopted),
+                "moving": sum(self.moving), "held": len(self.held), "unadopted": self.unadopted.count(1),
                 "unadopted_slots": self.unadopted_runs()[:INFO_RUNS] if self.unadopted_any else []}

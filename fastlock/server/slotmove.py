@@ -527,7 +527,7 @@ class SlotMoves:
         wal = self.handlers.wal
         wal.log_slots_adopted(first, last, floor, table.epoch, [])
         logged = wal.logged_lsn
-        adopted = sum(gate.unadopted[first:last + 1])
+        adopted = gate.unadopted[first:last + 1].count(1)
         log.warning("slot adopt: slots %d..%d adopt the token floor %d (%d owned without one); epoch %d", first, last,
                     floor, adopted, table.epoch)
         reply = P.encode_ok(req_id, {"epoch": table.epoch, "adopted": adopted})
