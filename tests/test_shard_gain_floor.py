@@ -187,3 +187,32 @@ async def test_a_static_map_file_flipped_between_restarts_is_not_served_until_ad
     finally:
         if server.proc is not None and server.proc.poll() is None:
             server.stop()
+
+
+async def test_a_standby_that_joins_after_a_flip_by_hand_learns_the_slot_is_unadopted(groups_of):
+    """g1's second node starts on an empty data directory after the slot was flipped to g1 by
+    hand: the first map it serves by already gives g1 the slot, so only its primary's log can
+    tell it the slot has no floor (SLOTS_UNADOPTED, logged again after the snapshot it joins by).
+    Promoted after g1's primary is killed, it answers the name Unavailable (the code before
+    granted it at g1's epoch, below g0's 41)."""
+    g = await groups_of((1, 2), later=("g1-1",), **HIGH)
+    name = names_owned_by(g.shard_map, "g0", 1, "joinlate")[0]
+    slot = slot_of(name)
+    tokens = [await _granted_on_g0(g, name)]
+    epoch = await _mark_and_flip_by_hand(g, slot, ("g0-0", "g1-0"))
+    g.servers["g1-1"] = g._server("g1-1").start()
+    await wait_until(lambda: g.is_role("g1-1", "standby"), 60, "g1-1 to join as a standby")
+    assert await g.serves_epoch("g1-1", epoch)
+    await wait_until(lambda: _unadopted(g, "g1-1"), 30, "g1-1 to learn the slot is unadopted")
+    g.servers["g1-0"].kill()
+    await wait_until(lambda: g.is_role("g1-1", "primary"), 60, "g1's standby to be promoted")
+    got = await _acquire_on(g.servers["g1-1"].address, g.app, name)
+    if isinstance(got, int):
+        tokens.append(got)
+    _rising(name, tokens)
+    _refused_for_its_floor(got, slot)
+
+
+async def _unadopted(g, node: str) -> bool:
+    st = await _status(g.servers[node])
+    return st is not None and st["shard"]["unadopted"] == 1

@@ -75,7 +75,7 @@ from .shares import Quota, default_share
 from .slotmove import drop_keys
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..wal.records import SlotsAdopted
+    from ..wal.records import SlotsAdopted, SlotsUnadopted
     from .handlers import Handlers
 
 log = logging.getLogger(__name__)
@@ -342,6 +342,25 @@ class ShardGate:
                 runs.append([slot, slot])
         return runs
 
+    def unadopted_by_log(self, record: SlotsUnadopted) -> None:
+        """A standby applied its primary's SLOTS_UNADOPTED record: the slots of it this group owns
+        are owned without their token floor here too (a standby that joined after the primary took
+        their flip learns it so)."""
+        first, last = record.first, record.last
+        if type(first) is not int or type(last) is not int or not 0 <= first <= last < SLOTS:
+            log.error("ignoring a SLOTS_UNADOPTED record of slots %r..%r: not 0 <= first <= last < %d", first, last,
+                      SLOTS)
+            return
+        self._set_unadopted([s for s in range(first, last + 1) if self.owned[s]], 1)
+
+    def relog_unadopted(self, wal: Any) -> int:
+        """Log a SLOTS_UNADOPTED record for each run of slots this group owns without their token
+        floor (after a standby's snapshot, and at a primary's start): how many."""
+        runs = self.unadopted_runs() if self.unadopted_any else []
+        for first, last in runs:
+            wal.log_slots_unadopted(first, last)
+        return len(runs)
+
     def adopt(self, first: int, last: int) -> None:
         """Slots ``first..last`` have their token floor now (a SLOTS_ADOPTED record of this group's,
         logged and durable): their names are served."""
@@ -449,6 +468,8 @@ class ShardGate:
         keys of slots whose move was aborted while it was down (``KEY_MOVED`` naming the owner)."""
         if not self._is_primary():
             return
+        if self.unadopted_any:  # its standbys learn it from the log
+            self.relog_unadopted(self.server.wal)
         owned = sorted({slot_of(n) for n in self.imported_queues if self.owned[slot_of(n)]})
         if owned:
             self._let_in(owned, judge_floor=False)
@@ -867,6 +888,8 @@ class ShardGate:
         floorless = [s for s in gained if s not in taken_set] if judge_floor and len(taken) < len(gained) else []
         if floorless:  # a mark and its flip with no import: this group never adopted their token floor
             self._set_unadopted(floorless, 1)
+            if self._is_primary():  # its standbys learn it from the log (one that joins later too)
+                self.relog_unadopted(server.wal)
             log.error("shard map epoch %d gives group %s slots %s by a move whose state this group never imported "
                       "(its log has no SLOTS_ADOPTED record of them): their names are answered Unavailable until "
                       "their token floor is adopted (`fastlock shard adopt`)", self.shard_map.epoch, self.group,
