@@ -38,7 +38,11 @@ The rules:
   shard group imported slots ``first..last`` by a move (a standby's shard gate takes
   their flip only then, :mod:`fastlock.server.sharded`; see :class:`SlotsAdopted`);
   recovery keeps the slots and the waiter queue parts in :class:`ImportedSlots`, which a
-  snapshot carries too (the slots imported and not yet taken when it was written).
+  snapshot carries too (the slots imported and not yet taken when it was written);
+* SLOTS_UNADOPTED tells the target that this shard group owns slots ``first..last``
+  without their token floor (a standby's shard gate answers their names Unavailable
+  until a SLOTS_ADOPTED record of them; recovery leaves it to the data directory's
+  ``unadopted-slots.json``; see :class:`SlotsUnadopted`).
 """
 
 from __future__ import annotations
