@@ -109,7 +109,8 @@ REPLICA_OPS = {P.OP_REPLICATE, P.OP_REPL_ACK, P.OP_STEP_DOWN, P.OP_SYNC_ACK}
 OPEN_OPS = {P.OP_PING, P.OP_STATUS, P.OP_UNWATCH, ops.OP_SHARD_MAP, ops.OP_COMMIT_RESERVATION,
             ops.OP_WAIT_IDENTITY, ops.OP_WAITS_FOR}
 ADMIN_OPS = {P.OP_PROMOTE, P.OP_SERVE_ALONE, P.OP_LOCKS, P.OP_LOCK_INFO, P.OP_REVOKE, ops.OP_SESSIONS,
-             ops.OP_SESSION_REVOKE, ops.OP_SLOT_EXPORT, ops.OP_SLOT_IMPORT, ops.OP_SHARD_MAP_NOTICE}
+             ops.OP_SESSION_REVOKE, ops.OP_SLOT_EXPORT, ops.OP_SLOT_IMPORT, ops.OP_SHARD_MAP_NOTICE,
+             ops.OP_SLOT_ADOPT}
 #: per-principal quotas small enough for the mixed rounds to reach (the anonymous principal's: a quarter)
 QUOTA_ARGS = ["--max-leases-per-principal", "24", "--max-waiters-per-principal", "8",
               "--max-watches-per-principal", "8", "--max-keys-per-principal", "8"]

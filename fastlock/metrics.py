@@ -20,6 +20,7 @@ seconds, bytes)::
     fastlock_sync_degraded, fastlock_sync_held, fastlock_sync_degradations_total   (--replication sync)
     fastlock_sync_members                members of an etcd group's in-sync set (PREFIX/sync)
     fastlock_sync_acks_rejected_total    SYNC_ACKs of an LSN their replication connection never carried
+    fastlock_shard_unadopted_slots       slots a sharded node's group owns without their token floor (not served)
     fastlock_build_info{version, python, implementation}
     fastlock_request_seconds{op}         histogram: time to handle a request on the loop
     fastlock_time_to_acquire_seconds     histogram: request arrival to grant decision
@@ -157,6 +158,12 @@ class _Collector:
                                   value=sync.get("acks_rejected", 0))
         yield GaugeMetricFamily("fastlock_sync_members", "Standbys in an etcd group's in-sync set (PREFIX/sync)",
                                 value=len(sync.get("members") or []))
+        shard = st.get("shard")
+        if isinstance(shard, dict):  # a sharded node (fastlock.server.sharded)
+            yield GaugeMetricFamily("fastlock_shard_unadopted_slots",
+                                    "Slots this node's shard group owns without their token floor: their names are "
+                                    "answered Unavailable until `fastlock shard adopt`",
+                                    value=shard.get("unadopted", 0))
         wal = st.get("wal") or {}
         yield CounterMetricFamily("fastlock_wal_records", "WAL records logged since start", value=wal.get("records", 0))
         yield CounterMetricFamily("fastlock_wal_bytes", "WAL bytes written since start", value=wal.get("bytes", 0))

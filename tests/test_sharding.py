@@ -207,7 +207,8 @@ def test_a_newer_map_is_applied_and_an_older_or_foreign_one_is_not():
     assert gate.shard_map.epoch == 2
     gate.offer(two_groups(3).with_addresses("b", ("127.0.0.1:1",)))
     assert gate.shard_map.epoch == 4 and gate.info() == {"group": "a", "epoch": 4, "slots": 8192,
-                                                                 "moving": 0, "held": 0}
+                                                                 "moving": 0, "held": 0, "unadopted": 0,
+                                                                 "unadopted_slots": []}
     gate.offer(ShardMap(9, (ShardGroup("z", ("h:1",)),), (SlotRange(0, SLOTS - 1, "z"),)))  # names no "a"
     assert gate.shard_map.epoch == 4
     # slots that change owner without a move: refused
@@ -217,6 +218,67 @@ def test_a_newer_map_is_applied_and_an_older_or_foreign_one_is_not():
     gate.offer(ShardMap(11, gate.shard_map.groups,
                         (SlotRange(0, 99, "b"), SlotRange(100, 8191, "a"), SlotRange(8192, SLOTS - 1, "b"))))
     assert gate.shard_map.epoch == 11 and gate.owned[0] == 0 and gate.owned[100] == 1
+
+
+def test_a_slot_gained_by_a_flip_without_its_import_is_answered_unavailable_until_adopted(tmp_path):
+    """A mark and its flip with no import between them: the gate takes the map, but a name of
+    the gained slot is answered Unavailable (the slot has no token floor here) until a
+    SLOTS_ADOPTED record of it arrives, and the data directory keeps that across a restart; a
+    slot imported before its flip is served at once, and one lost again needs its floor again."""
+    from fastlock.errors import Unavailable
+    from fastlock.server.sharded import ShardGate
+    from fastlock.sharding.moves import finish_move, mark_moving
+    from fastlock.wal.records import SlotsAdopted
+
+    def name_in(slot: int) -> str:
+        return next(f"x{i}" for i in range(100_000) if slot_of(f"x{i}") == slot)
+
+    gate = ShardGate(two_groups(), "b")
+    gate.remember(tmp_path)
+    marked = mark_moving(two_groups(), 0, 1, "b")
+    gate.offer(marked)
+    gate.imported[1] = 1  # slot 1's state was imported (SLOTS_ADOPTED), slot 0's not
+    flipped = finish_move(marked, 0, 1, "b")
+    gate.offer(flipped)
+    assert gate.shard_map.epoch == flipped.epoch and gate.owned[0] == gate.owned[1] == 1
+    with pytest.raises(Unavailable, match=r"slot 0, which shard group b gained .* `fastlock shard adopt"):
+        gate.check_name(name_in(0))
+    with pytest.raises(Unavailable):
+        gate.check_names(NamesAt(lists=(0,)), [[name_in(0), name_in(1)]])
+    assert gate.refusal([name_in(0)]) is not None
+    assert gate.check_name(name_in(1)) == -1  # imported: served
+    assert gate.info()["unadopted"] == 1 and gate.info()["unadopted_slots"] == [[0, 0]]
+
+    again = ShardGate(flipped, "b")  # a restart with the same map: still unadopted
+    again.remember(tmp_path)
+    again.restore_imports(None)
+    with pytest.raises(Unavailable):
+        again.check_name(name_in(0))
+    again.adopted_by_log(SlotsAdopted(0, 0, 5 << 40, 5, [], 0))  # its primary adopted the floor
+    assert again.check_name(name_in(0)) == -1 and again.info()["unadopted"] == 0
+    assert json.loads((tmp_path / "unadopted-slots.json").read_text()) == []
+
+    gate.offer(finish_move(mark_moving(gate.shard_map, 0, 0, "a"), 0, 0, "a").with_epoch(flipped.epoch + 2))
+    assert gate.owned[0] == 0 and gate.unadopted[0] == 0  # gone: a later gain needs its floor again
+
+
+def test_a_node_started_with_a_flip_that_came_while_it_was_down_adopts_only_imported_slots(tmp_path):
+    """A node that last served the mark and starts with the flip: a gained slot whose import its
+    recovery finds is served; one without is answered Unavailable."""
+    from fastlock.errors import Unavailable
+    from fastlock.server.sharded import ShardGate
+    from fastlock.sharding.moves import finish_move, mark_moving
+    from fastlock.wal.records import ImportedSlots
+
+    marked = mark_moving(two_groups(), 0, 1, "b")
+    before = ShardGate(marked, "b")
+    before.remember(tmp_path)
+    gate = ShardGate(finish_move(marked, 0, 1, "b"), "b")
+    gate.remember(tmp_path)
+    gate.restore_imports(ImportedSlots([1], {}))
+    with pytest.raises(Unavailable):
+        gate.check_name(next(f"x{i}" for i in range(100_000) if slot_of(f"x{i}") == 0))
+    assert gate.check_name(next(f"x{i}" for i in range(100_000) if slot_of(f"x{i}") == 1)) == -1
 
 
 def _one_group(**changes) -> dict:

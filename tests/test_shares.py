@@ -41,6 +41,7 @@ from fastlock.protocol.ops import (
     OP_RESERVE,
     OP_SHARD_MAP,
     OP_SHARD_MAP_NOTICE,
+    OP_SLOT_ADOPT,
     OP_SLOT_EXPORT,
     OP_SLOT_IMPORT,
     OP_SYNC_ACK,
@@ -231,6 +232,7 @@ def _ops_at_quota(address: str, app_token: str, owner: bytes, peer: Raw) -> dict
         # a slot move's ops (fastlock.server.slotmove): an admin's; an unsharded node refuses them
         OP_SLOT_EXPORT: [((0, 0, None), None)],
         OP_SLOT_IMPORT: [((0, 0, b""), None)],
+        OP_SLOT_ADOPT: [((0, 0, 1), None)],
         # a move's driver telling of a map change (fastlock.server.mapnotice): an admin's; an unsharded node refuses it
         OP_SHARD_MAP_NOTICE: [((5,), None)],
     }

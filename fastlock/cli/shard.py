@@ -5,7 +5,9 @@ file) if none exists; ``status`` prints the map (``--server``: the one a node se
 with the ranges a move is moving; ``addresses`` replaces a group's addresses, or adds a
 group that owns no slot yet, as the next epoch; ``move --slots A[-B] --to GROUP`` moves
 slots to another group (:mod:`fastlock.cli.shardmove`; ``--abort`` undoes a move still
-marked); ``split GROUP --to GROUP`` moves the upper half of ``GROUP``'s largest range.
+marked); ``split GROUP --to GROUP`` moves the upper half of ``GROUP``'s largest range;
+``adopt --slots A[-B] (--from GROUP | --force)`` gives slots their owner gained without an
+import their token floor (:mod:`fastlock.cli.shardadopt`).
 Every write is an etcd transaction that fails if the map changed since it was read
 (:mod:`fastlock.coordination.shardmap`); the nodes that follow the map apply the new
 epoch.
@@ -24,6 +26,9 @@ from ..coordination.access import EtcdAccess
 from ..coordination.shardmap import load_from_etcd
 from ..sharding import ShardGroup, ShardMap, ShardMapError, even_ranges, load_map_file
 from ..sharding.moves import parse_slots, split_half
+from ..tokens import MAX_EPOCH
+from .args import read_token
+from .shardadopt import adopt_slots
 from .shardmove import abort_slots, move_slots
 
 __all__ = ["add_parser"]
@@ -38,17 +43,19 @@ def _group_arg(value: str) -> ShardGroup:
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Add ``shard`` to ``fastlock``'s subparsers."""
-    s = sub.add_parser("shard", help="the shard map kept in etcd (init, status, addresses, move, split)")
+    s = sub.add_parser("shard", help="the shard map kept in etcd (init, status, addresses, move, split, adopt)")
     s.set_defaults(handler=shard_command)
     commands = s.add_subparsers(dest="shard_command", required=True)
     for name, what in (("init", "write the first shard map"), ("status", "print the shard map"),
                        ("addresses", "replace a group's addresses, or add a group (the next epoch)"),
                        ("move", "move slots to another group (run again to resume a move that stopped)"),
-                       ("split", "move the upper half of a group's largest slot range to another group")):
+                       ("split", "move the upper half of a group's largest slot range to another group"),
+                       ("adopt", "give slots their owner gained without a move's import their token floor")):
         p = commands.add_parser(name, help=what)
-        p.add_argument("--coordinator", required=name != "status", metavar="etcd://HOST:PORT[,HOST:PORT]/PREFIX",
+        p.add_argument("--coordinator", required=name not in ("status", "adopt"),
+                       metavar="etcd://HOST:PORT[,HOST:PORT]/PREFIX",
                        help="the etcd and key prefix the groups use; the map is the key PREFIX/shard-map")
-        if name == "status":
+        if name in ("status", "adopt"):
             p.add_argument("--server", metavar="HOST:PORT",
                            help="instead of --coordinator: the map a node serves by (SHARD_MAP; a static map "
                                 "file's too); its token from FASTLOCK_TOKEN_FILE, as every client's")
@@ -75,6 +82,17 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
             p.add_argument("group", metavar="GROUP", help="the group whose largest range is split")
         if name in ("move", "split"):
             p.add_argument("--to", required=True, metavar="GROUP", help="the group that gets the slots")
+        if name == "adopt":
+            p.add_argument("--slots", required=True, metavar="SLOTS",
+                           help="the slots (A, or A-B) whose owner adopts their token floor")
+            origin = p.add_mutually_exclusive_group(required=True)
+            origin.add_argument("--from", dest="source", metavar="GROUP",
+                                help="the group that served the slots before: its primary's last token is the floor")
+            origin.add_argument("--force", action="store_true",
+                                help="that group is lost: the floor is an epoch above --above-epoch and every "
+                                     "epoch the map's nodes that answer have")
+            p.add_argument("--above-epoch", type=int, default=0, metavar="N",
+                           help="an epoch the floor must be above (the lost group's highest epoch)")
     return s
 
 
@@ -103,12 +121,30 @@ async def _served_map(server: str) -> ShardMap:
     return found[1]
 
 
+async def _adopt(args: argparse.Namespace, shard_map: ShardMap) -> int:
+    """``fastlock shard adopt`` by ``shard_map`` (etcd's, or the one ``--server`` serves by)."""
+    first, last = parse_slots(args.slots)
+    if not 0 <= args.above_epoch < MAX_EPOCH:
+        raise ShardMapError(f"--above-epoch is 0..{MAX_EPOCH - 1}")
+    adopted = await adopt_slots(shard_map, first, last, source=args.source, force=args.force,
+                                above_epoch=args.above_epoch, token=read_token(args),
+                                progress=None if args.output == "json" else print)
+    if args.output == "json":
+        print(json.dumps(adopted._asdict()))
+    else:
+        print(f"done: slots {first}..{last} of {adopted.owner} adopted the token floor {adopted.floor} "
+              f"({adopted.source}; {adopted.adopted} were unadopted); its epoch is {adopted.epoch}")
+    return 0
+
+
 async def _run(args: argparse.Namespace) -> int:
-    if args.shard_command == "status" and (args.server is None) == (args.coordinator is None):
+    if args.shard_command in ("status", "adopt") and (args.server is None) == (args.coordinator is None):
         raise ShardMapError("give either --coordinator or --server")
     if args.shard_command == "status" and args.server is not None:
         _print(await _served_map(args.server), args.output)
         return 0
+    if args.shard_command == "adopt" and args.server is not None:  # a static map file's deployment too
+        return await _adopt(args, await _served_map(args.server))
     access = EtcdAccess(args.coordinator_protocol, args.coordinator_cacert, args.coordinator_cert,
                         args.coordinator_key, args.coordinator_user, args.coordinator_password_file)
     access.check()
@@ -144,6 +180,8 @@ async def _run(args: argparse.Namespace) -> int:
                 print(f"done: slots {first}..{last} moved from {report.source} to {args.to}; "
                       f"frozen {report.freeze_ms:.0f} ms")
             return 0
+        if args.shard_command == "adopt":
+            return await _adopt(args, shard_map)
         if args.shard_command == "addresses":
             new = shard_map.with_addresses(args.group.name, args.group.addresses)
             await stored.replace(revision, shard_map, new)

@@ -85,6 +85,7 @@ WAITS_FOR 123  wait_id, actor, hops                                   {"since_ms
 SLOT_EXPORT 101 first, last, after ([name, token]|None)               {"leases", "queues", "delays", "floor", "more"}
 SLOT_IMPORT 102 first, last, state (a SLOT_EXPORT page)               {"leases", "queues", "delays"}
 SHARD_MAP_NOTICE 103 epoch (read the shard map in etcd now)           {"epoch"}
+SLOT_ADOPT 108 first, last, floor (a fencing token)                   {"epoch", "adopted"}
 =========  ==  =====================================================  ======================
 
 ACQUIRE's optional ``shared`` (bool: a shared lease) and ``limit`` (int: the

@@ -70,6 +70,7 @@ OP_SHARD_MAP = 100  # no arguments: the shard map this node serves by (None: not
 OP_SLOT_EXPORT = 101  # first, last, after (None or [name, token]): a page of a moving slot range's state
 OP_SLOT_IMPORT = 102  # first, last, state (a page of SLOT_EXPORT's): the destination adopts it
 OP_SHARD_MAP_NOTICE = 103  # epoch: read the shard map in etcd now (a move's driver; fastlock.server.mapnotice)
+OP_SLOT_ADOPT = 108  # first, last, floor (a fencing token): the owner adopts the slots' token floor (shard adopt)
 # cross-shard multi-locks, wound-wait (fastlock.server.woundwait; ops 120-129 are reserved for them)
 OP_RESERVE = 120  # [name, ...], owner, ttl_ms, wait_ms, corr_id, age stamp (wall ms), multi-lock id
 OP_COMMIT_RESERVATION = 121  # multi-lock id
@@ -141,6 +142,7 @@ OPS: tuple[Op, ...] = (
     Op(OP_WAITS_FOR, "waits_for", 3, 3),
     Op(OP_SLOT_EXPORT, "slot_export", 3, 3),  # fastlock.server.slotmove
     Op(OP_SLOT_IMPORT, "slot_import", 3, 3),
+    Op(OP_SLOT_ADOPT, "slot_adopt", 3, 3),
     Op(OP_SHARD_MAP_NOTICE, "shard_map_notice", 1, 1),  # fastlock.server.mapnotice
 )
 

@@ -42,7 +42,7 @@ from ..wal import (
     decode_frames,
 )
 from ..wal.keyspace import KeySpace
-from ..wal.records import KeyDelete, KeyMoved, KeyPut, SlotsAdopted
+from ..wal.records import KeyDelete, KeyMoved, KeyPut, SlotsAdopted, SlotsUnadopted
 from ..wal.records import decode as decode_record
 from .link import PrimaryLink
 from .messages import Heartbeat, SnapshotHolder, heartbeat_interval_ms, standby_identity
@@ -180,6 +180,13 @@ class StandbyApply:
         gate = getattr(host, "shard_gate", None)
         if gate is not None:
             gate.adopted_by_log(record)
+
+    def unadopt_slots(self, record: SlotsUnadopted) -> None:
+        # the sharded node's gate answers those slots' names Unavailable, promoted, until their floor is adopted
+        self.wal.log_slots_unadopted(record.first, record.last)
+        gate = getattr(self.follower.host, "shard_gate", None)
+        if gate is not None:
+            gate.unadopted_by_log(record)
 
 
 class StandbyFollower:

@@ -241,7 +241,7 @@ class Handlers:
         self.wound_wait = WoundWait(self)
         #: WAIT_IDENTITY, WAITS_FOR: deadlock detection across shards (fastlock.server.edgechase)
         self.edge_chase = EdgeChase(self)
-        #: SLOT_EXPORT / SLOT_IMPORT: a slot move's ops (fastlock.server.slotmove)
+        #: SLOT_EXPORT / SLOT_IMPORT: a slot move's ops; SLOT_ADOPT: a slot's token floor (fastlock.server.slotmove)
         self.slot_moves = SlotMoves(self)
         #: SHARD_MAP_NOTICE: read the shard map in etcd now (fastlock.server.mapnotice)
         self.map_notices = MapNotices(self)

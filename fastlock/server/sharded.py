@@ -37,11 +37,21 @@ primary's ``SLOTS_ADOPTED`` records, :meth:`ShardGate.adopted_by_log` on a stand
 refused for lack of one is offered again when the record arrives); a promotion reads the map
 in etcd before the node serves (:meth:`ShardGate.take_stored_map`): a promoted node never grants the names of
 slots the map in etcd gave another group (tokens of a moved name never go backwards).
+
+A slot gained without its token floor: a map may give this group a slot by the flip of a move
+whose state the group never imported (the mark and the flip written by hand, or a map file
+restarted from the mark to the flip).  The node takes the map but answers every request naming
+that slot :class:`~fastlock.errors.Unavailable` (:attr:`ShardGate.unadopted`, kept in the data
+directory, ``unadopted-slots.json``) until a ``SLOTS_ADOPTED`` record of the slot arrives (an
+import, or ``SLOT_ADOPT``: ``fastlock shard adopt``), else its tokens could be below those the
+slot's previous group granted.  The slots a node owns in the first map it serves by on an empty
+data directory are taken as never served by another group.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -65,7 +75,7 @@ from .shares import Quota, default_share
 from .slotmove import drop_keys
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..wal.records import SlotsAdopted
+    from ..wal.records import SlotsAdopted, SlotsUnadopted
     from .handlers import Handlers
 
 log = logging.getLogger(__name__)
@@ -74,6 +84,10 @@ Handler = Callable[[Any, int, list], None]
 
 #: the file in a sharded node's data directory holding the last map it served by
 SERVED_MAP_FILE = "served-shard-map.json"
+#: the file in a sharded node's data directory listing the slots its group owns without their token floor
+UNADOPTED_FILE = "unadopted-slots.json"
+#: the most slot runs :meth:`ShardGate.info` lists of the slots owned without their token floor
+INFO_RUNS = 64
 
 #: the most requests held at once for slots being moved (beyond: SlotMoving at once)
 MAX_HELD = 10_000
@@ -100,6 +114,11 @@ def held_share(single_principal: bool, anonymous_divisor: int) -> Quota:
         return Quota(MAX_HELD, MAX_HELD, HELD_WHAT, "")
     share = default_share(MAX_HELD)
     return Quota(share, max(1, share // max(1, anonymous_divisor)), HELD_WHAT, "")
+
+
+def _or(a: bytes, b: bytes) -> bytes:
+    """The table of 0/1 bytes that is 1 where ``a`` or ``b`` is 1 (tables of one length)."""
+    return (int.from_bytes(a, "big") | int.from_bytes(b, "big")).to_bytes(len(a), "big")
 
 
 def _and_not(a: bytes, b: bytes) -> bytes:
@@ -181,6 +200,17 @@ class ShardGate:
         #: name -> owner-key hashes of a moved queue a standby saw flipped here: let in by its promotion
         #: within the primary's reclaim window after the flip (:meth:`take_stored_map`)
         self.promoted_queues: dict[str, list[bytes]] = {}
+        #: 1 at each slot this group owns without its token floor: gained by a map (a mark and its flip)
+        #: with no import of its state (no SLOTS_ADOPTED), so its names are answered Unavailable until
+        #: the floor is adopted (:meth:`adopt`; ``fastlock shard adopt``)
+        self.unadopted = bytearray(SLOTS)
+        #: whether any slot is in :attr:`unadopted`
+        self.unadopted_any = False
+        #: where :attr:`unadopted` is kept (``DATA_DIR/unadopted-slots.json``), once :meth:`remember` ran
+        self.unadopted_path: str | None = None
+        #: slots this start's map gives this group that the map it last served by did not (their move's
+        #: flip came while the node was down): adopted only if recovery finds their import (:meth:`restore_imports`)
+        self.gained_at_start: list[int] = []
         self.set_map(shard_map)
 
     @classmethod
@@ -210,6 +240,7 @@ class ShardGate:
         self.moving = shard_map.moving_slots_of(self.group)
         #: whether a move is moving any of this group's slots
         self.moving_any = 1 in self.moving
+        self._stopped()
         if self.served_path is not None:
             write_map_file(self.served_path, shard_map)
         log.info("shard map epoch %d: group %s owns %d of %d slots", shard_map.epoch, self.group,
@@ -226,10 +257,17 @@ class ShardGate:
         :raises OSError: the file cannot be read or written.
         """
         path = os.path.join(data_dir, SERVED_MAP_FILE)
+        self.unadopted_path = os.path.join(data_dir, UNADOPTED_FILE)
         if os.path.exists(path):
             served = load_map_file(path)
             had = served.slots_of(self.group)
             self.owned_before = had
+            kept = self._load_unadopted(self.unadopted_path)
+            # a slot owned without its floor before the restart stays so while this group owns it; a slot
+            # gained while the node was down is so unless recovery finds its import (restore_imports)
+            self.gained_at_start = [s for s in range(SLOTS) if self.owned[s] and not had[s]]
+            self._set_unadopted([s for s in kept if self.owned[s] and had[s]] + self.gained_at_start, 1,
+                                write=False)
             # a slot lost is safe (this node stops granting it: a move finished while it was down);
             # a slot gained is safe only if the last map marked it as moving here (its state was imported)
             gained = [s for s in range(SLOTS) if self.owned[s] and not had[s]
@@ -243,6 +281,92 @@ class ShardGate:
                                     f"leases of those slots)")
         self.served_path = path
         write_map_file(path, self.shard_map)
+        self._write_unadopted()
+
+    @staticmethod
+    def _load_unadopted(path: str) -> list[int]:
+        """The slots listed in the file at ``path`` (:data:`UNADOPTED_FILE`; none if absent).
+
+        :raises ShardMapError: the file is not a JSON list of slots."""
+        if not os.path.exists(path):
+            return []
+        try:
+            with open(path, encoding="utf-8") as f:
+                slots = json.load(f)
+        except ValueError as exc:
+            raise ShardMapError(f"{path} is not JSON: {exc}") from None
+        if type(slots) is not list or not all(type(s) is int and 0 <= s < SLOTS for s in slots):
+            raise ShardMapError(f"{path} is not a list of slots (ints 0..{SLOTS - 1})")
+        return slots
+
+    def _set_unadopted(self, slots: list[int] | range, value: int, write: bool = True) -> None:
+        """Mark ``slots`` owned without (``value`` 1) or with (0) their token floor; ``write``: keep
+        the set in the data directory (:data:`UNADOPTED_FILE`) if it changed."""
+        table = self.unadopted
+        changed = False
+        for slot in slots:
+            if table[slot] != value:
+                table[slot] = value
+                changed = True
+        if changed:
+            self.unadopted_any = 1 in table
+            self._stopped()
+            if write:
+                self._write_unadopted()
+
+    def _stopped(self) -> None:
+        """Set :attr:`stopped`: 1 at each slot a move is moving away or owned without its floor
+        (the one table :meth:`check_name` looks at for either, after ownership)."""
+        #: 1 at each slot of :attr:`moving` or :attr:`unadopted`
+        self.stopped = _or(self.moving, bytes(self.unadopted)) if self.unadopted_any else self.moving
+
+    def _write_unadopted(self) -> None:
+        """Write :attr:`unadopted` to :attr:`unadopted_path` (a new file renamed over the old one)."""
+        path = self.unadopted_path
+        if path is None:
+            return
+        temp = path + ".new"
+        with open(temp, "w", encoding="utf-8") as f:
+            json.dump(_ones(bytes(self.unadopted)), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+
+    def unadopted_runs(self) -> list[list[int]]:
+        """The slots owned without their token floor, as runs ``[first, last]``, ascending."""
+        runs: list[list[int]] = []
+        for slot in _ones(bytes(self.unadopted)):
+            if runs and runs[-1][1] == slot - 1:
+                runs[-1][1] = slot
+            else:
+                runs.append([slot, slot])
+        return runs
+
+    def unadopted_by_log(self, record: SlotsUnadopted) -> None:
+        """A standby applied its primary's SLOTS_UNADOPTED record: the slots of it this group owns
+        are owned without their token floor here too (a standby that joined after the primary took
+        their flip learns it so)."""
+        first, last = record.first, record.last
+        if type(first) is not int or type(last) is not int or not 0 <= first <= last < SLOTS:
+            log.error("ignoring a SLOTS_UNADOPTED record of slots %r..%r: not 0 <= first <= last < %d", first, last,
+                      SLOTS)
+            return
+        self._set_unadopted([s for s in range(first, last + 1) if self.owned[s]], 1)
+
+    def relog_unadopted(self, wal: Any) -> int:
+        """Log a SLOTS_UNADOPTED record for each run of slots this group owns without their token
+        floor (after a standby's snapshot, and at a primary's start): how many."""
+        runs = self.unadopted_runs() if self.unadopted_any else []
+        for first, last in runs:
+            wal.log_slots_unadopted(first, last)
+        return len(runs)
+
+    def adopt(self, first: int, last: int) -> None:
+        """Slots ``first..last`` have their token floor now (a SLOTS_ADOPTED record of this group's,
+        logged and durable): their names are served."""
+        if self.unadopted_any:
+            self._set_unadopted(range(first, last + 1), 0)
+            log.warning("slots %d..%d: the token floor is adopted; their names are served", first, last)
 
     def restore_imports(self, imports: ImportedSlots | None) -> None:
         """Take what recovery found of this group's imports (``imports``: the snapshot's and the
@@ -254,6 +378,14 @@ class ShardGate:
         (the move was aborted while the node was down) has its keys sent back at that start.  What
         the node had served already before the restart (a flip's let-in) is left out: the log keeps
         an import's record until a snapshot leaves it out (:meth:`pending_imports`)."""
+        gained = set(self.gained_at_start)
+        if imports is not None:  # a slot flipped here while the node was down, imported before: it has its floor
+            self._set_unadopted([s for s in imports.slots if s in gained], 0, write=False)
+        self._write_unadopted()
+        if self.unadopted_any:
+            log.error("shard group %s owns slots without their token floor (no import of their state): %s; their "
+                      "names are answered Unavailable until `fastlock shard adopt` sets it", self.group,
+                      self.unadopted_runs()[:INFO_RUNS])
         if imports is None:
             return
         before = self.owned_before
@@ -317,6 +449,8 @@ class ShardGate:
         for slot in range(first, last + 1):
             if not self.owned[slot]:
                 self.imported[slot] = 1
+        if self.unadopted_any:  # its primary adopted the floor of slots this group owns already
+            self.adopt(first, last)
         for part in record.queues if type(record.queues) is list else ():
             if (type(part) is list and len(part) == 2 and type(part[0]) is str and type(part[1]) is list
                     and first <= slot_of(part[0]) <= last):
@@ -334,9 +468,11 @@ class ShardGate:
         keys of slots whose move was aborted while it was down (``KEY_MOVED`` naming the owner)."""
         if not self._is_primary():
             return
+        if self.unadopted_any:  # its standbys learn it from the log
+            self.relog_unadopted(self.server.wal)
         owned = sorted({slot_of(n) for n in self.imported_queues if self.owned[slot_of(n)]})
         if owned:
-            self._let_in(owned)
+            self._let_in(owned, judge_floor=False)
         if self.undone_at_start:
             back: dict[str, set[int]] = {}
             for slot in self.undone_at_start:
@@ -350,13 +486,16 @@ class ShardGate:
     def check_name(self, name: Any) -> int:
         """-1, or the slot of ``name`` if a move is moving it (the request is to be held).
 
-        :raises WrongShard: this group does not own ``name``'s slot (a non-str is left to the handler)."""
+        :raises WrongShard: this group does not own ``name``'s slot (a non-str is left to the handler).
+        :raises Unavailable: this group owns it without its token floor (:meth:`not_adopted`)."""
         if type(name) is str:
             slot = slot_of(name)
             if not self.owned[slot]:
                 raise self.wrong_shard(name, slot)
-            if self.moving[slot]:
-                return slot
+            if self.stopped[slot]:
+                if self.moving[slot]:
+                    return slot
+                raise self.not_adopted(name, slot)
         return -1
 
     def check_names(self, where: NamesAt, args: list) -> tuple[str, int] | None:
@@ -365,6 +504,7 @@ class ShardGate:
 
         :raises WrongShard: every name is another group's, all one group's.
         :raises CrossShard: the names span several groups.
+        :raises Unavailable: a name's slot is this group's without its token floor (:meth:`not_adopted`).
         """
         owned = self.owned
         first: tuple[str, int] | None = None
@@ -378,6 +518,8 @@ class ShardGate:
                 mine = True
                 if moving is None and self.moving[slot]:
                     moving = (name, slot)
+                elif self.unadopted_any and self.unadopted[slot] and not self.moving[slot]:
+                    raise self.not_adopted(name, slot)
             else:
                 if first is None:
                     first = (name, slot)
@@ -397,6 +539,15 @@ class ShardGate:
         return WrongShard(f"{name!r:.100} is in slot {slot}, owned by shard group {owner.name} "
                           f"({', '.join(owner.addresses)}), not {self.group} (shard map epoch "
                           f"{self.shard_map.epoch})", slot, owner.name, owner.addresses, self.shard_map.epoch)
+
+    def not_adopted(self, name: str, slot: int) -> Unavailable:
+        """The retryable refusal of a request for ``name``, in ``slot``, which this group owns
+        without its token floor (:attr:`unadopted`)."""
+        return Unavailable(f"{name!r:.100} is in slot {slot}, which shard group {self.group} gained (shard map epoch "
+                           f"{self.shard_map.epoch}) without its import: it has not adopted the slot's token floor, so "
+                           f"its tokens could be below those the slot's previous group granted; run `fastlock shard "
+                           f"adopt --slots {slot} --from GROUP` (the group that served it before), or `--force` if "
+                           f"that group is lost (docs/runbooks/shard-adopt.md); retry")
 
     # -- the handler table -------------------------------------------------------------------
     def install(self, handlers: Handlers) -> None:
@@ -542,6 +693,8 @@ class ShardGate:
         if frozen:
             self._freeze(bytes(moving))
         if lost:
+            if self.unadopted_any:  # a slot that comes back later needs its floor again
+                self._set_unadopted(lost, 0)
             self._drop(lost)
         if gained:
             self._let_in(gained)
@@ -695,6 +848,8 @@ class ShardGate:
                 if self.moving[slot]:
                     self.hold(conn, req_id, msg, lambda c, r, m: enter(c, r, m, name, owner, priority), name, slot)
                     return
+                if self.unadopted[slot]:
+                    raise self.not_adopted(name, slot)
             except FastlockError as exc:
                 self.server.handlers.failed(conn, req_id, 0, exc)
                 return
@@ -705,17 +860,22 @@ class ShardGate:
     def refusal(self, names: tuple[str, ...] | list[str]) -> FastlockError | None:
         """Why a request for ``names`` admitted earlier may not enter the lock table now (a parked
         multi-lock reservation let in later: :mod:`fastlock.server.woundwait`): WrongShard (a name
-        another group owns), SlotMoving (a name a move is moving), or None."""
+        another group owns), SlotMoving (a name a move is moving), Unavailable (a name of a slot
+        this group owns without its token floor), or None."""
         for name in names:
             slot = slot_of(name)
             if not self.owned[slot]:
                 return self.wrong_shard(name, slot)
             if self.moving[slot]:
                 return self.slot_moving(name, slot)
+            if self.unadopted[slot]:
+                return self.not_adopted(name, slot)
         return None
 
-    def _let_in(self, gained: list[int]) -> None:
-        """This group owns the ``gained`` slots by a move: their moved waiters come back in order."""
+    def _let_in(self, gained: list[int], judge_floor: bool = True) -> None:
+        """This group owns the ``gained`` slots by a move: their moved waiters come back in order;
+        those it never imported are owned without their token floor (:attr:`unadopted`; not judged
+        here when ``judge_floor`` is False: a start's recovery judged them, :meth:`restore_imports`)."""
         server = self.server
         gained_set = set(gained)
         queues = {n: q for n, q in self.imported_queues.items() if slot_of(n) in gained_set}
@@ -724,6 +884,16 @@ class ShardGate:
         taken = [s for s in gained if self.imported[s]]
         for slot in taken:
             self.imported[slot] = 0
+        taken_set = set(taken)
+        floorless = [s for s in gained if s not in taken_set] if judge_floor and len(taken) < len(gained) else []
+        if floorless:  # a mark and its flip with no import: this group never adopted their token floor
+            self._set_unadopted(floorless, 1)
+            if self._is_primary():  # its standbys learn it from the log (one that joins later too)
+                self.relog_unadopted(server.wal)
+            log.error("shard map epoch %d gives group %s slots %s by a move whose state this group never imported "
+                      "(its log has no SLOTS_ADOPTED record of them): their names are answered Unavailable until "
+                      "their token floor is adopted (`fastlock shard adopt`)", self.shard_map.epoch, self.group,
+                      self.unadopted_runs()[:INFO_RUNS])
         if queues and self._is_standby():
             # kept for this node's promotion within the primary's reclaim window (take_stored_map), then forgotten
             self.promoted_queues.update(queues)
@@ -866,6 +1036,10 @@ class ShardGate:
 
     def info(self) -> dict[str, Any]:
         """This node's place in the map: ``group``, ``epoch``, ``slots`` (how many it owns),
-        ``moving`` (how many of them a move is moving away), ``held`` (requests held for them)."""
+        ``moving`` (how many of them a move is moving away), ``held`` (requests held for them),
+        ``unadopted`` (how many it owns without their token floor: their names are answered
+        Unavailable) and ``unadopted_slots`` (those, as runs ``[first, last]``, the first
+        :data:`INFO_RUNS`)."""
         return {"group": self.group, "epoch": self.shard_map.epoch, "slots": sum(self.owned),
-                "moving": sum(self.moving), "held": len(self.held)}
+                "moving": sum(self.moving), "held": len(self.held), "unadopted": self.unadopted.count(1),
+                "unadopted_slots": self.unadopted_runs()[:INFO_RUNS] if self.unadopted_any else []}

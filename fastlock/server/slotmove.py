@@ -1,4 +1,5 @@
-"""A slot move's two ops: SLOT_EXPORT on the source group's primary, SLOT_IMPORT on the destination's.
+"""A slot move's two ops: SLOT_EXPORT on the source group's primary, SLOT_IMPORT on the destination's;
+and SLOT_ADOPT, a slot's token floor set on its owner's primary without a move (``fastlock shard adopt``).
 
 ``fastlock shard move`` (:mod:`fastlock.cli.shardmove`) marks slots ``first..last`` moving to
 group ``G`` in the map, then pages the frozen slots' state out of the source with
@@ -73,6 +74,12 @@ snapshot and the records after it; a standby that joins by a snapshot gets them 
 <fastlock.server.sharded.ShardGate.relog_imports>`, as running lock-delays are).  The reply is
 sent once every standby attached to this primary has applied that record (at most :data:`STANDBY_WAIT_S`; else
 :class:`~fastlock.errors.Unavailable`): the mover writes the flip only after it.
+
+A slot gained without an import.  A group that gains a slot by a map change with no import of
+it (a mark and its flip written by hand) does not serve its names
+(:attr:`fastlock.server.sharded.ShardGate.unadopted`) until ``SLOT_ADOPT first, last, floor``
+(an admin's, on the owner's primary) raises its token floor above ``floor`` as an import does
+and logs ``SLOTS_ADOPTED`` with no queues (:meth:`SlotMoves.op_slot_adopt`).
 """
 
 from __future__ import annotations
@@ -85,7 +92,7 @@ import msgpack
 
 from .. import protocol as P
 from ..errors import FastlockError, InvalidArgument, LimitExceeded, NotPrimary, Unavailable, WrongArgumentType
-from ..protocol.ops import OP_SLOT_EXPORT, OP_SLOT_IMPORT
+from ..protocol.ops import OP_SLOT_ADOPT, OP_SLOT_EXPORT, OP_SLOT_IMPORT
 from ..roles import Role
 from ..sharding import SLOTS, slot_of
 from ..tokens import MAX_EPOCH, counter_of, epoch_of
@@ -100,7 +107,7 @@ __all__ = ["MovedLease", "MovedKey", "MovedState", "QueuePart", "SlotMoves", "EX
            "drop_keys"]
 
 #: the dispatch's permission entries: checked by the handlers (check_lock_admin)
-PERMISSIONS: dict[int, str | None] = {OP_SLOT_EXPORT: None, OP_SLOT_IMPORT: None}
+PERMISSIONS: dict[int, str | None] = {OP_SLOT_EXPORT: None, OP_SLOT_IMPORT: None, OP_SLOT_ADOPT: None}
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +134,8 @@ KEY_ROW_BYTES = 3 << 10
 STANDBY_WAIT_S = 10.0
 #: seconds between two looks at the standbys' applied positions while an import's reply waits
 STANDBY_POLL_S = 0.005
+#: the largest token floor accepted (an import's or SLOT_ADOPT's): the largest fencing token
+MAX_FLOOR = (MAX_EPOCH << 40) | ((1 << 40) - 1)
 
 
 class MovedLease(NamedTuple):
@@ -288,7 +297,7 @@ def parse_state(value: Any, first: int, last: int, max_value_bytes: int = 0) -> 
             lease_name = name_in_range(lease_name)
             token = _int(token, "a key's lease token", 1, (1 << 63) - 1)
         keys.append(MovedKey(name_in_range(key), data, lease_name, token, _opt_str(principal, "a key's principal")))
-    floor = _int(value["floor"], "the token floor", 0, (MAX_EPOCH << 40) | ((1 << 40) - 1))
+    floor = _int(value["floor"], "the token floor", 0, MAX_FLOOR)
     more = value.get("more", False)
     if type(more) is not bool:
         raise InvalidArgument("SLOT_IMPORT: more is a bool")
@@ -312,13 +321,14 @@ def _slots(msg: list) -> tuple[int, int]:
 
 
 class SlotMoves:
-    """SLOT_EXPORT and SLOT_IMPORT (see the module docstring) of ``handlers``' server."""
+    """SLOT_EXPORT, SLOT_IMPORT and SLOT_ADOPT (see the module docstring) of ``handlers``' server."""
 
     def __init__(self, handlers: Handlers):
         self.handlers = handlers
 
     def handlers_by_op(self) -> dict[int, Any]:
-        return {OP_SLOT_EXPORT: self.op_slot_export, OP_SLOT_IMPORT: self.op_slot_import}
+        return {OP_SLOT_EXPORT: self.op_slot_export, OP_SLOT_IMPORT: self.op_slot_import,
+                OP_SLOT_ADOPT: self.op_slot_adopt}
 
     def _gate_and_check(self, first: int, last: int, to: str | None) -> Any:
         """This node's shard gate, checked: primary, ``first..last`` marked moving (to ``to``)."""
@@ -408,22 +418,8 @@ class SlotMoves:
         table = self.handlers.table
         wal = self.handlers.wal
         now = monotonic_ms()
-        epoch = epoch_of(state.floor)
-        coordinated = server.failover.coordinated
-        arbiter = coordinated.arbiter if coordinated is not None else None
-        if epoch > table.epoch and arbiter is not None and arbiter.epoch < epoch:
-            # an etcd group: the group's epoch in etcd first, then the import (run again)
-            server.tasks.spawn(self._adopt_then_import(arbiter, epoch, conn, req_id, msg),
-                               "slot import: raise the group's epoch in etcd")
+        if not self._raise_floor(state.floor, conn, req_id, msg, self.op_slot_import, "slot import"):
             return
-        if epoch > table.epoch:
-            table.set_epoch(epoch)
-            wal.log_epoch(epoch)
-            server.node_state.raise_epoch(epoch)
-        counter = counter_of(state.floor)
-        if counter > table.counter:
-            table.advance_counter(counter)
-        wal.log_counter_floor(table.counter)
         quotas = server.quotas
         for x in state.leases:
             meta = (x.client, x.correlation_id)
@@ -469,6 +465,84 @@ class SlotMoves:
 
         wal.when_durable(server.source.sync.after(ack))
 
+    def _raise_floor(self, floor: int, conn: Session, req_id: int, msg: list, rerun: Any, what: str) -> bool:
+        """Raise this primary's token floor above ``floor`` (a fencing token): an ``EPOCH`` record
+        if its epoch is higher, a ``RESERVE`` record for the counter, so every token issued from
+        then on is above it.  In an etcd group whose epoch in etcd is below ``floor``'s, the
+        group's epoch in etcd is raised first (:meth:`_adopt_then_import`, which runs
+        ``rerun(conn, req_id, msg)`` after it): False then (the request is answered by the rerun)."""
+        server = self.handlers.server
+        table = self.handlers.table
+        wal = self.handlers.wal
+        epoch = epoch_of(floor)
+        coordinated = server.failover.coordinated
+        arbiter = coordinated.arbiter if coordinated is not None else None
+        if epoch > table.epoch and arbiter is not None and arbiter.epoch < epoch:
+            # an etcd group: the group's epoch in etcd first, then the request (run again)
+            server.tasks.spawn(self._adopt_then_import(arbiter, epoch, conn, req_id, msg, rerun),
+                               f"{what}: raise the group's epoch in etcd")
+            return False
+        if epoch > table.epoch:
+            table.set_epoch(epoch)
+            wal.log_epoch(epoch)
+            server.node_state.raise_epoch(epoch)
+        counter = counter_of(floor)
+        if counter > table.counter:
+            table.advance_counter(counter)
+        wal.log_counter_floor(table.counter)
+        return True
+
+    def op_slot_adopt(self, conn: Session, req_id: int, msg: list) -> None:
+        """SLOT_ADOPT first, last, floor: this group's primary adopts ``floor`` (a fencing token:
+        the highest any group granted for names of slots ``first..last``, or a token of an epoch
+        above every epoch known) as the token floor of slots ``first..last``, which its group owns
+        in this node's map (``fastlock shard adopt``): the floor is raised as an import's is, a
+        ``SLOTS_ADOPTED`` record (no queues) is logged, and once it is durable (and applied by
+        every attached standby, as an import's) the slots' names are served
+        (:meth:`~fastlock.server.sharded.ShardGate.adopt`).  The reply: ``{"epoch": the group's
+        epoch after it, "adopted": how many of the slots were owned without their floor}``.
+
+        :raises PermissionDenied: not an admin principal.  :raises NotPrimary: not the primary,
+            or fenced.  :raises InvalidArgument: not sharded, or a slot this group does not own or is
+            moving away.  :raises WrongArgumentType: slots or floor are not ints in range."""
+        check_lock_admin(self.handlers, conn, "slot_adopt")
+        first, last = _slots(msg)
+        floor = msg[4]
+        if type(floor) is not int or not 0 <= floor <= MAX_FLOOR:
+            raise WrongArgumentType(f"SLOT_ADOPT: the floor is a fencing token, an int 0..{MAX_FLOOR}")
+        server = self.handlers.server
+        gate = server.shard_gate
+        if gate is None:
+            raise InvalidArgument("this node is not sharded: it has no slots to adopt")
+        if server.roles.role is not Role.PRIMARY or server.roles.fenced:
+            raise NotPrimary("SLOT_ADOPT goes to the primary of the group that owns the slots; this node is not it")
+        for slot in range(first, last + 1):
+            if not gate.owned[slot] or gate.moving[slot]:
+                raise InvalidArgument(f"slot {slot} is not owned by shard group {gate.group} in this node's shard map "
+                                      f"(epoch {gate.shard_map.epoch}), or is being moved away: a slot's floor is "
+                                      f"adopted by the primary of the group that owns it")
+        if not self._raise_floor(floor, conn, req_id, msg, self.op_slot_adopt, "slot adopt"):
+            return
+        table = self.handlers.table
+        wal = self.handlers.wal
+        wal.log_slots_adopted(first, last, floor, table.epoch, [])
+        logged = wal.logged_lsn
+        adopted = gate.unadopted[first:last + 1].count(1)
+        log.warning("slot adopt: slots %d..%d adopt the token floor %d (%d owned without one); epoch %d", first, last,
+                    floor, adopted, table.epoch)
+        reply = P.encode_ok(req_id, {"epoch": table.epoch, "adopted": adopted})
+
+        def ack(refused: FastlockError | None = None) -> None:
+            if refused is None:
+                gate.adopt(first, last)
+                server.tasks.spawn(self._reply_once_standbys_have(conn, req_id, reply, logged),
+                                   "slot adopt: wait for the standbys")
+                return
+            conn.send(P.encode_error(req_id, refused.code, str(refused), None))
+            server.after_batch()
+
+        wal.when_durable(server.source.sync.after(ack))
+
     async def _reply_once_standbys_have(self, conn: Session, req_id: int, reply: Any, lsn: int) -> None:
         """Send an import's ``reply`` once every standby attached to this primary (asynchronous ones
         too) has applied its records up to ``lsn`` (its SLOTS_ADOPTED record), polled every
@@ -500,10 +574,12 @@ class SlotMoves:
             conn.send(reply)
         server.after_batch()
 
-    async def _adopt_then_import(self, arbiter: Any, epoch: int, conn: Session, req_id: int, msg: list) -> None:
+    async def _adopt_then_import(self, arbiter: Any, epoch: int, conn: Session, req_id: int, msg: list,
+                                 rerun: Any) -> None:
         """Raise the etcd group's epoch to ``epoch`` (the source's, from its token floor) by the
         arbiter's own transaction (:meth:`~fastlock.coordination.etcd.EtcdArbiter.adopt_epoch`:
-        the primary stays primary), then run the import; an error is the import's reply."""
+        the primary stays primary), then run the request again (``rerun(conn, req_id, msg)``: the
+        import or the adoption); an error is the request's reply."""
         handlers = self.handlers
         try:
             if not await arbiter.adopt_epoch(epoch):
@@ -511,9 +587,9 @@ class SlotMoves:
                                  f"is not the primary any more, or the group's epoch changed): retry the move")
             if getattr(conn, "closed", False):
                 return
-            self.op_slot_import(conn, req_id, msg)
+            rerun(conn, req_id, msg)
         except Exception as exc:  # noqa: BLE001 - answered as the dispatch answers a handler's error
-            handlers.failed(conn, req_id, OP_SLOT_IMPORT, exc)
+            handlers.failed(conn, req_id, msg[1], exc)
         handlers.server.after_batch()
 
 

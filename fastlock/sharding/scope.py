@@ -85,6 +85,7 @@ NAMES_OF_OP: dict[int, NamesAt | None] = {
     P.OP_WAITS_FOR: None,  # a wait id
     P.OP_SLOT_EXPORT: None,  # a slot range being moved (an admin's, fastlock.server.slotmove)
     P.OP_SLOT_IMPORT: None,
+    P.OP_SLOT_ADOPT: None,  # a slot range this group owns (an admin's: fastlock shard adopt)
     P.OP_SHARD_MAP_NOTICE: None,  # names no name: a move's driver tells of a map change (server.mapnotice)
 }
 

@@ -35,6 +35,7 @@ from .records import (
     Revoke,
     RevokeRequest,
     SlotsAdopted,
+    SlotsUnadopted,
     apply,
 )
 from .recovery import LogFiles
@@ -127,6 +128,8 @@ def _record_entry(lsn: int, r: Record) -> dict[str, Any]:
     if isinstance(r, SlotsAdopted):
         return _entry(lsn, r.wall_ms, "slots_adopted", slots=f"{r.first}..{r.last}", floor=r.floor, epoch=r.epoch,
                       queues=len(r.queues))
+    if isinstance(r, SlotsUnadopted):
+        return _entry(lsn, r.wall_ms, "slots_unadopted", slots=f"{r.first}..{r.last}")
     if isinstance(r, Revoke):
         return _entry(lsn, r.wall_ms, "revoke", r.name, r.token, by=r.principal, reason=r.reason)
     if isinstance(r, RevokeRequest):

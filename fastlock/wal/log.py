@@ -38,6 +38,7 @@ from .records import (
     REVOKE,
     REVOKE_REQUEST,
     SLOTS_ADOPTED,
+    SLOTS_UNADOPTED,
     Record,
 )
 from .recovery import RecoveredState, recover
@@ -284,6 +285,11 @@ class WriteAheadLog(LogAppender):
         always fsynced before this batch's callbacks run, in every mode (the log is where a
         restart finds the import)."""
         self._append([SLOTS_ADOPTED, first, last, floor, epoch, queues, wall_ms()], fsync=True)
+
+    def log_slots_unadopted(self, first: int, last: int) -> None:
+        """Log that this shard group owns slots ``first..last`` without their token floor (its
+        standbys answer their names Unavailable too until a SLOTS_ADOPTED record of them)."""
+        self._append([SLOTS_UNADOPTED, first, last, wall_ms()], fsync=True)
 
     def log_epoch(self, epoch: int) -> None:
         """Log a new epoch; always fsynced before this batch's callbacks run, in every mode."""

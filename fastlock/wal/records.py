@@ -38,7 +38,11 @@ The rules:
   shard group imported slots ``first..last`` by a move (a standby's shard gate takes
   their flip only then, :mod:`fastlock.server.sharded`; see :class:`SlotsAdopted`);
   recovery keeps the slots and the waiter queue parts in :class:`ImportedSlots`, which a
-  snapshot carries too (the slots imported and not yet taken when it was written).
+  snapshot carries too (the slots imported and not yet taken when it was written);
+* SLOTS_UNADOPTED tells the target that this shard group owns slots ``first..last``
+  without their token floor (a standby's shard gate answers their names Unavailable
+  until a SLOTS_ADOPTED record of them; recovery leaves it to the data directory's
+  ``unadopted-slots.json``; see :class:`SlotsUnadopted`).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ __all__ = [
     "RECORD_NAMES", "TOKEN_EPOCH_SHIFT", "COUNTER_MASK", "SHORT_GRANT",
     "Grant", "Release", "Expire", "Extend", "Epoch", "Reserve", "Revoke", "KeyPut", "KeyDelete", "LockDelay", "Record",
     "REVOKE_REQUEST", "RevokeRequest", "KEY_MOVED", "KeyMoved", "SLOTS_ADOPTED", "SlotsAdopted",
+    "SLOTS_UNADOPTED", "SlotsUnadopted",
     "ImportedSlots", "HolderRecord", "LeaseMeta", "encode", "decode", "apply", "ApplyTarget", "LogState",
 ]
 
@@ -69,10 +74,12 @@ KEY_DELETE = 31
 REVOKE_REQUEST = 70
 KEY_MOVED = 80
 SLOTS_ADOPTED = 81
+SLOTS_UNADOPTED = 86
 RECORD_NAMES = {GRANT: "grant", RELEASE: "release", EXPIRE: "expire", EXTEND: "extend",
                 EPOCH: "epoch", RESERVE: "reserve", REVOKE: "revoke",
                 KEY_PUT: "key_put", KEY_DELETE: "key_delete", LOCK_DELAY: "lock_delay",
-                REVOKE_REQUEST: "revoke_request", KEY_MOVED: "key_moved", SLOTS_ADOPTED: "slots_adopted"}
+                REVOKE_REQUEST: "revoke_request", KEY_MOVED: "key_moved", SLOTS_ADOPTED: "slots_adopted",
+                SLOTS_UNADOPTED: "slots_unadopted"}
 
 
 
@@ -288,6 +295,23 @@ class SlotsAdopted(NamedTuple):
         return SLOTS_ADOPTED
 
 
+class SlotsUnadopted(NamedTuple):
+    """SLOTS_UNADOPTED: this shard group owns slots ``first..last`` without their token floor (a
+    map gave them by a flip with no import: :class:`SlotsAdopted` never logged), so its nodes
+    answer their names Unavailable until a SLOTS_ADOPTED record of them.  Logged by the primary
+    when it takes such a map and again after every snapshot it sends (a standby that joins later
+    learns it: :mod:`fastlock.server.sharded`)."""
+
+    first: int
+    last: int
+    wall_ms: int
+
+    @property
+    def kind(self) -> int:
+        """The record type (``SLOTS_UNADOPTED``), the first item of the array on disk."""
+        return SLOTS_UNADOPTED
+
+
 #: the most slots an :class:`ImportedSlots` may name (a sanity bound: a shard map has 16,384)
 MAX_IMPORTED_SLOT = 1 << 16
 #: the longest owner-key hash an :class:`ImportedSlots` queue may hold (bytes)
@@ -332,12 +356,13 @@ class ImportedSlots(NamedTuple):
 
 
 Record = (Grant | Release | Expire | Extend | Epoch | Reserve | Revoke | KeyPut | KeyDelete | LockDelay | RevokeRequest
-          | KeyMoved | SlotsAdopted)
+          | KeyMoved | SlotsAdopted | SlotsUnadopted)
 
 _TYPES: dict[int, Any] = {GRANT: Grant, RELEASE: Release, EXPIRE: Expire, EXTEND: Extend,
                           EPOCH: Epoch, RESERVE: Reserve, REVOKE: Revoke,
                           KEY_PUT: KeyPut, KEY_DELETE: KeyDelete, LOCK_DELAY: LockDelay,
-                          REVOKE_REQUEST: RevokeRequest, KEY_MOVED: KeyMoved, SLOTS_ADOPTED: SlotsAdopted}
+                          REVOKE_REQUEST: RevokeRequest, KEY_MOVED: KeyMoved, SLOTS_ADOPTED: SlotsAdopted,
+                          SLOTS_UNADOPTED: SlotsUnadopted}
 #: (type, length of the array) -> record class: the shape of every record body with all
 #: its fields (an exclusive grant's shorter body is decoded by :func:`decode`)
 SHAPES: dict[tuple[int, int], Any] = {(kind, len(cls._fields) + 1): cls for kind, cls in _TYPES.items()}
@@ -487,6 +512,10 @@ class ApplyTarget(Protocol):
         """Know that this shard group imported slots ``record.first..record.last`` by a move."""
         ...
 
+    def unadopt_slots(self, record: SlotsUnadopted) -> None:
+        """Know that this shard group owns slots ``record.first..record.last`` without their token floor."""
+        ...
+
 
 def apply(record: Record, target: ApplyTarget) -> bool:
     """Apply one record to ``target`` by the rules in the module docstring;
@@ -536,6 +565,9 @@ def apply(record: Record, target: ApplyTarget) -> bool:
         if record.epoch > target.epoch:
             target.raise_epoch(record.epoch)
         target.adopt_slots(record)
+        return True
+    if type(record) is SlotsUnadopted:
+        target.unadopt_slots(record)
         return True
     return False
 
@@ -643,6 +675,10 @@ class LogState:
 
     def request_revoke(self, record: RevokeRequest) -> None:
         self.revoke_requests[(record.name, record.token)] = record
+
+    def unadopt_slots(self, record: SlotsUnadopted) -> None:
+        """Nothing: a node keeps the slots it owns without their floor in its data directory
+        (``unadopted-slots.json``); a standby takes the record as it applies it."""
 
     def adopt_slots(self, record: SlotsAdopted) -> None:
         """Add slots ``record.first..record.last`` and the record's queue parts (an owner known
