@@ -36,6 +36,9 @@ class Loop:
     def cancel(self):
         pass
 
+    def time(self):
+        return 0.0
+
 
 def make_gate(queues, limit=100, held=(), priorities=None):
     entered: list[tuple[str, str]] = []

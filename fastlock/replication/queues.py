@@ -9,7 +9,10 @@ sends its standby each lock's queue - the owner-key hashes of its first
 it; the whole map to a standby that attaches).  The standby keeps the last state
 (:class:`QueueMirror`); a promotion hands it to the new primary's reclaim gate
 (:mod:`fastlock.server.reclaim`), which lets the riding-through waiters queue again
-in their old order.
+in their old order.  A lock whose slot a move froze has its waiters out of the lock
+table, in the :class:`~fastlock.server.sharded.ShardGate`'s frozen queues: that queue is
+shipped instead, and a standby promoted before the move's ship takes it back as the
+slot's frozen queue (the export ships it in the old primary's order).
 
 The pushes are not logged or fsynced: a waiter's place is worth keeping only while
 its client is alive and rides through, and a restart of either node drops every
@@ -71,9 +74,13 @@ class QueueShipper:
         if not self.dirty and replicas.keys() <= self.informed:
             return
         table = self.host.table
+        gate = getattr(self.host, "shard_gate", None)
+        frozen = gate.frozen_queues if gate is not None else {}
         changes = []
         for name in self.dirty:
-            owners = table.waiters(name)[:MAX_SHIPPED]
+            taken = frozen.get(name)
+            owners = ([o for o, _priority in taken[:MAX_SHIPPED]] if taken is not None
+                      else table.waiters(name)[:MAX_SHIPPED])
             if owners != self.shipped.get(name, []):
                 if owners:
                     self.shipped[name] = owners

@@ -242,7 +242,10 @@ class LockServer(BatchEnd):
         self._started_ms = monotonic_ms()
 
     def _reclaim_queues(self, queues: dict[str, list[bytes]]) -> None:
-        """Promoted: the old primary's waiters keep their places for the reclaim window."""
+        """Promoted: the old primary's waiters keep their places for the reclaim window (those of
+        slots a move is moving away, for the move: :meth:`ShardGate.promoted_mirror`)."""
+        if self.shard_gate is not None:
+            queues = self.shard_gate.promoted_mirror(queues)
         table = self.table
         self.reclaim.arm(queues, lambda name, owner: table.holder(name, monotonic_ms(), owner) is not None,
                          self.loop)

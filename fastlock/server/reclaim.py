@@ -14,6 +14,10 @@ queue: expected ones in their old order, then the others in arrival order.  So a
 new arrival never overtakes a waiter that reclaims its place, and a waiter that
 died with the old primary delays the ones behind it by the window at most.
 
+A slot move that freezes a lock's slot within the window takes the lock out of it
+(:meth:`ReclaimGate.take`): its queue, in the order above, leaves with the move's other
+waiters of that lock, and its parked acquires are held by the move.
+
 An acquire with ``wait=0`` on a lock that still expects waiters is refused
 (``LockNotAcquired``: it could only be granted by overtaking them).  A CANCEL of a
 parked acquire cancels it (its acquire gets ``Cancelled``); a parked acquire
@@ -76,11 +80,16 @@ class ReclaimGate:
         self.parked = 0
         self.queues: dict[str, _Queue] = {}
         self._timer: Any = None
+        self._ends_at = 0.0  # the loop's time when the window armed ends
 
-    def arm(self, queues: dict[str, list[bytes]], holds: Callable[[str, bytes], bool], loop: Any) -> None:
+    def arm(self, queues: dict[str, list[bytes]], holds: Callable[[str, bytes], bool], loop: Any,
+            window: float | None = None) -> None:
         """Start the window with the old primary's ``queues`` (``holds(name, owner)``: the
-        owner already holds the lock here - its grant was replicated - so it is not expected)."""
-        if self.window <= 0:
+        owner already holds the lock here - its grant was replicated - so it is not expected),
+        for ``window`` seconds (None: :attr:`window`; at most that).  A window armed already
+        ends at the later of its end and this one's."""
+        window = self.window if window is None else min(window, self.window)
+        if window <= 0:
             return
         for name, owners in queues.items():
             expected = [o for o in dict.fromkeys(owners) if not holds(name, o)]
@@ -88,8 +97,13 @@ class ReclaimGate:
                 self.queues[name] = _Queue(expected)
         if self.queues:
             log.warning("reclaim window: %d locks keep the places of %d waiters of the old primary for %g s",
-                        len(self.queues), sum(len(q.expected) for q in self.queues.values()), self.window)
-            self._timer = loop.call_later(self.window, self.close)
+                        len(self.queues), sum(len(q.expected) for q in self.queues.values()), window)
+            end = loop.time() + window
+            if self._timer is None or self._ends_at < end:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer = loop.call_later(window, self.close)
+                self._ends_at = end
 
     def holds(self, name: str) -> bool:
         """Does the gate hold acquires of ``name`` now?"""
@@ -137,6 +151,23 @@ class ReclaimGate:
         self._advance(name, queue)
         return found
 
+    def take(self, names: Callable[[str], bool]) -> dict[str, tuple[list[tuple[bytes, int]], list[Parked]]]:
+        """Take the locks whose name ``names`` accepts out of the window (a move froze their slots:
+        their queues leave with the move): name -> (its queue, the acquires parked for it).  The
+        queue lists the (owner-key hash, queue priority) of the waiters still expected, in their old
+        order, then of the acquires parked that were not expected, in arrival order; the parked
+        acquires are the caller's to answer."""
+        taken: dict[str, tuple[list[tuple[bytes, int]], list[Parked]]] = {}
+        for name in [n for n in self.queues if names(n)]:
+            queue = self.queues.pop(name)
+            priority = {p.owner: p.priority for p in queue.parked}
+            expected = set(queue.expected)
+            order = [(o, priority.get(o, 0)) for o in queue.expected]
+            order += [(p.owner, p.priority) for p in queue.parked if p.owner not in expected]
+            self.parked -= len(queue.parked)
+            taken[name] = (order, queue.parked)
+        return taken
+
     def _advance(self, name: str, queue: _Queue) -> None:
         """Let in every parked acquire whose place has come."""
         expected = queue.expected
@@ -183,9 +214,9 @@ class ReclaimGate:
             self._timer = None
 
     def status(self) -> dict:
-        """The locks still in the window and the waiters they expect."""
+        """The locks still in the window, the waiters they expect and the acquires parked."""
         return {"locks": len(self.queues), "expected": sum(len(q.expected) for q in self.queues.values()),
-                "window_s": self.window}
+                "parked": self.parked, "window_s": self.window}
 
 
 def _fail(p: Parked, exc: FastlockError) -> None:

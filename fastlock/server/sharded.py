@@ -68,7 +68,8 @@ from ..roles import Role
 from ..sharding import SLOTS, ShardMap, ShardMapError, load_map_file, slot_of, write_map_file
 from ..sharding.moves import allowed_change
 from ..sharding.scope import NAMES_OF_OP, NamesAt, names_in
-from ..units import monotonic_ms
+from ..units import monotonic_ms, wall_ms
+from ..wal.files import write_atomically
 from ..wal.records import ImportedSlots
 from .kinds import reply_id
 from .shares import Quota, default_share
@@ -88,6 +89,11 @@ SERVED_MAP_FILE = "served-shard-map.json"
 UNADOPTED_FILE = "unadopted-slots.json"
 #: the most slot runs :meth:`ShardGate.info` lists of the slots owned without their token floor
 INFO_RUNS = 64
+#: the file in a sharded node's data directory holding the moved queues a flip let in on this
+#: primary, each until the end of its reclaim window (wall clock): a restart within it keeps their order
+LET_IN_FILE = "moved-queues.json"
+#: the most waiters of one moved queue :data:`LET_IN_FILE` keeps (as a standby's mirror keeps of a queue)
+LET_IN_WAITERS = 1024
 
 #: the most requests held at once for slots being moved (beyond: SlotMoving at once)
 MAX_HELD = 10_000
@@ -211,6 +217,13 @@ class ShardGate:
         #: slots this start's map gives this group that the map it last served by did not (their move's
         #: flip came while the node was down): adopted only if recovery finds their import (:meth:`restore_imports`)
         self.gained_at_start: list[int] = []
+        #: where the moved queues let in on this primary are kept until their window ends (:data:`LET_IN_FILE`),
+        #: once :meth:`remember` ran
+        self.let_in_path: str | None = None
+        #: name -> (the wall-clock end of its window, ms; owner-key hashes, FIFO): the moved queues a flip let in
+        #: before this node's start, their window not over (read by :meth:`remember`, let in by its first
+        #: run as the primary)
+        self.let_in_before: dict[str, tuple[int, list[bytes]]] = {}
         self.set_map(shard_map)
 
     @classmethod
@@ -282,6 +295,8 @@ class ShardGate:
         self.served_path = path
         write_map_file(path, self.shard_map)
         self._write_unadopted()
+        self.let_in_path = os.path.join(data_dir, LET_IN_FILE)
+        self.let_in_before = self._read_let_in()
 
     @staticmethod
     def _load_unadopted(path: str) -> list[int]:
@@ -473,6 +488,7 @@ class ShardGate:
         owned = sorted({slot_of(n) for n in self.imported_queues if self.owned[slot_of(n)]})
         if owned:
             self._let_in(owned, judge_floor=False)
+        self._let_in_again()
         if self.undone_at_start:
             back: dict[str, set[int]] = {}
             for slot in self.undone_at_start:
@@ -481,6 +497,64 @@ class ShardGate:
                 drop_keys(self.server, slots, owner)
             self.undone_at_start.clear()
             self._batch_end()
+
+    def _read_let_in(self) -> dict[str, tuple[int, list[bytes]]]:
+        """The moved queues in :data:`LET_IN_FILE` whose window has not ended (name -> (its end,
+        wall-clock ms; owner-key hashes, FIFO)); a file that cannot be read is logged and ignored."""
+        path = self.let_in_path
+        if path is None or not os.path.exists(path):
+            return {}
+        now = wall_ms()
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            kept = {}
+            for name, entry in data.items():
+                until = entry["until_ms"]
+                if type(name) is not str or type(until) is not int or type(entry["owners"]) is not list:
+                    raise ValueError(f"{name!r:.100}: not a name with until_ms (int) and owners (a list)")
+                if until > now:
+                    kept[name] = (until, [bytes.fromhex(o) for o in entry["owners"][:LET_IN_WAITERS]])
+            return kept
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            log.error("ignoring %s (the moved queues let in before this start: their order is not kept): %s", path,
+                      exc)
+            return {}
+
+    def _keep_let_in(self, queues: dict[str, list[bytes]], window: float) -> None:
+        """Record ``queues`` (let in now, by a flip, for ``window`` seconds) in :data:`LET_IN_FILE`,
+        beside those still in their window; a write that fails is logged (a restart then does not
+        keep their order)."""
+        path = self.let_in_path
+        if path is None or window <= 0:
+            return
+        entries = self._read_let_in()
+        until = wall_ms() + int(window * 1000)
+        for name, owners in queues.items():
+            entries[name] = (until, owners[:LET_IN_WAITERS])
+        data = {name: {"until_ms": until, "owners": [o.hex() for o in owners]}
+                for name, (until, owners) in entries.items()}
+        try:
+            write_atomically(os.path.dirname(path), LET_IN_FILE, json.dumps(data).encode())
+        except OSError as exc:
+            log.error("could not record the moved queues let in (%s): a restart within their reclaim window will "
+                      "not keep their order: %s", path, exc)
+
+    def _let_in_again(self) -> None:
+        """This node's first run as the primary since its start: the moved queues a flip let in on it
+        before (:data:`LET_IN_FILE`) whose reclaim window has not ended keep their order for the rest of it."""
+        before, self.let_in_before = self.let_in_before, {}
+        server = self.server
+        now = wall_ms()
+        queues = {n: owners for n, (until, owners) in before.items() if until > now and self.owned[slot_of(n)]}
+        if not queues or server is None:
+            return
+        left = max(until for n, (until, _owners) in before.items() if n in queues) - now
+        table = server.table
+        server.reclaim.arm(queues, lambda name, owner: table.holder(name, monotonic_ms(), owner) is not None,
+                           asyncio.get_running_loop(), left / 1000)
+        log.warning("slot move: %d moved queues let in before this start keep their order for %d ms more",
+                    len(queues), left)
 
     # -- the check ------------------------------------------------------------------------
     def check_name(self, name: Any) -> int:
@@ -672,8 +746,10 @@ class ShardGate:
         gained = _ones(_and_not(owned, old_owned))
         unmarked = _and_not(old_moving, moving)
         aborted = set(_ones(_and_not(unmarked, _and_not(unmarked, owned))))
-        for name in [n for n in self.frozen_queues if slot_of(n) in aborted]:
+        undone_frozen = [n for n in self.frozen_queues if slot_of(n) in aborted]
+        for name in undone_frozen:
             del self.frozen_queues[name]  # their acquires are answered SlotMoving and asked again
+        self._frozen_changed(undone_frozen)
         if self.imported_queues or 1 in self.imported:  # a move to this group that was aborted
             undone: set[int] = set()
             for slot in _ones(bytes(self.imported)):
@@ -733,18 +809,65 @@ class ShardGate:
         server.process_events(table.drain_events())
         taken = self._take_waiters(table.waited_names(lambda name: moving[slot_of(name)] == 1), now)
         for name, waiters in taken.items():
-            self.frozen_queues.setdefault(name, []).extend(waiters)
+            self._add_frozen(name, waiters)
 
         def hold(conn: Any, rid: int, name: str) -> None:  # counted against its share, never refused
             self._keep(Held(conn, rid, None, None, name, slot_of(name), now + int(HOLD_S * 1000), conn.principal))
 
         self._answer_taken(taken, hold)
+        # a promoted primary's reclaim window: the waiters still expected there (and the acquires parked
+        # there) queue behind those it let into the table already
+        for name, (queue, parked) in server.reclaim.take(lambda name: moving[slot_of(name)] == 1).items():
+            self._add_frozen(name, queue)
+            for p in parked:
+                if not getattr(p.conn, "closed", False):
+                    hold(p.conn, p.req_id, name)
         if self.held and self._hold_timer is None:
             self._hold_timer = asyncio.get_running_loop().call_later(HOLD_S / 4, self._hold_tick)
         if self.frozen_queues:
             log.warning("slot move: %d waiters of %d locks taken out of their queues until the move ends",
                         sum(len(q) for q in self.frozen_queues.values()), len(self.frozen_queues))
         server.after_batch()
+
+    def _add_frozen(self, name: str, waiters: list[tuple[bytes, int]]) -> None:
+        """Append ``waiters`` (owner-key hash, priority; FIFO) to ``name``'s frozen queue, each
+        owner once; the queue is shipped to this node's standbys (:mod:`fastlock.replication.queues`)."""
+        queue = self.frozen_queues.setdefault(name, [])
+        known = {o for o, _priority in queue}
+        for owner, priority in waiters:
+            if owner not in known:
+                known.add(owner)
+                queue.append((owner, priority))
+        self._frozen_changed([name])
+
+    def _frozen_changed(self, names: list[str]) -> None:
+        """The frozen queues of ``names`` changed (filled or dropped): shipped to the standbys at the batch end."""
+        queues = getattr(self.server, "queues", None)
+        if queues is not None:
+            for name in names:
+                queues.touched(name)
+
+    def promoted_mirror(self, queues: dict[str, list[bytes]]) -> dict[str, list[bytes]]:
+        """This standby is promoted with ``queues``, the old primary's waiter queues (name ->
+        owner-key hashes, FIFO) as it last shipped them: those of slots a move is moving away become
+        their frozen queues (the old primary froze them, or would have: the export ships them in
+        that order); those of slots another group owns are dropped.  Returns the rest, for the
+        reclaim window (:mod:`fastlock.server.reclaim`)."""
+        rest: dict[str, list[bytes]] = {}
+        frozen = []
+        for name, owners in queues.items():
+            slot = slot_of(name)
+            if not self.owned[slot]:
+                continue
+            if self.moving[slot]:
+                self._add_frozen(name, [(o, 0) for o in owners])
+                frozen.append(name)
+            else:
+                rest[name] = owners
+        if frozen:
+            log.warning("slot move: %d waiters of %d locks of moving slots kept in the old primary's order for the "
+                        "move", sum(len(self.frozen_queues[n]) for n in frozen), len(frozen))
+        return rest
 
     @staticmethod
     def _take_waiters_of(table: Any, name: str, now: int) -> list[tuple[bytes, int]]:
@@ -771,8 +894,10 @@ class ShardGate:
         keys and leases (REVOKE records)."""
         server = self.server
         lost_set = set(lost)
-        for name in [n for n in self.frozen_queues if slot_of(n) in lost_set]:
+        gone = [n for n in self.frozen_queues if slot_of(n) in lost_set]
+        for name in gone:
             del self.frozen_queues[name]
+        self._frozen_changed(gone)
         if not self._is_primary():
             return
         table = server.table
@@ -902,6 +1027,7 @@ class ShardGate:
             queues = {}
         if queues and server is not None:
             table = server.table
+            self._keep_let_in(queues, server.reclaim.window)
             server.reclaim.arm(queues, lambda name, owner: table.holder(name, monotonic_ms(), owner) is not None,
                                asyncio.get_running_loop())
         log.warning("slot move: %d slots now owned here; %d moved queues keep their order", len(gained), len(queues))
@@ -1018,11 +1144,17 @@ class ShardGate:
                               f"{self.shard_map.epoch}; see its log): not serving as the primary")
         queues = {n: q for n, q in self.promoted_queues.items() if self.owned[slot_of(n)]}
         self.promoted_queues.clear()
+        # restored from the log at this node's start (it starts as a standby in an etcd group), their flip come
+        # while it was down: let in now, as a primary's start lets them in (let_in_restored)
+        for name in [n for n in self.imported_queues if self.owned[slot_of(n)]]:
+            queues.setdefault(name, self.imported_queues.pop(name))
         server = self.server
         if queues and server is not None:  # moved waiters the old primary may not have let in yet keep their order
             table = server.table
+            self._keep_let_in(queues, server.reclaim.window)
             server.reclaim.arm(queues, lambda name, owner: table.holder(name, monotonic_ms(), owner) is not None,
                                asyncio.get_running_loop())
+        self._let_in_again()
 
     async def follow_etcd(self, url: str, access: EtcdAccess | None) -> None:
         """Follow the map kept in etcd at ``url`` (:mod:`fastlock.coordination.shardmap`) until cancelled."""
