@@ -717,6 +717,8 @@ class EtcdArbiter:
             NodeIdInUse: another live node has held it for twice the TTL.
             EtcdUnavailable: etcd did not answer.
         """
+        if not self.lease:  # given up meanwhile (resign): a key written under no lease would never go
+            return False
         mine = self._member
         member = self._member_value()
         key = b64(self.members_prefix + self.node)
@@ -955,9 +957,13 @@ class EtcdArbiter:
             EtcdUnavailable: etcd did not answer (whether the bid landed is then
                 learned at the next step, which reads the key).
         """
+        if not self.lease:  # given up meanwhile (resign): the key is taken only under a lease, the next step's
+            return False
         sent = self._renewed_at
         reading = await self.epoch_for_bid()
         self._bid_epoch = None  # the next bid reads it again
+        if not self.lease:
+            return False
         kv = reading.kv
         epoch = max(reading.stored, self.seen_epoch(), advertised if self.credible_epoch(advertised) else 0) + 1
         if epoch > MAX_EPOCH:
