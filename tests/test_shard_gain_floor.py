@@ -10,6 +10,8 @@ promoted standby and with a static map file too."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from conftest import wait_until
 from test_shard_move_tokens import EtcdGroups, _acquire_on, _rising, _status, shard
@@ -216,3 +218,35 @@ async def test_a_standby_that_joins_after_a_flip_by_hand_learns_the_slot_is_unad
 async def _unadopted(g, node: str) -> bool:
     st = await _status(g.servers[node])
     return st is not None and st["shard"]["unadopted"] == 1
+
+
+async def test_a_destination_standby_that_missed_a_moves_import_refuses_the_moved_slot_once_promoted(groups_of):
+    """A real move (the driver's export and import) to g1 while g1's standby is detached from its
+    primary (its replication link black-holed, then cut and held over the move): the import is
+    answered without it, and it sees the mark and the flip in etcd but never the SLOTS_ADOPTED
+    record.  g1's primary is then SIGKILLed and the standby promoted: it holds neither the moved
+    lease nor the slot's token floor, so it answers the moved name Unavailable instead of granting
+    it beside the moved lease's holder (the code before granted it, 11/1 while 1/1 was held)."""
+    g = await groups_of((1, 2), relayed=("g1-0",))
+    name = names_owned_by(g.shard_map, "g0", 1, "missedimport")[0]
+    slot = slot_of(name)
+    relay = g.relays["g1-0"]
+    await wait_until(lambda: asyncio.to_thread(relay.count, "replication"), 30,
+                     "g1's standby to replicate through the relay")
+    async with fastlock.connect(g.servers["g0-0"].address, token=g.app, session=False) as client:
+        lease = await client.acquire(name, ttl=60)
+        tokens = [lease.fencing_token]
+        relay.blackhole("replication")
+        relay.cut("replication")  # detached: its attempts to attach again are held
+        await g.move(slot, "g1")
+        g.servers["g1-0"].kill()
+        await wait_until(lambda: g.is_role("g1-1", "primary"), 60, "g1's standby to be promoted")
+        got = await _acquire_on(g.servers["g1-1"].address, g.app, name)
+        if isinstance(got, int):
+            tokens.append(got)
+        _rising(name, tokens)
+        assert not isinstance(got, int), (f"g1's standby, promoted without the import, granted {name!r} while "
+                                          f"the moved lease is held")
+        _refused_for_its_floor(got, slot)
+        st = await _status(g.servers["g1-1"])
+        assert [slot, slot] in st["shard"]["unadopted_slots"], st["shard"]
