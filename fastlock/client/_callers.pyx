@@ -13,6 +13,9 @@ paths they serve).
 
 import asyncio
 import itertools
+
+from cpython.contextvars cimport get_value
+from cpython.weakref cimport PyWeakref_GetObject
 import threading
 import weakref
 from contextvars import ContextVar
@@ -85,23 +88,24 @@ cdef bint _ended(Caller node):
 #: who acquires: the blocking client sets its calling thread (its tasks inherit the
 #: context); otherwise the :class:`Caller` node of the current asyncio task, made on first use
 CALLER = ContextVar("fastlock_caller", default=None)
+cdef object _current_task = asyncio.current_task
 
 #: the longest chain of ancestors :func:`acts_for` and :func:`actor_id` walk
 MAX_ANCESTRY = 256
 
 
-def current_caller(loop=None):
+cpdef current_caller(loop=None):
     """The thread (blocking client) or the :class:`Caller` node of the asyncio task that
     calls now (made, and set in the task's context, on first use); None outside a task.
     ``loop``: the running loop, if the caller has it (CPython finds it with a
     ``getpid()`` call otherwise)."""
-    who = CALLER.get()
+    who = get_value(CALLER)
     if who is not None and type(who) is not Caller:
         return who
-    task = asyncio.current_task(loop)
+    task = _current_task(loop)
     if task is None:
         return None
-    if who is not None and who.task() is task:
+    if who is not None and <object>PyWeakref_GetObject((<Caller>who).task) is task:
         return who
     node = Caller(task, who)
     CALLER.set(node)

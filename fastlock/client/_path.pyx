@@ -35,12 +35,14 @@ connector's idempotent calls on one timer.
 """
 
 import math
+import os
 from asyncio import get_running_loop
 
 cimport cython
 from libc.math cimport ceil
 from cpython.float cimport PyFloat_AS_DOUBLE
 from cpython.long cimport PyLong_AsLongLongAndOverflow
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 
 from ..protocol.priority import check_priority
 from ..protocol.validation import (
@@ -59,7 +61,8 @@ from .acquire import AcquireRequest, acquire_call, duration_ms
 from .connection import RETRYABLE, RideThrough
 from .kinds import kind_args
 from .lease import Lease, LeaseState, check_lease
-from .owner_keys import new_owner_key
+from .owner_keys import KEYS_PER_DRAW as _KEYS_PER_DRAW
+from .owner_keys import OWNER_KEY_BYTES as _OWNER_KEY_BYTES
 from .preempt import grace_ms, send_revoke_request
 
 cdef extern from "Python.h":
@@ -82,7 +85,34 @@ cdef object _object_new = object.__new__
 cdef object _AcquireRequest = AcquireRequest
 cdef object _Lease = Lease
 cdef object _LeaseState = LeaseState
-cdef object _new_owner_key = new_owner_key
+cdef object _urandom = os.urandom
+cdef Py_ssize_t OWNER_KEY_BYTES = _OWNER_KEY_BYTES
+cdef Py_ssize_t KEYS_PER_DRAW = _KEYS_PER_DRAW
+cdef bytes _keys = b""  # owner keys drawn from the OS and not handed out yet: the first _keys_left
+cdef Py_ssize_t _keys_left = 0
+
+
+cdef bytes _owner_key():
+    """A fresh owner key, as :func:`~fastlock.client.owner_keys.new_owner_key` draws them
+    (``OWNER_KEY_BYTES`` bytes of ``os.urandom``, one call per ``KEYS_PER_DRAW`` keys),
+    from this module's own buffer (emptied in a child after ``fork()``)."""
+    global _keys, _keys_left
+    if _keys_left == 0:
+        _keys = _urandom(OWNER_KEY_BYTES * KEYS_PER_DRAW)
+        _keys_left = KEYS_PER_DRAW
+    _keys_left -= 1
+    return PyBytes_FromStringAndSize(PyBytes_AS_STRING(_keys) + _keys_left * OWNER_KEY_BYTES, OWNER_KEY_BYTES)
+
+
+def _drop_keys():
+    """In a child after ``fork()``: the parent's undrawn keys are never handed out here."""
+    global _keys, _keys_left
+    _keys = b""
+    _keys_left = 0
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_drop_keys)
 cdef object _EPOCH_SHIFT = TOKEN_EPOCH_SHIFT
 cdef tuple _EXCLUSIVE = ()
 
@@ -151,7 +181,7 @@ cpdef acquire_request(name, ttl, wait, lock_delay, correlation_id, shared, limit
     if priority:
         check_priority(priority)
     grace = None if preempt is None else grace_ms(preempt)
-    return _tuple_new(_AcquireRequest, (name, _new_owner_key(), ttl_ms, wait_ms, delay_ms, correlation_id, kind,
+    return _tuple_new(_AcquireRequest, (name, _owner_key(), ttl_ms, wait_ms, delay_ms, correlation_id, kind,
                                         priority, grace))
 
 
