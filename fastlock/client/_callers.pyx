@@ -15,6 +15,8 @@ import asyncio
 import itertools
 
 from cpython.contextvars cimport get_value
+from cpython.object cimport PyTypeObject
+from cpython.ref cimport PyObject
 from cpython.weakref cimport PyWeakref_GetObject
 import threading
 import weakref
@@ -170,9 +172,6 @@ def actor_id(connector=None, who=None):
     return n
 
 
-#: a :class:`HeldLease` made without its Python-level ``__new__`` (one per grant)
-_new_entry = tuple.__new__
-
 #: the smallest size at which :class:`HeldLeases` sweeps out ended leases
 SWEEP_MIN = 1024
 
@@ -185,6 +184,17 @@ HeldLease = NamedTuple("HeldLease", [("lease", Lease), ("caller", object), ("exc
                                      ("party", object)])
 HeldLease.__module__ = "fastlock.client.acquire"
 HeldLease.__doc__ = "An entry of :attr:`HeldLeases.by_name`: the last lease granted of a name, to whom."
+cdef type _HeldLease = HeldLease
+
+cdef extern from "Python.h":
+    PyTypeObject PyTuple_Type
+
+
+cdef inline object _tuple_of(type cls, tuple items):
+    """``tuple.__new__(cls, items)`` (a NamedTuple's instance, its ``__new__`` skipped), by
+    the C slot that call reaches, without the Python-level call."""
+    cdef tuple args = (items,)
+    return PyTuple_Type.tp_new(cls, <PyObject*>args, NULL)
 
 
 cdef _unhold(node, key):
@@ -237,7 +247,7 @@ cdef class HeldLeases:
             held[key] = held.get(key, 0) + 1
         name = lease.name
         old_entry = by_name.get(name)
-        by_name[name] = _new_entry(HeldLease, (lease, who, exclusive, node))
+        by_name[name] = _tuple_of(_HeldLease, (lease, who, exclusive, node))
         if old_entry is not None:
             _unhold((<tuple>old_entry)[3], key)
         if len(by_name) >= self._sweep_at:
