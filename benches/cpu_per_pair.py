@@ -1,6 +1,6 @@
 """CPU time per acquire+release pair, server process and client process, in the W2 shape.
 
-    python -m benches.cpu_per_pair [--clients 32] [--tasks 1] [--pairs 32000] [--fsync never] [--tag NAME]
+    python -m benches.cpu_per_pair [--clients 32] [--tasks 1] [--pairs 32000] [--fsync never] [--tag NAME] [--echo]
 
 C clients (one connection each), each with T tasks, on distinct locks run a fixed number of pairs
 against a ``python -m fastlock serve`` subprocess (free port, throwaway data
@@ -8,6 +8,10 @@ dir, stopped afterwards).  Prints the server's and this client process's CPU
 microseconds per pair (user + system), and pairs/s.  CPU time, not wall time:
 on a shared, loaded machine it moves far less than throughput, so two installs
 can be compared by running this module with each one's python, alternately.
+
+``--echo`` measures the floor in the same shape instead: ``python -m benches.echo serve``
+as the server and its client (:class:`benches.echo.EchoClientProtocol`: request ids, a
+dict of futures, msgpack) sending an acquire-sized and a release-sized request per pair.
 """
 
 from __future__ import annotations
@@ -36,14 +40,41 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _measure(clients: int, pairs: int, fsync: str, tasks: int = 1) -> tuple[float, float, float]:
+class _EchoClient:
+    """The echo floor's client with a lock client's two calls (:mod:`benches.echo`)."""
+
+    def __init__(self, proto) -> None:
+        self.proto = proto
+        self.owner = os.urandom(16)
+        self.token = 1 << 40
+
+    async def acquire(self, name: str, ttl: float) -> int:
+        # shaped like a lock acquire: [id, op, name, owner key, ttl_ms, wait_ms, lock_delay_ms, tag]
+        await self.proto.request(1, name, self.owner, int(ttl * 1000), -1, 0, None)
+        self.token += 1
+        return self.token
+
+    async def release(self, token: int) -> None:
+        await self.proto.request(2, "k", token, self.owner)  # shaped like a release
+
+    async def close(self) -> None:
+        self.proto.transport.close()
+
+
+async def _measure(clients: int, pairs: int, fsync: str, tasks: int = 1,
+                   echo: bool = False) -> tuple[float, float, float, float]:
     import fastlock
 
     port = _free_port()
     with tempfile.TemporaryDirectory() as data:
-        srv = subprocess.Popen([sys.executable, "-m", "fastlock", "serve", "--listen", f"127.0.0.1:{port}",
-                                "--data-dir", data, "--fsync", fsync],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir())
+        if echo:
+            argv = [sys.executable, "-m", "benches.echo", "serve", "--listen", f"127.0.0.1:{port}"]
+            cwd = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        else:
+            argv = [sys.executable, "-m", "fastlock", "serve", "--listen", f"127.0.0.1:{port}",
+                    "--data-dir", data, "--fsync", fsync]
+            cwd = tempfile.gettempdir()
+        srv = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
         try:
             deadline = time.monotonic() + 20
             while True:
@@ -54,7 +85,11 @@ async def _measure(clients: int, pairs: int, fsync: str, tasks: int = 1) -> tupl
                     if time.monotonic() > deadline:
                         raise
                     await asyncio.sleep(0.05)
-            conns = [await fastlock.connect(f"127.0.0.1:{port}") for _ in range(clients)]
+            if echo:
+                from .echo import open_client
+                conns = [_EchoClient(await open_client("127.0.0.1", port)) for _ in range(clients)]
+            else:
+                conns = [await fastlock.connect(f"127.0.0.1:{port}") for _ in range(clients)]
 
             async def worker(i: int, client, n: int) -> None:
                 for _ in range(n):
@@ -81,7 +116,7 @@ async def _measure(clients: int, pairs: int, fsync: str, tasks: int = 1) -> tupl
                 srv.wait()
     n = per * clients * tasks
     client_s = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
-    return 1e6 * (s1 - s0) / n, 1e6 * client_s / n, n / (t1 - t0)
+    return 1e6 * (s1 - s0) / n, 1e6 * client_s / n, n / (t1 - t0), 1e6 * (r1.ru_stime - r0.ru_stime) / n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,14 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=32000)
     ap.add_argument("--fsync", default="never")
     ap.add_argument("--tag", default="fastlock")
+    ap.add_argument("--echo", action="store_true", help="measure the echo floor in the same shape")
     args = ap.parse_args(argv)
     try:
         import uvloop
         uvloop.install()
     except ImportError:  # pragma: no cover
         pass
-    server_us, client_us, rate = asyncio.run(_measure(args.clients, args.pairs, args.fsync, args.tasks))
-    print(f"{args.tag}: server {server_us:6.1f} us/pair  client {client_us:6.1f} us/pair  wall {rate:7.0f} pairs/s")
+    server_us, client_us, rate, client_sys_us = asyncio.run(_measure(args.clients, args.pairs, args.fsync, args.tasks,
+                                                           args.echo))
+    print(f"{args.tag}: server {server_us:6.1f} us/pair  client {client_us:6.1f} us/pair  wall {rate:7.0f} pairs/s"
+          f"  (client system {client_sys_us:.1f} us/pair)")
     return 0
 
 

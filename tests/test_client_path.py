@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import threading
 from typing import Any
 
@@ -25,6 +26,7 @@ from fastlock.client._path import AttemptBounds, acquire_request, acquire_tail, 
 from fastlock.client.acquire import AcquireRequest, Caller, acquire_call, current_caller, duration_ms
 from fastlock.client.kinds import kind_args
 from fastlock.client.lease import Lease, LeaseState
+from fastlock.client.owner_keys import KEYS_PER_DRAW, OWNER_KEY_BYTES
 from fastlock.client.preempt import grace_ms
 from fastlock.errors import FastlockError
 from fastlock.protocol.priority import check_priority
@@ -100,6 +102,36 @@ def test_acquire_request_refuses_as_the_python_checks_do(given):
 def test_owner_keys_differ():
     keys = {acquire_request(*DEFAULTS.values()).owner for _ in range(1000)}
     assert len(keys) == 1000
+    assert {len(key) for key in keys} == {OWNER_KEY_BYTES}
+
+
+def test_a_forked_child_draws_acquire_keys_its_parent_never_draws():
+    """The compiled path's own buffer of keys (fastlock/client/_path.pyx) is emptied in a
+    forked child, as fastlock.client.owner_keys' is."""
+    acquire_request(*DEFAULTS.values())  # the buffer now holds keys the child inherits
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: write 20 keys and leave at once
+        try:
+            os.close(read_end)
+            os.write(write_end, b"".join(acquire_request(*DEFAULTS.values()).owner for _ in range(20)))
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    data = b""
+    try:
+        while len(data) < 20 * OWNER_KEY_BYTES:
+            chunk = os.read(read_end, 4096)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)
+    child = {data[i:i + OWNER_KEY_BYTES] for i in range(0, len(data), OWNER_KEY_BYTES)}
+    assert len(child) == 20
+    parent = {acquire_request(*DEFAULTS.values()).owner for _ in range(KEYS_PER_DRAW)}
+    assert not child & parent
 
 
 class _Connector:

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from fastlock import protocol as P
 from fastlock.errors import LeaseLost
-from fastlock.protocol._wire import RpcWire
+from fastlock.protocol._wire import RpcWire, encode_request
+from fastlock.protocol.framing import packb
 from fastlock.protocol.rpc import RpcConnection
 from fastlock.server._wire import SessionWire, ok_grant, ok_int, ok_nil
 from fastlock.server.session import Session
@@ -27,6 +28,42 @@ from fastlock.server.session import Session
 REQUEST_IDS = st.integers(min_value=1, max_value=(1 << 64) - 1)
 #: an int of a reply: a token, a TTL, a wait (ms), or any int of 64 bits
 VALUES = st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1)
+
+
+#: a request argument: every kind the compiled encoder writes itself, at and past its bounds,
+#: and containers and values it leaves to msgpack's packer
+ARGS = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(1 << 64), max_value=(1 << 65)),
+                 st.sampled_from([0, 127, 128, 255, 256, 65535, 65536, (1 << 32) - 1, 1 << 32, (1 << 63) - 1,
+                                  1 << 63, (1 << 64) - 1, 1 << 64, -32, -33, -128, -129, -32768, -32769,
+                                  -(1 << 31), -(1 << 31) - 1, -(1 << 63), -(1 << 63) - 1]),
+                 st.floats(), st.text(max_size=300), st.binary(max_size=300),
+                 st.sampled_from(["x" * 31, "x" * 32, "é" * 128, "x" * 65535, "x" * 65536, b"z" * 65535,
+                                  b"z" * 65536, "\ud800", bytearray(b"ab"), object()]),
+                 st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+
+
+def _outcome(encode, *args):
+    """``encode(*args)``'s frame, or the type of the error it raised (an error's message may
+    name an object by its address)."""
+    try:
+        return encode(*args)
+    except (TypeError, ValueError, OverflowError) as exc:  # UnicodeEncodeError is a ValueError
+        return type(exc)
+
+
+def _packb_request(req_id, op, args):
+    return packb([req_id, op, *args])
+
+
+@given(REQUEST_IDS, st.integers(min_value=0, max_value=200), st.lists(ARGS, max_size=20))
+def test_a_request_is_encoded_as_msgpack_encodes_it(req_id, op, args):
+    args = tuple(args)
+    assert _outcome(encode_request, req_id, op, args) == _outcome(_packb_request, req_id, op, args)
+
+
+@pytest.mark.parametrize("args", [("x" * 2040,), tuple(range(70000)), ("\ud800",), (1 << 64,)])
+def test_a_request_past_the_encoders_bounds_is_msgpacks(args):
+    assert _outcome(encode_request, 1, 2, args) == _outcome(_packb_request, 1, 2, args)
 
 
 @given(REQUEST_IDS)

@@ -13,6 +13,11 @@ paths they serve).
 
 import asyncio
 import itertools
+
+from cpython.contextvars cimport get_value
+from cpython.object cimport PyTypeObject
+from cpython.ref cimport PyObject
+from cpython.weakref cimport PyWeakref_GetObject
 import threading
 import weakref
 from contextvars import ContextVar
@@ -85,23 +90,24 @@ cdef bint _ended(Caller node):
 #: who acquires: the blocking client sets its calling thread (its tasks inherit the
 #: context); otherwise the :class:`Caller` node of the current asyncio task, made on first use
 CALLER = ContextVar("fastlock_caller", default=None)
+cdef object _current_task = asyncio.current_task
 
 #: the longest chain of ancestors :func:`acts_for` and :func:`actor_id` walk
 MAX_ANCESTRY = 256
 
 
-def current_caller(loop=None):
+cpdef current_caller(loop=None):
     """The thread (blocking client) or the :class:`Caller` node of the asyncio task that
     calls now (made, and set in the task's context, on first use); None outside a task.
     ``loop``: the running loop, if the caller has it (CPython finds it with a
     ``getpid()`` call otherwise)."""
-    who = CALLER.get()
+    who = get_value(CALLER)
     if who is not None and type(who) is not Caller:
         return who
-    task = asyncio.current_task(loop)
+    task = _current_task(loop)
     if task is None:
         return None
-    if who is not None and who.task() is task:
+    if who is not None and <object>PyWeakref_GetObject((<Caller>who).task) is task:
         return who
     node = Caller(task, who)
     CALLER.set(node)
@@ -166,9 +172,6 @@ def actor_id(connector=None, who=None):
     return n
 
 
-#: a :class:`HeldLease` made without its Python-level ``__new__`` (one per grant)
-_new_entry = tuple.__new__
-
 #: the smallest size at which :class:`HeldLeases` sweeps out ended leases
 SWEEP_MIN = 1024
 
@@ -181,6 +184,17 @@ HeldLease = NamedTuple("HeldLease", [("lease", Lease), ("caller", object), ("exc
                                      ("party", object)])
 HeldLease.__module__ = "fastlock.client.acquire"
 HeldLease.__doc__ = "An entry of :attr:`HeldLeases.by_name`: the last lease granted of a name, to whom."
+cdef type _HeldLease = HeldLease
+
+cdef extern from "Python.h":
+    PyTypeObject PyTuple_Type
+
+
+cdef inline object _tuple_of(type cls, tuple items):
+    """``tuple.__new__(cls, items)`` (a NamedTuple's instance, its ``__new__`` skipped), by
+    the C slot that call reaches, without the Python-level call."""
+    cdef tuple args = (items,)
+    return PyTuple_Type.tp_new(cls, <PyObject*>args, NULL)
 
 
 cdef _unhold(node, key):
@@ -233,7 +247,7 @@ cdef class HeldLeases:
             held[key] = held.get(key, 0) + 1
         name = lease.name
         old_entry = by_name.get(name)
-        by_name[name] = _new_entry(HeldLease, (lease, who, exclusive, node))
+        by_name[name] = _tuple_of(_HeldLease, (lease, who, exclusive, node))
         if old_entry is not None:
             _unhold((<tuple>old_entry)[3], key)
         if len(by_name) >= self._sweep_at:

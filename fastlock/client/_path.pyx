@@ -35,12 +35,16 @@ connector's idempotent calls on one timer.
 """
 
 import math
+import os
 from asyncio import get_running_loop
 
 cimport cython
 from libc.math cimport ceil
 from cpython.float cimport PyFloat_AS_DOUBLE
 from cpython.long cimport PyLong_AsLongLongAndOverflow
+from cpython.object cimport PyTypeObject
+from cpython.ref cimport PyObject
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 
 from ..protocol.priority import check_priority
 from ..protocol.validation import (
@@ -59,11 +63,32 @@ from .acquire import AcquireRequest, acquire_call, duration_ms
 from .connection import RETRYABLE, RideThrough
 from .kinds import kind_args
 from .lease import Lease, LeaseState, check_lease
-from .owner_keys import new_owner_key
+from .owner_keys import KEYS_PER_DRAW as _KEYS_PER_DRAW
+from .owner_keys import OWNER_KEY_BYTES as _OWNER_KEY_BYTES
 from .preempt import grace_ms, send_revoke_request
 
 cdef extern from "Python.h":
     bint PyUnicode_IS_ASCII(object o)
+
+
+cdef extern from "Python.h":
+    PyTypeObject PyBaseObject_Type
+    PyTypeObject PyTuple_Type
+
+cdef tuple _NO_ARGS = ()
+
+
+cdef inline object _tuple_of(type cls, tuple items):
+    """``tuple.__new__(cls, items)`` (a NamedTuple's instance, its ``__new__`` skipped), by
+    the C slot that call reaches, without the Python-level call."""
+    cdef tuple args = (items,)
+    return PyTuple_Type.tp_new(cls, <PyObject*>args, NULL)
+
+
+cdef inline object _bare(type cls):
+    """``object.__new__(cls)`` (no ``__init__`` run), by the C slot that call reaches,
+    without the Python-level call."""
+    return PyBaseObject_Type.tp_new(cls, <PyObject*>_NO_ARGS, NULL)
 
 # the protocol's limits (fastlock.protocol.validation), as C constants
 from ..protocol.validation import MAX_LOCK_DELAY_MS as _MAX_LOCK_DELAY_MS
@@ -77,12 +102,37 @@ cdef Py_ssize_t MAX_NAME_BYTES = _MAX_NAME_BYTES
 cdef long long MAX_TTL_MS = _MAX_TTL_MS
 cdef long long MAX_WAIT_MS = _MAX_WAIT_MS
 cdef long long MIN_TTL_MS = _MIN_TTL_MS
-cdef object _tuple_new = tuple.__new__
-cdef object _object_new = object.__new__
-cdef object _AcquireRequest = AcquireRequest
-cdef object _Lease = Lease
-cdef object _LeaseState = LeaseState
-cdef object _new_owner_key = new_owner_key
+cdef type _AcquireRequest = AcquireRequest
+cdef type _Lease = Lease
+cdef type _LeaseState = LeaseState
+cdef object _urandom = os.urandom
+cdef Py_ssize_t OWNER_KEY_BYTES = _OWNER_KEY_BYTES
+cdef Py_ssize_t KEYS_PER_DRAW = _KEYS_PER_DRAW
+cdef bytes _keys = b""  # owner keys drawn from the OS and not handed out yet: the first _keys_left
+cdef Py_ssize_t _keys_left = 0
+
+
+cdef bytes _owner_key():
+    """A fresh owner key, as :func:`~fastlock.client.owner_keys.new_owner_key` draws them
+    (``OWNER_KEY_BYTES`` bytes of ``os.urandom``, one call per ``KEYS_PER_DRAW`` keys),
+    from this module's own buffer (emptied in a child after ``fork()``)."""
+    global _keys, _keys_left
+    if _keys_left == 0:
+        _keys = _urandom(OWNER_KEY_BYTES * KEYS_PER_DRAW)
+        _keys_left = KEYS_PER_DRAW
+    _keys_left -= 1
+    return PyBytes_FromStringAndSize(PyBytes_AS_STRING(_keys) + _keys_left * OWNER_KEY_BYTES, OWNER_KEY_BYTES)
+
+
+def _drop_keys():
+    """In a child after ``fork()``: the parent's undrawn keys are never handed out here."""
+    global _keys, _keys_left
+    _keys = b""
+    _keys_left = 0
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_drop_keys)
 cdef object _EPOCH_SHIFT = TOKEN_EPOCH_SHIFT
 cdef tuple _EXCLUSIVE = ()
 
@@ -151,7 +201,7 @@ cpdef acquire_request(name, ttl, wait, lock_delay, correlation_id, shared, limit
     if priority:
         check_priority(priority)
     grace = None if preempt is None else grace_ms(preempt)
-    return _tuple_new(_AcquireRequest, (name, _new_owner_key(), ttl_ms, wait_ms, delay_ms, correlation_id, kind,
+    return _tuple_of(_AcquireRequest, (name, _owner_key(), ttl_ms, wait_ms, delay_ms, correlation_id, kind,
                                         priority, grace))
 
 
@@ -182,7 +232,7 @@ cdef object _grant_lease(name, owner, reply, double sent, connector, double* exp
     epoch = token >> _EPOCH_SHIFT
     if epoch > connector.max_epoch:
         connector.max_epoch = epoch
-    state = _object_new(_LeaseState)  # LeaseState.__init__'s fields, set here
+    state = _bare(_LeaseState)  # LeaseState.__init__'s fields, set here
     state._lost = None
     expires_at[0] = sent + waited + granted_ttl
     ttl[0] = granted_ttl
@@ -195,7 +245,7 @@ cdef object _grant_lease(name, owner, reply, double sent, connector, double* exp
         extra = reply[3]
         if type(extra) is dict:  # a signed sequencer (fastlock.sequencer)
             state.sequencer = (<dict>extra).get("sequencer")
-    lease = _object_new(_Lease)  # Lease.__init__'s fields, set here
+    lease = _bare(_Lease)  # Lease.__init__'s fields, set here
     cdef dict fields = lease.__dict__
     fields["name"] = name
     fields["fencing_token"] = token

@@ -7,6 +7,8 @@ from .framing import DecodeLimits, FrameDecoder
 
 def feed_frames(decoder: FrameDecoder | WireDecoder, data: bytes) -> list[Any]: ...
 
+def encode_request(req_id: Any, op: Any, args: tuple[Any, ...]) -> bytes: ...
+
 class WireDecoder:
     reference: FrameDecoder
     shape_all: bool

@@ -25,7 +25,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from cpython.dict cimport PyDict_SetItem
 from cpython.float cimport PyFloat_FromDouble
 from cpython.list cimport PyList_New, PyList_SET_ITEM
-from cpython.long cimport PyLong_FromLongLong, PyLong_FromUnsignedLongLong
+from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_FromLongLong, PyLong_FromUnsignedLongLong
 from cpython.ref cimport PyObject, Py_DECREF, Py_INCREF
 from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint32_t, uint64_t
 from libc.string cimport memcpy
@@ -377,6 +377,162 @@ cdef class WireDecoder:
         return pairs
 
 
+cdef extern from "Python.h":
+    const char* PyUnicode_AsUTF8AndSize(object o, Py_ssize_t* size) except NULL
+
+cdef enum:
+    ENCODE_MAX = 2048  # a request frame longer than this is left to msgpack (encode_request)
+
+
+cdef inline unsigned char* _put_be(unsigned char* p, uint64_t value, int size) noexcept:
+    """``value``'s low ``size`` bytes at ``p``, big-endian; the byte after them."""
+    cdef int i
+    for i in range(size - 1, -1, -1):
+        p[i] = <unsigned char>(value & 0xFF)
+        value >>= 8
+    return p + size
+
+
+cdef inline unsigned char* _put_uint(unsigned char* p, uint64_t value) noexcept:
+    """An unsigned int as msgpack's packer writes it (the smallest form)."""
+    if value < 0x80:
+        p[0] = <unsigned char>value
+        return p + 1
+    if value < 0x100:
+        p[0] = 0xCC
+        return _put_be(p + 1, value, 1)
+    if value < 0x10000:
+        p[0] = 0xCD
+        return _put_be(p + 1, value, 2)
+    if value < 0x100000000:
+        p[0] = 0xCE
+        return _put_be(p + 1, value, 4)
+    p[0] = 0xCF
+    return _put_be(p + 1, value, 8)
+
+
+cdef inline unsigned char* _put_int(unsigned char* p, int64_t value) noexcept:
+    """A signed int as msgpack's packer writes it (the smallest form)."""
+    if value >= 0:
+        return _put_uint(p, <uint64_t>value)
+    if value >= -32:
+        p[0] = <unsigned char>(<int8_t>value)
+        return p + 1
+    if value >= -0x80:
+        p[0] = 0xD0
+        return _put_be(p + 1, <uint64_t>value, 1)
+    if value >= -0x8000:
+        p[0] = 0xD1
+        return _put_be(p + 1, <uint64_t>value, 2)
+    if value >= -(<int64_t>0x80000000):
+        p[0] = 0xD2
+        return _put_be(p + 1, <uint64_t>value, 4)
+    p[0] = 0xD3
+    return _put_be(p + 1, <uint64_t>value, 8)
+
+
+cdef unsigned char* _put_value(unsigned char* p, unsigned char* end, object value):
+    """``value`` (None, a bool, an int of 64 bits, a float, a str, bytes) at ``p`` as
+    :data:`~fastlock.protocol.framing.packb` writes it; NULL for any other value, or one
+    that does not fit before ``end`` (msgpack's packer takes it)."""
+    cdef int overflow = 0
+    cdef long long whole
+    cdef Py_ssize_t size
+    cdef const char* data
+    cdef double d
+    cdef uint64_t bits
+    cdef type kind = type(value)
+    if end - p < 9:
+        return NULL
+    if value is None:
+        p[0] = 0xC0
+        return p + 1
+    if kind is int:
+        whole = PyLong_AsLongLongAndOverflow(value, &overflow)
+        if overflow:
+            return NULL
+        return _put_int(p, whole)
+    if kind is str:
+        data = PyUnicode_AsUTF8AndSize(value, &size)  # (not UTF-8-encodable: raises, the caller falls back)
+        if size < 32:
+            p[0] = 0xA0 | <unsigned char>size
+            p += 1
+        elif size < 0x100:
+            p[0] = 0xD9
+            p = _put_be(p + 1, size, 1)
+        elif size < 0x10000:
+            p[0] = 0xDA
+            p = _put_be(p + 1, size, 2)
+        else:
+            return NULL
+        if end - p < size:
+            return NULL
+        memcpy(p, data, size)
+        return p + size
+    if kind is bytes:
+        size = PyBytes_GET_SIZE(value)
+        if size < 0x100:
+            p[0] = 0xC4
+            p = _put_be(p + 1, size, 1)
+        elif size < 0x10000:
+            p[0] = 0xC5
+            p = _put_be(p + 1, size, 2)
+        else:
+            return NULL
+        if end - p < size:
+            return NULL
+        memcpy(p, PyBytes_AS_STRING(value), size)
+        return p + size
+    if value is True:
+        p[0] = 0xC3
+        return p + 1
+    if value is False:
+        p[0] = 0xC2
+        return p + 1
+    if kind is float:
+        d = value
+        memcpy(&bits, &d, 8)
+        p[0] = 0xCB
+        return _put_be(p + 1, bits, 8)
+    return NULL
+
+
+cpdef bytes encode_request(object req_id, object op, tuple args):
+    """The frame ``[req_id, op, *args]`` as :data:`~fastlock.protocol.framing.packb` encodes
+    it, byte for byte: written here when every element is None, a bool, an int of 64 bits,
+    a float, a str or bytes (fewer than 65,536 bytes each, 2,048 in all), by ``packb``
+    otherwise (which raises for a value msgpack cannot encode).
+
+    :raises TypeError, ValueError, UnicodeEncodeError: ``packb``'s, for a value it cannot encode.
+    """
+    cdef unsigned char buf[ENCODE_MAX]
+    cdef unsigned char* p = buf
+    cdef unsigned char* end = buf + ENCODE_MAX
+    cdef Py_ssize_t n = len(args) + 2
+    cdef Py_ssize_t i
+    if n < 16:
+        p[0] = 0x90 | <unsigned char>n
+        p += 1
+    elif n < 0x10000:
+        p[0] = 0xDC
+        p = _put_be(p + 1, n, 2)
+    else:
+        return _packb([req_id, op, *args])
+    try:
+        p = _put_value(p, end, req_id)
+        if p != NULL:
+            p = _put_value(p, end, op)
+        i = 0
+        while p != NULL and i < n - 2:
+            p = _put_value(p, end, args[i])
+            i += 1
+    except UnicodeError:  # a str with a lone surrogate: packb raises its error
+        p = NULL
+    if p == NULL:
+        return _packb([req_id, op, *args])
+    return PyBytes_FromStringAndSize(<const char*>buf, p - buf)
+
+
 cdef class RpcWire:
     """The compiled part of a protocol connection to a server (see the module docstring).
 
@@ -457,7 +613,7 @@ cdef class RpcWire:
         cdef dict pending = self.pending
         cdef bint idle = not pending
         pending[req_id] = fut
-        frame = _packb([req_id, op, *args])
+        frame = encode_request(req_id, op, args)
         if idle and self.out is None:
             self.writes += 1
             transport.write(frame)  # nothing in flight: at once (one system call, as before)
