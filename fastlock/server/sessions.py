@@ -28,6 +28,15 @@ by every renewal the session gives it (attach and keep-alive), with the renewed 
 token, bytes], ...]``.  At most :data:`MAX_SEQUENCED_PER_SESSION` such leases per session
 (each keep-alive signs them all: a bound on the loop time one request costs).
 
+A slot move (:mod:`fastlock.server.slotmove`) ships each moved lease's session share
+(:class:`SessionShare`) and the destination attaches the lease to the session of the same key
+there (:meth:`SessionRegistry.adopt`, opening it if absent) as ``moved``: listed, and revoked
+with the session, but renewed by its keep-alives only once the client attaches it there itself
+(the client's deadline for a lease moves only with renewals it knows of; a renewal it never
+heard of would keep a lease it already counts lost, or stopped renewing, from its next holder).
+These sessions are soft state too: a restart or failover of the destination forgets them, and
+the client's re-homing (an EXTEND and an attach on the new group) attaches each lease again.
+
 Operators list sessions (``SESSIONS``) and close one (``SESSION_REVOKE``): every lease
 attached to it is revoked at once (REVOKE records; each next grant gets a higher token),
 as ``fastlock revoke`` does by name.

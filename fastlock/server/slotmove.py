@@ -34,7 +34,8 @@ lease's end would have deleted it) and keeps the queues for the flip.  The keys 
 against the server's ``--max-keys`` and ``--max-key-bytes`` (the page is refused whole,
 ``LimitExceeded``, beyond them) and counted against the principal that wrote them, without
 its own quota's check (it held them already on the source).  The reply (``{"leases",
-"delays", "queues", "keys"}``: how many) comes once the records are durable (and, under
+"delays", "queues", "keys", "sessions"}``: how many, ``sessions`` the leases attached to their
+sessions; ``"over_quota"``: principal -> [held, quota], "Sessions' share" below) comes once the records are durable (and, under
 synchronous replication, on the standby, as a grant's reply) and applied by every attached
 standby (see "The adoption in the log" below).  Importing the
 same state twice installs the same leases and keys again: it changes nothing (a key with the
@@ -51,8 +52,19 @@ backwards; a consumer keeping the keys' values ignores ``"moved"``.  A key attac
 moves with it: SLOT_EXPORT refuses (:class:`SlotsHoldKeys`; the mover then clears its mark) a
 range where a key and its lease are in different slots, one inside the range and one outside
 (put them under one ``{tag}``).  A move aborted after keys were imported: the destination
-removes them again (``KEY_MOVED`` naming the source).  Session shares are not moved (a routing
-client attaches a moved lease to its session on the new group).
+removes them again (``KEY_MOVED`` naming the source).
+
+Sessions' share.  A moved lease's row names the client session it is attached to on the source
+(:class:`~fastlock.server.sessions.SessionShare`: the session key's hash, as the source keeps it,
+never the key; its principal, its TTL and the lease's TTL as attached; None when it is attached to
+none).  The import attaches the lease to the session of that key here, opened if this node has
+none (:meth:`~fastlock.server.sessions.SessionRegistry.adopt`, within the session limits; a session
+of that key held by another principal is left alone): the lease is listed with the session, revoked
+when the session is closed, and renewed by the session's keep-alives once the client attaches it here
+itself (the routing client opens its session with one key in every group and re-homes a moved lease
+with an ``EXTEND`` and an attach here).  The import counts each lease against its principal's lease
+quota without refusing it (a held lease survives a move) and reports the principals it put over
+that quota (``over_quota``; their acquires here are refused until they hold less).
 
 Queue order.  The destination merges each queue part into the queue it has for the name (an
 owner shipped before keeps its place; new ones follow in the part's order) and keeps its
