@@ -35,9 +35,9 @@ against the server's ``--max-keys`` and ``--max-key-bytes`` (the page is refused
 ``LimitExceeded``, beyond them) and counted against the principal that wrote them, without
 its own quota's check (it held them already on the source).  The reply (``{"leases",
 "delays", "queues", "keys", "sessions"}``: how many, ``sessions`` the leases attached to their
-sessions; ``"over_quota"``: principal -> [held, quota], "Sessions' share" below) comes once the records are durable (and, under
-synchronous replication, on the standby, as a grant's reply) and applied by every attached
-standby (see "The adoption in the log" below).  Importing the
+sessions; ``"over_quota"``: principal -> [held, quota], "Sessions' share" below) comes once
+the records are durable (and, under synchronous replication, on the standby, as a grant's
+reply) and applied by every attached standby (see "The adoption in the log" below).  Importing the
 same state twice installs the same leases and keys again: it changes nothing (a key with the
 same value, lease and writer is not logged again).
 
