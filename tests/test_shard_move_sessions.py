@@ -4,7 +4,7 @@ fastlock.server.sessions): each moved lease stays a member of its client session
 principals' lease counts follow the leases (the destination counts and revokes what it imported,
 even a lease whose token it issued itself to another lock; a principal the import puts over its
 quota keeps its leases and is refused new ones).  Real servers following a map in etcd (the
-``groups`` fixture: tests/test_shard_move.py's Groups)."""
+``groups`` fixture: tests/test_shard_move.py's Groups; ``groups_of``: etcd-arbitrated groups)."""
 
 from __future__ import annotations
 
@@ -161,3 +161,55 @@ async def test_a_move_that_puts_a_principal_over_its_quota_keeps_its_leases_and_
     finally:
         await g0.close()
         await g1.close()
+
+
+async def test_a_destination_session_stays_open_when_an_import_raises_the_destination_epoch(groups_of, capsys):
+    """etcd groups, g0 at epoch 40 and g1 at epoch 1: a move from g0 raises g1's epoch, and a
+    session open on g1 before it is still the same session after it (its keep-alive renews its
+    lease; a session of an earlier epoch is answered "no such session" and must be opened again)."""
+    g = await groups_of((1, 1), epochs={"g0": 40, "g1": 1}, seen={"g0-0": 40})
+    moved = names_owned_by(g.shard_map, "g0", 1, "raise")[0]
+    here, after = names_owned_by(g.shard_map, "g1", 2, "raise")
+    key = os.urandom(16)
+    g0 = await RawNode.open(g.servers["g0-0"].address, token=g.app)
+    g1 = await RawNode.open(g.servers["g1-0"].address, token=g.app)
+    try:
+        token_m, _ttl, _owner = await g0.acquire(moved, 30_000)
+        token_h, _ttl, owner_h = await g1.acquire(here, 30_000)
+        assert epoch_of(token_m) > epoch_of(token_h)
+        await g1.request(OP_SESSION_OPEN, key, 20_000)
+        assert (await g1.request(OP_SESSION_ATTACH, key, [[here, token_h, owner_h]], []))["attached"] == 1
+        await g.move(slot_of(moved), "g1")
+        assert epoch_of((await g1.acquire(after, 1_000))[0]) >= epoch_of(token_m)
+        assert (await g1.request(OP_SESSION_KEEPALIVE, key))["renewed"] == 1
+    finally:
+        await g0.close()
+        await g1.close()
+
+
+async def test_a_destination_restart_forgets_the_moved_session_and_the_client_attaches_again(groups, capsys):
+    """Sessions are soft state: g1 restarted after the move keeps the moved lease (its GRANT
+    record) but not its session; the client opens the session again there and attaches it."""
+    moved = names_owned_by(groups.shard_map, "g0", 1, "soft")[0]
+    key = os.urandom(16)
+    g0 = await RawNode.open(groups.servers["g0"].address, token=groups.app)
+    try:
+        token_m, _ttl, owner_m = await g0.acquire(moved, 30_000)
+        await g0.request(OP_SESSION_OPEN, key, 20_000)
+        await g0.request(OP_SESSION_ATTACH, key, [[moved, token_m, owner_m]], [])
+        assert (await _moved(groups, capsys, moved))["sessions"] == 1
+    finally:
+        await g0.close()
+    groups.restart("g1")
+    g1 = await RawNode.open(groups.servers["g1"].address, token=groups.app)
+    admin1 = await RawNode.open(groups.servers["g1"].address)
+    try:
+        assert (await g1.holder(moved))["token"] == token_m
+        assert (await admin1.request(OP_SESSIONS, None))["sessions"] == []
+        opened = await g1.request(OP_SESSION_OPEN, key, 20_000)
+        assert not opened["resumed"] and opened["leases"] == 0
+        assert (await g1.request(OP_SESSION_ATTACH, key, [[moved, token_m, owner_m]], []))["attached"] == 1
+        assert (await g1.request(OP_SESSION_KEEPALIVE, key))["renewed"] == 1
+    finally:
+        await g1.close()
+        await admin1.close()
