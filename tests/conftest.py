@@ -260,6 +260,28 @@ def etcd(etcd_server):
 
 
 @pytest.fixture
+def groups_of(etcd, tmp_path, monkeypatch):
+    """``await groups_of(sizes, **options)``: shard groups g0 and g1 of etcd-arbitrated nodes
+    (``test_shard_move_tokens.EtcdGroups``: ``sizes`` nodes each, options as its constructor's),
+    stopped after the test."""
+    from test_shard_move_tokens import EtcdGroups
+
+    made: list[EtcdGroups] = []
+
+    async def make(sizes: tuple[int, int], **options) -> EtcdGroups:
+        groups = EtcdGroups(etcd, tmp_path, monkeypatch, sizes, **options)
+        made.append(groups)
+        await groups.start()
+        return groups
+
+    try:
+        yield make
+    finally:
+        for groups in made:
+            groups.stop()
+
+
+@pytest.fixture
 async def groups(etcd, tmp_path, monkeypatch):
     """Three etcd-arbitrated shard groups (a primary and a standby each, the map in etcd:
     ``test_shard_move.Groups``), stopped after the test."""

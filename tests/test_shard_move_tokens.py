@@ -161,23 +161,6 @@ def _rising(name: str, tokens: list[int]) -> None:
                                 f"{format_token(before)} (all: {[format_token(t) for t in tokens]})")
 
 
-@pytest.fixture
-def groups_of(etcd, tmp_path, monkeypatch):
-    made: list[EtcdGroups] = []
-
-    async def make(sizes: tuple[int, int], **options) -> EtcdGroups:
-        groups = EtcdGroups(etcd, tmp_path, monkeypatch, sizes, **options)
-        made.append(groups)
-        await groups.start()
-        return groups
-
-    try:
-        yield make
-    finally:
-        for groups in made:
-            groups.stop()
-
-
 async def _moved_and_regranted(g: EtcdGroups, name: str) -> list[int]:
     """``name`` granted on g0, moved to g1 held, released there and granted again by g1: the tokens."""
     async with fastlock.connect(g.servers["g0-0"].address, token=g.app, session=False) as client:

@@ -69,6 +69,11 @@ class MoveReport:
     delays: int = 0
     epoch: int = 0
     keys: int = 0
+    #: moved leases the destination attached to their client sessions there
+    sessions: int = 0
+    #: principal -> [leases and waiting acquires held, lease quota] on the destination, for each
+    #: principal the import put over its lease quota there (its acquires are refused until it holds less)
+    over_quota: dict[str, list[int]] = field(default_factory=dict)
     freeze_ms: float | None = None
     #: when each step of this run's freeze ended, ms after the mark's transaction was sent:
     #: ``mark_txn``, ``source_serves_mark``, ``dest_serves_mark``, ``shipped``, ``flip_txn``,
@@ -132,6 +137,8 @@ async def _ship(source: Client, dest: Client, first: int, last: int, report: Mov
         report.queues += done["queues"]
         report.delays += done["delays"]
         report.keys += done.get("keys", 0)
+        report.sessions += done.get("sessions", 0)
+        report.over_quota.update(done.get("over_quota", {}))
         if following is None:
             return
         page = following
@@ -196,8 +203,11 @@ async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
             raise
         step("shipped")
         report.steps.append("ship")
-        tell(f"shipped {report.leases} leases, {report.queues} waiter queues, {report.delays} lock-delays, "
-             f"{report.keys} keys")
+        tell(f"shipped {report.leases} leases ({report.sessions} attached to their sessions), {report.queues} "
+             f"waiter queues, {report.delays} lock-delays, {report.keys} keys")
+        for principal, (held, quota) in sorted(report.over_quota.items()):
+            tell(f"principal {principal} now holds {held} leases and waiting acquires in {to}, over its quota of "
+                 f"{quota} there: its leases are kept, its acquires there refused until it holds fewer")
         flipped = None
         if marked_at is not None and revision:  # the map as this run marked it, unless it changed since
             flipped = finish_move(shard_map, first, last, to)

@@ -119,6 +119,8 @@ class ShardedClient(Client):
         #: ``edges.deadlock_timeout`` seconds before a wait's first probe (None: off)
         self.edges = EdgeChaser(self)
         seed.lease_moved = self._lease_moved
+        #: the session key every group's client opens its session with (the seed's; None: no sessions)
+        self._session_key = seed.session_keeper.key if seed.session_keeper is not None else None
         self._rehoming: set[asyncio.Future[None]] = set()
         #: the re-read a node's newer epoch started (one at a time)
         self._epoch_task: asyncio.Task[None] | None = None
@@ -139,6 +141,10 @@ class ShardedClient(Client):
         if client is None:
             client = self._clients[group] = self._make_client(self.shard_map.group(group).addresses)
             client.lease_moved = self._lease_moved
+            if client.session_keeper is not None and self._session_key is not None:
+                # one session, one id, in every group: a slot move attaches the leases it ships to the
+                # session of the same key on the destination, which this client's keep-alives there renew
+                client.session_keeper.key = self._session_key
             self._listen(group, client)
         return client
 
@@ -455,7 +461,9 @@ class ShardedClient(Client):
         return SessionList((info for page in found.answers.values() for info in page), found.reasons())
 
     async def close_session(self, session_id: str, *, reason: str | None = None) -> SessionClosed:
-        """Close session ``session_id`` in the group that has it (as :meth:`Client.close_session`).
+        """Close session ``session_id`` in every group that has it (as :meth:`Client.close_session`;
+        a routing client's session has one id in every group, and a slot move takes its leases'
+        share with them): ``revoked`` counts the leases revoked in all of them.
 
         :raises LockNotHeld: no group has it.
         :raises ConnectionLost: (or NotPrimary, Unavailable) no group that answered has it and a
@@ -471,9 +479,9 @@ class ShardedClient(Client):
                 return None
 
         found = await self.over_groups(close)
-        for answer in found.answers.values():
-            if answer is not None:
-                return answer
+        closed = [answer for answer in found.answers.values() if answer is not None]
+        if closed:
+            return SessionClosed(closed[0].id, closed[0].principal, sum(c.revoked for c in closed))
         if found.unreachable:
             raise next(iter(found.unreachable.values()))
         raise missing[0]

@@ -704,7 +704,7 @@ cdef class BatchEnd:
             handlers.keys.lease_ended(name, token, "released")
         if handlers.sessions.attached_to:  # (leases attached to client sessions are detached)
             handlers.sessions.lease_ended(name, token)
-        self.quotas.lease_ended(token, meta)
+        self.quotas.lease_ended(token, meta, None, name)
 
 
 # -- the per-principal quotas ---------------------------------------------------------------
@@ -791,19 +791,32 @@ cdef class QuotaCounts:
             return
         u.leases[token] = ev.name
 
-    def lease_ended(self, token, meta=None, principal=None):
-        """The lease ``token`` was released, expired or revoked: uncount it.  Its
-        principal from ``meta`` (the lease's), else ``principal`` (a likely one), else
-        searched among all (principals are few)."""
+    def lease_ended(self, token, meta=None, principal=None, name=None):
+        """The lease ``token`` (of lock ``name``, when known) was released, expired or revoked:
+        uncount it.  Its principal from ``meta`` (the lease's), else ``principal`` (a likely
+        one), else searched among all (principals are few).  With ``name`` a lease sharing its
+        token with another lock's (a slot move imported one of them) is told apart."""
         if meta:
             # principal_of's remembered answer, inline (the common case)
             recorded = self._principal_of.get(meta[0]) if type(meta[0]) is str else None
             principal = recorded if recorded is not None else (<object>self).principal_of(meta)
         if principal is not None:
             u = self.usage.get(principal)
-            if u is not None and u.leases.pop(token, None) is not None:
+            if u is not None and _uncount(u.leases, token, name):
                 return
         for u in self.usage.values():
-            if u.leases.pop(token, None) is not None:
+            if _uncount(u.leases, token, name):
                 return
         self.ended_early.add(token)  # a waiter's grant not yet processed (grant_event)
+
+
+cdef bint _uncount(dict leases, object token, object name):
+    """Remove lease ``token`` of ``name`` (None: of any name) from a principal's counted
+    ``leases`` (:class:`fastlock.server.admission.Usage`); whether it was counted there."""
+    counted = leases.pop(token, None)
+    if counted is None:
+        return name is not None and len(leases) > 0 and leases.pop((token, name), None) is not None
+    if name is None or counted == name:
+        return True
+    leases[token] = counted  # another lock's lease of this token: this one is under (token, name)
+    return leases.pop((token, name), None) is not None

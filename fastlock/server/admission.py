@@ -80,17 +80,32 @@ def principal_of(meta: Any) -> str:
 
 
 class Usage:
-    """What one principal holds now: ``leases`` (fencing token -> lock name), ``waiting``
+    """What one principal holds now: ``leases`` (fencing token -> lock name; a lease whose
+    token another lease of the principal has already, which only a slot move brings, as the
+    source group issued it, is kept under ``(token, name)``: :meth:`count_lease`), ``waiting``
     (acquires queued, one per name of an ACQUIRE_MANY), ``watches`` (lock and key
     watches) and ``connections`` (that completed HELLO)."""
 
     __slots__ = ("leases", "waiting", "watches", "connections")
 
     def __init__(self) -> None:
-        self.leases: dict[int, str] = {}
+        self.leases: dict[int | tuple[int, str], str] = {}
         self.waiting = 0
         self.watches = 0
         self.connections = 0
+
+    def count_lease(self, token: int, name: str) -> None:
+        """Count the lease ``token`` of ``name`` (once, however often counted)."""
+        leases = self.leases
+        counted = leases.get(token)
+        if counted is None or counted == name:
+            leases[token] = name
+        else:  # another lock's lease of the same token: issued by another group, moved here
+            leases[(token, name)] = name
+
+    def held(self) -> list[tuple[str, int]]:
+        """The ``(name, token)`` of every lease counted."""
+        return [(name, key[0] if isinstance(key, tuple) else key) for key, name in self.leases.items()]
 
 
 @dataclass(frozen=True)
@@ -176,7 +191,7 @@ class PrincipalQuotas(QuotaCounts):
     def lease_expired(self, ev: Any, now: int) -> None:
         """An EV_EXPIRED event at ``now`` (monotonic ms): uncount its lease, count the
         lock-delay it starts (until its deadline + lock_delay_ms) against its principal."""
-        self.lease_ended(ev.token, ev.meta)
+        self.lease_ended(ev.token, ev.meta, None, ev.name)
         if ev.lock_delay_ms and ev.deadline_ms + ev.lock_delay_ms > now:
             self.delays.started(self.principal_of(ev.meta), ev.deadline_ms + ev.lock_delay_ms)
 
@@ -223,10 +238,22 @@ class PrincipalQuotas(QuotaCounts):
         for u in self.usage.values():
             u.leases.clear()
         for h in table.holders():
-            self.of(self.principal_of(h.meta)).leases[h.token] = h.name
+            self.of(self.principal_of(h.meta)).count_lease(h.token, h.name)
         # a recovered or replicated lock-delay names no principal: UNRECORDED's, under the global cap
         now = monotonic_ms()
         self.delays.reset(UNRECORDED, [until for _, until in table.lock_delays() if until > now])
+
+    def over_lease_quota(self, principals: set[str]) -> dict[str, tuple[int, int]]:
+        """Those of ``principals`` whose leases and waiting acquires pass their lease quota now
+        (a slot move's import counts what they held on the source without refusing it):
+        principal -> (held, quota).  Their acquires are refused until they hold less."""
+        over = {}
+        for principal in sorted(principals):
+            u = self.usage.get(principal)
+            limit = self.leases.limit_for(principal)
+            if u is not None and limit and len(u.leases) + u.waiting > limit:
+                over[principal] = (len(u.leases) + u.waiting, limit)
+        return over
 
     # -- watches ------------------------------------------------------------------------
     def check_watch(self, conn: Session) -> None:

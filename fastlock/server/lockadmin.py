@@ -280,7 +280,7 @@ class LockAdmin:
         handlers.wal.log_revoke(name, token, principal, reason)
         self.revocations.add(name, token, principal, reason)
         server = handlers.server
-        server.quotas.lease_ended(token, meta)
+        server.quotas.lease_ended(token, meta, None, name)
         server.keys.lease_ended(name, token, "revoked")
         handlers.sessions.lease_ended(name, token)
         server.revisions.logged(name, P.WATCH_REVOKED, token, meta)
@@ -310,7 +310,7 @@ class LockAdmin:
         quotas = server.quotas
         quotas.sync()
         usage = quotas.usage.get(principal)
-        leases = list(usage.leases.items()) if usage is not None else []  # (token, name) held now
+        leases = usage.held() if usage is not None else []  # (name, token) held now
         log.warning("revoking the %d leases of principal %s, asked by %s: %s", len(leases), principal,
                     conn.principal, quote(reason), extra={"session": conn.session, "principal": conn.principal})
 
@@ -320,7 +320,7 @@ class LockAdmin:
                         waiting)
             return {"principal": principal, "revoked": revoked, "waiting": waiting}
 
-        self.revoke_paged(conn, req_id, [(name, token) for token, name in leases], reason,
+        self.revoke_paged(conn, req_id, leases, reason,
                           f"the {len(leases)} leases of {principal!r}", value)
 
     def revoke_paged(self, conn: Session, req_id: int, leases: list[tuple[str, int]], reason: str | None,

@@ -28,6 +28,15 @@ by every renewal the session gives it (attach and keep-alive), with the renewed 
 token, bytes], ...]``.  At most :data:`MAX_SEQUENCED_PER_SESSION` such leases per session
 (each keep-alive signs them all: a bound on the loop time one request costs).
 
+A slot move (:mod:`fastlock.server.slotmove`) ships each moved lease's session share
+(:class:`SessionShare`) and the destination attaches the lease to the session of the same key
+there (:meth:`SessionRegistry.adopt`, opening it if absent) as ``moved``: listed, and revoked
+with the session, but renewed by its keep-alives only once the client attaches it there itself
+(the client's deadline for a lease moves only with renewals it knows of; a renewal it never
+heard of would keep a lease it already counts lost, or stopped renewing, from its next holder).
+These sessions are soft state too: a restart or failover of the destination forgets them, and
+the client's re-homing (an EXTEND and an attach on the new group) attaches each lease again.
+
 Operators list sessions (``SESSIONS``) and close one (``SESSION_REVOKE``): every lease
 attached to it is revoked at once (REVOKE records; each next grant gets a higher token),
 as ``fastlock revoke`` does by name.
@@ -47,7 +56,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import protocol as P
 from .._core import NotHolder
@@ -73,7 +82,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ClientSession", "SessionRegistry", "MAX_SESSIONS_PER_PRINCIPAL", "MAX_SESSIONS_PER_CONNECTION",
+__all__ = ["ClientSession", "SessionRegistry", "SessionShare", "NO_CONNECTION", "MAX_SESSIONS_PER_PRINCIPAL",
+           "MAX_SESSIONS_PER_CONNECTION",
            "MAX_SESSIONS", "MAX_ATTACH_PER_REQUEST", "MAX_LOST_LISTED", "MAX_SESSIONS_LISTED",
            "MAX_SEQUENCED_PER_SESSION", "KEEPALIVE_PAGE"]
 
@@ -96,6 +106,19 @@ MAX_SESSIONS_LISTED = 1_000
 MAX_SEQUENCED_PER_SESSION = 256
 #: the attached leases one SESSION_KEEPALIVE renews per loop turn (the rest in later turns)
 KEEPALIVE_PAGE = 1_000
+#: the connection of a session a slot move brought here, until its client is heard from
+NO_CONNECTION = -1
+
+
+class SessionShare(NamedTuple):
+    """A session's share of a lease a slot move ships (:mod:`fastlock.server.slotmove`): the
+    session's key hash (what the server keeps; the key itself never leaves the client), its
+    principal, its TTL (ms) and the lease's TTL as attached to it (ms)."""
+
+    key_hash: bytes
+    principal: str
+    ttl_ms: int
+    lease_ttl_ms: int
 
 
 def session_id(key_hash: bytes) -> str:
@@ -106,15 +129,18 @@ def session_id(key_hash: bytes) -> str:
 
 
 class AttachedLease:
-    """A lease attached to a session: its owner key's hash, its TTL (ms) and, when its
-    sequencer is re-signed at each renewal, what that sequencer carries (else None)."""
+    """A lease attached to a session: its owner key's hash, its TTL (ms), when its sequencer
+    is re-signed at each renewal what that sequencer carries (else None), and ``moved``: a
+    slot move attached it here (:meth:`SessionRegistry.adopt`) and the client has not
+    attached it here itself yet (a keep-alive does not renew it until then)."""
 
-    __slots__ = ("owner", "ttl_ms", "signed_as")
+    __slots__ = ("owner", "ttl_ms", "signed_as", "moved")
 
-    def __init__(self, owner: bytes, ttl_ms: int, signed_as: SequencedAs | None = None):
+    def __init__(self, owner: bytes, ttl_ms: int, signed_as: SequencedAs | None = None, moved: bool = False):
         self.owner = owner
         self.ttl_ms = ttl_ms
         self.signed_as = signed_as
+        self.moved = moved
 
 
 class ClientSession:
@@ -218,6 +244,8 @@ class SessionRegistry:
         self._left_connection(s.connection)
 
     def _left_connection(self, connection: int) -> None:
+        if connection == NO_CONNECTION:
+            return
         left = self.per_connection.get(connection, 1) - 1
         if left > 0:
             self.per_connection[connection] = left
@@ -292,6 +320,50 @@ class SessionRegistry:
         s = self.attached_to.pop((name, token), None)
         if s is not None and s.drop((name, token)):
             s.ended.append((name, token))
+
+    # -- a slot move's share of the sessions (fastlock.server.slotmove) ------------------------
+    def share_of(self, name: str, token: int) -> SessionShare | None:
+        """The share of the session lease (``name``, ``token``) is attached to, for a slot
+        move's export; None if it is attached to none (or to a stale one)."""
+        s = self.attached_to.get((name, token))
+        if s is None or s.epoch != self.table.epoch:
+            return None
+        lease = s.leases[(name, token)]
+        return SessionShare(s.key_hash, s.principal, s.ttl_ms, lease.ttl_ms)
+
+    def adopt(self, share: SessionShare, name: str, token: int, owner: bytes, client: str | None, origin: str,
+              now: int) -> bool:
+        """Attach the lease (``name``, ``token``, owner-key hash ``owner``) a slot move imported
+        here to its session (``share``), opening a session of that key and principal if this
+        node has none (``client``: its declared name; ``origin``: what its address shows until
+        its client is heard from).  The lease is attached as ``moved``: listed, counted, and
+        revoked with the session (``SESSION_REVOKE``), renewed by the session's keep-alives only
+        once the client attaches it here itself.  False (nothing changed) if this node's session
+        of that key belongs to another principal, or a new one would pass
+        :data:`MAX_SESSIONS` or :data:`MAX_SESSIONS_PER_PRINCIPAL`."""
+        s = self._current(self.by_hash.get(share.key_hash))
+        if s is None:
+            if len(self.by_id) >= MAX_SESSIONS or \
+                    self.per_principal.get(share.principal, 0) >= MAX_SESSIONS_PER_PRINCIPAL:
+                return False
+            s = ClientSession(share.key_hash, share.principal, client, origin, share.ttl_ms, now, NO_CONNECTION,
+                              self.table.epoch)
+            self.by_hash[share.key_hash] = s
+            self.by_id[s.id] = s
+            self.per_principal[share.principal] = self.per_principal.get(share.principal, 0) + 1
+        elif s.principal != share.principal:
+            return False
+        key = (name, token)
+        if key not in s.leases:  # (imported again: attached already, by the move or by the client)
+            self._attach(s, key, AttachedLease(owner, share.lease_ttl_ms, moved=True))
+        return True
+
+    def epoch_raised(self, old: int, new: int) -> None:
+        """This primary raised its epoch from ``old`` to ``new`` without stopping being the primary
+        (a slot move's import adopting the source's epoch): its sessions of ``old`` stay current."""
+        for s in self.by_id.values():
+            if s.epoch == old:
+                s.epoch = new
 
     def _heard(self, s: ClientSession, conn: Session, now: int) -> None:
         s.last_heard_ms = now
@@ -490,8 +562,8 @@ class SessionRegistry:
             leases = s.leases
             more = False
             for key, lease in attached[start:start + KEEPALIVE_PAGE]:
-                if leases.get(key) is not lease:
-                    continue  # detached since the keep-alive came (released by the client)
+                if leases.get(key) is not lease or lease.moved:
+                    continue  # detached since the keep-alive came (released by the client), or not attached by it
                 name, token = key
                 try:
                     table.extend(name, token, lease.owner, lease.ttl_ms, now, session)

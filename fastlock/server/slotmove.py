@@ -35,9 +35,10 @@ lease's end would have deleted it) and keeps the queues for the flip.  The keys 
 against the server's ``--max-keys`` and ``--max-key-bytes`` (the page is refused whole,
 ``LimitExceeded``, beyond them) and counted against the principal that wrote them, without
 its own quota's check (it held them already on the source).  The reply (``{"leases",
-"delays", "queues", "keys"}``: how many) comes once the records are durable (and, under
-synchronous replication, on the standby, as a grant's reply) and applied by every attached
-standby (see "The adoption in the log" below).  Importing the
+"delays", "queues", "keys", "sessions"}``: how many, ``sessions`` the leases attached to their
+sessions; ``"over_quota"``: principal -> [held, quota], "Sessions' share" below) comes once
+the records are durable (and, under synchronous replication, on the standby, as a grant's
+reply) and applied by every attached standby (see "The adoption in the log" below).  Importing the
 same state twice installs the same leases and keys again: it changes nothing (a key with the
 same value, lease and writer is not logged again).
 
@@ -52,8 +53,19 @@ backwards; a consumer keeping the keys' values ignores ``"moved"``.  A key attac
 moves with it: SLOT_EXPORT refuses (:class:`SlotsHoldKeys`; the mover then clears its mark) a
 range where a key and its lease are in different slots, one inside the range and one outside
 (put them under one ``{tag}``).  A move aborted after keys were imported: the destination
-removes them again (``KEY_MOVED`` naming the source).  Session shares are not moved (a routing
-client attaches a moved lease to its session on the new group).
+removes them again (``KEY_MOVED`` naming the source).
+
+Sessions' share.  A moved lease's row names the client session it is attached to on the source
+(:class:`~fastlock.server.sessions.SessionShare`: the session key's hash, as the source keeps it,
+never the key; its principal, its TTL and the lease's TTL as attached; None when it is attached to
+none).  The import attaches the lease to the session of that key here, opened if this node has
+none (:meth:`~fastlock.server.sessions.SessionRegistry.adopt`, within the session limits; a session
+of that key held by another principal is left alone): the lease is listed with the session, revoked
+when the session is closed, and renewed by the session's keep-alives once the client attaches it here
+itself (the routing client opens its session with one key in every group and re-homes a moved lease
+with an ``EXTEND`` and an attach here).  The import counts each lease against its principal's lease
+quota without refusing it (a held lease survives a move) and reports the principals it put over
+that quota (``over_quota``; their acquires here are refused until they hold less).
 
 Queue order.  The destination merges each queue part into the queue it has for the name (an
 owner shipped before keeps its place; new ones follow in the part's order) and keeps its
@@ -98,6 +110,8 @@ from ..sharding import SLOTS, slot_of
 from ..tokens import MAX_EPOCH, counter_of, epoch_of
 from ..units import monotonic_ms, wall_ms
 from .lockadmin import check_lock_admin
+from .session import split_recorded_client
+from .sessions import SessionShare
 
 if TYPE_CHECKING:  # pragma: no cover
     from .handlers import Handlers
@@ -140,7 +154,9 @@ MAX_FLOOR = (MAX_EPOCH << 40) | ((1 << 40) - 1)
 
 class MovedLease(NamedTuple):
     """One lease of a moved slot: name, fencing token, owner-key hash, remaining TTL (ms),
-    lock-delay (ms), shared, semaphore limit (0: a lock), the recorded client and correlation id."""
+    lock-delay (ms), shared, semaphore limit (0: a lock), the recorded client and correlation id,
+    and the client session it is attached to on the source (None: none; a row of an older
+    source has no such field)."""
 
     name: str
     token: int
@@ -151,6 +167,10 @@ class MovedLease(NamedTuple):
     limit: int
     client: str | None
     correlation_id: str | None
+    session: SessionShare | None = None
+
+    def to_wire(self) -> list:
+        return [*self[:9], None if self.session is None else list(self.session)]
 
 
 class MovedKey(NamedTuple):
@@ -187,7 +207,7 @@ class MovedState(NamedTuple):
     keys: list[MovedKey] = []
 
     def to_wire(self) -> dict[str, Any]:
-        return {"leases": [list(x) for x in self.leases], "queues": [list(q) for q in self.queues],
+        return {"leases": [x.to_wire() for x in self.leases], "queues": [list(q) for q in self.queues],
                 "delays": [list(d) for d in self.delays], "floor": self.floor, "more": self.more,
                 "after": self.after, "keys": [list(k) for k in self.keys]}
 
@@ -255,10 +275,12 @@ def parse_state(value: Any, first: int, last: int, max_value_bytes: int = 0) -> 
         return name
 
     leases = []
+    width = len(MovedLease._fields)  # a row of an older source has no session
     for row in _list(value["leases"], "leases", EXPORT_PAGE):
-        if type(row) is not list or len(row) != len(MovedLease._fields):
-            raise InvalidArgument(f"SLOT_IMPORT: a lease is a list of {len(MovedLease._fields)} fields")
-        name, token, owner, remaining, delay, shared, limit, client, corr = row
+        if type(row) is not list or not width - 1 <= len(row) <= width:
+            raise InvalidArgument(f"SLOT_IMPORT: a lease is a list of {width - 1} or {width} fields")
+        name, token, owner, remaining, delay, shared, limit, client, corr = row[:width - 1]
+        session = _session_share(row[width - 1]) if len(row) == width else None
         if type(owner) is not bytes or not 0 < len(owner) <= MAX_OWNER_BYTES:
             raise InvalidArgument(f"SLOT_IMPORT: an owner-key hash is 1..{MAX_OWNER_BYTES} bytes")
         if type(shared) is not bool:
@@ -267,7 +289,7 @@ def parse_state(value: Any, first: int, last: int, max_value_bytes: int = 0) -> 
                                  _int(remaining, "a remaining TTL (ms)", 1, MAX_REMAINING_MS),
                                  _int(delay, "a lock-delay (ms)", 0, MAX_REMAINING_MS),
                                  shared, _int(limit, "a limit", 0, (1 << 31) - 1),
-                                 _opt_str(client, "a client"), _opt_str(corr, "a correlation id")))
+                                 _opt_str(client, "a client"), _opt_str(corr, "a correlation id"), session))
     queues: list[QueuePart] = []
     for row in _list(value["queues"], "queues", EXPORT_PAGE):
         if type(row) is not list or len(row) != 3:
@@ -302,6 +324,22 @@ def parse_state(value: Any, first: int, last: int, max_value_bytes: int = 0) -> 
     if type(more) is not bool:
         raise InvalidArgument("SLOT_IMPORT: more is a bool")
     return MovedState(leases, queues, delays, floor, more, None, keys)
+
+
+def _session_share(row: Any) -> SessionShare | None:
+    """A moved lease's session share (None, or [key hash, principal, session TTL ms, lease TTL ms]).
+    :raises InvalidArgument: a bad field."""
+    if row is None:
+        return None
+    if type(row) is not list or len(row) != len(SessionShare._fields):
+        raise InvalidArgument("SLOT_IMPORT: a lease's session is None or [key hash, principal, TTL ms, lease TTL ms]")
+    key_hash, principal, ttl_ms, lease_ttl_ms = row
+    if type(key_hash) is not bytes or not 0 < len(key_hash) <= MAX_OWNER_BYTES:
+        raise InvalidArgument(f"SLOT_IMPORT: a session's key hash is 1..{MAX_OWNER_BYTES} bytes")
+    if type(principal) is not str or not 0 < len(principal) <= MAX_META_CHARS:
+        raise InvalidArgument(f"SLOT_IMPORT: a session's principal is a str of 1..{MAX_META_CHARS} characters")
+    return SessionShare(key_hash, principal, _int(ttl_ms, "a session's TTL (ms)", 1, MAX_REMAINING_MS),
+                        _int(lease_ttl_ms, "a session lease's TTL (ms)", 1, MAX_REMAINING_MS))
 
 
 def _cursor(after: Any) -> tuple[int, str, int] | None:
@@ -360,6 +398,7 @@ class SlotMoves:
         space = self.handlers.server.keys.space
         _check_keys_move_whole(space, first, last)
         table = self.handlers.table
+        share_of = self.handlers.sessions.share_of
         now = monotonic_ms()
         # every row of the slots under one order, (kind, name, number): the cursor of a page stays
         # valid while leases expire between pages (nothing else changes on frozen slots)
@@ -369,7 +408,7 @@ class SlotMoves:
                 client, corr = h.meta if h.meta else (None, None)
                 items.append(((0, h.name, h.token), MovedLease(
                     h.name, h.token, bytes(h.owner), h.deadline_ms - now, h.lock_delay_ms, bool(h.shared),
-                    h.limit, client, corr)))
+                    h.limit, client, corr, share_of(h.name, h.token))))
         for name, queue in gate.frozen_names(first, last).items():
             owners = [o for o, _priority in queue]
             for offset in range(0, min(len(owners), MAX_MOVED_WAITERS), QUEUE_PART):
@@ -387,7 +426,7 @@ class SlotMoves:
         page: list[tuple[tuple[int, str, int], Any]] = []
         size = 0
         for item in items[:EXPORT_PAGE]:
-            row = msgpack.packb(list(item[1]))
+            row = msgpack.packb(item[1].to_wire() if item[0][0] == 0 else list(item[1]))
             if page and size + len(row) > PAGE_BYTES:
                 break
             page.append(item)
@@ -421,13 +460,28 @@ class SlotMoves:
         if not self._raise_floor(state.floor, conn, req_id, msg, self.op_slot_import, "slot import"):
             return
         quotas = server.quotas
+        quotas.sync()  # (counted from the table if the epoch moved: the leases below are counted once)
+        sessions = self.handlers.sessions
+        origin = f"(moved from shard group {gate.shard_map.owner_of_slot(first).name})"
+        principals: set[str] = set()
+        attached = 0
         for x in state.leases:
             meta = (x.client, x.correlation_id)
             table.install_holder(x.name, x.token, x.owner, x.remaining_ms, x.lock_delay_ms, meta, now, x.shared,
                                  x.limit)
-            quotas.of(quotas.principal_of(meta)).leases[x.token] = x.name  # counted as its principal's
+            principal = quotas.principal_of(meta)
+            quotas.of(principal).count_lease(x.token, x.name)  # counted as its principal's, its quota checked below
+            principals.add(principal)
             wal.log_grant(x.name, x.token, x.owner, x.remaining_ms, x.lock_delay_ms, x.client, x.correlation_id,
                           x.shared, x.limit)
+            if x.session is not None and _holds(table, x, now) and sessions.adopt(x.session, x.name, x.token, x.owner,
+                                                        split_recorded_client(x.client)[1], origin, now):
+                attached += 1
+        over = quotas.over_lease_quota(principals)
+        if over:
+            log.warning("slot move: the imported leases put %s over their lease quota here (held/quota: %s): "
+                        "their leases are kept, their new acquires refused until they hold less",
+                        ", ".join(over), ", ".join(f"{h}/{q}" for h, q in over.values()))
         wall = wall_ms()
         for name, remaining in state.delays:
             if table.install_lock_delay(name, now + remaining, now):
@@ -452,7 +506,8 @@ class SlotMoves:
                     "floor %d)", len(state.leases), len(state.queues), len(state.delays), len(state.keys), first,
                     last, state.floor)
         reply = P.encode_ok(req_id, {"leases": len(state.leases), "queues": len(state.queues),
-                                     "delays": len(state.delays), "keys": len(state.keys)})
+                                     "delays": len(state.delays), "keys": len(state.keys), "sessions": attached,
+                                     "over_quota": {p: list(v) for p, v in over.items()}})
 
         def ack(refused: FastlockError | None = None) -> None:
             if refused is None:
@@ -483,6 +538,7 @@ class SlotMoves:
                                f"{what}: raise the group's epoch in etcd")
             return False
         if epoch > table.epoch:
+            self.handlers.sessions.epoch_raised(table.epoch, epoch)  # this node stays the primary throughout
             table.set_epoch(epoch)
             wal.log_epoch(epoch)
             server.node_state.raise_epoch(epoch)
@@ -591,6 +647,12 @@ class SlotMoves:
         except Exception as exc:  # noqa: BLE001 - answered as the dispatch answers a handler's error
             handlers.failed(conn, req_id, msg[1], exc)
         handlers.server.after_batch()
+
+
+def _holds(table: Any, lease: MovedLease, now: int) -> bool:
+    """The moved ``lease`` is held here now, with its token (installed by the import)."""
+    holder = table.holder(lease.name, now, lease.owner)
+    return holder is not None and holder.token == lease.token
 
 
 def _check_keys_move_whole(space: Any, first: int, last: int) -> None:
