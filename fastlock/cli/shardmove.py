@@ -239,6 +239,7 @@ async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
 
 async def abort_slots(stored: EtcdShardMap, first: int, last: int, to: str) -> ShardMap:
     """Undo a move of ``first..last`` to ``to`` still marked (epoch + 1): the source serves them
-    again.  Leases the destination imported stay there until they expire (it does not own the
-    slots, so nobody reaches them).  :raises ShardMapError: not marked so."""
+    again.  The destination's primary, taking that map, sends back the keys it imported and
+    drops the leases it imported (:meth:`fastlock.server.sharded.ShardGate.offer`).
+    :raises ShardMapError: not marked so."""
     return await stored.rewrite(lambda read: abort_move(read, first, last, to))

@@ -490,13 +490,36 @@ class ShardGate:
             self._let_in(owned, judge_floor=False)
         self._let_in_again()
         if self.undone_at_start:
+            self._undo_imports(self.undone_at_start)
+            self.undone_at_start.clear()
+
+    def _undo_imports(self, undone: set[int]) -> None:
+        """On the primary: a move of the ``undone`` slots to this group was aborted after an
+        import.  Their keys go back to the slots' owner (``KEY_MOVED`` naming it) and their
+        imported leases are dropped (a ``REVOKE`` record each, by :data:`MOVE_PRINCIPAL`): the
+        source served the slots again, so its holders may have released those leases there, and a
+        later move of the slots here would otherwise serve them again (a released lease held, its
+        token valid).  Nothing of these slots is this group's: it owns none of them."""
+        server = self.server
+        if len(server.keys.space):  # the keys first: the leases' REVOKE records would delete those attached
             back: dict[str, set[int]] = {}
-            for slot in self.undone_at_start:
+            for slot in undone:
                 back.setdefault(self.shard_map.owner_of_slot(slot).name, set()).add(slot)
             for owner, slots in back.items():
-                drop_keys(self.server, slots, owner)
-            self.undone_at_start.clear()
-            self._batch_end()
+                drop_keys(server, slots, owner)
+        now = monotonic_ms()
+        dropped = 0
+        for h in server.table.holders():
+            slot = slot_of(h.name)
+            if slot in undone:
+                server.handlers.lock_admin.take_lease(
+                    h.name, h.token, h.meta, MOVE_PRINCIPAL,
+                    f"the move of slot {slot} to shard group {self.group} was aborted", now)
+                dropped += 1
+        if dropped:
+            log.warning("slot move: a move of %d slots here was aborted; %d leases it imported dropped", len(undone),
+                        dropped)
+        self._batch_end()
 
     def _read_let_in(self) -> dict[str, tuple[int, list[bytes]]]:
         """The moved queues in :data:`LET_IN_FILE` whose window has not ended (name -> (its end,
@@ -756,13 +779,8 @@ class ShardGate:
                 if not owned[slot] and shard_map.moving_to_of_slot(slot) != self.group:
                     self.imported[slot] = 0
                     undone.add(slot)
-            if undone and self._is_primary() and len(self.server.keys.space):  # its imported keys go back
-                back: dict[str, set[int]] = {}
-                for slot in undone:
-                    back.setdefault(shard_map.owner_of_slot(slot).name, set()).add(slot)
-                for owner, slots in back.items():
-                    drop_keys(self.server, slots, owner)
-                self._batch_end()
+            if undone and self._is_primary():  # its imported keys go back, its imported leases go
+                self._undo_imports(undone)
             undone_queues = [n for n in self.imported_queues if not self.imported[slot_of(n)] and not owned[slot_of(n)]]
             for name in undone_queues:
                 del self.imported_queues[name]

@@ -53,7 +53,9 @@ backwards; a consumer keeping the keys' values ignores ``"moved"``.  A key attac
 moves with it: SLOT_EXPORT refuses (:class:`SlotsHoldKeys`; the mover then clears its mark) a
 range where a key and its lease are in different slots, one inside the range and one outside
 (put them under one ``{tag}``).  A move aborted after keys were imported: the destination
-removes them again (``KEY_MOVED`` naming the source).
+removes them again (``KEY_MOVED`` naming the source) and drops the leases it imported
+(``REVOKE`` records: the source served them again and their holders may have released them
+there).
 
 Sessions' share.  A moved lease's row names the client session it is attached to on the source
 (:class:`~fastlock.server.sessions.SessionShare`: the session key's hash, as the source keeps it,

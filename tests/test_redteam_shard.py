@@ -1,0 +1,108 @@
+"""Red team of the sharded deployment (issue 30): each finding that is a fault is kept here as a
+test against real servers following a map in etcd (``test_shard_move.Groups``: two groups g0, g1
+with credentials), on 127.0.0.1, with bounded waits."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from conftest import wait_until
+from test_shard_move import _mark, _serves_mark
+
+import fastlock
+from fastlock._testbase.cluster import RawNode
+from fastlock._testbase.shards import names_owned_by
+from fastlock.cli.shardmove import abort_slots
+from fastlock.coordination.shardmap import load_from_etcd
+from fastlock.errors import LeaseLost, LockNotHeld
+from fastlock.protocol.ops import OP_SHARD_MAP, OP_SLOT_EXPORT, OP_SLOT_IMPORT
+from fastlock.sharding import slot_of
+
+
+async def _ship(groups, slot: int) -> dict:
+    """The first two steps of a move of ``slot`` from g0 to g1, as a mover stopped after the ship
+    leaves them: the mark, and one export page of g0 imported into g1.  Returns the page."""
+    await _mark(groups, slot)
+    admin = groups.creds.token("admin")
+    source = await RawNode.open(groups.servers["g0"].address, token=admin)
+    dest = await RawNode.open(groups.servers["g1"].address, token=admin)
+    try:
+        await wait_until(lambda: _serves_mark(dest, groups), 20, "g1 to follow the mark")
+        page = await source.request(OP_SLOT_EXPORT, slot, slot, None)
+        assert not page["more"]
+        await dest.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(page))
+    finally:
+        await source.close()
+        await dest.close()
+    return page
+
+
+async def _ship_then_abort(groups, slot: int) -> dict:
+    """A move of ``slot`` from g0 to g1 that ships and is then aborted (a mover stopped after the
+    ship and ``fastlock shard move --abort`` run): :func:`_ship`, then the mark cleared; returns
+    once both primaries serve the cleared map.  Returns the page shipped."""
+    page = await _ship(groups, slot)
+    admin = groups.creds.token("admin")
+    source = await RawNode.open(groups.servers["g0"].address, token=admin)
+    dest = await RawNode.open(groups.servers["g1"].address, token=admin)
+    try:
+        stored = await load_from_etcd(groups.url)
+        try:
+            aborted = await abort_slots(stored, slot, slot, "g1")
+        finally:
+            await stored.gateway.close()
+
+        async def serve_abort(node: RawNode) -> bool:
+            return (await node.request(OP_SHARD_MAP))["map"]["epoch"] >= aborted.epoch
+
+        await wait_until(lambda: serve_abort(source), 20, "g0 to follow the abort")
+        await wait_until(lambda: serve_abort(dest), 20, "g1 to follow the abort")
+    finally:
+        await source.close()
+        await dest.close()
+    return page
+
+
+async def test_a_lease_imported_by_an_aborted_move_is_not_served_after_a_later_move(groups):
+    """A move ships a held lease to g1 and is aborted; its holder releases it on g0; the slot
+    is then moved to g1 for good.  g1 must not hold the released lease: its name is free there,
+    the released lease's token is no longer valid and its owner cannot extend it.  On the code
+    before, g1 kept the lease of the aborted import (unreachable while g1 did not own the slot)
+    and served it after the second move: a released lease held again, passing ``check`` with
+    its old token and blocking every acquire of the name until its TTL ran out."""
+    name = names_owned_by(groups.shard_map, "g0", 1, "abortleft")[0]
+    slot = slot_of(name)
+    async with groups.connect() as client:
+        lease = await client.acquire(name, ttl=60)
+        page = await _ship_then_abort(groups, slot)
+        assert [row[0] for row in page["leases"]] == [name]
+        await client.release(lease)  # on g0, which serves the slot again
+        assert await client.holder(name) is None
+        await groups.move(str(slot), "g1")
+        assert await client.holder(name) is None, "g1 holds a lease its holder released on g0"
+        assert not await client.check(name, lease.fencing_token)
+        with pytest.raises((LockNotHeld, LeaseLost)):  # LeaseLost: revoked on g1 when the move was aborted
+            await client.extend(lease, ttl=5)
+        again = await client.acquire(name, ttl=5, wait=0.5)
+        assert again.fencing_token > lease.fencing_token
+        await client.release(again)
+
+
+async def test_locks_across_the_map_list_a_lease_once_while_a_move_is_shipped(groups):
+    """Between a move's ship and its flip both groups hold the moved lease (the source frozen,
+    the destination its imported copy).  ``ShardedClient.locks()`` (``fastlock locks``,
+    ``fastlock top``) lists each lease from the group that owns its slot in the client's map, as
+    ``list_prefix`` lists keys: once.  On the code before it listed the lease twice, as if two
+    groups granted it."""
+    name = names_owned_by(groups.shard_map, "g0", 1, "listedonce")[0]
+    admin = fastlock.connect(groups.servers["g0"].address, token=groups.creds.token("admin"), session=False)
+    async with groups.connect() as client, admin as operator:
+        lease = await client.acquire(name, ttl=60)
+        await _ship(groups, slot_of(name))
+        listed = await operator.locks()
+        assert [(x.name, x.fencing_token) for x in listed.locks] == [(name, lease.fencing_token)]
+        assert listed.matched == 1
+        await groups.move(str(slot_of(name)), "g1")  # the move finishes: g1 alone holds it
+        listed = await operator.locks()
+        assert [(x.name, x.fencing_token) for x in listed.locks] == [(name, lease.fencing_token)]
+        await client.release(lease)
