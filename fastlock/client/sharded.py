@@ -385,7 +385,9 @@ class ShardedClient(Client):
 
     async def locks(self, prefix: str = "", *, most: int | None = None, after: str | None = None,
                     order: str = "name") -> LockList:
-        """One page of the held leases of every group (as :meth:`Client.locks`), merged: by name,
+        """One page of the held leases of every group (as :meth:`Client.locks`), merged, each lease
+        once (during a slot move two groups hold it: the copy of the group owning its slot here is
+        listed; ``matched`` counts it once when both copies are on the pages): by name,
         the page stops where the first group whose own page was cut stopped (``next`` goes on
         from there in every group); by waiters, the ``most`` most contended of all groups.  A
         group that cannot be reached is named in :attr:`LockList.unreachable` and the others
@@ -393,8 +395,17 @@ class ShardedClient(Client):
         found = await self.over_groups(lambda c: c.locks(prefix, most=most, after=after, order=order))
         pages = list(found.answers.values())
         unreachable = found.reasons()
-        leases = [lease for page in pages for lease in page.locks]
-        matched = sum(page.matched for page in pages)
+        # a lease is listed once: between a slot move's ship and its flip (and until the source
+        # drops it) two groups hold it, with the same token; the copy of the group owning its
+        # slot in this client's map is kept
+        kept: dict[tuple[str, int], Any] = {}
+        for group, page in found.answers.items():
+            for lease in page.locks:
+                key = (lease.name, lease.fencing_token)
+                if key not in kept or self._group_for(lease.name) == group:
+                    kept[key] = lease
+        leases = list(kept.values())
+        matched = sum(page.matched for page in pages) - (sum(len(page.locks) for page in pages) - len(leases))
         limit = most if most is not None else 10_000
         if order != "name":
             leases.sort(key=lambda lease: (-lease.waiters, lease.name))
