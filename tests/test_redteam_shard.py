@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 from conftest import wait_until
-from test_shard_move import _mark, _serves_mark
+from test_shard_move import _mark, _serves_mark, shard
 
 import fastlock
 from fastlock._testbase.cluster import RawNode
@@ -106,3 +106,28 @@ async def test_locks_across_the_map_list_a_lease_once_while_a_move_is_shipped(gr
         listed = await operator.locks()
         assert [(x.name, x.fencing_token) for x in listed.locks] == [(name, lease.fencing_token)]
         await client.release(lease)
+
+
+async def test_a_move_that_fails_after_its_mark_says_the_slots_stay_frozen_and_how_out(groups, capsys):
+    """A move whose destination refuses the ship (here: the page would pass g1's ``--max-keys``)
+    fails after the mark, which stays in the map: g0 holds every request for the slots and grants
+    none until the move is run again or aborted.  The command says so on stderr and names both
+    ways out; on the code before it printed only the destination's refusal, which does not say
+    the slots are still frozen (a destination killed after the mark printed only "no fastlock
+    primary could serve the request before its deadline")."""
+    groups.args["g1"] = ["--max-keys", "1"]
+    groups.restart("g1")
+    tag = names_owned_by(groups.shard_map, "g0", 1, "stuck")[0]
+    slot = slot_of(tag)
+    async with groups.connect() as client:
+        for i in range(2):
+            await client.put(f"{{{tag}}}:{i}", b"v")
+        capsys.readouterr()
+        argv = ["shard", "move", "--coordinator", groups.url, "--slots", str(slot), "--to", "g1"]
+        assert await shard(argv) == 1
+        err = capsys.readouterr().err
+        assert "--max-keys" in err  # the refusal itself
+        assert f"slots {slot}..{slot} are still marked moving from g0 to g1" in err, err
+        assert f"fastlock shard move --slots {slot}-{slot} --to g1 --abort" in err, err
+        assert await shard([*argv, "--abort"]) == 0
+        assert await client.get(f"{{{tag}}}:0") is not None  # g0 serves the slot again

@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 from typing import Any
 
 from ..client import Client
 from ..client.sharded import read_shard_map
 from ..coordination.access import EtcdAccess
 from ..coordination.shardmap import load_from_etcd
+from ..server.sharded import HOLD_S
 from ..sharding import ShardGroup, ShardMap, ShardMapError, even_ranges, load_map_file
 from ..sharding.moves import parse_slots, split_half
 from ..tokens import MAX_EPOCH
@@ -137,6 +139,28 @@ async def _adopt(args: argparse.Namespace, shard_map: ShardMap) -> int:
     return 0
 
 
+async def _tell_still_marked(stored: Any, first: int, last: int, to: str, command: str) -> None:
+    """After a failed ``shard move|split``: if the map in etcd still marks ``first..last`` moving
+    to ``to``, say so on stderr, with what that means for clients and the two ways out (the
+    error itself names only the step that failed)."""
+    try:
+        found = await stored.read()
+    except Exception:  # noqa: BLE001 - the move's own error is the one to report; this is a hint
+        return
+    if found is None:
+        return
+    shard_map = found[0]
+    if any(shard_map.moving_to_of_slot(slot) != to for slot in range(first, last + 1)):
+        return
+    source = shard_map.owner_of_slot(first).name
+    rerun = "the same command" if command == "move" else f"`fastlock shard move --slots {first}-{last} --to {to}`"
+    print(f"fastlock shard: slots {first}..{last} are still marked moving from {source} to {to} (map epoch "
+          f"{shard_map.epoch}): {source} holds every request for their names (each at most {HOLD_S:g} s, then "
+          f"SlotMoving) and grants none of them until the move ends. Run {rerun} again to resume it, or "
+          f"`fastlock shard move --slots {first}-{last} --to {to} --abort` to let {source} serve them again.",
+          file=sys.stderr)
+
+
 async def _run(args: argparse.Namespace) -> int:
     if args.shard_command in ("status", "adopt") and (args.server is None) == (args.coordinator is None):
         raise ShardMapError("give either --coordinator or --server")
@@ -172,8 +196,12 @@ async def _run(args: argparse.Namespace) -> int:
             if args.shard_command == "move" and args.abort:
                 _print(await abort_slots(stored, first, last, args.to), args.output)
                 return 0
-            report = await move_slots(stored, first, last, args.to,
-                                      progress=None if args.output == "json" else print)
+            try:
+                report = await move_slots(stored, first, last, args.to,
+                                          progress=None if args.output == "json" else print)
+            except Exception:
+                await _tell_still_marked(stored, first, last, args.to, args.shard_command)
+                raise
             if args.output == "json":
                 print(json.dumps(report.as_dict()))
             elif report.freeze_ms is not None:
