@@ -4,6 +4,8 @@ with credentials), on 127.0.0.1, with bounded waits."""
 
 from __future__ import annotations
 
+import asyncio
+
 import msgpack
 import pytest
 from conftest import wait_until
@@ -14,7 +16,7 @@ from fastlock._testbase.cluster import RawNode
 from fastlock._testbase.shards import names_owned_by
 from fastlock.cli.shardmove import abort_slots
 from fastlock.coordination.shardmap import load_from_etcd
-from fastlock.errors import LeaseLost, LockNotHeld
+from fastlock.errors import InvalidArgument, LeaseLost, LockNotHeld
 from fastlock.protocol.ops import OP_SHARD_MAP, OP_SLOT_EXPORT, OP_SLOT_IMPORT
 from fastlock.sharding import slot_of
 
@@ -131,3 +133,45 @@ async def test_a_move_that_fails_after_its_mark_says_the_slots_stay_frozen_and_h
         assert f"fastlock shard move --slots {slot}-{slot} --to g1 --abort" in err, err
         assert await shard([*argv, "--abort"]) == 0
         assert await client.get(f"{{{tag}}}:0") is not None  # g0 serves the slot again
+
+
+async def test_a_page_exported_before_an_abort_is_not_imported_under_a_later_mark(groups):
+    """Two movers of one slot on an operator's bad day: the first exports a page holding a lease
+    and stalls; the operator aborts the move, the lease's holder releases it on g0, and a second
+    move of the slot starts.  The first mover's late import of its stale page must not bring the
+    released lease to g1.  On the code before, g1 accepted the page (it checked only that the
+    slots were marked moving to it) and served the released lease after the flip; a page now
+    names the map epoch it was exported at, older than the mark g1 serves."""
+    name = names_owned_by(groups.shard_map, "g0", 1, "stalepage")[0]
+    slot = slot_of(name)
+    async with groups.connect() as client:
+        lease = await client.acquire(name, ttl=60)
+        await _mark(groups, slot)
+        admin = groups.creds.token("admin")
+        source = await RawNode.open(groups.servers["g0"].address, token=admin)
+        try:
+            stale = await source.request(OP_SLOT_EXPORT, slot, slot, None)
+        finally:
+            await source.close()
+        assert [row[0] for row in stale["leases"]] == [name]
+        stored = await load_from_etcd(groups.url)
+        try:
+            await abort_slots(stored, slot, slot, "g1")
+        finally:
+            await stored.gateway.close()
+        await wait_until(lambda: _moving_on_g0(groups, 0), 20, "g0 to follow the abort")
+        await client.release(lease)
+        await _mark(groups, slot)  # the second mover's mark
+        dest = await RawNode.open(groups.servers["g1"].address, token=admin)
+        try:
+            await wait_until(lambda: _serves_mark(dest, groups), 20, "g1 to follow the second mark")
+            with pytest.raises(InvalidArgument, match="before slots .* were marked moving here"):
+                await dest.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(stale))  # the first mover's, late
+        finally:
+            await dest.close()
+        await groups.move(str(slot), "g1")  # the second mover resumes: ship and flip
+        assert await client.holder(name) is None, "g1 serves a lease released on g0 before the second mark"
+
+
+async def _moving_on_g0(groups, n: int) -> bool:
+    return (await asyncio.to_thread(groups.servers["g0"].status))["shard"]["moving"] == n

@@ -54,6 +54,7 @@ import asyncio
 import json
 import logging
 import os
+from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -224,6 +225,12 @@ class ShardGate:
         #: before this node's start, their window not over (read by :meth:`remember`, let in by its first
         #: run as the primary)
         self.let_in_before: dict[str, tuple[int, list[bytes]]] = {}
+        #: 1 at each slot a move is moving to this group
+        self.incoming = bytes(SLOTS)
+        #: at each slot a move is moving to this group, the epoch of the first map this node took (or
+        #: started with) that marks it so, since it does without a break: SLOT_IMPORT refuses a page
+        #: exported at an older epoch (from a move of the slot aborted since, server.slotmove)
+        self.marked_since = array("q", bytes(8 * SLOTS))
         self.set_map(shard_map)
 
     @classmethod
@@ -251,6 +258,18 @@ class ShardGate:
         self.shard_map = shard_map
         self.owned = shard_map.slots_of(self.group)
         self.moving = shard_map.moving_slots_of(self.group)
+        incoming = bytearray(SLOTS)
+        for r in shard_map.ranges:
+            if r.moving_to == self.group:
+                incoming[r.first:r.last + 1] = b"\x01" * (r.last - r.first + 1)
+        newly = _and_not(bytes(incoming), self.incoming)  # newly marked moving here, run by run
+        start = newly.find(1)
+        while start >= 0:
+            end = newly.find(0, start)
+            end = SLOTS if end < 0 else end
+            self.marked_since[start:end] = array("q", [shard_map.epoch]) * (end - start)
+            start = newly.find(1, end)
+        self.incoming = bytes(incoming)
         #: whether a move is moving any of this group's slots
         self.moving_any = 1 in self.moving
         self._stopped()

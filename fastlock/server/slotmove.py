@@ -19,7 +19,9 @@ ever issued is at most that).
 ``SLOT_IMPORT first, last, state`` (``G`` must serve a map marking ``first..last`` moving to
 ``G``, and be the primary): ``state`` is a page as msgpack bytes (at most
 :data:`MAX_STATE_BYTES`, or one key's value at ``--max-value-bytes`` and :data:`KEY_ROW_BYTES`
-more, decoded with small bounds of its own).  Every field is validated
+more, decoded with small bounds of its own; it names the map epoch the source served at its export,
+and a page exported before the mark this node serves began is refused: a page of an earlier move of
+the slots, aborted since).  Every field is validated
 (untrusted input: types, ranges, every name in ``first..last``, at most :data:`EXPORT_PAGE`
 rows), then the import raises the
 token floor (an ``EPOCH`` record if the source's epoch is higher, a ``RESERVE`` record for the
@@ -198,7 +200,8 @@ class MovedState(NamedTuple):
     """One page of a move's state: ``leases``; ``queues`` (:class:`QueuePart`); ``delays``
     (``[name, remaining lock-delay ms]``); ``floor`` the source's token high-water mark;
     ``more``: another page follows (ask after ``after``, the page's cursor); ``keys``
-    (:class:`MovedKey`)."""
+    (:class:`MovedKey`); ``epoch``: the epoch of the map the source served when it exported
+    the page (None: not named; the destination then does not compare it with its mark's)."""
 
     leases: list[MovedLease]
     queues: list[QueuePart]
@@ -207,11 +210,12 @@ class MovedState(NamedTuple):
     more: bool
     after: list | None = None
     keys: list[MovedKey] = []
+    epoch: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return {"leases": [x.to_wire() for x in self.leases], "queues": [list(q) for q in self.queues],
                 "delays": [list(d) for d in self.delays], "floor": self.floor, "more": self.more,
-                "after": self.after, "keys": [list(k) for k in self.keys]}
+                "after": self.after, "keys": [list(k) for k in self.keys], "epoch": self.epoch}
 
 
 class SlotsHoldKeys(InvalidArgument):
@@ -263,8 +267,9 @@ def parse_state(value: Any, first: int, last: int, max_value_bytes: int = 0) -> 
     """The :class:`MovedState` of a decoded import state (untrusted); a key's value is at most
     ``max_value_bytes`` bytes.  :raises InvalidArgument: any bad field."""
     fields = {"leases", "queues", "delays", "floor"}
-    if type(value) is not dict or not fields <= set(value) <= fields | {"more", "after", "keys"}:
-        raise InvalidArgument("SLOT_IMPORT: the state is {leases, queues, delays, floor[, more, after, keys]}")
+    if type(value) is not dict or not fields <= set(value) <= fields | {"more", "after", "keys", "epoch"}:
+        raise InvalidArgument("SLOT_IMPORT: the state is {leases, queues, delays, floor[, more, after, keys, "
+                              "epoch]}")
     rows = [value[f] for f in ("leases", "queues", "delays", "keys") if f in value]
     if any(type(r) is not list for r in rows) or sum(len(r) for r in rows) > EXPORT_PAGE:
         raise InvalidArgument(f"SLOT_IMPORT: leases, queues, lock-delays and keys are lists of at most "
@@ -325,7 +330,10 @@ def parse_state(value: Any, first: int, last: int, max_value_bytes: int = 0) -> 
     more = value.get("more", False)
     if type(more) is not bool:
         raise InvalidArgument("SLOT_IMPORT: more is a bool")
-    return MovedState(leases, queues, delays, floor, more, None, keys)
+    epoch = value.get("epoch")
+    if epoch is not None:
+        epoch = _int(epoch, "the map epoch of the export", 0, (1 << 63) - 1)
+    return MovedState(leases, queues, delays, floor, more, None, keys, epoch)
 
 
 def _session_share(row: Any) -> SessionShare | None:
@@ -435,7 +443,8 @@ class SlotMoves:
             size += len(row)
         state = MovedState([x for k, x in page if k[0] == 0], [x for k, x in page if k[0] == 1],
                            [x for k, x in page if k[0] == 2], table.last_token, len(items) > len(page),
-                           list(page[-1][0]) if page else None, [x for k, x in page if k[0] == 3])
+                           list(page[-1][0]) if page else None, [x for k, x in page if k[0] == 3],
+                           gate.shard_map.epoch)
         conn.send(P.encode_ok(req_id, state.to_wire()))
 
     def op_slot_import(self, conn: Session, req_id: int, msg: list) -> None:
@@ -447,6 +456,13 @@ class SlotMoves:
         if server.shard_gate is None:
             raise InvalidArgument("this node is not sharded: it has no slots to move")
         gate = self._gate_and_check(first, last, server.shard_gate.group)
+        marked = max(gate.marked_since[first:last + 1])
+        if state.epoch is not None and state.epoch < marked:
+            # exported before the mark this node serves: a page of an earlier move of these slots, aborted
+            # since (the source served them again meanwhile: its holders may have released what it holds)
+            raise InvalidArgument(f"SLOT_IMPORT: the page was exported at shard map epoch {state.epoch}, before "
+                                  f"slots {first}..{last} were marked moving here (epoch {marked}): a page of an "
+                                  f"earlier move of them; run the move again")
         for part in state.queues:  # checked before anything changes
             have = len(gate.imported_queues.get(part.name, ()))
             if part.offset > have:
