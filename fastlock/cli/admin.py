@@ -225,7 +225,8 @@ def admin_request(server: tuple[str, int], token: str | None, op: int, *args: An
                 if ctx is None and await answers_tls_hello(host, port):  # a TLS server never speaks first
                     raise NotFastlock(f"no answer to HELLO within {waited:g} s, but a TLS hello is answered: "
                                       f"a TLS port (pass --tls-ca or --tls)") from None
-                raise NotFastlock(f"not a fastlock server (no answer to HELLO within {waited:g} s)") from None
+                raise NotFastlock(f"not a fastlock server, or a stalled one (no answer to HELLO within {waited:g} s: "
+                                  f"a stopped process, or an event loop kept busy)") from None
             except ServerNotProven:
                 raise
             except ConnectionLost as exc:

@@ -186,13 +186,14 @@ async def whole_status(client: Client) -> dict[str, Any]:
     """The primary's ``status``; for a sharded deployment (:class:`ShardedClient`) every group's
     (:meth:`ShardedClient.over_groups`), added up: the :data:`SUMMED` fields are the totals,
     ``groups`` (group name -> its status) and ``unreachable`` (group name -> the error) name
-    each group, ``role`` says how many groups answered, ``epoch`` is the shard map's."""
+    each group, ``role`` says how many of the groups asked answered, ``epoch`` is the shard map's."""
     if not isinstance(client, ShardedClient):
         return await client.status()
     found = await client.over_groups(lambda c: c.status())
     first = next(iter(found.answers.values()))
     totals = {k: sum(st.get(k, 0) for st in found.answers.values()) for k in SUMMED}
-    return {"version": first.get("version", ""), "role": f"{len(found.answers)} shard groups",
+    asked = len(found.answers) + len(found.reasons())
+    return {"version": first.get("version", ""), "role": f"{len(found.answers)} of {asked} shard groups",
             "epoch": client.shard_map.epoch, **totals, "groups": found.answers, "unreachable": found.reasons()}
 
 
