@@ -5,15 +5,19 @@ with credentials), on 127.0.0.1, with bounded waits."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
 
 import msgpack
 import pytest
 from conftest import wait_until
+from test_cli import fastlock as fastlock_cli
 from test_shard_move import _mark, _serves_mark, shard
 
 import fastlock
 from fastlock._testbase.cluster import RawNode
-from fastlock._testbase.shards import names_owned_by
+from fastlock._testbase.shards import ShardSet, names_owned_by
 from fastlock.cli.shardmove import abort_slots
 from fastlock.coordination.shardmap import load_from_etcd
 from fastlock.errors import InvalidArgument, LeaseLost, LockNotHeld
@@ -175,3 +179,27 @@ async def test_a_page_exported_before_an_abort_is_not_imported_under_a_later_mar
 
 async def _moving_on_g0(groups, n: int) -> bool:
     return (await asyncio.to_thread(groups.servers["g0"].status))["shard"]["moving"] == n
+
+
+def test_a_stopped_shard_is_named_as_stalled_not_as_a_foreign_port(tmp_path):
+    """One shard process stopped (SIGSTOP: a pause, a debugger, a swapped-out host): `fastlock
+    status --all` names its address as not answering HELLO, "not a fastlock server, or a stalled
+    one", and `fastlock top -o json` says how many of the groups answered ("1 of 2 shard groups")
+    and exits 3.  On the code before, status called the stopped shard "not a fastlock server" and
+    top's role said "1 shard groups", as if the deployment had one group."""
+    with ShardSet.start(tmp_path / "shards", 2) as shards:
+        stopped = shards.servers["g0"]
+        os.kill(stopped.proc.pid, signal.SIGSTOP)
+        try:
+            status = fastlock_cli("status", "--all", "--server", shards.address("g1"), "--connect-timeout", "1",
+                                  cwd=tmp_path)
+            assert status.returncode == 1, status.stderr
+            row = next(line for line in status.stdout.splitlines() if stopped.address in line)
+            assert "or a stalled one" in row, row
+            top = fastlock_cli("top", "-o", "json", "--server", shards.address("g1"), "--connect-timeout", "1",
+                               cwd=tmp_path)
+            assert top.returncode == 3, top.stderr
+            whole = json.loads(top.stdout)
+            assert whole["role"] == "1 of 2 shard groups" and list(whole["unreachable"]) == ["g0"], whole
+        finally:
+            os.kill(stopped.proc.pid, signal.SIGCONT)
