@@ -14,6 +14,7 @@ import pytest
 from conftest import wait_until
 from test_cli import fastlock as fastlock_cli
 from test_shard_move import _mark, _serves_mark, shard
+from test_shard_move_tokens import EtcdGroups
 
 import fastlock
 from fastlock._testbase.cluster import RawNode
@@ -23,6 +24,7 @@ from fastlock.coordination.shardmap import load_from_etcd
 from fastlock.errors import InvalidArgument, LeaseLost, LockNotHeld
 from fastlock.protocol.ops import OP_SHARD_MAP, OP_SLOT_EXPORT, OP_SLOT_IMPORT
 from fastlock.sharding import slot_of
+from fastlock.sharding.moves import mark_moving
 
 
 async def _ship(groups, slot: int) -> dict:
@@ -203,3 +205,70 @@ def test_a_stopped_shard_is_named_as_stalled_not_as_a_foreign_port(tmp_path):
             assert whole["role"] == "1 of 2 shard groups" and list(whole["unreachable"]) == ["g0"], whole
         finally:
             os.kill(stopped.proc.pid, signal.SIGCONT)
+
+
+@pytest.fixture
+async def etcd_groups(etcd, tmp_path, monkeypatch):
+    """g0 (one node) and g1 (a primary and a standby), etcd-arbitrated, the map in etcd
+    (``test_shard_move_tokens.EtcdGroups``); stopped after the test."""
+    groups = EtcdGroups(etcd, tmp_path, monkeypatch, (1, 2))
+    try:
+        await groups.start()
+        yield groups
+    finally:
+        groups.stop()
+
+
+async def test_leases_of_a_move_aborted_while_the_destination_failed_over_are_dropped_by_its_new_primary(
+        etcd_groups):
+    """The destination's primary dies after an import; the move is aborted; its standby, which
+    replicated the imported lease and saw the abort as a standby, is promoted.  The lease's holder
+    releases it on g0 and the slot then moves to g1 for good: g1's new primary must not serve the
+    released lease.  On the code before, only a primary that took the abort (or started after it)
+    dropped what the aborted move had imported, so the promoted standby kept it and served it after
+    the second move's flip."""
+    groups = etcd_groups
+    name = names_owned_by(groups.shard_map, "g0", 1, "abortfailover")[0]
+    slot = slot_of(name)
+    admin = groups.creds.token("admin")
+    source = await RawNode.open(groups.servers["g0-0"].address, token=groups.app)
+    try:
+        token, _ttl, owner = await source.acquire(name, 60_000)
+    finally:
+        await source.close()
+    stored = await load_from_etcd(groups.url)
+    try:
+        shard_map, revision = await stored.read()
+        marked = mark_moving(shard_map, slot, slot, "g1")
+        await stored.replace(revision, shard_map, marked)
+        for node in ("g0-0", "g1-0", "g1-1"):
+            await wait_until(lambda node=node: groups.serves_epoch(node, marked.epoch), 20,
+                             f"{node} to follow the mark")
+        exporter = await RawNode.open(groups.servers["g0-0"].address, token=admin)
+        importer = await RawNode.open(groups.servers["g1-0"].address, token=admin)
+        try:
+            page = await exporter.request(OP_SLOT_EXPORT, slot, slot, None)
+            assert [row[0] for row in page["leases"]] == [name]
+            await importer.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(page))  # g1-1 has applied it
+        finally:
+            await exporter.close()
+            await importer.close()
+        groups.servers["g1-0"].proc.send_signal(signal.SIGKILL)
+        groups.servers["g1-0"].proc.wait()
+        aborted = await abort_slots(stored, slot, slot, "g1")
+    finally:
+        await stored.gateway.close()
+    await wait_until(lambda: groups.serves_epoch("g1-1", aborted.epoch), 20, "g1-1 to follow the abort")
+    await wait_until(lambda: groups.is_role("g1-1", "primary"), 60, "g1-1 to be promoted")
+    source = await RawNode.open(groups.servers["g0-0"].address, token=groups.app)
+    try:
+        await wait_until(lambda: groups.serves_epoch("g0-0", aborted.epoch), 20, "g0-0 to follow the abort")
+        await source.release(name, token, owner)
+    finally:
+        await source.close()
+    await groups.move(slot, "g1")
+    dest = await RawNode.open(groups.servers["g1-1"].address, token=groups.app)
+    try:
+        assert await dest.holder(name) is None, "g1's new primary serves a lease released on g0"
+    finally:
+        await dest.close()

@@ -165,6 +165,9 @@ class FailoverPolicy:
         #: logged (a sharded node following the map in etcd reads it: ShardGate.take_stored_map);
         #: raises Unavailable to refuse the promotion (the node stays a standby)
         self.before_serving: Callable[[], Awaitable[None]] | None = None
+        #: called by each promotion once this node is the primary, before its first grant (a sharded
+        #: node drops what moves aborted while it was a standby had imported: ShardGate.promoted)
+        self.after_promotion: Callable[[], None] | None = None
         self._auto_retry_at_ms = 0
         self._peer_check: asyncio.Task | None = None
         self._peer_timer: asyncio.TimerHandle | None = None  # the next look at the fence (a primary's)
@@ -569,6 +572,8 @@ class FailoverPolicy:
         host.roles.transition(Role.PRIMARY, f"promoted ({reason}) at epoch {epoch}", grace_until_ms=now + grace)
         revokes = host.revoke_deadlines.arm_all()  # replicated revoke requests: revoked at their deadline
         follower.queues.promoted()  # the old primary's waiters keep their places (fastlock.server.reclaim)
+        if self.after_promotion is not None:
+            self.after_promotion()
         self._arm_peer_check()  # fenced later (its new standby silent), it looks for a newer primary
         table.expire(now)  # leases whose kept deadline passed: logged and WAL-recorded like any expiry
         host.after_batch()

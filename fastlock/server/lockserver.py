@@ -206,6 +206,7 @@ class LockServer(BatchEnd):
         if self.shard_gate is not None:
             self.shard_gate.install(self.handlers)
             self.shard_gate.on_change = self._announce_shard_map
+            self.failover.after_promotion = self.shard_gate.promoted
             if config.shard_map_etcd is not None:  # a promoted node serves the map etcd holds, not its watch's
                 self.failover.before_serving = self.shard_gate.take_stored_map
         #: watch revisions: the history resuming watches replay, progress notices (fastlock.server.watchlog)

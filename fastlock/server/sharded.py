@@ -197,7 +197,8 @@ class ShardGate:
         #: 1 at each slot this group owned in the map this node last served by before this start
         #: (:meth:`remember`); None: no such map
         self.owned_before: bytes | None = None
-        #: slots imported before a restart whose move was aborted meanwhile: their keys go back at the start
+        #: slots imported whose move was aborted while this node was down or a standby: their keys go back
+        #: and their imported leases go at its start as the primary or its promotion (:meth:`_undo_imports`)
         self.undone_at_start: set[int] = set()
         #: the map kept in etcd, while :meth:`follow_etcd` follows it (SHARD_MAP_NOTICE reads it: server.mapnotice)
         self.stored: EtcdShardMap | None = None
@@ -512,14 +513,26 @@ class ShardGate:
             self._undo_imports(self.undone_at_start)
             self.undone_at_start.clear()
 
+    def promoted(self) -> None:
+        """This node was promoted (it is the primary, before its first grant): the imports of
+        moves aborted while it was a standby are undone now (:meth:`_undo_imports`), unless its
+        old primary's records did it (then nothing is left to drop)."""
+        if self.undone_at_start and self._is_primary():
+            self._undo_imports(self.undone_at_start)
+            self.undone_at_start.clear()
+
     def _undo_imports(self, undone: set[int]) -> None:
         """On the primary: a move of the ``undone`` slots to this group was aborted after an
         import.  Their keys go back to the slots' owner (``KEY_MOVED`` naming it) and their
         imported leases are dropped (a ``REVOKE`` record each, by :data:`MOVE_PRINCIPAL`): the
         source served the slots again, so its holders may have released those leases there, and a
         later move of the slots here would otherwise serve them again (a released lease held, its
-        token valid).  Nothing of these slots is this group's: it owns none of them."""
+        token valid).  Slots this group owns by now, or a move is bringing here again, are left
+        alone (their leases are this group's or the new move's)."""
         server = self.server
+        undone = {slot for slot in undone if not self.owned[slot] and not self.incoming[slot]}
+        if not undone:
+            return
         if len(server.keys.space):  # the keys first: the leases' REVOKE records would delete those attached
             back: dict[str, set[int]] = {}
             for slot in undone:
@@ -800,6 +813,8 @@ class ShardGate:
                     undone.add(slot)
             if undone and self._is_primary():  # its imported keys go back, its imported leases go
                 self._undo_imports(undone)
+            elif undone:  # a standby: its primary's records undo them; if it is promoted first, it does
+                self.undone_at_start |= undone
             undone_queues = [n for n in self.imported_queues if not self.imported[slot_of(n)] and not owned[slot_of(n)]]
             for name in undone_queues:
                 del self.imported_queues[name]
