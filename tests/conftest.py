@@ -283,8 +283,8 @@ def groups_of(etcd, tmp_path, monkeypatch):
 
 @pytest.fixture
 async def groups(etcd, tmp_path, monkeypatch):
-    """Three etcd-arbitrated shard groups (a primary and a standby each, the map in etcd:
-    ``test_shard_move.Groups``), stopped after the test."""
+    """Two shard groups g0 and g1, one server each, following the map in etcd, with credentials
+    (``test_shard_move.Groups``), stopped after the test."""
     from test_shard_move import Groups
 
     g = Groups(etcd, tmp_path, monkeypatch)
