@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+import threading
 
 import msgpack
 import pytest
@@ -19,9 +20,9 @@ from test_shard_move_tokens import EtcdGroups
 import fastlock
 from fastlock._testbase.cluster import RawNode
 from fastlock._testbase.shards import ShardSet, names_owned_by
-from fastlock.cli.shardmove import abort_slots
+from fastlock.cli.shardmove import abort_slots, move_slots
 from fastlock.coordination.shardmap import load_from_etcd
-from fastlock.errors import InvalidArgument, LeaseLost, LockNotHeld
+from fastlock.errors import FastlockError, InvalidArgument, LeaseLost, LockNotHeld
 from fastlock.protocol.ops import OP_SHARD_MAP, OP_SLOT_EXPORT, OP_SLOT_IMPORT
 from fastlock.sharding import slot_of
 from fastlock.sharding.moves import mark_moving
@@ -272,3 +273,74 @@ async def test_leases_of_a_move_aborted_while_the_destination_failed_over_are_dr
         assert await dest.holder(name) is None, "g1's new primary serves a lease released on g0"
     finally:
         await dest.close()
+
+
+async def test_a_stalled_movers_flip_does_not_flip_a_later_mark_it_never_shipped(groups):
+    """Two movers of one slot on an operator's bad day: the first (``move_slots``) marks and
+    ships, then stalls before its flip; the operator aborts the move; g0 serves the slot again and
+    grants its name (an acknowledged lease, a token above the first ship's floor); a second move
+    marks the slot.  Then the first mover goes on, and the second runs to the end.  The lease
+    granted on g0 between the abort and the second mark must be held on g1 with its token, and the
+    next grant there must be above it.  On the code before, the first mover's flip met a changed
+    map, read it again, found the slot marked moving to g1 and flipped it: g1 got the slot without
+    g0's state since the abort, g0 dropped the lease (an acknowledged lease lost) and g1 granted the
+    name again with a lower token (1 after 2).  Now a flip compares the map read before its ship,
+    and the mover ships again under a changed map."""
+    name = names_owned_by(groups.shard_map, "g0", 1, "stallflip")[0]
+    slot = slot_of(name)
+    shipped, go_on = threading.Event(), threading.Event()
+
+    def progress(text: str) -> None:  # the first mover's thread stalls after its first ship
+        if text.startswith("shipped") and not shipped.is_set():
+            shipped.set()
+            go_on.wait(60)
+
+    async def first_mover() -> object:
+        stored = await load_from_etcd(groups.url)
+        try:
+            return await move_slots(stored, slot, slot, "g1", progress=progress)
+        finally:
+            await stored.gateway.close()
+
+    mover = asyncio.ensure_future(asyncio.to_thread(asyncio.run, first_mover()))
+    try:
+        await wait_until(shipped.is_set, 30, "the first mover to ship")
+        stored = await load_from_etcd(groups.url)
+        try:
+            await abort_slots(stored, slot, slot, "g1")  # the operator gives up on the stalled mover
+        finally:
+            await stored.gateway.close()
+        await wait_until(lambda: _moving_on_g0(groups, 0), 20, "g0 to follow the abort")
+        holder = await RawNode.open(groups.servers["g0"].address, token=groups.app)
+        try:
+            await wait_until(lambda: _granted(holder, name), 20, "g0 to grant the name again")
+            token, _ttl, owner = await holder.acquire(name, 60_000)  # acknowledged by g0
+        finally:
+            await holder.close()
+        await _mark(groups, slot)  # the second mover's mark
+    finally:
+        go_on.set()
+    try:
+        await mover
+    except FastlockError:
+        pass  # the first mover may fail: it must not flip what it did not ship
+    await groups.move(str(slot), "g1")  # the second mover runs to the end (or finds the move done)
+    dest = await RawNode.open(groups.servers["g1"].address, token=groups.app)
+    try:
+        held = await dest.holder(name)
+        assert held is not None and held["token"] == token, f"the lease granted on g0 ({token}) is {held} on g1"
+        await dest.release(name, token, owner)
+        again, _ttl, _owner = await dest.acquire(name, 5_000)
+        assert again > token
+    finally:
+        await dest.close()
+
+
+async def _granted(node: RawNode, name: str) -> bool:
+    """Whether ``node`` grants ``name`` now (a probe acquired and released at once)."""
+    try:
+        token, _ttl, owner = await node.acquire(name, 1_000)
+    except FastlockError:
+        return False
+    await node.release(name, token, owner)
+    return True

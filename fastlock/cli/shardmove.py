@@ -10,7 +10,9 @@ undone with ``--abort`` while the slots are still marked):
 2. *ship*: once both primaries serve the marked map, the frozen state is paged out of the
    source (``SLOT_EXPORT``) and into the destination (``SLOT_IMPORT``,
    :mod:`fastlock.server.slotmove`), as an admin principal (the token in ``FASTLOCK_TOKEN_FILE``).
-3. *flip*: the map gives the range to ``to`` (epoch + 1).  The source drops the slots' leases and
+3. *flip*: the map gives the range to ``to`` (epoch + 1), in a transaction comparing the revision of
+   the map the state was shipped under (a map changed since: read again and shipped again under
+   it, at most :data:`FLIP_ATTEMPTS` ships).  The source drops the slots' leases and
    answers its held requests with ``WrongShard``; the destination lets the moved waiters back in
    their old order.
 
@@ -50,6 +52,9 @@ SEEN_FIRST_POLL_S = 0.002
 SEEN_POLL_S = 0.05
 #: seconds one SLOT_EXPORT / SLOT_IMPORT may take
 REQUEST_TIMEOUT_S = 30.0
+#: the most ships a move makes when the map changes between its ship and its flip (each flip compares
+#: the map read before its ship)
+FLIP_ATTEMPTS = 4
 
 
 @dataclass
@@ -191,32 +196,51 @@ async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
             shard_map = new
             report.steps.append("mark")
             tell(f"epoch {new.epoch}: slots {first}..{last} of {state.source} marked moving to {to}")
-        await both_serve(shard_map.epoch, "mark")
-        try:
-            await _ship(source, dest, first, last, report)
-        except InvalidArgument as exc:
-            if "hold" in str(exc) and "keys" in str(exc):  # SlotsHoldKeys: the move cannot be made
-                await abort_slots(stored, first, last, to)
-                report.steps.append("abort")
-                raise ShardMapError(f"{exc} (the mark is cleared: the slots are served by {state.source} again)") \
-                    from None
-            raise
-        step("shipped")
-        report.steps.append("ship")
-        tell(f"shipped {report.leases} leases ({report.sessions} attached to their sessions), {report.queues} "
-             f"waiter queues, {report.delays} lock-delays, {report.keys} keys")
-        for principal, (held, quota) in sorted(report.over_quota.items()):
-            tell(f"principal {principal} now holds {held} leases and waiting acquires in {to}, over its quota of "
-                 f"{quota} there: its leases are kept, its acquires there refused until it holds fewer")
+        # the flip compares the map's revision read (or written by the mark) before the ship: a map
+        # changed since (an abort and a new mark of the slots among the changes) is read again and the
+        # state shipped again under it, so the flip never gives the slots without the state shipped
+        # under the mark it ends
         flipped = None
-        if marked_at is not None and revision:  # the map as this run marked it, unless it changed since
-            flipped = finish_move(shard_map, first, last, to)
+        for _attempt in range(FLIP_ATTEMPTS):
+            if not revision:
+                shard_map, revision = await stored.read_existing()
+                now = move_state(shard_map, first, last, to)
+                if now.step == "done":
+                    flipped = shard_map
+                    break
+                if now.step != "moving":
+                    raise ShardMapError(f"slots {first}..{last} are no longer marked moving to {to} (epoch "
+                                        f"{shard_map.epoch}: the move was aborted meanwhile)")
+            await both_serve(shard_map.epoch, "mark")
+            report.leases = report.queues = report.delays = report.keys = report.sessions = 0
+            report.over_quota.clear()
             try:
+                await _ship(source, dest, first, last, report)
+            except InvalidArgument as exc:
+                if "hold" in str(exc) and "keys" in str(exc):  # SlotsHoldKeys: the move cannot be made
+                    await abort_slots(stored, first, last, to)
+                    report.steps.append("abort")
+                    raise ShardMapError(f"{exc} (the mark is cleared: the slots are served by {state.source} "
+                                        f"again)") from None
+                raise
+            step("shipped")
+            report.steps.append("ship")
+            tell(f"shipped {report.leases} leases ({report.sessions} attached to their sessions), {report.queues} "
+                 f"waiter queues, {report.delays} lock-delays, {report.keys} keys")
+            for principal, (held, quota) in sorted(report.over_quota.items()):
+                tell(f"principal {principal} now holds {held} leases and waiting acquires in {to}, over its quota "
+                     f"of {quota} there: its leases are kept, its acquires there refused until it holds fewer")
+            try:
+                flipped = finish_move(shard_map, first, last, to)
                 await stored.replace(revision, shard_map, flipped)
+                break
             except MapConflict:
                 flipped = None
+                revision = 0
+                tell(f"the map changed since epoch {shard_map.epoch}: shipping again under the map now")
         if flipped is None:
-            flipped = await stored.rewrite(lambda read: finish_move(read, first, last, to))
+            raise ShardMapError(f"the shard map changed during each of {FLIP_ATTEMPTS} ships of slots {first}..{last}: "
+                                f"run the move again")
         if marked_at is not None:
             report.freeze_ms = (time.monotonic() - marked_at) * 1000.0
         step("flip_txn")
