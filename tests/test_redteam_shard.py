@@ -344,3 +344,29 @@ async def _granted(node: RawNode, name: str) -> bool:
         return False
     await node.release(name, token, owner)
     return True
+
+
+async def test_a_destination_node_killed_before_the_mark_starts_again_after_the_flip(etcd_groups):
+    """g1's primary is killed (kill -9) before a move to g1 is marked; its standby is promoted and
+    the move runs to its flip.  The killed node then starts again: the map in etcd gives its group
+    slots that the map it last served by neither gave it nor marked as moving to it.  It starts by
+    that older map, follows its new primary, and takes the flip once replication brings its group's
+    import of the slots.  On the code before it refused to start (exit 1, "slots change owner only
+    by a move"), so a node killed at the wrong moment of a move could not rejoin its group
+    (``python -m benches.shard_nemesis``'s move-kill met it)."""
+    groups = etcd_groups
+    slot = slot_of(names_owned_by(groups.shard_map, "g0", 1, "killedbefore")[0])
+    killed = groups.servers["g1-0"]
+    killed.proc.send_signal(signal.SIGKILL)
+    killed.proc.wait()
+    await wait_until(lambda: groups.is_role("g1-1", "primary"), 60, "g1-1 to be promoted")
+    await groups.move(slot, "g1")
+    stored = await load_from_etcd(groups.url)
+    try:
+        flipped, _revision = await stored.read_existing()
+    finally:
+        await stored.gateway.close()
+    assert flipped.owner_of_slot(slot).name == "g1"
+    groups.servers["g1-0"] = groups._server("g1-0").start()  # on the code before: exit 1
+    await wait_until(lambda: groups.is_role("g1-0", "standby"), 60, "g1-0 to follow g1-1")
+    await wait_until(lambda: groups.serves_epoch("g1-0", flipped.epoch), 30, "g1-0 to take the flip")

@@ -390,6 +390,7 @@ class ReplicationSource:
         gate = getattr(self.host, "shard_gate", None)
         if gate is not None:  # and the slots a move imported here and has not flipped (SLOTS_ADOPTED)
             gate.relog_imports(wal, table.last_token, table.epoch)
+            gate.relog_owned(wal, table.last_token, table.epoch)  # and the slots its group owns with their floor
             gate.relog_unadopted(wal)  # and the slots it owns without their token floor (SLOTS_UNADOPTED)
         return snapshot
 

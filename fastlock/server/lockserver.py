@@ -361,7 +361,8 @@ class LockServer(BatchEnd):
                 f"is gone for good)")
         claim_data_dir(self.node_state, self.failover.coordinated, config.data_dir)
         if self.shard_gate is not None:  # the slots it owned before a restart stay its own
-            self.shard_gate.remember(config.data_dir)
+            self.shard_gate.remember(config.data_dir, defer_gains=config.coordinator is not None
+                                     and config.shard_map_etcd is not None)
         self._recover()
         # the grants a written batch acknowledges are delivered as one batch (one after_batch)
         self.wal.group_commit.batch_end = self

@@ -279,13 +279,16 @@ class ShardGate:
         log.info("shard map epoch %d: group %s owns %d of %d slots", shard_map.epoch, self.group,
                  sum(self.owned), SLOTS)
 
-    def remember(self, data_dir: str | os.PathLike[str]) -> None:
+    def remember(self, data_dir: str | os.PathLike[str], defer_gains: bool = False) -> None:
         """Check this node's map against the last one it served by, recorded in ``data_dir``
         (:data:`SERVED_MAP_FILE`), then record it there, and every map it serves by from now on.
 
         :raises ShardMapError: this map gives this node's group a slot the recorded map gave another
             group and did not mark as moving here (a map file or etcd key changed by hand while the
             node was down): that group may hold leases of it, and slots change owner only by a move.
+            With ``defer_gains`` (a node of an etcd group following the map in etcd: it grants only
+            once promoted) it starts by the recorded map instead and takes this one as a running node
+            takes a newer map (:meth:`offer`: once its log holds its group's import of those slots).
             Slots this map takes away are let go (a move that finished while the node was down).
         :raises OSError: the file cannot be read or written.
         """
@@ -295,16 +298,27 @@ class ShardGate:
             served = load_map_file(path)
             had = served.slots_of(self.group)
             self.owned_before = had
+            # a slot lost is safe (this node stops granting it: a move finished while it was down);
+            # a slot gained is safe only if the last map marked it as moving here (its state was imported)
+            gained = [s for s in range(SLOTS) if self.owned[s] and not had[s]
+                      and served.moving_to_of_slot(s) != self.group]
+            if gained and defer_gains and served.epoch < self.shard_map.epoch:
+                # an etcd group's node serves only once promoted, and a promotion takes the newer map only
+                # if its log holds the group's import of those slots (offer): it starts by the map it served
+                log.warning("shard map epoch %d gives group %s %d slots (the first %d) that epoch %d, the map this "
+                            "node last served by, neither gave it nor marked as moving here (a move that ended "
+                            "while it was down): it starts by epoch %d and takes the newer map once its log holds "
+                            "its group's import of them (replicated from its primary)", self.shard_map.epoch,
+                            self.group, len(gained), gained[0], served.epoch, served.epoch)
+                self.refused = self.shard_map
+                self.set_map(served)
+                gained = []
             kept = self._load_unadopted(self.unadopted_path)
             # a slot owned without its floor before the restart stays so while this group owns it; a slot
             # gained while the node was down is so unless recovery finds its import (restore_imports)
             self.gained_at_start = [s for s in range(SLOTS) if self.owned[s] and not had[s]]
             self._set_unadopted([s for s in kept if self.owned[s] and had[s]] + self.gained_at_start, 1,
                                 write=False)
-            # a slot lost is safe (this node stops granting it: a move finished while it was down);
-            # a slot gained is safe only if the last map marked it as moving here (its state was imported)
-            gained = [s for s in range(SLOTS) if self.owned[s] and not had[s]
-                      and served.moving_to_of_slot(s) != self.group]
             if gained:
                 raise ShardMapError(f"shard map epoch {self.shard_map.epoch} gives group {self.group} other slots than "
                                     f"epoch {served.epoch}, the map this node last served by ({path}): "
@@ -468,6 +482,28 @@ class ShardGate:
             for i in range(0, max(len(parts), 1), RELOG_PART):
                 wal.log_slots_adopted(first, last, floor, epoch, parts[i:i + RELOG_PART])
                 logged += 1
+        return logged
+
+    def relog_owned(self, wal: Any, floor: int, epoch: int) -> int:
+        """Log a ``SLOTS_ADOPTED`` record (no queues) for each run of slots this group owns with
+        their token floor (``floor``: the table's last fencing token, ``epoch``: its epoch), right
+        after a standby's snapshot is taken: the snapshot holds this primary's whole table, so the
+        standby has the token floor of every such slot, those a move gave it included.  A standby
+        that missed a move's mark and its import (down over them, or restarted with a map from
+        before them) learns from these records that its group holds those slots
+        (:meth:`adopted_by_log`) and takes the map that gave them, as one that replicated the import
+        does.  Slots owned without their floor (:attr:`unadopted`) are left out: their
+        ``SLOTS_UNADOPTED`` records follow (:meth:`relog_unadopted`).  Returns how many records
+        were logged."""
+        logged = 0
+        owned = _and_not(bytes(self.owned), bytes(self.unadopted)) if self.unadopted_any else bytes(self.owned)
+        start = owned.find(1)
+        while start >= 0:
+            end = owned.find(0, start)
+            end = SLOTS if end < 0 else end
+            wal.log_slots_adopted(start, end - 1, floor, epoch, [])
+            logged += 1
+            start = owned.find(1, end)
         return logged
 
     def adopted_by_log(self, record: SlotsAdopted) -> None:
