@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import threading
 from typing import Any
 
 import pytest
+from test_owner_keys import keys_of_a_forked_child
 
 from fastlock import protocol as P
 from fastlock.client._path import AttemptBounds, acquire_request, acquire_tail, grant_lease
@@ -109,27 +109,7 @@ def test_a_forked_child_draws_acquire_keys_its_parent_never_draws():
     """The compiled path's own buffer of keys (fastlock/client/_path.pyx) is emptied in a
     forked child, as fastlock.client.owner_keys' is."""
     acquire_request(*DEFAULTS.values())  # the buffer now holds keys the child inherits
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: write 20 keys and leave at once
-        try:
-            os.close(read_end)
-            os.write(write_end, b"".join(acquire_request(*DEFAULTS.values()).owner for _ in range(20)))
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    data = b""
-    try:
-        while len(data) < 20 * OWNER_KEY_BYTES:
-            chunk = os.read(read_end, 4096)
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        os.close(read_end)
-        os.waitpid(pid, 0)
-    child = {data[i:i + OWNER_KEY_BYTES] for i in range(0, len(data), OWNER_KEY_BYTES)}
-    assert len(child) == 20
+    child = keys_of_a_forked_child(lambda: acquire_request(*DEFAULTS.values()).owner)
     parent = {acquire_request(*DEFAULTS.values()).owner for _ in range(KEYS_PER_DRAW)}
     assert not child & parent
 

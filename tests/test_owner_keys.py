@@ -14,20 +14,21 @@ def test_keys_have_the_protocol_size_and_never_repeat_across_draws():
     assert len(set(keys)) == len(keys)
 
 
-def test_a_forked_child_draws_keys_its_parent_never_draws():
-    new_owner_key()  # the pool now holds KEYS_PER_DRAW - 1 keys the child inherits
+def keys_of_a_forked_child(draw, count: int = 20) -> set[bytes]:
+    """The ``count`` owner keys a forked child of this process gets from ``draw()`` (each
+    :data:`OWNER_KEY_BYTES` long), sent back through a pipe."""
     read_end, write_end = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: write 20 keys and leave at once
+    if pid == 0:  # the child: write its keys and leave at once
         try:
             os.close(read_end)
-            os.write(write_end, b"".join(new_owner_key() for _ in range(20)))
+            os.write(write_end, b"".join(draw() for _ in range(count)))
         finally:
             os._exit(0)
     os.close(write_end)
     data = b""
     try:
-        while len(data) < 20 * OWNER_KEY_BYTES:
+        while len(data) < count * OWNER_KEY_BYTES:
             chunk = os.read(read_end, 4096)
             if not chunk:
                 break
@@ -36,6 +37,12 @@ def test_a_forked_child_draws_keys_its_parent_never_draws():
         os.close(read_end)
         os.waitpid(pid, 0)
     child = {data[i:i + OWNER_KEY_BYTES] for i in range(0, len(data), OWNER_KEY_BYTES)}
-    assert len(child) == 20
+    assert len(child) == count
+    return child
+
+
+def test_a_forked_child_draws_keys_its_parent_never_draws():
+    new_owner_key()  # the pool now holds KEYS_PER_DRAW - 1 keys the child inherits
+    child = keys_of_a_forked_child(new_owner_key)
     parent = {new_owner_key() for _ in range(KEYS_PER_DRAW)}
     assert not child & parent

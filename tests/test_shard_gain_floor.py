@@ -14,7 +14,7 @@ import asyncio
 
 import pytest
 from conftest import wait_until
-from test_shard_move_tokens import EtcdGroups, _acquire_on, _rising, _status, shard
+from test_shard_move_tokens import _acquire_on, _rising, _status, shard
 
 import fastlock
 from fastlock._testbase.proxy import free_port
@@ -28,24 +28,6 @@ from fastlock.tokens import epoch_of
 
 #: g0 serves at epoch 41 (its node has seen 40), g1 at 2: g1's own tokens are below g0's
 HIGH = {"epochs": {"g0": 40, "g1": 1}, "seen": {"g0-0": 40}}
-
-
-@pytest.fixture
-def groups_of(etcd, tmp_path, monkeypatch):
-    """``await groups_of((nodes of g0, nodes of g1), **options)``: started :class:`EtcdGroups`, stopped at the end."""
-    made: list[EtcdGroups] = []
-
-    async def make(sizes: tuple[int, int], **options) -> EtcdGroups:
-        groups = EtcdGroups(etcd, tmp_path, monkeypatch, sizes, **options)
-        made.append(groups)
-        await groups.start()
-        return groups
-
-    try:
-        yield make
-    finally:
-        for groups in made:
-            groups.stop()
 
 
 async def _granted_on_g0(g, name: str) -> int:
@@ -74,6 +56,16 @@ async def _mark_and_flip_by_hand(g, slot: int, nodes: tuple[str, ...]) -> int:
         await stored.gateway.close()
 
 
+async def _refused_on(g, node: str, name: str, slot: int, tokens: list[int]) -> None:
+    """An acquire of ``name`` on ``node`` is refused for ``slot``'s token floor (a grant would
+    first be checked against the ``tokens`` granted before, then fail)."""
+    got = await _acquire_on(g.servers[node].address, g.app, name)
+    if isinstance(got, int):
+        tokens.append(got)
+    _rising(name, tokens)
+    _refused_for_its_floor(got, slot)
+
+
 def _refused_for_its_floor(got, slot: int) -> None:
     assert isinstance(got, Unavailable), got
     assert f"slot {slot}" in str(got) and "fastlock shard adopt" in str(got), got
@@ -90,18 +82,14 @@ async def test_a_hand_written_mark_and_flip_is_not_served_until_the_slot_floor_i
     tokens = [await _granted_on_g0(g, name)]
     assert epoch_of(tokens[0]) == 41
     await _mark_and_flip_by_hand(g, slot, ("g0-0", "g1-0"))
-    got = await _acquire_on(g.servers["g1-0"].address, g.app, name)
-    if isinstance(got, int):
-        tokens.append(got)
-    _rising(name, tokens)
-    _refused_for_its_floor(got, slot)
+    await _refused_on(g, "g1-0", name, slot, tokens)
     st = await _status(g.servers["g1-0"])
     assert st["shard"]["unadopted"] == 1 and st["shard"]["unadopted_slots"] == [[slot, slot]], st["shard"]
 
     g.servers["g1-0"].stop()  # a restart keeps the slot unadopted (the data directory says so)
     g.servers["g1-0"] = g._server("g1-0").start()
     await wait_until(lambda: g.is_role("g1-0", "primary"), 60, "g1-0 to be the primary again")
-    _refused_for_its_floor(await _acquire_on(g.servers["g1-0"].address, g.app, name), slot)
+    await _refused_on(g, "g1-0", name, slot, tokens)
 
     argv = ["shard", "adopt", "--coordinator", g.url, "--slots", str(slot), "--from", "g0"]
     assert await shard(argv) == 0
@@ -127,17 +115,13 @@ async def test_a_promoted_standby_does_not_serve_a_slot_flipped_by_hand_and_forc
     g.servers["g1-0"].kill()
     g.servers["g0-0"].kill()
     await wait_until(lambda: g.is_role("g1-1", "primary"), 60, "g1's standby to be promoted")
-    got = await _acquire_on(g.servers["g1-1"].address, g.app, name)
-    if isinstance(got, int):
-        tokens.append(got)
-    _rising(name, tokens)
-    _refused_for_its_floor(got, slot)
+    await _refused_on(g, "g1-1", name, slot, tokens)
 
     adopt = ["shard", "adopt", "--coordinator", g.url, "--slots", str(slot)]
     with pytest.raises(SystemExit) as usage:  # --from or --force is needed
         await shard([*adopt, "--above-epoch", "41"])
     assert usage.value.code == 2
-    _refused_for_its_floor(await _acquire_on(g.servers["g1-1"].address, g.app, name), slot)
+    await _refused_on(g, "g1-1", name, slot, tokens)
     assert await shard([*adopt, "--force", "--above-epoch", "41"]) == 0
     got = await _acquire_on(g.servers["g1-1"].address, g.app, name)
     assert isinstance(got, int), got
@@ -208,11 +192,7 @@ async def test_a_standby_that_joins_after_a_flip_by_hand_learns_the_slot_is_unad
     await wait_until(lambda: _unadopted(g, "g1-1"), 30, "g1-1 to learn the slot is unadopted")
     g.servers["g1-0"].kill()
     await wait_until(lambda: g.is_role("g1-1", "primary"), 60, "g1's standby to be promoted")
-    got = await _acquire_on(g.servers["g1-1"].address, g.app, name)
-    if isinstance(got, int):
-        tokens.append(got)
-    _rising(name, tokens)
-    _refused_for_its_floor(got, slot)
+    await _refused_on(g, "g1-1", name, slot, tokens)
 
 
 async def _unadopted(g, node: str) -> bool:
@@ -241,12 +221,6 @@ async def test_a_destination_standby_that_missed_a_moves_import_refuses_the_move
         await g.move(slot, "g1")
         g.servers["g1-0"].kill()
         await wait_until(lambda: g.is_role("g1-1", "primary"), 60, "g1's standby to be promoted")
-        got = await _acquire_on(g.servers["g1-1"].address, g.app, name)
-        if isinstance(got, int):
-            tokens.append(got)
-        _rising(name, tokens)
-        assert not isinstance(got, int), (f"g1's standby, promoted without the import, granted {name!r} while "
-                                          f"the moved lease is held")
-        _refused_for_its_floor(got, slot)
+        await _refused_on(g, "g1-1", name, slot, tokens)  # not granted beside the moved lease
         st = await _status(g.servers["g1-1"])
         assert [slot, slot] in st["shard"]["unadopted_slots"], st["shard"]
