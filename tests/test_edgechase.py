@@ -38,6 +38,13 @@ def shards(tmp_path_factory):
         yield shard_set
 
 
+#: seconds between two waits whose order a test checks: a wait's start is a server's wall-clock
+#: millisecond (each server's from its own monotonic clock and an offset fixed at its start, so two
+#: servers' numbers for one instant can differ by a millisecond or two), and waits that start in the
+#: same millisecond are ordered by their wait ids, which are random
+APART_S = 0.02
+
+
 def owned(shards: ShardSet, group: str, prefix: str) -> str:
     return names_owned_by(shards.shard_map, group, 1, prefix)[0]
 
@@ -83,6 +90,7 @@ async def test_a_two_group_cycle_fails_the_youngest_wait_only(shards, loop_error
         await held_a.wait()
         second = asyncio.create_task(hold_then_wait(two, b, a, held_b))
         await waiting_on(one, b)  # the first waits; the second's wait, later, closes the cycle
+        await asyncio.sleep(APART_S)
         assert await failed_first({first, second}) == {second}
         with pytest.raises(DeadlockDetected, match="deadlock across shard groups"):
             second.result()
@@ -107,6 +115,7 @@ async def test_a_three_group_cycle_is_broken_once(shards, loop_errors):
             go[k].set()
             if k < 2:
                 await waiting_on(clients[k], names[k + 1])
+                await asyncio.sleep(APART_S)
         assert await failed_first(set(tasks)) == {tasks[2]}  # the last wait closed the cycle: the youngest
         with pytest.raises(DeadlockDetected):
             tasks[2].result()

@@ -1,6 +1,7 @@
 """Install a built wheel into a fresh virtual environment without Cython or the source tree,
-and check that it works: every extension module setup.py declares loads compiled, the version is the one pyproject.toml gives,
-the ``fastlock`` command runs a server and a client takes a lock from it.
+and check that it works: every extension module setup.py declares loads compiled, the version
+is the one pyproject.toml gives, the ``fastlock`` command runs a server and a client takes a
+lock from it.
 
     python tests/wheel_check.py DIST_DIR      (``make wheel-check`` builds DIST_DIR first)
 
