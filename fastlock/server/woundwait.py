@@ -461,25 +461,18 @@ class WoundWait:
 
     def _wound(self, y: Reservation, by: Reservation, now: int) -> None:
         """Take ``y``'s parts away for the older ``by``: its leases revoked, its request withdrawn,
-        its connection told.  A ``y`` that waits (holding nothing here) is parked again instead,
-        behind ``by``, with its request (:meth:`_park_again`).  Nothing when this node may not
-        release (fenced): ``by`` waits."""
+        its connection told.  Nothing when this node may not release (fenced): ``by`` waits."""
         try:
             self.roles.admit(Action.RELEASE)
         except FastlockError:
             return
         self.server.source.fence_if_due(now)
+        y.wounded = True
         self.wounds += 1
         table = self.table
         conn = self.server.limits.sessions.get(y.session)
         request = y.request
-        waiting = request is not None and not request.done and self._waits(y, y.names[0])
-        if waiting and conn is not None and not conn.closed and len(self.parked) < MAX_PARKED:
-            self._park_again(y, now)
-            return
-        y.wounded = True
-        if waiting:
-            assert request is not None
+        if request is not None and not request.done and self._waits(y, y.names[0]):
             request.done = True  # its reply is the Wounded error below, not the core's Cancelled
             if conn is not None:
                 conn.send(P.encode_error(y.req_id, Wounded.code, "wounded by an older multi-lock"))
@@ -498,29 +491,6 @@ class WoundWait:
             conn.send(P.encode_push(PUSH_WOUNDED, [y.rank.multi_id, y.rank.stamp_ms, by.rank.stamp_ms]))
         log.debug("reservation of %s (stamp %d) wounded by stamp %d: %d leases taken", y.principal,
                   y.rank.stamp_ms, by.rank.stamp_ms, taken, extra={"session": y.session})
-
-    def _park_again(self, y: Reservation, now: int) -> None:
-        """``y`` waits in the queues (holding nothing here) where an older reservation needs a name:
-        its request leaves the queues unanswered and ``y`` is parked, as a younger newcomer would be,
-        with its place among the parked by its rank, its wait's end and its request id; it enters the
-        queues again once no older one waits on its names, and its grant answers its RESERVE.  Its
-        client is not told: nothing of its multi-lock changes but where this part waits, and no trip
-        to the client and back is spent on it."""
-        request = y.request
-        assert request is not None
-        request.done = True  # the core's Cancelled is not its reply: its grant, later, is
-        self.table.cancel(y.names[0], y.owner, now)
-        self._unwait(y)
-        self._forget(y)
-        y.state = PARKED
-        y.request = None
-        y.tokens = []
-        self._park(y)
-        # looked at by the next wake, whatever the older one does meanwhile (granted at once, it never waits)
-        self._stopped_waiting.update(y.names)
-        self._wake_soon()
-        log.debug("reservation of %s (stamp %d) parked again behind an older one", y.principal, y.rank.stamp_ms,
-                  extra={"session": y.session})
 
     def _check_granted(self, r: Reservation) -> None:
         if r.wounded or r.state != HELD or self.by_key.get((r.session, r.rank.multi_id)) is not r:
