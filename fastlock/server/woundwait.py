@@ -13,16 +13,12 @@ shard's part is held) turns it into ordinary leases that nobody can wound.
 **The wound-wait rule** (Rosenkrantz, Stearns and Lewis, 1978; Spanner's lock table):
 a reservation that needs a name
 
-* held by a *younger uncommitted* reservation **wounds** it: that reservation's leases on
-  this shard are revoked (a ``REVOKE`` record, replicated, as ``fastlock revoke`` does; its
-  quota given back, watchers told ``"revoked"``), and its connection is told at once with a
-  ``PUSH_WOUNDED`` frame ``[multi-lock id, its stamp, the wounder's stamp]``; the older one
-  proceeds;
-* waited on (in the name's queue) by a younger reservation, which holds nothing here while
-  it waits, takes it out of the queues: it is **parked again** behind the older one (below),
-  with its request, unanswered, and enters the queues again in its turn - no reply, no push,
-  no trip to its client (its connection closed, or the server's parked reservations at their
-  limit: it is wounded instead, its request answered :class:`~fastlock.errors.Wounded`);
+* held by a *younger uncommitted* reservation, or waited on (in the name's queue) by one,
+  **wounds** it: that reservation's leases on this shard are revoked (a ``REVOKE``
+  record, replicated, as ``fastlock revoke`` does; its quota given back, watchers told
+  ``"revoked"``), its waiting request is withdrawn (answered :class:`~fastlock.errors.Wounded`),
+  and its connection is told at once with a ``PUSH_WOUNDED`` frame
+  ``[multi-lock id, its stamp, the wounder's stamp]``; the older one proceeds;
 * held by an older reservation, a committed part or a plain lease **waits** (FIFO, as
   ``ACQUIRE_MANY``, no polling).
 
