@@ -86,11 +86,15 @@ async def test_a_two_group_cycle_fails_the_youngest_wait_only(shards, loop_error
             fastlock.connect(shards.address("g1"), client_name="two") as two:
         assert isinstance(one, ShardedClient) and isinstance(two, ShardedClient)
         held_a, held_b = asyncio.Event(), asyncio.Event()
-        first = asyncio.create_task(hold_then_wait(one, a, b, held_a))
+        go_first, go_second = asyncio.Event(), asyncio.Event()
+        first = asyncio.create_task(hold_then_wait(one, a, b, held_a, go=go_first))
+        second = asyncio.create_task(hold_then_wait(two, b, a, held_b, go=go_second))
         await held_a.wait()
-        second = asyncio.create_task(hold_then_wait(two, b, a, held_b))
+        await held_b.wait()
+        go_first.set()
         await waiting_on(one, b)  # the first waits; the second's wait, later, closes the cycle
         await asyncio.sleep(APART_S)
+        go_second.set()
         assert await failed_first({first, second}) == {second}
         with pytest.raises(DeadlockDetected, match="deadlock across shard groups"):
             second.result()
