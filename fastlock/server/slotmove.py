@@ -527,16 +527,7 @@ class SlotMoves:
                                      "delays": len(state.delays), "keys": len(state.keys), "sessions": attached,
                                      "over_quota": {p: list(v) for p, v in over.items()}})
 
-        def ack(refused: FastlockError | None = None) -> None:
-            if refused is None:
-                server.tasks.spawn(self._reply_once_standbys_have(conn, req_id, reply, logged),
-                                   "slot import: wait for the standbys")
-                return
-            # a synchronous standby did not acknowledge it: the mover fails, and a rerun imports again
-            conn.send(P.encode_error(req_id, refused.code, str(refused), None))
-            server.after_batch()
-
-        wal.when_durable(server.source.sync.after(ack))
+        self._reply_once_committed(conn, req_id, reply, logged, "slot import")
 
     def _raise_floor(self, floor: int, conn: Session, req_id: int, msg: list, rerun: Any, what: str) -> bool:
         """Raise this primary's token floor above ``floor`` (a fencing token): an ``EPOCH`` record
@@ -606,16 +597,27 @@ class SlotMoves:
                     floor, adopted, table.epoch)
         reply = P.encode_ok(req_id, {"epoch": table.epoch, "adopted": adopted})
 
+        self._reply_once_committed(conn, req_id, reply, logged, "slot adopt", lambda: gate.adopt(first, last))
+
+    def _reply_once_committed(self, conn: Session, req_id: int, reply: Any, logged: int, what: str,
+                              committed: Any = None) -> None:
+        """Once the records just logged (up to LSN ``logged``) are durable and, under synchronous
+        replication, acknowledged: call ``committed()`` (if given) and send ``reply`` once every
+        attached standby has applied them (:meth:`_reply_once_standbys_have`); a refused
+        acknowledgement is the request's error instead (the mover fails; a rerun does it again)."""
+        server = self.handlers.server
+
         def ack(refused: FastlockError | None = None) -> None:
             if refused is None:
-                gate.adopt(first, last)
+                if committed is not None:
+                    committed()
                 server.tasks.spawn(self._reply_once_standbys_have(conn, req_id, reply, logged),
-                                   "slot adopt: wait for the standbys")
+                                   f"{what}: wait for the standbys")
                 return
             conn.send(P.encode_error(req_id, refused.code, str(refused), None))
             server.after_batch()
 
-        wal.when_durable(server.source.sync.after(ack))
+        self.handlers.wal.when_durable(server.source.sync.after(ack))
 
     async def _reply_once_standbys_have(self, conn: Session, req_id: int, reply: Any, lsn: int) -> None:
         """Send an import's ``reply`` once every standby attached to this primary (asynchronous ones
