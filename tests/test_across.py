@@ -17,6 +17,7 @@ import threading
 import time
 from contextlib import asynccontextmanager, contextmanager
 
+import msgpack
 import pytest
 from test_limits import Raw, error_of
 
@@ -292,6 +293,52 @@ def test_parked_reservations_enter_the_queue_oldest_first_and_the_younger_is_not
         assert young_reply[1] == 0, young_reply  # granted, not Wounded
         assert young_reply[2][0][0] > middle_reply[2][0][0]
         assert not [p for p in pushes if p[1] == PUSH_WOUNDED]
+
+
+def send_together(peer: Raw, *requests: tuple) -> list[int]:
+    """Send ``requests`` (``(op, *args)`` each) in one write, so that the server reads them in
+    one batch; their request ids."""
+    rids = list(range(peer.next_id, peer.next_id + len(requests)))
+    peer.next_id += len(requests)
+    peer.sock.sendall(b"".join(msgpack.packb([rid, *req], use_bin_type=True) for rid, req in zip(rids, requests)))
+    return rids
+
+
+def test_a_parked_reservation_enters_the_queue_when_its_older_waiter_is_granted_in_a_busy_batch(server):
+    """The older waiter a reservation is parked behind is granted (a release hands it the name)
+    and, in the same batch, before the grant is delivered, another RESERVE on that name finds
+    it no longer waiting: the parked one must still be woken and enter the queue.  (It was
+    left parked - holding up, across shards, every multi-lock waiting on its other parts -
+    until its wait ran out.)"""
+    with peers(server.address, 4) as (old, middle, young, look):
+        h_owner, v_owner, old_owner = os.urandom(16), os.urandom(16), os.urandom(16)
+        assert look.call(P.OP_ACQUIRE, "a/1", h_owner, TTL_MS, 0, 0, None)[1] == 0
+        assert look.call(P.OP_ACQUIRE, "a/2", v_owner, TTL_MS, 0, 0, None)[1] == 0
+        stamp = now_ms()
+        rid_old = reserve(old, ["a/1"], stamp - 5_000, b"old", wait_ms=30_000, owner=old_owner)
+        reserve(middle, ["a/2"], stamp - 4_000, b"middle", wait_ms=30_000)
+        rid_young = reserve(young, ["a/1"], stamp, b"young", wait_ms=30_000)
+        assert young.call(P.OP_PING)[1] == 0
+        assert len(contenders(look, "a/1")["waiters"]) == 1  # the young one is parked behind the old one
+        assert len(contenders(look, "a/2")["waiters"]) == 1
+        # one batch: a/1 goes to the old reservation; a RESERVE of a/1 and a/2 then finds the old one no
+        # longer waiting on a/1, and is itself parked behind the middle one on a/2
+        token = holder_token(look, "a/1")
+        rid_release, _rid_other = send_together(
+            look, (P.OP_RELEASE, "a/1", token, h_owner),
+            (OP_RESERVE, ["a/1", "a/2"], os.urandom(16), TTL_MS, 30_000, None, stamp - 1_000, b"other"))
+        assert reply_to(look, rid_release)[1] == 0
+        old_reply = reply_to(old, rid_old)
+        assert old_reply[1] == 0, old_reply
+        # nothing older waits on a/1 now: the young one waits in its queue, behind the old one's lease
+        deadline = time.monotonic() + 5.0
+        while len(contenders(look, "a/1")["waiters"]) != 1:
+            assert time.monotonic() < deadline, "the parked reservation never entered the queue"
+            time.sleep(0.01)
+        assert old.call(OP_COMMIT_RESERVATION, b"old")[1] == 0
+        assert old.call(P.OP_RELEASE, "a/1", old_reply[2][0][0], old_owner)[1] == 0
+        young_reply = reply_to(young, rid_young)
+        assert young_reply[1] == 0 and young_reply[2][0][0] > old_reply[2][0][0], young_reply
 
 
 def test_a_parked_reservations_grant_counts_its_time_parked_in_the_wait_it_reports(server):

@@ -387,7 +387,7 @@ class WoundWait:
         orphaned = [r for key, r in self.by_key.items() if key[0] == session and r.state == HELD and not r.wounded]
         if orphaned:
             self._take_orphaned(orphaned)
-        if self.waiting_on:
+        if self.parked:
             self._wake_all = True  # its waiting requests ended without a word to this table
             self._wake_soon()
 
@@ -431,7 +431,10 @@ class WoundWait:
                 continue
             for w in list(waiters):
                 if not self._waits(w, name):
-                    waiters.discard(w)
+                    waiters.discard(w)  # it stopped waiting: the reservations parked on the name may go
+                    if name in self.parked_on:
+                        self._stopped_waiting.add(name)
+                        self._wake_soon()
                     continue
                 if w.rank < r.rank and w is not r:
                     return w
@@ -628,11 +631,16 @@ class WoundWait:
             del self.by_owner[r.owner]
 
     def _unwait(self, r: Reservation) -> None:
+        """``r`` waits no more: out of ``waiting_on``, and each of its names that has parked
+        reservations is looked at by the next wake - whether or not ``r`` was still listed in
+        ``waiting_on`` (:meth:`_older_waiter` drops a waiter the table no longer has, which it
+        may do before the table's grant or withdrawal of ``r`` reaches this method)."""
+        parked_on = self.parked_on
         for name in r.names:
+            if name in parked_on:
+                self._stopped_waiting.add(name)
             waiters = self.waiting_on.get(name)
             if waiters is not None:
-                if self.parked and name in self.parked_on:
-                    self._stopped_waiting.add(name)
                 waiters.discard(r)
                 if not waiters:
                     del self.waiting_on[name]
