@@ -31,7 +31,12 @@ dirs, stopped afterwards) and, from one client process (uvloop when installed):
    ended (released, or given up) and is older than ``LEAK_AGE`` is printed as ``LEAK:`` with the
    multi-lock's timeline (each part's send, grant, queue time and reserves; the token the client
    had; when it ended), and once every worker has finished every lease still held is one
-   (target 0).  The client process's CPU time per multi-lock is printed too (microseconds).
+   (target 0).  A lease held longer than ``STUCK_AGE`` (10 s) by a multi-lock still being taken
+   (a part held while another part waits that long: a stall) counts too, and is printed as
+   ``LEAK:`` with the timeline once its multi-lock ends.  And any lease that ran out its TTL on
+   a shard (the shards' log) is counted and printed as ``EXPIRED:``: such a lease may end before
+   the sweeps see its multi-lock end.  The client process's CPU time per multi-lock is printed
+   too (microseconds).
 
    **What a wait is made of**: for the slowest thousandth and for the middle tenth, the mean
    of: the wait; the longest time one part waited in a shard (parked behind an older
@@ -54,6 +59,7 @@ import concurrent.futures
 import gc
 import multiprocessing
 import random
+import re
 import statistics
 import tempfile
 import time
@@ -208,7 +214,8 @@ class ProcessResult(NamedTuple):
     done: list[tuple]  # Done's fields
     stuck: int
     lost: int      # multi-locks a lease of which had ended by its release
-    leaked: int    # leases still held after their multi-lock was released or gave up
+    leaked: int    # leases still held after their multi-lock was released or gave up, or held over STUCK_AGE
+                   # while it was being taken
     elapsed: float
     stall: float   # the client loop's total lag, seconds
     gc: float      # the client's total GC pauses, seconds
@@ -221,6 +228,9 @@ class ProcessResult(NamedTuple):
 LEAK_AGE = 2.0
 #: how many ended multi-locks a client process remembers for the leak watch's reports
 ENDED_KEPT = 10_000
+#: seconds a lease of a multi-lock still being taken may be held before the leak watch reports it: a part
+#: held that long while another waits is stuck (a third of the bench's 30 s TTL)
+STUCK_AGE = 10.0
 
 
 class Ended(NamedTuple):
@@ -252,13 +262,18 @@ class LeakWatch:
         self.ended: collections.OrderedDict[str, tuple] = collections.OrderedDict()  # Ended's fields
         self.reported: set[tuple[str, int]] = set()
         self.leaked = 0
+        #: correlation id -> what the sweeps saw of its leases held past STUCK_AGE while it was being taken
+        self.stuck: dict[str, list[str]] = {}
         self._stop = asyncio.Event()
 
     def end(self, corr: str, how: str, started: float, acquired: float, attempts: int, timings: tuple,
             tokens: dict) -> None:
         self.active.pop(corr, None)
-        self.ended[corr] = (how, started, acquired, self.loop.time(), attempts, tuple(tuple(t) for t in timings),
-                            tuple(tokens.items()))
+        row = (how, started, acquired, self.loop.time(), attempts, tuple(tuple(t) for t in timings),
+               tuple(tokens.items()))
+        self.ended[corr] = row
+        for seen in self.stuck.pop(corr, ()):
+            print(f"   LEAK: {seen}; then {self.describe(Ended(*row), seen.split(' ', 1)[0], self.loop.time())}")
         if len(self.ended) > ENDED_KEPT:
             self.ended.popitem(last=False)
 
@@ -279,7 +294,16 @@ class LeakWatch:
                 row = self.ended.get(corr)
                 record = None if row is None else Ended(*row)
                 if record is None and corr in self.active:
-                    continue  # its multi-lock is still being taken: a part held while another waits
+                    # its multi-lock is still being taken: a part held while another waits - for at most
+                    # STUCK_AGE, else it is reported (with the timeline once the multi-lock ends)
+                    if age >= STUCK_AGE:
+                        self.reported.add(key)
+                        self.leaked += 1
+                        self.stuck.setdefault(corr, []).append(
+                            f"{info.name} token {info.fencing_token} on shard {shard} held {age:.1f} s "
+                            f"({info.remaining:.1f} s of its TTL left, client {info.client}) while its multi-lock "
+                            f"{corr} was still being taken ({now - self.active[corr]:.1f} s so far)")
+                    continue
                 self.reported.add(key)
                 self.leaked += 1
                 print(f"   LEAK: {info.name} token {info.fencing_token} on shard {shard} held {age:.1f} s "
@@ -447,7 +471,7 @@ async def overlap(addresses: list[str], count: int, workers: int, names: int, ma
           f"{workers} workers in {processes} client process{'es' if processes > 1 else ''}, "
           f"{elapsed:.1f} s ({len(waits) / elapsed:,.0f}/s): stuck {stuck} (target 0), a lease lost before "
           f"its release {sum(r.lost for r in results)} (target 0), leases left held after their multi-lock "
-          f"ended {sum(r.leaked for r in results)} (target 0)")
+          f"ended or held over {STUCK_AGE:.0f} s while it was taken {sum(r.leaked for r in results)} (target 0)")
     print(f"   wait p50 {median * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms, max {waits[-1] * 1e3:.2f} ms; "
           f"max/median {waits[-1] / median:.1f}x (target <= 10x); p99/median {p99 / median:.1f}x")
     print(f"   attempts per multi-lock: mean {statistics.mean(attempts):.3f}, max {max(attempts)}; "
@@ -488,6 +512,31 @@ async def overlap(addresses: list[str], count: int, workers: int, names: int, ma
           f"attempts {done[-1].attempts}")
 
 
+#: the shards' log line of a lease that ran out its TTL, and the count of such lines it stands for
+_EXPIRED = re.compile(r"lease expired: (.*?)(?: \((\d+) more like this in the last [0-9.]+ s\))?$")
+
+
+def expired_report(servers: list[ServerProcess], since: list[int]) -> None:
+    """Print the leases that ran out their TTL on the shards since ``since`` (each shard's count
+    of log lines then): the bench releases every lease it takes, so an expiry is a lease nobody
+    released in time - a part held by a multi-lock that stalled, or a leak - even when it ended
+    before the leak watch saw its multi-lock end.  The shards' log of expiries is rate-limited:
+    the count includes the lines it left out, the listing does not."""
+    expired: list[tuple[int, str]] = []
+    count = 0
+    for k, server in enumerate(servers):
+        for line in server.lines[since[k]:]:
+            m = _EXPIRED.search(line)
+            if m is not None:
+                expired.append((k, m.group(1)))
+                count += 1 + int(m.group(2) or 0)
+    print(f"   leases that ran out their TTL on a shard (nobody released them): {count} (target 0)")
+    for k, what in expired[:10]:
+        print(f"   EXPIRED on shard {k}: {what}")
+    if len(expired) > 10:
+        print(f"   ... and {count - 10} more")
+
+
 async def main_async(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="fastlock-across-") as tmp:
         servers = [ServerProcess(f"{tmp}/shard{i}", fsync=args.fsync).start() for i in range(3)]
@@ -496,8 +545,10 @@ async def main_async(args: argparse.Namespace) -> None:
             print(f"parts taken {'in the global order of shards' if args.in_order else 'from every shard at once'}")
             await latency(addresses, args.sets, args.in_order)
             uv = not args.no_uvloop
+            since = [len(s.lines) for s in servers]
             await overlap(addresses, args.count, args.clients, args.names, args.max_seconds, args.in_order,
                           False, args.processes, uv, args.show_slowest)
+            expired_report(servers, since)
             if args.reference:
                 await overlap(addresses, args.count, args.clients, args.names, args.max_seconds, False, True,
                               args.processes, uv)
