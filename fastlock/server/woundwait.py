@@ -632,13 +632,14 @@ class WoundWait:
 
     def _unwait(self, r: Reservation) -> None:
         """``r`` waits no more: out of ``waiting_on``, and each of its names that has parked
-        reservations is looked at by the next wake - whether or not ``r`` was still listed in
+        reservations is looked at by a wake - whether or not ``r`` was still listed in
         ``waiting_on`` (:meth:`_older_waiter` drops a waiter the table no longer has, which it
         may do before the table's grant or withdrawal of ``r`` reaches this method)."""
         parked_on = self.parked_on
         for name in r.names:
             if name in parked_on:
                 self._stopped_waiting.add(name)
+                self._wake_soon()
             waiters = self.waiting_on.get(name)
             if waiters is not None:
                 waiters.discard(r)
