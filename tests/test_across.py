@@ -317,6 +317,7 @@ def test_a_parked_reservation_enters_the_queue_when_its_older_waiter_is_granted_
         stamp = now_ms()
         rid_old = reserve(old, ["a/1"], stamp - 5_000, b"old", wait_ms=30_000, owner=old_owner)
         reserve(middle, ["a/2"], stamp - 4_000, b"middle", wait_ms=30_000)
+        assert old.call(P.OP_PING)[1] == 0 and middle.call(P.OP_PING)[1] == 0  # both queued
         rid_young = reserve(young, ["a/1"], stamp, b"young", wait_ms=30_000)
         assert young.call(P.OP_PING)[1] == 0
         assert len(contenders(look, "a/1")["waiters"]) == 1  # the young one is parked behind the old one
