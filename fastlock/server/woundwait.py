@@ -572,7 +572,7 @@ class WoundWait:
             touched: set[Reservation] = set()
             for name in self._stopped_waiting:
                 touched.update(self.parked_on.get(name, ()))
-            candidates = [r for r in self.parked.values() if r in touched] if touched else []
+            candidates = list(touched)  # (parked_on lists parked reservations only)
         candidates.sort(key=_rank_of)
         self._wake_all = False
         self._stopped_waiting.clear()
