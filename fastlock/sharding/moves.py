@@ -7,7 +7,9 @@ A move of slots ``first..last`` from their owner ``S`` to group ``G`` changes th
    serving its names (requests for them are held, :mod:`fastlock.server.sharded`) while its
    state is shipped to ``G`` (:mod:`fastlock.server.slotmove`).
 2. :func:`finish_move`: the range is ``G``'s, ``moving_to`` cleared (adjacent ranges of one
-   owner merged).  ``S`` answers ``WrongShard`` naming ``G``.
+   owner and floor merged), with the token floor the move shipped (``S``'s high-water mark) and
+   the new epoch recorded on it (:class:`~fastlock.sharding.shardmap.SlotRange`: ``G``'s tokens
+   for those names stay above it whatever its log holds).  ``S`` answers ``WrongShard`` naming ``G``.
 
 :func:`abort_move` clears ``moving_to`` with ``S`` still the owner.  :func:`allowed_change` is
 the rule a node applies to a newer map: per slot, owner and ``moving_to`` may stay, be marked,
@@ -55,20 +57,24 @@ def parse_slots(text: str) -> tuple[int, int]:
     return first, last
 
 
-def _per_slot(shard_map: ShardMap) -> list[tuple[str, str | None]]:
-    out: list[tuple[str, str | None]] = []
+#: one slot's place in a map: its owner, the group a move is moving it to (or None), its token
+#: floor and the map epoch that floor was recorded at (or None, None)
+_Slot = tuple[str, str | None, int | None, int | None]
+
+
+def _per_slot(shard_map: ShardMap) -> list[_Slot]:
+    out: list[_Slot] = []
     for r in shard_map.ranges:
-        out.extend([(r.group, r.moving_to)] * (r.last - r.first + 1))
+        out.extend([(r.group, r.moving_to, r.floor, r.floor_epoch)] * (r.last - r.first + 1))
     return out
 
 
-def _ranges(per_slot: list[tuple[str, str | None]]) -> tuple[SlotRange, ...]:
+def _ranges(per_slot: list[_Slot]) -> tuple[SlotRange, ...]:
     ranges: list[SlotRange] = []
     start = 0
     for slot in range(1, SLOTS + 1):
         if slot == SLOTS or per_slot[slot] != per_slot[start]:
-            group, moving_to = per_slot[start]
-            ranges.append(SlotRange(start, slot - 1, group, moving_to))
+            ranges.append(SlotRange(start, slot - 1, *per_slot[start]))
             start = slot
     return tuple(ranges)
 
@@ -80,7 +86,7 @@ def move_state(shard_map: ShardMap, first: int, last: int, to: str) -> MoveState
         elsewhere, or part are moved and part not (a move of other slots overlaps).
     """
     shard_map.group(to)
-    slots = _per_slot(shard_map)[first:last + 1]
+    slots = [(owner, moving_to) for owner, moving_to, _floor, _at in _per_slot(shard_map)[first:last + 1]]
     states = set(slots)
     if states == {(to, None)}:
         return MoveState(first, last, to, "done", None)
@@ -96,10 +102,20 @@ def move_state(shard_map: ShardMap, first: int, last: int, to: str) -> MoveState
     return MoveState(first, last, to, "moving", owner)
 
 
-def _changed(shard_map: ShardMap, first: int, last: int, value: tuple[str, str | None]) -> ShardMap:
+def _changed(shard_map: ShardMap, first: int, last: int, owner: str, moving_to: str | None,
+             floor: int | None = None, keep_floor: bool = True) -> ShardMap:
+    """The next map (epoch + 1): ``first..last`` owned by ``owner``, moving to ``moving_to``; each
+    slot keeps its token floor (``keep_floor``) or gets ``floor`` recorded at the new epoch (None:
+    no floor)."""
+    epoch = shard_map.epoch + 1
     slots = _per_slot(shard_map)
-    slots[first:last + 1] = [value] * (last - first + 1)
-    return ShardMap(shard_map.epoch + 1, shard_map.groups, _ranges(slots))
+    for slot in range(first, last + 1):
+        _owner, _moving_to, had, had_at = slots[slot]
+        if keep_floor:
+            slots[slot] = (owner, moving_to, had, had_at)
+        else:
+            slots[slot] = (owner, moving_to, floor, None if floor is None else epoch)
+    return ShardMap(epoch, shard_map.groups, _ranges(slots))
 
 
 def mark_moving(shard_map: ShardMap, first: int, last: int, to: str) -> ShardMap:
@@ -110,16 +126,18 @@ def mark_moving(shard_map: ShardMap, first: int, last: int, to: str) -> ShardMap
     if state.step != "start":
         raise ShardMapError(f"slots {first}..{last}: the move to {to} is {state.step} already")
     assert state.source is not None
-    return _changed(shard_map, first, last, (state.source, to))
+    return _changed(shard_map, first, last, state.source, to)
 
 
-def finish_move(shard_map: ShardMap, first: int, last: int, to: str) -> ShardMap:
-    """The next map (epoch + 1): ``first..last`` owned by ``to``, no longer moving.
+def finish_move(shard_map: ShardMap, first: int, last: int, to: str, floor: int | None = None) -> ShardMap:
+    """The next map (epoch + 1): ``first..last`` owned by ``to``, no longer moving, with ``floor``
+    (a fencing token: the source's high-water mark the move shipped) as their token floor,
+    recorded at the new epoch; None: no floor (the range asks nothing of its new owner's tokens).
 
-    :raises ShardMapError: they are not marked moving to ``to``."""
+    :raises ShardMapError: they are not marked moving to ``to``, or ``floor`` is not a valid floor."""
     if move_state(shard_map, first, last, to).step != "moving":
         raise ShardMapError(f"slots {first}..{last} are not marked moving to {to}")
-    return _changed(shard_map, first, last, (to, None))
+    return _changed(shard_map, first, last, to, None, floor, keep_floor=False)
 
 
 def abort_move(shard_map: ShardMap, first: int, last: int, to: str) -> ShardMap:
@@ -130,7 +148,7 @@ def abort_move(shard_map: ShardMap, first: int, last: int, to: str) -> ShardMap:
     if state.step != "moving":
         raise ShardMapError(f"slots {first}..{last} are not marked moving to {to}")
     assert state.source is not None
-    return _changed(shard_map, first, last, (state.source, None))
+    return _changed(shard_map, first, last, state.source, None)
 
 
 def allowed_change(old: ShardMap, new: ShardMap, imported: bytes = b"", group: str | None = None) -> str | None:
