@@ -535,17 +535,32 @@ class SlotMoves:
         then on is above it.  In an etcd group whose epoch in etcd is below ``floor``'s, the
         group's epoch in etcd is raised first (:meth:`_adopt_then_import`, which runs
         ``rerun(conn, req_id, msg)`` after it): False then (the request is answered by the rerun)."""
+        epoch = self.raise_floor_now(floor)
+        if epoch:  # an etcd group: the group's epoch in etcd first, then the request (run again)
+            self.handlers.server.tasks.spawn(self._adopt_then_import(self.arbiter(), epoch, conn, req_id, msg, rerun),
+                                             f"{what}: raise the group's epoch in etcd")
+            return False
+        return True
+
+    def arbiter(self) -> Any:
+        """This node's etcd arbiter, or None (a group not arbitrated by etcd)."""
+        coordinated = self.handlers.server.failover.coordinated
+        return coordinated.arbiter if coordinated is not None else None
+
+    def raise_floor_now(self, floor: int) -> int:
+        """On the primary: make every token issued from now on above ``floor`` (a fencing token): an
+        ``EPOCH`` record if ``floor``'s epoch is above this node's, a ``RESERVE`` record for the
+        counter.  Returns 0 once done; in an etcd group whose primary is named in etcd below
+        ``floor``'s epoch, nothing is changed and that epoch is returned: the group's epoch in etcd
+        is to be raised first (by the arbiter's own transaction, so its standbys never see their
+        primary named below the epoch they replicate), then this called again."""
         server = self.handlers.server
         table = self.handlers.table
         wal = self.handlers.wal
         epoch = epoch_of(floor)
-        coordinated = server.failover.coordinated
-        arbiter = coordinated.arbiter if coordinated is not None else None
+        arbiter = self.arbiter()
         if epoch > table.epoch and arbiter is not None and arbiter.epoch < epoch:
-            # an etcd group: the group's epoch in etcd first, then the request (run again)
-            server.tasks.spawn(self._adopt_then_import(arbiter, epoch, conn, req_id, msg, rerun),
-                               f"{what}: raise the group's epoch in etcd")
-            return False
+            return epoch
         if epoch > table.epoch:
             self.handlers.sessions.epoch_raised(table.epoch, epoch)  # this node stays the primary throughout
             table.set_epoch(epoch)
@@ -555,7 +570,7 @@ class SlotMoves:
         if counter > table.counter:
             table.advance_counter(counter)
         wal.log_counter_floor(table.counter)
-        return True
+        return 0
 
     def op_slot_adopt(self, conn: Session, req_id: int, msg: list) -> None:
         """SLOT_ADOPT first, last, floor: this group's primary adopts ``floor`` (a fencing token:
