@@ -180,6 +180,51 @@ async def test_a_page_exported_before_an_abort_is_not_imported_under_a_later_mar
         assert await client.holder(name) is None, "g1 serves a lease released on g0 before the second mark"
 
 
+async def test_a_page_exported_before_an_abort_is_refused_by_a_destination_that_missed_the_abort(groups):
+    """As above, but g1 is stopped (SIGSTOP) from before the abort until after the second mark:
+    its watch never sees the abort, so g1 itself cannot tell the second mark from the first.  The
+    mark's epoch is in the map (``marked_epoch``): g1 refuses the stale page all the same.  On the
+    code before, g1 imported it (the slot had been marked moving to it since the first mark, as
+    far as it knew) and, after the second mover's flip, held the lease released on g0."""
+    name = names_owned_by(groups.shard_map, "g0", 1, "skippedabort")[0]
+    slot = slot_of(name)
+    async with groups.connect() as client:
+        lease = await client.acquire(name, ttl=60)
+        await _mark(groups, slot)
+        admin = groups.creds.token("admin")
+        source = await RawNode.open(groups.servers["g0"].address, token=admin)
+        dest = await RawNode.open(groups.servers["g1"].address, token=admin)
+        try:
+            await wait_until(lambda: _serves_mark(dest, groups), 20, "g1 to follow the first mark")
+            stale = await source.request(OP_SLOT_EXPORT, slot, slot, None)
+            assert [row[0] for row in stale["leases"]] == [name]
+            stopped = groups.servers["g1"].proc.pid
+            os.kill(stopped, signal.SIGSTOP)
+            try:
+                stored = await load_from_etcd(groups.url)
+                try:
+                    aborted = await abort_slots(stored, slot, slot, "g1")
+                finally:
+                    await stored.gateway.close()
+                await wait_until(lambda: _moving_on_g0(groups, 0), 20, "g0 to follow the abort")
+                await client.release(lease)
+                await _mark(groups, slot)  # the second mover's mark
+            finally:
+                os.kill(stopped, signal.SIGCONT)
+
+            async def takes_second_mark() -> bool:
+                return (await dest.request(OP_SHARD_MAP))["map"]["epoch"] > aborted.epoch
+
+            await wait_until(takes_second_mark, 20, "g1 to follow the second mark")
+            with pytest.raises(InvalidArgument, match="before slots .* were marked moving here"):
+                await dest.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(stale))  # the first mover's, late
+        finally:
+            await source.close()
+            await dest.close()
+        await groups.move(str(slot), "g1")  # the second mover resumes: ship and flip
+        assert await client.holder(name) is None, "g1 serves a lease released on g0 before the second mark"
+
+
 async def _moving_on_g0(groups, n: int) -> bool:
     return (await asyncio.to_thread(groups.servers["g0"].status))["shard"]["moving"] == n
 

@@ -422,6 +422,28 @@ def test_a_map_with_a_bad_token_floor_is_refused_with_the_reason(floor, floor_ep
     assert ShardMap.from_wire(largest).floor_of_slot(SLOTS - 1) == (((1 << 23) - 1) << 40) - 1
 
 
+def test_a_mark_records_its_epoch_on_the_range_and_a_bad_one_is_refused():
+    """mark_moving records the mark's map epoch (``marked_epoch``) beside ``moving_to``; the
+    flip and the abort clear it; a marked_epoch without moving_to, or not 1..the map's epoch, is
+    refused; a mark without one (an earlier mover's) still loads."""
+    from fastlock.sharding.moves import abort_move, finish_move, mark_moving
+
+    marked = mark_moving(two_groups(), 100, 199, "b")
+    assert marked.ranges[1] == SlotRange(100, 199, "a", "b", None, None, 2) and marked.marked_epoch_of(150, 150) == 2
+    assert marked.marked_epoch_of(0, 99) == 0
+    assert ShardMap.from_wire(json.loads(json.dumps(marked.to_wire()))) == marked
+    assert abort_move(marked, 100, 199, "b").marked_epoch_of(0, SLOTS - 1) == 0
+    assert finish_move(marked, 100, 199, "b").marked_epoch_of(0, SLOTS - 1) == 0
+    older = marked.to_wire()
+    del older["ranges"][1]["marked_epoch"]
+    assert ShardMap.from_wire(older).moving_to_of_slot(150) == "b"
+    for r, bad in ((0, 1), (1, 3), (1, 0), (1, True), (1, "2")):  # range 0 is not moving; epoch 3 is after the map's
+        wire = marked.to_wire()
+        wire["ranges"][r]["marked_epoch"] = bad
+        with pytest.raises(ShardMapError, match="marked_epoch is the map epoch of the mark"):
+            ShardMap.from_wire(wire)
+
+
 def test_a_node_takes_a_slot_only_by_a_move():
     from fastlock.sharding import SlotRange as R
     from fastlock.sharding.moves import allowed_change, finish_move, mark_moving, parse_slots, split_half

@@ -21,7 +21,8 @@ ever issued is at most that).
 :data:`MAX_STATE_BYTES`, or one key's value at ``--max-value-bytes`` and :data:`KEY_ROW_BYTES`
 more, decoded with small bounds of its own; it names the map epoch the source served at its export,
 and a page exported before the mark this node serves began is refused: a page of an earlier move of
-the slots, aborted since).  Every field is validated
+the slots, aborted since; the mark's epoch is the range's ``marked_epoch`` in the map, or the first
+map this node took that marked the slots, whichever is later).  Every field is validated
 (untrusted input: types, ranges, every name in ``first..last``, at most :data:`EXPORT_PAGE`
 rows), then the import raises the
 token floor (an ``EPOCH`` record if the source's epoch is higher, a ``RESERVE`` record for the
@@ -456,7 +457,9 @@ class SlotMoves:
         if server.shard_gate is None:
             raise InvalidArgument("this node is not sharded: it has no slots to move")
         gate = self._gate_and_check(first, last, server.shard_gate.group)
-        marked = max(gate.marked_since[first:last + 1])
+        # the mark's epoch as the map records it, or as this node saw it first (a map marked by an earlier
+        # mover records none): a node whose watch skipped an abort and a new mark still knows the new one
+        marked = max(max(gate.marked_since[first:last + 1]), gate.shard_map.marked_epoch_of(first, last))
         if state.epoch is not None and state.epoch < marked:
             # exported before the mark this node serves: a page of an earlier move of these slots, aborted
             # since (the source served them again meanwhile: its holders may have released what it holds)

@@ -3,7 +3,8 @@
 A move of slots ``first..last`` from their owner ``S`` to group ``G`` changes the map twice
 (each an epoch + 1, written by an etcd transaction, :mod:`fastlock.coordination.shardmap`):
 
-1. :func:`mark_moving`: the range is still ``S``'s, with ``moving_to = G``.  ``S`` stops
+1. :func:`mark_moving`: the range is still ``S``'s, with ``moving_to = G`` and the new epoch as
+   its ``marked_epoch`` (``G`` refuses state exported before it).  ``S`` stops
    serving its names (requests for them are held, :mod:`fastlock.server.sharded`) while its
    state is shipped to ``G`` (:mod:`fastlock.server.slotmove`).
 2. :func:`finish_move`: the range is ``G``'s, ``moving_to`` cleared (adjacent ranges of one
@@ -58,14 +59,14 @@ def parse_slots(text: str) -> tuple[int, int]:
 
 
 #: one slot's place in a map: its owner, the group a move is moving it to (or None), its token
-#: floor and the map epoch that floor was recorded at (or None, None)
-_Slot = tuple[str, str | None, int | None, int | None]
+#: floor and the map epoch that floor was recorded at (or None, None), the map epoch of the mark (or None)
+_Slot = tuple[str, str | None, int | None, int | None, int | None]
 
 
 def _per_slot(shard_map: ShardMap) -> list[_Slot]:
     out: list[_Slot] = []
     for r in shard_map.ranges:
-        out.extend([(r.group, r.moving_to, r.floor, r.floor_epoch)] * (r.last - r.first + 1))
+        out.extend([(r.group, r.moving_to, r.floor, r.floor_epoch, r.marked_epoch)] * (r.last - r.first + 1))
     return out
 
 
@@ -86,7 +87,7 @@ def move_state(shard_map: ShardMap, first: int, last: int, to: str) -> MoveState
         elsewhere, or part are moved and part not (a move of other slots overlaps).
     """
     shard_map.group(to)
-    slots = [(owner, moving_to) for owner, moving_to, _floor, _at in _per_slot(shard_map)[first:last + 1]]
+    slots = [(s[0], s[1]) for s in _per_slot(shard_map)[first:last + 1]]
     states = set(slots)
     if states == {(to, None)}:
         return MoveState(first, last, to, "done", None)
@@ -104,17 +105,18 @@ def move_state(shard_map: ShardMap, first: int, last: int, to: str) -> MoveState
 
 def _changed(shard_map: ShardMap, first: int, last: int, owner: str, moving_to: str | None,
              floor: int | None = None, keep_floor: bool = True) -> ShardMap:
-    """The next map (epoch + 1): ``first..last`` owned by ``owner``, moving to ``moving_to``; each
-    slot keeps its token floor (``keep_floor``) or gets ``floor`` recorded at the new epoch (None:
-    no floor)."""
+    """The next map (epoch + 1): ``first..last`` owned by ``owner``, moving to ``moving_to`` (marked
+    at the new epoch: its ``marked_epoch``); each slot keeps its token floor (``keep_floor``) or
+    gets ``floor`` recorded at the new epoch (None: no floor)."""
     epoch = shard_map.epoch + 1
+    marked = None if moving_to is None else epoch
     slots = _per_slot(shard_map)
     for slot in range(first, last + 1):
-        _owner, _moving_to, had, had_at = slots[slot]
+        had, had_at = slots[slot][2], slots[slot][3]
         if keep_floor:
-            slots[slot] = (owner, moving_to, had, had_at)
+            slots[slot] = (owner, moving_to, had, had_at, marked)
         else:
-            slots[slot] = (owner, moving_to, floor, None if floor is None else epoch)
+            slots[slot] = (owner, moving_to, floor, None if floor is None else epoch, marked)
     return ShardMap(epoch, shard_map.groups, _ranges(slots))
 
 

@@ -25,7 +25,9 @@ fencing-token high-water mark when it shipped the slots (every token the source 
 their names is at most that), and ``"floor_epoch"``, the map epoch of the flip that recorded
 it.  A node serving the range issues tokens above its floor, whatever its log holds (it may
 start on an empty data directory); a range without a floor (an initial assignment) asks
-nothing.  Maps without floors (written before floors existed) load as they are.
+nothing.  Maps without floors (written before floors existed) load as they are.  A range
+marked ``moving_to`` also carries ``"marked_epoch"``, the map epoch of the mark (a destination
+refuses a page exported before it, though its watch skipped an abort in between).
 
 Finding a slot's owner is a binary search over the ranges' first slots (O(log n)).
 """
@@ -86,7 +88,9 @@ class SlotRange(NamedTuple):
     when no move is under way (:mod:`fastlock.sharding.moves`); ``floor``: the fencing-token
     floor the move that gave ``group`` these slots recorded (the source's high-water mark: every
     token issued for their names before is at most it; None: no move gave them, nothing is asked),
-    ``floor_epoch``: the map epoch of that move's flip (None exactly when ``floor`` is)."""
+    ``floor_epoch``: the map epoch of that move's flip (None exactly when ``floor`` is);
+    ``marked_epoch``: the map epoch of the mark that set ``moving_to`` (None without a move, or in
+    a map marked by a mover from before it was recorded)."""
 
     first: int
     last: int
@@ -94,6 +98,7 @@ class SlotRange(NamedTuple):
     moving_to: str | None = None
     floor: int | None = None
     floor_epoch: int | None = None
+    marked_epoch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -156,6 +161,11 @@ class ShardMap:
         """The token floor the map records for ``slot`` (a fencing token), or None."""
         return self.ranges[bisect.bisect_right(self._starts, slot) - 1].floor
 
+    def marked_epoch_of(self, first: int, last: int) -> int:
+        """The latest ``marked_epoch`` of the ranges holding slots ``first..last`` (0: none recorded)."""
+        return max([r.marked_epoch for r in self.ranges
+                    if r.marked_epoch is not None and r.first <= last and r.last >= first], default=0)
+
     def floors_of(self, group: str) -> list[tuple[int, int, int]]:
         """The ranges ``group`` owns that carry a token floor, as ``(first, last, floor)``."""
         return [(r.first, r.last, r.floor) for r in self.ranges if r.group == group and r.floor is not None]
@@ -189,10 +199,11 @@ class ShardMap:
         parsed_ranges = []
         for r in ranges:
             if not isinstance(r, dict) or not {"first", "last", "group"} <= set(r) <= _RANGE_KEYS:
-                raise ShardMapError(f"a range is an object with: first, last, group (and moving_to while a move "
-                                    f"is under way, floor and floor_epoch once a move gave it); not {r!r:.200}")
+                raise ShardMapError(f"a range is an object with: first, last, group (and moving_to, marked_epoch "
+                                    f"while a move is under way, floor and floor_epoch once a move gave it); not "
+                                    f"{r!r:.200}")
             parsed_ranges.append(SlotRange(r["first"], r["last"], r["group"], r.get("moving_to"), r.get("floor"),
-                                           r.get("floor_epoch")))
+                                           r.get("floor_epoch"), r.get("marked_epoch")))
         return cls(value["epoch"], tuple(parsed_groups), tuple(parsed_ranges))
 
     def with_epoch(self, epoch: int) -> ShardMap:
@@ -210,15 +221,18 @@ class ShardMap:
 
 #: the keys of a range's plain form (``moving_to`` only while a move is under way, ``floor`` and
 #: ``floor_epoch`` only once a move gave the range)
-_RANGE_KEYS = {"first", "last", "group", "moving_to", "floor", "floor_epoch"}
+_RANGE_KEYS = {"first", "last", "group", "moving_to", "floor", "floor_epoch", "marked_epoch"}
 
 
 def _range_wire(r: SlotRange) -> dict[str, Any]:
-    """A range's plain form; ``moving_to``, ``floor`` and ``floor_epoch`` are written only when
-    set, so a map no move changed is the same JSON every earlier fastlock wrote and reads."""
+    """A range's plain form; ``moving_to``, ``marked_epoch``, ``floor`` and ``floor_epoch`` are
+    written only when set, so a map no move changed is the same JSON every earlier fastlock wrote
+    and reads."""
     wire: dict[str, Any] = {"first": r.first, "last": r.last, "group": r.group}
     if r.moving_to is not None:
         wire["moving_to"] = r.moving_to
+    if r.marked_epoch is not None:
+        wire["marked_epoch"] = r.marked_epoch
     if r.floor is not None:
         wire["floor"] = r.floor
         wire["floor_epoch"] = r.floor_epoch
@@ -279,6 +293,11 @@ def _check_ranges(ranges: Any, by_name: dict[str, ShardGroup], epoch: int) -> No
                                 f"than its owner {r.group!r}, not {r.moving_to!r:.100}")
         if r.floor is not None or r.floor_epoch is not None:
             _check_floor(r, epoch)
+        if r.marked_epoch is not None and (r.moving_to is None or type(r.marked_epoch) is not int
+                                           or not 1 <= r.marked_epoch <= epoch):
+            raise ShardMapError(f"slot range {r.first}..{r.last}: marked_epoch is the map epoch of the mark of a move "
+                                f"under way (with moving_to), an int 1..{epoch} (the map's epoch); not "
+                                f"{r.marked_epoch!r:.100}")
         expected = r.last + 1
     if expected != SLOTS:
         raise ShardMapError(f"slots {expected}..{SLOTS - 1} are owned by no group (a map covers 0..{SLOTS - 1})")
