@@ -117,6 +117,28 @@ async def test_locks_across_the_map_list_a_lease_once_while_a_move_is_shipped(gr
         await client.release(lease)
 
 
+async def test_top_counts_a_lease_once_while_a_move_is_shipped(groups, tmp_path):
+    """Between a move's ship and its flip the destination holds an imported copy of each moved
+    lease.  Its status leaves those out of ``locks_held`` (``shard.imported_held`` names them), so
+    ``fastlock top``'s total over the groups counts the lease once; after the flip the
+    destination counts it.  On the code before, top showed 2 held (one per group)."""
+    name = names_owned_by(groups.shard_map, "g0", 1, "topcount")[0]
+    async with groups.connect() as client:
+        lease = await client.acquire(name, ttl=60)
+        await _ship(groups, slot_of(name))
+        g1 = await asyncio.to_thread(groups.servers["g1"].status)
+        assert g1["locks_held"] == 0 and g1["shard"]["imported_held"] == 1, g1
+        top = fastlock_cli("top", "-o", "json", "--server", groups.servers["g0"].address, cwd=tmp_path)
+        assert top.returncode == 0, top.stderr
+        whole = json.loads(top.stdout)
+        assert whole["locks_held"] == 1, whole
+        assert {g: st["locks_held"] for g, st in whole["groups"].items()} == {"g0": 1, "g1": 0}, whole
+        await groups.move(str(slot_of(name)), "g1")
+        g1 = await asyncio.to_thread(groups.servers["g1"].status)
+        assert g1["locks_held"] == 1 and g1["shard"]["imported_held"] == 0, g1
+        await client.release(lease)
+
+
 async def test_a_move_that_fails_after_its_mark_says_the_slots_stay_frozen_and_how_out(groups, capsys):
     """A move whose destination refuses the ship (here: the page would pass g1's ``--max-keys``)
     fails after the mark, which stays in the map: g0 holds every request for the slots and grants

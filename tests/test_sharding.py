@@ -208,7 +208,8 @@ def test_a_newer_map_is_applied_and_an_older_or_foreign_one_is_not():
     gate.offer(two_groups(3).with_addresses("b", ("127.0.0.1:1",)))
     assert gate.shard_map.epoch == 4 and gate.info() == {"group": "a", "epoch": 4, "slots": 8192,
                                                                  "moving": 0, "held": 0, "unadopted": 0,
-                                                                 "unadopted_slots": [], "below_floor": 0}
+                                                                 "unadopted_slots": [], "below_floor": 0,
+                                                                 "imported_held": 0}
     gate.offer(ShardMap(9, (ShardGroup("z", ("h:1",)),), (SlotRange(0, SLOTS - 1, "z"),)))  # names no "a"
     assert gate.shard_map.epoch == 4
     # slots that change owner without a move: refused

@@ -1372,14 +1372,25 @@ class ShardGate:
             self.stored = None
             await stored.gateway.close()
 
+    def imported_held(self) -> int:
+        """How many leases the lock table holds of slots this group imported by a move that has not
+        flipped yet (their source still holds and counts them); 0 when no move is bringing slots here
+        (else one pass over the table's leases)."""
+        pending = _and_not(bytes(self.imported), self.owned)
+        if self.server is None or 1 not in pending:
+            return 0
+        return sum(1 for h in self.server.table.holders() if pending[slot_of(h.name)])
+
     def info(self) -> dict[str, Any]:
         """This node's place in the map: ``group``, ``epoch``, ``slots`` (how many it owns),
         ``moving`` (how many of them a move is moving away), ``held`` (requests held for them),
         ``unadopted`` (how many it owns without their token floor: their names are answered
         Unavailable), ``unadopted_slots`` (those, as runs ``[first, last]``, the first
-        :data:`INFO_RUNS`) and ``below_floor`` (how many it owns whose token floor in the map this
-        primary is still raising its epoch above: their names are answered Unavailable meanwhile)."""
+        :data:`INFO_RUNS`), ``below_floor`` (how many it owns whose token floor in the map this
+        primary is still raising its epoch above: their names are answered Unavailable meanwhile) and
+        ``imported_held`` (leases a move imported here before its flip, :meth:`imported_held`: the
+        node's ``locks_held`` leaves them out, so a sum over the groups counts each lease once)."""
         return {"group": self.group, "epoch": self.shard_map.epoch, "slots": sum(self.owned),
                 "moving": sum(self.moving), "held": len(self.held), "unadopted": self.unadopted.count(1),
                 "unadopted_slots": self.unadopted_runs()[:INFO_RUNS] if self.unadopted_any else [],
-                "below_floor": self.owed.count(1)}
+                "below_floor": self.owed.count(1), "imported_held": self.imported_held()}
