@@ -39,7 +39,7 @@ from ..client import Client
 from ..client.calls import call
 from ..client.sharded import read_shard_map
 from ..coordination.shardmap import EtcdShardMap, MapConflict
-from ..errors import FastlockError, InvalidArgument
+from ..errors import ConnectionLost, FastlockError, InvalidArgument
 from ..protocol.ops import OP_SHARD_MAP_NOTICE, OP_SLOT_EXPORT, OP_SLOT_IMPORT
 from ..sharding import ShardMap, ShardMapError
 from ..sharding.moves import abort_move, finish_move, mark_moving, move_state
@@ -54,6 +54,9 @@ SEEN_FIRST_POLL_S = 0.002
 SEEN_POLL_S = 0.05
 #: seconds one SLOT_EXPORT / SLOT_IMPORT may take
 REQUEST_TIMEOUT_S = 30.0
+#: seconds a group's primary has to answer SHARD_MAP_NOTICE (riding through a failover meanwhile: a
+#: group's lease TTL, ``--coordinator-ttl``, is 2 s by default); none answering in time fails the step
+NOTICE_TIMEOUT_S = 5.0
 #: the most ships a move makes when the map changes between its ship and its flip (each flip compares
 #: the map read before its ship)
 FLIP_ATTEMPTS = 4
@@ -103,9 +106,16 @@ async def _notice(client: Client, epoch: int) -> bool:
     :mod:`fastlock.server.mapnotice`: it reads the map from etcd at once, not waiting for its
     watch); whether it serves that epoch or newer once it answered.  A node that cannot take
     the notice (an older version, a map not kept in etcd, etcd not answering it) answers an
-    error: False, and the caller looks at its map until its watch brings the epoch."""
+    error: False, and the caller looks at its map until its watch brings the epoch.
+
+    :raises ShardMapError: no node of the group answered within :data:`NOTICE_TIMEOUT_S` seconds
+        (the group is down: the move stops there, and can be run again)."""
     try:
-        answer = await call(client.connector, OP_SHARD_MAP_NOTICE, (epoch,), REQUEST_TIMEOUT_S)
+        answer = await call(client.connector, OP_SHARD_MAP_NOTICE, (epoch,), NOTICE_TIMEOUT_S)
+    except ConnectionLost as exc:
+        raise ShardMapError(f"{client.connector.addresses} did not answer within "
+                            f"{NOTICE_TIMEOUT_S:g} s ({exc}): is that group down? (run the move again once it "
+                            f"serves)") from None
     except FastlockError:
         return False
     return type(answer) is dict and type(answer.get("epoch")) is int and answer["epoch"] >= epoch
