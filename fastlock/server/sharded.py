@@ -245,6 +245,9 @@ class ShardGate:
         #: before this node's start, their window not over (read by :meth:`remember`, let in by its first
         #: run as the primary)
         self.let_in_before: dict[str, tuple[int, list[bytes]]] = {}
+        #: name -> tokens of the leases this primary imported by a move whose slot has not flipped yet
+        #: (:meth:`imported_held`; not kept across a restart, nor on a standby)
+        self.imported_leases: dict[str, set[int]] = {}
         #: 1 at each slot a move is moving to this group
         self.incoming = bytes(SLOTS)
         #: at each slot a move is moving to this group, the epoch of the first map this node took (or
@@ -1373,13 +1376,21 @@ class ShardGate:
             await stored.gateway.close()
 
     def imported_held(self) -> int:
-        """How many leases the lock table holds of slots this group imported by a move that has not
-        flipped yet (their source still holds and counts them); 0 when no move is bringing slots here
-        (else one pass over the table's leases)."""
-        pending = _and_not(bytes(self.imported), self.owned)
-        if self.server is None or 1 not in pending:
+        """How many of the leases this primary imported by a move (:attr:`imported_leases`) it still
+        holds in slots the move has not flipped yet (their source still holds and counts them): one
+        look per imported lease; those of slots flipped or aborted since are forgotten here."""
+        if not self.imported_leases or self.server is None:
             return 0
-        return sum(1 for h in self.server.table.holders() if pending[slot_of(h.name)])
+        pending = _and_not(bytes(self.imported), self.owned)
+        table = self.server.table
+        now = monotonic_ms()
+        held = 0
+        for name in list(self.imported_leases):
+            if not pending[slot_of(name)]:
+                del self.imported_leases[name]
+                continue
+            held += sum(1 for token in self.imported_leases[name] if table.check(name, token, now))
+        return held
 
     def info(self) -> dict[str, Any]:
         """This node's place in the map: ``group``, ``epoch``, ``slots`` (how many it owns),
@@ -1388,8 +1399,8 @@ class ShardGate:
         Unavailable), ``unadopted_slots`` (those, as runs ``[first, last]``, the first
         :data:`INFO_RUNS`), ``below_floor`` (how many it owns whose token floor in the map this
         primary is still raising its epoch above: their names are answered Unavailable meanwhile) and
-        ``imported_held`` (leases a move imported here before its flip, :meth:`imported_held`: the
-        node's ``locks_held`` leaves them out, so a sum over the groups counts each lease once)."""
+        ``imported_held`` (leases a move imported here, its flip still to come, :meth:`imported_held`:
+        the node's ``locks_held`` leaves them out, so a sum over the groups counts each lease once)."""
         return {"group": self.group, "epoch": self.shard_map.epoch, "slots": sum(self.owned),
                 "moving": sum(self.moving), "held": len(self.held), "unadopted": self.unadopted.count(1),
                 "unadopted_slots": self.unadopted_runs()[:INFO_RUNS] if self.unadopted_any else [],

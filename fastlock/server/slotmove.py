@@ -490,6 +490,7 @@ class SlotMoves:
             meta = (x.client, x.correlation_id)
             table.install_holder(x.name, x.token, x.owner, x.remaining_ms, x.lock_delay_ms, meta, now, x.shared,
                                  x.limit)
+            gate.imported_leases.setdefault(x.name, set()).add(x.token)  # the source's until the flip (status)
             principal = quotas.principal_of(meta)
             quotas.of(principal).count_lease(x.token, x.name)  # counted as its principal's, its quota checked below
             principals.add(principal)
