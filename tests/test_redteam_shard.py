@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import msgpack
 import pytest
@@ -117,6 +118,49 @@ async def test_locks_across_the_map_list_a_lease_once_while_a_move_is_shipped(gr
         await client.release(lease)
 
 
+async def test_top_counts_a_lease_once_while_a_move_is_shipped(groups, tmp_path):
+    """Between a move's ship and its flip the destination holds an imported copy of each moved
+    lease.  Its status leaves those out of ``locks_held`` (``shard.imported_held`` names them), so
+    ``fastlock top``'s total over the groups counts the lease once; after the flip the
+    destination counts it.  On the code before, top showed 2 held (one per group)."""
+    name = names_owned_by(groups.shard_map, "g0", 1, "topcount")[0]
+    async with groups.connect() as client:
+        lease = await client.acquire(name, ttl=60)
+        await _ship(groups, slot_of(name))
+        g1 = await asyncio.to_thread(groups.servers["g1"].status)
+        assert g1["locks_held"] == 0 and g1["shard"]["imported_held"] == 1, g1
+        top = fastlock_cli("top", "-o", "json", "--server", groups.servers["g0"].address, cwd=tmp_path)
+        assert top.returncode == 0, top.stderr
+        whole = json.loads(top.stdout)
+        assert whole["locks_held"] == 1, whole
+        assert {g: st["locks_held"] for g, st in whole["groups"].items()} == {"g0": 1, "g1": 0}, whole
+        await groups.move(str(slot_of(name)), "g1")
+        g1 = await asyncio.to_thread(groups.servers["g1"].status)
+        assert g1["locks_held"] == 1 and g1["shard"]["imported_held"] == 0, g1
+        await client.release(lease)
+
+
+async def test_a_move_whose_destination_is_down_after_the_mark_fails_within_seconds(groups, capsys):
+    """The slot is marked and the destination's only node is SIGKILLed; the move, run again, tells
+    the destination of the mark first: no node answers, so it fails within seconds, naming the
+    silent addresses and saying the slot stays frozen and how out.  The code before rode through
+    for the notice's 30 s and a map read's 5 s more (36 s measured) before it said anything."""
+    name = names_owned_by(groups.shard_map, "g0", 1, "destdown")[0]
+    slot = slot_of(name)
+    await _mark(groups, slot)
+    groups.servers["g1"].kill()
+    capsys.readouterr()
+    argv = ["shard", "move", "--coordinator", groups.url, "--slots", str(slot), "--to", "g1"]
+    started = time.monotonic()
+    assert await shard(argv) == 1
+    elapsed = time.monotonic() - started
+    assert elapsed < 15, f"the move reported its dead destination after {elapsed:.1f} s"
+    err = capsys.readouterr().err
+    assert "did not answer within 5 s" in err and "is that group down?" in err, err
+    assert f"slots {slot}..{slot} are still marked moving from g0 to g1" in err, err
+    assert await shard([*argv, "--abort"]) == 0
+
+
 async def test_a_move_that_fails_after_its_mark_says_the_slots_stay_frozen_and_how_out(groups, capsys):
     """A move whose destination refuses the ship (here: the page would pass g1's ``--max-keys``)
     fails after the mark, which stays in the map: g0 holds every request for the slots and grants
@@ -175,6 +219,51 @@ async def test_a_page_exported_before_an_abort_is_not_imported_under_a_later_mar
             with pytest.raises(InvalidArgument, match="before slots .* were marked moving here"):
                 await dest.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(stale))  # the first mover's, late
         finally:
+            await dest.close()
+        await groups.move(str(slot), "g1")  # the second mover resumes: ship and flip
+        assert await client.holder(name) is None, "g1 serves a lease released on g0 before the second mark"
+
+
+async def test_a_page_exported_before_an_abort_is_refused_by_a_destination_that_missed_the_abort(groups):
+    """As above, but g1 is stopped (SIGSTOP) from before the abort until after the second mark:
+    its watch never sees the abort, so g1 itself cannot tell the second mark from the first.  The
+    mark's epoch is in the map (``marked_epoch``): g1 refuses the stale page all the same.  On the
+    code before, g1 imported it (the slot had been marked moving to it since the first mark, as
+    far as it knew) and, after the second mover's flip, held the lease released on g0."""
+    name = names_owned_by(groups.shard_map, "g0", 1, "skippedabort")[0]
+    slot = slot_of(name)
+    async with groups.connect() as client:
+        lease = await client.acquire(name, ttl=60)
+        await _mark(groups, slot)
+        admin = groups.creds.token("admin")
+        source = await RawNode.open(groups.servers["g0"].address, token=admin)
+        dest = await RawNode.open(groups.servers["g1"].address, token=admin)
+        try:
+            await wait_until(lambda: _serves_mark(dest, groups), 20, "g1 to follow the first mark")
+            stale = await source.request(OP_SLOT_EXPORT, slot, slot, None)
+            assert [row[0] for row in stale["leases"]] == [name]
+            stopped = groups.servers["g1"].proc.pid
+            os.kill(stopped, signal.SIGSTOP)
+            try:
+                stored = await load_from_etcd(groups.url)
+                try:
+                    aborted = await abort_slots(stored, slot, slot, "g1")
+                finally:
+                    await stored.gateway.close()
+                await wait_until(lambda: _moving_on_g0(groups, 0), 20, "g0 to follow the abort")
+                await client.release(lease)
+                await _mark(groups, slot)  # the second mover's mark
+            finally:
+                os.kill(stopped, signal.SIGCONT)
+
+            async def takes_second_mark() -> bool:
+                return (await dest.request(OP_SHARD_MAP))["map"]["epoch"] > aborted.epoch
+
+            await wait_until(takes_second_mark, 20, "g1 to follow the second mark")
+            with pytest.raises(InvalidArgument, match="before slots .* were marked moving here"):
+                await dest.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(stale))  # the first mover's, late
+        finally:
+            await source.close()
             await dest.close()
         await groups.move(str(slot), "g1")  # the second mover resumes: ship and flip
         assert await client.holder(name) is None, "g1 serves a lease released on g0 before the second mark"

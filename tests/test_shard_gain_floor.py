@@ -6,11 +6,18 @@ A move's import raises the destination's token counter above the source's high-w
 buggy driver) gives a group a slot with no import: the destination would grant the slot's
 names from its own counter, below tokens the source granted.  It answers them ``Unavailable``
 instead until the slot's floor is adopted (``fastlock shard adopt``), after a restart, on a
-promoted standby and with a static map file too."""
+promoted standby and with a static map file too.
+
+A move's flip records the floor it shipped on the range in the map: a node serving the range stays
+above it whatever its log holds (a group whose nodes all start on empty data directories, a static
+map file with floors), and ``fastlock shard adopt --force`` goes above it without ``--above-epoch``."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
+import time
 
 import pytest
 from conftest import wait_until
@@ -22,9 +29,9 @@ from fastlock._testbase.servers import ServerProcess
 from fastlock._testbase.shards import names_owned_by
 from fastlock.coordination.shardmap import load_from_etcd
 from fastlock.errors import Unavailable
-from fastlock.sharding import ShardGroup, ShardMap, even_ranges, slot_of, write_map_file
+from fastlock.sharding import SLOTS, ShardGroup, ShardMap, even_ranges, slot_of, write_map_file
 from fastlock.sharding.moves import finish_move, mark_moving
-from fastlock.tokens import epoch_of
+from fastlock.tokens import epoch_of, format_token, make_token
 
 #: g0 serves at epoch 41 (its node has seen 40), g1 at 2: g1's own tokens are below g0's
 HIGH = {"epochs": {"g0": 40, "g1": 1}, "seen": {"g0-0": 40}}
@@ -142,6 +149,120 @@ async def test_a_move_run_by_the_driver_leaves_no_slot_unadopted(groups_of):
     tokens.append(got)
     _rising(name, tokens)
     assert (await _status(g.servers["g1-0"]))["shard"]["unadopted"] == 0
+    flipped = await _stored_map(g)  # the flip recorded the floor the move shipped: g0's high-water mark
+    floor = flipped.floor_of_slot(slot_of(name))
+    assert floor is not None and tokens[0] <= floor < got and epoch_of(floor) == 41, floor
+    assert flipped.ranges[[r.first <= slot_of(name) <= r.last for r in flipped.ranges].index(True)].floor_epoch \
+        == flipped.epoch
+
+
+async def _stored_map(g) -> ShardMap:
+    stored = await load_from_etcd(g.url)
+    try:
+        return (await stored.read())[0]
+    finally:
+        await stored.gateway.close()
+
+
+async def _granted_within(address: str, token: str | None, name: str, timeout: float = 30.0) -> int:
+    """A token of ``name`` granted by the node at ``address``, asked again while it answers
+    Unavailable (a primary raising its epoch above the map's floor first), for at most ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = await _acquire_on(address, token, name)
+        if isinstance(got, int):
+            return got
+        assert isinstance(got, Unavailable) and time.monotonic() < deadline, got
+        await asyncio.sleep(0.05)
+
+
+async def test_a_destination_whose_nodes_all_restart_on_empty_data_directories_stays_above_the_maps_floor(
+        groups_of):
+    """A real move of a name's slot from g0 (epoch 41) to g1 (epoch 2), which grants it at the epoch
+    it adopted; then both of g1's nodes are stopped and restarted on empty data directories, the
+    map in etcd already giving g1 the slot.  The map's floor for the slot makes g1's new primary
+    raise its epoch above it (to 42: above g0's tokens and above g1's own at 41) before it grants
+    the name.  The code before granted it from g1's new counter, at 1/1, below both."""
+    g = await groups_of((1, 2), **HIGH)
+    name = names_owned_by(g.shard_map, "g0", 1, "wiped")[0]
+    tokens = [await _granted_on_g0(g, name)]
+    await g.move(slot_of(name), "g1")
+    got = await _acquire_on(g.servers["g1-0"].address, g.app, name)
+    assert isinstance(got, int), got
+    tokens.append(got)
+    for node in ("g1-1", "g1-0"):
+        g.servers[node].stop()
+    for node in ("g1-0", "g1-1"):
+        shutil.rmtree(g.tmp_path / node)
+    g.servers["g1-0"] = g._server("g1-0").start()
+    await wait_until(lambda: g.is_role("g1-0", "primary"), 60, "g1-0 to be the primary on an empty data directory")
+    g.servers["g1-1"] = g._server("g1-1").start()
+    await wait_until(lambda: g.is_role("g1-1", "standby"), 60, "g1-1 to join as a standby")
+    tokens.append(await _granted_within(g.servers["g1-0"].address, g.app, name))
+    _rising(name, tokens)
+    assert epoch_of(tokens[-1]) == 42, format_token(tokens[-1])
+    st = await _status(g.servers["g1-0"])
+    assert st["shard"]["below_floor"] == 0 and st["shard"]["unadopted"] == 0, st["shard"]
+    g.servers["g1-0"].kill()  # its standby, promoted, goes above it too
+    await wait_until(lambda: g.is_role("g1-1", "primary"), 60, "g1's standby to be promoted")
+    tokens.append(await _granted_within(g.servers["g1-1"].address, g.app, name))
+    _rising(name, tokens)
+
+
+async def test_force_adoption_without_the_lost_groups_epoch_goes_above_the_maps_floor(groups_of):
+    """A real move to g1 while g1's standby is detached (it misses the import); then g1's primary
+    and g0 (the source, at epoch 41) are killed for good.  The promoted standby answers the name
+    Unavailable; ``fastlock shard adopt --force`` with no ``--above-epoch`` (nobody told it g0's
+    epoch) reads the slot's floor from the map and goes above it.  The code before took the
+    highest epoch of the nodes that answered (g1's standby at 3) and granted the name at 4/1,
+    below g0's 41."""
+    g = await groups_of((1, 2), relayed=("g1-0",), **HIGH)
+    name = names_owned_by(g.shard_map, "g0", 1, "forcefloor")[0]
+    slot = slot_of(name)
+    relay = g.relays["g1-0"]
+    await wait_until(lambda: asyncio.to_thread(relay.count, "replication"), 30,
+                     "g1's standby to replicate through the relay")
+    tokens = [await _granted_on_g0(g, name)]
+    relay.blackhole("replication")
+    relay.cut("replication")  # detached: its attempts to attach again are held
+    await g.move(slot, "g1")
+    g.servers["g1-0"].kill()
+    g.servers["g0-0"].kill()
+    await wait_until(lambda: g.is_role("g1-1", "primary"), 60, "g1's standby to be promoted")
+    await _refused_on(g, "g1-1", name, slot, tokens)
+    assert await shard(["shard", "adopt", "--coordinator", g.url, "--slots", str(slot), "--force"]) == 0
+    tokens.append(await _granted_within(g.servers["g1-1"].address, g.app, name))
+    _rising(name, tokens)
+    assert epoch_of(tokens[-1]) > 41, format_token(tokens[-1])
+
+
+async def test_a_static_map_file_with_a_floor_is_served_above_it_from_an_empty_data_directory(tmp_path):
+    """A node of group b started on an empty data directory with a map file whose range of b carries
+    a token floor of epoch 41 (a move's flip recorded it): it grants that range's names at epoch 42
+    at once, and after a restart above its own tokens.  The code before did not load the file."""
+    port = free_port()
+    floor = make_token(41, 7)
+    plain = {"epoch": 3, "groups": [{"name": "a", "addresses": [f"127.0.0.1:{free_port()}"]},
+                                    {"name": "b", "addresses": [f"127.0.0.1:{port}"]}],
+             "ranges": [{"first": 0, "last": 8191, "group": "a"},
+                        {"first": 8192, "last": SLOTS - 1, "group": "b", "floor": floor, "floor_epoch": 3}]}
+    name = names_owned_by(ShardMap(1, (ShardGroup("a", ("h:1",)), ShardGroup("b", ("h:2",))), even_ranges(["a", "b"])),
+                          "b", 1, "staticfloor")[0]
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps(plain))
+    server = ServerProcess(tmp_path / "b", fsync="never", port=port,
+                           args=["--shard-map", str(path), "--shard-group", "b"])
+    try:
+        server.start()
+        tokens = [floor, await _granted_within(server.address, None, name)]
+        assert epoch_of(tokens[-1]) == 42, format_token(tokens[-1])
+        server.stop()
+        server.start()
+        tokens.append(await _granted_within(server.address, None, name))
+        _rising(name, tokens)
+    finally:
+        if server.proc is not None and server.proc.poll() is None:
+            server.stop()
 
 
 async def test_a_static_map_file_flipped_between_restarts_is_not_served_until_adopted(tmp_path):

@@ -462,7 +462,9 @@ async def test_split_moves_the_upper_half_of_a_groups_largest_range(groups, caps
         assert (report["first"], report["last"], report["steps"]) == (4096, 8191, ["mark", "ship", "flip"])
         assert await shard(["shard", "status", "--coordinator", groups.url]) == 0
         out = capsys.readouterr().out
-        assert "slots 0..4095: g0" in out and "slots 4096..16383: g1" in out
+        # the moved range keeps its own line: it carries the move's token floor, the rest of g1's none
+        assert "slots 0..4095: g0\n" in out and "slots 4096..8191: g1, token floor " in out
+        assert "slots 8192..16383: g1\n" in out
         moved = slot_of(name) >= 4096
         assert report["leases"] == (1 if moved else 0)
         await client.release(lease)  # routed to whichever group owns it now

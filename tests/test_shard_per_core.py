@@ -50,7 +50,8 @@ async def test_shards_serve_their_slots_and_stop_together(tmp_path):
             for group in ("shard-0", "shard-1"):
                 status = await client.group_clients()[group].status()
                 assert status["shard"] == {"group": group, "epoch": 1, "slots": shard_map.slot_count(group),
-                                           "moving": 0, "held": 0, "unadopted": 0}
+                                           "moving": 0, "held": 0, "unadopted": 0, "below_floor": 0,
+                                           "imported_held": 0}
                 assert status["locks_held"] == 2
             for lease in leases:
                 await client.release(lease)

@@ -208,7 +208,8 @@ def test_a_newer_map_is_applied_and_an_older_or_foreign_one_is_not():
     gate.offer(two_groups(3).with_addresses("b", ("127.0.0.1:1",)))
     assert gate.shard_map.epoch == 4 and gate.info() == {"group": "a", "epoch": 4, "slots": 8192,
                                                                  "moving": 0, "held": 0, "unadopted": 0,
-                                                                 "unadopted_slots": []}
+                                                                 "unadopted_slots": [], "below_floor": 0,
+                                                                 "imported_held": 0}
     gate.offer(ShardMap(9, (ShardGroup("z", ("h:1",)),), (SlotRange(0, SLOTS - 1, "z"),)))  # names no "a"
     assert gate.shard_map.epoch == 4
     # slots that change owner without a move: refused
@@ -307,7 +308,10 @@ def test_a_map_file_nested_too_deep_is_refused_as_a_shard_map_error(tmp_path):
 
 
 @pytest.mark.parametrize("body", [json.dumps(_one_group(ranges=[{"first": 0, "last": SLOTS - 1, "group": ["a"]}])),
-                                  "[" * 100_000 + "]" * 100_000], ids=["unhashable-group", "deep"])
+                                  "[" * 100_000 + "]" * 100_000,
+                                  json.dumps(_one_group(ranges=[{"first": 0, "last": SLOTS - 1, "group": "a",
+                                                                 "floor": 5, "floor_epoch": 2}]))],
+                         ids=["unhashable-group", "deep", "floor-of-a-later-epoch"])
 def test_serve_refuses_a_bad_map_file_with_exit_1_and_the_reason(tmp_path, body):
     from fastlock._testbase.servers import ServerProcess
 
@@ -356,6 +360,89 @@ def test_a_map_with_a_bad_moving_to_is_refused():
     wire["ranges"][0] = {"first": 0, "last": 8191, "group": "a", "extra": 1}
     with pytest.raises(ShardMapError):
         ShardMap.from_wire(wire)
+
+
+def test_a_flip_records_the_moves_token_floor_on_the_range_and_later_marks_keep_it(tmp_path):
+    """finish_move records the floor the move shipped (a fencing token) and the flip's epoch on the
+    range it gives; a later mark and an abort keep it; a later flip replaces it; the plain form,
+    JSON and TOML files carry it; a map no move changed has no floor (the JSON earlier versions wrote)."""
+    from fastlock.sharding.moves import abort_move, finish_move, mark_moving
+    from fastlock.tokens import make_token
+
+    m = two_groups()
+    assert "floor" not in json.dumps(m.to_wire()) and m.floors_of("b") == []
+    floor = make_token(41, 7)
+    flipped = finish_move(mark_moving(m, 100, 199, "b"), 100, 199, "b", floor)
+    assert flipped.epoch == 3 and flipped.floor_of_slot(150) == floor and flipped.floor_of_slot(99) is None
+    assert flipped.floors_of("b") == [(100, 199, floor)] and flipped.floors_of("a") == []
+    assert flipped.ranges[1] == SlotRange(100, 199, "b", None, floor, 3)
+    assert ShardMap.from_wire(json.loads(json.dumps(flipped.to_wire()))) == flipped
+    write_map_file(tmp_path / "map.json", flipped)
+    assert load_map_file(tmp_path / "map.json") == flipped
+    (tmp_path / "map.toml").write_text(
+        'epoch = 3\n[[groups]]\nname = "a"\naddresses = ["127.0.0.1:7420"]\n'
+        '[[groups]]\nname = "b"\naddresses = ["127.0.0.1:7421"]\n'
+        f'[[ranges]]\nfirst = 0\nlast = 8191\ngroup = "a"\n'
+        f'[[ranges]]\nfirst = 8192\nlast = {SLOTS - 1}\ngroup = "b"\nfloor = {floor}\nfloor_epoch = 2\n')
+    assert load_map_file(tmp_path / "map.toml").floors_of("b") == [(8192, SLOTS - 1, floor)]
+    marked = mark_moving(flipped, 150, 199, "a")  # half of it moves on: both halves keep the floor
+    assert marked.floor_of_slot(120) == marked.floor_of_slot(160) == floor
+    assert abort_move(marked, 150, 199, "a").ranges == flipped.ranges
+    back = finish_move(marked, 150, 199, "a", make_token(41, 9))
+    assert back.floor_of_slot(160) == make_token(41, 9) and back.ranges[2].floor_epoch == 5
+    assert back.floor_of_slot(120) == floor
+    plain = finish_move(mark_moving(m, 100, 199, "b"), 100, 199, "b")  # no floor given: none recorded
+    assert plain.floor_of_slot(150) is None and "floor" not in json.dumps(plain.to_wire())
+
+
+@pytest.mark.parametrize("floor, floor_epoch, match", [
+    (-1, 1, "floor is a fencing token"),
+    (True, 1, "floor is a fencing token"),
+    ("5", 1, "floor is a fencing token"),
+    (1.5, 1, "floor is a fencing token"),
+    (1 << 63, 1, "floor is a fencing token"),
+    ((((1 << 23) - 1) << 40), 1, "floor is a fencing token"),  # of the last epoch: no epoch left above it
+    (5, None, "floor_epoch is the map epoch"),
+    (None, 1, "floor is a fencing token"),
+    (5, 0, "floor_epoch is the map epoch"),
+    (5, 2, "floor_epoch is the map epoch"),  # later than the map itself
+    (5, "1", "floor_epoch is the map epoch"),
+])
+def test_a_map_with_a_bad_token_floor_is_refused_with_the_reason(floor, floor_epoch, match):
+    """A floor comes from etcd, a file or a node's reply: untrusted; a bad one refuses the whole map."""
+    wire = two_groups().to_wire()
+    wire["ranges"][1] = {**wire["ranges"][1], "floor": floor, "floor_epoch": floor_epoch}
+    if floor is None:
+        del wire["ranges"][1]["floor"]
+    if floor_epoch is None:
+        del wire["ranges"][1]["floor_epoch"]
+    with pytest.raises(ShardMapError, match=match):
+        ShardMap.from_wire(wire)
+    largest = two_groups().to_wire()
+    largest["ranges"][1] |= {"floor": (((1 << 23) - 1) << 40) - 1, "floor_epoch": 1}  # the last epoch's eve: valid
+    assert ShardMap.from_wire(largest).floor_of_slot(SLOTS - 1) == (((1 << 23) - 1) << 40) - 1
+
+
+def test_a_mark_records_its_epoch_on_the_range_and_a_bad_one_is_refused():
+    """mark_moving records the mark's map epoch (``marked_epoch``) beside ``moving_to``; the
+    flip and the abort clear it; a marked_epoch without moving_to, or not 1..the map's epoch, is
+    refused; a mark without one (an earlier mover's) still loads."""
+    from fastlock.sharding.moves import abort_move, finish_move, mark_moving
+
+    marked = mark_moving(two_groups(), 100, 199, "b")
+    assert marked.ranges[1] == SlotRange(100, 199, "a", "b", None, None, 2) and marked.marked_epoch_of(150, 150) == 2
+    assert marked.marked_epoch_of(0, 99) == 0
+    assert ShardMap.from_wire(json.loads(json.dumps(marked.to_wire()))) == marked
+    assert abort_move(marked, 100, 199, "b").marked_epoch_of(0, SLOTS - 1) == 0
+    assert finish_move(marked, 100, 199, "b").marked_epoch_of(0, SLOTS - 1) == 0
+    older = marked.to_wire()
+    del older["ranges"][1]["marked_epoch"]
+    assert ShardMap.from_wire(older).moving_to_of_slot(150) == "b"
+    for r, bad in ((0, 1), (1, 3), (1, 0), (1, True), (1, "2")):  # range 0 is not moving; epoch 3 is after the map's
+        wire = marked.to_wire()
+        wire["ranges"][r]["marked_epoch"] = bad
+        with pytest.raises(ShardMapError, match="marked_epoch is the map epoch of the mark"):
+            ShardMap.from_wire(wire)
 
 
 def test_a_node_takes_a_slot_only_by_a_move():

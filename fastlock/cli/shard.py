@@ -28,7 +28,7 @@ from ..coordination.shardmap import load_from_etcd
 from ..server.sharded import HOLD_S
 from ..sharding import ShardGroup, ShardMap, ShardMapError, even_ranges, load_map_file
 from ..sharding.moves import parse_slots, split_half
-from ..tokens import MAX_EPOCH
+from ..tokens import MAX_EPOCH, format_token
 from .args import read_token
 from .shardadopt import adopt_slots
 from .shardmove import abort_slots, move_slots
@@ -107,7 +107,8 @@ def _print(shard_map: ShardMap, output: str) -> None:
         print(f"group {g.name}: {shard_map.slot_count(g.name)} slots, {', '.join(g.addresses)}")
     for r in shard_map.ranges:
         moving = f" (moving to {r.moving_to})" if r.moving_to is not None else ""
-        print(f"slots {r.first}..{r.last}: {r.group}{moving}")
+        floor = f", token floor {format_token(r.floor)} since epoch {r.floor_epoch}" if r.floor is not None else ""
+        print(f"slots {r.first}..{r.last}: {r.group}{moving}{floor}")
 
 
 async def _served_map(server: str) -> ShardMap:

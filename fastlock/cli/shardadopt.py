@@ -16,6 +16,11 @@ on the owner's primary (``SLOT_ADOPT``, :mod:`fastlock.server.slotmove`), from:
   higher epoch than any of those can still be above the new owner's: give ``--above-epoch`` at
   least that group's highest epoch (its etcd key ``PREFIX/epoch``, or ``max_epoch_seen`` in its
   nodes' ``node-state.json``).
+
+Either way the floor is at least the one the map records for the slots (a move's flip records the
+source's high-water mark on the range it gives, :class:`~fastlock.sharding.shardmap.SlotRange`),
+and with ``--force`` an epoch above that floor's: the owner may have issued tokens at the epoch it
+adopted with that move's import, and its nodes that knew them may be the ones lost.
 """
 
 from __future__ import annotations
@@ -28,11 +33,11 @@ from ..client.calls import call
 from ..errors import FastlockError
 from ..protocol.ops import OP_SLOT_ADOPT, OP_STATUS
 from ..sharding import ShardMap, ShardMapError
-from ..tokens import MAX_EPOCH, make_token
+from ..tokens import MAX_EPOCH, epoch_of, make_token
 from ..units import parse_address
 from .admin import admin_request
 
-__all__ = ["AdoptReport", "adopt_slots", "ASK_TIMEOUT_S"]
+__all__ = ["AdoptReport", "adopt_slots", "map_floor", "ASK_TIMEOUT_S"]
 
 #: seconds to wait for each node's status (``--force``) and for the owner's answer
 ASK_TIMEOUT_S = 10.0
@@ -61,6 +66,12 @@ def _owner_of(shard_map: ShardMap, first: int, last: int) -> str:
         raise ShardMapError(f"slots {first}..{last} are not owned by one group with no move under way (shard map "
                             f"epoch {shard_map.epoch}): adopt one owner's slots at a time, after the move ends")
     return owners.pop()
+
+
+def map_floor(shard_map: ShardMap, first: int, last: int) -> int | None:
+    """The highest token floor ``shard_map`` records for slots ``first..last`` (a fencing token), or None."""
+    floors = [r.floor for r in shard_map.ranges if r.floor is not None and r.first <= last and r.last >= first]
+    return max(floors) if floors else None
 
 
 async def _highest_epoch(shard_map: ShardMap, token: str | None) -> int:
@@ -94,6 +105,7 @@ async def adopt_slots(shard_map: ShardMap, first: int, last: int, *, source: str
             progress(text)
 
     owner = _owner_of(shard_map, first, last)
+    recorded = map_floor(shard_map, first, last)
     if source is not None:
         shard_map.group(source)  # raises ShardMapError if absent
         if source == owner:
@@ -109,10 +121,18 @@ async def adopt_slots(shard_map: ShardMap, first: int, last: int, *, source: str
             floor = max(floor, make_token(min(above_epoch + 1, MAX_EPOCH), 0))
         origin = f"group {source}"
         tell(f"group {source}'s primary issued tokens up to {floor}")
+        if recorded is not None and recorded > floor:
+            floor = recorded
+            origin = f"the shard map's floor (epoch {shard_map.epoch})"
+            tell(f"the shard map records the token floor {recorded} for these slots, above it: that is the floor")
     elif force:
-        epoch = min(max(above_epoch, await _highest_epoch(shard_map, token)) + 1, MAX_EPOCH)
+        known = max(above_epoch, await _highest_epoch(shard_map, token),
+                    epoch_of(recorded) if recorded is not None else 0)
+        epoch = min(known + 1, MAX_EPOCH)
         floor = make_token(epoch, 0)
         origin = f"epoch {epoch}"
+        if recorded is not None:
+            tell(f"the shard map records the token floor {recorded} (epoch {epoch_of(recorded)}) for these slots")
         tell(f"the highest epoch known is {epoch - 1}: the floor is epoch {epoch}")
     else:
         raise ShardMapError("give --from GROUP (the group that served the slots before) or, if it is lost, --force")

@@ -10,7 +10,9 @@ undone with ``--abort`` while the slots are still marked):
 2. *ship*: once both primaries serve the marked map, the frozen state is paged out of the
    source (``SLOT_EXPORT``) and into the destination (``SLOT_IMPORT``,
    :mod:`fastlock.server.slotmove`), as an admin principal (the token in ``FASTLOCK_TOKEN_FILE``).
-3. *flip*: the map gives the range to ``to`` (epoch + 1), in a transaction comparing the revision of
+3. *flip*: the map gives the range to ``to`` (epoch + 1) with the token floor the ship carried
+   (the highest of its pages' ``floor``: the source's high-water mark) recorded on the range, so
+   that every node of ``to`` stays above it whatever its log holds; in a transaction comparing the revision of
    the map the state was shipped under (a map changed since: read again and shipped again under
    it, at most :data:`FLIP_ATTEMPTS` ships).  The source drops the slots' leases and
    answers its held requests with ``WrongShard``; the destination lets the moved waiters back in
@@ -37,7 +39,7 @@ from ..client import Client
 from ..client.calls import call
 from ..client.sharded import read_shard_map
 from ..coordination.shardmap import EtcdShardMap, MapConflict
-from ..errors import FastlockError, InvalidArgument
+from ..errors import ConnectionLost, FastlockError, InvalidArgument
 from ..protocol.ops import OP_SHARD_MAP_NOTICE, OP_SLOT_EXPORT, OP_SLOT_IMPORT
 from ..sharding import ShardMap, ShardMapError
 from ..sharding.moves import abort_move, finish_move, mark_moving, move_state
@@ -52,6 +54,9 @@ SEEN_FIRST_POLL_S = 0.002
 SEEN_POLL_S = 0.05
 #: seconds one SLOT_EXPORT / SLOT_IMPORT may take
 REQUEST_TIMEOUT_S = 30.0
+#: seconds a group's primary has to answer SHARD_MAP_NOTICE (riding through a failover meanwhile: a
+#: group's lease TTL, ``--coordinator-ttl``, is 2 s by default); none answering in time fails the step
+NOTICE_TIMEOUT_S = 5.0
 #: the most ships a move makes when the map changes between its ship and its flip (each flip compares
 #: the map read before its ship)
 FLIP_ATTEMPTS = 4
@@ -80,6 +85,9 @@ class MoveReport:
     #: principal the import put over its lease quota there (its acquires are refused until it holds less)
     over_quota: dict[str, list[int]] = field(default_factory=dict)
     freeze_ms: float | None = None
+    #: the token floor this run shipped (the highest of its pages' ``floor``: a fencing token) and the
+    #: flip recorded on the range; None when this run shipped nothing
+    floor: int | None = None
     #: when each step of this run's freeze ended, ms after the mark's transaction was sent:
     #: ``mark_txn``, ``source_serves_mark``, ``dest_serves_mark``, ``shipped``, ``flip_txn``,
     #: ``source_serves_flip``, ``dest_serves_flip`` (empty when this run did not mark)
@@ -98,9 +106,16 @@ async def _notice(client: Client, epoch: int) -> bool:
     :mod:`fastlock.server.mapnotice`: it reads the map from etcd at once, not waiting for its
     watch); whether it serves that epoch or newer once it answered.  A node that cannot take
     the notice (an older version, a map not kept in etcd, etcd not answering it) answers an
-    error: False, and the caller looks at its map until its watch brings the epoch."""
+    error: False, and the caller looks at its map until its watch brings the epoch.
+
+    :raises ShardMapError: no node of the group answered within :data:`NOTICE_TIMEOUT_S` seconds
+        (the group is down: the move stops there, and can be run again)."""
     try:
-        answer = await call(client.connector, OP_SHARD_MAP_NOTICE, (epoch,), REQUEST_TIMEOUT_S)
+        answer = await call(client.connector, OP_SHARD_MAP_NOTICE, (epoch,), NOTICE_TIMEOUT_S)
+    except ConnectionLost as exc:
+        raise ShardMapError(f"{client.connector.addresses} did not answer within "
+                            f"{NOTICE_TIMEOUT_S:g} s ({exc}): is that group down? (run the move again once it "
+                            f"serves)") from None
     except FastlockError:
         return False
     return type(answer) is dict and type(answer.get("epoch")) is int and answer["epoch"] >= epoch
@@ -144,6 +159,9 @@ async def _ship(source: Client, dest: Client, first: int, last: int, report: Mov
         report.keys += done.get("keys", 0)
         report.sessions += done.get("sessions", 0)
         report.over_quota.update(done.get("over_quota", {}))
+        floor = page.get("floor")
+        if type(floor) is int and (report.floor is None or floor > report.floor):
+            report.floor = floor
         if following is None:
             return
         page = following
@@ -213,6 +231,7 @@ async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
                                         f"{shard_map.epoch}: the move was aborted meanwhile)")
             await both_serve(shard_map.epoch, "mark")
             report.leases = report.queues = report.delays = report.keys = report.sessions = 0
+            report.floor = None
             report.over_quota.clear()
             try:
                 await _ship(source, dest, first, last, report)
@@ -231,7 +250,7 @@ async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
                 tell(f"principal {principal} now holds {held} leases and waiting acquires in {to}, over its quota "
                      f"of {quota} there: its leases are kept, its acquires there refused until it holds fewer")
             try:
-                flipped = finish_move(shard_map, first, last, to)
+                flipped = finish_move(shard_map, first, last, to, report.floor)
                 await stored.replace(revision, shard_map, flipped)
                 break
             except MapConflict:
@@ -246,7 +265,8 @@ async def move_slots(stored: EtcdShardMap, first: int, last: int, to: str, *,
         step("flip_txn")
         report.steps.append("flip")
         report.epoch = flipped.epoch
-        tell(f"epoch {flipped.epoch}: slots {first}..{last} owned by {to}")
+        tell(f"epoch {flipped.epoch}: slots {first}..{last} owned by {to}"
+             + (f", token floor {report.floor}" if report.floor is not None else ""))
         # each primary takes the flip from its own watch (not told: moved waiters lost their place
         # when the flip was told, tests/test_shard_move.py); the destination serves the slots, the
         # source has dropped them and redirects

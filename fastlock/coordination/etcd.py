@@ -939,6 +939,25 @@ class EtcdArbiter:
         self.primary = PrimaryRecord(self.node, self.address, epoch, self.lease)
         return True
 
+    async def adopt_epoch_above(self, epoch: int) -> int:
+        """Raise this primary's epoch in etcd to ``epoch`` or, when ``PREFIX/epoch`` holds ``epoch``
+        or more already (credibly: a primary of this group reached it, and may have issued tokens
+        at it), to one above that (:meth:`adopt_epoch`).  A shard group's primary raising its
+        tokens above a slot's token floor from the shard map calls it
+        (:meth:`fastlock.server.sharded.ShardGate.settle_floors`).
+
+        Returns the epoch etcd names this node primary at, or 0 when it could not be raised (see
+        :meth:`adopt_epoch`; or the epoch would pass :data:`~fastlock.protocol.MAX_EPOCH`).
+
+        Raises:
+            EtcdUnavailable: etcd did not answer (call again).
+        """
+        stored = (await self._read_epoch()).stored
+        target = max(epoch, stored + 1)
+        if target > MAX_EPOCH:
+            return 0
+        return self.epoch if await self.adopt_epoch(target) else 0
+
     async def adopt_guard(self, epoch: int) -> tuple[list[dict], list[dict]]:
         """More compares and puts for :meth:`adopt_epoch`'s transaction at ``epoch``; none here."""
         return [], []

@@ -675,6 +675,8 @@ class LockServer(BatchEnd):
             st["tls"] = self.tls.status()
         if self.shard_gate is not None:  # its group in the shard map (fastlock.server.sharded)
             st["shard"] = self.shard_gate.info()
+            # a move's imported copies are the source's leases until the flip: counted there, not here
+            st["locks_held"] = st.get("locks_held", 0) - st["shard"]["imported_held"]
         if self.roles.role is Role.STANDBY and self.follower is not None:
             st["replication"] = self.follower.status()
         else:

@@ -46,6 +46,15 @@ directory, ``unadopted-slots.json``) until a ``SLOTS_ADOPTED`` record of the slo
 import, or ``SLOT_ADOPT``: ``fastlock shard adopt``), else its tokens could be below those the
 slot's previous group granted.  The slots a node owns in the first map it serves by on an empty
 data directory are taken as never served by another group.
+
+A slot's token floor in the map: a range a move gave this group carries the floor the move shipped
+(:class:`~fastlock.sharding.shardmap.SlotRange`'s ``floor``, recorded by the flip).  The primary
+serves a slot only while its last token is at or above that floor (:meth:`ShardGate.settle_floors`,
+at its start, at its promotion and with each map it takes), whatever its log holds (a group whose
+nodes all start on empty data directories, a static map file): below it, it raises its epoch to the
+one after the floor's (in an etcd group first in etcd,
+:meth:`~fastlock.coordination.etcd.EtcdArbiter.adopt_epoch_above`), and answers the slot's names
+:class:`~fastlock.errors.Unavailable` until that is done (:attr:`ShardGate.owed`).
 """
 
 from __future__ import annotations
@@ -69,6 +78,7 @@ from ..roles import Role
 from ..sharding import SLOTS, ShardMap, ShardMapError, load_map_file, slot_of, write_map_file
 from ..sharding.moves import allowed_change
 from ..sharding.scope import NAMES_OF_OP, NamesAt, names_in
+from ..tokens import epoch_of, make_token
 from ..units import monotonic_ms, wall_ms
 from ..wal.files import write_atomically
 from ..wal.records import ImportedSlots
@@ -109,6 +119,8 @@ MOVE_PRINCIPAL = "shard-move"
 #: the most waiters of one queue part of a SLOTS_ADOPTED record logged again (:meth:`ShardGate.relog_imports`),
 #: and the most parts of one such record (as an import's page: fastlock.server.slotmove.QUEUE_PART, EXPORT_PAGE)
 RELOG_PART = 20
+#: seconds between two attempts to raise an etcd group's epoch above the map's token floor of its slots
+SETTLE_RETRY_S = 1.0
 
 
 def held_share(single_principal: bool, anonymous_divisor: int) -> Quota:
@@ -214,6 +226,13 @@ class ShardGate:
         self.unadopted = bytearray(SLOTS)
         #: whether any slot is in :attr:`unadopted`
         self.unadopted_any = False
+        #: 1 at each slot this group owns whose token floor in the map is above the primary's last token
+        #: while it raises its epoch above it in etcd (:meth:`settle_floors`): its names are answered Unavailable
+        self.owed = bytearray(SLOTS)
+        #: whether any slot is in :attr:`owed`
+        self.owed_any = False
+        #: the task raising the group's epoch in etcd above the map's floors, while one runs
+        self._settling: asyncio.Task | None = None
         #: where :attr:`unadopted` is kept (``DATA_DIR/unadopted-slots.json``), once :meth:`remember` ran
         self.unadopted_path: str | None = None
         #: slots this start's map gives this group that the map it last served by did not (their move's
@@ -226,6 +245,9 @@ class ShardGate:
         #: before this node's start, their window not over (read by :meth:`remember`, let in by its first
         #: run as the primary)
         self.let_in_before: dict[str, tuple[int, list[bytes]]] = {}
+        #: name -> tokens of the leases this primary imported by a move whose slot has not flipped yet
+        #: (:meth:`imported_held`; not kept across a restart, nor on a standby)
+        self.imported_leases: dict[str, set[int]] = {}
         #: 1 at each slot a move is moving to this group
         self.incoming = bytes(SLOTS)
         #: at each slot a move is moving to this group, the epoch of the first map this node took (or
@@ -364,10 +386,93 @@ class ShardGate:
                 self._write_unadopted()
 
     def _stopped(self) -> None:
-        """Set :attr:`stopped`: 1 at each slot a move is moving away or owned without its floor
-        (the one table :meth:`check_name` looks at for either, after ownership)."""
-        #: 1 at each slot of :attr:`moving` or :attr:`unadopted`
-        self.stopped = _or(self.moving, bytes(self.unadopted)) if self.unadopted_any else self.moving
+        """Set :attr:`stopped`: 1 at each slot a move is moving away, owned without its floor, or
+        whose map floor this primary has not reached yet (the one table :meth:`check_name` looks at
+        for any of them, after ownership)."""
+        stopped = self.moving
+        if self.unadopted_any:
+            stopped = _or(stopped, bytes(self.unadopted))
+        if self.owed_any:
+            stopped = _or(stopped, bytes(self.owed))
+        #: 1 at each slot of :attr:`moving`, :attr:`unadopted` or :attr:`owed`
+        self.stopped = stopped
+
+    def _set_owed(self, ranges: list[tuple[int, int, int]]) -> None:
+        """Make :attr:`owed` the slots of ``ranges`` (``(first, last, floor)``) this group owns."""
+        owed = bytearray(SLOTS)
+        for first, last, _floor in ranges:
+            owed[first:last + 1] = self.owned[first:last + 1]
+        self.owed = owed
+        self.owed_any = 1 in owed
+        self._stopped()
+
+    def floors_above(self, token: int) -> list[tuple[int, int, int]]:
+        """The ranges this group owns whose token floor in the map is above ``token``:
+        ``(first, last, floor)``."""
+        return [(first, last, floor) for first, last, floor in self.shard_map.floors_of(self.group) if floor > token]
+
+    def settle_floors(self) -> None:
+        """On the primary: every token it issues for a slot it owns must be above the slot's token
+        floor in the map (the source's high-water mark a move recorded), whatever its log holds.  If
+        its last token is below a floor, it raises its epoch to the one after the highest such floor's
+        (above every token the source issued, and every token this group issued at the epoch it
+        adopted with the move's import); in an etcd group whose epoch in etcd is below that, the
+        slots are :attr:`owed` (answered Unavailable) until a task has raised it there first
+        (:meth:`_settle_in_etcd`).  A node that is not the primary does nothing (its promotion runs
+        this).  Run at the primary's start, at its promotion and with each map it takes."""
+        if not self._is_primary():
+            return
+        server = self.server
+        owed = self.floors_above(server.table.last_token)
+        if not owed:
+            if self.owed_any:
+                self._set_owed([])
+            return
+        epoch = max(epoch_of(floor) for _first, _last, floor in owed) + 1
+        runs = [[first, last] for first, last, _floor in owed[:INFO_RUNS]]
+        if server.handlers.slot_moves.raise_floor_now(make_token(epoch, 0)):
+            self._set_owed(owed)
+            log.warning("shard group %s owns slots %s whose token floor in the shard map (epoch %d) is above its last "
+                        "token %d: their names are answered Unavailable until the group's epoch in etcd is raised "
+                        "to %d", self.group, runs, self.shard_map.epoch, server.table.last_token, epoch)
+            if self._settling is None:
+                self._settling = server.tasks.spawn(self._settle_in_etcd(), "raise the group's epoch in etcd above "
+                                                    "the shard map's token floors")
+            return
+        self._set_owed([])
+        self._batch_end()
+        log.warning("shard group %s: slots %s have a token floor in the shard map (epoch %d) above this node's last "
+                    "token: its epoch is raised to %d", self.group, runs, self.shard_map.epoch, epoch)
+
+    async def _settle_in_etcd(self) -> None:
+        """While this node is the primary and owes a map floor: raise the group's epoch in etcd
+        above it (:meth:`~fastlock.coordination.etcd.EtcdArbiter.adopt_epoch_above`, every
+        :data:`SETTLE_RETRY_S` seconds until it succeeds), then in its log (:meth:`settle_floors`)."""
+        server = self.server
+        moves = server.handlers.slot_moves
+        try:
+            while self.owed_any and self._is_primary():
+                owed = self.floors_above(server.table.last_token)
+                if not owed:
+                    break
+                epoch = max(epoch_of(floor) for _first, _last, floor in owed) + 1
+                arbiter = moves.arbiter()
+                try:
+                    adopted = await arbiter.adopt_epoch_above(epoch) if arbiter is not None else epoch
+                except EtcdUnavailable:
+                    adopted = 0
+                if adopted and self._is_primary():
+                    moves.raise_floor_now(make_token(adopted, 0))
+                    log.warning("shard group %s: its epoch is raised to %d, above the token floors of the shard map "
+                                "(epoch %d)", self.group, adopted, self.shard_map.epoch)
+                    self.settle_floors()
+                    self._batch_end()
+                    continue
+                log.warning("shard group %s: could not raise its epoch in etcd to %d (above the shard map's token "
+                            "floors): retrying in %g s", self.group, epoch, SETTLE_RETRY_S)
+                await asyncio.sleep(SETTLE_RETRY_S)
+        finally:
+            self._settling = None
 
     def _write_unadopted(self) -> None:
         """Write :attr:`unadopted` to :attr:`unadopted_path` (a new file renamed over the old one)."""
@@ -539,6 +644,7 @@ class ShardGate:
         keys of slots whose move was aborted while it was down (``KEY_MOVED`` naming the owner)."""
         if not self._is_primary():
             return
+        self.settle_floors()
         if self.unadopted_any:  # its standbys learn it from the log
             self.relog_unadopted(self.server.wal)
         owned = sorted({slot_of(n) for n in self.imported_queues if self.owned[slot_of(n)]})
@@ -552,7 +658,9 @@ class ShardGate:
     def promoted(self) -> None:
         """This node was promoted (it is the primary, before its first grant): the imports of
         moves aborted while it was a standby are undone now (:meth:`_undo_imports`), unless its
-        old primary's records did it (then nothing is left to drop)."""
+        old primary's records did it (then nothing is left to drop); the map's token floors of its
+        slots are settled (:meth:`settle_floors`)."""
+        self.settle_floors()
         if self.undone_at_start and self._is_primary():
             self._undo_imports(self.undone_at_start)
             self.undone_at_start.clear()
@@ -660,7 +768,7 @@ class ShardGate:
             if self.stopped[slot]:
                 if self.moving[slot]:
                     return slot
-                raise self.not_adopted(name, slot)
+                raise self.unserved(name, slot)
         return -1
 
     def check_names(self, where: NamesAt, args: list) -> tuple[str, int] | None:
@@ -683,8 +791,8 @@ class ShardGate:
                 mine = True
                 if moving is None and self.moving[slot]:
                     moving = (name, slot)
-                elif self.unadopted_any and self.unadopted[slot] and not self.moving[slot]:
-                    raise self.not_adopted(name, slot)
+                elif self.stopped[slot] and not self.moving[slot]:
+                    raise self.unserved(name, slot)
             else:
                 if first is None:
                     first = (name, slot)
@@ -704,6 +812,18 @@ class ShardGate:
         return WrongShard(f"{name!r:.100} is in slot {slot}, owned by shard group {owner.name} "
                           f"({', '.join(owner.addresses)}), not {self.group} (shard map epoch "
                           f"{self.shard_map.epoch})", slot, owner.name, owner.addresses, self.shard_map.epoch)
+
+    def unserved(self, name: str, slot: int) -> Unavailable:
+        """The retryable refusal of a request for ``name``, in ``slot``, which this group owns
+        without its token floor (:meth:`not_adopted`) or below the map's floor (:meth:`below_floor`)."""
+        return self.not_adopted(name, slot) if self.unadopted[slot] else self.below_floor(name, slot)
+
+    def below_floor(self, name: str, slot: int) -> Unavailable:
+        """The retryable refusal of a request for ``name``, in ``slot``, whose token floor in the map
+        is above this primary's last token while it raises its epoch (:attr:`owed`)."""
+        return Unavailable(f"{name!r:.100} is in slot {slot}, whose token floor in the shard map (epoch "
+                           f"{self.shard_map.epoch}) is above shard group {self.group}'s last token: the group is "
+                           f"raising its epoch above it; retry")
 
     def not_adopted(self, name: str, slot: int) -> Unavailable:
         """The retryable refusal of a request for ``name``, in ``slot``, which this group owns
@@ -864,6 +984,7 @@ class ShardGate:
             self._let_in(gained)
         if self.held and (lost or 1 in unmarked):
             self._answer_held()
+        self.settle_floors()
         if self.on_change is not None:
             self.on_change(shard_map)
         for listener in self.listeners:
@@ -1061,8 +1182,8 @@ class ShardGate:
                 if self.moving[slot]:
                     self.hold(conn, req_id, msg, lambda c, r, m: enter(c, r, m, name, owner, priority), name, slot)
                     return
-                if self.unadopted[slot]:
-                    raise self.not_adopted(name, slot)
+                if self.stopped[slot]:
+                    raise self.unserved(name, slot)
             except FastlockError as exc:
                 self.server.handlers.failed(conn, req_id, 0, exc)
                 return
@@ -1081,8 +1202,8 @@ class ShardGate:
                 return self.wrong_shard(name, slot)
             if self.moving[slot]:
                 return self.slot_moving(name, slot)
-            if self.unadopted[slot]:
-                return self.not_adopted(name, slot)
+            if self.stopped[slot]:
+                return self.unserved(name, slot)
         return None
 
     def _let_in(self, gained: list[int], judge_floor: bool = True) -> None:
@@ -1254,12 +1375,33 @@ class ShardGate:
             self.stored = None
             await stored.gateway.close()
 
+    def imported_held(self) -> int:
+        """How many of the leases this primary imported by a move (:attr:`imported_leases`) it still
+        holds in slots the move has not flipped yet (their source still holds and counts them): one
+        look per imported lease; those of slots flipped or aborted since are forgotten here."""
+        if not self.imported_leases or self.server is None:
+            return 0
+        pending = _and_not(bytes(self.imported), self.owned)
+        table = self.server.table
+        now = monotonic_ms()
+        held = 0
+        for name in list(self.imported_leases):
+            if not pending[slot_of(name)]:
+                del self.imported_leases[name]
+                continue
+            held += sum(1 for token in self.imported_leases[name] if table.check(name, token, now))
+        return held
+
     def info(self) -> dict[str, Any]:
         """This node's place in the map: ``group``, ``epoch``, ``slots`` (how many it owns),
         ``moving`` (how many of them a move is moving away), ``held`` (requests held for them),
         ``unadopted`` (how many it owns without their token floor: their names are answered
-        Unavailable) and ``unadopted_slots`` (those, as runs ``[first, last]``, the first
-        :data:`INFO_RUNS`)."""
+        Unavailable), ``unadopted_slots`` (those, as runs ``[first, last]``, the first
+        :data:`INFO_RUNS`), ``below_floor`` (how many it owns whose token floor in the map this
+        primary is still raising its epoch above: their names are answered Unavailable meanwhile) and
+        ``imported_held`` (leases a move imported here, its flip still to come, :meth:`imported_held`:
+        the node's ``locks_held`` leaves them out, so a sum over the groups counts each lease once)."""
         return {"group": self.group, "epoch": self.shard_map.epoch, "slots": sum(self.owned),
                 "moving": sum(self.moving), "held": len(self.held), "unadopted": self.unadopted.count(1),
-                "unadopted_slots": self.unadopted_runs()[:INFO_RUNS] if self.unadopted_any else []}
+                "unadopted_slots": self.unadopted_runs()[:INFO_RUNS] if self.unadopted_any else [],
+                "below_floor": self.owed.count(1), "imported_held": self.imported_held()}

@@ -21,7 +21,8 @@ ever issued is at most that).
 :data:`MAX_STATE_BYTES`, or one key's value at ``--max-value-bytes`` and :data:`KEY_ROW_BYTES`
 more, decoded with small bounds of its own; it names the map epoch the source served at its export,
 and a page exported before the mark this node serves began is refused: a page of an earlier move of
-the slots, aborted since).  Every field is validated
+the slots, aborted since; the mark's epoch is the range's ``marked_epoch`` in the map, or the first
+map this node took that marked the slots, whichever is later).  Every field is validated
 (untrusted input: types, ranges, every name in ``first..last``, at most :data:`EXPORT_PAGE`
 rows), then the import raises the
 token floor (an ``EPOCH`` record if the source's epoch is higher, a ``RESERVE`` record for the
@@ -456,7 +457,9 @@ class SlotMoves:
         if server.shard_gate is None:
             raise InvalidArgument("this node is not sharded: it has no slots to move")
         gate = self._gate_and_check(first, last, server.shard_gate.group)
-        marked = max(gate.marked_since[first:last + 1])
+        # the mark's epoch as the map records it, or as this node saw it first (a map marked by an earlier
+        # mover records none): a node whose watch skipped an abort and a new mark still knows the new one
+        marked = max(max(gate.marked_since[first:last + 1]), gate.shard_map.marked_epoch_of(first, last))
         if state.epoch is not None and state.epoch < marked:
             # exported before the mark this node serves: a page of an earlier move of these slots, aborted
             # since (the source served them again meanwhile: its holders may have released what it holds)
@@ -487,6 +490,7 @@ class SlotMoves:
             meta = (x.client, x.correlation_id)
             table.install_holder(x.name, x.token, x.owner, x.remaining_ms, x.lock_delay_ms, meta, now, x.shared,
                                  x.limit)
+            gate.imported_leases.setdefault(x.name, set()).add(x.token)  # the source's until the flip (status)
             principal = quotas.principal_of(meta)
             quotas.of(principal).count_lease(x.token, x.name)  # counted as its principal's, its quota checked below
             principals.add(principal)
@@ -535,17 +539,32 @@ class SlotMoves:
         then on is above it.  In an etcd group whose epoch in etcd is below ``floor``'s, the
         group's epoch in etcd is raised first (:meth:`_adopt_then_import`, which runs
         ``rerun(conn, req_id, msg)`` after it): False then (the request is answered by the rerun)."""
+        epoch = self.raise_floor_now(floor)
+        if epoch:  # an etcd group: the group's epoch in etcd first, then the request (run again)
+            self.handlers.server.tasks.spawn(self._adopt_then_import(self.arbiter(), epoch, conn, req_id, msg, rerun),
+                                             f"{what}: raise the group's epoch in etcd")
+            return False
+        return True
+
+    def arbiter(self) -> Any:
+        """This node's etcd arbiter, or None (a group not arbitrated by etcd)."""
+        coordinated = self.handlers.server.failover.coordinated
+        return coordinated.arbiter if coordinated is not None else None
+
+    def raise_floor_now(self, floor: int) -> int:
+        """On the primary: make every token issued from now on above ``floor`` (a fencing token): an
+        ``EPOCH`` record if ``floor``'s epoch is above this node's, a ``RESERVE`` record for the
+        counter.  Returns 0 once done; in an etcd group whose primary is named in etcd below
+        ``floor``'s epoch, nothing is changed and that epoch is returned: the group's epoch in etcd
+        is to be raised first (by the arbiter's own transaction, so its standbys never see their
+        primary named below the epoch they replicate), then this called again."""
         server = self.handlers.server
         table = self.handlers.table
         wal = self.handlers.wal
         epoch = epoch_of(floor)
-        coordinated = server.failover.coordinated
-        arbiter = coordinated.arbiter if coordinated is not None else None
+        arbiter = self.arbiter()
         if epoch > table.epoch and arbiter is not None and arbiter.epoch < epoch:
-            # an etcd group: the group's epoch in etcd first, then the request (run again)
-            server.tasks.spawn(self._adopt_then_import(arbiter, epoch, conn, req_id, msg, rerun),
-                               f"{what}: raise the group's epoch in etcd")
-            return False
+            return epoch
         if epoch > table.epoch:
             self.handlers.sessions.epoch_raised(table.epoch, epoch)  # this node stays the primary throughout
             table.set_epoch(epoch)
@@ -555,7 +574,7 @@ class SlotMoves:
         if counter > table.counter:
             table.advance_counter(counter)
         wal.log_counter_floor(table.counter)
-        return True
+        return 0
 
     def op_slot_adopt(self, conn: Session, req_id: int, msg: list) -> None:
         """SLOT_ADOPT first, last, floor: this group's primary adopts ``floor`` (a fencing token:

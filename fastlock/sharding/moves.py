@@ -3,11 +3,14 @@
 A move of slots ``first..last`` from their owner ``S`` to group ``G`` changes the map twice
 (each an epoch + 1, written by an etcd transaction, :mod:`fastlock.coordination.shardmap`):
 
-1. :func:`mark_moving`: the range is still ``S``'s, with ``moving_to = G``.  ``S`` stops
+1. :func:`mark_moving`: the range is still ``S``'s, with ``moving_to = G`` and the new epoch as
+   its ``marked_epoch`` (``G`` refuses state exported before it).  ``S`` stops
    serving its names (requests for them are held, :mod:`fastlock.server.sharded`) while its
    state is shipped to ``G`` (:mod:`fastlock.server.slotmove`).
 2. :func:`finish_move`: the range is ``G``'s, ``moving_to`` cleared (adjacent ranges of one
-   owner merged).  ``S`` answers ``WrongShard`` naming ``G``.
+   owner and floor merged), with the token floor the move shipped (``S``'s high-water mark) and
+   the new epoch recorded on it (:class:`~fastlock.sharding.shardmap.SlotRange`: ``G``'s tokens
+   for those names stay above it whatever its log holds).  ``S`` answers ``WrongShard`` naming ``G``.
 
 :func:`abort_move` clears ``moving_to`` with ``S`` still the owner.  :func:`allowed_change` is
 the rule a node applies to a newer map: per slot, owner and ``moving_to`` may stay, be marked,
@@ -55,20 +58,24 @@ def parse_slots(text: str) -> tuple[int, int]:
     return first, last
 
 
-def _per_slot(shard_map: ShardMap) -> list[tuple[str, str | None]]:
-    out: list[tuple[str, str | None]] = []
+#: one slot's place in a map: its owner, the group a move is moving it to (or None), its token
+#: floor and the map epoch that floor was recorded at (or None, None), the map epoch of the mark (or None)
+_Slot = tuple[str, str | None, int | None, int | None, int | None]
+
+
+def _per_slot(shard_map: ShardMap) -> list[_Slot]:
+    out: list[_Slot] = []
     for r in shard_map.ranges:
-        out.extend([(r.group, r.moving_to)] * (r.last - r.first + 1))
+        out.extend([(r.group, r.moving_to, r.floor, r.floor_epoch, r.marked_epoch)] * (r.last - r.first + 1))
     return out
 
 
-def _ranges(per_slot: list[tuple[str, str | None]]) -> tuple[SlotRange, ...]:
+def _ranges(per_slot: list[_Slot]) -> tuple[SlotRange, ...]:
     ranges: list[SlotRange] = []
     start = 0
     for slot in range(1, SLOTS + 1):
         if slot == SLOTS or per_slot[slot] != per_slot[start]:
-            group, moving_to = per_slot[start]
-            ranges.append(SlotRange(start, slot - 1, group, moving_to))
+            ranges.append(SlotRange(start, slot - 1, *per_slot[start]))
             start = slot
     return tuple(ranges)
 
@@ -80,7 +87,7 @@ def move_state(shard_map: ShardMap, first: int, last: int, to: str) -> MoveState
         elsewhere, or part are moved and part not (a move of other slots overlaps).
     """
     shard_map.group(to)
-    slots = _per_slot(shard_map)[first:last + 1]
+    slots = [(s[0], s[1]) for s in _per_slot(shard_map)[first:last + 1]]
     states = set(slots)
     if states == {(to, None)}:
         return MoveState(first, last, to, "done", None)
@@ -96,10 +103,21 @@ def move_state(shard_map: ShardMap, first: int, last: int, to: str) -> MoveState
     return MoveState(first, last, to, "moving", owner)
 
 
-def _changed(shard_map: ShardMap, first: int, last: int, value: tuple[str, str | None]) -> ShardMap:
+def _changed(shard_map: ShardMap, first: int, last: int, owner: str, moving_to: str | None,
+             floor: int | None = None, keep_floor: bool = True) -> ShardMap:
+    """The next map (epoch + 1): ``first..last`` owned by ``owner``, moving to ``moving_to`` (marked
+    at the new epoch: its ``marked_epoch``); each slot keeps its token floor (``keep_floor``) or
+    gets ``floor`` recorded at the new epoch (None: no floor)."""
+    epoch = shard_map.epoch + 1
+    marked = None if moving_to is None else epoch
     slots = _per_slot(shard_map)
-    slots[first:last + 1] = [value] * (last - first + 1)
-    return ShardMap(shard_map.epoch + 1, shard_map.groups, _ranges(slots))
+    for slot in range(first, last + 1):
+        had, had_at = slots[slot][2], slots[slot][3]
+        if keep_floor:
+            slots[slot] = (owner, moving_to, had, had_at, marked)
+        else:
+            slots[slot] = (owner, moving_to, floor, None if floor is None else epoch, marked)
+    return ShardMap(epoch, shard_map.groups, _ranges(slots))
 
 
 def mark_moving(shard_map: ShardMap, first: int, last: int, to: str) -> ShardMap:
@@ -110,16 +128,18 @@ def mark_moving(shard_map: ShardMap, first: int, last: int, to: str) -> ShardMap
     if state.step != "start":
         raise ShardMapError(f"slots {first}..{last}: the move to {to} is {state.step} already")
     assert state.source is not None
-    return _changed(shard_map, first, last, (state.source, to))
+    return _changed(shard_map, first, last, state.source, to)
 
 
-def finish_move(shard_map: ShardMap, first: int, last: int, to: str) -> ShardMap:
-    """The next map (epoch + 1): ``first..last`` owned by ``to``, no longer moving.
+def finish_move(shard_map: ShardMap, first: int, last: int, to: str, floor: int | None = None) -> ShardMap:
+    """The next map (epoch + 1): ``first..last`` owned by ``to``, no longer moving, with ``floor``
+    (a fencing token: the source's high-water mark the move shipped) as their token floor,
+    recorded at the new epoch; None: no floor (the range asks nothing of its new owner's tokens).
 
-    :raises ShardMapError: they are not marked moving to ``to``."""
+    :raises ShardMapError: they are not marked moving to ``to``, or ``floor`` is not a valid floor."""
     if move_state(shard_map, first, last, to).step != "moving":
         raise ShardMapError(f"slots {first}..{last} are not marked moving to {to}")
-    return _changed(shard_map, first, last, (to, None))
+    return _changed(shard_map, first, last, to, None, floor, keep_floor=False)
 
 
 def abort_move(shard_map: ShardMap, first: int, last: int, to: str) -> ShardMap:
@@ -130,7 +150,7 @@ def abort_move(shard_map: ShardMap, first: int, last: int, to: str) -> ShardMap:
     if state.step != "moving":
         raise ShardMapError(f"slots {first}..{last} are not marked moving to {to}")
     assert state.source is not None
-    return _changed(shard_map, first, last, (state.source, None))
+    return _changed(shard_map, first, last, state.source, None)
 
 
 def allowed_change(old: ShardMap, new: ShardMap, imported: bytes = b"", group: str | None = None) -> str | None:

@@ -20,6 +20,15 @@ etcd::
      "ranges": [{"first": 0, "last": 8191, "group": "a"},
                 {"first": 8192, "last": 16383, "group": "b"}]}
 
+A range a move gave its owner carries the move's token floor: ``"floor"``, the source's
+fencing-token high-water mark when it shipped the slots (every token the source issued for
+their names is at most that), and ``"floor_epoch"``, the map epoch of the flip that recorded
+it.  A node serving the range issues tokens above its floor, whatever its log holds (it may
+start on an empty data directory); a range without a floor (an initial assignment) asks
+nothing.  Maps without floors (written before floors existed) load as they are.  A range
+marked ``moving_to`` also carries ``"marked_epoch"``, the map epoch of the mark (a destination
+refuses a page exported before it, though its watch skipped an abort in between).
+
 Finding a slot's owner is a binary search over the ranges' first slots (O(log n)).
 """
 
@@ -33,11 +42,12 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ..errors import InvalidArgument, WrongArgumentType
+from ..tokens import MAX_EPOCH
 from ..units import parse_address
 from .slots import SLOTS, slot_of
 
 __all__ = ["ShardMap", "ShardGroup", "SlotRange", "ShardMapError", "load_map_file", "write_map_file",
-           "even_ranges", "MAX_GROUPS", "MAX_ADDRESSES", "MAX_RANGES"]
+           "even_ranges", "MAX_GROUPS", "MAX_ADDRESSES", "MAX_RANGES", "MAX_FLOOR"]
 
 #: the most groups one map names
 MAX_GROUPS = 1024
@@ -51,6 +61,9 @@ MAX_GROUP_NAME_CHARS = 64
 MAX_ADDRESS_CHARS = 300
 #: the largest map epoch (below 2**63, as fencing epochs)
 MAX_MAP_EPOCH = (1 << 63) - 1
+#: the largest token floor of a range: a fencing token of an epoch below the last (a node raising its
+#: tokens above it needs the epoch after it at most)
+MAX_FLOOR = (MAX_EPOCH << 40) - 1
 #: the largest map file read (bytes)
 MAX_MAP_FILE_BYTES = 16 << 20
 
@@ -72,12 +85,20 @@ class ShardGroup(NamedTuple):
 class SlotRange(NamedTuple):
     """Slots ``first`` to ``last`` (inclusive, 0..16383), owned by the group named ``group``;
     ``moving_to``: the group a slot move (``fastlock shard move``) is moving them to, None
-    when no move is under way (:mod:`fastlock.sharding.moves`)."""
+    when no move is under way (:mod:`fastlock.sharding.moves`); ``floor``: the fencing-token
+    floor the move that gave ``group`` these slots recorded (the source's high-water mark: every
+    token issued for their names before is at most it; None: no move gave them, nothing is asked),
+    ``floor_epoch``: the map epoch of that move's flip (None exactly when ``floor`` is);
+    ``marked_epoch``: the map epoch of the mark that set ``moving_to`` (None without a move, or in
+    a map marked by a mover from before it was recorded)."""
 
     first: int
     last: int
     group: str
     moving_to: str | None = None
+    floor: int | None = None
+    floor_epoch: int | None = None
+    marked_epoch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -95,7 +116,7 @@ class ShardMap:
 
     def __post_init__(self) -> None:
         by_name = _check_groups(self.epoch, self.groups)
-        _check_ranges(self.ranges, by_name)
+        _check_ranges(self.ranges, by_name, self.epoch)
         object.__setattr__(self, "_starts", [r.first for r in self.ranges])
         object.__setattr__(self, "_by_name", by_name)
 
@@ -136,6 +157,19 @@ class ShardMap:
         """The group a move is moving ``slot`` to, or None."""
         return self.ranges[bisect.bisect_right(self._starts, slot) - 1].moving_to
 
+    def floor_of_slot(self, slot: int) -> int | None:
+        """The token floor the map records for ``slot`` (a fencing token), or None."""
+        return self.ranges[bisect.bisect_right(self._starts, slot) - 1].floor
+
+    def marked_epoch_of(self, first: int, last: int) -> int:
+        """The latest ``marked_epoch`` of the ranges holding slots ``first..last`` (0: none recorded)."""
+        return max([r.marked_epoch for r in self.ranges
+                    if r.marked_epoch is not None and r.first <= last and r.last >= first], default=0)
+
+    def floors_of(self, group: str) -> list[tuple[int, int, int]]:
+        """The ranges ``group`` owns that carry a token floor, as ``(first, last, floor)``."""
+        return [(r.first, r.last, r.floor) for r in self.ranges if r.group == group and r.floor is not None]
+
     def slot_count(self, group: str) -> int:
         """How many slots ``group`` owns."""
         return sum(r.last - r.first + 1 for r in self.ranges if r.group == group)
@@ -165,9 +199,11 @@ class ShardMap:
         parsed_ranges = []
         for r in ranges:
             if not isinstance(r, dict) or not {"first", "last", "group"} <= set(r) <= _RANGE_KEYS:
-                raise ShardMapError(f"a range is an object with: first, last, group (and moving_to while a move "
-                                    f"is under way); not {r!r:.200}")
-            parsed_ranges.append(SlotRange(r["first"], r["last"], r["group"], r.get("moving_to")))
+                raise ShardMapError(f"a range is an object with: first, last, group (and moving_to, marked_epoch "
+                                    f"while a move is under way, floor and floor_epoch once a move gave it); not "
+                                    f"{r!r:.200}")
+            parsed_ranges.append(SlotRange(r["first"], r["last"], r["group"], r.get("moving_to"), r.get("floor"),
+                                           r.get("floor_epoch"), r.get("marked_epoch")))
         return cls(value["epoch"], tuple(parsed_groups), tuple(parsed_ranges))
 
     def with_epoch(self, epoch: int) -> ShardMap:
@@ -183,16 +219,23 @@ class ShardMap:
         return ShardMap(self.epoch + 1, groups, self.ranges)
 
 
-#: the keys of a range's plain form (``moving_to`` only while a move is under way)
-_RANGE_KEYS = {"first", "last", "group", "moving_to"}
+#: the keys of a range's plain form (``moving_to`` only while a move is under way, ``floor`` and
+#: ``floor_epoch`` only once a move gave the range)
+_RANGE_KEYS = {"first", "last", "group", "moving_to", "floor", "floor_epoch", "marked_epoch"}
 
 
 def _range_wire(r: SlotRange) -> dict[str, Any]:
-    """A range's plain form; ``moving_to`` is written only when set, so a map with no move
-    under way is the same JSON every earlier fastlock wrote and reads."""
+    """A range's plain form; ``moving_to``, ``marked_epoch``, ``floor`` and ``floor_epoch`` are
+    written only when set, so a map no move changed is the same JSON every earlier fastlock wrote
+    and reads."""
     wire: dict[str, Any] = {"first": r.first, "last": r.last, "group": r.group}
     if r.moving_to is not None:
         wire["moving_to"] = r.moving_to
+    if r.marked_epoch is not None:
+        wire["marked_epoch"] = r.marked_epoch
+    if r.floor is not None:
+        wire["floor"] = r.floor
+        wire["floor_epoch"] = r.floor_epoch
     return wire
 
 
@@ -228,7 +271,7 @@ def _is_address(text: str) -> bool:
     return True
 
 
-def _check_ranges(ranges: Any, by_name: dict[str, ShardGroup]) -> None:
+def _check_ranges(ranges: Any, by_name: dict[str, ShardGroup], epoch: int) -> None:
     if type(ranges) is not tuple or not 0 < len(ranges) <= MAX_RANGES:
         raise ShardMapError(f"a shard map has 1 to {MAX_RANGES} slot ranges")
     expected = 0
@@ -248,9 +291,29 @@ def _check_ranges(ranges: Any, by_name: dict[str, ShardGroup]) -> None:
                                         or r.moving_to == r.group):
             raise ShardMapError(f"slot range {r.first}..{r.last}: moving_to names another group of the map "
                                 f"than its owner {r.group!r}, not {r.moving_to!r:.100}")
+        if r.floor is not None or r.floor_epoch is not None:
+            _check_floor(r, epoch)
+        if r.marked_epoch is not None and (r.moving_to is None or type(r.marked_epoch) is not int
+                                           or not 1 <= r.marked_epoch <= epoch):
+            raise ShardMapError(f"slot range {r.first}..{r.last}: marked_epoch is the map epoch of the mark of a move "
+                                f"under way (with moving_to), an int 1..{epoch} (the map's epoch); not "
+                                f"{r.marked_epoch!r:.100}")
         expected = r.last + 1
     if expected != SLOTS:
         raise ShardMapError(f"slots {expected}..{SLOTS - 1} are owned by no group (a map covers 0..{SLOTS - 1})")
+
+
+def _check_floor(r: SlotRange, epoch: int) -> None:
+    """A range's token floor: a fencing token 0..:data:`MAX_FLOOR` (its epoch below the last) with
+    ``floor_epoch``, the map epoch of the flip that recorded it, 1..``epoch`` (the map's)."""
+    floor, floor_epoch = r.floor, r.floor_epoch
+    if type(floor) is not int or not 0 <= floor <= MAX_FLOOR:
+        raise ShardMapError(f"slot range {r.first}..{r.last}: floor is a fencing token, an int 0..{MAX_FLOOR} (its "
+                            f"epoch below {MAX_EPOCH}), given with floor_epoch; not {floor!r:.100}")
+    if type(floor_epoch) is not int or not 1 <= floor_epoch <= epoch:
+        raise ShardMapError(f"slot range {r.first}..{r.last}: floor_epoch is the map epoch of the flip that recorded "
+                            f"its floor, an int 1..{epoch} (the map's epoch), given with floor; not "
+                            f"{floor_epoch!r:.100}")
 
 
 def even_ranges(groups: list[str] | tuple[str, ...]) -> tuple[SlotRange, ...]:
