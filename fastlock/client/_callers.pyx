@@ -19,6 +19,7 @@ from cpython.object cimport PyTypeObject
 from cpython.ref cimport PyObject
 from cpython.weakref cimport PyWeakref_GetObject
 import threading
+import types
 import weakref
 from contextvars import ContextVar
 from typing import NamedTuple
@@ -91,6 +92,11 @@ cdef bint _ended(Caller node):
 #: context); otherwise the :class:`Caller` node of the current asyncio task, made on first use
 CALLER = ContextVar("fastlock_caller", default=None)
 cdef object _current_task = asyncio.current_task
+# asyncio's running task of each loop, where current_task is Python code that reads it (3.11):
+# read here with one C lookup instead of a call of that function; None where it is compiled
+_tasks_of_loops = getattr(asyncio.tasks, "_current_tasks", None)
+cdef dict _running_tasks = (_tasks_of_loops if type(_tasks_of_loops) is dict
+                            and type(_current_task) is types.FunctionType else None)
 
 #: the longest chain of ancestors :func:`acts_for` and :func:`actor_id` walk
 MAX_ANCESTRY = 256
@@ -104,7 +110,10 @@ cpdef current_caller(loop=None):
     who = get_value(CALLER)
     if who is not None and type(who) is not Caller:
         return who
-    task = _current_task(loop)
+    if loop is not None and _running_tasks is not None:
+        task = _running_tasks.get(loop)
+    else:
+        task = _current_task(loop)
     if task is None:
         return None
     if who is not None and <object>PyWeakref_GetObject((<Caller>who).task) is task:
