@@ -48,11 +48,6 @@ cdef class Caller:
         actor (int): this process's number for the node (1, 2, ...; never reused).
     """
 
-    cdef public object task
-    cdef public Caller parent
-    cdef public dict held
-    cdef public object actor
-
     def __init__(self, task, Caller parent):
         self.task = weakref.ref(task)
         while parent is not None and _ended(parent):
@@ -225,12 +220,8 @@ cdef class HeldLeases:
     ended otherwise (expired, lost) are swept out whenever the table has doubled since
     the last sweep, so it holds at most about twice the live leases."""
 
-    #: lock name -> its entry (a :class:`HeldLease`); read directly by ``Client.acquire`` (one lookup)
-    cdef public dict by_name
-    cdef Py_ssize_t _sweep_at
-    #: the client, for :func:`party` (the ``id`` of its connector)
-    cdef object _key
-
+    # (by_name: lock name -> its entry, a HeldLease, read directly by Client.acquire in one
+    # lookup; _key: the client, for party(), the id of its connector; declared in _callers.pxd)
     def __init__(self, connector=None):
         self.by_name = {}
         self._sweep_at = SWEEP_MIN
