@@ -190,3 +190,45 @@ async def test_requests_behind_one_in_flight_go_out_in_one_write_per_loop_turn(s
         assert granted[0] > lease[0]
     finally:
         other.close()
+
+
+async def test_requests_of_tasks_one_read_wakes_go_out_in_one_write(loop_errors):
+    """A read that answers several requests wakes their tasks in one loop turn: the requests
+    they write then go out in one write after them, not the first at once and the rest in a
+    second write."""
+    tasks_n = 4
+    reads: list[list[int]] = []
+
+    async def answer_in_fours(reader, writer):
+        # replies only when four requests are in: all four in one write (so in one read)
+        unpacker = msgpack.Unpacker()
+        ids: list[int] = []
+        while data := await reader.read(65536):
+            unpacker.feed(data)
+            got = [req[0] for req in unpacker]
+            reads.append(got)
+            ids += got
+            if len(ids) >= tasks_n:
+                writer.write(b"".join(msgpack.packb([i, 0, None]) for i in ids))
+                ids = []
+        writer.close()
+
+    srv = await asyncio.start_server(answer_in_fours, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    conn = await rpc.open_connection("127.0.0.1", port, timeout=5.0)
+    try:
+        async def two_requests() -> None:
+            await conn.request(P.OP_PING)
+            await conn.request(P.OP_PING)  # written in the turn the one read woke the four tasks
+
+        writes = conn.writes
+        await asyncio.wait_for(asyncio.gather(*(two_requests() for _ in range(tasks_n))), 10)
+        # the first round: one at once, three kept for the turn's write; the second: one write
+        assert conn.writes == writes + 3
+        assert sorted(i for got in reads for i in got) == list(range(1, 2 * tasks_n + 1))
+        assert reads[-1] == list(range(tasks_n + 1, 2 * tasks_n + 1))  # the second round in one read
+        assert conn.out is None and not conn.pending
+    finally:
+        conn.close()
+        srv.close()
+        await srv.wait_closed()

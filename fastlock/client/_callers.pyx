@@ -19,6 +19,7 @@ from cpython.object cimport PyTypeObject
 from cpython.ref cimport PyObject
 from cpython.weakref cimport PyWeakref_GetObject
 import threading
+import types
 import weakref
 from contextvars import ContextVar
 from typing import NamedTuple
@@ -46,11 +47,6 @@ cdef class Caller:
             leases granted with this node as their party and not yet forgotten.
         actor (int): this process's number for the node (1, 2, ...; never reused).
     """
-
-    cdef public object task
-    cdef public Caller parent
-    cdef public dict held
-    cdef public object actor
 
     def __init__(self, task, Caller parent):
         self.task = weakref.ref(task)
@@ -91,6 +87,11 @@ cdef bint _ended(Caller node):
 #: context); otherwise the :class:`Caller` node of the current asyncio task, made on first use
 CALLER = ContextVar("fastlock_caller", default=None)
 cdef object _current_task = asyncio.current_task
+# asyncio's running task of each loop, where current_task is Python code that reads it (3.11):
+# read here with one C lookup instead of a call of that function; None where it is compiled
+_tasks_of_loops = getattr(asyncio.tasks, "_current_tasks", None)
+cdef dict _running_tasks = (_tasks_of_loops if type(_tasks_of_loops) is dict
+                            and type(_current_task) is types.FunctionType else None)
 
 #: the longest chain of ancestors :func:`acts_for` and :func:`actor_id` walk
 MAX_ANCESTRY = 256
@@ -104,7 +105,10 @@ cpdef current_caller(loop=None):
     who = get_value(CALLER)
     if who is not None and type(who) is not Caller:
         return who
-    task = _current_task(loop)
+    if loop is not None and _running_tasks is not None:
+        task = _running_tasks.get(loop)
+    else:
+        task = _current_task(loop)
     if task is None:
         return None
     if who is not None and <object>PyWeakref_GetObject((<Caller>who).task) is task:
@@ -216,12 +220,8 @@ cdef class HeldLeases:
     ended otherwise (expired, lost) are swept out whenever the table has doubled since
     the last sweep, so it holds at most about twice the live leases."""
 
-    #: lock name -> its entry (a :class:`HeldLease`); read directly by ``Client.acquire`` (one lookup)
-    cdef public dict by_name
-    cdef Py_ssize_t _sweep_at
-    #: the client, for :func:`party` (the ``id`` of its connector)
-    cdef object _key
-
+    # (by_name: lock name -> its entry, a HeldLease, read directly by Client.acquire in one
+    # lookup; _key: the client, for party(), the id of its connector; declared in _callers.pxd)
     def __init__(self, connector=None):
         self.by_name = {}
         self._sweep_at = SWEEP_MIN

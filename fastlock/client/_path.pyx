@@ -58,7 +58,7 @@ from ..protocol.validation import (
 from ..protocol.ops import OP_ACQUIRE, OP_CHECK, OP_CONTENDERS, OP_EXTEND, OP_HOLDER, OP_KEY_GET, OP_KEY_LIST
 from ..protocol.ops import OP_LOCK_INFO, OP_LOCKS, OP_NAMES, OP_PING, OP_RELEASE, OP_STATUS
 from ..tokens import TOKEN_EPOCH_SHIFT
-from ._callers import Caller, current_caller, party
+from ._callers cimport Caller, HeldLeases, current_caller, party
 from .acquire import AcquireRequest, acquire_call, duration_ms
 from .connection import RETRYABLE, RideThrough
 from .kinds import kind_args
@@ -255,9 +255,7 @@ cdef object _grant_lease(name, owner, reply, double sent, connector, double* exp
     return lease
 
 
-cdef object _Caller = Caller
 cdef object _acquire_call = acquire_call
-cdef object _party = party
 
 
 def acquire_tail(connector, tuple kind, priority, who):
@@ -269,8 +267,8 @@ def acquire_tail(connector, tuple kind, priority, who):
     if not priority and not connector.sequencers:
         if not connector.server_info.get("actors"):
             return OP_ACQUIRE, kind
-        if type(who) is _Caller and not kind:
-            return OP_ACQUIRE, (False, 0, _party(who, id(connector)).actor)
+        if type(who) is Caller and not kind:
+            return OP_ACQUIRE, (False, 0, party(<Caller>who, id(connector)).actor)
     return _acquire_call(connector, kind, priority, who)
 
 
@@ -412,7 +410,6 @@ async def call(connector, op, tuple args, double op_timeout):
         op, args, attempt_timeout=attempt if bounded else None)
 
 
-cdef object _current_caller = current_caller
 cdef object _send_revoke_request = send_revoke_request
 cdef object _check_lease = check_lease
 
@@ -496,7 +493,7 @@ def send_acquire(client, name, ttl, wait, lock_delay, correlation_id, shared, li
     if proto is not None and not proto.closed:
         loop = attempt.loop = proto.loop
         attempt.started = attempt.sent = loop.time()
-        who = attempt.who = _current_caller(loop)
+        who = attempt.who = current_caller(loop)
         op, tail = acquire_tail(connector, fields[6], priority, who)
         owner = fields[1]
         wait_ms = fields[3]
@@ -509,7 +506,7 @@ def send_acquire(client, name, ttl, wait, lock_delay, correlation_id, shared, li
     else:
         loop = attempt.loop = get_running_loop()
         attempt.started = attempt.sent = loop.time()
-        attempt.who = _current_caller(loop)
+        attempt.who = current_caller(loop)
     return attempt
 
 
@@ -527,7 +524,7 @@ def take_grant(client, FirstAttempt attempt, reply, bint exclusive, double late_
     lease = _grant_lease(request[0], request[1], reply, attempt.sent, attempt.connector, &expires_at, &ttl)
     if expires_at - attempt.loop.time() < ttl * late_fraction:
         return None
-    client._held.remember(lease, exclusive, attempt.loop, attempt.who)
+    (<HeldLeases?>client._held).remember(lease, exclusive, attempt.loop, attempt.who)
     return lease
 
 
@@ -546,7 +543,7 @@ def send_release(client, lease, double op_timeout):
     renewers = client.renewers
     if renewers.by_state:
         renewers.stop(lease)
-    client._held.forget(lease)
+    (<HeldLeases?>client._held).forget(lease)
     cdef FirstAttempt attempt = FirstAttempt.__new__(FirstAttempt)
     fields = lease.__dict__
     args = attempt.args = (fields["name"], fields["fencing_token"], fields["owner"])

@@ -8,7 +8,9 @@ writes the frame (at once on an idle connection; behind requests still in flight
 write per event-loop turn: :meth:`RpcWire.write_frame`); its ``data_received`` decodes a read (the connection's
 :class:`WireDecoder`, under the reply limits) and resolves each
 reply's future from the decoded reply (``[id, 0, value]``: the value; ``[id, code,
-message, extra]``: the error :func:`~fastlock.errors.error_from_wire` builds).  Pushes
+message, extra]``: the error :func:`~fastlock.errors.error_from_wire` builds).  A read that
+resolves several replies opens the turn's write itself: the requests of the tasks those replies
+wake go out in one write after them, not the first at once and the rest in a second one.  Pushes
 (request id 0), bad bytes and the liveness watchdog are ``RpcConnection``'s.
 
 :func:`feed_frames` is :meth:`FrameDecoder.feed <fastlock.protocol.FrameDecoder.feed>`
@@ -541,8 +543,9 @@ cdef class RpcWire:
     ``last_recv``: ``loop.time()`` when bytes last arrived; ``liveness_timeout``
     (seconds, None: no watchdog); ``_decoder``: the reply decoder (a :class:`WireDecoder`);
     ``_next_id``: the next request id; ``_watchdog``: the liveness timer while armed; ``out``: the frames
-    written in this loop turn and not yet handed to the transport (None: none), see
-    :meth:`write_frame`; ``writes``: transport writes made (an int, for tests and benches).
+    written in this loop turn and not yet handed to the transport (None: no write of this turn is
+    open; a list, empty or not: one is, and :meth:`flush` is due in this turn), see
+    :meth:`write_frame` and ``data_received``; ``writes``: transport writes made (an int, for tests and benches).
     """
 
     cdef public object transport
@@ -566,6 +569,7 @@ cdef class RpcWire:
             return
         cdef dict pending = self.pending
         cdef bint pushed = False
+        cdef Py_ssize_t resolved = 0
         cdef list reply
         for msg in messages:
             if type(msg) is list and len(<list>msg) >= 2:
@@ -589,10 +593,16 @@ cdef class RpcWire:
             fut = pending.pop(req_id, None)
             if fut is None or fut.done():
                 continue
+            resolved += 1
             if status == 0:
                 fut.set_result(msg[2])
             else:
                 fut.set_exception(_error_from_wire(status, msg[2], msg[3] if len(msg) > 3 else None))
+        if resolved > 1 and self.out is None and not self.closed:
+            # the tasks these replies wake run next, in this loop turn: the requests they write
+            # are kept and go out together, after them (flush), in one write
+            self.out = []
+            self.loop.call_soon(self.flush)
         if pushed:
             self._read_end()
 
@@ -646,7 +656,7 @@ cdef class RpcWire:
             return
         self.out = None
         transport = self.transport
-        if self.closed or transport is None:
+        if not out or self.closed or transport is None:
             return
         self.writes += 1
         transport.write(out[0] if len(out) == 1 else b"".join(out))
