@@ -4,6 +4,7 @@
 
 from .._core cimport Event
 from ..wal.commit cimport GroupCommit, LogAppender
+from ._watchlog cimport CommittedWire, HistoryWire, RevisionsWire
 
 cdef class BatchEnd
 
@@ -45,7 +46,9 @@ cdef class SessionWire:
 
 
 cdef class BatchEnd:
-    cdef public object table, roles, source, limits, revisions, key_revisions, queues
+    cdef public object table, roles, source, limits, queues
+    cdef public RevisionsWire revisions  # the lock watches' history (watchlog.Revisions) ...
+    cdef public CommittedWire key_revisions  # ... and the key watches' (keyrevisions.KeyRevisions)
     cdef public object expiry, reclaim, node_state, max_ttl_ms
     cdef public LogAppender wal
     cdef public QuotaCounts quotas

@@ -594,8 +594,8 @@ cdef class BatchEnd:
         if table.waiter_count:
             self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
         # each collaborator is called only when it has work (its own first check, inline)
-        revisions = self.revisions
-        if revisions.log.pending:
+        cdef RevisionsWire revisions = self.revisions
+        if (<HistoryWire>revisions.log).pending:
             revisions.batch_end()  # the batch's holder changes reach the watchers once committed
         key_revisions = self.key_revisions
         if key_revisions.log.pending:
@@ -606,10 +606,10 @@ cdef class BatchEnd:
         # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
         # (WriteAheadLog.poll's own call)
         commit.poll()
-        dirty = self.dirty
+        cdef list dirty = self.dirty
         if dirty:
-            for conn in dirty:
-                conn.flush()
+            for conn in dirty:  # (only SessionWire.send queues a connection here)
+                (<SessionWire>conn).flush()
             dirty.clear()
         self.batch_end_owed = False
 
@@ -624,7 +624,7 @@ cdef class BatchEnd:
         cdef LogAppender wal = self.wal
         cdef QuotaCounts quotas = self.quotas
         cdef Event ev
-        revisions = self.revisions
+        cdef RevisionsWire revisions = self.revisions
         queues = self.queues
         grants = None
         for ev in events:
