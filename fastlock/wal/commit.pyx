@@ -29,6 +29,8 @@ from typing import Any
 from ..errors import WalFatal
 from ..tokens import COUNTER_MASK, TOKEN_EPOCH_SHIFT
 from .records import GRANT, RELEASE, RESERVE
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize, PyByteArray_GET_SIZE
+from cpython.bytes cimport PyBytes_FromStringAndSize
 from ._syncer cimport Batch, append_grant_record, append_lease_record, seal_batch
 from ._syncer import append_frame
 from .format import MAX_RECORD_BYTES
@@ -214,9 +216,14 @@ cdef class GroupCommit:
         if buf:
             seal_batch(buf, pending.last_frame)  # batch marks on the first and last frames, their CRCs
         next_lsn = self.next_lsn
-        batch = Batch(bytes(buf), pending.first_lsn, next_lsn - 1, fsync)
+        # (Batch(bytes(buf), first_lsn, last_lsn, fsync), built without Python calls)
+        cdef Batch batch = Batch.__new__(Batch)
+        batch.data = PyBytes_FromStringAndSize(PyByteArray_AS_STRING(buf), PyByteArray_GET_SIZE(buf))
+        batch.first_lsn = pending.first_lsn
+        batch.last_lsn = next_lsn - 1
+        batch.fsync = fsync
         # the next batch starts empty (as a new _Pending would)
-        pending.buf = bytearray()
+        pending.buf = PyByteArray_FromStringAndSize(NULL, 0)
         pending.first_lsn = next_lsn
         pending.last_frame = -1
         pending.fsync = pending.fsync_requested = False
