@@ -23,7 +23,8 @@ cdef extern from "Python.h":
     bint PyUnicode_IS_ASCII(object)
 from libc.stdint cimport int64_t, uint64_t
 
-from .._core cimport Event
+from .._core cimport (Event, table_acquire, table_drain_events, table_holder, table_next_deadline,
+                      table_release, table_waiter_count)
 from ..wal.commit cimport GroupCommit, LogAppender
 from .._core import EV_GRANTED, GRANTED, LIMIT_CONFLICT, NOT_ACQUIRED, QUEUED, NotHolder
 from ..auth import ANONYMOUS, hash_owner
@@ -400,10 +401,10 @@ cpdef enter_acquire(HandlersWire handlers, SessionWire conn, object req_id, list
         if table.session_waiters(conn.session) >= config.max_waiters_per_connection:
             raise _limit_exceeded(config.max_waiters_per_connection, "this connection", "waiting acquires",
                                   "max-waiters-per-connection")
-        if table.waiter_count >= config.max_waiters:
+        if table_waiter_count(table) >= config.max_waiters:
             raise _limit_exceeded(config.max_waiters, "the server", "waiting acquires", "max-waiters")
     # a retry of a held lease re-delivers it: it adds nothing
-    retry = table.holder(name, now, owner) is not None
+    retry = table_holder(table, name, now, owner) is not None
     # the global cap counts leases held: an exclusive request on a held name adds none now (it queues)
     # (running lock-delays count as leases: each keeps a lock entry until it ends)
     # (PrincipalQuotas.lock_delay_count's own first check inline: no lock-delay runs)
@@ -418,7 +419,7 @@ cpdef enter_acquire(HandlersWire handlers, SessionWire conn, object req_id, list
         server.max_ttl_ms = ttl_ms
         server.node_state.raise_ttl(ttl_ms)  # rare: only a new longest TTL writes
     try:
-        status = table.acquire(name, owner, conn.session, request, ttl_ms, wait_ms, delay_ms,
+        status = table_acquire(table, name, owner, conn.session, request, ttl_ms, wait_ms, delay_ms,
                                (conn.recorded, corr), now, shared, limit, actor, priority)
     except ValueError as exc:  # the owner key waits on name in a multi-lock request
         raise _InvalidArgument(f"{name!r}: {exc}") from None
@@ -444,10 +445,10 @@ cpdef release(HandlersWire handlers, SessionWire conn, object req_id, list msg):
     now = _monotonic_ms()
     meta = None
     if name in handlers.watchers:  # watchers are told whose lease it was
-        holder = table.holder(name, now, owner)
+        holder = table_holder(table, name, now, owner)
         meta = holder.meta if holder is not None else None
     try:
-        table.release(name, token, owner, now)
+        table_release(table, name, token, owner, now)
     except _NotHolder:
         raise handlers.not_holder(name, token) from None
     handlers.server.released(name, token, meta)
@@ -475,7 +476,7 @@ cpdef extend(HandlersWire handlers, SessionWire conn, object req_id, list msg):
     roles = handlers.roles
     if _EXTEND not in roles.admitted:  # (NodeRole.admit's own test: it raises the refusal)
         roles.admit(_EXTEND)
-    holder = table.holder(name, now, owner)
+    holder = table_holder(table, name, now, owner)
     try:
         table.extend(name, token, owner, ttl_ms, now, conn.session)  # the lease is held from this connection
     except _NotHolder:
@@ -566,7 +567,7 @@ cdef class BatchEnd:
         """The batch end: log and deliver the table's events, re-arm the timer, flush replies."""
         server = <object>self
         table = self.table
-        events = table.drain_events()
+        events = table_drain_events(table)
         if events:
             # grants acknowledged at once (a relaxed fsync mode) are delivered inside this loop and
             # leave their flush to this batch end; what their delivery changes is drained again
@@ -575,7 +576,7 @@ cdef class BatchEnd:
             try:
                 while events:
                     self.process_events(events)
-                    events = table.drain_events()
+                    events = table_drain_events(table)
             finally:
                 self.in_batch_end = outer
         wal = <object>self.wal
@@ -587,11 +588,11 @@ cdef class BatchEnd:
                 and wal.maybe_snapshot(server.snapshot_state)):
             _relog_running(wal, table)
             server.revoke_deadlines.relog(wal, _monotonic_ms())
-        nd = table.next_deadline()
+        nd = table_next_deadline(table)
         expiry = self.expiry
         if nd >= 0 and (expiry.handle is None or nd < expiry.at_ms) and self.roles.expires_leases:
             server._rearm()
-        if table.waiter_count:
+        if table_waiter_count(table):
             self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
         # each collaborator is called only when it has work (its own first check, inline)
         cdef RevisionsWire revisions = self.revisions
