@@ -5,7 +5,7 @@
 C clients (one connection each), each with T tasks, on distinct locks run a fixed number of pairs
 against a ``python -m fastlock serve`` subprocess (free port, throwaway data
 dir, stopped afterwards).  Prints the server's and this client process's CPU
-microseconds per pair (user + system), and pairs/s.  CPU time, not wall time:
+microseconds per pair (user + system; the system part of each in brackets), and pairs/s.  CPU time, not wall time:
 on a shared, loaded machine it moves far less than throughput, so two installs
 can be compared by running this module with each one's python, alternately.
 
@@ -34,10 +34,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cpu_seconds(pid: int) -> float:
+def _cpu_seconds(pid: int) -> tuple[float, float]:
+    """The user and system CPU seconds of process ``pid`` so far."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 class _EchoClient:
@@ -62,7 +64,7 @@ class _EchoClient:
 
 
 async def _measure(clients: int, pairs: int, fsync: str, tasks: int = 1,
-                   echo: bool = False) -> tuple[float, float, float, float]:
+                   echo: bool = False) -> tuple[float, float, float, float, float]:
     import fastlock
 
     port = _free_port()
@@ -116,7 +118,9 @@ async def _measure(clients: int, pairs: int, fsync: str, tasks: int = 1,
                 srv.wait()
     n = per * clients * tasks
     client_s = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
-    return 1e6 * (s1 - s0) / n, 1e6 * client_s / n, n / (t1 - t0), 1e6 * (r1.ru_stime - r0.ru_stime) / n
+    server_s = s1[0] + s1[1] - s0[0] - s0[1]
+    return (1e6 * server_s / n, 1e6 * client_s / n, n / (t1 - t0), 1e6 * (r1.ru_stime - r0.ru_stime) / n,
+            1e6 * (s1[1] - s0[1]) / n)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,10 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:  # pragma: no cover
         pass
-    server_us, client_us, rate, client_sys_us = asyncio.run(_measure(args.clients, args.pairs, args.fsync, args.tasks,
-                                                           args.echo))
+    server_us, client_us, rate, client_sys_us, server_sys_us = asyncio.run(
+        _measure(args.clients, args.pairs, args.fsync, args.tasks, args.echo))
     print(f"{args.tag}: server {server_us:6.1f} us/pair  client {client_us:6.1f} us/pair  wall {rate:7.0f} pairs/s"
-          f"  (client system {client_sys_us:.1f} us/pair)")
+          f"  (server system {server_sys_us:.1f}, client system {client_sys_us:.1f} us/pair)")
     return 0
 
 
