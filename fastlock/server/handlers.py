@@ -44,12 +44,11 @@ from ..replication.messages import standby_address
 from ..replication.syncrep import SYNC_PERMISSIONS
 from ..roles import Action, NodeRole
 from ..units import monotonic_ms
-from ._wire import HandlersWire
+from ._wire import HandlersWire, ok_nil
 from ._wire import acquire as compiled_acquire
 from ._wire import dispatch as dispatch_request
 from ._wire import enter_acquire as compiled_enter_acquire
 from ._wire import extend as compiled_extend
-from ._wire import ok_nil
 from ._wire import release as compiled_release
 from .edgechase import PERMISSIONS as EDGE_CHASE_PERMISSIONS
 from .edgechase import EdgeChase
