@@ -49,3 +49,5 @@ cdef object table_holder(object table, object name, object now, object owner)
 cdef list table_drain_events(object table)
 cdef object table_next_deadline(object table)
 cdef int64_t table_waiter_count(object table) except -1
+cdef int64_t table_epoch(object table) except -1
+cdef int64_t table_last_token(object table) except -1

@@ -826,3 +826,14 @@ cdef object table_next_deadline(object table):
 cdef int64_t table_waiter_count(object table) except -1:
     """:attr:`LockTable.waiter_count`."""
     return (<LockTable?>table)._n_waiters
+
+
+cdef int64_t table_epoch(object table) except -1:
+    """:attr:`LockTable.epoch`."""
+    return (<LockTable?>table)._epoch
+
+
+cdef int64_t table_last_token(object table) except -1:
+    """:attr:`LockTable.last_token`."""
+    cdef LockTable t = <LockTable?>table
+    return (t._epoch << _SHIFT) | t._counter

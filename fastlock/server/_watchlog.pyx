@@ -19,6 +19,7 @@ with no Python call) and the lock watchers it publishes to.
 
 from collections import deque
 
+from .._core cimport table_epoch
 from ..roles import Action
 from ..tokens import COUNTER_MASK, TOKEN_EPOCH_SHIFT
 
@@ -156,7 +157,7 @@ cdef class RevisionsWire(CommittedWire):
 
     cpdef logged(self, object name, object what, object token, object meta):
         """A holder change whose record was just logged (the last one logged)."""
-        (<HistoryWire>self.log).record(self.server.table.epoch << _SHIFT | (self.commit.next_lsn - 1),
+        (<HistoryWire>self.log).record(table_epoch(self.server.table) << _SHIFT | (self.commit.next_lsn - 1),
                                        name, what, token, meta)
 
     cpdef bint listening(self):

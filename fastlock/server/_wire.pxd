@@ -37,6 +37,8 @@ cdef class SessionWire:
     cdef public bint closed
     cdef public bint ready
     cdef public object last_read_ms
+    cdef public object grant  # the principal the connection authenticated as (auth.Principal) ...
+    cdef public object recorded  # ... and what its grants record as their client
     cdef object owner_key  # the last owner key received (None: none yet) ...
     cdef bytes owner_hashed  # ... and its hash
 

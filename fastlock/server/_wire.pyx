@@ -23,8 +23,8 @@ cdef extern from "Python.h":
     bint PyUnicode_IS_ASCII(object)
 from libc.stdint cimport int64_t, uint64_t
 
-from .._core cimport (Event, table_acquire, table_drain_events, table_holder, table_next_deadline,
-                      table_release, table_waiter_count)
+from .._core cimport (Event, table_acquire, table_drain_events, table_epoch, table_holder, table_last_token,
+                      table_next_deadline, table_release, table_waiter_count)
 from ..wal.commit cimport GroupCommit, LogAppender
 from .._core import EV_GRANTED, GRANTED, LIMIT_CONFLICT, NOT_ACQUIRED, QUEUED, NotHolder
 from ..auth import ANONYMOUS, hash_owner
@@ -205,7 +205,9 @@ cdef class SessionWire:
     connection's id; ``intake``: its :class:`~fastlock.server.session.Intake`;
     ``transport``: the asyncio transport; ``out``/``out_bytes``: replies queued this
     turn and their bytes; ``closed``; ``ready``: HELLO is done; ``last_read_ms``:
-    monotonic milliseconds of the last read (kept while an idle timeout is set).
+    monotonic milliseconds of the last read (kept while an idle timeout is set);
+    ``grant``: the :class:`~fastlock.auth.Principal` it authenticated as; ``recorded``:
+    what its grants record as their client.
     """
 
     # (its slots are declared in _wire.pxd)
@@ -424,7 +426,7 @@ cpdef enter_acquire(HandlersWire handlers, SessionWire conn, object req_id, list
     except ValueError as exc:  # the owner key waits on name in a multi-lock request
         raise _InvalidArgument(f"{name!r}: {exc}") from None
     if usage is not None:
-        quotas.acquired(usage, status, (name,), table.last_token)
+        quotas.acquired(usage, status, (name,), table_last_token(table))
     if status == _QUEUED:
         server.queues.touched(name)  # shipped to the standby (fastlock.replication.queues)
     elif status == _LIMIT_CONFLICT or status == _NOT_ACQUIRED:
@@ -754,7 +756,7 @@ cdef class QuotaCounts:
         ``principal`` (str) that may add ``leases`` leases (int), of which ``waiters`` may
         wait; returns its :class:`~fastlock.server.admission.Usage`."""
         quotas = <object>self
-        if self.table.epoch != self._epoch:
+        if table_epoch(self.table) != self._epoch:
             quotas.sync()
         u = self.usage.get(principal) or quotas.of(principal)
         if waiters:
