@@ -6,7 +6,7 @@
 C clients (one connection each), each with T tasks, on distinct locks run a fixed number of pairs
 against a ``python -m fastlock serve`` subprocess (free port, throwaway data
 dir, stopped afterwards).  Prints the server's and this client process's CPU
-microseconds per pair (user + system), and pairs/s.  CPU time, not wall time:
+microseconds per pair (user + system; the system part of each in brackets), and pairs/s.  CPU time, not wall time:
 on a shared, loaded machine it moves far less than throughput, so two installs
 can be compared by running this module with each one's python, alternately.
 
@@ -43,10 +43,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cpu_seconds(pid: int) -> float:
+def process_cpu_seconds(pid: int) -> tuple[float, float]:
+    """The user and system CPU seconds of process ``pid`` so far."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 SYSCALLS = ("recvfrom", "sendto", "sendmsg", "read", "write", "writev", "epoll_wait", "epoll_ctl")
@@ -170,7 +172,7 @@ class _EchoClient:
 
 
 async def _measure(clients: int, pairs: int, fsync: str, tasks: int = 1, echo: bool = False,
-                   count_syscalls: bool = False) -> tuple[float, float, float, float, dict[str, float]]:
+                   count_syscalls: bool = False) -> tuple[float, float, float, float, float, dict[str, float]]:
     import fastlock
 
     with server_process(echo, fsync) as (srv_pid, port):
@@ -190,12 +192,12 @@ async def _measure(clients: int, pairs: int, fsync: str, tasks: int = 1, echo: b
         counter = SyscallCounter() if count_syscalls else None
         if counter is not None:
             counter.start()
-        s0 = _cpu_seconds(srv_pid)
+        s0 = process_cpu_seconds(srv_pid)
         r0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(i, c, per) for i, c in workers))
         t1 = time.perf_counter()
-        s1 = _cpu_seconds(srv_pid)
+        s1 = process_cpu_seconds(srv_pid)
         r1 = resource.getrusage(resource.RUSAGE_SELF)
         calls: dict[str, float] = {}
         if counter is not None:
@@ -206,8 +208,9 @@ async def _measure(clients: int, pairs: int, fsync: str, tasks: int = 1, echo: b
             await c.close()
     n = per * clients * tasks
     client_s = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
-    return (1e6 * (s1 - s0) / n, 1e6 * client_s / n, n / (t1 - t0), 1e6 * (r1.ru_stime - r0.ru_stime) / n,
-            calls)
+    server_s = s1[0] + s1[1] - s0[0] - s0[1]
+    return (1e6 * server_s / n, 1e6 * client_s / n, n / (t1 - t0), 1e6 * (r1.ru_stime - r0.ru_stime) / n,
+            1e6 * (s1[1] - s0[1]) / n, calls)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,10 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:  # pragma: no cover
         pass
-    server_us, client_us, rate, client_sys_us, calls = asyncio.run(
+    server_us, client_us, rate, client_sys_us, server_sys_us, calls = asyncio.run(
         _measure(args.clients, args.pairs, args.fsync, args.tasks, args.echo, args.syscalls))
     print(f"{args.tag}: server {server_us:6.1f} us/pair  client {client_us:6.1f} us/pair  wall {rate:7.0f} pairs/s"
-          f"  (client system {client_sys_us:.1f} us/pair)")
+          f"  (server system {server_sys_us:.1f}, client system {client_sys_us:.1f} us/pair)")
     if calls:
         print("  client system calls per pair:" + "".join(f"  {name} {c:.2f}" for name, c in sorted(calls.items())
                                                           if c >= 0.005))

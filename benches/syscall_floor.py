@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 import msgpack
 
-from .cpu_per_pair import SyscallCounter, server_process
+from .cpu_per_pair import SyscallCounter, process_cpu_seconds, server_process
 
 OP_HELLO, PROTOCOL_VERSION, OP_ACQUIRE, OP_RELEASE = 1, 2, 2, 3  # fastlock.protocol.ops
 TTL_MS = 10_000
@@ -80,9 +80,8 @@ class Figures(NamedTuple):
 
 
 def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """The user + system CPU seconds of process ``pid`` so far."""
+    return sum(process_cpu_seconds(pid))
 
 
 class _Conn:

@@ -237,7 +237,7 @@ cdef class LockTable(_DeadlockDetection):
 
     # -- lock operations -----------------------------------------------------------
 
-    def acquire(self, name, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now,
+    cpdef acquire(self, name, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta, now,
                 shared=False, limit=0, actor=0, priority=0):
         """Grant ``name`` to ``owner`` or queue the request (FIFO, as ZooKeeper's
         sequential nodes).
@@ -556,7 +556,7 @@ cdef class LockTable(_DeadlockDetection):
                 self._settle(w.lock, t, t)
         return _QUEUED
 
-    def release(self, name, token, owner, now):
+    cpdef release(self, name, token, owner, now):
         """Release the lease (``token``, ``owner``) on ``name``; the next waiter (if any)
         is granted (EV_GRANTED), unless grants are held (hold_grants_until()).
 
@@ -778,7 +778,7 @@ cdef class LockTable(_DeadlockDetection):
         cdef int64_t t = _ms(now, "now", 0)
         self._advance(t)
 
-    def next_deadline(self):
+    cpdef next_deadline(self):
         """Earliest pending deadline in ms (int), or -1 when nothing is scheduled: O(1).
 
         The server arms ONE timer for it and calls expire() when it fires.
@@ -787,8 +787,53 @@ cdef class LockTable(_DeadlockDetection):
             return -1
         return (<_Entry>self._heap[0]).deadline
 
-    def drain_events(self):
+    cpdef list drain_events(self):
         """Return (and forget) the events queued since the last call, oldest first."""
         cdef list evs = self._events
         self._events = []
         return evs
+
+
+# ---------------------------------------------------------------------------
+# C entry points: the table's calls on a server's request path, for compiled callers that
+# cimport them (declared in _core.pxd; fastlock/server/_wire.pyx).  Each is the method of
+# the same name (``table``: a LockTable, else TypeError).
+# ---------------------------------------------------------------------------
+
+cdef object table_acquire(object table, object name, object owner, object session, object request,
+                          object ttl_ms, object wait_ms, object lock_delay_ms, object meta, object now,
+                          object shared, object limit, object actor, object priority):
+    return (<LockTable?>table).acquire(name, owner, session, request, ttl_ms, wait_ms, lock_delay_ms, meta,
+                                       now, shared, limit, actor, priority)
+
+
+cdef object table_release(object table, object name, object token, object owner, object now):
+    return (<LockTable?>table).release(name, token, owner, now)
+
+
+cdef object table_holder(object table, object name, object now, object owner):
+    return (<LockTable?>table).holder(name, now, owner)
+
+
+cdef list table_drain_events(object table):
+    return (<LockTable?>table).drain_events()
+
+
+cdef object table_next_deadline(object table):
+    return (<LockTable?>table).next_deadline()
+
+
+cdef int64_t table_waiter_count(object table) except -1:
+    """:attr:`LockTable.waiter_count`."""
+    return (<LockTable?>table)._n_waiters
+
+
+cdef int64_t table_epoch(object table) except -1:
+    """:attr:`LockTable.epoch`."""
+    return (<LockTable?>table)._epoch
+
+
+cdef int64_t table_last_token(object table) except -1:
+    """:attr:`LockTable.last_token`."""
+    cdef LockTable t = <LockTable?>table
+    return (t._epoch << _SHIFT) | t._counter

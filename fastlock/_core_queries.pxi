@@ -4,7 +4,7 @@ cdef class _Queries(_Transitions):
     """What the table holds, read without processing deadlines: holders, waiters, pages of
     held locks for the operator, counters."""
 
-    def holder(self, name, now, owner=None):
+    cpdef holder(self, name, now, owner=None):
         """An unexpired holder of ``name`` at ``now`` as a :class:`Holder` snapshot, or None.
 
         Without ``owner``: the exclusive holder, else the earliest-granted unexpired

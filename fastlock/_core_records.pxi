@@ -2,7 +2,6 @@
 # table tells its caller happened, and Holder, a snapshot of one lease.
 
 @cython.freelist(256)
-@cython.final
 cdef class Event:
     """Something that happened to a party other than the caller.
 
@@ -33,21 +32,7 @@ cdef class Event:
         steps, the failed waiter's first: each session waits on that name for the
         next session (the last for the first); None for every other kind.
     """
-    cdef readonly int kind
-    cdef readonly str name
-    cdef readonly int64_t token
-    cdef readonly bytes owner
-    cdef readonly int64_t session
-    cdef readonly object request
-    cdef readonly int64_t ttl_ms
-    cdef readonly int64_t deadline_ms
-    cdef readonly object meta
-    cdef readonly bint fresh
-    cdef readonly int64_t lock_delay_ms
-    cdef readonly int64_t waited_ms
-    cdef readonly bint shared
-    cdef readonly int64_t limit
-    cdef readonly object cycle
+    # (its fields are declared in _core.pxd)
 
     def __repr__(self):
         kinds = {1: "GRANTED", 2: "EXPIRED", 3: "WAIT_TIMEOUT", 4: "WAIT_CANCELLED", 5: "DEADLOCK"}
@@ -57,7 +42,6 @@ cdef class Event:
                 f"shared={self.shared} limit={self.limit}>")
 
 
-@cython.final
 cdef class Holder:
     """A snapshot of a lock's holder (read-only; later calls do not change it).
 
@@ -66,16 +50,7 @@ cdef class Holder:
     ms), lock_delay_ms (ms), meta (opaque), shared (bool: a shared/read lease),
     limit (int: the semaphore limit of a permit, 0 otherwise).
     """
-    cdef readonly str name
-    cdef readonly int64_t token
-    cdef readonly bytes owner
-    cdef readonly int64_t session
-    cdef readonly int64_t ttl_ms
-    cdef readonly int64_t deadline_ms
-    cdef readonly int64_t lock_delay_ms
-    cdef readonly object meta
-    cdef readonly bint shared
-    cdef readonly int64_t limit
+    # (its fields are declared in _core.pxd)
 
     def __repr__(self):
         return (f"<Holder name={self.name!r} token={self.token} owner={self.owner!r} "

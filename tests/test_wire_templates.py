@@ -121,11 +121,11 @@ def test_grant_delivery_queues_plain_acquires_and_returns_the_rest_in_order():
     msgpack writes ``[id, 0, [token, ttl_ms, waited_ms]]``; a grant to a closed or unknown
     connection, or one whose request is an object (sequencer, ACQUIRE_MANY), is returned
     for the Python path, in the order given."""
-    from types import SimpleNamespace
+    from fastlock._core import LockTable
+    from fastlock.server._wire import BatchEnd, deliver_grants
 
-    from fastlock.server._wire import deliver_grants
-
-    server = SimpleNamespace(dirty=[])
+    server = BatchEnd()
+    server.dirty = []
 
     def wire(session: int, closed: bool = False) -> SessionWire:
         conn = SessionWire()
@@ -135,12 +135,15 @@ def test_grant_delivery_queues_plain_acquires_and_returns_the_rest_in_order():
     live, closed = wire(1), wire(2, closed=True)
     sessions = {1: live, 2: closed}
 
-    def grant(session: int, request: object, token: int) -> SimpleNamespace:
-        return SimpleNamespace(session=session, request=request, token=token, ttl_ms=10_000, waited_ms=3)
-
+    # real grant events: five locks granted at once (tokens 1..5, waited 0 ms) to sessions 1, 2,
+    # 3 (no connection), 1 (an object request) and 1
+    table = LockTable()
     many = object()
-    grants = [grant(1, 5, 100), grant(2, 6, 101), grant(3, 7, 102), grant(1, many, 103), grant(1, 8, 104)]
+    for i, (session, request) in enumerate([(1, 5), (2, 6), (3, 7), (1, many), (1, 8)]):
+        table.acquire(f"lock{i}", b"owner", session, request, 10_000, 0, 0, None, 1_000)
+    grants = table.drain_events()
+    assert [ev.token for ev in grants] == [1, 2, 3, 4, 5] and [ev.waited_ms for ev in grants] == [0] * 5
     rest = deliver_grants(sessions, grants)
-    assert [ev.token for ev in rest] == [101, 102, 103]
-    assert live.out == [msgpack.packb([5, 0, [100, 10_000, 3]]), msgpack.packb([8, 0, [104, 10_000, 3]])]
+    assert [ev.token for ev in rest] == [2, 3, 4]
+    assert live.out == [msgpack.packb([5, 0, [1, 10_000, 0]]), msgpack.packb([8, 0, [5, 10_000, 0]])]
     assert closed.out == [] and server.dirty == [live]

@@ -19,6 +19,7 @@ with no Python call) and the lock watchers it publishes to.
 
 from collections import deque
 
+from .._core cimport table_epoch
 from ..roles import Action
 from ..tokens import COUNTER_MASK, TOKEN_EPOCH_SHIFT
 
@@ -35,12 +36,7 @@ cdef class HistoryWire:
     the revision after which every change is kept (None: not known yet);
     ``published``: the revision up to which everything is published."""
 
-    cdef public Py_ssize_t limit
-    cdef public object changes
-    cdef public dict by_name
-    cdef public object pending
-    cdef public object floor
-    cdef public object published
+    # (its slots are declared in _watchlog.pxd)
 
     cpdef record(self, object rev, object name, object what, object token, object meta, bint published=False):
         """Keep a change (``published``: already committed, as a standby's), dropping
@@ -95,11 +91,7 @@ cdef class CommittedWire:
     subclass gives :meth:`listening` and :meth:`deliver`.
     """
 
-    cdef public object server
-    cdef public object log
-    cdef public Py_ssize_t revision_at
-    cdef public object commit
-    cdef public object scheduled
+    # (its slots are declared in _watchlog.pxd)
 
     cpdef bint listening(self):
         """Does anyone watch now (False: a publication only marks its changes published)?"""
@@ -109,7 +101,7 @@ cdef class CommittedWire:
         """Hand published ``changes`` (in order) to their watchers; True if a push was queued."""
         raise NotImplementedError
 
-    def batch_end(self):
+    cpdef batch_end(self):
         """At each batch end: publish the changes recorded in it once committed."""
         pending = self.log.pending
         if not pending:  # nothing recorded and unpublished
@@ -121,13 +113,13 @@ cdef class CommittedWire:
         sync = self.server.source.sync
         # (self.commit.when_durable: WriteAheadLog.when_durable's own call)
         if sync.enabled:
-            self.commit.when_durable(sync.after(lambda refused=None: self._publish(upto, refused)))
+            self.commit.when_durable(sync.after(_Publication(self, upto)))
         elif upto & _COUNTER_MASK <= self.commit.marks.ack:
             # already durable (a relaxed fsync mode wrote this batch at once): published in this
             # batch end, whose flush sends the pushes
             self._publish(upto, None, False)
         else:
-            self.commit.when_durable(lambda: self._publish(upto))
+            self.commit.when_durable(_Publication(self, upto))
 
     cpdef _publish(self, object upto, object refused=None, bint flush=True):
         changes = self.log.publish(upto)
@@ -137,6 +129,23 @@ cdef class CommittedWire:
                 self.server.after_batch()  # the pushes go out
 
 
+cdef class _Publication:
+    """The publication of a history's changes up to revision ``upto`` once committed:
+    calling it runs ``wire._publish(upto, refused)`` (``refused``: the error replication
+    refused them with, or None) - the ``when_durable`` / ``sync.after`` callback of
+    :meth:`CommittedWire.batch_end`."""
+
+    cdef CommittedWire wire
+    cdef object upto
+
+    def __cinit__(self, CommittedWire wire, object upto):
+        self.wire = wire
+        self.upto = upto
+
+    def __call__(self, refused=None):
+        self.wire._publish(self.upto, refused)
+
+
 cdef class RevisionsWire(CommittedWire):
     """What :class:`fastlock.server.watchlog.Revisions` runs per change and per batch end:
     :meth:`logged` and :class:`CommittedWire`'s batch end, publishing to the lock
@@ -144,11 +153,11 @@ cdef class RevisionsWire(CommittedWire):
     ``log`` is the :class:`~fastlock.server.watchlog.WatchLog` (a :class:`HistoryWire`).
     """
 
-    cdef public object registry
+    # (its slot, ``registry``, is declared in _watchlog.pxd)
 
     cpdef logged(self, object name, object what, object token, object meta):
         """A holder change whose record was just logged (the last one logged)."""
-        (<HistoryWire>self.log).record(self.server.table.epoch << _SHIFT | (self.commit.next_lsn - 1),
+        (<HistoryWire>self.log).record(table_epoch(self.server.table) << _SHIFT | (self.commit.next_lsn - 1),
                                        name, what, token, meta)
 
     cpdef bint listening(self):

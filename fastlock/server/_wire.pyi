@@ -14,6 +14,21 @@ def deliver_grants(sessions: dict[int, Any], grants: list[Any]) -> list[Any]: ..
 def release(handlers: Any, conn: SessionWire, req_id: int, msg: list[Any]) -> None: ...
 def extend(handlers: Any, conn: SessionWire, req_id: int, msg: list[Any]) -> None: ...
 
+class HandlersWire:
+    server: Any
+    table: Any
+    roles: Any
+    wal: Any
+    config: Any
+    source: Any
+    quotas: Any
+    watchers: Any
+    keys: Any
+    sessions: Any
+    kinds: Any
+    by_op: Any
+    need_by_op: Any
+
 class SessionWire:
     server: Any
     session: int

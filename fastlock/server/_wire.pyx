@@ -23,7 +23,9 @@ cdef extern from "Python.h":
     bint PyUnicode_IS_ASCII(object)
 from libc.stdint cimport int64_t, uint64_t
 
-from ..wal.commit cimport GroupCommit
+from .._core cimport (Event, table_acquire, table_drain_events, table_epoch, table_holder, table_last_token,
+                      table_next_deadline, table_release, table_waiter_count)
+from ..wal.commit cimport GroupCommit, LogAppender
 from .._core import EV_GRANTED, GRANTED, LIMIT_CONFLICT, NOT_ACQUIRED, QUEUED, NotHolder
 from ..auth import ANONYMOUS, hash_owner
 from ..errors import InvalidArgument, ProtocolError, WrongArgumentType
@@ -149,7 +151,17 @@ cpdef bytes ok_int(object req_id, object value):
     return PyBytes_FromStringAndSize(<char *>buf, n)
 
 
-cpdef dispatch(object handlers, SessionWire conn, object msg):
+cdef class HandlersWire:
+    """The compiled base of :class:`fastlock.server.handlers.Handlers`: the collaborators the
+    lock operations read on every request, as slots (declared in ``_wire.pxd``; the
+    handlers' ``__init__`` sets them): ``server`` (the
+    :class:`~fastlock.server.lockserver.LockServer`, a :class:`BatchEnd`), ``table``,
+    ``roles``, ``wal`` (a :class:`~fastlock.wal.commit.LogAppender`), ``config``, ``source``,
+    ``quotas`` (a :class:`QuotaCounts`), ``watchers`` (lock name -> its watchers), ``keys``,
+    ``sessions``, ``kinds``, and the op table ``by_op`` / ``need_by_op``."""
+
+
+cpdef dispatch(HandlersWire handlers, SessionWire conn, object msg):
     """Run one decoded request ``msg`` from ``conn`` (its reply is queued on ``conn``);
     the checks and their order are those of ``Handlers.dispatch``."""
     cdef list req
@@ -193,20 +205,12 @@ cdef class SessionWire:
     connection's id; ``intake``: its :class:`~fastlock.server.session.Intake`;
     ``transport``: the asyncio transport; ``out``/``out_bytes``: replies queued this
     turn and their bytes; ``closed``; ``ready``: HELLO is done; ``last_read_ms``:
-    monotonic milliseconds of the last read (kept while an idle timeout is set).
+    monotonic milliseconds of the last read (kept while an idle timeout is set);
+    ``grant``: the :class:`~fastlock.auth.Principal` it authenticated as; ``recorded``:
+    what its grants record as their client.
     """
 
-    cdef public object server
-    cdef public object session
-    cdef public object intake
-    cdef public object transport
-    cdef public list out
-    cdef public Py_ssize_t out_bytes
-    cdef public bint closed
-    cdef public bint ready
-    cdef public object last_read_ms
-    cdef object owner_key  # the last owner key received (None: none yet) ...
-    cdef bytes owner_hashed  # ... and its hash
+    # (its slots are declared in _wire.pxd)
 
     cpdef bytes owner_hash(self, object owner):
         """:func:`fastlock.auth.hash_owner` of a checked owner key from this connection
@@ -225,7 +229,7 @@ cdef class SessionWire:
         decoder = intake.decoder
         if self.closed or decoder is None:  # closed: the decoder was freed
             return
-        server = self.server
+        cdef BatchEnd server = self.server
         if server.limits.idle_timeout_ms:
             self.last_read_ms = _monotonic_ms()
         if intake.held or intake.scheduled:
@@ -348,7 +352,7 @@ cdef inline object _wait_ms(object wait_ms):
     return _check_wait_ms(wait_ms)
 
 
-cpdef acquire(object handlers, SessionWire conn, object req_id, list msg, object priority=0):
+cpdef acquire(HandlersWire handlers, SessionWire conn, object req_id, list msg, object priority=0):
     """ACQUIRE ``[id, op, name, owner, ttl_ms, wait_ms, lock_delay_ms, correlation_id[, shared[, limit[,
     actor[, sequencer]]]]]``, every form of it: ACQUIRE_PRIORITY's too, at queue ``priority`` (0..99,
     :mod:`fastlock.server.preemption`, which checked it).  An acquire of a lock in a promoted primary's
@@ -367,7 +371,7 @@ cpdef acquire(object handlers, SessionWire conn, object req_id, list msg, object
     enter_acquire(handlers, conn, req_id, msg, name, owner, priority)
 
 
-cpdef enter_acquire(object handlers, SessionWire conn, object req_id, list msg, object name, bytes owner,
+cpdef enter_acquire(HandlersWire handlers, SessionWire conn, object req_id, list msg, object name, bytes owner,
                     object priority=0):
     """The ACQUIRE ``msg`` of the checked ``name`` by ``owner`` (its hash) enters the lock's queue at
     ``priority`` or is granted: its other arguments are checked, then the node's role, the waiter
@@ -399,10 +403,10 @@ cpdef enter_acquire(object handlers, SessionWire conn, object req_id, list msg, 
         if table.session_waiters(conn.session) >= config.max_waiters_per_connection:
             raise _limit_exceeded(config.max_waiters_per_connection, "this connection", "waiting acquires",
                                   "max-waiters-per-connection")
-        if table.waiter_count >= config.max_waiters:
+        if table_waiter_count(table) >= config.max_waiters:
             raise _limit_exceeded(config.max_waiters, "the server", "waiting acquires", "max-waiters")
     # a retry of a held lease re-delivers it: it adds nothing
-    retry = table.holder(name, now, owner) is not None
+    retry = table_holder(table, name, now, owner) is not None
     # the global cap counts leases held: an exclusive request on a held name adds none now (it queues)
     # (running lock-delays count as leases: each keeps a lock entry until it ends)
     # (PrincipalQuotas.lock_delay_count's own first check inline: no lock-delay runs)
@@ -417,19 +421,19 @@ cpdef enter_acquire(object handlers, SessionWire conn, object req_id, list msg, 
         server.max_ttl_ms = ttl_ms
         server.node_state.raise_ttl(ttl_ms)  # rare: only a new longest TTL writes
     try:
-        status = table.acquire(name, owner, conn.session, request, ttl_ms, wait_ms, delay_ms,
+        status = table_acquire(table, name, owner, conn.session, request, ttl_ms, wait_ms, delay_ms,
                                (conn.recorded, corr), now, shared, limit, actor, priority)
     except ValueError as exc:  # the owner key waits on name in a multi-lock request
         raise _InvalidArgument(f"{name!r}: {exc}") from None
     if usage is not None:
-        quotas.acquired(usage, status, (name,), table.last_token)
+        quotas.acquired(usage, status, (name,), table_last_token(table))
     if status == _QUEUED:
         server.queues.touched(name)  # shipped to the standby (fastlock.replication.queues)
     elif status == _LIMIT_CONFLICT or status == _NOT_ACQUIRED:
         handlers.acquire_refused(conn, name, limit, status, now)
 
 
-cpdef release(object handlers, SessionWire conn, object req_id, list msg):
+cpdef release(HandlersWire handlers, SessionWire conn, object req_id, list msg):
     """RELEASE ``[id, op, name, token, owner]``: Handlers.op_release compiled."""
     name = _name(msg[2])
     token = _int_in(msg[3], 1, 0x7FFFFFFFFFFFFFFF, _check_token)
@@ -443,17 +447,17 @@ cpdef release(object handlers, SessionWire conn, object req_id, list msg):
     now = _monotonic_ms()
     meta = None
     if name in handlers.watchers:  # watchers are told whose lease it was
-        holder = table.holder(name, now, owner)
+        holder = table_holder(table, name, now, owner)
         meta = holder.meta if holder is not None else None
     try:
-        table.release(name, token, owner, now)
+        table_release(table, name, token, owner, now)
     except _NotHolder:
         raise handlers.not_holder(name, token) from None
     handlers.server.released(name, token, meta)
     conn.send(ok_nil(req_id))
 
 
-cpdef extend(object handlers, SessionWire conn, object req_id, list msg):
+cpdef extend(HandlersWire handlers, SessionWire conn, object req_id, list msg):
     """EXTEND ``[id, op, name, token, owner, ttl_ms[, sequencer]]``: renews the lease ``token`` of
     ``name`` held by ``owner`` from this connection for ``ttl_ms``.  Replies ``ttl_ms``; with a true
     ``sequencer`` flag ``[ttl_ms, {"sequencer": bytes}]``, the lease's sequencer re-signed with the
@@ -474,7 +478,7 @@ cpdef extend(object handlers, SessionWire conn, object req_id, list msg):
     roles = handlers.roles
     if _EXTEND not in roles.admitted:  # (NodeRole.admit's own test: it raises the refusal)
         roles.admit(_EXTEND)
-    holder = table.holder(name, now, owner)
+    holder = table_holder(table, name, now, owner)
     try:
         table.extend(name, token, owner, ttl_ms, now, conn.session)  # the lease is held from this connection
     except _NotHolder:
@@ -489,7 +493,7 @@ cpdef extend(object handlers, SessionWire conn, object req_id, list msg):
         reply = ok_int(req_id, ttl_ms)
     # Every extend is logged: the standby keeps each lease's deadline from the
     # records it receives, and a promoted standby keeps that deadline.
-    wal = handlers.wal
+    wal = <object>handlers.wal
     wal.log_extend(name, token, ttl_ms)
     # sync replication: every extend waits for the standby (it moves the deadline); recovery restores
     # the recorded TTL: a longer one must be durable before the holder relies on it (not a shorter one)
@@ -513,6 +517,7 @@ cpdef list deliver_grants(dict sessions, list grants):
     handle."""
     cdef list rest = []
     cdef SessionWire conn
+    cdef Event ev
     for ev in grants:
         request = ev.request
         wire = sessions.get(ev.session)
@@ -532,6 +537,23 @@ cpdef list deliver_grants(dict sessions, list grants):
 cdef object _relog_running = relog_running
 
 
+cdef class _GrantsDelivery:
+    """A batch's ``grants`` (``EV_GRANTED`` events) acknowledged later: calling it runs
+    ``server.deliver_granted(grants, refused)`` (``refused``: the error replication refused
+    them with, or None) - the ``when_durable`` / ``sync.after`` callback of
+    :meth:`BatchEnd.acknowledge`."""
+
+    cdef BatchEnd server
+    cdef list grants
+
+    def __cinit__(self, BatchEnd server, list grants):
+        self.server = server
+        self.grants = grants
+
+    def __call__(self, refused=None):
+        self.server.deliver_granted(self.grants, refused)
+
+
 cdef class BatchEnd:
     """The compiled base of :class:`fastlock.server.lockserver.LockServer`: the batch end
     (:meth:`after_batch`), the acknowledgement of a batch of grants (:meth:`deliver_granted`)
@@ -541,19 +563,13 @@ cdef class BatchEnd:
     every batch are slots of this base (the server's ``__init__`` sets them as attributes), so
     compiled code reads them without a dictionary lookup."""
 
-    cdef public object table, wal, roles, source, limits, quotas, handlers, revisions, key_revisions, queues
-    cdef public object expiry
-    cdef public GroupCommit commit  # the WAL's group commit (wal.group_commit) ...
-    cdef public object snapshots  # ... and snapshotter (wal.snapshotter)
-    cdef public list dirty
-    cdef public bint in_batch_end
-    cdef public bint batch_end_owed  # a delivery left its flush to the batch end in progress
+    # (its slots are declared in _wire.pxd)
 
-    def after_batch(self):
+    cpdef after_batch(self):
         """The batch end: log and deliver the table's events, re-arm the timer, flush replies."""
         server = <object>self
         table = self.table
-        events = table.drain_events()
+        events = table_drain_events(table)
         if events:
             # grants acknowledged at once (a relaxed fsync mode) are delivered inside this loop and
             # leave their flush to this batch end; what their delivery changes is drained again
@@ -562,11 +578,11 @@ cdef class BatchEnd:
             try:
                 while events:
                     self.process_events(events)
-                    events = table.drain_events()
+                    events = table_drain_events(table)
             finally:
                 self.in_batch_end = outer
-        wal = self.wal
-        commit = self.commit
+        wal = <object>self.wal
+        cdef GroupCommit commit = self.commit
         # at every batch end (key puts make no table events); maybe_snapshot's own first check inline:
         # a snapshot is due from the snapshotter's next LSN or byte count on
         snaps = self.snapshots
@@ -574,15 +590,15 @@ cdef class BatchEnd:
                 and wal.maybe_snapshot(server.snapshot_state)):
             _relog_running(wal, table)
             server.revoke_deadlines.relog(wal, _monotonic_ms())
-        nd = table.next_deadline()
+        nd = table_next_deadline(table)
         expiry = self.expiry
         if nd >= 0 and (expiry.handle is None or nd < expiry.at_ms) and self.roles.expires_leases:
             server._rearm()
-        if table.waiter_count:
+        if table_waiter_count(table):
             self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
         # each collaborator is called only when it has work (its own first check, inline)
-        revisions = self.revisions
-        if revisions.log.pending:
+        cdef RevisionsWire revisions = self.revisions
+        if (<HistoryWire>revisions.log).pending:
             revisions.batch_end()  # the batch's holder changes reach the watchers once committed
         key_revisions = self.key_revisions
         if key_revisions.log.pending:
@@ -593,14 +609,14 @@ cdef class BatchEnd:
         # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
         # (WriteAheadLog.poll's own call)
         commit.poll()
-        dirty = self.dirty
+        cdef list dirty = self.dirty
         if dirty:
-            for conn in dirty:
-                conn.flush()
+            for conn in dirty:  # (only SessionWire.send queues a connection here)
+                (<SessionWire>conn).flush()
             dirty.clear()
         self.batch_end_owed = False
 
-    def process_events(self, list events):
+    cpdef process_events(self, list events):
         """Log and deliver ``events`` (drained from the table by the caller), as a batch end does:
         each fresh grant is logged, recorded for the watchers and counted against its principal,
         and the batch's grants acknowledged (:meth:`acknowledge`); any other event is the
@@ -608,17 +624,18 @@ cdef class BatchEnd:
         if not events:
             return
         server = <object>self
-        wal = self.wal
-        quotas = self.quotas
-        revisions = self.revisions
+        cdef LogAppender wal = self.wal
+        cdef QuotaCounts quotas = self.quotas
+        cdef Event ev
+        cdef RevisionsWire revisions = self.revisions
         queues = self.queues
         grants = None
         for ev in events:
             if ev.kind == _EV_GRANTED:
                 if ev.fresh:
                     meta = ev.meta
-                    wal.log_grant(ev.name, ev.token, ev.owner, ev.ttl_ms, ev.lock_delay_ms, meta[0], meta[1],
-                                  ev.shared, ev.limit)
+                    wal.append_grant(ev.name, ev.token, ev.owner, ev.ttl_ms, ev.lock_delay_ms, meta[0], meta[1],
+                                     ev.shared, ev.limit)
                     revisions.logged(ev.name, "granted", ev.token, meta)
                     quotas.grant_event(ev)
                 if grants is None:
@@ -629,11 +646,11 @@ cdef class BatchEnd:
             else:
                 server._other_event(ev)
         if quotas.ended_early:
-            quotas.batch_done()
+            (<object>quotas).batch_done()
         if grants is not None:
             self.acknowledge(grants)  # once durable (and replicated)
 
-    def acknowledge(self, list grants):
+    cpdef acknowledge(self, list grants):
         """Acknowledge the batch's ``grants`` (``EV_GRANTED`` events, logged) with
         :meth:`deliver_granted` once their records are durable and, under synchronous
         replication, acknowledged by the standby (``source.sync``); a TTL longer than the
@@ -642,30 +659,33 @@ cdef class BatchEnd:
         request's grant delivered within this batch end (``WriteAheadLog.flush_first``)."""
         source = self.source
         sync = source.sync
-        commit = self.wal.group_commit
+        cdef GroupCommit commit = self.commit
         if not source.fencing and not sync.enabled:  # (unpaired, no standby to wait for: the common case below)
             if commit.flush_first():
                 self.deliver_granted(grants)
             else:
-                commit.when_durable(lambda: self.deliver_granted(grants))
+                commit.when_durable(_GrantsDelivery(self, grants))
             return
         ttl_bound = source.ttl
         # unpaired (not fencing): nothing promotes on this primary's silence, no bound (TtlBound.covers's own answer)
-        if not source.fencing or ttl_bound.covers((<object>self).max_ttl_ms):
+        if not source.fencing or ttl_bound.covers(self.max_ttl_ms):
             if sync.enabled:
-                deliver = sync.after(lambda refused=None: self.deliver_granted(grants, refused))
+                deliver = sync.after(_GrantsDelivery(self, grants))
             else:  # (sync.after's own, without a standby)
-                deliver = lambda: self.deliver_granted(grants)
+                deliver = _GrantsDelivery(self, grants)
         else:  # rare: a TTL the standbys may not know yet waits for their word (replication/ttlbound.py)
-            deliver = sync.after(ttl_bound.after(
-                lambda refused=None: self.deliver_granted(grants, refused), max([ev.ttl_ms for ev in grants])))
+            longest = 0
+            for ev in grants:
+                if ev.ttl_ms > longest:
+                    longest = ev.ttl_ms
+            deliver = sync.after(ttl_bound.after(_GrantsDelivery(self, grants), longest))
         # (the group commit's own calls: WriteAheadLog.flush_first's and when_durable's)
         if commit.flush_first():  # relaxed fsync modes: a lone request's grant is written and acked now
             deliver()
         else:  # acked once durable: in a burst, at the end of this turn with everything logged in it
             commit.when_durable(deliver)
 
-    def deliver_granted(self, list grants, refused_by=None):
+    cpdef deliver_granted(self, list grants, refused_by=None):
         """Acknowledge a batch of grants (``EV_GRANTED`` events) once durable - if this node may
         still grant (``refused_by``: the error replication refused them with, or None).
 
@@ -695,9 +715,9 @@ cdef class BatchEnd:
         else:
             self.after_batch()
 
-    def released(self, name, token, meta):
+    cpdef released(self, name, token, meta):
         """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id))."""
-        self.wal.log_release(name, token)
+        self.wal.append_release(name, token)
         self.revisions.logged(name, "released", token, meta)
         handlers = self.handlers
         if handlers.keys.space.by_lease:  # (keys attached to leases go with them)
@@ -711,7 +731,7 @@ cdef class BatchEnd:
 
 cdef object _ANONYMOUS = ANONYMOUS
 cdef object _GRANTED = GRANTED
-cdef object _EV_GRANTED = EV_GRANTED
+cdef int _EV_GRANTED = EV_GRANTED
 
 
 cdef inline _quota_check(object quota, object principal, object have, object adding):
@@ -729,14 +749,14 @@ cdef class QuotaCounts:
     The attributes they read are slots of this base, set by ``PrincipalQuotas.__init__`` and
     ``configure``; the rest (``sync``, ``of``, ``principal_of``) are its Python methods."""
 
-    cdef public object table, usage, delays, waiters, leases, ended_early, _principal_of, _epoch
+    # (its slots are declared in _wire.pxd)
 
-    def check_acquire(self, principal, leases, waiters):
+    cpdef check_acquire(self, principal, leases, waiters):
         """Refuse (:class:`~fastlock.errors.LimitExceeded`, nothing changed) a request of
         ``principal`` (str) that may add ``leases`` leases (int), of which ``waiters`` may
         wait; returns its :class:`~fastlock.server.admission.Usage`."""
         quotas = <object>self
-        if self.table.epoch != self._epoch:
+        if table_epoch(self.table) != self._epoch:
             quotas.sync()
         u = self.usage.get(principal) or quotas.of(principal)
         if waiters:
@@ -750,7 +770,7 @@ cdef class QuotaCounts:
             _quota_check(self.leases, principal, held, leases)
         return u
 
-    def lock_delay_count(self, now):
+    cpdef lock_delay_count(self, now):
         """Lock-delays running at ``now`` (monotonic ms): --max-leases counts them too."""
         delays = self.delays
         if not delays.per_principal:  # (empty exactly when no lock-delay runs)
@@ -758,7 +778,7 @@ cdef class QuotaCounts:
         delays.ended(now)
         return len(delays)
 
-    def acquired(self, u, status, names, last_token):
+    cpdef acquired(self, u, status, names, last_token):
         """Count what an acquire of ``names`` (by ``u``'s principal) created: a lease per
         name granted now (tokens up to ``last_token``, one per name in order), or a
         waiter per name queued."""
@@ -771,7 +791,7 @@ cdef class QuotaCounts:
         elif status == _QUEUED:
             u.waiting += len(names)
 
-    def grant_event(self, ev):
+    cpdef grant_event(self, Event ev):
         """A fresh EV_GRANTED: a waiter's grant moves it from waiting to holding
         (an immediate grant was counted by :meth:`acquired`)."""
         meta = ev.meta
@@ -791,7 +811,7 @@ cdef class QuotaCounts:
             return
         u.leases[token] = ev.name
 
-    def lease_ended(self, token, meta=None, principal=None, name=None):
+    cpdef lease_ended(self, token, meta=None, principal=None, name=None):
         """The lease ``token`` (of lock ``name``, when known) was released, expired or revoked:
         uncount it.  Its principal from ``meta`` (the lease's), else ``principal`` (a likely
         one), else searched among all (principals are few).  With ``name`` a lease sharing its

@@ -44,11 +44,11 @@ from ..replication.messages import standby_address
 from ..replication.syncrep import SYNC_PERMISSIONS
 from ..roles import Action, NodeRole
 from ..units import monotonic_ms
+from ._wire import HandlersWire, ok_nil
 from ._wire import acquire as compiled_acquire
 from ._wire import dispatch as dispatch_request
 from ._wire import enter_acquire as compiled_enter_acquire
 from ._wire import extend as compiled_extend
-from ._wire import ok_nil
 from ._wire import release as compiled_release
 from .edgechase import PERMISSIONS as EDGE_CHASE_PERMISSIONS
 from .edgechase import EdgeChase
@@ -203,9 +203,13 @@ def _why_not_granted(table: LockTable, name: str, now: int, session: int) -> str
     return what
 
 
-class Handlers:
+class Handlers(HandlersWire):
     """The op handler table of ``server``: ``by_op`` maps an op code to
-    ``(handler, fewest, most arguments)``; :meth:`dispatch` runs one request."""
+    ``(handler, fewest, most arguments)``; :meth:`dispatch` runs one request.  The
+    collaborators the lock operations read per request (``server``, ``table``, ``roles``,
+    ``wal``, ``config``, ``source``, ``quotas``, ``watchers``, ``keys``, ``sessions``,
+    ``kinds``, ``by_op``, ``need_by_op``) are slots of its compiled base
+    (:class:`~fastlock.server._wire.HandlersWire`)."""
 
     def __init__(self, server: LockServer, credentials: Credentials):
         self.server = server

@@ -196,10 +196,9 @@ class Session(SessionWire, asyncio.Protocol):
     and ``last_read_ms`` are monotonic milliseconds.
     """
 
-    # (server, session, intake, transport, out, out_bytes, closed, ready, last_read_ms and the last owner
-    # key with its hash: SessionWire's)
-    __slots__ = ("client_name", "peer", "watching", "grant", "recorded", "address", "accepted_ms", "_out_cap",
-                 "waiting", "_drain")
+    # (server, session, intake, transport, out, out_bytes, closed, ready, last_read_ms, grant, recorded and
+    # the last owner key with its hash: SessionWire's)
+    __slots__ = ("client_name", "peer", "watching", "address", "accepted_ms", "_out_cap", "waiting", "_drain")
 
     def __init__(self, server: LockServer, session: int):
         self.server = server

@@ -20,3 +20,12 @@ cdef class SegmentFile:
     cdef public object fill
 
     cpdef bint write_cached(self, Batch batch) except -1
+
+
+# a record's frame and a batch's seal, called by group commit per record and per batch
+cpdef Py_ssize_t append_lease_record(bytearray buf, int kind, str name, long long token, long long wall_ms,
+                                     Py_ssize_t most) except -2
+cpdef Py_ssize_t append_grant_record(bytearray buf, int kind, object name, long long token, bytes owner,
+                                     long long ttl_ms, long long lock_delay_ms, object client_name,
+                                     object correlation_id, long long wall_ms, Py_ssize_t most) except -2
+cpdef seal_batch(bytearray buf, Py_ssize_t last_frame)

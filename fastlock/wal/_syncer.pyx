@@ -286,15 +286,20 @@ cdef inline void _seal_frame(bytearray buf, Py_ssize_t off, Py_ssize_t n) noexce
     _put_u32(p, crc32(0, p + 4, <unsigned int>(n + 4)))
 
 
-def append_lease_record(bytearray buf, int kind, str name not None, long long token, long long wall_ms, Py_ssize_t most):
+cpdef Py_ssize_t append_lease_record(bytearray buf, int kind, str name, long long token, long long wall_ms,
+                                     Py_ssize_t most) except -2:
     """Append the record ``[kind, name, token, wall_ms]`` (a RELEASE's, an EXPIRE's: kind 0..127)
     to ``buf`` as a frame, as :func:`append_frame` does with msgpack's encoding of that list;
     return the frame's offset in ``buf``.
     :raises ValueError: the body is longer than ``most`` bytes (nothing is appended).
-    :raises UnicodeEncodeError: ``name`` has no UTF-8 form (nothing is appended)."""
+    :raises UnicodeEncodeError: ``name`` has no UTF-8 form (nothing is appended).
+    :raises TypeError: ``name`` is None."""
     cdef Py_ssize_t name_n, n, off
-    cdef const char *name_p = PyUnicode_AsUTF8AndSize(name, &name_n)
+    cdef const char *name_p
     cdef unsigned char *p
+    if name is None:
+        raise TypeError("append_lease_record: name must be a str, not None")
+    name_p = PyUnicode_AsUTF8AndSize(name, &name_n)
     n = 2 + _str_head(name_n) + name_n + _int_size(token) + _int_size(wall_ms)
     p = _frame_space(buf, n, most, &off)
     p[0] = 0x94
@@ -307,9 +312,9 @@ def append_lease_record(bytearray buf, int kind, str name not None, long long to
     return off
 
 
-def append_grant_record(bytearray buf, int kind, object name, long long token, bytes owner, long long ttl_ms,
-                        long long lock_delay_ms, object client_name, object correlation_id, long long wall_ms,
-                        Py_ssize_t most):
+cpdef Py_ssize_t append_grant_record(bytearray buf, int kind, object name, long long token, bytes owner,
+                                     long long ttl_ms, long long lock_delay_ms, object client_name,
+                                     object correlation_id, long long wall_ms, Py_ssize_t most) except -2:
     """Append a GRANT record ``[kind, name, token, owner, ttl_ms, lock_delay_ms, client_name,
     correlation_id, wall_ms]`` (``client_name``, ``correlation_id``: str or None) to ``buf`` as a
     frame, as :func:`append_frame` does with msgpack's encoding of that list; return the frame's
@@ -362,7 +367,7 @@ def append_grant_record(bytearray buf, int kind, object name, long long token, b
     return off
 
 
-def seal_batch(bytearray buf, Py_ssize_t last_frame):
+cpdef seal_batch(bytearray buf, Py_ssize_t last_frame):
     """Mark the frames of ``buf`` (one batch, :func:`append_frame`'s frames, the last at offset
     ``last_frame``) as a batch: START on the first frame's length, COMMIT on the last's (one
     frame: both), and recompute those frames' CRC-32, as :mod:`fastlock.wal.format` reads them.

@@ -1,7 +1,7 @@
 # The compiled classes of fastlock/wal/commit.pyx, declared for the modules that reach them
 # with C calls and C field reads (the server's batch end, fastlock/server/_wire.pyx).
 
-from ._syncer cimport SegmentFile
+from ._syncer cimport Batch, SegmentFile
 
 
 cdef class _Pending:
@@ -43,6 +43,11 @@ cdef class GroupCommit:
     cpdef add_grant_record(self, kind, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id,
                            wall_ms)
     cpdef poll(self)
+    cpdef _kick(self, bint concurrent=*)
+    cpdef _io_done(self, Batch batch, bint concurrent=*)
+    cpdef when_durable(self, callback)
+    cpdef bint flush_now(self) except -1
+    cpdef bint flush_first(self) except -1
 
 
 cdef class Reservation:
@@ -54,3 +59,7 @@ cdef class LogAppender:
     cdef public Reservation _counters
     cdef public bint _always
     cdef public bint appending
+
+    cdef int append_grant(self, object name, object token, object owner, object ttl_ms, object lock_delay_ms,
+                   object client_name, object correlation_id, object shared, object limit) except -1
+    cdef int append_release(self, object name, object token) except -1

@@ -29,8 +29,10 @@ from typing import Any
 from ..errors import WalFatal
 from ..tokens import COUNTER_MASK, TOKEN_EPOCH_SHIFT
 from .records import GRANT, RELEASE, RESERVE
-from ._syncer cimport Batch
-from ._syncer import append_frame, append_grant_record, append_lease_record, seal_batch
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize, PyByteArray_GET_SIZE
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from ._syncer cimport Batch, append_grant_record, append_lease_record, seal_batch
+from ._syncer import append_frame
 from .format import MAX_RECORD_BYTES
 
 log = logging.getLogger("fastlock.wal")
@@ -200,7 +202,7 @@ cdef class GroupCommit:
         if pending.buf or pending.fsync_requested:
             self._kick()
 
-    def _kick(self, concurrent: bool = False) -> None:
+    cpdef _kick(self, bint concurrent=False):
         """Hand the pending batch to the writer (at most one in flight); ``concurrent``:
         it formed while a batch was on the thread (never synced on the loop then)."""
         if self._inflight is not None or self.fatal is not None or self.stopped:
@@ -214,9 +216,14 @@ cdef class GroupCommit:
         if buf:
             seal_batch(buf, pending.last_frame)  # batch marks on the first and last frames, their CRCs
         next_lsn = self.next_lsn
-        batch = Batch(bytes(buf), pending.first_lsn, next_lsn - 1, fsync)
+        # (Batch(bytes(buf), first_lsn, last_lsn, fsync), built without Python calls)
+        cdef Batch batch = Batch.__new__(Batch)
+        batch.data = PyBytes_FromStringAndSize(PyByteArray_AS_STRING(buf), PyByteArray_GET_SIZE(buf))
+        batch.first_lsn = pending.first_lsn
+        batch.last_lsn = next_lsn - 1
+        batch.fsync = fsync
         # the next batch starts empty (as a new _Pending would)
-        pending.buf = bytearray()
+        pending.buf = PyByteArray_FromStringAndSize(NULL, 0)
         pending.first_lsn = next_lsn
         pending.last_frame = -1
         pending.fsync = pending.fsync_requested = False
@@ -243,7 +250,7 @@ cdef class GroupCommit:
         # the batch was on the thread: clients wait together, so the next batch goes there too
         self._io_done(batch, concurrent=True)
 
-    def _io_done(self, batch: Batch, concurrent: bool = False) -> None:
+    cpdef _io_done(self, Batch batch, bint concurrent=False):
         self._inflight = None
         if self.fatal is not None or self.stopped:
             return
@@ -331,7 +338,7 @@ cdef class GroupCommit:
             self._timer.cancel()
             self._timer = None
 
-    def when_durable(self, callback: Callable[[], Any]) -> None:
+    cpdef when_durable(self, callback: Callable[[], Any]):
         """See :meth:`fastlock.wal.WriteAheadLog.when_durable`."""
         if self.fatal is not None:
             self.check()
@@ -355,7 +362,7 @@ cdef class GroupCommit:
             self._pending.fsync_requested = True
             self._schedule()
 
-    def flush_now(self) -> bool:
+    cpdef bint flush_now(self) except -1:
         """See :meth:`fastlock.wal.WriteAheadLog.flush_now`."""
         if self.fatal is not None:
             self.check()
@@ -367,7 +374,7 @@ cdef class GroupCommit:
             self._kick()
         return self.fatal is None and self.marks.ack >= self.next_lsn - 1
 
-    def flush_first(self) -> bool:
+    cpdef bint flush_first(self) except -1:
         """See :meth:`fastlock.wal.WriteAheadLog.flush_first`."""
         if self._flushed_in_turn or not self._scheduled:
             return False
@@ -453,6 +460,11 @@ cdef class LogAppender:
         :raises WalFatal: after a failed write/fsync.  :raises TypeError: unencodable field.
         :raises OverflowError: ``token`` beyond 64 bits (nothing logged).
         """
+        self.append_grant(name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id, shared, limit)
+
+    cdef int append_grant(self, object name, object token, object owner, object ttl_ms, object lock_delay_ms,
+                   object client_name, object correlation_id, object shared, object limit) except -1:
+        """:meth:`log_grant`, a C call for the batch end (``fastlock.server._wire.BatchEnd``)."""
         cdef Reservation c = self._counters
         cdef long long t = token
         cdef long long counter = t & _COUNTER_MASK
@@ -473,11 +485,17 @@ cdef class LogAppender:
                                              correlation_id, _wall_ms())):
             self._append([_GRANT, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id,
                           _wall_ms()])
+        return 0
 
     def log_release(self, name, token):
         """Log that the holder with ``token`` (int) released ``name`` (str)."""
+        self.append_release(name, token)
+
+    cdef int append_release(self, object name, object token) except -1:
+        """:meth:`log_release`, a C call for a release's bookkeeping (``BatchEnd.released``)."""
         cdef GroupCommit commit = self._commit
         if commit.fatal is None and self.appending and type(name) is str:  # encoded in C
             commit.add_lease_record(_RELEASE, name, token, _wall_ms())
         else:
             self._append([_RELEASE, name, token, _wall_ms()])
+        return 0

@@ -1,0 +1,35 @@
+# The compiled classes of fastlock/server/_watchlog.pyx, declared for the server's batch end
+# (fastlock/server/_wire.pyx), which records and publishes holder changes by C calls.
+
+from ..wal.commit cimport GroupCommit
+
+
+cdef class HistoryWire:
+    cdef public Py_ssize_t limit
+    cdef public object changes
+    cdef public dict by_name
+    cdef public object pending
+    cdef public object floor
+    cdef public object published
+
+    cpdef record(self, object rev, object name, object what, object token, object meta, bint published=*)
+    cpdef list publish(self, object upto)
+
+
+cdef class CommittedWire:
+    cdef public object server
+    cdef public object log
+    cdef public Py_ssize_t revision_at
+    cdef public GroupCommit commit
+    cdef public object scheduled
+
+    cpdef bint listening(self)
+    cpdef bint deliver(self, list changes)
+    cpdef batch_end(self)
+    cpdef _publish(self, object upto, object refused=*, bint flush=*)
+
+
+cdef class RevisionsWire(CommittedWire):
+    cdef public object registry
+
+    cpdef logged(self, object name, object what, object token, object meta)

@@ -1,0 +1,68 @@
+# The compiled classes of fastlock/server/_wire.pyx: a connection's input and replies, the op
+# handlers' collaborators, the batch end and the quota counts.  Each one's collaborators are
+# typed slots, so the request path reads them and calls their compiled methods by C calls.
+
+from .._core cimport Event
+from ..wal.commit cimport GroupCommit, LogAppender
+from ._watchlog cimport CommittedWire, HistoryWire, RevisionsWire
+
+cdef class BatchEnd
+
+
+cdef class QuotaCounts:
+    cdef public object table, usage, delays, waiters, leases, ended_early, _principal_of, _epoch
+
+    cpdef check_acquire(self, principal, leases, waiters)
+    cpdef lock_delay_count(self, now)
+    cpdef acquired(self, u, status, names, last_token)
+    cpdef grant_event(self, Event ev)
+    cpdef lease_ended(self, token, meta=*, principal=*, name=*)
+
+
+cdef class HandlersWire:
+    cdef public BatchEnd server
+    cdef public object table, roles, config, source, watchers, keys, sessions, kinds
+    cdef public LogAppender wal
+    cdef public QuotaCounts quotas
+    cdef public dict by_op, need_by_op
+
+
+cdef class SessionWire:
+    cdef public BatchEnd server
+    cdef public object session
+    cdef public object intake
+    cdef public object transport
+    cdef public list out
+    cdef public Py_ssize_t out_bytes
+    cdef public bint closed
+    cdef public bint ready
+    cdef public object last_read_ms
+    cdef public object grant  # the principal the connection authenticated as (auth.Principal) ...
+    cdef public object recorded  # ... and what its grants record as their client
+    cdef object owner_key  # the last owner key received (None: none yet) ...
+    cdef bytes owner_hashed  # ... and its hash
+
+    cpdef bytes owner_hash(self, object owner)
+    cpdef flush(self)
+    cpdef send(self, object data)
+
+
+cdef class BatchEnd:
+    cdef public object table, roles, source, limits, queues
+    cdef public RevisionsWire revisions  # the lock watches' history (watchlog.Revisions) ...
+    cdef public CommittedWire key_revisions  # ... and the key watches' (keyrevisions.KeyRevisions)
+    cdef public object expiry, reclaim, node_state, max_ttl_ms
+    cdef public LogAppender wal
+    cdef public QuotaCounts quotas
+    cdef public HandlersWire handlers
+    cdef public GroupCommit commit  # the WAL's group commit (wal.group_commit) ...
+    cdef public object snapshots  # ... and snapshotter (wal.snapshotter)
+    cdef public list dirty
+    cdef public bint in_batch_end
+    cdef public bint batch_end_owed  # a delivery left its flush to the batch end in progress
+
+    cpdef after_batch(self)
+    cpdef process_events(self, list events)
+    cpdef acknowledge(self, list grants)
+    cpdef deliver_granted(self, list grants, refused_by=*)
+    cpdef released(self, name, token, meta)
