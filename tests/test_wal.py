@@ -1160,6 +1160,40 @@ async def test_always_mode_fsyncs_only_batches_someone_waits_for(tmp_path):
         await wal.close()
 
 
+async def test_when_durable_later_rides_on_a_sync_asked_for_by_others(tmp_path):
+    """``always``: a when_durable_later callback asks for no fsync of its own; it runs after the
+    next sync a when_durable waiter (or request_sync) asks for, in LSN order with the others."""
+    from fastlock.wal import WriteAheadLog
+
+    wal = WriteAheadLog(str(tmp_path / "w"), fsync="always", fsync_interval_ms=60_000)
+    wal.open()
+    wal.start(asyncio.get_running_loop())
+    try:
+        ran: list[str] = []
+        wal.log_release("a", 1)
+        later = asyncio.Event()
+        wal.when_durable_later(lambda: (ran.append("later"), later.set()))
+        before = wal.stats()
+        await wal_written(wal, before["last_lsn"])
+        assert wal.stats()["fsyncs"] == before["fsyncs"] and not ran  # written, not synced, not run
+        wal.log_grant("a", 2, b"o" * 16, 1000, 0, None, None)
+        done = asyncio.Event()
+        wal.when_durable(lambda: (ran.append("grant"), done.set()))
+        await asyncio.wait_for(done.wait(), 5)
+        assert ran == ["later", "grant"] and wal.stats()["fsyncs"] == before["fsyncs"] + 1
+        # with nothing else to sync for, request_sync does it
+        wal.log_release("a", 2)
+        later.clear()
+        wal.when_durable_later(lambda: (ran.append("later"), later.set()))
+        await wal_written(wal, wal.stats()["last_lsn"])
+        assert ran == ["later", "grant"]
+        wal.request_sync()
+        await asyncio.wait_for(later.wait(), 5)
+        assert wal.stats()["durable_lsn"] == wal.stats()["last_lsn"]
+    finally:
+        await wal.close()
+
+
 async def wal_written(wal, lsn: int, timeout: float = 5.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout

@@ -26,6 +26,7 @@ cdef class CommittedWire:
     cpdef bint listening(self)
     cpdef bint deliver(self, list changes)
     cpdef batch_end(self)
+    cpdef listener_added(self)
     cpdef _publish(self, object upto, object refused=*, bint flush=*)
 
 

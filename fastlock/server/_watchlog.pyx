@@ -111,15 +111,30 @@ cdef class CommittedWire:
             return
         self.scheduled = upto
         sync = self.server.source.sync
-        # (self.commit.when_durable: WriteAheadLog.when_durable's own call)
         if sync.enabled:
-            self.commit.when_durable(sync.after(_Publication(self, upto)))
+            deliver = sync.after(_Publication(self, upto))
         elif upto & _COUNTER_MASK <= self.commit.marks.ack:
             # already durable (a relaxed fsync mode wrote this batch at once): published in this
             # batch end, whose flush sends the pushes
             self._publish(upto, None, False)
+            return
         else:
-            self.commit.when_durable(_Publication(self, upto))
+            deliver = _Publication(self, upto)
+        # (WriteAheadLog.when_durable's and when_durable_later's own calls)
+        if self.listening():
+            self.commit.when_durable(deliver)  # a watcher waits: the batch is synced for it
+        else:
+            # nobody to push to: published by the next sync anyone asks for (a release in
+            # ``always`` costs no fdatasync of its own); listener_added asks for it
+            self.commit.when_durable_later(deliver)
+
+    cpdef listener_added(self):
+        """A watcher was added: the changes scheduled for publication while nobody listened
+        (:meth:`batch_end`, without a sync of their own) get their sync now (``always``; in the
+        relaxed modes they are published once written)."""
+        commit = self.commit
+        if commit.always and self.scheduled & _COUNTER_MASK > commit.marks.ack:
+            commit.request_sync()
 
     cpdef _publish(self, object upto, object refused=None, bint flush=True):
         changes = self.log.publish(upto)

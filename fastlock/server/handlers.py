@@ -520,6 +520,7 @@ class Handlers(HandlersWire):
             quotas.count_watches(conn, 1)
         conn.watching.add(name)
         self.watches.add(conn, name, start)
+        self.server.revisions.listener_added()  # changes published without a watcher get their sync
 
     def op_unwatch(self, conn: Session, req_id: int, msg: list) -> None:
         name = P.check_name(msg[2])

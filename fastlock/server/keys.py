@@ -419,6 +419,7 @@ class KeyStore:
             quotas.count_watches(conn, 1)
             mine.add(prefix)
             self.watchers.setdefault(prefix, set()).add(conn)
+            server.key_revisions.listener_added()  # changes published without a watcher get their sync
 
     def op_unwatch(self, conn: Session, req_id: int, msg: list) -> None:
         prefix = check_prefix(msg[2])

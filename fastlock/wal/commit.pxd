@@ -31,6 +31,7 @@ cdef class GroupCommit:
     cdef bint _flushed_in_turn
     cdef object _inflight
     cdef object _waiters
+    cdef Py_ssize_t _forcing
     cdef list _sync_waiters
     cdef public list listeners
     cdef public list progress
@@ -46,6 +47,7 @@ cdef class GroupCommit:
     cpdef _kick(self, bint concurrent=*)
     cpdef _io_done(self, Batch batch, bint concurrent=*)
     cpdef when_durable(self, callback)
+    cpdef when_durable_later(self, callback)
     cpdef bint flush_now(self) except -1
     cpdef bint flush_first(self) except -1
 

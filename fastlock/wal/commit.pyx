@@ -111,7 +111,9 @@ cdef class GroupCommit:
         self._scheduled = False  # _kick_soon is scheduled on the loop (and has not run yet)
         self._flushed_in_turn = False  # flush_first wrote in this loop turn
         self._inflight = None
-        self._waiters = collections.deque()  # (lsn, callback)
+        self._waiters = collections.deque()  # (lsn, callback, forcing), in LSN order
+        #: the waiters in ``_waiters`` that ask for a sync (``when_durable``'s; ``when_durable_later``'s do not)
+        self._forcing = 0
         self._sync_waiters = []  # (lsn, future) resolved when synced >= lsn
         self.listeners = []
         self.progress = []  # fn(written_lsn, synced_lsn) after every batch (see add_progress_listener)
@@ -212,7 +214,7 @@ cdef class GroupCommit:
         if not buf and not pending.fsync_requested:
             return
         fsync = (pending.fsync or pending.fsync_requested
-                or (self.always and bool(buf) and (bool(self._waiters) or bool(self._sync_waiters))))
+                or (self.always and bool(buf) and (self._forcing > 0 or bool(self._sync_waiters))))
         if buf:
             seal_batch(buf, pending.last_frame)  # batch marks on the first and last frames, their CRCs
         next_lsn = self.next_lsn
@@ -232,7 +234,7 @@ cdef class GroupCommit:
         # (an fsync, or a rotation, which fsyncs); a write() to the page cache is done
         # here, so the relaxed modes acknowledge in the same loop turn.
         io = self.io
-        waiters = len(self._waiters) + len(self._sync_waiters)
+        waiters = self._forcing + len(self._sync_waiters)  # (the clients waiting for this batch's sync)
         lone = (self.adaptive and not concurrent and waiters <= 1 and self._last_waiters <= 1
                 and io.seg_size < io.segment_bytes)  # (no rotation due)
         self._last_waiters = waiters
@@ -274,7 +276,10 @@ cdef class GroupCommit:
             owner.in_batch_end = True
         try:
             while waiters and waiters[0][0] <= ack:
-                cb = waiters.popleft()[1]
+                entry = waiters.popleft()
+                if entry[2]:
+                    self._forcing -= 1
+                cb = entry[1]
                 try:
                     cb()
                 except Exception as exc:  # noqa: BLE001 - reported; the other waiters still run
@@ -317,6 +322,7 @@ cdef class GroupCommit:
         self.fatal = exc
         self._inflight = None
         self._waiters.clear()  # never acknowledged
+        self._forcing = 0
         self._cancel_timer()
         for _lsn, fut in self._sync_waiters:
             if not fut.done():
@@ -346,10 +352,29 @@ cdef class GroupCommit:
         if lsn <= self.marks.ack and not self._waiters and self.loop is not None:
             self.loop.call_soon(callback)
         else:
-            self._waiters.append((lsn, callback))
+            self._waiters.append((lsn, callback, True))
+            self._forcing += 1
             if self.always and lsn > self.marks.synced:
                 self._pending.fsync_requested = True  # the records may be written already, unsynced
                 self._schedule()
+
+    cpdef when_durable_later(self, callback: Callable[[], Any]):
+        """:meth:`when_durable` without asking for a sync: ``callback()`` runs on the loop once
+        the records logged so far are durable, by the next sync something else asks for -- a
+        :meth:`when_durable` waiter's batch, :meth:`request_sync`, :meth:`await_synced`, the
+        interval timer (``interval_ms``, at the latest) or the close.  In the relaxed modes, as
+        :meth:`when_durable`, once they are written.  For callbacks nobody waits on (the
+        publication of a change history no watcher listens to): they cost no ``fdatasync``.
+
+        :raises WalFatal: the log failed earlier (the callback is not kept).
+        """
+        if self.fatal is not None:
+            self.check()
+        lsn = self.next_lsn - 1
+        if lsn <= self.marks.ack and not self._waiters and self.loop is not None:
+            self.loop.call_soon(callback)
+        else:
+            self._waiters.append((lsn, callback, False))
 
     cpdef poll(self):
         """See :meth:`fastlock.wal.WriteAheadLog.poll`."""
@@ -421,6 +446,7 @@ cdef class GroupCommit:
         self._cancel_timer()
         if drop:
             self._waiters.clear()
+            self._forcing = 0
             self._pending = _Pending(self.next_lsn)
         self.stopped = True
         self.io.stop(trim=not drop and self.fatal is None)

@@ -320,6 +320,16 @@ class WriteAheadLog(LogAppender):
         """
         self._commit.when_durable(callback)
 
+    def when_durable_later(self, callback: Callable[[], Any]) -> None:
+        """:meth:`when_durable` without asking for a sync: ``callback()`` runs once the records
+        logged so far are durable by a sync something else asks for (a :meth:`when_durable`
+        waiter's batch, :meth:`request_sync`, the interval timer -- ``fsync_interval_ms`` at the
+        latest -- or the close); in the relaxed modes once they are written.  For a callback
+        nobody waits on: it costs no ``fdatasync`` of its own.
+        :raises WalFatal: after a failed write/fsync.
+        """
+        self._commit.when_durable_later(callback)
+
     def poll(self) -> None:
         """Acknowledge a batch the writer thread has finished, now rather than at the loop's
         next turn: its ``when_durable`` callbacks run inside this call, and the batch logged

@@ -1,0 +1,115 @@
+"""How many ``fdatasync`` calls a durable (``--fsync always``) lock costs the server.
+
+A grant is acknowledged only once its record is durable, so each acquire that is
+answered alone costs one sync.  A release, an expiry and the publication of a
+holder change to the watch history wait for nobody: their records ride on the
+next sync (a grant's, the interval timer's), unless a watcher listens, whose
+pushes then get a sync of their own.  Real ``fastlock serve`` processes; the
+interval timer is set to 60 s, so a sync a test sees was asked for by a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import fastlock
+from fastlock._testbase.cluster import RawNode, poll, run
+from fastlock.protocol.ops import OP_WATCH_FROM, PUSH_WATCH_REV
+
+#: the interval timer's period (milliseconds): longer than any test here
+QUIET_TIMER = ["--fsync-interval-ms", "60000"]
+PAIRS = 40
+
+
+async def _fsyncs(client: fastlock.Client) -> int:
+    return (await client.status())["wal"]["fsyncs"]
+
+
+def test_an_acquire_and_release_pair_costs_one_fdatasync(server_factory):
+    """Nobody watches: each pair's release is written and synced by the next grant's batch."""
+    server = server_factory(fsync="always", args=QUIET_TIMER)
+
+    async def main() -> None:
+        async with fastlock.connect(server.address) as c:
+            await c.release(await c.acquire("pair", ttl=10.0))
+            before = await _fsyncs(c)
+            for _ in range(PAIRS):
+                await c.release(await c.acquire("pair", ttl=10.0))
+            assert await _fsyncs(c) - before == PAIRS
+            st = await c.status()
+            # the last release is written, not synced, and its change waits for that sync to be published
+            assert st["wal"]["written_lsn"] == st["wal"]["last_lsn"] > st["wal"]["durable_lsn"]
+            assert st["watch_history"]["pending"] == 1
+
+    run(main())
+
+
+def test_a_watched_release_is_synced_and_pushed_at_once(server_factory):
+    """A watcher listens: the release's change is published without waiting for the timer."""
+    server = server_factory(fsync="always", args=QUIET_TIMER)
+
+    async def main() -> None:
+        async with fastlock.connect(server.address) as c, fastlock.connect(server.address) as w:
+            seen: list[str] = []
+            changed = asyncio.Event()
+            started = asyncio.Event()
+
+            async def watch() -> None:
+                async for event in w.watch("watched"):
+                    started.set()
+                    if event.kind in ("granted", "released"):
+                        seen.append(event.kind)
+                        changed.set()
+
+            task = asyncio.ensure_future(watch())
+            try:
+                await asyncio.wait_for(started.wait(), 10)  # (the watch's first event: the holder now)
+                for _ in range(3):
+                    await c.release(await c.acquire("watched", ttl=10.0))
+                while seen.count("released") < 3:
+                    changed.clear()
+                    await asyncio.wait_for(changed.wait(), 10)
+                assert seen == ["granted", "released"] * 3
+                st = await c.status()
+                assert st["watch_history"]["pending"] == 0 and st["wal"]["durable_lsn"] == st["wal"]["last_lsn"]
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    run(main())
+
+
+def test_a_watch_added_later_gets_the_unsynced_change_at_once(server_factory):
+    """A release nobody watched waits for a sync; a watch resumed from before it asks for that
+    sync, and hears the release without waiting for the timer."""
+    server = server_factory(fsync="always", args=QUIET_TIMER)
+
+    async def main() -> None:
+        async with fastlock.connect(server.address) as c:
+            origin = (await c.status())["watch_history"]["revision"]
+            lease = await c.acquire("late", ttl=10.0)
+            token = lease.fencing_token
+            await c.release(lease)
+            st = await c.status()
+            assert st["watch_history"]["pending"] == 1  # the release, not synced yet
+            pushes: list[list] = []
+            released = asyncio.Event()
+
+            def on_push(kind: int, payload: list) -> None:
+                if kind == PUSH_WATCH_REV:
+                    pushes.append(payload)
+                    if payload[1] == "released":
+                        released.set()
+
+            node = await RawNode.open(server.address, on_push=on_push)
+            try:
+                await node.request(OP_WATCH_FROM, "late", origin)
+                await asyncio.wait_for(released.wait(), 10)  # (the timer would take 60 s)
+                assert [(p[1], p[2]) for p in pushes] == [("granted", token), ("released", token)]
+                st = await poll(c.status, lambda st: st["watch_history"]["pending"] == 0, timeout=10,
+                                what="the release published")
+                assert st["wal"]["durable_lsn"] == st["wal"]["last_lsn"]
+            finally:
+                await node.close()
+
+    run(main())
