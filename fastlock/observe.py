@@ -140,34 +140,39 @@ class Observer:
 
     # -- leases -------------------------------------------------------------------------------
     def _wrap_wal(self, wal: Any) -> None:
-        clock = time.perf_counter
-        pending = self.pending
-        granted_at = self.granted_at
-        ttl_hist = self.time_to_acquire
-        hold = self.hold
-        log_grant, log_release, log_expire, log_revoke = wal.log_grant, wal.log_release, wal.log_expire, wal.log_revoke
+        """Time each lease from its grant's record to its release's, expiry's or revocation's: the
+        log's compiled appends call :meth:`granted` and :meth:`ended` (its ``lease_observer``), and
+        ``log_expire`` / ``log_revoke`` are wrapped."""
+        wal.lease_observer = self
+        ended = self.ended
+        log_expire, log_revoke = wal.log_expire, wal.log_revoke
 
-        def grant(name: str, token: int, owner: bytes, *rest: Any) -> None:
-            log_grant(name, token, owner, *rest)
-            now = clock()
-            arrived = pending.pop((name, owner), None)
-            if arrived is not None:
-                ttl_hist.observe(now - arrived)
-            if len(granted_at) < _MAX_GRANTED:
-                granted_at[(name, token)] = now
+        def expired(name: str, token: int, *rest: Any) -> None:
+            log_expire(name, token, *rest)
+            ended(name, token)
 
-        def ended(log: Callable) -> Callable:
-            def end(name: str, token: int, *rest: Any) -> None:
-                log(name, token, *rest)
-                since = granted_at.pop((name, token), None)
-                if since is not None:
-                    hold.observe(clock() - since)
-            return end
+        def revoked(name: str, token: int, *rest: Any) -> None:
+            log_revoke(name, token, *rest)
+            ended(name, token)
 
-        wal.log_grant = grant
-        wal.log_release = ended(log_release)
-        wal.log_expire = ended(log_expire)
-        wal.log_revoke = ended(log_revoke)
+        wal.log_expire = expired
+        wal.log_revoke = revoked
+
+    def granted(self, name: str, token: int, owner: bytes) -> None:
+        """A grant of ``name`` with ``token`` to the owner key hash ``owner`` was logged: its time
+        to acquire (from the request's arrival) is observed and its hold starts."""
+        now = time.perf_counter()
+        arrived = self.pending.pop((name, owner), None)
+        if arrived is not None:
+            self.time_to_acquire.observe(now - arrived)
+        if len(self.granted_at) < _MAX_GRANTED:
+            self.granted_at[(name, token)] = now
+
+    def ended(self, name: str, token: int) -> None:
+        """The lease of ``name`` with ``token`` ended (released, expired, revoked): its hold is observed."""
+        since = self.granted_at.pop((name, token), None)
+        if since is not None:
+            self.hold.observe(time.perf_counter() - since)
 
     # -- once per refresh -------------------------------------------------------------------
     def refresh(self) -> None:

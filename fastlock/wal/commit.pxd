@@ -61,6 +61,7 @@ cdef class LogAppender:
     cdef public Reservation _counters
     cdef public bint _always
     cdef public bint appending
+    cdef public object lease_observer
 
     cdef int append_grant(self, object name, object token, object owner, object ttl_ms, object lock_delay_ms,
                    object client_name, object correlation_id, object shared, object limit) except -1

@@ -60,6 +60,7 @@ class LogAppender:
     _counters: Reservation
     _always: bool
     appending: bool
+    lease_observer: Any
     def _append(self, rec: list, fsync: bool = False) -> None: ...
     def log_grant(self, name: str, token: int, owner: bytes, ttl_ms: int, lock_delay_ms: int,
                   client_name: str | None, correlation_id: str | None, shared: bool = False,

@@ -471,7 +471,10 @@ cdef class LogAppender:
     :class:`Reservation`; ``_always``: ``fsync="always"``; ``appending``: the log is open
     (recovered, not closed).  A record these do not encode in C (a shared lease's, a
     semaphore permit's, a field of another type) and every error go through the log's
-    ``_append``, as every other record does."""
+    ``_append``, as every other record does.  ``lease_observer``: None, or an object whose
+    ``granted(name, token, owner)`` and ``ended(name, token)`` are called after each grant and
+    release logged here (the metrics' hold and time-to-acquire histograms,
+    :mod:`fastlock.observe`)."""
 
 
     def log_grant(self, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id,
@@ -511,6 +514,8 @@ cdef class LogAppender:
                                              correlation_id, _wall_ms())):
             self._append([_GRANT, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id,
                           _wall_ms()])
+        if self.lease_observer is not None:
+            self.lease_observer.granted(name, token, owner)
         return 0
 
     def log_release(self, name, token):
@@ -524,4 +529,6 @@ cdef class LogAppender:
             commit.add_lease_record(_RELEASE, name, token, _wall_ms())
         else:
             self._append([_RELEASE, name, token, _wall_ms()])
+        if self.lease_observer is not None:
+            self.lease_observer.ended(name, token)
         return 0
