@@ -48,6 +48,7 @@ cdef class GroupCommit:
     cpdef _io_done(self, Batch batch, bint concurrent=*)
     cpdef when_durable(self, callback)
     cpdef when_durable_later(self, callback)
+    cdef bint _keep_waiter(self, object callback, bint forcing) except -1
     cpdef bint flush_now(self) except -1
     cpdef bint flush_first(self) except -1
 

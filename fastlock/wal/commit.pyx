@@ -346,15 +346,9 @@ cdef class GroupCommit:
 
     cpdef when_durable(self, callback: Callable[[], Any]):
         """See :meth:`fastlock.wal.WriteAheadLog.when_durable`."""
-        if self.fatal is not None:
-            self.check()
-        lsn = self.next_lsn - 1
-        if lsn <= self.marks.ack and not self._waiters and self.loop is not None:
-            self.loop.call_soon(callback)
-        else:
-            self._waiters.append((lsn, callback, True))
+        if self._keep_waiter(callback, True):
             self._forcing += 1
-            if self.always and lsn > self.marks.synced:
+            if self.always and self.next_lsn - 1 > self.marks.synced:
                 self._pending.fsync_requested = True  # the records may be written already, unsynced
                 self._schedule()
 
@@ -368,13 +362,20 @@ cdef class GroupCommit:
 
         :raises WalFatal: the log failed earlier (the callback is not kept).
         """
+        self._keep_waiter(callback, False)
+
+    cdef bint _keep_waiter(self, object callback, bint forcing) except -1:
+        """Run ``callback`` soon if the records logged so far are durable and no waiter is ahead,
+        else keep it with their last LSN (``forcing``: its batch asks for a sync).  Returns
+        whether it was kept.  :raises WalFatal: the log failed earlier."""
         if self.fatal is not None:
             self.check()
         lsn = self.next_lsn - 1
         if lsn <= self.marks.ack and not self._waiters and self.loop is not None:
             self.loop.call_soon(callback)
-        else:
-            self._waiters.append((lsn, callback, False))
+            return False
+        self._waiters.append((lsn, callback, forcing))
+        return True
 
     cpdef poll(self):
         """See :meth:`fastlock.wal.WriteAheadLog.poll`."""
