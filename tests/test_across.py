@@ -103,6 +103,14 @@ def replies(peer: Raw, *rids: int) -> dict:
     return got
 
 
+def read_before(peer: Raw) -> None:
+    """Wait until the server has read every request ``peer`` sent so far (a PING's reply comes
+    after them on its connection), so that another peer's question sees their effect.  Only
+    after requests that wait (their replies come later)."""
+    reply = peer.call(P.OP_PING)
+    assert reply is not None and reply[1] == 0, reply
+
+
 def contenders(peer: Raw, name: str) -> dict:
     reply = peer.call(P.OP_CONTENDERS, name)
     assert reply[1] == 0, reply
@@ -180,6 +188,7 @@ def test_a_committed_part_an_older_holder_and_a_plain_lease_are_waited_on(server
         # committed: an older reservation waits for it (no wound)
         second_owner = os.urandom(16)
         rid = reserve(second, ["a/1"], stamp - 20_000, b"m2", wait_ms=30_000, owner=second_owner)
+        read_before(second)
         assert len(contenders(look, "a/1")["waiters"]) == 1
         assert holder_token(look, "a/1") == token
         assert first.call(P.OP_RELEASE, "a/1", token, owner)[1] == 0
@@ -188,6 +197,7 @@ def test_a_committed_part_an_older_holder_and_a_plain_lease_are_waited_on(server
         second_token = reply[2][0][0]
         # an older holder (uncommitted): a younger one waits for it
         rid = reserve(third, ["a/1"], stamp, b"m3", wait_ms=30_000)
+        read_before(third)
         assert len(contenders(look, "a/1")["waiters"]) == 1
         assert error_of(third.call(OP_COMMIT_RESERVATION, b"m3"))[0] == InvalidArgument.code  # not granted yet
         assert second.call(OP_COMMIT_RESERVATION, b"m2")[1] == 0
@@ -195,8 +205,8 @@ def test_a_committed_part_an_older_holder_and_a_plain_lease_are_waited_on(server
         plain_owner = os.urandom(16)
         assert look.call(P.OP_ACQUIRE, "a/9", plain_owner, TTL_MS, 0, 0, None)[1] == 0
         rid9 = reserve(first, ["a/9"], stamp - 30_000, b"m4", wait_ms=30_000)
+        read_before(first)
         assert len(contenders(look, "a/9")["waiters"]) == 1
-        assert first.call(P.OP_PING)[1] == 0
         plain = holder_token(look, "a/9")
         assert look.call(P.OP_RELEASE, "a/9", plain, plain_owner)[1] == 0
         assert reply_to(first, rid9)[1] == 0
@@ -214,6 +224,7 @@ def test_an_older_arrival_wounds_a_younger_waiting_ahead_of_it(server):
         assert look.call(P.OP_ACQUIRE, "a/1", plain_owner, TTL_MS, 0, 0, None)[1] == 0
         stamp = now_ms()
         rid_young = reserve(young, ["a/1", "a/2"], stamp, b"young", wait_ms=30_000)
+        read_before(young)
         assert len(contenders(look, "a/1")["waiters"]) == 1
         rid_old = reserve(old, ["a/1"], stamp - 5_000, b"old", wait_ms=30_000)
         pushes: list = []
@@ -351,6 +362,7 @@ def test_a_parked_reservations_grant_counts_its_time_parked_in_the_wait_it_repor
         assert look.call(P.OP_ACQUIRE, "a/1", plain_owner, TTL_MS, 0, 0, None)[1] == 0
         stamp = now_ms()
         rid_old = reserve(old, ["a/1", "a/2"], stamp - 5_000, b"old", wait_ms=30_000, owner=old_owner)
+        read_before(old)
         assert len(contenders(look, "a/2")["waiters"]) == 1
         sent = time.monotonic()
         rid_young = reserve(young, ["a/2"], stamp, b"young", wait_ms=30_000)
@@ -835,6 +847,7 @@ def test_reservations_that_waited_before_the_queue_and_ended_leave_the_principal
         assert look.call(P.OP_ACQUIRE, "a/1", plain_owner, TTL_MS, 0, 0, None)[1] == 0
         stamp = now_ms()
         rid_old = reserve(old, ["a/1"], stamp - 5_000, b"old", wait_ms=60_000)
+        read_before(old)
         assert len(contenders(look, "a/1")["waiters"]) == 1
         for i in range(MAX_RESERVATIONS_PER_PRINCIPAL + 5):
             reply = reply_to(young, reserve(young, ["a/1"], stamp, f"y{i}".encode(), wait_ms=1))
