@@ -123,6 +123,12 @@ RELOG_PART = 20
 SETTLE_RETRY_S = 1.0
 
 
+def _epoch_above(floors: list[tuple[int, int, int]]) -> int:
+    """The epoch after the highest of ``floors``' (``(first, last, floor)``): every token issued
+    in it is above each floor."""
+    return max(epoch_of(floor) for _first, _last, floor in floors) + 1
+
+
 def held_share(single_principal: bool, anonymous_divisor: int) -> Quota:
     """Each principal's share of the :data:`MAX_HELD` requests held for moving slots: a quarter
     (:func:`fastlock.server.shares.default_share`), the anonymous principal's a further
@@ -428,7 +434,7 @@ class ShardGate:
             if self.owed_any:
                 self._set_owed([])
             return
-        epoch = max(epoch_of(floor) for _first, _last, floor in owed) + 1
+        epoch = _epoch_above(owed)
         runs = [[first, last] for first, last, _floor in owed[:INFO_RUNS]]
         if server.handlers.slot_moves.raise_floor_now(make_token(epoch, 0)):
             self._set_owed(owed)
@@ -455,7 +461,7 @@ class ShardGate:
                 owed = self.floors_above(server.table.last_token)
                 if not owed:
                     break
-                epoch = max(epoch_of(floor) for _first, _last, floor in owed) + 1
+                epoch = _epoch_above(owed)
                 arbiter = moves.arbiter()
                 try:
                     adopted = await arbiter.adopt_epoch_above(epoch) if arbiter is not None else epoch
