@@ -146,9 +146,9 @@ def test_merge_probes():
 # --------------------------------------------------------------------------- verdicts
 
 def test_goals_table_is_well_formed():
-    assert len({g.key for g in goals.GOALS}) == len(goals.GOALS)
-    assert all(g.op in goals.OPS and g.need > 0 for g in goals.GOALS)
-    assert all(v["verdict"] != "N/A" for v in goals.verdicts(make_payload()))   # every figure name resolves
+    assert len({g.key for g in goals.ALL_GOALS}) == len(goals.ALL_GOALS)
+    assert all(g.op in goals.OPS and g.need > 0 for g in goals.ALL_GOALS)
+    assert all(v["verdict"] != "N/A" for v in goals.verdicts(make_payload(), goals.ALL_GOALS))  # names resolve
 
 
 def test_every_goal_passes_on_figures_that_meet_it():
@@ -188,6 +188,33 @@ def test_a_missing_system_or_probe_gives_no_verdict():
     assert vs["w2-always-vs-pg"]["verdict"] == "N/A"
     assert vs["w2-always-vs-pg"]["missing"] == [f"{goals.POSTGRES}/W2/pairs_per_s"]
     assert vs["w2-never-vs-redis"]["verdict"] == "PASS"
+
+
+def test_compiled_path_goals_pass_and_fail_at_their_bounds():
+    # W3: never 800/s is 1,250 µs per hand-off; + a 150 µs probe = 1,400 µs; / 0.97 = 1,443.3 µs = 692.9/s
+    p = make_payload(never_w1=110.0, never_w2=30_000.0, pg_w2=15_000.0, never_w3=800.0, always_w3=693.0)
+    vs = by_key(goals.verdicts(p, goals.ALL_GOALS))
+    assert [v["key"] for v in goals.verdicts(p, goals.ALL_GOALS)] == [g.key for g in goals.ALL_GOALS]
+    assert vs["w1-never-vs-echo"]["verdict"] == "PASS"              # 110 <= 1.1 × 121
+    assert vs["w2-never-vs-echo"]["verdict"] == "PASS"              # 30,000 >= 0.8 × 29,572
+    assert vs["w2-never-vs-pg"]["verdict"] == "PASS" and vs["w2-never-vs-pg"]["ratio"] == pytest.approx(2.0)
+    w3 = vs["w3-always-one-sync"]
+    assert w3["lhs"]["value"] == pytest.approx(1e6 / 693) and w3["rhs_value"] == pytest.approx(1_400.0)
+    assert w3["verdict"] == "PASS"
+    vs = by_key(goals.verdicts(make_payload(never_w1=134.0, never_w2=23_000.0, pg_w2=12_000.0, never_w3=800.0,
+                                            always_w3=692.0), goals.ALL_GOALS))
+    assert {k: vs[k]["verdict"] for k in ("w1-never-vs-echo", "w2-never-vs-echo", "w2-never-vs-pg",
+                                          "w3-always-one-sync")} == dict.fromkeys(
+        ("w1-never-vs-echo", "w2-never-vs-echo", "w2-never-vs-pg", "w3-always-one-sync"), "FAIL")
+
+
+def test_a_w3_row_without_hand_offs_gives_no_per_hand_off_figure():
+    p = make_payload()
+    for r in p["rows"]:
+        if r["target"] == goals.ALWAYS and r["workload"] == "W3":
+            r["handoffs_per_s"] = 0.0
+    v = by_key(goals.verdicts(p, goals.ALL_GOALS))["w3-always-one-sync"]
+    assert v["verdict"] == "N/A" and v["missing"] == [f"{goals.ALWAYS}/W3/us_per_handoff"]
 
 
 def test_verdicts_of_merged_rounds_use_the_medians():

@@ -21,8 +21,8 @@ round runs every system once (fresh servers), in an order rotated by the round
 number; the tables show the median of the rounds, results.json keeps each
 round's rows (``round_rows``) and each figure's min, max and values
 (``spread``).  Each round starts with the fsync probe (``benches/fsync_probe.py``)
-in the directory where fastlock's data dir is made.  The verdicts of issue 12's
-targets (``benches/peers/goals.py``) are printed last and stored under
+in the directory where fastlock's data dir is made.  The verdicts of issue 12's and
+issue 27's targets (``benches/peers/goals.py``) are printed last and stored under
 ``verdicts``; ``--markdown`` prints (or writes) the README's comparison table.
 """
 
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rounds.merge_rows(raw), "round_rows": raw,
         "fsync_probe": rounds.merge_probes([p for p in probes if "error" not in p]), "fsync_probes": probes,
     }
-    payload["verdicts"] = goals.verdicts(payload)
+    payload["verdicts"] = goals.verdicts(payload, goals.ALL_GOALS)
     harness.write_json(os.path.join(out, "results.json"), payload)
     if args.json:
         harness.write_json(args.json, payload)

@@ -1,10 +1,12 @@
-"""Issue 12's targets as data, their verdicts, and the README's comparison table.
+"""Issue 12's and issue 27's targets as data, their verdicts, and the README's comparison table.
 
 Each goal reads ``lhs OP need × rhs``: ``lhs`` is one measured figure, ``rhs``
 the sum of ``coef × figure`` terms (1 when there are none), and ``ratio`` is
 ``lhs / rhs``.  A figure is named ``"<row target>/<workload>/<field path>"``
 (a merged row of ``benches.peers``) or ``"probe/<field path>"`` (the fsync
-probe of the same run).  Pure functions of a results payload: no servers.
+probe of the same run); a field path of :data:`DERIVED` is computed from the
+row (``us_per_handoff``: microseconds per W3 hand-off, ``1e6 / handoffs_per_s``).
+Pure functions of a results payload: no servers.
 """
 
 from __future__ import annotations
@@ -54,6 +56,32 @@ GOALS: tuple[Goal, ...] = (
 )
 
 
+#: the compiled request path's targets (issue 27) not already among :data:`GOALS` (which has its durable
+#: W1 and W2 ones and W1 ``never`` below PostgreSQL).  W3's bound ``never × cycle / (cycle + probe)`` with
+#: ``cycle = 1 / never`` is the same as "time per hand-off ``always`` ≤ (``never``'s + the probe's p50) / 0.97".
+COMPILED_PATH_GOALS: tuple[Goal, ...] = (
+    Goal("w1-never-vs-echo", "W1 p50 never ≤ 1.1 × msgpack echo floor",
+         f"{NEVER}/W1/pair_us.p50", "<=", 1.1, ((1.0, f"{ECHO}/W1/pair_us.p50"),)),
+    Goal("w2-never-vs-echo", "W2 pairs/s never ≥ 0.8 × msgpack echo floor",
+         f"{NEVER}/W2/pairs_per_s", ">=", 0.8, ((1.0, f"{ECHO}/W2/pairs_per_s"),)),
+    Goal("w2-never-vs-pg", "W2 pairs/s never ≥ 2 × PostgreSQL advisory",
+         f"{NEVER}/W2/pairs_per_s", ">=", 2.0, ((1.0, f"{POSTGRES}/W2/pairs_per_s"),)),
+    Goal("w3-always-one-sync", "W3 µs per hand-off always ≤ (never + fsync probe p50) / 0.97",
+         f"{ALWAYS}/W3/us_per_handoff", "<=", 1 / 0.97,
+         ((1.0, f"{NEVER}/W3/us_per_handoff"), (1.0, PROBE_P50))),
+)
+
+#: every target a ``benches.peers`` run gives a verdict on
+ALL_GOALS: tuple[Goal, ...] = GOALS + COMPILED_PATH_GOALS
+
+#: field paths computed from a row rather than read from it
+DERIVED = {
+    "us_per_handoff": lambda row: (1e6 / row["handoffs_per_s"]
+                                   if isinstance(row.get("handoffs_per_s"), (int, float)) and row["handoffs_per_s"] > 0
+                                   else None),
+}
+
+
 def figure(payload: dict, name: str) -> float | None:
     """The number that ``name`` names in ``payload`` (see the module docstring); None if absent or NaN."""
     source, _, rest = name.partition("/")
@@ -64,7 +92,12 @@ def figure(payload: dict, name: str) -> float | None:
         workload, _, path = rest.partition("/")
         row = next((r for r in payload.get("rows", [])
                     if r.get("target") == target and r.get("workload") == workload and "pair_us" in r), None)
-        v = get_path(row, path) if row else None
+        if row is None:
+            v = None
+        elif path in DERIVED:
+            v = DERIVED[path](row)
+        else:
+            v = get_path(row, path)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
         return None
     return float(v)
