@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -16,7 +17,8 @@ import pytest
 from conftest import wait_until
 from test_cli import fastlock as fastlock_cli
 from test_shard_move import _mark, _serves_mark, shard
-from test_shard_move_tokens import EtcdGroups
+from test_shard_gain_floor import HIGH, _granted_on_g0, _granted_within
+from test_shard_move_tokens import EtcdGroups, _rising
 
 import fastlock
 from fastlock._testbase.cluster import RawNode
@@ -459,3 +461,28 @@ async def test_a_destination_node_killed_before_the_mark_starts_again_after_the_
     groups.servers["g1-0"] = groups._server("g1-0").start()  # on the code before: exit 1
     await wait_until(lambda: groups.is_role("g1-0", "standby"), 60, "g1-0 to follow g1-1")
     await wait_until(lambda: groups.serves_epoch("g1-0", flipped.epoch), 30, "g1-0 to take the flip")
+
+
+async def test_a_token_raised_above_a_maps_floor_is_not_issued_again_by_the_next_fresh_primary(groups_of):
+    """g1 gains a name's slot by a real move from g0 (epoch 41); both of g1's nodes are then wiped.
+    g1-0 starts alone on an empty data directory and grants the name above the map's floor (the
+    epoch after the floor's, raised in etcd first); it is killed (kill -9) and g1-1 starts on an
+    empty data directory in its place.  Its grant must be above g1-0's: a fencing token is never
+    issued twice.  On the code before, etcd's ``PREFIX/epoch`` (42, raised by g1-0) was not credible
+    to g1-1 (it had seen no epoch: at most 16 above is believed), so g1-1 bid at 1, wrote that over
+    42, and raised its epoch to the same 42 for the same floor: it granted 42/1 a second time."""
+    g = await groups_of((1, 2), **HIGH)
+    name = names_owned_by(g.shard_map, "g0", 1, "twice")[0]
+    tokens = [await _granted_on_g0(g, name)]
+    await g.move(slot_of(name), "g1")
+    for node in ("g1-1", "g1-0"):
+        g.servers[node].stop()
+        shutil.rmtree(g.tmp_path / node)
+    g.servers["g1-0"] = g._server("g1-0").start()
+    await wait_until(lambda: g.is_role("g1-0", "primary"), 60, "g1-0 to be the primary on an empty data directory")
+    tokens.append(await _granted_within(g.servers["g1-0"].address, g.app, name))
+    g.servers["g1-0"].kill()
+    g.servers["g1-1"] = g._server("g1-1").start()
+    await wait_until(lambda: g.is_role("g1-1", "primary"), 60, "g1-1 to be the primary on an empty data directory")
+    tokens.append(await _granted_within(g.servers["g1-1"].address, g.app, name))
+    _rising(name, tokens)

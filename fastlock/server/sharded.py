@@ -412,6 +412,17 @@ class ShardGate:
         self.owed_any = 1 in owed
         self._stopped()
 
+    def floors_epoch(self) -> int:
+        """The epoch after the highest token floor the map records for this group's slots (0: none).
+        The group's primary raises its epoch there before it grants their names (:meth:`settle_floors`),
+        so a node of the group counts it as an epoch its group may have reached: an etcd bid and a
+        promotion go above it, and etcd's epoch up to it is credible
+        (:attr:`~fastlock.coordination.etcd.EtcdArbiter.known_epoch`).  Without this, a primary that
+        raised its epoch to it and died before its standby heard so left that epoch to the next
+        primary, which raised its own to the same epoch for the same floor: each token of it issued twice."""
+        floors = self.shard_map.floors_of(self.group)
+        return _epoch_above(floors) if floors else 0
+
     def floors_above(self, token: int) -> list[tuple[int, int, int]]:
         """The ranges this group owns whose token floor in the map is above ``token``:
         ``(first, last, floor)``."""
