@@ -182,7 +182,8 @@ async def test_a_destination_whose_nodes_all_restart_on_empty_data_directories_s
     it adopted; then both of g1's nodes are stopped and restarted on empty data directories, the
     map in etcd already giving g1 the slot.  The map's floor for the slot makes g1's new primary
     bid above it (to 43: above g0's tokens, g1's own at 41, and 42, where a primary of g1 raises its
-    epoch for this floor) before it grants the name.  The code before granted it from g1's new counter, at 1/1, below both."""
+    epoch for this floor) before it grants the name.  The code before granted it from g1's new
+    counter, at 1/1, below both."""
     g = await groups_of((1, 2), **HIGH)
     name = names_owned_by(g.shard_map, "g0", 1, "wiped")[0]
     tokens = [await _granted_on_g0(g, name)]
