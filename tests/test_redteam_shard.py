@@ -19,18 +19,20 @@ from test_across import TTL_MS, contenders, holder_token, now_ms, peers, reply_t
 from test_cli import fastlock as fastlock_cli
 from test_shard_gain_floor import HIGH, _granted_on_g0, _granted_within
 from test_shard_move import _mark, _serves_mark, shard
-from test_shard_move_tokens import EtcdGroups, _rising
+from test_shard_move_tokens import EtcdGroups, _rising, _status
 
 import fastlock
 from fastlock import protocol as P
 from fastlock._testbase.cluster import RawNode
+from fastlock._testbase.proxy import TcpProxy
 from fastlock._testbase.shards import ShardSet, names_owned_by
 from fastlock.cli.shardmove import abort_slots, move_slots
 from fastlock.coordination.shardmap import load_from_etcd
-from fastlock.errors import FastlockError, InvalidArgument, LeaseLost, LockNotHeld
+from fastlock.errors import FastlockError, InvalidArgument, LeaseLost, LockNotHeld, Unavailable
 from fastlock.protocol.ops import OP_COMMIT_RESERVATION, OP_SHARD_MAP, OP_SLOT_EXPORT, OP_SLOT_IMPORT
 from fastlock.sharding import slot_of
 from fastlock.sharding.moves import mark_moving
+from fastlock.tokens import format_token
 
 
 async def _ship(groups, slot: int) -> dict:
@@ -527,3 +529,151 @@ def test_a_parked_reservation_enters_the_queue_when_its_older_waiters_connection
         assert young.call(OP_COMMIT_RESERVATION, b"young")[1] == 0
         assert rid_other  # still waiting on w/2's holder, untouched by the closes
         assert _waiters(look, "w/2") == ["peer-2"]
+
+
+def _bad_maps(good: dict) -> list[tuple[str, bytes]]:
+    """Values of the map's etcd key that are no valid map, each with what is wrong: floors out of
+    range or of the wrong type, without their epoch, on overlapping ranges or a group the map does
+    not name, and values that are not maps at all."""
+    def with_floor(**fields) -> bytes:
+        value = json.loads(json.dumps(good))
+        value["epoch"] = good["epoch"] + 1
+        value["ranges"][1].update(fields)
+        return json.dumps(value).encode()
+
+    overlapping = json.loads(json.dumps(good))
+    overlapping["epoch"] += 1
+    overlapping["ranges"][1].update(first=overlapping["ranges"][0]["last"], floor=5, floor_epoch=1)
+    stranger = json.loads(json.dumps(good))
+    stranger["epoch"] += 1
+    stranger["ranges"][1].update(group="nobody", floor=5, floor_epoch=1)
+    return [("a negative floor", with_floor(floor=-1, floor_epoch=1)),
+            ("a floor of 2**63", with_floor(floor=2 ** 63, floor_epoch=1)),
+            ("a floor of 2**64 + 1", with_floor(floor=2 ** 64 + 1, floor_epoch=1)),
+            ("a floor above the last epoch's", with_floor(floor=(2 ** 63 - 1) >> 40 << 40, floor_epoch=1)),
+            ("a string floor", with_floor(floor="5", floor_epoch=1)),
+            ("a bool floor", with_floor(floor=True, floor_epoch=1)),
+            ("a float floor", with_floor(floor=5.0, floor_epoch=1)),
+            ("a floor without its epoch", with_floor(floor=5)),
+            ("a floor epoch without its floor", with_floor(floor_epoch=1)),
+            ("a floor epoch above the map's", with_floor(floor=5, floor_epoch=good["epoch"] + 2)),
+            ("a floor epoch of 0", with_floor(floor=5, floor_epoch=0)),
+            ("a bool floor epoch", with_floor(floor=5, floor_epoch=True)),
+            ("a marked epoch without a move", with_floor(marked_epoch=1)),
+            ("a floor of 5,000 digits",
+             with_floor(floor=7, floor_epoch=1).replace(b'"floor": 7', b'"floor": ' + b"9" * 5000)),
+            ("a floor on an overlapping range", json.dumps(overlapping).encode()),
+            ("a floor on a group the map does not name", json.dumps(stranger).encode()),
+            ("not JSON", b"{\"epoch\": 2, \"groups\": ["),
+            ("nested too deep", b"[" * 100_000 + b"]" * 100_000)]
+
+
+async def test_bad_maps_with_floors_written_to_etcd_are_refused_and_a_hostile_floor_is_served_above(groups):
+    """Values written straight to the map's etcd key that are no valid map (floors negative, above
+    2**63, of 5,000 digits, strings, bools, floats, without their epoch, on an overlapping range or a
+    group the map does not name; not JSON; nested too deep): every node logs each as ignored with
+    its reason, keeps serving the last good map and grants as before.  Then a valid map whose range
+    of g0 carries a floor far above g0's tokens (as a hostile writer may write): g0 takes it and grants
+    the range's names above that floor at once, never below.  Held on the code this was written against."""
+    name = names_owned_by(groups.shard_map, "g0", 1, "badmaps")[0]
+    good = groups.shard_map.to_wire()
+    stored = await load_from_etcd(groups.url)
+    tokens = []
+    try:
+        async with groups.connect() as client:
+            for what, value in _bad_maps(good):
+                starts = {g: len(s.lines) for g, s in groups.servers.items()}
+                await stored.gateway.put(stored.key, value)
+                for g, server in groups.servers.items():
+                    await asyncio.to_thread(server.wait_for_log, "ignoring the shard map in etcd", 20, starts[g])
+                    assert server.proc.poll() is None, f"{g} died of {what}"
+                    st = await asyncio.to_thread(server.status)
+                    assert st["shard"]["epoch"] == good["epoch"], (what, st["shard"])
+                lease = await client.acquire(name, ttl=5)
+                tokens.append(lease.fencing_token)
+                await client.release(lease)
+            hostile = json.loads(json.dumps(good))
+            floor = 30 << 40 | 5  # 30/5: far above g0's tokens
+            hostile["epoch"] += 1
+            hostile["ranges"][0].update(floor=floor, floor_epoch=hostile["epoch"])
+            await stored.gateway.put(stored.key, json.dumps(hostile).encode())
+            await wait_until(lambda: _serves_epoch(groups.servers["g0"], hostile["epoch"]), 20,
+                             "g0 to take the map with a floor")
+            lease = await client.acquire(name, ttl=5)
+            tokens.append(lease.fencing_token)
+            await client.release(lease)
+    finally:
+        await stored.gateway.close()
+    _rising(name, tokens)
+    assert tokens[-1] > floor, tokens
+
+
+async def _serves_epoch(server, epoch: int) -> bool:
+    return (await asyncio.to_thread(server.status))["shard"]["epoch"] >= epoch
+
+
+class _SlowFenceGroups(EtcdGroups):
+    """:class:`EtcdGroups` whose nodes hold the primary key for 10 s (``--coordinator-ttl 10``): a
+    primary cut off from etcd serves about 7 s more before it fences itself."""
+
+    def _server(self, node: str):
+        server = super()._server(node)
+        server.args[server.args.index("--coordinator-ttl") + 1] = "10"
+        return server
+
+
+async def test_a_waiter_queued_before_a_floor_above_its_primary_is_not_granted_below_it(etcd, tmp_path, monkeypatch):
+    """g0 (one etcd-arbitrated node) has a holder (a 1.5 s lease) and a waiter queued on a name when
+    a map whose range of g0 carries a floor far above g0's tokens arrives (a hostile or hand-written
+    map), while g0's link to its etcd is black-holed: g0 owes the floor (its epoch must be raised in
+    etcd first) and refuses new requests for the range.  The holder's lease then runs out: the
+    queued waiter must not be granted a token below the floor.  It is answered Unavailable (its
+    client asks again), and the name is granted above the floor once the link is back.  On the code
+    before, the expiry handed the waiter the name at g0's old epoch, below the floor 30/5."""
+    groups = _SlowFenceGroups(etcd, tmp_path, monkeypatch, (1, 1))
+    link = TcpProxy(etcd.address).start()
+    groups.coordinators["g0"] = groups.coordinators["g0"].replace(etcd.address, link.address)
+    floor = 30 << 40 | 5
+    try:
+        await groups.start()
+        name = names_owned_by(groups.shard_map, "g0", 1, "owedwaiter")[0]
+        address = groups.servers["g0-0"].address
+        holder = await RawNode.open(address, token=groups.app)
+        waiter = await RawNode.open(address, token=groups.app)
+        try:
+            await holder.acquire(name, 1_500)
+            waiting = asyncio.ensure_future(waiter.acquire(name, 60_000, 30_000))
+
+            async def queued() -> bool:
+                return len((await holder.request(P.OP_CONTENDERS, name))["waiters"]) == 1
+
+            await wait_until(queued, 10, "the waiter to queue")
+            link.blackhole()
+            hostile = groups.shard_map.to_wire()
+            hostile["epoch"] += 1
+            hostile["ranges"][0].update(floor=floor, floor_epoch=hostile["epoch"])
+            stored = await load_from_etcd(groups.url)
+            try:
+                await stored.gateway.put(stored.key, json.dumps(hostile).encode())
+            finally:
+                await stored.gateway.close()
+
+            async def owes() -> bool:
+                st = await _status(groups.servers["g0-0"])
+                return st is not None and st["shard"]["below_floor"] > 0
+
+            await wait_until(owes, 10, "g0 to owe the floor")
+            try:  # the holder's lease runs out within 1.5 s
+                got = await asyncio.wait_for(waiting, 30)
+            except FastlockError as exc:
+                got = exc
+            assert isinstance(got, Unavailable) or got[0] > floor, f"granted {format_token(got[0])} below the floor"
+        finally:
+            await holder.close()
+            await waiter.close()
+        link.heal()
+        await wait_until(lambda: groups.is_role("g0-0", "primary"), 60, "g0-0 to be the primary again")
+        assert await _granted_within(address, groups.app, name) > floor
+    finally:
+        groups.stop()
+        link.close()

@@ -449,6 +449,7 @@ class ShardGate:
         runs = [[first, last] for first, last, _floor in owed[:INFO_RUNS]]
         if server.handlers.slot_moves.raise_floor_now(make_token(epoch, 0)):
             self._set_owed(owed)
+            self._refuse_owed_waiters()
             log.warning("shard group %s owns slots %s whose token floor in the shard map (epoch %d) is above its last "
                         "token %d: their names are answered Unavailable until the group's epoch in etcd is raised "
                         "to %d", self.group, runs, self.shard_map.epoch, server.table.last_token, epoch)
@@ -460,6 +461,29 @@ class ShardGate:
         self._batch_end()
         log.warning("shard group %s: slots %s have a token floor in the shard map (epoch %d) above this node's last "
                     "token: its epoch is raised to %d", self.group, runs, self.shard_map.epoch, epoch)
+
+    def _refuse_owed_waiters(self) -> None:
+        """Take out every waiter of the names of :attr:`owed` slots, each acquire answered
+        Unavailable (:meth:`below_floor`: the client asks again): the gate refuses new requests for
+        them, but a release, an expiry or a lock-delay's end would grant a waiter already queued a
+        token below the slot's floor while the group's epoch is being raised above it."""
+        server = self.server
+        owed = self.owed
+        names = server.table.waited_names(lambda name: owed[slot_of(name)] == 1)
+        if not names:
+            return
+        server.after_batch()  # every event so far is delivered: what follows is this refusal's
+        taken = self._take_waiters(names, monotonic_ms())
+
+        def refuse(conn: Any, rid: int, name: str) -> None:
+            if not getattr(conn, "closed", False):
+                server.handlers.failed(conn, rid, 0, self.below_floor(name, slot_of(name)))
+
+        self._answer_taken(taken, refuse)
+        log.warning("shard group %s: %d waiters of %d locks whose slots' token floor is above its last token taken out "
+                    "of their queues, answered Unavailable", self.group, sum(len(w) for w in taken.values()),
+                    len(taken))
+        server.after_batch()
 
     async def _settle_in_etcd(self) -> None:
         """While this node is the primary and owes a map floor: raise the group's epoch in etcd
