@@ -29,7 +29,7 @@ from fastlock._testbase.shards import ShardSet, names_owned_by
 from fastlock.cli.shardmove import abort_slots, move_slots
 from fastlock.coordination.shardmap import load_from_etcd
 from fastlock.errors import FastlockError, InvalidArgument, LeaseLost, LockNotHeld, Unavailable
-from fastlock.protocol.ops import OP_COMMIT_RESERVATION, OP_SHARD_MAP, OP_SLOT_EXPORT, OP_SLOT_IMPORT
+from fastlock.protocol.ops import OP_COMMIT_RESERVATION, OP_RESERVE, OP_SHARD_MAP, OP_SLOT_EXPORT, OP_SLOT_IMPORT
 from fastlock.sharding import slot_of
 from fastlock.sharding.moves import mark_moving
 from fastlock.tokens import format_token
@@ -677,3 +677,27 @@ async def test_a_waiter_queued_before_a_floor_above_its_primary_is_not_granted_b
     finally:
         groups.stop()
         link.close()
+
+
+def test_reserves_of_names_another_group_owns_are_redirected_and_change_nothing(tmp_path):
+    """A raw msgpack peer sends g0 RESERVEs of names g1 owns (waiting, parked behind an older one
+    of g0's, and mixing both groups' names): each is answered WrongShard or CrossShard naming the
+    map's epoch, nothing is held or queued on g0, and g0 serves its own names as before.
+    Held on the code this was written against."""
+    with ShardSet.start(tmp_path / "shards", 2) as shards:
+        mine = names_owned_by(shards.shard_map, "g0", 2, "own")
+        theirs = names_owned_by(shards.shard_map, "g1", 2, "foreign")
+        with peers(shards.address("g0"), 2) as (older, hostile):
+            assert older.call(P.OP_ACQUIRE, mine[0], os.urandom(16), TTL_MS, 0, 0, None)[1] == 0
+            stamp = now_ms()
+            reserve(older, [mine[0]], stamp - 5_000, b"older", wait_ms=30_000)
+            assert older.call(P.OP_PING)[1] == 0
+            for names, multi_id, code in (([theirs[0]], b"f1", 60), (theirs, b"f2", 60),
+                                          ([mine[0], theirs[0]], b"f3", 61), ([theirs[1], mine[1]], b"f4", 61)):
+                reply = hostile.call(OP_RESERVE, names, os.urandom(16), TTL_MS, 30_000, None, stamp, multi_id)
+                assert reply[1] == code, (names, reply)
+            st = hostile.call(P.OP_STATUS)[2]
+            assert hostile.call(P.OP_HOLDER, mine[1])[2] is None
+            assert _waiters(hostile, mine[0]) == ["peer-0"]  # the older one alone: nothing queued
+            assert st["locks_held"] == 1, st
+            assert hostile.call(P.OP_ACQUIRE, mine[1], os.urandom(16), TTL_MS, 0, 0, None)[1] == 0
