@@ -379,9 +379,10 @@ class WoundWait:
 
     def cancel_parked(self, session: int, name: str, owner: bytes) -> bool:
         """CANCEL of a parked reservation (``owner``: its hash) of connection ``session``
-        naming ``name``: withdrawn, answered Cancelled; True if there was one."""
-        for r in self.parked.values():
-            if r.owner == owner and r.session == session and name in r.names:
+        naming ``name``: withdrawn, answered Cancelled; True if there was one.  Looks at that
+        connection's parked reservations only (a CANCEL from any connection comes here while any is parked)."""
+        for r in self.parked_of.get(session, ()):
+            if r.owner == owner and name in r.names:
                 self._forget(r)
                 conn = self.server.limits.sessions.get(session)
                 if conn is not None:
