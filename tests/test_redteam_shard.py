@@ -30,7 +30,7 @@ from fastlock.cli.shardmove import abort_slots, move_slots
 from fastlock.coordination.shardmap import load_from_etcd
 from fastlock.errors import FastlockError, InvalidArgument, LeaseLost, LockNotHeld, Unavailable
 from fastlock.protocol.ops import OP_COMMIT_RESERVATION, OP_RESERVE, OP_SHARD_MAP, OP_SLOT_EXPORT, OP_SLOT_IMPORT
-from fastlock.sharding import slot_of
+from fastlock.sharding import ShardMap, ShardMapError, slot_of
 from fastlock.sharding.moves import mark_moving
 from fastlock.tokens import format_token
 
@@ -701,3 +701,17 @@ def test_reserves_of_names_another_group_owns_are_redirected_and_change_nothing(
             assert _waiters(hostile, mine[0]) == ["peer-0"]  # the older one alone: nothing queued
             assert st["locks_held"] == 1, st
             assert hostile.call(P.OP_ACQUIRE, mine[1], os.urandom(16), TTL_MS, 0, 0, None)[1] == 0
+
+
+def test_a_map_of_the_python_api_with_an_integer_too_long_to_print_is_refused_as_a_bad_map():
+    """``ShardMap.from_wire`` of a plain form (built in Python: JSON and msgpack cannot carry one)
+    whose floor, slot or epoch is an int of more digits than Python turns into text raises
+    ShardMapError, as any other bad map.  On the code before, the refusal's own message (which
+    names the value) raised a bare ValueError."""
+    huge = 10 ** 5000
+    for field, value in (("floor", huge), ("floor_epoch", huge), ("first", huge), ("last", -huge)):
+        wire = {"epoch": 3, "groups": [{"name": "a", "addresses": ["127.0.0.1:1"]}],
+                "ranges": [{"first": 0, "last": 16383, "group": "a", "floor": 5, "floor_epoch": 1}]}
+        wire["ranges"][0][field] = value
+        with pytest.raises(ShardMapError):
+            ShardMap.from_wire(wire)
