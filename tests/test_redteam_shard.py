@@ -17,7 +17,7 @@ import pytest
 from conftest import wait_until
 from test_across import TTL_MS, contenders, holder_token, now_ms, peers, reply_to, reserve
 from test_cli import fastlock as fastlock_cli
-from test_shard_gain_floor import HIGH, _granted_on_g0, _granted_within
+from test_shard_gain_floor import HIGH, _granted_on_g0, _granted_within, _mark_and_flip_by_hand
 from test_shard_move import _mark, _serves_mark, shard
 from test_shard_move_tokens import EtcdGroups, _rising, _status
 
@@ -715,3 +715,31 @@ def test_a_map_of_the_python_api_with_an_integer_too_long_to_print_is_refused_as
         wire["ranges"][0][field] = value
         with pytest.raises(ShardMapError):
             ShardMap.from_wire(wire)
+
+
+async def test_a_floor_adopted_by_hand_is_recorded_in_the_map_and_kept_by_a_group_restarted_empty(groups_of):
+    """g0 grants a name at epoch 41; its slot is flipped to g1 by hand (no import) and ``fastlock
+    shard adopt --from g0`` gives g1 the slot's floor; g1 grants the name above g0's token.  g1's
+    only node is then restarted on an empty data directory: it must grant the name above its own
+    token before.  ``shard adopt`` now records the floor it adopted on the slot in the map, so the
+    node bids above it.  On the code before, the map kept no floor for the slot: the node, which had
+    seen no epoch, did not believe etcd's 41, bid at 1 and granted the name at 1/1 after 41/2."""
+    g = await groups_of((1, 1), **HIGH)
+    name = names_owned_by(g.shard_map, "g0", 1, "adoptwiped")[0]
+    slot = slot_of(name)
+    tokens = [await _granted_on_g0(g, name)]
+    await _mark_and_flip_by_hand(g, slot, ("g0-0", "g1-0"))
+    assert await shard(["shard", "adopt", "--coordinator", g.url, "--slots", str(slot), "--from", "g0"]) == 0
+    tokens.append(await _granted_within(g.servers["g1-0"].address, g.app, name))
+    stored = await load_from_etcd(g.url)
+    try:
+        recorded = (await stored.read_existing())[0]
+    finally:
+        await stored.gateway.close()
+    assert recorded.floor_of_slot(slot) == tokens[0], recorded.floor_of_slot(slot)
+    g.servers["g1-0"].stop()
+    shutil.rmtree(g.tmp_path / "g1-0")
+    g.servers["g1-0"] = g._server("g1-0").start()
+    await wait_until(lambda: g.is_role("g1-0", "primary"), 60, "g1-0 to be the primary on an empty data directory")
+    tokens.append(await _granted_within(g.servers["g1-0"].address, g.app, name))
+    _rising(name, tokens)
