@@ -743,3 +743,34 @@ async def test_a_floor_adopted_by_hand_is_recorded_in_the_map_and_kept_by_a_grou
     await wait_until(lambda: g.is_role("g1-0", "primary"), 60, "g1-0 to be the primary on an empty data directory")
     tokens.append(await _granted_within(g.servers["g1-0"].address, g.app, name))
     _rising(name, tokens)
+
+
+async def test_a_slot_moved_there_and_back_keeps_its_tokens_rising_on_a_source_restarted_empty(groups_of):
+    """A name's slot moves g0 (epoch 41) -> g1 -> g0; g1 grants the name and other names of its own
+    in between.  The second move's floor in the map covers every token g1 issued (its high-water
+    mark when it shipped); g0 grants above it, and so does g0's only node restarted on an empty data
+    directory (it bids above the floor's epoch).  Held on the code this was written against."""
+    g = await groups_of((1, 1), **HIGH)
+    name = names_owned_by(g.shard_map, "g0", 1, "backforth")[0]
+    slot = slot_of(name)
+    tokens = [await _granted_on_g0(g, name)]
+    await g.move(slot, "g1")
+    g1 = g.servers["g1-0"].address
+    tokens.append(await _granted_within(g1, g.app, name))
+    others = [await _granted_within(g1, g.app, other) for other in names_owned_by(g.shard_map, "g1", 3, "g1own")]
+    await g.move(slot, "g0")
+    stored = await load_from_etcd(g.url)
+    try:
+        back = (await stored.read_existing())[0]
+    finally:
+        await stored.gateway.close()
+    assert back.owner_of_slot(slot).name == "g0" and back.floor_of_slot(slot) >= max(tokens[-1], *others), back
+    tokens.append(await _granted_within(g.servers["g0-0"].address, g.app, name))
+    assert tokens[-1] > max(others)
+    g.servers["g0-0"].stop()
+    shutil.rmtree(g.tmp_path / "g0-0")
+    g.seen = {}  # nothing written there before it starts
+    g.servers["g0-0"] = g._server("g0-0").start()
+    await wait_until(lambda: g.is_role("g0-0", "primary"), 60, "g0-0 to be the primary on an empty data directory")
+    tokens.append(await _granted_within(g.servers["g0-0"].address, g.app, name))
+    _rising(name, tokens)
