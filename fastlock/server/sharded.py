@@ -417,9 +417,10 @@ class ShardGate:
         The group's primary raises its epoch there before it grants their names (:meth:`settle_floors`),
         so a node of the group counts it as an epoch its group may have reached: an etcd bid and a
         promotion go above it, and etcd's epoch up to it is credible
-        (:attr:`~fastlock.coordination.etcd.EtcdArbiter.known_epoch`).  Without this, a primary that
-        raised its epoch to it and died before its standby heard so left that epoch to the next
-        primary, which raised its own to the same epoch for the same floor: each token of it issued twice."""
+        (:attr:`~fastlock.coordination.etcd.EtcdArbiter.known_epoch`).  A primary that raised its
+        epoch there and died before its standbys heard so left that epoch in etcd alone: counting it
+        keeps the next primary from raising its own to the same epoch for the same floor (every
+        token of that epoch issued twice)."""
         floors = self.shard_map.floors_of(self.group)
         return _epoch_above(floors) if floors else 0
 
