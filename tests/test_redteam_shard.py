@@ -32,7 +32,7 @@ from fastlock.errors import FastlockError, InvalidArgument, LeaseLost, LockNotHe
 from fastlock.protocol.ops import OP_COMMIT_RESERVATION, OP_RESERVE, OP_SHARD_MAP, OP_SLOT_EXPORT, OP_SLOT_IMPORT
 from fastlock.sharding import ShardMap, ShardMapError, slot_of
 from fastlock.sharding.moves import mark_moving
-from fastlock.tokens import format_token
+from fastlock.tokens import epoch_of, format_token
 
 
 async def _ship(groups, slot: int) -> dict:
@@ -774,3 +774,42 @@ async def test_a_slot_moved_there_and_back_keeps_its_tokens_rising_on_a_source_r
     await wait_until(lambda: g.is_role("g0-0", "primary"), 60, "g0-0 to be the primary on an empty data directory")
     tokens.append(await _granted_within(g.servers["g0-0"].address, g.app, name))
     _rising(name, tokens)
+
+
+async def test_a_standby_that_missed_its_primarys_raise_above_a_floor_is_promoted_above_it(groups_of):
+    """g1 (a primary and a standby, epoch 2) is given a map whose range of g1 carries a floor of
+    epoch 30 (a hostile or hand-written map) while its standby's replication link is cut: the
+    primary raises the group's epoch to 31 in etcd and in its log (which the standby never
+    receives) and grants a name at epoch 31; it is then killed (kill -9).  The standby, promoted,
+    must grant in an epoch above 31: the dead primary's counter in epoch 31 is known to it only up
+    to the last counter reservation it replicated (a block of 100,000), and a primary that granted
+    past it before dying issued the tokens that follow.  It took the map from its own watch, so it
+    counts epoch 31 as one its group may have reached: etcd's 31 is credible to it and it bids
+    above.  On the code before, etcd's 31 was 29 above what it had seen (at most 16 is believed), so
+    it bid at 3 and raised its epoch to the same 31 for the same floor, granting 31/100002."""
+    g = await groups_of((1, 2), relayed=("g1-0",), **HIGH)
+    name = names_owned_by(g.shard_map, "g1", 1, "missedraise")[0]
+    relay = g.relays["g1-0"]
+    await wait_until(lambda: asyncio.to_thread(relay.count, "replication"), 30,
+                     "g1's standby to replicate through the relay")
+    tokens = [await _granted_within(g.servers["g1-0"].address, g.app, name)]
+    relay.blackhole("replication")
+    relay.cut("replication")  # detached: its attempts to attach again are held
+    floor = 30 << 40
+    stored = await load_from_etcd(g.url)
+    try:
+        shard_map, revision = await stored.read_existing()
+        wire = shard_map.to_wire()
+        wire["epoch"] += 1
+        wire["ranges"][1].update(floor=floor, floor_epoch=wire["epoch"])
+        await stored.replace(revision, shard_map, ShardMap.from_wire(wire))
+    finally:
+        await stored.gateway.close()
+    await wait_until(lambda: g.serves_epoch("g1-1", wire["epoch"]), 30, "g1's standby to take the map")
+    tokens.append(await _granted_within(g.servers["g1-0"].address, g.app, name))
+    assert tokens[-1] > floor, format_token(tokens[-1])
+    g.servers["g1-0"].kill()
+    await wait_until(lambda: g.is_role("g1-1", "primary"), 60, "g1's standby to be promoted")
+    tokens.append(await _granted_within(g.servers["g1-1"].address, g.app, name))
+    _rising(name, tokens)
+    assert epoch_of(tokens[-1]) > epoch_of(tokens[-2]), [format_token(t) for t in tokens]
