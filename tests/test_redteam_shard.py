@@ -813,3 +813,37 @@ async def test_a_standby_that_missed_its_primarys_raise_above_a_floor_is_promote
     tokens.append(await _granted_within(g.servers["g1-1"].address, g.app, name))
     _rising(name, tokens)
     assert epoch_of(tokens[-1]) > epoch_of(tokens[-2]), [format_token(t) for t in tokens]
+
+
+async def test_a_detached_standby_promoted_after_a_move_keeps_its_groups_own_tokens_rising(groups_of):
+    """g1's standby is detached (its replication link cut) while a slot moves from g0 (epoch 41) to
+    g1 (epoch 2): g1's primary adopts epoch 41 with the import and grants a name of its own at 41;
+    it is then killed.  The standby, promoted, must grant that name above 41: it took the flip,
+    whose floor on the moved range names epoch 41, so etcd's 41 is credible to it and it bids
+    above the floor's epoch.  Held on the code before too, though by a narrower margin: it did not
+    believe etcd's 41 (it had seen 2) and was promoted at epoch 3, serving the group's own names
+    there until its settle of the moved range's floor raised it to 42 (16 ms later, inside the
+    promotion grace that holds new grants)."""
+    g = await groups_of((1, 2), relayed=("g1-0",), **HIGH)
+    moved = names_owned_by(g.shard_map, "g0", 1, "detachedmove")[0]
+    own = names_owned_by(g.shard_map, "g1", 1, "detachedown")[0]
+    relay = g.relays["g1-0"]
+    await wait_until(lambda: asyncio.to_thread(relay.count, "replication"), 30,
+                     "g1's standby to replicate through the relay")
+    tokens = [await _granted_within(g.servers["g1-0"].address, g.app, own)]
+    await _granted_on_g0(g, moved)
+    relay.blackhole("replication")
+    relay.cut("replication")  # detached: its attempts to attach again are held
+    await g.move(slot_of(moved), "g1")
+    tokens.append(await _granted_within(g.servers["g1-0"].address, g.app, own))
+    assert epoch_of(tokens[-1]) == 41, format_token(tokens[-1])
+    stored = await load_from_etcd(g.url)
+    try:
+        flipped = (await stored.read_existing())[0]
+    finally:
+        await stored.gateway.close()
+    await wait_until(lambda: g.serves_epoch("g1-1", flipped.epoch), 30, "g1's standby to take the flip")
+    g.servers["g1-0"].kill()
+    await wait_until(lambda: g.is_role("g1-1", "primary"), 60, "g1's standby to be promoted")
+    tokens.append(await _granted_within(g.servers["g1-1"].address, g.app, own))
+    _rising(own, tokens)
