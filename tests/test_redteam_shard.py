@@ -847,3 +847,49 @@ async def test_a_detached_standby_promoted_after_a_move_keeps_its_groups_own_tok
     await wait_until(lambda: g.is_role("g1-1", "primary"), 60, "g1's standby to be promoted")
     tokens.append(await _granted_within(g.servers["g1-1"].address, g.app, own))
     _rising(own, tokens)
+
+
+async def test_a_standby_detached_over_an_import_and_promoted_before_the_flip_keeps_its_groups_own_tokens_rising(
+        groups_of):
+    """g1's standby is detached (its replication link cut); a slot of g0 (epoch 41) is marked moving
+    to g1 (epoch 2) and one page exported and imported (a mover stopped before its flip): g1's
+    primary adopts epoch 41 and grants a name of its own at 41.  It is killed; the standby, which
+    never heard of 41, is promoted.  It must grant the group's own name above 41: the map marks a
+    move into its group, so etcd's epoch (41, raised by the import) is credible to it whatever its
+    size, and it bids above.  On the code before, etcd's 41 was more than 16 above what it had seen:
+    it bid at 3 and granted the name at 3/100002 after 41/2."""
+    g = await groups_of((1, 2), relayed=("g1-0",), **HIGH)
+    moved = names_owned_by(g.shard_map, "g0", 1, "preflipmove")[0]
+    slot = slot_of(moved)
+    own = names_owned_by(g.shard_map, "g1", 1, "preflipown")[0]
+    relay = g.relays["g1-0"]
+    await wait_until(lambda: asyncio.to_thread(relay.count, "replication"), 30,
+                     "g1's standby to replicate through the relay")
+    tokens = [await _granted_within(g.servers["g1-0"].address, g.app, own)]
+    await _granted_on_g0(g, moved)
+    relay.blackhole("replication")
+    relay.cut("replication")  # detached: its attempts to attach again are held
+    stored = await load_from_etcd(g.url)
+    try:
+        shard_map, revision = await stored.read_existing()
+        marked = mark_moving(shard_map, slot, slot, "g1")
+        await stored.replace(revision, shard_map, marked)
+    finally:
+        await stored.gateway.close()
+    for node in ("g0-0", "g1-0", "g1-1"):
+        await wait_until(lambda node=node: g.serves_epoch(node, marked.epoch), 20, f"{node} to follow the mark")
+    admin = g.creds.token("admin")
+    exporter = await RawNode.open(g.servers["g0-0"].address, token=admin)
+    importer = await RawNode.open(g.servers["g1-0"].address, token=admin)
+    try:
+        page = await exporter.request(OP_SLOT_EXPORT, slot, slot, None)
+        await importer.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(page))
+    finally:
+        await exporter.close()
+        await importer.close()
+    tokens.append(await _granted_within(g.servers["g1-0"].address, g.app, own))
+    assert epoch_of(tokens[-1]) == 41, format_token(tokens[-1])
+    g.servers["g1-0"].kill()
+    await wait_until(lambda: g.is_role("g1-1", "primary"), 60, "g1's standby to be promoted")
+    tokens.append(await _granted_within(g.servers["g1-1"].address, g.app, own))
+    _rising(own, tokens)

@@ -191,6 +191,11 @@ def _no_epoch() -> int:
     return 0
 
 
+def _no_move_in() -> bool:
+    """No move into this node's group (:attr:`EtcdArbiter.moving_in` of a node that is not sharded)."""
+    return False
+
+
 class EtcdArbiter:
     """One node's view of, and bid for, the primary key (see the module docstring).
 
@@ -272,6 +277,12 @@ class EtcdArbiter:
         #: (:meth:`fastlock.server.sharded.ShardGate.floors_epoch`): its primary raises the group's
         #: epoch in etcd there before it grants those slots' names
         self.known_epoch: Callable[[], int] = _no_epoch
+        #: whether a move into this node's group is under way (read at each use): its primary's
+        #: import may raise the group's epoch to the source's, by any amount, which its standbys
+        #: learn only by replication; while it is, etcd's epoch is credible whatever it is, so a
+        #: standby that missed the import still bids above it
+        #: (:meth:`fastlock.server.sharded.ShardGate.moving_in`)
+        self.moving_in: Callable[[], bool] = _no_move_in
         self._beat: BeatSighting | None = None  # the heartbeat revision as this node first saw it
         self._beat_timer: asyncio.TimerHandle | None = None
         self._beat_watch_task: asyncio.Task | None = None
@@ -854,13 +865,14 @@ class EtcdArbiter:
 
     def credible_epoch(self, epoch: int) -> bool:
         """Is ``epoch``, read from etcd, at most :data:`~fastlock.coordination.records.EPOCH_ALLOWANCE`
-        above :meth:`seen_epoch` or :attr:`known_epoch` (see
+        above :meth:`seen_epoch` or :attr:`known_epoch`, or any epoch while :attr:`moving_in` (see
         :func:`~fastlock.coordination.records.credible_epoch`)?"""
         return credible_epoch(epoch, self._credible_base())
 
     def _credible_base(self) -> int:
-        """The epoch etcd's epoch is judged against: the higher of :meth:`seen_epoch` and :attr:`known_epoch`."""
-        return max(self.seen_epoch(), self.known_epoch())
+        """The epoch etcd's epoch is judged against: the higher of :meth:`seen_epoch` and
+        :attr:`known_epoch`, or the last epoch while :attr:`moving_in` (any epoch is credible)."""
+        return MAX_EPOCH if self.moving_in() else max(self.seen_epoch(), self.known_epoch())
 
     async def _read_epoch(self) -> EpochReading:
         """``PREFIX/epoch`` as :func:`~fastlock.coordination.records.read_epoch` judges it; a

@@ -424,6 +424,14 @@ class ShardGate:
         floors = self.shard_map.floors_of(self.group)
         return _epoch_above(floors) if floors else 0
 
+    def moving_in(self) -> bool:
+        """Whether the map marks slots moving to this group: its primary's import of them raises the
+        group's epoch to the source's if that is higher, by any amount, and a standby that missed the
+        import (detached over it) knows of it only by etcd's epoch, which it then believes
+        (:attr:`~fastlock.coordination.etcd.EtcdArbiter.moving_in`)."""
+        group = self.group
+        return any(r.moving_to == group for r in self.shard_map.ranges)
+
     def floors_above(self, token: int) -> list[tuple[int, int, int]]:
         """The ranges this group owns whose token floor in the map is above ``token``:
         ``(first, last, floor)``."""
