@@ -1,6 +1,6 @@
 """What a principal that abuses RESERVE costs the others (fastlock.server.woundwait).
 
-    python -m benches.reserve_abuse [--parked 1000] [--pairs 300] [--refused 5000]
+    python -m benches.reserve_abuse [--parked 1000] [--pairs 300] [--closes 200] [--refused 5000]
 
 One ``fastlock serve`` (``--fsync never``) with two client principals, ``attacker`` and
 ``honest``.  Printed:
@@ -9,6 +9,9 @@ One ``fastlock serve`` (``--fsync never``) with two client principals, ``attacke
   trips) before and after the attacker parks ``--parked`` reservations of 64 names each
   behind an older reservation of its own (a wake looks only at the reservations parked on
   the names an older one stopped waiting on);
+* the server's CPU time per connection of the honest principal opened and closed (HELLO,
+  then a close) while those reservations are parked, over ``--closes`` of them (a close wakes
+  only the reservations parked on the names the closed connection's reservations waited on);
 * the seconds the server takes to answer ``--refused`` pipelined RESERVEs of the attacker
   once it is at its 1,000 live reservations (each refusal looks at a bounded number of its
   own reservations), and the honest principal's worst PING meanwhile (milliseconds).
@@ -85,10 +88,18 @@ def pair_us(peer: Peer, count: int, tag: str) -> float:
     return (time.perf_counter() - t0) / count * 1e6
 
 
+def cpu_seconds(pid: int) -> float:
+    """The user + system CPU time (seconds) of process ``pid`` so far (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benches.reserve_abuse", description=__doc__.split("\n\n")[0])
     ap.add_argument("--parked", type=int, default=1000, help="reservations the attacker parks (64 names each)")
     ap.add_argument("--pairs", type=int, default=300, help="honest RESERVE+RELEASE pairs timed each time")
+    ap.add_argument("--closes", type=int, default=200, help="connections opened and closed with them parked")
     ap.add_argument("--refused", type=int, default=5000, help="pipelined RESERVEs refused at the limit")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="fastlock-reserve-abuse-") as tmp:
@@ -107,12 +118,19 @@ def main(argv=None) -> int:
             attacker.send(OP_RESERVE, ["attacker/held"], os.urandom(16), TTL_MS, TTL_MS, None, stamp - 5_000,
                           b"older")
             for i in range(args.parked):
-                attacker.send(OP_RESERVE, ["attacker/held"] + [f"attacker/{i}/{k}" for k in range(63)],
+                attacker.send(OP_RESERVE, [f"attacker/{i}/{k}" for k in range(63)] + ["attacker/held"],
                               os.urandom(16), TTL_MS, TTL_MS, None, stamp, b"p%d" % i)
             attacker.call(P.OP_PING)
             after = pair_us(honest, args.pairs, "b")
             print(f"honest RESERVE+RELEASE: {before:.0f} us before, {after:.0f} us with {args.parked} "
                   f"reservations of 64 names parked by another principal")
+            cpu_before = cpu_seconds(server.proc.pid)
+            for _ in range(args.closes):
+                Peer(server.address, "honest-closed", tokens["honest"]).close()
+                honest.call(P.OP_PING)  # after the close was read
+            per_close = (cpu_seconds(server.proc.pid) - cpu_before) / max(1, args.closes)
+            print(f"a connection opened and closed with them parked: {per_close * 1e3:.2f} ms of server CPU "
+                  f"(over {args.closes})")
             attacker.close()  # its parked reservations go with its connection
             filler = Peer(server.address, "attacker-2", tokens["attacker"])
             for i in range(MAX_RESERVATIONS_PER_PRINCIPAL):

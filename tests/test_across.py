@@ -247,6 +247,7 @@ def test_a_younger_newcomer_waits_before_the_queue_behind_an_older_waiter_and_ca
         stamp = now_ms()
         old_owner = os.urandom(16)
         rid_old = reserve(old, ["a/1", "a/2"], stamp - 5_000, b"old", wait_ms=30_000, owner=old_owner)
+        read_before(old)
         assert len(contenders(look, "a/2")["waiters"]) == 1
         # a/2 is free, yet the younger one is not granted it while the older one waits on it
         young_owner = os.urandom(16)
@@ -283,6 +284,7 @@ def test_parked_reservations_enter_the_queue_oldest_first_and_the_younger_is_not
         stamp = now_ms()
         old_owner, middle_owner = os.urandom(16), os.urandom(16)
         rid_old = reserve(old, ["a/1", "a/2"], stamp - 5_000, b"old", wait_ms=30_000, owner=old_owner)
+        read_before(old)
         assert len(contenders(look, "a/2")["waiters"]) == 1
         rid_young = reserve(young, ["a/2"], stamp, b"young", wait_ms=30_000)
         assert young.call(P.OP_PING)[1] == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -14,19 +15,24 @@ import time
 import msgpack
 import pytest
 from conftest import wait_until
+from test_across import TTL_MS, contenders, holder_token, now_ms, peers, reply_to, reserve
 from test_cli import fastlock as fastlock_cli
+from test_shard_gain_floor import HIGH, _granted_on_g0, _granted_within, _mark_and_flip_by_hand
 from test_shard_move import _mark, _serves_mark, shard
-from test_shard_move_tokens import EtcdGroups
+from test_shard_move_tokens import EtcdGroups, _rising, _status
 
 import fastlock
+from fastlock import protocol as P
 from fastlock._testbase.cluster import RawNode
+from fastlock._testbase.proxy import TcpProxy
 from fastlock._testbase.shards import ShardSet, names_owned_by
 from fastlock.cli.shardmove import abort_slots, move_slots
 from fastlock.coordination.shardmap import load_from_etcd
-from fastlock.errors import FastlockError, InvalidArgument, LeaseLost, LockNotHeld
-from fastlock.protocol.ops import OP_SHARD_MAP, OP_SLOT_EXPORT, OP_SLOT_IMPORT
-from fastlock.sharding import slot_of
+from fastlock.errors import FastlockError, InvalidArgument, LeaseLost, LockNotHeld, Unavailable
+from fastlock.protocol.ops import OP_COMMIT_RESERVATION, OP_RESERVE, OP_SHARD_MAP, OP_SLOT_EXPORT, OP_SLOT_IMPORT
+from fastlock.sharding import ShardMap, ShardMapError, slot_of
 from fastlock.sharding.moves import mark_moving
+from fastlock.tokens import epoch_of, format_token
 
 
 async def _ship(groups, slot: int) -> dict:
@@ -459,3 +465,431 @@ async def test_a_destination_node_killed_before_the_mark_starts_again_after_the_
     groups.servers["g1-0"] = groups._server("g1-0").start()  # on the code before: exit 1
     await wait_until(lambda: groups.is_role("g1-0", "standby"), 60, "g1-0 to follow g1-1")
     await wait_until(lambda: groups.serves_epoch("g1-0", flipped.epoch), 30, "g1-0 to take the flip")
+
+
+async def test_a_token_raised_above_a_maps_floor_is_not_issued_again_by_the_next_fresh_primary(groups_of):
+    """g1 gains a name's slot by a real move from g0 (epoch 41); both of g1's nodes are then wiped.
+    g1-0 starts alone on an empty data directory and grants the name above the map's floor (the
+    epoch after the floor's, raised in etcd first); it is killed (kill -9) and g1-1 starts on an
+    empty data directory in its place.  Its grant must be above g1-0's: a fencing token is never
+    issued twice.  On the code before, etcd's ``PREFIX/epoch`` (42, raised by g1-0) was not credible
+    to g1-1 (it had seen no epoch: at most 16 above is believed), so g1-1 bid at 1, wrote that over
+    42, and raised its epoch to the same 42 for the same floor: it granted 42/1 a second time."""
+    g = await groups_of((1, 2), **HIGH)
+    name = names_owned_by(g.shard_map, "g0", 1, "twice")[0]
+    tokens = [await _granted_on_g0(g, name)]
+    await g.move(slot_of(name), "g1")
+    for node in ("g1-1", "g1-0"):
+        g.servers[node].stop()
+        shutil.rmtree(g.tmp_path / node)
+    g.servers["g1-0"] = g._server("g1-0").start()
+    await wait_until(lambda: g.is_role("g1-0", "primary"), 60, "g1-0 to be the primary on an empty data directory")
+    tokens.append(await _granted_within(g.servers["g1-0"].address, g.app, name))
+    g.servers["g1-0"].kill()
+    g.servers["g1-1"] = g._server("g1-1").start()
+    await wait_until(lambda: g.is_role("g1-1", "primary"), 60, "g1-1 to be the primary on an empty data directory")
+    tokens.append(await _granted_within(g.servers["g1-1"].address, g.app, name))
+    _rising(name, tokens)
+
+
+def _waiters(look, name: str) -> list[str]:
+    """The client names of ``name``'s waiters, in queue order."""
+    return [w["client"] for w in contenders(look, name)["waiters"]]
+
+
+def test_a_parked_reservation_enters_the_queue_when_its_older_waiters_connection_closes(server):
+    """A reservation parked behind an older one waiting on a name enters the queue when the older
+    one's connection closes (its request ended without a word to the wound-wait table).  A
+    close looks only at the reservations parked on the names the closed connection's reservations
+    waited on: the code before looked at every parked one on every connection's close
+    (``python -m benches.reserve_abuse``: 3.0 ms of server CPU a close with 1,000 reservations of
+    64 names parked, 0.25 ms now)."""
+    with peers(server.address, 4) as (old, young, other, look):
+        plain_owner = os.urandom(16)
+        assert look.call(P.OP_ACQUIRE, "w/1", plain_owner, TTL_MS, 0, 0, None)[1] == 0
+        assert look.call(P.OP_ACQUIRE, "w/2", os.urandom(16), TTL_MS, 0, 0, None)[1] == 0
+        stamp = now_ms()
+        reserve(old, ["w/1", "w/2"], stamp - 5_000, b"old", wait_ms=30_000)
+        assert old.call(P.OP_PING)[1] == 0
+        young_owner = os.urandom(16)
+        rid_young = reserve(young, ["w/3", "w/1"], stamp, b"young", wait_ms=30_000, owner=young_owner)
+        assert young.call(P.OP_PING)[1] == 0
+        assert _waiters(look, "w/1") == ["peer-0"]  # the young one (peer-1) is parked behind the old one
+        old.close()
+        deadline = time.monotonic() + 5.0
+        while _waiters(look, "w/1") != ["peer-1"]:
+            assert time.monotonic() < deadline, "the parked reservation never entered the queue"
+            time.sleep(0.01)
+        rid_other = reserve(other, ["w/2"], stamp + 1, b"other", wait_ms=30_000)  # parked on nothing older
+        assert other.call(P.OP_PING)[1] == 0
+        token = holder_token(look, "w/1")
+        assert look.call(P.OP_RELEASE, "w/1", token, plain_owner)[1] == 0
+        granted = reply_to(young, rid_young)
+        assert granted[1] == 0 and granted[2][0][1] > token, granted
+        assert young.call(OP_COMMIT_RESERVATION, b"young")[1] == 0
+        assert rid_other  # still waiting on w/2's holder, untouched by the closes
+        assert _waiters(look, "w/2") == ["peer-2"]
+
+
+def _bad_maps(good: dict) -> list[tuple[str, bytes]]:
+    """Values of the map's etcd key that are no valid map, each with what is wrong: floors out of
+    range or of the wrong type, without their epoch, on overlapping ranges or a group the map does
+    not name, and values that are not maps at all."""
+    def with_floor(**fields) -> bytes:
+        value = json.loads(json.dumps(good))
+        value["epoch"] = good["epoch"] + 1
+        value["ranges"][1].update(fields)
+        return json.dumps(value).encode()
+
+    overlapping = json.loads(json.dumps(good))
+    overlapping["epoch"] += 1
+    overlapping["ranges"][1].update(first=overlapping["ranges"][0]["last"], floor=5, floor_epoch=1)
+    stranger = json.loads(json.dumps(good))
+    stranger["epoch"] += 1
+    stranger["ranges"][1].update(group="nobody", floor=5, floor_epoch=1)
+    return [("a negative floor", with_floor(floor=-1, floor_epoch=1)),
+            ("a floor of 2**63", with_floor(floor=2 ** 63, floor_epoch=1)),
+            ("a floor of 2**64 + 1", with_floor(floor=2 ** 64 + 1, floor_epoch=1)),
+            ("a floor above the last epoch's", with_floor(floor=(2 ** 63 - 1) >> 40 << 40, floor_epoch=1)),
+            ("a string floor", with_floor(floor="5", floor_epoch=1)),
+            ("a bool floor", with_floor(floor=True, floor_epoch=1)),
+            ("a float floor", with_floor(floor=5.0, floor_epoch=1)),
+            ("a floor without its epoch", with_floor(floor=5)),
+            ("a floor epoch without its floor", with_floor(floor_epoch=1)),
+            ("a floor epoch above the map's", with_floor(floor=5, floor_epoch=good["epoch"] + 2)),
+            ("a floor epoch of 0", with_floor(floor=5, floor_epoch=0)),
+            ("a bool floor epoch", with_floor(floor=5, floor_epoch=True)),
+            ("a marked epoch without a move", with_floor(marked_epoch=1)),
+            ("a floor of 5,000 digits",
+             with_floor(floor=7, floor_epoch=1).replace(b'"floor": 7', b'"floor": ' + b"9" * 5000)),
+            ("a floor on an overlapping range", json.dumps(overlapping).encode()),
+            ("a floor on a group the map does not name", json.dumps(stranger).encode()),
+            ("not JSON", b"{\"epoch\": 2, \"groups\": ["),
+            ("nested too deep", b"[" * 100_000 + b"]" * 100_000)]
+
+
+async def test_bad_maps_with_floors_written_to_etcd_are_refused_and_a_hostile_floor_is_served_above(groups):
+    """Values written straight to the map's etcd key that are no valid map (floors negative, above
+    2**63, of 5,000 digits, strings, bools, floats, without their epoch, on an overlapping range or a
+    group the map does not name; not JSON; nested too deep): every node logs each as ignored with
+    its reason, keeps serving the last good map and grants as before.  Then a valid map whose range
+    of g0 carries a floor far above g0's tokens (as a hostile writer may write): g0 takes it and grants
+    the range's names above that floor at once, never below.  Held on the code this was written against."""
+    name = names_owned_by(groups.shard_map, "g0", 1, "badmaps")[0]
+    good = groups.shard_map.to_wire()
+    stored = await load_from_etcd(groups.url)
+    tokens = []
+    try:
+        async with groups.connect() as client:
+            for what, value in _bad_maps(good):
+                starts = {g: len(s.lines) for g, s in groups.servers.items()}
+                await stored.gateway.put(stored.key, value)
+                for g, server in groups.servers.items():
+                    await asyncio.to_thread(server.wait_for_log, "ignoring the shard map in etcd", 20, starts[g])
+                    assert server.proc.poll() is None, f"{g} died of {what}"
+                    st = await asyncio.to_thread(server.status)
+                    assert st["shard"]["epoch"] == good["epoch"], (what, st["shard"])
+                lease = await client.acquire(name, ttl=5)
+                tokens.append(lease.fencing_token)
+                await client.release(lease)
+            hostile = json.loads(json.dumps(good))
+            floor = 30 << 40 | 5  # 30/5: far above g0's tokens
+            hostile["epoch"] += 1
+            hostile["ranges"][0].update(floor=floor, floor_epoch=hostile["epoch"])
+            await stored.gateway.put(stored.key, json.dumps(hostile).encode())
+            await wait_until(lambda: _serves_epoch(groups.servers["g0"], hostile["epoch"]), 20,
+                             "g0 to take the map with a floor")
+            lease = await client.acquire(name, ttl=5)
+            tokens.append(lease.fencing_token)
+            await client.release(lease)
+    finally:
+        await stored.gateway.close()
+    _rising(name, tokens)
+    assert tokens[-1] > floor, tokens
+
+
+async def _serves_epoch(server, epoch: int) -> bool:
+    return (await asyncio.to_thread(server.status))["shard"]["epoch"] >= epoch
+
+
+class _SlowFenceGroups(EtcdGroups):
+    """:class:`EtcdGroups` whose nodes hold the primary key for 10 s (``--coordinator-ttl 10``): a
+    primary cut off from etcd serves about 7 s more before it fences itself."""
+
+    def _server(self, node: str):
+        server = super()._server(node)
+        server.args[server.args.index("--coordinator-ttl") + 1] = "10"
+        return server
+
+
+async def test_a_waiter_queued_before_a_floor_above_its_primary_is_not_granted_below_it(etcd, tmp_path, monkeypatch):
+    """g0 (one etcd-arbitrated node) has a holder (a 1.5 s lease) and a waiter queued on a name when
+    a map whose range of g0 carries a floor far above g0's tokens arrives (a hostile or hand-written
+    map), while g0's link to its etcd is black-holed: g0 owes the floor (its epoch must be raised in
+    etcd first) and refuses new requests for the range.  The holder's lease then runs out: the
+    queued waiter must not be granted a token below the floor.  It is answered Unavailable (its
+    client asks again), and the name is granted above the floor once the link is back.  On the code
+    before, the expiry handed the waiter the name at g0's old epoch, below the floor 30/5."""
+    groups = _SlowFenceGroups(etcd, tmp_path, monkeypatch, (1, 1))
+    link = TcpProxy(etcd.address).start()
+    groups.coordinators["g0"] = groups.coordinators["g0"].replace(etcd.address, link.address)
+    floor = 30 << 40 | 5
+    try:
+        await groups.start()
+        name = names_owned_by(groups.shard_map, "g0", 1, "owedwaiter")[0]
+        address = groups.servers["g0-0"].address
+        holder = await RawNode.open(address, token=groups.app)
+        waiter = await RawNode.open(address, token=groups.app)
+        try:
+            await holder.acquire(name, 1_500)
+            waiting = asyncio.ensure_future(waiter.acquire(name, 60_000, 30_000))
+
+            async def queued() -> bool:
+                return len((await holder.request(P.OP_CONTENDERS, name))["waiters"]) == 1
+
+            await wait_until(queued, 10, "the waiter to queue")
+            link.blackhole()
+            hostile = groups.shard_map.to_wire()
+            hostile["epoch"] += 1
+            hostile["ranges"][0].update(floor=floor, floor_epoch=hostile["epoch"])
+            stored = await load_from_etcd(groups.url)
+            try:
+                await stored.gateway.put(stored.key, json.dumps(hostile).encode())
+            finally:
+                await stored.gateway.close()
+
+            async def owes() -> bool:
+                st = await _status(groups.servers["g0-0"])
+                return st is not None and st["shard"]["below_floor"] > 0
+
+            await wait_until(owes, 10, "g0 to owe the floor")
+            try:  # the holder's lease runs out within 1.5 s
+                got = await asyncio.wait_for(waiting, 30)
+            except FastlockError as exc:
+                got = exc
+            assert isinstance(got, Unavailable) or got[0] > floor, f"granted {format_token(got[0])} below the floor"
+        finally:
+            await holder.close()
+            await waiter.close()
+        link.heal()
+        await wait_until(lambda: groups.is_role("g0-0", "primary"), 60, "g0-0 to be the primary again")
+        assert await _granted_within(address, groups.app, name) > floor
+    finally:
+        groups.stop()
+        link.close()
+
+
+def test_reserves_of_names_another_group_owns_are_redirected_and_change_nothing(tmp_path):
+    """A raw msgpack peer sends g0 RESERVEs of names g1 owns (waiting, parked behind an older one
+    of g0's, and mixing both groups' names): each is answered WrongShard or CrossShard naming the
+    map's epoch, nothing is held or queued on g0, and g0 serves its own names as before.
+    Held on the code this was written against."""
+    with ShardSet.start(tmp_path / "shards", 2) as shards:
+        mine = names_owned_by(shards.shard_map, "g0", 2, "own")
+        theirs = names_owned_by(shards.shard_map, "g1", 2, "foreign")
+        with peers(shards.address("g0"), 2) as (older, hostile):
+            assert older.call(P.OP_ACQUIRE, mine[0], os.urandom(16), TTL_MS, 0, 0, None)[1] == 0
+            stamp = now_ms()
+            reserve(older, [mine[0]], stamp - 5_000, b"older", wait_ms=30_000)
+            assert older.call(P.OP_PING)[1] == 0
+            for names, multi_id, code in (([theirs[0]], b"f1", 60), (theirs, b"f2", 60),
+                                          ([mine[0], theirs[0]], b"f3", 61), ([theirs[1], mine[1]], b"f4", 61)):
+                reply = hostile.call(OP_RESERVE, names, os.urandom(16), TTL_MS, 30_000, None, stamp, multi_id)
+                assert reply[1] == code, (names, reply)
+            st = hostile.call(P.OP_STATUS)[2]
+            assert hostile.call(P.OP_HOLDER, mine[1])[2] is None
+            assert _waiters(hostile, mine[0]) == ["peer-0"]  # the older one alone: nothing queued
+            assert st["locks_held"] == 1, st
+            assert hostile.call(P.OP_ACQUIRE, mine[1], os.urandom(16), TTL_MS, 0, 0, None)[1] == 0
+
+
+def test_a_map_of_the_python_api_with_an_integer_too_long_to_print_is_refused_as_a_bad_map():
+    """``ShardMap.from_wire`` of a plain form (built in Python: JSON and msgpack cannot carry one)
+    whose floor, slot or epoch is an int of more digits than Python turns into text raises
+    ShardMapError, as any other bad map.  On the code before, the refusal's own message (which
+    names the value) raised a bare ValueError."""
+    huge = 10 ** 5000
+    for field, value in (("floor", huge), ("floor_epoch", huge), ("first", huge), ("last", -huge)):
+        wire = {"epoch": 3, "groups": [{"name": "a", "addresses": ["127.0.0.1:1"]}],
+                "ranges": [{"first": 0, "last": 16383, "group": "a", "floor": 5, "floor_epoch": 1}]}
+        wire["ranges"][0][field] = value
+        with pytest.raises(ShardMapError):
+            ShardMap.from_wire(wire)
+
+
+async def test_a_floor_adopted_by_hand_is_recorded_in_the_map_and_kept_by_a_group_restarted_empty(groups_of):
+    """g0 grants a name at epoch 41; its slot is flipped to g1 by hand (no import) and ``fastlock
+    shard adopt --from g0`` gives g1 the slot's floor; g1 grants the name above g0's token.  g1's
+    only node is then restarted on an empty data directory: it must grant the name above its own
+    token before.  ``shard adopt`` now records the floor it adopted on the slot in the map, so the
+    node bids above it.  On the code before, the map kept no floor for the slot: the node, which had
+    seen no epoch, did not believe etcd's 41, bid at 1 and granted the name at 1/1 after 41/2."""
+    g = await groups_of((1, 1), **HIGH)
+    name = names_owned_by(g.shard_map, "g0", 1, "adoptwiped")[0]
+    slot = slot_of(name)
+    tokens = [await _granted_on_g0(g, name)]
+    await _mark_and_flip_by_hand(g, slot, ("g0-0", "g1-0"))
+    assert await shard(["shard", "adopt", "--coordinator", g.url, "--slots", str(slot), "--from", "g0"]) == 0
+    tokens.append(await _granted_within(g.servers["g1-0"].address, g.app, name))
+    stored = await load_from_etcd(g.url)
+    try:
+        recorded = (await stored.read_existing())[0]
+    finally:
+        await stored.gateway.close()
+    assert recorded.floor_of_slot(slot) == tokens[0], recorded.floor_of_slot(slot)
+    g.servers["g1-0"].stop()
+    shutil.rmtree(g.tmp_path / "g1-0")
+    g.servers["g1-0"] = g._server("g1-0").start()
+    await wait_until(lambda: g.is_role("g1-0", "primary"), 60, "g1-0 to be the primary on an empty data directory")
+    tokens.append(await _granted_within(g.servers["g1-0"].address, g.app, name))
+    _rising(name, tokens)
+
+
+async def test_a_slot_moved_there_and_back_keeps_its_tokens_rising_on_a_source_restarted_empty(groups_of):
+    """A name's slot moves g0 (epoch 41) -> g1 -> g0; g1 grants the name and other names of its own
+    in between.  The second move's floor in the map covers every token g1 issued (its high-water
+    mark when it shipped); g0 grants above it, and so does g0's only node restarted on an empty data
+    directory (it bids above the floor's epoch).  Held on the code this was written against."""
+    g = await groups_of((1, 1), **HIGH)
+    name = names_owned_by(g.shard_map, "g0", 1, "backforth")[0]
+    slot = slot_of(name)
+    tokens = [await _granted_on_g0(g, name)]
+    await g.move(slot, "g1")
+    g1 = g.servers["g1-0"].address
+    tokens.append(await _granted_within(g1, g.app, name))
+    others = [await _granted_within(g1, g.app, other) for other in names_owned_by(g.shard_map, "g1", 3, "g1own")]
+    await g.move(slot, "g0")
+    stored = await load_from_etcd(g.url)
+    try:
+        back = (await stored.read_existing())[0]
+    finally:
+        await stored.gateway.close()
+    assert back.owner_of_slot(slot).name == "g0" and back.floor_of_slot(slot) >= max(tokens[-1], *others), back
+    tokens.append(await _granted_within(g.servers["g0-0"].address, g.app, name))
+    assert tokens[-1] > max(others)
+    g.servers["g0-0"].stop()
+    shutil.rmtree(g.tmp_path / "g0-0")
+    g.seen = {}  # nothing written there before it starts
+    g.servers["g0-0"] = g._server("g0-0").start()
+    await wait_until(lambda: g.is_role("g0-0", "primary"), 60, "g0-0 to be the primary on an empty data directory")
+    tokens.append(await _granted_within(g.servers["g0-0"].address, g.app, name))
+    _rising(name, tokens)
+
+
+async def test_a_standby_that_missed_its_primarys_raise_above_a_floor_is_promoted_above_it(groups_of):
+    """g1 (a primary and a standby, epoch 2) is given a map whose range of g1 carries a floor of
+    epoch 30 (a hostile or hand-written map) while its standby's replication link is cut: the
+    primary raises the group's epoch to 31 in etcd and in its log (which the standby never
+    receives) and grants a name at epoch 31; it is then killed (kill -9).  The standby, promoted,
+    must grant in an epoch above 31: the dead primary's counter in epoch 31 is known to it only up
+    to the last counter reservation it replicated (a block of 100,000), and a primary that granted
+    past it before dying issued the tokens that follow.  It took the map from its own watch, so it
+    counts epoch 31 as one its group may have reached: etcd's 31 is credible to it and it bids
+    above.  On the code before, etcd's 31 was 29 above what it had seen (at most 16 is believed), so
+    it bid at 3 and raised its epoch to the same 31 for the same floor, granting 31/100002."""
+    g = await groups_of((1, 2), relayed=("g1-0",), **HIGH)
+    name = names_owned_by(g.shard_map, "g1", 1, "missedraise")[0]
+    relay = g.relays["g1-0"]
+    await wait_until(lambda: asyncio.to_thread(relay.count, "replication"), 30,
+                     "g1's standby to replicate through the relay")
+    tokens = [await _granted_within(g.servers["g1-0"].address, g.app, name)]
+    relay.blackhole("replication")
+    relay.cut("replication")  # detached: its attempts to attach again are held
+    floor = 30 << 40
+    stored = await load_from_etcd(g.url)
+    try:
+        shard_map, revision = await stored.read_existing()
+        wire = shard_map.to_wire()
+        wire["epoch"] += 1
+        wire["ranges"][1].update(floor=floor, floor_epoch=wire["epoch"])
+        await stored.replace(revision, shard_map, ShardMap.from_wire(wire))
+    finally:
+        await stored.gateway.close()
+    await wait_until(lambda: g.serves_epoch("g1-1", wire["epoch"]), 30, "g1's standby to take the map")
+    tokens.append(await _granted_within(g.servers["g1-0"].address, g.app, name))
+    assert tokens[-1] > floor, format_token(tokens[-1])
+    g.servers["g1-0"].kill()
+    await wait_until(lambda: g.is_role("g1-1", "primary"), 60, "g1's standby to be promoted")
+    tokens.append(await _granted_within(g.servers["g1-1"].address, g.app, name))
+    _rising(name, tokens)
+    assert epoch_of(tokens[-1]) > epoch_of(tokens[-2]), [format_token(t) for t in tokens]
+
+
+async def test_a_detached_standby_promoted_after_a_move_keeps_its_groups_own_tokens_rising(groups_of):
+    """g1's standby is detached (its replication link cut) while a slot moves from g0 (epoch 41) to
+    g1 (epoch 2): g1's primary adopts epoch 41 with the import and grants a name of its own at 41;
+    it is then killed.  The standby, promoted, must grant that name above 41: it took the flip,
+    whose floor on the moved range names epoch 41, so etcd's 41 is credible to it and it bids
+    above the floor's epoch.  Held on the code before too, though by a narrower margin: it did not
+    believe etcd's 41 (it had seen 2) and was promoted at epoch 3, serving the group's own names
+    there until its settle of the moved range's floor raised it to 42 (16 ms later, inside the
+    promotion grace that holds new grants)."""
+    g = await groups_of((1, 2), relayed=("g1-0",), **HIGH)
+    moved = names_owned_by(g.shard_map, "g0", 1, "detachedmove")[0]
+    own = names_owned_by(g.shard_map, "g1", 1, "detachedown")[0]
+    relay = g.relays["g1-0"]
+    await wait_until(lambda: asyncio.to_thread(relay.count, "replication"), 30,
+                     "g1's standby to replicate through the relay")
+    tokens = [await _granted_within(g.servers["g1-0"].address, g.app, own)]
+    await _granted_on_g0(g, moved)
+    relay.blackhole("replication")
+    relay.cut("replication")  # detached: its attempts to attach again are held
+    await g.move(slot_of(moved), "g1")
+    tokens.append(await _granted_within(g.servers["g1-0"].address, g.app, own))
+    assert epoch_of(tokens[-1]) == 41, format_token(tokens[-1])
+    stored = await load_from_etcd(g.url)
+    try:
+        flipped = (await stored.read_existing())[0]
+    finally:
+        await stored.gateway.close()
+    await wait_until(lambda: g.serves_epoch("g1-1", flipped.epoch), 30, "g1's standby to take the flip")
+    g.servers["g1-0"].kill()
+    await wait_until(lambda: g.is_role("g1-1", "primary"), 60, "g1's standby to be promoted")
+    tokens.append(await _granted_within(g.servers["g1-1"].address, g.app, own))
+    _rising(own, tokens)
+
+
+async def test_a_standby_detached_over_an_import_and_promoted_before_the_flip_keeps_its_groups_own_tokens_rising(
+        groups_of):
+    """g1's standby is detached (its replication link cut); a slot of g0 (epoch 41) is marked moving
+    to g1 (epoch 2) and one page exported and imported (a mover stopped before its flip): g1's
+    primary adopts epoch 41 and grants a name of its own at 41.  It is killed; the standby, which
+    never heard of 41, is promoted.  It must grant the group's own name above 41: the map marks a
+    move into its group, so etcd's epoch (41, raised by the import) is credible to it whatever its
+    size, and it bids above.  On the code before, etcd's 41 was more than 16 above what it had seen:
+    it bid at 3 and granted the name at 3/100002 after 41/2."""
+    g = await groups_of((1, 2), relayed=("g1-0",), **HIGH)
+    moved = names_owned_by(g.shard_map, "g0", 1, "preflipmove")[0]
+    slot = slot_of(moved)
+    own = names_owned_by(g.shard_map, "g1", 1, "preflipown")[0]
+    relay = g.relays["g1-0"]
+    await wait_until(lambda: asyncio.to_thread(relay.count, "replication"), 30,
+                     "g1's standby to replicate through the relay")
+    tokens = [await _granted_within(g.servers["g1-0"].address, g.app, own)]
+    await _granted_on_g0(g, moved)
+    relay.blackhole("replication")
+    relay.cut("replication")  # detached: its attempts to attach again are held
+    stored = await load_from_etcd(g.url)
+    try:
+        shard_map, revision = await stored.read_existing()
+        marked = mark_moving(shard_map, slot, slot, "g1")
+        await stored.replace(revision, shard_map, marked)
+    finally:
+        await stored.gateway.close()
+    for node in ("g0-0", "g1-0", "g1-1"):
+        await wait_until(lambda node=node: g.serves_epoch(node, marked.epoch), 20, f"{node} to follow the mark")
+    admin = g.creds.token("admin")
+    exporter = await RawNode.open(g.servers["g0-0"].address, token=admin)
+    importer = await RawNode.open(g.servers["g1-0"].address, token=admin)
+    try:
+        page = await exporter.request(OP_SLOT_EXPORT, slot, slot, None)
+        await importer.request(OP_SLOT_IMPORT, slot, slot, msgpack.packb(page))
+    finally:
+        await exporter.close()
+        await importer.close()
+    tokens.append(await _granted_within(g.servers["g1-0"].address, g.app, own))
+    assert epoch_of(tokens[-1]) == 41, format_token(tokens[-1])
+    g.servers["g1-0"].kill()
+    await wait_until(lambda: g.is_role("g1-1", "primary"), 60, "g1's standby to be promoted")
+    tokens.append(await _granted_within(g.servers["g1-1"].address, g.app, own))
+    _rising(own, tokens)

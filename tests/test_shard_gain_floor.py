@@ -181,8 +181,9 @@ async def test_a_destination_whose_nodes_all_restart_on_empty_data_directories_s
     """A real move of a name's slot from g0 (epoch 41) to g1 (epoch 2), which grants it at the epoch
     it adopted; then both of g1's nodes are stopped and restarted on empty data directories, the
     map in etcd already giving g1 the slot.  The map's floor for the slot makes g1's new primary
-    raise its epoch above it (to 42: above g0's tokens and above g1's own at 41) before it grants
-    the name.  The code before granted it from g1's new counter, at 1/1, below both."""
+    bid above it (to 43: above g0's tokens, g1's own at 41, and 42, where a primary of g1 raises its
+    epoch for this floor) before it grants the name.  The code before granted it from g1's new
+    counter, at 1/1, below both."""
     g = await groups_of((1, 2), **HIGH)
     name = names_owned_by(g.shard_map, "g0", 1, "wiped")[0]
     tokens = [await _granted_on_g0(g, name)]
@@ -200,7 +201,7 @@ async def test_a_destination_whose_nodes_all_restart_on_empty_data_directories_s
     await wait_until(lambda: g.is_role("g1-1", "standby"), 60, "g1-1 to join as a standby")
     tokens.append(await _granted_within(g.servers["g1-0"].address, g.app, name))
     _rising(name, tokens)
-    assert epoch_of(tokens[-1]) == 42, format_token(tokens[-1])
+    assert epoch_of(tokens[-1]) == 43, format_token(tokens[-1])
     st = await _status(g.servers["g1-0"])
     assert st["shard"]["below_floor"] == 0 and st["shard"]["unadopted"] == 0, st["shard"]
     g.servers["g1-0"].kill()  # its standby, promoted, goes above it too

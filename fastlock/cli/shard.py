@@ -24,14 +24,17 @@ from typing import Any
 from ..client import Client
 from ..client.sharded import read_shard_map
 from ..coordination.access import EtcdAccess
-from ..coordination.shardmap import load_from_etcd
+from ..coordination.shardmap import MapConflict, load_from_etcd
 from ..server.sharded import HOLD_S
 from ..sharding import ShardGroup, ShardMap, ShardMapError, even_ranges, load_map_file
-from ..sharding.moves import parse_slots, split_half
+from ..sharding.moves import parse_slots, record_floor, split_half
 from ..tokens import MAX_EPOCH, format_token
 from .args import read_token
 from .shardadopt import adopt_slots
 from .shardmove import abort_slots, move_slots
+
+#: how many times ``shard adopt`` writes the adopted floor into the map in etcd when the map changed under the write
+RECORD_ATTEMPTS = 3
 
 __all__ = ["add_parser"]
 
@@ -124,20 +127,46 @@ async def _served_map(server: str) -> ShardMap:
     return found[1]
 
 
-async def _adopt(args: argparse.Namespace, shard_map: ShardMap) -> int:
-    """``fastlock shard adopt`` by ``shard_map`` (etcd's, or the one ``--server`` serves by)."""
+async def _adopt(args: argparse.Namespace, shard_map: ShardMap, stored: Any = None) -> int:
+    """``fastlock shard adopt`` by ``shard_map`` (etcd's, or the one ``--server`` serves by); with
+    the map in etcd (``stored``), the floor adopted is then recorded on the slots in the map."""
     first, last = parse_slots(args.slots)
     if not 0 <= args.above_epoch < MAX_EPOCH:
         raise ShardMapError(f"--above-epoch is 0..{MAX_EPOCH - 1}")
     adopted = await adopt_slots(shard_map, first, last, source=args.source, force=args.force,
                                 above_epoch=args.above_epoch, token=read_token(args),
                                 progress=None if args.output == "json" else print)
+    recorded = None if stored is None else await _record_floor(stored, first, last, adopted.owner, adopted.floor)
     if args.output == "json":
-        print(json.dumps(adopted._asdict()))
+        print(json.dumps({**adopted._asdict(), "map_epoch": recorded}))
     else:
         print(f"done: slots {first}..{last} of {adopted.owner} adopted the token floor {adopted.floor} "
-              f"({adopted.source}; {adopted.adopted} were unadopted); its epoch is {adopted.epoch}")
+              f"({adopted.source}; {adopted.adopted} were unadopted); its epoch is {adopted.epoch}"
+              + (f"; the shard map records the floor (epoch {recorded})" if recorded is not None else ""))
     return 0
+
+
+async def _record_floor(stored: Any, first: int, last: int, owner: str, floor: int) -> int | None:
+    """Record ``floor`` on slots ``first..last`` of ``owner`` in the map in etcd
+    (:func:`~fastlock.sharding.moves.record_floor`; read again and retried when the map changed
+    meanwhile): the epoch written, or None when the map had that floor already.  Every node of
+    the group then stays above it, on an empty data directory too.
+
+    :raises ShardMapError: the slots changed owner meanwhile.  :raises MapConflict: the map changed
+        under each of :data:`RECORD_ATTEMPTS` writes (run the command again)."""
+    for attempt in range(RECORD_ATTEMPTS):
+        shard_map, revision = await stored.read_existing()
+        new = record_floor(shard_map, first, last, owner, floor)
+        if new is None:
+            return None
+        try:
+            await stored.replace(revision, shard_map, new)
+        except MapConflict:
+            if attempt + 1 == RECORD_ATTEMPTS:
+                raise
+            continue
+        return new.epoch
+    return None
 
 
 async def _tell_still_marked(stored: Any, first: int, last: int, to: str, command: str) -> None:
@@ -210,7 +239,7 @@ async def _run(args: argparse.Namespace) -> int:
                       f"frozen {report.freeze_ms:.0f} ms")
             return 0
         if args.shard_command == "adopt":
-            return await _adopt(args, shard_map)
+            return await _adopt(args, shard_map, stored)
         if args.shard_command == "addresses":
             new = shard_map.with_addresses(args.group.name, args.group.addresses)
             await stored.replace(revision, shard_map, new)

@@ -186,6 +186,16 @@ class NodeIdInUse(FastlockError, RuntimeError):
     and take each other's primary key for their own."""
 
 
+def _no_epoch() -> int:
+    """No epoch known (:attr:`EtcdArbiter.known_epoch` of a node that is not sharded)."""
+    return 0
+
+
+def _no_move_in() -> bool:
+    """No move into this node's group (:attr:`EtcdArbiter.moving_in` of a node that is not sharded)."""
+    return False
+
+
 class EtcdArbiter:
     """One node's view of, and bid for, the primary key (see the module docstring).
 
@@ -260,6 +270,19 @@ class EtcdArbiter:
         self._beat_at = 0  # send time (own clock, ms) of the last successful heartbeat (or bid)
         self._beat_sent = 0  # send time (own clock, ms) of the last heartbeat sent, answered or not
         self._pulse_task: asyncio.Task | None = None  # the primary's heartbeats between steps (_pulse)
+        #: an epoch this node's group is known to go to (read at each use; 0: none): a bid goes above
+        #: it, and etcd's epoch up to :data:`~fastlock.coordination.records.EPOCH_ALLOWANCE` above it
+        #: is credible as above :meth:`seen_epoch`.  A shard group's node gives the epoch above the
+        #: token floors its shard map records for the group's slots
+        #: (:meth:`fastlock.server.sharded.ShardGate.floors_epoch`): its primary raises the group's
+        #: epoch in etcd there before it grants those slots' names
+        self.known_epoch: Callable[[], int] = _no_epoch
+        #: whether a move into this node's group is under way (read at each use): its primary's
+        #: import may raise the group's epoch to the source's, by any amount, which its standbys
+        #: learn only by replication; while it is, etcd's epoch is credible whatever it is, so a
+        #: standby that missed the import still bids above it
+        #: (:meth:`fastlock.server.sharded.ShardGate.moving_in`)
+        self.moving_in: Callable[[], bool] = _no_move_in
         self._beat: BeatSighting | None = None  # the heartbeat revision as this node first saw it
         self._beat_timer: asyncio.TimerHandle | None = None
         self._beat_watch_task: asyncio.Task | None = None
@@ -842,8 +865,14 @@ class EtcdArbiter:
 
     def credible_epoch(self, epoch: int) -> bool:
         """Is ``epoch``, read from etcd, at most :data:`~fastlock.coordination.records.EPOCH_ALLOWANCE`
-        above :meth:`seen_epoch` (see :func:`~fastlock.coordination.records.credible_epoch`)?"""
-        return credible_epoch(epoch, self.seen_epoch())
+        above :meth:`seen_epoch` or :attr:`known_epoch`, or any epoch while :attr:`moving_in` (see
+        :func:`~fastlock.coordination.records.credible_epoch`)?"""
+        return credible_epoch(epoch, self._credible_base())
+
+    def _credible_base(self) -> int:
+        """The epoch etcd's epoch is judged against: the higher of :meth:`seen_epoch` and
+        :attr:`known_epoch`, or the last epoch while :attr:`moving_in` (any epoch is credible)."""
+        return MAX_EPOCH if self.moving_in() else max(self.seen_epoch(), self.known_epoch())
 
     async def _read_epoch(self) -> EpochReading:
         """``PREFIX/epoch`` as :func:`~fastlock.coordination.records.read_epoch` judges it; a
@@ -853,13 +882,14 @@ class EtcdArbiter:
         Raises:
             EtcdUnavailable: etcd did not answer.
         """
-        seen = self.seen_epoch()
+        seen = self._credible_base()
         reading = read_epoch(await self.gateway.get(self.epoch_key), seen)
         if reading.refused:
             kv = reading.kv
             assert kv is not None
             self._refused_epoch("etcd: refusing %s = %r: not an epoch at most %d above the highest this node has "
-                                "seen (%d); the next epoch comes from what the nodes know", self.epoch_key,
+                                "seen or its shard map's token floors name (%d); the next epoch comes from what the "
+                                "nodes know", self.epoch_key,
                                 kv.value[:40], EPOCH_ALLOWANCE, seen)
             if self.holding:
                 await self.gateway.txn(
@@ -966,11 +996,12 @@ class EtcdArbiter:
         """Try to take the free primary key with the next epoch; True if this node took it.
 
         The epoch is one above the highest of: ``PREFIX/epoch`` when credible, every epoch
-        this node has seen, and ``advertised`` (the highest credible epoch a live member
+        this node has seen, :attr:`known_epoch` (a shard group's node: the epoch above its map's
+        token floors), and ``advertised`` (the highest credible epoch a live member
         advertises, so that a node that has not synced yet still goes above the last
         primary's epoch when someone overwrote ``PREFIX/epoch``).  Each is at most
         :data:`~fastlock.coordination.records.EPOCH_ALLOWANCE` above what this node has
-        seen: one election moves the group's epoch by at most that much + 1.
+        seen or :attr:`known_epoch`: one election moves the group's epoch by at most that much + 1.
 
         Raises:
             EtcdUnavailable: etcd did not answer (whether the bid landed is then
@@ -984,7 +1015,8 @@ class EtcdArbiter:
         if not self.lease:
             return False
         kv = reading.kv
-        epoch = max(reading.stored, self.seen_epoch(), advertised if self.credible_epoch(advertised) else 0) + 1
+        epoch = max(reading.stored, self.seen_epoch(), self.known_epoch(),
+                    advertised if self.credible_epoch(advertised) else 0) + 1
         if epoch > MAX_EPOCH:
             log.critical("etcd: cannot take the primary role: epoch %d would exceed %d", epoch, MAX_EPOCH)
             return False

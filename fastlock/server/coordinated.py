@@ -128,6 +128,9 @@ class CoordinatedNode:
             server.source.sync.publisher = self.arbiter.publish
             server.source.sync.member_idents = self.arbiter.member_idents
         self.arbiter.hurry = self.lost_primary
+        if server.shard_gate is not None:  # its primary raises the group's epoch above the map's token floors
+            self.arbiter.known_epoch = server.shard_gate.floors_epoch
+            self.arbiter.moving_in = server.shard_gate.moving_in
         await self.arbiter.claim()
         server.source.coordinate(self.arbiter.fence_if_due)
         self.arbiter.start()

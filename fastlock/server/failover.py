@@ -134,6 +134,11 @@ def check_step_down_epoch(epoch: Any, own_epoch: int) -> int:
     return epoch
 
 
+def _no_epoch() -> int:
+    """No epoch known (:attr:`FailoverPolicy.known_epoch` of a node that is not sharded)."""
+    return 0
+
+
 class FailoverPolicy:
     """Promote, step down, serve alone - and the node's role at start.
 
@@ -168,6 +173,10 @@ class FailoverPolicy:
         #: called by each promotion once this node is the primary, before its first grant (a sharded
         #: node drops what moves aborted while it was a standby had imported: ShardGate.promoted)
         self.after_promotion: Callable[[], None] | None = None
+        #: an epoch this node's group is known to go to (a sharded node: the epoch above its map's
+        #: token floors, ShardGate.floors_epoch, where its primary raises the group's epoch): a
+        #: promotion goes above it
+        self.known_epoch: Callable[[], int] = _no_epoch
         self._auto_retry_at_ms = 0
         self._peer_check: asyncio.Task | None = None
         self._peer_timer: asyncio.TimerHandle | None = None  # the next look at the fence (a primary's)
@@ -463,7 +472,7 @@ class FailoverPolicy:
         follower = self._standby_follower()
         deposed = read_deposed(host.data_dir) or {}
         least = max(host.table.epoch, follower.primary_epoch, host.node_state.max_epoch_seen,
-                    int(deposed.get("epoch", 0))) + 1
+                    int(deposed.get("epoch", 0)), self.known_epoch()) + 1
         if epoch is not None and epoch < least:
             raise Unavailable(f"cannot promote at epoch {epoch} from the coordinator: this node has seen "
                               f"epoch {least - 1} already")
@@ -526,6 +535,11 @@ class FailoverPolicy:
             out_of_sync, witnessed_ttl_ms = verdict.out_of_sync, verdict.max_ttl_ms
         if self.before_serving is not None:  # once the old primary serves no more: it moves no slot after
             await self.before_serving()
+            known = self.known_epoch()
+            if known >= epoch:  # the map it read names floors this bid did not go above: bid again above them
+                raise Unavailable(f"cannot promote at epoch {epoch}: the shard map read now has token floors "
+                                  f"of this group's slots whose next epoch is {known} (its primary may have "
+                                  f"raised the group's epoch there)")
         table.set_epoch(epoch)
         host.wal.log_epoch(epoch)
         durable = host.loop.create_future()

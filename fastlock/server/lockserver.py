@@ -207,6 +207,7 @@ class LockServer(BatchEnd):
             self.shard_gate.install(self.handlers)
             self.shard_gate.on_change = self._announce_shard_map
             self.failover.after_promotion = self.shard_gate.promoted
+            self.failover.known_epoch = self.shard_gate.floors_epoch
             if config.shard_map_etcd is not None:  # a promoted node serves the map etcd holds, not its watch's
                 self.failover.before_serving = self.shard_gate.take_stored_map
         #: watch revisions: the history resuming watches replay, progress notices (fastlock.server.watchlog)

@@ -412,6 +412,26 @@ class ShardGate:
         self.owed_any = 1 in owed
         self._stopped()
 
+    def floors_epoch(self) -> int:
+        """The epoch after the highest token floor the map records for this group's slots (0: none).
+        The group's primary raises its epoch there before it grants their names (:meth:`settle_floors`),
+        so a node of the group counts it as an epoch its group may have reached: an etcd bid and a
+        promotion go above it, and etcd's epoch up to it is credible
+        (:attr:`~fastlock.coordination.etcd.EtcdArbiter.known_epoch`).  A primary that raised its
+        epoch there and died before its standbys heard so left that epoch in etcd alone: counting it
+        keeps the next primary from raising its own to the same epoch for the same floor (every
+        token of that epoch issued twice)."""
+        floors = self.shard_map.floors_of(self.group)
+        return _epoch_above(floors) if floors else 0
+
+    def moving_in(self) -> bool:
+        """Whether the map marks slots moving to this group: its primary's import of them raises the
+        group's epoch to the source's if that is higher, by any amount, and a standby that missed the
+        import (detached over it) knows of it only by etcd's epoch, which it then believes
+        (:attr:`~fastlock.coordination.etcd.EtcdArbiter.moving_in`)."""
+        group = self.group
+        return any(r.moving_to == group for r in self.shard_map.ranges)
+
     def floors_above(self, token: int) -> list[tuple[int, int, int]]:
         """The ranges this group owns whose token floor in the map is above ``token``:
         ``(first, last, floor)``."""
@@ -438,6 +458,7 @@ class ShardGate:
         runs = [[first, last] for first, last, _floor in owed[:INFO_RUNS]]
         if server.handlers.slot_moves.raise_floor_now(make_token(epoch, 0)):
             self._set_owed(owed)
+            self._refuse_owed_waiters()
             log.warning("shard group %s owns slots %s whose token floor in the shard map (epoch %d) is above its last "
                         "token %d: their names are answered Unavailable until the group's epoch in etcd is raised "
                         "to %d", self.group, runs, self.shard_map.epoch, server.table.last_token, epoch)
@@ -449,6 +470,29 @@ class ShardGate:
         self._batch_end()
         log.warning("shard group %s: slots %s have a token floor in the shard map (epoch %d) above this node's last "
                     "token: its epoch is raised to %d", self.group, runs, self.shard_map.epoch, epoch)
+
+    def _refuse_owed_waiters(self) -> None:
+        """Take out every waiter of the names of :attr:`owed` slots, each acquire answered
+        Unavailable (:meth:`below_floor`: the client asks again): the gate refuses new requests for
+        them, but a release, an expiry or a lock-delay's end would grant a waiter already queued a
+        token below the slot's floor while the group's epoch is being raised above it."""
+        server = self.server
+        owed = self.owed
+        names = server.table.waited_names(lambda name: owed[slot_of(name)] == 1)
+        if not names:
+            return
+        server.after_batch()  # every event so far is delivered: what follows is this refusal's
+        taken = self._take_waiters(names, monotonic_ms())
+
+        def refuse(conn: Any, rid: int, name: str) -> None:
+            if not getattr(conn, "closed", False):
+                server.handlers.failed(conn, rid, 0, self.below_floor(name, slot_of(name)))
+
+        self._answer_taken(taken, refuse)
+        log.warning("shard group %s: %d waiters of %d locks whose slots' token floor is above its last token taken out "
+                    "of their queues, answered Unavailable", self.group, sum(len(w) for w in taken.values()),
+                    len(taken))
+        server.after_batch()
 
     async def _settle_in_etcd(self) -> None:
         """While this node is the primary and owes a map floor: raise the group's epoch in etcd

@@ -194,6 +194,15 @@ class ReserveRequest(ManyRequest):
         return rid
 
 
+def _drop(index: dict[int, set[Reservation]], session: int, r: Reservation) -> None:
+    """``r`` out of ``index``'s set of connection ``session`` (the set dropped once empty)."""
+    mine = index.get(session)
+    if mine is not None:
+        mine.discard(r)
+        if not mine:
+            del index[session]
+
+
 def _rank_of(r: Reservation) -> Rank:
     return r.rank
 
@@ -248,9 +257,15 @@ class WoundWait:
         #: name -> the parked reservations that name it
         self.parked_on: dict[str, set[Reservation]] = {}
         #: names an older reservation stopped waiting on since the last wake (only their parked
-        #: reservations are looked at again); ``_wake_all``: every parked one is (a connection closed)
+        #: reservations are looked at again; a closed connection's waiting ones add their names)
         self._stopped_waiting: set[str] = set()
-        self._wake_all = False
+        #: session -> its reservations of ``by_key`` (those a closed connection takes away)
+        self.keyed_of: dict[int, set[Reservation]] = {}
+        #: session -> its parked reservations
+        self.parked_of: dict[int, set[Reservation]] = {}
+        #: session -> its reservations listed in ``waiting_on`` since they were queued (until
+        #: :meth:`_unwait`): the names a closed connection stopped waiting on
+        self.waiting_of: dict[int, set[Reservation]] = {}
         #: principal -> how many live reservations it has
         self.per_principal: dict[str, int] = {}
         #: principal -> its reservations of ``by_key`` (insertion order: its purge's order)
@@ -364,9 +379,10 @@ class WoundWait:
 
     def cancel_parked(self, session: int, name: str, owner: bytes) -> bool:
         """CANCEL of a parked reservation (``owner``: its hash) of connection ``session``
-        naming ``name``: withdrawn, answered Cancelled; True if there was one."""
-        for r in self.parked.values():
-            if r.owner == owner and r.session == session and name in r.names:
+        naming ``name``: withdrawn, answered Cancelled; True if there was one.  Looks at that
+        connection's parked reservations only (a CANCEL from any connection comes here while any is parked)."""
+        for r in self.parked_of.get(session, ()):
+            if r.owner == owner and name in r.names:
                 self._forget(r)
                 conn = self.server.limits.sessions.get(session)
                 if conn is not None:
@@ -381,14 +397,17 @@ class WoundWait:
         client counts the lost connection as a wound and reserves the part again); their
         leases are taken away as a wound's are (a REVOKE record each).  A fenced node leaves
         them to their TTL.  Committed parts are ordinary leases and stay until their TTL."""
-        gone = [r for key, r in self.parked.items() if key[0] == session]
-        for r in gone:
+        for r in list(self.parked_of.get(session, ())):
             self._forget(r)
-        orphaned = [r for key, r in self.by_key.items() if key[0] == session and r.state == HELD and not r.wounded]
+        orphaned = [r for r in self.keyed_of.get(session, ()) if r.state == HELD and not r.wounded]
         if orphaned:
             self._take_orphaned(orphaned)
-        if self.parked:
-            self._wake_all = True  # its waiting requests ended without a word to this table
+        # its waiting requests ended without a word to this table: the reservations parked on their
+        # names are looked at again (a wake costs those, not every parked one: any connection's close)
+        parked_on = self.parked_on
+        for r in self.waiting_of.pop(session, ()):
+            self._stopped_waiting.update(name for name in r.names if name in parked_on)
+        if self._stopped_waiting:
             self._wake_soon()
 
     def _take_orphaned(self, orphaned: list[Reservation]) -> None:
@@ -515,12 +534,14 @@ class WoundWait:
         if status == QUEUED:
             for name in r.names:
                 self.waiting_on.setdefault(name, set()).add(r)
+            self.waiting_of.setdefault(r.session, set()).add(r)
 
     def _park(self, r: Reservation) -> None:
         key = (r.session, r.rank.multi_id)
         self.parked[key] = r
         for name in r.names:
             self.parked_on.setdefault(name, set()).add(r)
+        self.parked_of.setdefault(r.session, set()).add(r)
         self.per_principal[r.principal] = self.per_principal.get(r.principal, 0) + 1
         self.parked_names[r.principal] = self.parked_names.get(r.principal, 0) + len(r.names)
         if r.wait_until_ms is not None:
@@ -540,6 +561,7 @@ class WoundWait:
                 self.parked_names[r.principal] = left
             else:
                 self.parked_names.pop(r.principal, None)
+            _drop(self.parked_of, r.session, r)
         if r.timer is not None:
             r.timer.cancel()
             r.timer = None
@@ -566,15 +588,10 @@ class WoundWait:
         before a younger one parked earlier, which then stays parked behind it instead of being
         let in and wounded."""
         self._wake_pending = False
-        if self._wake_all:
-            candidates = list(self.parked.values())
-        else:
-            touched: set[Reservation] = set()
-            for name in self._stopped_waiting:
-                touched.update(self.parked_on.get(name, ()))
-            candidates = list(touched)  # (parked_on lists parked reservations only)
-        candidates.sort(key=_rank_of)
-        self._wake_all = False
+        touched: set[Reservation] = set()
+        for name in self._stopped_waiting:
+            touched.update(self.parked_on.get(name, ()))
+        candidates = sorted(touched, key=_rank_of)  # (parked_on lists parked reservations only)
         self._stopped_waiting.clear()
         now = monotonic_ms()
         sessions = self.server.limits.sessions
@@ -606,6 +623,7 @@ class WoundWait:
     def _remember(self, r: Reservation) -> None:
         self.by_owner[r.owner] = r
         self.by_key[(r.session, r.rank.multi_id)] = r
+        self.keyed_of.setdefault(r.session, set()).add(r)
         self.of_principal.setdefault(r.principal, {})[(r.session, r.rank.multi_id)] = r
         self.per_principal[r.principal] = self.per_principal.get(r.principal, 0) + 1
 
@@ -617,6 +635,7 @@ class WoundWait:
         key = (r.session, r.rank.multi_id)
         if self.by_key.get(key) is r:
             del self.by_key[key]
+            _drop(self.keyed_of, r.session, r)
             own = self.of_principal.get(r.principal)
             if own is not None:
                 own.pop(key, None)
@@ -645,6 +664,7 @@ class WoundWait:
                 waiters.discard(r)
                 if not waiters:
                     del self.waiting_on[name]
+        _drop(self.waiting_of, r.session, r)
 
     def _sweep(self, now: int) -> None:
         """Forget up to SWEEP_PER_REQUEST reservations that ended (their parts released or

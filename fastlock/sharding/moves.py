@@ -29,7 +29,7 @@ from typing import NamedTuple
 from .shardmap import ShardMap, ShardMapError, SlotRange
 from .slots import SLOTS
 
-__all__ = ["MoveState", "mark_moving", "finish_move", "abort_move", "move_state", "allowed_change",
+__all__ = ["MoveState", "mark_moving", "finish_move", "abort_move", "record_floor", "move_state", "allowed_change",
            "parse_slots", "split_half"]
 
 
@@ -151,6 +151,27 @@ def abort_move(shard_map: ShardMap, first: int, last: int, to: str) -> ShardMap:
         raise ShardMapError(f"slots {first}..{last} are not marked moving to {to}")
     assert state.source is not None
     return _changed(shard_map, first, last, state.source, None)
+
+
+def record_floor(shard_map: ShardMap, first: int, last: int, owner: str, floor: int) -> ShardMap | None:
+    """The next map (epoch + 1) with ``floor`` (a fencing token) recorded, at the new epoch, as the
+    token floor of each of slots ``first..last`` whose floor is lower or absent (``fastlock shard
+    adopt`` records the floor its owner adopted, so that the group's nodes stay above it whatever
+    their logs hold); owners and moves unchanged.  None: every slot has that floor or a higher one.
+
+    :raises ShardMapError: a slot is not ``owner``'s any more, or ``floor`` is not a valid floor."""
+    epoch = shard_map.epoch + 1
+    slots = _per_slot(shard_map)
+    changed = False
+    for slot in range(first, last + 1):
+        group, moving_to, had, had_at, marked = slots[slot]
+        if group != owner:
+            raise ShardMapError(f"slot {slot} is owned by {group} in the shard map (epoch {shard_map.epoch}), not "
+                                f"{owner}: its floor is not recorded")
+        if had is None or had < floor:
+            slots[slot] = (group, moving_to, floor, epoch, marked)
+            changed = True
+    return ShardMap(epoch, shard_map.groups, _ranges(slots)) if changed else None
 
 
 def allowed_change(old: ShardMap, new: ShardMap, imported: bytes = b"", group: str | None = None) -> str | None:

@@ -115,8 +115,13 @@ class ShardMap:
     _by_name: dict[str, ShardGroup] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        by_name = _check_groups(self.epoch, self.groups)
-        _check_ranges(self.ranges, by_name, self.epoch)
+        try:
+            by_name = _check_groups(self.epoch, self.groups)
+            _check_ranges(self.ranges, by_name, self.epoch)
+        except ShardMapError:
+            raise
+        except ValueError:  # a refusal naming an int of more digits than Python turns into text
+            raise ShardMapError("a shard map holds an integer of more digits than can be read") from None
         object.__setattr__(self, "_starts", [r.first for r in self.ranges])
         object.__setattr__(self, "_by_name", by_name)
 
