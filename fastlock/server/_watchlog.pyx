@@ -87,8 +87,10 @@ cdef class CommittedWire:
     history (its ``pending`` changes, ``publish(upto)``); ``revision_at``: the index of
     the revision in a pending change; ``commit``: the log's
     :class:`~fastlock.wal.commit.GroupCommit` (``marks.ack``, ``when_durable``);
-    ``scheduled``: the revision up to which a publication is already scheduled.  A
-    subclass gives :meth:`listening` and :meth:`deliver`.
+    ``scheduled``: the revision up to which a publication is already scheduled;
+    ``later_queued``: a publication of the changes nobody listens to waits for the next
+    sync (:meth:`_publish_committed`, one at a time), and ``later_upto`` is the last
+    revision it may publish.  A subclass gives :meth:`listening` and :meth:`deliver`.
     """
 
     # (its slots are declared in _watchlog.pxd)
@@ -111,22 +113,28 @@ cdef class CommittedWire:
             return
         self.scheduled = upto
         sync = self.server.source.sync
-        if sync.enabled:
+        if sync.enabled:  # (WriteAheadLog.when_durable's and when_durable_later's own calls)
             deliver = sync.after(_Publication(self, upto))
-        elif upto & _COUNTER_MASK <= self.commit.marks.ack:
+            if self.listening():
+                self.commit.when_durable(deliver)  # a watcher waits: the batch is synced for it
+            else:
+                self.commit.when_durable_later(deliver)
+            return
+        if upto & _COUNTER_MASK <= self.commit.marks.ack:
             # already durable (a relaxed fsync mode wrote this batch at once): published in this
             # batch end, whose flush sends the pushes
             self._publish(upto, None, False)
             return
-        else:
-            deliver = _Publication(self, upto)
-        # (WriteAheadLog.when_durable's and when_durable_later's own calls)
         if self.listening():
-            self.commit.when_durable(deliver)  # a watcher waits: the batch is synced for it
-        else:
-            # nobody to push to: published by the next sync anyone asks for (a release in
-            # ``always`` costs no fdatasync of its own); listener_added asks for it
-            self.commit.when_durable_later(deliver)
+            self.commit.when_durable(_Publication(self, upto))  # a watcher waits: the batch is synced for it
+            return
+        # nobody to push to: published by the next sync anyone asks for (a release in
+        # ``always`` costs no fdatasync of its own); listener_added asks for it.  One
+        # publication waits at a time: it publishes every change durable when it runs.
+        self.later_upto = upto
+        if not self.later_queued:
+            self.later_queued = True
+            self.commit.when_durable_later(_CommittedPublication(self))
 
     cpdef listener_added(self):
         """A watcher was added: the changes scheduled for publication while nobody listened
@@ -135,6 +143,27 @@ cdef class CommittedWire:
         commit = self.commit
         if commit.always and self.scheduled & _COUNTER_MASK > commit.marks.ack:
             commit.request_sync()
+
+    cpdef _publish_committed(self):
+        """The waiting publication of :meth:`batch_end` (nobody listened): publish the pending
+        changes up to ``later_upto`` whose records are durable now (the group commit's ack mark),
+        and wait for the next sync again while changes it covers are left."""
+        self.later_queued = False
+        cdef GroupCommit commit = self.commit
+        ack = commit.marks.ack
+        later_upto = self.later_upto
+        cdef Py_ssize_t at = self.revision_at
+        upto = None
+        for change in self.log.pending:  # (in revision order, which is the log's order)
+            rev = change[at]
+            if rev > later_upto or rev & _COUNTER_MASK > ack:
+                break
+            upto = rev
+        if upto is not None:
+            self._publish(upto)
+        if later_upto & _COUNTER_MASK > ack and not self.later_queued:
+            self.later_queued = True
+            commit.when_durable_later(_CommittedPublication(self))
 
     cpdef _publish(self, object upto, object refused=None, bint flush=True):
         changes = self.log.publish(upto)
@@ -159,6 +188,19 @@ cdef class _Publication:
 
     def __call__(self, refused=None):
         self.wire._publish(self.upto, refused)
+
+
+cdef class _CommittedPublication:
+    """The ``when_durable_later`` callback of :meth:`CommittedWire.batch_end` while nobody
+    listens: calling it runs ``wire._publish_committed()``."""
+
+    cdef CommittedWire wire
+
+    def __cinit__(self, CommittedWire wire):
+        self.wire = wire
+
+    def __call__(self):
+        self.wire._publish_committed()
 
 
 cdef class RevisionsWire(CommittedWire):

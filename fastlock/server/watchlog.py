@@ -240,6 +240,9 @@ class CommittedPublisher(CommittedWire):
         self.progress_kind = progress_kind
         #: the revision up to which a publication is already scheduled
         self.scheduled = 0
+        #: the last revision the publication waiting while nobody listens may publish (later_queued: it waits)
+        self.later_upto = 0
+        self.later_queued = False
         self._timer: Any = None
 
     def current(self) -> int:
