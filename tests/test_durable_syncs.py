@@ -141,13 +141,14 @@ def test_changes_nobody_watches_from_many_batch_ends_are_published_by_one_later_
             st = await c.status()
             assert st["watch_history"]["pending"] == 0
             await c.release(last)
+            pushes: list[list] = []
+
+            def on_push(kind: int, payload: list) -> None:
+                if kind == PUSH_WATCH_REV:
+                    pushes.append(payload)
+
             for name, lease in zip(names, leases):
-                pushes: list[list] = []
-
-                def on_push(kind: int, payload: list) -> None:
-                    if kind == PUSH_WATCH_REV:
-                        pushes.append(payload)
-
+                pushes.clear()
                 node = await RawNode.open(server.address, on_push=on_push)
                 try:
                     await node.request(OP_WATCH_FROM, name, origin)  # (the replay's pushes come first)
