@@ -9,6 +9,21 @@ from ._watchlog cimport CommittedWire, HistoryWire, RevisionsWire
 cdef class BatchEnd
 
 
+cdef class IntakeWire:
+    cdef public object decoder
+    cdef public object raw
+    cdef public Py_ssize_t raw_at
+    cdef public object pending
+    cdef public Py_ssize_t next
+    cdef public bint held
+    cdef public bint scheduled
+
+
+cdef class LimitsWire:
+    cdef public dict sessions
+    cdef public object idle_timeout_ms
+
+
 cdef class QuotaCounts:
     cdef public object table, usage, delays, waiters, leases, ended_early, _principal_of, _epoch
 
@@ -25,12 +40,13 @@ cdef class HandlersWire:
     cdef public LogAppender wal
     cdef public QuotaCounts quotas
     cdef public dict by_op, need_by_op
+    cdef public object acquire_handler, release_handler  # ACQUIRE's and RELEASE's entries in by_op, unwrapped
 
 
 cdef class SessionWire:
     cdef public BatchEnd server
     cdef public object session
-    cdef public object intake
+    cdef public IntakeWire intake
     cdef public object transport
     cdef public list out
     cdef public Py_ssize_t out_bytes
@@ -41,6 +57,7 @@ cdef class SessionWire:
     cdef public object recorded  # ... and what its grants record as their client
     cdef object owner_key  # the last owner key received (None: none yet) ...
     cdef bytes owner_hashed  # ... and its hash
+    cdef public object _drain  # while writing is paused: a future done when it resumes (else None)
 
     cpdef bytes owner_hash(self, object owner)
     cpdef flush(self)
@@ -48,7 +65,8 @@ cdef class SessionWire:
 
 
 cdef class BatchEnd:
-    cdef public object table, roles, source, limits, queues
+    cdef public object table, roles, source, queues
+    cdef public LimitsWire limits
     cdef public RevisionsWire revisions  # the lock watches' history (watchlog.Revisions) ...
     cdef public CommittedWire key_revisions  # ... and the key watches' (keyrevisions.KeyRevisions)
     cdef public object expiry, reclaim, node_state, max_ttl_ms

@@ -28,6 +28,21 @@ class HandlersWire:
     kinds: Any
     by_op: Any
     need_by_op: Any
+    acquire_handler: Any
+    release_handler: Any
+
+class IntakeWire:
+    decoder: Any
+    raw: bytes
+    raw_at: int
+    pending: list[Any]
+    next: int
+    held: bool
+    scheduled: bool
+
+class LimitsWire:
+    sessions: dict[int, Any]
+    idle_timeout_ms: int
 
 class SessionWire:
     server: Any
@@ -39,6 +54,7 @@ class SessionWire:
     closed: bool
     ready: bool
     last_read_ms: int
+    _drain: Any
     def data_received(self, data: bytes) -> None: ...
     def flush(self) -> None: ...
     def send(self, data: bytes) -> None: ...

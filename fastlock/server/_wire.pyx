@@ -49,7 +49,7 @@ from ..protocol.validation import (
 )
 from ..roles import Action
 from ..protocol.ops import OP_HELLO
-from ..protocol import feed_frames
+from ..protocol._wire cimport WireDecoder, feed_frames
 from .shares import limit_exceeded
 from .lockdelays import relog_running
 
@@ -158,7 +158,10 @@ cdef class HandlersWire:
     :class:`~fastlock.server.lockserver.LockServer`, a :class:`BatchEnd`), ``table``,
     ``roles``, ``wal`` (a :class:`~fastlock.wal.commit.LogAppender`), ``config``, ``source``,
     ``quotas`` (a :class:`QuotaCounts`), ``watchers`` (lock name -> its watchers), ``keys``,
-    ``sessions``, ``kinds``, and the op table ``by_op`` / ``need_by_op``."""
+    ``sessions``, ``kinds``, and the op table ``by_op`` / ``need_by_op``;
+    ``acquire_handler`` and ``release_handler`` are the table's own handlers of ACQUIRE and
+    RELEASE: while ``by_op`` holds them unwrapped, :func:`dispatch` calls :func:`acquire` and
+    :func:`release` by C calls."""
 
 
 cpdef dispatch(HandlersWire handlers, SessionWire conn, object msg):
@@ -192,9 +195,31 @@ cpdef dispatch(HandlersWire handlers, SessionWire conn, object msg):
             grant = conn.grant
             if need not in grant.everywhere and (grant.kind != "admin" or need == "replica"):
                 handlers.authorize(conn, op, need, msg)
-        handler(conn, req_id, msg)
+        # the table's own ACQUIRE and RELEASE (not wrapped: by the metrics, a sharded node) by a C call
+        if handler is handlers.acquire_handler:
+            acquire(handlers, conn, req_id, req)
+        elif handler is handlers.release_handler:
+            release(handlers, conn, req_id, req)
+        else:
+            handler(conn, req_id, msg)
     except Exception as exc:
         handlers.failed(conn, req_id, op, exc)
+
+
+cdef class IntakeWire:
+    """The compiled base of :class:`fastlock.server.session.Intake`, a connection's request
+    decoder and backlog: its fields as slots (declared in ``_wire.pxd``), read by
+    :meth:`SessionWire.data_received` without a dictionary lookup: ``decoder`` (a
+    :class:`~fastlock.protocol.WireDecoder`, None once closed), ``raw`` and ``raw_at`` (bytes
+    received and the offset decoded up to), ``pending`` and ``next`` (requests decoded and
+    the index dispatched up to), ``held`` (reading paused for the backlog) and ``scheduled``
+    (a later turn's dispatch is queued)."""
+
+
+cdef class LimitsWire:
+    """The compiled base of :class:`fastlock.server.admission.ConnectionLimits`: the fields
+    the request path reads, as slots (declared in ``_wire.pxd``): ``sessions`` (session id ->
+    connection) and ``idle_timeout_ms`` (milliseconds; 0: connections never time out)."""
 
 
 cdef class SessionWire:
@@ -225,7 +250,7 @@ cdef class SessionWire:
         return hashed
 
     def data_received(self, object data):
-        intake = self.intake
+        cdef IntakeWire intake = self.intake
         decoder = intake.decoder
         if self.closed or decoder is None:  # closed: the decoder was freed
             return
@@ -235,7 +260,8 @@ cdef class SessionWire:
         if intake.held or intake.scheduled:
             intake.add(data)  # a backlog waits (a read that arrived while reading was pausing): these follow it
             return
-        if len(data) > FEED_BYTES or decoder.shape_all:
+        if len(data) > FEED_BYTES or (
+                (<WireDecoder>decoder)._shape_all if type(decoder) is WireDecoder else decoder.shape_all):
             intake.add(data)
         else:  # the common case: a short read, decoded at once; one request is dispatched here
             try:
@@ -263,7 +289,7 @@ cdef class SessionWire:
         self.out_bytes = 0
         if out and not self.closed:
             self.transport.write(out[0] if len(out) == 1 else b"".join(out))
-            if (<object>self)._drain is not None:  # the transport paused writing once: the output cap
+            if self._drain is not None:  # the transport paused writing once: the output cap
                 (<object>self).paused_write()
         out.clear()
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import LimitExceeded
 from ..logsafe import RateLimitedLog
 from ..units import monotonic_ms
-from ._wire import QuotaCounts
+from ._wire import LimitsWire, QuotaCounts
 from .config import ServerConfig
 from .lockdelays import RunningDelays
 from .output import OutputShares
@@ -290,8 +290,9 @@ class PrincipalQuotas(QuotaCounts):
         return out
 
 
-class ConnectionLimits:
-    """The registry of open sessions and the caps on connections.
+class ConnectionLimits(LimitsWire):
+    """The registry of open sessions and the caps on connections (``sessions`` and
+    ``idle_timeout_ms`` are slots of its compiled base, :class:`~fastlock.server._wire.LimitsWire`).
 
     ``sessions`` maps session id to :class:`~fastlock.server.session.Session`
     (every counted connection, HELLO done or not).  At the global cap the
