@@ -1,6 +1,7 @@
 # The compiled classes of fastlock/server/_watchlog.pyx, declared for the server's batch end
 # (fastlock/server/_wire.pyx), which records and publishes holder changes by C calls.
 
+from ..replication._wire cimport SourceWire
 from ..wal.commit cimport GroupCommit
 
 
@@ -18,6 +19,7 @@ cdef class HistoryWire:
 
 cdef class CommittedWire:
     cdef public object server
+    cdef public SourceWire source
     cdef public object log
     cdef public Py_ssize_t revision_at
     cdef public GroupCommit commit

@@ -83,7 +83,8 @@ cdef class CommittedWire:
     replication, acknowledged by the standby -- and nothing a refused acknowledgement
     or a node that may no longer write (deposed, fenced) covers.
 
-    ``server``: the :class:`~fastlock.server.lockserver.LockServer`; ``log``: the
+    ``server``: the :class:`~fastlock.server.lockserver.LockServer`; ``source``: its
+    :class:`~fastlock.replication.source.ReplicationSource` (``sync.enabled``); ``log``: the
     history (its ``pending`` changes, ``publish(upto)``); ``revision_at``: the index of
     the revision in a pending change; ``commit``: the log's
     :class:`~fastlock.wal.commit.GroupCommit` (``marks.ack``, ``when_durable``);
@@ -112,9 +113,8 @@ cdef class CommittedWire:
         if upto <= self.scheduled:
             return
         self.scheduled = upto
-        sync = self.server.source.sync
-        if sync.enabled:  # (WriteAheadLog.when_durable's and when_durable_later's own calls)
-            deliver = sync.after(_Publication(self, upto))
+        if self.source.sync.enabled:  # (WriteAheadLog.when_durable's and when_durable_later's own calls)
+            deliver = (<object>self.source.sync).after(_Publication(self, upto))
             if self.listening():
                 self.commit.when_durable(deliver)  # a watcher waits: the batch is synced for it
             else:

@@ -3,6 +3,7 @@
 # typed slots, so the request path reads them and calls their compiled methods by C calls.
 
 from .._core cimport Event
+from ..replication._wire cimport SourceWire
 from ..wal.commit cimport GroupCommit, LogAppender
 from ._watchlog cimport CommittedWire, HistoryWire, RevisionsWire
 
@@ -36,7 +37,8 @@ cdef class QuotaCounts:
 
 cdef class HandlersWire:
     cdef public BatchEnd server
-    cdef public object table, roles, config, source, watchers, keys, sessions, kinds
+    cdef public object table, roles, config, watchers, keys, sessions, kinds
+    cdef public SourceWire source
     cdef public LogAppender wal
     cdef public QuotaCounts quotas
     cdef public dict by_op, need_by_op
@@ -65,7 +67,8 @@ cdef class SessionWire:
 
 
 cdef class BatchEnd:
-    cdef public object table, roles, source, queues
+    cdef public object table, roles, queues
+    cdef public SourceWire source
     cdef public LimitsWire limits
     cdef public RevisionsWire revisions  # the lock watches' history (watchlog.Revisions) ...
     cdef public CommittedWire key_revisions  # ... and the key watches' (keyrevisions.KeyRevisions)

@@ -26,6 +26,7 @@ from libc.stdint cimport int64_t, uint64_t
 from .._core cimport (Event, table_acquire, table_drain_events, table_epoch, table_holder, table_last_token,
                       table_next_deadline, table_release, table_waiter_count)
 from ..wal.commit cimport GroupCommit, LogAppender
+from ..replication._wire cimport SourceWire, SyncWire
 from .._core import EV_GRANTED, GRANTED, LIMIT_CONFLICT, NOT_ACQUIRED, QUEUED, NotHolder
 from ..auth import ANONYMOUS, hash_owner
 from ..errors import InvalidArgument, ProtocolError, WrongArgumentType
@@ -274,9 +275,8 @@ cdef class SessionWire:
                 intake.pending = messages
                 intake.next = 0
             else:
-                source = server.source
-                if source.fencing:
-                    source.fence_if_due(_monotonic_ms())  # after a stall, see the clock first
+                if server.source.fencing:
+                    (<object>server.source).fence_if_due(_monotonic_ms())  # after a stall, see the clock first
                 dispatch(server.handlers, self, messages[0])
                 server.after_batch()
                 return
@@ -524,7 +524,7 @@ cpdef extend(HandlersWire handlers, SessionWire conn, object req_id, list msg):
     # sync replication: every extend waits for the standby (it moves the deadline); recovery restores
     # the recorded TTL: a longer one must be durable before the holder relies on it (not a shorter one)
     # a longer TTL than the standbys know waits for their word (fastlock.replication.ttlbound)
-    source = handlers.source
+    cdef SourceWire source = handlers.source
     if source.sync.enabled or ((holder is None or ttl_ms > holder.ttl_ms)
                                and ((source.fencing and not source.ttl.covers(ttl_ms)) or not wal.flush_now())):
         handlers.extend_when_durable(conn, req_id, name, token, reply, ttl_ms)
@@ -683,10 +683,10 @@ cdef class BatchEnd:
         standbys know waits for their word too (:mod:`fastlock.replication.ttlbound`).  In the
         relaxed fsync modes the first batch of a loop turn is written at once, and a lone
         request's grant delivered within this batch end (``WriteAheadLog.flush_first``)."""
-        source = self.source
-        sync = source.sync
+        cdef SourceWire source = self.source
+        sync = <object>source.sync
         cdef GroupCommit commit = self.commit
-        if not source.fencing and not sync.enabled:  # (unpaired, no standby to wait for: the common case below)
+        if not source.fencing and not source.sync.enabled:  # (unpaired, no standby to wait for: the common case below)
             if commit.flush_first():
                 self.deliver_granted(grants)
             else:
@@ -725,9 +725,8 @@ cdef class BatchEnd:
         when refused, by ``LockServer._deliver_rest``.
         """
         server = <object>self
-        source = self.source
-        if source.fencing:  # (not paired: nothing to check)
-            source.fence_if_due(_monotonic_ms())
+        if self.source.fencing:  # (not paired: nothing to check)
+            (<object>self.source).fence_if_due(_monotonic_ms())
         if refused_by is None and _ACQUIRE in self.roles.admitted:  # (NodeRole.may's own test)
             rest = deliver_grants(self.limits.sessions, grants)
             if rest:

@@ -234,6 +234,7 @@ class CommittedPublisher(CommittedWire):
 
     def __init__(self, server: Any, revision_at: int, progress_interval: float, progress_kind: str) -> None:
         self.server = server
+        self.source = server.source  # its sync gate's flag, read per batch end
         self.revision_at = revision_at
         self.commit = server.wal.group_commit  # its ack mark and when_durable, read per batch end
         self.progress_interval = progress_interval
