@@ -6,6 +6,12 @@ cdef class SyncWire:
     cdef public bint enabled
 
 
+cdef class QueuesWire:
+    cdef public set dirty
+    cdef public dict shipped
+    cdef public set informed
+
+
 cdef class SourceWire:
     cdef public bint fencing
     cdef public SyncWire sync

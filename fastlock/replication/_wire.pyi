@@ -5,6 +5,11 @@ from typing import Any
 class SyncWire:
     enabled: bool
 
+class QueuesWire:
+    dirty: set[str]
+    shipped: dict[str, list[bytes]]
+    informed: set[int]
+
 class SourceWire:
     fencing: bool
     sync: Any

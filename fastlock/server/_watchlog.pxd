@@ -5,22 +5,26 @@ from ..replication._wire cimport SourceWire
 from ..wal.commit cimport GroupCommit
 
 
-cdef class HistoryWire:
+cdef class ChangeLogWire:
+    cdef public object pending
+
+    cpdef list publish(self, object upto)
+
+
+cdef class HistoryWire(ChangeLogWire):
     cdef public Py_ssize_t limit
     cdef public object changes
     cdef public dict by_name
-    cdef public object pending
     cdef public object floor
     cdef public object published
 
     cpdef record(self, object rev, object name, object what, object token, object meta, bint published=*)
-    cpdef list publish(self, object upto)
 
 
 cdef class CommittedWire:
     cdef public object server
     cdef public SourceWire source
-    cdef public object log
+    cdef public ChangeLogWire log
     cdef public Py_ssize_t revision_at
     cdef public GroupCommit commit
     cdef public object scheduled

@@ -29,7 +29,18 @@ cdef object _COUNTER_MASK = COUNTER_MASK
 cdef int _SHIFT = TOKEN_EPOCH_SHIFT
 
 
-cdef class HistoryWire:
+cdef class ChangeLogWire:
+    """The compiled base of a change history (:class:`HistoryWire`, the key watches'
+    :class:`fastlock.server.keyrevisions.KeyChangeLog`): ``pending``, the changes recorded and
+    not yet published, in revision order (a deque), and :meth:`publish`, read and called by
+    :class:`CommittedWire` with C calls."""
+
+    cpdef list publish(self, object upto):
+        """The pending changes up to revision ``upto`` (now committed), in order."""
+        raise NotImplementedError
+
+
+cdef class HistoryWire(ChangeLogWire):
     """The last ``limit`` holder changes, by revision (``changes``) and by lock name
     (``by_name``: name -> its changes), each ``(revision, name, what, token, meta)``;
     ``pending``: those recorded and not yet published, in revision order; ``floor``:

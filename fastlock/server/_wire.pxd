@@ -3,7 +3,7 @@
 # typed slots, so the request path reads them and calls their compiled methods by C calls.
 
 from .._core cimport Event
-from ..replication._wire cimport SourceWire
+from ..replication._wire cimport QueuesWire, SourceWire
 from ..wal.commit cimport GroupCommit, LogAppender
 from ._watchlog cimport CommittedWire, HistoryWire, RevisionsWire
 
@@ -20,17 +20,29 @@ cdef class IntakeWire:
     cdef public bint scheduled
 
 
+cdef class ExpiryWire:
+    cdef public object handle
+    cdef public object at_ms
+
+
 cdef class LimitsWire:
     cdef public dict sessions
     cdef public object idle_timeout_ms
 
 
+cdef class UsageWire:
+    cdef public dict leases
+    cdef public object waiting
+
+
 cdef class QuotaCounts:
-    cdef public object table, usage, delays, waiters, leases, ended_early, _principal_of, _epoch
+    cdef public object table, delays, waiters, leases, _epoch
+    cdef public dict usage, _principal_of
+    cdef public set ended_early
 
     cpdef check_acquire(self, principal, leases, waiters)
     cpdef lock_delay_count(self, now)
-    cpdef acquired(self, u, status, names, last_token)
+    cpdef acquired(self, UsageWire u, status, names, last_token)
     cpdef grant_event(self, Event ev)
     cpdef lease_ended(self, token, meta=*, principal=*, name=*)
 
@@ -67,12 +79,14 @@ cdef class SessionWire:
 
 
 cdef class BatchEnd:
-    cdef public object table, roles, queues
+    cdef public object table, roles
     cdef public SourceWire source
+    cdef public QueuesWire queues
+    cdef public ExpiryWire expiry
     cdef public LimitsWire limits
     cdef public RevisionsWire revisions  # the lock watches' history (watchlog.Revisions) ...
     cdef public CommittedWire key_revisions  # ... and the key watches' (keyrevisions.KeyRevisions)
-    cdef public object expiry, reclaim, node_state, max_ttl_ms
+    cdef public object reclaim, node_state, max_ttl_ms
     cdef public LogAppender wal
     cdef public QuotaCounts quotas
     cdef public HandlersWire handlers

@@ -40,6 +40,10 @@ class IntakeWire:
     held: bool
     scheduled: bool
 
+class ExpiryWire:
+    handle: Any
+    at_ms: int
+
 class LimitsWire:
     sessions: dict[int, Any]
     idle_timeout_ms: int
@@ -70,6 +74,10 @@ class BatchEnd:
     def acknowledge(self, grants: list[Any]) -> None: ...
     def deliver_granted(self, grants: list[Any], refused_by: Any = None) -> None: ...
     def released(self, name: str, token: int, meta: tuple[Any, ...] | None) -> None: ...
+
+class UsageWire:
+    leases: dict[Any, str]
+    waiting: int
 
 class QuotaCounts:
     def check_acquire(self, principal: str, leases: int, waiters: int) -> Any: ...

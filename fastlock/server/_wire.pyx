@@ -26,7 +26,7 @@ from libc.stdint cimport int64_t, uint64_t
 from .._core cimport (Event, table_acquire, table_drain_events, table_epoch, table_holder, table_last_token,
                       table_next_deadline, table_release, table_waiter_count)
 from ..wal.commit cimport GroupCommit, LogAppender
-from ..replication._wire cimport SourceWire, SyncWire
+from ..replication._wire cimport QueuesWire, SourceWire, SyncWire
 from .._core import EV_GRANTED, GRANTED, LIMIT_CONFLICT, NOT_ACQUIRED, QUEUED, NotHolder
 from ..auth import ANONYMOUS, hash_owner
 from ..errors import InvalidArgument, ProtocolError, WrongArgumentType
@@ -215,6 +215,11 @@ cdef class IntakeWire:
     received and the offset decoded up to), ``pending`` and ``next`` (requests decoded and
     the index dispatched up to), ``held`` (reading paused for the backlog) and ``scheduled``
     (a later turn's dispatch is queued)."""
+
+
+cdef class ExpiryWire:
+    """The compiled base of :class:`fastlock.server.lockserver.ExpiryTimer`: ``handle`` (the
+    armed timer, None: none) and ``at_ms`` (monotonic ms it fires at), read at every batch end."""
 
 
 cdef class LimitsWire:
@@ -454,7 +459,7 @@ cpdef enter_acquire(HandlersWire handlers, SessionWire conn, object req_id, list
     if usage is not None:
         quotas.acquired(usage, status, (name,), table_last_token(table))
     if status == _QUEUED:
-        server.queues.touched(name)  # shipped to the standby (fastlock.replication.queues)
+        (<object>server.queues).touched(name)  # shipped to the standby (fastlock.replication.queues)
     elif status == _LIMIT_CONFLICT or status == _NOT_ACQUIRED:
         handlers.acquire_refused(conn, name, limit, status, now)
 
@@ -617,21 +622,21 @@ cdef class BatchEnd:
             _relog_running(wal, table)
             server.revoke_deadlines.relog(wal, _monotonic_ms())
         nd = table_next_deadline(table)
-        expiry = self.expiry
+        cdef ExpiryWire expiry = self.expiry
         if nd >= 0 and (expiry.handle is None or nd < expiry.at_ms) and self.roles.expires_leases:
             server._rearm()
         if table_waiter_count(table):
             self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
         # each collaborator is called only when it has work (its own first check, inline)
         cdef RevisionsWire revisions = self.revisions
-        if (<HistoryWire>revisions.log).pending:
+        if revisions.log.pending:
             revisions.batch_end()  # the batch's holder changes reach the watchers once committed
-        key_revisions = self.key_revisions
+        cdef CommittedWire key_revisions = self.key_revisions
         if key_revisions.log.pending:
             key_revisions.batch_end()  # and its key changes the prefix watchers
-        queues = self.queues
+        cdef QueuesWire queues = self.queues
         if queues.dirty or queues.informed or self.source.replicas:
-            queues.batch_end()  # changed waiter queues go to the standby
+            (<object>queues).batch_end()  # changed waiter queues go to the standby
         # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
         # (WriteAheadLog.poll's own call)
         commit.poll()
@@ -654,7 +659,7 @@ cdef class BatchEnd:
         cdef QuotaCounts quotas = self.quotas
         cdef Event ev
         cdef RevisionsWire revisions = self.revisions
-        queues = self.queues
+        cdef QueuesWire queues = self.queues
         grants = None
         for ev in events:
             if ev.kind == _EV_GRANTED:
@@ -668,7 +673,7 @@ cdef class BatchEnd:
                     grants = []
                 grants.append(ev)
                 if queues.shipped:  # (a queue shipped to a standby may have changed)
-                    queues.granted(ev.name)
+                    (<object>queues).granted(ev.name)
             else:
                 server._other_event(ev)
         if quotas.ended_early:
@@ -759,6 +764,12 @@ cdef object _GRANTED = GRANTED
 cdef int _EV_GRANTED = EV_GRANTED
 
 
+cdef class UsageWire:
+    """The compiled base of :class:`fastlock.server.admission.Usage`: the counts the request
+    path changes, as slots (declared in ``_wire.pxd``): ``leases`` (fencing token -> lock name)
+    and ``waiting`` (acquires queued)."""
+
+
 cdef inline _quota_check(object quota, object principal, object have, object adding):
     """:meth:`fastlock.server.shares.Quota.check`'s test inline: the method (which raises
     :class:`~fastlock.errors.LimitExceeded`) runs only when ``have + adding`` passes the quota."""
@@ -783,7 +794,7 @@ cdef class QuotaCounts:
         quotas = <object>self
         if table_epoch(self.table) != self._epoch:
             quotas.sync()
-        u = self.usage.get(principal) or quotas.of(principal)
+        cdef UsageWire u = <UsageWire?>(self.usage.get(principal) or quotas.of(principal))
         if waiters:
             _quota_check(self.waiters, principal, u.waiting, waiters)
         if leases:
@@ -803,7 +814,7 @@ cdef class QuotaCounts:
         delays.ended(now)
         return len(delays)
 
-    cpdef acquired(self, u, status, names, last_token):
+    cpdef acquired(self, UsageWire u, status, names, last_token):
         """Count what an acquire of ``names`` (by ``u``'s principal) created: a lease per
         name granted now (tokens up to ``last_token``, one per name in order), or a
         waiter per name queued."""
@@ -824,7 +835,7 @@ cdef class QuotaCounts:
         principal = self._principal_of.get(meta[0]) if meta and type(meta[0]) is str else None
         if principal is None:
             principal = (<object>self).principal_of(meta)
-        u = self.usage.get(principal) or (<object>self).of(principal)
+        cdef UsageWire u = <UsageWire?>(self.usage.get(principal) or (<object>self).of(principal))
         token = ev.token
         if token in u.leases:
             return
@@ -845,8 +856,9 @@ cdef class QuotaCounts:
             # principal_of's remembered answer, inline (the common case)
             recorded = self._principal_of.get(meta[0]) if type(meta[0]) is str else None
             principal = recorded if recorded is not None else (<object>self).principal_of(meta)
+        cdef UsageWire u
         if principal is not None:
-            u = self.usage.get(principal)
+            u = <UsageWire?>self.usage.get(principal)
             if u is not None and _uncount(u.leases, token, name):
                 return
         for u in self.usage.values():
