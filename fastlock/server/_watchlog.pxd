@@ -41,5 +41,7 @@ cdef class CommittedWire:
 
 cdef class RevisionsWire(CommittedWire):
     cdef public object registry
+    cdef public dict watched
+    cdef public object table
 
     cpdef logged(self, object name, object what, object token, object meta)

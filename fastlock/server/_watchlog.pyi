@@ -32,4 +32,6 @@ class CommittedWire:
 
 class RevisionsWire(CommittedWire):
     registry: Any
+    watched: dict[str, Any]
+    table: Any
     def logged(self, name: str, what: str, token: int, meta: Any) -> None: ...

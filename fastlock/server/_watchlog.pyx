@@ -19,6 +19,8 @@ with no Python call) and the lock watchers it publishes to.
 
 from collections import deque
 
+from libc.stdint cimport int64_t
+
 from .._core cimport table_epoch
 from ..roles import Action
 from ..tokens import COUNTER_MASK, TOKEN_EPOCH_SHIFT
@@ -26,6 +28,7 @@ from ..tokens import COUNTER_MASK, TOKEN_EPOCH_SHIFT
 cdef object _deque = deque
 cdef object _RELEASE = Action.RELEASE
 cdef object _COUNTER_MASK = COUNTER_MASK
+cdef int64_t _LSN_MASK = COUNTER_MASK  # a revision's LSN part, as a C integer
 cdef int _SHIFT = TOKEN_EPOCH_SHIFT
 
 
@@ -131,7 +134,7 @@ cdef class CommittedWire:
             else:
                 self.commit.when_durable_later(deliver)
             return
-        if upto & _COUNTER_MASK <= self.commit.marks.ack:
+        if (<int64_t>upto & _LSN_MASK) <= <int64_t>self.commit.marks.ack:
             # already durable (a relaxed fsync mode wrote this batch at once): published in this
             # batch end, whose flush sends the pushes
             self._publish(upto, None, False)
@@ -161,18 +164,19 @@ cdef class CommittedWire:
         and wait for the next sync again while changes it covers are left."""
         self.later_queued = False
         cdef GroupCommit commit = self.commit
-        ack = commit.marks.ack
-        later_upto = self.later_upto
+        cdef int64_t ack = commit.marks.ack
+        cdef int64_t later_upto = self.later_upto
+        cdef int64_t rev
         cdef Py_ssize_t at = self.revision_at
         upto = None
         for change in self.log.pending:  # (in revision order, which is the log's order)
             rev = change[at]
-            if rev > later_upto or rev & _COUNTER_MASK > ack:
+            if rev > later_upto or (rev & _LSN_MASK) > ack:
                 break
-            upto = rev
+            upto = change[at]
         if upto is not None:
             self._publish(upto)
-        if later_upto & _COUNTER_MASK > ack and not self.later_queued:
+        if (later_upto & _LSN_MASK) > ack and not self.later_queued:
             self.later_queued = True
             commit.when_durable_later(_CommittedPublication(self))
 
@@ -221,15 +225,16 @@ cdef class RevisionsWire(CommittedWire):
     ``log`` is the :class:`~fastlock.server.watchlog.WatchLog` (a :class:`HistoryWire`).
     """
 
-    # (its slot, ``registry``, is declared in _watchlog.pxd)
+    # (its slots, ``registry``, ``watched`` - the registry's ``by_name`` - and the server's lock
+    # ``table``, are declared in _watchlog.pxd)
 
     cpdef logged(self, object name, object what, object token, object meta):
         """A holder change whose record was just logged (the last one logged)."""
-        (<HistoryWire>self.log).record(table_epoch(self.server.table) << _SHIFT | (self.commit.next_lsn - 1),
-                                       name, what, token, meta)
+        cdef int64_t rev = (table_epoch(self.table) << _SHIFT) | (<int64_t>self.commit.next_lsn - 1)
+        (<HistoryWire>self.log).record(rev, name, what, token, meta)
 
     cpdef bint listening(self):
-        return bool(self.registry.by_name)
+        return bool(self.watched)
 
     cpdef bint deliver(self, list changes):
         return bool(self.registry.publish(changes))

@@ -302,6 +302,8 @@ class Revisions(RevisionsWire, CommittedPublisher):
         # a Kept change: (revision, name, what, token, meta)
         super().__init__(server, 0, progress_interval, PUSH_WATCH_PROGRESS)
         self.registry = registry
+        self.watched = registry.by_name  # lock name -> its watchers: anyone listening?
+        self.table = server.table  # its epoch, a revision's high bits
         self.log = WatchLog(history)
 
     # -- the revision now ----------------------------------------------------------------
