@@ -193,8 +193,7 @@ cpdef dispatch(HandlersWire handlers, SessionWire conn, object msg):
         need = handlers.need_by_op.get(op, "admin")
         # grant.everywhere: what the principal may do on every name (no per-name check needed)
         if need is not None:
-            grant = conn.grant
-            if need not in grant.everywhere and (grant.kind != "admin" or need == "replica"):
+            if need not in conn.grant_everywhere and (not conn.grant_admin or need == "replica"):
                 handlers.authorize(conn, op, need, msg)
         # the table's own ACQUIRE and RELEASE (not wrapped: by the metrics, a sharded node) by a C call
         if handler is handlers.acquire_handler:
@@ -242,6 +241,20 @@ cdef class SessionWire:
     """
 
     # (its slots are declared in _wire.pxd)
+
+    @property
+    def grant(self):
+        """The :class:`~fastlock.auth.Principal` the connection authenticated as; setting it
+        keeps what the request path reads of it (``grant_everywhere``, ``grant_admin``,
+        ``grant_name``) as C fields of the connection (a principal is immutable)."""
+        return self._grant
+
+    @grant.setter
+    def grant(self, principal):
+        self.grant_everywhere = principal.everywhere
+        self.grant_admin = principal.kind == "admin"
+        self.grant_name = principal.name
+        self._grant = principal
 
     cpdef bytes owner_hash(self, object owner):
         """:func:`fastlock.auth.hash_owner` of a checked owner key from this connection
@@ -446,7 +459,7 @@ cpdef enter_acquire(HandlersWire handlers, SessionWire conn, object req_id, list
             and (shared or limit or not table.holders_of(name, now, 0, 1))):
         raise _limit_exceeded(config.max_leases, "the server", "leases", "max-leases")
     # the principal's quotas: a lease, granted now or reserved by a waiter (see PrincipalQuotas)
-    usage = None if retry else quotas.check_acquire(conn.grant.name, 1, 1 if wait_ms != 0 else 0)
+    usage = None if retry else quotas.check_acquire(conn.grant_name, 1, 1 if wait_ms != 0 else 0)
     server = handlers.server
     if ttl_ms > server.max_ttl_ms:
         server.max_ttl_ms = ttl_ms
