@@ -59,7 +59,10 @@ cdef class HistoryWire(ChangeLogWire):
         if self.floor is None:
             self.floor = rev - 1
         changes = self.changes
-        changes.append(change)
+        if changes is not self._changes_of:  # (bound once per deque: no method lookup per change)
+            self._changes_of = changes
+            self._changes_append = changes.append
+        self._changes_append(change)
         group = self.by_name.get(name)
         if group is None:
             group = _deque()
@@ -74,8 +77,12 @@ cdef class HistoryWire(ChangeLogWire):
                 del self.by_name[old[1]]
         if published:
             self.published = rev
-        else:
-            self.pending.append(change)
+            return
+        pending = self.pending
+        if pending is not self._pending_of:
+            self._pending_of = pending
+            self._pending_append = pending.append
+        self._pending_append(change)
 
     cpdef list publish(self, object upto):
         """The pending changes up to revision ``upto`` (now committed), in order."""
