@@ -70,6 +70,12 @@ extensions = [
         ["fastlock/wal/commit.pyx"],
         extra_compile_args=["-O0", "-g"] if debug else ["-O2"],
     ),
+    # the replication source's and sync gate's flags the request path reads (fastlock/replication/source.py)
+    Extension(
+        "fastlock.replication._wire",
+        ["fastlock/replication/_wire.pyx"],
+        extra_compile_args=["-O0", "-g"] if debug else ["-O2"],
+    ),
 ]
 
 setup(

@@ -113,3 +113,78 @@ def test_a_watch_added_later_gets_the_unsynced_change_at_once(server_factory):
                 await node.close()
 
     run(main())
+
+
+def test_changes_nobody_watches_from_many_batch_ends_are_published_by_one_later_sync(server_factory):
+    """Releases of several connections, each its own batch end, nobody watching: none asks for
+    a sync and all wait for one; the next sync (a grant's) publishes every one of them, in
+    order, and a watch resumed from before them replays them all."""
+    server = server_factory(fsync="always", args=QUIET_TIMER)
+    names = [f"many-{i}" for i in range(6)]
+
+    async def main() -> None:
+        conns = [await fastlock.connect(server.address) for _ in names]
+        try:
+            c = conns[0]
+            origin = (await c.status())["watch_history"]["revision"]
+            leases = [await conn.acquire(name, ttl=10.0) for conn, name in zip(conns, names)]
+            st = await c.status()
+            assert st["watch_history"]["pending"] == 0  # each grant was synced and published
+            before = await _fsyncs(c)
+            for conn, lease in zip(conns, leases):
+                await conn.release(lease)
+            st = await c.status()
+            assert st["watch_history"]["pending"] == len(names)  # no release asked for a sync
+            assert st["wal"]["durable_lsn"] < st["wal"]["last_lsn"]
+            assert await _fsyncs(c) == before
+            last = await c.acquire("many-sync", ttl=10.0)  # its grant's sync covers every release
+            st = await c.status()
+            assert st["watch_history"]["pending"] == 0
+            await c.release(last)
+            pushes: list[list] = []
+
+            def on_push(kind: int, payload: list) -> None:
+                if kind == PUSH_WATCH_REV:
+                    pushes.append(payload)
+
+            for name, lease in zip(names, leases):
+                pushes.clear()
+                node = await RawNode.open(server.address, on_push=on_push)
+                try:
+                    await node.request(OP_WATCH_FROM, name, origin)  # (the replay's pushes come first)
+                finally:
+                    await node.close()
+                assert [(p[1], p[2]) for p in pushes] == [("granted", lease.fencing_token),
+                                                          ("released", lease.fencing_token)]
+        finally:
+            for conn in conns:
+                await conn.close()
+
+    run(main())
+
+
+def test_concurrent_pairs_nobody_watches_are_all_published_by_the_next_sync(server_factory):
+    """Many connections acquire and release at once (batches formed while others are on the
+    writer thread), nobody watching: after a last grant's sync nothing is left unpublished."""
+    server = server_factory(fsync="always", args=QUIET_TIMER)
+
+    async def main() -> None:
+        conns = [await fastlock.connect(server.address) for _ in range(8)]
+        try:
+            async def pairs(conn: fastlock.Client, i: int) -> None:
+                for _ in range(25):
+                    await conn.release(await conn.acquire(f"busy-{i}", ttl=10.0))
+
+            await asyncio.gather(*(pairs(conn, i) for i, conn in enumerate(conns)))
+            c = conns[0]
+            await c.release(await c.acquire("busy-sync", ttl=10.0))
+            st = await c.status()
+            assert st["watch_history"]["pending"] == 1  # only the last release waits for a sync
+            await c.acquire("busy-last", ttl=10.0)
+            st = await c.status()
+            assert st["watch_history"]["pending"] == 0
+        finally:
+            for conn in conns:
+                await conn.close()
+
+    run(main())

@@ -256,3 +256,58 @@ async def test_every_form_of_acquire_runs_the_same_checks(server):
             await node.release("form/y", token, key)
     finally:
         await node.close()
+
+
+def _replies(port: int, requests: list[list]) -> list:
+    """Send HELLO then each request on one connection, one at a time; the replies after HELLO's."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        unpacker = msgpack.Unpacker()
+
+        def reply() -> list:
+            for obj in unpacker:
+                return obj
+            while True:
+                data = sock.recv(65536)
+                assert data, "the server closed the connection"
+                unpacker.feed(data)
+                for obj in unpacker:
+                    return obj
+
+        sock.sendall(msgpack.packb([1, P.OP_HELLO, P.PROTOCOL_VERSION, "paths", None]))
+        reply()
+        out = []
+        for req in requests:
+            sock.sendall(msgpack.packb(req))
+            out.append(reply())
+        return out
+
+
+def test_acquire_and_release_answer_alike_called_directly_or_through_a_wrapped_handler(server_factory):
+    """ACQUIRE and RELEASE run by a C call from dispatch while the op table holds their own
+    handlers; --metrics wraps every handler, so they run through the table instead.  The same
+    requests, valid and refused, get the same replies either way."""
+    owner, other = b"0123456789abcdef", b"fedcba9876543210"
+    requests = [
+        [2, P.OP_ACQUIRE, "a", owner, 10_000, 0, 0, None],
+        [3, P.OP_ACQUIRE, "a", other, 10_000, 0, 0, "busy"],  # held: not acquired
+        [4, P.OP_ACQUIRE, "b", owner, 0, 0, 0, None],  # ttl below the least
+        [5, P.OP_ACQUIRE, "", owner, 10_000, 0, 0, None],  # an empty name
+        [6, P.OP_ACQUIRE, "c", "not bytes", 10_000, 0, 0, None],  # a bad owner key
+        [7, P.OP_RELEASE, "a", 999_999, owner],  # not the holder's token
+        [8, P.OP_RELEASE, "a", "token", owner],  # a token that is not an int
+        [9, P.OP_ACQUIRE, "a", owner, 10_000, 0, 0, None],  # a retry of the held lease
+    ]
+    plain = server_factory("plain", fsync="never")
+    wrapped = server_factory("wrapped", fsync="never", args=["--metrics", "127.0.0.1:0"])
+    wrapped.wait_for_log(r"metrics on http://")
+    got = [_replies(srv.port, requests) for srv in (plain, wrapped)]
+    token = got[0][0][2][0]
+    release = [[10, P.OP_RELEASE, "a", token, other], [11, P.OP_RELEASE, "a", token, owner],
+               [12, P.OP_RELEASE, "a", token, owner]]  # another owner; the holder; released already
+    got = [g + _replies(srv.port, release) for g, srv in zip(got, (plain, wrapped))]
+    for g in got:  # the retry's waited_ms is a clock reading: its token and TTL are compared
+        assert g[7][1] == 0
+        g[7][2] = g[7][2][:2]
+    assert got[0] == got[1]
+    assert got[0][0][1] == 0 and got[0][-2] == [11, 0, None]
+    assert all(reply[1] != 0 for reply in got[0][1:7])  # each refused

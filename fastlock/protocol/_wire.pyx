@@ -117,19 +117,7 @@ cdef class WireDecoder:
         then unusable and the connection must be closed (as ``FrameDecoder``'s).
     """
 
-    cdef readonly object reference
-    cdef bint _shape_all
-    cdef bint idle  # the reference has no frame in flight (and has raised nothing)
-    cdef Py_ssize_t max_frame
-    cdef Py_ssize_t max_array_len
-    cdef Py_ssize_t max_map_len
-    cdef Py_ssize_t max_str_len
-    cdef Py_ssize_t max_bin_len
-    cdef long long whole_bytes  # bytes decoded here (never fed to the reference)
-    # the read being decoded: the next byte and the end
-    cdef const unsigned char* pos
-    cdef const unsigned char* end
-    cdef bint stop  # the value at pos is left to the reference
+    # (its slots are declared in _wire.pxd)
 
     def __init__(self, max_frame=None, *, limits=None, shape_all=False):
         reference = FrameDecoder(max_frame, limits=limits, shape_all=shape_all)

@@ -90,6 +90,7 @@ from ..errors import FastlockError, ProtocolError, Unavailable
 from ..logsafe import RateLimitedLog
 from ..roles import Role
 from ..units import monotonic_ms
+from ._wire import SyncWire
 from .messages import standby_identity
 from .syncrep import MAX_WAITING, ReplicationMode, SyncOnTimeout, SyncSettings
 
@@ -131,11 +132,12 @@ def _call(deliver: Callable[..., Any], *error: FastlockError) -> None:
         log.exception("delivering a reply held for the in-sync set failed")
 
 
-class GroupSyncGate:
+class GroupSyncGate(SyncWire):
     """The primary's side of synchronous replication in an etcd group (module docstring).
 
     Offers what :class:`~fastlock.replication.syncrep.SyncGate` offers to the server
-    (``after``, ``on_ack``, ``handlers``, ``status_push``, ``status``, ``close``).
+    (``after``, ``on_ack``, ``handlers``, ``status_push``, ``status``, ``close``);
+    ``enabled`` is a slot of its compiled base (:class:`~fastlock.replication._wire.SyncWire`).
 
     Args:
         host: the server.

@@ -27,6 +27,7 @@ from typing import Any
 from ..errors import ProtocolError
 from ..protocol.framing import encode_push
 from ..protocol.ops import PUSH_QUEUES
+from ._wire import QueuesWire
 
 __all__ = ["MAX_SHIPPED", "MAX_QUEUES", "QueueShipper", "QueueMirror"]
 
@@ -36,10 +37,11 @@ MAX_SHIPPED = 1024
 MAX_QUEUES = 1_000_000
 
 
-class QueueShipper:
+class QueueShipper(QueuesWire):
     """The primary's side: which queues changed in this batch, and the state shipped.
 
-    ``host`` is the server (its ``table``, its ``source.replicas``)."""
+    ``host`` is the server (its ``table``, its ``source.replicas``); ``dirty``, ``shipped`` and
+    ``informed`` are slots of its compiled base (:class:`~fastlock.replication._wire.QueuesWire`)."""
 
     def __init__(self, host: Any) -> None:
         self.host = host

@@ -23,6 +23,7 @@ from ..logsafe import quote
 from ..roles import Role
 from ..units import monotonic_ms
 from ..wal import BacklogReader, WalCompacted
+from ._wire import SourceWire
 from .messages import encode_snapshot, heartbeat_interval_ms, standby_identity
 from .node_state import Pairing, read_pairing, remove_pairing, write_pairing
 from .syncrep import SyncGate, SyncSettings
@@ -123,7 +124,7 @@ class _Replica:
         self.hb_sent_ms = 0  # primary time of the last heartbeat sent on this connection (an echo names no later one)
 
 
-class ReplicationSource:
+class ReplicationSource(SourceWire):
     """The primary's side: streams the WAL to its standby and fences the primary.
 
     One standby per primary.  The first standby that acknowledges a heartbeat
@@ -142,6 +143,9 @@ class ReplicationSource:
     external arbiter decides who is primary and fences it, so any number of
     standbys may attach, none is paired, and the standbys' echoes never fence
     or unfence this primary; :meth:`fence_if_due` asks the arbiter instead.
+
+    ``fencing``, ``sync``, ``ttl`` and ``replicas`` are slots of its compiled base
+    (:class:`~fastlock.replication._wire.SourceWire`), read by the server's request path in C.
     """
 
     def __init__(self, host: ReplicationHost, *, fence_margin_ms: int | None = None,

@@ -117,6 +117,7 @@ from .. import protocol as P
 from ..errors import FastlockError, ProtocolError, Unavailable
 from ..roles import Role
 from ..units import monotonic_ms
+from ._wire import SyncWire
 
 if TYPE_CHECKING:  # pragma: no cover
     from .follower import StandbyFollower
@@ -205,11 +206,12 @@ def _call(deliver: Deliver, *error: FastlockError) -> None:
         log.exception("delivering a reply held for the synchronous standby failed")
 
 
-class SyncGate:
+class SyncGate(SyncWire):
     """The primary's side: hold grant and extend replies until the standby has their LSN.
 
     ``settings`` None: asynchronous replication, and :meth:`after` returns its
-    callback unchanged (nothing costs anything).
+    callback unchanged (nothing costs anything).  ``enabled`` is a slot of its compiled
+    base (:class:`~fastlock.replication._wire.SyncWire`).
 
     Args:
         host: the server.

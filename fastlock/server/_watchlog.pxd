@@ -1,36 +1,49 @@
 # The compiled classes of fastlock/server/_watchlog.pyx, declared for the server's batch end
 # (fastlock/server/_wire.pyx), which records and publishes holder changes by C calls.
 
+from ..replication._wire cimport SourceWire
 from ..wal.commit cimport GroupCommit
 
 
-cdef class HistoryWire:
+cdef class ChangeLogWire:
+    cdef public object pending
+
+    cpdef list publish(self, object upto)
+
+
+cdef class HistoryWire(ChangeLogWire):
     cdef public Py_ssize_t limit
     cdef public object changes
     cdef public dict by_name
-    cdef public object pending
     cdef public object floor
     cdef public object published
+    # the bound append of ``changes`` and of ``pending`` and the deques they are bound to
+    cdef object _changes_of, _changes_append, _pending_of, _pending_append
 
     cpdef record(self, object rev, object name, object what, object token, object meta, bint published=*)
-    cpdef list publish(self, object upto)
 
 
 cdef class CommittedWire:
     cdef public object server
-    cdef public object log
+    cdef public SourceWire source
+    cdef public ChangeLogWire log
     cdef public Py_ssize_t revision_at
     cdef public GroupCommit commit
     cdef public object scheduled
+    cdef public object later_upto
+    cdef public bint later_queued
 
     cpdef bint listening(self)
     cpdef bint deliver(self, list changes)
     cpdef batch_end(self)
     cpdef listener_added(self)
     cpdef _publish(self, object upto, object refused=*, bint flush=*)
+    cpdef _publish_committed(self)
 
 
 cdef class RevisionsWire(CommittedWire):
     cdef public object registry
+    cdef public dict watched
+    cdef public object table
 
     cpdef logged(self, object name, object what, object token, object meta)

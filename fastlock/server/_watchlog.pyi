@@ -2,28 +2,36 @@
 
 from typing import Any
 
-class HistoryWire:
+class ChangeLogWire:
+    pending: Any
+    def publish(self, upto: int) -> list[Any]: ...
+
+class HistoryWire(ChangeLogWire):
     limit: int
     changes: Any
     by_name: dict[str, Any]
-    pending: Any
     floor: int | None
     published: int
     def record(self, rev: int, name: str, what: str, token: int, meta: Any, published: bool = False) -> None: ...
-    def publish(self, upto: int) -> list[tuple[int, str, str, int, Any]]: ...
 
 class CommittedWire:
     server: Any
+    source: Any
     log: Any
     revision_at: int
     commit: Any
     scheduled: int
+    later_upto: int
+    later_queued: bool
     def listening(self) -> bool: ...
     def deliver(self, changes: list[Any]) -> bool: ...
     def batch_end(self) -> None: ...
     def listener_added(self) -> None: ...
     def _publish(self, upto: int, refused: Any = None, flush: bool = True) -> None: ...
+    def _publish_committed(self) -> None: ...
 
 class RevisionsWire(CommittedWire):
     registry: Any
+    watched: dict[str, Any]
+    table: Any
     def logged(self, name: str, what: str, token: int, meta: Any) -> None: ...

@@ -3,44 +3,78 @@
 # typed slots, so the request path reads them and calls their compiled methods by C calls.
 
 from .._core cimport Event
+from ..replication._wire cimport QueuesWire, SourceWire
 from ..wal.commit cimport GroupCommit, LogAppender
 from ._watchlog cimport CommittedWire, HistoryWire, RevisionsWire
 
 cdef class BatchEnd
 
 
+cdef class IntakeWire:
+    cdef public object decoder
+    cdef public object raw
+    cdef public Py_ssize_t raw_at
+    cdef public object pending
+    cdef public Py_ssize_t next
+    cdef public bint held
+    cdef public bint scheduled
+
+
+cdef class ExpiryWire:
+    cdef public object handle
+    cdef public object at_ms
+
+
+cdef class LimitsWire:
+    cdef public dict sessions
+    cdef public object idle_timeout_ms
+
+
+cdef class UsageWire:
+    cdef public dict leases
+    cdef public object waiting
+
+
 cdef class QuotaCounts:
-    cdef public object table, usage, delays, waiters, leases, ended_early, _principal_of, _epoch
+    cdef public object table, delays, waiters, leases, _epoch
+    cdef public dict usage, _principal_of
+    cdef public set ended_early
 
     cpdef check_acquire(self, principal, leases, waiters)
     cpdef lock_delay_count(self, now)
-    cpdef acquired(self, u, status, names, last_token)
+    cpdef acquired(self, UsageWire u, status, names, last_token)
     cpdef grant_event(self, Event ev)
     cpdef lease_ended(self, token, meta=*, principal=*, name=*)
 
 
 cdef class HandlersWire:
     cdef public BatchEnd server
-    cdef public object table, roles, config, source, watchers, keys, sessions, kinds
+    cdef public object table, roles, config, watchers, keys, sessions, kinds
+    cdef public SourceWire source
     cdef public LogAppender wal
     cdef public QuotaCounts quotas
     cdef public dict by_op, need_by_op
+    cdef public object acquire_handler, release_handler  # ACQUIRE's and RELEASE's entries in by_op, unwrapped
 
 
 cdef class SessionWire:
     cdef public BatchEnd server
     cdef public object session
-    cdef public object intake
+    cdef public IntakeWire intake
     cdef public object transport
     cdef public list out
     cdef public Py_ssize_t out_bytes
     cdef public bint closed
     cdef public bint ready
     cdef public object last_read_ms
-    cdef public object grant  # the principal the connection authenticated as (auth.Principal) ...
+    cdef object _grant  # the principal the connection authenticated as (auth.Principal: the grant property) ...
+    cdef readonly frozenset grant_everywhere  # ... what it may do on every name (Principal.everywhere) ...
+    cdef readonly bint grant_admin  # ... whether it is an admin ...
+    cdef readonly object grant_name  # ... and its name (the per-principal quotas' key)
     cdef public object recorded  # ... and what its grants record as their client
     cdef object owner_key  # the last owner key received (None: none yet) ...
     cdef bytes owner_hashed  # ... and its hash
+    cdef public object _drain  # while writing is paused: a future done when it resumes (else None)
 
     cpdef bytes owner_hash(self, object owner)
     cpdef flush(self)
@@ -48,10 +82,14 @@ cdef class SessionWire:
 
 
 cdef class BatchEnd:
-    cdef public object table, roles, source, limits, queues
+    cdef public object table, roles
+    cdef public SourceWire source
+    cdef public QueuesWire queues
+    cdef public ExpiryWire expiry
+    cdef public LimitsWire limits
     cdef public RevisionsWire revisions  # the lock watches' history (watchlog.Revisions) ...
     cdef public CommittedWire key_revisions  # ... and the key watches' (keyrevisions.KeyRevisions)
-    cdef public object expiry, reclaim, node_state, max_ttl_ms
+    cdef public object reclaim, node_state, max_ttl_ms
     cdef public LogAppender wal
     cdef public QuotaCounts quotas
     cdef public HandlersWire handlers

@@ -28,6 +28,25 @@ class HandlersWire:
     kinds: Any
     by_op: Any
     need_by_op: Any
+    acquire_handler: Any
+    release_handler: Any
+
+class IntakeWire:
+    decoder: Any
+    raw: bytes
+    raw_at: int
+    pending: list[Any]
+    next: int
+    held: bool
+    scheduled: bool
+
+class ExpiryWire:
+    handle: Any
+    at_ms: int
+
+class LimitsWire:
+    sessions: dict[int, Any]
+    idle_timeout_ms: int
 
 class SessionWire:
     server: Any
@@ -39,6 +58,14 @@ class SessionWire:
     closed: bool
     ready: bool
     last_read_ms: int
+    _drain: Any
+    grant: Any
+    @property
+    def grant_everywhere(self) -> frozenset[str]: ...
+    @property
+    def grant_admin(self) -> bool: ...
+    @property
+    def grant_name(self) -> str: ...
     def data_received(self, data: bytes) -> None: ...
     def flush(self) -> None: ...
     def send(self, data: bytes) -> None: ...
@@ -54,6 +81,10 @@ class BatchEnd:
     def acknowledge(self, grants: list[Any]) -> None: ...
     def deliver_granted(self, grants: list[Any], refused_by: Any = None) -> None: ...
     def released(self, name: str, token: int, meta: tuple[Any, ...] | None) -> None: ...
+
+class UsageWire:
+    leases: dict[Any, str]
+    waiting: int
 
 class QuotaCounts:
     def check_acquire(self, principal: str, leases: int, waiters: int) -> Any: ...

@@ -26,6 +26,7 @@ from libc.stdint cimport int64_t, uint64_t
 from .._core cimport (Event, table_acquire, table_drain_events, table_epoch, table_holder, table_last_token,
                       table_next_deadline, table_release, table_waiter_count)
 from ..wal.commit cimport GroupCommit, LogAppender
+from ..replication._wire cimport QueuesWire, SourceWire, SyncWire
 from .._core import EV_GRANTED, GRANTED, LIMIT_CONFLICT, NOT_ACQUIRED, QUEUED, NotHolder
 from ..auth import ANONYMOUS, hash_owner
 from ..errors import InvalidArgument, ProtocolError, WrongArgumentType
@@ -49,7 +50,7 @@ from ..protocol.validation import (
 )
 from ..roles import Action
 from ..protocol.ops import OP_HELLO
-from ..protocol import feed_frames
+from ..protocol._wire cimport WireDecoder, feed_frames
 from .shares import limit_exceeded
 from .lockdelays import relog_running
 
@@ -158,7 +159,10 @@ cdef class HandlersWire:
     :class:`~fastlock.server.lockserver.LockServer`, a :class:`BatchEnd`), ``table``,
     ``roles``, ``wal`` (a :class:`~fastlock.wal.commit.LogAppender`), ``config``, ``source``,
     ``quotas`` (a :class:`QuotaCounts`), ``watchers`` (lock name -> its watchers), ``keys``,
-    ``sessions``, ``kinds``, and the op table ``by_op`` / ``need_by_op``."""
+    ``sessions``, ``kinds``, and the op table ``by_op`` / ``need_by_op``;
+    ``acquire_handler`` and ``release_handler`` are the table's own handlers of ACQUIRE and
+    RELEASE: while ``by_op`` holds them unwrapped, :func:`dispatch` calls :func:`acquire` and
+    :func:`release` by C calls."""
 
 
 cpdef dispatch(HandlersWire handlers, SessionWire conn, object msg):
@@ -189,12 +193,38 @@ cpdef dispatch(HandlersWire handlers, SessionWire conn, object msg):
         need = handlers.need_by_op.get(op, "admin")
         # grant.everywhere: what the principal may do on every name (no per-name check needed)
         if need is not None:
-            grant = conn.grant
-            if need not in grant.everywhere and (grant.kind != "admin" or need == "replica"):
+            if need not in conn.grant_everywhere and (not conn.grant_admin or need == "replica"):
                 handlers.authorize(conn, op, need, msg)
-        handler(conn, req_id, msg)
+        # the table's own ACQUIRE and RELEASE (not wrapped: by the metrics, a sharded node) by a C call
+        if handler is handlers.acquire_handler:
+            acquire(handlers, conn, req_id, req)
+        elif handler is handlers.release_handler:
+            release(handlers, conn, req_id, req)
+        else:
+            handler(conn, req_id, msg)
     except Exception as exc:
         handlers.failed(conn, req_id, op, exc)
+
+
+cdef class IntakeWire:
+    """The compiled base of :class:`fastlock.server.session.Intake`, a connection's request
+    decoder and backlog: its fields as slots (declared in ``_wire.pxd``), read by
+    :meth:`SessionWire.data_received` without a dictionary lookup: ``decoder`` (a
+    :class:`~fastlock.protocol.WireDecoder`, None once closed), ``raw`` and ``raw_at`` (bytes
+    received and the offset decoded up to), ``pending`` and ``next`` (requests decoded and
+    the index dispatched up to), ``held`` (reading paused for the backlog) and ``scheduled``
+    (a later turn's dispatch is queued)."""
+
+
+cdef class ExpiryWire:
+    """The compiled base of :class:`fastlock.server.lockserver.ExpiryTimer`: ``handle`` (the
+    armed timer, None: none) and ``at_ms`` (monotonic ms it fires at), read at every batch end."""
+
+
+cdef class LimitsWire:
+    """The compiled base of :class:`fastlock.server.admission.ConnectionLimits`: the fields
+    the request path reads, as slots (declared in ``_wire.pxd``): ``sessions`` (session id ->
+    connection) and ``idle_timeout_ms`` (milliseconds; 0: connections never time out)."""
 
 
 cdef class SessionWire:
@@ -212,6 +242,20 @@ cdef class SessionWire:
 
     # (its slots are declared in _wire.pxd)
 
+    @property
+    def grant(self):
+        """The :class:`~fastlock.auth.Principal` the connection authenticated as; setting it
+        keeps what the request path reads of it (``grant_everywhere``, ``grant_admin``,
+        ``grant_name``) as C fields of the connection (a principal is immutable)."""
+        return self._grant
+
+    @grant.setter
+    def grant(self, principal):
+        self.grant_everywhere = principal.everywhere
+        self.grant_admin = principal.kind == "admin"
+        self.grant_name = principal.name
+        self._grant = principal
+
     cpdef bytes owner_hash(self, object owner):
         """:func:`fastlock.auth.hash_owner` of a checked owner key from this connection
         (:func:`fastlock.protocol.check_owner` raises for a bad one).  The last key's hash
@@ -225,7 +269,7 @@ cdef class SessionWire:
         return hashed
 
     def data_received(self, object data):
-        intake = self.intake
+        cdef IntakeWire intake = self.intake
         decoder = intake.decoder
         if self.closed or decoder is None:  # closed: the decoder was freed
             return
@@ -235,7 +279,8 @@ cdef class SessionWire:
         if intake.held or intake.scheduled:
             intake.add(data)  # a backlog waits (a read that arrived while reading was pausing): these follow it
             return
-        if len(data) > FEED_BYTES or decoder.shape_all:
+        if len(data) > FEED_BYTES or (
+                (<WireDecoder>decoder)._shape_all if type(decoder) is WireDecoder else decoder.shape_all):
             intake.add(data)
         else:  # the common case: a short read, decoded at once; one request is dispatched here
             try:
@@ -248,9 +293,8 @@ cdef class SessionWire:
                 intake.pending = messages
                 intake.next = 0
             else:
-                source = server.source
-                if source.fencing:
-                    source.fence_if_due(_monotonic_ms())  # after a stall, see the clock first
+                if server.source.fencing:
+                    (<object>server.source).fence_if_due(_monotonic_ms())  # after a stall, see the clock first
                 dispatch(server.handlers, self, messages[0])
                 server.after_batch()
                 return
@@ -263,7 +307,7 @@ cdef class SessionWire:
         self.out_bytes = 0
         if out and not self.closed:
             self.transport.write(out[0] if len(out) == 1 else b"".join(out))
-            if (<object>self)._drain is not None:  # the transport paused writing once: the output cap
+            if self._drain is not None:  # the transport paused writing once: the output cap
                 (<object>self).paused_write()
         out.clear()
 
@@ -415,7 +459,7 @@ cpdef enter_acquire(HandlersWire handlers, SessionWire conn, object req_id, list
             and (shared or limit or not table.holders_of(name, now, 0, 1))):
         raise _limit_exceeded(config.max_leases, "the server", "leases", "max-leases")
     # the principal's quotas: a lease, granted now or reserved by a waiter (see PrincipalQuotas)
-    usage = None if retry else quotas.check_acquire(conn.grant.name, 1, 1 if wait_ms != 0 else 0)
+    usage = None if retry else quotas.check_acquire(conn.grant_name, 1, 1 if wait_ms != 0 else 0)
     server = handlers.server
     if ttl_ms > server.max_ttl_ms:
         server.max_ttl_ms = ttl_ms
@@ -428,7 +472,7 @@ cpdef enter_acquire(HandlersWire handlers, SessionWire conn, object req_id, list
     if usage is not None:
         quotas.acquired(usage, status, (name,), table_last_token(table))
     if status == _QUEUED:
-        server.queues.touched(name)  # shipped to the standby (fastlock.replication.queues)
+        (<object>server.queues).touched(name)  # shipped to the standby (fastlock.replication.queues)
     elif status == _LIMIT_CONFLICT or status == _NOT_ACQUIRED:
         handlers.acquire_refused(conn, name, limit, status, now)
 
@@ -498,7 +542,7 @@ cpdef extend(HandlersWire handlers, SessionWire conn, object req_id, list msg):
     # sync replication: every extend waits for the standby (it moves the deadline); recovery restores
     # the recorded TTL: a longer one must be durable before the holder relies on it (not a shorter one)
     # a longer TTL than the standbys know waits for their word (fastlock.replication.ttlbound)
-    source = handlers.source
+    cdef SourceWire source = handlers.source
     if source.sync.enabled or ((holder is None or ttl_ms > holder.ttl_ms)
                                and ((source.fencing and not source.ttl.covers(ttl_ms)) or not wal.flush_now())):
         handlers.extend_when_durable(conn, req_id, name, token, reply, ttl_ms)
@@ -591,21 +635,21 @@ cdef class BatchEnd:
             _relog_running(wal, table)
             server.revoke_deadlines.relog(wal, _monotonic_ms())
         nd = table_next_deadline(table)
-        expiry = self.expiry
+        cdef ExpiryWire expiry = self.expiry
         if nd >= 0 and (expiry.handle is None or nd < expiry.at_ms) and self.roles.expires_leases:
             server._rearm()
         if table_waiter_count(table):
             self.handlers.kinds.deadlocks.poke()  # arms the deadlock check while anything waits
         # each collaborator is called only when it has work (its own first check, inline)
         cdef RevisionsWire revisions = self.revisions
-        if (<HistoryWire>revisions.log).pending:
+        if revisions.log.pending:
             revisions.batch_end()  # the batch's holder changes reach the watchers once committed
-        key_revisions = self.key_revisions
+        cdef CommittedWire key_revisions = self.key_revisions
         if key_revisions.log.pending:
             key_revisions.batch_end()  # and its key changes the prefix watchers
-        queues = self.queues
+        cdef QueuesWire queues = self.queues
         if queues.dirty or queues.informed or self.source.replicas:
-            queues.batch_end()  # changed waiter queues go to the standby
+            (<object>queues).batch_end()  # changed waiter queues go to the standby
         # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
         # (WriteAheadLog.poll's own call)
         commit.poll()
@@ -628,7 +672,7 @@ cdef class BatchEnd:
         cdef QuotaCounts quotas = self.quotas
         cdef Event ev
         cdef RevisionsWire revisions = self.revisions
-        queues = self.queues
+        cdef QueuesWire queues = self.queues
         grants = None
         for ev in events:
             if ev.kind == _EV_GRANTED:
@@ -642,7 +686,7 @@ cdef class BatchEnd:
                     grants = []
                 grants.append(ev)
                 if queues.shipped:  # (a queue shipped to a standby may have changed)
-                    queues.granted(ev.name)
+                    (<object>queues).granted(ev.name)
             else:
                 server._other_event(ev)
         if quotas.ended_early:
@@ -657,10 +701,10 @@ cdef class BatchEnd:
         standbys know waits for their word too (:mod:`fastlock.replication.ttlbound`).  In the
         relaxed fsync modes the first batch of a loop turn is written at once, and a lone
         request's grant delivered within this batch end (``WriteAheadLog.flush_first``)."""
-        source = self.source
-        sync = source.sync
+        cdef SourceWire source = self.source
+        sync = <object>source.sync
         cdef GroupCommit commit = self.commit
-        if not source.fencing and not sync.enabled:  # (unpaired, no standby to wait for: the common case below)
+        if not source.fencing and not source.sync.enabled:  # (unpaired, no standby to wait for: the common case below)
             if commit.flush_first():
                 self.deliver_granted(grants)
             else:
@@ -699,9 +743,8 @@ cdef class BatchEnd:
         when refused, by ``LockServer._deliver_rest``.
         """
         server = <object>self
-        source = self.source
-        if source.fencing:  # (not paired: nothing to check)
-            source.fence_if_due(_monotonic_ms())
+        if self.source.fencing:  # (not paired: nothing to check)
+            (<object>self.source).fence_if_due(_monotonic_ms())
         if refused_by is None and _ACQUIRE in self.roles.admitted:  # (NodeRole.may's own test)
             rest = deliver_grants(self.limits.sessions, grants)
             if rest:
@@ -734,6 +777,12 @@ cdef object _GRANTED = GRANTED
 cdef int _EV_GRANTED = EV_GRANTED
 
 
+cdef class UsageWire:
+    """The compiled base of :class:`fastlock.server.admission.Usage`: the counts the request
+    path changes, as slots (declared in ``_wire.pxd``): ``leases`` (fencing token -> lock name)
+    and ``waiting`` (acquires queued)."""
+
+
 cdef inline _quota_check(object quota, object principal, object have, object adding):
     """:meth:`fastlock.server.shares.Quota.check`'s test inline: the method (which raises
     :class:`~fastlock.errors.LimitExceeded`) runs only when ``have + adding`` passes the quota."""
@@ -758,7 +807,7 @@ cdef class QuotaCounts:
         quotas = <object>self
         if table_epoch(self.table) != self._epoch:
             quotas.sync()
-        u = self.usage.get(principal) or quotas.of(principal)
+        cdef UsageWire u = <UsageWire?>(self.usage.get(principal) or quotas.of(principal))
         if waiters:
             _quota_check(self.waiters, principal, u.waiting, waiters)
         if leases:
@@ -778,7 +827,7 @@ cdef class QuotaCounts:
         delays.ended(now)
         return len(delays)
 
-    cpdef acquired(self, u, status, names, last_token):
+    cpdef acquired(self, UsageWire u, status, names, last_token):
         """Count what an acquire of ``names`` (by ``u``'s principal) created: a lease per
         name granted now (tokens up to ``last_token``, one per name in order), or a
         waiter per name queued."""
@@ -799,7 +848,7 @@ cdef class QuotaCounts:
         principal = self._principal_of.get(meta[0]) if meta and type(meta[0]) is str else None
         if principal is None:
             principal = (<object>self).principal_of(meta)
-        u = self.usage.get(principal) or (<object>self).of(principal)
+        cdef UsageWire u = <UsageWire?>(self.usage.get(principal) or (<object>self).of(principal))
         token = ev.token
         if token in u.leases:
             return
@@ -820,8 +869,9 @@ cdef class QuotaCounts:
             # principal_of's remembered answer, inline (the common case)
             recorded = self._principal_of.get(meta[0]) if type(meta[0]) is str else None
             principal = recorded if recorded is not None else (<object>self).principal_of(meta)
+        cdef UsageWire u
         if principal is not None:
-            u = self.usage.get(principal)
+            u = <UsageWire?>self.usage.get(principal)
             if u is not None and _uncount(u.leases, token, name):
                 return
         for u in self.usage.values():

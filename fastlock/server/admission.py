@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import LimitExceeded
 from ..logsafe import RateLimitedLog
 from ..units import monotonic_ms
-from ._wire import QuotaCounts
+from ._wire import LimitsWire, QuotaCounts, UsageWire
 from .config import ServerConfig
 from .lockdelays import RunningDelays
 from .output import OutputShares
@@ -79,14 +79,15 @@ def principal_of(meta: Any) -> str:
     return principal if principal is not None else UNRECORDED
 
 
-class Usage:
+class Usage(UsageWire):
     """What one principal holds now: ``leases`` (fencing token -> lock name; a lease whose
     token another lease of the principal has already, which only a slot move brings, as the
     source group issued it, is kept under ``(token, name)``: :meth:`count_lease`), ``waiting``
     (acquires queued, one per name of an ACQUIRE_MANY), ``watches`` (lock and key
-    watches) and ``connections`` (that completed HELLO)."""
+    watches) and ``connections`` (that completed HELLO).  ``leases`` and ``waiting`` are slots
+    of its compiled base, :class:`~fastlock.server._wire.UsageWire`."""
 
-    __slots__ = ("leases", "waiting", "watches", "connections")
+    __slots__ = ("watches", "connections")
 
     def __init__(self) -> None:
         self.leases: dict[int | tuple[int, str], str] = {}
@@ -290,8 +291,9 @@ class PrincipalQuotas(QuotaCounts):
         return out
 
 
-class ConnectionLimits:
-    """The registry of open sessions and the caps on connections.
+class ConnectionLimits(LimitsWire):
+    """The registry of open sessions and the caps on connections (``sessions`` and
+    ``idle_timeout_ms`` are slots of its compiled base, :class:`~fastlock.server._wire.LimitsWire`).
 
     ``sessions`` maps session id to :class:`~fastlock.server.session.Session`
     (every counted connection, HELLO done or not).  At the global cap the

@@ -249,11 +249,14 @@ class Handlers(HandlersWire):
         self.slot_moves = SlotMoves(self)
         #: SHARD_MAP_NOTICE: read the shard map in etcd now (fastlock.server.mapnotice)
         self.map_notices = MapNotices(self)
+        #: the table's own ACQUIRE and RELEASE: dispatched by C calls while by_op holds them unwrapped
+        self.acquire_handler = self.acquire
+        self.release_handler = functools.partial(compiled_release, self)
         handlers: dict[int, Handler] = {
             P.OP_HELLO: self.hello.op_hello,
             # compiled (server/_wire.pyx)
-            P.OP_ACQUIRE: self.acquire,
-            P.OP_RELEASE: functools.partial(compiled_release, self),
+            P.OP_ACQUIRE: self.acquire_handler,
+            P.OP_RELEASE: self.release_handler,
             P.OP_EXTEND: functools.partial(compiled_extend, self),
             P.OP_CANCEL: self.op_cancel,
             P.OP_CHECK: self.op_check,

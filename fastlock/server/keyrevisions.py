@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 from ..errors import Compacted
 from ..protocol.ops import PUSH_KEY_PROGRESS
 from ..tokens import TOKEN_EPOCH_SHIFT
+from ._watchlog import ChangeLogWire
 from .watchlog import DEFAULT_HISTORY, CommittedPublisher, check_lineage, shown_revision
 
 __all__ = ["INDEX_BITS", "WHOLE", "KeyChange", "KeyChangeLog", "KeyRevisions", "position"]
@@ -75,7 +76,7 @@ class KeyChange(NamedTuple):
 Kept = tuple[int, int, int, str, str, Any]
 
 
-class KeyChangeLog:
+class KeyChangeLog(ChangeLogWire):
     """The last ``limit`` key changes (and at most ``max_bytes`` bytes of values), by position.
 
     Changes are :meth:`record`-ed in position order and :meth:`publish`-ed up to a

@@ -76,7 +76,7 @@ from ..units import format_address, monotonic_ms
 from ..wal import DataDirInUse, HolderSlices, SnapshotState, WalFatal, WriteAheadLog, secure_directory
 from ..wal.log import paused_gc
 from . import lockdelays
-from ._wire import BatchEnd
+from ._wire import BatchEnd, ExpiryWire
 from .admission import ConnectionLimits, PrincipalQuotas
 from .config import ServerConfig, check_limits
 from .coordinated import CoordinatedNode, claim_data_dir
@@ -105,11 +105,12 @@ EXIT_WAL_FAILED = 3
 CLOSE_AFTER_LOG_S = 1.0
 
 #: a waiter's end that is not a grant -> the error code and reason its acquire is answered with
-class ExpiryTimer:
+class ExpiryTimer(ExpiryWire):
     """The ONE timer of the lock table: it fires at the table's next deadline
-    (monotonic ms), and calls ``on_fire`` from the event loop."""
+    (monotonic ms), and calls ``on_fire`` from the event loop (``handle`` and ``at_ms`` are
+    slots of its compiled base, :class:`~fastlock.server._wire.ExpiryWire`)."""
 
-    __slots__ = ("handle", "at_ms", "_on_fire")
+    __slots__ = ("_on_fire",)
 
     def __init__(self, on_fire: Callable[[], None]):
         self.handle: asyncio.TimerHandle | None = None

@@ -44,7 +44,7 @@ from ..auth import ANONYMOUS, Principal
 from ..errors import FastlockError, ProtocolError
 from ..tls import peer_identity
 from ..units import monotonic_ms
-from ._wire import SessionWire, dispatch
+from ._wire import IntakeWire, SessionWire, dispatch
 
 if TYPE_CHECKING:  # pragma: no cover
     from .lockserver import LockServer
@@ -91,9 +91,10 @@ class Backlogs:
 BACKLOGS = Backlogs()
 
 
-class Intake:
+class Intake(IntakeWire):
     """A connection's request decoder, the bytes received but not yet decoded and the
-    requests decoded but not yet dispatched.
+    requests decoded but not yet dispatched (its fields are slots of its compiled base,
+    :class:`~fastlock.server._wire.IntakeWire`).
 
     ``decoder`` (:class:`~fastlock.protocol.WireDecoder`, None once closed); ``raw``:
     received bytes, decoded from offset ``raw_at`` on, a piece (:data:`FEED_BYTES`) at a
@@ -103,7 +104,7 @@ class Intake:
     peer reads its replies: one that leaves more than the output cap unread is dropped.
     """
 
-    __slots__ = ("decoder", "raw", "raw_at", "pending", "next", "held", "scheduled")
+    __slots__ = ()
 
     def __init__(self, decoder: P.WireDecoder):
         self.decoder: P.WireDecoder | None = decoder
@@ -196,9 +197,9 @@ class Session(SessionWire, asyncio.Protocol):
     and ``last_read_ms`` are monotonic milliseconds.
     """
 
-    # (server, session, intake, transport, out, out_bytes, closed, ready, last_read_ms, grant, recorded and
-    # the last owner key with its hash: SessionWire's)
-    __slots__ = ("client_name", "peer", "watching", "address", "accepted_ms", "_out_cap", "waiting", "_drain")
+    # (server, session, intake, transport, out, out_bytes, closed, ready, last_read_ms, grant, recorded,
+    # the last owner key with its hash and _drain: SessionWire's)
+    __slots__ = ("client_name", "peer", "watching", "address", "accepted_ms", "_out_cap", "waiting")
 
     def __init__(self, server: LockServer, session: int):
         self.server = server

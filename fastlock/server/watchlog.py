@@ -234,12 +234,16 @@ class CommittedPublisher(CommittedWire):
 
     def __init__(self, server: Any, revision_at: int, progress_interval: float, progress_kind: str) -> None:
         self.server = server
+        self.source = server.source  # its sync gate's flag, read per batch end
         self.revision_at = revision_at
         self.commit = server.wal.group_commit  # its ack mark and when_durable, read per batch end
         self.progress_interval = progress_interval
         self.progress_kind = progress_kind
         #: the revision up to which a publication is already scheduled
         self.scheduled = 0
+        #: the last revision the publication waiting while nobody listens may publish (later_queued: it waits)
+        self.later_upto = 0
+        self.later_queued = False
         self._timer: Any = None
 
     def current(self) -> int:
@@ -298,6 +302,8 @@ class Revisions(RevisionsWire, CommittedPublisher):
         # a Kept change: (revision, name, what, token, meta)
         super().__init__(server, 0, progress_interval, PUSH_WATCH_PROGRESS)
         self.registry = registry
+        self.watched = registry.by_name  # lock name -> its watchers: anyone listening?
+        self.table = server.table  # its epoch, a revision's high bits
         self.log = WatchLog(history)
 
     # -- the revision now ----------------------------------------------------------------
