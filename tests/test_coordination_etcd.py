@@ -595,3 +595,40 @@ def test_a_standby_following_the_same_primary_again_keeps_its_position():
     assert not follower.stopped and follower.synced and node.position() == 2155
     node.on_primary(PrimaryRecord("c", "127.0.0.1:7003", 4, 12))
     assert follower.link.primary == ("127.0.0.1", 7003) and not follower.synced and node.position() == 0
+
+
+async def test_a_bid_judges_the_groups_epoch_by_the_map_read_just_before_it(etcd):
+    """A shard group's import raised ``PREFIX/epoch`` to 41 while this node saw only epoch 0 (its
+    watch had not yet delivered the move's mark): more than 16 above, etcd's 41 is not credible.
+    A bid reads the map first (``before_bid``), finds the move into its group (``moving_in``) and
+    then believes 41: it bids 42, not 1 (the group's own names would go below 41)."""
+    prefix = unique_prefix()
+    gw = gateway_to(etcd.address)
+    marked = {"moving_in": False, "reads": 0}
+
+    async def read_map() -> None:        # the map in etcd marks a move into this node's group
+        marked["reads"] += 1
+        marked["moving_in"] = True
+
+    b, _ = arbiter(etcd.address, prefix, "b")
+    b.moving_in = lambda: marked["moving_in"]
+    b.before_bid = read_map
+    try:
+        await gw.put(prefix + "/epoch", b"41")
+        await b.step()
+        assert marked["reads"] >= 1
+        assert b.holding and b.epoch == 42
+    finally:
+        await b.close()
+        await gw.close()
+    # without the move into its group, the same 41 stays refused: the bid comes from what the node knows
+    prefix = unique_prefix()
+    gw = gateway_to(etcd.address)
+    c, _ = arbiter(etcd.address, prefix, "c")
+    try:
+        await gw.put(prefix + "/epoch", b"41")
+        await c.step()
+        assert c.holding and c.epoch == 1
+    finally:
+        await c.close()
+        await gw.close()

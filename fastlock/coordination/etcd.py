@@ -127,7 +127,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
 from ..errors import FastlockError, InvalidArgument
@@ -194,6 +194,10 @@ def _no_epoch() -> int:
 def _no_move_in() -> bool:
     """No move into this node's group (:attr:`EtcdArbiter.moving_in` of a node that is not sharded)."""
     return False
+
+
+async def _nothing_to_read() -> None:
+    """Nothing to read before a bid (:attr:`EtcdArbiter.before_bid` of a node that is not sharded)."""
 
 
 class EtcdArbiter:
@@ -283,6 +287,12 @@ class EtcdArbiter:
         #: standby that missed the import still bids above it
         #: (:meth:`fastlock.server.sharded.ShardGate.moving_in`)
         self.moving_in: Callable[[], bool] = _no_move_in
+        #: awaited before a bid reads ``PREFIX/epoch``: a shard group's node reads its map in etcd
+        #: there (:meth:`fastlock.server.sharded.ShardGate.read_before_bid`), so that :attr:`moving_in`
+        #: and :attr:`known_epoch` judge the epoch by the map as etcd holds it, not by a watch that
+        #: may lag (a standby whose watch had not yet delivered a move's mark would bid below the
+        #: epoch the move's import raised its group to)
+        self.before_bid: Callable[[], Awaitable[None]] = _nothing_to_read
         self._beat: BeatSighting | None = None  # the heartbeat revision as this node first saw it
         self._beat_timer: asyncio.TimerHandle | None = None
         self._beat_watch_task: asyncio.Task | None = None
@@ -1069,6 +1079,7 @@ class EtcdArbiter:
             EtcdUnavailable: etcd did not answer.
         """
         if self._bid_epoch is None:
+            await self.before_bid()
             self._bid_epoch = await self._read_epoch()
         return self._bid_epoch
 

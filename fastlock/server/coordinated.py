@@ -131,6 +131,7 @@ class CoordinatedNode:
         if server.shard_gate is not None:  # its primary raises the group's epoch above the map's token floors
             self.arbiter.known_epoch = server.shard_gate.floors_epoch
             self.arbiter.moving_in = server.shard_gate.moving_in
+            self.arbiter.before_bid = server.shard_gate.read_before_bid
         await self.arbiter.claim()
         server.source.coordinate(self.arbiter.fence_if_due)
         self.arbiter.start()

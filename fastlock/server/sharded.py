@@ -1375,6 +1375,25 @@ class ShardGate:
         """The frozen queues of the names in slots ``first..last``."""
         return {n: q for n, q in self.frozen_queues.items() if first <= slot_of(n) <= last}
 
+    async def read_before_bid(self) -> None:
+        """Read the map in etcd and take it if newer (:meth:`offer`), before this node's bid for
+        its group's primary key reads the group's epoch
+        (:attr:`~fastlock.coordination.etcd.EtcdArbiter.before_bid`): the bid then judges etcd's
+        epoch by the floors and the moves into its group that the map holds now (:meth:`moving_in`,
+        :meth:`floors_epoch`), not by what the watch has delivered so far.  A read that fails
+        changes nothing (the bid goes on with the map this node has; the promotion's
+        :meth:`take_stored_map` reads it again and refuses to serve without it)."""
+        stored = self.stored
+        if stored is None:
+            return
+        try:
+            found = await stored.read()
+        except (EtcdUnavailable, ShardMapError) as exc:
+            log.warning("shard map: could not read the map in etcd before a bid: %s", exc)
+            return
+        if found is not None:
+            self.offer(found[0])
+
     async def take_stored_map(self) -> None:
         """Read the map in etcd now and take it (:meth:`offer`): run by a promotion before the
         node serves as the primary.  A standby's watch may lag or be failing; a primary serving
