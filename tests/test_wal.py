@@ -37,6 +37,7 @@ from fastlock.wal import (
 from fastlock.wal import format as F
 from fastlock.wal import snapshot as snapshot_module
 from fastlock.wal import writer as writer_module
+from fastlock.wal.commit import LONE_BATCHES
 from fastlock.wal.writer import COMPILED_DISK
 
 E1 = 1 << 40  # epoch 1
@@ -238,12 +239,14 @@ async def test_auto_writer_syncs_a_lone_waiter_on_the_loop_and_concurrent_ones_o
 
     patch_disk(wal, monkeypatch, datasync=datasync)
     loop = asyncio.get_running_loop()
-    for c in range(1, 4):  # one client: each batch has one waiter
+    main = threading.current_thread().name
+    for c in range(1, LONE_BATCHES + 2):  # one client: each batch has one waiter
         grant(wal, f"n{c}", c)
         await durable(wal)
-    assert synced_on == [threading.current_thread().name] * 3
+    # the thread until it has waited alone for LONE_BATCHES batches, then the loop
+    assert synced_on == ["fastlock-wal"] * (LONE_BATCHES - 1) + [main] * 2
     synced_on.clear()
-    c = 3
+    c = LONE_BATCHES + 1
     for _ in range(3):  # two clients waiting together: their batches go to the writer thread
         futs = []
         for _ in range(2):
@@ -255,11 +258,11 @@ async def test_auto_writer_syncs_a_lone_waiter_on_the_loop_and_concurrent_ones_o
         await asyncio.gather(*futs)
     assert synced_on == ["fastlock-wal"] * 3
     synced_on.clear()
-    for _ in range(2):  # one client again: the thread once more, then the loop
+    for _ in range(LONE_BATCHES):  # one client again: the thread, then the loop
         c += 1
         grant(wal, f"n{c}", c)
         await durable(wal)
-    assert synced_on == ["fastlock-wal", threading.current_thread().name]
+    assert synced_on == ["fastlock-wal"] * (LONE_BATCHES - 1) + [main]
     await wal.close()
     assert reopen(tmp_path).counter == c
 
@@ -306,11 +309,12 @@ async def test_auto_writer_keeps_a_batch_formed_behind_the_thread_on_the_thread(
     gates[1].set()
     await asyncio.gather(b, c)
     assert synced_on == ["fastlock-wal"] * 3
-    grant(wal, "d", 5)  # nothing on the thread any more: a lone waiter is synced on the loop
-    await durable(wal)
-    assert synced_on[3:] == [threading.current_thread().name]
+    for n in range(5, 5 + LONE_BATCHES):  # nothing on the thread any more: one client waits alone
+        grant(wal, "d", n)
+        await durable(wal)
+    assert synced_on[3:] == ["fastlock-wal"] * (LONE_BATCHES - 1) + [threading.current_thread().name]
     await wal.close()
-    assert reopen(tmp_path).counter == 5
+    assert reopen(tmp_path).counter == 4 + LONE_BATCHES
 
 
 async def test_poll_acknowledges_a_batch_the_thread_finished_before_its_wake_up(tmp_path):
@@ -612,6 +616,40 @@ async def test_records_written_while_the_next_step_is_zero_filled_survive(tmp_pa
     state = reopen(tmp_path)
     assert state.records_replayed == 30 * 8 and state.torn_bytes == 0
     assert os.path.getsize(path) == st["written_offset"]
+
+
+async def test_auto_keeps_the_thread_while_clients_wait_together(tmp_path):
+    """The auto writer syncs on the loop only once one client has waited alone for
+    ``LONE_BATCHES`` batches in a row: a batch three clients wait for goes to the writer thread,
+    and so do the batches right after it that one client waits for (the others are between two
+    requests) - a sync on the loop would hold back every other client's reads and replies."""
+    wal, _ = await started(tmp_path, "auto")
+    c = 0
+
+    async def alone() -> None:
+        nonlocal c
+        c += 1
+        grant(wal, "alone", c)
+        await durable(wal)
+
+    for _ in range(2 * LONE_BATCHES):
+        await alone()
+    assert wal.stats()["thread_fsyncs"] == LONE_BATCHES - 1  # then on the loop
+    loop = asyncio.get_running_loop()
+    together = [loop.create_future() for _ in range(3)]
+    for fut in together:
+        c += 1
+        grant(wal, f"together-{c}", c)
+        wal.when_durable(lambda fut=fut: fut.set_result(None))
+    await asyncio.gather(*together)
+    before = wal.stats()["thread_fsyncs"]
+    for _ in range(3):  # (a client's next pair would be two of them)
+        await alone()
+    assert wal.stats()["thread_fsyncs"] - before == 3
+    for _ in range(LONE_BATCHES - 3):
+        await alone()  # one client alone for LONE_BATCHES batches: on the loop again from the last
+    assert wal.stats()["thread_fsyncs"] - before == LONE_BATCHES - 1
+    wal.abort()
 
 
 async def test_a_clean_close_trims_the_preallocated_space(tmp_path, writer):
@@ -993,7 +1031,7 @@ async def test_abort_with_a_batch_in_flight(tmp_path, writer):
     for _ in range(3):
         await asyncio.sleep(0)
     assert fatal == []
-    assert called == ([] if writer == "thread" else [1])
+    assert called == ([1] if writer == "inline" else [])  # (auto: on the thread, not alone long enough)
     assert reopen(tmp_path).counter >= 1
 
 

@@ -37,7 +37,7 @@ cdef class GroupCommit:
     cdef public list progress
     cdef object _timer
     cdef public bint adaptive
-    cdef Py_ssize_t _last_waiters
+    cdef Py_ssize_t _lone_batches
     cdef public object batch_end
 
     cpdef add_lease_record(self, kind, name, token, wall_ms)

@@ -45,6 +45,13 @@ cdef extern from "<time.h>" nogil:
     int clock_gettime(int clk_id, timespec *tp)
     int CLOCK_REALTIME
 
+#: batches in a row, each with at most one waiter and none formed while a batch was on the writer
+#: thread, before the auto writer syncs on the loop: one client waits alone (a lone client's pair
+#: makes two, its grant's and its release's); clients that wait together, whose batches now and
+#: then hold one waiter each, keep the thread
+LONE_BATCHES = 8
+cdef Py_ssize_t _LONE_BATCHES = LONE_BATCHES
+
 cdef long long _COUNTER_MASK = COUNTER_MASK
 cdef int _EPOCH_SHIFT = TOKEN_EPOCH_SHIFT
 cdef int _GRANT = GRANT
@@ -89,10 +96,11 @@ cdef class GroupCommit:
     :param always: ``fsync="always"`` (callbacks wait for an fsync) or not (for the write).
     :param interval_ms: fsync timer period (milliseconds); 0: no timer (``never``).
     :param on_fatal: called on the loop with the exception of a failed write or fsync.
-    :param adaptive: sync a batch on the loop itself (not on the writer thread) when it
-        and the batch before it each had at most one waiter and it did not form while a
-        batch was on the thread: one client waiting alone saves the two wake-ups of the
-        hand-off; concurrent clients keep the thread (and the loop keeps reading them).
+    :param adaptive: sync a batch on the loop itself (not on the writer thread) when it and
+        the :data:`LONE_BATCHES` - 1 batches before it each had at most one waiter and none of
+        them formed while a batch was on the thread: one client waiting alone saves the two
+        wake-ups of the hand-off; concurrent clients keep the thread (and the loop keeps
+        reading them), also through a moment when only one of them waits.
     """
 
 
@@ -119,7 +127,7 @@ cdef class GroupCommit:
         self.progress = []  # fn(written_lsn, synced_lsn) after every batch (see add_progress_listener)
         self._timer = None
         self.adaptive = adaptive
-        self._last_waiters = 0  # waiters of the batch handed over before this one
+        self._lone_batches = 0  # batches handed over in a row with at most one waiter, none concurrent
         #: the server (a ``fastlock.server._wire.BatchEnd``): the ``when_durable`` callbacks a written
         #: batch releases run as one batch of its, its ``in_batch_end`` set meanwhile, and its
         #: ``after_batch`` runs once after them when one of them left it owed (``batch_end_owed``:
@@ -235,9 +243,12 @@ cdef class GroupCommit:
         # here, so the relaxed modes acknowledge in the same loop turn.
         io = self.io
         waiters = self._forcing + len(self._sync_waiters)  # (the clients waiting for this batch's sync)
-        lone = (self.adaptive and not concurrent and waiters <= 1 and self._last_waiters <= 1
+        if waiters <= 1 and not concurrent:
+            self._lone_batches += 1
+        else:
+            self._lone_batches = 0
+        lone = (self.adaptive and self._lone_batches >= _LONE_BATCHES
                 and io.seg_size < io.segment_bytes)  # (no rotation due)
-        self._last_waiters = waiters
         if (fsync or io.seg_size >= io.segment_bytes) and not lone and io.submit(batch):
             return
         try:

@@ -528,7 +528,8 @@ class WriteAheadLog(LogAppender):
 
     def stats(self) -> dict:
         """Counters: ``records`` logged since open, ``bytes`` written, ``fsyncs``
-        (data fsyncs incl. rotation/segment creation), ``batches`` written,
+        (data fsyncs incl. rotation/segment creation; ``thread_fsyncs`` of them batches synced
+        on the writer thread, the others on the loop), ``batches`` written,
         ``last_lsn`` logged, ``written_lsn``, ``durable_lsn`` (fsynced),
         ``ack_lsn`` (callbacks released), ``snapshot_lsn``, ``segments`` on disk,
         ``pending_bytes`` (not yet handed to the writer), ``active_segment`` (path),
@@ -541,6 +542,7 @@ class WriteAheadLog(LogAppender):
             "records": commit.next_lsn - marks.first,
             "bytes": io.bytes,
             "fsyncs": io.fsyncs,
+            "thread_fsyncs": io.thread_fsyncs,
             "batches": io.batches,
             "last_lsn": commit.next_lsn - 1,
             "written_lsn": marks.written,

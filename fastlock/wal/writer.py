@@ -162,6 +162,7 @@ class SegmentWriter(SegmentFile):
         self._dirty = False
         self.bytes = 0  # written since open
         self.fsyncs = 0  # data fsyncs, incl. rotation and segment creation
+        self.thread_fsyncs = 0  # of them, batches the writer thread synced (the others: on the loop)
         #: the latest data fsyncs' durations (seconds), for the metrics (WriteAheadLog.take_fsync_seconds)
         self.fsync_seconds: collections.deque[float] = collections.deque(maxlen=4096)
         self.batches = 0
@@ -397,6 +398,7 @@ class SegmentWriter(SegmentFile):
                 self.batches += 1
             self.alloc_end = max(self.alloc_end, self.seg_size, worker.job_zero_end)
             self.fsyncs += 1
+            self.thread_fsyncs += 1
             self.fsync_seconds.append(result.fdatasync_seconds)
             self._dirty = False
             self.durable_offset = self.seg_size
