@@ -6,6 +6,8 @@ from typing import Any
 
 from .writer import SegmentWriter
 
+LONE_BATCHES: int
+
 class Marks:
     first: int
     written: int
