@@ -12,7 +12,12 @@ load hits every mode alike:
   the allocated blocks: a journal commit on ext4/xfs);
 - ``prealloc fdatasync``: overwrite 4 KiB of a file zero-filled and synced
   beforehand (1 MiB steps, as the WAL's segments are), then ``fdatasync``
-  (data pages only -- what ``--fsync always`` pays per batch).
+  (data pages only);
+- ``prealloc direct fdatasync`` (where the file system takes ``O_DIRECT``): the
+  same overwrite from an aligned buffer through a descriptor opened with
+  ``O_DIRECT``, then ``fdatasync`` (no page of the cache to write back, only the
+  device's cache to flush -- what ``--fsync always`` pays per batch where the
+  log writes directly).
 
 Prints p50 / p99 in microseconds per mode and the ratio preallocated/append.
 
@@ -45,6 +50,8 @@ BLOCK = 4096
 MAX_COUNT = 1_000_000
 STEP = 1 << 20
 MODES = ("append fsync", "append fdatasync", "prealloc fdatasync")
+#: the direct mode, measured where the file system takes O_DIRECT
+DIRECT = "prealloc direct fdatasync"
 _sync = getattr(os, "fdatasync", os.fsync)
 
 
@@ -55,28 +62,49 @@ def _pct(xs: list[float], q: float) -> float:
 
 def _samples(directory: str, count: int) -> dict[str, list[int]]:
     """Nanoseconds of each write + sync, ``count`` per mode, interleaved in rounds of 100."""
+    import mmap
+
     d = tempfile.mkdtemp(prefix="fsync-probe-", dir=directory)
     block = os.urandom(BLOCK)
-    samples: dict[str, list[int]] = {m: [] for m in MODES}
+    aligned = mmap.mmap(-1, BLOCK)  # (page-aligned: what an O_DIRECT write needs)
+    aligned.write(block)
+    modes = list(MODES)
     fds = {}
     try:
         for m in MODES:
             fds[m] = os.open(os.path.join(d, m.replace(" ", "-")), os.O_WRONLY | os.O_CREAT, 0o600)
-        pre = fds["prealloc fdatasync"]
-        offsets = {m: 0 for m in MODES}
-        allocated = 0
+        direct_path = os.path.join(d, "direct")
+        if hasattr(os, "O_DIRECT"):
+            fd = os.open(direct_path, os.O_WRONLY | os.O_CREAT, 0o600)
+            os.close(fd)
+            try:
+                fds[DIRECT] = os.open(direct_path, os.O_WRONLY | os.O_DIRECT)
+                os.pwrite(fds[DIRECT], aligned, 0)  # (refused here by a file system without O_DIRECT)
+                modes.append(DIRECT)
+            except OSError:
+                fds.pop(DIRECT, None)
+        samples: dict[str, list[int]] = {m: [] for m in modes}
+        preallocated = {fds["prealloc fdatasync"]: 0}
+        if DIRECT in fds:
+            preallocated[fds[DIRECT]] = 0
+        offsets = {m: 0 for m in modes}
         done = 0
         while done < count:
-            for m in MODES:
+            for m in modes:
                 fd = fds[m]
+                data = aligned if m == DIRECT else block
                 for _ in range(min(100, count - done)):
                     off = offsets[m]
-                    if fd == pre and off + BLOCK > allocated:  # the next zero-filled step, synced
-                        os.pwrite(fd, bytes(STEP), allocated)
-                        os.fsync(fd)
-                        allocated += STEP
+                    allocated = preallocated.get(fd)
+                    if allocated is not None and off + BLOCK > allocated:  # the next zero-filled step, synced
+                        with open(direct_path if m == DIRECT else os.path.join(d, m.replace(" ", "-")), "r+b") as f:
+                            f.seek(allocated)
+                            f.write(bytes(STEP))
+                            f.flush()
+                            os.fsync(f.fileno())
+                        preallocated[fd] = allocated + STEP
                     t0 = time.perf_counter_ns()
-                    os.pwrite(fd, block, off)
+                    os.pwrite(fd, data, off)
                     (os.fsync if m == "append fsync" else _sync)(fd)
                     samples[m].append(time.perf_counter_ns() - t0)
                     offsets[m] = off + BLOCK
@@ -84,6 +112,7 @@ def _samples(directory: str, count: int) -> dict[str, list[int]]:
     finally:
         for fd in fds.values():
             os.close(fd)
+        aligned.close()
         shutil.rmtree(d, ignore_errors=True)
     return samples
 
@@ -95,7 +124,8 @@ def _check_count(count: object) -> int:
 
 
 def probe_modes(directory: str, count: int = 2000) -> dict[str, dict[str, float]]:
-    """Measure each of :data:`MODES` ``count`` times in ``directory``:
+    """Measure each of :data:`MODES` (and :data:`DIRECT` where the file system takes
+    ``O_DIRECT``) ``count`` times in ``directory``:
     ``{mode: {"p50_us", "p99_us", "mean_us"}}`` (microseconds per write + sync).
 
     :raises ValueError: ``count`` is not an integer from 1 to :data:`MAX_COUNT`.
@@ -183,9 +213,11 @@ def wakeup(directory: str, spin_s: float, seconds: float = 2.0) -> dict[str, dic
 
 
 def format_probe(result: dict[str, dict[str, float]]) -> str:
-    lines = [f"  {m:20s} p50 {r['p50_us']:8.1f} us   p99 {r['p99_us']:8.1f} us" for m, r in result.items()]
+    lines = [f"  {m:26s} p50 {r['p50_us']:8.1f} us   p99 {r['p99_us']:8.1f} us" for m, r in result.items()]
     a, p = result["append fdatasync"]["p50_us"], result["prealloc fdatasync"]["p50_us"]
     lines.append(f"  preallocated / append (fdatasync p50): {p / a:.2f}")
+    if DIRECT in result:
+        lines.append(f"  direct / preallocated (fdatasync p50): {result[DIRECT]['p50_us'] / p:.2f}")
     return "\n".join(lines)
 
 

@@ -277,6 +277,15 @@ def test_fsync_probe_times_both_shapes(tmp_path):
     assert list(tmp_path.iterdir()) == []          # its files are removed
 
 
+def test_fsync_probe_times_the_direct_overwrite_where_the_file_system_takes_it(tmp_path):
+    r = fsync_probe.probe_modes(str(tmp_path), 5)
+    if fsync_probe.DIRECT not in r:
+        pytest.skip("this file system takes no O_DIRECT writes")
+    assert set(r) == {*fsync_probe.MODES, fsync_probe.DIRECT}
+    assert 0 < r[fsync_probe.DIRECT]["p50_us"] <= r[fsync_probe.DIRECT]["p99_us"]
+    assert list(tmp_path.iterdir()) == []          # its files are removed
+
+
 def test_fsync_probe_refuses_bad_arguments(tmp_path):
     for bad in (0, -1, fsync_probe.MAX_COUNT + 1, 2.5):
         with pytest.raises(ValueError):
