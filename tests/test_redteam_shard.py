@@ -815,6 +815,20 @@ async def test_a_standby_that_missed_its_primarys_raise_above_a_floor_is_promote
     assert epoch_of(tokens[-1]) > epoch_of(tokens[-2]), [format_token(t) for t in tokens]
 
 
+async def _detach_g1s_standby(g, own: str, moved: str) -> list[int]:
+    """Once g1's standby replicates through its relay, grant ``own`` on g1 and ``moved`` on g0, then
+    detach the standby (its replication link cut, its attempts to attach again held): the tokens
+    of ``own`` so far."""
+    relay = g.relays["g1-0"]
+    await wait_until(lambda: asyncio.to_thread(relay.count, "replication"), 30,
+                     "g1's standby to replicate through the relay")
+    tokens = [await _granted_within(g.servers["g1-0"].address, g.app, own)]
+    await _granted_on_g0(g, moved)
+    relay.blackhole("replication")
+    relay.cut("replication")
+    return tokens
+
+
 async def test_a_detached_standby_promoted_after_a_move_keeps_its_groups_own_tokens_rising(groups_of):
     """g1's standby is detached (its replication link cut) while a slot moves from g0 (epoch 41) to
     g1 (epoch 2): g1's primary adopts epoch 41 with the import and grants a name of its own at 41;
@@ -827,13 +841,7 @@ async def test_a_detached_standby_promoted_after_a_move_keeps_its_groups_own_tok
     g = await groups_of((1, 2), relayed=("g1-0",), **HIGH)
     moved = names_owned_by(g.shard_map, "g0", 1, "detachedmove")[0]
     own = names_owned_by(g.shard_map, "g1", 1, "detachedown")[0]
-    relay = g.relays["g1-0"]
-    await wait_until(lambda: asyncio.to_thread(relay.count, "replication"), 30,
-                     "g1's standby to replicate through the relay")
-    tokens = [await _granted_within(g.servers["g1-0"].address, g.app, own)]
-    await _granted_on_g0(g, moved)
-    relay.blackhole("replication")
-    relay.cut("replication")  # detached: its attempts to attach again are held
+    tokens = await _detach_g1s_standby(g, own, moved)
     await g.move(slot_of(moved), "g1")
     tokens.append(await _granted_within(g.servers["g1-0"].address, g.app, own))
     assert epoch_of(tokens[-1]) == 41, format_token(tokens[-1])
@@ -862,13 +870,7 @@ async def test_a_standby_detached_over_an_import_and_promoted_before_the_flip_ke
     moved = names_owned_by(g.shard_map, "g0", 1, "preflipmove")[0]
     slot = slot_of(moved)
     own = names_owned_by(g.shard_map, "g1", 1, "preflipown")[0]
-    relay = g.relays["g1-0"]
-    await wait_until(lambda: asyncio.to_thread(relay.count, "replication"), 30,
-                     "g1's standby to replicate through the relay")
-    tokens = [await _granted_within(g.servers["g1-0"].address, g.app, own)]
-    await _granted_on_g0(g, moved)
-    relay.blackhole("replication")
-    relay.cut("replication")  # detached: its attempts to attach again are held
+    tokens = await _detach_g1s_standby(g, own, moved)
     stored = await load_from_etcd(g.url)
     try:
         shard_map, revision = await stored.read_existing()

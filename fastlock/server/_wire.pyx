@@ -871,8 +871,8 @@ cdef class QuotaCounts:
             principal = recorded if recorded is not None else (<object>self).principal_of(meta)
         cdef UsageWire u
         if principal is not None:
-            u = <UsageWire?>self.usage.get(principal)
-            if u is not None and _uncount(u.leases, token, name):
+            found = self.usage.get(principal)  # None: the principal has counted nothing here (a standby's)
+            if found is not None and _uncount((<UsageWire?>found).leases, token, name):
                 return
         for u in self.usage.values():
             if _uncount(u.leases, token, name):

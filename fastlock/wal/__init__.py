@@ -195,8 +195,9 @@ Three choices (``writer="auto"``, the default, ``"thread"`` or ``"inline"``):
   one durability waiter, and none was formed while a batch was on the thread), the
   thread as soon as clients wait together: with two batches, a moment in which one of
   32 concurrent clients happened to wait alone synced 8-10 % of their batches on the
-  loop, holding back the other clients' reads and replies for each (1.2 % with 8).  A lone client saves the two wake-ups of the hand-off, which
-  on a small virtual machine cost more than the sync itself (W1, below);
+  loop, holding back the other clients' reads and replies for each (1.2 % with 8).
+  A lone client saves the two wake-ups of the hand-off, which on a small virtual
+  machine cost more than the sync itself (W1, below);
   concurrent clients keep group commit on the thread, and the loop goes on
   parsing and replying during their sync.  What a lone client's sync delays
   is only work that needs no disk (releases, checks, other clients' idle
