@@ -632,3 +632,60 @@ async def test_a_bid_judges_the_groups_epoch_by_the_map_read_just_before_it(etcd
     finally:
         await c.close()
         await gw.close()
+
+
+def _map_of_b(epoch: int, marked: bool):
+    """Groups ``a`` and ``b`` at ``epoch``; ``marked``: slots 0..99 moving from ``a`` to ``b``."""
+    from fastlock.sharding import SLOTS, ShardGroup, ShardMap, SlotRange
+
+    groups = (ShardGroup("a", ("127.0.0.1:7420",)), ShardGroup("b", ("127.0.0.1:7421",)))
+    head = (SlotRange(0, 99, "a", moving_to="b", marked_epoch=epoch), SlotRange(100, 8191, "a")) if marked \
+        else (SlotRange(0, 8191, "a"),)
+    return ShardMap(epoch, groups, (*head, SlotRange(8192, SLOTS - 1, "b")))
+
+
+@pytest.mark.parametrize("map_read", ["unreachable", "no map", "not a map", "a map it cannot take"])
+async def test_no_bid_when_the_map_read_just_before_it_fails(etcd, map_read):
+    """A shard group's import raised ``PREFIX/epoch`` to 41 while this node's map (epoch 1) has no
+    move into its group: the bid's read of the map in etcd is what makes 41 credible.  When that read
+    fails (etcd unreachable for the map, no map, a value that is not a map, a map this node cannot
+    take), the node does not bid (a bid would go from epoch 0 to 1, below the import's 41, and the
+    promotion's later read of the map would not raise it again): it bids at the next step that
+    reads the map, above 41."""
+    from fastlock._testbase.proxy import free_port
+    from fastlock.coordination.gateway import EtcdUnavailable
+    from fastlock.coordination.shardmap import EtcdShardMap, _encode
+    from fastlock.server.sharded import ShardGate
+    from fastlock.sharding import SLOTS, ShardMap, SlotRange
+
+    prefix = unique_prefix()
+    gw = gateway_to(etcd.address)
+    gate = ShardGate(_map_of_b(1, marked=False), "b")
+    stored = EtcdShardMap(gw, prefix)
+    nowhere = EtcdGateway([("127.0.0.1", free_port())], timeout_s=0.5)  # nothing listens there
+    gate.stored = EtcdShardMap(nowhere, prefix) if map_read == "unreachable" else stored
+    if map_read == "not a map":
+        await gw.put(stored.key, b'{"epoch": 2}')
+    elif map_read == "a map it cannot take":  # gives b slots 0..99 with no move: refused by offer
+        await gw.put(stored.key, _encode(ShardMap(2, _map_of_b(1, False).groups, (
+            SlotRange(0, 99, "b"), SlotRange(100, 8191, "a"), SlotRange(8192, SLOTS - 1, "b")))))
+    b, _ = arbiter(etcd.address, prefix, "b")
+    b.known_epoch = gate.floors_epoch
+    b.moving_in = gate.moving_in
+    b.before_bid = gate.read_before_bid
+    try:
+        await gw.put(prefix + "/epoch", b"41")
+        with pytest.raises(EtcdUnavailable, match="shard map"):
+            await b.step()
+        assert not b.holding and (await gw.get(prefix + "/primary")) is None
+        assert (await gw.get(prefix + "/epoch")).value == b"41"
+        # the map in etcd marks the move into b, and b reads it: 41 is believed, the bid goes above it
+        gate.stored = stored
+        await gw.put(stored.key, _encode(_map_of_b(3, marked=True)))
+        await b.step()
+        assert b.holding and b.epoch == 42
+        assert gate.moving_in()
+    finally:
+        await b.close()
+        await nowhere.close()
+        await gw.close()

@@ -291,7 +291,8 @@ class EtcdArbiter:
         #: there (:meth:`fastlock.server.sharded.ShardGate.read_before_bid`), so that :attr:`moving_in`
         #: and :attr:`known_epoch` judge the epoch by the map as etcd holds it, not by a watch that
         #: may lag (a standby whose watch had not yet delivered a move's mark would bid below the
-        #: epoch the move's import raised its group to)
+        #: epoch the move's import raised its group to); it raises :class:`EtcdUnavailable` when it
+        #: has no map to judge by, and the bid waits for the next step
         self.before_bid: Callable[[], Awaitable[None]] = _nothing_to_read
         self._beat: BeatSighting | None = None  # the heartbeat revision as this node first saw it
         self._beat_timer: asyncio.TimerHandle | None = None

@@ -1380,19 +1380,30 @@ class ShardGate:
         its group's primary key reads the group's epoch
         (:attr:`~fastlock.coordination.etcd.EtcdArbiter.before_bid`): the bid then judges etcd's
         epoch by the floors and the moves into its group that the map holds now (:meth:`moving_in`,
-        :meth:`floors_epoch`), not by what the watch has delivered so far.  A read that fails
-        changes nothing (the bid goes on with the map this node has; the promotion's
-        :meth:`take_stored_map` reads it again and refuses to serve without it)."""
+        :meth:`floors_epoch`), not by what the watch has delivered so far.  Without that map there
+        is no bid: judged by an older map, an epoch a move's import raised the group to is not
+        credible, and a bid below it would overwrite it (the promotion's :meth:`take_stored_map`
+        reads the map again, but the bid's epoch is taken by then).
+
+        :raises EtcdUnavailable: etcd did not answer, holds no valid map, or holds one this node
+            cannot take (logged by :meth:`offer`): the bid waits for the next step.
+        """
         stored = self.stored
         if stored is None:
             return
         try:
             found = await stored.read()
-        except (EtcdUnavailable, ShardMapError) as exc:
-            log.warning("shard map: could not read the map in etcd before a bid: %s", exc)
-            return
-        if found is not None:
-            self.offer(found[0])
+        except EtcdUnavailable as exc:
+            raise EtcdUnavailable(f"could not read the shard map in etcd before a bid: {exc}") from None
+        except ShardMapError as exc:
+            raise EtcdUnavailable(f"no valid shard map in etcd to judge the group's epoch by before a bid: {exc}") \
+                from None
+        if found is None:
+            raise EtcdUnavailable(f"no shard map in etcd at {stored.key} to judge the group's epoch by before a bid")
+        self.offer(found[0])
+        if self.shard_map.epoch < found[0].epoch:
+            raise EtcdUnavailable(f"this node cannot take shard map epoch {found[0].epoch} from etcd (it serves epoch "
+                                  f"{self.shard_map.epoch}; see its log): no bid judged by an older map")
 
     async def take_stored_map(self) -> None:
         """Read the map in etcd now and take it (:meth:`offer`): run by a promotion before the
