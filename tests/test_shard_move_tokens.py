@@ -202,19 +202,21 @@ async def test_standbys_that_missed_the_mark_take_the_flip_and_the_source_promot
 async def test_a_standby_whose_map_link_is_cut_is_not_promoted_before_it_reads_the_map(groups_of):
     """g0's standby reads no map (its link to etcd's map black-holed) over the move; g0's primary
     is killed: promoted then, it would serve by its old map (its watch has not brought the flip)
-    and grant the moved name below g1's tokens.  It is promoted only once it reads the map."""
+    and grant the moved name below g1's tokens.  It does not even bid for the primary key while
+    it cannot read the map (the bid's epoch is judged by it), and is promoted once it reads it."""
     g = await groups_of((2, 1))
     name = names_owned_by(g.shard_map, "g0", 1, "moved")[0]
     g.map_links["g0-1"].blackhole()
     tokens = await _moved_and_regranted(g, name)
     start = len(g.servers["g0-1"].lines)
     g.servers["g0-0"].kill()
-    g.servers["g0-1"].wait_for_log(r"took the primary role", timeout=60, start=start)
+    g.servers["g0-1"].wait_for_log(r"could not read the shard map in etcd before a bid", timeout=60, start=start)
     got = await _acquire_on(g.servers["g0-1"].address, g.app, name)  # while it has no map of etcd's
     if isinstance(got, int):
         tokens.append(got)
     _rising(name, tokens)
     assert not await g.is_role("g0-1", "primary")
+    assert not any("took the primary role" in line for line in g.servers["g0-1"].lines[start:])
     g.map_links["g0-1"].heal()
     await wait_until(lambda: g.is_role("g0-1", "primary"), 60, "g0's standby to be promoted once it reads the map")
     assert await g.serves_epoch("g0-1", 3)
