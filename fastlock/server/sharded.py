@@ -1375,6 +1375,31 @@ class ShardGate:
         """The frozen queues of the names in slots ``first..last``."""
         return {n: q for n, q in self.frozen_queues.items() if first <= slot_of(n) <= last}
 
+    async def _take_from_etcd(self, stored: EtcdShardMap, refusal: type[Exception], when: str,
+                              outcome: str) -> None:
+        """Read the map in etcd and take it if newer (:meth:`offer`), for :meth:`read_before_bid`
+        and :meth:`take_stored_map`; each refuses its step with its own error class.
+
+        :param refusal: the error raised when there is no map to go by (``EtcdUnavailable`` for
+            a bid, which waits for the next step; ``Unavailable`` for a promotion).
+        :param when: the step, in the messages ("before a bid").
+        :param outcome: what the refusal means, in the message of a map this node cannot take.
+        :raises refusal: etcd did not answer, holds no valid map, or holds one this node cannot
+            take (logged by :meth:`offer`).
+        """
+        try:
+            found = await stored.read()
+        except EtcdUnavailable as exc:
+            raise refusal(f"could not read the shard map in etcd {when}: {exc}") from None
+        except ShardMapError as exc:
+            raise refusal(f"no valid shard map in etcd {when}: {exc}") from None
+        if found is None:
+            raise refusal(f"no shard map in etcd at {stored.key} {when}")
+        self.offer(found[0])
+        if self.shard_map.epoch < found[0].epoch:
+            raise refusal(f"this node cannot take shard map epoch {found[0].epoch} from etcd (it serves epoch "
+                          f"{self.shard_map.epoch}; see its log): {outcome}")
+
     async def read_before_bid(self) -> None:
         """Read the map in etcd and take it if newer (:meth:`offer`), before this node's bid for
         its group's primary key reads the group's epoch
@@ -1391,19 +1416,7 @@ class ShardGate:
         stored = self.stored
         if stored is None:
             return
-        try:
-            found = await stored.read()
-        except EtcdUnavailable as exc:
-            raise EtcdUnavailable(f"could not read the shard map in etcd before a bid: {exc}") from None
-        except ShardMapError as exc:
-            raise EtcdUnavailable(f"no valid shard map in etcd to judge the group's epoch by before a bid: {exc}") \
-                from None
-        if found is None:
-            raise EtcdUnavailable(f"no shard map in etcd at {stored.key} to judge the group's epoch by before a bid")
-        self.offer(found[0])
-        if self.shard_map.epoch < found[0].epoch:
-            raise EtcdUnavailable(f"this node cannot take shard map epoch {found[0].epoch} from etcd (it serves epoch "
-                                  f"{self.shard_map.epoch}; see its log): no bid judged by an older map")
+        await self._take_from_etcd(stored, EtcdUnavailable, "before a bid", "no bid judged by an older map")
 
     async def take_stored_map(self) -> None:
         """Read the map in etcd now and take it (:meth:`offer`): run by a promotion before the
@@ -1421,16 +1434,7 @@ class ShardGate:
         stored = self.stored
         if stored is None:
             raise Unavailable("this node does not follow the shard map in etcd (yet): not serving as the primary")
-        try:
-            found = await stored.read()
-        except (EtcdUnavailable, ShardMapError) as exc:
-            raise Unavailable(f"could not read the shard map in etcd before serving as the primary: {exc}") from None
-        if found is None:
-            raise Unavailable(f"no shard map in etcd at {stored.key}: not serving as the primary")
-        self.offer(found[0])
-        if self.shard_map.epoch < found[0].epoch:
-            raise Unavailable(f"this node cannot take shard map epoch {found[0].epoch} from etcd (it serves epoch "
-                              f"{self.shard_map.epoch}; see its log): not serving as the primary")
+        await self._take_from_etcd(stored, Unavailable, "before serving as the primary", "not serving as the primary")
         queues = {n: q for n, q in self.promoted_queues.items() if self.owned[slot_of(n)]}
         self.promoted_queues.clear()
         # restored from the log at this node's start (it starts as a standby in an etcd group), their flip come
