@@ -252,7 +252,8 @@ cdef class GroupCommit:
         if (fsync or io.seg_size >= io.segment_bytes) and not lone and io.submit(batch):
             return
         try:
-            if not io.write_cached(batch):  # (the page-cache write, compiled; any other batch:)
+            # (the page-cache write or a lone batch's write and sync, compiled; any other batch:)
+            if not (io.write_synced(batch) if fsync else io.write_cached(batch)):
                 io.write(batch)
         except BaseException as exc:  # noqa: BLE001 - any write failure makes the log fatal (never acknowledged)
             self._io_failed(exc)
@@ -392,6 +393,26 @@ cdef class GroupCommit:
         """See :meth:`fastlock.wal.WriteAheadLog.poll`."""
         if self._inflight is not None:
             self.io.poll_completed()
+            return
+        if not self._scheduled or self.fatal is not None or self.stopped:
+            return
+        pending = self._pending
+        if not pending.buf:
+            return
+        # records logged since the last hand-off, whose hand-off waits for the end of this turn
+        if self._flushed_in_turn:
+            # a second batch end with records in one turn: clients are active together
+            self._lone_batches = 0
+            return
+        if (self.adaptive and self._lone_batches + 1 >= _LONE_BATCHES
+                and self._forcing + len(self._sync_waiters) == 1
+                and self.io.seg_size < self.io.segment_bytes):
+            # the auto writer's lone client waits on these records: they are written (and synced)
+            # at its batch end, not one loop turn later; a later batch end in this turn waits for
+            # the turn's end.  (Records nobody waits on, a release's, are written after the
+            # replies, at the turn's end.)
+            self._flushed_in_turn = True
+            self._kick()
 
     def request_sync(self) -> None:
         """Fsync at the next hand-off, whatever the mode (without waiting for it)."""
