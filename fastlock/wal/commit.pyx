@@ -67,6 +67,15 @@ cdef inline long long _wall_ms() noexcept:
     return <long long>ts.tv_sec * 1000 + ts.tv_nsec // 1000000
 
 
+cdef class _Waiter:
+    """A durability callback kept until the records logged before it are durable: ``lsn`` (the
+    last of them), ``callback``, ``forcing`` (it asks for a sync: ``when_durable``'s)."""
+
+    cdef long long lsn
+    cdef object callback
+    cdef bint forcing
+
+
 cdef class _Pending:
     """The batch being built: frames not yet handed to the writer."""
 
@@ -119,7 +128,7 @@ cdef class GroupCommit:
         self._scheduled = False  # _kick_soon is scheduled on the loop (and has not run yet)
         self._flushed_in_turn = False  # flush_first wrote in this loop turn
         self._inflight = None
-        self._waiters = collections.deque()  # (lsn, callback, forcing), in LSN order
+        self._waiters = collections.deque()  # _Waiter records, in LSN order
         #: the waiters in ``_waiters`` that ask for a sync (``when_durable``'s; ``when_durable_later``'s do not)
         self._forcing = 0
         self._sync_waiters = []  # (lsn, future) resolved when synced >= lsn
@@ -283,15 +292,17 @@ cdef class GroupCommit:
         waiters = self._waiters
         owner = self.batch_end
         outer = True  # (no batch of callbacks opened here)
-        if owner is not None and waiters and waiters[0][0] <= ack:
+        cdef long long acked = ack
+        cdef _Waiter entry
+        if owner is not None and waiters and (<_Waiter>waiters[0]).lsn <= acked:
             outer = owner.in_batch_end
             owner.in_batch_end = True
         try:
-            while waiters and waiters[0][0] <= ack:
-                entry = waiters.popleft()
-                if entry[2]:
+            while waiters and (<_Waiter>waiters[0]).lsn <= acked:
+                entry = <_Waiter>waiters.popleft()
+                if entry.forcing:
                     self._forcing -= 1
-                cb = entry[1]
+                cb = entry.callback
                 try:
                     cb()
                 except Exception as exc:  # noqa: BLE001 - reported; the other waiters still run
@@ -386,7 +397,11 @@ cdef class GroupCommit:
         if lsn <= self.marks.ack and not self._waiters and self.loop is not None:
             self.loop.call_soon(callback)
             return False
-        self._waiters.append((lsn, callback, forcing))
+        cdef _Waiter entry = _Waiter.__new__(_Waiter)
+        entry.lsn = lsn
+        entry.callback = callback
+        entry.forcing = forcing
+        self._waiters.append(entry)
         return True
 
     cpdef poll(self):
