@@ -700,6 +700,27 @@ async def test_auto_writer_acknowledges_a_lone_waiter_at_its_batch_end(tmp_path)
     assert reopen(tmp_path).counter == c
 
 
+async def test_a_lone_client_on_the_loop_keeps_preallocating(tmp_path, monkeypatch):
+    """The compiled write and sync of a lone client's batches hands the batch after which a
+    preallocation step falls due to ``SegmentWriter.write``, which zero-fills it: the segment
+    stays zero-filled ahead of the write offset, and every record is recovered."""
+    monkeypatch.setattr(writer_module, "PREALLOC_STEP", 8192)
+    wal, _ = await started(tmp_path, "auto", segment_bytes=64 << 20)
+    c = await alone_for_lone_batches(wal)
+    before = wal.stats()
+    for _ in range(300):  # ~24 KB of records: three steps
+        c += 1
+        grant(wal, "alone", c)
+        await durable(wal)
+    st = wal.stats()
+    assert st["thread_fsyncs"] == before["thread_fsyncs"]  # all on the loop
+    assert st["fsyncs"] - before["fsyncs"] == 300  # one per batch (a step's own sync is not counted)
+    assert os.path.getsize(st["active_segment"]) > st["written_offset"] + 2048  # zero-filled ahead
+    wal.abort()  # a crash: the tail after the records is zeros
+    state = reopen(tmp_path)
+    assert state.counter == c and state.torn_bytes == 0
+
+
 @pytest.mark.parametrize("op", ["fdatasync", "pwrite"])
 async def test_a_failed_write_or_sync_on_the_loop_is_fatal_and_never_acknowledges(tmp_path, op):
     """The compiled write and sync of a lone client's batch on the loop: a failed ``pwrite`` or

@@ -696,8 +696,10 @@ cdef class SegmentFile:
         """Is a preallocation step due once the write offset is ``offset`` (as
         ``SegmentWriter._zero_range(offset, max(alloc_end, offset))`` is not empty)?"""
         cdef long long start, end, half, step = self.prealloc_step
-        if not self.preallocate or step <= 0:
+        if not self.preallocate:
             return False
+        if step <= 0:
+            return True  # (no step known here: SegmentWriter.write decides)
         half = step // 2
         start = offset if offset > self.alloc_end else self.alloc_end
         if start - offset >= half:
