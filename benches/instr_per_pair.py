@@ -1,8 +1,9 @@
 """Instructions per acquire+release pair of the server process, counted by callgrind.
 
-    python -m benches.instr_per_pair [--server fastlock|echo] [--pairs 2000] [--clients 1] [--keep FILE]
+    python -m benches.instr_per_pair [--server fastlock|echo] [--fsync never|always|interval] [--pairs 2000]
+        [--clients 1] [--keep FILE]
 
-The server (``python -m fastlock serve --fsync never`` on a free port with a throwaway
+The server (``python -m fastlock serve --fsync MODE``, ``never`` unless ``--fsync`` says, on a free port with a throwaway
 data dir, or the echo floor ``python -m benches.echo serve``) runs under
 ``valgrind --tool=callgrind``; ``--clients`` blocking msgpack clients on 127.0.0.1 (one
 connection each, this process) run pairs on a lock of their own: ACQUIRE, then RELEASE
@@ -90,8 +91,8 @@ def _total_ir(path: str) -> int:
     raise RuntimeError(f"no totals in {path}")
 
 
-def measure(server: str, pairs: int, clients: int, keep: str | None) -> float:
-    """Server instructions per pair (see the module docstring)."""
+def measure(server: str, pairs: int, clients: int, keep: str | None, fsync: str = "never") -> float:
+    """Server instructions per pair (see the module docstring); ``fsync``: the server's ``--fsync`` mode."""
     hello, version, acquire, release = _ops()
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,7 +101,7 @@ def measure(server: str, pairs: int, clients: int, keep: str | None) -> float:
             cmd = [sys.executable, "-m", "benches.echo", "serve", "--listen", f"127.0.0.1:{port}"]
         else:
             cmd = [sys.executable, "-m", "fastlock", "serve", "--listen", f"127.0.0.1:{port}",
-                   "--data-dir", os.path.join(tmp, "data"), "--fsync", "never"]
+                   "--data-dir", os.path.join(tmp, "data"), "--fsync", fsync]
         srv = subprocess.Popen(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}.%p", *cmd],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -161,11 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=2000)
     ap.add_argument("--clients", type=int, default=1)
     ap.add_argument("--keep", help="copy the callgrind dump here")
+    ap.add_argument("--fsync", choices=("never", "always", "interval"), default="never",
+                    help="the fastlock server's --fsync mode (default never)")
     ap.add_argument("--tag", default=None)
     args = ap.parse_args(argv)
-    per_pair = measure(args.server, args.pairs, args.clients, args.keep)
+    per_pair = measure(args.server, args.pairs, args.clients, args.keep, args.fsync)
     print(f"{args.tag or args.server}: {per_pair:,.0f} server instructions/pair "
-          f"({args.pairs} pairs, {args.clients} client(s))")
+          f"({args.pairs} pairs, {args.clients} client(s), --fsync {args.fsync})")
     return 0
 
 

@@ -198,3 +198,37 @@ def test_power_cut_in_always_mode_keeps_every_acknowledged_grant(tmp_path):
         _run(asyncio.wait_for(main(), 60))
     finally:
         srv.stop()
+
+
+def test_sigkill_after_a_lone_durable_grant_keeps_it(tmp_path):
+    """``--fsync always``, one client alone: once the auto writer syncs its batches on the loop
+    at the batch end (``fastlock.wal.commit.LONE_BATCHES`` batches in a row), a grant acknowledged
+    right before a SIGKILL and a power cut (the segment cut back to its fsynced size) is held
+    after the restart."""
+    from fastlock.wal.commit import LONE_BATCHES
+
+    srv = ServerProcess(tmp_path / "data", fsync="always")
+
+    async def main():
+        await asyncio.to_thread(srv.start)
+        async with fastlock.connect(srv.address, client_name="lone") as c:
+            for i in range(LONE_BATCHES + 2):  # the pairs that make the client alone
+                await c.release(await c.acquire(f"lone/busy-{i}", ttl=30.0))
+            before = (await c.status())["wal"]
+            lease = await c.acquire("lone/held", ttl=30.0)
+            wal = (await c.status())["wal"]
+        # the grant was synced on the loop (no thread sync since), and nothing is unsynced
+        assert wal["fsyncs"] > before["fsyncs"] and wal["thread_fsyncs"] == before["thread_fsyncs"], wal
+        assert wal["durable_offset"] == wal["written_offset"], wal
+        srv.kill()
+        power_cut(srv.data_dir / wal["active_segment"], wal["durable_offset"])
+        await asyncio.to_thread(srv.start)
+        async with fastlock.connect(srv.address, client_name="lone-check") as c:
+            assert await c.check(lease.name, lease.fencing_token)
+            nxt = await c.acquire("lone/next", ttl=30.0)
+            assert nxt.fencing_token > lease.fencing_token
+
+    try:
+        _run(asyncio.wait_for(main(), 60))
+    finally:
+        srv.stop()

@@ -652,6 +652,105 @@ async def test_auto_keeps_the_thread_while_clients_wait_together(tmp_path):
     wal.abort()
 
 
+async def alone_for_lone_batches(wal, start: int = 0) -> int:
+    """One client's durable grants, each in its own batch, until the auto writer syncs them on
+    the loop; returns the last counter."""
+    c = start
+    for _ in range(LONE_BATCHES):
+        c += 1
+        grant(wal, "alone", c)
+        await durable(wal)
+    return c
+
+
+async def test_auto_writer_acknowledges_a_lone_waiter_at_its_batch_end(tmp_path):
+    """Once one client waits alone, the batch its callback waits on is written and fdatasync'd
+    inside ``poll`` (the server's batch end), compiled, on the loop: the callback has run when
+    ``poll`` returns, not one loop turn later.  A second batch end with records in the same turn
+    leaves them to the turn's end, and that batch goes to the writer thread (clients wait
+    together)."""
+    wal, _ = await started(tmp_path, "auto")
+    c = await alone_for_lone_batches(wal)
+    wal.take_fsync_seconds()
+    before = wal.stats()
+    acked: list[int] = []
+    c += 1
+    grant(wal, "alone", c)
+    wal.when_durable(lambda c=c: acked.append(c))
+    wal.poll()
+    assert acked == [c]  # at the batch end
+    after = wal.stats()
+    assert after["fsyncs"] == before["fsyncs"] + 1 and after["thread_fsyncs"] == before["thread_fsyncs"]
+    assert after["durable_offset"] == after["written_offset"] and len(wal.take_fsync_seconds()) == 1
+    await asyncio.sleep(0)  # the turn's end
+    # two clients in one turn: the first batch end syncs, the second waits for the turn's end
+    fut = asyncio.get_running_loop().create_future()
+    c += 1
+    grant(wal, "first", c)
+    wal.when_durable(lambda c=c: acked.append(c))
+    wal.poll()
+    c += 1
+    grant(wal, "second", c)
+    wal.when_durable(lambda: fut.set_result(None))
+    wal.poll()
+    assert acked[-1] == c - 1 and not fut.done()
+    await fut
+    assert wal.stats()["thread_fsyncs"] == before["thread_fsyncs"] + 1  # on the thread
+    await wal.close()
+    assert reopen(tmp_path).counter == c
+
+
+async def test_a_lone_client_on_the_loop_keeps_preallocating(tmp_path, monkeypatch):
+    """The compiled write and sync of a lone client's batches hands the batch after which a
+    preallocation step falls due to ``SegmentWriter.write``, which zero-fills it: the segment
+    stays zero-filled ahead of the write offset, and every record is recovered."""
+    monkeypatch.setattr(writer_module, "PREALLOC_STEP", 8192)
+    wal, _ = await started(tmp_path, "auto", segment_bytes=64 << 20)
+    c = await alone_for_lone_batches(wal)
+    before = wal.stats()
+    for _ in range(300):  # ~24 KB of records: three steps
+        c += 1
+        grant(wal, "alone", c)
+        await durable(wal)
+    st = wal.stats()
+    assert st["thread_fsyncs"] == before["thread_fsyncs"]  # all on the loop
+    assert st["fsyncs"] - before["fsyncs"] == 300  # one per batch (a step's own sync is not counted)
+    assert os.path.getsize(st["active_segment"]) > st["written_offset"] + 2048  # zero-filled ahead
+    wal.abort()  # a crash: the tail after the records is zeros
+    state = reopen(tmp_path)
+    assert state.counter == c and state.torn_bytes == 0
+
+
+@pytest.mark.parametrize("op", ["fdatasync", "pwrite"])
+async def test_a_failed_write_or_sync_on_the_loop_is_fatal_and_never_acknowledges(tmp_path, op):
+    """The compiled write and sync of a lone client's batch on the loop: a failed ``pwrite`` or
+    ``fdatasync`` makes the log fatal, names the operation and the segment, and the callback
+    never runs."""
+    fatal = asyncio.get_running_loop().create_future()
+    wal = make(tmp_path, "auto", on_fatal=lambda exc: fatal.set_result(exc))
+    wal.open()
+    wal.start(asyncio.get_running_loop())
+    c = await alone_for_lone_batches(wal)
+    io_ = wal._commit.io
+    # the segment's descriptor now refers to /dev/null (writes succeed, fdatasync fails: EINVAL)
+    # or to the segment opened read-only (pwrite fails: EBADF)
+    fd = os.open(os.devnull, os.O_WRONLY) if op == "fdatasync" else os.open(io_.seg_path, os.O_RDONLY)
+    os.dup2(fd, io_._fd)
+    os.close(fd)
+    acked: list[int] = []
+    grant(wal, "alone", c + 1)
+    wal.when_durable(lambda: acked.append(c + 1))
+    wal.poll()
+    exc = await asyncio.wait_for(fatal, 10)
+    assert isinstance(exc, OSError) and exc.errno == (errno.EINVAL if op == "fdatasync" else errno.EBADF)
+    assert f"WAL {op} failed on {io_.seg_path}" in str(exc), exc
+    await asyncio.sleep(0)
+    assert acked == [] and wal.stats()["fsyncs"] >= LONE_BATCHES
+    with pytest.raises(WalFatal):
+        grant(wal, "alone", c + 2)
+    wal.abort()
+
+
 async def test_a_clean_close_trims_the_preallocated_space(tmp_path, writer):
     wal, _ = await started(tmp_path, writer, segment_bytes=4 << 20)
     grant(wal, "a", 1)

@@ -199,7 +199,11 @@ Three choices (``writer="auto"``, the default, ``"thread"`` or ``"inline"``):
   A lone client saves the two wake-ups of the hand-off, which on a small virtual
   machine cost more than the sync itself (W1, below);
   concurrent clients keep group commit on the thread, and the loop goes on
-  parsing and replying during their sync.  What a lone client's sync delays
+  parsing and replying during their sync.  A lone client's batch is written and
+  synced by compiled code (``SegmentFile.write_synced``) at the batch end of the
+  request it answers (``WriteAheadLog.poll``), not one loop turn later; a second
+  batch end with records in the same turn counts as clients waiting together
+  (its batch goes to the thread).  What a lone client's sync delays
   is only work that needs no disk (releases, checks, other clients' idle
   connections): by one sync at most.
 

@@ -18,8 +18,14 @@ cdef class SegmentFile:
     cdef public bint _dirty
     cdef public object disk
     cdef public object fill
+    cdef public long long fsyncs
+    cdef public object fsync_seconds
+    cdef public bint preallocate
+    cdef public long long prealloc_step
 
     cpdef bint write_cached(self, Batch batch) except -1
+    cpdef bint write_synced(self, Batch batch) except -1
+    cdef bint _fill_due(self, long long offset) noexcept
 
 
 # a record's frame and a batch's seal, called by group commit per record and per batch

@@ -686,9 +686,82 @@ cdef class SegmentFile:
     """The compiled base of :class:`fastlock.wal.writer.SegmentWriter`: the active segment's
     state that every batch changes, as slots (``_fd``, ``seg_first``, ``seg_path``,
     ``segment_bytes``, ``seg_size``, ``alloc_end``, ``durable_offset``, ``bytes``, ``batches``,
-    ``_dirty``, ``disk``; ``fill``: the writer thread's :class:`Syncer`, None without one),
-    and :meth:`write_cached`, the write of a batch into the page cache compiled.  Everything
-    else is ``SegmentWriter``'s."""
+    ``_dirty``, ``disk``, ``fsyncs``, ``fsync_seconds`` (a deque of seconds), ``preallocate``,
+    ``prealloc_step`` (bytes); ``fill``: the writer thread's :class:`Syncer`, None without
+    one), :meth:`write_cached`, the write of a batch into the page cache compiled, and
+    :meth:`write_synced`, the write and ``fdatasync`` of a durable batch on the loop compiled.
+    Everything else is ``SegmentWriter``'s."""
+
+    cdef bint _fill_due(self, long long offset) noexcept:
+        """Is a preallocation step due once the write offset is ``offset`` (as
+        ``SegmentWriter._zero_range(offset, max(alloc_end, offset))`` is not empty)?"""
+        cdef long long start, end, half, step = self.prealloc_step
+        if not self.preallocate:
+            return False
+        if step <= 0:
+            return True  # (no step known here: SegmentWriter.write decides)
+        half = step // 2
+        start = offset if offset > self.alloc_end else self.alloc_end
+        if start - offset >= half:
+            return False
+        end = ((offset + half + step - 1) // step) * step
+        if end > self.segment_bytes:
+            end = self.segment_bytes
+        return end > start
+
+    cpdef bint write_synced(self, Batch batch) except -1:
+        """``SegmentWriter.write(batch)`` for a batch of records to be fsynced, while no rotation
+        is due, no preallocation step falls due after it and ``disk`` is :data:`COMPILED_DISK`:
+        written at the write offset (after the zeros of a preallocation step the thread may be
+        writing there) and ``fdatasync``'d with the GIL released, counted (``fsyncs``, its
+        duration in ``fsync_seconds``); returns True.  Returns False, doing nothing, for any
+        other batch (the caller runs ``write``).
+
+        :raises OSError: the write or the sync failed (:func:`~fastlock.wal.files.io_error`,
+            naming ``pwrite`` or ``fdatasync`` and the segment); the segment is cut back to
+            where the batch began, as ``write`` does.
+        """
+        cdef object data = batch.data
+        cdef Py_ssize_t n
+        cdef int err, fd = self._fd
+        cdef const char *buf
+        cdef long long off = self.seg_size
+        cdef double t0, t1
+        if (not batch.fsync or type(data) is not bytes or off >= self.segment_bytes
+                or self.disk is not COMPILED_DISK):
+            return False
+        n = PyBytes_GET_SIZE(data)
+        if n == 0 or self._fill_due(off + n):
+            return False
+        if self.fill is not None:  # zeros being written where this batch goes must land first
+            (<Syncer>self.fill)._wait_fill()
+        buf = PyBytes_AS_STRING(data)
+        with nogil:
+            err = _pwrite_all(fd, buf, n, off)
+            if err == 0:
+                t0 = _now()
+                err = _datasync(fd)
+                t1 = _now()
+                if err:
+                    err = -err  # (the sync's failure)
+        if err:
+            from .files import io_error
+
+            op = "pwrite" if err > 0 else "fdatasync"
+            err = err if err > 0 else -err
+            exc = OSError(err, f"{op} failed: {os.strerror(err)}")
+            self.cut_failed_batch()
+            raise io_error(op, self.seg_path, exc) from exc
+        self.seg_size = off + n
+        if self.seg_size > self.alloc_end:
+            self.alloc_end = self.seg_size
+        self.bytes += n
+        self.batches += 1
+        self.fsyncs += 1  # counted before its duration is shown: a reader of both sees count >= durations
+        self.fsync_seconds.append(t1 - t0)
+        self._dirty = False
+        self.durable_offset = self.seg_size
+        return True
 
     @property
     def rotation_due(self):

@@ -67,6 +67,15 @@ cdef inline long long _wall_ms() noexcept:
     return <long long>ts.tv_sec * 1000 + ts.tv_nsec // 1000000
 
 
+cdef class _Waiter:
+    """A durability callback kept until the records logged before it are durable: ``lsn`` (the
+    last of them), ``callback``, ``forcing`` (it asks for a sync: ``when_durable``'s)."""
+
+    cdef long long lsn
+    cdef object callback
+    cdef bint forcing
+
+
 cdef class _Pending:
     """The batch being built: frames not yet handed to the writer."""
 
@@ -119,7 +128,7 @@ cdef class GroupCommit:
         self._scheduled = False  # _kick_soon is scheduled on the loop (and has not run yet)
         self._flushed_in_turn = False  # flush_first wrote in this loop turn
         self._inflight = None
-        self._waiters = collections.deque()  # (lsn, callback, forcing), in LSN order
+        self._waiters = collections.deque()  # _Waiter records, in LSN order
         #: the waiters in ``_waiters`` that ask for a sync (``when_durable``'s; ``when_durable_later``'s do not)
         self._forcing = 0
         self._sync_waiters = []  # (lsn, future) resolved when synced >= lsn
@@ -252,7 +261,8 @@ cdef class GroupCommit:
         if (fsync or io.seg_size >= io.segment_bytes) and not lone and io.submit(batch):
             return
         try:
-            if not io.write_cached(batch):  # (the page-cache write, compiled; any other batch:)
+            # (the page-cache write or a lone batch's write and sync, compiled; any other batch:)
+            if not (io.write_synced(batch) if fsync else io.write_cached(batch)):
                 io.write(batch)
         except BaseException as exc:  # noqa: BLE001 - any write failure makes the log fatal (never acknowledged)
             self._io_failed(exc)
@@ -282,15 +292,17 @@ cdef class GroupCommit:
         waiters = self._waiters
         owner = self.batch_end
         outer = True  # (no batch of callbacks opened here)
-        if owner is not None and waiters and waiters[0][0] <= ack:
+        cdef long long acked = ack
+        cdef _Waiter entry
+        if owner is not None and waiters and (<_Waiter>waiters[0]).lsn <= acked:
             outer = owner.in_batch_end
             owner.in_batch_end = True
         try:
-            while waiters and waiters[0][0] <= ack:
-                entry = waiters.popleft()
-                if entry[2]:
+            while waiters and (<_Waiter>waiters[0]).lsn <= acked:
+                entry = <_Waiter>waiters.popleft()
+                if entry.forcing:
                     self._forcing -= 1
-                cb = entry[1]
+                cb = entry.callback
                 try:
                     cb()
                 except Exception as exc:  # noqa: BLE001 - reported; the other waiters still run
@@ -385,13 +397,37 @@ cdef class GroupCommit:
         if lsn <= self.marks.ack and not self._waiters and self.loop is not None:
             self.loop.call_soon(callback)
             return False
-        self._waiters.append((lsn, callback, forcing))
+        cdef _Waiter entry = _Waiter.__new__(_Waiter)
+        entry.lsn = lsn
+        entry.callback = callback
+        entry.forcing = forcing
+        self._waiters.append(entry)
         return True
 
     cpdef poll(self):
         """See :meth:`fastlock.wal.WriteAheadLog.poll`."""
         if self._inflight is not None:
             self.io.poll_completed()
+            return
+        if not self._scheduled or self.fatal is not None or self.stopped:
+            return
+        pending = self._pending
+        if not pending.buf:
+            return
+        # records logged since the last hand-off, whose hand-off waits for the end of this turn
+        if self._flushed_in_turn:
+            # a second batch end with records in one turn: clients are active together
+            self._lone_batches = 0
+            return
+        if (self.adaptive and self._lone_batches + 1 >= _LONE_BATCHES
+                and self._forcing + len(self._sync_waiters) == 1
+                and self.io.seg_size < self.io.segment_bytes):
+            # the auto writer's lone client waits on these records: they are written (and synced)
+            # at its batch end, not one loop turn later; a later batch end in this turn waits for
+            # the turn's end.  (Records nobody waits on, a release's, are written after the
+            # replies, at the turn's end.)
+            self._flushed_in_turn = True
+            self._kick()
 
     def request_sync(self) -> None:
         """Fsync at the next hand-off, whatever the mode (without waiting for it)."""

@@ -336,6 +336,14 @@ class WriteAheadLog(LogAppender):
         meanwhile goes to the thread at once.  The server calls it after each read, so that
         while clients keep the loop busy a finished fsync does not wait for the turn to end.
         Does nothing while the batch in flight is not done, or without a writer thread.
+
+        With the ``auto`` writer, once one client waits alone (``commit.LONE_BATCHES``), the
+        records logged since the last hand-off that one ``when_durable`` callback waits on are
+        written (and, in ``always`` mode, synced) inside this call, on the loop, and the callback
+        runs: the caller's batch end acknowledges its grant without waiting for the loop's next
+        turn.  A second call
+        in the same turn that finds records leaves them to the turn's end and counts the clients
+        as waiting together (the next batches go to the writer thread).
         :raises WalFatal: never; a failed write or fsync is reported through ``on_fatal``.
         """
         self._commit.poll()

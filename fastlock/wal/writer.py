@@ -143,7 +143,9 @@ class SegmentWriter(SegmentFile):
     whoever does the I/O: the writer thread, or the loop when no thread runs.  The state
     every batch changes is kept in the slots of the compiled base
     (:class:`~fastlock.wal._syncer.SegmentFile`), whose ``write_cached`` is :meth:`write`
-    compiled for a batch written to the page cache (group commit's common case).
+    compiled for a batch written to the page cache (group commit's common case) and
+    ``write_synced`` for a durable batch the loop writes and syncs itself (a lone client's);
+    :meth:`write` does every other batch (a rotation, a preallocation step, test disks).
     """
 
     def __init__(self, directory: str, segment_bytes: int, segments: SegmentList, threaded: bool,
@@ -153,6 +155,7 @@ class SegmentWriter(SegmentFile):
         self.segments = segments
         self.threaded = threaded
         self.preallocate = preallocate
+        self.prealloc_step = PREALLOC_STEP  # (bytes; read here, so a test may change the module's)
         self._fd = -1
         self.seg_first = 0  # first LSN of the active segment
         self.seg_path = ""
@@ -222,11 +225,12 @@ class SegmentWriter(SegmentFile):
         left; never past ``segment_bytes``."""
         if not self.preallocate:
             return 0, 0
+        step = self.prealloc_step
         start = max(offset, alloc_end)
-        half = PREALLOC_STEP // 2
+        half = step // 2
         if start - offset >= half:
             return 0, 0
-        end = min(-(-(offset + half) // PREALLOC_STEP) * PREALLOC_STEP, self.segment_bytes)
+        end = min(-(-(offset + half) // step) * step, self.segment_bytes)
         return (start, end) if end > start else (0, 0)
 
     def write(self, batch: Batch) -> None:
@@ -338,7 +342,7 @@ class SegmentWriter(SegmentFile):
             return
         self._on_done, self._on_failed = on_done, on_failed
         self._worker = WriterThread(loop, self._on_wake)
-        self.fill = self._worker.syncer  # (write_cached waits for its zero-fill)
+        self.fill = self._worker.syncer  # (write_cached and write_synced wait for its zero-fill)
 
     def submit(self, batch: Batch) -> bool:
         """Hand ``batch`` to the thread if it blocks on the disk (a sync or a rotation)
