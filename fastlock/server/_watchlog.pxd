@@ -9,6 +9,7 @@ cdef class ChangeLogWire:
     cdef public object pending
 
     cpdef list publish(self, object upto)
+    cpdef mark_published(self, object upto)
 
 
 cdef class HistoryWire(ChangeLogWire):
@@ -30,15 +31,13 @@ cdef class CommittedWire:
     cdef public Py_ssize_t revision_at
     cdef public GroupCommit commit
     cdef public object scheduled
-    cdef public object later_upto
-    cdef public bint later_queued
 
     cpdef bint listening(self)
     cpdef bint deliver(self, list changes)
     cpdef batch_end(self)
+    cpdef settle(self)
     cpdef listener_added(self)
     cpdef _publish(self, object upto, object refused=*, bint flush=*)
-    cpdef _publish_committed(self)
 
 
 cdef class RevisionsWire(CommittedWire):
