@@ -18,8 +18,6 @@ cdef class HistoryWire(ChangeLogWire):
     cdef public dict by_name
     cdef public object floor
     cdef public object published
-    # the bound append of ``changes`` and of ``pending`` and the deques they are bound to
-    cdef object _changes_of, _changes_append, _pending_of, _pending_append
 
     cpdef record(self, object rev, object name, object what, object token, object meta, bint published=*)
 

@@ -26,6 +26,10 @@ from ..roles import Action
 from ..tokens import COUNTER_MASK, TOKEN_EPOCH_SHIFT
 
 cdef object _deque = deque
+# deque's own methods, called with the deque as their first argument: no bound method per call
+cdef object _append = deque.append
+cdef object _popleft = deque.popleft
+cdef object _clear = deque.clear
 cdef object _RELEASE = Action.RELEASE
 cdef object _COUNTER_MASK = COUNTER_MASK
 cdef int64_t _LSN_MASK = COUNTER_MASK  # a revision's LSN part, as a C integer
@@ -63,37 +67,31 @@ cdef class HistoryWire(ChangeLogWire):
         if self.floor is None:
             self.floor = rev - 1
         changes = self.changes
-        if changes is not self._changes_of:  # (bound once per deque: no method lookup per change)
-            self._changes_of = changes
-            self._changes_append = changes.append
-        self._changes_append(change)
-        group = self.by_name.get(name)
+        _append(changes, change)
+        by_name = self.by_name
+        group = by_name.get(name)
         if group is None:
             group = _deque()
-            self.by_name[name] = group
-        group.append(change)
+            by_name[name] = group
+        _append(group, change)
         if len(changes) > self.limit:
-            old = changes.popleft()
+            old = _popleft(changes)
             self.floor = old[0]
-            same = self.by_name[old[1]]
-            same.popleft()
+            same = by_name[old[1]]
+            _popleft(same)
             if not same:
-                del self.by_name[old[1]]
+                del by_name[old[1]]
         if published:
             self.published = rev
             return
-        pending = self.pending
-        if pending is not self._pending_of:
-            self._pending_of = pending
-            self._pending_append = pending.append
-        self._pending_append(change)
+        _append(self.pending, change)
 
     cpdef list publish(self, object upto):
         """The pending changes up to revision ``upto`` (now committed), in order."""
         cdef list out = []
         pending = self.pending
         while pending and pending[0][0] <= upto:
-            out.append(pending.popleft())
+            out.append(_popleft(pending))
         if out:  # (indexes from the start: the module is compiled without wraparound)
             last = out[len(out) - 1][0]
             if last > self.published:
@@ -108,11 +106,11 @@ cdef class HistoryWire(ChangeLogWire):
             return
         last = pending[len(pending) - 1][0]
         if last <= upto:  # (the common case: all of them)
-            pending.clear()
+            _clear(pending)
         else:
             last = None
             while pending[0][0] <= upto:
-                last = pending.popleft()[0]
+                last = _popleft(pending)[0]
         if last is not None and last > self.published:
             self.published = last
 
