@@ -250,7 +250,7 @@ cdef class RevisionsWire(CommittedWire):
     cpdef logged(self, object name, object what, object token, object meta):
         """A holder change whose record was just logged (the last one logged)."""
         cdef int64_t rev = (table_epoch(self.table) << _SHIFT) | (<int64_t>self.commit.next_lsn - 1)
-        (<HistoryWire>self.log).record(rev, name, what, token, meta)
+        (<HistoryWire?>self.log).record(rev, name, what, token, meta)  # (TypeError for another history)
 
     cpdef bint listening(self):
         return bool(self.watched)

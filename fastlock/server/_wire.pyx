@@ -655,8 +655,8 @@ cdef class BatchEnd:
         commit.poll()
         cdef list dirty = self.dirty
         if dirty:
-            for conn in dirty:  # (only SessionWire.send queues a connection here)
-                (<SessionWire>conn).flush()
+            for conn in dirty:  # (SessionWire.send queues a connection here; TypeError for anything else)
+                (<SessionWire?>conn).flush()
             dirty.clear()
         self.batch_end_owed = False
 
