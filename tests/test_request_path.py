@@ -221,6 +221,10 @@ _BAD_ACQUIRE_ARGS = [
     (10_000, 0, 0, None, False, -1, 0),
     (10_000, 0, 0, None, False, 0, "a"),
     (10_000, 0, 0, None, True, 2, 0),
+    (2**64 - 1, 0, 0, None, False, 0, 0),  # beyond a C long long: out of range, not wrapped around
+    (10_000, 2**64 - 1, 0, None, False, 0, 0),
+    (10_000, -(2**63), 0, None, False, 0, 0),
+    (10_000, 0, 2**63, None, False, 0, 0),
 ]
 
 
@@ -311,3 +315,13 @@ def test_acquire_and_release_answer_alike_called_directly_or_through_a_wrapped_h
     assert got[0] == got[1]
     assert got[0][0][1] == 0 and got[0][-2] == [11, 0, None]
     assert all(reply[1] != 0 for reply in got[0][1:7])  # each refused
+    # integers at and beyond the ends of 64 bits: each refused, alike either way
+    edges = [[13, P.OP_RELEASE, "a", 2**64 - 1, owner], [14, P.OP_RELEASE, "a", -(2**63), owner],
+             [15, P.OP_RELEASE, "a", 2**63, owner],
+             [16, P.OP_ACQUIRE, "e", owner, 2**64 - 1, 0, 0, None],
+             [17, P.OP_ACQUIRE, "e", owner, 10_000, 2**64 - 1, 0, None],
+             [18, P.OP_ACQUIRE, "e", owner, 10_000, -(2**63), 0, None],
+             [19, P.OP_ACQUIRE, "e", owner, 10_000, 0, 2**63, None]]
+    got = [_replies(srv.port, edges) for srv in (plain, wrapped)]
+    assert got[0] == got[1]
+    assert all(reply[1] != 0 for reply in got[0])

@@ -18,6 +18,7 @@ templates (:func:`ok_nil`, :func:`ok_int`) as msgpack's own packer writes them.
 """
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.long cimport PyLong_AsLongLongAndOverflow
 
 cdef extern from "Python.h":
     bint PyUnicode_IS_ASCII(object)
@@ -383,16 +384,25 @@ cdef inline object _name(object name):
 
 
 cdef inline object _int_in(object value, long long low, long long high, object check):
-    """``value`` if it is an int in ``low..high``, else what ``check(value)`` returns (or raises)."""
-    if type(value) is int and low <= value <= high:
-        return value
+    """``value`` if it is an int in ``low..high``, else what ``check(value)`` returns (or raises).
+    (Compared as a C integer: one beyond 64 bits is out of range, for ``check`` to judge.)"""
+    cdef int overflow = 0
+    cdef long long v
+    if type(value) is int:
+        v = PyLong_AsLongLongAndOverflow(value, &overflow)
+        if not overflow and low <= v <= high:
+            return value
     return check(value)
 
 
 cdef inline object _wait_ms(object wait_ms):
-    """A checked wait in ms (-1: forever; check_wait_ms's common case inline)."""
-    if type(wait_ms) is int and (wait_ms == -1 or 0 <= wait_ms <= _MAX_WAIT_MS):
-        return wait_ms
+    """A checked wait in ms (-1: forever; check_wait_ms's common case inline, on a C integer)."""
+    cdef int overflow = 0
+    cdef long long v
+    if type(wait_ms) is int:
+        v = PyLong_AsLongLongAndOverflow(wait_ms, &overflow)
+        if not overflow and (v == -1 or 0 <= v <= _MAX_WAIT_MS):
+            return wait_ms
     return _check_wait_ms(wait_ms)
 
 
@@ -832,8 +842,11 @@ cdef class QuotaCounts:
         name granted now (tokens up to ``last_token``, one per name in order), or a
         waiter per name queued."""
         if status == _GRANTED:
-            token = last_token - len(names) + 1
             leases = u.leases
+            if type(names) is tuple and len(<tuple>names) == 1:  # (one lock: its lease is the last token)
+                leases[last_token] = (<tuple>names)[0]
+                return
+            token = last_token - len(names) + 1
             for name in names:
                 leases[token] = name
                 token += 1
