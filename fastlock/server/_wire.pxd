@@ -39,6 +39,7 @@ cdef class QuotaCounts:
     cdef public object table, delays, waiters, leases, _epoch
     cdef public dict usage, _principal_of
     cdef public set ended_early
+    cdef public set counted_now  # leases an acquire counted whose grant event is not processed yet
 
     cpdef check_acquire(self, principal, leases, waiters)
     cpdef lock_delay_count(self, now)

@@ -843,19 +843,29 @@ cdef class QuotaCounts:
         waiter per name queued."""
         if status == _GRANTED:
             leases = u.leases
+            counted_now = self.counted_now
             if type(names) is tuple and len(<tuple>names) == 1:  # (one lock: its lease is the last token)
                 leases[last_token] = (<tuple>names)[0]
+                counted_now.add(last_token)
                 return
             token = last_token - len(names) + 1
             for name in names:
                 leases[token] = name
+                counted_now.add(token)
                 token += 1
         elif status == _QUEUED:
             u.waiting += len(names)
 
     cpdef grant_event(self, Event ev):
         """A fresh EV_GRANTED: a waiter's grant moves it from waiting to holding
-        (an immediate grant was counted by :meth:`acquired`)."""
+        (an immediate grant was counted by :meth:`acquired`, and is not counted again even
+        when its lease ended before this event: released in the same batch)."""
+        counted_now = self.counted_now
+        if counted_now:
+            token = ev.token
+            if token in counted_now:
+                counted_now.discard(token)
+                return
         meta = ev.meta
         # principal_of's remembered answer, inline (the common case)
         principal = self._principal_of.get(meta[0]) if meta and type(meta[0]) is str else None
