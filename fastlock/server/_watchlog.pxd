@@ -34,6 +34,7 @@ cdef class CommittedWire:
     cpdef bint deliver(self, list changes)
     cpdef batch_end(self)
     cpdef settle(self)
+    cdef _settle(self, object pending)
     cpdef listener_added(self)
     cpdef _publish(self, object upto, object refused=*, bint flush=*)
 

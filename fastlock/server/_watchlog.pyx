@@ -162,7 +162,7 @@ cdef class CommittedWire:
             # nobody to push to: the changes committed by now are marked published here, the
             # others at a later batch end or when the history is read (settle); nothing is
             # scheduled, and a release in ``always`` costs no fdatasync of its own
-            self.settle()
+            self._settle(pending)
             return
         self.scheduled = upto
         if (<int64_t>upto & _LSN_MASK) <= <int64_t>self.commit.marks.ack:
@@ -182,6 +182,10 @@ cdef class CommittedWire:
         pending = self.log.pending
         if not pending or self.source.sync.enabled or self.listening():
             return
+        self._settle(pending)
+
+    cdef _settle(self, object pending):
+        """:meth:`settle` of the non-empty ``pending`` changes, its conditions checked."""
         cdef int64_t ack = self.commit.marks.ack
         cdef Py_ssize_t at = self.revision_at
         cdef int64_t rev
