@@ -104,4 +104,5 @@ cdef class BatchEnd:
     cpdef process_events(self, list events)
     cpdef acknowledge(self, list grants)
     cpdef deliver_granted(self, list grants, refused_by=*)
+    cpdef log_decided(self)
     cpdef released(self, name, token, meta)

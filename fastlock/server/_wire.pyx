@@ -503,6 +503,7 @@ cpdef release(HandlersWire handlers, SessionWire conn, object req_id, list msg):
     if name in handlers.watchers:  # watchers are told whose lease it was
         holder = table_holder(table, name, now, owner)
         meta = holder.meta if holder is not None else None
+    handlers.server.log_decided()  # a grant decided earlier in this batch is logged before this release
     try:
         table_release(table, name, token, owner, now)
     except _NotHolder:
@@ -767,6 +768,25 @@ cdef class BatchEnd:
             self.batch_end_owed = True
         else:
             self.after_batch()
+
+    cpdef log_decided(self):
+        """Log and acknowledge the events the table made earlier in this batch (the batch end's
+        :meth:`process_events`, before it): called before a request ends a lease (RELEASE, a
+        cancel that releases, a hand-off, a revoke), so that a lease granted in the same batch
+        has its grant record before its end's, in the log, on a standby and in recovery, and
+        its watchers see the grant first."""
+        table = self.table
+        events = table_drain_events(table)
+        if not events:
+            return
+        outer = self.in_batch_end
+        self.in_batch_end = True  # (a delivery leaves its flush to the batch end that follows)
+        try:
+            while events:
+                self.process_events(events)
+                events = table_drain_events(table)
+        finally:
+            self.in_batch_end = outer
 
     cpdef released(self, name, token, meta):
         """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id))."""
