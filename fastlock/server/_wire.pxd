@@ -99,6 +99,7 @@ cdef class BatchEnd:
     cdef public list dirty
     cdef public bint in_batch_end
     cdef public bint batch_end_owed  # a delivery left its flush to the batch end in progress
+    cdef public long long granted_logged  # the highest fencing token whose grant record is logged
 
     cpdef after_batch(self)
     cpdef process_events(self, list events)

@@ -503,12 +503,14 @@ cpdef release(HandlersWire handlers, SessionWire conn, object req_id, list msg):
     if name in handlers.watchers:  # watchers are told whose lease it was
         holder = table_holder(table, name, now, owner)
         meta = holder.meta if holder is not None else None
-    handlers.server.log_decided()  # a grant decided earlier in this batch is logged before this release
+    cdef BatchEnd server = handlers.server
+    if token > server.granted_logged:  # (granted in this batch, its record not logged yet: first)
+        server.log_decided()
     try:
         table_release(table, name, token, owner, now)
     except _NotHolder:
         raise handlers.not_holder(name, token) from None
-    handlers.server.released(name, token, meta)
+    server.released(name, token, meta)
     conn.send(ok_nil(req_id))
 
 
@@ -693,6 +695,8 @@ cdef class BatchEnd:
                                      ev.shared, ev.limit)
                     revisions.logged(ev.name, "granted", ev.token, meta)
                     quotas.grant_event(ev)
+                    if ev.token > self.granted_logged:
+                        self.granted_logged = ev.token
                 if grants is None:
                     grants = []
                 grants.append(ev)
@@ -774,7 +778,9 @@ cdef class BatchEnd:
         :meth:`process_events`, before it): called before a request ends a lease (RELEASE, a
         cancel that releases, a hand-off, a revoke), so that a lease granted in the same batch
         has its grant record before its end's, in the log, on a standby and in recovery, and
-        its watchers see the grant first."""
+        its watchers see the grant first.  RELEASE calls it only for a token above
+        ``granted_logged`` (the highest whose grant record is logged): a lease whose grant is
+        logged needs nothing first."""
         table = self.table
         events = table_drain_events(table)
         if not events:
