@@ -74,6 +74,7 @@ class SessionWire:
 class BatchEnd:
     in_batch_end: bool
     batch_end_owed: bool
+    granted_logged: int
     commit: Any
     snapshots: Any
     def process_events(self, events: list[Any]) -> None: ...
