@@ -188,3 +188,66 @@ def test_concurrent_pairs_nobody_watches_are_all_published_by_the_next_sync(serv
                 await conn.close()
 
     run(main())
+
+
+def test_changes_nobody_watches_are_replayed_and_a_later_watcher_hears_the_next_ones_live(server_factory):
+    """``never``: changes nobody watches get no publication of their own; they are published
+    once written (a batch end, or a reader of the history settles them).  A watch resumed from
+    before them replays every one, in order with rising revisions; it then hears the next
+    changes live, once each; changes made after it is closed are replayed to the next resume
+    from where it stopped, none twice."""
+    server = server_factory(fsync="never")
+
+    async def main() -> None:
+        async with fastlock.connect(server.address) as c:
+            origin = (await c.status())["watch_history"]["revision"]
+            tokens = []
+            for _ in range(2):  # two pairs nobody watches
+                lease = await c.acquire("between", ttl=10.0)
+                tokens.append(lease.fencing_token)
+                await c.release(lease)
+            st = await c.status()
+            # the last release was written after its batch end: the status read settles it
+            assert st["watch_history"]["pending"] == 0
+            assert st["watch_history"]["published"] == st["watch_history"]["revision"]
+            pushes: list[list] = []
+            arrived = asyncio.Event()
+
+            def on_push(kind: int, payload: list) -> None:
+                if kind == PUSH_WATCH_REV:
+                    pushes.append(payload)
+                    arrived.set()
+
+            node = await RawNode.open(server.address, on_push=on_push)
+            try:
+                reply = await node.request(OP_WATCH_FROM, "between", origin)
+                replayed = [(p[1], p[2]) for p in pushes]
+                assert replayed == [("granted", tokens[0]), ("released", tokens[0]),
+                                    ("granted", tokens[1]), ("released", tokens[1])]
+                revs = [p[-1] for p in pushes]
+                assert revs == sorted(set(revs)) and revs[-1] <= reply["revision"]
+                lease = await c.acquire("between", ttl=10.0)
+                tokens.append(lease.fencing_token)
+                await c.release(lease)
+                while len(pushes) < 6:
+                    arrived.clear()
+                    await asyncio.wait_for(arrived.wait(), 10)
+                assert [(p[1], p[2]) for p in pushes[4:]] == [("granted", tokens[2]), ("released", tokens[2])]
+                revs = [p[-1] for p in pushes]
+                assert revs == sorted(set(revs)) and revs[4] > reply["revision"]
+            finally:
+                await node.close()
+            last_seen = pushes[-1][-1]
+            lease = await c.acquire("between", ttl=10.0)  # nobody watches again
+            tokens.append(lease.fencing_token)
+            await c.release(lease)
+            pushes.clear()
+            node = await RawNode.open(server.address, on_push=on_push)
+            try:
+                await node.request(OP_WATCH_FROM, "between", last_seen)
+            finally:
+                await node.close()
+            assert [(p[1], p[2]) for p in pushes] == [("granted", tokens[3]), ("released", tokens[3])]
+            assert pushes[0][-1] > last_seen
+
+    run(main())

@@ -955,3 +955,40 @@ def test_fed_counts_every_byte_whether_a_read_is_decoded_whole_or_streamed():
     assert dec.feed(two) == [[2, 0, None]] * 2 and dec.fed == len(one) + len(two)
     assert dec.feed(one[:3]) == [] and dec.feed(one[3:]) == [[1, 0, "granted"]]
     assert dec.fed == 2 * len(one) + len(two)
+
+
+def test_a_lease_released_in_its_grants_batch_is_not_counted_again(server_factory):
+    """A release read in the same batch as its lease's grant (before the grant's event is
+    processed) uncounts it, and the grant event does not count it again: with
+    --max-leases-per-principal 2, acquire-and-release rounds pipelined that way never reach
+    the quota (before, each round left one lease counted and the third acquire was refused)."""
+    server = server_factory(fsync="never", args=["--max-leases-per-principal", "2",
+                                                 "--anonymous-quota-divisor", "1"])
+    owner = b"0123456789abcdef"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        unpacker = msgpack.Unpacker()
+
+        def reply() -> list:
+            for obj in unpacker:
+                return obj
+            while True:
+                data = sock.recv(65536)
+                assert data, "the server closed the connection"
+                unpacker.feed(data)
+                for obj in unpacker:
+                    return obj
+
+        sock.sendall(msgpack.packb([1, P.OP_HELLO, P.PROTOCOL_VERSION, "batch", None]))
+        reply()
+        for i in range(4):
+            sock.sendall(msgpack.packb([10 + i, P.OP_ACQUIRE, f"p{i}", owner, 10_000, 0, 0, None]))
+            first = reply()
+            assert first[1] == 0, first
+            token = first[2][0]
+            # p's release, then q's acquire and the release of q's lease (the next token), in one write
+            sock.sendall(msgpack.packb([20 + i, P.OP_RELEASE, f"p{i}", token, owner])
+                         + msgpack.packb([30 + i, P.OP_ACQUIRE, f"q{i}", owner, 10_000, 0, 0, None])
+                         + msgpack.packb([40 + i, P.OP_RELEASE, f"q{i}", token + 1, owner]))
+            replies = {r[0]: r for r in (reply(), reply(), reply())}
+            assert all(r[1] == 0 for r in replies.values()), replies
+            assert replies[30 + i][2][0] == token + 1

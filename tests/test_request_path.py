@@ -221,6 +221,10 @@ _BAD_ACQUIRE_ARGS = [
     (10_000, 0, 0, None, False, -1, 0),
     (10_000, 0, 0, None, False, 0, "a"),
     (10_000, 0, 0, None, True, 2, 0),
+    (2**64 - 1, 0, 0, None, False, 0, 0),  # beyond a C long long: out of range, not wrapped around
+    (10_000, 2**64 - 1, 0, None, False, 0, 0),
+    (10_000, -(2**63), 0, None, False, 0, 0),
+    (10_000, 0, 2**63, None, False, 0, 0),
 ]
 
 
@@ -311,3 +315,67 @@ def test_acquire_and_release_answer_alike_called_directly_or_through_a_wrapped_h
     assert got[0] == got[1]
     assert got[0][0][1] == 0 and got[0][-2] == [11, 0, None]
     assert all(reply[1] != 0 for reply in got[0][1:7])  # each refused
+    # integers at and beyond the ends of 64 bits: each refused, alike either way
+    edges = [[13, P.OP_RELEASE, "a", 2**64 - 1, owner], [14, P.OP_RELEASE, "a", -(2**63), owner],
+             [15, P.OP_RELEASE, "a", 2**63, owner],
+             [16, P.OP_ACQUIRE, "e", owner, 2**64 - 1, 0, 0, None],
+             [17, P.OP_ACQUIRE, "e", owner, 10_000, 2**64 - 1, 0, None],
+             [18, P.OP_ACQUIRE, "e", owner, 10_000, -(2**63), 0, None],
+             [19, P.OP_ACQUIRE, "e", owner, 10_000, 0, 2**63, None]]
+    got = [_replies(srv.port, edges) for srv in (plain, wrapped)]
+    assert got[0] == got[1]
+    assert all(reply[1] != 0 for reply in got[0])
+
+
+@pytest.mark.parametrize("fsync", ["always", "never"])
+def test_a_lease_released_in_its_grants_batch_stays_released_after_kill9(server_factory, fsync):
+    """An ACQUIRE granted at once and the RELEASE of its lease read in the same batch (one write):
+    the grant's record is logged before the release's, so the log replayed after kill -9 leaves
+    the lock free (before, the release's record came first and recovery held the lease again)."""
+    owner = b"0123456789abcdef"
+    server = server_factory("data", fsync=fsync)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        unpacker = msgpack.Unpacker()
+
+        def reply() -> list:
+            for obj in unpacker:
+                return obj
+            while True:
+                data = sock.recv(65536)
+                assert data, "the server closed the connection"
+                unpacker.feed(data)
+                for obj in unpacker:
+                    return obj
+
+        sock.sendall(msgpack.packb([1, P.OP_HELLO, P.PROTOCOL_VERSION, "order", None]))
+        reply()
+        sock.sendall(msgpack.packb([2, P.OP_ACQUIRE, "first", owner, 60_000, 0, 0, None]))
+        token = reply()[2][0]
+        # the next lock's acquire and the release of the lease it gets (the next token), in one write
+        sock.sendall(msgpack.packb([3, P.OP_ACQUIRE, "order", owner, 60_000, 0, 0, None])
+                     + msgpack.packb([4, P.OP_RELEASE, "order", token + 1, owner])
+                     + msgpack.packb([5, P.OP_HOLDER, "order"]))
+        replies = {r[0]: r for r in (reply(), reply(), reply())}
+        assert replies[3][1] == 0 and replies[3][2][0] == token + 1, replies
+        assert replies[4] == [4, 0, None] and replies[5] == [5, 0, None], replies
+    deadline = time.monotonic() + 10
+    while True:  # every record written (a release's rides on the loop turn after its reply)
+        wal = server.status()["wal"]
+        if wal["written_lsn"] == wal["last_lsn"]:
+            break
+        assert time.monotonic() < deadline, wal
+        time.sleep(0.02)
+    server.kill()
+    again = server_factory("data", fsync=fsync)
+    with socket.create_connection(("127.0.0.1", again.port), timeout=10) as sock:
+        unpacker = msgpack.Unpacker()
+        sock.sendall(msgpack.packb([1, P.OP_HELLO, P.PROTOCOL_VERSION, "order", None])
+                     + msgpack.packb([2, P.OP_HOLDER, "order"]) + msgpack.packb([3, P.OP_HOLDER, "first"]))
+        got: list = []
+        while len(got) < 3:
+            data = sock.recv(65536)
+            assert data, "the server closed the connection"
+            unpacker.feed(data)
+            got.extend(unpacker)
+    assert got[1] == [2, 0, None], got  # released, and it stays so
+    assert got[2][2]["token"] == token  # (the log was replayed: the first lease is held)

@@ -9,6 +9,7 @@ cdef class ChangeLogWire:
     cdef public object pending
 
     cpdef list publish(self, object upto)
+    cpdef mark_published(self, object upto)
 
 
 cdef class HistoryWire(ChangeLogWire):
@@ -17,8 +18,6 @@ cdef class HistoryWire(ChangeLogWire):
     cdef public dict by_name
     cdef public object floor
     cdef public object published
-    # the bound append of ``changes`` and of ``pending`` and the deques they are bound to
-    cdef object _changes_of, _changes_append, _pending_of, _pending_append
 
     cpdef record(self, object rev, object name, object what, object token, object meta, bint published=*)
 
@@ -30,15 +29,14 @@ cdef class CommittedWire:
     cdef public Py_ssize_t revision_at
     cdef public GroupCommit commit
     cdef public object scheduled
-    cdef public object later_upto
-    cdef public bint later_queued
 
     cpdef bint listening(self)
     cpdef bint deliver(self, list changes)
     cpdef batch_end(self)
+    cpdef settle(self)
+    cdef _settle(self, object pending)
     cpdef listener_added(self)
     cpdef _publish(self, object upto, object refused=*, bint flush=*)
-    cpdef _publish_committed(self)
 
 
 cdef class RevisionsWire(CommittedWire):

@@ -26,6 +26,10 @@ from ..roles import Action
 from ..tokens import COUNTER_MASK, TOKEN_EPOCH_SHIFT
 
 cdef object _deque = deque
+# deque's own methods, called with the deque as their first argument: no bound method per call
+cdef object _append = deque.append
+cdef object _popleft = deque.popleft
+cdef object _clear = deque.clear
 cdef object _RELEASE = Action.RELEASE
 cdef object _COUNTER_MASK = COUNTER_MASK
 cdef int64_t _LSN_MASK = COUNTER_MASK  # a revision's LSN part, as a C integer
@@ -41,6 +45,10 @@ cdef class ChangeLogWire:
     cpdef list publish(self, object upto):
         """The pending changes up to revision ``upto`` (now committed), in order."""
         raise NotImplementedError
+
+    cpdef mark_published(self, object upto):
+        """:meth:`publish` for changes nobody is told of: they are only marked published."""
+        self.publish(upto)
 
 
 cdef class HistoryWire(ChangeLogWire):
@@ -59,42 +67,52 @@ cdef class HistoryWire(ChangeLogWire):
         if self.floor is None:
             self.floor = rev - 1
         changes = self.changes
-        if changes is not self._changes_of:  # (bound once per deque: no method lookup per change)
-            self._changes_of = changes
-            self._changes_append = changes.append
-        self._changes_append(change)
-        group = self.by_name.get(name)
+        _append(changes, change)
+        by_name = self.by_name
+        group = by_name.get(name)
         if group is None:
             group = _deque()
-            self.by_name[name] = group
-        group.append(change)
+            by_name[name] = group
+        _append(group, change)
         if len(changes) > self.limit:
-            old = changes.popleft()
+            old = _popleft(changes)
             self.floor = old[0]
-            same = self.by_name[old[1]]
-            same.popleft()
+            same = by_name[old[1]]
+            _popleft(same)
             if not same:
-                del self.by_name[old[1]]
+                del by_name[old[1]]
         if published:
             self.published = rev
             return
-        pending = self.pending
-        if pending is not self._pending_of:
-            self._pending_of = pending
-            self._pending_append = pending.append
-        self._pending_append(change)
+        _append(self.pending, change)
 
     cpdef list publish(self, object upto):
         """The pending changes up to revision ``upto`` (now committed), in order."""
         cdef list out = []
         pending = self.pending
         while pending and pending[0][0] <= upto:
-            out.append(pending.popleft())
+            out.append(_popleft(pending))
         if out:  # (indexes from the start: the module is compiled without wraparound)
             last = out[len(out) - 1][0]
             if last > self.published:
                 self.published = last
         return out
+
+    cpdef mark_published(self, object upto):
+        """:meth:`publish` without the list: the pending changes up to ``upto`` are dropped
+        from ``pending`` and ``published`` moves up to the last of them."""
+        pending = self.pending
+        if not pending:
+            return
+        last = pending[len(pending) - 1][0]
+        if last <= upto:  # (the common case: all of them)
+            _clear(pending)
+        else:
+            last = None
+            while pending[0][0] <= upto:
+                last = _popleft(pending)[0]
+        if last is not None and last > self.published:
+            self.published = last
 
 
 cdef class CommittedWire:
@@ -109,10 +127,9 @@ cdef class CommittedWire:
     history (its ``pending`` changes, ``publish(upto)``); ``revision_at``: the index of
     the revision in a pending change; ``commit``: the log's
     :class:`~fastlock.wal.commit.GroupCommit` (``marks.ack``, ``when_durable``);
-    ``scheduled``: the revision up to which a publication is already scheduled;
-    ``later_queued``: a publication of the changes nobody listens to waits for the next
-    sync (:meth:`_publish_committed`, one at a time), and ``later_upto`` is the last
-    revision it may publish.  A subclass gives :meth:`listening` and :meth:`deliver`.
+    ``scheduled``: the revision up to which a publication is already scheduled (the
+    changes recorded while nobody listens get none: :meth:`settle` marks them published
+    once committed).  A subclass gives :meth:`listening` and :meth:`deliver`.
     """
 
     # (its slots are declared in _watchlog.pxd)
@@ -133,59 +150,71 @@ cdef class CommittedWire:
         upto = pending[len(pending) - 1][self.revision_at]  # the last change recorded and not yet published
         if upto <= self.scheduled:
             return
-        self.scheduled = upto
         if self.source.sync.enabled:  # (WriteAheadLog.when_durable's and when_durable_later's own calls)
+            self.scheduled = upto
             deliver = (<object>self.source.sync).after(_Publication(self, upto))
             if self.listening():
                 self.commit.when_durable(deliver)  # a watcher waits: the batch is synced for it
             else:
                 self.commit.when_durable_later(deliver)
             return
+        if not self.listening():
+            # nobody to push to: the changes committed by now are marked published here, the
+            # others at a later batch end or when the history is read (settle); nothing is
+            # scheduled, and a release in ``always`` costs no fdatasync of its own
+            self._settle(pending)
+            return
+        self.scheduled = upto
         if (<int64_t>upto & _LSN_MASK) <= <int64_t>self.commit.marks.ack:
             # already durable (a relaxed fsync mode wrote this batch at once): published in this
             # batch end, whose flush sends the pushes
             self._publish(upto, None, False)
             return
-        if self.listening():
-            self.commit.when_durable(_Publication(self, upto))  # a watcher waits: the batch is synced for it
+        self.commit.when_durable(_Publication(self, upto))  # a watcher waits: the batch is synced for it
+
+    cpdef settle(self):
+        """Mark published, without pushing them, the pending changes whose records are committed
+        now (the group commit's ack mark), when nobody listens and no standby must acknowledge
+        them (``source.sync``): the changes :meth:`batch_end` left without a publication.  A
+        reader of the history (a replay, a progress notice, the status) settles it first.  The
+        changes still pending when a watcher is added are published to it by the next batch
+        end's publication, which covers every pending change (``scheduled`` stays below them)."""
+        pending = self.log.pending
+        if not pending or self.source.sync.enabled or self.listening():
             return
-        # nobody to push to: published by the next sync anyone asks for (a release in
-        # ``always`` costs no fdatasync of its own); listener_added asks for it.  One
-        # publication waits at a time: it publishes every change durable when it runs.
-        self.later_upto = upto
-        if not self.later_queued:
-            self.later_queued = True
-            self.commit.when_durable_later(_CommittedPublication(self))
+        self._settle(pending)
 
-    cpdef listener_added(self):
-        """A watcher was added: the changes scheduled for publication while nobody listened
-        (:meth:`batch_end`, without a sync of their own) get their sync now (``always``; in the
-        relaxed modes they are published once written)."""
-        commit = self.commit
-        if commit.always and self.scheduled & _COUNTER_MASK > commit.marks.ack:
-            commit.request_sync()
-
-    cpdef _publish_committed(self):
-        """The waiting publication of :meth:`batch_end` (nobody listened): publish the pending
-        changes up to ``later_upto`` whose records are durable now (the group commit's ack mark),
-        and wait for the next sync again while changes it covers are left."""
-        self.later_queued = False
-        cdef GroupCommit commit = self.commit
-        cdef int64_t ack = commit.marks.ack
-        cdef int64_t later_upto = self.later_upto
-        cdef int64_t rev
+    cdef _settle(self, object pending):
+        """:meth:`settle` of the non-empty ``pending`` changes, its conditions checked."""
+        cdef int64_t ack = self.commit.marks.ack
         cdef Py_ssize_t at = self.revision_at
-        upto = None
-        for change in self.log.pending:  # (in revision order, which is the log's order)
+        cdef int64_t rev
+        last = pending[len(pending) - 1][at]
+        rev = last
+        if (rev & _LSN_MASK) <= ack:  # (the common case: all of them)
+            self.log.mark_published(last)
+            return
+        first = pending[0][at]
+        rev = first
+        if (rev & _LSN_MASK) > ack:  # none of them yet
+            return
+        upto = first
+        for change in pending:  # (in revision order, which is the log's order)
             rev = change[at]
-            if rev > later_upto or (rev & _LSN_MASK) > ack:
+            if (rev & _LSN_MASK) > ack:
                 break
             upto = change[at]
-        if upto is not None:
-            self._publish(upto)
-        if (later_upto & _LSN_MASK) > ack and not self.later_queued:
-            self.later_queued = True
-            commit.when_durable_later(_CommittedPublication(self))
+        self.log.mark_published(upto)
+
+    cpdef listener_added(self):
+        """A watcher was added: the changes left pending while nobody listened (:meth:`batch_end`,
+        without a sync of their own) get their sync now (``always``; in the relaxed modes they
+        are published once written); the next batch end's publication pushes them."""
+        commit = self.commit
+        pending = self.log.pending
+        if (commit.always and pending
+                and pending[len(pending) - 1][self.revision_at] & _COUNTER_MASK > commit.marks.ack):
+            commit.request_sync()
 
     cpdef _publish(self, object upto, object refused=None, bint flush=True):
         changes = self.log.publish(upto)
@@ -212,19 +241,6 @@ cdef class _Publication:
         self.wire._publish(self.upto, refused)
 
 
-cdef class _CommittedPublication:
-    """The ``when_durable_later`` callback of :meth:`CommittedWire.batch_end` while nobody
-    listens: calling it runs ``wire._publish_committed()``."""
-
-    cdef CommittedWire wire
-
-    def __cinit__(self, CommittedWire wire):
-        self.wire = wire
-
-    def __call__(self):
-        self.wire._publish_committed()
-
-
 cdef class RevisionsWire(CommittedWire):
     """What :class:`fastlock.server.watchlog.Revisions` runs per change and per batch end:
     :meth:`logged` and :class:`CommittedWire`'s batch end, publishing to the lock
@@ -238,7 +254,7 @@ cdef class RevisionsWire(CommittedWire):
     cpdef logged(self, object name, object what, object token, object meta):
         """A holder change whose record was just logged (the last one logged)."""
         cdef int64_t rev = (table_epoch(self.table) << _SHIFT) | (<int64_t>self.commit.next_lsn - 1)
-        (<HistoryWire>self.log).record(rev, name, what, token, meta)
+        (<HistoryWire?>self.log).record(rev, name, what, token, meta)  # (TypeError for another history)
 
     cpdef bint listening(self):
         return bool(self.watched)

@@ -39,6 +39,7 @@ cdef class QuotaCounts:
     cdef public object table, delays, waiters, leases, _epoch
     cdef public dict usage, _principal_of
     cdef public set ended_early
+    cdef public set counted_now  # leases an acquire counted whose grant event is not processed yet
 
     cpdef check_acquire(self, principal, leases, waiters)
     cpdef lock_delay_count(self, now)
@@ -98,9 +99,11 @@ cdef class BatchEnd:
     cdef public list dirty
     cdef public bint in_batch_end
     cdef public bint batch_end_owed  # a delivery left its flush to the batch end in progress
+    cdef public long long granted_logged  # the highest fencing token whose grant record is logged
 
     cpdef after_batch(self)
     cpdef process_events(self, list events)
     cpdef acknowledge(self, list grants)
     cpdef deliver_granted(self, list grants, refused_by=*)
+    cpdef log_decided(self)
     cpdef released(self, name, token, meta)

@@ -18,6 +18,7 @@ templates (:func:`ok_nil`, :func:`ok_int`) as msgpack's own packer writes them.
 """
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.long cimport PyLong_AsLongLongAndOverflow
 
 cdef extern from "Python.h":
     bint PyUnicode_IS_ASCII(object)
@@ -383,16 +384,25 @@ cdef inline object _name(object name):
 
 
 cdef inline object _int_in(object value, long long low, long long high, object check):
-    """``value`` if it is an int in ``low..high``, else what ``check(value)`` returns (or raises)."""
-    if type(value) is int and low <= value <= high:
-        return value
+    """``value`` if it is an int in ``low..high``, else what ``check(value)`` returns (or raises).
+    (Compared as a C integer: one beyond 64 bits is out of range, for ``check`` to judge.)"""
+    cdef int overflow = 0
+    cdef long long v
+    if type(value) is int:
+        v = PyLong_AsLongLongAndOverflow(value, &overflow)
+        if not overflow and low <= v <= high:
+            return value
     return check(value)
 
 
 cdef inline object _wait_ms(object wait_ms):
-    """A checked wait in ms (-1: forever; check_wait_ms's common case inline)."""
-    if type(wait_ms) is int and (wait_ms == -1 or 0 <= wait_ms <= _MAX_WAIT_MS):
-        return wait_ms
+    """A checked wait in ms (-1: forever; check_wait_ms's common case inline, on a C integer)."""
+    cdef int overflow = 0
+    cdef long long v
+    if type(wait_ms) is int:
+        v = PyLong_AsLongLongAndOverflow(wait_ms, &overflow)
+        if not overflow and (v == -1 or 0 <= v <= _MAX_WAIT_MS):
+            return wait_ms
     return _check_wait_ms(wait_ms)
 
 
@@ -493,11 +503,14 @@ cpdef release(HandlersWire handlers, SessionWire conn, object req_id, list msg):
     if name in handlers.watchers:  # watchers are told whose lease it was
         holder = table_holder(table, name, now, owner)
         meta = holder.meta if holder is not None else None
+    cdef BatchEnd server = handlers.server
+    if token > server.granted_logged:  # (granted in this batch, its record not logged yet: first)
+        server.log_decided()
     try:
         table_release(table, name, token, owner, now)
     except _NotHolder:
         raise handlers.not_holder(name, token) from None
-    handlers.server.released(name, token, meta)
+    server.released(name, token, meta)
     conn.send(ok_nil(req_id))
 
 
@@ -655,8 +668,8 @@ cdef class BatchEnd:
         commit.poll()
         cdef list dirty = self.dirty
         if dirty:
-            for conn in dirty:  # (only SessionWire.send queues a connection here)
-                (<SessionWire>conn).flush()
+            for conn in dirty:  # (SessionWire.send queues a connection here; TypeError for anything else)
+                (<SessionWire?>conn).flush()
             dirty.clear()
         self.batch_end_owed = False
 
@@ -682,6 +695,8 @@ cdef class BatchEnd:
                                      ev.shared, ev.limit)
                     revisions.logged(ev.name, "granted", ev.token, meta)
                     quotas.grant_event(ev)
+                    if ev.token > self.granted_logged:
+                        self.granted_logged = ev.token
                 if grants is None:
                     grants = []
                 grants.append(ev)
@@ -758,6 +773,27 @@ cdef class BatchEnd:
         else:
             self.after_batch()
 
+    cpdef log_decided(self):
+        """Log and acknowledge the events the table made earlier in this batch (the batch end's
+        :meth:`process_events`, before it): called before a request ends a lease (RELEASE, a
+        cancel that releases, a hand-off, a revoke), so that a lease granted in the same batch
+        has its grant record before its end's, in the log, on a standby and in recovery, and
+        its watchers see the grant first.  RELEASE calls it only for a token above
+        ``granted_logged`` (the highest whose grant record is logged): a lease whose grant is
+        logged needs nothing first."""
+        table = self.table
+        events = table_drain_events(table)
+        if not events:
+            return
+        outer = self.in_batch_end
+        self.in_batch_end = True  # (a delivery leaves its flush to the batch end that follows)
+        try:
+            while events:
+                self.process_events(events)
+                events = table_drain_events(table)
+        finally:
+            self.in_batch_end = outer
+
     cpdef released(self, name, token, meta):
         """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id))."""
         self.wal.append_release(name, token)
@@ -832,17 +868,30 @@ cdef class QuotaCounts:
         name granted now (tokens up to ``last_token``, one per name in order), or a
         waiter per name queued."""
         if status == _GRANTED:
-            token = last_token - len(names) + 1
             leases = u.leases
+            counted_now = self.counted_now
+            if type(names) is tuple and len(<tuple>names) == 1:  # (one lock: its lease is the last token)
+                leases[last_token] = (<tuple>names)[0]
+                counted_now.add(last_token)
+                return
+            token = last_token - len(names) + 1
             for name in names:
                 leases[token] = name
+                counted_now.add(token)
                 token += 1
         elif status == _QUEUED:
             u.waiting += len(names)
 
     cpdef grant_event(self, Event ev):
         """A fresh EV_GRANTED: a waiter's grant moves it from waiting to holding
-        (an immediate grant was counted by :meth:`acquired`)."""
+        (an immediate grant was counted by :meth:`acquired`, and is not counted again even
+        when its lease ended before this event: released in the same batch)."""
+        counted_now = self.counted_now
+        if counted_now:
+            token = ev.token
+            if token in counted_now:
+                counted_now.discard(token)
+                return
         meta = ev.meta
         # principal_of's remembered answer, inline (the common case)
         principal = self._principal_of.get(meta[0]) if meta and type(meta[0]) is str else None

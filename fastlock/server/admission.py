@@ -163,6 +163,8 @@ class PrincipalQuotas(QuotaCounts):
         self.watch_count = 0  # watches on the whole server (the global --max-watches)
         #: leases that ended before their waiter's grant event was processed (this batch)
         self.ended_early: set[int] = set()
+        #: leases counted by an immediate grant whose grant event is not processed yet
+        self.counted_now: set[int] = set()
         self._epoch = -1  # the table's epoch the lease counts were taken at
         self.delays = RunningDelays()
         #: a grant's recorded client -> its principal (the same str object for every grant of a connection)

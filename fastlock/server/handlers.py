@@ -401,6 +401,7 @@ class Handlers(HandlersWire):
                 # The grant raced with the cancel: release it, never leak it - which is a
                 # release, refused like one by a fenced primary.
                 self.roles.admit(Action.RELEASE)
+                self.server.log_decided()  # its grant's record first (granted in this batch)
                 table.release(name, holder.token, owner, now)
                 self.server.released(name, holder.token, holder.meta)
                 result = "released"

@@ -253,6 +253,7 @@ class KeyRevisions(CommittedPublisher):
     def replay(self, prefix: str, rev: int, index: int | None) -> list[KeyChange]:
         """The published changes under ``prefix`` after ``(rev, index)``.
         :raises Compacted: too old.  :raises WatchDiverged: not in this node's history."""
+        self.settle()
         return self.log.since(prefix, rev, index, self.current())
 
     # -- the primary's changes -----------------------------------------------------------
@@ -291,4 +292,5 @@ class KeyRevisions(CommittedPublisher):
 
     def status(self) -> dict:
         """For ``fastlock status`` (``key_watch_history``)."""
+        self.settle()
         return {**self.log.status(), "revision": self.current()}

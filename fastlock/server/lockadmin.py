@@ -276,6 +276,7 @@ class LockAdmin:
         and in recovery), its quota given back, watchers told ``"revoked"``.  No log line of its
         own: a bulk revocation logs one for all."""
         handlers = self.handlers
+        handlers.server.log_decided()  # the lease's grant record first, if it was granted in this batch
         self.table.remove_holder(name, token, now)
         handlers.wal.log_revoke(name, token, principal, reason)
         self.revocations.add(name, token, principal, reason)

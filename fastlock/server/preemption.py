@@ -356,6 +356,7 @@ class Preemption:
             raise InvalidArgument(f"{len(matches)} waiters on {name!r} carry the candidate id {candidate!r} "
                                   f"(principals {', '.join(who)}): the hand-off is refused, its target is ambiguous")
         target = matches[0][0]
+        self.handlers.server.log_decided()  # a grant decided earlier in this batch is logged first
         try:
             table.release_to(name, token, owner, target, now)
         except ValueError as exc:

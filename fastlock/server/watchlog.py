@@ -241,9 +241,6 @@ class CommittedPublisher(CommittedWire):
         self.progress_kind = progress_kind
         #: the revision up to which a publication is already scheduled
         self.scheduled = 0
-        #: the last revision the publication waiting while nobody listens may publish (later_queued: it waits)
-        self.later_upto = 0
-        self.later_queued = False
         self._timer: Any = None
 
     def current(self) -> int:
@@ -256,6 +253,7 @@ class CommittedPublisher(CommittedWire):
 
     def progress(self) -> int:
         """The revision up to which every change is published (a progress notice's)."""
+        self.settle()
         return int(self.log.progress(self.current()))
 
     def start_progress(self, loop: Any) -> None:
@@ -319,6 +317,7 @@ class Revisions(RevisionsWire, CommittedPublisher):
     def replay(self, name: str, since: int, limit: int | None = None) -> list[WatchChange]:
         """The published changes of ``name`` after ``since`` (the first ``limit``; None: all).
         :raises Compacted: too old.  :raises WatchDiverged: not in this node's history."""
+        self.settle()
         return self.log.since(name, since, self.current(), limit)
 
     # -- the primary's changes -----------------------------------------------------------
@@ -345,6 +344,7 @@ class Revisions(RevisionsWire, CommittedPublisher):
 
     def status(self) -> dict:
         """For ``fastlock status`` (``watch_history``)."""
+        self.settle()
         return {**self.log.status(), "revision": self.current(), "progress_interval": self.progress_interval}
 
 

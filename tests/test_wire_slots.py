@@ -1,0 +1,81 @@
+"""The compiled request path's casts of its typed collaborators are checked: an object of
+another type where the batch end or a history expects a compiled class raises TypeError
+instead of reading memory as that class (a crash).  Each case runs in a child interpreter,
+so a crash shows as that process's death, not the test run's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_a_lock_history_that_is_not_a_watch_log_raises_type_error():
+    """RevisionsWire.logged records through HistoryWire.record: a key history (a ChangeLogWire,
+    not a HistoryWire) put in its place is refused with TypeError, and nothing is recorded."""
+    done = _run("""
+        from fastlock._core import LockTable
+        from fastlock.server._watchlog import RevisionsWire
+        from fastlock.server.keyrevisions import KeyChangeLog
+        from fastlock.server.watchlog import WatchLog
+        from fastlock.wal.commit import GroupCommit
+
+        wire = RevisionsWire()
+        wire.table = LockTable()
+        wire.commit = GroupCommit(None, False, 0, lambda exc: None)
+        wire.log = WatchLog(10)
+        wire.logged("a", "granted", 1, None)
+        assert len(wire.log.changes) == 1
+        wire.log = KeyChangeLog(10)
+        try:
+            wire.logged("a", "released", 1, None)
+        except TypeError as exc:
+            assert not wire.log.changes and not wire.log.pending
+            print("TypeError:", exc)
+        """)
+    assert done.returncode == 0, done.stderr
+    assert "TypeError:" in done.stdout
+
+
+def test_a_dirty_entry_that_is_not_a_connection_raises_type_error():
+    """The batch end flushes the connections queued in ``dirty`` (a public list) by C calls:
+    anything else there is refused with TypeError (the process goes on)."""
+    done = _run("""
+        from fastlock._core import LockTable
+        from fastlock.replication._wire import QueuesWire, SourceWire
+        from fastlock.server._watchlog import CommittedWire, RevisionsWire
+        from fastlock.server._wire import BatchEnd, ExpiryWire
+        from fastlock.server.watchlog import WatchLog
+        from fastlock.wal._syncer import SegmentFile
+        from fastlock.wal.commit import GroupCommit
+
+        class Snapshots:  # no snapshot due
+            next_due = next_due_bytes = 1 << 62
+
+        server = BatchEnd()
+        server.table = LockTable()
+        server.commit = GroupCommit(SegmentFile(), False, 0, lambda exc: None)
+        server.snapshots = Snapshots()
+        server.expiry = ExpiryWire()
+        server.revisions = RevisionsWire()
+        server.revisions.log = WatchLog(10)
+        server.key_revisions = CommittedWire()
+        server.key_revisions.log = WatchLog(10)
+        server.queues = QueuesWire()
+        server.source = SourceWire()
+        server.dirty = []
+        server.after_batch()  # nothing queued: nothing flushed
+        server.dirty = [object()]
+        try:
+            server.after_batch()
+        except TypeError as exc:
+            print("TypeError:", exc)
+        """)
+    assert done.returncode == 0, done.stderr
+    assert "TypeError:" in done.stdout
