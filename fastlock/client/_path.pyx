@@ -57,6 +57,7 @@ from ..protocol.validation import (
 )
 from ..protocol.ops import OP_ACQUIRE, OP_CHECK, OP_CONTENDERS, OP_EXTEND, OP_HOLDER, OP_KEY_GET, OP_KEY_LIST
 from ..protocol.ops import OP_LOCK_INFO, OP_LOCKS, OP_NAMES, OP_PING, OP_RELEASE, OP_STATUS
+from ..protocol._wire cimport RpcWire
 from ..tokens import TOKEN_EPOCH_SHIFT
 from ._callers cimport Caller, HeldLeases, current_caller, party
 from .acquire import AcquireRequest, acquire_call, duration_ms
@@ -264,12 +265,40 @@ def acquire_tail(connector, tuple kind, priority, who):
     :func:`~fastlock.client.acquire.current_caller`).
 
     :raises InvalidArgument: sequencers asked for, and the server holds no sequencer key."""
+    return _acquire_tail(connector, kind, priority, who)
+
+
+cdef tuple _acquire_tail(connector, tuple kind, priority, who):
+    """:func:`acquire_tail`, by a C call."""
     if not priority and not connector.sequencers:
         if not connector.server_info.get("actors"):
-            return OP_ACQUIRE, kind
+            return (OP_ACQUIRE, kind)
         if type(who) is Caller and not kind:
-            return OP_ACQUIRE, (False, 0, party(<Caller>who, id(connector)).actor)
-    return _acquire_call(connector, kind, priority, who)
+            return (OP_ACQUIRE, (False, 0, party(<Caller>who, id(connector)).actor))
+    return tuple(_acquire_call(connector, kind, priority, who))
+
+
+cdef object _open_proto(connector):
+    """The connector's connection if it is open, else None (an
+    :class:`~fastlock.protocol.rpc.RpcConnection`'s fields read in C)."""
+    proto = connector.proto
+    if proto is None:
+        return None
+    if isinstance(proto, RpcWire):
+        return None if (<RpcWire>proto).closed else proto
+    return None if proto.closed else proto
+
+
+cdef inline object _loop_of(proto):
+    """``proto.loop`` (read in C from an :class:`~fastlock.protocol.rpc.RpcConnection`)."""
+    return (<RpcWire>proto).loop if isinstance(proto, RpcWire) else proto.loop
+
+
+cdef inline object _send(proto, op, tuple args):
+    """``proto.request(op, *args)`` (by a C call on an :class:`~fastlock.protocol.rpc.RpcConnection`)."""
+    if isinstance(proto, RpcWire):
+        return (<RpcWire>proto).send(op, args)
+    return proto.request(op, *args)
 
 
 #: operations that may be sent again while an earlier attempt's outcome is unknown: a
@@ -386,9 +415,9 @@ async def call(connector, op, tuple args, double op_timeout):
     cdef double started
     cdef long long key = 0
     cdef AttemptBounds bounds = None
-    proto = connector.proto
-    if proto is not None and not proto.closed:
-        loop = proto.loop
+    proto = _open_proto(connector)
+    if proto is not None:
+        loop = _loop_of(proto)
         started = loop.time()
         if bounded:
             bounds = connector.attempt_bounds
@@ -396,7 +425,7 @@ async def call(connector, op, tuple args, double op_timeout):
                 bounds = attempt_bounds(connector, loop)
             key = bounds.begin(started, attempt, op)
         try:
-            return await proto.request(op, *args)
+            return await _send(proto, op, args)
         except RETRYABLE as exc:
             failed = exc
             if connector.closed:
@@ -489,17 +518,21 @@ def send_acquire(client, name, ttl, wait, lock_delay, correlation_id, shared, li
     cdef FirstAttempt attempt = FirstAttempt.__new__(FirstAttempt)
     attempt.request = request
     connector = attempt.connector = client._connector
-    proto = connector.proto
-    if proto is not None and not proto.closed:
-        loop = attempt.loop = proto.loop
+    cdef tuple args
+    proto = _open_proto(connector)
+    if proto is not None:
+        loop = attempt.loop = _loop_of(proto)
         attempt.started = attempt.sent = loop.time()
         who = attempt.who = current_caller(loop)
-        op, tail = acquire_tail(connector, fields[6], priority, who)
+        op, tail = _acquire_tail(connector, fields[6], priority, who)
         owner = fields[1]
         wait_ms = fields[3]
         attempt.proto = proto
         attempt.op = op
-        attempt.fut = proto.request(op, name, owner, fields[2], wait_ms, fields[4], correlation_id, *tail)
+        args = (name, owner, fields[2], wait_ms, fields[4], correlation_id)
+        if tail:
+            args += tail if type(tail) is tuple else tuple(tail)
+        attempt.fut = _send(proto, op, args)
         grace = fields[8]
         if grace is not None and wait_ms != 0:
             _send_revoke_request(proto, name, owner, grace)
@@ -551,9 +584,9 @@ def send_release(client, lease, double op_timeout):
     attempt.op_timeout = op_timeout
     connector = attempt.connector = client._connector
     cdef AttemptBounds bounds
-    proto = connector.proto
-    if proto is not None and not proto.closed:
-        loop = attempt.loop = proto.loop
+    proto = _open_proto(connector)
+    if proto is not None:
+        loop = attempt.loop = _loop_of(proto)
         attempt.started = attempt.sent = loop.time()
         bounds = connector.attempt_bounds
         if bounds is None:
@@ -561,7 +594,7 @@ def send_release(client, lease, double op_timeout):
         attempt._key = bounds.begin(attempt.started, op_timeout / 2.0, OP_RELEASE)
         attempt._bounds = bounds
         attempt.proto = proto
-        attempt.fut = proto.request(OP_RELEASE, *args)
+        attempt.fut = _send(proto, OP_RELEASE, args)
     else:
         attempt.loop = get_running_loop()
     return attempt
