@@ -135,6 +135,7 @@ def _drop_keys():
 if hasattr(os, "register_at_fork"):  # POSIX
     os.register_at_fork(after_in_child=_drop_keys)
 cdef object _EPOCH_SHIFT = TOKEN_EPOCH_SHIFT
+cdef int EPOCH_SHIFT = TOKEN_EPOCH_SHIFT
 cdef tuple _EXCLUSIVE = ()
 
 
@@ -230,7 +231,14 @@ cdef object _grant_lease(name, owner, reply, double sent, connector, double* exp
     cdef double granted_ttl = reply[1] / 1000.0
     cdef Py_ssize_t n = len(reply)
     cdef double waited = reply[2] / 1000.0 if n > 2 else 0.0
-    epoch = token >> _EPOCH_SHIFT
+    cdef int overflow = 0
+    cdef long long whole = -1
+    if type(token) is int:
+        whole = PyLong_AsLongLongAndOverflow(token, &overflow)
+    if whole >= 0 and not overflow:
+        epoch = whole >> EPOCH_SHIFT  # a token of 64 bits: its epoch in C
+    else:
+        epoch = token >> _EPOCH_SHIFT  # (a token that is no int raises here, as in Python)
     if epoch > connector.max_epoch:
         connector.max_epoch = epoch
     state = _bare(_LeaseState)  # LeaseState.__init__'s fields, set here
@@ -271,7 +279,8 @@ def acquire_tail(connector, tuple kind, priority, who):
 cdef tuple _acquire_tail(connector, tuple kind, priority, who):
     """:func:`acquire_tail`, by a C call."""
     if not priority and not connector.sequencers:
-        if not connector.server_info.get("actors"):
+        info = connector.server_info
+        if not (<dict>info).get("actors") if type(info) is dict else not info.get("actors"):
             return (OP_ACQUIRE, kind)
         if type(who) is Caller and not kind:
             return (OP_ACQUIRE, (False, 0, party(<Caller>who, id(connector)).actor))
@@ -501,16 +510,25 @@ cdef class FirstAttempt:
 
 
 def send_acquire(client, name, ttl, wait, lock_delay, correlation_id, shared, limit, priority, preempt,
-                 owner=None):
-    """:meth:`Client.acquire <fastlock.client.Client.acquire>` up to the await of its reply: every
+                 owner=None, queue_behind_self=False):
+    """:meth:`Client.acquire <fastlock.client.Client.acquire>` up to the await of its reply: the
+    self-wait check (:meth:`HeldLeases.refuse_self_wait
+    <fastlock.client.acquire.HeldLeases.refuse_self_wait>` of the client's entry for ``name``,
+    unless ``wait`` is 0 or ``queue_behind_self``), every
     argument checked (:func:`acquire_request`), the owner key drawn (``owner``, bytes: that key
     instead), the caller found
     (:func:`~fastlock.client.acquire.current_caller`), and the ACQUIRE (and a preempt's
     revoke request) sent if the client's connection is open.  Returns the
     :class:`FirstAttempt` (``fut`` None: nothing sent).
 
+    :raises AlreadyHeld: the caller would wait for a lease it holds (nothing sent).
     :raises WrongArgumentType, InvalidArgument: a bad argument (nothing sent).
     """
+    cdef HeldLeases held = client._held
+    if wait != 0 and not queue_behind_self:
+        entry = held.by_name.get(name)
+        if entry is not None:
+            held.refuse_self_wait(entry, not shared and not limit)
     request = acquire_request(name, ttl, wait, lock_delay, correlation_id, shared, limit, priority, preempt)
     if owner is not None:
         request = request._replace(owner=owner)
@@ -557,7 +575,7 @@ def take_grant(client, FirstAttempt attempt, reply, bint exclusive, double late_
     lease = _grant_lease(request[0], request[1], reply, attempt.sent, attempt.connector, &expires_at, &ttl)
     if expires_at - attempt.loop.time() < ttl * late_fraction:
         return None
-    (<HeldLeases?>client._held).remember(lease, exclusive, attempt.loop, attempt.who)
+    (<HeldLeases?>client._held).remember_named(lease, request[0], exclusive, attempt.loop, attempt.who)
     return lease
 
 
@@ -576,9 +594,9 @@ def send_release(client, lease, double op_timeout):
     renewers = client.renewers
     if renewers.by_state:
         renewers.stop(lease)
-    (<HeldLeases?>client._held).forget(lease)
-    cdef FirstAttempt attempt = FirstAttempt.__new__(FirstAttempt)
     fields = lease.__dict__
+    (<HeldLeases?>client._held).forget_named(lease, fields["name"], fields["state"])
+    cdef FirstAttempt attempt = FirstAttempt.__new__(FirstAttempt)
     args = attempt.args = (fields["name"], fields["fencing_token"], fields["owner"])
     attempt.op = OP_RELEASE
     attempt.op_timeout = op_timeout
