@@ -7,6 +7,8 @@ Python definitions give.
 - ``grant_lease``: the ``Lease`` and ``LeaseState`` that their constructors make, every
   slot of the state included; the connector's ``max_epoch`` raised to the token's epoch.
 - ``acquire_tail``: ``acquire_call``'s op and trailing arguments.
+- ``Client.acquire`` of a name that is no str (hashable or not) raises ``WrongArgumentType``
+  whatever the wait, before the self-wait check looks the name up.
 - ``AttemptBounds``: a due bound whose server stayed silent resets the connection, one
   whose reply came or whose server spoke does not; many bounds share one timer.
 """
@@ -22,13 +24,14 @@ import pytest
 from test_owner_keys import keys_of_a_forked_child
 
 from fastlock import protocol as P
+from fastlock.client import Client
 from fastlock.client._path import AttemptBounds, acquire_request, acquire_tail, grant_lease
 from fastlock.client.acquire import AcquireRequest, Caller, acquire_call, current_caller, duration_ms
 from fastlock.client.kinds import kind_args
 from fastlock.client.lease import Lease, LeaseState
 from fastlock.client.owner_keys import KEYS_PER_DRAW, OWNER_KEY_BYTES
 from fastlock.client.preempt import grace_ms
-from fastlock.errors import FastlockError
+from fastlock.errors import FastlockError, WrongArgumentType
 from fastlock.protocol.priority import check_priority
 from fastlock.tokens import TOKEN_EPOCH_SHIFT
 
@@ -164,6 +167,18 @@ async def test_acquire_tail_is_acquire_call():
                 for caller in (who, None, threading.current_thread()):
                     assert acquire_tail(connector, kind, priority, caller) == acquire_call(connector, kind,
                                                                                          priority, caller)
+
+
+@pytest.mark.parametrize("name", [["k"], {"k": 1}, {"k"}, b"k", 5])
+@pytest.mark.parametrize("wait", [None, 1.0, 0])
+async def test_a_name_that_is_no_str_is_a_wrong_argument_type(name, wait):
+    client = Client(["127.0.0.1:1"])
+    try:
+        with pytest.raises(WrongArgumentType, match="lock name must be str"):
+            await client.acquire(name, ttl=1, wait=wait)
+        assert not client._held.by_name
+    finally:
+        await client.close()
 
 
 class _Bounded:

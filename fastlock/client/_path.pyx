@@ -556,7 +556,7 @@ def send_acquire(client, name, ttl, wait, lock_delay, correlation_id, shared, li
     :raises WrongArgumentType, InvalidArgument: a bad argument (nothing sent).
     """
     cdef HeldLeases held = client._held
-    if wait != 0 and not queue_behind_self:
+    if wait != 0 and not queue_behind_self and type(name) is str:  # (the table's names are str)
         entry = held.by_name.get(name)
         if entry is not None:
             held.refuse_self_wait(entry, not shared and not limit)
