@@ -334,9 +334,19 @@ cdef inline object _loop_of(proto):
     return (<RpcWire>proto).loop if isinstance(proto, RpcWire) else proto.loop
 
 
+cdef object _RPC_REQUEST = RpcWire.request
+cdef type _direct_type = None  # the last connection class seen whose request is RpcWire's own
+
+
 cdef inline object _send(proto, op, tuple args):
-    """``proto.request(op, *args)`` (by a C call on an :class:`~fastlock.protocol.rpc.RpcConnection`)."""
-    if isinstance(proto, RpcWire):
+    """``proto.request(op, *args)``: by a C call on an :class:`~fastlock.protocol.rpc.RpcConnection`
+    whose class does not override ``request``, else by that method."""
+    global _direct_type
+    cdef type kind = type(proto)
+    if kind is _direct_type:
+        return (<RpcWire>proto).send(op, args)
+    if isinstance(proto, RpcWire) and kind.request is _RPC_REQUEST:
+        _direct_type = kind
         return (<RpcWire>proto).send(op, args)
     return proto.request(op, *args)
 
