@@ -7,6 +7,10 @@ Python definitions give.
 - ``grant_lease``: the ``Lease`` and ``LeaseState`` that their constructors make, every
   slot of the state included; the connector's ``max_epoch`` raised to the token's epoch.
 - ``acquire_tail``: ``acquire_call``'s op and trailing arguments.
+- ``Client.acquire`` of a name that is no str (hashable or not) raises ``WrongArgumentType``
+  whatever the wait, before the self-wait check looks the name up.
+- ``Client.acquire`` and ``Client.release`` send by a C call on the connection, unless its
+  class overrides ``request``: then through that method.
 - ``AttemptBounds``: a due bound whose server stayed silent resets the connection, one
   whose reply came or whose server spoke does not; many bounds share one timer.
 """
@@ -18,17 +22,20 @@ import math
 import threading
 from typing import Any
 
+import msgpack
 import pytest
 from test_owner_keys import keys_of_a_forked_child
 
 from fastlock import protocol as P
+from fastlock.client import Client
+from fastlock.client.connection import ClientConnection
 from fastlock.client._path import AttemptBounds, acquire_request, acquire_tail, grant_lease
 from fastlock.client.acquire import AcquireRequest, Caller, acquire_call, current_caller, duration_ms
 from fastlock.client.kinds import kind_args
 from fastlock.client.lease import Lease, LeaseState
 from fastlock.client.owner_keys import KEYS_PER_DRAW, OWNER_KEY_BYTES
 from fastlock.client.preempt import grace_ms
-from fastlock.errors import FastlockError
+from fastlock.errors import FastlockError, WrongArgumentType
 from fastlock.protocol.priority import check_priority
 from fastlock.tokens import TOKEN_EPOCH_SHIFT
 
@@ -164,6 +171,85 @@ async def test_acquire_tail_is_acquire_call():
                 for caller in (who, None, threading.current_thread()):
                     assert acquire_tail(connector, kind, priority, caller) == acquire_call(connector, kind,
                                                                                          priority, caller)
+
+
+@pytest.mark.parametrize("name", [["k"], {"k": 1}, {"k"}, b"k", 5])
+@pytest.mark.parametrize("wait", [None, 1.0, 0])
+async def test_a_name_that_is_no_str_is_a_wrong_argument_type(name, wait):
+    client = Client(["127.0.0.1:1"])
+    try:
+        with pytest.raises(WrongArgumentType, match="lock name must be str"):
+            await client.acquire(name, ttl=1, wait=wait)
+        assert not client._held.by_name
+    finally:
+        await client.close()
+
+
+class _AnsweringTransport:
+    """Answers each request frame in the next loop turn: a grant for ACQUIRE, None otherwise."""
+
+    def __init__(self, proto: ClientConnection) -> None:
+        self.proto = proto
+        self.unpacker = msgpack.Unpacker(raw=False)
+        self.token = 1 << 40
+
+    def write(self, data: bytes) -> None:
+        self.unpacker.feed(data)
+        for req in self.unpacker:
+            self.token += 1
+            value = [self.token, req[4], 0] if req[1] == P.OP_ACQUIRE else None
+            asyncio.get_running_loop().call_soon(self.proto.data_received, msgpack.packb([req[0], 0, value]))
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+class _Recording(ClientConnection):
+    """A connection whose class overrides ``request``: it records each op it sends."""
+
+    __slots__ = ("ops",)
+
+    def request(self, op, *args):
+        self.ops.append(op)
+        return super().request(op, *args)
+
+
+async def _pairs_through(cls: type) -> list[int]:
+    """Two acquire+release pairs on a connection of class ``cls``; the ops it recorded."""
+    client = Client(["127.0.0.1:1"])
+    proto = cls(("127.0.0.1", 1), lambda *_: None, 5.0)
+    ops: list[int] = []
+    if cls is _Recording:
+        proto.ops = ops
+    proto.connection_made(_AnsweringTransport(proto))
+    client.connector.proto = proto
+    try:
+        for _ in range(2):
+            lease = await client.acquire("k", ttl=10)
+            assert lease.fencing_token > 1 << 40
+            await client.release(lease)
+        assert not proto.pending
+    finally:
+        proto.close()
+        await client.close()
+    return ops
+
+
+async def test_acquire_and_release_go_through_a_connections_own_request():
+    # a plain connection first (its class is then sent to by C calls), then one whose
+    # class overrides request, then a plain one again
+    assert await _pairs_through(ClientConnection) == []
+    assert await _pairs_through(_Recording) == [P.OP_ACQUIRE, P.OP_RELEASE] * 2
+    assert await _pairs_through(ClientConnection) == []
 
 
 class _Bounded:

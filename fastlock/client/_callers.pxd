@@ -17,4 +17,6 @@ cdef class HeldLeases:
     cdef object _key  # the client, for party(): the id of its connector
 
     cpdef remember(self, lease, exclusive, loop=*, who=*)
+    cdef remember_named(self, lease, name, exclusive, loop, who)
     cpdef forget(self, lease)
+    cdef forget_named(self, lease, name, state)

@@ -231,6 +231,10 @@ cdef class HeldLeases:
         """Record ``lease`` as the caller's grant of its name (``exclusive``: not a
         shared lease nor a semaphore permit; ``loop``: the running loop, if known;
         ``who``: the :func:`current_caller`, if the caller has it)."""
+        self.remember_named(lease, lease.name, exclusive, loop, who)
+
+    cdef remember_named(self, lease, name, exclusive, loop, who):
+        """:meth:`remember`, with ``name`` the lease's name (read by the caller)."""
         cdef dict by_name = self.by_name
         cdef dict held
         cdef Caller node_of
@@ -245,7 +249,6 @@ cdef class HeldLeases:
             if held is None:
                 held = node_of.held = {}
             held[key] = held.get(key, 0) + 1
-        name = lease.name
         old_entry = by_name.get(name)
         by_name[name] = _tuple_of(_HeldLease, (lease, who, exclusive, node))
         if old_entry is not None:
@@ -259,10 +262,13 @@ cdef class HeldLeases:
 
     cpdef forget(self, lease):
         """Drop ``lease`` if it is the entry of its name (any copy of it)."""
+        self.forget_named(lease, lease.name, lease.state)
+
+    cdef forget_named(self, lease, name, state):
+        """:meth:`forget`, with ``name`` and ``state`` the lease's (read by the caller)."""
         cdef dict by_name = self.by_name
-        name = lease.name
         entry = by_name.get(name)
-        if entry is not None and (<tuple>entry)[0].state is lease.state:
+        if entry is not None and ((<tuple>entry)[0] is lease or (<tuple>entry)[0].state is state):
             del by_name[name]
             _unhold((<tuple>entry)[3], self._key)
 

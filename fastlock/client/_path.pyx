@@ -36,6 +36,7 @@ connector's idempotent calls on one timer.
 
 import math
 import os
+import types
 from asyncio import get_running_loop
 
 cimport cython
@@ -57,6 +58,7 @@ from ..protocol.validation import (
 )
 from ..protocol.ops import OP_ACQUIRE, OP_CHECK, OP_CONTENDERS, OP_EXTEND, OP_HOLDER, OP_KEY_GET, OP_KEY_LIST
 from ..protocol.ops import OP_LOCK_INFO, OP_LOCKS, OP_NAMES, OP_PING, OP_RELEASE, OP_STATUS
+from ..protocol._wire cimport RpcWire
 from ..tokens import TOKEN_EPOCH_SHIFT
 from ._callers cimport Caller, HeldLeases, current_caller, party
 from .acquire import AcquireRequest, acquire_call, duration_ms
@@ -76,6 +78,15 @@ cdef extern from "Python.h":
     PyTypeObject PyTuple_Type
 
 cdef tuple _NO_ARGS = ()
+
+cdef extern from "structmember.h":
+    ctypedef struct PyMemberDef:
+        pass
+    int PyMember_SetOne(char* addr, PyMemberDef* member, object value) except -1
+
+cdef extern from "Python.h":
+    ctypedef struct PyMemberDescrObject:
+        PyMemberDef* d_member
 
 
 cdef inline object _tuple_of(type cls, tuple items):
@@ -105,6 +116,16 @@ cdef long long MIN_TTL_MS = _MIN_TTL_MS
 cdef type _AcquireRequest = AcquireRequest
 cdef type _Lease = Lease
 cdef type _LeaseState = LeaseState
+# LeaseState's slots, in the order _grant_lease sets them, written through their member
+# descriptors' C definitions (PyMember_SetOne, what ``setattr`` reaches) when every one is a
+# plain slot; else by ``setattr``
+_STATE_FIELDS = ("_lost", "expires_at", "_health", "sequencer", "revoke_request", "_revoke_requested")
+_state_members = tuple(LeaseState.__dict__.get(field) for field in _STATE_FIELDS)
+cdef bint _STATE_BY_SLOTS = all(type(member) is types.MemberDescriptorType for member in _state_members)
+cdef PyMemberDef* _STATE_SLOTS[6]
+if _STATE_BY_SLOTS:
+    for _i in range(6):
+        _STATE_SLOTS[_i] = (<PyMemberDescrObject*><PyObject*>_state_members[_i]).d_member
 cdef object _urandom = os.urandom
 cdef Py_ssize_t OWNER_KEY_BYTES = _OWNER_KEY_BYTES
 cdef Py_ssize_t KEYS_PER_DRAW = _KEYS_PER_DRAW
@@ -134,6 +155,7 @@ def _drop_keys():
 if hasattr(os, "register_at_fork"):  # POSIX
     os.register_at_fork(after_in_child=_drop_keys)
 cdef object _EPOCH_SHIFT = TOKEN_EPOCH_SHIFT
+cdef int EPOCH_SHIFT = TOKEN_EPOCH_SHIFT
 cdef tuple _EXCLUSIVE = ()
 
 
@@ -229,22 +251,40 @@ cdef object _grant_lease(name, owner, reply, double sent, connector, double* exp
     cdef double granted_ttl = reply[1] / 1000.0
     cdef Py_ssize_t n = len(reply)
     cdef double waited = reply[2] / 1000.0 if n > 2 else 0.0
-    epoch = token >> _EPOCH_SHIFT
+    cdef int overflow = 0
+    cdef long long whole = -1
+    if type(token) is int:
+        whole = PyLong_AsLongLongAndOverflow(token, &overflow)
+    if whole >= 0 and not overflow:
+        epoch = whole >> EPOCH_SHIFT  # a token of 64 bits: its epoch in C
+    else:
+        epoch = token >> _EPOCH_SHIFT  # (a token that is no int raises here, as in Python)
     if epoch > connector.max_epoch:
         connector.max_epoch = epoch
-    state = _bare(_LeaseState)  # LeaseState.__init__'s fields, set here
-    state._lost = None
     expires_at[0] = sent + waited + granted_ttl
     ttl[0] = granted_ttl
-    state.expires_at = expires_at[0]
-    state._health = None
-    state.sequencer = None
-    state.revoke_request = None
-    state._revoke_requested = None
+    sequencer = None
     if n > 3:
         extra = reply[3]
         if type(extra) is dict:  # a signed sequencer (fastlock.sequencer)
-            state.sequencer = (<dict>extra).get("sequencer")
+            sequencer = (<dict>extra).get("sequencer")
+    state = _bare(_LeaseState)  # LeaseState.__init__'s fields, set here
+    cdef char* slots
+    if _STATE_BY_SLOTS:
+        slots = <char*><PyObject*>state
+        PyMember_SetOne(slots, _STATE_SLOTS[0], None)
+        PyMember_SetOne(slots, _STATE_SLOTS[1], expires_at[0])
+        PyMember_SetOne(slots, _STATE_SLOTS[2], None)
+        PyMember_SetOne(slots, _STATE_SLOTS[3], sequencer)
+        PyMember_SetOne(slots, _STATE_SLOTS[4], None)
+        PyMember_SetOne(slots, _STATE_SLOTS[5], None)
+    else:
+        state._lost = None
+        state.expires_at = expires_at[0]
+        state._health = None
+        state.sequencer = sequencer
+        state.revoke_request = None
+        state._revoke_requested = None
     lease = _bare(_Lease)  # Lease.__init__'s fields, set here
     cdef dict fields = lease.__dict__
     fields["name"] = name
@@ -264,12 +304,51 @@ def acquire_tail(connector, tuple kind, priority, who):
     :func:`~fastlock.client.acquire.current_caller`).
 
     :raises InvalidArgument: sequencers asked for, and the server holds no sequencer key."""
+    return _acquire_tail(connector, kind, priority, who)
+
+
+cdef tuple _acquire_tail(connector, tuple kind, priority, who):
+    """:func:`acquire_tail`, by a C call."""
     if not priority and not connector.sequencers:
-        if not connector.server_info.get("actors"):
-            return OP_ACQUIRE, kind
+        info = connector.server_info
+        if not (<dict>info).get("actors") if type(info) is dict else not info.get("actors"):
+            return (OP_ACQUIRE, kind)
         if type(who) is Caller and not kind:
-            return OP_ACQUIRE, (False, 0, party(<Caller>who, id(connector)).actor)
-    return _acquire_call(connector, kind, priority, who)
+            return (OP_ACQUIRE, (False, 0, party(<Caller>who, id(connector)).actor))
+    return tuple(_acquire_call(connector, kind, priority, who))
+
+
+cdef object _open_proto(connector):
+    """The connector's connection if it is open, else None (an
+    :class:`~fastlock.protocol.rpc.RpcConnection`'s fields read in C)."""
+    proto = connector.proto
+    if proto is None:
+        return None
+    if isinstance(proto, RpcWire):
+        return None if (<RpcWire>proto).closed else proto
+    return None if proto.closed else proto
+
+
+cdef inline object _loop_of(proto):
+    """``proto.loop`` (read in C from an :class:`~fastlock.protocol.rpc.RpcConnection`)."""
+    return (<RpcWire>proto).loop if isinstance(proto, RpcWire) else proto.loop
+
+
+cdef object _RPC_REQUEST = RpcWire.request
+cdef type _direct_type = None  # the last connection class seen whose request is RpcWire's own
+
+
+cdef inline object _send(proto, op, tuple args):
+    """``proto.request(op, *args)``: by a C call on an :class:`~fastlock.protocol.rpc.RpcConnection`
+    whose class does not override ``request``, else by that method."""
+    global _direct_type
+    cdef type kind = type(proto)
+    if kind is _direct_type:
+        return (<RpcWire>proto).send(op, args)
+    if isinstance(proto, RpcWire) and kind.request is _RPC_REQUEST:
+        _direct_type = kind
+        return (<RpcWire>proto).send(op, args)
+    return proto.request(op, *args)
 
 
 #: operations that may be sent again while an earlier attempt's outcome is unknown: a
@@ -386,9 +465,9 @@ async def call(connector, op, tuple args, double op_timeout):
     cdef double started
     cdef long long key = 0
     cdef AttemptBounds bounds = None
-    proto = connector.proto
-    if proto is not None and not proto.closed:
-        loop = proto.loop
+    proto = _open_proto(connector)
+    if proto is not None:
+        loop = _loop_of(proto)
         started = loop.time()
         if bounded:
             bounds = connector.attempt_bounds
@@ -396,7 +475,7 @@ async def call(connector, op, tuple args, double op_timeout):
                 bounds = attempt_bounds(connector, loop)
             key = bounds.begin(started, attempt, op)
         try:
-            return await proto.request(op, *args)
+            return await _send(proto, op, args)
         except RETRYABLE as exc:
             failed = exc
             if connector.closed:
@@ -472,16 +551,25 @@ cdef class FirstAttempt:
 
 
 def send_acquire(client, name, ttl, wait, lock_delay, correlation_id, shared, limit, priority, preempt,
-                 owner=None):
-    """:meth:`Client.acquire <fastlock.client.Client.acquire>` up to the await of its reply: every
+                 owner=None, queue_behind_self=False):
+    """:meth:`Client.acquire <fastlock.client.Client.acquire>` up to the await of its reply: the
+    self-wait check (:meth:`HeldLeases.refuse_self_wait
+    <fastlock.client.acquire.HeldLeases.refuse_self_wait>` of the client's entry for ``name``,
+    unless ``wait`` is 0 or ``queue_behind_self``), every
     argument checked (:func:`acquire_request`), the owner key drawn (``owner``, bytes: that key
     instead), the caller found
     (:func:`~fastlock.client.acquire.current_caller`), and the ACQUIRE (and a preempt's
     revoke request) sent if the client's connection is open.  Returns the
     :class:`FirstAttempt` (``fut`` None: nothing sent).
 
+    :raises AlreadyHeld: the caller would wait for a lease it holds (nothing sent).
     :raises WrongArgumentType, InvalidArgument: a bad argument (nothing sent).
     """
+    cdef HeldLeases held = client._held
+    if wait != 0 and not queue_behind_self and type(name) is str:  # (the table's names are str)
+        entry = held.by_name.get(name)
+        if entry is not None:
+            held.refuse_self_wait(entry, not shared and not limit)
     request = acquire_request(name, ttl, wait, lock_delay, correlation_id, shared, limit, priority, preempt)
     if owner is not None:
         request = request._replace(owner=owner)
@@ -489,17 +577,21 @@ def send_acquire(client, name, ttl, wait, lock_delay, correlation_id, shared, li
     cdef FirstAttempt attempt = FirstAttempt.__new__(FirstAttempt)
     attempt.request = request
     connector = attempt.connector = client._connector
-    proto = connector.proto
-    if proto is not None and not proto.closed:
-        loop = attempt.loop = proto.loop
+    cdef tuple args
+    proto = _open_proto(connector)
+    if proto is not None:
+        loop = attempt.loop = _loop_of(proto)
         attempt.started = attempt.sent = loop.time()
         who = attempt.who = current_caller(loop)
-        op, tail = acquire_tail(connector, fields[6], priority, who)
+        op, tail = _acquire_tail(connector, fields[6], priority, who)
         owner = fields[1]
         wait_ms = fields[3]
         attempt.proto = proto
         attempt.op = op
-        attempt.fut = proto.request(op, name, owner, fields[2], wait_ms, fields[4], correlation_id, *tail)
+        args = (name, owner, fields[2], wait_ms, fields[4], correlation_id)
+        if tail:
+            args += tail if type(tail) is tuple else tuple(tail)
+        attempt.fut = _send(proto, op, args)
         grace = fields[8]
         if grace is not None and wait_ms != 0:
             _send_revoke_request(proto, name, owner, grace)
@@ -524,7 +616,7 @@ def take_grant(client, FirstAttempt attempt, reply, bint exclusive, double late_
     lease = _grant_lease(request[0], request[1], reply, attempt.sent, attempt.connector, &expires_at, &ttl)
     if expires_at - attempt.loop.time() < ttl * late_fraction:
         return None
-    (<HeldLeases?>client._held).remember(lease, exclusive, attempt.loop, attempt.who)
+    (<HeldLeases?>client._held).remember_named(lease, request[0], exclusive, attempt.loop, attempt.who)
     return lease
 
 
@@ -543,17 +635,17 @@ def send_release(client, lease, double op_timeout):
     renewers = client.renewers
     if renewers.by_state:
         renewers.stop(lease)
-    (<HeldLeases?>client._held).forget(lease)
-    cdef FirstAttempt attempt = FirstAttempt.__new__(FirstAttempt)
     fields = lease.__dict__
+    (<HeldLeases?>client._held).forget_named(lease, fields["name"], fields["state"])
+    cdef FirstAttempt attempt = FirstAttempt.__new__(FirstAttempt)
     args = attempt.args = (fields["name"], fields["fencing_token"], fields["owner"])
     attempt.op = OP_RELEASE
     attempt.op_timeout = op_timeout
     connector = attempt.connector = client._connector
     cdef AttemptBounds bounds
-    proto = connector.proto
-    if proto is not None and not proto.closed:
-        loop = attempt.loop = proto.loop
+    proto = _open_proto(connector)
+    if proto is not None:
+        loop = attempt.loop = _loop_of(proto)
         attempt.started = attempt.sent = loop.time()
         bounds = connector.attempt_bounds
         if bounds is None:
@@ -561,7 +653,7 @@ def send_release(client, lease, double op_timeout):
         attempt._key = bounds.begin(attempt.started, op_timeout / 2.0, OP_RELEASE)
         attempt._bounds = bounds
         attempt.proto = proto
-        attempt.fut = proto.request(OP_RELEASE, *args)
+        attempt.fut = _send(proto, OP_RELEASE, args)
     else:
         attempt.loop = get_running_loop()
     return attempt

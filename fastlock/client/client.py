@@ -332,13 +332,11 @@ class Client(KeyMethods, LockAdminMethods, RecipeMethods, SessionAdminMethods):
         group passes that key back, so a waiter a slot move shipped there keeps
         its place in the queue (the new group's reclaim window knows it by key).
         """
-        held = self._held.by_name.get(name)
-        if held is not None and wait != 0 and not queue_behind_self:
-            self._held.refuse_self_wait(held, not shared and not limit)
-        # every argument checked, the owner key drawn, the request sent on the open connection
-        # (compiled: fastlock/client/_path.pyx); this coroutine awaits the connection's future itself
+        # the self-wait check, every argument checked, the owner key drawn, the request sent on the
+        # open connection (compiled: fastlock/client/_path.pyx); this coroutine awaits the
+        # connection's future itself
         attempt = send_acquire(self, name, ttl, wait, lock_delay, correlation_id, shared, limit, priority, preempt,
-                               _owner)
+                               _owner, queue_behind_self)
         fut = attempt.fut
         try:
             if fut is not None:

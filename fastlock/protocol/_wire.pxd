@@ -1,5 +1,7 @@
 # The compiled decoder of fastlock/protocol/_wire.pyx, declared for the server's connection
-# (fastlock/server/_wire.pyx), which feeds it a read by a C call.
+# (fastlock/server/_wire.pyx), which feeds it a read by a C call; and the compiled base of a
+# connection to a server, declared for the client's request path (fastlock/client/_path.pyx),
+# which sends a request by a C call.
 
 from libc.stdint cimport uint32_t, uint64_t
 
@@ -28,3 +30,21 @@ cdef class WireDecoder:
 
 
 cpdef list feed_frames(object decoder, object data)
+
+
+cdef class RpcWire:
+    cdef public object transport
+    cdef public bint closed
+    cdef public dict pending
+    cdef public object loop
+    cdef public object last_recv
+    cdef public object liveness_timeout
+    cdef public object _decoder
+    cdef public object _next_id
+    cdef public object _watchdog
+    cdef public list out
+    cdef public long long writes
+
+    cdef object send(self, object op, tuple args)
+    cpdef write_frame(self, object frame)
+    cpdef flush(self)

@@ -536,17 +536,7 @@ cdef class RpcWire:
     :meth:`write_frame` and ``data_received``; ``writes``: transport writes made (an int, for tests and benches).
     """
 
-    cdef public object transport
-    cdef public bint closed
-    cdef public dict pending
-    cdef public object loop
-    cdef public object last_recv
-    cdef public object liveness_timeout
-    cdef public object _decoder
-    cdef public object _next_id
-    cdef public object _watchdog
-    cdef public list out
-    cdef public long long writes
+    # (its slots are declared in _wire.pxd)
 
     def data_received(self, object data):
         self.last_recv = self.loop.time()  # at or after _ping_sent: the ping is answered
@@ -601,6 +591,10 @@ cdef class RpcWire:
         subclass), or :class:`~fastlock.errors.ConnectionLost` if the connection ends
         first (at once if it has ended already).
         """
+        return self.send(op, args)
+
+    cdef object send(self, object op, tuple args):
+        """:meth:`request` ``(op, *args)`` by a C call (the client's compiled request path)."""
         fut = self.loop.create_future()
         transport = self.transport
         if self.closed or transport is None:
