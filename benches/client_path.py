@@ -39,7 +39,8 @@ import pstats
 import statistics
 import sys
 import time
-from typing import Any, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import msgpack
 

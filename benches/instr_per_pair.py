@@ -3,8 +3,8 @@
     python -m benches.instr_per_pair [--server fastlock|echo] [--fsync never|always|interval] [--pairs 2000]
         [--clients 1] [--keep FILE]
 
-The server (``python -m fastlock serve --fsync MODE``, ``never`` unless ``--fsync`` says, on a free port with a throwaway
-data dir, or the echo floor ``python -m benches.echo serve``) runs under
+The server (``python -m fastlock serve --fsync MODE``, ``never`` unless ``--fsync`` says, on a free
+port with a throwaway data dir, or the echo floor ``python -m benches.echo serve``) runs under
 ``valgrind --tool=callgrind``; ``--clients`` blocking msgpack clients on 127.0.0.1 (one
 connection each, this process) run pairs on a lock of their own: ACQUIRE, then RELEASE
 with the token of the reply, each request sent when the reply before it has arrived

@@ -28,9 +28,9 @@ from test_owner_keys import keys_of_a_forked_child
 
 from fastlock import protocol as P
 from fastlock.client import Client
-from fastlock.client.connection import ClientConnection
 from fastlock.client._path import AttemptBounds, acquire_request, acquire_tail, grant_lease
 from fastlock.client.acquire import AcquireRequest, Caller, acquire_call, current_caller, duration_ms
+from fastlock.client.connection import ClientConnection
 from fastlock.client.kinds import kind_args
 from fastlock.client.lease import Lease, LeaseState
 from fastlock.client.owner_keys import KEYS_PER_DRAW, OWNER_KEY_BYTES

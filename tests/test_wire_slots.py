@@ -10,7 +10,6 @@ import sys
 import textwrap
 
 
-
 def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           timeout=60)
