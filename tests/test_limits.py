@@ -21,6 +21,7 @@ import pytest
 from conftest import STALL_S
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rawwire import RawWire
 
 from fastlock import protocol as P
 from fastlock._testbase import CredentialsDir, ServerProcess, raw_hello
@@ -965,30 +966,17 @@ def test_a_lease_released_in_its_grants_batch_is_not_counted_again(server_factor
     server = server_factory(fsync="never", args=["--max-leases-per-principal", "2",
                                                  "--anonymous-quota-divisor", "1"])
     owner = b"0123456789abcdef"
-    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-        unpacker = msgpack.Unpacker()
-
-        def reply() -> list:
-            for obj in unpacker:
-                return obj
-            while True:
-                data = sock.recv(65536)
-                assert data, "the server closed the connection"
-                unpacker.feed(data)
-                for obj in unpacker:
-                    return obj
-
-        sock.sendall(msgpack.packb([1, P.OP_HELLO, P.PROTOCOL_VERSION, "batch", None]))
-        reply()
+    with RawWire(server.port) as wire:
+        wire.hello("batch")
         for i in range(4):
-            sock.sendall(msgpack.packb([10 + i, P.OP_ACQUIRE, f"p{i}", owner, 10_000, 0, 0, None]))
-            first = reply()
+            wire.send([10 + i, P.OP_ACQUIRE, f"p{i}", owner, 10_000, 0, 0, None])
+            first = wire.reply()
             assert first[1] == 0, first
             token = first[2][0]
             # p's release, then q's acquire and the release of q's lease (the next token), in one write
-            sock.sendall(msgpack.packb([20 + i, P.OP_RELEASE, f"p{i}", token, owner])
-                         + msgpack.packb([30 + i, P.OP_ACQUIRE, f"q{i}", owner, 10_000, 0, 0, None])
-                         + msgpack.packb([40 + i, P.OP_RELEASE, f"q{i}", token + 1, owner]))
-            replies = {r[0]: r for r in (reply(), reply(), reply())}
+            wire.send([20 + i, P.OP_RELEASE, f"p{i}", token, owner],
+                      [30 + i, P.OP_ACQUIRE, f"q{i}", owner, 10_000, 0, 0, None],
+                      [40 + i, P.OP_RELEASE, f"q{i}", token + 1, owner])
+            replies = {r[0]: r for r in (wire.reply(), wire.reply(), wire.reply())}
             assert all(r[1] == 0 for r in replies.values()), replies
             assert replies[30 + i][2][0] == token + 1

@@ -19,6 +19,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rawwire import RawWire
 
 from fastlock import protocol as P
 from fastlock._testbase import ServerProcess
@@ -264,25 +265,12 @@ async def test_every_form_of_acquire_runs_the_same_checks(server):
 
 def _replies(port: int, requests: list[list]) -> list:
     """Send HELLO then each request on one connection, one at a time; the replies after HELLO's."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        unpacker = msgpack.Unpacker()
-
-        def reply() -> list:
-            for obj in unpacker:
-                return obj
-            while True:
-                data = sock.recv(65536)
-                assert data, "the server closed the connection"
-                unpacker.feed(data)
-                for obj in unpacker:
-                    return obj
-
-        sock.sendall(msgpack.packb([1, P.OP_HELLO, P.PROTOCOL_VERSION, "paths", None]))
-        reply()
+    with RawWire(port) as wire:
+        wire.hello("paths")
         out = []
         for req in requests:
-            sock.sendall(msgpack.packb(req))
-            out.append(reply())
+            wire.send(req)
+            out.append(wire.reply())
         return out
 
 
@@ -334,28 +322,14 @@ def test_a_lease_released_in_its_grants_batch_stays_released_after_kill9(server_
     the lock free (before, the release's record came first and recovery held the lease again)."""
     owner = b"0123456789abcdef"
     server = server_factory("data", fsync=fsync)
-    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-        unpacker = msgpack.Unpacker()
-
-        def reply() -> list:
-            for obj in unpacker:
-                return obj
-            while True:
-                data = sock.recv(65536)
-                assert data, "the server closed the connection"
-                unpacker.feed(data)
-                for obj in unpacker:
-                    return obj
-
-        sock.sendall(msgpack.packb([1, P.OP_HELLO, P.PROTOCOL_VERSION, "order", None]))
-        reply()
-        sock.sendall(msgpack.packb([2, P.OP_ACQUIRE, "first", owner, 60_000, 0, 0, None]))
-        token = reply()[2][0]
+    with RawWire(server.port) as wire:
+        wire.hello("order")
+        wire.send([2, P.OP_ACQUIRE, "first", owner, 60_000, 0, 0, None])
+        token = wire.reply()[2][0]
         # the next lock's acquire and the release of the lease it gets (the next token), in one write
-        sock.sendall(msgpack.packb([3, P.OP_ACQUIRE, "order", owner, 60_000, 0, 0, None])
-                     + msgpack.packb([4, P.OP_RELEASE, "order", token + 1, owner])
-                     + msgpack.packb([5, P.OP_HOLDER, "order"]))
-        replies = {r[0]: r for r in (reply(), reply(), reply())}
+        wire.send([3, P.OP_ACQUIRE, "order", owner, 60_000, 0, 0, None], [4, P.OP_RELEASE, "order", token + 1, owner],
+                  [5, P.OP_HOLDER, "order"])
+        replies = {r[0]: r for r in (wire.reply(), wire.reply(), wire.reply())}
         assert replies[3][1] == 0 and replies[3][2][0] == token + 1, replies
         assert replies[4] == [4, 0, None] and replies[5] == [5, 0, None], replies
     deadline = time.monotonic() + 10
@@ -367,15 +341,9 @@ def test_a_lease_released_in_its_grants_batch_stays_released_after_kill9(server_
         time.sleep(0.02)
     server.kill()
     again = server_factory("data", fsync=fsync)
-    with socket.create_connection(("127.0.0.1", again.port), timeout=10) as sock:
-        unpacker = msgpack.Unpacker()
-        sock.sendall(msgpack.packb([1, P.OP_HELLO, P.PROTOCOL_VERSION, "order", None])
-                     + msgpack.packb([2, P.OP_HOLDER, "order"]) + msgpack.packb([3, P.OP_HOLDER, "first"]))
-        got: list = []
-        while len(got) < 3:
-            data = sock.recv(65536)
-            assert data, "the server closed the connection"
-            unpacker.feed(data)
-            got.extend(unpacker)
+    with RawWire(again.port) as wire:
+        wire.send([1, P.OP_HELLO, P.PROTOCOL_VERSION, "order", None], [2, P.OP_HOLDER, "order"],
+                  [3, P.OP_HOLDER, "first"])
+        got = [wire.reply() for _ in range(3)]
     assert got[1] == [2, 0, None], got  # released, and it stays so
     assert got[2][2]["token"] == token  # (the log was replayed: the first lease is held)
