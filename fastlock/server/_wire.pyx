@@ -626,18 +626,9 @@ cdef class BatchEnd:
         """The batch end: log and deliver the table's events, re-arm the timer, flush replies."""
         server = <object>self
         table = self.table
-        events = table_drain_events(table)
-        if events:
-            # grants acknowledged at once (a relaxed fsync mode) are delivered inside this loop and
-            # leave their flush to this batch end; what their delivery changes is drained again
-            outer = self.in_batch_end
-            self.in_batch_end = True
-            try:
-                while events:
-                    self.process_events(events)
-                    events = table_drain_events(table)
-            finally:
-                self.in_batch_end = outer
+        # grants acknowledged at once (a relaxed fsync mode) are delivered inside its loop and
+        # leave their flush to this batch end; what their delivery changes is drained again
+        BatchEnd.log_decided(self)
         wal = <object>self.wal
         cdef GroupCommit commit = self.commit
         # at every batch end (key puts make no table events); maybe_snapshot's own first check inline:
