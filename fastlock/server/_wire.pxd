@@ -106,4 +106,5 @@ cdef class BatchEnd:
     cpdef acknowledge(self, list grants)
     cpdef deliver_granted(self, list grants, refused_by=*)
     cpdef log_decided(self)
+    cpdef log_decided_for(self, long long token)
     cpdef released(self, name, token, meta)

@@ -504,7 +504,7 @@ cpdef release(HandlersWire handlers, SessionWire conn, object req_id, list msg):
         holder = table_holder(table, name, now, owner)
         meta = holder.meta if holder is not None else None
     cdef BatchEnd server = handlers.server
-    if token > server.granted_logged:  # (granted in this batch, its record not logged yet: first)
+    if token > server.granted_logged:  # (log_decided_for's own test: granted in this batch, not logged yet)
         server.log_decided()
     try:
         table_release(table, name, token, owner, now)
@@ -535,12 +535,14 @@ cpdef extend(HandlersWire handlers, SessionWire conn, object req_id, list msg):
     roles = handlers.roles
     if _EXTEND not in roles.admitted:  # (NodeRole.admit's own test: it raises the refusal)
         roles.admit(_EXTEND)
+    cdef BatchEnd server = handlers.server
+    if token > server.granted_logged:  # (log_decided_for's own test: its EXTEND record after its grant's)
+        server.log_decided()
     holder = table_holder(table, name, now, owner)
     try:
         table.extend(name, token, owner, ttl_ms, now, conn.session)  # the lease is held from this connection
     except _NotHolder:
         raise handlers.not_holder(name, token) from None
-    server = handlers.server
     if ttl_ms > server.max_ttl_ms:  # only the holder's extend counts towards the grace period
         server.max_ttl_ms = ttl_ms
         server.node_state.raise_ttl(ttl_ms)
@@ -784,6 +786,15 @@ cdef class BatchEnd:
                 events = table_drain_events(table)
         finally:
             self.in_batch_end = outer
+
+    cpdef log_decided_for(self, long long token):
+        """:meth:`log_decided` when the lease of fencing ``token`` (int) may have been granted in this
+        batch (a token above ``granted_logged``): called before a record that names a lease (an
+        EXTEND, a KEY_PUT attached to it, a REVOKE_REQUEST, a session's attach), so that recovery
+        and a standby, which ignore such a record for a lease they do not hold, find its grant
+        first."""
+        if token > self.granted_logged:
+            self.log_decided()
 
     cpdef released(self, name, token, meta):
         """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id))."""

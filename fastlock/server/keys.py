@@ -257,6 +257,7 @@ class KeyStore:
                        if revoked is not None else "is not a current lease of this owner (expired, released or "
                        "never held)")
                 raise LeaseLost(f"{lease_name!r}: token {token} {why}; key {key!r} not put")
+            server.log_decided_for(token)  # the lease's grant record first, if it was granted in this batch
         else:
             token = 0
         space = self.space

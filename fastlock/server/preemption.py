@@ -277,6 +277,7 @@ class Preemption:
                                     f"(at most {MAX_REVOKE_DEADLINES_PER_PRINCIPAL})")
             deadline = RevokeDeadline(name, holder.token, conn.principal, now + grace_ms)
             deadlines.add(deadline, armed=True)
+            self.handlers.server.log_decided_for(holder.token)  # the lease's grant record first (this batch's)
             self.handlers.wal.log_revoke_request(name, holder.token, conn.principal, wall_ms() + grace_ms, grace_ms)
         requesters = deadlines.requesters.setdefault((name, holder.token), {})
         if owner not in requesters and len(requesters) >= MAX_REQUESTERS_KEPT:

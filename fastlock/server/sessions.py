@@ -465,7 +465,8 @@ class SessionRegistry:
         signed: list[list] = []
         table = self.table
         wal = self.handlers.wal
-        gate = self.handlers.server.shard_gate
+        server = self.handlers.server
+        gate = server.shard_gate
         for name, token, owner, flag in checked:
             moved = None if gate is None else gate.owns(name)
             if moved is not None:  # another shard group's name (its slot moved): not held here
@@ -477,6 +478,7 @@ class SessionRegistry:
                 continue
             # attaching renews it (as a keep-alive would): proved by its owner key, as an EXTEND is
             table.extend(name, token, owner, holder.ttl_ms, now, conn.session)
+            server.log_decided_for(token)  # the lease's grant record first, if it was granted in this batch
             wal.log_extend(name, token, holder.ttl_ms)
             if flag and key is not None:
                 signed_as = sequenced_as(holder)
