@@ -771,7 +771,8 @@ cdef class BatchEnd:
         :meth:`process_events`, before it): called before a request ends a lease (RELEASE, a
         cancel that releases, a hand-off, a revoke), so that a lease granted in the same batch
         has its grant record before its end's, in the log, on a standby and in recovery, and
-        its watchers see the grant first.  RELEASE calls it only for a token above
+        its watchers see the grant first; and before any other record that names a lease
+        (:meth:`log_decided_for`).  RELEASE and EXTEND call it only for a token above
         ``granted_logged`` (the highest whose grant record is logged): a lease whose grant is
         logged needs nothing first."""
         table = self.table
