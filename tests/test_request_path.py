@@ -30,7 +30,14 @@ from fastlock._testbase.cluster import RawNode
 from fastlock._testbase.handshake import key_lines
 from fastlock.auth import CLIENT_OPS, AclRule, Principal, generate, hash_owner, make_token
 from fastlock.errors import InvalidArgument, LeaseLost, PermissionDenied
-from fastlock.protocol.ops import OP_ACQUIRE_PRIORITY
+from fastlock.protocol.ops import (
+    OP_ACQUIRE_PRIORITY,
+    OP_KEY_GET,
+    OP_KEY_PUT,
+    OP_REQUEST_REVOKE,
+    OP_SESSION_ATTACH,
+    OP_SESSION_OPEN,
+)
 
 
 @pytest.mark.parametrize("cap", [4096, 300_000], ids=["below-high-water", "above-high-water"])
@@ -355,11 +362,8 @@ def test_a_lease_released_in_its_grants_batch_stays_released_after_kill9(server_
 def test_every_record_naming_a_lease_granted_in_its_batch_follows_the_grants_record(server_factory):
     """Records that name a lease (EXTEND, a KEY_PUT attached to it, a session's attach, a
     REVOKE_REQUEST on its holder) read in the batch that granted it: each is logged after the
-    grant's record, which recovery and a standby need, since they ignore such a record for a
-    lease they do not hold.  Before, an acknowledged longer TTL and an acknowledged key were
-    lost by kill -9: the EXTEND and KEY_PUT records came first and were skipped on replay."""
-    from fastlock.protocol.ops import (OP_ACQUIRE_PRIORITY, OP_KEY_GET, OP_KEY_PUT, OP_REQUEST_REVOKE,
-                                       OP_SESSION_ATTACH, OP_SESSION_OPEN)
+    grant's record, since recovery and a standby skip such a record for a lease they do not
+    hold: the longer TTL and the key acknowledged are kept through kill -9."""
     owner, waiter, session_key = b"0123456789abcdef", b"fedcba9876543210", b"s" * 16
     server = server_factory("data", fsync="always")
     with RawWire(server.port) as wire:
@@ -368,7 +372,8 @@ def test_every_record_naming_a_lease_granted_in_its_batch_follows_the_grants_rec
         replies = {r[0]: r for r in (wire.reply(), wire.reply())}
         token = replies[2][2][0]
         # each lock's acquire (its lease gets the next token) and a request naming that lease, in one write
-        wire.send([4, P.OP_ACQUIRE, "ext", owner, 5_000, 0, 0, None], [5, P.OP_EXTEND, "ext", token + 1, owner, 120_000],
+        wire.send([4, P.OP_ACQUIRE, "ext", owner, 5_000, 0, 0, None],
+                  [5, P.OP_EXTEND, "ext", token + 1, owner, 120_000],
                   [6, P.OP_ACQUIRE, "key", owner, 60_000, 0, 0, None],
                   [7, OP_KEY_PUT, "k", b"v", "key", token + 2, owner, 0],
                   [8, P.OP_ACQUIRE, "attach", owner, 60_000, 0, 0, None],
