@@ -426,7 +426,8 @@ cdef class GroupCommit:
     cpdef poll(self):
         """See :meth:`fastlock.wal.WriteAheadLog.poll`."""
         if self._inflight is not None:
-            self.io.poll_completed()
+            if self.io.job_finished():  # (one atomic load while the thread still works)
+                self.io.poll_completed()
             return
         if not self._scheduled or self.fatal is not None or self.stopped:
             return
