@@ -10,7 +10,9 @@ rotation, which creates files); the thread waits on a pthread condition
 variable with the GIL released, does the I/O with the GIL released, and
 signals completion by writing 8 bytes to ``notify_fd`` -- an eventfd (or a
 pipe) the loop watches with ``loop.add_reader``.  The loop collects the
-outcome with :meth:`Syncer.take_result`.  One thread wake-up and one loop
+outcome with :meth:`Syncer.take_result`; it reads the slot's state without the
+lock (an atomic load, the thread's store of DONE publishing the outcome), so
+asking whether a job is finished costs no lock and no GIL release.  One thread wake-up and one loop
 wake-up per batch; the thread never takes the GIL for a plain batch.
 
 :func:`append_frame` appends one record to the batch being built as a frame of
