@@ -230,7 +230,8 @@ cdef class GroupCommit:
             run[0] = self._lone_batches + 1
         else:
             run[0] = 0
-        return self.adaptive and run[0] >= _LONE_BATCHES and self.io.seg_size < self.io.segment_bytes  # (no rotation due)
+        return (self.adaptive and run[0] >= _LONE_BATCHES
+                and self.io.seg_size < self.io.segment_bytes)  # (no rotation due)
 
     cpdef _kick(self, bint concurrent=False):
         """Hand the pending batch to the writer (at most one in flight); ``concurrent``:
