@@ -344,6 +344,45 @@ async def test_poll_acknowledges_a_batch_the_thread_finished_before_its_wake_up(
     assert reopen(tmp_path).counter == 2
 
 
+async def test_after_a_thread_batch_the_next_is_handed_over_at_the_end_of_the_turn(tmp_path):
+    """When ``poll`` (a batch end) acknowledges a batch the thread finished, the records waiting
+    behind it are not handed over at once: the next batch goes to the thread at the end of the
+    loop turn, with the records of the requests read later in that turn too (one sync for
+    them all, not one for those logged before the completion and another for the rest)."""
+    wal, _ = await started(tmp_path, "thread")
+    written: list[tuple[int, int]] = []
+    wal.add_listener(lambda first, last, data: written.append((first, last)))
+    loop = asyncio.get_running_loop()
+    seen: list[str] = []
+
+    def waiter(name: str) -> asyncio.Future:
+        fut = loop.create_future()
+        wal.when_durable(lambda: (seen.append(name), fut.set_result(None)))
+        return fut
+
+    grant(wal, "a", 1)
+    a = waiter("a")
+    await asyncio.sleep(0)  # the turn ends: the batch goes to the thread
+    worker = wal._commit.io._worker
+    assert worker is not None and worker.job is not None
+    grant(wal, "b", 2)  # behind it
+    b = waiter("b")
+    deadline = time.monotonic() + 10
+    while not worker.syncer.done:  # no loop turn meanwhile
+        assert time.monotonic() < deadline, "the writer thread did not finish the batch"
+        time.sleep(0.001)
+    wal.poll()  # a batch end: the finished batch is acknowledged now
+    assert seen == ["a"] and a.done()
+    assert worker.job is None  # the next batch waits for the end of the turn
+    grant(wal, "c", 3)  # a request read later in the same turn
+    c = waiter("c")
+    await asyncio.gather(b, c)
+    assert written == [(1, 1), (2, 3)]
+    assert wal.stats()["thread_fsyncs"] == 2
+    await wal.close()
+    assert reopen(tmp_path).counter == 3
+
+
 @pytest.mark.parametrize("fsync", ["never", "always"])
 async def test_poll_does_nothing_without_a_batch_on_the_thread(tmp_path, fsync):
     wal, _ = await started(tmp_path, "inline", fsync=fsync)

@@ -186,8 +186,13 @@ Three choices (``writer="auto"``, the default, ``"thread"`` or ``"inline"``):
   syncs without ever taking the GIL, and signals completion through an eventfd
   (a pipe on systems without one) that the event loop watches with
   ``add_reader`` -- one thread wake-up and one loop wake-up per batch, no
-  Python queue and no ``call_soon_threadsafe``.  The zero-fill of the next
-  preallocation step runs on the thread after the completion is signalled.
+  Python queue and no ``call_soon_threadsafe``; the loop reads the job slot's state without
+  its lock.  After a batch the thread finished, the next one is handed over at the end of
+  that loop turn, with the records of every request the turn reads (a batch end that takes
+  the finished batch early, ``WriteAheadLog.poll``, does not hand over the records logged so
+  far on their own, which would make batches of one or two records while syncs are quick).
+  The zero-fill of the next preallocation step runs on the thread after the completion is
+  signalled.
 * ``inline``: the batch is written and synced in a ``loop.call_soon`` callback
   on the loop thread, which blocks the loop for the sync.
 * ``auto``: inline once one client has waited alone for

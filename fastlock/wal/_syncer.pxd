@@ -26,6 +26,7 @@ cdef class SegmentFile:
     cpdef bint write_cached(self, Batch batch) except -1
     cpdef bint write_synced(self, Batch batch) except -1
     cdef bint _fill_due(self, long long offset) noexcept
+    cdef bint job_finished(self) noexcept
 
 
 # a record's frame and a batch's seal, called by group commit per record and per batch

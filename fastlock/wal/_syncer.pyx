@@ -10,7 +10,9 @@ rotation, which creates files); the thread waits on a pthread condition
 variable with the GIL released, does the I/O with the GIL released, and
 signals completion by writing 8 bytes to ``notify_fd`` -- an eventfd (or a
 pipe) the loop watches with ``loop.add_reader``.  The loop collects the
-outcome with :meth:`Syncer.take_result`.  One thread wake-up and one loop
+outcome with :meth:`Syncer.take_result`; it reads the slot's state without the
+lock (an atomic load, the thread's store of DONE publishing the outcome), so
+asking whether a job is finished costs no lock and no GIL release.  One thread wake-up and one loop
 wake-up per batch; the thread never takes the GIL for a plain batch.
 
 :func:`append_frame` appends one record to the batch being built as a frame of
@@ -82,9 +84,15 @@ cdef extern from *:
     #define fl_datasync(fd) fdatasync(fd)
     #endif
     static const char fl_zeros[65536] = {0};
+    /* the job slot's state, read by the loop without the mutex: the thread's results are
+       written before it stores DONE (release), and read after the loop loads DONE (acquire) */
+    #define fl_load_state(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
+    #define fl_store_state(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
     """
     int fl_datasync(int fd) nogil
     const char fl_zeros[65536]
+    int fl_load_state(int *state) nogil
+    void fl_store_state(int *state, int value) nogil
 
 DEF ZEROS = 65536
 
@@ -465,21 +473,27 @@ cdef class Syncer:
         pthread_mutex_init(&self._mu, NULL)
         pthread_cond_init(&self._cv, NULL)
         self._notify_fd = notify_fd
-        self._state = IDLE
+        fl_store_state(&self._state, IDLE)
 
     def __dealloc__(self):
         pthread_cond_destroy(&self._cv)
         pthread_mutex_destroy(&self._mu)
 
     cdef int _queue(self) except -1:
-        if self._state != IDLE:
+        if fl_load_state(&self._state) != IDLE:
             raise RuntimeError("Syncer: a job is already in the slot")
-        with nogil:
-            pthread_mutex_lock(&self._mu)
-            self._state = QUEUED
-            pthread_cond_broadcast(&self._cv)
-            pthread_mutex_unlock(&self._mu)
+        # (the GIL stays held: the thread never takes it while it holds the mutex, and holds the
+        # mutex only to change the state.)  Signalled after the unlock: the woken thread does not
+        # run into the mutex still held here
+        pthread_mutex_lock(&self._mu)
+        fl_store_state(&self._state, QUEUED)
+        pthread_mutex_unlock(&self._mu)
+        pthread_cond_broadcast(&self._cv)
         return 0
+
+    cdef inline bint finished(self) noexcept nogil:
+        """Is the job in the slot finished, its result not taken yet?  (No lock: one atomic load.)"""
+        return fl_load_state(&self._state) == DONE
 
     def submit(self, int fd, bytes data, long long offset, bint sync, long long zero_from=0, long long zero_to=0):
         """Queue a batch: write ``data`` at ``offset`` of ``fd``, then ``fdatasync`` if
@@ -518,32 +532,22 @@ cdef class Syncer:
         one that failed (``"pwrite"``, ``"fdatasync"``, ``"zero-fill"`` or
         ``"ftruncate"``, the last two of the zero-fill after an earlier job), None when
         errno is 0."""
-        cdef int state
-        with nogil:
-            pthread_mutex_lock(&self._mu)
-            state = self._state
-            if state == DONE:
-                self._state = IDLE
-            pthread_mutex_unlock(&self._mu)
-        if state != DONE:
+        # (no lock: only the loop changes DONE, to IDLE, and the thread waits for QUEUED only)
+        if fl_load_state(&self._state) != DONE:
             return None
         out = (self._err, OPS[self._op] if self._err else None, self._seconds, self._exc)
         self._err = 0
         self._exc = None
         self._data = None
         self._call = None
+        fl_store_state(&self._state, IDLE)
         return out
 
     @property
     def done(self):
         """Is the job in the slot finished, its result not taken yet?  (The loop may take it
         with :meth:`take_result` before the wake-up on ``notify_fd`` arrives.)"""
-        cdef int state
-        with nogil:
-            pthread_mutex_lock(&self._mu)
-            state = self._state
-            pthread_mutex_unlock(&self._mu)
-        return state == DONE
+        return self.finished()
 
     @property
     def zero_full(self):
@@ -611,7 +615,7 @@ cdef class Syncer:
                 pthread_cond_wait(&self._cv, &self._mu)
             quit = self._state != QUEUED
             if not quit:
-                self._state = RUNNING
+                fl_store_state(&self._state, RUNNING)
             pthread_mutex_unlock(&self._mu)
             if quit:
                 return
@@ -637,7 +641,7 @@ cdef class Syncer:
                     self._op = OP_DATASYNC
                 self._err = err
             pthread_mutex_lock(&self._mu)
-            self._state = DONE
+            fl_store_state(&self._state, DONE)  # (after the results it publishes)
             # set with DONE: the loop cannot see the job done and miss the fill
             self._filling = zto > zfrom and err == 0
             pthread_mutex_unlock(&self._mu)
@@ -762,6 +766,12 @@ cdef class SegmentFile:
         self._dirty = False
         self.durable_offset = self.seg_size
         return True
+
+    cdef bint job_finished(self) noexcept:
+        """Has the writer thread (``fill``) finished the job in its slot, its result not taken
+        yet?  False without a thread.  (One atomic load, no Python call: the loop asks at
+        every batch end while a batch is on the thread.)"""
+        return self.fill is not None and (<Syncer>self.fill).finished()
 
     @property
     def rotation_due(self):

@@ -38,12 +38,14 @@ cdef class GroupCommit:
     cdef object _timer
     cdef public bint adaptive
     cdef Py_ssize_t _lone_batches
+    cdef bint _after_thread
     cdef public object batch_end
 
     cpdef add_lease_record(self, kind, name, token, wall_ms)
     cpdef add_grant_record(self, kind, name, token, owner, ttl_ms, lock_delay_ms, client_name, correlation_id,
                            wall_ms)
     cpdef poll(self)
+    cdef inline bint _lone_batch(self, bint concurrent, Py_ssize_t *run) noexcept
     cpdef _kick(self, bint concurrent=*)
     cpdef _io_done(self, Batch batch, bint concurrent=*)
     cpdef when_durable(self, callback)

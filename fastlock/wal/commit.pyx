@@ -137,6 +137,7 @@ cdef class GroupCommit:
         self._timer = None
         self.adaptive = adaptive
         self._lone_batches = 0  # batches handed over in a row with at most one waiter, none concurrent
+        self._after_thread = False  # the pending batch formed while a batch was on the thread
         #: the server (a ``fastlock.server._wire.BatchEnd``): the ``when_durable`` callbacks a written
         #: batch releases run as one batch of its, its ``in_batch_end`` set meanwhile, and its
         #: ``after_batch`` runs once after them when one of them left it owed (``batch_end_owed``:
@@ -221,15 +222,30 @@ cdef class GroupCommit:
         if pending.buf or pending.fsync_requested:
             self._kick()
 
+    cdef inline bint _lone_batch(self, bint concurrent, Py_ssize_t *run) noexcept:
+        """Is a batch handed over now lone (synced on the loop by the auto writer)?  ``run``: set to
+        the lone batches in a row counting it - one with at most one waiter, ``concurrent`` False
+        (formed while no batch was on the thread), extends the run; any other starts it again."""
+        if not concurrent and self._forcing + len(self._sync_waiters) <= 1:
+            run[0] = self._lone_batches + 1
+        else:
+            run[0] = 0
+        return (self.adaptive and run[0] >= _LONE_BATCHES
+                and self.io.seg_size < self.io.segment_bytes)  # (no rotation due)
+
     cpdef _kick(self, bint concurrent=False):
         """Hand the pending batch to the writer (at most one in flight); ``concurrent``:
-        it formed while a batch was on the thread (never synced on the loop then)."""
+        it formed while a batch was on the thread (never synced on the loop then), as does
+        a batch handed over after one the thread finished."""
         if self._inflight is not None or self.fatal is not None or self.stopped:
             return
         pending = self._pending
         buf = pending.buf
         if not buf and not pending.fsync_requested:
             return
+        if self._after_thread:
+            concurrent = True
+            self._after_thread = False
         fsync = (pending.fsync or pending.fsync_requested
                 or (self.always and bool(buf) and (self._forcing > 0 or bool(self._sync_waiters))))
         if buf:
@@ -251,13 +267,7 @@ cdef class GroupCommit:
         # (an fsync, or a rotation, which fsyncs); a write() to the page cache is done
         # here, so the relaxed modes acknowledge in the same loop turn.
         io = self.io
-        waiters = self._forcing + len(self._sync_waiters)  # (the clients waiting for this batch's sync)
-        if waiters <= 1 and not concurrent:
-            self._lone_batches += 1
-        else:
-            self._lone_batches = 0
-        lone = (self.adaptive and self._lone_batches >= _LONE_BATCHES
-                and io.seg_size < io.segment_bytes)  # (no rotation due)
+        lone = self._lone_batch(concurrent, &self._lone_batches)
         if (fsync or io.seg_size >= io.segment_bytes) and not lone and io.submit(batch):
             return
         try:
@@ -331,7 +341,17 @@ cdef class GroupCommit:
             except Exception as exc:  # noqa: BLE001 - reported; the other listeners still run
                 self._report(exc, "WAL progress listener failed")
         if self._pending.buf or self._pending.fsync_requested:
-            self._kick(concurrent)
+            if not concurrent:
+                self._kick()
+            elif not self._scheduled:
+                # a batch the thread finished: the next one is handed over at the end of this
+                # loop turn, with the records of every request the turn reads (as the first
+                # batch after an idle moment is), not with those read so far
+                self._after_thread = True
+                self._scheduled = True
+                self.loop.call_soon(self._kick_soon)
+            else:
+                self._after_thread = True
 
     def _report(self, exc: BaseException, message: str) -> None:
         if self.loop is None:  # not started: nobody else would hear of it
@@ -407,7 +427,8 @@ cdef class GroupCommit:
     cpdef poll(self):
         """See :meth:`fastlock.wal.WriteAheadLog.poll`."""
         if self._inflight is not None:
-            self.io.poll_completed()
+            if self.io.job_finished():  # (one atomic load while the thread still works)
+                self.io.poll_completed()
             return
         if not self._scheduled or self.fatal is not None or self.stopped:
             return
@@ -419,9 +440,8 @@ cdef class GroupCommit:
             # a second batch end with records in one turn: clients are active together
             self._lone_batches = 0
             return
-        if (self.adaptive and self._lone_batches + 1 >= _LONE_BATCHES
-                and self._forcing + len(self._sync_waiters) == 1
-                and self.io.seg_size < self.io.segment_bytes):
+        cdef Py_ssize_t run
+        if self._forcing + len(self._sync_waiters) == 1 and self._lone_batch(self._after_thread, &run):
             # the auto writer's lone client waits on these records: they are written (and synced)
             # at its batch end, not one loop turn later; a later batch end in this turn waits for
             # the turn's end.  (Records nobody waits on, a release's, are written after the
