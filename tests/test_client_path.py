@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -38,6 +40,14 @@ from fastlock.client.preempt import grace_ms
 from fastlock.errors import FastlockError, WrongArgumentType
 from fastlock.protocol.priority import check_priority
 from fastlock.tokens import TOKEN_EPOCH_SHIFT
+
+# benches/ is not installed with the package: import it from the source tree
+# (appended, so that ``fastlock`` itself still comes from the installed package)
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
+
+from benches.null_transport import NullTransport  # noqa: E402
 
 
 def reference_request(name: Any, ttl: Any, wait: Any, lock_delay: Any, correlation_id: Any, shared: Any,
@@ -185,7 +195,7 @@ async def test_a_name_that_is_no_str_is_a_wrong_argument_type(name, wait):
         await client.close()
 
 
-class _AnsweringTransport:
+class _AnsweringTransport(NullTransport):
     """Answers each request frame in the next loop turn: a grant for ACQUIRE, None otherwise."""
 
     def __init__(self, proto: ClientConnection) -> None:
@@ -199,18 +209,6 @@ class _AnsweringTransport:
             self.token += 1
             value = [self.token, req[4], 0] if req[1] == P.OP_ACQUIRE else None
             asyncio.get_running_loop().call_soon(self.proto.data_received, msgpack.packb([req[0], 0, value]))
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
-
-    def is_closing(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
 
 
 class _Recording(ClientConnection):
