@@ -21,6 +21,7 @@ import asyncio
 import math
 import sys
 import threading
+import types
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from test_owner_keys import keys_of_a_forked_child
 
 from fastlock import protocol as P
 from fastlock.client import Client
+from fastlock.client._lease_slots import LeaseSlots
 from fastlock.client._path import AttemptBounds, acquire_request, acquire_tail, grant_lease
 from fastlock.client.acquire import AcquireRequest, Caller, acquire_call, current_caller, duration_ms
 from fastlock.client.connection import ClientConnection
@@ -138,6 +140,10 @@ class _Connector:
         self.sequencers = sequencers
 
 
+#: the fields LeaseState.__init__ sets, each a slot of LeaseSlots
+STATE_FIELDS = ("_lost", "expires_at", "_health", "sequencer", "revoke_request", "_revoke_requested")
+
+
 @pytest.mark.parametrize("reply", [
     [5 << TOKEN_EPOCH_SHIFT | 9, 10_000, 0],
     [1, 2_500],
@@ -158,7 +164,9 @@ def test_grant_lease_is_what_the_constructors_make(reply):
     for field in ("name", "fencing_token", "ttl", "owner"):
         assert getattr(lease, field) == getattr(expected, field) and type(getattr(lease, field)) is type(
             getattr(expected, field)), field
-    for slot in LeaseState.__slots__:
+    slots = [name for name, member in vars(LeaseSlots).items() if type(member) is types.GetSetDescriptorType]
+    assert sorted(slots) == sorted(STATE_FIELDS)
+    for slot in slots:
         assert getattr(lease.state, slot) == getattr(expected.state, slot), slot
     assert connector.max_epoch == max(2, reply[0] >> TOKEN_EPOCH_SHIFT)
     assert not lease.lost.is_set()
