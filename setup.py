@@ -52,6 +52,12 @@ extensions = [
         ["fastlock/client/_path.pyx"],
         extra_compile_args=["-O0", "-g"] if debug else ["-O2"],
     ),
+    # the slots of a lease's mutable state (fastlock/client/lease.py LeaseState)
+    Extension(
+        "fastlock.client._lease_slots",
+        ["fastlock/client/_lease_slots.pyx"],
+        extra_compile_args=["-O0", "-g"] if debug else ["-O2"],
+    ),
     # who calls the client, and its self-wait table (fastlock/client/acquire.py)
     Extension(
         "fastlock.client._callers",

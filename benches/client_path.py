@@ -45,9 +45,10 @@ from typing import Any
 import msgpack
 
 from .harness import run_async
+from .null_transport import NullTransport
 
 
-class _FakeServer:
+class _FakeServer(NullTransport):
     """A transport that answers every request frame in the next loop turn.
 
     The bench sends one request at a time, acquire then release, with request ids
@@ -95,18 +96,6 @@ class _FakeServer:
             if (req[0], req[1]) != next(self.expected):
                 raise AssertionError(f"request {req!r} is not the one prepared")
         self.loop.call_soon(self.deliver, next(self.replies))
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
-
-    def is_closing(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
 
 
 class _EchoFake(_FakeServer):

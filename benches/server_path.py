@@ -30,9 +30,10 @@ from typing import Any
 import msgpack
 
 from .harness import run_async
+from .null_transport import NullTransport
 
 
-class _KeptTransport:
+class _KeptTransport(NullTransport):
     """A transport that keeps the last bytes written to it."""
 
     def __init__(self) -> None:
@@ -42,33 +43,6 @@ class _KeptTransport:
     def write(self, data: bytes) -> None:
         self.last = data
         self.writes += 1
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
-
-    def get_write_buffer_limits(self) -> tuple[int, int]:
-        return (16 << 10, 64 << 10)
-
-    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        pass
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def is_closing(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
 
 
 async def _measure(pairs: int, rounds: int, sharded: bool = False) -> list[float]:

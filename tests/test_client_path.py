@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sys
 import threading
+import types
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -28,6 +31,7 @@ from test_owner_keys import keys_of_a_forked_child
 
 from fastlock import protocol as P
 from fastlock.client import Client
+from fastlock.client._lease_slots import LeaseSlots
 from fastlock.client._path import AttemptBounds, acquire_request, acquire_tail, grant_lease
 from fastlock.client.acquire import AcquireRequest, Caller, acquire_call, current_caller, duration_ms
 from fastlock.client.connection import ClientConnection
@@ -38,6 +42,14 @@ from fastlock.client.preempt import grace_ms
 from fastlock.errors import FastlockError, WrongArgumentType
 from fastlock.protocol.priority import check_priority
 from fastlock.tokens import TOKEN_EPOCH_SHIFT
+
+# benches/ is not installed with the package: import it from the source tree
+# (appended, so that ``fastlock`` itself still comes from the installed package)
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
+
+from benches.null_transport import NullTransport  # noqa: E402
 
 
 def reference_request(name: Any, ttl: Any, wait: Any, lock_delay: Any, correlation_id: Any, shared: Any,
@@ -128,6 +140,10 @@ class _Connector:
         self.sequencers = sequencers
 
 
+#: the fields LeaseState.__init__ sets, each a slot of LeaseSlots
+STATE_FIELDS = ("_lost", "expires_at", "_health", "sequencer", "revoke_request", "_revoke_requested")
+
+
 @pytest.mark.parametrize("reply", [
     [5 << TOKEN_EPOCH_SHIFT | 9, 10_000, 0],
     [1, 2_500],
@@ -148,7 +164,9 @@ def test_grant_lease_is_what_the_constructors_make(reply):
     for field in ("name", "fencing_token", "ttl", "owner"):
         assert getattr(lease, field) == getattr(expected, field) and type(getattr(lease, field)) is type(
             getattr(expected, field)), field
-    for slot in LeaseState.__slots__:
+    slots = [name for name, member in vars(LeaseSlots).items() if type(member) is types.GetSetDescriptorType]
+    assert sorted(slots) == sorted(STATE_FIELDS)
+    for slot in slots:
         assert getattr(lease.state, slot) == getattr(expected.state, slot), slot
     assert connector.max_epoch == max(2, reply[0] >> TOKEN_EPOCH_SHIFT)
     assert not lease.lost.is_set()
@@ -185,7 +203,7 @@ async def test_a_name_that_is_no_str_is_a_wrong_argument_type(name, wait):
         await client.close()
 
 
-class _AnsweringTransport:
+class _AnsweringTransport(NullTransport):
     """Answers each request frame in the next loop turn: a grant for ACQUIRE, None otherwise."""
 
     def __init__(self, proto: ClientConnection) -> None:
@@ -199,18 +217,6 @@ class _AnsweringTransport:
             self.token += 1
             value = [self.token, req[4], 0] if req[1] == P.OP_ACQUIRE else None
             asyncio.get_running_loop().call_soon(self.proto.data_received, msgpack.packb([req[0], 0, value]))
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
-
-    def is_closing(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
 
 
 class _Recording(ClientConnection):

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 
 def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
@@ -78,3 +80,38 @@ def test_a_dirty_entry_that_is_not_a_connection_raises_type_error():
         """)
     assert done.returncode == 0, done.stderr
     assert "TypeError:" in done.stdout
+
+
+# a server's and a connection's compiled entry points, called before their __init__ set the
+# typed slots they read (each slot still None)
+_BEFORE_INIT = {
+    "LockServer.acknowledge": "LockServer.__new__(LockServer).acknowledge([])",
+    "LockServer.released": "LockServer.__new__(LockServer).released('a', 1, None)",
+    "LockServer.deliver_granted": "LockServer.__new__(LockServer).deliver_granted([])",
+    "LockServer.after_batch": "LockServer.__new__(LockServer).after_batch()",
+    "Session.send": "Session.__new__(Session).send(b'x')",
+    "Session.flush": "Session.__new__(Session).flush()",
+    "Session.data_received": "Session.__new__(Session).data_received(bytes([0x93, 1, 2, 3]))",
+    "dispatch": "dispatch(Handlers.__new__(Handlers), Session.__new__(Session), [1, 2, 'a'])",
+}
+
+
+@pytest.mark.parametrize("call", sorted(_BEFORE_INIT))
+def test_a_typed_slot_read_while_none_raises_instead_of_crashing(call):
+    """Compiled code reads its typed collaborators (``BatchEnd.wal``, ``SessionWire.server``,
+    ...) by C field access: one still None (the server's or connection's ``__init__`` not run
+    yet) raises AttributeError or TypeError (the module's ``nonecheck``) instead of reading
+    None's memory as that class."""
+    done = _run(f"""
+        from fastlock.server._wire import dispatch
+        from fastlock.server.handlers import Handlers
+        from fastlock.server.lockserver import LockServer
+        from fastlock.server.session import Session
+
+        try:
+            {_BEFORE_INIT[call]}
+        except (AttributeError, TypeError) as exc:
+            print(type(exc).__name__ + ":", exc)
+        """)
+    assert done.returncode == 0, f"the child died ({done.returncode}): {done.stderr}"
+    assert "Error:" in done.stdout

@@ -36,7 +36,6 @@ connector's idempotent calls on one timer.
 
 import math
 import os
-import types
 from asyncio import get_running_loop
 
 cimport cython
@@ -61,6 +60,7 @@ from ..protocol.ops import OP_LOCK_INFO, OP_LOCKS, OP_NAMES, OP_PING, OP_RELEASE
 from ..protocol._wire cimport RpcWire
 from ..tokens import TOKEN_EPOCH_SHIFT
 from ._callers cimport Caller, HeldLeases, current_caller, party
+from ._lease_slots cimport LeaseSlots
 from .acquire import AcquireRequest, acquire_call, duration_ms
 from .connection import RETRYABLE, RideThrough
 from .kinds import kind_args
@@ -78,15 +78,6 @@ cdef extern from "Python.h":
     PyTypeObject PyTuple_Type
 
 cdef tuple _NO_ARGS = ()
-
-cdef extern from "structmember.h":
-    ctypedef struct PyMemberDef:
-        pass
-    int PyMember_SetOne(char* addr, PyMemberDef* member, object value) except -1
-
-cdef extern from "Python.h":
-    ctypedef struct PyMemberDescrObject:
-        PyMemberDef* d_member
 
 
 cdef inline object _tuple_of(type cls, tuple items):
@@ -116,16 +107,6 @@ cdef long long MIN_TTL_MS = _MIN_TTL_MS
 cdef type _AcquireRequest = AcquireRequest
 cdef type _Lease = Lease
 cdef type _LeaseState = LeaseState
-# LeaseState's slots, in the order _grant_lease sets them, written through their member
-# descriptors' C definitions (PyMember_SetOne, what ``setattr`` reaches) when every one is a
-# plain slot; else by ``setattr``
-_STATE_FIELDS = ("_lost", "expires_at", "_health", "sequencer", "revoke_request", "_revoke_requested")
-_state_members = tuple(LeaseState.__dict__.get(field) for field in _STATE_FIELDS)
-cdef bint _STATE_BY_SLOTS = all(type(member) is types.MemberDescriptorType for member in _state_members)
-cdef PyMemberDef* _STATE_SLOTS[6]
-if _STATE_BY_SLOTS:
-    for _i in range(6):
-        _STATE_SLOTS[_i] = (<PyMemberDescrObject*><PyObject*>_state_members[_i]).d_member
 cdef object _urandom = os.urandom
 cdef Py_ssize_t OWNER_KEY_BYTES = _OWNER_KEY_BYTES
 cdef Py_ssize_t KEYS_PER_DRAW = _KEYS_PER_DRAW
@@ -268,23 +249,10 @@ cdef object _grant_lease(name, owner, reply, double sent, connector, double* exp
         extra = reply[3]
         if type(extra) is dict:  # a signed sequencer (fastlock.sequencer)
             sequencer = (<dict>extra).get("sequencer")
-    state = _bare(_LeaseState)  # LeaseState.__init__'s fields, set here
-    cdef char* slots
-    if _STATE_BY_SLOTS:
-        slots = <char*><PyObject*>state
-        PyMember_SetOne(slots, _STATE_SLOTS[0], None)
-        PyMember_SetOne(slots, _STATE_SLOTS[1], expires_at[0])
-        PyMember_SetOne(slots, _STATE_SLOTS[2], None)
-        PyMember_SetOne(slots, _STATE_SLOTS[3], sequencer)
-        PyMember_SetOne(slots, _STATE_SLOTS[4], None)
-        PyMember_SetOne(slots, _STATE_SLOTS[5], None)
-    else:
-        state._lost = None
-        state.expires_at = expires_at[0]
-        state._health = None
-        state.sequencer = sequencer
-        state.revoke_request = None
-        state._revoke_requested = None
+    # LeaseState.__init__'s fields, set here: its C slots' tp_new makes each None
+    cdef LeaseSlots state = (<PyTypeObject*>_LeaseState).tp_new(_LeaseState, <PyObject*>_NO_ARGS, NULL)
+    state.expires_at = expires_at[0]
+    state.sequencer = sequencer
     lease = _bare(_Lease)  # Lease.__init__'s fields, set here
     cdef dict fields = lease.__dict__
     fields["name"] = name

@@ -24,6 +24,7 @@ from typing import Any, TypedDict
 from ..errors import InvalidArgument, WrongArgumentType
 from ..sequencer import to_text
 from ..tokens import epoch_of
+from ._lease_slots import LeaseSlots
 from .bounded import DRIFT_BOUND, check_margin, stop_at
 
 log = logging.getLogger(__name__)
@@ -209,7 +210,7 @@ class LeaseHealth:
 _MAKING_LOST = threading.Lock()
 
 
-class LeaseState:
+class LeaseState(LeaseSlots):
     """The mutable part of a lease, shared by every :class:`Lease` copy of it.
 
     Attributes:
@@ -224,10 +225,12 @@ class LeaseState:
             asked for one (``connect(sequencers=True)``): the grant's, replaced by the
             re-signed one each renewal brings (its renewed expiry).
 
-    Written only on the event loop's thread (by the client and its renewer).
+    Written only on the event loop's thread (by the client and its renewer).  Its fields are
+    the compiled slots of :class:`~fastlock.client._lease_slots.LeaseSlots` (which the client's
+    compiled path sets by C stores).
     """
 
-    __slots__ = ("_lost", "expires_at", "_health", "sequencer", "revoke_request", "_revoke_requested")
+    __slots__ = ()
 
     def __init__(self, expires_at: float = 0.0, lost: asyncio.Event | None = None):
         self._lost = lost

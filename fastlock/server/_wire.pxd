@@ -1,6 +1,8 @@
 # The compiled classes of fastlock/server/_wire.pyx: a connection's input and replies, the op
 # handlers' collaborators, the batch end and the quota counts.  Each one's collaborators are
-# typed slots, so the request path reads them and calls their compiled methods by C calls.
+# typed slots, so the request path reads them and calls their compiled methods by C calls; one
+# still None where it is read (before its object's __init__ set it) raises AttributeError
+# (_wire.pyx is compiled with nonecheck).
 
 from .._core cimport Event
 from ..replication._wire cimport QueuesWire, SourceWire

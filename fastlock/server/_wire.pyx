@@ -1,4 +1,4 @@
-# cython: language_level=3
+# cython: language_level=3, nonecheck=True
 """The compiled request path of a server connection (see fastlock/server/session.py).
 
 :class:`SessionWire` is the compiled base of :class:`fastlock.server.session.Session`,
